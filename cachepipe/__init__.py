@@ -1,0 +1,55 @@
+"""cachepipe: stream object-store datasets through a size-capped local cache.
+
+Public API::
+
+    from cachepipe import Pipeline
+    with Pipeline("s3://bucket/video/", cache_dir="/mnt/ssd/cache", capacity="50GiB") as pipe:
+        for path in pipe:
+            train_on(path)
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .config import PipelineConfig, parse_capacity, parse_size
+from .errors import (
+    CacheLockedError,
+    CachePipeError,
+    ConfigError,
+    EmptySourceError,
+    ItemFailedError,
+    OversizeError,
+    StoreUnavailableError,
+    UnknownItemError,
+    UnsafeKeyError,
+    VerificationError,
+)
+from .pipeline import CachedItem, Pipeline, Stats
+from .stores import ObjectInfo, Store, open_store
+
+__all__ = [
+    "Pipeline",
+    "CachedItem",
+    "Stats",
+    "PipelineConfig",
+    "parse_size",
+    "parse_capacity",
+    "Store",
+    "ObjectInfo",
+    "open_store",
+    "CachePipeError",
+    "ConfigError",
+    "UnsafeKeyError",
+    "OversizeError",
+    "EmptySourceError",
+    "CacheLockedError",
+    "UnknownItemError",
+    "ItemFailedError",
+    "StoreUnavailableError",
+    "VerificationError",
+]
+
+__version__ = "0.1.0"
+
+logging.getLogger("cachepipe").addHandler(logging.NullHandler())

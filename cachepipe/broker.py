@@ -1,0 +1,181 @@
+"""Hand-out of ready items: the ready queue, ordering, leases, acks and failures.
+
+Pure bookkeeping under one condition variable; no disk or network. Each planned item has a
+sequence number. ``ordered=True`` hands items out in sequence order: an item is handed out only
+when every item before it was handed out, failed or skipped. A released item goes back to the
+front. Consumers block in :meth:`Broker.take` and wake on :meth:`put`, :meth:`fail`,
+:meth:`finish` or :meth:`close` (no polling).
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+__all__ = ["Broker", "Closed", "Failed", "Lease"]
+
+T = TypeVar("T")
+
+
+class Closed(Exception):
+    """Raised by :meth:`Broker.take` once the broker is closed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """A planned item that could not be delivered; returned by :meth:`Broker.take` in its turn."""
+
+    seq: int
+    name: str
+    error: BaseException
+
+
+@dataclass(slots=True)
+class Lease(Generic[T]):
+    """An item handed to a consumer, until it is acked or released."""
+
+    seq: int
+    name: str
+    value: T
+    taken_at: float = field(default_factory=time.monotonic)
+
+
+class Broker(Generic[T]):
+    """Ready queue and leases for one pipeline.
+
+    Args:
+        ordered: hand out in sequence order (True) or as items become ready (False).
+    """
+
+    def __init__(self, ordered: bool = True) -> None:
+        self.ordered = ordered
+        self._cond = threading.Condition()
+        self._ready: list[tuple[int, str, object]] = []  # heap of (seq, name, value | Failed)
+        self._resolved: set[int] = set()  # seqs handed out at least once, failed or skipped, above the frontier
+        self._frontier = 0  # every seq below it is resolved
+        self._leases: dict[str, Lease[T]] = {}
+        self._pending = 0  # begun (downloading) but not yet ready
+        self._fresh = 0  # entries in _ready never handed out (not released ones)
+        self._finished = False  # no more items will be planned
+        self._closed = False
+        self.wait_seconds = 0.0  # total time consumers spent blocked in take()
+
+    # ---- producer side ---------------------------------------------------------------
+    def begin(self) -> None:
+        """Count an item the producer started fetching."""
+        with self._cond:
+            self._pending += 1
+
+    def put(self, seq: int, name: str, value: T) -> None:
+        """An item is ready to hand out."""
+        with self._cond:
+            self._pending -= 1
+            self._fresh += 1
+            heapq.heappush(self._ready, (seq, name, value))
+            self._cond.notify_all()
+
+    def fail(self, seq: int, name: str, error: BaseException, begun: bool = True) -> None:
+        """An item failed; consumers see a :class:`Failed` in its turn."""
+        with self._cond:
+            if begun:
+                self._pending -= 1
+            self._fresh += 1
+            heapq.heappush(self._ready, (seq, name, Failed(seq, name, error)))
+            self._cond.notify_all()
+
+    def skip(self, seq: int) -> None:
+        """An item will not be delivered (skipped by policy); ordering moves past it."""
+        with self._cond:
+            self._resolve(seq)
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        """The producer planned its last item."""
+        with self._cond:
+            self._finished = True
+            self._cond.notify_all()
+
+    def wait_ahead_below(self, limit: int) -> bool:
+        """Block until fewer than ``limit`` items are ahead of the consumers (fetching, or
+        ready and never handed out); False if the broker is closed meanwhile."""
+        with self._cond:
+            while not self._closed and self._pending + self._fresh >= limit:
+                self._cond.wait()
+            return not self._closed
+
+    # ---- consumer side ---------------------------------------------------------------
+    def take(self, timeout: float | None = None) -> Lease[T] | Failed | None:
+        """Next item (a :class:`Lease`) or :class:`Failed`; None at the end of the stream.
+
+        Raises:
+            TimeoutError: nothing became available within ``timeout`` seconds.
+            Closed: the broker was closed.
+        """
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        with self._cond:
+            try:
+                while True:
+                    if self._closed:
+                        raise Closed()
+                    if self._ready and (not self.ordered or self._ready[0][0] <= self._frontier or self._ready[0][0] in self._resolved):
+                        seq, name, value = heapq.heappop(self._ready)
+                        if seq >= self._frontier and seq not in self._resolved:
+                            self._fresh -= 1
+                        self._resolve(seq)
+                        self._cond.notify_all()
+                        if isinstance(value, Failed):
+                            return value
+                        lease = Lease(seq, name, value)  # type: ignore[arg-type]
+                        self._leases[name] = lease
+                        return lease
+                    if self._finished and self._pending == 0 and not self._ready:
+                        return None  # outstanding leases do not hold the end: release before it
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError(f"no item became ready within {timeout} s")
+                    self._cond.wait(remaining)
+            finally:
+                self.wait_seconds += time.monotonic() - start
+
+    def ack(self, name: str) -> Lease[T]:
+        """End the lease on ``name``; returns it. Raises KeyError if ``name`` is not leased."""
+        with self._cond:
+            lease = self._leases.pop(name)
+            self._cond.notify_all()
+            return lease
+
+    def release(self, name: str) -> Lease[T]:
+        """Give ``name`` back: it is handed out again before anything else."""
+        with self._cond:
+            lease = self._leases.pop(name)
+            heapq.heappush(self._ready, (lease.seq, lease.name, lease.value))
+            self._cond.notify_all()
+            return lease
+
+    def leased(self) -> list[Lease[T]]:
+        with self._cond:
+            return list(self._leases.values())
+
+    def counts(self) -> dict[str, int]:
+        """Snapshot: ``ready`` (waiting for a consumer), ``handed`` (leased), ``pending`` (fetching)."""
+        with self._cond:
+            return {"ready": len(self._ready), "handed": len(self._leases), "pending": self._pending}
+
+    def close(self) -> None:
+        """Wake every waiter; further :meth:`take` calls raise :class:`Closed`."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # ---- internals -------------------------------------------------------------------
+    def _resolve(self, seq: int) -> None:
+        if seq < self._frontier:
+            return
+        self._resolved.add(seq)
+        while self._frontier in self._resolved:
+            self._resolved.discard(self._frontier)
+            self._frontier += 1

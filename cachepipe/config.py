@@ -1,0 +1,148 @@
+"""Configuration: sizes, shares and the validated options of a pipeline.
+
+One model, :class:`PipelineConfig`, is built at the edge (``Pipeline(...)`` keyword arguments,
+or a config file in the daemon) and passed down; nothing reads the environment at import time.
+
+Sizes accept an int of bytes or a string: ``"50GiB"``, ``"1.5GB"``, ``"512M"``, ``"1g"``.
+Units: ``KiB/MiB/GiB/TiB`` are powers of 1024, ``KB/MB/GB/TB`` powers of 1000, and the
+single letters ``k/m/g/t`` (any case, as the original tool accepted) powers of 1024.
+A capacity may also be a share of the cache filesystem's free space, ``"80%"``, resolved
+once when the cache opens.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+__all__ = ["Share", "parse_size", "parse_capacity", "PipelineConfig", "SIZE_FORMS"]
+
+SIZE_FORMS = "a positive number of bytes or a size like '50GiB', '1.5GB', '512M', '1g'"
+_CAPACITY_FORMS = SIZE_FORMS + ", or a share of free disk space like '80%'"
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """A fraction of the cache filesystem's free space, ``0 < fraction <= 1``."""
+
+    fraction: float
+
+    def __str__(self) -> str:
+        return f"{self.fraction * 100:g}%"
+
+
+def parse_size(value: Any, what: str = "size") -> int:
+    """Parse a size into a positive int of bytes.
+
+    Raises:
+        ValueError: naming ``what``, the value and the accepted forms, for anything that is not
+            a positive size (``"10X"``, ``-1``, ``0``, ``"abc"``, ``True``, NaN).
+    """
+    bad = ValueError(f"{what} {value!r}: expected {SIZE_FORMS}")
+    if isinstance(value, bool):
+        raise bad
+    if isinstance(value, (int, float)):
+        number, unit = float(value), 1
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise bad
+        number, unit = float(match.group(1)), _UNITS[match.group(2).lower()]
+    else:
+        raise bad
+    if not math.isfinite(number) or number <= 0:
+        raise bad
+    size = int(number * unit)
+    if size <= 0:
+        raise bad
+    return size
+
+
+def parse_capacity(value: Any) -> int | Share:
+    """Parse a capacity: a size (see :func:`parse_size`) or a share of free space (``"80%"``)."""
+    if isinstance(value, Share):
+        return value
+    if isinstance(value, str) and value.strip().endswith("%"):
+        text = value.strip()[:-1].strip()
+        try:
+            percent = float(text)
+        except ValueError:
+            percent = math.nan
+        if not (0 < percent <= 100):
+            raise ValueError(f"capacity {value!r}: expected {_CAPACITY_FORMS} (a share between 0% and 100%)")
+        return Share(percent / 100)
+    try:
+        return parse_size(value, "capacity")
+    except ValueError:
+        raise ValueError(f"capacity {value!r}: expected {_CAPACITY_FORMS}") from None
+
+
+def _size_field(what: str):
+    return BeforeValidator(lambda v: parse_size(v, what))
+
+
+Capacity = Annotated[int | Share, BeforeValidator(parse_capacity)]
+
+
+class PipelineConfig(BaseModel):
+    """Every option of a pipeline, validated. Sizes are bytes after validation.
+
+    Attributes:
+        source: URL of the dataset prefix (``s3://b/p/``, ``obs://b/p/``, ``file:///d``, a plain
+            local path, ``memory://...``, any fsspec URL).
+        cache_dir: local directory the cache owns; created if missing.
+        capacity: hard cap on bytes under ``cache_dir`` (a size or a share of free space).
+        items: ``"folders"``: each first-level folder under the prefix is one item (default);
+            ``"files"``: each object is one item.
+        storage_options: passed to the store (s3fs/fsspec options, or OBS settings).
+        prefetch: most items downloaded ahead of the consumer (staging + ready); None (default):
+            as many as the capacity allows.
+        max_concurrency: requests in flight across all items and files (default 16).
+        part_size: objects larger than this are fetched as parallel ranged GETs of this size
+            (default 8 MiB).
+        ordered: hand items out in listing order (default True); False: whichever is ready first.
+        auto_ack: when the loop asks for the next item, the previous one is acknowledged and
+            evicted (default True). False: call ``ack``/``release`` yourself.
+        on_oversize: ``"raise"`` (default) an item larger than the capacity before anything is
+            downloaded, or ``"skip"`` it with a warning in the log.
+        on_error: ``"raise"`` (default) a failed item from the iterator, or ``"skip"`` it
+            (logged and counted in stats).
+        retries: retries of a transient failure per request before the item fails (default 5).
+        retry_backoff: first backoff in seconds, doubled each retry with full jitter (default 0.2).
+        retry_backoff_max: cap on one backoff in seconds (default 10).
+        keep_on_close: leave published items in ``cache_dir`` on close (default False).
+        progress: show a tqdm progress bar (default False).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    source: str = Field(min_length=1)
+    cache_dir: Path
+    capacity: Capacity
+    items: Literal["folders", "files"] = "folders"
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    prefetch: int | None = Field(default=None, ge=1)
+    max_concurrency: int = Field(default=16, ge=1, le=1024)
+    part_size: Annotated[int, _size_field("part_size")] = 8 * 1024**2
+    ordered: bool = True
+    auto_ack: bool = True
+    on_oversize: Literal["raise", "skip"] = "raise"
+    on_error: Literal["raise", "skip"] = "raise"
+    retries: int = Field(default=5, ge=0, le=100)
+    retry_backoff: float = Field(default=0.2, ge=0, le=60)
+    retry_backoff_max: float = Field(default=10.0, gt=0, le=600)
+    keep_on_close: bool = False
+    progress: bool = False

@@ -1,0 +1,122 @@
+"""The exceptions cachepipe raises.
+
+Every error is a builtin subclass as well, so callers that catch ``ValueError`` or
+``FileNotFoundError`` keep working::
+
+    CachePipeError
+     +-- ConfigError            (ValueError)        a bad setting; names the value and the accepted forms
+     +-- UnsafeKeyError         (ValueError)        an object key that would escape or collide in the cache
+     +-- OversizeError          (ValueError)        an item larger than the capacity
+     +-- EmptySourceError       (FileNotFoundError) the listing found nothing under the URL
+     +-- CacheLockedError       (RuntimeError)      another live process owns the cache directory
+     +-- UnknownItemError       (KeyError)          ack/release of a path that is not handed out
+     +-- ItemFailedError                            an item could not be fetched; ``__cause__`` says why
+     +-- StoreUnavailableError  (ConnectionError)   5xx / throttling / unreachable store: retried
+     +-- VerificationError      (OSError)           downloaded bytes do not match the listing: retried
+
+Store backends translate their own errors at one seam (``stores/*.py``) into builtins:
+``FileNotFoundError`` (no such key or bucket), ``PermissionError`` (denied, bad credentials),
+``TimeoutError`` / ``ConnectionError`` / :class:`StoreUnavailableError` (transient, retried),
+chained to the original with ``raise ... from``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CachePipeError",
+    "ConfigError",
+    "UnsafeKeyError",
+    "OversizeError",
+    "EmptySourceError",
+    "CacheLockedError",
+    "UnknownItemError",
+    "ItemFailedError",
+    "StoreUnavailableError",
+    "VerificationError",
+    "is_transient",
+]
+
+import errno
+
+
+class CachePipeError(Exception):
+    """Base class of every error cachepipe raises itself."""
+
+
+class ConfigError(CachePipeError, ValueError):
+    """A configuration value is malformed or out of range."""
+
+
+class UnsafeKeyError(CachePipeError, ValueError):
+    """An object key cannot be mapped safely into the cache directory."""
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"unsafe object key {key!r}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
+class OversizeError(CachePipeError, ValueError):
+    """An item is larger than the whole cache capacity."""
+
+    def __init__(self, item: str, size: int, capacity: int) -> None:
+        super().__init__(
+            f"item {item!r} is {size} bytes, larger than the cache capacity of {capacity} bytes; "
+            "raise capacity or pass on_oversize='skip'"
+        )
+        self.item = item
+        self.size = size
+        self.capacity = capacity
+
+
+class EmptySourceError(CachePipeError, FileNotFoundError):
+    """The source URL lists no items."""
+
+
+class CacheLockedError(CachePipeError, RuntimeError):
+    """The cache directory is owned by another live pipeline."""
+
+    def __init__(self, cache_dir: str, owner: str) -> None:
+        super().__init__(f"cache directory {cache_dir!r} is in use by {owner}; close it first or use another cache_dir")
+        self.cache_dir = cache_dir
+        self.owner = owner
+
+
+class UnknownItemError(CachePipeError, KeyError):
+    """``ack``/``release`` named a path that is not currently handed out."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0])
+
+
+class ItemFailedError(CachePipeError):
+    """An item could not be delivered; ``__cause__`` is the last underlying error."""
+
+    def __init__(self, item: str, key: str, cause: BaseException) -> None:
+        super().__init__(f"item {item!r} failed at {key}: {type(cause).__name__}: {cause}")
+        self.item = item
+        self.key = key
+
+
+class StoreUnavailableError(CachePipeError, ConnectionError):
+    """The store answered 5xx, throttled us, or could not be reached. Retried with backoff."""
+
+
+class VerificationError(CachePipeError, OSError):
+    """Downloaded bytes do not match the listing (size or checksum). Retried."""
+
+
+_TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT}
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when retrying ``exc`` after a backoff may succeed.
+
+    Connection problems, timeouts, 5xx/throttling, a short or corrupt download and a full or
+    failing local disk are transient. Missing keys, denied access and everything else are not.
+    """
+    if isinstance(exc, (ConnectionError, TimeoutError, VerificationError)):
+        return True
+    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS

@@ -1,0 +1,211 @@
+"""The producer: reserves space, downloads items into staging, verifies, publishes.
+
+One planner thread walks the plan in order: it waits for prefetch room and for space (both
+conditions signalled by consumers, never polled), stages the item and submits its parts to a
+pool of ``max_concurrency`` download threads. Objects above ``part_size`` are split into
+ranged GETs. The thread that finishes an item's last part publishes it (or discards it and
+reports the failure). Transient errors are retried with exponential backoff and full jitter,
+sleeping on the stop event so that :meth:`Fetcher.stop` is immediate.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .broker import Broker
+from .cache import Cache
+from .catalog import FileEntry, Item
+from .config import PipelineConfig
+from .errors import ItemFailedError, VerificationError, is_transient
+from .stores.base import Store
+
+__all__ = ["Fetcher", "backoff_delay", "split_ranges"]
+
+log = logging.getLogger("cachepipe.fetcher")
+
+
+def split_ranges(size: int, part_size: int) -> list[tuple[int, int]]:
+    """Byte ranges ``[start, end)`` covering ``size`` bytes in parts of at most ``part_size``."""
+    return [(start, min(start + part_size, size)) for start in range(0, size, part_size)]
+
+
+def backoff_delay(attempt: int, base: float, cap: float, rand: Callable[[], float] = random.random) -> float:
+    """Seconds to wait before retry number ``attempt`` (0-based): full jitter over ``base * 2**attempt``."""
+    return rand() * min(cap, base * (2**attempt))
+
+
+@dataclass
+class _Job:
+    seq: int
+    item: Item
+    staged: Path
+    parts: int
+    error: BaseException | None = None
+    error_key: str = ""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class FetchCounters:
+    """Producer-side counters, read by :meth:`cachepipe.Pipeline.stats`."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.bytes_downloaded = 0
+        self.requests = 0
+        self.retries = 0
+        self.items_fetched = 0
+        self.items_adopted = 0
+        self.items_failed = 0
+        self.producer_wait_seconds = 0.0
+
+    def add(self, **deltas: float) -> None:
+        with self.lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+
+class Fetcher:
+    """Downloads planned items into the cache and hands them to the broker.
+
+    Args:
+        store: where the bytes come from.
+        cache: where they go (space reservation, staging, publish).
+        broker: who hands them out.
+        plan: ``(seq, item)`` pairs in the order to fetch.
+        config: concurrency, part size, retries and prefetch settings.
+    """
+
+    def __init__(self, store: Store, cache: Cache, broker: Broker[Path], plan: Iterable[tuple[int, Item]], config: PipelineConfig) -> None:
+        self._store = store
+        self._cache = cache
+        self._broker = broker
+        self._plan = plan
+        self._cfg = config
+        self._stop = threading.Event()
+        self.counters = FetchCounters()
+        self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="cachepipe-fetch")
+        self._thread = threading.Thread(target=self._run, name="cachepipe-producer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop planning and downloading; wait for the threads (in-flight requests finish their chunk)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # ---- planner thread --------------------------------------------------------------
+    def _run(self) -> None:
+        seq = -1
+        try:
+            for seq, item in self._plan:
+                if self._stop.is_set():
+                    return
+                waited = time.monotonic()
+                if self._cfg.prefetch is not None and not self._broker.wait_ahead_below(self._cfg.prefetch):
+                    return
+                adopted = self._cache.adopt(item)
+                if adopted is not None:
+                    self._broker.begin()
+                    self._broker.put(seq, item.name, adopted)
+                    self.counters.add(items_adopted=1)
+                    continue
+                if not self._cache.reserve(item.size):
+                    return
+                self.counters.add(producer_wait_seconds=time.monotonic() - waited)
+                if self._stop.is_set():
+                    self._cache.unreserve(item.size)
+                    return
+                self._broker.begin()
+                self._start(seq, item)
+        except BaseException as exc:  # a listing error mid-stream: the consumer sees it in turn
+            log.error("planning stopped after item %d: %s", seq, exc)
+            self._broker.fail(seq + 1, "<listing>", exc, begun=False)
+        finally:
+            self._broker.finish()
+
+    def _start(self, seq: int, item: Item) -> None:
+        try:
+            staged = self._cache.stage(item)
+        except OSError as exc:
+            self._cache.unreserve(item.size)
+            self._report_failure(seq, item, item.files[0].key if item.files else item.name, exc)
+            return
+        tasks = []
+        for f in item.files:
+            local = staged if item.is_file else staged / f.rel
+            tasks.extend((f, local, start, end) for start, end in split_ranges(f.size, self._cfg.part_size))
+        job = _Job(seq, item, staged, len(tasks))
+        if not tasks:
+            self._finish(job)
+            return
+        for task in tasks:
+            self._pool.submit(self._fetch_part, job, *task)
+
+    # ---- download threads ------------------------------------------------------------
+    def _fetch_part(self, job: _Job, f: FileEntry, local: Path, start: int, end: int) -> None:
+        try:
+            if job.error is None and not self._stop.is_set():
+                self._get_with_retries(job, f, local, start, end)
+        finally:
+            with job.lock:
+                job.parts -= 1
+                last = job.parts == 0
+            if last:
+                self._finish(job)
+
+    def _get_with_retries(self, job: _Job, f: FileEntry, local: Path, start: int, end: int) -> None:
+        cfg = self._cfg
+        for attempt in range(cfg.retries + 1):
+            try:
+                with open(local, "r+b") as out:
+                    out.seek(start)
+                    got = self._store.get(f.key, out, start, end)
+                self.counters.add(requests=1, bytes_downloaded=got)
+                if got != end - start:
+                    raise VerificationError(f"{f.key}: short body, {got} of {end - start} bytes at offset {start}")
+                return
+            except Exception as exc:
+                if not is_transient(exc) or attempt == cfg.retries or self._stop.is_set() or job.error is not None:
+                    with job.lock:
+                        if job.error is None:
+                            job.error, job.error_key = exc, f.key
+                    return
+                delay = backoff_delay(attempt, cfg.retry_backoff, cfg.retry_backoff_max)
+                log.warning("retry %d/%d of %s in %.2fs: %s", attempt + 1, cfg.retries, f.key, delay, exc)
+                self.counters.add(retries=1)
+                if self._stop.wait(delay):
+                    return
+
+    def _finish(self, job: _Job) -> None:
+        """Publish a completed item, or discard it and report the failure."""
+        item = job.item
+        if self._stop.is_set():
+            return  # closing: the cache removes staging wholesale
+        if job.error is None:
+            try:
+                path = self._cache.publish(job.staged, item)
+            except OSError as exc:
+                job.error, job.error_key = exc, item.name
+            else:
+                self.counters.add(items_fetched=1)
+                self._broker.put(job.seq, item.name, path)
+                return
+        self._cache.discard(job.staged, item.size)
+        self._report_failure(job.seq, item, job.error_key, job.error)
+
+    def _report_failure(self, seq: int, item: Item, key: str, error: BaseException) -> None:
+        self.counters.add(items_failed=1)
+        failure = ItemFailedError(item.name, f"{self._store.url.rstrip('/')}/{key}", error)
+        failure.__cause__ = error
+        log.error("%s", failure)
+        self._broker.fail(seq, item.name, failure)

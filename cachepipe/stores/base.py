@@ -1,0 +1,71 @@
+"""The storage protocol every backend implements, and the one result type it returns.
+
+A backend implements three primitives; everything else (grouping objects into items,
+ranged parts, retries, verification, publishing) is written once in the core.
+
+Error contract (the one seam where a backend translates its SDK's errors):
+
+- ``FileNotFoundError``: no such bucket, prefix or key;
+- ``PermissionError``: access denied, bad or missing credentials;
+- ``TimeoutError``, ``ConnectionError`` or :class:`cachepipe.errors.StoreUnavailableError`:
+  transient (timeouts, resets, 5xx, throttling); the core retries these with backoff;
+- any other ``OSError``: permanent.
+
+Each translated error names the URL or key and is chained (``raise ... from exc``).
+Messages never contain credentials.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO, Protocol, runtime_checkable
+
+__all__ = ["ObjectInfo", "Store"]
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One listed object.
+
+    Attributes:
+        key: path relative to the store's root prefix, ``/``-separated, exactly as listed
+            (not yet checked for safety: the catalog does that).
+        size: size in bytes.
+        etag: the store's entity tag without quotes, or None when unknown.
+    """
+
+    key: str
+    size: int
+    etag: str | None = None
+
+
+@runtime_checkable
+class Store(Protocol):
+    """An object store rooted at one URL prefix.
+
+    Attributes:
+        url: the root URL, for messages (never contains credentials).
+    """
+
+    url: str
+
+    def list(self) -> Iterator[ObjectInfo]:
+        """Yield every object under the root, recursively, in lexicographic key order.
+
+        Paginated and streamed: the first objects are yielded before the listing ends.
+        Zero-byte directory markers (keys ending in ``/``) may be yielded; the catalog skips them.
+        """
+        ...
+
+    def get(self, key: str, out: BinaryIO, start: int, end: int) -> int:
+        """Write bytes ``[start, end)`` of object ``key`` to ``out`` at its current position.
+
+        Streams in chunks (never the whole object in memory). Returns the number of bytes
+        written, which may be short if the store sent a short body; the caller verifies.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release connections. Idempotent."""
+        ...

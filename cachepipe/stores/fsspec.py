@@ -1,0 +1,126 @@
+"""The fsspec backend: ``s3://`` (s3fs), ``file://``, plain paths, ``memory://``, ``gs://``...
+
+All errors from fsspec, s3fs, botocore and aiohttp are translated in :func:`_translate`,
+the one seam of this backend (see :mod:`cachepipe.stores.base` for the contract).
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, BinaryIO
+
+import fsspec
+
+from ..errors import StoreUnavailableError
+from .base import ObjectInfo
+
+__all__ = ["FsspecStore"]
+
+_CHUNK = 8 * 1024 * 1024  # bytes per request when streaming a range
+
+
+def _http_status(exc: BaseException) -> int | None:
+    """The HTTP status of a botocore ClientError behind ``exc`` (s3fs chains it), if any."""
+    for err in (exc, exc.__cause__, exc.__context__):
+        response = getattr(err, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if isinstance(status, int):
+                return status
+    return None
+
+
+def _translate(exc: Exception, where: str) -> BaseException:
+    """Map an exception raised by fsspec or a backend SDK to the store error contract."""
+    status = _http_status(exc)
+    name = type(exc).__name__
+    if isinstance(exc, (FileNotFoundError, PermissionError)) or status in (403, 404):
+        if status == 403 or isinstance(exc, PermissionError):
+            return PermissionError(errno.EACCES, f"access denied to {where}: {exc}")
+        return FileNotFoundError(errno.ENOENT, f"not found: {where} ({exc})")
+    if name in ("NoCredentialsError", "PartialCredentialsError", "NoAuthTokenError"):
+        return PermissionError(errno.EACCES, f"no usable credentials for {where}: {exc}")
+    if status is not None and (status >= 500 or status in (408, 429)):
+        return StoreUnavailableError(f"store unavailable (HTTP {status}) for {where}: {exc}")
+    if isinstance(exc, OSError) and exc.errno == errno.EBUSY:  # s3fs: SlowDown, ServiceUnavailable
+        return StoreUnavailableError(f"store throttled or unavailable for {where}: {exc}")
+    if isinstance(exc, TimeoutError) or "Timeout" in name:
+        return TimeoutError(f"timed out on {where}: {exc}")
+    if isinstance(exc, ConnectionError) or name in (
+        "EndpointConnectionError", "ConnectionClosedError", "ClientConnectorError",
+        "ServerDisconnectedError", "ClientPayloadError", "ClientOSError", "HTTPClientError",
+        "ProxyConnectionError", "IncompleteRead", "ResponseStreamingError",
+    ):
+        return ConnectionError(f"connection failed for {where}: {name}: {exc}")
+    if isinstance(exc, OSError):
+        return exc
+    return OSError(errno.EIO, f"{where}: {name}: {exc}")
+
+
+@contextmanager
+def _errors(where: str) -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:
+        translated = _translate(exc, where)
+        if translated is exc:
+            raise
+        raise translated from exc
+
+
+class FsspecStore:
+    """A :class:`~cachepipe.stores.base.Store` over any fsspec filesystem.
+
+    Args:
+        url: the root prefix, e.g. ``s3://bucket/video/`` or ``/data/video``.
+        storage_options: keyword arguments for the fsspec filesystem (for s3fs:
+            ``endpoint_url``, ``key``, ``secret``, ``anon``, ``client_kwargs``...).
+        chunk_size: bytes requested per GET when streaming a range (default 8 MiB).
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, chunk_size: int = _CHUNK) -> None:
+        self.url = url
+        with _errors(url):
+            self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self.root = root.rstrip("/")
+        self.chunk_size = chunk_size
+
+    def __repr__(self) -> str:
+        return f"FsspecStore({self.url!r})"
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{key}" if self.root else key
+
+    def list(self) -> Iterator[ObjectInfo]:
+        with _errors(self.url):
+            self.fs.invalidate_cache(self.root)  # a relisting must see the store as it is now
+            entries = self.fs.find(self.root, detail=True, withdirs=False)
+        prefix = f"{self.root}/" if self.root else ""
+        for path in sorted(entries):
+            info = entries[path]
+            if info.get("type", "file") != "file" or not path.startswith(prefix):
+                continue
+            etag = info.get("ETag") or info.get("etag")
+            yield ObjectInfo(path[len(prefix):], int(info["size"]), etag.strip('"') if etag else None)
+
+    def get(self, key: str, out: BinaryIO, start: int, end: int) -> int:
+        path = self._path(key)
+        written = 0
+        pos = start
+        while pos < end:
+            want = min(self.chunk_size, end - pos)
+            with _errors(f"{self.url.rstrip('/')}/{key}"):
+                data = self.fs.cat_file(path, start=pos, end=pos + want)
+            if not data:
+                break
+            out.write(data)
+            written += len(data)
+            pos += len(data)
+            if len(data) < want:
+                break  # short body: the caller's size check decides
+        return written
+
+    def close(self) -> None:
+        """Nothing to release: fsspec shares filesystem instances and their connection pools."""
