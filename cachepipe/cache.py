@@ -144,19 +144,23 @@ class Cache:
         if self._lock_fd is None:
             return
         try:
-            shutil.rmtree(self.staging_root, ignore_errors=False)
-        except FileNotFoundError:
-            pass
-        kept = self.state / "kept"
-        if keep:
-            _atomic_write(kept, "".join(f"{n}\n" for n in [*self._published, *self._adoptable]))
-        else:
-            for name in list(self._published):
-                self.evict(name)
-            for name in list(self._adoptable):
-                self._drop_adoptable(name)
-            kept.unlink(missing_ok=True)
-        self._unlock()
+            kept = self.state / "kept"
+            if keep:
+                _atomic_write(kept, "".join(f"{n}\n" for n in [*self._published, *self._adoptable]))
+            else:
+                for name in list(self._published):
+                    self.evict(name)
+                for name in list(self._adoptable):
+                    self._drop_adoptable(name)
+                kept.unlink(missing_ok=True)
+            try:
+                shutil.rmtree(self.staging_root)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # not fatal: the next open removes staging leftovers
+                log.warning("could not remove staging %s: %s", self.staging_root, exc)
+        finally:
+            self._unlock()
 
     # ---- the ledger ------------------------------------------------------------------
     @property

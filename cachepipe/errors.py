@@ -59,9 +59,10 @@ class UnsafeKeyError(CachePipeError, ValueError):
 class OversizeError(CachePipeError, ValueError):
     """An item is larger than the whole cache capacity."""
 
-    def __init__(self, item: str, size: int, capacity: int) -> None:
+    def __init__(self, item: str, size: int, capacity: int, occupied: int = 0) -> None:
+        room = f" less {occupied} bytes already in cache_dir" if occupied else ""
         super().__init__(
-            f"item {item!r} is {size} bytes, larger than the cache capacity of {capacity} bytes; "
+            f"item {item!r} is {size} bytes, larger than the cache capacity of {capacity} bytes{room}; "
             "raise capacity or pass on_oversize='skip'"
         )
         self.item = item

@@ -166,9 +166,10 @@ class Pipeline:
         planned: list[tuple[int, Item]] = []
         for item in group_items(store.list(), cfg.items):
             if item.size > cache.limit:
+                error = OversizeError(item.name, item.size, cache.capacity, cache.foreign)
                 if cfg.on_oversize == "raise":
-                    raise OversizeError(item.name, item.size, cache.limit)
-                log.warning("skipping %s", OversizeError(item.name, item.size, cache.limit))
+                    raise error
+                log.warning("skipping %s", error)
                 self._counts["skipped"] += 1
                 continue
             planned.append((len(planned), item))

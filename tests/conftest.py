@@ -8,7 +8,11 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
+import logging
+
 import pytest
+
+logging.getLogger("werkzeug").setLevel(logging.WARNING)  # the moto server logs every request at INFO
 
 # Credentials for the moto server; set before any SDK reads the environment.
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -52,8 +56,9 @@ def s3_options(s3_endpoint: str) -> dict:
 
 
 # Threads that outlive a test by design and are not ours: the moto server and its
-# per-connection handlers (kept alive by pooled client connections), fsspec's event loop.
-_FOREIGN_THREADS = ("fsspecIO", "process_request_thread", "_server_entry")
+# per-connection handlers (kept alive by pooled client connections), fsspec's event loop and
+# that loop's default executor (aiohttp resolves host names there), tqdm's process-wide monitor.
+_FOREIGN_THREADS = ("fsspecIO", "asyncio_", "process_request_thread", "_server_entry", "tqdm_monitor")
 
 
 def _ours(t: threading.Thread) -> bool:
@@ -72,3 +77,78 @@ def no_thread_leaks() -> Iterator[None]:
             break
         leaked[0].join(timeout=0.05)
     assert not leaked, f"threads leaked by this test: {[t.name for t in leaked]}"
+
+
+class Source:
+    """A dataset location of one backend kind, with helpers to arrange objects in it."""
+
+    def __init__(self, kind: str, url: str, options: dict, put, delete) -> None:
+        self.kind, self.url, self.options = kind, url, options
+        self._put, self._delete = put, delete
+
+    def put(self, key: str, data: bytes) -> None:
+        self._put(key, data)
+
+    def delete(self, key: str) -> None:
+        self._delete(key)
+
+    def folders(self, n: int, files: dict[str, int], seed: int = 0) -> dict[str, dict[str, bytes]]:
+        """Put ``n`` folders ``item000..`` each with ``files`` {name: size}; return their contents."""
+        import random
+
+        rng = random.Random(seed)
+        data: dict[str, dict[str, bytes]] = {}
+        for i in range(n):
+            name = f"item{i:03d}"
+            data[name] = {}
+            for rel, size in files.items():
+                body = rng.randbytes(size)
+                self.put(f"{name}/{rel}", body)
+                data[name][rel] = body
+        return data
+
+
+def _s3_source(s3_client, s3_options) -> Source:
+    s3_client.create_bucket(Bucket="data")
+    return Source(
+        "s3", "s3://data/video/", s3_options,
+        lambda k, d: s3_client.put_object(Bucket="data", Key=f"video/{k}", Body=d),
+        lambda k: s3_client.delete_object(Bucket="data", Key=f"video/{k}"),
+    )
+
+
+def _file_source(root) -> Source:
+    root.mkdir()
+
+    def put(key, data):
+        path = root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+    return Source("file", str(root), {}, put, lambda k: (root / k).unlink())
+
+
+def _memory_source() -> Source:
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.store.clear()
+    fs.pseudo_dirs.clear()
+    fs.pseudo_dirs.append("")
+    return Source("memory", "memory://data/video", {}, lambda k, d: fs.pipe_file(f"/data/video/{k}", d), lambda k: fs.rm_file(f"/data/video/{k}"))
+
+
+@pytest.fixture(params=["s3", "file", "memory"])
+def source(request, tmp_path) -> Source:
+    """An empty dataset prefix on each backend: s3 (moto server over HTTP), file, memory."""
+    if request.param == "s3":
+        return _s3_source(request.getfixturevalue("s3_client"), request.getfixturevalue("s3_options"))
+    if request.param == "file":
+        return _file_source(tmp_path / "src")
+    return _memory_source()
+
+
+@pytest.fixture
+def s3_source(s3_client, s3_options) -> Source:
+    """An empty dataset prefix on the moto S3 server."""
+    return _s3_source(s3_client, s3_options)

@@ -1,0 +1,500 @@
+"""Huawei OBS backend (``obs://bucket/prefix/``) on the official SDK, ``esdk-obs-python``.
+
+Install with ``pip install 'cachepipe[obs]'``. The SDK is imported when a store is built, so
+``import cachepipe`` works without it.
+
+Settings, first found wins:
+
+1. ``storage_options``: ``server`` (aliases ``endpoint``, ``endpoint_url``), ``access_key_id``,
+   ``secret_access_key``, ``security_token``, plus any other argument ``obs.ObsClient`` accepts
+   (``timeout``, ``path_style``, ``ssl_verify``, ``max_retry_count``...);
+2. environment: ``OBS_ENDPOINT``, ``OBS_ACCESS_KEY_ID``, ``OBS_SECRET_ACCESS_KEY``,
+   ``OBS_SECURITY_TOKEN``;
+3. the SDK's own credential providers (``security_provider_policy='OBS_DEFAULT'``: environment,
+   then ECS instance metadata, then OIDC), asked by the SDK on each request.
+
+Error seam: the SDK does not raise for HTTP errors, it returns a result with ``status`` and
+``errorCode``; it *does* raise the socket's own exceptions (``ConnectionRefusedError``,
+``socket.gaierror``, ``TimeoutError``...). :meth:`ObsStore._check` maps the first and
+:meth:`ObsStore._unreachable` the second, into the builtins of :mod:`cachepipe.stores.base`::
+
+    HTTP 404 NoSuchBucket (or any 404 while listing)   FileNotFoundError  "bucket ... does not exist"
+    HTTP 404 NoSuchKey / 404 without a code             FileNotFoundError  "no such object obs://..."
+    HTTP 401/403 InvalidAccessKeyId, SignatureDoesNotMatch,
+        InvalidToken, ExpiredToken...                   PermissionError    "credentials were rejected"
+    HTTP 403 AccessDenied and other 403s                PermissionError    "access denied"
+    HTTP 5xx, 429, SlowDown, throttling                 StoreUnavailableError (a ConnectionError)
+    socket timeout                                      TimeoutError       "timed out ... OBS endpoint"
+    refused, DNS, reset, TLS, broken HTTP               StoreUnavailableError "cannot reach OBS endpoint"
+    anything else (400, 416...)                         OSError            permanent
+
+Each is chained (``raise ... from``) to the SDK's exception or, for a returned result, to an
+:class:`ObsServiceError` built from its status, code and message. Messages never contain the
+secret key, the security token or a proxy password.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import socket
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from http.client import HTTPException
+from typing import Any, BinaryIO, TypeVar
+from urllib.parse import urlsplit
+
+from cachepipe.errors import ConfigError, StoreUnavailableError
+from cachepipe.stores.base import ObjectInfo
+
+__all__ = ["ObsStore", "ObsServiceError", "CHUNK_SIZE", "MAX_PAGE_SIZE"]
+
+CHUNK_SIZE = 1 << 20
+"""Bytes read from a response body and written to ``out`` at a time (1 MiB)."""
+
+MAX_PAGE_SIZE = 1000
+"""The largest page OBS returns for one ``ListObjects`` request (objects)."""
+
+_ENDPOINT_KEYS = ("server", "endpoint", "endpoint_url")
+_CREDENTIAL_KEYS = ("access_key_id", "secret_access_key", "security_token")
+_SECRET_KEYS = ("secret_access_key", "security_token", "proxy_password")
+_ENV_KEYS = {
+    "access_key_id": "OBS_ACCESS_KEY_ID",
+    "secret_access_key": "OBS_SECRET_ACCESS_KEY",
+    "security_token": "OBS_SECURITY_TOKEN",
+}
+_ENV_ENDPOINT = "OBS_ENDPOINT"
+
+# ObsClient arguments this backend cannot honour: the streaming read and the error seam rely on
+# http.client responses and exceptions, which these modes replace (use_http_conns even wraps
+# every network error into a bare Exception).
+_UNSUPPORTED = {
+    "use_http_conns": "the requests-based transport hides network errors in a bare Exception",
+    "use_http2": "the HTTP/2 transport is not supported by the streaming read",
+    "client_mode": "only the default 'obs' mode is supported",
+    "pool_size": "it only applies to use_http_conns, which is not supported",
+    "trust_env": "it only applies to use_http_conns, which is not supported",
+}
+# ObsClient pops this one from **kwargs itself, so the signature does not show it.
+_EXTRA_CLIENT_ARGS = ("id_token_credentials_provider",)
+# Our defaults for the SDK, each overridable through storage_options:
+# - max_retry_count=0: the core retries transient errors with backoff; the SDK's own loop
+#   (sleeping 0.2, 0.4, 0.8 s) would multiply the attempts and hide the failure from the core.
+# - long_conn_mode=True: keep-alive connections in the client's pool (the SDK default opens a
+#   new TCP/TLS connection per request); ObsStore.close() closes them.
+_CLIENT_DEFAULTS: dict[str, Any] = {"max_retry_count": 0, "long_conn_mode": True}
+
+_CREDENTIAL_CODES = frozenset(
+    {
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "InvalidToken",
+        "ExpiredToken",
+        "TokenRefreshRequired",
+        "InvalidSecurity",
+        "AuthorizationHeaderMalformed",
+    }
+)
+_THROTTLE_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "ServiceUnavailable"}
+)
+
+_SDK_SSL_WARNINGS = (r"ssl\.PROTOCOL_TLS is deprecated", r"ssl\.OP_NO_SSL\*/ssl\.OP_NO_TLS\* options are deprecated")
+
+_DOING = {"list": "listing", "get": "reading", "head": "checking"}
+
+_T = TypeVar("_T")
+
+
+class ObsServiceError(Exception):
+    """An error result returned (not raised) by the OBS SDK; the ``__cause__`` of translated errors.
+
+    Attributes:
+        status: the HTTP status, or None when the SDK returned no response.
+        code: the OBS error code (``NoSuchKey``, ``AccessDenied``...), or None (e.g. on HEAD).
+        message: the server's message, or None.
+        request_id: the OBS request id for support tickets, or None.
+    """
+
+    def __init__(self, status: int | None, code: str | None, message: str | None, request_id: str | None) -> None:
+        text = f"HTTP {status} {code or '(no error code)'}: {message or '(no message)'}"
+        super().__init__(f"{text} (request id {request_id})" if request_id else text)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+@dataclass(frozen=True)
+class _Settings:
+    """Connection settings resolved from storage_options, the environment and the SDK defaults."""
+
+    endpoint: str
+    credential_source: str  # "explicit", "env" or "provider"
+    client_kwargs: dict[str, Any] = field(repr=False)
+
+
+def _client_arguments(client_cls: type) -> frozenset[str]:
+    """Names of the keyword arguments ``client_cls`` (``obs.ObsClient``) accepts."""
+    names: set[str] = set(_EXTRA_CLIENT_ARGS)
+    for cls in client_cls.__mro__:
+        if cls is object:
+            continue
+        for param in inspect.signature(cls.__init__).parameters.values():
+            if param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY) and param.name != "self":
+                names.add(param.name)
+    return frozenset(names)
+
+
+def _normalize_endpoint(value: object, origin: str, is_secure: object) -> str:
+    """``value`` as ``scheme://host[:port]``; ``https`` unless a scheme or ``is_secure=False`` says otherwise."""
+    expected = (
+        f"{origin}: expected an endpoint like 'https://obs.cn-north-4.myhuaweicloud.com' or "
+        "'http://127.0.0.1:9000' (scheme, host and optional port only)"
+    )
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{expected}, got {value!r}")
+    value = value.strip().rstrip("/")
+    if "://" not in value:
+        value = ("http://" if is_secure is False else "https://") + value
+    parts = urlsplit(value)
+    if "@" in parts.netloc:  # do not echo it: the part before '@' may be a key pair
+        raise ConfigError(f"{expected}; credentials in the endpoint are not supported")
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query:
+        raise ConfigError(f"{expected}, got {value!r}")
+    return value
+
+
+def _resolve_settings(
+    storage_options: Mapping[str, Any], environ: Mapping[str, str], accepted: frozenset[str]
+) -> _Settings:
+    """Resolve endpoint and credentials: explicit storage_options, then ``OBS_*`` env, then SDK providers.
+
+    Pure: reads only its arguments. Raises ConfigError (a ValueError) for an unknown or
+    unsupported key, half-given credentials, or no endpoint at all.
+    """
+    options = dict(storage_options)
+    ours = set(_ENDPOINT_KEYS) | set(_CREDENTIAL_KEYS)
+    for key in options:
+        if key in ours:
+            continue
+        if key in _UNSUPPORTED:
+            raise ConfigError(f"storage_options[{key!r}] is not supported by the obs:// backend: {_UNSUPPORTED[key]}")
+        if key not in accepted:
+            passthrough = sorted(accepted - ours - set(_UNSUPPORTED))
+            raise ConfigError(
+                f"storage_options[{key!r}] is not a setting of the obs:// backend; accepted: "
+                f"server (aliases endpoint, endpoint_url), access_key_id, secret_access_key, security_token, "
+                f"or an obs.ObsClient argument: {', '.join(passthrough)}"
+            )
+
+    given = [k for k in _ENDPOINT_KEYS if options.get(k) is not None]
+    if len(given) > 1:
+        raise ConfigError(f"storage_options sets the endpoint twice ({' and '.join(given)}); keep one of them")
+    if given:
+        endpoint = _normalize_endpoint(options[given[0]], f"storage_options[{given[0]!r}]", options.get("is_secure"))
+    elif environ.get(_ENV_ENDPOINT):
+        endpoint = _normalize_endpoint(environ[_ENV_ENDPOINT], _ENV_ENDPOINT, options.get("is_secure"))
+    else:
+        raise ConfigError(
+            "no OBS endpoint: pass storage_options['server'] (e.g. 'https://obs.cn-north-4.myhuaweicloud.com') "
+            f"or set the environment variable {_ENV_ENDPOINT}"
+        )
+
+    kwargs: dict[str, Any] = dict(_CLIENT_DEFAULTS)
+    kwargs.update({k: v for k, v in options.items() if k not in ours})
+    kwargs["server"] = endpoint
+
+    explicit = {k: options[k] for k in _CREDENTIAL_KEYS if options.get(k) is not None}
+    from_env = {k: environ[name] for k, name in _ENV_KEYS.items() if environ.get(name)}
+    if explicit:
+        source, creds, names = "explicit", explicit, {k: f"storage_options[{k!r}]" for k in _CREDENTIAL_KEYS}
+    elif "access_key_id" in from_env or "secret_access_key" in from_env:
+        source, creds, names = "env", from_env, {k: f"${name}" for k, name in _ENV_KEYS.items()}
+    else:
+        source, creds, names = "provider", {}, {}
+        kwargs.setdefault("security_provider_policy", "OBS_DEFAULT")
+    for key in ("access_key_id", "secret_access_key") if creds else ():
+        if not isinstance(creds.get(key), str) or not creds[key].strip():
+            have = ", ".join(names[k] for k in creds)
+            raise ConfigError(f"OBS credentials are incomplete: {have} given but {names[key]} is missing or empty")
+    kwargs.update(creds)
+    return _Settings(endpoint=endpoint, credential_source=source, client_kwargs=kwargs)
+
+
+def _parse_url(url: str) -> tuple[str, str]:
+    """``obs://bucket/prefix`` -> ``(bucket, 'prefix/')``; an empty prefix stays empty."""
+    parts = urlsplit(url)
+    if parts.scheme != "obs" or not parts.netloc:
+        raise ConfigError(f"expected a URL like 'obs://bucket/prefix/', got {url!r}")
+    if "@" in parts.netloc or ":" in parts.netloc:
+        # Do not echo it: the part before '@' may be a key pair.
+        raise ConfigError("an obs:// URL must not carry credentials or a port; use storage_options or OBS_* variables")
+    if parts.query or parts.fragment:
+        raise ConfigError(f"an obs:// URL takes no query or fragment, got {url!r}")
+    prefix = parts.path.lstrip("/")
+    if prefix and not prefix.endswith("/"):
+        prefix += "/"
+    return parts.netloc, prefix
+
+
+class ObsStore:
+    """The objects under ``obs://bucket/prefix/``, read through ``esdk-obs-python``.
+
+    Args:
+        url: ``obs://bucket/prefix/``; the prefix may be empty (the whole bucket) and gets a
+            trailing ``/`` if it lacks one.
+        storage_options: connection settings, see the module docstring. Default: none (all from
+            the environment and the SDK providers).
+        page_size: objects per ``ListObjects`` request, 1 to 1000. Default 1000.
+
+    Attributes:
+        url: the root URL as ``obs://bucket/prefix/`` (no credentials).
+        bucket: the bucket name.
+        prefix: the root prefix inside the bucket, ``''`` or ending in ``/``.
+        endpoint: the resolved endpoint, ``scheme://host[:port]`` (read-only).
+        credential_source: where the credentials came from: ``"explicit"`` (storage_options),
+            ``"env"`` (``OBS_*`` variables) or ``"provider"`` (the SDK's provider chain) (read-only).
+
+    Raises:
+        ImportError: the OBS SDK is not installed.
+        ConfigError: (a ValueError) a malformed URL, an unknown option, no endpoint.
+    """
+
+    def __init__(
+        self, url: str, storage_options: Mapping[str, Any] | None = None, *, page_size: int = MAX_PAGE_SIZE
+    ) -> None:
+        self.bucket, self.prefix = _parse_url(url)
+        self.url = f"obs://{self.bucket}/{self.prefix}"
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or not 1 <= page_size <= MAX_PAGE_SIZE:
+            raise ConfigError(f"page_size {page_size!r}: expected an integer from 1 to {MAX_PAGE_SIZE}")
+        self._page_size = page_size
+        try:
+            from obs import GetObjectHeader, ObsClient
+        except ImportError as exc:
+            raise ImportError(
+                f"{self.url}: the obs:// backend needs the Huawei OBS SDK; install it with pip install 'cachepipe[obs]'"
+            ) from exc
+        self._get_header = GetObjectHeader
+        settings = _resolve_settings(storage_options or {}, os.environ, _client_arguments(ObsClient))
+        self._settings = settings
+        self._secrets = tuple(
+            str(settings.client_kwargs[k]) for k in _SECRET_KEYS if settings.client_kwargs.get(k)
+        )
+        self._timeout = settings.client_kwargs.get("timeout", 60)
+        try:
+            with warnings.catch_warnings():
+                # For an https endpoint the SDK builds ssl.SSLContext(ssl.PROTOCOL_SSLv23), which
+                # warns "ssl.PROTOCOL_TLS is deprecated" on every client: nothing we pass avoids
+                # it. Ignored here only, by message and module; catch_warnings touches the global
+                # filter list, but only for this one constructor call.
+                for message in _SDK_SSL_WARNINGS:
+                    warnings.filterwarnings("ignore", message=message, category=DeprecationWarning, module=r"obs\.")
+                self._client: Any = ObsClient(**settings.client_kwargs)
+        except Exception as exc:  # the SDK validates its arguments with bare Exception
+            reason = self._redact(str(exc))
+            raise ConfigError(f"{self.url}: obs.ObsClient rejected the storage_options: {reason}") from exc
+
+    @property
+    def endpoint(self) -> str:
+        """The resolved endpoint, ``scheme://host[:port]``."""
+        return self._settings.endpoint
+
+    @property
+    def credential_source(self) -> str:
+        """``"explicit"``, ``"env"`` or ``"provider"``: where the credentials came from."""
+        return self._settings.credential_source
+
+    def __repr__(self) -> str:
+        return f"ObsStore(url={self.url!r}, endpoint={self.endpoint!r})"
+
+    def __enter__(self) -> ObsStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the client and its pooled connections. Idempotent."""
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+    # -- the three primitives ---------------------------------------------------------------
+
+    def list(self) -> Iterator[ObjectInfo]:
+        """Yield every object under the root in lexicographic key order, one page at a time.
+
+        Keys are relative to :attr:`prefix`; etags lose their quotes. Each page holds up to
+        ``page_size`` objects and is yielded before the next one is requested.
+        """
+        marker: str | None = None
+        last = ""
+        while True:
+            resp = self._call("list", None, self._open().listObjects, self.bucket, prefix=self.prefix or None,
+                              marker=marker, max_keys=self._page_size, encoding_type="url")
+            page = resp.body
+            if page is None:
+                raise OSError(f"{self.url}: OBS sent a listing that could not be parsed (HTTP {resp.status})")
+            contents = page.contents or []
+            for entry in contents:
+                key = entry.key
+                if key == self.prefix:
+                    continue  # the root's own directory marker; relative key would be ''
+                if not key.startswith(self.prefix) or key <= last:
+                    raise OSError(f"{self.url}: OBS listed {key!r} out of order or outside the prefix")
+                last = key
+                etag = entry.etag.strip('"') if entry.etag else None
+                yield ObjectInfo(key=key[len(self.prefix):], size=int(entry.size or 0), etag=etag)
+            if not page.is_truncated:
+                return
+            following = page.next_marker or last
+            if not following or following == marker:
+                raise OSError(f"{self.url}: OBS sent a truncated listing page without a way to continue after {last!r}")
+            marker = following
+
+    def get(self, key: str, out: BinaryIO, start: int, end: int) -> int:
+        """Write bytes ``[start, end)`` of ``key`` (relative to the root) to ``out``; return the count.
+
+        One ranged GET, read in chunks of :data:`CHUNK_SIZE` (1 MiB) straight into ``out``; the
+        object is never held in memory whole. The count is short if the server sent a short
+        body (the caller verifies). ``start == end`` checks that the object exists (a HEAD) and
+        writes nothing.
+        """
+        if not 0 <= start <= end:
+            raise ValueError(f"{self._object_url(key)}: bad byte range [{start}, {end})")
+        client = self._open()
+        if start == end:
+            self._call("head", key, client.headObject, self.bucket, self.prefix + key)
+            return 0
+        header = self._get_header(range=f"bytes={start}-{end - 1}")
+        resp = self._call("get", key, client.getObject, self.bucket, self.prefix + key,
+                          headers=header, loadStreamInMemory=False)
+        # An obs.model.ResponseWrapper: .result is the http.client.HTTPResponse, .conn its connection.
+        # We read .result directly: the wrapper raises a bare Exception on a short body, where the
+        # Store contract wants a short count.
+        stream = resp.body.response
+        try:
+            if resp.status != 206 and start != 0:
+                raise OSError(
+                    f"{self._object_url(key)}: OBS ignored the byte range {start}-{end - 1} (HTTP {resp.status})"
+                )
+            return self._copy_body(key, stream.result, out, end - start)
+        finally:
+            if not stream.result.isclosed():
+                # Body not read to its end (error, short read, server ignored the range): the SDK
+                # would pool the connection with bytes still on it, and the next request would
+                # read them as its status line. Its own flag for "close, do not pool" is _clear.
+                stream.conn._clear = True
+            stream.close()
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _open(self) -> Any:
+        if self._client is None:
+            raise RuntimeError(f"{self!r} is closed")
+        return self._client
+
+    def _object_url(self, key: str | None) -> str:
+        return self.url if key is None else f"obs://{self.bucket}/{self.prefix}{key}"
+
+    def _copy_body(self, key: str, body: Any, out: BinaryIO, length: int) -> int:
+        """Copy at most ``length`` bytes of the HTTP ``body`` to ``out`` in chunks; return the count."""
+        buf = memoryview(bytearray(min(CHUNK_SIZE, length)))
+        written = 0
+        while written < length:
+            try:
+                n = body.readinto(buf[: min(len(buf), length - written)])
+            except (OSError, HTTPException) as exc:
+                raise self._unreachable(exc, "get", key) from exc
+            if not n:
+                break
+            chunk = buf[:n]
+            while chunk:  # a raw (unbuffered) file may write less than asked
+                done = out.write(chunk)
+                chunk = chunk[done if done is not None else len(chunk):]
+            written += n
+        return written
+
+    def _call(self, what: str, key: str | None, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """Run one SDK request; translate a raised network error or a returned error result."""
+        try:
+            resp = fn(*args, **kwargs)
+        except (OSError, HTTPException) as exc:
+            raise self._unreachable(exc, what, key) from exc
+        self._check(resp, what, key)
+        return resp
+
+    def _redact(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def _check(self, resp: Any, what: str, key: str | None) -> None:
+        """Raise the builtin error for an SDK result whose status is not 2xx; return if it is.
+
+        ``what`` is ``"list"``, ``"get"`` or ``"head"``; ``key`` is relative to the root, or
+        None for the listing. The raised error is chained to an :class:`ObsServiceError`.
+        """
+        status = getattr(resp, "status", None)
+        if isinstance(status, int) and status < 300:
+            return
+        code = getattr(resp, "errorCode", None) or None
+        message = getattr(resp, "errorMessage", None)
+        message = self._redact(message) if message else None
+        cause = ObsServiceError(status, code, message, getattr(resp, "requestId", None))
+        target = self._object_url(key)
+        detail = f"({code + ', ' if code else ''}HTTP {status})"
+        doing = _DOING.get(what, what)
+        if status == 404 and (code == "NoSuchBucket" or what == "list"):
+            raise FileNotFoundError(
+                f"OBS bucket {self.bucket!r} does not exist at {self.endpoint} {detail}, {doing} {target}"
+            ) from cause
+        if status == 404:
+            hint = "" if code == "NoSuchKey" else " (or no such bucket)"
+            raise FileNotFoundError(f"no such object {target}{hint} {detail}") from cause
+        if status == 401 or code in _CREDENTIAL_CODES:  # some (ExpiredToken, InvalidToken) come as 400
+            raise PermissionError(
+                f"OBS at {self.endpoint} rejected the credentials {detail} {doing} {target}; "
+                f"check the access key pair and token (credentials from: {self._credential_hint()})"
+            ) from cause
+        if status == 403:
+            raise PermissionError(
+                f"access denied to {target} {detail}: the credentials (from: {self._credential_hint()}) were "
+                "accepted but lack permission for this bucket or object"
+            ) from cause
+        if status == 429 or code in _THROTTLE_CODES or (isinstance(status, int) and status >= 500):
+            raise StoreUnavailableError(
+                f"OBS at {self.endpoint} is unavailable or throttling {detail}, {doing} {target}"
+            ) from cause
+        if status is None:
+            raise StoreUnavailableError(
+                f"cannot reach OBS endpoint {self.endpoint}: no response, {doing} {target}"
+            ) from cause
+        raise OSError(f"OBS refused {doing} {target} {detail}: {cause.message or 'no message'}") from cause
+
+    def _credential_hint(self) -> str:
+        return {
+            "explicit": "storage_options",
+            "env": "OBS_ACCESS_KEY_ID/OBS_SECRET_ACCESS_KEY",
+            "provider": "the SDK providers (environment, ECS metadata, OIDC), none given explicitly",
+        }[self.credential_source]
+
+    def _unreachable(self, exc: BaseException, what: str, key: str | None) -> OSError:
+        """The builtin error for a network exception raised by the SDK or the body read."""
+        doing = _DOING.get(what, what)
+        target = self._object_url(key)
+        if isinstance(exc, TimeoutError):
+            return TimeoutError(
+                f"timed out after {self._timeout} s talking to OBS endpoint {self.endpoint}, {doing} {target}"
+            )
+        if isinstance(exc, socket.gaierror):
+            reason = (
+                f"its host name does not resolve ({exc.strerror}); check storage_options['server'] or {_ENV_ENDPOINT}"
+            )
+        elif isinstance(exc, ConnectionRefusedError):
+            reason = f"connection refused; check storage_options['server'] or {_ENV_ENDPOINT}"
+        else:
+            reason = self._redact(f"{type(exc).__name__}: {exc}")
+        return StoreUnavailableError(f"cannot reach OBS endpoint {self.endpoint}: {reason} ({doing} {target})")

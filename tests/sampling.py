@@ -1,0 +1,81 @@
+"""A thread that samples a cache directory every few ms while a test runs."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from cachepipe.cache import tree_bytes
+
+
+class Sampler:
+    """Records the peak bytes under ``root`` and checks that no visible item is partial.
+
+    ``expected``: {item name: {relative file: size}}; every file of an item folder seen outside
+    ``.cachepipe`` must have its full size (staging files grow from 0, so a partially published
+    item would show short files). Consumers check completeness and content at hand-out.
+
+    The walk is not atomic, but it cannot count a file twice: files only move by the publish
+    rename, from staging into a top-level folder that the walk listed before it reached staging.
+    """
+
+    def __init__(self, root: Path, expected: dict[str, dict[str, int]] | None = None, interval: float = 0.002) -> None:
+        self.root = Path(root)
+        self.expected = expected
+        self.interval = interval
+        self.peak = 0
+        self.samples = 0
+        self.partial: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="test-sampler")
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            if not self.root.exists():
+                continue
+            self.peak = max(self.peak, tree_bytes(self.root))
+            self.samples += 1
+            if self.expected is not None:
+                self._check_complete()
+
+    def _check_complete(self) -> None:
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return
+        for name in names:
+            if name == ".cachepipe" or name not in self.expected:
+                continue
+            try:
+                before = os.stat(self.root / name).st_ino
+            except FileNotFoundError:
+                continue
+            found = {}
+            for dirpath, _d, files in os.walk(self.root / name):
+                for f in files:
+                    p = Path(dirpath, f)
+                    try:
+                        found[p.relative_to(self.root / name).as_posix()] = p.stat().st_size
+                    except (FileNotFoundError, ValueError):
+                        pass
+            try:
+                unchanged = os.stat(self.root / name).st_ino == before
+            except FileNotFoundError:
+                unchanged = False
+            if not unchanged:
+                continue  # evicted while we walked it: the walk saw a half-removed tree, not a half-published one
+            # A file of the wrong size means a partial item was visible. Missing files are an
+            # eviction in progress (an item is deleted in place once acknowledged).
+            expected = self.expected[name]
+            wrong = {rel: size for rel, size in found.items() if expected.get(rel) != size}
+            if wrong:
+                self.partial.append(f"{name}: {wrong}")

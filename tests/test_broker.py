@@ -1,0 +1,104 @@
+import threading
+
+import pytest
+
+from cachepipe.broker import Broker, Closed, Failed
+
+
+def test_ordered_waits_for_earlier_items():
+    b = Broker(ordered=True)
+    for _ in range(3):
+        b.begin()
+    b.put(2, "c", "C")
+    b.put(1, "b", "B")
+    with pytest.raises(TimeoutError):
+        b.take(timeout=0.01)
+    b.put(0, "a", "A")
+    assert [b.take(0).name for _ in range(3)] == ["a", "b", "c"]
+    b.finish()
+    assert b.take(0) is None
+
+
+def test_unordered_hands_out_what_is_ready():
+    b = Broker(ordered=False)
+    b.begin(), b.begin()
+    b.put(1, "b", "B")
+    assert b.take(0).name == "b"
+
+
+def test_release_goes_to_the_front_and_ack_ends_the_lease():
+    b = Broker()
+    for seq, name in enumerate("ab"):
+        b.begin()
+        b.put(seq, name, name.upper())
+    first = b.take(0)
+    b.release(first.name)
+    assert b.take(0).name == "a"
+    b.ack("a")
+    with pytest.raises(KeyError):
+        b.ack("a")
+    assert b.take(0).name == "b"
+
+
+def test_failure_is_delivered_in_turn():
+    b = Broker()
+    b.begin(), b.begin()
+    b.put(1, "b", "B")
+    b.fail(0, "a", OSError("boom"))
+    got = b.take(0)
+    assert isinstance(got, Failed) and got.name == "a"
+    assert b.take(0).name == "b"
+
+
+def test_skip_moves_order_past_an_item():
+    b = Broker()
+    b.begin()
+    b.put(1, "b", "B")
+    b.skip(0)
+    assert b.take(0).name == "b"
+
+
+def test_close_wakes_blocked_consumer():
+    b = Broker()
+    errors = []
+
+    def consumer():
+        try:
+            b.take()
+        except Closed:
+            errors.append("closed")
+
+    t = threading.Thread(target=consumer)
+    t.start()
+    b.close()
+    t.join(2)
+    assert errors == ["closed"] and not t.is_alive()
+
+
+def _broker(pending, ready, handed, released):
+    b = Broker()
+    seq = 0
+    for _ in range(pending + ready + handed):
+        b.begin()
+    for _ in range(ready + handed):
+        b.put(seq, f"i{seq}", seq)
+        seq += 1
+    for _ in range(handed):
+        lease = b.take(0)
+    for _ in range(released):
+        b.release(lease.name)
+    return b
+
+
+@pytest.mark.parametrize(
+    "pending, ready, handed, released, passes",
+    [(2, 0, 0, 0, False), (1, 1, 0, 0, False), (1, 0, 1, 0, True), (1, 0, 1, 1, True), (0, 0, 0, 0, True)],
+)
+def test_prefetch_gate_counts_pending_and_unhanded(pending, ready, handed, released, passes):
+    b = _broker(pending, ready, handed, released)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (b.wait_ahead_below(2), done.set()))
+    t.start()
+    assert done.wait(0.2 if not passes else 2) == passes
+    b.close()  # wakes the gate if it is still waiting
+    t.join()

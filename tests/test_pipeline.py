@@ -1,0 +1,357 @@
+"""Pipeline end to end against real backends: moto S3 over HTTP, local files, memory."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from cachepipe import (
+    CachedItem,
+    CacheLockedError,
+    EmptySourceError,
+    ItemFailedError,
+    OversizeError,
+    Pipeline,
+    UnknownItemError,
+)
+from cachepipe.cache import tree_bytes
+from sampling import Sampler
+
+KIB = 1024
+
+
+def sizes(data):
+    return {name: {rel: len(body) for rel, body in files.items()} for name, files in data.items()}
+
+
+def test_delivers_every_item_complete_and_in_order(source, tmp_path):
+    data = source.folders(12, {"video.mp4": 40 * KIB, "text.txt": 100, "meta/info.json": 10})
+    cache = tmp_path / "cache"
+    seen = []
+    with Pipeline(source.url, cache, capacity=200 * KIB, storage_options=source.options, part_size="16KiB", max_concurrency=4) as pipe:
+        for path in pipe:
+            assert isinstance(path, CachedItem) and Path(path).is_dir()
+            assert path.path.parent == cache.absolute()
+            assert path.size == sum(len(b) for b in data[path.name].values())
+            assert set(path.files) == set(data[path.name])
+            for rel, body in data[path.name].items():
+                assert (path / rel).read_bytes() == body
+            seen.append(path.name)
+        stats = pipe.stats()
+    assert seen == sorted(data)  # listing order by default
+    assert stats.items_handed == stats.items_acked == stats.items_listed == 12
+    assert stats.bytes_downloaded == stats.bytes_listed
+    assert stats.items_failed == 0
+    assert os.listdir(cache) == [".cachepipe"]
+    assert os.listdir(cache / ".cachepipe") == ["lock"]
+
+
+def test_hard_cap_and_atomic_publish_sampled_during_run(source, tmp_path):
+    data = source.folders(24, {"video.mp4": 50 * KIB, "a/b/c.txt": 3 * KIB})
+    capacity = 3 * 53 * KIB + 100  # about three items
+    cache = tmp_path / "cache"
+    delivered = []
+    item_size = 53 * KIB
+    with Sampler(cache, expected=sizes(data)) as sampler:
+        with Pipeline(source.url, cache, capacity=capacity, storage_options=source.options, part_size="8KiB", max_concurrency=8) as pipe:
+            for path in pipe:
+                # a slow consumer: hold the item until the producer has filled the cache
+                _wait(lambda: (s := pipe.stats()).bytes_in_cache > capacity - item_size or s.items_handed + s.items_ready == 24)
+                digest = hashlib.md5((path / "video.mp4").read_bytes()).hexdigest()
+                assert digest == hashlib.md5(data[path.name]["video.mp4"]).hexdigest()
+                delivered.append(path.name)
+    assert len(delivered) == 24
+    assert sampler.samples > 10, "the sampler did not run during the pipeline"
+    assert sampler.peak <= capacity, f"cache reached {sampler.peak} bytes, capacity {capacity}"
+    assert sampler.peak > 1.5 * item_size, "the cache never filled: the test did not exercise the cap"
+    assert sampler.partial == []
+
+
+def test_unordered_delivers_everything(source, tmp_path):
+    data = source.folders(10, {"f": 5 * KIB})
+    with Pipeline(source.url, tmp_path / "c", capacity="1MiB", storage_options=source.options, ordered=False) as pipe:
+        assert sorted(p.name for p in pipe) == sorted(data)
+
+
+def test_files_mode_items_are_objects(source, tmp_path):
+    bodies = {f"shards/{i:03d}.tar": os.urandom(2000 + i) for i in range(5)}
+    bodies["top.tar"] = b"x" * 10
+    for key, body in bodies.items():
+        source.put(key, body)
+    cache = tmp_path / "c"
+    with Pipeline(source.url, cache, capacity="1MiB", storage_options=source.options, items="files") as pipe:
+        got = {}
+        for path in pipe:
+            assert Path(path).is_file()
+            got[path.name] = Path(path).read_bytes()
+    assert got == bodies
+    assert os.listdir(cache) == [".cachepipe"]  # nested folders made for shards/ are gone too
+
+
+def test_explicit_ack_and_release_from_several_threads(s3_source, tmp_path):
+    data = s3_source.folders(30, {"f": 4 * KIB})
+    got: list[str] = []
+    lock = threading.Lock()
+    with Pipeline(s3_source.url, tmp_path / "c", capacity=40 * KIB, storage_options=s3_source.options, auto_ack=False) as pipe:
+        released_once: set[str] = set()
+
+        def consume():
+            while (item := pipe.get(timeout=30)) is not None:
+                if item.name not in released_once and len(released_once) < 5:
+                    with lock:
+                        released_once.add(item.name)
+                    pipe.release(item)  # back to the queue: someone gets it again
+                    continue
+                assert (item / "f").read_bytes() == data[item.name]["f"]
+                with lock:
+                    got.append(item.name)
+                pipe.ack(item)
+
+        threads = [threading.Thread(target=consume) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stats = pipe.stats()
+    assert sorted(got) == sorted(data)
+    assert stats.items_released == 5 and stats.items_acked == 30
+
+
+def test_ack_evicts_at_once_and_bad_acks_are_rejected(s3_source, tmp_path):
+    s3_source.folders(1, {"f": 1000})
+    cache = tmp_path / "c"
+    with Pipeline(s3_source.url, cache, capacity="1MiB", storage_options=s3_source.options, auto_ack=False) as pipe:
+        item = pipe.get(timeout=30)
+        used_before = pipe.stats().bytes_in_cache
+        pipe.ack(str(item))  # a plain path string works too
+        assert not Path(item).exists()
+        assert pipe.stats().bytes_in_cache <= used_before - 1000
+        with pytest.raises(UnknownItemError, match="already acknowledged"):
+            pipe.ack(item)
+        with pytest.raises(UnknownItemError):
+            pipe.release(cache / "nope")
+        with pytest.raises(UnknownItemError):
+            pipe.ack("/etc/passwd")
+        assert pipe.stats().items_acked == 1
+
+
+def test_auto_ack_evicts_previous_item_when_loop_asks_for_next(s3_source, tmp_path):
+    s3_source.folders(3, {"f": 1000})
+    with Pipeline(s3_source.url, tmp_path / "c", capacity="1MiB", storage_options=s3_source.options) as pipe:
+        it = iter(pipe)
+        first = next(it)
+        assert Path(first).exists()
+        second = next(it)
+        assert not Path(first).exists() and Path(second).exists()
+        it.close()  # stopping inside an item gives it back rather than evicting it
+        assert Path(second).exists()
+        assert next(iter(pipe)).name == second.name
+
+
+def test_prefetch_limits_items_ahead(s3_source, tmp_path):
+    s3_source.folders(10, {"f": 1000})
+    with Pipeline(s3_source.url, tmp_path / "c", capacity="1MiB", storage_options=s3_source.options, prefetch=2, auto_ack=False) as pipe:
+        pipe.get(timeout=30)
+        _wait(lambda: pipe.stats().items_ready == 2)
+        threading.Event().wait(0.3)  # give a runaway producer the chance to show itself
+        stats = pipe.stats()
+        assert stats.items_ready == 2 and stats.requests == 3
+
+
+def test_oversize_item_is_an_error_before_any_download(s3_source, tmp_path):
+    s3_source.folders(2, {"f": 10})
+    s3_source.put("big/video.mp4", b"x" * 5000)
+    with pytest.raises(OversizeError) as info:
+        Pipeline(s3_source.url, tmp_path / "c", capacity=4000, storage_options=s3_source.options).open()
+    assert "'big'" in str(info.value) and "5000 bytes" in str(info.value) and "capacity of 4000 bytes" in str(info.value)
+    assert os.listdir(tmp_path / "c" / ".cachepipe") == ["lock"]  # nothing downloaded, unlocked
+    with Pipeline(s3_source.url, tmp_path / "c", capacity=4000, storage_options=s3_source.options, on_oversize="skip") as pipe:
+        assert [p.name for p in pipe] == ["item000", "item001"]
+        assert pipe.stats().items_skipped == 1
+
+
+def test_empty_listing_names_the_url(source, tmp_path):
+    with pytest.raises(EmptySourceError, match=source.url.rstrip("/")):
+        Pipeline(source.url, tmp_path / "c", capacity="1MiB", storage_options=source.options).open()
+
+
+def test_missing_bucket_is_file_not_found(s3_endpoint, s3_options, tmp_path):
+    with pytest.raises(FileNotFoundError, match="nobucket"):
+        Pipeline("s3://nobucket/x/", tmp_path / "c", capacity="1MiB", storage_options=s3_options).open()
+
+
+def test_missing_key_fails_the_item_in_the_consumer_naming_the_key(s3_source, tmp_path):
+    s3_source.folders(3, {"f": 1000})
+    with Pipeline(s3_source.url, tmp_path / "c", capacity="1MiB", storage_options=s3_source.options, prefetch=1) as pipe:
+        it = iter(pipe)
+        assert next(it).name == "item000"
+        s3_source.delete("item002/f")  # vanishes between listing and download
+        assert next(it).name == "item001"
+        with pytest.raises(ItemFailedError) as info:
+            next(it)
+    assert "item002/f" in str(info.value) and isinstance(info.value.__cause__, FileNotFoundError)
+
+
+def test_on_error_skip_counts_and_continues(s3_source, tmp_path):
+    s3_source.folders(3, {"f": 1000})
+    pipe = Pipeline(s3_source.url, tmp_path / "c", capacity="1MiB", storage_options=s3_source.options, on_error="skip", prefetch=1)
+    with pipe:
+        it = iter(pipe)
+        next(it)
+        s3_source.delete("item002/f")  # item001 may be in flight already; item002 is not (prefetch=1)
+        assert [p.name for p in it] == ["item001"]
+        assert pipe.stats().items_failed == 1 and pipe.stats().items_skipped == 1
+
+
+def test_second_owner_gets_clear_error_then_works_after_close(s3_source, tmp_path):
+    s3_source.folders(2, {"f": 10})
+    cache = tmp_path / "c"
+    first = Pipeline(s3_source.url, cache, capacity="1MiB", storage_options=s3_source.options).open()
+    with pytest.raises(CacheLockedError, match=f"pid {os.getpid()}"):
+        Pipeline(s3_source.url, cache, capacity="1MiB", storage_options=s3_source.options).open()
+    first.close()
+    with Pipeline(s3_source.url, cache, capacity="1MiB", storage_options=s3_source.options) as again:
+        assert len(list(again)) == 2
+
+
+def test_lock_held_by_another_process(tmp_path):
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "f").write_bytes(b"1")
+    code = (
+        "import sys; from cachepipe import Pipeline\n"
+        f"p = Pipeline({str(tmp_path / 'src')!r}, {str(tmp_path / 'c')!r}, '1MiB', auto_ack=False).open()\n"
+        "p.get(); print('ready', flush=True); sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        with pytest.raises(CacheLockedError, match=f"pid {proc.pid}"):
+            Pipeline(str(tmp_path / "src"), tmp_path / "c", "1MiB").open()
+    finally:
+        proc.stdin.close()
+        proc.wait(10)
+        proc.stdout.close()
+
+
+@pytest.mark.parametrize("how", ["break", "exception", "keyboardinterrupt"])
+def test_leaving_the_loop_stops_threads_and_cleans_up(s3_source, tmp_path, how):
+    s3_source.folders(20, {"f": 20 * KIB})
+    cache = tmp_path / "c"
+    exc = {"exception": ValueError, "keyboardinterrupt": KeyboardInterrupt}.get(how)
+    with pytest.raises(exc) if exc else _nullcontext():
+        with Pipeline(s3_source.url, cache, capacity=60 * KIB, storage_options=s3_source.options) as pipe:
+            for i, _path in enumerate(pipe):
+                if i == 2:
+                    if exc:
+                        raise exc()
+                    break
+    assert os.listdir(cache) == [".cachepipe"]
+    assert os.listdir(cache / ".cachepipe") == ["lock"]
+    assert not [t for t in threading.enumerate() if t.name.startswith("cachepipe")]
+    with pytest.raises(RuntimeError, match="closed"):
+        pipe.open()
+    with pytest.raises(RuntimeError, match="closed"):
+        pipe.get()
+
+
+def test_plain_for_loop_without_with_closes_itself(s3_source, tmp_path):
+    s3_source.folders(3, {"f": 10})
+    assert len([p.name for p in Pipeline(s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options)]) == 3
+    assert not [t for t in threading.enumerate() if t.name.startswith("cachepipe")]
+
+
+def test_close_while_consumer_blocked_ends_its_loop(s3_source, tmp_path):
+    s3_source.folders(4, {"f": 10})
+    pipe = Pipeline(s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options, auto_ack=False).open()
+    for _ in range(4):
+        pipe.get(timeout=30)
+    s3_source.put("zzz/f", b"late")  # not listed: the stream has ended for this run
+    assert pipe.get(timeout=30) is None
+    pipe.close()
+    pipe.close()  # idempotent
+
+
+def test_keep_on_close_items_are_reused_by_the_next_owner(s3_source, tmp_path):
+    data = s3_source.folders(3, {"f": 1000})
+    cache = tmp_path / "c"
+    with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options, keep_on_close=True, auto_ack=False, prefetch=3) as pipe:
+        _wait(lambda: pipe.stats().items_ready == 3)
+    assert sorted(n for n in os.listdir(cache) if n != ".cachepipe") == sorted(data)
+    with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options) as pipe:
+        assert [p.name for p in pipe] == sorted(data)
+        assert pipe.stats().items_reused == 3 and pipe.stats().bytes_downloaded == 0
+    assert os.listdir(cache) == [".cachepipe"]
+
+
+def test_foreign_files_count_and_are_never_deleted(s3_source, tmp_path):
+    s3_source.folders(5, {"f": 1000})
+    cache = tmp_path / "c"
+    cache.mkdir()
+    (cache / "notes.txt").write_bytes(b"n" * 2500)
+    (cache / "item002").mkdir()  # in the way of an item
+    (cache / "item002" / "mine").write_bytes(b"m")
+    with Pipeline(s3_source.url, cache, capacity=4000, storage_options=s3_source.options, on_error="skip") as pipe:
+        assert pipe.stats().bytes_in_cache >= 2501
+        names = [p.name for p in pipe]
+    assert names == ["item000", "item001", "item003", "item004"]
+    assert (cache / "notes.txt").read_bytes() == b"n" * 2500 and (cache / "item002" / "mine").exists()
+    with pytest.raises(ValueError, match="not managed by cachepipe"):
+        Pipeline(s3_source.url, cache, capacity=2000, storage_options=s3_source.options).open()
+
+
+def test_share_capacity_resolved_against_free_space(s3_source, tmp_path):
+    s3_source.folders(2, {"f": 10})
+    with Pipeline(s3_source.url, tmp_path / "c", "50%", storage_options=s3_source.options) as pipe:
+        import shutil
+
+        free = shutil.disk_usage(tmp_path).free
+        assert abs(pipe.stats().capacity - free / 2) < free * 0.05
+
+
+def test_bad_inputs_raise_value_errors(tmp_path):
+    for bad in ["10X", -1, 0, "abc"]:
+        with pytest.raises(ValueError, match="capacity"):
+            Pipeline("s3://b/p/", tmp_path, bad)
+    with pytest.raises(ValueError, match="items"):
+        Pipeline("s3://b/p/", tmp_path, "1G", items="dirs")
+
+
+def test_progress_bar_and_stats(s3_source, tmp_path, capsys):
+    s3_source.folders(3, {"f": 10})
+    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options, progress=True) as pipe:
+        list(pipe)
+        stats = pipe.stats()
+    assert "3/3" in capsys.readouterr().err
+    assert stats.items_listed == 3 and stats.bytes_listed == 30 and stats.capacity == 1024**2
+    assert stats.consumer_wait_seconds >= 0 and stats.producer_wait_seconds >= 0
+
+
+def test_tree_bytes_counts_regular_files_only(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_bytes(b"12345")
+    os.symlink(tmp_path / "d" / "f", tmp_path / "link")
+    assert tree_bytes(tmp_path) == 5
+
+
+def _wait(predicate, timeout=10.0):
+    event = threading.Event()
+    deadline = timeout
+    while not predicate():
+        if deadline <= 0:
+            raise AssertionError("condition not reached in time")
+        event.wait(0.01)
+        deadline -= 0.01
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
