@@ -138,11 +138,21 @@ def _memory_source() -> Source:
     return Source("memory", "memory://data/video", {}, lambda k, d: fs.pipe_file(f"/data/video/{k}", d), lambda k: fs.rm_file(f"/data/video/{k}"))
 
 
-@pytest.fixture(params=["s3", "file", "memory"])
+def _obs_source(s3_client, s3_endpoint) -> Source:
+    """The same moto bucket, reached through the Huawei OBS SDK (path-style http)."""
+    src = _s3_source(s3_client, {})
+    options = {"server": s3_endpoint, "access_key_id": "testing", "secret_access_key": "testing"}
+    return Source("obs", "obs://data/video/", options, src._put, src._delete)
+
+
+@pytest.fixture(params=["s3", "obs", "file", "memory"])
 def source(request, tmp_path) -> Source:
-    """An empty dataset prefix on each backend: s3 (moto server over HTTP), file, memory."""
+    """An empty dataset prefix on each backend: s3 (s3fs) and obs (OBS SDK) against the moto
+    server over HTTP, local files, fsspec memory."""
     if request.param == "s3":
         return _s3_source(request.getfixturevalue("s3_client"), request.getfixturevalue("s3_options"))
+    if request.param == "obs":
+        return _obs_source(request.getfixturevalue("s3_client"), request.getfixturevalue("s3_endpoint"))
     if request.param == "file":
         return _file_source(tmp_path / "src")
     return _memory_source()
@@ -152,3 +162,35 @@ def source(request, tmp_path) -> Source:
 def s3_source(s3_client, s3_options) -> Source:
     """An empty dataset prefix on the moto S3 server."""
     return _s3_source(s3_client, s3_options)
+
+
+@pytest.fixture(params=["s3", "obs"])
+def remote_source(request) -> Source:
+    """An empty dataset prefix on the moto server, through s3fs and through the OBS SDK."""
+    if request.param == "s3":
+        return _s3_source(request.getfixturevalue("s3_client"), request.getfixturevalue("s3_options"))
+    return _obs_source(request.getfixturevalue("s3_client"), request.getfixturevalue("s3_endpoint"))
+
+
+@pytest.fixture
+def fault_proxy(moto_server: str):
+    """A :class:`faultproxy.FaultProxy` in front of the moto server; yields (proxy, endpoint)."""
+    from faultproxy import FaultProxy
+
+    host, port = moto_server.removeprefix("http://").split(":")
+    proxy = FaultProxy(host, int(port))
+    endpoint = proxy.start()
+    yield proxy, endpoint
+    proxy.stop()
+
+
+def via(source: Source, endpoint: str) -> dict:
+    """``source``'s storage options with the endpoint replaced (to route through a proxy)."""
+    options = dict(source.options)
+    if source.kind == "obs":
+        options["server"] = endpoint
+    else:
+        options["endpoint_url"] = endpoint
+        # one botocore attempt per s3fs attempt, so the faults reach cachepipe's own retries
+        options["config_kwargs"] = {"retries": {"max_attempts": 1, "mode": "standard"}}
+    return options

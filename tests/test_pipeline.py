@@ -186,25 +186,25 @@ def test_missing_bucket_is_file_not_found(s3_endpoint, s3_options, tmp_path):
         Pipeline("s3://nobucket/x/", tmp_path / "c", capacity="1MiB", storage_options=s3_options).open()
 
 
-def test_missing_key_fails_the_item_in_the_consumer_naming_the_key(s3_source, tmp_path):
-    s3_source.folders(3, {"f": 1000})
-    with Pipeline(s3_source.url, tmp_path / "c", capacity="1MiB", storage_options=s3_source.options, prefetch=1) as pipe:
+def test_missing_key_fails_the_item_in_the_consumer_naming_the_key(remote_source, tmp_path):
+    remote_source.folders(3, {"f": 1000})
+    with Pipeline(remote_source.url, tmp_path / "c", capacity="1MiB", storage_options=remote_source.options, prefetch=1) as pipe:
         it = iter(pipe)
         assert next(it).name == "item000"
-        s3_source.delete("item002/f")  # vanishes between listing and download
+        remote_source.delete("item002/f")  # vanishes between listing and download
         assert next(it).name == "item001"
         with pytest.raises(ItemFailedError) as info:
             next(it)
     assert "item002/f" in str(info.value) and isinstance(info.value.__cause__, FileNotFoundError)
 
 
-def test_on_error_skip_counts_and_continues(s3_source, tmp_path):
-    s3_source.folders(3, {"f": 1000})
-    pipe = Pipeline(s3_source.url, tmp_path / "c", capacity="1MiB", storage_options=s3_source.options, on_error="skip", prefetch=1)
+def test_on_error_skip_counts_and_continues(remote_source, tmp_path):
+    remote_source.folders(3, {"f": 1000})
+    pipe = Pipeline(remote_source.url, tmp_path / "c", capacity="1MiB", storage_options=remote_source.options, on_error="skip", prefetch=1)
     with pipe:
         it = iter(pipe)
         next(it)
-        s3_source.delete("item002/f")  # item001 may be in flight already; item002 is not (prefetch=1)
+        remote_source.delete("item002/f")  # item001 may be in flight already; item002 is not (prefetch=1)
         assert [p.name for p in it] == ["item001"]
         assert pipe.stats().items_failed == 1 and pipe.stats().items_skipped == 1
 

@@ -1,0 +1,114 @@
+"""A fault-injecting TCP proxy for tests: sits between a store client and the moto server.
+
+Faults apply to new connections, in order: ``proxy.inject("cut", 3)`` makes the next three
+connections relay the request but only the first ``cut_after`` bytes of the response, then
+close (a connection dropped mid-body). ``"503"`` answers an S3 ``SlowDown`` error, ``"refuse"``
+closes at once. ``proxy.drop_all()`` closes live (pooled) connections so faults take effect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+
+SLOWDOWN = (
+    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+)
+SLOWDOWN_BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>'
+
+
+class FaultProxy:
+    def __init__(self, target_host: str, target_port: int, cut_after: int = 2000) -> None:
+        self.target = (target_host, target_port)
+        self.cut_after = cut_after
+        self.faults: deque[str] = deque()
+        self.injected: dict[str, int] = {"cut": 0, "503": 0, "refuse": 0}
+        self.connections = 0
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="test-faultproxy")
+        self._lock = threading.Lock()
+
+    def start(self) -> str:
+        self._thread.start()
+        self._ready.wait(5)
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def inject(self, kind: str, count: int) -> None:
+        with self._lock:
+            self.faults.extend([kind] * count)
+        self.drop_all()
+
+    def drop_all(self) -> None:
+        def close() -> None:
+            for w in list(self._writers):
+                w.transport.abort()
+
+        self._loop.call_soon_threadsafe(close)
+
+    # ---- the event loop thread -------------------------------------------------------
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        try:
+            self._loop.run_forever()
+        finally:
+            server.close()
+            for w in list(self._writers):
+                w.transport.abort()
+            self._loop.run_until_complete(server.wait_closed())
+            pending = asyncio.all_tasks(self._loop)
+            for task in pending:
+                task.cancel()
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self._loop.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with self._lock:
+            self.connections += 1
+            fault = self.faults.popleft() if self.faults else None
+            if fault:
+                self.injected[fault] += 1
+        self._writers.add(writer)
+        try:
+            if fault == "refuse":
+                writer.transport.abort()
+                return
+            if fault == "503":
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(SLOWDOWN % len(SLOWDOWN_BODY) + SLOWDOWN_BODY)
+                await writer.drain()
+                writer.close()
+                return
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+            self._writers.add(up_writer)
+            limit = self.cut_after if fault == "cut" else None
+            await asyncio.gather(self._pipe(reader, up_writer, None), self._pipe(up_reader, writer, limit))
+        except (ConnectionError, asyncio.IncompleteReadError, OSError):
+            pass  # a client or upstream went away: that is what this proxy is for
+        finally:
+            self._writers.discard(writer)
+            writer.transport.abort()
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limit: int | None) -> None:
+        sent = 0
+        try:
+            while data := await reader.read(65536):
+                if limit is not None and sent + len(data) >= limit:
+                    writer.write(data[: limit - sent])
+                    await writer.drain()
+                    break
+                writer.write(data)
+                sent += len(data)
+                await writer.drain()
+        finally:
+            self._writers.discard(writer)
+            writer.transport.abort()

@@ -1,0 +1,55 @@
+"""Store faults injected at the network by a proxy between the client and the moto server."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachepipe import ItemFailedError, Pipeline, StoreUnavailableError
+from conftest import via
+
+KIB = 1024
+
+
+def _run(source, endpoint, tmp_path, **options):
+    got = {}
+    with Pipeline(source.url, tmp_path / "c", "1MiB", storage_options=via(source, endpoint), retry_backoff=0.01, **options) as pipe:
+        for path in pipe:
+            got[path.name] = (path / "f").read_bytes()
+        return got, pipe.stats()
+
+
+def test_connections_dropped_mid_body_are_retried_without_corruption(remote_source, fault_proxy, tmp_path):
+    proxy, endpoint = fault_proxy
+    data = remote_source.folders(6, {"f": 200 * KIB})
+    pipe = Pipeline(remote_source.url, tmp_path / "c", "1MiB", storage_options=via(remote_source, endpoint), retry_backoff=0.01, max_concurrency=2)
+    with pipe:  # listing done; now every new connection is cut after 2000 response bytes, 6 times
+        proxy.inject("cut", 6)
+        got = {p.name: (p / "f").read_bytes() for p in pipe}
+    assert got == {name: files["f"] for name, files in data.items()}
+    assert proxy.injected["cut"] == 6
+
+
+def test_throttling_and_refused_connections_are_retried(remote_source, fault_proxy, tmp_path):
+    proxy, endpoint = fault_proxy
+    data = remote_source.folders(4, {"f": 10 * KIB})
+    with Pipeline(remote_source.url, tmp_path / "c", "1MiB", storage_options=via(remote_source, endpoint), retry_backoff=0.01, max_concurrency=1) as pipe:
+        proxy.inject("503", 3)
+        proxy.inject("refuse", 2)
+        got = {p.name: (p / "f").read_bytes() for p in pipe}
+        stats = pipe.stats()
+    assert got == {name: files["f"] for name, files in data.items()}
+    assert proxy.injected["503"] == 3 and proxy.injected["refuse"] == 2
+    if remote_source.kind == "obs":  # the OBS store leaves all retrying to cachepipe
+        assert stats.retries >= 5
+
+
+def test_item_fails_after_retry_budget_naming_key_and_cause(remote_source, fault_proxy, tmp_path):
+    proxy, endpoint = fault_proxy
+    remote_source.folders(2, {"f": 10 * KIB})
+    with Pipeline(remote_source.url, tmp_path / "c", "1MiB", storage_options=via(remote_source, endpoint), retries=2, retry_backoff=0.01, max_concurrency=1) as pipe:
+        proxy.inject("503", 10_000)
+        with pytest.raises(ItemFailedError) as info:
+            next(iter(pipe))
+    assert "video/item000/f" in str(info.value)
+    assert isinstance(info.value.__cause__, StoreUnavailableError)
+    assert list((tmp_path / "c").iterdir()) == [tmp_path / "c" / ".cachepipe"]

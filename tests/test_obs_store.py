@@ -1,0 +1,562 @@
+"""ObsStore (esdk-obs-python) against the real moto S3 server over HTTP.
+
+Only the status/code mapping table of ``ObsStore._check`` is driven with hand-made SDK results
+(moto does not check signatures and never throttles); everything else goes over the wire.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("obs")
+
+from obs.model import GetResult  # noqa: E402  (after the importorskip)
+
+from cachepipe.errors import ConfigError, StoreUnavailableError  # noqa: E402
+from cachepipe.stores.base import ObjectInfo, Store  # noqa: E402
+from cachepipe.stores.obs import CHUNK_SIZE, ObsServiceError, ObsStore  # noqa: E402
+
+BUCKET = "obs-test-bucket"
+SECRET = "sk-Very-Secret-0123456789"
+TOKEN = "tok-Very-Secret-abcdefghij"
+ENV_SECRET = "sk-From-Env-9876543210"
+ENV_TOKEN = "tok-From-Env-zyxwvutsrq"
+
+
+@pytest.fixture(autouse=True)
+def clean_obs_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No OBS_* variable from the developer's shell leaks into a test."""
+    for name in ("OBS_ACCESS_KEY_ID", "OBS_SECRET_ACCESS_KEY", "OBS_SECURITY_TOKEN", "OBS_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def options(s3_endpoint: str) -> dict:
+    """Explicit storage_options for the moto server (moto accepts any key pair)."""
+    return {"server": s3_endpoint, "access_key_id": "AKTEST", "secret_access_key": SECRET, "security_token": TOKEN}
+
+
+@pytest.fixture
+def bucket(s3_client) -> str:
+    s3_client.create_bucket(Bucket=BUCKET)
+    return BUCKET
+
+
+@pytest.fixture
+def make_store(options: dict) -> Iterator:
+    """Build ObsStores (default: the test bucket, explicit options) and close them after the test."""
+    stores: list[ObsStore] = []
+
+    def make(url: str = f"obs://{BUCKET}/data/", storage_options: dict | None = None, **kwargs) -> ObsStore:
+        store = ObsStore(url, options if storage_options is None else storage_options, **kwargs)
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close()
+
+
+@pytest.fixture
+def closed_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _keys(server: str) -> dict:
+    """storage_options with an explicit key pair (so the SDK never asks ECS metadata for one)."""
+    return {"server": server, "access_key_id": "AK", "secret_access_key": SECRET}
+
+
+def _etag(data: bytes) -> str:
+    return hashlib.md5(data).hexdigest()
+
+
+def _assert_no_secrets(*texts: str) -> None:
+    for text in texts:
+        for secret in (SECRET, TOKEN, ENV_SECRET, ENV_TOKEN):
+            assert secret not in text
+
+
+def _error_texts(exc: BaseException) -> list[str]:
+    """str() and repr() of an exception and of its whole cause chain."""
+    texts = []
+    while exc is not None:
+        texts += [str(exc), repr(exc)]
+        exc = exc.__cause__
+    return texts
+
+
+# -- listing ---------------------------------------------------------------------------------
+
+
+def test_list_nested_keys_across_pages(make_store, s3_client, bucket: str) -> None:
+    objects = {
+        "data/a.txt": b"a",
+        "data/b/c/d.bin": b"dddd",
+        "data/b/e.txt": b"",
+        "data/folder1/video.mp4": b"v" * 1000,
+        "data/folder1/text.txt": b"hello",
+        "data/with space+plus ü.txt": b"odd",
+        "data/z": b"zz",
+        "database/not-under-prefix": b"x",  # shares the string prefix "data" but not "data/"
+        "other/x": b"x",
+    }
+    for key, body in objects.items():
+        s3_client.put_object(Bucket=bucket, Key=key, Body=body)
+    store = make_store(page_size=2)
+
+    listed = list(store.list())
+
+    expected = sorted(
+        (ObjectInfo(key=k[5:], size=len(v), etag=_etag(v)) for k, v in objects.items() if k.startswith("data/")),
+        key=lambda info: info.key,
+    )
+    assert listed == expected
+    assert [info.key for info in listed] == sorted(info.key for info in listed)
+
+
+def test_list_is_streamed_page_by_page(make_store, s3_client, bucket: str, monkeypatch) -> None:
+    for i in range(5):
+        s3_client.put_object(Bucket=bucket, Key=f"data/k{i}", Body=b"x")
+    store = make_store(page_size=2)
+    calls = []
+    real = store._client.listObjects
+    monkeypatch.setattr(store._client, "listObjects", lambda *a, **kw: calls.append(kw["marker"]) or real(*a, **kw))
+
+    it = store.list()
+    assert next(it).key == "k0"
+    assert len(calls) == 1  # the first object arrives before the second page is asked for
+    assert [info.key for info in it] == ["k1", "k2", "k3", "k4"]
+    assert len(calls) == 3
+
+
+def test_list_whole_bucket_with_empty_prefix(make_store, s3_client, bucket: str) -> None:
+    s3_client.put_object(Bucket=bucket, Key="a/b", Body=b"12")
+    s3_client.put_object(Bucket=bucket, Key="top", Body=b"1")
+    store = make_store(f"obs://{bucket}")
+    assert store.url == f"obs://{bucket}/"
+    assert [(i.key, i.size) for i in store.list()] == [("a/b", 2), ("top", 1)]
+
+
+def test_list_empty_prefix_yields_nothing(make_store, bucket: str) -> None:
+    assert list(make_store().list()) == []
+
+
+def test_list_skips_the_roots_own_marker_but_keeps_sub_markers(make_store, s3_client, bucket: str) -> None:
+    for key in ("data/", "data/sub/", "data/sub/f"):
+        s3_client.put_object(Bucket=bucket, Key=key, Body=b"")
+    assert [i.key for i in make_store().list()] == ["sub/", "sub/f"]
+
+
+# -- get ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def payload(s3_client, bucket: str) -> bytes:
+    data = bytes(range(256)) * 40  # 10240 bytes
+    s3_client.put_object(Bucket=bucket, Key="data/item/blob.bin", Body=data)
+    return data
+
+
+@pytest.mark.parametrize(("start", "end"), [(100, 2000), (0, 10240), (0, 1), (10239, 10240), (5000, 5001)])
+def test_get_range(make_store, payload: bytes, start: int, end: int) -> None:
+    out = io.BytesIO()
+    out.write(b"HEAD")  # get writes at the current position, after what is there
+    assert make_store().get("item/blob.bin", out, start, end) == end - start
+    assert out.getvalue() == b"HEAD" + payload[start:end]
+
+
+def test_get_past_the_end_is_short(make_store, payload: bytes) -> None:
+    out = io.BytesIO()
+    assert make_store().get("item/blob.bin", out, 10000, 20000) == 240
+    assert out.getvalue() == payload[10000:]
+
+
+def test_get_zero_size_object(make_store, s3_client, bucket: str) -> None:
+    s3_client.put_object(Bucket=bucket, Key="data/empty", Body=b"")
+    out = io.BytesIO()
+    assert make_store().get("empty", out, 0, 0) == 0
+    assert out.getvalue() == b""
+
+
+def test_get_empty_range_of_missing_key_raises(make_store, bucket: str) -> None:
+    with pytest.raises(FileNotFoundError, match=f"obs://{BUCKET}/data/nope"):
+        make_store().get("nope", io.BytesIO(), 0, 0)
+
+
+def test_get_rejects_a_bad_range(make_store, payload: bytes) -> None:
+    with pytest.raises(ValueError, match="bad byte range"):
+        make_store().get("item/blob.bin", io.BytesIO(), 5, 4)
+
+
+class _ChunkRecorder(io.RawIOBase):
+    """A binary sink that records the size of each write and hashes the bytes."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self.digest = hashlib.sha256()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.sizes.append(len(data))
+        self.digest.update(data)
+        return len(data)
+
+
+def test_get_5mib_streams_in_chunks(make_store, s3_client, bucket: str) -> None:
+    data = hashlib.sha256(b"seed").digest() * (5 * 1024 * 1024 // 32)
+    s3_client.put_object(Bucket=bucket, Key="data/big.bin", Body=data)
+    sink = _ChunkRecorder()
+
+    assert make_store().get("big.bin", sink, 0, len(data)) == len(data)
+
+    assert sink.digest.digest() == hashlib.sha256(data).digest()
+    assert len(sink.sizes) >= 5
+    assert max(sink.sizes) <= CHUNK_SIZE
+
+
+class _PartialWriter(io.RawIOBase):
+    """A raw sink that accepts at most 1000 bytes per write, as an unbuffered file may."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        self.buf += bytes(data[:1000])
+        return min(len(data), 1000)
+
+
+def test_get_handles_partial_writes(make_store, payload: bytes) -> None:
+    sink = _PartialWriter()
+    assert make_store().get("item/blob.bin", sink, 0, 10240) == 10240
+    assert bytes(sink.buf) == payload
+
+
+class _FailingWriter(io.RawIOBase):
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        raise OSError(28, "No space left on device")
+
+
+def test_failed_write_does_not_poison_the_connection_pool(make_store, payload: bytes) -> None:
+    store = make_store()
+    with pytest.raises(OSError, match="No space left"):
+        store.get("item/blob.bin", _FailingWriter(), 0, 10240)
+    # The half-read connection must not be reused: the next requests see clean responses.
+    out = io.BytesIO()
+    assert store.get("item/blob.bin", out, 0, 10240) == 10240
+    assert out.getvalue() == payload
+    assert [i.key for i in store.list()] == ["item/blob.bin"]
+
+
+# -- errors over HTTP --------------------------------------------------------------------------
+
+
+def test_missing_key_is_file_not_found(make_store, bucket: str) -> None:
+    with pytest.raises(FileNotFoundError, match=f"no such object obs://{BUCKET}/data/missing.bin") as info:
+        make_store().get("missing.bin", io.BytesIO(), 0, 10)
+    assert isinstance(info.value.__cause__, ObsServiceError)
+    assert info.value.__cause__.code == "NoSuchKey"
+    assert info.value.__cause__.status == 404
+
+
+@pytest.mark.parametrize("op", ["list", "get"])
+def test_missing_bucket_is_file_not_found_naming_it(make_store, s3_endpoint: str, op: str) -> None:
+    store = make_store("obs://no-such-bucket/data/")
+    with pytest.raises(FileNotFoundError, match="bucket 'no-such-bucket' does not exist") as info:
+        list(store.list()) if op == "list" else store.get("k", io.BytesIO(), 0, 1)
+    assert info.value.__cause__.code == "NoSuchBucket"
+
+
+def test_unreachable_endpoint_is_connection_error(make_store, closed_port: int) -> None:
+    endpoint = f"http://127.0.0.1:{closed_port}"
+    store = make_store(storage_options=_keys(endpoint))
+    with pytest.raises(ConnectionError, match=f"cannot reach OBS endpoint {endpoint}: connection refused") as info:
+        list(store.list())
+    assert isinstance(info.value, StoreUnavailableError)
+    assert isinstance(info.value.__cause__, ConnectionRefusedError)
+    with pytest.raises(ConnectionError, match="cannot reach OBS endpoint"):
+        store.get("k", io.BytesIO(), 0, 1)
+
+
+def test_silent_endpoint_is_timeout_error(make_store) -> None:
+    with socket.socket() as server:  # accepts TCP connections (backlog) but never answers
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        endpoint = "http://127.0.0.1:%d" % server.getsockname()[1]
+        store = make_store(storage_options={**_keys(endpoint), "timeout": 0.3})
+        with pytest.raises(TimeoutError, match=f"timed out after 0.3 s talking to OBS endpoint {endpoint}"):
+            list(store.list())
+
+
+def test_endpoint_bucket_and_key_errors_differ(make_store, closed_port: int, s3_endpoint: str) -> None:
+    """A wrong endpoint, a missing bucket and a rejected key each say something different."""
+    store = make_store(storage_options=_keys(f"http://127.0.0.1:{closed_port}"))
+    with pytest.raises(ConnectionError) as unreachable:
+        list(store.list())
+    with pytest.raises(FileNotFoundError) as no_bucket:
+        list(make_store("obs://absent-bucket/").list())
+    with pytest.raises(PermissionError) as rejected:
+        make_store()._check(GetResult(code="InvalidAccessKeyId", message="bad key", status=403), "list", None)
+    messages = {str(unreachable.value), str(no_bucket.value), str(rejected.value)}
+    assert len(messages) == 3
+    assert "cannot reach OBS endpoint" in str(unreachable.value)
+    assert "does not exist" in str(no_bucket.value)
+    assert "rejected the credentials" in str(rejected.value)
+
+
+def test_closed_store_refuses_work_and_close_is_idempotent(make_store, bucket: str) -> None:
+    store = make_store()
+    store.close()
+    store.close()
+    with pytest.raises(RuntimeError, match="is closed"):
+        list(store.list())
+    with pytest.raises(RuntimeError, match="is closed"):
+        store.get("k", io.BytesIO(), 0, 1)
+
+
+def test_context_manager_closes(options: dict, bucket: str) -> None:
+    with ObsStore(f"obs://{bucket}/", options) as store:
+        assert list(store.list()) == []
+    with pytest.raises(RuntimeError):
+        list(store.list())
+
+
+# -- the mapping table of the seam (hand-made SDK results: moto neither checks keys nor throttles)
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "what", "expected", "text"),
+    [
+        (403, "InvalidAccessKeyId", "list", PermissionError, "rejected the credentials"),
+        (403, "SignatureDoesNotMatch", "get", PermissionError, "rejected the credentials"),
+        (400, "InvalidToken", "get", PermissionError, "rejected the credentials"),
+        (400, "ExpiredToken", "list", PermissionError, "rejected the credentials"),
+        (400, "InvalidArgument", "get", OSError, "InvalidArgument"),
+        (403, "InvalidToken", "get", PermissionError, "rejected the credentials"),
+        (401, None, "get", PermissionError, "rejected the credentials"),
+        (403, "AccessDenied", "get", PermissionError, "access denied to obs://"),
+        (403, None, "head", PermissionError, "access denied"),
+        (404, "NoSuchKey", "get", FileNotFoundError, "no such object obs://"),
+        (404, None, "head", FileNotFoundError, "or no such bucket"),
+        (404, "NoSuchBucket", "get", FileNotFoundError, "does not exist"),
+        (404, None, "list", FileNotFoundError, "does not exist"),
+        (500, "InternalError", "get", StoreUnavailableError, "unavailable"),
+        (503, "SlowDown", "list", StoreUnavailableError, "throttling"),
+        (503, "ServiceUnavailable", "get", StoreUnavailableError, "unavailable"),
+        (429, "TooManyRequests", "get", StoreUnavailableError, "throttling"),
+        (416, "InvalidRange", "get", OSError, "InvalidRange"),
+    ],
+)
+def test_check_mapping_table(make_store, status, code, what, expected, text) -> None:
+    store = make_store()
+    resp = GetResult(code=code, message=f"server says {SECRET}", status=status, requestId="req-1")
+    with pytest.raises(expected, match=text) as info:
+        store._check(resp, what, None if what == "list" else "some/key")
+    assert type(info.value) is expected  # not a wider or narrower class than the table says
+    cause = info.value.__cause__
+    assert isinstance(cause, ObsServiceError)
+    assert (cause.status, cause.code, cause.request_id) == (status, code, "req-1")
+    _assert_no_secrets(*_error_texts(info.value))  # the echoed secret is redacted
+
+
+def test_check_passes_success(make_store) -> None:
+    make_store()._check(GetResult(status=200), "list", None)
+    make_store()._check(GetResult(status=206), "get", "k")
+
+
+def test_auth_error_is_not_reported_as_not_found(make_store) -> None:
+    with pytest.raises(PermissionError):
+        make_store()._check(GetResult(code="AccessDenied", status=403), "get", "k")
+
+
+# -- settings ---------------------------------------------------------------------------------
+
+
+def test_store_protocol_and_resolved_description(make_store, s3_endpoint: str) -> None:
+    store = make_store()
+    assert isinstance(store, Store)
+    assert store.url == f"obs://{BUCKET}/data/"
+    assert (store.bucket, store.prefix) == (BUCKET, "data/")
+    assert store.endpoint == s3_endpoint
+    assert store.credential_source == "explicit"
+
+
+def test_explicit_beats_env(make_store, s3_endpoint: str, monkeypatch, closed_port: int) -> None:
+    monkeypatch.setenv("OBS_ENDPOINT", f"http://127.0.0.1:{closed_port}")
+    monkeypatch.setenv("OBS_ACCESS_KEY_ID", "AK-env")
+    monkeypatch.setenv("OBS_SECRET_ACCESS_KEY", ENV_SECRET)
+    store = make_store()
+    assert store.endpoint == s3_endpoint
+    assert store.credential_source == "explicit"
+
+
+def test_env_beats_provider_and_works(make_store, s3_client, bucket: str, s3_endpoint: str, monkeypatch) -> None:
+    s3_client.put_object(Bucket=bucket, Key="data/f", Body=b"abc")
+    monkeypatch.setenv("OBS_ENDPOINT", s3_endpoint)
+    monkeypatch.setenv("OBS_ACCESS_KEY_ID", "AK-env")
+    monkeypatch.setenv("OBS_SECRET_ACCESS_KEY", ENV_SECRET)
+    monkeypatch.setenv("OBS_SECURITY_TOKEN", ENV_TOKEN)
+    store = make_store(storage_options={})
+    assert store.endpoint == s3_endpoint
+    assert store.credential_source == "env"
+    assert [i.key for i in store.list()] == ["f"]
+    _assert_no_secrets(repr(store), str(store))
+
+
+def test_endpoint_alone_from_options_and_keys_from_env(make_store, s3_endpoint: str, monkeypatch) -> None:
+    monkeypatch.setenv("OBS_ACCESS_KEY_ID", "AK-env")
+    monkeypatch.setenv("OBS_SECRET_ACCESS_KEY", ENV_SECRET)
+    store = make_store(storage_options={"endpoint_url": s3_endpoint})
+    assert (store.endpoint, store.credential_source) == (s3_endpoint, "env")
+
+
+class _RecordingProvider:
+    """An SDK credential provider (a class with a static ``search``), as ECS/ENV are."""
+
+    calls = 0
+
+    @staticmethod
+    def search() -> dict:
+        _RecordingProvider.calls += 1
+        return {"accessKey": "AK-provider", "secretKey": SECRET, "securityToken": None}
+
+
+def test_provider_when_no_keys_anywhere(make_store, s3_client, bucket: str, s3_endpoint: str) -> None:
+    s3_client.put_object(Bucket=bucket, Key="data/f", Body=b"abc")
+    _RecordingProvider.calls = 0
+    store = make_store(storage_options={"server": s3_endpoint, "security_providers": [_RecordingProvider]})
+    assert store.credential_source == "provider"
+    out = io.BytesIO()
+    assert [i.key for i in store.list()] == ["f"]
+    assert store.get("f", out, 0, 3) == 3 and out.getvalue() == b"abc"
+    assert _RecordingProvider.calls >= 2  # the SDK asks the provider on each request
+
+
+def test_missing_endpoint_names_both_ways_to_set_it() -> None:
+    with pytest.raises(ValueError, match=r"OBS_ENDPOINT") as info:
+        ObsStore("obs://b/", {"access_key_id": "AK", "secret_access_key": SECRET})
+    assert "storage_options['server']" in str(info.value)
+
+
+def test_unknown_option_names_it_and_the_accepted_ones(s3_endpoint: str) -> None:
+    with pytest.raises(ValueError, match=r"storage_options\['secret_key'\]") as info:
+        ObsStore("obs://b/", {"server": s3_endpoint, "secret_key": SECRET})
+    message = str(info.value)
+    assert "access_key_id" in message and "secret_access_key" in message and "timeout" in message
+    assert isinstance(info.value, ConfigError)
+    _assert_no_secrets(message)
+
+
+@pytest.mark.parametrize("key", ["use_http_conns", "use_http2"])
+def test_unsupported_client_modes_are_refused(s3_endpoint: str, key: str) -> None:
+    with pytest.raises(ValueError, match=key):
+        ObsStore("obs://b/", {"server": s3_endpoint, key: True})
+
+
+def test_two_endpoint_aliases_are_refused(s3_endpoint: str) -> None:
+    with pytest.raises(ValueError, match="endpoint twice"):
+        ObsStore("obs://b/", {"server": s3_endpoint, "endpoint": s3_endpoint})
+
+
+def test_incomplete_credentials_are_refused_without_echoing_them(s3_endpoint: str, monkeypatch) -> None:
+    with pytest.raises(ValueError, match=r"storage_options\['access_key_id'\] is missing") as info:
+        ObsStore("obs://b/", {"server": s3_endpoint, "secret_access_key": SECRET})
+    _assert_no_secrets(str(info.value))
+    monkeypatch.setenv("OBS_SECRET_ACCESS_KEY", ENV_SECRET)
+    with pytest.raises(ValueError, match=r"\$OBS_ACCESS_KEY_ID is missing") as info:
+        ObsStore("obs://b/", {"server": s3_endpoint})
+    _assert_no_secrets(str(info.value))
+
+
+@pytest.mark.parametrize(
+    "url", ["s3://b/p/", "obs:///p/", "obs://AK:SK@b/p/", "obs://b/p/?x=1", "b/p"],
+)
+def test_bad_urls(url: str, s3_endpoint: str) -> None:
+    with pytest.raises(ValueError) as info:
+        ObsStore(url, {"server": s3_endpoint})
+    if "@" in url:
+        assert "AK:SK" not in str(info.value)  # credentials in a URL are not echoed
+
+
+@pytest.mark.parametrize("page_size", [0, 1001, "2", True])
+def test_bad_page_size(page_size, s3_endpoint: str) -> None:
+    with pytest.raises(ValueError, match="page_size"):
+        ObsStore("obs://b/", {"server": s3_endpoint}, page_size=page_size)
+
+
+def test_endpoint_without_scheme_defaults_to_https() -> None:
+    store = ObsStore("obs://b/", _keys("obs.example.com"))  # https: the SDK's ssl warning must not escape
+    try:
+        assert store.endpoint == "https://obs.example.com"
+    finally:
+        store.close()
+
+
+# -- secrets ------------------------------------------------------------------------------------
+
+
+def test_secrets_absent_from_repr_errors_and_logs(
+    make_store, s3_endpoint: str, bucket: str, closed_port: int, monkeypatch, caplog
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("OBS_ACCESS_KEY_ID", "AK-env")
+    monkeypatch.setenv("OBS_SECRET_ACCESS_KEY", ENV_SECRET)
+    monkeypatch.setenv("OBS_SECURITY_TOKEN", ENV_TOKEN)
+    texts = []
+    for store in (
+        make_store(storage_options={"server": s3_endpoint}),
+        make_store(),
+        make_store(f"obs://{bucket}/", {"server": f"http://127.0.0.1:{closed_port}"}),
+        make_store("obs://absent-bucket/", {"server": s3_endpoint}),
+    ):
+        texts += [repr(store), str(store)]
+        for attempt in (lambda: list(store.list()), lambda: store.get("nope", io.BytesIO(), 0, 5)):
+            try:
+                attempt()
+            except OSError as exc:
+                texts += _error_texts(exc)
+    assert any("cannot reach OBS endpoint" in t for t in texts)
+    assert any("no such object" in t for t in texts)
+    assert any("does not exist" in t for t in texts)
+    _assert_no_secrets(*texts, caplog.text)
+
+
+# -- packaging ----------------------------------------------------------------------------------
+
+
+def test_module_imports_without_loading_the_sdk() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, cachepipe.stores.obs; assert 'obs' not in sys.modules, 'SDK imported eagerly'"
+    subprocess.run([sys.executable, "-W", "error", "-c", code], check=True)
+
+
+def test_missing_sdk_says_how_to_install(monkeypatch) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "obs", None)  # makes `from obs import ...` fail
+    with pytest.raises(ImportError, match=r"pip install 'cachepipe\[obs\]'") as info:
+        ObsStore("obs://b/", _keys("http://127.0.0.1:9"))
+    assert isinstance(info.value.__cause__, ImportError)
+
+
+def test_sdk_provider_chain_is_enabled_only_without_keys(make_store, s3_endpoint: str) -> None:
+    # No request is made: without a key pair the SDK would ask ECS metadata (169.254.169.254).
+    assert make_store(storage_options={"server": s3_endpoint})._client.security_provider_policy == "OBS_DEFAULT"
+    assert make_store()._client.security_provider_policy is None

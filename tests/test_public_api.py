@@ -1,0 +1,30 @@
+"""The public surface is curated: __all__ lists exactly what is documented, and nothing else leaks."""
+
+import cachepipe
+
+EXPECTED = {
+    "Pipeline", "CachedItem", "Stats", "PipelineConfig", "parse_size", "parse_capacity",
+    "Store", "ObjectInfo", "open_store",
+    "CachePipeError", "ConfigError", "UnsafeKeyError", "OversizeError", "EmptySourceError",
+    "CacheLockedError", "UnknownItemError", "ItemFailedError", "StoreUnavailableError", "VerificationError",
+}
+
+
+def test_exported_members():
+    assert set(cachepipe.__all__) == EXPECTED
+    public = {name for name in vars(cachepipe) if not name.startswith("_")}
+    modules = {"config", "errors", "pipeline", "stores", "catalog", "cache", "broker", "fetcher", "logging", "annotations"}
+    assert public - modules == EXPECTED
+
+
+def test_every_export_is_documented():
+    for name in cachepipe.__all__:
+        assert getattr(cachepipe, name).__doc__, f"{name} has no docstring"
+
+
+def test_errors_are_builtin_subclasses():
+    assert issubclass(cachepipe.ConfigError, ValueError)
+    assert issubclass(cachepipe.UnsafeKeyError, ValueError)
+    assert issubclass(cachepipe.EmptySourceError, FileNotFoundError)
+    assert issubclass(cachepipe.StoreUnavailableError, ConnectionError)
+    assert issubclass(cachepipe.UnknownItemError, KeyError)
