@@ -10,9 +10,10 @@ front. Consumers block in :meth:`Broker.take` and wake on :meth:`put`, :meth:`fa
 from __future__ import annotations
 
 import heapq
+import itertools
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 __all__ = ["Broker", "Closed", "Failed", "Lease"]
@@ -35,12 +36,18 @@ class Failed:
 
 @dataclass(slots=True)
 class Lease(Generic[T]):
-    """An item handed to a consumer, until it is acked or released."""
+    """An item handed to a consumer, until it is acked, released or expires.
+
+    Attributes:
+        id: a token unique within the broker; ack/release with an id must match the live lease.
+        deadline: monotonic time at which the lease expires, or None (never).
+    """
 
     seq: int
     name: str
     value: T
-    taken_at: float = field(default_factory=time.monotonic)
+    id: str = ""
+    deadline: float | None = None
 
 
 class Broker(Generic[T]):
@@ -48,10 +55,15 @@ class Broker(Generic[T]):
 
     Args:
         ordered: hand out in sequence order (True) or as items become ready (False).
+        lease_timeout: seconds after which an unacknowledged lease expires and its item is
+            handed out again (at least once delivery for consumers that die); None: never.
     """
 
-    def __init__(self, ordered: bool = True) -> None:
+    def __init__(self, ordered: bool = True, lease_timeout: float | None = None) -> None:
         self.ordered = ordered
+        self.lease_timeout = lease_timeout
+        self.redelivered = 0  # leases that expired and were handed out again
+        self._ids = itertools.count(1)
         self._cond = threading.Condition()
         self._ready: list[tuple[int, str, object]] = []  # heap of (seq, name, value | Failed)
         self._resolved: set[int] = set()  # seqs handed out at least once, failed or skipped, above the frontier
@@ -121,6 +133,8 @@ class Broker(Generic[T]):
                 while True:
                     if self._closed:
                         raise Closed()
+                    now = time.monotonic()
+                    next_expiry = self._expire(now)
                     if self._ready and (not self.ordered or self._ready[0][0] <= self._frontier or self._ready[0][0] in self._resolved):
                         seq, name, value = heapq.heappop(self._ready)
                         if seq >= self._frontier and seq not in self._resolved:
@@ -129,32 +143,74 @@ class Broker(Generic[T]):
                         self._cond.notify_all()
                         if isinstance(value, Failed):
                             return value
-                        lease = Lease(seq, name, value)  # type: ignore[arg-type]
+                        expires = None if self.lease_timeout is None else now + self.lease_timeout
+                        lease = Lease(seq, name, value, f"{next(self._ids):x}-{seq}", expires)  # type: ignore[arg-type]
                         self._leases[name] = lease
                         return lease
-                    if self._finished and self._pending == 0 and not self._ready:
-                        return None  # outstanding leases do not hold the end: release before it
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
+                    if self._finished and self._pending == 0 and not self._ready and next_expiry is None:
+                        return None  # outstanding leases without expiry do not hold the end
+                    waits = [t - now for t in (deadline, next_expiry) if t is not None]
+                    wait = min(waits) if waits else None
+                    if deadline is not None and deadline - now <= 0:
                         raise TimeoutError(f"no item became ready within {timeout} s")
-                    self._cond.wait(remaining)
+                    self._cond.wait(max(wait, 0.0) if wait is not None else None)
             finally:
                 self.wait_seconds += time.monotonic() - start
 
-    def ack(self, name: str) -> Lease[T]:
-        """End the lease on ``name``; returns it. Raises KeyError if ``name`` is not leased."""
+    def _expire(self, now: float) -> float | None:
+        """Re-queue expired leases; return the next expiry time among live leases, or None."""
+        if self.lease_timeout is None:
+            return None
+        next_expiry = None
+        for name, lease in list(self._leases.items()):
+            if lease.deadline is None:
+                continue
+            if lease.deadline <= now:
+                del self._leases[name]
+                heapq.heappush(self._ready, (lease.seq, lease.name, lease.value))
+                self.redelivered += 1
+            elif next_expiry is None or lease.deadline < next_expiry:
+                next_expiry = lease.deadline
+        return next_expiry
+
+    def ack(self, name: str, lease_id: str | None = None) -> Lease[T]:
+        """End the lease on ``name``; returns it.
+
+        Raises:
+            KeyError: ``name`` is not leased, or ``lease_id`` is given and is not the live lease
+                (it expired and the item went to another consumer).
+        """
         with self._cond:
-            lease = self._leases.pop(name)
+            lease = self._pop_lease(name, lease_id)
             self._cond.notify_all()
             return lease
 
-    def release(self, name: str) -> Lease[T]:
-        """Give ``name`` back: it is handed out again before anything else."""
+    def release(self, name: str, lease_id: str | None = None) -> Lease[T]:
+        """Give ``name`` back: it is handed out again before anything else. Raises like :meth:`ack`."""
         with self._cond:
-            lease = self._leases.pop(name)
+            lease = self._pop_lease(name, lease_id)
             heapq.heappush(self._ready, (lease.seq, lease.name, lease.value))
             self._cond.notify_all()
             return lease
+
+    def renew(self, name: str, lease_id: str | None = None) -> Lease[T]:
+        """Extend a live lease by ``lease_timeout`` from now (a consumer still working). Raises like :meth:`ack`."""
+        with self._cond:
+            self._expire(time.monotonic())
+            lease = self._leases.get(name)
+            if lease is None or (lease_id is not None and lease.id != lease_id):
+                raise KeyError(name)
+            if self.lease_timeout is not None:
+                lease.deadline = time.monotonic() + self.lease_timeout
+            return lease
+
+    def _pop_lease(self, name: str, lease_id: str | None) -> Lease[T]:
+        self._expire(time.monotonic())
+        lease = self._leases.get(name)
+        if lease is None or (lease_id is not None and lease.id != lease_id):
+            raise KeyError(name)
+        del self._leases[name]
+        return lease
 
     def leased(self) -> list[Lease[T]]:
         with self._cond:

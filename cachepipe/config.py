@@ -123,6 +123,8 @@ class PipelineConfig(BaseModel):
         retries: retries of a transient failure per request before the item fails (default 5).
         retry_backoff: first backoff in seconds, doubled each retry with full jitter (default 0.2).
         retry_backoff_max: cap on one backoff in seconds (default 10).
+        lease_timeout: seconds a handed-out item may stay unacknowledged before it is handed out
+            again (a consumer that died); None (default): never.
         keep_on_close: leave published items in ``cache_dir`` on close (default False).
         progress: show a tqdm progress bar (default False).
     """
@@ -144,5 +146,6 @@ class PipelineConfig(BaseModel):
     retries: int = Field(default=5, ge=0, le=100)
     retry_backoff: float = Field(default=0.2, ge=0, le=60)
     retry_backoff_max: float = Field(default=10.0, gt=0, le=600)
+    lease_timeout: float | None = Field(default=None, gt=0)
     keep_on_close: bool = False
     progress: bool = False

@@ -31,15 +31,18 @@ class CachedItem(os.PathLike):
         name: the item's name (its path relative to the source prefix and to the cache dir).
         size: total bytes.
         files: relative paths of its files, in key order (``("",)`` for a single file).
+        lease: the lease token; ``ack``/``release`` of this object check it, so a consumer whose
+            lease expired cannot evict the item from under the next one.
     """
 
-    __slots__ = ("path", "name", "size", "files")
+    __slots__ = ("path", "name", "size", "files", "lease")
 
-    def __init__(self, path: Path, item: Item) -> None:
+    def __init__(self, path: Path, item: Item, lease: str = "") -> None:
         self.path = path
         self.name = item.name
         self.size = item.size
         self.files = tuple(f.rel for f in item.files)
+        self.lease = lease
 
     def __fspath__(self) -> str:
         return str(self.path)
@@ -70,12 +73,13 @@ class Stats:
 
     items_listed: int
     items_ready: int
-    items_handed: int
+    items_handed: int  # hand-outs, counting re-deliveries
     items_acked: int
     items_released: int
     items_failed: int
     items_skipped: int
     items_reused: int
+    items_redelivered: int
     bytes_listed: int
     bytes_downloaded: int
     bytes_in_cache: int
@@ -150,7 +154,7 @@ class Pipeline:
             self._items = {item.name: item for _seq, item in items}
             self._listed_bytes = sum(item.size for _seq, item in items)
             self._listed = len(items) + self._counts["skipped"]
-            self._broker: Broker[Path] = Broker(ordered=cfg.ordered)
+            self._broker: Broker[Path] = Broker(ordered=cfg.ordered, lease_timeout=cfg.lease_timeout)
             self._fetcher = Fetcher(store, cache, self._broker, items, cfg)
             if cfg.progress:
                 from tqdm.auto import tqdm
@@ -258,37 +262,53 @@ class Pipeline:
             if self._bar is not None:
                 self._bar.update(1)
                 self._bar.set_postfix(cache=f"{self._cache.used / 2**20:.0f}/{self._cache.capacity / 2**20:.0f}MiB", refresh=False)
-            return CachedItem(got.value, self._items[got.name])
+            return CachedItem(got.value, self._items[got.name], got.id)
 
-    def ack(self, path: str | os.PathLike[str]) -> None:
+    def ack(self, path: str | os.PathLike[str], lease: str | None = None) -> None:
         """Acknowledge a delivered item: delete its files and free its space now.
+
+        Args:
+            path: the :class:`CachedItem` (its lease is checked) or its local path.
+            lease: the lease token to check when ``path`` is a plain path (optional).
 
         Raises:
             UnknownItemError: ``path`` is not an item currently handed out (never delivered,
-                already acknowledged or released). Nothing is freed twice.
+                already acknowledged, released, or its lease expired). Nothing is freed twice.
         """
-        name = self._lease(path, "ack").name
+        name = self._lease(path, "ack", lease).name
         self._cache.evict(name)
         self._count("acked")
 
-    def release(self, path: str | os.PathLike[str]) -> None:
+    def release(self, path: str | os.PathLike[str], lease: str | None = None) -> None:
         """Give a delivered item back: it is handed out again, before any other.
 
         Raises:
-            UnknownItemError: ``path`` is not an item currently handed out.
+            UnknownItemError: ``path`` is not an item currently handed out (see :meth:`ack`).
         """
-        self._lease(path, "release")
+        self._lease(path, "release", lease)
         self._count("released")
 
-    def _lease(self, path: str | os.PathLike[str], verb: str) -> Lease[Path]:
+    def renew(self, path: str | os.PathLike[str], lease: str | None = None) -> None:
+        """Extend the lease of a delivered item by ``lease_timeout`` (a consumer still at work).
+
+        Raises:
+            UnknownItemError: ``path`` is not an item currently handed out (see :meth:`ack`).
+        """
+        self._lease(path, "renew", lease)
+
+    def _lease(self, path: str | os.PathLike[str], verb: str, lease: str | None) -> Lease[Path]:
         self._require_open()
-        name = path.name if isinstance(path, CachedItem) else self._name_of(Path(path))
+        if isinstance(path, CachedItem):
+            name, lease = path.name, lease or path.lease
+        else:
+            name = self._name_of(Path(path))
+        action = {"ack": self._broker.ack, "release": self._broker.release, "renew": self._broker.renew}[verb]
         try:
-            return self._broker.ack(name) if verb == "ack" else self._broker.release(name)
+            return action(name, lease)
         except KeyError:
             raise UnknownItemError(
                 f"cannot {verb} {os.fspath(path)!r}: not an item handed out by this pipeline "
-                "(never delivered, already acknowledged, or released)"
+                "(never delivered, already acknowledged or released, or its lease expired)"
             ) from None
 
     def _name_of(self, path: Path) -> str:
@@ -314,6 +334,7 @@ class Pipeline:
             items_failed=c.items_failed,
             items_skipped=mine["skipped"],
             items_reused=c.items_adopted,
+            items_redelivered=self._broker.redelivered,
             bytes_listed=self._listed_bytes,
             bytes_downloaded=c.bytes_downloaded,
             bytes_in_cache=self._cache.used,

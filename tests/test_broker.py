@@ -102,3 +102,28 @@ def test_prefetch_gate_counts_pending_and_unhanded(pending, ready, handed, relea
     assert done.wait(0.2 if not passes else 2) == passes
     b.close()  # wakes the gate if it is still waiting
     t.join()
+
+
+def test_expired_lease_is_handed_out_again_and_stale_ack_rejected():
+    b = Broker(lease_timeout=0.05)
+    b.begin()
+    b.put(0, "a", "A")
+    b.finish()
+    first = b.take(0)
+    second = b.take(timeout=5)  # blocks until the first lease expires, then gets the same item
+    assert second.name == "a" and second.id != first.id and b.redelivered == 1
+    with pytest.raises(KeyError):
+        b.ack("a", first.id)  # the dead consumer's late ack cannot evict the live lease
+    b.renew("a", second.id)
+    b.ack("a", second.id)
+    assert b.take(0) is None
+
+
+def test_stream_end_waits_for_expiring_leases_only():
+    b = Broker(lease_timeout=0.05)
+    b.begin()
+    b.put(0, "a", "A")
+    b.finish()
+    lease = b.take(0)
+    b.ack(lease.name, lease.id)
+    assert b.take(0) is None

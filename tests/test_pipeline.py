@@ -355,3 +355,17 @@ class _nullcontext:
 
     def __exit__(self, *a):
         return False
+
+
+def test_lease_timeout_redelivers_an_unacked_item(s3_source, tmp_path):
+    s3_source.folders(2, {"f": 10})
+    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options, auto_ack=False, lease_timeout=0.2) as pipe:
+        dead = pipe.get(timeout=30)  # this consumer "dies" holding item000
+        live = [pipe.get(timeout=30), pipe.get(timeout=30)]
+        assert sorted(i.name for i in live) == ["item000", "item001"]
+        with pytest.raises(UnknownItemError, match="expired"):
+            pipe.ack(dead)
+        for item in live:
+            pipe.ack(item)
+        assert pipe.get(timeout=30) is None
+        assert pipe.stats().items_redelivered == 1
