@@ -1,17 +1,18 @@
-"""The on-disk cache: ownership lock, capacity ledger, staging, atomic publish, eviction.
+"""The on-disk cache: ownership lock, capacity ledger, staging, atomic publish, eviction, recovery.
 
 This module is the only code that writes the ledger or deletes cached files. Layout::
 
     cache_dir/
       .cachepipe/lock          flock'ed by the owner; holds "pid host"
+      .cachepipe/journal       publishes and acks (see state.py)
+      .cachepipe/catalog       the saved listing (resume only)
       .cachepipe/staging/N     downloads in progress (removed on open and close)
-      .cachepipe/kept          names left by keep_on_close, adopted by the next owner
       <item>/...               published items
 
 Invariant: the bytes of regular files under ``cache_dir`` never exceed the capacity. Space is
 reserved (from listed sizes) before a download starts and released only after the files are
-deleted. Bytes found at open that cachepipe does not manage ("foreign") count against the
-capacity and are never deleted.
+deleted. cachepipe's own state files have a budget reserved up front. Bytes found at open that
+cachepipe does not manage ("foreign") count against the capacity and are never deleted.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import socket
 import threading
 from pathlib import Path
 
-from .catalog import Item, check_key
+from . import state
+from .catalog import Item
 from .config import Share
-from .errors import CacheLockedError, ConfigError, UnsafeKeyError, VerificationError
+from .errors import CacheLockedError, ConfigError, VerificationError
 
 __all__ = ["Cache", "tree_bytes"]
 
@@ -41,11 +43,12 @@ def tree_bytes(root: Path) -> int:
     total = 0
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
+            path = os.path.join(dirpath, name)
             try:
-                st = os.lstat(os.path.join(dirpath, name))
+                st = os.lstat(path)
             except FileNotFoundError:
                 continue  # removed while we walked
-            if not os.path.islink(os.path.join(dirpath, name)):
+            if not os.path.islink(path):
                 total += st.st_size
     return total
 
@@ -60,6 +63,10 @@ def _rmtree(path: Path) -> None:
 class Cache:
     """A size-capped cache directory owned by one pipeline at a time.
 
+    Use: :meth:`open` (lock, clean staging, read the journal), :meth:`recover` (with the catalog:
+    reuse published items, drop stale ones, reserve the state budget), then reserve / stage /
+    publish / evict, and :meth:`close`.
+
     Args:
         root: the cache directory (created if missing).
         capacity: bytes, or a :class:`~cachepipe.config.Share` of the filesystem's free space,
@@ -68,50 +75,110 @@ class Cache:
 
     def __init__(self, root: Path, capacity: int | Share) -> None:
         self.root = Path(root).absolute()
-        self.state = self.root / STATE_DIR
-        self.staging_root = self.state / "staging"
+        self.state_dir = self.root / STATE_DIR
+        self.staging_root = self.state_dir / "staging"
+        self.catalog_path = self.state_dir / "catalog"
         self._capacity_spec = capacity
         self.capacity = 0
         self.foreign = 0  # bytes present at open that we do not manage
+        self.overhead = 0  # bytes budgeted for our own state files
+        self.pass_no = 0
+        self.rebuilt = False  # the journal was unreadable and state was rebuilt from disk
         self._reserved = 0
         self._published: dict[str, int] = {}  # item name -> size
-        self._adoptable: dict[str, int] = {}  # items a keep_on_close owner left -> bytes present
+        self._recovered: dict[str, Path] = {}  # published items found at open, not yet handed out
+        self._replay = state.Replay()
+        self._journal = state.Journal(self.state_dir / "journal")
         self._cond = threading.Condition()
+        self._dirs = threading.Lock()  # parent folders of nested items: made by publish, removed by eviction
         self._closed = False
         self._seq = 0
         self._lock_fd: int | None = None
 
     # ---- lifecycle -------------------------------------------------------------------
     def open(self) -> None:
-        """Take the ownership lock, clear staging leftovers, resolve and check the capacity."""
-        self.state.mkdir(parents=True, exist_ok=True)
+        """Take the ownership lock, delete staging leftovers, resolve the capacity, read the journal.
+
+        Raises:
+            CacheLockedError: another live process owns the directory.
+        """
+        self.state_dir.mkdir(parents=True, exist_ok=True)
         self._lock()
         try:
             if self.staging_root.exists():
                 shutil.rmtree(self.staging_root)
             self.staging_root.mkdir()
             if isinstance(self._capacity_spec, Share):
-                usage = shutil.disk_usage(self.root)
-                self.capacity = int(usage.free * self._capacity_spec.fraction)
+                self.capacity = int(shutil.disk_usage(self.root).free * self._capacity_spec.fraction)
             else:
                 self.capacity = self._capacity_spec
-            kept = self.state / "kept"
-            names = [n for n in (kept.read_text(encoding="utf-8").splitlines() if kept.exists() else []) if _safe_name(n)]
-            self._adoptable = {n: tree_bytes(self.root / n) for n in names if (self.root / n).exists()}
-            self._reserved = sum(self._adoptable.values())
-            self.foreign = tree_bytes(self.root) - self._reserved
-            if self.foreign >= self.capacity:
-                raise ConfigError(
-                    f"cache_dir {str(self.root)!r} already holds {self.foreign} bytes not managed by "
-                    f"cachepipe, not less than the capacity of {self.capacity} bytes; "
-                    "empty it or raise the capacity"
-                )
+            try:
+                self._replay = state.load(self._journal.path)
+            except state.StateCorrupt as exc:
+                log.warning("%s; rebuilding the cache state from the files on disk", exc)
+                self._replay, self.rebuilt = state.Replay(), True
         except BaseException:
             self._unlock()
             raise
 
+    def saved_catalog(self, source: str, mode: str) -> list[Item] | None:
+        """The listing saved by an earlier owner for this source, if any and readable."""
+        try:
+            return state.load_catalog(self.catalog_path, source, mode)
+        except state.StateCorrupt as exc:
+            log.warning("%s; listing the source again", exc)
+            return None
+
+    def save_catalog(self, source: str, mode: str, items: list[Item]) -> None:
+        state.save_catalog(self.catalog_path, source, mode, items)
+
+    def recover(self, items: list[Item], resume: bool) -> set[str]:
+        """Reconcile the disk with the journal and the catalog; return the names already acked.
+
+        Items the journal says are published (or were being published) and whose files match the
+        catalog are reused; other leftovers of ours are deleted; with ``resume`` the acks of the
+        current pass are kept (those items are not delivered again), otherwise a new pass starts.
+        If the journal was unreadable, items whose folder matches the catalog exactly are reused
+        and everything else is left alone as foreign.
+
+        Raises:
+            ConfigError: foreign files and the state budget leave no room under the capacity.
+        """
+        replay = self._replay
+        by_name = {item.name: item for item in items}
+        ours = replay.published | replay.publishing | replay.acked
+        if self.rebuilt:
+            ours = {name for name in by_name if os.path.lexists(self.root / name)}
+        acked = replay.acked if resume else set()
+        for name in sorted(ours):
+            path = self.root / name
+            if not os.path.lexists(path):
+                continue
+            item = by_name.get(name)
+            if name not in acked and item is not None and _matches(path, item):
+                self._published[name] = item.size
+                self._recovered[name] = path
+            elif not self.rebuilt:
+                log.info("removing stale cached item %s", name)
+                self._remove_files(name)
+        self.pass_no = replay.pass_no if resume else replay.pass_no + 1
+        self._journal.rewrite(self.pass_no, self._published, acked)
+        self._reserved = sum(self._published.values())
+        state_files = tree_bytes(self.state_dir)
+        budget = sum(3 * (len(name.encode()) + state.EVENT_OVERHEAD) for name in by_name) + 64
+        self.overhead = state_files + budget
+        self.foreign = tree_bytes(self.root) - self._reserved - state_files
+        if self.foreign + self.overhead >= self.capacity:
+            raise ConfigError(
+                f"cache_dir {str(self.root)!r} holds {self.foreign} bytes not managed by cachepipe and needs "
+                f"{self.overhead} bytes for its state, not less than the capacity of {self.capacity} bytes; "
+                "empty it or raise the capacity"
+            )
+        self._replay = state.Replay()
+        return set(acked)
+
     def _lock(self) -> None:
-        path = self.state / "lock"
+        path = self.state_dir / "lock"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -124,6 +191,7 @@ class Cache:
         self._lock_fd = fd
 
     def _unlock(self) -> None:
+        self._journal.close()
         if self._lock_fd is not None:
             os.ftruncate(self._lock_fd, 0)
             os.close(self._lock_fd)  # closing releases the flock
@@ -138,21 +206,16 @@ class Cache:
     def close(self, keep: bool = False) -> None:
         """Interrupt waiters, delete staging and (unless ``keep``) published items; unlock.
 
-        Call only once no thread writes into staging any more.
+        Kept items stay in the journal and are reused by the next owner. Call only once no
+        thread writes into staging any more.
         """
         self.interrupt()
         if self._lock_fd is None:
             return
         try:
-            kept = self.state / "kept"
-            if keep:
-                _atomic_write(kept, "".join(f"{n}\n" for n in [*self._published, *self._adoptable]))
-            else:
+            if not keep:
                 for name in list(self._published):
-                    self.evict(name)
-                for name in list(self._adoptable):
-                    self._drop_adoptable(name)
-                kept.unlink(missing_ok=True)
+                    self.drop(name)
             try:
                 shutil.rmtree(self.staging_root)
             except FileNotFoundError:
@@ -164,21 +227,15 @@ class Cache:
 
     # ---- the ledger ------------------------------------------------------------------
     @property
-    def available(self) -> int:
-        """Bytes that can still be reserved right now."""
-        with self._cond:
-            return self.capacity - self.foreign - self._reserved
-
-    @property
     def used(self) -> int:
-        """Bytes accounted under the cache directory: foreign + reserved (staging, ready, handed out)."""
+        """Bytes accounted under the cache directory: foreign + state budget + reserved items."""
         with self._cond:
-            return self.foreign + self._reserved
+            return self.foreign + self.overhead + self._reserved
 
     @property
     def limit(self) -> int:
-        """The largest item that can ever fit: capacity minus foreign bytes."""
-        return self.capacity - self.foreign
+        """The largest item that can ever fit: capacity minus foreign bytes and the state budget."""
+        return self.capacity - self.foreign - self.overhead
 
     def reserve(self, size: int) -> bool:
         """Block until ``size`` bytes fit under the capacity and reserve them.
@@ -186,7 +243,7 @@ class Cache:
         Returns False (reserving nothing) if the cache is closed meanwhile.
         """
         with self._cond:
-            while not self._closed and self.foreign + self._reserved + size > self.capacity:
+            while not self._closed and self.foreign + self.overhead + self._reserved + size > self.capacity:
                 self._cond.wait()
             if self._closed:
                 return False
@@ -198,9 +255,13 @@ class Cache:
             self._reserved -= size
             self._cond.notify_all()
 
+    def unreserve(self, size: int) -> None:
+        """Release a reservation that was never staged."""
+        self._release(size)
+
     # ---- staging and publish ---------------------------------------------------------
     def stage(self, item: Item) -> Path:
-        """Create the staging area for ``item``: its folders and empty files of the listed sizes.
+        """Create the staging area for ``item``: its folders and empty files.
 
         Returns the staging path (a directory, or a file for single-object items).
         """
@@ -223,27 +284,10 @@ class Cache:
         """Where ``item`` is (or will be) published."""
         return self.root / item.name
 
-    def adopt(self, item: Item) -> Path | None:
-        """Take over ``item`` if a previous owner left it (keep_on_close) with the listed sizes.
-
-        Returns its path, or None when there is nothing to adopt (the caller downloads it).
-        """
-        if item.name not in self._adoptable:
-            return None
-        path = self.item_path(item)
-        if self._adoptable[item.name] == item.size and _matches(path, item):
-            with self._cond:
-                self._published[item.name] = self._adoptable.pop(item.name)
-            return path
-        self._drop_adoptable(item.name)  # a stale copy of ours: drop it and download afresh
-        return None
-
-    def _drop_adoptable(self, name: str) -> None:
-        size = self._adoptable.pop(name)
-        try:
-            self._remove_files(name)
-        finally:
-            self._release(size)
+    def take_recovered(self, item: Item) -> Path | None:
+        """The path of ``item`` if it was found published at open (reserved already), else None."""
+        with self._cond:
+            return self._recovered.pop(item.name, None)
 
     def publish(self, staged: Path, item: Item) -> Path:
         """Verify sizes, then atomically rename the staged item into place; return its path.
@@ -260,8 +304,11 @@ class Cache:
         final = self.item_path(item)
         if os.path.lexists(final):
             raise FileExistsError(errno.EEXIST, f"cannot publish item {item.name!r}: {final} exists and is not managed by cachepipe")
-        final.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(staged, final)
+        self._journal.append("I", item.name)
+        with self._dirs:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(staged, final)
+        self._journal.append("P", item.name)
         with self._cond:
             self._published[item.name] = item.size
         return final
@@ -273,19 +320,25 @@ class Cache:
         finally:
             self._release(size)
 
-    def unreserve(self, size: int) -> None:
-        """Release a reservation that was never staged."""
-        self._release(size)
-
     def evict(self, name: str) -> None:
-        """Delete a published item and release its space.
+        """An acknowledged item: record the ack, delete its files, release its space.
 
         Raises:
             KeyError: ``name`` is not a published item of this cache.
         """
+        self._remove(name, "A")
+
+    def drop(self, name: str) -> None:
+        """Delete a published item that was not acknowledged (closing, or superseded)."""
+        self._remove(name, "D")
+
+    def _remove(self, name: str, event: str) -> None:
         with self._cond:
             size = self._published.pop(name)
+            self._recovered.pop(name, None)
         try:
+            if event == "A":
+                self._journal.append("A", name)  # durable before the files go: a crash now re-deletes, never re-delivers
             self._remove_files(name)
         finally:
             self._release(size)
@@ -295,54 +348,28 @@ class Cache:
         if os.path.lexists(path):
             _rmtree(path)
         parent = path.parent  # nested single-file items: drop the folders we made, if now empty
-        while parent != self.root and self.root in parent.parents:
-            try:
-                parent.rmdir()
-            except OSError as exc:
-                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
-                    break
-                raise
-            parent = parent.parent
-
-    @property
-    def published_count(self) -> int:
-        with self._cond:
-            return len(self._published)
-
-
-def _safe_name(name: str) -> bool:
-    """A name read back from our own state file is trusted only if it is a safe key."""
-    try:
-        check_key(name)
-    except UnsafeKeyError:
-        return False
-    return True
+        with self._dirs:
+            while parent != self.root and self.root in parent.parents:
+                try:
+                    parent.rmdir()
+                except OSError as exc:
+                    if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                        break
+                    raise
+                parent = parent.parent
 
 
 def _matches(path: Path, item: Item) -> bool:
     """True when ``path`` holds exactly the item's files with the listed sizes."""
     try:
         if item.is_file:
-            return path.is_file() and path.stat().st_size == item.size
+            return path.is_file() and not path.is_symlink() and path.stat().st_size == item.size
         expected = {f.rel: f.size for f in item.files}
         found = {}
         for dirpath, _dirs, files in os.walk(path):
             for name in files:
                 p = Path(dirpath, name)
-                found[p.relative_to(path).as_posix()] = p.stat().st_size
+                found[p.relative_to(path).as_posix()] = p.lstat().st_size
         return found == expected
     except OSError:
         return False
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

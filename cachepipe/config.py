@@ -125,7 +125,12 @@ class PipelineConfig(BaseModel):
         retry_backoff_max: cap on one backoff in seconds (default 10).
         lease_timeout: seconds a handed-out item may stay unacknowledged before it is handed out
             again (a consumer that died); None (default): never.
-        keep_on_close: leave published items in ``cache_dir`` on close (default False).
+        keep_on_close: leave published items in ``cache_dir`` on close (default False); the next
+            owner reuses those whose files still match the listing.
+        resume: continue the pass an earlier owner of ``cache_dir`` was in (after a crash or a
+            restart): items it acknowledged are not delivered again, and its saved listing is
+            used instead of listing the source again (default False: a new pass).
+        relist: with ``resume``, list the source again instead of using the saved listing.
         progress: show a tqdm progress bar (default False).
     """
 
@@ -148,4 +153,6 @@ class PipelineConfig(BaseModel):
     retry_backoff_max: float = Field(default=10.0, gt=0, le=600)
     lease_timeout: float | None = Field(default=None, gt=0)
     keep_on_close: bool = False
+    resume: bool = False
+    relist: bool = False
     progress: bool = False

@@ -60,7 +60,7 @@ class OversizeError(CachePipeError, ValueError):
     """An item is larger than the whole cache capacity."""
 
     def __init__(self, item: str, size: int, capacity: int, occupied: int = 0) -> None:
-        room = f" less {occupied} bytes already in cache_dir" if occupied else ""
+        room = f" less {occupied} bytes taken by other files and cachepipe's state" if occupied else ""
         super().__init__(
             f"item {item!r} is {size} bytes, larger than the cache capacity of {capacity} bytes{room}; "
             "raise capacity or pass on_oversize='skip'"

@@ -113,7 +113,7 @@ class Fetcher:
                 waited = time.monotonic()
                 if self._cfg.prefetch is not None and not self._broker.wait_ahead_below(self._cfg.prefetch):
                     return
-                adopted = self._cache.adopt(item)
+                adopted = self._cache.take_recovered(item)
                 if adopted is not None:
                     self._broker.begin()
                     self._broker.put(seq, item.name, adopted)

@@ -153,7 +153,7 @@ class Pipeline:
             self._store, self._cache = store, cache
             self._items = {item.name: item for _seq, item in items}
             self._listed_bytes = sum(item.size for _seq, item in items)
-            self._listed = len(items) + self._counts["skipped"]
+            self._listed = len(items) + self._counts["skipped"] + self._resumed
             self._broker: Broker[Path] = Broker(ordered=cfg.ordered, lease_timeout=cfg.lease_timeout)
             self._fetcher = Fetcher(store, cache, self._broker, items, cfg)
             if cfg.progress:
@@ -167,17 +167,24 @@ class Pipeline:
 
     def _catalog(self, store: Store, cache: Cache) -> list[tuple[int, Item]]:
         cfg = self.config
+        listing = cache.saved_catalog(cfg.source, cfg.items) if cfg.resume and not cfg.relist else None
+        if listing is None:
+            listing = list(group_items(store.list(), cfg.items))
+            if cfg.resume:
+                cache.save_catalog(cfg.source, cfg.items, listing)
+        acked = cache.recover(listing, resume=cfg.resume)
         planned: list[tuple[int, Item]] = []
-        for item in group_items(store.list(), cfg.items):
+        for item in listing:
             if item.size > cache.limit:
-                error = OversizeError(item.name, item.size, cache.capacity, cache.foreign)
+                error = OversizeError(item.name, item.size, cache.capacity, cache.capacity - cache.limit)
                 if cfg.on_oversize == "raise":
                     raise error
                 log.warning("skipping %s", error)
                 self._counts["skipped"] += 1
-                continue
-            planned.append((len(planned), item))
-        if not planned:
+            elif item.name not in acked:
+                planned.append((len(planned), item))
+        self._resumed = len(acked)
+        if not listing or (not planned and not acked):
             what = "items larger than the capacity" if self._counts["skipped"] else f"{cfg.items} with objects"
             raise EmptySourceError(f"no items under {cfg.source!r}: found no {what}")
         return planned

@@ -49,27 +49,27 @@ def test_delivers_every_item_complete_and_in_order(source, tmp_path):
     assert stats.bytes_downloaded == stats.bytes_listed
     assert stats.items_failed == 0
     assert os.listdir(cache) == [".cachepipe"]
-    assert os.listdir(cache / ".cachepipe") == ["lock"]
+    assert set(os.listdir(cache / ".cachepipe")) <= {"lock", "journal"}
 
 
 def test_hard_cap_and_atomic_publish_sampled_during_run(source, tmp_path):
     data = source.folders(24, {"video.mp4": 50 * KIB, "a/b/c.txt": 3 * KIB})
-    capacity = 3 * 53 * KIB + 100  # about three items
+    item_size = 53 * KIB
+    capacity = 3 * item_size + 4096  # three items and the state budget
     cache = tmp_path / "cache"
     delivered = []
-    item_size = 53 * KIB
     with Sampler(cache, expected=sizes(data)) as sampler:
         with Pipeline(source.url, cache, capacity=capacity, storage_options=source.options, part_size="8KiB", max_concurrency=8) as pipe:
             for path in pipe:
                 # a slow consumer: hold the item until the producer has filled the cache
-                _wait(lambda: (s := pipe.stats()).bytes_in_cache > capacity - item_size or s.items_handed + s.items_ready == 24)
+                _wait(lambda: (s := pipe.stats()).items_ready >= 2 or s.items_handed + s.items_ready == 24)
                 digest = hashlib.md5((path / "video.mp4").read_bytes()).hexdigest()
                 assert digest == hashlib.md5(data[path.name]["video.mp4"]).hexdigest()
                 delivered.append(path.name)
     assert len(delivered) == 24
     assert sampler.samples > 10, "the sampler did not run during the pipeline"
     assert sampler.peak <= capacity, f"cache reached {sampler.peak} bytes, capacity {capacity}"
-    assert sampler.peak > 1.5 * item_size, "the cache never filled: the test did not exercise the cap"
+    assert sampler.peak > 2.5 * item_size, "the cache never filled: the test did not exercise the cap"
     assert sampler.partial == []
 
 
@@ -170,7 +170,7 @@ def test_oversize_item_is_an_error_before_any_download(s3_source, tmp_path):
     with pytest.raises(OversizeError) as info:
         Pipeline(s3_source.url, tmp_path / "c", capacity=4000, storage_options=s3_source.options).open()
     assert "'big'" in str(info.value) and "5000 bytes" in str(info.value) and "capacity of 4000 bytes" in str(info.value)
-    assert os.listdir(tmp_path / "c" / ".cachepipe") == ["lock"]  # nothing downloaded, unlocked
+    assert set(os.listdir(tmp_path / "c" / ".cachepipe")) <= {"lock", "journal"}  # nothing downloaded, unlocked
     with Pipeline(s3_source.url, tmp_path / "c", capacity=4000, storage_options=s3_source.options, on_oversize="skip") as pipe:
         assert [p.name for p in pipe] == ["item000", "item001"]
         assert pipe.stats().items_skipped == 1
@@ -252,7 +252,7 @@ def test_leaving_the_loop_stops_threads_and_cleans_up(s3_source, tmp_path, how):
                         raise exc()
                     break
     assert os.listdir(cache) == [".cachepipe"]
-    assert os.listdir(cache / ".cachepipe") == ["lock"]
+    assert set(os.listdir(cache / ".cachepipe")) <= {"lock", "journal"}
     assert not [t for t in threading.enumerate() if t.name.startswith("cachepipe")]
     with pytest.raises(RuntimeError, match="closed"):
         pipe.open()
@@ -359,13 +359,15 @@ class _nullcontext:
 
 def test_lease_timeout_redelivers_an_unacked_item(s3_source, tmp_path):
     s3_source.folders(2, {"f": 10})
-    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options, auto_ack=False, lease_timeout=0.2) as pipe:
+    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options, auto_ack=False, lease_timeout=0.5) as pipe:
         dead = pipe.get(timeout=30)  # this consumer "dies" holding item000
-        live = [pipe.get(timeout=30), pipe.get(timeout=30)]
-        assert sorted(i.name for i in live) == ["item000", "item001"]
+        other = pipe.get(timeout=30)
+        pipe.ack(other)
+        again = pipe.get(timeout=30)  # blocks until the dead consumer's lease expires
+        assert (dead.name, other.name, again.name) == ("item000", "item001", "item000")
         with pytest.raises(UnknownItemError, match="expired"):
-            pipe.ack(dead)
-        for item in live:
-            pipe.ack(item)
+            pipe.ack(dead)  # its late ack must not evict the item from under the live consumer
+        assert Path(again).exists()
+        pipe.ack(again)
         assert pipe.get(timeout=30) is None
         assert pipe.stats().items_redelivered == 1

@@ -1,0 +1,160 @@
+"""Durable cache state: an append-only journal of publishes and acks, and the saved catalog.
+
+Files under ``cache_dir/.cachepipe/``::
+
+    journal   one event per line, appended with a single write() and flushed:
+                "I <name>"  about to publish (the rename may or may not have happened)
+                "P <name>"  published
+                "A <name>"  acknowledged in the current pass
+                "D <name>"  deleted without an ack (closing without keep_on_close)
+                "N <pass>"  a new pass starts: earlier acks no longer count
+    catalog   the listing, written atomically once per listing (only with resume)
+
+Why a journal and not SQLite: every byte under ``cache_dir`` counts against the hard cap, so
+the state must have a size known in advance. The journal grows by at most three short lines
+per item per pass and is compacted (rewritten atomically) at every open; a SQLite WAL's growth
+is harder to bound. A line is written by one ``write`` call, so a killed process leaves whole
+lines; a torn last line (power loss) is ignored. Any other damage makes :func:`load` raise
+:class:`StateCorrupt`, and the cache then rebuilds its state from the files on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .catalog import FileEntry, Item
+
+__all__ = ["Journal", "Replay", "StateCorrupt", "load", "save_catalog", "load_catalog", "EVENT_OVERHEAD"]
+
+CATALOG_VERSION = 1
+EVENT_OVERHEAD = 3  # bytes per journal line besides the name: "X " and "\n"
+
+
+class StateCorrupt(ValueError):
+    """A state file is unreadable or was written by something else."""
+
+
+@dataclass
+class Replay:
+    """What the journal says: the current pass, and item names by state."""
+
+    pass_no: int = 0
+    published: set[str] = field(default_factory=set)
+    publishing: set[str] = field(default_factory=set)  # intent logged, outcome unknown
+    acked: set[str] = field(default_factory=set)
+
+
+def load(path: Path) -> Replay:
+    """Replay the journal at ``path`` (missing: an empty state)."""
+    replay = Replay()
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return replay
+    lines = data.split(b"\n")
+    if lines and lines[-1] != b"":
+        lines = lines[:-1]  # a torn last line: the write that was cut never completed
+    for number, raw in enumerate(lines, 1):
+        if not raw:
+            continue
+        try:
+            kind, arg = raw.decode("utf-8").split(" ", 1)
+        except ValueError as exc:
+            raise StateCorrupt(f"{path}: line {number} is not a journal event: {raw[:60]!r}") from exc
+        if kind == "I":
+            replay.publishing.add(arg)
+        elif kind == "P":
+            replay.publishing.discard(arg)
+            replay.published.add(arg)
+        elif kind == "A":
+            replay.published.discard(arg)
+            replay.acked.add(arg)
+        elif kind == "D":
+            replay.published.discard(arg)
+            replay.publishing.discard(arg)
+        elif kind == "N":
+            try:
+                replay.pass_no = int(arg)
+            except ValueError as exc:
+                raise StateCorrupt(f"{path}: line {number}: bad pass number {arg!r}") from exc
+            replay.acked.clear()
+        else:
+            raise StateCorrupt(f"{path}: line {number}: unknown event {kind!r}")
+    return replay
+
+
+class Journal:
+    """Appends events; :meth:`rewrite` compacts it atomically to a given state."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def rewrite(self, pass_no: int, published: Iterable[str], acked: Iterable[str]) -> None:
+        """Replace the journal by the minimal one describing this state, then open it for appends."""
+        self.close()
+        text = f"N {pass_no}\n" + "".join(f"P {n}\n" for n in published) + "".join(f"A {n}\n" for n in acked)
+        atomic_write(self.path, text.encode("utf-8"))
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+
+    def append(self, kind: str, arg: str) -> None:
+        if self._fd is None:
+            raise RuntimeError("journal is not open")
+        os.write(self._fd, f"{kind} {arg}\n".encode("utf-8"))
+
+    @property
+    def size(self) -> int:
+        return os.fstat(self._fd).st_size if self._fd is not None else 0
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def save_catalog(path: Path, source: str, mode: str, items: list[Item]) -> None:
+    """Write the listing atomically: a header line, then one JSON line per item."""
+    header = json.dumps({"version": CATALOG_VERSION, "source": source, "items": mode, "count": len(items)})
+    lines = [header] + [
+        json.dumps([item.name, [[f.key, f.rel, f.size, f.etag] for f in item.files]], separators=(",", ":")) for item in items
+    ]
+    atomic_write(path, ("\n".join(lines) + "\n").encode("utf-8"))
+
+
+def load_catalog(path: Path, source: str, mode: str) -> list[Item] | None:
+    """The saved listing for (``source``, ``mode``), or None if there is none or it is for another source."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            header = json.loads(fh.readline())
+            if header.get("version") != CATALOG_VERSION or header.get("source") != source or header.get("items") != mode:
+                return None
+            items = []
+            for line in fh:
+                name, files = json.loads(line)
+                entries = tuple(FileEntry(k, r, s, e) for k, r, s, e in files)
+                items.append(Item(name, entries, sum(f.size for f in entries), is_file=(mode == "files")))
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError, KeyError) as exc:
+        raise StateCorrupt(f"{path}: unreadable catalog: {exc}") from exc
+    if len(items) != header.get("count"):
+        raise StateCorrupt(f"{path}: catalog has {len(items)} items, header says {header.get('count')}")
+    return items
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

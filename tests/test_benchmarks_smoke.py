@@ -1,0 +1,44 @@
+"""The benchmark script runs end to end on a tiny dataset and reports every case and method.
+
+It runs as a subprocess: its moto server, s3fs sessions and threads live and die there, outside
+this test session's warning filters and thread-leak guard. No timing is asserted, only that the
+report is complete and consistent.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_pipeline.py"
+CASES = {"video", "small-files"}
+METHODS = {"cachepipe", "sequential", "original"}
+
+
+def test_quick_benchmark_reports_every_case_and_method(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--repeats", "1", "--json"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+
+    results = {(r["case"], r["method"]): r for r in report["results"]}
+    assert set(results) == {(c, m) for c in CASES for m in METHODS}
+    assert set(report["cases"]) == CASES
+    assert "--quick" in report["command"]
+    for (case, method), r in results.items():
+        assert len(r["runs"]) == 1, (case, method)
+        assert r["median_wall_s"] > 0 and r["mb_per_s"] > 0, (case, method)
+        assert r["ratio_to_sequential"] > 0, (case, method)
+        assert r["median_first_item_s"] is not None and r["median_first_item_s"] > 0, (case, method)
+        assert r["median_requests"] > 0, (case, method)
+        assert r["runs"][0]["bytes"] > 0 and r["runs"][0]["items"] > 0, (case, method)
+    for case in CASES:
+        same_bytes = {results[(case, m)]["runs"][0]["bytes"] for m in METHODS}
+        assert len(same_bytes) == 1, f"{case}: methods delivered different byte counts {same_bytes}"
+        assert results[(case, "sequential")]["ratio_to_sequential"] == 1.0
+        # reported, not judged: what a 5 ms sampler catches depends on timing
+        assert isinstance(results[(case, "cachepipe")]["peak_cache_bytes"], int)
