@@ -268,16 +268,21 @@ class Cache:
         with self._cond:
             self._seq += 1
             path = self.staging_root / str(self._seq)
-        if item.is_file:
-            with open(path, "wb"):
-                pass
-            return path
-        path.mkdir()
-        for f in item.files:
-            target = path / f.rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with open(target, "wb"):
-                pass
+        try:
+            if item.is_file:
+                with open(path, "wb"):
+                    pass
+                return path
+            path.mkdir()
+            for f in item.files:
+                target = path / f.rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with open(target, "wb"):
+                    pass
+        except OSError:
+            if os.path.lexists(path):
+                _rmtree(path)
+            raise
         return path
 
     def item_path(self, item: Item) -> Path:

@@ -120,9 +120,16 @@ class PipelineConfig(BaseModel):
             downloaded, or ``"skip"`` it with a warning in the log.
         on_error: ``"raise"`` (default) a failed item from the iterator, or ``"skip"`` it
             (logged and counted in stats).
-        retries: retries of a transient failure per request before the item fails (default 5).
-        retry_backoff: first backoff in seconds, doubled each retry with full jitter (default 0.2).
+        verify: ``"size"`` (default): every file's size must match the listing before publish;
+            ``"etag"``: also its MD5 where the listing's ETag is one (single-part uploads).
+            A mismatch frees the staging files and downloads the item again.
+        retries: retries of a transient failure per request before the item fails (default 12;
+            with the default backoff they span 36 to 73 seconds: a store outage of that long is ridden out).
+        retry_backoff: first backoff in seconds, doubled each retry, with equal jitter (default 0.2).
         retry_backoff_max: cap on one backoff in seconds (default 10).
+        min_free: pause downloads while the cache filesystem would keep less than this free
+            (a size, or a share of the filesystem's total size such as ``"5%"``); None (default):
+            no floor. The disk may be shared with other tenants.
         lease_timeout: seconds a handed-out item may stay unacknowledged before it is handed out
             again (a consumer that died); None (default): never.
         keep_on_close: leave published items in ``cache_dir`` on close (default False); the next
@@ -148,9 +155,11 @@ class PipelineConfig(BaseModel):
     auto_ack: bool = True
     on_oversize: Literal["raise", "skip"] = "raise"
     on_error: Literal["raise", "skip"] = "raise"
-    retries: int = Field(default=5, ge=0, le=100)
+    verify: Literal["size", "etag"] = "size"
+    retries: int = Field(default=12, ge=0, le=1000)
     retry_backoff: float = Field(default=0.2, ge=0, le=60)
     retry_backoff_max: float = Field(default=10.0, gt=0, le=600)
+    min_free: Annotated[int | Share | None, BeforeValidator(lambda v: None if v is None else parse_capacity(v))] = None
     lease_timeout: float | None = Field(default=None, gt=0)
     keep_on_close: bool = False
     resume: bool = False

@@ -10,19 +10,22 @@ sleeping on the stop event so that :meth:`Fetcher.stop` is immediate.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from .broker import Broker
 from .cache import Cache
 from .catalog import FileEntry, Item
-from .config import PipelineConfig
+from .config import PipelineConfig, Share
 from .errors import ItemFailedError, VerificationError, is_transient
 from .stores.base import Store
 
@@ -37,8 +40,11 @@ def split_ranges(size: int, part_size: int) -> list[tuple[int, int]]:
 
 
 def backoff_delay(attempt: int, base: float, cap: float, rand: Callable[[], float] = random.random) -> float:
-    """Seconds to wait before retry number ``attempt`` (0-based): full jitter over ``base * 2**attempt``."""
-    return rand() * min(cap, base * (2**attempt))
+    """Seconds to wait before retry number ``attempt`` (0-based), with "equal jitter": between half
+    and all of ``min(cap, base * 2**attempt)``, so that retries spread out but the budget of a
+    given number of retries still covers a predictable outage."""
+    delay = min(cap, base * (2**attempt))
+    return delay / 2 + rand() * delay / 2
 
 
 @dataclass
@@ -49,7 +55,25 @@ class _Job:
     parts: int
     error: BaseException | None = None
     error_key: str = ""
+    disk_error: OSError | None = None  # a local write failed: free staging, back off, restart the item
+    attempt: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _StagingFile:
+    """The staging file a part writes into. Remembers a local write failure (disk full, I/O
+    error), whatever a store backend makes of the exception on its way up."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self._fh = fh
+        self.error: OSError | None = None
+
+    def write(self, data: bytes | memoryview) -> int:
+        try:
+            return self._fh.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
 
 
 class FetchCounters:
@@ -63,6 +87,8 @@ class FetchCounters:
         self.items_fetched = 0
         self.items_adopted = 0
         self.items_failed = 0
+        self.disk_errors = 0
+        self.disk_pauses = 0
         self.producer_wait_seconds = 0.0
 
     def add(self, **deltas: float) -> None:
@@ -119,7 +145,7 @@ class Fetcher:
                     self._broker.put(seq, item.name, adopted)
                     self.counters.add(items_adopted=1)
                     continue
-                if not self._cache.reserve(item.size):
+                if not self._wait_for_free_space(item.size) or not self._cache.reserve(item.size):
                     return
                 self.counters.add(producer_wait_seconds=time.monotonic() - waited)
                 if self._stop.is_set():
@@ -133,18 +159,41 @@ class Fetcher:
         finally:
             self._broker.finish()
 
-    def _start(self, seq: int, item: Item) -> None:
+    def _wait_for_free_space(self, size: int) -> bool:
+        """Pause while the filesystem would keep less than ``min_free`` after this item.
+
+        Free space has no change event to wait on, so this is the one place that polls
+        (once a second, on the stop event so that closing is immediate). False if stopped.
+        """
+        need = self._cfg.min_free
+        if need is None:
+            return True
+        paused = False
+        while not self._stop.is_set():
+            usage = shutil.disk_usage(self._cache.root)
+            floor = int(usage.total * need.fraction) if isinstance(need, Share) else need
+            if usage.free - size >= floor:
+                if paused:
+                    log.warning("free space recovered (%d bytes free); resuming downloads", usage.free)
+                return True
+            if not paused:
+                paused = True
+                self.counters.add(disk_pauses=1)
+                log.warning("only %d bytes free under %s, min_free is %d: pausing downloads", usage.free, self._cache.root, floor)
+            self._stop.wait(1.0)
+        return False
+
+    def _start(self, seq: int, item: Item, attempt: int = 0) -> None:
         try:
             staged = self._cache.stage(item)
         except OSError as exc:
-            self._cache.unreserve(item.size)
-            self._report_failure(seq, item, item.files[0].key if item.files else item.name, exc)
+            self._retry_disk_error(_Job(seq, item, self._cache.staging_root / "unstaged", 0, attempt=attempt), exc)
             return
         tasks = []
         for f in item.files:
             local = staged if item.is_file else staged / f.rel
             tasks.extend((f, local, start, end) for start, end in split_ranges(f.size, self._cfg.part_size))
-        job = _Job(seq, item, staged, len(tasks))
+        job = _Job(seq, item, staged, len(tasks), attempt=attempt)
         if not tasks:
             self._finish(job)
             return
@@ -166,15 +215,21 @@ class Fetcher:
     def _get_with_retries(self, job: _Job, f: FileEntry, local: Path, start: int, end: int) -> None:
         cfg = self._cfg
         for attempt in range(cfg.retries + 1):
+            staging = None
             try:
-                with open(local, "r+b") as out:
-                    out.seek(start)
-                    got = self._store.get(f.key, out, start, end)
+                with open(local, "r+b") as fh:
+                    fh.seek(start)
+                    staging = _StagingFile(fh)
+                    got = self._store.get(f.key, staging, start, end)  # type: ignore[arg-type]
                 self.counters.add(requests=1, bytes_downloaded=got)
                 if got != end - start:
                     raise VerificationError(f"{f.key}: short body, {got} of {end - start} bytes at offset {start}")
                 return
             except Exception as exc:
+                if staging is not None and staging.error is not None:
+                    with job.lock:  # the disk, not the store: the whole item restarts from scratch
+                        job.disk_error = job.disk_error or staging.error
+                    return
                 if not is_transient(exc) or attempt == cfg.retries or self._stop.is_set() or job.error is not None:
                     with job.lock:
                         if job.error is None:
@@ -191,6 +246,16 @@ class Fetcher:
         item = job.item
         if self._stop.is_set():
             return  # closing: the cache removes staging wholesale
+        if job.error is None and job.disk_error is not None:
+            self._retry_disk_error(job, job.disk_error)
+            return
+        if job.error is None and self._cfg.verify == "etag":
+            mismatch = _etag_mismatch(job)
+            if mismatch is not None:
+                self.counters.add(retries=1)
+                job.disk_error = mismatch
+                self._retry_disk_error(job, mismatch)
+                return
         if job.error is None:
             try:
                 path = self._cache.publish(job.staged, item)
@@ -203,9 +268,57 @@ class Fetcher:
         self._cache.discard(job.staged, item.size)
         self._report_failure(job.seq, item, job.error_key, job.error)
 
+    def _retry_disk_error(self, job: _Job, error: OSError) -> None:
+        """A local write failed (or the content did not match its ETag): free the item's staging
+        files now, back off, restart the item.
+
+        The reservation is kept, so the cap holds and the item keeps its place in line.
+        """
+        if not isinstance(error, VerificationError):
+            self.counters.add(disk_errors=1)
+        _rmtree_quiet(job.staged)
+        if job.attempt >= self._cfg.retries:
+            self._cache.unreserve(job.item.size)
+            self._report_failure(job.seq, job.item, job.item.name, error)
+            return
+        delay = backoff_delay(job.attempt, self._cfg.retry_backoff, self._cfg.retry_backoff_max)
+        log.warning("local disk error on %s (%s): staging freed, retrying the item in %.2fs", job.item.name, error, delay)
+        if self._stop.wait(delay):
+            return
+        self._start(job.seq, job.item, job.attempt + 1)
+
     def _report_failure(self, seq: int, item: Item, key: str, error: BaseException) -> None:
         self.counters.add(items_failed=1)
         failure = ItemFailedError(item.name, f"{self._store.url.rstrip('/')}/{key}", error)
         failure.__cause__ = error
         log.error("%s", failure)
         self._broker.fail(seq, item.name, failure)
+
+
+def _rmtree_quiet(path: Path) -> None:
+    """Remove a staging path; a failure is logged (the next open removes staging anyway)."""
+    try:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("could not remove staging %s: %s", path, exc)
+
+
+def _etag_mismatch(job: _Job) -> VerificationError | None:
+    """Compare each staged file's MD5 with its ETag where the ETag is a plain MD5.
+
+    Multipart ETags (``<md5>-<parts>``) and missing ones are not content hashes: skipped.
+    """
+    for f in job.item.files:
+        etag = (f.etag or "").lower()
+        if len(etag) != 32 or any(c not in "0123456789abcdef" for c in etag):
+            continue
+        digest = hashlib.md5(usedforsecurity=False)
+        with open(job.staged / f.rel if f.rel else job.staged, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                digest.update(chunk)
+        if digest.hexdigest() != etag:
+            return VerificationError(f"{f.key}: MD5 {digest.hexdigest()} does not match ETag {etag}")
+    return None

@@ -86,6 +86,8 @@ class Stats:
     capacity: int
     requests: int
     retries: int
+    disk_errors: int
+    disk_pauses: int
     consumer_wait_seconds: float
     producer_wait_seconds: float
 
@@ -348,6 +350,8 @@ class Pipeline:
             capacity=self._cache.capacity,
             requests=c.requests,
             retries=c.retries,
+            disk_errors=c.disk_errors,
+            disk_pauses=c.disk_pauses,
             consumer_wait_seconds=self._broker.wait_seconds,
             producer_wait_seconds=c.producer_wait_seconds,
         )

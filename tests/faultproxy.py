@@ -3,7 +3,8 @@
 Faults apply to new connections, in order: ``proxy.inject("cut", 3)`` makes the next three
 connections relay the request but only the first ``cut_after`` bytes of the response, then
 close (a connection dropped mid-body). ``"503"`` answers an S3 ``SlowDown`` error, ``"refuse"``
-closes at once. ``proxy.drop_all()`` closes live (pooled) connections so faults take effect.
+closes at once, ``"corrupt"`` relays the response with flipped body bytes (same length).
+``proxy.drop_all()`` closes live (pooled) connections so faults take effect.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class FaultProxy:
         self.target = (target_host, target_port)
         self.cut_after = cut_after
         self.faults: deque[str] = deque()
-        self.injected: dict[str, int] = {"cut": 0, "503": 0, "refuse": 0}
+        self.injected: dict[str, int] = {"cut": 0, "503": 0, "refuse": 0, "corrupt": 0}
         self.connections = 0
         self._writers: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
@@ -91,17 +92,19 @@ class FaultProxy:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
             self._writers.add(up_writer)
             limit = self.cut_after if fault == "cut" else None
-            await asyncio.gather(self._pipe(reader, up_writer, None), self._pipe(up_reader, writer, limit))
+            await asyncio.gather(self._pipe(reader, up_writer, None), self._pipe(up_reader, writer, limit, corrupt=fault == "corrupt"))
         except (ConnectionError, asyncio.IncompleteReadError, OSError):
             pass  # a client or upstream went away: that is what this proxy is for
         finally:
             self._writers.discard(writer)
             writer.transport.abort()
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limit: int | None) -> None:
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limit: int | None, corrupt: bool = False) -> None:
         sent = 0
         try:
             while data := await reader.read(65536):
+                if corrupt and sent + len(data) > 4096:  # past the headers: flip one body byte per chunk
+                    data = data[:-1] + bytes([data[-1] ^ 0xFF])
                 if limit is not None and sent + len(data) >= limit:
                     writer.write(data[: limit - sent])
                     await writer.drain()

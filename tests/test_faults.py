@@ -53,3 +53,15 @@ def test_item_fails_after_retry_budget_naming_key_and_cause(remote_source, fault
     assert "video/item000/f" in str(info.value)
     assert isinstance(info.value.__cause__, StoreUnavailableError)
     assert list((tmp_path / "c").iterdir()) == [tmp_path / "c" / ".cachepipe"]
+
+
+def test_verify_etag_catches_corrupted_bytes_and_refetches(fault_proxy, s3_source, tmp_path):
+    """A body that arrives with the right length but wrong bytes is caught by the MD5 ETag."""
+    proxy, endpoint = fault_proxy
+    data = s3_source.folders(3, {"f": 30 * KIB})
+    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", storage_options=via(s3_source, endpoint), verify="etag", retry_backoff=0.01, max_concurrency=1) as pipe:
+        proxy.inject("corrupt", 2)
+        got = {p.name: (p / "f").read_bytes() for p in pipe}
+        stats = pipe.stats()
+    assert got == {name: files["f"] for name, files in data.items()}
+    assert proxy.injected["corrupt"] == 2 and stats.retries >= 1

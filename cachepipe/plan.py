@@ -1,0 +1,453 @@
+"""Item order: epochs, seeded shuffle, rank/world and worker split, resume (pure code).
+
+A :class:`Plan` turns the catalog (item sizes) into the sequence of items that one consumer
+reads: epoch after epoch, each epoch a permutation of all items derived from ``(seed, epoch)``
+alone (so every rank computes the same one), split into disjoint shares per rank and, inside a
+rank, per DataLoader worker. It yields :class:`Step` ``(epoch, index, item)``: ``index`` counts
+the steps of this share within the epoch, ``item`` indexes the catalog.
+
+Nothing here does I/O or starts threads. Memory is a few arrays of C ints: for 1,000,000 items
+about 8 MB of sizes plus 4 MB per cached epoch (at most :data:`EPOCHS_CACHED` epochs).
+Computing one epoch walks every item in Python (about 1-3 s per million items).
+
+Splitting by bytes, and its bound
+---------------------------------
+``balance="bytes"`` (default) walks the epoch's permutation and gives each item to the part
+(rank, or worker inside a rank) with the fewest bytes so far; ties go to the part with fewer
+items, then to the lower part number. Every part runs the same walk, so the parts are disjoint
+and together cover the epoch exactly once.
+
+Claim: after every step, for any two parts ``a`` and ``b``, ``bytes(a) - bytes(b) <= s_max``,
+the size of the largest item walked so far. Proof by induction: it holds at the start (all 0).
+A step gives an item of size ``s <= s_max`` to a part ``m`` with the fewest bytes. Pairs
+without ``m`` are unchanged. For any other part ``r``: ``(B_m + s) - B_r <= s <= s_max``
+because ``B_m <= B_r``; and ``B_r - (B_m + s) <= B_r - B_m <= s_max`` by induction. QED.
+
+Counts are not balanced by bytes: one rank may get one large item while another gets many
+small ones, so ranks can run different numbers of steps in an epoch (DDP users then need
+``Join`` or a step cap). With equal sizes the tie-break makes the walk a round-robin, and counts
+differ by at most one; with any sizes the first ``parts`` items go to distinct parts, so when
+there are at least as many items as parts, every rank gets at least one item per epoch.
+``balance="count"`` deals the permutation out round-robin instead: counts differ by at most
+one, bytes are not bounded.
+
+``partition="epoch"`` (default) re-splits every epoch, like torch's ``DistributedSampler``.
+``partition="fixed"`` splits once (by bytes or count, over the permutation of epoch ``-1``)
+and then each rank reads its own items in the order of each epoch's global permutation: a
+rank sees the same items every epoch, which is what lets a per-node cache retain them
+across epochs. Workers are split per epoch in both modes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import os
+import random
+import sys
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from itertools import islice
+from typing import Any, Literal, NamedTuple
+
+from .catalog import Item
+
+__all__ = [
+    "Cursor", "Step", "Plan", "Frontier", "permutation", "split", "default_rank_world",
+    "default_worker", "tick", "EPOCHS_CACHED",
+]
+
+STATE_VERSION = 1
+EPOCHS_CACHED = 4  #: epochs whose shares a plan keeps computed
+_SHIFT = 32  # a tick is epoch << 32 | index
+_MASK = (1 << _SHIFT) - 1
+_MAX_ITEMS = 1 << 32
+_EMPTY_EPOCHS_LIMIT = 1000  # an endless plan whose share stays empty this long is a mistake
+
+
+class Cursor(NamedTuple):
+    """A position in a plan: ``index`` counts the steps of this share within ``epoch``."""
+
+    epoch: int
+    index: int
+
+
+class Step(NamedTuple):
+    """One planned read: the ``index``-th item of this share in ``epoch`` is catalog ``item``."""
+
+    epoch: int
+    index: int
+    item: int
+
+    @property
+    def tick(self) -> int:
+        """This position as one int, ordered like ``(epoch, index)``."""
+        return (self.epoch << _SHIFT) | self.index
+
+
+def tick(epoch: int, index: int) -> int:
+    """``(epoch, index)`` as one int, ordered lexicographically (see :attr:`Step.tick`)."""
+    return (epoch << _SHIFT) | index
+
+
+def _derive(*parts: object) -> int:
+    """A stable 64-bit seed from ``parts`` (Python's ``hash()`` is salted per process)."""
+    text = ":".join(str(p) for p in ("cachepipe.plan", *parts)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big")
+
+
+def permutation(n: int, seed: int, epoch: int) -> array:
+    """The permutation of ``range(n)`` for ``epoch``: a Fisher-Yates shuffle driven by
+    ``random.Random(derived seed).random()``, whose output Python guarantees across versions
+    (``Random.shuffle`` is not guaranteed). Same ``(n, seed, epoch)``, same permutation."""
+    order = array("I", range(n))
+    rand = random.Random(_derive(seed, epoch)).random
+    for i in range(n - 1, 0, -1):
+        j = int(rand() * (i + 1))
+        order[i], order[j] = order[j], order[i]
+    return order
+
+
+def split(order: Sequence[int], sizes: Sequence[int], parts: int, part: int, balance: Literal["bytes", "count"] = "bytes") -> array:
+    """The subsequence of ``order`` that belongs to ``part`` of ``parts`` (see the module notes)."""
+    if parts == 1:
+        return array("I", order)
+    if balance == "count":
+        return array("I", order[part::parts])
+    mine = array("I")
+    keep = mine.append
+    heap = [(0, 0, p) for p in range(parts)]  # (bytes, items, part): min bytes, then count, then part
+    replace = heapq.heapreplace
+    for x in order:
+        b, c, p = heap[0]
+        if p == part:
+            keep(x)
+        replace(heap, (b + sizes[x], c + 1, p))
+    return mine
+
+
+def _env_int(environ: Mapping[str, str], name: str) -> int:
+    text = environ[name]
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: expected a non-negative integer") from None
+
+
+def _check_rank(rank: int, world_size: int, source: str, names: tuple[str, str] = ("rank", "world_size")) -> tuple[int, int]:
+    if world_size < 1:
+        raise ValueError(f"{names[1]} {world_size} ({source}): expected an integer >= 1")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"{names[0]} {rank} ({source}): expected 0 <= {names[0]} < {names[1]} = {world_size}")
+    return rank, world_size
+
+
+def default_rank_world(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """``(rank, world_size)`` of this process: from ``torch.distributed`` if torch is already
+    imported and the process group is initialised, else from the ``RANK`` and ``WORLD_SIZE``
+    variables (torchrun), else ``(0, 1)``. Torch is never imported here.
+
+    Raises:
+        ValueError: a malformed or inconsistent value, named (``RANK='x'``, rank >= world size,
+            only one of the two variables set).
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return _check_rank(int(dist.get_rank()), int(dist.get_world_size()), "torch.distributed")
+    env = os.environ if environ is None else environ
+    has_rank, has_world = "RANK" in env, "WORLD_SIZE" in env
+    if not has_rank and not has_world:
+        return 0, 1
+    if has_rank != has_world:
+        missing, present = ("WORLD_SIZE", "RANK") if has_rank else ("RANK", "WORLD_SIZE")
+        raise ValueError(f"{present}={env[present]!r} is set but {missing} is not: set both (torchrun does) or neither")
+    rank, world = _env_int(env, "RANK"), _env_int(env, "WORLD_SIZE")
+    return _check_rank(rank, world, "from RANK and WORLD_SIZE", ("RANK", "WORLD_SIZE"))
+
+
+def default_worker() -> tuple[int, int]:
+    """``(worker, num_workers)`` inside a torch DataLoader worker (if torch is already
+    imported), else ``(0, 1)``."""
+    data = sys.modules.get("torch.utils.data")
+    info = data.get_worker_info() if data is not None else None
+    return (0, 1) if info is None else (int(info.id), int(info.num_workers))
+
+
+def _check_int(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} {value!r}: expected an integer >= {low}")
+    return value
+
+
+class Plan:
+    """The item order of one consumer: epochs, seeded shuffle, rank and worker shares, resume.
+
+    Args:
+        sizes: the catalog, as item sizes in bytes or :class:`~cachepipe.catalog.Item` objects;
+            a step's ``item`` indexes this sequence.
+        epochs: number of passes, or None for endless.
+        shuffle: a new permutation every epoch (False: catalog order every epoch).
+        seed: with ``epoch``, the only input of the permutation.
+        rank, world_size: this process's share; both None (default): :func:`default_rank_world`.
+        worker, num_workers: this DataLoader worker's share of the rank's share.
+        balance: ``"bytes"`` (default) or ``"count"`` (see the module notes).
+        partition: ``"epoch"`` (default) or ``"fixed"`` (see the module notes).
+        start: the first position to yield (usually from :meth:`load_state_dict`).
+
+    Raises:
+        ValueError: a bad argument, named with its value and what is accepted.
+    """
+
+    def __init__(
+        self,
+        sizes: Sequence[int] | Sequence[Item],
+        *,
+        epochs: int | None = 1,
+        shuffle: bool = False,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        worker: int = 0,
+        num_workers: int = 1,
+        balance: Literal["bytes", "count"] = "bytes",
+        partition: Literal["epoch", "fixed"] = "epoch",
+        start: Cursor | tuple[int, int] | None = None,
+    ) -> None:
+        self.sizes = array("q", (s.size if isinstance(s, Item) else s for s in sizes))
+        for i, size in enumerate(self.sizes):
+            if size < 0:
+                raise ValueError(f"sizes[{i}] = {size}: expected a size >= 0 bytes")
+        if len(self.sizes) >= _MAX_ITEMS:
+            raise ValueError(f"{len(self.sizes)} items: at most {_MAX_ITEMS - 1} are supported")
+        if epochs is not None:
+            _check_int("epochs", epochs, 1)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed {seed!r}: expected an integer")
+        if rank is None and world_size is None:
+            rank, world_size = default_rank_world()
+        elif rank is None or world_size is None:
+            raise ValueError(f"rank {rank!r}, world_size {world_size!r}: give both or neither")
+        _check_int("world_size", world_size, 1)
+        _check_int("rank", rank, 0)
+        _check_rank(rank, world_size, "given")
+        _check_int("num_workers", num_workers, 1)
+        _check_int("worker", worker, 0)
+        _check_rank(worker, num_workers, "given", ("worker", "num_workers"))
+        if balance not in ("bytes", "count"):
+            raise ValueError(f"balance {balance!r}: expected 'bytes' or 'count'")
+        if partition not in ("epoch", "fixed"):
+            raise ValueError(f"partition {partition!r}: expected 'epoch' or 'fixed'")
+        if epochs is None and len(self.sizes) < world_size * num_workers:
+            raise ValueError(
+                f"{len(self.sizes)} items for world_size {world_size} x num_workers {num_workers}: "
+                "an endless plan needs at least one item per share"
+            )
+        self.n_items = len(self.sizes)
+        self.epochs, self.shuffle, self.seed = epochs, bool(shuffle), seed
+        self.rank, self.world_size, self.worker, self.num_workers = rank, world_size, worker, num_workers
+        self.balance, self.partition = balance, partition
+        self._lock = threading.Lock()  # the epoch caches may be read by the fetcher and the cache
+        self._shares: OrderedDict[int, array] = OrderedDict()
+        self._wheres: OrderedDict[int, array] = OrderedDict()
+        self._mine: bytearray | None = None  # partition="fixed": membership of this rank
+        self._digest: str | None = None
+        self.start = Cursor(0, 0)
+        if start is not None:
+            self.start = self.normalise(Cursor(*start))
+
+    def __repr__(self) -> str:
+        return (
+            f"Plan({self.n_items} items, epochs={self.epochs}, shuffle={self.shuffle}, seed={self.seed}, "
+            f"rank={self.rank}/{self.world_size}, worker={self.worker}/{self.num_workers})"
+        )
+
+    # ---- one epoch -------------------------------------------------------------------
+    def order(self, epoch: int) -> array:
+        """The whole epoch's order (all ranks), before splitting."""
+        if self.shuffle:
+            return permutation(self.n_items, self.seed, epoch)
+        return array("I", range(self.n_items))
+
+    def share(self, epoch: int) -> array:
+        """The catalog indices this (rank, worker) reads in ``epoch``, in order (cached)."""
+        with self._lock:
+            got = self._shares.get(epoch)
+            if got is not None:
+                self._shares.move_to_end(epoch)
+                return got
+            got = self._compute_share(epoch)
+            self._shares[epoch] = got
+            if len(self._shares) > EPOCHS_CACHED:
+                self._shares.popitem(last=False)
+            return got
+
+    def where(self, epoch: int) -> array:
+        """For each catalog item, its index in :meth:`share` of ``epoch``, or -1 (cached)."""
+        share = self.share(epoch)
+        with self._lock:
+            got = self._wheres.get(epoch)
+            if got is not None:
+                self._wheres.move_to_end(epoch)
+                return got
+            got = array("i", [-1]) * self.n_items
+            for j, x in enumerate(share):
+                got[x] = j
+            self._wheres[epoch] = got
+            if len(self._wheres) > EPOCHS_CACHED:
+                self._wheres.popitem(last=False)
+            return got
+
+    def _compute_share(self, epoch: int) -> array:
+        order = self.order(epoch)
+        if self.world_size > 1:
+            if self.partition == "fixed":
+                if self._mine is None:
+                    base = permutation(self.n_items, self.seed, -1) if self.shuffle else order
+                    mine = bytearray(self.n_items)
+                    for x in split(base, self.sizes, self.world_size, self.rank, self.balance):
+                        mine[x] = 1
+                    self._mine = mine
+                mine = self._mine
+                order = array("I", (x for x in order if mine[x]))
+            else:
+                order = split(order, self.sizes, self.world_size, self.rank, self.balance)
+        return split(order, self.sizes, self.num_workers, self.worker, self.balance)
+
+    # ---- positions -------------------------------------------------------------------
+    def done(self, epoch: int) -> bool:
+        """True when ``epoch`` is past the last epoch of a finite plan."""
+        return self.epochs is not None and epoch >= self.epochs
+
+    def normalise(self, cursor: Cursor | tuple[int, int]) -> Cursor:
+        """The position of the next step at or after ``cursor`` (skipping ends of epochs and
+        empty shares); ``(epochs, 0)`` once a finite plan is exhausted.
+
+        Raises:
+            ValueError: a negative position, or an index beyond the end of its epoch's share.
+        """
+        epoch, index = cursor
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or isinstance(index, bool) or not isinstance(index, int) or epoch < 0 or index < 0:
+            raise ValueError(f"position {tuple(cursor)!r}: expected (epoch, index) of integers >= 0")
+        if self.done(epoch):
+            if (epoch, index) != (self.epochs, 0):
+                raise ValueError(f"position {tuple(cursor)!r}: beyond the end of a {self.epochs}-epoch plan")
+            return Cursor(epoch, 0)
+        length = len(self.share(epoch))
+        if index > length:
+            raise ValueError(f"position {tuple(cursor)!r}: epoch {epoch} has {length} steps for this share")
+        empty = 0
+        while index == len(self.share(epoch)):
+            epoch, index = epoch + 1, 0
+            if self.done(epoch):
+                break
+            empty += 1
+            if empty > _EMPTY_EPOCHS_LIMIT:
+                raise ValueError(f"{self!r}: no items for this share in {_EMPTY_EPOCHS_LIMIT} consecutive epochs")
+        return Cursor(epoch, index)
+
+    def after(self, step: Step | Cursor | tuple[int, ...]) -> Cursor:
+        """The position of the step that follows ``step``."""
+        return self.normalise(Cursor(step[0], step[1] + 1))
+
+    def steps(self, start: Cursor | tuple[int, int] | None = None) -> Iterator[Step]:
+        """Yield the steps from ``start`` (default :attr:`start`) to the end of the plan."""
+        epoch, index = self.normalise(self.start if start is None else start)
+        while not self.done(epoch):
+            share = self.share(epoch)
+            for j in range(index, len(share)):
+                yield Step(epoch, j, share[j])
+            epoch, index = self.normalise(Cursor(epoch, len(share)))
+
+    def __iter__(self) -> Iterator[Step]:
+        return self.steps()
+
+    def future(self, start: Cursor | tuple[int, int], horizon: int) -> Iterator[Step]:
+        """The next ``horizon`` steps from ``start`` (fewer at the end of a finite plan)."""
+        return islice(self.steps(start), horizon)
+
+    # ---- resume ----------------------------------------------------------------------
+    def sizes_digest(self) -> str:
+        """A digest of the item sizes: a state is only valid for the catalog it was made on."""
+        if self._digest is None:
+            self._digest = hashlib.blake2b(self.sizes.tobytes(), digest_size=16).hexdigest()
+        return self._digest
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION, "n_items": self.n_items, "sizes_digest": self.sizes_digest(),
+            "epochs": self.epochs, "shuffle": self.shuffle, "seed": self.seed,
+            "world_size": self.world_size, "rank": self.rank, "num_workers": self.num_workers,
+            "worker": self.worker, "balance": self.balance, "partition": self.partition,
+        }
+
+    def state_dict(self, consumed: Step | Cursor | tuple[int, ...] | None = None) -> dict[str, Any]:
+        """A JSON-able state to resume from: the configuration and the next unconsumed position.
+
+        Args:
+            consumed: the last consumed step (resume after it); None: resume at :attr:`start`.
+        """
+        nxt = self.start if consumed is None else self.after(consumed)
+        return {**self._config(), "epoch": nxt.epoch, "index": nxt.index}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a :meth:`state_dict`: iteration restarts at its next unconsumed step.
+
+        Raises:
+            ValueError: the state was made by a different configuration (the first differing
+                key is named, with both values), or is malformed.
+        """
+        mine = self._config()
+        missing = [k for k in (*mine, "epoch", "index") if k not in state]
+        if missing:
+            raise ValueError(f"plan state is missing {missing}: not a state_dict() of a Plan")
+        for key, value in mine.items():
+            if state[key] != value:
+                raise ValueError(f"plan state was saved with {key}={state[key]!r}, this plan has {key}={value!r}: cannot resume")
+        self.start = self.normalise(Cursor(state["epoch"], state["index"]))
+
+
+class Frontier:
+    """The resume point when steps are consumed out of order (several consumers, leases).
+
+    The producer :meth:`issue` s steps in plan order and gets consecutive sequence numbers;
+    consumers :meth:`consume` them in any order. :attr:`position` is the first step not yet
+    consumed, so a resume re-delivers only steps that were never acknowledged.
+    """
+
+    def __init__(self, plan: Plan, start: Cursor | None = None) -> None:
+        self.plan = plan
+        self.position = plan.normalise(plan.start if start is None else start)
+        self._issued: dict[int, Step] = {}
+        self._consumed: set[int] = set()
+        self._next_seq = 0
+        self._low = 0  # every seq below it is consumed
+
+    def issue(self, step: Step) -> int:
+        """Record the next step handed to the producer; returns its sequence number."""
+        seq = self._next_seq
+        self._next_seq += 1
+        self._issued[seq] = step
+        return seq
+
+    def consume(self, seq: int) -> None:
+        """Mark step ``seq`` consumed (acknowledged); idempotent.
+
+        Raises:
+            KeyError: ``seq`` was never issued.
+        """
+        if seq < self._low or seq in self._consumed:
+            return
+        if seq not in self._issued:
+            raise KeyError(f"sequence number {seq} was never issued")
+        self._consumed.add(seq)
+        while self._low in self._consumed:
+            self._consumed.discard(self._low)
+            self.position = self.plan.after(self._issued.pop(self._low))
+            self._low += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """The plan's state at the first unconsumed step."""
+        return {**self.plan._config(), "epoch": self.position.epoch, "index": self.position.index}
+

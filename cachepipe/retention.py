@@ -1,0 +1,545 @@
+"""Retention across epochs (``retain="auto"``): which acknowledged items stay on disk, and which
+to evict to make room for a download. Pure bookkeeping: the cache does the deleting.
+
+A policy sees each item in one of three states:
+
+- *pinned*: being downloaded, ready, or handed out, i.e. fetched for a step that is not yet
+  acknowledged. Never a victim.
+- *retained*: acknowledged and kept on disk for a later step. Evictable.
+- absent: not on disk.
+
+The calls, all made under the cache's lock (a policy is not thread-safe), in this order::
+
+    fetcher reaches step t needing item x:
+        if policy.on_fetch(x, t):          # x is on disk (retained, or pinned by an earlier step)
+            hand out the copy on disk      # x is pinned again; no download
+        else:
+            while free < size[x]:
+                victims = policy.choose_victims(size[x] - free, x, t, urgent=consumer_starving)
+                if victims is None: wait for an ack (or for the consumer to starve), then retry
+                else: delete each victim (the policy has already forgotten them)
+            reserve size[x]; policy.on_admit(x, t); download
+    consumer acknowledges step t of item x:
+        if not policy.on_ack(x, t): delete x now        # else x stays on disk
+    a download of x fails or is discarded:
+        policy.forget(x)
+
+Ticks order the steps: a sequence index (:class:`SequenceFuture`) or a plan's
+``Step.tick`` (:class:`PlanFuture`). Policies:
+
+- ``belady`` (``auto``): Belady's MIN generalised to sizes. A download evicts the retained items
+  whose next use is farthest. With prefetch, the decision is the one MIN would take when the
+  step is actually read, so it *waits* (returns None) while a pinned item, which will be
+  acknowledged before step ``t``, has a farther next use than every candidate: when that item is
+  acknowledged it becomes the victim instead. It never evicts an item whose next use comes
+  before ``t`` (the "do no harm" rule of Cao, Felten, Karlin and Li, 1995). ``reserve`` bytes
+  are kept for prefetching: while fewer bytes are pinned, it evicts rather than waits, so that
+  retention cannot shrink the prefetch window to nothing (which would put every download on the
+  consumer's critical path). With equal sizes MIN is optimal (Belady 1966; Mattson et al.
+  1970); with variable sizes the exact optimum is NP-hard and MIN is a heuristic.
+- ``lru``: evict the least recently acknowledged retained item (for comparison).
+- ``none``: evict every item when it is acknowledged.
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from .plan import Plan, tick as plan_tick
+
+__all__ = [
+    "NEVER", "NextUse", "SequenceFuture", "PlanFuture", "RetentionPolicy", "Belady", "LRU", "NoRetention",
+    "make_policy", "SimResult", "run", "simulate", "belady_min", "compulsory_bytes",
+]
+
+NEVER = (1 << 63) - 1  #: the next use of an item that is not read again
+_ITEM_BITS = 32
+_ITEM_MASK = (1 << _ITEM_BITS) - 1
+
+
+class NextUse(Protocol):
+    """The future access order, as next-use lookups."""
+
+    def next_use(self, item: int, tick: int) -> int:
+        """The tick of the next read of ``item`` after its read at ``tick``, or :data:`NEVER`."""
+        ...
+
+
+class SequenceFuture:
+    """Next uses in a finite sequence of item indices (ticks are positions), from one backward
+    pass: 8 bytes per step."""
+
+    def __init__(self, sequence: Sequence[int]) -> None:
+        n = len(sequence)
+        nxt = array("q", [NEVER]) * n
+        last: dict[int, int] = {}
+        for i in range(n - 1, -1, -1):
+            x = sequence[i]
+            nxt[i] = last.get(x, NEVER)
+            last[x] = i
+        self._next = nxt
+
+    def next_use(self, item: int, tick: int) -> int:
+        return self._next[tick]
+
+
+class PlanFuture:
+    """Next uses in a :class:`~cachepipe.plan.Plan`, looking ``horizon`` epochs ahead.
+
+    A share holds an item at most once per epoch, so the next use of an item read in epoch
+    ``e`` is its index in the first of epochs ``e+1 .. e+horizon`` whose share holds it. Not
+    found: :data:`NEVER` if the plan ends first, else the first tick past the horizon (a lower
+    bound: such items are evicted first, in no particular order among themselves).
+    Keeps ``horizon + 2`` epochs of index arrays (4 bytes per catalog item each).
+    """
+
+    def __init__(self, plan: Plan, horizon: int = 2) -> None:
+        if horizon < 1:
+            raise ValueError(f"horizon {horizon!r}: expected at least 1 epoch")
+        self.plan, self.horizon = plan, horizon
+        self._where: OrderedDict[int, array] = OrderedDict()
+
+    def where(self, epoch: int) -> array:
+        """For each catalog item, its index in the plan's share of ``epoch``, or -1 (cached)."""
+        got = self._where.get(epoch)
+        if got is not None:
+            self._where.move_to_end(epoch)
+            return got
+        got = array("i", [-1]) * self.plan.n_items
+        for j, x in enumerate(self.plan.share(epoch)):
+            got[x] = j
+        self._where[epoch] = got
+        if len(self._where) > self.horizon + 2:
+            self._where.popitem(last=False)
+        return got
+
+    def prepare(self, epoch: int) -> None:
+        """Compute the lookups needed while reading ``epoch`` (call it outside any lock when
+        the plan enters an epoch: one epoch takes about a second per million items)."""
+        for e in range(epoch + 1, epoch + 1 + self.horizon):
+            if self.plan.done(e):
+                return
+            self.where(e)
+
+    def next_use(self, item: int, tick: int) -> int:
+        epoch = tick >> 32
+        for e in range(epoch + 1, epoch + 1 + self.horizon):
+            if self.plan.done(e):
+                return NEVER
+            j = self.where(e)[item]
+            if j >= 0:
+                return plan_tick(e, j)
+        return NEVER if self.plan.done(epoch + 1 + self.horizon) else plan_tick(epoch + 1 + self.horizon, 0)
+
+
+class RetentionPolicy:
+    """Bookkeeping shared by the policies: pins and retained bytes. See the module notes.
+
+    Args:
+        sizes: bytes of each catalog item.
+        future: next-use lookups (required by :class:`Belady`).
+        reserve: bytes kept for prefetching (see :class:`Belady`).
+    """
+
+    name = "base"
+
+    def __init__(self, sizes: Sequence[int], future: NextUse | None = None, *, reserve: int = 0) -> None:
+        if reserve < 0:
+            raise ValueError(f"reserve {reserve!r}: expected bytes >= 0")
+        self.sizes = sizes if isinstance(sizes, array) else array("q", sizes)
+        self.future = future
+        self.reserve = reserve
+        self._pins = array("I", [0]) * len(self.sizes)
+        self.pinned_bytes = 0
+        self.retained_bytes = 0
+
+    # ---- the protocol ----------------------------------------------------------------
+    def on_fetch(self, item: int, tick: int) -> bool:
+        """The fetcher reached ``tick``, which reads ``item``. True: it is on disk and now
+        pinned (hand it out, no download). False: download it (:meth:`choose_victims`, then
+        :meth:`on_admit`)."""
+        if self._pins[item]:
+            self._pins[item] += 1
+            self._pinned(item, tick)
+            return True
+        if self._release(item):
+            self.retained_bytes -= self.sizes[item]
+            self._pins[item] = 1
+            self.pinned_bytes += self.sizes[item]
+            self._pinned(item, tick)
+            return True
+        return False
+
+    def on_admit(self, item: int, tick: int) -> None:
+        """Space for ``item`` is reserved and its download starts: it is pinned.
+
+        Raises:
+            ValueError: ``item`` is already on disk (:meth:`on_fetch` said so).
+        """
+        if self._pins[item] or self._is_retained(item):
+            raise ValueError(f"item {item} is already on disk: on_fetch() returned True for it")
+        self._pins[item] = 1
+        self.pinned_bytes += self.sizes[item]
+        self._pinned(item, tick)
+
+    def on_ack(self, item: int, tick: int) -> bool:
+        """The step ``tick`` of ``item`` is acknowledged. True: keep the files (retained, or
+        still pinned by a later step); False: delete them now.
+
+        Raises:
+            KeyError: ``item`` is not pinned.
+        """
+        if not self._pins[item]:
+            raise KeyError(f"item {item} is not pinned: acknowledged twice, or never fetched")
+        self._pins[item] -= 1
+        if self._pins[item]:
+            return True
+        self.pinned_bytes -= self.sizes[item]
+        if self._retain(item, tick):
+            self.retained_bytes += self.sizes[item]
+            return True
+        return False
+
+    def forget(self, item: int) -> None:
+        """``item``'s files are gone without an ack (a failed or discarded download): drop one
+        pin, or its retained state."""
+        if self._pins[item]:
+            self._pins[item] -= 1
+            if not self._pins[item]:
+                self.pinned_bytes -= self.sizes[item]
+        elif self._release(item):
+            self.retained_bytes -= self.sizes[item]
+
+    def choose_victims(self, needed_bytes: int, item: int, tick: int, *, urgent: bool = False) -> list[int] | None:
+        """Retained items to delete so that ``needed_bytes`` more are free for ``item`` at
+        ``tick``; ``[]`` if ``needed_bytes <= 0``. None: evict nothing and wait for an ack.
+        The returned items are forgotten by the policy: the caller must delete them.
+
+        ``urgent``: the consumer is blocked waiting for this step, so waiting for an ack is
+        not an option (Belady then ignores its wait rule, never its "do no harm" rule).
+        """
+        if needed_bytes <= 0:
+            return []
+        return self._victims(needed_bytes, item, tick, urgent)
+
+    def is_pinned(self, item: int) -> bool:
+        return self._pins[item] > 0
+
+    def is_retained(self, item: int) -> bool:
+        return self._is_retained(item)
+
+    # ---- per policy ------------------------------------------------------------------
+    def _pinned(self, item: int, tick: int) -> None:
+        """``item`` was pinned (again) for the step at ``tick``."""
+
+    def _retain(self, item: int, tick: int) -> bool:
+        raise NotImplementedError
+
+    def _release(self, item: int) -> bool:
+        """Drop ``item`` from the retained set; False if it was not retained."""
+        raise NotImplementedError
+
+    def _is_retained(self, item: int) -> bool:
+        raise NotImplementedError
+
+    def _victims(self, needed: int, item: int, tick: int, urgent: bool) -> list[int] | None:
+        raise NotImplementedError
+
+
+class NoRetention(RetentionPolicy):
+    """Evict on ack: nothing outlives its step (besides a later step already pinning it)."""
+
+    name = "none"
+
+    def _retain(self, item: int, tick: int) -> bool:
+        return False
+
+    def _release(self, item: int) -> bool:
+        return False
+
+    def _is_retained(self, item: int) -> bool:
+        return False
+
+    def _victims(self, needed: int, item: int, tick: int, urgent: bool) -> list[int] | None:
+        return None
+
+
+class LRU(RetentionPolicy):
+    """Keep every acknowledged item; evict the least recently acknowledged first."""
+
+    name = "lru"
+
+    def __init__(self, sizes: Sequence[int], future: NextUse | None = None, *, reserve: int = 0) -> None:
+        super().__init__(sizes, future, reserve=reserve)
+        self._order: OrderedDict[int, None] = OrderedDict()
+
+    def _retain(self, item: int, tick: int) -> bool:
+        self._order[item] = None
+        return True
+
+    def _release(self, item: int) -> bool:
+        if item not in self._order:
+            return False
+        del self._order[item]
+        return True
+
+    def _is_retained(self, item: int) -> bool:
+        return item in self._order
+
+    def _victims(self, needed: int, item: int, tick: int, urgent: bool) -> list[int] | None:
+        victims, freed = [], 0
+        for x in self._order:
+            if freed >= needed:
+                break
+            victims.append(x)
+            freed += self.sizes[x]
+        if freed < needed:
+            return None
+        for x in victims:
+            del self._order[x]
+        self.retained_bytes -= freed
+        return victims
+
+
+class Belady(RetentionPolicy):
+    """Belady's MIN with sizes, prefetch-aware (see the module notes). Needs ``future``.
+
+    Two max-heaps of encoded ``(next use, item)`` with lazy deletion: the retained items, and
+    the pinned ones keyed by their next use after their last pinned step. A lookup is
+    O(log n); the heaps are compacted when stale entries outnumber live ones.
+    """
+
+    name = "belady"
+
+    def __init__(self, sizes: Sequence[int], future: NextUse | None = None, *, reserve: int = 0) -> None:
+        if future is None:
+            raise ValueError("the belady policy needs the future access order (a SequenceFuture or PlanFuture)")
+        super().__init__(sizes, future, reserve=reserve)
+        n = len(self.sizes)
+        self._rkey = array("q", [-1]) * n  # retained: next use; -1 not retained
+        self._pkey = array("q", [-1]) * n  # pinned: next use after the last pinned step
+        self._rheap: list[int] = []
+        self._pheap: list[int] = []
+        self._retained = 0
+        self._pinned_items = 0
+
+    @staticmethod
+    def _enc(key: int, item: int) -> int:
+        return -((key << _ITEM_BITS) | item)
+
+    def _top(self, heap: list[int], keys: array) -> tuple[int, int] | None:
+        """The valid entry of largest key (stale ones are dropped), not removed."""
+        while heap:
+            v = -heap[0]
+            key, item = v >> _ITEM_BITS, v & _ITEM_MASK
+            if keys[item] == key:
+                return key, item
+            heapq.heappop(heap)
+        return None
+
+    def _push(self, heap: list[int], keys: array, key: int, item: int, live: int) -> None:
+        heapq.heappush(heap, self._enc(key, item))
+        if len(heap) > 2 * live + 64:  # compact: drop stale entries
+            heap[:] = [e for e in heap if keys[(-e) & _ITEM_MASK] == (-e) >> _ITEM_BITS]
+            heapq.heapify(heap)
+
+    def _pinned(self, item: int, tick: int) -> None:
+        if self._pkey[item] < 0:
+            self._pinned_items += 1
+        key = self.future.next_use(item, tick)  # type: ignore[union-attr]
+        self._pkey[item] = key
+        self._push(self._pheap, self._pkey, key, item, self._pinned_items)
+
+    def on_ack(self, item: int, tick: int) -> bool:
+        keep = super().on_ack(item, tick)
+        if not self._pins[item] and self._pkey[item] >= 0:
+            self._pkey[item] = -1
+            self._pinned_items -= 1
+        return keep
+
+    def forget(self, item: int) -> None:
+        super().forget(item)
+        if not self._pins[item] and self._pkey[item] >= 0:
+            self._pkey[item] = -1
+            self._pinned_items -= 1
+
+    def _retain(self, item: int, tick: int) -> bool:
+        key = self._pkey[item] if self._pkey[item] >= 0 else self.future.next_use(item, tick)  # type: ignore[union-attr]
+        if key == NEVER:
+            return False
+        self._rkey[item] = key
+        self._retained += 1
+        self._push(self._rheap, self._rkey, key, item, self._retained)
+        return True
+
+    def _release(self, item: int) -> bool:
+        if self._rkey[item] < 0:
+            return False
+        self._rkey[item] = -1
+        self._retained -= 1
+        return True
+
+    def _is_retained(self, item: int) -> bool:
+        return self._rkey[item] >= 0
+
+    def _victims(self, needed: int, item: int, tick: int, urgent: bool) -> list[int] | None:
+        may_wait = not urgent and self.pinned_bytes >= self.reserve
+        pinned_top = self._top(self._pheap, self._pkey) if may_wait else None
+        taken: list[tuple[int, int]] = []
+        freed = 0
+        ok = True
+        while freed < needed:
+            top = self._top(self._rheap, self._rkey)
+            if top is None:
+                ok = False  # not enough retained bytes: only acks can free space
+                break
+            key, x = top
+            if key < tick or (pinned_top is not None and pinned_top[0] > key):
+                ok = False  # do no harm / a pinned item is the better victim once acked
+                break
+            heapq.heappop(self._rheap)
+            taken.append(top)
+            freed += self.sizes[x]
+        if not ok:
+            for key, x in taken:
+                heapq.heappush(self._rheap, self._enc(key, x))
+            return None
+        for _key, x in taken:
+            self._rkey[x] = -1
+        self._retained -= len(taken)
+        self.retained_bytes -= freed
+        return [x for _key, x in taken]
+
+
+_POLICIES: dict[str, type[RetentionPolicy]] = {"auto": Belady, "belady": Belady, "lru": LRU, "none": NoRetention}
+
+
+def make_policy(name: Literal["auto", "belady", "lru", "none"], sizes: Sequence[int], future: NextUse | None = None, *, reserve: int = 0) -> RetentionPolicy:
+    """A policy by name (``"auto"`` is ``"belady"``).
+
+    Raises:
+        ValueError: an unknown name, or ``belady`` without ``future``.
+    """
+    try:
+        cls = _POLICIES[name]
+    except KeyError:
+        raise ValueError(f"retention policy {name!r}: expected one of {sorted(_POLICIES)}") from None
+    return cls(sizes, future, reserve=reserve)
+
+
+# ---- simulation ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class SimResult:
+    """What a simulated run downloaded.
+
+    Attributes:
+        bytes: total bytes downloaded.
+        per_step: bytes downloaded for each step (0: read from disk).
+        ahead_mean: mean number of steps fetched ahead of the consumer when it reads a step
+            (the prefetch depth the capacity left; small means downloads wait on acks).
+    """
+
+    bytes: int
+    per_step: array
+    ahead_mean: float
+
+
+def run(
+    policy: str | RetentionPolicy, sequence: Sequence[int], sizes: Sequence[int], capacity: int, *,
+    prefetch: int | None = None, reserve: int = 0,
+) -> SimResult:
+    """Replay ``sequence`` through a cache of ``capacity`` bytes run by ``policy`` (a name, or
+    an instance built on this sequence's ticks, i.e. positions).
+
+    The fetcher runs as far ahead as the capacity (and ``prefetch`` steps, if given) allows,
+    as a fast network would let it; when it must wait, the consumer acknowledges its next
+    step. This is the worst case for retention, since pinned items take the most room.
+
+    Raises:
+        ValueError: an item does not fit in ``capacity``.
+    """
+    if prefetch is not None and prefetch < 1:
+        raise ValueError(f"prefetch {prefetch!r}: expected at least 1 step, or None")
+    sizes = sizes if isinstance(sizes, array) else array("q", sizes)
+    if isinstance(policy, str):
+        policy = make_policy(policy, sizes, SequenceFuture(sequence), reserve=reserve)  # type: ignore[arg-type]
+    n = len(sequence)
+    per_step = array("q", [0]) * n
+    free, c, p, ahead = capacity, 0, 0, 0
+    while c < n:
+        while p < n and (prefetch is None or p - c < prefetch):
+            x = sequence[p]
+            if not policy.on_fetch(x, p):
+                size = sizes[x]
+                if size > free:
+                    victims = policy.choose_victims(size - free, x, p, urgent=p == c)
+                    if victims is None:
+                        if p == c:
+                            raise ValueError(f"item {x} of {size} bytes does not fit in capacity {capacity} (free {free})")
+                        break
+                    free += sum(sizes[v] for v in victims)
+                    if size > free:
+                        raise RuntimeError(f"{policy.name}: victims free {free} bytes, item {x} needs {size}")
+                free -= size
+                per_step[p] = size
+                policy.on_admit(x, p)
+            p += 1
+        ahead += p - c
+        x = sequence[c]
+        if not policy.on_ack(x, c):
+            free += sizes[x]
+        c += 1
+    return SimResult(sum(per_step), per_step, ahead / n if n else 0.0)
+
+
+def simulate(
+    policy: str | RetentionPolicy, sequence: Sequence[int], sizes: Sequence[int], capacity: int, *,
+    prefetch: int | None = None, reserve: int = 0,
+) -> int:
+    """Bytes downloaded by :func:`run`."""
+    return run(policy, sequence, sizes, capacity, prefetch=prefetch, reserve=reserve).bytes
+
+
+def belady_min(sequence: Sequence[int], sizes: Sequence[int], capacity: int) -> int:
+    """Bytes downloaded by offline Belady MIN without prefetch (each item fetched when read,
+    then kept until it is the cached item with the farthest next use). With equal sizes this
+    is the minimum any cache of ``capacity`` can achieve on ``sequence``; with variable sizes
+    it is MIN's heuristic (the exact optimum is NP-hard).
+
+    Raises:
+        ValueError: an item does not fit in ``capacity``.
+    """
+    nxt = SequenceFuture(sequence)
+    keys: dict[int, int] = {}
+    heap: list[tuple[int, int]] = []
+    used = total = 0
+    for t, x in enumerate(sequence):
+        size = sizes[x]
+        if x in keys:
+            del keys[x]
+            used -= size
+        else:
+            total += size
+            while used + size > capacity:
+                if not heap:
+                    raise ValueError(f"item {x} of {size} bytes does not fit in capacity {capacity}")
+                negkey, v = heapq.heappop(heap)
+                if keys.get(v) == -negkey:
+                    del keys[v]
+                    used -= sizes[v]
+        key = nxt.next_use(x, t)
+        if key != NEVER:
+            keys[x] = key
+            heapq.heappush(heap, (-key, x))
+            used += size
+    return total
+
+
+def compulsory_bytes(sequence: Sequence[int], sizes: Sequence[int]) -> int:
+    """Bytes of the distinct items of ``sequence``: a lower bound for any cache."""
+    return sum(sizes[x] for x in set(sequence))

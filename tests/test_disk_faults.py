@@ -1,0 +1,69 @@
+"""Disk faults on a small real filesystem (tmpfs) shared with another "tenant"."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import threading
+
+import pytest
+
+from cachepipe import Pipeline
+
+KIB = 1024
+
+
+@contextlib.contextmanager
+def tmpfs(path, size: str):
+    path.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _wait(predicate, timeout=20.0):
+    event = threading.Event()
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return
+        event.wait(0.01)
+    raise AssertionError("condition not reached in time")
+
+
+def test_enospc_frees_staging_backs_off_and_recovers(s3_source, tmp_path):
+    data = s3_source.folders(8, {"f": 40 * KIB})
+    with tmpfs(tmp_path / "disk", "256k") as disk:
+        tenant = disk / "other-tenant.bin"
+        tenant.write_bytes(b"t" * (220 * KIB))  # the shared disk is nearly full
+        got = {}
+        with Pipeline(s3_source.url, disk / "cache", "1MiB", storage_options=s3_source.options, retry_backoff=0.05, retry_backoff_max=0.2, retries=100) as pipe:
+            _wait(lambda: pipe.stats().disk_errors >= 2)
+            assert pipe.stats().items_ready == 0  # nothing partial was published
+            staging = disk / "cache" / ".cachepipe" / "staging"
+            tenant.unlink()  # the other tenant frees space: downloads resume by themselves
+            for path in pipe:
+                got[path.name] = (path / "f").read_bytes()
+            stats = pipe.stats()
+            assert not any(staging.iterdir())
+        assert got == {n: files["f"] for n, files in data.items()}
+        assert stats.disk_errors >= 2 and stats.items_failed == 0
+
+
+def test_min_free_pauses_until_space_returns(s3_source, tmp_path):
+    data = s3_source.folders(4, {"f": 20 * KIB})
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        tenant = disk / "other-tenant.bin"
+        tenant.write_bytes(b"t" * (700 * KIB))
+        with Pipeline(s3_source.url, disk / "cache", "512KiB", storage_options=s3_source.options, min_free="300KiB") as pipe:
+            _wait(lambda: pipe.stats().disk_pauses == 1)
+            assert pipe.stats().requests == 0
+            tenant.unlink()
+            names = [p.name for p in pipe]
+        assert names == sorted(data)
