@@ -20,6 +20,7 @@ lines; a torn last line (power loss) is ignored. Any other damage makes :func:`l
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from collections.abc import Iterable
@@ -117,29 +118,30 @@ class Journal:
 
 
 def save_catalog(path: Path, source: str, mode: str, items: list[Item]) -> None:
-    """Write the listing atomically: a header line, then one JSON line per item."""
+    """Write the listing atomically, gzip-compressed (it counts against the capacity): a header
+    line, then one JSON line per item: ``[name, [[rel, size, etag], ...]]``."""
     header = json.dumps({"version": CATALOG_VERSION, "source": source, "items": mode, "count": len(items)})
     lines = [header] + [
-        json.dumps([item.name, [[f.key, f.rel, f.size, f.etag] for f in item.files]], separators=(",", ":")) for item in items
+        json.dumps([item.name, [[f.rel, f.size, f.etag] for f in item.files]], separators=(",", ":")) for item in items
     ]
-    atomic_write(path, ("\n".join(lines) + "\n").encode("utf-8"))
+    atomic_write(path, gzip.compress(("\n".join(lines) + "\n").encode("utf-8"), mtime=0))
 
 
 def load_catalog(path: Path, source: str, mode: str) -> list[Item] | None:
     """The saved listing for (``source``, ``mode``), or None if there is none or it is for another source."""
     try:
-        with open(path, encoding="utf-8") as fh:
+        with gzip.open(path, "rt", encoding="utf-8") as fh:
             header = json.loads(fh.readline())
             if header.get("version") != CATALOG_VERSION or header.get("source") != source or header.get("items") != mode:
                 return None
             items = []
             for line in fh:
                 name, files = json.loads(line)
-                entries = tuple(FileEntry(k, r, s, e) for k, r, s, e in files)
+                entries = tuple(FileEntry(f"{name}/{rel}" if rel else name, rel, size, etag) for rel, size, etag in files)
                 items.append(Item(name, entries, sum(f.size for f in entries), is_file=(mode == "files")))
     except FileNotFoundError:
         return None
-    except (ValueError, TypeError, KeyError) as exc:
+    except (OSError, EOFError, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise StateCorrupt(f"{path}: unreadable catalog: {exc}") from exc
     if len(items) != header.get("count"):
         raise StateCorrupt(f"{path}: catalog has {len(items)} items, header says {header.get('count')}")

@@ -1,0 +1,148 @@
+"""The ``cachepipe`` command::
+
+    cachepipe serve --config /etc/cachepipe/cachepipe.yaml [--check]
+    cachepipe next    [--pipeline NAME] [--timeout S] [--json]    prints the item's local path
+    cachepipe ack     PATH [--lease ID]                            evict a finished item
+    cachepipe release PATH [--lease ID]                            give it back to the queue
+    cachepipe renew   PATH [--lease ID]                            extend its lease
+    cachepipe status  [--json]
+
+Client commands take ``--socket PATH`` (or ``http://HOST:PORT``); default ``$CACHEPIPE_SOCKET``,
+else ``/run/cachepipe/cachepipe.sock``.
+
+Exit status: 0 success; 1 error (daemon unreachable, item failed...); 2 usage; 3 ``next``:
+every item was delivered; 4 ``next``: no item within ``--timeout``; 5 ``ack``/``release``/
+``renew`` refused (not handed out, or the lease expired and the item went to another consumer);
+78 invalid configuration (``serve``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from . import __version__
+from .errors import UnknownItemError
+
+__all__ = ["main", "EXIT_END", "EXIT_TIMEOUT", "EXIT_REFUSED"]
+
+EXIT_END = 3
+EXIT_TIMEOUT = 4
+EXIT_REFUSED = 5
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cachepipe", description="Stream object-store datasets through a size-capped local cache.")
+    parser.add_argument("--version", action="version", version=f"cachepipe {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the daemon in the foreground (systemd: Type=notify)")
+    serve.add_argument("--config", "-c", required=True, help="config file (YAML, or TOML by its .toml suffix)")
+    serve.add_argument("--check", action="store_true", help="validate the config and exit")
+
+    client = argparse.ArgumentParser(add_help=False)
+    client.add_argument("--socket", "-s", default=None, help="daemon socket path or http://HOST:PORT (default: $CACHEPIPE_SOCKET or /run/cachepipe/cachepipe.sock)")
+
+    nxt = sub.add_parser("next", parents=[client], help="take the next item and print its local path")
+    nxt.add_argument("--pipeline", "-p", default=None, help="pipeline name (default: the daemon's only one)")
+    nxt.add_argument("--timeout", "-t", type=float, default=None, help="seconds to wait for an item (default: no limit)")
+    nxt.add_argument("--json", action="store_true", help="print the item as JSON (name, path, lease, size, files)")
+
+    for verb, text in (("ack", "acknowledge an item: the daemon deletes it"), ("release", "give an item back to the queue"), ("renew", "extend an item's lease")):
+        cmd = sub.add_parser(verb, parents=[client], help=text)
+        cmd.add_argument("path", help="the item's local path, as printed by `cachepipe next`")
+        cmd.add_argument("--lease", "-l", default=None, help="lease id from `cachepipe next --json` (refused if it expired)")
+
+    status = sub.add_parser("status", parents=[client], help="show the daemon's pipelines and counters")
+    status.add_argument("--json", action="store_true", help="print the full status as JSON")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``cachepipe`` console script; returns the exit status."""
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        from .service.main import check, serve
+
+        return check(args.config) if args.check else serve(args.config)
+    from .client import Client, ServiceError
+
+    try:
+        with Client(getattr(args, "pipeline", None), args.socket, auto_ack=False) as client:
+            if args.command == "next":
+                item = client.get(timeout=args.timeout)
+                if item is None:
+                    print("cachepipe: every item was delivered", file=sys.stderr)
+                    return EXIT_END
+                print(json.dumps(item.to_json()) if args.json else item.path)
+            elif args.command in ("ack", "release", "renew"):
+                getattr(client, args.command)(args.path, args.lease)
+            else:
+                info = client.status()
+                print(json.dumps(info, indent=2) if args.json else format_status(info))
+    except TimeoutError as exc:
+        print(f"cachepipe: {exc}", file=sys.stderr)
+        return EXIT_TIMEOUT
+    except UnknownItemError as exc:
+        print(f"cachepipe: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    except (ConnectionError, ServiceError, ValueError) as exc:
+        print(f"cachepipe: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def format_status(info: dict[str, Any]) -> str:
+    """The readable table of ``cachepipe status``."""
+    head = ("PIPELINE", "STATE", "READY", "LEASED", "HANDED", "ACKED", "REDELIVERED", "FAILED", "CACHED", "CAPACITY", "SOURCE")
+    rows = [head]
+    for name, p in sorted(info.get("pipelines", {}).items()):
+        s = p.get("stats") or {}
+        rows.append((
+            name,
+            p.get("state", "?"),
+            str(s.get("items_ready", "-")),
+            str(p.get("leased", "-")),
+            str(s.get("items_handed", "-")),
+            str(s.get("items_acked", "-")),
+            str(s.get("items_redelivered", "-")),
+            str(s.get("items_failed", "-")),
+            _size(s["bytes_in_cache"]) if "bytes_in_cache" in s else "-",
+            _size(s["capacity"]) if "capacity" in s else "-",
+            p.get("source", ""),
+        ))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    numeric = {2, 3, 4, 5, 6, 7, 8, 9}
+    lines = [
+        "  ".join((cell.rjust(w) if i in numeric else cell.ljust(w)) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        for row in rows
+    ]
+    up = info.get("uptime_seconds", 0)
+    lines.insert(0, f"cachepipe {info.get('version', '?')}, pid {info.get('pid', '?')}, up {_duration(up)}, socket {info.get('socket', '?')}")
+    for name, p in sorted(info.get("pipelines", {}).items()):
+        if p.get("error"):
+            lines.append(f"{name}: {p['error']}")
+    return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{days}d{hours}h" if days else f"{hours}h{minutes}m" if hours else f"{minutes}m{secs}s"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

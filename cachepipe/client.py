@@ -1,0 +1,390 @@
+"""``Client``: take items from a ``cachepipe serve`` daemon, with the feel of :class:`~cachepipe.Pipeline`.
+
+::
+
+    from cachepipe.client import Client
+    for path in Client(pipeline="train"):      # each item is acked when the loop asks for the next
+        train_on(path)
+
+    with Client(pipeline="train", auto_ack=False) as client:
+        item = client.get(timeout=60)          # None once every item was delivered
+        ...
+        client.ack(item)                       # or client.release(item): back to the queue
+
+The client speaks the daemon's HTTP/JSON protocol over its Unix socket (``socket``: a path,
+default ``$CACHEPIPE_SOCKET`` or ``/run/cachepipe/cachepipe.sock``) or over TCP
+(``socket="http://127.0.0.1:8765"``). It holds one keep-alive connection and no thread; it is
+not thread-safe: use one ``Client`` per thread or process.
+
+Errors: :class:`~cachepipe.UnknownItemError` for an ack/release the daemon rejects (not handed
+out, or the lease expired and the item went to another consumer: HTTP 409), ``TimeoutError``
+when no item became ready in time, ``ConnectionError`` when the daemon cannot be reached, and
+:class:`ServiceError` for any other error answer.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import socket as _socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+from .errors import CachePipeError, UnknownItemError
+
+__all__ = ["Client", "ServedItem", "ServiceError", "DEFAULT_SOCKET", "default_socket"]
+
+log = logging.getLogger("cachepipe.client")
+
+DEFAULT_SOCKET = "/run/cachepipe/cachepipe.sock"
+_SLICE = 60.0  # longest single wait per request; longer waits are several requests
+_MARGIN = 30.0  # socket timeout beyond the wait the daemon was asked for
+
+
+def default_socket() -> str:
+    """``$CACHEPIPE_SOCKET`` (the daemon reads the same variable), else the default path."""
+    return os.environ.get("CACHEPIPE_SOCKET") or DEFAULT_SOCKET
+
+
+class ServiceError(CachePipeError):
+    """The daemon answered with an error.
+
+    Attributes:
+        status: the HTTP status (e.g. 404 no such pipeline, 502 the item failed to download,
+            503 the daemon is stopping or the pipeline is down).
+        code: the daemon's error code (``"not_found"``, ``"item_failed"``, ``"unavailable"``...).
+    """
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"{message} (HTTP {status} {code})")
+        self.status = status
+        self.code = code
+
+
+class ServedItem(os.PathLike):
+    """An item handed out by the daemon: usable wherever a path is, like :class:`~cachepipe.CachedItem`.
+
+    Attributes:
+        path: local path (a folder, or a file for single-object items).
+        name: the item's name (relative to the source prefix and to the cache dir).
+        size: total bytes.
+        files: relative paths of its files.
+        lease: the lease id; ack/release send it, so a late ack of an expired lease is refused.
+        pipeline: the name of the pipeline it came from.
+    """
+
+    __slots__ = ("path", "name", "size", "files", "lease", "pipeline")
+
+    def __init__(self, path: str | os.PathLike[str], name: str, lease: str, size: int = 0, files: tuple[str, ...] = (), pipeline: str = "") -> None:
+        self.path = Path(path)
+        self.name = name
+        self.lease = lease
+        self.size = size
+        self.files = tuple(files)
+        self.pipeline = pipeline
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ServedItem:
+        return cls(data["path"], data["name"], data["lease"], data.get("size", 0), tuple(data.get("files", ())), data.get("pipeline", ""))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pipeline": self.pipeline, "name": self.name, "path": str(self.path), "lease": self.lease, "size": self.size, "files": list(self.files)}
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __truediv__(self, other: str | os.PathLike[str]) -> Path:
+        return self.path / other
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def __repr__(self) -> str:
+        return f"ServedItem({str(self.path)!r}, lease={self.lease!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ServedItem):
+            return self.path == other.path and self.lease == other.lease
+        if isinstance(other, (str, os.PathLike)):
+            return self.path == Path(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.path)
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float | None) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(self._path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+_UNOPENED, _OPEN, _CLOSED = "unopened", "open", "closed"
+
+
+class Client:
+    """A consumer of one pipeline of a ``cachepipe serve`` daemon.
+
+    Args:
+        pipeline: the pipeline's name; None: the daemon's only pipeline (an error if it has several).
+        socket: the daemon's Unix socket path, or ``http://HOST:PORT`` for its TCP listener
+            (default: ``$CACHEPIPE_SOCKET``, else ``/run/cachepipe/cachepipe.sock``).
+        timeout: longest wait for one item in the iterator and :meth:`get`, in seconds
+            (None: no limit); ``TimeoutError`` when it passes.
+        auto_ack: in ``for item in client``, acknowledge each item when the loop asks for the
+            next (default True); an item the loop stopped inside is released.
+        request_timeout: seconds to wait for any other answer (status, ack...).
+    """
+
+    def __init__(
+        self,
+        pipeline: str | None = None,
+        socket: str | os.PathLike[str] | None = None,
+        *,
+        timeout: float | None = None,
+        auto_ack: bool = True,
+        request_timeout: float = 30.0,
+    ) -> None:
+        self.pipeline = pipeline
+        self.address = os.fspath(socket) if socket is not None else default_socket()
+        self.timeout = timeout
+        self.auto_ack = auto_ack
+        self.request_timeout = request_timeout
+        self._conn: http.client.HTTPConnection | None = None
+        self._state = _UNOPENED
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Client(pipeline={self.pipeline!r}, socket={self.address!r}, state={self._state})"
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def open(self) -> Client:
+        """Start using the client (it connects at the first request). Called by ``with`` and ``iter``.
+
+        Raises:
+            RuntimeError: already open or closed.
+        """
+        if self._state != _UNOPENED:
+            raise RuntimeError(f"{self!r} cannot be opened again: create a new Client")
+        self._state = _OPEN
+        return self
+
+    def close(self) -> None:
+        """Close the connection (leases stay with the daemon until acked or expired). Idempotent."""
+        self._state = _CLOSED
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def __enter__(self) -> Client:
+        return self.open()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---- consuming -------------------------------------------------------------------
+    def __iter__(self) -> Iterator[ServedItem]:
+        """Yield items until every item was delivered; opens the client if needed and closes it after."""
+        owner = self._state == _UNOPENED
+        if owner:
+            self.open()
+        last: ServedItem | None = None
+        try:
+            while True:
+                ack = None
+                if last is not None and self.auto_ack:
+                    ack, last = last, None  # sent with the next request: attempted exactly once
+                item = self._take(self.timeout, ack)
+                if item is None:
+                    return
+                last = item
+                yield item
+        finally:
+            if last is not None and self.auto_ack and self._state == _OPEN:
+                try:
+                    self.release(last)  # the loop stopped inside this item: give it back, not evict
+                except (UnknownItemError, ConnectionError, ServiceError) as exc:
+                    log.warning("could not release %s (it comes back after its lease_timeout): %s", last, exc)
+            if owner:
+                self.close()
+
+    def get(self, timeout: float | None = None) -> ServedItem | None:
+        """Take the next item (leased until :meth:`ack`/:meth:`release` or ``lease_timeout``);
+        None when every item was delivered.
+
+        Args:
+            timeout: seconds to wait for an item (None: no limit).
+
+        Raises:
+            TimeoutError: no item became ready in time.
+            ServiceError: the item failed to download (502), no such pipeline (404), the daemon
+                is stopping (503).
+            ConnectionError: the daemon cannot be reached.
+        """
+        return self._take(timeout, None)
+
+    def _take(self, timeout: float | None, ack: ServedItem | None) -> ServedItem | None:
+        self._require_open()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.pipeline is None:
+            names = sorted(self.status()["pipelines"])
+            if len(names) != 1:
+                raise ValueError(f"the daemon at {self.address} serves the pipelines {', '.join(names)}: pass pipeline=NAME")
+            self.pipeline = names[0]
+        route = f"/v1/pipelines/{quote(str(self.pipeline), safe='')}/next"
+        while True:
+            wait = _SLICE if deadline is None else min(max(deadline - time.monotonic(), 0.0), _SLICE)
+            body: dict[str, Any] = {"timeout": wait}
+            if ack is not None:
+                body["ack"] = {"path": str(ack.path), "lease": ack.lease}
+                ack = None
+            status, data = self._request("POST", route, body, wait + _MARGIN)
+            if status == 200:
+                return ServedItem.from_json(json.loads(data))
+            if status == 204:
+                return None
+            if status == 408 and (deadline is None or deadline - time.monotonic() > 0):
+                continue  # the daemon capped this wait (max_wait); ours goes on
+            self._raise_for(status, data)
+
+    def ack(self, item: str | os.PathLike[str], lease: str | None = None) -> None:
+        """Acknowledge an item: the daemon deletes it and frees its space.
+
+        Args:
+            item: the :class:`ServedItem` (its lease is sent) or the item's path.
+            lease: the lease id, when ``item`` is a plain path (recommended: without it, the
+                ack applies to whoever holds the item now).
+
+        Raises:
+            UnknownItemError: not handed out, or the lease expired (HTTP 409).
+        """
+        self._finish("ack", item, lease)
+
+    def release(self, item: str | os.PathLike[str], lease: str | None = None) -> None:
+        """Give an item back: it is handed out again, before any other. Raises like :meth:`ack`."""
+        self._finish("release", item, lease)
+
+    def renew(self, item: str | os.PathLike[str], lease: str | None = None) -> None:
+        """Extend an item's lease by the pipeline's ``lease_timeout``. Raises like :meth:`ack`."""
+        self._finish("renew", item, lease)
+
+    def _finish(self, verb: str, item: str | os.PathLike[str], lease: str | None) -> None:
+        self._require_open()
+        if isinstance(item, ServedItem):
+            lease = lease or item.lease
+        body = {"path": os.path.abspath(os.fspath(item)), "lease": lease}
+        status, data = self._request("POST", f"/v1/{verb}", body, self.request_timeout)
+        if status != 200:
+            self._raise_for(status, data)
+
+    # ---- visibility ------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        """The daemon's status: every pipeline's state and counters (``GET /v1/status``)."""
+        status, data = self._request("GET", "/v1/status", None, self.request_timeout)
+        if status != 200:
+            self._raise_for(status, data)
+        return json.loads(data)
+
+    def health(self) -> dict[str, Any]:
+        """``GET /v1/health``: ``{"status": "ok" | "degraded" | "stopping", "pipelines": ...}``
+        (an unhealthy daemon's answer is returned too, not raised)."""
+        status, data = self._request("GET", "/v1/health", None, self.request_timeout)
+        if status not in (200, 503) or not data:
+            self._raise_for(status, data)
+        return json.loads(data)
+
+    def metrics(self) -> str:
+        """The Prometheus text exposition (``GET /metrics``)."""
+        status, data = self._request("GET", "/metrics", None, self.request_timeout)
+        if status != 200:
+            self._raise_for(status, data)
+        return data.decode()
+
+    # ---- plumbing --------------------------------------------------------------------
+    def _require_open(self) -> None:
+        if self._state == _OPEN:
+            return
+        if self._state == _UNOPENED:
+            self.open()
+            return
+        raise RuntimeError(f"{self!r} is closed: create a new Client")
+
+    def _connection(self, timeout: float) -> tuple[http.client.HTTPConnection, bool]:
+        conn = self._conn
+        if conn is not None:
+            conn.timeout = timeout
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout)
+            return conn, False
+        if self.address.startswith(("http://", "https://")):
+            url = urlsplit(self.address)
+            cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+            conn = cls(url.hostname or "127.0.0.1", url.port, timeout=timeout)
+        else:
+            conn = _UnixConnection(self.address, timeout)
+        self._conn = conn
+        return conn, True
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, bytes]:
+        payload = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        with self._lock:
+            for attempt in (0, 1):
+                conn, fresh = self._connection(timeout)
+                try:
+                    conn.request(method, path, body=payload, headers=headers)
+                    response = conn.getresponse()
+                    data = response.read()
+                except TimeoutError as exc:
+                    self._drop()
+                    raise TimeoutError(f"the cachepipe daemon at {self.address} did not answer {method} {path} within {timeout:g} s") from exc
+                except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
+                    self._drop()
+                    if fresh or attempt:
+                        raise ConnectionError(f"the cachepipe daemon at {self.address} closed the connection: {exc}") from exc
+                    continue  # a kept-alive connection the daemon had closed (it restarted): once more, fresh
+                except (OSError, http.client.HTTPException) as exc:
+                    self._drop()
+                    raise ConnectionError(
+                        f"cannot reach the cachepipe daemon at {self.address}: {exc} (is `cachepipe serve` running, "
+                        "and may this user use its socket?)"
+                    ) from exc
+                if response.will_close:
+                    self._drop()
+                return response.status, data
+        raise AssertionError("unreachable")
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def _raise_for(self, status: int, data: bytes) -> None:
+        try:
+            info = json.loads(data) if data else {}
+        except ValueError:
+            info = {}
+        if not isinstance(info, dict):
+            info = {}
+        message = str(info.get("message") or data[:200].decode(errors="replace") or f"HTTP {status}")
+        if status == 409:
+            raise UnknownItemError(message)
+        if status == 408:
+            raise TimeoutError(message)
+        raise ServiceError(status, str(info.get("error", "")), message)

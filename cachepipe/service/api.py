@@ -1,0 +1,455 @@
+"""The daemon's HTTP/JSON API, on a Unix socket (and, if configured, a loopback TCP port).
+
+Routes (bodies are JSON objects; every error body is ``{"error": CODE, "message": TEXT}``)::
+
+    GET  /v1/health                  200 {"status": "ok", ...} | 503 (stopping, a pipeline down)
+    GET  /v1/status                  200 {"version", "pid", "pipelines": {name: {..., "stats"}}}
+    GET  /metrics                    200 Prometheus text format
+    POST /v1/pipelines/NAME/next     {"timeout": s, "ack": {"path", "lease"}}  (both optional)
+                                     200 {"pipeline", "name", "path", "lease", "size", "files"}
+                                     204 every item was delivered | 408 none ready in time
+                                     409 the "ack" failed (nothing taken) | 502 the item failed
+    POST /v1/ack                     {"path": P, "lease": L}  200 | 409 not handed out / lease expired
+    POST /v1/release                 same; the item goes back to the front of the queue
+    POST /v1/renew                   same; the lease is extended by lease_timeout
+
+Each connection is served by one thread (keep-alive: a consumer keeps its connection), so a
+blocking ``next`` holds one thread; ``max_clients`` caps the connections. A consumer that
+disconnects before it received its item gets it released at once.
+"""
+
+from __future__ import annotations
+
+import errno
+import grp
+import json
+import logging
+import os
+import re
+import selectors
+import socket
+import socketserver
+import stat
+import threading
+from collections.abc import Callable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .. import __version__
+from ..errors import ConfigError, ItemFailedError, UnknownItemError
+from ..pipeline import CachedItem
+from .config import ServiceConfig
+from .metrics import CONTENT_TYPE
+
+if TYPE_CHECKING:
+    from .daemon import Daemon
+
+__all__ = ["ApiServer", "item_json"]
+
+log = logging.getLogger("cachepipe.service.api")
+
+MAX_BODY = 1024 * 1024
+_NEXT_RE = re.compile(r"^/v1/pipelines/([^/]+)/next$")
+_JSON = "application/json"
+
+
+class BadRequest(ValueError):
+    """A malformed request (HTTP 400, or ``status`` when given)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def item_json(pipeline: str, item: CachedItem) -> dict[str, Any]:
+    """The body of a ``next`` answer."""
+    return {"pipeline": pipeline, "name": item.name, "path": str(item.path), "lease": item.lease, "size": item.size, "files": list(item.files)}
+
+
+def _error_for(exc: BaseException) -> tuple[int, str]:
+    from .daemon import UnavailableError, UnknownPipelineError
+
+    if isinstance(exc, BadRequest):
+        return exc.status, "bad_request" if exc.status == 400 else HTTPStatus(exc.status).phrase.lower().replace(" ", "_")
+    for kind, status, code in (
+        (UnknownPipelineError, 404, "not_found"),
+        (UnknownItemError, 409, "lease_conflict"),
+        (TimeoutError, 408, "timeout"),
+        (ItemFailedError, 502, "item_failed"),
+        (UnavailableError, 503, "unavailable"),
+        (ValueError, 400, "bad_request"),
+    ):
+        if isinstance(exc, kind):
+            return status, code
+    return 500, "internal"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = f"cachepipe/{__version__}"
+    sys_version = ""
+    server: _Server
+
+    def address_string(self) -> str:
+        return self.client_address[0] if isinstance(self.client_address, tuple) else "unix"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+    def log_error(self, format: str, *args: Any) -> None:
+        log.info("%s %s", self.address_string(), format % args)
+
+    def do_GET(self) -> None:
+        self._route("GET")
+
+    def do_POST(self) -> None:
+        self._route("POST")
+
+    def do_PUT(self) -> None:
+        self._route("PUT")
+
+    def do_DELETE(self) -> None:
+        self._route("DELETE")
+
+    def _route(self, method: str) -> None:
+        daemon = self.server.daemon
+        path = self.path.partition("?")[0]
+        route, arg, allowed = _match(path)
+        status = 500
+        try:
+            body = self._body()
+            if route is None:
+                raise BadRequest(f"no route {path!r}: see GET /v1/status, POST /v1/pipelines/NAME/next, POST /v1/ack", 404)
+            if method not in allowed:
+                raise BadRequest(f"{method} {path}: expected {' or '.join(allowed)}", 405)
+            status = getattr(self, "_" + route)(daemon, arg, body)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+            status = 499  # the client went away
+        except Exception as exc:  # every failure becomes an HTTP error; unexpected ones are logged in full
+            status, code = _error_for(exc)
+            if status == 500:
+                log.exception("%s %s failed", method, path)
+            extra = {"Allow": ", ".join(allowed)} if status == 405 else {}
+            try:
+                self._reply(status, {"error": code, "message": str(exc)}, headers=extra)
+            except OSError:
+                self.close_connection = True  # the client went away; nothing more to tell it
+        daemon.metrics.requests.labels(route or "unknown", str(status)).inc()
+
+    # ---- routes: each replies and returns its status -----------------------------------
+    def _health(self, daemon: Daemon, _arg: str, _body: dict[str, Any]) -> int:
+        ok, body = daemon.health()
+        return self._reply(200 if ok else 503, body)
+
+    def _status(self, daemon: Daemon, _arg: str, _body: dict[str, Any]) -> int:
+        return self._reply(200, daemon.status())
+
+    def _metrics(self, daemon: Daemon, _arg: str, _body: dict[str, Any]) -> int:
+        return self._reply(200, raw=daemon.metrics.render(), content_type=CONTENT_TYPE)
+
+    def _next(self, daemon: Daemon, name: str, body: dict[str, Any]) -> int:
+        timeout = body.get("timeout")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0):
+            raise BadRequest(f"'timeout' {timeout!r}: expected seconds as a number >= 0, or null for the daemon's max_wait")
+        ack = body.get("ack")
+        if ack is not None and not isinstance(ack, dict):
+            raise BadRequest(f"'ack' {ack!r}: expected an object {{\"path\": ..., \"lease\": ...}}")
+        item = daemon.take(name, timeout, ack)
+        if item is None:
+            return self._reply(204)
+        try:
+            return self._reply(200, item_json(name, item))
+        except OSError:
+            log.info("%s: consumer went away before receiving %s; released", name, item.name)
+            daemon.finish("release", str(item.path), item.lease)
+            raise
+
+    def _finish(self, daemon: Daemon, verb: str, body: dict[str, Any]) -> int:
+        pipeline, name = daemon.finish(verb, body.get("path"), body.get("lease"))
+        return self._reply(200, {"pipeline": pipeline, "name": name, "result": verb})
+
+    # ---- plumbing --------------------------------------------------------------------
+    def _body(self) -> dict[str, Any]:
+        if self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+            raise BadRequest("chunked request bodies are not supported: send Content-Length", 411)
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            self.close_connection = True
+            raise BadRequest(f"Content-Length {self.headers.get('Content-Length')!r}: expected a number of bytes") from None
+        if length > MAX_BODY or length < 0:
+            self.close_connection = True
+            raise BadRequest(f"request body of {length} bytes: expected at most {MAX_BODY}", 413)
+        raw = self.rfile.read(length) if length else b""
+        if not raw.strip():
+            return {}
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"request body is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise BadRequest(f"request body {raw[:80]!r}: expected a JSON object")
+        return data
+
+    def _reply(
+        self, status: int, payload: Any = None, *, raw: bytes = b"", content_type: str = _JSON, headers: dict[str, str] | None = None
+    ) -> int:
+        if payload is not None:
+            raw = json.dumps(payload).encode() + b"\n"
+        lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", f"Server: {self.server_version}"]
+        if status != 204:
+            lines += [f"Content-Type: {content_type}", f"Content-Length: {len(raw)}"]
+        if self.server.daemon_stopping():
+            self.close_connection = True
+        if self.close_connection:
+            lines.append("Connection: close")
+        lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+        self.wfile.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (raw if status != 204 else b""))
+        return status
+
+
+def _match(path: str) -> tuple[str | None, str, tuple[str, ...]]:
+    """(route handler name, its argument, allowed methods) for a request path."""
+    fixed = {
+        "/v1/health": ("health", "", ("GET",)),
+        "/v1/status": ("status", "", ("GET",)),
+        "/metrics": ("metrics", "", ("GET",)),
+        "/v1/metrics": ("metrics", "", ("GET",)),
+        "/v1/ack": ("finish", "ack", ("POST",)),
+        "/v1/release": ("finish", "release", ("POST",)),
+        "/v1/renew": ("finish", "renew", ("POST",)),
+    }
+    if path in fixed:
+        return fixed[path]
+    match = _NEXT_RE.match(path)
+    if match:
+        return "next", match.group(1), ("POST",)
+    return None, "", ()
+
+
+class _Server(socketserver.ThreadingMixIn):
+    """Thread per connection; tracks live connections to cap them and to end them at close."""
+
+    daemon_threads = False
+    block_on_close = True
+    request_queue_size = 128
+    timeout = 0  # handle_request() never blocks: our selector already saw the socket ready
+    daemon: Daemon
+    max_clients: int
+    daemon_stopping: Callable[[], bool]
+
+    def track(self, daemon: Daemon, max_clients: int, stopping: Callable[[], bool]) -> None:
+        self.daemon, self.max_clients, self.daemon_stopping = daemon, max_clients, stopping
+        self._live: set[socket.socket] = set()
+        self._live_lock = threading.Lock()
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        request, address = super().get_request()  # type: ignore[misc]
+        request.setblocking(True)
+        return request, address
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._live_lock:
+            full = len(self._live) >= self.max_clients
+            if not full:
+                self._live.add(request)
+        if full:
+            log.warning("refusing a connection: %d clients already connected (max_clients)", self.max_clients)
+            body = b'{"error": "unavailable", "message": "too many connections (max_clients)"}\n'
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                                b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            except OSError:
+                pass  # the refused client is gone already; nothing to tell it
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)  # type: ignore[misc]
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._live_lock:
+            self._live.discard(request)
+        super().shutdown_request(request)  # type: ignore[misc]
+
+    def disconnect_all(self) -> None:
+        """End every connection: idle keep-alive readers see EOF and their threads finish."""
+        with self._live_lock:
+            live = list(self._live)
+        for request in live:
+            try:
+                request.shutdown(socket.SHUT_RDWR)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTCONN, errno.EBADF):
+                    raise
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.exception("error while serving a connection")
+
+
+class _UnixServer(_Server, socketserver.UnixStreamServer):
+    pass
+
+
+class _TcpServer(_Server, socketserver.TCPServer):
+    allow_reuse_address = True
+
+
+class _Tcp6Server(_TcpServer):
+    address_family = socket.AF_INET6
+
+
+class _TcpHandler(_Handler):
+    disable_nagle_algorithm = True
+
+
+class ApiServer:
+    """The listening sockets and the thread that accepts connections.
+
+    :meth:`bind` creates the sockets (the Unix one with its mode and group, before it listens,
+    so it is never reachable with wider permissions); :meth:`serve` listens and accepts.
+    """
+
+    def __init__(self, daemon: Daemon, config: ServiceConfig) -> None:
+        self._daemon = daemon
+        self._config = config
+        self._servers: list[_Server] = []
+        self._thread: threading.Thread | None = None
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
+        self._socket_id: tuple[int, int] | None = None
+        self.tcp_address: tuple[str, int] | None = None
+
+    @property
+    def address(self) -> str:
+        text = str(self._config.socket)
+        if self.tcp_address is not None:
+            text += f" and http://{self.tcp_address[0]}:{self.tcp_address[1]}"
+        return text
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _stopping(self) -> bool:
+        return not self._daemon.running and self._thread is not None
+
+    def bind(self) -> None:
+        """Create and bind the sockets; not yet listening.
+
+        Raises:
+            OSError: the socket path is taken by a live daemon or by something else.
+            ConfigError: ``socket_group`` names no group.
+        """
+        cfg = self._config
+        path = cfg.socket
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _clear_stale(path)
+        unix = _UnixServer(str(path), _Handler, bind_and_activate=False)
+        unix.track(self._daemon, cfg.max_clients, self._stopping)
+        try:
+            unix.server_bind()
+            st = os.stat(path)
+            self._socket_id = (st.st_dev, st.st_ino)
+            self._servers.append(unix)
+            self.set_permissions(cfg.socket_mode, cfg.socket_group)
+        except BaseException:
+            unix.server_close()
+            self._unlink()
+            raise
+        if cfg.tcp_port is not None:
+            cls = _Tcp6Server if ":" in cfg.tcp_host else _TcpServer
+            tcp = cls((cfg.tcp_host, cfg.tcp_port), _TcpHandler, bind_and_activate=False)
+            tcp.track(self._daemon, cfg.max_clients, self._stopping)
+            try:
+                tcp.server_bind()
+            except BaseException:
+                tcp.server_close()
+                raise
+            self._servers.append(tcp)
+            host, port = tcp.socket.getsockname()[:2]
+            self.tcp_address = (host, port)
+            if host not in ("127.0.0.1", "::1", "localhost"):
+                log.warning("the API listens on TCP %s:%d without authentication: anyone who can reach it can take and evict items", host, port)
+
+    def set_permissions(self, mode: int, group: str | None) -> None:
+        """Apply ``mode`` and ``group`` to the Unix socket (also on reload)."""
+        path = self._config.socket
+        if group is not None:
+            try:
+                gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+            except KeyError:
+                raise ConfigError(f"socket_group {group!r}: no such group on this system") from None
+            os.chown(path, -1, gid)
+        os.chmod(path, mode)
+
+    def serve(self) -> None:
+        """Listen and start accepting connections in a thread."""
+        for server in self._servers:
+            server.server_activate()
+            server.socket.setblocking(False)
+        self._thread = threading.Thread(target=self._loop, name="cachepipe-api", daemon=False)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        with selectors.DefaultSelector() as sel:
+            for server in self._servers:
+                sel.register(server.fileno(), selectors.EVENT_READ, server)
+            sel.register(self._wake_r, selectors.EVENT_READ, None)
+            while True:
+                for key, _events in sel.select():
+                    if key.data is None:
+                        return
+                    key.data.handle_request()
+
+    def stop_accepting(self) -> None:
+        """Stop accepting new connections (existing ones are served until :meth:`close`)."""
+        if self._thread is not None:
+            os.write(self._wake_w, b"x")
+            self._thread.join()
+
+    def close(self) -> None:
+        """End every connection, join their threads, close and remove the socket. Idempotent."""
+        if self._wake_r < 0:
+            return
+        self.stop_accepting()
+        self._thread = None
+        for server in self._servers:
+            server.disconnect_all()
+        for server in self._servers:
+            server.server_close()  # joins the connection threads
+        self._servers.clear()
+        self._unlink()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+        self._wake_r = self._wake_w = -1
+
+    def _unlink(self) -> None:
+        path = self._config.socket
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if (st.st_dev, st.st_ino) == self._socket_id:  # never remove a socket another daemon made since
+            path.unlink()
+
+
+def _clear_stale(path: Path) -> None:
+    """Remove a socket file left by a daemon that died; refuse if a live one answers on it."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise FileExistsError(errno.EEXIST, f"socket path {str(path)!r} exists and is not a socket; remove it or choose another path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(2.0)
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        path.unlink(missing_ok=True)  # nobody listens: a leftover of a daemon that died
+        return
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, f"socket {str(path)!r} is in use: another cachepipe daemon is serving on it")

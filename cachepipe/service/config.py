@@ -1,0 +1,272 @@
+"""The daemon's configuration: one file (YAML, or TOML by its ``.toml`` suffix), validated by
+pydantic, every field overridable by a ``CACHEPIPE_...`` environment variable.
+
+Environment variables win over the file. Nested fields are joined with ``__``::
+
+    CACHEPIPE_SOCKET=/run/cachepipe/train.sock
+    CACHEPIPE_PIPELINES__TRAIN__CAPACITY=10GiB
+    CACHEPIPE_PIPELINES__TRAIN__STORAGE_OPTIONS='{"endpoint_url": "http://10.0.0.5:9000"}'
+
+Each pipeline is a :class:`cachepipe.PipelineConfig` (the same model ``Pipeline(...)`` uses); the
+daemon only changes three defaults, filled in where the file and the environment say nothing:
+``lease_timeout: 600`` (a consumer that died gives its item back), ``keep_on_close: true`` and
+``resume: true`` (a restart continues the pass: published items are reused, acknowledged ones are
+not delivered again).
+
+Every error names the field path, the bad value and what is expected; :func:`load_config` raises
+:class:`~cachepipe.errors.ConfigError` with one line per problem.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from ..config import PipelineConfig
+from ..errors import ConfigError
+
+__all__ = ["ServiceConfig", "load_config", "read_config_file", "pipeline_options", "ENV_PREFIX", "DEFAULT_SOCKET", "PIPELINE_DEFAULTS"]
+
+ENV_PREFIX = "CACHEPIPE_"
+DEFAULT_SOCKET = Path("/run/cachepipe/cachepipe.sock")
+SOCKET_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
+PIPELINE_DEFAULTS: dict[str, Any] = {"lease_timeout": 600.0, "keep_on_close": True, "resume": True}
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+_MODE_RE = re.compile(r"^(?:0o?)?([0-7]{1,4})$")
+
+
+def _check_name(name: str) -> str:
+    if not _NAME_RE.match(name) or "__" in name:
+        raise ValueError(
+            f"pipeline name {name!r}: expected 1-63 lowercase letters, digits, '-' or '_' "
+            "(no '__'), starting with a letter or digit"
+        )
+    return name
+
+
+def _parse_mode(value: Any) -> int:
+    bad = ValueError(f"socket_mode {value!r}: expected an octal permission like '0660' (quote it in YAML)")
+    if isinstance(value, bool):
+        raise bad
+    if isinstance(value, int):
+        mode = value
+    elif isinstance(value, str) and (match := _MODE_RE.match(value.strip())):
+        mode = int(match.group(1), 8)
+    else:
+        raise bad
+    if not 0 <= mode <= 0o777:
+        raise bad
+    return mode
+
+
+PipelineName = Annotated[str, AfterValidator(_check_name)]
+SocketMode = Annotated[int, BeforeValidator(_parse_mode)]
+
+
+class ServiceConfig(BaseSettings):
+    """Everything ``cachepipe serve`` needs, validated. See ``config/cachepipe.yaml``.
+
+    Attributes:
+        socket: path of the Unix socket of the API (absolute, at most 107 bytes).
+        socket_mode: permissions of the socket (default ``0660``: owner and group).
+        socket_group: group (name or number) given the socket, so that its members may take
+            and acknowledge items; None: the daemon's own group.
+        tcp_port: also serve the API on TCP at ``tcp_host:tcp_port`` (no authentication:
+            anyone who can connect can take and evict items); None (default): no TCP listener.
+        tcp_host: address of the TCP listener (default ``127.0.0.1``).
+        markers: acknowledge an item when a consumer creates ``<item>/.done`` or deletes the
+            item (watched through inotify; default True).
+        log_level: ``debug``, ``info`` (default), ``warning`` or ``error``.
+        status_interval: seconds between two ``STATUS=`` updates to systemd (default 10).
+        max_wait: longest a ``next`` request blocks before answering 408 (default 300 s).
+        max_clients: most simultaneous API connections (default 256); more are answered 503.
+        pipelines: the served datasets by name (lowercase letters, digits, ``-``, ``_``).
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True, case_sensitive=False
+    )
+
+    socket: Path = DEFAULT_SOCKET
+    socket_mode: SocketMode = 0o660
+    socket_group: str | None = Field(default=None, min_length=1)
+    tcp_port: int | None = Field(default=None, ge=0, le=65535)
+    tcp_host: str = Field(default="127.0.0.1", min_length=1)
+    markers: bool = True
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    status_interval: float = Field(default=10.0, gt=0, le=3600)
+    max_wait: float = Field(default=300.0, gt=0, le=86400)
+    max_clients: int = Field(default=256, ge=1, le=65536)
+    pipelines: dict[PipelineName, PipelineConfig] = Field(min_length=1)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The file's contents arrive as init kwargs; the environment overrides them.
+        return (env_settings, init_settings)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _daemon_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("pipelines"), dict):
+            return data
+        known = PipelineConfig.model_fields
+        pipelines = {}
+        for name, options in data["pipelines"].items():
+            if isinstance(options, dict):
+                options = {**{k: v for k, v in PIPELINE_DEFAULTS.items() if k in known}, **options}
+            pipelines[name] = options
+        return {**data, "pipelines": pipelines}
+
+    @model_validator(mode="after")
+    def _check_paths(self) -> ServiceConfig:
+        if not self.socket.is_absolute():
+            raise ValueError(f"socket {str(self.socket)!r}: expected an absolute path")
+        if len(os.fsencode(self.socket)) > SOCKET_PATH_MAX:
+            raise ValueError(f"socket {str(self.socket)!r}: expected a path of at most {SOCKET_PATH_MAX} bytes (a Unix socket limit)")
+        roots: dict[str, Path] = {}
+        for name, cfg in self.pipelines.items():
+            root = Path(os.path.normpath(cfg.cache_dir))
+            if not cfg.cache_dir.is_absolute():
+                raise ValueError(f"pipelines.{name}.cache_dir {str(cfg.cache_dir)!r}: expected an absolute path")
+            for other, other_root in roots.items():
+                if root == other_root or other_root in root.parents or root in other_root.parents:
+                    raise ValueError(
+                        f"pipelines.{name}.cache_dir {str(cfg.cache_dir)!r} overlaps pipelines.{other}.cache_dir "
+                        f"{str(other_root)!r}: expected a separate directory per pipeline"
+                    )
+            if root in self.socket.parents:
+                raise ValueError(f"socket {str(self.socket)!r} is inside pipelines.{name}.cache_dir: expected a path outside every cache")
+            roots[name] = root
+        return self
+
+
+def pipeline_options(cfg: PipelineConfig) -> dict[str, Any]:
+    """Keyword arguments that build a :class:`cachepipe.Pipeline` from ``cfg`` (values as validated)."""
+    return {name: getattr(cfg, name) for name in type(cfg).model_fields}
+
+
+# ---- loading ---------------------------------------------------------------------------
+class _StrictLoader(yaml.SafeLoader):
+    """Safe YAML that rejects a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _value in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse a YAML (or ``.toml``) config file into a mapping.
+
+    Raises:
+        ConfigError: the file is missing or unreadable, is not valid YAML/TOML (with the line),
+            or does not hold a mapping at the top.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r}: cannot read it: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    try:
+        if path.suffix.lower() == ".toml":
+            data: Any = tomllib.loads(text)
+        else:
+            data = yaml.load(text, Loader=_StrictLoader)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r}: invalid TOML: {exc}") from exc
+    except yaml.YAMLError as exc:
+        where = ""
+        mark = getattr(exc, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"config file {str(path)!r}: invalid YAML{where}: {problem}") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r}: expected a mapping of settings at the top, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | os.PathLike[str], *, environ: dict[str, str] | None = None) -> ServiceConfig:
+    """Read ``path``, apply ``CACHEPIPE_*`` overrides from the environment, validate.
+
+    Args:
+        path: the config file.
+        environ: the environment, only to name the variable behind a bad value in messages
+            (default ``os.environ``; the values themselves are read by pydantic-settings).
+
+    Raises:
+        ConfigError: one line per problem: ``<field path> = <value>: <what is expected>``.
+    """
+    data = read_config_file(path)
+    bad_keys = [k for k in data if not isinstance(k, str) or k.startswith("_")]
+    if bad_keys:
+        raise ConfigError(f"invalid configuration in {str(path)!r}:\n  {bad_keys[0]!r}: unknown key; expected one of: {_known(())}")
+    try:
+        return ServiceConfig(**data)
+    except ValidationError as exc:
+        raise ConfigError(format_errors(exc, str(path), os.environ if environ is None else environ)) from None
+
+
+def format_errors(exc: ValidationError, source: str, environ: Any = None) -> str:
+    """One readable line per validation error: field path, value, what is expected, and the
+    environment variable that set it, if one did."""
+    upper_env = {k.upper() for k in (environ or {})}
+    lines = [f"invalid configuration in {source!r}:"]
+    for err in exc.errors(include_url=False):
+        loc = tuple(str(p) for p in err["loc"] if p != "[key]")
+        where = ".".join(loc) or "(top level)"
+        msg = err["msg"]
+        for prefix in ("Value error, ", "Assertion failed, "):
+            msg = msg.removeprefix(prefix)
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            line = f"{where} = {_short(err['input'])}: unknown key; expected one of: {_known(loc[:-1])}"
+        elif kind == "missing":
+            line = f"{where}: required, not set"
+        elif kind == "value_error" and not loc:
+            line = msg
+        else:
+            line = f"{where} = {_short(err['input'])}: {msg}"
+        env_name = ENV_PREFIX + "__".join(loc).upper()
+        if loc and env_name in upper_env:
+            line += f" (set by the environment variable {env_name})"
+        lines.append("  " + line)
+    return "\n".join(lines)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _known(loc: tuple[str, ...]) -> str:
+    model: Any = ServiceConfig
+    if len(loc) == 2 and loc[0] == "pipelines":
+        model = PipelineConfig
+    return ", ".join(model.model_fields)

@@ -1,0 +1,390 @@
+"""``Daemon``: named pipelines behind one API; the operations the socket API and markers call.
+
+The daemon is a front-end over :class:`cachepipe.Pipeline`: each named pipeline is one
+``Pipeline`` built from its :class:`~cachepipe.PipelineConfig`; taking, acknowledging and
+releasing items are that pipeline's ``get``/``ack``/``release``/``renew``. What the daemon adds:
+names, routing an item path to its pipeline, reload (rebuild changed pipelines), and a view for
+status, health and metrics.
+
+Lifecycle: UNOPENED -> :meth:`Daemon.start` (bind the API socket, open every pipeline, watch for
+markers, serve) -> RUNNING -> :meth:`Daemon.stop` (stop accepting, close the pipelines keeping
+published items per ``keep_on_close``, end every connection) -> CLOSED.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..config import PipelineConfig
+from ..errors import UnknownItemError
+from ..pipeline import CachedItem, Pipeline, Stats
+from .api import ApiServer
+from .config import ServiceConfig, pipeline_options
+from .logs import set_level
+from .markers import MarkerWatcher
+from .metrics import Metrics, Snapshot, leased
+
+__all__ = ["Daemon", "UnknownPipelineError", "UnavailableError"]
+
+log = logging.getLogger("cachepipe.service")
+
+
+class UnknownPipelineError(LookupError):
+    """No pipeline of that name, or no pipeline owns that path (HTTP 404)."""
+
+
+class UnavailableError(RuntimeError):
+    """The daemon is stopping, or the pipeline failed to open (HTTP 503)."""
+
+
+@dataclasses.dataclass
+class _Served:
+    name: str
+    config: PipelineConfig
+    pipeline: Pipeline | None = None  # None: it failed to open (see error)
+    error: str = ""
+    root: Path = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.root = Path(os.path.abspath(self.config.cache_dir))
+
+
+_UNOPENED, _RUNNING, _STOPPING, _CLOSED = "unopened", "running", "stopping", "closed"
+
+
+class Daemon:
+    """Serve the pipelines of ``config`` over the socket API.
+
+    Args:
+        config: the validated configuration.
+        config_path: where it was read from (shown in status).
+    """
+
+    def __init__(self, config: ServiceConfig, config_path: str | os.PathLike[str] | None = None) -> None:
+        self.config = config
+        self.config_path = None if config_path is None else str(config_path)
+        self.metrics = Metrics(self._snapshots)
+        self._state = _UNOPENED
+        self._cond = threading.Condition()  # guards _served; notified when a pipeline is replaced
+        self._served: dict[str, _Served] = {}
+        self._reload_lock = threading.Lock()
+        self._markers: MarkerWatcher | None = None
+        self._api: ApiServer | None = None
+        self._started = time.monotonic()
+
+    def __repr__(self) -> str:
+        return f"Daemon({list(self.config.pipelines)}, socket={str(self.config.socket)!r}, state={self._state})"
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        """Bind the socket, open every pipeline, start the marker watcher and the API.
+
+        Raises:
+            RuntimeError: already started.
+            OSError: the socket cannot be created (in use by a live daemon, permissions).
+            CachePipeError: a pipeline cannot open (its error says why); nothing stays open.
+        """
+        if self._state != _UNOPENED:
+            raise RuntimeError(f"{self!r} cannot be started again: create a new Daemon")
+        self._state = _STOPPING  # until running, stop() cleans up whatever was started
+        self._api = ApiServer(self, self.config)
+        self._api.bind()
+        if self.config.markers:
+            self._markers = MarkerWatcher(self._marker_ack)
+            self._markers.start()
+        for name, cfg in self.config.pipelines.items():
+            served = _Served(name, cfg)
+            served.pipeline = self._open(served)  # raises: the caller stops us
+            with self._cond:
+                self._served[name] = served
+        self._api.serve()
+        self._state = _RUNNING
+        log.info("cachepipe %s serving %s on %s", __version__, ", ".join(self._served), self._api.address)
+
+    def stop(self) -> None:
+        """Stop serving; close the pipelines (published items stay with ``keep_on_close``). Idempotent."""
+        with self._cond:
+            if self._state == _CLOSED:
+                return
+            self._state = _STOPPING
+            self._cond.notify_all()
+        if self._api is not None:
+            self._api.stop_accepting()
+        if self._markers is not None:
+            self._markers.stop()
+        with self._cond:
+            served = list(self._served.values())
+        for entry in served:
+            self._close(entry)
+        if self._api is not None:
+            self._api.close()
+        self._state = _CLOSED
+        log.info("stopped")
+
+    @property
+    def running(self) -> bool:
+        """True while serving and the API thread is alive (what the systemd watchdog checks)."""
+        return self._state == _RUNNING and self._api is not None and self._api.alive
+
+    def _open(self, served: _Served) -> Pipeline:
+        pipe = Pipeline(**pipeline_options(served.config))
+        pipe.open()
+        if self._markers is not None:
+            self._markers.watch(served.name, served.root, served.config.items)
+        return pipe
+
+    def _close(self, served: _Served) -> None:
+        if self._markers is not None:
+            self._markers.unwatch(served.name)
+        if served.pipeline is not None:
+            served.pipeline.close()
+
+    # ---- reload ----------------------------------------------------------------------
+    def reload(self, new: ServiceConfig) -> list[str]:
+        """Apply a new configuration; returns what changed, for the log.
+
+        Pipelines removed are closed, added ones opened, changed ones rebuilt (closed, keeping
+        published items per ``keep_on_close``, then opened with the new settings: their leases
+        end and unacknowledged items are delivered again). A rebuilt pipeline that fails to
+        open is reopened with its old settings; if that fails too it stays down (health 503)
+        until the next reload. Socket path and TCP settings need a restart; socket permissions
+        and every other daemon setting apply at once.
+        """
+        with self._reload_lock:
+            if self._state != _RUNNING or self._api is None:
+                raise RuntimeError(f"{self!r} is not running")
+            old = self.config
+            changes: list[str] = []
+            fixed = {f: getattr(old, f) for f in ("socket", "tcp_port", "tcp_host") if getattr(old, f) != getattr(new, f)}
+            for field in fixed:
+                log.warning("reload: %s changed from %r to %r; this takes a restart", field, getattr(old, field), getattr(new, field))
+            if fixed:
+                new = new.model_copy(update=fixed)
+            if (new.socket_mode, new.socket_group) != (old.socket_mode, old.socket_group):
+                self._api.set_permissions(new.socket_mode, new.socket_group)
+                changes.append("socket permissions")
+            if new.log_level != old.log_level:
+                set_level(new.log_level)
+                changes.append(f"log_level {new.log_level}")
+            if new.markers != old.markers:
+                changes.append(f"markers {'on' if new.markers else 'off'}")
+            with self._cond:
+                current = dict(self._served)
+            for name in current.keys() - new.pipelines.keys():
+                self._close(current[name])
+                with self._cond:
+                    del self._served[name]
+                    self._cond.notify_all()
+                changes.append(f"removed {name}")
+            self._set_markers(new.markers, current)
+            for name, cfg in new.pipelines.items():
+                entry = current.get(name)
+                if entry is not None and entry.config == cfg and entry.pipeline is not None:
+                    continue
+                changes.append(self._rebuild(name, cfg, entry))
+            self.config = new
+            return changes
+
+    def _set_markers(self, enabled: bool, current: dict[str, _Served]) -> None:
+        if enabled and self._markers is None:
+            self._markers = MarkerWatcher(self._marker_ack)
+            self._markers.start()
+            for entry in current.values():
+                if entry.pipeline is not None:
+                    self._markers.watch(entry.name, entry.root, entry.config.items)
+        elif not enabled and self._markers is not None:
+            markers, self._markers = self._markers, None
+            markers.stop()
+
+    def _rebuild(self, name: str, cfg: PipelineConfig, old: _Served | None) -> str:
+        if old is not None:
+            self._close(old)
+        fresh = _Served(name, cfg)
+        try:
+            fresh.pipeline = self._open(fresh)
+            verb = "added" if old is None else ("reopened" if old.pipeline is None else "rebuilt")
+            result = f"{verb} {name}"
+        except Exception as exc:  # any failure to open: report it and fall back, never crash the daemon
+            log.error("reload: pipeline %s cannot open with the new settings: %s", name, exc)
+            fresh.error = f"{type(exc).__name__}: {exc}"
+            if old is not None and old.pipeline is not None:
+                fallback = _Served(name, old.config)
+                try:
+                    fallback.pipeline = self._open(fallback)
+                    fresh = fallback
+                    log.warning("reload: pipeline %s runs on with its old settings", name)
+                except Exception as again:  # the old settings no longer open either: the pipeline is down
+                    log.error("reload: pipeline %s cannot reopen with its old settings either: %s", name, again)
+            result = f"failed {name}"
+        with self._cond:
+            self._served[name] = fresh
+            self._cond.notify_all()
+        return result
+
+    # ---- operations (called from API handler threads) --------------------------------
+    def take(self, name: str, timeout: float | None, ack: dict[str, Any] | None = None) -> CachedItem | None:
+        """Acknowledge ``ack`` (if given), then lease the next item of pipeline ``name``.
+
+        Blocks up to ``timeout`` seconds (capped by ``max_wait``); a pipeline rebuilt by a reload
+        meanwhile is waited for. None: every item was delivered.
+
+        Raises:
+            UnknownPipelineError, UnavailableError, UnknownItemError (the ack), TimeoutError,
+            ItemFailedError.
+        """
+        limit = self.config.max_wait if timeout is None else min(timeout, self.config.max_wait)
+        deadline = time.monotonic() + limit
+        if ack is not None:
+            self.finish("ack", ack.get("path"), ack.get("lease"))
+        while True:
+            pipe = self._pipeline(name)
+            try:
+                return pipe.get(timeout=max(deadline - time.monotonic(), 0.0))
+            except RuntimeError:
+                if not self._wait_replaced(name, pipe, deadline):
+                    raise TimeoutError(f"pipeline {name!r} was being reloaded for the whole wait of {limit:g} s") from None
+
+    def finish(self, verb: str, path: Any, lease: Any = None) -> tuple[str, str]:
+        """``ack``, ``release`` or ``renew`` the item at ``path``; returns (pipeline name, item name).
+
+        Raises:
+            ValueError: ``path``/``lease`` are not strings.
+            UnknownPipelineError: no pipeline's cache holds ``path``.
+            UnknownItemError: not handed out, or ``lease`` is not the live lease (expired).
+        """
+        if not isinstance(path, str) or not path:
+            raise ValueError("'path': expected the item's local path as a string")
+        if lease is not None and not isinstance(lease, str):
+            raise ValueError(f"'lease' {lease!r}: expected the lease id string returned by next")
+        item_path = os.path.abspath(path)
+        served = self._owner(item_path)
+        pipe = served.pipeline
+        if pipe is None:
+            raise UnavailableError(f"pipeline {served.name!r} is down: {served.error}")
+        action = {"ack": pipe.ack, "release": pipe.release, "renew": pipe.renew}.get(verb)
+        if action is None:
+            raise ValueError(f"unknown action {verb!r}")
+        try:
+            action(item_path, lease or None)
+        except RuntimeError:
+            raise UnknownItemError(
+                f"cannot {verb} {path!r}: pipeline {served.name!r} was rebuilt by a reload since it was handed out; "
+                "it will be delivered again"
+            ) from None
+        return served.name, Path(item_path).relative_to(served.root).as_posix()
+
+    def _marker_ack(self, name: str, item: Path, how: str) -> None:
+        with self._cond:
+            served = self._served.get(name)
+        if served is None or served.pipeline is None:
+            return
+        try:
+            served.pipeline.ack(item)
+        except UnknownItemError:
+            # Our own evictions show up as deletions too; a marker on an item not handed out is ignored.
+            (log.info if how == "marker" else log.debug)("%s: %s of %s ignored: not handed out", name, how, item)
+            return
+        except RuntimeError:
+            return  # the pipeline closed meanwhile (reload or stop)
+        self.metrics.marker_acks.labels(name, how).inc()
+        log.debug("%s: acknowledged %s (%s)", name, item, how)
+
+    def _pipeline(self, name: str) -> Pipeline:
+        with self._cond:
+            if self._state != _RUNNING:
+                raise UnavailableError("the daemon is shutting down" if self._state != _UNOPENED else "the daemon is starting")
+            served = self._served.get(name)
+        if served is None:
+            raise UnknownPipelineError(f"no pipeline named {name!r}; this daemon serves: {', '.join(sorted(self._served))}")
+        if served.pipeline is None:
+            raise UnavailableError(f"pipeline {name!r} is down: {served.error}")
+        return served.pipeline
+
+    def _wait_replaced(self, name: str, pipe: Pipeline, deadline: float) -> bool:
+        """After ``pipe`` closed under a waiting request: wait until a reload replaced it."""
+        with self._cond:
+            while True:
+                if self._state != _RUNNING:
+                    raise UnavailableError("the daemon is shutting down")
+                served = self._served.get(name)
+                if served is None or served.pipeline is not pipe:
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+
+    def _owner(self, path: str) -> _Served:
+        target = Path(path)
+        with self._cond:
+            for served in self._served.values():
+                if served.root in target.parents:
+                    return served
+        raise UnknownPipelineError(f"{path!r} is not in the cache directory of any pipeline of this daemon")
+
+    # ---- views -----------------------------------------------------------------------
+    def _entries(self) -> list[_Served]:
+        with self._cond:
+            return list(self._served.values())
+
+    def _snapshots(self) -> list[Snapshot]:
+        return [Snapshot(e.name, e.pipeline is not None, e.pipeline.stats() if e.pipeline else None) for e in self._entries()]
+
+    def status(self) -> dict[str, Any]:
+        """Everything ``cachepipe status`` shows (the ``GET /v1/status`` body)."""
+        pipelines = {}
+        for e in self._entries():
+            stats: Stats | None = e.pipeline.stats() if e.pipeline is not None else None
+            pipelines[e.name] = {
+                "state": "open" if e.pipeline is not None else "down",
+                "error": e.error or None,
+                "source": e.config.source,
+                "cache_dir": str(e.root),
+                "items": e.config.items,
+                "lease_timeout": e.config.lease_timeout,
+                "leased": leased(stats) if stats else 0,
+                "stats": dataclasses.asdict(stats) if stats else None,
+            }
+        return {
+            "version": __version__,
+            "pid": os.getpid(),
+            "state": self._state,
+            "uptime_seconds": round(time.monotonic() - self._started, 3),
+            "config": self.config_path,
+            "socket": str(self.config.socket),
+            "pipelines": pipelines,
+        }
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """(healthy, body of ``GET /v1/health``): healthy when running and every pipeline is open."""
+        entries = self._entries()
+        down = {e.name: e.error for e in entries if e.pipeline is None}
+        ok = self._state == _RUNNING and not down
+        status = "ok" if ok else ("degraded" if self._state == _RUNNING else self._state)
+        return ok, {"status": status, "pipelines": {e.name: "down: " + down[e.name] if e.name in down else "open" for e in entries}}
+
+    def status_line(self) -> str:
+        """One line for systemd's STATUS=: items ready, leased and bytes cached per pipeline."""
+        parts = []
+        for e in self._entries():
+            if e.pipeline is None:
+                parts.append(f"{e.name}: down")
+                continue
+            s = e.pipeline.stats()
+            parts.append(f"{e.name}: {s.items_ready} ready, {leased(s)} leased, {s.items_acked} acked, {_size(s.bytes_in_cache)} of {_size(s.capacity)} cached")
+        return "; ".join(parts)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"

@@ -1,0 +1,181 @@
+"""``cachepipe serve``: run the daemon in the foreground under systemd (or a terminal).
+
+The main thread owns the signals and the conversation with systemd:
+
+- READY=1 once every cache is open and the socket listens; STATUS= lines (items ready, leased,
+  bytes cached) every ``status_interval`` seconds when they change;
+- WATCHDOG=1 every half ``WatchdogSec`` (``$WATCHDOG_USEC``) while the API thread is alive;
+- SIGTERM / SIGINT: STOPPING=1, stop fetching, close the pipelines (published items stay for the
+  next start with ``keep_on_close``), exit 0. During start-up the signal interrupts the start.
+- SIGHUP: RELOADING=1, read and validate the config file again; invalid: log why and keep the
+  running configuration; valid: apply it (:meth:`Daemon.reload`); then READY=1.
+
+Signal handlers only queue an event (``queue.SimpleQueue.put`` is safe in a signal handler);
+the loop blocks on that queue with a timeout that is the next heartbeat or status update.
+
+Exit status: 0 after SIGTERM/SIGINT, 1 when the daemon cannot start or its API thread dies,
+78 (EX_CONFIG) when the configuration is invalid (the unit's ``RestartPreventExitStatus=78``:
+restarting would not help).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from ..errors import CachePipeError, ConfigError
+from .config import load_config
+from .daemon import Daemon
+from .logs import setup_logging
+from .notify import Notifier
+
+__all__ = ["serve", "check", "EX_CONFIG"]
+
+log = logging.getLogger("cachepipe.service")
+
+EX_CONFIG = 78
+
+
+class _Interrupted(BaseException):
+    """SIGTERM/SIGINT while starting: unwinds the start like KeyboardInterrupt would."""
+
+
+def check(config_path: str | os.PathLike[str]) -> int:
+    """Validate the config file and print a summary (``cachepipe serve --check``)."""
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return EX_CONFIG
+    names = ", ".join(f"{n} ({c.source} -> {c.cache_dir})" for n, c in config.pipelines.items())
+    print(f"{config_path}: valid; socket {config.socket}; pipelines: {names}")
+    return 0
+
+
+def serve(config_path: str | os.PathLike[str]) -> int:
+    """Run the daemon until SIGTERM/SIGINT; returns the exit status."""
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return EX_CONFIG
+    handler = setup_logging(config.log_level)
+    try:
+        with Notifier() as notifier:
+            return _run(Path(config_path), config, notifier)
+    finally:
+        logging.getLogger("cachepipe").removeHandler(handler)
+
+
+def _run(config_path: Path, config: Any, notifier: Notifier) -> int:
+    events: queue.SimpleQueue[str] = queue.SimpleQueue()
+    phase = ["starting"]
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if signum == signal.SIGHUP:
+            events.put("reload")
+        elif phase[0] == "starting":
+            phase[0] = "stopping"
+            raise _Interrupted()
+        else:
+            events.put("stop")
+
+    previous = _install(on_signal)
+    daemon = Daemon(config, config_path)
+    try:
+        try:
+            daemon.start()
+        except _Interrupted:
+            log.info("interrupted while starting")
+            daemon.stop()
+            return 0
+        except ConfigError as exc:
+            log.error("cannot start: %s", exc)
+            daemon.stop()
+            return EX_CONFIG
+        except (CachePipeError, OSError, ValueError) as exc:
+            log.error("cannot start: %s: %s", type(exc).__name__, exc)
+            daemon.stop()
+            return 1
+        phase[0] = "running"
+        notifier.ready(daemon.status_line())
+        if notifier.watchdog_interval:
+            log.info("systemd watchdog: heartbeat every %.1f s", notifier.watchdog_interval)
+        code = _loop(daemon, config_path, notifier, events)
+        notifier.stopping()
+        daemon.stop()
+        return code
+    except BaseException:
+        daemon.stop()
+        raise
+    finally:
+        _restore(previous)
+
+
+def _loop(daemon: Daemon, config_path: Path, notifier: Notifier, events: queue.SimpleQueue[str]) -> int:
+    beat = notifier.watchdog_interval
+    now = time.monotonic()
+    next_beat = now if beat else float("inf")
+    next_status = now + daemon.config.status_interval
+    last_status = ""
+    while True:
+        timeout = max(min(next_beat, next_status) - time.monotonic(), 0.0)
+        try:
+            event = events.get(timeout=timeout)
+        except queue.Empty:
+            event = None
+        if event == "stop":
+            log.info("stopping (signal)")
+            return 0
+        if event == "reload":
+            _reload(daemon, config_path, notifier)
+            last_status = ""
+        if not daemon.running:
+            log.critical("the API thread stopped unexpectedly; exiting so that systemd restarts the service")
+            return 1
+        now = time.monotonic()
+        if now >= next_beat:
+            notifier.watchdog()
+            next_beat = now + beat  # type: ignore[operator]
+        if now >= next_status or event == "reload":
+            line = daemon.status_line()
+            if line != last_status:
+                notifier.status(line)
+                last_status = line
+            next_status = now + daemon.config.status_interval
+
+
+def _reload(daemon: Daemon, config_path: Path, notifier: Notifier) -> None:
+    notifier.reloading()
+    try:
+        new = load_config(config_path)
+    except ConfigError as exc:
+        log.error("reload: keeping the running configuration: %s", exc)
+        daemon.metrics.reloads.labels("invalid").inc()
+        notifier.send("READY=1", "STATUS=reload failed (invalid config, see the log); running on the previous configuration")
+        return
+    changes = daemon.reload(new)
+    failed = any(c.startswith("failed") for c in changes)
+    daemon.metrics.reloads.labels("partial" if failed else "ok").inc()
+    log.info("reloaded %s: %s", config_path, ", ".join(changes) or "nothing changed")
+    notifier.send("READY=1", "STATUS=" + " ".join(daemon.status_line().split()))
+
+
+def _install(handler: Any) -> dict[int, Any]:
+    """Install ``handler`` for SIGTERM, SIGINT and SIGHUP (main thread only); return the old ones."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+
+
+def _restore(previous: dict[int, Any]) -> None:
+    for sig, old in previous.items():
+        signal.signal(sig, old)

@@ -1,0 +1,166 @@
+"""Crash safety: a consumer process killed with SIGKILL at random moments and restarted."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from cachepipe import Pipeline
+from sampling import Sampler
+
+HERE = Path(__file__).parent
+KIB = 1024
+
+
+class Child:
+    """One run of tests/crash_child.py, its stdout read line by line in a thread."""
+
+    def __init__(self, cfg: dict) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "crash_child.py"), json.dumps(cfg)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, name="test-child-reader")
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if not line.endswith("\n"):
+                continue  # torn by the kill: its write never completed
+            with self.changed:
+                self.lines.append(line.split())
+                self.changed.notify_all()
+        with self.changed:
+            self.lines.append(["EOF"])
+            self.changed.notify_all()
+
+    def wait_for(self, predicate, timeout: float = 60) -> None:
+        with self.changed:
+            if not self.changed.wait_for(lambda: predicate(self.lines) or self.lines[-1:] == [["EOF"]], timeout):
+                raise AssertionError(f"child did not get there in {timeout}s; stderr: {self.proc.stderr.read()}")
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.finish()
+
+    def finish(self) -> int:
+        code = self.proc.wait(60)
+        self._reader.join()
+        self.stderr = self.proc.stderr.read()
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+        return code
+
+
+def test_kill_soak(s3_source, tmp_path):
+    rng = random.Random(1234)
+    n_items, kills = 300, 22
+    data = {}
+    for i in range(n_items):
+        files = {"a.bin": rng.randbytes(rng.randint(1, 9) * KIB), "sub/b.txt": rng.randbytes(rng.randint(10, 900))}
+        for rel, body in files.items():
+            s3_source.put(f"s{i:04d}/{rel}", body)
+        data[f"s{i:04d}"] = hashlib.md5(b"".join(files[rel] for rel in sorted(files))).hexdigest()
+    capacity = 64 * KIB  # about a dozen items beside the saved listing and the journal budget
+    cache = tmp_path / "cache"
+    cfg = {"url": s3_source.url, "cache": str(cache), "capacity": capacity, "options": s3_source.options, "work_seconds": 0.004}
+
+    got: dict[str, int] = {}
+    acked_before: set[str] = set()
+    corrupt: list[str] = []
+    came_back: list[str] = []
+    with Sampler(cache) as sampler:
+        for run in range(kills):
+            child = Child(cfg)
+            target = rng.randint(0, 25)  # kill after this many more items were taken, plus a random delay
+            child.wait_for(lambda lines: sum(1 for l in lines if l[0] == "GOT") >= target)
+            threading.Event().wait(rng.random() * 0.05)
+            child.kill()
+            _tally(child.lines, data, got, acked_before, corrupt, came_back)
+            assert "Traceback" not in child.stderr, child.stderr
+        final = Child(cfg)
+        assert final.finish() == 0, final.stderr
+        _tally(final.lines, data, got, acked_before, corrupt, came_back)
+        assert final.lines[-2] == ["DONE"]
+
+    redelivered = sum(n - 1 for n in got.values())
+    print(f"\nkill soak: {kills} kills, {n_items} items, {sum(got.values())} deliveries, {redelivered} re-deliveries, "
+          f"max cache {sampler.peak} bytes of {capacity} ({sampler.samples} samples), corrupt items: {len(corrupt)}")
+    assert set(got) == set(data), f"never delivered: {sorted(set(data) - set(got))[:10]}"
+    assert corrupt == []
+    assert came_back == [], f"acknowledged before a kill, delivered again after it: {came_back[:10]}"
+    assert sampler.peak <= capacity, f"cache reached {sampler.peak} bytes, capacity {capacity}"
+    assert sampler.samples > 100
+    leftovers = [p for p in cache.rglob("*") if p.is_file() and p.parent.name != ".cachepipe"]
+    assert leftovers == [], leftovers[:5]
+
+
+def _tally(lines, data, got, acked_before, corrupt, came_back) -> None:
+    acked_now = set()
+    for line in lines:
+        if line[0] == "GOT":
+            name, digest = line[1], line[2]
+            got[name] = got.get(name, 0) + 1
+            if digest != data[name]:
+                corrupt.append(name)
+            if name in acked_before:
+                came_back.append(name)
+        elif line[0] == "ACKED":
+            acked_now.add(line[1])
+    acked_before |= acked_now
+
+
+def test_restart_reuses_published_items_and_redelivers_leased_ones(s3_source, tmp_path):
+    s3_source.folders(6, {"f": 2 * KIB})
+    cache = tmp_path / "cache"
+    cfg = {"url": s3_source.url, "cache": str(cache), "capacity": 1024**2, "options": s3_source.options, "wait_ready": 6}
+    child = Child(cfg)
+    child.wait_for(lambda lines: sum(1 for l in lines if l[0] == "ACKED") >= 2)
+    child.kill()
+    acked = {l[1] for l in child.lines if l[0] == "ACKED"}
+    taken = {l[1] for l in child.lines if l[0] == "GOT"}  # the last may have been acked unprinted
+    (cache / ".cachepipe" / "staging" / "999").mkdir(parents=True)  # a staging leftover
+    (cache / ".cachepipe" / "staging" / "999" / "half").write_bytes(b"x" * 100)
+    with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options, resume=True) as pipe:
+        names = [p.name for p in pipe]
+        stats = pipe.stats()
+    everything = {f"item{i:03d}" for i in range(6)}
+    assert not acked & set(names), "acknowledged items came back"
+    assert everything - taken <= set(names) and set(names) | taken == everything
+    assert stats.items_reused == len(names) >= 3, "published items were downloaded again"
+    assert stats.bytes_downloaded == 0
+    assert not (cache / ".cachepipe" / "staging" / "999").exists()
+
+
+def test_corrupt_journal_is_rebuilt_from_disk(s3_source, tmp_path):
+    s3_source.folders(3, {"f": 100})
+    cache = tmp_path / "cache"
+    with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options, keep_on_close=True, auto_ack=False, prefetch=3) as pipe:
+        pipe.get(timeout=30)
+    (cache / ".cachepipe" / "journal").write_bytes(b"\x00garbage\nZ what\n")
+    (cache / ".cachepipe" / "catalog").write_text("not json\n")
+    with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options, resume=True) as pipe:
+        assert [p.name for p in pipe] == ["item000", "item001", "item002"]
+        assert pipe.stats().items_reused >= 1
+
+
+def test_resume_skips_acked_items_without_relisting(s3_source, tmp_path):
+    s3_source.folders(4, {"f": 100})
+    cache = tmp_path / "cache"
+    with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options, resume=True) as pipe:
+        it = iter(pipe)
+        next(it), next(it), next(it)  # item000 and item001 acked (auto-ack), item002 in hand
+        it.close()
+    s3_source.put("zzz/f", b"new")  # not seen: the saved listing is used
+    with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options, resume=True) as pipe:
+        assert [p.name for p in pipe] == ["item002", "item003"]
+    with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options, resume=True, relist=True) as pipe:
+        assert [p.name for p in pipe] == ["zzz"]
+    with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options) as pipe:
+        assert len(list(pipe)) == 5  # without resume: a new pass
