@@ -23,7 +23,7 @@ class FaultProxy:
     def __init__(self, target_host: str, target_port: int, cut_after: int = 2000) -> None:
         self.target = (target_host, target_port)
         self.cut_after = cut_after
-        self.faults: deque[str] = deque()
+        self.faults: deque[list] = deque()  # [kind, connections left]
         self.injected: dict[str, int] = {"cut": 0, "503": 0, "refuse": 0, "corrupt": 0}
         self.connections = 0
         self._writers: set[asyncio.StreamWriter] = set()
@@ -43,8 +43,13 @@ class FaultProxy:
 
     def inject(self, kind: str, count: int) -> None:
         with self._lock:
-            self.faults.extend([kind] * count)
+            self.faults.append([kind, count])
         self.drop_all()
+
+    def clear(self) -> None:
+        """No more faults: pass everything through."""
+        with self._lock:
+            self.faults.clear()
 
     def drop_all(self) -> None:
         def close() -> None:
@@ -75,8 +80,12 @@ class FaultProxy:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with self._lock:
             self.connections += 1
-            fault = self.faults.popleft() if self.faults else None
-            if fault:
+            fault = None
+            if self.faults:
+                fault = self.faults[0][0]
+                self.faults[0][1] -= 1
+                if self.faults[0][1] == 0:
+                    self.faults.popleft()
                 self.injected[fault] += 1
         self._writers.add(writer)
         try:
