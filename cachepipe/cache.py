@@ -108,10 +108,18 @@ class Cache:
             if self.staging_root.exists():
                 shutil.rmtree(self.staging_root)
             self.staging_root.mkdir()
+            usage = shutil.disk_usage(self.root)
             if isinstance(self._capacity_spec, Share):
-                self.capacity = int(shutil.disk_usage(self.root).free * self._capacity_spec.fraction)
+                self.capacity = int(usage.free * self._capacity_spec.fraction)
             else:
                 self.capacity = self._capacity_spec
+                room = usage.free + tree_bytes(self.root)
+                if self.capacity > room:
+                    log.warning(
+                        "capacity %d bytes exceeds the space available to %s (%d bytes): downloads will meet a full "
+                        "disk, and in-order delivery can wait on space held by later items; lower the capacity or "
+                        "give it as a share like '80%%'", self.capacity, self.root, room,
+                    )
             try:
                 self._replay = state.load(self._journal.path)
             except state.StateCorrupt as exc:
@@ -339,11 +347,16 @@ class Cache:
 
     def _remove(self, name: str, event: str) -> None:
         with self._cond:
+            if name not in self._published:
+                raise KeyError(name)
+        if event == "A":
+            # durable before the files go: a crash after this re-deletes, never re-delivers. If the
+            # write fails (disk full), nothing changed: the caller sees the error and may retry.
+            self._journal.append("A", name)
+        with self._cond:
             size = self._published.pop(name)
             self._recovered.pop(name, None)
         try:
-            if event == "A":
-                self._journal.append("A", name)  # durable before the files go: a crash now re-deletes, never re-delivers
             self._remove_files(name)
         finally:
             self._release(size)

@@ -117,7 +117,7 @@ def format_status(info: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     numeric = {2, 3, 4, 5, 6, 7, 8, 9}
     lines = [
-        "  ".join((cell.rjust(w) if i in numeric else cell.ljust(w)) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        "  ".join((cell.rjust(w) if i in numeric else cell.ljust(w)) for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
         for row in rows
     ]
     up = info.get("uptime_seconds", 0)

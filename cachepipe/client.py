@@ -296,6 +296,7 @@ class Client:
     # ---- visibility ------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         """The daemon's status: every pipeline's state and counters (``GET /v1/status``)."""
+        self._require_open()
         status, data = self._request("GET", "/v1/status", None, self.request_timeout)
         if status != 200:
             self._raise_for(status, data)
@@ -304,6 +305,7 @@ class Client:
     def health(self) -> dict[str, Any]:
         """``GET /v1/health``: ``{"status": "ok" | "degraded" | "stopping", "pipelines": ...}``
         (an unhealthy daemon's answer is returned too, not raised)."""
+        self._require_open()
         status, data = self._request("GET", "/v1/health", None, self.request_timeout)
         if status not in (200, 503) or not data:
             self._raise_for(status, data)
@@ -311,6 +313,7 @@ class Client:
 
     def metrics(self) -> str:
         """The Prometheus text exposition (``GET /metrics``)."""
+        self._require_open()
         status, data = self._request("GET", "/metrics", None, self.request_timeout)
         if status != 200:
             self._raise_for(status, data)

@@ -10,6 +10,7 @@ sleeping on the stop event so that :meth:`Fetcher.stop` is immediate.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import random
@@ -45,6 +46,9 @@ def backoff_delay(attempt: int, base: float, cap: float, rand: Callable[[], floa
     given number of retries still covers a predictable outage."""
     delay = min(cap, base * (2**attempt))
     return delay / 2 + rand() * delay / 2
+
+
+_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
 
 
 @dataclass
@@ -260,6 +264,9 @@ class Fetcher:
             try:
                 path = self._cache.publish(job.staged, item)
             except OSError as exc:
+                if exc.errno in _DISK_ERRNOS and not isinstance(exc, VerificationError):
+                    self._retry_disk_error(job, exc)  # the journal write met a full disk
+                    return
                 job.error, job.error_key = exc, item.name
             else:
                 self.counters.add(items_fetched=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +15,8 @@ from .broker import Broker, Closed, Failed, Lease
 from .cache import Cache
 from .catalog import Item, group_items
 from .config import PipelineConfig
-from .errors import EmptySourceError, OversizeError, UnknownItemError
-from .fetcher import Fetcher
+from .errors import EmptySourceError, OversizeError, UnknownItemError, is_transient
+from .fetcher import Fetcher, backoff_delay
 from .stores import Store, open_store
 
 __all__ = ["Pipeline", "CachedItem", "Stats"]
@@ -142,28 +143,39 @@ class Pipeline:
         with self._lock:
             if self._state != _UNOPENED:
                 raise RuntimeError(f"{self!r} cannot be opened again: create a new Pipeline")
+            self._state = _CLOSED  # until it is open: a failed open cannot be retried on this object
             cfg = self.config
             store = self._store or open_store(cfg.source, cfg.storage_options)
             cache = Cache(cfg.cache_dir, cfg.capacity)
-            cache.open()
+            broker: Broker[Path] = Broker(ordered=cfg.ordered, lease_timeout=cfg.lease_timeout)
+            fetcher: Fetcher | None = None
             try:
-                items = self._catalog(store, cache)
+                cache.open()
+                try:
+                    items = self._catalog(store, cache)
+                    fetcher = Fetcher(store, cache, broker, items, cfg)
+                    if cfg.progress:
+                        from tqdm.auto import tqdm
+
+                        self._bar = tqdm(total=len(items), unit="item", desc="cachepipe", dynamic_ncols=True)
+                    self._store, self._cache, self._broker, self._fetcher = store, cache, broker, fetcher
+                    self._items = {item.name: item for _seq, item in items}
+                    self._listed_bytes = sum(item.size for _seq, item in items)
+                    self._listed = len(items) + self._counts["skipped"] + self._resumed
+                    fetcher.start()
+                    self._state = _OPEN
+                except BaseException:
+                    if fetcher is not None:
+                        broker.close()
+                        cache.interrupt()
+                        fetcher.stop()
+                    cache.close()
+                    raise
             except BaseException:
-                cache.close()
+                if self._bar is not None:
+                    self._bar.close()
                 store.close()
                 raise
-            self._store, self._cache = store, cache
-            self._items = {item.name: item for _seq, item in items}
-            self._listed_bytes = sum(item.size for _seq, item in items)
-            self._listed = len(items) + self._counts["skipped"] + self._resumed
-            self._broker: Broker[Path] = Broker(ordered=cfg.ordered, lease_timeout=cfg.lease_timeout)
-            self._fetcher = Fetcher(store, cache, self._broker, items, cfg)
-            if cfg.progress:
-                from tqdm.auto import tqdm
-
-                self._bar = tqdm(total=len(items), unit="item", desc="cachepipe", dynamic_ncols=True)
-            self._state = _OPEN
-            self._fetcher.start()
             log.info("opened %s: %d items, %d bytes, capacity %d bytes", cfg.source, len(items), self._listed_bytes, cache.capacity)
         return self
 
@@ -171,7 +183,7 @@ class Pipeline:
         cfg = self.config
         listing = cache.saved_catalog(cfg.source, cfg.items) if cfg.resume and not cfg.relist else None
         if listing is None:
-            listing = list(group_items(store.list(), cfg.items))
+            listing = self._list(store)
             if cfg.resume:
                 cache.save_catalog(cfg.source, cfg.items, listing)
         acked = cache.recover(listing, resume=cfg.resume)
@@ -190,6 +202,20 @@ class Pipeline:
             what = "items larger than the capacity" if self._counts["skipped"] else f"{cfg.items} with objects"
             raise EmptySourceError(f"no items under {cfg.source!r}: found no {what}")
         return planned
+
+    def _list(self, store: Store) -> list[Item]:
+        """List the source into items, retrying transient store errors like downloads are."""
+        cfg = self.config
+        for attempt in range(cfg.retries + 1):
+            try:
+                return list(group_items(store.list(), cfg.items))
+            except Exception as exc:
+                if not is_transient(exc) or attempt == cfg.retries:
+                    raise
+                delay = backoff_delay(attempt, cfg.retry_backoff, cfg.retry_backoff_max)
+                log.warning("listing %s failed, retry %d/%d in %.2fs: %s", cfg.source, attempt + 1, cfg.retries, delay, exc)
+                time.sleep(delay)  # a backoff in the opening thread; Ctrl-C interrupts it
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         """Stop every thread, remove staging files and (unless ``keep_on_close``) published items.

@@ -215,10 +215,13 @@ class Plan:
         partition: Literal["epoch", "fixed"] = "epoch",
         start: Cursor | tuple[int, int] | None = None,
     ) -> None:
-        self.sizes = array("q", (s.size if isinstance(s, Item) else s for s in sizes))
-        for i, size in enumerate(self.sizes):
-            if size < 0:
-                raise ValueError(f"sizes[{i}] = {size}: expected a size >= 0 bytes")
+        if len(sizes) and isinstance(sizes[0], Item):
+            self.sizes = array("q", (item.size for item in sizes))  # type: ignore[union-attr]
+        else:
+            self.sizes = array("q", sizes)  # type: ignore[arg-type]
+        if len(self.sizes) and min(self.sizes) < 0:
+            i = next(i for i, size in enumerate(self.sizes) if size < 0)
+            raise ValueError(f"sizes[{i}] = {self.sizes[i]}: expected a size >= 0 bytes")
         if len(self.sizes) >= _MAX_ITEMS:
             raise ValueError(f"{len(self.sizes)} items: at most {_MAX_ITEMS - 1} are supported")
         if epochs is not None:
@@ -250,7 +253,6 @@ class Plan:
         self.balance, self.partition = balance, partition
         self._lock = threading.Lock()  # the epoch caches may be read by the fetcher and the cache
         self._shares: OrderedDict[int, array] = OrderedDict()
-        self._wheres: OrderedDict[int, array] = OrderedDict()
         self._mine: bytearray | None = None  # partition="fixed": membership of this rank
         self._digest: str | None = None
         self.start = Cursor(0, 0)
@@ -281,22 +283,6 @@ class Plan:
             self._shares[epoch] = got
             if len(self._shares) > EPOCHS_CACHED:
                 self._shares.popitem(last=False)
-            return got
-
-    def where(self, epoch: int) -> array:
-        """For each catalog item, its index in :meth:`share` of ``epoch``, or -1 (cached)."""
-        share = self.share(epoch)
-        with self._lock:
-            got = self._wheres.get(epoch)
-            if got is not None:
-                self._wheres.move_to_end(epoch)
-                return got
-            got = array("i", [-1]) * self.n_items
-            for j, x in enumerate(share):
-                got[x] = j
-            self._wheres[epoch] = got
-            if len(self._wheres) > EPOCHS_CACHED:
-                self._wheres.popitem(last=False)
             return got
 
     def _compute_share(self, epoch: int) -> array:
@@ -430,6 +416,14 @@ class Frontier:
         self._next_seq += 1
         self._issued[seq] = step
         return seq
+
+    def step(self, seq: int) -> Step:
+        """The step issued as ``seq`` (issued and not yet below the frontier).
+
+        Raises:
+            KeyError: ``seq`` was never issued, or every step up to it is consumed.
+        """
+        return self._issued[seq]
 
     def consume(self, seq: int) -> None:
         """Mark step ``seq`` consumed (acknowledged); idempotent.

@@ -53,7 +53,7 @@ from typing import Literal, Protocol
 from .plan import Plan, tick as plan_tick
 
 __all__ = [
-    "NEVER", "NextUse", "SequenceFuture", "PlanFuture", "RetentionPolicy", "Belady", "LRU", "NoRetention",
+    "NEVER", "NextUse", "is_placeholder", "SequenceFuture", "PlanFuture", "RetentionPolicy", "Belady", "LRU", "NoRetention",
     "make_policy", "SimResult", "run", "simulate", "belady_min", "compulsory_bytes",
 ]
 
@@ -66,13 +66,21 @@ class NextUse(Protocol):
     """The future access order, as next-use lookups."""
 
     def next_use(self, item: int, tick: int) -> int:
-        """The tick of the next read of ``item`` after its read at ``tick``, or :data:`NEVER`."""
+        """The tick of the next read of ``item`` strictly after ``tick``, :data:`NEVER` if there
+        is none, or a placeholder (see :func:`is_placeholder`) if it is beyond what is known."""
         ...
+
+
+def is_placeholder(key: int) -> bool:
+    """True for a next use that is only known to come after the end of epoch ``key >> 32``
+    (index part ``0xFFFFFFFF``, which no step has)."""
+    return key != NEVER and key & _ITEM_MASK == _ITEM_MASK
 
 
 class SequenceFuture:
     """Next uses in a finite sequence of item indices (ticks are positions), from one backward
-    pass: 8 bytes per step."""
+    pass: 8 bytes per step. Answers for the ticks at which ``item`` is read (the only ones a
+    policy asks about); never a placeholder."""
 
     def __init__(self, sequence: Sequence[int]) -> None:
         n = len(sequence)
@@ -83,19 +91,23 @@ class SequenceFuture:
             nxt[i] = last.get(x, NEVER)
             last[x] = i
         self._next = nxt
+        self._sequence = sequence
 
     def next_use(self, item: int, tick: int) -> int:
+        if self._sequence[tick] != item:
+            raise ValueError(f"step {tick} reads item {self._sequence[tick]}, not {item}")
         return self._next[tick]
 
 
 class PlanFuture:
     """Next uses in a :class:`~cachepipe.plan.Plan`, looking ``horizon`` epochs ahead.
 
-    A share holds an item at most once per epoch, so the next use of an item read in epoch
-    ``e`` is its index in the first of epochs ``e+1 .. e+horizon`` whose share holds it. Not
-    found: :data:`NEVER` if the plan ends first, else the first tick past the horizon (a lower
-    bound: such items are evicted first, in no particular order among themselves).
-    Keeps ``horizon + 2`` epochs of index arrays (4 bytes per catalog item each).
+    A share holds an item at most once per epoch, so the next read of an item after a tick in
+    epoch ``e`` is later in ``e``, or at its index in the first of epochs ``e+1 .. e+horizon``
+    whose share holds it. Not found: :data:`NEVER` if the plan ends first, else a placeholder
+    for "after epoch ``e+horizon``" (such items are evicted first; :class:`Belady` looks again
+    when the placeholder is reached). Keeps ``horizon + 2`` epochs of index arrays (4 bytes
+    per catalog item each).
     """
 
     def __init__(self, plan: Plan, horizon: int = 2) -> None:
@@ -127,14 +139,19 @@ class PlanFuture:
             self.where(e)
 
     def next_use(self, item: int, tick: int) -> int:
-        epoch = tick >> 32
+        epoch, index = tick >> 32, tick & _ITEM_MASK
+        share = self.plan.share(epoch) if not self.plan.done(epoch) else None
+        if share is not None and (index >= len(share) or share[index] != item):
+            j = self.where(epoch)[item]  # not the item's own read: it may come later this epoch
+            if j > index:
+                return plan_tick(epoch, j)
         for e in range(epoch + 1, epoch + 1 + self.horizon):
             if self.plan.done(e):
                 return NEVER
             j = self.where(e)[item]
             if j >= 0:
                 return plan_tick(e, j)
-        return NEVER if self.plan.done(epoch + 1 + self.horizon) else plan_tick(epoch + 1 + self.horizon, 0)
+        return NEVER if self.plan.done(epoch + 1 + self.horizon) else plan_tick(epoch + self.horizon, _ITEM_MASK)
 
 
 class RetentionPolicy:
@@ -327,6 +344,7 @@ class Belady(RetentionPolicy):
         self._pheap: list[int] = []
         self._retained = 0
         self._pinned_items = 0
+        self._placeholders: dict[int, list[int]] = {}  # epoch -> retained items known only as "after it"
 
     @staticmethod
     def _enc(key: int, item: int) -> int:
@@ -375,7 +393,21 @@ class Belady(RetentionPolicy):
         self._rkey[item] = key
         self._retained += 1
         self._push(self._rheap, self._rkey, key, item, self._retained)
+        if is_placeholder(key):
+            self._placeholders.setdefault(key >> 32, []).append(item)
         return True
+
+    def _look_again(self, tick: int) -> None:
+        """Retained items whose next use was "after epoch e" get a real one once ``tick`` is past
+        epoch ``e``: as stale lower bounds they would sort as needed soon, and never be evicted."""
+        for epoch in [e for e in self._placeholders if e < tick >> 32]:
+            for x in self._placeholders.pop(epoch):
+                if self._rkey[x] >= 0 and is_placeholder(self._rkey[x]) and self._rkey[x] >> 32 == epoch:
+                    key = self.future.next_use(x, tick)  # type: ignore[union-attr]
+                    self._rkey[x] = key
+                    self._push(self._rheap, self._rkey, key, x, self._retained)
+                    if is_placeholder(key):
+                        self._placeholders.setdefault(key >> 32, []).append(x)
 
     def _release(self, item: int) -> bool:
         if self._rkey[item] < 0:
@@ -388,6 +420,8 @@ class Belady(RetentionPolicy):
         return self._rkey[item] >= 0
 
     def _victims(self, needed: int, item: int, tick: int, urgent: bool) -> list[int] | None:
+        if self._placeholders:
+            self._look_again(tick)
         may_wait = not urgent and self.pinned_bytes >= self.reserve
         pinned_top = self._top(self._pheap, self._pkey) if may_wait else None
         taken: list[tuple[int, int]] = []
@@ -440,21 +474,23 @@ class SimResult:
     Attributes:
         bytes: total bytes downloaded.
         per_step: bytes downloaded for each step (0: read from disk).
-        ahead_mean: mean number of steps fetched ahead of the consumer when it reads a step
-            (the prefetch depth the capacity left; small means downloads wait on acks).
+        lead: for each downloaded step, how many steps ahead of the consumer its download
+            started (0: the consumer was already waiting for it); -1 for steps read from disk.
+            With a fast network, a small lead puts the download on the consumer's critical path.
     """
 
     bytes: int
     per_step: array
-    ahead_mean: float
+    lead: array
 
 
 def run(
     policy: str | RetentionPolicy, sequence: Sequence[int], sizes: Sequence[int], capacity: int, *,
-    prefetch: int | None = None, reserve: int = 0,
+    prefetch: int | None = None, reserve: int = 0, ticks: Sequence[int] | None = None,
 ) -> SimResult:
     """Replay ``sequence`` through a cache of ``capacity`` bytes run by ``policy`` (a name, or
-    an instance built on this sequence's ticks, i.e. positions).
+    an instance whose future uses the same ticks: positions, or ``ticks`` if given, e.g. the
+    ``Step.tick`` of a plan's steps with a :class:`PlanFuture`).
 
     The fetcher runs as far ahead as the capacity (and ``prefetch`` steps, if given) allows,
     as a fast network would let it; when it must wait, the consumer acknowledges its next
@@ -469,15 +505,17 @@ def run(
     if isinstance(policy, str):
         policy = make_policy(policy, sizes, SequenceFuture(sequence), reserve=reserve)  # type: ignore[arg-type]
     n = len(sequence)
+    at = range(n) if ticks is None else ticks
     per_step = array("q", [0]) * n
-    free, c, p, ahead = capacity, 0, 0, 0
+    lead = array("q", [-1]) * n
+    free, c, p = capacity, 0, 0
     while c < n:
         while p < n and (prefetch is None or p - c < prefetch):
             x = sequence[p]
-            if not policy.on_fetch(x, p):
+            if not policy.on_fetch(x, at[p]):
                 size = sizes[x]
                 if size > free:
-                    victims = policy.choose_victims(size - free, x, p, urgent=p == c)
+                    victims = policy.choose_victims(size - free, x, at[p], urgent=p == c)
                     if victims is None:
                         if p == c:
                             raise ValueError(f"item {x} of {size} bytes does not fit in capacity {capacity} (free {free})")
@@ -487,14 +525,14 @@ def run(
                         raise RuntimeError(f"{policy.name}: victims free {free} bytes, item {x} needs {size}")
                 free -= size
                 per_step[p] = size
-                policy.on_admit(x, p)
+                lead[p] = p - c
+                policy.on_admit(x, at[p])
             p += 1
-        ahead += p - c
         x = sequence[c]
-        if not policy.on_ack(x, c):
+        if not policy.on_ack(x, at[c]):
             free += sizes[x]
         c += 1
-    return SimResult(sum(per_step), per_step, ahead / n if n else 0.0)
+    return SimResult(sum(per_step), per_step, lead)
 
 
 def simulate(

@@ -43,7 +43,8 @@ def test_enospc_frees_staging_backs_off_and_recovers(s3_source, tmp_path):
         tenant = disk / "other-tenant.bin"
         tenant.write_bytes(b"t" * (220 * KIB))  # the shared disk is nearly full
         got = {}
-        with Pipeline(s3_source.url, disk / "cache", "1MiB", storage_options=s3_source.options, retry_backoff=0.05, retry_backoff_max=0.2, retries=100) as pipe:
+        # the capacity fits the disk, but another tenant has taken most of it for now
+        with Pipeline(s3_source.url, disk / "cache", "200KiB", storage_options=s3_source.options, retry_backoff=0.05, retry_backoff_max=0.2, retries=100) as pipe:
             _wait(lambda: pipe.stats().disk_errors >= 2)
             assert pipe.stats().items_ready == 0  # nothing partial was published
             staging = disk / "cache" / ".cachepipe" / "staging"
@@ -67,3 +68,11 @@ def test_min_free_pauses_until_space_returns(s3_source, tmp_path):
             tenant.unlink()
             names = [p.name for p in pipe]
         assert names == sorted(data)
+
+
+def test_capacity_beyond_the_disk_is_warned_about(s3_source, tmp_path, caplog):
+    s3_source.folders(1, {"f": 10})
+    with tmpfs(tmp_path / "disk", "256k") as disk:
+        with Pipeline(s3_source.url, disk / "cache", "1MiB", storage_options=s3_source.options) as pipe:
+            list(pipe)
+    assert "exceeds the space available" in caplog.text

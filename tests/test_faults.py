@@ -88,3 +88,26 @@ def _wait(predicate, timeout=30.0):
             return
         event.wait(0.01)
     raise AssertionError("condition not reached in time")
+
+
+def test_listing_is_retried(remote_source, fault_proxy, tmp_path):
+    proxy, endpoint = fault_proxy
+    remote_source.folders(2, {"f": 10})
+    proxy.inject("503", 2)
+    with Pipeline(remote_source.url, tmp_path / "c", "1MiB", storage_options=via(remote_source, endpoint), retry_backoff=0.01) as pipe:
+        assert len(list(pipe)) == 2
+    assert proxy.injected["503"] == 2
+
+
+def test_failed_open_releases_the_cache(remote_source, fault_proxy, tmp_path):
+    proxy, endpoint = fault_proxy
+    remote_source.folders(2, {"f": 10})
+    proxy.inject("503", 10**9)
+    failing = Pipeline(remote_source.url, tmp_path / "c", "1MiB", storage_options=via(remote_source, endpoint), retries=1, retry_backoff=0.01)
+    with pytest.raises(StoreUnavailableError):
+        failing.open()
+    proxy.clear()
+    with Pipeline(remote_source.url, tmp_path / "c", "1MiB", storage_options=via(remote_source, endpoint)) as pipe:
+        assert len(list(pipe)) == 2
+    with pytest.raises(RuntimeError, match="create a new Pipeline"):
+        failing.open()

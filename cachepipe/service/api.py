@@ -30,6 +30,7 @@ import selectors
 import socket
 import socketserver
 import stat
+import sys
 import threading
 from collections.abc import Callable
 from http import HTTPStatus
@@ -90,7 +91,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = f"cachepipe/{__version__}"
     sys_version = ""
-    server: _Server
+    server: _UnixServer | _TcpServer  # type: ignore[assignment]
 
     def address_string(self) -> str:
         return self.client_address[0] if isinstance(self.client_address, tuple) else "unix"
@@ -237,7 +238,7 @@ class _Server(socketserver.ThreadingMixIn):
     daemon_threads = False
     block_on_close = True
     request_queue_size = 128
-    timeout = 0  # handle_request() never blocks: our selector already saw the socket ready
+    timeout: float | None = 0.0  # handle_request() never blocks: our selector already saw the socket ready
     daemon: Daemon
     max_clients: int
     daemon_stopping: Callable[[], bool]
@@ -286,7 +287,11 @@ class _Server(socketserver.ThreadingMixIn):
                     raise
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        log.exception("error while serving a connection")
+        exc = sys.exc_info()[1]
+        if isinstance(exc, ConnectionError):
+            log.info("a client connection ended abruptly: %s", exc)
+        else:
+            log.exception("error while serving a connection")
 
 
 class _UnixServer(_Server, socketserver.UnixStreamServer):
@@ -315,7 +320,7 @@ class ApiServer:
     def __init__(self, daemon: Daemon, config: ServiceConfig) -> None:
         self._daemon = daemon
         self._config = config
-        self._servers: list[_Server] = []
+        self._servers: list[_UnixServer | _TcpServer] = []
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
         self._socket_id: tuple[int, int] | None = None
@@ -383,6 +388,11 @@ class ApiServer:
                 raise ConfigError(f"socket_group {group!r}: no such group on this system") from None
             os.chown(path, -1, gid)
         os.chmod(path, mode)
+
+    def set_max_clients(self, max_clients: int) -> None:
+        """Change the cap on simultaneous connections (on reload); live connections stay."""
+        for server in self._servers:
+            server.max_clients = max_clients
 
     def serve(self) -> None:
         """Listen and start accepting connections in a thread."""

@@ -37,7 +37,7 @@ log = logging.getLogger("cachepipe.service")
 
 
 class UnknownPipelineError(LookupError):
-    """No pipeline of that name, or no pipeline owns that path (HTTP 404)."""
+    """No pipeline of that name (HTTP 404)."""
 
 
 class UnavailableError(RuntimeError):
@@ -50,6 +50,7 @@ class _Served:
     config: PipelineConfig
     pipeline: Pipeline | None = None  # None: it failed to open (see error)
     error: str = ""
+    rebuilt_at: float | None = None  # monotonic time a reload rebuilt it, ending older leases
     root: Path = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -70,10 +71,11 @@ class Daemon:
     def __init__(self, config: ServiceConfig, config_path: str | os.PathLike[str] | None = None) -> None:
         self.config = config
         self.config_path = None if config_path is None else str(config_path)
-        self.metrics = Metrics(self._snapshots)
         self._state = _UNOPENED
         self._cond = threading.Condition()  # guards _served; notified when a pipeline is replaced
         self._served: dict[str, _Served] = {}
+        self._waiting: dict[str, int] = {}  # requests blocked in next, by pipeline name
+        self.metrics = Metrics(self._snapshots)
         self._reload_lock = threading.Lock()
         self._markers: MarkerWatcher | None = None
         self._api: ApiServer | None = None
@@ -137,7 +139,10 @@ class Daemon:
         pipe = Pipeline(**pipeline_options(served.config))
         pipe.open()
         if self._markers is not None:
-            self._markers.watch(served.name, served.root, served.config.items)
+            try:
+                self._markers.watch(served.name, served.root, served.config.items)
+            except OSError as exc:  # e.g. fs.inotify.max_user_watches reached: serve without markers
+                log.error("%s: marker acks are off for this pipeline: cannot watch %s: %s", served.name, served.root, exc)
         return pipe
 
     def _close(self, served: _Served) -> None:
@@ -175,6 +180,9 @@ class Daemon:
                 changes.append(f"log_level {new.log_level}")
             if new.markers != old.markers:
                 changes.append(f"markers {'on' if new.markers else 'off'}")
+            if new.max_clients != old.max_clients:
+                self._api.set_max_clients(new.max_clients)
+                changes.append(f"max_clients {new.max_clients}")
             with self._cond:
                 current = dict(self._served)
             for name in current.keys() - new.pipelines.keys():
@@ -183,7 +191,7 @@ class Daemon:
                     del self._served[name]
                     self._cond.notify_all()
                 changes.append(f"removed {name}")
-            self._set_markers(new.markers, current)
+            self._set_markers(new.markers)
             for name, cfg in new.pipelines.items():
                 entry = current.get(name)
                 if entry is not None and entry.config == cfg and entry.pipeline is not None:
@@ -192,11 +200,11 @@ class Daemon:
             self.config = new
             return changes
 
-    def _set_markers(self, enabled: bool, current: dict[str, _Served]) -> None:
+    def _set_markers(self, enabled: bool) -> None:
         if enabled and self._markers is None:
             self._markers = MarkerWatcher(self._marker_ack)
             self._markers.start()
-            for entry in current.values():
+            for entry in self._entries():
                 if entry.pipeline is not None:
                     self._markers.watch(entry.name, entry.root, entry.config.items)
         elif not enabled and self._markers is not None:
@@ -206,7 +214,7 @@ class Daemon:
     def _rebuild(self, name: str, cfg: PipelineConfig, old: _Served | None) -> str:
         if old is not None:
             self._close(old)
-        fresh = _Served(name, cfg)
+        fresh = _Served(name, cfg, rebuilt_at=None if old is None else time.monotonic())
         try:
             fresh.pipeline = self._open(fresh)
             verb = "added" if old is None else ("reopened" if old.pipeline is None else "rebuilt")
@@ -215,7 +223,7 @@ class Daemon:
             log.error("reload: pipeline %s cannot open with the new settings: %s", name, exc)
             fresh.error = f"{type(exc).__name__}: {exc}"
             if old is not None and old.pipeline is not None:
-                fallback = _Served(name, old.config)
+                fallback = _Served(name, old.config, rebuilt_at=time.monotonic())
                 try:
                     fallback.pipeline = self._open(fallback)
                     fresh = fallback
@@ -245,19 +253,26 @@ class Daemon:
             self.finish("ack", ack.get("path"), ack.get("lease"))
         while True:
             pipe = self._pipeline(name)
+            self._count_waiting(name, +1)
             try:
                 return pipe.get(timeout=max(deadline - time.monotonic(), 0.0))
             except RuntimeError:
                 if not self._wait_replaced(name, pipe, deadline):
                     raise TimeoutError(f"pipeline {name!r} was being reloaded for the whole wait of {limit:g} s") from None
+            finally:
+                self._count_waiting(name, -1)
+
+    def _count_waiting(self, name: str, delta: int) -> None:
+        with self._cond:
+            self._waiting[name] = self._waiting.get(name, 0) + delta
 
     def finish(self, verb: str, path: Any, lease: Any = None) -> tuple[str, str]:
         """``ack``, ``release`` or ``renew`` the item at ``path``; returns (pipeline name, item name).
 
         Raises:
             ValueError: ``path``/``lease`` are not strings.
-            UnknownPipelineError: no pipeline's cache holds ``path``.
-            UnknownItemError: not handed out, or ``lease`` is not the live lease (expired).
+            UnknownItemError: not handed out (or outside every cache), or ``lease`` is not the
+                live lease (it expired and the item went back to the queue or to another consumer).
         """
         if not isinstance(path, str) or not path:
             raise ValueError("'path': expected the item's local path as a string")
@@ -275,8 +290,16 @@ class Daemon:
             action(item_path, lease or None)
         except RuntimeError:
             raise UnknownItemError(
-                f"cannot {verb} {path!r}: pipeline {served.name!r} was rebuilt by a reload since it was handed out; "
-                "it will be delivered again"
+                f"cannot {verb} {path!r}: pipeline {served.name!r} is being rebuilt by a reload, which ends the leases "
+                "handed out before it; the item will be delivered again"
+            ) from None
+        except UnknownItemError as exc:
+            if served.rebuilt_at is None:
+                raise
+            ago = time.monotonic() - served.rebuilt_at
+            raise UnknownItemError(
+                f"{exc}; note: pipeline {served.name!r} was rebuilt by a reload {ago:.0f} s ago, which ended every lease "
+                "handed out before it (those items are delivered again)"
             ) from None
         return served.name, Path(item_path).relative_to(served.root).as_posix()
 
@@ -327,7 +350,7 @@ class Daemon:
             for served in self._served.values():
                 if served.root in target.parents:
                     return served
-        raise UnknownPipelineError(f"{path!r} is not in the cache directory of any pipeline of this daemon")
+        raise UnknownItemError(f"cannot act on {path!r}: not in the cache directory of any pipeline of this daemon")
 
     # ---- views -----------------------------------------------------------------------
     def _entries(self) -> list[_Served]:
@@ -335,7 +358,10 @@ class Daemon:
             return list(self._served.values())
 
     def _snapshots(self) -> list[Snapshot]:
-        return [Snapshot(e.name, e.pipeline is not None, e.pipeline.stats() if e.pipeline else None) for e in self._entries()]
+        return [
+            Snapshot(e.name, e.pipeline is not None, e.pipeline.stats() if e.pipeline else None, self._waiting.get(e.name, 0))
+            for e in self._entries()
+        ]
 
     def status(self) -> dict[str, Any]:
         """Everything ``cachepipe status`` shows (the ``GET /v1/status`` body)."""
@@ -350,6 +376,7 @@ class Daemon:
                 "items": e.config.items,
                 "lease_timeout": e.config.lease_timeout,
                 "leased": leased(stats) if stats else 0,
+                "waiting": self._waiting.get(e.name, 0),
                 "stats": dataclasses.asdict(stats) if stats else None,
             }
         return {

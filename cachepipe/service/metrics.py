@@ -50,6 +50,7 @@ class Snapshot:
     name: str
     up: bool
     stats: Stats | None  # None: the pipeline never opened
+    waiting: int = 0  # requests blocked in next
 
 
 def leased(stats: Stats) -> int:
@@ -65,12 +66,16 @@ class _PipelineCollector(Collector):
         snaps = list(self._snapshots())
         up = GaugeMetricFamily("cachepipe_pipeline_up", "1 when the pipeline is open and serving.", labels=["pipeline"])
         lease = GaugeMetricFamily("cachepipe_items_leased", "Items handed out and not yet acknowledged.", labels=["pipeline"])
-        families: dict[str, Metric] = {}
+        waiting = GaugeMetricFamily(
+            "cachepipe_consumers_waiting", "Consumers blocked in next right now (above 0 for long: they starve).", labels=["pipeline"]
+        )
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
         for field, (name, kind, doc) in _STATS.items():
             cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             families[field] = cls(name, doc, labels=["pipeline"])
         for snap in snaps:
             up.add_metric([snap.name], 1.0 if snap.up else 0.0)
+            waiting.add_metric([snap.name], snap.waiting)
             if snap.stats is None:
                 continue
             lease.add_metric([snap.name], leased(snap.stats))
@@ -79,6 +84,7 @@ class _PipelineCollector(Collector):
                     families[field].add_metric([snap.name], float(value))
         yield up
         yield lease
+        yield waiting
         yield from families.values()
 
 
