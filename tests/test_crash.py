@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import subprocess
 import sys
@@ -76,7 +75,7 @@ def test_kill_soak(s3_source, tmp_path):
     corrupt: list[str] = []
     came_back: list[str] = []
     with Sampler(cache) as sampler:
-        for run in range(kills):
+        for _run in range(kills):
             child = Child(cfg)
             target = rng.randint(0, 25)  # kill after this many more items were taken, plus a random delay
             child.wait_for(lambda lines: sum(1 for l in lines if l[0] == "GOT") >= target)

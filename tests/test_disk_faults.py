@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import threading
 
 import pytest
 
 from cachepipe import Pipeline
+from waiting import wait_until
 
 KIB = 1024
 
@@ -28,15 +28,6 @@ def tmpfs(path, size: str):
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-def _wait(predicate, timeout=20.0):
-    event = threading.Event()
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return
-        event.wait(0.01)
-    raise AssertionError("condition not reached in time")
-
-
 def test_enospc_frees_staging_backs_off_and_recovers(s3_source, tmp_path):
     data = s3_source.folders(8, {"f": 40 * KIB})
     with tmpfs(tmp_path / "disk", "256k") as disk:
@@ -45,7 +36,7 @@ def test_enospc_frees_staging_backs_off_and_recovers(s3_source, tmp_path):
         got = {}
         # the capacity fits the disk, but another tenant has taken most of it for now
         with Pipeline(s3_source.url, disk / "cache", "200KiB", storage_options=s3_source.options, retry_backoff=0.05, retry_backoff_max=0.2, retries=100) as pipe:
-            _wait(lambda: pipe.stats().disk_errors >= 2)
+            wait_until(lambda: pipe.stats().disk_errors >= 2)
             assert pipe.stats().items_ready == 0  # nothing partial was published
             staging = disk / "cache" / ".cachepipe" / "staging"
             tenant.unlink()  # the other tenant frees space: downloads resume by themselves
@@ -63,7 +54,7 @@ def test_min_free_pauses_until_space_returns(s3_source, tmp_path):
         tenant = disk / "other-tenant.bin"
         tenant.write_bytes(b"t" * (700 * KIB))
         with Pipeline(s3_source.url, disk / "cache", "512KiB", storage_options=s3_source.options, min_free="300KiB") as pipe:
-            _wait(lambda: pipe.stats().disk_pauses == 1)
+            wait_until(lambda: pipe.stats().disk_pauses == 1)
             assert pipe.stats().requests == 0
             tenant.unlink()
             names = [p.name for p in pipe]

@@ -6,6 +6,7 @@ import pytest
 
 from cachepipe import ItemFailedError, Pipeline, StoreUnavailableError
 from conftest import via
+from waiting import wait_until
 
 KIB = 1024
 
@@ -72,22 +73,11 @@ def test_store_down_for_a_while_then_back_resumes_by_itself(remote_source, fault
     data = remote_source.folders(5, {"f": 8 * KIB})
     with Pipeline(remote_source.url, tmp_path / "c", "1MiB", storage_options=via(remote_source, endpoint), retry_backoff=0.05, retry_backoff_max=0.5, max_concurrency=2) as pipe:
         proxy.inject("refuse", 10**9)  # the store is down
-        _wait(lambda: pipe.stats().retries >= 4)
+        wait_until(lambda: pipe.stats().retries >= 4)
         assert pipe.stats().items_ready == 0 and pipe.stats().items_failed == 0
         proxy.clear()  # ... and back
         got = {p.name: (p / "f").read_bytes() for p in pipe}
     assert got == {name: files["f"] for name, files in data.items()}
-
-
-def _wait(predicate, timeout=30.0):
-    import threading
-
-    event = threading.Event()
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return
-        event.wait(0.01)
-    raise AssertionError("condition not reached in time")
 
 
 def test_listing_is_retried(remote_source, fault_proxy, tmp_path):

@@ -23,6 +23,7 @@ import tqdm.auto
 
 from cachepipe import CacheLockedError, Pipeline, open_store
 from cachepipe.config import Share
+from waiting import wait_until
 
 KIB = 1024
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,16 +40,6 @@ def assert_no_leftovers(cache: Path) -> None:
     staging = cache / ".cachepipe" / "staging"
     assert not staging.exists() or os.listdir(staging) == []
     assert cachepipe_threads() == []
-
-
-def wait_for(predicate, timeout: float = 10.0) -> None:
-    """Wait until ``predicate()`` holds; each check waits on an event that never fires, briefly."""
-    idle = threading.Event()
-    for _ in range(int(timeout / 0.005)):
-        if predicate():
-            return
-        idle.wait(0.005)
-    raise AssertionError("condition not reached in time")
 
 
 class GatedStore:
@@ -162,7 +153,7 @@ def test_keyboard_interrupt_while_the_loop_waits_for_a_folder(remote_source, tmp
     def press_stop() -> None:
         try:
             assert store.held.wait(10), "item000 never started downloading"
-            wait_for(lambda: _blocked_in_take(main))
+            wait_until(lambda: _blocked_in_take(main))
             signal.pthread_kill(main, signal.SIGINT)
         except BaseException as exc:  # reported by the test below
             problems.append(exc)

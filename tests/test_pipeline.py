@@ -22,6 +22,7 @@ from cachepipe import (
 )
 from cachepipe.cache import tree_bytes
 from sampling import Sampler
+from waiting import wait_until
 
 KIB = 1024
 
@@ -62,7 +63,7 @@ def test_hard_cap_and_atomic_publish_sampled_during_run(source, tmp_path):
         with Pipeline(source.url, cache, capacity=capacity, storage_options=source.options, part_size="8KiB", max_concurrency=8) as pipe:
             for path in pipe:
                 # a slow consumer: hold the item until the producer has filled the cache
-                _wait(lambda: (s := pipe.stats()).items_ready >= 2 or s.items_handed + s.items_ready == 24)
+                wait_until(lambda: (s := pipe.stats()).items_ready >= 2 or s.items_handed + s.items_ready == 24)
                 digest = hashlib.md5((path / "video.mp4").read_bytes()).hexdigest()
                 assert digest == hashlib.md5(data[path.name]["video.mp4"]).hexdigest()
                 delivered.append(path.name)
@@ -158,7 +159,7 @@ def test_prefetch_limits_items_ahead(s3_source, tmp_path):
     s3_source.folders(10, {"f": 1000})
     with Pipeline(s3_source.url, tmp_path / "c", capacity="1MiB", storage_options=s3_source.options, prefetch=2, auto_ack=False) as pipe:
         pipe.get(timeout=30)
-        _wait(lambda: pipe.stats().items_ready == 2)
+        wait_until(lambda: pipe.stats().items_ready == 2)
         threading.Event().wait(0.3)  # give a runaway producer the chance to show itself
         stats = pipe.stats()
         assert stats.items_ready == 2 and stats.requests == 3
@@ -281,7 +282,7 @@ def test_keep_on_close_items_are_reused_by_the_next_owner(s3_source, tmp_path):
     data = s3_source.folders(3, {"f": 1000})
     cache = tmp_path / "c"
     with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options, keep_on_close=True, auto_ack=False, prefetch=3) as pipe:
-        _wait(lambda: pipe.stats().items_ready == 3)
+        wait_until(lambda: pipe.stats().items_ready == 3)
     assert sorted(n for n in os.listdir(cache) if n != ".cachepipe") == sorted(data)
     with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options) as pipe:
         assert [p.name for p in pipe] == sorted(data)
@@ -337,16 +338,6 @@ def test_tree_bytes_counts_regular_files_only(tmp_path):
     (tmp_path / "d" / "f").write_bytes(b"12345")
     os.symlink(tmp_path / "d" / "f", tmp_path / "link")
     assert tree_bytes(tmp_path) == 5
-
-
-def _wait(predicate, timeout=10.0):
-    event = threading.Event()
-    deadline = timeout
-    while not predicate():
-        if deadline <= 0:
-            raise AssertionError("condition not reached in time")
-        event.wait(0.01)
-        deadline -= 0.01
 
 
 class _nullcontext:
