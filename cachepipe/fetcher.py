@@ -199,7 +199,7 @@ class Fetcher:
             tasks.extend((f, local, start, end) for start, end in split_ranges(f.size, self._cfg.part_size))
         job = _Job(seq, item, staged, len(tasks), attempt=attempt)
         if not tasks:
-            self._finish(job)
+            self._finish_or_report(job)
             return
         for task in tasks:
             self._pool.submit(self._fetch_part, job, *task)
@@ -214,7 +214,7 @@ class Fetcher:
                 job.parts -= 1
                 last = job.parts == 0
             if last:
-                self._finish(job)
+                self._finish_or_report(job)
 
     def _get_with_retries(self, job: _Job, f: FileEntry, local: Path, start: int, end: int) -> None:
         cfg = self._cfg
@@ -244,6 +244,17 @@ class Fetcher:
                 self.counters.add(retries=1)
                 if self._stop.wait(delay):
                     return
+
+    def _finish_or_report(self, job: _Job) -> None:
+        """:meth:`_finish`, guarded: a pool thread's unexpected error must not lose the item silently."""
+        try:
+            self._finish(job)
+        except Exception as exc:
+            if self._stop.is_set():
+                return
+            log.exception("finishing %s failed", job.item.name)
+            self._cache.discard(job.staged, job.item.size)
+            self._report_failure(job.seq, job.item, job.item.name, exc)
 
     def _finish(self, job: _Job) -> None:
         """Publish a completed item, or discard it and report the failure."""
