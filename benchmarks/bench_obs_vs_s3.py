@@ -34,133 +34,28 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import platform
-import random
-import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import date
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-MIB = 1024**2
-KIB = 1024
-BUCKET = "bench"
+from common import (BUCKET, CREDENTIALS, KIB, Case, Server, add_cachepipe_options, add_dataset_options, add_server_option,
+                    apply_defaults, build_cases, check_positive, command_line, format_table, machine_info, parse_capacity,
+                    print_report, progress, provenance_lines, read_folder, upload)
+
 BACKENDS = ("s3", "obs")
-READ_CHUNK = 1 * MIB
-CREDENTIALS = "bench"  # the local server accepts any key pair
-
-_SERVER_CODE = """
-import logging, sys
-logging.getLogger("werkzeug").setLevel(logging.ERROR)
-from moto.server import ThreadedMotoServer
-server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-server.start()
-host, port = server.get_host_and_port()
-print(f"http://{host}:{port}", flush=True)
-sys.stdin.read()  # serve until the parent closes our stdin (or exits)
-server.stop()
-"""
-
-
-# ---- datasets ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Case:
-    """A generated dataset: ``folders`` folders, each with the files ``{name: bytes}``."""
-
-    name: str
-    folders: int
-    files: dict[str, int]
-
-    @property
-    def total_bytes(self) -> int:
-        return self.folders * sum(self.files.values())
-
-    def describe(self) -> str:
-        each = "/".join(_human(s) for s in sorted(set(self.files.values()), reverse=True))
-        return f"{self.folders} folders x {len(self.files)} files ({each}), {self.total_bytes / 1e6:.1f} MB"
-
-
-def _human(n: int) -> str:
-    for unit, size in (("MiB", MIB), ("KiB", KIB)):
-        if n >= size and n % size == 0:
-            return f"{n // size} {unit}"
-    return f"{n} B"
-
-
-def build_cases(args: argparse.Namespace) -> list[Case]:
-    video = Case("video", args.folders, {"video.mp4": int(args.video_mib * MIB), "text.txt": 1 * KIB})
-    small = Case("small-files", args.small_folders, {f"part{i:02d}.bin": args.small_kib * KIB for i in range(args.small_files)})
-    return [video, small]
-
+DEFAULTS = {"folders": (16, 3), "video_mib": (8.0, 1.0), "small_folders": (40, 3), "small_files": (20, 4), "small_kib": (50, 8)}
+"""The dataset options: (default, with --quick)."""
 
 WARMUP = Case("warmup", 1, {"f": 1 * KIB})
 """Uploaded too and read once per backend before timing: imports, the fsspec IO thread, first connections."""
-
-
-def upload(endpoint: str, cases: list[Case]) -> None:
-    import boto3
-
-    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                      aws_access_key_id=CREDENTIALS, aws_secret_access_key=CREDENTIALS)
-    s3.create_bucket(Bucket=BUCKET)
-    jobs = []
-    for case in cases:
-        rng = random.Random(case.name)
-        for i in range(case.folders):
-            for rel, size in case.files.items():
-                jobs.append((f"{case.name}/folder{i:03d}/{rel}", rng.randbytes(size)))
-    with ThreadPoolExecutor(8) as pool:
-        for _ in pool.map(lambda job: s3.put_object(Bucket=BUCKET, Key=job[0], Body=job[1]), jobs):
-            pass
-
-
-# ---- the server ----------------------------------------------------------------------
-class Server:
-    """A moto S3 server on 127.0.0.1: in a child process (default) or in a thread of this one."""
-
-    def __init__(self, mode: str) -> None:
-        self._proc: subprocess.Popen[str] | None = None
-        self._server: Any = None
-        if mode == "subprocess":
-            self._proc = subprocess.Popen([sys.executable, "-c", _SERVER_CODE], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, text=True)
-            assert self._proc.stdout is not None
-            self.endpoint = self._proc.stdout.readline().strip()
-            if not self.endpoint.startswith("http://"):
-                self.stop()
-                raise RuntimeError("the moto server process did not start (see its stderr above)")
-        else:
-            from moto.server import ThreadedMotoServer
-
-            self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-            self._server.start()
-            host, port = self._server.get_host_and_port()
-            self.endpoint = f"http://{host}:{port}"
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop()
-            self._server = None
-        if self._proc is not None:
-            assert self._proc.stdin is not None and self._proc.stdout is not None
-            self._proc.stdin.close()
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.terminate()
-                self._proc.wait(5)
-            self._proc.stdout.close()
-            self._proc = None
 
 
 # ---- one measurement -----------------------------------------------------------------
@@ -186,7 +81,6 @@ def measure(backend: str, case: Case, endpoint: str, tmp: Path, args: argparse.N
     from cachepipe import Pipeline
 
     cache = tmp / f"cache-{backend}-{case.name}"
-    buf = bytearray(READ_CHUNK)
     read = items = 0
     first = None
     cpu0, t0 = time.process_time(), time.perf_counter()
@@ -195,10 +89,7 @@ def measure(backend: str, case: Case, endpoint: str, tmp: Path, args: argparse.N
         for path in pipe:
             if first is None:
                 first = time.perf_counter() - t0
-            for rel in path.files:
-                with open(path / rel, "rb", buffering=0) as fh:
-                    while n := fh.readinto(buf):
-                        read += n
+            read += read_folder(path, path.files)
             items += 1
         stats = pipe.stats()
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
@@ -230,18 +121,11 @@ def render_table(report: dict[str, Any]) -> str:
     rows = [[r["case"], r["backend"], f"{r['median_wall_s']:.2f}", f"{r['mb_per_s']:.1f}",
              "-" if r["obs_to_s3"] is None else f"{r['obs_to_s3']:.2f}", f"{r['median_first_item_s']:.3f}",
              f"{r['median_cpu_s']:.2f}", f"{r['median_requests']:.0f}", str(r["retries"])] for r in report["results"]]
-    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
     s = report["settings"]
     cpu = "client process only (server in a child process)" if s["server"] == "subprocess" else "this process, server threads included"
     return "\n".join([
-        line(cols), "  ".join("-" * w for w in widths), *(line(row) for row in rows), "",
-        f"command: {report['command']}",
-        f"date: {report['date']}; machine: {report['machine']['cpus']} cores, {report['machine']['platform']}, "
-        f"Python {report['machine']['python']}; " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+        *format_table(cols, rows), "",
+        *provenance_lines(report),
         *(f"case {name}: {desc}" for name, desc in report["cases"].items()),
         f"median of {s['repeats']} interleaved runs per backend; MB = 10^6 bytes read by a consumer that reads every "
         "byte; obs/s3 = obs MB/s / s3 MB/s (>1: obs faster); 1st item s: start (listing included) to the first "
@@ -261,44 +145,23 @@ def _version(dist: str) -> str:
 # ---- main ----------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--folders", type=int, help="folders in the video case (default 16; --quick 3)")
-    p.add_argument("--video-mib", type=float, help="MiB of video.mp4 per folder (default 8; --quick 1)")
-    p.add_argument("--small-folders", type=int, help="folders in the small-files case (default 40; --quick 3)")
-    p.add_argument("--small-files", type=int, help="files per folder in the small-files case (default 20; --quick 4)")
-    p.add_argument("--small-kib", type=int, help="KiB per small file (default 50; --quick 8)")
+    add_dataset_options(p, DEFAULTS)
     p.add_argument("--repeats", type=int, help="interleaved runs per backend and case, median reported (default 3; --quick 1)")
     p.add_argument("--capacity", default="64MiB", help="cache capacity (default 64MiB)")
-    p.add_argument("--max-concurrency", type=int, default=16, help="cachepipe max_concurrency (default 16)")
-    p.add_argument("--part-size", default="8MiB", help="cachepipe part_size (default 8MiB)")
-    p.add_argument("--server", choices=("subprocess", "inprocess"), default="subprocess",
-                   help="run the moto server in a child process (default) or in a thread of this process")
+    add_cachepipe_options(p)
+    add_server_option(p)
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout instead of the table")
     p.add_argument("--quick", action="store_true", help="a tiny dataset and one repeat, for the smoke test")
     args = p.parse_args(argv)
-    for name, full, quick in (("folders", 16, 3), ("video_mib", 8.0, 1.0), ("small_folders", 40, 3),
-                              ("small_files", 20, 4), ("small_kib", 50, 8), ("repeats", 3, 1)):
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
-    for name in ("folders", "small_folders", "small_files", "small_kib", "repeats", "max_concurrency"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected a positive integer")
+    apply_defaults(args, {**DEFAULTS, "repeats": (3, 1)})
+    check_positive(p, args, ("folders", "small_folders", "small_files", "small_kib", "repeats", "max_concurrency"))
     if args.video_mib <= 0:
         p.error(f"--video-mib {args.video_mib}: expected a positive number")
-    from cachepipe import parse_size
-
-    try:
-        capacity = parse_size(args.capacity, "--capacity")
-        parse_size(args.part_size, "--part-size")
-    except ValueError as exc:
-        p.error(str(exc))
-    biggest = max(sum(c.files.values()) for c in build_cases(args))
+    capacity = parse_capacity(p, args)
+    biggest = max(c.folder_bytes for c in build_cases(args))
     if biggest > capacity:
         p.error(f"--capacity {args.capacity}: smaller than one folder ({biggest} bytes)")
     return args
-
-
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,14 +173,14 @@ def main(argv: list[str] | None = None) -> int:
 
     cases = build_cases(args)
     report: dict[str, Any] = {
-        "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
+        "command": command_line(),
         "date": date.today().isoformat(),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(terse=True), "python": platform.python_version()},
+        "machine": machine_info(),
         "versions": {"cachepipe": cachepipe.__version__, "s3fs": _version("s3fs"),
                      "esdk-obs-python": _version("esdk-obs-python"), "moto": _version("moto")},
         "settings": {"repeats": args.repeats, "capacity": args.capacity, "max_concurrency": args.max_concurrency,
                      "part_size": args.part_size, "server": args.server},
-        "cases": {c.name: c.describe() for c in cases},
+        "cases": {c.name: c.describe(largest_first=True) for c in cases},
         "results": [],
     }
     runs: dict[tuple[str, str], list[Run]] = {(c.name, b): [] for c in cases for b in BACKENDS}
@@ -325,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="cachepipe-bench-obs-") as tmp:
         server = Server(args.server)
         try:
-            progress(f"moto server at {server.endpoint}; uploading {'; '.join(c.describe() for c in cases)}")
+            progress(f"moto server at {server.endpoint}; uploading {'; '.join(c.describe(largest_first=True) for c in cases)}")
             upload(server.endpoint, [*cases, WARMUP])
             progress(f"uploaded in {time.perf_counter() - started:.1f} s")
             for backend in BACKENDS:
@@ -345,11 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         rows["obs"]["obs_to_s3"] = rows["obs"]["mb_per_s"] / rows["s3"]["mb_per_s"]
         report["results"].extend(rows.values())
     report["total_seconds"] = time.perf_counter() - started
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(render_table(report))
-        print(f"total run time {report['total_seconds']:.1f} s")
+    print_report(report, render_table, args.json)
     return 0
 
 

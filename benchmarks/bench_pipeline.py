@@ -32,15 +32,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import multiprocessing
 import os
-import platform
 import queue
-import random
 import resource
-import shlex
 import shutil
 import signal
 import statistics
@@ -50,160 +45,24 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import date
 from pathlib import Path
 from typing import Any
 
-MIB = 1024**2
-KIB = 1024
-BUCKET = "bench"
+from common import (MIB, Case, PeakSampler, Server, add_cachepipe_options, add_dataset_options, add_server_option,
+                    apply_defaults, build_cases, check_positive, command_line, format_table, machine_info, parse_capacity,
+                    print_report, progress, provenance_lines, read_folder, upload)
+
 METHODS = ("cachepipe", "sequential", "original")
-READ_CHUNK = 1 * MIB
-SAMPLE_INTERVAL = 0.005  # peak sampler period, seconds
+DEFAULTS = {"folders": (24, 4), "video_mib": (8.0, 1.0), "small_folders": (40, 4), "small_files": (20, 5), "small_kib": (50, 8)}
+"""The dataset options: (default, with --quick)."""
 ORIGINAL_POLL = 0.1  # the original producer's sleep when the cache is full (its default)
 
 
 class BenchTimeout(TimeoutError):
     """The whole run exceeded ``--time-limit``."""
-
-
-# ---- datasets ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Case:
-    """A generated dataset: ``folders`` folders, each with the files ``{name: bytes}``."""
-
-    name: str
-    folders: int
-    files: dict[str, int]
-
-    @property
-    def prefix(self) -> str:
-        return f"{BUCKET}/{self.name}"
-
-    @property
-    def folder_bytes(self) -> int:
-        return sum(self.files.values())
-
-    @property
-    def total_bytes(self) -> int:
-        return self.folders * self.folder_bytes
-
-    def describe(self) -> str:
-        sizes = sorted(set(self.files.values()))
-        each = "/".join(_human(s) for s in sizes)
-        return f"{self.folders} folders x {len(self.files)} files ({each}), {self.total_bytes / 1e6:.1f} MB"
-
-
-def _human(n: int) -> str:
-    for unit, size in (("MiB", MIB), ("KiB", KIB)):
-        if n >= size and n % size == 0:
-            return f"{n // size} {unit}"
-    return f"{n} B"
-
-
-def build_cases(args: argparse.Namespace) -> list[Case]:
-    video = Case("video", args.folders, {"video.mp4": int(args.video_mib * MIB), "text.txt": 1 * KIB})
-    small = Case("small-files", args.small_folders, {f"part{i:02d}.bin": args.small_kib * KIB for i in range(args.small_files)})
-    return [c for c in (video, small) if c.name in args.cases]
-
-
-def upload(endpoint: str, cases: list[Case]) -> None:
-    import boto3
-
-    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    s3.create_bucket(Bucket=BUCKET)
-    jobs = []
-    for case in cases:
-        rng = random.Random(case.name)
-        for i in range(case.folders):
-            for rel, size in case.files.items():
-                jobs.append((f"{case.name}/folder{i:03d}/{rel}", rng.randbytes(size)))
-    with ThreadPoolExecutor(8) as pool:
-        for _ in pool.map(lambda job: s3.put_object(Bucket=BUCKET, Key=job[0], Body=job[1]), jobs):
-            pass
-
-
-# ---- the S3 server -------------------------------------------------------------------
-def _serve(conn: Any) -> None:
-    """Child process: run a moto server, report its address, answer CPU queries until told to stop."""
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        conn.send(server.get_host_and_port())
-        while True:
-            try:
-                command = conn.recv()
-            except EOFError:  # the parent went away
-                return
-            if command == "cpu":
-                conn.send(time.process_time())
-            else:
-                return
-    finally:
-        server.stop()
-        conn.close()
-
-
-class Server:
-    """A moto S3 server on 127.0.0.1, in a child process (default) or in a thread of this one."""
-
-    def __init__(self, mode: str) -> None:
-        self.mode = mode
-        self._proc: Any = None
-        self._conn: Any = None
-        self._server: Any = None
-        if mode == "subprocess":
-            ctx = multiprocessing.get_context("spawn")
-            self._conn, child = ctx.Pipe()
-            self._proc = ctx.Process(target=_serve, args=(child,), name="bench-moto", daemon=True)
-            self._proc.start()
-            child.close()
-            try:
-                if not self._conn.poll(60):
-                    raise RuntimeError("the moto server process did not report its address within 60 s")
-                host, port = self._conn.recv()
-            except (EOFError, RuntimeError) as exc:
-                self._proc.join(5)
-                code = self._proc.exitcode
-                self.stop()
-                raise RuntimeError(f"the moto server process failed to start (exit code {code})") from exc
-        else:
-            logging.getLogger("werkzeug").setLevel(logging.ERROR)
-            from moto.server import ThreadedMotoServer
-
-            self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-            self._server.start()
-            host, port = self._server.get_host_and_port()
-        self.endpoint = f"http://{host}:{port}"
-
-    def cpu_seconds(self) -> float | None:
-        """CPU seconds used so far by the server process (None when it shares this process)."""
-        if self._conn is None:
-            return None
-        self._conn.send("cpu")
-        return float(self._conn.recv())
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop()
-            self._server = None
-        if self._proc is not None:
-            try:
-                self._conn.send("stop")
-            except OSError:
-                pass
-            self._proc.join(10)
-            if self._proc.is_alive():
-                self._proc.terminate()
-                self._proc.join(5)
-            self._conn.close()
-            self._proc = None
 
 
 # ---- request counting ----------------------------------------------------------------
@@ -223,63 +82,6 @@ class RequestCounter(logging.Handler):
         with self.lock:
             calls, self.calls = self.calls, {}
         return calls
-
-
-# ---- consumers and samplers ----------------------------------------------------------
-def read_folder(root: Path, rels: Iterator[str] | tuple[str, ...]) -> int:
-    """Read every byte of the given files under ``root``; return the byte count."""
-    buf = bytearray(READ_CHUNK)
-    total = 0
-    for rel in rels:
-        with open(root / rel, "rb", buffering=0) as fh:
-            while n := fh.readinto(buf):
-                total += n
-    return total
-
-
-def tree_size(root: str) -> int:
-    """Bytes of the regular files under ``root``. Each directory is listed completely before the
-    walk descends, so a file renamed from staging into a new top-level folder is never counted
-    twice (at worst missed by one sample)."""
-    total = 0
-    try:
-        entries = list(os.scandir(root))
-    except (FileNotFoundError, NotADirectoryError):
-        return 0
-    for entry in entries:
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                total += tree_size(entry.path)
-            elif entry.is_file(follow_symlinks=False):
-                total += entry.stat(follow_symlinks=False).st_size
-        except FileNotFoundError:
-            continue
-    return total
-
-
-class PeakSampler:
-    """A thread that samples the bytes under ``root`` every ``interval`` seconds and keeps the peak."""
-
-    def __init__(self, root: Path, interval: float = SAMPLE_INTERVAL) -> None:
-        self.root = str(root)
-        self.interval = interval
-        self.peak = 0
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-sampler")
-
-    def __enter__(self) -> PeakSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, tree_size(self.root))
-            self.samples += 1
 
 
 # ---- the three methods ---------------------------------------------------------------
@@ -521,19 +323,12 @@ def render_table(report: dict[str, Any]) -> str:
                      _fmt(r["ratio_to_sequential"], ".2f"), _fmt(r["median_first_item_s"], ".3f"),
                      _fmt(r["median_cpu_s"], ".2f"), _fmt(r["median_server_cpu_s"], ".2f"),
                      _fmt(r["median_requests"], ".0f"), peak])
-    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cols, widths)))]
-    lines.append("  ".join("-" * w for w in widths))
-    for row in rows:
-        lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
     s = report["settings"]
     cpu_note = ("client process (all its threads, getrusage); srv CPU s: the moto server process"
                 if s["server"] == "subprocess" else "this process, moto server threads included")
     notes = [
         "",
-        f"command: {report['command']}",
-        f"date: {report['date']}; machine: {report['machine']['cpus']} cores, {report['machine']['platform']}, "
-        f"Python {report['machine']['python']}; " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+        *provenance_lines(report),
         f"load average (1/5/15 min) at start {report['machine']['loadavg_start']}, at end {report['machine'].get('loadavg_end')}",
         *(f"case {name}: {desc}" for name, desc in report["cases"].items()),
         f"median of {s['repeats']} interleaved runs per method; MB = 10^6 bytes delivered to a consumer "
@@ -542,53 +337,35 @@ def render_table(report: dict[str, Any]) -> str:
         "requests: S3 API calls made by s3fs; peak cache: cachepipe's cache dir, sampled every 5 ms in one "
         f"extra untimed run, against the capacity; cachepipe max_concurrency={s['max_concurrency']}, part_size={s['part_size']}",
     ]
-    return "\n".join(lines + notes)
+    return "\n".join(format_table(cols, rows) + notes)
 
 
 # ---- main ----------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--folders", type=int, help="folders in the video case (default 24; --quick 4)")
-    p.add_argument("--video-mib", type=float, help="MiB of video.mp4 per folder (default 8; --quick 1)")
-    p.add_argument("--small-folders", type=int, help="folders in the small-files case (default 40; --quick 4)")
-    p.add_argument("--small-files", type=int, help="files per folder in the small-files case (default 20; --quick 5)")
-    p.add_argument("--small-kib", type=int, help="KiB per small file (default 50; --quick 8)")
+    add_dataset_options(p, DEFAULTS)
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs per method and case; the median is reported (default 3)")
     p.add_argument("--capacity", default="64MiB", help="cache capacity for cachepipe and the original (default 64MiB)")
-    p.add_argument("--max-concurrency", type=int, default=16, help="cachepipe max_concurrency (default 16)")
-    p.add_argument("--part-size", default="8MiB", help="cachepipe part_size (default 8MiB)")
+    add_cachepipe_options(p)
     p.add_argument("--cases", default="video,small-files", help="comma-separated cases to run (default both)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated methods (default {','.join(METHODS)})")
-    p.add_argument("--server", choices=("subprocess", "inprocess"), default="subprocess",
-                   help="run the moto server in a child process (default) or in a thread of this process")
+    add_server_option(p)
     p.add_argument("--no-peak", action="store_true", help="skip the extra untimed run that samples the cache peak")
     p.add_argument("--time-limit", type=float, help="abort (cleaning up) after this many seconds (default 300; --quick 100)")
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout instead of the table")
     p.add_argument("--quick", action="store_true", help="a tiny dataset, for the smoke test")
     args = p.parse_args(argv)
-    quick = args.quick
-    for name, full, small in (("folders", 24, 4), ("video_mib", 8.0, 1.0), ("small_folders", 40, 4),
-                              ("small_files", 20, 5), ("small_kib", 50, 8), ("time_limit", 300.0, 100.0)):
-        if getattr(args, name) is None:
-            setattr(args, name, small if quick else full)
+    apply_defaults(args, {**DEFAULTS, "time_limit": (300.0, 100.0)})
     args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for what, got, valid in (("case", args.cases, ("video", "small-files")), ("method", args.methods, METHODS)):
         bad = [g for g in got if g not in valid]
         if bad or not got:
             p.error(f"--{what}s {','.join(got)!r}: expected a comma-separated subset of {','.join(valid)}")
-    for name in ("folders", "small_folders", "small_files", "small_kib", "repeats", "max_concurrency"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected a positive integer")
+    check_positive(p, args, ("folders", "small_folders", "small_files", "small_kib", "repeats", "max_concurrency"))
     if args.video_mib <= 0 or args.time_limit <= 0:
         p.error("--video-mib and --time-limit must be positive")
-    from cachepipe import parse_size
-
-    try:
-        args.capacity_bytes = parse_size(args.capacity, "--capacity")
-        parse_size(args.part_size, "--part-size")
-    except ValueError as exc:
-        p.error(str(exc))
+    args.capacity_bytes = parse_capacity(p, args)
     return args
 
 
@@ -637,10 +414,6 @@ def _loadavg() -> list[float] | None:
         return None
 
 
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     _set_dummy_credentials()
@@ -657,15 +430,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import cachepipe
 
-    cases = build_cases(args)
+    cases = [c for c in build_cases(args) if c.name in args.cases]
     for case in cases:
         if case.folder_bytes > args.capacity_bytes:
             raise SystemExit(f"--capacity {args.capacity}: smaller than one {case.name} folder ({case.folder_bytes} bytes)")
     report: dict[str, Any] = {
-        "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
+        "command": command_line(),
         "date": date.today().isoformat(),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(terse=True), "python": platform.python_version(),
-                    "loadavg_start": _loadavg()},
+        "machine": {**machine_info(), "loadavg_start": _loadavg()},
         "versions": {"cachepipe": f"{cachepipe.__version__} ({_source_revision() or 'revision unknown'})",
                      "s3fs": s3fs.__version__, "moto": moto.__version__},
         "settings": {"repeats": args.repeats, "capacity_bytes": args.capacity_bytes, "server": args.server,
@@ -709,11 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             report["results"].append(row)
     report["total_seconds"] = time.perf_counter() - started
     report["machine"]["loadavg_end"] = _loadavg()
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(render_table(report))
-        print(f"total run time {report['total_seconds']:.1f} s")
+    print_report(report, render_table, args.json)
     return 0
 
 

@@ -29,9 +29,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import shlex
 import statistics
 import sys
 import time
@@ -42,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cachepipe.plan import Plan  # noqa: E402
 from cachepipe.retention import PlanFuture, belady_min, compulsory_bytes, make_policy, run  # noqa: E402
+from common import command_line, print_report  # noqa: E402
 
 MiB = 2**20
 
@@ -129,15 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     report = {
-        "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
+        "command": command_line(),
         "cases": [measure(case, args) for case in build_cases(args)],
     }
     report["total_seconds"] = time.perf_counter() - t0
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(render(report))
-        print(f"total run time {report['total_seconds']:.1f} s")
+    print_report(report, render, args.json)
     return 0
 
 

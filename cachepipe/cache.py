@@ -89,6 +89,11 @@ class Cache:
         self._recovered: dict[str, Path] = {}  # published items found at open, not yet handed out
         self._replay = state.Replay()
         self._journal = state.Journal(self.state_dir / "journal")
+        self._journal_budget = 0
+        self._acked: set[tuple[int, str]] = set()  # (epoch, name) acknowledged beyond the cursor
+        self._cursor = (0, 0)
+        self._plan = ""
+        self._claimed: set[str] = set()  # names with files on disk or on their way: one copy at a time
         self._cond = threading.Condition()
         self._dirs = threading.Lock()  # parent folders of nested items: made by publish, removed by eviction
         self._closed = False
@@ -140,41 +145,60 @@ class Cache:
     def save_catalog(self, source: str, mode: str, items: list[Item]) -> None:
         state.save_catalog(self.catalog_path, source, mode, items)
 
-    def recover(self, items: list[Item], resume: bool) -> set[str]:
-        """Reconcile the disk with the journal and the catalog; return the names already acked.
+    def recover(self, items: list[Item], resume: bool, plan: str = "") -> tuple[tuple[int, int], set[tuple[int, str]]]:
+        """Reconcile the disk with the journal and the catalog.
 
         Items the journal says are published (or were being published) and whose files match the
-        catalog are reused; other leftovers of ours are deleted; with ``resume`` the acks of the
-        current pass are kept (those items are not delivered again), otherwise a new pass starts.
-        If the journal was unreadable, items whose folder matches the catalog exactly are reused
-        and everything else is left alone as foreign.
+        catalog are reused; other leftovers of ours are deleted. With ``resume``, the position in
+        the plan and the acks beyond it are kept (those steps are not delivered again), provided
+        the plan (``plan``: its configuration as JSON) is the one they refer to; otherwise a new
+        pass starts. If the journal was unreadable, items whose folder matches the catalog exactly
+        are reused and everything else is left alone as foreign.
+
+        Returns:
+            ``(cursor, acked)``: the first unconsumed ``(epoch, index)`` of the plan, and the
+            ``(epoch, name)`` pairs acknowledged beyond it.
 
         Raises:
-            ConfigError: foreign files and the state budget leave no room under the capacity.
+            ConfigError: ``resume`` with a different plan, or foreign files and the state budget
+                leave no room under the capacity.
         """
         replay = self._replay
+        if resume and replay.plan and plan and replay.plan != plan:
+            raise ConfigError(
+                f"resume=True, but {str(self.root)!r} holds a pass of another plan ({replay.plan}); this one is {plan}. "
+                "The data (n_items, sizes_digest) or the epochs/shuffle/seed/rank settings differ; "
+                "use the same ones, or resume=False to start a new pass"
+            )
         by_name = {item.name: item for item in items}
-        ours = replay.published | replay.publishing | replay.acked
+        live = replay.published | replay.publishing
+        ours = live | {name for _epoch, name in replay.acked}
         if self.rebuilt:
-            ours = {name for name in by_name if os.path.lexists(self.root / name)}
-        acked = replay.acked if resume else set()
+            ours = live = {name for name in by_name if os.path.lexists(self.root / name)}
         for name in sorted(ours):
             path = self.root / name
             if not os.path.lexists(path):
                 continue
             item = by_name.get(name)
-            if name not in acked and item is not None and _matches(path, item):
+            if name in live and item is not None and _matches(path, item):
                 self._published[name] = item.size
                 self._recovered[name] = path
+                self._claimed.add(name)
             elif not self.rebuilt:
                 log.info("removing stale cached item %s", name)
                 self._remove_files(name)
-        self.pass_no = replay.pass_no if resume else replay.pass_no + 1
-        self._journal.rewrite(self.pass_no, self._published, acked)
+        if resume:
+            self.pass_no, self._cursor, self._acked = replay.pass_no, replay.cursor, set(replay.acked)
+        else:
+            self.pass_no, self._cursor, self._acked = replay.pass_no + 1, (0, 0), set()
+        self._plan = plan
+        self._compact()
         self._reserved = sum(self._published.values())
         state_files = tree_bytes(self.state_dir)
-        budget = sum(3 * (len(name.encode()) + state.EVENT_OVERHEAD) for name in by_name) + 64
-        self.overhead = state_files + budget
+        # A step writes at most four lines (I, P, A, C); a compacted journal holds at most two per
+        # item (P, A). Compacting at half the budget keeps the journal under it at all times.
+        self._journal_budget = 2 * sum(4 * len(name.encode()) + state.EVENT_OVERHEAD for name in by_name) + 256
+        self.overhead = state_files + self._journal_budget
         self.foreign = tree_bytes(self.root) - self._reserved - state_files
         if self.foreign + self.overhead >= self.capacity:
             raise ConfigError(
@@ -183,7 +207,24 @@ class Cache:
                 "empty it or raise the capacity"
             )
         self._replay = state.Replay()
-        return set(acked)
+        return self._cursor, set(self._acked)
+
+    def _compact(self) -> None:
+        """Rewrite the journal from the state in memory (caller holds ``_cond`` or is alone)."""
+        self._journal.rewrite(state.Replay(self.pass_no, set(self._published), set(), set(self._acked), self._cursor, self._plan))
+
+    def _append(self, kind: str, arg: str) -> None:
+        """Journal one event; compact when it outgrows half its budget. Caller holds ``_cond``."""
+        self._journal.append(kind, arg)
+        if self._journal.size > self._journal_budget // 2:
+            self._compact()
+
+    def advance(self, epoch: int, index: int) -> None:
+        """Record that every step of the plan before ``(epoch, index)`` is consumed."""
+        with self._cond:
+            self._append("C", f"{epoch} {index}")
+            self._cursor = (epoch, index)
+            self._acked = {a for a in self._acked if a[0] >= epoch}
 
     def _lock(self) -> None:
         path = self.state_dir / "lock"
@@ -258,14 +299,13 @@ class Cache:
             self._reserved += size
             return True
 
-    def _release(self, size: int) -> None:
+    def unreserve(self, size: int, name: str | None = None) -> None:
+        """Release a reservation (and the claim on ``name``) of an item that will not be published."""
         with self._cond:
             self._reserved -= size
+            if name is not None:
+                self._claimed.discard(name)
             self._cond.notify_all()
-
-    def unreserve(self, size: int) -> None:
-        """Release a reservation that was never staged."""
-        self._release(size)
 
     # ---- staging and publish ---------------------------------------------------------
     def stage(self, item: Item) -> Path:
@@ -317,49 +357,68 @@ class Cache:
         final = self.item_path(item)
         if os.path.lexists(final):
             raise FileExistsError(errno.EEXIST, f"cannot publish item {item.name!r}: {final} exists and is not managed by cachepipe")
-        self._journal.append("I", item.name)
-        with self._dirs:
+        with self._cond, self._dirs:
+            self._append("I", item.name)
             final.parent.mkdir(parents=True, exist_ok=True)
             os.rename(staged, final)
-        self._journal.append("P", item.name)
-        with self._cond:
+            self._append("P", item.name)
             self._published[item.name] = item.size
         return final
 
-    def discard(self, staged: Path, size: int) -> None:
-        """Delete a staging area and release its reservation."""
+    def discard(self, staged: Path, size: int, name: str) -> None:
+        """Delete a staging area, release its reservation and the claim on ``name``."""
         try:
             _rmtree(staged)
         finally:
-            self._release(size)
+            self.unreserve(size, name)
 
-    def evict(self, name: str) -> None:
-        """An acknowledged item: record the ack, delete its files, release its space.
+    def evict(self, name: str, epoch: int = 0) -> None:
+        """An acknowledged item (a step of ``epoch``): record the ack, delete its files, release its space.
+
+        The ack is journaled before the files go: a crash after it re-deletes, never re-delivers.
+        If the write fails (disk full), nothing changed: the caller sees the error and may retry.
 
         Raises:
             KeyError: ``name`` is not a published item of this cache.
         """
-        self._remove(name, "A")
+        with self._cond:
+            size = self._published[name]
+            self._append("A", f"{epoch} {name}")
+            self._acked.add((epoch, name))
+            del self._published[name]
+            self._recovered.pop(name, None)
+        self._delete(name, size)
 
     def drop(self, name: str) -> None:
         """Delete a published item that was not acknowledged (closing, or superseded)."""
-        self._remove(name, "D")
-
-    def _remove(self, name: str, event: str) -> None:
-        with self._cond:
-            if name not in self._published:
-                raise KeyError(name)
-        if event == "A":
-            # durable before the files go: a crash after this re-deletes, never re-delivers. If the
-            # write fails (disk full), nothing changed: the caller sees the error and may retry.
-            self._journal.append("A", name)
         with self._cond:
             size = self._published.pop(name)
             self._recovered.pop(name, None)
+            self._append("D", name)
+        self._delete(name, size)
+
+    def _delete(self, name: str, size: int) -> None:
         try:
             self._remove_files(name)
         finally:
-            self._release(size)
+            with self._cond:
+                self._claimed.discard(name)
+                self._reserved -= size
+                self._cond.notify_all()  # wakes reserve() and claim()
+
+    def claim(self, name: str) -> bool:
+        """Block until no copy of ``name`` is on disk or on its way (an earlier epoch's copy was
+        acked and deleted), then claim it for a download. False if the cache closed meanwhile.
+
+        The claim ends when the item is evicted, dropped or discarded.
+        """
+        with self._cond:
+            while not self._closed and name in self._claimed:
+                self._cond.wait()
+            if self._closed:
+                return False
+            self._claimed.add(name)
+            return True
 
     def _remove_files(self, name: str) -> None:
         path = self.root / name

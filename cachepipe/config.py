@@ -132,11 +132,19 @@ class PipelineConfig(BaseModel):
             no floor. The disk may be shared with other tenants.
         lease_timeout: seconds a handed-out item may stay unacknowledged before it is handed out
             again (a consumer that died); None (default): never.
+        epochs: passes over the dataset (default 1); None: endless.
+        shuffle: a new seeded permutation every epoch, identical on every rank (default False:
+            listing order).
+        seed: the shuffle's seed (default 0).
+        rank, world_size: this process's share of every epoch; both None (default): from the
+            ``RANK``/``WORLD_SIZE`` environment (torchrun) or ``torch.distributed``, else 0 and 1.
+        worker, num_workers: a DataLoader worker's share of the rank's share (default 0 of 1).
         keep_on_close: leave published items in ``cache_dir`` on close (default False); the next
             owner reuses those whose files still match the listing.
         resume: continue the pass an earlier owner of ``cache_dir`` was in (after a crash or a
-            restart): items it acknowledged are not delivered again, and its saved listing is
-            used instead of listing the source again (default False: a new pass).
+            restart): from the first step of the plan it had not consumed, skipping the steps it
+            acknowledged beyond it, with its saved listing instead of listing the source again
+            (default False: a new pass).
         relist: with ``resume``, list the source again instead of using the saved listing.
         progress: show a tqdm progress bar (default False).
     """
@@ -161,6 +169,13 @@ class PipelineConfig(BaseModel):
     retry_backoff_max: float = Field(default=10.0, gt=0, le=600)
     min_free: Annotated[int | Share | None, BeforeValidator(lambda v: None if v is None else parse_capacity(v))] = None
     lease_timeout: float | None = Field(default=None, gt=0)
+    epochs: int | None = Field(default=1, ge=1)
+    shuffle: bool = False
+    seed: int = 0
+    rank: int | None = Field(default=None, ge=0)
+    world_size: int | None = Field(default=None, ge=1)
+    worker: int = Field(default=0, ge=0)
+    num_workers: int = Field(default=1, ge=1)
     keep_on_close: bool = False
     resume: bool = False
     relist: bool = False

@@ -149,11 +149,13 @@ class Fetcher:
                     self._broker.put(seq, item.name, adopted)
                     self.counters.add(items_adopted=1)
                     continue
+                if not self._cache.claim(item.name):  # waits while an earlier epoch's copy is out
+                    return
                 if not self._wait_for_free_space(item.size) or not self._cache.reserve(item.size):
                     return
                 self.counters.add(producer_wait_seconds=time.monotonic() - waited)
                 if self._stop.is_set():
-                    self._cache.unreserve(item.size)
+                    self._cache.unreserve(item.size, item.name)
                     return
                 self._broker.begin()
                 self._start(seq, item)
@@ -253,7 +255,7 @@ class Fetcher:
             if self._stop.is_set():
                 return
             log.exception("finishing %s failed", job.item.name)
-            self._cache.discard(job.staged, job.item.size)
+            self._cache.discard(job.staged, job.item.size, job.item.name)
             self._report_failure(job.seq, job.item, job.item.name, exc)
 
     def _finish(self, job: _Job) -> None:
@@ -283,7 +285,7 @@ class Fetcher:
                 self.counters.add(items_fetched=1)
                 self._broker.put(job.seq, item.name, path)
                 return
-        self._cache.discard(job.staged, item.size)
+        self._cache.discard(job.staged, item.size, item.name)
         self._report_failure(job.seq, item, job.error_key, job.error)
 
     def _retry_disk_error(self, job: _Job, error: OSError) -> None:
@@ -296,7 +298,7 @@ class Fetcher:
             self.counters.add(disk_errors=1)
         _rmtree_quiet(job.staged)
         if job.attempt >= self._cfg.retries:
-            self._cache.unreserve(job.item.size)
+            self._cache.unreserve(job.item.size, job.item.name)
             self._report_failure(job.seq, job.item, job.item.name, error)
             return
         delay = backoff_delay(job.attempt, self._cfg.retry_backoff, self._cfg.retry_backoff_max)

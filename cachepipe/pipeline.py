@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -14,6 +15,7 @@ from typing import Any
 from .broker import Broker, Closed, Failed, Lease
 from .cache import Cache
 from .catalog import Item, group_items
+from .plan import Cursor, Frontier, Plan
 from .config import PipelineConfig
 from .errors import EmptySourceError, OversizeError, UnknownItemError, is_transient
 from .fetcher import Fetcher, backoff_delay
@@ -125,6 +127,8 @@ class Pipeline:
         self._items: dict[str, Item] = {}
         self._counts = {"handed": 0, "acked": 0, "released": 0, "skipped": 0}
         self._bar: Any = None
+        self._start_state: dict[str, Any] | None = None
+        self._plan_lock = threading.Lock()  # the frontier: issued by the producer, consumed by consumers
 
     def __repr__(self) -> str:
         return f"Pipeline({self.config.source!r}, cache_dir={str(self.config.cache_dir)!r}, state={self._state})"
@@ -152,16 +156,16 @@ class Pipeline:
             try:
                 cache.open()
                 try:
-                    items = self._catalog(store, cache)
-                    fetcher = Fetcher(store, cache, broker, items, cfg)
+                    self._broker, self._cache = broker, cache
+                    steps = self._catalog(store, cache)
+                    fetcher = Fetcher(store, cache, broker, steps, cfg)
                     if cfg.progress:
                         from tqdm.auto import tqdm
 
-                        self._bar = tqdm(total=len(items), unit="item", desc="cachepipe", dynamic_ncols=True)
-                    self._store, self._cache, self._broker, self._fetcher = store, cache, broker, fetcher
-                    self._items = {item.name: item for _seq, item in items}
-                    self._listed_bytes = sum(item.size for _seq, item in items)
-                    self._listed = len(items) + self._counts["skipped"] + self._resumed
+                        self._bar = tqdm(total=self._total_steps, unit="item", desc="cachepipe", dynamic_ncols=True)
+                    self._store, self._fetcher = store, fetcher
+                    self._items = {item.name: item for item in self._eligible}
+                    self._listed_bytes = sum(item.size for item in self._eligible)
                     fetcher.start()
                     self._state = _OPEN
                 except BaseException:
@@ -176,32 +180,93 @@ class Pipeline:
                     self._bar.close()
                 store.close()
                 raise
-            log.info("opened %s: %d items, %d bytes, capacity %d bytes", cfg.source, len(items), self._listed_bytes, cache.capacity)
+            log.info("opened %s: %d items, %d bytes, capacity %d bytes", cfg.source, len(self._items), self._listed_bytes, cache.capacity)
         return self
 
-    def _catalog(self, store: Store, cache: Cache) -> list[tuple[int, Item]]:
+    def _catalog(self, store: Store, cache: Cache) -> Iterator[tuple[int, Item]]:
+        """List (or load the saved listing), recover the cache, build the plan; return the fetch order."""
         cfg = self.config
         listing = cache.saved_catalog(cfg.source, cfg.items) if cfg.resume and not cfg.relist else None
         if listing is None:
             listing = self._list(store)
             if cfg.resume:
                 cache.save_catalog(cfg.source, cfg.items, listing)
-        acked = cache.recover(listing, resume=cfg.resume)
-        planned: list[tuple[int, Item]] = []
+        if not listing:
+            raise EmptySourceError(f"no items under {cfg.source!r}: found no {cfg.items} with objects")
+        self._listed = len(listing)
+        eligible = []
+        limit = cache.capacity - cache.foreign  # the state budget is checked by recover() below
         for item in listing:
-            if item.size > cache.limit:
-                error = OversizeError(item.name, item.size, cache.capacity, cache.capacity - cache.limit)
+            if item.size > limit:
+                error = OversizeError(item.name, item.size, cache.capacity, cache.foreign)
                 if cfg.on_oversize == "raise":
                     raise error
                 log.warning("skipping %s", error)
                 self._counts["skipped"] += 1
-            elif item.name not in acked:
-                planned.append((len(planned), item))
-        self._resumed = len(acked)
-        if not listing or (not planned and not acked):
-            what = "items larger than the capacity" if self._counts["skipped"] else f"{cfg.items} with objects"
-            raise EmptySourceError(f"no items under {cfg.source!r}: found no {what}")
-        return planned
+            else:
+                eligible.append(item)
+        if not eligible:
+            raise EmptySourceError(f"no items under {cfg.source!r}: found no {cfg.items} smaller than the capacity")
+        plan = Plan(
+            [item.size for item in eligible], epochs=cfg.epochs, shuffle=cfg.shuffle, seed=cfg.seed,
+            rank=cfg.rank, world_size=cfg.world_size, worker=cfg.worker, num_workers=cfg.num_workers,
+        )
+        config_key = json.dumps(plan.state_dict(), sort_keys=True)  # position excluded below
+        config_key = json.dumps({k: v for k, v in json.loads(config_key).items() if k not in ("epoch", "index")}, sort_keys=True)
+        cursor, acked = cache.recover(listing, resume=cfg.resume, plan=config_key)
+        if self._start_state is not None:
+            plan.load_state_dict(self._start_state)  # an explicit position wins over the journal's
+            cursor, acked = plan.start, set()
+        for item in eligible:
+            if item.size > cache.limit:
+                raise OversizeError(item.name, item.size, cache.capacity, cache.capacity - cache.limit)
+        self._plan, self._frontier = plan, Frontier(plan, Cursor(*cursor))
+        self._eligible = eligible
+        self._total_steps = None if cfg.epochs is None else sum(len(plan.share(e)) for e in range(cfg.epochs)) - _steps_before(plan, cursor)
+        return self._steps(Cursor(*cursor), acked)
+
+    def _steps(self, cursor: Cursor, acked: set[tuple[int, str]]) -> Iterator[tuple[int, Item]]:
+        """The fetch order, run in the producer thread: each step gets the next sequence number.
+        Steps acknowledged before a restart are consumed at once, not fetched."""
+        for step in self._plan.steps(cursor):
+            item = self._eligible[step.item]
+            with self._plan_lock:
+                seq = self._frontier.issue(step)
+            if (step.epoch, item.name) in acked:
+                self._broker.skip(seq)
+                self._consume(seq)
+                continue
+            yield seq, item
+
+    def _consume(self, seq: int) -> None:
+        """A step is done (acknowledged, or failed and reported): move the resume point."""
+        with self._plan_lock:
+            before = self._frontier.position
+            self._frontier.consume(seq)
+            after = self._frontier.position
+        if after != before:
+            self._cache.advance(after.epoch, after.index)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where to resume: the plan's configuration and its first unconsumed step (JSON-able).
+
+        Save it with a training checkpoint; pass it to :meth:`load_state_dict` of a new pipeline
+        with the same settings to continue from there.
+        """
+        self._require_open(allow_closed=True)
+        with self._plan_lock:
+            return self._frontier.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Start at the position in ``state`` (from :meth:`state_dict`). Call before :meth:`open`.
+
+        Raises:
+            RuntimeError: the pipeline is already open.
+            ValueError: at open, if ``state`` was saved with different settings or data.
+        """
+        if self._state != _UNOPENED:
+            raise RuntimeError("load_state_dict() must be called before the pipeline is opened")
+        self._start_state = dict(state)
 
     def _list(self, store: Store) -> list[Item]:
         """List the source into items, retrying transient store errors like downloads are."""
@@ -288,6 +353,8 @@ class Pipeline:
             if got is None:
                 return None
             if isinstance(got, Failed):
+                if got.seq >= 0 and got.name != "<listing>":
+                    self._consume(got.seq)  # reported: the resume point moves past it
                 if self.config.on_error == "skip":
                     log.warning("skipping failed item: %s", got.error)
                     self._count("skipped")
@@ -310,8 +377,11 @@ class Pipeline:
             UnknownItemError: ``path`` is not an item currently handed out (never delivered,
                 already acknowledged, released, or its lease expired). Nothing is freed twice.
         """
-        name = self._lease(path, "ack", lease).name
-        self._cache.evict(name)
+        taken = self._lease(path, "ack", lease)
+        with self._plan_lock:
+            epoch = self._frontier.step(taken.seq).epoch
+        self._cache.evict(taken.name, epoch)
+        self._consume(taken.seq)
         self._count("acked")
 
     def release(self, path: str | os.PathLike[str], lease: str | None = None) -> None:
@@ -390,3 +460,9 @@ class Pipeline:
         if self._state == _OPEN or (allow_closed and self._state == _CLOSED):
             return
         raise RuntimeError(f"{self!r} is {self._state}: " + ("use it inside 'with' or call open()" if self._state == _UNOPENED else "create a new Pipeline"))
+
+
+def _steps_before(plan: Plan, cursor: tuple[int, int]) -> int:
+    """How many of this share's steps come before ``cursor`` (for the progress bar's total)."""
+    epoch, index = cursor
+    return sum(len(plan.share(e)) for e in range(epoch)) + index

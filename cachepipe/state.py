@@ -5,14 +5,17 @@ Files under ``cache_dir/.cachepipe/``::
     journal   one event per line, appended with a single write() and flushed:
                 "I <name>"  about to publish (the rename may or may not have happened)
                 "P <name>"  published
-                "A <name>"  acknowledged in the current pass
+                "A <epoch> <name>"  acknowledged in that epoch of the current pass
                 "D <name>"  deleted without an ack (closing without keep_on_close)
-                "N <pass>"  a new pass starts: earlier acks no longer count
+                "C <epoch> <index>"  every step of the plan before this position is consumed
+                "K <json>"  the plan's configuration, for checking a resume against it
+                "N <pass>"  a new pass starts: earlier acks and positions no longer count
     catalog   the listing, written atomically once per listing (only with resume)
 
 Why a journal and not SQLite: every byte under ``cache_dir`` counts against the hard cap, so
-the state must have a size known in advance. The journal grows by at most three short lines
-per item per pass and is compacted (rewritten atomically) at every open; a SQLite WAL's growth
+the state must have a size known in advance. The journal grows by at most four short lines
+per step of the plan and is compacted (rewritten atomically) at every open and whenever it
+outgrows its budget; a SQLite WAL's growth
 is harder to bound. A line is written by one ``write`` call, so a killed process leaves whole
 lines; a torn last line (power loss) is ignored. Any other damage makes :func:`load` raise
 :class:`StateCorrupt`, and the cache then rebuilds its state from the files on disk.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +36,7 @@ from .catalog import FileEntry, Item
 __all__ = ["Journal", "Replay", "StateCorrupt", "load", "save_catalog", "load_catalog", "EVENT_OVERHEAD"]
 
 CATALOG_VERSION = 1
-EVENT_OVERHEAD = 3  # bytes per journal line besides the name: "X " and "\n"
+EVENT_OVERHEAD = 48  # bytes per step besides 4 x the name: kinds, spaces, newlines, epoch and index numbers
 
 
 class StateCorrupt(ValueError):
@@ -46,7 +50,9 @@ class Replay:
     pass_no: int = 0
     published: set[str] = field(default_factory=set)
     publishing: set[str] = field(default_factory=set)  # intent logged, outcome unknown
-    acked: set[str] = field(default_factory=set)
+    acked: set[tuple[int, str]] = field(default_factory=set)  # (epoch, name)
+    cursor: tuple[int, int] = (0, 0)  # (epoch, index): every step before it is consumed
+    plan: str = ""  # the plan configuration (JSON) the cursor refers to
 
 
 def load(path: Path) -> Replay:
@@ -72,20 +78,32 @@ def load(path: Path) -> Replay:
             replay.publishing.discard(arg)
             replay.published.add(arg)
         elif kind == "A":
-            replay.published.discard(arg)
-            replay.acked.add(arg)
+            epoch, _, name = arg.partition(" ")
+            replay.published.discard(name)
+            replay.acked.add((_int(epoch, path, number), name))
+        elif kind == "C":
+            epoch, _, index = arg.partition(" ")
+            replay.cursor = (_int(epoch, path, number), _int(index, path, number))
+            replay.acked = {a for a in replay.acked if a[0] >= replay.cursor[0]}
+        elif kind == "K":
+            replay.plan = arg
         elif kind == "D":
             replay.published.discard(arg)
             replay.publishing.discard(arg)
         elif kind == "N":
-            try:
-                replay.pass_no = int(arg)
-            except ValueError as exc:
-                raise StateCorrupt(f"{path}: line {number}: bad pass number {arg!r}") from exc
+            replay.pass_no = _int(arg, path, number)
             replay.acked.clear()
+            replay.cursor, replay.plan = (0, 0), ""
         else:
             raise StateCorrupt(f"{path}: line {number}: unknown event {kind!r}")
     return replay
+
+
+def _int(text: str, path: Path, number: int) -> int:
+    try:
+        return int(text)
+    except ValueError as exc:
+        raise StateCorrupt(f"{path}: line {number}: {text!r} is not a number") from exc
 
 
 class Journal:
@@ -94,24 +112,37 @@ class Journal:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd: int | None = None
+        self._lock = threading.Lock()
 
-    def rewrite(self, pass_no: int, published: Iterable[str], acked: Iterable[str]) -> None:
-        """Replace the journal by the minimal one describing this state, then open it for appends."""
-        self.close()
-        text = f"N {pass_no}\n" + "".join(f"P {n}\n" for n in published) + "".join(f"A {n}\n" for n in acked)
-        atomic_write(self.path, text.encode("utf-8"))
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+    def rewrite(self, replay: Replay) -> None:
+        """Replace the journal by the minimal one describing ``replay``, then open it for appends."""
+        with self._lock:
+            self._close()
+            lines = [f"N {replay.pass_no}"]
+            if replay.plan:
+                lines.append(f"K {replay.plan}")
+            lines.append(f"C {replay.cursor[0]} {replay.cursor[1]}")
+            lines += [f"P {n}" for n in sorted(replay.published)]
+            lines += [f"A {e} {n}" for e, n in sorted(replay.acked)]
+            atomic_write(self.path, ("\n".join(lines) + "\n").encode("utf-8"))
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
 
     def append(self, kind: str, arg: str) -> None:
-        if self._fd is None:
-            raise RuntimeError("journal is not open")
-        os.write(self._fd, f"{kind} {arg}\n".encode("utf-8"))
+        """Append one event with a single ``write`` (whole, or not at all, if the process dies)."""
+        with self._lock:
+            if self._fd is None:
+                raise RuntimeError("journal is not open")
+            os.write(self._fd, f"{kind} {arg}\n".encode("utf-8"))
 
     @property
     def size(self) -> int:
         return os.fstat(self._fd).st_size if self._fd is not None else 0
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

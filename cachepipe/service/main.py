@@ -70,7 +70,7 @@ def serve(config_path: str | os.PathLike[str]) -> int:
     handler = setup_logging(config.log_level)
     try:
         with Notifier() as notifier:
-            return _run(Path(config_path), config, notifier)
+            return _run(Path(config_path).absolute(), config, notifier)  # reloads read the same file
     finally:
         logging.getLogger("cachepipe").removeHandler(handler)
 

@@ -3,6 +3,12 @@
 A backend implements three primitives; everything else (grouping objects into items,
 ranged parts, retries, verification, publishing) is written once in the core.
 
+Two more primitives are optional, for stores that are written to (``cachepipe map`` uploads
+results through them; a store that is only read need not have them), described by
+:class:`WritableStore`: ``put(local_path, key)`` uploads one local file (streamed, multipart
+for large files) and ``exists(key)`` tells whether an object exists. Both follow the same error
+contract; ``exists`` returns False only for "no such object", never for a failure.
+
 Error contract (the one seam where a backend translates its SDK's errors):
 
 - ``FileNotFoundError``: no such bucket, prefix or key;
@@ -17,11 +23,12 @@ Messages never contain credentials.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol, runtime_checkable
 
-__all__ = ["ObjectInfo", "Store"]
+__all__ = ["ObjectInfo", "Store", "WritableStore"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,4 +75,31 @@ class Store(Protocol):
 
     def close(self) -> None:
         """Release connections. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class WritableStore(Store, Protocol):
+    """A :class:`Store` that can also be written to: the destination of ``cachepipe map``.
+
+    The two methods are optional for stores that are only read, which is why they live in this
+    sub-protocol and not in :class:`Store` (an ``isinstance(x, Store)`` check keeps accepting
+    read-only stores).
+    """
+
+    def put(self, local_path: str | os.PathLike[str], key: str) -> None:
+        """Upload the local file ``local_path`` as object ``key`` (relative to the root), replacing it.
+
+        Streams from the file (never the whole file in memory); files larger than the
+        backend's part size go up as a multipart upload, aborted on failure. The object
+        appears whole or not at all (on object stores; local filesystems write a temporary
+        file and rename it).
+        """
+        ...
+
+    def exists(self, key: str) -> bool:
+        """True if object ``key`` exists; False only when the store says it does not.
+
+        Other failures (denied, unreachable) raise as in the error contract.
+        """
         ...

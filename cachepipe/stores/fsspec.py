@@ -7,6 +7,8 @@ the one seam of this backend (see :mod:`cachepipe.stores.base` for the contract)
 from __future__ import annotations
 
 import errno
+import os
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO
@@ -19,6 +21,7 @@ from .base import ObjectInfo
 __all__ = ["FsspecStore"]
 
 _CHUNK = 8 * 1024 * 1024  # bytes per request when streaming a range
+_UPLOAD_PART = 16 * 1024 * 1024  # multipart part size of uploads (s3fs: files from twice this size)
 
 
 def _http_status(exc: BaseException) -> int | None:
@@ -124,3 +127,42 @@ class FsspecStore:
 
     def close(self) -> None:
         """Nothing to release: fsspec shares filesystem instances and their connection pools."""
+
+    # ---- writing (optional primitives, see WritableStore) ----------------------------
+    upload_part_size: int = _UPLOAD_PART
+    """Part size of multipart uploads to S3 (s3fs uploads files of at least twice this size
+    in parts, several in flight; at least 5 MiB). Set it on the instance to change it."""
+
+    def put(self, local_path: str | os.PathLike[str], key: str) -> None:
+        """Upload ``local_path`` as ``key``: s3fs streams it, multipart from ``2 * upload_part_size``;
+        on a local filesystem it is copied to a temporary name beside the target and renamed."""
+        local = os.fspath(local_path)
+        path = self._path(key)
+        with _errors(f"{self.url.rstrip('/')}/{key}"):
+            protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)
+            if "file" in protocols or "local" in protocols:
+                self.fs.makedirs(self.fs._parent(path), exist_ok=True)
+                temp = f"{path}.cachepipe-{uuid.uuid4().hex[:12]}.tmp"
+                try:
+                    self.fs.put_file(local, temp)
+                    os.replace(temp, path)
+                except BaseException:
+                    if os.path.lexists(temp):
+                        os.unlink(temp)
+                    raise
+            elif "s3" in protocols or "s3a" in protocols:
+                self.fs.put_file(local, path, chunksize=self.upload_part_size)
+            else:
+                self.fs.put_file(local, path)
+
+    def exists(self, key: str) -> bool:
+        """True if ``key`` exists. Asks the store (no cached listing); a missing object is False,
+        any other failure raises (fsspec's own ``exists`` would return False for those too)."""
+        path = self._path(key)
+        with _errors(f"{self.url.rstrip('/')}/{key}"):
+            self.fs.invalidate_cache(path)
+            try:
+                info = self.fs.info(path)
+            except FileNotFoundError:
+                return False
+        return info.get("type", "file") == "file"

@@ -1,0 +1,626 @@
+"""Safe extraction of downloaded archives: :func:`unpack_item`.
+
+Formats, recognised by the first bytes of the (first volume of the) archive, not by its name:
+tar, gzip/bzip2/xz-compressed tar (``.tar``, ``.tar.gz``/``.tgz``, ``.tar.bz2``, ``.tar.xz``),
+zstd-compressed tar (``.tar.zst``, needs the optional ``zstandard`` package) and zip.
+
+**Split volumes.** Files named ``<stem>-00``, ``<stem>-01``... (two or more digits),
+``<stem>.partaa``, ``<stem>.partab``... (``split`` letters or digits after ``.part``) or
+``<stem>.001``, ``<stem>.002``... in one folder are the volumes of one archive ``<stem>``. They
+must be numbered without gaps; they are read in order through :class:`ConcatReader`, one file
+object over all of them, straight into the extractor: no concatenated copy is written.
+
+**Checksums.** A ``<file>.md5`` sidecar (``<md5>``, ``<md5>  <name>`` as ``md5sum`` prints it,
+or ``<name> <md5>``) or an ``md5sums``/``MD5SUMS`` file anywhere in the item gives the MD5 of
+the volume or archive with that file name. Each one that has an entry is verified, while it
+streams into the extractor (one read of the data); a mismatch raises :class:`ChecksumError`
+and leaves ``out_dir`` empty.
+
+**Safety.** Every member is checked before anything is written for it, and the whole
+extraction is undone on the first rejection (``out_dir`` is left empty). Rejected, with an
+:class:`UnsafeMemberError` naming the archive, the member and the reason: absolute names,
+``..`` segments, NUL or control characters, symbolic or hard links whose target is absolute or
+resolves outside ``out_dir``, device files, FIFOs and sockets, zip entries repeated under one
+name, a file that another archive of the item already wrote. :class:`ArchiveTooLargeError`:
+more than ``max_members`` members, or an extracted total over ``limit_bytes`` (a tar bomb) —
+checked from the declared sizes *before* a member is written, so ``out_dir`` never holds more
+than ``limit_bytes``. Tar members then go through Python's ``tarfile`` ``data`` filter as a
+second line (it resolves links and existing paths with ``realpath``); zip members are written
+by this module, each target checked with ``realpath`` to stay inside ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import hashlib
+import io
+import logging
+import os
+import re
+import shutil
+import stat
+import tarfile
+import zipfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import CachePipeError, VerificationError
+
+__all__ = [
+    "ArchiveError",
+    "UnsafeMemberError",
+    "ArchiveTooLargeError",
+    "ChecksumError",
+    "UnpackResult",
+    "ConcatReader",
+    "DEFAULT_MAX_MEMBERS",
+    "split_volume",
+    "is_checksum_file",
+    "archive_format",
+    "unpack_item",
+]
+
+log = logging.getLogger("cachepipe.unpack")
+
+DEFAULT_MAX_MEMBERS = 10_000_000
+"""Most members one item may extract (inodes are a resource too); the Something-Something v2
+archive, for one, holds about 220,000 files."""
+
+_CHUNK = 1 << 20
+_SNIFF = 512
+
+_VOLUME_PATTERNS = (
+    re.compile(r"^(?P<stem>.+)-(?P<idx>[0-9]{2,})$"),
+    re.compile(r"^(?P<stem>.+)\.part(?P<idx>[a-z]{2,}|[0-9]{2,})$"),
+    re.compile(r"^(?P<stem>.+)\.(?P<idx>[0-9]{3})$"),
+)
+_CHECKSUM_NAMES = frozenset({"md5sums", "md5sums.txt", "md5sum.txt", "checksums.md5"})
+_MD5_RE = re.compile(r"^[0-9a-fA-F]{32}$")
+
+
+class ArchiveError(CachePipeError, ValueError):
+    """An item that cannot be unpacked: no archive in it, a corrupt or unsupported archive."""
+
+
+class UnsafeMemberError(ArchiveError):
+    """An archive member that would write outside the item, or a kind of file that is refused."""
+
+    def __init__(self, archive: str, member: str, reason: str) -> None:
+        super().__init__(f"unsafe member {member!r} in archive {archive!r}: {reason}")
+        self.archive = archive
+        self.member = member
+        self.reason = reason
+
+
+class ArchiveTooLargeError(ArchiveError):
+    """The extracted size or member count would exceed the limit (a tar or zip bomb)."""
+
+    def __init__(self, archive: str, member: str, reason: str) -> None:
+        super().__init__(f"archive {archive!r} refused at member {member!r}: {reason}")
+        self.archive = archive
+        self.member = member
+
+
+class ChecksumError(VerificationError):
+    """A volume's MD5 differs from its ``.md5`` sidecar or ``md5sums`` entry."""
+
+
+@dataclass
+class UnpackResult:
+    """What :func:`unpack_item` did.
+
+    Attributes:
+        archives: the archives extracted, each named by its first volume (relative to the item).
+        members: files, links and folders written.
+        bytes: bytes of regular files written.
+        verified: volumes whose MD5 was checked (and matched).
+        other: files of the item that are neither archives nor checksum files (left alone).
+    """
+
+    archives: list[str] = field(default_factory=list)
+    members: int = 0
+    bytes: int = 0
+    verified: list[str] = field(default_factory=list)
+    other: list[str] = field(default_factory=list)
+
+
+# ---- names (pure) -----------------------------------------------------------------------
+def split_volume(name: str) -> tuple[str, str] | None:
+    """``(stem, index)`` when the file name ``name`` looks like a volume of a split archive.
+
+    >>> split_volume("data.tar.gz-01"), split_volume("data.tar.gz.partab"), split_volume("a.tar")
+    (('data.tar.gz', '01'), ('data.tar.gz', 'ab'), None)
+    """
+    base = name.rsplit("/", 1)[-1]
+    if is_checksum_file(base):
+        return None
+    for pattern in _VOLUME_PATTERNS:
+        match = pattern.match(base)
+        if match:
+            return match.group("stem"), match.group("idx")
+    return None
+
+
+def is_checksum_file(name: str) -> bool:
+    """True for ``*.md5`` sidecars and ``md5sums``-style lists."""
+    base = name.rsplit("/", 1)[-1]
+    return base.lower().endswith(".md5") or base.lower() in _CHECKSUM_NAMES
+
+
+def _index_value(index: str) -> int:
+    if index.isdigit():
+        return int(index)
+    value = 0
+    for ch in index:
+        value = value * 26 + (ord(ch) - ord("a"))
+    return value
+
+
+def order_volumes(stem: str, parts: Iterable[tuple[str, str]]) -> list[str]:
+    """Sort ``(path, index)`` volumes of ``stem``; raise :class:`ArchiveError` on a gap or mixed numbering."""
+    parts = list(parts)
+    kinds = {(idx.isdigit(), len(idx) if not idx.isdigit() else 0) for _p, idx in parts}
+    if len(kinds) > 1:
+        raise ArchiveError(f"split archive {stem!r}: volumes numbered in different styles: {sorted(p for p, _ in parts)}")
+    ordered = sorted(parts, key=lambda pi: _index_value(pi[1]))
+    values = [_index_value(idx) for _p, idx in ordered]
+    for (path, _idx), prev, cur in zip(ordered[1:], values, values[1:]):
+        if cur == prev:
+            raise ArchiveError(f"split archive {stem!r}: two volumes with the same number ({path!r})")
+        if cur != prev + 1:
+            raise ArchiveError(f"split archive {stem!r}: a volume is missing before {path!r}")
+    return [p for p, _ in ordered]
+
+
+def parse_checksums(text: str, default_name: str | None) -> dict[str, str]:
+    """MD5s by file name from a sidecar or an ``md5sums`` list; ``default_name`` for a bare digest."""
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        words = line.strip().split()
+        if not words or words[0].startswith("#"):
+            continue
+        if len(words) == 1 and _MD5_RE.match(words[0]) and default_name:
+            found[default_name] = words[0].lower()
+        elif len(words) >= 2 and _MD5_RE.match(words[0]):
+            found[" ".join(words[1:]).lstrip("*").rsplit("/", 1)[-1]] = words[0].lower()
+        elif len(words) >= 2 and _MD5_RE.match(words[-1]):
+            found[" ".join(words[:-1]).rsplit("/", 1)[-1]] = words[-1].lower()
+    return found
+
+
+# ---- reading volumes ----------------------------------------------------------------------
+class ConcatReader(io.RawIOBase):
+    """One read-only, seekable file object over ``paths`` in order (the volumes of one archive).
+
+    Opens one volume at a time. While reads are sequential from the start, it feeds each
+    volume's bytes to its MD5 (``md5s``); a seek turns hashing off (:attr:`hashed` False).
+    """
+
+    def __init__(self, paths: Sequence[Path]) -> None:
+        super().__init__()
+        self.paths = list(paths)
+        self.sizes = [os.stat(p).st_size for p in self.paths]
+        self.starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self.total = sum(self.sizes)
+        self.md5s = [hashlib.md5(usedforsecurity=False) for _ in self.paths]
+        self.hashed = True
+        self._pos = 0
+        self._index = -1
+        self._fh: io.BufferedReader | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        target = {io.SEEK_SET: offset, io.SEEK_CUR: self._pos + offset, io.SEEK_END: self.total + offset}[whence]
+        if target < 0:
+            raise OSError(errno.EINVAL, f"negative seek position {target}")
+        if target != self._pos:
+            self.hashed = False
+            self._pos = target
+        return self._pos
+
+    def readinto(self, buffer) -> int:  # type: ignore[override]
+        view = memoryview(buffer).cast("B")
+        if self._pos >= self.total or not len(view):
+            return 0
+        index = bisect.bisect_right(self.starts, self._pos) - 1
+        while self._pos >= self.starts[index] + self.sizes[index]:
+            index += 1  # skip empty volumes
+        if index != self._index:
+            if self._fh is not None:
+                self._fh.close()
+            self._fh = open(self.paths[index], "rb")  # noqa: SIM115 - kept open across reads
+            self._index = index
+        assert self._fh is not None
+        offset = self._pos - self.starts[index]
+        if self._fh.tell() != offset:
+            self._fh.seek(offset)
+        n = self._fh.readinto(view[: min(len(view), self.sizes[index] - offset)])
+        if not n:
+            raise OSError(errno.EIO, f"{self.paths[index]}: volume shorter than when opened")
+        if self.hashed:
+            self.md5s[index].update(view[:n])
+        self._pos += n
+        return n
+
+    def drain(self) -> None:
+        """Read to the end (so that every volume's MD5 covers all of it)."""
+        while self.read(_CHUNK):
+            pass
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        super().close()
+
+
+def archive_format(head: bytes) -> str | None:
+    """``"tar"``, ``"tar.gz"``, ``"tar.bz2"``, ``"tar.xz"``, ``"tar.zst"``, ``"zip"`` or None, from the first bytes."""
+    if head[:2] == b"\x1f\x8b":
+        return "tar.gz"
+    if head[:3] == b"BZh":
+        return "tar.bz2"
+    if head[:6] == b"\xfd7zXZ\x00":
+        return "tar.xz"
+    if head[:4] == b"\x28\xb5\x2f\xfd":
+        return "tar.zst"
+    if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
+        return "zip"
+    if len(head) >= 262 and head[257:262] == b"ustar":
+        return "tar"
+    return None
+
+
+def _sniff(path: Path) -> str | None:
+    with open(path, "rb") as fh:
+        return archive_format(fh.read(_SNIFF))
+
+
+# ---- member checks -------------------------------------------------------------------------
+class _Budget:
+    def __init__(self, limit_bytes: int, max_members: int) -> None:
+        self.limit_bytes = limit_bytes
+        self.max_members = max_members
+        self.bytes = 0
+        self.members = 0
+
+    def add(self, archive: str, member: str, size: int) -> None:
+        if self.members + 1 > self.max_members:
+            raise ArchiveTooLargeError(archive, member, f"more than {self.max_members} members")
+        if self.bytes + size > self.limit_bytes:
+            raise ArchiveTooLargeError(
+                archive, member,
+                f"extracting its {size} bytes would bring the item to {self.bytes + size} bytes, over the limit of {self.limit_bytes} bytes",
+            )
+        self.members += 1
+        self.bytes += size
+
+
+def _check_name(archive: str, name: str) -> str:
+    """The member's relative path (``/``-separated, no ``./``), or raise :class:`UnsafeMemberError`."""
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise UnsafeMemberError(archive, name, "NUL or a control character in the name")
+    if name.startswith("/") or re.match(r"^[A-Za-z]:[/\\]", name):
+        raise UnsafeMemberError(archive, name, "absolute path")
+    segments = [s for s in name.split("/") if s not in ("", ".")]
+    if ".." in segments:
+        raise UnsafeMemberError(archive, name, "'..' path segment (would write outside the item)")
+    return "/".join(segments)
+
+
+def _check_link(archive: str, name: str, rel: str, target: str, hard: bool) -> str:
+    """The link target relative to the item root, or raise if it is absolute or leaves the item."""
+    if not target:
+        raise UnsafeMemberError(archive, name, "link with an empty target")
+    if target.startswith("/"):
+        raise UnsafeMemberError(archive, name, f"link to the absolute path {target!r}")
+    base = [] if hard else rel.split("/")[:-1]
+    parts: list[str] = list(base)
+    for seg in target.split("/"):
+        if seg in ("", "."):
+            continue
+        if seg == "..":
+            if not parts:
+                raise UnsafeMemberError(archive, name, f"link to {target!r}, outside the item")
+            parts.pop()
+        else:
+            parts.append(seg)
+    return "/".join(parts)
+
+
+def _inside(root: Path, path: Path) -> bool:
+    real_root = os.path.realpath(root)
+    return os.path.commonpath([os.path.realpath(path), real_root]) == real_root
+
+
+# ---- extraction ----------------------------------------------------------------------------
+class _Extraction:
+    def __init__(self, out_dir: Path, budget: _Budget, result: UnpackResult) -> None:
+        self.out = out_dir
+        self.budget = budget
+        self.result = result
+        self.written: dict[str, str] = {}  # rel path -> archive that wrote it
+        self.sizes: dict[str, int] = {}  # rel path -> size, for hard links
+
+    def claim(self, archive: str, name: str, rel: str) -> None:
+        owner = self.written.get(rel)
+        if owner is not None and owner != archive:
+            raise UnsafeMemberError(archive, name, f"collides with {rel!r} extracted from {owner!r}")
+        self.written[rel] = archive
+
+    def tar(self, archive: str, stream: io.RawIOBase, fmt: str) -> None:
+        if fmt == "tar.zst":
+            try:
+                import zstandard
+            except ImportError as exc:
+                raise ArchiveError(f"{archive}: a zstd archive needs the 'zstandard' package (pip install zstandard)") from exc
+            source: io.RawIOBase = zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=True, closefd=False)
+            mode = "r|"
+        else:
+            source, mode = stream, {"tar": "r|", "tar.gz": "r|gz", "tar.bz2": "r|bz2", "tar.xz": "r|xz"}[fmt]
+        with tarfile.open(fileobj=source, mode=mode, bufsize=_CHUNK) as tar:  # type: ignore[call-overload]
+            for member in tar:
+                self._tar_member(archive, tar, member)
+
+    def _tar_member(self, archive: str, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+        name = member.name
+        rel = _check_name(archive, name)
+        if not (member.isreg() or member.isdir() or member.issym() or member.islnk()):
+            kind = "device file" if (member.ischr() or member.isblk()) else "FIFO" if member.isfifo() else "special file"
+            raise UnsafeMemberError(archive, name, f"{kind}: only files, folders and links inside the item are extracted")
+        if not rel:
+            return  # the archive's root folder entry ('./')
+        size = member.size if member.isreg() else 0
+        if member.issym() or member.islnk():
+            target = _check_link(archive, name, rel, member.linkname, hard=member.islnk())
+            if member.islnk():
+                if target not in self.sizes:
+                    raise UnsafeMemberError(archive, name, f"hard link to {member.linkname!r}, which is not a file extracted before it")
+                size = self.sizes[target]
+        if not member.isdir():
+            self.claim(archive, name, rel)
+        self.budget.add(archive, name, size)
+        try:
+            tar.extract(member, self.out, filter="data")
+        except tarfile.FilterError as exc:
+            raise UnsafeMemberError(archive, name, f"refused by tarfile's data filter: {exc}") from exc
+        if member.isreg() or member.islnk():
+            self.sizes[rel] = size
+            self.result.bytes += size
+        self.result.members += 1
+
+    def zip(self, archive: str, stream: io.RawIOBase) -> None:
+        try:
+            zf = zipfile.ZipFile(io.BufferedReader(stream, _CHUNK))  # type: ignore[arg-type]
+        except zipfile.BadZipFile as exc:
+            raise ArchiveError(f"{archive}: not a valid zip archive: {exc}") from exc
+        with zf:
+            infos = zf.infolist()
+            seen: set[str] = set()
+            planned = _Budget(self.budget.limit_bytes - self.budget.bytes, self.budget.max_members - self.budget.members)
+            for info in infos:  # refuse a bomb from the central directory, before writing anything
+                rel = _check_name(archive, info.filename)
+                if rel in seen and not info.is_dir():
+                    raise UnsafeMemberError(archive, info.filename, "a second entry with the same name")
+                seen.add(rel)
+                planned.add(archive, info.filename, 0 if info.is_dir() else info.file_size)
+            for info in infos:
+                self._zip_member(archive, zf, info)
+
+    def _zip_member(self, archive: str, zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> None:
+        name = info.filename
+        rel = _check_name(archive, name)
+        mode = info.external_attr >> 16
+        kind = stat.S_IFMT(mode) if info.create_system == 3 and mode else stat.S_IFREG
+        if info.is_dir():
+            kind = stat.S_IFDIR
+        if kind not in (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK):
+            raise UnsafeMemberError(archive, name, "device file, FIFO or socket: only files, folders and links are extracted")
+        if not rel:
+            return
+        target = self.out / rel
+        if not _inside(self.out, target.parent if kind != stat.S_IFDIR else target):
+            raise UnsafeMemberError(archive, name, "its folder resolves outside the item (through a link)")
+        if kind == stat.S_IFDIR:
+            self.budget.add(archive, name, 0)
+            target.mkdir(parents=True, exist_ok=True)
+            self.result.members += 1
+            return
+        self.claim(archive, name, rel)
+        if kind == stat.S_IFLNK:
+            if info.file_size > 4096:
+                raise UnsafeMemberError(archive, name, "symbolic link with a target longer than 4096 bytes")
+            link = zf.read(info).decode("utf-8", "surrogateescape")
+            _check_link(archive, name, rel, link, hard=False)
+            self.budget.add(archive, name, 0)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if os.path.lexists(target):
+                os.unlink(target)
+            os.symlink(link, target)
+            self.result.members += 1
+            return
+        self.budget.add(archive, name, info.file_size)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if os.path.lexists(target):
+            os.unlink(target)  # never write through an existing link
+        written = 0
+        with zf.open(info) as src, open(target, "xb") as dst:
+            while chunk := src.read(_CHUNK):
+                written += len(chunk)
+                if written > info.file_size:
+                    raise ArchiveTooLargeError(archive, name, f"inflates beyond its declared {info.file_size} bytes")
+                dst.write(chunk)
+        self.sizes[rel] = written
+        self.result.bytes += written
+        self.result.members += 1
+
+
+def _archive_sets(root: Path) -> tuple[list[list[str]], dict[str, str], list[str]]:
+    """Archives of a folder item (each a list of volume paths in order), MD5s by file name, other files."""
+    files: list[str] = []
+    for dirpath, dirs, names in os.walk(root):
+        dirs.sort()
+        for name in sorted(names):
+            path = Path(dirpath, name)
+            if not path.is_symlink() and path.is_file():
+                files.append(path.relative_to(root).as_posix())
+    checksums: dict[str, str] = {}
+    volumes: dict[str, list[tuple[str, str]]] = {}
+    singles: list[str] = []
+    for rel in files:
+        if is_checksum_file(rel):
+            base = rel.rsplit("/", 1)[-1]
+            default = base[:-4] if base.lower().endswith(".md5") else None
+            with open(root / rel, "rb") as fh:
+                text = fh.read(16 * 1024 * 1024).decode("utf-8", "replace")
+            for fname, digest in parse_checksums(text, default).items():
+                if checksums.get(fname, digest) != digest:
+                    raise ArchiveError(f"two checksum files disagree on the MD5 of {fname!r}")
+                checksums[fname] = digest
+            continue
+        split = split_volume(rel)
+        if split is not None:
+            folder = rel.rsplit("/", 1)[0] if "/" in rel else ""
+            volumes.setdefault(f"{folder}/{split[0]}" if folder else split[0], []).append((rel, split[1]))
+        else:
+            singles.append(rel)
+    sets: list[list[str]] = []
+    other: list[str] = []
+    for stem, parts in sorted(volumes.items()):
+        sets.append(order_volumes(stem, parts))
+    for rel in singles:
+        if _sniff(root / rel) is not None:
+            sets.append([rel])
+        else:
+            other.append(rel)
+    sets.sort(key=lambda s: s[0])
+    return sets, checksums, other
+
+
+def _clear(out_dir: Path) -> None:
+    for entry in os.scandir(out_dir):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+
+
+def unpack_item(
+    item_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, limit_bytes: int, max_members: int = DEFAULT_MAX_MEMBERS
+) -> UnpackResult:
+    """Extract the archive(s) of a downloaded item into ``out_dir``, safely (see the module docstring).
+
+    Args:
+        item_path: a single archive file, or a folder holding archives, split volumes,
+            ``.md5`` sidecars and ``md5sums`` files. Other files are left alone (listed in
+            :attr:`UnpackResult.other`). The item is only read.
+        out_dir: where every archive of the item is extracted (created if missing; must be empty).
+        limit_bytes: most bytes of files the extraction may write; a member that would pass
+            it is refused before it is written.
+        max_members: most members (files, folders, links) to extract.
+
+    Returns:
+        an :class:`UnpackResult`.
+
+    Raises:
+        ArchiveError: no archive in the item, a corrupt one, gaps in split volumes;
+            :class:`UnsafeMemberError` or :class:`ArchiveTooLargeError` for a refused member.
+        ChecksumError: a volume does not match its MD5.
+        OSError: reading the item or writing ``out_dir`` failed.
+
+    On any error ``out_dir`` is left empty.
+    """
+    item = Path(item_path)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.iterdir()):
+        raise ValueError(f"out_dir {str(out)!r} is not empty")
+    if item.is_dir():
+        sets, checksums, other = _archive_sets(item)
+        root = item
+    else:
+        sets, checksums, other, root = [[item.name]], {}, [], item.parent
+    result = UnpackResult(other=other)
+    if not sets:
+        raise ArchiveError(
+            f"item {item.name!r}: no archive found (recognised: tar, tar.gz/tgz, tar.bz2, tar.xz, tar.zst, zip, "
+            "and their split volumes)" + (f"; files: {other[:5]}" if other else "")
+        )
+    for rel in other:
+        log.info("%s: %s is not an archive; not extracted", item, rel)
+    extraction = _Extraction(out, _Budget(limit_bytes, max_members), result)
+    try:
+        for volumes in sets:
+            _unpack_one(root, volumes, checksums, extraction)
+    except BaseException:
+        _clear(out)
+        raise
+    return result
+
+
+def _unpack_one(root: Path, volumes: list[str], checksums: dict[str, str], extraction: _Extraction) -> None:
+    label = volumes[0] if len(volumes) == 1 else f"{volumes[0]} (+{len(volumes) - 1} volumes)"
+    paths = [root / v for v in volumes]
+    with ConcatReader(paths) as sniffer:
+        fmt = archive_format(sniffer.read(_SNIFF))
+    with ConcatReader(paths) as reader:
+        if fmt is None:
+            raise ArchiveError(f"{label}: not a recognised archive (tar, tar.gz, tar.bz2, tar.xz, tar.zst or zip)")
+        expected = {i: checksums[p.name] for i, p in enumerate(paths) if p.name in checksums}
+        if fmt == "zip":
+            _verify(label, paths, expected, _hash_files(paths, expected))  # zip seeks: check before extracting
+            extraction.zip(label, reader)
+        else:
+            try:
+                extraction.tar(label, reader, fmt)
+            except Exception as exc:
+                if expected and reader.hashed:
+                    try:
+                        reader.drain()
+                    except OSError:
+                        pass
+                    else:
+                        _verify(label, paths, expected, {i: reader.md5s[i].hexdigest() for i in expected}, cause=exc)
+                if isinstance(exc, (tarfile.TarError, EOFError)) or type(exc).__name__ == "ZstdError":
+                    raise ArchiveError(f"{label}: corrupt or truncated {fmt} archive: {type(exc).__name__}: {exc}") from exc
+                raise
+            if expected:
+                reader.drain()
+                digests = {i: reader.md5s[i].hexdigest() for i in expected} if reader.hashed else _hash_files(paths, expected)
+                _verify(label, paths, expected, digests)
+    extraction.result.archives.append(volumes[0])
+    extraction.result.verified.extend(volumes[i] for i in sorted(expected))
+
+
+def _hash_files(paths: list[Path], which: dict[int, str]) -> dict[int, str]:
+    digests = {}
+    for i in which:
+        md5 = hashlib.md5(usedforsecurity=False)
+        with open(paths[i], "rb") as fh:
+            while chunk := fh.read(_CHUNK):
+                md5.update(chunk)
+        digests[i] = md5.hexdigest()
+    return digests
+
+
+def _verify(label: str, paths: list[Path], expected: dict[int, str], actual: dict[int, str], cause: BaseException | None = None) -> None:
+    bad = [i for i in expected if actual[i] != expected[i]]
+    if bad:
+        i = bad[0]
+        error = ChecksumError(
+            f"{label}: volume {paths[i].name!r} has MD5 {actual[i]}, its checksum file says {expected[i]}"
+            + (f" ({len(bad)} volumes differ)" if len(bad) > 1 else ""),
+        )
+        if cause is not None:
+            raise error from cause
+        raise error

@@ -1,0 +1,164 @@
+"""Writing results back: upload an item's output folder, then its completion marker.
+
+An item is complete in the destination when ``DST/<item>/.cachepipe-done`` exists. The marker
+is written last, after every output of the item was uploaded, and lists them (relative path and
+size, JSON); a run that dies in the middle of an upload leaves outputs without a marker, and
+the next run does the item again (overwriting them). Uploads retry transient store errors with
+the same exponential backoff as downloads, sleeping on the stop event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .catalog import check_key
+from .errors import UnsafeKeyError, is_transient
+from .fetcher import backoff_delay
+from .stores.base import WritableStore
+
+__all__ = ["DONE_MARKER", "OutputError", "Uploader", "collect_outputs", "marker_key"]
+
+log = logging.getLogger("cachepipe.map")
+
+DONE_MARKER = ".cachepipe-done"
+"""The object written last under ``DST/<item>/``: the item's results are complete."""
+
+
+def marker_key(name: str) -> str:
+    """The key of an item's completion marker, relative to the destination root."""
+    return f"{name}/{DONE_MARKER}"
+
+
+class OutputError(UnsafeKeyError):
+    """An output that cannot be uploaded: an unsafe name, a link leaving the output folder,
+    a FIFO or device, or the reserved marker name."""
+
+
+def collect_outputs(root: Path) -> list[tuple[str, Path]]:
+    """The files to upload from ``root``: ``(relative key, local path)`` in key order.
+
+    Regular files are uploaded as they are; a symbolic link is uploaded as the file it points to
+    when that is a regular file inside ``root`` (like ``cp -L``). Empty folders are not objects.
+
+    Raises:
+        OutputError: a link that leaves ``root`` or dangles, a FIFO, socket or device, a name
+            that is not a safe key, or a file named like the marker.
+    """
+    real_root = os.path.realpath(root)
+    found: list[tuple[str, Path]] = []
+    for dirpath, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in dirs:
+            if os.path.islink(os.path.join(dirpath, name)):
+                raise OutputError(Path(dirpath, name).relative_to(root).as_posix(), "a link to a folder: only files are uploaded")
+        for name in sorted(files):
+            path = Path(dirpath, name)
+            rel = path.relative_to(root).as_posix()
+            check_key(rel)
+            if rel == DONE_MARKER:
+                raise OutputError(rel, "reserved for the completion marker")
+            target = Path(os.path.realpath(path))
+            if os.path.commonpath([str(target), real_root]) != real_root:
+                raise OutputError(rel, f"a link to {str(target)!r}, outside the output folder")
+            if not target.is_file():
+                raise OutputError(rel, "not a regular file (a FIFO, socket, device or dangling link)")
+            found.append((rel, target))
+    return found
+
+
+@dataclass
+class UploadCounters:
+    """Bytes and files uploaded, requests retried."""
+
+    bytes: int = 0
+    files: int = 0
+    retries: int = 0
+
+
+class Uploader:
+    """Uploads output files to a destination store from a pool of threads.
+
+    Args:
+        dest: the destination, rooted at ``DST``.
+        concurrency: files in flight across all items.
+        retries, backoff, backoff_max: per-file retries of transient errors (as for downloads).
+        stop: set to abandon uploads (backoff sleeps wake at once).
+    """
+
+    def __init__(self, dest: WritableStore, concurrency: int, retries: int, backoff: float, backoff_max: float, stop: threading.Event) -> None:
+        self.dest = dest
+        self._retries = retries
+        self._backoff = backoff
+        self._backoff_max = backoff_max
+        self._stop = stop
+        self._lock = threading.Lock()
+        self.counters = UploadCounters()
+        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="cachepipe-upload")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def upload_item(self, name: str, root: Path, before_marker: Callable[[], Path]) -> dict[str, int]:
+        """Upload every output under ``root`` to ``DST/<name>/``, then the marker; return the manifest.
+
+        ``before_marker`` is called once every output is up: it frees the local outputs and
+        returns a folder for the marker file (which is written there, uploaded, removed).
+
+        Raises:
+            OutputError: an output that cannot be uploaded (nothing is uploaded then).
+            OSError: an upload failed after its retries (no marker is written).
+            InterruptedError: stopped.
+        """
+        outputs = collect_outputs(root)
+        manifest = {rel: path.stat().st_size for rel, path in outputs}
+        futures: list[Future[None]] = [self._pool.submit(self._put, path, f"{name}/{rel}") for rel, path in outputs]
+        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        for future in pending:
+            future.cancel()
+        wait(pending)
+        for future in futures:
+            if future.done() and not future.cancelled() and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
+        if self._stop.is_set():
+            raise InterruptedError(f"stopped while uploading {name}")
+        folder = before_marker()
+        marker = folder / "marker.json"
+        record: dict[str, Any] = {"item": name, "files": manifest, "bytes": sum(manifest.values()), "finished": time.time()}
+        marker.write_text(json.dumps(record, indent=0, sort_keys=True))
+        try:
+            self._put(marker, marker_key(name), count=False)
+        finally:
+            marker.unlink(missing_ok=True)
+        return manifest
+
+    def _put(self, path: Path, key: str, count: bool = True) -> None:
+        for attempt in range(self._retries + 1):
+            if self._stop.is_set():
+                raise InterruptedError(f"stopped before uploading {key}")
+            try:
+                self.dest.put(path, key)
+            except Exception as exc:
+                if not is_transient(exc) or attempt == self._retries:
+                    raise
+                delay = backoff_delay(attempt, self._backoff, self._backoff_max)
+                log.warning("upload retry %d/%d of %s in %.2fs: %s", attempt + 1, self._retries, key, delay, exc)
+                with self._lock:
+                    self.counters.retries += 1
+                if self._stop.wait(delay):
+                    raise InterruptedError(f"stopped before uploading {key}") from exc
+            else:
+                if count:
+                    size = path.stat().st_size
+                    with self._lock:
+                        self.counters.bytes += size
+                        self.counters.files += 1
+                return

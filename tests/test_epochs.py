@@ -1,0 +1,87 @@
+"""Epochs, seeded shuffle, rank/worker shares and resume by position, through Pipeline."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachepipe import Pipeline
+
+
+def names(pipe):
+    return [p.name for p in pipe]
+
+
+def test_epochs_shuffle_deterministic_and_new_order_each_epoch(s3_source, tmp_path):
+    data = s3_source.folders(12, {"f": 100})
+    opts = dict(storage_options=s3_source.options, epochs=3, shuffle=True, seed=7, rank=0, world_size=1)
+    with Pipeline(s3_source.url, tmp_path / "a", "1MiB", **opts) as pipe:
+        first = names(pipe)
+        stats = pipe.stats()
+    with Pipeline(s3_source.url, tmp_path / "b", "1MiB", **opts) as pipe:
+        assert names(pipe) == first  # same seed, same order
+    epochs = [first[i * 12:(i + 1) * 12] for i in range(3)]
+    assert all(sorted(e) == sorted(data) for e in epochs)  # every item once per epoch
+    assert epochs[0] != epochs[1] != epochs[2] and epochs[0] != sorted(data)
+    assert stats.items_acked == 36 and stats.bytes_downloaded == 36 * 100  # retain="none": refetched
+
+
+def test_ranks_and_workers_split_each_epoch_disjointly(s3_source, tmp_path):
+    data = s3_source.folders(10, {"f": 100})
+    seen = []
+    for rank in range(2):
+        for worker in range(2):
+            with Pipeline(s3_source.url, tmp_path / f"c{rank}{worker}", "1MiB", storage_options=s3_source.options,
+                          epochs=2, shuffle=True, seed=1, rank=rank, world_size=2, worker=worker, num_workers=2) as pipe:
+                seen.append(names(pipe))
+    for epoch in range(2):
+        # each share is ordered by epoch, so split every share's list at its epoch boundary
+        per_epoch = [share[: len(share) // 2] if epoch == 0 else share[len(share) // 2:] for share in seen]
+        flat = [n for share in per_epoch for n in share]
+        assert sorted(flat) == sorted(data), f"epoch {epoch}: every item exactly once across ranks and workers"
+
+
+def test_rank_from_torchrun_environment(s3_source, tmp_path, monkeypatch):
+    s3_source.folders(6, {"f": 10})
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options) as pipe:
+        assert len(names(pipe)) == 2
+    monkeypatch.setenv("RANK", "5")
+    with pytest.raises(ValueError, match="RANK"):
+        Pipeline(s3_source.url, tmp_path / "d", "1MiB", storage_options=s3_source.options).open()
+
+
+def test_state_dict_resumes_mid_epoch(s3_source, tmp_path):
+    s3_source.folders(8, {"f": 10})
+    opts = dict(storage_options=s3_source.options, epochs=2, shuffle=True, seed=3, rank=0, world_size=1)
+    with Pipeline(s3_source.url, tmp_path / "full", "1MiB", **opts) as pipe:
+        full = names(pipe)
+    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", **opts) as pipe:
+        it = iter(pipe)
+        got = [next(it).name for _ in range(11)]  # 10 acked, the 11th in hand
+        it.close()
+        state = pipe.state_dict()
+    assert state["epoch"] == 1 and state["index"] == 2
+    again = Pipeline(s3_source.url, tmp_path / "c2", "1MiB", **opts)
+    again.load_state_dict(state)
+    with again:
+        rest = names(again)
+    assert got[:10] + rest == full
+    other = Pipeline(s3_source.url, tmp_path / "c3", "1MiB", **{**opts, "seed": 4})
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="seed"):
+        other.open()
+
+
+def test_journal_resume_continues_the_epoch_position(s3_source, tmp_path):
+    s3_source.folders(6, {"f": 10})
+    opts = dict(storage_options=s3_source.options, epochs=2, shuffle=True, seed=9, rank=0, world_size=1, resume=True)
+    with Pipeline(s3_source.url, tmp_path / "full", "1MiB", **{**opts, "resume": False}) as pipe:
+        full = names(pipe)
+    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", **opts) as pipe:
+        it = iter(pipe)
+        for _ in range(8):
+            next(it)
+        it.close()  # 7 acked; the 8th was given back
+    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", **opts) as pipe:
+        assert names(pipe) == full[7:]
