@@ -1,0 +1,71 @@
+"""The PyTorch adapter: DataLoader workers and ranks each take a disjoint share of every epoch."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (make test installs torch==2.13.0 where the CPU wheel is available)")
+
+from cachepipe.torch import CachePipeDataset  # noqa: E402
+
+
+def read(path):
+    return path.name, hashlib.md5((path / "f").read_bytes()).hexdigest()
+
+
+RANK_SCRIPT = """
+import json, sys, hashlib, torch
+from cachepipe.torch import CachePipeDataset
+def read(path):
+    return path.name, hashlib.md5((path / "f").read_bytes()).hexdigest()
+cfg = json.loads(sys.argv[1])
+ds = CachePipeDataset(cfg["url"], cfg["cache"], "1MiB", transform=read, storage_options=cfg["options"],
+                      epochs=2, shuffle=True, seed=5)
+loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+print(json.dumps([list(x) for x in loader]))
+"""
+
+
+def test_two_ranks_by_two_workers_see_every_item_once_per_epoch(s3_source, tmp_path):
+    data = s3_source.folders(13, {"f": 500})
+    digests = {name: hashlib.md5(files["f"]).hexdigest() for name, files in data.items()}
+    cfg = {"url": s3_source.url, "cache": str(tmp_path / "cache"), "options": s3_source.options}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2"})
+        for rank in range(2)
+    ]
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        outputs.append(json.loads(out))
+    seen = [name for out in outputs for name, _ in out]
+    assert sorted(seen) == sorted(list(digests) * 2)  # 2 epochs: each item exactly twice in all
+    assert all(digests[name] == digest for out in outputs for name, digest in out)
+    assert all(len(out) in (12, 14) for out in outputs)  # each rank about half of 13 per epoch
+
+
+def test_single_process_yields_cached_items(s3_source, tmp_path):
+    s3_source.folders(3, {"f": 10})
+    ds = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options, rank=0, world_size=1)
+    assert [p.name for p in torch.utils.data.DataLoader(ds, batch_size=None)] == ["item000", "item001", "item002"]
+
+
+def test_workers_need_a_transform(s3_source, tmp_path):
+    s3_source.folders(2, {"f": 10})
+    ds = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options, rank=0, world_size=1)
+    it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2))
+    try:
+        with pytest.raises(Exception, match="transform"):
+            next(it)
+    finally:
+        it._shutdown_workers()  # the worker error leaves the loader's queue threads to its shutdown
+    with pytest.raises(ValueError, match="num_workers"):
+        CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", num_workers=2)
