@@ -74,6 +74,7 @@ class Broker(Generic[T]):
         self._finished = False  # no more items will be planned
         self._closed = False
         self.wait_seconds = 0.0  # total time consumers spent blocked in take()
+        self._waiting = 0  # consumers blocked in take() right now
 
     # ---- producer side ---------------------------------------------------------------
     def begin(self) -> None:
@@ -153,7 +154,11 @@ class Broker(Generic[T]):
                     wait = min(waits) if waits else None
                     if deadline is not None and deadline - now <= 0:
                         raise TimeoutError(f"no item became ready within {timeout} s")
-                    self._cond.wait(max(wait, 0.0) if wait is not None else None)
+                    self._waiting += 1
+                    try:
+                        self._cond.wait(max(wait, 0.0) if wait is not None else None)
+                    finally:
+                        self._waiting -= 1
             finally:
                 self.wait_seconds += time.monotonic() - start
 
@@ -211,6 +216,10 @@ class Broker(Generic[T]):
             raise KeyError(name)
         del self._leases[name]
         return lease
+
+    def starving(self) -> bool:
+        """A consumer is blocked in :meth:`take` with nothing ready (read without the lock: a hint)."""
+        return self._waiting > 0 and not self._ready
 
     def leased(self) -> list[Lease[T]]:
         with self._cond:

@@ -24,12 +24,14 @@ import os
 import shutil
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from . import state
 from .catalog import Item
 from .config import Share
 from .errors import CacheLockedError, ConfigError, VerificationError
+from .retention import RetentionPolicy
 
 __all__ = ["Cache", "tree_bytes"]
 
@@ -94,6 +96,9 @@ class Cache:
         self._cursor = (0, 0)
         self._plan = ""
         self._claimed: set[str] = set()  # names with files on disk or on their way: one copy at a time
+        self._policy: RetentionPolicy | None = None  # retain="auto": which acked items stay
+        self._index: dict[str, int] = {}  # item name -> the policy's item number
+        self._names: list[str] = []
         self._cond = threading.Condition()
         self._dirs = threading.Lock()  # parent folders of nested items: made by publish, removed by eviction
         self._closed = False
@@ -305,6 +310,8 @@ class Cache:
             self._reserved -= size
             if name is not None:
                 self._claimed.discard(name)
+                if self._policy is not None:
+                    self._policy.forget(self._index[name])
             self._cond.notify_all()
 
     # ---- staging and publish ---------------------------------------------------------
@@ -372,8 +379,9 @@ class Cache:
         finally:
             self.unreserve(size, name)
 
-    def evict(self, name: str, epoch: int = 0) -> None:
-        """An acknowledged item (a step of ``epoch``): record the ack, delete its files, release its space.
+    def evict(self, name: str, epoch: int = 0, tick: int = 0) -> None:
+        """An acknowledged item (the step at ``tick`` of ``epoch``): record the ack, then delete its
+        files and release its space, unless the retention policy keeps it for a later step.
 
         The ack is journaled before the files go: a crash after it re-deletes, never re-delivers.
         If the write fails (disk full), nothing changed: the caller sees the error and may retry.
@@ -385,6 +393,10 @@ class Cache:
             size = self._published[name]
             self._append("A", f"{epoch} {name}")
             self._acked.add((epoch, name))
+            if self._policy is not None and self._policy.on_ack(self._index[name], tick):
+                self._append("P", name)  # still on disk, kept for a later step
+                self._cond.notify_all()
+                return
             del self._published[name]
             self._recovered.pop(name, None)
         self._delete(name, size)
@@ -405,6 +417,70 @@ class Cache:
                 self._claimed.discard(name)
                 self._reserved -= size
                 self._cond.notify_all()  # wakes reserve() and claim()
+
+    def use_retention(self, policy: RetentionPolicy, names: list[str], tick: int) -> None:
+        """Keep acknowledged items by ``policy`` (its item ``i`` is ``names[i]``). Items recovered
+        at open become retained items as of ``tick`` (or are dropped if the policy says so)."""
+        self._policy, self._names = policy, names
+        self._index = {name: i for i, name in enumerate(names)}
+        with self._cond:
+            recovered = [name for name in self._recovered if name in self._index]
+            for name in recovered:
+                del self._recovered[name]
+                policy.on_admit(self._index[name], tick)
+        for name in recovered:
+            with self._cond:
+                keep = policy.on_ack(self._index[name], tick)
+            if not keep:
+                self.drop(name)
+
+    def acquire(self, item: Item, tick: int = 0, starving: Callable[[], bool] = lambda: False) -> Path | bool:
+        """Make room for the step at ``tick`` reading ``item``.
+
+        Returns the item's path if it is on disk already (recovered at open, or retained): hand
+        it out, no download. True: its space is reserved (and its name claimed): download it.
+        False: the cache closed meanwhile.
+
+        Without retention this waits for any earlier copy of the item to be gone (:meth:`claim`)
+        and for space (:meth:`reserve`). With it, the policy picks retained items to evict; when
+        it prefers to wait for an ack instead, the wait is re-checked every 0.25 s against
+        ``starving()`` (a consumer blocked on this very step), the one case of a timed wait here.
+        """
+        with self._cond:
+            recovered = self._recovered.pop(item.name, None)
+        if recovered is not None:
+            return recovered
+        policy = self._policy
+        if policy is None:
+            return self.claim(item.name) and self.reserve(item.size)
+        idx = self._index[item.name]
+        while True:
+            victims: list[tuple[str, int]] = []
+            with self._cond:
+                while not victims:
+                    if self._closed:
+                        return False
+                    if policy.is_pinned(idx):  # an earlier step's copy is still out: one copy at a time
+                        self._cond.wait()
+                        continue
+                    if policy.on_fetch(idx, tick):
+                        return self.item_path(item)  # retained: still reserved and claimed
+                    free = self.capacity - self.foreign - self.overhead - self._reserved
+                    if free >= item.size:
+                        self._reserved += item.size
+                        self._claimed.add(item.name)
+                        policy.on_admit(idx, tick)
+                        return True
+                    chosen = policy.choose_victims(item.size - free, idx, tick, urgent=starving())
+                    if chosen is None:
+                        self._cond.wait(0.25)
+                        continue
+                    for victim in chosen:
+                        name = self._names[victim]
+                        victims.append((name, self._published.pop(name)))
+                        self._append("D", name)
+            for name, size in victims:
+                self._delete(name, size)
 
     def claim(self, name: str) -> bool:
         """Block until no copy of ``name`` is on disk or on its way (an earlier epoch's copy was

@@ -139,6 +139,9 @@ class PipelineConfig(BaseModel):
         rank, world_size: this process's share of every epoch; both None (default): from the
             ``RANK``/``WORLD_SIZE`` environment (torchrun) or ``torch.distributed``, else 0 and 1.
         worker, num_workers: a DataLoader worker's share of the rank's share (default 0 of 1).
+        retain: ``"none"`` (default): evict an item when it is acknowledged; ``"auto"``: keep
+            acknowledged items while space allows and, when space is needed, evict the one whose
+            next use in the (known) plan is farthest away (Belady's MIN).
         keep_on_close: leave published items in ``cache_dir`` on close (default False); the next
             owner reuses those whose files still match the listing.
         resume: continue the pass an earlier owner of ``cache_dir`` was in (after a crash or a
@@ -176,6 +179,7 @@ class PipelineConfig(BaseModel):
     world_size: int | None = Field(default=None, ge=1)
     worker: int = Field(default=0, ge=0)
     num_workers: int = Field(default=1, ge=1)
+    retain: Literal["none", "auto"] = "none"
     keep_on_close: bool = False
     resume: bool = False
     relist: bool = False

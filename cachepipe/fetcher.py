@@ -108,11 +108,11 @@ class Fetcher:
         store: where the bytes come from.
         cache: where they go (space reservation, staging, publish).
         broker: who hands them out.
-        plan: ``(seq, item)`` pairs in the order to fetch.
+        plan: ``(seq, item, tick)`` in the order to fetch (``tick`` orders the plan's steps).
         config: concurrency, part size, retries and prefetch settings.
     """
 
-    def __init__(self, store: Store, cache: Cache, broker: Broker[Path], plan: Iterable[tuple[int, Item]], config: PipelineConfig) -> None:
+    def __init__(self, store: Store, cache: Cache, broker: Broker[Path], plan: Iterable[tuple[int, Item, int]], config: PipelineConfig) -> None:
         self._store = store
         self._cache = cache
         self._broker = broker
@@ -135,33 +135,36 @@ class Fetcher:
 
     # ---- planner thread --------------------------------------------------------------
     def _run(self) -> None:
-        seq = -1
+        seq, unstarted = -1, False  # unstarted: seq was planned but not yet handed to the broker
         try:
-            for seq, item in self._plan:
+            for seq, item, tick in self._plan:
+                unstarted = True
                 if self._stop.is_set():
                     return
                 waited = time.monotonic()
                 if self._cfg.prefetch is not None and not self._broker.wait_ahead_below(self._cfg.prefetch):
                     return
-                adopted = self._cache.take_recovered(item)
-                if adopted is not None:
+                if not self._wait_for_free_space(item.size):
+                    return
+                got = self._cache.acquire(item, tick, self._broker.starving)
+                if got is False:
+                    return
+                unstarted = False
+                if got is not True:  # on disk already: recovered at open, or retained
                     self._broker.begin()
-                    self._broker.put(seq, item.name, adopted)
+                    self._broker.put(seq, item.name, got)
                     self.counters.add(items_adopted=1)
                     continue
-                if not self._cache.claim(item.name):  # waits while an earlier epoch's copy is out
-                    return
-                if not self._wait_for_free_space(item.size) or not self._cache.reserve(item.size):
-                    return
                 self.counters.add(producer_wait_seconds=time.monotonic() - waited)
                 if self._stop.is_set():
                     self._cache.unreserve(item.size, item.name)
                     return
                 self._broker.begin()
                 self._start(seq, item)
-        except BaseException as exc:  # a listing error mid-stream: the consumer sees it in turn
-            log.error("planning stopped after item %d: %s", seq, exc)
-            self._broker.fail(seq + 1, "<listing>", exc, begun=False)
+        except BaseException as exc:  # planning failed: the consumer sees it in turn, never a hang
+            failed = seq if unstarted else seq + 1
+            log.error("planning stopped at step %d: %s", failed, exc)
+            self._broker.fail(failed, "<listing>", exc, begun=False)
         finally:
             self._broker.finish()
 

@@ -16,6 +16,8 @@ from .broker import Broker, Closed, Failed, Lease
 from .cache import Cache
 from .catalog import Item, group_items
 from .plan import Cursor, Frontier, Plan
+from .plan import tick as plan_tick
+from .retention import PlanFuture, make_policy
 from .config import PipelineConfig
 from .errors import EmptySourceError, OversizeError, UnknownItemError, is_transient
 from .fetcher import Fetcher, backoff_delay
@@ -183,7 +185,7 @@ class Pipeline:
             log.info("opened %s: %d items, %d bytes, capacity %d bytes", cfg.source, len(self._items), self._listed_bytes, cache.capacity)
         return self
 
-    def _catalog(self, store: Store, cache: Cache) -> Iterator[tuple[int, Item]]:
+    def _catalog(self, store: Store, cache: Cache) -> Iterator[tuple[int, Item, int]]:
         """List (or load the saved listing), recover the cache, build the plan; return the fetch order."""
         cfg = self.config
         listing = cache.saved_catalog(cfg.source, cfg.items) if cfg.resume and not cfg.relist else None
@@ -222,13 +224,24 @@ class Pipeline:
                 raise OversizeError(item.name, item.size, cache.capacity, cache.capacity - cache.limit)
         self._plan, self._frontier = plan, Frontier(plan, Cursor(*cursor))
         self._eligible = eligible
+        self._future: PlanFuture | None = None
+        if cfg.retain == "auto":
+            self._future = PlanFuture(plan, horizon=2)
+            largest = max(item.size for item in eligible)
+            reserve = min(cache.limit // 4, max(2 * cfg.max_concurrency, 16) * largest)
+            policy = make_policy("auto", plan.sizes, self._future, reserve=reserve)
+            cache.use_retention(policy, [item.name for item in eligible], plan_tick(*cursor))
         self._total_steps = None if cfg.epochs is None else sum(len(plan.share(e)) for e in range(cfg.epochs)) - _steps_before(plan, cursor)
         return self._steps(Cursor(*cursor), acked)
 
-    def _steps(self, cursor: Cursor, acked: set[tuple[int, str]]) -> Iterator[tuple[int, Item]]:
+    def _steps(self, cursor: Cursor, acked: set[tuple[int, str]]) -> Iterator[tuple[int, Item, int]]:
         """The fetch order, run in the producer thread: each step gets the next sequence number.
         Steps acknowledged before a restart are consumed at once, not fetched."""
+        prepared = -1
         for step in self._plan.steps(cursor):
+            if self._future is not None and step.epoch != prepared:
+                self._future.prepare(step.epoch)  # next-use lookups, computed outside the cache's lock
+                prepared = step.epoch
             item = self._eligible[step.item]
             with self._plan_lock:
                 seq = self._frontier.issue(step)
@@ -236,7 +249,7 @@ class Pipeline:
                 self._broker.skip(seq)
                 self._consume(seq)
                 continue
-            yield seq, item
+            yield seq, item, step.tick
 
     def _consume(self, seq: int) -> None:
         """A step is done (acknowledged, or failed and reported): move the resume point."""
@@ -379,8 +392,8 @@ class Pipeline:
         """
         taken = self._lease(path, "ack", lease)
         with self._plan_lock:
-            epoch = self._frontier.step(taken.seq).epoch
-        self._cache.evict(taken.name, epoch)
+            step = self._frontier.step(taken.seq)
+        self._cache.evict(taken.name, step.epoch, step.tick)
         self._consume(taken.seq)
         self._count("acked")
 

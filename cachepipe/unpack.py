@@ -49,16 +49,16 @@ from pathlib import Path
 from .errors import CachePipeError, VerificationError
 
 __all__ = [
+    "DEFAULT_MAX_MEMBERS",
     "ArchiveError",
-    "UnsafeMemberError",
     "ArchiveTooLargeError",
     "ChecksumError",
-    "UnpackResult",
     "ConcatReader",
-    "DEFAULT_MAX_MEMBERS",
-    "split_volume",
-    "is_checksum_file",
+    "UnpackResult",
+    "UnsafeMemberError",
     "archive_format",
+    "is_checksum_file",
+    "split_volume",
     "unpack_item",
 ]
 
@@ -229,9 +229,14 @@ class ConcatReader(io.RawIOBase):
         return self._pos
 
     def readinto(self, buffer) -> int:  # type: ignore[override]
+        """Fill ``buffer`` from as many volumes as it takes; short only at the end."""
         view = memoryview(buffer).cast("B")
-        if self._pos >= self.total or not len(view):
-            return 0
+        filled = 0
+        while filled < len(view) and self._pos < self.total:
+            filled += self._read_volume(view[filled:])
+        return filled
+
+    def _read_volume(self, view: memoryview) -> int:
         index = bisect.bisect_right(self.starts, self._pos) - 1
         while self._pos >= self.starts[index] + self.sizes[index]:
             index += 1  # skip empty volumes
@@ -421,11 +426,12 @@ class _Extraction:
         name = info.filename
         rel = _check_name(archive, name)
         mode = info.external_attr >> 16
-        kind = stat.S_IFMT(mode) if info.create_system == 3 and mode else stat.S_IFREG
+        kind = (stat.S_IFMT(mode) if info.create_system == 3 else 0) or stat.S_IFREG
         if info.is_dir():
             kind = stat.S_IFDIR
         if kind not in (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK):
-            raise UnsafeMemberError(archive, name, "device file, FIFO or socket: only files, folders and links are extracted")
+            what = {stat.S_IFCHR: "device file", stat.S_IFBLK: "device file", stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket"}.get(kind, "special file")
+            raise UnsafeMemberError(archive, name, f"{what}: only files, folders and links inside the item are extracted")
         if not rel:
             return
         target = self.out / rel

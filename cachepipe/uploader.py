@@ -14,7 +14,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,11 +106,11 @@ class Uploader:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def upload_item(self, name: str, root: Path, before_marker: Callable[[], Path]) -> dict[str, int]:
+    def upload_item(self, name: str, root: Path, marker_dir: Path) -> dict[str, int]:
         """Upload every output under ``root`` to ``DST/<name>/``, then the marker; return the manifest.
 
-        ``before_marker`` is called once every output is up: it frees the local outputs and
-        returns a folder for the marker file (which is written there, uploaded, removed).
+        The marker file is written in ``marker_dir`` (beside the outputs, so that its bytes are
+        in the job's space), uploaded and removed.
 
         Raises:
             OutputError: an output that cannot be uploaded (nothing is uploaded then).
@@ -121,7 +120,7 @@ class Uploader:
         outputs = collect_outputs(root)
         manifest = {rel: path.stat().st_size for rel, path in outputs}
         futures: list[Future[None]] = [self._pool.submit(self._put, path, f"{name}/{rel}") for rel, path in outputs]
-        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        _done, pending = wait(futures, return_when=FIRST_EXCEPTION)
         for future in pending:
             future.cancel()
         wait(pending)
@@ -130,8 +129,7 @@ class Uploader:
                 raise future.exception()  # type: ignore[misc]
         if self._stop.is_set():
             raise InterruptedError(f"stopped while uploading {name}")
-        folder = before_marker()
-        marker = folder / "marker.json"
+        marker = marker_dir / "marker.json"
         record: dict[str, Any] = {"item": name, "files": manifest, "bytes": sum(manifest.values()), "finished": time.time()}
         marker.write_text(json.dumps(record, indent=0, sort_keys=True))
         try:
@@ -156,6 +154,7 @@ class Uploader:
                 if self._stop.wait(delay):
                     raise InterruptedError(f"stopped before uploading {key}") from exc
             else:
+                log.debug("uploaded %s", key)
                 if count:
                     size = path.stat().st_size
                     with self._lock:

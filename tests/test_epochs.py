@@ -85,3 +85,31 @@ def test_journal_resume_continues_the_epoch_position(s3_source, tmp_path):
         it.close()  # 7 acked; the 8th was given back
     with Pipeline(s3_source.url, tmp_path / "c", "1MiB", **opts) as pipe:
         assert names(pipe) == full[7:]
+
+
+def test_retain_auto_downloads_nothing_after_epoch_one_when_the_data_fits(s3_source, tmp_path):
+    data = s3_source.folders(10, {"f": 1000})
+    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options, epochs=3, shuffle=True,
+                  seed=2, rank=0, world_size=1, retain="auto") as pipe:
+        seen = names(pipe)
+        stats = pipe.stats()
+    assert sorted(seen) == sorted(list(data) * 3)
+    assert stats.bytes_downloaded == 10 * 1000 and stats.items_acked == 30
+
+
+def test_retain_auto_beats_none_at_half_capacity_and_keeps_the_cap(s3_source, tmp_path):
+    from sampling import Sampler
+
+    s3_source.folders(20, {"f": 2000})
+    capacity = 10 * 2000 + 8 * 1024  # half the data, plus the state budget
+    downloaded = {}
+    for retain in ("none", "auto"):
+        cache = tmp_path / retain
+        with Sampler(cache) as sampler:
+            with Pipeline(s3_source.url, cache, capacity, storage_options=s3_source.options, epochs=3, shuffle=True,
+                          seed=4, rank=0, world_size=1, retain=retain) as pipe:
+                assert len(names(pipe)) == 60
+                downloaded[retain] = pipe.stats().bytes_downloaded
+        assert sampler.peak <= capacity
+    assert downloaded["none"] == 60 * 2000
+    assert downloaded["auto"] < downloaded["none"]
