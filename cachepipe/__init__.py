@@ -25,12 +25,16 @@ from .errors import (
     UnsafeKeyError,
     VerificationError,
 )
+from .mapper import MapResult
+from .mapper import map_items as map
 from .pipeline import CachedItem, Pipeline, Stats
 from .stores import ObjectInfo, Store, open_store
 
 __all__ = [
     "Pipeline",
     "CachedItem",
+    "map",
+    "MapResult",
     "Stats",
     "PipelineConfig",
     "parse_size",

@@ -1,0 +1,398 @@
+"""``cachepipe map`` end to end against the moto server, with real subprocess commands.
+
+The two workflows this feature exists for run as one command each (``python -m cachepipe.mapper``,
+the ``map`` subcommand on its own): splitting tar shards of videos into clips (seed 000) and
+unpacking split ``tar.gz`` volumes with ``.md5`` files and writing the files back (seed 003).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from sampling import Sampler
+
+from cachepipe.cache import tree_bytes
+from cachepipe.errors import (
+    CacheLockedError,
+    ConfigError,
+    StoreUnavailableError,
+    UnsafeKeyError,
+)
+from cachepipe.mapper import WORK_DIR, _take_lock, main, map_items, plan_items
+from cachepipe.stores.base import ObjectInfo
+from cachepipe.stores.fsspec import FsspecStore
+from cachepipe.uploader import DONE_MARKER
+
+KIB = 1024
+MIB = 1024 * KIB
+
+# Seed 000's extract-segments.sh, as a tiny Python script: each sample.mp4 in the working
+# directory (the unpacked shard) becomes 10 KB "clips" <stem>/<n>.mp4, each with a copy of the
+# sample's metadata, in $CACHEPIPE_OUT. Every run is logged (outside the cache) for counting.
+SPLIT = r'''
+import glob, os, sys
+out, log = os.environ["CACHEPIPE_OUT"], sys.argv[1]
+for mp4 in sorted(glob.glob("*.mp4")):
+    stem = mp4[:-4]
+    data, meta = open(mp4, "rb").read(), open(stem + ".info.json", "rb").read()
+    os.makedirs(os.path.join(out, stem))
+    for n, start in enumerate(range(0, len(data), 10_000)):
+        open(os.path.join(out, stem, f"{n:06d}.mp4"), "wb").write(data[start:start + 10_000])
+        open(os.path.join(out, stem, f"{n:06d}.info.json"), "wb").write(meta)
+with open(log, "a") as fh:
+    fh.write(os.environ["CACHEPIPE_NAME"] + "\n")
+'''
+
+
+def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cachepipe.mapper", *args], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def storage_args(options: dict) -> list[str]:
+    return [arg for key, value in options.items() for arg in ("-o", f"{key}={value}")]
+
+
+def bucket(s3_client, prefix: str) -> dict[str, bytes]:
+    keys = [o["Key"] for page in s3_client.get_paginator("list_objects_v2").paginate(Bucket="data", Prefix=prefix) for o in page.get("Contents", [])]
+    return {k[len(prefix):]: s3_client.get_object(Bucket="data", Key=k)["Body"].read() for k in keys}
+
+
+def tar_of(files: dict[str, bytes], mode: str = "w") -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode=mode) as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def runs(log: Path) -> list[str]:
+    return log.read_text().split() if log.exists() else []
+
+
+def assert_cache_clean(cache: Path) -> None:
+    assert sorted(os.listdir(cache)) == [".cachepipe", WORK_DIR]
+    assert os.listdir(cache / WORK_DIR) == ["lock"]
+    assert tree_bytes(cache / WORK_DIR) == 0
+
+
+# ---- seed 000: tar shards of videos, split into clips ---------------------------------------------------
+def test_video_shards_split_into_clips_and_rerun_skips_them(remote_source, s3_client, tmp_path):
+    rng = __import__("random").Random(0)
+    expected: dict[str, bytes] = {}
+    for s in range(4):
+        shard = f"yt8m-lo-{s:06d}.tar"
+        samples = {}
+        for v in range(3):
+            video, meta = rng.randbytes(25_000 + 1000 * v), f'{{"id": "{s}-{v}"}}'.encode()
+            samples[f"vid{s}{v}.mp4"], samples[f"vid{s}{v}.info.json"] = video, meta
+            for n, start in enumerate(range(0, len(video), 10_000)):
+                expected[f"{shard}/vid{s}{v}/{n:06d}.mp4"] = video[start:start + 10_000]
+                expected[f"{shard}/vid{s}{v}/{n:06d}.info.json"] = meta
+        remote_source.put(shard, tar_of(samples))
+    script, log, cache = tmp_path / "split.py", tmp_path / "runs.log", tmp_path / "cache"
+    script.write_text(SPLIT)
+    dst = remote_source.url.replace("/video/", "/clips/")
+    capacity = 1 * MIB
+    command = [remote_source.url, dst, "--cache", str(cache), "--capacity", "1MiB", "--items", "files", "--unpack",
+               "--jobs", "2", "--out-ratio", "2.5", "--out-margin", "64KiB", "--no-progress",
+               *storage_args(remote_source.options), "--", sys.executable, str(script), str(log)]
+
+    with Sampler(cache) as sampler:
+        proc = cli(*command)
+    assert proc.returncode == 0, proc.stderr
+    assert "4 done, 0 failed, 0 already done" in proc.stderr
+    assert sampler.samples > 10 and 0 < sampler.peak <= capacity
+
+    results = bucket(s3_client, "clips/")
+    markers = {k: json.loads(v) for k, v in results.items() if k.endswith(DONE_MARKER)}
+    assert {k: v for k, v in results.items() if not k.endswith(DONE_MARKER)} == expected
+    assert sorted(markers) == [f"yt8m-lo-{s:06d}.tar/{DONE_MARKER}" for s in range(4)]
+    for key, marker in markers.items():
+        shard = key.split("/")[0]
+        assert marker["files"] == {k.split("/", 1)[1]: len(v) for k, v in expected.items() if k.startswith(shard + "/")}
+    assert sorted(runs(log)) == [f"yt8m-lo-{s:06d}.tar" for s in range(4)]
+    assert_cache_clean(cache)
+
+    again = cli(*command)  # idempotent: every item is complete in DST, nothing is downloaded or run
+    assert again.returncode == 0, again.stderr
+    assert "0 done, 0 failed, 4 already done; 0.0 MB in" in again.stderr
+    assert len(runs(log)) == 4
+
+
+# ---- seed 003: split tar.gz volumes with md5 files, extracted and written back ------------------------------
+def test_split_targz_volumes_with_md5_files_unpacked_and_written_back(s3_source, s3_client, tmp_path):
+    rng = __import__("random").Random(3)
+    videos = {f"20bn-something-something-v2/{n}.webm": rng.randbytes(rng.randint(2000, 9000)) for n in range(1, 13)}
+    good = tar_of(videos, "w:gz")
+    bad = tar_of({"other/x.webm": rng.randbytes(5000)}, "w:gz")
+    for stem, data, volumes in (("20bn-something-something-v2", good, 6), ("other-v1", bad, 3)):
+        step = len(data) // volumes + 1
+        for i in range(volumes):
+            part = data[i * step:(i + 1) * step]
+            digest = hashlib.md5(part).hexdigest()
+            if stem == "other-v1" and i == 1:
+                part = part[:100] + bytes([part[100] ^ 1]) + part[101:]  # damaged in transit
+            s3_source.put(f"compressed/{stem}-{i:02d}", part)
+            s3_source.put(f"md5/{stem}-{i:02d}.md5", f"{digest} {stem}-{i:02d}\n".encode())
+
+    # as in the seed, the results go beside compressed/ and md5/, under SRC: they are not listed as items
+    s3_source.put("video/earlier-run/x.webm", b"old")
+    proc = cli(s3_source.url, s3_source.url + "video/", "--cache", str(tmp_path / "cache"), "--capacity", "256KiB",
+               "--items", "files", "--unpack", "--out-ratio", "1.3", "--no-progress", *storage_args(s3_source.options))
+
+    assert proc.returncode == 1, proc.stderr
+    assert "1 done, 1 failed" in proc.stderr
+    assert "compressed/other-v1: ChecksumError" in proc.stderr and "'other-v1-01' has MD5" in proc.stderr
+    results = bucket(s3_client, "video/video/")
+    item = "compressed/20bn-something-something-v2"
+    assert {k: v for k, v in results.items() if not k.endswith(DONE_MARKER)} == {
+        **{f"{item}/{k}": v for k, v in videos.items()}, "earlier-run/x.webm": b"old"}
+    assert sorted(k for k in results if k.endswith(DONE_MARKER)) == [f"{item}/{DONE_MARKER}"]  # nothing for the damaged one
+    assert_cache_clean(tmp_path / "cache")
+
+
+# ---- crash in the middle, run again -------------------------------------------------------------------------
+MANY_OUTPUTS = r'''
+import os, sys
+out, name = os.environ["CACHEPIPE_OUT"], os.environ["CACHEPIPE_NAME"]
+data = open("in.bin", "rb").read()
+for n in range(20):
+    open(os.path.join(out, f"part{n:02d}.bin"), "wb").write(data[n * 100:(n + 1) * 100] + name.encode())
+with open(sys.argv[1], "a") as fh:
+    fh.write(name + "\n")
+'''
+
+
+def test_kill_9_mid_upload_then_rerun_completes_each_item_once(s3_source, s3_client, tmp_path):
+    data = s3_source.folders(6, {"in.bin": 2000})
+    script, log, cache = tmp_path / "many.py", tmp_path / "runs.log", tmp_path / "cache"
+    script.write_text(MANY_OUTPUTS)
+    command = [sys.executable, "-m", "cachepipe.mapper", s3_source.url, "s3://data/out/", "--cache", str(cache), "--capacity", "64KiB",
+               "--out-reserve", "8KiB", "--upload-concurrency", "1", "--no-progress", "-vv", *storage_args(s3_source.options),
+               "--", sys.executable, str(script), str(log)]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    uploading = []
+    for line in proc.stderr:
+        if " uploading " in line:
+            uploading.append(line.split()[-1])
+        if len(uploading) == 3 and line.rstrip().endswith(f" uploaded {uploading[2]}/part05.bin"):
+            proc.send_signal(signal.SIGKILL)  # mid-upload of the third item: 6 of its 20 files are up
+            break
+    proc.wait(30)
+    proc.stderr.close()
+    assert len(uploading) == 3, "the map run ended before its third upload"
+
+    def state() -> tuple[dict[str, dict], dict[str, bytes]]:
+        objects = bucket(s3_client, "out/")
+        markers = {k.split("/")[0]: json.loads(v) for k, v in objects.items() if k.endswith(DONE_MARKER)}
+        return markers, objects
+
+    markers, objects = state()
+    assert uploading[2] not in markers and any(k.startswith(uploading[2] + "/") for k in objects)  # a partial upload, no marker
+    for name, marker in markers.items():  # a marker only where every output is up
+        assert all(len(objects[f"{name}/{rel}"]) == size for rel, size in marker["files"].items())
+    finished_before = set(markers)
+    ran_before = runs(log)
+
+    rerun = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert rerun.returncode == 0, rerun.stderr
+    markers, objects = state()
+    assert sorted(markers) == sorted(data)
+    for name, marker in markers.items():
+        assert len(marker["files"]) == 20
+        for n in range(20):
+            assert objects[f"{name}/part{n:02d}.bin"] == data[name]["in.bin"][n * 100:(n + 1) * 100] + name.encode()
+    ran_after = runs(log)[len(ran_before):]
+    assert sorted(ran_after) == sorted(set(data) - finished_before)  # the rest, each once; finished ones not again
+    assert f"{len(finished_before)} already done" in rerun.stderr
+    assert_cache_clean(cache)
+
+
+# ---- failures, retries, timeouts, dry run (the CLI in-process) ------------------------------------------------
+FAILING = r'''
+import os, sys, time
+name = os.environ["CACHEPIPE_NAME"]
+counter = os.path.join(sys.argv[1], name)
+with open(counter, "a") as fh:
+    fh.write("x")
+attempt = len(open(counter).read())
+if name == "flaky" and attempt == 1:
+    sys.exit(4)
+if name == "bad":
+    print("boom: cannot decode", name, file=sys.stderr)
+    sys.exit(3)
+if name == "slow":
+    os.close(2)  # stderr closed, still running: the timeout must not depend on it
+    time.sleep(30)
+open(os.path.join(os.environ["CACHEPIPE_OUT"], "result.txt"), "w").write(name)
+'''
+
+
+def test_failures_retries_and_timeouts_are_reported_and_the_run_goes_on(s3_source, s3_client, tmp_path, capsys):
+    for name in ("bad", "flaky", "ok", "slow"):
+        s3_source.put(f"{name}/in.txt", name.encode())
+    script, attempts = tmp_path / "failing.py", tmp_path / "attempts"
+    script.write_text(FAILING)
+    attempts.mkdir()
+    code = main([s3_source.url, "s3://data/out/", "--cache", str(tmp_path / "cache"), "--capacity", "1MiB", "--jobs", "2",
+                 "--retries", "1", "--timeout", "1", "--out-reserve", "64KiB", "--no-progress", *storage_args(s3_source.options),
+                 "--", sys.executable, str(script), str(attempts)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "2 done, 2 failed, 0 already done" in err
+    assert "exited with status 3 (after 2 attempt(s))" in err and "    | boom: cannot decode bad" in err
+    assert "timed out after 1.0 s (after 2 attempt(s))" in err
+    assert {p.name: len(p.read_text()) for p in attempts.iterdir()} == {"bad": 2, "flaky": 2, "ok": 1, "slow": 2}
+    assert sorted(bucket(s3_client, "out/")) == [f"flaky/{DONE_MARKER}", "flaky/result.txt", f"ok/{DONE_MARKER}", "ok/result.txt"]
+    assert_cache_clean(tmp_path / "cache")
+
+
+def test_dry_run_lists_what_would_run_and_touches_nothing(s3_source, s3_client, tmp_path, capsys):
+    s3_source.folders(3, {"a.bin": 100})
+    s3_client.put_object(Bucket="data", Key=f"out/item001/{DONE_MARKER}", Body=b"{}")
+    code = main([s3_source.url, "s3://data/out/", "--cache", str(tmp_path / "cache"), "--capacity", "1MiB", "--dry-run",
+                 *storage_args(s3_source.options), "--", "false"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0
+    assert out[:3] == ["would run: item000 -> s3://data/out/item000/", "would run: item002 -> s3://data/out/item002/",
+                       "2 items to run, 1 already done, of 3 listed"]
+    assert not (tmp_path / "cache").exists()
+    assert sorted(bucket(s3_client, "out/")) == [f"item001/{DONE_MARKER}"]
+
+
+COPY = "import os, shutil, sys; shutil.copy('a.bin', os.path.join(os.environ['CACHEPIPE_OUT'], 'out.bin')); open(sys.argv[1], 'a').write(os.environ['CACHEPIPE_NAME'] + ' ')"
+
+
+class FlakyDest(FsspecStore):
+    """The destination refuses the first upload of item000's output with a 503."""
+
+    failed = 0
+
+    def put(self, local_path, key):
+        if key == "item000/out.bin" and not self.failed:
+            self.failed += 1
+            raise StoreUnavailableError("store unavailable (HTTP 503) for s3://data/out/item000/out.bin")
+        super().put(local_path, key)
+
+
+def test_a_failed_upload_is_retried_without_running_the_command_again(s3_source, s3_client, tmp_path, capsys):
+    data = s3_source.folders(2, {"a.bin": 300})
+    log = tmp_path / "runs.log"
+    dest = FlakyDest("s3://data/out/", s3_source.options)
+    result = map_items([sys.executable, "-c", COPY, str(log)], s3_source.url, "s3://data/out/", cache_dir=tmp_path / "cache",
+                       capacity="1MiB", out_reserve="4KiB", storage_options=s3_source.options, dest_store=dest, request_retries=0,
+                       progress=True)
+    assert result.ok and result.items_done == 2 and result.items_retried == 1 and dest.failed == 1
+    bar = capsys.readouterr().err
+    assert "cachepipe map: 100%" in bar and "2/2" in bar and "done=2, failed=0, in=0.0MB, out=0.0MB" in bar
+    assert sorted(runs(log)) == ["item000", "item001"]  # the command ran once per item
+    assert bucket(s3_client, "out/item000/")["out.bin"] == data["item000"]["a.bin"]
+
+
+# ---- the cap for outputs ----------------------------------------------------------------------------------------
+WRITER = r'''
+import os, time
+name = os.environ["CACHEPIPE_NAME"]
+where = "." if name == "grows-input" else os.environ["CACHEPIPE_OUT"]  # the input folder counts too
+total = 60_000 if name == "small" else 2_000_000
+with open(os.path.join(where, "out.bin"), "wb") as fh:
+    for _ in range(total // 20_000):
+        fh.write(os.urandom(20_000))
+        fh.flush()
+        time.sleep(0.01)  # 2 MB/s: 100 KB per 50 ms watch interval, less than the margin
+'''
+
+
+def test_outputs_over_their_reserve_are_stopped_and_the_cap_holds(s3_source, s3_client, tmp_path):
+    for name in ("grows-input", "hog", "small"):
+        s3_source.put(f"{name}/in.bin", os.urandom(1000))
+    cache, capacity = tmp_path / "cache", 1536 * KIB
+    with Sampler(cache) as sampler:
+        result = map_items([sys.executable, "-c", WRITER], s3_source.url, "s3://data/out/", cache_dir=cache, capacity=capacity,
+                           jobs=3, out_reserve="200KiB", out_margin="128KiB", storage_options=s3_source.options)
+    assert result.items_done == 1 and {f.name for f in result.failed} == {"grows-input", "hog"}
+    for failure in result.failed:
+        assert failure.attempts == 1 and "OutputTooLargeError" in failure.error and "over its reserve of 204800 bytes" in failure.error
+    assert 200 * KIB < result.peak_job_bytes <= 328 * KIB  # passed the reserve, stopped within the margin
+    assert result.download_capacity == capacity - 3 * 328 * KIB
+    assert sampler.peak <= capacity
+    assert sorted(bucket(s3_client, "out/")) == [f"small/{DONE_MARKER}", "small/out.bin"]
+    assert_cache_clean(cache)
+
+
+# ---- the Python API -----------------------------------------------------------------------------------------------
+def reverse_files(item_path: str, out_path: str) -> None:
+    """The map function of the API test; runs in a spawned process."""
+    item, out = Path(item_path), Path(out_path)
+    if (item / "broken").exists():
+        raise ValueError(f"cannot process {item.name}")
+    for f in sorted(item.rglob("*")):
+        (out / f"{f.name}.rev").write_bytes(f.read_bytes()[::-1])
+    if item.name == "big":
+        (out / "big.bin").write_bytes(bytes(11 * MIB))  # uploaded in three parts of 5 MiB
+
+
+def test_python_function_api_with_a_multipart_output(s3_source, s3_client, tmp_path):
+    s3_source.put("big/in.bin", b"0123456789")
+    s3_source.put("broken/broken", b"x")
+    s3_source.put("small/a.txt", b"hello")
+    result = map_items(reverse_files, s3_source.url, "s3://data/out/", cache_dir=tmp_path / "cache", capacity="40MiB", jobs=2,
+                       out_reserve="12MiB", out_margin="1MiB", upload_part_size="5MiB", retries=0, storage_options=s3_source.options)
+    assert result.items_done == 2 and result.files_out == 3 and result.bytes_out == 11 * MIB + 15
+    [failure] = result.failed
+    assert failure.name == "broken" and "ValueError: cannot process broken" in failure.stderr_tail
+    out = bucket(s3_client, "out/")
+    assert out["small/a.txt.rev"] == b"olleh" and out["big/in.bin.rev"] == b"9876543210"
+    assert s3_client.head_object(Bucket="data", Key="out/big/big.bin")["ETag"].strip('"').endswith("-3")
+    assert json.loads(out[f"big/{DONE_MARKER}"])["files"] == {"big.bin": 11 * MIB, "in.bin.rev": 10}
+
+
+# ---- planning and refusals (no server) -------------------------------------------------------------------------------
+def test_plan_groups_split_volumes_and_attaches_checksum_files():
+    keys = ["compressed/x-00", "compressed/x-01", "md5/x-00.md5", "md5/x-01.md5", "shards/a.tar",
+            "shards/b.tar.gz.partaa", "shards/b.tar.gz.partab", "shards/md5sums", "stray.md5"]
+    plan = {mi.name: mi for mi in plan_items([ObjectInfo(k, 10) for k in keys], "files", unpack=True)}
+    assert sorted(plan) == ["compressed/x", "shards/a.tar", "shards/b.tar.gz"]
+    assert [o.key for o in plan["compressed/x"].objects] == [
+        "compressed%2Fx/compressed/x-00", "compressed%2Fx/compressed/x-01", "compressed%2Fx/md5/x-00.md5", "compressed%2Fx/md5/x-01.md5"]
+    assert plan["compressed/x"].size == 40 and plan["compressed/x"].keys["compressed%2Fx/md5/x-01.md5"] == "md5/x-01.md5"
+    assert sorted(plan["shards/b.tar.gz"].keys.values()) == ["shards/b.tar.gz.partaa", "shards/b.tar.gz.partab", "shards/md5sums"]
+    assert [mi.name for mi in plan_items([ObjectInfo(k, 1) for k in keys], "folders", unpack=True)] == ["compressed", "md5", "shards"]
+    assert len(plan_items([ObjectInfo(k, 1) for k in keys], "files", unpack=False)) == len(keys)
+    with pytest.raises(UnsafeKeyError, match="reserved for cachepipe map"):
+        plan_items([ObjectInfo(f"{WORK_DIR}/x", 1)], "folders", unpack=False)
+
+
+def test_refusals_before_anything_runs(tmp_path):
+    src, dst, cache = tmp_path / "src", str(tmp_path / "dst"), tmp_path / "cache"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "f").write_bytes(b"x" * 1000)
+    with pytest.raises(ConfigError, match="leaves no room for downloads after setting aside 1 jobs x"):
+        map_items(["true"], str(src), dst, cache_dir=cache, capacity="100KiB", jobs=4, out_reserve="60KiB")
+    with pytest.raises(ValueError, match="out_reserve or out_ratio, not both"):
+        map_items(["true"], str(src), dst, cache_dir=cache, capacity="1MiB", out_reserve="1KiB", out_ratio=2)
+    with pytest.raises(TypeError, match="define it at module level"):
+        map_items(lambda item, out: None, str(src), dst, cache_dir=cache, capacity="1MiB")
+    with pytest.raises(ConfigError, match="nothing to do"):
+        map_items(None, str(src), dst, cache_dir=cache, capacity="1MiB")
+    assert not cache.exists()  # refused before touching the disk
+    (cache / WORK_DIR).mkdir(parents=True)
+    fd = _take_lock(cache / WORK_DIR, cache)
+    try:
+        with pytest.raises(CacheLockedError, match="another cachepipe map run"):
+            map_items(["true"], str(src), dst, cache_dir=cache, capacity="1MiB")
+    finally:
+        os.close(fd)
+    result = map_items(["sh", "-c", "cp f \"$CACHEPIPE_OUT/g\""], str(src), dst, cache_dir=cache, capacity="1MiB")
+    assert result.ok and (Path(dst) / "a" / "g").read_bytes() == b"x" * 1000 and (Path(dst) / "a" / DONE_MARKER).exists()

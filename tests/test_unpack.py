@@ -1,0 +1,281 @@
+"""Archive extraction: formats, split volumes, checksums, and every kind of unsafe member (no network)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import itertools
+import os
+import stat
+import tarfile
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from cachepipe.cache import tree_bytes
+from cachepipe.unpack import (
+    ArchiveError,
+    ArchiveTooLargeError,
+    ChecksumError,
+    ConcatReader,
+    UnsafeMemberError,
+    archive_format,
+    split_volume,
+    unpack_item,
+)
+
+FILES = {"clips/a.mp4": os.urandom(5000), "clips/b.mp4": os.urandom(7000), "meta.json": b'{"x": 1}'}
+LIMIT = 1 << 20
+
+
+def tar_bytes(files: dict[str, bytes], mode: str = "w", extra: list[tarfile.TarInfo] = ()) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode=mode) as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        for info in extra:
+            tar.addfile(info, io.BytesIO(b"x" * info.size) if info.size else None)
+    return buf.getvalue()
+
+
+def zip_bytes(entries: list[tuple[zipfile.ZipInfo | str, bytes]]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Duplicate name", UserWarning)  # a test writes one on purpose
+        for info, data in entries:
+            zf.writestr(info, data)
+    return buf.getvalue()
+
+
+def read_tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+
+
+def link(name: str, target: str, kind: bytes = tarfile.SYMTYPE) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = target
+    return info
+
+
+def special(name: str, kind: bytes) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    return info
+
+
+# ---- formats -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode,filename", [("w", "x.tar"), ("w:gz", "x.tar.gz"), ("w:gz", "x.tgz"), ("w:bz2", "x.tar.bz2"),
+                                           ("w:xz", "x.tar.xz"), ("w", "no-extension"), ("zst", "x.tar.zst"), ("zip", "x.zip")])
+def test_every_format_extracts_by_content(tmp_path, mode, filename):
+    if mode == "zst":
+        zstandard = pytest.importorskip("zstandard")
+        data = zstandard.ZstdCompressor().compress(tar_bytes(FILES))
+    elif mode == "zip":
+        data = zip_bytes(list(FILES.items()))
+    else:
+        data = tar_bytes(FILES, mode)
+    archive = tmp_path / filename
+    archive.write_bytes(data)
+    result = unpack_item(archive, tmp_path / "out", limit_bytes=LIMIT)
+    assert read_tree(tmp_path / "out") == FILES
+    assert result.bytes == sum(len(b) for b in FILES.values())
+    assert result.archives == [filename]
+
+
+def test_names_of_split_volumes():
+    assert split_volume("name.tar.gz-00") == ("name.tar.gz", "00")
+    assert split_volume("20bn-something-something-v2-19") == ("20bn-something-something-v2", "19")
+    assert split_volume("d/name.tar.gz.partab") == ("name.tar.gz", "ab")
+    assert split_volume("x.tar.001") == ("x.tar", "001")
+    assert split_volume("x.tar.gz-00.md5") is None and split_volume("shard-000001.tar") is None
+    assert archive_format(b"plain text") is None
+
+
+def test_concat_reader_reads_and_seeks_across_volumes(tmp_path):
+    data = os.urandom(10_000)
+    cuts = [0, 1, 4000, 4000, 9999, 10_000]  # includes an empty volume and a one-byte one
+    paths = []
+    for i, (a, b) in enumerate(itertools.pairwise(cuts)):
+        paths.append(tmp_path / f"v-{i:02d}")
+        paths[-1].write_bytes(data[a:b])
+    with ConcatReader(paths) as reader:
+        assert reader.read() == data
+        assert all(m.hexdigest() == hashlib.md5(data[a:b]).hexdigest() for m, (a, b) in zip(reader.md5s, itertools.pairwise(cuts), strict=True))
+        reader.seek(3990)
+        assert reader.read(20) == data[3990:4010] and not reader.hashed
+        reader.seek(-5, io.SEEK_END)
+        assert reader.read(100) == data[-5:]
+
+
+# ---- split volumes and checksums ------------------------------------------------------------------
+def split_into(folder: Path, data: bytes, names: list[str], md5_folder: Path | None = None) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    step = len(data) // len(names) + 1
+    for i, name in enumerate(names):
+        part = data[i * step:(i + 1) * step]
+        (folder / name).write_bytes(part)
+        if md5_folder is not None:
+            md5_folder.mkdir(parents=True, exist_ok=True)
+            (md5_folder / f"{name}.md5").write_text(f"{hashlib.md5(part).hexdigest()} {name}\n")
+
+
+def test_split_volumes_with_md5_sidecars_in_another_folder(tmp_path):
+    item = tmp_path / "item"
+    names = [f"20bn-ss-v2-{i:02d}" for i in range(5)]
+    split_into(item / "compressed", tar_bytes(FILES, "w:gz"), names, md5_folder=item / "md5")
+    result = unpack_item(item, tmp_path / "out", limit_bytes=LIMIT)
+    assert read_tree(tmp_path / "out") == FILES
+    assert result.verified == [f"compressed/{n}" for n in names]
+
+
+def test_partaa_volumes_and_an_md5sums_file(tmp_path):
+    item = tmp_path / "item"
+    data = tar_bytes(FILES, "w:xz")
+    names = ["data.tar.xz.partaa", "data.tar.xz.partab", "data.tar.xz.partac"]
+    split_into(item, data, names)
+    sums = "".join(f"{hashlib.md5((item / n).read_bytes()).hexdigest()}  {n}\n" for n in names)
+    (item / "md5sums").write_text(sums)
+    (item / "README").write_text("not an archive")
+    result = unpack_item(item, tmp_path / "out", limit_bytes=LIMIT)
+    assert read_tree(tmp_path / "out") == FILES
+    assert len(result.verified) == 3 and result.other == ["README"]
+
+
+def test_md5_mismatch_fails_and_leaves_nothing(tmp_path):
+    item = tmp_path / "item"
+    names = [f"a.tar.gz-{i:02d}" for i in range(3)]
+    split_into(item, tar_bytes(FILES, "w:gz"), names, md5_folder=item)
+    damaged = bytearray((item / names[1]).read_bytes())
+    damaged[10] ^= 0xFF
+    (item / names[1]).write_bytes(bytes(damaged))
+    with pytest.raises(ChecksumError, match="a.tar.gz-01"):
+        unpack_item(item, tmp_path / "out", limit_bytes=LIMIT)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_missing_volume_is_an_error(tmp_path):
+    item = tmp_path / "item"
+    split_into(item, tar_bytes(FILES), ["a.tar-00", "a.tar-01", "a.tar-02"])
+    (item / "a.tar-01").unlink()
+    with pytest.raises(ArchiveError, match="missing before 'a.tar-02'"):
+        unpack_item(item, tmp_path / "out", limit_bytes=LIMIT)
+
+
+def test_not_an_archive_and_corrupt_archive(tmp_path):
+    (tmp_path / "item").mkdir()
+    (tmp_path / "item" / "notes.txt").write_text("hello")
+    with pytest.raises(ArchiveError, match="no archive found"):
+        unpack_item(tmp_path / "item", tmp_path / "out", limit_bytes=LIMIT)
+    truncated = tmp_path / "t.tar.gz"
+    truncated.write_bytes(tar_bytes(FILES, "w:gz")[:-2000])
+    with pytest.raises(ArchiveError, match="corrupt or truncated"):
+        unpack_item(truncated, tmp_path / "out2", limit_bytes=LIMIT)
+    assert list((tmp_path / "out2").iterdir()) == []
+
+
+# ---- safety ----------------------------------------------------------------------------------------
+TAR_CASES = {
+    "dotdot": ({"../evil": b"x"}, [], "'..' path segment"),
+    "nested dotdot": ({"a/../../evil": b"x"}, [], "'..' path segment"),
+    "absolute": ({"/tmp/evil": b"x"}, [], "absolute path"),
+    "control char": ({"a\nb": b"x"}, [], "control character"),
+    "symlink absolute": ({}, [link("l", "/etc/passwd")], "absolute path"),
+    "symlink outside": ({}, [link("d/l", "../../evil")], "outside the item"),
+    # lexically inside ('d/../x' is 'x'), but d is a link to '.': tarfile's data filter, the second line, refuses it
+    "symlink chain": ({}, [link("d", "."), link("d/e", "../x")], "outside the destination"),
+    "hardlink outside": ({}, [link("h", "../evil", tarfile.LNKTYPE)], "outside the item"),
+    "hardlink to nothing": ({}, [link("h", "ghost", tarfile.LNKTYPE)], "not a file extracted before"),
+    "char device": ({}, [special("dev", tarfile.CHRTYPE)], "device file"),
+    "block device": ({}, [special("dev", tarfile.BLKTYPE)], "device file"),
+    "fifo": ({}, [special("fifo", tarfile.FIFOTYPE)], "FIFO"),
+}
+
+
+@pytest.mark.parametrize("case", list(TAR_CASES))
+def test_unsafe_tar_members_are_refused_by_name(tmp_path, case):
+    files, extra, reason = TAR_CASES[case]
+    archive = tmp_path / "box" / "item.tar"
+    archive.parent.mkdir()
+    archive.write_bytes(tar_bytes({"ok.txt": b"fine", **files}, "w", extra))
+    with pytest.raises(UnsafeMemberError, match=reason) as info:
+        unpack_item(archive, tmp_path / "box" / "out", limit_bytes=LIMIT)
+    assert info.value.member != "ok.txt" and info.value.archive == "item.tar"
+    assert list((tmp_path / "box" / "out").iterdir()) == []  # undone: not even the safe member stays
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["box", "item.tar", "out"]
+
+
+def test_links_inside_the_item_are_kept(tmp_path):
+    archive = tmp_path / "item.tar"
+    archive.write_bytes(tar_bytes({"d/f.txt": b"data"}, "w", [link("d/s", "f.txt"), link("h", "d/f.txt", tarfile.LNKTYPE)]))
+    result = unpack_item(archive, tmp_path / "out", limit_bytes=LIMIT)
+    assert os.readlink(tmp_path / "out" / "d" / "s") == "f.txt"
+    assert (tmp_path / "out" / "h").read_bytes() == b"data"
+    assert result.bytes == 8  # the hard link counts like the file it repeats (as tree_bytes does)
+
+
+def test_tar_bomb_is_refused_before_the_member_is_written(tmp_path):
+    archive = tmp_path / "bomb.tar.gz"
+    archive.write_bytes(tar_bytes({"small": b"x" * 1000, "big": bytes(300_000)}, "w:gz"))
+    assert archive.stat().st_size < 5000
+    with pytest.raises(ArchiveTooLargeError, match="'big'.*over the limit of 100000 bytes"):
+        unpack_item(archive, tmp_path / "out", limit_bytes=100_000)
+    assert tree_bytes(tmp_path / "out") == 0
+
+
+def test_member_count_limit(tmp_path):
+    archive = tmp_path / "many.tar"
+    archive.write_bytes(tar_bytes({f"f{i}": b"" for i in range(20)}))
+    with pytest.raises(ArchiveTooLargeError, match="more than 10 members"):
+        unpack_item(archive, tmp_path / "out", limit_bytes=LIMIT, max_members=10)
+
+
+def zip_special(name: str, mode: int) -> zipfile.ZipInfo:
+    info = zipfile.ZipInfo(name)
+    info.create_system = 3
+    info.external_attr = mode << 16
+    return info
+
+
+ZIP_CASES = {
+    "dotdot": ([("../evil", b"x")], "'..' path segment"),
+    "absolute": ([("/abs/evil", b"x")], "absolute path"),
+    "duplicate": ([("a.txt", b"1"), ("a.txt", b"2")], "second entry with the same name"),
+    "symlink outside": ([(zip_special("l", stat.S_IFLNK | 0o777), b"../../etc")], "outside the item"),
+    "symlink absolute": ([(zip_special("l", stat.S_IFLNK | 0o777), b"/etc/passwd")], "absolute path"),
+    "fifo": ([(zip_special("p", stat.S_IFIFO | 0o644), b"")], "FIFO"),
+    "device": ([(zip_special("d", stat.S_IFCHR | 0o644), b"")], "device file"),
+}
+
+
+@pytest.mark.parametrize("case", list(ZIP_CASES))
+def test_unsafe_zip_members_are_refused_by_name(tmp_path, case):
+    entries, reason = ZIP_CASES[case]
+    archive = tmp_path / "item.zip"
+    archive.write_bytes(zip_bytes([("ok.txt", b"fine"), *entries]))
+    with pytest.raises(UnsafeMemberError, match=reason):
+        unpack_item(archive, tmp_path / "out", limit_bytes=LIMIT)
+    assert list((tmp_path / "out").iterdir()) == []
+    assert not (tmp_path.parent / "evil").exists()
+
+
+def test_zip_bomb_is_refused_from_the_central_directory(tmp_path):
+    archive = tmp_path / "bomb.zip"
+    archive.write_bytes(zip_bytes([("a", b"x" * 10), ("zeros", bytes(2_000_000))]))
+    assert archive.stat().st_size < 10_000
+    with pytest.raises(ArchiveTooLargeError, match="'zeros'"):
+        unpack_item(archive, tmp_path / "out", limit_bytes=1_000_000)
+    assert list((tmp_path / "out").iterdir()) == []  # refused before the first member was written
+
+
+def test_two_archives_of_one_item_may_not_overwrite_each_other(tmp_path):
+    item = tmp_path / "item"
+    item.mkdir()
+    (item / "a.tar").write_bytes(tar_bytes({"same.txt": b"a"}))
+    (item / "b.zip").write_bytes(zip_bytes([("same.txt", b"b")]))
+    with pytest.raises(UnsafeMemberError, match="collides with 'same.txt' extracted from 'a.tar'"):
+        unpack_item(item, tmp_path / "out", limit_bytes=LIMIT)
