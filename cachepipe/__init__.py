@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from .client import Client
 from .config import PipelineConfig, parse_capacity, parse_size
 from .errors import (
     CacheLockedError,
@@ -35,6 +36,7 @@ __all__ = [
     "CachedItem",
     "map",
     "MapResult",
+    "Client",
     "Stats",
     "PipelineConfig",
     "parse_size",

@@ -6,6 +6,7 @@
     cachepipe release PATH [--lease ID]                            give it back to the queue
     cachepipe renew   PATH [--lease ID]                            extend its lease
     cachepipe status  [--json]
+    cachepipe map SRC DST --cache DIR --capacity SIZE [--jobs N] [--unpack] ... -- CMD ARGS...
 
 Client commands take ``--socket PATH`` (or ``http://HOST:PORT``); default ``$CACHEPIPE_SOCKET``,
 else ``/run/cachepipe/cachepipe.sock``.
@@ -13,7 +14,8 @@ else ``/run/cachepipe/cachepipe.sock``.
 Exit status: 0 success; 1 error (daemon unreachable, item failed...); 2 usage; 3 ``next``:
 every item was delivered; 4 ``next``: no item within ``--timeout``; 5 ``ack``/``release``/
 ``renew`` refused (not handed out, or the lease expired and the item went to another consumer);
-78 invalid configuration (``serve``).
+78 invalid configuration (``serve``). ``map``: 0 when every item succeeded, 1 if any failed,
+130 when interrupted.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", parents=[client], help="show the daemon's pipelines and counters")
     status.add_argument("--json", action="store_true", help="print the full status as JSON")
+
+    from .mapper import add_map_parser
+
+    add_map_parser(sub)
     return parser
 
 
@@ -68,6 +74,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .service.main import check, serve
 
         return check(args.config) if args.check else serve(args.config)
+    if args.command == "map":
+        from .mapper import run_map_command
+
+        return run_map_command(args)
     from .client import Client, ServiceError
 
     try:

@@ -13,16 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-import cachepipe
 from cachepipe import UnknownItemError
 from cachepipe.cli import EXIT_END, EXIT_REFUSED, EXIT_TIMEOUT, format_status
 from cachepipe.client import Client, ServedItem, ServiceError
 from cachepipe.service.testing import DaemonProcess
 
-# Until tests/test_public_api.py lists the service modules as modules (see the issue note), keep
-# the names that importing them adds out of the package namespace that test inspects.
-for _name in ("service", "client", "cli"):
-    vars(cachepipe).pop(_name, None)
 
 KIB = 1024
 FILES = {"a.bin": KIB, "b.txt": 10}

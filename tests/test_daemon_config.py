@@ -11,15 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-import cachepipe
 from cachepipe import ConfigError, PipelineConfig
 from cachepipe.config import Share
 from cachepipe.service.config import DEFAULT_SOCKET, ServiceConfig, load_config, read_config_file
 
-# Until tests/test_public_api.py lists the service modules as modules (see the issue note), keep
-# the names that importing them adds out of the package namespace that test inspects.
-for _name in ("service", "client", "cli"):
-    vars(cachepipe).pop(_name, None)
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "config" / "cachepipe.yaml"
 

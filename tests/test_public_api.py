@@ -5,7 +5,7 @@ import types
 import cachepipe
 
 EXPECTED = {
-    "Pipeline", "CachedItem", "Stats", "map", "MapResult", "PipelineConfig", "parse_size", "parse_capacity",
+    "Pipeline", "CachedItem", "Stats", "map", "MapResult", "Client", "PipelineConfig", "parse_size", "parse_capacity",
     "Store", "ObjectInfo", "open_store",
     "CachePipeError", "ConfigError", "UnsafeKeyError", "OversizeError", "EmptySourceError",
     "CacheLockedError", "UnknownItemError", "ItemFailedError", "StoreUnavailableError", "VerificationError",

@@ -1,0 +1,270 @@
+"""Benchmark: the cost of the daemon's hand-off path, through its Unix socket.
+
+Starts a moto S3 server (in a thread of this process; it is idle while we measure), uploads
+``--items`` tiny items (one object of ``--size`` bytes each), and runs ``cachepipe serve`` as a
+subprocess with two pipelines over that prefix (``rt`` and ``par``, separate caches, capacity
+far above the dataset). Once the status shows every item of both pipelines ready (so download
+time is excluded), it measures:
+
+1. round trips from one client (:class:`cachepipe.client.Client`, one keep-alive connection):
+   ``next`` then ``ack`` as two requests, ``--round-trips`` times; then ``next`` carrying the
+   previous item's ack (what ``for item in Client(...)`` does), for the rest of the items.
+   Reported as p50/p99/mean in microseconds per item.
+2. items/s sustained by ``--consumers`` consumer processes in parallel, each iterating
+   ``Client("par")`` (auto-ack) until the pipeline is exhausted: all processes start on one
+   signal once connected; the time is from that signal to the last consumer's last item.
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_service.py               # 2,000 items, 1,000 round trips, 8 consumers
+    .venv/bin/python benchmarks/bench_service.py --quick       # a smoke run (60 items)
+    .venv/bin/python benchmarks/bench_service.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import date
+from pathlib import Path
+
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+
+import yaml
+
+from cachepipe.client import Client
+from cachepipe.service.testing import DaemonProcess
+
+BUCKET = "bench"
+WARMUP = 20
+
+CONSUMER = r"""
+import json, sys, time
+from cachepipe.client import Client
+client = Client(pipeline="par", socket=sys.argv[1], timeout=120).open()
+client.status()  # connected before the start signal
+print("ready", flush=True)
+sys.stdin.readline()
+start = time.monotonic()
+count = 0
+for item in client:
+    count += 1
+print(json.dumps({"start": start, "end": time.monotonic(), "count": count}), flush=True)
+"""
+
+
+def upload(endpoint: str, items: int, size: int) -> None:
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    s3.create_bucket(Bucket=BUCKET)
+    body = os.urandom(size)
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: s3.put_object(Bucket=BUCKET, Key=f"tiny/item{i:05d}/data.bin", Body=body), range(items)))
+
+
+def wait_ready(client: Client, items: int, timeout: float) -> float:
+    """Poll the status until every item of both pipelines is downloaded; returns the seconds waited."""
+    start = time.monotonic()
+    while True:
+        pipes = client.status()["pipelines"]
+        if all(p["stats"]["items_ready"] >= items for p in pipes.values()):
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            raise TimeoutError(f"items not all ready after {timeout} s: {json.dumps(pipes)[:400]}")
+        time.sleep(0.1)
+
+
+def percentiles(samples_ns: list[int]) -> dict[str, float]:
+    us = sorted(s / 1000 for s in samples_ns)
+    return {
+        "n": len(us),
+        "p50_us": round(us[len(us) // 2], 1),
+        "p99_us": round(us[min(len(us) - 1, int(len(us) * 0.99))], 1),
+        "mean_us": round(statistics.fmean(us), 1),
+    }
+
+
+def round_trips(sock: str, count: int) -> dict[str, dict[str, float]]:
+    """Latencies from one client: the protocol floor, next, ack, both, and next carrying the ack."""
+    floor: list[int] = []
+    take: list[int] = []
+    ack: list[int] = []
+    both: list[int] = []
+    combined: list[int] = []
+    with Client("rt", sock, auto_ack=False) as client:
+        for i in range(WARMUP + count):
+            t0 = time.perf_counter_ns()
+            client.health()
+            t1 = time.perf_counter_ns()
+            item = client.get(timeout=30)
+            t2 = time.perf_counter_ns()
+            assert item is not None
+            client.ack(item)
+            t3 = time.perf_counter_ns()
+            if i >= WARMUP:
+                floor.append(t1 - t0)
+                take.append(t2 - t1)
+                ack.append(t3 - t2)
+                both.append(t3 - t1)
+    client = Client("rt", sock, timeout=30)  # the iterator piggybacks each ack on the next request
+    t0 = time.perf_counter_ns()
+    for _item in client:
+        now = time.perf_counter_ns()
+        combined.append(now - t0)
+        t0 = now
+    return {
+        "GET /v1/health (protocol floor)": percentiles(floor),
+        "next (lease an item)": percentiles(take),
+        "ack (evict the item)": percentiles(ack),
+        "next+ack, two requests": percentiles(both),
+        "next+ack, ack piggybacked on next": percentiles(combined[1:]),  # the first carries no ack
+    }
+
+
+def in_process(endpoint: str, tmp: str, items: int, count: int) -> dict[str, float]:
+    """Baseline: Pipeline.get + Pipeline.ack in this process, same data, same filesystem."""
+    from cachepipe import Pipeline
+
+    samples: list[int] = []
+    with Pipeline(f"s3://{BUCKET}/tiny/", f"{tmp}/inproc", "4GiB", storage_options={"endpoint_url": endpoint},
+                  auto_ack=False, lease_timeout=600, keep_on_close=True) as pipe:
+        deadline = time.monotonic() + 600
+        while pipe.stats().items_ready < items:
+            if time.monotonic() > deadline:
+                raise TimeoutError("in-process pipeline: items not ready after 600 s")
+            time.sleep(0.1)
+        for i in range(WARMUP + count):
+            t0 = time.perf_counter_ns()
+            item = pipe.get(timeout=30)
+            assert item is not None
+            pipe.ack(item)
+            if i >= WARMUP:
+                samples.append(time.perf_counter_ns() - t0)
+    return percentiles(samples)
+
+
+def parallel(sock: str, consumers: int, items: int) -> dict[str, float]:
+    procs = [
+        subprocess.Popen([sys.executable, "-c", CONSUMER, sock], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for _ in range(consumers)
+    ]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        go = time.monotonic()
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        results = []
+        for proc in procs:
+            out, _ = proc.communicate(timeout=300)
+            if proc.returncode != 0:
+                raise RuntimeError(f"a consumer failed with status {proc.returncode}")
+            results.append(json.loads(out))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    total = sum(r["count"] for r in results)
+    if total != items:
+        raise RuntimeError(f"consumers got {total} items, expected {items}")
+    seconds = max(r["end"] for r in results) - go
+    return {"consumers": consumers, "items": total, "seconds": round(seconds, 3), "items_per_s": round(total / seconds, 1),
+            "per_consumer": sorted(r["count"] for r in results)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--items", type=int, default=2000, help="items per pipeline (default 2000)")
+    parser.add_argument("--size", type=int, default=1024, help="bytes per item (default 1024)")
+    parser.add_argument("--round-trips", type=int, default=1000, help="next+ack round trips (default 1000)")
+    parser.add_argument("--consumers", type=int, default=8, help="parallel consumer processes (default 8)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 60 items, 30 round trips, 2 consumers")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.items, args.round_trips, args.consumers = 60, 30, 2
+    if args.round_trips + WARMUP + 2 > args.items:
+        parser.error("--items must exceed --round-trips by at least 22")
+
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # the moto server logs every request at INFO
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        t0 = time.monotonic()
+        upload(endpoint, args.items, args.size)
+        upload_s = time.monotonic() - t0
+        with tempfile.TemporaryDirectory(prefix="cp-bench-", dir="/tmp") as tmp:
+            sock = f"{tmp}/api.sock"
+            config = {
+                "socket": sock,
+                "log_level": "warning",
+                "pipelines": {
+                    name: {"source": f"s3://{BUCKET}/tiny/", "cache_dir": f"{tmp}/{name}", "capacity": "4GiB",
+                           "storage_options": {"endpoint_url": endpoint}}
+                    for name in ("rt", "par")
+                },
+            }
+            Path(tmp, "cachepipe.yaml").write_text(yaml.safe_dump(config))
+            with DaemonProcess(Path(tmp, "cachepipe.yaml")) as daemon, Client("rt", sock) as probe:
+                prefetch_s = wait_ready(probe, args.items, timeout=600)
+                latencies = round_trips(sock, args.round_trips)
+                par = parallel(sock, args.consumers, args.items)
+                code = daemon.stop()
+                if code != 0:
+                    raise RuntimeError(f"the daemon exited with {code}:\n{daemon.log()}")
+            latencies["in-process Pipeline.get+ack (baseline)"] = in_process(endpoint, tmp, args.round_trips + WARMUP, args.round_trips)
+    finally:
+        server.stop()
+
+    command = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable), os.path.relpath(__file__), *(argv if argv is not None else sys.argv[1:])])
+    result = {
+        "date": date.today().isoformat(),
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "command": command,
+        "items": args.items,
+        "item_bytes": args.size,
+        "upload_seconds": round(upload_s, 1),
+        "prefetch_seconds": round(prefetch_s, 1),
+        "latencies": latencies,
+        "parallel": par,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"cachepipe service benchmark, {result['date']}, {result['machine']}")
+    print(f"command: {command}")
+    print(f"{args.items} items of {args.size} B per pipeline, all prefetched before timing "
+          f"(upload {result['upload_seconds']} s, prefetch of both pipelines {result['prefetch_seconds']} s)")
+    print()
+    print(f"{'one client, Unix socket, keep-alive':<44} {'n':>6} {'p50 us':>9} {'p99 us':>9} {'mean us':>9}")
+    for label, row in latencies.items():
+        print(f"{label:<44} {row['n']:>6} {row['p50_us']:>9} {row['p99_us']:>9} {row['mean_us']:>9}")
+    print()
+    print(f"{par['consumers']} consumer processes, auto-ack: {par['items']} items in {par['seconds']} s = "
+          f"{par['items_per_s']} items/s (per consumer: {par['per_consumer']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
