@@ -291,6 +291,21 @@ class Cache:
         """The largest item that can ever fit: capacity minus foreign bytes and the state budget."""
         return self.capacity - self.foreign - self.overhead
 
+    def set_capacity(self, capacity: int | Share) -> int:
+        """Change the capacity now; returns it in bytes. Shrinking deletes nothing: downloads
+        wait until acknowledgements bring the cache under the new cap.
+
+        Raises:
+            ConfigError: the new capacity leaves no room beside foreign files and the state budget.
+        """
+        new = int(shutil.disk_usage(self.root).free * capacity.fraction) if isinstance(capacity, Share) else capacity
+        if self.foreign + self.overhead >= new:
+            raise ConfigError(f"capacity {new} bytes leaves no room beside {self.foreign + self.overhead} bytes of other files and state")
+        with self._cond:
+            self.capacity = new
+            self._cond.notify_all()
+        return new
+
     def reserve(self, size: int) -> bool:
         """Block until ``size`` bytes fit under the capacity and reserve them.
 

@@ -18,7 +18,7 @@ from .catalog import Item, group_items
 from .plan import Cursor, Frontier, Plan
 from .plan import tick as plan_tick
 from .retention import PlanFuture, make_policy
-from .config import PipelineConfig
+from .config import PipelineConfig, parse_capacity
 from .errors import EmptySourceError, OversizeError, UnknownItemError, is_transient
 from .fetcher import Fetcher, backoff_delay
 from .stores import Store, open_store
@@ -259,6 +259,18 @@ class Pipeline:
             after = self._frontier.position
         if after != before:
             self._cache.advance(after.epoch, after.index)
+
+    def set_capacity(self, capacity: int | str) -> None:
+        """Change the capacity of an open pipeline, effective at once (see :meth:`Cache.set_capacity`).
+
+        Raises:
+            ValueError: a malformed capacity, or one too small for what is already in ``cache_dir``.
+        """
+        self._require_open()
+        value = parse_capacity(capacity)
+        self._cache.set_capacity(value)
+        self.config = self.config.model_copy(update={"capacity": value})
+        log.info("capacity of %s set to %s", self.config.source, capacity)
 
     def state_dict(self) -> dict[str, Any]:
         """Where to resume: the plan's configuration and its first unconsumed step (JSON-able).

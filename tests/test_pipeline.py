@@ -362,3 +362,15 @@ def test_lease_timeout_redelivers_an_unacked_item(s3_source, tmp_path):
         pipe.ack(again)
         assert pipe.get(timeout=30) is None
         assert pipe.stats().items_redelivered == 1
+
+
+def test_set_capacity_applies_at_once(s3_source, tmp_path):
+    s3_source.folders(4, {"f": 1000})
+    with Pipeline(s3_source.url, tmp_path / "c", 1000 + 4096, storage_options=s3_source.options, auto_ack=False) as pipe:
+        first = pipe.get(timeout=30)
+        pipe.set_capacity("1MiB")  # room for the rest now, with the first still held
+        wait_until(lambda: pipe.stats().items_ready == 3)
+        assert pipe.stats().capacity == 1024**2
+        with pytest.raises(ValueError, match="capacity"):
+            pipe.set_capacity("10X")
+        pipe.ack(first)

@@ -200,11 +200,15 @@ def test_sighup_reload_applies_a_valid_config_and_keeps_the_old_one_on_errors(s3
         status = client.status()
         assert set(status["pipelines"]) == {"train", "val"}
         assert status["pipelines"]["train"]["stats"]["capacity"] == 2 * 1024**2
+        client.ack(held)  # a capacity change applies live: the lease survived it
+        held = client.get(timeout=30)
+        write_config(tmp_path, sock, s3_endpoint, {"train": {"capacity": "2MiB", "ordered": False}, "val": {}}, log_level="debug")
+        daemon.reload()
         with pytest.raises(UnknownItemError, match="rebuilt by a reload"):
-            client.ack(held)  # the rebuilt pipeline ended the leases of the old one
+            client.ack(held)  # any other change rebuilds the pipeline, which ends the leases of the old one
         assert client.get(timeout=30).name == held.name  # ... and delivers the item again
 
-        write_config(tmp_path, sock, s3_endpoint, {"train": {"capacity": "10X"}})
+        write_config(tmp_path, sock, s3_endpoint, {"train": {"capacity": "10X", "ordered": False}})
         ready = daemon.reload()
         assert "reload failed" in ready
         assert "pipelines.train.capacity = '10X'" in daemon.log()

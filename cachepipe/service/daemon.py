@@ -196,6 +196,15 @@ class Daemon:
                 entry = current.get(name)
                 if entry is not None and entry.config == cfg and entry.pipeline is not None:
                     continue
+                if entry is not None and entry.pipeline is not None and entry.config.model_copy(update={"capacity": cfg.capacity}) == cfg:
+                    try:  # only the capacity changed: applied live, leases and queue untouched
+                        entry.pipeline.set_capacity(cfg.capacity)
+                        entry.config = cfg
+                        changes.append(f"capacity of {name} {cfg.capacity}")
+                        continue
+                    except ValueError as exc:
+                        log.error("reload: capacity of %s cannot change to %s: %s; kept", name, cfg.capacity, exc)
+                        continue
                 changes.append(self._rebuild(name, cfg, entry))
             self.config = new
             return changes
