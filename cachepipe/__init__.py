@@ -21,6 +21,7 @@ from .errors import (
     EmptySourceError,
     ItemFailedError,
     OversizeError,
+    PrepareOverflowError,
     StoreUnavailableError,
     UnknownItemError,
     UnsafeKeyError,
@@ -54,6 +55,7 @@ __all__ = [
     "ItemFailedError",
     "StoreUnavailableError",
     "VerificationError",
+    "PrepareOverflowError",
 ]
 
 __version__ = "0.1.0"

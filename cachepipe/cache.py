@@ -364,18 +364,31 @@ class Cache:
         with self._cond:
             return self._recovered.pop(item.name, None)
 
-    def publish(self, staged: Path, item: Item) -> Path:
-        """Verify sizes, then atomically rename the staged item into place; return its path.
+    @staticmethod
+    def verify(staged: Path, item: Item) -> None:
+        """Check every staged file's size against the listing.
 
         Raises:
             VerificationError: a file's size differs from the listing.
-            FileExistsError: something not managed by this cache is in the way.
         """
         for f in item.files:
             local = staged / f.rel if f.rel else staged
             actual = os.stat(local).st_size
             if actual != f.size:
                 raise VerificationError(errno.EIO, f"{f.key}: got {actual} bytes, listing says {f.size}")
+
+    def publish(self, staged: Path, item: Item, reserved: int | None = None, verified: bool = False) -> Path:
+        """Verify sizes (unless ``verified``), then atomically rename the staged item into place.
+
+        Args:
+            reserved: the bytes reserved for it, released at eviction (default: its listed size).
+
+        Raises:
+            VerificationError: a file's size differs from the listing.
+            FileExistsError: something not managed by this cache is in the way.
+        """
+        if not verified:
+            self.verify(staged, item)
         final = self.item_path(item)
         if os.path.lexists(final):
             raise FileExistsError(errno.EEXIST, f"cannot publish item {item.name!r}: {final} exists and is not managed by cachepipe")
@@ -384,7 +397,7 @@ class Cache:
             final.parent.mkdir(parents=True, exist_ok=True)
             os.rename(staged, final)
             self._append("P", item.name)
-            self._published[item.name] = item.size
+            self._published[item.name] = item.size if reserved is None else reserved
         return final
 
     def discard(self, staged: Path, size: int, name: str) -> None:
@@ -449,7 +462,7 @@ class Cache:
             if not keep:
                 self.drop(name)
 
-    def acquire(self, item: Item, tick: int = 0, starving: Callable[[], bool] = lambda: False) -> Path | bool:
+    def acquire(self, item: Item, tick: int = 0, starving: Callable[[], bool] = lambda: False, extra: int = 0) -> Path | bool:
         """Make room for the step at ``tick`` reading ``item``.
 
         Returns the item's path if it is on disk already (recovered at open, or retained): hand
@@ -460,6 +473,7 @@ class Cache:
         and for space (:meth:`reserve`). With it, the policy picks retained items to evict; when
         it prefers to wait for an ack instead, the wait is re-checked every 0.25 s against
         ``starving()`` (a consumer blocked on this very step), the one case of a timed wait here.
+        ``extra``: bytes reserved beside the item's own (the ``prepare`` hook's output).
         """
         with self._cond:
             recovered = self._recovered.pop(item.name, None)
@@ -467,7 +481,7 @@ class Cache:
             return recovered
         policy = self._policy
         if policy is None:
-            return self.claim(item.name) and self.reserve(item.size)
+            return self.claim(item.name) and self.reserve(item.size + extra)
         idx = self._index[item.name]
         while True:
             victims: list[tuple[str, int]] = []

@@ -16,9 +16,10 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 __all__ = ["Share", "parse_size", "parse_capacity", "PipelineConfig", "SIZE_FORMS"]
 
@@ -142,6 +143,14 @@ class PipelineConfig(BaseModel):
         retain: ``"none"`` (default): evict an item when it is acknowledged; ``"auto"``: keep
             acknowledged items while space allows and, when space is needed, evict the one whose
             next use in the (known) plan is farthest away (Belady's MIN).
+        prepare: ``fn(path)`` run on each item after download and before it is handed out, in a
+            pool of ``prepare_workers`` threads (decode, probe, unpack...); it may write into the
+            item folder. Its errors follow ``on_error``.
+        prepare_reserve, prepare_ratio: bytes reserved for ``prepare``'s output beside each item:
+            ``prepare_reserve + prepare_ratio * item size`` (defaults 0 and 0.0). After the hook
+            the item's real size is measured: a surplus is released, an item that outgrew its
+            reserve fails (its files are removed).
+        prepare_workers: threads running ``prepare`` (default 2).
         keep_on_close: leave published items in ``cache_dir`` on close (default False); the next
             owner reuses those whose files still match the listing.
         resume: continue the pass an earlier owner of ``cache_dir`` was in (after a crash or a
@@ -180,7 +189,17 @@ class PipelineConfig(BaseModel):
     worker: int = Field(default=0, ge=0)
     num_workers: int = Field(default=1, ge=1)
     retain: Literal["none", "auto"] = "none"
+    prepare: Callable[[Path], Any] | None = None
+    prepare_reserve: Annotated[int, BeforeValidator(lambda v: 0 if v in (0, "0") else parse_size(v, "prepare_reserve"))] = 0
+    prepare_ratio: float = Field(default=0.0, ge=0)
+    prepare_workers: int = Field(default=2, ge=1, le=256)
     keep_on_close: bool = False
     resume: bool = False
     relist: bool = False
     progress: bool = False
+
+    @model_validator(mode="after")
+    def _compatible(self) -> PipelineConfig:
+        if self.prepare is not None and self.retain != "none":
+            raise ValueError("prepare with retain='auto' is not supported yet: use retain='none'")
+        return self

@@ -11,6 +11,7 @@ Every error is a builtin subclass as well, so callers that catch ``ValueError`` 
      +-- CacheLockedError       (RuntimeError)      another live process owns the cache directory
      +-- UnknownItemError       (KeyError)          ack/release of a path that is not handed out
      +-- ItemFailedError                            an item could not be fetched; ``__cause__`` says why
+     +-- PrepareOverflowError   (OSError)           the prepare hook wrote more than its reserve
      +-- StoreUnavailableError  (ConnectionError)   5xx / throttling / unreachable store: retried
      +-- VerificationError      (OSError)           downloaded bytes do not match the listing: retried
 
@@ -33,6 +34,7 @@ __all__ = [
     "ItemFailedError",
     "StoreUnavailableError",
     "VerificationError",
+    "PrepareOverflowError",
     "is_transient",
 ]
 
@@ -97,6 +99,10 @@ class ItemFailedError(CachePipeError):
         super().__init__(f"item {item!r} failed at {key}: {type(cause).__name__}: {cause}")
         self.item = item
         self.key = key
+
+
+class PrepareOverflowError(CachePipeError, OSError):
+    """The ``prepare`` hook made an item larger than the space reserved for it."""
 
 
 class StoreUnavailableError(CachePipeError, ConnectionError):

@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import BinaryIO
 
 from .broker import Broker
-from .cache import Cache
+from .cache import Cache, tree_bytes
 from .catalog import FileEntry, Item
 from .config import PipelineConfig, Share
-from .errors import ItemFailedError, VerificationError, is_transient
+from .errors import ItemFailedError, PrepareOverflowError, VerificationError, is_transient
 from .stores.base import Store
 
 __all__ = ["Fetcher", "backoff_delay", "split_ranges"]
@@ -121,6 +121,7 @@ class Fetcher:
         self._stop = threading.Event()
         self.counters = FetchCounters()
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="cachepipe-fetch")
+        self._prepare_pool = ThreadPoolExecutor(config.prepare_workers, thread_name_prefix="cachepipe-prepare") if config.prepare else None
         self._thread = threading.Thread(target=self._run, name="cachepipe-producer", daemon=True)
 
     def start(self) -> None:
@@ -132,6 +133,8 @@ class Fetcher:
         if self._thread.is_alive():
             self._thread.join(timeout)
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._prepare_pool is not None:
+            self._prepare_pool.shutdown(wait=True, cancel_futures=True)
 
     # ---- planner thread --------------------------------------------------------------
     def _run(self) -> None:
@@ -146,7 +149,7 @@ class Fetcher:
                     return
                 if not self._wait_for_free_space(item.size):
                     return
-                got = self._cache.acquire(item, tick, self._broker.starving)
+                got = self._cache.acquire(item, tick, self._broker.starving, self._extra(item))
                 if got is False:
                     return
                 unstarted = False
@@ -157,7 +160,7 @@ class Fetcher:
                     continue
                 self.counters.add(producer_wait_seconds=time.monotonic() - waited)
                 if self._stop.is_set():
-                    self._cache.unreserve(item.size, item.name)
+                    self._cache.unreserve(item.size + self._extra(item), item.name)
                     return
                 self._broker.begin()
                 self._start(seq, item)
@@ -258,7 +261,7 @@ class Fetcher:
             if self._stop.is_set():
                 return
             log.exception("finishing %s failed", job.item.name)
-            self._cache.discard(job.staged, job.item.size, job.item.name)
+            self._cache.discard(job.staged, job.item.size + self._extra(job.item), job.item.name)
             self._report_failure(job.seq, job.item, job.item.name, exc)
 
     def _finish(self, job: _Job) -> None:
@@ -276,6 +279,10 @@ class Fetcher:
                 job.disk_error = mismatch
                 self._retry_disk_error(job, mismatch)
                 return
+        if job.error is None and self._prepare_pool is not None:
+            self._cache.verify(job.staged, item)  # a mismatch fails the item (raised to _finish_or_report)
+            self._prepare_pool.submit(self._prepare_and_publish, job)
+            return
         if job.error is None:
             try:
                 path = self._cache.publish(job.staged, item)
@@ -288,8 +295,37 @@ class Fetcher:
                 self.counters.add(items_fetched=1)
                 self._broker.put(job.seq, item.name, path)
                 return
-        self._cache.discard(job.staged, item.size, item.name)
+        self._cache.discard(job.staged, item.size + self._extra(item), item.name)
         self._report_failure(job.seq, item, job.error_key, job.error)
+
+    def _extra(self, item: Item) -> int:
+        """Bytes reserved beside ``item`` for the prepare hook's output."""
+        cfg = self._cfg
+        return cfg.prepare_reserve + int(cfg.prepare_ratio * item.size) if cfg.prepare is not None else 0
+
+    def _prepare_and_publish(self, job: _Job) -> None:
+        """Run the prepare hook on a verified staged item, measure it, publish it (prepare pool)."""
+        item, reserved = job.item, job.item.size + self._extra(job.item)
+        try:
+            self._cfg.prepare(job.staged)  # type: ignore[misc]
+            used = tree_bytes(job.staged) if job.staged.is_dir() else job.staged.stat().st_size
+            if used > reserved:
+                raise PrepareOverflowError(
+                    f"prepare wrote item {item.name!r} up to {used} bytes, more than the {reserved} reserved "
+                    f"({item.size} listed + prepare_reserve/prepare_ratio)"
+                )
+            if self._stop.is_set():
+                return
+            path = self._cache.publish(job.staged, item, reserved=used, verified=True)
+            self._cache.unreserve(reserved - used)
+        except Exception as exc:
+            if self._stop.is_set():
+                return
+            self._cache.discard(job.staged, reserved, item.name)
+            self._report_failure(job.seq, item, item.name, exc)
+            return
+        self.counters.add(items_fetched=1)
+        self._broker.put(job.seq, item.name, path)
 
     def _retry_disk_error(self, job: _Job, error: OSError) -> None:
         """A local write failed (or the content did not match its ETag): free the item's staging
@@ -301,7 +337,7 @@ class Fetcher:
             self.counters.add(disk_errors=1)
         _rmtree_quiet(job.staged)
         if job.attempt >= self._cfg.retries:
-            self._cache.unreserve(job.item.size, job.item.name)
+            self._cache.unreserve(job.item.size + self._extra(job.item), job.item.name)
             self._report_failure(job.seq, job.item, job.item.name, error)
             return
         delay = backoff_delay(job.attempt, self._cfg.retry_backoff, self._cfg.retry_backoff_max)

@@ -113,3 +113,36 @@ def test_retain_auto_beats_none_at_half_capacity_and_keeps_the_cap(s3_source, tm
         assert sampler.peak <= capacity
     assert downloaded["none"] == 60 * 2000
     assert downloaded["auto"] < downloaded["none"]
+
+
+def _probe(path):
+    (path / "meta.json").write_text('{"frames": 3}')  # 13 bytes beside the item's own
+    if path.joinpath("f").stat().st_size == 999:
+        raise ValueError("cannot decode")
+
+
+def test_prepare_runs_before_hand_out_and_counts_against_the_cap(s3_source, tmp_path):
+    from sampling import Sampler
+
+    data = s3_source.folders(8, {"f": 1000})
+    s3_source.put("item008/f", b"x" * 999)  # the hook fails on this one
+    capacity = 3 * 1100 + 4096
+    with Sampler(tmp_path / "c") as sampler:
+        with Pipeline(s3_source.url, tmp_path / "c", capacity, storage_options=s3_source.options, prepare=_probe,
+                      prepare_reserve=100, on_error="skip") as pipe:
+            seen = []
+            for path in pipe:
+                assert (path / "meta.json").read_text() == '{"frames": 3}'
+                seen.append(path.name)
+            stats = pipe.stats()
+    assert seen == sorted(data) and stats.items_failed == 1 and stats.items_skipped == 1
+    assert sampler.peak <= capacity
+
+
+def test_prepare_that_outgrows_its_reserve_fails_the_item(s3_source, tmp_path):
+    s3_source.folders(1, {"f": 1000})
+    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options, prepare=_probe) as pipe:
+        with pytest.raises(Exception, match="more than the 1000 reserved"):
+            list(pipe)
+    with pytest.raises(ValueError, match="retain"):
+        Pipeline(s3_source.url, tmp_path / "d", "1MiB", prepare=_probe, retain="auto")

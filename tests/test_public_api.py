@@ -8,7 +8,7 @@ EXPECTED = {
     "Pipeline", "CachedItem", "Stats", "map", "MapResult", "Client", "PipelineConfig", "parse_size", "parse_capacity",
     "Store", "ObjectInfo", "open_store",
     "CachePipeError", "ConfigError", "UnsafeKeyError", "OversizeError", "EmptySourceError",
-    "CacheLockedError", "UnknownItemError", "ItemFailedError", "StoreUnavailableError", "VerificationError",
+    "CacheLockedError", "UnknownItemError", "ItemFailedError", "StoreUnavailableError", "VerificationError", "PrepareOverflowError",
 }
 
 
