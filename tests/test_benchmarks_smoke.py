@@ -42,3 +42,14 @@ def test_quick_benchmark_reports_every_case_and_method(tmp_path):
         assert results[(case, "sequential")]["ratio_to_sequential"] == 1.0
         # reported, not judged: what a 5 ms sampler catches depends on timing
         assert isinstance(results[(case, "cachepipe")]["peak_cache_bytes"], int)
+
+
+def test_retention_through_the_pipeline_benchmark_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "benchmarks" / "bench_retain_pipeline.py"
+    proc = subprocess.run([sys.executable, str(script), "--items", "20", "--epochs", "2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "auto" in proc.stdout and "MIN" in proc.stdout
