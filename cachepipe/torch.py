@@ -48,6 +48,8 @@ class CachePipeDataset(torch.utils.data.IterableDataset):
     def __init__(self, source: str, cache_dir: str | os.PathLike[str], capacity: int | str,
                  transform: Callable[[CachedItem], Any] | None = None, **options: Any) -> None:
         super().__init__()
+        self._state: dict[str, Any] | None = None  # where the next iteration starts (load_state_dict)
+        self._pipe: Pipeline | None = None  # the pipeline iterating in this process, if any
         for key in ("worker", "num_workers"):
             if key in options:
                 raise ValueError(f"{key}={options[key]!r}: set by the DataLoader, not by the dataset")
@@ -72,6 +74,27 @@ class CachePipeDataset(torch.utils.data.IterableDataset):
         return Pipeline(self.source, self.cache_dir / f"rank{rank}-worker{worker}", share, **options)
 
     def __iter__(self) -> Iterator[Any]:
-        with self.pipeline() as pipe:
+        pipe = self.pipeline()
+        if self._state is not None:
+            pipe.load_state_dict(self._state)
+        self._pipe = pipe
+        with pipe:
             for path in pipe:
                 yield path if self.transform is None else self.transform(path)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where to resume: epoch and position of the iteration in this process (``num_workers=0``).
+
+        With DataLoader workers each worker's pipeline lives in its own process; resume those with
+        ``resume=True`` (each worker's cache folder keeps its own journal) instead.
+
+        Raises:
+            RuntimeError: nothing has iterated in this process yet.
+        """
+        if self._pipe is None:
+            raise RuntimeError("state_dict(): iterate the dataset in this process first (num_workers=0)")
+        return self._pipe.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Start the next iteration at ``state`` (from :meth:`state_dict`, same settings and data)."""
+        self._state = dict(state)

@@ -69,3 +69,17 @@ def test_workers_need_a_transform(s3_source, tmp_path):
         it._shutdown_workers()  # the worker error leaves the loader's queue threads to its shutdown
     with pytest.raises(ValueError, match="num_workers"):
         CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", num_workers=2)
+
+
+def test_dataset_state_dict_resumes_mid_epoch(s3_source, tmp_path):
+    s3_source.folders(6, {"f": 10})
+    opts = dict(storage_options=s3_source.options, rank=0, world_size=1, epochs=2, shuffle=True, seed=8)
+    full = [p.name for p in CachePipeDataset(s3_source.url, tmp_path / "a", "1MiB", **opts)]
+    ds = CachePipeDataset(s3_source.url, tmp_path / "b", "1MiB", **opts)
+    it = iter(ds)
+    first = [next(it).name for _ in range(5)]  # four acked, the fifth in hand
+    state = ds.state_dict()
+    it.close()
+    resumed = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", **opts)
+    resumed.load_state_dict(state)
+    assert first[:4] + [p.name for p in resumed] == full
