@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import __version__
+from .config import format_size
 from .errors import UnknownItemError
 
 __all__ = ["main", "EXIT_END", "EXIT_TIMEOUT", "EXIT_REFUSED"]
@@ -120,8 +121,8 @@ def format_status(info: dict[str, Any]) -> str:
             str(s.get("items_acked", "-")),
             str(s.get("items_redelivered", "-")),
             str(s.get("items_failed", "-")),
-            _size(s["bytes_in_cache"]) if "bytes_in_cache" in s else "-",
-            _size(s["capacity"]) if "capacity" in s else "-",
+            format_size(s["bytes_in_cache"]) if "bytes_in_cache" in s else "-",
+            format_size(s["capacity"]) if "capacity" in s else "-",
             p.get("source", ""),
         ))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -136,14 +137,6 @@ def format_status(info: dict[str, Any]) -> str:
         if p.get("error"):
             lines.append(f"{name}: {p['error']}")
     return "\n".join(lines)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _duration(seconds: float) -> str:

@@ -37,6 +37,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from .errors import CachePipeError, UnknownItemError
+from .items import PathItem
 
 __all__ = ["Client", "ServedItem", "ServiceError", "DEFAULT_SOCKET", "default_socket"]
 
@@ -67,7 +68,7 @@ class ServiceError(CachePipeError):
         self.code = code
 
 
-class ServedItem(os.PathLike):
+class ServedItem(PathItem):
     """An item handed out by the daemon: usable wherever a path is, like :class:`~cachepipe.CachedItem`.
 
     Attributes:
@@ -95,15 +96,6 @@ class ServedItem(os.PathLike):
 
     def to_json(self) -> dict[str, Any]:
         return {"pipeline": self.pipeline, "name": self.name, "path": str(self.path), "lease": self.lease, "size": self.size, "files": list(self.files)}
-
-    def __fspath__(self) -> str:
-        return str(self.path)
-
-    def __truediv__(self, other: str | os.PathLike[str]) -> Path:
-        return self.path / other
-
-    def __str__(self) -> str:
-        return str(self.path)
 
     def __repr__(self) -> str:
         return f"ServedItem({str(self.path)!r}, lease={self.lease!r})"

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-__all__ = ["Share", "parse_size", "parse_capacity", "PipelineConfig", "SIZE_FORMS"]
+__all__ = ["Share", "parse_size", "parse_capacity", "format_size", "PipelineConfig", "SIZE_FORMS"]
 
 SIZE_FORMS = "a positive number of bytes or a size like '50GiB', '1.5GB', '512M', '1g'"
 _CAPACITY_FORMS = SIZE_FORMS + ", or a share of free disk space like '80%'"
@@ -70,6 +70,15 @@ def parse_size(value: Any, what: str = "size") -> int:
     if size <= 0:
         raise bad
     return size
+
+
+def format_size(n: float) -> str:
+    """A byte count for people: ``512 B``, ``1.5 KiB``, ``20.0 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def parse_capacity(value: Any) -> int | Share:

@@ -15,12 +15,13 @@ from typing import Any
 from .broker import Broker, Closed, Failed, Lease
 from .cache import Cache
 from .catalog import Item, group_items
-from .plan import Cursor, Frontier, Plan
-from .plan import tick as plan_tick
-from .retention import PlanFuture, make_policy
 from .config import PipelineConfig, parse_capacity
 from .errors import EmptySourceError, OversizeError, UnknownItemError, is_transient
 from .fetcher import Fetcher, backoff_delay
+from .items import PathItem
+from .plan import Cursor, Frontier, Plan
+from .plan import tick as plan_tick
+from .retention import PlanFuture, make_policy
 from .stores import Store, open_store
 
 __all__ = ["Pipeline", "CachedItem", "Stats"]
@@ -28,7 +29,7 @@ __all__ = ["Pipeline", "CachedItem", "Stats"]
 log = logging.getLogger("cachepipe")
 
 
-class CachedItem(os.PathLike):
+class CachedItem(PathItem):
     """A delivered item: usable wherever a path is (``open(item / "text.txt")``, ``os.fspath``).
 
     Attributes:
@@ -48,15 +49,6 @@ class CachedItem(os.PathLike):
         self.size = item.size
         self.files = tuple(f.rel for f in item.files)
         self.lease = lease
-
-    def __fspath__(self) -> str:
-        return str(self.path)
-
-    def __truediv__(self, other: str | os.PathLike[str]) -> Path:
-        return self.path / other
-
-    def __str__(self) -> str:
-        return str(self.path)
 
     def __repr__(self) -> str:
         return f"CachedItem({str(self.path)!r}, size={self.size})"

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..config import PipelineConfig
+from ..config import PipelineConfig, format_size
 from ..errors import UnknownItemError
 from ..pipeline import CachedItem, Pipeline, Stats
 from .api import ApiServer
@@ -414,13 +414,5 @@ class Daemon:
                 parts.append(f"{e.name}: down")
                 continue
             s = e.pipeline.stats()
-            parts.append(f"{e.name}: {s.items_ready} ready, {leased(s)} leased, {s.items_acked} acked, {_size(s.bytes_in_cache)} of {_size(s.capacity)} cached")
+            parts.append(f"{e.name}: {s.items_ready} ready, {leased(s)} leased, {s.items_acked} acked, {format_size(s.bytes_in_cache)} of {format_size(s.capacity)} cached")
         return "; ".join(parts)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
