@@ -359,11 +359,6 @@ class Cache:
         """Where ``item`` is (or will be) published."""
         return self.root / item.name
 
-    def take_recovered(self, item: Item) -> Path | None:
-        """The path of ``item`` if it was found published at open (reserved already), else None."""
-        with self._cond:
-            return self._recovered.pop(item.name, None)
-
     @staticmethod
     def verify(staged: Path, item: Item) -> None:
         """Check every staged file's size against the listing.

@@ -27,7 +27,6 @@ import gzip
 import json
 import os
 import threading
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 

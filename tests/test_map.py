@@ -8,17 +8,16 @@ unpacking split ``tar.gz`` volumes with ``.md5`` files and writing the files bac
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import signal
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
 from sampling import Sampler
+from test_unpack import tar_bytes
 
 from cachepipe.cache import tree_bytes
 from cachepipe.errors import (
@@ -66,16 +65,6 @@ def bucket(s3_client, prefix: str) -> dict[str, bytes]:
     return {k[len(prefix):]: s3_client.get_object(Bucket="data", Key=k)["Body"].read() for k in keys}
 
 
-def tar_of(files: dict[str, bytes], mode: str = "w") -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode=mode) as tar:
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
 def runs(log: Path) -> list[str]:
     return log.read_text().split() if log.exists() else []
 
@@ -99,7 +88,7 @@ def test_video_shards_split_into_clips_and_rerun_skips_them(remote_source, s3_cl
             for n, start in enumerate(range(0, len(video), 10_000)):
                 expected[f"{shard}/vid{s}{v}/{n:06d}.mp4"] = video[start:start + 10_000]
                 expected[f"{shard}/vid{s}{v}/{n:06d}.info.json"] = meta
-        remote_source.put(shard, tar_of(samples))
+        remote_source.put(shard, tar_bytes(samples))
     script, log, cache = tmp_path / "split.py", tmp_path / "runs.log", tmp_path / "cache"
     script.write_text(SPLIT)
     dst = remote_source.url.replace("/video/", "/clips/")
@@ -134,8 +123,8 @@ def test_video_shards_split_into_clips_and_rerun_skips_them(remote_source, s3_cl
 def test_split_targz_volumes_with_md5_files_unpacked_and_written_back(s3_source, s3_client, tmp_path):
     rng = __import__("random").Random(3)
     videos = {f"20bn-something-something-v2/{n}.webm": rng.randbytes(rng.randint(2000, 9000)) for n in range(1, 13)}
-    good = tar_of(videos, "w:gz")
-    bad = tar_of({"other/x.webm": rng.randbytes(5000)}, "w:gz")
+    good = tar_bytes(videos, "w:gz")
+    bad = tar_bytes({"other/x.webm": rng.randbytes(5000)}, "w:gz")
     for stem, data, volumes in (("20bn-something-something-v2", good, 6), ("other-v1", bad, 3)):
         step = len(data) // volumes + 1
         for i in range(volumes):
