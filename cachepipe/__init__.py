@@ -15,8 +15,11 @@ import logging
 from .client import Client
 from .config import PipelineConfig, parse_capacity, parse_size
 from .errors import (
+    ArchiveError,
+    ArchiveTooLargeError,
     CacheLockedError,
     CachePipeError,
+    ChecksumError,
     ConfigError,
     EmptySourceError,
     ItemFailedError,
@@ -25,6 +28,7 @@ from .errors import (
     StoreUnavailableError,
     UnknownItemError,
     UnsafeKeyError,
+    UnsafeMemberError,
     VerificationError,
 )
 from .mapper import MapResult
@@ -56,6 +60,10 @@ __all__ = [
     "StoreUnavailableError",
     "VerificationError",
     "PrepareOverflowError",
+    "ArchiveError",
+    "UnsafeMemberError",
+    "ArchiveTooLargeError",
+    "ChecksumError",
 ]
 
 __version__ = "0.1.0"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import heapq
 import logging
 import os
 import shutil
@@ -31,6 +32,7 @@ from . import state
 from .catalog import Item
 from .config import Share
 from .errors import CacheLockedError, ConfigError, VerificationError
+from .plan import tick as plan_tick
 from .retention import RetentionPolicy
 
 __all__ = ["Cache", "tree_bytes"]
@@ -93,6 +95,7 @@ class Cache:
         self._journal = state.Journal(self.state_dir / "journal")
         self._journal_budget = 0
         self._acked: set[tuple[int, str]] = set()  # (epoch, name) acknowledged beyond the cursor
+        self._acked_ticks: list[tuple[int, int, str]] = []  # heap of (tick, epoch, name) of _acked
         self._cursor = (0, 0)
         self._plan = ""
         self._claimed: set[str] = set()  # names with files on disk or on their way: one copy at a time
@@ -196,6 +199,7 @@ class Cache:
             self.pass_no, self._cursor, self._acked = replay.pass_no, replay.cursor, set(replay.acked)
         else:
             self.pass_no, self._cursor, self._acked = replay.pass_no + 1, (0, 0), set()
+        self._acked_ticks = []
         self._plan = plan
         self._compact()
         self._reserved = sum(self._published.values())
@@ -205,14 +209,38 @@ class Cache:
         self._journal_budget = 2 * sum(4 * len(name.encode()) + state.EVENT_OVERHEAD for name in by_name) + 256
         self.overhead = state_files + self._journal_budget
         self.foreign = tree_bytes(self.root) - self._reserved - state_files
+        self._check_overhead()
+        self._replay = state.Replay()
+        return self._cursor, set(self._acked)
+
+    def has_leftovers(self) -> bool:
+        """True if the journal read at open names items on disk (or could not be read): then
+        :meth:`recover` needs the whole catalog to decide which of them to keep."""
+        replay = self._replay
+        return self.rebuilt or bool(replay.published or replay.publishing or replay.acked)
+
+    def note_listed(self, name: str) -> None:
+        """Budget journal space for an item listed after :meth:`recover` (a listing that streams
+        while downloads run): the same share per name that :meth:`recover` budgets."""
+        with self._cond:
+            grow = 2 * (4 * len(name.encode()) + state.EVENT_OVERHEAD)
+            self._journal_budget += grow
+            self.overhead += grow
+            self._check_overhead()
+
+    def set_plan(self, plan: str) -> None:
+        """Record the plan (its configuration as JSON) once it is known, for a later ``resume``."""
+        with self._cond:
+            self._plan = plan
+            self._compact()
+
+    def _check_overhead(self) -> None:
         if self.foreign + self.overhead >= self.capacity:
             raise ConfigError(
                 f"cache_dir {str(self.root)!r} holds {self.foreign} bytes not managed by cachepipe and needs "
                 f"{self.overhead} bytes for its state, not less than the capacity of {self.capacity} bytes; "
                 "empty it or raise the capacity"
             )
-        self._replay = state.Replay()
-        return self._cursor, set(self._acked)
 
     def _compact(self) -> None:
         """Rewrite the journal from the state in memory (caller holds ``_cond`` or is alone)."""
@@ -228,8 +256,13 @@ class Cache:
         """Record that every step of the plan before ``(epoch, index)`` is consumed."""
         with self._cond:
             self._append("C", f"{epoch} {index}")
+            if epoch > self._cursor[0]:  # acks of finished epochs are implied by the cursor
+                self._acked = {a for a in self._acked if a[0] >= epoch}
             self._cursor = (epoch, index)
-            self._acked = {a for a in self._acked if a[0] >= epoch}
+            ticks, now = self._acked_ticks, plan_tick(epoch, index)
+            while ticks and ticks[0][0] < now:  # so are acks of steps before it
+                _tick, e, name = heapq.heappop(ticks)
+                self._acked.discard((e, name))
 
     def _lock(self) -> None:
         path = self.state_dir / "lock"
@@ -330,8 +363,12 @@ class Cache:
             self._cond.notify_all()
 
     # ---- staging and publish ---------------------------------------------------------
-    def stage(self, item: Item) -> Path:
+    def stage(self, item: Item, part_size: int | None = None) -> Path:
         """Create the staging area for ``item``: its folders and empty files.
+
+        With ``part_size``, only the files that are empty or that several parts write into
+        are created; the downloader creates a one-part file as it writes it (a file creation
+        costs a few hundred microseconds on some disks: better in the download threads).
 
         Returns the staging path (a directory, or a file for single-object items).
         """
@@ -340,15 +377,20 @@ class Cache:
             path = self.staging_root / str(self._seq)
         try:
             if item.is_file:
-                with open(path, "wb"):
-                    pass
+                if part_size is None or item.size == 0 or item.size > part_size:
+                    with open(path, "wb"):
+                        pass
                 return path
-            path.mkdir()
+            os.mkdir(path)
+            made = {path}
             for f in item.files:
                 target = path / f.rel
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with open(target, "wb"):
-                    pass
+                if target.parent not in made:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    made.add(target.parent)
+                if part_size is None or f.size == 0 or f.size > part_size:
+                    with open(target, "wb"):
+                        pass
         except OSError:
             if os.path.lexists(path):
                 _rmtree(path)
@@ -416,6 +458,7 @@ class Cache:
             size = self._published[name]
             self._append("A", f"{epoch} {name}")
             self._acked.add((epoch, name))
+            heapq.heappush(self._acked_ticks, (tick, epoch, name))
             if self._policy is not None and self._policy.on_ack(self._index[name], tick):
                 self._append("P", name)  # still on disk, kept for a later step
                 self._cond.notify_all()

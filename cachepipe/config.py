@@ -21,10 +21,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-__all__ = ["Share", "parse_size", "parse_capacity", "format_size", "PipelineConfig", "SIZE_FORMS"]
+__all__ = ["Share", "parse_size", "parse_capacity", "format_size", "PipelineConfig", "SIZE_FORMS", "UNPACK_RATIO"]
 
 SIZE_FORMS = "a positive number of bytes or a size like '50GiB', '1.5GB', '512M', '1g'"
 _CAPACITY_FORMS = SIZE_FORMS + ", or a share of free disk space like '80%'"
+
+UNPACK_RATIO = 1.0
+"""With ``unpack`` and no ``prepare_reserve``/``prepare_ratio``: the extracted files may take
+this many times the item's (archive's) size."""
 
 _UNITS = {
     "": 1, "b": 1,
@@ -159,7 +163,27 @@ class PipelineConfig(BaseModel):
             ``prepare_reserve + prepare_ratio * item size`` (defaults 0 and 0.0). After the hook
             the item's real size is measured: a surplus is released, an item that outgrew its
             reserve fails (its files are removed).
-        prepare_workers: threads running ``prepare`` (default 2).
+        prepare_workers: threads running ``prepare`` and ``unpack`` (default 2).
+        unpack: extract each item's archives before it is handed out (default False): tar,
+            ``.tar.gz``/``.tgz``, ``.tar.bz2``, ``.tar.xz``, ``.tar.zst`` (with ``zstandard``),
+            zip, and the split volumes of one archive in a folder (``x.tar.gz-00``, ``-01``...;
+            ``.partaa``...; ``.001``...), streamed in order into the extractor (no joined copy).
+            ``<volume>.md5`` sidecars and ``md5sums`` files are checked. A folder item is
+            delivered as the extracted files plus its files that are neither archives nor
+            checksum files; a single-file item (``items="files"``) as a folder of the archive's
+            name holding its members. The extracted files are reserved like ``prepare``'s output:
+            ``prepare_reserve + prepare_ratio * item size``, and when both are left at 0, a ratio
+            of 1.0 (the item's size again): compressed archives need a larger ``prepare_ratio``.
+            The reserve is at most what the capacity leaves beside the item. A member that would
+            take the extraction past its reserve is refused before it is written
+            (:class:`~cachepipe.ArchiveTooLargeError` naming it), so the cap holds throughout;
+            unsafe members (``..``, absolute names, links leaving the item, device files) are
+            refused with :class:`~cachepipe.UnsafeMemberError`, an MD5 mismatch is a
+            :class:`~cachepipe.ChecksumError`: the item fails (following ``on_error``) and
+            nothing of it is published. ``prepare``, if given, then runs on the extracted item.
+            ``CachedItem.size``/``files`` still describe the listed objects (the archives).
+            Extracted items no longer match the listing: with ``keep_on_close``/``resume`` they
+            are downloaded again.
         keep_on_close: leave published items in ``cache_dir`` on close (default False); the next
             owner reuses those whose files still match the listing.
         resume: continue the pass an earlier owner of ``cache_dir`` was in (after a crash or a
@@ -202,6 +226,7 @@ class PipelineConfig(BaseModel):
     prepare_reserve: Annotated[int, BeforeValidator(lambda v: 0 if v in (0, "0") else parse_size(v, "prepare_reserve"))] = 0
     prepare_ratio: float = Field(default=0.0, ge=0)
     prepare_workers: int = Field(default=2, ge=1, le=256)
+    unpack: bool = False
     keep_on_close: bool = False
     resume: bool = False
     relist: bool = False
@@ -209,6 +234,22 @@ class PipelineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _compatible(self) -> PipelineConfig:
-        if self.prepare is not None and self.retain != "none":
-            raise ValueError("prepare with retain='auto' is not supported yet: use retain='none'")
+        for option in ("prepare", "unpack"):
+            if getattr(self, option) not in (None, False) and self.retain != "none":
+                raise ValueError(f"{option} with retain='auto' is not supported yet: use retain='none'")
         return self
+
+    @property
+    def prepares(self) -> bool:
+        """True when items pass through a step between download and hand-out (``prepare``, ``unpack``)."""
+        return self.prepare is not None or self.unpack
+
+    def prepare_extra(self, size: int) -> int:
+        """Bytes to reserve beside an item of ``size`` bytes for what ``unpack`` and ``prepare``
+        write: ``prepare_reserve + prepare_ratio * size``; with ``unpack`` and neither set,
+        :data:`UNPACK_RATIO` times ``size``; 0 without either step."""
+        if not self.prepares:
+            return 0
+        if self.unpack and self.prepare_reserve == 0 and self.prepare_ratio == 0:
+            return int(UNPACK_RATIO * size)
+        return self.prepare_reserve + int(self.prepare_ratio * size)

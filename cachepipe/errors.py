@@ -14,6 +14,10 @@ Every error is a builtin subclass as well, so callers that catch ``ValueError`` 
      +-- PrepareOverflowError   (OSError)           the prepare hook wrote more than its reserve
      +-- StoreUnavailableError  (ConnectionError)   5xx / throttling / unreachable store: retried
      +-- VerificationError      (OSError)           downloaded bytes do not match the listing: retried
+     |    +-- ChecksumError                         an archive volume does not match its MD5 file
+     +-- ArchiveError           (ValueError)        an item that cannot be unpacked (no archive, corrupt, gaps)
+          +-- UnsafeMemberError                     a member that would leave the item, or a device file
+          +-- ArchiveTooLargeError                  extraction past its byte or member limit (a bomb)
 
 Store backends translate their own errors at one seam (``stores/*.py``) into builtins:
 ``FileNotFoundError`` (no such key or bucket), ``PermissionError`` (denied, bad credentials),
@@ -35,6 +39,10 @@ __all__ = [
     "StoreUnavailableError",
     "VerificationError",
     "PrepareOverflowError",
+    "ArchiveError",
+    "UnsafeMemberError",
+    "ArchiveTooLargeError",
+    "ChecksumError",
     "is_transient",
 ]
 
@@ -111,6 +119,33 @@ class StoreUnavailableError(CachePipeError, ConnectionError):
 
 class VerificationError(CachePipeError, OSError):
     """Downloaded bytes do not match the listing (size or checksum). Retried."""
+
+
+class ArchiveError(CachePipeError, ValueError):
+    """An item that cannot be unpacked: no archive in it, a corrupt or unsupported archive."""
+
+
+class UnsafeMemberError(ArchiveError):
+    """An archive member that would write outside the item, or a kind of file that is refused."""
+
+    def __init__(self, archive: str, member: str, reason: str) -> None:
+        super().__init__(f"unsafe member {member!r} in archive {archive!r}: {reason}")
+        self.archive = archive
+        self.member = member
+        self.reason = reason
+
+
+class ArchiveTooLargeError(ArchiveError):
+    """The extracted size or member count would exceed the limit (a tar or zip bomb)."""
+
+    def __init__(self, archive: str, member: str, reason: str) -> None:
+        super().__init__(f"archive {archive!r} refused at member {member!r}: {reason}")
+        self.archive = archive
+        self.member = member
+
+
+class ChecksumError(VerificationError):
+    """A volume's MD5 differs from its ``.md5`` sidecar or ``md5sums`` entry."""
 
 
 _TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT}

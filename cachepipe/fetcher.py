@@ -27,8 +27,9 @@ from .broker import Broker
 from .cache import Cache, tree_bytes
 from .catalog import FileEntry, Item
 from .config import PipelineConfig, Share
-from .errors import ItemFailedError, PrepareOverflowError, VerificationError, is_transient
+from .errors import ArchiveError, ItemFailedError, PrepareOverflowError, VerificationError, is_transient
 from .stores.base import Store
+from .unpack import DEFAULT_MAX_MEMBERS, split_volume, unpack_in_place
 
 __all__ = ["Fetcher", "backoff_delay", "split_ranges"]
 
@@ -57,6 +58,7 @@ class _Job:
     item: Item
     staged: Path
     parts: int
+    extra: int = 0  # bytes reserved beside the item's own for unpack/prepare (fixed when reserved)
     error: BaseException | None = None
     error_key: str = ""
     disk_error: OSError | None = None  # a local write failed: free staging, back off, restart the item
@@ -121,7 +123,7 @@ class Fetcher:
         self._stop = threading.Event()
         self.counters = FetchCounters()
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="cachepipe-fetch")
-        self._prepare_pool = ThreadPoolExecutor(config.prepare_workers, thread_name_prefix="cachepipe-prepare") if config.prepare else None
+        self._prepare_pool = ThreadPoolExecutor(config.prepare_workers, thread_name_prefix="cachepipe-prepare") if config.prepares else None
         self._thread = threading.Thread(target=self._run, name="cachepipe-producer", daemon=True)
 
     def start(self) -> None:
@@ -147,9 +149,16 @@ class Fetcher:
                 waited = time.monotonic()
                 if self._cfg.prefetch is not None and not self._broker.wait_ahead_below(self._cfg.prefetch):
                     return
+                refused = self._refusal(item)
+                if refused is not None:
+                    unstarted = False
+                    self._broker.begin()
+                    self._report_failure(seq, item, item.name, refused)
+                    continue
                 if not self._wait_for_free_space(item.size):
                     return
-                got = self._cache.acquire(item, tick, self._broker.starving, self._extra(item))
+                extra = self._extra(item)
+                got = self._cache.acquire(item, tick, self._broker.starving, extra)
                 if got is False:
                     return
                 unstarted = False
@@ -160,10 +169,10 @@ class Fetcher:
                     continue
                 self.counters.add(producer_wait_seconds=time.monotonic() - waited)
                 if self._stop.is_set():
-                    self._cache.unreserve(item.size + self._extra(item), item.name)
+                    self._cache.unreserve(item.size + extra, item.name)
                     return
                 self._broker.begin()
-                self._start(seq, item)
+                self._start(seq, item, extra)
         except BaseException as exc:  # planning failed: the consumer sees it in turn, never a hang
             failed = seq if unstarted else seq + 1
             log.error("planning stopped at step %d: %s", failed, exc)
@@ -195,17 +204,17 @@ class Fetcher:
             self._stop.wait(1.0)
         return False
 
-    def _start(self, seq: int, item: Item, attempt: int = 0) -> None:
+    def _start(self, seq: int, item: Item, extra: int, attempt: int = 0) -> None:
         try:
-            staged = self._cache.stage(item)
+            staged = self._cache.stage(item, self._cfg.part_size)
         except OSError as exc:
-            self._retry_disk_error(_Job(seq, item, self._cache.staging_root / "unstaged", 0, attempt=attempt), exc)
+            self._retry_disk_error(_Job(seq, item, self._cache.staging_root / "unstaged", 0, extra, attempt=attempt), exc)
             return
         tasks = []
         for f in item.files:
             local = staged if item.is_file else staged / f.rel
             tasks.extend((f, local, start, end) for start, end in split_ranges(f.size, self._cfg.part_size))
-        job = _Job(seq, item, staged, len(tasks), attempt=attempt)
+        job = _Job(seq, item, staged, len(tasks), extra, attempt=attempt)
         if not tasks:
             self._finish_or_report(job)
             return
@@ -229,7 +238,8 @@ class Fetcher:
         for attempt in range(cfg.retries + 1):
             staging = None
             try:
-                with open(local, "r+b") as fh:
+                whole = start == 0 and end == f.size  # one part: the file is created here, not by stage()
+                with open(local, "wb" if whole else "r+b") as fh:
                     fh.seek(start)
                     staging = _StagingFile(fh)
                     got = self._store.get(f.key, staging, start, end)  # type: ignore[arg-type]
@@ -238,9 +248,10 @@ class Fetcher:
                     raise VerificationError(f"{f.key}: short body, {got} of {end - start} bytes at offset {start}")
                 return
             except Exception as exc:
-                if staging is not None and staging.error is not None:
+                local_error = staging.error if staging is not None else exc if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS else None
+                if local_error is not None:
                     with job.lock:  # the disk, not the store: the whole item restarts from scratch
-                        job.disk_error = job.disk_error or staging.error
+                        job.disk_error = job.disk_error or local_error
                     return
                 if not is_transient(exc) or attempt == cfg.retries or self._stop.is_set() or job.error is not None:
                     with job.lock:
@@ -261,7 +272,7 @@ class Fetcher:
             if self._stop.is_set():
                 return
             log.exception("finishing %s failed", job.item.name)
-            self._cache.discard(job.staged, job.item.size + self._extra(job.item), job.item.name)
+            self._cache.discard(job.staged, job.item.size + job.extra, job.item.name)
             self._report_failure(job.seq, job.item, job.item.name, exc)
 
     def _finish(self, job: _Job) -> None:
@@ -295,19 +306,33 @@ class Fetcher:
                 self.counters.add(items_fetched=1)
                 self._broker.put(job.seq, item.name, path)
                 return
-        self._cache.discard(job.staged, item.size + self._extra(item), item.name)
+        self._cache.discard(job.staged, item.size + job.extra, item.name)
         self._report_failure(job.seq, item, job.error_key, job.error)
 
     def _extra(self, item: Item) -> int:
-        """Bytes reserved beside ``item`` for the prepare hook's output."""
-        cfg = self._cfg
-        return cfg.prepare_reserve + int(cfg.prepare_ratio * item.size) if cfg.prepare is not None else 0
+        """Bytes to reserve beside ``item`` for what unpack and the prepare hook write: as the
+        config asks, but at most what the cache leaves beside the item (more would wait forever)."""
+        return max(0, min(self._cfg.prepare_extra(item.size), self._cache.limit - item.size))
+
+    def _refusal(self, item: Item) -> ArchiveError | None:
+        """Why ``item`` cannot be delivered as configured, known before downloading it; or None."""
+        if self._cfg.unpack and item.is_file and split_volume(item.name) is not None:
+            return ArchiveError(
+                f"{item.name!r} is one volume of a split archive: with items='files' each object is unpacked alone. "
+                "Put the volumes of each archive in a folder of their own and use items='folders' "
+                "(or `cachepipe map --items files --unpack`, which groups them)"
+            )
+        return None
 
     def _prepare_and_publish(self, job: _Job) -> None:
-        """Run the prepare hook on a verified staged item, measure it, publish it (prepare pool)."""
-        item, reserved = job.item, job.item.size + self._extra(job.item)
+        """Unpack and/or run the prepare hook on a verified staged item, measure it, publish it
+        (prepare pool). The extraction may add at most ``job.extra`` bytes beside the archives."""
+        item, reserved = job.item, job.item.size + job.extra
         try:
-            self._cfg.prepare(job.staged)  # type: ignore[misc]
+            if self._cfg.unpack:
+                unpack_in_place(job.staged, name=item.name, limit_bytes=job.extra, max_members=DEFAULT_MAX_MEMBERS)
+            if self._cfg.prepare is not None:
+                self._cfg.prepare(job.staged)
             used = tree_bytes(job.staged) if job.staged.is_dir() else job.staged.stat().st_size
             if used > reserved:
                 raise PrepareOverflowError(
@@ -337,14 +362,14 @@ class Fetcher:
             self.counters.add(disk_errors=1)
         _rmtree_quiet(job.staged)
         if job.attempt >= self._cfg.retries:
-            self._cache.unreserve(job.item.size + self._extra(job.item), job.item.name)
+            self._cache.unreserve(job.item.size + job.extra, job.item.name)
             self._report_failure(job.seq, job.item, job.item.name, error)
             return
         delay = backoff_delay(job.attempt, self._cfg.retry_backoff, self._cfg.retry_backoff_max)
         log.warning("local disk error on %s (%s): staging freed, retrying the item in %.2fs", job.item.name, error, delay)
         if self._stop.wait(delay):
             return
-        self._start(job.seq, job.item, job.attempt + 1)
+        self._start(job.seq, job.item, job.extra, job.attempt + 1)
 
     def _report_failure(self, seq: int, item: Item, key: str, error: BaseException) -> None:
         self.counters.add(items_failed=1)

@@ -19,7 +19,8 @@ from .config import PipelineConfig, parse_capacity
 from .errors import EmptySourceError, OversizeError, UnknownItemError, is_transient
 from .fetcher import Fetcher, backoff_delay
 from .items import PathItem
-from .plan import Cursor, Frontier, Plan
+from .listing import StreamingListing
+from .plan import Cursor, Frontier, GrowingPlan, Plan, Step, default_rank_world
 from .plan import tick as plan_tick
 from .retention import PlanFuture, make_policy
 from .stores import Store, open_store
@@ -118,8 +119,10 @@ class Pipeline:
         self._store = store
         self._state = _UNOPENED
         self._lock = threading.Lock()
-        self._items: dict[str, Item] = {}
+        self._inflight: dict[int, Item] = {}  # seq -> item, from planning until consumed
+        self._listing: StreamingListing | None = None
         self._counts = {"handed": 0, "acked": 0, "released": 0, "skipped": 0}
+        self._counts_lock = threading.Lock()  # not _lock: open() holds that while the listing thread counts
         self._bar: Any = None
         self._start_state: dict[str, Any] | None = None
         self._plan_lock = threading.Lock()  # the frontier: issued by the producer, consumed by consumers
@@ -158,11 +161,11 @@ class Pipeline:
 
                         self._bar = tqdm(total=self._total_steps, unit="item", desc="cachepipe", dynamic_ncols=True)
                     self._store, self._fetcher = store, fetcher
-                    self._items = {item.name: item for item in self._eligible}
-                    self._listed_bytes = sum(item.size for item in self._eligible)
                     fetcher.start()
                     self._state = _OPEN
                 except BaseException:
+                    if self._listing is not None:
+                        self._listing.stop()
                     if fetcher is not None:
                         broker.close()
                         cache.interrupt()
@@ -174,12 +177,27 @@ class Pipeline:
                     self._bar.close()
                 store.close()
                 raise
-            log.info("opened %s: %d items, %d bytes, capacity %d bytes", cfg.source, len(self._items), self._listed_bytes, cache.capacity)
+            log.info("opened %s: %s, capacity %d bytes", cfg.source,
+                     "listing while downloading" if self._listing else f"{self._listed} items, {self._listed_bytes} bytes", cache.capacity)
         return self
+
+    def _streams(self, cache: Cache) -> bool:
+        """Whether the listing can stream: a plain pass in listing order that needs neither the
+        whole catalog up front (shuffle, shares, retention, a resume point) nor its names to
+        decide which leftovers of an earlier owner to keep."""
+        cfg = self.config
+        world = cfg.world_size if cfg.rank is not None else default_rank_world()[1]
+        return (
+            cfg.epochs == 1 and not cfg.shuffle and world == 1 and cfg.num_workers == 1 and cfg.retain == "none"
+            and not cfg.resume and self._start_state is None and not cache.has_leftovers()
+        )
 
     def _catalog(self, store: Store, cache: Cache) -> Iterator[tuple[int, Item, int]]:
         """List (or load the saved listing), recover the cache, build the plan; return the fetch order."""
         cfg = self.config
+        self._future: PlanFuture | None = None
+        if self._streams(cache):
+            return self._stream(store, cache)
         listing = cache.saved_catalog(cfg.source, cfg.items) if cfg.resume and not cfg.relist else None
         if listing is None:
             listing = self._list(store)
@@ -188,6 +206,7 @@ class Pipeline:
         if not listing:
             raise EmptySourceError(f"no items under {cfg.source!r}: found no {cfg.items} with objects")
         self._listed = len(listing)
+        self._listed_bytes = sum(item.size for item in listing)
         eligible = []
         limit = cache.capacity - cache.foreign  # the state budget is checked by recover() below
         for item in listing:
@@ -205,9 +224,7 @@ class Pipeline:
             [item.size for item in eligible], epochs=cfg.epochs, shuffle=cfg.shuffle, seed=cfg.seed,
             rank=cfg.rank, world_size=cfg.world_size, worker=cfg.worker, num_workers=cfg.num_workers,
         )
-        config_key = json.dumps(plan.state_dict(), sort_keys=True)  # position excluded below
-        config_key = json.dumps({k: v for k, v in json.loads(config_key).items() if k not in ("epoch", "index")}, sort_keys=True)
-        cursor, acked = cache.recover(listing, resume=cfg.resume, plan=config_key)
+        cursor, acked = cache.recover(listing, resume=cfg.resume, plan=_plan_key(plan))
         if self._start_state is not None:
             plan.load_state_dict(self._start_state)  # an explicit position wins over the journal's
             cursor, acked = plan.start, set()
@@ -216,7 +233,6 @@ class Pipeline:
                 raise OversizeError(item.name, item.size, cache.capacity, cache.capacity - cache.limit)
         self._plan, self._frontier = plan, Frontier(plan, Cursor(*cursor))
         self._eligible = eligible
-        self._future: PlanFuture | None = None
         if cfg.retain == "auto":
             self._future = PlanFuture(plan, horizon=2)
             largest = max(item.size for item in eligible)
@@ -237,15 +253,79 @@ class Pipeline:
             item = self._eligible[step.item]
             with self._plan_lock:
                 seq = self._frontier.issue(step)
+                self._inflight[seq] = item
             if (step.epoch, item.name) in acked:
                 self._broker.skip(seq)
                 self._consume(seq)
                 continue
             yield seq, item, step.tick
 
+    def _stream(self, store: Store, cache: Cache) -> Iterator[tuple[int, Item, int]]:
+        """Start the streaming listing (see :mod:`cachepipe.listing`); return the fetch order.
+
+        Waits for the first page: a listing error or an oversize item (``on_oversize="raise"``)
+        in it is raised here; later ones reach the consumer in their turn.
+        """
+        cfg = self.config
+        cache.recover([], resume=False)  # nothing of an earlier owner's to keep (see _streams)
+        plan = GrowingPlan(seed=cfg.seed)
+        self._plan, self._frontier = plan, Frontier(plan)
+        self._total_steps = None
+
+        def admit(item: Item) -> bool:  # in the listing thread, in listing order
+            cache.note_listed(item.name)
+            if item.size > cache.limit:
+                error = OversizeError(item.name, item.size, cache.capacity, cache.capacity - cache.limit)
+                if cfg.on_oversize == "raise":
+                    raise error
+                log.warning("skipping %s", error)
+                self._count("skipped")
+                return False
+            with self._plan_lock:
+                plan.add(item.size)
+            return True
+
+        def complete() -> None:  # in the listing thread, once it listed everything
+            with self._plan_lock:
+                full = plan.complete()
+            cache.set_plan(_plan_key(full))
+            self._total_steps = full.n_items
+            if self._bar is not None:
+                self._bar.total = full.n_items
+                self._bar.refresh()
+
+        listing = StreamingListing(store, cfg.items, admit, complete, cfg.retries,
+                                   lambda n: backoff_delay(n, cfg.retry_backoff, cfg.retry_backoff_max))
+        self._listing = listing
+        listing.start()
+        listing.wait_first_page()
+        if listing.done and plan.n_items == 0:
+            raise EmptySourceError(f"no items under {cfg.source!r}: found no {cfg.items} "
+                                   + ("smaller than the capacity" if listing.listed else "with objects"))
+        return self._stream_steps(listing)
+
+    def _stream_steps(self, listing: StreamingListing) -> Iterator[tuple[int, Item, int]]:
+        """The fetch order of a streaming listing, run in the producer thread."""
+        index = 0
+        while True:
+            item = listing.take()
+            if item is None:
+                break
+            step = Step(0, index, index)
+            index += 1
+            with self._plan_lock:
+                seq = self._frontier.issue(step)
+                self._inflight[seq] = item
+            yield seq, item, step.tick
+        if listing.stopped:
+            return
+        if index == 0:
+            raise EmptySourceError(f"no items under {self.config.source!r}: found no {self.config.items} smaller than the capacity")
+
     def _consume(self, seq: int) -> None:
         """A step is done (acknowledged, or failed and reported): move the resume point."""
         with self._plan_lock:
+            self._inflight.pop(seq, None)
             before = self._frontier.position
             self._frontier.consume(seq)
             after = self._frontier.position
@@ -310,6 +390,8 @@ class Pipeline:
             return
         self._broker.close()
         self._cache.interrupt()
+        if self._listing is not None:
+            self._listing.stop()
         self._fetcher.stop()
         self._cache.close(keep=self.config.keep_on_close)
         self._store.close()
@@ -381,7 +463,7 @@ class Pipeline:
             if self._bar is not None:
                 self._bar.update(1)
                 self._bar.set_postfix(cache=f"{self._cache.used / 2**20:.0f}/{self._cache.capacity / 2**20:.0f}MiB", refresh=False)
-            return CachedItem(got.value, self._items[got.name], got.id)
+            return CachedItem(got.value, self._inflight[got.seq], got.id)
 
     def ack(self, path: str | os.PathLike[str], lease: str | None = None) -> None:
         """Acknowledge a delivered item: delete its files and free its space now.
@@ -445,10 +527,10 @@ class Pipeline:
         self._require_open(allow_closed=True)
         c = self._fetcher.counters
         counts = self._broker.counts()
-        with self._lock:
+        with self._counts_lock:
             mine = dict(self._counts)
         return Stats(
-            items_listed=self._listed,
+            items_listed=self._listing.listed if self._listing else self._listed,
             items_ready=counts["ready"],
             items_handed=mine["handed"],
             items_acked=mine["acked"],
@@ -457,7 +539,7 @@ class Pipeline:
             items_skipped=mine["skipped"],
             items_reused=c.items_adopted,
             items_redelivered=self._broker.redelivered,
-            bytes_listed=self._listed_bytes,
+            bytes_listed=self._listing.listed_bytes if self._listing else self._listed_bytes,
             bytes_downloaded=c.bytes_downloaded,
             bytes_in_cache=self._cache.used,
             capacity=self._cache.capacity,
@@ -470,13 +552,18 @@ class Pipeline:
         )
 
     def _count(self, name: str) -> None:
-        with self._lock:
+        with self._counts_lock:
             self._counts[name] += 1
 
     def _require_open(self, allow_closed: bool = False) -> None:
         if self._state == _OPEN or (allow_closed and self._state == _CLOSED):
             return
         raise RuntimeError(f"{self!r} is {self._state}: " + ("use it inside 'with' or call open()" if self._state == _UNOPENED else "create a new Pipeline"))
+
+
+def _plan_key(plan: Plan) -> str:
+    """The plan's configuration (its position excluded) as JSON: what a resume must match."""
+    return json.dumps({k: v for k, v in plan.state_dict().items() if k not in ("epoch", "index")}, sort_keys=True)
 
 
 def _steps_before(plan: Plan, cursor: tuple[int, int]) -> int:

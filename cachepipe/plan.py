@@ -55,7 +55,7 @@ from typing import Any, Literal, NamedTuple
 from .catalog import Item
 
 __all__ = [
-    "Cursor", "Step", "Plan", "Frontier", "permutation", "split", "default_rank_world",
+    "Cursor", "Step", "Plan", "GrowingPlan", "Frontier", "permutation", "split", "default_rank_world",
     "default_worker", "tick", "EPOCHS_CACHED",
 ]
 
@@ -388,10 +388,77 @@ class Plan:
         missing = [k for k in (*mine, "epoch", "index") if k not in state]
         if missing:
             raise ValueError(f"plan state is missing {missing}: not a state_dict() of a Plan")
+        if state["n_items"] is None and "listed" in state:  # saved while the listing streamed (GrowingPlan)
+            listed = state["listed"]
+            if not isinstance(listed, int) or not 0 <= listed <= self.n_items:
+                raise ValueError(f"plan state was saved after {listed!r} listed items, this plan has {self.n_items} items: cannot resume")
+            digest = hashlib.blake2b(self.sizes[:listed].tobytes(), digest_size=16).hexdigest()
+            if digest != state["listed_digest"]:
+                raise ValueError(f"plan state was saved with other sizes of the first {listed} items than this plan's: cannot resume")
+            mine = {k: v for k, v in mine.items() if k not in ("n_items", "sizes_digest")}
         for key, value in mine.items():
             if state[key] != value:
                 raise ValueError(f"plan state was saved with {key}={state[key]!r}, this plan has {key}={value!r}: cannot resume")
         self.start = self.normalise(Cursor(state["epoch"], state["index"]))
+
+
+class GrowingPlan:
+    """The plan of one pass in listing order over a catalog that is still being listed.
+
+    The default pipeline (one epoch, no shuffle, one rank and worker) starts downloading while
+    the listing goes on: step ``i`` is listed item ``i``, ``Step(0, i, i)``. :meth:`add` appends
+    an item; :meth:`complete` ends the listing, after which positions and the resume state
+    are exactly those of ``Plan(sizes, epochs=1, seed=seed)``. Until then the end of the pass is
+    unknown (``normalise`` leaves ``(0, n)`` as it is) and the resume state names the items
+    listed so far instead of the whole catalog: ``n_items`` and ``sizes_digest`` are None,
+    ``listed`` and ``listed_digest`` describe the first ``listed`` sizes, and
+    :meth:`Plan.load_state_dict` accepts it if its catalog starts with them.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.sizes = array("q")
+        self.seed = seed
+        self.start = Cursor(0, 0)
+        self._full: Plan | None = None
+        self._hash = hashlib.blake2b(digest_size=16)  # of sizes.tobytes(), kept up to date
+
+    @property
+    def n_items(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def complete_plan(self) -> Plan | None:
+        """The equivalent :class:`Plan`, once the listing is complete."""
+        return self._full
+
+    def add(self, size: int) -> Step:
+        """The next listed item (``size`` bytes) as a step."""
+        if self._full is not None:
+            raise RuntimeError("the listing is complete: no more items can be added")
+        i = len(self.sizes)
+        self.sizes.append(size)
+        self._hash.update(self.sizes[i:].tobytes())
+        return Step(0, i, i)
+
+    def complete(self) -> Plan:
+        """The listing ended: return the plan it amounts to."""
+        if self._full is None:
+            self._full = Plan(self.sizes, epochs=1, seed=self.seed, rank=0, world_size=1)
+        return self._full
+
+    def normalise(self, cursor: Cursor | tuple[int, int]) -> Cursor:
+        if self._full is not None:
+            return self._full.normalise(cursor)
+        return Cursor(*cursor)
+
+    def after(self, step: Step | Cursor | tuple[int, ...]) -> Cursor:
+        return self.normalise(Cursor(step[0], step[1] + 1))
+
+    def _config(self) -> dict[str, Any]:
+        if self._full is not None:
+            return self._full._config()
+        config = Plan([], epochs=1, seed=self.seed, rank=0, world_size=1)._config()
+        return {**config, "n_items": None, "sizes_digest": None, "listed": len(self.sizes), "listed_digest": self._hash.hexdigest()}
 
 
 class Frontier:
@@ -402,7 +469,7 @@ class Frontier:
     consumed, so a resume re-delivers only steps that were never acknowledged.
     """
 
-    def __init__(self, plan: Plan, start: Cursor | None = None) -> None:
+    def __init__(self, plan: Plan | GrowingPlan, start: Cursor | None = None) -> None:
         self.plan = plan
         self.position = plan.normalise(plan.start if start is None else start)
         self._issued: dict[int, Step] = {}

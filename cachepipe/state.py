@@ -82,8 +82,10 @@ def load(path: Path) -> Replay:
             replay.acked.add((_int(epoch, path, number), name))
         elif kind == "C":
             epoch, _, index = arg.partition(" ")
+            moved_on = _int(epoch, path, number) > replay.cursor[0]
             replay.cursor = (_int(epoch, path, number), _int(index, path, number))
-            replay.acked = {a for a in replay.acked if a[0] >= replay.cursor[0]}
+            if moved_on:  # only then can older acks go: rebuilding on every C line is quadratic
+                replay.acked = {a for a in replay.acked if a[0] >= replay.cursor[0]}
         elif kind == "K":
             replay.plan = arg
         elif kind == "D":

@@ -1,4 +1,5 @@
-"""Safe extraction of downloaded archives: :func:`unpack_item`.
+"""Safe extraction of downloaded archives: :func:`unpack_item` (for ``cachepipe map --unpack``) and
+:func:`unpack_in_place`, which puts the extraction in the item's place (for ``Pipeline(unpack=True)``).
 
 Formats, recognised by the first bytes of the (first volume of the) archive, not by its name:
 tar, gzip/bzip2/xz-compressed tar (``.tar``, ``.tar.gz``/``.tgz``, ``.tar.bz2``, ``.tar.xz``),
@@ -46,7 +47,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import CachePipeError, VerificationError
+from .errors import ArchiveError, ArchiveTooLargeError, ChecksumError, UnsafeMemberError
 
 __all__ = [
     "DEFAULT_MAX_MEMBERS",
@@ -59,6 +60,7 @@ __all__ = [
     "archive_format",
     "is_checksum_file",
     "split_volume",
+    "unpack_in_place",
     "unpack_item",
 ]
 
@@ -78,33 +80,6 @@ _VOLUME_PATTERNS = (
 )
 _CHECKSUM_NAMES = frozenset({"md5sums", "md5sums.txt", "md5sum.txt", "checksums.md5"})
 _MD5_RE = re.compile(r"^[0-9a-fA-F]{32}$")
-
-
-class ArchiveError(CachePipeError, ValueError):
-    """An item that cannot be unpacked: no archive in it, a corrupt or unsupported archive."""
-
-
-class UnsafeMemberError(ArchiveError):
-    """An archive member that would write outside the item, or a kind of file that is refused."""
-
-    def __init__(self, archive: str, member: str, reason: str) -> None:
-        super().__init__(f"unsafe member {member!r} in archive {archive!r}: {reason}")
-        self.archive = archive
-        self.member = member
-        self.reason = reason
-
-
-class ArchiveTooLargeError(ArchiveError):
-    """The extracted size or member count would exceed the limit (a tar or zip bomb)."""
-
-    def __init__(self, archive: str, member: str, reason: str) -> None:
-        super().__init__(f"archive {archive!r} refused at member {member!r}: {reason}")
-        self.archive = archive
-        self.member = member
-
-
-class ChecksumError(VerificationError):
-    """A volume's MD5 differs from its ``.md5`` sidecar or ``md5sums`` entry."""
 
 
 @dataclass
@@ -572,6 +547,71 @@ def unpack_item(
         _clear(out)
         raise
     return result
+
+
+def unpack_in_place(
+    path: str | os.PathLike[str], *, name: str | None = None, limit_bytes: int, max_members: int = DEFAULT_MAX_MEMBERS
+) -> UnpackResult:
+    """Replace a downloaded item by its extracted contents: :func:`unpack_item`, then a rename.
+
+    The archives are extracted into ``<path>.unpacked`` beside the item (same filesystem). A
+    folder item's files that are neither archives nor checksum files
+    (:attr:`UnpackResult.other`) are moved into it; the archives, volumes and checksum files
+    are deleted, and the extraction is renamed to ``path``. A single archive file becomes a
+    folder at ``path``. Files are moved, never copied: at any moment the item takes its own
+    bytes plus at most ``limit_bytes``.
+
+    Args:
+        path: the item: a folder, or one archive file.
+        name: the archive's file name, when ``path`` is a single file stored under another
+            name (error messages name it).
+        limit_bytes, max_members: as for :func:`unpack_item`.
+
+    Raises:
+        as :func:`unpack_item`; :class:`ArchiveError` also when a file of the item has the path
+        of an extracted member; FileExistsError when ``<path>.unpacked`` exists. On an archive
+        error ``path`` is left as it was; on any error the extraction is removed.
+    """
+    item = Path(path)
+    out = item.with_name(f"{item.name}.unpacked")
+    if os.path.lexists(out):
+        raise FileExistsError(errno.EEXIST, f"cannot unpack {str(item)!r}: {str(out)!r} exists")
+    source = item
+    if not item.is_dir():  # give the archive its own name, in a folder of its own: the item's root
+        source = item.with_name(f"{item.name}.archive") / (name or item.name).rsplit("/", 1)[-1]
+        source.parent.mkdir()
+        os.rename(item, source)
+    try:
+        result = unpack_item(source, out, limit_bytes=limit_bytes, max_members=max_members)
+        _adopt(item, out, result.other)
+    except BaseException:
+        if os.path.lexists(out):
+            shutil.rmtree(out)
+        if source is not item:
+            os.rename(source, item)
+            source.parent.rmdir()
+        raise
+    shutil.rmtree(item if source is item else source.parent)
+    os.rename(out, item)
+    return result
+
+
+def _adopt(item: Path, out: Path, others: list[str]) -> None:
+    """Move the item's files that are not archives into the extraction, refusing any path that
+    an extracted member (a file, a link, or a file where a folder is needed) already holds."""
+    for rel in others:
+        parts = rel.split("/")
+        for depth in range(1, len(parts) + 1):
+            here = out.joinpath(*parts[:depth])
+            if os.path.lexists(here) and (depth == len(parts) or here.is_symlink() or not here.is_dir()):
+                raise ArchiveError(
+                    f"file {rel!r} of the item collides with {'/'.join(parts[:depth])!r} extracted from its archive(s): "
+                    "rename one of them"
+                )
+    for rel in others:
+        target = out / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(item / rel, target)
 
 
 def _unpack_one(root: Path, volumes: list[str], checksums: dict[str, str], extraction: _Extraction) -> None:

@@ -53,3 +53,16 @@ def test_retention_through_the_pipeline_benchmark_runs():
     proc = subprocess.run([sys.executable, str(script), "--items", "20", "--epochs", "2"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "auto" in proc.stdout and "MIN" in proc.stdout
+
+
+def test_core_benchmark_reports_handoff_and_catalog():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_core.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    assert set(report["handoff"]) >= {"disk"}
+    for r in report["handoff"].values():
+        assert r["items"] == 300 and r["items_per_s"] > 0 and r["floor_items_per_s"] > 0
+    assert set(report["catalog"]) == {"stream", "full"}
+    for r in report["catalog"].values():
+        assert r["catalog"] == 5000 and r["first_item_s"] is not None and r["peak_rss_mib"] > 0

@@ -7,7 +7,6 @@ unpacking split ``tar.gz`` volumes with ``.md5`` files and writing the files bac
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from sampling import Sampler
-from test_unpack import tar_bytes
+from test_unpack import md5_sidecar, tar_bytes, volumes
 
 from cachepipe.cache import tree_bytes
 from cachepipe.errors import (
@@ -125,15 +124,12 @@ def test_split_targz_volumes_with_md5_files_unpacked_and_written_back(s3_source,
     videos = {f"20bn-something-something-v2/{n}.webm": rng.randbytes(rng.randint(2000, 9000)) for n in range(1, 13)}
     good = tar_bytes(videos, "w:gz")
     bad = tar_bytes({"other/x.webm": rng.randbytes(5000)}, "w:gz")
-    for stem, data, volumes in (("20bn-something-something-v2", good, 6), ("other-v1", bad, 3)):
-        step = len(data) // volumes + 1
-        for i in range(volumes):
-            part = data[i * step:(i + 1) * step]
-            digest = hashlib.md5(part).hexdigest()
-            if stem == "other-v1" and i == 1:
+    for stem, data, count in (("20bn-something-something-v2", good, 6), ("other-v1", bad, 3)):
+        for name, part in volumes(data, [f"{stem}-{i:02d}" for i in range(count)]).items():
+            s3_source.put(f"md5/{name}.md5", md5_sidecar(name, part).encode())
+            if name == "other-v1-01":
                 part = part[:100] + bytes([part[100] ^ 1]) + part[101:]  # damaged in transit
-            s3_source.put(f"compressed/{stem}-{i:02d}", part)
-            s3_source.put(f"md5/{stem}-{i:02d}.md5", f"{digest} {stem}-{i:02d}\n".encode())
+            s3_source.put(f"compressed/{name}", part)
 
     # as in the seed, the results go beside compressed/ and md5/, under SRC: they are not listed as items
     s3_source.put("video/earlier-run/x.webm", b"old")

@@ -9,6 +9,7 @@ EXPECTED = {
     "Store", "ObjectInfo", "open_store",
     "CachePipeError", "ConfigError", "UnsafeKeyError", "OversizeError", "EmptySourceError",
     "CacheLockedError", "UnknownItemError", "ItemFailedError", "StoreUnavailableError", "VerificationError", "PrepareOverflowError",
+    "ArchiveError", "UnsafeMemberError", "ArchiveTooLargeError", "ChecksumError",
 }
 
 
@@ -29,3 +30,5 @@ def test_errors_are_builtin_subclasses():
     assert issubclass(cachepipe.EmptySourceError, FileNotFoundError)
     assert issubclass(cachepipe.StoreUnavailableError, ConnectionError)
     assert issubclass(cachepipe.UnknownItemError, KeyError)
+    assert issubclass(cachepipe.UnsafeMemberError, ValueError) and issubclass(cachepipe.ArchiveTooLargeError, cachepipe.ArchiveError)
+    assert issubclass(cachepipe.ChecksumError, OSError)

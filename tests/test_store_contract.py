@@ -49,3 +49,22 @@ def test_missing_bucket_is_file_not_found(remote_source):
             list(s.list())
     finally:
         s.close()
+
+
+def test_s3_gets_take_the_direct_path_unless_an_option_needs_the_sdk(s3_source):
+    """Plain s3fs options use presigned GETs over plain HTTP (the fault tests run through it);
+    options the direct path would not apply keep every request in s3fs."""
+    from cachepipe.stores.fsspec import FsspecStore
+
+    s3_source.put("a/f", b"0123456789")
+    plain = FsspecStore(s3_source.url, s3_source.options)
+    assert plain._direct is not None
+    for extra in ({"client_kwargs": {"endpoint_url": s3_source.options["endpoint_url"], "verify": False}},
+                  {"requester_pays": True}, {"s3_additional_kwargs": {"SSECustomerKey": "k"}}):
+        store = FsspecStore(s3_source.url, {**s3_source.options, **extra, "skip_instance_cache": True})
+        assert store._direct is None, extra
+    import io
+
+    buf = io.BytesIO()
+    assert plain.get("a/f", buf, 2, 7) == 5 and buf.getvalue() == b"23456"
+    plain.close()

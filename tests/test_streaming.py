@@ -1,0 +1,137 @@
+"""The listing streams: a plain pass starts downloading after the first listing page.
+
+A gated store (the real fsspec memory store behind a listing that stops after a given number of
+objects until the test opens the gate) shows that items are delivered while the listing has
+not ended; S3 listings are read page by page from the moto server.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import fsspec
+import pytest
+
+from cachepipe import ConfigError, EmptySourceError, OversizeError, Pipeline
+from cachepipe.listing import FIRST_PAGE_OBJECTS
+from cachepipe.stores.base import ObjectInfo
+from cachepipe.stores.fsspec import FsspecStore
+
+ROOT = "memory://stream/data"
+
+
+class GatedStore(FsspecStore):
+    """An fsspec memory store whose listing stops after ``gate_after`` objects until ``gate``
+    is set; ``fail_after``: raise a transient ConnectionError once, after that many objects."""
+
+    def __init__(self, gate_after: int, fail_after: int | None = None) -> None:
+        super().__init__(ROOT)
+        self.gate_after, self.fail_after = gate_after, fail_after
+        self.gate = threading.Event()
+        self.blocked = threading.Event()
+        self.lists = 0
+
+    def list(self) -> Iterator[ObjectInfo]:
+        self.lists += 1
+        for n, obj in enumerate(super().list()):
+            if n == self.fail_after and self.lists == 1:
+                raise ConnectionError("listing connection reset (injected)")
+            if n == self.gate_after:
+                self.blocked.set()
+                assert self.gate.wait(30), "the test never opened the gate"
+            yield obj
+
+
+@pytest.fixture
+def memory_data() -> Iterator[fsspec.AbstractFileSystem]:
+    fs = fsspec.filesystem("memory")
+    fs.rm("/stream", recursive=True) if fs.exists("/stream") else None
+    yield fs
+    fs.rm("/stream", recursive=True) if fs.exists("/stream") else None
+
+
+def _put(fs, n: int, size: int = 10, start: int = 0) -> None:
+    for i in range(start, start + n):
+        fs.pipe_file(f"/stream/data/item{i:05d}/f", bytes([i % 256]) * size)
+
+
+def test_first_items_arrive_while_the_listing_is_still_going(memory_data, tmp_path):
+    _put(memory_data, FIRST_PAGE_OBJECTS + 50)
+    store = GatedStore(gate_after=FIRST_PAGE_OBJECTS + 10)
+    with Pipeline(ROOT, tmp_path / "c", "1MiB", store=store) as pipe:
+        first = pipe.get(timeout=30)
+        assert first.name == "item00000" and (first / "f").read_bytes() == b"\x00" * 10
+        assert store.blocked.is_set() and not store.gate.is_set()  # delivered before the listing ended
+        assert pipe.stats().items_listed <= FIRST_PAGE_OBJECTS + 10
+        pipe.ack(first)
+        store.gate.set()
+        names = [first.name] + [p.name for p in pipe]
+    assert names == [f"item{i:05d}" for i in range(FIRST_PAGE_OBJECTS + 50)]
+
+
+def test_transient_listing_error_restarts_without_duplicates(memory_data, tmp_path):
+    _put(memory_data, 40)
+    store = GatedStore(gate_after=10**9, fail_after=25)
+    with Pipeline(ROOT, tmp_path / "c", "1MiB", store=store, retry_backoff=0) as pipe:
+        names = [p.name for p in pipe]
+        assert pipe.stats().items_listed == 40
+    assert names == [f"item{i:05d}" for i in range(40)]
+    assert store.lists == 2
+
+
+def test_oversize_item_after_the_first_page_fails_in_its_turn(memory_data, tmp_path):
+    _put(memory_data, FIRST_PAGE_OBJECTS + 5)
+    memory_data.pipe_file(f"/stream/data/item{FIRST_PAGE_OBJECTS + 5:05d}/f", b"x" * 300_000)
+    store = GatedStore(gate_after=10**9)
+    delivered = []
+    with Pipeline(ROOT, tmp_path / "c", "256KiB", store=store) as pipe:
+        with pytest.raises(OversizeError, match="300000 bytes"):
+            for p in pipe:
+                delivered.append(p.name)
+    assert len(delivered) == FIRST_PAGE_OBJECTS + 5  # everything before it, in order
+
+
+def test_state_budget_outgrowing_the_capacity_is_a_config_error(memory_data, tmp_path):
+    _put(memory_data, FIRST_PAGE_OBJECTS + 5)
+    with pytest.raises(ConfigError, match="bytes for its state"):
+        Pipeline(ROOT, tmp_path / "c", 4000).open()
+
+
+def test_all_items_skipped_as_oversize_is_an_empty_source(memory_data, tmp_path):
+    memory_data.pipe_file("/stream/data/a/f", b"x" * 5000)
+    with pytest.raises(EmptySourceError, match="smaller than the capacity"):
+        Pipeline(ROOT, tmp_path / "c", 4000, on_oversize="skip").open()
+
+
+def test_state_saved_mid_listing_resumes_on_the_whole_catalog(memory_data, tmp_path):
+    _put(memory_data, FIRST_PAGE_OBJECTS + 20)
+    store = GatedStore(gate_after=FIRST_PAGE_OBJECTS + 10)
+    with Pipeline(ROOT, tmp_path / "c", "1MiB", store=store) as pipe:
+        for _ in range(3):
+            pipe.ack(pipe.get(timeout=30))
+        state = pipe.state_dict()
+        store.gate.set()
+    assert state["n_items"] is None and state["index"] == 3 and state["listed"] >= 3
+    resumed = Pipeline(ROOT, tmp_path / "c", "1MiB")
+    resumed.load_state_dict(state)
+    with resumed:
+        names = [p.name for p in resumed]
+    assert names[0] == "item00003" and len(names) == FIRST_PAGE_OBJECTS + 17
+    changed = Pipeline(ROOT, tmp_path / "c", "1MiB")
+    memory_data.pipe_file("/stream/data/item00000/f", b"longer than before")
+    changed.load_state_dict(state)
+    with pytest.raises(ValueError, match="other sizes of the first"):
+        changed.open()
+
+
+def test_s3_listing_is_read_page_by_page(s3_source, tmp_path):
+    data = s3_source.folders(7, {"a": 100, "b/c": 50})
+    store = FsspecStore(s3_source.url, s3_source.options)
+    store.list_page_size = 3  # 14 objects: five pages
+    listed = list(store.list())
+    assert [o.key for o in listed] == sorted(f"{name}/{rel}" for name in data for rel in data[name])
+    assert all(o.etag and len(o.etag) == 32 for o in listed)
+    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", store=store) as pipe:
+        got = {p.name: ((p / "a").read_bytes(), (p / "b" / "c").read_bytes()) for p in pipe}
+    assert got == {name: (files["a"], files["b/c"]) for name, files in data.items()}
