@@ -57,11 +57,35 @@ def tree_bytes(root: Path) -> int:
     return total
 
 
-def _rmtree(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink(missing_ok=True)
+def _rmtree(path: str | os.PathLike[str]) -> None:
+    """Delete ``path`` and everything under it; a file or a symlink is unlinked (a link is never
+    followed, also if it replaces a folder while this runs); nothing if it does not exist.
+
+    The folder is opened once with ``O_NOFOLLOW`` and its entries are removed relative to that
+    descriptor (as :func:`shutil.rmtree` does, with fewer calls for the flat folders items are).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        try:
+            os.unlink(path)  # a file, or a link (ELOOP: O_NOFOLLOW met a symlink)
+        except FileNotFoundError:
+            pass
+        return
+    try:
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.name, dir_fd=fd)
+                else:
+                    os.unlink(entry.name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(path)
 
 
 class Cache:
@@ -81,6 +105,7 @@ class Cache:
         self.root = Path(root).absolute()
         self.state_dir = self.root / STATE_DIR
         self.staging_root = self.state_dir / "staging"
+        self._root, self._staging = str(self.root), str(self.staging_root)  # for the per-item paths
         self.catalog_path = self.state_dir / "catalog"
         self._capacity_spec = capacity
         self.capacity = 0
@@ -374,28 +399,29 @@ class Cache:
         """
         with self._cond:
             self._seq += 1
-            path = self.staging_root / str(self._seq)
+            seq = self._seq
+        path = f"{self._staging}/{seq}"  # strings, not Path objects: this runs once per item
         try:
             if item.is_file:
                 if part_size is None or item.size == 0 or item.size > part_size:
                     with open(path, "wb"):
                         pass
-                return path
+                return Path(path)
             os.mkdir(path)
             made = {path}
             for f in item.files:
-                target = path / f.rel
-                if target.parent not in made:
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    made.add(target.parent)
+                target = f"{path}/{f.rel}"
+                parent = target.rpartition("/")[0]
+                if parent not in made:
+                    os.makedirs(parent, exist_ok=True)
+                    made.add(parent)
                 if part_size is None or f.size == 0 or f.size > part_size:
                     with open(target, "wb"):
                         pass
         except OSError:
-            if os.path.lexists(path):
-                _rmtree(path)
+            _rmtree(path)
             raise
-        return path
+        return Path(path)
 
     def item_path(self, item: Item) -> Path:
         """Where ``item`` is (or will be) published."""
@@ -408,9 +434,9 @@ class Cache:
         Raises:
             VerificationError: a file's size differs from the listing.
         """
+        base = os.fspath(staged)
         for f in item.files:
-            local = staged / f.rel if f.rel else staged
-            actual = os.stat(local).st_size
+            actual = os.stat(f"{base}/{f.rel}" if f.rel else base).st_size
             if actual != f.size:
                 raise VerificationError(errno.EIO, f"{f.key}: got {actual} bytes, listing says {f.size}")
 
@@ -426,16 +452,17 @@ class Cache:
         """
         if not verified:
             self.verify(staged, item)
-        final = self.item_path(item)
+        final = f"{self._root}/{item.name}"
         if os.path.lexists(final):
             raise FileExistsError(errno.EEXIST, f"cannot publish item {item.name!r}: {final} exists and is not managed by cachepipe")
         with self._cond, self._dirs:
             self._append("I", item.name)
-            final.parent.mkdir(parents=True, exist_ok=True)
+            if "/" in item.name:  # a nested single-file item: its folders
+                os.makedirs(final.rpartition("/")[0], exist_ok=True)
             os.rename(staged, final)
             self._append("P", item.name)
             self._published[item.name] = item.size if reserved is None else reserved
-        return final
+        return Path(final)
 
     def discard(self, staged: Path, size: int, name: str) -> None:
         """Delete a staging area, release its reservation and the claim on ``name``."""
@@ -564,9 +591,10 @@ class Cache:
             return True
 
     def _remove_files(self, name: str) -> None:
+        _rmtree(f"{self._root}/{name}")
+        if "/" not in name:
+            return
         path = self.root / name
-        if os.path.lexists(path):
-            _rmtree(path)
         parent = path.parent  # nested single-file items: drop the folders we made, if now empty
         with self._dirs:
             while parent != self.root and self.root in parent.parents:

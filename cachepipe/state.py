@@ -23,6 +23,7 @@ lines; a torn last line (power loss) is ignored. Any other damage makes :func:`l
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 import os
@@ -113,6 +114,7 @@ class Journal:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd: int | None = None
+        self._size = 0  # bytes in the file: counted here, not asked of the OS after every append
         self._lock = threading.Lock()
 
     def rewrite(self, replay: Replay) -> None:
@@ -125,19 +127,26 @@ class Journal:
             lines.append(f"C {replay.cursor[0]} {replay.cursor[1]}")
             lines += [f"P {n}" for n in sorted(replay.published)]
             lines += [f"A {e} {n}" for e, n in sorted(replay.acked)]
-            atomic_write(self.path, ("\n".join(lines) + "\n").encode("utf-8"))
+            data = ("\n".join(lines) + "\n").encode("utf-8")
+            atomic_write(self.path, data)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            self._size = len(data)
 
     def append(self, kind: str, arg: str) -> None:
         """Append one event with a single ``write`` (whole, or not at all, if the process dies)."""
         with self._lock:
             if self._fd is None:
                 raise RuntimeError("journal is not open")
-            os.write(self._fd, f"{kind} {arg}\n".encode("utf-8"))
+            line = f"{kind} {arg}\n".encode("utf-8")
+            written = os.write(self._fd, line)
+            self._size += written
+            if written != len(line):  # a regular file takes a whole small write or raises (ENOSPC)
+                raise OSError(errno.EIO, f"{self.path}: short write to the journal ({written} of {len(line)} bytes)")
 
     @property
     def size(self) -> int:
-        return os.fstat(self._fd).st_size if self._fd is not None else 0
+        """Bytes in the journal file (0 when closed)."""
+        return self._size if self._fd is not None else 0
 
     def close(self) -> None:
         with self._lock:

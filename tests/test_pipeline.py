@@ -340,6 +340,24 @@ def test_tree_bytes_counts_regular_files_only(tmp_path):
     assert tree_bytes(tmp_path) == 5
 
 
+def test_ack_deletes_the_item_but_never_through_a_link_the_consumer_left_in_it(s3_source, tmp_path):
+    s3_source.folders(2, {"f": 10})
+    outside = tmp_path / "outside"
+    (outside / "sub").mkdir(parents=True)
+    (outside / "keep").write_bytes(b"mine")
+    (outside / "sub" / "keep").write_bytes(b"mine too")
+    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options, auto_ack=False) as pipe:
+        for _ in range(2):
+            item = pipe.get(timeout=30)
+            os.symlink(outside, item.path / "link-to-dir")  # what a consumer may leave behind
+            os.symlink(outside / "keep", item.path / "link-to-file")
+            (item.path / "made" / "deeper").mkdir(parents=True)
+            os.symlink(outside / "sub", item.path / "made" / "deeper" / "link")
+            pipe.ack(item)
+            assert not os.path.lexists(item.path)
+    assert (outside / "keep").read_bytes() == b"mine" and (outside / "sub" / "keep").read_bytes() == b"mine too"
+
+
 class _nullcontext:
     def __enter__(self):
         return None
