@@ -25,7 +25,8 @@ from cachepipe.errors import (
     StoreUnavailableError,
     UnsafeKeyError,
 )
-from cachepipe.mapper import WORK_DIR, _take_lock, main, map_items, plan_items
+from cachepipe.map_run import _take_lock
+from cachepipe.mapper import WORK_DIR, main, map_items, plan_items
 from cachepipe.stores.base import ObjectInfo
 from cachepipe.stores.fsspec import FsspecStore
 from cachepipe.uploader import DONE_MARKER
