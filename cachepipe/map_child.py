@@ -3,8 +3,10 @@
 :class:`CommandRun` runs CMD, :class:`FunctionRun` runs ``fn`` in a spawned process; each child
 leads a session of its own (so that a signal reaches everything it started) and dies with the
 map process (Linux). ``wait`` keeps the tail of its stderr and enforces the timeout (TERM the
-group, ``grace`` seconds later KILL it). :class:`Watcher` measures every running job's slot and
-kills a child whose outputs outgrew the item's reserve.
+group, ``grace`` seconds later KILL it). When the child exits, whatever it left running in its
+group is killed, before the child is reaped: nothing it started writes into the cache after it
+(a process that left the group with its own ``setsid`` escapes this). :class:`Watcher` measures
+every running job's slot and kills a child whose outputs outgrew the item's reserve.
 """
 
 from __future__ import annotations
@@ -62,10 +64,48 @@ def _signal_group(pid: int, sig: int) -> None:
             pass  # already gone
 
 
-class CommandRun:
+def _exit_fd(pid: int) -> int | None:
+    """A descriptor that becomes readable when child ``pid`` exits, before it is reaped (a pidfd,
+    Linux 5.3+); None elsewhere."""
+    pidfd_open = getattr(os, "pidfd_open", None)
+    if pidfd_open is None:
+        return None
+    try:
+        return pidfd_open(pid)
+    except OSError:  # ENOSYS: an older kernel
+        return None
+
+
+class _Child:
+    """What both kinds of child share: the kill, and the end of the group at the child's exit."""
+
+    pid: int
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ended = False  # exited and its group killed: no signal may name its pid any more
+
+    def kill(self) -> None:
+        with self._lock:
+            if not self._ended:
+                _signal_group(self.pid, signal.SIGKILL)
+
+    def _end(self) -> None:
+        """The child exited and is not reaped yet (so its pid names no other process): kill what it
+        left running in its group; from now on :meth:`kill` does nothing."""
+        with self._lock:
+            self._ended = True
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # not a group leader (a function child that died before its setsid)
+
+
+class CommandRun(_Child):
     """CMD in a child process of its own session, stdin from /dev/null, stderr read by :meth:`wait`."""
 
     def __init__(self, argv: list[str], cwd: Path, env: dict[str, str]) -> None:
+        super().__init__()
         # preexec_fn runs in the forked child before exec; _die_with_parent only makes one prctl
         # call through a function looked up at import, touching no lock another thread could hold.
         self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -74,35 +114,49 @@ class CommandRun:
 
     def wait(self, timeout: float | None, grace: float) -> tuple[int, str, bool]:
         """Block until CMD exits, keeping the tail of its stderr; past ``timeout`` TERM its group,
-        ``grace`` seconds later KILL it. Returns (exit status, stderr tail, timed out)."""
+        ``grace`` seconds later KILL it; at its exit, kill what it left in its group (with a pidfd;
+        without one, leftovers run on). Returns (exit status, stderr tail, timed out)."""
         assert self.proc.stderr is not None
         fd = self.proc.stderr.fileno()
+        exit_fd = _exit_fd(self.pid)
         tail = bytearray()
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._grace = grace
         self._stage = 0  # 0 running, 1 sent TERM, 2 sent KILL
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while True:  # read stderr until EOF (or until a KILL did not bring EOF: a detached descendant holds it)
-                remaining = self._remaining()
-                if remaining is not None and remaining <= 0:
-                    if not self._escalate():
-                        break
-                    continue
-                if not sel.select(remaining):
-                    continue
-                data = os.read(fd, 65536)
-                if not data:
-                    break
-                tail += data
-                del tail[:-TAIL_BYTES]
-        while True:  # CMD may have closed its stderr and run on
+        try:
+            with selectors.DefaultSelector() as sel:
+                sel.register(fd, selectors.EVENT_READ)
+                if exit_fd is not None:
+                    sel.register(exit_fd, selectors.EVENT_READ)
+                while sel.get_map():  # stderr until EOF, and CMD's exit (a KILL that brought neither in a second: stop waiting)
+                    remaining = self._remaining()
+                    if remaining is not None and remaining <= 0:
+                        if not self._escalate():
+                            break
+                        continue
+                    for key, _events in sel.select(remaining):
+                        if key.fd == exit_fd:
+                            sel.unregister(exit_fd)
+                            self._end()  # a leftover holding stderr dies too: the EOF comes
+                            continue
+                        data = os.read(fd, 65536)
+                        if data:
+                            tail += data
+                            del tail[:-TAIL_BYTES]
+                        else:
+                            sel.unregister(fd)
+        finally:
+            if exit_fd is not None:
+                os.close(exit_fd)
+        while True:  # CMD may have closed its stderr and run on (without a pidfd, its exit is seen here)
             remaining = self._remaining()
             try:
                 code = self.proc.wait(None if remaining is None else max(remaining, 0))
                 break
             except subprocess.TimeoutExpired:
                 self._escalate()
+        with self._lock:
+            self._ended = True  # reaped: its pid may now name another process
         self.proc.stderr.close()
         return code, tail.decode("utf-8", "replace"), self._stage > 0
 
@@ -118,9 +172,6 @@ class CommandRun:
         _signal_group(self.pid, signal.SIGTERM if self._stage == 1 else signal.SIGKILL)
         self._deadline = time.monotonic() + (self._grace if self._stage == 1 else 1.0)
         return True
-
-    def kill(self) -> None:
-        _signal_group(self.pid, signal.SIGKILL)
 
 
 def _call_in_child(fn: Callable[[str, str], Any], item: str, out: str, cwd: str, env: dict[str, str], conn: Any) -> None:
@@ -138,10 +189,11 @@ def _call_in_child(fn: Callable[[str, str], Any], item: str, out: str, cwd: str,
     conn.close()
 
 
-class FunctionRun:
+class FunctionRun(_Child):
     """``fn(item, out)`` in a spawned child process; a traceback it raises comes back as the tail."""
 
     def __init__(self, fn: Callable[[str, str], Any], item: Path, out: Path, cwd: Path, env: dict[str, str]) -> None:
+        super().__init__()
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe(duplex=False)
         self.proc = ctx.Process(target=_call_in_child, args=(fn, str(item), str(out), str(cwd), env, child),
@@ -157,6 +209,8 @@ class FunctionRun:
             _signal_group(self.pid, signal.SIGTERM)
             if not multiprocessing.connection.wait([self.proc.sentinel], grace):
                 _signal_group(self.pid, signal.SIGKILL)
+        multiprocessing.connection.wait([self.proc.sentinel])  # exited (the KILL cannot be ignored)
+        self._end()
         self.proc.join()
         tail = ""
         if self._conn.poll():
@@ -168,9 +222,6 @@ class FunctionRun:
         self._conn.close()
         self.proc.close()
         return code, tail, timed_out
-
-    def kill(self) -> None:
-        _signal_group(self.pid, signal.SIGKILL)
 
 
 @dataclass(eq=False)

@@ -23,7 +23,8 @@ writes less than ``margin`` per ``watch_interval`` (1.3 GB/s at the defaults); a
 writer can pass the cap by what it writes beyond that within one interval. Extraction
 (``--unpack``) is exact: each member's size is checked before it is written. The command's
 input stays in the cache until its outputs are uploaded (a retry needs it), so downloads pause
-while outputs wait for upload.
+while outputs wait for upload. When CMD exits, whatever it left running in its process group is
+killed (Linux), so nothing it started writes into the cache after it.
 
 **Resumable.** Items whose marker exists in ``DST`` are skipped before anything is downloaded.
 The marker is written last and lists the item's outputs; a run killed mid-upload leaves no

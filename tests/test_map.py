@@ -317,6 +317,48 @@ def test_outputs_over_their_reserve_are_stopped_and_the_cap_holds(s3_source, s3_
     assert_cache_clean(cache)
 
 
+# ---- what a command leaves running ------------------------------------------------------------------------------
+# "quiet" leaves a process that let go of CMD's stderr: it would outlive the item and write into the
+# cache (into the next item's slot, past the cap); "held" leaves one that keeps stderr: its job would
+# stall until it ends. Each writes the leftover's pid as its output.
+LEAVE_BEHIND = 'if [ "$CACHEPIPE_NAME" = quiet ]; then sleep 300 >/dev/null 2>&1 & else sleep 30 & fi; echo $! > "$CACHEPIPE_OUT/pid"'
+
+
+def leave_a_process_behind(item_path: str, out_path: str) -> None:
+    """The map function of the leftover test: starts a process that would outlive it; runs in a spawned process."""
+    proc = subprocess.Popen(["sleep", "300"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    Path(out_path, "pid").write_text(str(proc.pid))
+
+
+def alive(pid: int) -> bool:
+    """``pid`` runs (a zombie waiting for its reaper does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open") or not Path("/proc/self/stat").exists(), reason="needs Linux pidfds and /proc")
+def test_what_a_command_or_fn_leaves_running_is_killed_when_it_exits(tmp_path):
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    for name in ("held", "quiet"):
+        (src / name).mkdir(parents=True)
+        (src / name / "in.txt").write_text(name)
+    fn_result = map_items(leave_a_process_behind, str(src), str(tmp_path / "fn-dst"), cache_dir=cache, capacity="1MiB", jobs=2,
+                          out_reserve="1KiB")
+    result = map_items(["sh", "-c", LEAVE_BEHIND], str(src), str(tmp_path / "dst"), cache_dir=cache, capacity="1MiB", jobs=2,
+                       out_reserve="1KiB")
+    pids = {p.parent.parent.name + "/" + p.parent.name: int(p.read_text()) for p in tmp_path.glob("*dst/*/pid")}
+    try:
+        assert fn_result.ok and result.ok and len(pids) == 4
+        assert result.seconds < 20  # "held" did not wait for its leftover to let go of stderr
+        assert [where for where, pid in pids.items() if alive(pid)] == []
+    finally:
+        for pid in pids.values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 # ---- the Python API -----------------------------------------------------------------------------------------------
 def reverse_files(item_path: str, out_path: str) -> None:
     """The map function of the API test; runs in a spawned process."""
