@@ -248,12 +248,14 @@ class Watcher:
     """Measures the running jobs' slots every ``interval`` and kills a job that outgrew its reserve.
 
     Sizes have no change event to wait on, so this thread polls, and only while a job runs
-    (it waits on a condition otherwise). Stop is immediate.
+    (it waits on a condition otherwise). Stop is immediate. After :meth:`kill_all` (the run is
+    stopping) a child added is killed at once: a job may start one just as the stop comes.
     """
 
     def __init__(self, interval: float) -> None:
         self._interval = interval
         self._watches: set[Watch] = set()
+        self._killing = False
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="cachepipe-map-watcher", daemon=True)
@@ -262,6 +264,8 @@ class Watcher:
     def add(self, watch: Watch) -> None:
         with self._cond:
             self._watches.add(watch)
+            if self._killing:
+                watch.run.kill()
             self._cond.notify_all()
 
     def remove(self, watch: Watch) -> None:
@@ -269,7 +273,9 @@ class Watcher:
             self._watches.discard(watch)
 
     def kill_all(self) -> None:
+        """Kill every running child, and each one added from now on."""
         with self._cond:
+            self._killing = True
             for watch in self._watches:
                 watch.run.kill()
 

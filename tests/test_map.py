@@ -12,12 +12,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from sampling import Sampler
 from test_unpack import md5_sidecar, tar_bytes, volumes
 
+from cachepipe import map_job
 from cachepipe.cache import tree_bytes
 from cachepipe.errors import (
     CacheLockedError,
@@ -25,6 +28,7 @@ from cachepipe.errors import (
     StoreUnavailableError,
     UnsafeKeyError,
 )
+from cachepipe.map_child import Watcher
 from cachepipe.map_run import _take_lock
 from cachepipe.mapper import WORK_DIR, main, map_items, plan_items
 from cachepipe.stores.base import ObjectInfo
@@ -357,6 +361,41 @@ def test_what_a_command_or_fn_leaves_running_is_killed_when_it_exits(tmp_path):
         for pid in pids.values():
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+class Bug(BaseException):
+    """A bug in a job (not an item's failure): the run stops, like on Ctrl-C."""
+
+
+def test_a_command_that_starts_as_the_run_stops_is_killed(tmp_path, monkeypatch):
+    # Job a crashes while job b ends its extraction; b's CMD starts just after the stop killed the
+    # running commands. It must be killed too, not waited for (the stop would take its 30 s).
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("a", "b"):
+        (src / f"{name}.tar").write_bytes(tar_bytes({f"{name}.txt": b"x"}))
+    b_unpacked, stopped = threading.Event(), threading.Event()
+    unpack, kill_all = map_job.unpack_item, Watcher.kill_all
+
+    def kill_all_then_tell(self):
+        kill_all(self)
+        stopped.set()
+
+    def unpack_then_wait(item_path, *args, **kwargs):
+        if item_path.name == "a.tar":
+            assert b_unpacked.wait(10)
+            raise Bug("job a crashed")
+        unpack(item_path, *args, **kwargs)
+        b_unpacked.set()
+        assert stopped.wait(10)
+
+    monkeypatch.setattr(map_job, "unpack_item", unpack_then_wait)
+    monkeypatch.setattr(Watcher, "kill_all", kill_all_then_tell)
+    started = time.monotonic()
+    with pytest.raises(Bug):
+        map_items(["sleep", "30"], str(src), str(tmp_path / "dst"), cache_dir=tmp_path / "cache", capacity="1MiB",
+                  items="files", unpack=True, jobs=2)
+    assert time.monotonic() - started < 15
 
 
 # ---- the Python API -----------------------------------------------------------------------------------------------
