@@ -190,7 +190,9 @@ class _MapRun:
                     self._tally.fail(mi.name if mi else exc.item, f"download failed: {exc}", "", 1)
                     continue
                 except RuntimeError:
-                    return  # the pipeline was closed (interrupted)
+                    if self._stop.is_set():
+                        return  # the pipeline was closed: the run is stopping
+                    raise  # the pipeline failed: a crash of the run, as any other planning error
                 if cached is None:
                     return
                 self._tally.taken(cached.size)

@@ -21,7 +21,7 @@ from sampling import Sampler
 from test_unpack import md5_sidecar, tar_bytes, volumes
 
 from cachepipe import map_job
-from cachepipe.cache import tree_bytes
+from cachepipe.cache import Cache, tree_bytes
 from cachepipe.errors import (
     CacheLockedError,
     ConfigError,
@@ -396,6 +396,27 @@ def test_a_command_that_starts_as_the_run_stops_is_killed(tmp_path, monkeypatch)
         map_items(["sleep", "30"], str(src), str(tmp_path / "dst"), cache_dir=tmp_path / "cache", capacity="1MiB",
                   items="files", unpack=True, jobs=2)
     assert time.monotonic() - started < 15
+
+
+def test_a_download_side_error_is_raised_not_taken_for_the_end(tmp_path, monkeypatch):
+    # The pipeline hands a planning error to the job that takes its turn. A RuntimeError there
+    # (other than "closed", which only a stopping run sees) used to end that job quietly: the
+    # items after it were dropped and the run reported success.
+    src = tmp_path / "src"
+    for n in range(4):
+        (src / f"item{n}").mkdir(parents=True)
+        (src / f"item{n}" / "f").write_bytes(b"x")
+    acquire, calls = Cache.acquire, []
+
+    def acquire_or_fail(self, item, *args, **kwargs):
+        calls.append(item.name)
+        if len(calls) == 2:
+            raise RuntimeError("planning broke")
+        return acquire(self, item, *args, **kwargs)
+
+    monkeypatch.setattr(Cache, "acquire", acquire_or_fail)
+    with pytest.raises(RuntimeError, match="planning broke"):
+        map_items(["true"], str(src), str(tmp_path / "dst"), cache_dir=tmp_path / "cache", capacity="1MiB")
 
 
 # ---- the Python API -----------------------------------------------------------------------------------------------
