@@ -446,6 +446,14 @@ def test_python_function_api_with_a_multipart_output(s3_source, s3_client, tmp_p
     assert json.loads(out[f"big/{DONE_MARKER}"])["files"] == {"big.bin": 11 * MIB, "in.bin.rev": 10}
 
 
+def test_python_dash_m_runs_the_command_line_module_once():
+    # cachepipe/__init__.py must not import cachepipe.mapper: runpy would then run it a second
+    # time as __main__, with a RuntimeWarning ("found in sys.modules ...") on every run
+    proc = cli("--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: cachepipe map")
+    assert proc.stderr == ""
+
+
 # ---- planning and refusals (no server) -------------------------------------------------------------------------------
 def test_plan_groups_split_volumes_and_attaches_checksum_files():
     keys = ["compressed/x-00", "compressed/x-01", "md5/x-00.md5", "md5/x-01.md5", "shards/a.tar",
