@@ -222,15 +222,22 @@ class _MapRun:
                     raise
                 delay = backoff_delay(attempt, cfg.retry_backoff, cfg.retry_backoff_max)
                 log.warning("%s failed, retry %d/%d in %.2fs: %s", what, attempt + 1, cfg.request_retries, delay, exc)
-                time.sleep(delay)  # in the calling thread, before any job starts; Ctrl-C interrupts it
+                if self._stop.wait(delay):  # before any job starts; the stop of a failed check wakes it (Ctrl-C too)
+                    raise InterruptedError(f"stopped while retrying {what}") from exc
         raise AssertionError("unreachable")
 
     def _done(self, dst: WritableStore, planned: list[MapItem]) -> set[str]:
         """Names of the items whose marker is in DST (checked concurrently, one HEAD each)."""
         if not planned:
             return set()
-        with ThreadPoolExecutor(min(16, len(planned)), thread_name_prefix="cachepipe-map-check") as pool:
+        pool = ThreadPoolExecutor(min(16, len(planned)), thread_name_prefix="cachepipe-map-check")
+        try:
             flags = list(pool.map(lambda mi: self._retrying(f"checking {mi.name}", lambda: dst.exists(marker_key(mi.name))), planned))
+        except BaseException:  # a check failed for good, or Ctrl-C: the checks in flight stop retrying
+            self._stop.set()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
         return {mi.name for mi, flag in zip(planned, flags, strict=True) if flag}
 
 

@@ -419,6 +419,30 @@ def test_a_download_side_error_is_raised_not_taken_for_the_end(tmp_path, monkeyp
         map_items(["true"], str(src), str(tmp_path / "dst"), cache_dir=tmp_path / "cache", capacity="1MiB")
 
 
+class DeniedDest(FsspecStore):
+    """Checking item00's marker is refused; every other check meets a 503 (retried with backoff)."""
+
+    def exists(self, key):
+        if key == f"item00/{DONE_MARKER}":
+            raise PermissionError("access denied to item00's marker")
+        raise StoreUnavailableError(f"store unavailable (HTTP 503) for {key}")
+
+
+def test_a_marker_check_that_fails_stops_the_other_checks_at_once(tmp_path):
+    # 48 checks on 16 threads; each but item00's would retry 3 times with 0.5-1, 1-2 and 2-4 s of
+    # backoff. The refusal must end the run at once, not after the checks in flight went through
+    # their retries (up to a minute at the default backoff): Ctrl-C takes the same path.
+    src = tmp_path / "src"
+    for n in range(48):
+        (src / f"item{n:02d}").mkdir(parents=True)
+        (src / f"item{n:02d}" / "f").write_bytes(b"x")
+    started = time.monotonic()
+    with pytest.raises(PermissionError, match="item00"):
+        map_items(["true"], str(src), str(tmp_path / "dst"), cache_dir=tmp_path / "cache", capacity="1MiB",
+                  dest_store=DeniedDest(str(tmp_path / "dst")), request_retries=3, retry_backoff=1)
+    assert time.monotonic() - started < 3
+
+
 # ---- the Python API -----------------------------------------------------------------------------------------------
 def reverse_files(item_path: str, out_path: str) -> None:
     """The map function of the API test; runs in a spawned process."""
