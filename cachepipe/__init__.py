@@ -31,8 +31,8 @@ from .errors import (
     UnsafeMemberError,
     VerificationError,
 )
-from .mapper import MapResult
-from .mapper import map_items as map
+from .map_result import MapResult
+from .map_run import map_items as map
 from .pipeline import CachedItem, Pipeline, Stats
 from .stores import ObjectInfo, Store, open_store
 

@@ -12,20 +12,25 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 from sampling import Sampler
 from test_unpack import md5_sidecar, tar_bytes, volumes
 
-from cachepipe.cache import tree_bytes
+from cachepipe import map_job
+from cachepipe.cache import Cache, tree_bytes
 from cachepipe.errors import (
     CacheLockedError,
     ConfigError,
     StoreUnavailableError,
     UnsafeKeyError,
 )
-from cachepipe.mapper import WORK_DIR, _take_lock, main, map_items, plan_items
+from cachepipe.map_child import Watcher
+from cachepipe.map_run import _take_lock
+from cachepipe.mapper import WORK_DIR, main, map_items, plan_items
 from cachepipe.stores.base import ObjectInfo
 from cachepipe.stores.fsspec import FsspecStore
 from cachepipe.uploader import DONE_MARKER
@@ -316,6 +321,128 @@ def test_outputs_over_their_reserve_are_stopped_and_the_cap_holds(s3_source, s3_
     assert_cache_clean(cache)
 
 
+# ---- what a command leaves running ------------------------------------------------------------------------------
+# "quiet" leaves a process that let go of CMD's stderr: it would outlive the item and write into the
+# cache (into the next item's slot, past the cap); "held" leaves one that keeps stderr: its job would
+# stall until it ends. Each writes the leftover's pid as its output.
+LEAVE_BEHIND = 'if [ "$CACHEPIPE_NAME" = quiet ]; then sleep 300 >/dev/null 2>&1 & else sleep 30 & fi; echo $! > "$CACHEPIPE_OUT/pid"'
+
+
+def leave_a_process_behind(item_path: str, out_path: str) -> None:
+    """The map function of the leftover test: starts a process that would outlive it; runs in a spawned process."""
+    proc = subprocess.Popen(["sleep", "300"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    Path(out_path, "pid").write_text(str(proc.pid))
+
+
+def alive(pid: int) -> bool:
+    """``pid`` runs (a zombie waiting for its reaper does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open") or not Path("/proc/self/stat").exists(), reason="needs Linux pidfds and /proc")
+def test_what_a_command_or_fn_leaves_running_is_killed_when_it_exits(tmp_path):
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    for name in ("held", "quiet"):
+        (src / name).mkdir(parents=True)
+        (src / name / "in.txt").write_text(name)
+    fn_result = map_items(leave_a_process_behind, str(src), str(tmp_path / "fn-dst"), cache_dir=cache, capacity="1MiB", jobs=2,
+                          out_reserve="1KiB")
+    result = map_items(["sh", "-c", LEAVE_BEHIND], str(src), str(tmp_path / "dst"), cache_dir=cache, capacity="1MiB", jobs=2,
+                       out_reserve="1KiB")
+    pids = {p.parent.parent.name + "/" + p.parent.name: int(p.read_text()) for p in tmp_path.glob("*dst/*/pid")}
+    try:
+        assert fn_result.ok and result.ok and len(pids) == 4
+        assert result.seconds < 20  # "held" did not wait for its leftover to let go of stderr
+        assert [where for where, pid in pids.items() if alive(pid)] == []
+    finally:
+        for pid in pids.values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+class Bug(BaseException):
+    """A bug in a job (not an item's failure): the run stops, like on Ctrl-C."""
+
+
+def test_a_command_that_starts_as_the_run_stops_is_killed(tmp_path, monkeypatch):
+    # Job a crashes while job b ends its extraction; b's CMD starts just after the stop killed the
+    # running commands. It must be killed too, not waited for (the stop would take its 30 s).
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("a", "b"):
+        (src / f"{name}.tar").write_bytes(tar_bytes({f"{name}.txt": b"x"}))
+    b_unpacked, stopped = threading.Event(), threading.Event()
+    unpack, kill_all = map_job.unpack_item, Watcher.kill_all
+
+    def kill_all_then_tell(self):
+        kill_all(self)
+        stopped.set()
+
+    def unpack_then_wait(item_path, *args, **kwargs):
+        if item_path.name == "a.tar":
+            assert b_unpacked.wait(10)
+            raise Bug("job a crashed")
+        unpack(item_path, *args, **kwargs)
+        b_unpacked.set()
+        assert stopped.wait(10)
+
+    monkeypatch.setattr(map_job, "unpack_item", unpack_then_wait)
+    monkeypatch.setattr(Watcher, "kill_all", kill_all_then_tell)
+    started = time.monotonic()
+    with pytest.raises(Bug):
+        map_items(["sleep", "30"], str(src), str(tmp_path / "dst"), cache_dir=tmp_path / "cache", capacity="1MiB",
+                  items="files", unpack=True, jobs=2)
+    assert time.monotonic() - started < 15
+
+
+def test_a_download_side_error_is_raised_not_taken_for_the_end(tmp_path, monkeypatch):
+    # The pipeline hands a planning error to the job that takes its turn. A RuntimeError there
+    # (other than "closed", which only a stopping run sees) used to end that job quietly: the
+    # items after it were dropped and the run reported success.
+    src = tmp_path / "src"
+    for n in range(4):
+        (src / f"item{n}").mkdir(parents=True)
+        (src / f"item{n}" / "f").write_bytes(b"x")
+    acquire, calls = Cache.acquire, []
+
+    def acquire_or_fail(self, item, *args, **kwargs):
+        calls.append(item.name)
+        if len(calls) == 2:
+            raise RuntimeError("planning broke")
+        return acquire(self, item, *args, **kwargs)
+
+    monkeypatch.setattr(Cache, "acquire", acquire_or_fail)
+    with pytest.raises(RuntimeError, match="planning broke"):
+        map_items(["true"], str(src), str(tmp_path / "dst"), cache_dir=tmp_path / "cache", capacity="1MiB")
+
+
+class DeniedDest(FsspecStore):
+    """Checking item00's marker is refused; every other check meets a 503 (retried with backoff)."""
+
+    def exists(self, key):
+        if key == f"item00/{DONE_MARKER}":
+            raise PermissionError("access denied to item00's marker")
+        raise StoreUnavailableError(f"store unavailable (HTTP 503) for {key}")
+
+
+def test_a_marker_check_that_fails_stops_the_other_checks_at_once(tmp_path):
+    # 48 checks on 16 threads; each but item00's would retry 3 times with 0.5-1, 1-2 and 2-4 s of
+    # backoff. The refusal must end the run at once, not after the checks in flight went through
+    # their retries (up to a minute at the default backoff): Ctrl-C takes the same path.
+    src = tmp_path / "src"
+    for n in range(48):
+        (src / f"item{n:02d}").mkdir(parents=True)
+        (src / f"item{n:02d}" / "f").write_bytes(b"x")
+    started = time.monotonic()
+    with pytest.raises(PermissionError, match="item00"):
+        map_items(["true"], str(src), str(tmp_path / "dst"), cache_dir=tmp_path / "cache", capacity="1MiB",
+                  dest_store=DeniedDest(str(tmp_path / "dst")), request_retries=3, retry_backoff=1)
+    assert time.monotonic() - started < 3
+
+
 # ---- the Python API -----------------------------------------------------------------------------------------------
 def reverse_files(item_path: str, out_path: str) -> None:
     """The map function of the API test; runs in a spawned process."""
@@ -341,6 +468,14 @@ def test_python_function_api_with_a_multipart_output(s3_source, s3_client, tmp_p
     assert out["small/a.txt.rev"] == b"olleh" and out["big/in.bin.rev"] == b"9876543210"
     assert s3_client.head_object(Bucket="data", Key="out/big/big.bin")["ETag"].strip('"').endswith("-3")
     assert json.loads(out[f"big/{DONE_MARKER}"])["files"] == {"big.bin": 11 * MIB, "in.bin.rev": 10}
+
+
+def test_python_dash_m_runs_the_command_line_module_once():
+    # cachepipe/__init__.py must not import cachepipe.mapper: runpy would then run it a second
+    # time as __main__, with a RuntimeWarning ("found in sys.modules ...") on every run
+    proc = cli("--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: cachepipe map")
+    assert proc.stderr == ""
 
 
 # ---- planning and refusals (no server) -------------------------------------------------------------------------------

@@ -1,0 +1,299 @@
+"""The child process of one attempt of ``cachepipe map``, and the watcher that stops it.
+
+:class:`CommandRun` runs CMD, :class:`FunctionRun` runs ``fn`` in a spawned process; each child
+leads a session of its own (so that a signal reaches everything it started) and dies with the
+map process (Linux). ``wait`` keeps the tail of its stderr and enforces the timeout (TERM the
+group, ``grace`` seconds later KILL it). When the child exits, whatever it left running in its
+group is killed, before the child is reaped: nothing it started writes into the cache after it
+(a process that left the group with its own ``setsid`` escapes this). :class:`Watcher` measures
+every running job's slot and kills a child whose outputs outgrew the item's reserve.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .cache import tree_bytes
+
+__all__ = ["TAIL_BYTES", "CommandRun", "FunctionRun", "Watch", "Watcher"]
+
+log = logging.getLogger("cachepipe.map")
+
+TAIL_BYTES = 4096
+"""How much of the end of a child's stderr (or traceback) is kept for the failure report."""
+
+_PR_SET_PDEATHSIG = 1
+_libc: Any = None
+if sys.platform.startswith("linux"):
+    try:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _prctl = _libc.prctl
+    except (OSError, AttributeError):
+        _libc = None
+
+
+def _die_with_parent() -> None:
+    """In a child: be killed when the map process dies (kill -9 included), so no orphan keeps
+    writing into the cache. Linux only; elsewhere a no-op."""
+    if _libc is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # the child leads its own session: this reaches everything it started
+    except ProcessLookupError:
+        try:
+            os.kill(pid, sig)  # not yet a group leader (a function child before its setsid)
+        except ProcessLookupError:
+            pass  # already gone
+
+
+def _exit_fd(pid: int) -> int | None:
+    """A descriptor that becomes readable when child ``pid`` exits, before it is reaped (a pidfd,
+    Linux 5.3+); None elsewhere."""
+    pidfd_open = getattr(os, "pidfd_open", None)
+    if pidfd_open is None:
+        return None
+    try:
+        return pidfd_open(pid)
+    except OSError:  # ENOSYS: an older kernel
+        return None
+
+
+class _Child:
+    """What both kinds of child share: the kill, and the end of the group at the child's exit."""
+
+    pid: int
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ended = False  # exited and its group killed: no signal may name its pid any more
+
+    def kill(self) -> None:
+        with self._lock:
+            if not self._ended:
+                _signal_group(self.pid, signal.SIGKILL)
+
+    def _end(self) -> None:
+        """The child exited and is not reaped yet (so its pid names no other process): kill what it
+        left running in its group; from now on :meth:`kill` does nothing."""
+        with self._lock:
+            self._ended = True
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # not a group leader (a function child that died before its setsid)
+
+
+class CommandRun(_Child):
+    """CMD in a child process of its own session, stdin from /dev/null, stderr read by :meth:`wait`."""
+
+    def __init__(self, argv: list[str], cwd: Path, env: dict[str, str]) -> None:
+        super().__init__()
+        # preexec_fn runs in the forked child before exec; _die_with_parent only makes one prctl
+        # call through a function looked up at import, touching no lock another thread could hold.
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     start_new_session=True, preexec_fn=_die_with_parent if _libc is not None else None)  # noqa: PLW1509
+        self.pid = self.proc.pid
+
+    def wait(self, timeout: float | None, grace: float) -> tuple[int, str, bool]:
+        """Block until CMD exits, keeping the tail of its stderr; past ``timeout`` TERM its group,
+        ``grace`` seconds later KILL it; at its exit, kill what it left in its group (with a pidfd;
+        without one, leftovers run on). Returns (exit status, stderr tail, timed out)."""
+        assert self.proc.stderr is not None
+        fd = self.proc.stderr.fileno()
+        exit_fd = _exit_fd(self.pid)
+        tail = bytearray()
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._grace = grace
+        self._stage = 0  # 0 running, 1 sent TERM, 2 sent KILL
+        try:
+            with selectors.DefaultSelector() as sel:
+                sel.register(fd, selectors.EVENT_READ)
+                if exit_fd is not None:
+                    sel.register(exit_fd, selectors.EVENT_READ)
+                while sel.get_map():  # stderr until EOF, and CMD's exit (a KILL that brought neither in a second: stop waiting)
+                    remaining = self._remaining()
+                    if remaining is not None and remaining <= 0:
+                        if not self._escalate():
+                            break
+                        continue
+                    for key, _events in sel.select(remaining):
+                        if key.fd == exit_fd:
+                            sel.unregister(exit_fd)
+                            self._end()  # a leftover holding stderr dies too: the EOF comes
+                            continue
+                        data = os.read(fd, 65536)
+                        if data:
+                            tail += data
+                            del tail[:-TAIL_BYTES]
+                        else:
+                            sel.unregister(fd)
+        finally:
+            if exit_fd is not None:
+                os.close(exit_fd)
+        while True:  # CMD may have closed its stderr and run on (without a pidfd, its exit is seen here)
+            remaining = self._remaining()
+            try:
+                code = self.proc.wait(None if remaining is None else max(remaining, 0))
+                break
+            except subprocess.TimeoutExpired:
+                self._escalate()
+        with self._lock:
+            self._ended = True  # reaped: its pid may now name another process
+        self.proc.stderr.close()
+        return code, tail.decode("utf-8", "replace"), self._stage > 0
+
+    def _remaining(self) -> float | None:
+        return None if self._deadline is None else self._deadline - time.monotonic()
+
+    def _escalate(self) -> bool:
+        """The deadline passed: TERM, then KILL the group; False once KILL was sent and its second passed."""
+        if self._stage == 2:
+            self._deadline = None  # SIGKILL cannot be ignored: the exit comes
+            return False
+        self._stage += 1
+        _signal_group(self.pid, signal.SIGTERM if self._stage == 1 else signal.SIGKILL)
+        self._deadline = time.monotonic() + (self._grace if self._stage == 1 else 1.0)
+        return True
+
+
+def _call_in_child(fn: Callable[[str, str], Any], item: str, out: str, cwd: str, env: dict[str, str], conn: Any) -> None:
+    """Body of a function child (spawned): own session, dies with the parent, reports a traceback."""
+    os.setsid()
+    _die_with_parent()
+    os.chdir(cwd)
+    os.environ.update(env)
+    try:
+        fn(item, out)
+    except BaseException:  # noqa: BLE001 - whatever fn raised is the item's failure, reported to the parent
+        conn.send(traceback.format_exc()[-TAIL_BYTES:])
+        conn.close()
+        sys.exit(1)
+    conn.close()
+
+
+class FunctionRun(_Child):
+    """``fn(item, out)`` in a spawned child process; a traceback it raises comes back as the tail."""
+
+    def __init__(self, fn: Callable[[str, str], Any], item: Path, out: Path, cwd: Path, env: dict[str, str]) -> None:
+        super().__init__()
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_call_in_child, args=(fn, str(item), str(out), str(cwd), env, child),
+                                name="cachepipe-map-fn", daemon=True)
+        self.proc.start()
+        child.close()
+        self.pid = self.proc.pid
+
+    def wait(self, timeout: float | None, grace: float) -> tuple[int, str, bool]:
+        """As :meth:`CommandRun.wait`; the tail is the traceback ``fn`` raised, if any."""
+        timed_out = not multiprocessing.connection.wait([self.proc.sentinel], timeout)
+        if timed_out:
+            _signal_group(self.pid, signal.SIGTERM)
+            if not multiprocessing.connection.wait([self.proc.sentinel], grace):
+                _signal_group(self.pid, signal.SIGKILL)
+        multiprocessing.connection.wait([self.proc.sentinel])  # exited (the KILL cannot be ignored)
+        self._end()
+        self.proc.join()
+        tail = ""
+        if self._conn.poll():
+            try:
+                tail = self._conn.recv()
+            except EOFError:
+                pass  # the child closed the pipe without a traceback: it succeeded, or was killed
+        code = self.proc.exitcode if self.proc.exitcode is not None else -1
+        self._conn.close()
+        self.proc.close()
+        return code, tail, timed_out
+
+
+@dataclass(eq=False)
+class Watch:
+    """One running child and the space its outputs may take."""
+
+    run: Any
+    slot: Path
+    grown: Path | None  # the input folder when CMD runs in it: what it adds there counts too
+    base: int  # the input's size
+    limit: int
+    over: bool = False
+    peak: int = 0
+
+    def measure(self) -> int:
+        used = tree_bytes(self.slot)
+        if self.grown is not None:
+            used += max(0, tree_bytes(self.grown) - self.base)
+        self.peak = max(self.peak, used)
+        return used
+
+
+class Watcher:
+    """Measures the running jobs' slots every ``interval`` and kills a job that outgrew its reserve.
+
+    Sizes have no change event to wait on, so this thread polls, and only while a job runs
+    (it waits on a condition otherwise). Stop is immediate. After :meth:`kill_all` (the run is
+    stopping) a child added is killed at once: a job may start one just as the stop comes.
+    """
+
+    def __init__(self, interval: float) -> None:
+        self._interval = interval
+        self._watches: set[Watch] = set()
+        self._killing = False
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="cachepipe-map-watcher", daemon=True)
+        self._thread.start()
+
+    def add(self, watch: Watch) -> None:
+        with self._cond:
+            self._watches.add(watch)
+            if self._killing:
+                watch.run.kill()
+            self._cond.notify_all()
+
+    def remove(self, watch: Watch) -> None:
+        with self._cond:
+            self._watches.discard(watch)
+
+    def kill_all(self) -> None:
+        """Kill every running child, and each one added from now on."""
+        with self._cond:
+            self._killing = True
+            for watch in self._watches:
+                watch.run.kill()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            with self._cond:
+                while not self._watches and not self._stop.is_set():
+                    self._cond.wait()
+                watches = list(self._watches)
+            for watch in watches:
+                if not watch.over and watch.measure() > watch.limit:
+                    watch.over = True
+                    watch.run.kill()
+                    log.warning("outputs of the job in %s passed its reserve of %d bytes: command killed", watch.slot, watch.limit)
+            self._stop.wait(self._interval)

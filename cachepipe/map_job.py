@@ -1,0 +1,160 @@
+"""One job of a ``cachepipe map`` run: a slot of the output space, and the items it runs there in turn.
+
+For each item, :meth:`Job.process` makes attempts: (unpack and) run CMD or ``fn`` under the
+watcher, upload the outputs and then the marker; a failed run is retried with the same input,
+a failed upload without running CMD again. The item is recorded as done or failed in the tally;
+the slot is emptied after every item.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .errors import CachePipeError, UnsafeKeyError
+from .map_child import CommandRun, FunctionRun, Watch, Watcher
+from .map_plan import MapConfig, MapItem, item_reserve
+from .map_result import Tally
+from .pipeline import CachedItem
+from .unpack import ArchiveError, ChecksumError, unpack_item
+from .uploader import Uploader
+
+__all__ = ["CommandError", "Job", "OutputTooLargeError", "Slot"]
+
+log = logging.getLogger("cachepipe.map")
+
+
+class OutputTooLargeError(CachePipeError, OSError):
+    """A job's outputs (with extracted files and what it added to its input) outgrew its reserve."""
+
+
+class CommandError(CachePipeError, RuntimeError):
+    """CMD (or ``fn``) exited non-zero or timed out; ``tail`` holds the end of its stderr."""
+
+    def __init__(self, message: str, tail: str) -> None:
+        super().__init__(message)
+        self.tail = tail
+
+
+class Slot:
+    """One job's work folder under ``cache_dir/.cachepipe-map/<n>/``: ``in`` (extracted files),
+    ``out`` (outputs), ``cwd`` (working directory for single-file items)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.inp = root / "in"
+        self.out = root / "out"
+        self.cwd = root / "cwd"
+
+    def reset(self) -> None:
+        if self.root.exists():
+            shutil.rmtree(self.root)
+        for path in (self.inp, self.out, self.cwd):
+            path.mkdir(parents=True)
+
+
+class Job:
+    """Runs items one at a time in its slot; shares the watcher, uploader, stop event and tally of the run."""
+
+    def __init__(self, cfg: MapConfig, fn: Callable[[str, str], Any] | None, slot: Slot, *, watcher: Watcher,
+                 uploader: Uploader, stop: threading.Event, tally: Tally) -> None:
+        self.cfg = cfg
+        self.slot = slot
+        self._fn = fn
+        self._watcher = watcher
+        self._uploader = uploader
+        self._stop = stop
+        self._tally = tally
+
+    def process(self, cached: CachedItem, mi: MapItem) -> None:
+        """Make the item's attempts; record it as done or failed (nothing is recorded once stopped)."""
+        cfg, slot = self.cfg, self.slot
+        limit = item_reserve(cfg, mi)
+        produced: Path | None = None
+        manifest: dict[str, int] | None = None
+        error: BaseException | None = None
+        tail = ""
+        attempt = 0
+        for attempt in range(1, cfg.retries + 2):
+            if self._stop.is_set():
+                return
+            if attempt > 1:
+                self._tally.retried()
+                log.warning("retrying %s (attempt %d of %d) after: %s", mi.name, attempt, cfg.retries + 1, error)
+            try:
+                if produced is None:
+                    slot.reset()
+                    produced = self._produce(cached, mi, limit)
+                if manifest is None:
+                    log.info("uploading %s", mi.name)
+                    manifest = self._uploader.upload_item(mi.name, produced, marker_dir=slot.root)
+                    if self._stop.is_set():
+                        return
+            except (OutputTooLargeError, ArchiveError, ChecksumError, UnsafeKeyError) as exc:
+                error, tail = exc, ""
+                break  # the same input would fail the same way
+            except CommandError as exc:
+                error, tail, produced = exc, exc.tail, None
+            except Exception as exc:  # noqa: BLE001 - an upload or local I/O error: the item is retried, then reported
+                if self._stop.is_set():
+                    return
+                error, tail = exc, ""
+                if produced is not None and not produced.exists():
+                    produced = None
+            else:
+                slot.reset()
+                self._tally.succeed(mi.name, manifest)
+                return
+        if self._stop.is_set():
+            return
+        slot.reset()
+        self._tally.fail(mi.name, f"{type(error).__name__}: {error}", tail, attempt)
+
+    def _produce(self, cached: CachedItem, mi: MapItem, limit: int) -> Path:
+        """Unpack and/or run CMD on the item; return the folder whose files are the results."""
+        cfg, slot = self.cfg, self.slot
+        item_path = cached.path
+        source = item_path
+        if cfg.unpack:
+            unpack_item(item_path, slot.inp, limit_bytes=limit, max_members=cfg.max_members)
+            source = slot.inp
+            if cfg.command is None and self._fn is None:
+                return slot.inp
+        cwd = source if source.is_dir() else slot.cwd
+        env = {"CACHEPIPE_ITEM": str(source), "CACHEPIPE_OUT": str(slot.out), "CACHEPIPE_NAME": mi.name}
+        if self._fn is not None:
+            run: Any = FunctionRun(self._fn, source, slot.out, cwd, env)
+        else:
+            assert cfg.command is not None
+            argv = [a.replace("{out}", str(slot.out)).replace("{name}", mi.name).replace("{}", str(source)) for a in cfg.command]
+            try:
+                run = CommandRun(argv, cwd, {**os.environ, **env})
+            except OSError as exc:
+                raise CommandError(f"cannot start {argv[0]!r}: {exc}", "") from exc
+        watch = Watch(run, slot.root, item_path if source == item_path and item_path.is_dir() else None, cached.size, limit)
+        self._watcher.add(watch)
+        try:
+            code, tail, timed_out = run.wait(cfg.timeout, cfg.kill_grace)
+        finally:
+            self._watcher.remove(watch)
+        used = watch.measure()
+        self._tally.measured(watch.peak)
+        if watch.over or used > limit:
+            raise OutputTooLargeError(
+                f"item {mi.name!r}: outputs reached {max(used, watch.peak)} bytes, over its reserve of {limit} bytes "
+                "(the command was stopped); raise out_reserve/out_ratio"
+            )
+        if self._stop.is_set():
+            raise InterruptedError("stopped")
+        what = "fn" if self._fn is not None else f"command {cfg.command[0]!r}"  # type: ignore[index]
+        if timed_out:
+            raise CommandError(f"{what} timed out after {cfg.timeout} s", tail)
+        if code != 0:
+            status = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+            raise CommandError(f"{what} {status}", tail)
+        return slot.out

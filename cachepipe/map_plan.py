@@ -1,0 +1,192 @@
+"""What a ``cachepipe map`` run will do: its options and its work items.
+
+:class:`MapConfig` validates every option of a run; :func:`plan_items` groups a listing into
+work items, :class:`MapItem` (folders, objects, or split archive volumes with their checksum files);
+:class:`PlannedSource` shows the pipeline only the items to do, under their cache names. Pure (no
+disk, no network) but for the reads :class:`PlannedSource` forwards to the real store.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import quote
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from .catalog import check_key, group_items
+from .config import Capacity, parse_size
+from .errors import ConfigError, UnsafeKeyError
+from .stores import Store
+from .stores.base import ObjectInfo
+from .unpack import DEFAULT_MAX_MEMBERS, is_checksum_file, split_volume
+
+__all__ = ["WORK_DIR", "MapConfig", "MapItem", "PlannedSource", "inside_prefix", "item_reserve", "plan_items"]
+
+WORK_DIR = ".cachepipe-map"
+"""The folder under the cache directory holding the jobs' slots (outputs, extracted files)."""
+
+_MIB = 1024**2
+
+
+def _optional_size(what: str) -> Any:
+    return BeforeValidator(lambda v: None if v is None else parse_size(v, what))
+
+
+class MapConfig(BaseModel):
+    """Every option of a map run, validated (sizes in bytes). See :func:`map_items` for each."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    source: str = Field(min_length=1)
+    dest: str = Field(min_length=1)
+    cache_dir: Path
+    capacity: Capacity
+    command: tuple[str, ...] | None = None
+    jobs: int = Field(default=1, ge=1, le=1024)
+    out_reserve: Annotated[int | None, _optional_size("out_reserve")] = None
+    out_ratio: float | None = Field(default=None, gt=0)
+    out_margin: Annotated[int | None, _optional_size("out_margin")] = None
+    items: Literal["folders", "files"] = "folders"
+    unpack: bool = False
+    timeout: float | None = Field(default=None, gt=0)
+    retries: int = Field(default=2, ge=0, le=100)
+    request_retries: int = Field(default=12, ge=0, le=1000)
+    retry_backoff: float = Field(default=0.2, ge=0, le=60)
+    retry_backoff_max: float = Field(default=10.0, gt=0, le=600)
+    max_concurrency: int = Field(default=16, ge=1, le=1024)
+    part_size: Annotated[int, BeforeValidator(lambda v: parse_size(v, "part_size"))] = 8 * _MIB
+    upload_concurrency: int = Field(default=8, ge=1, le=1024)
+    upload_part_size: Annotated[int, BeforeValidator(lambda v: parse_size(v, "upload_part_size"))] = 16 * _MIB
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    dest_options: dict[str, Any] | None = None
+    watch_interval: float = Field(default=0.05, gt=0, le=10)
+    kill_grace: float = Field(default=5.0, ge=0, le=600)
+    max_members: int = Field(default=DEFAULT_MAX_MEMBERS, ge=1)
+    dry_run: bool = False
+    progress: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> MapConfig:
+        if self.out_reserve is not None and self.out_ratio is not None:
+            raise ValueError("give out_reserve or out_ratio, not both")
+        if self.upload_part_size < 5 * _MIB:
+            raise ValueError(f"upload_part_size {self.upload_part_size}: expected at least 5 MiB (the smallest S3 part)")
+        return self
+
+
+@dataclass(frozen=True)
+class MapItem:
+    """One unit of work.
+
+    Attributes:
+        name: its name in ``SRC`` and ``DST`` (results go to ``DST/<name>/``).
+        local: its name in the cache (a single path segment when volumes are grouped).
+        objects: its objects as the pipeline lists them (keys relative to ``SRC``, or under
+            ``local`` when grouped).
+        keys: real key of each listed key.
+        size: total bytes.
+    """
+
+    name: str
+    local: str
+    objects: tuple[ObjectInfo, ...]
+    keys: dict[str, str] = field(hash=False, compare=False)
+    size: int = 0
+
+
+def item_reserve(cfg: MapConfig, mi: MapItem) -> int:
+    """The bytes an item's outputs may take: ``out_reserve``, or ``out_ratio`` (default 1) times its size."""
+    if cfg.out_reserve is not None:
+        return cfg.out_reserve
+    return max(1, math.ceil((cfg.out_ratio or 1.0) * mi.size))
+
+
+def plan_items(objects: Iterable[ObjectInfo], items: Literal["folders", "files"], unpack: bool) -> list[MapItem]:
+    """Group a listing into work items.
+
+    ``folders``: each first-level folder; ``files``: each object. With ``files`` and ``unpack``,
+    split volumes (``x.tar.gz-00``, ``x.tar.gz-01``...; ``.partaa``...; ``.001``...) in one folder
+    form one item named by their stem (``dir/x.tar.gz``), and checksum files are attached to the
+    item whose volume they name: ``<volume>.md5`` (in the same folder or, if that volume's file
+    name is unique, anywhere under ``SRC``, e.g. a ``md5/`` folder beside ``compressed/``), and an
+    ``md5sums`` file to every item with a volume in its folder. Checksum files are not items.
+
+    Raises:
+        UnsafeKeyError: an unsafe key, or an item named like the work folder ``.cachepipe-map``.
+    """
+    objects = [o for o in objects if not (o.key.endswith("/") and o.size == 0)]
+    if items == "folders" or not unpack:
+        planned = [MapItem(it.name, it.name, tuple(ObjectInfo(f.key, f.size, f.etag) for f in it.files),
+                           {f.key: f.key for f in it.files}, it.size) for it in group_items(objects, items)]
+    else:
+        planned = _plan_grouped(objects)
+    for mi in planned:
+        if mi.local.split("/", 1)[0] == WORK_DIR:
+            raise UnsafeKeyError(mi.objects[0].key, f"'{WORK_DIR}' is reserved for cachepipe map's work folder")
+    return planned
+
+
+def _plan_grouped(objects: list[ObjectInfo]) -> list[MapItem]:
+    groups: dict[str, list[ObjectInfo]] = {}
+    sidecars: list[ObjectInfo] = []
+    for obj in objects:
+        check_key(obj.key)
+        if is_checksum_file(obj.key):
+            sidecars.append(obj)
+            continue
+        folder, _, base = obj.key.rpartition("/")
+        split = split_volume(base)
+        name = obj.key if split is None else (f"{folder}/{split[0]}" if folder else split[0])
+        groups.setdefault(name, []).append(obj)
+    by_base: dict[str, list[str]] = {}
+    for name, members in groups.items():
+        for obj in members:
+            by_base.setdefault(obj.key.rpartition("/")[2], []).append(name)
+    for side in sidecars:
+        folder, _, base = side.key.rpartition("/")
+        if base.lower().endswith(".md5"):
+            owners = by_base.get(base[:-4], [])
+            near = [n for n in owners if any(o.key == f"{folder}/{base[:-4]}".lstrip("/") for o in groups[n])]
+            targets = near or (owners if len(owners) == 1 else [])
+        else:
+            targets = [n for n, members in groups.items() if any(o.key.rpartition("/")[0] == folder for o in members)]
+        for name in targets:
+            groups[name].append(side)
+    planned = []
+    for name in sorted(groups):
+        local = quote(name, safe="")
+        members = sorted(groups[name], key=lambda o: o.key)
+        listed = tuple(ObjectInfo(f"{local}/{o.key}", o.size, o.etag) for o in members)
+        planned.append(MapItem(name, local, listed, {f"{local}/{o.key}": o.key for o in members}, sum(o.size for o in members)))
+    return planned
+
+
+class PlannedSource:
+    """The source store as the pipeline sees it: only the items to do, under their cache names."""
+
+    def __init__(self, store: Store, items: Sequence[MapItem]) -> None:
+        self.url = store.url
+        self._store = store
+        self._objects = sorted((o for mi in items for o in mi.objects), key=lambda o: o.key)
+        self._keys = {k: v for mi in items for k, v in mi.keys.items()}
+
+    def list(self) -> Iterator[ObjectInfo]:
+        return iter(self._objects)
+
+    def get(self, key: str, out: Any, start: int, end: int) -> int:
+        return self._store.get(self._keys[key], out, start, end)
+
+    def close(self) -> None:
+        """The map run owns the real store and closes it."""
+
+
+def inside_prefix(source: str, dest: str) -> str | None:
+    """``dest`` relative to ``source`` when it lies under it (``s3://b/d/`` and ``s3://b/d/out/`` -> ``out/``)."""
+    src, dst = source.rstrip("/") + "/", dest.rstrip("/") + "/"
+    if dst == src:
+        raise ConfigError(f"dest {dest!r} is the source itself; give a folder beside it or under it")
+    return dst[len(src):] if dst.startswith(src) else None

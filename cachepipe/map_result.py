@@ -1,0 +1,157 @@
+"""What a ``cachepipe map`` run did: :class:`MapResult`, kept up to date by :class:`Tally`.
+
+Every job records into one :class:`Tally` (under its lock), which also drives the progress bar;
+:func:`format_plan` and :func:`format_summary` are the text the command line prints.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["MapFailure", "MapResult", "Tally", "format_plan", "format_summary"]
+
+log = logging.getLogger("cachepipe.map")
+
+
+@dataclass(frozen=True)
+class MapFailure:
+    """A failed item: its name, the error, CMD's stderr tail (may be empty), attempts made."""
+
+    name: str
+    error: str
+    stderr_tail: str
+    attempts: int
+
+
+@dataclass
+class MapResult:
+    """What a map run did. Sizes in bytes.
+
+    Attributes:
+        items_listed: items under ``SRC``.
+        items_skipped: items already complete in ``DST`` (marker found): not run.
+        items_done: items completed by this run.
+        items_failed: items recorded as failed (see :attr:`failed`).
+        items_retried: attempts beyond the first, over all items.
+        planned: names of the items to do (with ``dry_run``: what would run).
+        bytes_in: bytes downloaded.
+        bytes_out: bytes of outputs uploaded (markers excluded).
+        files_out: output files uploaded.
+        seconds: wall time of the run.
+        capacity: the cap on bytes under the cache dir.
+        download_capacity: the part of it given to downloads.
+        reserve: bytes set aside per job for outputs (without the margin).
+        margin: extra bytes per job that absorb a burst between two watcher measurements.
+        peak_job_bytes: the largest job slot measured (outputs + extracted + added to inputs).
+        failed: the failures, in the order they happened.
+    """
+
+    items_listed: int = 0
+    items_skipped: int = 0
+    items_done: int = 0
+    items_failed: int = 0
+    items_retried: int = 0
+    planned: list[str] = field(default_factory=list)
+    bytes_in: int = 0
+    bytes_out: int = 0
+    files_out: int = 0
+    seconds: float = 0.0
+    capacity: int = 0
+    download_capacity: int = 0
+    reserve: int = 0
+    margin: int = 0
+    peak_job_bytes: int = 0
+    failed: list[MapFailure] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when no item failed."""
+        return not self.failed
+
+
+class Tally:
+    """The jobs' shared record of a run: counters of ``result`` under one lock, and the progress bar."""
+
+    def __init__(self, result: MapResult) -> None:
+        self.result = result
+        self._lock = threading.Lock()
+        self._bar: Any = None
+        self._bytes_out: Callable[[], int] = lambda: 0
+        self._bytes_taken = 0
+
+    def open_bar(self, total: int, bytes_out: Callable[[], int]) -> None:
+        """Show a progress bar of ``total`` items; ``bytes_out`` reads the bytes uploaded so far."""
+        from tqdm.auto import tqdm
+
+        self._bytes_out = bytes_out
+        self._bar = tqdm(total=total, unit="item", desc="cachepipe map", dynamic_ncols=True)
+
+    def close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+    def taken(self, size: int) -> None:
+        """A job took an item of ``size`` bytes from the cache."""
+        with self._lock:
+            self._bytes_taken += size
+
+    def retried(self) -> None:
+        with self._lock:
+            self.result.items_retried += 1
+
+    def measured(self, peak: int) -> None:
+        """A job's slot reached ``peak`` bytes."""
+        with self._lock:
+            self.result.peak_job_bytes = max(self.result.peak_job_bytes, peak)
+
+    def succeed(self, name: str, manifest: dict[str, int] | None) -> None:
+        with self._lock:
+            self.result.items_done += 1
+        log.info("done %s: %d files, %d bytes", name, len(manifest or {}), sum((manifest or {}).values()))
+        self._tick()
+
+    def fail(self, name: str, error: str, tail: str, attempts: int) -> None:
+        with self._lock:
+            self.result.items_failed += 1
+            self.result.failed.append(MapFailure(name, error, tail, attempts))
+        log.error("item %s failed after %d attempt(s): %s", name, attempts, error)
+        self._tick()
+
+    def _tick(self) -> None:
+        if self._bar is None:
+            return
+        with self._lock:
+            r = self.result
+            self._bar.update(1)
+            self._bar.set_postfix(ordered_dict={"done": r.items_done, "failed": r.items_failed, "in": f"{self._bytes_taken / 1e6:.1f}MB",
+                                                "out": f"{self._bytes_out() / 1e6:.1f}MB"}, refresh=False)
+
+
+def format_plan(result: MapResult, dest: str) -> str:
+    """The ``--dry-run`` listing."""
+    lines = [f"would run: {name} -> {dest.rstrip('/')}/{name}/" for name in result.planned]
+    lines.append(f"{len(result.planned)} items to run, {result.items_skipped} already done, of {result.items_listed} listed")
+    if result.planned:
+        lines.append(f"capacity {result.capacity} bytes: {result.download_capacity} for downloads, "
+                     f"{result.reserve} + {result.margin} margin per job for outputs")
+    return "\n".join(lines)
+
+
+def format_summary(result: MapResult) -> str:
+    """The closing summary: counts, megabytes, failed items with their stderr tails."""
+    lines = [(
+        f"cachepipe map: {result.items_done} done, {result.items_failed} failed, {result.items_skipped} already done; "
+        f"{result.bytes_in / 1e6:.1f} MB in, {result.bytes_out / 1e6:.1f} MB out ({result.files_out} files) "
+        f"in {result.seconds:.1f} s; peak job {result.peak_job_bytes} of {result.reserve} bytes reserved"
+    )]
+    if result.failed:
+        lines.append("failed items (run the same command again to retry them):")
+        for failure in result.failed:
+            lines.append(f"  {failure.name}: {failure.error} (after {failure.attempts} attempt(s))")
+            for line in failure.stderr_tail.strip().splitlines()[-10:]:
+                lines.append(f"    | {line}")
+    return "\n".join(lines)

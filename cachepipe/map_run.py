@@ -1,0 +1,329 @@
+"""One ``cachepipe map`` run: :func:`map_items` (exported as ``cachepipe.map``) and what it drives.
+
+The run lists ``SRC``, skips the items whose marker is in ``DST``, splits the capacity between
+downloads and the jobs' output slots, takes the work folder's lock, and feeds the items of a
+:class:`~cachepipe.Pipeline` to ``jobs`` threads, each a :class:`~cachepipe.map_job.Job`. Ctrl-C
+(or a crashed job) stops the commands and the downloads, and propagates.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import pickle
+import shutil
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import Share
+from .errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError, is_transient
+from .fetcher import backoff_delay
+from .map_child import Watcher
+from .map_job import Job, Slot
+from .map_plan import WORK_DIR, MapConfig, MapItem, PlannedSource, inside_prefix, item_reserve, plan_items
+from .map_result import MapResult, Tally
+from .pipeline import Pipeline
+from .stores import Store, open_store
+from .stores.base import WritableStore
+from .uploader import Uploader, marker_key
+
+__all__ = ["map_items"]
+
+log = logging.getLogger("cachepipe.map")
+
+_MIB = 1024**2
+
+
+@dataclass(frozen=True)
+class _Sizing:
+    capacity: int
+    reserve: int
+    margin: int
+    jobs: int
+
+    @property
+    def downloads(self) -> int:
+        return self.capacity - self.jobs * (self.reserve + self.margin)
+
+
+class _MapRun:
+    def __init__(self, cfg: MapConfig, fn: Callable[[str, str], Any] | None, store: Store | None, dest_store: Store | None) -> None:
+        self.cfg = cfg
+        self._fn = fn
+        self._store = store
+        self._dest = dest_store
+        self._stop = threading.Event()
+        self._crash_lock = threading.Lock()
+        self._result = MapResult()
+        self._tally = Tally(self._result)
+        self._by_local: dict[str, MapItem] = {}
+        self._crash: BaseException | None = None
+
+    # -- orchestration ---------------------------------------------------------------------------------
+    def run(self) -> MapResult:
+        cfg, result = self.cfg, self._result
+        started = time.monotonic()
+        src = self._store or open_store(cfg.source, cfg.storage_options)
+        try:
+            dst = self._dest or open_store(cfg.dest, cfg.storage_options if cfg.dest_options is None else cfg.dest_options)
+            try:
+                if not isinstance(dst, WritableStore):
+                    raise ConfigError(f"destination {cfg.dest!r}: {type(dst).__name__} cannot be written to (it has no put/exists)")
+                if hasattr(dst, "upload_part_size"):
+                    dst.upload_part_size = cfg.upload_part_size  # type: ignore[attr-defined]
+                inside = inside_prefix(cfg.source, cfg.dest)
+                listing = self._retrying(f"listing {cfg.source}", lambda: list(src.list()))
+                if inside is not None:  # DST under SRC: its results are not items
+                    listing = [o for o in listing if not o.key.startswith(inside)]
+                planned = plan_items(listing, cfg.items, cfg.unpack)
+                done = self._done(dst, planned)
+                todo = [mi for mi in planned if mi.name not in done]
+                result.items_listed, result.items_skipped = len(planned), len(done)
+                result.planned = [mi.name for mi in todo]
+                if todo and not cfg.dry_run:
+                    self._execute(src, dst, todo)
+                elif todo:
+                    self._size(todo, _resolve_capacity(cfg.capacity, cfg.cache_dir))
+            finally:
+                if self._dest is None:
+                    dst.close()
+        finally:
+            if self._store is None:
+                src.close()
+        result.seconds = time.monotonic() - started
+        return result
+
+    def _size(self, todo: Sequence[MapItem], capacity: int) -> _Sizing:
+        cfg = self.cfg
+        reserve = max(item_reserve(cfg, mi) for mi in todo)
+        margin = cfg.out_margin if cfg.out_margin is not None else min(reserve, 64 * _MIB)
+        sizing = _Sizing(capacity, reserve, margin, min(cfg.jobs, len(todo)))
+        r = self._result
+        r.capacity, r.reserve, r.margin, r.download_capacity = capacity, reserve, margin, sizing.downloads
+        if sizing.downloads <= 0:
+            raise ConfigError(
+                f"capacity {capacity} bytes leaves no room for downloads after setting aside {sizing.jobs} jobs x "
+                f"({reserve} bytes reserve + {margin} bytes margin) for outputs; raise capacity, or lower jobs, "
+                "out_reserve/out_ratio or out_margin"
+            )
+        return sizing
+
+    def _execute(self, src: Store, dst: WritableStore, todo: list[MapItem]) -> None:
+        cfg = self.cfg
+        cache_dir = cfg.cache_dir.absolute()
+        sizing = self._size(todo, _resolve_capacity(cfg.capacity, cache_dir))  # refuse before touching the disk
+        work = cache_dir / WORK_DIR
+        work.mkdir(parents=True, exist_ok=True)
+        lock_fd = _take_lock(work, cache_dir)
+        try:
+            for entry in work.iterdir():  # slots left by a run that died
+                if entry.name != "lock":
+                    shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            fits = [mi for mi in todo if mi.size <= sizing.downloads]
+            for mi in todo:
+                if mi.size > sizing.downloads:
+                    self._tally.fail(mi.name, f"item is {mi.size} bytes, more than the {sizing.downloads} bytes the capacity leaves for "
+                                     "downloads beside the output reserves; raise capacity or lower jobs/out_reserve", "", 0)
+            if fits:
+                self._by_local = {mi.local: mi for mi in fits}
+                self._pump(src, dst, fits, sizing, work)
+        finally:
+            os.close(lock_fd)
+        if self._crash is not None:
+            raise self._crash
+
+    def _pump(self, src: Store, dst: WritableStore, items: list[MapItem], sizing: _Sizing, work: Path) -> None:
+        cfg = self.cfg
+        grouped = cfg.items == "files" and cfg.unpack
+        pipe = Pipeline(cfg.source, cfg.cache_dir, sizing.downloads, store=PlannedSource(src, items),
+                        items="folders" if grouped else cfg.items, auto_ack=False, on_error="raise",
+                        retries=cfg.request_retries, retry_backoff=cfg.retry_backoff, retry_backoff_max=cfg.retry_backoff_max,
+                        max_concurrency=cfg.max_concurrency, part_size=cfg.part_size)
+        uploader = Uploader(dst, cfg.upload_concurrency, cfg.request_retries, cfg.retry_backoff, cfg.retry_backoff_max, self._stop)
+        self._watcher = Watcher(cfg.watch_interval)
+        if cfg.progress:
+            self._tally.open_bar(len(items), lambda: uploader.counters.bytes)
+        workers: list[threading.Thread] = []
+        try:
+            with pipe:
+                self._pipe = pipe
+                for n in range(sizing.jobs):
+                    job = Job(cfg, self._fn, Slot(work / str(n)), watcher=self._watcher, uploader=uploader, stop=self._stop, tally=self._tally)
+                    workers.append(threading.Thread(target=self._worker, args=(job,), name=f"cachepipe-map-job{n}", daemon=True))
+                    workers[-1].start()
+                try:
+                    for worker in workers:
+                        worker.join()
+                except BaseException:  # Ctrl-C: stop the commands and the downloads, then let it propagate
+                    self._stop.set()
+                    self._watcher.kill_all()
+                    pipe.close()
+                    for worker in workers:
+                        worker.join()
+                    raise
+                self._result.bytes_in = pipe.stats().bytes_downloaded
+        finally:
+            self._stop.set()
+            self._watcher.stop()
+            uploader.close()
+            self._result.bytes_out, self._result.files_out = uploader.counters.bytes, uploader.counters.files
+            self._tally.close_bar()
+            for n in range(len(workers)):
+                slot_root = work / str(n)
+                if slot_root.exists():
+                    shutil.rmtree(slot_root)
+
+    def _worker(self, job: Job) -> None:
+        """A job's thread: take items from the pipeline until none is left; ack each after processing."""
+        try:
+            while not self._stop.is_set():
+                try:
+                    cached = self._pipe.get()
+                except ItemFailedError as exc:
+                    mi = self._by_local.get(exc.item)
+                    self._tally.fail(mi.name if mi else exc.item, f"download failed: {exc}", "", 1)
+                    continue
+                except RuntimeError:
+                    if self._stop.is_set():
+                        return  # the pipeline was closed: the run is stopping
+                    raise  # the pipeline failed: a crash of the run, as any other planning error
+                if cached is None:
+                    return
+                self._tally.taken(cached.size)
+                try:
+                    job.process(cached, self._by_local[cached.name])
+                finally:
+                    try:
+                        self._pipe.ack(cached)
+                    except (RuntimeError, UnknownItemError):
+                        pass  # closed while this item ran: closing removes it anyway
+        except BaseException as exc:  # a bug: stop the run and raise it from map_items
+            log.exception("map job crashed")
+            with self._crash_lock:
+                self._crash = self._crash or exc
+            self._stop.set()
+            self._watcher.kill_all()
+            self._pipe.close()
+
+    # -- DST and SRC requests ---------------------------------------------------------------------------
+    def _retrying(self, what: str, call: Callable[[], Any]) -> Any:
+        cfg = self.cfg
+        for attempt in range(cfg.request_retries + 1):
+            try:
+                return call()
+            except Exception as exc:
+                if not is_transient(exc) or attempt == cfg.request_retries:
+                    raise
+                delay = backoff_delay(attempt, cfg.retry_backoff, cfg.retry_backoff_max)
+                log.warning("%s failed, retry %d/%d in %.2fs: %s", what, attempt + 1, cfg.request_retries, delay, exc)
+                if self._stop.wait(delay):  # before any job starts; the stop of a failed check wakes it (Ctrl-C too)
+                    raise InterruptedError(f"stopped while retrying {what}") from exc
+        raise AssertionError("unreachable")
+
+    def _done(self, dst: WritableStore, planned: list[MapItem]) -> set[str]:
+        """Names of the items whose marker is in DST (checked concurrently, one HEAD each)."""
+        if not planned:
+            return set()
+        pool = ThreadPoolExecutor(min(16, len(planned)), thread_name_prefix="cachepipe-map-check")
+        try:
+            flags = list(pool.map(lambda mi: self._retrying(f"checking {mi.name}", lambda: dst.exists(marker_key(mi.name))), planned))
+        except BaseException:  # a check failed for good, or Ctrl-C: the checks in flight stop retrying
+            self._stop.set()
+            raise
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        return {mi.name for mi, flag in zip(planned, flags, strict=True) if flag}
+
+
+def _resolve_capacity(capacity: int | Share, cache_dir: Path) -> int:
+    if not isinstance(capacity, Share):
+        return capacity
+    probe = cache_dir.absolute()
+    while not probe.exists():
+        probe = probe.parent
+    return int(shutil.disk_usage(probe).free * capacity.fraction)
+
+
+def _take_lock(work: Path, cache_dir: Path) -> int:
+    """flock ``work/lock`` (an empty file, so it adds no bytes) for the whole run."""
+    fd = os.open(work / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise CacheLockedError(str(cache_dir), "another cachepipe map run") from None
+    return fd
+
+
+def map_items(
+    fn: Callable[[str, str], Any] | Sequence[str] | None,
+    source: str,
+    dest: str,
+    *,
+    cache_dir: str | os.PathLike[str],
+    capacity: int | str,
+    store: Store | None = None,
+    dest_store: Store | None = None,
+    **options: Any,
+) -> MapResult:
+    """Run ``fn`` on every item of ``source`` through a size-capped cache; upload its results to ``dest``.
+
+    Exported as ``cachepipe.map``. See :mod:`cachepipe.mapper` for the cap, resumption and retries.
+
+    Args:
+        fn: ``fn(item_path, out_path)``, run in a fresh process per item (``spawn``: it must be
+            picklable, i.e. defined at module level, and a script calling ``map_items`` needs
+            the ``if __name__ == "__main__":`` guard); or a command as a list of arguments, in
+            which ``{}`` is the item's path, ``{out}`` the output folder and ``{name}`` the
+            item's name; or None with ``unpack=True`` (the extracted files are the results).
+            The working directory is the item's folder (for a single-file item: an empty
+            scratch folder, counted in the reserve, not uploaded); the environment has
+            ``CACHEPIPE_ITEM``, ``CACHEPIPE_OUT`` and ``CACHEPIPE_NAME``.
+        source: dataset URL (as for :class:`~cachepipe.Pipeline`).
+        dest: results URL; item ``x`` goes to ``dest/x/`` (``s3://``, ``obs://``, ``file://``...).
+        cache_dir: local directory for inputs and outputs.
+        capacity: hard cap on bytes under ``cache_dir`` (``"20GiB"``, ``"80%"``...).
+        store, dest_store: stores to use instead of opening ``source``/``dest`` (tests).
+        **options: the other fields of :class:`MapConfig`: ``jobs`` (1), ``out_reserve``
+            (a size per item) or ``out_ratio`` (times the item's size; default 1.0),
+            ``out_margin``, ``items`` (``"folders"``/``"files"``), ``unpack``, ``timeout``
+            (seconds per attempt), ``retries`` (2, per item), ``request_retries`` (12, per
+            request, as downloads), ``storage_options``, ``dest_options`` (default: the same),
+            ``upload_concurrency`` (8), ``upload_part_size`` (16 MiB), ``max_concurrency``,
+            ``part_size``, ``watch_interval`` (0.05 s), ``kill_grace`` (5 s), ``max_members``,
+            ``dry_run``, ``progress``.
+
+    Returns:
+        a :class:`MapResult`; failed items are in ``result.failed`` (the run does not stop for them).
+
+    Raises:
+        ValueError: a bad option, or nothing to do (no ``fn``, no command, no ``unpack``).
+        TypeError: ``fn`` cannot be pickled for the child process.
+        CacheLockedError: another map run or pipeline uses ``cache_dir``.
+    """
+    command: tuple[str, ...] | None = None
+    func: Callable[[str, str], Any] | None = None
+    if isinstance(fn, str):
+        raise TypeError(f"fn {fn!r}: give a command as a list of arguments, e.g. ['sh', '-c', '...']")
+    if isinstance(fn, Sequence):
+        command = tuple(str(a) for a in fn)
+        if not command:
+            raise ValueError("the command is empty")
+    elif fn is not None:
+        if not callable(fn):
+            raise TypeError(f"fn {fn!r}: expected a callable fn(item_path, out_path), a command list, or None")
+        try:
+            pickle.dumps(fn)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            raise TypeError(f"fn {fn!r} cannot be sent to a child process ({exc}); define it at module level") from exc
+        func = fn
+    cfg = MapConfig(source=source, dest=dest, cache_dir=Path(cache_dir), capacity=capacity, command=command, **options)
+    if command is None and func is None and not cfg.unpack:
+        raise ConfigError("nothing to do: give fn or a command (after -- on the command line), or unpack=True")
+    return _MapRun(cfg, func, store, dest_store).run()
