@@ -43,8 +43,8 @@ class StreamingListing:
             consumer in the item's turn).
         complete: called in the listing thread when the whole source is listed.
         retries, backoff: a transient listing error restarts the listing after
-            ``backoff(attempt)`` seconds, skipping the items already listed (names are listed
-            in increasing order), up to ``retries`` times in a row.
+            ``backoff(attempt)`` seconds, skipping the items already listed (items come in
+            increasing key order, see :func:`_position`), up to ``retries`` times in a row.
     """
 
     def __init__(
@@ -109,16 +109,17 @@ class StreamingListing:
 
     # ---- the listing thread ------------------------------------------------------------
     def _run(self) -> None:
-        last: str | None = None  # name of the last item listed: a restart skips up to it
+        last: str | None = None  # position of the last item listed (see _position): a restart skips up to it
         attempt = 0
         try:
             while not self._stop.is_set():
                 try:
                     for item in group_items(self._count(self._store.list()), self._mode):
-                        if last is not None and item.name <= last:
+                        position = _position(item)
+                        if last is not None and position <= last:
                             continue
                         attempt = 0
-                        last = item.name
+                        last = position
                         keep = self._admit(item)
                         with self._cond:
                             self.listed += 1
@@ -156,3 +157,10 @@ class StreamingListing:
                 with self._cond:
                     self._first_page = True
                     self._cond.notify_all()
+
+
+def _position(item: Item) -> str:
+    """Where ``item`` stands in the listing's key order. A folder's keys all start with
+    ``name/``, so folders come in the order of ``name + "/"``, not of their names: ``a-b/f`` is
+    listed before ``a/f`` although ``"a" < "a-b"``. A single-file item's name is its key."""
+    return item.name if item.is_file else f"{item.name}/"

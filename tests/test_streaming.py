@@ -80,6 +80,32 @@ def test_transient_listing_error_restarts_without_duplicates(memory_data, tmp_pa
     assert store.lists == 2
 
 
+# Keys sort by the whole key, so the folder "a-b" ("a-b/f") is listed before "a" ("a/f"): the
+# folders do not come in the order of their names ("a" < "a-b"), only in that of "name/".
+NAMES_OUT_OF_NAME_ORDER = ["a", "a b", "a!", "a-b", "a.c", "a.c.d", "a0", "b"]
+
+
+def test_every_folder_is_delivered_though_keys_and_names_sort_differently(source, tmp_path):
+    for name in NAMES_OUT_OF_NAME_ORDER:
+        source.put(f"{name}/f", name.encode())
+    with Pipeline(source.url, tmp_path / "c", "1MiB", storage_options=source.options) as pipe:
+        got = {p.name: (p / "f").read_bytes() for p in pipe}
+        assert pipe.stats().items_listed == len(NAMES_OUT_OF_NAME_ORDER)
+    assert got == {name: name.encode() for name in NAMES_OUT_OF_NAME_ORDER}
+
+
+@pytest.mark.parametrize("cut_after", range(len(NAMES_OUT_OF_NAME_ORDER)))
+def test_a_listing_restarted_anywhere_delivers_each_folder_once(memory_data, tmp_path, cut_after):
+    for name in NAMES_OUT_OF_NAME_ORDER:
+        memory_data.pipe_file(f"/stream/data/{name}/f", name.encode())
+        memory_data.pipe_file(f"/stream/data/{name}/g", b"2")
+    store = GatedStore(gate_after=10**9, fail_after=2 * cut_after + 1)  # mid-folder
+    with Pipeline(ROOT, tmp_path / "c", "1MiB", store=store, retry_backoff=0) as pipe:
+        names = [p.name for p in pipe]
+    assert store.lists == 2
+    assert sorted(names) == sorted(NAMES_OUT_OF_NAME_ORDER)
+
+
 def test_oversize_item_after_the_first_page_fails_in_its_turn(memory_data, tmp_path):
     _put(memory_data, FIRST_PAGE_OBJECTS + 5)
     memory_data.pipe_file(f"/stream/data/item{FIRST_PAGE_OBJECTS + 5:05d}/f", b"x" * 300_000)
