@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_core.py                 # 20,000 hand-offs, 1,000,000-item catalog
     .venv/bin/python benchmarks/bench_core.py --quick --json  # what the smoke test runs
+    .venv/bin/python benchmarks/bench_core.py --no-handoff    # the catalog measurements only
 
 Three measurements, each in a fresh child process (so RSS and CPU are its own):
 
@@ -14,7 +15,10 @@ Three measurements, each in a fresh child process (so RSS and CPU are its own):
   the default pass streams it (see ``cachepipe/listing.py``). Reports the time to the first item
   and the peak RSS after ``--consume`` items, while the listing runs ahead as far as it may.
 - ``catalog-full``: the same listing with ``shuffle=True``, which needs the whole catalog before
-  the first download: time to open and peak RSS.
+  the first download: time to open (wall and CPU seconds: on a shared machine the CPU seconds
+  vary less) and peak RSS.
+
+``--no-handoff`` runs only the two catalog measurements.
 """
 
 from __future__ import annotations
@@ -100,9 +104,9 @@ def run_floor(n: int, where: str) -> dict[str, Any]:
 def run_catalog(n: int, consume: int, shuffle: bool) -> dict[str, Any]:
     rss0 = _rss_mib()
     with tempfile.TemporaryDirectory() as d:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu()
         with Pipeline("gen://bench", Path(d) / "c", "256MiB", store=GeneratedStore(n), shuffle=shuffle) as pipe:
-            opened = time.perf_counter() - t0
+            opened, opened_cpu = time.perf_counter() - t0, _cpu() - c0
             first = None
             for k, _item in enumerate(pipe):
                 if first is None:
@@ -111,8 +115,8 @@ def run_catalog(n: int, consume: int, shuffle: bool) -> dict[str, Any]:
                     break
             listed = pipe.stats().items_listed
             rss = _rss_mib()
-    return {"catalog": n, "consumed": consume, "open_s": opened, "first_item_s": first, "items_listed_at_end": listed,
-            "peak_rss_mib": rss, "rss_before_mib": rss0}
+    return {"catalog": n, "consumed": consume, "open_s": opened, "open_cpu_s": opened_cpu, "first_item_s": first,
+            "items_listed_at_end": listed, "peak_rss_mib": rss, "rss_before_mib": rss0}
 
 
 def _child(conn: Any, fn: str, args: tuple) -> None:
@@ -144,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--handoff", type=int, default=20_000, help="items in the hand-off measurement (default 20000)")
     p.add_argument("--catalog", type=int, default=1_000_000, help="items in the generated catalog (default 1000000)")
     p.add_argument("--consume", type=int, default=20_000, help="items consumed from the streamed catalog (default 20000)")
+    p.add_argument("--no-handoff", action="store_true", help="skip the hand-off measurement (catalog only)")
     p.add_argument("--no-full", action="store_true", help="skip the full (shuffled) catalog measurement")
     p.add_argument("--limit", type=float, default=600, help="seconds per measurement (default 600)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test)")
@@ -156,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     import cachepipe
 
     report: dict[str, Any] = {"command": command_line(), "date": date.today().isoformat(), "machine": machine_info(),
-                              "versions": {"cachepipe": cachepipe.__version__}, "handoff": {}, "catalog": {}}
-    for label, where in places:
+                              "versions": {"cachepipe": cachepipe.__version__}, "handoff": {}, "catalog": {},
+                              "load_average": {"start": list(os.getloadavg())}}
+    for label, where in [] if args.no_handoff else places:
         progress(f"handoff on {label} ({where}), {args.handoff} items")
         got = in_child("run_handoff", args.handoff, where, limit=args.limit)
         floor = in_child("run_floor", args.handoff, where, limit=args.limit)
@@ -167,18 +173,24 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_full:
         progress(f"full (shuffled) catalog of {args.catalog} items")
         report["catalog"]["full"] = in_child("run_catalog", args.catalog, min(args.consume, 1000), True, limit=args.limit)
+    report["load_average"]["end"] = list(os.getloadavg())
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     rows = [[label, f"{r['items_per_s']:,.0f}", f"{r['floor_items_per_s']:,.0f}", f"{r['of_floor']:.2f}", f"{r['cpu_s']:.1f}"]
             for label, r in report["handoff"].items()]
-    lines = ["hand-off through Pipeline (memory:// source, 1-byte one-file folders):"]
-    lines += format_table(["cache on", "items/s", "fs floor items/s", "x floor", "CPU s"], rows)
-    rows = [[mode, f"{r['catalog']:,}", f"{r['open_s']:.2f}", f"{r['first_item_s']:.2f}", f"{r['consumed']:,}", f"{r['items_listed_at_end']:,}", f"{r['peak_rss_mib']:.0f}"]
+    lines = []
+    if rows:
+        lines += ["hand-off through Pipeline (memory:// source, 1-byte one-file folders):"]
+        lines += format_table(["cache on", "items/s", "fs floor items/s", "x floor", "CPU s"], rows) + [""]
+    rows = [[mode, f"{r['catalog']:,}", f"{r['open_s']:.2f}", f"{r['open_cpu_s']:.2f}", f"{r['first_item_s']:.2f}", f"{r['consumed']:,}",
+             f"{r['items_listed_at_end']:,}", f"{r['peak_rss_mib']:.0f}"]
             for mode, r in report["catalog"].items()]
-    lines += ["", "generated catalog:"]
-    lines += format_table(["listing", "items", "open s", "1st item s", "consumed", "listed by then", "peak RSS MiB"], rows)
+    lines += ["generated catalog:"]
+    lines += format_table(["listing", "items", "open s", "open CPU s", "1st item s", "consumed", "listed by then", "peak RSS MiB"], rows)
+    load = report["load_average"]
     lines += [""] + provenance_lines(report)
+    lines += [f"load average (1/5/15 min) at start {[round(x, 2) for x in load['start']]}, at end {[round(x, 2) for x in load['end']]}"]
     print("\n".join(lines))
     return 0
 

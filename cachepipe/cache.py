@@ -25,11 +25,11 @@ import os
 import shutil
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from . import state
-from .catalog import Item
+from .catalog import Catalog, Item
 from .config import Share
 from .errors import CacheLockedError, ConfigError, VerificationError
 from .plan import tick as plan_tick
@@ -125,8 +125,7 @@ class Cache:
         self._plan = ""
         self._claimed: set[str] = set()  # names with files on disk or on their way: one copy at a time
         self._policy: RetentionPolicy | None = None  # retain="auto": which acked items stay
-        self._index: dict[str, int] = {}  # item name -> the policy's item number
-        self._names: list[str] = []
+        self._names: Sequence[str] = ()  # the policy's item i is _names[i]; found by _names.index()
         self._cond = threading.Condition()
         self._dirs = threading.Lock()  # parent folders of nested items: made by publish, removed by eviction
         self._closed = False
@@ -167,7 +166,7 @@ class Cache:
             self._unlock()
             raise
 
-    def saved_catalog(self, source: str, mode: str) -> list[Item] | None:
+    def saved_catalog(self, source: str, mode: str) -> Catalog | None:
         """The listing saved by an earlier owner for this source, if any and readable."""
         try:
             return state.load_catalog(self.catalog_path, source, mode)
@@ -175,10 +174,10 @@ class Cache:
             log.warning("%s; listing the source again", exc)
             return None
 
-    def save_catalog(self, source: str, mode: str, items: list[Item]) -> None:
-        state.save_catalog(self.catalog_path, source, mode, items)
+    def save_catalog(self, source: str, mode: str, catalog: Catalog) -> None:
+        state.save_catalog(self.catalog_path, source, mode, catalog)
 
-    def recover(self, items: list[Item], resume: bool, plan: str = "") -> tuple[tuple[int, int], set[tuple[int, str]]]:
+    def recover(self, items: Catalog, resume: bool, plan: str = "") -> tuple[tuple[int, int], set[tuple[int, str]]]:
         """Reconcile the disk with the journal and the catalog.
 
         Items the journal says are published (or were being published) and whose files match the
@@ -203,16 +202,16 @@ class Cache:
                 "The data (n_items, sizes_digest) or the epochs/shuffle/seed/rank settings differ; "
                 "use the same ones, or resume=False to start a new pass"
             )
-        by_name = {item.name: item for item in items}
         live = replay.published | replay.publishing
         ours = live | {name for _epoch, name in replay.acked}
         if self.rebuilt:
-            ours = live = {name for name in by_name if os.path.lexists(self.root / name)}
+            ours = live = {name for name in items.names if os.path.lexists(self.root / name)}
         for name in sorted(ours):
             path = self.root / name
             if not os.path.lexists(path):
                 continue
-            item = by_name.get(name)
+            found = items.find(name)  # only names on disk are looked up: no index of the whole catalog
+            item = items[found] if found >= 0 else None
             if name in live and item is not None and _matches(path, item):
                 self._published[name] = item.size
                 self._recovered[name] = path
@@ -231,7 +230,7 @@ class Cache:
         state_files = tree_bytes(self.state_dir)
         # A step writes at most four lines (I, P, A, C); a compacted journal holds at most two per
         # item (P, A). Compacting at half the budget keeps the journal under it at all times.
-        self._journal_budget = 2 * sum(4 * len(name.encode()) + state.EVENT_OVERHEAD for name in by_name) + 256
+        self._journal_budget = 2 * (4 * items.name_bytes + state.EVENT_OVERHEAD * len(items)) + 256
         self.overhead = state_files + self._journal_budget
         self.foreign = tree_bytes(self.root) - self._reserved - state_files
         self._check_overhead()
@@ -379,12 +378,13 @@ class Cache:
 
     def unreserve(self, size: int, name: str | None = None) -> None:
         """Release a reservation (and the claim on ``name``) of an item that will not be published."""
+        number = self._number(name) if name is not None and self._policy is not None else None
         with self._cond:
             self._reserved -= size
             if name is not None:
                 self._claimed.discard(name)
-                if self._policy is not None:
-                    self._policy.forget(self._index[name])
+                if self._policy is not None and number is not None:
+                    self._policy.forget(number)
             self._cond.notify_all()
 
     # ---- staging and publish ---------------------------------------------------------
@@ -481,12 +481,13 @@ class Cache:
         Raises:
             KeyError: ``name`` is not a published item of this cache.
         """
+        number = self._number(name) if self._policy is not None else None
         with self._cond:
             size = self._published[name]
             self._append("A", f"{epoch} {name}")
             self._acked.add((epoch, name))
             heapq.heappush(self._acked_ticks, (tick, epoch, name))
-            if self._policy is not None and self._policy.on_ack(self._index[name], tick):
+            if self._policy is not None and number is not None and self._policy.on_ack(number, tick):
                 self._append("P", name)  # still on disk, kept for a later step
                 self._cond.notify_all()
                 return
@@ -511,21 +512,32 @@ class Cache:
                 self._reserved -= size
                 self._cond.notify_all()  # wakes reserve() and claim()
 
-    def use_retention(self, policy: RetentionPolicy, names: list[str], tick: int) -> None:
+    def use_retention(self, policy: RetentionPolicy, names: Sequence[str], tick: int) -> None:
         """Keep acknowledged items by ``policy`` (its item ``i`` is ``names[i]``). Items recovered
-        at open become retained items as of ``tick`` (or are dropped if the policy says so)."""
+        at open become retained items as of ``tick`` (or are dropped if the policy says so).
+
+        ``names`` is searched with ``names.index(name)`` for each item fetched or acknowledged:
+        a :class:`~cachepipe.catalog.Names` view does that by binary search, with no index of
+        the whole catalog in memory."""
         self._policy, self._names = policy, names
-        self._index = {name: i for i, name in enumerate(names)}
         with self._cond:
-            recovered = [name for name in self._recovered if name in self._index]
-            for name in recovered:
+            numbered = [(name, self._number(name)) for name in self._recovered]
+            recovered = [(name, number) for name, number in numbered if number is not None]
+            for name, number in recovered:
                 del self._recovered[name]
-                policy.on_admit(self._index[name], tick)
-        for name in recovered:
+                policy.on_admit(number, tick)
+        for name, number in recovered:
             with self._cond:
-                keep = policy.on_ack(self._index[name], tick)
+                keep = policy.on_ack(number, tick)
             if not keep:
                 self.drop(name)
+
+    def _number(self, name: str) -> int | None:
+        """The retention policy's number for item ``name``, or None if it is not in the plan."""
+        try:
+            return self._names.index(name)
+        except ValueError:
+            return None
 
     def acquire(self, item: Item, tick: int = 0, starving: Callable[[], bool] = lambda: False, extra: int = 0) -> Path | bool:
         """Make room for the step at ``tick`` reading ``item``.
@@ -547,7 +559,9 @@ class Cache:
         policy = self._policy
         if policy is None:
             return self.claim(item.name) and self.reserve(item.size + extra)
-        idx = self._index[item.name]
+        idx = self._number(item.name)
+        if idx is None:
+            raise KeyError(f"item {item.name!r} is not in the plan given to use_retention()")
         while True:
             victims: list[tuple[str, int]] = []
             with self._cond:

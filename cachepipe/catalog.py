@@ -4,22 +4,30 @@ An item is either a first-level folder under the prefix (every object under ``<n
 recursively) or, with ``items="files"``, a single object. Each object key is checked here,
 once, before anything touches the disk: a key that could escape the cache directory or
 collide with another after mapping is rejected with :class:`~cachepipe.errors.UnsafeKeyError`.
+
+A whole listing is held as a :class:`Catalog`: columns of names, sizes and entity tags in a
+few flat buffers (about 60-70 bytes per one-file item, against about 400 for a list of
+:class:`Item` objects), from which an :class:`Item` is made when one is asked for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import re
+from array import array
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, overload
 
 from .errors import UnsafeKeyError
 from .stores.base import ObjectInfo
 
-__all__ = ["FileEntry", "Item", "RESERVED_NAMES", "check_key", "group_items"]
+__all__ = ["Catalog", "FileEntry", "Item", "Names", "RESERVED_NAMES", "check_key", "group_items"]
 
 #: top-level names cachepipe keeps for itself inside the cache directory
 RESERVED_NAMES = frozenset({".cachepipe"})
 _MAX_SEGMENT_BYTES = 255
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,16 +77,19 @@ def check_key(key: str) -> list[str]:
         raise UnsafeKeyError(key, "absolute path")
     if "\\" in key:
         raise UnsafeKeyError(key, "contains a backslash")
-    if any(ord(c) < 32 or ord(c) == 127 for c in key):
+    if _CONTROL.search(key):
         raise UnsafeKeyError(key, "contains NUL or a control character")
     segments = key.split("/")
-    for seg in segments:
-        if seg == "":
-            raise UnsafeKeyError(key, "empty path segment ('//' or a trailing '/')")
-        if seg in (".", ".."):
-            raise UnsafeKeyError(key, f"'{seg}' path segment")
-        if len(seg.encode("utf-8", "surrogateescape")) > _MAX_SEGMENT_BYTES:
-            raise UnsafeKeyError(key, f"a path segment is longer than {_MAX_SEGMENT_BYTES} bytes")
+    # The common case in one pass at C speed (a segment of at most 63 characters is at most
+    # 252 bytes); the loop below names the first bad segment.
+    if "" in segments or "." in segments or ".." in segments or max(map(len, segments)) * 4 > _MAX_SEGMENT_BYTES:
+        for seg in segments:
+            if seg == "":
+                raise UnsafeKeyError(key, "empty path segment ('//' or a trailing '/')")
+            if seg in (".", ".."):
+                raise UnsafeKeyError(key, f"'{seg}' path segment")
+            if len(seg.encode("utf-8", "surrogateescape")) > _MAX_SEGMENT_BYTES:
+                raise UnsafeKeyError(key, f"a path segment is longer than {_MAX_SEGMENT_BYTES} bytes")
     if segments[0] in RESERVED_NAMES:
         raise UnsafeKeyError(key, f"'{segments[0]}' is reserved for cachepipe's own state")
     return segments
@@ -103,10 +114,6 @@ class _TreeCheck:
         self.files.add(path)
 
 
-def _is_dir_marker(obj: ObjectInfo) -> bool:
-    return obj.key.endswith("/") and obj.size == 0
-
-
 def group_items(objects: Iterable[ObjectInfo], mode: Literal["folders", "files"] = "folders") -> Iterator[Item]:
     """Group a listing into items, streaming: each item is yielded once its last object is seen.
 
@@ -118,31 +125,393 @@ def group_items(objects: Iterable[ObjectInfo], mode: Literal["folders", "files"]
         UnsafeKeyError: a key that is unsafe or collides (see :func:`check_key`).
         ValueError: the listing is not in key order.
     """
+    is_file = mode == "files"
+    for name, size, files in _grouped(objects, mode):
+        entries = tuple(FileEntry(f"{name}/{rel}" if rel else name, rel, file_size, etag) for rel, file_size, etag in files)
+        yield Item(name, entries, size, is_file=is_file)
+
+
+_Files = list[tuple[str, int, str | None]]  # (rel, size, etag) of an item's files
+
+
+def _grouped(objects: Iterable[ObjectInfo], mode: Literal["folders", "files"]) -> Iterator[tuple[str, int, _Files]]:
+    """:func:`group_items` as ``(name, size, [(rel, size, etag), ...])``, making no objects per item
+    (what :meth:`Catalog.from_listing` stores). A file's key is ``name/rel``, or ``name`` in
+    ``"files"`` mode, where ``rel`` is empty."""
     last_key: str | None = None
     current: str | None = None
-    files: list[FileEntry] = []
-    tree = _TreeCheck()
+    files: _Files = []
+    size = 0
+    first: tuple[str, list[str]] = ("", [])  # the folder's first key and its segments under the folder
+    tree: _TreeCheck | None = None  # made at a folder's second file: one file cannot collide
+    everything = _TreeCheck() if mode == "files" else None
     for obj in objects:
-        if last_key is not None and obj.key <= last_key:
-            raise ValueError(f"listing out of order: {obj.key!r} after {last_key!r}")
-        last_key = obj.key
-        if _is_dir_marker(obj):
-            continue
-        segments = check_key(obj.key)
-        if mode == "files":
-            if obj.key.endswith("/"):
-                raise UnsafeKeyError(obj.key, "empty path segment ('//' or a trailing '/')")
-            tree.add(obj.key, segments)
-            yield Item(obj.key, (FileEntry(obj.key, "", obj.size, obj.etag),), obj.size, is_file=True)
+        key = obj.key
+        if last_key is not None and key <= last_key:
+            raise ValueError(f"listing out of order: {key!r} after {last_key!r}")
+        last_key = key
+        if key.endswith("/") and obj.size == 0:
+            continue  # a directory marker
+        segments = check_key(key)
+        if everything is not None:
+            if key.endswith("/"):
+                raise UnsafeKeyError(key, "empty path segment ('//' or a trailing '/')")
+            everything.add(key, segments)
+            yield key, obj.size, [("", obj.size, obj.etag)]
             continue
         if len(segments) < 2:
             continue  # a loose object beside the folders: not part of any item
-        name = segments[0]
+        name, inside = segments[0], segments[1:]
         if name != current:
             if files:
-                yield Item(current, tuple(files), sum(f.size for f in files))  # type: ignore[arg-type]
-            current, files, tree = name, [], _TreeCheck()
-        tree.add(obj.key, segments[1:])
-        files.append(FileEntry(obj.key, "/".join(segments[1:]), obj.size, obj.etag))
+                yield current, size, files  # type: ignore[misc]
+            current, files, size, tree, first = name, [], 0, None, (key, inside)
+        elif tree is None:
+            tree = _TreeCheck()
+            tree.add(*first)
+            tree.add(key, inside)
+        else:
+            tree.add(key, inside)
+        files.append((key[len(name) + 1 :], obj.size, obj.etag))
+        size += obj.size
     if files:
-        yield Item(current, tuple(files), sum(f.size for f in files))  # type: ignore[arg-type]
+        yield current, size, files  # type: ignore[misc]
+
+
+# ---- the columnar catalog ------------------------------------------------------------------
+_UTF8_ERRORS = "surrogatepass"  # any str round-trips, even one with lone surrogates
+_ETAG_NONE, _ETAG_MD5, _ETAG_TEXT = 0, 1, 2
+_DIGEST = 16  # bytes per file in the digest column
+_NO_DIGEST = bytes(_DIGEST)
+_MAX_SIZE = (1 << 63) - 1  # bytes: what array('q') holds
+
+
+def _md5_digest(etag: str | None) -> bytes | None:
+    """The 16 bytes of an entity tag that is an MD5 in 32 lowercase hex digits (so that
+    ``digest.hex()`` gives it back exactly), else None."""
+    if etag is None or len(etag) != 32:
+        return None
+    try:
+        digest = bytes.fromhex(etag)
+    except ValueError:
+        return None
+    return digest if len(digest) == _DIGEST and digest.hex() == etag else None
+
+
+class _Strings:
+    """Many short strings in one UTF-8 buffer: string ``i`` is ``data[offsets[i]:offsets[i + 1]]``."""
+
+    __slots__ = ("data", "offsets")
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.offsets = array("q", [0])
+
+    def append(self, text: str) -> None:
+        self.data += text.encode("utf-8", _UTF8_ERRORS)
+        self.offsets.append(len(self.data))
+
+    def raw(self, i: int) -> bytearray:
+        return self.data[self.offsets[i] : self.offsets[i + 1]]
+
+    def __getitem__(self, i: int) -> str:
+        return self.data[self.offsets[i] : self.offsets[i + 1]].decode("utf-8", _UTF8_ERRORS)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data) + self.offsets.itemsize * len(self.offsets)
+
+
+class Catalog(Sequence[Item]):
+    """A whole listing, in listing order, stored by columns; ``catalog[i]`` makes an :class:`Item`.
+
+    Names and relative paths are kept as UTF-8 in one buffer each, with ``array('q')`` offsets;
+    sizes in ``array('q')``; an entity tag that is a 32-digit lowercase hex MD5 as its 16-byte
+    digest (others as text, None as a flag). Object keys are not stored: a file's key is
+    ``name/rel``, or ``name`` when ``rel`` is empty (how :func:`group_items` makes them).
+    A one-file item costs 57 bytes plus its name and relative path in UTF-8 (see :attr:`nbytes`).
+
+    Append-only: :meth:`from_listing`, :meth:`append` or :meth:`add`, then read with ``len()``,
+    indexing, iteration, :meth:`entries`, :attr:`names`, :attr:`sizes` and :meth:`find`.
+
+    Args:
+        items: items to append, in order.
+        mode: ``"folders"`` (default) or ``"files"``: the kind of every item (``Item.is_file``
+            is ``mode == "files"``).
+
+    Raises:
+        ValueError: an unknown ``mode``, or an item that does not fit (see :meth:`append`).
+    """
+
+    __slots__ = ("mode", "_names", "_sizes", "_first_file", "_rels", "_file_sizes", "_etag_kinds",
+                 "_digests", "_etag_texts", "_suffix", "_last_key", "_sorted")
+
+    def __init__(self, items: Iterable[Item] = (), mode: Literal["folders", "files"] = "folders") -> None:
+        if mode not in ("folders", "files"):
+            raise ValueError(f"mode {mode!r}: expected 'folders' or 'files'")
+        self.mode = mode
+        self._names = _Strings()
+        self._sizes = array("q")  # per item, bytes
+        self._first_file = array("q", [0])  # files of item i: _first_file[i] up to _first_file[i + 1]
+        self._rels = _Strings()  # per file
+        self._file_sizes = array("q")  # per file, bytes
+        self._etag_kinds = bytearray()  # per file: _ETAG_NONE, _ETAG_MD5 or _ETAG_TEXT
+        self._digests = bytearray()  # per file, 16 bytes: the MD5, or the index in _etag_texts
+        self._etag_texts = _Strings()
+        # Names are found by binary search while they are appended in increasing order of their
+        # key prefix (name + "/" for folders): true of every listing, since stores list in key order.
+        self._suffix = b"" if mode == "files" else b"/"
+        self._last_key: bytes | bytearray = b""
+        self._sorted = True
+        for item in items:
+            self.append(item)
+
+    @classmethod
+    def from_listing(cls, objects: Iterable[ObjectInfo], mode: Literal["folders", "files"] = "folders") -> Catalog:
+        """The catalog of a listing: what ``Catalog(group_items(objects, mode), mode)`` holds,
+        made without an :class:`Item` per item.
+
+        Raises:
+            UnsafeKeyError, ValueError: as :func:`group_items`.
+        """
+        catalog = cls(mode=mode)
+        catalog._extend(_grouped(objects, mode))
+        return catalog
+
+    def __repr__(self) -> str:
+        return f"Catalog({len(self)} {self.mode}, {sum(self._sizes)} bytes)"
+
+    # ---- building ----------------------------------------------------------------------
+    def append(self, item: Item) -> None:
+        """Add ``item`` at the end.
+
+        Raises:
+            ValueError: ``item.is_file`` does not match :attr:`mode`, or a file's key is not
+                ``name/rel`` (``name`` for an empty ``rel``), so it could not be derived back;
+                the catalog is left as it was.
+        """
+        if item.is_file != (self.mode == "files"):
+            kind = "a single-file item" if item.is_file else "a folder item"
+            raise ValueError(f"item {item.name!r} is {kind}, but this catalog holds {self.mode} (Catalog(mode=...))")
+        for f in item.files:
+            expected = f"{item.name}/{f.rel}" if f.rel else item.name
+            if f.key != expected:
+                raise ValueError(f"file key {f.key!r} of item {item.name!r}: expected {expected!r} (keys are derived from the name and rel)")
+        self._extend([(item.name, item.size, [(f.rel, f.size, f.etag) for f in item.files])])
+
+    def add(self, name: str, files: Iterable[tuple[str, int, str | None]]) -> None:
+        """Add an item by its ``name`` and its files as ``(rel, size, etag)``; its size is their sum.
+
+        Raises:
+            TypeError, ValueError: a name that is not a str, or a file that is not
+                ``(str, int >= 0, str or None)``; the catalog is left as it was.
+        """
+        self._extend([(name, None, list(files))])
+
+    def _extend(self, entries: Iterable[tuple[str, int | None, _Files]]) -> None:
+        """Append ``(name, size or None for the files' sum, files)`` entries: one loop, with the
+        columns in local names (a listing of a million items spends most of its time here)."""
+        files_mode = self.mode == "files"
+        suffix, last_key, ordered = self._suffix, self._last_key, self._sorted
+        names, rels, texts = self._names, self._rels, self._etag_texts
+        name_data, name_offsets, rel_data, rel_offsets = names.data, names.offsets, rels.data, rels.offsets
+        sizes, first_file, file_sizes, kinds, digests = self._sizes, self._first_file, self._file_sizes, self._etag_kinds, self._digests
+        try:
+            for name, size, files in entries:
+                # Checked before anything of the item is stored: a bad one leaves the catalog as it was.
+                if not isinstance(name, str):
+                    raise TypeError(f"item name {name!r}: expected a str")
+                total = 0
+                for rel, file_size, etag in files:
+                    if not isinstance(rel, str) or not isinstance(file_size, int) or isinstance(file_size, bool) \
+                            or not (etag is None or isinstance(etag, str)):
+                        raise TypeError(f"file {(rel, file_size, etag)!r} of item {name!r}: expected (rel: str, size: int, etag: str or None)")
+                    if not 0 <= file_size <= _MAX_SIZE:
+                        raise ValueError(f"file {rel!r} of item {name!r}: size {file_size} bytes, expected 0 to {_MAX_SIZE}")
+                    total += file_size
+                if files_mode and (len(files) != 1 or files[0][0] != ""):
+                    raise ValueError(f"item {name!r} has files {[f[0] for f in files]!r}: a single-file item has one, with rel ''")
+                if size is None:
+                    size = total
+                if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= _MAX_SIZE:
+                    raise ValueError(f"item {name!r}: size {size!r}, expected an int from 0 to {_MAX_SIZE} (bytes)")
+                encoded = name.encode("utf-8", _UTF8_ERRORS)
+                key = encoded + suffix if suffix else encoded
+                if key <= last_key and len(sizes):
+                    ordered = False
+                last_key = key
+                for rel, file_size, etag in files:
+                    rel_data += rel.encode("utf-8", _UTF8_ERRORS)
+                    rel_offsets.append(len(rel_data))
+                    file_sizes.append(file_size)
+                    digest = _md5_digest(etag)
+                    if digest is not None:
+                        kinds.append(_ETAG_MD5)
+                        digests += digest
+                    elif etag is None:
+                        kinds.append(_ETAG_NONE)
+                        digests += _NO_DIGEST
+                    else:
+                        kinds.append(_ETAG_TEXT)
+                        digests += (len(texts.offsets) - 1).to_bytes(_DIGEST, "little")
+                        texts.append(etag)
+                name_data += encoded
+                name_offsets.append(len(name_data))
+                sizes.append(size)
+                first_file.append(len(file_sizes))
+        finally:
+            self._last_key, self._sorted = last_key, ordered
+
+    # ---- reading -----------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    @overload
+    def __getitem__(self, i: int) -> Item: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Item]: ...
+
+    def __getitem__(self, i: int | slice) -> Item | list[Item]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = self._position(i)
+        names, rels, sizes = self._names, self._rels, self._file_sizes
+        name = names.data[names.offsets[i] : names.offsets[i + 1]].decode("utf-8", _UTF8_ERRORS)
+        files = []
+        for j in range(self._first_file[i], self._first_file[i + 1]):
+            rel = rels.data[rels.offsets[j] : rels.offsets[j + 1]].decode("utf-8", _UTF8_ERRORS)
+            files.append(FileEntry(f"{name}/{rel}" if rel else name, rel, sizes[j], self._etag(j)))
+        return Item(name, tuple(files), self._sizes[i], is_file=self.mode == "files")
+
+    def __iter__(self) -> Iterator[Item]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def entries(self) -> Iterator[tuple[str, list[tuple[str, int, str | None]]]]:
+        """Every item as ``(name, [(rel, size, etag), ...])``, in order, making no :class:`Item`
+        (what :meth:`add` takes)."""
+        names, rels, sizes, first = self._names, self._rels, self._file_sizes, self._first_file
+        for i in range(len(self)):
+            files = [(rels[j], sizes[j], self._etag(j)) for j in range(first[i], first[i + 1])]
+            yield names[i], files
+
+    def name(self, i: int) -> str:
+        """The name of item ``i``, without making the item."""
+        return self._names[self._position(i)]
+
+    @property
+    def names(self) -> Names:
+        """The item names, by position (a view: nothing is copied)."""
+        return Names(self)
+
+    @property
+    def sizes(self) -> array:
+        """Item sizes in bytes, by position: the catalog's own ``array('q')``; do not modify it."""
+        return self._sizes
+
+    @property
+    def name_bytes(self) -> int:
+        """Total length of the names in UTF-8, in bytes."""
+        return len(self._names.data)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the columns (buffers and arrays, without their over-allocation)."""
+        arrays = (self._sizes, self._first_file, self._file_sizes)
+        return (self._names.nbytes + self._rels.nbytes + self._etag_texts.nbytes + len(self._etag_kinds)
+                + len(self._digests) + sum(a.itemsize * len(a) for a in arrays))
+
+    def find(self, name: str) -> int:
+        """The position of the item called ``name``, or -1. A binary search when the names were
+        appended in listing order (always, from a listing), else a scan."""
+        key = name.encode("utf-8", _UTF8_ERRORS) + self._suffix
+        names, suffix = self._names, self._suffix
+        if not self._sorted:
+            return next((i for i in range(len(self)) if names.raw(i) + suffix == key), -1)
+        lo, hi = 0, len(self)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if names.raw(mid) + suffix < key:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo if lo < len(self) and names.raw(lo) + suffix == key else -1
+
+    def _position(self, i: int) -> int:
+        n = len(self._sizes)
+        if type(i) is int and 0 <= i < n:
+            return i
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise TypeError(f"catalog index {i!r}: expected an int or a slice")
+        if not -n <= i < 0:
+            raise IndexError(f"catalog index {i} out of range for {n} items")
+        return i + n
+
+    def _etag(self, j: int) -> str | None:
+        kind = self._etag_kinds[j]
+        if kind == _ETAG_NONE:
+            return None
+        digest = self._digests[j * _DIGEST : (j + 1) * _DIGEST]
+        if kind == _ETAG_MD5:
+            return digest.hex()
+        return self._etag_texts[int.from_bytes(digest, "little")]
+
+
+class Names(Sequence[str]):
+    """The names of a catalog's items, or of the items at ``indices`` (increasing positions), by
+    position; :meth:`index` finds a name by binary search (see :meth:`Catalog.find`).
+
+    Raises:
+        ValueError: ``indices`` are not increasing positions of ``catalog``.
+    """
+
+    __slots__ = ("_catalog", "_indices")
+
+    def __init__(self, catalog: Catalog, indices: Sequence[int] | None = None) -> None:
+        if indices is not None:
+            for k, i in enumerate(indices):
+                if not 0 <= i < len(catalog) or (k and i <= indices[k - 1]):
+                    raise ValueError(f"indices[{k}] = {i}: expected increasing positions below {len(catalog)}")
+        self._catalog, self._indices = catalog, indices
+
+    def __len__(self) -> int:
+        return len(self._catalog) if self._indices is None else len(self._indices)
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[str]: ...
+
+    def __getitem__(self, i: int | slice) -> str | list[str]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if self._indices is None:
+            return self._catalog.name(i)
+        return self._catalog.name(self._indices[i])
+
+    def __iter__(self) -> Iterator[str]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._find(name) >= 0
+
+    def index(self, name: str, start: int = 0, stop: int | None = None) -> int:
+        """The position of ``name``.
+
+        Raises:
+            ValueError: ``name`` is not one of these names (or not within ``start:stop``).
+        """
+        j = self._find(name) if isinstance(name, str) else -1
+        if j not in range(*slice(start, stop).indices(len(self))):
+            raise ValueError(f"{name!r} is not in the catalog")
+        return j
+
+    def _find(self, name: str) -> int:
+        i = self._catalog.find(name)
+        if i < 0 or self._indices is None:
+            return i
+        j = bisect_left(self._indices, i)
+        return j if j < len(self._indices) and self._indices[j] == i else -1

@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 
 from .broker import Broker, Closed, Failed, Lease
 from .cache import Cache
-from .catalog import Item, group_items
+from .catalog import Catalog, Item, Names
 from .config import PipelineConfig, parse_capacity
 from .errors import EmptySourceError, OversizeError, UnknownItemError, is_transient
 from .fetcher import Fetcher, backoff_delay
@@ -198,47 +199,52 @@ class Pipeline:
         self._future: PlanFuture | None = None
         if self._streams(cache):
             return self._stream(store, cache)
-        listing = cache.saved_catalog(cfg.source, cfg.items) if cfg.resume and not cfg.relist else None
-        if listing is None:
-            listing = self._list(store)
+        catalog = cache.saved_catalog(cfg.source, cfg.items) if cfg.resume and not cfg.relist else None
+        if catalog is None:
+            catalog = self._list(store)
             if cfg.resume:
-                cache.save_catalog(cfg.source, cfg.items, listing)
-        if not listing:
+                cache.save_catalog(cfg.source, cfg.items, catalog)
+        if not catalog:
             raise EmptySourceError(f"no items under {cfg.source!r}: found no {cfg.items} with objects")
-        self._listed = len(listing)
-        self._listed_bytes = sum(item.size for item in listing)
-        eligible = []
+        sizes = catalog.sizes
+        self._listed = len(catalog)
+        self._listed_bytes = sum(sizes)
+        # The plan's item i is catalog item eligible[i]; None: all items are (no second list).
+        eligible: array | None = None
         limit = cache.capacity - cache.foreign  # the state budget is checked by recover() below
-        for item in listing:
-            if item.size > limit:
-                error = OversizeError(item.name, item.size, cache.capacity, cache.foreign)
+        if max(sizes) > limit:
+            eligible = array("q")
+            for i, size in enumerate(sizes):
+                if size <= limit:
+                    eligible.append(i)
+                    continue
+                error = OversizeError(catalog.name(i), size, cache.capacity, cache.foreign)
                 if cfg.on_oversize == "raise":
                     raise error
                 log.warning("skipping %s", error)
                 self._counts["skipped"] += 1
-            else:
-                eligible.append(item)
-        if not eligible:
-            raise EmptySourceError(f"no items under {cfg.source!r}: found no {cfg.items} smaller than the capacity")
+            if not eligible:
+                raise EmptySourceError(f"no items under {cfg.source!r}: found no {cfg.items} smaller than the capacity")
         plan = Plan(
-            [item.size for item in eligible], epochs=cfg.epochs, shuffle=cfg.shuffle, seed=cfg.seed,
-            rank=cfg.rank, world_size=cfg.world_size, worker=cfg.worker, num_workers=cfg.num_workers,
+            sizes if eligible is None else array("q", (sizes[i] for i in eligible)), epochs=cfg.epochs, shuffle=cfg.shuffle,
+            seed=cfg.seed, rank=cfg.rank, world_size=cfg.world_size, worker=cfg.worker, num_workers=cfg.num_workers,
         )
-        cursor, acked = cache.recover(listing, resume=cfg.resume, plan=_plan_key(plan))
+        cursor, acked = cache.recover(catalog, resume=cfg.resume, plan=_plan_key(plan))
         if self._start_state is not None:
             plan.load_state_dict(self._start_state)  # an explicit position wins over the journal's
             cursor, acked = plan.start, set()
-        for item in eligible:
-            if item.size > cache.limit:
-                raise OversizeError(item.name, item.size, cache.capacity, cache.capacity - cache.limit)
+        largest = max(plan.sizes)
+        if largest > cache.limit:
+            i = next(i for i, size in enumerate(plan.sizes) if size > cache.limit)
+            item = catalog[i if eligible is None else eligible[i]]
+            raise OversizeError(item.name, item.size, cache.capacity, cache.capacity - cache.limit)
         self._plan, self._frontier = plan, Frontier(plan, Cursor(*cursor))
-        self._eligible = eligible
+        self._catalog_items, self._eligible = catalog, eligible
         if cfg.retain == "auto":
             self._future = PlanFuture(plan, horizon=2)
-            largest = max(item.size for item in eligible)
             reserve = min(cache.limit // 4, max(2 * cfg.max_concurrency, 16) * largest)
             policy = make_policy("auto", plan.sizes, self._future, reserve=reserve)
-            cache.use_retention(policy, [item.name for item in eligible], plan_tick(*cursor))
+            cache.use_retention(policy, Names(catalog, eligible), plan_tick(*cursor))
         self._total_steps = None if cfg.epochs is None else sum(len(plan.share(e)) for e in range(cfg.epochs)) - _steps_before(plan, cursor)
         return self._steps(Cursor(*cursor), acked)
 
@@ -250,7 +256,7 @@ class Pipeline:
             if self._future is not None and step.epoch != prepared:
                 self._future.prepare(step.epoch)  # next-use lookups, computed outside the cache's lock
                 prepared = step.epoch
-            item = self._eligible[step.item]
+            item = self._catalog_items[step.item if self._eligible is None else self._eligible[step.item]]
             with self._plan_lock:
                 seq = self._frontier.issue(step)
                 self._inflight[seq] = item
@@ -267,7 +273,7 @@ class Pipeline:
         in it is raised here; later ones reach the consumer in their turn.
         """
         cfg = self.config
-        cache.recover([], resume=False)  # nothing of an earlier owner's to keep (see _streams)
+        cache.recover(Catalog(), resume=False)  # nothing of an earlier owner's to keep (see _streams)
         plan = GrowingPlan(seed=cfg.seed)
         self._plan, self._frontier = plan, Frontier(plan)
         self._total_steps = None
@@ -365,12 +371,12 @@ class Pipeline:
             raise RuntimeError("load_state_dict() must be called before the pipeline is opened")
         self._start_state = dict(state)
 
-    def _list(self, store: Store) -> list[Item]:
-        """List the source into items, retrying transient store errors like downloads are."""
+    def _list(self, store: Store) -> Catalog:
+        """List the source into a catalog, retrying transient store errors like downloads are."""
         cfg = self.config
         for attempt in range(cfg.retries + 1):
             try:
-                return list(group_items(store.list(), cfg.items))
+                return Catalog.from_listing(store.list(), cfg.items)
             except Exception as exc:
                 if not is_transient(exc) or attempt == cfg.retries:
                     raise

@@ -25,13 +25,16 @@ from __future__ import annotations
 
 import errno
 import gzip
+import io
 import json
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
-from .catalog import FileEntry, Item
+from .catalog import Catalog
 
 __all__ = ["Journal", "Replay", "StateCorrupt", "load", "save_catalog", "load_catalog", "EVENT_OVERHEAD"]
 
@@ -158,43 +161,52 @@ class Journal:
             self._fd = None
 
 
-def save_catalog(path: Path, source: str, mode: str, items: list[Item]) -> None:
+def save_catalog(path: Path, source: str, mode: str, catalog: Catalog) -> None:
     """Write the listing atomically, gzip-compressed (it counts against the capacity): a header
-    line, then one JSON line per item: ``[name, [[rel, size, etag], ...]]``."""
-    header = json.dumps({"version": CATALOG_VERSION, "source": source, "items": mode, "count": len(items)})
-    lines = [header] + [
-        json.dumps([item.name, [[f.rel, f.size, f.etag] for f in item.files]], separators=(",", ":")) for item in items
-    ]
-    atomic_write(path, gzip.compress(("\n".join(lines) + "\n").encode("utf-8"), mtime=0))
+    line, then one JSON line per item: ``[name, [[rel, size, etag], ...]]``. Streamed: the
+    whole text is never held in memory."""
+    header = json.dumps({"version": CATALOG_VERSION, "source": source, "items": mode, "count": len(catalog)})
+    dumps = json.JSONEncoder(separators=(",", ":")).encode
+
+    def write(fh: BinaryIO) -> None:
+        with gzip.GzipFile(fileobj=fh, mode="wb", mtime=0) as gz, io.TextIOWrapper(gz, encoding="utf-8", newline="\n") as text:
+            text.write(header + "\n")
+            for entry in catalog.entries():
+                text.write(dumps(entry) + "\n")
+
+    atomic_write(path, write)
 
 
-def load_catalog(path: Path, source: str, mode: str) -> list[Item] | None:
+def load_catalog(path: Path, source: str, mode: str) -> Catalog | None:
     """The saved listing for (``source``, ``mode``), or None if there is none or it is for another source."""
     try:
         with gzip.open(path, "rt", encoding="utf-8") as fh:
             header = json.loads(fh.readline())
             if header.get("version") != CATALOG_VERSION or header.get("source") != source or header.get("items") != mode:
                 return None
-            items = []
+            catalog = Catalog(mode="files" if mode == "files" else "folders")
             for line in fh:
                 name, files = json.loads(line)
-                entries = tuple(FileEntry(f"{name}/{rel}" if rel else name, rel, size, etag) for rel, size, etag in files)
-                items.append(Item(name, entries, sum(f.size for f in entries), is_file=(mode == "files")))
+                catalog.add(name, files)
     except FileNotFoundError:
         return None
     except (OSError, EOFError, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise StateCorrupt(f"{path}: unreadable catalog: {exc}") from exc
-    if len(items) != header.get("count"):
-        raise StateCorrupt(f"{path}: catalog has {len(items)} items, header says {header.get('count')}")
-    return items
+    if len(catalog) != header.get("count"):
+        raise StateCorrupt(f"{path}: catalog has {len(catalog)} items, header says {header.get('count')}")
+    return catalog
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
+def atomic_write(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same folder and ``os.replace``.
+    ``data`` is the bytes, or a function that writes them to the open file."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb") as fh:
-            fh.write(data)
+            if callable(data):
+                data(fh)
+            else:
+                fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

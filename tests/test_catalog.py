@@ -86,3 +86,141 @@ def test_files_mode():
 def test_unsorted_listing_rejected():
     with pytest.raises(ValueError, match="out of order"):
         list(group_items(objs("b/1", "a/1")))
+
+
+# ---- the columnar catalog ----------------------------------------------------------------
+import gzip  # noqa: E402
+import json  # noqa: E402
+from array import array  # noqa: E402
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from cachepipe import state  # noqa: E402
+from cachepipe.catalog import Catalog, FileEntry, Item, Names  # noqa: E402
+
+MD5 = "0123456789abcdef0123456789abcdef"
+ETAGS = [MD5, MD5.upper(), "0123456789abcdef0123456789abcde-", "d41d8cd98f00b204e9800998ecf8427e-3", "", "W/x", None, "é" * 32]
+
+
+def mixed_listing():
+    """Non-ASCII names, several files, nested folders, every kind of etag, a directory marker."""
+    keys = ["a-b/x", "a/1", "a/sub/2", "a/sub/deep/3", "b/", "b/ü.txt", "z z/ /e", "日本/動画.mp4", "日本/文字.txt"]
+    return [ObjectInfo(k, 0 if k.endswith("/") else i + 1, ETAGS[i % len(ETAGS)]) for i, k in enumerate(keys)]
+
+
+def test_catalog_round_trips_names_keys_sizes_and_etags():
+    items = list(group_items(mixed_listing()))
+    catalog = Catalog(items)
+    assert list(catalog) == items and len(catalog) == len(items) == 5
+    assert [catalog[i] for i in range(-5, 0)] == items and catalog[1:3] == items[1:3]
+    assert catalog[1].files[2] == FileEntry("a/sub/deep/3", "sub/deep/3", 4, ETAGS[3])
+    assert [f.etag for item in catalog for f in item.files] == [f.etag for item in items for f in item.files]
+    assert list(catalog.sizes) == [item.size for item in items]
+    assert list(catalog.names) == [item.name for item in items] == ["a-b", "a", "b", "z z", "日本"]
+    assert catalog.name_bytes == sum(len(item.name.encode()) for item in items)
+    assert list(Catalog.from_listing(mixed_listing())) == items
+    assert list(catalog.entries()) == [(i.name, [(f.rel, f.size, f.etag) for f in i.files]) for i in items]
+
+
+def test_catalog_of_files_mode():
+    listing = [ObjectInfo(k, 5, e) for k, e in [("000.tar", MD5), ("001.tar", "abc-2"), ("sub/002.tar", None)]]
+    items = list(group_items(listing, "files"))
+    catalog = Catalog.from_listing(listing, "files")
+    assert list(catalog) == items and all(item.is_file for item in catalog)
+    assert catalog[2] == Item("sub/002.tar", (FileEntry("sub/002.tar", "", 5, None),), 5, is_file=True)
+    assert catalog.find("sub/002.tar") == 2 and catalog.find("sub") == -1
+
+
+def test_catalog_keeps_lone_surrogates_and_control_free_unicode():
+    catalog = Catalog(mode="folders")
+    catalog.add("x\udcff", [("\ud800y", 3, None)])
+    assert catalog[0] == Item("x\udcff", (FileEntry("x\udcff/\ud800y", "\ud800y", 3, None),), 3)
+    assert catalog.find("x\udcff") == 0
+
+
+def test_catalog_find_and_names_index():
+    catalog = Catalog.from_listing(mixed_listing())
+    for i, name in enumerate(catalog.names):
+        assert catalog.find(name) == i and catalog.names.index(name) == i and name in catalog.names
+    assert catalog.find("a/") == -1 and catalog.find("c") == -1 and "c" not in catalog.names
+    with pytest.raises(ValueError, match="'c' is not in the catalog"):
+        catalog.names.index("c")
+    subset = Names(catalog, array("q", [1, 3]))
+    assert list(subset) == ["a", "z z"] and subset.index("z z") == 1 and "a-b" not in subset
+    with pytest.raises(ValueError, match="increasing"):
+        Names(catalog, [3, 1])
+
+
+def test_find_scans_a_catalog_built_out_of_order():
+    items = [Item(n, (FileEntry(f"{n}/f", "f", 1),), 1) for n in ["m", "b", "z", "a"]]
+    catalog = Catalog(items)
+    assert [catalog.find(n) for n in ["m", "b", "z", "a", "q"]] == [0, 1, 2, 3, -1]
+
+
+def test_catalog_rejects_what_it_could_not_give_back():
+    catalog = Catalog([Item("a", (FileEntry("a/f", "f", 1),), 1)])
+    with pytest.raises(ValueError, match="'x/g' of item 'b': expected 'b/g'"):
+        catalog.append(Item("b", (FileEntry("x/g", "g", 1),), 1))
+    with pytest.raises(ValueError, match="'c.tar' is a single-file item, but this catalog holds folders"):
+        catalog.append(Item("c.tar", (FileEntry("c.tar", "", 1),), 1, is_file=True))
+    with pytest.raises(TypeError, match="'2'"):
+        catalog.add("d", [("f", 1, None), ("g", "2", None)])
+    with pytest.raises(ValueError, match="size -1 bytes"):
+        catalog.add("d", [("f", -1, None)])
+    with pytest.raises(ValueError, match="a single-file item has one"):
+        Catalog(mode="files").add("e", [("f", 1, None)])
+    with pytest.raises(ValueError, match="mode 'dirs'"):
+        Catalog(mode="dirs")  # type: ignore[arg-type]
+    assert list(catalog) == [Item("a", (FileEntry("a/f", "f", 1),), 1)]  # unchanged by the failures
+    with pytest.raises(IndexError, match="index 1 out of range for 1 items"):
+        catalog[1]
+    with pytest.raises(TypeError, match="'0'"):
+        catalog["0"]  # type: ignore[call-overload]
+
+
+def test_catalog_is_compact():
+    catalog = Catalog.from_listing(ObjectInfo(f"s{i:07d}/f", 1, MD5) for i in range(10_000))
+    assert catalog.nbytes == (57 + 8 + 1) * 10_000 + 4 * 8  # fixed columns, the name, the rel; four offset arrays start at 0
+
+
+def test_saved_catalog_round_trip(tmp_path):
+    catalog = Catalog.from_listing(mixed_listing())
+    path = tmp_path / "catalog"
+    state.save_catalog(path, "s3://b/p", "folders", catalog)
+    loaded = state.load_catalog(path, "s3://b/p", "folders")
+    assert isinstance(loaded, Catalog) and list(loaded) == list(catalog)
+    assert state.load_catalog(path, "s3://b/other", "folders") is None
+    lines = gzip.decompress(path.read_bytes()).decode().splitlines()
+    assert json.loads(lines[0])["count"] == 5 and json.loads(lines[2]) == ["a", [["1", 2, ETAGS[1]], ["sub/2", 3, ETAGS[2]], ["sub/deep/3", 4, ETAGS[3]]]]
+    files = Catalog.from_listing([ObjectInfo("x/y.tar", 3, MD5)], "files")
+    state.save_catalog(path, "s3://b/p", "files", files)
+    assert list(state.load_catalog(path, "s3://b/p", "files")) == list(files)
+    assert state.load_catalog(path, "s3://b/p", "folders") is None
+
+
+def test_saved_catalog_with_bad_values_is_corrupt(tmp_path):
+    path = tmp_path / "catalog"
+    header = json.dumps({"version": 1, "source": "s", "items": "folders", "count": 1})
+    path.write_bytes(gzip.compress(f'{header}\n["a", [["f", "12", null]]]\n'.encode()))
+    with pytest.raises(state.StateCorrupt, match="'12'"):
+        state.load_catalog(path, "s", "folders")
+
+
+_segment = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="/\\\x7f" + "".join(map(chr, range(32)))),
+                   min_size=1, max_size=6).filter(lambda s: s not in (".", "..", ".cachepipe"))
+_etag = st.one_of(st.none(), st.just(MD5), st.text(max_size=40), st.binary(min_size=16, max_size=16).map(bytes.hex))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.lists(_segment, min_size=1, max_size=3).map("/".join), st.tuples(st.integers(0, 2**40), _etag), max_size=30),
+       st.sampled_from(["folders", "files"]))
+def test_catalog_holds_what_group_items_yields(objects, mode):
+    listing = [ObjectInfo(k, size, etag) for k, (size, etag) in sorted(objects.items())]
+    try:
+        items = list(group_items(listing, mode))
+    except UnsafeKeyError:  # a file and a folder of the same name: nothing to compare
+        return
+    catalog = Catalog.from_listing(listing, mode)
+    assert list(catalog) == items == list(Catalog(items, mode))
+    assert all(catalog.find(item.name) == i for i, item in enumerate(items))

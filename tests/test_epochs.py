@@ -146,3 +146,14 @@ def test_prepare_that_outgrows_its_reserve_fails_the_item(s3_source, tmp_path):
             list(pipe)
     with pytest.raises(ValueError, match="retain"):
         Pipeline(s3_source.url, tmp_path / "d", "1MiB", prepare=_probe, retain="auto")
+
+
+def test_oversize_item_skipped_in_a_shuffled_pass_with_retention(s3_source, tmp_path):
+    data = s3_source.folders(6, {"f": 1000})
+    s3_source.put("big/f", b"x" * 300_000)  # first in the catalog, beyond the capacity: the plan maps around it
+    with Pipeline(s3_source.url, tmp_path / "c", 200_000, storage_options=s3_source.options, epochs=2, shuffle=True,
+                  seed=3, rank=0, world_size=1, retain="auto", on_oversize="skip") as pipe:
+        seen = names(pipe)
+        stats = pipe.stats()
+    assert sorted(seen) == sorted(list(data) * 2)
+    assert stats.items_skipped == 1 and stats.items_listed == 7 and stats.bytes_downloaded == 6 * 1000
