@@ -441,6 +441,8 @@ class Pipeline:
         Raises:
             TimeoutError: no item became ready in time.
             ItemFailedError: the next item failed (``on_error="raise"``); the cause is chained.
+            OSError, OversizeError, UnsafeKeyError, EmptySourceError: a listing that streams stopped
+                after :meth:`open` (whatever ``on_error``), raised once the items listed before it.
             RuntimeError: the pipeline is not open.
         """
         self._require_open()
@@ -452,7 +454,9 @@ class Pipeline:
             if got is None:
                 return None
             if isinstance(got, Failed):
-                if got.seq >= 0 and got.name != "<listing>":
+                if got.name == "<listing>":
+                    raise got.error  # listing or planning stopped: not an item to skip, the rest is unknown
+                if got.seq >= 0:
                     self._consume(got.seq)  # reported: the resume point moves past it
                 if self.config.on_error == "skip":
                     log.warning("skipping failed item: %s", got.error)

@@ -118,6 +118,29 @@ def test_oversize_item_after_the_first_page_fails_in_its_turn(memory_data, tmp_p
     assert len(delivered) == FIRST_PAGE_OBJECTS + 5  # everything before it, in order
 
 
+@pytest.mark.parametrize("fault", ["listing error", "oversize", "no items"])
+def test_a_listing_that_stops_after_the_first_page_is_raised_also_with_on_error_skip(memory_data, tmp_path, fault):
+    # on_error="skip" skips failed *items*; a listing that stops leaves the rest of the source
+    # unlisted, which must not look like the end of the pass (it raises at open() without streaming)
+    if fault == "no items":  # loose objects only: no folder in the whole source
+        for i in range(FIRST_PAGE_OBJECTS + 5):
+            memory_data.pipe_file(f"/stream/data/loose{i:05d}", b"x")
+    else:
+        _put(memory_data, FIRST_PAGE_OBJECTS + 30)
+    if fault == "oversize":
+        memory_data.pipe_file(f"/stream/data/item{FIRST_PAGE_OBJECTS + 10:05d}/f", b"x" * 300_000)
+    store = GatedStore(gate_after=FIRST_PAGE_OBJECTS + 1, fail_after=FIRST_PAGE_OBJECTS + 10 if fault == "listing error" else None)
+    expected = {"listing error": ConnectionError, "oversize": OversizeError, "no items": EmptySourceError}[fault]
+    delivered = []
+    with Pipeline(ROOT, tmp_path / "c", "256KiB", store=store, retries=0, on_error="skip") as pipe:
+        store.gate.set()  # the listing goes on (and stops) after open() returned
+        with pytest.raises(expected):
+            for p in pipe:
+                delivered.append(p.name)
+    assert delivered == [f"item{i:05d}" for i in range(len(delivered))]
+    assert len(delivered) == {"listing error": FIRST_PAGE_OBJECTS + 9, "oversize": FIRST_PAGE_OBJECTS + 10, "no items": 0}[fault]
+
+
 def test_state_budget_outgrowing_the_capacity_is_a_config_error(memory_data, tmp_path):
     _put(memory_data, FIRST_PAGE_OBJECTS + 5)
     with pytest.raises(ConfigError, match="bytes for its state"):
