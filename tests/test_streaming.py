@@ -141,6 +141,19 @@ def test_a_listing_that_stops_after_the_first_page_is_raised_also_with_on_error_
     assert len(delivered) == {"listing error": FIRST_PAGE_OBJECTS + 9, "oversize": FIRST_PAGE_OBJECTS + 10, "no items": 0}[fault]
 
 
+@pytest.mark.xfail(strict=True, raises=TimeoutError, reason=(
+    "not fixed (design): a streamed pass budgets journal space per listed name as it lists, so the "
+    "limit an item was admitted under shrinks afterwards; an item that no longer fits waits in "
+    "Cache.reserve forever"))
+def test_an_item_admitted_before_the_state_budget_outgrew_it_is_not_waited_for_forever(memory_data, tmp_path):
+    memory_data.pipe_file("/stream/data/item00000/f", b"x" * 15_000)  # fits beside the budget of one name
+    _put(memory_data, 49, start=1)  # the budget of 50 names leaves about 11 KB of 20 KB for items
+    # without streaming, open() raises OversizeError; streamed, it may come from open() or get()
+    with pytest.raises(OversizeError, match="'item00000' is 15000 bytes"):
+        with Pipeline(ROOT, tmp_path / "c", 20_000) as pipe:
+            pipe.get(timeout=10)  # a guard against the hang, not a timing assertion
+
+
 def test_state_budget_outgrowing_the_capacity_is_a_config_error(memory_data, tmp_path):
     _put(memory_data, FIRST_PAGE_OBJECTS + 5)
     with pytest.raises(ConfigError, match="bytes for its state"):
