@@ -160,6 +160,9 @@ class Pipeline:
                         from tqdm.auto import tqdm
 
                         self._bar = tqdm(total=self._total_steps, unit="item", desc="cachepipe", dynamic_ncols=True)
+                        if self._bar.total != self._total_steps:  # a streamed listing ended while the bar was made
+                            self._bar.total = self._total_steps
+                            self._bar.refresh()
                     self._store, self._fetcher = store, fetcher
                     fetcher.start()
                     self._state = _OPEN

@@ -12,11 +12,13 @@ from collections.abc import Iterator
 
 import fsspec
 import pytest
+import tqdm.auto
 
 from cachepipe import ConfigError, EmptySourceError, OversizeError, Pipeline
 from cachepipe.listing import FIRST_PAGE_OBJECTS
 from cachepipe.stores.base import ObjectInfo
 from cachepipe.stores.fsspec import FsspecStore
+from waiting import wait_until
 
 ROOT = "memory://stream/data"
 
@@ -197,3 +199,22 @@ def test_s3_listing_is_read_page_by_page(s3_source, tmp_path):
     with Pipeline(s3_source.url, tmp_path / "c", "1MiB", store=store) as pipe:
         got = {p.name: ((p / "a").read_bytes(), (p / "b" / "c").read_bytes()) for p in pipe}
     assert got == {name: (files["a"], files["b/c"]) for name, files in data.items()}
+
+
+def test_the_progress_bar_gets_its_total_when_the_listing_ends_while_the_bar_is_made(memory_data, tmp_path, monkeypatch):
+    _put(memory_data, FIRST_PAGE_OBJECTS + 5)
+    store = GatedStore(gate_after=FIRST_PAGE_OBJECTS + 1)
+    auto_tqdm, bars = tqdm.auto.tqdm, []
+
+    class MadeAsTheListingEnds(auto_tqdm):
+        def __init__(self, *args, **kwargs):
+            store.gate.set()
+            wait_until(lambda: "cachepipe-listing" not in [t.name for t in threading.enumerate()], what="the end of the listing")
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", MadeAsTheListingEnds)
+    with Pipeline(ROOT, tmp_path / "c", "1MiB", store=store, progress=True) as pipe:
+        names = [p.name for p in pipe]
+    assert len(names) == FIRST_PAGE_OBJECTS + 5
+    assert bars[0].total == bars[0].n == FIRST_PAGE_OBJECTS + 5
