@@ -323,7 +323,8 @@ class Pipeline:
         if listing.stopped:
             return
         if index == 0:
-            raise EmptySourceError(f"no items under {self.config.source!r}: found no {self.config.items} smaller than the capacity")
+            raise EmptySourceError(f"no items under {self.config.source!r}: found no {self.config.items} "
+                                   + ("smaller than the capacity" if listing.listed else "with objects"))
 
     def _consume(self, seq: int) -> None:
         """A step is done (acknowledged, or failed and reported): move the resume point."""
