@@ -330,7 +330,9 @@ class Fetcher:
         item, reserved = job.item, job.item.size + job.extra
         try:
             if self._cfg.unpack:
-                unpack_in_place(job.staged, name=item.name, limit_bytes=job.extra, max_members=DEFAULT_MAX_MEMBERS)
+                unpack_in_place(job.staged, name=item.name, limit_bytes=job.extra, max_members=DEFAULT_MAX_MEMBERS, stop=self._stop)
+                if self._stop.is_set():
+                    return  # closing: the cache removes staging wholesale; the hook is not run
             if self._cfg.prepare is not None:
                 self._cfg.prepare(job.staged)
             used = tree_bytes(job.staged) if job.staged.is_dir() else job.staged.stat().st_size

@@ -161,6 +161,9 @@ class Pipeline:
                         from tqdm.auto import tqdm
 
                         self._bar = tqdm(total=self._total_steps, unit="item", desc="cachepipe", dynamic_ncols=True)
+                        if self._bar.total != self._total_steps:  # a streamed listing ended while the bar was made
+                            self._bar.total = self._total_steps
+                            self._bar.refresh()
                     self._store, self._fetcher = store, fetcher
                     fetcher.start()
                     self._state = _OPEN
@@ -326,7 +329,8 @@ class Pipeline:
         if listing.stopped:
             return
         if index == 0:
-            raise EmptySourceError(f"no items under {self.config.source!r}: found no {self.config.items} smaller than the capacity")
+            raise EmptySourceError(f"no items under {self.config.source!r}: found no {self.config.items} "
+                                   + ("smaller than the capacity" if listing.listed else "with objects"))
 
     def _consume(self, seq: int) -> None:
         """A step is done (acknowledged, or failed and reported): move the resume point."""
@@ -447,6 +451,8 @@ class Pipeline:
         Raises:
             TimeoutError: no item became ready in time.
             ItemFailedError: the next item failed (``on_error="raise"``); the cause is chained.
+            OSError, OversizeError, UnsafeKeyError, EmptySourceError: a listing that streams stopped
+                after :meth:`open` (whatever ``on_error``), raised once the items listed before it.
             RuntimeError: the pipeline is not open.
         """
         self._require_open()
@@ -458,7 +464,9 @@ class Pipeline:
             if got is None:
                 return None
             if isinstance(got, Failed):
-                if got.seq >= 0 and got.name != "<listing>":
+                if got.name == "<listing>":
+                    raise got.error  # listing or planning stopped: not an item to skip, the rest is unknown
+                if got.seq >= 0:
                     self._consume(got.seq)  # reported: the resume point moves past it
                 if self.config.on_error == "skip":
                     log.warning("skipping failed item: %s", got.error)

@@ -42,6 +42,7 @@ import re
 import shutil
 import stat
 import tarfile
+import threading
 import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -171,11 +172,13 @@ class ConcatReader(io.RawIOBase):
 
     Opens one volume at a time. While reads are sequential from the start, it feeds each
     volume's bytes to its MD5 (``md5s``); a seek turns hashing off (:attr:`hashed` False).
+    Once ``stop`` is set, reads raise :class:`InterruptedError`.
     """
 
-    def __init__(self, paths: Sequence[Path]) -> None:
+    def __init__(self, paths: Sequence[Path], stop: threading.Event | None = None) -> None:
         super().__init__()
         self.paths = list(paths)
+        self.stop = stop
         self.sizes = [os.stat(p).st_size for p in self.paths]
         self.starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
         self.total = sum(self.sizes)
@@ -212,6 +215,7 @@ class ConcatReader(io.RawIOBase):
         return filled
 
     def _read_volume(self, view: memoryview) -> int:
+        _check_stop(self.stop)
         index = bisect.bisect_right(self.starts, self._pos) - 1
         while self._pos >= self.starts[index] + self.sizes[index]:
             index += 1  # skip empty volumes
@@ -324,9 +328,15 @@ def _inside(root: Path, path: Path) -> bool:
 
 
 # ---- extraction ----------------------------------------------------------------------------
+def _check_stop(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise InterruptedError(errno.EINTR, "extraction stopped")
+
+
 class _Extraction:
-    def __init__(self, out_dir: Path, budget: _Budget, result: UnpackResult) -> None:
+    def __init__(self, out_dir: Path, budget: _Budget, result: UnpackResult, stop: threading.Event | None = None) -> None:
         self.out = out_dir
+        self.stop = stop  # checked before each member and each read (a member's data may be buffered)
         self.budget = budget
         self.result = result
         self.written: dict[str, str] = {}  # rel path -> archive that wrote it
@@ -353,6 +363,7 @@ class _Extraction:
                 self._tar_member(archive, tar, member)
 
     def _tar_member(self, archive: str, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+        _check_stop(self.stop)
         name = member.name
         rel = _check_name(archive, name)
         if not (member.isreg() or member.isdir() or member.issym() or member.islnk()):
@@ -398,6 +409,7 @@ class _Extraction:
                 self._zip_member(archive, zf, info)
 
     def _zip_member(self, archive: str, zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> None:
+        _check_stop(self.stop)
         name = info.filename
         rel = _check_name(archive, name)
         mode = info.external_attr >> 16
@@ -497,7 +509,8 @@ def _clear(out_dir: Path) -> None:
 
 
 def unpack_item(
-    item_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, limit_bytes: int, max_members: int = DEFAULT_MAX_MEMBERS
+    item_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, limit_bytes: int, max_members: int = DEFAULT_MAX_MEMBERS,
+    stop: threading.Event | None = None,
 ) -> UnpackResult:
     """Extract the archive(s) of a downloaded item into ``out_dir``, safely (see the module docstring).
 
@@ -509,6 +522,8 @@ def unpack_item(
         limit_bytes: most bytes of files the extraction may write; a member that would pass
             it is refused before it is written.
         max_members: most members (files, folders, links) to extract.
+        stop: once set, the extraction stops at the next member or read with
+            :class:`InterruptedError` (and ``out_dir`` is emptied, as on any error).
 
     Returns:
         an :class:`UnpackResult`.
@@ -539,7 +554,7 @@ def unpack_item(
         )
     for rel in other:
         log.info("%s: %s is not an archive; not extracted", item, rel)
-    extraction = _Extraction(out, _Budget(limit_bytes, max_members), result)
+    extraction = _Extraction(out, _Budget(limit_bytes, max_members), result, stop)
     try:
         for volumes in sets:
             _unpack_one(root, volumes, checksums, extraction)
@@ -550,7 +565,8 @@ def unpack_item(
 
 
 def unpack_in_place(
-    path: str | os.PathLike[str], *, name: str | None = None, limit_bytes: int, max_members: int = DEFAULT_MAX_MEMBERS
+    path: str | os.PathLike[str], *, name: str | None = None, limit_bytes: int, max_members: int = DEFAULT_MAX_MEMBERS,
+    stop: threading.Event | None = None,
 ) -> UnpackResult:
     """Replace a downloaded item by its extracted contents: :func:`unpack_item`, then a rename.
 
@@ -565,7 +581,7 @@ def unpack_in_place(
         path: the item: a folder, or one archive file.
         name: the archive's file name, when ``path`` is a single file stored under another
             name (error messages name it).
-        limit_bytes, max_members: as for :func:`unpack_item`.
+        limit_bytes, max_members, stop: as for :func:`unpack_item`.
 
     Raises:
         as :func:`unpack_item`; :class:`ArchiveError` also when a file of the item has the path
@@ -582,7 +598,7 @@ def unpack_in_place(
         source.parent.mkdir()
         os.rename(item, source)
     try:
-        result = unpack_item(source, out, limit_bytes=limit_bytes, max_members=max_members)
+        result = unpack_item(source, out, limit_bytes=limit_bytes, max_members=max_members, stop=stop)
         _adopt(item, out, result.other)
     except BaseException:
         if os.path.lexists(out):
@@ -619,7 +635,7 @@ def _unpack_one(root: Path, volumes: list[str], checksums: dict[str, str], extra
     paths = [root / v for v in volumes]
     with ConcatReader(paths) as sniffer:
         fmt = archive_format(sniffer.read(_SNIFF))
-    with ConcatReader(paths) as reader:
+    with ConcatReader(paths, extraction.stop) as reader:
         if fmt is None:
             raise ArchiveError(f"{label}: not a recognised archive (tar, tar.gz, tar.bz2, tar.xz, tar.zst or zip)")
         expected = {i: checksums[p.name] for i, p in enumerate(paths) if p.name in checksums}

@@ -13,6 +13,7 @@ import random
 import pytest
 from sampling import Sampler
 from test_unpack import link, md5_sidecar, read_tree, tar_bytes, volumes, zip_bytes
+from waiting import wait_until
 
 from cachepipe import (
     ArchiveError,
@@ -205,3 +206,16 @@ def test_config_default_reserve_and_what_unpack_is_not_combined_with(tmp_path):
     assert PipelineConfig(**base, prepare=print, prepare_ratio=0.5).prepare_extra(1000) == 500
     with pytest.raises(ValueError, match="unpack with retain='auto' is not supported yet: use retain='none'"):
         PipelineConfig(**base, unpack=True, retain="auto")
+
+
+def test_close_during_an_extraction_stops_it_and_runs_nothing_after_it(s3_source, tmp_path):
+    # many small members: extracting them takes far longer than noticing that it began
+    s3_source.put("a/many.tar.gz", tar_bytes({f"m/{i:05d}": b"x" for i in range(1500)}, "w:gz"))
+    cache, prepared = tmp_path / "c", []
+    pipe = unpacking(s3_source, cache, "16MiB", prepare=prepared.append, prepare_ratio=20)
+    pipe.open()
+    staging = cache / ".cachepipe" / "staging"
+    wait_until(lambda: any(p.name.endswith(".unpacked") and any(p.rglob("*")) for p in staging.iterdir()), what="an extraction under way")
+    pipe.close()
+    assert prepared == []  # close() did not wait for the extraction to end, nor run the hook on its result
+    assert not staging.exists() and leftovers(cache) == []

@@ -8,6 +8,7 @@ import itertools
 import os
 import stat
 import tarfile
+import threading
 import warnings
 import zipfile
 from pathlib import Path
@@ -325,3 +326,15 @@ def test_a_file_of_the_item_may_not_take_the_path_of_an_extracted_member(tmp_pat
         unpack_in_place(item, limit_bytes=LIMIT)
     assert sorted(p.name for p in item.iterdir()) == ["a.tar", "meta.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["item"]
+
+
+@pytest.mark.parametrize("mode", ["w", "w:gz"])
+def test_a_set_stop_event_interrupts_an_extraction_in_place_and_leaves_the_item_as_it_was(tmp_path, mode):
+    shard, archive = tmp_path / "7", tar_bytes(FILES, mode)
+    shard.write_bytes(archive)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(InterruptedError):
+        unpack_in_place(shard, name="a.tar", limit_bytes=LIMIT, stop=stop)
+    assert shard.read_bytes() == archive
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["7"]
