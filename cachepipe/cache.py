@@ -31,7 +31,7 @@ from pathlib import Path
 from . import state
 from .catalog import Catalog, Item
 from .config import Share
-from .errors import CacheLockedError, ConfigError, VerificationError
+from .errors import CacheLockedError, ConfigError, OversizeError, VerificationError
 from .plan import tick as plan_tick
 from .retention import RetentionPolicy
 
@@ -245,12 +245,26 @@ class Cache:
 
     def note_listed(self, name: str) -> None:
         """Budget journal space for an item listed after :meth:`recover` (a listing that streams
-        while downloads run): the same share per name that :meth:`recover` budgets."""
+        while downloads run): the same share per name that :meth:`recover` budgets. Blocks until
+        that space is free (items are acked), so that the ledger never exceeds the capacity; a
+        reservation that the larger budget leaves no room for raises instead of waiting (see
+        :meth:`reserve`).
+
+        Raises:
+            ConfigError: the state budget alone would reach the capacity.
+        """
         with self._cond:
             grow = 2 * (4 * len(name.encode()) + state.EVENT_OVERHEAD)
+            self._check_overhead(self.overhead + grow)
+            # Wait for room (acks) rather than count space the reserved items already hold: the
+            # ledger never exceeds the capacity. Reservations waiting for room re-check the limit.
+            while not self._closed and self.foreign + self.overhead + self._reserved + grow > self.capacity:
+                self._cond.wait()
+            if self._closed:
+                return
             self._journal_budget += grow
             self.overhead += grow
-            self._check_overhead()
+            self._cond.notify_all()
 
     def set_plan(self, plan: str) -> None:
         """Record the plan (its configuration as JSON) once it is known, for a later ``resume``."""
@@ -258,11 +272,14 @@ class Cache:
             self._plan = plan
             self._compact()
 
-    def _check_overhead(self) -> None:
-        if self.foreign + self.overhead >= self.capacity:
+    def _check_overhead(self, overhead: int | None = None) -> None:
+        """Raise ConfigError if foreign files and ``overhead`` (default: the current state budget)
+        leave no room for any item."""
+        overhead = self.overhead if overhead is None else overhead
+        if self.foreign + overhead >= self.capacity:
             raise ConfigError(
                 f"cache_dir {str(self.root)!r} holds {self.foreign} bytes not managed by cachepipe and needs "
-                f"{self.overhead} bytes for its state, not less than the capacity of {self.capacity} bytes; "
+                f"{overhead} bytes for its state, not less than the capacity of {self.capacity} bytes; "
                 "empty it or raise the capacity"
             )
 
@@ -363,13 +380,20 @@ class Cache:
             self._cond.notify_all()
         return new
 
-    def reserve(self, size: int) -> bool:
+    def reserve(self, size: int, name: str = "") -> bool:
         """Block until ``size`` bytes fit under the capacity and reserve them.
 
         Returns False (reserving nothing) if the cache is closed meanwhile.
+
+        Raises:
+            OversizeError: ``size`` is over :attr:`limit`, now or while it waits (the state budget
+                of a streamed listing grows as names are listed, or the capacity was lowered):
+                it would never fit, so it is not waited for. ``name`` names it in the error.
         """
         with self._cond:
             while not self._closed and self.foreign + self.overhead + self._reserved + size > self.capacity:
+                if size > self.capacity - self.foreign - self.overhead:
+                    raise OversizeError(name, size, self.capacity, self.foreign + self.overhead)
                 self._cond.wait()
             if self._closed:
                 return False
@@ -558,7 +582,13 @@ class Cache:
             return recovered
         policy = self._policy
         if policy is None:
-            return self.claim(item.name) and self.reserve(item.size + extra)
+            if not self.claim(item.name):
+                return False
+            try:
+                return self.reserve(item.size + extra, item.name)
+            except BaseException:
+                self.unreserve(0, item.name)  # the claim
+                raise
         idx = self._number(item.name)
         if idx is None:
             raise KeyError(f"item {item.name!r} is not in the plan given to use_retention()")

@@ -27,7 +27,7 @@ from .broker import Broker
 from .cache import Cache, tree_bytes
 from .catalog import FileEntry, Item
 from .config import PipelineConfig, Share
-from .errors import ArchiveError, ItemFailedError, PrepareOverflowError, VerificationError, is_transient
+from .errors import ArchiveError, ItemFailedError, OversizeError, PrepareOverflowError, VerificationError, is_transient
 from .stores.base import Store
 from .unpack import DEFAULT_MAX_MEMBERS, split_volume, unpack_in_place
 
@@ -158,7 +158,13 @@ class Fetcher:
                 if not self._wait_for_free_space(item.size):
                     return
                 extra = self._extra(item)
-                got = self._cache.acquire(item, tick, self._broker.starving, extra)
+                try:
+                    got = self._cache.acquire(item, tick, self._broker.starving, extra)
+                except OversizeError as exc:  # no longer fits beside the state budget: this item only
+                    unstarted = False
+                    self._broker.begin()
+                    self._broker.fail(seq, item.name, exc)
+                    continue
                 if got is False:
                     return
                 unstarted = False

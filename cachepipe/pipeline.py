@@ -468,6 +468,12 @@ class Pipeline:
                     raise got.error  # listing or planning stopped: not an item to skip, the rest is unknown
                 if got.seq >= 0:
                     self._consume(got.seq)  # reported: the resume point moves past it
+                if isinstance(got.error, OversizeError):  # judged when its space was reserved (see Cache.reserve)
+                    if self.config.on_oversize == "raise":
+                        raise got.error
+                    log.warning("skipping %s", got.error)
+                    self._count("skipped")
+                    continue
                 if self.config.on_error == "skip":
                     log.warning("skipping failed item: %s", got.error)
                     self._count("skipped")
