@@ -358,7 +358,9 @@ class _Extraction:
             mode = "r|"
         else:
             source, mode = stream, {"tar": "r|", "tar.gz": "r|gz", "tar.bz2": "r|bz2", "tar.xz": "r|xz"}[fmt]
-        with tarfile.open(fileobj=source, mode=mode, bufsize=_CHUNK) as tar:  # type: ignore[call-overload]
+        # tarfile's own buffer size: its stream inflates a whole compressed read at once and copies
+        # what is left after each member read; a 1 MiB read of zeros is ~1 GB in memory.
+        with tarfile.open(fileobj=source, mode=mode) as tar:  # type: ignore[call-overload]
             for member in tar:
                 self._tar_member(archive, tar, member)
 
