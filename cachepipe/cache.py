@@ -192,10 +192,17 @@ class Cache:
             ``(epoch, name)`` pairs acknowledged beyond it.
 
         Raises:
-            ConfigError: ``resume`` with a different plan, or foreign files and the state budget
-                leave no room under the capacity.
+            ConfigError: ``resume`` with a different plan, or after a streamed pass that stopped
+                before its listing ended (its plan is unknown), or foreign files and the state
+                budget leave no room under the capacity.
         """
         replay = self._replay
+        if resume and not replay.plan and replay.cursor != (0, 0):
+            raise ConfigError(
+                f"resume=True, but the pass in {str(self.root)!r} streamed its listing and stopped at step "
+                f"{replay.cursor[1]} before the listing ended, so its plan was never recorded and that position "
+                "cannot be checked against the data; use resume=False to start a new pass"
+            )
         if resume and replay.plan and plan and replay.plan != plan:
             raise ConfigError(
                 f"resume=True, but {str(self.root)!r} holds a pass of another plan ({replay.plan}); this one is {plan}. "
