@@ -235,14 +235,19 @@ class Cache:
         self._compact()
         self._reserved = sum(self._published.values())
         state_files = tree_bytes(self.state_dir)
-        # A step writes at most four lines (I, P, A, C); a compacted journal holds at most two per
-        # item (P, A). Compacting at half the budget keeps the journal under it at all times.
-        self._journal_budget = 2 * (4 * items.name_bytes + state.EVENT_OVERHEAD * len(items)) + 256
+        self._journal_budget = self.journal_budget(items)
         self.overhead = state_files + self._journal_budget
         self.foreign = tree_bytes(self.root) - self._reserved - state_files
         self._check_overhead()
         self._replay = state.Replay()
         return self._cursor, set(self._acked)
+
+    @staticmethod
+    def journal_budget(items: Catalog) -> int:
+        """Bytes the journal may take in a pass over ``items`` (reserved against the capacity by
+        :meth:`recover`). A step writes at most four lines (I, P, A, C); a compacted journal holds
+        at most two per item (P, A). Compacting at half the budget keeps it under it at all times."""
+        return 2 * (4 * items.name_bytes + state.EVENT_OVERHEAD * len(items)) + 256
 
     def has_leftovers(self) -> bool:
         """True if the journal read at open names items on disk (or could not be read): then

@@ -214,14 +214,16 @@ class Pipeline:
         self._listed_bytes = sum(sizes)
         # The plan's item i is catalog item eligible[i]; None: all items are (no second list).
         eligible: array | None = None
-        limit = cache.capacity - cache.foreign  # the state budget is checked by recover() below
+        # recover() below reserves the journal's budget too (and measures the state files: checked after it)
+        occupied = cache.foreign + cache.journal_budget(catalog)
+        limit = cache.capacity - occupied
         if max(sizes) > limit:
             eligible = array("q")
             for i, size in enumerate(sizes):
                 if size <= limit:
                     eligible.append(i)
                     continue
-                error = OversizeError(catalog.name(i), size, cache.capacity, cache.foreign)
+                error = OversizeError(catalog.name(i), size, cache.capacity, occupied)
                 if cfg.on_oversize == "raise":
                     raise error
                 log.warning("skipping %s", error)

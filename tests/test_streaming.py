@@ -189,9 +189,6 @@ def test_the_state_budget_of_a_streamed_listing_waits_for_room_instead_of_overco
     assert len(rest) == FIRST_PAGE_OBJECTS + 1 and rest[-1] == f"item{2 * FIRST_PAGE_OBJECTS:05d}"
 
 
-@pytest.mark.xfail(strict=True, raises=OversizeError, reason=(
-    "not fixed: without streaming, an item over capacity - state budget is judged after the plan "
-    "is built and recover() ran, and raises whatever on_oversize"))
 def test_on_oversize_skip_skips_an_item_that_the_state_budget_leaves_no_room_for(memory_data, tmp_path):
     memory_data.pipe_file("/stream/data/item00000/f", b"x" * 15_000)  # under the capacity, over capacity - budget
     _put(memory_data, 49, start=1)
