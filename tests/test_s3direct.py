@@ -66,9 +66,13 @@ def _gets(proxy, key: str) -> list[str]:
     return [head for head in proxy.requests if head.startswith(f"GET /data/video/{key} ")]
 
 
-def test_signed_gets_pass_the_servers_signature_check(s3_source, moto_iam):
-    """moto recomputes each SigV4 signature from the IAM secret: odd characters in keys, ranges."""
+def test_signed_requests_pass_the_servers_signature_check(s3_source, moto_iam):
+    """moto recomputes each SigV4 signature from the IAM secret: odd characters in keys, ranges,
+    listing pages with continuation tokens."""
     s3_source.put(ODD_KEY, BODY)
+    others = [f"more/{c}+%20{i}.bin" for i, c in enumerate("aé z")]
+    for other in others:
+        s3_source.put(other, b"x" * 10)
     (key, secret), _ = moto_iam.keys
     moto_iam.enforce()
     endpoint = s3_source.options["endpoint_url"]
@@ -80,6 +84,8 @@ def test_signed_gets_pass_the_servers_signature_check(s3_source, moto_iam):
         assert _get(store, ODD_KEY) == BODY
         assert _get(store, ODD_KEY, 1000, 1001) == BODY[1000:1001]
         assert _get(store, ODD_KEY, 5, len(BODY)) == BODY[5:]
+        store.list_page_size = 2
+        assert [(o.key, o.size) for o in store.list()] == sorted([(ODD_KEY, len(BODY))] + [(k, 10) for k in others])
         with pytest.raises(PermissionError, match="access denied") as info:
             _get(wrong, ODD_KEY)
         assert info.value.__cause__ is not None
@@ -150,7 +156,7 @@ def test_a_403_is_signed_again_once_then_access_denied(s3_source, fault_proxy):
 
 
 def test_the_signing_region_is_s3fs_clients(s3_source, moto_iam, fault_proxy):
-    """A custom region: the direct GET is signed for it, as s3fs's own requests are (and moto
+    """A custom region: direct requests are signed for it, as s3fs's own requests are (and moto
     checks the signature with it)."""
     proxy, endpoint = fault_proxy
     s3_source.put("a", BODY)
@@ -160,15 +166,14 @@ def test_the_signing_region_is_s3fs_clients(s3_source, moto_iam, fault_proxy):
                "skip_instance_cache": True}
     store = FsspecStore(s3_source.url, options)
     try:
-        assert [o.key for o in store.list()] == ["a"]  # s3fs's own request
+        assert store.exists("a")  # a HeadObject by s3fs's own client
         assert store._direct is not None and _get(store, "a") == BODY
+        assert [o.key for o in store.list()] == ["a"]
     finally:
         store.close()
-    listing = next(h for h in proxy.requests if h.startswith("GET /data?list-type=2"))
-    (direct,) = _gets(proxy, "a")
-    scope = f"Credential={key}/"
-    assert "/eu-west-1/s3/aws4_request" in listing.split(scope)[1].split(",")[0]
-    assert "/eu-west-1/s3/aws4_request" in direct.split(scope)[1].split(",")[0]
+    heads = [next(h for h in proxy.requests if h.startswith(start)) for start in ("HEAD /data/video/a ", "GET /data/video/a ", "GET /data?")]
+    scopes = [head.split(f"Credential={key}/")[1].split(",")[0] for head in heads]
+    assert all(scope.endswith("/eu-west-1/s3/aws4_request") for scope in scopes), scopes
 
 
 def test_addresses_are_the_ones_s3fs_client_resolves(s3_source):

@@ -129,19 +129,32 @@ class FsspecStore:
     def _list_s3(self) -> Iterator[ObjectInfo]:
         bucket, key, _ = self.fs.split_path(self.root)
         prefix = f"{key}/" if key else ""
-        request = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": self.list_page_size, **self.fs.req_kw}
+        token = None
         while True:
             with _errors(self.url):
-                page = fsspec.asyn.sync(self.fs.loop, self.fs._call_s3, "list_objects_v2", **request)
-            for entry in page.get("Contents", ()):
-                name = entry["Key"]
+                entries, token = self._list_s3_page(bucket, prefix, token)
+            for name, size, etag in entries:
                 if name == prefix:
                     continue  # the root's own directory marker
-                etag = entry.get("ETag")
-                yield ObjectInfo(name[len(prefix):], int(entry["Size"]), etag.strip('"') if etag else None)
-            if not page.get("IsTruncated"):
+                yield ObjectInfo(name[len(prefix):], size, etag)
+            if token is None:
                 return
-            request["ContinuationToken"] = page["NextContinuationToken"]
+
+    def _list_s3_page(self, bucket: str, prefix: str, token: str | None) -> tuple[list[tuple[str, int, str | None]], str | None]:
+        """One ListObjectsV2 page: ``([(key, size, etag), ...], next continuation token or None)``."""
+        if self._direct is not None:
+            page = self._direct.list_page(bucket, prefix, self.list_page_size, token)
+            if page is not None:
+                return page
+        request = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": self.list_page_size, **self.fs.req_kw}
+        if token is not None:
+            request["ContinuationToken"] = token
+        page = fsspec.asyn.sync(self.fs.loop, self.fs._call_s3, "list_objects_v2", **request)
+        entries = []
+        for entry in page.get("Contents", ()):
+            etag = entry.get("ETag")
+            entries.append((entry["Key"], int(entry["Size"]), etag.strip('"') if etag else None))
+        return entries, page["NextContinuationToken"] if page.get("IsTruncated") else None
 
     def get(self, key: str, out: BinaryIO, start: int, end: int) -> int:
         path = self._path(key)
