@@ -1,11 +1,13 @@
-"""Direct S3 GETs for the fsspec backend: s3fs's client decides where and how, botocore signs
-each request, ``http.client`` fetches it.
+"""Direct S3 requests for the fsspec backend (object GETs and listing pages): s3fs's client
+decides where and how, botocore signs each request, ``http.client`` sends it.
 
 Why: an s3fs GET costs about 2 ms of client CPU in aiobotocore (hooks, signing, parsing and a
 hop through s3fs's event-loop thread); a presigned URL from s3fs still costs about 0.65 ms
-(aiobotocore's presign machinery plus the hop). Folders of small files on a fast link are
-limited by that CPU (``benchmarks/bench_link.py``). Here a GET is one signature by botocore's
-own :class:`~botocore.auth.S3SigV4Auth` (about 0.1 ms) and a plain keep-alive HTTP request.
+(aiobotocore's presign machinery plus the hop), and botocore's parse of a listing page about
+0.15 ms per key (a datetime per LastModified). Folders of small files on a fast link are limited
+by that CPU (``benchmarks/bench_link.py``). Here a request is one signature by botocore's own
+:class:`~botocore.auth.S3SigV4Auth` (about 0.1 ms) and a plain keep-alive HTTP request; a listing
+page is parsed with :mod:`xml.etree.ElementTree` for keys, sizes and ETags only.
 
 Nothing about the request is decided here. Once per bucket (and again after
 :attr:`DirectGet.RETAKE_AFTER` seconds or a 403) a *probe* asks s3fs's own client for a
@@ -13,7 +15,9 @@ GetObject of a made-up key and stops it in botocore's ``before-sign`` event, bef
 signed or sent. The probe reads the URL the client resolved (endpoint, path or virtual-host
 addressing, the bucket's redirect-cached region) and the signing region, name and version; the
 credentials are the client's own. Buckets the client signs any other way (S3 Express sessions,
-SigV4a, SigV2) are left to s3fs: :meth:`DirectGet.get` returns None for them.
+SigV4a, SigV2), and a bucket that S3 says is in another region (``x-amz-bucket-region`` on a
+301, 307 or 400), are left to s3fs, whose client follows such redirects: the methods return
+None and the backend asks s3fs.
 
 Credentials: a frozen copy is signed with. Refreshable credentials (assumed roles, instance
 metadata, SSO) are refreshed through the client's credentials object as soon as botocore says
@@ -23,7 +27,7 @@ takes a new probe and a new copy and tries once more.
 
 Errors leave this module as ``OSError`` (HTTP statuses, shaped like botocore's errors),
 ``ConnectionError``, ``TimeoutError`` or botocore's exceptions; the fsspec backend translates
-them at its one seam.
+them at its one seam. Retrying is the core's, as for every store.
 """
 
 from __future__ import annotations
@@ -109,8 +113,9 @@ class _Route:
 
 
 class DirectGet:
-    """GETs of S3 object ranges without the SDK in the data path, over keep-alive
-    ``http.client`` connections (one per thread and host), bodies streamed in 1 MiB reads.
+    """GETs of S3 object ranges and listing pages without the SDK in the data path, over
+    keep-alive ``http.client`` connections (one per thread and host), object bodies streamed in
+    1 MiB reads.
 
     Args:
         fs: the s3fs filesystem whose client addresses, signs for and authenticates the requests.
@@ -290,7 +295,7 @@ class DirectGet:
                 if resp.status == 403 and attempt == 0:
                     resp.read()
                     continue
-                if resp.status in (301, 307, 400) and resp.getheader("x-amz-bucket-region"):
+                if resp.status in (301, 307, 400) and resp.getheader("x-amz-bucket-region", route.region) != route.region:
                     resp.read()  # the bucket is in another region: s3fs's client follows that
                     self._to_sdk(bucket)
                     return None
