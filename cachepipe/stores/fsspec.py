@@ -1,7 +1,7 @@
 """The fsspec backend: ``s3://`` (s3fs), ``file://``, plain paths, ``memory://``, ``gs://``...
 
-All errors from fsspec, s3fs, botocore and aiohttp, and from the direct S3 GETs of
-:mod:`cachepipe.stores.s3direct` (used for plain s3fs options), are translated in
+All errors from fsspec, s3fs, botocore and aiohttp, and from the direct S3 requests of
+:mod:`cachepipe.stores.s3direct` (GETs and listing pages, for plain s3fs options), are translated in
 :func:`_translate`, the one seam of this backend (see :mod:`cachepipe.stores.base` for the contract).
 """
 
