@@ -133,7 +133,7 @@ class DirectGet:
         self._routes: dict[str, _Route] = {}
         self._sdk_buckets: set[str] = set()  # buckets whose requests s3fs sends
         self._conns: dict[tuple[int, str, str], http.client.HTTPConnection] = {}
-        self._ssl = ssl.create_default_context()
+        self._ssl: ssl.SSLContext | None = None  # made on the first https connection (loading CAs costs ~30 ms)
 
     @staticmethod
     def usable(fs: Any, storage_options: dict[str, Any]) -> bool:
@@ -258,6 +258,9 @@ class DirectGet:
         if conn is not None:
             return conn
         if scheme == "https":
+            with self._lock:
+                if self._ssl is None:
+                    self._ssl = ssl.create_default_context()
             conn = http.client.HTTPSConnection(netloc, timeout=self.TIMEOUT, context=self._ssl)
         else:
             conn = http.client.HTTPConnection(netloc, timeout=self.TIMEOUT)
