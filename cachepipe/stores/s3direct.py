@@ -66,17 +66,19 @@ def _parse_listing(body: bytes) -> _Page:
     """Keys, sizes and ETags (unquoted) of a ListObjectsV2 result, and its continuation token."""
     root = ElementTree.fromstring(body)
     ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
-    decode = unquote_plus if root.findtext(f"{ns}EncodingType") == "url" else str
+    url_encoded = root.findtext(f"{ns}EncodingType") == "url"
     entries = []
     for entry in root.iterfind(f"{ns}Contents"):
-        etag = entry.findtext(f"{ns}ETag")
-        entries.append((decode(entry.findtext(f"{ns}Key") or ""), int(entry.findtext(f"{ns}Size") or 0), etag.strip('"') if etag else None))
+        key, size, etag = (entry.findtext(f"{ns}{tag}") for tag in ("Key", "Size", "ETag"))
+        if key is None or size is None:
+            raise ValueError(f"a ListObjectsV2 entry without Key or Size: {ElementTree.tostring(entry)[:200]!r}")
+        entries.append((unquote_plus(key) if url_encoded else key, int(size), etag.strip('"') if etag else None))
     truncated = root.findtext(f"{ns}IsTruncated") == "true"
     return entries, root.findtext(f"{ns}NextContinuationToken") if truncated else None
 
 
 class HTTPStatusError(OSError):
-    """A non-success status of a direct GET, shaped like botocore's errors (a ``response`` with
+    """A non-success status of a direct request, shaped like botocore's errors (a ``response`` with
     ``ResponseMetadata.HTTPStatusCode``) so that the backend's seam maps it the same way."""
 
     def __init__(self, status: int, reason: str) -> None:
