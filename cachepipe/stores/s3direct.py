@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import http.client
+import logging
 import os
 import ssl
 import threading
@@ -51,6 +52,8 @@ from botocore.awsrequest import AWSRequest
 from botocore.exceptions import NoCredentialsError
 
 __all__ = ["DirectGet"]
+
+log = logging.getLogger("cachepipe.stores.s3direct")
 
 _READ = 1024 * 1024  # bytes per read of a response body
 _SIGV4 = ("s3v4", "v4")  # botocore's names of plain SigV4 header signing
@@ -277,10 +280,11 @@ class DirectGet:
             conn.close()
 
     # ---- requests -------------------------------------------------------------------
-    def _exchange(self, bucket: str, target: Callable[[_Route], str], headers: dict[str, str],
+    def _exchange(self, operation: str, bucket: str, target: Callable[[_Route], str], headers: dict[str, str],
                   read: Callable[[_Route, http.client.HTTPResponse], _T]) -> _T | None:
         """Send a signed GET of ``target(route)`` (path and query) to ``bucket`` and return
-        ``read(route, response)``; None, with nothing read, if s3fs must send it."""
+        ``read(route, response)``; None, with nothing read, if s3fs must send it. Each request
+        is logged at DEBUG as ``direct <operation>: <path>`` (as s3fs logs its calls)."""
         route = None
         for attempt in (0, 1):  # a 403: probe and copy the credentials again, once
             route = self._route(bucket, stale=route if attempt else None)
@@ -294,6 +298,7 @@ class DirectGet:
                 route.signer.add_auth(request)
                 signed = dict(request.headers.items())
             conn = self._conn(route.scheme, route.netloc)
+            log.debug("direct %s: %s", operation, path)
             try:
                 conn.request("GET", path, headers=signed)
                 resp = conn.getresponse()
@@ -338,7 +343,7 @@ class DirectGet:
                 self._drop(route.scheme, route.netloc)
             return written
 
-        return self._exchange(bucket, lambda route: route.prefix + quoted, {"Range": f"bytes={start}-{end - 1}"}, read)
+        return self._exchange("GetObject", bucket, lambda route: route.prefix + quoted, {"Range": f"bytes={start}-{end - 1}"}, read)
 
     def list_page(self, bucket: str, prefix: str, max_keys: int, token: str | None = None) -> _Page | None:
         """One ListObjectsV2 page of ``bucket`` under ``prefix``: ``([(key, size, etag), ...],
@@ -359,7 +364,7 @@ class DirectGet:
                 raise HTTPStatusError(resp.status, resp.reason)
             return _parse_listing(body)
 
-        return self._exchange(bucket, lambda route: f"{route.prefix[:-1] or '/'}?{encoded}", {}, read)
+        return self._exchange("ListObjectsV2", bucket, lambda route: f"{route.prefix[:-1] or '/'}?{encoded}", {}, read)
 
     def close(self) -> None:
         """Close every connection (of every thread)."""
