@@ -193,7 +193,12 @@ class DirectGet:
         if found.signature_version is botocore.UNSIGNED:
             signer = credentials = refresh_needed = None
         elif found.signature_version in _SIGV4 and found.signing_name == "s3" and not found.own_identity:
-            credentials = client._get_credentials()  # botocore's accessor of the client's credentials
+            # botocore's accessor of the client's own credentials (private, "subject to change":
+            # without it this bucket is left to s3fs rather than signed with other credentials)
+            get_credentials = getattr(client, "_get_credentials", None)
+            if get_credentials is None:
+                return None
+            credentials = get_credentials()
             if credentials is None:
                 raise NoCredentialsError()
             signer = S3SigV4Auth(await credentials.get_frozen_credentials(), "s3", found.region)
