@@ -67,14 +67,15 @@ class BenchTimeout(TimeoutError):
 
 # ---- request counting ----------------------------------------------------------------
 class RequestCounter(logging.Handler):
-    """Counts S3 API calls made through s3fs (it logs ``CALL: <method> ...`` for each)."""
+    """Counts S3 API calls made through s3fs (it logs ``CALL: <method> ...`` for each) and by
+    cachepipe's direct S3 path (``direct <method>: ...``)."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.calls: dict[str, int] = {}
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.msg == "CALL: %s - %s - %s" and record.args:
+        if record.msg in ("CALL: %s - %s - %s", "direct %s: %s") and record.args:
             method = str(record.args[0])
             self.calls[method] = self.calls.get(method, 0) + 1
 
@@ -334,7 +335,7 @@ def render_table(report: dict[str, Any]) -> str:
         f"median of {s['repeats']} interleaved runs per method; MB = 10^6 bytes delivered to a consumer "
         "that reads every byte; x seq = throughput / the sequential copy's (>1 is faster)",
         f"1st item s: from start (listing included) to the first folder in the consumer's hands; CPU s: user+sys of the {cpu_note}",
-        "requests: S3 API calls made by s3fs; peak cache: cachepipe's cache dir, sampled every 5 ms in one "
+        "requests: S3 API calls made by s3fs and cachepipe's direct path; peak cache: cachepipe's cache dir, sampled every 5 ms in one "
         f"extra untimed run, against the capacity; cachepipe max_concurrency={s['max_concurrency']}, part_size={s['part_size']}",
     ]
     return "\n".join(format_table(cols, rows) + notes)
@@ -423,6 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     s3fs_log.setLevel(logging.DEBUG)
     s3fs_log.propagate = False
     s3fs_log.addHandler(counter)
+    direct_log = logging.getLogger("cachepipe.stores.s3direct")
+    direct_log.setLevel(logging.DEBUG)
+    direct_log.propagate = False
+    direct_log.addHandler(counter)
 
     import boto3  # noqa: F401  (imported before timing starts)
     import moto

@@ -2,9 +2,13 @@
 
 Faults apply to new connections, in order: ``proxy.inject("cut", 3)`` makes the next three
 connections relay the request but only the first ``cut_after`` bytes of the response, then
-close (a connection dropped mid-body). ``"503"`` answers an S3 ``SlowDown`` error, ``"refuse"``
-closes at once, ``"corrupt"`` relays the response with flipped body bytes (same length).
-``proxy.drop_all()`` closes live (pooled) connections so faults take effect.
+close (a connection dropped mid-body). ``"503"`` answers an S3 ``SlowDown`` error, ``"403"`` an
+``AccessDenied``, ``"redirect"`` a ``PermanentRedirect`` naming another region in
+``x-amz-bucket-region``; ``"refuse"`` closes at once, ``"corrupt"`` relays the response with
+flipped body bytes (same length). ``proxy.drop_all()`` closes live (pooled) connections so faults
+take effect. ``proxy.requests`` holds the head of every request (request line and headers) in
+arrival order; it assumes requests without a body (GET, HEAD), which is all that tests send
+through the proxy.
 """
 
 from __future__ import annotations
@@ -17,6 +21,16 @@ SLOWDOWN = (
     b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
 )
 SLOWDOWN_BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>'
+DENIED = (
+    b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+)
+DENIED_BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>'
+REDIRECT = (
+    b"HTTP/1.1 301 Moved Permanently\r\nContent-Type: application/xml\r\nx-amz-bucket-region: eu-central-1\r\n"
+    b"Content-Length: %d\r\nConnection: close\r\n\r\n"
+)
+REDIRECT_BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>PermanentRedirect</Code><Message>Use the eu-central-1 endpoint.</Message></Error>'
+CANNED = {"503": (SLOWDOWN, SLOWDOWN_BODY), "403": (DENIED, DENIED_BODY), "redirect": (REDIRECT, REDIRECT_BODY)}
 
 
 class FaultProxy:
@@ -24,8 +38,9 @@ class FaultProxy:
         self.target = (target_host, target_port)
         self.cut_after = cut_after
         self.faults: deque[list] = deque()  # [kind, connections left]
-        self.injected: dict[str, int] = {"cut": 0, "503": 0, "refuse": 0, "corrupt": 0}
+        self.injected: dict[str, int] = {"cut": 0, "503": 0, "403": 0, "redirect": 0, "refuse": 0, "corrupt": 0}
         self.connections = 0
+        self.requests: list[str] = []
         self._writers: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -92,26 +107,37 @@ class FaultProxy:
             if fault == "refuse":
                 writer.transport.abort()
                 return
-            if fault == "503":
-                await reader.readuntil(b"\r\n\r\n")
-                writer.write(SLOWDOWN % len(SLOWDOWN_BODY) + SLOWDOWN_BODY)
+            if fault in CANNED:
+                self._record(await reader.readuntil(b"\r\n\r\n"))
+                head, body = CANNED[fault]
+                writer.write(head % len(body) + body)
                 await writer.drain()
                 writer.close()
                 return
             up_reader, up_writer = await asyncio.open_connection(*self.target)
             self._writers.add(up_writer)
             limit = self.cut_after if fault == "cut" else None
-            await asyncio.gather(self._pipe(reader, up_writer, None), self._pipe(up_reader, writer, limit, corrupt=fault == "corrupt"))
+            await asyncio.gather(self._pipe(reader, up_writer, None, record=True), self._pipe(up_reader, writer, limit, corrupt=fault == "corrupt"))
         except (ConnectionError, asyncio.IncompleteReadError, OSError):
             pass  # a client or upstream went away: that is what this proxy is for
         finally:
             self._writers.discard(writer)
             writer.transport.abort()
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limit: int | None, corrupt: bool = False) -> None:
+    def _record(self, heads: bytes) -> bytes:
+        """Append the complete request heads in ``heads`` to :attr:`requests`; return the rest."""
+        *complete, rest = heads.split(b"\r\n\r\n")
+        with self._lock:
+            self.requests.extend(h.decode("latin-1") for h in complete)
+        return rest
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limit: int | None, corrupt: bool = False, record: bool = False) -> None:
         sent = 0
+        pending = b""
         try:
             while data := await reader.read(65536):
+                if record:
+                    pending = self._record(pending + data)
                 if corrupt and sent + len(data) > 4096:  # past the headers: flip one body byte per chunk
                     data = data[:-1] + bytes([data[-1] ^ 0xFF])
                 if limit is not None and sent + len(data) >= limit:

@@ -1,19 +1,15 @@
 """The fsspec backend: ``s3://`` (s3fs), ``file://``, plain paths, ``memory://``, ``gs://``...
 
-All errors from fsspec, s3fs, botocore and aiohttp are translated in :func:`_translate`,
-the one seam of this backend (see :mod:`cachepipe.stores.base` for the contract).
+All errors from fsspec, s3fs, botocore and aiohttp, and from the direct S3 requests of
+:mod:`cachepipe.stores.s3direct` (GETs and listing pages, for plain s3fs options), are translated in
+:func:`_translate`, the one seam of this backend (see :mod:`cachepipe.stores.base` for the contract).
 """
 
 from __future__ import annotations
 
 import errno
-import http.client
 import os
-import ssl
-import threading
-import time
 import uuid
-from urllib.parse import urlsplit
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO
@@ -28,7 +24,6 @@ __all__ = ["FsspecStore"]
 
 _CHUNK = 8 * 1024 * 1024  # bytes per request when streaming a range
 _UPLOAD_PART = 16 * 1024 * 1024  # multipart part size of uploads (s3fs: files from twice this size)
-_READ = 1024 * 1024  # bytes per read of a direct GET's body
 
 
 def _http_status(exc: BaseException) -> int | None:
@@ -69,128 +64,6 @@ def _translate(exc: Exception, where: str) -> BaseException:
     return OSError(errno.EIO, f"{where}: {name}: {exc}")
 
 
-class _HTTPStatus(OSError):
-    """A non-success status from a direct GET, shaped like botocore's errors for :func:`_translate`."""
-
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(f"HTTP {status} {reason}")
-        self.response = {"ResponseMetadata": {"HTTPStatusCode": status}}
-
-
-class _DirectGet:
-    """S3 GETs without the SDK in the data path: a presigned URL per object (signed by s3fs's
-    own client, so credentials, region and endpoint are s3fs's) fetched over plain keep-alive
-    HTTP connections, one per thread and host, the body streamed to the caller in 1 MiB reads.
-
-    Why: each s3fs GET costs about 2 ms of client CPU in aiobotocore (signing, hooks, parsing,
-    and a hop through s3fs's event-loop thread); a presign once per object plus a plain GET
-    costs about a third of that, which is what limits folders of small files on a fast link
-    (``benchmarks/bench_link.py``). Used only where s3fs would send the same request: see
-    :meth:`usable`.
-    """
-
-    _SIGNED_FOR = 3600  # seconds a presigned URL is valid
-    _RESIGN_AFTER = 1800  # seconds after which a cached URL is signed again
-    _MAX_URLS = 4096
-    _TIMEOUT = 60.0  # seconds, connect and each read
-
-    def __init__(self, fs: Any) -> None:
-        self.fs = fs
-        self._lock = threading.Lock()
-        self._urls: dict[str, tuple[float, str]] = {}
-        self._conns: dict[tuple[int, str, str], http.client.HTTPConnection] = {}
-        self._ssl = ssl.create_default_context()
-
-    @staticmethod
-    def usable(fs: Any, storage_options: dict[str, Any]) -> bool:
-        """True for a plain s3fs filesystem: no versioning, requester-pays, SSE-C or other extra
-        request parameters, no custom TLS verification, proxies or botocore settings other than
-        retries and pool size (which the direct path has no use for), which it would not apply."""
-        client_kwargs = storage_options.get("client_kwargs") or {}
-        return (
-            getattr(fs, "protocol", None) in (("s3", "s3a"), "s3")
-            and not getattr(fs, "version_aware", False)
-            and not getattr(fs, "req_kw", None)
-            and not storage_options.get("s3_additional_kwargs")
-            and set(storage_options.get("config_kwargs") or {}) <= {"retries", "max_pool_connections"}
-            and set(client_kwargs) <= {"endpoint_url", "region_name"}
-            and os.environ.get("HTTPS_PROXY") is None and os.environ.get("HTTP_PROXY") is None
-            and os.environ.get("https_proxy") is None and os.environ.get("http_proxy") is None
-        )
-
-    def _url(self, path: str, fresh: bool = False) -> str:
-        now = time.monotonic()
-        with self._lock:
-            got = self._urls.get(path)
-        if got is not None and not fresh and now - got[0] < self._RESIGN_AFTER:
-            return got[1]
-        url = self.fs.sign(path, expiration=self._SIGNED_FOR)
-        with self._lock:
-            if len(self._urls) >= self._MAX_URLS:
-                self._urls.clear()
-            self._urls[path] = (now, url)
-        return url
-
-    def _conn(self, scheme: str, netloc: str) -> http.client.HTTPConnection:
-        key = (threading.get_ident(), scheme, netloc)
-        with self._lock:
-            conn = self._conns.get(key)
-            if conn is None:
-                if scheme == "https":
-                    conn = http.client.HTTPSConnection(netloc, timeout=self._TIMEOUT, context=self._ssl)
-                else:
-                    conn = http.client.HTTPConnection(netloc, timeout=self._TIMEOUT)
-                self._conns[key] = conn
-            return conn
-
-    def _drop(self, scheme: str, netloc: str) -> None:
-        with self._lock:
-            conn = self._conns.pop((threading.get_ident(), scheme, netloc), None)
-        if conn is not None:
-            conn.close()
-
-    def get(self, path: str, out: BinaryIO, start: int, end: int) -> int:
-        for attempt in (0, 1):  # a 403 on a cached URL: sign it again once (credentials rotated)
-            url = urlsplit(self._url(path, fresh=attempt == 1))
-            conn = self._conn(url.scheme, url.netloc)
-            try:
-                conn.request("GET", f"{url.path}?{url.query}", headers={"Range": f"bytes={start}-{end - 1}"})
-                resp = conn.getresponse()
-                if resp.status == 403 and attempt == 0:
-                    resp.read()
-                    continue
-                if resp.status != 206 and not (resp.status == 200 and start == 0):
-                    resp.read()
-                    raise _HTTPStatus(resp.status, resp.reason)
-                written = 0
-                while written < end - start:
-                    chunk = resp.read(min(_READ, end - start - written))
-                    if not chunk:
-                        break
-                    out.write(chunk)
-                    written += len(chunk)
-                if written == end - start and resp.status == 206:
-                    resp.read()  # nothing left: keeps the connection reusable
-                else:
-                    self._drop(url.scheme, url.netloc)
-                return written
-            except http.client.HTTPException as exc:
-                self._drop(url.scheme, url.netloc)
-                if isinstance(exc, http.client.IncompleteRead):
-                    raise
-                raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
-            except BaseException:
-                self._drop(url.scheme, url.netloc)
-                raise
-        raise AssertionError("unreachable")
-
-    def close(self) -> None:
-        with self._lock:
-            conns, self._conns = list(self._conns.values()), {}
-        for conn in conns:
-            conn.close()
-
-
 @contextmanager
 def _errors(where: str) -> Iterator[None]:
     try:
@@ -218,7 +91,14 @@ class FsspecStore:
             self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         self.root = root.rstrip("/")
         self.chunk_size = chunk_size
-        self._direct = _DirectGet(self.fs) if _DirectGet.usable(self.fs, storage_options or {}) else None
+        self._direct: Any = None  # a DirectGet for plain s3fs options (botocore only imported then)
+        if getattr(self.fs, "protocol", None) in (("s3", "s3a"), "s3"):
+            from .s3direct import DirectGet
+
+            self._bucket, prefix, _ = self.fs.split_path(self.root)  # keys are relative to the root
+            self._key_prefix = f"{prefix}/" if prefix else ""
+            if self._bucket and DirectGet.usable(self.fs, storage_options or {}):
+                self._direct = DirectGet(self.fs)
 
     def __repr__(self) -> str:
         return f"FsspecStore({self.url!r})"
@@ -249,25 +129,40 @@ class FsspecStore:
     def _list_s3(self) -> Iterator[ObjectInfo]:
         bucket, key, _ = self.fs.split_path(self.root)
         prefix = f"{key}/" if key else ""
-        request = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": self.list_page_size, **self.fs.req_kw}
+        token = None
         while True:
             with _errors(self.url):
-                page = fsspec.asyn.sync(self.fs.loop, self.fs._call_s3, "list_objects_v2", **request)
-            for entry in page.get("Contents", ()):
-                name = entry["Key"]
+                entries, token = self._list_s3_page(bucket, prefix, token)
+            for name, size, etag in entries:
                 if name == prefix:
                     continue  # the root's own directory marker
-                etag = entry.get("ETag")
-                yield ObjectInfo(name[len(prefix):], int(entry["Size"]), etag.strip('"') if etag else None)
-            if not page.get("IsTruncated"):
+                yield ObjectInfo(name[len(prefix):], size, etag)
+            if token is None:
                 return
-            request["ContinuationToken"] = page["NextContinuationToken"]
+
+    def _list_s3_page(self, bucket: str, prefix: str, token: str | None) -> tuple[list[tuple[str, int, str | None]], str | None]:
+        """One ListObjectsV2 page: ``([(key, size, etag), ...], next continuation token or None)``."""
+        if self._direct is not None:
+            page = self._direct.list_page(bucket, prefix, self.list_page_size, token)
+            if page is not None:
+                return page
+        request = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": self.list_page_size, **self.fs.req_kw}
+        if token is not None:
+            request["ContinuationToken"] = token
+        page = fsspec.asyn.sync(self.fs.loop, self.fs._call_s3, "list_objects_v2", **request)
+        entries = []
+        for entry in page.get("Contents", ()):
+            etag = entry.get("ETag")
+            entries.append((entry["Key"], int(entry["Size"]), etag.strip('"') if etag else None))
+        return entries, page["NextContinuationToken"] if page.get("IsTruncated") else None
 
     def get(self, key: str, out: BinaryIO, start: int, end: int) -> int:
         path = self._path(key)
         if self._direct is not None:
             with _errors(f"{self.url.rstrip('/')}/{key}"):
-                return self._direct.get(path, out, start, end)
+                got = self._direct.get(self._bucket, self._key_prefix + key, out, start, end)
+            if got is not None:
+                return got
         written = 0
         pos = start
         while pos < end:

@@ -1,0 +1,379 @@
+"""Direct S3 requests for the fsspec backend (object GETs and listing pages): s3fs's client
+decides where and how, botocore signs each request, ``http.client`` sends it.
+
+Why: an s3fs GET costs about 2 ms of client CPU in aiobotocore (hooks, signing, parsing and a
+hop through s3fs's event-loop thread); a presigned URL from s3fs still costs about 0.65 ms
+(aiobotocore's presign machinery plus the hop), and botocore's parse of a listing page about
+0.15 ms per key (a datetime per LastModified). Folders of small files on a fast link are limited
+by that CPU (``benchmarks/bench_link.py``). Here a request is one signature by botocore's own
+:class:`~botocore.auth.S3SigV4Auth` (about 0.1 ms) and a plain keep-alive HTTP request; a listing
+page is parsed with :mod:`xml.etree.ElementTree` for keys, sizes and ETags only.
+
+Nothing about the request is decided here. Once per bucket (and again after
+:attr:`DirectGet.RETAKE_AFTER` seconds or a 403) a *probe* asks s3fs's own client for a
+GetObject of a made-up key and stops it in botocore's ``before-sign`` event, before anything is
+signed or sent. The probe reads the URL the client resolved (endpoint, path or virtual-host
+addressing, the bucket's redirect-cached region) and the signing region, name and version; the
+credentials are the client's own. Buckets the client signs any other way (S3 Express sessions,
+SigV4a, SigV2), and a bucket that S3 says is in another region (``x-amz-bucket-region`` on a
+301, 307 or 400), are left to s3fs, whose client follows such redirects: the methods return
+None and the backend asks s3fs.
+
+Credentials: a frozen copy is signed with. Refreshable credentials (assumed roles, instance
+metadata, SSO) are refreshed through the client's credentials object as soon as botocore says
+that they need it (checked before every request), and the copy is taken again at least every
+:attr:`DirectGet.RETAKE_AFTER` seconds in case s3fs's client refreshed them meanwhile. A 403
+takes a new probe and a new copy and tries once more.
+
+Errors leave this module as ``OSError`` (HTTP statuses, shaped like botocore's errors),
+``ConnectionError``, ``TimeoutError`` or botocore's exceptions; the fsspec backend translates
+them at its one seam. Retrying is the core's, as for every store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import logging
+import os
+import ssl
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, BinaryIO, TypeVar
+from urllib.parse import quote, unquote_plus, urlsplit
+from xml.etree import ElementTree
+
+import botocore
+import fsspec.asyn
+from botocore.auth import S3SigV4Auth
+from botocore.awsrequest import AWSRequest
+from botocore.exceptions import NoCredentialsError
+
+__all__ = ["DirectGet"]
+
+log = logging.getLogger("cachepipe.stores.s3direct")
+
+_READ = 1024 * 1024  # bytes per read of a response body
+_SIGV4 = ("s3v4", "v4")  # botocore's names of plain SigV4 header signing
+_PROBE_EVENT = "before-sign.s3.GetObject"
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+_T = TypeVar("_T")
+_Page = tuple[list[tuple[str, int, str | None]], str | None]  # (key, size, etag)s, continuation token
+
+
+def _parse_listing(body: bytes) -> _Page:
+    """Keys, sizes and ETags (unquoted) of a ListObjectsV2 result, and its continuation token."""
+    root = ElementTree.fromstring(body)
+    ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
+    url_encoded = root.findtext(f"{ns}EncodingType") == "url"
+    entries = []
+    for entry in root.iterfind(f"{ns}Contents"):
+        key, size, etag = (entry.findtext(f"{ns}{tag}") for tag in ("Key", "Size", "ETag"))
+        if key is None or size is None:
+            raise ValueError(f"a ListObjectsV2 entry without Key or Size: {ElementTree.tostring(entry)[:200]!r}")
+        entries.append((unquote_plus(key) if url_encoded else key, int(size), etag.strip('"') if etag else None))
+    truncated = root.findtext(f"{ns}IsTruncated") == "true"
+    return entries, root.findtext(f"{ns}NextContinuationToken") if truncated else None
+
+
+class HTTPStatusError(OSError):
+    """A non-success status of a direct request, shaped like botocore's errors (a ``response`` with
+    ``ResponseMetadata.HTTPStatusCode``) so that the backend's seam maps it the same way."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(f"HTTP {status} {reason}")
+        self.response = {"ResponseMetadata": {"HTTPStatusCode": status}}
+
+
+class _Probed(Exception):
+    """Raised in the probe's ``before-sign`` hook: stops botocore before it signs or sends."""
+
+    def __init__(self, url: str, signature_version: Any, signing_name: str, region: str, own_identity: bool) -> None:
+        super().__init__(url)
+        self.url, self.signature_version = url, signature_version
+        self.signing_name, self.region, self.own_identity = signing_name, region, own_identity
+
+
+@dataclasses.dataclass(frozen=True)
+class _Route:
+    """How s3fs's client sends a GetObject to one bucket, as probed at one time."""
+
+    scheme: str
+    netloc: str
+    host: str  # the Host header: netloc without a default port, as botocore signs it
+    prefix: str  # URL path before the quoted key: "/bucket/" (path style) or "/" (virtual host)
+    region: str  # the signing region
+    signer: S3SigV4Auth | None  # None: the client sends unsigned requests (anon)
+    refresh_needed: Callable[[], bool] | None  # the credentials' own check, if refreshable
+    credentials: Any  # the client's botocore credentials object (None when unsigned)
+    taken: float  # time.monotonic() of the probe, seconds
+
+    @property
+    def origin(self) -> str:
+        return f"{self.scheme}://{self.netloc}"
+
+
+class DirectGet:
+    """GETs of S3 object ranges and listing pages without the SDK in the data path, over
+    keep-alive ``http.client`` connections (one per thread and host), object bodies streamed in
+    1 MiB reads.
+
+    Args:
+        fs: the s3fs filesystem whose client addresses, signs for and authenticates the requests.
+    """
+
+    RETAKE_AFTER = 60.0
+    """Seconds after which a bucket's probe and credential copy are taken again."""
+    TIMEOUT = 60.0
+    """Seconds for a connect and for each read of a response."""
+
+    def __init__(self, fs: Any) -> None:
+        self.fs = fs
+        self._lock = threading.Lock()  # guards _conns and _sdk_buckets
+        self._probing = threading.Lock()  # one thread probes; the others wait for its route
+        self._routes: dict[str, _Route] = {}
+        self._sdk_buckets: set[str] = set()  # buckets whose requests s3fs sends
+        self._conns: dict[tuple[int, str, str], http.client.HTTPConnection] = {}
+        self._ssl: ssl.SSLContext | None = None  # made on the first https connection (loading CAs costs ~30 ms)
+
+    @staticmethod
+    def usable(fs: Any, storage_options: dict[str, Any]) -> bool:
+        """True for a plain s3fs filesystem: no versioning, requester-pays, SSE-C or other extra
+        request parameters, no custom TLS verification, proxies or botocore settings other than
+        retries and pool size (which the direct path has no use for) and S3 addressing style
+        (which the probe follows), which it would not apply."""
+        client_kwargs = storage_options.get("client_kwargs") or {}
+        config_kwargs = storage_options.get("config_kwargs") or {}
+        return (
+            getattr(fs, "protocol", None) in (("s3", "s3a"), "s3")
+            and not getattr(fs, "version_aware", False)
+            and not getattr(fs, "req_kw", None)
+            and not storage_options.get("s3_additional_kwargs")
+            and set(config_kwargs) <= {"retries", "max_pool_connections", "s3"}
+            and set(config_kwargs.get("s3") or {}) <= {"addressing_style"}
+            and set(client_kwargs) <= {"endpoint_url", "region_name"}
+            and os.environ.get("HTTPS_PROXY") is None and os.environ.get("HTTP_PROXY") is None
+            and os.environ.get("https_proxy") is None and os.environ.get("http_proxy") is None
+        )
+
+    # ---- routes: what s3fs's client would send ---------------------------------------
+    async def _probe(self, bucket: str) -> _Route | None:
+        """Ask s3fs's client how it sends a GetObject to ``bucket`` (nothing is sent)."""
+        await self.fs.set_session()
+        client = await self.fs.get_s3(bucket)
+        key = f"cachepipe-probe/{uuid.uuid4().hex}"
+        hook_id = f"cachepipe-{key}"
+
+        def stop(request: Any, signing_name: str, region_name: str, signature_version: Any, **_: Any) -> None:
+            if not urlsplit(request.url).path.endswith(f"/{key}"):
+                return  # another request of the same (shared) client
+            signing = request.context.get("signing") or {}
+            raise _Probed(
+                request.url, signature_version, signing.get("signing_name") or signing_name,
+                signing.get("region") or region_name,
+                "identity_cache" in signing or "request_credentials" in signing,
+            )
+
+        client.meta.events.register_first(_PROBE_EVENT, stop, unique_id=hook_id)
+        try:
+            await client.get_object(Bucket=bucket, Key=key)
+        except _Probed as probed:
+            found = probed
+        else:  # the hook did not run: this botocore sends GetObject some other way
+            return None
+        finally:
+            client.meta.events.unregister(_PROBE_EVENT, unique_id=hook_id)
+        url = urlsplit(found.url)
+        if url.query or not url.path.endswith(f"/{key}") or url.scheme not in ("http", "https"):
+            return None
+        if found.signature_version is botocore.UNSIGNED:
+            signer = credentials = refresh_needed = None
+        elif found.signature_version in _SIGV4 and found.signing_name == "s3" and not found.own_identity:
+            # botocore's accessor of the client's own credentials (private, "subject to change":
+            # without it this bucket is left to s3fs rather than signed with other credentials)
+            get_credentials = getattr(client, "_get_credentials", None)
+            if get_credentials is None:
+                return None
+            credentials = get_credentials()
+            if credentials is None:
+                raise NoCredentialsError()
+            signer = S3SigV4Auth(await credentials.get_frozen_credentials(), "s3", found.region)
+            refresh_needed = getattr(credentials, "refresh_needed", None)
+        else:
+            return None
+        prefix = url.path[: -len(key)]
+        host = url.netloc.rsplit(":", 1)[0] if url.port == _DEFAULT_PORTS[url.scheme] else url.netloc
+        return _Route(url.scheme, url.netloc, host, prefix, found.region, signer, refresh_needed, credentials, time.monotonic())
+
+    @staticmethod
+    async def _refreeze(route: _Route) -> _Route:
+        """``route`` with a new frozen copy of its (refreshable) credentials: botocore refreshes
+        them first if they are due."""
+        frozen = await route.credentials.get_frozen_credentials()
+        return dataclasses.replace(route, signer=S3SigV4Auth(frozen, "s3", route.region))
+
+    @staticmethod
+    def _current(route: _Route | None, stale: _Route | None) -> bool:
+        return (
+            route is not None and route is not stale
+            and time.monotonic() - route.taken < DirectGet.RETAKE_AFTER
+            and not (route.refresh_needed is not None and route.refresh_needed())
+        )
+
+    def _route(self, bucket: str, stale: _Route | None = None) -> _Route | None:
+        """The route to ``bucket``, probed again if it is older than :attr:`RETAKE_AFTER` or is
+        ``stale`` (it got a 403); with fresh credentials if botocore says they need a refresh.
+        None: s3fs sends this bucket's requests."""
+        route = self._routes.get(bucket)
+        if self._current(route, stale):
+            return route
+        if bucket in self._sdk_buckets:
+            return None
+        with self._probing:
+            route = self._routes.get(bucket)
+            if self._current(route, stale):
+                return route
+            if bucket in self._sdk_buckets:
+                return None
+            if route is not None and route is not stale and time.monotonic() - route.taken < self.RETAKE_AFTER:
+                route = fsspec.asyn.sync(self.fs.loop, self._refreeze, route)
+            else:
+                route = fsspec.asyn.sync(self.fs.loop, self._probe, bucket)
+            if route is None:
+                self._to_sdk(bucket)
+            else:
+                self._routes[bucket] = route
+            return route
+
+    def _to_sdk(self, bucket: str) -> None:
+        """From now on s3fs sends every request to ``bucket``."""
+        with self._lock:
+            self._sdk_buckets.add(bucket)
+            self._routes.pop(bucket, None)
+
+    def url(self, bucket: str, key: str) -> str | None:
+        """The URL (unsigned) that a GET of ``key`` in ``bucket`` is sent to, as s3fs's client
+        resolves it; None if s3fs sends that bucket's requests itself."""
+        route = self._route(bucket)
+        return None if route is None else route.origin + route.prefix + quote(key, safe="/~")
+
+    # ---- connections -----------------------------------------------------------------
+    def _conn(self, scheme: str, netloc: str) -> http.client.HTTPConnection:
+        key = (threading.get_ident(), scheme, netloc)
+        conn = self._conns.get(key)
+        if conn is not None:
+            return conn
+        if scheme == "https":
+            with self._lock:
+                if self._ssl is None:
+                    self._ssl = ssl.create_default_context()
+            conn = http.client.HTTPSConnection(netloc, timeout=self.TIMEOUT, context=self._ssl)
+        else:
+            conn = http.client.HTTPConnection(netloc, timeout=self.TIMEOUT)
+        with self._lock:
+            self._conns[key] = conn
+        return conn
+
+    def _drop(self, scheme: str, netloc: str) -> None:
+        with self._lock:
+            conn = self._conns.pop((threading.get_ident(), scheme, netloc), None)
+        if conn is not None:
+            conn.close()
+
+    # ---- requests -------------------------------------------------------------------
+    def _exchange(self, operation: str, bucket: str, target: Callable[[_Route], str], headers: dict[str, str],
+                  read: Callable[[_Route, http.client.HTTPResponse], _T]) -> _T | None:
+        """Send a signed GET of ``target(route)`` (path and query) to ``bucket`` and return
+        ``read(route, response)``; None, with nothing read, if s3fs must send it. Each request
+        is logged at DEBUG as ``direct <operation>: <path>`` (as s3fs logs its calls)."""
+        route = None
+        for attempt in (0, 1):  # a 403: probe and copy the credentials again, once
+            route = self._route(bucket, stale=route if attempt else None)
+            if route is None:
+                return None
+            path = target(route)
+            # Host set here: botocore then need not parse it from the URL, and http.client sends this one
+            signed = {"Host": route.host, **headers}
+            if route.signer is not None:
+                request = AWSRequest("GET", route.origin + path, headers=signed)
+                route.signer.add_auth(request)
+                signed = dict(request.headers.items())
+            conn = self._conn(route.scheme, route.netloc)
+            log.debug("direct %s: %s", operation, path)
+            try:
+                conn.request("GET", path, headers=signed)
+                resp = conn.getresponse()
+                if resp.status == 403 and attempt == 0:
+                    resp.read()
+                    continue
+                if resp.status in (301, 307, 400) and resp.getheader("x-amz-bucket-region", route.region) != route.region:
+                    resp.read()  # the bucket is in another region: s3fs's client follows that
+                    self._to_sdk(bucket)
+                    return None
+                return read(route, resp)
+            except http.client.HTTPException as exc:
+                self._drop(route.scheme, route.netloc)
+                if isinstance(exc, http.client.IncompleteRead):
+                    raise
+                raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
+            except BaseException:
+                self._drop(route.scheme, route.netloc)
+                raise
+        raise AssertionError("unreachable")
+
+    def get(self, bucket: str, key: str, out: BinaryIO, start: int, end: int) -> int | None:
+        """Write bytes ``[start, end)`` of object ``key`` in ``bucket`` to ``out``; return how many
+        were written, or None without writing anything if s3fs must send this request (a bucket
+        signed in a way this path does not implement, or a region redirect)."""
+        quoted = quote(key, safe="/~")
+
+        def read(route: _Route, resp: http.client.HTTPResponse) -> int:
+            if resp.status != 206 and not (resp.status == 200 and start == 0):
+                resp.read()
+                raise HTTPStatusError(resp.status, resp.reason)
+            written = 0
+            while written < end - start:
+                chunk = resp.read(min(_READ, end - start - written))
+                if not chunk:
+                    break
+                out.write(chunk)
+                written += len(chunk)
+            if written == end - start and resp.status == 206:
+                resp.read()  # nothing left: keeps the connection reusable
+            else:
+                self._drop(route.scheme, route.netloc)
+            return written
+
+        return self._exchange("GetObject", bucket, lambda route: route.prefix + quoted, {"Range": f"bytes={start}-{end - 1}"}, read)
+
+    def list_page(self, bucket: str, prefix: str, max_keys: int, token: str | None = None) -> _Page | None:
+        """One ListObjectsV2 page of ``bucket`` under ``prefix``: ``([(key, size, etag), ...],
+        continuation token or None on the last page)``, keys in order; None if s3fs must send it.
+
+        Parsed with :mod:`xml.etree.ElementTree` (what botocore parses with), reading only keys,
+        sizes and ETags: botocore's parser also turns every LastModified into a datetime with
+        dateutil, which cost about 0.3 ms of client CPU per listed key."""
+        query = {"list-type": "2", "prefix": prefix, "max-keys": str(max_keys), "encoding-type": "url"}
+        if token is not None:
+            query["continuation-token"] = token
+        # sorted and encoded as SigV4's canonical query string wants it (botocore signs it as sent)
+        encoded = "&".join(f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}" for k, v in sorted(query.items()))
+
+        def read(route: _Route, resp: http.client.HTTPResponse) -> _Page:
+            body = resp.read()
+            if resp.status != 200:
+                raise HTTPStatusError(resp.status, resp.reason)
+            return _parse_listing(body)
+
+        return self._exchange("ListObjectsV2", bucket, lambda route: f"{route.prefix[:-1] or '/'}?{encoded}", {}, read)
+
+    def close(self) -> None:
+        """Close every connection (of every thread)."""
+        with self._lock:
+            conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            conn.close()
