@@ -426,11 +426,6 @@ class GrowingPlan:
     def n_items(self) -> int:
         return len(self.sizes)
 
-    @property
-    def complete_plan(self) -> Plan | None:
-        """The equivalent :class:`Plan`, once the listing is complete."""
-        return self._full
-
     def add(self, size: int) -> Step:
         """The next listed item (``size`` bytes) as a step."""
         if self._full is not None:
