@@ -268,6 +268,7 @@ def consume(items: Items, spec: dict[str, Any], t0: float, result: dict[str, Any
                 result["first_item_s"] = got - t0
             else:
                 result["blocked_after_first_s"] += got - asked
+                result["waits_ms"].append(round((got - asked) * 1e3, 2))  # per item, in the --json report
             result["bytes"] += read_folder(path, rels)
             result["items"] += 1
             if spec["first_only"]:
@@ -298,7 +299,7 @@ def child_main(spec: dict[str, Any]) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(spec["work"])
     result: dict[str, Any] = {"items": 0, "bytes": 0, "first_item_s": None, "blocked_after_first_s": 0.0,
-                              "timed_out": False}
+                              "waits_ms": [], "timed_out": False}
     usage = resource.getrusage(resource.RUSAGE_SELF)
     signal.setitimer(signal.ITIMER_REAL, spec["limit"])
     t0 = time.perf_counter()

@@ -198,11 +198,13 @@ def read_folder(root: Path, rels: Iterable[str]) -> int:
 
 def tree_size(root: str) -> int:
     """Bytes of the regular files under ``root``. Each directory is listed completely before the
-    walk descends, so a file renamed from staging into a new top-level folder is never counted
-    twice (at worst missed by one sample)."""
+    walk descends, and cachepipe's state folder (``.cachepipe``, holding staging) is walked
+    before the items: so a file that a publish renames from staging into place, or an
+    acknowledgement renames from its place into staging, is never counted twice (at worst
+    missed by one sample)."""
     total = 0
     try:
-        entries = list(os.scandir(root))
+        entries = sorted(os.scandir(root), key=lambda e: e.name != ".cachepipe")
     except (FileNotFoundError, NotADirectoryError):
         return 0
     for entry in entries:

@@ -7,6 +7,7 @@ This module is the only code that writes the ledger or deletes cached files. Lay
       .cachepipe/journal       publishes and acks (see state.py)
       .cachepipe/catalog       the saved listing (resume only)
       .cachepipe/staging/N     downloads in progress (removed on open and close)
+      .cachepipe/staging/xN    acknowledged items moved aside, being deleted (see removal.py)
       <item>/...               published items
 
 Invariant: the bytes of regular files under ``cache_dir`` never exceed the capacity. Space is
@@ -33,6 +34,7 @@ from .catalog import Catalog, Item
 from .config import Share
 from .errors import CacheLockedError, ConfigError, OversizeError, VerificationError
 from .plan import tick as plan_tick
+from .removal import Reaper, rmtree, tree_bytes
 from .retention import RetentionPolicy
 
 __all__ = ["Cache", "tree_bytes"]
@@ -40,52 +42,6 @@ __all__ = ["Cache", "tree_bytes"]
 log = logging.getLogger("cachepipe.cache")
 
 STATE_DIR = ".cachepipe"
-
-
-def tree_bytes(root: Path) -> int:
-    """Total size in bytes of the regular files under ``root`` (symlinks not followed)."""
-    total = 0
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            path = os.path.join(dirpath, name)
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue  # removed while we walked
-            if not os.path.islink(path):
-                total += st.st_size
-    return total
-
-
-def _rmtree(path: str | os.PathLike[str]) -> None:
-    """Delete ``path`` and everything under it; a file or a symlink is unlinked (a link is never
-    followed, also if it replaces a folder while this runs); nothing if it does not exist.
-
-    The folder is opened once with ``O_NOFOLLOW`` and its entries are removed relative to that
-    descriptor (as :func:`shutil.rmtree` does, with fewer calls for the flat folders items are).
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
-            raise
-        try:
-            os.unlink(path)  # a file, or a link (ELOOP: O_NOFOLLOW met a symlink)
-        except FileNotFoundError:
-            pass
-        return
-    try:
-        with os.scandir(fd) as entries:
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.name, dir_fd=fd)
-                else:
-                    os.unlink(entry.name, dir_fd=fd)
-    finally:
-        os.close(fd)
-    os.rmdir(path)
 
 
 class Cache:
@@ -131,6 +87,8 @@ class Cache:
         self._closed = False
         self._seq = 0
         self._lock_fd: int | None = None
+        self._reaper = Reaper(self._reaped)
+        self._reaping = 0  # bytes of evicted items not yet deleted (still in _reserved)
 
     # ---- lifecycle -------------------------------------------------------------------
     def open(self) -> None:
@@ -350,6 +308,7 @@ class Cache:
         thread writes into staging any more.
         """
         self.interrupt()
+        self._reaper.stop()  # deletes what acks moved aside; from now on deletions run here
         if self._lock_fd is None:
             return
         try:
@@ -455,7 +414,7 @@ class Cache:
                     with open(target, "wb"):
                         pass
         except OSError:
-            _rmtree(path)
+            rmtree(path)
             raise
         return Path(path)
 
@@ -503,7 +462,7 @@ class Cache:
     def discard(self, staged: Path, size: int, name: str) -> None:
         """Delete a staging area, release its reservation and the claim on ``name``."""
         try:
-            _rmtree(staged)
+            rmtree(staged)
         finally:
             self.unreserve(size, name)
 
@@ -540,13 +499,43 @@ class Cache:
         self._delete(name, size)
 
     def _delete(self, name: str, size: int) -> None:
+        """Remove a published item's files, then release its space and the claim on its name.
+
+        The item is renamed aside into staging (one call: its path is free when this returns)
+        and the reaper thread deletes it and then releases the space (see :mod:`.removal`).
+        While closing, or if the rename fails, it is deleted here and errors are raised.
+        """
+        with self._cond:
+            self._seq += 1
+            aside = f"{self._staging}/x{self._seq}"
         try:
-            self._remove_files(name)
+            os.rename(f"{self._root}/{name}", aside)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                log.debug("could not move %s aside (%s): deleting it in place", name, exc)
+            aside = ""
+        try:
+            self._remove_files(name)  # after the rename: only the folders of a nested name
         finally:
             with self._cond:
                 self._claimed.discard(name)
-                self._reserved -= size
-                self._cond.notify_all()  # wakes reserve() and claim()
+                self._reaping += size
+                self._cond.notify_all()  # wakes claim()
+            if not aside or not self._reaper.put(aside, size):
+                try:
+                    if aside:
+                        rmtree(aside)
+                finally:
+                    self._reaped(size, 0)
+
+    def _reaped(self, size: int, left: int) -> None:
+        """An item's files are deleted: release its ``size``; ``left`` bytes could not be deleted
+        and count as foreign (on disk, not ours to reuse) until the staging area is cleared."""
+        with self._cond:
+            self._reserved -= size
+            self._reaping -= size
+            self.foreign += left
+            self._cond.notify_all()  # wakes reserve()
 
     def use_retention(self, policy: RetentionPolicy, names: Sequence[str], tick: int) -> None:
         """Keep acknowledged items by ``policy`` (its item ``i`` is ``names[i]``). Items recovered
@@ -621,7 +610,10 @@ class Cache:
                         self._claimed.add(item.name)
                         policy.on_admit(idx, tick)
                         return True
-                    chosen = policy.choose_victims(item.size - free, idx, tick, urgent=starving())
+                    if free + self._reaping >= item.size:  # victims being deleted make room: no more
+                        self._cond.wait()
+                        continue
+                    chosen = policy.choose_victims(item.size - free - self._reaping, idx, tick, urgent=starving())
                     if chosen is None:
                         self._cond.wait(0.25)
                         continue
@@ -647,7 +639,7 @@ class Cache:
             return True
 
     def _remove_files(self, name: str) -> None:
-        _rmtree(f"{self._root}/{name}")
+        rmtree(f"{self._root}/{name}")
         if "/" not in name:
             return
         path = self.root / name

@@ -488,7 +488,9 @@ class Pipeline:
             return CachedItem(got.value, self._inflight[got.seq], got.id)
 
     def ack(self, path: str | os.PathLike[str], lease: str | None = None) -> None:
-        """Acknowledge a delivered item: delete its files and free its space now.
+        """Acknowledge a delivered item: its path is gone when this returns (renamed aside), and a
+        background thread deletes its files and then frees its space (deleting a large file can
+        take the file system milliseconds; the caller does not wait for it).
 
         Args:
             path: the :class:`CachedItem` (its lease is checked) or its local path.

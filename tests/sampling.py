@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from pathlib import Path
 
@@ -16,8 +17,11 @@ class Sampler:
     ``.cachepipe`` must have its full size (staging files grow from 0, so a partially published
     item would show short files). Consumers check completeness and content at hand-out.
 
-    The walk is not atomic, but it cannot count a file twice: files only move by the publish
-    rename, from staging into a top-level folder that the walk listed before it reached staging.
+    The walk is not atomic, but it cannot count a file twice: files move only between staging
+    (under ``.cachepipe``) and their place (a publish, an acknowledgement moving the item aside),
+    and each sample lists the cache folder first, then walks ``.cachepipe``, then the items. A
+    file moved into staging after the listing is counted there and is gone from its place when
+    the walk reaches it; one moved out of staging after it was walked is not in the listing.
     """
 
     def __init__(self, root: Path, expected: dict[str, dict[str, int]] | None = None, interval: float = 0.002) -> None:
@@ -42,10 +46,28 @@ class Sampler:
         while not self._stop.wait(self.interval):
             if not self.root.exists():
                 continue
-            self.peak = max(self.peak, tree_bytes(self.root))
+            self.peak = max(self.peak, self._bytes())
             self.samples += 1
             if self.expected is not None:
                 self._check_complete()
+
+    def _bytes(self) -> int:
+        try:
+            names = sorted(os.listdir(self.root), key=lambda name: name != ".cachepipe")
+        except FileNotFoundError:
+            return 0
+        total = 0
+        for name in names:
+            path = self.root / name
+            try:
+                st = path.lstat()
+            except FileNotFoundError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                total += tree_bytes(path)
+            elif stat.S_ISREG(st.st_mode):
+                total += st.st_size
+        return total
 
     def _check_complete(self) -> None:
         try:
@@ -74,7 +96,7 @@ class Sampler:
             if not unchanged:
                 continue  # evicted while we walked it: the walk saw a half-removed tree, not a half-published one
             # A file of the wrong size means a partial item was visible. Missing files are an
-            # eviction in progress (an item is deleted in place once acknowledged).
+            # eviction in progress (an item is deleted in place when closing).
             expected = self.expected[name]
             wrong = {rel: size for rel, size in found.items() if expected.get(rel) != size}
             if wrong:

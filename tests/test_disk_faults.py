@@ -43,7 +43,8 @@ def test_enospc_frees_staging_backs_off_and_recovers(s3_source, tmp_path):
             for path in pipe:
                 got[path.name] = (path / "f").read_bytes()
             stats = pipe.stats()
-            assert not any(staging.iterdir())
+            # no download left behind; "xN" are acknowledged items that the reaper is deleting
+            assert [p.name for p in staging.iterdir() if not p.name.startswith("x")] == []
         assert got == {n: files["f"] for n, files in data.items()}
         assert stats.disk_errors >= 2 and stats.items_failed == 0
 
@@ -67,3 +68,43 @@ def test_capacity_beyond_the_disk_is_warned_about(s3_source, tmp_path, caplog):
         with Pipeline(s3_source.url, disk / "cache", "1MiB", storage_options=s3_source.options) as pipe:
             list(pipe)
     assert "exceeds the space available" in caplog.text
+
+
+@contextlib.contextmanager
+def immutable(path, moved_to):
+    """``chattr +i``: not even root may unlink the file (a filesystem fault, not a patch).
+    ``moved_to()``: where the file may be by the end, to make it mutable again."""
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+        pytest.skip(f"chattr +i is not supported on the filesystem of {path}")
+    try:
+        yield
+    finally:
+        for found in [path, *moved_to()]:
+            subprocess.run(["chattr", "-i", str(found)], capture_output=True)
+
+
+def test_an_item_that_cannot_be_deleted_stays_counted_and_the_rest_flows(s3_source, tmp_path, caplog):
+    from sampling import Sampler
+
+    data = s3_source.folders(6, {"f": 40 * KIB})
+    cache = tmp_path / "cache"
+    capacity = 3 * 40 * KIB + 16 * KIB  # three items and the state budget
+    got = []
+    with Sampler(cache) as sampler, Pipeline(s3_source.url, cache, capacity, storage_options=s3_source.options, auto_ack=False) as pipe:
+        first = pipe.get(timeout=30)
+        with immutable(first.path / "f", lambda: (cache / ".cachepipe" / "staging").glob("x*/f")):
+            pipe.ack(first)  # moved aside at once; the reaper's unlink then fails
+            assert not os.path.lexists(first.path)
+            wait_until(lambda: "could not delete" in caplog.text)
+            while (item := pipe.get(timeout=30)) is not None:
+                # hold it until the producer has filled what it believes is free: the 40 KiB it
+                # could not delete must still count, or a third item would pass the cap
+                wait_until(lambda: (s := pipe.stats()).items_ready >= 1 or s.items_handed + s.items_ready == 6)
+                seen = sampler.samples
+                wait_until(lambda: sampler.samples >= seen + 3)
+                got.append(item.name)
+                pipe.ack(item)
+    assert got == sorted(data)[1:]
+    assert "40960 bytes left" in caplog.text
+    assert sampler.peak <= capacity, f"cache reached {sampler.peak} bytes, capacity {capacity}"
+    assert not any(p for p in cache.rglob("*") if p.is_file() and ".cachepipe" not in p.parts)

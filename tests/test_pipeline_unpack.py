@@ -55,9 +55,12 @@ def sizes(tree: dict[str, dict[str, bytes]]) -> dict[str, dict[str, int]]:
 
 
 def leftovers(cache) -> list[str]:
-    """Everything under the cache directory but its state folder, and everything in staging."""
-    tops = [p for p in cache.iterdir() if p.name != ".cachepipe"] + [cache / ".cachepipe" / "staging"]
-    return sorted(p.relative_to(cache).as_posix() for top in tops for p in [top, *top.rglob("*")] if p.name != "staging")
+    """Everything under the cache directory but its state folder, and everything in staging but
+    the acknowledged items that the reaper is deleting (``staging/xN``)."""
+    staging = cache / ".cachepipe" / "staging"
+    staged = [p for p in staging.iterdir() if not p.name.startswith("x")] if staging.exists() else []
+    tops = [p for p in cache.iterdir() if p.name != ".cachepipe"] + staged
+    return sorted(p.relative_to(cache).as_posix() for top in tops for p in [top, *top.rglob("*")])
 
 
 def test_folders_arrive_extracted_with_their_other_files_and_the_cap_holds(remote_source, tmp_path):

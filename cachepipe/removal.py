@@ -1,0 +1,117 @@
+"""Deleting cached items: a link-safe ``rmtree``, and the reaper thread that deletes acknowledged
+items off the consumer's path.
+
+Unlinking a large file costs the file system time (ext4 frees its extents: about 1.5 ms for
+8 MiB on the project VM, tens of ms for a multi-GB video). An acknowledgement therefore only
+renames the item aside (one call; its path is gone when ``ack`` returns) and the reaper deletes
+it; its space is released only once the files are gone, so the cap holds on disk throughout.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import queue
+import shutil
+import threading
+from collections.abc import Callable
+
+__all__ = ["Reaper", "rmtree", "tree_bytes"]
+
+log = logging.getLogger("cachepipe.cache")
+
+
+def tree_bytes(root: str | os.PathLike[str]) -> int:
+    """Total size in bytes of the regular files under ``root`` (symlinks not followed)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue  # removed while we walked
+            if not os.path.islink(path):
+                total += st.st_size
+    return total
+
+
+def rmtree(path: str | os.PathLike[str]) -> None:
+    """Delete ``path`` and everything under it; a file or a symlink is unlinked (a link is never
+    followed, also if it replaces a folder while this runs); nothing if it does not exist.
+
+    The folder is opened once with ``O_NOFOLLOW`` and its entries are removed relative to that
+    descriptor (as :func:`shutil.rmtree` does, with fewer calls for the flat folders items are).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        try:
+            os.unlink(path)  # a file, or a link (ELOOP: O_NOFOLLOW met a symlink)
+        except FileNotFoundError:
+            pass
+        return
+    try:
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.name, dir_fd=fd)
+                else:
+                    os.unlink(entry.name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(path)
+
+
+class Reaper:
+    """One thread that deletes paths handed to :meth:`put`, in order, and then calls
+    ``release(size, left)``: ``size`` as given to :meth:`put`, ``left`` the bytes still on disk
+    under the path (0, unless the deletion failed: the error is logged, as the caller is gone).
+
+    Args:
+        release: called in the reaper thread after each deletion.
+    """
+
+    def __init__(self, release: Callable[[int, int], None]) -> None:
+        self._release = release
+        self._queue: queue.SimpleQueue[tuple[str, int] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def put(self, path: str, size: int) -> bool:
+        """Queue ``path`` for deletion; False (nothing queued) once :meth:`stop` was called."""
+        with self._lock:
+            if self._stopped:
+                return False
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="cachepipe-reaper", daemon=True)
+                self._thread.start()
+            self._queue.put((path, size))
+            return True
+
+    def stop(self) -> None:
+        """Delete everything queued, then end the thread (idempotent)."""
+        with self._lock:
+            self._stopped = True
+            thread, self._thread = self._thread, None
+            if thread is not None:
+                self._queue.put(None)
+        if thread is not None:
+            thread.join()
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            path, size = job
+            left = 0
+            try:
+                rmtree(path)
+            except OSError as exc:  # left for the next open, which clears the staging area
+                left = tree_bytes(path)
+                log.error("could not delete %s (%d bytes left): %s", path, left, exc)
+            self._release(size, left)
