@@ -14,11 +14,13 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar
 
-__all__ = ["Broker", "Closed", "Failed", "Lease"]
+__all__ = ["Broker", "Closed", "Failed", "FailureKind", "Lease"]
 
 T = TypeVar("T")
+
+FailureKind = Literal["item", "oversize", "stream"]
 
 
 class Closed(Exception):
@@ -27,11 +29,17 @@ class Closed(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    """A planned item that could not be delivered; returned by :meth:`Broker.take` in its turn."""
+    """A planned item that could not be delivered; returned by :meth:`Broker.take` in its turn.
+
+    ``kind`` says which policy applies: ``"item"`` (this item failed: ``on_error``),
+    ``"oversize"`` (it can never fit: ``on_oversize``) or ``"stream"`` (listing or planning
+    stopped here: nothing after it is known, so it is always raised).
+    """
 
     seq: int
     name: str
     error: BaseException
+    kind: FailureKind = "item"
 
 
 @dataclass(slots=True)
@@ -90,13 +98,14 @@ class Broker(Generic[T]):
             heapq.heappush(self._ready, (seq, name, value))
             self._cond.notify_all()
 
-    def fail(self, seq: int, name: str, error: BaseException, begun: bool = True) -> None:
-        """An item failed; consumers see a :class:`Failed` in its turn."""
+    def fail(self, seq: int, name: str, error: BaseException, begun: bool = True, kind: FailureKind = "item") -> None:
+        """An item failed (or, ``kind="stream"``, the planning of every step from ``seq`` on);
+        consumers see a :class:`Failed` in its turn."""
         with self._cond:
             if begun:
                 self._pending -= 1
             self._fresh += 1
-            heapq.heappush(self._ready, (seq, name, Failed(seq, name, error)))
+            heapq.heappush(self._ready, (seq, name, Failed(seq, name, error, kind)))
             self._cond.notify_all()
 
     def skip(self, seq: int) -> None:

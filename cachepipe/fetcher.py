@@ -163,7 +163,7 @@ class Fetcher:
                 except OversizeError as exc:  # no longer fits beside the state budget: this item only
                     unstarted = False
                     self._broker.begin()
-                    self._broker.fail(seq, item.name, exc)
+                    self._broker.fail(seq, item.name, exc, kind="oversize")
                     continue
                 if got is False:
                     return
@@ -182,7 +182,7 @@ class Fetcher:
         except BaseException as exc:  # planning failed: the consumer sees it in turn, never a hang
             failed = seq if unstarted else seq + 1
             log.error("planning stopped at step %d: %s", failed, exc)
-            self._broker.fail(failed, "<listing>", exc, begun=False)
+            self._broker.fail(failed, "<listing>", exc, begun=False, kind="stream")
         finally:
             self._broker.finish()
 

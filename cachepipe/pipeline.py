@@ -466,21 +466,16 @@ class Pipeline:
             if got is None:
                 return None
             if isinstance(got, Failed):
-                if got.name == "<listing>":
+                if got.kind == "stream":
                     raise got.error  # listing or planning stopped: not an item to skip, the rest is unknown
                 if got.seq >= 0:
                     self._consume(got.seq)  # reported: the resume point moves past it
-                if isinstance(got.error, OversizeError):  # judged when its space was reserved (see Cache.reserve)
-                    if self.config.on_oversize == "raise":
-                        raise got.error
-                    log.warning("skipping %s", got.error)
-                    self._count("skipped")
-                    continue
-                if self.config.on_error == "skip":
-                    log.warning("skipping failed item: %s", got.error)
-                    self._count("skipped")
-                    continue
-                raise got.error
+                # "oversize": judged when its space was reserved (see Cache.reserve)
+                if (self.config.on_oversize if got.kind == "oversize" else self.config.on_error) == "raise":
+                    raise got.error
+                log.warning("skipping %s item: %s", "oversize" if got.kind == "oversize" else "failed", got.error)
+                self._count("skipped")
+                continue
             self._count("handed")
             if self._bar is not None:
                 self._bar.update(1)

@@ -210,6 +210,18 @@ def test_on_error_skip_counts_and_continues(remote_source, tmp_path):
         assert pipe.stats().items_failed == 1 and pipe.stats().items_skipped == 1
 
 
+def test_an_item_named_like_the_listing_marker_is_still_just_an_item(remote_source, tmp_path):
+    for name in ("0", "1", "<listing>", "z"):  # in key order
+        remote_source.put(f"{name}/f", b"x" * 1000)
+    pipe = Pipeline(remote_source.url, tmp_path / "c", capacity="1MiB", storage_options=remote_source.options, on_error="skip", prefetch=1)
+    with pipe:
+        it = iter(pipe)
+        next(it)
+        remote_source.delete("<listing>/f")  # "1" may be in flight already; "<listing>" is not (prefetch=1)
+        assert [p.name for p in it] == ["1", "z"]  # its failure is skipped like any item's
+        assert pipe.stats().items_failed == 1 and pipe.stats().items_skipped == 1
+
+
 def test_second_owner_gets_clear_error_then_works_after_close(s3_source, tmp_path):
     s3_source.folders(2, {"f": 10})
     cache = tmp_path / "c"
