@@ -483,9 +483,10 @@ class Pipeline:
             return CachedItem(got.value, self._inflight[got.seq], got.id)
 
     def ack(self, path: str | os.PathLike[str], lease: str | None = None) -> None:
-        """Acknowledge a delivered item: its path is gone when this returns (renamed aside), and a
-        background thread deletes its files and then frees its space (deleting a large file can
-        take the file system milliseconds; the caller does not wait for it).
+        """Acknowledge a delivered item: its path is gone when this returns, and its space is
+        freed once its files are deleted. An item of 1 MiB or more is renamed aside and deleted
+        by a background thread (freeing a large file can take the file system milliseconds; the
+        caller does not wait for it); a smaller one is deleted here.
 
         Args:
             path: the :class:`CachedItem` (its lease is checked) or its local path.

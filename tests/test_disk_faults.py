@@ -86,9 +86,10 @@ def immutable(path, moved_to):
 def test_an_item_that_cannot_be_deleted_stays_counted_and_the_rest_flows(s3_source, tmp_path, caplog):
     from sampling import Sampler
 
-    data = s3_source.folders(6, {"f": 40 * KIB})
+    size = 1024 * KIB  # reaped after an ack (cache.REAP_MIN_BYTES); smaller items are deleted in place
+    data = s3_source.folders(6, {"f": size})
     cache = tmp_path / "cache"
-    capacity = 3 * 40 * KIB + 16 * KIB  # three items and the state budget
+    capacity = 3 * size + 16 * KIB  # three items and the state budget
     got = []
     with Sampler(cache) as sampler, Pipeline(s3_source.url, cache, capacity, storage_options=s3_source.options, auto_ack=False) as pipe:
         first = pipe.get(timeout=30)
@@ -97,7 +98,7 @@ def test_an_item_that_cannot_be_deleted_stays_counted_and_the_rest_flows(s3_sour
             assert not os.path.lexists(first.path)
             wait_until(lambda: "could not delete" in caplog.text)
             while (item := pipe.get(timeout=30)) is not None:
-                # hold it until the producer has filled what it believes is free: the 40 KiB it
+                # hold it until the producer has filled what it believes is free: the item it
                 # could not delete must still count, or a third item would pass the cap
                 wait_until(lambda: (s := pipe.stats()).items_ready >= 1 or s.items_handed + s.items_ready == 6)
                 seen = sampler.samples
@@ -105,6 +106,6 @@ def test_an_item_that_cannot_be_deleted_stays_counted_and_the_rest_flows(s3_sour
                 got.append(item.name)
                 pipe.ack(item)
     assert got == sorted(data)[1:]
-    assert "40960 bytes left" in caplog.text
+    assert f"{size} bytes left" in caplog.text
     assert sampler.peak <= capacity, f"cache reached {sampler.peak} bytes, capacity {capacity}"
     assert not any(p for p in cache.rglob("*") if p.is_file() and ".cachepipe" not in p.parts)

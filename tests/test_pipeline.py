@@ -53,21 +53,23 @@ def test_delivers_every_item_complete_and_in_order(source, tmp_path):
     assert set(os.listdir(cache / ".cachepipe")) <= {"lock", "journal"}
 
 
-def test_hard_cap_and_atomic_publish_sampled_during_run(source, tmp_path):
-    data = source.folders(24, {"video.mp4": 50 * KIB, "a/b/c.txt": 3 * KIB})
-    item_size = 53 * KIB
+# Items of 1 MiB or more are deleted by the reaper thread after an ack (cache.REAP_MIN_BYTES).
+@pytest.mark.parametrize("video_kib, folders, part_size", [(50, 24, "8KiB"), (1024, 8, "256KiB")], ids=["in-place", "reaped"])
+def test_hard_cap_and_atomic_publish_sampled_during_run(source, tmp_path, video_kib, folders, part_size):
+    data = source.folders(folders, {"video.mp4": video_kib * KIB, "a/b/c.txt": 3 * KIB})
+    item_size = (video_kib + 3) * KIB
     capacity = 3 * item_size + 16 * KIB  # three items and the state budget (journal)
     cache = tmp_path / "cache"
     delivered = []
     with Sampler(cache, expected=sizes(data)) as sampler:
-        with Pipeline(source.url, cache, capacity=capacity, storage_options=source.options, part_size="8KiB", max_concurrency=8) as pipe:
+        with Pipeline(source.url, cache, capacity=capacity, storage_options=source.options, part_size=part_size, max_concurrency=8) as pipe:
             for path in pipe:
                 # a slow consumer: hold the item until the producer has filled the cache
-                wait_until(lambda: (s := pipe.stats()).items_ready >= 2 or s.items_handed + s.items_ready == 24)
+                wait_until(lambda: (s := pipe.stats()).items_ready >= 2 or s.items_handed + s.items_ready == folders)
                 digest = hashlib.md5((path / "video.mp4").read_bytes()).hexdigest()
                 assert digest == hashlib.md5(data[path.name]["video.mp4"]).hexdigest()
                 delivered.append(path.name)
-    assert len(delivered) == 24
+    assert len(delivered) == folders
     assert sampler.samples > 10, "the sampler did not run during the pipeline"
     assert sampler.peak <= capacity, f"cache reached {sampler.peak} bytes, capacity {capacity}"
     assert sampler.peak > 2.5 * item_size, "the cache never filled: the test did not exercise the cap"
