@@ -230,7 +230,7 @@ class Cache:
             ConfigError: the state budget alone would reach the capacity.
         """
         with self._cond:
-            grow = 2 * (4 * len(name.encode()) + state.EVENT_OVERHEAD)
+            grow = 2 * (4 * len(name.encode("utf-8", "surrogateescape")) + state.EVENT_OVERHEAD)
             self._check_overhead(self.overhead + grow)
             # Wait for room (acks) rather than count space the reserved items already hold: the
             # ledger never exceeds the capacity. Reservations waiting for room re-check the limit.

@@ -72,7 +72,7 @@ def load(path: Path) -> Replay:
         if not raw:
             continue
         try:
-            kind, arg = raw.decode("utf-8").split(" ", 1)
+            kind, arg = raw.decode("utf-8", "surrogateescape").split(" ", 1)
         except ValueError as exc:
             raise StateCorrupt(f"{path}: line {number} is not a journal event: {raw[:60]!r}") from exc
         if kind == "I":
@@ -130,7 +130,7 @@ class Journal:
             lines.append(f"C {replay.cursor[0]} {replay.cursor[1]}")
             lines += [f"P {n}" for n in sorted(replay.published)]
             lines += [f"A {e} {n}" for e, n in sorted(replay.acked)]
-            data = ("\n".join(lines) + "\n").encode("utf-8")
+            data = ("\n".join(lines) + "\n").encode("utf-8", "surrogateescape")
             atomic_write(self.path, data)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
             self._size = len(data)
@@ -140,7 +140,7 @@ class Journal:
         with self._lock:
             if self._fd is None:
                 raise RuntimeError("journal is not open")
-            line = f"{kind} {arg}\n".encode("utf-8")
+            line = f"{kind} {arg}\n".encode("utf-8", "surrogateescape")
             written = os.write(self._fd, line)
             self._size += written
             if written != len(line):  # a regular file takes a whole small write or raises (ENOSPC)

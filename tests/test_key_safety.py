@@ -47,3 +47,20 @@ def test_console_folder_markers_are_not_items(remote_source, tmp_path):
     with Pipeline(remote_source.url, tmp_path / "c", "1MiB", storage_options=remote_source.options) as pipe:
         items = [(p.name, p.files) for p in pipe]
     assert items == [("item", ("sub/f",))]
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["streamed", "resumable"])
+def test_a_local_name_that_is_not_utf8_is_delivered_journaled_and_resumed(tmp_path, resume):
+    src = os.fsencode(tmp_path / "src")
+    for name, body in ((b"caf\xe9", b"x" * 10), (b"plain", b"y" * 10)):  # Latin-1 "café": not UTF-8
+        os.makedirs(src + b"/" + name)
+        with open(src + b"/" + name + b"/f", "wb") as fh:
+            fh.write(body)
+    url, cache = f"file://{os.fsdecode(src)}", tmp_path / "c"
+    with Pipeline(url, cache, "1MiB", resume=resume, auto_ack=False) as pipe:
+        first = pipe.get(timeout=30)
+        assert os.fsencode(first.name) == b"caf\xe9" and (first / "f").read_bytes() == b"x" * 10
+        pipe.ack(first)  # journaled under the same bytes
+    with Pipeline(url, cache, "1MiB", resume=True) as pipe:
+        names = [p.name for p in pipe]
+    assert names == ["plain"]  # the ack of the first pass was read back
