@@ -66,3 +66,15 @@ def test_core_benchmark_reports_handoff_and_catalog():
     assert set(report["catalog"]) == {"stream", "full"}
     for r in report["catalog"].values():
         assert r["catalog"] == 5000 and r["first_item_s"] is not None and r["peak_rss_mib"] > 0
+
+
+def test_first_page_probe_runs_on_tiny_folders():
+    """benchmarks/probe_first_page.py end to end on 20 and 200 folders (SeaweedFS from the test
+    extra); no timing is asserted, only that both first pages were listed and timed."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "probe_first_page.py"
+    out = subprocess.run([sys.executable, str(script), "--small", "20", "--large", "200", "--repeats", "2", "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["keys"] == {"small": 20, "large": 200}
+    assert all(len(v) == 2 and all(t > 0 for t in v) for v in report["seconds"].values())
