@@ -524,7 +524,10 @@ class Cache:
                     log.debug("could not move %s aside (%s): deleting it in place", name, exc)
                 aside = ""
         try:
-            self._remove_files(name)  # after the rename: only the folders of a nested name
+            if aside:
+                self._remove_parents(name)
+            else:
+                self._remove_files(name)
         finally:
             with self._cond:
                 self._claimed.discard(name)
@@ -649,10 +652,13 @@ class Cache:
 
     def _remove_files(self, name: str) -> None:
         rmtree(f"{self._root}/{name}")
+        self._remove_parents(name)
+
+    def _remove_parents(self, name: str) -> None:
+        """Nested single-file items: drop the folders that publish made for ``name``, if now empty."""
         if "/" not in name:
             return
-        path = self.root / name
-        parent = path.parent  # nested single-file items: drop the folders we made, if now empty
+        parent = (self.root / name).parent
         with self._dirs:
             while parent != self.root and self.root in parent.parents:
                 try:
