@@ -60,9 +60,9 @@ class CachePipeDataset(torch.utils.data.IterableDataset):
         """The pipeline this process (a DataLoader worker, or the main process) iterates."""
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        if num_workers > 1 and self.transform is None:
+        if info is not None and self.transform is None:
             raise ValueError(
-                "transform=None with DataLoader num_workers > 1: a path yielded by a worker would be "
+                f"transform=None with DataLoader num_workers={num_workers}: a path yielded by a worker process would be "
                 "evicted before the main process reads it; pass transform=fn(path) to read items in the worker"
             )
         rank, world = self.options.get("rank"), self.options.get("world_size")

@@ -58,10 +58,12 @@ def test_single_process_yields_cached_items(s3_source, tmp_path):
     assert [p.name for p in torch.utils.data.DataLoader(ds, batch_size=None)] == ["item000", "item001", "item002"]
 
 
-def test_workers_need_a_transform(s3_source, tmp_path):
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_workers_need_a_transform(s3_source, tmp_path, num_workers):
+    # One worker is a separate process too: its bare paths would be evicted before the main process reads them.
     s3_source.folders(2, {"f": 10})
     ds = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options, rank=0, world_size=1)
-    it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2))
+    it = iter(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=num_workers))
     try:
         with pytest.raises(Exception, match="transform"):
             next(it)
