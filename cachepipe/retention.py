@@ -425,6 +425,7 @@ class Belady(RetentionPolicy):
         may_wait = not urgent and self.pinned_bytes >= self.reserve
         pinned_top = self._top(self._pheap, self._pkey) if may_wait else None
         taken: list[tuple[int, int]] = []
+        chosen: set[int] = set()
         freed = 0
         ok = True
         while freed < needed:
@@ -437,6 +438,9 @@ class Belady(RetentionPolicy):
                 ok = False  # do no harm / a pinned item is the better victim once acked
                 break
             heapq.heappop(self._rheap)
+            if x in chosen:  # a second entry of one item (released, then retained again with the same key)
+                continue
+            chosen.add(x)
             taken.append(top)
             freed += self.sizes[x]
         if not ok:

@@ -381,3 +381,15 @@ def test_plan_future_on_an_endless_plan():
     assert nxt >> 32 == 1 and plan.share(1)[nxt & 0xFFFFFFFF] == step.item
     with pytest.raises(ValueError, match="horizon 0"):
         PlanFuture(plan, horizon=0)
+
+
+def test_an_item_retained_twice_with_one_key_is_one_victim():
+    # Retained, handed out again at the same step (a resumed pass: recovered items are retained
+    # as of the resume point, then fetched there), acked: two heap entries with the same key.
+    policy = Belady([10, 10], SequenceFuture([0, 1, 0]))
+    policy.on_admit(0, 0)
+    assert policy.on_ack(0, 0)
+    assert policy.on_fetch(0, 0)
+    assert policy.on_ack(0, 0)
+    assert policy.choose_victims(15, 1, 1, urgent=True) is None  # 10 retained bytes are not 15
+    assert policy.choose_victims(10, 1, 1, urgent=True) == [0]
