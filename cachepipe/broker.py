@@ -199,6 +199,13 @@ class Broker(Generic[T]):
             self._cond.notify_all()
             return lease
 
+    def restore(self, lease: Lease[T]) -> None:
+        """Make ``lease`` (ended by :meth:`ack`) live again: the ack could not be recorded, so the
+        consumer still holds the item (its deadline is unchanged: it may expire as before)."""
+        with self._cond:
+            self._leases[lease.name] = lease
+            self._cond.notify_all()
+
     def release(self, name: str, lease_id: str | None = None) -> Lease[T]:
         """Give ``name`` back: it is handed out again before anything else. Raises like :meth:`ack`."""
         with self._cond:

@@ -77,6 +77,7 @@ class Cache:
         self.rebuilt = False  # the journal was unreadable and state was rebuilt from disk
         self._reserved = 0
         self._published: dict[str, int] = {}  # item name -> size
+        self._deleting: set[str] = set()  # dropped or evicted without an ack, files not yet moved away
         self._recovered: dict[str, Path] = {}  # published items found at open, not yet handed out
         self._replay = state.Replay()
         self._journal = state.Journal(self.state_dir / "journal")
@@ -204,6 +205,10 @@ class Cache:
         self.foreign = tree_bytes(self.root) - self._reserved - state_files
         self._check_overhead()
         self._replay = state.Replay()
+        while self._recovered and self.foreign + self.overhead + self._reserved - self._reaping > self.capacity:  # a smaller capacity than before
+            name = next(reversed(self._recovered))
+            log.info("dropping %s, an earlier owner's item: the cache is over its capacity of %d bytes", name, self.capacity)
+            self.drop(name)
         return self._cursor, set(self._acked)
 
     @staticmethod
@@ -260,19 +265,40 @@ class Cache:
             )
 
     def _compact(self) -> None:
-        """Rewrite the journal from the state in memory (caller holds ``_cond`` or is alone)."""
-        self._journal.rewrite(state.Replay(self.pass_no, set(self._published), set(), set(self._acked), self._cursor, self._plan))
+        """Rewrite the journal from the state in memory (caller holds ``_cond`` or is alone).
+
+        Memory holds only what is already journaled: every operation appends its event first,
+        then updates memory, then calls :meth:`_compact_if_due`. An item whose deletion is under
+        way stays published here until its files are moved away (see :meth:`_delete`)."""
+        published = set(self._published) | self._deleting
+        self._journal.rewrite(state.Replay(self.pass_no, published, set(), set(self._acked), self._cursor, self._plan))
 
     def _append(self, kind: str, arg: str) -> None:
-        """Journal one event; compact when it outgrows half its budget. Caller holds ``_cond``."""
+        """Journal one event. Caller holds ``_cond``, updates memory after it, then calls
+        :meth:`_compact_if_due`."""
         self._journal.append(kind, arg)
+
+    def _compact_if_due(self) -> None:
+        """Compact once the journal outgrows half its budget; a failure (a full disk) is logged and
+        leaves the old journal, which is whole (the rewrite is atomic). Caller holds ``_cond``."""
         if self._journal.size > self._journal_budget // 2:
-            self._compact()
+            try:
+                self._compact()
+            except OSError as exc:
+                log.warning("could not compact the journal %s (%s); it keeps growing until this succeeds", self._journal.path, exc)
 
     def advance(self, epoch: int, index: int) -> None:
-        """Record that every step of the plan before ``(epoch, index)`` is consumed."""
+        """Record that every step of the plan before ``(epoch, index)`` is consumed. A position
+        not after the current one is ignored: consumers acking in parallel report positions out
+        of order, and the acks a later position made implicit are already pruned."""
         with self._cond:
-            self._append("C", f"{epoch} {index}")
+            if (epoch, index) <= self._cursor:
+                return  # another consumer's ack already moved it further: the position never goes back
+            try:
+                self._append("C", f"{epoch} {index}")
+            except OSError as exc:  # the acks behind it are journaled: they stand for the position until a later one is written
+                log.warning("journal: could not record the position (%d, %d): %s", epoch, index, exc)
+                return
             if epoch > self._cursor[0]:  # acks of finished epochs are implied by the cursor
                 self._acked = {a for a in self._acked if a[0] >= epoch}
             self._cursor = (epoch, index)
@@ -280,6 +306,7 @@ class Cache:
             while ticks and ticks[0][0] < now:  # so are acks of steps before it
                 _tick, e, name = heapq.heappop(ticks)
                 self._acked.discard((e, name))
+            self._compact_if_due()
 
     def _lock(self) -> None:
         path = self.state_dir / "lock"
@@ -461,8 +488,12 @@ class Cache:
             if "/" in item.name:  # a nested single-file item: its folders
                 os.makedirs(final.rpartition("/")[0], exist_ok=True)
             os.rename(staged, final)
-            self._append("P", item.name)
+            try:
+                self._append("P", item.name)
+            except OSError as exc:  # the intent line is durable, and recovery checks the files: published all the same
+                log.warning("journal: could not record that %s is published (%s); its intent line covers it", item.name, exc)
             self._published[item.name] = item.size if reserved is None else reserved
+            self._compact_if_due()
         return Path(final)
 
     def discard(self, staged: Path, size: int, name: str) -> None:
@@ -489,56 +520,83 @@ class Cache:
             self._acked.add((epoch, name))
             heapq.heappush(self._acked_ticks, (tick, epoch, name))
             if self._policy is not None and number is not None and self._policy.on_ack(number, tick):
-                self._append("P", name)  # still on disk, kept for a later step
-                self._cond.notify_all()
-                return
+                try:
+                    self._append("P", name)  # still on disk, kept for a later step
+                except OSError as exc:  # the ack is durable: delete the item instead of keeping it unrecorded
+                    log.warning("journal: could not record that %s is kept (%s); deleting it", name, exc)
+                    self._policy.forget(number)
+                else:
+                    self._compact_if_due()
+                    self._cond.notify_all()
+                    return
             del self._published[name]
             self._recovered.pop(name, None)
+            self._compact_if_due()
         self._delete(name, size)
 
     def drop(self, name: str) -> None:
-        """Delete a published item that was not acknowledged (closing, or superseded)."""
+        """Delete a published item that was not acknowledged (closing, a leftover in the way, or a
+        retention victim): its files go first, then the journal records it (see :meth:`_delete`)."""
         with self._cond:
             size = self._published.pop(name)
             self._recovered.pop(name, None)
-            self._append("D", name)
-        self._delete(name, size)
+            self._deleting.add(name)
+        self._delete(name, size, dropped=True)
 
-    def _delete(self, name: str, size: int) -> None:
+    def _delete(self, name: str, size: int, dropped: bool = False) -> None:
         """Remove a published item's files, then release its space and the claim on its name.
 
-        An item of at least :data:`REAP_MIN_BYTES` is renamed aside into staging (one call: its
-        path is free when this returns) and the reaper thread deletes it and then releases the
-        space (see :mod:`.removal`). A smaller item, or any while closing or if the rename
-        fails, is deleted here and errors are raised.
+        The item is first renamed aside into staging: one atomic call, so a crash leaves it
+        either whole at its path (still journaled as published: reused or removed at the next
+        open) or in staging (cleared at open), never half-deleted where recovery would take it
+        for a broken item. Only then is a drop (``dropped``) journaled ("D"); an ack's "A" was
+        written before (a crash in between deletes, never re-delivers). An item of at least
+        :data:`REAP_MIN_BYTES` is then deleted by the reaper thread, which releases the space
+        after (see :mod:`.removal`); a smaller one, or any while closing, is deleted here. If the
+        rename fails the item is deleted in place. Files that cannot be deleted are logged and
+        count as foreign bytes until the next open removes them; nothing is raised (the ack or
+        the drop is already recorded).
         """
-        aside = ""
-        if size >= REAP_MIN_BYTES:
-            with self._cond:
-                self._seq += 1
-                aside = f"{self._staging}/x{self._seq}"
-            try:
-                os.rename(f"{self._root}/{name}", aside)
-            except OSError as exc:
-                if exc.errno != errno.ENOENT:
-                    log.debug("could not move %s aside (%s): deleting it in place", name, exc)
-                aside = ""
+        with self._cond:
+            self._seq += 1
+            aside = f"{self._staging}/x{self._seq}"
+        try:
+            os.rename(f"{self._root}/{name}", aside)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                log.debug("could not move %s aside (%s): deleting it in place", name, exc)
+            aside = ""
+        left = 0
         try:
             if aside:
                 self._remove_parents(name)
             else:
                 self._remove_files(name)
-        finally:
-            with self._cond:
-                self._claimed.discard(name)
-                self._reaping += size
-                self._cond.notify_all()  # wakes claim()
-            if not aside or not self._reaper.put(aside, size):
+        except OSError as exc:  # what is left stays journaled as published: the next open removes it
+            left = tree_bytes(f"{self._root}/{name}")
+            log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", name, left, exc)
+        with self._cond:
+            self._claimed.discard(name)
+            self._reaping += size
+            if left:
+                self._deleting.add(name)  # journaled as published until then
+            elif dropped:
+                self._deleting.discard(name)
                 try:
-                    if aside:
-                        rmtree(aside)
-                finally:
-                    self._reaped(size, 0)
+                    self._append("D", name)
+                except OSError as exc:  # the files are gone: a missing "D" only leaves a name recovery skips
+                    log.warning("journal: could not record that %s was deleted (%s)", name, exc)
+                self._compact_if_due()
+            self._cond.notify_all()  # wakes claim()
+        if aside and size >= REAP_MIN_BYTES and self._reaper.put(aside, size):
+            return
+        if aside:
+            try:
+                rmtree(aside)
+            except OSError as exc:  # in staging: the next open clears it
+                left = tree_bytes(aside)
+                log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", aside, left, exc)
+        self._reaped(size, left)
 
     def _reaped(self, size: int, left: int) -> None:
         """An item's files are deleted: release its ``size``; ``left`` bytes could not be deleted
@@ -598,6 +656,9 @@ class Cache:
             if not self.claim(item.name):
                 return False
             try:
+                while (leftover := self._leftover_in_the_way(item.size + extra)) is not None:
+                    log.info("dropping %s, an earlier owner's item not due yet, to make room for %s", leftover, item.name)
+                    self.drop(leftover)
                 return self.reserve(item.size + extra, item.name)
             except BaseException:
                 self.unreserve(0, item.name)  # the claim
@@ -632,9 +693,24 @@ class Cache:
                     for victim in chosen:
                         name = self._names[victim]
                         victims.append((name, self._published.pop(name)))
-                        self._append("D", name)
+                        self._deleting.add(name)
             for name, size in victims:
-                self._delete(name, size)
+                self._delete(name, size, dropped=True)
+
+    def _leftover_in_the_way(self, size: int) -> str | None:
+        """A recovered item (reused from an earlier owner, not handed out yet) to drop so that
+        ``size`` bytes can ever fit, or None. Recovered items are handed out only when the plan
+        reaches them, after the step that waits for room: if the room that every other
+        reservation will free is not enough, waiting would never end. The last recovered name
+        goes first (names are recovered in sorted order: for a listing-ordered plan, the one
+        needed last)."""
+        with self._cond:
+            if not self._recovered:
+                return None
+            held = sum(self._published[name] for name in self._recovered)
+            if self.capacity - self.foreign - self.overhead - held >= size:
+                return None
+            return next(reversed(self._recovered))
 
     def claim(self, name: str) -> bool:
         """Block until no copy of ``name`` is on disk or on its way (an earlier epoch's copy was

@@ -495,11 +495,17 @@ class Pipeline:
         Raises:
             UnknownItemError: ``path`` is not an item currently handed out (never delivered,
                 already acknowledged, released, or its lease expired). Nothing is freed twice.
+            OSError: the ack could not be journaled (a full disk): nothing changed, the item is
+                still leased to the caller, who may ack it again.
         """
         taken = self._lease(path, "ack", lease)
         with self._plan_lock:
             step = self._frontier.step(taken.seq)
-        self._cache.evict(taken.name, step.epoch, step.tick)
+        try:
+            self._cache.evict(taken.name, step.epoch, step.tick)
+        except BaseException:
+            self._broker.restore(taken)  # not recorded: the consumer still holds the item, and may ack again
+            raise
         self._consume(taken.seq)
         self._count("acked")
 

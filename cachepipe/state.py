@@ -117,13 +117,13 @@ class Journal:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd: int | None = None
-        self._size = 0  # bytes in the file: counted here, not asked of the OS after every append
+        self._size = 0  # bytes of whole lines in the file: counted here, not asked of the OS after every append
+        self._torn = False  # a failed append may have left a partial line after _size bytes
         self._lock = threading.Lock()
 
     def rewrite(self, replay: Replay) -> None:
         """Replace the journal by the minimal one describing ``replay``, then open it for appends."""
         with self._lock:
-            self._close()
             lines = [f"N {replay.pass_no}"]
             if replay.plan:
                 lines.append(f"K {replay.plan}")
@@ -131,20 +131,47 @@ class Journal:
             lines += [f"P {n}" for n in sorted(replay.published)]
             lines += [f"A {e} {n}" for e, n in sorted(replay.acked)]
             data = ("\n".join(lines) + "\n").encode("utf-8", "surrogateescape")
-            atomic_write(self.path, data)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-            self._size = len(data)
+            atomic_write(self.path, data)  # on failure the old file and descriptor stay in use
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            self._close()
+            self._fd = fd
+            self._size, self._torn = len(data), False
 
     def append(self, kind: str, arg: str) -> None:
-        """Append one event with a single ``write`` (whole, or not at all, if the process dies)."""
+        """Append one event with a single ``write``: whole, or not at all.
+
+        A write that fails or is cut short (a full disk) is undone by truncating the file back
+        to its last whole line before the error is raised, so the next event never lands on a
+        partial one. If even that fails, every later append retries it first and raises until
+        it succeeds. A process killed mid-write leaves at most a torn last line, which
+        :func:`load` drops.
+
+        Raises:
+            OSError: the event was not written (ENOSPC, EIO...); the file ends on a whole line.
+        """
         with self._lock:
             if self._fd is None:
                 raise RuntimeError("journal is not open")
+            if self._torn:
+                self._truncate()
             line = f"{kind} {arg}\n".encode("utf-8", "surrogateescape")
-            written = os.write(self._fd, line)
+            try:
+                written = os.write(self._fd, line)
+            except OSError:
+                self._torn = True  # a failed write may still have put bytes in the file
+                self._truncate()
+                raise
+            if written != len(line):
+                self._torn = True
+                self._truncate()
+                raise OSError(errno.ENOSPC, f"{self.path}: short write to the journal ({written} of {len(line)} bytes)")
             self._size += written
-            if written != len(line):  # a regular file takes a whole small write or raises (ENOSPC)
-                raise OSError(errno.EIO, f"{self.path}: short write to the journal ({written} of {len(line)} bytes)")
+
+    def _truncate(self) -> None:
+        """Cut the file back to :attr:`size` (its last whole line); clears the torn flag."""
+        assert self._fd is not None
+        os.ftruncate(self._fd, self._size)
+        self._torn = False
 
     @property
     def size(self) -> int:
@@ -198,18 +225,41 @@ def load_catalog(path: Path, source: str, mode: str) -> Catalog | None:
 
 
 def atomic_write(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same folder and ``os.replace``.
-    ``data`` is the bytes, or a function that writes them to the open file."""
+    """Write ``data`` to ``path`` via a temporary file in the same folder, ``fsync`` and
+    ``os.replace``; the temporary file is removed on any error. ``data`` is the bytes, or a
+    function that writes them to the open file. Every write is an ``os.write`` call (a full
+    disk raises at the call that met it)."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "wb") as fh:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            out = _FdWriter(fd)
             if callable(data):
-                data(fh)
+                data(out)  # type: ignore[arg-type]
             else:
-                fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+                out.write(data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+class _FdWriter(io.RawIOBase):
+    """A write-only file over a descriptor: each write is one or more ``os.write`` calls."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self._fd = fd
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:  # type: ignore[override]
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.write(self._fd, view[done:])
+        return done

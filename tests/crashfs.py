@@ -1,0 +1,131 @@
+"""A file-system fault injector at the system-call boundary, for crash-point tests.
+
+:class:`CrashFs` interposes on the ``os`` functions that change a file system (``write``,
+``rename``, ``replace``, ``unlink``, ``rmdir``, ``mkdir``, ``ftruncate``, ``fsync``, and ``open``
+with ``O_CREAT``), for calls made by the thread that entered it. cachepipe's cache, journal and
+deletions reach the disk only through these (the journal's atomic rewrite too), so every state
+change of the cache directory is one numbered *mutation*. A :class:`Fault` picks one of them:
+
+- ``crash``: the world stops before it, as with ``kill -9``: it and every later mutation raise
+  :class:`Crashed` (a ``BaseException``, so no handler of the code under test swallows it);
+- ``torn``: a ``write`` puts only the first half of its bytes on disk, then the world stops;
+- ``enospc`` / ``eio``: that one call fails with the error (a ``write`` of several bytes first
+  writes half of them, as a filling disk does), and the code under test goes on;
+- ``short``: a ``write`` of several bytes writes half and returns that count.
+
+Run an operation sequence once without a fault to count its mutations (:attr:`CrashFs.count`),
+then once per mutation and fault kind: that explores every crash point, not a sample.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from dataclasses import dataclass
+
+KINDS = ("crash", "torn", "enospc", "eio", "short")
+WRITE_ONLY = {"torn", "short"}  # kinds that only apply to a write of at least 2 bytes
+
+
+class Crashed(BaseException):
+    """The simulated process died at this mutation."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    at: int  # the number of the mutation (0-based) it hits
+    kind: str  # one of KINDS
+
+
+class CrashFs:
+    """Context manager: while active, the calling thread's mutations are counted and ``fault``
+    (if any) is injected. ``log`` lists ``(number, call, argument)`` of each mutation seen."""
+
+    _NAMES = ("write", "rename", "replace", "unlink", "rmdir", "mkdir", "ftruncate", "fsync", "open", "close")
+
+    def __init__(self, fault: Fault | None = None) -> None:
+        self.fault = fault
+        self.count = 0
+        self.stopped = False
+        self.hit: tuple[str, str] | None = None  # the call the fault hit, and its argument
+        self.log: list[tuple[int, str, str]] = []
+        self._saved: dict[str, object] = {}
+        self._owner = 0
+        self._fds: set[int] = set()  # descriptors the owner opened and has not closed
+
+    def __enter__(self) -> CrashFs:
+        self._owner = threading.get_ident()
+        for name in self._NAMES:
+            real = getattr(os, name)
+            self._saved[name] = real
+            setattr(os, name, self._wrap(name, real))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, real in self._saved.items():
+            setattr(os, name, real)
+        self._saved.clear()
+
+    def _wrap(self, name: str, real):
+        def call(*args, **kwargs):
+            if threading.get_ident() != self._owner:
+                return real(*args, **kwargs)
+            if name == "close":
+                self._fds.discard(args[0])
+                return real(*args, **kwargs)
+            if name == "open" and not (len(args) > 1 and args[1] & os.O_CREAT):
+                fd = real(*args, **kwargs)  # opening an existing file changes nothing
+            else:
+                fd = self._mutate(name, real, args, kwargs)
+            if name == "open":
+                self._fds.add(fd)
+            return fd
+
+        return call
+
+    def _mutate(self, name, real, args, kwargs):
+        if self.stopped:
+            raise Crashed(f"{name} after the crash")
+        number = self.count
+        self.count += 1
+        arg = str(args[0]) if name != "write" else f"fd {args[0]}: {bytes(args[1])[:40]!r}"
+        self.log.append((number, name, arg))
+        fault = self.fault
+        if fault is None or fault.at != number or (fault.kind in WRITE_ONLY and name != "write"):
+            return real(*args, **kwargs)
+        self.hit = (name, arg)
+        data = bytes(args[1]) if name == "write" else b""
+        half = data[: len(data) // 2]
+        if fault.kind == "crash":
+            self.stopped = True
+            raise Crashed(f"crash at mutation {number}: {name} {arg}")
+        if fault.kind == "torn":
+            if half:
+                real(args[0], half)
+            self.stopped = True
+            raise Crashed(f"torn write at mutation {number}: {arg}")
+        if fault.kind == "short":
+            return real(args[0], half)
+        if half:  # enospc / eio on a write: the part that fit is on disk
+            real(args[0], half)
+        code = errno.ENOSPC if fault.kind == "enospc" else errno.EIO
+        raise OSError(code, f"{os.strerror(code)} (injected at mutation {number}: {name})")
+
+    def close_all(self) -> None:
+        """Close what the owner left open, as the kernel does for a process that died (this also
+        releases its ``flock``)."""
+        close = self._saved.get("close", os.close)
+        for fd in sorted(self._fds):
+            try:
+                close(fd)
+            except OSError:
+                pass
+        self._fds.clear()
+
+    def applies(self, kind: str, number: int) -> bool:
+        """Whether ``kind`` makes sense at mutation ``number`` of a counted (fault-free) run."""
+        if kind not in WRITE_ONLY:
+            return True
+        _n, name, arg = self.log[number]
+        return name == "write" and not arg.endswith("b''")

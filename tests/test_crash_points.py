@@ -1,0 +1,404 @@
+"""Crash-point tests of the cache: every mutation of an operation sequence, crashed or failed.
+
+Hypothesis draws programs of cache operations (fetch = reserve, stage, write, publish; ack =
+evict and advance the position; restart = close keeping items and reopen with resume; drop =
+close without keeping and reopen; retention keeps acknowledged items and evicts victims). Each
+program runs once under :class:`crashfs.CrashFs` to number its mutations (writes, renames,
+unlinks, fsyncs...), then once per mutation and fault kind: a crash (``kill -9``) before it, a
+torn write, ENOSPC, EIO, a short write. After a fault the program goes on where a real consumer
+would (a failed fetch is discarded, a failed ack is retried later). Then a new owner opens the
+cache with ``resume=True`` and these must hold:
+
+- the journal loads (a torn last line is dropped, nothing else is damaged);
+- the cache is within its capacity on disk;
+- nothing of ours is left as foreign bytes (no half-deleted or orphaned item);
+- no acknowledged step is delivered again; every step not acknowledged is still to deliver;
+- before closing (no crash): the ledger holds exactly the bytes of the published items on disk.
+
+``CACHEPIPE_CRASH_EXAMPLES`` sets how many programs are drawn (default 6 per mode; each explores every
+crash point of its program). The totals explored are printed (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cachepipe import state
+from cachepipe.cache import Cache
+from cachepipe.catalog import Catalog
+from cachepipe.plan import tick
+from cachepipe.removal import tree_bytes
+from cachepipe.plan import Plan
+from cachepipe.retention import PlanFuture, make_policy
+from crashfs import KINDS, Crashed, CrashFs, Fault
+
+N_ITEMS = 4
+EPOCHS = 2
+PLAN_KEY = "k" * 300  # a long plan line: compacted journals sit near their compaction threshold
+TOTALS = {"programs": 0, "crash points": 0, "faults injected": 0}
+
+
+def catalog() -> Catalog:
+    cat = Catalog(mode="folders")
+    for i in range(N_ITEMS):
+        files = [["a", 40 + 30 * i, None]] + ([["sub/b", 25, None]] if i % 2 else [])
+        cat.add(f"i{i}", files)
+    return cat
+
+
+CATALOG = catalog()
+STEPS = [(e, i) for e in range(EPOCHS) for i in range(N_ITEMS)]
+ITEM_BYTES = [CATALOG[i].size for i in range(N_ITEMS)]
+PLAN = Plan(CATALOG.sizes, epochs=EPOCHS)  # listing order: step (e, i) reads item i
+
+
+def capacity() -> int:
+    # the state budget, the lock file and a compacted journal, and room for about three items
+    return Cache.journal_budget(CATALOG) + 64 + len(PLAN_KEY) + 80 + 3 * max(ITEM_BYTES)
+
+
+@dataclass
+class Model:
+    """What a consumer knows: steps fetched (on disk), acknowledged for sure, maybe acknowledged."""
+
+    root: Path
+    retain: bool
+    cache: Cache | None = None
+    next_step: int = 0
+    ready: list[int] = field(default_factory=list)  # step numbers published, not acked
+    acked: set[int] = field(default_factory=set)  # ack returned
+    maybe: set[int] = field(default_factory=set)  # ack called, outcome unknown (the crash hit it)
+    consumed: set[int] = field(default_factory=set)
+    future: PlanFuture | None = None
+
+    def open(self) -> None:
+        cache = self.cache = Cache(self.root, capacity())  # a failure here is left to abandon()
+        cache.open()
+        cursor, acked = cache.recover(CATALOG, resume=True, plan=PLAN_KEY)
+        done = {n for n, (e, i) in enumerate(STEPS) if (e, i) < cursor or (e, f"i{i}") in acked}
+        self.consumed = set(done)
+        self.ready = []
+        self.next_step = 0
+        if self.retain:
+            self.future = PlanFuture(PLAN, horizon=2)
+            self.future.prepare(cursor[0])
+            cache.use_retention(make_policy("auto", ITEM_BYTES, self.future), CATALOG.names, tick(*cursor))
+
+    def abandon(self, fs: CrashFs) -> None:
+        """The process died: drop the cache object; the kernel closes its descriptors."""
+        self.cache = None
+        fs.close_all()
+
+    # ---- operations ------------------------------------------------------------------
+    def fetch(self) -> None:
+        cache = self.cache
+        while self.next_step < len(STEPS) and self.next_step in self.consumed:
+            self.next_step += 1
+        if self.next_step >= len(STEPS):
+            return
+        n = self.next_step
+        e, i = STEPS[n]
+        item = CATALOG[i]
+        if self.future is not None:
+            self.future.prepare(e)
+        if any(STEPS[r][1] == i for r in self.ready):
+            return  # an earlier epoch's copy is still out: the pipeline waits (one copy at a time)
+        if not self.retain and cache.used + item.size > cache.capacity and not cache._recovered:
+            return  # no room until an ack: the pipeline would wait here
+        try:
+            got = cache.acquire(item, tick(e, i))
+        except OSError:
+            return  # a drop or victim deletion met the fault; the fetch is tried again later
+        if got is False:
+            return
+        if got is not True:  # recovered or retained: on disk already
+            self.ready.append(n)
+            self.next_step += 1
+            return
+        staged = None
+        try:
+            staged = cache.stage(item)
+            for f in item.files:
+                with open(staged / f.rel, "wb") as fh:
+                    fh.write(bytes([65 + i]) * f.size)
+            cache.publish(staged, item)
+        except OSError:
+            cache.discard(staged if staged is not None else cache.staging_root / "none", item.size, item.name)
+            return
+        self.ready.append(n)
+        self.next_step += 1
+
+    def ack(self, which: int) -> None:
+        if not self.ready:
+            return
+        n = self.ready[which % len(self.ready)]
+        e, i = STEPS[n]
+        self.maybe.add(n)
+        try:
+            self.cache.evict(f"i{i}", e, tick(e, i))
+        except OSError:
+            self.maybe.discard(n)  # not recorded: still leased, acked again later
+            return
+        self.maybe.discard(n)
+        self.acked.add(n)
+        self.ready.remove(n)
+        self.consumed.add(n)
+        first = next((k for k in range(len(STEPS)) if k not in self.consumed), len(STEPS))
+        position = STEPS[first] if first < len(STEPS) else (EPOCHS, 0)
+        self.cache.advance(*position)
+
+    def restart(self, keep: bool) -> None:
+        self.check_ledger()
+        cache, self.cache = self.cache, None
+        cache.close(keep=keep)
+        self.open()
+
+    def check_ledger(self) -> None:
+        """Every byte of an item on disk is in the ledger, and every published item is on disk."""
+        cache = self.cache
+        on_disk = tree_bytes(self.root) - tree_bytes(cache.state_dir)
+        published = sum(cache._published.values())
+        assert on_disk == published, f"{on_disk} bytes of items on disk, {published} published in the ledger"
+
+
+OPS = st.lists(st.sampled_from(["fetch", "fetch", "fetch", "ack0", "ack1", "restart", "drop"]), min_size=4, max_size=22)
+
+
+def run(root: Path, program: list[str], retain: bool, fault: Fault | None) -> tuple[Model, CrashFs, bool]:
+    """Run ``program`` under ``fault``; returns the model, the interposer and whether it crashed."""
+    model = Model(root, retain)
+    fs = CrashFs(fault)
+    crashed = False
+    with fs:
+        try:
+            model.open()
+            for op in program:
+                if op == "fetch":
+                    model.fetch()
+                elif op.startswith("ack"):
+                    model.ack(int(op[3:]))
+                elif op in ("restart", "drop"):
+                    try:
+                        model.restart(keep=op == "restart")
+                    except OSError:
+                        model.abandon(fs)  # a failed close: the next owner recovers, as after a crash
+                        model.open()
+            model.check_ledger()
+            model.cache.close(keep=True)
+            model.cache = None
+        except Crashed:
+            crashed = True
+            model.abandon(fs)
+        except OSError:
+            if fault is None:
+                raise
+            model.abandon(fs)  # an open that met the fault: left to the next owner
+    return model, fs, crashed
+
+
+def check_recovery(root: Path, model: Model, where: str) -> None:
+    cache = Cache(root, capacity())
+    cache.open()
+    try:
+        assert not cache.rebuilt, f"{where}: the journal did not load"
+        cursor, acked = cache.recover(CATALOG, resume=True, plan=PLAN_KEY)
+        assert tree_bytes(root) <= cache.capacity, f"{where}: {tree_bytes(root)} bytes on disk over {cache.capacity}"
+        assert cache.foreign == 0, f"{where}: {cache.foreign} bytes of ours left as foreign: {sorted(os.listdir(root))}"
+        done = {n for n, (e, i) in enumerate(STEPS) if (e, i) < cursor or (e, f"i{i}") in acked}
+        assert model.acked <= done, f"{where}: acknowledged steps {sorted(model.acked - done)} would be delivered again"
+        undone = set(range(len(STEPS))) - model.acked - model.maybe
+        assert not (undone & done), f"{where}: steps {sorted(undone & done)} were never acknowledged but count as consumed"
+        on_disk = {p for p in os.listdir(root) if p != state_dir_name()}
+        assert on_disk == set(cache._published), f"{where}: items on disk {sorted(on_disk)}, reused {sorted(cache._published)}"
+    finally:
+        cache.close(keep=True)
+
+
+def state_dir_name() -> str:
+    from cachepipe.cache import STATE_DIR
+
+    return STATE_DIR
+
+
+def explore(tmp_path: Path, program: list[str], retain: bool) -> None:
+    base = tmp_path / f"p{TOTALS['programs']}"
+    _model, counted, _ = run(base / "clean", program, retain, None)
+    TOTALS["programs"] += 1
+    for at in range(counted.count):
+        for kind in KINDS:
+            if not counted.applies(kind, at):
+                continue
+            root = base / f"{at}-{kind}"
+            model, fs, _crashed = run(root, program, retain, Fault(at, kind))
+            if fs.hit is not None:
+                TOTALS["faults injected" if kind in ("enospc", "eio", "short") else "crash points"] += 1
+            check_recovery(root, model, f"program {program}, {kind} at mutation {at} ({fs.hit})")
+
+
+EXAMPLES = int(os.environ.get("CACHEPIPE_CRASH_EXAMPLES", "6"))
+
+
+@pytest.mark.parametrize("retain", [False, True], ids=["retain-none", "retain-auto"])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(program=OPS)
+def test_every_crash_point_recovers(tmp_path_factory, retain, program):
+    explore(tmp_path_factory.mktemp("crash"), program, retain)
+
+
+def test_zz_report_totals(capsys):
+    """Print what the exploration covered (``pytest -s tests/test_crash_points.py``)."""
+    with capsys.disabled():
+        print(f"\ncrash-point exploration: {TOTALS}")
+    if TOTALS["programs"]:
+        assert TOTALS["crash points"] > 0 and TOTALS["faults injected"] > 0
+
+
+# ---- one test per finding of the crash-safety review (each failed on the code before its fix) ----
+
+def _published_and_acked(root: Path) -> state.Replay:
+    return state.load(root / ".cachepipe" / "journal")
+
+
+def test_compaction_keeps_the_event_that_triggered_it(tmp_path):
+    """Finding 2: the rewritten journal holds the publish or ack whose append made it compact."""
+    model = Model(tmp_path, retain=False)
+    with CrashFs():
+        model.open()
+        for _ in range(40):  # enough events for several compactions
+            model.fetch()
+            replay = _published_and_acked(tmp_path)
+            on_disk = {p for p in os.listdir(tmp_path) if p != ".cachepipe"}
+            assert on_disk <= replay.published | replay.publishing, f"published but not journaled: {on_disk}"
+            model.ack(0)
+            replay = _published_and_acked(tmp_path)
+            for n in model.acked:
+                e, i = STEPS[n]
+                assert (e, i) < replay.cursor or (e, f"i{i}") in replay.acked, f"ack of step {(e, i)} lost from the journal"
+        model.cache.close(keep=True)
+
+
+def test_position_never_moves_backwards(tmp_path):
+    """Finding 3: consumers acking in parallel report positions out of order."""
+    cache = Cache(tmp_path, capacity())
+    cache.open()
+    try:
+        cache.recover(CATALOG, resume=True, plan=PLAN_KEY)
+        cache.advance(0, 3)
+        cache.advance(0, 2)  # a slower thread's earlier position
+        assert _published_and_acked(tmp_path).cursor == (0, 3)
+    finally:
+        cache.close(keep=True)
+
+
+def test_torn_append_is_cut_back_and_the_next_event_lands_whole(tmp_path):
+    """Finding 4b: a short write to the journal (disk full) leaves no partial line."""
+    journal = state.Journal(tmp_path / "journal")
+    journal.rewrite(state.Replay())
+    with CrashFs(Fault(0, "short")), pytest.raises(OSError) as failed:
+        journal.append("A", "0 item_00261")
+    assert failed.value.errno == errno.ENOSPC
+    journal.append("A", "0 item_00262")
+    journal.close()
+    assert (tmp_path / "journal").read_bytes().endswith(b"C 0 0\nA 0 item_00262\n")
+    assert state.load(tmp_path / "journal").acked == {(0, "item_00262")}
+
+
+def test_a_full_disk_at_the_publish_record_does_not_orphan_the_item(tmp_path):
+    """Finding 4c: ENOSPC on the "P" write after the rename: the item is published all the same
+    (its "I" line is durable), counted in the ledger, and reused after a restart."""
+    model = Model(tmp_path, retain=False)
+    with CrashFs() as fs:
+        model.open()
+        first = fs.count
+    p_write = first + 3  # mkdir staging/N, write "I", rename, write "P"
+    with CrashFs(Fault(p_write - first, "enospc")) as fs:
+        model.fetch()
+        assert fs.hit is not None and fs.hit[1].endswith("b'P i0\\n'"), fs.log
+    assert model.ready == [0]
+    model.check_ledger()
+    model.cache.close(keep=True)
+    check_recovery(tmp_path, model, "after ENOSPC at the publish record")
+
+
+def test_a_full_disk_at_the_ack_record_keeps_the_lease(tmp_path):
+    """Finding 4a: an ack whose journal write fails raises and changes nothing: the consumer
+    still holds the item and acks it again once there is room."""
+    from cachepipe import Pipeline
+
+    src = tmp_path / "src"
+    for i in range(3):
+        (src / f"item{i}").mkdir(parents=True)
+        (src / f"item{i}" / "f").write_bytes(b"x" * 100)
+    with Pipeline(src.as_uri(), tmp_path / "cache", "1MiB") as pipe:
+        item = pipe.get(timeout=30)
+        with CrashFs(Fault(0, "enospc")) as fs, pytest.raises(OSError):
+            pipe.ack(item)
+        assert fs.hit is not None and "A 0 item0" in fs.hit[1]
+        assert item.path.exists()
+        pipe.ack(item)  # still leased: this ack is recorded
+        assert not item.path.exists()
+        assert [pipe.get(timeout=30).name for _ in range(2)] == ["item1", "item2"]
+
+
+def test_kill_during_close_leaves_no_broken_item(tmp_path):
+    """Finding 5: a crash at any point of a close that deletes items leaves each item whole (and
+    reused) or gone, never half-deleted and counted as foreign forever."""
+    program = ["fetch", "fetch", "fetch", "drop"]
+    _model, counted, _ = run(tmp_path / "clean", program, False, None)
+    closing = [n for n, call, arg in counted.log if call in ("rename", "unlink", "rmdir") and "/staging/" not in arg]
+    assert closing, counted.log
+    for at in closing:
+        root = tmp_path / f"crash{at}"
+        model, fs, crashed = run(root, program, False, Fault(at, "crash"))
+        assert crashed
+        check_recovery(root, model, f"crash at mutation {at} ({fs.hit})")
+
+
+def _leftovers(tmp_path: Path) -> tuple[Path, Path]:
+    """A source of 20 items of 100 KiB, and a cache of 5.5 items' worth that a first pass left
+    with items 2-6 published (items 0 and 1 acked, keep_on_close=True)."""
+    from cachepipe import Pipeline
+    from waiting import wait_until
+
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    for i in range(20):
+        (src / f"item{i:02}").mkdir(parents=True)
+        (src / f"item{i:02}" / "f").write_bytes(bytes([i]) * (100 * 1024))
+    with Pipeline(src.as_uri(), cache, 560 * 1024, keep_on_close=True) as pipe:
+        for _ in range(2):
+            pipe.ack(pipe.get(timeout=30))
+        wait_until(lambda: pipe.stats().items_ready == 5)
+    assert sorted(p.name for p in cache.iterdir() if p.name != ".cachepipe") == [f"item{i:02}" for i in range(2, 7)]
+    return src, cache
+
+
+def test_a_new_pass_is_not_blocked_by_its_own_leftovers(tmp_path):
+    """Finding 1: leftovers of an earlier pass that fill the cache are dropped as the plan needs
+    room for an earlier item, instead of waiting forever for acks that cannot come."""
+    from cachepipe import Pipeline
+
+    src, cache = _leftovers(tmp_path)
+    with Pipeline(src.as_uri(), cache, 560 * 1024) as pipe:  # resume=False: a new pass from item 0
+        got = []
+        for _ in range(20):
+            item = pipe.get(timeout=20)
+            got.append(item.name)
+            pipe.ack(item)
+        assert got == [f"item{i:02}" for i in range(20)]
+
+
+def test_a_smaller_capacity_trims_leftovers_at_open(tmp_path):
+    """Finding 7 (last part): reopened with a smaller capacity, the cache is under it at once."""
+    from cachepipe import Pipeline
+
+    src, cache = _leftovers(tmp_path)
+    with Pipeline(src.as_uri(), cache, 300 * 1024, keep_on_close=True) as pipe:
+        assert tree_bytes(cache) <= 300 * 1024
+        assert pipe.get(timeout=20).name == "item00"
