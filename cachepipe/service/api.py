@@ -36,18 +36,16 @@ from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .. import __version__
 from ..errors import ConfigError, ItemFailedError, UnknownItemError
 from ..pipeline import CachedItem
 from .config import ServiceConfig
-from .metrics import CONTENT_TYPE
+from .errors import UnavailableError, UnknownPipelineError
+from .metrics import CONTENT_TYPE, Metrics
 
-if TYPE_CHECKING:
-    from .daemon import Daemon
-
-__all__ = ["ApiServer", "item_json"]
+__all__ = ["ApiServer", "Service", "item_json"]
 
 log = logging.getLogger("cachepipe.service.api")
 
@@ -64,14 +62,33 @@ class BadRequest(ValueError):
         self.status = status
 
 
+class Service(Protocol):
+    """What the API needs of the daemon (:class:`cachepipe.service.daemon.Daemon` is one).
+
+    The API depends on this, not on the daemon module, so that the daemon can build the API
+    without an import circle.
+    """
+
+    metrics: Metrics
+
+    @property
+    def running(self) -> bool: ...
+
+    def health(self) -> tuple[bool, dict[str, Any]]: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def take(self, name: str, timeout: float | None, ack: dict[str, Any] | None = None) -> CachedItem | None: ...
+
+    def finish(self, verb: str, path: Any, lease: Any = None) -> tuple[str, str]: ...
+
+
 def item_json(pipeline: str, item: CachedItem) -> dict[str, Any]:
     """The body of a ``next`` answer."""
     return {"pipeline": pipeline, "name": item.name, "path": str(item.path), "lease": item.lease, "size": item.size, "files": list(item.files)}
 
 
 def _error_for(exc: BaseException) -> tuple[int, str]:
-    from .daemon import UnavailableError, UnknownPipelineError
-
     if isinstance(exc, BadRequest):
         return exc.status, "bad_request" if exc.status == 400 else HTTPStatus(exc.status).phrase.lower().replace(" ", "_")
     for kind, status, code in (
@@ -141,17 +158,17 @@ class _Handler(BaseHTTPRequestHandler):
         daemon.metrics.requests.labels(route or "unknown", str(status)).inc()
 
     # ---- routes: each replies and returns its status -----------------------------------
-    def _health(self, daemon: Daemon, _arg: str, _body: dict[str, Any]) -> int:
+    def _health(self, daemon: Service, _arg: str, _body: dict[str, Any]) -> int:
         ok, body = daemon.health()
         return self._reply(200 if ok else 503, body)
 
-    def _status(self, daemon: Daemon, _arg: str, _body: dict[str, Any]) -> int:
+    def _status(self, daemon: Service, _arg: str, _body: dict[str, Any]) -> int:
         return self._reply(200, daemon.status())
 
-    def _metrics(self, daemon: Daemon, _arg: str, _body: dict[str, Any]) -> int:
+    def _metrics(self, daemon: Service, _arg: str, _body: dict[str, Any]) -> int:
         return self._reply(200, raw=daemon.metrics.render(), content_type=CONTENT_TYPE)
 
-    def _next(self, daemon: Daemon, name: str, body: dict[str, Any]) -> int:
+    def _next(self, daemon: Service, name: str, body: dict[str, Any]) -> int:
         timeout = body.get("timeout")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0):
             raise BadRequest(f"'timeout' {timeout!r}: expected seconds as a number >= 0, or null for the daemon's max_wait")
@@ -168,7 +185,7 @@ class _Handler(BaseHTTPRequestHandler):
             daemon.finish("release", str(item.path), item.lease)
             raise
 
-    def _finish(self, daemon: Daemon, verb: str, body: dict[str, Any]) -> int:
+    def _finish(self, daemon: Service, verb: str, body: dict[str, Any]) -> int:
         pipeline, name = daemon.finish(verb, body.get("path"), body.get("lease"))
         return self._reply(200, {"pipeline": pipeline, "name": name, "result": verb})
 
@@ -239,11 +256,11 @@ class _Server(socketserver.ThreadingMixIn):
     block_on_close = True
     request_queue_size = 128
     timeout: float | None = 0.0  # handle_request() never blocks: our selector already saw the socket ready
-    daemon: Daemon
+    daemon: Service
     max_clients: int
     daemon_stopping: Callable[[], bool]
 
-    def track(self, daemon: Daemon, max_clients: int, stopping: Callable[[], bool]) -> None:
+    def track(self, daemon: Service, max_clients: int, stopping: Callable[[], bool]) -> None:
         self.daemon, self.max_clients, self.daemon_stopping = daemon, max_clients, stopping
         self._live: set[socket.socket] = set()
         self._live_lock = threading.Lock()
@@ -317,7 +334,7 @@ class ApiServer:
     so it is never reachable with wider permissions); :meth:`serve` listens and accepts.
     """
 
-    def __init__(self, daemon: Daemon, config: ServiceConfig) -> None:
+    def __init__(self, daemon: Service, config: ServiceConfig) -> None:
         self._daemon = daemon
         self._config = config
         self._servers: list[_UnixServer | _TcpServer] = []

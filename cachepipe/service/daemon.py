@@ -27,21 +27,14 @@ from ..errors import UnknownItemError
 from ..pipeline import CachedItem, Pipeline, Stats
 from .api import ApiServer
 from .config import ServiceConfig, pipeline_options
+from .errors import UnavailableError, UnknownPipelineError
 from .logs import set_level
 from .markers import MarkerWatcher
 from .metrics import Metrics, Snapshot, leased
 
-__all__ = ["Daemon", "UnknownPipelineError", "UnavailableError"]
+__all__ = ["Daemon", "UnknownPipelineError", "UnavailableError"]  # the errors live in .errors; re-exported
 
 log = logging.getLogger("cachepipe.service")
-
-
-class UnknownPipelineError(LookupError):
-    """No pipeline of that name (HTTP 404)."""
-
-
-class UnavailableError(RuntimeError):
-    """The daemon is stopping, or the pipeline failed to open (HTTP 503)."""
 
 
 @dataclasses.dataclass
