@@ -189,6 +189,47 @@ def test_done_markers_and_deletions_ack(s3_source, s3_endpoint, tmp_path, short_
         assert 'cachepipe_marker_acks_total{kind="deleted",pipeline="shards"} 1.0' in text
 
 
+def event_storm(directory: Path, n: int = 5000) -> None:
+    """A burst of ``n`` inotify events in ``directory`` (files closed after writing, two files in
+    turn so that the kernel does not merge them), which the daemon's one marker thread works
+    through in order: events queued after it are processed late, as under load, when the events
+    of a publish are judged after the item was handed out."""
+    directory.mkdir()
+    fds = [os.open(directory / name, os.O_CREAT | os.O_WRONLY, 0o600) for name in ("a", "b")]
+    for fd in fds:
+        os.close(fd)
+    for i in range(n):
+        os.close(os.open(directory / "ab"[i % 2], os.O_WRONLY))
+
+
+def test_done_file_shipped_in_the_dataset_never_acks_an_item_under_its_lease(s3_source, s3_client, s3_endpoint, tmp_path, short_dir):
+    # Issue #18 finding 6: every item ships its own `.done`. One item fits in the cache at a time, so
+    # each is published while the consumer already waits in `next` and is handed out at once; the
+    # watcher sees the shipped `.done` (moved in with the item) only behind an event storm, after the
+    # hand-out. That marker is part of the item, not a consumer's ack: the item must stay leased.
+    s3_source.folders(5, {"a.bin": 600 * KIB, ".done": 0})
+    s3_client.put_object(Bucket="data", Key="noise/n0/x.bin", Body=b"x")  # a second watched cache, for the storms
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}, "noise": {"source": "s3://data/noise/"}})
+    with DaemonProcess(config) as daemon, Client("train", sock, auto_ack=False) as client:
+        item = client.get(timeout=30)
+        for k in range(5):
+            assert ".done" in item.files
+            wait_until(lambda: f"marker of {item.path} ignored" in daemon.log() or not item.path.exists(),
+                       what=f"the daemon to judge the shipped marker of {item.name}")
+            assert item.path.exists() and (item.path / ".done").exists(), f"{item.name} vanished under its live lease"
+            client.renew(item)  # the lease is live: not acknowledged behind our back
+            event_storm(tmp_path / "cache-noise" / f"storm{k}")
+            client.ack(item)
+            item = client.get(timeout=30)
+            if item is None:
+                break
+        assert item is None
+        s = stats(client)
+        assert s["items_acked"] == 5 and s["items_redelivered"] == 0
+        assert "cachepipe_marker_acks_total{" not in client.metrics()  # no marker acknowledged anything
+
+
 def test_sighup_reload_applies_a_valid_config_and_keeps_the_old_one_on_errors(s3_source, s3_endpoint, tmp_path, short_dir):
     s3_source.folders(3, FILES)
     sock = short_dir / "api.sock"
@@ -340,6 +381,34 @@ def test_marker_policy():
     assert acked_by(root, "/elsewhere/item1/.done", "created", False, "folders") is None
     assert acked_by(root, "/cache/a/b.tar", "deleted", False, "files") == (root / "a/b.tar", "deleted")
     assert acked_by(root, "/cache/a/b.tar.done", "created", False, "files") is None  # files: deletion only
+
+
+def test_marker_provenance_policy(tmp_path):
+    from cachepipe.service.markers import HandOut, HandOuts, marker_counts
+
+    consumer_made = (1, 42, 2_000)
+    assert marker_counts(HandOut("L1", shipped=False, before=None), consumer_made)
+    assert not marker_counts(None, consumer_made)  # not handed out
+    assert not marker_counts(HandOut("L1", shipped=False, before=None), None)  # gone again: a stale event
+    assert not marker_counts(HandOut("L1", shipped=True, before=None), consumer_made)  # one of the item's files
+    assert not marker_counts(HandOut("L1", shipped=False, before=consumer_made), consumer_made)  # there before the hand-out
+
+    item = tmp_path / "item1"
+    item.mkdir()
+    (item / ".done").touch()  # left by an earlier consumer (or unpacked with the item)
+    handouts = HandOuts()
+    handouts.record(item, "L2", ("a.bin",))
+    assert handouts.lease_for(item, "marker") == (None, "this .done was there before the item was handed out")
+    assert handouts.lease_for(item, "deleted") == ("L2", "")
+    (item / "new").write_bytes(b"")
+    os.replace(item / "new", item / ".done")  # this consumer's own marker (a new file, made while the old one existed)
+    assert handouts.lease_for(item, "marker") == ("L2", "")
+    handouts.record(item, "L3", ("a.bin", ".done"))
+    assert handouts.lease_for(item, "marker")[0] is None
+    handouts.forget(item, "L2")  # an older lease: the current hand-out stays
+    assert len(handouts) == 1
+    handouts.forget_under(tmp_path)
+    assert handouts.lease_for(item, "deleted") == (None, "not handed out")
 
 
 def test_journal_log_format():
