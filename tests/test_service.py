@@ -11,11 +11,13 @@ with a deadline.
 from __future__ import annotations
 
 import grp
+import http.client
 import io
 import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -228,6 +230,76 @@ def test_done_file_shipped_in_the_dataset_never_acks_an_item_under_its_lease(s3_
         s = stats(client)
         assert s["items_acked"] == 5 and s["items_redelivered"] == 0
         assert "cachepipe_marker_acks_total{" not in client.metrics()  # no marker acknowledged anything
+
+
+def raw_request(sock_path: Path, data: bytes, timeout: float = 10.0) -> tuple[int, dict]:
+    """Send ``data`` as is on a new connection; (status, JSON body) of the answer."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.settimeout(timeout)
+        conn.connect(str(sock_path))
+        conn.sendall(data)
+        response = http.client.HTTPResponse(conn)
+        response.begin()
+        body = response.read()
+        return response.status, json.loads(body) if body else {}
+    finally:
+        conn.close()
+
+
+def test_slow_clients_are_cut_off_and_do_not_lock_out_a_consumer(s3_source, s3_endpoint, tmp_path, short_dir):
+    # Issue #18 finding 7: 16 connections that announce a body of 100 bytes and send one held
+    # every slot (max_clients: 16) for as long as they liked.
+    s3_source.folders(1, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}}, max_clients=16, header_timeout=1, body_timeout=1)
+    slow = []
+    with DaemonProcess(config) as daemon:
+        try:
+            for i in range(20):
+                conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                conn.settimeout(10)  # a bound on the test's own waits, not a timed assertion
+                conn.connect(str(sock))
+                head = b"POST /v1/ack HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"POST /v1/ack HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+                conn.sendall(head)  # odd ones never end their headers, even ones never send their body
+                slow.append(conn)
+            with Client("train", sock, auto_ack=False) as client:
+                item = client.get(timeout=30)  # served at once: a slow connection made room
+                assert item.name == "item000"
+                client.ack(item)
+            answers = []
+            for conn in slow:  # each one ends: made room for another, or cut off at its deadline with 408
+                chunks = []
+                while chunk := conn.recv(65536):
+                    chunks.append(chunk)
+                answers.append(b"".join(chunks))
+            timed_out = [a for a in answers if a]
+            assert timed_out and all(a.startswith(b"HTTP/1.1 408 ") for a in timed_out), answers
+            assert b"not received within" in timed_out[0]
+            assert "not received within header_timeout" in daemon.log() or "not received within body_timeout" in daemon.log()
+        finally:
+            for conn in slow:
+                conn.close()
+
+
+def test_malformed_requests_are_400_with_the_reason(s3_source, s3_endpoint, tmp_path, short_dir):
+    s3_source.folders(1, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}})
+    with DaemonProcess(config):
+        nested = b"[" * 100_000 + b"]" * 100_000
+        status, body = raw_request(sock, b"POST /v1/ack HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(nested), nested))
+        assert status == 400 and body["error"] == "bad_request" and "nested too deeply" in body["message"], body
+        for lengths in ((b"2", b"2"), (b"2", b"5")):
+            head = b"".join(b"Content-Length: %s\r\n" % n for n in lengths)
+            status, body = raw_request(sock, b"POST /v1/pipelines/train/next HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n{}")
+            assert status == 400 and "Content-Length given 2 times" in body["message"], body
+        status, body = raw_request(sock, b"POST /v1/pipelines/train/next HTTP/1.1\r\nHost: x\r\nContent-Length: +2\r\n\r\n{}")
+        assert status == 400 and body["message"] == "Content-Length '+2': expected a number of bytes", body
+        status, body = raw_request(sock, b"GET /v1/health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 60_000 + b"\r\nX-Big2: " + b"a" * 60_000 + b"\r\n\r\n")
+        assert status == 431 and "over 65536 bytes" in body["message"], body
+        with Client("train", sock) as client:
+            assert [i.name for i in client] == ["item000"]  # nothing was taken by the refused requests
 
 
 def test_sighup_reload_applies_a_valid_config_and_keeps_the_old_one_on_errors(s3_source, s3_endpoint, tmp_path, short_dir):

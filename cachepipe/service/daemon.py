@@ -25,7 +25,7 @@ from .. import __version__
 from ..config import PipelineConfig, format_size
 from ..errors import UnknownItemError
 from ..pipeline import CachedItem, Pipeline, Stats
-from .api import ApiServer
+from .api import ApiServer, Deadlines
 from .config import ServiceConfig, pipeline_options
 from .errors import UnavailableError, UnknownPipelineError
 from .logs import set_level
@@ -178,6 +178,9 @@ class Daemon:
             if new.max_clients != old.max_clients:
                 self._api.set_max_clients(new.max_clients)
                 changes.append(f"max_clients {new.max_clients}")
+            if Deadlines.of(new) != Deadlines.of(old):
+                self._api.set_deadlines(Deadlines.of(new))
+                changes.append(f"request deadlines {Deadlines.of(new)}")
             with self._cond:
                 current = dict(self._served)
             for name in current.keys() - new.pipelines.keys():
