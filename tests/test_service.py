@@ -11,11 +11,13 @@ with a deadline.
 from __future__ import annotations
 
 import grp
+import http.client
 import io
 import json
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -189,6 +191,117 @@ def test_done_markers_and_deletions_ack(s3_source, s3_endpoint, tmp_path, short_
         assert 'cachepipe_marker_acks_total{kind="deleted",pipeline="shards"} 1.0' in text
 
 
+def event_storm(directory: Path, n: int = 5000) -> None:
+    """A burst of ``n`` inotify events in ``directory`` (files closed after writing, two files in
+    turn so that the kernel does not merge them), which the daemon's one marker thread works
+    through in order: events queued after it are processed late, as under load, when the events
+    of a publish are judged after the item was handed out."""
+    directory.mkdir()
+    fds = [os.open(directory / name, os.O_CREAT | os.O_WRONLY, 0o600) for name in ("a", "b")]
+    for fd in fds:
+        os.close(fd)
+    for i in range(n):
+        os.close(os.open(directory / "ab"[i % 2], os.O_WRONLY))
+
+
+def test_done_file_shipped_in_the_dataset_never_acks_an_item_under_its_lease(s3_source, s3_client, s3_endpoint, tmp_path, short_dir):
+    # Issue #18 finding 6: every item ships its own `.done`. One item fits in the cache at a time, so
+    # each is published while the consumer already waits in `next` and is handed out at once; the
+    # watcher sees the shipped `.done` (moved in with the item) only behind an event storm, after the
+    # hand-out. That marker is part of the item, not a consumer's ack: the item must stay leased.
+    s3_source.folders(5, {"a.bin": 600 * KIB, ".done": 0})
+    s3_client.put_object(Bucket="data", Key="noise/n0/x.bin", Body=b"x")  # a second watched cache, for the storms
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}, "noise": {"source": "s3://data/noise/"}})
+    with DaemonProcess(config) as daemon, Client("train", sock, auto_ack=False) as client:
+        item = client.get(timeout=30)
+        for k in range(5):
+            assert ".done" in item.files
+            wait_until(lambda: f"marker of {item.path} ignored" in daemon.log() or not item.path.exists(),
+                       what=f"the daemon to judge the shipped marker of {item.name}")
+            assert item.path.exists() and (item.path / ".done").exists(), f"{item.name} vanished under its live lease"
+            client.renew(item)  # the lease is live: not acknowledged behind our back
+            event_storm(tmp_path / "cache-noise" / f"storm{k}")
+            client.ack(item)
+            item = client.get(timeout=30)
+            if item is None:
+                break
+        assert item is None
+        s = stats(client)
+        assert s["items_acked"] == 5 and s["items_redelivered"] == 0
+        assert "cachepipe_marker_acks_total{" not in client.metrics()  # no marker acknowledged anything
+
+
+def raw_request(sock_path: Path, data: bytes, timeout: float = 10.0) -> tuple[int, dict]:
+    """Send ``data`` as is on a new connection; (status, JSON body) of the answer."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.settimeout(timeout)
+        conn.connect(str(sock_path))
+        conn.sendall(data)
+        response = http.client.HTTPResponse(conn)
+        response.begin()
+        body = response.read()
+        return response.status, json.loads(body) if body else {}
+    finally:
+        conn.close()
+
+
+def test_slow_clients_are_cut_off_and_do_not_lock_out_a_consumer(s3_source, s3_endpoint, tmp_path, short_dir):
+    # Issue #18 finding 7: 16 connections that announce a body of 100 bytes and send one held
+    # every slot (max_clients: 16) for as long as they liked.
+    s3_source.folders(1, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}}, max_clients=16, header_timeout=1, body_timeout=1)
+    slow = []
+    with DaemonProcess(config) as daemon:
+        try:
+            for i in range(20):
+                conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                conn.settimeout(10)  # a bound on the test's own waits, not a timed assertion
+                conn.connect(str(sock))
+                head = b"POST /v1/ack HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"POST /v1/ack HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+                conn.sendall(head)  # odd ones never end their headers, even ones never send their body
+                slow.append(conn)
+            with Client("train", sock, auto_ack=False) as client:
+                item = client.get(timeout=30)  # served at once: a slow connection made room
+                assert item.name == "item000"
+                client.ack(item)
+            answers = []
+            for conn in slow:  # each one ends: made room for another, or cut off at its deadline with 408
+                chunks = []
+                while chunk := conn.recv(65536):
+                    chunks.append(chunk)
+                answers.append(b"".join(chunks))
+            timed_out = [a for a in answers if a]
+            assert timed_out and all(a.startswith(b"HTTP/1.1 408 ") for a in timed_out), answers
+            assert b"not received within" in timed_out[0]
+            assert "not received within header_timeout" in daemon.log() or "not received within body_timeout" in daemon.log()
+        finally:
+            for conn in slow:
+                conn.close()
+
+
+def test_malformed_requests_are_400_with_the_reason(s3_source, s3_endpoint, tmp_path, short_dir):
+    s3_source.folders(1, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}})
+    with DaemonProcess(config):
+        nested = b"[" * 100_000 + b"]" * 100_000
+        status, body = raw_request(sock, b"POST /v1/ack HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(nested), nested))
+        assert status == 400 and body["error"] == "bad_request" and "nested too deeply" in body["message"], body
+        for lengths in ((b"2", b"2"), (b"2", b"5")):
+            head = b"".join(b"Content-Length: %s\r\n" % n for n in lengths)
+            status, body = raw_request(sock, b"POST /v1/pipelines/train/next HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n{}")
+            assert status == 400 and "Content-Length given 2 times" in body["message"], body
+        status, body = raw_request(sock, b"POST /v1/pipelines/train/next HTTP/1.1\r\nHost: x\r\nContent-Length: +2\r\n\r\n{}")
+        assert status == 400 and body["message"] == "Content-Length '+2': expected a number of bytes", body
+        status, body = raw_request(sock, b"GET /v1/health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 60_000 + b"\r\nX-Big2: " + b"a" * 60_000 + b"\r\n\r\n")
+        assert status == 431 and "over 65536 bytes" in body["message"], body
+        with Client("train", sock) as client:
+            assert [i.name for i in client] == ["item000"]  # nothing was taken by the refused requests
+
+
 def test_sighup_reload_applies_a_valid_config_and_keeps_the_old_one_on_errors(s3_source, s3_endpoint, tmp_path, short_dir):
     s3_source.folders(3, FILES)
     sock = short_dir / "api.sock"
@@ -340,6 +453,34 @@ def test_marker_policy():
     assert acked_by(root, "/elsewhere/item1/.done", "created", False, "folders") is None
     assert acked_by(root, "/cache/a/b.tar", "deleted", False, "files") == (root / "a/b.tar", "deleted")
     assert acked_by(root, "/cache/a/b.tar.done", "created", False, "files") is None  # files: deletion only
+
+
+def test_marker_provenance_policy(tmp_path):
+    from cachepipe.service.markers import HandOut, HandOuts, marker_counts
+
+    consumer_made = (1, 42, 2_000)
+    assert marker_counts(HandOut("L1", shipped=False, before=None), consumer_made)
+    assert not marker_counts(None, consumer_made)  # not handed out
+    assert not marker_counts(HandOut("L1", shipped=False, before=None), None)  # gone again: a stale event
+    assert not marker_counts(HandOut("L1", shipped=True, before=None), consumer_made)  # one of the item's files
+    assert not marker_counts(HandOut("L1", shipped=False, before=consumer_made), consumer_made)  # there before the hand-out
+
+    item = tmp_path / "item1"
+    item.mkdir()
+    (item / ".done").touch()  # left by an earlier consumer (or unpacked with the item)
+    handouts = HandOuts()
+    handouts.record(item, "L2", ("a.bin",))
+    assert handouts.lease_for(item, "marker") == (None, "this .done was there before the item was handed out")
+    assert handouts.lease_for(item, "deleted") == ("L2", "")
+    (item / "new").write_bytes(b"")
+    os.replace(item / "new", item / ".done")  # this consumer's own marker (a new file, made while the old one existed)
+    assert handouts.lease_for(item, "marker") == ("L2", "")
+    handouts.record(item, "L3", ("a.bin", ".done"))
+    assert handouts.lease_for(item, "marker")[0] is None
+    handouts.forget(item, "L2")  # an older lease: the current hand-out stays
+    assert len(handouts) == 1
+    handouts.forget_under(tmp_path)
+    assert handouts.lease_for(item, "deleted") == (None, "not handed out")
 
 
 def test_journal_log_format():

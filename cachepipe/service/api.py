@@ -16,12 +16,38 @@ Routes (bodies are JSON objects; every error body is ``{"error": CODE, "message"
 Each connection is served by one thread (keep-alive: a consumer keeps its connection), so a
 blocking ``next`` holds one thread; ``max_clients`` caps the connections. A consumer that
 disconnects before it received its item gets it released at once.
+
+Slow and malformed clients. A request has deadlines, not per-read timeouts (a client that
+trickles one byte at a time does not extend them): ``header_timeout`` from its first byte to the
+end of its headers, ``body_timeout`` for its body, ``idle_timeout`` for a connection waiting for
+its next request; a late request is answered 408 and its connection closed. Request line and
+headers are capped at ``MAX_HEADER`` bytes in all (431), the body at ``MAX_BODY`` (413); a body
+that is not JSON, or nested too deeply to parse, is a 400, and so is a ``Content-Length`` that is
+given twice or is not a plain number. When ``max_clients`` connections are open, a new one ends
+the connection that has waited longest for its client (idle, or still sending a request), so
+connections that send nothing useful cannot lock consumers out; only when every connection is
+busy being answered is the new one refused (503).
+
+Why the standard library's ``http.server`` and not uvicorn (h11/httptools) or aiohttp, both of
+which serve a Unix socket: what this API needs from a server is small (one JSON request per
+call, tiny bodies, thread-per-connection because ``next`` blocks in ``Pipeline.get``), and the
+part that was missing, deadlines on receiving a request, is not built into those servers
+either: uvicorn's ``timeout_keep_alive`` covers only the idle time between requests and is
+re-armed by every byte received, its request-start/request-complete timeouts are an open item
+(encode/uvicorn#157); aiohttp's server has size limits but, as far as we found, no deadline on
+a request's headers or body. Adopting either would mean an asyncio server, a thread pool for the
+blocking ``next``, and a new dependency of the daemon (uvicorn, h11; aiohttp comes with the s3
+extra only), and we would still write the deadlines ourselves. So the loop stays, with the
+deadlines, limits and eviction written here once, and tested against a real daemon.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import grp
+import http.client
+import io
 import json
 import logging
 import os
@@ -32,26 +58,27 @@ import socketserver
 import stat
 import sys
 import threading
+import time
 from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .. import __version__
 from ..errors import ConfigError, ItemFailedError, UnknownItemError
 from ..pipeline import CachedItem
 from .config import ServiceConfig
-from .metrics import CONTENT_TYPE
+from .errors import UnavailableError, UnknownPipelineError
+from .metrics import CONTENT_TYPE, Metrics
 
-if TYPE_CHECKING:
-    from .daemon import Daemon
-
-__all__ = ["ApiServer", "item_json"]
+__all__ = ["ApiServer", "Deadlines", "Service", "item_json"]
 
 log = logging.getLogger("cachepipe.service.api")
 
 MAX_BODY = 1024 * 1024
+MAX_HEADER = 64 * 1024  # request line and headers, in all
+_DIGITS = re.compile(r"^[0-9]+$")
 _NEXT_RE = re.compile(r"^/v1/pipelines/([^/]+)/next$")
 _JSON = "application/json"
 
@@ -64,14 +91,83 @@ class BadRequest(ValueError):
         self.status = status
 
 
+class Service(Protocol):
+    """What the API needs of the daemon (:class:`cachepipe.service.daemon.Daemon` is one).
+
+    The API depends on this, not on the daemon module, so that the daemon can build the API
+    without an import circle.
+    """
+
+    metrics: Metrics
+
+    @property
+    def running(self) -> bool: ...
+
+    def health(self) -> tuple[bool, dict[str, Any]]: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def take(self, name: str, timeout: float | None, ack: dict[str, Any] | None = None) -> CachedItem | None: ...
+
+    def finish(self, verb: str, path: Any, lease: Any = None) -> tuple[str, str]: ...
+
+
 def item_json(pipeline: str, item: CachedItem) -> dict[str, Any]:
     """The body of a ``next`` answer."""
     return {"pipeline": pipeline, "name": item.name, "path": str(item.path), "lease": item.lease, "size": item.size, "files": list(item.files)}
 
 
-def _error_for(exc: BaseException) -> tuple[int, str]:
-    from .daemon import UnavailableError, UnknownPipelineError
+class _Late(TimeoutError):
+    """A deadline of the request passed (HTTP 408)."""
 
+
+class _HeadersTooLarge(http.client.HTTPException):
+    """Request line and headers over ``MAX_HEADER`` bytes (``parse_request`` answers 431)."""
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's input under one deadline at a time (``deadline``: a ``time.monotonic()``
+    value, or None). Each read waits only for what is left of it, so the deadline holds for
+    the whole phase however the client spreads its bytes."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.deadline: float | None = None
+        self.phase = ""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self.deadline is None:
+            self._sock.settimeout(None)
+        else:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise _Late(self.phase)
+            self._sock.settimeout(left)
+        try:
+            return self._sock.recv_into(buffer)
+        except TimeoutError:
+            raise _Late(self.phase) from None
+
+
+class _HeaderBudget:
+    """``readline`` over the buffered input, failing once ``budget`` bytes were read in all."""
+
+    def __init__(self, rfile: io.BufferedReader, budget: int) -> None:
+        self._rfile, self.budget = rfile, budget
+
+    def readline(self, limit: int = -1) -> bytes:
+        want = self.budget + 1 if limit < 0 else min(limit, self.budget + 1)
+        line = self._rfile.readline(want)
+        self.budget -= len(line)
+        if self.budget < 0:
+            raise _HeadersTooLarge(f"request line and headers over {MAX_HEADER} bytes")
+        return line
+
+
+def _error_for(exc: BaseException) -> tuple[int, str]:
     if isinstance(exc, BadRequest):
         return exc.status, "bad_request" if exc.status == 400 else HTTPStatus(exc.status).phrase.lower().replace(" ", "_")
     for kind, status, code in (
@@ -92,6 +188,69 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = f"cachepipe/{__version__}"
     sys_version = ""
     server: _UnixServer | _TcpServer  # type: ignore[assignment]
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile.close()  # replaced by a reader with deadlines
+        self._reader = _DeadlineReader(self.connection)
+        self.rfile = io.BufferedReader(self._reader)
+
+    def handle_one_request(self) -> None:
+        """Wait for a request (``idle_timeout``), read its line and headers (``header_timeout``,
+        ``MAX_HEADER``), then route it (the body is read under ``body_timeout``)."""
+        server, reader = self.server, self._reader
+        server.set_waiting(self.connection, True)  # may be ended to make room from now on
+        try:
+            reader.deadline, reader.phase = time.monotonic() + server.deadlines.idle, "idle"
+            if not self.rfile.peek(1):
+                self.close_connection = True  # the client closed the connection
+                return
+            reader.deadline, reader.phase = time.monotonic() + server.deadlines.header, "headers"
+            budget = _HeaderBudget(self.rfile, MAX_HEADER)
+            self.raw_requestline = budget.readline(65537)
+            if len(self.raw_requestline) > 65536:
+                self.send_error(414, explain="request line over 65536 bytes")
+                return
+            self.rfile, real = budget, self.rfile  # type: ignore[assignment]  # parse_request reads the headers
+            try:
+                parsed = self.parse_request()
+            finally:
+                self.rfile = real
+            if not parsed:
+                return
+            handler = getattr(self, f"do_{self.command}", None)
+            if handler is None:
+                self.send_error(501, explain=f"method {self.command!r}: expected GET or POST")
+                return
+            handler()
+            self.wfile.flush()
+        except _Late as exc:
+            self.close_connection = True
+            if exc.args[0] == "idle":
+                log.debug("%s: closed a connection idle for %g s (idle_timeout)", self.address_string(), server.deadlines.idle)
+                return
+            log.info("%s: request %s not received within header_timeout (%g s)", self.address_string(), exc.args[0], server.deadlines.header)
+            self._reply_late(f"request {exc.args[0]} not received within header_timeout ({server.deadlines.header:g} s)")
+        except ConnectionError:
+            self.close_connection = True  # gone, or ended to make room for another connection
+        finally:
+            server.set_waiting(self.connection, False)
+
+    def _reply_late(self, message: str) -> None:
+        try:
+            self._reply(408, {"error": "request_timeout", "message": message})
+        except OSError:
+            pass  # a client too slow to send is often too slow to read: nothing more to tell it
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The standard library's own answers (malformed request line or headers) as our JSON."""
+        self.close_connection = True
+        text = explain or message or HTTPStatus(code).phrase
+        log.info("%s: %d %s", self.address_string(), code, text)
+        try:
+            self._reply(code, {"error": "bad_request" if code == 400 else HTTPStatus(code).phrase.lower().replace(" ", "_"), "message": text})
+        except OSError:
+            pass  # the client went away
 
     def address_string(self) -> str:
         return self.client_address[0] if isinstance(self.client_address, tuple) else "unix"
@@ -141,17 +300,17 @@ class _Handler(BaseHTTPRequestHandler):
         daemon.metrics.requests.labels(route or "unknown", str(status)).inc()
 
     # ---- routes: each replies and returns its status -----------------------------------
-    def _health(self, daemon: Daemon, _arg: str, _body: dict[str, Any]) -> int:
+    def _health(self, daemon: Service, _arg: str, _body: dict[str, Any]) -> int:
         ok, body = daemon.health()
         return self._reply(200 if ok else 503, body)
 
-    def _status(self, daemon: Daemon, _arg: str, _body: dict[str, Any]) -> int:
+    def _status(self, daemon: Service, _arg: str, _body: dict[str, Any]) -> int:
         return self._reply(200, daemon.status())
 
-    def _metrics(self, daemon: Daemon, _arg: str, _body: dict[str, Any]) -> int:
+    def _metrics(self, daemon: Service, _arg: str, _body: dict[str, Any]) -> int:
         return self._reply(200, raw=daemon.metrics.render(), content_type=CONTENT_TYPE)
 
-    def _next(self, daemon: Daemon, name: str, body: dict[str, Any]) -> int:
+    def _next(self, daemon: Service, name: str, body: dict[str, Any]) -> int:
         timeout = body.get("timeout")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0):
             raise BadRequest(f"'timeout' {timeout!r}: expected seconds as a number >= 0, or null for the daemon's max_wait")
@@ -168,7 +327,7 @@ class _Handler(BaseHTTPRequestHandler):
             daemon.finish("release", str(item.path), item.lease)
             raise
 
-    def _finish(self, daemon: Daemon, verb: str, body: dict[str, Any]) -> int:
+    def _finish(self, daemon: Service, verb: str, body: dict[str, Any]) -> int:
         pipeline, name = daemon.finish(verb, body.get("path"), body.get("lease"))
         return self._reply(200, {"pipeline": pipeline, "name": name, "result": verb})
 
@@ -177,19 +336,35 @@ class _Handler(BaseHTTPRequestHandler):
         if self.headers.get("Transfer-Encoding"):
             self.close_connection = True
             raise BadRequest("chunked request bodies are not supported: send Content-Length", 411)
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
+        given = self.headers.get_all("Content-Length") or []
+        if len(given) > 1:
+            self.close_connection = True  # which one frames the body is ambiguous: request smuggling territory
+            raise BadRequest(f"Content-Length given {len(given)} times ({', '.join(map(repr, given))}): expected it once")
+        text = given[0].strip() if given else "0"
+        if not _DIGITS.match(text):
             self.close_connection = True
-            raise BadRequest(f"Content-Length {self.headers.get('Content-Length')!r}: expected a number of bytes") from None
-        if length > MAX_BODY or length < 0:
+            raise BadRequest(f"Content-Length {given[0]!r}: expected a number of bytes")
+        length = int(text)
+        if length > MAX_BODY:
             self.close_connection = True
             raise BadRequest(f"request body of {length} bytes: expected at most {MAX_BODY}", 413)
-        raw = self.rfile.read(length) if length else b""
+        reader = self._reader
+        reader.deadline, reader.phase = time.monotonic() + self.server.deadlines.body, "body"
+        try:
+            raw = self.rfile.read(length) if length else b""
+        except _Late:
+            self.close_connection = True
+            raise BadRequest(f"request body of {length} bytes not received within body_timeout ({self.server.deadlines.body:g} s)", 408) from None
+        if len(raw) < length:
+            self.close_connection = True
+            raise ConnectionResetError(f"the client closed the connection after {len(raw)} of {length} body bytes")
+        self.server.set_waiting(self.connection, False)  # the request is in: this connection is busy now
         if not raw.strip():
             return {}
         try:
             data = json.loads(raw)
+        except RecursionError:
+            raise BadRequest("request body is nested too deeply: expected a JSON object like {\"timeout\": 5}") from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise BadRequest(f"request body is not JSON: {exc}") from None
         if not isinstance(data, dict):
@@ -201,6 +376,7 @@ class _Handler(BaseHTTPRequestHandler):
     ) -> int:
         if payload is not None:
             raw = json.dumps(payload).encode() + b"\n"
+        self.connection.settimeout(self.server.deadlines.header)  # a client that does not read its answer
         lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", f"Server: {self.server_version}"]
         if status != 204:
             lines += [f"Content-Type: {content_type}", f"Content-Length: {len(raw)}"]
@@ -232,21 +408,43 @@ def _match(path: str) -> tuple[str | None, str, tuple[str, ...]]:
     return None, "", ()
 
 
+@dataclasses.dataclass(frozen=True)
+class Deadlines:
+    """Seconds a client has: ``header`` from a request's first byte to the end of its headers,
+    ``body`` for its body, ``idle`` to start its next request."""
+
+    header: float = 10.0
+    body: float = 10.0
+    idle: float = 300.0
+
+    @classmethod
+    def of(cls, config: ServiceConfig) -> Deadlines:
+        return cls(config.header_timeout, config.body_timeout, config.idle_timeout)
+
+
 class _Server(socketserver.ThreadingMixIn):
-    """Thread per connection; tracks live connections to cap them and to end them at close."""
+    """Thread per connection; tracks live connections to cap them, to make room, and to end
+    them at close."""
 
     daemon_threads = False
     block_on_close = True
     request_queue_size = 128
     timeout: float | None = 0.0  # handle_request() never blocks: our selector already saw the socket ready
-    daemon: Daemon
+    daemon: Service
     max_clients: int
+    deadlines: Deadlines
     daemon_stopping: Callable[[], bool]
 
-    def track(self, daemon: Daemon, max_clients: int, stopping: Callable[[], bool]) -> None:
-        self.daemon, self.max_clients, self.daemon_stopping = daemon, max_clients, stopping
-        self._live: set[socket.socket] = set()
+    def track(self, daemon: Service, max_clients: int, deadlines: Deadlines, stopping: Callable[[], bool]) -> None:
+        self.daemon, self.max_clients, self.deadlines, self.daemon_stopping = daemon, max_clients, deadlines, stopping
+        # live connection -> since when it waits for its client (None: busy answering a request)
+        self._live: dict[socket.socket, float | None] = {}
         self._live_lock = threading.Lock()
+
+    def set_waiting(self, request: socket.socket, waiting: bool) -> None:
+        with self._live_lock:
+            if request in self._live:
+                self._live[request] = time.monotonic() if waiting else None
 
     def get_request(self) -> tuple[socket.socket, Any]:
         request, address = super().get_request()  # type: ignore[misc]
@@ -254,10 +452,20 @@ class _Server(socketserver.ThreadingMixIn):
         return request, address
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        victim = None
         with self._live_lock:
             full = len(self._live) >= self.max_clients
+            if full:
+                waiting = [(since, n, sock) for n, (sock, since) in enumerate(self._live.items()) if since is not None]
+                if waiting:
+                    victim = min(waiting)[2]  # the one that has waited longest for its client
+                    del self._live[victim]
+                    full = False
             if not full:
-                self._live.add(request)
+                self._live[request] = time.monotonic()
+        if victim is not None:
+            log.info("max_clients (%d) connections open: ending the one idle or slow the longest to make room", self.max_clients)
+            _end(victim)
         if full:
             log.warning("refusing a connection: %d clients already connected (max_clients)", self.max_clients)
             body = b'{"error": "unavailable", "message": "too many connections (max_clients)"}\n'
@@ -272,7 +480,7 @@ class _Server(socketserver.ThreadingMixIn):
 
     def shutdown_request(self, request: Any) -> None:
         with self._live_lock:
-            self._live.discard(request)
+            self._live.pop(request, None)
         super().shutdown_request(request)  # type: ignore[misc]
 
     def disconnect_all(self) -> None:
@@ -280,11 +488,7 @@ class _Server(socketserver.ThreadingMixIn):
         with self._live_lock:
             live = list(self._live)
         for request in live:
-            try:
-                request.shutdown(socket.SHUT_RDWR)
-            except OSError as exc:
-                if exc.errno not in (errno.ENOTCONN, errno.EBADF):
-                    raise
+            _end(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         exc = sys.exc_info()[1]
@@ -292,6 +496,15 @@ class _Server(socketserver.ThreadingMixIn):
             log.info("a client connection ended abruptly: %s", exc)
         else:
             log.exception("error while serving a connection")
+
+
+def _end(request: socket.socket) -> None:
+    """Shut a connection down: its thread's read sees EOF, and the thread closes it."""
+    try:
+        request.shutdown(socket.SHUT_RDWR)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTCONN, errno.EBADF):
+            raise
 
 
 class _UnixServer(_Server, socketserver.UnixStreamServer):
@@ -317,7 +530,7 @@ class ApiServer:
     so it is never reachable with wider permissions); :meth:`serve` listens and accepts.
     """
 
-    def __init__(self, daemon: Daemon, config: ServiceConfig) -> None:
+    def __init__(self, daemon: Service, config: ServiceConfig) -> None:
         self._daemon = daemon
         self._config = config
         self._servers: list[_UnixServer | _TcpServer] = []
@@ -352,7 +565,7 @@ class ApiServer:
         path.parent.mkdir(parents=True, exist_ok=True)
         _clear_stale(path)
         unix = _UnixServer(str(path), _Handler, bind_and_activate=False)
-        unix.track(self._daemon, cfg.max_clients, self._stopping)
+        unix.track(self._daemon, cfg.max_clients, Deadlines.of(cfg), self._stopping)
         try:
             unix.server_bind()
             st = os.stat(path)
@@ -366,7 +579,7 @@ class ApiServer:
         if cfg.tcp_port is not None:
             cls = _Tcp6Server if ":" in cfg.tcp_host else _TcpServer
             tcp = cls((cfg.tcp_host, cfg.tcp_port), _TcpHandler, bind_and_activate=False)
-            tcp.track(self._daemon, cfg.max_clients, self._stopping)
+            tcp.track(self._daemon, cfg.max_clients, Deadlines.of(cfg), self._stopping)
             try:
                 tcp.server_bind()
             except BaseException:
@@ -393,6 +606,11 @@ class ApiServer:
         """Change the cap on simultaneous connections (on reload); live connections stay."""
         for server in self._servers:
             server.max_clients = max_clients
+
+    def set_deadlines(self, deadlines: Deadlines) -> None:
+        """Change the request deadlines (on reload); requests under way keep theirs."""
+        for server in self._servers:
+            server.deadlines = deadlines
 
     def serve(self) -> None:
         """Listen and start accepting connections in a thread."""

@@ -86,7 +86,15 @@ class ServiceConfig(BaseSettings):
         log_level: ``debug``, ``info`` (default), ``warning`` or ``error``.
         status_interval: seconds between two ``STATUS=`` updates to systemd (default 10).
         max_wait: longest a ``next`` request blocks before answering 408 (default 300 s).
-        max_clients: most simultaneous API connections (default 256); more are answered 503.
+        max_clients: most simultaneous API connections (default 256). When they are all taken,
+            a new connection ends the one that has waited longest for its client (idle between
+            requests, or still sending one); if every connection is busy (a request being
+            answered, a ``next`` waiting for an item), the new one is answered 503.
+        header_timeout: seconds a client has, from the first byte of a request, to send its
+            request line and headers (default 10); then 408 and the connection is closed.
+        body_timeout: seconds a client has, after the headers, to send the body (default 10).
+        idle_timeout: longest a kept-alive connection may wait for its next request, and a new
+            one for its first (default 300 s); then it is closed (``Client`` reconnects).
         pipelines: the served datasets by name (lowercase letters, digits, ``-``, ``_``).
     """
 
@@ -104,6 +112,9 @@ class ServiceConfig(BaseSettings):
     status_interval: float = Field(default=10.0, gt=0, le=3600)
     max_wait: float = Field(default=300.0, gt=0, le=86400)
     max_clients: int = Field(default=256, ge=1, le=65536)
+    header_timeout: float = Field(default=10.0, gt=0, le=3600)
+    body_timeout: float = Field(default=10.0, gt=0, le=3600)
+    idle_timeout: float = Field(default=300.0, gt=0, le=86400)
     pipelines: dict[PipelineName, PipelineConfig] = Field(min_length=1)
 
     @classmethod

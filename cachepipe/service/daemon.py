@@ -25,23 +25,16 @@ from .. import __version__
 from ..config import PipelineConfig, format_size
 from ..errors import UnknownItemError
 from ..pipeline import CachedItem, Pipeline, Stats
-from .api import ApiServer
+from .api import ApiServer, Deadlines
 from .config import ServiceConfig, pipeline_options
+from .errors import UnavailableError, UnknownPipelineError
 from .logs import set_level
-from .markers import MarkerWatcher
+from .markers import HandOuts, MarkerWatcher
 from .metrics import Metrics, Snapshot, leased
 
-__all__ = ["Daemon", "UnknownPipelineError", "UnavailableError"]
+__all__ = ["Daemon", "UnknownPipelineError", "UnavailableError"]  # the errors live in .errors; re-exported
 
 log = logging.getLogger("cachepipe.service")
-
-
-class UnknownPipelineError(LookupError):
-    """No pipeline of that name (HTTP 404)."""
-
-
-class UnavailableError(RuntimeError):
-    """The daemon is stopping, or the pipeline failed to open (HTTP 503)."""
 
 
 @dataclasses.dataclass
@@ -78,6 +71,7 @@ class Daemon:
         self.metrics = Metrics(self._snapshots)
         self._reload_lock = threading.Lock()
         self._markers: MarkerWatcher | None = None
+        self._handouts = HandOuts()  # what each hand-out was: a marker acknowledges only its own
         self._api: ApiServer | None = None
         self._started = time.monotonic()
 
@@ -150,6 +144,7 @@ class Daemon:
             self._markers.unwatch(served.name)
         if served.pipeline is not None:
             served.pipeline.close()
+        self._handouts.forget_under(served.root)
 
     # ---- reload ----------------------------------------------------------------------
     def reload(self, new: ServiceConfig) -> list[str]:
@@ -183,6 +178,9 @@ class Daemon:
             if new.max_clients != old.max_clients:
                 self._api.set_max_clients(new.max_clients)
                 changes.append(f"max_clients {new.max_clients}")
+            if Deadlines.of(new) != Deadlines.of(old):
+                self._api.set_deadlines(Deadlines.of(new))
+                changes.append(f"request deadlines {Deadlines.of(new)}")
             with self._cond:
                 current = dict(self._served)
             for name in current.keys() - new.pipelines.keys():
@@ -264,7 +262,10 @@ class Daemon:
             pipe = self._pipeline(name)
             self._count_waiting(name, +1)
             try:
-                return pipe.get(timeout=max(deadline - time.monotonic(), 0.0))
+                item = pipe.get(timeout=max(deadline - time.monotonic(), 0.0))
+                if item is not None:  # recorded before the consumer learns the path
+                    self._handouts.record(Path(os.path.abspath(item.path)), item.lease, item.files)
+                return item
             except RuntimeError:
                 if not self._wait_replaced(name, pipe, deadline):
                     raise TimeoutError(f"pipeline {name!r} was being reloaded for the whole wait of {limit:g} s") from None
@@ -310,6 +311,8 @@ class Daemon:
                 f"{exc}; note: pipeline {served.name!r} was rebuilt by a reload {ago:.0f} s ago, which ended every lease "
                 "handed out before it (those items are delivered again)"
             ) from None
+        if verb != "renew":
+            self._handouts.forget(Path(item_path), lease or None)
         return served.name, Path(item_path).relative_to(served.root).as_posix()
 
     def _marker_ack(self, name: str, item: Path, how: str) -> None:
@@ -317,14 +320,19 @@ class Daemon:
             served = self._served.get(name)
         if served is None or served.pipeline is None:
             return
+        # Judged by provenance, not by what is true now: only the hand-out the marker was made for.
+        lease, why = self._handouts.lease_for(item, how)
         try:
-            served.pipeline.ack(item)
-        except UnknownItemError:
+            if lease is None:
+                raise UnknownItemError(why)
+            served.pipeline.ack(item, lease)
+        except UnknownItemError as exc:
             # Our own evictions show up as deletions too; a marker on an item not handed out is ignored.
-            (log.info if how == "marker" else log.debug)("%s: %s of %s ignored: not handed out", name, how, item)
+            (log.info if how == "marker" else log.debug)("%s: %s of %s ignored: %s", name, how, item, why or exc)
             return
         except RuntimeError:
             return  # the pipeline closed meanwhile (reload or stop)
+        self._handouts.forget(item, lease)
         self.metrics.marker_acks.labels(name, how).inc()
         log.debug("%s: acknowledged %s (%s)", name, item, how)
 

@@ -6,21 +6,31 @@
   ``<file>.done`` beside it could collide with another object's name and would be left behind.
 
 The daemon watches each cache directory through inotify (watchdog) and calls
-:meth:`cachepipe.Pipeline.ack` with the item's path, usually well within a second. A marker
-carries no lease: it acknowledges whoever holds the item now, so ``lease_timeout`` must exceed
-the time a consumer needs. A marker for an item that is not handed out (its lease expired and
-it went back to the queue, or a source folder that ships a ``.done`` file) is ignored.
+:meth:`cachepipe.Pipeline.ack` with the item's path, usually well within a second.
 
-:func:`acked_by` is the pure policy (which event acknowledges which item);
-:class:`MarkerWatcher` does the watching.
+Provenance: an event is processed some time after it happened (inotify, watchdog's queue), so
+"a ``.done`` exists and the item is handed out now" does not prove a consumer made it. A marker
+acknowledges only the hand-out it was made for: at each hand-out the daemon records the lease
+and what ``<item>/.done`` was then (:class:`HandOuts`); a marker event acknowledges that lease
+(never a later one) and only if the ``.done`` is not one that was there at hand-out. So a
+``.done`` that is one of the item's own files (a dataset that ships one, listed in the catalog
+or present when the item was published) never acknowledges it: ack such an item over the API
+or by deleting it. A marker left by a consumer whose lease expired does not acknowledge the
+next consumer's hand-out either. Deleting an item acknowledges the lease recorded at its
+hand-out too.
+
+:func:`acked_by` is the pure policy (which event acknowledges which item), :func:`marker_counts`
+the pure provenance rule; :class:`HandOuts` records hand-outs; :class:`MarkerWatcher` does the
+watching.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
@@ -38,7 +48,7 @@ from watchdog.events import (
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver, ObservedWatch
 
-__all__ = ["MARKER", "acked_by", "MarkerWatcher"]
+__all__ = ["MARKER", "acked_by", "marker_counts", "marker_identity", "HandOut", "HandOuts", "MarkerWatcher"]
 
 log = logging.getLogger("cachepipe.service.markers")
 
@@ -76,6 +86,94 @@ def acked_by(root: Path, path: str, kind: Kind, is_directory: bool, items: str) 
     if kind == "deleted" and not is_directory:
         return root.joinpath(*parts), "deleted"
     return None
+
+
+MarkerId = tuple[int, int, int]  # (st_dev, st_ino, st_ctime_ns) of a marker file
+
+
+def marker_identity(item: Path) -> MarkerId | None:
+    """Which ``<item>/.done`` exists now (device, inode, change time), or None if none does."""
+    try:
+        st = os.lstat(item / MARKER)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_dev, st.st_ino, st.st_ctime_ns
+
+
+@dataclasses.dataclass(frozen=True)
+class HandOut:
+    """What the daemon knew when it handed an item out.
+
+    Attributes:
+        lease: the lease the item was handed out under.
+        shipped: ``.done`` is one of the item's own files (it came with the dataset).
+        before: the ``<item>/.done`` that existed at hand-out (:func:`marker_identity`), if any.
+    """
+
+    lease: str
+    shipped: bool
+    before: MarkerId | None
+
+
+def marker_counts(handout: HandOut | None, now: MarkerId | None) -> bool:
+    """Whether the marker ``now`` (the ``.done`` seen when its event is processed) is a
+    consumer's acknowledgement of ``handout``: it exists, the item does not ship a ``.done`` of
+    its own, and it is not the one that existed when the item was handed out."""
+    return handout is not None and now is not None and not handout.shipped and now != handout.before
+
+
+class HandOuts:
+    """The hand-outs of every served pipeline, by absolute item path (thread-safe).
+
+    The daemon records one at each hand-out (:meth:`record`, before the consumer learns the
+    path), forgets it once the item is acknowledged or released, and asks :meth:`lease_for`
+    which lease a marker or deletion event acknowledges.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_path: dict[Path, HandOut] = {}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_path)
+
+    def record(self, path: Path, lease: str, files: Iterable[str]) -> None:
+        """Item ``path`` (with ``files``, relative) was just handed out under ``lease``."""
+        handout = HandOut(lease, MARKER in files, marker_identity(path))
+        with self._lock:
+            self._by_path[path] = handout
+
+    def forget(self, path: Path, lease: str | None = None) -> None:
+        """The hand-out of ``path`` ended (acknowledged or released); with ``lease``: only that one."""
+        with self._lock:
+            handout = self._by_path.get(path)
+            if handout is not None and (lease is None or handout.lease == lease):
+                del self._by_path[path]
+
+    def forget_under(self, root: Path) -> None:
+        """Every hand-out of the pipeline cached in ``root`` ended (it closed or was rebuilt)."""
+        with self._lock:
+            for path in [p for p in self._by_path if root in p.parents]:
+                del self._by_path[path]
+
+    def lease_for(self, item: Path, how: str) -> tuple[str | None, str]:
+        """(the lease an event acknowledges, or None; why not, for the log).
+
+        ``how`` is ``"marker"`` (judged by :func:`marker_counts` on the ``.done`` there now) or
+        ``"deleted"`` (the item is gone: it acknowledges the lease recorded at its hand-out).
+        """
+        with self._lock:
+            handout = self._by_path.get(item)
+        if handout is None:
+            return None, "not handed out"
+        if how != "marker":
+            return handout.lease, ""
+        if handout.shipped:
+            return None, f"{MARKER} is one of the item's own files (ack it over the API or by deleting it)"
+        if marker_counts(handout, marker_identity(item)):
+            return handout.lease, ""
+        return None, f"this {MARKER} was there before the item was handed out"
 
 
 class _Handler(FileSystemEventHandler):

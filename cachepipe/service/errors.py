@@ -1,0 +1,22 @@
+"""Errors the daemon raises and the API translates into HTTP statuses.
+
+Both :mod:`.daemon` (which raises them) and :mod:`.api` (which maps them) import them from
+here, so that neither imports the other::
+
+    LookupError
+     +-- UnknownPipelineError   no pipeline of that name          HTTP 404
+    RuntimeError
+     +-- UnavailableError       stopping, starting, pipeline down  HTTP 503
+"""
+
+from __future__ import annotations
+
+__all__ = ["UnknownPipelineError", "UnavailableError"]
+
+
+class UnknownPipelineError(LookupError):
+    """No pipeline of that name (HTTP 404)."""
+
+
+class UnavailableError(RuntimeError):
+    """The daemon is stopping, or the pipeline failed to open (HTTP 503)."""
