@@ -128,8 +128,10 @@ class Journal:
             if replay.plan:
                 lines.append(f"K {replay.plan}")
             lines.append(f"C {replay.cursor[0]} {replay.cursor[1]}")
-            lines += [f"P {n}" for n in sorted(replay.published)]
+            # acks first: an "A" ends an item's published state, and an item acked and kept for a
+            # later step (retention) is both acked and published
             lines += [f"A {e} {n}" for e, n in sorted(replay.acked)]
+            lines += [f"P {n}" for n in sorted(replay.published)]
             data = ("\n".join(lines) + "\n").encode("utf-8", "surrogateescape")
             atomic_write(self.path, data)  # on failure the old file and descriptor stay in use
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)

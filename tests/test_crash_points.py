@@ -402,3 +402,13 @@ def test_a_smaller_capacity_trims_leftovers_at_open(tmp_path):
     with Pipeline(src.as_uri(), cache, 300 * 1024, keep_on_close=True) as pipe:
         assert tree_bytes(cache) <= 300 * 1024
         assert pipe.get(timeout=20).name == "item00"
+
+
+def test_compaction_keeps_an_item_acked_and_kept_for_a_later_step(tmp_path):
+    """An item acked in one epoch and kept by retention is both acked and published: the
+    compacted journal must replay it as published (found by the multi-epoch kill soak)."""
+    journal = state.Journal(tmp_path / "journal")
+    journal.rewrite(state.Replay(0, {"kept"}, set(), {(3, "kept")}, (3, 7), "plan"))
+    journal.close()
+    replay = state.load(tmp_path / "journal")
+    assert replay.published == {"kept"} and replay.acked == {(3, "kept")}
