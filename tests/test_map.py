@@ -8,6 +8,7 @@ unpacking split ``tar.gz`` volumes with ``.md5`` files and writing the files bac
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from sampling import Sampler
-from test_unpack import md5_sidecar, tar_bytes, volumes
+from test_unpack import archive_bytes, md5_sidecar, media_clip, tar_bytes, volumes
 
 from cachepipe import map_job
 from cachepipe.cache import Cache, tree_bytes
@@ -150,6 +151,71 @@ def test_split_targz_volumes_with_md5_files_unpacked_and_written_back(s3_source,
         **{f"{item}/{k}": v for k, v in videos.items()}, "earlier-run/x.webm": b"old"}
     assert sorted(k for k in results if k.endswith(DONE_MARKER)) == [f"{item}/{DONE_MARKER}"]  # nothing for the damaged one
     assert_cache_clean(tmp_path / "cache")
+
+
+# ---- issue #16: archives with the default reserves ---------------------------------------------------------------
+COPY_TREE = ["--", "sh", "-c", 'cp -r . "$CACHEPIPE_OUT/"']
+
+
+def test_clip_archives_copied_out_with_the_defaults_and_a_too_small_reserve_named(s3_source, s3_client, tmp_path):
+    rng = __import__("random").Random(16)
+    clips = {fmt: {f"clips/{n}.mp4": media_clip(rng, 20_000 + 3000 * n) for n in range(3)} for fmt in ("tar.gz", "tar.zst", "zip")}
+    for fmt, files in clips.items():
+        s3_source.put(f"shards/clips.{fmt}", archive_bytes(files, fmt))
+    text = b"a person folds a towel\n" * 2000
+    captions = tar_bytes({"captions.txt": text}, "w:gz")  # compresses a hundredfold: more than the default reserve
+    s3_source.put("shards/captions.tar.gz", captions)
+    cache, capacity = tmp_path / "cache", 1 * MIB
+    with Sampler(cache) as sampler:
+        proc = cli(s3_source.url + "shards/", "s3://data/out/", "--cache", str(cache), "--capacity", "1MiB", "--items", "files",
+                   "--unpack", "--no-progress", *storage_args(s3_source.options), *COPY_TREE)
+    assert proc.returncode == 1 and "3 done, 1 failed" in proc.stderr, proc.stderr
+    results = bucket(s3_client, "out/")
+    assert {k: v for k, v in results.items() if not k.endswith(DONE_MARKER)} == {
+        f"clips.{fmt}/{rel}": data for fmt, files in clips.items() for rel, data in files.items()}
+    assert f"captions.tar.gz: ArchiveTooLargeError" in proc.stderr and f"would bring the item to {len(text)} bytes" in proc.stderr
+    assert f"unpack_ratio (--unpack-ratio) 1.25 reserves {math.ceil(1.25 * len(captions))} bytes for this item of {len(captions)} bytes" in proc.stderr
+    assert sampler.peak <= capacity
+    assert_cache_clean(cache)
+
+
+def test_split_targz_volumes_with_md5_sidecars_copied_out_with_the_defaults(s3_source, s3_client, tmp_path):
+    # as reported: every item failed with "peak job 30000 of 15291 bytes reserved" (the extraction
+    # and its copy shared one reserve of 1.0x the input)
+    rng = __import__("random").Random(15)
+    expected = {}
+    for item in ("a", "b", "c"):
+        videos = {f"{item}/{n}.webm": rng.randbytes(rng.randint(2000, 6000)) for n in range(4)}
+        names = [f"{item}.tar.gz-{i:02d}" for i in range(3)]
+        for name, part in volumes(tar_bytes(videos, "w:gz"), names).items():
+            s3_source.put(f"arch/{item}/{name}", part)
+            s3_source.put(f"arch/{item}/{name}.md5", md5_sidecar(name, part).encode())
+        expected.update({f"{item}/{k}": v for k, v in videos.items()})
+    proc = cli("s3://data/video/arch/", "s3://data/extracted/", "--unpack", "--cache", str(tmp_path / "cache"), "--capacity", "1MiB",
+               "--no-progress", *storage_args(s3_source.options), *COPY_TREE)
+    assert proc.returncode == 0, proc.stderr
+    assert "3 done, 0 failed" in proc.stderr
+    results = bucket(s3_client, "extracted/")
+    assert {k: v for k, v in results.items() if not k.endswith(DONE_MARKER)} == expected
+    assert_cache_clean(tmp_path / "cache")
+
+
+def test_dry_run_predicts_what_the_run_refuses(s3_source, s3_client, tmp_path, capsys):
+    s3_source.put("small/a.bin", b"a" * 1000)
+    s3_source.put("big/a.bin", os.urandom(950 * KIB))  # more than the 896 KiB left for downloads
+    args = [s3_source.url, "s3://data/out/", "--cache", str(tmp_path / "cache"), "--capacity", "1MiB", "--out-reserve", "64KiB",
+            "--out-margin", "64KiB", "--no-progress", *storage_args(s3_source.options)]
+    command = ["--", "sh", "-c", 'cp a.bin "$CACHEPIPE_OUT/"']
+    code = main([*args, "--dry-run", *command])
+    out = capsys.readouterr().out.splitlines()
+    why = f"item is {950 * KIB} bytes, more than the {896 * KIB} bytes the capacity leaves for downloads"
+    assert code == 1
+    assert out[0] == "would run: small -> s3://data/out/small/"
+    assert out[1].startswith(f"would refuse: big: {why}") and out[2] == "1 items to run, 1 would be refused, 0 already done, of 2 listed"
+    assert not (tmp_path / "cache").exists()
+    assert main([*args, *command]) == 1  # the run refuses it, for the same reason
+    assert f"big: {why}" in capsys.readouterr().err
+    assert sorted(bucket(s3_client, "out/")) == [f"small/{DONE_MARKER}", "small/a.bin"]
 
 
 # ---- crash in the middle, run again -------------------------------------------------------------------------
