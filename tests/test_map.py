@@ -1,6 +1,6 @@
 """``cachepipe map`` end to end against the moto server, with real subprocess commands.
 
-The two workflows this feature exists for run as one command each (``python -m cachepipe.mapper``,
+The two workflows this feature exists for run as one command each (``python -m cachepipe.map``,
 the ``map`` subcommand on its own): splitting tar shards of videos into clips (seed 000) and
 unpacking split ``tar.gz`` volumes with ``.md5`` files and writing the files back (seed 003).
 """
@@ -21,7 +21,7 @@ import pytest
 from sampling import Sampler
 from test_unpack import archive_bytes, md5_sidecar, media_clip, tar_bytes, volumes
 
-from cachepipe import map_job
+from cachepipe.map import job as map_job
 from cachepipe.cache import Cache, tree_bytes
 from cachepipe.errors import (
     CacheLockedError,
@@ -29,12 +29,13 @@ from cachepipe.errors import (
     StoreUnavailableError,
     UnsafeKeyError,
 )
-from cachepipe.map_child import Watcher
-from cachepipe.map_run import _take_lock
-from cachepipe.mapper import WORK_DIR, main, map_items, plan_items
+from cachepipe.map.child import Watcher
+from cachepipe.map.run import _take_lock
+from cachepipe.map import WORK_DIR, map_items, plan_items
+from cachepipe.map.cli import main
 from cachepipe.stores.base import ObjectInfo
 from cachepipe.stores.fsspec import FsspecStore
-from cachepipe.uploader import DONE_MARKER
+from cachepipe.map.uploader import DONE_MARKER
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -58,7 +59,7 @@ with open(log, "a") as fh:
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cachepipe.mapper", *args], capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run([sys.executable, "-m", "cachepipe.map", *args], capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def storage_args(options: dict) -> list[str]:
@@ -234,7 +235,7 @@ def test_kill_9_mid_upload_then_rerun_completes_each_item_once(s3_source, s3_cli
     data = s3_source.folders(6, {"in.bin": 2000})
     script, log, cache = tmp_path / "many.py", tmp_path / "runs.log", tmp_path / "cache"
     script.write_text(MANY_OUTPUTS)
-    command = [sys.executable, "-m", "cachepipe.mapper", s3_source.url, "s3://data/out/", "--cache", str(cache), "--capacity", "64KiB",
+    command = [sys.executable, "-m", "cachepipe.map", s3_source.url, "s3://data/out/", "--cache", str(cache), "--capacity", "64KiB",
                "--out-reserve", "8KiB", "--upload-concurrency", "1", "--no-progress", "-vv", *storage_args(s3_source.options),
                "--", sys.executable, str(script), str(log)]
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
@@ -537,7 +538,7 @@ def test_python_function_api_with_a_multipart_output(s3_source, s3_client, tmp_p
 
 
 def test_python_dash_m_runs_the_command_line_module_once():
-    # cachepipe/__init__.py must not import cachepipe.mapper: runpy would then run it a second
+    # cachepipe/__init__.py must not import cachepipe.map.__main__ (nor cachepipe.map.cli): runpy would then run it a second
     # time as __main__, with a RuntimeWarning ("found in sys.modules ...") on every run
     proc = cli("--help")
     assert proc.returncode == 0 and proc.stdout.startswith("usage: cachepipe map")

@@ -2,7 +2,7 @@
 
 The run lists ``SRC``, skips the items whose marker is in ``DST``, splits the capacity between
 downloads and the jobs' output slots, takes the work folder's lock, and feeds the items of a
-:class:`~cachepipe.Pipeline` to ``jobs`` threads, each a :class:`~cachepipe.map_job.Job`. Ctrl-C
+:class:`~cachepipe.Pipeline` to ``jobs`` threads, each a :class:`~cachepipe.map.job.Job`. Ctrl-C
 (or a crashed job) stops the commands and the downloads, and propagates.
 """
 
@@ -21,16 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import Share
-from .errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError, is_transient
-from .fetcher import backoff_delay
-from .map_child import Watcher
-from .map_job import Job, Slot
-from .map_plan import WORK_DIR, MapConfig, MapItem, PlannedSource, inside_prefix, item_reserve, plan_items
-from .map_result import MapResult, Tally
-from .pipeline import Pipeline
-from .stores import Store, open_store
-from .stores.base import WritableStore
+from ..config import Share
+from ..errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError, is_transient
+from ..fetcher import backoff_delay
+from ..pipeline import Pipeline
+from ..stores import Store, open_store
+from ..stores.base import WritableStore
+from .child import Watcher
+from .job import Job, Slot
+from .plan import WORK_DIR, MapConfig, MapItem, PlannedSource, inside_prefix, item_reserve, plan_items
+from .result import MapResult, Tally
 from .uploader import Uploader, marker_key
 
 __all__ = ["map_items"]
@@ -287,7 +287,7 @@ def map_items(
 ) -> MapResult:
     """Run ``fn`` on every item of ``source`` through a size-capped cache; upload its results to ``dest``.
 
-    Exported as ``cachepipe.map``. See :mod:`cachepipe.mapper` for the cap, resumption and retries.
+    Exported as ``cachepipe.map``. See :mod:`cachepipe.map` for the cap, resumption and retries.
 
     Args:
         fn: ``fn(item_path, out_path)``, run in a fresh process per item (``spawn``: it must be

@@ -17,12 +17,12 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from .catalog import check_key, group_items
-from .config import UNPACK_RATIO, Capacity, parse_size
-from .errors import ConfigError, UnsafeKeyError
-from .stores import Store
-from .stores.base import ObjectInfo
-from .unpack import DEFAULT_MAX_MEMBERS, is_checksum_file, split_volume
+from ..catalog import check_key, group_items
+from ..config import UNPACK_RATIO, Capacity, parse_size
+from ..errors import ConfigError, UnsafeKeyError
+from ..stores import Store
+from ..stores.base import ObjectInfo
+from ..unpack import DEFAULT_MAX_MEMBERS, is_checksum_file, split_volume
 
 __all__ = ["WORK_DIR", "MapConfig", "MapItem", "PlannedSource", "Reserve", "inside_prefix", "item_reserve", "out_reserve", "plan_items"]
 

@@ -16,13 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .errors import CachePipeError, UnsafeKeyError
-from .removal import tree_bytes
-from .map_child import CommandRun, FunctionRun, Watch, Watcher
-from .map_plan import MapConfig, MapItem, item_reserve, out_reserve
-from .map_result import Tally
-from .pipeline import CachedItem
-from .unpack import ArchiveError, ChecksumError, unpack_item
+from ..errors import CachePipeError, UnsafeKeyError
+from ..pipeline import CachedItem
+from ..removal import tree_bytes
+from ..unpack import ArchiveError, ChecksumError, unpack_item
+from .child import CommandRun, FunctionRun, Watch, Watcher
+from .plan import MapConfig, MapItem, item_reserve, out_reserve
+from .result import Tally
 from .uploader import Uploader
 
 __all__ = ["CommandError", "Job", "OutputTooLargeError", "Slot"]
