@@ -25,7 +25,8 @@ resolves outside ``out_dir``, device files, FIFOs and sockets, zip entries repea
 name, a file that another archive of the item already wrote. :class:`ArchiveTooLargeError`:
 more than ``max_members`` members, or an extracted total over ``limit_bytes`` (a tar bomb) —
 checked from the declared sizes *before* a member is written, so ``out_dir`` never holds more
-than ``limit_bytes``. Tar members then go through Python's ``tarfile`` ``data`` filter as a
+than ``limit_bytes``; the error names the size the extraction would reach (for a zip, also the
+total of its central directory) and the caller's ``advice`` (the option that sets the limit). Tar members then go through Python's ``tarfile`` ``data`` filter as a
 second line (it resolves links and existing paths with ``realpath``); zip members are written
 by this module, each target checked with ``realpath`` to stay inside ``out_dir``.
 """

@@ -51,8 +51,9 @@ attempts at an item), :mod:`~cachepipe.map.child` (the child process and the res
 
 ``cachepipe.map``, the attribute, is :func:`map_items` (the public entry, ``from cachepipe import
 map``), which hides this package under that name: import its modules with ``from
-cachepipe.map.plan import ...`` or ``from cachepipe.map import plan``, not ``import
-cachepipe.map.plan``. ``python -m cachepipe.map`` runs the command line.
+cachepipe.map.plan import ...`` or ``from cachepipe.map import plan``; the dotted attribute path
+(``cachepipe.map.plan``, ``import cachepipe.map.plan as plan``, ``mock.patch("cachepipe.map....")``)
+reaches the function and fails. ``python -m cachepipe.map`` runs the command line.
 """
 
 from __future__ import annotations
