@@ -2,7 +2,7 @@
 
 One run starts a moto S3 server on 127.0.0.1 (in a child process by default), uploads
 ``--folders`` folders of one ``--size`` file each, and runs, for each ``--jobs`` value, the
-command line ``python -m cachepipe.mapper SRC DST --cache ... --capacity ... --jobs N
+command line ``python -m cachepipe.map SRC DST --cache ... --capacity ... --jobs N
 --out-ratio 1 -- python split.py`` as a child process, where ``split.py`` reads its input and
 writes it back as four "clips" (outputs as large as the input). While it runs, a thread of this
 process samples the bytes under the cache directory every 5 ms. Reported per run: wall time,
@@ -61,7 +61,7 @@ def run_map(endpoint: str, case: Case, jobs: int, capacity: int, margin: int, wo
     dst = f"s3://{BUCKET}/{case.name}-out-{jobs}/"
     script = work / "split.py"
     script.write_text(SPLIT)
-    command = [sys.executable, "-m", "cachepipe.mapper", f"s3://{case.prefix}/", dst, "--cache", str(cache), "--capacity", str(capacity),
+    command = [sys.executable, "-m", "cachepipe.map", f"s3://{case.prefix}/", dst, "--cache", str(cache), "--capacity", str(capacity),
                "--jobs", str(jobs), "--out-ratio", "1", "--out-margin", str(margin), "--no-progress",
                "-o", f"endpoint_url={endpoint}", "-o", f"key={CREDENTIALS}", "-o", f"secret={CREDENTIALS}", "--", sys.executable, str(script)]
     with PeakSampler(cache) as sampler:

@@ -31,8 +31,8 @@ from .errors import (
     UnsafeMemberError,
     VerificationError,
 )
-from .map_result import MapResult
-from .map_run import map_items as map
+from .map.result import MapResult
+from .map.run import map_items as map  # binds cachepipe.map to the function, over the subpackage's name
 from .pipeline import CachedItem, Pipeline, Stats
 from .stores import ObjectInfo, Store, open_store
 

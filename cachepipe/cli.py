@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", parents=[client], help="show the daemon's pipelines and counters")
     status.add_argument("--json", action="store_true", help="print the full status as JSON")
 
-    from .mapper import add_map_parser
+    from .map.cli import add_map_parser
 
     add_map_parser(sub)
     return parser
@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return check(args.config) if args.check else serve(args.config)
     if args.command == "map":
-        from .mapper import run_map_command
+        from .map.cli import run_map_command
 
         return run_map_command(args)
     from .client import Client, ServiceError

@@ -26,9 +26,17 @@ __all__ = ["Share", "parse_size", "parse_capacity", "format_size", "PipelineConf
 SIZE_FORMS = "a positive number of bytes or a size like '50GiB', '1.5GB', '512M', '1g'"
 _CAPACITY_FORMS = SIZE_FORMS + ", or a share of free disk space like '80%'"
 
-UNPACK_RATIO = 1.0
-"""With ``unpack`` and no ``prepare_reserve``/``prepare_ratio``: the extracted files may take
-this many times the item's (archive's) size."""
+UNPACK_RATIO = 1.25
+"""Default ``unpack_ratio``: an item's extracted files may take this many times the item's size.
+
+Why 1.25: archives of already-compressed media (MP4/WebM video, JPEG, MP3) barely shrink, but
+they do shrink: gzip and zstd find a little redundancy in the containers' indexes, so the files
+come out 1-2% larger than the archive (measured on MP4-like clips: tar.gz 1.011-1.014x, tar.zst
+1.011-1.019x, zip 0.98-1.014x), and a reserve of exactly 1.0x refused most of them. 1.25 leaves
+more than ten times that margin, and costs little: the reserve is held only from the download
+to the end of the extraction, then the real size is measured and the surplus released (``map``
+keeps it per job slot). Archives of compressible data (text, raw arrays, WAV) expand by their
+compression ratio: give ``unpack_ratio`` (``--unpack-ratio``) that ratio."""
 
 _UNITS = {
     "": 1, "b": 1,
@@ -171,12 +179,12 @@ class PipelineConfig(BaseModel):
             ``<volume>.md5`` sidecars and ``md5sums`` files are checked. A folder item is
             delivered as the extracted files plus its files that are neither archives nor
             checksum files; a single-file item (``items="files"``) as a folder of the archive's
-            name holding its members. The extracted files are reserved like ``prepare``'s output:
-            ``prepare_reserve + prepare_ratio * item size``, and when both are left at 0, a ratio
-            of 1.0 (the item's size again): compressed archives need a larger ``prepare_ratio``.
-            The reserve is at most what the capacity leaves beside the item. A member that would
+            name holding its members. The extracted files are reserved beside the item:
+            ``unpack_ratio * item size`` (plus ``prepare``'s reserve, which the extraction may
+            use too), at most what the capacity leaves beside the item. A member that would
             take the extraction past its reserve is refused before it is written
-            (:class:`~cachepipe.ArchiveTooLargeError` naming it), so the cap holds throughout;
+            (:class:`~cachepipe.ArchiveTooLargeError` naming it, the size it would reach and the
+            option to raise), so the cap holds throughout;
             unsafe members (``..``, absolute names, links leaving the item, device files) are
             refused with :class:`~cachepipe.UnsafeMemberError`, an MD5 mismatch is a
             :class:`~cachepipe.ChecksumError`: the item fails (following ``on_error``) and
@@ -184,6 +192,11 @@ class PipelineConfig(BaseModel):
             ``CachedItem.size``/``files`` still describe the listed objects (the archives).
             Extracted items no longer match the listing: with ``keep_on_close``/``resume`` they
             are downloaded again.
+        unpack_ratio: with ``unpack``, the room reserved for an item's extracted files, in times
+            the item's size (default :data:`UNPACK_RATIO`, 1.25: archives of video, images or
+            audio, which extract to 1-2% more than their size). Archives of compressible data
+            need their compression ratio (5 for text packed to a fifth). After the extraction
+            the real size is measured and the surplus released.
         keep_on_close: leave published items in ``cache_dir`` on close (default False); the next
             owner reuses those whose files still match the listing.
         resume: continue the pass an earlier owner of ``cache_dir`` was in (after a crash or a
@@ -227,6 +240,7 @@ class PipelineConfig(BaseModel):
     prepare_ratio: float = Field(default=0.0, ge=0)
     prepare_workers: int = Field(default=2, ge=1, le=256)
     unpack: bool = False
+    unpack_ratio: float = Field(default=UNPACK_RATIO, gt=0, le=1_000_000)
     keep_on_close: bool = False
     resume: bool = False
     relist: bool = False
@@ -246,10 +260,20 @@ class PipelineConfig(BaseModel):
 
     def prepare_extra(self, size: int) -> int:
         """Bytes to reserve beside an item of ``size`` bytes for what ``unpack`` and ``prepare``
-        write: ``prepare_reserve + prepare_ratio * size``; with ``unpack`` and neither set,
-        :data:`UNPACK_RATIO` times ``size``; 0 without either step."""
+        write: ``unpack_ratio * size`` with ``unpack``, plus ``prepare_reserve + prepare_ratio *
+        size``; 0 without either step. The extraction may use all of it (``prepare`` runs after
+        it, and the item is measured at the end)."""
         if not self.prepares:
             return 0
-        if self.unpack and self.prepare_reserve == 0 and self.prepare_ratio == 0:
-            return int(UNPACK_RATIO * size)
-        return self.prepare_reserve + int(self.prepare_ratio * size)
+        unpacked = math.ceil(self.unpack_ratio * size) if self.unpack else 0
+        return unpacked + self.prepare_reserve + int(self.prepare_ratio * size)
+
+    def unpack_advice(self, size: int, extra: int) -> str:
+        """What to raise when the extraction of an item of ``size`` bytes passes its ``extra``
+        bytes (the reserve :meth:`prepare_extra` asked for, cut to what the capacity leaves)."""
+        if extra < self.prepare_extra(size):
+            return (f"the capacity leaves only {extra} bytes beside this item of {size} bytes for its extraction "
+                    f"(unpack_ratio {self.unpack_ratio:g} asks for {self.prepare_extra(size)}): raise capacity")
+        with_prepare = " (with prepare_reserve/prepare_ratio)" if self.prepare_reserve or self.prepare_ratio else ""
+        return (f"unpack_ratio {self.unpack_ratio:g}{with_prepare} reserves {extra} bytes for this item of {size} bytes: "
+                "raise unpack_ratio to the archive's compression ratio")

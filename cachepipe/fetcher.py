@@ -336,7 +336,8 @@ class Fetcher:
         item, reserved = job.item, job.item.size + job.extra
         try:
             if self._cfg.unpack:
-                unpack_in_place(job.staged, name=item.name, limit_bytes=job.extra, max_members=DEFAULT_MAX_MEMBERS, stop=self._stop)
+                unpack_in_place(job.staged, name=item.name, limit_bytes=job.extra, max_members=DEFAULT_MAX_MEMBERS, stop=self._stop,
+                                advice=self._cfg.unpack_advice(item.size, job.extra))
                 if self._stop.is_set():
                     return  # closing: the cache removes staging wholesale; the hook is not run
             if self._cfg.prepare is not None:

@@ -25,7 +25,8 @@ resolves outside ``out_dir``, device files, FIFOs and sockets, zip entries repea
 name, a file that another archive of the item already wrote. :class:`ArchiveTooLargeError`:
 more than ``max_members`` members, or an extracted total over ``limit_bytes`` (a tar bomb) —
 checked from the declared sizes *before* a member is written, so ``out_dir`` never holds more
-than ``limit_bytes``. Tar members then go through Python's ``tarfile`` ``data`` filter as a
+than ``limit_bytes``; the error names the size the extraction would reach (for a zip, also the
+total of its central directory) and the caller's ``advice`` (the option that sets the limit). Tar members then go through Python's ``tarfile`` ``data`` filter as a
 second line (it resolves links and existing paths with ``realpath``); zip members are written
 by this module, each target checked with ``realpath`` to stay inside ``out_dir``.
 """
@@ -272,20 +273,27 @@ def _sniff(path: Path) -> str | None:
 
 # ---- member checks -------------------------------------------------------------------------
 class _Budget:
-    def __init__(self, limit_bytes: int, max_members: int) -> None:
+    def __init__(self, limit_bytes: int, max_members: int, advice: str | None = None) -> None:
         self.limit_bytes = limit_bytes
         self.max_members = max_members
+        self.advice = advice  # what to raise, appended to a refusal for bytes
         self.bytes = 0
         self.members = 0
+
+    def over(self, archive: str, member: str, size: int, total: int | None = None) -> ArchiveTooLargeError:
+        """The refusal of ``member`` (``size`` bytes); ``total``: the archive's whole extracted size, when known."""
+        whole = f" (its files total {total} bytes)" if total is not None else ""
+        return ArchiveTooLargeError(
+            archive, member,
+            f"extracting its {size} bytes would bring the item to {self.bytes + size} bytes{whole}, over the limit of "
+            f"{self.limit_bytes} bytes" + (f"; {self.advice}" if self.advice else ""),
+        )
 
     def add(self, archive: str, member: str, size: int) -> None:
         if self.members + 1 > self.max_members:
             raise ArchiveTooLargeError(archive, member, f"more than {self.max_members} members")
         if self.bytes + size > self.limit_bytes:
-            raise ArchiveTooLargeError(
-                archive, member,
-                f"extracting its {size} bytes would bring the item to {self.bytes + size} bytes, over the limit of {self.limit_bytes} bytes",
-            )
+            raise self.over(archive, member, size)
         self.members += 1
         self.bytes += size
 
@@ -400,13 +408,18 @@ class _Extraction:
         with zf:
             infos = zf.infolist()
             seen: set[str] = set()
-            planned = _Budget(self.budget.limit_bytes - self.budget.bytes, self.budget.max_members - self.budget.members)
+            planned = _Budget(self.budget.limit_bytes, self.budget.max_members - self.budget.members, self.budget.advice)
+            planned.bytes = self.budget.bytes
+            total = self.budget.bytes + sum(0 if i.is_dir() else i.file_size for i in infos)
             for info in infos:  # refuse a bomb from the central directory, before writing anything
                 rel = _check_name(archive, info.filename)
                 if rel in seen and not info.is_dir():
                     raise UnsafeMemberError(archive, info.filename, "a second entry with the same name")
                 seen.add(rel)
-                planned.add(archive, info.filename, 0 if info.is_dir() else info.file_size)
+                size = 0 if info.is_dir() else info.file_size
+                if planned.bytes + size > planned.limit_bytes:
+                    raise planned.over(archive, info.filename, size, total)
+                planned.add(archive, info.filename, size)
             for info in infos:
                 self._zip_member(archive, zf, info)
 
@@ -512,7 +525,7 @@ def _clear(out_dir: Path) -> None:
 
 def unpack_item(
     item_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, limit_bytes: int, max_members: int = DEFAULT_MAX_MEMBERS,
-    stop: threading.Event | None = None,
+    stop: threading.Event | None = None, advice: str | None = None,
 ) -> UnpackResult:
     """Extract the archive(s) of a downloaded item into ``out_dir``, safely (see the module docstring).
 
@@ -524,6 +537,9 @@ def unpack_item(
         limit_bytes: most bytes of files the extraction may write; a member that would pass
             it is refused before it is written.
         max_members: most members (files, folders, links) to extract.
+        advice: what to raise when the extraction passes ``limit_bytes`` (the option that set
+            it), appended to the :class:`ArchiveTooLargeError`, which also names the size the
+            extraction would reach (for a zip, the total of its central directory).
         stop: once set, the extraction stops at the next member or read with
             :class:`InterruptedError` (and ``out_dir`` is emptied, as on any error).
 
@@ -556,7 +572,7 @@ def unpack_item(
         )
     for rel in other:
         log.info("%s: %s is not an archive; not extracted", item, rel)
-    extraction = _Extraction(out, _Budget(limit_bytes, max_members), result, stop)
+    extraction = _Extraction(out, _Budget(limit_bytes, max_members, advice), result, stop)
     try:
         for volumes in sets:
             _unpack_one(root, volumes, checksums, extraction)
@@ -568,7 +584,7 @@ def unpack_item(
 
 def unpack_in_place(
     path: str | os.PathLike[str], *, name: str | None = None, limit_bytes: int, max_members: int = DEFAULT_MAX_MEMBERS,
-    stop: threading.Event | None = None,
+    stop: threading.Event | None = None, advice: str | None = None,
 ) -> UnpackResult:
     """Replace a downloaded item by its extracted contents: :func:`unpack_item`, then a rename.
 
@@ -583,7 +599,7 @@ def unpack_in_place(
         path: the item: a folder, or one archive file.
         name: the archive's file name, when ``path`` is a single file stored under another
             name (error messages name it).
-        limit_bytes, max_members, stop: as for :func:`unpack_item`.
+        limit_bytes, max_members, stop, advice: as for :func:`unpack_item`.
 
     Raises:
         as :func:`unpack_item`; :class:`ArchiveError` also when a file of the item has the path
@@ -600,7 +616,7 @@ def unpack_in_place(
         source.parent.mkdir()
         os.rename(item, source)
     try:
-        result = unpack_item(source, out, limit_bytes=limit_bytes, max_members=max_members, stop=stop)
+        result = unpack_item(source, out, limit_bytes=limit_bytes, max_members=max_members, stop=stop, advice=advice)
         _adopt(item, out, result.other)
     except BaseException:
         if os.path.lexists(out):

@@ -1,6 +1,6 @@
 """``cachepipe map`` end to end against the moto server, with real subprocess commands.
 
-The two workflows this feature exists for run as one command each (``python -m cachepipe.mapper``,
+The two workflows this feature exists for run as one command each (``python -m cachepipe.map``,
 the ``map`` subcommand on its own): splitting tar shards of videos into clips (seed 000) and
 unpacking split ``tar.gz`` volumes with ``.md5`` files and writing the files back (seed 003).
 """
@@ -8,6 +8,7 @@ unpacking split ``tar.gz`` volumes with ``.md5`` files and writing the files bac
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -18,9 +19,9 @@ from pathlib import Path
 
 import pytest
 from sampling import Sampler
-from test_unpack import md5_sidecar, tar_bytes, volumes
+from test_unpack import archive_bytes, md5_sidecar, media_clip, tar_bytes, volumes
 
-from cachepipe import map_job
+from cachepipe.map import job as map_job
 from cachepipe.cache import Cache, tree_bytes
 from cachepipe.errors import (
     CacheLockedError,
@@ -28,12 +29,13 @@ from cachepipe.errors import (
     StoreUnavailableError,
     UnsafeKeyError,
 )
-from cachepipe.map_child import Watcher
-from cachepipe.map_run import _take_lock
-from cachepipe.mapper import WORK_DIR, main, map_items, plan_items
+from cachepipe.map.child import Watcher
+from cachepipe.map.run import _take_lock
+from cachepipe.map import WORK_DIR, map_items, plan_items
+from cachepipe.map.cli import main
 from cachepipe.stores.base import ObjectInfo
 from cachepipe.stores.fsspec import FsspecStore
-from cachepipe.uploader import DONE_MARKER
+from cachepipe.map.uploader import DONE_MARKER
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -57,7 +59,7 @@ with open(log, "a") as fh:
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cachepipe.mapper", *args], capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run([sys.executable, "-m", "cachepipe.map", *args], capture_output=True, text=True, timeout=timeout, check=False)
 
 
 def storage_args(options: dict) -> list[str]:
@@ -152,6 +154,71 @@ def test_split_targz_volumes_with_md5_files_unpacked_and_written_back(s3_source,
     assert_cache_clean(tmp_path / "cache")
 
 
+# ---- issue #16: archives with the default reserves ---------------------------------------------------------------
+COPY_TREE = ["--", "sh", "-c", 'cp -r . "$CACHEPIPE_OUT/"']
+
+
+def test_clip_archives_copied_out_with_the_defaults_and_a_too_small_reserve_named(s3_source, s3_client, tmp_path):
+    rng = __import__("random").Random(16)
+    clips = {fmt: {f"clips/{n}.mp4": media_clip(rng, 20_000 + 3000 * n) for n in range(3)} for fmt in ("tar.gz", "tar.zst", "zip")}
+    for fmt, files in clips.items():
+        s3_source.put(f"shards/clips.{fmt}", archive_bytes(files, fmt))
+    text = b"a person folds a towel\n" * 2000
+    captions = tar_bytes({"captions.txt": text}, "w:gz")  # compresses a hundredfold: more than the default reserve
+    s3_source.put("shards/captions.tar.gz", captions)
+    cache, capacity = tmp_path / "cache", 1 * MIB
+    with Sampler(cache) as sampler:
+        proc = cli(s3_source.url + "shards/", "s3://data/out/", "--cache", str(cache), "--capacity", "1MiB", "--items", "files",
+                   "--unpack", "--no-progress", *storage_args(s3_source.options), *COPY_TREE)
+    assert proc.returncode == 1 and "3 done, 1 failed" in proc.stderr, proc.stderr
+    results = bucket(s3_client, "out/")
+    assert {k: v for k, v in results.items() if not k.endswith(DONE_MARKER)} == {
+        f"clips.{fmt}/{rel}": data for fmt, files in clips.items() for rel, data in files.items()}
+    assert f"captions.tar.gz: ArchiveTooLargeError" in proc.stderr and f"would bring the item to {len(text)} bytes" in proc.stderr
+    assert f"unpack_ratio (--unpack-ratio) 1.25 reserves {math.ceil(1.25 * len(captions))} bytes for this item of {len(captions)} bytes" in proc.stderr
+    assert sampler.peak <= capacity
+    assert_cache_clean(cache)
+
+
+def test_split_targz_volumes_with_md5_sidecars_copied_out_with_the_defaults(s3_source, s3_client, tmp_path):
+    # as reported: every item failed with "peak job 30000 of 15291 bytes reserved" (the extraction
+    # and its copy shared one reserve of 1.0x the input)
+    rng = __import__("random").Random(15)
+    expected = {}
+    for item in ("a", "b", "c"):
+        videos = {f"{item}/{n}.webm": rng.randbytes(rng.randint(2000, 6000)) for n in range(4)}
+        names = [f"{item}.tar.gz-{i:02d}" for i in range(3)]
+        for name, part in volumes(tar_bytes(videos, "w:gz"), names).items():
+            s3_source.put(f"arch/{item}/{name}", part)
+            s3_source.put(f"arch/{item}/{name}.md5", md5_sidecar(name, part).encode())
+        expected.update({f"{item}/{k}": v for k, v in videos.items()})
+    proc = cli("s3://data/video/arch/", "s3://data/extracted/", "--unpack", "--cache", str(tmp_path / "cache"), "--capacity", "1MiB",
+               "--no-progress", *storage_args(s3_source.options), *COPY_TREE)
+    assert proc.returncode == 0, proc.stderr
+    assert "3 done, 0 failed" in proc.stderr
+    results = bucket(s3_client, "extracted/")
+    assert {k: v for k, v in results.items() if not k.endswith(DONE_MARKER)} == expected
+    assert_cache_clean(tmp_path / "cache")
+
+
+def test_dry_run_predicts_what_the_run_refuses(s3_source, s3_client, tmp_path, capsys):
+    s3_source.put("small/a.bin", b"a" * 1000)
+    s3_source.put("big/a.bin", os.urandom(950 * KIB))  # more than the 896 KiB left for downloads
+    args = [s3_source.url, "s3://data/out/", "--cache", str(tmp_path / "cache"), "--capacity", "1MiB", "--out-reserve", "64KiB",
+            "--out-margin", "64KiB", "--no-progress", *storage_args(s3_source.options)]
+    command = ["--", "sh", "-c", 'cp a.bin "$CACHEPIPE_OUT/"']
+    code = main([*args, "--dry-run", *command])
+    out = capsys.readouterr().out.splitlines()
+    why = f"item is {950 * KIB} bytes, more than the {896 * KIB} bytes the capacity leaves for downloads"
+    assert code == 1
+    assert out[0] == "would run: small -> s3://data/out/small/"
+    assert out[1].startswith(f"would refuse: big: {why}") and out[2] == "1 items to run, 1 would be refused, 0 already done, of 2 listed"
+    assert not (tmp_path / "cache").exists()
+    assert main([*args, *command]) == 1  # the run refuses it, for the same reason
+    assert f"big: {why}" in capsys.readouterr().err
+    assert sorted(bucket(s3_client, "out/")) == [f"small/{DONE_MARKER}", "small/a.bin"]
+
+
 # ---- crash in the middle, run again -------------------------------------------------------------------------
 MANY_OUTPUTS = r'''
 import os, sys
@@ -168,7 +235,7 @@ def test_kill_9_mid_upload_then_rerun_completes_each_item_once(s3_source, s3_cli
     data = s3_source.folders(6, {"in.bin": 2000})
     script, log, cache = tmp_path / "many.py", tmp_path / "runs.log", tmp_path / "cache"
     script.write_text(MANY_OUTPUTS)
-    command = [sys.executable, "-m", "cachepipe.mapper", s3_source.url, "s3://data/out/", "--cache", str(cache), "--capacity", "64KiB",
+    command = [sys.executable, "-m", "cachepipe.map", s3_source.url, "s3://data/out/", "--cache", str(cache), "--capacity", "64KiB",
                "--out-reserve", "8KiB", "--upload-concurrency", "1", "--no-progress", "-vv", *storage_args(s3_source.options),
                "--", sys.executable, str(script), str(log)]
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
@@ -471,7 +538,7 @@ def test_python_function_api_with_a_multipart_output(s3_source, s3_client, tmp_p
 
 
 def test_python_dash_m_runs_the_command_line_module_once():
-    # cachepipe/__init__.py must not import cachepipe.mapper: runpy would then run it a second
+    # cachepipe/__init__.py must not import cachepipe.map.__main__ (nor cachepipe.map.cli): runpy would then run it a second
     # time as __main__, with a RuntimeWarning ("found in sys.modules ...") on every run
     proc = cli("--help")
     assert proc.returncode == 0 and proc.stdout.startswith("usage: cachepipe map")

@@ -7,12 +7,13 @@ extraction.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 
 import pytest
 from sampling import Sampler
-from test_unpack import link, md5_sidecar, read_tree, tar_bytes, volumes, zip_bytes
+from test_unpack import archive_bytes, link, md5_sidecar, media_clip, read_tree, tar_bytes, volumes, zip_bytes
 from waiting import wait_until
 
 from cachepipe import (
@@ -191,20 +192,55 @@ def test_an_item_over_half_the_capacity_gets_what_room_is_left_for_its_extractio
     big = os.urandom(9000)
     s3_source.put("one/big.bin", big)
     s3_source.put("one/text.tar.gz", tar_bytes({"text.txt": TEXT}, "w:gz"))
-    # item size + its default reserve (ratio 1.0) is twice the item, more than the capacity: the
+    # item size + its default reserve (ratio 1.25) is more than the capacity: the
     # reserve is cut to what the capacity leaves, instead of waiting forever for the space
     with unpacking(s3_source, tmp_path / "c", 16_384) as pipe:
         delivered, failed = drain(pipe)
     assert delivered == {"one": {"text.txt": TEXT, "big.bin": big}} and not failed
 
 
+@pytest.mark.parametrize("fmt", ["tar.gz", "tar.zst", "zip"])
+def test_archives_of_video_clips_pass_with_the_default_reserve(s3_source, tmp_path, fmt):
+    # issue #16: clips barely compress, but their files still come out 1-2% larger than the
+    # archive; a reserve of exactly the archive's size refused most of them
+    clips = {f"clip{i}": {f"clips/{n}.mp4": media_clip(rng, 20_000 + 3000 * n) for n in range(3)} for i in range(4)}
+    for item, files in clips.items():
+        s3_source.put(f"{item}/clips.{fmt}", archive_bytes(files, fmt))
+    cache, capacity = tmp_path / "c", 256 * 1024
+    with Sampler(cache, expected=sizes(clips)) as sampler:
+        with unpacking(s3_source, cache, capacity) as pipe:
+            delivered, failed = drain(pipe)
+    assert not failed and delivered == clips
+    assert sampler.peak <= capacity and not sampler.partial
+
+
+def test_an_archive_that_outgrows_its_reserve_names_the_option_and_the_size(s3_source, tmp_path):
+    text = b"a person folds a towel\n" * 2000
+    packed = tar_bytes({"captions.txt": text}, "w:gz")
+    s3_source.put("captions/all.tar.gz", packed)
+    with unpacking(s3_source, tmp_path / "c", "1MiB") as pipe:
+        delivered, failed = drain(pipe)
+    error = failed["captions"]
+    assert not delivered and isinstance(error, ArchiveTooLargeError) and error.member == "captions.txt"
+    reserve = math.ceil(1.25 * len(packed))
+    assert f"would bring the item to {len(text)} bytes" in str(error)
+    assert f"unpack_ratio 1.25 reserves {reserve} bytes for this item of {len(packed)} bytes: raise unpack_ratio" in str(error)
+    with unpacking(s3_source, tmp_path / "c2", "1MiB", unpack_ratio=len(text) / len(packed) + 0.1) as pipe:  # as advised
+        delivered, failed = drain(pipe)
+    assert delivered == {"captions": {"captions.txt": text}} and not failed
+    with unpacking(s3_source, tmp_path / "c3", "8KiB", unpack_ratio=100) as pipe:  # the capacity cuts the reserve
+        delivered, failed = drain(pipe)
+    assert "the capacity leaves only" in str(failed["captions"]) and "(unpack_ratio 100 asks for 23700): raise capacity" in str(failed["captions"])
+
+
 def test_config_default_reserve_and_what_unpack_is_not_combined_with(tmp_path):
     base = dict(source="s3://b/p/", cache_dir=tmp_path, capacity="1GiB")
     cfg = PipelineConfig(**base, unpack=True)
-    assert cfg.prepare_extra(1000) == 1000  # ratio 1.0 by default
+    assert cfg.prepare_extra(1000) == 1250  # unpack_ratio 1.25 by default
     assert cfg.model_dump()["prepare_ratio"] == 0.0 and cfg.model_dump()["unpack"] is True  # the fields are as given
-    assert PipelineConfig(**base, unpack=True, prepare_ratio=3).prepare_extra(1000) == 3000
-    assert PipelineConfig(**base, unpack=True, prepare_reserve="4KiB").prepare_extra(1000) == 4096
+    assert PipelineConfig(**base, unpack=True, unpack_ratio=3).prepare_extra(1000) == 3000
+    assert PipelineConfig(**base, unpack=True, prepare_ratio=3).prepare_extra(1000) == 1250 + 3000  # prepare's room comes on top
+    assert PipelineConfig(**base, unpack=True, prepare_reserve="4KiB").prepare_extra(1000) == 1250 + 4096
     assert PipelineConfig(**base).prepare_extra(1000) == 0 and PipelineConfig(**base).unpack is False
     assert PipelineConfig(**base, prepare=print, prepare_ratio=0.5).prepare_extra(1000) == 500
     with pytest.raises(ValueError, match="unpack with retain='auto' is not supported yet: use retain='none'"):

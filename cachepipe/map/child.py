@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .cache import tree_bytes
+from ..cache import tree_bytes
 
 __all__ = ["TAIL_BYTES", "CommandRun", "FunctionRun", "Watch", "Watcher"]
 

@@ -2,7 +2,7 @@
 
 The run lists ``SRC``, skips the items whose marker is in ``DST``, splits the capacity between
 downloads and the jobs' output slots, takes the work folder's lock, and feeds the items of a
-:class:`~cachepipe.Pipeline` to ``jobs`` threads, each a :class:`~cachepipe.map_job.Job`. Ctrl-C
+:class:`~cachepipe.Pipeline` to ``jobs`` threads, each a :class:`~cachepipe.map.job.Job`. Ctrl-C
 (or a crashed job) stops the commands and the downloads, and propagates.
 """
 
@@ -21,16 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import Share
-from .errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError, is_transient
-from .fetcher import backoff_delay
-from .map_child import Watcher
-from .map_job import Job, Slot
-from .map_plan import WORK_DIR, MapConfig, MapItem, PlannedSource, inside_prefix, item_reserve, plan_items
-from .map_result import MapResult, Tally
-from .pipeline import Pipeline
-from .stores import Store, open_store
-from .stores.base import WritableStore
+from ..config import Share
+from ..errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError, is_transient
+from ..fetcher import backoff_delay
+from ..pipeline import Pipeline
+from ..stores import Store, open_store
+from ..stores.base import WritableStore
+from .child import Watcher
+from .job import Job, Slot
+from .plan import WORK_DIR, MapConfig, MapItem, PlannedSource, inside_prefix, item_reserve, plan_items
+from .result import MapResult, Tally
 from .uploader import Uploader, marker_key
 
 __all__ = ["map_items"]
@@ -88,8 +88,11 @@ class _MapRun:
                 result.planned = [mi.name for mi in todo]
                 if todo and not cfg.dry_run:
                     self._execute(src, dst, todo)
-                elif todo:
-                    self._size(todo, _resolve_capacity(cfg.capacity, cfg.cache_dir))
+                elif todo:  # what the run would refuse, for the same reason
+                    sizing = self._size(todo, _resolve_capacity(cfg.capacity, cfg.cache_dir))
+                    refused = dict(_refusals(todo, sizing))
+                    result.planned = [mi.name for mi in todo if mi.name not in refused]
+                    result.refused = refused
             finally:
                 if self._dest is None:
                     dst.close()
@@ -101,7 +104,8 @@ class _MapRun:
 
     def _size(self, todo: Sequence[MapItem], capacity: int) -> _Sizing:
         cfg = self.cfg
-        reserve = max(item_reserve(cfg, mi) for mi in todo)
+        runs = cfg.command is not None or self._fn is not None
+        reserve = max(item_reserve(cfg, mi, runs).total for mi in todo)
         margin = cfg.out_margin if cfg.out_margin is not None else min(reserve, 64 * _MIB)
         sizing = _Sizing(capacity, reserve, margin, min(cfg.jobs, len(todo)))
         r = self._result
@@ -109,8 +113,8 @@ class _MapRun:
         if sizing.downloads <= 0:
             raise ConfigError(
                 f"capacity {capacity} bytes leaves no room for downloads after setting aside {sizing.jobs} jobs x "
-                f"({reserve} bytes reserve + {margin} bytes margin) for outputs; raise capacity, or lower jobs, "
-                "out_reserve/out_ratio or out_margin"
+                f"({reserve} bytes reserve + {margin} bytes margin) for {_FOR[cfg.unpack]}; raise capacity, or lower jobs, "
+                f"{'unpack_ratio, ' if cfg.unpack else ''}out_reserve/out_ratio or out_margin"
             )
         return sizing
 
@@ -125,11 +129,10 @@ class _MapRun:
             for entry in work.iterdir():  # slots left by a run that died
                 if entry.name != "lock":
                     shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-            fits = [mi for mi in todo if mi.size <= sizing.downloads]
-            for mi in todo:
-                if mi.size > sizing.downloads:
-                    self._tally.fail(mi.name, f"item is {mi.size} bytes, more than the {sizing.downloads} bytes the capacity leaves for "
-                                     "downloads beside the output reserves; raise capacity or lower jobs/out_reserve", "", 0)
+            refused = dict(_refusals(todo, sizing))
+            fits = [mi for mi in todo if mi.name not in refused]
+            for name, why in refused.items():
+                self._tally.fail(name, why, "", 0)
             if fits:
                 self._by_local = {mi.local: mi for mi in fits}
                 self._pump(src, dst, fits, sizing, work)
@@ -241,6 +244,16 @@ class _MapRun:
         return {mi.name for mi, flag in zip(planned, flags, strict=True) if flag}
 
 
+_FOR = {False: "outputs", True: "extracted files and outputs"}
+
+
+def _refusals(todo: Sequence[MapItem], sizing: _Sizing) -> list[tuple[str, str]]:
+    """The items a run of this sizing refuses before downloading them, each with the reason
+    (shared by the run and ``dry_run``, so that a dry run predicts the refusals)."""
+    return [(mi.name, f"item is {mi.size} bytes, more than the {sizing.downloads} bytes the capacity leaves for "
+             "downloads beside the jobs' reserves; raise capacity or lower jobs/out_reserve") for mi in todo if mi.size > sizing.downloads]
+
+
 def _resolve_capacity(capacity: int | Share, cache_dir: Path) -> int:
     if not isinstance(capacity, Share):
         return capacity
@@ -274,7 +287,7 @@ def map_items(
 ) -> MapResult:
     """Run ``fn`` on every item of ``source`` through a size-capped cache; upload its results to ``dest``.
 
-    Exported as ``cachepipe.map``. See :mod:`cachepipe.mapper` for the cap, resumption and retries.
+    Exported as ``cachepipe.map``. See :mod:`cachepipe.map` for the cap, resumption and retries.
 
     Args:
         fn: ``fn(item_path, out_path)``, run in a fresh process per item (``spawn``: it must be
@@ -291,8 +304,10 @@ def map_items(
         capacity: hard cap on bytes under ``cache_dir`` (``"20GiB"``, ``"80%"``...).
         store, dest_store: stores to use instead of opening ``source``/``dest`` (tests).
         **options: the other fields of :class:`MapConfig`: ``jobs`` (1), ``out_reserve``
-            (a size per item) or ``out_ratio`` (times the item's size; default 1.0),
-            ``out_margin``, ``items`` (``"folders"``/``"files"``), ``unpack``, ``timeout``
+            (a size per item) or ``out_ratio`` (times the command's input: the item, or with
+            ``unpack`` its extracted files; default 1.0), ``out_margin``, ``items``
+            (``"folders"``/``"files"``), ``unpack``, ``unpack_ratio`` (room for the extracted
+            files, in times the item's size; default 1.25, see :data:`~cachepipe.config.UNPACK_RATIO`), ``timeout``
             (seconds per attempt), ``retries`` (2, per item), ``request_retries`` (12, per
             request, as downloads), ``storage_options``, ``dest_options`` (default: the same),
             ``upload_concurrency`` (8), ``upload_part_size`` (16 MiB), ``max_concurrency``,

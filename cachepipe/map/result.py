@@ -38,13 +38,16 @@ class MapResult:
         items_failed: items recorded as failed (see :attr:`failed`).
         items_retried: attempts beyond the first, over all items.
         planned: names of the items to do (with ``dry_run``: what would run).
+        refused: with ``dry_run``, the items the run would refuse before downloading them, with
+            the reason (the run records them in :attr:`failed`).
         bytes_in: bytes downloaded.
         bytes_out: bytes of outputs uploaded (markers excluded).
         files_out: output files uploaded.
         seconds: wall time of the run.
         capacity: the cap on bytes under the cache dir.
         download_capacity: the part of it given to downloads.
-        reserve: bytes set aside per job for outputs (without the margin).
+        reserve: bytes set aside per job for outputs and, with ``unpack``, the extracted files
+            (without the margin).
         margin: extra bytes per job that absorb a burst between two watcher measurements.
         peak_job_bytes: the largest job slot measured (outputs + extracted + added to inputs).
         failed: the failures, in the order they happened.
@@ -56,6 +59,7 @@ class MapResult:
     items_failed: int = 0
     items_retried: int = 0
     planned: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
     bytes_in: int = 0
     bytes_out: int = 0
     files_out: int = 0
@@ -134,10 +138,12 @@ class Tally:
 def format_plan(result: MapResult, dest: str) -> str:
     """The ``--dry-run`` listing."""
     lines = [f"would run: {name} -> {dest.rstrip('/')}/{name}/" for name in result.planned]
-    lines.append(f"{len(result.planned)} items to run, {result.items_skipped} already done, of {result.items_listed} listed")
-    if result.planned:
+    lines += [f"would refuse: {name}: {why}" for name, why in result.refused.items()]
+    refused = f", {len(result.refused)} would be refused" if result.refused else ""
+    lines.append(f"{len(result.planned)} items to run{refused}, {result.items_skipped} already done, of {result.items_listed} listed")
+    if result.planned or result.refused:
         lines.append(f"capacity {result.capacity} bytes: {result.download_capacity} for downloads, "
-                     f"{result.reserve} + {result.margin} margin per job for outputs")
+                     f"{result.reserve} + {result.margin} margin per job for outputs (and extracted files)")
     return "\n".join(lines)
 
 

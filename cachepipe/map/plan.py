@@ -17,14 +17,14 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from .catalog import check_key, group_items
-from .config import Capacity, parse_size
-from .errors import ConfigError, UnsafeKeyError
-from .stores import Store
-from .stores.base import ObjectInfo
-from .unpack import DEFAULT_MAX_MEMBERS, is_checksum_file, split_volume
+from ..catalog import check_key, group_items
+from ..config import UNPACK_RATIO, Capacity, parse_size
+from ..errors import ConfigError, UnsafeKeyError
+from ..stores import Store
+from ..stores.base import ObjectInfo
+from ..unpack import DEFAULT_MAX_MEMBERS, is_checksum_file, split_volume
 
-__all__ = ["WORK_DIR", "MapConfig", "MapItem", "PlannedSource", "inside_prefix", "item_reserve", "plan_items"]
+__all__ = ["WORK_DIR", "MapConfig", "MapItem", "PlannedSource", "Reserve", "inside_prefix", "item_reserve", "out_reserve", "plan_items"]
 
 WORK_DIR = ".cachepipe-map"
 """The folder under the cache directory holding the jobs' slots (outputs, extracted files)."""
@@ -52,6 +52,7 @@ class MapConfig(BaseModel):
     out_margin: Annotated[int | None, _optional_size("out_margin")] = None
     items: Literal["folders", "files"] = "folders"
     unpack: bool = False
+    unpack_ratio: float = Field(default=UNPACK_RATIO, gt=0, le=1_000_000)
     timeout: float | None = Field(default=None, gt=0)
     retries: int = Field(default=2, ge=0, le=100)
     request_retries: int = Field(default=12, ge=0, le=1000)
@@ -98,11 +99,41 @@ class MapItem:
     size: int = 0
 
 
-def item_reserve(cfg: MapConfig, mi: MapItem) -> int:
-    """The bytes an item's outputs may take: ``out_reserve``, or ``out_ratio`` (default 1) times its size."""
+@dataclass(frozen=True)
+class Reserve:
+    """The room one item takes in its job's slot, in bytes: ``unpack`` for its extracted files
+    (0 without ``unpack``), ``out`` for its outputs (at most; see :func:`out_reserve`)."""
+
+    unpack: int
+    out: int
+
+    @property
+    def total(self) -> int:
+        return self.unpack + self.out
+
+
+def out_reserve(cfg: MapConfig, input_size: int, runs: bool = True) -> int:
+    """The bytes a run's outputs may take, for an input (what the command gets: the item, or its
+    extracted files) of ``input_size`` bytes: ``out_reserve``, or ``out_ratio`` (default 1) times
+    ``input_size``; 0 when nothing runs (``unpack`` alone: the extracted files are the results)."""
+    if not runs:
+        return 0
     if cfg.out_reserve is not None:
         return cfg.out_reserve
-    return max(1, math.ceil((cfg.out_ratio or 1.0) * mi.size))
+    return max(1, math.ceil((cfg.out_ratio or 1.0) * input_size))
+
+
+def item_reserve(cfg: MapConfig, mi: MapItem, runs: bool = True) -> Reserve:
+    """What ``mi`` may take in a slot, planned before it is downloaded.
+
+    With ``unpack``, the extraction gets ``unpack_ratio`` times the item's size (refused past it,
+    member by member); the outputs' share is then planned from that bound and, at run time,
+    computed from the extracted size measured (:func:`out_reserve`): ``cp -r . $CACHEPIPE_OUT``
+    fits with the defaults. Separate shares, so that the extraction and a copy of it never
+    compete for one reserve.
+    """
+    unpacked = math.ceil(cfg.unpack_ratio * mi.size) if cfg.unpack else 0
+    return Reserve(unpacked, out_reserve(cfg, unpacked if cfg.unpack else mi.size, runs))
 
 
 def plan_items(objects: Iterable[ObjectInfo], items: Literal["folders", "files"], unpack: bool) -> list[MapItem]:

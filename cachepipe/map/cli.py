@@ -1,47 +1,6 @@
-"""``cachepipe map``: process a dataset bigger than the disk, item by item, and write the results back.
+"""The command line of ``cachepipe map`` (see :mod:`cachepipe.map` for what it does): its
+options, and :func:`run_map_command`, which runs :func:`~cachepipe.map.run.map_items` from them."""
 
-::
-
-    cachepipe map SRC DST --cache DIR --capacity 20GiB --jobs 4 [--out-ratio 1.5] -- CMD ARGS...
-
-For each item of ``SRC`` (a first-level folder, or an object with ``--items files``) CMD runs
-once, with the item's local path and an empty output folder as ``{}``/``{out}`` placeholders
-and as ``$CACHEPIPE_ITEM``/``$CACHEPIPE_OUT``. When it exits 0, everything in the output folder
-is uploaded to ``DST/<item>/``, then the marker ``DST/<item>/.cachepipe-done``, then the local
-input and output are deleted. Python: :func:`map_items`, with ``fn(item_path, out_path)``.
-
-**The cap, both ways.** Bytes under ``--cache`` never exceed ``--capacity``. Downloads run in a
-:class:`~cachepipe.Pipeline` whose capacity is ``capacity - jobs * (reserve + margin)``: they can
-never take the space set aside for outputs. Each job owns a *slot* of ``reserve + margin`` bytes
-for its outputs (and, with ``--unpack``, the extracted files), where ``reserve`` is
-``--out-reserve`` or ``--out-ratio`` times the largest item. A watcher measures every running
-job's slot (plus whatever the command adds to its input folder) every ``watch_interval``
-(50 ms) and kills the command's process group once it holds more than the item's reserve; the
-item fails with :class:`OutputTooLargeError`. The margin (default ``min(reserve, 64 MiB)``)
-absorbs what a command writes between two measurements: the cap holds for any command that
-writes less than ``margin`` per ``watch_interval`` (1.3 GB/s at the defaults); a faster
-writer can pass the cap by what it writes beyond that within one interval. Extraction
-(``--unpack``) is exact: each member's size is checked before it is written. The command's
-input stays in the cache until its outputs are uploaded (a retry needs it), so downloads pause
-while outputs wait for upload. When CMD exits, whatever it left running in its process group is
-killed (Linux), so nothing it started writes into the cache after it.
-
-**Resumable.** Items whose marker exists in ``DST`` are skipped before anything is downloaded.
-The marker is written last and lists the item's outputs; a run killed mid-upload leaves no
-marker, and the next run does that item again.
-
-**Failures.** A non-zero exit, a timeout or a failed upload retries the item (``--retries``,
-re-using the downloaded input; an upload failure re-uploads without running CMD again); then
-the item is recorded as failed with the tail of CMD's stderr and the run goes on. Over-reserve
-outputs and unusable archives fail at once (a retry would do the same). Exit status 1 if any
-item failed.
-
-The code, one noun a module: :mod:`~cachepipe.map_plan` (options, work items; pure),
-:mod:`~cachepipe.map_run` (:func:`map_items`: one run), :mod:`~cachepipe.map_job` (one job's
-attempts at an item), :mod:`~cachepipe.map_child` (the child process and the reserve watcher),
-:mod:`~cachepipe.map_result` (counters, progress, summary), :mod:`~cachepipe.uploader` (outputs,
-then the marker) and :mod:`~cachepipe.unpack`. This module is the command line.
-"""
 
 from __future__ import annotations
 
@@ -52,24 +11,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import CachePipeError, ConfigError
-from .map_job import OutputTooLargeError
-from .map_plan import WORK_DIR, MapConfig, MapItem, plan_items
-from .map_result import MapFailure, MapResult, format_plan, format_summary
-from .map_run import map_items
+from ..errors import CachePipeError, ConfigError
+from .result import format_plan, format_summary
+from .run import map_items
 
-__all__ = [
-    "WORK_DIR",
-    "MapConfig",
-    "MapFailure",
-    "MapItem",
-    "MapResult",
-    "OutputTooLargeError",
-    "add_map_parser",
-    "map_items",
-    "plan_items",
-    "run_map_command",
-]
+__all__ = ["add_map_parser", "main", "run_map_command"]
 
 _DESCRIPTION = """\
 Run CMD once per item of SRC (a first-level folder, or an object with --items files) with the
@@ -82,9 +28,10 @@ _EPILOG = """\
 examples:
   cachepipe map s3://b/shards/ s3://b/clips/ --items files --unpack --cache /mnt/ssd/c \\
       --capacity 20GiB --jobs 4 --out-ratio 2 -- python split.py {} {out}
-  cachepipe map s3://b/ss/ s3://b/ss-video/ --items files --unpack --cache /tmp/c --capacity 50GiB --out-ratio 1.1
+  cachepipe map s3://b/ss/ s3://b/ss-video/ --items files --unpack --cache /tmp/c --capacity 50GiB
 
-exit status: 0 every item done (or already done); 1 an item failed or an error; 2 usage; 130 interrupted
+exit status: 0 every item done (or already done); 1 an item failed (--dry-run: would be refused) or an error;
+2 usage; 130 interrupted
 """
 
 
@@ -94,10 +41,11 @@ def _add_options(parser: argparse.ArgumentParser | Any, suppress: bool) -> None:
     parser.add_argument("--capacity", default=d(None), help="hard cap on bytes under --cache: '20GiB', '80%%' (required)")
     parser.add_argument("--jobs", "-j", type=int, default=d(1), help="commands running at once (default 1)")
     parser.add_argument("--out-reserve", default=d(None), metavar="SIZE", help="space for one item's outputs, e.g. '2GiB'")
-    parser.add_argument("--out-ratio", type=float, default=d(None), metavar="R", help="space for one item's outputs, as R x its input size (default 1.0)")
+    parser.add_argument("--out-ratio", type=float, default=d(None), metavar="R", help="space for one item's outputs, as R x the command's input (the item, or its extracted files; default 1.0)")
     parser.add_argument("--out-margin", default=d(None), metavar="SIZE", help="extra space per job for writes between two size checks (default min(reserve, 64MiB))")
     parser.add_argument("--items", choices=("folders", "files"), default=d("folders"), help="an item is a first-level folder (default) or an object")
     parser.add_argument("--unpack", action="store_true", default=d(False), help="extract archives (tar, tar.gz, tar.zst, zip, split volumes) before CMD; without CMD the extracted files are uploaded")
+    parser.add_argument("--unpack-ratio", type=float, default=d(None), metavar="R", help="space for one item's extracted files, as R x its size (default 1.25: archives of video, images, audio; compressible data needs its compression ratio)")
     parser.add_argument("--timeout", type=float, default=d(None), metavar="S", help="seconds per attempt of CMD")
     parser.add_argument("--retries", type=int, default=d(2), help="more attempts of a failed item (default 2)")
     parser.add_argument("--dry-run", action="store_true", default=d(False), help="list what would run and exit")
@@ -166,7 +114,7 @@ def run_map_command(args: argparse.Namespace) -> int:
             "dest_options": dest_options, "upload_concurrency": args.upload_concurrency,
             "upload_part_size": args.upload_part_size, "max_concurrency": args.max_concurrency,
         }
-        for key in ("out_reserve", "out_ratio", "out_margin"):
+        for key in ("out_reserve", "out_ratio", "out_margin", "unpack_ratio"):
             if getattr(args, key) is not None:
                 options_map[key] = getattr(args, key)
         result = map_items(command or None, args.source, args.dest, cache_dir=args.cache, capacity=args.capacity, **options_map)
@@ -178,13 +126,13 @@ def run_map_command(args: argparse.Namespace) -> int:
         return 1
     if args.dry_run:
         print(format_plan(result, args.dest))
-        return 0
+        return 1 if result.refused else 0
     print(format_summary(result), file=sys.stderr)
     return 0 if result.ok else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m cachepipe.mapper SRC DST ...``: the ``map`` subcommand on its own."""
+    """``python -m cachepipe.map SRC DST ...``: the ``map`` subcommand on its own."""
     parser = argparse.ArgumentParser(prog="cachepipe map", description=_DESCRIPTION, epilog=_EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(parser)

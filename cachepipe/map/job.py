@@ -16,12 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .errors import CachePipeError, UnsafeKeyError
-from .map_child import CommandRun, FunctionRun, Watch, Watcher
-from .map_plan import MapConfig, MapItem, item_reserve
-from .map_result import Tally
-from .pipeline import CachedItem
-from .unpack import ArchiveError, ChecksumError, unpack_item
+from ..errors import CachePipeError, UnsafeKeyError
+from ..pipeline import CachedItem
+from ..removal import tree_bytes
+from ..unpack import ArchiveError, ChecksumError, unpack_item
+from .child import CommandRun, FunctionRun, Watch, Watcher
+from .plan import MapConfig, MapItem, item_reserve, out_reserve
+from .result import Tally
 from .uploader import Uploader
 
 __all__ = ["CommandError", "Job", "OutputTooLargeError", "Slot"]
@@ -74,7 +75,6 @@ class Job:
     def process(self, cached: CachedItem, mi: MapItem) -> None:
         """Make the item's attempts; record it as done or failed (nothing is recorded once stopped)."""
         cfg, slot = self.cfg, self.slot
-        limit = item_reserve(cfg, mi)
         produced: Path | None = None
         manifest: dict[str, int] | None = None
         error: BaseException | None = None
@@ -89,7 +89,7 @@ class Job:
             try:
                 if produced is None:
                     slot.reset()
-                    produced = self._produce(cached, mi, limit)
+                    produced = self._produce(cached, mi)
                 if manifest is None:
                     log.info("uploading %s", mi.name)
                     manifest = self._uploader.upload_item(mi.name, produced, marker_dir=slot.root)
@@ -115,16 +115,26 @@ class Job:
         slot.reset()
         self._tally.fail(mi.name, f"{type(error).__name__}: {error}", tail, attempt)
 
-    def _produce(self, cached: CachedItem, mi: MapItem, limit: int) -> Path:
-        """Unpack and/or run CMD on the item; return the folder whose files are the results."""
+    def _produce(self, cached: CachedItem, mi: MapItem) -> Path:
+        """Unpack and/or run CMD on the item; return the folder whose files are the results.
+
+        The slot's limit: with ``unpack``, the extracted bytes (measured) plus the outputs'
+        reserve for that input; else the outputs' reserve for the item."""
         cfg, slot = self.cfg, self.slot
+        runs = cfg.command is not None or self._fn is not None
+        reserve = item_reserve(cfg, mi, runs)
         item_path = cached.path
         source = item_path
+        limit, extracted = reserve.out, 0
         if cfg.unpack:
-            unpack_item(item_path, slot.inp, limit_bytes=limit, max_members=cfg.max_members)
+            advice = (f"unpack_ratio (--unpack-ratio) {cfg.unpack_ratio:g} reserves {reserve.unpack} bytes for this item of "
+                      f"{mi.size} bytes: raise it to the archive's compression ratio")
+            unpack_item(item_path, slot.inp, limit_bytes=reserve.unpack, max_members=cfg.max_members, advice=advice)
             source = slot.inp
-            if cfg.command is None and self._fn is None:
+            if not runs:
                 return slot.inp
+            extracted = tree_bytes(slot.inp)
+            limit = extracted + out_reserve(cfg, extracted)
         cwd = source if source.is_dir() else slot.cwd
         env = {"CACHEPIPE_ITEM": str(source), "CACHEPIPE_OUT": str(slot.out), "CACHEPIPE_NAME": mi.name}
         if self._fn is not None:
@@ -145,9 +155,10 @@ class Job:
         used = watch.measure()
         self._tally.measured(watch.peak)
         if watch.over or used > limit:
+            share = f" ({extracted} extracted + {limit - extracted} for outputs)" if cfg.unpack else ""
             raise OutputTooLargeError(
-                f"item {mi.name!r}: outputs reached {max(used, watch.peak)} bytes, over its reserve of {limit} bytes "
-                "(the command was stopped); raise out_reserve/out_ratio"
+                f"item {mi.name!r}: outputs reached {max(used, watch.peak)} bytes, over its reserve of {limit} bytes"
+                f"{share} (the command was stopped); raise out_reserve/out_ratio (--out-reserve/--out-ratio)"
             )
         if self._stop.is_set():
             raise InterruptedError("stopped")

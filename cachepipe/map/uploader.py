@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .catalog import check_key
-from .errors import UnsafeKeyError, is_transient
-from .fetcher import backoff_delay
-from .stores.base import WritableStore
+from ..catalog import check_key
+from ..errors import UnsafeKeyError, is_transient
+from ..fetcher import backoff_delay
+from ..stores.base import WritableStore
 
 __all__ = ["DONE_MARKER", "OutputError", "Uploader", "collect_outputs", "marker_key"]
 

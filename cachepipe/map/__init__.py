@@ -1,0 +1,75 @@
+"""``cachepipe map``: process a dataset bigger than the disk, item by item, and write the results back.
+
+::
+
+    cachepipe map SRC DST --cache DIR --capacity 20GiB --jobs 4 [--out-ratio 1.5] -- CMD ARGS...
+
+For each item of ``SRC`` (a first-level folder, or an object with ``--items files``) CMD runs
+once, with the item's local path and an empty output folder as ``{}``/``{out}`` placeholders
+and as ``$CACHEPIPE_ITEM``/``$CACHEPIPE_OUT``. When it exits 0, everything in the output folder
+is uploaded to ``DST/<item>/``, then the marker ``DST/<item>/.cachepipe-done``, then the local
+input and output are deleted. Python: :func:`map_items`, with ``fn(item_path, out_path)``.
+
+**The cap, both ways.** Bytes under ``--cache`` never exceed ``--capacity``. Downloads run in a
+:class:`~cachepipe.Pipeline` whose capacity is ``capacity - jobs * (reserve + margin)``: they can
+never take the space set aside for outputs. Each job owns a *slot* of ``reserve + margin`` bytes
+for its outputs (and, with ``--unpack``, the extracted files), where ``reserve`` is the largest
+item's: ``--out-reserve``, or ``--out-ratio`` (default 1) times the command's input; with
+``--unpack`` the extraction has a share of its own, ``--unpack-ratio`` (default 1.25) times the
+item, and the outputs' share is computed from the extracted size (measured once the extraction
+ends), so ``-- sh -c 'cp -r . "$CACHEPIPE_OUT/"'`` fits with the defaults. A watcher measures
+every running job's slot (plus whatever the command adds to its input folder) every
+``watch_interval`` (50 ms) and kills the command's process group once it holds more than the
+item's reserve; the item fails with :class:`OutputTooLargeError`. The margin (default ``min(reserve, 64 MiB)``)
+absorbs what a command writes between two measurements: the cap holds for any command that
+writes less than ``margin`` per ``watch_interval`` (1.3 GB/s at the defaults); a faster
+writer can pass the cap by what it writes beyond that within one interval. Extraction
+(``--unpack``) is exact: each member's size is checked before it is written; past its share the
+item fails with :class:`~cachepipe.ArchiveTooLargeError` naming ``--unpack-ratio`` and the size.
+An item larger than what the capacity leaves for downloads is refused before it is downloaded;
+``--dry-run`` lists those refusals (``would refuse: ...``, exit status 1). The command's
+input stays in the cache until its outputs are uploaded (a retry needs it), so downloads pause
+while outputs wait for upload. When CMD exits, whatever it left running in its process group is
+killed (Linux), so nothing it started writes into the cache after it.
+
+**Resumable.** Items whose marker exists in ``DST`` are skipped before anything is downloaded.
+The marker is written last and lists the item's outputs; a run killed mid-upload leaves no
+marker, and the next run does that item again.
+
+**Failures.** A non-zero exit, a timeout or a failed upload retries the item (``--retries``,
+re-using the downloaded input; an upload failure re-uploads without running CMD again); then
+the item is recorded as failed with the tail of CMD's stderr and the run goes on. Over-reserve
+outputs and unusable archives fail at once (a retry would do the same). Exit status 1 if any
+item failed.
+
+The code, one noun a module: :mod:`~cachepipe.map.plan` (options, work items; pure),
+:mod:`~cachepipe.map.run` (:func:`map_items`: one run), :mod:`~cachepipe.map.job` (one job's
+attempts at an item), :mod:`~cachepipe.map.child` (the child process and the reserve watcher),
+:mod:`~cachepipe.map.result` (counters, progress, summary), :mod:`~cachepipe.map.uploader`
+(outputs, then the marker), :mod:`~cachepipe.map.cli` (the command line) and
+:mod:`~cachepipe.unpack`.
+
+``cachepipe.map``, the attribute, is :func:`map_items` (the public entry, ``from cachepipe import
+map``), which hides this package under that name: import its modules with ``from
+cachepipe.map.plan import ...`` or ``from cachepipe.map import plan``; the dotted attribute path
+(``cachepipe.map.plan``, ``import cachepipe.map.plan as plan``, ``mock.patch("cachepipe.map....")``)
+reaches the function and fails. ``python -m cachepipe.map`` runs the command line.
+"""
+
+from __future__ import annotations
+
+from .job import OutputTooLargeError
+from .plan import WORK_DIR, MapConfig, MapItem, plan_items
+from .result import MapFailure, MapResult
+from .run import map_items
+
+__all__ = [
+    "WORK_DIR",
+    "MapConfig",
+    "MapFailure",
+    "MapItem",
+    "MapResult",
+    "OutputTooLargeError",
+    "map_items",
+    "plan_items",
+]
