@@ -164,7 +164,7 @@ class Model:
         """Every byte of an item on disk is in the ledger, and every published item is on disk."""
         cache = self.cache
         on_disk = tree_bytes(self.root) - tree_bytes(cache.state_dir)
-        published = sum(cache._published.values())
+        published = sum(cache.record.published.values())
         assert on_disk == published, f"{on_disk} bytes of items on disk, {published} published in the ledger"
 
 
@@ -216,7 +216,7 @@ def check_recovery(root: Path, model: Model, where: str) -> None:
         undone = set(range(len(STEPS))) - model.acked - model.maybe
         assert not (undone & done), f"{where}: steps {sorted(undone & done)} were never acknowledged but count as consumed"
         on_disk = {p for p in os.listdir(root) if p != state_dir_name()}
-        assert on_disk == set(cache._published), f"{where}: items on disk {sorted(on_disk)}, reused {sorted(cache._published)}"
+        assert on_disk == set(cache.record.published), f"{where}: items on disk {sorted(on_disk)}, reused {sorted(cache.record.published)}"
     finally:
         cache.close(keep=True)
 

@@ -1,0 +1,580 @@
+"""The cache facade: one owner's view of a size-capped cache directory, over its parts.
+
+Layout::
+
+    cache_dir/
+      .cachepipe/lock          flock'ed by the owner; holds "pid host"            (lock.py)
+      .cachepipe/journal       publishes, acks, drops, the position (state.py)    (record.py)
+      .cachepipe/catalog       the saved listing (resume only)                    (state.py)
+      .cachepipe/staging/N     downloads in progress (removed on open and close)  (staging.py)
+      .cachepipe/staging/xN    items moved aside to be deleted                    (eviction.py)
+      <item>/...               published items
+
+:class:`Cache` holds one condition variable over the parts: the :class:`~.ledger.Ledger`
+(bytes by owner; pure), the :class:`~.record.Record` (what is published, acked and consumed,
+journaled before it is believed), the :class:`~.staging.Staging` areas and the
+:class:`~.eviction.Eviction` (the only code that deletes items). It adds what needs them
+together: waiting for room, claims (one copy of an item at a time), recovery at open, and the
+retention policy's hooks.
+
+Invariant (the hard cap): the bytes of regular files under ``cache_dir`` never exceed the
+capacity. Space is reserved (from listed sizes) before a download starts and released only
+after the files are deleted. cachepipe's own state files have a budget reserved up front.
+Bytes found at open that cachepipe does not manage ("foreign") count against the capacity and
+are never deleted.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from .. import state
+from ..catalog import Catalog, Item
+from ..config import Share
+from ..errors import ConfigError, OversizeError
+from ..removal import rmtree, tree_bytes
+from ..retention import RetentionPolicy
+from .eviction import Eviction
+from .ledger import Ledger
+from .lock import OwnerLock
+from .record import Record
+from .staging import Staging, matches, verify
+
+__all__ = ["Cache", "STATE_DIR"]
+
+log = logging.getLogger("cachepipe.cache")
+
+STATE_DIR = ".cachepipe"
+
+
+class Cache:
+    """A size-capped cache directory owned by one pipeline at a time.
+
+    Use: :meth:`open` (lock, clean staging, read the journal), :meth:`recover` (with the catalog:
+    reuse published items, drop stale ones, reserve the state budget), then acquire / stage /
+    publish / evict, and :meth:`close`.
+
+    Args:
+        root: the cache directory (created if missing).
+        capacity: bytes, or a :class:`~cachepipe.config.Share` of the filesystem's free space,
+            resolved by :meth:`open`.
+    """
+
+    def __init__(self, root: Path, capacity: int | Share) -> None:
+        self.root = Path(root).absolute()
+        self.state_dir = self.root / STATE_DIR
+        self.staging_root = self.state_dir / "staging"
+        self.catalog_path = self.state_dir / "catalog"
+        self._root = str(self.root)
+        self._capacity_spec = capacity
+        self.ledger = Ledger()
+        self.record = Record(self.state_dir / "journal")
+        self._staging = Staging(self.staging_root)
+        self._eviction = Eviction(self.root, self._staging, self._reaped)
+        self._lock = OwnerLock(self.state_dir / "lock", self.root)
+        self.rebuilt = False  # the journal was unreadable and state was rebuilt from disk
+        self._replay = state.Replay()
+        self._recovered: dict[str, Path] = {}  # published items found at open, not yet handed out
+        self._claimed: set[str] = set()  # names with files on disk or on their way: one copy at a time
+        self._policy: RetentionPolicy | None = None  # retain="auto": which acked items stay
+        self._names: Sequence[str] = ()  # the policy's item i is _names[i]; found by _names.index()
+        self._cond = threading.Condition()
+        self._closed = False
+
+    # ---- the ledger, read ------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Bytes (resolved by :meth:`open`)."""
+        return self.ledger.capacity
+
+    @property
+    def foreign(self) -> int:
+        """Bytes under the directory that cachepipe does not manage."""
+        return self.ledger.foreign
+
+    @property
+    def overhead(self) -> int:
+        """Bytes budgeted for cachepipe's own state files."""
+        return self.ledger.overhead
+
+    @property
+    def used(self) -> int:
+        """Bytes accounted under the cache directory: foreign + state budget + reserved items."""
+        with self._cond:
+            return self.ledger.used
+
+    @property
+    def limit(self) -> int:
+        """The largest item that can ever fit: capacity minus foreign bytes and the state budget."""
+        return self.ledger.limit
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def open(self) -> None:
+        """Take the ownership lock, delete staging leftovers, resolve the capacity, read the journal.
+
+        Raises:
+            CacheLockedError: another live process owns the directory.
+        """
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._lock.acquire()
+        try:
+            if self.staging_root.exists():
+                shutil.rmtree(self.staging_root)
+            self.staging_root.mkdir()
+            usage = shutil.disk_usage(self.root)
+            if isinstance(self._capacity_spec, Share):
+                self.ledger.capacity = int(usage.free * self._capacity_spec.fraction)
+            else:
+                self.ledger.capacity = self._capacity_spec
+                room = usage.free + tree_bytes(self.root)
+                if self.capacity > room:
+                    log.warning(
+                        "capacity %d bytes exceeds the space available to %s (%d bytes): downloads will meet a full "
+                        "disk, and in-order delivery can wait on space held by later items; lower the capacity or "
+                        "give it as a share like '80%%'", self.capacity, self.root, room,
+                    )
+            try:
+                self._replay = state.load(self.record.journal.path)
+            except state.StateCorrupt as exc:
+                log.warning("%s; rebuilding the cache state from the files on disk", exc)
+                self._replay, self.rebuilt = state.Replay(), True
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def saved_catalog(self, source: str, mode: str) -> Catalog | None:
+        """The listing saved by an earlier owner for this source, if any and readable."""
+        try:
+            return state.load_catalog(self.catalog_path, source, mode)
+        except state.StateCorrupt as exc:
+            log.warning("%s; listing the source again", exc)
+            return None
+
+    def save_catalog(self, source: str, mode: str, catalog: Catalog) -> None:
+        state.save_catalog(self.catalog_path, source, mode, catalog)
+
+    def recover(self, items: Catalog, resume: bool, plan: str = "") -> tuple[tuple[int, int], set[tuple[int, str]]]:
+        """Reconcile the disk with the journal and the catalog.
+
+        Items the journal says are published (or were being published) and whose files match the
+        catalog are reused; other leftovers of ours are deleted. With ``resume``, the position in
+        the plan and the acks beyond it are kept (those steps are not delivered again), provided
+        the plan (``plan``: its configuration as JSON) is the one they refer to; otherwise a new
+        pass starts. If the journal was unreadable, items whose folder matches the catalog exactly
+        are reused and everything else is left alone as foreign. If the reused items leave the
+        cache over its capacity (a smaller one than before), some are dropped until it is not.
+
+        Returns:
+            ``(cursor, acked)``: the first unconsumed ``(epoch, index)`` of the plan, and the
+            ``(epoch, name)`` pairs acknowledged beyond it.
+
+        Raises:
+            ConfigError: ``resume`` with a different plan, or after a streamed pass that stopped
+                before its listing ended (its plan is unknown), or foreign files and the state
+                budget leave no room under the capacity.
+        """
+        replay = self._replay
+        if resume and not replay.plan and replay.cursor != (0, 0):
+            raise ConfigError(
+                f"resume=True, but the pass in {str(self.root)!r} streamed its listing and stopped at step "
+                f"{replay.cursor[1]} before the listing ended, so its plan was never recorded and that position "
+                "cannot be checked against the data; use resume=False to start a new pass"
+            )
+        if resume and replay.plan and plan and replay.plan != plan:
+            raise ConfigError(
+                f"resume=True, but {str(self.root)!r} holds a pass of another plan ({replay.plan}); this one is {plan}. "
+                "The data (n_items, sizes_digest) or the epochs/shuffle/seed/rank settings differ; "
+                "use the same ones, or resume=False to start a new pass"
+            )
+        record, ledger = self.record, self.ledger
+        live = replay.published | replay.publishing
+        ours = live | {name for _epoch, name in replay.acked}
+        if self.rebuilt:
+            ours = live = {name for name in items.names if os.path.lexists(self.root / name)}
+        for name in sorted(ours):
+            path = self.root / name
+            if not os.path.lexists(path):
+                continue
+            found = items.find(name)  # only names on disk are looked up: no index of the whole catalog
+            item = items[found] if found >= 0 else None
+            if name in live and item is not None and matches(path, item):
+                record.published[name] = item.size
+                self._recovered[name] = path
+                self._claimed.add(name)
+            elif not self.rebuilt:
+                log.info("removing stale cached item %s", name)
+                self._eviction.remove(name)
+        if resume:
+            record.start(replay.pass_no, replay.cursor, replay.acked, plan)
+        else:
+            record.start(replay.pass_no + 1, (0, 0), set(), plan)
+        ledger.reserved = sum(record.published.values())
+        state_files = tree_bytes(self.state_dir)
+        record.budget = self.journal_budget(items)
+        ledger.overhead = state_files + record.budget
+        ledger.foreign = tree_bytes(self.root) - ledger.reserved - state_files
+        ledger.check_room(self._root)
+        self._replay = state.Replay()
+        while self._recovered and ledger.over_capacity():
+            name = next(reversed(self._recovered))
+            log.info("dropping %s, an earlier owner's item: the cache is over its capacity of %d bytes", name, self.capacity)
+            self.drop(name)
+        return record.cursor, set(record.acked)
+
+    @staticmethod
+    def journal_budget(items: Catalog) -> int:
+        """Bytes the journal may take in a pass over ``items`` (reserved against the capacity by
+        :meth:`recover`). A step writes at most four lines (I, P, A, C); a compacted journal holds
+        at most two per item (P, A). Compacting at half the budget keeps it under it at all times."""
+        return 2 * (4 * items.name_bytes + state.EVENT_OVERHEAD * len(items)) + 256
+
+    def has_leftovers(self) -> bool:
+        """True if the journal read at open names items on disk (or could not be read): then
+        :meth:`recover` needs the whole catalog to decide which of them to keep."""
+        replay = self._replay
+        return self.rebuilt or bool(replay.published or replay.publishing or replay.acked)
+
+    def note_listed(self, name: str) -> None:
+        """Budget journal space for an item listed after :meth:`recover` (a listing that streams
+        while downloads run): the same share per name that :meth:`recover` budgets. Blocks until
+        that space is free (items are acked), so that the ledger never exceeds the capacity; a
+        reservation that the larger budget leaves no room for raises instead of waiting (see
+        :meth:`reserve`).
+
+        Raises:
+            ConfigError: the state budget alone would reach the capacity.
+        """
+        ledger = self.ledger
+        with self._cond:
+            grow = 2 * (4 * len(name.encode("utf-8", "surrogateescape")) + state.EVENT_OVERHEAD)
+            ledger.check_room(self._root, ledger.overhead + grow)
+            # Wait for room (acks) rather than count space the reserved items already hold: the
+            # ledger never exceeds the capacity. Reservations waiting for room re-check the limit.
+            while not self._closed and not ledger.fits(grow):
+                self._cond.wait()
+            if self._closed:
+                return
+            self.record.budget += grow
+            ledger.overhead += grow
+            self._cond.notify_all()
+
+    def set_plan(self, plan: str) -> None:
+        """Record the plan (its configuration as JSON) once it is known, for a later ``resume``."""
+        with self._cond:
+            self.record.set_plan(plan)
+
+    def advance(self, epoch: int, index: int) -> None:
+        """Record that every step of the plan before ``(epoch, index)`` is consumed. A position
+        not after the current one is ignored: consumers acking in parallel report positions out
+        of order, and the acks a later position made implicit are already pruned."""
+        with self._cond:
+            self.record.advance(epoch, index)
+
+    def interrupt(self) -> None:
+        """Wake every thread blocked in :meth:`reserve`; from now on it returns False."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def close(self, keep: bool = False) -> None:
+        """Interrupt waiters, delete staging and (unless ``keep``) published items; unlock.
+
+        Kept items stay in the journal and are reused by the next owner. Call only once no
+        thread writes into staging any more.
+        """
+        self.interrupt()
+        self._eviction.stop()  # deletes what acks moved aside; from now on deletions run here
+        if not self._lock.held:
+            return
+        try:
+            if not keep:
+                for name in list(self.record.published):
+                    self.drop(name)
+            try:
+                shutil.rmtree(self.staging_root)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # not fatal: the next open removes staging leftovers
+                log.warning("could not remove staging %s: %s", self.staging_root, exc)
+        finally:
+            self.record.close()
+            self._lock.release()
+
+    # ---- room ------------------------------------------------------------------------
+    def set_capacity(self, capacity: int | Share) -> int:
+        """Change the capacity now; returns it in bytes. Shrinking deletes nothing: downloads
+        wait until acknowledgements bring the cache under the new cap.
+
+        Raises:
+            ConfigError: the new capacity leaves no room beside foreign files and the state budget.
+        """
+        new = int(shutil.disk_usage(self.root).free * capacity.fraction) if isinstance(capacity, Share) else capacity
+        if self.foreign + self.overhead >= new:
+            raise ConfigError(f"capacity {new} bytes leaves no room beside {self.foreign + self.overhead} bytes of other files and state")
+        with self._cond:
+            self.ledger.capacity = new
+            self._cond.notify_all()
+        return new
+
+    def reserve(self, size: int, name: str = "") -> bool:
+        """Block until ``size`` bytes fit under the capacity and reserve them.
+
+        Returns False (reserving nothing) if the cache is closed meanwhile.
+
+        Raises:
+            OversizeError: ``size`` is over :attr:`limit`, now or while it waits (the state budget
+                of a streamed listing grows as names are listed, or the capacity was lowered):
+                it would never fit, so it is not waited for. ``name`` names it in the error.
+        """
+        ledger = self.ledger
+        with self._cond:
+            while not self._closed and not ledger.fits(size):
+                if size > ledger.limit:
+                    raise OversizeError(name, size, ledger.capacity, ledger.foreign + ledger.overhead)
+                self._cond.wait()
+            if self._closed:
+                return False
+            ledger.reserve(size)
+            return True
+
+    def unreserve(self, size: int, name: str | None = None) -> None:
+        """Release a reservation (and the claim on ``name``) of an item that will not be published."""
+        number = self._number(name) if name is not None and self._policy is not None else None
+        with self._cond:
+            self.ledger.release(size)
+            if name is not None:
+                self._claimed.discard(name)
+                if self._policy is not None and number is not None:
+                    self._policy.forget(number)
+            self._cond.notify_all()
+
+    def claim(self, name: str) -> bool:
+        """Block until no copy of ``name`` is on disk or on its way (an earlier epoch's copy was
+        acked and deleted), then claim it for a download. False if the cache closed meanwhile.
+
+        The claim ends when the item is evicted, dropped or discarded.
+        """
+        with self._cond:
+            while not self._closed and name in self._claimed:
+                self._cond.wait()
+            if self._closed:
+                return False
+            self._claimed.add(name)
+            return True
+
+    def acquire(self, item: Item, tick: int = 0, starving: Callable[[], bool] = lambda: False, extra: int = 0) -> Path | bool:
+        """Make room for the step at ``tick`` reading ``item``.
+
+        Returns the item's path if it is on disk already (recovered at open, or retained): hand
+        it out, no download. True: its space is reserved (and its name claimed): download it.
+        False: the cache closed meanwhile.
+
+        Without retention this waits for any earlier copy of the item to be gone (:meth:`claim`)
+        and for space (:meth:`reserve`), after dropping recovered items that would otherwise
+        never leave it room (:meth:`_leftover_in_the_way`). With retention, the policy picks
+        retained items to evict; when it prefers to wait for an ack instead, the wait is
+        re-checked every 0.25 s against ``starving()`` (a consumer blocked on this very step),
+        the one case of a timed wait here. ``extra``: bytes reserved beside the item's own (the
+        ``prepare`` hook's output).
+        """
+        with self._cond:
+            recovered = self._recovered.pop(item.name, None)
+        if recovered is not None:
+            return recovered
+        if self._policy is None:
+            if not self.claim(item.name):
+                return False
+            try:
+                while (leftover := self._leftover_in_the_way(item.size + extra)) is not None:
+                    log.info("dropping %s, an earlier owner's item not due yet, to make room for %s", leftover, item.name)
+                    self.drop(leftover)
+                return self.reserve(item.size + extra, item.name)
+            except BaseException:
+                self.unreserve(0, item.name)  # the claim
+                raise
+        return self._acquire_retained(item, tick, starving)
+
+    def _acquire_retained(self, item: Item, tick: int, starving: Callable[[], bool]) -> Path | bool:
+        policy, ledger = self._policy, self.ledger
+        assert policy is not None
+        idx = self._number(item.name)
+        if idx is None:
+            raise KeyError(f"item {item.name!r} is not in the plan given to use_retention()")
+        while True:
+            victims: list[tuple[str, int]] = []
+            with self._cond:
+                while not victims:
+                    if self._closed:
+                        return False
+                    if policy.is_pinned(idx):  # an earlier step's copy is still out: one copy at a time
+                        self._cond.wait()
+                        continue
+                    if policy.on_fetch(idx, tick):
+                        return self.item_path(item)  # retained: still reserved and claimed
+                    free = ledger.free
+                    if free >= item.size:
+                        ledger.reserve(item.size)
+                        self._claimed.add(item.name)
+                        policy.on_admit(idx, tick)
+                        return True
+                    if free + ledger.reaping >= item.size:  # victims being deleted make room: no more
+                        self._cond.wait()
+                        continue
+                    chosen = policy.choose_victims(item.size - free - ledger.reaping, idx, tick, urgent=starving())
+                    if chosen is None:
+                        self._cond.wait(0.25)
+                        continue
+                    for victim in chosen:
+                        name = self._names[victim]
+                        victims.append((name, self.record.dropping(name)))
+            for name, size in victims:
+                self._delete(name, size, dropped=True)
+
+    def _leftover_in_the_way(self, size: int) -> str | None:
+        """A recovered item (reused from an earlier owner, not handed out yet) to drop so that
+        ``size`` bytes can ever fit, or None. Recovered items are handed out only when the plan
+        reaches them, after the step that waits for room: if the room that every other
+        reservation will free is not enough, waiting would never end. The last recovered name
+        goes first (names are recovered in sorted order: for a listing-ordered plan, the one
+        needed last)."""
+        with self._cond:
+            if not self._recovered:
+                return None
+            held = sum(self.record.published[name] for name in self._recovered)
+            if self.ledger.room_beside(held) >= size:
+                return None
+            return next(reversed(self._recovered))
+
+    # ---- staging and publish ---------------------------------------------------------
+    def stage(self, item: Item, part_size: int | None = None) -> Path:
+        """Create the staging area for ``item`` (see :meth:`.staging.Staging.stage`)."""
+        return self._staging.stage(item, part_size)
+
+    def item_path(self, item: Item) -> Path:
+        """Where ``item`` is (or will be) published."""
+        return self.root / item.name
+
+    verify = staticmethod(verify)
+
+    def publish(self, staged: Path, item: Item, reserved: int | None = None, verified: bool = False) -> Path:
+        """Verify sizes (unless ``verified``), then atomically rename the staged item into place:
+        journal the intent ("I"), rename, journal the result ("P").
+
+        Args:
+            reserved: the bytes reserved for it, released at eviction (default: its listed size).
+
+        Raises:
+            VerificationError: a file's size differs from the listing.
+            FileExistsError: something not managed by this cache is in the way.
+            OSError: the intent could not be journaled (a full disk): nothing was published.
+        """
+        if not verified:
+            verify(staged, item)
+        final = f"{self._root}/{item.name}"
+        if os.path.lexists(final):
+            raise FileExistsError(errno.EEXIST, f"cannot publish item {item.name!r}: {final} exists and is not managed by cachepipe")
+        with self._cond, self._eviction.folders:
+            self.record.publishing(item.name)
+            if "/" in item.name:  # a nested single-file item: its folders
+                os.makedirs(final.rpartition("/")[0], exist_ok=True)
+            os.rename(staged, final)
+            self.record.published_as(item.name, item.size if reserved is None else reserved)
+        return Path(final)
+
+    def discard(self, staged: Path, size: int, name: str) -> None:
+        """Delete a staging area, release its reservation and the claim on ``name``."""
+        try:
+            rmtree(staged)
+        finally:
+            self.unreserve(size, name)
+
+    # ---- acknowledge, drop -----------------------------------------------------------
+    def evict(self, name: str, epoch: int = 0, tick: int = 0) -> None:
+        """An acknowledged item (the step at ``tick`` of ``epoch``): record the ack, then delete its
+        files and release its space, unless the retention policy keeps it for a later step.
+
+        The ack is journaled before the files go: a crash after it re-deletes, never re-delivers.
+        If the write fails (disk full), nothing changed: the caller sees the error and may retry.
+
+        Raises:
+            KeyError: ``name`` is not a published item of this cache.
+            OSError: the ack could not be journaled; nothing changed.
+        """
+        number = self._number(name) if self._policy is not None else None
+        with self._cond:
+            if name not in self.record.published:
+                raise KeyError(name)
+            self.record.ack(epoch, name, tick)
+            if self._policy is not None and number is not None and self._policy.on_ack(number, tick):
+                if self.record.keep(name):  # still on disk, kept for a later step
+                    self._cond.notify_all()
+                    return
+                self._policy.forget(number)
+            size = self.record.unpublish(name)
+            self._recovered.pop(name, None)
+        self._delete(name, size)
+
+    def drop(self, name: str) -> None:
+        """Delete a published item that was not acknowledged (closing, a leftover in the way, or a
+        retention victim): its files go first, then the journal records it (see :meth:`_delete`)."""
+        with self._cond:
+            size = self.record.dropping(name)
+            self._recovered.pop(name, None)
+        self._delete(name, size, dropped=True)
+
+    def _delete(self, name: str, size: int, dropped: bool = False) -> None:
+        """Move the item's files away (:meth:`.eviction.Eviction.move_away`); then, for a drop,
+        journal "D" (an ack's "A" was journaled before); release the claim on its name; delete
+        the files (by the reaper for large items) and release its space after. Files that
+        cannot be deleted count as foreign until the next open removes them; nothing is raised."""
+        aside, left = self._eviction.move_away(name)
+        with self._cond:
+            self._claimed.discard(name)
+            self.ledger.reaping_started(size)
+            if left:
+                self.record.delete_failed(name)
+            elif dropped:
+                self.record.dropped(name)
+            self._cond.notify_all()  # wakes claim()
+        self._eviction.finish(aside, size, left)
+
+    def _reaped(self, size: int, left: int) -> None:
+        """An item's files are deleted: release its ``size``; ``left`` bytes could not be deleted
+        and count as foreign (on disk, not ours to reuse) until the staging area is cleared."""
+        with self._cond:
+            self.ledger.reaped(size, left)
+            self._cond.notify_all()  # wakes reserve()
+
+    # ---- retention -------------------------------------------------------------------
+    def use_retention(self, policy: RetentionPolicy, names: Sequence[str], tick: int) -> None:
+        """Keep acknowledged items by ``policy`` (its item ``i`` is ``names[i]``). Items recovered
+        at open become retained items as of ``tick`` (or are dropped if the policy says so).
+
+        ``names`` is searched with ``names.index(name)`` for each item fetched or acknowledged:
+        a :class:`~cachepipe.catalog.Names` view does that by binary search, with no index of
+        the whole catalog in memory."""
+        self._policy, self._names = policy, names
+        with self._cond:
+            numbered = [(name, self._number(name)) for name in self._recovered]
+            recovered = [(name, number) for name, number in numbered if number is not None]
+            for name, number in recovered:
+                del self._recovered[name]
+                policy.on_admit(number, tick)
+        for name, number in recovered:
+            with self._cond:
+                keep = policy.on_ack(number, tick)
+            if not keep:
+                self.drop(name)
+
+    def _number(self, name: str) -> int | None:
+        """The retention policy's number for item ``name``, or None if it is not in the plan."""
+        try:
+            return self._names.index(name)
+        except ValueError:
+            return None

@@ -1,0 +1,157 @@
+"""The cache's durable state: what is published, acknowledged and consumed, in memory and in the
+journal that makes it durable (the file format is in :mod:`cachepipe.state`).
+
+Invariant: memory holds only what is journaled. Every change appends its event first (an
+append that fails raises and changes nothing), then updates memory, then compacts if the
+journal outgrew half its budget; a compaction is rebuilt from memory, so it never loses an
+event, and replaces the file atomically. Events whose loss recovery tolerates (a publish record
+after its intent, a drop after the files are gone, a position the acks imply) are logged, not
+raised, when the disk is full.
+
+Not thread-safe by itself: the cache holds its lock around every call.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from pathlib import Path
+
+from .. import state
+from ..plan import tick as plan_tick
+
+__all__ = ["Record"]
+
+log = logging.getLogger("cachepipe.cache")
+
+
+class Record:
+    """The journaled state of one cache directory.
+
+    Attributes:
+        published: item name -> bytes reserved for it, for every item on disk under its name.
+        acked: ``(epoch, name)`` acknowledged at or after the position.
+        cursor: ``(epoch, index)``: every step of the plan before it is consumed.
+        budget: bytes the journal may take (compaction at half of it keeps it under).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.journal = state.Journal(path)
+        self.pass_no = 0
+        self.published: dict[str, int] = {}
+        self.acked: set[tuple[int, str]] = set()
+        self.cursor = (0, 0)
+        self.plan = ""
+        self.budget = 0
+        self._deleting: set[str] = set()  # no longer published, files not yet moved away: journaled as published
+        self._acked_ticks: list[tuple[int, int, str]] = []  # heap of (tick, epoch, name) of acked
+
+    def start(self, pass_no: int, cursor: tuple[int, int], acked: set[tuple[int, str]], plan: str) -> None:
+        """Begin recording a pass (after recovery set :attr:`published`): rewrite the journal to it."""
+        self.pass_no, self.cursor, self.acked, self.plan = pass_no, cursor, set(acked), plan
+        self._acked_ticks = []
+        self.compact()
+
+    def compact(self) -> None:
+        """Rewrite the journal from memory (atomically; on failure the old file stays in use)."""
+        published = set(self.published) | self._deleting
+        self.journal.rewrite(state.Replay(self.pass_no, published, set(), set(self.acked), self.cursor, self.plan))
+
+    def _compact_if_due(self) -> None:
+        if self.journal.size > self.budget // 2:
+            try:
+                self.compact()
+            except OSError as exc:
+                log.warning("could not compact the journal %s (%s); it keeps growing until this succeeds", self.journal.path, exc)
+
+    def set_plan(self, plan: str) -> None:
+        """Record the plan's configuration (JSON), for checking a later resume against it."""
+        self.plan = plan
+        self.compact()
+
+    # ---- publish ---------------------------------------------------------------------
+    def publishing(self, name: str) -> None:
+        """Journal the intent to publish ``name`` (before the rename). Raises OSError."""
+        self.journal.append("I", name)
+
+    def published_as(self, name: str, size: int) -> None:
+        """``name`` was renamed into place holding ``size`` reserved bytes. A record that cannot be
+        written is logged: the intent line is durable, and recovery checks the files."""
+        try:
+            self.journal.append("P", name)
+        except OSError as exc:
+            log.warning("journal: could not record that %s is published (%s); its intent line covers it", name, exc)
+        self.published[name] = size
+        self._compact_if_due()
+
+    # ---- acknowledge -----------------------------------------------------------------
+    def ack(self, epoch: int, name: str, tick: int) -> None:
+        """Journal the ack of ``name`` at the step ``tick`` of ``epoch``. Raises OSError (nothing changed)."""
+        self.journal.append("A", f"{epoch} {name}")
+        self.acked.add((epoch, name))
+        heapq.heappush(self._acked_ticks, (tick, epoch, name))
+
+    def keep(self, name: str) -> bool:
+        """Journal that acknowledged ``name`` stays on disk for a later step; False if that could
+        not be written (the item must then be deleted: the ack is durable)."""
+        try:
+            self.journal.append("P", name)
+        except OSError as exc:
+            log.warning("journal: could not record that %s is kept (%s); deleting it", name, exc)
+            return False
+        self._compact_if_due()
+        return True
+
+    def unpublish(self, name: str) -> int:
+        """An acknowledged item is to be deleted (its "A" is journaled): forget it; returns its bytes."""
+        size = self.published.pop(name)
+        self._compact_if_due()
+        return size
+
+    # ---- drop ------------------------------------------------------------------------
+    def dropping(self, name: str) -> int:
+        """An unacknowledged item is to be deleted: it stays journaled as published until
+        :meth:`dropped` (a crash before then finds it whole, or half-deleted in staging).
+        Returns its bytes."""
+        size = self.published.pop(name)
+        self._deleting.add(name)
+        return size
+
+    def dropped(self, name: str) -> None:
+        """A dropped item's files are moved away: journal "D" (a failure is logged: a name not on
+        disk is skipped by recovery)."""
+        self._deleting.discard(name)
+        try:
+            self.journal.append("D", name)
+        except OSError as exc:
+            log.warning("journal: could not record that %s was deleted (%s)", name, exc)
+        self._compact_if_due()
+
+    def delete_failed(self, name: str) -> None:
+        """Files of ``name`` could not be deleted: keep it journaled as published, so that the next
+        open finds it ours and removes what is left."""
+        self._deleting.add(name)
+
+    # ---- position --------------------------------------------------------------------
+    def advance(self, epoch: int, index: int) -> None:
+        """Every step before ``(epoch, index)`` is consumed. A position not after the current one
+        is ignored (consumers acking in parallel report positions out of order). A record that
+        cannot be written is logged: the acks behind it stand for it until a later one is."""
+        if (epoch, index) <= self.cursor:
+            return
+        try:
+            self.journal.append("C", f"{epoch} {index}")
+        except OSError as exc:
+            log.warning("journal: could not record the position (%d, %d): %s", epoch, index, exc)
+            return
+        if epoch > self.cursor[0]:  # acks of finished epochs are implied by the position
+            self.acked = {a for a in self.acked if a[0] >= epoch}
+        self.cursor = (epoch, index)
+        ticks, now = self._acked_ticks, plan_tick(epoch, index)
+        while ticks and ticks[0][0] < now:  # so are acks of steps before it
+            _tick, e, name = heapq.heappop(ticks)
+            self.acked.discard((e, name))
+        self._compact_if_due()
+
+    def close(self) -> None:
+        self.journal.close()
