@@ -4,9 +4,10 @@ Files under ``cache_dir/.cachepipe/``::
 
     journal   one event per line, appended with a single write() and flushed:
                 "I <name>"  about to publish (the rename may or may not have happened)
-                "P <name>"  published
+                "P <name>"  published (after an "A": kept on disk for a later step)
                 "A <epoch> <name>"  acknowledged in that epoch of the current pass
-                "D <name>"  deleted without an ack (closing without keep_on_close)
+                "D <name>"  deleted without an ack (closing without keep_on_close, a leftover
+                            in the way, a retention victim), written once its files are moved away
                 "C <epoch> <index>"  every step of the plan before this position is consumed
                 "K <json>"  the plan's configuration, for checking a resume against it
                 "N <pass>"  a new pass starts: earlier acks and positions no longer count
@@ -17,7 +18,8 @@ the state must have a size known in advance. The journal grows by at most four s
 per step of the plan and is compacted (rewritten atomically) at every open and whenever it
 outgrows its budget; a SQLite WAL's growth
 is harder to bound. A line is written by one ``write`` call, so a killed process leaves whole
-lines; a torn last line (power loss) is ignored. Any other damage makes :func:`load` raise
+lines; a torn last line (power loss) is ignored, and an append that fails on a full disk is
+cut back to the last whole line (:meth:`Journal.append`). Any other damage makes :func:`load` raise
 :class:`StateCorrupt`, and the cache then rebuilds its state from the files on disk.
 """
 
@@ -134,8 +136,10 @@ class Journal:
             lines += [f"P {n}" for n in sorted(replay.published)]
             data = ("\n".join(lines) + "\n").encode("utf-8", "surrogateescape")
             atomic_write(self.path, data)  # on failure the old file and descriptor stay in use
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-            self._close()
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            finally:
+                self._close()  # the old descriptor is of a replaced file: appends to it would be lost
             self._fd = fd
             self._size, self._torn = len(data), False
 
