@@ -49,7 +49,7 @@ class GeneratedStore:
     def __init__(self, n: int, size: int = 1) -> None:
         self.n, self.size = n, size
 
-    def list(self):  # noqa: A003 - the Store protocol's name
+    def list(self):
         etag = "0" * 32
         for i in range(self.n):
             yield ObjectInfo(f"s{i:07d}/f", self.size, etag)

@@ -53,11 +53,27 @@ from pathlib import Path
 from typing import Any
 
 from bench_pipeline import OriginalPipeline, _loadavg, _set_dummy_credentials, _source_revision, fresh_fs
-from common import (BUCKET, KIB, MIB, Case, PeakSampler, add_cachepipe_options, add_dataset_options, apply_defaults, build_cases,
-                    check_positive, command_line, format_table, machine_info, parse_capacity, progress,
-                    provenance_lines, read_folder, tree_size)
-from netlink import (Link, ProxyProcess, cpu_seconds, missing_requirements, pid_alive, remove_stale, start_child,
-                     stop_child)
+from common import (
+    BUCKET,
+    KIB,
+    MIB,
+    Case,
+    PeakSampler,
+    add_cachepipe_options,
+    add_dataset_options,
+    apply_defaults,
+    build_cases,
+    check_positive,
+    command_line,
+    format_table,
+    machine_info,
+    parse_capacity,
+    progress,
+    provenance_lines,
+    read_folder,
+    tree_size,
+)
+from netlink import Link, ProxyProcess, cpu_seconds, missing_requirements, pid_alive, remove_stale, start_child, stop_child
 from seaweed import S3Server, signed_headers, weed_binary
 
 METHODS = ("cachepipe", "original", "copy-all")

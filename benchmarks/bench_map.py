@@ -44,7 +44,7 @@ from common import (
     upload,
 )
 
-SPLIT = r'''
+SPLIT = r"""
 import os
 data = open("in.bin", "rb").read()
 out = os.environ["CACHEPIPE_OUT"]
@@ -52,7 +52,7 @@ quarter = len(data) // 4 + 1
 for n in range(4):
     with open(os.path.join(out, f"clip{n}.bin"), "wb") as fh:
         fh.write(data[n * quarter:(n + 1) * quarter])
-'''
+"""
 
 
 def run_map(endpoint: str, case: Case, jobs: int, capacity: int, margin: int, work: Path) -> dict[str, Any]:

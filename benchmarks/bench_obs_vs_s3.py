@@ -46,9 +46,28 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from common import (BUCKET, CREDENTIALS, KIB, Case, Server, add_cachepipe_options, add_dataset_options, add_server_option,
-                    apply_defaults, build_cases, check_positive, command_line, format_table, machine_info, parse_capacity,
-                    print_report, progress, provenance_lines, read_folder, upload)
+from common import (
+    BUCKET,
+    CREDENTIALS,
+    KIB,
+    Case,
+    Server,
+    add_cachepipe_options,
+    add_dataset_options,
+    add_server_option,
+    apply_defaults,
+    build_cases,
+    check_positive,
+    command_line,
+    format_table,
+    machine_info,
+    parse_capacity,
+    print_report,
+    progress,
+    provenance_lines,
+    read_folder,
+    upload,
+)
 
 BACKENDS = ("s3", "obs")
 DEFAULTS = {"folders": (16, 3), "video_mib": (8.0, 1.0), "small_folders": (40, 3), "small_files": (20, 4), "small_kib": (50, 8)}

@@ -51,9 +51,27 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from common import (MIB, Case, PeakSampler, Server, add_cachepipe_options, add_dataset_options, add_server_option,
-                    apply_defaults, build_cases, check_positive, command_line, format_table, machine_info, parse_capacity,
-                    print_report, progress, provenance_lines, read_folder, upload)
+from common import (
+    MIB,
+    Case,
+    PeakSampler,
+    Server,
+    add_cachepipe_options,
+    add_dataset_options,
+    add_server_option,
+    apply_defaults,
+    build_cases,
+    check_positive,
+    command_line,
+    format_table,
+    machine_info,
+    parse_capacity,
+    print_report,
+    progress,
+    provenance_lines,
+    read_folder,
+    upload,
+)
 
 METHODS = ("cachepipe", "sequential", "original")
 DEFAULTS = {"folders": (24, 4), "video_mib": (8.0, 1.0), "small_folders": (40, 4), "small_files": (20, 5), "small_kib": (50, 8)}

@@ -38,9 +38,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cachepipe.plan import Plan  # noqa: E402
-from cachepipe.retention import PlanFuture, belady_min, compulsory_bytes, make_policy, run  # noqa: E402
-from common import command_line, print_report  # noqa: E402
+from common import command_line, print_report
+
+from cachepipe.plan import Plan
+from cachepipe.retention import PlanFuture, belady_min, compulsory_bytes, make_policy, run
 
 MiB = 2**20
 

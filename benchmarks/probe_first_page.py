@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_link  # noqa: E402
-from seaweed import S3Server, signed_headers, weed_binary  # noqa: E402
+import bench_link
+from seaweed import S3Server, signed_headers, weed_binary
 
 
 def first_page_seconds(endpoint: str, prefix: str, max_keys: int) -> tuple[float, int]:

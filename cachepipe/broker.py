@@ -142,7 +142,7 @@ class Broker(Generic[T]):
             try:
                 while True:
                     if self._closed:
-                        raise Closed()
+                        raise Closed
                     now = time.monotonic()
                     next_expiry = self._expire(now)
                     if self._ready and (not self.ordered or self._ready[0][0] <= self._frontier or self._ready[0][0] in self._resolved):

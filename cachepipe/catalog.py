@@ -22,7 +22,7 @@ from typing import Literal, overload
 from .errors import UnsafeKeyError
 from .stores.base import ObjectInfo
 
-__all__ = ["Catalog", "FileEntry", "Item", "Names", "RESERVED_NAMES", "check_key", "group_items"]
+__all__ = ["RESERVED_NAMES", "Catalog", "FileEntry", "Item", "Names", "check_key", "group_items"]
 
 #: top-level names cachepipe keeps for itself inside the cache directory
 RESERVED_NAMES = frozenset({".cachepipe"})
@@ -243,8 +243,20 @@ class Catalog(Sequence[Item]):
         ValueError: an unknown ``mode``, or an item that does not fit (see :meth:`append`).
     """
 
-    __slots__ = ("mode", "_names", "_sizes", "_first_file", "_rels", "_file_sizes", "_etag_kinds",
-                 "_digests", "_etag_texts", "_suffix", "_last_key", "_sorted")
+    __slots__ = (
+        "_digests",
+        "_etag_kinds",
+        "_etag_texts",
+        "_file_sizes",
+        "_first_file",
+        "_last_key",
+        "_names",
+        "_rels",
+        "_sizes",
+        "_sorted",
+        "_suffix",
+        "mode",
+    )
 
     def __init__(self, items: Iterable[Item] = (), mode: Literal["folders", "files"] = "folders") -> None:
         if mode not in ("folders", "files"):

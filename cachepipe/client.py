@@ -39,7 +39,7 @@ from urllib.parse import quote, urlsplit
 from .errors import CachePipeError, UnknownItemError
 from .items import PathItem
 
-__all__ = ["Client", "ServedItem", "ServiceError", "DEFAULT_SOCKET", "default_socket"]
+__all__ = ["DEFAULT_SOCKET", "Client", "ServedItem", "ServiceError", "default_socket"]
 
 log = logging.getLogger("cachepipe.client")
 
@@ -80,7 +80,7 @@ class ServedItem(PathItem):
         pipeline: the name of the pipeline it came from.
     """
 
-    __slots__ = ("path", "name", "size", "files", "lease", "pipeline")
+    __slots__ = ("files", "lease", "name", "path", "pipeline", "size")
 
     def __init__(self, path: str | os.PathLike[str], name: str, lease: str, size: int = 0, files: tuple[str, ...] = (), pipeline: str = "") -> None:
         self.path = Path(path)

@@ -20,7 +20,7 @@ from .errors import is_transient
 from .stores import Store
 from .stores.base import ObjectInfo
 
-__all__ = ["StreamingListing", "FIRST_PAGE_OBJECTS", "QUEUE_ITEMS"]
+__all__ = ["FIRST_PAGE_OBJECTS", "QUEUE_ITEMS", "StreamingListing"]
 
 log = logging.getLogger("cachepipe")
 

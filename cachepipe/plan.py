@@ -55,8 +55,17 @@ from typing import Any, Literal, NamedTuple
 from .catalog import Item
 
 __all__ = [
-    "Cursor", "Step", "Plan", "GrowingPlan", "Frontier", "permutation", "split", "default_rank_world",
-    "default_worker", "tick", "EPOCHS_CACHED",
+    "EPOCHS_CACHED",
+    "Cursor",
+    "Frontier",
+    "GrowingPlan",
+    "Plan",
+    "Step",
+    "default_rank_world",
+    "default_worker",
+    "permutation",
+    "split",
+    "tick",
 ]
 
 STATE_VERSION = 1

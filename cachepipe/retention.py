@@ -50,11 +50,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from .plan import Plan, tick as plan_tick
+from .plan import Plan
+from .plan import tick as plan_tick
 
 __all__ = [
-    "NEVER", "NextUse", "is_placeholder", "SequenceFuture", "PlanFuture", "RetentionPolicy", "Belady", "LRU", "NoRetention",
-    "make_policy", "SimResult", "run", "simulate", "belady_min", "compulsory_bytes",
+    "LRU",
+    "NEVER",
+    "Belady",
+    "NextUse",
+    "NoRetention",
+    "PlanFuture",
+    "RetentionPolicy",
+    "SequenceFuture",
+    "SimResult",
+    "belady_min",
+    "compulsory_bytes",
+    "is_placeholder",
+    "make_policy",
+    "run",
+    "simulate",
 ]
 
 NEVER = (1 << 63) - 1  #: the next use of an item that is not read again

@@ -36,7 +36,7 @@ from typing import BinaryIO
 
 from .catalog import Catalog
 
-__all__ = ["Journal", "Replay", "StateCorrupt", "load", "save_catalog", "load_catalog", "EVENT_OVERHEAD"]
+__all__ = ["EVENT_OVERHEAD", "Journal", "Replay", "StateCorrupt", "load", "load_catalog", "save_catalog"]
 
 CATALOG_VERSION = 1
 EVENT_OVERHEAD = 48  # bytes per step besides 4 x the name: kinds, spaces, newlines, epoch and index numbers

@@ -19,10 +19,10 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "demo")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "demo")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
-import boto3  # noqa: E402
-from moto.server import ThreadedMotoServer  # noqa: E402
+import boto3
+from moto.server import ThreadedMotoServer
 
-from cachepipe import Pipeline  # noqa: E402
+from cachepipe import Pipeline
 
 FOLDERS = 48
 CAPACITY = "16MiB"

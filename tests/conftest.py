@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-
-import logging
 
 import pytest
 

@@ -17,12 +17,12 @@ changed. With ``ordered=False`` and eight consumers it is the only way to tell w
 hand-out belongs to.
 """
 
-import hashlib
 import faulthandler
+import hashlib
 import json
 import logging
-import signal
 import os
+import signal
 import sys
 import threading
 
@@ -81,8 +81,8 @@ def describe(exc: BaseException) -> str:
     return " <- ".join(parts).replace("\n", " | ")
 
 
-options = dict(epochs=cfg["epochs"], shuffle=True, seed=cfg["seed"], rank=0, world_size=1, ordered=False,
-               retain="auto", resume=True, auto_ack=False, max_concurrency=4, part_size="4KiB")
+options = {"epochs": cfg["epochs"], "shuffle": True, "seed": cfg["seed"], "rank": 0, "world_size": 1, "ordered": False,
+               "retain": "auto", "resume": True, "auto_ack": False, "max_concurrency": 4, "part_size": "4KiB"}
 options.update(cfg.get("pipeline", {}))
 stop = threading.Event()
 try:

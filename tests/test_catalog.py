@@ -10,7 +10,7 @@ def objs(*keys, size=1):
 
 
 @pytest.mark.parametrize(
-    "key, reason",
+    ("key", "reason"),
     [
         ("", "empty key"),
         ("/abs/x", "absolute"),

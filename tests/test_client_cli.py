@@ -18,7 +18,6 @@ from cachepipe.cli import EXIT_END, EXIT_REFUSED, EXIT_TIMEOUT, format_status
 from cachepipe.client import Client, ServedItem, ServiceError
 from cachepipe.service.testing import DaemonProcess
 
-
 KIB = 1024
 FILES = {"a.bin": KIB, "b.txt": 10}
 CLI = [sys.executable, "-m", "cachepipe.cli"]

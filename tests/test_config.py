@@ -5,7 +5,7 @@ from cachepipe.config import PipelineConfig, Share, parse_capacity, parse_size
 
 
 @pytest.mark.parametrize(
-    "text, expected",
+    ("text", "expected"),
     [
         (1, 1),
         (4096, 4096),
@@ -36,7 +36,7 @@ def test_bad_sizes_name_value_and_forms(bad):
     assert "50GiB" in message and "80%" in message
 
 
-@pytest.mark.parametrize("text, fraction", [("80%", 0.8), ("100%", 1.0), (" 5.5 %", 0.055)])
+@pytest.mark.parametrize(("text", "fraction"), [("80%", 0.8), ("100%", 1.0), (" 5.5 %", 0.055)])
 def test_share(text, fraction):
     share = parse_capacity(text)
     assert isinstance(share, Share) and share.fraction == pytest.approx(fraction)

@@ -11,9 +11,9 @@ import threading
 from pathlib import Path
 
 import pytest
+from sampling import Sampler
 
 from cachepipe import Pipeline
-from sampling import Sampler
 
 HERE = Path(__file__).parent
 KIB = 1024

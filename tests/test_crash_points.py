@@ -27,17 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from crashfs import KINDS, Crashed, CrashFs, Fault
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cachepipe import state
 from cachepipe.cache import Cache
 from cachepipe.catalog import Catalog
-from cachepipe.plan import tick
+from cachepipe.plan import Plan, tick
 from cachepipe.removal import tree_bytes
-from cachepipe.plan import Plan
 from cachepipe.retention import PlanFuture, make_policy
-from crashfs import KINDS, Crashed, CrashFs, Fault
 
 N_ITEMS = 4
 EPOCHS = 2
@@ -364,8 +363,9 @@ def test_kill_during_close_leaves_no_broken_item(tmp_path):
 def _leftovers(tmp_path: Path) -> tuple[Path, Path]:
     """A source of 20 items of 100 KiB, and a cache of 5.5 items' worth that a first pass left
     with items 2-6 published (items 0 and 1 acked, keep_on_close=True)."""
-    from cachepipe import Pipeline
     from waiting import wait_until
+
+    from cachepipe import Pipeline
 
     src, cache = tmp_path / "src", tmp_path / "cache"
     for i in range(20):

@@ -7,9 +7,9 @@ import os
 import subprocess
 
 import pytest
+from waiting import wait_until
 
 from cachepipe import Pipeline
-from waiting import wait_until
 
 KIB = 1024
 

@@ -13,7 +13,7 @@ def names(pipe):
 
 def test_epochs_shuffle_deterministic_and_new_order_each_epoch(s3_source, tmp_path):
     data = s3_source.folders(12, {"f": 100})
-    opts = dict(storage_options=s3_source.options, epochs=3, shuffle=True, seed=7, rank=0, world_size=1)
+    opts = {"storage_options": s3_source.options, "epochs": 3, "shuffle": True, "seed": 7, "rank": 0, "world_size": 1}
     with Pipeline(s3_source.url, tmp_path / "a", "1MiB", **opts) as pipe:
         first = names(pipe)
         stats = pipe.stats()
@@ -53,7 +53,7 @@ def test_rank_from_torchrun_environment(s3_source, tmp_path, monkeypatch):
 
 def test_state_dict_resumes_mid_epoch(s3_source, tmp_path):
     s3_source.folders(8, {"f": 10})
-    opts = dict(storage_options=s3_source.options, epochs=2, shuffle=True, seed=3, rank=0, world_size=1)
+    opts = {"storage_options": s3_source.options, "epochs": 2, "shuffle": True, "seed": 3, "rank": 0, "world_size": 1}
     with Pipeline(s3_source.url, tmp_path / "full", "1MiB", **opts) as pipe:
         full = names(pipe)
     with Pipeline(s3_source.url, tmp_path / "c", "1MiB", **opts) as pipe:
@@ -75,7 +75,7 @@ def test_state_dict_resumes_mid_epoch(s3_source, tmp_path):
 
 def test_journal_resume_continues_the_epoch_position(s3_source, tmp_path):
     s3_source.folders(6, {"f": 10})
-    opts = dict(storage_options=s3_source.options, epochs=2, shuffle=True, seed=9, rank=0, world_size=1, resume=True)
+    opts = {"storage_options": s3_source.options, "epochs": 2, "shuffle": True, "seed": 9, "rank": 0, "world_size": 1, "resume": True}
     with Pipeline(s3_source.url, tmp_path / "full", "1MiB", **{**opts, "resume": False}) as pipe:
         full = names(pipe)
     with Pipeline(s3_source.url, tmp_path / "c", "1MiB", **opts) as pipe:

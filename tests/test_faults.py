@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
-from cachepipe import ItemFailedError, Pipeline, StoreUnavailableError
 from conftest import via
 from waiting import wait_until
+
+from cachepipe import ItemFailedError, Pipeline, StoreUnavailableError
 
 KIB = 1024
 

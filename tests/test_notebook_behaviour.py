@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import tqdm.auto
+from waiting import wait_until
 
 from cachepipe import CacheLockedError, Pipeline, open_store
 from cachepipe.config import Share
-from waiting import wait_until
 
 KIB = 1024
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,10 +163,9 @@ def test_keyboard_interrupt_while_the_loop_waits_for_a_folder(remote_source, tmp
     presser = threading.Thread(target=press_stop, name="press-stop")
     presser.start()
     try:
-        with pytest.raises(KeyboardInterrupt):
-            with Pipeline(remote_source.url, cache, "1MiB", store=store) as pipe:
-                for _path in pipe:
-                    raise AssertionError("the loop body ran: the interrupt came too late")
+        with pytest.raises(KeyboardInterrupt), Pipeline(remote_source.url, cache, "1MiB", store=store) as pipe:
+            for _path in pipe:
+                raise AssertionError("the loop body ran: the interrupt came too late")
     finally:
         presser.join(30)
     assert problems == []

@@ -16,11 +16,11 @@ import pytest
 
 pytest.importorskip("obs")
 
-from obs.model import GetResult  # noqa: E402  (after the importorskip)
+from obs.model import GetResult
 
-from cachepipe.errors import ConfigError, StoreUnavailableError  # noqa: E402
-from cachepipe.stores.base import ObjectInfo, Store  # noqa: E402
-from cachepipe.stores.obs import CHUNK_SIZE, ObsServiceError, ObsStore  # noqa: E402
+from cachepipe.errors import ConfigError, StoreUnavailableError
+from cachepipe.stores.base import ObjectInfo, Store
+from cachepipe.stores.obs import CHUNK_SIZE, ObsServiceError, ObsStore
 
 BUCKET = "obs-test-bucket"
 SECRET = "sk-Very-Secret-0123456789"

@@ -10,6 +10,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from sampling import Sampler
+from waiting import wait_until
 
 from cachepipe import (
     CachedItem,
@@ -21,8 +23,6 @@ from cachepipe import (
     UnknownItemError,
 )
 from cachepipe.cache import tree_bytes
-from sampling import Sampler
-from waiting import wait_until
 
 KIB = 1024
 
@@ -54,7 +54,7 @@ def test_delivers_every_item_complete_and_in_order(source, tmp_path):
 
 
 # Items of 1 MiB or more are deleted by the reaper thread after an ack (cache.REAP_MIN_BYTES).
-@pytest.mark.parametrize("video_kib, folders, part_size", [(50, 24, "8KiB"), (1024, 8, "256KiB")], ids=["in-place", "reaped"])
+@pytest.mark.parametrize(("video_kib", "folders", "part_size"), [(50, 24, "8KiB"), (1024, 8, "256KiB")], ids=["in-place", "reaped"])
 def test_hard_cap_and_atomic_publish_sampled_during_run(source, tmp_path, video_kib, folders, part_size):
     data = source.folders(folders, {"video.mp4": video_kib * KIB, "a/b/c.txt": 3 * KIB})
     item_size = (video_kib + 3) * KIB

@@ -207,7 +207,7 @@ def test_state_is_json_and_names_the_next_position():
     assert list(plan) == []
 
 
-@pytest.mark.parametrize("change, key", [
+@pytest.mark.parametrize(("change", "key"), [
     ({"seed": 1}, "seed"), ({"epochs": 3}, "epochs"), ({"world_size": 2}, "world_size"), ({"rank": 1, "world_size": 2}, "world_size"),
     ({"shuffle": False}, "shuffle"), ({"num_workers": 2}, "num_workers"), ({"balance": "count"}, "balance"),
     ({"partition": "fixed"}, "partition"),
@@ -260,7 +260,7 @@ def test_frontier_is_the_first_unconsumed_step():
 
 
 # ---- arguments ---------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(("kwargs", "match"), [
     ({"epochs": 0}, "epochs 0"), ({"rank": 2, "world_size": 2}, "rank 2"), ({"rank": -1, "world_size": 2}, "rank -1"),
     ({"rank": 0, "world_size": 0}, "world_size 0"), ({"rank": 0}, "give both"), ({"worker": 3, "num_workers": 3}, "worker 3"),
     ({"balance": "items"}, "balance 'items'"), ({"partition": "x"}, "partition 'x'"), ({"seed": 1.5}, "seed 1.5"),
@@ -305,7 +305,7 @@ def test_plan_memory_for_a_million_items():
 
 
 # ---- rank and worker defaults ------------------------------------------------------------
-@pytest.mark.parametrize("env, expected", [
+@pytest.mark.parametrize(("env", "expected"), [
     ({}, (0, 1)), ({"RANK": "2", "WORLD_SIZE": "4"}, (2, 4)), ({"RANK": " 0 ", "WORLD_SIZE": "1"}, (0, 1)),
 ])
 def test_rank_world_from_the_environment(env, expected, monkeypatch):
@@ -313,7 +313,7 @@ def test_rank_world_from_the_environment(env, expected, monkeypatch):
     assert default_rank_world(env) == expected
 
 
-@pytest.mark.parametrize("env, match", [
+@pytest.mark.parametrize(("env", "match"), [
     ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x'"), ({"RANK": "1", "WORLD_SIZE": "two"}, "WORLD_SIZE='two'"),
     ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK 2"), ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK -1"),
     ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE 0"), ({"RANK": "1"}, "RANK='1' is set but WORLD_SIZE"),

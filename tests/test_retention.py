@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachepipe.plan import Plan
-from cachepipe.plan import tick
+from cachepipe.plan import Plan, tick
 from cachepipe.retention import (
-    LRU, NEVER, Belady, NoRetention, PlanFuture, SequenceFuture, belady_min, compulsory_bytes, is_placeholder,
-    make_policy, run, simulate,
+    LRU,
+    NEVER,
+    Belady,
+    NoRetention,
+    PlanFuture,
+    SequenceFuture,
+    belady_min,
+    compulsory_bytes,
+    is_placeholder,
+    make_policy,
+    run,
+    simulate,
 )
 
 FAST = settings(max_examples=100, deadline=None)
@@ -30,7 +39,7 @@ def workloads(draw, equal: bool):
 def brute_force_optimum(sequence, capacity):
     """Fewest misses for equal sizes (1 each): try every victim at every miss."""
 
-    @lru_cache(maxsize=None)
+    @cache
     def best(t, cache):
         if t == len(sequence):
             return 0

@@ -33,7 +33,6 @@ from cachepipe.service.logs import JournalFormatter
 from cachepipe.service.markers import acked_by
 from cachepipe.service.testing import DaemonExited, DaemonProcess
 
-
 ROOT = Path(__file__).resolve().parent.parent
 KIB = 1024
 FILES = {"a.bin": KIB, "b.txt": 10}

@@ -38,10 +38,11 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-from cachepipe import state as journal_state
 from sampling import Sampler
 from test_disk_faults import tmpfs
 from waiting import wait_until
+
+from cachepipe import state as journal_state
 
 HERE = Path(__file__).parent
 KIB = 1024

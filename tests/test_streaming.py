@@ -13,12 +13,12 @@ from collections.abc import Iterator
 import fsspec
 import pytest
 import tqdm.auto
+from waiting import wait_until
 
 from cachepipe import ConfigError, EmptySourceError, OversizeError, Pipeline
 from cachepipe.listing import FIRST_PAGE_OBJECTS
 from cachepipe.stores.base import ObjectInfo
 from cachepipe.stores.fsspec import FsspecStore
-from waiting import wait_until
 
 ROOT = "memory://stream/data"
 
@@ -113,10 +113,9 @@ def test_oversize_item_after_the_first_page_fails_in_its_turn(memory_data, tmp_p
     memory_data.pipe_file(f"/stream/data/item{FIRST_PAGE_OBJECTS + 5:05d}/f", b"x" * 300_000)
     store = GatedStore(gate_after=10**9)
     delivered = []
-    with Pipeline(ROOT, tmp_path / "c", "256KiB", store=store) as pipe:
-        with pytest.raises(OversizeError, match="300000 bytes"):
-            for p in pipe:
-                delivered.append(p.name)
+    with Pipeline(ROOT, tmp_path / "c", "256KiB", store=store) as pipe, pytest.raises(OversizeError, match="300000 bytes"):
+        for p in pipe:
+            delivered.append(p.name)
     assert len(delivered) == FIRST_PAGE_OBJECTS + 5  # everything before it, in order
 
 

@@ -75,7 +75,7 @@ def test_workers_need_a_transform(s3_source, tmp_path, num_workers):
 
 def test_dataset_state_dict_resumes_mid_epoch(s3_source, tmp_path):
     s3_source.folders(6, {"f": 10})
-    opts = dict(storage_options=s3_source.options, rank=0, world_size=1, epochs=2, shuffle=True, seed=8)
+    opts = {"storage_options": s3_source.options, "rank": 0, "world_size": 1, "epochs": 2, "shuffle": True, "seed": 8}
     full = [p.name for p in CachePipeDataset(s3_source.url, tmp_path / "a", "1MiB", **opts)]
     ds = CachePipeDataset(s3_source.url, tmp_path / "b", "1MiB", **opts)
     it = iter(ds)

@@ -364,7 +364,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             data = json.loads(raw)
         except RecursionError:
-            raise BadRequest("request body is nested too deeply: expected a JSON object like {\"timeout\": 5}") from None
+            raise BadRequest('request body is nested too deeply: expected a JSON object like {"timeout": 5}') from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise BadRequest(f"request body is not JSON: {exc}") from None
         if not isinstance(data, dict):

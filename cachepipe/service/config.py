@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import tomllib
 import yaml
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -32,7 +32,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from ..config import PipelineConfig
 from ..errors import ConfigError
 
-__all__ = ["ServiceConfig", "load_config", "read_config_file", "pipeline_options", "ENV_PREFIX", "DEFAULT_SOCKET", "PIPELINE_DEFAULTS"]
+__all__ = ["DEFAULT_SOCKET", "ENV_PREFIX", "PIPELINE_DEFAULTS", "ServiceConfig", "load_config", "pipeline_options", "read_config_file"]
 
 ENV_PREFIX = "CACHEPIPE_"
 DEFAULT_SOCKET = Path("/run/cachepipe/cachepipe.sock")

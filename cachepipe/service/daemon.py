@@ -32,7 +32,7 @@ from .logs import set_level
 from .markers import HandOuts, MarkerWatcher
 from .metrics import Metrics, Snapshot, leased
 
-__all__ = ["Daemon", "UnknownPipelineError", "UnavailableError"]  # the errors live in .errors; re-exported
+__all__ = ["Daemon", "UnavailableError", "UnknownPipelineError"]  # the errors live in .errors; re-exported
 
 log = logging.getLogger("cachepipe.service")
 

@@ -37,7 +37,7 @@ from .daemon import Daemon
 from .logs import setup_logging
 from .notify import Notifier
 
-__all__ = ["serve", "check", "EX_CONFIG"]
+__all__ = ["EX_CONFIG", "check", "serve"]
 
 log = logging.getLogger("cachepipe.service")
 
@@ -84,7 +84,7 @@ def _run(config_path: Path, config: Any, notifier: Notifier) -> int:
             events.put("reload")
         elif phase[0] == "starting":
             phase[0] = "stopping"
-            raise _Interrupted()
+            raise _Interrupted
         else:
             events.put("stop")
 

@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 
 from ..pipeline import Stats
 
-__all__ = ["Metrics", "Snapshot", "CONTENT_TYPE"]
+__all__ = ["CONTENT_TYPE", "Metrics", "Snapshot"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["DaemonProcess", "DaemonExited"]
+__all__ = ["DaemonExited", "DaemonProcess"]
 
 
 class DaemonExited(RuntimeError):

@@ -48,7 +48,7 @@ from urllib.parse import urlsplit
 from cachepipe.errors import ConfigError, StoreUnavailableError
 from cachepipe.stores.base import ObjectInfo
 
-__all__ = ["ObsStore", "ObsServiceError", "CHUNK_SIZE", "MAX_PAGE_SIZE"]
+__all__ = ["CHUNK_SIZE", "MAX_PAGE_SIZE", "ObsServiceError", "ObsStore"]
 
 CHUNK_SIZE = 1 << 20
 """Bytes read from a response body and written to ``out`` at a time (1 MiB)."""

@@ -200,7 +200,7 @@ class DirectGet:
                 return None
             credentials = get_credentials()
             if credentials is None:
-                raise NoCredentialsError()
+                raise NoCredentialsError
             signer = S3SigV4Auth(await credentials.get_frozen_credentials(), "s3", found.region)
             refresh_needed = getattr(credentials, "refresh_needed", None)
         else:
