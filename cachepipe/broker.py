@@ -145,7 +145,9 @@ class Broker(Generic[T]):
                         raise Closed
                     now = time.monotonic()
                     next_expiry = self._expire(now)
-                    if self._ready and (not self.ordered or self._ready[0][0] <= self._frontier or self._ready[0][0] in self._resolved):
+                    if self._ready and (
+                        not self.ordered or self._ready[0][0] <= self._frontier or self._ready[0][0] in self._resolved
+                    ):
                         seq, name, value = heapq.heappop(self._ready)
                         if seq >= self._frontier and seq not in self._resolved:
                             self._fresh -= 1

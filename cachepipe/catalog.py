@@ -308,7 +308,9 @@ class Catalog(Sequence[Item]):
         for f in item.files:
             expected = f"{item.name}/{f.rel}" if f.rel else item.name
             if f.key != expected:
-                raise ValueError(f"file key {f.key!r} of item {item.name!r}: expected {expected!r} (keys are derived from the name and rel)")
+                raise ValueError(
+                    f"file key {f.key!r} of item {item.name!r}: expected {expected!r} (keys are derived from the name and rel)"
+                )
         self._extend([(item.name, item.size, [(f.rel, f.size, f.etag) for f in item.files])])
 
     def add(self, name: str, files: Iterable[tuple[str, int, str | None]]) -> None:
@@ -327,7 +329,13 @@ class Catalog(Sequence[Item]):
         suffix, last_key, ordered = self._suffix, self._last_key, self._sorted
         names, rels, texts = self._names, self._rels, self._etag_texts
         name_data, name_offsets, rel_data, rel_offsets = names.data, names.offsets, rels.data, rels.offsets
-        sizes, first_file, file_sizes, kinds, digests = self._sizes, self._first_file, self._file_sizes, self._etag_kinds, self._digests
+        sizes, first_file, file_sizes, kinds, digests = (
+            self._sizes,
+            self._first_file,
+            self._file_sizes,
+            self._etag_kinds,
+            self._digests,
+        )
         try:
             for name, size, files in entries:
                 # Checked before anything of the item is stored: a bad one leaves the catalog as it was.
@@ -335,14 +343,22 @@ class Catalog(Sequence[Item]):
                     raise TypeError(f"item name {name!r}: expected a str")
                 total = 0
                 for rel, file_size, etag in files:
-                    if not isinstance(rel, str) or not isinstance(file_size, int) or isinstance(file_size, bool) \
-                            or not (etag is None or isinstance(etag, str)):
-                        raise TypeError(f"file {(rel, file_size, etag)!r} of item {name!r}: expected (rel: str, size: int, etag: str or None)")
+                    if (
+                        not isinstance(rel, str)
+                        or not isinstance(file_size, int)
+                        or isinstance(file_size, bool)
+                        or not (etag is None or isinstance(etag, str))
+                    ):
+                        raise TypeError(
+                            f"file {(rel, file_size, etag)!r} of item {name!r}: expected (rel: str, size: int, etag: str or None)"
+                        )
                     if not 0 <= file_size <= _MAX_SIZE:
                         raise ValueError(f"file {rel!r} of item {name!r}: size {file_size} bytes, expected 0 to {_MAX_SIZE}")
                     total += file_size
                 if files_mode and (len(files) != 1 or files[0][0] != ""):
-                    raise ValueError(f"item {name!r} has files {[f[0] for f in files]!r}: a single-file item has one, with rel ''")
+                    raise ValueError(
+                        f"item {name!r} has files {[f[0] for f in files]!r}: a single-file item has one, with rel ''"
+                    )
                 if size is None:
                     size = total
                 if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= _MAX_SIZE:
@@ -431,8 +447,14 @@ class Catalog(Sequence[Item]):
     def nbytes(self) -> int:
         """Bytes held by the columns (buffers and arrays, without their over-allocation)."""
         arrays = (self._sizes, self._first_file, self._file_sizes)
-        return (self._names.nbytes + self._rels.nbytes + self._etag_texts.nbytes + len(self._etag_kinds)
-                + len(self._digests) + sum(a.itemsize * len(a) for a in arrays))
+        return (
+            self._names.nbytes
+            + self._rels.nbytes
+            + self._etag_texts.nbytes
+            + len(self._etag_kinds)
+            + len(self._digests)
+            + sum(a.itemsize * len(a) for a in arrays)
+        )
 
     def find(self, name: str) -> int:
         """The position of the item called ``name``, or -1. A binary search when the names were

@@ -82,7 +82,9 @@ class ServedItem(PathItem):
 
     __slots__ = ("files", "lease", "name", "path", "pipeline", "size")
 
-    def __init__(self, path: str | os.PathLike[str], name: str, lease: str, size: int = 0, files: tuple[str, ...] = (), pipeline: str = "") -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], name: str, lease: str, size: int = 0, files: tuple[str, ...] = (), pipeline: str = ""
+    ) -> None:
         self.path = Path(path)
         self.name = name
         self.lease = lease
@@ -92,10 +94,19 @@ class ServedItem(PathItem):
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ServedItem:
-        return cls(data["path"], data["name"], data["lease"], data.get("size", 0), tuple(data.get("files", ())), data.get("pipeline", ""))
+        return cls(
+            data["path"], data["name"], data["lease"], data.get("size", 0), tuple(data.get("files", ())), data.get("pipeline", "")
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"pipeline": self.pipeline, "name": self.name, "path": str(self.path), "lease": self.lease, "size": self.size, "files": list(self.files)}
+        return {
+            "pipeline": self.pipeline,
+            "name": self.name,
+            "path": str(self.path),
+            "lease": self.lease,
+            "size": self.size,
+            "files": list(self.files),
+        }
 
     def __repr__(self) -> str:
         return f"ServedItem({str(self.path)!r}, lease={self.lease!r})"
@@ -348,7 +359,9 @@ class Client:
                     data = response.read()
                 except TimeoutError as exc:
                     self._drop()
-                    raise TimeoutError(f"the cachepipe daemon at {self.address} did not answer {method} {path} within {timeout:g} s") from exc
+                    raise TimeoutError(
+                        f"the cachepipe daemon at {self.address} did not answer {method} {path} within {timeout:g} s"
+                    ) from exc
                 except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
                     self._drop()
                     if fresh or attempt:

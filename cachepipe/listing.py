@@ -138,7 +138,9 @@ class StreamingListing:
                         raise
                     delay = self._backoff(attempt)
                     attempt += 1
-                    log.warning("listing %s failed, retry %d/%d in %.2fs: %s", self._store.url, attempt, self._retries, delay, exc)
+                    log.warning(
+                        "listing %s failed, retry %d/%d in %.2fs: %s", self._store.url, attempt, self._retries, delay, exc
+                    )
                     if self._stop.wait(delay):
                         return
         except BaseException as exc:

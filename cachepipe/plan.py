@@ -119,7 +119,9 @@ def permutation(n: int, seed: int, epoch: int) -> array:
     return order
 
 
-def split(order: Sequence[int], sizes: Sequence[int], parts: int, part: int, balance: Literal["bytes", "count"] = "bytes") -> array:
+def split(
+    order: Sequence[int], sizes: Sequence[int], parts: int, part: int, balance: Literal["bytes", "count"] = "bytes"
+) -> array:
     """The subsequence of ``order`` that belongs to ``part`` of ``parts`` (see the module notes)."""
     if parts == 1:
         return array("I", order)
@@ -323,7 +325,14 @@ class Plan:
             ValueError: a negative position, or an index beyond the end of its epoch's share.
         """
         epoch, index = cursor
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or isinstance(index, bool) or not isinstance(index, int) or epoch < 0 or index < 0:
+        if (
+            isinstance(epoch, bool)
+            or not isinstance(epoch, int)
+            or isinstance(index, bool)
+            or not isinstance(index, int)
+            or epoch < 0
+            or index < 0
+        ):
             raise ValueError(f"position {tuple(cursor)!r}: expected (epoch, index) of integers >= 0")
         if self.done(epoch):
             if (epoch, index) != (self.epochs, 0):
@@ -371,10 +380,18 @@ class Plan:
 
     def _config(self) -> dict[str, Any]:
         return {
-            "version": STATE_VERSION, "n_items": self.n_items, "sizes_digest": self.sizes_digest(),
-            "epochs": self.epochs, "shuffle": self.shuffle, "seed": self.seed,
-            "world_size": self.world_size, "rank": self.rank, "num_workers": self.num_workers,
-            "worker": self.worker, "balance": self.balance, "partition": self.partition,
+            "version": STATE_VERSION,
+            "n_items": self.n_items,
+            "sizes_digest": self.sizes_digest(),
+            "epochs": self.epochs,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "num_workers": self.num_workers,
+            "worker": self.worker,
+            "balance": self.balance,
+            "partition": self.partition,
         }
 
     def state_dict(self, consumed: Step | Cursor | tuple[int, ...] | None = None) -> dict[str, Any]:
@@ -400,10 +417,14 @@ class Plan:
         if state["n_items"] is None and "listed" in state:  # saved while the listing streamed (GrowingPlan)
             listed = state["listed"]
             if not isinstance(listed, int) or not 0 <= listed <= self.n_items:
-                raise ValueError(f"plan state was saved after {listed!r} listed items, this plan has {self.n_items} items: cannot resume")
+                raise ValueError(
+                    f"plan state was saved after {listed!r} listed items, this plan has {self.n_items} items: cannot resume"
+                )
             digest = hashlib.blake2b(self.sizes[:listed].tobytes(), digest_size=16).hexdigest()
             if digest != state["listed_digest"]:
-                raise ValueError(f"plan state was saved with other sizes of the first {listed} items than this plan's: cannot resume")
+                raise ValueError(
+                    f"plan state was saved with other sizes of the first {listed} items than this plan's: cannot resume"
+                )
             mine = {k: v for k, v in mine.items() if k not in ("n_items", "sizes_digest")}
         for key, value in mine.items():
             if state[key] != value:
@@ -462,7 +483,13 @@ class GrowingPlan:
         if self._full is not None:
             return self._full._config()
         config = Plan([], epochs=1, seed=self.seed, rank=0, world_size=1)._config()
-        return {**config, "n_items": None, "sizes_digest": None, "listed": len(self.sizes), "listed_digest": self._hash.hexdigest()}
+        return {
+            **config,
+            "n_items": None,
+            "sizes_digest": None,
+            "listed": len(self.sizes),
+            "listed_digest": self._hash.hexdigest(),
+        }
 
 
 class Frontier:
@@ -515,4 +542,3 @@ class Frontier:
     def state_dict(self) -> dict[str, Any]:
         """The plan's state at the first unconsumed step."""
         return {**self.plan._config(), "epoch": self.position.epoch, "index": self.position.index}
-

@@ -471,7 +471,9 @@ class Belady(RetentionPolicy):
 _POLICIES: dict[str, type[RetentionPolicy]] = {"auto": Belady, "belady": Belady, "lru": LRU, "none": NoRetention}
 
 
-def make_policy(name: Literal["auto", "belady", "lru", "none"], sizes: Sequence[int], future: NextUse | None = None, *, reserve: int = 0) -> RetentionPolicy:
+def make_policy(
+    name: Literal["auto", "belady", "lru", "none"], sizes: Sequence[int], future: NextUse | None = None, *, reserve: int = 0
+) -> RetentionPolicy:
     """A policy by name (``"auto"`` is ``"belady"``).
 
     Raises:
@@ -503,8 +505,14 @@ class SimResult:
 
 
 def run(
-    policy: str | RetentionPolicy, sequence: Sequence[int], sizes: Sequence[int], capacity: int, *,
-    prefetch: int | None = None, reserve: int = 0, ticks: Sequence[int] | None = None,
+    policy: str | RetentionPolicy,
+    sequence: Sequence[int],
+    sizes: Sequence[int],
+    capacity: int,
+    *,
+    prefetch: int | None = None,
+    reserve: int = 0,
+    ticks: Sequence[int] | None = None,
 ) -> SimResult:
     """Replay ``sequence`` through a cache of ``capacity`` bytes run by ``policy`` (a name, or
     an instance whose future uses the same ticks: positions, or ``ticks`` if given, e.g. the
@@ -554,8 +562,13 @@ def run(
 
 
 def simulate(
-    policy: str | RetentionPolicy, sequence: Sequence[int], sizes: Sequence[int], capacity: int, *,
-    prefetch: int | None = None, reserve: int = 0,
+    policy: str | RetentionPolicy,
+    sequence: Sequence[int],
+    sizes: Sequence[int],
+    capacity: int,
+    *,
+    prefetch: int | None = None,
+    reserve: int = 0,
 ) -> int:
     """Bytes downloaded by :func:`run`."""
     return run(policy, sequence, sizes, capacity, prefetch=prefetch, reserve=reserve).bytes

@@ -45,8 +45,14 @@ class CachePipeDataset(torch.utils.data.IterableDataset):
             ``num_workers`` are set from the DataLoader.
     """
 
-    def __init__(self, source: str, cache_dir: str | os.PathLike[str], capacity: int | str,
-                 transform: Callable[[CachedItem], Any] | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        source: str,
+        cache_dir: str | os.PathLike[str],
+        capacity: int | str,
+        transform: Callable[[CachedItem], Any] | None = None,
+        **options: Any,
+    ) -> None:
         super().__init__()
         self._state: dict[str, Any] | None = None  # where the next iteration starts (load_state_dict)
         self._pipe: Pipeline | None = None  # the pipeline iterating in this process, if any

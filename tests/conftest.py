@@ -110,7 +110,9 @@ class Source:
 def _s3_source(s3_client, s3_options) -> Source:
     s3_client.create_bucket(Bucket="data")
     return Source(
-        "s3", "s3://data/video/", s3_options,
+        "s3",
+        "s3://data/video/",
+        s3_options,
         lambda k, d: s3_client.put_object(Bucket="data", Key=f"video/{k}", Body=d),
         lambda k: s3_client.delete_object(Bucket="data", Key=f"video/{k}"),
     )
@@ -134,7 +136,13 @@ def _memory_source() -> Source:
     fs.store.clear()
     fs.pseudo_dirs.clear()
     fs.pseudo_dirs.append("")
-    return Source("memory", "memory://data/video", {}, lambda k, d: fs.pipe_file(f"/data/video/{k}", d), lambda k: fs.rm_file(f"/data/video/{k}"))
+    return Source(
+        "memory",
+        "memory://data/video",
+        {},
+        lambda k, d: fs.pipe_file(f"/data/video/{k}", d),
+        lambda k: fs.rm_file(f"/data/video/{k}"),
+    )
 
 
 def _obs_source(s3_client, s3_endpoint) -> Source:

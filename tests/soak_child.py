@@ -81,8 +81,19 @@ def describe(exc: BaseException) -> str:
     return " <- ".join(parts).replace("\n", " | ")
 
 
-options = {"epochs": cfg["epochs"], "shuffle": True, "seed": cfg["seed"], "rank": 0, "world_size": 1, "ordered": False,
-               "retain": "auto", "resume": True, "auto_ack": False, "max_concurrency": 4, "part_size": "4KiB"}
+options = {
+    "epochs": cfg["epochs"],
+    "shuffle": True,
+    "seed": cfg["seed"],
+    "rank": 0,
+    "world_size": 1,
+    "ordered": False,
+    "retain": "auto",
+    "resume": True,
+    "auto_ack": False,
+    "max_concurrency": 4,
+    "part_size": "4KiB",
+}
 options.update(cfg.get("pipeline", {}))
 stop = threading.Event()
 try:

@@ -27,7 +27,9 @@ def test_sizes(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["10X", -1, 0, "abc", "", "0", "-5M", "1.2.3G", True, None, float("nan"), float("inf"), [1], "GiB"])
+@pytest.mark.parametrize(
+    "bad", ["10X", -1, 0, "abc", "", "0", "-5M", "1.2.3G", True, None, float("nan"), float("inf"), [1], "GiB"]
+)
 def test_bad_sizes_name_value_and_forms(bad):
     with pytest.raises(ValueError) as info:
         parse_capacity(bad)
@@ -53,7 +55,14 @@ def test_config_rejects_bad_values_with_field_names(tmp_path):
         PipelineConfig(source="s3://b/p", cache_dir=tmp_path, capacity="10X")
     assert "capacity" in str(info.value) and "'10X'" in str(info.value)
     assert isinstance(info.value, ValueError)
-    for field, value in [("items", "dirs"), ("on_error", "ignore"), ("max_concurrency", 0), ("prefetch", 0), ("part_size", "1Q"), ("retries", -1)]:
+    for field, value in [
+        ("items", "dirs"),
+        ("on_error", "ignore"),
+        ("max_concurrency", 0),
+        ("prefetch", 0),
+        ("part_size", "1Q"),
+        ("retries", -1),
+    ]:
         with pytest.raises(ValidationError) as info:
             PipelineConfig(source="s3://b/p", cache_dir=tmp_path, capacity="1G", **{field: value})
         assert field in str(info.value)

@@ -261,6 +261,7 @@ def test_zz_report_totals(capsys):
 
 # ---- one test per finding of the crash-safety review (each failed on the code before its fix) ----
 
+
 def _published_and_acked(root: Path) -> state.Replay:
     return state.load(root / ".cachepipe" / "journal")
 

@@ -159,7 +159,11 @@ def test_file_level_errors(tmp_path):
 
 
 def test_toml(tmp_path):
-    path = write(tmp_path, f'log_level = "warning"\n[pipelines.train]\nsource = "s3://b/"\ncache_dir = "{tmp_path}/c"\ncapacity = "2GiB"\n', "c.toml")
+    path = write(
+        tmp_path,
+        f'log_level = "warning"\n[pipelines.train]\nsource = "s3://b/"\ncache_dir = "{tmp_path}/c"\ncapacity = "2GiB"\n',
+        "c.toml",
+    )
     cfg = load_config(path)
     assert cfg.log_level == "warning" and cfg.pipelines["train"].capacity == 2 * 1024**3
     with pytest.raises(ConfigError, match="invalid TOML"):
@@ -182,5 +186,10 @@ def test_serve_refuses_a_bad_config_with_exit_status_78(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "cachepipe.cli", *args], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 78, proc.stderr
         assert "pipelines.train.capacity = '10X'" in proc.stderr
-    ok = subprocess.run([sys.executable, "-m", "cachepipe.cli", "serve", "--check", "--config", str(EXAMPLE)], capture_output=True, text=True, timeout=60)
+    ok = subprocess.run(
+        [sys.executable, "-m", "cachepipe.cli", "serve", "--check", "--config", str(EXAMPLE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert ok.returncode == 0 and "valid" in ok.stdout, ok.stderr

@@ -35,7 +35,15 @@ def test_enospc_frees_staging_backs_off_and_recovers(s3_source, tmp_path):
         tenant.write_bytes(b"t" * (220 * KIB))  # the shared disk is nearly full
         got = {}
         # the capacity fits the disk, but another tenant has taken most of it for now
-        with Pipeline(s3_source.url, disk / "cache", "200KiB", storage_options=s3_source.options, retry_backoff=0.05, retry_backoff_max=0.2, retries=100) as pipe:
+        with Pipeline(
+            s3_source.url,
+            disk / "cache",
+            "200KiB",
+            storage_options=s3_source.options,
+            retry_backoff=0.05,
+            retry_backoff_max=0.2,
+            retries=100,
+        ) as pipe:
             wait_until(lambda: pipe.stats().disk_errors >= 2)
             assert pipe.stats().items_ready == 0  # nothing partial was published
             staging = disk / "cache" / ".cachepipe" / "staging"
@@ -91,7 +99,10 @@ def test_an_item_that_cannot_be_deleted_stays_counted_and_the_rest_flows(s3_sour
     cache = tmp_path / "cache"
     capacity = 3 * size + 16 * KIB  # three items and the state budget
     got = []
-    with Sampler(cache) as sampler, Pipeline(s3_source.url, cache, capacity, storage_options=s3_source.options, auto_ack=False) as pipe:
+    with (
+        Sampler(cache) as sampler,
+        Pipeline(s3_source.url, cache, capacity, storage_options=s3_source.options, auto_ack=False) as pipe,
+    ):
         first = pipe.get(timeout=30)
         with immutable(first.path / "f", lambda: (cache / ".cachepipe" / "staging").glob("x*/f")):
             pipe.ack(first)  # moved aside at once; the reaper's unlink then fails

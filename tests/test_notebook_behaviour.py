@@ -119,7 +119,9 @@ def test_keyboard_interrupt_in_the_loop_body_stops_downloads_and_leaves_no_stagi
     cache = tmp_path / "cache"
     store = GatedStore(open_store(remote_source.url, remote_source.options), hold="item002/")
     with pytest.raises(KeyboardInterrupt):
-        with Pipeline(remote_source.url, cache, capacity=5 * 257 * KIB, store=store, part_size="64KiB", max_concurrency=4) as pipe:
+        with Pipeline(
+            remote_source.url, cache, capacity=5 * 257 * KIB, store=store, part_size="64KiB", max_concurrency=4
+        ) as pipe:
             for _path in pipe:
                 assert store.held.wait(10), "item002 never started downloading"
                 assert os.listdir(cache / ".cachepipe" / "staging"), "nothing in flight to clean up"
@@ -142,7 +144,10 @@ def _blocked_in_take(thread_id: int) -> bool:
 
 def test_keyboard_interrupt_while_the_loop_waits_for_a_folder(remote_source, tmp_path):
     """The stop button pressed while the first folder is still downloading: SIGINT to the main thread."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         pytest.skip("needs Python's default SIGINT handler in the main thread")
     remote_source.folders(3, FOLDER)
     cache = tmp_path / "cache"
@@ -191,7 +196,9 @@ def test_no_signal_handlers_and_a_pipeline_works_in_a_worker_thread(remote_sourc
 
     def worker() -> None:  # e.g. a DataLoader-style prefetch thread, or ipywidgets' callbacks
         try:
-            with Pipeline(remote_source.url, tmp_path / "worker", "1MiB", storage_options=remote_source.options, progress=True) as p:
+            with Pipeline(
+                remote_source.url, tmp_path / "worker", "1MiB", storage_options=remote_source.options, progress=True
+            ) as p:
                 result["names"] = [path.name for path in p]
                 result["stats"] = p.stats()
         except BaseException as exc:
@@ -228,7 +235,10 @@ def test_capacity_80_percent_resolves_against_free_space(remote_source, tmp_path
 def test_bench_obs_vs_s3_quick_smoke():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_obs_vs_s3.py"), "--quick", "--json"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)

@@ -486,7 +486,8 @@ def test_incomplete_credentials_are_refused_without_echoing_them(s3_endpoint: st
 
 
 @pytest.mark.parametrize(
-    "url", ["s3://b/p/", "obs:///p/", "obs://AK:SK@b/p/", "obs://b/p/?x=1", "b/p"],
+    "url",
+    ["s3://b/p/", "obs:///p/", "obs://AK:SK@b/p/", "obs://b/p/?x=1", "b/p"],
 )
 def test_bad_urls(url: str, s3_endpoint: str) -> None:
     with pytest.raises(ValueError) as info:

@@ -130,9 +130,14 @@ def test_a_listing_that_stops_after_the_first_page_is_raised_also_with_on_error_
         _put(memory_data, FIRST_PAGE_OBJECTS + 30)
     if fault == "oversize":
         memory_data.pipe_file(f"/stream/data/item{FIRST_PAGE_OBJECTS + 10:05d}/f", b"x" * 300_000)
-    store = GatedStore(gate_after=FIRST_PAGE_OBJECTS + 1, fail_after=FIRST_PAGE_OBJECTS + 10 if fault == "listing error" else None)
-    expected, match = {"listing error": (ConnectionError, "injected"), "oversize": (OversizeError, "300000 bytes"),
-                       "no items": (EmptySourceError, "found no folders with objects")}[fault]
+    store = GatedStore(
+        gate_after=FIRST_PAGE_OBJECTS + 1, fail_after=FIRST_PAGE_OBJECTS + 10 if fault == "listing error" else None
+    )
+    expected, match = {
+        "listing error": (ConnectionError, "injected"),
+        "oversize": (OversizeError, "300000 bytes"),
+        "no items": (EmptySourceError, "found no folders with objects"),
+    }[fault]
     delivered = []
     with Pipeline(ROOT, tmp_path / "c", "256KiB", store=store, retries=0, on_error="skip") as pipe:
         store.gate.set()  # the listing goes on (and stops) after open() returned

@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch is not installed (make test installs torch==2.13.0 where the CPU wheel is available)")
+torch = pytest.importorskip(
+    "torch", reason="PyTorch is not installed (make test installs torch==2.13.0 where the CPU wheel is available)"
+)
 
 from cachepipe.torch import CachePipeDataset  # noqa: E402
 
@@ -37,8 +39,13 @@ def test_two_ranks_by_two_workers_see_every_item_once_per_epoch(s3_source, tmp_p
     digests = {name: hashlib.md5(files["f"]).hexdigest() for name, files in data.items()}
     cfg = {"url": s3_source.url, "cache": str(tmp_path / "cache"), "options": s3_source.options}
     procs = [
-        subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2"})
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT, json.dumps(cfg)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2"},
+        )
         for rank in range(2)
     ]
     outputs = []

@@ -32,7 +32,15 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from ..config import PipelineConfig
 from ..errors import ConfigError
 
-__all__ = ["DEFAULT_SOCKET", "ENV_PREFIX", "PIPELINE_DEFAULTS", "ServiceConfig", "load_config", "pipeline_options", "read_config_file"]
+__all__ = [
+    "DEFAULT_SOCKET",
+    "ENV_PREFIX",
+    "PIPELINE_DEFAULTS",
+    "ServiceConfig",
+    "load_config",
+    "pipeline_options",
+    "read_config_file",
+]
 
 ENV_PREFIX = "CACHEPIPE_"
 DEFAULT_SOCKET = Path("/run/cachepipe/cachepipe.sock")
@@ -147,7 +155,9 @@ class ServiceConfig(BaseSettings):
         if not self.socket.is_absolute():
             raise ValueError(f"socket {str(self.socket)!r}: expected an absolute path")
         if len(os.fsencode(self.socket)) > SOCKET_PATH_MAX:
-            raise ValueError(f"socket {str(self.socket)!r}: expected a path of at most {SOCKET_PATH_MAX} bytes (a Unix socket limit)")
+            raise ValueError(
+                f"socket {str(self.socket)!r}: expected a path of at most {SOCKET_PATH_MAX} bytes (a Unix socket limit)"
+            )
         roots: dict[str, Path] = {}
         for name, cfg in self.pipelines.items():
             root = Path(os.path.normpath(cfg.cache_dir))
@@ -160,7 +170,9 @@ class ServiceConfig(BaseSettings):
                         f"{str(other_root)!r}: expected a separate directory per pipeline"
                     )
             if root in self.socket.parents:
-                raise ValueError(f"socket {str(self.socket)!r} is inside pipelines.{name}.cache_dir: expected a path outside every cache")
+                raise ValueError(
+                    f"socket {str(self.socket)!r} is inside pipelines.{name}.cache_dir: expected a path outside every cache"
+                )
             roots[name] = root
         return self
 
@@ -237,7 +249,9 @@ def load_config(path: str | os.PathLike[str], *, environ: dict[str, str] | None 
     data = read_config_file(path)
     bad_keys = [k for k in data if not isinstance(k, str) or k.startswith("_")]
     if bad_keys:
-        raise ConfigError(f"invalid configuration in {str(path)!r}:\n  {bad_keys[0]!r}: unknown key; expected one of: {_known(())}")
+        raise ConfigError(
+            f"invalid configuration in {str(path)!r}:\n  {bad_keys[0]!r}: unknown key; expected one of: {_known(())}"
+        )
     try:
         return ServiceConfig(**data)
     except ValidationError as exc:

@@ -164,7 +164,9 @@ class Daemon:
             changes: list[str] = []
             fixed = {f: getattr(old, f) for f in ("socket", "tcp_port", "tcp_host") if getattr(old, f) != getattr(new, f)}
             for field in fixed:
-                log.warning("reload: %s changed from %r to %r; this takes a restart", field, getattr(old, field), getattr(new, field))
+                log.warning(
+                    "reload: %s changed from %r to %r; this takes a restart", field, getattr(old, field), getattr(new, field)
+                )
             if fixed:
                 new = new.model_copy(update=fixed)
             if (new.socket_mode, new.socket_group) != (old.socket_mode, old.socket_group):
@@ -194,7 +196,11 @@ class Daemon:
                 entry = current.get(name)
                 if entry is not None and entry.config == cfg and entry.pipeline is not None:
                     continue
-                if entry is not None and entry.pipeline is not None and entry.config.model_copy(update={"capacity": cfg.capacity}) == cfg:
+                if (
+                    entry is not None
+                    and entry.pipeline is not None
+                    and entry.config.model_copy(update={"capacity": cfg.capacity}) == cfg
+                ):
                     try:  # only the capacity changed: applied live, leases and queue untouched
                         entry.pipeline.set_capacity(cfg.capacity)
                         entry.config = cfg
@@ -412,7 +418,10 @@ class Daemon:
         down = {e.name: e.error for e in entries if e.pipeline is None}
         ok = self._state == _RUNNING and not down
         status = "ok" if ok else ("degraded" if self._state == _RUNNING else self._state)
-        return ok, {"status": status, "pipelines": {e.name: "down: " + down[e.name] if e.name in down else "open" for e in entries}}
+        return ok, {
+            "status": status,
+            "pipelines": {e.name: "down: " + down[e.name] if e.name in down else "open" for e in entries},
+        }
 
     def status_line(self) -> str:
         """One line for systemd's STATUS=: items ready, leased and bytes cached per pipeline."""
@@ -422,5 +431,7 @@ class Daemon:
                 parts.append(f"{e.name}: down")
                 continue
             s = e.pipeline.stats()
-            parts.append(f"{e.name}: {s.items_ready} ready, {leased(s)} leased, {s.items_acked} acked, {format_size(s.bytes_in_cache)} of {format_size(s.capacity)} cached")
+            parts.append(
+                f"{e.name}: {s.items_ready} ready, {leased(s)} leased, {s.items_acked} acked, {format_size(s.bytes_in_cache)} of {format_size(s.capacity)} cached"
+            )
         return "; ".join(parts)

@@ -78,7 +78,9 @@ class DaemonProcess:
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         notify.bind("\0" + name)
         self._notify = notify
-        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "JOURNAL_STREAM")}
+        env = {
+            k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "JOURNAL_STREAM")
+        }
         env["NOTIFY_SOCKET"] = "@" + name
         for key, value in self._env.items():
             if value is None:
@@ -139,7 +141,9 @@ class DaemonProcess:
                     return message
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"no {line!r} from the daemon within {timeout} s; got {self.messages[-5:]}\nlog:\n{self.log()}")
+                raise TimeoutError(
+                    f"no {line!r} from the daemon within {timeout} s; got {self.messages[-5:]}\nlog:\n{self.log()}"
+                )
             self._receive(remaining)
 
     def _receive(self, timeout: float) -> None:

@@ -54,9 +54,16 @@ def _translate(exc: Exception, where: str) -> BaseException:
     if isinstance(exc, TimeoutError) or "Timeout" in name:
         return TimeoutError(f"timed out on {where}: {exc}")
     if isinstance(exc, ConnectionError) or name in (
-        "EndpointConnectionError", "ConnectionClosedError", "ClientConnectorError",
-        "ServerDisconnectedError", "ClientPayloadError", "ClientOSError", "HTTPClientError",
-        "ProxyConnectionError", "IncompleteRead", "ResponseStreamingError",
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ClientConnectorError",
+        "ServerDisconnectedError",
+        "ClientPayloadError",
+        "ClientOSError",
+        "HTTPClientError",
+        "ProxyConnectionError",
+        "IncompleteRead",
+        "ResponseStreamingError",
     ):
         return ConnectionError(f"connection failed for {where}: {name}: {exc}")
     if isinstance(exc, OSError):
@@ -124,7 +131,7 @@ class FsspecStore:
             if info.get("type", "file") != "file" or not path.startswith(prefix):
                 continue
             etag = info.get("ETag") or info.get("etag")
-            yield ObjectInfo(path[len(prefix):], int(info["size"]), etag.strip('"') if etag else None)
+            yield ObjectInfo(path[len(prefix) :], int(info["size"]), etag.strip('"') if etag else None)
 
     def _list_s3(self) -> Iterator[ObjectInfo]:
         bucket, key, _ = self.fs.split_path(self.root)
@@ -136,7 +143,7 @@ class FsspecStore:
             for name, size, etag in entries:
                 if name == prefix:
                     continue  # the root's own directory marker
-                yield ObjectInfo(name[len(prefix):], size, etag)
+                yield ObjectInfo(name[len(prefix) :], size, etag)
             if token is None:
                 return
 
