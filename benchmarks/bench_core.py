@@ -130,7 +130,7 @@ def run_catalog(n: int, consume: int, shuffle: bool) -> dict[str, Any]:
 def _child(conn: Any, fn: str, args: tuple) -> None:
     try:
         conn.send(("ok", globals()[fn](*args)))
-    except BaseException as exc:  # reported to the parent, which fails the run
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails the run
         conn.send(("error", repr(exc)))
 
 
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = []
     if rows:
         lines += ["hand-off through Pipeline (memory:// source, 1-byte one-file folders):"]
-        lines += format_table(["cache on", "items/s", "fs floor items/s", "x floor", "CPU s"], rows) + [""]
+        lines += [*format_table(["cache on", "items/s", "fs floor items/s", "x floor", "CPU s"], rows), ""]
     rows = [
         [
             mode,
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         ["listing", "items", "open s", "open CPU s", "1st item s", "consumed", "listed by then", "peak RSS MiB"], rows
     )
     load = report["load_average"]
-    lines += [""] + provenance_lines(report)
+    lines += ["", *provenance_lines(report)]
     lines += [
         f"load average (1/5/15 min) at start {[round(x, 2) for x in load['start']]}, at end {[round(x, 2) for x in load['end']]}"
     ]

@@ -649,12 +649,12 @@ def render(report: dict[str, Any]) -> str:
         *provenance_lines(report),
         f"load average (1/5/15 min) at start {report['machine']['loadavg_start']}, at end {report['machine']['loadavg_end']}",
         f"server: {report['server']}; link: {link['mode']}",
-        f"link calibration (one {cal[0]['bytes'] / MIB:.0f} MiB GET alone, plain HTTP client): {cal[0]['mb_per_s']:.1f} MB/s at the start"
+        f"link calibration (one {cal[0]['bytes'] / MIB:.0f} MiB GET alone, plain HTTP client): {cal[0]['mb_per_s']:.1f} MB/s at the start"  # noqa: E501 - kept whole
         + (f", {cal[1]['mb_per_s']:.1f} MB/s at the end" if cal[1] else "")
         + "; 'of link' is relative to the start",
         *(f"dataset {name}: {d['describe']} (uploaded in {d['upload_s']:.1f} s)" for name, d in report["datasets"].items()),
         (
-            f"capacity {s['capacity_bytes'] / MIB:g} MiB (cachepipe and original); cachepipe max_concurrency={s['max_concurrency']}, "
+            f"capacity {s['capacity_bytes'] / MIB:g} MiB (cachepipe and original); cachepipe max_concurrency={s['max_concurrency']}, "  # noqa: E501 - kept whole
             f"part_size={s['part_size']}; slow consumer: {s['consumer_s']:g} s per item"
         ),
         (

@@ -170,11 +170,15 @@ def render_table(report: dict[str, Any]) -> str:
             "",
             *provenance_lines(report),
             *(f"case {name}: {desc}" for name, desc in report["cases"].items()),
-            f"median of {s['repeats']} interleaved runs per backend; MB = 10^6 bytes read by a consumer that reads every "
-            "byte; obs/s3 = obs MB/s / s3 MB/s (>1: obs faster); 1st item s: start (listing included) to the first "
-            f"folder in hand; CPU s: {cpu}; GETs: ranged GETs per run; retries: transient errors retried, all runs",
-            f"cachepipe capacity={s['capacity']}, max_concurrency={s['max_concurrency']}, part_size={s['part_size']}; "
-            f"one moto server at 127.0.0.1 ({s['server']})",
+            (
+                f"median of {s['repeats']} interleaved runs per backend; MB = 10^6 bytes read by a consumer that reads every "
+                "byte; obs/s3 = obs MB/s / s3 MB/s (>1: obs faster); 1st item s: start (listing included) to the first "
+                f"folder in hand; CPU s: {cpu}; GETs: ranged GETs per run; retries: transient errors retried, all runs"
+            ),
+            (
+                f"cachepipe capacity={s['capacity']}, max_concurrency={s['max_concurrency']}, part_size={s['part_size']}; "
+                f"one moto server at 127.0.0.1 ({s['server']})"
+            ),
         ]
     )
 

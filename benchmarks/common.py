@@ -330,7 +330,7 @@ def format_table(cols: Sequence[str], rows: Sequence[Sequence[str]], left: int =
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=False)))
 
     return [line(cols), "  ".join("-" * w for w in widths), *(line(row) for row in rows)]
 

@@ -377,10 +377,10 @@ def _selftest(rate: str, rtt: float, mib: int) -> None:
                     got += conn.recv_into(buf)
                 seconds = time.perf_counter() - t
             print(
-                f"netns {link.ns}: {link.host_ip} <-> {link.ns_ip}, tbf {rate} each way, proxy delay {rtt / 2 * 1000:g} ms each way"
+                f"netns {link.ns}: {link.host_ip} <-> {link.ns_ip}, tbf {rate} each way, proxy delay {rtt / 2 * 1000:g} ms each way"  # noqa: E501 - kept whole
             )
             print(
-                f"round trip: median {sorted(rtts)[len(rtts) // 2] * 1000:.1f} ms (first, with the handshake: {rtts[0] * 1000:.1f} ms)"
+                f"round trip: median {sorted(rtts)[len(rtts) // 2] * 1000:.1f} ms (first, with the handshake: {rtts[0] * 1000:.1f} ms)"  # noqa: E501 - kept whole
             )
             print(f"one stream: {got / seconds / 1e6:.1f} MB/s ({got * 8 / seconds / 1e6:.0f} Mbit/s of payload)")
         finally:

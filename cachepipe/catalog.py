@@ -360,7 +360,7 @@ class Catalog(Sequence[Item]):
                         f"item {name!r} has files {[f[0] for f in files]!r}: a single-file item has one, with rel ''"
                     )
                 if size is None:
-                    size = total
+                    size = total  # noqa: PLW2901 - the loop value normalised on purpose
                 if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= _MAX_SIZE:
                     raise ValueError(f"item {name!r}: size {size!r}, expected an int from 0 to {_MAX_SIZE} (bytes)")
                 encoded = name.encode("utf-8", _UTF8_ERRORS)
@@ -434,7 +434,7 @@ class Catalog(Sequence[Item]):
         return Names(self)
 
     @property
-    def sizes(self) -> array:
+    def sizes(self) -> array[int]:
         """Item sizes in bytes, by position: the catalog's own ``array('q')``; do not modify it."""
         return self._sizes
 

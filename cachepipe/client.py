@@ -303,7 +303,8 @@ class Client:
         status, data = self._request("GET", "/v1/status", None, self.request_timeout)
         if status != 200:
             self._raise_for(status, data)
-        return json.loads(data)
+        reply: dict[str, Any] = json.loads(data)
+        return reply
 
     def health(self) -> dict[str, Any]:
         """``GET /v1/health``: ``{"status": "ok" | "degraded" | "stopping", "pipelines": ...}``
@@ -312,7 +313,8 @@ class Client:
         status, data = self._request("GET", "/v1/health", None, self.request_timeout)
         if status not in (200, 503) or not data:
             self._raise_for(status, data)
-        return json.loads(data)
+        reply: dict[str, Any] = json.loads(data)
+        return reply
 
     def metrics(self) -> str:
         """The Prometheus text exposition (``GET /metrics``)."""

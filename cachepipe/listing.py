@@ -143,7 +143,7 @@ class StreamingListing:
                     )
                     if self._stop.wait(delay):
                         return
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - stored and raised again to the consumer
             with self._cond:
                 self.error, self._early_error = exc, not self._first_page
         finally:

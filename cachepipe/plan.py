@@ -80,14 +80,14 @@ class Cursor(NamedTuple):
     """A position in a plan: ``index`` counts the steps of this share within ``epoch``."""
 
     epoch: int
-    index: int
+    index: int  # type: ignore[assignment]  # a field named like tuple.index, on purpose
 
 
 class Step(NamedTuple):
     """One planned read: the ``index``-th item of this share in ``epoch`` is catalog ``item``."""
 
     epoch: int
-    index: int
+    index: int  # type: ignore[assignment]  # a field named like tuple.index, on purpose
     item: int
 
     @property
@@ -107,12 +107,12 @@ def _derive(*parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big")
 
 
-def permutation(n: int, seed: int, epoch: int) -> array:
+def permutation(n: int, seed: int, epoch: int) -> array[int]:
     """The permutation of ``range(n)`` for ``epoch``: a Fisher-Yates shuffle driven by
     ``random.Random(derived seed).random()``, whose output Python guarantees across versions
     (``Random.shuffle`` is not guaranteed). Same ``(n, seed, epoch)``, same permutation."""
     order = array("I", range(n))
-    rand = random.Random(_derive(seed, epoch)).random
+    rand = random.Random(_derive(seed, epoch)).random  # noqa: S311 - a shuffle order, not a secret
     for i in range(n - 1, 0, -1):
         j = int(rand() * (i + 1))
         order[i], order[j] = order[j], order[i]
@@ -121,7 +121,7 @@ def permutation(n: int, seed: int, epoch: int) -> array:
 
 def split(
     order: Sequence[int], sizes: Sequence[int], parts: int, part: int, balance: Literal["bytes", "count"] = "bytes"
-) -> array:
+) -> array[int]:
     """The subsequence of ``order`` that belongs to ``part`` of ``parts`` (see the module notes)."""
     if parts == 1:
         return array("I", order)
@@ -238,7 +238,7 @@ class Plan:
         if epochs is not None:
             _check_int("epochs", epochs, 1)
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed {seed!r}: expected an integer")
+            raise ValueError(f"seed {seed!r}: expected an integer")  # noqa: TRY004 - ValueError is what callers of this public function already catch
         if rank is None and world_size is None:
             rank, world_size = default_rank_world()
         elif rank is None or world_size is None:
@@ -263,7 +263,7 @@ class Plan:
         self.rank, self.world_size, self.worker, self.num_workers = rank, world_size, worker, num_workers
         self.balance, self.partition = balance, partition
         self._lock = threading.Lock()  # the epoch caches may be read by the fetcher and the cache
-        self._shares: OrderedDict[int, array] = OrderedDict()
+        self._shares: OrderedDict[int, array[int]] = OrderedDict()
         self._mine: bytearray | None = None  # partition="fixed": membership of this rank
         self._digest: str | None = None
         self.start = Cursor(0, 0)
@@ -277,13 +277,13 @@ class Plan:
         )
 
     # ---- one epoch -------------------------------------------------------------------
-    def order(self, epoch: int) -> array:
+    def order(self, epoch: int) -> array[int]:
         """The whole epoch's order (all ranks), before splitting."""
         if self.shuffle:
             return permutation(self.n_items, self.seed, epoch)
         return array("I", range(self.n_items))
 
-    def share(self, epoch: int) -> array:
+    def share(self, epoch: int) -> array[int]:
         """The catalog indices this (rank, worker) reads in ``epoch``, in order (cached)."""
         with self._lock:
             got = self._shares.get(epoch)
@@ -296,7 +296,7 @@ class Plan:
                 self._shares.popitem(last=False)
             return got
 
-    def _compute_share(self, epoch: int) -> array:
+    def _compute_share(self, epoch: int) -> array[int]:
         order = self.order(epoch)
         if self.world_size > 1:
             if self.partition == "fixed":
@@ -481,8 +481,8 @@ class GrowingPlan:
 
     def _config(self) -> dict[str, Any]:
         if self._full is not None:
-            return self._full._config()
-        config = Plan([], epochs=1, seed=self.seed, rank=0, world_size=1)._config()
+            return self._full._config()  # noqa: SLF001 - same class
+        config = Plan([], epochs=1, seed=self.seed, rank=0, world_size=1)._config()  # noqa: SLF001 - same class
         return {
             **config,
             "n_items": None,
@@ -541,4 +541,4 @@ class Frontier:
 
     def state_dict(self) -> dict[str, Any]:
         """The plan's state at the first unconsumed step."""
-        return {**self.plan._config(), "epoch": self.position.epoch, "index": self.position.index}
+        return {**self.plan._config(), "epoch": self.position.epoch, "index": self.position.index}  # noqa: SLF001 - same class

@@ -128,9 +128,9 @@ class PlanFuture:
         if horizon < 1:
             raise ValueError(f"horizon {horizon!r}: expected at least 1 epoch")
         self.plan, self.horizon = plan, horizon
-        self._where: OrderedDict[int, array] = OrderedDict()
+        self._where: OrderedDict[int, array[int]] = OrderedDict()
 
-    def where(self, epoch: int) -> array:
+    def where(self, epoch: int) -> array[int]:
         """For each catalog item, its index in the plan's share of ``epoch``, or -1 (cached)."""
         got = self._where.get(epoch)
         if got is not None:
@@ -364,7 +364,7 @@ class Belady(RetentionPolicy):
     def _enc(key: int, item: int) -> int:
         return -((key << _ITEM_BITS) | item)
 
-    def _top(self, heap: list[int], keys: array) -> tuple[int, int] | None:
+    def _top(self, heap: list[int], keys: array[int]) -> tuple[int, int] | None:
         """The valid entry of largest key (stale ones are dropped), not removed."""
         while heap:
             v = -heap[0]
@@ -374,7 +374,7 @@ class Belady(RetentionPolicy):
             heapq.heappop(heap)
         return None
 
-    def _push(self, heap: list[int], keys: array, key: int, item: int, live: int) -> None:
+    def _push(self, heap: list[int], keys: array[int], key: int, item: int, live: int) -> None:
         heapq.heappush(heap, self._enc(key, item))
         if len(heap) > 2 * live + 64:  # compact: drop stale entries
             heap[:] = [e for e in heap if keys[(-e) & _ITEM_MASK] == (-e) >> _ITEM_BITS]
@@ -500,8 +500,8 @@ class SimResult:
     """
 
     bytes: int
-    per_step: array
-    lead: array
+    per_step: array[int]
+    lead: array[int]
 
 
 def run(

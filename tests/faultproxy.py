@@ -18,14 +18,14 @@ import threading
 from collections import deque
 
 SLOWDOWN = b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
-SLOWDOWN_BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>'
+SLOWDOWN_BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>'  # noqa: E501 - kept whole
 DENIED = b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
 DENIED_BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>'
 REDIRECT = (
     b"HTTP/1.1 301 Moved Permanently\r\nContent-Type: application/xml\r\nx-amz-bucket-region: eu-central-1\r\n"
     b"Content-Length: %d\r\nConnection: close\r\n\r\n"
 )
-REDIRECT_BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>PermanentRedirect</Code><Message>Use the eu-central-1 endpoint.</Message></Error>'
+REDIRECT_BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>PermanentRedirect</Code><Message>Use the eu-central-1 endpoint.</Message></Error>'  # noqa: E501 - kept whole
 CANNED = {"503": (SLOWDOWN, SLOWDOWN_BODY), "403": (DENIED, DENIED_BODY), "redirect": (REDIRECT, REDIRECT_BODY)}
 
 

@@ -62,12 +62,12 @@ def consume(pipe: Pipeline, stop: threading.Event) -> None:
         if not stop.is_set():  # closed by the main thread after another consumer failed: not a failure
             failures.append(sys.exc_info()[1])
             stop.set()
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - collected and reported by the child
         failures.append(exc)
         stop.set()
         try:
             pipe.close()  # wakes the other consumers (their get() raises RuntimeError)
-        except BaseException as exc2:
+        except BaseException as exc2:  # noqa: BLE001 - collected and reported by the child
             failures.append(exc2)
 
 
@@ -104,7 +104,7 @@ try:
             t.start()
         for t in threads:
             t.join()
-except BaseException as exc:
+except BaseException as exc:  # noqa: BLE001 - collected and reported by the child
     failures.append(exc)
 if failures:
     first = failures[0]

@@ -82,7 +82,7 @@ def _broker(pending, ready, handed, released):
         b.begin()
     for _ in range(ready + handed):
         b.put(seq, f"i{seq}", seq)
-        seq += 1
+        seq += 1  # noqa: SIM113 - the counter continues across an inner loop
     for _ in range(handed):
         lease = b.take(0)
     for _ in range(released):

@@ -162,7 +162,7 @@ def test_catalog_rejects_what_it_could_not_give_back():
     catalog = Catalog([Item("a", (FileEntry("a/f", "f", 1),), 1)])
     with pytest.raises(ValueError, match="'x/g' of item 'b': expected 'b/g'"):
         catalog.append(Item("b", (FileEntry("x/g", "g", 1),), 1))
-    with pytest.raises(ValueError, match="'c.tar' is a single-file item, but this catalog holds folders"):
+    with pytest.raises(ValueError, match=r"'c\.tar' is a single-file item, but this catalog holds folders"):
         catalog.append(Item("c.tar", (FileEntry("c.tar", "", 1),), 1, is_file=True))
     with pytest.raises(TypeError, match="'2'"):
         catalog.add("d", [("f", 1, None), ("g", "2", None)])

@@ -53,7 +53,9 @@ def served(s3_source, s3_endpoint, tmp_path, short_dir):
 
 
 def run(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, check=False
+    )
 
 
 ALL = [f"item{i:03d}" for i in range(6)]
@@ -182,7 +184,12 @@ def test_bash_consumer_with_cachepipe_next_and_done_markers(served, tmp_path):
         exit $status   # 3: every item was delivered; 4: timeout; 1: error
     """
     proc = subprocess.run(
-        ["bash", "-c", script], capture_output=True, text=True, timeout=120, env={**os.environ, "CACHEPIPE_SOCKET": str(served)}
+        ["bash", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CACHEPIPE_SOCKET": str(served)},
+        check=False,
     )
     assert proc.returncode == EXIT_END, proc.stderr
     assert (tmp_path / "seen").read_text().split() == ALL

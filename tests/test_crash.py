@@ -84,7 +84,7 @@ def test_kill_soak(s3_source, tmp_path):
         for _run in range(kills):
             child = Child(cfg)
             target = rng.randint(0, 25)  # kill after this many more items were taken, plus a random delay
-            child.wait_for(lambda lines: sum(1 for l in lines if l[0] == "GOT") >= target)
+            child.wait_for(lambda lines: sum(1 for line in lines if line[0] == "GOT") >= target)  # noqa: B023 - the lambda is called at once, inside this iteration
             threading.Event().wait(rng.random() * 0.05)
             child.kill()
             _tally(child.lines, data, got, acked_before, corrupt, came_back)
@@ -135,10 +135,10 @@ def test_restart_reuses_published_items_and_redelivers_leased_ones(s3_source, tm
         "work_seconds": 0.3,
     }  # slow enough that the kill lands while items are left
     child = Child(cfg)
-    child.wait_for(lambda lines: sum(1 for l in lines if l[0] == "ACKED") >= 2)
+    child.wait_for(lambda lines: sum(1 for line in lines if line[0] == "ACKED") >= 2)
     child.kill()
-    acked = {l[1] for l in child.lines if l[0] == "ACKED"}
-    taken = {l[1] for l in child.lines if l[0] == "GOT"}  # the last may have been acked unprinted
+    acked = {line[1] for line in child.lines if line[0] == "ACKED"}
+    taken = {line[1] for line in child.lines if line[0] == "GOT"}  # the last may have been acked unprinted
     (cache / ".cachepipe" / "staging" / "999").mkdir(parents=True)  # a staging leftover
     (cache / ".cachepipe" / "staging" / "999" / "half").write_bytes(b"x" * 100)
     with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options, resume=True) as pipe:

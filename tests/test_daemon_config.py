@@ -183,7 +183,9 @@ def test_the_example_is_valid_and_documents_every_field():
 def test_serve_refuses_a_bad_config_with_exit_status_78(tmp_path):
     path = write(tmp_path, minimal(tmp_path, capacity="10X"))
     for args in (["serve", "--config", str(path)], ["serve", "--check", "--config", str(path)]):
-        proc = subprocess.run([sys.executable, "-m", "cachepipe.cli", *args], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-m", "cachepipe.cli", *args], capture_output=True, text=True, timeout=60, check=False
+        )
         assert proc.returncode == 78, proc.stderr
         assert "pipelines.train.capacity = '10X'" in proc.stderr
     ok = subprocess.run(
@@ -191,5 +193,6 @@ def test_serve_refuses_a_bad_config_with_exit_status_78(tmp_path):
         capture_output=True,
         text=True,
         timeout=60,
+        check=False,
     )
     assert ok.returncode == 0 and "valid" in ok.stdout, ok.stderr

@@ -19,7 +19,9 @@ def tmpfs(path, size: str):
     path.mkdir()
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True, check=False
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
     try:
@@ -82,13 +84,13 @@ def test_capacity_beyond_the_disk_is_warned_about(s3_source, tmp_path, caplog):
 def immutable(path, moved_to):
     """``chattr +i``: not even root may unlink the file (a filesystem fault, not a patch).
     ``moved_to()``: where the file may be by the end, to make it mutable again."""
-    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True, check=False).returncode != 0:
         pytest.skip(f"chattr +i is not supported on the filesystem of {path}")
     try:
         yield
     finally:
         for found in [path, *moved_to()]:
-            subprocess.run(["chattr", "-i", str(found)], capture_output=True)
+            subprocess.run(["chattr", "-i", str(found)], capture_output=True, check=False)
 
 
 def test_an_item_that_cannot_be_deleted_stays_counted_and_the_rest_flows(s3_source, tmp_path, caplog):
@@ -113,7 +115,7 @@ def test_an_item_that_cannot_be_deleted_stays_counted_and_the_rest_flows(s3_sour
                 # could not delete must still count, or a third item would pass the cap
                 wait_until(lambda: (s := pipe.stats()).items_ready >= 1 or s.items_handed + s.items_ready == 6)
                 seen = sampler.samples
-                wait_until(lambda: sampler.samples >= seen + 3)
+                wait_until(lambda: sampler.samples >= seen + 3)  # noqa: B023 - the lambda is called at once, inside this iteration
                 got.append(item.name)
                 pipe.ack(item)
     assert got == sorted(data)[1:]

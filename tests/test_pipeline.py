@@ -386,7 +386,7 @@ def test_ack_deletes_the_item_but_never_through_a_link_the_consumer_left_in_it(s
     assert (outside / "keep").read_bytes() == b"mine" and (outside / "sub" / "keep").read_bytes() == b"mine too"
 
 
-class _nullcontext:
+class _nullcontext:  # noqa: N801 - mirrors contextlib.nullcontext
     def __enter__(self):
         return None
 

@@ -18,8 +18,8 @@ ODD_KEY = "c d/ü+x~=(1).bin"
 
 
 def _post(url: str, data: bytes) -> None:
-    request = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "text/plain"})
-    urllib.request.urlopen(request).close()
+    request = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "text/plain"})  # noqa: S310 - a local http:// URL built here
+    urllib.request.urlopen(request).close()  # noqa: S310 - a local http:// URL built here
 
 
 class MotoIAM:

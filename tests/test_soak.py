@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
+import operator
 import os
 import random
 import signal
@@ -144,7 +146,6 @@ def drive(cfg: dict, log: Log, workdir: Path, run: int, rng: random.Random, most
     """
     child = Run(cfg, run, workdir)
     target = rng.randint(1, most)
-    seen = [0, 0]  # hand-outs of this run at the last check, and how many checks ago it changed
 
     def reached() -> bool:
         log.refresh()
@@ -286,7 +287,7 @@ def test_multi_epoch_eight_thread_kill_soak(tmp_path):
             if how == "killed":
                 held_at_kill.append(in_hand(log, run))
             assert how != "failed", (
-                f"seed {seed}, run {run} failed by itself: {' '.join(sum(log.of(run, 'FAIL'), [])[2:])}\n{child.stderr()[-4000:]}"
+                f"seed {seed}, run {run} failed by itself: {' '.join(functools.reduce(operator.iadd, log.of(run, 'FAIL'), [])[2:])}\n{child.stderr()[-4000:]}"  # noqa: E501 - kept whole
             )
             assert "Traceback" not in child.stderr(), child.stderr()
             assert journal_error(cache, digests) is None, f"after run {run} ({how}): {journal_error(cache, digests)}"

@@ -194,7 +194,8 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = f"cachepipe/{__version__}"
     sys_version = ""
-    server: _UnixServer | _TcpServer  # type: ignore[assignment]
+    server: _UnixServer | _TcpServer
+    rfile: io.BufferedReader
 
     def setup(self) -> None:
         super().setup()
@@ -270,10 +271,10 @@ class _Handler(BaseHTTPRequestHandler):
     def address_string(self) -> str:
         return self.client_address[0] if isinstance(self.client_address, tuple) else "unix"
 
-    def log_message(self, format: str, *args: Any) -> None:
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's signature (BaseHTTPRequestHandler.log_message)
         log.debug("%s %s", self.address_string(), format % args)
 
-    def log_error(self, format: str, *args: Any) -> None:
+    def log_error(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's signature (BaseHTTPRequestHandler.log_message)
         log.info("%s %s", self.address_string(), format % args)
 
     def do_GET(self) -> None:
@@ -501,7 +502,7 @@ class _Server(socketserver.ThreadingMixIn):
                 pass  # the refused client is gone already; nothing to tell it
             self.shutdown_request(request)
             return
-        super().process_request(request, client_address)  # type: ignore[misc]
+        super().process_request(request, client_address)
 
     def shutdown_request(self, request: Any) -> None:
         with self._live_lock:
@@ -520,7 +521,7 @@ class _Server(socketserver.ThreadingMixIn):
         if isinstance(exc, ConnectionError):
             log.info("a client connection ended abruptly: %s", exc)
         else:
-            log.exception("error while serving a connection")
+            log.exception("error while serving a connection")  # noqa: LOG004 - socketserver calls handle_error from inside its except block
 
 
 def _end(request: socket.socket) -> None:

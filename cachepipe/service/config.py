@@ -21,11 +21,16 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import tomllib
 import yaml
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # tomllib is new in 3.11; tomli is the same parser (a dependency on 3.10 only)
+    import tomli as tomllib
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -128,11 +133,11 @@ class ServiceConfig(BaseSettings):
     @classmethod
     def settings_customise_sources(
         cls,
-        settings_cls: type[BaseSettings],
+        settings_cls: type[BaseSettings],  # noqa: ARG003 - pydantic-settings calls this hook with these names
         init_settings: PydanticBaseSettingsSource,
         env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,  # noqa: ARG003 - pydantic-settings calls this hook with these names
+        file_secret_settings: PydanticBaseSettingsSource,  # noqa: ARG003 - pydantic-settings calls this hook with these names
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The file's contents arrive as init kwargs; the environment overrides them.
         return (env_settings, init_settings)
@@ -146,7 +151,7 @@ class ServiceConfig(BaseSettings):
         pipelines = {}
         for name, options in data["pipelines"].items():
             if isinstance(options, dict):
-                options = {**{k: v for k, v in PIPELINE_DEFAULTS.items() if k in known}, **options}
+                options = {**{k: v for k, v in PIPELINE_DEFAULTS.items() if k in known}, **options}  # noqa: PLW2901 - the loop value normalised on purpose
             pipelines[name] = options
         return {**data, "pipelines": pipelines}
 
@@ -218,7 +223,7 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         if path.suffix.lower() == ".toml":
             data: Any = tomllib.loads(text)
         else:
-            data = yaml.load(text, Loader=_StrictLoader)
+            data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - _StrictLoader is a yaml.SafeLoader subclass
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {str(path)!r}: invalid TOML: {exc}") from exc
     except yaml.YAMLError as exc:

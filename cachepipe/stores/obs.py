@@ -139,7 +139,7 @@ def _client_arguments(client_cls: type) -> frozenset[str]:
     for cls in client_cls.__mro__:
         if cls is object:
             continue
-        for param in inspect.signature(cls.__init__).parameters.values():
+        for param in inspect.signature(cls.__init__).parameters.values():  # type: ignore[misc]  # a class from the MRO, not an instance
             if param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY) and param.name != "self":
                 names.add(param.name)
     return frozenset(names)
@@ -383,7 +383,7 @@ class ObsStore:
                 # Body not read to its end (error, short read, server ignored the range): the SDK
                 # would pool the connection with bytes still on it, and the next request would
                 # read them as its status line. Its own flag for "close, do not pool" is _clear.
-                stream.conn._clear = True
+                stream.conn._clear = True  # noqa: SLF001 - the OBS SDK offers no public way to drop this connection
             stream.close()
 
     # -- writing (optional primitives, see WritableStore) ---------------------------------------
