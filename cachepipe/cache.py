@@ -120,10 +120,7 @@ class Cache:
                     log.warning(
                         "capacity %d bytes exceeds the space available to %s (%d bytes): downloads will meet a full "
                         "disk, and in-order delivery can wait on space held by later items; lower the capacity or "
-                        "give it as a share like '80%%'",
-                        self.capacity,
-                        self.root,
-                        room,
+                        "give it as a share like '80%%'", self.capacity, self.root, room,
                     )
             try:
                 self._replay = state.load(self._journal.path)
@@ -208,9 +205,7 @@ class Cache:
         self.foreign = tree_bytes(self.root) - self._reserved - state_files
         self._check_overhead()
         self._replay = state.Replay()
-        while (
-            self._recovered and self.foreign + self.overhead + self._reserved - self._reaping > self.capacity
-        ):  # a smaller capacity than before
+        while self._recovered and self.foreign + self.overhead + self._reserved - self._reaping > self.capacity:  # a smaller capacity than before
             name = next(reversed(self._recovered))
             log.info("dropping %s, an earlier owner's item: the cache is over its capacity of %d bytes", name, self.capacity)
             self.drop(name)
@@ -290,9 +285,7 @@ class Cache:
             try:
                 self._compact()
             except OSError as exc:
-                log.warning(
-                    "could not compact the journal %s (%s); it keeps growing until this succeeds", self._journal.path, exc
-                )
+                log.warning("could not compact the journal %s (%s); it keeps growing until this succeeds", self._journal.path, exc)
 
     def advance(self, epoch: int, index: int) -> None:
         """Record that every step of the plan before ``(epoch, index)`` is consumed. A position
@@ -385,9 +378,7 @@ class Cache:
         """
         new = int(shutil.disk_usage(self.root).free * capacity.fraction) if isinstance(capacity, Share) else capacity
         if self.foreign + self.overhead >= new:
-            raise ConfigError(
-                f"capacity {new} bytes leaves no room beside {self.foreign + self.overhead} bytes of other files and state"
-            )
+            raise ConfigError(f"capacity {new} bytes leaves no room beside {self.foreign + self.overhead} bytes of other files and state")
         with self._cond:
             self.capacity = new
             self._cond.notify_all()
@@ -491,9 +482,7 @@ class Cache:
             self.verify(staged, item)
         final = f"{self._root}/{item.name}"
         if os.path.lexists(final):
-            raise FileExistsError(
-                errno.EEXIST, f"cannot publish item {item.name!r}: {final} exists and is not managed by cachepipe"
-            )
+            raise FileExistsError(errno.EEXIST, f"cannot publish item {item.name!r}: {final} exists and is not managed by cachepipe")
         with self._cond, self._dirs:
             self._append("I", item.name)
             if "/" in item.name:  # a nested single-file item: its folders

@@ -30,7 +30,7 @@ from .plan import default_rank_world
 __all__ = ["CachePipeDataset"]
 
 
-class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc]  # torch is an optional extra, typed Any
+class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, type-arg, unused-ignore]  # torch: an optional extra (Any when absent)
     """Stream a source through a size-capped cache into a DataLoader.
 
     Args:

@@ -27,16 +27,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from crashfs import KINDS, Crashed, CrashFs, Fault
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cachepipe import state
 from cachepipe.cache import Cache
 from cachepipe.catalog import Catalog
-from cachepipe.plan import Plan, tick
+from cachepipe.plan import tick
 from cachepipe.removal import tree_bytes
+from cachepipe.plan import Plan
 from cachepipe.retention import PlanFuture, make_policy
+from crashfs import KINDS, Crashed, CrashFs, Fault
 
 N_ITEMS = 4
 EPOCHS = 2
@@ -261,7 +262,6 @@ def test_zz_report_totals(capsys):
 
 # ---- one test per finding of the crash-safety review (each failed on the code before its fix) ----
 
-
 def _published_and_acked(root: Path) -> state.Replay:
     return state.load(root / ".cachepipe" / "journal")
 
@@ -301,7 +301,7 @@ def test_torn_append_is_cut_back_and_the_next_event_lands_whole(tmp_path):
     """Finding 4b: a short write to the journal (disk full) leaves no partial line."""
     journal = state.Journal(tmp_path / "journal")
     journal.rewrite(state.Replay())
-    with CrashFs(Fault(0, "short")), pytest.raises(OSError) as failed:  # noqa: PT011 - any error of this type is what the test expects
+    with CrashFs(Fault(0, "short")), pytest.raises(OSError) as failed:
         journal.append("A", "0 item_00261")
     assert failed.value.errno == errno.ENOSPC
     journal.append("A", "0 item_00262")
@@ -338,7 +338,7 @@ def test_a_full_disk_at_the_ack_record_keeps_the_lease(tmp_path):
         (src / f"item{i}" / "f").write_bytes(b"x" * 100)
     with Pipeline(src.as_uri(), tmp_path / "cache", "1MiB") as pipe:
         item = pipe.get(timeout=30)
-        with CrashFs(Fault(0, "enospc")) as fs, pytest.raises(OSError):  # noqa: PT011 - any error of this type is what the test expects
+        with CrashFs(Fault(0, "enospc")) as fs, pytest.raises(OSError):
             pipe.ack(item)
         assert fs.hit is not None and "A 0 item0" in fs.hit[1]
         assert item.path.exists()
@@ -364,9 +364,8 @@ def test_kill_during_close_leaves_no_broken_item(tmp_path):
 def _leftovers(tmp_path: Path) -> tuple[Path, Path]:
     """A source of 20 items of 100 KiB, and a cache of 5.5 items' worth that a first pass left
     with items 2-6 published (items 0 and 1 acked, keep_on_close=True)."""
-    from waiting import wait_until
-
     from cachepipe import Pipeline
+    from waiting import wait_until
 
     src, cache = tmp_path / "src", tmp_path / "cache"
     for i in range(20):
