@@ -49,7 +49,7 @@ class GeneratedStore:
     def __init__(self, n: int, size: int = 1) -> None:
         self.n, self.size = n, size
 
-    def list(self):  # noqa: A003 - the Store protocol's name
+    def list(self):
         etag = "0" * 32
         for i in range(self.n):
             yield ObjectInfo(f"s{i:07d}/f", self.size, etag)
@@ -115,14 +115,22 @@ def run_catalog(n: int, consume: int, shuffle: bool) -> dict[str, Any]:
                     break
             listed = pipe.stats().items_listed
             rss = _rss_mib()
-    return {"catalog": n, "consumed": consume, "open_s": opened, "open_cpu_s": opened_cpu, "first_item_s": first,
-            "items_listed_at_end": listed, "peak_rss_mib": rss, "rss_before_mib": rss0}
+    return {
+        "catalog": n,
+        "consumed": consume,
+        "open_s": opened,
+        "open_cpu_s": opened_cpu,
+        "first_item_s": first,
+        "items_listed_at_end": listed,
+        "peak_rss_mib": rss,
+        "rss_before_mib": rss0,
+    }
 
 
 def _child(conn: Any, fn: str, args: tuple) -> None:
     try:
         conn.send(("ok", globals()[fn](*args)))
-    except BaseException as exc:  # reported to the parent, which fails the run
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails the run
         conn.send(("error", repr(exc)))
 
 
@@ -160,14 +168,24 @@ def main(argv: list[str] | None = None) -> int:
     places = [("disk", disk)] + ([("tmpfs", "/dev/shm")] if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else [])
     import cachepipe
 
-    report: dict[str, Any] = {"command": command_line(), "date": date.today().isoformat(), "machine": machine_info(),
-                              "versions": {"cachepipe": cachepipe.__version__}, "handoff": {}, "catalog": {},
-                              "load_average": {"start": list(os.getloadavg())}}
+    report: dict[str, Any] = {
+        "command": command_line(),
+        "date": date.today().isoformat(),
+        "machine": machine_info(),
+        "versions": {"cachepipe": cachepipe.__version__},
+        "handoff": {},
+        "catalog": {},
+        "load_average": {"start": list(os.getloadavg())},
+    }
     for label, where in [] if args.no_handoff else places:
         progress(f"handoff on {label} ({where}), {args.handoff} items")
         got = in_child("run_handoff", args.handoff, where, limit=args.limit)
         floor = in_child("run_floor", args.handoff, where, limit=args.limit)
-        report["handoff"][label] = {**got, "floor_items_per_s": floor["items_per_s"], "of_floor": got["items_per_s"] / floor["items_per_s"]}
+        report["handoff"][label] = {
+            **got,
+            "floor_items_per_s": floor["items_per_s"],
+            "of_floor": got["items_per_s"] / floor["items_per_s"],
+        }
     progress(f"streamed catalog of {args.catalog} items, consuming {args.consume}")
     report["catalog"]["stream"] = in_child("run_catalog", args.catalog, args.consume, False, limit=args.limit)
     if not args.no_full:
@@ -177,20 +195,36 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    rows = [[label, f"{r['items_per_s']:,.0f}", f"{r['floor_items_per_s']:,.0f}", f"{r['of_floor']:.2f}", f"{r['cpu_s']:.1f}"]
-            for label, r in report["handoff"].items()]
+    rows = [
+        [label, f"{r['items_per_s']:,.0f}", f"{r['floor_items_per_s']:,.0f}", f"{r['of_floor']:.2f}", f"{r['cpu_s']:.1f}"]
+        for label, r in report["handoff"].items()
+    ]
     lines = []
     if rows:
         lines += ["hand-off through Pipeline (memory:// source, 1-byte one-file folders):"]
-        lines += format_table(["cache on", "items/s", "fs floor items/s", "x floor", "CPU s"], rows) + [""]
-    rows = [[mode, f"{r['catalog']:,}", f"{r['open_s']:.2f}", f"{r['open_cpu_s']:.2f}", f"{r['first_item_s']:.2f}", f"{r['consumed']:,}",
-             f"{r['items_listed_at_end']:,}", f"{r['peak_rss_mib']:.0f}"]
-            for mode, r in report["catalog"].items()]
+        lines += [*format_table(["cache on", "items/s", "fs floor items/s", "x floor", "CPU s"], rows), ""]
+    rows = [
+        [
+            mode,
+            f"{r['catalog']:,}",
+            f"{r['open_s']:.2f}",
+            f"{r['open_cpu_s']:.2f}",
+            f"{r['first_item_s']:.2f}",
+            f"{r['consumed']:,}",
+            f"{r['items_listed_at_end']:,}",
+            f"{r['peak_rss_mib']:.0f}",
+        ]
+        for mode, r in report["catalog"].items()
+    ]
     lines += ["generated catalog:"]
-    lines += format_table(["listing", "items", "open s", "open CPU s", "1st item s", "consumed", "listed by then", "peak RSS MiB"], rows)
+    lines += format_table(
+        ["listing", "items", "open s", "open CPU s", "1st item s", "consumed", "listed by then", "peak RSS MiB"], rows
+    )
     load = report["load_average"]
-    lines += [""] + provenance_lines(report)
-    lines += [f"load average (1/5/15 min) at start {[round(x, 2) for x in load['start']]}, at end {[round(x, 2) for x in load['end']]}"]
+    lines += ["", *provenance_lines(report)]
+    lines += [
+        f"load average (1/5/15 min) at start {[round(x, 2) for x in load['start']]}, at end {[round(x, 2) for x in load['end']]}"
+    ]
     print("\n".join(lines))
     return 0
 

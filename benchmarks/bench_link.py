@@ -53,17 +53,43 @@ from pathlib import Path
 from typing import Any
 
 from bench_pipeline import OriginalPipeline, _loadavg, _set_dummy_credentials, _source_revision, fresh_fs
-from common import (BUCKET, KIB, MIB, Case, PeakSampler, add_cachepipe_options, add_dataset_options, apply_defaults, build_cases,
-                    check_positive, command_line, format_table, machine_info, parse_capacity, progress,
-                    provenance_lines, read_folder, tree_size)
-from netlink import (Link, ProxyProcess, cpu_seconds, missing_requirements, pid_alive, remove_stale, start_child,
-                     stop_child)
+from common import (
+    BUCKET,
+    KIB,
+    MIB,
+    Case,
+    PeakSampler,
+    add_cachepipe_options,
+    add_dataset_options,
+    apply_defaults,
+    build_cases,
+    check_positive,
+    command_line,
+    format_table,
+    machine_info,
+    parse_capacity,
+    progress,
+    provenance_lines,
+    read_folder,
+    tree_size,
+)
+from netlink import Link, ProxyProcess, cpu_seconds, missing_requirements, pid_alive, remove_stale, start_child, stop_child
 from seaweed import S3Server, signed_headers, weed_binary
 
 METHODS = ("cachepipe", "original", "copy-all")
-DEFAULTS = {"folders": (40, 4), "video_mib": (8.0, 1.0), "small_folders": (200, 4), "small_files": (20, 5),
-            "small_kib": (50, 8), "tiny_folders": (5000, 50), "huge_folders": (100_000, 200), "calib_mib": (64, 8),
-            "consumer_s": (0.25, 0.05), "limit": (240.0, 30.0), "time_limit": (1500.0, 110.0)}
+DEFAULTS = {
+    "folders": (40, 4),
+    "video_mib": (8.0, 1.0),
+    "small_folders": (200, 4),
+    "small_files": (20, 5),
+    "small_kib": (50, 8),
+    "tiny_folders": (5000, 50),
+    "huge_folders": (100_000, 200),
+    "calib_mib": (64, 8),
+    "consumer_s": (0.25, 0.05),
+    "limit": (240.0, 30.0),
+    "time_limit": (1500.0, 110.0),
+}
 """Options left unset: (default, with --quick)."""
 HUGE_BY_DEFAULT = True  # uploading 100,000 folders of one file takes 55-90 s here (of two files: 125 s)
 UPLOAD_CONCURRENCY = 64
@@ -112,16 +138,43 @@ def tiny_case(name: str, folders: int, files: int) -> Case:
 def build_scenarios(args: argparse.Namespace) -> list[Scenario]:
     video, small = build_cases(args)
     scenarios = [
-        Scenario("video", video, METHODS, target=Goal("link_fraction", ">=", 0.95, "of link"),
-                 reference="original ~0.60 of link, copy-all 0.91-0.95"),
-        Scenario("small-files", small, METHODS, target=Goal("link_fraction", ">=", 0.85, "of link"),
-                 reference="original ~0.04 of link, copy-all 0.23-0.44"),
-        Scenario("first-item", tiny_case("tiny", args.tiny_folders, 2), METHODS, first_only=True,
-                 target=Goal("first_item_s", "<=", 0.5, "1st item s"), reference="original 206 s, copy-all 8 s (5,000 folders)"),
-        Scenario("slow-consumer", video, METHODS, seconds_per_item=args.consumer_s,
-                 target=Goal("stall_after_first_fraction", "<=", 0.01, "stall>1st"), reference="original ~26% of run time stalled"),
-        Scenario("first-item-huge", tiny_case("huge", args.huge_folders, 1), ("cachepipe",), first_only=True,
-                 target=Goal("first_item_s", "<=", 0.5, "1st item s")),
+        Scenario(
+            "video",
+            video,
+            METHODS,
+            target=Goal("link_fraction", ">=", 0.95, "of link"),
+            reference="original ~0.60 of link, copy-all 0.91-0.95",
+        ),
+        Scenario(
+            "small-files",
+            small,
+            METHODS,
+            target=Goal("link_fraction", ">=", 0.85, "of link"),
+            reference="original ~0.04 of link, copy-all 0.23-0.44",
+        ),
+        Scenario(
+            "first-item",
+            tiny_case("tiny", args.tiny_folders, 2),
+            METHODS,
+            first_only=True,
+            target=Goal("first_item_s", "<=", 0.5, "1st item s"),
+            reference="original 206 s, copy-all 8 s (5,000 folders)",
+        ),
+        Scenario(
+            "slow-consumer",
+            video,
+            METHODS,
+            seconds_per_item=args.consumer_s,
+            target=Goal("stall_after_first_fraction", "<=", 0.01, "stall>1st"),
+            reference="original ~26% of run time stalled",
+        ),
+        Scenario(
+            "first-item-huge",
+            tiny_case("huge", args.huge_folders, 1),
+            ("cachepipe",),
+            first_only=True,
+            target=Goal("first_item_s", "<=", 0.5, "1st item s"),
+        ),
         Scenario("loopback-video", video, ("cachepipe",), link=False, target=Goal("mb_per_s", ">=", 500, "MB/s")),
         Scenario("loopback-cat", calib_case(args), ("s3fs-cat",), link=False),
     ]
@@ -178,6 +231,7 @@ async def _put_all(endpoint: str, jobs: Iterator[tuple[str, bytes]]) -> int:
 
 def upload(endpoint: str, case: Case) -> float:
     """Put ``case`` (seeded random bytes) at ``bucket/name/folderNNN/``; return the seconds it took."""
+
     def jobs() -> Iterator[tuple[str, bytes]]:
         rng = random.Random(case.name)
         for i in range(case.folders):
@@ -225,8 +279,14 @@ def cachepipe_items(spec: dict[str, Any], work: Path) -> Items:
     from cachepipe import Pipeline
 
     options = {"endpoint_url": spec["endpoint"], "skip_instance_cache": True}
-    with Pipeline(f"s3://{spec['prefix']}/", cache_dir=work / "cache", capacity=spec["capacity"], storage_options=options,
-                  max_concurrency=spec["max_concurrency"], part_size=spec["part_size"]) as pipe:
+    with Pipeline(
+        f"s3://{spec['prefix']}/",
+        cache_dir=work / "cache",
+        capacity=spec["capacity"],
+        storage_options=options,
+        max_concurrency=spec["max_concurrency"],
+        part_size=spec["part_size"],
+    ) as pipe:
         for item in pipe:
             yield item.path, item.files
 
@@ -248,7 +308,10 @@ def copy_all_items(spec: dict[str, Any], work: Path) -> Items:
 
 
 ITEMS: dict[str, Callable[[dict[str, Any], Path], Items]] = {
-    "cachepipe": cachepipe_items, "original": original_items, "copy-all": copy_all_items}
+    "cachepipe": cachepipe_items,
+    "original": original_items,
+    "copy-all": copy_all_items,
+}
 
 
 def consume(items: Items, spec: dict[str, Any], t0: float, result: dict[str, Any]) -> None:
@@ -298,8 +361,14 @@ def child_main(spec: dict[str, Any]) -> None:
     signal.signal(signal.SIGALRM, expire)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(spec["work"])
-    result: dict[str, Any] = {"items": 0, "bytes": 0, "first_item_s": None, "blocked_after_first_s": 0.0,
-                              "waits_ms": [], "timed_out": False}
+    result: dict[str, Any] = {
+        "items": 0,
+        "bytes": 0,
+        "first_item_s": None,
+        "blocked_after_first_s": 0.0,
+        "waits_ms": [],
+        "timed_out": False,
+    }
     usage = resource.getrusage(resource.RUSAGE_SELF)
     signal.setitimer(signal.ITIMER_REAL, spec["limit"])
     t0 = time.perf_counter()
@@ -315,8 +384,9 @@ def child_main(spec: dict[str, Any]) -> None:
         result["timed_out"] = True
     result["wall_s"] = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_SELF)
-    result.update(cpu_user_s=after.ru_utime - usage.ru_utime, cpu_sys_s=after.ru_stime - usage.ru_stime,
-                  peak_rss_bytes=_peak_rss())
+    result.update(
+        cpu_user_s=after.ru_utime - usage.ru_utime, cpu_sys_s=after.ru_stime - usage.ru_stime, peak_rss_bytes=_peak_rss()
+    )
     print(json.dumps(result), flush=True)
     if result["timed_out"]:
         os._exit(0)  # threads of an abandoned download may still be winding down; the parent deletes the work dir
@@ -345,14 +415,25 @@ class Client:
     exec_argv: Callable[[Sequence[str]], list[str]] = list  # the default runs it here; Link.exec_argv in the netns
 
 
-def measure(scn: Scenario, method: str, where: Client, server: S3Server, proxy: ProxyProcess | None,
-            tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
+def measure(
+    scn: Scenario, method: str, where: Client, server: S3Server, proxy: ProxyProcess | None, tmp: Path, args: argparse.Namespace
+) -> dict[str, Any]:
     """One measurement in a fresh child process; the parent samples its cache dir and the server's CPU."""
     work = Path(tempfile.mkdtemp(prefix=f"{scn.name}-{method}-", dir=tmp))
-    spec = {"method": method, "endpoint": where.endpoint, "prefix": scn.case.prefix, "files": list(scn.case.files),
-            "object": f"{folder_name(scn.case, 0)}/{next(iter(scn.case.files))}", "work": str(work),
-            "capacity": args.capacity_bytes, "max_concurrency": args.max_concurrency, "part_size": args.part_size,
-            "seconds_per_item": scn.seconds_per_item, "first_only": scn.first_only, "limit": args.limit}
+    spec = {
+        "method": method,
+        "endpoint": where.endpoint,
+        "prefix": scn.case.prefix,
+        "files": list(scn.case.files),
+        "object": f"{folder_name(scn.case, 0)}/{next(iter(scn.case.files))}",
+        "work": str(work),
+        "capacity": args.capacity_bytes,
+        "max_concurrency": args.max_concurrency,
+        "part_size": args.part_size,
+        "seconds_per_item": scn.seconds_per_item,
+        "first_only": scn.first_only,
+        "limit": args.limit,
+    }
     argv = where.exec_argv([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)])
     server_cpu = server.cpu_seconds()
     proxy_cpu = cpu_seconds(proxy.proc.pid) if proxy else None
@@ -371,10 +452,20 @@ def measure(scn: Scenario, method: str, where: Client, server: S3Server, proxy: 
         if proc.returncode == 0 and lines:
             run = json.loads(lines[-1])
         else:  # a crash, or killed past its grace: reported as an error, the run goes on
-            run = {"items": 0, "bytes": 0, "first_item_s": None, "blocked_after_first_s": 0.0, "wall_s": args.limit,
-                   "timed_out": killed, "cpu_user_s": None, "cpu_sys_s": None, "peak_rss_bytes": None,
-                   "error": f"the measurement process exited with code {proc.returncode}"
-                            + (f" after it was killed at {args.limit + CHILD_GRACE:g} s" if killed else "") + f": {err.strip()[-3000:]}"}
+            run = {
+                "items": 0,
+                "bytes": 0,
+                "first_item_s": None,
+                "blocked_after_first_s": 0.0,
+                "wall_s": args.limit,
+                "timed_out": killed,
+                "cpu_user_s": None,
+                "cpu_sys_s": None,
+                "peak_rss_bytes": None,
+                "error": f"the measurement process exited with code {proc.returncode}"
+                + (f" after it was killed at {args.limit + CHILD_GRACE:g} s" if killed else "")
+                + f": {err.strip()[-3000:]}",
+            }
     finally:
         stop_child(proc)
         shutil.rmtree(work, ignore_errors=True)
@@ -413,16 +504,30 @@ def summarise(scn: Scenario, method: str, runs: list[dict[str, Any]], link_mb_s:
     if timed_out and any(r["first_item_s"] is None for r in runs):
         first = None  # at least one run never got its first item within the limit
     row: dict[str, Any] = {
-        "scenario": scn.name, "method": method, "link": scn.link, "dataset": scn.case.describe(),
-        "seconds_per_item": scn.seconds_per_item, "first_only": scn.first_only, "runs": runs,
-        "timed_out": timed_out, "limit_s": None, "wall_s": wall, "first_item_s": first,
+        "scenario": scn.name,
+        "method": method,
+        "link": scn.link,
+        "dataset": scn.case.describe(),
+        "seconds_per_item": scn.seconds_per_item,
+        "first_only": scn.first_only,
+        "runs": runs,
+        "timed_out": timed_out,
+        "limit_s": None,
+        "wall_s": wall,
+        "first_item_s": first,
         "bytes": runs[0]["bytes"] if all(r["bytes"] == runs[0]["bytes"] for r in runs) else None,
-        "mb_per_s": None, "link_fraction": None, "stall_fraction": None, "stall_after_first_fraction": None,
+        "mb_per_s": None,
+        "link_fraction": None,
+        "stall_fraction": None,
+        "stall_after_first_fraction": None,
         "peak_cache_bytes": max(r["peak_cache_bytes"] for r in runs),
         "peak_rss_bytes": _median([r["peak_rss_bytes"] for r in finished]),
-        "cpu_s": _median([r["cpu_s"] for r in finished]), "server_cpu_s": _median([r["server_cpu_s"] for r in finished]),
+        "cpu_s": _median([r["cpu_s"] for r in finished]),
+        "server_cpu_s": _median([r["server_cpu_s"] for r in finished]),
         "proxy_cpu_s": _median([r["proxy_cpu_s"] for r in finished]),
-        "x_original": None, "x_copy_all": None, "errors": [r["error"] for r in runs if "error" in r],
+        "x_original": None,
+        "x_copy_all": None,
+        "errors": [r["error"] for r in runs if "error" in r],
     }
     if not timed_out and finished:
         if not scn.first_only:
@@ -430,10 +535,18 @@ def summarise(scn: Scenario, method: str, runs: list[dict[str, Any]], link_mb_s:
             if scn.link and link_mb_s:
                 row["link_fraction"] = row["mb_per_s"] / link_mb_s
         # stall: blocked waiting for an item (the whole wait for the first one included) / wall time
-        row["stall_fraction"] = statistics.median((r["first_item_s"] + r["blocked_after_first_s"]) / r["wall_s"] for r in finished)
-        row["stall_after_first_fraction"] = statistics.median(
-            r["blocked_after_first_s"] / (r["wall_s"] - r["first_item_s"]) for r in finished if r["wall_s"] > r["first_item_s"]
-        ) if any(r["wall_s"] > r["first_item_s"] for r in finished) else None
+        row["stall_fraction"] = statistics.median(
+            (r["first_item_s"] + r["blocked_after_first_s"]) / r["wall_s"] for r in finished
+        )
+        row["stall_after_first_fraction"] = (
+            statistics.median(
+                r["blocked_after_first_s"] / (r["wall_s"] - r["first_item_s"])
+                for r in finished
+                if r["wall_s"] > r["first_item_s"]
+            )
+            if any(r["wall_s"] > r["first_item_s"] for r in finished)
+            else None
+        )
     return row
 
 
@@ -461,8 +574,16 @@ def check_targets(rows: list[dict[str, Any]], scenarios: dict[str, Scenario]) ->
     for row in rows:
         goal = scenarios[row["scenario"]].target
         if row["method"] == "cachepipe" and goal is not None:
-            out.append({"scenario": row["scenario"], "metric": goal.field, "target": str(goal), "value": row[goal.field],
-                        "met": goal.met(row[goal.field]), "reference": scenarios[row["scenario"]].reference})
+            out.append(
+                {
+                    "scenario": row["scenario"],
+                    "metric": goal.field,
+                    "target": str(goal),
+                    "value": row[goal.field],
+                    "met": goal.met(row[goal.field]),
+                    "reference": scenarios[row["scenario"]].reference,
+                }
+            )
     return out
 
 
@@ -476,19 +597,45 @@ def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
 
 
 def render(report: dict[str, Any]) -> str:
-    cols = ["scenario", "method", "wall s", "MB/s", "of link", "x orig", "x copy", "1st item s", "stall",
-            "stall>1st", "peak cache MiB", "RSS MiB", "CPU s", "srv CPU s"]
+    cols = [
+        "scenario",
+        "method",
+        "wall s",
+        "MB/s",
+        "of link",
+        "x orig",
+        "x copy",
+        "1st item s",
+        "stall",
+        "stall>1st",
+        "peak cache MiB",
+        "RSS MiB",
+        "CPU s",
+        "srv CPU s",
+    ]
     rows = []
     for r in report["results"]:
         wall = f"> {r['limit_s']:g} (timed out)" if r["timed_out"] else _fmt(r["wall_s"], ".2f")
         if r["errors"]:
             wall += " ERROR"
-        rows.append([r["scenario"], r["method"], wall, _fmt(r["mb_per_s"], ".1f"), _fmt(r["link_fraction"], ".2f"),
-                     _fmt(r["x_original"], ".1f"), _fmt(r["x_copy_all"], ".2f"),
-                     f"> {r['limit_s']:g}" if r["first_item_s"] is None and r["timed_out"] else _fmt(r["first_item_s"], ".3f"),
-                     _fmt(r["stall_fraction"], ".1%"), _fmt(r["stall_after_first_fraction"], ".1%"),
-                     _fmt(r["peak_cache_bytes"], ".1f", 1 / MIB), _fmt(r["peak_rss_bytes"], ".0f", 1 / MIB),
-                     _fmt(r["cpu_s"], ".2f"), _fmt(r["server_cpu_s"], ".2f")])
+        rows.append(
+            [
+                r["scenario"],
+                r["method"],
+                wall,
+                _fmt(r["mb_per_s"], ".1f"),
+                _fmt(r["link_fraction"], ".2f"),
+                _fmt(r["x_original"], ".1f"),
+                _fmt(r["x_copy_all"], ".2f"),
+                f"> {r['limit_s']:g}" if r["first_item_s"] is None and r["timed_out"] else _fmt(r["first_item_s"], ".3f"),
+                _fmt(r["stall_fraction"], ".1%"),
+                _fmt(r["stall_after_first_fraction"], ".1%"),
+                _fmt(r["peak_cache_bytes"], ".1f", 1 / MIB),
+                _fmt(r["peak_rss_bytes"], ".0f", 1 / MIB),
+                _fmt(r["cpu_s"], ".2f"),
+                _fmt(r["server_cpu_s"], ".2f"),
+            ]
+        )
     s, link = report["settings"], report["link"]
     cal = link["calibration_start"], link.get("calibration_end")
     lines = format_table(cols, rows)
@@ -502,18 +649,27 @@ def render(report: dict[str, Any]) -> str:
         *provenance_lines(report),
         f"load average (1/5/15 min) at start {report['machine']['loadavg_start']}, at end {report['machine']['loadavg_end']}",
         f"server: {report['server']}; link: {link['mode']}",
-        f"link calibration (one {cal[0]['bytes'] / MIB:.0f} MiB GET alone, plain HTTP client): {cal[0]['mb_per_s']:.1f} MB/s at the start"
-        + (f", {cal[1]['mb_per_s']:.1f} MB/s at the end" if cal[1] else "") + "; 'of link' is relative to the start",
+        f"link calibration (one {cal[0]['bytes'] / MIB:.0f} MiB GET alone, plain HTTP client): {cal[0]['mb_per_s']:.1f} MB/s at the start"  # noqa: E501 - kept whole
+        + (f", {cal[1]['mb_per_s']:.1f} MB/s at the end" if cal[1] else "")
+        + "; 'of link' is relative to the start",
         *(f"dataset {name}: {d['describe']} (uploaded in {d['upload_s']:.1f} s)" for name, d in report["datasets"].items()),
-        (f"capacity {s['capacity_bytes'] / MIB:g} MiB (cachepipe and original); cachepipe max_concurrency={s['max_concurrency']}, "
-         f"part_size={s['part_size']}; slow consumer: {s['consumer_s']:g} s per item"),
-        (f"median of {s['repeats']} run(s) per method, methods interleaved; every measurement in a fresh child process, "
-         f"limited to {s['limit_s']:g} s"),
-        ("MB = 10^6 bytes delivered to a consumer that reads every byte; x orig / x copy: cachepipe's speed-up "
-         "(throughput; for first-item rows, time to the first item)"),
-        ("stall: time blocked waiting for items (the first one included) / wall; stall>1st: the same after the first item; "
-         "peak cache: bytes under the method's cache dir, sampled by the parent; RSS: the child's VmHWM; "
-         "CPU s: user+sys of the child over the timed span; srv CPU s: the S3 server process"),
+        (
+            f"capacity {s['capacity_bytes'] / MIB:g} MiB (cachepipe and original); cachepipe max_concurrency={s['max_concurrency']}, "  # noqa: E501 - kept whole
+            f"part_size={s['part_size']}; slow consumer: {s['consumer_s']:g} s per item"
+        ),
+        (
+            f"median of {s['repeats']} run(s) per method, methods interleaved; every measurement in a fresh child process, "
+            f"limited to {s['limit_s']:g} s"
+        ),
+        (
+            "MB = 10^6 bytes delivered to a consumer that reads every byte; x orig / x copy: cachepipe's speed-up "
+            "(throughput; for first-item rows, time to the first item)"
+        ),
+        (
+            "stall: time blocked waiting for items (the first one included) / wall; stall>1st: the same after the first item; "
+            "peak cache: bytes under the method's cache dir, sampled by the parent; RSS: the child's VmHWM; "
+            "CPU s: user+sys of the child over the timed span; srv CPU s: the S3 server process"
+        ),
     ]
     return "\n".join(lines)
 
@@ -525,17 +681,23 @@ SCENARIO_NAMES = ("video", "small-files", "first-item", "slow-consumer", "first-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_dataset_options(p, DEFAULTS)
-    extra = {"tiny_folders": (int, "folders of 2 x 1 KiB in the first-item case"),
-             "huge_folders": (int, "folders of 1 x 1 KiB in the first-item-huge case (cachepipe only)"),
-             "calib_mib": (int, "MiB of the object for the link calibration and the loopback cat"),
-             "consumer_s": (float, "slow consumer: seconds per item"),
-             "limit": (float, "time limit of each measurement, seconds"),
-             "time_limit": (float, "time limit of the whole run, seconds (cleans up and exits 3)")}
+    extra = {
+        "tiny_folders": (int, "folders of 2 x 1 KiB in the first-item case"),
+        "huge_folders": (int, "folders of 1 x 1 KiB in the first-item-huge case (cachepipe only)"),
+        "calib_mib": (int, "MiB of the object for the link calibration and the loopback cat"),
+        "consumer_s": (float, "slow consumer: seconds per item"),
+        "limit": (float, "time limit of each measurement, seconds"),
+        "time_limit": (float, "time limit of the whole run, seconds (cleans up and exits 3)"),
+    }
     for dest, (kind, what) in extra.items():
         full, quick = DEFAULTS[dest]
         p.add_argument(f"--{dest.replace('_', '-')}", type=kind, help=f"{what} (default {full:g}; --quick {quick:g})")
-    p.add_argument("--huge", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"run first-item-huge (default: {'on' if HUGE_BY_DEFAULT else 'off'}; off with --quick)")
+    p.add_argument(
+        "--huge",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"run first-item-huge (default: {'on' if HUGE_BY_DEFAULT else 'off'}; off with --quick)",
+    )
     p.add_argument("--capacity", default="64MiB", help="cache capacity of cachepipe and the original (default 64MiB)")
     add_cachepipe_options(p)
     p.add_argument("--repeats", type=int, default=1, help="runs per method; the median is reported (default 1)")
@@ -543,9 +705,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--methods", default=",".join((*METHODS, "s3fs-cat")), help="comma-separated subset (default all)")
     p.add_argument("--rate", default="400mbit", help="link rate, tc syntax (default 400mbit)")
     p.add_argument("--rtt-ms", type=float, default=16.0, help="link round trip, ms (default 16)")
-    p.add_argument("--server", choices=("seaweedfs", "moto"), default="seaweedfs",
-                   help="S3 server (default seaweedfs; moto when the weed binary is missing)")
-    p.add_argument("--no-link", action="store_true", help="no namespace or rate cap: loopback with the delay proxy only (no root needed)")
+    p.add_argument(
+        "--server",
+        choices=("seaweedfs", "moto"),
+        default="seaweedfs",
+        help="S3 server (default seaweedfs; moto when the weed binary is missing)",
+    )
+    p.add_argument(
+        "--no-link", action="store_true", help="no namespace or rate cap: loopback with the delay proxy only (no root needed)"
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout instead of the table")
     p.add_argument("--quick", action="store_true", help="tiny datasets and short limits (< 60 s): the smoke test")
     p.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one measurement (JSON spec)
@@ -561,8 +729,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         bad = [g for g in got if g not in valid]
         if bad or not got:
             p.error(f"--{what}s {','.join(got)!r}: expected a comma-separated subset of {','.join(valid)}")
-    check_positive(p, args, ("folders", "small_folders", "small_files", "small_kib", "tiny_folders", "huge_folders",
-                             "calib_mib", "repeats", "max_concurrency"))
+    check_positive(
+        p,
+        args,
+        (
+            "folders",
+            "small_folders",
+            "small_files",
+            "small_kib",
+            "tiny_folders",
+            "huge_folders",
+            "calib_mib",
+            "repeats",
+            "max_concurrency",
+        ),
+    )
     if min(args.video_mib, args.limit, args.time_limit, args.rtt_ms) <= 0 or args.consumer_s < 0:
         p.error("--video-mib, --limit, --time-limit and --rtt-ms must be positive, --consumer-s at least 0")
     args.capacity_bytes = parse_capacity(p, args)
@@ -580,7 +761,7 @@ def remove_stale_tmp() -> list[str]:
     """Delete the temp dirs of earlier runs whose process is gone (killed with ``kill -9``)."""
     removed = []
     for entry in Path(tempfile.gettempdir()).glob(f"{TMP_PREFIX}*-*"):
-        pid = entry.name[len(TMP_PREFIX):].split("-", 1)[0]
+        pid = entry.name[len(TMP_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(str(entry))
@@ -601,8 +782,11 @@ def main(argv: list[str] | None = None) -> int:
         child_main(json.loads(args.child))
         return 0
     if not args.no_link and (problem := missing_requirements()):
-        print(f"bench_link: {problem}.\nRun it as root with iproute2 (ip, tc) installed, or pass --no-link to run "
-              "over plain loopback with the delay proxy only (no rate cap).", file=sys.stderr)
+        print(
+            f"bench_link: {problem}.\nRun it as root with iproute2 (ip, tc) installed, or pass --no-link to run "
+            "over plain loopback with the delay proxy only (no rate cap).",
+            file=sys.stderr,
+        )
         return 2
     _set_dummy_credentials()
     import s3fs
@@ -619,10 +803,19 @@ def main(argv: list[str] | None = None) -> int:
         kind = "moto"
     started = time.perf_counter()
     report: dict[str, Any] = {
-        "command": command_line(), "date": date.today().isoformat(),
+        "command": command_line(),
+        "date": date.today().isoformat(),
         "machine": {**machine_info(), "loadavg_start": _loadavg()},
-        "versions": {"cachepipe": f"{cachepipe.__version__} ({_source_revision() or 'revision unknown'})", "s3fs": s3fs.__version__},
-        "server": kind, "settings": {}, "link": {}, "datasets": {}, "results": [], "targets": [],
+        "versions": {
+            "cachepipe": f"{cachepipe.__version__} ({_source_revision() or 'revision unknown'})",
+            "s3fs": s3fs.__version__,
+        },
+        "server": kind,
+        "settings": {},
+        "link": {},
+        "datasets": {},
+        "results": [],
+        "targets": [],
     }
     signal.signal(signal.SIGTERM, _raise_exit)
     signal.signal(signal.SIGHUP, _raise_exit)
@@ -661,11 +854,13 @@ def main(argv: list[str] | None = None) -> int:
                         for method in methods[k:] + methods[:k]:
                             run = measure(scn, method, where, server, proxy, tmp, args)
                             runs.setdefault((scn.name, method), []).append(run)
-                            progress(f"repeat {rep + 1}/{args.repeats} {scn.name:15} {method:9} "
-                                     + ("TIMED OUT " if run["timed_out"] else "")
-                                     + f"{run['wall_s']:7.2f} s, first item {_fmt(run['first_item_s'], '.3f')} s, "
-                                     + f"{run['bytes'] / max(run['wall_s'], 1e-9) / 1e6:6.1f} MB/s, cpu {_fmt(run['cpu_s'], '.2f')} s"
-                                     + (f", ERROR {run['error']}" if "error" in run else ""))
+                            progress(
+                                f"repeat {rep + 1}/{args.repeats} {scn.name:15} {method:9} "
+                                + ("TIMED OUT " if run["timed_out"] else "")
+                                + f"{run['wall_s']:7.2f} s, first item {_fmt(run['first_item_s'], '.3f')} s, "
+                                + f"{run['bytes'] / max(run['wall_s'], 1e-9) / 1e6:6.1f} MB/s, cpu {_fmt(run['cpu_s'], '.2f')} s"
+                                + (f", ERROR {run['error']}" if "error" in run else "")
+                            )
 
             # loopback first, while the veth has no rate cap (the client is inside the namespace anyway)
             run_all([s for s in scenarios if not s.link], loopback, None)
@@ -673,10 +868,17 @@ def main(argv: list[str] | None = None) -> int:
             if link is not None:
                 link.cap(args.rate)
             proxy = ProxyProcess((server.host, server.port), args.rtt_ms / 2000)
-            mode = (f"tc tbf {args.rate} on both veth ends + delay proxy {args.rtt_ms:g} ms round trip" if link
-                    else f"NO RATE CAP (--no-link): loopback + delay proxy {args.rtt_ms:g} ms round trip")
-            report["link"] = {"mode": mode, "rate": None if args.no_link else args.rate, "rtt_ms": args.rtt_ms,
-                              "calibration_start": calibrate(proxy.endpoint, calib_key(args))}
+            mode = (
+                f"tc tbf {args.rate} on both veth ends + delay proxy {args.rtt_ms:g} ms round trip"
+                if link
+                else f"NO RATE CAP (--no-link): loopback + delay proxy {args.rtt_ms:g} ms round trip"
+            )
+            report["link"] = {
+                "mode": mode,
+                "rate": None if args.no_link else args.rate,
+                "rtt_ms": args.rtt_ms,
+                "calibration_start": calibrate(proxy.endpoint, calib_key(args)),
+            }
             link_mb_s = report["link"]["calibration_start"]["mb_per_s"]
             progress(f"link: {mode}; calibration {link_mb_s:.1f} MB/s")
             run_all(linked, Client(proxy.endpoint), link_mb_s)
@@ -693,12 +895,25 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
         if link is not None:
             link.close()
-    report["settings"] = {"repeats": args.repeats, "capacity_bytes": args.capacity_bytes, "max_concurrency": args.max_concurrency,
-                          "part_size": args.part_size, "consumer_s": args.consumer_s, "limit_s": args.limit,
-                          "rate": args.rate, "rtt_ms": args.rtt_ms, "no_link": args.no_link, "huge": args.huge, "quick": args.quick}
+    report["settings"] = {
+        "repeats": args.repeats,
+        "capacity_bytes": args.capacity_bytes,
+        "max_concurrency": args.max_concurrency,
+        "part_size": args.part_size,
+        "consumer_s": args.consumer_s,
+        "limit_s": args.limit,
+        "rate": args.rate,
+        "rtt_ms": args.rtt_ms,
+        "no_link": args.no_link,
+        "huge": args.huge,
+        "quick": args.quick,
+    }
     for scn in scenarios:
-        rows = [summarise(scn, m, runs[(scn.name, m)], report["link"].get("mb_per_s") if scn.link else None)
-                for m in scn.methods if (scn.name, m) in runs]
+        rows = [
+            summarise(scn, m, runs[(scn.name, m)], report["link"].get("mb_per_s") if scn.link else None)
+            for m in scn.methods
+            if (scn.name, m) in runs
+        ]
         for row in rows:
             row["limit_s"] = args.limit
         add_ratios(rows, args.limit)

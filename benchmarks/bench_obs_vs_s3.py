@@ -46,9 +46,28 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from common import (BUCKET, CREDENTIALS, KIB, Case, Server, add_cachepipe_options, add_dataset_options, add_server_option,
-                    apply_defaults, build_cases, check_positive, command_line, format_table, machine_info, parse_capacity,
-                    print_report, progress, provenance_lines, read_folder, upload)
+from common import (
+    BUCKET,
+    CREDENTIALS,
+    KIB,
+    Case,
+    Server,
+    add_cachepipe_options,
+    add_dataset_options,
+    add_server_option,
+    apply_defaults,
+    build_cases,
+    check_positive,
+    command_line,
+    format_table,
+    machine_info,
+    parse_capacity,
+    print_report,
+    progress,
+    provenance_lines,
+    read_folder,
+    upload,
+)
 
 BACKENDS = ("s3", "obs")
 DEFAULTS = {"folders": (16, 3), "video_mib": (8.0, 1.0), "small_folders": (40, 3), "small_files": (20, 4), "small_kib": (50, 8)}
@@ -84,8 +103,14 @@ def measure(backend: str, case: Case, endpoint: str, tmp: Path, args: argparse.N
     read = items = 0
     first = None
     cpu0, t0 = time.process_time(), time.perf_counter()
-    with Pipeline(f"{backend}://{BUCKET}/{case.name}/", cache, args.capacity, storage_options=storage_options(backend, endpoint),
-                  max_concurrency=args.max_concurrency, part_size=args.part_size) as pipe:
+    with Pipeline(
+        f"{backend}://{BUCKET}/{case.name}/",
+        cache,
+        args.capacity,
+        storage_options=storage_options(backend, endpoint),
+        max_concurrency=args.max_concurrency,
+        part_size=args.part_size,
+    ) as pipe:
         for path in pipe:
             if first is None:
                 first = time.perf_counter() - t0
@@ -94,8 +119,9 @@ def measure(backend: str, case: Case, endpoint: str, tmp: Path, args: argparse.N
         stats = pipe.stats()
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     if read != case.total_bytes or items != case.folders:
-        raise RuntimeError(f"{backend} {case.name}: read {read} bytes in {items} folders, "
-                           f"expected {case.total_bytes} bytes in {case.folders}")
+        raise RuntimeError(
+            f"{backend} {case.name}: read {read} bytes in {items} folders, expected {case.total_bytes} bytes in {case.folders}"
+        )
     return Run(wall, first or 0.0, cpu, read, items, stats.requests, stats.retries)
 
 
@@ -118,21 +144,43 @@ def summarise(case: Case, backend: str, runs: list[Run]) -> dict[str, Any]:
 
 def render_table(report: dict[str, Any]) -> str:
     cols = ["case", "backend", "median s", "MB/s", "obs/s3", "1st item s", "CPU s", "GETs", "retries"]
-    rows = [[r["case"], r["backend"], f"{r['median_wall_s']:.2f}", f"{r['mb_per_s']:.1f}",
-             "-" if r["obs_to_s3"] is None else f"{r['obs_to_s3']:.2f}", f"{r['median_first_item_s']:.3f}",
-             f"{r['median_cpu_s']:.2f}", f"{r['median_requests']:.0f}", str(r["retries"])] for r in report["results"]]
+    rows = [
+        [
+            r["case"],
+            r["backend"],
+            f"{r['median_wall_s']:.2f}",
+            f"{r['mb_per_s']:.1f}",
+            "-" if r["obs_to_s3"] is None else f"{r['obs_to_s3']:.2f}",
+            f"{r['median_first_item_s']:.3f}",
+            f"{r['median_cpu_s']:.2f}",
+            f"{r['median_requests']:.0f}",
+            str(r["retries"]),
+        ]
+        for r in report["results"]
+    ]
     s = report["settings"]
-    cpu = "client process only (server in a child process)" if s["server"] == "subprocess" else "this process, server threads included"
-    return "\n".join([
-        *format_table(cols, rows), "",
-        *provenance_lines(report),
-        *(f"case {name}: {desc}" for name, desc in report["cases"].items()),
-        f"median of {s['repeats']} interleaved runs per backend; MB = 10^6 bytes read by a consumer that reads every "
-        "byte; obs/s3 = obs MB/s / s3 MB/s (>1: obs faster); 1st item s: start (listing included) to the first "
-        f"folder in hand; CPU s: {cpu}; GETs: ranged GETs per run; retries: transient errors retried, all runs",
-        f"cachepipe capacity={s['capacity']}, max_concurrency={s['max_concurrency']}, part_size={s['part_size']}; "
-        f"one moto server at 127.0.0.1 ({s['server']})",
-    ])
+    cpu = (
+        "client process only (server in a child process)"
+        if s["server"] == "subprocess"
+        else "this process, server threads included"
+    )
+    return "\n".join(
+        [
+            *format_table(cols, rows),
+            "",
+            *provenance_lines(report),
+            *(f"case {name}: {desc}" for name, desc in report["cases"].items()),
+            (
+                f"median of {s['repeats']} interleaved runs per backend; MB = 10^6 bytes read by a consumer that reads every "
+                "byte; obs/s3 = obs MB/s / s3 MB/s (>1: obs faster); 1st item s: start (listing included) to the first "
+                f"folder in hand; CPU s: {cpu}; GETs: ranged GETs per run; retries: transient errors retried, all runs"
+            ),
+            (
+                f"cachepipe capacity={s['capacity']}, max_concurrency={s['max_concurrency']}, part_size={s['part_size']}; "
+                f"one moto server at 127.0.0.1 ({s['server']})"
+            ),
+        ]
+    )
 
 
 def _version(dist: str) -> str:
@@ -176,10 +224,19 @@ def main(argv: list[str] | None = None) -> int:
         "command": command_line(),
         "date": date.today().isoformat(),
         "machine": machine_info(),
-        "versions": {"cachepipe": cachepipe.__version__, "s3fs": _version("s3fs"),
-                     "esdk-obs-python": _version("esdk-obs-python"), "moto": _version("moto")},
-        "settings": {"repeats": args.repeats, "capacity": args.capacity, "max_concurrency": args.max_concurrency,
-                     "part_size": args.part_size, "server": args.server},
+        "versions": {
+            "cachepipe": cachepipe.__version__,
+            "s3fs": _version("s3fs"),
+            "esdk-obs-python": _version("esdk-obs-python"),
+            "moto": _version("moto"),
+        },
+        "settings": {
+            "repeats": args.repeats,
+            "capacity": args.capacity,
+            "max_concurrency": args.max_concurrency,
+            "part_size": args.part_size,
+            "server": args.server,
+        },
         "cases": {c.name: c.describe(largest_first=True) for c in cases},
         "results": [],
     }
@@ -199,8 +256,10 @@ def main(argv: list[str] | None = None) -> int:
                     for backend in order:
                         run = measure(backend, case, server.endpoint, Path(tmp), args)
                         runs[(case.name, backend)].append(run)
-                        progress(f"repeat {rep + 1}/{args.repeats} {case.name:11} {backend:3} {run.wall_s:6.2f} s, "
-                                 f"{case.total_bytes / run.wall_s / 1e6:7.1f} MB/s, cpu {run.cpu_s:.2f} s")
+                        progress(
+                            f"repeat {rep + 1}/{args.repeats} {case.name:11} {backend:3} {run.wall_s:6.2f} s, "
+                            f"{case.total_bytes / run.wall_s / 1e6:7.1f} MB/s, cpu {run.cpu_s:.2f} s"
+                        )
         finally:
             server.stop()
     for case in cases:

@@ -51,9 +51,27 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from common import (MIB, Case, PeakSampler, Server, add_cachepipe_options, add_dataset_options, add_server_option,
-                    apply_defaults, build_cases, check_positive, command_line, format_table, machine_info, parse_capacity,
-                    print_report, progress, provenance_lines, read_folder, upload)
+from common import (
+    MIB,
+    Case,
+    PeakSampler,
+    Server,
+    add_cachepipe_options,
+    add_dataset_options,
+    add_server_option,
+    apply_defaults,
+    build_cases,
+    check_positive,
+    command_line,
+    format_table,
+    machine_info,
+    parse_capacity,
+    print_report,
+    progress,
+    provenance_lines,
+    read_folder,
+    upload,
+)
 
 METHODS = ("cachepipe", "sequential", "original")
 DEFAULTS = {"folders": (24, 4), "video_mib": (8.0, 1.0), "small_folders": (40, 4), "small_files": (20, 5), "small_kib": (50, 8)}
@@ -116,8 +134,14 @@ def run_cachepipe(endpoint: str, case: Case, work: Path, capacity: int, args: ar
     from cachepipe import Pipeline
 
     options = {"endpoint_url": endpoint, "skip_instance_cache": True}
-    with Pipeline(f"s3://{case.prefix}/", cache_dir=work / "cache", capacity=capacity, storage_options=options,
-                  max_concurrency=args.max_concurrency, part_size=args.part_size) as pipe:
+    with Pipeline(
+        f"s3://{case.prefix}/",
+        cache_dir=work / "cache",
+        capacity=capacity,
+        storage_options=options,
+        max_concurrency=args.max_concurrency,
+        part_size=args.part_size,
+    ) as pipe:
         for item in pipe:
             if run.first_item_s is None:
                 run.first_item_s = time.perf_counter() - t0
@@ -130,7 +154,7 @@ def run_sequential(endpoint: str, case: Case, work: Path, capacity: int, args: a
     fs = fresh_fs(endpoint)
     folders: dict[str, list[str]] = {}
     for path in fs.find(case.prefix):  # one recursive listing, in key order
-        folder, _, rel = path[len(case.prefix) + 1:].partition("/")
+        folder, _, rel = path[len(case.prefix) + 1 :].partition("/")
         folders.setdefault(folder, []).append(rel)
     for folder, rels in folders.items():
         local = work / folder
@@ -155,7 +179,9 @@ class OriginalPipeline:
     consumer is updated under a lock (the seed's unlocked ``+=``/``-=`` can lose an update).
     """
 
-    def __init__(self, fs: Any, root: str, evs_root: Path, memory: int, timeout: float = 300, interval: float = ORIGINAL_POLL) -> None:
+    def __init__(
+        self, fs: Any, root: str, evs_root: Path, memory: int, timeout: float = 300, interval: float = ORIGINAL_POLL
+    ) -> None:
         self.fs, self.root, self.evs_root = fs, root, evs_root
         self.memory, self.timeout, self.interval = memory, timeout, interval
         self.queue: queue.Queue[tuple[Path | None, int | None]] = queue.Queue()
@@ -172,7 +198,7 @@ class OriginalPipeline:
         directory = []
         for folder_path in self.fs.ls(self.root, detail=False):
             if self.fs.isdir(folder_path):
-                directory.append((folder_path.rsplit("/", 1)[-1], folder_path, self._get_size(folder_path)))
+                directory.append((folder_path.rsplit("/", 1)[-1], folder_path, self._get_size(folder_path)))  # noqa: PERF401 - the loop is what is measured or tested: items taken one at a time
         return directory
 
     def _get_size(self, path: str) -> int:
@@ -238,7 +264,9 @@ def run_original(endpoint: str, case: Case, work: Path, capacity: int, args: arg
 RUNNERS: dict[str, Callable[..., None]] = {"cachepipe": run_cachepipe, "sequential": run_sequential, "original": run_original}
 
 
-def measure(method: str, server: Server, counter: RequestCounter, case: Case, tmp: Path, capacity: int, args: argparse.Namespace) -> Run:
+def measure(
+    method: str, server: Server, counter: RequestCounter, case: Case, tmp: Path, capacity: int, args: argparse.Namespace
+) -> Run:
     """Run ``method`` once on ``case`` and check that it delivered the whole dataset."""
     work = Path(tempfile.mkdtemp(prefix=f"{method}-", dir=tmp))
     run = Run()
@@ -261,8 +289,10 @@ def measure(method: str, server: Server, counter: RequestCounter, case: Case, tm
     run.calls = counter.take()
     run.requests = sum(run.calls.values())
     if (run.items, run.bytes) != (case.folders, case.total_bytes):
-        raise RuntimeError(f"{method} on {case.name}: delivered {run.items} folders / {run.bytes} bytes, "
-                           f"expected {case.folders} / {case.total_bytes}")
+        raise RuntimeError(
+            f"{method} on {case.name}: delivered {run.items} folders / {run.bytes} bytes, "
+            f"expected {case.folders} / {case.total_bytes}"
+        )
     return run
 
 
@@ -274,8 +304,14 @@ def measure_peak(server: Server, case: Case, tmp: Path, capacity: int, args: arg
     try:
         options = {"endpoint_url": server.endpoint, "skip_instance_cache": True}
         with PeakSampler(work / "cache") as sampler:
-            with Pipeline(f"s3://{case.prefix}/", cache_dir=work / "cache", capacity=capacity, storage_options=options,
-                          max_concurrency=args.max_concurrency, part_size=args.part_size) as pipe:
+            with Pipeline(
+                f"s3://{case.prefix}/",
+                cache_dir=work / "cache",
+                capacity=capacity,
+                storage_options=options,
+                max_concurrency=args.max_concurrency,
+                part_size=args.part_size,
+            ) as pipe:
                 for item in pipe:
                     read_folder(item.path, item.files)
         return sampler.peak, sampler.samples
@@ -320,23 +356,40 @@ def render_table(report: dict[str, Any]) -> str:
     rows = []
     for r in report["results"]:
         peak = "-" if r["peak_cache_bytes"] is None else f"{r['peak_cache_bytes'] / MIB:.1f} / {r['capacity_bytes'] / MIB:.0f}"
-        rows.append([r["case"], r["method"], _fmt(r["median_wall_s"], ".2f"), _fmt(r["mb_per_s"], ".1f"),
-                     _fmt(r["ratio_to_sequential"], ".2f"), _fmt(r["median_first_item_s"], ".3f"),
-                     _fmt(r["median_cpu_s"], ".2f"), _fmt(r["median_server_cpu_s"], ".2f"),
-                     _fmt(r["median_requests"], ".0f"), peak])
+        rows.append(
+            [
+                r["case"],
+                r["method"],
+                _fmt(r["median_wall_s"], ".2f"),
+                _fmt(r["mb_per_s"], ".1f"),
+                _fmt(r["ratio_to_sequential"], ".2f"),
+                _fmt(r["median_first_item_s"], ".3f"),
+                _fmt(r["median_cpu_s"], ".2f"),
+                _fmt(r["median_server_cpu_s"], ".2f"),
+                _fmt(r["median_requests"], ".0f"),
+                peak,
+            ]
+        )
     s = report["settings"]
-    cpu_note = ("client process (all its threads, getrusage); srv CPU s: the moto server process"
-                if s["server"] == "subprocess" else "this process, moto server threads included")
+    cpu_note = (
+        "client process (all its threads, getrusage); srv CPU s: the moto server process"
+        if s["server"] == "subprocess"
+        else "this process, moto server threads included"
+    )
     notes = [
         "",
         *provenance_lines(report),
         f"load average (1/5/15 min) at start {report['machine']['loadavg_start']}, at end {report['machine'].get('loadavg_end')}",
         *(f"case {name}: {desc}" for name, desc in report["cases"].items()),
-        f"median of {s['repeats']} interleaved runs per method; MB = 10^6 bytes delivered to a consumer "
-        "that reads every byte; x seq = throughput / the sequential copy's (>1 is faster)",
-        f"1st item s: from start (listing included) to the first folder in the consumer's hands; CPU s: user+sys of the {cpu_note}",
-        "requests: S3 API calls made by s3fs and cachepipe's direct path; peak cache: cachepipe's cache dir, sampled every 5 ms in one "
-        f"extra untimed run, against the capacity; cachepipe max_concurrency={s['max_concurrency']}, part_size={s['part_size']}",
+        (
+            f"median of {s['repeats']} interleaved runs per method; MB = 10^6 bytes delivered to a consumer "
+            "that reads every byte; x seq = throughput / the sequential copy's (>1 is faster)"
+        ),
+        f"1st item s: from start (listing included) to the first folder in the consumer's hands; CPU s: user+sys of the {cpu_note}",  # noqa: E501 - kept whole
+        (
+            "requests: S3 API calls made by s3fs and cachepipe's direct path; peak cache: cachepipe's cache dir, sampled every 5 ms in one "  # noqa: E501 - kept whole
+            f"extra untimed run, against the capacity; cachepipe max_concurrency={s['max_concurrency']}, part_size={s['part_size']}"  # noqa: E501 - kept whole
+        ),
     ]
     return "\n".join(format_table(cols, rows) + notes)
 
@@ -345,7 +398,9 @@ def render_table(report: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_dataset_options(p, DEFAULTS)
-    p.add_argument("--repeats", type=int, default=3, help="interleaved runs per method and case; the median is reported (default 3)")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="interleaved runs per method and case; the median is reported (default 3)"
+    )
     p.add_argument("--capacity", default="64MiB", help="cache capacity for cachepipe and the original (default 64MiB)")
     add_cachepipe_options(p)
     p.add_argument("--cases", default="video,small-files", help="comma-separated cases to run (default both)")
@@ -383,6 +438,7 @@ def _set_dummy_credentials() -> None:
 def time_limit(seconds: float) -> Iterator[None]:
     """Raise :class:`BenchTimeout` in the main thread after ``seconds``; the stack unwinds, so
     pipelines close, threads stop, the server stops and temp dirs are removed."""
+
     def expire(signum: int, frame: object) -> None:
         raise BenchTimeout(f"benchmark exceeded its time limit of {seconds:g} s (--time-limit)")
 
@@ -399,10 +455,16 @@ def _source_revision() -> str | None:
     """The git commit of the cachepipe sources measured, '+dirty' when they differ from it (read-only git calls)."""
     root = Path(__file__).resolve().parents[1]
     try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "--no-optional-locks", "-C", str(root), "status", "--porcelain", "--", "cachepipe"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "--no-optional-locks", "-C", str(root), "status", "--porcelain", "--", "cachepipe"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return commit + ("+dirty" if dirty else "")
@@ -443,10 +505,18 @@ def main(argv: list[str] | None = None) -> int:
         "command": command_line(),
         "date": date.today().isoformat(),
         "machine": {**machine_info(), "loadavg_start": _loadavg()},
-        "versions": {"cachepipe": f"{cachepipe.__version__} ({_source_revision() or 'revision unknown'})",
-                     "s3fs": s3fs.__version__, "moto": moto.__version__},
-        "settings": {"repeats": args.repeats, "capacity_bytes": args.capacity_bytes, "server": args.server,
-                     "max_concurrency": args.max_concurrency, "part_size": args.part_size},
+        "versions": {
+            "cachepipe": f"{cachepipe.__version__} ({_source_revision() or 'revision unknown'})",
+            "s3fs": s3fs.__version__,
+            "moto": moto.__version__,
+        },
+        "settings": {
+            "repeats": args.repeats,
+            "capacity_bytes": args.capacity_bytes,
+            "server": args.server,
+            "max_concurrency": args.max_concurrency,
+            "part_size": args.part_size,
+        },
         "cases": {c.name: c.describe() for c in cases},
         "results": [],
     }
@@ -460,19 +530,23 @@ def main(argv: list[str] | None = None) -> int:
             upload(server.endpoint, cases)
             progress(f"uploaded in {time.perf_counter() - started:.1f} s")
             for rep in range(args.repeats):
-                order = args.methods[rep % len(args.methods):] + args.methods[:rep % len(args.methods)]
+                order = args.methods[rep % len(args.methods) :] + args.methods[: rep % len(args.methods)]
                 for case in cases:
                     for method in order:
                         run = measure(method, server, counter, case, Path(tmp), args.capacity_bytes, args)
                         runs[(case.name, method)].append(run)
-                        progress(f"repeat {rep + 1}/{args.repeats} {case.name:11} {method:10} {run.wall_s:6.2f} s "
-                                 f"first item {_fmt(run.first_item_s, '.3f')} s, cpu {run.cpu_user_s:.2f} usr + {run.cpu_sys_s:.2f} sys s, "
-                                 f"{run.minor_faults} page faults, {run.requests} requests")
+                        progress(
+                            f"repeat {rep + 1}/{args.repeats} {case.name:11} {method:10} {run.wall_s:6.2f} s "
+                            f"first item {_fmt(run.first_item_s, '.3f')} s, cpu {run.cpu_user_s:.2f} usr + {run.cpu_sys_s:.2f} sys s, "  # noqa: E501 - kept whole
+                            f"{run.minor_faults} page faults, {run.requests} requests"
+                        )
             if "cachepipe" in args.methods and not args.no_peak:
                 for case in cases:
                     peak, samples = measure_peak(server, case, Path(tmp), args.capacity_bytes, args)
                     peaks[case.name] = peak
-                    progress(f"peak {case.name}: {peak} bytes in the cache dir over {samples} samples (capacity {args.capacity_bytes})")
+                    progress(
+                        f"peak {case.name}: {peak} bytes in the cache dir over {samples} samples (capacity {args.capacity_bytes})"
+                    )
         finally:
             server.stop()
     for case in cases:

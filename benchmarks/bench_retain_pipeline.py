@@ -42,8 +42,17 @@ def main() -> int:
             probe = Pipeline("memory://bench-retain", f"{tmp}/probe", 1 << 40, rank=0, world_size=1).open()
             overhead = probe.stats().bytes_in_cache
             probe.close()
-            with Pipeline("memory://bench-retain", f"{tmp}/c", room + overhead, epochs=args.epochs, shuffle=True,
-                          seed=args.seed, rank=0, world_size=1, retain=retain) as pipe:
+            with Pipeline(
+                "memory://bench-retain",
+                f"{tmp}/c",
+                room + overhead,
+                epochs=args.epochs,
+                shuffle=True,
+                seed=args.seed,
+                rank=0,
+                world_size=1,
+                retain=retain,
+            ) as pipe:
                 for _ in pipe:
                     pass
                 rows.append((retain, pipe.stats().bytes_downloaded))

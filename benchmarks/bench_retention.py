@@ -38,9 +38,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cachepipe.plan import Plan  # noqa: E402
-from cachepipe.retention import PlanFuture, belady_min, compulsory_bytes, make_policy, run  # noqa: E402
-from common import command_line, print_report  # noqa: E402
+from common import command_line, print_report
+
+from cachepipe.plan import Plan
+from cachepipe.retention import PlanFuture, belady_min, compulsory_bytes, make_policy, run
 
 MiB = 2**20
 
@@ -69,18 +70,25 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
 
 
 def measure(case: Case, args: argparse.Namespace) -> dict:
-    plan = Plan(case.sizes, epochs=args.epochs, shuffle=True, seed=args.seed, rank=0, world_size=case.world_size, partition=case.partition)  # type: ignore[arg-type]
+    plan = Plan(
+        case.sizes, epochs=args.epochs, shuffle=True, seed=args.seed, rank=0, world_size=case.world_size, partition=case.partition
+    )  # type: ignore[arg-type]
     steps = list(plan)
     seq = [s.item for s in steps]
     ticks = [s.tick for s in steps]
     sizes = plan.sizes
     share_bytes = sum(sizes[x] for x in seq) // args.epochs  # bytes this rank reads per epoch
-    capacity = max(int(share_bytes * case.capacity_share), max(sizes[x] for x in seq))
+    capacity = max(int(share_bytes * case.capacity_share), *(sizes[x] for x in seq))
     epoch_of = [s.epoch for s in steps]
     reserve = args.reserve_items * max(sizes[x] for x in seq)
     rows = []
     optimum = belady_min(seq, sizes, capacity)
-    for label, name, res in [("auto", "auto", 0), (f"auto+reserve {args.reserve_items}", "auto", reserve), ("lru", "lru", 0), ("none", "none", 0)]:
+    for label, name, res in [
+        ("auto", "auto", 0),
+        (f"auto+reserve {args.reserve_items}", "auto", reserve),
+        ("lru", "lru", 0),
+        ("none", "none", 0),
+    ]:
         t0 = time.perf_counter()
         policy = make_policy(name, sizes, PlanFuture(plan, horizon=args.horizon), reserve=res)  # type: ignore[arg-type]
         result = run(policy, seq, sizes, capacity, ticks=ticks)
@@ -89,30 +97,47 @@ def measure(case: Case, args: argparse.Namespace) -> dict:
         for i, b in enumerate(result.per_step):
             per_epoch[epoch_of[i]] += b
         leads = sorted(result.lead[i] for i in range(len(seq)) if epoch_of[i] >= 1 and result.lead[i] >= 0)
-        rows.append({
-            "policy": label, "bytes": result.bytes, "x_data": result.bytes / share_bytes,
-            "vs_min": result.bytes / optimum, "epochs_x_data": [b / share_bytes for b in per_epoch],
-            "lead_p10": leads[len(leads) // 10] if leads else None, "lead_median": statistics.median(leads) if leads else None,
-            "us_per_step": seconds / len(seq) * 1e6,
-        })
+        rows.append(
+            {
+                "policy": label,
+                "bytes": result.bytes,
+                "x_data": result.bytes / share_bytes,
+                "vs_min": result.bytes / optimum,
+                "epochs_x_data": [b / share_bytes for b in per_epoch],
+                "lead_p10": leads[len(leads) // 10] if leads else None,
+                "lead_median": statistics.median(leads) if leads else None,
+                "us_per_step": seconds / len(seq) * 1e6,
+            }
+        )
     rows.append({"policy": "MIN (offline)", "bytes": optimum, "x_data": optimum / share_bytes, "vs_min": 1.0})
     low = compulsory_bytes(seq, sizes)
     rows.append({"policy": "compulsory", "bytes": low, "x_data": low / share_bytes, "vs_min": low / optimum})
-    return {"case": case.name, "items_read": len(seq), "data_bytes": share_bytes, "capacity": capacity, "reserve_bytes": reserve, "rows": rows}
+    return {
+        "case": case.name,
+        "items_read": len(seq),
+        "data_bytes": share_bytes,
+        "capacity": capacity,
+        "reserve_bytes": reserve,
+        "rows": rows,
+    }
 
 
 def render(report: dict) -> str:
     lines = [f"$ {report['command']}", ""]
-    head = f"{'policy':<20} {'bytes/data':>10} {'vs MIN':>8} {'epoch 2':>8} {'epoch 3':>8} {'lead p10':>9} {'lead med':>9} {'us/step':>8}"
+    head = f"{'policy':<20} {'bytes/data':>10} {'vs MIN':>8} {'epoch 2':>8} {'epoch 3':>8} {'lead p10':>9} {'lead med':>9} {'us/step':>8}"  # noqa: E501 - kept whole
     for case in report["cases"]:
-        lines.append(f"## {case['case']}: {case['items_read']} reads, data {case['data_bytes'] / MiB:.0f} MiB/epoch, capacity {case['capacity'] / MiB:.0f} MiB")
+        lines.append(
+            f"## {case['case']}: {case['items_read']} reads, data {case['data_bytes'] / MiB:.0f} MiB/epoch, capacity {case['capacity'] / MiB:.0f} MiB"  # noqa: E501 - kept whole
+        )
         lines.append(head)
         for r in case["rows"]:
             ep = r.get("epochs_x_data", [])
             cells = [f"{ep[i]:.3f}" if len(ep) > i else "" for i in (1, 2)]
             lead = [f"{r[k]:.0f}" if r.get(k) is not None else "" for k in ("lead_p10", "lead_median")]
             us = f"{r['us_per_step']:.1f}" if "us_per_step" in r else ""
-            lines.append(f"{r['policy']:<20} {r['x_data']:>10.3f} {r['vs_min']:>8.4f} {cells[0]:>8} {cells[1]:>8} {lead[0]:>9} {lead[1]:>9} {us:>8}")
+            lines.append(
+                f"{r['policy']:<20} {r['x_data']:>10.3f} {r['vs_min']:>8.4f} {cells[0]:>8} {cells[1]:>8} {lead[0]:>9} {lead[1]:>9} {us:>8}"  # noqa: E501 - kept whole
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -122,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--items", type=int, default=1000, help="catalog items (default 1000)")
     p.add_argument("--epochs", type=int, default=3, help="epochs (default 3)")
     p.add_argument("--seed", type=int, default=0, help="plan and size seed (default 0)")
-    p.add_argument("--reserve-items", type=int, default=16, help="prefetch reserve of the second auto row, in largest items (default 16)")
+    p.add_argument(
+        "--reserve-items", type=int, default=16, help="prefetch reserve of the second auto row, in largest items (default 16)"
+    )
     p.add_argument("--horizon", type=int, default=2, help="epochs of next uses the online policy sees (default 2)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)

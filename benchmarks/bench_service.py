@@ -138,8 +138,15 @@ def in_process(endpoint: str, tmp: str, items: int, count: int) -> dict[str, flo
     from cachepipe import Pipeline
 
     samples: list[int] = []
-    with Pipeline(f"s3://{BUCKET}/tiny/", f"{tmp}/inproc", "4GiB", storage_options={"endpoint_url": endpoint},
-                  auto_ack=False, lease_timeout=600, keep_on_close=True) as pipe:
+    with Pipeline(
+        f"s3://{BUCKET}/tiny/",
+        f"{tmp}/inproc",
+        "4GiB",
+        storage_options={"endpoint_url": endpoint},
+        auto_ack=False,
+        lease_timeout=600,
+        keep_on_close=True,
+    ) as pipe:
         deadline = time.monotonic() + 600
         while pipe.stats().items_ready < items:
             if time.monotonic() > deadline:
@@ -162,7 +169,7 @@ def parallel(sock: str, consumers: int, items: int) -> dict[str, float]:
     ]
     try:
         for proc in procs:
-            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"  # noqa: PT018 - one invariant
         go = time.monotonic()
         for proc in procs:
             assert proc.stdin is not None
@@ -183,8 +190,13 @@ def parallel(sock: str, consumers: int, items: int) -> dict[str, float]:
     if total != items:
         raise RuntimeError(f"consumers got {total} items, expected {items}")
     seconds = max(r["end"] for r in results) - go
-    return {"consumers": consumers, "items": total, "seconds": round(seconds, 3), "items_per_s": round(total / seconds, 1),
-            "per_consumer": sorted(r["count"] for r in results)}
+    return {
+        "consumers": consumers,
+        "items": total,
+        "seconds": round(seconds, 3),
+        "items_per_s": round(total / seconds, 1),
+        "per_consumer": sorted(r["count"] for r in results),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,8 +232,12 @@ def main(argv: list[str] | None = None) -> int:
                 "socket": sock,
                 "log_level": "warning",
                 "pipelines": {
-                    name: {"source": f"s3://{BUCKET}/tiny/", "cache_dir": f"{tmp}/{name}", "capacity": "4GiB",
-                           "storage_options": {"endpoint_url": endpoint}}
+                    name: {
+                        "source": f"s3://{BUCKET}/tiny/",
+                        "cache_dir": f"{tmp}/{name}",
+                        "capacity": "4GiB",
+                        "storage_options": {"endpoint_url": endpoint},
+                    }
                     for name in ("rt", "par")
                 },
             }
@@ -233,11 +249,16 @@ def main(argv: list[str] | None = None) -> int:
                 code = daemon.stop()
                 if code != 0:
                     raise RuntimeError(f"the daemon exited with {code}:\n{daemon.log()}")
-            latencies["in-process Pipeline.get+ack (baseline)"] = in_process(endpoint, tmp, args.round_trips + WARMUP, args.round_trips)
+            latencies["in-process Pipeline.get+ack (baseline)"] = in_process(
+                endpoint, tmp, args.round_trips + WARMUP, args.round_trips
+            )
     finally:
         server.stop()
 
-    command = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.executable), os.path.relpath(__file__), *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join(
+        shlex.quote(a)
+        for a in [os.path.relpath(sys.executable), os.path.relpath(__file__), *(argv if argv is not None else sys.argv[1:])]
+    )
     result = {
         "date": date.today().isoformat(),
         "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
@@ -254,15 +275,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"cachepipe service benchmark, {result['date']}, {result['machine']}")
     print(f"command: {command}")
-    print(f"{args.items} items of {args.size} B per pipeline, all prefetched before timing "
-          f"(upload {result['upload_seconds']} s, prefetch of both pipelines {result['prefetch_seconds']} s)")
+    print(
+        f"{args.items} items of {args.size} B per pipeline, all prefetched before timing "
+        f"(upload {result['upload_seconds']} s, prefetch of both pipelines {result['prefetch_seconds']} s)"
+    )
     print()
     print(f"{'one client, Unix socket, keep-alive':<44} {'n':>6} {'p50 us':>9} {'p99 us':>9} {'mean us':>9}")
     for label, row in latencies.items():
         print(f"{label:<44} {row['n']:>6} {row['p50_us']:>9} {row['p99_us']:>9} {row['mean_us']:>9}")
     print()
-    print(f"{par['consumers']} consumer processes, auto-ack: {par['items']} items in {par['seconds']} s = "
-          f"{par['items_per_s']} items/s (per consumer: {par['per_consumer']})")
+    print(
+        f"{par['consumers']} consumer processes, auto-ack: {par['items']} items in {par['seconds']} s = "
+        f"{par['items_per_s']} items/s (per consumer: {par['per_consumer']})"
+    )
     return 0
 
 

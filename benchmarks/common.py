@@ -87,8 +87,9 @@ def upload(endpoint: str, cases: Iterable[Case]) -> None:
     """Create the bucket and put every file of ``cases`` (seeded random bytes) at ``case.prefix/folderNNN/``."""
     import boto3
 
-    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                      aws_access_key_id=CREDENTIALS, aws_secret_access_key=CREDENTIALS)
+    s3 = boto3.client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=CREDENTIALS, aws_secret_access_key=CREDENTIALS
+    )
     s3.create_bucket(Bucket=BUCKET)
     jobs = []
     for case in cases:
@@ -249,11 +250,13 @@ def add_dataset_options(p: argparse.ArgumentParser, defaults: Mapping[str, tuple
     """Add ``--folders``, ``--video-mib``, ``--small-folders``, ``--small-files`` and ``--small-kib``
     (the sizes of :func:`build_cases`). ``defaults`` maps each dest to ``(default, with --quick)``,
     shown in the help; fill them in with :func:`apply_defaults`."""
-    for dest, kind, what in (("folders", int, "folders in the video case"),
-                             ("video_mib", float, "MiB of video.mp4 per folder"),
-                             ("small_folders", int, "folders in the small-files case"),
-                             ("small_files", int, "files per folder in the small-files case"),
-                             ("small_kib", int, "KiB per small file")):
+    for dest, kind, what in (
+        ("folders", int, "folders in the video case"),
+        ("video_mib", float, "MiB of video.mp4 per folder"),
+        ("small_folders", int, "folders in the small-files case"),
+        ("small_files", int, "files per folder in the small-files case"),
+        ("small_kib", int, "KiB per small file"),
+    ):
         full, quick = defaults[dest]
         p.add_argument(f"--{dest.replace('_', '-')}", type=kind, help=f"{what} (default {full:g}; --quick {quick:g})")
 
@@ -266,8 +269,12 @@ def add_cachepipe_options(p: argparse.ArgumentParser) -> None:
 
 def add_server_option(p: argparse.ArgumentParser) -> None:
     """Add ``--server {subprocess,inprocess}``, the ``mode`` of :class:`Server`."""
-    p.add_argument("--server", choices=("subprocess", "inprocess"), default="subprocess",
-                   help="run the moto server in a child process (default) or in a thread of this process")
+    p.add_argument(
+        "--server",
+        choices=("subprocess", "inprocess"),
+        default="subprocess",
+        help="run the moto server in a child process (default) or in a thread of this process",
+    )
 
 
 def apply_defaults(args: argparse.Namespace, defaults: Mapping[str, tuple[float, float]]) -> None:
@@ -323,7 +330,7 @@ def format_table(cols: Sequence[str], rows: Sequence[Sequence[str]], left: int =
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=False)))
 
     return [line(cols), "  ".join("-" * w for w in widths), *(line(row) for row in rows)]
 

@@ -199,7 +199,10 @@ class Link:
     def cap(self, rate: str, burst: str = "64kb", latency: str = "50ms") -> None:
         """Cap both directions at ``rate`` (tc syntax, e.g. ``400mbit``): a tbf on each end's egress.
         The burst is one GSO segment's worth; latency bounds the queue the way a router's does."""
-        for argv in (["tc", "qdisc", "replace", "dev", self.host_veth], self.exec_argv(["tc", "qdisc", "replace", "dev", self.ns_veth])):
+        for argv in (
+            ["tc", "qdisc", "replace", "dev", self.host_veth],
+            self.exec_argv(["tc", "qdisc", "replace", "dev", self.ns_veth]),
+        ):
             _run(*argv, "root", "tbf", "rate", rate, "burst", burst, "latency", latency)
         self.rate = rate
 
@@ -268,8 +271,9 @@ async def _forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, d
         reading.cancel()
 
 
-async def _serve_connection(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter,
-                            upstream: tuple[str, int], delay: float) -> None:
+async def _serve_connection(
+    client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter, upstream: tuple[str, int], delay: float
+) -> None:
     loop = asyncio.get_running_loop()
     handshake_done = loop.time() + 2 * delay  # the round trip a real connect would have cost
     try:
@@ -277,8 +281,10 @@ async def _serve_connection(client_reader: asyncio.StreamReader, client_writer: 
     except OSError:
         client_writer.close()
         return
-    directions = [asyncio.ensure_future(_forward(client_reader, up_writer, delay, handshake_done)),
-                  asyncio.ensure_future(_forward(up_reader, client_writer, delay, 0.0))]
+    directions = [
+        asyncio.ensure_future(_forward(client_reader, up_writer, delay, handshake_done)),
+        asyncio.ensure_future(_forward(up_reader, client_writer, delay, 0.0)),
+    ]
     try:
         await asyncio.gather(*directions)
     except (ConnectionError, OSError):
@@ -290,8 +296,9 @@ async def _serve_connection(client_reader: asyncio.StreamReader, client_writer: 
             w.close()
 
 
-async def serve_proxy(upstream: tuple[str, int], delay: float, listen: tuple[str, int] = ("127.0.0.1", 0),
-                      on_ready: Any = None) -> None:
+async def serve_proxy(
+    upstream: tuple[str, int], delay: float, listen: tuple[str, int] = ("127.0.0.1", 0), on_ready: Any = None
+) -> None:
     """Serve the delay proxy until cancelled; ``on_ready(port)`` is called once it listens."""
     server = await asyncio.start_server(lambda r, w: _serve_connection(r, w, upstream, delay), *listen, limit=4 * PROXY_CHUNK)
     if on_ready is not None:
@@ -304,8 +311,19 @@ class ProxyProcess:
     """:func:`serve_proxy` in a child process (its own CPU and GIL); ``endpoint`` is where to connect."""
 
     def __init__(self, upstream: tuple[str, int], delay: float) -> None:
-        self.proc = start_child([sys.executable, os.path.abspath(__file__), "proxy", "--upstream", f"{upstream[0]}:{upstream[1]}",
-                                 "--delay-ms", repr(delay * 1000)], stdout=subprocess.PIPE, text=True)
+        self.proc = start_child(
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "proxy",
+                "--upstream",
+                f"{upstream[0]}:{upstream[1]}",
+                "--delay-ms",
+                repr(delay * 1000),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         ready, _, _ = select.select([self.proc.stdout], [], [], 30)
         line = self.proc.stdout.readline() if ready else ""
         if not line.strip().isdigit():
@@ -336,8 +354,11 @@ def _selftest(rate: str, rtt: float, mib: int) -> None:
     """Build the link, measure its round trip and single-stream rate through the proxy, tear it down."""
     with Link() as link:
         link.cap(rate)
-        source = start_child(link.exec_argv([sys.executable, os.path.abspath(__file__), "_source", "--bind", f"{link.ns_ip}:0"]),
-                             stdout=subprocess.PIPE, text=True)
+        source = start_child(
+            link.exec_argv([sys.executable, os.path.abspath(__file__), "_source", "--bind", f"{link.ns_ip}:0"]),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         proxy = None
         try:
             port = int(source.stdout.readline())
@@ -355,8 +376,12 @@ def _selftest(rate: str, rtt: float, mib: int) -> None:
                 while got < mib * 2**20:
                     got += conn.recv_into(buf)
                 seconds = time.perf_counter() - t
-            print(f"netns {link.ns}: {link.host_ip} <-> {link.ns_ip}, tbf {rate} each way, proxy delay {rtt / 2 * 1000:g} ms each way")
-            print(f"round trip: median {sorted(rtts)[len(rtts) // 2] * 1000:.1f} ms (first, with the handshake: {rtts[0] * 1000:.1f} ms)")
+            print(
+                f"netns {link.ns}: {link.host_ip} <-> {link.ns_ip}, tbf {rate} each way, proxy delay {rtt / 2 * 1000:g} ms each way"  # noqa: E501 - kept whole
+            )
+            print(
+                f"round trip: median {sorted(rtts)[len(rtts) // 2] * 1000:.1f} ms (first, with the handshake: {rtts[0] * 1000:.1f} ms)"  # noqa: E501 - kept whole
+            )
             print(f"one stream: {got / seconds / 1e6:.1f} MB/s ({got * 8 / seconds / 1e6:.0f} Mbit/s of payload)")
         finally:
             if proxy is not None:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_link  # noqa: E402
-from seaweed import S3Server, signed_headers, weed_binary  # noqa: E402
+import bench_link
+from seaweed import S3Server, signed_headers, weed_binary
 
 
 def first_page_seconds(endpoint: str, prefix: str, max_keys: int) -> tuple[float, int]:
@@ -81,14 +81,23 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
         shutil.rmtree(data, ignore_errors=True)
     medians = {name: statistics.median(values) for name, values in times.items()}
-    report = {"max_keys": args.max_keys, "folders": {c.name: c.folders for c in cases}, "upload_s": uploaded,
-              "keys": keys, "seconds": times, "median_s": medians, "ratio": medians["large"] / medians["small"]}
+    report = {
+        "max_keys": args.max_keys,
+        "folders": {c.name: c.folders for c in cases},
+        "upload_s": uploaded,
+        "keys": keys,
+        "seconds": times,
+        "median_s": medians,
+        "ratio": medians["large"] / medians["small"],
+    }
     if args.json:
         print(json.dumps(report))
         return 0
     for case in cases:
-        print(f"{case.name:5}  {case.folders:>7,} folders  first page ({keys[case.name]} keys): median "
-              f"{medians[case.name] * 1e3:6.1f} ms  runs {[round(t * 1e3) for t in times[case.name]]}")
+        print(
+            f"{case.name:5}  {case.folders:>7,} folders  first page ({keys[case.name]} keys): median "
+            f"{medians[case.name] * 1e3:6.1f} ms  runs {[round(t * 1e3) for t in times[case.name]]}"
+        )
     print(f"ratio large/small: {report['ratio']:.2f}")
     return 0
 

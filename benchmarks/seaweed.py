@@ -34,8 +34,16 @@ from netlink import cpu_seconds, start_child, stop_child
 
 S3_PORT = 8333
 READY_TIMEOUT = 90.0
-WEED_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
-              "s3.port", "s3.port.grpc")
+WEED_PORTS = (
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+)
 
 
 def weed_binary() -> str | None:
@@ -74,9 +82,9 @@ def signed_headers(method: str, url: str, body: bytes | None = None) -> dict[str
 
 def _status(method: str, url: str, body: bytes | None) -> int | str:
     """The HTTP status of one signed request, or the connection error's text."""
-    request = urllib.request.Request(url, data=body, method=method, headers=signed_headers(method, url, body))
+    request = urllib.request.Request(url, data=body, method=method, headers=signed_headers(method, url, body))  # noqa: S310 - a local http:// URL built here
     try:
-        with urllib.request.urlopen(request, timeout=5) as resp:
+        with urllib.request.urlopen(request, timeout=5) as resp:  # noqa: S310 - a local http:// URL built here
             resp.read()
             return resp.status
     except urllib.error.HTTPError as exc:
@@ -90,8 +98,9 @@ class S3Server:
     ``endpoint`` is its URL on ``host``; its data and log go to ``data_dir``, which the caller
     creates and deletes. Call :meth:`stop` when done."""
 
-    def __init__(self, kind: str, host: str, data_dir: Path, bucket: str,
-                 exec_argv: Callable[[Sequence[str]], list[str]] | None = None) -> None:
+    def __init__(
+        self, kind: str, host: str, data_dir: Path, bucket: str, exec_argv: Callable[[Sequence[str]], list[str]] | None = None
+    ) -> None:
         self.kind = kind
         self.host = host
         self.log_path = data_dir / "server.log"
@@ -104,23 +113,36 @@ class S3Server:
             # shared /tmp after some ports (/tmp/seaweedfs-filer-grpc-<port>.sock): ports that
             # depend on the pid keep two concurrent runs apart. In the shared namespace, free ones.
             base = 20000 + 10 * (os.getpid() % 4000)
-            ports = ([base + i for i in range(len(WEED_PORTS))] if in_netns
-                     else _free_ports(host, len(WEED_PORTS)))
+            ports = [base + i for i in range(len(WEED_PORTS))] if in_netns else _free_ports(host, len(WEED_PORTS))
             self.port = ports[WEED_PORTS.index("s3.port")]
-            argv = [weed, "server", f"-dir={data_dir}", f"-ip={host}", f"-ip.bind={'0.0.0.0' if in_netns else host}",
-                    "-filer", "-s3", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                    "-master.telemetry=false", "-master.volumeSizeLimitMB=1024",
-                    # unix sockets default to /tmp/seaweedfs-<name>-<port>.sock: keep them per run
-                    f"-filer.localSocket={data_dir}/filer.sock", f"-s3.localSocket={data_dir}/s3.sock",
-                    *(f"-{name}={port}" for name, port in zip(WEED_PORTS, ports, strict=True))]
+            argv = [
+                weed,
+                "server",
+                f"-dir={data_dir}",
+                f"-ip={host}",
+                f"-ip.bind={'0.0.0.0' if in_netns else host}",  # noqa: S104 - only inside a private network namespace
+                "-filer",
+                "-s3",
+                "-webdav=false",
+                "-s3.port.iceberg=0",
+                "-s3.port.lance=0",
+                "-master.telemetry=false",
+                "-master.volumeSizeLimitMB=1024",
+                # unix sockets default to /tmp/seaweedfs-<name>-<port>.sock: keep them per run
+                f"-filer.localSocket={data_dir}/filer.sock",
+                f"-s3.localSocket={data_dir}/s3.sock",
+                *(f"-{name}={port}" for name, port in zip(WEED_PORTS, ports, strict=True)),
+            ]
         elif kind == "moto":
             self.port = S3_PORT if in_netns else _free_ports(host, 1)[0]
-            argv = [sys.executable, "-m", "moto.server", "-H", "0.0.0.0" if in_netns else host, "-p", str(self.port)]
+            argv = [sys.executable, "-m", "moto.server", "-H", "0.0.0.0" if in_netns else host, "-p", str(self.port)]  # noqa: S104 - only inside a private network namespace
         else:
             raise ValueError(f"server kind {kind!r}: expected 'seaweedfs' or 'moto'")
         self.endpoint = f"http://{host}:{self.port}"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (open while the server runs; closed by stop())
-        self.proc = start_child(exec_argv(argv) if exec_argv is not None else argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=data_dir)
+        self.proc = start_child(
+            exec_argv(argv) if exec_argv is not None else argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=data_dir
+        )
         try:
             self._wait_ready(bucket)
         except BaseException:
@@ -131,8 +153,12 @@ class S3Server:
         """Until the bucket exists and an object can be written, read back and deleted (SeaweedFS
         answers before its volume server has registered), or READY_TIMEOUT."""
         probe = f"{self.endpoint}/{bucket}/.ready"
-        steps = ((("PUT", f"{self.endpoint}/{bucket}", None), {200, 409}),  # 409: the bucket exists already
-                 (("PUT", probe, b"ok"), {200}), (("GET", probe, None), {200}), (("DELETE", probe, None), {200, 204}))
+        steps = (
+            (("PUT", f"{self.endpoint}/{bucket}", None), {200, 409}),  # 409: the bucket exists already
+            (("PUT", probe, b"ok"), {200}),
+            (("GET", probe, None), {200}),
+            (("DELETE", probe, None), {200, 204}),
+        )
         deadline = time.monotonic() + READY_TIMEOUT
         last = "no answer"
         while time.monotonic() < deadline:
@@ -146,8 +172,10 @@ class S3Server:
             else:
                 return
             time.sleep(0.2)
-        raise TimeoutError(f"the {self.kind} server at {self.endpoint} was not ready within {READY_TIMEOUT:g} s "
-                           f"(last: {last}): {self.log_tail()}")
+        raise TimeoutError(
+            f"the {self.kind} server at {self.endpoint} was not ready within {READY_TIMEOUT:g} s "
+            f"(last: {last}): {self.log_tail()}"
+        )
 
     def log_tail(self, lines: int = 10) -> str:
         try:

@@ -14,7 +14,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass
-from typing import Generic, Literal, TypeVar
+from typing import Generic, Literal, TypeVar, cast
 
 __all__ = ["Broker", "Closed", "Failed", "FailureKind", "Lease"]
 
@@ -142,10 +142,12 @@ class Broker(Generic[T]):
             try:
                 while True:
                     if self._closed:
-                        raise Closed()
+                        raise Closed
                     now = time.monotonic()
                     next_expiry = self._expire(now)
-                    if self._ready and (not self.ordered or self._ready[0][0] <= self._frontier or self._ready[0][0] in self._resolved):
+                    if self._ready and (
+                        not self.ordered or self._ready[0][0] <= self._frontier or self._ready[0][0] in self._resolved
+                    ):
                         seq, name, value = heapq.heappop(self._ready)
                         if seq >= self._frontier and seq not in self._resolved:
                             self._fresh -= 1
@@ -154,7 +156,7 @@ class Broker(Generic[T]):
                         if isinstance(value, Failed):
                             return value
                         expires = None if self.lease_timeout is None else now + self.lease_timeout
-                        lease = Lease(seq, name, value, f"{next(self._ids):x}-{seq}", expires)  # type: ignore[arg-type]
+                        lease = Lease(seq, name, cast("T", value), f"{next(self._ids):x}-{seq}", expires)
                         self._leases[name] = lease
                         return lease
                     if self._finished and self._pending == 0 and not self._ready and next_expiry is None:

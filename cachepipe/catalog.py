@@ -22,7 +22,7 @@ from typing import Literal, overload
 from .errors import UnsafeKeyError
 from .stores.base import ObjectInfo
 
-__all__ = ["Catalog", "FileEntry", "Item", "Names", "RESERVED_NAMES", "check_key", "group_items"]
+__all__ = ["RESERVED_NAMES", "Catalog", "FileEntry", "Item", "Names", "check_key", "group_items"]
 
 #: top-level names cachepipe keeps for itself inside the cache directory
 RESERVED_NAMES = frozenset({".cachepipe"})
@@ -243,8 +243,20 @@ class Catalog(Sequence[Item]):
         ValueError: an unknown ``mode``, or an item that does not fit (see :meth:`append`).
     """
 
-    __slots__ = ("mode", "_names", "_sizes", "_first_file", "_rels", "_file_sizes", "_etag_kinds",
-                 "_digests", "_etag_texts", "_suffix", "_last_key", "_sorted")
+    __slots__ = (
+        "_digests",
+        "_etag_kinds",
+        "_etag_texts",
+        "_file_sizes",
+        "_first_file",
+        "_last_key",
+        "_names",
+        "_rels",
+        "_sizes",
+        "_sorted",
+        "_suffix",
+        "mode",
+    )
 
     def __init__(self, items: Iterable[Item] = (), mode: Literal["folders", "files"] = "folders") -> None:
         if mode not in ("folders", "files"):
@@ -296,7 +308,9 @@ class Catalog(Sequence[Item]):
         for f in item.files:
             expected = f"{item.name}/{f.rel}" if f.rel else item.name
             if f.key != expected:
-                raise ValueError(f"file key {f.key!r} of item {item.name!r}: expected {expected!r} (keys are derived from the name and rel)")
+                raise ValueError(
+                    f"file key {f.key!r} of item {item.name!r}: expected {expected!r} (keys are derived from the name and rel)"
+                )
         self._extend([(item.name, item.size, [(f.rel, f.size, f.etag) for f in item.files])])
 
     def add(self, name: str, files: Iterable[tuple[str, int, str | None]]) -> None:
@@ -315,7 +329,13 @@ class Catalog(Sequence[Item]):
         suffix, last_key, ordered = self._suffix, self._last_key, self._sorted
         names, rels, texts = self._names, self._rels, self._etag_texts
         name_data, name_offsets, rel_data, rel_offsets = names.data, names.offsets, rels.data, rels.offsets
-        sizes, first_file, file_sizes, kinds, digests = self._sizes, self._first_file, self._file_sizes, self._etag_kinds, self._digests
+        sizes, first_file, file_sizes, kinds, digests = (
+            self._sizes,
+            self._first_file,
+            self._file_sizes,
+            self._etag_kinds,
+            self._digests,
+        )
         try:
             for name, size, files in entries:
                 # Checked before anything of the item is stored: a bad one leaves the catalog as it was.
@@ -323,16 +343,24 @@ class Catalog(Sequence[Item]):
                     raise TypeError(f"item name {name!r}: expected a str")
                 total = 0
                 for rel, file_size, etag in files:
-                    if not isinstance(rel, str) or not isinstance(file_size, int) or isinstance(file_size, bool) \
-                            or not (etag is None or isinstance(etag, str)):
-                        raise TypeError(f"file {(rel, file_size, etag)!r} of item {name!r}: expected (rel: str, size: int, etag: str or None)")
+                    if (
+                        not isinstance(rel, str)
+                        or not isinstance(file_size, int)
+                        or isinstance(file_size, bool)
+                        or not (etag is None or isinstance(etag, str))
+                    ):
+                        raise TypeError(
+                            f"file {(rel, file_size, etag)!r} of item {name!r}: expected (rel: str, size: int, etag: str or None)"
+                        )
                     if not 0 <= file_size <= _MAX_SIZE:
                         raise ValueError(f"file {rel!r} of item {name!r}: size {file_size} bytes, expected 0 to {_MAX_SIZE}")
                     total += file_size
                 if files_mode and (len(files) != 1 or files[0][0] != ""):
-                    raise ValueError(f"item {name!r} has files {[f[0] for f in files]!r}: a single-file item has one, with rel ''")
+                    raise ValueError(
+                        f"item {name!r} has files {[f[0] for f in files]!r}: a single-file item has one, with rel ''"
+                    )
                 if size is None:
-                    size = total
+                    size = total  # noqa: PLW2901 - the loop value normalised on purpose
                 if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= _MAX_SIZE:
                     raise ValueError(f"item {name!r}: size {size!r}, expected an int from 0 to {_MAX_SIZE} (bytes)")
                 encoded = name.encode("utf-8", _UTF8_ERRORS)
@@ -406,7 +434,7 @@ class Catalog(Sequence[Item]):
         return Names(self)
 
     @property
-    def sizes(self) -> array:
+    def sizes(self) -> array[int]:
         """Item sizes in bytes, by position: the catalog's own ``array('q')``; do not modify it."""
         return self._sizes
 
@@ -419,8 +447,14 @@ class Catalog(Sequence[Item]):
     def nbytes(self) -> int:
         """Bytes held by the columns (buffers and arrays, without their over-allocation)."""
         arrays = (self._sizes, self._first_file, self._file_sizes)
-        return (self._names.nbytes + self._rels.nbytes + self._etag_texts.nbytes + len(self._etag_kinds)
-                + len(self._digests) + sum(a.itemsize * len(a) for a in arrays))
+        return (
+            self._names.nbytes
+            + self._rels.nbytes
+            + self._etag_texts.nbytes
+            + len(self._etag_kinds)
+            + len(self._digests)
+            + sum(a.itemsize * len(a) for a in arrays)
+        )
 
     def find(self, name: str) -> int:
         """The position of the item called ``name``, or -1. A binary search when the names were

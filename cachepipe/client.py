@@ -39,7 +39,7 @@ from urllib.parse import quote, urlsplit
 from .errors import CachePipeError, UnknownItemError
 from .items import PathItem
 
-__all__ = ["Client", "ServedItem", "ServiceError", "DEFAULT_SOCKET", "default_socket"]
+__all__ = ["DEFAULT_SOCKET", "Client", "ServedItem", "ServiceError", "default_socket"]
 
 log = logging.getLogger("cachepipe.client")
 
@@ -80,9 +80,11 @@ class ServedItem(PathItem):
         pipeline: the name of the pipeline it came from.
     """
 
-    __slots__ = ("path", "name", "size", "files", "lease", "pipeline")
+    __slots__ = ("files", "lease", "name", "path", "pipeline", "size")
 
-    def __init__(self, path: str | os.PathLike[str], name: str, lease: str, size: int = 0, files: tuple[str, ...] = (), pipeline: str = "") -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], name: str, lease: str, size: int = 0, files: tuple[str, ...] = (), pipeline: str = ""
+    ) -> None:
         self.path = Path(path)
         self.name = name
         self.lease = lease
@@ -92,10 +94,19 @@ class ServedItem(PathItem):
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ServedItem:
-        return cls(data["path"], data["name"], data["lease"], data.get("size", 0), tuple(data.get("files", ())), data.get("pipeline", ""))
+        return cls(
+            data["path"], data["name"], data["lease"], data.get("size", 0), tuple(data.get("files", ())), data.get("pipeline", "")
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"pipeline": self.pipeline, "name": self.name, "path": str(self.path), "lease": self.lease, "size": self.size, "files": list(self.files)}
+        return {
+            "pipeline": self.pipeline,
+            "name": self.name,
+            "path": str(self.path),
+            "lease": self.lease,
+            "size": self.size,
+            "files": list(self.files),
+        }
 
     def __repr__(self) -> str:
         return f"ServedItem({str(self.path)!r}, lease={self.lease!r})"
@@ -292,7 +303,8 @@ class Client:
         status, data = self._request("GET", "/v1/status", None, self.request_timeout)
         if status != 200:
             self._raise_for(status, data)
-        return json.loads(data)
+        reply: dict[str, Any] = json.loads(data)
+        return reply
 
     def health(self) -> dict[str, Any]:
         """``GET /v1/health``: ``{"status": "ok" | "degraded" | "stopping", "pipelines": ...}``
@@ -301,7 +313,8 @@ class Client:
         status, data = self._request("GET", "/v1/health", None, self.request_timeout)
         if status not in (200, 503) or not data:
             self._raise_for(status, data)
-        return json.loads(data)
+        reply: dict[str, Any] = json.loads(data)
+        return reply
 
     def metrics(self) -> str:
         """The Prometheus text exposition (``GET /metrics``)."""
@@ -348,7 +361,9 @@ class Client:
                     data = response.read()
                 except TimeoutError as exc:
                     self._drop()
-                    raise TimeoutError(f"the cachepipe daemon at {self.address} did not answer {method} {path} within {timeout:g} s") from exc
+                    raise TimeoutError(
+                        f"the cachepipe daemon at {self.address} did not answer {method} {path} within {timeout:g} s"
+                    ) from exc
                 except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
                     self._drop()
                     if fresh or attempt:

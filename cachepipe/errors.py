@@ -28,21 +28,21 @@ chained to the original with ``raise ... from``.
 from __future__ import annotations
 
 __all__ = [
-    "CachePipeError",
-    "ConfigError",
-    "UnsafeKeyError",
-    "OversizeError",
-    "EmptySourceError",
-    "CacheLockedError",
-    "UnknownItemError",
-    "ItemFailedError",
-    "StoreUnavailableError",
-    "VerificationError",
-    "PrepareOverflowError",
     "ArchiveError",
-    "UnsafeMemberError",
     "ArchiveTooLargeError",
+    "CacheLockedError",
+    "CachePipeError",
     "ChecksumError",
+    "ConfigError",
+    "EmptySourceError",
+    "ItemFailedError",
+    "OversizeError",
+    "PrepareOverflowError",
+    "StoreUnavailableError",
+    "UnknownItemError",
+    "UnsafeKeyError",
+    "UnsafeMemberError",
+    "VerificationError",
     "is_transient",
 ]
 

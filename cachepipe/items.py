@@ -8,7 +8,7 @@ from pathlib import Path
 __all__ = ["PathItem"]
 
 
-class PathItem(os.PathLike):
+class PathItem(os.PathLike[str]):
     """An item usable wherever a path is: ``open(item / "text.txt")``, ``os.fspath(item)``.
 
     Subclasses set ``path`` (a :class:`~pathlib.Path`) and add their own attributes.

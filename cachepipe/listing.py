@@ -20,7 +20,7 @@ from .errors import is_transient
 from .stores import Store
 from .stores.base import ObjectInfo
 
-__all__ = ["StreamingListing", "FIRST_PAGE_OBJECTS", "QUEUE_ITEMS"]
+__all__ = ["FIRST_PAGE_OBJECTS", "QUEUE_ITEMS", "StreamingListing"]
 
 log = logging.getLogger("cachepipe")
 
@@ -138,10 +138,12 @@ class StreamingListing:
                         raise
                     delay = self._backoff(attempt)
                     attempt += 1
-                    log.warning("listing %s failed, retry %d/%d in %.2fs: %s", self._store.url, attempt, self._retries, delay, exc)
+                    log.warning(
+                        "listing %s failed, retry %d/%d in %.2fs: %s", self._store.url, attempt, self._retries, delay, exc
+                    )
                     if self._stop.wait(delay):
                         return
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - stored and raised again to the consumer
             with self._cond:
                 self.error, self._early_error = exc, not self._first_page
         finally:

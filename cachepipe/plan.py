@@ -55,8 +55,17 @@ from typing import Any, Literal, NamedTuple
 from .catalog import Item
 
 __all__ = [
-    "Cursor", "Step", "Plan", "GrowingPlan", "Frontier", "permutation", "split", "default_rank_world",
-    "default_worker", "tick", "EPOCHS_CACHED",
+    "EPOCHS_CACHED",
+    "Cursor",
+    "Frontier",
+    "GrowingPlan",
+    "Plan",
+    "Step",
+    "default_rank_world",
+    "default_worker",
+    "permutation",
+    "split",
+    "tick",
 ]
 
 STATE_VERSION = 1
@@ -71,14 +80,14 @@ class Cursor(NamedTuple):
     """A position in a plan: ``index`` counts the steps of this share within ``epoch``."""
 
     epoch: int
-    index: int
+    index: int  # type: ignore[assignment]  # a field named like tuple.index, on purpose
 
 
 class Step(NamedTuple):
     """One planned read: the ``index``-th item of this share in ``epoch`` is catalog ``item``."""
 
     epoch: int
-    index: int
+    index: int  # type: ignore[assignment]  # a field named like tuple.index, on purpose
     item: int
 
     @property
@@ -98,19 +107,21 @@ def _derive(*parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big")
 
 
-def permutation(n: int, seed: int, epoch: int) -> array:
+def permutation(n: int, seed: int, epoch: int) -> array[int]:
     """The permutation of ``range(n)`` for ``epoch``: a Fisher-Yates shuffle driven by
     ``random.Random(derived seed).random()``, whose output Python guarantees across versions
     (``Random.shuffle`` is not guaranteed). Same ``(n, seed, epoch)``, same permutation."""
     order = array("I", range(n))
-    rand = random.Random(_derive(seed, epoch)).random
+    rand = random.Random(_derive(seed, epoch)).random  # noqa: S311 - a shuffle order, not a secret
     for i in range(n - 1, 0, -1):
         j = int(rand() * (i + 1))
         order[i], order[j] = order[j], order[i]
     return order
 
 
-def split(order: Sequence[int], sizes: Sequence[int], parts: int, part: int, balance: Literal["bytes", "count"] = "bytes") -> array:
+def split(
+    order: Sequence[int], sizes: Sequence[int], parts: int, part: int, balance: Literal["bytes", "count"] = "bytes"
+) -> array[int]:
     """The subsequence of ``order`` that belongs to ``part`` of ``parts`` (see the module notes)."""
     if parts == 1:
         return array("I", order)
@@ -227,7 +238,7 @@ class Plan:
         if epochs is not None:
             _check_int("epochs", epochs, 1)
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"seed {seed!r}: expected an integer")
+            raise ValueError(f"seed {seed!r}: expected an integer")  # noqa: TRY004 - ValueError is what callers of this public function already catch
         if rank is None and world_size is None:
             rank, world_size = default_rank_world()
         elif rank is None or world_size is None:
@@ -252,7 +263,7 @@ class Plan:
         self.rank, self.world_size, self.worker, self.num_workers = rank, world_size, worker, num_workers
         self.balance, self.partition = balance, partition
         self._lock = threading.Lock()  # the epoch caches may be read by the fetcher and the cache
-        self._shares: OrderedDict[int, array] = OrderedDict()
+        self._shares: OrderedDict[int, array[int]] = OrderedDict()
         self._mine: bytearray | None = None  # partition="fixed": membership of this rank
         self._digest: str | None = None
         self.start = Cursor(0, 0)
@@ -266,13 +277,13 @@ class Plan:
         )
 
     # ---- one epoch -------------------------------------------------------------------
-    def order(self, epoch: int) -> array:
+    def order(self, epoch: int) -> array[int]:
         """The whole epoch's order (all ranks), before splitting."""
         if self.shuffle:
             return permutation(self.n_items, self.seed, epoch)
         return array("I", range(self.n_items))
 
-    def share(self, epoch: int) -> array:
+    def share(self, epoch: int) -> array[int]:
         """The catalog indices this (rank, worker) reads in ``epoch``, in order (cached)."""
         with self._lock:
             got = self._shares.get(epoch)
@@ -285,7 +296,7 @@ class Plan:
                 self._shares.popitem(last=False)
             return got
 
-    def _compute_share(self, epoch: int) -> array:
+    def _compute_share(self, epoch: int) -> array[int]:
         order = self.order(epoch)
         if self.world_size > 1:
             if self.partition == "fixed":
@@ -314,7 +325,14 @@ class Plan:
             ValueError: a negative position, or an index beyond the end of its epoch's share.
         """
         epoch, index = cursor
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or isinstance(index, bool) or not isinstance(index, int) or epoch < 0 or index < 0:
+        if (
+            isinstance(epoch, bool)
+            or not isinstance(epoch, int)
+            or isinstance(index, bool)
+            or not isinstance(index, int)
+            or epoch < 0
+            or index < 0
+        ):
             raise ValueError(f"position {tuple(cursor)!r}: expected (epoch, index) of integers >= 0")
         if self.done(epoch):
             if (epoch, index) != (self.epochs, 0):
@@ -362,10 +380,18 @@ class Plan:
 
     def _config(self) -> dict[str, Any]:
         return {
-            "version": STATE_VERSION, "n_items": self.n_items, "sizes_digest": self.sizes_digest(),
-            "epochs": self.epochs, "shuffle": self.shuffle, "seed": self.seed,
-            "world_size": self.world_size, "rank": self.rank, "num_workers": self.num_workers,
-            "worker": self.worker, "balance": self.balance, "partition": self.partition,
+            "version": STATE_VERSION,
+            "n_items": self.n_items,
+            "sizes_digest": self.sizes_digest(),
+            "epochs": self.epochs,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "num_workers": self.num_workers,
+            "worker": self.worker,
+            "balance": self.balance,
+            "partition": self.partition,
         }
 
     def state_dict(self, consumed: Step | Cursor | tuple[int, ...] | None = None) -> dict[str, Any]:
@@ -391,10 +417,14 @@ class Plan:
         if state["n_items"] is None and "listed" in state:  # saved while the listing streamed (GrowingPlan)
             listed = state["listed"]
             if not isinstance(listed, int) or not 0 <= listed <= self.n_items:
-                raise ValueError(f"plan state was saved after {listed!r} listed items, this plan has {self.n_items} items: cannot resume")
+                raise ValueError(
+                    f"plan state was saved after {listed!r} listed items, this plan has {self.n_items} items: cannot resume"
+                )
             digest = hashlib.blake2b(self.sizes[:listed].tobytes(), digest_size=16).hexdigest()
             if digest != state["listed_digest"]:
-                raise ValueError(f"plan state was saved with other sizes of the first {listed} items than this plan's: cannot resume")
+                raise ValueError(
+                    f"plan state was saved with other sizes of the first {listed} items than this plan's: cannot resume"
+                )
             mine = {k: v for k, v in mine.items() if k not in ("n_items", "sizes_digest")}
         for key, value in mine.items():
             if state[key] != value:
@@ -451,9 +481,15 @@ class GrowingPlan:
 
     def _config(self) -> dict[str, Any]:
         if self._full is not None:
-            return self._full._config()
-        config = Plan([], epochs=1, seed=self.seed, rank=0, world_size=1)._config()
-        return {**config, "n_items": None, "sizes_digest": None, "listed": len(self.sizes), "listed_digest": self._hash.hexdigest()}
+            return self._full._config()  # noqa: SLF001 - same class
+        config = Plan([], epochs=1, seed=self.seed, rank=0, world_size=1)._config()  # noqa: SLF001 - same class
+        return {
+            **config,
+            "n_items": None,
+            "sizes_digest": None,
+            "listed": len(self.sizes),
+            "listed_digest": self._hash.hexdigest(),
+        }
 
 
 class Frontier:
@@ -505,5 +541,4 @@ class Frontier:
 
     def state_dict(self) -> dict[str, Any]:
         """The plan's state at the first unconsumed step."""
-        return {**self.plan._config(), "epoch": self.position.epoch, "index": self.position.index}
-
+        return {**self.plan._config(), "epoch": self.position.epoch, "index": self.position.index}  # noqa: SLF001 - same class

@@ -15,6 +15,7 @@ import logging
 import os
 import queue
 import shutil
+import sys
 import threading
 from collections.abc import Callable
 
@@ -61,12 +62,31 @@ def rmtree(path: str | os.PathLike[str]) -> None:
         with os.scandir(fd) as entries:
             for entry in entries:
                 if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.name, dir_fd=fd)
+                    if sys.version_info >= (3, 11):
+                        shutil.rmtree(entry.name, dir_fd=fd)
+                    else:  # shutil.rmtree has no dir_fd before 3.11
+                        _rmtree_at(fd, entry.name)
                 else:
                     os.unlink(entry.name, dir_fd=fd)
     finally:
         os.close(fd)
     os.rmdir(path)
+
+
+def _rmtree_at(dir_fd: int, name: str) -> None:
+    """``shutil.rmtree(name, dir_fd=dir_fd)`` for Python 3.10, where it has no ``dir_fd``: links
+    are unlinked, never followed, as in :func:`rmtree`."""
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    _rmtree_at(fd, entry.name)
+                else:
+                    os.unlink(entry.name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dir_fd)
 
 
 class Reaper:

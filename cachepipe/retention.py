@@ -50,11 +50,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from .plan import Plan, tick as plan_tick
+from .plan import Plan
+from .plan import tick as plan_tick
 
 __all__ = [
-    "NEVER", "NextUse", "is_placeholder", "SequenceFuture", "PlanFuture", "RetentionPolicy", "Belady", "LRU", "NoRetention",
-    "make_policy", "SimResult", "run", "simulate", "belady_min", "compulsory_bytes",
+    "LRU",
+    "NEVER",
+    "Belady",
+    "NextUse",
+    "NoRetention",
+    "PlanFuture",
+    "RetentionPolicy",
+    "SequenceFuture",
+    "SimResult",
+    "belady_min",
+    "compulsory_bytes",
+    "is_placeholder",
+    "make_policy",
+    "run",
+    "simulate",
 ]
 
 NEVER = (1 << 63) - 1  #: the next use of an item that is not read again
@@ -114,9 +128,9 @@ class PlanFuture:
         if horizon < 1:
             raise ValueError(f"horizon {horizon!r}: expected at least 1 epoch")
         self.plan, self.horizon = plan, horizon
-        self._where: OrderedDict[int, array] = OrderedDict()
+        self._where: OrderedDict[int, array[int]] = OrderedDict()
 
-    def where(self, epoch: int) -> array:
+    def where(self, epoch: int) -> array[int]:
         """For each catalog item, its index in the plan's share of ``epoch``, or -1 (cached)."""
         got = self._where.get(epoch)
         if got is not None:
@@ -350,7 +364,7 @@ class Belady(RetentionPolicy):
     def _enc(key: int, item: int) -> int:
         return -((key << _ITEM_BITS) | item)
 
-    def _top(self, heap: list[int], keys: array) -> tuple[int, int] | None:
+    def _top(self, heap: list[int], keys: array[int]) -> tuple[int, int] | None:
         """The valid entry of largest key (stale ones are dropped), not removed."""
         while heap:
             v = -heap[0]
@@ -360,7 +374,7 @@ class Belady(RetentionPolicy):
             heapq.heappop(heap)
         return None
 
-    def _push(self, heap: list[int], keys: array, key: int, item: int, live: int) -> None:
+    def _push(self, heap: list[int], keys: array[int], key: int, item: int, live: int) -> None:
         heapq.heappush(heap, self._enc(key, item))
         if len(heap) > 2 * live + 64:  # compact: drop stale entries
             heap[:] = [e for e in heap if keys[(-e) & _ITEM_MASK] == (-e) >> _ITEM_BITS]
@@ -457,7 +471,9 @@ class Belady(RetentionPolicy):
 _POLICIES: dict[str, type[RetentionPolicy]] = {"auto": Belady, "belady": Belady, "lru": LRU, "none": NoRetention}
 
 
-def make_policy(name: Literal["auto", "belady", "lru", "none"], sizes: Sequence[int], future: NextUse | None = None, *, reserve: int = 0) -> RetentionPolicy:
+def make_policy(
+    name: Literal["auto", "belady", "lru", "none"], sizes: Sequence[int], future: NextUse | None = None, *, reserve: int = 0
+) -> RetentionPolicy:
     """A policy by name (``"auto"`` is ``"belady"``).
 
     Raises:
@@ -484,13 +500,19 @@ class SimResult:
     """
 
     bytes: int
-    per_step: array
-    lead: array
+    per_step: array[int]
+    lead: array[int]
 
 
 def run(
-    policy: str | RetentionPolicy, sequence: Sequence[int], sizes: Sequence[int], capacity: int, *,
-    prefetch: int | None = None, reserve: int = 0, ticks: Sequence[int] | None = None,
+    policy: str | RetentionPolicy,
+    sequence: Sequence[int],
+    sizes: Sequence[int],
+    capacity: int,
+    *,
+    prefetch: int | None = None,
+    reserve: int = 0,
+    ticks: Sequence[int] | None = None,
 ) -> SimResult:
     """Replay ``sequence`` through a cache of ``capacity`` bytes run by ``policy`` (a name, or
     an instance whose future uses the same ticks: positions, or ``ticks`` if given, e.g. the
@@ -540,8 +562,13 @@ def run(
 
 
 def simulate(
-    policy: str | RetentionPolicy, sequence: Sequence[int], sizes: Sequence[int], capacity: int, *,
-    prefetch: int | None = None, reserve: int = 0,
+    policy: str | RetentionPolicy,
+    sequence: Sequence[int],
+    sizes: Sequence[int],
+    capacity: int,
+    *,
+    prefetch: int | None = None,
+    reserve: int = 0,
 ) -> int:
     """Bytes downloaded by :func:`run`."""
     return run(policy, sequence, sizes, capacity, prefetch=prefetch, reserve=reserve).bytes

@@ -38,7 +38,7 @@ from typing import BinaryIO
 
 from .catalog import Catalog
 
-__all__ = ["Journal", "Replay", "StateCorrupt", "load", "save_catalog", "load_catalog", "EVENT_OVERHEAD"]
+__all__ = ["EVENT_OVERHEAD", "Journal", "Replay", "StateCorrupt", "load", "load_catalog", "save_catalog"]
 
 CATALOG_VERSION = 1
 EVENT_OVERHEAD = 48  # bytes per step besides 4 x the name: kinds, spaces, newlines, epoch and index numbers
@@ -175,7 +175,7 @@ class Journal:
 
     def _truncate(self) -> None:
         """Cut the file back to :attr:`size` (its last whole line); clears the torn flag."""
-        assert self._fd is not None
+        assert self._fd is not None  # noqa: S101 - narrows a type for mypy; not input validation
         os.ftruncate(self._fd, self._size)
         self._torn = False
 
@@ -263,7 +263,7 @@ class _FdWriter(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, data) -> int:  # type: ignore[override]
+    def write(self, data: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
         view = memoryview(data).cast("B")
         done = 0
         while done < len(view):

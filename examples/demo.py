@@ -19,10 +19,10 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "demo")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "demo")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
-import boto3  # noqa: E402
-from moto.server import ThreadedMotoServer  # noqa: E402
+import boto3
+from moto.server import ThreadedMotoServer
 
-from cachepipe import Pipeline  # noqa: E402
+from cachepipe import Pipeline
 
 FOLDERS = 48
 CAPACITY = "16MiB"
@@ -68,8 +68,10 @@ def main() -> int:
                 stats = pipe.stats()
             elapsed = time.monotonic() - start
         print()
-        print(f"delivered {stats.items_handed} items, all verified, in {elapsed:.2f} s "
-              f"({stats.bytes_downloaded / 2**20 / elapsed:.0f} MiB/s)")
+        print(
+            f"delivered {stats.items_handed} items, all verified, in {elapsed:.2f} s "
+            f"({stats.bytes_downloaded / 2**20 / elapsed:.0f} MiB/s)"
+        )
         print(f"cache capacity {stats.capacity / 2**20:.0f} MiB for a {total / 2**20:.0f} MiB dataset")
         for field, value in vars(stats).items():
             print(f"  {field:24} {value:.3f}" if isinstance(value, float) else f"  {field:24} {value}")

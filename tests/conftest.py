@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-
-import logging
 
 import pytest
 
@@ -36,9 +35,9 @@ def moto_server() -> Iterator[str]:
 @pytest.fixture
 def s3_endpoint(moto_server: str) -> Iterator[str]:
     """The moto endpoint, emptied before the test (buckets and objects)."""
-    req = urllib.request.Request(f"{moto_server}/moto-api/reset", method="POST")
-    urllib.request.urlopen(req).close()
-    yield moto_server
+    req = urllib.request.Request(f"{moto_server}/moto-api/reset", method="POST")  # noqa: S310 - a local http:// URL built here
+    urllib.request.urlopen(req).close()  # noqa: S310 - a local http:// URL built here
+    return moto_server
 
 
 @pytest.fixture
@@ -111,7 +110,9 @@ class Source:
 def _s3_source(s3_client, s3_options) -> Source:
     s3_client.create_bucket(Bucket="data")
     return Source(
-        "s3", "s3://data/video/", s3_options,
+        "s3",
+        "s3://data/video/",
+        s3_options,
         lambda k, d: s3_client.put_object(Bucket="data", Key=f"video/{k}", Body=d),
         lambda k: s3_client.delete_object(Bucket="data", Key=f"video/{k}"),
     )
@@ -135,7 +136,13 @@ def _memory_source() -> Source:
     fs.store.clear()
     fs.pseudo_dirs.clear()
     fs.pseudo_dirs.append("")
-    return Source("memory", "memory://data/video", {}, lambda k, d: fs.pipe_file(f"/data/video/{k}", d), lambda k: fs.rm_file(f"/data/video/{k}"))
+    return Source(
+        "memory",
+        "memory://data/video",
+        {},
+        lambda k, d: fs.pipe_file(f"/data/video/{k}", d),
+        lambda k: fs.rm_file(f"/data/video/{k}"),
+    )
 
 
 def _obs_source(s3_client, s3_endpoint) -> Source:

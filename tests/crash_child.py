@@ -12,8 +12,17 @@ import threading
 from cachepipe import Pipeline
 
 cfg = json.loads(sys.argv[1])
-with Pipeline(cfg["url"], cfg["cache"], cfg["capacity"], storage_options=cfg["options"], resume=True,
-              auto_ack=False, keep_on_close=True, max_concurrency=4, part_size="4KiB") as pipe:
+with Pipeline(
+    cfg["url"],
+    cfg["cache"],
+    cfg["capacity"],
+    storage_options=cfg["options"],
+    resume=True,
+    auto_ack=False,
+    keep_on_close=True,
+    max_concurrency=4,
+    part_size="4KiB",
+) as pipe:
     print("OPEN", flush=True)
     pause = threading.Event()
     while cfg.get("wait_ready") and pipe.stats().items_ready < cfg["wait_ready"]:

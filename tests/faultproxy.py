@@ -17,19 +17,15 @@ import asyncio
 import threading
 from collections import deque
 
-SLOWDOWN = (
-    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
-)
-SLOWDOWN_BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>'
-DENIED = (
-    b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
-)
+SLOWDOWN = b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+SLOWDOWN_BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>'  # noqa: E501 - kept whole
+DENIED = b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
 DENIED_BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>'
 REDIRECT = (
     b"HTTP/1.1 301 Moved Permanently\r\nContent-Type: application/xml\r\nx-amz-bucket-region: eu-central-1\r\n"
     b"Content-Length: %d\r\nConnection: close\r\n\r\n"
 )
-REDIRECT_BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>PermanentRedirect</Code><Message>Use the eu-central-1 endpoint.</Message></Error>'
+REDIRECT_BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>PermanentRedirect</Code><Message>Use the eu-central-1 endpoint.</Message></Error>'  # noqa: E501 - kept whole
 CANNED = {"503": (SLOWDOWN, SLOWDOWN_BODY), "403": (DENIED, DENIED_BODY), "redirect": (REDIRECT, REDIRECT_BODY)}
 
 
@@ -117,7 +113,9 @@ class FaultProxy:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
             self._writers.add(up_writer)
             limit = self.cut_after if fault == "cut" else None
-            await asyncio.gather(self._pipe(reader, up_writer, None, record=True), self._pipe(up_reader, writer, limit, corrupt=fault == "corrupt"))
+            await asyncio.gather(
+                self._pipe(reader, up_writer, None, record=True), self._pipe(up_reader, writer, limit, corrupt=fault == "corrupt")
+            )
         except (ConnectionError, asyncio.IncompleteReadError, OSError):
             pass  # a client or upstream went away: that is what this proxy is for
         finally:
@@ -131,7 +129,14 @@ class FaultProxy:
             self.requests.extend(h.decode("latin-1") for h in complete)
         return rest
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, limit: int | None, corrupt: bool = False, record: bool = False) -> None:
+    async def _pipe(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        limit: int | None,
+        corrupt: bool = False,
+        record: bool = False,
+    ) -> None:
         sent = 0
         pending = b""
         try:

@@ -17,12 +17,12 @@ changed. With ``ordered=False`` and eight consumers it is the only way to tell w
 hand-out belongs to.
 """
 
-import hashlib
 import faulthandler
+import hashlib
 import json
 import logging
-import signal
 import os
+import signal
 import sys
 import threading
 
@@ -62,12 +62,12 @@ def consume(pipe: Pipeline, stop: threading.Event) -> None:
         if not stop.is_set():  # closed by the main thread after another consumer failed: not a failure
             failures.append(sys.exc_info()[1])
             stop.set()
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - collected and reported by the child
         failures.append(exc)
         stop.set()
         try:
             pipe.close()  # wakes the other consumers (their get() raises RuntimeError)
-        except BaseException as exc2:
+        except BaseException as exc2:  # noqa: BLE001 - collected and reported by the child
             failures.append(exc2)
 
 
@@ -81,8 +81,19 @@ def describe(exc: BaseException) -> str:
     return " <- ".join(parts).replace("\n", " | ")
 
 
-options = dict(epochs=cfg["epochs"], shuffle=True, seed=cfg["seed"], rank=0, world_size=1, ordered=False,
-               retain="auto", resume=True, auto_ack=False, max_concurrency=4, part_size="4KiB")
+options = {
+    "epochs": cfg["epochs"],
+    "shuffle": True,
+    "seed": cfg["seed"],
+    "rank": 0,
+    "world_size": 1,
+    "ordered": False,
+    "retain": "auto",
+    "resume": True,
+    "auto_ack": False,
+    "max_concurrency": 4,
+    "part_size": "4KiB",
+}
 options.update(cfg.get("pipeline", {}))
 stop = threading.Event()
 try:
@@ -93,7 +104,7 @@ try:
             t.start()
         for t in threads:
             t.join()
-except BaseException as exc:
+except BaseException as exc:  # noqa: BLE001 - collected and reported by the child
     failures.append(exc)
 if failures:
     first = failures[0]

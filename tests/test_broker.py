@@ -82,7 +82,7 @@ def _broker(pending, ready, handed, released):
         b.begin()
     for _ in range(ready + handed):
         b.put(seq, f"i{seq}", seq)
-        seq += 1
+        seq += 1  # noqa: SIM113 - the counter continues across an inner loop
     for _ in range(handed):
         lease = b.take(0)
     for _ in range(released):
@@ -91,7 +91,7 @@ def _broker(pending, ready, handed, released):
 
 
 @pytest.mark.parametrize(
-    "pending, ready, handed, released, passes",
+    ("pending", "ready", "handed", "released", "passes"),
     [(2, 0, 0, 0, False), (1, 1, 0, 0, False), (1, 0, 1, 0, True), (1, 0, 1, 1, True), (0, 0, 0, 0, True)],
 )
 def test_prefetch_gate_counts_pending_and_unhanded(pending, ready, handed, released, passes):

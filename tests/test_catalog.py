@@ -10,7 +10,7 @@ def objs(*keys, size=1):
 
 
 @pytest.mark.parametrize(
-    "key, reason",
+    ("key", "reason"),
     [
         ("", "empty key"),
         ("/abs/x", "absolute"),
@@ -162,7 +162,7 @@ def test_catalog_rejects_what_it_could_not_give_back():
     catalog = Catalog([Item("a", (FileEntry("a/f", "f", 1),), 1)])
     with pytest.raises(ValueError, match="'x/g' of item 'b': expected 'b/g'"):
         catalog.append(Item("b", (FileEntry("x/g", "g", 1),), 1))
-    with pytest.raises(ValueError, match="'c.tar' is a single-file item, but this catalog holds folders"):
+    with pytest.raises(ValueError, match=r"'c\.tar' is a single-file item, but this catalog holds folders"):
         catalog.append(Item("c.tar", (FileEntry("c.tar", "", 1),), 1, is_file=True))
     with pytest.raises(TypeError, match="'2'"):
         catalog.add("d", [("f", 1, None), ("g", "2", None)])
@@ -192,7 +192,10 @@ def test_saved_catalog_round_trip(tmp_path):
     assert isinstance(loaded, Catalog) and list(loaded) == list(catalog)
     assert state.load_catalog(path, "s3://b/other", "folders") is None
     lines = gzip.decompress(path.read_bytes()).decode().splitlines()
-    assert json.loads(lines[0])["count"] == 5 and json.loads(lines[2]) == ["a", [["1", 2, ETAGS[1]], ["sub/2", 3, ETAGS[2]], ["sub/deep/3", 4, ETAGS[3]]]]
+    assert json.loads(lines[0])["count"] == 5 and json.loads(lines[2]) == [
+        "a",
+        [["1", 2, ETAGS[1]], ["sub/2", 3, ETAGS[2]], ["sub/deep/3", 4, ETAGS[3]]],
+    ]
     files = Catalog.from_listing([ObjectInfo("x/y.tar", 3, MD5)], "files")
     state.save_catalog(path, "s3://b/p", "files", files)
     assert list(state.load_catalog(path, "s3://b/p", "files")) == list(files)
@@ -207,14 +210,21 @@ def test_saved_catalog_with_bad_values_is_corrupt(tmp_path):
         state.load_catalog(path, "s", "folders")
 
 
-_segment = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="/\\\x7f" + "".join(map(chr, range(32)))),
-                   min_size=1, max_size=6).filter(lambda s: s not in (".", "..", ".cachepipe"))
+_segment = st.text(
+    st.characters(blacklist_categories=("Cs",), blacklist_characters="/\\\x7f" + "".join(map(chr, range(32)))),
+    min_size=1,
+    max_size=6,
+).filter(lambda s: s not in (".", "..", ".cachepipe"))
 _etag = st.one_of(st.none(), st.just(MD5), st.text(max_size=40), st.binary(min_size=16, max_size=16).map(bytes.hex))
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(st.lists(_segment, min_size=1, max_size=3).map("/".join), st.tuples(st.integers(0, 2**40), _etag), max_size=30),
-       st.sampled_from(["folders", "files"]))
+@given(
+    st.dictionaries(
+        st.lists(_segment, min_size=1, max_size=3).map("/".join), st.tuples(st.integers(0, 2**40), _etag), max_size=30
+    ),
+    st.sampled_from(["folders", "files"]),
+)
 def test_catalog_holds_what_group_items_yields(objects, mode):
     listing = [ObjectInfo(k, size, etag) for k, (size, etag) in sorted(objects.items())]
     try:

@@ -18,7 +18,6 @@ from cachepipe.cli import EXIT_END, EXIT_REFUSED, EXIT_TIMEOUT, format_status
 from cachepipe.client import Client, ServedItem, ServiceError
 from cachepipe.service.testing import DaemonProcess
 
-
 KIB = 1024
 FILES = {"a.bin": KIB, "b.txt": 10}
 CLI = [sys.executable, "-m", "cachepipe.cli"]
@@ -38,8 +37,14 @@ def served(s3_source, s3_endpoint, tmp_path, short_dir):
     sock = short_dir / "api.sock"
     config = {
         "socket": str(sock),
-        "pipelines": {"train": {"source": s3_source.url, "cache_dir": str(tmp_path / "cache"), "capacity": "1MiB",
-                                "storage_options": {"endpoint_url": s3_endpoint}}},
+        "pipelines": {
+            "train": {
+                "source": s3_source.url,
+                "cache_dir": str(tmp_path / "cache"),
+                "capacity": "1MiB",
+                "storage_options": {"endpoint_url": s3_endpoint},
+            }
+        },
     }
     path = tmp_path / "cachepipe.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -48,7 +53,9 @@ def served(s3_source, s3_endpoint, tmp_path, short_dir):
 
 
 def run(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, check=False
+    )
 
 
 ALL = [f"item{i:03d}" for i in range(6)]
@@ -176,7 +183,14 @@ def test_bash_consumer_with_cachepipe_next_and_done_markers(served, tmp_path):
         done
         exit $status   # 3: every item was delivered; 4: timeout; 1: error
     """
-    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120, env={**os.environ, "CACHEPIPE_SOCKET": str(served)})
+    proc = subprocess.run(
+        ["bash", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CACHEPIPE_SOCKET": str(served)},
+        check=False,
+    )
     assert proc.returncode == EXIT_END, proc.stderr
     assert (tmp_path / "seen").read_text().split() == ALL
     with Client("train", served) as client:
@@ -199,7 +213,9 @@ def test_protocol_with_curl(served):
     code, text = call("POST", "/v1/pipelines/train/next", '{"timeout": 30}')
     item = json.loads(text)
     assert code == 200 and set(item) == {"pipeline", "name", "path", "lease", "size", "files"} and item["size"] == KIB + 10
-    code, text = call("POST", "/v1/pipelines/train/next", json.dumps({"timeout": 30, "ack": {"path": item["path"], "lease": item["lease"]}}))
+    code, text = call(
+        "POST", "/v1/pipelines/train/next", json.dumps({"timeout": 30, "ack": {"path": item["path"], "lease": item["lease"]}})
+    )
     second = json.loads(text)
     assert code == 200 and second["name"] == "item001"
     code, text = call("POST", "/v1/ack", json.dumps({"path": item["path"], "lease": item["lease"]}))
@@ -224,11 +240,29 @@ def test_protocol_with_curl(served):
 
 
 def test_format_status_is_a_table():
-    info = {"version": "0.1.0", "pid": 1, "uptime_seconds": 65, "socket": "/run/s",
-            "pipelines": {"train": {"state": "open", "leased": 2, "source": "s3://b/p/",
-                                    "stats": {"items_ready": 3, "items_handed": 7, "items_acked": 5, "items_redelivered": 0,
-                                              "items_failed": 0, "bytes_in_cache": 3 * 1024**2, "capacity": 50 * 1024**3}},
-                          "val": {"state": "down", "error": "EmptySourceError: no items", "leased": 0, "source": "s3://b/v/", "stats": None}}}
+    info = {
+        "version": "0.1.0",
+        "pid": 1,
+        "uptime_seconds": 65,
+        "socket": "/run/s",
+        "pipelines": {
+            "train": {
+                "state": "open",
+                "leased": 2,
+                "source": "s3://b/p/",
+                "stats": {
+                    "items_ready": 3,
+                    "items_handed": 7,
+                    "items_acked": 5,
+                    "items_redelivered": 0,
+                    "items_failed": 0,
+                    "bytes_in_cache": 3 * 1024**2,
+                    "capacity": 50 * 1024**3,
+                },
+            },
+            "val": {"state": "down", "error": "EmptySourceError: no items", "leased": 0, "source": "s3://b/v/", "stats": None},
+        },
+    }
     text = format_status(info)
     lines = text.splitlines()
     assert lines[0] == "cachepipe 0.1.0, pid 1, up 1m5s, socket /run/s"

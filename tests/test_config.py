@@ -5,7 +5,7 @@ from cachepipe.config import PipelineConfig, Share, parse_capacity, parse_size
 
 
 @pytest.mark.parametrize(
-    "text, expected",
+    ("text", "expected"),
     [
         (1, 1),
         (4096, 4096),
@@ -27,16 +27,18 @@ def test_sizes(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["10X", -1, 0, "abc", "", "0", "-5M", "1.2.3G", True, None, float("nan"), float("inf"), [1], "GiB"])
+@pytest.mark.parametrize(
+    "bad", ["10X", -1, 0, "abc", "", "0", "-5M", "1.2.3G", True, None, float("nan"), float("inf"), [1], "GiB"]
+)
 def test_bad_sizes_name_value_and_forms(bad):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError) as info:  # noqa: PT011 - any error of this type is what the test expects
         parse_capacity(bad)
     message = str(info.value)
     assert repr(bad) in message
     assert "50GiB" in message and "80%" in message
 
 
-@pytest.mark.parametrize("text, fraction", [("80%", 0.8), ("100%", 1.0), (" 5.5 %", 0.055)])
+@pytest.mark.parametrize(("text", "fraction"), [("80%", 0.8), ("100%", 1.0), (" 5.5 %", 0.055)])
 def test_share(text, fraction):
     share = parse_capacity(text)
     assert isinstance(share, Share) and share.fraction == pytest.approx(fraction)
@@ -53,7 +55,14 @@ def test_config_rejects_bad_values_with_field_names(tmp_path):
         PipelineConfig(source="s3://b/p", cache_dir=tmp_path, capacity="10X")
     assert "capacity" in str(info.value) and "'10X'" in str(info.value)
     assert isinstance(info.value, ValueError)
-    for field, value in [("items", "dirs"), ("on_error", "ignore"), ("max_concurrency", 0), ("prefetch", 0), ("part_size", "1Q"), ("retries", -1)]:
+    for field, value in [
+        ("items", "dirs"),
+        ("on_error", "ignore"),
+        ("max_concurrency", 0),
+        ("prefetch", 0),
+        ("part_size", "1Q"),
+        ("retries", -1),
+    ]:
         with pytest.raises(ValidationError) as info:
             PipelineConfig(source="s3://b/p", cache_dir=tmp_path, capacity="1G", **{field: value})
         assert field in str(info.value)

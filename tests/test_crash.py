@@ -11,9 +11,9 @@ import threading
 from pathlib import Path
 
 import pytest
+from sampling import Sampler
 
 from cachepipe import Pipeline
-from sampling import Sampler
 
 HERE = Path(__file__).parent
 KIB = 1024
@@ -23,8 +23,12 @@ class Child:
     """One run of tests/crash_child.py, its stdout read line by line in a thread."""
 
     def __init__(self, cfg: dict) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "crash_child.py"), json.dumps(cfg)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "crash_child.py"), json.dumps(cfg)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.lines: list[str] = []
         self.changed = threading.Condition()
         self._reader = threading.Thread(target=self._read, name="test-child-reader")
@@ -80,7 +84,7 @@ def test_kill_soak(s3_source, tmp_path):
         for _run in range(kills):
             child = Child(cfg)
             target = rng.randint(0, 25)  # kill after this many more items were taken, plus a random delay
-            child.wait_for(lambda lines: sum(1 for l in lines if l[0] == "GOT") >= target)
+            child.wait_for(lambda lines: sum(1 for line in lines if line[0] == "GOT") >= target)  # noqa: B023 - the lambda is called at once, inside this iteration
             threading.Event().wait(rng.random() * 0.05)
             child.kill()
             _tally(child.lines, data, got, acked_before, corrupt, came_back)
@@ -91,8 +95,10 @@ def test_kill_soak(s3_source, tmp_path):
         assert final.lines[-2] == ["DONE"]
 
     redelivered = sum(n - 1 for n in got.values())
-    print(f"\nkill soak: {kills} kills, {n_items} items, {sum(got.values())} deliveries, {redelivered} re-deliveries, "
-          f"max cache {sampler.peak} bytes of {capacity} ({sampler.samples} samples), corrupt items: {len(corrupt)}")
+    print(
+        f"\nkill soak: {kills} kills, {n_items} items, {sum(got.values())} deliveries, {redelivered} re-deliveries, "
+        f"max cache {sampler.peak} bytes of {capacity} ({sampler.samples} samples), corrupt items: {len(corrupt)}"
+    )
     assert set(got) == set(data), f"never delivered: {sorted(set(data) - set(got))[:10]}"
     assert corrupt == []
     assert came_back == [], f"acknowledged before a kill, delivered again after it: {came_back[:10]}"
@@ -120,13 +126,19 @@ def _tally(lines, data, got, acked_before, corrupt, came_back) -> None:
 def test_restart_reuses_published_items_and_redelivers_leased_ones(s3_source, tmp_path):
     s3_source.folders(6, {"f": 2 * KIB})
     cache = tmp_path / "cache"
-    cfg = {"url": s3_source.url, "cache": str(cache), "capacity": 1024**2, "options": s3_source.options, "wait_ready": 6,
-           "work_seconds": 0.3}  # slow enough that the kill lands while items are left
+    cfg = {
+        "url": s3_source.url,
+        "cache": str(cache),
+        "capacity": 1024**2,
+        "options": s3_source.options,
+        "wait_ready": 6,
+        "work_seconds": 0.3,
+    }  # slow enough that the kill lands while items are left
     child = Child(cfg)
-    child.wait_for(lambda lines: sum(1 for l in lines if l[0] == "ACKED") >= 2)
+    child.wait_for(lambda lines: sum(1 for line in lines if line[0] == "ACKED") >= 2)
     child.kill()
-    acked = {l[1] for l in child.lines if l[0] == "ACKED"}
-    taken = {l[1] for l in child.lines if l[0] == "GOT"}  # the last may have been acked unprinted
+    acked = {line[1] for line in child.lines if line[0] == "ACKED"}
+    taken = {line[1] for line in child.lines if line[0] == "GOT"}  # the last may have been acked unprinted
     (cache / ".cachepipe" / "staging" / "999").mkdir(parents=True)  # a staging leftover
     (cache / ".cachepipe" / "staging" / "999" / "half").write_bytes(b"x" * 100)
     with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options, resume=True) as pipe:
@@ -143,7 +155,9 @@ def test_restart_reuses_published_items_and_redelivers_leased_ones(s3_source, tm
 def test_corrupt_journal_is_rebuilt_from_disk(s3_source, tmp_path):
     s3_source.folders(3, {"f": 100})
     cache = tmp_path / "cache"
-    with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options, keep_on_close=True, auto_ack=False, prefetch=3) as pipe:
+    with Pipeline(
+        s3_source.url, cache, "1MiB", storage_options=s3_source.options, keep_on_close=True, auto_ack=False, prefetch=3
+    ) as pipe:
         pipe.get(timeout=30)
     (cache / ".cachepipe" / "journal").write_bytes(b"\x00garbage\nZ what\n")
     (cache / ".cachepipe" / "catalog").write_text("not json\n")

@@ -15,7 +15,6 @@ from cachepipe import ConfigError, PipelineConfig
 from cachepipe.config import Share
 from cachepipe.service.config import DEFAULT_SOCKET, ServiceConfig, load_config, read_config_file
 
-
 EXAMPLE = Path(__file__).resolve().parent.parent / "config" / "cachepipe.yaml"
 
 
@@ -61,7 +60,7 @@ def test_daemon_defaults_yield_to_explicit_values(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "pipeline, path, value, expected",
+    ("pipeline", "path", "value", "expected"),
     [
         ({"capacity": "10X"}, "pipelines.train.capacity", "'10X'", "expected a positive number of bytes"),
         ({"capacity": -5}, "pipelines.train.capacity", "-5", "expected"),
@@ -81,7 +80,7 @@ def test_bad_pipeline_values_name_path_value_and_expectation(tmp_path, pipeline,
 
 
 @pytest.mark.parametrize(
-    "top, fragment",
+    ("top", "fragment"),
     [
         ({"socket_mode": 660}, "socket_mode = 660: socket_mode 660: expected an octal permission like '0660'"),
         ({"socket_mode": "rw"}, "socket_mode = 'rw'"),
@@ -160,7 +159,11 @@ def test_file_level_errors(tmp_path):
 
 
 def test_toml(tmp_path):
-    path = write(tmp_path, f'log_level = "warning"\n[pipelines.train]\nsource = "s3://b/"\ncache_dir = "{tmp_path}/c"\ncapacity = "2GiB"\n', "c.toml")
+    path = write(
+        tmp_path,
+        f'log_level = "warning"\n[pipelines.train]\nsource = "s3://b/"\ncache_dir = "{tmp_path}/c"\ncapacity = "2GiB"\n',
+        "c.toml",
+    )
     cfg = load_config(path)
     assert cfg.log_level == "warning" and cfg.pipelines["train"].capacity == 2 * 1024**3
     with pytest.raises(ConfigError, match="invalid TOML"):
@@ -171,7 +174,7 @@ def test_the_example_is_valid_and_documents_every_field():
     cfg = load_config(EXAMPLE)
     assert set(cfg.pipelines) == {"train", "val"}
     text = EXAMPLE.read_text()
-    documented = set(re.findall(r"^\s*#?\s*([a-z_]+):", text, flags=re.M))
+    documented = set(re.findall(r"^\s*#?\s*([a-z_]+):", text, flags=re.MULTILINE))
     missing = (set(ServiceConfig.model_fields) | set(PipelineConfig.model_fields)) - documented
     assert not missing, f"config/cachepipe.yaml does not document: {sorted(missing)}"
     assert read_config_file(EXAMPLE)["pipelines"]["train"].keys() >= set(PipelineConfig.model_fields)
@@ -180,8 +183,16 @@ def test_the_example_is_valid_and_documents_every_field():
 def test_serve_refuses_a_bad_config_with_exit_status_78(tmp_path):
     path = write(tmp_path, minimal(tmp_path, capacity="10X"))
     for args in (["serve", "--config", str(path)], ["serve", "--check", "--config", str(path)]):
-        proc = subprocess.run([sys.executable, "-m", "cachepipe.cli", *args], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-m", "cachepipe.cli", *args], capture_output=True, text=True, timeout=60, check=False
+        )
         assert proc.returncode == 78, proc.stderr
         assert "pipelines.train.capacity = '10X'" in proc.stderr
-    ok = subprocess.run([sys.executable, "-m", "cachepipe.cli", "serve", "--check", "--config", str(EXAMPLE)], capture_output=True, text=True, timeout=60)
+    ok = subprocess.run(
+        [sys.executable, "-m", "cachepipe.cli", "serve", "--check", "--config", str(EXAMPLE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert ok.returncode == 0 and "valid" in ok.stdout, ok.stderr

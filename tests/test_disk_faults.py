@@ -7,9 +7,9 @@ import os
 import subprocess
 
 import pytest
+from waiting import wait_until
 
 from cachepipe import Pipeline
-from waiting import wait_until
 
 KIB = 1024
 
@@ -19,7 +19,9 @@ def tmpfs(path, size: str):
     path.mkdir()
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True, check=False
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
     try:
@@ -35,7 +37,15 @@ def test_enospc_frees_staging_backs_off_and_recovers(s3_source, tmp_path):
         tenant.write_bytes(b"t" * (220 * KIB))  # the shared disk is nearly full
         got = {}
         # the capacity fits the disk, but another tenant has taken most of it for now
-        with Pipeline(s3_source.url, disk / "cache", "200KiB", storage_options=s3_source.options, retry_backoff=0.05, retry_backoff_max=0.2, retries=100) as pipe:
+        with Pipeline(
+            s3_source.url,
+            disk / "cache",
+            "200KiB",
+            storage_options=s3_source.options,
+            retry_backoff=0.05,
+            retry_backoff_max=0.2,
+            retries=100,
+        ) as pipe:
             wait_until(lambda: pipe.stats().disk_errors >= 2)
             assert pipe.stats().items_ready == 0  # nothing partial was published
             staging = disk / "cache" / ".cachepipe" / "staging"
@@ -74,13 +84,13 @@ def test_capacity_beyond_the_disk_is_warned_about(s3_source, tmp_path, caplog):
 def immutable(path, moved_to):
     """``chattr +i``: not even root may unlink the file (a filesystem fault, not a patch).
     ``moved_to()``: where the file may be by the end, to make it mutable again."""
-    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True, check=False).returncode != 0:
         pytest.skip(f"chattr +i is not supported on the filesystem of {path}")
     try:
         yield
     finally:
         for found in [path, *moved_to()]:
-            subprocess.run(["chattr", "-i", str(found)], capture_output=True)
+            subprocess.run(["chattr", "-i", str(found)], capture_output=True, check=False)
 
 
 def test_an_item_that_cannot_be_deleted_stays_counted_and_the_rest_flows(s3_source, tmp_path, caplog):
@@ -91,7 +101,10 @@ def test_an_item_that_cannot_be_deleted_stays_counted_and_the_rest_flows(s3_sour
     cache = tmp_path / "cache"
     capacity = 3 * size + 16 * KIB  # three items and the state budget
     got = []
-    with Sampler(cache) as sampler, Pipeline(s3_source.url, cache, capacity, storage_options=s3_source.options, auto_ack=False) as pipe:
+    with (
+        Sampler(cache) as sampler,
+        Pipeline(s3_source.url, cache, capacity, storage_options=s3_source.options, auto_ack=False) as pipe,
+    ):
         first = pipe.get(timeout=30)
         with immutable(first.path / "f", lambda: (cache / ".cachepipe" / "staging").glob("x*/f")):
             pipe.ack(first)  # moved aside at once; the reaper's unlink then fails
@@ -102,7 +115,7 @@ def test_an_item_that_cannot_be_deleted_stays_counted_and_the_rest_flows(s3_sour
                 # could not delete must still count, or a third item would pass the cap
                 wait_until(lambda: (s := pipe.stats()).items_ready >= 1 or s.items_handed + s.items_ready == 6)
                 seen = sampler.samples
-                wait_until(lambda: sampler.samples >= seen + 3)
+                wait_until(lambda: sampler.samples >= seen + 3)  # noqa: B023 - the lambda is called at once, inside this iteration
                 got.append(item.name)
                 pipe.ack(item)
     assert got == sorted(data)[1:]

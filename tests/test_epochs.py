@@ -13,13 +13,13 @@ def names(pipe):
 
 def test_epochs_shuffle_deterministic_and_new_order_each_epoch(s3_source, tmp_path):
     data = s3_source.folders(12, {"f": 100})
-    opts = dict(storage_options=s3_source.options, epochs=3, shuffle=True, seed=7, rank=0, world_size=1)
+    opts = {"storage_options": s3_source.options, "epochs": 3, "shuffle": True, "seed": 7, "rank": 0, "world_size": 1}
     with Pipeline(s3_source.url, tmp_path / "a", "1MiB", **opts) as pipe:
         first = names(pipe)
         stats = pipe.stats()
     with Pipeline(s3_source.url, tmp_path / "b", "1MiB", **opts) as pipe:
         assert names(pipe) == first  # same seed, same order
-    epochs = [first[i * 12:(i + 1) * 12] for i in range(3)]
+    epochs = [first[i * 12 : (i + 1) * 12] for i in range(3)]
     assert all(sorted(e) == sorted(data) for e in epochs)  # every item once per epoch
     assert epochs[0] != epochs[1] != epochs[2] and epochs[0] != sorted(data)
     assert stats.items_acked == 36 and stats.bytes_downloaded == 36 * 100  # retain="none": refetched
@@ -30,12 +30,23 @@ def test_ranks_and_workers_split_each_epoch_disjointly(s3_source, tmp_path):
     seen = []
     for rank in range(2):
         for worker in range(2):
-            with Pipeline(s3_source.url, tmp_path / f"c{rank}{worker}", "1MiB", storage_options=s3_source.options,
-                          epochs=2, shuffle=True, seed=1, rank=rank, world_size=2, worker=worker, num_workers=2) as pipe:
+            with Pipeline(
+                s3_source.url,
+                tmp_path / f"c{rank}{worker}",
+                "1MiB",
+                storage_options=s3_source.options,
+                epochs=2,
+                shuffle=True,
+                seed=1,
+                rank=rank,
+                world_size=2,
+                worker=worker,
+                num_workers=2,
+            ) as pipe:
                 seen.append(names(pipe))
     for epoch in range(2):
         # each share is ordered by epoch, so split every share's list at its epoch boundary
-        per_epoch = [share[: len(share) // 2] if epoch == 0 else share[len(share) // 2:] for share in seen]
+        per_epoch = [share[: len(share) // 2] if epoch == 0 else share[len(share) // 2 :] for share in seen]
         flat = [n for share in per_epoch for n in share]
         assert sorted(flat) == sorted(data), f"epoch {epoch}: every item exactly once across ranks and workers"
 
@@ -53,7 +64,7 @@ def test_rank_from_torchrun_environment(s3_source, tmp_path, monkeypatch):
 
 def test_state_dict_resumes_mid_epoch(s3_source, tmp_path):
     s3_source.folders(8, {"f": 10})
-    opts = dict(storage_options=s3_source.options, epochs=2, shuffle=True, seed=3, rank=0, world_size=1)
+    opts = {"storage_options": s3_source.options, "epochs": 2, "shuffle": True, "seed": 3, "rank": 0, "world_size": 1}
     with Pipeline(s3_source.url, tmp_path / "full", "1MiB", **opts) as pipe:
         full = names(pipe)
     with Pipeline(s3_source.url, tmp_path / "c", "1MiB", **opts) as pipe:
@@ -75,7 +86,15 @@ def test_state_dict_resumes_mid_epoch(s3_source, tmp_path):
 
 def test_journal_resume_continues_the_epoch_position(s3_source, tmp_path):
     s3_source.folders(6, {"f": 10})
-    opts = dict(storage_options=s3_source.options, epochs=2, shuffle=True, seed=9, rank=0, world_size=1, resume=True)
+    opts = {
+        "storage_options": s3_source.options,
+        "epochs": 2,
+        "shuffle": True,
+        "seed": 9,
+        "rank": 0,
+        "world_size": 1,
+        "resume": True,
+    }
     with Pipeline(s3_source.url, tmp_path / "full", "1MiB", **{**opts, "resume": False}) as pipe:
         full = names(pipe)
     with Pipeline(s3_source.url, tmp_path / "c", "1MiB", **opts) as pipe:
@@ -89,8 +108,18 @@ def test_journal_resume_continues_the_epoch_position(s3_source, tmp_path):
 
 def test_retain_auto_downloads_nothing_after_epoch_one_when_the_data_fits(s3_source, tmp_path):
     data = s3_source.folders(10, {"f": 1000})
-    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options, epochs=3, shuffle=True,
-                  seed=2, rank=0, world_size=1, retain="auto") as pipe:
+    with Pipeline(
+        s3_source.url,
+        tmp_path / "c",
+        "1MiB",
+        storage_options=s3_source.options,
+        epochs=3,
+        shuffle=True,
+        seed=2,
+        rank=0,
+        world_size=1,
+        retain="auto",
+    ) as pipe:
         seen = names(pipe)
         stats = pipe.stats()
     assert sorted(seen) == sorted(list(data) * 3)
@@ -106,8 +135,18 @@ def test_retain_auto_beats_none_at_half_capacity_and_keeps_the_cap(s3_source, tm
     for retain in ("none", "auto"):
         cache = tmp_path / retain
         with Sampler(cache) as sampler:
-            with Pipeline(s3_source.url, cache, capacity, storage_options=s3_source.options, epochs=3, shuffle=True,
-                          seed=4, rank=0, world_size=1, retain=retain) as pipe:
+            with Pipeline(
+                s3_source.url,
+                cache,
+                capacity,
+                storage_options=s3_source.options,
+                epochs=3,
+                shuffle=True,
+                seed=4,
+                rank=0,
+                world_size=1,
+                retain=retain,
+            ) as pipe:
                 assert len(names(pipe)) == 60
                 downloaded[retain] = pipe.stats().bytes_downloaded
         assert sampler.peak <= capacity
@@ -128,8 +167,15 @@ def test_prepare_runs_before_hand_out_and_counts_against_the_cap(s3_source, tmp_
     s3_source.put("item008/f", b"x" * 999)  # the hook fails on this one
     capacity = 3 * 1100 + 4096
     with Sampler(tmp_path / "c") as sampler:
-        with Pipeline(s3_source.url, tmp_path / "c", capacity, storage_options=s3_source.options, prepare=_probe,
-                      prepare_reserve=100, on_error="skip") as pipe:
+        with Pipeline(
+            s3_source.url,
+            tmp_path / "c",
+            capacity,
+            storage_options=s3_source.options,
+            prepare=_probe,
+            prepare_reserve=100,
+            on_error="skip",
+        ) as pipe:
             seen = []
             for path in pipe:
                 assert (path / "meta.json").read_text() == '{"frames": 3}'
@@ -151,8 +197,19 @@ def test_prepare_that_outgrows_its_reserve_fails_the_item(s3_source, tmp_path):
 def test_oversize_item_skipped_in_a_shuffled_pass_with_retention(s3_source, tmp_path):
     data = s3_source.folders(6, {"f": 1000})
     s3_source.put("big/f", b"x" * 300_000)  # first in the catalog, beyond the capacity: the plan maps around it
-    with Pipeline(s3_source.url, tmp_path / "c", 200_000, storage_options=s3_source.options, epochs=2, shuffle=True,
-                  seed=3, rank=0, world_size=1, retain="auto", on_oversize="skip") as pipe:
+    with Pipeline(
+        s3_source.url,
+        tmp_path / "c",
+        200_000,
+        storage_options=s3_source.options,
+        epochs=2,
+        shuffle=True,
+        seed=3,
+        rank=0,
+        world_size=1,
+        retain="auto",
+        on_oversize="skip",
+    ) as pipe:
         seen = names(pipe)
         stats = pipe.stats()
     assert sorted(seen) == sorted(list(data) * 2)

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import pytest
-
-from cachepipe import ItemFailedError, Pipeline, StoreUnavailableError
 from conftest import via
 from waiting import wait_until
+
+from cachepipe import ItemFailedError, Pipeline, StoreUnavailableError
 
 KIB = 1024
 
 
 def _run(source, endpoint, tmp_path, **options):
     got = {}
-    with Pipeline(source.url, tmp_path / "c", "1MiB", storage_options=via(source, endpoint), retry_backoff=0.01, **options) as pipe:
+    with Pipeline(
+        source.url, tmp_path / "c", "1MiB", storage_options=via(source, endpoint), retry_backoff=0.01, **options
+    ) as pipe:
         for path in pipe:
             got[path.name] = (path / "f").read_bytes()
         return got, pipe.stats()
@@ -22,7 +24,14 @@ def _run(source, endpoint, tmp_path, **options):
 def test_connections_dropped_mid_body_are_retried_without_corruption(remote_source, fault_proxy, tmp_path):
     proxy, endpoint = fault_proxy
     data = remote_source.folders(6, {"f": 200 * KIB})
-    pipe = Pipeline(remote_source.url, tmp_path / "c", "1MiB", storage_options=via(remote_source, endpoint), retry_backoff=0.01, max_concurrency=2)
+    pipe = Pipeline(
+        remote_source.url,
+        tmp_path / "c",
+        "1MiB",
+        storage_options=via(remote_source, endpoint),
+        retry_backoff=0.01,
+        max_concurrency=2,
+    )
     with pipe:  # listing done; now every new connection is cut after 2000 response bytes, 6 times
         proxy.inject("cut", 6)
         got = {p.name: (p / "f").read_bytes() for p in pipe}
@@ -33,7 +42,14 @@ def test_connections_dropped_mid_body_are_retried_without_corruption(remote_sour
 def test_throttling_and_refused_connections_are_retried(remote_source, fault_proxy, tmp_path):
     proxy, endpoint = fault_proxy
     data = remote_source.folders(4, {"f": 10 * KIB})
-    with Pipeline(remote_source.url, tmp_path / "c", "1MiB", storage_options=via(remote_source, endpoint), retry_backoff=0.01, max_concurrency=1) as pipe:
+    with Pipeline(
+        remote_source.url,
+        tmp_path / "c",
+        "1MiB",
+        storage_options=via(remote_source, endpoint),
+        retry_backoff=0.01,
+        max_concurrency=1,
+    ) as pipe:
         proxy.inject("503", 3)
         proxy.inject("refuse", 2)
         got = {p.name: (p / "f").read_bytes() for p in pipe}
@@ -47,7 +63,15 @@ def test_throttling_and_refused_connections_are_retried(remote_source, fault_pro
 def test_item_fails_after_retry_budget_naming_key_and_cause(remote_source, fault_proxy, tmp_path):
     proxy, endpoint = fault_proxy
     remote_source.folders(2, {"f": 10 * KIB})
-    with Pipeline(remote_source.url, tmp_path / "c", "1MiB", storage_options=via(remote_source, endpoint), retries=2, retry_backoff=0.01, max_concurrency=1) as pipe:
+    with Pipeline(
+        remote_source.url,
+        tmp_path / "c",
+        "1MiB",
+        storage_options=via(remote_source, endpoint),
+        retries=2,
+        retry_backoff=0.01,
+        max_concurrency=1,
+    ) as pipe:
         proxy.inject("503", 10_000)
         with pytest.raises(ItemFailedError) as info:
             next(iter(pipe))
@@ -60,7 +84,15 @@ def test_verify_etag_catches_corrupted_bytes_and_refetches(fault_proxy, s3_sourc
     """A body that arrives with the right length but wrong bytes is caught by the MD5 ETag."""
     proxy, endpoint = fault_proxy
     data = s3_source.folders(3, {"f": 30 * KIB})
-    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", storage_options=via(s3_source, endpoint), verify="etag", retry_backoff=0.01, max_concurrency=1) as pipe:
+    with Pipeline(
+        s3_source.url,
+        tmp_path / "c",
+        "1MiB",
+        storage_options=via(s3_source, endpoint),
+        verify="etag",
+        retry_backoff=0.01,
+        max_concurrency=1,
+    ) as pipe:
         proxy.inject("corrupt", 2)
         got = {p.name: (p / "f").read_bytes() for p in pipe}
         stats = pipe.stats()
@@ -71,7 +103,15 @@ def test_verify_etag_catches_corrupted_bytes_and_refetches(fault_proxy, s3_sourc
 def test_store_down_for_a_while_then_back_resumes_by_itself(remote_source, fault_proxy, tmp_path):
     proxy, endpoint = fault_proxy
     data = remote_source.folders(5, {"f": 8 * KIB})
-    with Pipeline(remote_source.url, tmp_path / "c", "1MiB", storage_options=via(remote_source, endpoint), retry_backoff=0.05, retry_backoff_max=0.5, max_concurrency=2) as pipe:
+    with Pipeline(
+        remote_source.url,
+        tmp_path / "c",
+        "1MiB",
+        storage_options=via(remote_source, endpoint),
+        retry_backoff=0.05,
+        retry_backoff_max=0.5,
+        max_concurrency=2,
+    ) as pipe:
         proxy.inject("refuse", 10**9)  # the store is down
         wait_until(lambda: pipe.stats().retries >= 4)
         assert pipe.stats().items_ready == 0 and pipe.stats().items_failed == 0
@@ -84,7 +124,9 @@ def test_listing_is_retried(remote_source, fault_proxy, tmp_path):
     proxy, endpoint = fault_proxy
     remote_source.folders(2, {"f": 10})
     proxy.inject("503", 2)
-    with Pipeline(remote_source.url, tmp_path / "c", "1MiB", storage_options=via(remote_source, endpoint), retry_backoff=0.01) as pipe:
+    with Pipeline(
+        remote_source.url, tmp_path / "c", "1MiB", storage_options=via(remote_source, endpoint), retry_backoff=0.01
+    ) as pipe:
         assert len(list(pipe)) == 2
     assert proxy.injected["503"] == 2
 
@@ -93,7 +135,9 @@ def test_failed_open_releases_the_cache(remote_source, fault_proxy, tmp_path):
     proxy, endpoint = fault_proxy
     remote_source.folders(2, {"f": 10})
     proxy.inject("503", 10**9)
-    failing = Pipeline(remote_source.url, tmp_path / "c", "1MiB", storage_options=via(remote_source, endpoint), retries=1, retry_backoff=0.01)
+    failing = Pipeline(
+        remote_source.url, tmp_path / "c", "1MiB", storage_options=via(remote_source, endpoint), retries=1, retry_backoff=0.01
+    )
     with pytest.raises(StoreUnavailableError):
         failing.open()
     proxy.clear()

@@ -10,7 +10,7 @@ from cachepipe import Pipeline, UnsafeKeyError
 
 
 @pytest.mark.parametrize(
-    "key, reason",
+    ("key", "reason"),
     [
         ("evil/../../escape.txt", "'..'"),
         ("evil/a//b", "empty path segment"),

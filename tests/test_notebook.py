@@ -31,7 +31,7 @@ def sources(kind: str) -> list[str]:
 
 
 def run(code: str, ns: dict, index: int) -> None:
-    exec(compile(code, f"{NOTEBOOK.name}[code cell {index}]", "exec"), ns)
+    exec(compile(code, f"{NOTEBOOK.name}[code cell {index}]", "exec"), ns)  # noqa: S102 - runs the repository's own notebook cells
 
 
 def stream_index(code_cells: list[str]) -> int:
@@ -111,7 +111,14 @@ def test_notebook_is_clean_nbformat4_with_the_documented_cells():
         assert "pip install" not in code
         assert not [line for line in code.splitlines() if line.lstrip().startswith(("!", "%"))]
     stream = code_cells[stream_index(code_cells)]
-    for needle in ('capacity="80%"', "progress=True", "for path in pipe:", 'path / "video.mp4"', 'path / "text.txt"', "pipe.stats()"):
+    for needle in (
+        'capacity="80%"',
+        "progress=True",
+        "for path in pipe:",
+        'path / "video.mp4"',
+        'path / "text.txt"',
+        "pipe.stats()",
+    ):
         assert needle in stream
 
 
@@ -131,7 +138,7 @@ def test_notebook_streams_every_folder_and_leaves_the_cache_clean(dataset, env, 
     ns["train_step"] = recorder = Recorder(ns["train_step"])
     index = stream_index(code_cells)
     run(code_cells[index], ns, index)
-    run_rest = code_cells[index + 1:]
+    run_rest = code_cells[index + 1 :]
     for i, code in enumerate(run_rest, index + 1):
         run(code, ns, i)
 

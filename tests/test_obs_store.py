@@ -16,11 +16,11 @@ import pytest
 
 pytest.importorskip("obs")
 
-from obs.model import GetResult  # noqa: E402  (after the importorskip)
+from obs.model import GetResult
 
-from cachepipe.errors import ConfigError, StoreUnavailableError  # noqa: E402
-from cachepipe.stores.base import ObjectInfo, Store  # noqa: E402
-from cachepipe.stores.obs import CHUNK_SIZE, ObsServiceError, ObsStore  # noqa: E402
+from cachepipe.errors import ConfigError, StoreUnavailableError
+from cachepipe.stores.base import ObjectInfo, Store
+from cachepipe.stores.obs import CHUNK_SIZE, ObsServiceError, ObsStore
 
 BUCKET = "obs-test-bucket"
 SECRET = "sk-Very-Secret-0123456789"
@@ -299,7 +299,7 @@ def test_silent_endpoint_is_timeout_error(make_store) -> None:
     with socket.socket() as server:  # accepts TCP connections (backlog) but never answers
         server.bind(("127.0.0.1", 0))
         server.listen(8)
-        endpoint = "http://127.0.0.1:%d" % server.getsockname()[1]
+        endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
         store = make_store(storage_options={**_keys(endpoint), "timeout": 0.3})
         with pytest.raises(TimeoutError, match=f"timed out after 0.3 s talking to OBS endpoint {endpoint}"):
             list(store.list())
@@ -486,10 +486,11 @@ def test_incomplete_credentials_are_refused_without_echoing_them(s3_endpoint: st
 
 
 @pytest.mark.parametrize(
-    "url", ["s3://b/p/", "obs:///p/", "obs://AK:SK@b/p/", "obs://b/p/?x=1", "b/p"],
+    "url",
+    ["s3://b/p/", "obs:///p/", "obs://AK:SK@b/p/", "obs://b/p/?x=1", "b/p"],
 )
 def test_bad_urls(url: str, s3_endpoint: str) -> None:
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError) as info:  # noqa: PT011 - any error of this type is what the test expects
         ObsStore(url, {"server": s3_endpoint})
     if "@" in url:
         assert "AK:SK" not in str(info.value)  # credentials in a URL are not echoed
@@ -527,7 +528,7 @@ def test_secrets_absent_from_repr_errors_and_logs(
         make_store("obs://absent-bucket/", {"server": s3_endpoint}),
     ):
         texts += [repr(store), str(store)]
-        for attempt in (lambda: list(store.list()), lambda: store.get("nope", io.BytesIO(), 0, 5)):
+        for attempt in (lambda: list(store.list()), lambda: store.get("nope", io.BytesIO(), 0, 5)):  # noqa: B023 - the lambda is called at once, inside this iteration
             try:
                 attempt()
             except OSError as exc:

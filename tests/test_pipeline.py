@@ -10,6 +10,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from sampling import Sampler
+from waiting import wait_until
 
 from cachepipe import (
     CachedItem,
@@ -21,8 +23,6 @@ from cachepipe import (
     UnknownItemError,
 )
 from cachepipe.cache import tree_bytes
-from sampling import Sampler
-from waiting import wait_until
 
 KIB = 1024
 
@@ -35,7 +35,9 @@ def test_delivers_every_item_complete_and_in_order(source, tmp_path):
     data = source.folders(12, {"video.mp4": 40 * KIB, "text.txt": 100, "meta/info.json": 10})
     cache = tmp_path / "cache"
     seen = []
-    with Pipeline(source.url, cache, capacity=200 * KIB, storage_options=source.options, part_size="16KiB", max_concurrency=4) as pipe:
+    with Pipeline(
+        source.url, cache, capacity=200 * KIB, storage_options=source.options, part_size="16KiB", max_concurrency=4
+    ) as pipe:
         for path in pipe:
             assert isinstance(path, CachedItem) and Path(path).is_dir()
             assert path.path.parent == cache.absolute()
@@ -54,7 +56,9 @@ def test_delivers_every_item_complete_and_in_order(source, tmp_path):
 
 
 # Items of 1 MiB or more are deleted by the reaper thread after an ack (cache.REAP_MIN_BYTES).
-@pytest.mark.parametrize("video_kib, folders, part_size", [(50, 24, "8KiB"), (1024, 8, "256KiB")], ids=["in-place", "reaped"])
+@pytest.mark.parametrize(
+    ("video_kib", "folders", "part_size"), [(50, 24, "8KiB"), (1024, 8, "256KiB")], ids=["in-place", "reaped"]
+)
 def test_hard_cap_and_atomic_publish_sampled_during_run(source, tmp_path, video_kib, folders, part_size):
     data = source.folders(folders, {"video.mp4": video_kib * KIB, "a/b/c.txt": 3 * KIB})
     item_size = (video_kib + 3) * KIB
@@ -62,7 +66,9 @@ def test_hard_cap_and_atomic_publish_sampled_during_run(source, tmp_path, video_
     cache = tmp_path / "cache"
     delivered = []
     with Sampler(cache, expected=sizes(data)) as sampler:
-        with Pipeline(source.url, cache, capacity=capacity, storage_options=source.options, part_size=part_size, max_concurrency=8) as pipe:
+        with Pipeline(
+            source.url, cache, capacity=capacity, storage_options=source.options, part_size=part_size, max_concurrency=8
+        ) as pipe:
             for path in pipe:
                 # a slow consumer: hold the item until the producer has filled the cache
                 wait_until(lambda: (s := pipe.stats()).items_ready >= 2 or s.items_handed + s.items_ready == folders)
@@ -159,7 +165,9 @@ def test_auto_ack_evicts_previous_item_when_loop_asks_for_next(s3_source, tmp_pa
 
 def test_prefetch_limits_items_ahead(s3_source, tmp_path):
     s3_source.folders(10, {"f": 1000})
-    with Pipeline(s3_source.url, tmp_path / "c", capacity="1MiB", storage_options=s3_source.options, prefetch=2, auto_ack=False) as pipe:
+    with Pipeline(
+        s3_source.url, tmp_path / "c", capacity="1MiB", storage_options=s3_source.options, prefetch=2, auto_ack=False
+    ) as pipe:
         pipe.get(timeout=30)
         wait_until(lambda: pipe.stats().items_ready == 2)
         threading.Event().wait(0.3)  # give a runaway producer the chance to show itself
@@ -203,7 +211,9 @@ def test_missing_key_fails_the_item_in_the_consumer_naming_the_key(remote_source
 
 def test_on_error_skip_counts_and_continues(remote_source, tmp_path):
     remote_source.folders(3, {"f": 1000})
-    pipe = Pipeline(remote_source.url, tmp_path / "c", capacity="1MiB", storage_options=remote_source.options, on_error="skip", prefetch=1)
+    pipe = Pipeline(
+        remote_source.url, tmp_path / "c", capacity="1MiB", storage_options=remote_source.options, on_error="skip", prefetch=1
+    )
     with pipe:
         it = iter(pipe)
         next(it)
@@ -215,7 +225,9 @@ def test_on_error_skip_counts_and_continues(remote_source, tmp_path):
 def test_an_item_named_like_the_listing_marker_is_still_just_an_item(remote_source, tmp_path):
     for name in ("0", "1", "<listing>", "z"):  # in key order
         remote_source.put(f"{name}/f", b"x" * 1000)
-    pipe = Pipeline(remote_source.url, tmp_path / "c", capacity="1MiB", storage_options=remote_source.options, on_error="skip", prefetch=1)
+    pipe = Pipeline(
+        remote_source.url, tmp_path / "c", capacity="1MiB", storage_options=remote_source.options, on_error="skip", prefetch=1
+    )
     with pipe:
         it = iter(pipe)
         next(it)
@@ -295,7 +307,9 @@ def test_close_while_consumer_blocked_ends_its_loop(s3_source, tmp_path):
 def test_keep_on_close_items_are_reused_by_the_next_owner(s3_source, tmp_path):
     data = s3_source.folders(3, {"f": 1000})
     cache = tmp_path / "c"
-    with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options, keep_on_close=True, auto_ack=False, prefetch=3) as pipe:
+    with Pipeline(
+        s3_source.url, cache, "1MiB", storage_options=s3_source.options, keep_on_close=True, auto_ack=False, prefetch=3
+    ) as pipe:
         wait_until(lambda: pipe.stats().items_ready == 3)
     assert sorted(n for n in os.listdir(cache) if n != ".cachepipe") == sorted(data)
     with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options) as pipe:
@@ -372,7 +386,7 @@ def test_ack_deletes_the_item_but_never_through_a_link_the_consumer_left_in_it(s
     assert (outside / "keep").read_bytes() == b"mine" and (outside / "sub" / "keep").read_bytes() == b"mine too"
 
 
-class _nullcontext:
+class _nullcontext:  # noqa: N801 - mirrors contextlib.nullcontext
     def __enter__(self):
         return None
 
@@ -382,7 +396,9 @@ class _nullcontext:
 
 def test_lease_timeout_redelivers_an_unacked_item(s3_source, tmp_path):
     s3_source.folders(2, {"f": 10})
-    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options, auto_ack=False, lease_timeout=0.5) as pipe:
+    with Pipeline(
+        s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options, auto_ack=False, lease_timeout=0.5
+    ) as pipe:
         dead = pipe.get(timeout=30)  # this consumer "dies" holding item000
         other = pipe.get(timeout=30)
         pipe.ack(other)

@@ -18,14 +18,16 @@ from cachepipe.plan import Cursor, Frontier, Plan, Step, default_rank_world, def
 FAST = settings(max_examples=100, deadline=None)
 
 sizes_st = st.lists(st.integers(0, 1000), min_size=0, max_size=40)
-config_st = st.fixed_dictionaries({
-    "shuffle": st.booleans(),
-    "seed": st.integers(-(2**40), 2**40),
-    "world_size": st.integers(1, 5),
-    "num_workers": st.integers(1, 3),
-    "balance": st.sampled_from(["bytes", "count"]),
-    "partition": st.sampled_from(["epoch", "fixed"]),
-})
+config_st = st.fixed_dictionaries(
+    {
+        "shuffle": st.booleans(),
+        "seed": st.integers(-(2**40), 2**40),
+        "world_size": st.integers(1, 5),
+        "num_workers": st.integers(1, 3),
+        "balance": st.sampled_from(["bytes", "count"]),
+        "partition": st.sampled_from(["epoch", "fixed"]),
+    }
+)
 
 
 def plans(sizes, cfg, **extra):
@@ -33,8 +35,7 @@ def plans(sizes, cfg, **extra):
     w, k = cfg["world_size"], cfg["num_workers"]
     base = {key: cfg[key] for key in ("shuffle", "seed", "balance", "partition")}
     return {
-        (r, j): Plan(sizes, rank=r, world_size=w, worker=j, num_workers=k, **base, **extra)
-        for r in range(w) for j in range(k)
+        (r, j): Plan(sizes, rank=r, world_size=w, worker=j, num_workers=k, **base, **extra) for r in range(w) for j in range(k)
     }
 
 
@@ -171,14 +172,25 @@ def test_items_are_accepted_as_catalog_items():
 @FAST
 @given(sizes_st, config_st, st.integers(1, 3), st.data())
 def test_resume_from_any_position_yields_exactly_the_remainder(sizes, cfg, epochs, data):
-    plan = plans(sizes, cfg, epochs=epochs)[data.draw(st.integers(0, cfg["world_size"] - 1)), data.draw(st.integers(0, cfg["num_workers"] - 1))]
+    plan = plans(sizes, cfg, epochs=epochs)[
+        data.draw(st.integers(0, cfg["world_size"] - 1)), data.draw(st.integers(0, cfg["num_workers"] - 1))
+    ]
     full = list(plan)
     assert [(s.epoch, s.index) for s in full if s.index == 0] == sorted({(s.epoch, 0) for s in full})
     k = data.draw(st.integers(0, len(full)))
     state = plan.state_dict(full[k - 1] if k else None)
-    resumed = Plan(sizes, epochs=epochs, rank=plan.rank, world_size=plan.world_size, worker=plan.worker,
-                   num_workers=plan.num_workers, shuffle=cfg["shuffle"], seed=cfg["seed"], balance=cfg["balance"],
-                   partition=cfg["partition"])
+    resumed = Plan(
+        sizes,
+        epochs=epochs,
+        rank=plan.rank,
+        world_size=plan.world_size,
+        worker=plan.worker,
+        num_workers=plan.num_workers,
+        shuffle=cfg["shuffle"],
+        seed=cfg["seed"],
+        balance=cfg["balance"],
+        partition=cfg["partition"],
+    )
     resumed.load_state_dict(state)
     assert list(resumed) == full[k:]
     assert list(plan.steps(Cursor(state["epoch"], state["index"]))) == full[k:]
@@ -207,11 +219,19 @@ def test_state_is_json_and_names_the_next_position():
     assert list(plan) == []
 
 
-@pytest.mark.parametrize("change, key", [
-    ({"seed": 1}, "seed"), ({"epochs": 3}, "epochs"), ({"world_size": 2}, "world_size"), ({"rank": 1, "world_size": 2}, "world_size"),
-    ({"shuffle": False}, "shuffle"), ({"num_workers": 2}, "num_workers"), ({"balance": "count"}, "balance"),
-    ({"partition": "fixed"}, "partition"),
-])
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"seed": 1}, "seed"),
+        ({"epochs": 3}, "epochs"),
+        ({"world_size": 2}, "world_size"),
+        ({"rank": 1, "world_size": 2}, "world_size"),
+        ({"shuffle": False}, "shuffle"),
+        ({"num_workers": 2}, "num_workers"),
+        ({"balance": "count"}, "balance"),
+        ({"partition": "fixed"}, "partition"),
+    ],
+)
 def test_state_from_another_configuration_is_refused(change, key):
     base = {"epochs": 2, "shuffle": True, "seed": 0, "rank": 0, "world_size": 1}
     state = Plan([1, 2, 3], **base).state_dict()
@@ -260,12 +280,21 @@ def test_frontier_is_the_first_unconsumed_step():
 
 
 # ---- arguments ---------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, match", [
-    ({"epochs": 0}, "epochs 0"), ({"rank": 2, "world_size": 2}, "rank 2"), ({"rank": -1, "world_size": 2}, "rank -1"),
-    ({"rank": 0, "world_size": 0}, "world_size 0"), ({"rank": 0}, "give both"), ({"worker": 3, "num_workers": 3}, "worker 3"),
-    ({"balance": "items"}, "balance 'items'"), ({"partition": "x"}, "partition 'x'"), ({"seed": 1.5}, "seed 1.5"),
-    ({"epochs": None, "world_size": 4, "rank": 0}, "at least one item per share"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"epochs": 0}, "epochs 0"),
+        ({"rank": 2, "world_size": 2}, "rank 2"),
+        ({"rank": -1, "world_size": 2}, "rank -1"),
+        ({"rank": 0, "world_size": 0}, "world_size 0"),
+        ({"rank": 0}, "give both"),
+        ({"worker": 3, "num_workers": 3}, "worker 3"),
+        ({"balance": "items"}, "balance 'items'"),
+        ({"partition": "x"}, "partition 'x'"),
+        ({"seed": 1.5}, "seed 1.5"),
+        ({"epochs": None, "world_size": 4, "rank": 0}, "at least one item per share"),
+    ],
+)
 def test_bad_arguments_are_named(kwargs, match):
     args = {"rank": 0, "world_size": 1, **kwargs}
     if "give both" in match:
@@ -305,20 +334,31 @@ def test_plan_memory_for_a_million_items():
 
 
 # ---- rank and worker defaults ------------------------------------------------------------
-@pytest.mark.parametrize("env, expected", [
-    ({}, (0, 1)), ({"RANK": "2", "WORLD_SIZE": "4"}, (2, 4)), ({"RANK": " 0 ", "WORLD_SIZE": "1"}, (0, 1)),
-])
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, (0, 1)),
+        ({"RANK": "2", "WORLD_SIZE": "4"}, (2, 4)),
+        ({"RANK": " 0 ", "WORLD_SIZE": "1"}, (0, 1)),
+    ],
+)
 def test_rank_world_from_the_environment(env, expected, monkeypatch):
     monkeypatch.delitem(sys.modules, "torch.distributed", raising=False)
     assert default_rank_world(env) == expected
 
 
-@pytest.mark.parametrize("env, match", [
-    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x'"), ({"RANK": "1", "WORLD_SIZE": "two"}, "WORLD_SIZE='two'"),
-    ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK 2"), ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK -1"),
-    ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE 0"), ({"RANK": "1"}, "RANK='1' is set but WORLD_SIZE"),
-    ({"WORLD_SIZE": "3"}, "WORLD_SIZE='3' is set but RANK"),
-])
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x'"),
+        ({"RANK": "1", "WORLD_SIZE": "two"}, "WORLD_SIZE='two'"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK 2"),
+        ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK -1"),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE 0"),
+        ({"RANK": "1"}, "RANK='1' is set but WORLD_SIZE"),
+        ({"WORLD_SIZE": "3"}, "WORLD_SIZE='3' is set but RANK"),
+    ],
+)
 def test_bad_rank_world_in_the_environment_is_named(env, match, monkeypatch):
     monkeypatch.delitem(sys.modules, "torch.distributed", raising=False)
     with pytest.raises(ValueError, match=match):
@@ -326,7 +366,9 @@ def test_bad_rank_world_in_the_environment_is_named(env, match, monkeypatch):
 
 
 def test_rank_world_from_an_initialised_torch_distributed(monkeypatch):
-    dist = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, get_rank=lambda: 3, get_world_size=lambda: 8)
+    dist = types.SimpleNamespace(
+        is_available=lambda: True, is_initialized=lambda: True, get_rank=lambda: 3, get_world_size=lambda: 8
+    )
     monkeypatch.setitem(sys.modules, "torch.distributed", dist)
     assert default_rank_world({"RANK": "0", "WORLD_SIZE": "1"}) == (3, 8)
     monkeypatch.setattr(dist, "is_initialized", lambda: False)

@@ -5,11 +5,33 @@ import types
 import cachepipe
 
 EXPECTED = {
-    "Pipeline", "CachedItem", "Stats", "map", "MapResult", "Client", "PipelineConfig", "parse_size", "parse_capacity",
-    "Store", "ObjectInfo", "open_store",
-    "CachePipeError", "ConfigError", "UnsafeKeyError", "OversizeError", "EmptySourceError",
-    "CacheLockedError", "UnknownItemError", "ItemFailedError", "StoreUnavailableError", "VerificationError", "PrepareOverflowError",
-    "ArchiveError", "UnsafeMemberError", "ArchiveTooLargeError", "ChecksumError",
+    "Pipeline",
+    "CachedItem",
+    "Stats",
+    "map",
+    "MapResult",
+    "Client",
+    "PipelineConfig",
+    "parse_size",
+    "parse_capacity",
+    "Store",
+    "ObjectInfo",
+    "open_store",
+    "CachePipeError",
+    "ConfigError",
+    "UnsafeKeyError",
+    "OversizeError",
+    "EmptySourceError",
+    "CacheLockedError",
+    "UnknownItemError",
+    "ItemFailedError",
+    "StoreUnavailableError",
+    "VerificationError",
+    "PrepareOverflowError",
+    "ArchiveError",
+    "UnsafeMemberError",
+    "ArchiveTooLargeError",
+    "ChecksumError",
 }
 
 
@@ -30,5 +52,7 @@ def test_errors_are_builtin_subclasses():
     assert issubclass(cachepipe.EmptySourceError, FileNotFoundError)
     assert issubclass(cachepipe.StoreUnavailableError, ConnectionError)
     assert issubclass(cachepipe.UnknownItemError, KeyError)
-    assert issubclass(cachepipe.UnsafeMemberError, ValueError) and issubclass(cachepipe.ArchiveTooLargeError, cachepipe.ArchiveError)
+    assert issubclass(cachepipe.UnsafeMemberError, ValueError) and issubclass(
+        cachepipe.ArchiveTooLargeError, cachepipe.ArchiveError
+    )
     assert issubclass(cachepipe.ChecksumError, OSError)

@@ -31,7 +31,7 @@ def test_reaper_deletes_in_order_and_releases_each_size_after_its_files_are_gone
 
 
 def test_reaper_refuses_work_once_stopped_and_starts_no_thread_for_nothing(tmp_path):
-    reaper = Reaper(lambda size, left: None)
+    reaper = Reaper(lambda size, left: None)  # noqa: ARG005 - stands in for a callable with this signature
     reaper.stop()
     assert not reaper.put(_item(tmp_path, "late", 1), 1)  # the caller deletes it itself
     assert os.path.exists(tmp_path / "late")

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachepipe.plan import Plan
-from cachepipe.plan import tick
+from cachepipe.plan import Plan, tick
 from cachepipe.retention import (
-    LRU, NEVER, Belady, NoRetention, PlanFuture, SequenceFuture, belady_min, compulsory_bytes, is_placeholder,
-    make_policy, run, simulate,
+    LRU,
+    NEVER,
+    Belady,
+    NoRetention,
+    PlanFuture,
+    SequenceFuture,
+    belady_min,
+    compulsory_bytes,
+    is_placeholder,
+    make_policy,
+    run,
+    simulate,
 )
 
 FAST = settings(max_examples=100, deadline=None)
@@ -30,7 +39,7 @@ def workloads(draw, equal: bool):
 def brute_force_optimum(sequence, capacity):
     """Fewest misses for equal sizes (1 each): try every victim at every miss."""
 
-    @lru_cache(maxsize=None)
+    @cache
     def best(t, cache):
         if t == len(sequence):
             return 0
@@ -295,7 +304,15 @@ def test_plan_future_matches_the_flattened_plan(n, epochs, world, seed, horizon)
 
 
 @FAST
-@given(st.integers(2, 20), st.integers(2, 4), st.integers(1, 4), st.integers(0, 30), st.integers(1, 3), st.floats(0.05, 1.0), st.booleans())
+@given(
+    st.integers(2, 20),
+    st.integers(2, 4),
+    st.integers(1, 4),
+    st.integers(0, 30),
+    st.integers(1, 3),
+    st.floats(0.05, 1.0),
+    st.booleans(),
+)
 def test_belady_on_a_plan_with_a_horizon(n, epochs, world, seed, horizon, share, fixed):
     sizes = [1] * n
     plan = Plan(sizes, epochs=epochs, shuffle=True, seed=seed, rank=0, world_size=world, partition="fixed" if fixed else "epoch")
@@ -348,11 +365,13 @@ class Scripted:
 def test_a_stale_placeholder_is_looked_up_again_before_choosing():
     a, b, c = 0, 1, 2
     after_epoch_1 = tick(1, 0xFFFFFFFF)
-    future = Scripted({
-        (a, tick(0, 0)): after_epoch_1,   # a: not in epochs 1..1+horizon as seen from epoch 0
-        (b, tick(2, 0)): tick(2, 5),      # b: read again soon
-        (a, tick(2, 1)): tick(3, 0),      # a, asked again from epoch 2: in epoch 3, after b
-    })
+    future = Scripted(
+        {
+            (a, tick(0, 0)): after_epoch_1,  # a: not in epochs 1..1+horizon as seen from epoch 0
+            (b, tick(2, 0)): tick(2, 5),  # b: read again soon
+            (a, tick(2, 1)): tick(3, 0),  # a, asked again from epoch 2: in epoch 3, after b
+        }
+    )
     policy = Belady([1, 1, 1], future)
     policy.on_admit(a, tick(0, 0))
     policy.on_ack(a, tick(0, 0))

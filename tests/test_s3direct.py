@@ -18,8 +18,8 @@ ODD_KEY = "c d/ü+x~=(1).bin"
 
 
 def _post(url: str, data: bytes) -> None:
-    request = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "text/plain"})
-    urllib.request.urlopen(request).close()
+    request = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "text/plain"})  # noqa: S310 - a local http:// URL built here
+    urllib.request.urlopen(request).close()  # noqa: S310 - a local http:// URL built here
 
 
 class MotoIAM:
@@ -43,8 +43,13 @@ class MotoIAM:
     def delete_key(self, access_key: str, signed_with: tuple[str, str]) -> None:
         import boto3
 
-        iam = boto3.client("iam", endpoint_url=self.endpoint, region_name="us-east-1",
-                           aws_access_key_id=signed_with[0], aws_secret_access_key=signed_with[1])
+        iam = boto3.client(
+            "iam",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=signed_with[0],
+            aws_secret_access_key=signed_with[1],
+        )
         iam.delete_access_key(UserName="reader", AccessKeyId=access_key)
 
 
@@ -117,7 +122,8 @@ def test_changed_credentials_are_used_from_the_next_request(s3_source, moto_iam,
         async def load(self):
             # refresh due whenever asked (advisory window 2 h > 1 h to expiry), never mandatory
             return AioRefreshableCredentials.create_from_metadata(
-                await fetch(), refresh_using=fetch, method=self.METHOD, advisory_timeout=7200, mandatory_timeout=0)
+                await fetch(), refresh_using=fetch, method=self.METHOD, advisory_timeout=7200, mandatory_timeout=0
+            )
 
     session = AioSession()
     session.get_component("credential_provider").insert_before("env", Rotating())
@@ -162,8 +168,13 @@ def test_the_signing_region_is_s3fs_clients(s3_source, moto_iam, fault_proxy):
     s3_source.put("a", BODY)
     (key, secret), _ = moto_iam.keys
     moto_iam.enforce()
-    options = {"endpoint_url": endpoint, "key": key, "secret": secret, "client_kwargs": {"region_name": "eu-west-1"},
-               "skip_instance_cache": True}
+    options = {
+        "endpoint_url": endpoint,
+        "key": key,
+        "secret": secret,
+        "client_kwargs": {"region_name": "eu-west-1"},
+        "skip_instance_cache": True,
+    }
     store = FsspecStore(s3_source.url, options)
     try:
         assert store.exists("a")  # a HeadObject by s3fs's own client
@@ -171,7 +182,10 @@ def test_the_signing_region_is_s3fs_clients(s3_source, moto_iam, fault_proxy):
         assert [o.key for o in store.list()] == ["a"]
     finally:
         store.close()
-    heads = [next(h for h in proxy.requests if h.startswith(start)) for start in ("HEAD /data/video/a ", "GET /data/video/a ", "GET /data?")]
+    heads = [
+        next(h for h in proxy.requests if h.startswith(start))
+        for start in ("HEAD /data/video/a ", "GET /data/video/a ", "GET /data?")
+    ]
     scopes = [head.split(f"Credential={key}/")[1].split(",")[0] for head in heads]
     assert all(scope.endswith("/eu-west-1/s3/aws4_request") for scope in scopes), scopes
 
@@ -184,8 +198,10 @@ def test_addresses_are_the_ones_s3fs_client_resolves(s3_source):
     cases = [
         ({"endpoint_url": endpoint}, f"{endpoint}/data/video/x.bin"),
         ({"client_kwargs": {"region_name": "eu-west-1"}}, "https://data.s3.eu-west-1.amazonaws.com/video/x.bin"),
-        ({"endpoint_url": f"http://localhost:{port}", "config_kwargs": {"s3": {"addressing_style": "virtual"}}},
-         f"http://data.localhost:{port}/video/x.bin"),
+        (
+            {"endpoint_url": f"http://localhost:{port}", "config_kwargs": {"s3": {"addressing_style": "virtual"}}},
+            f"http://data.localhost:{port}/video/x.bin",
+        ),
     ]
     for options, url in cases:
         store = FsspecStore(s3_source.url, {"key": "testing", "secret": "testing", **options, "skip_instance_cache": True})

@@ -33,7 +33,6 @@ from cachepipe.service.logs import JournalFormatter
 from cachepipe.service.markers import acked_by
 from cachepipe.service.testing import DaemonExited, DaemonProcess
 
-
 ROOT = Path(__file__).resolve().parent.parent
 KIB = 1024
 FILES = {"a.bin": KIB, "b.txt": 10}
@@ -107,8 +106,16 @@ def test_parallel_consumers_get_disjoint_items_and_all_of_them(s3_source, s3_end
     sock = short_dir / "api.sock"
     config = write_config(tmp_path, sock, s3_endpoint, {"train": {}})
     with DaemonProcess(config):
-        procs = [subprocess.Popen([sys.executable, "-c", CONSUMER, str(sock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for _ in range(4)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", CONSUMER, str(sock)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(4)
+        ]
         try:
             held = [proc.stdout.readline().strip() for proc in procs]  # each blocks until it holds an item
             assert len(set(held)) == 4 and all(held), held  # four live leases at once, on four different items
@@ -138,7 +145,9 @@ def test_killed_consumer_item_is_redelivered_after_its_lease(s3_source, s3_endpo
     sock = short_dir / "api.sock"
     config = write_config(tmp_path, sock, s3_endpoint, {"train": {"lease_timeout": 1.5}})
     with DaemonProcess(config):
-        holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(sock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(sock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         try:
             held = json.loads(holder.stdout.readline())
         finally:
@@ -204,7 +213,9 @@ def event_storm(directory: Path, n: int = 5000) -> None:
         os.close(os.open(directory / "ab"[i % 2], os.O_WRONLY))
 
 
-def test_done_file_shipped_in_the_dataset_never_acks_an_item_under_its_lease(s3_source, s3_client, s3_endpoint, tmp_path, short_dir):
+def test_done_file_shipped_in_the_dataset_never_acks_an_item_under_its_lease(
+    s3_source, s3_client, s3_endpoint, tmp_path, short_dir
+):
     # Issue #18 finding 6: every item ships its own `.done`. One item fits in the cache at a time, so
     # each is published while the consumer already waits in `next` and is handed out at once; the
     # watcher sees the shipped `.done` (moved in with the item) only behind an event storm, after the
@@ -217,8 +228,10 @@ def test_done_file_shipped_in_the_dataset_never_acks_an_item_under_its_lease(s3_
         item = client.get(timeout=30)
         for k in range(5):
             assert ".done" in item.files
-            wait_until(lambda: f"marker of {item.path} ignored" in daemon.log() or not item.path.exists(),
-                       what=f"the daemon to judge the shipped marker of {item.name}")
+            wait_until(
+                lambda: f"marker of {item.path} ignored" in daemon.log() or not item.path.exists(),  # noqa: B023 - the lambda is called at once, inside this iteration
+                what=f"the daemon to judge the shipped marker of {item.name}",
+            )
             assert item.path.exists() and (item.path / ".done").exists(), f"{item.name} vanished under its live lease"
             client.renew(item)  # the lease is live: not acknowledged behind our back
             event_storm(tmp_path / "cache-noise" / f"storm{k}")
@@ -260,7 +273,11 @@ def test_slow_clients_are_cut_off_and_do_not_lock_out_a_consumer(s3_source, s3_e
                 conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 conn.settimeout(10)  # a bound on the test's own waits, not a timed assertion
                 conn.connect(str(sock))
-                head = b"POST /v1/ack HTTP/1.1\r\nHost: x\r\n" if i % 2 else b"POST /v1/ack HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+                head = (
+                    b"POST /v1/ack HTTP/1.1\r\nHost: x\r\n"
+                    if i % 2
+                    else b"POST /v1/ack HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"
+                )
                 conn.sendall(head)  # odd ones never end their headers, even ones never send their body
                 slow.append(conn)
             with Client("train", sock, auto_ack=False) as client:
@@ -288,7 +305,9 @@ def test_malformed_requests_are_400_with_the_reason(s3_source, s3_endpoint, tmp_
     config = write_config(tmp_path, sock, s3_endpoint, {"train": {}})
     with DaemonProcess(config):
         nested = b"[" * 100_000 + b"]" * 100_000
-        status, body = raw_request(sock, b"POST /v1/ack HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(nested), nested))
+        status, body = raw_request(
+            sock, b"POST /v1/ack HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(nested), nested)
+        )
         assert status == 400 and body["error"] == "bad_request" and "nested too deeply" in body["message"], body
         for lengths in ((b"2", b"2"), (b"2", b"5")):
             head = b"".join(b"Content-Length: %s\r\n" % n for n in lengths)
@@ -296,7 +315,9 @@ def test_malformed_requests_are_400_with_the_reason(s3_source, s3_endpoint, tmp_
             assert status == 400 and "Content-Length given 2 times" in body["message"], body
         status, body = raw_request(sock, b"POST /v1/pipelines/train/next HTTP/1.1\r\nHost: x\r\nContent-Length: +2\r\n\r\n{}")
         assert status == 400 and body["message"] == "Content-Length '+2': expected a number of bytes", body
-        status, body = raw_request(sock, b"GET /v1/health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 60_000 + b"\r\nX-Big2: " + b"a" * 60_000 + b"\r\n\r\n")
+        status, body = raw_request(
+            sock, b"GET /v1/health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 60_000 + b"\r\nX-Big2: " + b"a" * 60_000 + b"\r\n\r\n"
+        )
         assert status == 431 and "over 65536 bytes" in body["message"], body
         with Client("train", sock) as client:
             assert [i.name for i in client] == ["item000"]  # nothing was taken by the refused requests
@@ -342,8 +363,12 @@ def test_sigterm_exits_0_quickly_and_leaves_published_items(s3_source, s3_endpoi
             wait_until(lambda: stats(client)["items_ready"] == 3, what="every item to be downloaded")
             client.ack(client.get(timeout=30))
             client.get(timeout=30), client.get(timeout=30)  # everything is leased now
-            waiting = subprocess.Popen([sys.executable, "-m", "cachepipe.cli", "next", "--socket", str(sock), "--timeout", "60"],
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            waiting = subprocess.Popen(
+                [sys.executable, "-m", "cachepipe.cli", "next", "--socket", str(sock), "--timeout", "60"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             wait_until(lambda: client.status()["pipelines"]["train"]["waiting"] == 1, what="the consumer to wait in next")
         start = time.monotonic()
         assert daemon.stop(timeout=15) == 0
@@ -436,7 +461,7 @@ def listening_tcp_ports(pid: int) -> list[tuple[str, int]]:
                 local, state, inode = fields[1], fields[3], fields[9]
                 if state == "0A" and inode in inodes:
                     addr, port = local.split(":")
-                    host = ".".join(str(int(addr[i:i + 2], 16)) for i in (6, 4, 2, 0)) if table == "tcp" else addr
+                    host = ".".join(str(int(addr[i : i + 2], 16)) for i in (6, 4, 2, 0)) if table == "tcp" else addr
                     found.append((host, int(port, 16)))
     return found
 
@@ -508,20 +533,35 @@ def test_unit_files_pass_systemd_analyze_verify(tmp_path):
         text = (ROOT / "systemd" / src).read_text().replace("/usr/local/bin/cachepipe", exe)  # verify wants an executable
         (tmp_path / dest).write_text(text)
         units.append(str(tmp_path / dest))
-    proc = subprocess.run([tool, "verify", *units], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([tool, "verify", *units], capture_output=True, text=True, timeout=60, check=False)
     complaints = [line for line in (proc.stdout + proc.stderr).splitlines() if str(tmp_path) in line or "cachepipe" in line]
     assert proc.returncode == 0 and not complaints, proc.stdout + proc.stderr
     for unit in units:
         text = Path(unit).read_text()
-        for directive in ("Type=notify", "Restart=on-failure", "RuntimeDirectory=cachepipe", "NoNewPrivileges=yes",
-                          "ProtectSystem=strict", "ReadWritePaths=", "PrivateTmp=yes", "User=cachepipe", "Group=cachepipe",
-                          "ExecReload=/bin/kill -HUP $MAINPID"):
+        for directive in (
+            "Type=notify",
+            "Restart=on-failure",
+            "RuntimeDirectory=cachepipe",
+            "NoNewPrivileges=yes",
+            "ProtectSystem=strict",
+            "ReadWritePaths=",
+            "PrivateTmp=yes",
+            "User=cachepipe",
+            "Group=cachepipe",
+            "ExecReload=/bin/kill -HUP $MAINPID",
+        ):
             assert directive in text, (unit, directive)
     assert "/etc/cachepipe/%i.yaml" in (tmp_path / "cachepipe@train.service").read_text()
 
 
 def test_benchmark_quick_smoke(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_service.py"), "--quick"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_service.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "next+ack" in proc.stdout and "items/s" in proc.stdout and "bench_service.py" in proc.stdout

@@ -41,8 +41,8 @@ def test_no_import_circle_in_the_service_package():
 
     def visit(name: str, path: list[str]) -> None:
         for dep in sorted(graph[name]):
-            assert dep not in path, f"import circle: {' -> '.join(path[path.index(dep):] + [name, dep])}"
-            visit(dep, path + [name])
+            assert dep not in path, f"import circle: {' -> '.join([*path[path.index(dep) :], name, dep])}"
+            visit(dep, [*path, name])
 
     for module in sorted(graph):
         if module != "__init__":

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import json
+import operator
 import os
 import random
 import signal
@@ -38,10 +40,11 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-from cachepipe import state as journal_state
 from sampling import Sampler
 from test_disk_faults import tmpfs
 from waiting import wait_until
+
+from cachepipe import state as journal_state
 
 HERE = Path(__file__).parent
 KIB = 1024
@@ -84,8 +87,12 @@ class Run:
         self.run = run
         self.stderr_path = workdir / f"child-{run}.stderr"
         with open(self.stderr_path, "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, str(HERE / "soak_child.py"), json.dumps({**cfg, "run": run})],
-                                         stdout=subprocess.DEVNULL, stderr=err, env=CHILD_ENV)
+            self.proc = subprocess.Popen(
+                [sys.executable, str(HERE / "soak_child.py"), json.dumps({**cfg, "run": run})],
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env=CHILD_ENV,
+            )
 
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace")
@@ -139,7 +146,6 @@ def drive(cfg: dict, log: Log, workdir: Path, run: int, rng: random.Random, most
     """
     child = Run(cfg, run, workdir)
     target = rng.randint(1, most)
-    seen = [0, 0]  # hand-outs of this run at the last check, and how many checks ago it changed
 
     def reached() -> bool:
         log.refresh()
@@ -152,8 +158,10 @@ def drive(cfg: dict, log: Log, workdir: Path, run: int, rng: random.Random, most
         wait_until(reached, STALL_SECONDS, f"run {run}: {target} hand-outs")
     except AssertionError:
         got = len(log.of(run, "GOT"))
-        raise AssertionError(f"run {run} stalled: {got} of {target} hand-outs in {STALL_SECONDS} s, "
-                             f"log tail {log.lines[-5:]}; stacks:\n{child.stacks()}") from None
+        raise AssertionError(
+            f"run {run} stalled: {got} of {target} hand-outs in {STALL_SECONDS} s, "
+            f"log tail {log.lines[-5:]}; stacks:\n{child.stacks()}"
+        ) from None
     if child.proc.poll() is None:
         threading.Event().wait(rng.random() * 0.03)  # a random instant: mid-download, mid-ack, mid-journal write
     if child.proc.poll() is None:
@@ -179,8 +187,9 @@ def finish(cfg: dict, log: Log, workdir: Path, run: int) -> Run:
         except AssertionError:
             now = len(log.of(run, "GOT"))
             if now == progress[0]:
-                raise AssertionError(f"last run {run} stalled after {now} hand-outs; log tail {log.lines[-5:]}; "
-                                     f"stacks:\n{child.stacks()}") from None
+                raise AssertionError(
+                    f"last run {run} stalled after {now} hand-outs; log tail {log.lines[-5:]}; stacks:\n{child.stacks()}"
+                ) from None
             progress[0] = now  # slow but moving: wait another stretch (bounded by the plan's length)
     child.proc.wait()
     log.refresh()
@@ -257,8 +266,17 @@ def test_multi_epoch_eight_thread_kill_soak(tmp_path):
     # about a third of the data: retention keeps some, evicts the rest by the plan
     capacity = 48 * KIB
     log = Log(tmp_path / "soak.log")
-    cfg = {"url": f"file://{tmp_path / 'src'}", "cache": str(cache), "capacity": capacity, "log": str(log.path),
-           "epochs": epochs, "seed": seed, "threads": 8, "options": {}, "work_seconds": 0.001}
+    cfg = {
+        "url": f"file://{tmp_path / 'src'}",
+        "cache": str(cache),
+        "capacity": capacity,
+        "log": str(log.path),
+        "epochs": epochs,
+        "seed": seed,
+        "threads": 8,
+        "options": {},
+        "work_seconds": 0.001,
+    }
     ends: Counter = Counter()
     held_at_kill = []
     with Sampler(cache) as sampler:
@@ -268,7 +286,9 @@ def test_multi_epoch_eight_thread_kill_soak(tmp_path):
             ends[how] += 1
             if how == "killed":
                 held_at_kill.append(in_hand(log, run))
-            assert how != "failed", f"seed {seed}, run {run} failed by itself: {' '.join(sum(log.of(run, 'FAIL'), [])[2:])}\n{child.stderr()[-4000:]}"
+            assert how != "failed", (
+                f"seed {seed}, run {run} failed by itself: {' '.join(functools.reduce(operator.iadd, log.of(run, 'FAIL'), [])[2:])}\n{child.stderr()[-4000:]}"  # noqa: E501 - kept whole
+            )
             assert "Traceback" not in child.stderr(), child.stderr()
             assert journal_error(cache, digests) is None, f"after run {run} ({how}): {journal_error(cache, digests)}"
             if how == "done":
@@ -277,11 +297,13 @@ def test_multi_epoch_eight_thread_kill_soak(tmp_path):
     stderr = last.stderr()
     tally = Tally(log.lines, digests)
     plan = {(e, name) for e in range(epochs) for name in digests}
-    print(f"\nkill soak (seed {seed}): {ends['killed']} kills ({sum(1 for n in held_at_kill if n)} with items in hand, "
-          f"{sum(held_at_kill)} items in hand in all), {run + 2} runs, {epochs} epochs x {n_items} items = {len(plan)} steps, "
-          f"{sum(tally.deliveries.values())} deliveries, {tally.redelivered} re-deliveries of unacknowledged steps, "
-          f"{len(tally.came_back)} re-deliveries of acknowledged steps, peak cache {sampler.peak} of {capacity} bytes "
-          f"({sampler.samples} samples)")
+    print(
+        f"\nkill soak (seed {seed}): {ends['killed']} kills ({sum(1 for n in held_at_kill if n)} with items in hand, "
+        f"{sum(held_at_kill)} items in hand in all), {run + 2} runs, {epochs} epochs x {n_items} items = {len(plan)} steps, "
+        f"{sum(tally.deliveries.values())} deliveries, {tally.redelivered} re-deliveries of unacknowledged steps, "
+        f"{len(tally.came_back)} re-deliveries of acknowledged steps, peak cache {sampler.peak} of {capacity} bytes "
+        f"({sampler.samples} samples)"
+    )
     assert last.proc.returncode == 0 and log.of(run + 1, "DONE"), f"last run: {log.of(run + 1, 'FAIL')}\n{stderr[-4000:]}"
     assert "rebuilding" not in stderr, stderr[-2000:]  # the journal was readable at every restart
     assert tally.came_back == [], f"acknowledged, then handed out again: {tally.came_back[:10]}"
@@ -372,9 +394,18 @@ def test_full_shared_disk_soak_with_kills(tmp_path):
         cache = disk / "cache"
         capacity = 320 * KIB  # fits the disk alone; the other writer takes the rest and more
         log = Log(tmp_path / "soak.log")
-        cfg = {"url": f"file://{tmp_path / 'src'}", "cache": str(cache), "capacity": capacity, "log": str(log.path),
-               "epochs": epochs, "seed": seed, "threads": 8, "options": {}, "work_seconds": 0.001,
-               "pipeline": {"retries": 1000, "retry_backoff": 0.005, "retry_backoff_max": 0.05}}
+        cfg = {
+            "url": f"file://{tmp_path / 'src'}",
+            "cache": str(cache),
+            "capacity": capacity,
+            "log": str(log.path),
+            "epochs": epochs,
+            "seed": seed,
+            "threads": 8,
+            "options": {},
+            "work_seconds": 0.001,
+            "pipeline": {"retries": 1000, "retry_backoff": 0.005, "retry_backoff_max": 0.05},
+        }
         ends: Counter = Counter()
         failures: list[str] = []
         torn: list[str] = []  # journals that would not load after a run
@@ -389,7 +420,9 @@ def test_full_shared_disk_soak_with_kills(tmp_path):
                     if (error := journal_error(cache, digests)) is not None:
                         torn.append(f"after run {runs - 1} ({how}): {error}")
                     if how == "failed":
-                        failures.append(" ".join(log.of(runs - 1, "FAIL")[0][2:]) if log.of(runs - 1, "FAIL") else child.stderr()[-2000:])
+                        failures.append(
+                            " ".join(log.of(runs - 1, "FAIL")[0][2:]) if log.of(runs - 1, "FAIL") else child.stderr()[-2000:]
+                        )
                     if how == "done":
                         break
             # the other writer is gone and its files freed: the pass must complete
@@ -398,11 +431,13 @@ def test_full_shared_disk_soak_with_kills(tmp_path):
         tally = Tally(log.lines, digests)
         plan = {(e, name) for e in range(epochs) for name in digests}
         rebuilt = [r for r in range(runs + 1) if "rebuilding the cache state" in (tmp_path / f"child-{r}.stderr").read_text()]
-        print(f"\nfull-disk soak (seed {seed}): {runs + 1} runs: {ends['killed']} killed, {ends['failed']} failed by "
-              f"themselves, {ends['done']} done early; other writer met a full disk {writer.full} times, wrote "
-              f"{writer.written // KIB} KiB; {sum(tally.deliveries.values())} deliveries of {len(plan)} steps, "
-              f"{tally.redelivered} re-deliveries, {len(tally.came_back)} of acknowledged steps; journal rebuilt at "
-              f"runs {rebuilt}; peak cache {sampler.peak} of {capacity} bytes ({sampler.samples} samples)")
+        print(
+            f"\nfull-disk soak (seed {seed}): {runs + 1} runs: {ends['killed']} killed, {ends['failed']} failed by "
+            f"themselves, {ends['done']} done early; other writer met a full disk {writer.full} times, wrote "
+            f"{writer.written // KIB} KiB; {sum(tally.deliveries.values())} deliveries of {len(plan)} steps, "
+            f"{tally.redelivered} re-deliveries, {len(tally.came_back)} of acknowledged steps; journal rebuilt at "
+            f"runs {rebuilt}; peak cache {sampler.peak} of {capacity} bytes ({sampler.samples} samples)"
+        )
         for failure, times in Counter(f.replace(str(tmp_path), "<tmp>") for f in failures).items():
             print(f"  failed by itself ({times}x): {failure[:300]}")
         unclear = [f for f in failures if "ENOSPC" not in f and "No space left" not in f and "(28)" not in f]

@@ -59,8 +59,11 @@ def test_s3_gets_take_the_direct_path_unless_an_option_needs_the_sdk(s3_source):
     s3_source.put("a/f", b"0123456789")
     plain = FsspecStore(s3_source.url, s3_source.options)
     assert plain._direct is not None
-    for extra in ({"client_kwargs": {"endpoint_url": s3_source.options["endpoint_url"], "verify": False}},
-                  {"requester_pays": True}, {"s3_additional_kwargs": {"SSECustomerKey": "k"}}):
+    for extra in (
+        {"client_kwargs": {"endpoint_url": s3_source.options["endpoint_url"], "verify": False}},
+        {"requester_pays": True},
+        {"s3_additional_kwargs": {"SSECustomerKey": "k"}},
+    ):
         store = FsspecStore(s3_source.url, {**s3_source.options, **extra, "skip_instance_cache": True})
         assert store._direct is None, extra
     import io

@@ -13,12 +13,12 @@ from collections.abc import Iterator
 import fsspec
 import pytest
 import tqdm.auto
+from waiting import wait_until
 
 from cachepipe import ConfigError, EmptySourceError, OversizeError, Pipeline
 from cachepipe.listing import FIRST_PAGE_OBJECTS
 from cachepipe.stores.base import ObjectInfo
 from cachepipe.stores.fsspec import FsspecStore
-from waiting import wait_until
 
 ROOT = "memory://stream/data"
 
@@ -113,10 +113,9 @@ def test_oversize_item_after_the_first_page_fails_in_its_turn(memory_data, tmp_p
     memory_data.pipe_file(f"/stream/data/item{FIRST_PAGE_OBJECTS + 5:05d}/f", b"x" * 300_000)
     store = GatedStore(gate_after=10**9)
     delivered = []
-    with Pipeline(ROOT, tmp_path / "c", "256KiB", store=store) as pipe:
-        with pytest.raises(OversizeError, match="300000 bytes"):
-            for p in pipe:
-                delivered.append(p.name)
+    with Pipeline(ROOT, tmp_path / "c", "256KiB", store=store) as pipe, pytest.raises(OversizeError, match="300000 bytes"):  # noqa: PT012 - the error is expected from the whole block, not from one call
+        for p in pipe:
+            delivered.append(p.name)  # noqa: PERF401 - the loop is what is measured or tested: items taken one at a time
     assert len(delivered) == FIRST_PAGE_OBJECTS + 5  # everything before it, in order
 
 
@@ -131,15 +130,20 @@ def test_a_listing_that_stops_after_the_first_page_is_raised_also_with_on_error_
         _put(memory_data, FIRST_PAGE_OBJECTS + 30)
     if fault == "oversize":
         memory_data.pipe_file(f"/stream/data/item{FIRST_PAGE_OBJECTS + 10:05d}/f", b"x" * 300_000)
-    store = GatedStore(gate_after=FIRST_PAGE_OBJECTS + 1, fail_after=FIRST_PAGE_OBJECTS + 10 if fault == "listing error" else None)
-    expected, match = {"listing error": (ConnectionError, "injected"), "oversize": (OversizeError, "300000 bytes"),
-                       "no items": (EmptySourceError, "found no folders with objects")}[fault]
+    store = GatedStore(
+        gate_after=FIRST_PAGE_OBJECTS + 1, fail_after=FIRST_PAGE_OBJECTS + 10 if fault == "listing error" else None
+    )
+    expected, match = {
+        "listing error": (ConnectionError, "injected"),
+        "oversize": (OversizeError, "300000 bytes"),
+        "no items": (EmptySourceError, "found no folders with objects"),
+    }[fault]
     delivered = []
     with Pipeline(ROOT, tmp_path / "c", "256KiB", store=store, retries=0, on_error="skip") as pipe:
         store.gate.set()  # the listing goes on (and stops) after open() returned
-        with pytest.raises(expected, match=match):
+        with pytest.raises(expected, match=match):  # noqa: PT012 - the error is expected from the whole block, not from one call
             for p in pipe:
-                delivered.append(p.name)
+                delivered.append(p.name)  # noqa: PERF401 - the loop is what is measured or tested: items taken one at a time
     assert delivered == [f"item{i:05d}" for i in range(len(delivered))]
     assert len(delivered) == {"listing error": FIRST_PAGE_OBJECTS + 9, "oversize": FIRST_PAGE_OBJECTS + 10, "no items": 0}[fault]
 
@@ -157,7 +161,7 @@ def test_an_item_that_the_growing_state_budget_leaves_no_room_for_is_reported_no
             try:
                 item = pipe.get(timeout=30)  # a guard against the hang this was, not a timing assertion
             except OversizeError as exc:
-                assert on_oversize == "raise" and "'item00001' is 300000 bytes" in str(exc)
+                assert on_oversize == "raise" and "'item00001' is 300000 bytes" in str(exc)  # noqa: PT017 - the except branch is what the test checks
                 names.append("<oversize>")
                 continue
             if item is None:

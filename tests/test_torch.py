@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch is not installed (make test installs torch==2.13.0 where the CPU wheel is available)")
+torch = pytest.importorskip(
+    "torch", reason="PyTorch is not installed (make test installs torch==2.13.0 where the CPU wheel is available)"
+)
 
 from cachepipe.torch import CachePipeDataset  # noqa: E402
 
@@ -37,8 +39,13 @@ def test_two_ranks_by_two_workers_see_every_item_once_per_epoch(s3_source, tmp_p
     digests = {name: hashlib.md5(files["f"]).hexdigest() for name, files in data.items()}
     cfg = {"url": s3_source.url, "cache": str(tmp_path / "cache"), "options": s3_source.options}
     procs = [
-        subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2"})
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT, json.dumps(cfg)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2"},
+        )
         for rank in range(2)
     ]
     outputs = []
@@ -75,7 +82,7 @@ def test_workers_need_a_transform(s3_source, tmp_path, num_workers):
 
 def test_dataset_state_dict_resumes_mid_epoch(s3_source, tmp_path):
     s3_source.folders(6, {"f": 10})
-    opts = dict(storage_options=s3_source.options, rank=0, world_size=1, epochs=2, shuffle=True, seed=8)
+    opts = {"storage_options": s3_source.options, "rank": 0, "world_size": 1, "epochs": 2, "shuffle": True, "seed": 8}
     full = [p.name for p in CachePipeDataset(s3_source.url, tmp_path / "a", "1MiB", **opts)]
     ds = CachePipeDataset(s3_source.url, tmp_path / "b", "1MiB", **opts)
     it = iter(ds)

@@ -114,7 +114,14 @@ class Service(Protocol):
 
 def item_json(pipeline: str, item: CachedItem) -> dict[str, Any]:
     """The body of a ``next`` answer."""
-    return {"pipeline": pipeline, "name": item.name, "path": str(item.path), "lease": item.lease, "size": item.size, "files": list(item.files)}
+    return {
+        "pipeline": pipeline,
+        "name": item.name,
+        "path": str(item.path),
+        "lease": item.lease,
+        "size": item.size,
+        "files": list(item.files),
+    }
 
 
 class _Late(TimeoutError):
@@ -187,7 +194,8 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = f"cachepipe/{__version__}"
     sys_version = ""
-    server: _UnixServer | _TcpServer  # type: ignore[assignment]
+    server: _UnixServer | _TcpServer
+    rfile: io.BufferedReader
 
     def setup(self) -> None:
         super().setup()
@@ -229,7 +237,12 @@ class _Handler(BaseHTTPRequestHandler):
             if exc.args[0] == "idle":
                 log.debug("%s: closed a connection idle for %g s (idle_timeout)", self.address_string(), server.deadlines.idle)
                 return
-            log.info("%s: request %s not received within header_timeout (%g s)", self.address_string(), exc.args[0], server.deadlines.header)
+            log.info(
+                "%s: request %s not received within header_timeout (%g s)",
+                self.address_string(),
+                exc.args[0],
+                server.deadlines.header,
+            )
             self._reply_late(f"request {exc.args[0]} not received within header_timeout ({server.deadlines.header:g} s)")
         except ConnectionError:
             self.close_connection = True  # gone, or ended to make room for another connection
@@ -248,17 +261,20 @@ class _Handler(BaseHTTPRequestHandler):
         text = explain or message or HTTPStatus(code).phrase
         log.info("%s: %d %s", self.address_string(), code, text)
         try:
-            self._reply(code, {"error": "bad_request" if code == 400 else HTTPStatus(code).phrase.lower().replace(" ", "_"), "message": text})
+            self._reply(
+                code,
+                {"error": "bad_request" if code == 400 else HTTPStatus(code).phrase.lower().replace(" ", "_"), "message": text},
+            )
         except OSError:
             pass  # the client went away
 
     def address_string(self) -> str:
         return self.client_address[0] if isinstance(self.client_address, tuple) else "unix"
 
-    def log_message(self, format: str, *args: Any) -> None:
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's signature (BaseHTTPRequestHandler.log_message)
         log.debug("%s %s", self.address_string(), format % args)
 
-    def log_error(self, format: str, *args: Any) -> None:
+    def log_error(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's signature (BaseHTTPRequestHandler.log_message)
         log.info("%s %s", self.address_string(), format % args)
 
     def do_GET(self) -> None:
@@ -316,7 +332,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise BadRequest(f"'timeout' {timeout!r}: expected seconds as a number >= 0, or null for the daemon's max_wait")
         ack = body.get("ack")
         if ack is not None and not isinstance(ack, dict):
-            raise BadRequest(f"'ack' {ack!r}: expected an object {{\"path\": ..., \"lease\": ...}}")
+            raise BadRequest(f'\'ack\' {ack!r}: expected an object {{"path": ..., "lease": ...}}')
         item = daemon.take(name, timeout, ack)
         if item is None:
             return self._reply(204)
@@ -354,7 +370,9 @@ class _Handler(BaseHTTPRequestHandler):
             raw = self.rfile.read(length) if length else b""
         except _Late:
             self.close_connection = True
-            raise BadRequest(f"request body of {length} bytes not received within body_timeout ({self.server.deadlines.body:g} s)", 408) from None
+            raise BadRequest(
+                f"request body of {length} bytes not received within body_timeout ({self.server.deadlines.body:g} s)", 408
+            ) from None
         if len(raw) < length:
             self.close_connection = True
             raise ConnectionResetError(f"the client closed the connection after {len(raw)} of {length} body bytes")
@@ -364,7 +382,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             data = json.loads(raw)
         except RecursionError:
-            raise BadRequest("request body is nested too deeply: expected a JSON object like {\"timeout\": 5}") from None
+            raise BadRequest('request body is nested too deeply: expected a JSON object like {"timeout": 5}') from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise BadRequest(f"request body is not JSON: {exc}") from None
         if not isinstance(data, dict):
@@ -372,7 +390,13 @@ class _Handler(BaseHTTPRequestHandler):
         return data
 
     def _reply(
-        self, status: int, payload: Any = None, *, raw: bytes = b"", content_type: str = _JSON, headers: dict[str, str] | None = None
+        self,
+        status: int,
+        payload: Any = None,
+        *,
+        raw: bytes = b"",
+        content_type: str = _JSON,
+        headers: dict[str, str] | None = None,
     ) -> int:
         if payload is not None:
             raw = json.dumps(payload).encode() + b"\n"
@@ -470,13 +494,15 @@ class _Server(socketserver.ThreadingMixIn):
             log.warning("refusing a connection: %d clients already connected (max_clients)", self.max_clients)
             body = b'{"error": "unavailable", "message": "too many connections (max_clients)"}\n'
             try:
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                                b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                request.sendall(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+                )
             except OSError:
                 pass  # the refused client is gone already; nothing to tell it
             self.shutdown_request(request)
             return
-        super().process_request(request, client_address)  # type: ignore[misc]
+        super().process_request(request, client_address)
 
     def shutdown_request(self, request: Any) -> None:
         with self._live_lock:
@@ -495,7 +521,7 @@ class _Server(socketserver.ThreadingMixIn):
         if isinstance(exc, ConnectionError):
             log.info("a client connection ended abruptly: %s", exc)
         else:
-            log.exception("error while serving a connection")
+            log.exception("error while serving a connection")  # noqa: LOG004 - socketserver calls handle_error from inside its except block
 
 
 def _end(request: socket.socket) -> None:
@@ -589,7 +615,11 @@ class ApiServer:
             host, port = tcp.socket.getsockname()[:2]
             self.tcp_address = (host, port)
             if host not in ("127.0.0.1", "::1", "localhost"):
-                log.warning("the API listens on TCP %s:%d without authentication: anyone who can reach it can take and evict items", host, port)
+                log.warning(
+                    "the API listens on TCP %s:%d without authentication: anyone who can reach it can take and evict items",
+                    host,
+                    port,
+                )
 
     def set_permissions(self, mode: int, group: str | None) -> None:
         """Apply ``mode`` and ``group`` to the Unix socket (also on reload)."""
@@ -670,7 +700,9 @@ def _clear_stale(path: Path) -> None:
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(st.st_mode):
-        raise FileExistsError(errno.EEXIST, f"socket path {str(path)!r} exists and is not a socket; remove it or choose another path")
+        raise FileExistsError(
+            errno.EEXIST, f"socket path {str(path)!r} exists and is not a socket; remove it or choose another path"
+        )
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.settimeout(2.0)

@@ -21,18 +21,31 @@ from __future__ import annotations
 
 import os
 import re
-import tomllib
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # tomllib is new in 3.11; tomli is the same parser (a dependency on 3.10 only)
+    import tomli as tomllib
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from ..config import PipelineConfig
 from ..errors import ConfigError
 
-__all__ = ["ServiceConfig", "load_config", "read_config_file", "pipeline_options", "ENV_PREFIX", "DEFAULT_SOCKET", "PIPELINE_DEFAULTS"]
+__all__ = [
+    "DEFAULT_SOCKET",
+    "ENV_PREFIX",
+    "PIPELINE_DEFAULTS",
+    "ServiceConfig",
+    "load_config",
+    "pipeline_options",
+    "read_config_file",
+]
 
 ENV_PREFIX = "CACHEPIPE_"
 DEFAULT_SOCKET = Path("/run/cachepipe/cachepipe.sock")
@@ -120,11 +133,11 @@ class ServiceConfig(BaseSettings):
     @classmethod
     def settings_customise_sources(
         cls,
-        settings_cls: type[BaseSettings],
+        settings_cls: type[BaseSettings],  # noqa: ARG003 - pydantic-settings calls this hook with these names
         init_settings: PydanticBaseSettingsSource,
         env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,  # noqa: ARG003 - pydantic-settings calls this hook with these names
+        file_secret_settings: PydanticBaseSettingsSource,  # noqa: ARG003 - pydantic-settings calls this hook with these names
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The file's contents arrive as init kwargs; the environment overrides them.
         return (env_settings, init_settings)
@@ -138,7 +151,7 @@ class ServiceConfig(BaseSettings):
         pipelines = {}
         for name, options in data["pipelines"].items():
             if isinstance(options, dict):
-                options = {**{k: v for k, v in PIPELINE_DEFAULTS.items() if k in known}, **options}
+                options = {**{k: v for k, v in PIPELINE_DEFAULTS.items() if k in known}, **options}  # noqa: PLW2901 - the loop value normalised on purpose
             pipelines[name] = options
         return {**data, "pipelines": pipelines}
 
@@ -147,7 +160,9 @@ class ServiceConfig(BaseSettings):
         if not self.socket.is_absolute():
             raise ValueError(f"socket {str(self.socket)!r}: expected an absolute path")
         if len(os.fsencode(self.socket)) > SOCKET_PATH_MAX:
-            raise ValueError(f"socket {str(self.socket)!r}: expected a path of at most {SOCKET_PATH_MAX} bytes (a Unix socket limit)")
+            raise ValueError(
+                f"socket {str(self.socket)!r}: expected a path of at most {SOCKET_PATH_MAX} bytes (a Unix socket limit)"
+            )
         roots: dict[str, Path] = {}
         for name, cfg in self.pipelines.items():
             root = Path(os.path.normpath(cfg.cache_dir))
@@ -160,7 +175,9 @@ class ServiceConfig(BaseSettings):
                         f"{str(other_root)!r}: expected a separate directory per pipeline"
                     )
             if root in self.socket.parents:
-                raise ValueError(f"socket {str(self.socket)!r} is inside pipelines.{name}.cache_dir: expected a path outside every cache")
+                raise ValueError(
+                    f"socket {str(self.socket)!r} is inside pipelines.{name}.cache_dir: expected a path outside every cache"
+                )
             roots[name] = root
         return self
 
@@ -206,7 +223,7 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         if path.suffix.lower() == ".toml":
             data: Any = tomllib.loads(text)
         else:
-            data = yaml.load(text, Loader=_StrictLoader)
+            data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - _StrictLoader is a yaml.SafeLoader subclass
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {str(path)!r}: invalid TOML: {exc}") from exc
     except yaml.YAMLError as exc:
@@ -237,7 +254,9 @@ def load_config(path: str | os.PathLike[str], *, environ: dict[str, str] | None 
     data = read_config_file(path)
     bad_keys = [k for k in data if not isinstance(k, str) or k.startswith("_")]
     if bad_keys:
-        raise ConfigError(f"invalid configuration in {str(path)!r}:\n  {bad_keys[0]!r}: unknown key; expected one of: {_known(())}")
+        raise ConfigError(
+            f"invalid configuration in {str(path)!r}:\n  {bad_keys[0]!r}: unknown key; expected one of: {_known(())}"
+        )
     try:
         return ServiceConfig(**data)
     except ValidationError as exc:

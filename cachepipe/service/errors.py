@@ -11,7 +11,7 @@ here, so that neither imports the other::
 
 from __future__ import annotations
 
-__all__ = ["UnknownPipelineError", "UnavailableError"]
+__all__ = ["UnavailableError", "UnknownPipelineError"]
 
 
 class UnknownPipelineError(LookupError):

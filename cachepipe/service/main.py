@@ -37,7 +37,7 @@ from .daemon import Daemon
 from .logs import setup_logging
 from .notify import Notifier
 
-__all__ = ["serve", "check", "EX_CONFIG"]
+__all__ = ["EX_CONFIG", "check", "serve"]
 
 log = logging.getLogger("cachepipe.service")
 
@@ -53,10 +53,10 @@ def check(config_path: str | os.PathLike[str]) -> int:
     try:
         config = load_config(config_path)
     except ConfigError as exc:
-        print(exc, file=sys.stderr)
+        print(exc, file=sys.stderr)  # noqa: T201 - command-line output, not logging
         return EX_CONFIG
     names = ", ".join(f"{n} ({c.source} -> {c.cache_dir})" for n, c in config.pipelines.items())
-    print(f"{config_path}: valid; socket {config.socket}; pipelines: {names}")
+    print(f"{config_path}: valid; socket {config.socket}; pipelines: {names}")  # noqa: T201 - command-line output, not logging
     return 0
 
 
@@ -65,7 +65,7 @@ def serve(config_path: str | os.PathLike[str]) -> int:
     try:
         config = load_config(config_path)
     except ConfigError as exc:
-        print(exc, file=sys.stderr)
+        print(exc, file=sys.stderr)  # noqa: T201 - command-line output, not logging
         return EX_CONFIG
     handler = setup_logging(config.log_level)
     try:
@@ -84,7 +84,7 @@ def _run(config_path: Path, config: Any, notifier: Notifier) -> int:
             events.put("reload")
         elif phase[0] == "starting":
             phase[0] = "stopping"
-            raise _Interrupted()
+            raise _Interrupted
         else:
             events.put("stop")
 

@@ -48,7 +48,7 @@ from watchdog.events import (
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver, ObservedWatch
 
-__all__ = ["MARKER", "acked_by", "marker_counts", "marker_identity", "HandOut", "HandOuts", "MarkerWatcher"]
+__all__ = ["MARKER", "HandOut", "HandOuts", "MarkerWatcher", "acked_by", "marker_counts", "marker_identity"]
 
 log = logging.getLogger("cachepipe.service.markers")
 

@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 
 from ..pipeline import Stats
 
-__all__ = ["Metrics", "Snapshot", "CONTENT_TYPE"]
+__all__ = ["CONTENT_TYPE", "Metrics", "Snapshot"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -67,7 +67,9 @@ class _PipelineCollector(Collector):
         up = GaugeMetricFamily("cachepipe_pipeline_up", "1 when the pipeline is open and serving.", labels=["pipeline"])
         lease = GaugeMetricFamily("cachepipe_items_leased", "Items handed out and not yet acknowledged.", labels=["pipeline"])
         waiting = GaugeMetricFamily(
-            "cachepipe_consumers_waiting", "Consumers blocked in next right now (above 0 for long: they starve).", labels=["pipeline"]
+            "cachepipe_consumers_waiting",
+            "Consumers blocked in next right now (above 0 for long: they starve).",
+            labels=["pipeline"],
         )
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
         for field, (name, kind, doc) in _STATS.items():
@@ -98,12 +100,20 @@ class Metrics:
     def __init__(self, snapshots: Callable[[], Iterable[Snapshot]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
-            "cachepipe_api_requests", "API requests answered, by route and HTTP status.", ["route", "code"], registry=self.registry
+            "cachepipe_api_requests",
+            "API requests answered, by route and HTTP status.",
+            ["route", "code"],
+            registry=self.registry,
         )
         self.marker_acks = Counter(
-            "cachepipe_marker_acks", "Items acknowledged by a .done marker or by deleting them.", ["pipeline", "kind"], registry=self.registry
+            "cachepipe_marker_acks",
+            "Items acknowledged by a .done marker or by deleting them.",
+            ["pipeline", "kind"],
+            registry=self.registry,
         )
-        self.reloads = Counter("cachepipe_reloads", "Configuration reloads (SIGHUP), by result.", ["result"], registry=self.registry)
+        self.reloads = Counter(
+            "cachepipe_reloads", "Configuration reloads (SIGHUP), by result.", ["result"], registry=self.registry
+        )
         self.registry.register(_PipelineCollector(snapshots))
 
     def render(self) -> bytes:

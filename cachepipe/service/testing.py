@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["DaemonProcess", "DaemonExited"]
+__all__ = ["DaemonExited", "DaemonProcess"]
 
 
 class DaemonExited(RuntimeError):
@@ -78,7 +78,9 @@ class DaemonProcess:
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
         notify.bind("\0" + name)
         self._notify = notify
-        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "JOURNAL_STREAM")}
+        env = {
+            k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "JOURNAL_STREAM")
+        }
         env["NOTIFY_SOCKET"] = "@" + name
         for key, value in self._env.items():
             if value is None:
@@ -86,7 +88,7 @@ class DaemonProcess:
             else:
                 env[key] = value
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            self.proc = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)  # noqa: S603 - runs our own daemon with arguments built here
         self._pidfd = os.pidfd_open(self.proc.pid)
         try:
             self.wait_for("READY=1", timeout)
@@ -119,7 +121,7 @@ class DaemonProcess:
     # ---- talking to it ---------------------------------------------------------------
     @property
     def pid(self) -> int:
-        assert self.proc is not None, "not started"
+        assert self.proc is not None, "not started"  # noqa: S101 - narrows a type for mypy; not input validation
         return self.proc.pid
 
     def wait_for(self, line: str, timeout: float = 30.0) -> str:
@@ -139,11 +141,13 @@ class DaemonProcess:
                     return message
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"no {line!r} from the daemon within {timeout} s; got {self.messages[-5:]}\nlog:\n{self.log()}")
+                raise TimeoutError(
+                    f"no {line!r} from the daemon within {timeout} s; got {self.messages[-5:]}\nlog:\n{self.log()}"
+                )
             self._receive(remaining)
 
     def _receive(self, timeout: float) -> None:
-        assert self._notify is not None and self.proc is not None
+        assert self._notify is not None and self.proc is not None  # noqa: PT018, S101 - one invariant; narrows a type for mypy; not input validation
         ready, _, _ = select.select([self._notify.fileno(), self._pidfd], [], [], timeout)
         if self._notify.fileno() in ready:
             self.messages.append(self._notify.recv(65536).decode())
@@ -155,7 +159,7 @@ class DaemonProcess:
             raise DaemonExited(f"the daemon exited with status {code}; log:\n{self.log()}")
 
     def _drain(self) -> None:
-        assert self._notify is not None
+        assert self._notify is not None  # noqa: S101 - narrows a type for mypy; not input validation
         while True:
             try:
                 self.messages.append(self._notify.recv(65536, socket.MSG_DONTWAIT).decode())
@@ -163,7 +167,7 @@ class DaemonProcess:
                 return
 
     def signal(self, sig: int) -> None:
-        assert self.proc is not None, "not started"
+        assert self.proc is not None, "not started"  # noqa: S101 - narrows a type for mypy; not input validation
         self.proc.send_signal(sig)
 
     def reload(self, timeout: float = 30.0) -> str:
@@ -174,7 +178,7 @@ class DaemonProcess:
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM and wait for the exit; returns the exit status."""
-        assert self.proc is not None, "not started"
+        assert self.proc is not None, "not started"  # noqa: S101 - narrows a type for mypy; not input validation
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)

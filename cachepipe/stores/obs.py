@@ -48,7 +48,7 @@ from urllib.parse import urlsplit
 from cachepipe.errors import ConfigError, StoreUnavailableError
 from cachepipe.stores.base import ObjectInfo
 
-__all__ = ["ObsStore", "ObsServiceError", "CHUNK_SIZE", "MAX_PAGE_SIZE"]
+__all__ = ["CHUNK_SIZE", "MAX_PAGE_SIZE", "ObsServiceError", "ObsStore"]
 
 CHUNK_SIZE = 1 << 20
 """Bytes read from a response body and written to ``out`` at a time (1 MiB)."""
@@ -96,9 +96,7 @@ _CREDENTIAL_CODES = frozenset(
         "AuthorizationHeaderMalformed",
     }
 )
-_THROTTLE_CODES = frozenset(
-    {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "ServiceUnavailable"}
-)
+_THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "ServiceUnavailable"})
 
 _SDK_SSL_WARNINGS = (r"ssl\.PROTOCOL_TLS is deprecated", r"ssl\.OP_NO_SSL\*/ssl\.OP_NO_TLS\* options are deprecated")
 
@@ -141,7 +139,7 @@ def _client_arguments(client_cls: type) -> frozenset[str]:
     for cls in client_cls.__mro__:
         if cls is object:
             continue
-        for param in inspect.signature(cls.__init__).parameters.values():
+        for param in inspect.signature(cls.__init__).parameters.values():  # type: ignore[misc]  # a class from the MRO, not an instance
             if param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY) and param.name != "self":
                 names.add(param.name)
     return frozenset(names)
@@ -166,9 +164,7 @@ def _normalize_endpoint(value: object, origin: str, is_secure: object) -> str:
     return value
 
 
-def _resolve_settings(
-    storage_options: Mapping[str, Any], environ: Mapping[str, str], accepted: frozenset[str]
-) -> _Settings:
+def _resolve_settings(storage_options: Mapping[str, Any], environ: Mapping[str, str], accepted: frozenset[str]) -> _Settings:
     """Resolve endpoint and credentials: explicit storage_options, then ``OBS_*`` env, then SDK providers.
 
     Pure: reads only its arguments. Raises ConfigError (a ValueError) for an unknown or
@@ -262,9 +258,7 @@ class ObsStore:
         ConfigError: (a ValueError) a malformed URL, an unknown option, no endpoint.
     """
 
-    def __init__(
-        self, url: str, storage_options: Mapping[str, Any] | None = None, *, page_size: int = MAX_PAGE_SIZE
-    ) -> None:
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None, *, page_size: int = MAX_PAGE_SIZE) -> None:
         self.bucket, self.prefix = _parse_url(url)
         self.url = f"obs://{self.bucket}/{self.prefix}"
         if not isinstance(page_size, int) or isinstance(page_size, bool) or not 1 <= page_size <= MAX_PAGE_SIZE:
@@ -279,9 +273,7 @@ class ObsStore:
         self._get_header = GetObjectHeader
         settings = _resolve_settings(storage_options or {}, os.environ, _client_arguments(ObsClient))
         self._settings = settings
-        self._secrets = tuple(
-            str(settings.client_kwargs[k]) for k in _SECRET_KEYS if settings.client_kwargs.get(k)
-        )
+        self._secrets = tuple(str(settings.client_kwargs[k]) for k in _SECRET_KEYS if settings.client_kwargs.get(k))
         self._timeout = settings.client_kwargs.get("timeout", 60)
         try:
             with warnings.catch_warnings():
@@ -332,8 +324,16 @@ class ObsStore:
         marker: str | None = None
         last = ""
         while True:
-            resp = self._call("list", None, self._open().listObjects, self.bucket, prefix=self.prefix or None,
-                              marker=marker, max_keys=self._page_size, encoding_type="url")
+            resp = self._call(
+                "list",
+                None,
+                self._open().listObjects,
+                self.bucket,
+                prefix=self.prefix or None,
+                marker=marker,
+                max_keys=self._page_size,
+                encoding_type="url",
+            )
             page = resp.body
             if page is None:
                 raise OSError(f"{self.url}: OBS sent a listing that could not be parsed (HTTP {resp.status})")
@@ -346,7 +346,7 @@ class ObsStore:
                     raise OSError(f"{self.url}: OBS listed {key!r} out of order or outside the prefix")
                 last = key
                 etag = entry.etag.strip('"') if entry.etag else None
-                yield ObjectInfo(key=key[len(self.prefix):], size=int(entry.size or 0), etag=etag)
+                yield ObjectInfo(key=key[len(self.prefix) :], size=int(entry.size or 0), etag=etag)
             if not page.is_truncated:
                 return
             following = page.next_marker or last
@@ -369,24 +369,21 @@ class ObsStore:
             self._call("head", key, client.headObject, self.bucket, self.prefix + key)
             return 0
         header = self._get_header(range=f"bytes={start}-{end - 1}")
-        resp = self._call("get", key, client.getObject, self.bucket, self.prefix + key,
-                          headers=header, loadStreamInMemory=False)
+        resp = self._call("get", key, client.getObject, self.bucket, self.prefix + key, headers=header, loadStreamInMemory=False)
         # An obs.model.ResponseWrapper: .result is the http.client.HTTPResponse, .conn its connection.
         # We read .result directly: the wrapper raises a bare Exception on a short body, where the
         # Store contract wants a short count.
         stream = resp.body.response
         try:
             if resp.status != 206 and start != 0:
-                raise OSError(
-                    f"{self._object_url(key)}: OBS ignored the byte range {start}-{end - 1} (HTTP {resp.status})"
-                )
+                raise OSError(f"{self._object_url(key)}: OBS ignored the byte range {start}-{end - 1} (HTTP {resp.status})")
             return self._copy_body(key, stream.result, out, end - start)
         finally:
             if not stream.result.isclosed():
                 # Body not read to its end (error, short read, server ignored the range): the SDK
                 # would pool the connection with bytes still on it, and the next request would
                 # read them as its status line. Its own flag for "close, do not pool" is _clear.
-                stream.conn._clear = True
+                stream.conn._clear = True  # noqa: SLF001 - the OBS SDK offers no public way to drop this connection
             stream.close()
 
     # -- writing (optional primitives, see WritableStore) ---------------------------------------
@@ -417,11 +414,29 @@ class ObsStore:
             parts = []
             for number, offset in enumerate(range(0, size, self.upload_part_size), start=1):
                 length = min(self.upload_part_size, size - offset)
-                part = self._call("uploading", key, client.uploadPart, self.bucket, object_key, number, upload_id,
-                                  object=local, isFile=True, partSize=length, offset=offset)
+                part = self._call(
+                    "uploading",
+                    key,
+                    client.uploadPart,
+                    self.bucket,
+                    object_key,
+                    number,
+                    upload_id,
+                    object=local,
+                    isFile=True,
+                    partSize=length,
+                    offset=offset,
+                )
                 parts.append(CompletePart(partNum=number, etag=part.body.etag))
-            self._call("uploading", key, client.completeMultipartUpload, self.bucket, object_key, upload_id,
-                       CompleteMultipartUploadRequest(parts=parts))
+            self._call(
+                "uploading",
+                key,
+                client.completeMultipartUpload,
+                self.bucket,
+                object_key,
+                upload_id,
+                CompleteMultipartUploadRequest(parts=parts),
+            )
         except BaseException:
             try:
                 client.abortMultipartUpload(self.bucket, object_key, upload_id)
@@ -467,7 +482,7 @@ class ObsStore:
             chunk = buf[:n]
             while chunk:  # a raw (unbuffered) file may write less than asked
                 done = out.write(chunk)
-                chunk = chunk[done if done is not None else len(chunk):]
+                chunk = chunk[done if done is not None else len(chunk) :]
             written += n
         return written
 
@@ -523,9 +538,7 @@ class ObsStore:
                 f"OBS at {self.endpoint} is unavailable or throttling {detail}, {doing} {target}"
             ) from cause
         if status is None:
-            raise StoreUnavailableError(
-                f"cannot reach OBS endpoint {self.endpoint}: no response, {doing} {target}"
-            ) from cause
+            raise StoreUnavailableError(f"cannot reach OBS endpoint {self.endpoint}: no response, {doing} {target}") from cause
         raise OSError(f"OBS refused {doing} {target} {detail}: {cause.message or 'no message'}") from cause
 
     def _credential_hint(self) -> str:
@@ -540,13 +553,9 @@ class ObsStore:
         doing = _DOING.get(what, what)
         target = self._object_url(key)
         if isinstance(exc, TimeoutError):
-            return TimeoutError(
-                f"timed out after {self._timeout} s talking to OBS endpoint {self.endpoint}, {doing} {target}"
-            )
+            return TimeoutError(f"timed out after {self._timeout} s talking to OBS endpoint {self.endpoint}, {doing} {target}")
         if isinstance(exc, socket.gaierror):
-            reason = (
-                f"its host name does not resolve ({exc.strerror}); check storage_options['server'] or {_ENV_ENDPOINT}"
-            )
+            reason = f"its host name does not resolve ({exc.strerror}); check storage_options['server'] or {_ENV_ENDPOINT}"
         elif isinstance(exc, ConnectionRefusedError):
             reason = f"connection refused; check storage_options['server'] or {_ENV_ENDPOINT}"
         else:
