@@ -44,7 +44,7 @@ from common import (
     upload,
 )
 
-SPLIT = r'''
+SPLIT = r"""
 import os
 data = open("in.bin", "rb").read()
 out = os.environ["CACHEPIPE_OUT"]
@@ -52,7 +52,7 @@ quarter = len(data) // 4 + 1
 for n in range(4):
     with open(os.path.join(out, f"clip{n}.bin"), "wb") as fh:
         fh.write(data[n * quarter:(n + 1) * quarter])
-'''
+"""
 
 
 def run_map(endpoint: str, case: Case, jobs: int, capacity: int, margin: int, work: Path) -> dict[str, Any]:
@@ -61,9 +61,33 @@ def run_map(endpoint: str, case: Case, jobs: int, capacity: int, margin: int, wo
     dst = f"s3://{BUCKET}/{case.name}-out-{jobs}/"
     script = work / "split.py"
     script.write_text(SPLIT)
-    command = [sys.executable, "-m", "cachepipe.map", f"s3://{case.prefix}/", dst, "--cache", str(cache), "--capacity", str(capacity),
-               "--jobs", str(jobs), "--out-ratio", "1", "--out-margin", str(margin), "--no-progress",
-               "-o", f"endpoint_url={endpoint}", "-o", f"key={CREDENTIALS}", "-o", f"secret={CREDENTIALS}", "--", sys.executable, str(script)]
+    command = [
+        sys.executable,
+        "-m",
+        "cachepipe.map",
+        f"s3://{case.prefix}/",
+        dst,
+        "--cache",
+        str(cache),
+        "--capacity",
+        str(capacity),
+        "--jobs",
+        str(jobs),
+        "--out-ratio",
+        "1",
+        "--out-margin",
+        str(margin),
+        "--no-progress",
+        "-o",
+        f"endpoint_url={endpoint}",
+        "-o",
+        f"key={CREDENTIALS}",
+        "-o",
+        f"secret={CREDENTIALS}",
+        "--",
+        sys.executable,
+        str(script),
+    ]
     with PeakSampler(cache) as sampler:
         started = time.perf_counter()
         proc = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=False)
@@ -77,32 +101,78 @@ def run_map(endpoint: str, case: Case, jobs: int, capacity: int, margin: int, wo
     check_outputs(endpoint, case, dst)
     out_bytes = case.total_bytes  # four clips that add up to each input
     return {
-        "jobs": jobs, "wall_s": round(wall, 3), "items": case.folders, "bytes_in": case.total_bytes, "bytes_out": out_bytes,
-        "mb_in_per_s": round(case.total_bytes / 1e6 / wall, 2), "mb_out_per_s": round(out_bytes / 1e6 / wall, 2),
-        "items_per_s": round(case.folders / wall, 2), "capacity": capacity, "peak_cache_bytes": sampler.peak,
-        "peak_fraction": round(sampler.peak / capacity, 3), "samples": sampler.samples, "reserve": int(match.group(5)),
-        "margin": margin, "download_capacity": capacity - jobs * (int(match.group(5)) + margin), "peak_job_bytes": int(match.group(4)),
+        "jobs": jobs,
+        "wall_s": round(wall, 3),
+        "items": case.folders,
+        "bytes_in": case.total_bytes,
+        "bytes_out": out_bytes,
+        "mb_in_per_s": round(case.total_bytes / 1e6 / wall, 2),
+        "mb_out_per_s": round(out_bytes / 1e6 / wall, 2),
+        "items_per_s": round(case.folders / wall, 2),
+        "capacity": capacity,
+        "peak_cache_bytes": sampler.peak,
+        "peak_fraction": round(sampler.peak / capacity, 3),
+        "samples": sampler.samples,
+        "reserve": int(match.group(5)),
+        "margin": margin,
+        "download_capacity": capacity - jobs * (int(match.group(5)) + margin),
+        "peak_job_bytes": int(match.group(4)),
     }
 
 
 def check_outputs(endpoint: str, case: Case, dst: str) -> None:
     import boto3
 
-    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=CREDENTIALS, aws_secret_access_key=CREDENTIALS)
+    s3 = boto3.client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=CREDENTIALS, aws_secret_access_key=CREDENTIALS
+    )
     prefix = dst.removeprefix(f"s3://{BUCKET}/")
-    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix) for o in page.get("Contents", [])]
+    keys = [
+        o["Key"]
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+        for o in page.get("Contents", [])
+    ]
     if len(keys) != case.folders * 5:  # four clips and a marker per item
         raise RuntimeError(f"{dst}: expected {case.folders * 5} objects, found {len(keys)}")
 
 
 def render(report: dict[str, Any]) -> str:
-    cols = ("jobs", "items", "wall s", "MB/s in", "MB/s out", "items/s", "peak MiB", "capacity MiB", "peak/cap", "downloads MiB", "slot MiB")
-    rows = [(str(r["jobs"]), str(r["items"]), f"{r['wall_s']:.2f}", f"{r['mb_in_per_s']:.1f}", f"{r['mb_out_per_s']:.1f}",
-             f"{r['items_per_s']:.1f}", f"{r['peak_cache_bytes'] / MIB:.1f}", f"{r['capacity'] / MIB:.1f}", f"{r['peak_fraction']:.0%}",
-             f"{r['download_capacity'] / MIB:.1f}", f"{(r['reserve'] + r['margin']) / MIB:.1f}") for r in report["results"]]
+    cols = (
+        "jobs",
+        "items",
+        "wall s",
+        "MB/s in",
+        "MB/s out",
+        "items/s",
+        "peak MiB",
+        "capacity MiB",
+        "peak/cap",
+        "downloads MiB",
+        "slot MiB",
+    )
+    rows = [
+        (
+            str(r["jobs"]),
+            str(r["items"]),
+            f"{r['wall_s']:.2f}",
+            f"{r['mb_in_per_s']:.1f}",
+            f"{r['mb_out_per_s']:.1f}",
+            f"{r['items_per_s']:.1f}",
+            f"{r['peak_cache_bytes'] / MIB:.1f}",
+            f"{r['capacity'] / MIB:.1f}",
+            f"{r['peak_fraction']:.0%}",
+            f"{r['download_capacity'] / MIB:.1f}",
+            f"{(r['reserve'] + r['margin']) / MIB:.1f}",
+        )
+        for r in report["results"]
+    ]
     head = [f"cachepipe map: {report['case']}; moto S3 server ({report['server']}); outputs = inputs (ratio 1)", ""]
-    notes = ["", "peak: bytes under the cache dir sampled every 5 ms (never above capacity: the hard cap);",
-             "downloads: the capacity less jobs x slot (reserve + margin) set aside for outputs", *provenance_lines(report)]
+    notes = [
+        "",
+        "peak: bytes under the cache dir sampled every 5 ms (never above capacity: the hard cap);",
+        "downloads: the capacity less jobs x slot (reserve + margin) set aside for outputs",
+        *provenance_lines(report),
+    ]
     return "\n".join(head + format_table(cols, rows, left=1) + notes)
 
 
@@ -140,8 +210,13 @@ def main() -> int:
     finally:
         server.stop()
     report = {
-        "case": case.describe(), "server": args.server, "results": results, "command": command_line(), "date": date.today().isoformat(),
-        "machine": machine_info(), "versions": {"s3fs": s3fs.__version__, "moto": moto.__version__},
+        "case": case.describe(),
+        "server": args.server,
+        "results": results,
+        "command": command_line(),
+        "date": date.today().isoformat(),
+        "machine": machine_info(),
+        "versions": {"s3fs": s3fs.__version__, "moto": moto.__version__},
         "total_seconds": round(time.perf_counter() - started, 1),
     }
     print_report(report, render, args.json)

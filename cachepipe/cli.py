@@ -30,7 +30,7 @@ from . import __version__
 from .config import format_size
 from .errors import UnknownItemError
 
-__all__ = ["main", "EXIT_END", "EXIT_TIMEOUT", "EXIT_REFUSED"]
+__all__ = ["EXIT_END", "EXIT_REFUSED", "EXIT_TIMEOUT", "main"]
 
 EXIT_END = 3
 EXIT_TIMEOUT = 4
@@ -38,7 +38,9 @@ EXIT_REFUSED = 5
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cachepipe", description="Stream object-store datasets through a size-capped local cache.")
+    parser = argparse.ArgumentParser(
+        prog="cachepipe", description="Stream object-store datasets through a size-capped local cache."
+    )
     parser.add_argument("--version", action="version", version=f"cachepipe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -47,14 +49,23 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--check", action="store_true", help="validate the config and exit")
 
     client = argparse.ArgumentParser(add_help=False)
-    client.add_argument("--socket", "-s", default=None, help="daemon socket path or http://HOST:PORT (default: $CACHEPIPE_SOCKET or /run/cachepipe/cachepipe.sock)")
+    client.add_argument(
+        "--socket",
+        "-s",
+        default=None,
+        help="daemon socket path or http://HOST:PORT (default: $CACHEPIPE_SOCKET or /run/cachepipe/cachepipe.sock)",
+    )
 
     nxt = sub.add_parser("next", parents=[client], help="take the next item and print its local path")
     nxt.add_argument("--pipeline", "-p", default=None, help="pipeline name (default: the daemon's only one)")
     nxt.add_argument("--timeout", "-t", type=float, default=None, help="seconds to wait for an item (default: no limit)")
     nxt.add_argument("--json", action="store_true", help="print the item as JSON (name, path, lease, size, files)")
 
-    for verb, text in (("ack", "acknowledge an item: the daemon deletes it"), ("release", "give an item back to the queue"), ("renew", "extend an item's lease")):
+    for verb, text in (
+        ("ack", "acknowledge an item: the daemon deletes it"),
+        ("release", "give an item back to the queue"),
+        ("renew", "extend an item's lease"),
+    ):
         cmd = sub.add_parser(verb, parents=[client], help=text)
         cmd.add_argument("path", help="the item's local path, as printed by `cachepipe next`")
         cmd.add_argument("--lease", "-l", default=None, help="lease id from `cachepipe next --json` (refused if it expired)")
@@ -112,27 +123,34 @@ def format_status(info: dict[str, Any]) -> str:
     rows = [head]
     for name, p in sorted(info.get("pipelines", {}).items()):
         s = p.get("stats") or {}
-        rows.append((
-            name,
-            p.get("state", "?"),
-            str(s.get("items_ready", "-")),
-            str(p.get("leased", "-")),
-            str(s.get("items_handed", "-")),
-            str(s.get("items_acked", "-")),
-            str(s.get("items_redelivered", "-")),
-            str(s.get("items_failed", "-")),
-            format_size(s["bytes_in_cache"]) if "bytes_in_cache" in s else "-",
-            format_size(s["capacity"]) if "capacity" in s else "-",
-            p.get("source", ""),
-        ))
+        rows.append(
+            (
+                name,
+                p.get("state", "?"),
+                str(s.get("items_ready", "-")),
+                str(p.get("leased", "-")),
+                str(s.get("items_handed", "-")),
+                str(s.get("items_acked", "-")),
+                str(s.get("items_redelivered", "-")),
+                str(s.get("items_failed", "-")),
+                format_size(s["bytes_in_cache"]) if "bytes_in_cache" in s else "-",
+                format_size(s["capacity"]) if "capacity" in s else "-",
+                p.get("source", ""),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     numeric = {2, 3, 4, 5, 6, 7, 8, 9}
     lines = [
-        "  ".join((cell.rjust(w) if i in numeric else cell.ljust(w)) for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+        "  ".join(
+            (cell.rjust(w) if i in numeric else cell.ljust(w)) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
         for row in rows
     ]
     up = info.get("uptime_seconds", 0)
-    lines.insert(0, f"cachepipe {info.get('version', '?')}, pid {info.get('pid', '?')}, up {_duration(up)}, socket {info.get('socket', '?')}")
+    lines.insert(
+        0,
+        f"cachepipe {info.get('version', '?')}, pid {info.get('pid', '?')}, up {_duration(up)}, socket {info.get('socket', '?')}",
+    )
     for name, p in sorted(info.get("pipelines", {}).items()):
         if p.get("error"):
             lines.append(f"{name}: {p['error']}")

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-__all__ = ["Share", "parse_size", "parse_capacity", "format_size", "PipelineConfig", "SIZE_FORMS", "UNPACK_RATIO"]
+__all__ = ["SIZE_FORMS", "UNPACK_RATIO", "PipelineConfig", "Share", "format_size", "parse_capacity", "parse_size"]
 
 SIZE_FORMS = "a positive number of bytes or a size like '50GiB', '1.5GB', '512M', '1g'"
 _CAPACITY_FORMS = SIZE_FORMS + ", or a share of free disk space like '80%'"
@@ -39,10 +39,20 @@ keeps it per job slot). Archives of compressible data (text, raw arrays, WAV) ex
 compression ratio: give ``unpack_ratio`` (``--unpack-ratio``) that ratio."""
 
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "m": 1024**2,
+    "g": 1024**3,
+    "t": 1024**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
@@ -272,8 +282,12 @@ class PipelineConfig(BaseModel):
         """What to raise when the extraction of an item of ``size`` bytes passes its ``extra``
         bytes (the reserve :meth:`prepare_extra` asked for, cut to what the capacity leaves)."""
         if extra < self.prepare_extra(size):
-            return (f"the capacity leaves only {extra} bytes beside this item of {size} bytes for its extraction "
-                    f"(unpack_ratio {self.unpack_ratio:g} asks for {self.prepare_extra(size)}): raise capacity")
+            return (
+                f"the capacity leaves only {extra} bytes beside this item of {size} bytes for its extraction "
+                f"(unpack_ratio {self.unpack_ratio:g} asks for {self.prepare_extra(size)}): raise capacity"
+            )
         with_prepare = " (with prepare_reserve/prepare_ratio)" if self.prepare_reserve or self.prepare_ratio else ""
-        return (f"unpack_ratio {self.unpack_ratio:g}{with_prepare} reserves {extra} bytes for this item of {size} bytes: "
-                "raise unpack_ratio to the archive's compression ratio")
+        return (
+            f"unpack_ratio {self.unpack_ratio:g}{with_prepare} reserves {extra} bytes for this item of {size} bytes: "
+            "raise unpack_ratio to the archive's compression ratio"
+        )

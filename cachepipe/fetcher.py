@@ -114,7 +114,9 @@ class Fetcher:
         config: concurrency, part size, retries and prefetch settings.
     """
 
-    def __init__(self, store: Store, cache: Cache, broker: Broker[Path], plan: Iterable[tuple[int, Item, int]], config: PipelineConfig) -> None:
+    def __init__(
+        self, store: Store, cache: Cache, broker: Broker[Path], plan: Iterable[tuple[int, Item, int]], config: PipelineConfig
+    ) -> None:
         self._store = store
         self._cache = cache
         self._broker = broker
@@ -123,7 +125,9 @@ class Fetcher:
         self._stop = threading.Event()
         self.counters = FetchCounters()
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="cachepipe-fetch")
-        self._prepare_pool = ThreadPoolExecutor(config.prepare_workers, thread_name_prefix="cachepipe-prepare") if config.prepares else None
+        self._prepare_pool = (
+            ThreadPoolExecutor(config.prepare_workers, thread_name_prefix="cachepipe-prepare") if config.prepares else None
+        )
         self._thread = threading.Thread(target=self._run, name="cachepipe-producer", daemon=True)
 
     def start(self) -> None:
@@ -254,7 +258,13 @@ class Fetcher:
                     raise VerificationError(f"{f.key}: short body, {got} of {end - start} bytes at offset {start}")
                 return
             except Exception as exc:
-                local_error = staging.error if staging is not None else exc if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS else None
+                local_error = (
+                    staging.error
+                    if staging is not None
+                    else exc
+                    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS
+                    else None
+                )
                 if local_error is not None:
                     with job.lock:  # the disk, not the store: the whole item restarts from scratch
                         job.disk_error = job.disk_error or local_error
@@ -336,8 +346,14 @@ class Fetcher:
         item, reserved = job.item, job.item.size + job.extra
         try:
             if self._cfg.unpack:
-                unpack_in_place(job.staged, name=item.name, limit_bytes=job.extra, max_members=DEFAULT_MAX_MEMBERS, stop=self._stop,
-                                advice=self._cfg.unpack_advice(item.size, job.extra))
+                unpack_in_place(
+                    job.staged,
+                    name=item.name,
+                    limit_bytes=job.extra,
+                    max_members=DEFAULT_MAX_MEMBERS,
+                    stop=self._stop,
+                    advice=self._cfg.unpack_advice(item.size, job.extra),
+                )
                 if self._stop.is_set():
                     return  # closing: the cache removes staging wholesale; the hook is not run
             if self._cfg.prepare is not None:

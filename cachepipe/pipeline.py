@@ -26,7 +26,7 @@ from .plan import tick as plan_tick
 from .retention import PlanFuture, make_policy
 from .stores import Store, open_store
 
-__all__ = ["Pipeline", "CachedItem", "Stats"]
+__all__ = ["CachedItem", "Pipeline", "Stats"]
 
 log = logging.getLogger("cachepipe")
 
@@ -43,7 +43,7 @@ class CachedItem(PathItem):
             lease expired cannot evict the item from under the next one.
     """
 
-    __slots__ = ("path", "name", "size", "files", "lease")
+    __slots__ = ("files", "lease", "name", "path", "size")
 
     def __init__(self, path: Path, item: Item, lease: str = "") -> None:
         self.path = path
@@ -115,7 +115,9 @@ class Pipeline:
             and what is accepted).
     """
 
-    def __init__(self, source: str, cache_dir: str | os.PathLike[str], capacity: int | str, *, store: Store | None = None, **options: Any) -> None:
+    def __init__(
+        self, source: str, cache_dir: str | os.PathLike[str], capacity: int | str, *, store: Store | None = None, **options: Any
+    ) -> None:
         self.config = PipelineConfig(source=source, cache_dir=Path(cache_dir), capacity=capacity, **options)
         self._store = store
         self._state = _UNOPENED
@@ -181,8 +183,12 @@ class Pipeline:
                     self._bar.close()
                 store.close()
                 raise
-            log.info("opened %s: %s, capacity %d bytes", cfg.source,
-                     "listing while downloading" if self._listing else f"{self._listed} items, {self._listed_bytes} bytes", cache.capacity)
+            log.info(
+                "opened %s: %s, capacity %d bytes",
+                cfg.source,
+                "listing while downloading" if self._listing else f"{self._listed} items, {self._listed_bytes} bytes",
+                cache.capacity,
+            )
         return self
 
     def _streams(self, cache: Cache) -> bool:
@@ -192,8 +198,14 @@ class Pipeline:
         cfg = self.config
         world = cfg.world_size if cfg.rank is not None else default_rank_world()[1]
         return (
-            cfg.epochs == 1 and not cfg.shuffle and world == 1 and cfg.num_workers == 1 and cfg.retain == "none"
-            and not cfg.resume and self._start_state is None and not cache.has_leftovers()
+            cfg.epochs == 1
+            and not cfg.shuffle
+            and world == 1
+            and cfg.num_workers == 1
+            and cfg.retain == "none"
+            and not cfg.resume
+            and self._start_state is None
+            and not cache.has_leftovers()
         )
 
     def _catalog(self, store: Store, cache: Cache) -> Iterator[tuple[int, Item, int]]:
@@ -231,8 +243,14 @@ class Pipeline:
             if not eligible:
                 raise EmptySourceError(f"no items under {cfg.source!r}: found no {cfg.items} smaller than the capacity")
         plan = Plan(
-            sizes if eligible is None else array("q", (sizes[i] for i in eligible)), epochs=cfg.epochs, shuffle=cfg.shuffle,
-            seed=cfg.seed, rank=cfg.rank, world_size=cfg.world_size, worker=cfg.worker, num_workers=cfg.num_workers,
+            sizes if eligible is None else array("q", (sizes[i] for i in eligible)),
+            epochs=cfg.epochs,
+            shuffle=cfg.shuffle,
+            seed=cfg.seed,
+            rank=cfg.rank,
+            world_size=cfg.world_size,
+            worker=cfg.worker,
+            num_workers=cfg.num_workers,
         )
         cursor, acked = cache.recover(catalog, resume=cfg.resume, plan=_plan_key(plan))
         if self._start_state is not None:
@@ -250,7 +268,9 @@ class Pipeline:
             reserve = min(cache.limit // 4, max(2 * cfg.max_concurrency, 16) * largest)
             policy = make_policy("auto", plan.sizes, self._future, reserve=reserve)
             cache.use_retention(policy, Names(catalog, eligible), plan_tick(*cursor))
-        self._total_steps = None if cfg.epochs is None else sum(len(plan.share(e)) for e in range(cfg.epochs)) - _steps_before(plan, cursor)
+        self._total_steps = (
+            None if cfg.epochs is None else sum(len(plan.share(e)) for e in range(cfg.epochs)) - _steps_before(plan, cursor)
+        )
         return self._steps(Cursor(*cursor), acked)
 
     def _steps(self, cursor: Cursor, acked: set[tuple[int, str]]) -> Iterator[tuple[int, Item, int]]:
@@ -305,14 +325,17 @@ class Pipeline:
                 self._bar.total = full.n_items
                 self._bar.refresh()
 
-        listing = StreamingListing(store, cfg.items, admit, complete, cfg.retries,
-                                   lambda n: backoff_delay(n, cfg.retry_backoff, cfg.retry_backoff_max))
+        listing = StreamingListing(
+            store, cfg.items, admit, complete, cfg.retries, lambda n: backoff_delay(n, cfg.retry_backoff, cfg.retry_backoff_max)
+        )
         self._listing = listing
         listing.start()
         listing.wait_first_page()
         if listing.done and plan.n_items == 0:
-            raise EmptySourceError(f"no items under {cfg.source!r}: found no {cfg.items} "
-                                   + ("smaller than the capacity" if listing.listed else "with objects"))
+            raise EmptySourceError(
+                f"no items under {cfg.source!r}: found no {cfg.items} "
+                + ("smaller than the capacity" if listing.listed else "with objects")
+            )
         return self._stream_steps(listing)
 
     def _stream_steps(self, listing: StreamingListing) -> Iterator[tuple[int, Item, int]]:
@@ -331,8 +354,10 @@ class Pipeline:
         if listing.stopped:
             return
         if index == 0:
-            raise EmptySourceError(f"no items under {self.config.source!r}: found no {self.config.items} "
-                                   + ("smaller than the capacity" if listing.listed else "with objects"))
+            raise EmptySourceError(
+                f"no items under {self.config.source!r}: found no {self.config.items} "
+                + ("smaller than the capacity" if listing.listed else "with objects")
+            )
 
     def _consume(self, seq: int) -> None:
         """A step is done (acknowledged, or failed and reported): move the resume point."""
@@ -479,7 +504,9 @@ class Pipeline:
             self._count("handed")
             if self._bar is not None:
                 self._bar.update(1)
-                self._bar.set_postfix(cache=f"{self._cache.used / 2**20:.0f}/{self._cache.capacity / 2**20:.0f}MiB", refresh=False)
+                self._bar.set_postfix(
+                    cache=f"{self._cache.used / 2**20:.0f}/{self._cache.capacity / 2**20:.0f}MiB", refresh=False
+                )
             return CachedItem(got.value, self._inflight[got.seq], got.id)
 
     def ack(self, path: str | os.PathLike[str], lease: str | None = None) -> None:
@@ -584,7 +611,10 @@ class Pipeline:
     def _require_open(self, allow_closed: bool = False) -> None:
         if self._state == _OPEN or (allow_closed and self._state == _CLOSED):
             return
-        raise RuntimeError(f"{self!r} is {self._state}: " + ("use it inside 'with' or call open()" if self._state == _UNOPENED else "create a new Pipeline"))
+        raise RuntimeError(
+            f"{self!r} is {self._state}: "
+            + ("use it inside 'with' or call open()" if self._state == _UNOPENED else "create a new Pipeline")
+        )
 
 
 def _plan_key(plan: Plan) -> str:

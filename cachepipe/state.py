@@ -180,6 +180,11 @@ class Journal:
         self._torn = False
 
     @property
+    def is_open(self) -> bool:
+        """Whether appends can be made (after the first :meth:`rewrite`, until :meth:`close`)."""
+        return self._fd is not None
+
+    @property
     def size(self) -> int:
         """Bytes in the journal file (0 when closed)."""
         return self._size if self._fd is not None else 0

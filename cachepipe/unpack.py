@@ -284,7 +284,8 @@ class _Budget:
         """The refusal of ``member`` (``size`` bytes); ``total``: the archive's whole extracted size, when known."""
         whole = f" (its files total {total} bytes)" if total is not None else ""
         return ArchiveTooLargeError(
-            archive, member,
+            archive,
+            member,
             f"extracting its {size} bytes would bring the item to {self.bytes + size} bytes{whole}, over the limit of "
             f"{self.limit_bytes} bytes" + (f"; {self.advice}" if self.advice else ""),
         )
@@ -386,7 +387,9 @@ class _Extraction:
             target = _check_link(archive, name, rel, member.linkname, hard=member.islnk())
             if member.islnk():
                 if target not in self.sizes:
-                    raise UnsafeMemberError(archive, name, f"hard link to {member.linkname!r}, which is not a file extracted before it")
+                    raise UnsafeMemberError(
+                        archive, name, f"hard link to {member.linkname!r}, which is not a file extracted before it"
+                    )
                 size = self.sizes[target]
         if not member.isdir():
             self.claim(archive, name, rel)
@@ -432,7 +435,9 @@ class _Extraction:
         if info.is_dir():
             kind = stat.S_IFDIR
         if kind not in (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK):
-            what = {stat.S_IFCHR: "device file", stat.S_IFBLK: "device file", stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket"}.get(kind, "special file")
+            what = {stat.S_IFCHR: "device file", stat.S_IFBLK: "device file", stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket"}.get(
+                kind, "special file"
+            )
             raise UnsafeMemberError(archive, name, f"{what}: only files, folders and links inside the item are extracted")
         if not rel:
             return
@@ -524,8 +529,13 @@ def _clear(out_dir: Path) -> None:
 
 
 def unpack_item(
-    item_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, limit_bytes: int, max_members: int = DEFAULT_MAX_MEMBERS,
-    stop: threading.Event | None = None, advice: str | None = None,
+    item_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    limit_bytes: int,
+    max_members: int = DEFAULT_MAX_MEMBERS,
+    stop: threading.Event | None = None,
+    advice: str | None = None,
 ) -> UnpackResult:
     """Extract the archive(s) of a downloaded item into ``out_dir``, safely (see the module docstring).
 
@@ -583,8 +593,13 @@ def unpack_item(
 
 
 def unpack_in_place(
-    path: str | os.PathLike[str], *, name: str | None = None, limit_bytes: int, max_members: int = DEFAULT_MAX_MEMBERS,
-    stop: threading.Event | None = None, advice: str | None = None,
+    path: str | os.PathLike[str],
+    *,
+    name: str | None = None,
+    limit_bytes: int,
+    max_members: int = DEFAULT_MAX_MEMBERS,
+    stop: threading.Event | None = None,
+    advice: str | None = None,
 ) -> UnpackResult:
     """Replace a downloaded item by its extracted contents: :func:`unpack_item`, then a rename.
 
@@ -693,7 +708,9 @@ def _hash_files(paths: list[Path], which: dict[int, str]) -> dict[int, str]:
     return digests
 
 
-def _verify(label: str, paths: list[Path], expected: dict[int, str], actual: dict[int, str], cause: BaseException | None = None) -> None:
+def _verify(
+    label: str, paths: list[Path], expected: dict[int, str], actual: dict[int, str], cause: BaseException | None = None
+) -> None:
     bad = [i for i in expected if actual[i] != expected[i]]
     if bad:
         i = bad[0]

@@ -27,17 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from crashfs import KINDS, Crashed, CrashFs, Fault
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cachepipe import state
 from cachepipe.cache import Cache
 from cachepipe.catalog import Catalog
-from cachepipe.plan import tick
+from cachepipe.plan import Plan, tick
 from cachepipe.removal import tree_bytes
-from cachepipe.plan import Plan
 from cachepipe.retention import PlanFuture, make_policy
-from crashfs import KINDS, Crashed, CrashFs, Fault
 
 N_ITEMS = 4
 EPOCHS = 2
@@ -216,7 +215,9 @@ def check_recovery(root: Path, model: Model, where: str) -> None:
         undone = set(range(len(STEPS))) - model.acked - model.maybe
         assert not (undone & done), f"{where}: steps {sorted(undone & done)} were never acknowledged but count as consumed"
         on_disk = {p for p in os.listdir(root) if p != state_dir_name()}
-        assert on_disk == set(cache.record.published), f"{where}: items on disk {sorted(on_disk)}, reused {sorted(cache.record.published)}"
+        assert on_disk == set(cache.record.published), (
+            f"{where}: items on disk {sorted(on_disk)}, reused {sorted(cache.record.published)}"
+        )
     finally:
         cache.close(keep=True)
 
@@ -261,6 +262,7 @@ def test_zz_report_totals(capsys):
 
 
 # ---- one test per finding of the crash-safety review (each failed on the code before its fix) ----
+
 
 def _published_and_acked(root: Path) -> state.Replay:
     return state.load(root / ".cachepipe" / "journal")
@@ -364,8 +366,9 @@ def test_kill_during_close_leaves_no_broken_item(tmp_path):
 def _leftovers(tmp_path: Path) -> tuple[Path, Path]:
     """A source of 20 items of 100 KiB, and a cache of 5.5 items' worth that a first pass left
     with items 2-6 published (items 0 and 1 acked, keep_on_close=True)."""
-    from cachepipe import Pipeline
     from waiting import wait_until
+
+    from cachepipe import Pipeline
 
     src, cache = tmp_path / "src", tmp_path / "cache"
     for i in range(20):
@@ -412,3 +415,22 @@ def test_compaction_keeps_an_item_acked_and_kept_for_a_later_step(tmp_path):
     journal.close()
     replay = state.load(tmp_path / "journal")
     assert replay.published == {"kept"} and replay.acked == {(3, "kept")}
+
+
+def test_a_full_disk_at_open_raises_enospc_and_leaves_the_items(tmp_path):
+    """Recovery's first journal rewrite meets a full disk: open fails with that error, and
+    closing after it deletes nothing (nothing was recorded yet; the next open decides)."""
+    model = Model(tmp_path, retain=False)
+    with CrashFs():
+        model.open()
+        model.fetch()
+        model.cache.close(keep=True)
+    cache = Cache(tmp_path, capacity())
+    cache.open()
+    with CrashFs(Fault(0, "enospc")) as fs, pytest.raises(OSError, match="No space left") as failed:
+        cache.recover(CATALOG, resume=True, plan=PLAN_KEY)
+    assert fs.hit is not None
+    assert failed.value.errno == errno.ENOSPC
+    cache.close(keep=False)
+    assert (tmp_path / "i0" / "a").exists()
+    check_recovery(tmp_path, Model(tmp_path, retain=False), "after a failed open")

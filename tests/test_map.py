@@ -21,7 +21,6 @@ import pytest
 from sampling import Sampler
 from test_unpack import archive_bytes, md5_sidecar, media_clip, tar_bytes, volumes
 
-from cachepipe.map import job as map_job
 from cachepipe.cache import Cache, tree_bytes
 from cachepipe.errors import (
     CacheLockedError,
@@ -29,13 +28,14 @@ from cachepipe.errors import (
     StoreUnavailableError,
     UnsafeKeyError,
 )
-from cachepipe.map.child import Watcher
-from cachepipe.map.run import _take_lock
 from cachepipe.map import WORK_DIR, map_items, plan_items
+from cachepipe.map import job as map_job
+from cachepipe.map.child import Watcher
 from cachepipe.map.cli import main
+from cachepipe.map.run import _take_lock
+from cachepipe.map.uploader import DONE_MARKER
 from cachepipe.stores.base import ObjectInfo
 from cachepipe.stores.fsspec import FsspecStore
-from cachepipe.map.uploader import DONE_MARKER
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -43,7 +43,7 @@ MIB = 1024 * KIB
 # Seed 000's extract-segments.sh, as a tiny Python script: each sample.mp4 in the working
 # directory (the unpacked shard) becomes 10 KB "clips" <stem>/<n>.mp4, each with a copy of the
 # sample's metadata, in $CACHEPIPE_OUT. Every run is logged (outside the cache) for counting.
-SPLIT = r'''
+SPLIT = r"""
 import glob, os, sys
 out, log = os.environ["CACHEPIPE_OUT"], sys.argv[1]
 for mp4 in sorted(glob.glob("*.mp4")):
@@ -55,11 +55,13 @@ for mp4 in sorted(glob.glob("*.mp4")):
         open(os.path.join(out, stem, f"{n:06d}.info.json"), "wb").write(meta)
 with open(log, "a") as fh:
     fh.write(os.environ["CACHEPIPE_NAME"] + "\n")
-'''
+"""
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cachepipe.map", *args], capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "cachepipe.map", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def storage_args(options: dict) -> list[str]:
@@ -67,8 +69,12 @@ def storage_args(options: dict) -> list[str]:
 
 
 def bucket(s3_client, prefix: str) -> dict[str, bytes]:
-    keys = [o["Key"] for page in s3_client.get_paginator("list_objects_v2").paginate(Bucket="data", Prefix=prefix) for o in page.get("Contents", [])]
-    return {k[len(prefix):]: s3_client.get_object(Bucket="data", Key=k)["Body"].read() for k in keys}
+    keys = [
+        o["Key"]
+        for page in s3_client.get_paginator("list_objects_v2").paginate(Bucket="data", Prefix=prefix)
+        for o in page.get("Contents", [])
+    ]
+    return {k[len(prefix) :]: s3_client.get_object(Bucket="data", Key=k)["Body"].read() for k in keys}
 
 
 def runs(log: Path) -> list[str]:
@@ -92,16 +98,36 @@ def test_video_shards_split_into_clips_and_rerun_skips_them(remote_source, s3_cl
             video, meta = rng.randbytes(25_000 + 1000 * v), f'{{"id": "{s}-{v}"}}'.encode()
             samples[f"vid{s}{v}.mp4"], samples[f"vid{s}{v}.info.json"] = video, meta
             for n, start in enumerate(range(0, len(video), 10_000)):
-                expected[f"{shard}/vid{s}{v}/{n:06d}.mp4"] = video[start:start + 10_000]
+                expected[f"{shard}/vid{s}{v}/{n:06d}.mp4"] = video[start : start + 10_000]
                 expected[f"{shard}/vid{s}{v}/{n:06d}.info.json"] = meta
         remote_source.put(shard, tar_bytes(samples))
     script, log, cache = tmp_path / "split.py", tmp_path / "runs.log", tmp_path / "cache"
     script.write_text(SPLIT)
     dst = remote_source.url.replace("/video/", "/clips/")
     capacity = 1 * MIB
-    command = [remote_source.url, dst, "--cache", str(cache), "--capacity", "1MiB", "--items", "files", "--unpack",
-               "--jobs", "2", "--out-ratio", "2.5", "--out-margin", "64KiB", "--no-progress",
-               *storage_args(remote_source.options), "--", sys.executable, str(script), str(log)]
+    command = [
+        remote_source.url,
+        dst,
+        "--cache",
+        str(cache),
+        "--capacity",
+        "1MiB",
+        "--items",
+        "files",
+        "--unpack",
+        "--jobs",
+        "2",
+        "--out-ratio",
+        "2.5",
+        "--out-margin",
+        "64KiB",
+        "--no-progress",
+        *storage_args(remote_source.options),
+        "--",
+        sys.executable,
+        str(script),
+        str(log),
+    ]
 
     with Sampler(cache) as sampler:
         proc = cli(*command)
@@ -140,8 +166,21 @@ def test_split_targz_volumes_with_md5_files_unpacked_and_written_back(s3_source,
 
     # as in the seed, the results go beside compressed/ and md5/, under SRC: they are not listed as items
     s3_source.put("video/earlier-run/x.webm", b"old")
-    proc = cli(s3_source.url, s3_source.url + "video/", "--cache", str(tmp_path / "cache"), "--capacity", "256KiB",
-               "--items", "files", "--unpack", "--out-ratio", "1.3", "--no-progress", *storage_args(s3_source.options))
+    proc = cli(
+        s3_source.url,
+        s3_source.url + "video/",
+        "--cache",
+        str(tmp_path / "cache"),
+        "--capacity",
+        "256KiB",
+        "--items",
+        "files",
+        "--unpack",
+        "--out-ratio",
+        "1.3",
+        "--no-progress",
+        *storage_args(s3_source.options),
+    )
 
     assert proc.returncode == 1, proc.stderr
     assert "1 done, 1 failed" in proc.stderr
@@ -149,7 +188,9 @@ def test_split_targz_volumes_with_md5_files_unpacked_and_written_back(s3_source,
     results = bucket(s3_client, "video/video/")
     item = "compressed/20bn-something-something-v2"
     assert {k: v for k, v in results.items() if not k.endswith(DONE_MARKER)} == {
-        **{f"{item}/{k}": v for k, v in videos.items()}, "earlier-run/x.webm": b"old"}
+        **{f"{item}/{k}": v for k, v in videos.items()},
+        "earlier-run/x.webm": b"old",
+    }
     assert sorted(k for k in results if k.endswith(DONE_MARKER)) == [f"{item}/{DONE_MARKER}"]  # nothing for the damaged one
     assert_cache_clean(tmp_path / "cache")
 
@@ -160,7 +201,9 @@ COPY_TREE = ["--", "sh", "-c", 'cp -r . "$CACHEPIPE_OUT/"']
 
 def test_clip_archives_copied_out_with_the_defaults_and_a_too_small_reserve_named(s3_source, s3_client, tmp_path):
     rng = __import__("random").Random(16)
-    clips = {fmt: {f"clips/{n}.mp4": media_clip(rng, 20_000 + 3000 * n) for n in range(3)} for fmt in ("tar.gz", "tar.zst", "zip")}
+    clips = {
+        fmt: {f"clips/{n}.mp4": media_clip(rng, 20_000 + 3000 * n) for n in range(3)} for fmt in ("tar.gz", "tar.zst", "zip")
+    }
     for fmt, files in clips.items():
         s3_source.put(f"shards/clips.{fmt}", archive_bytes(files, fmt))
     text = b"a person folds a towel\n" * 2000
@@ -168,14 +211,30 @@ def test_clip_archives_copied_out_with_the_defaults_and_a_too_small_reserve_name
     s3_source.put("shards/captions.tar.gz", captions)
     cache, capacity = tmp_path / "cache", 1 * MIB
     with Sampler(cache) as sampler:
-        proc = cli(s3_source.url + "shards/", "s3://data/out/", "--cache", str(cache), "--capacity", "1MiB", "--items", "files",
-                   "--unpack", "--no-progress", *storage_args(s3_source.options), *COPY_TREE)
+        proc = cli(
+            s3_source.url + "shards/",
+            "s3://data/out/",
+            "--cache",
+            str(cache),
+            "--capacity",
+            "1MiB",
+            "--items",
+            "files",
+            "--unpack",
+            "--no-progress",
+            *storage_args(s3_source.options),
+            *COPY_TREE,
+        )
     assert proc.returncode == 1 and "3 done, 1 failed" in proc.stderr, proc.stderr
     results = bucket(s3_client, "out/")
     assert {k: v for k, v in results.items() if not k.endswith(DONE_MARKER)} == {
-        f"clips.{fmt}/{rel}": data for fmt, files in clips.items() for rel, data in files.items()}
-    assert f"captions.tar.gz: ArchiveTooLargeError" in proc.stderr and f"would bring the item to {len(text)} bytes" in proc.stderr
-    assert f"unpack_ratio (--unpack-ratio) 1.25 reserves {math.ceil(1.25 * len(captions))} bytes for this item of {len(captions)} bytes" in proc.stderr
+        f"clips.{fmt}/{rel}": data for fmt, files in clips.items() for rel, data in files.items()
+    }
+    assert "captions.tar.gz: ArchiveTooLargeError" in proc.stderr and f"would bring the item to {len(text)} bytes" in proc.stderr
+    assert (
+        f"unpack_ratio (--unpack-ratio) 1.25 reserves {math.ceil(1.25 * len(captions))} bytes for this item of {len(captions)} bytes"
+        in proc.stderr
+    )
     assert sampler.peak <= capacity
     assert_cache_clean(cache)
 
@@ -192,8 +251,18 @@ def test_split_targz_volumes_with_md5_sidecars_copied_out_with_the_defaults(s3_s
             s3_source.put(f"arch/{item}/{name}", part)
             s3_source.put(f"arch/{item}/{name}.md5", md5_sidecar(name, part).encode())
         expected.update({f"{item}/{k}": v for k, v in videos.items()})
-    proc = cli("s3://data/video/arch/", "s3://data/extracted/", "--unpack", "--cache", str(tmp_path / "cache"), "--capacity", "1MiB",
-               "--no-progress", *storage_args(s3_source.options), *COPY_TREE)
+    proc = cli(
+        "s3://data/video/arch/",
+        "s3://data/extracted/",
+        "--unpack",
+        "--cache",
+        str(tmp_path / "cache"),
+        "--capacity",
+        "1MiB",
+        "--no-progress",
+        *storage_args(s3_source.options),
+        *COPY_TREE,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "3 done, 0 failed" in proc.stderr
     results = bucket(s3_client, "extracted/")
@@ -204,15 +273,30 @@ def test_split_targz_volumes_with_md5_sidecars_copied_out_with_the_defaults(s3_s
 def test_dry_run_predicts_what_the_run_refuses(s3_source, s3_client, tmp_path, capsys):
     s3_source.put("small/a.bin", b"a" * 1000)
     s3_source.put("big/a.bin", os.urandom(950 * KIB))  # more than the 896 KiB left for downloads
-    args = [s3_source.url, "s3://data/out/", "--cache", str(tmp_path / "cache"), "--capacity", "1MiB", "--out-reserve", "64KiB",
-            "--out-margin", "64KiB", "--no-progress", *storage_args(s3_source.options)]
+    args = [
+        s3_source.url,
+        "s3://data/out/",
+        "--cache",
+        str(tmp_path / "cache"),
+        "--capacity",
+        "1MiB",
+        "--out-reserve",
+        "64KiB",
+        "--out-margin",
+        "64KiB",
+        "--no-progress",
+        *storage_args(s3_source.options),
+    ]
     command = ["--", "sh", "-c", 'cp a.bin "$CACHEPIPE_OUT/"']
     code = main([*args, "--dry-run", *command])
     out = capsys.readouterr().out.splitlines()
     why = f"item is {950 * KIB} bytes, more than the {896 * KIB} bytes the capacity leaves for downloads"
     assert code == 1
     assert out[0] == "would run: small -> s3://data/out/small/"
-    assert out[1].startswith(f"would refuse: big: {why}") and out[2] == "1 items to run, 1 would be refused, 0 already done, of 2 listed"
+    assert (
+        out[1].startswith(f"would refuse: big: {why}")
+        and out[2] == "1 items to run, 1 would be refused, 0 already done, of 2 listed"
+    )
     assert not (tmp_path / "cache").exists()
     assert main([*args, *command]) == 1  # the run refuses it, for the same reason
     assert f"big: {why}" in capsys.readouterr().err
@@ -220,7 +304,7 @@ def test_dry_run_predicts_what_the_run_refuses(s3_source, s3_client, tmp_path, c
 
 
 # ---- crash in the middle, run again -------------------------------------------------------------------------
-MANY_OUTPUTS = r'''
+MANY_OUTPUTS = r"""
 import os, sys
 out, name = os.environ["CACHEPIPE_OUT"], os.environ["CACHEPIPE_NAME"]
 data = open("in.bin", "rb").read()
@@ -228,16 +312,35 @@ for n in range(20):
     open(os.path.join(out, f"part{n:02d}.bin"), "wb").write(data[n * 100:(n + 1) * 100] + name.encode())
 with open(sys.argv[1], "a") as fh:
     fh.write(name + "\n")
-'''
+"""
 
 
 def test_kill_9_mid_upload_then_rerun_completes_each_item_once(s3_source, s3_client, tmp_path):
     data = s3_source.folders(6, {"in.bin": 2000})
     script, log, cache = tmp_path / "many.py", tmp_path / "runs.log", tmp_path / "cache"
     script.write_text(MANY_OUTPUTS)
-    command = [sys.executable, "-m", "cachepipe.map", s3_source.url, "s3://data/out/", "--cache", str(cache), "--capacity", "64KiB",
-               "--out-reserve", "8KiB", "--upload-concurrency", "1", "--no-progress", "-vv", *storage_args(s3_source.options),
-               "--", sys.executable, str(script), str(log)]
+    command = [
+        sys.executable,
+        "-m",
+        "cachepipe.map",
+        s3_source.url,
+        "s3://data/out/",
+        "--cache",
+        str(cache),
+        "--capacity",
+        "64KiB",
+        "--out-reserve",
+        "8KiB",
+        "--upload-concurrency",
+        "1",
+        "--no-progress",
+        "-vv",
+        *storage_args(s3_source.options),
+        "--",
+        sys.executable,
+        str(script),
+        str(log),
+    ]
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     uploading = []
     for line in proc.stderr:
@@ -269,15 +372,15 @@ def test_kill_9_mid_upload_then_rerun_completes_each_item_once(s3_source, s3_cli
     for name, marker in markers.items():
         assert len(marker["files"]) == 20
         for n in range(20):
-            assert objects[f"{name}/part{n:02d}.bin"] == data[name]["in.bin"][n * 100:(n + 1) * 100] + name.encode()
-    ran_after = runs(log)[len(ran_before):]
+            assert objects[f"{name}/part{n:02d}.bin"] == data[name]["in.bin"][n * 100 : (n + 1) * 100] + name.encode()
+    ran_after = runs(log)[len(ran_before) :]
     assert sorted(ran_after) == sorted(set(data) - finished_before)  # the rest, each once; finished ones not again
     assert f"{len(finished_before)} already done" in rerun.stderr
     assert_cache_clean(cache)
 
 
 # ---- failures, retries, timeouts, dry run (the CLI in-process) ------------------------------------------------
-FAILING = r'''
+FAILING = r"""
 import os, sys, time
 name = os.environ["CACHEPIPE_NAME"]
 counter = os.path.join(sys.argv[1], name)
@@ -293,7 +396,7 @@ if name == "slow":
     os.close(2)  # stderr closed, still running: the timeout must not depend on it
     time.sleep(30)
 open(os.path.join(os.environ["CACHEPIPE_OUT"], "result.txt"), "w").write(name)
-'''
+"""
 
 
 def test_failures_retries_and_timeouts_are_reported_and_the_run_goes_on(s3_source, s3_client, tmp_path, capsys):
@@ -302,9 +405,30 @@ def test_failures_retries_and_timeouts_are_reported_and_the_run_goes_on(s3_sourc
     script, attempts = tmp_path / "failing.py", tmp_path / "attempts"
     script.write_text(FAILING)
     attempts.mkdir()
-    code = main([s3_source.url, "s3://data/out/", "--cache", str(tmp_path / "cache"), "--capacity", "1MiB", "--jobs", "2",
-                 "--retries", "1", "--timeout", "1", "--out-reserve", "64KiB", "--no-progress", *storage_args(s3_source.options),
-                 "--", sys.executable, str(script), str(attempts)])
+    code = main(
+        [
+            s3_source.url,
+            "s3://data/out/",
+            "--cache",
+            str(tmp_path / "cache"),
+            "--capacity",
+            "1MiB",
+            "--jobs",
+            "2",
+            "--retries",
+            "1",
+            "--timeout",
+            "1",
+            "--out-reserve",
+            "64KiB",
+            "--no-progress",
+            *storage_args(s3_source.options),
+            "--",
+            sys.executable,
+            str(script),
+            str(attempts),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1
     assert "2 done, 2 failed, 0 already done" in err
@@ -318,12 +442,27 @@ def test_failures_retries_and_timeouts_are_reported_and_the_run_goes_on(s3_sourc
 def test_dry_run_lists_what_would_run_and_touches_nothing(s3_source, s3_client, tmp_path, capsys):
     s3_source.folders(3, {"a.bin": 100})
     s3_client.put_object(Bucket="data", Key=f"out/item001/{DONE_MARKER}", Body=b"{}")
-    code = main([s3_source.url, "s3://data/out/", "--cache", str(tmp_path / "cache"), "--capacity", "1MiB", "--dry-run",
-                 *storage_args(s3_source.options), "--", "false"])
+    code = main(
+        [
+            s3_source.url,
+            "s3://data/out/",
+            "--cache",
+            str(tmp_path / "cache"),
+            "--capacity",
+            "1MiB",
+            "--dry-run",
+            *storage_args(s3_source.options),
+            "--",
+            "false",
+        ]
+    )
     out = capsys.readouterr().out.splitlines()
     assert code == 0
-    assert out[:3] == ["would run: item000 -> s3://data/out/item000/", "would run: item002 -> s3://data/out/item002/",
-                       "2 items to run, 1 already done, of 3 listed"]
+    assert out[:3] == [
+        "would run: item000 -> s3://data/out/item000/",
+        "would run: item002 -> s3://data/out/item002/",
+        "2 items to run, 1 already done, of 3 listed",
+    ]
     assert not (tmp_path / "cache").exists()
     assert sorted(bucket(s3_client, "out/")) == [f"item001/{DONE_MARKER}"]
 
@@ -347,9 +486,18 @@ def test_a_failed_upload_is_retried_without_running_the_command_again(s3_source,
     data = s3_source.folders(2, {"a.bin": 300})
     log = tmp_path / "runs.log"
     dest = FlakyDest("s3://data/out/", s3_source.options)
-    result = map_items([sys.executable, "-c", COPY, str(log)], s3_source.url, "s3://data/out/", cache_dir=tmp_path / "cache",
-                       capacity="1MiB", out_reserve="4KiB", storage_options=s3_source.options, dest_store=dest, request_retries=0,
-                       progress=True)
+    result = map_items(
+        [sys.executable, "-c", COPY, str(log)],
+        s3_source.url,
+        "s3://data/out/",
+        cache_dir=tmp_path / "cache",
+        capacity="1MiB",
+        out_reserve="4KiB",
+        storage_options=s3_source.options,
+        dest_store=dest,
+        request_retries=0,
+        progress=True,
+    )
     assert result.ok and result.items_done == 2 and result.items_retried == 1 and dest.failed == 1
     bar = capsys.readouterr().err
     assert "cachepipe map: 100%" in bar and "2/2" in bar and "done=2, failed=0, in=0.0MB, out=0.0MB" in bar
@@ -358,7 +506,7 @@ def test_a_failed_upload_is_retried_without_running_the_command_again(s3_source,
 
 
 # ---- the cap for outputs ----------------------------------------------------------------------------------------
-WRITER = r'''
+WRITER = r"""
 import os, time
 name = os.environ["CACHEPIPE_NAME"]
 where = "." if name == "grows-input" else os.environ["CACHEPIPE_OUT"]  # the input folder counts too
@@ -368,7 +516,7 @@ with open(os.path.join(where, "out.bin"), "wb") as fh:
         fh.write(os.urandom(20_000))
         fh.flush()
         time.sleep(0.01)  # 2 MB/s: 100 KB per 50 ms watch interval, less than the margin
-'''
+"""
 
 
 def test_outputs_over_their_reserve_are_stopped_and_the_cap_holds(s3_source, s3_client, tmp_path):
@@ -376,11 +524,24 @@ def test_outputs_over_their_reserve_are_stopped_and_the_cap_holds(s3_source, s3_
         s3_source.put(f"{name}/in.bin", os.urandom(1000))
     cache, capacity = tmp_path / "cache", 1536 * KIB
     with Sampler(cache) as sampler:
-        result = map_items([sys.executable, "-c", WRITER], s3_source.url, "s3://data/out/", cache_dir=cache, capacity=capacity,
-                           jobs=3, out_reserve="200KiB", out_margin="128KiB", storage_options=s3_source.options)
+        result = map_items(
+            [sys.executable, "-c", WRITER],
+            s3_source.url,
+            "s3://data/out/",
+            cache_dir=cache,
+            capacity=capacity,
+            jobs=3,
+            out_reserve="200KiB",
+            out_margin="128KiB",
+            storage_options=s3_source.options,
+        )
     assert result.items_done == 1 and {f.name for f in result.failed} == {"grows-input", "hog"}
     for failure in result.failed:
-        assert failure.attempts == 1 and "OutputTooLargeError" in failure.error and "over its reserve of 204800 bytes" in failure.error
+        assert (
+            failure.attempts == 1
+            and "OutputTooLargeError" in failure.error
+            and "over its reserve of 204800 bytes" in failure.error
+        )
     assert 200 * KIB < result.peak_job_bytes <= 328 * KIB  # passed the reserve, stopped within the margin
     assert result.download_capacity == capacity - 3 * 328 * KIB
     assert sampler.peak <= capacity
@@ -392,7 +553,9 @@ def test_outputs_over_their_reserve_are_stopped_and_the_cap_holds(s3_source, s3_
 # "quiet" leaves a process that let go of CMD's stderr: it would outlive the item and write into the
 # cache (into the next item's slot, past the cap); "held" leaves one that keeps stderr: its job would
 # stall until it ends. Each writes the leftover's pid as its output.
-LEAVE_BEHIND = 'if [ "$CACHEPIPE_NAME" = quiet ]; then sleep 300 >/dev/null 2>&1 & else sleep 30 & fi; echo $! > "$CACHEPIPE_OUT/pid"'
+LEAVE_BEHIND = (
+    'if [ "$CACHEPIPE_NAME" = quiet ]; then sleep 300 >/dev/null 2>&1 & else sleep 30 & fi; echo $! > "$CACHEPIPE_OUT/pid"'
+)
 
 
 def leave_a_process_behind(item_path: str, out_path: str) -> None:
@@ -415,10 +578,12 @@ def test_what_a_command_or_fn_leaves_running_is_killed_when_it_exits(tmp_path):
     for name in ("held", "quiet"):
         (src / name).mkdir(parents=True)
         (src / name / "in.txt").write_text(name)
-    fn_result = map_items(leave_a_process_behind, str(src), str(tmp_path / "fn-dst"), cache_dir=cache, capacity="1MiB", jobs=2,
-                          out_reserve="1KiB")
-    result = map_items(["sh", "-c", LEAVE_BEHIND], str(src), str(tmp_path / "dst"), cache_dir=cache, capacity="1MiB", jobs=2,
-                       out_reserve="1KiB")
+    fn_result = map_items(
+        leave_a_process_behind, str(src), str(tmp_path / "fn-dst"), cache_dir=cache, capacity="1MiB", jobs=2, out_reserve="1KiB"
+    )
+    result = map_items(
+        ["sh", "-c", LEAVE_BEHIND], str(src), str(tmp_path / "dst"), cache_dir=cache, capacity="1MiB", jobs=2, out_reserve="1KiB"
+    )
     pids = {p.parent.parent.name + "/" + p.parent.name: int(p.read_text()) for p in tmp_path.glob("*dst/*/pid")}
     try:
         assert fn_result.ok and result.ok and len(pids) == 4
@@ -460,8 +625,16 @@ def test_a_command_that_starts_as_the_run_stops_is_killed(tmp_path, monkeypatch)
     monkeypatch.setattr(Watcher, "kill_all", kill_all_then_tell)
     started = time.monotonic()
     with pytest.raises(Bug):
-        map_items(["sleep", "30"], str(src), str(tmp_path / "dst"), cache_dir=tmp_path / "cache", capacity="1MiB",
-                  items="files", unpack=True, jobs=2)
+        map_items(
+            ["sleep", "30"],
+            str(src),
+            str(tmp_path / "dst"),
+            cache_dir=tmp_path / "cache",
+            capacity="1MiB",
+            items="files",
+            unpack=True,
+            jobs=2,
+        )
     assert time.monotonic() - started < 15
 
 
@@ -505,8 +678,16 @@ def test_a_marker_check_that_fails_stops_the_other_checks_at_once(tmp_path):
         (src / f"item{n:02d}" / "f").write_bytes(b"x")
     started = time.monotonic()
     with pytest.raises(PermissionError, match="item00"):
-        map_items(["true"], str(src), str(tmp_path / "dst"), cache_dir=tmp_path / "cache", capacity="1MiB",
-                  dest_store=DeniedDest(str(tmp_path / "dst")), request_retries=3, retry_backoff=1)
+        map_items(
+            ["true"],
+            str(src),
+            str(tmp_path / "dst"),
+            cache_dir=tmp_path / "cache",
+            capacity="1MiB",
+            dest_store=DeniedDest(str(tmp_path / "dst")),
+            request_retries=3,
+            retry_backoff=1,
+        )
     assert time.monotonic() - started < 3
 
 
@@ -526,8 +707,19 @@ def test_python_function_api_with_a_multipart_output(s3_source, s3_client, tmp_p
     s3_source.put("big/in.bin", b"0123456789")
     s3_source.put("broken/broken", b"x")
     s3_source.put("small/a.txt", b"hello")
-    result = map_items(reverse_files, s3_source.url, "s3://data/out/", cache_dir=tmp_path / "cache", capacity="40MiB", jobs=2,
-                       out_reserve="12MiB", out_margin="1MiB", upload_part_size="5MiB", retries=0, storage_options=s3_source.options)
+    result = map_items(
+        reverse_files,
+        s3_source.url,
+        "s3://data/out/",
+        cache_dir=tmp_path / "cache",
+        capacity="40MiB",
+        jobs=2,
+        out_reserve="12MiB",
+        out_margin="1MiB",
+        upload_part_size="5MiB",
+        retries=0,
+        storage_options=s3_source.options,
+    )
     assert result.items_done == 2 and result.files_out == 3 and result.bytes_out == 11 * MIB + 15
     [failure] = result.failed
     assert failure.name == "broken" and "ValueError: cannot process broken" in failure.stderr_tail
@@ -547,15 +739,32 @@ def test_python_dash_m_runs_the_command_line_module_once():
 
 # ---- planning and refusals (no server) -------------------------------------------------------------------------------
 def test_plan_groups_split_volumes_and_attaches_checksum_files():
-    keys = ["compressed/x-00", "compressed/x-01", "md5/x-00.md5", "md5/x-01.md5", "shards/a.tar",
-            "shards/b.tar.gz.partaa", "shards/b.tar.gz.partab", "shards/md5sums", "stray.md5"]
+    keys = [
+        "compressed/x-00",
+        "compressed/x-01",
+        "md5/x-00.md5",
+        "md5/x-01.md5",
+        "shards/a.tar",
+        "shards/b.tar.gz.partaa",
+        "shards/b.tar.gz.partab",
+        "shards/md5sums",
+        "stray.md5",
+    ]
     plan = {mi.name: mi for mi in plan_items([ObjectInfo(k, 10) for k in keys], "files", unpack=True)}
     assert sorted(plan) == ["compressed/x", "shards/a.tar", "shards/b.tar.gz"]
     assert [o.key for o in plan["compressed/x"].objects] == [
-        "compressed%2Fx/compressed/x-00", "compressed%2Fx/compressed/x-01", "compressed%2Fx/md5/x-00.md5", "compressed%2Fx/md5/x-01.md5"]
+        "compressed%2Fx/compressed/x-00",
+        "compressed%2Fx/compressed/x-01",
+        "compressed%2Fx/md5/x-00.md5",
+        "compressed%2Fx/md5/x-01.md5",
+    ]
     assert plan["compressed/x"].size == 40 and plan["compressed/x"].keys["compressed%2Fx/md5/x-01.md5"] == "md5/x-01.md5"
     assert sorted(plan["shards/b.tar.gz"].keys.values()) == ["shards/b.tar.gz.partaa", "shards/b.tar.gz.partab", "shards/md5sums"]
-    assert [mi.name for mi in plan_items([ObjectInfo(k, 1) for k in keys], "folders", unpack=True)] == ["compressed", "md5", "shards"]
+    assert [mi.name for mi in plan_items([ObjectInfo(k, 1) for k in keys], "folders", unpack=True)] == [
+        "compressed",
+        "md5",
+        "shards",
+    ]
     assert len(plan_items([ObjectInfo(k, 1) for k in keys], "files", unpack=False)) == len(keys)
     with pytest.raises(UnsafeKeyError, match="reserved for cachepipe map"):
         plan_items([ObjectInfo(f"{WORK_DIR}/x", 1)], "folders", unpack=False)
@@ -581,5 +790,5 @@ def test_refusals_before_anything_runs(tmp_path):
             map_items(["true"], str(src), dst, cache_dir=cache, capacity="1MiB")
     finally:
         os.close(fd)
-    result = map_items(["sh", "-c", "cp f \"$CACHEPIPE_OUT/g\""], str(src), dst, cache_dir=cache, capacity="1MiB")
+    result = map_items(["sh", "-c", 'cp f "$CACHEPIPE_OUT/g"'], str(src), dst, cache_dir=cache, capacity="1MiB")
     assert result.ok and (Path(dst) / "a" / "g").read_bytes() == b"x" * 1000 and (Path(dst) / "a" / DONE_MARKER).exists()

@@ -230,7 +230,9 @@ def test_an_archive_that_outgrows_its_reserve_names_the_option_and_the_size(s3_s
     assert delivered == {"captions": {"captions.txt": text}} and not failed
     with unpacking(s3_source, tmp_path / "c3", "8KiB", unpack_ratio=100) as pipe:  # the capacity cuts the reserve
         delivered, failed = drain(pipe)
-    assert "the capacity leaves only" in str(failed["captions"]) and "(unpack_ratio 100 asks for 23700): raise capacity" in str(failed["captions"])
+    assert "the capacity leaves only" in str(failed["captions"]) and "(unpack_ratio 100 asks for 23700): raise capacity" in str(
+        failed["captions"]
+    )
 
 
 def test_config_default_reserve_and_what_unpack_is_not_combined_with(tmp_path):
@@ -254,7 +256,9 @@ def test_close_during_an_extraction_stops_it_and_runs_nothing_after_it(s3_source
     pipe = unpacking(s3_source, cache, "16MiB", prepare=prepared.append, prepare_ratio=20)
     pipe.open()
     staging = cache / ".cachepipe" / "staging"
-    wait_until(lambda: any(p.name.endswith(".unpacked") and any(p.rglob("*")) for p in staging.iterdir()), what="an extraction under way")
+    wait_until(
+        lambda: any(p.name.endswith(".unpacked") and any(p.rglob("*")) for p in staging.iterdir()), what="an extraction under way"
+    )
     pipe.close()
     assert prepared == []  # close() did not wait for the extraction to end, nor run the hook on its result
     assert not staging.exists() and leftovers(cache) == []

@@ -89,8 +89,19 @@ def special(name: str, kind: bytes) -> tarfile.TarInfo:
 
 
 # ---- formats -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode,filename", [("w", "x.tar"), ("w:gz", "x.tar.gz"), ("w:gz", "x.tgz"), ("w:bz2", "x.tar.bz2"),
-                                           ("w:xz", "x.tar.xz"), ("w", "no-extension"), ("zst", "x.tar.zst"), ("zip", "x.zip")])
+@pytest.mark.parametrize(
+    "mode,filename",
+    [
+        ("w", "x.tar"),
+        ("w:gz", "x.tar.gz"),
+        ("w:gz", "x.tgz"),
+        ("w:bz2", "x.tar.bz2"),
+        ("w:xz", "x.tar.xz"),
+        ("w", "no-extension"),
+        ("zst", "x.tar.zst"),
+        ("zip", "x.zip"),
+    ],
+)
 def test_every_format_extracts_by_content(tmp_path, mode, filename):
     if mode == "zst":
         zstandard = pytest.importorskip("zstandard")
@@ -125,7 +136,10 @@ def test_concat_reader_reads_and_seeks_across_volumes(tmp_path):
         paths[-1].write_bytes(data[a:b])
     with ConcatReader(paths) as reader:
         assert reader.read() == data
-        assert all(m.hexdigest() == hashlib.md5(data[a:b]).hexdigest() for m, (a, b) in zip(reader.md5s, itertools.pairwise(cuts), strict=True))
+        assert all(
+            m.hexdigest() == hashlib.md5(data[a:b]).hexdigest()
+            for m, (a, b) in zip(reader.md5s, itertools.pairwise(cuts), strict=True)
+        )
         reader.seek(3990)
         assert reader.read(20) == data[3990:4010] and not reader.hashed
         reader.seek(-5, io.SEEK_END)
@@ -136,7 +150,7 @@ def test_concat_reader_reads_and_seeks_across_volumes(tmp_path):
 def volumes(data: bytes, names: list[str]) -> dict[str, bytes]:
     """``data`` cut into consecutive parts of (nearly) equal size, one per volume name."""
     step = len(data) // len(names) + 1
-    return {name: data[i * step:(i + 1) * step] for i, name in enumerate(names)}
+    return {name: data[i * step : (i + 1) * step] for i, name in enumerate(names)}
 
 
 def md5_sidecar(name: str, part: bytes) -> str:
@@ -264,7 +278,11 @@ def test_a_refusal_names_the_size_it_saw_and_what_to_raise(tmp_path, fmt):
     with pytest.raises(ArchiveTooLargeError) as caught:
         unpack_item(archive, tmp_path / "out", limit_bytes=10_000, advice="raise unpack_ratio")
     message = str(caught.value)
-    assert "'a.txt'" in message and "would bring the item to 46000 bytes" in message and "over the limit of 10000 bytes; raise unpack_ratio" in message
+    assert (
+        "'a.txt'" in message
+        and "would bring the item to 46000 bytes" in message
+        and "over the limit of 10000 bytes; raise unpack_ratio" in message
+    )
     if fmt == "zip":  # the central directory tells the whole size before anything is written
         assert "its files total 92000 bytes" in message
     assert list((tmp_path / "out").iterdir()) == []

@@ -14,4 +14,4 @@ from ..removal import tree_bytes
 from .core import STATE_DIR, Cache
 from .eviction import REAP_MIN_BYTES
 
-__all__ = ["Cache", "REAP_MIN_BYTES", "STATE_DIR", "tree_bytes"]
+__all__ = ["REAP_MIN_BYTES", "STATE_DIR", "Cache", "tree_bytes"]

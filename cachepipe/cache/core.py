@@ -46,7 +46,7 @@ from .lock import OwnerLock
 from .record import Record
 from .staging import Staging, matches, verify
 
-__all__ = ["Cache", "STATE_DIR"]
+__all__ = ["STATE_DIR", "Cache"]
 
 log = logging.getLogger("cachepipe.cache")
 
@@ -137,7 +137,10 @@ class Cache:
                     log.warning(
                         "capacity %d bytes exceeds the space available to %s (%d bytes): downloads will meet a full "
                         "disk, and in-order delivery can wait on space held by later items; lower the capacity or "
-                        "give it as a share like '80%%'", self.capacity, self.root, room,
+                        "give it as a share like '80%%'",
+                        self.capacity,
+                        self.root,
+                        room,
                     )
             try:
                 self._replay = state.load(self.record.journal.path)
@@ -293,7 +296,7 @@ class Cache:
         if not self._lock.held:
             return
         try:
-            if not keep:
+            if not keep and self.record.journal.is_open:  # else recovery never finished: the next open decides
                 for name in list(self.record.published):
                     self.drop(name)
             try:
@@ -316,7 +319,9 @@ class Cache:
         """
         new = int(shutil.disk_usage(self.root).free * capacity.fraction) if isinstance(capacity, Share) else capacity
         if self.foreign + self.overhead >= new:
-            raise ConfigError(f"capacity {new} bytes leaves no room beside {self.foreign + self.overhead} bytes of other files and state")
+            raise ConfigError(
+                f"capacity {new} bytes leaves no room beside {self.foreign + self.overhead} bytes of other files and state"
+            )
         with self._cond:
             self.ledger.capacity = new
             self._cond.notify_all()
@@ -478,7 +483,9 @@ class Cache:
             verify(staged, item)
         final = f"{self._root}/{item.name}"
         if os.path.lexists(final):
-            raise FileExistsError(errno.EEXIST, f"cannot publish item {item.name!r}: {final} exists and is not managed by cachepipe")
+            raise FileExistsError(
+                errno.EEXIST, f"cannot publish item {item.name!r}: {final} exists and is not managed by cachepipe"
+            )
         with self._cond, self._eviction.folders:
             self.record.publishing(item.name)
             if "/" in item.name:  # a nested single-file item: its folders

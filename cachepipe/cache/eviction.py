@@ -21,7 +21,7 @@ from pathlib import Path
 from ..removal import Reaper, rmtree, tree_bytes
 from .staging import Staging
 
-__all__ = ["Eviction", "REAP_MIN_BYTES"]
+__all__ = ["REAP_MIN_BYTES", "Eviction"]
 
 log = logging.getLogger("cachepipe.cache")
 

@@ -17,7 +17,7 @@ from ..catalog import Item
 from ..errors import VerificationError
 from ..removal import rmtree
 
-__all__ = ["Staging", "verify", "matches"]
+__all__ = ["Staging", "matches", "verify"]
 
 
 class Staging:

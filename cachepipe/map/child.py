@@ -108,8 +108,15 @@ class CommandRun(_Child):
         super().__init__()
         # preexec_fn runs in the forked child before exec; _die_with_parent only makes one prctl
         # call through a function looked up at import, touching no lock another thread could hold.
-        self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     start_new_session=True, preexec_fn=_die_with_parent if _libc is not None else None)  # noqa: PLW1509
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if _libc is not None else None,
+        )
         self.pid = self.proc.pid
 
     def wait(self, timeout: float | None, grace: float) -> tuple[int, str, bool]:
@@ -196,8 +203,9 @@ class FunctionRun(_Child):
         super().__init__()
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=_call_in_child, args=(fn, str(item), str(out), str(cwd), env, child),
-                                name="cachepipe-map-fn", daemon=True)
+        self.proc = ctx.Process(
+            target=_call_in_child, args=(fn, str(item), str(out), str(cwd), env, child), name="cachepipe-map-fn", daemon=True
+        )
         self.proc.start()
         child.close()
         self.pid = self.proc.pid
@@ -295,5 +303,7 @@ class Watcher:
                 if not watch.over and watch.measure() > watch.limit:
                     watch.over = True
                     watch.run.kill()
-                    log.warning("outputs of the job in %s passed its reserve of %d bytes: command killed", watch.slot, watch.limit)
+                    log.warning(
+                        "outputs of the job in %s passed its reserve of %d bytes: command killed", watch.slot, watch.limit
+                    )
             self._stop.wait(self._interval)

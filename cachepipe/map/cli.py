@@ -1,7 +1,6 @@
 """The command line of ``cachepipe map`` (see :mod:`cachepipe.map` for what it does): its
 options, and :func:`run_map_command`, which runs :func:`~cachepipe.map.run.map_items` from them."""
 
-
 from __future__ import annotations
 
 import argparse
@@ -41,17 +40,53 @@ def _add_options(parser: argparse.ArgumentParser | Any, suppress: bool) -> None:
     parser.add_argument("--capacity", default=d(None), help="hard cap on bytes under --cache: '20GiB', '80%%' (required)")
     parser.add_argument("--jobs", "-j", type=int, default=d(1), help="commands running at once (default 1)")
     parser.add_argument("--out-reserve", default=d(None), metavar="SIZE", help="space for one item's outputs, e.g. '2GiB'")
-    parser.add_argument("--out-ratio", type=float, default=d(None), metavar="R", help="space for one item's outputs, as R x the command's input (the item, or its extracted files; default 1.0)")
-    parser.add_argument("--out-margin", default=d(None), metavar="SIZE", help="extra space per job for writes between two size checks (default min(reserve, 64MiB))")
-    parser.add_argument("--items", choices=("folders", "files"), default=d("folders"), help="an item is a first-level folder (default) or an object")
-    parser.add_argument("--unpack", action="store_true", default=d(False), help="extract archives (tar, tar.gz, tar.zst, zip, split volumes) before CMD; without CMD the extracted files are uploaded")
-    parser.add_argument("--unpack-ratio", type=float, default=d(None), metavar="R", help="space for one item's extracted files, as R x its size (default 1.25: archives of video, images, audio; compressible data needs its compression ratio)")
+    parser.add_argument(
+        "--out-ratio",
+        type=float,
+        default=d(None),
+        metavar="R",
+        help="space for one item's outputs, as R x the command's input (the item, or its extracted files; default 1.0)",
+    )
+    parser.add_argument(
+        "--out-margin",
+        default=d(None),
+        metavar="SIZE",
+        help="extra space per job for writes between two size checks (default min(reserve, 64MiB))",
+    )
+    parser.add_argument(
+        "--items",
+        choices=("folders", "files"),
+        default=d("folders"),
+        help="an item is a first-level folder (default) or an object",
+    )
+    parser.add_argument(
+        "--unpack",
+        action="store_true",
+        default=d(False),
+        help="extract archives (tar, tar.gz, tar.zst, zip, split volumes) before CMD; without CMD the extracted files are uploaded",
+    )
+    parser.add_argument(
+        "--unpack-ratio",
+        type=float,
+        default=d(None),
+        metavar="R",
+        help="space for one item's extracted files, as R x its size (default 1.25: archives of video, images, audio; compressible data needs its compression ratio)",
+    )
     parser.add_argument("--timeout", type=float, default=d(None), metavar="S", help="seconds per attempt of CMD")
     parser.add_argument("--retries", type=int, default=d(2), help="more attempts of a failed item (default 2)")
     parser.add_argument("--dry-run", action="store_true", default=d(False), help="list what would run and exit")
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=d(True), help="no progress bar")
-    parser.add_argument("--storage-option", "-o", action="append", default=d([]), metavar="KEY=VALUE", help="storage option for SRC and DST (repeat; VALUE parsed as JSON when it can be)")
-    parser.add_argument("--dest-option", action="append", default=d([]), metavar="KEY=VALUE", help="storage option for DST only (repeat)")
+    parser.add_argument(
+        "--storage-option",
+        "-o",
+        action="append",
+        default=d([]),
+        metavar="KEY=VALUE",
+        help="storage option for SRC and DST (repeat; VALUE parsed as JSON when it can be)",
+    )
+    parser.add_argument(
+        "--dest-option", action="append", default=d([]), metavar="KEY=VALUE", help="storage option for DST only (repeat)"
+    )
     parser.add_argument("--upload-concurrency", type=int, default=d(8), help="files uploaded at once (default 8)")
     parser.add_argument("--upload-part-size", default=d("16MiB"), metavar="SIZE", help="multipart part size (default 16MiB)")
     parser.add_argument("--max-concurrency", type=int, default=d(16), help="download requests in flight (default 16)")
@@ -62,14 +97,23 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", metavar="SRC", help="dataset URL (s3://, obs://, file://, ...)")
     parser.add_argument("dest", metavar="DST", help="results URL: item X goes to DST/X/")
     _add_options(parser, suppress=False)
-    parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="command run per item ({} item path, {out} output folder, {name} item name)")
+    parser.add_argument(
+        "cmd",
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD ARGS",
+        help="command run per item ({} item path, {out} output folder, {name} item name)",
+    )
 
 
 def add_map_parser(subparsers: Any) -> None:
     """Add the ``map`` subcommand to a ``cachepipe`` argparse ``subparsers`` object."""
-    parser = subparsers.add_parser("map", help="run a command on every item and upload its results",
-                                   description=_DESCRIPTION, epilog=_EPILOG,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = subparsers.add_parser(
+        "map",
+        help="run a command on every item and upload its results",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_arguments(parser)
 
 
@@ -88,7 +132,7 @@ def run_map_command(args: argparse.Namespace) -> int:
     rest = list(args.cmd or [])
     if "--" in rest:  # argparse hands everything after SRC DST here: options, then '--', then CMD
         cut = rest.index("--")
-        options, command = rest[:cut], rest[cut + 1:]
+        options, command = rest[:cut], rest[cut + 1 :]
     elif rest and rest[0].startswith("-"):
         options, command = rest, []
     else:
@@ -109,10 +153,18 @@ def run_map_command(args: argparse.Namespace) -> int:
         storage = dict(_option(o) for o in args.storage_option)
         dest_options = {**storage, **dict(_option(o) for o in args.dest_option)}
         options_map: dict[str, Any] = {
-            "jobs": args.jobs, "items": args.items, "unpack": args.unpack, "timeout": args.timeout, "retries": args.retries,
-            "dry_run": args.dry_run, "progress": args.progress and not args.dry_run, "storage_options": storage,
-            "dest_options": dest_options, "upload_concurrency": args.upload_concurrency,
-            "upload_part_size": args.upload_part_size, "max_concurrency": args.max_concurrency,
+            "jobs": args.jobs,
+            "items": args.items,
+            "unpack": args.unpack,
+            "timeout": args.timeout,
+            "retries": args.retries,
+            "dry_run": args.dry_run,
+            "progress": args.progress and not args.dry_run,
+            "storage_options": storage,
+            "dest_options": dest_options,
+            "upload_concurrency": args.upload_concurrency,
+            "upload_part_size": args.upload_part_size,
+            "max_concurrency": args.max_concurrency,
         }
         for key in ("out_reserve", "out_ratio", "out_margin", "unpack_ratio"):
             if getattr(args, key) is not None:
@@ -133,8 +185,9 @@ def run_map_command(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m cachepipe.map SRC DST ...``: the ``map`` subcommand on its own."""
-    parser = argparse.ArgumentParser(prog="cachepipe map", description=_DESCRIPTION, epilog=_EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="cachepipe map", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     _add_arguments(parser)
     return run_map_command(parser.parse_args(argv))
 

@@ -62,8 +62,17 @@ class Slot:
 class Job:
     """Runs items one at a time in its slot; shares the watcher, uploader, stop event and tally of the run."""
 
-    def __init__(self, cfg: MapConfig, fn: Callable[[str, str], Any] | None, slot: Slot, *, watcher: Watcher,
-                 uploader: Uploader, stop: threading.Event, tally: Tally) -> None:
+    def __init__(
+        self,
+        cfg: MapConfig,
+        fn: Callable[[str, str], Any] | None,
+        slot: Slot,
+        *,
+        watcher: Watcher,
+        uploader: Uploader,
+        stop: threading.Event,
+        tally: Tally,
+    ) -> None:
         self.cfg = cfg
         self.slot = slot
         self._fn = fn
@@ -127,8 +136,10 @@ class Job:
         source = item_path
         limit, extracted = reserve.out, 0
         if cfg.unpack:
-            advice = (f"unpack_ratio (--unpack-ratio) {cfg.unpack_ratio:g} reserves {reserve.unpack} bytes for this item of "
-                      f"{mi.size} bytes: raise it to the archive's compression ratio")
+            advice = (
+                f"unpack_ratio (--unpack-ratio) {cfg.unpack_ratio:g} reserves {reserve.unpack} bytes for this item of "
+                f"{mi.size} bytes: raise it to the archive's compression ratio"
+            )
             unpack_item(item_path, slot.inp, limit_bytes=reserve.unpack, max_members=cfg.max_members, advice=advice)
             source = slot.inp
             if not runs:

@@ -24,7 +24,17 @@ from ..stores import Store
 from ..stores.base import ObjectInfo
 from ..unpack import DEFAULT_MAX_MEMBERS, is_checksum_file, split_volume
 
-__all__ = ["WORK_DIR", "MapConfig", "MapItem", "PlannedSource", "Reserve", "inside_prefix", "item_reserve", "out_reserve", "plan_items"]
+__all__ = [
+    "WORK_DIR",
+    "MapConfig",
+    "MapItem",
+    "PlannedSource",
+    "Reserve",
+    "inside_prefix",
+    "item_reserve",
+    "out_reserve",
+    "plan_items",
+]
 
 WORK_DIR = ".cachepipe-map"
 """The folder under the cache directory holding the jobs' slots (outputs, extracted files)."""
@@ -151,8 +161,16 @@ def plan_items(objects: Iterable[ObjectInfo], items: Literal["folders", "files"]
     """
     objects = [o for o in objects if not (o.key.endswith("/") and o.size == 0)]
     if items == "folders" or not unpack:
-        planned = [MapItem(it.name, it.name, tuple(ObjectInfo(f.key, f.size, f.etag) for f in it.files),
-                           {f.key: f.key for f in it.files}, it.size) for it in group_items(objects, items)]
+        planned = [
+            MapItem(
+                it.name,
+                it.name,
+                tuple(ObjectInfo(f.key, f.size, f.etag) for f in it.files),
+                {f.key: f.key for f in it.files},
+                it.size,
+            )
+            for it in group_items(objects, items)
+        ]
     else:
         planned = _plan_grouped(objects)
     for mi in planned:
@@ -220,4 +238,4 @@ def inside_prefix(source: str, dest: str) -> str | None:
     src, dst = source.rstrip("/") + "/", dest.rstrip("/") + "/"
     if dst == src:
         raise ConfigError(f"dest {dest!r} is the source itself; give a folder beside it or under it")
-    return dst[len(src):] if dst.startswith(src) else None
+    return dst[len(src) :] if dst.startswith(src) else None

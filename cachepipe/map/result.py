@@ -131,8 +131,15 @@ class Tally:
         with self._lock:
             r = self.result
             self._bar.update(1)
-            self._bar.set_postfix(ordered_dict={"done": r.items_done, "failed": r.items_failed, "in": f"{self._bytes_taken / 1e6:.1f}MB",
-                                                "out": f"{self._bytes_out() / 1e6:.1f}MB"}, refresh=False)
+            self._bar.set_postfix(
+                ordered_dict={
+                    "done": r.items_done,
+                    "failed": r.items_failed,
+                    "in": f"{self._bytes_taken / 1e6:.1f}MB",
+                    "out": f"{self._bytes_out() / 1e6:.1f}MB",
+                },
+                refresh=False,
+            )
 
 
 def format_plan(result: MapResult, dest: str) -> str:
@@ -140,20 +147,26 @@ def format_plan(result: MapResult, dest: str) -> str:
     lines = [f"would run: {name} -> {dest.rstrip('/')}/{name}/" for name in result.planned]
     lines += [f"would refuse: {name}: {why}" for name, why in result.refused.items()]
     refused = f", {len(result.refused)} would be refused" if result.refused else ""
-    lines.append(f"{len(result.planned)} items to run{refused}, {result.items_skipped} already done, of {result.items_listed} listed")
+    lines.append(
+        f"{len(result.planned)} items to run{refused}, {result.items_skipped} already done, of {result.items_listed} listed"
+    )
     if result.planned or result.refused:
-        lines.append(f"capacity {result.capacity} bytes: {result.download_capacity} for downloads, "
-                     f"{result.reserve} + {result.margin} margin per job for outputs (and extracted files)")
+        lines.append(
+            f"capacity {result.capacity} bytes: {result.download_capacity} for downloads, "
+            f"{result.reserve} + {result.margin} margin per job for outputs (and extracted files)"
+        )
     return "\n".join(lines)
 
 
 def format_summary(result: MapResult) -> str:
     """The closing summary: counts, megabytes, failed items with their stderr tails."""
-    lines = [(
-        f"cachepipe map: {result.items_done} done, {result.items_failed} failed, {result.items_skipped} already done; "
-        f"{result.bytes_in / 1e6:.1f} MB in, {result.bytes_out / 1e6:.1f} MB out ({result.files_out} files) "
-        f"in {result.seconds:.1f} s; peak job {result.peak_job_bytes} of {result.reserve} bytes reserved"
-    )]
+    lines = [
+        (
+            f"cachepipe map: {result.items_done} done, {result.items_failed} failed, {result.items_skipped} already done; "
+            f"{result.bytes_in / 1e6:.1f} MB in, {result.bytes_out / 1e6:.1f} MB out ({result.files_out} files) "
+            f"in {result.seconds:.1f} s; peak job {result.peak_job_bytes} of {result.reserve} bytes reserved"
+        )
+    ]
     if result.failed:
         lines.append("failed items (run the same command again to retry them):")
         for failure in result.failed:

@@ -53,7 +53,9 @@ class _Sizing:
 
 
 class _MapRun:
-    def __init__(self, cfg: MapConfig, fn: Callable[[str, str], Any] | None, store: Store | None, dest_store: Store | None) -> None:
+    def __init__(
+        self, cfg: MapConfig, fn: Callable[[str, str], Any] | None, store: Store | None, dest_store: Store | None
+    ) -> None:
         self.cfg = cfg
         self._fn = fn
         self._store = store
@@ -74,7 +76,9 @@ class _MapRun:
             dst = self._dest or open_store(cfg.dest, cfg.storage_options if cfg.dest_options is None else cfg.dest_options)
             try:
                 if not isinstance(dst, WritableStore):
-                    raise ConfigError(f"destination {cfg.dest!r}: {type(dst).__name__} cannot be written to (it has no put/exists)")
+                    raise ConfigError(
+                        f"destination {cfg.dest!r}: {type(dst).__name__} cannot be written to (it has no put/exists)"
+                    )
                 if hasattr(dst, "upload_part_size"):
                     dst.upload_part_size = cfg.upload_part_size  # type: ignore[attr-defined]
                 inside = inside_prefix(cfg.source, cfg.dest)
@@ -144,11 +148,23 @@ class _MapRun:
     def _pump(self, src: Store, dst: WritableStore, items: list[MapItem], sizing: _Sizing, work: Path) -> None:
         cfg = self.cfg
         grouped = cfg.items == "files" and cfg.unpack
-        pipe = Pipeline(cfg.source, cfg.cache_dir, sizing.downloads, store=PlannedSource(src, items),
-                        items="folders" if grouped else cfg.items, auto_ack=False, on_error="raise",
-                        retries=cfg.request_retries, retry_backoff=cfg.retry_backoff, retry_backoff_max=cfg.retry_backoff_max,
-                        max_concurrency=cfg.max_concurrency, part_size=cfg.part_size)
-        uploader = Uploader(dst, cfg.upload_concurrency, cfg.request_retries, cfg.retry_backoff, cfg.retry_backoff_max, self._stop)
+        pipe = Pipeline(
+            cfg.source,
+            cfg.cache_dir,
+            sizing.downloads,
+            store=PlannedSource(src, items),
+            items="folders" if grouped else cfg.items,
+            auto_ack=False,
+            on_error="raise",
+            retries=cfg.request_retries,
+            retry_backoff=cfg.retry_backoff,
+            retry_backoff_max=cfg.retry_backoff_max,
+            max_concurrency=cfg.max_concurrency,
+            part_size=cfg.part_size,
+        )
+        uploader = Uploader(
+            dst, cfg.upload_concurrency, cfg.request_retries, cfg.retry_backoff, cfg.retry_backoff_max, self._stop
+        )
         self._watcher = Watcher(cfg.watch_interval)
         if cfg.progress:
             self._tally.open_bar(len(items), lambda: uploader.counters.bytes)
@@ -157,7 +173,15 @@ class _MapRun:
             with pipe:
                 self._pipe = pipe
                 for n in range(sizing.jobs):
-                    job = Job(cfg, self._fn, Slot(work / str(n)), watcher=self._watcher, uploader=uploader, stop=self._stop, tally=self._tally)
+                    job = Job(
+                        cfg,
+                        self._fn,
+                        Slot(work / str(n)),
+                        watcher=self._watcher,
+                        uploader=uploader,
+                        stop=self._stop,
+                        tally=self._tally,
+                    )
                     workers.append(threading.Thread(target=self._worker, args=(job,), name=f"cachepipe-map-job{n}", daemon=True))
                     workers[-1].start()
                 try:
@@ -235,7 +259,9 @@ class _MapRun:
             return set()
         pool = ThreadPoolExecutor(min(16, len(planned)), thread_name_prefix="cachepipe-map-check")
         try:
-            flags = list(pool.map(lambda mi: self._retrying(f"checking {mi.name}", lambda: dst.exists(marker_key(mi.name))), planned))
+            flags = list(
+                pool.map(lambda mi: self._retrying(f"checking {mi.name}", lambda: dst.exists(marker_key(mi.name))), planned)
+            )
         except BaseException:  # a check failed for good, or Ctrl-C: the checks in flight stop retrying
             self._stop.set()
             raise
@@ -250,8 +276,15 @@ _FOR = {False: "outputs", True: "extracted files and outputs"}
 def _refusals(todo: Sequence[MapItem], sizing: _Sizing) -> list[tuple[str, str]]:
     """The items a run of this sizing refuses before downloading them, each with the reason
     (shared by the run and ``dry_run``, so that a dry run predicts the refusals)."""
-    return [(mi.name, f"item is {mi.size} bytes, more than the {sizing.downloads} bytes the capacity leaves for "
-             "downloads beside the jobs' reserves; raise capacity or lower jobs/out_reserve") for mi in todo if mi.size > sizing.downloads]
+    return [
+        (
+            mi.name,
+            f"item is {mi.size} bytes, more than the {sizing.downloads} bytes the capacity leaves for "
+            "downloads beside the jobs' reserves; raise capacity or lower jobs/out_reserve",
+        )
+        for mi in todo
+        if mi.size > sizing.downloads
+    ]
 
 
 def _resolve_capacity(capacity: int | Share, cache_dir: Path) -> int:

@@ -93,7 +93,9 @@ class Uploader:
         stop: set to abandon uploads (backoff sleeps wake at once).
     """
 
-    def __init__(self, dest: WritableStore, concurrency: int, retries: int, backoff: float, backoff_max: float, stop: threading.Event) -> None:
+    def __init__(
+        self, dest: WritableStore, concurrency: int, retries: int, backoff: float, backoff_max: float, stop: threading.Event
+    ) -> None:
         self.dest = dest
         self._retries = retries
         self._backoff = backoff
