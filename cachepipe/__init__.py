@@ -32,7 +32,7 @@ from .errors import (
     VerificationError,
 )
 from .map.result import MapResult
-from .map.run import map_items as map  # binds cachepipe.map to the function, over the subpackage's name
+from .map.run import map_items as map  # noqa: A004 - the public name cachepipe.map; binds the function over the subpackage's name
 from .pipeline import CachedItem, Pipeline, Stats
 from .stores import ObjectInfo, Store, open_store
 

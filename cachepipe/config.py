@@ -122,7 +122,7 @@ def parse_capacity(value: Any) -> int | Share:
         raise ValueError(f"capacity {value!r}: expected {_CAPACITY_FORMS}") from None
 
 
-def _size_field(what: str):
+def _size_field(what: str) -> BeforeValidator:
     return BeforeValidator(lambda v: parse_size(v, what))
 
 

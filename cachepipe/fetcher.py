@@ -45,7 +45,7 @@ def backoff_delay(attempt: int, base: float, cap: float, rand: Callable[[], floa
     """Seconds to wait before retry number ``attempt`` (0-based), with "equal jitter": between half
     and all of ``min(cap, base * 2**attempt)``, so that retries spread out but the budget of a
     given number of retries still covers a predictable outage."""
-    delay = min(cap, base * (2**attempt))
+    delay = min(cap, base * 2.0**attempt)
     return delay / 2 + rand() * delay / 2
 
 
@@ -183,7 +183,7 @@ class Fetcher:
                     return
                 self._broker.begin()
                 self._start(seq, item, extra)
-        except BaseException as exc:  # planning failed: the consumer sees it in turn, never a hang
+        except BaseException as exc:  # noqa: BLE001 - planning failed: the consumer sees it in turn, never a hang
             failed = seq if unstarted else seq + 1
             log.error("planning stopped at step %d: %s", failed, exc)
             self._broker.fail(failed, "<listing>", exc, begun=False, kind="stream")
@@ -220,7 +220,7 @@ class Fetcher:
         except OSError as exc:
             self._retry_disk_error(_Job(seq, item, self._cache.staging_root / "unstaged", 0, extra, attempt=attempt), exc)
             return
-        tasks = []
+        tasks: list[tuple[FileEntry, Path, int, int]] = []
         for f in item.files:
             local = staged if item.is_file else staged / f.rel
             tasks.extend((f, local, start, end) for start, end in split_ranges(f.size, self._cfg.part_size))
@@ -257,7 +257,7 @@ class Fetcher:
                 if got != end - start:
                     raise VerificationError(f"{f.key}: short body, {got} of {end - start} bytes at offset {start}")
                 return
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - sorted below: a local disk error, a transient one retried, else the item's failure
                 local_error = (
                     staging.error
                     if staging is not None
@@ -368,7 +368,7 @@ class Fetcher:
                 return
             path = self._cache.publish(job.staged, item, reserved=used, verified=True)
             self._cache.unreserve(reserved - used)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - unpack, the prepare hook (user code) or publish failed: the item's failure
             if self._stop.is_set():
                 return
             self._cache.discard(job.staged, reserved, item.name)

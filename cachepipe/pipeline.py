@@ -16,7 +16,7 @@ from typing import Any
 from .broker import Broker, Closed, Failed, Lease
 from .cache import Cache
 from .catalog import Catalog, Item, Names
-from .config import PipelineConfig, parse_capacity
+from .config import PipelineConfig, Share, parse_capacity
 from .errors import EmptySourceError, OversizeError, UnknownItemError, is_transient
 from .fetcher import Fetcher, backoff_delay
 from .items import PathItem
@@ -105,7 +105,7 @@ class Pipeline:
         source: dataset URL (see :class:`~cachepipe.config.PipelineConfig`).
         cache_dir: cache directory, owned exclusively while open.
         capacity: hard cap on bytes under ``cache_dir``: an int, ``"50GiB"``, ``"1.5GB"``,
-            ``"512M"``, ``"1g"`` or ``"80%"`` of free space.
+            ``"512M"``, ``"1g"``, ``"80%"`` of free space, or a :class:`~cachepipe.config.Share`.
         store: a :class:`~cachepipe.stores.Store` to use instead of opening ``source``
             (for tests and custom backends).
         **options: every other field of :class:`~cachepipe.config.PipelineConfig`.
@@ -116,10 +116,16 @@ class Pipeline:
     """
 
     def __init__(
-        self, source: str, cache_dir: str | os.PathLike[str], capacity: int | str, *, store: Store | None = None, **options: Any
+        self,
+        source: str,
+        cache_dir: str | os.PathLike[str],
+        capacity: int | str | Share,
+        *,
+        store: Store | None = None,
+        **options: Any,
     ) -> None:
         self.config = PipelineConfig(source=source, cache_dir=Path(cache_dir), capacity=capacity, **options)
-        self._store = store
+        self._given_store = store  # None: opened from ``source`` by open()
         self._state = _UNOPENED
         self._lock = threading.Lock()
         self._inflight: dict[int, Item] = {}  # seq -> item, from planning until consumed
@@ -149,7 +155,7 @@ class Pipeline:
                 raise RuntimeError(f"{self!r} cannot be opened again: create a new Pipeline")
             self._state = _CLOSED  # until it is open: a failed open cannot be retried on this object
             cfg = self.config
-            store = self._store or open_store(cfg.source, cfg.storage_options)
+            store = self._given_store or open_store(cfg.source, cfg.storage_options)
             cache = Cache(cfg.cache_dir, cfg.capacity)
             broker: Broker[Path] = Broker(ordered=cfg.ordered, lease_timeout=cfg.lease_timeout)
             fetcher: Fetcher | None = None
@@ -225,7 +231,7 @@ class Pipeline:
         self._listed = len(catalog)
         self._listed_bytes = sum(sizes)
         # The plan's item i is catalog item eligible[i]; None: all items are (no second list).
-        eligible: array | None = None
+        eligible: array[int] | None = None
         # recover() below reserves the journal's budget too (and measures the state files: checked after it)
         occupied = cache.foreign + cache.journal_budget(catalog)
         limit = cache.capacity - occupied
@@ -261,7 +267,8 @@ class Pipeline:
             i = next(i for i, size in enumerate(plan.sizes) if size > cache.limit)
             item = catalog[i if eligible is None else eligible[i]]
             raise OversizeError(item.name, item.size, cache.capacity, cache.capacity - cache.limit)
-        self._plan, self._frontier = plan, Frontier(plan, Cursor(*cursor))
+        self._plan: Plan | GrowingPlan = plan
+        self._frontier = Frontier(plan, Cursor(*cursor))
         self._catalog_items, self._eligible = catalog, eligible
         if cfg.retain == "auto":
             self._future = PlanFuture(plan, horizon=2)
@@ -271,13 +278,13 @@ class Pipeline:
         self._total_steps = (
             None if cfg.epochs is None else sum(len(plan.share(e)) for e in range(cfg.epochs)) - _steps_before(plan, cursor)
         )
-        return self._steps(Cursor(*cursor), acked)
+        return self._steps(plan, Cursor(*cursor), acked)
 
-    def _steps(self, cursor: Cursor, acked: set[tuple[int, str]]) -> Iterator[tuple[int, Item, int]]:
+    def _steps(self, plan: Plan, cursor: Cursor, acked: set[tuple[int, str]]) -> Iterator[tuple[int, Item, int]]:
         """The fetch order, run in the producer thread: each step gets the next sequence number.
         Steps acknowledged before a restart are consumed at once, not fetched."""
         prepared = -1
-        for step in self._plan.steps(cursor):
+        for step in plan.steps(cursor):
             if self._future is not None and step.epoch != prepared:
                 self._future.prepare(step.epoch)  # next-use lookups, computed outside the cache's lock
                 prepared = step.epoch
@@ -369,7 +376,7 @@ class Pipeline:
         if after != before:
             self._cache.advance(after.epoch, after.index)
 
-    def set_capacity(self, capacity: int | str) -> None:
+    def set_capacity(self, capacity: int | str | Share) -> None:
         """Change the capacity of an open pipeline, effective at once (see :meth:`Cache.set_capacity`).
 
         Raises:

@@ -77,7 +77,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         capacity = self.capacity
         share = Share(capacity.fraction / num_workers) if isinstance(capacity, Share) else capacity // num_workers
         options = {**self.options, "rank": rank, "world_size": world, "worker": worker, "num_workers": num_workers}
-        return Pipeline(self.source, self.cache_dir / f"rank{rank}-worker{worker}", share, **options)  # type: ignore[arg-type]  # TEMPORARY: Pipeline(capacity=) accepts a Share; its annotation in pipeline.py (edited on another branch) omits it
+        return Pipeline(self.source, self.cache_dir / f"rank{rank}-worker{worker}", share, **options)
 
     def __iter__(self) -> Iterator[Any]:
         pipe = self.pipeline()

@@ -26,9 +26,10 @@ name, a file that another archive of the item already wrote. :class:`ArchiveTooL
 more than ``max_members`` members, or an extracted total over ``limit_bytes`` (a tar bomb) —
 checked from the declared sizes *before* a member is written, so ``out_dir`` never holds more
 than ``limit_bytes``; the error names the size the extraction would reach (for a zip, also the
-total of its central directory) and the caller's ``advice`` (the option that sets the limit). Tar members then go through Python's ``tarfile`` ``data`` filter as a
-second line (it resolves links and existing paths with ``realpath``); zip members are written
-by this module, each target checked with ``realpath`` to stay inside ``out_dir``.
+total of its central directory) and the caller's ``advice`` (the option that sets the limit).
+Tar members then go through Python's ``tarfile`` ``data`` filter as a second line (it resolves
+links and existing paths with ``realpath``); zip members are written by this module, each
+target checked with ``realpath`` to stay inside ``out_dir``.
 """
 
 from __future__ import annotations
@@ -48,8 +49,12 @@ import zipfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, TYPE_CHECKING, Literal, cast
 
 from .errors import ArchiveError, ArchiveTooLargeError, ChecksumError, UnsafeMemberError
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 __all__ = [
     "DEFAULT_MAX_MEMBERS",
@@ -74,6 +79,8 @@ archive, for one, holds about 220,000 files."""
 
 _CHUNK = 1 << 20
 _SNIFF = 512
+_TarMode = Literal["r|", "r|gz", "r|bz2", "r|xz"]
+_TAR_MODES: dict[str, _TarMode] = {"tar": "r|", "tar.gz": "r|gz", "tar.bz2": "r|bz2", "tar.xz": "r|xz"}
 
 _VOLUME_PATTERNS = (
     re.compile(r"^(?P<stem>.+)-(?P<idx>[0-9]{2,})$"),
@@ -143,7 +150,7 @@ def order_volumes(stem: str, parts: Iterable[tuple[str, str]]) -> list[str]:
         raise ArchiveError(f"split archive {stem!r}: volumes numbered in different styles: {sorted(p for p, _ in parts)}")
     ordered = sorted(parts, key=lambda pi: _index_value(pi[1]))
     values = [_index_value(idx) for _p, idx in ordered]
-    for (path, _idx), prev, cur in zip(ordered[1:], values, values[1:]):
+    for (path, _idx), prev, cur in zip(ordered[1:], values[:-1], values[1:], strict=True):
         if cur == prev:
             raise ArchiveError(f"split archive {stem!r}: two volumes with the same number ({path!r})")
         if cur != prev + 1:
@@ -207,7 +214,7 @@ class ConcatReader(io.RawIOBase):
             self._pos = target
         return self._pos
 
-    def readinto(self, buffer) -> int:  # type: ignore[override]
+    def readinto(self, buffer: WriteableBuffer) -> int:
         """Fill ``buffer`` from as many volumes as it takes; short only at the end."""
         view = memoryview(buffer).cast("B")
         filled = 0
@@ -225,11 +232,13 @@ class ConcatReader(io.RawIOBase):
                 self._fh.close()
             self._fh = open(self.paths[index], "rb")  # noqa: SIM115 - kept open across reads
             self._index = index
-        assert self._fh is not None
+        fh = self._fh
+        if fh is None:  # close() was called
+            raise ValueError(f"{self.paths[index]}: read from a closed ConcatReader")
         offset = self._pos - self.starts[index]
-        if self._fh.tell() != offset:
-            self._fh.seek(offset)
-        n = self._fh.readinto(view[: min(len(view), self.sizes[index] - offset)])
+        if fh.tell() != offset:
+            fh.seek(offset)
+        n = fh.readinto(view[: min(len(view), self.sizes[index] - offset)])
         if not n:
             raise OSError(errno.EIO, f"{self.paths[index]}: volume shorter than when opened")
         if self.hashed:
@@ -358,18 +367,21 @@ class _Extraction:
         self.written[rel] = archive
 
     def tar(self, archive: str, stream: io.RawIOBase, fmt: str) -> None:
+        # a binary file at run time; typeshed does not declare RawIOBase an IO[bytes] (its read may return None)
+        binary = cast("IO[bytes]", stream)
+        mode: _TarMode
         if fmt == "tar.zst":
             try:
                 import zstandard
             except ImportError as exc:
                 raise ArchiveError(f"{archive}: a zstd archive needs the 'zstandard' package (pip install zstandard)") from exc
-            source: io.RawIOBase = zstandard.ZstdDecompressor().stream_reader(stream, read_across_frames=True, closefd=False)
+            source: IO[bytes] = zstandard.ZstdDecompressor().stream_reader(binary, read_across_frames=True, closefd=False)
             mode = "r|"
         else:
-            source, mode = stream, {"tar": "r|", "tar.gz": "r|gz", "tar.bz2": "r|bz2", "tar.xz": "r|xz"}[fmt]
+            source, mode = binary, _TAR_MODES[fmt]
         # tarfile's own buffer size: its stream inflates a whole compressed read at once and copies
         # what is left after each member read; a 1 MiB read of zeros is ~1 GB in memory.
-        with tarfile.open(fileobj=source, mode=mode) as tar:  # type: ignore[call-overload]
+        with tarfile.open(fileobj=source, mode=mode) as tar:
             for member in tar:
                 self._tar_member(archive, tar, member)
 
@@ -405,7 +417,7 @@ class _Extraction:
 
     def zip(self, archive: str, stream: io.RawIOBase) -> None:
         try:
-            zf = zipfile.ZipFile(io.BufferedReader(stream, _CHUNK))  # type: ignore[arg-type]
+            zf = zipfile.ZipFile(io.BufferedReader(stream, _CHUNK))
         except zipfile.BadZipFile as exc:
             raise ArchiveError(f"{archive}: not a valid zip archive: {exc}") from exc
         with zf:

@@ -303,7 +303,7 @@ def test_torn_append_is_cut_back_and_the_next_event_lands_whole(tmp_path):
     """Finding 4b: a short write to the journal (disk full) leaves no partial line."""
     journal = state.Journal(tmp_path / "journal")
     journal.rewrite(state.Replay())
-    with CrashFs(Fault(0, "short")), pytest.raises(OSError) as failed:
+    with CrashFs(Fault(0, "short")), pytest.raises(OSError) as failed:  # noqa: PT011 - its errno is checked below
         journal.append("A", "0 item_00261")
     assert failed.value.errno == errno.ENOSPC
     journal.append("A", "0 item_00262")
@@ -340,7 +340,7 @@ def test_a_full_disk_at_the_ack_record_keeps_the_lease(tmp_path):
         (src / f"item{i}" / "f").write_bytes(b"x" * 100)
     with Pipeline(src.as_uri(), tmp_path / "cache", "1MiB") as pipe:
         item = pipe.get(timeout=30)
-        with CrashFs(Fault(0, "enospc")) as fs, pytest.raises(OSError):
+        with CrashFs(Fault(0, "enospc")) as fs, pytest.raises(OSError):  # noqa: PT011 - the injected fault; the test is about where it hit
             pipe.ack(item)
         assert fs.hit is not None and "A 0 item0" in fs.hit[1]
         assert item.path.exists()

@@ -26,8 +26,8 @@ def test_room_beside_held_leftovers():
     # 3 leftovers of 30 bytes hold 90 of 100: a 40-byte step can never fit beside them
     ledger = Ledger(capacity=100, overhead=5, reserved=90)
     assert ledger.room_beside(90) == 5
-    assert ledger.room_beside(60) == 35 < 40  # one dropped: still not
-    assert ledger.room_beside(30) == 65 >= 40  # two dropped: the rest is freed by acks
+    assert ledger.room_beside(60) == 35  # one dropped: still less than 40
+    assert ledger.room_beside(30) == 65  # two dropped: 40 fits, the rest is freed by acks
 
 
 def test_over_capacity_counts_items_being_deleted_as_gone():

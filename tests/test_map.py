@@ -160,9 +160,8 @@ def test_split_targz_volumes_with_md5_files_unpacked_and_written_back(s3_source,
     for stem, data, count in (("20bn-something-something-v2", good, 6), ("other-v1", bad, 3)):
         for name, part in volumes(data, [f"{stem}-{i:02d}" for i in range(count)]).items():
             s3_source.put(f"md5/{name}.md5", md5_sidecar(name, part).encode())
-            if name == "other-v1-01":
-                part = part[:100] + bytes([part[100] ^ 1]) + part[101:]  # damaged in transit
-            s3_source.put(f"compressed/{name}", part)
+            damaged = name == "other-v1-01"  # in transit
+            s3_source.put(f"compressed/{name}", part[:100] + bytes([part[100] ^ 1]) + part[101:] if damaged else part)
 
     # as in the seed, the results go beside compressed/ and md5/, under SRC: they are not listed as items
     s3_source.put("video/earlier-run/x.webm", b"old")
@@ -232,8 +231,8 @@ def test_clip_archives_copied_out_with_the_defaults_and_a_too_small_reserve_name
     }
     assert "captions.tar.gz: ArchiveTooLargeError" in proc.stderr and f"would bring the item to {len(text)} bytes" in proc.stderr
     assert (
-        f"unpack_ratio (--unpack-ratio) 1.25 reserves {math.ceil(1.25 * len(captions))} bytes for this item of {len(captions)} bytes"
-        in proc.stderr
+        f"unpack_ratio (--unpack-ratio) 1.25 reserves {math.ceil(1.25 * len(captions))} bytes "
+        f"for this item of {len(captions)} bytes" in proc.stderr
     )
     assert sampler.peak <= capacity
     assert_cache_clean(cache)
@@ -467,7 +466,10 @@ def test_dry_run_lists_what_would_run_and_touches_nothing(s3_source, s3_client, 
     assert sorted(bucket(s3_client, "out/")) == [f"item001/{DONE_MARKER}"]
 
 
-COPY = "import os, shutil, sys; shutil.copy('a.bin', os.path.join(os.environ['CACHEPIPE_OUT'], 'out.bin')); open(sys.argv[1], 'a').write(os.environ['CACHEPIPE_NAME'] + ' ')"
+COPY = (
+    "import os, shutil, sys; shutil.copy('a.bin', os.path.join(os.environ['CACHEPIPE_OUT'], 'out.bin')); "
+    "open(sys.argv[1], 'a').write(os.environ['CACHEPIPE_NAME'] + ' ')"
+)
 
 
 class FlakyDest(FsspecStore):
@@ -779,7 +781,7 @@ def test_refusals_before_anything_runs(tmp_path):
     with pytest.raises(ValueError, match="out_reserve or out_ratio, not both"):
         map_items(["true"], str(src), dst, cache_dir=cache, capacity="1MiB", out_reserve="1KiB", out_ratio=2)
     with pytest.raises(TypeError, match="define it at module level"):
-        map_items(lambda item, out: None, str(src), dst, cache_dir=cache, capacity="1MiB")
+        map_items(lambda _item, _out: None, str(src), dst, cache_dir=cache, capacity="1MiB")
     with pytest.raises(ConfigError, match="nothing to do"):
         map_items(None, str(src), dst, cache_dir=cache, capacity="1MiB")
     assert not cache.exists()  # refused before touching the disk

@@ -100,9 +100,8 @@ def test_a_volume_that_does_not_match_its_md5_fails_its_item_only(s3_source, tmp
     for item in ("a", "b", "c"):
         for name, part in volumes(tar_bytes(CLIPS, "w:gz"), names).items():
             s3_source.put(f"{item}/{name}.md5", md5_sidecar(name, part).encode())
-            if item == "b" and name == names[1]:
-                part = part[:50] + bytes([part[50] ^ 1]) + part[51:]  # damaged at the source
-            s3_source.put(f"{item}/{name}", part)
+            damaged = item == "b" and name == names[1]  # at the source
+            s3_source.put(f"{item}/{name}", part[:50] + bytes([part[50] ^ 1]) + part[51:] if damaged else part)
     cache = tmp_path / "c"
     with Sampler(cache, expected={"b": {}}) as sampler:  # a file of "b" seen outside staging would be a published part
         with unpacking(s3_source, cache, "1MiB", on_error=on_error) as pipe:
@@ -144,7 +143,7 @@ def test_unsafe_members_fail_their_item_by_name_and_nothing_is_written_outside(s
         "escape.tar": (UnsafeMemberError, "d/l"),
     }
     assert "outside the item" in str(failed["escape.tar"])
-    assert not [p for p in tmp_path.rglob("*evil*")]
+    assert not list(tmp_path.rglob("*evil*"))
 
 
 def test_a_tar_bomb_fails_before_its_member_is_written_and_the_cap_holds(s3_source, tmp_path):
@@ -236,7 +235,7 @@ def test_an_archive_that_outgrows_its_reserve_names_the_option_and_the_size(s3_s
 
 
 def test_config_default_reserve_and_what_unpack_is_not_combined_with(tmp_path):
-    base = dict(source="s3://b/p/", cache_dir=tmp_path, capacity="1GiB")
+    base = {"source": "s3://b/p/", "cache_dir": tmp_path, "capacity": "1GiB"}
     cfg = PipelineConfig(**base, unpack=True)
     assert cfg.prepare_extra(1000) == 1250  # unpack_ratio 1.25 by default
     assert cfg.model_dump()["prepare_ratio"] == 0.0 and cfg.model_dump()["unpack"] is True  # the fields are as given

@@ -392,7 +392,8 @@ class Cache:
             recovered = self._recovered.pop(item.name, None)
         if recovered is not None:
             return recovered
-        if self._policy is None:
+        policy = self._policy
+        if policy is None:
             if not self.claim(item.name):
                 return False
             try:
@@ -403,11 +404,10 @@ class Cache:
             except BaseException:
                 self.unreserve(0, item.name)  # the claim
                 raise
-        return self._acquire_retained(item, tick, starving)
+        return self._acquire_retained(policy, item, tick, starving)
 
-    def _acquire_retained(self, item: Item, tick: int, starving: Callable[[], bool]) -> Path | bool:
-        policy, ledger = self._policy, self.ledger
-        assert policy is not None
+    def _acquire_retained(self, policy: RetentionPolicy, item: Item, tick: int, starving: Callable[[], bool]) -> Path | bool:
+        ledger = self.ledger
         idx = self._number(item.name)
         if idx is None:
             raise KeyError(f"item {item.name!r} is not in the plan given to use_retention()")

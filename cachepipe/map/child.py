@@ -67,11 +67,10 @@ def _signal_group(pid: int, sig: int) -> None:
 def _exit_fd(pid: int) -> int | None:
     """A descriptor that becomes readable when child ``pid`` exits, before it is reaped (a pidfd,
     Linux 5.3+); None elsewhere."""
-    pidfd_open = getattr(os, "pidfd_open", None)
-    if pidfd_open is None:
+    if not sys.platform.startswith("linux"):
         return None
     try:
-        return pidfd_open(pid)
+        return os.pidfd_open(pid)
     except OSError:  # ENOSYS: an older kernel
         return None
 
@@ -108,14 +107,14 @@ class CommandRun(_Child):
         super().__init__()
         # preexec_fn runs in the forked child before exec; _die_with_parent only makes one prctl
         # call through a function looked up at import, touching no lock another thread could hold.
-        self.proc = subprocess.Popen(
+        self.proc = subprocess.Popen(  # noqa: S603 - CMD is the user's own command: running it is what map does
             argv,
             cwd=cwd,
             env=env,
             stdin=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             start_new_session=True,
-            preexec_fn=_die_with_parent if _libc is not None else None,
+            preexec_fn=_die_with_parent if _libc is not None else None,  # noqa: PLW1509 - one prctl call, no lock (comment above)
         )
         self.pid = self.proc.pid
 
@@ -123,8 +122,10 @@ class CommandRun(_Child):
         """Block until CMD exits, keeping the tail of its stderr; past ``timeout`` TERM its group,
         ``grace`` seconds later KILL it; at its exit, kill what it left in its group (with a pidfd;
         without one, leftovers run on). Returns (exit status, stderr tail, timed out)."""
-        assert self.proc.stderr is not None
-        fd = self.proc.stderr.fileno()
+        stderr = self.proc.stderr
+        if stderr is None:
+            raise RuntimeError(f"{self.proc.args!r}: started without its stderr pipe")
+        fd = stderr.fileno()
         exit_fd = _exit_fd(self.pid)
         tail = bytearray()
         self._deadline = None if timeout is None else time.monotonic() + timeout
@@ -164,7 +165,7 @@ class CommandRun(_Child):
                 self._escalate()
         with self._lock:
             self._ended = True  # reaped: its pid may now name another process
-        self.proc.stderr.close()
+        stderr.close()
         return code, tail.decode("utf-8", "replace"), self._stage > 0
 
     def _remaining(self) -> float | None:
@@ -208,7 +209,10 @@ class FunctionRun(_Child):
         )
         self.proc.start()
         child.close()
-        self.pid = self.proc.pid
+        pid = self.proc.pid
+        if pid is None:  # start() returned: the child exists
+            raise RuntimeError(f"{self.proc!r}: started without a pid")
+        self.pid = pid
 
     def wait(self, timeout: float | None, grace: float) -> tuple[int, str, bool]:
         """As :meth:`CommandRun.wait`; the tail is the traceback ``fn`` raised, if any."""

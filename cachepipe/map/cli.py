@@ -35,7 +35,7 @@ exit status: 0 every item done (or already done); 1 an item failed (--dry-run: w
 
 
 def _add_options(parser: argparse.ArgumentParser | Any, suppress: bool) -> None:
-    d = (lambda v: argparse.SUPPRESS) if suppress else (lambda v: v)
+    d = (lambda _v: argparse.SUPPRESS) if suppress else (lambda v: v)
     parser.add_argument("--cache", dest="cache", default=d(None), metavar="DIR", help="cache directory (required)")
     parser.add_argument("--capacity", default=d(None), help="hard cap on bytes under --cache: '20GiB', '80%%' (required)")
     parser.add_argument("--jobs", "-j", type=int, default=d(1), help="commands running at once (default 1)")
@@ -63,14 +63,19 @@ def _add_options(parser: argparse.ArgumentParser | Any, suppress: bool) -> None:
         "--unpack",
         action="store_true",
         default=d(False),
-        help="extract archives (tar, tar.gz, tar.zst, zip, split volumes) before CMD; without CMD the extracted files are uploaded",
+        help=(
+            "extract archives (tar, tar.gz, tar.zst, zip, split volumes) before CMD; without CMD the extracted files are uploaded"
+        ),
     )
     parser.add_argument(
         "--unpack-ratio",
         type=float,
         default=d(None),
         metavar="R",
-        help="space for one item's extracted files, as R x its size (default 1.25: archives of video, images, audio; compressible data needs its compression ratio)",
+        help=(
+            "space for one item's extracted files, as R x its size "
+            "(default 1.25: archives of video, images, audio; compressible data needs its compression ratio)"
+        ),
     )
     parser.add_argument("--timeout", type=float, default=d(None), metavar="S", help="seconds per attempt of CMD")
     parser.add_argument("--retries", type=int, default=d(2), help="more attempts of a failed item (default 2)")

@@ -150,13 +150,14 @@ class Job:
         env = {"CACHEPIPE_ITEM": str(source), "CACHEPIPE_OUT": str(slot.out), "CACHEPIPE_NAME": mi.name}
         if self._fn is not None:
             run: Any = FunctionRun(self._fn, source, slot.out, cwd, env)
-        else:
-            assert cfg.command is not None
+        elif cfg.command is not None:
             argv = [a.replace("{out}", str(slot.out)).replace("{name}", mi.name).replace("{}", str(source)) for a in cfg.command]
             try:
                 run = CommandRun(argv, cwd, {**os.environ, **env})
             except OSError as exc:
                 raise CommandError(f"cannot start {argv[0]!r}: {exc}", "") from exc
+        else:  # map_items refuses a run with neither, unless it only unpacks (returned above)
+            raise RuntimeError(f"item {mi.name!r}: no fn and no command to run on it")
         watch = Watch(run, slot.root, item_path if source == item_path and item_path.is_dir() else None, cached.size, limit)
         self._watcher.add(watch)
         try:

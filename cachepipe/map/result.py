@@ -171,6 +171,5 @@ def format_summary(result: MapResult) -> str:
         lines.append("failed items (run the same command again to retry them):")
         for failure in result.failed:
             lines.append(f"  {failure.name}: {failure.error} (after {failure.attempts} attempt(s))")
-            for line in failure.stderr_tail.strip().splitlines()[-10:]:
-                lines.append(f"    | {line}")
+            lines.extend(f"    | {line}" for line in failure.stderr_tail.strip().splitlines()[-10:])
     return "\n".join(lines)

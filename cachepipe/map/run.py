@@ -80,7 +80,7 @@ class _MapRun:
                         f"destination {cfg.dest!r}: {type(dst).__name__} cannot be written to (it has no put/exists)"
                     )
                 if hasattr(dst, "upload_part_size"):
-                    dst.upload_part_size = cfg.upload_part_size  # type: ignore[attr-defined]
+                    dst.upload_part_size = cfg.upload_part_size
                 inside = inside_prefix(cfg.source, cfg.dest)
                 listing = self._retrying(f"listing {cfg.source}", lambda: list(src.list()))
                 if inside is not None:  # DST under SRC: its results are not items
@@ -279,8 +279,10 @@ def _refusals(todo: Sequence[MapItem], sizing: _Sizing) -> list[tuple[str, str]]
     return [
         (
             mi.name,
-            f"item is {mi.size} bytes, more than the {sizing.downloads} bytes the capacity leaves for "
-            "downloads beside the jobs' reserves; raise capacity or lower jobs/out_reserve",
+            (
+                f"item is {mi.size} bytes, more than the {sizing.downloads} bytes the capacity leaves for "
+                "downloads beside the jobs' reserves; raise capacity or lower jobs/out_reserve"
+            ),
         )
         for mi in todo
         if mi.size > sizing.downloads
@@ -313,7 +315,7 @@ def map_items(
     dest: str,
     *,
     cache_dir: str | os.PathLike[str],
-    capacity: int | str,
+    capacity: int | str | Share,
     store: Store | None = None,
     dest_store: Store | None = None,
     **options: Any,

@@ -202,7 +202,7 @@ class Daemon:
                     and entry.config.model_copy(update={"capacity": cfg.capacity}) == cfg
                 ):
                     try:  # only the capacity changed: applied live, leases and queue untouched
-                        entry.pipeline.set_capacity(cfg.capacity)  # type: ignore[arg-type]  # TEMPORARY: set_capacity accepts a Share; its annotation in pipeline.py (edited on another branch) omits it
+                        entry.pipeline.set_capacity(cfg.capacity)
                         entry.config = cfg
                         changes.append(f"capacity of {name} {cfg.capacity}")
                         continue

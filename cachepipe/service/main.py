@@ -53,10 +53,10 @@ def check(config_path: str | os.PathLike[str]) -> int:
     try:
         config = load_config(config_path)
     except ConfigError as exc:
-        print(exc, file=sys.stderr)  # noqa: T201 - command-line output, not logging
+        print(exc, file=sys.stderr)
         return EX_CONFIG
     names = ", ".join(f"{n} ({c.source} -> {c.cache_dir})" for n, c in config.pipelines.items())
-    print(f"{config_path}: valid; socket {config.socket}; pipelines: {names}")  # noqa: T201 - command-line output, not logging
+    print(f"{config_path}: valid; socket {config.socket}; pipelines: {names}")
     return 0
 
 
@@ -65,7 +65,7 @@ def serve(config_path: str | os.PathLike[str]) -> int:
     try:
         config = load_config(config_path)
     except ConfigError as exc:
-        print(exc, file=sys.stderr)  # noqa: T201 - command-line output, not logging
+        print(exc, file=sys.stderr)
         return EX_CONFIG
     handler = setup_logging(config.log_level)
     try:
