@@ -44,7 +44,8 @@ from .eviction import Eviction
 from .ledger import Ledger
 from .lock import OwnerLock
 from .record import Record
-from .staging import Staging, matches, verify
+from .recovery import check_resume, sort_leftovers
+from .staging import Staging, verify
 
 __all__ = ["STATE_DIR", "Cache"]
 
@@ -183,36 +184,16 @@ class Cache:
                 budget leave no room under the capacity.
         """
         replay = self._replay
-        if resume and not replay.plan and replay.cursor != (0, 0):
-            raise ConfigError(
-                f"resume=True, but the pass in {str(self.root)!r} streamed its listing and stopped at step "
-                f"{replay.cursor[1]} before the listing ended, so its plan was never recorded and that position "
-                "cannot be checked against the data; use resume=False to start a new pass"
-            )
-        if resume and replay.plan and plan and replay.plan != plan:
-            raise ConfigError(
-                f"resume=True, but {str(self.root)!r} holds a pass of another plan ({replay.plan}); this one is {plan}. "
-                "The data (n_items, sizes_digest) or the epochs/shuffle/seed/rank settings differ; "
-                "use the same ones, or resume=False to start a new pass"
-            )
+        check_resume(replay, resume, plan, self._root)
         record, ledger = self.record, self.ledger
-        live = replay.published | replay.publishing
-        ours = live | {name for _epoch, name in replay.acked}
-        if self.rebuilt:
-            ours = live = {name for name in items.names if os.path.lexists(self.root / name)}
-        for name in sorted(ours):
-            path = self.root / name
-            if not os.path.lexists(path):
-                continue
-            found = items.find(name)  # only names on disk are looked up: no index of the whole catalog
-            item = items[found] if found >= 0 else None
-            if name in live and item is not None and matches(path, item):
-                record.published[name] = item.size
-                self._recovered[name] = path
-                self._claimed.add(name)
-            elif not self.rebuilt:
-                log.info("removing stale cached item %s", name)
-                self._eviction.remove(name)
+        reuse, stale = sort_leftovers(self.root, replay, self.rebuilt, items)
+        for name in stale:
+            log.info("removing stale cached item %s", name)
+            self._eviction.remove(name)
+        for name, size in reuse.items():
+            record.published[name] = size
+            self._recovered[name] = self.root / name
+            self._claimed.add(name)
         if resume:
             record.start(replay.pass_no, replay.cursor, replay.acked, plan)
         else:

@@ -1,0 +1,66 @@
+"""Recovery at open: what an earlier owner left, and what of it this owner may keep.
+
+Policy, no writes: :func:`check_resume` decides from the journal alone whether a pass can be
+resumed; :func:`sort_leftovers` reads the disk and decides which items are reused and which
+are removed (the cache deletes those, through its eviction).
+
+Invariant: an item is reused only if the journal names it as published (or being published)
+and its files match the catalog exactly; other items the journal names are ours to remove;
+files it does not name are never touched (foreign). With an unreadable journal, only items
+matching the catalog exactly are reused, and nothing is removed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .. import state
+from ..catalog import Catalog
+from ..errors import ConfigError
+from .staging import matches
+
+__all__ = ["check_resume", "sort_leftovers"]
+
+
+def check_resume(replay: state.Replay, resume: bool, plan: str, where: str) -> None:
+    """Raise ConfigError if ``resume`` cannot continue the pass that ``replay`` describes.
+
+    Args:
+        plan: this pass's plan configuration (JSON), or "" if not known yet.
+        where: the cache directory, for the message.
+    """
+    if resume and not replay.plan and replay.cursor != (0, 0):
+        raise ConfigError(
+            f"resume=True, but the pass in {where!r} streamed its listing and stopped at step "
+            f"{replay.cursor[1]} before the listing ended, so its plan was never recorded and that position "
+            "cannot be checked against the data; use resume=False to start a new pass"
+        )
+    if resume and replay.plan and plan and replay.plan != plan:
+        raise ConfigError(
+            f"resume=True, but {where!r} holds a pass of another plan ({replay.plan}); this one is {plan}. "
+            "The data (n_items, sizes_digest) or the epochs/shuffle/seed/rank settings differ; "
+            "use the same ones, or resume=False to start a new pass"
+        )
+
+
+def sort_leftovers(root: Path, replay: state.Replay, rebuilt: bool, items: Catalog) -> tuple[dict[str, int], list[str]]:
+    """The items on disk under ``root`` to reuse (name -> size, in name order) and the names to
+    remove, from the journal's ``replay`` (or, if it was unreadable, ``rebuilt``) and the catalog."""
+    live = replay.published | replay.publishing
+    ours = live | {name for _epoch, name in replay.acked}
+    if rebuilt:
+        ours = live = {name for name in items.names if os.path.lexists(root / name)}
+    reuse: dict[str, int] = {}
+    stale: list[str] = []
+    for name in sorted(ours):
+        path = root / name
+        if not os.path.lexists(path):
+            continue
+        found = items.find(name)  # only names on disk are looked up: no index of the whole catalog
+        item = items[found] if found >= 0 else None
+        if name in live and item is not None and matches(path, item):
+            reuse[name] = item.size
+        elif not rebuilt:
+            stale.append(name)
+    return reuse, stale
