@@ -42,15 +42,13 @@ from ..removal import rmtree, tree_bytes
 from ..retention import RetentionPolicy
 from .eviction import Eviction
 from .ledger import Ledger
-from .lock import OwnerLock
+from .lock import STATE_DIR, OwnerLock
 from .record import Record
 from .staging import Staging, matches, verify
 
 __all__ = ["STATE_DIR", "Cache"]
 
 log = logging.getLogger("cachepipe.cache")
-
-STATE_DIR = ".cachepipe"
 
 
 class Cache:
