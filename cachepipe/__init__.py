@@ -31,6 +31,7 @@ from .errors import (
     UnsafeMemberError,
     VerificationError,
 )
+from .logfallback import FallbackHandler as _FallbackHandler
 from .map.result import MapResult
 from .map.run import map_items as map  # noqa: A004 - the public name cachepipe.map; binds the function over the subpackage's name
 from .pipeline import CachedItem, Pipeline, Stats
@@ -68,4 +69,6 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-logging.getLogger("cachepipe").addHandler(logging.NullHandler())
+# Warnings reach a user who configured no logging, a few lines per kind; configured handlers
+# take over entirely (see cachepipe.logfallback for why not a NullHandler).
+logging.getLogger("cachepipe").addHandler(_FallbackHandler())

@@ -13,6 +13,7 @@ once when the cache opens.
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,7 +22,21 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-__all__ = ["SIZE_FORMS", "UNPACK_RATIO", "PipelineConfig", "Share", "format_size", "parse_capacity", "parse_size"]
+from .errors import ConfigError
+
+__all__ = [
+    "SIZE_FORMS",
+    "SMALL_CAPACITY",
+    "UNPACK_RATIO",
+    "PipelineConfig",
+    "Share",
+    "check_cache_dir",
+    "check_source",
+    "format_size",
+    "parse_capacity",
+    "parse_size",
+    "small_capacity",
+]
 
 SIZE_FORMS = "a positive number of bytes or a size like '50GiB', '1.5GB', '512M', '1g'"
 _CAPACITY_FORMS = SIZE_FORMS + ", or a share of free disk space like '80%'"
@@ -122,6 +137,53 @@ def parse_capacity(value: Any) -> int | Share:
         raise ValueError(f"capacity {value!r}: expected {_CAPACITY_FORMS}") from None
 
 
+SMALL_CAPACITY = 1024**2
+"""A capacity under this (1 MiB) is legal but most likely a size without its unit (``"100"``)."""
+
+SCHEMES = "s3://, obs://, gs://, az://, file://, memory://, http(s):// or any other fsspec protocol"
+
+
+def small_capacity(given: Any, capacity: int | Share) -> str | None:
+    """A warning for a capacity under :data:`SMALL_CAPACITY` (``given`` as the caller wrote it), else None."""
+    if isinstance(capacity, Share) or capacity >= SMALL_CAPACITY:
+        return None
+    return (
+        f"capacity {given!r} is {capacity} bytes, less than 1 MiB: a size without a unit is in bytes; "
+        "if you meant more, give a unit like '100MiB' or '100GiB', or a share like '80%'"
+    )
+
+
+def check_cache_dir(value: Any) -> Any:
+    """Refuse an empty ``cache_dir`` (``Path("")`` is the current directory, which the cache would
+    then own and clean); everything else is left to the ``Path`` field.
+
+    Raises:
+        ConfigError: naming the value and what is accepted.
+    """
+    if isinstance(value, (str, os.PathLike)) and not os.fspath(value).strip():
+        raise ConfigError(
+            f"cache_dir {os.fspath(value)!r}: expected a directory path; an empty one would make the current "
+            "directory the cache (write '.' if that is what you want)"
+        )
+    return value
+
+
+def check_source(source: str) -> None:
+    """Refuse a source with no scheme that is not an existing local path: ``bucket/video/`` is
+    an S3 prefix written without ``s3://`` far more often than a local folder yet to be made,
+    and as a local path it would end, after the cache is taken, in "no items".
+
+    Raises:
+        ConfigError: naming the value and the known schemes.
+    """
+    if "://" in source or os.path.exists(source):
+        return
+    raise ConfigError(
+        f"source {source!r}: no such local path, and no scheme; expected a URL like 's3://{source.lstrip('/')}' "
+        f"(schemes: {SCHEMES}), or an existing local path (or 'file://' + an absolute path)"
+    )
+
+
 def _size_field(what: str) -> BeforeValidator:
     return BeforeValidator(lambda v: parse_size(v, what))
 
@@ -133,10 +195,13 @@ class PipelineConfig(BaseModel):
     """Every option of a pipeline, validated. Sizes are bytes after validation.
 
     Attributes:
-        source: URL of the dataset prefix (``s3://b/p/``, ``obs://b/p/``, ``file:///d``, a plain
-            local path, ``memory://...``, any fsspec URL).
-        cache_dir: local directory the cache owns; created if missing.
-        capacity: hard cap on bytes under ``cache_dir`` (a size or a share of free space).
+        source: URL of the dataset prefix (``s3://b/p/``, ``obs://b/p/``, ``file:///d``, an
+            existing local path, ``memory://...``, any fsspec URL). ``Pipeline`` refuses a
+            source with no scheme that does not exist locally (see :func:`check_source`).
+        cache_dir: local directory the cache owns; created if missing. Not empty, and neither
+            inside nor around the cache of another open pipeline (refused at open).
+        capacity: hard cap on bytes under ``cache_dir`` (a size or a share of free space). Under
+            1 MiB is allowed with a warning: ``"100"`` is 100 bytes.
         items: ``"folders"``: each first-level folder under the prefix is one item (default);
             ``"files"``: each object is one item.
         storage_options: passed to the store (s3fs/fsspec options, or OBS settings).
@@ -215,12 +280,14 @@ class PipelineConfig(BaseModel):
             (default False: a new pass).
         relist: with ``resume``, list the source again instead of using the saved listing.
         progress: show a tqdm progress bar (default False).
+        stall_warning: seconds a consumer waits in ``get``/the loop before each warning that no
+            item is ready, with what is downloading and what is held (default 60); None: never.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
     source: str = Field(min_length=1)
-    cache_dir: Path
+    cache_dir: Annotated[Path, BeforeValidator(check_cache_dir)]
     capacity: Capacity
     items: Literal["folders", "files"] = "folders"
     storage_options: dict[str, Any] = Field(default_factory=dict)
@@ -255,6 +322,7 @@ class PipelineConfig(BaseModel):
     resume: bool = False
     relist: bool = False
     progress: bool = False
+    stall_warning: float | None = Field(default=60.0, gt=0)
 
     @model_validator(mode="after")
     def _compatible(self) -> PipelineConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ from typing import Any
 from .broker import Broker, Closed, Failed, Lease
 from .cache import Cache
 from .catalog import Catalog, Item, Names
-from .config import PipelineConfig, Share, parse_capacity
+from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_capacity, small_capacity
 from .errors import EmptySourceError, OversizeError, UnknownItemError, is_transient
 from .fetcher import Fetcher, backoff_delay
 from .items import PathItem
@@ -34,6 +35,14 @@ log = logging.getLogger("cachepipe")
 class CachedItem(PathItem):
     """A delivered item: usable wherever a path is (``open(item / "text.txt")``, ``os.fspath``).
 
+    Its files exist from the hand-out until the item is acknowledged, and no longer: read it
+    before the loop asks for the next item (``auto_ack``) or before your ``ack``, and copy out
+    what must outlive it. After :meth:`Pipeline.ack` of this object, or :meth:`Pipeline.close`
+    (unless ``keep_on_close``), ``os.fspath(item)`` and ``item / "x"`` raise
+    ``FileNotFoundError`` naming the item and why; a ``str`` or ``Path`` taken from it earlier
+    cannot be tracked and simply points at deleted files. A process forked while the item is
+    held sees the same files, deleted when the parent acks: the child must be done first.
+
     Attributes:
         path: the local path (a folder, or a file for single-object items).
         name: the item's name (its path relative to the source prefix and to the cache dir).
@@ -43,7 +52,7 @@ class CachedItem(PathItem):
             lease expired cannot evict the item from under the next one.
     """
 
-    __slots__ = ("files", "lease", "name", "path", "size")
+    __slots__ = ("_gone", "files", "lease", "name", "path", "size")
 
     def __init__(self, path: Path, item: Item, lease: str = "") -> None:
         self.path = path
@@ -51,6 +60,24 @@ class CachedItem(PathItem):
         self.size = item.size
         self.files = tuple(f.rel for f in item.files)
         self.lease = lease
+        self._gone: str | None = None  # why its files are gone, once they are
+
+    def __fspath__(self) -> str:
+        self._check()
+        return str(self.path)
+
+    def __truediv__(self, other: str | os.PathLike[str]) -> Path:
+        self._check()
+        return self.path / other
+
+    def _check(self) -> None:
+        if self._gone is not None:
+            raise FileNotFoundError(
+                errno.ENOENT,
+                f"item {self.name!r} was {self._gone}: its files are deleted; read an item before it is acknowledged "
+                "(auto_ack: before the loop asks for the next) and copy out what must outlive it",
+                str(self.path),
+            )
 
     def __repr__(self) -> str:
         return f"CachedItem({str(self.path)!r}, size={self.size})"
@@ -112,7 +139,8 @@ class Pipeline:
 
     Raises:
         ValueError: a malformed option (pydantic's ``ValidationError`` names the field, the value
-            and what is accepted).
+            and what is accepted), an empty ``cache_dir``, a ``source`` with no scheme that is
+            not an existing local path (:class:`~cachepipe.ConfigError`).
     """
 
     def __init__(
@@ -124,8 +152,15 @@ class Pipeline:
         store: Store | None = None,
         **options: Any,
     ) -> None:
-        self.config = PipelineConfig(source=source, cache_dir=Path(cache_dir), capacity=capacity, **options)
+        self.config = PipelineConfig(source=source, cache_dir=Path(check_cache_dir(cache_dir)), capacity=capacity, **options)
+        if store is None:
+            check_source(source)
+        small = small_capacity(capacity, self.config.capacity)
+        if small is not None:
+            log.warning("%s", small)
         self._given_store = store  # None: opened from ``source`` by open()
+        self._pid = os.getpid()
+        self._handed: dict[str, CachedItem] = {}  # lease id -> the object handed out, until ack or release
         self._state = _UNOPENED
         self._lock = threading.Lock()
         self._inflight: dict[int, Item] = {}  # seq -> item, from planning until consumed
@@ -145,7 +180,8 @@ class Pipeline:
 
         Raises:
             RuntimeError: the pipeline is already open or closed.
-            CacheLockedError: another pipeline owns ``cache_dir``.
+            CacheLockedError: another pipeline owns ``cache_dir``, or a cache directory inside
+                it or around it (naming both).
             EmptySourceError: nothing to deliver under ``source``.
             OversizeError: an item is larger than the capacity (``on_oversize="raise"``).
             UnsafeKeyError: an object key cannot be mapped safely into the cache.
@@ -384,6 +420,9 @@ class Pipeline:
         """
         self._require_open()
         value = parse_capacity(capacity)
+        small = small_capacity(capacity, value)
+        if small is not None:
+            log.warning("%s", small)
         self._cache.set_capacity(value)
         self.config = self.config.model_copy(update={"capacity": value})
         log.info("capacity of %s set to %s", self.config.source, capacity)
@@ -427,17 +466,26 @@ class Pipeline:
         """Stop every thread, remove staging files and (unless ``keep_on_close``) published items.
 
         Idempotent. Consumers blocked in the iterator stop; further use raises ``RuntimeError``.
+        Items still handed out are deleted too (unless ``keep_on_close``): their
+        :class:`CachedItem` objects raise ``FileNotFoundError`` from then on.
         """
         with self._lock:
             state, self._state = self._state, _CLOSED
         if state != _OPEN:
             return
+        if os.getpid() != self._pid:
+            return  # a forked copy: the threads, the lock and the files are the parent's to close
         self._broker.close()
         self._cache.interrupt()
         if self._listing is not None:
             self._listing.stop()
         self._fetcher.stop()
         self._cache.close(keep=self.config.keep_on_close)
+        if not self.config.keep_on_close:
+            with self._counts_lock:
+                held, self._handed = list(self._handed.values()), {}
+            for item in held:
+                item._gone = "deleted when its pipeline closed"  # noqa: SLF001 - the pipeline ends its items' lives
         self._store.close()
         if self._bar is not None:
             self._bar.close()
@@ -492,7 +540,7 @@ class Pipeline:
         self._require_open()
         while True:
             try:
-                got = self._broker.take(timeout)
+                got = self._take(timeout)
             except Closed:
                 raise RuntimeError(f"{self!r} is closed") from None
             if got is None:
@@ -514,11 +562,49 @@ class Pipeline:
                 self._bar.set_postfix(
                     cache=f"{self._cache.used / 2**20:.0f}/{self._cache.capacity / 2**20:.0f}MiB", refresh=False
                 )
-            return CachedItem(got.value, self._inflight[got.seq], got.id)
+            handed = CachedItem(got.value, self._inflight[got.seq], got.id)
+            with self._counts_lock:
+                self._handed[got.id] = handed
+            return handed
+
+    def _take(self, timeout: float | None) -> Any:
+        """The broker's next, warning every ``stall_warning`` seconds that nothing is ready."""
+        every = self.config.stall_warning
+        if every is None:
+            return self._broker.take(timeout)
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        while True:
+            chunk = every if deadline is None else min(every, deadline - time.monotonic())
+            try:
+                return self._broker.take(max(chunk, 0.0))
+            except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"no item became ready within {timeout} s") from None
+            counts = self._broker.counts()
+            held = (
+                "; items handed out and not acknowledged hold their space: ack or release them"
+                if counts["handed"] and not counts["pending"]
+                else ""
+            )
+            log.warning(
+                "no item ready for %.0f s from %s: %d downloading, %d handed out, cache %d of %d bytes used%s",
+                time.monotonic() - start,
+                self.config.source,
+                counts["pending"],
+                counts["handed"],
+                self._cache.used,
+                self._cache.capacity,
+                held,
+            )
 
     def ack(self, path: str | os.PathLike[str], lease: str | None = None) -> None:
         """Acknowledge a delivered item: its path is gone when this returns, and its space is
-        freed once its files are deleted. An item of 1 MiB or more is renamed aside and deleted
+        freed once its files are deleted. Read the item before: paths or open files kept from it
+        point at deleted files, and the acknowledged :class:`CachedItem` raises
+        ``FileNotFoundError`` when used as a path (a ``str`` of it cannot be tracked).
+
+        An item of 1 MiB or more is renamed aside and deleted
         by a background thread (freeing a large file can take the file system milliseconds; the
         caller does not wait for it); a smaller one is deleted here.
 
@@ -542,6 +628,10 @@ class Pipeline:
             raise
         self._consume(taken.seq)
         self._count("acked")
+        with self._counts_lock:
+            handed = self._handed.pop(taken.id, None)
+        if handed is not None:
+            handed._gone = "acknowledged"  # noqa: SLF001 - the pipeline ends its items' lives
 
     def release(self, path: str | os.PathLike[str], lease: str | None = None) -> None:
         """Give a delivered item back: it is handed out again, before any other.
@@ -549,8 +639,10 @@ class Pipeline:
         Raises:
             UnknownItemError: ``path`` is not an item currently handed out (see :meth:`ack`).
         """
-        self._lease(path, "release", lease)
+        taken = self._lease(path, "release", lease)
         self._count("released")
+        with self._counts_lock:
+            self._handed.pop(taken.id, None)
 
     def renew(self, path: str | os.PathLike[str], lease: str | None = None) -> None:
         """Extend the lease of a delivered item by ``lease_timeout`` (a consumer still at work).
@@ -571,7 +663,7 @@ class Pipeline:
             return action(name, lease)
         except KeyError:
             raise UnknownItemError(
-                f"cannot {verb} {os.fspath(path)!r}: not an item handed out by this pipeline "
+                f"cannot {verb} {str(path)!r}: not an item handed out by this pipeline "
                 "(never delivered, already acknowledged or released, or its lease expired)"
             ) from None
 
@@ -616,6 +708,12 @@ class Pipeline:
             self._counts[name] += 1
 
     def _require_open(self, allow_closed: bool = False) -> None:
+        if os.getpid() != self._pid and self._state == _OPEN:
+            raise RuntimeError(
+                f"{self!r} was opened in process {self._pid} and cannot be used in process {os.getpid()} "
+                "(a fork: its threads did not survive it, and the parent owns its items); "
+                "open a new Pipeline in this process"
+            )
         if self._state == _OPEN or (allow_closed and self._state == _CLOSED):
             return
         raise RuntimeError(

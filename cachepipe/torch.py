@@ -12,6 +12,12 @@ Items are read inside the worker: pass ``transform(path)`` (decode the video, re
 and the worker yields what it returns; the item is evicted when the worker moves to the next.
 A bare path cannot leave a worker process safely (it would be evicted before the main process
 read it), so ``transform`` is required when ``num_workers > 0``.
+
+The same lifetime holds in the main process (``num_workers=0``, no ``transform``): a yielded
+:class:`~cachepipe.CachedItem` is deleted when the loop asks for the next sample, so a batch of
+several paths (``batch_size > 1`` with the default collate) holds deleted paths but the last:
+read items in ``transform``, or use ``batch_size=1``/``None``. Using an acknowledged
+``CachedItem`` as a path raises ``FileNotFoundError``; a ``str`` of it cannot be tracked.
 """
 
 from __future__ import annotations

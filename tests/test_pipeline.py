@@ -139,7 +139,7 @@ def test_ack_evicts_at_once_and_bad_acks_are_rejected(s3_source, tmp_path):
         item = pipe.get(timeout=30)
         used_before = pipe.stats().bytes_in_cache
         pipe.ack(str(item))  # a plain path string works too
-        assert not Path(item).exists()
+        assert not item.path.exists()  # Path(item) raises FileNotFoundError now: the item was acknowledged
         assert pipe.stats().bytes_in_cache <= used_before - 1000
         with pytest.raises(UnknownItemError, match="already acknowledged"):
             pipe.ack(item)
@@ -157,7 +157,7 @@ def test_auto_ack_evicts_previous_item_when_loop_asks_for_next(s3_source, tmp_pa
         first = next(it)
         assert Path(first).exists()
         second = next(it)
-        assert not Path(first).exists() and Path(second).exists()
+        assert not first.path.exists() and Path(second).exists()  # Path(first) raises: acknowledged
         it.close()  # stopping inside an item gives it back rather than evicting it
         assert Path(second).exists()
         assert next(iter(pipe)).name == second.name

@@ -42,7 +42,7 @@ from ..removal import rmtree, tree_bytes
 from ..retention import RetentionPolicy
 from .eviction import Eviction
 from .ledger import Ledger
-from .lock import OwnerLock
+from .lock import STATE_DIR, OwnerLock
 from .record import Record
 from .recovery import check_resume, sort_leftovers
 from .staging import Staging, verify
@@ -50,8 +50,6 @@ from .staging import Staging, verify
 __all__ = ["STATE_DIR", "Cache"]
 
 log = logging.getLogger("cachepipe.cache")
-
-STATE_DIR = ".cachepipe"
 
 
 class Cache:

@@ -2,7 +2,16 @@
 
 Invariant: while :meth:`OwnerLock.acquire` holds, no other process holds the ``flock`` on
 ``.cachepipe/lock``; the kernel releases it when the owner closes it or dies (``kill -9``
-included), so a crashed owner never blocks the next one.
+included), so a crashed owner never blocks the next one. Nor does a live owner hold a cache
+directory inside this one or around it: each cache counts the other's files as its own or as
+foreign, and one would evict the other's items.
+
+The nested check runs after this owner's lock is taken, so of two owners opening nested
+directories at once, the later to check sees the other (both may refuse; never neither). It
+probes each other ``.cachepipe/lock`` with a shared, non-blocking ``flock``: refused means a
+live owner holds it (any process, this one included: ``flock`` locks belong to open files).
+The probe holds that lock for a moment; an owner opening that directory in that moment is
+refused as if it were in use, which is right, since it would nest with this live one.
 """
 
 from __future__ import annotations
@@ -13,6 +22,8 @@ import socket
 from pathlib import Path
 
 from ..errors import CacheLockedError
+
+STATE_DIR = ".cachepipe"  # the cache's state folder; its "lock" file is the one locked here
 
 __all__ = ["OwnerLock"]
 
@@ -43,6 +54,16 @@ class OwnerLock:
             os.close(fd)
             raise CacheLockedError(str(self.root), f"pid {owner}" if owner[:1].isdigit() else owner) from None
         self._fd = fd  # held from here: release() closes it whatever happens next
+        try:
+            nested = nested_owner(self.root)
+        except BaseException:
+            self.release()
+            raise
+        if nested is not None:
+            self.release()
+            other, who, around = nested
+            relation = "contains it" if around else "lies inside it"
+            raise CacheLockedError(str(self.root), f"{who}, which owns the cache directory {str(other)!r} that {relation}")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
 
@@ -59,3 +80,42 @@ class OwnerLock:
             os.ftruncate(fd, 0)
         finally:
             os.close(fd)  # closing releases the flock
+
+
+def nested_owner(root: Path) -> tuple[Path, str, bool] | None:
+    """A live owner of a cache directory around ``root`` or inside it: ``(directory, "pid N host",
+    around)``, or None. Never blocks. Looks at every ancestor of ``root`` (as resolved) and at
+    every folder under it (a walk of its folders, no symlinks followed, no state folders entered)."""
+    real = Path(os.path.realpath(root))
+    for parent in real.parents:
+        who = _held(parent / STATE_DIR / "lock")
+        if who is not None:
+            return parent, who, True
+    for dirpath, dirnames, _files in os.walk(real):
+        if STATE_DIR in dirnames:
+            dirnames.remove(STATE_DIR)
+            if dirpath != str(real):
+                who = _held(Path(dirpath, STATE_DIR, "lock"))
+                if who is not None:
+                    return Path(dirpath), who, False
+    return None
+
+
+def _held(lock: Path) -> str | None:
+    """``"pid N host"`` (or ``"another process"``) when a live owner holds ``lock``, else None."""
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # no cache there
+    except PermissionError:
+        return None  # another user's file: its owner cannot be told; its own open refuses us if it comes later
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 256, 0).decode(errors="replace").strip()
+            return f"pid {owner}" if owner[:1].isdigit() else "another process"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)

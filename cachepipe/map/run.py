@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import Share
+from ..config import Share, check_cache_dir, check_source
 from ..errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError, is_transient
 from ..fetcher import backoff_delay
 from ..pipeline import Pipeline
@@ -309,6 +309,30 @@ def _take_lock(work: Path, cache_dir: Path) -> int:
     return fd
 
 
+def _check_command(program: str) -> None:
+    """Refuse, before anything is downloaded, a program that cannot run: a bare name not on
+    ``PATH``, or a path that is not an executable file. Not checked: a name with a placeholder
+    (``{}``...), and a relative path with a ``/`` (it is resolved in the item's folder, the
+    command's working directory, which exists only later).
+
+    Raises:
+        ConfigError: naming the program and what is accepted.
+    """
+    if "{" in program:
+        return
+    if "/" not in program:
+        if shutil.which(program) is None:
+            raise ConfigError(
+                f"command {program!r}: not found on PATH; expected a program on PATH or a path to an executable file"
+            )
+        return
+    if os.path.isabs(program) and not (os.path.isfile(program) and os.access(program, os.X_OK)):
+        why = "is not a file" if os.path.exists(program) else "does not exist"
+        if os.path.isfile(program):
+            why = "is not executable"
+        raise ConfigError(f"command {program!r}: {why}; expected a program on PATH or a path to an executable file")
+
+
 def map_items(
     fn: Callable[[str, str], Any] | Sequence[str] | None,
     source: str,
@@ -365,6 +389,7 @@ def map_items(
         command = tuple(str(a) for a in fn)
         if not command:
             raise ValueError("the command is empty")
+        _check_command(command[0])
     elif fn is not None:
         if not callable(fn):
             raise TypeError(f"fn {fn!r}: expected a callable fn(item_path, out_path), a command list, or None")
@@ -373,7 +398,9 @@ def map_items(
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             raise TypeError(f"fn {fn!r} cannot be sent to a child process ({exc}); define it at module level") from exc
         func = fn
-    cfg = MapConfig(source=source, dest=dest, cache_dir=Path(cache_dir), capacity=capacity, command=command, **options)
+    cfg = MapConfig(source=source, dest=dest, cache_dir=check_cache_dir(cache_dir), capacity=capacity, command=command, **options)
+    if store is None:
+        check_source(source)
     if command is None and func is None and not cfg.unpack:
         raise ConfigError("nothing to do: give fn or a command (after -- on the command line), or unpack=True")
     return _MapRun(cfg, func, store, dest_store).run()

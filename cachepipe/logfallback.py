@@ -1,0 +1,96 @@
+"""What a user who configured no logging sees: warnings on stderr, a storm of them cut to a few lines.
+
+Invariant: :class:`FallbackHandler` writes a record only when no other handler would see it
+(none on the record's logger or on any ancestor it propagates to, the root included), and
+then at most ``burst`` records of one kind (logger and message template) per ``period``.
+When any handler is configured it writes nothing: the user's handlers decide.
+
+Why a handler on ``cachepipe`` and not the library-customary ``NullHandler`` plus Python's
+``logging.lastResort``: ``lastResort`` would print warnings to a user who configured nothing,
+as intended, but all of them (a store outage is a retry line per request, thousands), and a
+filter against that must sit on every module's logger, since logger filters do not see the
+records of child loggers; a handler on ``cachepipe`` sees every record of the library. The
+``NullHandler`` also hid the warnings completely (a handler was found, so ``lastResort``
+never ran).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+__all__ = ["FallbackHandler", "RateLimit"]
+
+
+class RateLimit:
+    """Admit at most ``burst`` events of one kind per ``period`` seconds (pure bookkeeping).
+
+    :meth:`admit` returns None (drop the event) or a suffix for the admitted message: empty,
+    ``" (similar messages are held back for 30 s)"`` on the last of a burst, or
+    ``" (12 similar messages held back)"`` on the first of a new period after some were dropped.
+    """
+
+    MAX_KINDS = 1024  # the kinds are static message templates; a bound against a dynamic one
+
+    def __init__(self, burst: int = 3, period: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.burst, self.period, self._clock = burst, period, clock
+        self._kinds: dict[object, list[float]] = {}  # kind -> [period start, admitted, dropped]
+        self._lock = threading.Lock()
+
+    def admit(self, kind: object) -> str | None:
+        now = self._clock()
+        with self._lock:
+            state = self._kinds.get(kind)
+            suffix = ""
+            if state is None or now - state[0] >= self.period:
+                if state is not None and state[2]:
+                    suffix = f" ({int(state[2])} similar messages held back)"
+                if state is None and len(self._kinds) >= self.MAX_KINDS:
+                    self._kinds.clear()
+                state = self._kinds[kind] = [now, 0, 0]
+            state[1] += 1
+            if state[1] > self.burst:
+                state[2] += 1
+                return None
+            if state[1] == self.burst:
+                suffix += f" (similar messages are held back for {self.period:g} s)"
+            return suffix
+
+
+class FallbackHandler(logging.Handler):
+    """Write WARNING and above to ``sys.stderr`` (looked up at each record, as ``lastResort``
+    does) when no other handler would, rate-limited by ``limit``."""
+
+    def __init__(self, limit: RateLimit | None = None) -> None:
+        super().__init__(logging.WARNING)
+        self.limit = limit or RateLimit()
+        self.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        if self._others(record.name):
+            return False
+        return super().handle(record)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        suffix = self.limit.admit((record.name, record.levelno, str(record.msg)))
+        if suffix is None:
+            return
+        try:
+            sys.stderr.write(self.format(record) + suffix + "\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - as logging.StreamHandler.emit does
+            self.handleError(record)  # logging's own policy: report on stderr, never raise into the caller
+
+    def _others(self, name: str) -> bool:
+        """True when a handler other than this one is on the way ``name``'s records propagate."""
+        logger: logging.Logger | None = logging.getLogger(name)
+        while logger is not None:
+            if any(h is not self for h in logger.handlers):
+                return True
+            if not logger.propagate:
+                return False
+            logger = logger.parent
+        return False

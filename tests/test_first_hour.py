@@ -1,0 +1,298 @@
+"""The first hour of a new user (issue #16): warnings visible without logging set up, wrong
+input refused at once with its value named, and paths that outlive their item failing loudly."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from cachepipe import CacheLockedError, ConfigError, Pipeline
+from cachepipe.cache.lock import OwnerLock
+from cachepipe.map import map_items
+from cachepipe.map.cli import main as map_main
+from cachepipe.stores import open_store
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _source(tmp_path: Path, names: tuple[str, ...] = ("a", "b")) -> Path:
+    src = tmp_path / "src"
+    for name in names:
+        (src / name).mkdir(parents=True)
+        (src / name / "data.bin").write_bytes(name.encode() * 100)
+    return src
+
+
+# ---- visible by default ---------------------------------------------------------------
+_SCRIPT = """
+import logging, sys
+from cachepipe import Pipeline
+from cachepipe.stores import open_store
+
+SETUP
+
+class Flaky:
+    def __init__(self, url, fail_times):
+        self.inner, self.fail_times, self.calls = open_store(url), fail_times, 0
+        self.url = url
+    def list(self):
+        return self.inner.list()
+    def get(self, key, out, start, end):
+        if key.startswith("bad/"):
+            self.calls += 1
+            if self.fail_times is None:
+                raise PermissionError(13, "denied by the test store", key)
+            if self.calls <= self.fail_times:
+                raise ConnectionError("the test store is down")
+        return self.inner.get(key, out, start, end)
+    def close(self):
+        self.inner.close()
+
+src, cache, fail_times = sys.argv[1], sys.argv[2], eval(sys.argv[3])
+store = Flaky(src, fail_times)
+with Pipeline(src, cache, "10MiB", store=store, on_error="skip", retries=60, retry_backoff=0) as pipe:
+    got = [item.name for item in pipe]
+print(",".join(got))
+"""
+
+
+def _run(tmp_path: Path, setup: str, fail_times: int | None) -> subprocess.CompletedProcess[str]:
+    src = _source(tmp_path, ("bad", "good"))
+    script = _SCRIPT.replace("SETUP", setup)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-c", script, str(src), str(tmp_path / "cache"), repr(fail_times)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+
+
+def test_a_skipped_item_is_on_stderr_when_logging_is_not_configured(tmp_path: Path) -> None:
+    done = _run(tmp_path, "", fail_times=None)
+    assert done.stdout.strip() == "good"
+    assert "skipping failed item" in done.stderr
+    assert "bad" in done.stderr
+
+
+def test_configured_logging_decides_alone(tmp_path: Path) -> None:
+    done = _run(tmp_path, "logging.basicConfig(level=logging.ERROR, format='USER %(name)s %(message)s')", fail_times=None)
+    assert done.stdout.strip() == "good"
+    lines = done.stderr.splitlines()
+    assert lines and all(line.startswith("USER ") for line in lines), done.stderr  # the user's handler, nothing else
+    assert "skipping" not in done.stderr  # a WARNING, under the level the user chose
+
+
+def test_a_retry_storm_is_a_few_lines(tmp_path: Path) -> None:
+    done = _run(tmp_path, "", fail_times=40)  # 40 transient failures, then the item downloads
+    assert done.stdout.strip() == "bad,good"
+    retries = [line for line in done.stderr.splitlines() if "retry " in line]
+    assert 1 <= len(retries) <= 3, done.stderr
+    assert "similar messages are held back" in retries[-1]
+
+
+def test_rate_limit_admits_a_burst_per_period_and_counts_the_rest() -> None:
+    from cachepipe.logfallback import RateLimit  # here: the module is new, the other tests run without it
+
+    now = [0.0]
+    limit = RateLimit(burst=2, period=10.0, clock=lambda: now[0])
+    assert [limit.admit("k") for _ in range(5)] == ["", " (similar messages are held back for 10 s)", None, None, None]
+    assert limit.admit("other") == ""
+    now[0] = 10.0
+    assert limit.admit("k") == " (3 similar messages held back)"
+
+
+class _SetOn(logging.Handler):
+    def __init__(self, text: str) -> None:
+        super().__init__(logging.WARNING)
+        self.text, self.event = text, threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+def test_a_stalled_producer_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    src = _source(tmp_path, ("a",))
+    seen = _SetOn("no item ready")
+    inner = open_store(str(src))
+
+    class Stalled:
+        url = str(src)
+
+        def list(self):  # type: ignore[no-untyped-def]
+            return inner.list()
+
+        def get(self, key, out, start, end):  # type: ignore[no-untyped-def]
+            seen.event.wait(30)  # the download stalls until the consumer has warned about it
+            return inner.get(key, out, start, end)
+
+        def close(self) -> None:
+            inner.close()
+
+    logging.getLogger("cachepipe").addHandler(seen)
+    try:
+        with caplog.at_level(logging.WARNING, "cachepipe"):
+            with Pipeline(str(src), tmp_path / "c", "10MiB", store=Stalled(), stall_warning=0.05) as pipe:
+                assert [item.name for item in pipe] == ["a"]
+    finally:
+        logging.getLogger("cachepipe").removeHandler(seen)
+    stalls = [r.getMessage() for r in caplog.records if "no item ready" in r.getMessage()]
+    assert stalls and "1 downloading" in stalls[0]
+
+
+# ---- refuse what is wrong, at once -----------------------------------------------------
+def test_an_empty_cache_dir_is_refused(tmp_path: Path) -> None:
+    src = _source(tmp_path)
+    with pytest.raises(ValueError, match=r"cache_dir '': expected a directory path.*current directory"):
+        Pipeline(str(src), "", "10MiB")
+
+
+def test_a_cache_inside_an_open_cache_is_refused(tmp_path: Path) -> None:
+    src = _source(tmp_path)
+    outer, inner = tmp_path / "c", tmp_path / "c" / "inner"
+    with Pipeline(str(src), outer, "10MiB"):
+        with pytest.raises(CacheLockedError) as err:
+            Pipeline(str(src), inner, "10MiB").open()
+    message = str(err.value)
+    assert f"'{inner}'" in message and f"'{outer}' that contains it" in message and f"pid {os.getpid()}" in message
+
+
+def test_a_cache_around_an_open_cache_is_refused(tmp_path: Path) -> None:
+    src = _source(tmp_path)
+    outer, inner = tmp_path / "c", tmp_path / "c" / "x" / "inner"
+    with Pipeline(str(src), inner, "10MiB"):
+        with pytest.raises(CacheLockedError) as err:
+            Pipeline(str(src), outer, "10MiB").open()
+        assert not (outer / ".cachepipe" / "staging").exists()  # refused before it cleaned anything
+    message = str(err.value)
+    assert f"'{outer}'" in message and f"'{inner}' that lies inside it" in message
+    with Pipeline(str(src), outer, "10MiB") as pipe:  # its owner closed: no longer refused
+        assert [item.name for item in pipe] == ["a", "b"]
+
+
+def test_the_nested_check_sees_another_process_and_forgets_a_dead_one(tmp_path: Path) -> None:
+    src = _source(tmp_path)
+    outer = tmp_path / "c"
+    (outer / ".cachepipe").mkdir(parents=True)
+    holder = textwrap.dedent(
+        f"""
+        import sys
+        from pathlib import Path
+        from cachepipe.cache.lock import OwnerLock
+        lock = OwnerLock(Path({str(outer / ".cachepipe" / "lock")!r}), Path({str(outer)!r}))
+        lock.acquire()
+        print("held", flush=True)
+        sys.stdin.read()
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with subprocess.Popen(
+        [sys.executable, "-c", holder], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    ) as child:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "held"
+        with pytest.raises(CacheLockedError, match=rf"pid {child.pid} .*'{outer}' that contains it"):
+            Pipeline(str(src), outer / "inner", "10MiB").open()
+        child.stdin.close()
+        assert child.wait(timeout=30) == 0
+    with Pipeline(str(src), outer / "inner", "10MiB") as pipe:  # a dead owner holds nothing
+        assert [item.name for item in pipe] == ["a", "b"]
+    lock = OwnerLock(outer / ".cachepipe" / "lock", outer)  # and the check took nothing from it
+    lock.acquire()
+    lock.release()
+
+
+def test_a_source_without_scheme_that_does_not_exist_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"source 'bucket/video/': no such local path, and no scheme.*'s3://bucket/video/'"):
+        Pipeline("bucket/video/", tmp_path / "c", "10MiB")
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_capacity_under_one_mib_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    src = _source(tmp_path)
+    with caplog.at_level(logging.WARNING, "cachepipe"):
+        Pipeline(str(src), tmp_path / "c", "100")
+    assert "capacity '100' is 100 bytes, less than 1 MiB" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "cachepipe"):
+        Pipeline(str(src), tmp_path / "c", "1MiB")
+    assert "capacity" not in caplog.text
+
+
+def test_map_refuses_a_missing_command_before_downloading(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = _source(tmp_path)
+    cache = tmp_path / "cache"
+    with pytest.raises(ConfigError, match=r"command 'nosuchcmd-cachepipe': not found on PATH"):
+        map_items(["nosuchcmd-cachepipe", "{}"], str(src), str(tmp_path / "out"), cache_dir=cache, capacity="10MiB")
+    status = map_main(
+        [str(src), str(tmp_path / "out"), "--cache", str(cache), "--capacity", "10MiB", "--", "nosuchcmd-cachepipe"]
+    )
+    assert status == 1
+    assert "command 'nosuchcmd-cachepipe': not found on PATH" in capsys.readouterr().err
+    plain = tmp_path / "not-executable"
+    plain.write_text("#!/bin/sh\n")
+    plain.chmod(0o644)
+    with pytest.raises(ConfigError, match=rf"command '{plain}': is not executable"):
+        map_items([str(plain)], str(src), str(tmp_path / "out"), cache_dir=cache, capacity="10MiB")
+    assert not cache.exists()  # nothing was downloaded
+
+
+# ---- paths that outlive their item -----------------------------------------------------
+def test_an_acknowledged_item_refuses_to_be_a_path(tmp_path: Path) -> None:
+    src = _source(tmp_path)
+    with Pipeline(str(src), tmp_path / "c", "10MiB", auto_ack=False) as pipe:
+        item = pipe.get()
+        assert item is not None and (item / "data.bin").read_bytes() == b"a" * 100
+        pipe.ack(item)
+        with pytest.raises(FileNotFoundError, match="item 'a' was acknowledged: its files are deleted"):
+            open(item / "data.bin")  # noqa: SIM115 - the error is the point
+        with pytest.raises(FileNotFoundError, match="was acknowledged"):
+            os.fspath(item)
+
+
+def test_items_kept_past_the_loop_refuse_to_be_paths(tmp_path: Path) -> None:
+    src = _source(tmp_path)
+    with Pipeline(str(src), tmp_path / "c", "10MiB") as pipe:
+        kept = list(pipe)  # auto_ack: each is acknowledged when the loop asks for the next
+    with pytest.raises(FileNotFoundError, match="item 'a' was acknowledged"):
+        os.fspath(kept[0])
+    with Pipeline(str(src), tmp_path / "c", "10MiB", auto_ack=False) as pipe:
+        held = pipe.get()
+    assert held is not None
+    with pytest.raises(FileNotFoundError, match="item 'a' was deleted when its pipeline closed"):
+        os.fspath(held)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_pipeline_refuses_use_in_a_forked_child(tmp_path: Path) -> None:
+    src = _source(tmp_path)
+    with Pipeline(str(src), tmp_path / "c", "10MiB", auto_ack=False) as pipe:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report what get() did, then leave without running any cleanup
+            try:
+                pipe.get(timeout=5)
+                outcome = b"no error"
+            except RuntimeError as exc:
+                outcome = b"ok" if b"cannot be used in process" in str(exc).encode() else str(exc).encode()
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails the test
+                outcome = repr(exc).encode()
+            os.write(write, outcome)
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read, "rb") as fh:
+            outcome = fh.read()
+        os.waitpid(pid, 0)
+        assert outcome == b"ok"
+        assert [pipe.get(), pipe.get()] != [None, None]  # the parent's pipeline is untouched
