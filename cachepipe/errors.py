@@ -12,7 +12,8 @@ Every error is a builtin subclass as well, so callers that catch ``ValueError`` 
      +-- UnknownItemError       (KeyError)          ack/release of a path that is not handed out
      +-- ItemFailedError                            an item could not be fetched; ``__cause__`` says why
      +-- PrepareOverflowError   (OSError)           the prepare hook wrote more than its reserve
-     +-- StoreUnavailableError  (ConnectionError)   5xx / throttling / unreachable store: retried
+     +-- StoreUnavailableError  (ConnectionError)   5xx, throttling, a store that answered before and now does not: retried
+     +-- StoreUnreachableError  (ConnectionError)   the endpoint never answered (host does not resolve, refused): not retried
      +-- VerificationError      (OSError)           downloaded bytes do not match the listing: retried
      |    +-- ChecksumError                         an archive volume does not match its MD5 file
      +-- ArchiveError           (ValueError)        an item that cannot be unpacked (no archive, corrupt, gaps)
@@ -22,7 +23,16 @@ Every error is a builtin subclass as well, so callers that catch ``ValueError`` 
 Store backends translate their own errors at one seam (``stores/*.py``) into builtins:
 ``FileNotFoundError`` (no such key or bucket), ``PermissionError`` (denied, bad credentials),
 ``TimeoutError`` / ``ConnectionError`` / :class:`StoreUnavailableError` (transient, retried),
-chained to the original with ``raise ... from``.
+:class:`StoreUnreachableError` and :class:`ConfigError` (an unknown storage option or URL
+scheme; permanent), chained to the original with ``raise ... from``. Each names the URL and the
+endpoint, and carries the store's own error code (``InvalidAccessKeyId``, ``NoSuchBucket``...)
+in its message and as the attribute ``code`` (None when the store sent none), the endpoint as
+``endpoint`` (see :func:`store_code`).
+
+Only transient errors are retried (:func:`is_transient`): timeouts, resets, 5xx, throttling,
+short or corrupt bodies, a refused connection once the endpoint has answered. A bad setting, a
+host that does not resolve, an endpoint that refuses the very first request, rejected
+credentials and a missing bucket fail at once.
 """
 
 from __future__ import annotations
@@ -39,14 +49,19 @@ __all__ = [
     "OversizeError",
     "PrepareOverflowError",
     "StoreUnavailableError",
+    "StoreUnreachableError",
     "UnknownItemError",
     "UnsafeKeyError",
     "UnsafeMemberError",
     "VerificationError",
     "is_transient",
+    "store_code",
 ]
 
 import errno
+from typing import TypeVar
+
+_E = TypeVar("_E", bound=BaseException)
 
 
 class CachePipeError(Exception):
@@ -114,7 +129,14 @@ class PrepareOverflowError(CachePipeError, OSError):
 
 
 class StoreUnavailableError(CachePipeError, ConnectionError):
-    """The store answered 5xx, throttled us, or could not be reached. Retried with backoff."""
+    """The store answered 5xx, throttled us, or stopped answering after it had. Retried with backoff."""
+
+
+class StoreUnreachableError(CachePipeError, ConnectionError):
+    """The endpoint never answered: its host does not resolve, or it refused the first request.
+
+    A misconfigured endpoint, not an outage: not retried.
+    """
 
 
 class VerificationError(CachePipeError, OSError):
@@ -151,12 +173,26 @@ class ChecksumError(VerificationError):
 _TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT}
 
 
+def store_code(exc: _E, code: str | None, endpoint: str | None) -> _E:
+    """``exc`` with the store's error code and endpoint set as its attributes ``code`` and ``endpoint``.
+
+    Used by the store backends at their error seam, so that a ``PermissionError`` keeps S3's
+    ``InvalidAccessKeyId`` (say) for callers that tell causes apart.
+    """
+    setattr(exc, "code", code)  # noqa: B010 - builtins do not declare the attribute
+    setattr(exc, "endpoint", endpoint)  # noqa: B010 - as above
+    return exc
+
+
 def is_transient(exc: BaseException) -> bool:
     """True when retrying ``exc`` after a backoff may succeed.
 
-    Connection problems, timeouts, 5xx/throttling, a short or corrupt download and a full or
-    failing local disk are transient. Missing keys, denied access and everything else are not.
+    Connection problems once the store has answered, timeouts, 5xx/throttling, a short or corrupt
+    download and a full or failing local disk are transient. An endpoint that never answered,
+    missing keys, denied access, bad settings and everything else are not.
     """
+    if isinstance(exc, StoreUnreachableError):
+        return False
     if isinstance(exc, (ConnectionError, TimeoutError, VerificationError)):
         return True
     if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):

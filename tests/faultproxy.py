@@ -3,7 +3,8 @@
 Faults apply to new connections, in order: ``proxy.inject("cut", 3)`` makes the next three
 connections relay the request but only the first ``cut_after`` bytes of the response, then
 close (a connection dropped mid-body). ``"503"`` answers an S3 ``SlowDown`` error, ``"403"`` an
-``AccessDenied``, ``"redirect"`` a ``PermanentRedirect`` naming another region in
+``AccessDenied``, ``"InvalidAccessKeyId"`` and ``"SignatureDoesNotMatch"`` a 403 with that code
+(rejected credentials: the moto server accepts any), ``"redirect"`` a ``PermanentRedirect`` naming another region in
 ``x-amz-bucket-region``; ``"refuse"`` closes at once, ``"corrupt"`` relays the response with
 flipped body bytes (same length). ``proxy.drop_all()`` closes live (pooled) connections so faults
 take effect. ``proxy.requests`` holds the head of every request (request line and headers) in
@@ -26,7 +27,13 @@ REDIRECT = (
     b"Content-Length: %d\r\nConnection: close\r\n\r\n"
 )
 REDIRECT_BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>PermanentRedirect</Code><Message>Use the eu-central-1 endpoint.</Message></Error>'  # noqa: E501 - kept whole
+REJECTED = {
+    "InvalidAccessKeyId": b"The AWS Access Key Id you provided does not exist in our records.",
+    "SignatureDoesNotMatch": b"The request signature we calculated does not match the signature you provided.",
+}
 CANNED = {"503": (SLOWDOWN, SLOWDOWN_BODY), "403": (DENIED, DENIED_BODY), "redirect": (REDIRECT, REDIRECT_BODY)}
+_REJECTED_BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>%s</Code><Message>%s</Message></Error>'
+CANNED.update({code: (DENIED, _REJECTED_BODY % (code.encode(), text)) for code, text in REJECTED.items()})
 
 
 class FaultProxy:
@@ -34,7 +41,7 @@ class FaultProxy:
         self.target = (target_host, target_port)
         self.cut_after = cut_after
         self.faults: deque[list] = deque()  # [kind, connections left]
-        self.injected: dict[str, int] = {"cut": 0, "503": 0, "403": 0, "redirect": 0, "refuse": 0, "corrupt": 0}
+        self.injected: dict[str, int] = {"cut": 0, "refuse": 0, "corrupt": 0} | dict.fromkeys(CANNED, 0)
         self.connections = 0
         self.requests: list[str] = []
         self._writers: set[asyncio.StreamWriter] = set()

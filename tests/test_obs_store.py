@@ -18,7 +18,7 @@ pytest.importorskip("obs")
 
 from obs.model import GetResult
 
-from cachepipe.errors import ConfigError, StoreUnavailableError
+from cachepipe.errors import ConfigError, StoreUnavailableError, StoreUnreachableError, is_transient
 from cachepipe.stores.base import ObjectInfo, Store
 from cachepipe.stores.obs import CHUNK_SIZE, ObsServiceError, ObsStore
 
@@ -285,11 +285,12 @@ def test_missing_bucket_is_file_not_found_naming_it(make_store, s3_endpoint: str
 
 
 def test_unreachable_endpoint_is_connection_error(make_store, closed_port: int) -> None:
+    """Refused before OBS ever answered: a wrong endpoint, not an outage, so not retried."""
     endpoint = f"http://127.0.0.1:{closed_port}"
     store = make_store(storage_options=_keys(endpoint))
     with pytest.raises(ConnectionError, match=f"cannot reach OBS endpoint {endpoint}: connection refused") as info:
         list(store.list())
-    assert isinstance(info.value, StoreUnavailableError)
+    assert isinstance(info.value, StoreUnreachableError) and not is_transient(info.value)
     assert isinstance(info.value.__cause__, ConnectionRefusedError)
     with pytest.raises(ConnectionError, match="cannot reach OBS endpoint"):
         store.get("k", io.BytesIO(), 0, 1)

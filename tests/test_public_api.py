@@ -26,6 +26,7 @@ EXPECTED = {
     "UnknownItemError",
     "ItemFailedError",
     "StoreUnavailableError",
+    "StoreUnreachableError",
     "VerificationError",
     "PrepareOverflowError",
     "ArchiveError",
@@ -51,6 +52,7 @@ def test_errors_are_builtin_subclasses():
     assert issubclass(cachepipe.UnsafeKeyError, ValueError)
     assert issubclass(cachepipe.EmptySourceError, FileNotFoundError)
     assert issubclass(cachepipe.StoreUnavailableError, ConnectionError)
+    assert issubclass(cachepipe.StoreUnreachableError, ConnectionError)
     assert issubclass(cachepipe.UnknownItemError, KeyError)
     assert issubclass(cachepipe.UnsafeMemberError, ValueError) and issubclass(
         cachepipe.ArchiveTooLargeError, cachepipe.ArchiveError

@@ -91,9 +91,9 @@ def test_signed_requests_pass_the_servers_signature_check(s3_source, moto_iam):
         assert _get(store, ODD_KEY, 5, len(BODY)) == BODY[5:]
         store.list_page_size = 2
         assert [(o.key, o.size) for o in store.list()] == sorted([(ODD_KEY, len(BODY))] + [(k, 10) for k in others])
-        with pytest.raises(PermissionError, match="access denied") as info:
+        with pytest.raises(PermissionError, match=r"rejected the credentials .*SignatureDoesNotMatch") as info:
             _get(wrong, ODD_KEY)
-        assert info.value.__cause__ is not None
+        assert info.value.__cause__ is not None and info.value.code == "SignatureDoesNotMatch"
     finally:
         store.close()
         wrong.close()

@@ -4,9 +4,14 @@ moto server, local files, fsspec memory."""
 from __future__ import annotations
 
 import io
+import socket
+import threading
 
 import pytest
+from conftest import via
 
+from cachepipe import ConfigError, Pipeline, StoreUnreachableError
+from cachepipe.errors import is_transient
 from cachepipe.stores import open_store
 
 
@@ -71,3 +76,134 @@ def test_s3_gets_take_the_direct_path_unless_an_option_needs_the_sdk(s3_source):
     buf = io.BytesIO()
     assert plain.get("a/f", buf, 2, 7) == 5 and buf.getvalue() == b"23456"
     plain.close()
+
+
+# ---- error classification: what is retried, what fails at once, and what the message names ----
+# The "fails at once" tests run the pipeline with its default retries (12, backoff from 0.2 s):
+# before the classification they retried for about a minute, so a generous 10 s bound shows it.
+
+
+def _fails_within(fn, seconds: float = 10.0) -> BaseException:
+    """The exception ``fn()`` raised; fails the test if it is still running after ``seconds``."""
+    box: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box.append(exc)
+
+    thread = threading.Thread(target=run, name="test-fails-within", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still going after {seconds} s: retrying an error that cannot pass"
+    assert box, "did not fail"
+    return box[0]
+
+
+def _pipeline_run(url, options, tmp_path):
+    def run() -> None:
+        with Pipeline(url, tmp_path / "c", "1MiB", storage_options=options) as pipe:
+            list(pipe)
+
+    return run
+
+
+def _closed_port() -> int:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return port
+
+
+def test_unknown_storage_option_is_a_config_error_naming_it(source):
+    with pytest.raises(ConfigError, match="'endpont'"):
+        open_store(source.url, {**source.options, "endpont": "http://127.0.0.1:1"}).close()
+
+
+def test_s3_mistyped_endpoint_fails_at_once_suggesting_endpoint_url(s3_source, tmp_path):
+    options = {"endpoint": s3_source.options["endpoint_url"], "key": "testing", "secret": "testing"}
+    error = _fails_within(_pipeline_run(s3_source.url, options, tmp_path))
+    assert isinstance(error, ConfigError), repr(error)
+    assert "storage_options['endpoint']" in str(error) and "did you mean 'endpoint_url'" in str(error)
+    assert s3_source.url in str(error)
+
+
+def test_unknown_scheme_is_a_config_error_listing_the_known_ones():
+    with pytest.raises(ConfigError, match="'s4://'") as info:
+        open_store("s4://data/video/")
+    assert "s3://, obs://, file://" in str(info.value) and "memory://" in str(info.value)
+
+
+def test_unresolvable_host_fails_at_once_naming_host_and_url(remote_source, tmp_path):
+    endpoint = "http://cachepipe-test.invalid:9000"
+    error = _fails_within(_pipeline_run(remote_source.url, via(remote_source, endpoint), tmp_path))
+    assert isinstance(error, StoreUnreachableError), repr(error)
+    assert not is_transient(error)
+    assert endpoint in str(error) and remote_source.url in str(error) and "does not resolve" in str(error)
+    assert error.endpoint == endpoint
+
+
+def test_refused_at_the_first_request_fails_at_once_naming_the_endpoint(remote_source, tmp_path):
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    error = _fails_within(_pipeline_run(remote_source.url, via(remote_source, endpoint), tmp_path))
+    assert isinstance(error, StoreUnreachableError), repr(error)
+    assert not is_transient(error)
+    assert endpoint in str(error) and remote_source.url in str(error) and "refused" in str(error)
+
+
+def test_refused_after_the_endpoint_answered_is_transient(remote_source, moto_server):
+    """The endpoint answered, then went away (a restart): an outage, retried, naming the endpoint."""
+    from faultproxy import FaultProxy
+
+    remote_source.put("a/f", b"0123456789")
+    host, port = moto_server.removeprefix("http://").split(":")
+    proxy = FaultProxy(host, int(port))
+    endpoint = proxy.start()
+    store = open_store(remote_source.url, via(remote_source, endpoint))
+    try:
+        assert [o.key for o in store.list()] == ["a/f"]
+        proxy.stop()  # the listening socket is closed: new connections are refused
+        errors = []
+        for _ in range(3):  # the first may meet the pooled connection that the proxy dropped
+            with pytest.raises(ConnectionError) as info:
+                store.get("a/f", io.BytesIO(), 0, 10)
+            errors.append(info.value)
+        for error in errors:
+            assert is_transient(error) and not isinstance(error, StoreUnreachableError), repr(error)
+            assert endpoint in str(error) and error.endpoint == endpoint
+        assert any(isinstance(e.__cause__, ConnectionRefusedError) or "refused" in str(e) for e in errors)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("code", ["InvalidAccessKeyId", "SignatureDoesNotMatch"])
+def test_rejected_credentials_are_permission_errors_keeping_the_store_code(remote_source, fault_proxy, code):
+    proxy, endpoint = fault_proxy
+    store = open_store(remote_source.url, via(remote_source, endpoint))
+    try:
+        proxy.inject(code, 10)
+        with pytest.raises(PermissionError) as info:
+            list(store.list())
+    finally:
+        store.close()
+    error = info.value
+    assert error.code == code and error.endpoint == endpoint
+    assert code in str(error) and endpoint in str(error) and remote_source.url.rstrip("/") in str(error)
+    assert "does not" in str(error)  # the store's own message
+    assert not is_transient(error)
+
+
+def test_missing_bucket_names_the_store_code_and_the_endpoint(remote_source):
+    url = remote_source.url.replace("//data/", "//no-such-bucket/")
+    s = open_store(url, remote_source.options)
+    try:
+        with pytest.raises(FileNotFoundError) as info:
+            list(s.list())
+    finally:
+        s.close()
+    endpoint = remote_source.options.get("endpoint_url") or remote_source.options.get("server")
+    assert info.value.code == "NoSuchBucket" and info.value.endpoint == endpoint
+    assert "NoSuchBucket" in str(info.value) and endpoint in str(info.value) and "no-such-bucket" in str(info.value)
+    assert not is_transient(info.value)

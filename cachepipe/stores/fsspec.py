@@ -8,8 +8,11 @@ All errors from fsspec, s3fs, botocore and aiohttp, and from the direct S3 reque
 from __future__ import annotations
 
 import builtins
+import difflib
 import errno
+import inspect
 import os
+import socket
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,7 +21,7 @@ from typing import Any, BinaryIO
 import fsspec
 import fsspec.asyn
 
-from ..errors import StoreUnavailableError
+from ..errors import ConfigError, StoreUnavailableError, StoreUnreachableError, store_code
 from .base import ObjectInfo
 
 __all__ = ["FsspecStore"]
@@ -27,34 +30,21 @@ _CHUNK = 8 * 1024 * 1024  # bytes per request when streaming a range
 _UPLOAD_PART = 16 * 1024 * 1024  # multipart part size of uploads (s3fs: files from twice this size)
 
 
-def _http_status(exc: BaseException) -> int | None:
-    """The HTTP status of a botocore ClientError behind ``exc`` (s3fs chains it), if any."""
-    for err in (exc, exc.__cause__, exc.__context__):
-        response = getattr(err, "response", None)
-        if isinstance(response, dict):
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if isinstance(status, int):
-                return status
-    return None
-
-
-def _translate(exc: Exception, where: str) -> BaseException:
-    """Map an exception raised by fsspec or a backend SDK to the store error contract."""
-    status = _http_status(exc)
-    name = type(exc).__name__
-    if isinstance(exc, (FileNotFoundError, PermissionError)) or status in (403, 404):
-        if status == 403 or isinstance(exc, PermissionError):
-            return PermissionError(errno.EACCES, f"access denied to {where}: {exc}")
-        return FileNotFoundError(errno.ENOENT, f"not found: {where} ({exc})")
-    if name in ("NoCredentialsError", "PartialCredentialsError", "NoAuthTokenError"):
-        return PermissionError(errno.EACCES, f"no usable credentials for {where}: {exc}")
-    if status is not None and (status >= 500 or status in (408, 429)):
-        return StoreUnavailableError(f"store unavailable (HTTP {status}) for {where}: {exc}")
-    if isinstance(exc, OSError) and exc.errno == errno.EBUSY:  # s3fs: SlowDown, ServiceUnavailable
-        return StoreUnavailableError(f"store throttled or unavailable for {where}: {exc}")
-    if isinstance(exc, TimeoutError) or "Timeout" in name:
-        return TimeoutError(f"timed out on {where}: {exc}")
-    if isinstance(exc, ConnectionError) or name in (
+# S3 error codes that mean "these credentials are wrong", not "these credentials may not do this"
+_CREDENTIAL_CODES = frozenset(
+    {
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "InvalidToken",
+        "ExpiredToken",
+        "TokenRefreshRequired",
+        "InvalidSecurity",
+        "AuthorizationHeaderMalformed",
+    }
+)
+_THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "ServiceUnavailable"})
+_CONNECTION_NAMES = frozenset(
+    {
         "EndpointConnectionError",
         "ConnectionClosedError",
         "ClientConnectorError",
@@ -65,22 +55,146 @@ def _translate(exc: Exception, where: str) -> BaseException:
         "ProxyConnectionError",
         "IncompleteRead",
         "ResponseStreamingError",
-    ):
-        return ConnectionError(f"connection failed for {where}: {name}: {exc}")
+    }
+)
+# Options every fsspec filesystem takes (the instance cache, the listings cache, the event loop)
+_FSSPEC_OPTIONS = frozenset(
+    {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths", "asynchronous", "loop", "batch_size"}
+)
+# Filesystems whose accepted options are known in full: the signatures of their classes, plus, for
+# s3fs, those of the aiobotocore session it passes its other keyword arguments to. (Others may
+# read options from **kwargs themselves, so theirs are not checked.)
+_CHECKED_PROTOCOLS = frozenset({"s3", "s3a", "file", "local", "memory"})
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and what it wraps: causes, contexts, botocore's ``error`` and aiohttp's ``os_error``."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        err = todo.pop(0)
+        if id(err) in seen:
+            continue
+        seen.add(id(err))
+        yield err
+        kwargs = getattr(err, "kwargs", None)
+        wrapped = [err.__cause__, err.__context__, getattr(err, "os_error", None)]
+        wrapped.append(kwargs.get("error") if isinstance(kwargs, dict) else None)
+        todo.extend(e for e in wrapped if isinstance(e, BaseException))
+
+
+def _s3_error(exc: BaseException) -> tuple[int | None, str | None, str | None]:
+    """HTTP status, S3 error code and message of a botocore ClientError behind ``exc`` (s3fs
+    chains it; :class:`~cachepipe.stores.s3direct.HTTPStatusError` is shaped like it)."""
+    for err in _chain(exc):
+        response = getattr(err, "response", None)
+        if isinstance(response, dict):
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            error = response.get("Error") or {}
+            if isinstance(status, int):
+                return status, error.get("Code") or None, error.get("Message") or None
+    return None, None, None
+
+
+def _translate(exc: Exception, where: str, endpoint: str, answered: bool) -> BaseException:
+    """Map an exception raised by fsspec or a backend SDK to the store error contract.
+
+    ``endpoint`` names the server (or the local filesystem) in messages; ``answered`` says whether
+    it has answered a request before (a refused connection is then an outage, retried, and
+    otherwise a wrong endpoint, not retried).
+    """
+    status, code, message = _s3_error(exc)
+    name = type(exc).__name__
+    at = f"at {endpoint}"
+    if status is not None:
+        detail = f"{code or 'HTTP ' + str(status)}: {message}" if message else f"{code or 'no error code'}, HTTP {status}"
+        if code in _CREDENTIAL_CODES or status == 401:
+            return store_code(
+                PermissionError(errno.EACCES, f"{endpoint} rejected the credentials for {where} ({detail})"), code, endpoint
+            )
+        if status == 403 or code == "AccessDenied":
+            return store_code(PermissionError(errno.EACCES, f"access denied to {where} {at} ({detail})"), code, endpoint)
+        if status == 404 and code == "NoSuchBucket":
+            return store_code(FileNotFoundError(errno.ENOENT, f"no such bucket {at}: {where} ({detail})"), code, endpoint)
+        if status == 404:
+            return store_code(FileNotFoundError(errno.ENOENT, f"not found {at}: {where} ({detail})"), code, endpoint)
+        if status >= 500 or status in (408, 429) or code in _THROTTLE_CODES:
+            return store_code(StoreUnavailableError(f"store {at} unavailable for {where} ({detail})"), code, endpoint)
+        return store_code(OSError(f"{endpoint} refused {where} ({detail})"), code, endpoint)
+    if isinstance(exc, TypeError):  # s3fs passes unknown options on to aiobotocore, which raises this
+        return ConfigError(f"{where}: storage_options rejected by the filesystem: {exc}")
+    if isinstance(exc, (FileNotFoundError, PermissionError)):
+        if isinstance(exc, FileNotFoundError):
+            return store_code(FileNotFoundError(exc.errno, f"not found: {where} ({exc})"), None, endpoint)
+        return store_code(PermissionError(exc.errno, f"access denied to {where} {at}: {exc}"), None, endpoint)
+    if name in ("NoCredentialsError", "PartialCredentialsError", "NoAuthTokenError"):
+        return store_code(PermissionError(errno.EACCES, f"no usable credentials for {where} {at}: {exc}"), None, endpoint)
+    chain = list(_chain(exc))
+    if any(isinstance(err, socket.gaierror) for err in chain):
+        reason = next(str(err) for err in chain if isinstance(err, socket.gaierror))
+        return store_code(
+            StoreUnreachableError(
+                f"cannot reach {endpoint} for {where}: its host name does not resolve ({reason}); check the endpoint_url"
+            ),
+            None,
+            endpoint,
+        )
+    refused = any(isinstance(err, ConnectionRefusedError) for err in chain)
+    if refused and not answered:
+        return store_code(
+            StoreUnreachableError(
+                f"cannot reach {endpoint} for {where}: connection refused before it ever answered; check the endpoint_url"
+            ),
+            None,
+            endpoint,
+        )
+    if isinstance(exc, OSError) and exc.errno == errno.EBUSY:  # s3fs: SlowDown, ServiceUnavailable
+        return store_code(StoreUnavailableError(f"store {at} throttled or unavailable for {where}: {exc}"), None, endpoint)
+    if isinstance(exc, TimeoutError) or "Timeout" in name:
+        return store_code(TimeoutError(f"timed out talking to {endpoint} for {where}: {exc}"), None, endpoint)
+    if refused or isinstance(exc, ConnectionError) or name in _CONNECTION_NAMES:
+        return store_code(ConnectionError(f"connection to {endpoint} failed for {where}: {name}: {exc}"), None, endpoint)
     if isinstance(exc, OSError):
         return exc
-    return OSError(errno.EIO, f"{where}: {name}: {exc}")
+    return store_code(OSError(f"{where} {at}: {name}: {exc}"), None, endpoint)  # no errno: permanent
 
 
-@contextmanager
-def _errors(where: str) -> Iterator[None]:
+def _check_options(url: str, fs_cls: Any, options: dict[str, Any]) -> None:
+    """Raise ConfigError for a storage option that ``fs_cls`` would ignore or fail on later."""
+    protocols = (fs_cls.protocol,) if isinstance(fs_cls.protocol, str) else tuple(fs_cls.protocol)
+    if not _CHECKED_PROTOCOLS.intersection(protocols):
+        return
+    accepted = set(_FSSPEC_OPTIONS)
+    classes: builtins.list[Any] = [c for c in fs_cls.__mro__ if c is not object]
+    if "s3" in protocols:
+        import aiobotocore.session  # type: ignore[import-untyped]
+
+        classes.append(aiobotocore.session.AioSession)
+    for cls in classes:
+        for param in inspect.signature(cls.__init__).parameters.values():
+            if param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY) and param.name != "self":
+                accepted.add(param.name)
+    for key in options:
+        if key not in accepted:
+            close = difflib.get_close_matches(key, sorted(accepted), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(
+                f"storage_options[{key!r}] is not an option of {protocols[0]}:// ({fs_cls.__module__}.{fs_cls.__name__}) "
+                f"for {url!r}; {hint}accepted: {', '.join(sorted(accepted))}"
+            )
+
+
+def _filesystem_class(url: str) -> type:
+    """The fsspec filesystem class serving ``url``; ConfigError naming the known schemes if none does."""
+    protocol = fsspec.core.split_protocol(url)[0] or "file"
     try:
-        yield
-    except Exception as exc:
-        translated = _translate(exc, where)
-        if translated is exc:
-            raise
-        raise translated from exc
+        return fsspec.get_filesystem_class(protocol)  # type: ignore[no-any-return]  # fsspec is untyped
+    except ValueError as exc:
+        known = sorted({"obs", *fsspec.available_protocols()})
+        raise ConfigError(
+            f"unknown URL scheme {protocol + '://'!r} in {url!r}; cachepipe serves s3://, obs://, file:// "
+            f"(or a plain path) and memory://, and fsspec also knows: {', '.join(known)}"
+        ) from exc
 
 
 class FsspecStore:
@@ -95,8 +209,15 @@ class FsspecStore:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, chunk_size: int = _CHUNK) -> None:
         self.url = url
-        with _errors(url):
-            self.fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        options = dict(storage_options or {})
+        if "::" not in url:  # a chained URL's options are per layer: left to fsspec
+            _check_options(url, _filesystem_class(url), options)
+        self._answered = False  # the endpoint answered a request: a refused connection is then an outage
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **options)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{url!r}: fsspec rejected the URL or storage_options: {type(exc).__name__}: {exc}") from exc
+        self.endpoint = self._endpoint(options)
         self.root = root.rstrip("/")
         self.chunk_size = chunk_size
         self._direct: Any = None  # a DirectGet for plain s3fs options (botocore only imported then)
@@ -111,6 +232,34 @@ class FsspecStore:
     def __repr__(self) -> str:
         return f"FsspecStore({self.url!r})"
 
+    def _endpoint(self, options: dict[str, Any]) -> str:
+        """The server this store talks to, for messages: the endpoint URL, or what stands for it."""
+        protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)
+        if "s3" in protocols:
+            client_kwargs = options.get("client_kwargs") or {}
+            return str(options.get("endpoint_url") or client_kwargs.get("endpoint_url") or "the AWS S3 endpoint")
+        if "file" in protocols or "local" in protocols:
+            self._answered = True
+            return "the local filesystem"
+        if "memory" in protocols:
+            self._answered = True
+            return "fsspec's memory filesystem"
+        return f"the {protocols[0]}:// endpoint"
+
+    @contextmanager
+    def _errors(self, where: str) -> Iterator[None]:
+        """The seam: translate whatever the body raises (see :func:`_translate`)."""
+        try:
+            yield
+        except Exception as exc:
+            if _s3_error(exc)[0] is not None:
+                self._answered = True
+            translated = _translate(exc, where, self.endpoint, self._answered)
+            if translated is exc:
+                raise
+            raise translated from exc
+        self._answered = True
+
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}" if self.root else key
 
@@ -123,7 +272,7 @@ class FsspecStore:
         if getattr(self.fs, "protocol", None) in (("s3", "s3a"), "s3") and not getattr(self.fs, "version_aware", False):
             yield from self._list_s3()
             return
-        with _errors(self.url):
+        with self._errors(self.url):
             self.fs.invalidate_cache(self.root)  # a relisting must see the store as it is now
             entries = self.fs.find(self.root, detail=True, withdirs=False)
         prefix = f"{self.root}/" if self.root else ""
@@ -139,7 +288,7 @@ class FsspecStore:
         prefix = f"{key}/" if key else ""
         token = None
         while True:
-            with _errors(self.url):
+            with self._errors(self.url):
                 entries, token = self._list_s3_page(bucket, prefix, token)
             for name, size, etag in entries:
                 if name == prefix:
@@ -169,7 +318,7 @@ class FsspecStore:
     def get(self, key: str, out: BinaryIO, start: int, end: int) -> int:
         path = self._path(key)
         if self._direct is not None:
-            with _errors(f"{self.url.rstrip('/')}/{key}"):
+            with self._errors(f"{self.url.rstrip('/')}/{key}"):
                 got = self._direct.get(self._bucket, self._key_prefix + key, out, start, end)
             if got is not None:
                 return got  # type: ignore[no-any-return]  # as above
@@ -177,7 +326,7 @@ class FsspecStore:
         pos = start
         while pos < end:
             want = min(self.chunk_size, end - pos)
-            with _errors(f"{self.url.rstrip('/')}/{key}"):
+            with self._errors(f"{self.url.rstrip('/')}/{key}"):
                 data = self.fs.cat_file(path, start=pos, end=pos + want)
             if not data:
                 break
@@ -203,7 +352,7 @@ class FsspecStore:
         on a local filesystem it is copied to a temporary name beside the target and renamed."""
         local = os.fspath(local_path)
         path = self._path(key)
-        with _errors(f"{self.url.rstrip('/')}/{key}"):
+        with self._errors(f"{self.url.rstrip('/')}/{key}"):
             protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)
             if "file" in protocols or "local" in protocols:
                 self.fs.makedirs(self.fs._parent(path), exist_ok=True)  # noqa: SLF001 - fsspec's own parent rule for this filesystem
@@ -224,7 +373,7 @@ class FsspecStore:
         """True if ``key`` exists. Asks the store (no cached listing); a missing object is False,
         any other failure raises (fsspec's own ``exists`` would return False for those too)."""
         path = self._path(key)
-        with _errors(f"{self.url.rstrip('/')}/{key}"):
+        with self._errors(f"{self.url.rstrip('/')}/{key}"):
             self.fs.invalidate_cache(path)
             try:
                 info = self.fs.info(path)

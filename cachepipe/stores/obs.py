@@ -25,8 +25,12 @@ Error seam: the SDK does not raise for HTTP errors, it returns a result with ``s
     HTTP 403 AccessDenied and other 403s                PermissionError    "access denied"
     HTTP 5xx, 429, SlowDown, throttling                 StoreUnavailableError (a ConnectionError)
     socket timeout                                      TimeoutError       "timed out ... OBS endpoint"
-    refused, DNS, reset, TLS, broken HTTP               StoreUnavailableError "cannot reach OBS endpoint"
+    DNS failure; refused before OBS ever answered       StoreUnreachableError "cannot reach OBS endpoint" (not retried)
+    refused once OBS answered, reset, TLS, broken HTTP  StoreUnavailableError "cannot reach OBS endpoint"
     anything else (400, 416...)                         OSError            permanent
+
+Messages carry the OBS error code and message; the code is also the attribute ``code`` of the
+raised error and the endpoint its ``endpoint`` (:func:`cachepipe.errors.store_code`).
 
 Each is chained (``raise ... from``) to the SDK's exception or, for a returned result, to an
 :class:`ObsServiceError` built from its status, code and message. Messages never contain the
@@ -45,7 +49,7 @@ from http.client import HTTPException
 from typing import Any, BinaryIO, TypeVar
 from urllib.parse import urlsplit
 
-from cachepipe.errors import ConfigError, StoreUnavailableError
+from cachepipe.errors import ConfigError, StoreUnavailableError, StoreUnreachableError, store_code
 from cachepipe.stores.base import ObjectInfo
 
 __all__ = ["CHUNK_SIZE", "MAX_PAGE_SIZE", "ObsServiceError", "ObsStore"]
@@ -275,6 +279,7 @@ class ObsStore:
         self._settings = settings
         self._secrets = tuple(str(settings.client_kwargs[k]) for k in _SECRET_KEYS if settings.client_kwargs.get(k))
         self._timeout = settings.client_kwargs.get("timeout", 60)
+        self._answered = False  # OBS answered a request: a refused connection is then an outage, retried
         try:
             with warnings.catch_warnings():
                 # For an https endpoint the SDK builds ssl.SSLContext(ssl.PROTOCOL_SSLv23), which
@@ -453,6 +458,8 @@ class ObsStore:
             resp = self._open().headObject(self.bucket, self.prefix + key)
         except (OSError, HTTPException) as exc:
             raise self._unreachable(exc, "head", key) from exc
+        if isinstance(getattr(resp, "status", None), int):
+            self._answered = True
         if getattr(resp, "status", None) == 404:
             return False
         self._check(resp, "head", key)
@@ -492,6 +499,8 @@ class ObsStore:
             resp = fn(*args, **kwargs)
         except (OSError, HTTPException) as exc:
             raise self._unreachable(exc, what, key) from exc
+        if isinstance(getattr(resp, "status", None), int):
+            self._answered = True
         self._check(resp, what, key)
         return resp
 
@@ -514,32 +523,32 @@ class ObsStore:
         message = self._redact(message) if message else None
         cause = ObsServiceError(status, code, message, getattr(resp, "requestId", None))
         target = self._object_url(key)
-        detail = f"({code + ', ' if code else ''}HTTP {status})"
+        detail = f"({code + ', ' if code else ''}HTTP {status}{': ' + message if message else ''})"
+        raise store_code(self._error_for(status, code, what, detail, target), code, self.endpoint) from cause
+
+    def _error_for(self, status: int | None, code: str | None, what: str, detail: str, target: str) -> OSError:
+        """The builtin error for an error result (chained by the caller)."""
         doing = _DOING.get(what, what)
         if status == 404 and (code == "NoSuchBucket" or what == "list"):
-            raise FileNotFoundError(
-                f"OBS bucket {self.bucket!r} does not exist at {self.endpoint} {detail}, {doing} {target}"
-            ) from cause
+            return FileNotFoundError(f"OBS bucket {self.bucket!r} does not exist at {self.endpoint} {detail}, {doing} {target}")
         if status == 404:
             hint = "" if code == "NoSuchKey" else " (or no such bucket)"
-            raise FileNotFoundError(f"no such object {target}{hint} {detail}") from cause
+            return FileNotFoundError(f"no such object {target}{hint} {detail}")
         if status == 401 or code in _CREDENTIAL_CODES:  # some (ExpiredToken, InvalidToken) come as 400
-            raise PermissionError(
+            return PermissionError(
                 f"OBS at {self.endpoint} rejected the credentials {detail} {doing} {target}; "
                 f"check the access key pair and token (credentials from: {self._credential_hint()})"
-            ) from cause
+            )
         if status == 403:
-            raise PermissionError(
+            return PermissionError(
                 f"access denied to {target} {detail}: the credentials (from: {self._credential_hint()}) were "
                 "accepted but lack permission for this bucket or object"
-            ) from cause
+            )
         if status == 429 or code in _THROTTLE_CODES or (isinstance(status, int) and status >= 500):
-            raise StoreUnavailableError(
-                f"OBS at {self.endpoint} is unavailable or throttling {detail}, {doing} {target}"
-            ) from cause
+            return StoreUnavailableError(f"OBS at {self.endpoint} is unavailable or throttling {detail}, {doing} {target}")
         if status is None:
-            raise StoreUnavailableError(f"cannot reach OBS endpoint {self.endpoint}: no response, {doing} {target}") from cause
-        raise OSError(f"OBS refused {doing} {target} {detail}: {cause.message or 'no message'}") from cause
+            return StoreUnavailableError(f"cannot reach OBS endpoint {self.endpoint}: no response, {doing} {target}")
+        return OSError(f"OBS at {self.endpoint} refused {doing} {target} {detail}")
 
     def _credential_hint(self) -> str:
         return {
@@ -552,12 +561,17 @@ class ObsStore:
         """The builtin error for a network exception raised by the SDK or the body read."""
         doing = _DOING.get(what, what)
         target = self._object_url(key)
+        check = f"check storage_options['server'] or {_ENV_ENDPOINT}"
+        error: OSError
         if isinstance(exc, TimeoutError):
-            return TimeoutError(f"timed out after {self._timeout} s talking to OBS endpoint {self.endpoint}, {doing} {target}")
-        if isinstance(exc, socket.gaierror):
-            reason = f"its host name does not resolve ({exc.strerror}); check storage_options['server'] or {_ENV_ENDPOINT}"
-        elif isinstance(exc, ConnectionRefusedError):
-            reason = f"connection refused; check storage_options['server'] or {_ENV_ENDPOINT}"
+            error = TimeoutError(f"timed out after {self._timeout} s talking to OBS endpoint {self.endpoint}, {doing} {target}")
+        elif isinstance(exc, socket.gaierror):
+            reason = f"its host name does not resolve ({exc.strerror}); {check}"
+            error = StoreUnreachableError(f"cannot reach OBS endpoint {self.endpoint}: {reason} ({doing} {target})")
+        elif isinstance(exc, ConnectionRefusedError) and not self._answered:
+            reason = f"connection refused before it ever answered; {check}"
+            error = StoreUnreachableError(f"cannot reach OBS endpoint {self.endpoint}: {reason} ({doing} {target})")
         else:
             reason = self._redact(f"{type(exc).__name__}: {exc}")
-        return StoreUnavailableError(f"cannot reach OBS endpoint {self.endpoint}: {reason} ({doing} {target})")
+            error = StoreUnavailableError(f"cannot reach OBS endpoint {self.endpoint}: {reason} ({doing} {target})")
+        return store_code(error, None, self.endpoint)

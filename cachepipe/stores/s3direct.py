@@ -80,13 +80,27 @@ def _parse_listing(body: bytes) -> _Page:
     return entries, root.findtext(f"{ns}NextContinuationToken") if truncated else None
 
 
+def _error_body(body: bytes) -> tuple[str | None, str | None]:
+    """S3's error ``Code`` and ``Message`` from an error response body, (None, None) if it has none."""
+    try:
+        root = ElementTree.fromstring(body)  # noqa: S314 - as in _parse_listing
+    except ElementTree.ParseError:
+        return None, None
+    ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
+    return root.findtext(f"{ns}Code") or None, root.findtext(f"{ns}Message") or None
+
+
 class HTTPStatusError(OSError):
     """A non-success status of a direct request, shaped like botocore's errors (a ``response`` with
-    ``ResponseMetadata.HTTPStatusCode``) so that the backend's seam maps it the same way."""
+    ``ResponseMetadata.HTTPStatusCode`` and ``Error.Code``/``Error.Message`` from S3's error body)
+    so that the backend's seam maps it the same way."""
 
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(f"HTTP {status} {reason}")
-        self.response = {"ResponseMetadata": {"HTTPStatusCode": status}}
+    def __init__(self, status: int, reason: str, body: bytes = b"") -> None:
+        code, message = _error_body(body) if body else (None, None)
+        super().__init__(f"HTTP {status} {code or reason}: {message}" if message else f"HTTP {status} {code or reason}")
+        self.response: dict[str, Any] = {"ResponseMetadata": {"HTTPStatusCode": status}}
+        if code or message:
+            self.response["Error"] = {"Code": code, "Message": message}
 
 
 class _Probed(Exception):
@@ -344,8 +358,7 @@ class DirectGet:
 
         def read(route: _Route, resp: http.client.HTTPResponse) -> int:
             if resp.status != 206 and not (resp.status == 200 and start == 0):
-                resp.read()
-                raise HTTPStatusError(resp.status, resp.reason)
+                raise HTTPStatusError(resp.status, resp.reason, resp.read())
             written = 0
             while written < end - start:
                 chunk = resp.read(min(_READ, end - start - written))
@@ -379,7 +392,7 @@ class DirectGet:
         def read(route: _Route, resp: http.client.HTTPResponse) -> _Page:  # noqa: ARG001 - the callback's signature is fixed by its caller
             body = resp.read()
             if resp.status != 200:
-                raise HTTPStatusError(resp.status, resp.reason)
+                raise HTTPStatusError(resp.status, resp.reason, body)
             return _parse_listing(body)
 
         return self._exchange("ListObjectsV2", bucket, lambda route: f"{route.prefix[:-1] or '/'}?{encoded}", {}, read)
