@@ -6,16 +6,24 @@
     cachepipe release PATH [--lease ID]                            give it back to the queue
     cachepipe renew   PATH [--lease ID]                            extend its lease
     cachepipe status  [--json]
+    cachepipe wait    [--timeout S]                                until the daemon serves (scripts)
     cachepipe map SRC DST --cache DIR --capacity SIZE [--jobs N] [--unpack] ... -- CMD ARGS...
 
 Client commands take ``--socket PATH`` (or ``http://HOST:PORT``); default ``$CACHEPIPE_SOCKET``,
-else ``/run/cachepipe/cachepipe.sock``.
+else ``/run/cachepipe/cachepipe.sock``; and ``--startup-timeout S`` (default 10): how long to keep
+trying while the daemon is starting or restarting (no socket yet, refused, or "stopping"; 0: fail
+at once). ``wait`` waits ``--timeout`` seconds (default 30) for a daemon to serve.
 
 Exit status: 0 success; 1 error (daemon unreachable, item failed...); 2 usage; 3 ``next``:
 every item was delivered; 4 ``next``: no item within ``--timeout``; 5 ``ack``/``release``/
 ``renew`` refused (not handed out, or the lease expired and the item went to another consumer);
-78 invalid configuration (``serve``). ``map``: 0 when every item succeeded, 1 if any failed,
-130 when interrupted.
+``wait``: 0 the daemon serves (it prints its health: ``ok``, or ``degraded`` when a pipeline is
+down), 4 not serving within ``--timeout``, 1 cannot reach it for another reason (no permission
+on its socket...). ``serve``: 78 invalid configuration, or one this host cannot run (a
+``socket_group`` that does not exist, a directory it cannot create or write: what ``--check``
+reports), or the ``service`` extra is not installed (one line naming the module and
+``pip install 'cachepipe[service]'``); 1 the daemon could not start (store unreachable...).
+``map``: 0 when every item succeeded, 1 if any failed, 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -27,14 +35,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import __version__
+from .client import DEFAULT_STARTUP_TIMEOUT
 from .config import format_size
 from .errors import UnknownItemError
 
-__all__ = ["EXIT_END", "EXIT_REFUSED", "EXIT_TIMEOUT", "main"]
+__all__ = ["EXIT_CONFIG", "EXIT_END", "EXIT_REFUSED", "EXIT_TIMEOUT", "main"]
 
 EXIT_END = 3
 EXIT_TIMEOUT = 4
 EXIT_REFUSED = 5
+EXIT_CONFIG = 78  # serve: invalid configuration, or this host cannot run it (the systemd unit does not restart)
+_SERVICE_MODULES = frozenset({"watchdog", "prometheus_client"})  # the `service` extra: what `serve` needs beyond the core
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,6 +66,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="daemon socket path or http://HOST:PORT (default: $CACHEPIPE_SOCKET or /run/cachepipe/cachepipe.sock)",
     )
+    client.add_argument(
+        "--startup-timeout",
+        type=_seconds,
+        default=DEFAULT_STARTUP_TIMEOUT,
+        metavar="S",
+        help=f"keep trying this long while the daemon starts or restarts (default {DEFAULT_STARTUP_TIMEOUT:g}; 0: fail at once)",
+    )
 
     nxt = sub.add_parser("next", parents=[client], help="take the next item and print its local path")
     nxt.add_argument("--pipeline", "-p", default=None, help="pipeline name (default: the daemon's only one)")
@@ -73,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", parents=[client], help="show the daemon's pipelines and counters")
     status.add_argument("--json", action="store_true", help="print the full status as JSON")
 
+    wait = sub.add_parser("wait", parents=[client], help="wait until the daemon serves (exit 0), or --timeout passes (4)")
+    wait.add_argument("--timeout", "-t", type=_seconds, default=30.0, help="seconds to wait (default 30)")
+
     from .map.cli import add_map_parser
 
     add_map_parser(sub)
@@ -83,8 +104,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``cachepipe`` console script; returns the exit status."""
     args = _parser().parse_args(argv)
     if args.command == "serve":
-        from .service.main import check, serve
-
+        try:
+            from .service.main import check, serve
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").partition(".")[0] not in _SERVICE_MODULES:
+                raise
+            print(
+                f"cachepipe serve: the Python module {exc.name!r} is not installed; it comes with the service extra: "
+                "pip install 'cachepipe[service]'",
+                file=sys.stderr,
+            )
+            return EXIT_CONFIG
         return check(args.config) if args.check else serve(args.config)
     if args.command == "map":
         from .map.cli import run_map_command
@@ -93,8 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .client import Client, ServiceError
 
     try:
-        with Client(getattr(args, "pipeline", None), args.socket, auto_ack=False) as client:
-            if args.command == "next":
+        with Client(getattr(args, "pipeline", None), args.socket, auto_ack=False, startup_timeout=args.startup_timeout) as client:
+            if args.command == "wait":
+                print(client.wait_ready(args.timeout).get("status", "ok"))
+            elif args.command == "next":
                 item = client.get(timeout=args.timeout)
                 if item is None:
                     print("cachepipe: every item was delivered", file=sys.stderr)
@@ -115,6 +147,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cachepipe: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds >= 0, like 10 or 0.5")
+    return value
 
 
 def format_status(info: dict[str, Any]) -> str:

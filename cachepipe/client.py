@@ -20,6 +20,11 @@ Errors: :class:`~cachepipe.UnknownItemError` for an ack/release the daemon rejec
 out, or the lease expired and the item went to another consumer: HTTP 409), ``TimeoutError``
 when no item became ready in time, ``ConnectionError`` when the daemon cannot be reached, and
 :class:`ServiceError` for any other error answer.
+
+A daemon that is starting or restarting is waited for, up to ``startup_timeout`` seconds (default
+10): its socket appears only once it is ready, so "no socket" or "refused" means "not yet", and
+a ``next`` answered "stopping" is asked again of the next daemon. :meth:`Client.wait_ready`
+(``cachepipe wait``) waits for a daemon explicitly.
 """
 
 from __future__ import annotations
@@ -39,13 +44,15 @@ from urllib.parse import quote, urlsplit
 from .errors import CachePipeError, UnknownItemError
 from .items import PathItem
 
-__all__ = ["DEFAULT_SOCKET", "Client", "ServedItem", "ServiceError", "default_socket"]
+__all__ = ["DEFAULT_SOCKET", "DEFAULT_STARTUP_TIMEOUT", "Client", "ServedItem", "ServiceError", "default_socket"]
 
 log = logging.getLogger("cachepipe.client")
 
 DEFAULT_SOCKET = "/run/cachepipe/cachepipe.sock"
 _SLICE = 60.0  # longest single wait per request; longer waits are several requests
 _MARGIN = 30.0  # socket timeout beyond the wait the daemon was asked for
+DEFAULT_STARTUP_TIMEOUT = 10.0  # covers a restart: stop (close the caches) and start (open them)
+_POLL = (0.02, 0.05, 0.1, 0.2, 0.25)  # pauses between attempts to reach a starting daemon, then the last
 
 
 def default_socket() -> str:
@@ -153,6 +160,11 @@ class Client:
         auto_ack: in ``for item in client``, acknowledge each item when the loop asks for the
             next (default True); an item the loop stopped inside is released.
         request_timeout: seconds to wait for any other answer (status, ack...).
+        startup_timeout: seconds to keep trying while the daemon is not there to answer: its
+            socket is missing or refuses connections (it is starting, or restarting), or it
+            answers that it is stopping. Default 10; 0: fail at once. Only requests that
+            change nothing are tried again (``next`` without an ack, status, health, metrics);
+            the wait is at most this long per outage, never forever.
     """
 
     def __init__(
@@ -163,7 +175,11 @@ class Client:
         timeout: float | None = None,
         auto_ack: bool = True,
         request_timeout: float = 30.0,
+        startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
     ) -> None:
+        if isinstance(startup_timeout, bool) or not isinstance(startup_timeout, (int, float)) or not startup_timeout >= 0:
+            raise ValueError(f"startup_timeout {startup_timeout!r}: expected a number of seconds >= 0 (0: do not wait)")
+        self.startup_timeout = float(startup_timeout)
         self.pipeline = pipeline
         self.address = os.fspath(socket) if socket is not None else default_socket()
         self.timeout = timeout
@@ -251,19 +267,25 @@ class Client:
                 raise ValueError(f"the daemon at {self.address} serves the pipelines {', '.join(names)}: pass pipeline=NAME")
             self.pipeline = names[0]
         route = f"/v1/pipelines/{quote(str(self.pipeline), safe='')}/next"
+        outage = _Outage(self.startup_timeout)
         while True:
             wait = _SLICE if deadline is None else min(max(deadline - time.monotonic(), 0.0), _SLICE)
             body: dict[str, Any] = {"timeout": wait}
             if ack is not None:
                 body["ack"] = {"path": str(ack.path), "lease": ack.lease}
-                ack = None
-            status, data = self._request("POST", route, body, wait + _MARGIN)
+            # A next carrying an ack is sent once: were it sent again, the ack could be refused
+            # (or apply twice); without one, asking again changes nothing.
+            status, data = self._request("POST", route, body, wait + _MARGIN, retry=ack is None)
+            ack = None
             if status == 200:
                 return ServedItem.from_json(json.loads(data))
             if status == 204:
                 return None
             if status == 408 and (deadline is None or deadline - time.monotonic() > 0):
                 continue  # the daemon capped this wait (max_wait); ours goes on
+            if status == 503 and _code(data) == "stopping" and outage.pause():
+                self._drop()
+                continue  # the daemon is going away (a restart?): ask its successor
             self._raise_for(status, data)
 
     def ack(self, item: str | os.PathLike[str], lease: str | None = None) -> None:
@@ -316,6 +338,43 @@ class Client:
         reply: dict[str, Any] = json.loads(data)
         return reply
 
+    def wait_ready(self, timeout: float | None = None) -> dict[str, Any]:
+        """Wait until the daemon serves (its socket answers and it is not stopping); returns
+        its health (``"ok"``, or ``"degraded"`` when a pipeline is down). What ``cachepipe wait``
+        does: for scripts that start a daemon outside systemd.
+
+        Args:
+            timeout: seconds to wait (default ``startup_timeout``).
+
+        Raises:
+            TimeoutError: it did not become ready in time.
+            ConnectionError: it cannot be reached for another reason (no permission on its socket...).
+        """
+        self._require_open()
+        limit = self.startup_timeout if timeout is None else timeout
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 0:
+            raise ValueError(f"timeout {timeout!r}: expected a number of seconds >= 0")
+        outage = _Outage(limit)
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                status, data = self._request(
+                    "GET", "/v1/health", None, self.request_timeout, patience=max(deadline - time.monotonic(), 0.0)
+                )
+            except ConnectionError as exc:
+                if isinstance(exc.__cause__, (FileNotFoundError, ConnectionRefusedError, ConnectionResetError)):
+                    raise TimeoutError(f"the cachepipe daemon at {self.address} was not ready within {limit:g} s: {exc}") from exc
+                raise
+            info = _info(data)
+            if status == 200 or (status == 503 and info.get("status") == "degraded"):
+                return info
+            if status != 503 or not outage.pause():
+                raise TimeoutError(
+                    f"the cachepipe daemon at {self.address} was not ready within {limit:g} s: "
+                    f"it answers HTTP {status} {info.get('status') or _code(data)}"
+                )
+            self._drop()
+
     def metrics(self) -> str:
         """The Prometheus text exposition (``GET /metrics``)."""
         self._require_open()
@@ -349,11 +408,32 @@ class Client:
         self._conn = conn
         return conn, True
 
-    def _request(self, method: str, path: str, body: dict[str, Any] | None, timeout: float) -> tuple[int, bytes]:
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        timeout: float,
+        *,
+        retry: bool | None = None,
+        patience: float | None = None,
+    ) -> tuple[int, bytes]:
+        """One request and its answer, reconnecting as needed.
+
+        A connection that cannot be made because nothing listens (no socket file, or refused:
+        a daemon starting or restarting) is tried again for up to ``startup_timeout``: such a
+        request never reached a daemon. So is one the daemon closed before answering, when
+        ``retry`` (default: GET requests) says asking again changes nothing. ``patience``
+        replaces ``startup_timeout`` for this request.
+        """
         payload = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"} if payload is not None else {}
+        if retry is None:
+            retry = method == "GET"
+        outage = _Outage(self.startup_timeout if patience is None else patience)
         with self._lock:
-            for attempt in (0, 1):
+            kept = True  # the first attempt may be on a kept-alive connection the daemon closed meanwhile
+            while True:
                 conn, fresh = self._connection(timeout)
                 try:
                     conn.request(method, path, body=payload, headers=headers)
@@ -364,11 +444,24 @@ class Client:
                     raise TimeoutError(
                         f"the cachepipe daemon at {self.address} did not answer {method} {path} within {timeout:g} s"
                     ) from exc
+                except (FileNotFoundError, ConnectionRefusedError) as exc:
+                    self._drop()
+                    if outage.pause():
+                        continue  # nothing listens yet: a daemon starting or restarting
+                    raise ConnectionError(
+                        f"cannot reach the cachepipe daemon at {self.address}: {exc}{outage.waited()} (is `cachepipe serve` "
+                        "running? `cachepipe wait` waits for it to be ready)"
+                    ) from exc
                 except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
                     self._drop()
-                    if fresh or attempt:
-                        raise ConnectionError(f"the cachepipe daemon at {self.address} closed the connection: {exc}") from exc
-                    continue  # a kept-alive connection the daemon had closed (it restarted): once more, fresh
+                    if not fresh and kept:
+                        kept = False
+                        continue  # a kept-alive connection the daemon had closed (it restarted): once more, fresh
+                    if retry and outage.pause():
+                        continue  # the daemon went away before answering (it is stopping)
+                    raise ConnectionError(
+                        f"the cachepipe daemon at {self.address} closed the connection: {exc}{outage.waited()}"
+                    ) from exc
                 except (OSError, http.client.HTTPException) as exc:
                     self._drop()
                     raise ConnectionError(
@@ -378,7 +471,6 @@ class Client:
                 if response.will_close:
                     self._drop()
                 return response.status, data
-        raise AssertionError("unreachable")
 
     def _drop(self) -> None:
         conn, self._conn = self._conn, None
@@ -386,15 +478,48 @@ class Client:
             conn.close()
 
     def _raise_for(self, status: int, data: bytes) -> None:
-        try:
-            info = json.loads(data) if data else {}
-        except ValueError:
-            info = {}
-        if not isinstance(info, dict):
-            info = {}
+        info = _info(data)
         message = str(info.get("message") or data[:200].decode(errors="replace") or f"HTTP {status}")
         if status == 409:
             raise UnknownItemError(message)
         if status == 408:
             raise TimeoutError(message)
         raise ServiceError(status, str(info.get("error", "")), message)
+
+
+def _info(data: bytes) -> dict[str, Any]:
+    try:
+        info = json.loads(data) if data else {}
+    except ValueError:
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _code(data: bytes) -> str:
+    """The ``error`` code of an error answer ("" if none)."""
+    return str(_info(data).get("error", ""))
+
+
+class _Outage:
+    """How long we have been waiting for a daemon to be there; the pauses between attempts."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self._since: float | None = None
+        self._pauses = 0
+
+    def pause(self) -> bool:
+        """Wait a little before the next attempt; False (at once) once ``limit`` has passed."""
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        left = self._since + self.limit - now
+        if left <= 0:
+            return False
+        time.sleep(min(_POLL[min(self._pauses, len(_POLL) - 1)], left))
+        self._pauses += 1
+        return True
+
+    def waited(self) -> str:
+        """For an error message: how long we kept trying."""
+        return f" (tried for {self.limit:g} s)" if self._since is not None and self.limit > 0 else ""

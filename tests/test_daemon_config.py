@@ -188,11 +188,21 @@ def test_serve_refuses_a_bad_config_with_exit_status_78(tmp_path):
         )
         assert proc.returncode == 78, proc.stderr
         assert "pipelines.train.capacity = '10X'" in proc.stderr
+    import grp
+    import os
+
+    here = {  # the example's paths and group, moved to what this test host has (--check checks the host too)
+        "CACHEPIPE_SOCKET": str(tmp_path / "run" / "cachepipe.sock"),
+        "CACHEPIPE_SOCKET_GROUP": grp.getgrgid(os.getegid()).gr_name,
+        "CACHEPIPE_PIPELINES__TRAIN__CACHE_DIR": str(tmp_path / "train"),
+        "CACHEPIPE_PIPELINES__VAL__CACHE_DIR": str(tmp_path / "val"),
+    }
     ok = subprocess.run(
         [sys.executable, "-m", "cachepipe.cli", "serve", "--check", "--config", str(EXAMPLE)],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
+        env={**os.environ, **here},
     )
     assert ok.returncode == 0 and "valid" in ok.stdout, ok.stderr

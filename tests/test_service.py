@@ -364,7 +364,18 @@ def test_sigterm_exits_0_quickly_and_leaves_published_items(s3_source, s3_endpoi
             client.ack(client.get(timeout=30))
             client.get(timeout=30), client.get(timeout=30)  # everything is leased now
             waiting = subprocess.Popen(
-                [sys.executable, "-m", "cachepipe.cli", "next", "--socket", str(sock), "--timeout", "60"],
+                [
+                    sys.executable,
+                    "-m",
+                    "cachepipe.cli",
+                    "next",
+                    "--socket",
+                    str(sock),
+                    "--timeout",
+                    "60",
+                    "--startup-timeout",
+                    "0",
+                ],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,

@@ -68,8 +68,8 @@ from typing import Any, Protocol
 from .. import __version__
 from ..errors import ConfigError, ItemFailedError, UnknownItemError
 from ..pipeline import CachedItem
-from .config import ServiceConfig
-from .errors import UnavailableError, UnknownPipelineError
+from .config import SOCKET_PATH_MAX, ServiceConfig
+from .errors import StoppingError, UnavailableError, UnknownPipelineError
 from .metrics import CONTENT_TYPE, Metrics
 
 __all__ = ["ApiServer", "Deadlines", "Service", "item_json"]
@@ -182,6 +182,7 @@ def _error_for(exc: BaseException) -> tuple[int, str]:
         (UnknownItemError, 409, "lease_conflict"),
         (TimeoutError, 408, "timeout"),
         (ItemFailedError, 502, "item_failed"),
+        (StoppingError, 503, "stopping"),
         (UnavailableError, 503, "unavailable"),
         (ValueError, 400, "bad_request"),
     ):
@@ -553,7 +554,9 @@ class ApiServer:
     """The listening sockets and the thread that accepts connections.
 
     :meth:`bind` creates the sockets (the Unix one with its mode and group, before it listens,
-    so it is never reachable with wider permissions); :meth:`serve` listens and accepts.
+    so it is never reachable with wider permissions) and makes the Unix one listen under a
+    temporary name; :meth:`serve` accepts connections; :meth:`publish` renames the Unix socket
+    to its configured path, so that the path exists only while a daemon is ready to answer.
     """
 
     def __init__(self, daemon: Service, config: ServiceConfig) -> None:
@@ -563,6 +566,8 @@ class ApiServer:
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
         self._socket_id: tuple[int, int] | None = None
+        self._unopened: list[_UnixServer | _TcpServer] = []  # bound, not yet listening
+        self._path: Path | None = None  # where our Unix socket is now (temporary name, then the configured one)
         self.tcp_address: tuple[str, int] | None = None
 
     @property
@@ -580,7 +585,7 @@ class ApiServer:
         return not self._daemon.running and self._thread is not None
 
     def bind(self) -> None:
-        """Create and bind the sockets; not yet listening.
+        """Create the sockets; the Unix one listens under a temporary name (see :meth:`publish`).
 
         Raises:
             OSError: the socket path is taken by a live daemon or by something else.
@@ -590,14 +595,23 @@ class ApiServer:
         path = cfg.socket
         path.parent.mkdir(parents=True, exist_ok=True)
         _clear_stale(path)
-        unix = _UnixServer(str(path), _Handler, bind_and_activate=False)
+        temp = path.with_name(f".{path.name}.{os.getpid()}.starting")
+        if len(os.fsencode(temp)) > SOCKET_PATH_MAX:
+            temp = path  # no room for a longer name: bound in place, connections are refused until it listens
+        _clear_stale(temp)  # a leftover of a daemon with our pid that died while starting
+        unix = _UnixServer(str(temp), _Handler, bind_and_activate=False)
         unix.track(self._daemon, cfg.max_clients, Deadlines.of(cfg), self._stopping)
         try:
             unix.server_bind()
-            st = os.stat(path)
+            self._path = temp
+            st = os.stat(temp)
             self._socket_id = (st.st_dev, st.st_ino)
             self._servers.append(unix)
             self.set_permissions(cfg.socket_mode, cfg.socket_group)
+            if temp != path:
+                unix.server_activate()  # listens, but under a name nobody knows yet
+            else:
+                self._unopened.append(unix)
         except BaseException:
             unix.server_close()
             self._unlink()
@@ -612,6 +626,7 @@ class ApiServer:
                 tcp.server_close()
                 raise
             self._servers.append(tcp)
+            self._unopened.append(tcp)
             host, port = tcp.socket.getsockname()[:2]
             self.tcp_address = (host, port)
             if host not in ("127.0.0.1", "::1", "localhost"):
@@ -623,7 +638,9 @@ class ApiServer:
 
     def set_permissions(self, mode: int, group: str | None) -> None:
         """Apply ``mode`` and ``group`` to the Unix socket (also on reload)."""
-        path = self._config.socket
+        path = self._path
+        if path is None:
+            return
         if group is not None:
             try:
                 gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
@@ -643,12 +660,31 @@ class ApiServer:
             server.deadlines = deadlines
 
     def serve(self) -> None:
-        """Listen and start accepting connections in a thread."""
-        for server in self._servers:
+        """Listen (if not yet) and start accepting connections in a thread; then :meth:`publish`."""
+        for server in self._unopened:
             server.server_activate()
+        self._unopened.clear()
+        for server in self._servers:
             server.socket.setblocking(False)
         self._thread = threading.Thread(target=self._loop, name="cachepipe-api", daemon=False)
         self._thread.start()
+
+    def publish(self) -> None:
+        """Give the listening Unix socket its configured name: from now on it is reachable.
+
+        Until then it listened under a temporary name in the same directory, so the socket
+        file never exists without a daemon ready to answer on it (a client finds either no
+        socket, or one that serves). The rename is atomic and keeps the mode and group.
+
+        Raises:
+            OSError: a live daemon started serving on the path meanwhile.
+        """
+        path = self._config.socket
+        if self._path is None or self._path == path:
+            return
+        _clear_stale(path)
+        os.rename(self._path, path)
+        self._path = path
 
     def _loop(self) -> None:
         with selectors.DefaultSelector() as sel:
@@ -662,7 +698,12 @@ class ApiServer:
                     key.data.handle_request()
 
     def stop_accepting(self) -> None:
-        """Stop accepting new connections (existing ones are served until :meth:`close`)."""
+        """Stop accepting new connections (existing ones are served until :meth:`close`).
+
+        The socket file goes first: a client connecting from now on finds no socket (and
+        waits for the next daemon) rather than a listener that will never accept it.
+        """
+        self._unlink()
         if self._thread is not None:
             os.write(self._wake_w, b"x")
             self._thread.join()
@@ -684,7 +725,9 @@ class ApiServer:
         self._wake_r = self._wake_w = -1
 
     def _unlink(self) -> None:
-        path = self._config.socket
+        path = self._path
+        if path is None:
+            return
         try:
             st = os.lstat(path)
         except FileNotFoundError:

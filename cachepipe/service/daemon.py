@@ -6,9 +6,10 @@ releasing items are that pipeline's ``get``/``ack``/``release``/``renew``. What 
 names, routing an item path to its pipeline, reload (rebuild changed pipelines), and a view for
 status, health and metrics.
 
-Lifecycle: UNOPENED -> :meth:`Daemon.start` (bind the API socket, open every pipeline, watch for
-markers, serve) -> RUNNING -> :meth:`Daemon.stop` (stop accepting, close the pipelines keeping
-published items per ``keep_on_close``, end every connection) -> CLOSED.
+Lifecycle: UNOPENED -> :meth:`Daemon.start` (bind the API socket under a temporary name, watch
+for markers, open every pipeline, serve, then rename the socket into place) -> RUNNING ->
+:meth:`Daemon.stop` (remove the socket, stop accepting, close the pipelines keeping published
+items per ``keep_on_close``, end every connection) -> CLOSED.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ..errors import UnknownItemError
 from ..pipeline import CachedItem, Pipeline, Stats
 from .api import ApiServer, Deadlines
 from .config import ServiceConfig, pipeline_options
-from .errors import UnavailableError, UnknownPipelineError
+from .errors import StoppingError, UnavailableError, UnknownPipelineError
 from .logs import set_level
 from .markers import HandOuts, MarkerWatcher
 from .metrics import Metrics, Snapshot, leased
@@ -102,6 +103,7 @@ class Daemon:
                 self._served[name] = served
         self._api.serve()
         self._state = _RUNNING
+        self._api.publish()  # the socket appears now, ready: a client never finds one that refuses it
         log.info("cachepipe %s serving %s on %s", __version__, ", ".join(self._served), self._api.address)
 
     def stop(self) -> None:
@@ -131,12 +133,21 @@ class Daemon:
 
     def _open(self, served: _Served) -> Pipeline:
         pipe = Pipeline(**pipeline_options(served.config))
-        pipe.open()
         if self._markers is not None:
+            # Watch before the pipeline starts writing: watchdog's recursive watch walks the tree
+            # when scheduled, and a folder created during that walk would be added twice (once by
+            # the walk, once by its own creation event: "Callback with id ... already exists").
+            served.root.mkdir(parents=True, exist_ok=True)
             try:
                 self._markers.watch(served.name, served.root, served.config.items)
             except OSError as exc:  # e.g. fs.inotify.max_user_watches reached: serve without markers
                 log.error("%s: marker acks are off for this pipeline: cannot watch %s: %s", served.name, served.root, exc)
+        try:
+            pipe.open()
+        except BaseException:
+            if self._markers is not None:
+                self._markers.unwatch(served.name)
+            raise
         return pipe
 
     def _close(self, served: _Served) -> None:
@@ -345,7 +356,7 @@ class Daemon:
     def _pipeline(self, name: str) -> Pipeline:
         with self._cond:
             if self._state != _RUNNING:
-                raise UnavailableError("the daemon is shutting down" if self._state != _UNOPENED else "the daemon is starting")
+                raise StoppingError("the daemon is shutting down" if self._state != _UNOPENED else "the daemon is starting")
             served = self._served.get(name)
         if served is None:
             raise UnknownPipelineError(f"no pipeline named {name!r}; this daemon serves: {', '.join(sorted(self._served))}")
@@ -358,7 +369,7 @@ class Daemon:
         with self._cond:
             while True:
                 if self._state != _RUNNING:
-                    raise UnavailableError("the daemon is shutting down")
+                    raise StoppingError("the daemon is shutting down")
                 served = self._served.get(name)
                 if served is None or served.pipeline is not pipe:
                     return True

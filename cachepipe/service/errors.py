@@ -6,12 +6,13 @@ here, so that neither imports the other::
     LookupError
      +-- UnknownPipelineError   no pipeline of that name          HTTP 404
     RuntimeError
-     +-- UnavailableError       stopping, starting, pipeline down  HTTP 503
+     +-- UnavailableError       pipeline down                      HTTP 503 "unavailable"
+          +-- StoppingError     the daemon is stopping             HTTP 503 "stopping"
 """
 
 from __future__ import annotations
 
-__all__ = ["UnavailableError", "UnknownPipelineError"]
+__all__ = ["StoppingError", "UnavailableError", "UnknownPipelineError"]
 
 
 class UnknownPipelineError(LookupError):
@@ -20,3 +21,7 @@ class UnknownPipelineError(LookupError):
 
 class UnavailableError(RuntimeError):
     """The daemon is stopping, or the pipeline failed to open (HTTP 503)."""
+
+
+class StoppingError(UnavailableError):
+    """The daemon is stopping (or not yet serving): ask again once it is back (HTTP 503 ``stopping``)."""

@@ -14,7 +14,9 @@ Signal handlers only queue an event (``queue.SimpleQueue.put`` is safe in a sign
 the loop blocks on that queue with a timeout that is the next heartbeat or status update.
 
 Exit status: 0 after SIGTERM/SIGINT, 1 when the daemon cannot start or its API thread dies,
-78 (EX_CONFIG) when the configuration is invalid (the unit's ``RestartPreventExitStatus=78``:
+78 (EX_CONFIG) when the configuration is invalid or this host cannot run it (see
+:mod:`.preflight`: a ``socket_group`` that does not exist, a directory it cannot create or
+write), or the ``service`` extra is not installed (the unit's ``RestartPreventExitStatus=78``:
 restarting would not help).
 """
 
@@ -32,10 +34,11 @@ from types import FrameType
 from typing import Any
 
 from ..errors import CachePipeError, ConfigError
-from .config import load_config
+from .config import ServiceConfig, load_config
 from .daemon import Daemon
 from .logs import setup_logging
 from .notify import Notifier
+from .preflight import host_problems
 
 __all__ = ["EX_CONFIG", "check", "serve"]
 
@@ -49,11 +52,10 @@ class _Interrupted(BaseException):
 
 
 def check(config_path: str | os.PathLike[str]) -> int:
-    """Validate the config file and print a summary (``cachepipe serve --check``)."""
-    try:
-        config = load_config(config_path)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
+    """Validate the config file, and it against this host, as ``serve`` would before opening
+    anything; print a summary (``cachepipe serve --check``)."""
+    config = _load(config_path)
+    if config is None:
         return EX_CONFIG
     names = ", ".join(f"{n} ({c.source} -> {c.cache_dir})" for n, c in config.pipelines.items())
     print(f"{config_path}: valid; socket {config.socket}; pipelines: {names}")
@@ -62,10 +64,8 @@ def check(config_path: str | os.PathLike[str]) -> int:
 
 def serve(config_path: str | os.PathLike[str]) -> int:
     """Run the daemon until SIGTERM/SIGINT; returns the exit status."""
-    try:
-        config = load_config(config_path)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
+    config = _load(config_path)
+    if config is None:
         return EX_CONFIG
     handler = setup_logging(config.log_level)
     try:
@@ -73,6 +73,21 @@ def serve(config_path: str | os.PathLike[str]) -> int:
             return _run(Path(config_path).absolute(), config, notifier)  # reloads read the same file
     finally:
         logging.getLogger("cachepipe").removeHandler(handler)
+
+
+def _load(config_path: str | os.PathLike[str]) -> ServiceConfig | None:
+    """The valid configuration, or None after printing every problem (the file's, then the host's)."""
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return None
+    problems = host_problems(config)
+    if problems:
+        lines = "\n  ".join(problems)
+        print(f"configuration {str(config_path)!r} cannot run on this host:\n  {lines}", file=sys.stderr)
+        return None
+    return config
 
 
 def _run(config_path: Path, config: Any, notifier: Notifier) -> int:

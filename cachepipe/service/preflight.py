@@ -1,0 +1,79 @@
+"""What this host must offer a valid configuration before ``cachepipe serve`` opens anything.
+
+:func:`load_config` checks the file on its own terms (types, ranges, absolute paths, caches not
+nested in each other, capacities parseable); :func:`host_problems` checks it against this host
+and this user, without changing anything: the ``socket_group`` exists (and this user may give
+the socket to it), the socket's directory and every ``cache_dir`` exist as writable directories
+or can be created, nothing that is not a socket sits at the socket path. ``serve --check``
+reports these problems with the file's; ``serve`` refuses to start on them (exit 78), each named
+with its field, its value and what would do.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import stat
+from pathlib import Path
+
+from .config import ServiceConfig
+
+__all__ = ["host_problems"]
+
+
+def host_problems(config: ServiceConfig) -> list[str]:
+    """One line per problem, ``<field> <value>: <what is wrong and what would do>``; [] when none."""
+    problems = []
+    if config.socket_group is not None:
+        problems += _group_problems(config.socket_group)
+    problems += _dir_problems(f"socket {str(config.socket)!r}: its directory", config.socket.parent)
+    problems += _socket_path_problems(config.socket)
+    for name, cfg in config.pipelines.items():
+        problems += _dir_problems(f"pipelines.{name}.cache_dir {str(cfg.cache_dir)!r}", Path(cfg.cache_dir))
+    return problems
+
+
+def _group_problems(group: str) -> list[str]:
+    try:
+        gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        return [f"socket_group {group!r}: no such group on this system; expected an existing group name or number"]
+    if os.geteuid() != 0 and gid != os.getegid() and gid not in os.getgroups():
+        why = f"this user (uid {os.geteuid()}) is not a member of it, so it cannot give the socket to it"
+        return [f"socket_group {group!r}: {why}; expected one of this user's groups (or run the daemon as root)"]
+    return []
+
+
+def _dir_problems(label: str, path: Path) -> list[str]:
+    """``path`` is a writable directory, or the nearest existing folder above it is one (it can be created)."""
+    uid = os.geteuid()
+    existing = path
+    while True:
+        try:
+            st = os.stat(existing)
+            break
+        except (FileNotFoundError, NotADirectoryError):  # not there, or a file above it: look further up
+            existing = existing.parent
+        except OSError as exc:
+            return [f"{label}: cannot look at {str(existing)!r}: {exc.strerror}"]
+    if not stat.S_ISDIR(st.st_mode):
+        where = f"{str(existing)!r} is" if existing == path else f"{str(existing)!r} on its path is"
+        return [f"{label}: {where} not a directory; expected a directory this daemon can write to"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        if existing == path:
+            return [f"{label}: not writable by this user (uid {uid}); expected a directory it can write to"]
+        why = f"cannot be created: {str(existing)!r} is not writable by this user (uid {uid})"
+        return [f"{label}: {why}; create it beforehand or choose a path this user can create"]
+    return []
+
+
+def _socket_path_problems(path: Path) -> list[str]:
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as exc:
+        return [f"socket {str(path)!r}: cannot look at it: {exc.strerror}"]
+    if not stat.S_ISSOCK(st.st_mode):
+        return [f"socket {str(path)!r}: exists and is not a socket; expected a free path (remove it or choose another)"]
+    return []  # a socket: a live daemon's (serve refuses it then) or a stale one (serve replaces it)

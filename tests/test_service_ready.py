@@ -1,0 +1,269 @@
+"""The daemon is ready when it is reachable: consumers started with it or across a restart get
+items, not errors; ``cachepipe wait``; a clean run logs no warning; ``serve --check`` checks the
+host as ``serve`` would; ``serve`` without the service extra is one line, not a traceback.
+
+The daemon runs as a real subprocess; waits are on events (a process exit, READY=1) with timeouts.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cachepipe.client import Client
+from cachepipe.service.testing import DaemonProcess
+
+KIB = 1024
+FILES = {"a.bin": KIB, "b.txt": 10}
+CLI = [sys.executable, "-m", "cachepipe.cli"]
+
+
+@pytest.fixture
+def short_dir():
+    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="cp-"))
+    yield path
+    shutil.rmtree(path)
+
+
+def write_config(tmp_path: Path, sock: Path, endpoint: str, source: str, **top) -> Path:
+    data = {
+        "socket": str(sock),
+        **top,
+        "pipelines": {
+            "train": {
+                "source": source,
+                "cache_dir": str(tmp_path / "cache"),
+                "capacity": "1MiB",
+                "storage_options": {"endpoint_url": endpoint},
+            }
+        },
+    }
+    path = tmp_path / "cachepipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def wait_until(predicate, timeout: float = 30.0):
+    """Poll a status query until it is true, with a deadline (returns False at the deadline)."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return value
+
+
+def cli(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+# ---- readiness -----------------------------------------------------------------------------
+def test_consumers_started_with_the_daemon_get_an_item_not_an_error(s3_source, s3_endpoint, tmp_path, short_dir):
+    s3_source.folders(3, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, s3_source.url)
+    taker = cli("next", "--socket", str(sock), "--timeout", "60")  # before the daemon: no socket yet
+    got: list = []
+
+    def take() -> None:
+        with Client("train", sock, auto_ack=False) as client:
+            got.append(client.get(timeout=60))
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    with DaemonProcess(config):
+        out, err = taker.communicate(timeout=60)
+        thread.join(60)
+        assert taker.returncode == 0, err
+        assert Path(out.strip()).is_dir()
+        assert len(got) == 1 and got[0] is not None and got[0].path.is_dir()
+        assert got[0].path != Path(out.strip())
+
+
+def test_the_socket_appears_only_once_the_daemon_answers(s3_source, s3_endpoint, tmp_path, short_dir):
+    s3_source.folders(1, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, s3_source.url)
+    # With no patience at all, the first request after the socket appears must be answered.
+    prober = cli("wait", "--socket", str(sock), "--timeout", "60")
+    with DaemonProcess(config) as daemon:
+        out, err = prober.communicate(timeout=60)
+        assert prober.returncode == 0 and out.strip() == "ok", err
+        taker = subprocess.run(
+            [*CLI, "next", "--socket", str(sock), "--timeout", "30", "--startup-timeout", "0"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert taker.returncode == 0, taker.stderr
+        assert daemon.stop() == 0
+    assert sorted(p.name for p in short_dir.iterdir()) == []  # no socket, no temporary name left
+
+
+def test_wait_exits_4_when_no_daemon_comes_and_rejects_a_bad_timeout(short_dir):
+    proc = subprocess.run(
+        [*CLI, "wait", "--socket", str(short_dir / "none.sock"), "--timeout", "0.3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 4 and "not ready within 0.3 s" in proc.stderr, proc.stderr
+    bad = subprocess.run([*CLI, "wait", "--timeout", "soon"], capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and "'soon': expected a number of seconds >= 0" in bad.stderr
+    with pytest.raises(ValueError, match=r"startup_timeout -1: expected a number of seconds >= 0"):
+        Client("train", short_dir / "none.sock", startup_timeout=-1)
+
+
+LOOP = r"""
+set -u
+while true; do
+    path=$(cachepipe_cli next --timeout 60) || { status=$?; break; }
+    echo "$path" >> "$SEEN"
+    cachepipe_cli ack "$path" || true      # refused after a restart: the item comes again
+done
+exit "$status"
+"""
+
+
+def test_a_restart_does_not_end_a_consumer_loop(s3_source, s3_endpoint, tmp_path, short_dir):
+    s3_source.folders(6, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, s3_source.url)
+    seen = tmp_path / "seen.txt"
+    seen.touch()
+    env = {**os.environ, "CACHEPIPE_SOCKET": str(sock), "SEEN": str(seen)}
+    script = f'cachepipe_cli() {{ {sys.executable} -m cachepipe.cli "$@"; }}\n' + LOOP
+    with DaemonProcess(config) as first:
+        loop = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        with Client("train", sock, auto_ack=False) as client:
+            # the loop's second hand-out: only the daemon's counters tell (polled, with a deadline)
+            handed_two = wait_until(lambda: client.status()["pipelines"]["train"]["stats"]["items_handed"] >= 2)
+            assert handed_two, loop.poll()
+        assert first.stop() == 0
+    with DaemonProcess(config):
+        _out, err = loop.communicate(timeout=120)
+    assert loop.returncode == 3, f"the loop ended with {loop.returncode}: {err}"
+    names = {Path(p).name for p in seen.read_text().split()}
+    assert names == {f"item{i:03d}" for i in range(6)}
+
+
+# ---- a clean run logs no warning -------------------------------------------------------------
+def test_a_clean_run_logs_no_warning(s3_source, s3_endpoint, tmp_path, short_dir):
+    s3_source.folders(6, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, s3_source.url)
+    with DaemonProcess(config) as daemon, Client("train", sock, auto_ack=False) as client:
+        for _ in range(2):
+            item = client.get(timeout=30)
+            (item / ".done").touch()  # a marker ack
+            assert wait_until(lambda item=item: not item.path.exists())
+        data = yaml.safe_load(config.read_text())
+        data["pipelines"]["train"]["lease_timeout"] = 300  # a change: the pipeline is rebuilt, its watch renewed
+        config.write_text(yaml.safe_dump(data))
+        daemon.reload()
+        item = client.get(timeout=30)
+        (item / ".done").touch()
+        assert wait_until(lambda: not item.path.exists())
+        assert daemon.stop() == 0
+        log = daemon.log()
+    assert "Warning" not in log and "Traceback" not in log, log
+
+
+# ---- serve --check checks the host as serve does -------------------------------------------
+def host_cases(tmp_path: Path) -> dict:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    return {
+        "group": ({"socket_group": "cachepipe-no-such-group"}, "socket_group 'cachepipe-no-such-group': no such group"),
+        "cache under a file": (
+            {"pipelines": {"train": {"cache_dir": str(blocker / "cache")}}},
+            f"pipelines.train.cache_dir '{blocker}/cache': '{blocker}' on its path is not a directory",
+        ),
+        "socket dir under a file": (
+            {"socket": str(blocker / "api.sock")},
+            f"socket '{blocker}/api.sock': its directory: '{blocker}' is not a directory",
+        ),
+        "socket path taken": ({"socket": str(blocker)}, f"socket '{blocker}': exists and is not a socket"),
+    }
+
+
+@pytest.mark.parametrize("case", ["group", "cache under a file", "socket dir under a file", "socket path taken"])
+def test_check_reports_what_serve_would_refuse_naming_the_value(tmp_path, case):
+    override, expected = host_cases(tmp_path)[case]
+    data = {
+        "socket": str(tmp_path / "s.sock"),
+        "pipelines": {"train": {"source": "s3://b/p/", "cache_dir": str(tmp_path / "c"), "capacity": "1GiB"}},
+    }
+    for key, value in override.items():
+        if key == "pipelines":
+            data["pipelines"]["train"].update(value["train"])
+        else:
+            data[key] = value
+    path = tmp_path / "cachepipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    for args in (["serve", "--check", "--config", str(path)], ["serve", "--config", str(path)]):
+        proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60, check=False)
+        assert proc.returncode == 78, (args, proc.stderr)
+        assert expected in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_check_accepts_a_config_this_host_can_run(tmp_path):
+    own_group = grp.getgrgid(os.getegid()).gr_name
+    data = {
+        "socket": str(tmp_path / "run" / "s.sock"),
+        "socket_group": own_group,
+        "pipelines": {"train": {"source": "s3://b/p/", "cache_dir": str(tmp_path / "new" / "c"), "capacity": "1GiB"}},
+    }
+    path = tmp_path / "cachepipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    proc = subprocess.run(
+        [*CLI, "serve", "--check", "--config", str(path)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 0 and "valid" in proc.stdout, proc.stderr
+    assert not (tmp_path / "new").exists() and not (tmp_path / "run").exists()  # --check changes nothing
+
+
+# ---- serve without the service extra ---------------------------------------------------------
+HIDE = r"""
+import importlib.abc, sys
+
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == sys.argv[1]:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Hide())
+from cachepipe.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("module", ["watchdog", "prometheus_client"])
+def test_serve_without_the_service_extra_is_one_line_naming_module_and_install(tmp_path, module):
+    data = {
+        "socket": str(tmp_path / "s.sock"),
+        "pipelines": {"train": {"source": "s3://b/p/", "cache_dir": str(tmp_path / "c"), "capacity": "1GiB"}},
+    }
+    path = tmp_path / "cachepipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    for args in (["serve", "--config", str(path)], ["serve", "--check", "--config", str(path)]):
+        proc = subprocess.run(
+            [sys.executable, "-c", HIDE, module, *args], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert proc.returncode == 78, proc.stderr
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert f"'{module}'" in proc.stderr and "pip install 'cachepipe[service]'" in proc.stderr
