@@ -2,36 +2,47 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+SUM    := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# One stamp per extra installed, for this pyproject.toml: an edit reinstalls.
+DEMO   := $(VENV)/.demo-$(SUM)
+TEST   := $(VENV)/.test-$(SUM)
 
 .PHONY: demo test lint bench clean
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+$(PY):
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+
+# The demo's needs only: s3fs and a local S3 server (moto[s3] + Flask), no test tools, no torch.
+$(DEMO): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[demo]'
+	rm -f $(VENV)/.demo-* && touch $@
+
+# Everything the suite needs (the test extra includes the demo's).
+$(TEST): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[test]'
 	# PyTorch for the adapter's tests, best effort and bounded: the CPU wheel of torch 2.13.0 is on
 	# this project's machines; elsewhere a multi-GB CUDA download is not worth it and those tests skip.
 	timeout 300 $(PY) -m pip install --quiet 'torch==2.13.0' numpy || echo "torch not installed: tests/test_torch.py will be skipped"
-	rm -f $(VENV)/.installed-* && touch $@
+	rm -f $(VENV)/.test-* $(VENV)/.demo-* && touch $@ $(DEMO)
 
-demo: $(STAMP)
+demo: $(DEMO)
 	$(PY) examples/demo.py
 
-test: $(STAMP)
+test: $(TEST)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # ruff and mypy at the versions pinned in pyproject's `lint` extra (part of `test`); settings in pyproject.toml
-lint: $(STAMP)
+lint: $(TEST)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 # The issue-#6 comparison over an emulated 400 Mbit/s, 16 ms link (needs root for the network
 # namespace and tc; without root it says so and exits 2), then the core overheads.
-bench: $(STAMP)
+bench: $(TEST)
 	$(PY) benchmarks/bench_link.py
 	$(PY) benchmarks/bench_core.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

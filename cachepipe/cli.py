@@ -8,6 +8,8 @@
     cachepipe status  [--json]
     cachepipe wait    [--timeout S]                                until the daemon serves (scripts)
     cachepipe map SRC DST --cache DIR --capacity SIZE [--jobs N] [--unpack] ... -- CMD ARGS...
+    cachepipe print-unit [NAME]      print a shipped systemd unit (default cachepipe.service)
+    cachepipe print-config           print the example daemon config, every field documented
 
 Client commands take ``--socket PATH`` (or ``http://HOST:PORT``); default ``$CACHEPIPE_SOCKET``,
 else ``/run/cachepipe/cachepipe.sock``; and ``--startup-timeout S`` (default 10): how long to keep
@@ -97,6 +99,12 @@ def _parser() -> argparse.ArgumentParser:
     from .map.cli import add_map_parser
 
     add_map_parser(sub)
+
+    unit = sub.add_parser("print-unit", help="print a systemd unit shipped with cachepipe")
+    unit.add_argument(
+        "name", nargs="?", default="cachepipe.service", help="cachepipe.service (default) or cachepipe@.service (one per config)"
+    )
+    sub.add_parser("print-config", help="print the example daemon config (/etc/cachepipe/cachepipe.yaml)")
     return parser
 
 
@@ -120,6 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .map.cli import run_map_command
 
         return run_map_command(args)
+    if args.command in ("print-unit", "print-config"):
+        return _print_shipped(args.name if args.command == "print-unit" else None)
     from .client import Client, ServiceError
 
     try:
@@ -158,6 +168,20 @@ def _seconds(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds >= 0, like 10 or 0.5")
     return value
+
+
+def _print_shipped(unit: str | None) -> int:
+    """``print-unit`` (a unit name, ``.service`` optional) or ``print-config`` (None): the file's bytes."""
+    from . import data
+
+    name = data.CONFIG if unit is None else unit if unit.endswith(".service") else f"{unit}.service"
+    if unit is not None and name not in data.units():
+        sys.stderr.write(f"cachepipe: no unit {unit!r}: expected one of {', '.join(data.units())}\n")
+        return 2
+    sys.stdout.flush()
+    sys.stdout.buffer.write(data.read(name))
+    sys.stdout.buffer.flush()
+    return 0
 
 
 def format_status(info: dict[str, Any]) -> str:
