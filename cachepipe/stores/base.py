@@ -30,6 +30,21 @@ from typing import BinaryIO, Protocol, runtime_checkable
 
 __all__ = ["ObjectInfo", "Store", "WritableStore"]
 
+# Error codes of S3 and OBS (which uses S3's) that mean "these credentials are wrong", not
+# "these credentials may not do this", and "slow down": shared by the backends' error seams.
+CREDENTIAL_CODES = frozenset(
+    {
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "InvalidToken",
+        "ExpiredToken",
+        "TokenRefreshRequired",
+        "InvalidSecurity",
+        "AuthorizationHeaderMalformed",
+    }
+)
+THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "ServiceUnavailable"})
+
 
 @dataclass(frozen=True, slots=True)
 class ObjectInfo:

@@ -22,7 +22,7 @@ import fsspec
 import fsspec.asyn
 
 from ..errors import ConfigError, StoreUnavailableError, StoreUnreachableError, store_code
-from .base import ObjectInfo
+from .base import CREDENTIAL_CODES, THROTTLE_CODES, ObjectInfo
 
 __all__ = ["FsspecStore"]
 
@@ -30,19 +30,6 @@ _CHUNK = 8 * 1024 * 1024  # bytes per request when streaming a range
 _UPLOAD_PART = 16 * 1024 * 1024  # multipart part size of uploads (s3fs: files from twice this size)
 
 
-# S3 error codes that mean "these credentials are wrong", not "these credentials may not do this"
-_CREDENTIAL_CODES = frozenset(
-    {
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "InvalidToken",
-        "ExpiredToken",
-        "TokenRefreshRequired",
-        "InvalidSecurity",
-        "AuthorizationHeaderMalformed",
-    }
-)
-_THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "ServiceUnavailable"})
 _CONNECTION_NAMES = frozenset(
     {
         "EndpointConnectionError",
@@ -108,7 +95,7 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool) -> Bas
     at = f"at {endpoint}"
     if status is not None:
         detail = f"{code or 'HTTP ' + str(status)}: {message}" if message else f"{code or 'no error code'}, HTTP {status}"
-        if code in _CREDENTIAL_CODES or status == 401:
+        if code in CREDENTIAL_CODES or status == 401:
             return store_code(
                 PermissionError(errno.EACCES, f"{endpoint} rejected the credentials for {where} ({detail})"), code, endpoint
             )
@@ -118,7 +105,7 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool) -> Bas
             return store_code(FileNotFoundError(errno.ENOENT, f"no such bucket {at}: {where} ({detail})"), code, endpoint)
         if status == 404:
             return store_code(FileNotFoundError(errno.ENOENT, f"not found {at}: {where} ({detail})"), code, endpoint)
-        if status >= 500 or status in (408, 429) or code in _THROTTLE_CODES:
+        if status >= 500 or status in (408, 429) or code in THROTTLE_CODES:
             return store_code(StoreUnavailableError(f"store {at} unavailable for {where} ({detail})"), code, endpoint)
         return store_code(OSError(f"{endpoint} refused {where} ({detail})"), code, endpoint)
     if isinstance(exc, TypeError):  # s3fs passes unknown options on to aiobotocore, which raises this

@@ -50,7 +50,7 @@ from typing import Any, BinaryIO, TypeVar
 from urllib.parse import urlsplit
 
 from cachepipe.errors import ConfigError, StoreUnavailableError, StoreUnreachableError, store_code
-from cachepipe.stores.base import ObjectInfo
+from cachepipe.stores.base import CREDENTIAL_CODES, THROTTLE_CODES, ObjectInfo
 
 __all__ = ["CHUNK_SIZE", "MAX_PAGE_SIZE", "ObsServiceError", "ObsStore"]
 
@@ -89,18 +89,6 @@ _EXTRA_CLIENT_ARGS = ("id_token_credentials_provider",)
 #   new TCP/TLS connection per request); ObsStore.close() closes them.
 _CLIENT_DEFAULTS: dict[str, Any] = {"max_retry_count": 0, "long_conn_mode": True}
 
-_CREDENTIAL_CODES = frozenset(
-    {
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "InvalidToken",
-        "ExpiredToken",
-        "TokenRefreshRequired",
-        "InvalidSecurity",
-        "AuthorizationHeaderMalformed",
-    }
-)
-_THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "ServiceUnavailable"})
 
 _SDK_SSL_WARNINGS = (r"ssl\.PROTOCOL_TLS is deprecated", r"ssl\.OP_NO_SSL\*/ssl\.OP_NO_TLS\* options are deprecated")
 
@@ -534,7 +522,7 @@ class ObsStore:
         if status == 404:
             hint = "" if code == "NoSuchKey" else " (or no such bucket)"
             return FileNotFoundError(f"no such object {target}{hint} {detail}")
-        if status == 401 or code in _CREDENTIAL_CODES:  # some (ExpiredToken, InvalidToken) come as 400
+        if status == 401 or code in CREDENTIAL_CODES:  # some (ExpiredToken, InvalidToken) come as 400
             return PermissionError(
                 f"OBS at {self.endpoint} rejected the credentials {detail} {doing} {target}; "
                 f"check the access key pair and token (credentials from: {self._credential_hint()})"
@@ -544,7 +532,7 @@ class ObsStore:
                 f"access denied to {target} {detail}: the credentials (from: {self._credential_hint()}) were "
                 "accepted but lack permission for this bucket or object"
             )
-        if status == 429 or code in _THROTTLE_CODES or (isinstance(status, int) and status >= 500):
+        if status == 429 or code in THROTTLE_CODES or (isinstance(status, int) and status >= 500):
             return StoreUnavailableError(f"OBS at {self.endpoint} is unavailable or throttling {detail}, {doing} {target}")
         if status is None:
             return StoreUnavailableError(f"cannot reach OBS endpoint {self.endpoint}: no response, {doing} {target}")
