@@ -43,10 +43,8 @@ deadlines, limits and eviction written here once, and tested against a real daem
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import grp
-import http.client
 import io
 import json
 import logging
@@ -54,30 +52,37 @@ import os
 import re
 import selectors
 import socket
-import socketserver
 import stat
-import sys
 import threading
 import time
-from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from .. import __version__
 from ..errors import ConfigError, ItemFailedError, UnknownItemError
 from ..pipeline import CachedItem
 from .config import SOCKET_PATH_MAX, ServiceConfig
 from .errors import StoppingError, UnavailableError, UnknownPipelineError
-from .metrics import CONTENT_TYPE, Metrics
+from .http import (
+    MAX_HEADER,
+    DeadlineReader,
+    Deadlines,
+    HeaderBudget,
+    Late,
+    Service,
+    Tcp6Server,
+    TcpServer,
+    UnixServer,
+)
+from .metrics import CONTENT_TYPE
 
 __all__ = ["ApiServer", "Deadlines", "Service", "item_json"]
 
 log = logging.getLogger("cachepipe.service.api")
 
 MAX_BODY = 1024 * 1024
-MAX_HEADER = 64 * 1024  # request line and headers, in all
 _DIGITS = re.compile(r"^[0-9]+$")
 _NEXT_RE = re.compile(r"^/v1/pipelines/([^/]+)/next$")
 _JSON = "application/json"
@@ -91,27 +96,6 @@ class BadRequest(ValueError):
         self.status = status
 
 
-class Service(Protocol):
-    """What the API needs of the daemon (:class:`cachepipe.service.daemon.Daemon` is one).
-
-    The API depends on this, not on the daemon module, so that the daemon can build the API
-    without an import circle.
-    """
-
-    metrics: Metrics
-
-    @property
-    def running(self) -> bool: ...
-
-    def health(self) -> tuple[bool, dict[str, Any]]: ...
-
-    def status(self) -> dict[str, Any]: ...
-
-    def take(self, name: str, timeout: float | None, ack: dict[str, Any] | None = None) -> CachedItem | None: ...
-
-    def finish(self, verb: str, path: Any, lease: Any = None) -> tuple[str, str]: ...
-
-
 def item_json(pipeline: str, item: CachedItem) -> dict[str, Any]:
     """The body of a ``next`` answer."""
     return {
@@ -122,56 +106,6 @@ def item_json(pipeline: str, item: CachedItem) -> dict[str, Any]:
         "size": item.size,
         "files": list(item.files),
     }
-
-
-class _Late(TimeoutError):
-    """A deadline of the request passed (HTTP 408)."""
-
-
-class _HeadersTooLarge(http.client.HTTPException):
-    """Request line and headers over ``MAX_HEADER`` bytes (``parse_request`` answers 431)."""
-
-
-class _DeadlineReader(io.RawIOBase):
-    """A socket's input under one deadline at a time (``deadline``: a ``time.monotonic()``
-    value, or None). Each read waits only for what is left of it, so the deadline holds for
-    the whole phase however the client spreads its bytes."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self.deadline: float | None = None
-        self.phase = ""
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        if self.deadline is None:
-            self._sock.settimeout(None)
-        else:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise _Late(self.phase)
-            self._sock.settimeout(left)
-        try:
-            return self._sock.recv_into(buffer)
-        except TimeoutError:
-            raise _Late(self.phase) from None
-
-
-class _HeaderBudget:
-    """``readline`` over the buffered input, failing once ``budget`` bytes were read in all."""
-
-    def __init__(self, rfile: io.BufferedReader, budget: int) -> None:
-        self._rfile, self.budget = rfile, budget
-
-    def readline(self, limit: int = -1) -> bytes:
-        want = self.budget + 1 if limit < 0 else min(limit, self.budget + 1)
-        line = self._rfile.readline(want)
-        self.budget -= len(line)
-        if self.budget < 0:
-            raise _HeadersTooLarge(f"request line and headers over {MAX_HEADER} bytes")
-        return line
 
 
 def _error_for(exc: BaseException) -> tuple[int, str]:
@@ -195,13 +129,13 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = f"cachepipe/{__version__}"
     sys_version = ""
-    server: _UnixServer | _TcpServer
+    server: UnixServer | TcpServer
     rfile: io.BufferedReader
 
     def setup(self) -> None:
         super().setup()
         self.rfile.close()  # replaced by a reader with deadlines
-        self._reader = _DeadlineReader(self.connection)
+        self._reader = DeadlineReader(self.connection)
         self.rfile = io.BufferedReader(self._reader)
 
     def handle_one_request(self) -> None:
@@ -215,7 +149,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self.close_connection = True  # the client closed the connection
                 return
             reader.deadline, reader.phase = time.monotonic() + server.deadlines.header, "headers"
-            budget = _HeaderBudget(self.rfile, MAX_HEADER)
+            budget = HeaderBudget(self.rfile, MAX_HEADER)
             self.raw_requestline = budget.readline(65537)
             if len(self.raw_requestline) > 65536:
                 self.send_error(414, explain="request line over 65536 bytes")
@@ -233,7 +167,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             handler()
             self.wfile.flush()
-        except _Late as exc:
+        except Late as exc:
             self.close_connection = True
             if exc.args[0] == "idle":
                 log.debug("%s: closed a connection idle for %g s (idle_timeout)", self.address_string(), server.deadlines.idle)
@@ -369,7 +303,7 @@ class _Handler(BaseHTTPRequestHandler):
         reader.deadline, reader.phase = time.monotonic() + self.server.deadlines.body, "body"
         try:
             raw = self.rfile.read(length) if length else b""
-        except _Late:
+        except Late:
             self.close_connection = True
             raise BadRequest(
                 f"request body of {length} bytes not received within body_timeout ({self.server.deadlines.body:g} s)", 408
@@ -433,119 +367,6 @@ def _match(path: str) -> tuple[str | None, str, tuple[str, ...]]:
     return None, "", ()
 
 
-@dataclasses.dataclass(frozen=True)
-class Deadlines:
-    """Seconds a client has: ``header`` from a request's first byte to the end of its headers,
-    ``body`` for its body, ``idle`` to start its next request."""
-
-    header: float = 10.0
-    body: float = 10.0
-    idle: float = 300.0
-
-    @classmethod
-    def of(cls, config: ServiceConfig) -> Deadlines:
-        return cls(config.header_timeout, config.body_timeout, config.idle_timeout)
-
-
-class _Server(socketserver.ThreadingMixIn):
-    """Thread per connection; tracks live connections to cap them, to make room, and to end
-    them at close."""
-
-    daemon_threads = False
-    block_on_close = True
-    request_queue_size = 128
-    timeout: float | None = 0.0  # handle_request() never blocks: our selector already saw the socket ready
-    daemon: Service
-    max_clients: int
-    deadlines: Deadlines
-    daemon_stopping: Callable[[], bool]
-
-    def track(self, daemon: Service, max_clients: int, deadlines: Deadlines, stopping: Callable[[], bool]) -> None:
-        self.daemon, self.max_clients, self.deadlines, self.daemon_stopping = daemon, max_clients, deadlines, stopping
-        # live connection -> since when it waits for its client (None: busy answering a request)
-        self._live: dict[socket.socket, float | None] = {}
-        self._live_lock = threading.Lock()
-
-    def set_waiting(self, request: socket.socket, waiting: bool) -> None:
-        with self._live_lock:
-            if request in self._live:
-                self._live[request] = time.monotonic() if waiting else None
-
-    def get_request(self) -> tuple[socket.socket, Any]:
-        request, address = super().get_request()  # type: ignore[misc]
-        request.setblocking(True)
-        return request, address
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        victim = None
-        with self._live_lock:
-            full = len(self._live) >= self.max_clients
-            if full:
-                waiting = [(since, n, sock) for n, (sock, since) in enumerate(self._live.items()) if since is not None]
-                if waiting:
-                    victim = min(waiting)[2]  # the one that has waited longest for its client
-                    del self._live[victim]
-                    full = False
-            if not full:
-                self._live[request] = time.monotonic()
-        if victim is not None:
-            log.info("max_clients (%d) connections open: ending the one idle or slow the longest to make room", self.max_clients)
-            _end(victim)
-        if full:
-            log.warning("refusing a connection: %d clients already connected (max_clients)", self.max_clients)
-            body = b'{"error": "unavailable", "message": "too many connections (max_clients)"}\n'
-            try:
-                request.sendall(
-                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-                )
-            except OSError:
-                pass  # the refused client is gone already; nothing to tell it
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def shutdown_request(self, request: Any) -> None:
-        with self._live_lock:
-            self._live.pop(request, None)
-        super().shutdown_request(request)  # type: ignore[misc]
-
-    def disconnect_all(self) -> None:
-        """End every connection: idle keep-alive readers see EOF and their threads finish."""
-        with self._live_lock:
-            live = list(self._live)
-        for request in live:
-            _end(request)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        exc = sys.exc_info()[1]
-        if isinstance(exc, ConnectionError):
-            log.info("a client connection ended abruptly: %s", exc)
-        else:
-            log.exception("error while serving a connection")  # noqa: LOG004 - socketserver calls handle_error from inside its except block
-
-
-def _end(request: socket.socket) -> None:
-    """Shut a connection down: its thread's read sees EOF, and the thread closes it."""
-    try:
-        request.shutdown(socket.SHUT_RDWR)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOTCONN, errno.EBADF):
-            raise
-
-
-class _UnixServer(_Server, socketserver.UnixStreamServer):
-    pass
-
-
-class _TcpServer(_Server, socketserver.TCPServer):
-    allow_reuse_address = True
-
-
-class _Tcp6Server(_TcpServer):
-    address_family = socket.AF_INET6
-
-
 class _TcpHandler(_Handler):
     disable_nagle_algorithm = True
 
@@ -562,11 +383,11 @@ class ApiServer:
     def __init__(self, daemon: Service, config: ServiceConfig) -> None:
         self._daemon = daemon
         self._config = config
-        self._servers: list[_UnixServer | _TcpServer] = []
+        self._servers: list[UnixServer | TcpServer] = []
         self._thread: threading.Thread | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
         self._socket_id: tuple[int, int] | None = None
-        self._unopened: list[_UnixServer | _TcpServer] = []  # bound, not yet listening
+        self._unopened: list[UnixServer | TcpServer] = []  # bound, not yet listening
         self._path: Path | None = None  # where our Unix socket is now (temporary name, then the configured one)
         self.tcp_address: tuple[str, int] | None = None
 
@@ -599,7 +420,7 @@ class ApiServer:
         if len(os.fsencode(temp)) > SOCKET_PATH_MAX:
             temp = path  # no room for a longer name: bound in place, connections are refused until it listens
         _clear_stale(temp)  # a leftover of a daemon with our pid that died while starting
-        unix = _UnixServer(str(temp), _Handler, bind_and_activate=False)
+        unix = UnixServer(str(temp), _Handler, bind_and_activate=False)
         unix.track(self._daemon, cfg.max_clients, Deadlines.of(cfg), self._stopping)
         try:
             unix.server_bind()
@@ -617,7 +438,7 @@ class ApiServer:
             self._unlink()
             raise
         if cfg.tcp_port is not None:
-            cls = _Tcp6Server if ":" in cfg.tcp_host else _TcpServer
+            cls = Tcp6Server if ":" in cfg.tcp_host else TcpServer
             tcp = cls((cfg.tcp_host, cfg.tcp_port), _TcpHandler, bind_and_activate=False)
             tcp.track(self._daemon, cfg.max_clients, Deadlines.of(cfg), self._stopping)
             try:

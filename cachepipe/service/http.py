@@ -1,0 +1,233 @@
+"""The daemon's HTTP connections: deadlines, size limits and connection slots, under the
+standard library's ``socketserver`` (the routes are in :mod:`.api`; why this and not an
+asyncio server is in its docstring).
+
+Invariants: a request is read under deadlines, not per-read timeouts (a client that trickles
+bytes does not extend them); its request line and headers never exceed ``MAX_HEADER`` bytes;
+at most ``max_clients`` connections are open, and a full server ends the connection that has
+waited longest for its client before refusing a new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import http.client
+import io
+import logging
+import socket
+import socketserver
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..pipeline import CachedItem
+from .metrics import Metrics
+
+if TYPE_CHECKING:
+    from .config import ServiceConfig
+
+__all__ = [
+    "MAX_HEADER",
+    "DeadlineReader",
+    "Deadlines",
+    "HeaderBudget",
+    "HeadersTooLarge",
+    "Late",
+    "Server",
+    "Service",
+    "Tcp6Server",
+    "TcpServer",
+    "UnixServer",
+    "end",
+]
+
+log = logging.getLogger("cachepipe.service.api")
+
+MAX_HEADER = 64 * 1024  # request line and headers, in all
+
+
+class Service(Protocol):
+    """What the API needs of the daemon (:class:`cachepipe.service.daemon.Daemon` is one).
+
+    The API and its server depend on this, not on the daemon module, so that the daemon can
+    build the API without an import circle.
+    """
+
+    metrics: Metrics
+
+    @property
+    def running(self) -> bool: ...
+
+    def health(self) -> tuple[bool, dict[str, Any]]: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def take(self, name: str, timeout: float | None, ack: dict[str, Any] | None = None) -> CachedItem | None: ...
+
+    def finish(self, verb: str, path: Any, lease: Any = None) -> tuple[str, str]: ...
+
+
+class Late(TimeoutError):
+    """A deadline of the request passed (HTTP 408)."""
+
+
+class HeadersTooLarge(http.client.HTTPException):
+    """Request line and headers over ``MAX_HEADER`` bytes (``parse_request`` answers 431)."""
+
+
+class DeadlineReader(io.RawIOBase):
+    """A socket's input under one deadline at a time (``deadline``: a ``time.monotonic()``
+    value, or None). Each read waits only for what is left of it, so the deadline holds for
+    the whole phase however the client spreads its bytes."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.deadline: float | None = None
+        self.phase = ""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        if self.deadline is None:
+            self._sock.settimeout(None)
+        else:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise Late(self.phase)
+            self._sock.settimeout(left)
+        try:
+            return self._sock.recv_into(buffer)
+        except TimeoutError:
+            raise Late(self.phase) from None
+
+
+class HeaderBudget:
+    """``readline`` over the buffered input, failing once ``budget`` bytes were read in all."""
+
+    def __init__(self, rfile: io.BufferedReader, budget: int) -> None:
+        self._rfile, self.budget = rfile, budget
+
+    def readline(self, limit: int = -1) -> bytes:
+        want = self.budget + 1 if limit < 0 else min(limit, self.budget + 1)
+        line = self._rfile.readline(want)
+        self.budget -= len(line)
+        if self.budget < 0:
+            raise HeadersTooLarge(f"request line and headers over {MAX_HEADER} bytes")
+        return line
+
+
+@dataclasses.dataclass(frozen=True)
+class Deadlines:
+    """Seconds a client has: ``header`` from a request's first byte to the end of its headers,
+    ``body`` for its body, ``idle`` to start its next request."""
+
+    header: float = 10.0
+    body: float = 10.0
+    idle: float = 300.0
+
+    @classmethod
+    def of(cls, config: ServiceConfig) -> Deadlines:
+        return cls(config.header_timeout, config.body_timeout, config.idle_timeout)
+
+
+class Server(socketserver.ThreadingMixIn):
+    """Thread per connection; tracks live connections to cap them, to make room, and to end
+    them at close."""
+
+    daemon_threads = False
+    block_on_close = True
+    request_queue_size = 128
+    timeout: float | None = 0.0  # handle_request() never blocks: our selector already saw the socket ready
+    daemon: Service
+    max_clients: int
+    deadlines: Deadlines
+    daemon_stopping: Callable[[], bool]
+
+    def track(self, daemon: Service, max_clients: int, deadlines: Deadlines, stopping: Callable[[], bool]) -> None:
+        self.daemon, self.max_clients, self.deadlines, self.daemon_stopping = daemon, max_clients, deadlines, stopping
+        # live connection -> since when it waits for its client (None: busy answering a request)
+        self._live: dict[socket.socket, float | None] = {}
+        self._live_lock = threading.Lock()
+
+    def set_waiting(self, request: socket.socket, waiting: bool) -> None:
+        with self._live_lock:
+            if request in self._live:
+                self._live[request] = time.monotonic() if waiting else None
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        request, address = super().get_request()  # type: ignore[misc]
+        request.setblocking(True)
+        return request, address
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        victim = None
+        with self._live_lock:
+            full = len(self._live) >= self.max_clients
+            if full:
+                waiting = [(since, n, sock) for n, (sock, since) in enumerate(self._live.items()) if since is not None]
+                if waiting:
+                    victim = min(waiting)[2]  # the one that has waited longest for its client
+                    del self._live[victim]
+                    full = False
+            if not full:
+                self._live[request] = time.monotonic()
+        if victim is not None:
+            log.info("max_clients (%d) connections open: ending the one idle or slow the longest to make room", self.max_clients)
+            end(victim)
+        if full:
+            log.warning("refusing a connection: %d clients already connected (max_clients)", self.max_clients)
+            body = b'{"error": "unavailable", "message": "too many connections (max_clients)"}\n'
+            try:
+                request.sendall(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+                )
+            except OSError:
+                pass  # the refused client is gone already; nothing to tell it
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._live_lock:
+            self._live.pop(request, None)
+        super().shutdown_request(request)  # type: ignore[misc]
+
+    def disconnect_all(self) -> None:
+        """End every connection: idle keep-alive readers see EOF and their threads finish."""
+        with self._live_lock:
+            live = list(self._live)
+        for request in live:
+            end(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, ConnectionError):
+            log.info("a client connection ended abruptly: %s", exc)
+        else:
+            log.exception("error while serving a connection")  # noqa: LOG004 - socketserver calls handle_error from inside its except block
+
+
+def end(request: socket.socket) -> None:
+    """Shut a connection down: its thread's read sees EOF, and the thread closes it."""
+    try:
+        request.shutdown(socket.SHUT_RDWR)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTCONN, errno.EBADF):
+            raise
+
+
+class UnixServer(Server, socketserver.UnixStreamServer):
+    pass
+
+
+class TcpServer(Server, socketserver.TCPServer):
+    allow_reuse_address = True
+
+
+class Tcp6Server(TcpServer):
+    address_family = socket.AF_INET6
