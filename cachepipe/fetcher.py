@@ -4,7 +4,7 @@ One planner thread walks the plan in order: it waits for prefetch room and for s
 conditions signalled by consumers, never polled), stages the item and submits its parts to a
 pool of ``max_concurrency`` download threads. Objects above ``part_size`` are split into
 ranged GETs. The thread that finishes an item's last part publishes it (or discards it and
-reports the failure). Transient errors are retried with exponential backoff and full jitter,
+reports the failure). Transient errors are retried with exponential backoff and equal jitter,
 sleeping on the stop event so that :meth:`Fetcher.stop` is immediate.
 """
 

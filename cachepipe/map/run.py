@@ -361,7 +361,8 @@ def map_items(
         dest: results URL; item ``x`` goes to ``dest/x/`` (``s3://``, ``obs://``, ``file://``...).
         cache_dir: local directory for inputs and outputs.
         capacity: hard cap on bytes under ``cache_dir`` (``"20GiB"``, ``"80%"``...).
-        store, dest_store: stores to use instead of opening ``source``/``dest`` (tests).
+        store: a store to use instead of opening ``source`` (tests).
+        dest_store: a store to use instead of opening ``dest`` (tests).
         **options: the other fields of :class:`MapConfig`: ``jobs`` (1), ``out_reserve``
             (a size per item) or ``out_ratio`` (times the command's input: the item, or with
             ``unpack`` its extracted files; default 1.0), ``out_margin``, ``items``
