@@ -233,3 +233,10 @@ def test_cli_reference_lists_every_command_and_map_option():
         for flag in action.option_strings:
             if flag.startswith("--") and flag != "--help":
                 assert f"`{flag}" in page, f"map option {flag} missing from docs/reference/cli.md"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_code_fences_are_closed(page):
+    """An unclosed fence turns the rest of a page into one code block (and hides its snippets)."""
+    fences = [n for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1) if line.lstrip().startswith("```")]
+    assert len(fences) % 2 == 0, f"{page.name}: a code fence is not closed (fences on lines {fences})"
