@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 
+from cachepipe.service.testing import DaemonProcess
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 RUN_LANGS = {"python": "python", "bash": "bash", "sh": "bash"}
@@ -44,6 +46,9 @@ def substitutions(endpoint: str, tmp: str) -> dict[str, str]:
         "my-access-key": "testing",  # the moto server's dummy credentials
         "my-secret-key": "testing",
         "/mnt/ssd/": f"{tmp}/ssd/",  # local cache directories
+        "obs://your-bucket/video/": "obs://my-bucket/videos/",  # the OBS example: the same dataset through the OBS SDK
+        '"/cache"': f'"{tmp}/obs-cache"',  # its cache directory
+        "/run/cachepipe/cachepipe.sock": f"{tmp}/d.sock",  # the test's daemon (see _daemon_for)
         "/tmp/cachepipe-demo": f"{tmp}/demo",  # noqa: S108 - a placeholder in the docs, rewritten to a private temp dir; the daemon example's config, socket and cache
     }
 
@@ -132,6 +137,27 @@ def _put_dataset(s3_client) -> None:
         s3_client.put_object(Bucket="my-bucket", Key=f"archives/clip{i}/text.txt", Body=b"text\n")
 
 
+DAEMON_CONFIG = """\
+socket: {tmp}/d.sock
+pipelines:
+  train:
+    source: s3://my-bucket/videos/
+    cache_dir: {tmp}/daemon-cache
+    capacity: 16MiB
+    storage_options: {{endpoint_url: "{endpoint}"}}
+"""
+
+
+def _daemon_for(page: Path, tmp: str, endpoint: str, env: dict[str, str]) -> DaemonProcess | None:
+    """A daemon serving pipeline ``train`` (s3://my-bucket/videos/) at the socket the docs call
+    /run/cachepipe/cachepipe.sock, for a page whose snippets consume from one; else None."""
+    if not any(b.skip is None and ("/run/cachepipe" in b.code or "Client(" in b.code) for b in blocks(page)):
+        return None
+    config = Path(tmp, "daemon.yaml")
+    config.write_text(DAEMON_CONFIG.format(tmp=tmp, endpoint=endpoint))
+    return DaemonProcess(config, env=env).start()
+
+
 def _rewrite(code: str, table: dict[str, str]) -> str:
     for old, new in table.items():
         code = code.replace(old, new)
@@ -143,6 +169,7 @@ def test_page_snippets_run(page, s3_endpoint, s3_client, monkeypatch):
     """Run every snippet of ``page`` that is not marked ``not run``, in order."""
     _put_dataset(s3_client)
     tmp = tempfile.mkdtemp(prefix="cpdoc-")  # short: the daemon's socket path must fit 108 bytes
+    daemon = None
     try:
         table = substitutions(s3_endpoint, tmp)
         env = {
@@ -150,10 +177,16 @@ def test_page_snippets_run(page, s3_endpoint, s3_client, monkeypatch):
             "AWS_ACCESS_KEY_ID": "testing",
             "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": "us-east-1",
+            "OBS_ENDPOINT": s3_endpoint,  # the OBS SDK talks to the same moto server
+            "OBS_ACCESS_KEY_ID": "testing",
+            "OBS_SECRET_ACCESS_KEY": "testing",
         }
         for key, value in env.items():
             monkeypatch.setenv(key, value)
-        monkeypatch.delenv("CACHEPIPE_SOCKET", raising=False)
+        monkeypatch.delenv("CACHEPIPE_SOCKET", raising=False)  # read by the daemon's config too: set only with the test's daemon
+        daemon = _daemon_for(page, tmp, s3_endpoint, env)
+        if daemon is not None:
+            monkeypatch.setenv("CACHEPIPE_SOCKET", table["/run/cachepipe/cachepipe.sock"])
         shell_env = dict(os.environ)
         shell_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{shell_env.get('PATH', '')}"
         shell_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), shell_env.get("PYTHONPATH")]))
@@ -182,6 +215,12 @@ def test_page_snippets_run(page, s3_endpoint, s3_client, monkeypatch):
                     f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
                 )
     finally:
+        if daemon is not None:
+            try:
+                status, log = daemon.stop(), daemon.log()
+            finally:
+                daemon.close()
+            assert status == 0, log
         shutil.rmtree(tmp, ignore_errors=True)
 
 
