@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -201,3 +204,12 @@ def via(source: Source, endpoint: str) -> dict:
         # one botocore attempt per s3fs attempt, so the faults reach cachepipe's own retries
         options["config_kwargs"] = {"retries": {"max_attempts": 1, "mode": "standard"}}
     return options
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A folder with a short path under /tmp, for daemon sockets (a Unix socket path must fit in
+    108 bytes, which pytest's tmp_path can exceed)."""
+    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="cp-"))
+    yield path
+    shutil.rmtree(path)

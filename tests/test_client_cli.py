@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,13 +20,6 @@ from cachepipe.service.testing import DaemonProcess
 KIB = 1024
 FILES = {"a.bin": KIB, "b.txt": 10}
 CLI = [sys.executable, "-m", "cachepipe.cli"]
-
-
-@pytest.fixture
-def short_dir():
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="cp-"))
-    yield path
-    shutil.rmtree(path)
 
 
 @pytest.fixture

@@ -20,7 +20,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,14 +35,6 @@ from cachepipe.service.testing import DaemonExited, DaemonProcess
 ROOT = Path(__file__).resolve().parent.parent
 KIB = 1024
 FILES = {"a.bin": KIB, "b.txt": 10}
-
-
-@pytest.fixture
-def short_dir():
-    """A short directory for Unix sockets (sun_path holds 107 bytes; tmp_path can be longer)."""
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="cp-"))
-    yield path
-    shutil.rmtree(path)
 
 
 def write_config(tmp_path: Path, sock: Path, endpoint: str, pipelines: dict[str, dict], **top) -> Path:

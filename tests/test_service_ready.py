@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import grp
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,13 +24,6 @@ from cachepipe.service.testing import DaemonProcess
 KIB = 1024
 FILES = {"a.bin": KIB, "b.txt": 10}
 CLI = [sys.executable, "-m", "cachepipe.cli"]
-
-
-@pytest.fixture
-def short_dir():
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="cp-"))
-    yield path
-    shutil.rmtree(path)
 
 
 def write_config(tmp_path: Path, sock: Path, endpoint: str, source: str, **top) -> Path:
