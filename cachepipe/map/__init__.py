@@ -42,10 +42,16 @@ the item is recorded as failed with the tail of CMD's stderr and the run goes on
 outputs and unusable archives fail at once (a retry would do the same). Exit status 1 if any
 item failed.
 
+**Across nodes.** ``--rank R --world-size W`` (or ``RANK``/``WORLD_SIZE``, a Kubernetes Indexed
+Job's ``JOB_COMPLETION_INDEX`` with ``CACHEPIPE_WORLD_SIZE``, a Slurm array's
+``SLURM_ARRAY_TASK_ID``): each of W processes lists ``SRC`` and takes a disjoint, byte-balanced
+share of it, the same on every rerun (:mod:`~cachepipe.map.share`).
+
 The code, one noun a module: :mod:`~cachepipe.map.plan` (options, work items; pure),
 :mod:`~cachepipe.map.run` (:func:`map_items`: one run), :mod:`~cachepipe.map.job` (one job's
 attempts at an item), :mod:`~cachepipe.map.child` (the child process and the reserve watcher),
-:mod:`~cachepipe.map.result` (counters, progress, summary), :mod:`~cachepipe.map.uploader`
+:mod:`~cachepipe.map.result` (counters, progress, summary), :mod:`~cachepipe.map.share` (rank and
+world size from flags or the scheduler's environment, each rank's share of the listing; pure), :mod:`~cachepipe.map.uploader`
 (outputs, then the marker), :mod:`~cachepipe.map.cli` (the command line) and
 :mod:`~cachepipe.unpack`.
 

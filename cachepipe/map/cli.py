@@ -21,7 +21,9 @@ Run CMD once per item of SRC (a first-level folder, or an object with --items fi
 item's local path as {} and an empty output folder as {out}; upload what CMD writes to
 DST/<item>/, then the marker DST/<item>/.cachepipe-done; delete input and output. Bytes under
 --cache never exceed --capacity: each of --jobs jobs keeps a reserve for its outputs
-(--out-reserve or --out-ratio), downloads get the rest. Items already done in DST are skipped."""
+(--out-reserve or --out-ratio), downloads get the rest. Items already done in DST are skipped.
+Across nodes, W processes given --rank 0..W-1 --world-size W (or run by torchrun, a Kubernetes
+Indexed Job or a Slurm array) each take a disjoint, byte-balanced share of SRC."""
 
 _EPILOG = """\
 examples:
@@ -95,6 +97,26 @@ def _add_options(parser: argparse.ArgumentParser | Any, suppress: bool) -> None:
     parser.add_argument("--upload-concurrency", type=int, default=d(8), help="files uploaded at once (default 8)")
     parser.add_argument("--upload-part-size", default=d("16MiB"), metavar="SIZE", help="multipart part size (default 16MiB)")
     parser.add_argument("--max-concurrency", type=int, default=d(16), help="download requests in flight (default 16)")
+    parser.add_argument(
+        "--rank",
+        type=int,
+        default=d(None),
+        metavar="R",
+        help=(
+            "this process's share of SRC, 0 <= R < --world-size (default: from RANK, JOB_COMPLETION_INDEX "
+            "or SLURM_ARRAY_TASK_ID; else 0 of 1)"
+        ),
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=d(None),
+        metavar="W",
+        help=(
+            "processes sharing SRC, each with its own --rank (default: from WORLD_SIZE, CACHEPIPE_WORLD_SIZE "
+            "or SLURM_ARRAY_TASK_COUNT)"
+        ),
+    )
     parser.add_argument("--verbose", "-v", action="count", default=d(0), help="log each item (-vv: each file uploaded)")
 
 
@@ -170,6 +192,8 @@ def run_map_command(args: argparse.Namespace) -> int:
             "upload_concurrency": args.upload_concurrency,
             "upload_part_size": args.upload_part_size,
             "max_concurrency": args.max_concurrency,
+            "rank": args.rank,
+            "world_size": args.world_size,
         }
         for key in ("out_reserve", "out_ratio", "out_margin", "unpack_ratio"):
             if getattr(args, key) is not None:

@@ -79,9 +79,14 @@ class MapConfig(BaseModel):
     max_members: int = Field(default=DEFAULT_MAX_MEMBERS, ge=1)
     dry_run: bool = False
     progress: bool = False
+    rank: int = Field(default=0, ge=0)
+    world_size: int = Field(default=1, ge=1)
+    rank_source: str = "default"
 
     @model_validator(mode="after")
     def _check(self) -> MapConfig:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} ({self.rank_source}): expected 0 <= rank < world_size {self.world_size}")
         if self.out_reserve is not None and self.out_ratio is not None:
             raise ValueError("give out_reserve or out_ratio, not both")
         if self.upload_part_size < 5 * _MIB:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MapFailure", "MapResult", "Tally", "format_plan", "format_summary"]
+__all__ = ["MapFailure", "MapResult", "Tally", "format_plan", "format_share", "format_summary"]
 
 log = logging.getLogger("cachepipe.map")
 
@@ -32,8 +32,8 @@ class MapResult:
     """What a map run did. Sizes in bytes.
 
     Attributes:
-        items_listed: items under ``SRC``.
-        items_skipped: items already complete in ``DST`` (marker found): not run.
+        items_listed: items under ``SRC`` (all of them, over every rank).
+        items_skipped: items of this share already complete in ``DST`` (marker found): not run.
         items_done: items completed by this run.
         items_failed: items recorded as failed (see :attr:`failed`).
         items_retried: attempts beyond the first, over all items.
@@ -51,6 +51,11 @@ class MapResult:
         margin: extra bytes per job that absorb a burst between two watcher measurements.
         peak_job_bytes: the largest job slot measured (outputs + extracted + added to inputs).
         failed: the failures, in the order they happened.
+        rank: this process's rank among ``world_size`` (see :mod:`cachepipe.map.share`).
+        world_size: the number of processes sharing the listing.
+        rank_source: where ``rank`` and ``world_size`` came from (``"RANK=1, WORLD_SIZE=3"``...).
+        share_items: the items of this rank's share (all listed items with one process).
+        share_bytes: their bytes.
     """
 
     items_listed: int = 0
@@ -70,6 +75,11 @@ class MapResult:
     margin: int = 0
     peak_job_bytes: int = 0
     failed: list[MapFailure] = field(default_factory=list)
+    rank: int = 0
+    world_size: int = 1
+    rank_source: str = ""
+    share_items: int = 0
+    share_bytes: int = 0
 
     @property
     def ok(self) -> bool:
@@ -142,13 +152,23 @@ class Tally:
             )
 
 
+def format_share(result: MapResult) -> str:
+    """Which share of the listing this process takes: rank, world size, items, bytes."""
+    return (
+        f"rank {result.rank} of {result.world_size} ({result.rank_source}): {result.share_items} of "
+        f"{result.items_listed} items, {result.share_bytes} bytes"
+    )
+
+
 def format_plan(result: MapResult, dest: str) -> str:
     """The ``--dry-run`` listing."""
-    lines = [f"would run: {name} -> {dest.rstrip('/')}/{name}/" for name in result.planned]
+    lines = [format_share(result)] if result.world_size > 1 else []
+    lines += [f"would run: {name} -> {dest.rstrip('/')}/{name}/" for name in result.planned]
     lines += [f"would refuse: {name}: {why}" for name, why in result.refused.items()]
     refused = f", {len(result.refused)} would be refused" if result.refused else ""
     lines.append(
-        f"{len(result.planned)} items to run{refused}, {result.items_skipped} already done, of {result.items_listed} listed"
+        f"{len(result.planned)} items to run{refused}, {result.items_skipped} already done, of "
+        + (f"{result.share_items} in this share" if result.world_size > 1 else f"{result.items_listed} listed")
     )
     if result.planned or result.refused:
         lines.append(
@@ -167,6 +187,8 @@ def format_summary(result: MapResult) -> str:
             f"in {result.seconds:.1f} s; peak job {result.peak_job_bytes} of {result.reserve} bytes reserved"
         )
     ]
+    if result.world_size > 1:
+        lines.append(f"cachepipe map: {format_share(result)}")
     if result.failed:
         lines.append("failed items (run the same command again to retry them):")
         for failure in result.failed:

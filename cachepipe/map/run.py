@@ -31,6 +31,7 @@ from .child import Watcher
 from .job import Job, Slot
 from .plan import WORK_DIR, MapConfig, MapItem, PlannedSource, inside_prefix, item_reserve, plan_items
 from .result import MapResult, Tally
+from .share import resolve_rank, take_share
 from .uploader import Uploader, marker_key
 
 __all__ = ["map_items"]
@@ -86,9 +87,13 @@ class _MapRun:
                 if inside is not None:  # DST under SRC: its results are not items
                     listing = [o for o in listing if not o.key.startswith(inside)]
                 planned = plan_items(listing, cfg.items, cfg.unpack)
+                result.items_listed = len(planned)
+                if cfg.world_size > 1:  # this process's share, from the listing alone (never from what is done)
+                    planned = take_share(planned, cfg.rank, cfg.world_size)
+                self._record_share(planned)
                 done = self._done(dst, planned)
                 todo = [mi for mi in planned if mi.name not in done]
-                result.items_listed, result.items_skipped = len(planned), len(done)
+                result.items_skipped = len(done)
                 result.planned = [mi.name for mi in todo]
                 if todo and not cfg.dry_run:
                     self._execute(src, dst, todo)
@@ -105,6 +110,20 @@ class _MapRun:
                 src.close()
         result.seconds = time.monotonic() - started
         return result
+
+    def _record_share(self, share: list[MapItem]) -> None:
+        cfg, r = self.cfg, self._result
+        r.rank, r.world_size, r.rank_source = cfg.rank, cfg.world_size, cfg.rank_source
+        r.share_items, r.share_bytes = len(share), sum(mi.size for mi in share)
+        log.info(
+            "rank %d of %d (%s): %d of %d items, %d bytes",
+            cfg.rank,
+            cfg.world_size,
+            cfg.rank_source,
+            r.share_items,
+            r.items_listed,
+            r.share_bytes,
+        )
 
     def _size(self, todo: Sequence[MapItem], capacity: int) -> _Sizing:
         cfg = self.cfg
@@ -342,6 +361,8 @@ def map_items(
     capacity: int | str | Share,
     store: Store | None = None,
     dest_store: Store | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
     **options: Any,
 ) -> MapResult:
     """Run ``fn`` on every item of ``source`` through a size-capped cache; upload its results to ``dest``.
@@ -363,6 +384,13 @@ def map_items(
         capacity: hard cap on bytes under ``cache_dir`` (``"20GiB"``, ``"80%"``...).
         store: a store to use instead of opening ``source`` (tests).
         dest_store: a store to use instead of opening ``dest`` (tests).
+        rank: this process's rank among ``world_size`` processes that share the items of
+            ``source`` (each lists it and takes a disjoint, byte-balanced share). Default: from
+            the environment, ``RANK``/``WORLD_SIZE``, then ``JOB_COMPLETION_INDEX`` with
+            ``world_size`` or ``CACHEPIPE_WORLD_SIZE``, then ``SLURM_ARRAY_TASK_ID`` (see
+            :mod:`cachepipe.map.share`); else 0 of 1, every item.
+        world_size: the number of processes (with ``rank``, or as the count of an index found
+            in the environment).
         **options: the other fields of :class:`MapConfig`: ``jobs`` (1), ``out_reserve``
             (a size per item) or ``out_ratio`` (times the command's input: the item, or with
             ``unpack`` its extracted files; default 1.0), ``out_margin``, ``items``
@@ -399,7 +427,18 @@ def map_items(
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             raise TypeError(f"fn {fn!r} cannot be sent to a child process ({exc}); define it at module level") from exc
         func = fn
-    cfg = MapConfig(source=source, dest=dest, cache_dir=check_cache_dir(cache_dir), capacity=capacity, command=command, **options)
+    node = resolve_rank(os.environ, rank, world_size)  # the edge: the environment is read here, once
+    cfg = MapConfig(
+        source=source,
+        dest=dest,
+        cache_dir=check_cache_dir(cache_dir),
+        capacity=capacity,
+        command=command,
+        rank=node.rank,
+        world_size=node.world_size,
+        rank_source=node.source,
+        **options,
+    )
     if store is None:
         check_source(source)
     if command is None and func is None and not cfg.unpack:

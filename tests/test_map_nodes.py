@@ -1,0 +1,273 @@
+"""``cachepipe map`` across nodes: rank and world size from flags or the scheduler's environment
+(pure, :mod:`cachepipe.map.share`), and three real ``cachepipe map`` processes sharing one
+SRC/DST on the moto server, each item processed exactly once."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+
+from cachepipe.errors import ConfigError
+from cachepipe.map import MapItem, map_items
+from cachepipe.map.share import Rank, resolve_rank, take_share
+from cachepipe.map.uploader import DONE_MARKER
+
+SCHEDULER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "JOB_COMPLETION_INDEX",
+    "CACHEPIPE_WORLD_SIZE",
+    "SLURM_ARRAY_TASK_ID",
+    "SLURM_ARRAY_TASK_COUNT",
+    "SLURM_ARRAY_TASK_MIN",
+    "SLURM_ARRAY_TASK_STEP",
+)
+
+
+# ---- rank and world size: the pure resolution -------------------------------------------------------------
+def test_nothing_set_is_rank_0_of_1():
+    assert resolve_rank({}) == Rank(0, 1, "default: no rank given or found in the environment")
+    assert resolve_rank({}, world_size=1).world_size == 1
+
+
+def test_flags_come_first():
+    env = {"RANK": "2", "WORLD_SIZE": "5", "JOB_COMPLETION_INDEX": "1", "SLURM_ARRAY_TASK_ID": "3"}
+    assert resolve_rank(env, rank=1, world_size=3) == Rank(1, 3, "--rank/--world-size")
+
+
+def test_rank_and_world_size_from_torchrun():
+    assert resolve_rank({"RANK": "2", "WORLD_SIZE": "4"}) == Rank(2, 4, "RANK=2, WORLD_SIZE=4")
+    # before a Kubernetes index or a Slurm array id
+    env = {"RANK": "0", "WORLD_SIZE": "2", "JOB_COMPLETION_INDEX": "1", "CACHEPIPE_WORLD_SIZE": "2", "SLURM_ARRAY_TASK_ID": "1"}
+    assert resolve_rank(env).source == "RANK=0, WORLD_SIZE=2"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RANK": "1"}, "RANK='1' is set but WORLD_SIZE is not"),
+        ({"WORLD_SIZE": "4"}, "WORLD_SIZE='4' is set but RANK is not"),
+        ({"RANK": "x", "WORLD_SIZE": "4"}, "RANK='x': expected an integer"),
+        ({"RANK": "4", "WORLD_SIZE": "4"}, r"rank 4 \(from RANK=4, WORLD_SIZE=4\): expected 0 <= rank < world size 4"),
+        ({"RANK": "-1", "WORLD_SIZE": "4"}, r"rank -1 \(from RANK=-1, WORLD_SIZE=4\)"),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, r"world size 0 \(from RANK=0, WORLD_SIZE=0\): expected an integer >= 1"),
+    ],
+)
+def test_bad_torchrun_variables_are_named(env, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_rank(env)
+
+
+def test_kubernetes_index_needs_a_count():
+    with pytest.raises(ConfigError, match=r"JOB_COMPLETION_INDEX='2' is set but the number of processes is not: give "):
+        resolve_rank({"JOB_COMPLETION_INDEX": "2"})
+    assert resolve_rank({"JOB_COMPLETION_INDEX": "2"}, world_size=3) == Rank(2, 3, "JOB_COMPLETION_INDEX=2, --world-size 3")
+    assert resolve_rank({"JOB_COMPLETION_INDEX": "2", "CACHEPIPE_WORLD_SIZE": "3"}) == Rank(
+        2, 3, "JOB_COMPLETION_INDEX=2, CACHEPIPE_WORLD_SIZE=3"
+    )
+    with pytest.raises(ConfigError, match=r"rank 3 \(from JOB_COMPLETION_INDEX=3, CACHEPIPE_WORLD_SIZE=3\)"):
+        resolve_rank({"JOB_COMPLETION_INDEX": "3", "CACHEPIPE_WORLD_SIZE": "3"})
+    with pytest.raises(ConfigError, match="--world-size 4 disagrees with CACHEPIPE_WORLD_SIZE='3'"):
+        resolve_rank({"JOB_COMPLETION_INDEX": "1", "CACHEPIPE_WORLD_SIZE": "3"}, world_size=4)
+
+
+def test_kubernetes_index_before_slurm():
+    env = {"JOB_COMPLETION_INDEX": "1", "CACHEPIPE_WORLD_SIZE": "2", "SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_COUNT": "2"}
+    assert resolve_rank(env).rank == 1
+
+
+def test_slurm_array_made_zero_based_with_its_min_and_step():
+    assert resolve_rank({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "4"}) == Rank(
+        3, 4, "SLURM_ARRAY_TASK_ID=3, SLURM_ARRAY_TASK_COUNT=4"
+    )
+    one_based = {"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "1"}  # --array=1-4
+    assert resolve_rank(one_based) == Rank(3, 4, "SLURM_ARRAY_TASK_ID=4 (minus SLURM_ARRAY_TASK_MIN=1), SLURM_ARRAY_TASK_COUNT=4")
+    stepped = {
+        "SLURM_ARRAY_TASK_ID": "6",
+        "SLURM_ARRAY_TASK_COUNT": "4",
+        "SLURM_ARRAY_TASK_MIN": "0",
+        "SLURM_ARRAY_TASK_STEP": "2",
+    }
+    assert resolve_rank(stepped).rank == 3  # --array=0-6:2
+    with pytest.raises(ConfigError, match=r"rank 4 \(from SLURM_ARRAY_TASK_ID=4, SLURM_ARRAY_TASK_COUNT=4\)"):
+        resolve_rank({"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_COUNT": "4"})  # --array=1-4 without its MIN
+    with pytest.raises(ConfigError, match="SLURM_ARRAY_TASK_ID='2' is set but the number of processes is not"):
+        resolve_rank({"SLURM_ARRAY_TASK_ID": "2"})
+    assert resolve_rank({"SLURM_ARRAY_TASK_ID": "2"}, world_size=3).rank == 2
+    with pytest.raises(ConfigError, match="SLURM_ARRAY_TASK_ID=3 is not SLURM_ARRAY_TASK_MIN=0 plus a multiple"):
+        resolve_rank({**stepped, "SLURM_ARRAY_TASK_ID": "3"})
+
+
+@pytest.mark.parametrize(
+    ("env", "rank", "world", "message"),
+    [
+        ({}, 1, None, "rank 1 is given without the number of processes: give --world-size"),
+        ({}, None, 3, "--world-size 3 is given without a rank: give --rank"),
+        ({}, 3, 3, r"rank 3 \(from --rank/--world-size\): expected 0 <= rank < world size 3"),
+        ({}, "1", 3, "rank '1': expected an integer"),
+        ({"RANK": "1", "WORLD_SIZE": "2"}, None, 3, "--world-size 3 disagrees with RANK=1, WORLD_SIZE=2"),
+        ({"CACHEPIPE_WORLD_SIZE": "3"}, None, None, "CACHEPIPE_WORLD_SIZE='3' is set but JOB_COMPLETION_INDEX is not"),
+    ],
+)
+def test_inconsistent_values_are_refused(env, rank, world, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_rank(env, rank, world)
+
+
+# ---- shares: pure ---------------------------------------------------------------------------------------------
+def _items(sizes: list[int]) -> list[MapItem]:
+    return [MapItem(f"item{i:03d}", f"item{i:03d}", (), {}, size) for i, size in enumerate(sizes)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 7])
+def test_shares_are_disjoint_covering_and_byte_balanced(world):
+    rng = random.Random(world)
+    items = _items([rng.choice([1, 10, 100, 5000]) + rng.randrange(1000) for _ in range(100)])
+    shares = [take_share(items, r, world) for r in range(world)]
+    names = [mi.name for share in shares for mi in share]
+    assert sorted(names) == [mi.name for mi in items]  # each item in exactly one share
+    for share in shares:  # in listing order
+        assert [mi.name for mi in share] == sorted(mi.name for mi in share)
+    totals = [sum(mi.size for mi in share) for share in shares]
+    assert max(totals) - min(totals) <= max(mi.size for mi in items)
+
+
+# ---- three cachepipe map processes over one SRC/DST ------------------------------------------------------------
+PROCESS = r"""
+import os, sys
+name, out = os.environ["CACHEPIPE_NAME"], os.environ["CACHEPIPE_OUT"]
+data = open("in.bin", "rb").read()
+open(os.path.join(out, "size.txt"), "w").write(str(len(data)))
+with open(os.path.join(sys.argv[1], name + ".log"), "a") as fh:  # one line per time the item is processed
+    fh.write(sys.argv[2] + "\n")
+"""
+
+SHARE = re.compile(r"rank (\d) of 3 \((.*)\): (\d+) of (\d+) items, (\d+) bytes")
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in SCHEDULER_VARIABLES}
+    return {**env, **extra}
+
+
+def test_three_processes_share_one_source_each_item_once(s3_source, s3_client, tmp_path):
+    rng = random.Random(17)
+    sizes = {f"item{i:02d}": 500 + rng.randrange(8000) for i in range(14)}
+    for name, size in sizes.items():
+        s3_source.put(f"{name}/in.bin", rng.randbytes(size))
+    script, logs = tmp_path / "process.py", tmp_path / "logs"
+    script.write_text(PROCESS)
+    logs.mkdir()
+
+    def command(rank: int, *extra: str) -> list[str]:
+        options = [a for k, v in s3_source.options.items() for a in ("-o", f"{k}={v}")]
+        return [
+            sys.executable,
+            "-m",
+            "cachepipe.map",
+            s3_source.url,
+            "s3://data/out/",
+            "--cache",
+            str(tmp_path / f"cache{rank}"),
+            "--capacity",
+            "1MiB",
+            "--jobs",
+            "2",
+            "--no-progress",
+            *options,
+            *extra,
+            "--",
+            sys.executable,
+            str(script),
+            str(logs),
+            str(rank),
+        ]
+
+    # --dry-run with the rank from torchrun's variables: disjoint shares that cover the listing
+    planned: dict[int, list[str]] = {}
+    for rank in range(3):
+        dry = subprocess.run(
+            command(rank, "--dry-run"),
+            env=_clean_env(RANK=str(rank), WORLD_SIZE="3"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert dry.returncode == 0, dry.stderr
+        assert dry.stdout.splitlines()[0].startswith(f"rank {rank} of 3 (RANK={rank}, WORLD_SIZE=3): ")
+        planned[rank] = [line.split()[2] for line in dry.stdout.splitlines() if line.startswith("would run: ")]
+        assert f"{len(planned[rank])} items to run, 0 already done, of {len(planned[rank])} in this share" in dry.stdout
+    assert sorted(n for names in planned.values() for n in names) == sorted(sizes)
+
+    # three processes at once, ranks from --rank/--world-size
+    procs = [
+        subprocess.Popen(
+            command(rank, "--rank", str(rank), "--world-size", "3"),
+            env=_clean_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(3)
+    ]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    for p, err in zip(procs, errs, strict=True):
+        assert p.returncode == 0, err
+
+    logged = {path.stem: path.read_text().split() for path in logs.iterdir()}
+    assert sorted(logged) == sorted(sizes)
+    assert all(len(lines) == 1 for lines in logged.values()), logged  # no item processed twice
+    shares: dict[int, tuple[int, int]] = {}
+    for rank, err in enumerate(errs):
+        mine = sorted(name for name, lines in logged.items() if lines == [str(rank)])
+        assert mine == sorted(planned[rank])  # the run takes the share the dry run showed
+        m = SHARE.search(err)
+        assert m is not None, err
+        assert (int(m[1]), m[2], int(m[4])) == (rank, "--rank/--world-size", len(sizes))
+        shares[rank] = (int(m[3]), int(m[5]))
+        assert shares[rank] == (len(mine), sum(sizes[n] for n in mine))
+        assert f"{len(mine)} done, 0 failed, 0 already done" in err
+    share_bytes = [b for _, b in shares.values()]
+    assert max(share_bytes) - min(share_bytes) <= max(sizes.values())
+
+    keys = [
+        o["Key"]
+        for page in s3_client.get_paginator("list_objects_v2").paginate(Bucket="data", Prefix="out/")
+        for o in page.get("Contents", [])
+    ]
+    assert sorted(keys) == sorted(f"out/{n}/{f}" for n in sizes for f in ("size.txt", DONE_MARKER))
+
+    # a rerun with the same ranks (from a Slurm array of ids 1-3) does nothing
+    for rank in range(3):
+        env = _clean_env(SLURM_ARRAY_TASK_ID=str(rank + 1), SLURM_ARRAY_TASK_MIN="1", SLURM_ARRAY_TASK_COUNT="3")
+        rerun = subprocess.run(command(rank), env=env, capture_output=True, text=True, timeout=60, check=False)
+        assert rerun.returncode == 0, rerun.stderr
+        assert f"0 done, 0 failed, {shares[rank][0]} already done" in rerun.stderr
+        assert f"rank {rank} of 3 (SLURM_ARRAY_TASK_ID={rank + 1} (minus SLURM_ARRAY_TASK_MIN=1)" in rerun.stderr
+    assert {path.stem: path.read_text().split() for path in logs.iterdir()} == logged
+
+
+def test_kubernetes_index_without_a_count_is_refused_by_the_command(tmp_path):
+    options = ["--cache", str(tmp_path), "--capacity", "1MiB"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "cachepipe.map", "s3://data/video/", "s3://data/out/", *options, "--", "true"],
+        env=_clean_env(JOB_COMPLETION_INDEX="2"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 1
+    assert "JOB_COMPLETION_INDEX='2' is set but the number of processes is not: give --world-size" in proc.stderr
+    assert "CACHEPIPE_WORLD_SIZE" in proc.stderr
+
+
+def test_map_items_names_a_rank_out_of_range(tmp_path):
+    with pytest.raises(ConfigError, match=r"rank 3 \(from --rank/--world-size\): expected 0 <= rank < world size 3"):
+        map_items(["true"], "s3://data/video/", "s3://data/out/", cache_dir=tmp_path, capacity="1MiB", rank=3, world_size=3)
