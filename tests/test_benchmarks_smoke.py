@@ -95,3 +95,28 @@ def test_first_page_probe_runs_on_tiny_folders():
     report = json.loads(out.stdout)
     assert report["keys"] == {"small": 20, "large": 200}
     assert all(len(v) == 2 and all(t > 0 for t in v) for v in report["seconds"].values())
+
+
+def test_cluster_simulation_reports_every_section():
+    """benchmarks/sim_cluster.py on a tiny job (pure, no network): every section is reported, and
+    a node that keeps its items with room for its whole share hits every read after epoch 1."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "sim_cluster.py"
+    tiny = ["--nodes", "4", "--ranks", "2", "--workers", "2", "--items", "2000", "--sim-nodes", "2", "--sim-items", "512"]
+    proc = subprocess.run(
+        [sys.executable, str(script), *tiny, "--manifest-sample", "100", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    assert report["listing"]["per_process"]["list_requests"] == 16 * 2  # 16 consumers x 2 pages
+    assert report["listing"]["node"]["list_requests"] == 2
+    assert report["manifest_sample"]["bytes_per_item"] > 0
+    assert report["gets"]["rows"][0]["gets_per_s"] > 0
+    rows = {(r["scheme"], r["capacity_of_node_share"]): r for r in report["hits"]["rows"]}
+    assert len(rows) == 10
+    assert rows[("node, node-local shuffle", 1.0)]["hit_by_epoch"][1:] == [1.0, 1.0]
+    jitter, none = report["slowdown"]["monte_carlo"]
+    assert jitter["peak_per_100ms_after_throttle"] < none["peak_per_100ms_after_throttle"]
