@@ -95,3 +95,15 @@ def test_first_page_probe_runs_on_tiny_folders():
     report = json.loads(out.stdout)
     assert report["keys"] == {"small": 20, "large": 200}
     assert all(len(v) == 2 and all(t > 0 for t in v) for v in report["seconds"].values())
+
+
+def test_partition_benchmark_runs_and_fixed_downloads_a_fitting_share_once():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_partition.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--items", "200", "--json"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = {(r["data"], r["capacity"], r["partition"]): r for r in json.loads(proc.stdout)["rows"]}
+    for data in ("equal sizes", "variable sizes"):
+        assert rows[data, 1.0, "fixed"]["x_data"] == 1.0  # a deterministic simulation, not a timing
+        assert rows[data, 1.0, "epoch"]["x_data"] > 1.5
