@@ -236,6 +236,14 @@ class PipelineConfig(BaseModel):
         rank, world_size: this process's share of every epoch; both None (default): from the
             ``RANK``/``WORLD_SIZE`` environment (torchrun) or ``torch.distributed``, else 0 and 1.
         worker, num_workers: a DataLoader worker's share of the rank's share (default 0 of 1).
+        partition: how the items are dealt to ranks and workers. ``"epoch"`` (default): a new
+            split of every epoch's permutation (a global shuffle, like torch's
+            ``DistributedSampler``). ``"fixed"``: the node-local shuffle: the items are split
+            once for the run and each share is read in a new order every epoch, so a cache that
+            holds its share (``retain="auto"``) downloads nothing after the first epoch; a batch
+            then only ever mixes items of one share (see the training guide).
+        balance: how a split weighs items: ``"bytes"`` (default: shares differ by at most the
+            largest item's size) or ``"count"`` (round-robin: counts differ by at most one).
         retain: ``"none"`` (default): evict an item when it is acknowledged; ``"auto"``: keep
             acknowledged items while space allows and, when space is needed, evict the one whose
             next use in the (known) plan is farthest away (Belady's MIN).
@@ -311,6 +319,8 @@ class PipelineConfig(BaseModel):
     world_size: int | None = Field(default=None, ge=1)
     worker: int = Field(default=0, ge=0)
     num_workers: int = Field(default=1, ge=1)
+    partition: Literal["epoch", "fixed"] = "epoch"
+    balance: Literal["bytes", "count"] = "bytes"
     retain: Literal["none", "auto"] = "none"
     prepare: Callable[[Path], Any] | None = None
     prepare_reserve: Annotated[int, BeforeValidator(lambda v: 0 if v in (0, "0") else parse_size(v, "prepare_reserve"))] = 0

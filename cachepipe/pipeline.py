@@ -293,6 +293,8 @@ class Pipeline:
             world_size=cfg.world_size,
             worker=cfg.worker,
             num_workers=cfg.num_workers,
+            balance=cfg.balance,
+            partition=cfg.partition,
         )
         cursor, acked = cache.recover(catalog, resume=cfg.resume, plan=_plan_key(plan))
         if self._start_state is not None:
@@ -342,7 +344,7 @@ class Pipeline:
         """
         cfg = self.config
         cache.recover(Catalog(), resume=False)  # nothing of an earlier owner's to keep (see _streams)
-        plan = GrowingPlan(seed=cfg.seed)
+        plan = GrowingPlan(seed=cfg.seed, balance=cfg.balance, partition=cfg.partition)
         self._plan, self._frontier = plan, Frontier(plan)
         self._total_steps = None
 

@@ -35,7 +35,8 @@ one, bytes are not bounded.
 ``partition="fixed"`` splits once (by bytes or count, over the permutation of epoch ``-1``)
 and then each rank reads its own items in the order of each epoch's global permutation: a
 rank sees the same items every epoch, which is what lets a per-node cache retain them
-across epochs. Workers are split per epoch in both modes.
+across epochs. Its workers are split once in the same way (each DataLoader worker has a cache
+of its own), so an item stays with one (rank, worker) for the whole run.
 """
 
 from __future__ import annotations
@@ -264,7 +265,7 @@ class Plan:
         self.balance, self.partition = balance, partition
         self._lock = threading.Lock()  # the epoch caches may be read by the fetcher and the cache
         self._shares: OrderedDict[int, array[int]] = OrderedDict()
-        self._mine: bytearray | None = None  # partition="fixed": membership of this rank
+        self._mine: bytearray | None = None  # partition="fixed": membership of this (rank, worker)
         self._digest: str | None = None
         self.start = Cursor(0, 0)
         if start is not None:
@@ -298,18 +299,18 @@ class Plan:
 
     def _compute_share(self, epoch: int) -> array[int]:
         order = self.order(epoch)
+        if self.partition == "fixed" and self.world_size * self.num_workers > 1:
+            if self._mine is None:
+                base = permutation(self.n_items, self.seed, -1) if self.shuffle else order
+                base = split(base, self.sizes, self.world_size, self.rank, self.balance)
+                mine = bytearray(self.n_items)
+                for x in split(base, self.sizes, self.num_workers, self.worker, self.balance):
+                    mine[x] = 1
+                self._mine = mine
+            mine = self._mine
+            return array("I", (x for x in order if mine[x]))
         if self.world_size > 1:
-            if self.partition == "fixed":
-                if self._mine is None:
-                    base = permutation(self.n_items, self.seed, -1) if self.shuffle else order
-                    mine = bytearray(self.n_items)
-                    for x in split(base, self.sizes, self.world_size, self.rank, self.balance):
-                        mine[x] = 1
-                    self._mine = mine
-                mine = self._mine
-                order = array("I", (x for x in order if mine[x]))
-            else:
-                order = split(order, self.sizes, self.world_size, self.rank, self.balance)
+            order = split(order, self.sizes, self.world_size, self.rank, self.balance)
         return split(order, self.sizes, self.num_workers, self.worker, self.balance)
 
     # ---- positions -------------------------------------------------------------------
@@ -438,16 +439,19 @@ class GrowingPlan:
     The default pipeline (one epoch, no shuffle, one rank and worker) starts downloading while
     the listing goes on: step ``i`` is listed item ``i``, ``Step(0, i, i)``. :meth:`add` appends
     an item; :meth:`complete` ends the listing, after which positions and the resume state
-    are exactly those of ``Plan(sizes, epochs=1, seed=seed)``. Until then the end of the pass is
+    are exactly those of ``Plan(sizes, epochs=1, seed=seed)`` (with the same ``balance`` and
+    ``partition``, which one rank and worker do not change but a resume must match). Until then the end of the pass is
     unknown (``normalise`` leaves ``(0, n)`` as it is) and the resume state names the items
     listed so far instead of the whole catalog: ``n_items`` and ``sizes_digest`` are None,
     ``listed`` and ``listed_digest`` describe the first ``listed`` sizes, and
     :meth:`Plan.load_state_dict` accepts it if its catalog starts with them.
     """
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(
+        self, seed: int = 0, balance: Literal["bytes", "count"] = "bytes", partition: Literal["epoch", "fixed"] = "epoch"
+    ) -> None:
         self.sizes = array("q")
-        self.seed = seed
+        self.seed, self.balance, self.partition = seed, balance, partition
         self.start = Cursor(0, 0)
         self._full: Plan | None = None
         self._hash = hashlib.blake2b(digest_size=16)  # of sizes.tobytes(), kept up to date
@@ -468,7 +472,9 @@ class GrowingPlan:
     def complete(self) -> Plan:
         """The listing ended: return the plan it amounts to."""
         if self._full is None:
-            self._full = Plan(self.sizes, epochs=1, seed=self.seed, rank=0, world_size=1)
+            self._full = Plan(
+                self.sizes, epochs=1, seed=self.seed, rank=0, world_size=1, balance=self.balance, partition=self.partition
+            )
         return self._full
 
     def normalise(self, cursor: Cursor | tuple[int, int]) -> Cursor:
@@ -482,7 +488,8 @@ class GrowingPlan:
     def _config(self) -> dict[str, Any]:
         if self._full is not None:
             return self._full._config()  # noqa: SLF001 - same class
-        config = Plan([], epochs=1, seed=self.seed, rank=0, world_size=1)._config()  # noqa: SLF001 - same class
+        empty = Plan([], epochs=1, seed=self.seed, rank=0, world_size=1, balance=self.balance, partition=self.partition)
+        config = empty._config()  # noqa: SLF001 - same class
         return {
             **config,
             "n_items": None,

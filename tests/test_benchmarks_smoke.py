@@ -120,3 +120,15 @@ def test_cluster_simulation_reports_every_section():
     assert rows[("node, node-local shuffle", 1.0)]["hit_by_epoch"][1:] == [1.0, 1.0]
     jitter, none = report["slowdown"]["monte_carlo"]
     assert jitter["peak_per_100ms_after_throttle"] < none["peak_per_100ms_after_throttle"]
+
+
+def test_partition_benchmark_runs_and_fixed_downloads_a_fitting_share_once():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_partition.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--items", "200", "--json"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = {(r["data"], r["capacity"], r["partition"]): r for r in json.loads(proc.stdout)["rows"]}
+    for data in ("equal sizes", "variable sizes"):
+        assert rows[data, 1.0, "fixed"]["x_data"] == 1.0  # a deterministic simulation, not a timing
+        assert rows[data, 1.0, "epoch"]["x_data"] > 1.5

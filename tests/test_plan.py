@@ -395,3 +395,13 @@ def test_importing_the_plan_does_not_import_torch():
     code = "import sys, cachepipe.plan, cachepipe.retention; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_fixed_partition_keeps_each_worker_on_the_same_items():
+    # each DataLoader worker has a cache of its own: its items must stay with it too
+    sizes = [1 + (i * 37) % 11 for i in range(40)]
+    for r in range(2):
+        for j in range(3):
+            plan = Plan(sizes, epochs=4, shuffle=True, seed=1, rank=r, world_size=2, worker=j, num_workers=3, partition="fixed")
+            assert len({frozenset(plan.share(e)) for e in range(4)}) == 1
+            assert len({tuple(plan.share(e)) for e in range(4)}) > 1
