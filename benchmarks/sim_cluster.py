@@ -126,7 +126,7 @@ class Shares:
         self.n, self.seed = n, seed
         self.sizes = array("q", [1]) * n
         self._orders: dict[int, array[int]] = {}
-        self._fixed: dict[tuple[int, int], bytearray] = {}
+        self._fixed: dict[tuple[int, int, int, int], bytearray] = {}
         self._ranks: dict[tuple[int, int, int, str], array[int]] = {}
 
     def order(self, epoch: int) -> array[int]:
@@ -135,23 +135,21 @@ class Shares:
         return self._orders[epoch]
 
     def share(self, epoch: int, world: int, rank: int, workers: int, worker: int, partition: str) -> array[int]:
-        key = (epoch, world, rank, partition)
-        if key not in self._ranks:
-            self._ranks[key] = self._rank_order(epoch, world, rank, partition)
-        return split(self._ranks[key], self.sizes, workers, worker, "count")
-
-    def _rank_order(self, epoch: int, world: int, rank: int, partition: str) -> array[int]:
         order = self.order(epoch)
-        if partition == "fixed":
-            key = (world, rank)
+        if partition == "fixed":  # Plan(partition="fixed"): the rank's and the worker's items are fixed for the run
+            key = (world, rank, workers, worker)
             if key not in self._fixed:
+                base = split(split(self.order(-1), self.sizes, world, rank, "count"), self.sizes, workers, worker, "count")
                 mine = bytearray(self.n)
-                for x in split(self.order(-1), self.sizes, world, rank, "count"):
+                for x in base:
                     mine[x] = 1
                 self._fixed[key] = mine
             mine = self._fixed[key]
             return array("I", (x for x in order if mine[x]))
-        return split(order, self.sizes, world, rank, "count")
+        rkey = (epoch, world, rank, partition)
+        if rkey not in self._ranks:
+            self._ranks[rkey] = split(order, self.sizes, world, rank, "count")
+        return split(self._ranks[rkey], self.sizes, workers, worker, "count")
 
     def check(self, epochs: int, world: int, rank: int, workers: int, worker: int, partition: str) -> None:
         """The shares equal Plan's (balance="bytes", the default) for one consumer and epoch 1."""
@@ -176,9 +174,9 @@ def consumer_params(kind: str, nodes: int, ranks: int, workers: int, node: int, 
     """(world, rank, num_workers, worker, partition) of local consumer ``c`` of ``node``."""
     if kind == "global":  # torchrun ranks, DataLoader workers, re-split every epoch
         return nodes * ranks, node * ranks + c // workers, workers, c % workers, "epoch"
-    if kind == "rank":  # Plan(partition="fixed"): a rank keeps its items, its workers re-split
+    if kind == "rank":  # Plan(partition="fixed") per rank: a rank keeps its items, and each worker its part
         return nodes * ranks, node * ranks + c // workers, workers, c % workers, "fixed"
-    # node-local: the node keeps its items, its ranks x workers consumers re-split them each epoch
+    # node-local: the node keeps its items (as one world of nodes; each local consumer its part)
     return nodes, node, ranks * workers, c, "fixed"
 
 
@@ -191,8 +189,8 @@ def expected_hit(cache: str, kind: str, frac: float, nodes: int, ranks: int, wor
     local = ranks * workers
     ways = {
         ("process", "global"): nodes * local,
-        ("process", "rank"): workers,
-        ("process", "node-local"): local,
+        ("process", "rank"): 1,  # partition="fixed" keeps a worker's items too
+        ("process", "node-local"): 1,
         ("node", "global"): nodes,
         ("node", "node-local"): 1,
     }[(cache, kind)]
