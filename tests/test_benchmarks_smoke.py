@@ -95,3 +95,15 @@ def test_first_page_probe_runs_on_tiny_folders():
     report = json.loads(out.stdout)
     assert report["keys"] == {"small": 20, "large": 200}
     assert all(len(v) == 2 and all(t > 0 for t in v) for v in report["seconds"].values())
+
+
+def test_manifest_benchmark_reports_every_phase():
+    script = Path(__file__).parent.parent / "benchmarks" / "bench_manifest.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--items", "500", "--json"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    assert report["items"] == 500 and report["manifest_bytes"] > 0
+    assert set(report["phases"]) == {"digest", "write", "read", "plan"}
+    assert report["phases"]["plan"]["share"] > 0
