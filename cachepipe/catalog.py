@@ -12,7 +12,9 @@ few flat buffers (about 60-70 bytes per one-file item, against about 400 for a l
 
 from __future__ import annotations
 
+import hashlib
 import re
+import sys
 from array import array
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
@@ -455,6 +457,34 @@ class Catalog(Sequence[Item]):
             + len(self._digests)
             + sum(a.itemsize * len(a) for a in arrays)
         )
+
+    def digest(self) -> str:
+        """A digest of the content (mode, then every item's name and files: relative paths, sizes,
+        entity tags, in order) as 32 hex digits (BLAKE2b, 16 bytes). Two catalogs of the same
+        listing have the same digest, on any machine; a catalog that differs in any of these
+        has another. Computed over the columns at C speed (about 0.1 s for a million items)."""
+        h = hashlib.blake2b(digest_size=16, person=b"cachepipe.cat1")
+        h.update(self.mode.encode())
+        for column in (
+            self._names.offsets,
+            self._names.data,
+            self._sizes,
+            self._first_file,
+            self._rels.offsets,
+            self._rels.data,
+            self._file_sizes,
+            self._etag_kinds,
+            self._digests,
+            self._etag_texts.offsets,
+            self._etag_texts.data,
+        ):
+            if isinstance(column, array) and sys.byteorder == "big":
+                column = array(column.typecode, column)  # noqa: PLW2901 - a little-endian copy
+                column.byteswap()
+            nbytes = len(column) * column.itemsize if isinstance(column, array) else len(column)
+            h.update(nbytes.to_bytes(8, "little"))
+            h.update(column)  # through the buffer protocol: no copy
+        return h.hexdigest()
 
     def find(self, name: str) -> int:
         """The position of the item called ``name``, or -1. A binary search when the names were

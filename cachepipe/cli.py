@@ -7,6 +7,7 @@
     cachepipe renew   PATH [--lease ID]                            extend its lease
     cachepipe status  [--json]
     cachepipe wait    [--timeout S]                                until the daemon serves (scripts)
+    cachepipe index SRC -o DEST [--items folders|files]          list SRC once into a manifest
     cachepipe map SRC DST --cache DIR --capacity SIZE [--jobs N] [--unpack] ... -- CMD ARGS...
     cachepipe print-unit [NAME]      print a shipped systemd unit (default cachepipe.service)
     cachepipe print-config           print the example daemon config, every field documented
@@ -25,7 +26,8 @@ on its socket...). ``serve``: 78 invalid configuration, or one this host cannot 
 ``socket_group`` that does not exist, a directory it cannot create or write: what ``--check``
 reports), or the ``service`` extra is not installed (one line naming the module and
 ``pip install 'cachepipe[service]'``); 1 the daemon could not start (store unreachable...).
-``map``: 0 when every item succeeded, 1 if any failed, 130 when interrupted.
+``index``: 0 written (it prints the count, bytes and digest), 1 the source or destination
+failed (nothing to list, denied, unreachable...). ``map``: 0 when every item succeeded, 1 if any failed, 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -96,6 +98,21 @@ def _parser() -> argparse.ArgumentParser:
     wait = sub.add_parser("wait", parents=[client], help="wait until the daemon serves (exit 0), or --timeout passes (4)")
     wait.add_argument("--timeout", "-t", type=_seconds, default=30.0, help="seconds to wait (default 30)")
 
+    idx = sub.add_parser("index", help="list a source once and write its manifest (Pipeline(manifest=...))")
+    idx.add_argument("source", metavar="SRC", help="dataset URL (s3://, obs://, file://, ...)")
+    idx.add_argument("--output", "-o", required=True, metavar="DEST", help="manifest path or object URL (s3://b/p/m.gz)")
+    idx.add_argument("--items", choices=("folders", "files"), default="folders", help="item mode (default folders)")
+    idx.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="storage option for SRC and DEST (repeat; VALUE parsed as JSON when it can be)",
+    )
+    idx.add_argument(
+        "--dest-option", action="append", default=[], metavar="KEY=VALUE", help="storage option for DEST only (repeat)"
+    )
+
     from .map.cli import add_map_parser
 
     add_map_parser(sub)
@@ -124,6 +141,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return EXIT_CONFIG
         return check(args.config) if args.check else serve(args.config)
+    if args.command == "index":
+        return _index(args)
     if args.command == "map":
         from .map.cli import run_map_command
 
@@ -157,6 +176,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cachepipe: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _index(args: argparse.Namespace) -> int:
+    """``cachepipe index``: list, write the manifest, print what it holds."""
+    from .manifest import index
+
+    try:
+        options = dict(_storage_option(o) for o in args.storage_option)
+        dest_options = {**options, **dict(_storage_option(o) for o in args.dest_option)}
+        manifest = index(args.source, args.output, args.items, options, dest_options=dest_options)
+    except (OSError, ValueError) as exc:
+        print(f"cachepipe index: {exc}", file=sys.stderr)
+        return 1
+    total = sum(manifest.catalog.sizes)
+    print(
+        f"{manifest.count} {manifest.items} ({format_size(total)}) of {manifest.source} -> {manifest.location}, "
+        f"digest {manifest.digest}"
+    )
+    return 0
+
+
+def _storage_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` as ``(KEY, VALUE)``, the value parsed as JSON when it can be."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"storage option {text!r}: expected KEY=VALUE")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
 
 
 def _seconds(text: str) -> float:

@@ -184,6 +184,19 @@ def check_source(source: str) -> None:
     )
 
 
+def check_manifest_location(value: Any) -> Any:
+    """A manifest location as a str (a path-like is accepted); refuse an empty one.
+
+    Raises:
+        ConfigError: naming the value and what is accepted.
+    """
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if isinstance(value, str) and not value.strip():
+        raise ConfigError(f"manifest {value!r}: expected a path or an object URL written by `cachepipe index`, or None")
+    return value
+
+
 def _size_field(what: str) -> BeforeValidator:
     return BeforeValidator(lambda v: parse_size(v, what))
 
@@ -287,6 +300,10 @@ class PipelineConfig(BaseModel):
             acknowledged beyond it, with its saved listing instead of listing the source again
             (default False: a new pass).
         relist: with ``resume``, list the source again instead of using the saved listing.
+        manifest: plan from this manifest (a local path or an object URL, written by
+            ``cachepipe index``) instead of listing the source (default None: list it). It must
+            list the same ``source`` and ``items`` mode; a corrupt or truncated one is refused.
+            Objects added to the source since are not delivered. Read with ``storage_options``.
         progress: show a tqdm progress bar (default False).
         stall_warning: seconds a consumer waits in ``get``/the loop before each warning that no
             item is ready, with what is downloading and what is held (default 60); None: never.
@@ -331,6 +348,7 @@ class PipelineConfig(BaseModel):
     keep_on_close: bool = False
     resume: bool = False
     relist: bool = False
+    manifest: Annotated[str | None, BeforeValidator(check_manifest_location)] = None
     progress: bool = False
     stall_warning: float | None = Field(default=60.0, gt=0)
 

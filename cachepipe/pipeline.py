@@ -18,10 +18,11 @@ from .broker import Broker, Closed, Failed, Lease
 from .cache import Cache
 from .catalog import Catalog, Item, Names
 from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_capacity, small_capacity
-from .errors import EmptySourceError, OversizeError, UnknownItemError, is_transient
+from .errors import ConfigError, EmptySourceError, OversizeError, UnknownItemError, is_transient
 from .fetcher import Fetcher, backoff_delay
 from .items import PathItem
 from .listing import StreamingListing
+from .manifest import check_manifest, read_manifest
 from .plan import Cursor, Frontier, GrowingPlan, Plan, Step, default_rank_world
 from .plan import tick as plan_tick
 from .retention import PlanFuture, make_policy
@@ -169,6 +170,7 @@ class Pipeline:
         self._counts_lock = threading.Lock()  # not _lock: open() holds that while the listing thread counts
         self._bar: Any = None
         self._start_state: dict[str, Any] | None = None
+        self._catalog_digest: str | None = None  # of the whole catalog the plan was made from (None: streamed)
         self._plan_lock = threading.Lock()  # the frontier: issued by the producer, consumed by consumers
 
     def __repr__(self) -> str:
@@ -247,6 +249,7 @@ class Pipeline:
             and cfg.retain == "none"
             and not cfg.resume
             and self._start_state is None
+            and cfg.manifest is None
             and not cache.has_leftovers()
         )
 
@@ -256,11 +259,18 @@ class Pipeline:
         self._future: PlanFuture | None = None
         if self._streams(cache):
             return self._stream(store, cache)
-        catalog = cache.saved_catalog(cfg.source, cfg.items) if cfg.resume and not cfg.relist else None
+        manifest = None
+        if cfg.manifest is not None:
+            manifest = read_manifest(cfg.manifest, cfg.storage_options)
+            check_manifest(manifest, cfg.source, cfg.items)
+            catalog: Catalog | None = manifest.catalog
+        else:
+            catalog = cache.saved_catalog(cfg.source, cfg.items) if cfg.resume and not cfg.relist else None
         if catalog is None:
             catalog = self._list(store)
             if cfg.resume:
                 cache.save_catalog(cfg.source, cfg.items, catalog)
+        self._catalog_digest = catalog.digest() if manifest is None else manifest.digest
         if not catalog:
             raise EmptySourceError(f"no items under {cfg.source!r}: found no {cfg.items} with objects")
         sizes = catalog.sizes
@@ -296,8 +306,16 @@ class Pipeline:
             balance=cfg.balance,
             partition=cfg.partition,
         )
-        cursor, acked = cache.recover(catalog, resume=cfg.resume, plan=_plan_key(plan))
+        # with a manifest, a resume must also be of the same manifest (the key of a listed pass is kept as it was)
+        key = _plan_key(plan, self._catalog_digest if manifest is not None else None)
+        cursor, acked = cache.recover(catalog, resume=cfg.resume, plan=key)
         if self._start_state is not None:
+            saved = self._start_state.get("catalog_digest")
+            if saved is not None and saved != self._catalog_digest:
+                raise ConfigError(
+                    f"state was saved with catalog_digest={saved!r}, this pipeline's catalog has "
+                    f"catalog_digest={self._catalog_digest!r}: cannot resume over other data"
+                )
             plan.load_state_dict(self._start_state)  # an explicit position wins over the journal's
             cursor, acked = plan.start, set()
         largest = max(plan.sizes)
@@ -430,21 +448,27 @@ class Pipeline:
         log.info("capacity of %s set to %s", self.config.source, capacity)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where to resume: the plan's configuration and its first unconsumed step (JSON-able).
+        """Where to resume: the plan's configuration and its first unconsumed step (JSON-able),
+        and ``catalog_digest``, the digest of the catalog the plan was made from (absent while
+        a streamed listing is under way).
 
         Save it with a training checkpoint; pass it to :meth:`load_state_dict` of a new pipeline
         with the same settings to continue from there.
         """
         self._require_open(allow_closed=True)
         with self._plan_lock:
-            return self._frontier.state_dict()
+            state = self._frontier.state_dict()
+        if self._catalog_digest is not None:
+            state["catalog_digest"] = self._catalog_digest
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Start at the position in ``state`` (from :meth:`state_dict`). Call before :meth:`open`.
 
         Raises:
             RuntimeError: the pipeline is already open.
-            ValueError: at open, if ``state`` was saved with different settings or data.
+            ValueError: at open, if ``state`` was saved with different settings or data (a
+                different ``catalog_digest``: :class:`~cachepipe.ConfigError` naming both).
         """
         if self._state != _UNOPENED:
             raise RuntimeError("load_state_dict() must be called before the pipeline is opened")
@@ -724,9 +748,13 @@ class Pipeline:
         )
 
 
-def _plan_key(plan: Plan) -> str:
-    """The plan's configuration (its position excluded) as JSON: what a resume must match."""
-    return json.dumps({k: v for k, v in plan.state_dict().items() if k not in ("epoch", "index")}, sort_keys=True)
+def _plan_key(plan: Plan, catalog_digest: str | None = None) -> str:
+    """The plan's configuration (its position excluded), with ``catalog_digest`` if given, as
+    JSON: what a resume must match."""
+    key = {k: v for k, v in plan.state_dict().items() if k not in ("epoch", "index")}
+    if catalog_digest is not None:
+        key["catalog_digest"] = catalog_digest
+    return json.dumps(key, sort_keys=True)
 
 
 def _steps_before(plan: Plan, cursor: tuple[int, int]) -> int:

@@ -34,11 +34,23 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, Any, BinaryIO
 
 from .catalog import Catalog
 
-__all__ = ["EVENT_OVERHEAD", "Journal", "Replay", "StateCorrupt", "load", "load_catalog", "save_catalog"]
+__all__ = [
+    "EVENT_OVERHEAD",
+    "Journal",
+    "Replay",
+    "StateCorrupt",
+    "catalog_header",
+    "load",
+    "load_catalog",
+    "read_catalog_header",
+    "read_catalog_items",
+    "save_catalog",
+    "write_catalog",
+]
 
 CATALOG_VERSION = 1
 EVENT_OVERHEAD = 48  # bytes per step besides 4 x the name: kinds, spaces, newlines, epoch and index numbers
@@ -200,39 +212,94 @@ class Journal:
 
 
 def save_catalog(path: Path, source: str, mode: str, catalog: Catalog) -> None:
-    """Write the listing atomically, gzip-compressed (it counts against the capacity): a header
-    line, then one JSON line per item: ``[name, [[rel, size, etag], ...]]``. Streamed: the
-    whole text is never held in memory."""
-    header = json.dumps({"version": CATALOG_VERSION, "source": source, "items": mode, "count": len(catalog)})
+    """Write the listing atomically, gzip-compressed (it counts against the capacity), in the
+    format of :func:`write_catalog`. Streamed: the whole text is never held in memory."""
+    atomic_write(path, lambda fh: write_catalog(fh, catalog_header(source, mode, catalog), catalog))
+
+
+def catalog_header(source: str, mode: str, catalog: Catalog, **extra: Any) -> dict[str, Any]:
+    """The header line of a saved catalog: ``version``, ``source``, ``items`` (the mode),
+    ``count``, ``digest`` (:meth:`Catalog.digest`), then ``extra`` fields."""
+    return {
+        "version": CATALOG_VERSION,
+        "source": source,
+        "items": mode,
+        "count": len(catalog),
+        "digest": catalog.digest(),
+        **extra,
+    }
+
+
+def write_catalog(fh: BinaryIO, header: dict[str, Any], catalog: Catalog) -> None:
+    """Write ``catalog`` to ``fh`` as gzip JSON lines: the ``header`` line (see
+    :func:`catalog_header`), then one line per item: ``[name, [[rel, size, etag], ...]]``.
+    Streamed, and byte-for-byte the same for the same header and catalog (gzip ``mtime`` 0).
+    The format of both the cache's saved catalog and a manifest (:mod:`cachepipe.manifest`)."""
     dumps = json.JSONEncoder(separators=(",", ":")).encode
+    with gzip.GzipFile(fileobj=fh, mode="wb", mtime=0) as gz, io.TextIOWrapper(gz, encoding="utf-8", newline="\n") as text:
+        text.write(json.dumps(header) + "\n")
+        for entry in catalog.entries():
+            text.write(dumps(entry) + "\n")
 
-    def write(fh: BinaryIO) -> None:
-        with gzip.GzipFile(fileobj=fh, mode="wb", mtime=0) as gz, io.TextIOWrapper(gz, encoding="utf-8", newline="\n") as text:
-            text.write(header + "\n")
-            for entry in catalog.entries():
-                text.write(dumps(entry) + "\n")
 
-    atomic_write(path, write)
+def read_catalog_header(text: IO[str], where: str) -> dict[str, Any]:
+    """The header of a catalog file opened as text (``gzip.open(..., "rt")``), checked for its
+    version and fields; the file is left at the first item.
+
+    Raises:
+        StateCorrupt: not a catalog of this version, or unreadable.
+    """
+    try:
+        header = json.loads(text.readline())
+    except (OSError, EOFError, ValueError) as exc:
+        raise StateCorrupt(f"{where}: unreadable catalog: {exc}") from exc
+    if not isinstance(header, dict) or header.get("version") != CATALOG_VERSION:
+        version = header.get("version") if isinstance(header, dict) else None
+        raise StateCorrupt(f"{where}: not a cachepipe catalog of version {CATALOG_VERSION} (version {version!r})")
+    if header.get("items") not in ("folders", "files") or not isinstance(header.get("count"), int):
+        raise StateCorrupt(f"{where}: catalog header without a valid items mode and count: {header!r}")
+    return header
+
+
+def read_catalog_items(text: IO[str], header: dict[str, Any], where: str) -> Catalog:
+    """The items after :func:`read_catalog_header`, checked against the header's ``count`` and
+    (when present) ``digest``: a truncated or altered file is refused.
+
+    Raises:
+        StateCorrupt: unreadable, truncated, or not the catalog its header describes.
+    """
+    catalog = Catalog(mode="files" if header["items"] == "files" else "folders")
+    try:
+        for line in text:
+            name, files = json.loads(line)
+            catalog.add(name, files)
+    except (OSError, EOFError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise StateCorrupt(f"{where}: unreadable catalog: {exc}") from exc
+    if len(catalog) != header["count"]:
+        raise StateCorrupt(f"{where}: catalog has {len(catalog)} items, header says {header['count']}")
+    if "digest" in header and catalog.digest() != header["digest"]:
+        raise StateCorrupt(f"{where}: catalog content has digest {catalog.digest()}, header says {header['digest']!r}")
+    return catalog
 
 
 def load_catalog(path: Path, source: str, mode: str) -> Catalog | None:
     """The saved listing for (``source``, ``mode``), or None if there is none or it is for another source."""
+    where = str(path)
     try:
         with gzip.open(path, "rt", encoding="utf-8") as fh:
-            header = json.loads(fh.readline())
+            try:
+                header = json.loads(fh.readline())
+            except (OSError, EOFError, ValueError) as exc:
+                raise StateCorrupt(f"{where}: unreadable catalog: {exc}") from exc
+            if not isinstance(header, dict):
+                raise StateCorrupt(f"{where}: unreadable catalog: header {header!r} is not an object")
             if header.get("version") != CATALOG_VERSION or header.get("source") != source or header.get("items") != mode:
                 return None
-            catalog = Catalog(mode="files" if mode == "files" else "folders")
-            for line in fh:
-                name, files = json.loads(line)
-                catalog.add(name, files)
+            if not isinstance(header.get("count"), int):
+                raise StateCorrupt(f"{where}: catalog header without a count: {header!r}")
+            return read_catalog_items(fh, header, where)
     except FileNotFoundError:
         return None
-    except (OSError, EOFError, ValueError, TypeError, KeyError, AttributeError) as exc:
-        raise StateCorrupt(f"{path}: unreadable catalog: {exc}") from exc
-    if len(catalog) != header.get("count"):
-        raise StateCorrupt(f"{path}: catalog has {len(catalog)} items, header says {header.get('count')}")
-    return catalog
 
 
 def atomic_write(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:

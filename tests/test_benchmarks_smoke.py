@@ -132,3 +132,15 @@ def test_partition_benchmark_runs_and_fixed_downloads_a_fitting_share_once():
     for data in ("equal sizes", "variable sizes"):
         assert rows[data, 1.0, "fixed"]["x_data"] == 1.0  # a deterministic simulation, not a timing
         assert rows[data, 1.0, "epoch"]["x_data"] > 1.5
+
+
+def test_manifest_benchmark_reports_every_phase():
+    script = Path(__file__).parent.parent / "benchmarks" / "bench_manifest.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--items", "500", "--json"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    assert report["items"] == 500 and report["manifest_bytes"] > 0
+    assert set(report["phases"]) == {"digest", "write", "read", "plan"}
+    assert report["phases"]["plan"]["share"] > 0

@@ -1,0 +1,205 @@
+"""A manifest: a source listed once per job, written where every rank and node can read it.
+
+``cachepipe index SRC -o DEST`` (or :func:`index`) lists ``SRC`` once and writes the catalog to
+``DEST``, a local path or an object-store URL; ``Pipeline(..., manifest=DEST)`` then plans from
+it without listing, so every process of a job plans over the same items whatever was added to
+or removed from the source since.
+
+The format is the cache's saved catalog (:func:`cachepipe.state.write_catalog`): gzip JSON
+lines, a header line, then one line per item ``[name, [[rel, size, etag], ...]]``. The header::
+
+    {"version": 1, "source": "s3://b/p/", "items": "folders", "count": 1000000,
+     "digest": "<32 hex digits>", "listed_at": "2024-05-01T12:00:00Z"}
+
+``digest`` is :meth:`cachepipe.catalog.Catalog.digest`, over the content only (not the time),
+so two listings of the same data give the same digest; it is checked when the manifest is read
+(with ``count`` and gzip's own CRC), and a pipeline's ``state_dict`` records it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from .catalog import Catalog
+from .errors import ConfigError, EmptySourceError
+from .state import StateCorrupt, atomic_write, catalog_header, read_catalog_header, read_catalog_items, write_catalog
+from .stores import Store, open_store
+
+__all__ = ["Manifest", "check_manifest", "index", "read_manifest", "write_manifest"]
+
+_WHOLE = 1 << 62  # the end of a GET range that reads an object of any size to its end
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A listing read from (or written to) a manifest.
+
+    Attributes:
+        location: where it is (a local path or a URL).
+        source: the URL that was listed.
+        items: ``"folders"`` or ``"files"``: how the listing was grouped into items.
+        listed_at: when the listing ended (UTC, ISO 8601).
+        digest: :meth:`Catalog.digest` of :attr:`catalog`.
+        catalog: the items.
+    """
+
+    location: str
+    source: str
+    items: Literal["folders", "files"]
+    listed_at: str
+    digest: str
+    catalog: Catalog
+
+    @property
+    def count(self) -> int:
+        return len(self.catalog)
+
+
+def _is_url(location: str) -> bool:
+    return "://" in location
+
+
+def _split_url(location: str) -> tuple[str, str]:
+    """``s3://b/p/m.gz`` as the store root ``s3://b/p/`` and the key ``m.gz``."""
+    root, _, key = location.rpartition("/")
+    if not key or root.endswith((":/", "://")):
+        raise ConfigError(f"manifest {location!r}: expected a file path or an object URL like 's3://bucket/prefix/manifest.gz'")
+    return root + "/", key
+
+
+def write_manifest(
+    location: str | os.PathLike[str],
+    source: str,
+    items: Literal["folders", "files"],
+    catalog: Catalog,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    listed_at: str | None = None,
+) -> Manifest:
+    """Write ``catalog`` (the listing of ``source``) to ``location``: a local path (written
+    atomically) or an object URL (uploaded with the store's ``put``, whole or not at all).
+
+    Raises:
+        ConfigError: a URL with no object name, or a store that cannot be written to.
+        OSError: as the file system or the store (see :mod:`cachepipe.stores.base`).
+    """
+    where = os.fspath(location)
+    when = listed_at or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    header = catalog_header(source, items, catalog, listed_at=when)
+    if not _is_url(where):
+        atomic_write(Path(where), lambda fh: write_catalog(fh, header, catalog))
+    else:
+        root, key = _split_url(where)
+        store = open_store(root, storage_options)
+        try:
+            put = getattr(store, "put", None)
+            if put is None:
+                raise ConfigError(f"manifest {where!r}: the store of {root!r} cannot be written to; write it to a local path")
+            with tempfile.TemporaryDirectory(prefix="cachepipe-index-") as tmp:
+                local = Path(tmp, key)
+                with local.open("wb") as fh:
+                    write_catalog(fh, header, catalog)
+                put(local, key)
+        finally:
+            store.close()
+    return Manifest(where, source, items, when, header["digest"], catalog)
+
+
+def read_manifest(location: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Manifest:
+    """Read and check the manifest at ``location`` (a local path or an object URL).
+
+    Raises:
+        FileNotFoundError: there is none (named).
+        ConfigError: it is not a manifest, or it is truncated or altered (its item count or
+            digest does not match its header).
+        OSError: as the store (see :mod:`cachepipe.stores.base`).
+    """
+    where = os.fspath(location)
+    if not _is_url(where):
+        with open(where, "rb") as fh:
+            return _parse(fh, where)
+    root, key = _split_url(where)
+    store = open_store(root, storage_options)
+    try:
+        with tempfile.TemporaryFile(prefix="cachepipe-manifest-") as fh:
+            store.get(key, fh, 0, _WHOLE)  # reads to the object's end; a short body fails the gzip CRC
+            fh.seek(0)
+            return _parse(fh, where)
+    finally:
+        store.close()
+
+
+def _parse(raw: io.BufferedIOBase | Any, where: str) -> Manifest:
+    try:
+        with gzip.open(raw, "rt", encoding="utf-8") as text:
+            header = read_catalog_header(text, where)
+            catalog = read_catalog_items(text, header, where)
+        if not isinstance(header.get("source"), str) or not isinstance(header.get("digest"), str):
+            raise StateCorrupt(f"{where}: a catalog without the source and digest of a manifest")
+    except StateCorrupt as exc:
+        raise ConfigError(f"manifest {where!r} is corrupt or truncated ({exc}): write it again with `cachepipe index`") from exc
+    return Manifest(where, header["source"], header["items"], str(header.get("listed_at", "")), header["digest"], catalog)
+
+
+def same_source(a: str, b: str) -> bool:
+    """Whether two source URLs name the same prefix (a trailing ``/`` does not matter)."""
+    return a.rstrip("/") == b.rstrip("/")
+
+
+def check_manifest(manifest: Manifest, source: str, items: str) -> None:
+    """Refuse ``manifest`` for a pipeline of ``source`` and ``items`` mode when it lists another.
+
+    Raises:
+        ConfigError: naming both sources, or both modes.
+    """
+    if not same_source(manifest.source, source):
+        raise ConfigError(
+            f"manifest {manifest.location!r} lists source {manifest.source!r}, this pipeline's source is {source!r}: "
+            "use the same source, or index this one with `cachepipe index`"
+        )
+    if manifest.items != items:
+        raise ConfigError(
+            f"manifest {manifest.location!r} lists items={manifest.items!r}, this pipeline has items={items!r}: "
+            f"use items={manifest.items!r}, or index again with --items {items}"
+        )
+
+
+def index(
+    source: str,
+    location: str | os.PathLike[str],
+    items: Literal["folders", "files"] = "folders",
+    storage_options: dict[str, Any] | None = None,
+    *,
+    store: Store | None = None,
+    dest_options: dict[str, Any] | None = None,
+) -> Manifest:
+    """List ``source`` once and write its manifest to ``location``; return it.
+
+    Args:
+        store: the store to list (default: opened from ``source`` with ``storage_options``).
+        dest_options: storage options for ``location`` when it is a URL (default ``storage_options``).
+
+    Raises:
+        EmptySourceError: nothing to list.
+        UnsafeKeyError: a key that cannot be mapped safely into a cache.
+        OSError: as the store and the file system.
+    """
+    if items not in ("folders", "files"):
+        raise ConfigError(f"items {items!r}: expected 'folders' or 'files'")
+    own = store is None
+    src = open_store(source, storage_options) if store is None else store
+    try:
+        catalog = Catalog.from_listing(src.list(), items)
+    finally:
+        if own:
+            src.close()
+    if not catalog:
+        raise EmptySourceError(f"no items under {source!r}: found no {items} with objects")
+    return write_manifest(location, source, items, catalog, storage_options if dest_options is None else dest_options)
