@@ -193,10 +193,12 @@ def index(
     """
     if items not in ("folders", "files"):
         raise ConfigError(f"items {items!r}: expected 'folders' or 'files'")
+    from .sourcing import list_source  # sourcing reads manifests: imported here, not at the top
+
     own = store is None
     src = open_store(source, storage_options) if store is None else store
     try:
-        catalog = Catalog.from_listing(src.list(), items)
+        catalog = list_source(src, items, source=source)  # transient store errors are retried, as a pipeline's listing
     finally:
         if own:
             src.close()

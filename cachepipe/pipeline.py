@@ -18,14 +18,14 @@ from .broker import Broker, Closed, Failed, Lease
 from .cache import Cache
 from .catalog import Catalog, Item, Names
 from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_capacity, small_capacity
-from .errors import ConfigError, EmptySourceError, OversizeError, UnknownItemError, is_transient
+from .errors import ConfigError, EmptySourceError, OversizeError, UnknownItemError
 from .fetcher import Fetcher, backoff_delay
 from .items import PathItem
 from .listing import StreamingListing
-from .manifest import check_manifest, read_manifest
 from .plan import Cursor, Frontier, GrowingPlan, Plan, Step, default_rank_world
 from .plan import tick as plan_tick
 from .retention import PlanFuture, make_policy
+from .sourcing import fitting_items, make_plan, obtain_catalog
 from .stores import Store, open_store
 
 __all__ = ["CachedItem", "Pipeline", "Stats"]
@@ -259,55 +259,24 @@ class Pipeline:
         self._future: PlanFuture | None = None
         if self._streams(cache):
             return self._stream(store, cache)
-        manifest = None
-        if cfg.manifest is not None:
-            manifest = read_manifest(cfg.manifest, cfg.storage_options)
-            check_manifest(manifest, cfg.source, cfg.items)
-            catalog: Catalog | None = manifest.catalog
-        else:
-            catalog = cache.saved_catalog(cfg.source, cfg.items) if cfg.resume and not cfg.relist else None
-        if catalog is None:
-            catalog = self._list(store)
-            if cfg.resume:
-                cache.save_catalog(cfg.source, cfg.items, catalog)
-        self._catalog_digest = catalog.digest() if manifest is None else manifest.digest
-        if not catalog:
-            raise EmptySourceError(f"no items under {cfg.source!r}: found no {cfg.items} with objects")
+        catalog, self._catalog_digest, from_manifest = obtain_catalog(cfg, store, cache)
         sizes = catalog.sizes
         self._listed = len(catalog)
         self._listed_bytes = sum(sizes)
-        # The plan's item i is catalog item eligible[i]; None: all items are (no second list).
-        eligible: array[int] | None = None
         # recover() below reserves the journal's budget too (and measures the state files: checked after it)
         occupied = cache.foreign + cache.journal_budget(catalog)
-        limit = cache.capacity - occupied
-        if max(sizes) > limit:
-            eligible = array("q")
-            for i, size in enumerate(sizes):
-                if size <= limit:
-                    eligible.append(i)
-                    continue
-                error = OversizeError(catalog.name(i), size, cache.capacity, occupied)
-                if cfg.on_oversize == "raise":
-                    raise error
-                log.warning("skipping %s", error)
-                self._counts["skipped"] += 1
-            if not eligible:
-                raise EmptySourceError(f"no items under {cfg.source!r}: found no {cfg.items} smaller than the capacity")
-        plan = Plan(
-            sizes if eligible is None else array("q", (sizes[i] for i in eligible)),
-            epochs=cfg.epochs,
-            shuffle=cfg.shuffle,
-            seed=cfg.seed,
-            rank=cfg.rank,
-            world_size=cfg.world_size,
-            worker=cfg.worker,
-            num_workers=cfg.num_workers,
-            balance=cfg.balance,
-            partition=cfg.partition,
-        )
+        # The plan's item i is catalog item eligible[i]; None: all items are (no second list).
+        eligible, too_large = fitting_items(catalog, cache.capacity, occupied)
+        for error in too_large:
+            if cfg.on_oversize == "raise":
+                raise error
+            log.warning("skipping %s", error)
+            self._counts["skipped"] += 1
+        if eligible is not None and not eligible:
+            raise EmptySourceError(f"no items under {cfg.source!r}: found no {cfg.items} smaller than the capacity")
+        plan = make_plan(cfg, sizes if eligible is None else array("q", (sizes[i] for i in eligible)))
         # with a manifest, a resume must also be of the same manifest (the key of a listed pass is kept as it was)
-        key = _plan_key(plan, self._catalog_digest if manifest is not None else None)
+        key = _plan_key(plan, self._catalog_digest if from_manifest else None)
         cursor, acked = cache.recover(catalog, resume=cfg.resume, plan=key)
         if self._start_state is not None:
             saved = self._start_state.get("catalog_digest")
@@ -473,20 +442,6 @@ class Pipeline:
         if self._state != _UNOPENED:
             raise RuntimeError("load_state_dict() must be called before the pipeline is opened")
         self._start_state = dict(state)
-
-    def _list(self, store: Store) -> Catalog:
-        """List the source into a catalog, retrying transient store errors like downloads are."""
-        cfg = self.config
-        for attempt in range(cfg.retries + 1):
-            try:
-                return Catalog.from_listing(store.list(), cfg.items)
-            except Exception as exc:
-                if not is_transient(exc) or attempt == cfg.retries:
-                    raise
-                delay = backoff_delay(attempt, cfg.retry_backoff, cfg.retry_backoff_max)
-                log.warning("listing %s failed, retry %d/%d in %.2fs: %s", cfg.source, attempt + 1, cfg.retries, delay, exc)
-                time.sleep(delay)  # a backoff in the opening thread; Ctrl-C interrupts it
-        raise AssertionError("unreachable")
 
     def close(self) -> None:
         """Stop every thread, remove staging files and (unless ``keep_on_close``) published items.

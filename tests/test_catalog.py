@@ -234,3 +234,16 @@ def test_catalog_holds_what_group_items_yields(objects, mode):
     catalog = Catalog.from_listing(listing, mode)
     assert list(catalog) == items == list(Catalog(items, mode))
     assert all(catalog.find(item.name) == i for i, item in enumerate(items))
+
+
+def test_fitting_items_names_each_item_too_large():
+    from cachepipe.errors import OversizeError
+    from cachepipe.sourcing import fitting_items
+
+    catalog = Catalog(mode="folders")
+    for name, size in (("a", 10), ("b", 50), ("c", 20)):
+        catalog.add(name, [["f", size, None]])
+    assert fitting_items(catalog, capacity=100, occupied=40) == (None, [])  # all fit: no second index
+    fitting, too_large = fitting_items(catalog, capacity=100, occupied=60)
+    assert list(fitting) == [0, 2]
+    assert [(e.item, e.size) for e in too_large] == [("b", 50)] and isinstance(too_large[0], OversizeError)

@@ -145,3 +145,14 @@ def test_failed_open_releases_the_cache(remote_source, fault_proxy, tmp_path):
         assert len(list(pipe)) == 2
     with pytest.raises(RuntimeError, match="create a new Pipeline"):
         failing.open()
+
+
+def test_index_retries_a_transient_listing_error(remote_source, fault_proxy, tmp_path):
+    from cachepipe.manifest import index, read_manifest
+
+    proxy, endpoint = fault_proxy
+    remote_source.folders(2, {"f": 10})
+    proxy.inject("503", 2)
+    manifest = index(remote_source.url, tmp_path / "m.gz", storage_options=via(remote_source, endpoint))
+    assert len(read_manifest(tmp_path / "m.gz").catalog) == len(manifest.catalog) == 2
+    assert proxy.injected["503"] == 2

@@ -1,0 +1,121 @@
+"""Where a pass's catalog comes from, and which of its items it can plan: the part of opening a
+pipeline that is about the data, not about threads.
+
+- :func:`list_source`: list a store into a catalog, retrying transient errors (the one listing
+  with retries, for a pipeline and for ``cachepipe index``);
+- :func:`obtain_catalog`: a manifest, or the listing an earlier owner of the cache saved
+  (``resume``), or a new listing; with its digest;
+- :func:`fitting_items`: which items can ever fit beside the cache's foreign bytes and state
+  budget (pure);
+- :func:`make_plan`: the :class:`~cachepipe.plan.Plan` of the pipeline's options over them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
+
+from .catalog import Catalog
+from .config import PipelineConfig
+from .errors import EmptySourceError, OversizeError, is_transient
+from .fetcher import backoff_delay
+from .manifest import check_manifest, read_manifest
+from .plan import Plan
+from .stores import Store
+
+if TYPE_CHECKING:
+    from .cache import Cache
+
+__all__ = ["fitting_items", "list_source", "make_plan", "obtain_catalog"]
+
+log = logging.getLogger("cachepipe")
+
+
+def list_source(
+    store: Store,
+    items: Literal["folders", "files"],
+    retries: int = 12,
+    backoff: float = 0.2,
+    backoff_max: float = 10.0,
+    source: str = "",
+) -> Catalog:
+    """List ``store`` into a catalog, retrying transient store errors as downloads are (the whole
+    listing again: a catalog is built in one pass). ``source`` names it in the log.
+
+    Raises:
+        OSError, UnsafeKeyError, ...: a permanent error, or a transient one after ``retries``.
+    """
+    for attempt in range(retries + 1):
+        try:
+            return Catalog.from_listing(store.list(), items)
+        except Exception as exc:
+            if not is_transient(exc) or attempt == retries:
+                raise
+            delay = backoff_delay(attempt, backoff, backoff_max)
+            log.warning("listing %s failed, retry %d/%d in %.2fs: %s", source or store.url, attempt + 1, retries, delay, exc)
+            time.sleep(delay)  # a backoff in the opening thread; Ctrl-C interrupts it
+    raise AssertionError("unreachable")
+
+
+def obtain_catalog(cfg: PipelineConfig, store: Store, cache: Cache) -> tuple[Catalog, str, bool]:
+    """The catalog of this pass: read from ``cfg.manifest``; else the listing an earlier owner of
+    ``cache`` saved (``resume`` without ``relist``); else a new listing (saved with ``resume``).
+
+    Returns:
+        ``(catalog, digest, from_manifest)``.
+
+    Raises:
+        ConfigError: a manifest of another source or items mode, or unreadable.
+        EmptySourceError: no items.
+    """
+    if cfg.manifest is not None:
+        manifest = read_manifest(cfg.manifest, cfg.storage_options)
+        check_manifest(manifest, cfg.source, cfg.items)
+        catalog, digest, from_manifest = manifest.catalog, manifest.digest, True
+    else:
+        saved = cache.saved_catalog(cfg.source, cfg.items) if cfg.resume and not cfg.relist else None
+        if saved is None:
+            saved = list_source(store, cfg.items, cfg.retries, cfg.retry_backoff, cfg.retry_backoff_max, cfg.source)
+            if cfg.resume:
+                cache.save_catalog(cfg.source, cfg.items, saved)
+        catalog, digest, from_manifest = saved, saved.digest(), False
+    if not catalog:
+        raise EmptySourceError(f"no items under {cfg.source!r}: found no {cfg.items} with objects")
+    return catalog, digest, from_manifest
+
+
+def fitting_items(catalog: Catalog, capacity: int, occupied: int) -> tuple[array[int] | None, list[OversizeError]]:
+    """Which items fit beside ``occupied`` bytes (foreign files and the state budget) under
+    ``capacity``: ``(None, [])`` when all do (no second index is kept), else the positions that
+    fit, in order, and an :class:`OversizeError` for each that does not."""
+    sizes: Sequence[int] = catalog.sizes
+    limit = capacity - occupied
+    if max(sizes) <= limit:
+        return None, []
+    fitting: array[int] = array("q")
+    too_large: list[OversizeError] = []
+    for i, size in enumerate(sizes):
+        if size <= limit:
+            fitting.append(i)
+        else:
+            too_large.append(OversizeError(catalog.name(i), size, capacity, occupied))
+    return fitting, too_large
+
+
+def make_plan(cfg: PipelineConfig, sizes: Sequence[int]) -> Plan:
+    """The plan of ``cfg``'s options (epochs, shuffle, seed, shares, partition) over ``sizes``."""
+    return Plan(
+        sizes,
+        epochs=cfg.epochs,
+        shuffle=cfg.shuffle,
+        seed=cfg.seed,
+        rank=cfg.rank,
+        world_size=cfg.world_size,
+        worker=cfg.worker,
+        num_workers=cfg.num_workers,
+        balance=cfg.balance,
+        partition=cfg.partition,
+    )
