@@ -81,6 +81,15 @@ def test_kubernetes_index_before_slurm():
     assert resolve_rank(env).rank == 1
 
 
+def test_srun_tasks_are_ranks_and_an_array_comes_first():
+    assert resolve_rank({"SLURM_PROCID": "2", "SLURM_NTASKS": "3"}) == Rank(2, 3, "SLURM_PROCID=2, SLURM_NTASKS=3")
+    # inside an array job each array task is one srun task (0 of 1): the array decides
+    array = {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
+    assert resolve_rank(array).rank == 1
+    with pytest.raises(ConfigError, match="--world-size 4 disagrees with SLURM_PROCID=0, SLURM_NTASKS=3"):
+        resolve_rank({"SLURM_PROCID": "0", "SLURM_NTASKS": "3"}, world_size=4)
+
+
 def test_slurm_array_made_zero_based_with_its_min_and_step():
     assert resolve_rank({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_COUNT": "4"}) == Rank(
         3, 4, "SLURM_ARRAY_TASK_ID=3, SLURM_ARRAY_TASK_COUNT=4"

@@ -12,7 +12,8 @@ from, from explicit values or the environment a scheduler sets, in this order:
 4. ``SLURM_ARRAY_TASK_ID`` with ``SLURM_ARRAY_TASK_COUNT`` (or ``world_size``): made 0-based
    with ``SLURM_ARRAY_TASK_MIN`` and ``SLURM_ARRAY_TASK_STEP`` when set
    (``--array=1-16`` gives ranks 0..15; ``--array=0-30:2`` too);
-5. none of them: rank 0 of 1 (this process takes every item).
+5. ``SLURM_PROCID`` and ``SLURM_NTASKS`` (the tasks of ``srun -n N``);
+6. none of them: rank 0 of 1 (this process takes every item).
 
 :func:`take_share` gives each rank its share of the listing with :func:`cachepipe.plan.split`
 over the items in listing order, balanced by bytes: disjoint, covering, and within one item's
@@ -133,10 +134,16 @@ def resolve_rank(environ: Mapping[str, str], rank: int | None = None, world_size
                 f"SLURM_ARRAY_TASK_STEP={step}: expected an array of evenly spaced ids (--array=0-15 or 1-16 or 0-30:2)"
             )
         return _check((task - low) // step, count, source)
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:  # srun -n N: the tasks of one job step
+        task, tasks = _env_int(env, "SLURM_PROCID"), _env_int(env, "SLURM_NTASKS")
+        source = f"SLURM_PROCID={env['SLURM_PROCID']}, SLURM_NTASKS={env['SLURM_NTASKS']}"
+        if world_size is not None and world_size != tasks:
+            raise ConfigError(f"--world-size {world_size} disagrees with {source}: give the same count or drop one")
+        return _check(task, tasks, source)
     if world_size is not None and world_size != 1:
         raise ConfigError(
             f"--world-size {world_size} is given without a rank: give --rank, or run under a launcher that sets "
-            "RANK, JOB_COMPLETION_INDEX or SLURM_ARRAY_TASK_ID"
+            "RANK, JOB_COMPLETION_INDEX, SLURM_ARRAY_TASK_ID or SLURM_PROCID"
         )
     if COUNT_VARIABLE in env:
         raise ConfigError(
