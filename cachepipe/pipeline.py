@@ -202,6 +202,7 @@ class Pipeline:
                 try:
                     self._broker, self._cache = broker, cache
                     steps = self._catalog(store, cache)
+                    broker = self._broker  # a node pipeline's catalog step replaces it by its lanes' queues
                     fetcher = Fetcher(store, cache, broker, steps, cfg)
                     if cfg.progress:
                         from tqdm.auto import tqdm
@@ -259,22 +260,8 @@ class Pipeline:
         self._future: PlanFuture | None = None
         if self._streams(cache):
             return self._stream(store, cache)
-        catalog, self._catalog_digest, from_manifest = obtain_catalog(cfg, store, cache)
-        sizes = catalog.sizes
-        self._listed = len(catalog)
-        self._listed_bytes = sum(sizes)
-        # recover() below reserves the journal's budget too (and measures the state files: checked after it)
-        occupied = cache.foreign + cache.journal_budget(catalog)
-        # The plan's item i is catalog item eligible[i]; None: all items are (no second list).
-        eligible, too_large = fitting_items(catalog, cache.capacity, occupied)
-        for error in too_large:
-            if cfg.on_oversize == "raise":
-                raise error
-            log.warning("skipping %s", error)
-            self._counts["skipped"] += 1
-        if eligible is not None and not eligible:
-            raise EmptySourceError(f"no items under {cfg.source!r}: found no {cfg.items} smaller than the capacity")
-        plan = make_plan(cfg, sizes if eligible is None else array("q", (sizes[i] for i in eligible)))
+        catalog, sizes, eligible, from_manifest = self._fitting(store, cache)
+        plan = make_plan(cfg, sizes)
         # with a manifest, a resume must also be of the same manifest (the key of a listed pass is kept as it was)
         key = _plan_key(plan, self._catalog_digest if from_manifest else None)
         cursor, acked = cache.recover(catalog, resume=cfg.resume, plan=key)
@@ -287,11 +274,7 @@ class Pipeline:
                 )
             plan.load_state_dict(self._start_state)  # an explicit position wins over the journal's
             cursor, acked = plan.start, set()
-        largest = max(plan.sizes)
-        if largest > cache.limit:
-            i = next(i for i, size in enumerate(plan.sizes) if size > cache.limit)
-            item = catalog[i if eligible is None else eligible[i]]
-            raise OversizeError(item.name, item.size, cache.capacity, cache.capacity - cache.limit)
+        largest = self._check_limit(plan.sizes, catalog, eligible, cache)
         self._plan: Plan | GrowingPlan = plan
         self._frontier = Frontier(plan, Cursor(*cursor))
         self._catalog_items, self._eligible = catalog, eligible
@@ -304,6 +287,39 @@ class Pipeline:
             None if cfg.epochs is None else sum(len(plan.share(e)) for e in range(cfg.epochs)) - _steps_before(plan, cursor)
         )
         return self._steps(plan, Cursor(*cursor), acked)
+
+    def _fitting(self, store: Store, cache: Cache) -> tuple[Catalog, array[int], array[int] | None, bool]:
+        """The catalog (from the manifest, a saved listing or a listing), and the sizes of the
+        items that fit under the capacity beside what the cache holds otherwise: ``(catalog,
+        sizes, eligible, from_manifest)``, where plan item ``i`` is catalog item ``eligible[i]``
+        (``eligible`` None: every item fits, no second list is kept)."""
+        cfg = self.config
+        catalog, self._catalog_digest, from_manifest = obtain_catalog(cfg, store, cache)
+        sizes = catalog.sizes
+        self._listed = len(catalog)
+        self._listed_bytes = sum(sizes)
+        # recover() reserves the journal's budget too (and measures the state files: checked after it)
+        occupied = cache.foreign + cache.journal_budget(catalog)
+        eligible, too_large = fitting_items(catalog, cache.capacity, occupied)
+        for error in too_large:
+            if cfg.on_oversize == "raise":
+                raise error
+            log.warning("skipping %s", error)
+            self._counts["skipped"] += 1
+        if eligible is not None and not eligible:
+            raise EmptySourceError(f"no items under {cfg.source!r}: found no {cfg.items} smaller than the capacity")
+        return catalog, sizes if eligible is None else array("q", (sizes[i] for i in eligible)), eligible, from_manifest
+
+    @staticmethod
+    def _check_limit(sizes: array[int], catalog: Catalog, eligible: array[int] | None, cache: Cache) -> int:
+        """The largest of ``sizes``; raises :class:`OversizeError` for the first item above what
+        the cache can hold once recovered (state files and foreign files counted)."""
+        largest = max(sizes)
+        if largest > cache.limit:
+            i = next(i for i, size in enumerate(sizes) if size > cache.limit)
+            item = catalog[i if eligible is None else eligible[i]]
+            raise OversizeError(item.name, item.size, cache.capacity, cache.capacity - cache.limit)
+        return largest
 
     def _steps(self, plan: Plan, cursor: Cursor, acked: set[tuple[int, str]]) -> Iterator[tuple[int, Item, int]]:
         """The fetch order, run in the producer thread: each step gets the next sequence number.

@@ -50,7 +50,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from .plan import Plan
 from .plan import tick as plan_tick
 
 __all__ = [
@@ -113,6 +112,17 @@ class SequenceFuture:
         return self._next[tick]
 
 
+class EpochShares(Protocol):
+    """What :class:`PlanFuture` reads of a plan (:class:`~cachepipe.plan.Plan`, or a node's
+    merged :class:`~cachepipe.lanes.NodePlan`)."""
+
+    n_items: int
+
+    def share(self, epoch: int) -> array[int]: ...
+
+    def done(self, epoch: int) -> bool: ...
+
+
 class PlanFuture:
     """Next uses in a :class:`~cachepipe.plan.Plan`, looking ``horizon`` epochs ahead.
 
@@ -124,7 +134,7 @@ class PlanFuture:
     per catalog item each).
     """
 
-    def __init__(self, plan: Plan, horizon: int = 2) -> None:
+    def __init__(self, plan: EpochShares, horizon: int = 2) -> None:
         if horizon < 1:
             raise ValueError(f"horizon {horizon!r}: expected at least 1 epoch")
         self.plan, self.horizon = plan, horizon

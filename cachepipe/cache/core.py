@@ -506,6 +506,25 @@ class Cache:
             self._recovered.pop(name, None)
         self._delete(name, size)
 
+    def shelve(self, name: str, epoch: int = 0, tick: int = 0) -> None:
+        """A published item that its consumer moved away from before reading it, and that a later
+        step will ask for again (a node's lane that restarted from an earlier position): without
+        retention it stays on disk, to be handed to the :meth:`acquire` that reaches it, like an
+        item recovered at open (and dropped like one when its room is needed first); with
+        retention it is acknowledged as of ``tick`` and the policy decides.
+
+        Raises:
+            KeyError: ``name`` is not a published item of this cache.
+        """
+        if self._policy is not None:
+            self.evict(name, epoch, tick)
+            return
+        with self._cond:
+            if name not in self.record.published:
+                raise KeyError(name)
+            self._recovered[name] = self.root / name
+            self._cond.notify_all()
+
     def drop(self, name: str) -> None:
         """Delete a published item that was not acknowledged (closing, a leftover in the way, or a
         retention victim): its files go first, then the journal records it (see :meth:`_delete`)."""

@@ -1,0 +1,249 @@
+"""The consumers of one node, merged into one fetch order (pure code).
+
+A node serves several consumers of one job: rank ``r`` of ``world_size``, DataLoader worker
+``k`` of ``num_workers``, for each of the node's ranks. Each such *lane* reads exactly the
+share that :class:`~cachepipe.plan.Plan` gives ``(r, k)`` (the same object a per-process pipeline
+uses: one definition of who reads what). :class:`NodePlan` interleaves the lanes' shares of
+each epoch into one sequence, by ``(index, lane)``: the first step of every lane, then the
+second of every lane, and so on. That is the order a job whose ranks advance in step (DDP)
+needs its items in, and the order the node's single fetcher downloads them in. It is also a
+plan in its own right, with :meth:`NodePlan.share`, :meth:`NodePlan.done` and ``n_items``,
+so that :class:`~cachepipe.retention.PlanFuture` and Belady retention see the whole node.
+
+:class:`LaneSchedule` walks that order while each lane's position may be moved by its consumer
+(a worker restarting from a checkpoint asks for an earlier position; one that skipped ahead,
+for a later one): :meth:`LaneSchedule.next` yields the step with the smallest
+``(epoch, index, lane)`` among the lanes' positions, :meth:`LaneSchedule.reset` moves a lane
+and starts a new *generation* of it, so that steps planned for its old position can be told
+apart. Nothing here does I/O, takes a lock or starts a thread.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple
+
+from .catalog import Item
+from .plan import EPOCHS_CACHED, STATE_VERSION, Cursor, Plan, Step
+from .plan import tick as plan_tick
+
+__all__ = ["Lane", "LaneSchedule", "LaneStep", "NodePlan"]
+
+
+class Lane(NamedTuple):
+    """One consumer of a node: DataLoader ``worker`` of ``rank`` (worker 0 without workers)."""
+
+    rank: int
+    worker: int
+
+
+class LaneStep(NamedTuple):
+    """A step of one lane (``step.index`` counts that lane's steps) in the node's order
+    (``tick``: the epoch and the merged index, see :func:`cachepipe.plan.tick`)."""
+
+    lane: int  # index into NodePlan.lanes
+    generation: int
+    step: Step
+    tick: int
+
+
+def check_ranks(ranks: Sequence[int], world_size: int) -> list[int]:
+    """``ranks`` sorted, checked: not empty, distinct, each in ``[0, world_size)``.
+
+    Raises:
+        ValueError: naming the bad value.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size {world_size!r}: expected an integer >= 1")
+    if not ranks:
+        raise ValueError("ranks []: expected the node's ranks, at least one")
+    for rank in ranks:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank!r} in ranks: expected an integer with 0 <= rank < world_size = {world_size}")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"ranks {list(ranks)!r}: a rank is listed twice")
+    return sorted(ranks)
+
+
+class NodePlan:
+    """The shares of a node's lanes (every rank in ``ranks``, every worker) merged in one order.
+
+    Args:
+        sizes: the catalog (item sizes in bytes, or :class:`~cachepipe.catalog.Item` objects).
+        ranks: the ranks this node serves (distinct, each below ``world_size``).
+        world_size: ranks in the whole job.
+        num_workers: DataLoader workers per rank (1: no workers).
+        epochs, shuffle, seed, balance, partition: as for :class:`~cachepipe.plan.Plan`.
+
+    Raises:
+        ValueError: a bad argument, named with its value and what is accepted.
+    """
+
+    def __init__(
+        self,
+        sizes: Sequence[int] | Sequence[Item],
+        *,
+        ranks: Sequence[int],
+        world_size: int,
+        num_workers: int = 1,
+        epochs: int | None = 1,
+        shuffle: bool = False,
+        seed: int = 0,
+        balance: Literal["bytes", "count"] = "bytes",
+        partition: Literal["epoch", "fixed"] = "epoch",
+    ) -> None:
+        self.ranks = check_ranks(ranks, world_size)
+        self.world_size, self.num_workers = world_size, num_workers
+        first = Plan(
+            sizes,
+            epochs=epochs,
+            shuffle=shuffle,
+            seed=seed,
+            rank=self.ranks[0],
+            world_size=world_size,
+            worker=0,
+            num_workers=num_workers,
+            balance=balance,
+            partition=partition,
+        )
+        self.sizes = first.sizes
+        self.lanes = [Lane(rank, worker) for rank in self.ranks for worker in range(num_workers)]
+        self.plans = [first] + [
+            Plan(
+                self.sizes,
+                epochs=epochs,
+                shuffle=shuffle,
+                seed=seed,
+                rank=lane.rank,
+                world_size=world_size,
+                worker=lane.worker,
+                num_workers=num_workers,
+                balance=balance,
+                partition=partition,
+            )
+            for lane in self.lanes[1:]
+        ]
+        self.n_items, self.epochs = first.n_items, epochs
+        self._merged: OrderedDict[int, tuple[array[int], list[array[int]]]] = OrderedDict()
+
+    def __repr__(self) -> str:
+        return f"NodePlan({self.n_items} items, ranks={self.ranks} of {self.world_size}, num_workers={self.num_workers})"
+
+    def lane(self, rank: int, worker: int) -> int:
+        """The index of lane ``(rank, worker)`` in :attr:`lanes`.
+
+        Raises:
+            ValueError: this node does not serve that rank, or the worker is out of range.
+        """
+        if rank not in self.ranks:
+            raise ValueError(f"rank {rank!r}: this node serves ranks {self.ranks} of world_size {self.world_size}")
+        if isinstance(worker, bool) or not isinstance(worker, int) or not 0 <= worker < self.num_workers:
+            raise ValueError(f"worker {worker!r}: expected 0 <= worker < num_workers = {self.num_workers}")
+        return self.ranks.index(rank) * self.num_workers + worker
+
+    def done(self, epoch: int) -> bool:
+        """True when ``epoch`` is past the last epoch of a finite plan."""
+        return self.epochs is not None and epoch >= self.epochs
+
+    def share(self, epoch: int) -> array[int]:
+        """Catalog indices the node reads in ``epoch``: the lanes' shares interleaved by ``(index, lane)``."""
+        return self._merge(epoch)[0]
+
+    def positions(self, epoch: int) -> list[array[int]]:
+        """For each lane, the merged index (in :meth:`share`) of each of its steps in ``epoch``."""
+        return self._merge(epoch)[1]
+
+    def tick(self, lane: int, epoch: int, index: int) -> int:
+        """The node's tick of step ``index`` of ``lane`` in ``epoch``."""
+        return plan_tick(epoch, self.positions(epoch)[lane][index])
+
+    def _merge(self, epoch: int) -> tuple[array[int], list[array[int]]]:
+        got = self._merged.get(epoch)
+        if got is not None:
+            self._merged.move_to_end(epoch)
+            return got
+        shares = [plan.share(epoch) for plan in self.plans]
+        merged: array[int] = array("I")
+        positions: list[array[int]] = [array("I") for _ in shares]
+        for i in range(max(len(s) for s in shares)):
+            for share, where in zip(shares, positions, strict=True):
+                if i < len(share):
+                    where.append(len(merged))
+                    merged.append(share[i])
+        got = (merged, positions)
+        self._merged[epoch] = got
+        if len(self._merged) > EPOCHS_CACHED:
+            self._merged.popitem(last=False)
+        return got
+
+    def config(self) -> dict[str, Any]:
+        """The plan's configuration (what a resume or a second registration must match)."""
+        plan = self.plans[0]
+        return {
+            "version": STATE_VERSION,
+            "n_items": self.n_items,
+            "sizes_digest": plan.sizes_digest(),
+            "epochs": self.epochs,
+            "shuffle": plan.shuffle,
+            "seed": plan.seed,
+            "world_size": self.world_size,
+            "ranks": self.ranks,
+            "num_workers": self.num_workers,
+            "balance": plan.balance,
+            "partition": plan.partition,
+        }
+
+
+class LaneSchedule:
+    """Where each lane of a :class:`NodePlan` is, and which step the node fetches next.
+
+    Every lane starts at ``(0, 0)`` (normalised: an empty first share is skipped).
+    """
+
+    def __init__(self, plan: NodePlan) -> None:
+        self.plan = plan
+        self.cursors = [p.normalise(Cursor(0, 0)) for p in plan.plans]
+        self.generations = [0] * len(plan.lanes)
+
+    def done(self, lane: int, cursor: Cursor | None = None) -> bool:
+        """True if ``lane`` has no step at or after ``cursor`` (default: its position)."""
+        return self.plan.done((self.cursors[lane] if cursor is None else cursor).epoch)
+
+    def next(self) -> LaneStep | None:
+        """The step with the smallest ``(epoch, index, lane)`` among the lanes' positions (that
+        lane moves past it), or None when every lane is past the end of a finite plan."""
+        best: tuple[int, int, int] | None = None
+        for lane, cursor in enumerate(self.cursors):
+            if not self.plan.done(cursor.epoch) and (best is None or (cursor.epoch, cursor.index, lane) < best):
+                best = (cursor.epoch, cursor.index, lane)
+        if best is None:
+            return None
+        epoch, index, lane = best
+        plan = self.plan.plans[lane]
+        step = Step(epoch, index, plan.share(epoch)[index])
+        self.cursors[lane] = plan.after(step)
+        return LaneStep(lane, self.generations[lane], step, self.plan.tick(lane, epoch, index))
+
+    def normalise(self, lane: int, cursor: Cursor | tuple[int, int]) -> Cursor:
+        """``cursor`` as the position of ``lane``'s next step (see :meth:`Plan.normalise`).
+
+        Raises:
+            ValueError: not a position of this lane's plan.
+        """
+        return self.plan.plans[lane].normalise(cursor)
+
+    def after(self, lane: int, step: Step | Cursor | tuple[int, ...]) -> Cursor:
+        """The position that follows ``step`` of ``lane``."""
+        return self.plan.plans[lane].after(step)
+
+    def reset(self, lane: int, cursor: Cursor | tuple[int, int]) -> int:
+        """Move ``lane`` to ``cursor`` (its next step to plan); returns its new generation.
+
+        Raises:
+            ValueError: not a position of this lane's plan.
+        """
+        self.cursors[lane] = self.normalise(lane, cursor)
+        self.generations[lane] += 1
+        return self.generations[lane]

@@ -1,0 +1,422 @@
+"""``NodePipeline``: one cache for every consumer of a job on a node, each served its own share.
+
+A per-process :class:`~cachepipe.Pipeline` reads one share of the plan (a rank, a DataLoader
+worker) into a cache of its own. A node pipeline reads the shares of all the node's consumers
+(its *lanes*: every worker of every rank the node runs, see :mod:`cachepipe.lanes`) into one
+cache under the node's capacity, downloads them in one merged order with one pool of
+connections, and hands each lane exactly the items of its share in its order: the items a
+per-process pipeline with the same ``rank``/``worker`` would give it.
+
+A consumer names its position. :meth:`NodePipeline.take` ``(rank, worker, cursor)`` returns the
+item at ``cursor`` of that lane (``(epoch, index)``, index counting the lane's steps), and
+consumes every earlier step of the lane: a position is a cumulative acknowledgement, so a
+consumer that restarts from its own saved position (a checkpoint) gets exactly the items from
+there on, whatever the node had handed out before. A position before what the node still holds
+for the lane, or past what it planned, moves the lane there: what the lane held is kept on disk
+for the steps that reach it again (without retention) or acknowledged, and planning restarts at
+the new position (:meth:`~cachepipe.lanes.LaneSchedule.reset`).
+
+The consumer's position is the resume state; the node's journal is not (a node pipeline always
+opens with ``resume=False``: published items that match the catalog are reused when a lane's
+plan reaches them, nothing is skipped on the node's word).
+
+One lane that stops asking holds its items, and the merged order then waits for it (the ranks of
+a DDP job wait for each other anyway): size the node's capacity for what every lane's consumer
+runs ahead (with DataLoader workers, ``prefetch_factor x batch_size`` items per worker).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .broker import Broker, Closed, Failed, FailureKind
+from .cache import Cache
+from .catalog import Item, Names
+from .config import Share
+from .lanes import LaneSchedule, NodePlan
+from .pipeline import CachedItem, Pipeline
+from .plan import Cursor, Step
+from .retention import PlanFuture, make_policy
+from .stores import Store
+
+__all__ = ["NodePipeline", "Taken"]
+
+log = logging.getLogger("cachepipe")
+
+
+@dataclass(slots=True, eq=False)
+class _Planned:
+    """A step of a lane, from planning until the lane consumes it."""
+
+    seq: int
+    lane: int
+    generation: int
+    step: Step
+    tick: int
+    item: Item
+    value: Path | Failed | None = None  # None: downloading
+    handed: bool = False
+
+    @property
+    def key(self) -> Cursor:
+        return Cursor(self.step.epoch, self.step.index)
+
+
+@dataclass(slots=True)
+class _LaneState:
+    generation: int = 0
+    floor: Cursor = field(default_factory=lambda: Cursor(0, 0))  # every step of the lane before it is consumed
+    held: dict[Cursor, _Planned] = field(default_factory=dict)  # planned in this generation, not consumed
+    waiting: int = 0
+
+
+@dataclass(frozen=True)
+class Taken:
+    """An item handed to a lane: ``item`` (its files stay until the lane moves past ``cursor``)
+    and ``cursor``, its position in the lane's share (the next position is ``after``)."""
+
+    item: CachedItem
+    cursor: Cursor
+    after: Cursor
+
+
+class LaneQueues(Broker[Path]):
+    """The fetcher's hand-out for a node: each planned step belongs to one lane.
+
+    Bookkeeping only, under one condition variable, like :class:`~cachepipe.broker.Broker`
+    (whose producer side it implements). Items that arrive for a lane that moved on are given to
+    ``on_stale`` (outside the lock).
+    """
+
+    def __init__(self, schedule: LaneSchedule, on_stale: Callable[[_Planned], None]) -> None:
+        super().__init__(ordered=True)
+        self.schedule = schedule
+        self._on_stale = on_stale
+        self._lanes = [_LaneState(floor=c) for c in schedule.cursors]
+        self._planned: dict[int, _Planned] = {}
+        self._next_seq = 0
+        self._handed_count = 0
+        self._error: BaseException | None = None
+
+    # ---- planner side ----------------------------------------------------------------
+    def steps(self, item_of: Callable[[int], Item]) -> Iterator[tuple[int, Item, int]]:
+        """The fetch order, run in the producer thread: the schedule's next step, waiting while
+        every lane is at its end (until one is moved, or the queues close)."""
+        while True:
+            with self._cond:
+                while (got := None if self._closed else self.schedule.next()) is None:
+                    if self._closed:
+                        return
+                    self._cond.wait()
+                seq = self._next_seq
+                self._next_seq += 1
+                planned = _Planned(seq, got.lane, got.generation, got.step, got.tick, item_of(got.step.item))
+                self._planned[seq] = planned
+                self._lanes[got.lane].held[planned.key] = planned
+            yield seq, planned.item, planned.tick
+
+    def put(self, seq: int, name: str, value: Path) -> None:
+        self._arrive(seq, value)
+
+    def fail(self, seq: int, name: str, error: BaseException, begun: bool = True, kind: FailureKind = "item") -> None:
+        if kind == "stream":  # planning stopped: every lane sees it
+            with self._cond:
+                self._error = error
+                self._cond.notify_all()
+            return
+        self._arrive(seq, Failed(seq, name, error, kind))
+
+    def _arrive(self, seq: int, value: Path | Failed) -> None:
+        with self._cond:
+            self._pending -= 1
+            planned = self._planned[seq]
+            lane = self._lanes[planned.lane]
+            if lane.held.get(planned.key) is not planned:  # the lane moved on while it downloaded
+                del self._planned[seq]
+                planned.value = value
+                stale: _Planned | None = planned
+            else:
+                planned.value, stale = value, None
+                self._fresh += 1
+                self._cond.notify_all()
+        if stale is not None:
+            self._on_stale(stale)
+
+    def skip(self, seq: int) -> None:  # the node pipeline skips nothing on the journal's word
+        raise NotImplementedError
+
+    def starving(self) -> bool:
+        return self._waiting > 0 and self._fresh == 0
+
+    # ---- lane side -------------------------------------------------------------------
+    def move(self, lane_no: int, cursor: Cursor) -> tuple[list[_Planned], list[_Planned]]:
+        """Lane ``lane_no`` asks for ``cursor`` (normalised): returns ``(consumed, stale)``, the
+        items on disk that the lane is done with (before ``cursor``) and those it no longer
+        holds because it moved outside what was planned for it (see the module notes)."""
+        with self._cond:
+            lane = self._lanes[lane_no]
+            if lane.floor <= cursor <= self.schedule.cursors[lane_no]:
+                gone = [p for key, p in lane.held.items() if key < cursor]
+                lane.floor = cursor
+                moved = False
+            else:
+                gone = list(lane.held.values())
+                lane.generation = self.schedule.reset(lane_no, cursor)
+                lane.floor = self.schedule.cursors[lane_no]
+                moved = True
+            on_disk = []
+            for planned in gone:
+                del lane.held[planned.key]
+                if planned.value is None:
+                    continue  # downloading: stale on arrival
+                del self._planned[planned.seq]
+                self._forget(planned)
+                if not isinstance(planned.value, Failed):
+                    on_disk.append(planned)
+            self._cond.notify_all()
+        return ([], on_disk) if moved else (on_disk, [])
+
+    def _forget(self, planned: _Planned) -> None:
+        if planned.handed:
+            self._handed_count -= 1
+        else:
+            self._fresh -= 1
+
+    def wait(self, lane_no: int, cursor: Cursor, timeout: float | None) -> _Planned | None:
+        """The planned step at ``cursor`` of the lane once it is on disk (or failed); None if the
+        lane's plan ends before ``cursor``.
+
+        Raises:
+            TimeoutError: not ready within ``timeout`` seconds.
+            Closed: the queues closed.
+            BaseException: planning stopped (the error it stopped with).
+        """
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        lane = self._lanes[lane_no]
+        with self._cond:
+            try:
+                while True:
+                    if self._closed:
+                        raise Closed
+                    if self.schedule.done(lane_no, cursor):
+                        return None
+                    planned = lane.held.get(cursor)
+                    if planned is not None and planned.value is not None:
+                        if not planned.handed:
+                            planned.handed = True
+                            self._fresh -= 1
+                            self._handed_count += 1
+                            self._cond.notify_all()
+                        return planned
+                    if self._error is not None:
+                        raise self._error
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError(f"no item became ready within {timeout} s")
+                    lane.waiting += 1
+                    self._waiting += 1
+                    try:
+                        self._cond.wait(remaining)
+                    finally:
+                        lane.waiting -= 1
+                        self._waiting -= 1
+            finally:
+                self.wait_seconds += time.monotonic() - start
+
+    def floors(self) -> list[Cursor]:
+        """Each lane's first unconsumed position."""
+        with self._cond:
+            return [lane.floor for lane in self._lanes]
+
+    def counts(self) -> dict[str, int]:
+        with self._cond:
+            return {"ready": self._fresh, "handed": self._handed_count, "pending": self._pending}
+
+    def leased(self) -> list[Any]:
+        return []
+
+    def take(self, timeout: float | None = None) -> Any:
+        raise TypeError("a node pipeline hands items to lanes: use NodePipeline.take(rank, worker, cursor)")
+
+
+class NodePipeline(Pipeline):
+    """Stream ``source`` through one cache at ``cache_dir`` for every lane of a node.
+
+    Args:
+        source, cache_dir, capacity, store: as for :class:`~cachepipe.Pipeline` (``capacity``
+            is the node's, for all its lanes).
+        ranks: the ranks this node serves (each a rank of ``world_size``).
+        world_size: ranks in the whole job.
+        num_workers: DataLoader workers per rank (default 1: each rank is one lane).
+        **options: other :class:`~cachepipe.config.PipelineConfig` options (``epochs``,
+            ``shuffle``, ``seed``, ``partition``, ``balance``, ``manifest``, ``retain``...);
+            ``rank``, ``worker``, ``resume`` and ``auto_ack`` do not apply.
+
+    Raises:
+        ValueError: a bad option, or ``ranks`` not a set of ranks of ``world_size``.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        cache_dir: str | os.PathLike[str],
+        capacity: int | str | Share,
+        *,
+        ranks: Sequence[int],
+        world_size: int,
+        num_workers: int = 1,
+        store: Store | None = None,
+        **options: Any,
+    ) -> None:
+        for key in ("rank", "worker", "resume", "auto_ack", "lease_timeout", "ordered"):
+            if key in options:
+                raise ValueError(f"{key}={options[key]!r}: a node pipeline's lanes are given by ranks and num_workers")
+        super().__init__(source, cache_dir, capacity, store=store, world_size=world_size, num_workers=num_workers, **options)
+        self.ranks, self.world_size, self.num_workers = list(ranks), world_size, num_workers
+        NodePlan([], ranks=self.ranks, world_size=world_size, num_workers=num_workers)  # checks them now
+        self._moves = threading.Lock()  # one lane move at a time (journal position, eviction order)
+
+    def __repr__(self) -> str:
+        return f"NodePipeline({self.config.source!r}, ranks={self.ranks} of {self.world_size}, state={self._state})"
+
+    def _streams(self, cache: Cache) -> bool:
+        return False
+
+    def _catalog(self, store: Store, cache: Cache) -> Iterator[tuple[int, Item, int]]:
+        cfg = self.config
+        self._future = None
+        catalog, sizes, eligible, _ = self._fitting(store, cache)
+        plan = NodePlan(
+            sizes,
+            ranks=self.ranks,
+            world_size=self.world_size,
+            num_workers=self.num_workers,
+            epochs=cfg.epochs,
+            shuffle=cfg.shuffle,
+            seed=cfg.seed,
+            balance=cfg.balance,
+            partition=cfg.partition,
+        )
+        cache.recover(catalog, resume=False)
+        largest = self._check_limit(plan.sizes, catalog, eligible, cache)
+        self.node_plan = plan
+        queues = LaneQueues(LaneSchedule(plan), self._stale)
+        self._broker = queues
+        self._queues = queues
+        self._catalog_items, self._eligible_items = catalog, eligible
+        if cfg.retain == "auto":
+            future = PlanFuture(plan, horizon=2)
+            reserve = min(cache.limit // 4, max(2 * cfg.max_concurrency, 16) * largest)
+            cache.use_retention(make_policy("auto", plan.sizes, future, reserve=reserve), Names(catalog, eligible), 0)
+        self._total_steps = None
+        return queues.steps(self._item)
+
+    def _item(self, i: int) -> Item:
+        return self._catalog_items[i if self._eligible_items is None else self._eligible_items[i]]
+
+    # ---- lanes -----------------------------------------------------------------------
+    def take(
+        self, rank: int, worker: int = 0, cursor: Cursor | tuple[int, int] = (0, 0), timeout: float | None = None
+    ) -> Taken | None:
+        """The item at ``cursor`` of lane ``(rank, worker)``, once it is on disk; every earlier
+        step of the lane is consumed (its item acknowledged). None: the lane's share ends
+        before ``cursor``.
+
+        Failed items are skipped (``on_error="skip"``) or raised (``"raise"``, as often as
+        the lane asks for that position), like :meth:`Pipeline.get`.
+
+        Raises:
+            ValueError: not a lane of this node, or not a position of its plan.
+            TimeoutError: nothing became ready within ``timeout`` seconds.
+            ItemFailedError, OversizeError: the item at ``cursor`` failed (``on_error="raise"``).
+            RuntimeError: the pipeline is not open.
+        """
+        self._require_open()
+        queues = self._queues
+        lane = self.node_plan.lane(rank, worker)
+        at = queues.schedule.normalise(lane, cursor)
+        while True:
+            self._move(lane, at)
+            try:
+                planned = queues.wait(lane, at, timeout)
+            except Closed:
+                raise RuntimeError(f"{self!r} is closed") from None
+            if planned is None:
+                return None
+            value = planned.value
+            if isinstance(value, Failed):
+                if (self.config.on_oversize if value.kind == "oversize" else self.config.on_error) == "raise":
+                    raise value.error
+                log.warning("skipping %s item: %s", value.kind, value.error)
+                self._count("skipped")
+                at = queues.schedule.after(lane, planned.step)
+                continue
+            if value is None:  # wait() returns only steps on disk or failed
+                raise RuntimeError(f"lane {rank}.{worker}: step {at} handed out before it was on disk")
+            self._count("handed")
+            after = queues.schedule.after(lane, planned.step)
+            return Taken(CachedItem(value, planned.item, f"{rank}.{worker}@{at.epoch}.{at.index}"), at, after)
+
+    def consume(self, rank: int, worker: int = 0, cursor: Cursor | tuple[int, int] = (0, 0)) -> None:
+        """Lane ``(rank, worker)`` is done with every step before ``cursor``: acknowledge them now
+        (a consumer that read its item calls it before its next :meth:`take`, so that the space is
+        free while it works).
+
+        Raises:
+            ValueError: not a lane of this node, or not a position of its plan.
+            RuntimeError: the pipeline is not open.
+        """
+        self._require_open()
+        lane = self.node_plan.lane(rank, worker)
+        self._move(lane, self._queues.schedule.normalise(lane, cursor))
+
+    def _move(self, lane: int, cursor: Cursor) -> None:
+        with self._moves:
+            consumed, stale = self._queues.move(lane, cursor)
+            for planned in consumed:
+                self._cache.evict(planned.item.name, planned.step.epoch, planned.tick)
+                self._count("acked")
+            for planned in stale:
+                self._stale(planned)
+            self._advance()
+
+    def _stale(self, planned: _Planned) -> None:
+        """An item on disk that its lane moved away from: keep it for the step that reaches it
+        again (no retention), or acknowledge it (retention decides whether to keep it)."""
+        if isinstance(planned.value, Failed) or planned.value is None:
+            return
+        self._cache.shelve(planned.item.name, planned.step.epoch, planned.tick)
+
+    def _advance(self) -> None:
+        """Journal the node's position: the earliest of the lanes' first unconsumed steps."""
+        plan, queues = self.node_plan, self._queues
+        ticks = [plan.tick(lane, c.epoch, c.index) for lane, c in enumerate(queues.floors()) if not queues.schedule.done(lane, c)]
+        if ticks:
+            low = min(ticks)
+            self._cache.advance(low >> 32, low & 0xFFFFFFFF)
+
+    # ---- what a node pipeline does not do -------------------------------------------
+    def get(self, timeout: float | None = None) -> CachedItem | None:
+        raise TypeError(f"{self!r} hands items to lanes: use take(rank, worker, cursor)")
+
+    def __iter__(self) -> Iterator[CachedItem]:
+        raise TypeError(f"{self!r} hands items to lanes: use take(rank, worker, cursor)")
+
+    def ack(self, path: str | os.PathLike[str], lease: str | None = None) -> None:
+        raise TypeError(f"{self!r}: a lane acknowledges by moving on, take(rank, worker, cursor) or consume()")
+
+    release = renew = ack
+
+    def state_dict(self) -> dict[str, Any]:
+        raise TypeError(f"{self!r}: each lane's consumer keeps its own position (the cursor it passes to take)")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise TypeError(f"{self!r}: each lane's consumer keeps its own position (the cursor it passes to take)")
