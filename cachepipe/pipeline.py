@@ -417,6 +417,12 @@ class Pipeline:
         if after != before:
             self._cache.advance(after.epoch, after.index)
 
+    @property
+    def catalog_digest(self) -> str | None:
+        """The digest of the catalog this pipeline planned from (a manifest's, or its listing's);
+        None before :meth:`open`, or while a streamed listing is under way."""
+        return self._catalog_digest
+
     def set_capacity(self, capacity: int | str | Share) -> None:
         """Change the capacity of an open pipeline, effective at once (see :meth:`Cache.set_capacity`).
 

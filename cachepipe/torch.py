@@ -1,15 +1,25 @@
 """PyTorch adapter: an ``IterableDataset`` over a cachepipe source (extra ``torch``).
 
-Each DataLoader worker runs its own :class:`~cachepipe.Pipeline` over its share of every epoch
-(worker ``k`` of ``n`` within this rank's share), with ``capacity / n`` and its own cache folder
-``cache_dir/rank<r>-worker<k>``. Why not one daemon for all workers: a per-worker pipeline needs
-no service, keeps each worker's downloads next to the process that reads them, and splits the
-plan exactly (disjoint and covering, by the same pure plan as ranks); the price is that the
-capacity is split too. To share one cache among several jobs, use ``cachepipe serve`` and
-:class:`cachepipe.Client` instead.
+Two modes, same samples: every (rank, DataLoader worker) reads exactly the share that
+:class:`~cachepipe.plan.Plan` gives it, in the same order, epoch after epoch.
+
+*Per-process* (``cache_dir`` and ``capacity``): each DataLoader worker runs its own
+:class:`~cachepipe.Pipeline` over its share, with ``capacity / num_workers`` and its own cache
+folder ``cache_dir/rank<r>-worker<k>``. No service is needed: for a laptop, a notebook, a job
+of one process. The price: every process lists the source, and the capacity is split.
+
+*Node* (``node=SOCKET``): the workers of every rank on the node read from the node's
+``cachepipe serve`` daemon (a ``jobs`` section in its configuration), which lists once, holds
+one cache under the node's capacity (an item may be as large as all of it) and downloads for
+every lane with one pool of connections (see :mod:`cachepipe.node`). The dataset registers the
+job (its spec: source, plan options, world size, the node's ranks, DataLoader workers), then each
+worker reads its lane by position. The position is the dataset's state: :meth:`state_dict` and
+:meth:`load_state_dict` work in every worker, which is what
+``torchdata.stateful_dataloader.StatefulDataLoader`` saves and restores.
 
 Items are read inside the worker: pass ``transform(path)`` (decode the video, read the text...)
-and the worker yields what it returns; the item is evicted when the worker moves to the next.
+and the worker yields what it returns; in node mode the item is released as soon as
+``transform`` returns, in per-process mode when the worker moves to the next.
 A bare path cannot leave a worker process safely (it would be evicted before the main process
 read it), so ``transform`` is required when ``num_workers > 0``.
 
@@ -22,18 +32,27 @@ read items in ``transform``, or use ``batch_size=1``/``None``. Using an acknowle
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch.utils.data
 
 from .config import Share, parse_capacity
-from .pipeline import CachedItem, Pipeline
-from .plan import default_rank_world
+from .jobclient import JobClient
+from .pipeline import Pipeline
+from .plan import Cursor, default_rank_world
 
-__all__ = ["CachePipeDataset"]
+__all__ = ["CachePipeDataset", "local_ranks"]
+
+
+# the options of a job's spec (the rest of a node's settings is the daemon's jobs section)
+_JOB_OPTIONS = frozenset(
+    {"items", "manifest", "epochs", "shuffle", "seed", "balance", "partition", "retain", "on_error", "on_oversize"}
+)
 
 
 class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, type-arg, unused-ignore]  # torch: an optional extra (Any when absent)
@@ -41,35 +60,70 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
 
     Args:
         source: dataset URL (see :class:`~cachepipe.Pipeline`).
-        cache_dir: a folder under which each (rank, worker) gets its own cache.
-        capacity: the total for this rank; each worker gets ``capacity / num_workers``.
+        cache_dir: per-process mode: a folder under which each (rank, worker) gets its own
+            cache. Not with ``node`` (the daemon's ``jobs.root`` decides).
+        capacity: per-process mode: the total for this rank; each worker gets
+            ``capacity / num_workers``. With ``node``: the job's share of the daemon's
+            ``jobs.capacity`` (default: all of it).
         transform: ``fn(path) -> sample``, run in the worker while the item is on disk.
-            Required with ``num_workers > 0``. None: yield the :class:`CachedItem` itself
-            (only with ``num_workers=0``).
+            Required with ``num_workers > 0``. None: yield the item itself (only with
+            ``num_workers=0``).
+        node: the node daemon's socket (or ``http://HOST:PORT``): node mode. None (default):
+            per-process mode.
+        job: node mode: the job's name on the daemon, the same in every rank (default: derived
+            from the source, the plan options, the world size and the node's ranks, so a job
+            started again with the same settings finds its cache).
+        node_ranks: node mode: the ranks on this node (default: from torchrun's ``RANK``,
+            ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``, else this rank alone).
         **options: :class:`~cachepipe.config.PipelineConfig` options (``epochs``, ``shuffle``,
-            ``seed``, ``rank``/``world_size``, ``storage_options``...). ``worker`` and
-            ``num_workers`` are set from the DataLoader.
+            ``seed``, ``rank``/``world_size``, ``storage_options``...); with ``node``, only
+            the plan's (``items``, ``manifest``, ``epochs``, ``shuffle``, ``seed``, ``balance``,
+            ``partition``, ``retain``, ``on_error``, ``on_oversize``) and ``rank``/``world_size``.
+            ``worker`` and ``num_workers`` are set from the DataLoader.
+
+    Raises:
+        ValueError: a missing or misplaced argument, named.
     """
 
     def __init__(
         self,
         source: str,
-        cache_dir: str | os.PathLike[str],
-        capacity: int | str,
-        transform: Callable[[CachedItem], Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        capacity: int | str | None = None,
+        transform: Callable[[Any], Any] | None = None,
+        *,
+        node: str | os.PathLike[str] | None = None,
+        job: str | None = None,
+        node_ranks: list[int] | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
         self._state: dict[str, Any] | None = None  # where the next iteration starts (load_state_dict)
-        self._pipe: Pipeline | None = None  # the pipeline iterating in this process, if any
+        self._pipe: Pipeline | None = None  # the pipeline iterating in this process, if any (per-process mode)
+        self._cursor: Cursor | None = None  # node mode: the position after the last item yielded here
         for key in ("worker", "num_workers"):
             if key in options:
                 raise ValueError(f"{key}={options[key]!r}: set by the DataLoader, not by the dataset")
-        self.source, self.cache_dir, self.transform, self.options = source, Path(cache_dir), transform, options
-        self.capacity = parse_capacity(capacity)
+        self.source, self.transform, self.options = source, transform, options
+        self.node = None if node is None else os.fspath(node)
+        self.job, self.node_ranks = job, node_ranks
+        if self.node is None:
+            if cache_dir is None or capacity is None:
+                raise ValueError("cache_dir and capacity are required without node= (per-process mode)")
+            self.cache_dir: Path | None = Path(cache_dir)
+            self.capacity: int | Share | None = parse_capacity(capacity)
+        else:
+            if cache_dir is not None:
+                raise ValueError(f"cache_dir={str(cache_dir)!r} with node=: the daemon's jobs.root decides where a job caches")
+            unknown = sorted(set(options) - _JOB_OPTIONS - {"rank", "world_size"})
+            if unknown:
+                raise ValueError(
+                    f"{', '.join(unknown)} with node=: a job sets only {sorted(_JOB_OPTIONS)} and rank/world_size; "
+                    "the rest is the daemon's jobs.options"
+                )
+            self.cache_dir, self.capacity = None, None if capacity is None else parse_capacity(capacity)
 
-    def pipeline(self) -> Pipeline:
-        """The pipeline this process (a DataLoader worker, or the main process) iterates."""
+    def _worker(self) -> tuple[int, int]:
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if info is not None and self.transform is None:
@@ -77,15 +131,55 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                 f"transform=None with DataLoader num_workers={num_workers}: a path yielded by a worker process would be "
                 "evicted before the main process reads it; pass transform=fn(path) to read items in the worker"
             )
+        return worker, num_workers
+
+    def _rank_world(self) -> tuple[int, int]:
         rank, world = self.options.get("rank"), self.options.get("world_size")
         if rank is None and world is None:
-            rank, world = default_rank_world()
+            return default_rank_world()
+        if rank is None or world is None:
+            raise ValueError(f"rank {rank!r}, world_size {world!r}: give both or neither")
+        return int(rank), int(world)
+
+    def pipeline(self) -> Pipeline:
+        """The pipeline this process (a DataLoader worker, or the main process) iterates (per-process mode)."""
+        if self.cache_dir is None or self.capacity is None:
+            raise ValueError("pipeline(): a node-mode dataset has no pipeline of its own (it reads from the daemon)")
+        worker, num_workers = self._worker()
+        rank, world = self._rank_world()
         capacity = self.capacity
         share = Share(capacity.fraction / num_workers) if isinstance(capacity, Share) else capacity // num_workers
         options = {**self.options, "rank": rank, "world_size": world, "worker": worker, "num_workers": num_workers}
         return Pipeline(self.source, self.cache_dir / f"rank{rank}-worker{worker}", share, **options)
 
+    def job_spec(self, num_workers: int) -> dict[str, Any]:
+        """Node mode: the spec this dataset registers (the same in every rank of the node)."""
+        rank, world = self._rank_world()
+        ranks = self.node_ranks if self.node_ranks is not None else local_ranks(rank)
+        spec: dict[str, Any] = {
+            "source": self.source,
+            **{k: v for k, v in self.options.items() if k in _JOB_OPTIONS},
+            "world_size": world,
+            "ranks": sorted(ranks),
+            "num_workers": num_workers,
+        }
+        if isinstance(self.capacity, int):
+            spec["capacity"] = self.capacity
+        elif isinstance(self.capacity, Share):
+            spec["capacity"] = f"{self.capacity.fraction * 100:g}%"
+        return spec
+
+    def job_name(self, spec: dict[str, Any]) -> str:
+        """Node mode: the job's name (``job``, or one derived from ``spec``)."""
+        if self.job is not None:
+            return self.job
+        digest = hashlib.blake2b(json.dumps(spec, sort_keys=True).encode(), digest_size=6).hexdigest()
+        return f"torch-{digest}"
+
     def __iter__(self) -> Iterator[Any]:
+        if self.node is not None:
+            yield from self._iter_node()
+            return
         pipe = self.pipeline()
         if self._state is not None:
             pipe.load_state_dict(self._state)
@@ -94,15 +188,65 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             for path in pipe:
                 yield path if self.transform is None else self.transform(path)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Where to resume: epoch and position of the iteration in this process (``num_workers=0``).
+    def _iter_node(self) -> Iterator[Any]:
+        worker, num_workers = self._worker()
+        rank, _ = self._rank_world()
+        spec = self.job_spec(num_workers)
+        name = self.job_name(spec)
+        cursor = Cursor(0, 0)
+        digest = None
+        if self._state is not None:
+            state = self._state
+            if (state.get("job"), state.get("rank"), state.get("worker")) not in ((name, rank, worker), (None, None, None)):
+                raise ValueError(
+                    f"state of job {state.get('job')!r} lane {state.get('rank')}.{state.get('worker')}: this is job "
+                    f"{name!r} lane {rank}.{worker} (same settings, world size and DataLoader workers to resume)"
+                )
+            cursor, digest = Cursor(int(state["epoch"]), int(state["index"])), state.get("catalog_digest")
+        with JobClient(name, spec, rank, worker, self.node) as lane:
+            info = lane.register()
+            if digest is not None and digest != info.get("catalog_digest"):
+                raise ValueError(
+                    f"state was saved with catalog_digest={digest!r}, job {name!r} has "
+                    f"catalog_digest={info.get('catalog_digest')!r}: cannot resume over other data"
+                )
+            self._lane_info = (name, rank, worker, info.get("catalog_digest"))
+            self._cursor = cursor
+            while (item := lane.take(cursor)) is not None:
+                if self.transform is None:
+                    self._cursor = cursor = item.next
+                    yield item  # released when the loop asks for the next
+                    continue
+                sample = self.transform(item)
+                cursor = item.next
+                lane.consume(cursor)  # read: its space is free while the sample travels on
+                self._cursor = cursor
+                yield sample
+            self._cursor = cursor
 
-        With DataLoader workers each worker's pipeline lives in its own process; resume those with
-        ``resume=True`` (each worker's cache folder keeps its own journal) instead.
+    def state_dict(self) -> dict[str, Any]:
+        """Where to resume.
+
+        Node mode: the position after the last sample this process (worker) yielded, with the
+        job, lane and catalog digest; valid in every DataLoader worker (``StatefulDataLoader``
+        saves each worker's). Per-process mode: the epoch and position of the iteration in this
+        process (``num_workers=0`` only; resume workers with ``resume=True`` instead).
 
         Raises:
-            RuntimeError: nothing has iterated in this process yet.
+            RuntimeError: nothing has iterated in this process yet (per-process mode).
         """
+        if self.node is not None:
+            if self._cursor is None:
+                return dict(self._state) if self._state is not None else {"epoch": 0, "index": 0}
+            name, rank, worker, digest = self._lane_info
+            return {
+                "job": name,
+                "rank": rank,
+                "worker": worker,
+                "epoch": self._cursor.epoch,
+                "index": self._cursor.index,
+                "catalog_digest": digest,
+            }
         if self._pipe is None:
             raise RuntimeError("state_dict(): iterate the dataset in this process first (num_workers=0)")
         return self._pipe.state_dict()
@@ -110,3 +254,26 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Start the next iteration at ``state`` (from :meth:`state_dict`, same settings and data)."""
         self._state = dict(state)
+        self._cursor = None
+
+
+def local_ranks(rank: int, environ: Mapping[str, str] | None = None) -> list[int]:
+    """The ranks on this node: from torchrun's ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (ranks
+    ``rank - LOCAL_RANK`` onwards, contiguous, as torchrun assigns them), else ``[rank]``.
+
+    Raises:
+        ValueError: a malformed or inconsistent value, named.
+    """
+    env = os.environ if environ is None else environ
+    if "LOCAL_RANK" not in env or "LOCAL_WORLD_SIZE" not in env:
+        return [rank]
+    try:
+        local, size = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
+    except ValueError:
+        raise ValueError(
+            f"LOCAL_RANK={env['LOCAL_RANK']!r}, LOCAL_WORLD_SIZE={env['LOCAL_WORLD_SIZE']!r}: expected integers"
+        ) from None
+    if not 0 <= local < size or local > rank:
+        raise ValueError(f"LOCAL_RANK={local}, LOCAL_WORLD_SIZE={size} with rank {rank}: expected 0 <= LOCAL_RANK < size")
+    first = rank - local
+    return list(range(first, first + size))

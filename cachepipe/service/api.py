@@ -12,6 +12,17 @@ Routes (bodies are JSON objects; every error body is ``{"error": CODE, "message"
     POST /v1/ack                     {"path": P, "lease": L}  200 | 409 not handed out / lease expired
     POST /v1/release                 same; the item goes back to the front of the queue
     POST /v1/renew                   same; the lease is extended by lease_timeout
+    PUT  /v1/jobs/JOB                a job's spec (see .jobs.JobSpec)  200 {"job", "created", "lanes", ...}
+                                     400 a bad spec | 409 registered with another spec, or no room
+    DELETE /v1/jobs/JOB              200: the job ended, its items are deleted | 404
+    POST /v1/jobs/JOB/take           {"rank", "worker", "epoch", "index", "timeout"}
+                                     200 {"job", "name", "path", "size", "files", "epoch", "index", "next"}
+                                     204 the lane's share ends before (epoch, index) | 408 | 502
+    POST /v1/jobs/JOB/consume        {"rank", "worker", "epoch", "index"}  200: every step before it is done
+
+A job's lane (``rank``, ``worker``) names its position: ``take`` hands the item at
+``(epoch, index)`` of the lane's share, and both routes acknowledge every earlier step of the
+lane, so asking again (a retry, a restarted consumer) is safe (see :mod:`cachepipe.node`).
 
 Each connection is served by one thread (keep-alive: a consumer keeps its connection), so a
 blocking ``next`` holds one thread; ``max_clients`` caps the connections. A consumer that
@@ -63,6 +74,7 @@ from typing import Any
 from .. import __version__
 from ..errors import ConfigError, ItemFailedError, UnknownItemError
 from ..pipeline import CachedItem
+from ..plan import Cursor
 from .config import SOCKET_PATH_MAX, ServiceConfig
 from .errors import StoppingError, UnavailableError, UnknownPipelineError
 from .http import (
@@ -76,6 +88,7 @@ from .http import (
     TcpServer,
     UnixServer,
 )
+from .jobs import JobConflictError
 from .metrics import CONTENT_TYPE
 
 __all__ = ["ApiServer", "Deadlines", "Service", "item_json"]
@@ -85,6 +98,7 @@ log = logging.getLogger("cachepipe.service.api")
 MAX_BODY = 1024 * 1024
 _DIGITS = re.compile(r"^[0-9]+$")
 _NEXT_RE = re.compile(r"^/v1/pipelines/([^/]+)/next$")
+_JOB_RE = re.compile(r"^/v1/jobs/([^/]+)(/take|/consume)?$")
 _JSON = "application/json"
 
 
@@ -114,6 +128,7 @@ def _error_for(exc: BaseException) -> tuple[int, str]:
     for kind, status, code in (
         (UnknownPipelineError, 404, "not_found"),
         (UnknownItemError, 409, "lease_conflict"),
+        (JobConflictError, 409, "conflict"),
         (TimeoutError, 408, "timeout"),
         (ItemFailedError, 502, "item_failed"),
         (StoppingError, 503, "stopping"),
@@ -278,6 +293,41 @@ class _Handler(BaseHTTPRequestHandler):
             daemon.finish("release", str(item.path), item.lease)
             raise
 
+    def _job(self, daemon: Service, name: str, body: dict[str, Any]) -> int:
+        if self.command == "DELETE":
+            daemon.delete_job(name)
+            return self._reply(200, {"job": name, "result": "deleted"})
+        created, info = daemon.register_job(name, body)
+        return self._reply(200, {**info, "created": created})
+
+    def _take(self, daemon: Service, name: str, body: dict[str, Any]) -> int:
+        timeout = body.get("timeout")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0):
+            raise BadRequest(f"'timeout' {timeout!r}: expected seconds as a number >= 0, or null for the daemon's max_wait")
+        rank, worker, cursor = _lane(body)
+        taken = daemon.take_lane(name, rank, worker, cursor, timeout)
+        if taken is None:
+            return self._reply(204)
+        item = taken.item
+        return self._reply(
+            200,
+            {
+                "job": name,
+                "name": item.name,
+                "path": str(item.path),
+                "size": item.size,
+                "files": list(item.files),
+                "epoch": taken.cursor.epoch,
+                "index": taken.cursor.index,
+                "next": list(taken.after),
+            },
+        )
+
+    def _consume(self, daemon: Service, name: str, body: dict[str, Any]) -> int:
+        rank, worker, cursor = _lane(body)
+        daemon.consume_lane(name, rank, worker, cursor)
+        return self._reply(200, {"job": name, "rank": rank, "worker": worker, "consumed_before": list(cursor)})
+
     def _finish(self, daemon: Service, verb: str, body: dict[str, Any]) -> int:
         pipeline, name = daemon.finish(verb, body.get("path"), body.get("lease"))
         return self._reply(200, {"pipeline": pipeline, "name": name, "result": verb})
@@ -364,7 +414,24 @@ def _match(path: str) -> tuple[str | None, str, tuple[str, ...]]:
     match = _NEXT_RE.match(path)
     if match:
         return "next", match.group(1), ("POST",)
+    match = _JOB_RE.match(path)
+    if match:
+        if match.group(2) is None:
+            return "job", match.group(1), ("PUT", "DELETE")
+        return match.group(2)[1:], match.group(1), ("POST",)
     return None, "", ()
+
+
+def _lane(body: dict[str, Any]) -> tuple[int, int, Cursor]:
+    """``(rank, worker, cursor)`` of a lane request, checked."""
+    values = []
+    for key, default in (("rank", None), ("worker", 0), ("epoch", 0), ("index", 0)):
+        value = body.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise BadRequest(f"{key!r} {value!r}: expected an integer >= 0" + (" (required)" if default is None else ""))
+        values.append(value)
+    rank, worker, epoch, index = values
+    return rank, worker, Cursor(epoch, index)
 
 
 class _TcpHandler(_Handler):

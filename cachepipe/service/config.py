@@ -36,6 +36,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from ..config import PipelineConfig
 from ..errors import ConfigError
+from .jobs import JobsConfig
 
 __all__ = [
     "DEFAULT_SOCKET",
@@ -109,6 +110,9 @@ class ServiceConfig(BaseSettings):
         idle_timeout: longest a kept-alive connection may wait for its next request, and a new
             one for its first (default 300 s); then it is closed (``Client`` reconnects).
         pipelines: the served datasets by name (lowercase letters, digits, ``-``, ``_``).
+        jobs: what training jobs may register through the API (see
+            :class:`~cachepipe.service.jobs.JobsConfig`); None (default): no jobs. A
+            configuration needs ``pipelines``, ``jobs`` or both.
     """
 
     model_config = SettingsConfigDict(
@@ -128,7 +132,8 @@ class ServiceConfig(BaseSettings):
     header_timeout: float = Field(default=10.0, gt=0, le=3600)
     body_timeout: float = Field(default=10.0, gt=0, le=3600)
     idle_timeout: float = Field(default=300.0, gt=0, le=86400)
-    pipelines: dict[PipelineName, PipelineConfig] = Field(min_length=1)
+    pipelines: dict[PipelineName, PipelineConfig] = Field(default_factory=dict)
+    jobs: JobsConfig | None = None
 
     @classmethod
     def settings_customise_sources(
@@ -163,7 +168,13 @@ class ServiceConfig(BaseSettings):
             raise ValueError(
                 f"socket {str(self.socket)!r}: expected a path of at most {SOCKET_PATH_MAX} bytes (a Unix socket limit)"
             )
+        if not self.pipelines and self.jobs is None:
+            raise ValueError("no pipelines and no jobs section: expected at least one pipeline, or jobs to register")
         roots: dict[str, Path] = {}
+        if self.jobs is not None:
+            if self.jobs.root in self.socket.parents:
+                raise ValueError(f"socket {str(self.socket)!r} is inside jobs.root: expected a path outside every cache")
+            roots["jobs.root"] = Path(os.path.normpath(self.jobs.root))
         for name, cfg in self.pipelines.items():
             root = Path(os.path.normpath(cfg.cache_dir))
             if not cfg.cache_dir.is_absolute():
@@ -171,14 +182,14 @@ class ServiceConfig(BaseSettings):
             for other, other_root in roots.items():
                 if root == other_root or other_root in root.parents or root in other_root.parents:
                     raise ValueError(
-                        f"pipelines.{name}.cache_dir {str(cfg.cache_dir)!r} overlaps pipelines.{other}.cache_dir "
-                        f"{str(other_root)!r}: expected a separate directory per pipeline"
+                        f"pipelines.{name}.cache_dir {str(cfg.cache_dir)!r} overlaps {other} {str(other_root)!r}: "
+                        "expected a separate directory per pipeline, and outside jobs.root"
                     )
             if root in self.socket.parents:
                 raise ValueError(
                     f"socket {str(self.socket)!r} is inside pipelines.{name}.cache_dir: expected a path outside every cache"
                 )
-            roots[name] = root
+            roots[f"pipelines.{name}.cache_dir"] = root
         return self
 
 

@@ -25,10 +25,13 @@ from typing import Any
 from .. import __version__
 from ..config import PipelineConfig, format_size
 from ..errors import UnknownItemError
+from ..node import Taken
 from ..pipeline import CachedItem, Pipeline, Stats
+from ..plan import Cursor
 from .api import ApiServer, Deadlines
 from .config import ServiceConfig, pipeline_options
 from .errors import StoppingError, UnavailableError, UnknownPipelineError
+from .jobs import Jobs
 from .logs import set_level
 from .markers import HandOuts, MarkerWatcher
 from .metrics import Metrics, Snapshot, leased
@@ -66,6 +69,7 @@ class Daemon:
         self.config = config
         self.config_path = None if config_path is None else str(config_path)
         self._state = _UNOPENED
+        self._jobs = None if config.jobs is None else Jobs(config.jobs)
         self._cond = threading.Condition()  # guards _served; notified when a pipeline is replaced
         self._served: dict[str, _Served] = {}
         self._waiting: dict[str, int] = {}  # requests blocked in next, by pipeline name
@@ -117,6 +121,8 @@ class Daemon:
             self._api.stop_accepting()
         if self._markers is not None:
             self._markers.stop()
+        if self._jobs is not None:
+            self._jobs.close()
         with self._cond:
             served = list(self._served.values())
         for entry in served:
@@ -386,6 +392,40 @@ class Daemon:
                     return served
         raise UnknownItemError(f"cannot act on {path!r}: not in the cache directory of any pipeline of this daemon")
 
+    # ---- jobs (see .jobs) -------------------------------------------------------------
+    def _job_registry(self) -> Jobs:
+        if self._state != _RUNNING:
+            raise StoppingError(f"{self!r} is not serving")
+        if self._jobs is None:
+            raise UnknownPipelineError("this daemon takes no jobs: its configuration has no jobs section")
+        return self._jobs
+
+    def register_job(self, name: str, spec: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+        """Register job ``name`` (see :meth:`.jobs.Jobs.register`); ``(created, description)``."""
+        return self._job_registry().register(name, spec)
+
+    def delete_job(self, name: str) -> None:
+        """End job ``name`` and delete its items (see :meth:`.jobs.Jobs.delete`)."""
+        self._job_registry().delete(name)
+
+    def take_lane(self, name: str, rank: int, worker: int, cursor: Cursor, timeout: float | None) -> Taken | None:
+        """The item at ``cursor`` of lane ``(rank, worker)`` of job ``name``; blocks up to
+        ``timeout`` seconds, capped by ``max_wait`` (see :meth:`cachepipe.node.NodePipeline.take`)."""
+        limit = self.config.max_wait if timeout is None else min(timeout, self.config.max_wait)
+        key = f"job/{name}"
+        self._count_waiting(key, +1)
+        try:
+            return self._job_registry().take(name, rank, worker, cursor, limit)
+        finally:
+            self._count_waiting(key, -1)
+
+    def consume_lane(self, name: str, rank: int, worker: int, cursor: Cursor) -> None:
+        """Lane ``(rank, worker)`` of job ``name`` is done with every step before ``cursor``."""
+        self._job_registry().consume(name, rank, worker, cursor)
+
+    def _job_entries(self) -> list[tuple[str, Pipeline, dict[str, Any]]]:
+        return [(f"job/{name}", pipe, info) for name, pipe, info in self._jobs.entries()] if self._jobs else []
+
     # ---- views -----------------------------------------------------------------------
     def _entries(self) -> list[_Served]:
         with self._cond:
@@ -395,7 +435,7 @@ class Daemon:
         return [
             Snapshot(e.name, e.pipeline is not None, e.pipeline.stats() if e.pipeline else None, self._waiting.get(e.name, 0))
             for e in self._entries()
-        ]
+        ] + [Snapshot(name, True, pipe.stats(), self._waiting.get(name, 0)) for name, pipe, _ in self._job_entries()]
 
     def status(self) -> dict[str, Any]:
         """Everything ``cachepipe status`` shows (the ``GET /v1/status`` body)."""
@@ -421,6 +461,10 @@ class Daemon:
             "config": self.config_path,
             "socket": str(self.config.socket),
             "pipelines": pipelines,
+            "jobs": {
+                name: {**info, "waiting": self._waiting.get(name, 0), "stats": dataclasses.asdict(pipe.stats())}
+                for name, pipe, info in self._job_entries()
+            },
         }
 
     def health(self) -> tuple[bool, dict[str, Any]]:

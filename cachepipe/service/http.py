@@ -27,6 +27,8 @@ from ..pipeline import CachedItem
 from .metrics import Metrics
 
 if TYPE_CHECKING:
+    from ..node import Taken
+    from ..plan import Cursor
     from .config import ServiceConfig
 
 __all__ = [
@@ -68,6 +70,14 @@ class Service(Protocol):
     def take(self, name: str, timeout: float | None, ack: dict[str, Any] | None = None) -> CachedItem | None: ...
 
     def finish(self, verb: str, path: Any, lease: Any = None) -> tuple[str, str]: ...
+
+    def register_job(self, name: str, spec: dict[str, Any]) -> tuple[bool, dict[str, Any]]: ...
+
+    def delete_job(self, name: str) -> None: ...
+
+    def take_lane(self, name: str, rank: int, worker: int, cursor: Cursor, timeout: float | None) -> Taken | None: ...
+
+    def consume_lane(self, name: str, rank: int, worker: int, cursor: Cursor) -> None: ...
 
 
 class Late(TimeoutError):

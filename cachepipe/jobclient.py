@@ -1,0 +1,181 @@
+"""``JobClient``: one lane of a job, read from a node's ``cachepipe serve`` daemon.
+
+A training process (a rank, or one DataLoader worker of a rank) registers the job's spec with
+the node daemon and then reads its own share by position::
+
+    lane = JobClient("train-42", spec, rank=3, worker=1)
+    cursor = (0, 0)                      # or the position saved in a checkpoint
+    while (item := lane.take(cursor)) is not None:
+        sample = read(item.path)
+        cursor = item.next
+        lane.consume(cursor)             # done with it: the daemon frees its space now
+
+Every request names the lane's position, and asking for a position acknowledges everything
+before it (see :mod:`cachepipe.node`), so every request is safe to send again: a daemon that
+restarts meanwhile is waited for (``startup_timeout``) and the job is registered again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from .client import DEFAULT_STARTUP_TIMEOUT, Client, ServiceError, _code, _info
+from .items import PathItem
+from .plan import Cursor
+
+__all__ = ["JobClient", "LaneItem"]
+
+_SLICE = 60.0  # longest single wait per request (the daemon caps it by max_wait too)
+_MARGIN = 30.0
+
+
+class LaneItem(PathItem):
+    """An item of a lane: usable as a path until the lane consumes it.
+
+    Attributes:
+        path: local path (a folder, or a file for single-object items).
+        name: the item's name (relative to the source prefix).
+        size: total bytes.
+        files: relative paths of its files.
+        cursor: its position in the lane's share, ``(epoch, index)``.
+        next: the position after it (what to ask for next, and to save in a checkpoint).
+    """
+
+    __slots__ = ("cursor", "files", "name", "next", "path", "size")
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.path = Path(data["path"])
+        self.name = str(data["name"])
+        self.size = int(data["size"])
+        self.files = tuple(data["files"])
+        self.cursor = Cursor(int(data["epoch"]), int(data["index"]))
+        self.next = Cursor(*(int(x) for x in data["next"]))
+
+    def __repr__(self) -> str:
+        return f"LaneItem({str(self.path)!r}, cursor={tuple(self.cursor)})"
+
+
+class JobClient:
+    """Lane ``(rank, worker)`` of job ``job`` on the node daemon at ``socket``.
+
+    Args:
+        job: the job's name (letters, digits, ``.``, ``_``, ``-``; at most 64).
+        spec: the job's spec (:class:`cachepipe.service.jobs.JobSpec` fields: ``source``,
+            ``world_size``, ``ranks``, ``num_workers``, ``epochs``, ``shuffle``, ``seed``...);
+            every lane of the job sends the same.
+        rank, worker: this lane.
+        socket: the daemon's Unix socket or ``http://HOST:PORT`` (default as for :class:`Client`).
+        request_timeout: seconds to wait for an answer other than an item.
+        startup_timeout: seconds to keep trying while the daemon is not there (a restart).
+    """
+
+    def __init__(
+        self,
+        job: str,
+        spec: dict[str, Any],
+        rank: int,
+        worker: int = 0,
+        socket: str | os.PathLike[str] | None = None,
+        *,
+        request_timeout: float = 30.0,
+        startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+    ) -> None:
+        self.job, self.spec, self.rank, self.worker = job, dict(spec), rank, worker
+        self._client = Client(socket=socket, request_timeout=request_timeout, startup_timeout=startup_timeout).open()
+        self._route = f"/v1/jobs/{quote(job, safe='')}"
+        self.info: dict[str, Any] | None = None  # the daemon's description, once registered
+
+    def __repr__(self) -> str:
+        return f"JobClient({self.job!r}, rank={self.rank}, worker={self.worker}, socket={self._client.address!r})"
+
+    def close(self) -> None:
+        """Close the connection (the daemon keeps the lane's position: the next take names it). Idempotent."""
+        self._client.close()
+
+    def __enter__(self) -> JobClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def register(self) -> dict[str, Any]:
+        """Register the job (or check that the registered one has this spec); returns the
+        daemon's description of it (``lanes``, ``items``, ``catalog_digest``, ``cache_dir``...).
+
+        Raises:
+            ServiceError: a bad spec (400), another spec under this name or no room (409), the
+                daemon takes no jobs (404), the job's source cannot be listed (5xx).
+            ConnectionError: the daemon cannot be reached.
+        """
+        _, data = self._request("PUT", self._route, self.spec, self._client.request_timeout)
+        self.info = json.loads(data)
+        return self.info
+
+    def take(self, cursor: Cursor | tuple[int, int] = (0, 0), timeout: float | None = None) -> LaneItem | None:
+        """The item at ``cursor`` of this lane (every earlier step is consumed); None when the
+        lane's share ends before it. Registers the job first if the daemon does not know it.
+
+        Raises:
+            TimeoutError: nothing ready within ``timeout`` seconds (None: no limit).
+            ServiceError: the item failed (502), a bad position (400).
+            ConnectionError: the daemon cannot be reached.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.info is None:
+            self.register()
+        while True:
+            wait = _SLICE if deadline is None else min(max(deadline - time.monotonic(), 0.0), _SLICE)
+            body = self._lane(cursor) | {"timeout": wait}
+            status, data = self._request("POST", self._route + "/take", body, wait + _MARGIN, may_wait=True)
+            if status == 200:
+                return LaneItem(json.loads(data))
+            if status == 204:
+                return None
+            if deadline is not None and deadline - time.monotonic() <= 0:
+                raise TimeoutError(f"{self!r}: no item at {tuple(cursor)} became ready within {timeout} s")
+
+    def consume(self, cursor: Cursor | tuple[int, int]) -> None:
+        """This lane is done with every step before ``cursor``: the daemon deletes those items now.
+
+        Raises:
+            ServiceError: a bad position (400).
+            ConnectionError: the daemon cannot be reached.
+        """
+        self._request("POST", self._route + "/consume", self._lane(cursor), self._client.request_timeout)
+
+    def _lane(self, cursor: Cursor | tuple[int, int]) -> dict[str, Any]:
+        epoch, index = cursor
+        return {"rank": self.rank, "worker": self.worker, "epoch": epoch, "index": index}
+
+    def _request(
+        self, method: str, route: str, body: dict[str, Any], timeout: float, *, may_wait: bool = False
+    ) -> tuple[int, bytes]:
+        """Send (again while the daemon restarts: every request here is idempotent); 408 is
+        returned to a caller that waits (``may_wait``); a job the daemon does not know (it
+        restarted) is registered again, once per call."""
+        client = self._client
+        outage_since: float | None = None
+        registered = False
+        while True:
+            status, data = client._request(method, route, body, timeout, retry=True)  # noqa: SLF001 - the same daemon connection
+            if status in (200, 204) or (status == 408 and may_wait):
+                return status, data
+            code = _code(data)
+            if status == 404 and method == "POST" and not registered:
+                self.register()  # the daemon restarted and forgot the job
+                registered = True
+                continue
+            if status == 503 and code == "stopping":
+                outage_since = outage_since or time.monotonic()
+                if time.monotonic() - outage_since < client.startup_timeout:
+                    client._drop()  # noqa: SLF001 - ask the daemon's successor
+                    time.sleep(0.1)
+                    continue
+            if status == 409:  # a job registered under this name with another spec, or no room
+                raise ServiceError(status, code, str(_info(data).get("message", "")))
+            client._raise_for(status, data)  # noqa: SLF001 - one translation of error answers
