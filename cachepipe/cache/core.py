@@ -352,6 +352,20 @@ class Cache:
             self._claimed.add(name)
             return True
 
+    def _claim_or_adopt(self, name: str) -> Path | bool:
+        """:meth:`claim`, except that an earlier copy that is :meth:`shelve` d while we wait is
+        handed over instead (its path): it is the copy this step wants."""
+        with self._cond:
+            while not self._closed and name in self._claimed:
+                recovered = self._recovered.pop(name, None)
+                if recovered is not None:
+                    return recovered
+                self._cond.wait()
+            if self._closed:
+                return False
+            self._claimed.add(name)
+            return True
+
     def acquire(self, item: Item, tick: int = 0, starving: Callable[[], bool] = lambda: False, extra: int = 0) -> Path | bool:
         """Make room for the step at ``tick`` reading ``item``.
 
@@ -373,8 +387,9 @@ class Cache:
             return recovered
         policy = self._policy
         if policy is None:
-            if not self.claim(item.name):
-                return False
+            claimed = self._claim_or_adopt(item.name)
+            if claimed is not True:
+                return claimed  # the earlier copy was shelved meanwhile (a path), or the cache closed
             try:
                 while (leftover := self._leftover_in_the_way(item.size + extra)) is not None:
                     log.info("dropping %s, an earlier owner's item not due yet, to make room for %s", leftover, item.name)
