@@ -23,7 +23,7 @@ $(TEST): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[test]'
 	# PyTorch for the adapter's tests, best effort and bounded: the CPU wheel of torch 2.13.0 is on
 	# this project's machines; elsewhere a multi-GB CUDA download is not worth it and those tests skip.
-	timeout 300 $(PY) -m pip install --quiet 'torch==2.13.0' numpy || echo "torch not installed: tests/test_torch.py will be skipped"
+	timeout 300 $(PY) -m pip install --quiet 'torch==2.13.0' numpy 'torchdata==0.11.0' || echo "torch not installed: tests/test_torch.py and tests/test_node_torch.py will be skipped"
 	rm -f $(VENV)/.test-* $(VENV)/.demo-* && touch $@ $(DEMO)
 
 demo: $(DEMO)

@@ -1,0 +1,154 @@
+"""Node mode, real processes: a ``cachepipe serve`` daemon with a jobs section, two "ranks"
+(separate processes, as torchrun starts them) each with a DataLoader of two worker processes
+reading ``CachePipeDataset(node=SOCKET)`` over the moto server.
+
+Checked: every item exactly once per epoch across the node; each (rank, worker) gets exactly
+what ``plan.py`` assigns it, in order; the node's cap held (sampled while they run); one job,
+listed once, for all four lanes; a rank killed mid-epoch (SIGKILL, its workers die with it) and
+restarted from its ``StatefulDataLoader`` checkpoint gets exactly the rest of its items.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from sampling import Sampler
+
+pytest.importorskip("torch", reason="PyTorch is not installed (make test installs torch==2.13.0 where the CPU wheel is available)")
+pytest.importorskip("torchdata", reason="torchdata is not installed (make test installs it with torch)")
+
+from cachepipe.client import Client  # noqa: E402
+from cachepipe.plan import Plan  # noqa: E402
+from cachepipe.service.testing import DaemonProcess  # noqa: E402
+
+KIB = 1024
+CAPACITY = 48 * KIB
+OPTIONS = {"epochs": 2, "shuffle": True, "seed": 5}
+
+RANK = r"""
+import hashlib, json, os, pickle, signal, sys, torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+from cachepipe.torch import CachePipeDataset
+
+def read(item):
+    info = torch.utils.data.get_worker_info()
+    digest = hashlib.md5((item / "f").read_bytes()).hexdigest()
+    return [info.id, item.cursor.epoch, item.name, digest]
+
+cfg = json.loads(sys.argv[1])
+ds = CachePipeDataset(cfg["url"], node=cfg["socket"], transform=read, job="train", **cfg["options"])
+loader = StatefulDataLoader(ds, batch_size=None, num_workers=2)
+if cfg.get("resume"):
+    with open(cfg["resume"], "rb") as f:
+        loader.load_state_dict(pickle.load(f))
+for n, sample in enumerate(loader, 1):
+    print(json.dumps(sample), flush=True)
+    if n == cfg.get("checkpoint_at"):
+        with open(cfg["checkpoint"], "wb") as f:
+            pickle.dump(loader.state_dict(), f)
+        print("checkpoint", flush=True)
+    if n == cfg.get("die_at"):
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-epoch, holding items; its workers die with it
+"""
+
+
+def write_config(tmp_path: Path, sock: Path, url: str, options: dict) -> Path:
+    data = {
+        "socket": str(sock),
+        "jobs": {
+            "root": str(tmp_path / "jobs"),
+            "capacity": CAPACITY,
+            "sources": [url],
+            "options": {"storage_options": options, "max_concurrency": 4},
+        },
+    }
+    path = tmp_path / "cachepipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def start_rank(rank: int, cfg: dict) -> subprocess.Popen:
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
+    return subprocess.Popen(
+        [sys.executable, "-c", RANK, json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+
+
+def samples(out: str) -> list[list]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("[")]
+
+
+def expected(data: dict, rank: int, worker: int) -> list[list]:
+    names = sorted(data)
+    sizes = [len(data[n]["f"]) for n in names]
+    plan = Plan(sizes, rank=rank, world_size=2, worker=worker, num_workers=2, **OPTIONS)
+    return [[s.epoch, names[s.item]] for s in plan]
+
+
+def by_worker(got: list[list], worker: int) -> list[list]:
+    return [[epoch, name] for w, epoch, name, _ in got if w == worker]
+
+
+@pytest.fixture
+def dataset(s3_source):
+    data = s3_source.folders(26, {"f": 2 * KIB})
+    return s3_source, data
+
+
+def test_two_ranks_by_two_workers_read_their_plan_shares_from_one_node_cache(dataset, tmp_path, short_dir):
+    source, data = dataset
+    digests = {name: hashlib.md5(files["f"]).hexdigest() for name, files in data.items()}
+    sock = short_dir / "api.sock"
+    cfg = {"url": source.url, "socket": str(sock), "options": OPTIONS}
+    with DaemonProcess(write_config(tmp_path, sock, source.url, source.options)), Sampler(tmp_path / "jobs") as sampler:
+        procs = [start_rank(rank, cfg) for rank in (0, 1)]
+        outs = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+            outs.append(samples(out))
+        with Client(socket=sock) as client:
+            jobs = client.status()["jobs"]
+    assert sampler.samples > 0 and sampler.peak <= CAPACITY  # one cache under the node's capacity
+    for epoch in (0, 1):
+        assert sorted(name for got in outs for _, e, name, _ in got if e == epoch) == sorted(data)
+    assert all(digests[name] == digest for got in outs for _, _, name, digest in got)
+    for rank in (0, 1):
+        for worker in (0, 1):
+            assert by_worker(outs[rank], worker) == expected(data, rank, worker)
+    assert list(jobs) == ["job/train"]  # one job for the four lanes: one listing
+    job = jobs["job/train"]
+    assert job["lanes"] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    assert job["stats"]["items_listed"] == 26 and job["stats"]["items_acked"] == 52
+
+
+def test_a_rank_killed_mid_epoch_resumes_from_its_stateful_dataloader_checkpoint(dataset, tmp_path, short_dir):
+    source, data = dataset
+    sock = short_dir / "api.sock"
+    checkpoint = tmp_path / "loader.pkl"
+    cfg = {"url": source.url, "socket": str(sock), "options": OPTIONS}
+    killed = {**cfg, "checkpoint_at": 5, "checkpoint": str(checkpoint), "die_at": 9}
+    with DaemonProcess(write_config(tmp_path, sock, source.url, source.options)), Sampler(tmp_path / "jobs") as sampler:
+        other = start_rank(1, cfg)
+        first = start_rank(0, killed)
+        out, err = first.communicate(timeout=120)
+        assert first.returncode == -9, err
+        before = samples(out)
+        assert len(before) == 9 and "checkpoint" in out
+        again = start_rank(0, {**cfg, "resume": str(checkpoint)})
+        out_again, err = again.communicate(timeout=120)
+        assert again.returncode == 0, err
+        out_other, err = other.communicate(timeout=120)
+        assert other.returncode == 0, err
+    assert sampler.peak <= CAPACITY
+    after = samples(out_again)
+    for worker in (0, 1):  # up to the checkpoint, then from it: exactly the share, nothing twice
+        assert by_worker(before[:5], worker) + by_worker(after, worker) == expected(data, 0, worker)
+        assert by_worker(samples(out_other), worker) == expected(data, 1, worker)
