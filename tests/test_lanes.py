@@ -79,7 +79,7 @@ def test_reset_moves_one_lane_and_starts_a_new_generation():
 
 def test_a_finite_plan_ends_for_every_lane():
     schedule = LaneSchedule(node([1, 2, 3], [0], 1, 2, epochs=1))
-    assert len([s for s in iter(schedule.next, None)]) == 3
+    assert len(list(iter(schedule.next, None))) == 3
     assert schedule.done(0) and schedule.done(1)
 
 

@@ -21,12 +21,14 @@ import pytest
 import yaml
 from sampling import Sampler
 
-pytest.importorskip("torch", reason="PyTorch is not installed (make test installs torch==2.13.0 where the CPU wheel is available)")
+pytest.importorskip(
+    "torch", reason="PyTorch is not installed (make test installs torch==2.13.0 where the CPU wheel is available)"
+)
 pytest.importorskip("torchdata", reason="torchdata is not installed (make test installs it with torch)")
 
-from cachepipe.client import Client  # noqa: E402
-from cachepipe.plan import Plan  # noqa: E402
-from cachepipe.service.testing import DaemonProcess  # noqa: E402
+from cachepipe.client import Client
+from cachepipe.plan import Plan
+from cachepipe.service.testing import DaemonProcess
 
 KIB = 1024
 CAPACITY = 48 * KIB
