@@ -35,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -43,8 +44,10 @@ import torch.utils.data
 
 from .config import Share, parse_capacity
 from .jobclient import JobClient
+from .manifest import index
 from .pipeline import Pipeline
 from .plan import Cursor, default_rank_world
+from .state import atomic_write
 
 __all__ = ["CachePipeDataset", "local_ranks"]
 
@@ -112,6 +115,10 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                 raise ValueError("cache_dir and capacity are required without node= (per-process mode)")
             self.cache_dir: Path | None = Path(cache_dir)
             self.capacity: int | Share | None = parse_capacity(capacity)
+            if options.get("manifest") is None:
+                shared = self._list_once()
+                if shared is not None:
+                    self.options["manifest"] = shared
         else:
             if cache_dir is not None:
                 raise ValueError(f"cache_dir={str(cache_dir)!r} with node=: the daemon's jobs.root decides where a job caches")
@@ -122,6 +129,32 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                     "the rest is the daemon's jobs.options"
                 )
             self.cache_dir, self.capacity = None, None if capacity is None else parse_capacity(capacity)
+
+    def _list_once(self) -> str | None:
+        """Under an initialised ``torch.distributed`` of several ranks: rank 0 lists the source
+        and broadcasts its manifest; every rank writes it under ``cache_dir`` and plans from it
+        (its digest is checked when it is read), so all ranks plan over one catalog with one
+        listing. Returns the manifest's path, or None (not distributed: each process lists)."""
+        dist = torch.distributed
+        if self.cache_dir is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None
+        rank = dist.get_rank()
+        payload: list[Any] = [None]
+        if rank == 0:
+            try:
+                payload[0] = ("ok", _manifest_bytes(self.source, self.options))
+            except Exception as exc:  # every rank must learn that the listing failed; then it is raised here
+                payload[0] = ("error", f"{type(exc).__name__}: {exc}")
+                dist.broadcast_object_list(payload, src=0)
+                raise
+        dist.broadcast_object_list(payload, src=0)
+        kind, data = payload[0]
+        if kind != "ok":
+            raise RuntimeError(f"rank 0 could not list {self.source!r} for this job: {data}")
+        path = self.cache_dir / f"manifest-rank{rank}.json.gz"
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, data)
+        return str(path)
 
     def _worker(self) -> tuple[int, int]:
         info = torch.utils.data.get_worker_info()
@@ -255,6 +288,14 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         """Start the next iteration at ``state`` (from :meth:`state_dict`, same settings and data)."""
         self._state = dict(state)
         self._cursor = None
+
+
+def _manifest_bytes(source: str, options: dict[str, Any]) -> bytes:
+    """List ``source`` (with the dataset's ``items`` and ``storage_options``) into manifest bytes."""
+    with tempfile.TemporaryDirectory(prefix="cachepipe-list-") as tmp:
+        path = Path(tmp) / "manifest.json.gz"
+        index(source, path, options.get("items", "folders"), options.get("storage_options"))
+        return path.read_bytes()
 
 
 def local_ranks(rank: int, environ: Mapping[str, str] | None = None) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -92,3 +93,61 @@ def test_dataset_state_dict_resumes_mid_epoch(s3_source, tmp_path):
     resumed = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", **opts)
     resumed.load_state_dict(state)
     assert first[:4] + [p.name for p in resumed] == full
+
+
+DIST_SCRIPT = """
+import json, sys, hashlib, torch, torch.distributed as dist
+from cachepipe.torch import CachePipeDataset
+def read(path):
+    return path.name, hashlib.md5((path / "f").read_bytes()).hexdigest()
+cfg = json.loads(sys.argv[1])
+dist.init_process_group("gloo")
+ds = CachePipeDataset(cfg["url"], cfg["cache"], "1MiB", transform=read, storage_options=cfg["options"],
+                      epochs=2, shuffle=True, seed=5)
+loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+print(json.dumps([list(x) for x in loader]))
+dist.destroy_process_group()
+"""
+
+
+def listings(proxy) -> int:
+    return sum(1 for head in proxy.requests if "list-type=2" in head.split("\r\n", 1)[0])
+
+
+def test_ranks_under_torch_distributed_list_once_and_plan_from_one_catalog(s3_source, fault_proxy, tmp_path):
+    """Rank 0 lists and broadcasts the manifest; the four pipelines of two ranks plan from it."""
+    proxy, endpoint = fault_proxy
+    data = s3_source.folders(13, {"f": 500})
+    options = {**s3_source.options, "endpoint_url": endpoint}
+    from cachepipe.manifest import index
+
+    index(s3_source.url, tmp_path / "one.json.gz", storage_options=options)  # what one listing takes
+    one = listings(proxy)
+    assert one >= 1
+    proxy.requests.clear()
+    cfg = {"url": s3_source.url, "cache": str(tmp_path / "cache"), "options": options}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", DIST_SCRIPT, json.dumps(cfg)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
+        )
+        for rank in range(2)
+    ]
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        outputs.append(json.loads(out))
+    assert listings(proxy) == one  # one listing for two ranks and four DataLoader workers
+    seen = [name for out in outputs for name, _ in out]
+    assert sorted(seen) == sorted(list(data) * 2)
+    assert sorted((tmp_path / "cache").glob("manifest-rank*.json.gz")) == [
+        tmp_path / "cache" / "manifest-rank0.json.gz",
+        tmp_path / "cache" / "manifest-rank1.json.gz",
+    ]
