@@ -417,6 +417,7 @@ class Client:
         *,
         retry: bool | None = None,
         patience: float | None = None,
+        raw: bytes | None = None,
     ) -> tuple[int, bytes]:
         """One request and its answer, reconnecting as needed.
 
@@ -424,10 +425,12 @@ class Client:
         a daemon starting or restarting) is tried again for up to ``startup_timeout``: such a
         request never reached a daemon. So is one the daemon closed before answering, when
         ``retry`` (default: GET requests) says asking again changes nothing. ``patience``
-        replaces ``startup_timeout`` for this request.
+        replaces ``startup_timeout`` for this request. ``raw``: bytes to send instead of ``body``.
         """
         payload = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"} if payload is not None else {}
+        if raw is not None:  # a manifest upload
+            payload, headers = raw, {"Content-Type": "application/gzip"}
         if retry is None:
             retry = method == "GET"
         outage = _Outage(self.startup_timeout if patience is None else patience)

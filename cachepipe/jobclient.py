@@ -70,7 +70,9 @@ class JobClient:
             every lane of the job sends the same.
         rank, worker: this lane.
         socket: the daemon's Unix socket or ``http://HOST:PORT`` (default as for :class:`Client`).
-        request_timeout: seconds to wait for an answer other than an item.
+        request_timeout: seconds to wait for an answer other than an item or a registration.
+        register_timeout: seconds to wait for a registration (the daemon lists the source
+            then, unless the spec names a manifest or catalog) or an upload (default 600).
         startup_timeout: seconds to keep trying while the daemon is not there (a restart).
     """
 
@@ -83,8 +85,10 @@ class JobClient:
         socket: str | os.PathLike[str] | None = None,
         *,
         request_timeout: float = 30.0,
+        register_timeout: float = 600.0,
         startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
     ) -> None:
+        self.register_timeout = register_timeout
         self.job, self.spec, self.rank, self.worker = job, dict(spec), rank, worker
         self._client = Client(socket=socket, request_timeout=request_timeout, startup_timeout=startup_timeout).open()
         self._route = f"/v1/jobs/{quote(job, safe='')}"
@@ -112,9 +116,37 @@ class JobClient:
                 daemon takes no jobs (404), the job's source cannot be listed (5xx).
             ConnectionError: the daemon cannot be reached.
         """
-        _, data = self._request("PUT", self._route, self.spec, self._client.request_timeout)
+        _, data = self._request("PUT", self._route, self.spec, self.register_timeout)
         self.info = json.loads(data)
         return self.info
+
+    def upload_manifest(self, data: bytes) -> str:
+        """Give the daemon a manifest (the bytes of ``cachepipe index``) to plan from; returns its
+        digest, which a spec names as ``"catalog"``. Uploading one the daemon has is cheap.
+
+        Raises:
+            ServiceError: not a manifest, or of a source the daemon's jobs may not read (400),
+                too large (413), the daemon takes no jobs (404).
+            ConnectionError: the daemon cannot be reached.
+        """
+        _, answer = self._request("PUT", "/v1/manifests", {}, self.register_timeout, raw=data)
+        return str(json.loads(answer)["catalog"])
+
+    def index(self, source: str, items: str = "folders") -> str:
+        """Have the daemon list ``source`` once into a manifest (with its own credentials);
+        returns the manifest's digest (a spec's ``"catalog"``).
+
+        Raises:
+            ServiceError: a source the daemon's jobs may not read (400), the listing failed (5xx).
+            ConnectionError: the daemon cannot be reached.
+        """
+        _, answer = self._request("POST", "/v1/manifests", {"source": source, "items": items}, self.register_timeout)
+        return str(json.loads(answer)["catalog"])
+
+    def manifest_bytes(self, digest: str) -> bytes:
+        """The bytes of manifest ``digest`` held by the daemon (to hand to the other nodes)."""
+        _, data = self._request("GET", f"/v1/manifests/{quote(digest, safe='')}", {}, self.register_timeout)
+        return data
 
     def take(self, cursor: Cursor | tuple[int, int] = (0, 0), timeout: float | None = None) -> LaneItem | None:
         """The item at ``cursor`` of this lane (every earlier step is consumed); None when the
@@ -153,7 +185,7 @@ class JobClient:
         return {"rank": self.rank, "worker": self.worker, "epoch": epoch, "index": index}
 
     def _request(
-        self, method: str, route: str, body: dict[str, Any], timeout: float, *, may_wait: bool = False
+        self, method: str, route: str, body: dict[str, Any], timeout: float, *, may_wait: bool = False, raw: bytes | None = None
     ) -> tuple[int, bytes]:
         """Send (again while the daemon restarts: every request here is idempotent); 408 is
         returned to a caller that waits (``may_wait``); a job the daemon does not know (it
@@ -162,7 +194,7 @@ class JobClient:
         outage_since: float | None = None
         registered = False
         while True:
-            status, data = client._request(method, route, body, timeout, retry=True)  # noqa: SLF001 - the same daemon connection
+            status, data = client._request(method, route, body, timeout, retry=True, raw=raw)  # noqa: SLF001 - the same daemon connection
             if status in (200, 204) or (status == 408 and may_wait):
                 return status, data
             code = _code(data)

@@ -54,7 +54,7 @@ __all__ = ["CachePipeDataset", "local_ranks"]
 
 # the options of a job's spec (the rest of a node's settings is the daemon's jobs section)
 _JOB_OPTIONS = frozenset(
-    {"items", "manifest", "epochs", "shuffle", "seed", "balance", "partition", "retain", "on_error", "on_oversize"}
+    {"items", "manifest", "catalog", "epochs", "shuffle", "seed", "balance", "partition", "retain", "on_error", "on_oversize"}
 )
 
 
@@ -129,6 +129,10 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                     "the rest is the daemon's jobs.options"
                 )
             self.cache_dir, self.capacity = None, None if capacity is None else parse_capacity(capacity)
+            if options.get("manifest") is None and options.get("catalog") is None:
+                digest = self._node_catalog()
+                if digest is not None:
+                    self.options["catalog"] = digest
 
     def _list_once(self) -> str | None:
         """Under an initialised ``torch.distributed`` of several ranks: rank 0 lists the source
@@ -155,6 +159,39 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(path, data)
         return str(path)
+
+    def _node_catalog(self) -> str | None:
+        """Node mode under an initialised ``torch.distributed`` of several ranks: rank 0's node
+        daemon lists the source once; rank 0 broadcasts the manifest's bytes; the first rank of
+        every other node uploads them to its daemon, which checks their digest; all ranks then
+        register the job with that catalog (so every node plans from one listing). Returns the
+        digest, or None (not distributed: the node daemon lists)."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return None
+        rank = dist.get_rank()
+        ranks = self.node_ranks if self.node_ranks is not None else local_ranks(rank)
+        items = str(self.options.get("items", "folders"))
+        payload: list[Any] = [None]
+        with JobClient("manifests", {}, rank, 0, self.node) as daemon:
+            if rank == 0:
+                try:
+                    digest = daemon.index(self.source, items)
+                    payload[0] = ("ok", digest, daemon.manifest_bytes(digest))
+                except Exception as exc:  # every rank must learn that the listing failed; then it is raised here
+                    payload[0] = ("error", f"{type(exc).__name__}: {exc}", b"")
+                    dist.broadcast_object_list(payload, src=0)
+                    raise
+            dist.broadcast_object_list(payload, src=0)
+            kind, digest, data = payload[0]
+            if kind != "ok":
+                raise RuntimeError(f"rank 0 could not list {self.source!r} for this job: {digest}")
+            if rank != 0 and rank == min(ranks) and 0 not in ranks:
+                got = daemon.upload_manifest(data)
+                if got != digest:
+                    raise RuntimeError(f"the manifest rank 0 listed has digest {digest}, this node's daemon read {got}")
+        dist.barrier()  # every node has the manifest before any rank registers the job
+        return str(digest)
 
     def _worker(self) -> tuple[int, int]:
         info = torch.utils.data.get_worker_info()

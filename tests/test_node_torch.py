@@ -154,3 +154,74 @@ def test_a_rank_killed_mid_epoch_resumes_from_its_stateful_dataloader_checkpoint
     for worker in (0, 1):  # up to the checkpoint, then from it: exactly the share, nothing twice
         assert by_worker(before[:5], worker) + by_worker(after, worker) == expected(data, 0, worker)
         assert by_worker(samples(out_other), worker) == expected(data, 1, worker)
+
+
+DIST_RANK = r"""
+import json, sys, torch, torch.distributed as dist
+from cachepipe.torch import CachePipeDataset
+
+def read(item):
+    return [torch.utils.data.get_worker_info().id, item.cursor.epoch, item.name, ""]
+
+cfg = json.loads(sys.argv[1])
+dist.init_process_group("gloo")
+ds = CachePipeDataset(cfg["url"], node=cfg["socket"], transform=read, job="train", node_ranks=[dist.get_rank()],
+                      **cfg["options"])
+for sample in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2):
+    print(json.dumps(sample), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_two_nodes_under_torch_distributed_list_once(dataset, fault_proxy, tmp_path, short_dir):
+    """Two nodes (a daemon each, one rank each): rank 0's daemon lists, the other node gets the
+    manifest through the process group, and both plan from that one catalog."""
+    import socket
+
+    from cachepipe.manifest import index
+
+    source, data = dataset
+    proxy, endpoint = fault_proxy
+    options = {**source.options, "endpoint_url": endpoint}
+    index(source.url, tmp_path / "one.json.gz", storage_options=options)
+    one = sum(1 for head in proxy.requests if "list-type=2" in head.split("\r\n", 1)[0])
+    proxy.requests.clear()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    daemons, procs = [], []
+    try:
+        for rank in (0, 1):
+            node = tmp_path / f"node{rank}"
+            node.mkdir()
+            sock = short_dir / f"api{rank}.sock"
+            daemons.append(DaemonProcess(write_config(node, sock, source.url, options)).__enter__())
+            cfg = {"url": source.url, "socket": str(sock), "options": OPTIONS}
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", DIST_RANK, json.dumps(cfg)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+            )
+        outs = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+            outs.append(samples(out))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        for daemon in daemons:
+            daemon.__exit__(None, None, None)
+    assert sum(1 for head in proxy.requests if "list-type=2" in head.split("\r\n", 1)[0]) == one
+    for epoch in (0, 1):  # the two nodes' shares, planned from one catalog, cover every item once
+        assert sorted(name for got in outs for _, e, name, _ in got if e == epoch) == sorted(data)
+    for rank in (0, 1):
+        for worker in (0, 1):
+            assert by_worker(outs[rank], worker) == expected(data, rank, worker)

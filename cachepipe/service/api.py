@@ -19,6 +19,14 @@ Routes (bodies are JSON objects; every error body is ``{"error": CODE, "message"
                                      200 {"job", "name", "path", "size", "files", "epoch", "index", "next"}
                                      204 the lane's share ends before (epoch, index) | 408 | 502
     POST /v1/jobs/JOB/consume        {"rank", "worker", "epoch", "index"}  200: every step before it is done
+    PUT  /v1/manifests               a manifest (gzip, the bytes of ``cachepipe index``; Content-Type
+                                     application/gzip, up to jobs.max_manifest bytes)
+                                     200 {"catalog": DIGEST, "source", "items"}: a job's spec may then
+                                     say {"catalog": DIGEST} to plan from it without listing
+    POST /v1/manifests               {"source", "items"}: the daemon lists the source (under
+                                     jobs.sources, with jobs.options' credentials) into a manifest
+                                     200 {"catalog": DIGEST, ...}
+    GET  /v1/manifests/DIGEST        the manifest's bytes (application/gzip) | 404
 
 A job's lane (``rank``, ``worker``) names its position: ``take`` hands the item at
 ``(epoch, index)`` of the lane's share, and both routes acknowledge every earlier step of the
@@ -245,7 +253,7 @@ class _Handler(BaseHTTPRequestHandler):
         route, arg, allowed = _match(path)
         status = 500
         try:
-            body = self._body()
+            body = {} if route == "manifest" and method == "PUT" else self._body()
             if route is None:
                 raise BadRequest(f"no route {path!r}: see GET /v1/status, POST /v1/pipelines/NAME/next, POST /v1/ack", 404)
             if method not in allowed:
@@ -328,12 +336,34 @@ class _Handler(BaseHTTPRequestHandler):
         daemon.consume_lane(name, rank, worker, cursor)
         return self._reply(200, {"job": name, "rank": rank, "worker": worker, "consumed_before": list(cursor)})
 
+    def _manifest(self, daemon: Service, digest: str, body: dict[str, Any]) -> int:
+        if self.command == "GET":
+            return self._reply(200, raw=daemon.manifest_bytes(digest), content_type="application/gzip")
+        if self.command == "POST":
+            source, items = body.get("source"), body.get("items", "folders")
+            if not isinstance(source, str) or not isinstance(items, str):
+                raise BadRequest(f"source {source!r}, items {items!r}: expected a source URL and 'folders' or 'files'")
+            return self._reply(200, daemon.index_source(source, items))
+        length = self._length(daemon.manifest_limit())
+        # a deadline that grows with the upload: body_timeout, plus a second per 64 MiB
+        reader = self._reader
+        reader.deadline, reader.phase = time.monotonic() + self.server.deadlines.body + length / 2**26, "body"
+        self.close_connection = True  # a failed upload may leave body bytes unread: never reuse this connection
+        try:
+            info = daemon.upload_manifest(self.rfile, length)
+        except Late:
+            raise BadRequest(f"manifest of {length} bytes not received in time", 408) from None
+        self.close_connection = False
+        self.server.set_waiting(self.connection, False)
+        return self._reply(200, info)
+
     def _finish(self, daemon: Service, verb: str, body: dict[str, Any]) -> int:
         pipeline, name = daemon.finish(verb, body.get("path"), body.get("lease"))
         return self._reply(200, {"pipeline": pipeline, "name": name, "result": verb})
 
     # ---- plumbing --------------------------------------------------------------------
-    def _body(self) -> dict[str, Any]:
+    def _length(self, limit: int) -> int:
+        """The request's ``Content-Length``, checked (once, digits, at most ``limit``)."""
         if self.headers.get("Transfer-Encoding"):
             self.close_connection = True
             raise BadRequest("chunked request bodies are not supported: send Content-Length", 411)
@@ -346,9 +376,13 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise BadRequest(f"Content-Length {given[0]!r}: expected a number of bytes")
         length = int(text)
-        if length > MAX_BODY:
+        if length > limit:
             self.close_connection = True
-            raise BadRequest(f"request body of {length} bytes: expected at most {MAX_BODY}", 413)
+            raise BadRequest(f"request body of {length} bytes: expected at most {limit}", 413)
+        return length
+
+    def _body(self) -> dict[str, Any]:
+        length = self._length(MAX_BODY)
         reader = self._reader
         reader.deadline, reader.phase = time.monotonic() + self.server.deadlines.body, "body"
         try:
@@ -414,6 +448,10 @@ def _match(path: str) -> tuple[str | None, str, tuple[str, ...]]:
     match = _NEXT_RE.match(path)
     if match:
         return "next", match.group(1), ("POST",)
+    if path == "/v1/manifests":
+        return "manifest", "", ("PUT", "POST")
+    if path.startswith("/v1/manifests/") and path.count("/") == 3:
+        return "manifest", path.rsplit("/", 1)[1], ("GET",)
     match = _JOB_RE.match(path)
     if match:
         if match.group(2) is None:

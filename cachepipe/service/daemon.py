@@ -20,7 +20,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from .. import __version__
 from ..config import PipelineConfig, format_size
@@ -422,6 +422,22 @@ class Daemon:
     def consume_lane(self, name: str, rank: int, worker: int, cursor: Cursor) -> None:
         """Lane ``(rank, worker)`` of job ``name`` is done with every step before ``cursor``."""
         self._job_registry().consume(name, rank, worker, cursor)
+
+    def manifest_limit(self) -> int:
+        """The largest manifest a job may upload, in bytes (``jobs.max_manifest``)."""
+        return self._job_registry().config.max_manifest
+
+    def upload_manifest(self, body: BinaryIO, length: int) -> dict[str, Any]:
+        """Keep an uploaded manifest for jobs to plan from (see :meth:`.jobs.Jobs.upload_manifest`)."""
+        return self._job_registry().upload_manifest(body, length)
+
+    def index_source(self, source: str, items: str) -> dict[str, Any]:
+        """List ``source`` into a manifest for jobs (see :meth:`.jobs.Jobs.index_source`)."""
+        return self._job_registry().index_source(source, items)
+
+    def manifest_bytes(self, digest: str) -> bytes:
+        """The bytes of the manifest ``digest`` (uploaded or listed here)."""
+        return self._job_registry().manifest_bytes(digest)
 
     def _job_entries(self) -> list[tuple[str, Pipeline, dict[str, Any]]]:
         return [(f"job/{name}", pipe, info) for name, pipe, info in self._jobs.entries()] if self._jobs else []

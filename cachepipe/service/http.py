@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from ..pipeline import CachedItem
 from .metrics import Metrics
@@ -78,6 +78,14 @@ class Service(Protocol):
     def take_lane(self, name: str, rank: int, worker: int, cursor: Cursor, timeout: float | None) -> Taken | None: ...
 
     def consume_lane(self, name: str, rank: int, worker: int, cursor: Cursor) -> None: ...
+
+    def manifest_limit(self) -> int: ...
+
+    def upload_manifest(self, body: BinaryIO, length: int) -> dict[str, Any]: ...
+
+    def index_source(self, source: str, items: str) -> dict[str, Any]: ...
+
+    def manifest_bytes(self, digest: str) -> bytes: ...
 
 
 class Late(TimeoutError):

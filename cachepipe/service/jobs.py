@@ -12,20 +12,32 @@ creates the job); a different one is refused (409) naming the first field that d
 
 A job lives until ``DELETE /v1/jobs/NAME`` (its cached items are deleted) or until the daemon
 stops (they are kept, and reused when the job registers again).
+
+Listed once per job. A job of several nodes has a daemon per node, and each would list the
+source: at different moments, so possibly over different objects. Instead the job's rank 0
+lists it once and every rank uploads that manifest to its node's daemon (``PUT
+/v1/manifests``, kept under ``root/.manifests/DIGEST.json.gz``, its digest checked against its
+content); the spec then names it by digest (``"catalog": DIGEST``), and every node plans from
+the same catalog.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import re
 import shutil
+import tempfile
 import threading
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, BinaryIO, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from ..config import Capacity, PipelineConfig, Share, check_manifest_location
+from ..config import Capacity, PipelineConfig, Share, check_manifest_location, parse_size
+from ..errors import ConfigError
+from ..manifest import index, read_manifest
 from ..node import NodePipeline, Taken
 from ..plan import Cursor
 from .errors import StoppingError, UnknownPipelineError
@@ -52,6 +64,8 @@ class JobsConfig(BaseModel):
             of ``root`` like ``"80%"`` resolved when a job registers).
         sources: URL prefixes a job's ``source`` and ``manifest`` must start with (empty: any).
         max_jobs: most jobs registered at once (default 4).
+        max_manifest: largest manifest a job may upload, in bytes (default 1 GiB; a manifest
+            takes about 30 bytes per item of a folder of two files).
         options: :class:`~cachepipe.PipelineConfig` options for every job (``storage_options``,
             ``max_concurrency``, ``part_size``...); not the ones a job gives or the node decides.
     """
@@ -62,6 +76,7 @@ class JobsConfig(BaseModel):
     capacity: Capacity
     sources: list[str] = Field(default_factory=list)
     max_jobs: int = Field(default=4, ge=1, le=1024)
+    max_manifest: Annotated[int, BeforeValidator(lambda v: parse_size(v, "jobs.max_manifest"))] = 2**30
     options: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -84,6 +99,8 @@ class JobSpec(BaseModel):
         items, manifest, epochs, shuffle, seed, balance, partition, retain, on_error,
             on_oversize: as for :class:`~cachepipe.Pipeline` (``manifest`` also under
             ``jobs.sources``).
+        catalog: the digest of a manifest uploaded to this daemon (``PUT /v1/manifests``), to
+            plan from instead of listing (not with ``manifest``).
         world_size: ranks in the whole job.
         ranks: the ranks on this node.
         num_workers: DataLoader workers per rank (1: none).
@@ -95,6 +112,7 @@ class JobSpec(BaseModel):
     source: str = Field(min_length=1)
     items: Literal["folders", "files"] = "folders"
     manifest: Annotated[str | None, BeforeValidator(check_manifest_location)] = None
+    catalog: str | None = Field(default=None, pattern=r"^[0-9a-f]{32}$")
     epochs: int | None = Field(default=1, ge=1)
     shuffle: bool = False
     seed: int = 0
@@ -107,6 +125,12 @@ class JobSpec(BaseModel):
     ranks: list[int] = Field(min_length=1)
     num_workers: int = Field(default=1, ge=1, le=1024)
     capacity: Capacity | None = None
+
+    @model_validator(mode="after")
+    def _one_catalog(self) -> JobSpec:
+        if self.manifest is not None and self.catalog is not None:
+            raise ValueError("manifest and catalog: give one (catalog names a manifest uploaded to the daemon)")
+        return self
 
 
 class _Job:
@@ -155,6 +179,13 @@ class Jobs:
                     f"DELETE /v1/jobs/NAME of one that ended ({', '.join(sorted(self._jobs))})"
                 )
             capacity = self._capacity(name, spec)
+            options = {
+                **self.config.options,
+                "keep_on_close": True,
+                **spec.model_dump(include={*_JOB_FIELDS, "on_error", "on_oversize"} - {"source"}),
+            }
+            if spec.catalog is not None:
+                options["manifest"] = str(self._uploaded(spec.catalog))
             pipeline = NodePipeline(
                 spec.source,
                 self.config.root / name,
@@ -162,14 +193,96 @@ class Jobs:
                 ranks=spec.ranks,
                 world_size=spec.world_size,
                 num_workers=spec.num_workers,
-                **{**self.config.options, "keep_on_close": True},
-                **spec.model_dump(include={*_JOB_FIELDS, "on_error", "on_oversize"} - {"source"}),
+                **options,
             )
             pipeline.open()
             job = _Job(name, spec, pipeline)
             self._jobs[name] = job
             log.info("job %s registered: %s, ranks %s of %d", name, spec.source, spec.ranks, spec.world_size)
             return True, self._describe(job)
+
+    def _uploaded(self, digest: str) -> Path:
+        path = self.config.root / ".manifests" / f"{digest}.json.gz"
+        if not path.is_file():
+            raise JobConflictError(f"catalog {digest!r}: no manifest of that digest was uploaded (PUT /v1/manifests first)")
+        return path
+
+    def upload_manifest(self, body: BinaryIO, length: int) -> dict[str, Any]:
+        """Read a manifest of ``length`` bytes from ``body``, check it (its digest against its
+        content, its source against ``jobs.sources``) and keep it as ``root/.manifests/DIGEST.json.gz``.
+
+        Returns:
+            ``{"catalog": DIGEST, "source", "items", "count"}``.
+
+        Raises:
+            ValueError: not a manifest, or one of a source this daemon's jobs may not read.
+            ConnectionResetError: the client sent fewer than ``length`` bytes.
+        """
+        folder = self.config.root / ".manifests"
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".upload-", suffix=".json.gz", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                left = length
+                while left:
+                    chunk = body.read(min(left, 1 << 20))
+                    if not chunk:
+                        raise ConnectionResetError(f"the client closed the connection after {length - left} of {length} bytes")
+                    out.write(chunk)
+                    left -= len(chunk)
+            try:
+                manifest = read_manifest(tmp)
+            except ConfigError as exc:
+                raise ValueError(f"upload of {length} bytes is not a manifest of `cachepipe index`: {exc}") from None
+            if self.config.sources and not any(manifest.source.startswith(p) for p in self.config.sources):
+                raise ValueError(
+                    f"manifest of source {manifest.source!r}: this daemon's jobs may read only under {self.config.sources}"
+                )
+            os.replace(tmp, folder / f"{manifest.digest}.json.gz")  # same content, same name: a race is harmless
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        log.info("manifest %s uploaded: %s, %d items", manifest.digest, manifest.source, len(manifest.catalog))
+        return {"catalog": manifest.digest, "source": manifest.source, "items": manifest.items, "count": len(manifest.catalog)}
+
+    def index_source(self, source: str, items: str) -> dict[str, Any]:
+        """List ``source`` (under ``jobs.sources``, with ``jobs.options``' storage options) once,
+        into a manifest kept like an uploaded one.
+
+        Raises:
+            ValueError: a source this daemon's jobs may not read, or bad ``items``.
+            CachePipeError, OSError: the listing failed.
+        """
+        if items not in ("folders", "files"):
+            raise ValueError(f"items {items!r}: expected 'folders' or 'files'")
+        self._check_sources(JobSpec(source=source, world_size=1, ranks=[0]))
+        folder = self.config.root / ".manifests"
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".index-", suffix=".json.gz", dir=folder)
+        os.close(fd)
+        try:
+            manifest = index(source, tmp, items, self.config.options.get("storage_options"))  # type: ignore[arg-type]
+            os.replace(tmp, folder / f"{manifest.digest}.json.gz")
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        log.info("listed %s for jobs: manifest %s, %d items", source, manifest.digest, len(manifest.catalog))
+        return {"catalog": manifest.digest, "source": manifest.source, "items": manifest.items, "count": len(manifest.catalog)}
+
+    def manifest_bytes(self, digest: str) -> bytes:
+        """The bytes of manifest ``digest``.
+
+        Raises:
+            UnknownPipelineError: no such manifest here (HTTP 404).
+        """
+        if not re.fullmatch(r"[0-9a-f]{32}", digest):
+            raise UnknownPipelineError(f"manifest {digest!r}: expected a digest of 32 hex digits")
+        try:
+            return (self.config.root / ".manifests" / f"{digest}.json.gz").read_bytes()
+        except FileNotFoundError:
+            raise UnknownPipelineError(f"no manifest {digest!r} on this daemon") from None
 
     def _check_sources(self, spec: JobSpec) -> None:
         allowed = self.config.sources
