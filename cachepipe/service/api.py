@@ -78,6 +78,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from .. import __version__
 from ..errors import ConfigError, ItemFailedError, UnknownItemError
@@ -454,9 +455,10 @@ def _match(path: str) -> tuple[str | None, str, tuple[str, ...]]:
         return "manifest", path.rsplit("/", 1)[1], ("GET",)
     match = _JOB_RE.match(path)
     if match:
+        name = unquote(match.group(1))  # JobClient quotes it: a name with "/" arrives whole, and is refused
         if match.group(2) is None:
-            return "job", match.group(1), ("PUT", "DELETE")
-        return match.group(2)[1:], match.group(1), ("POST",)
+            return "job", name, ("PUT", "DELETE")
+        return match.group(2)[1:], name, ("POST",)
     return None, "", ()
 
 

@@ -178,14 +178,15 @@ class Jobs:
                     f"job {name!r}: {len(self._jobs)} jobs are registered, jobs.max_jobs is {self.config.max_jobs}; "
                     f"DELETE /v1/jobs/NAME of one that ended ({', '.join(sorted(self._jobs))})"
                 )
+            uploaded = None if spec.catalog is None else str(self._uploaded(spec.catalog))
             capacity = self._capacity(name, spec)
             options = {
                 **self.config.options,
                 "keep_on_close": True,
                 **spec.model_dump(include={*_JOB_FIELDS, "on_error", "on_oversize"} - {"source"}),
             }
-            if spec.catalog is not None:
-                options["manifest"] = str(self._uploaded(spec.catalog))
+            if uploaded is not None:
+                options["manifest"] = uploaded
             pipeline = NodePipeline(
                 spec.source,
                 self.config.root / name,

@@ -1,0 +1,139 @@
+"""The daemon's jobs: what a job may ask for, what the daemon's jobs section bounds, the errors.
+
+One real daemon subprocess per test over the moto server; requests through ``JobClient`` and
+raw HTTP on the socket.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cachepipe.client import ServiceError
+from cachepipe.errors import ConfigError
+from cachepipe.jobclient import JobClient
+from cachepipe.manifest import index
+from cachepipe.service.config import load_config
+from cachepipe.service.testing import DaemonProcess
+
+KIB = 1024
+
+
+def write_config(tmp_path: Path, sock: Path, jobs: dict) -> Path:
+    path = tmp_path / "cachepipe.yaml"
+    path.write_text(yaml.safe_dump({"socket": str(sock), "jobs": jobs}))
+    return path
+
+
+def register(sock: Path, name: str, body: dict, rank: int = 0) -> dict:
+    with JobClient(name, body, rank, socket=sock) as lane:
+        return lane.register()
+
+
+def spec(where, **kw) -> dict:
+    return {"source": where.url, "world_size": 2, "ranks": [0, 1], "num_workers": 1, **kw}
+
+
+def test_jobs_register_once_conflict_and_end(s3_source, tmp_path, short_dir):
+    s3_source.folders(6, {"a.bin": KIB})
+    sock = short_dir / "api.sock"
+    root = tmp_path / "jobs"
+    jobs = {"root": str(root), "capacity": "1MiB", "sources": [s3_source.url], "max_jobs": 2}
+    jobs["options"] = {"storage_options": s3_source.options}
+    with DaemonProcess(write_config(tmp_path, sock, jobs)):
+        with JobClient("train", spec(s3_source), 0, socket=sock) as lane:
+            info = lane.register()
+            assert info["created"] is True and info["items"] == 6 and info["cache_dir"] == str(root / "train")
+            assert register(sock, "train", spec(s3_source), 1)["created"] is False  # the same job
+            item = lane.take((0, 0), timeout=30)
+            assert Path(item.path).parent == root / "train" and item.cursor == (0, 0)
+
+            with pytest.raises(ServiceError, match=r"registered with seed=0, this registration asks for seed=1") as err:
+                register(sock, "train", spec(s3_source, seed=1), 0)
+            assert err.value.status == 409
+            with pytest.raises(ServiceError, match=r"asks for \d+ bytes; jobs.capacity is 1048576 bytes") as err:
+                register(sock, "other", spec(s3_source), 0)  # the first job holds all of it
+            assert err.value.status == 409
+            with pytest.raises(ServiceError, match=r"may read only under") as err:
+                register(sock, "x", spec(s3_source, source="s3://elsewhere/"), 0)
+            assert err.value.status == 400
+            with pytest.raises(ServiceError, match=r"job name '\.\./evil'") as err:
+                register(sock, "../evil", spec(s3_source), 0)
+            assert not (tmp_path / "evil").exists()
+            with pytest.raises(ServiceError, match=r"num_workers") as err:
+                register(sock, "y", spec(s3_source, num_workers=0), 0)
+            assert err.value.status == 400
+            with pytest.raises(ServiceError, match=r"lease_timeout") as err:
+                register(sock, "y", spec(s3_source, lease_timeout=5), 0)  # not a job's to set
+            with (
+                pytest.raises(ServiceError, match=r"this node serves ranks \[0, 1\] of world_size 2"),
+                JobClient("train", spec(s3_source), 5, socket=sock) as stray,
+            ):
+                stray.take((0, 0), timeout=5)
+
+            client = lane._client
+            status, data = client._request("DELETE", "/v1/jobs/train", None, 10)
+            assert status == 200 and json.loads(data)["result"] == "deleted"
+        assert not any(p.name.startswith("item") for p in (root / "train").iterdir())  # its items are deleted
+
+
+def test_manifests_listed_uploaded_and_checked(s3_source, tmp_path, short_dir):
+    s3_source.folders(5, {"a.bin": KIB})
+    sock = short_dir / "api.sock"
+    root = tmp_path / "jobs"
+    jobs = {"root": str(root), "capacity": "1MiB", "sources": [s3_source.url], "max_manifest": "64KiB"}
+    jobs["options"] = {"storage_options": s3_source.options}
+    with DaemonProcess(write_config(tmp_path, sock, jobs)):
+        with JobClient("train", spec(s3_source), 0, socket=sock) as lane:
+            digest = lane.index(s3_source.url)
+            data = lane.manifest_bytes(digest)
+            mine = index(s3_source.url, tmp_path / "m.json.gz", storage_options=s3_source.options)
+            assert digest == mine.digest and gzip.decompress(data)  # the same catalog as a listing here
+            assert lane.upload_manifest((tmp_path / "m.json.gz").read_bytes()) == digest
+
+            info = register(sock, "train", spec(s3_source, catalog=digest), 0)
+            assert info["catalog_digest"] == digest and info["items"] == 5
+
+            with pytest.raises(ServiceError, match=r"is not a manifest of `cachepipe index`") as err:
+                lane.upload_manifest(b"not gzip")
+            assert err.value.status == 400
+            with pytest.raises(ServiceError, match=r"expected at most 65536") as err:
+                lane.upload_manifest(os.urandom(70 * KIB))
+            assert err.value.status == 413
+            with pytest.raises(ServiceError, match=r"no manifest of that digest was uploaded"):
+                register(sock, "b", spec(s3_source, catalog="0" * 32, capacity=KIB * 64), 0)
+            with pytest.raises(ServiceError, match=r"manifest and catalog: give one"):
+                register(sock, "b", spec(s3_source, catalog=digest, manifest="s3://data/m.gz"), 0)
+            with pytest.raises(ServiceError, match=r"no manifest 'f+' on this daemon") as err:
+                lane.manifest_bytes("f" * 32)
+            assert err.value.status == 404
+    assert sorted(p.name for p in (root / ".manifests").iterdir()) == [f"{digest}.json.gz"]  # no upload leftovers
+
+
+def test_jobs_section_is_checked(tmp_path):
+    def error_of(data: dict) -> str:
+        path = tmp_path / "c.yaml"
+        path.write_text(yaml.safe_dump({"socket": "/run/x.sock", **data}))
+        with pytest.raises(ConfigError) as err:
+            load_config(path)
+        return str(err.value)
+
+    assert "no pipelines and no jobs section" in error_of({})
+    assert "jobs.root 'rel': expected an absolute path" in error_of({"jobs": {"root": "rel", "capacity": "1GiB"}})
+    assert "jobs.options.lease_timeout: set by the job or by the daemon" not in error_of(
+        {"jobs": {"root": "/j", "capacity": "1GiB", "options": {"cache_dir": "/x"}}}
+    )
+    assert "jobs.options.cache_dir: set by the job or by the daemon" in error_of(
+        {"jobs": {"root": "/j", "capacity": "1GiB", "options": {"cache_dir": "/x"}}}
+    )
+    assert "jobs.options.colour: not a pipeline option" in error_of(
+        {"jobs": {"root": "/j", "capacity": "1GiB", "options": {"colour": 1}}}
+    )
+    overlap = {"jobs": {"root": "/data/jobs", "capacity": "1GiB"}}
+    overlap["pipelines"] = {"train": {"source": "s3://b/", "cache_dir": "/data/jobs/train", "capacity": "1GiB"}}
+    assert "overlaps jobs.root '/data/jobs'" in error_of(overlap)
