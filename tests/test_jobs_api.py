@@ -125,9 +125,6 @@ def test_jobs_section_is_checked(tmp_path):
 
     assert "no pipelines and no jobs section" in error_of({})
     assert "jobs.root 'rel': expected an absolute path" in error_of({"jobs": {"root": "rel", "capacity": "1GiB"}})
-    assert "jobs.options.lease_timeout: set by the job or by the daemon" not in error_of(
-        {"jobs": {"root": "/j", "capacity": "1GiB", "options": {"cache_dir": "/x"}}}
-    )
     assert "jobs.options.cache_dir: set by the job or by the daemon" in error_of(
         {"jobs": {"root": "/j", "capacity": "1GiB", "options": {"cache_dir": "/x"}}}
     )
