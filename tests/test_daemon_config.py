@@ -97,8 +97,8 @@ def test_bad_daemon_values(tmp_path, top, fragment):
 
 
 def test_missing_and_empty(tmp_path):
-    assert "pipelines: required, not set" in error_of(tmp_path, {"log_level": "info"})
-    assert "pipelines = {}" in error_of(tmp_path, {"pipelines": {}})
+    assert "no pipelines and no jobs section" in error_of(tmp_path, {"log_level": "info"})
+    assert "no pipelines and no jobs section" in error_of(tmp_path, {"pipelines": {}})
     message = error_of(tmp_path, {"pipelines": {"train": {"source": "s3://b/"}}})
     assert "pipelines.train.cache_dir: required, not set" in message and "pipelines.train.capacity: required, not set" in message
 

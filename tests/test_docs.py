@@ -145,12 +145,19 @@ pipelines:
     cache_dir: {tmp}/daemon-cache
     capacity: 16MiB
     storage_options: {{endpoint_url: "{endpoint}"}}
+jobs:
+  root: {tmp}/jobs
+  capacity: 16MiB
+  sources: ["s3://my-bucket/"]
+  options:
+    storage_options: {{endpoint_url: "{endpoint}"}}
 """
 
 
 def _daemon_for(page: Path, tmp: str, endpoint: str, env: dict[str, str]) -> DaemonProcess | None:
-    """A daemon serving pipeline ``train`` (s3://my-bucket/videos/) at the socket the docs call
-    /run/cachepipe/cachepipe.sock, for a page whose snippets consume from one; else None."""
+    """A daemon serving pipeline ``train`` (s3://my-bucket/videos/) and jobs (under
+    s3://my-bucket/) at the socket the docs call /run/cachepipe/cachepipe.sock, for a page whose
+    snippets consume from one; else None."""
     if not any(b.skip is None and ("/run/cachepipe" in b.code or "Client(" in b.code) for b in blocks(page)):
         return None
     config = Path(tmp, "daemon.yaml")
