@@ -10,10 +10,12 @@ needs its items in, and the order the node's single fetcher downloads them in. I
 plan in its own right, with :meth:`NodePlan.share`, :meth:`NodePlan.done` and ``n_items``,
 so that :class:`~cachepipe.retention.PlanFuture` and Belady retention see the whole node.
 
-:class:`LaneSchedule` walks that order while each lane's position may be moved by its consumer
-(a worker restarting from a checkpoint asks for an earlier position; one that skipped ahead,
-for a later one): :meth:`LaneSchedule.next` yields the step with the smallest
-``(epoch, index, lane)`` among the lanes' positions, :meth:`LaneSchedule.reset` moves a lane
+:class:`LaneSchedule` picks the step to fetch next while each lane's position may be moved by
+its consumer (a worker restarting from a checkpoint asks for an earlier position; one that
+skipped ahead, for a later one): :meth:`LaneSchedule.next` serves the lane with the fewest
+steps planned and not consumed, then the earliest ``(epoch, index)`` (the merged order when
+lanes keep pace), passing over a lane whose next item is still out; :meth:`LaneSchedule.reset`
+moves a lane
 and starts a new *generation* of it, so that steps planned for its old position can be told
 apart. Nothing here does I/O, takes a lock or starts a thread.
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 from .catalog import Item
@@ -211,16 +213,36 @@ class LaneSchedule:
         """True if ``lane`` has no step at or after ``cursor`` (default: its position)."""
         return self.plan.done((self.cursors[lane] if cursor is None else cursor).epoch)
 
-    def next(self) -> LaneStep | None:
-        """The step with the smallest ``(epoch, index, lane)`` among the lanes' positions (that
-        lane moves past it), or None when every lane is past the end of a finite plan."""
-        best: tuple[int, int, int] | None = None
+    def all_done(self) -> bool:
+        """True when every lane is past the end of a finite plan."""
+        return all(self.plan.done(cursor.epoch) for cursor in self.cursors)
+
+    def next(self, load: Sequence[int] | None = None, busy: Callable[[int], bool] = lambda _item: False) -> LaneStep | None:
+        """The next step to fetch; that lane moves past it. None: every lane is at its end, or
+        every lane's next item is ``busy``.
+
+        The lane is the one with the least ``load`` (its steps planned and not yet consumed;
+        default: none), then the earliest ``(epoch, index)``, then the lowest number. So lanes
+        are served as fast as they consume: a DataLoader takes one sample from each worker in
+        turn and DDP ranks step together, by count, so a lane whose shares are shorter runs
+        epochs ahead of the others, and an order by epoch alone would wait for it. A lane whose
+        next item is ``busy`` (an earlier step of it is still planned and not consumed: one copy
+        of an item at a time) is passed over, so that fetching never waits for a consumer that is
+        itself waiting for another lane.
+        """
+        best: tuple[int, int, int, int] | None = None
         for lane, cursor in enumerate(self.cursors):
-            if not self.plan.done(cursor.epoch) and (best is None or (cursor.epoch, cursor.index, lane) < best):
-                best = (cursor.epoch, cursor.index, lane)
+            if self.plan.done(cursor.epoch):
+                continue
+            key = (0 if load is None else load[lane], cursor.epoch, cursor.index, lane)
+            if best is not None and key >= best:
+                continue
+            if busy(self.plan.plans[lane].share(cursor.epoch)[cursor.index]):
+                continue
+            best = key
         if best is None:
             return None
-        epoch, index, lane = best
+        _, epoch, index, lane = best
         plan = self.plan.plans[lane]
         step = Step(epoch, index, plan.share(epoch)[index])
         self.cursors[lane] = plan.after(step)

@@ -20,9 +20,11 @@ The consumer's position is the resume state; the node's journal is not (a node p
 opens with ``resume=False``: published items that match the catalog are reused when a lane's
 plan reaches them, nothing is skipped on the node's word).
 
-One lane that stops asking holds its items, and the merged order then waits for it (the ranks of
-a DDP job wait for each other anyway): size the node's capacity for what every lane's consumer
-runs ahead (with DataLoader workers, ``prefetch_factor x batch_size`` items per worker).
+The fetch order serves the lane with the fewest steps planned and not consumed (see
+:meth:`~cachepipe.lanes.LaneSchedule.next`), so lanes are fetched for as fast as they consume,
+and the fetcher never waits for an item that a lane still holds. A lane that stops asking keeps
+what was fetched for it: size the node's capacity for what every lane's consumer runs ahead
+(with DataLoader workers, ``prefetch_factor x batch_size`` items per worker).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +107,7 @@ class LaneQueues(Broker[Path]):
         self._next_seq = 0
         self._handed_count = 0
         self._error: BaseException | None = None
+        self._busy: Counter[int] = Counter()  # catalog items of steps planned and not consumed
 
     # ---- planner side ----------------------------------------------------------------
     def steps(self, item_of: Callable[[int], Item]) -> Iterator[tuple[int, Item, int]]:
@@ -111,15 +115,16 @@ class LaneQueues(Broker[Path]):
         every lane is at its end (until one is moved, or the queues close)."""
         while True:
             with self._cond:
-                while (got := None if self._closed else self.schedule.next()) is None:
+                while (got := None if self._closed else self.schedule.next(self._load(), self._busy.__contains__)) is None:
                     if self._closed:
                         return
-                    self._cond.wait()
+                    self._cond.wait()  # every lane at its end, or waiting to consume an item before it comes again
                 seq = self._next_seq
                 self._next_seq += 1
                 planned = _Planned(seq, got.lane, got.generation, got.step, got.tick, item_of(got.step.item))
                 self._planned[seq] = planned
                 self._lanes[got.lane].held[planned.key] = planned
+                self._busy[got.step.item] += 1
             yield seq, planned.item, planned.tick
 
     def put(self, seq: int, name: str, value: Path) -> None:
@@ -174,6 +179,7 @@ class LaneQueues(Broker[Path]):
             on_disk = []
             for planned in gone:
                 del lane.held[planned.key]
+                self._unbusy(planned.step.item)
                 if planned.value is None:
                     continue  # downloading: stale on arrival
                 del self._planned[planned.seq]
@@ -182,6 +188,16 @@ class LaneQueues(Broker[Path]):
                     on_disk.append(planned)
             self._cond.notify_all()
         return ([], on_disk) if moved else (on_disk, [])
+
+    def _load(self) -> list[int]:
+        return [len(lane.held) for lane in self._lanes]
+
+    def _unbusy(self, item: int) -> None:
+        left = self._busy[item] - 1
+        if left:
+            self._busy[item] = left
+        else:
+            del self._busy[item]
 
     def _forget(self, planned: _Planned) -> None:
         if planned.handed:

@@ -145,3 +145,34 @@ def test_lane_and_option_errors_are_named(s3_source, tmp_path):
             pipe.take(0, 0, (0, 3))
         with pytest.raises(TypeError, match="use take"):
             pipe.get()
+
+
+def test_lanes_read_at_different_paces_in_epochs_do_not_stall(s3_source, tmp_path):
+    """A DataLoader takes one sample from each worker in turn: a worker with a shorter share runs
+    epochs ahead of the others, holding a ready item of its next epoch (the same item, with
+    partition="fixed") while the others need theirs. The node must serve both."""
+    data = s3_source.folders(3, {"a.bin": KIB})
+    names, sizes = sorted(data), sizes_of(data)
+    kw = {"epochs": 6, "shuffle": True, "seed": 2, "partition": "fixed"}
+    pipe = NodePipeline(
+        s3_source.url, tmp_path / "node", "1MiB", ranks=[0], world_size=1, num_workers=2,
+        storage_options=s3_source.options, retain="auto", **kw,
+    )  # fmt: skip
+    cursors = {0: Cursor(0, 0), 1: Cursor(0, 0)}
+    got: dict[int, list] = {0: [], 1: []}
+    with pipe:
+        done: set[int] = set()
+        while len(done) < 2:
+            for worker in (0, 1):  # round robin, as a DataLoader's main process
+                if worker in done:
+                    continue
+                taken = pipe.take(0, worker, cursors[worker], timeout=20)
+                if taken is None:
+                    done.add(worker)
+                    continue
+                got[worker].append((taken.cursor.epoch, taken.item.name))
+                cursors[worker] = taken.after
+                pipe.consume(0, worker, taken.after)
+    for worker in (0, 1):
+        assert got[worker] == expected(names, sizes, 0, worker, 1, 2, **kw)
+    assert len(got[0]) != len(got[1])  # uneven shares: the lanes' epochs drift apart
