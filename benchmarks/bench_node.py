@@ -92,7 +92,7 @@ from common import (
     provenance_lines,
     read_folder,
 )
-from netlink import cpu_seconds
+from netlink import cpu_seconds, stop_child
 from seaweed import S3Server, weed_binary
 
 RANKS = [0, 1, 2, 3]  # the node's ranks
@@ -1060,6 +1060,7 @@ def main(argv: list[str] | None = None) -> int:
         if proxy is not None:
             proxy.stop()
         if server is not None:
+            stop_child(server.proc, grace=1.0)  # SeaweedFS takes the whole default 5 s; its data is thrown away
             server.stop()
     report["load_end"] = _loadavg()
     report["total_seconds"] = time.perf_counter() - t0
