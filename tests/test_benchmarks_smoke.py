@@ -144,3 +144,28 @@ def test_manifest_benchmark_reports_every_phase():
     assert report["items"] == 500 and report["manifest_bytes"] > 0
     assert set(report["phases"]) == {"digest", "write", "read", "plan"}
     assert report["phases"]["plan"]["share"] > 0
+
+
+def test_node_benchmark_reports_both_parts():
+    """benchmarks/bench_node.py --quick end to end (SeaweedFS from the test extra, moto without it):
+    every method of both parts is reported, the node lists once where 8 pipelines list 8 times,
+    and a node-local shuffle whose share fits downloads it once. No timing is asserted."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_node.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--json"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(proc.stdout)
+    a = report["part_a"]
+    rows = {(r["capacity_share"], r["method"]): r for r in a["rows"]}
+    assert set(rows) == {(s, m) for s in (0.5, 1.0) for m in ("per-process", "node", "node-fixed")}
+    for (share, method), r in rows.items():
+        assert r["list_requests"] == (8 if method == "per-process" else 1), (share, method)
+        assert r["peak_connections"] >= 1 and r["bytes_downloaded"] > 0 and r["min_bytes"] > 0, (share, method)
+        assert r["largest_item_bytes"] == (r["room_bytes"] // 8 if method == "per-process" else r["room_bytes"])
+    assert rows[1.0, "node-fixed"]["bytes_downloaded"] == a["node_epoch_bytes"]  # its share fits: each item once
+    b = {(r["case"], r["method"]): r for r in report["part_b"]["rows"]}
+    assert set(b) == {(c, m) for c in ("node-large", "node-small") for m in ("per-process", "node")}
+    for key, r in b.items():
+        assert r["mb_per_s"] > 0 and r["items_per_s"] > 0 and r["consumers_cpu_s"] > 0, key
+        assert (r["daemon_cpu_s"] is None) == (key[1] == "per-process"), key
