@@ -65,6 +65,9 @@ def test_the_shipped_config_loads_and_its_paths_are_on_the_mounted_host_paths(ex
         mount = under(PurePosixPath(pipeline.cache_dir), mounts)
         assert mount is not None, f"pipeline {name}: cache_dir {pipeline.cache_dir} is not under a hostPath mount"
         assert mount != under(cfg.socket.parent, mounts), "the cache and the socket share a host directory"
+    assert cfg.jobs is not None, "the example takes training jobs (node mode)"
+    mount = under(PurePosixPath(cfg.jobs.root), mounts)
+    assert mount is not None and mount != under(cfg.socket.parent, mounts), f"jobs.root {cfg.jobs.root}"
 
 
 def test_probes_ask_the_configured_socket_and_the_metrics_port_is_the_tcp_listener(example):
@@ -91,7 +94,8 @@ def test_the_training_pod_mounts_the_same_host_paths_at_the_same_places(example)
     job = documents("training-job.yaml")["Job"]["spec"]["template"]["spec"]
     (trainer,) = job["containers"]
     mine = host_mounts(job, trainer)
-    for path in (cfg.socket.parent, *(PurePosixPath(p.cache_dir) for p in cfg.pipelines.values())):
+    roots = [PurePosixPath(p.cache_dir) for p in cfg.pipelines.values()] + ([PurePosixPath(cfg.jobs.root)] if cfg.jobs else [])
+    for path in (cfg.socket.parent, *roots):
         mount = under(path, daemon)
         assert mount in mine and mine[mount] == daemon[mount], f"{path}: {daemon[mount]} at {mount} in the daemon, {mine}"
     env = {e["name"]: e["value"] for e in trainer["env"]}
