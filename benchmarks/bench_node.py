@@ -353,19 +353,24 @@ def _consume(task: dict[str, Any]) -> dict[str, Any]:
             cursor = (0, 0)
             while True:
                 t = time.monotonic()
-                got = lane.take(cursor, timeout=task["timeout"])
+                if task["batch"] > 1:  # as CachePipeDataset(node=...): the next items already on disk, one request
+                    batch = lane.take_many(cursor, task["batch"], 64 * 2**20, timeout=task["timeout"])
+                else:
+                    one = lane.take(cursor, timeout=task["timeout"])
+                    batch = [] if one is None else [one]
                 stall += time.monotonic() - t
-                if got is None:
+                if not batch:
                     break
                 first = first or time.monotonic()
-                nbytes += read_folder(got.path, got.files)
-                items += 1
-                cursor = got.next
-                if task["consume"]:  # else the next take acknowledges it
+                for got in batch:
+                    nbytes += read_folder(got.path, got.files)
+                    items += 1
+                cursor = batch[-1].next
+                if task["consume"]:  # else the next take acknowledges them
                     t = time.monotonic()
                     lane.consume(cursor)
                     stall += time.monotonic() - t
-                time.sleep(task["compute_s"])
+                time.sleep(task["compute_s"] * len(batch))
     end = time.monotonic()
     return {
         "lane": [rank, worker],
@@ -612,6 +617,7 @@ def lane_tasks(job: str, spec: dict[str, Any], sock: str, compute_s: float, args
             "compute_s": compute_s,
             "timeout": args.measure_limit,
             "consume": not args.no_consume,
+            "batch": args.batch,
         }
         for lane in LANES
     ]
@@ -905,7 +911,8 @@ def render(report: dict[str, Any]) -> str:
     out += provenance_lines(report)
     out.append(
         f"server: {report['server']} on 127.0.0.1; max_concurrency={report['max_concurrency']} per pipeline and for the "
-        f"daemon's job; lanes: take{' + consume' if report['lanes_consume'] else ' only'} per item; "
+        f"daemon's job; lanes: take_many (up to {report['lanes_batch']} items)"
+        f"{' + consume' if report['lanes_consume'] else ' only'} per request; "
         f"median of {report['repeats']} run(s), methods interleaved; MB = 10^6 bytes"
     )
     out.append(f"load average (1/5/15 min) at start {report['load_start']}, at end {report['load_end']}")
@@ -951,6 +958,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="lanes never call consume(): the next take() acknowledges the item read (as CachePipeDataset(node=...) "
         "without a transform); default: consume() after reading each item, before the compute",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=16,
+        help="node lanes take up to this many items already on disk per request (take_many) and consume them "
+        "together, as CachePipeDataset(node=...) does (default 16; 1: take and consume one item per request)",
     )
     p.add_argument("--quick", action="store_true", help="tiny data and 1 repeat (the smoke test)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -1019,6 +1033,7 @@ def main(argv: list[str] | None = None) -> int:
         "server": args.server,
         "max_concurrency": args.max_concurrency,
         "lanes_consume": not args.no_consume,
+        "lanes_batch": args.batch,
         "repeats": args.repeats,
         "load_start": _loadavg(),
     }

@@ -247,6 +247,21 @@ class LaneQueues(Broker[Path]):
             finally:
                 self.wait_seconds += time.monotonic() - start
 
+    def ready(self, lane_no: int, cursor: Cursor, room: int | None = None) -> _Planned | None:
+        """The planned step at ``cursor`` of the lane if it is on disk now and its item is at
+        most ``room`` bytes (None: any size), handed out by this call; else None: no waiting."""
+        with self._cond:
+            planned = self._lanes[lane_no].held.get(cursor)
+            if planned is None or planned.value is None or isinstance(planned.value, Failed):
+                return None
+            if room is not None and planned.item.size > room:
+                return None
+            if not planned.handed:
+                planned.handed = True
+                self._fresh -= 1
+                self._handed_count += 1
+            return planned
+
     def floors(self) -> list[Cursor]:
         """Each lane's first unconsumed position."""
         with self._cond:
@@ -380,6 +395,46 @@ class NodePipeline(Pipeline):
             self._count("handed")
             after = queues.schedule.after(lane, planned.step)
             return Taken(CachedItem(value, planned.item, f"{rank}.{worker}@{at.epoch}.{at.index}"), at, after)
+
+    def take_many(
+        self,
+        rank: int,
+        worker: int = 0,
+        cursor: Cursor | tuple[int, int] = (0, 0),
+        count: int = 1,
+        max_bytes: int | None = None,
+        timeout: float | None = None,
+    ) -> list[Taken]:
+        """:meth:`take` the item at ``cursor``, then as many of the lane's next items as are on
+        disk already (no waiting for them), up to ``count`` items and ``max_bytes`` bytes in all
+        (the first is always included). Empty: the lane's share ends before ``cursor``. One call
+        (one request to the daemon) for several small items.
+
+        Raises:
+            ValueError: ``count`` below 1, or as :meth:`take`.
+        """
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count {count!r}: expected an integer >= 1")
+        first = self.take(rank, worker, cursor, timeout)
+        if first is None:
+            return []
+        got, size = [first], first.item.size
+        lane, queues = self.node_plan.lane(rank, worker), self._queues
+        while len(got) < count:
+            at = got[-1].after
+            if queues.schedule.done(lane, at):
+                break
+            planned = queues.ready(lane, at, None if max_bytes is None else max_bytes - size)
+            if planned is None:
+                break
+            self._count("handed")
+            size += planned.item.size
+            value = planned.value
+            if not isinstance(value, Path):  # ready() returns only items on disk
+                raise TypeError(f"lane {rank}.{worker}: step {at} handed out before it was on disk")
+            item = CachedItem(value, planned.item, f"{rank}.{worker}@{at.epoch}.{at.index}")
+            got.append(Taken(item, at, queues.schedule.after(lane, planned.step)))
+        return got
 
     def consume(self, rank: int, worker: int = 0, cursor: Cursor | tuple[int, int] = (0, 0)) -> None:
         """Lane ``(rank, worker)`` is done with every step before ``cursor``: acknowledge them now

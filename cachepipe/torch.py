@@ -52,6 +52,9 @@ from .state import atomic_write
 __all__ = ["CachePipeDataset", "local_ranks"]
 
 
+NODE_BATCH = 16  #: node mode: most items a worker takes per request (the next ones already on disk)
+NODE_BATCH_BYTES = 64 * 2**20  #: node mode: most bytes a worker takes per request (the first item always)
+
 # the options of a job's spec (the rest of a node's settings is the daemon's jobs section)
 _JOB_OPTIONS = frozenset(
     {"items", "manifest", "catalog", "epochs", "shuffle", "seed", "balance", "partition", "retain", "on_error", "on_oversize"}
@@ -282,16 +285,19 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                 )
             self._lane_info = (name, rank, worker, info.get("catalog_digest"))
             self._cursor = cursor
-            while (item := lane.take(cursor)) is not None:
-                if self.transform is None:
+            if self.transform is None:
+                while (item := lane.take(cursor)) is not None:
                     self._cursor = cursor = item.next
                     yield item  # released when the loop asks for the next
-                    continue
-                sample = self.transform(item)
-                cursor = item.next
-                lane.consume(cursor)  # read: its space is free while the sample travels on
-                self._cursor = cursor
-                yield sample
+                return
+            while batch := lane.take_many(cursor, NODE_BATCH, NODE_BATCH_BYTES):
+                # several small items per request; a batch's items are consumed together once read
+                samples = [self.transform(item) for item in batch]
+                cursor = batch[-1].next
+                lane.consume(cursor)  # read: their space is free while the samples travel on
+                for sample, item in zip(samples, batch, strict=True):
+                    self._cursor = item.next
+                    yield sample
             self._cursor = cursor
 
     def state_dict(self) -> dict[str, Any]:

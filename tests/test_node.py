@@ -176,3 +176,24 @@ def test_lanes_read_at_different_paces_in_epochs_do_not_stall(s3_source, tmp_pat
     for worker in (0, 1):
         assert got[worker] == expected(names, sizes, 0, worker, 1, 2, **kw)
     assert len(got[0]) != len(got[1])  # uneven shares: the lanes' epochs drift apart
+
+
+def test_take_many_hands_the_next_items_already_on_disk(s3_source, tmp_path):
+    data = s3_source.folders(10, {"a.bin": KIB})
+    names = sorted(data)
+    pipe = NodePipeline(s3_source.url, tmp_path / "node", "1MiB", ranks=[0], world_size=1, storage_options=s3_source.options)
+    with pipe:
+        first = pipe.take(0, 0, (0, 0), timeout=30)
+        deadline = time.monotonic() + 30
+        while pipe.stats().items_ready < 9:  # the other nine are fetched ahead
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        got = pipe.take_many(0, 0, first.after, count=4)
+        assert [t.item.name for t in got] == names[1:5] and [t.cursor for t in got] == [Cursor(0, i) for i in range(1, 5)]
+        got = pipe.take_many(0, 0, got[-1].after, count=10, max_bytes=int(2.5 * KIB))  # two items of ~1 KiB fit
+        assert [t.item.name for t in got] == names[5:7]
+        got = pipe.take_many(0, 0, got[-1].after, count=10, max_bytes=1)  # the first item always comes
+        assert [t.item.name for t in got] == names[7:8]
+        assert pipe.take_many(0, 0, (1, 0)) == []
+        with pytest.raises(ValueError, match="count 0: expected an integer >= 1"):
+            pipe.take_many(0, 0, (0, 0), count=0)

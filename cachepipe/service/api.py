@@ -15,8 +15,10 @@ Routes (bodies are JSON objects; every error body is ``{"error": CODE, "message"
     PUT  /v1/jobs/JOB                a job's spec (see .jobs.JobSpec)  200 {"job", "created", "lanes", ...}
                                      400 a bad spec | 409 registered with another spec, or no room
     DELETE /v1/jobs/JOB              200: the job ended, its items are deleted | 404
-    POST /v1/jobs/JOB/take           {"rank", "worker", "epoch", "index", "timeout"}
+    POST /v1/jobs/JOB/take           {"rank", "worker", "epoch", "index", "timeout", "count", "max_bytes"}
                                      200 {"job", "name", "path", "size", "files", "epoch", "index", "next"}
+                                     (with "count": {"job", "items": [up to count of those]}: the
+                                     item at the position, and the next ones already on disk)
                                      204 the lane's share ends before (epoch, index) | 408 | 502
     POST /v1/jobs/JOB/consume        {"rank", "worker", "epoch", "index"}  200: every step before it is done
     PUT  /v1/manifests               a manifest (gzip, the bytes of ``cachepipe index``; Content-Type
@@ -82,6 +84,7 @@ from urllib.parse import unquote
 
 from .. import __version__
 from ..errors import ConfigError, ItemFailedError, UnknownItemError
+from ..node import Taken
 from ..pipeline import CachedItem
 from ..plan import Cursor
 from .config import SOCKET_PATH_MAX, ServiceConfig
@@ -314,23 +317,15 @@ class _Handler(BaseHTTPRequestHandler):
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0):
             raise BadRequest(f"'timeout' {timeout!r}: expected seconds as a number >= 0, or null for the daemon's max_wait")
         rank, worker, cursor = _lane(body)
-        taken = daemon.take_lane(name, rank, worker, cursor, timeout)
-        if taken is None:
+        count, max_bytes = body.get("count"), body.get("max_bytes")
+        for key, value in (("count", count), ("max_bytes", max_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise BadRequest(f"{key!r} {value!r}: expected an integer >= 1, or null")
+        got = daemon.take_lane(name, rank, worker, cursor, timeout, count or 1, max_bytes)
+        if not got:
             return self._reply(204)
-        item = taken.item
-        return self._reply(
-            200,
-            {
-                "job": name,
-                "name": item.name,
-                "path": str(item.path),
-                "size": item.size,
-                "files": list(item.files),
-                "epoch": taken.cursor.epoch,
-                "index": taken.cursor.index,
-                "next": list(taken.after),
-            },
-        )
+        items = [_taken_json(name, taken) for taken in got]
+        return self._reply(200, items[0] if count is None else {"job": name, "items": items})
 
     def _consume(self, daemon: Service, name: str, body: dict[str, Any]) -> int:
         rank, worker, cursor = _lane(body)
@@ -460,6 +455,20 @@ def _match(path: str) -> tuple[str | None, str, tuple[str, ...]]:
             return "job", name, ("PUT", "DELETE")
         return match.group(2)[1:], name, ("POST",)
     return None, "", ()
+
+
+def _taken_json(job: str, taken: Taken) -> dict[str, Any]:
+    item = taken.item
+    return {
+        "job": job,
+        "name": item.name,
+        "path": str(item.path),
+        "size": item.size,
+        "files": list(item.files),
+        "epoch": taken.cursor.epoch,
+        "index": taken.cursor.index,
+        "next": list(taken.after),
+    }
 
 
 def _lane(body: dict[str, Any]) -> tuple[int, int, Cursor]:

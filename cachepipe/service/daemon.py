@@ -408,14 +408,24 @@ class Daemon:
         """End job ``name`` and delete its items (see :meth:`.jobs.Jobs.delete`)."""
         self._job_registry().delete(name)
 
-    def take_lane(self, name: str, rank: int, worker: int, cursor: Cursor, timeout: float | None) -> Taken | None:
-        """The item at ``cursor`` of lane ``(rank, worker)`` of job ``name``; blocks up to
-        ``timeout`` seconds, capped by ``max_wait`` (see :meth:`cachepipe.node.NodePipeline.take`)."""
+    def take_lane(
+        self,
+        name: str,
+        rank: int,
+        worker: int,
+        cursor: Cursor,
+        timeout: float | None,
+        count: int = 1,
+        max_bytes: int | None = None,
+    ) -> list[Taken]:
+        """The item at ``cursor`` of lane ``(rank, worker)`` of job ``name`` and up to ``count - 1``
+        more already on disk (see :meth:`cachepipe.node.NodePipeline.take_many`); blocks up to
+        ``timeout`` seconds for the first, capped by ``max_wait``. Empty: the lane's share ended."""
         limit = self.config.max_wait if timeout is None else min(timeout, self.config.max_wait)
         key = f"job/{name}"
         self._count_waiting(key, +1)
         try:
-            return self._job_registry().take(name, rank, worker, cursor, limit)
+            return self._job_registry().take(name, rank, worker, cursor, limit, count, max_bytes)
         finally:
             self._count_waiting(key, -1)
 

@@ -75,7 +75,16 @@ class Service(Protocol):
 
     def delete_job(self, name: str) -> None: ...
 
-    def take_lane(self, name: str, rank: int, worker: int, cursor: Cursor, timeout: float | None) -> Taken | None: ...
+    def take_lane(
+        self,
+        name: str,
+        rank: int,
+        worker: int,
+        cursor: Cursor,
+        timeout: float | None,
+        count: int = 1,
+        max_bytes: int | None = None,
+    ) -> list[Taken]: ...
 
     def consume_lane(self, name: str, rank: int, worker: int, cursor: Cursor) -> None: ...
 

@@ -330,9 +330,18 @@ class Jobs:
             raise UnknownPipelineError(f"no job {name!r}: register it with PUT /v1/jobs/{name}")
         return job
 
-    def take(self, name: str, rank: int, worker: int, cursor: Cursor, timeout: float | None) -> Taken | None:
-        """:meth:`NodePipeline.take` of job ``name``."""
-        return self._job(name).pipeline.take(rank, worker, cursor, timeout)
+    def take(
+        self,
+        name: str,
+        rank: int,
+        worker: int,
+        cursor: Cursor,
+        timeout: float | None,
+        count: int = 1,
+        max_bytes: int | None = None,
+    ) -> list[Taken]:
+        """:meth:`NodePipeline.take_many` of job ``name``."""
+        return self._job(name).pipeline.take_many(rank, worker, cursor, count, max_bytes, timeout)
 
     def consume(self, name: str, rank: int, worker: int, cursor: Cursor) -> None:
         """:meth:`NodePipeline.consume` of job ``name``."""
