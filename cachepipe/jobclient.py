@@ -68,7 +68,8 @@ class JobClient:
         spec: the job's spec (:class:`cachepipe.service.jobs.JobSpec` fields: ``source``,
             ``world_size``, ``ranks``, ``num_workers``, ``epochs``, ``shuffle``, ``seed``...);
             every lane of the job sends the same.
-        rank, worker: this lane.
+        rank: this lane's rank.
+        worker: this lane's DataLoader worker (0 without workers).
         socket: the daemon's Unix socket or ``http://HOST:PORT`` (default as for :class:`Client`).
         request_timeout: seconds to wait for an answer other than an item or a registration.
         register_timeout: seconds to wait for a registration (the daemon lists the source

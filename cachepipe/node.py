@@ -282,8 +282,10 @@ class NodePipeline(Pipeline):
     """Stream ``source`` through one cache at ``cache_dir`` for every lane of a node.
 
     Args:
-        source, cache_dir, capacity, store: as for :class:`~cachepipe.Pipeline` (``capacity``
-            is the node's, for all its lanes).
+        source: dataset URL (as for :class:`~cachepipe.Pipeline`).
+        cache_dir: the node's cache directory.
+        capacity: the node's capacity, for all its lanes (as for :class:`~cachepipe.Pipeline`).
+        store: a store to use instead of opening ``source``.
         ranks: the ranks this node serves (each a rank of ``world_size``).
         world_size: ranks in the whole job.
         num_workers: DataLoader workers per rank (default 1: each rank is one lane).
