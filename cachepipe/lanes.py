@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 from .catalog import Item
-from .plan import EPOCHS_CACHED, STATE_VERSION, Cursor, Plan, Step
+from .plan import EPOCHS_CACHED, STATE_VERSION, Cursor, Plan, Step, permutation, split_all
 from .plan import tick as plan_tick
 
 __all__ = ["Lane", "LaneSchedule", "LaneStep", "NodePlan"]
@@ -129,6 +129,7 @@ class NodePlan:
         ]
         self.n_items, self.epochs = first.n_items, epochs
         self._merged: OrderedDict[int, tuple[array[int], list[array[int]]]] = OrderedDict()
+        self._lane_of: array[int] | None = None  # partition="fixed": each item's lane here, or -1
 
     def __repr__(self) -> str:
         return f"NodePlan({self.n_items} items, ranks={self.ranks} of {self.world_size}, num_workers={self.num_workers})"
@@ -153,6 +154,18 @@ class NodePlan:
         """Catalog indices the node reads in ``epoch``: the lanes' shares interleaved by ``(index, lane)``."""
         return self._merge(epoch)[0]
 
+    def lane_share(self, lane: int, epoch: int) -> array[int]:
+        """Lane ``lane``'s share of ``epoch`` (computed with every lane's, in one pass)."""
+        self._merge(epoch)
+        return self.plans[lane].share(epoch)
+
+    def prepare(self, *epochs: int) -> None:
+        """Compute the shares of ``epochs`` (those before the end) for every lane at once, so
+        that the lanes' own plans find them (their ``normalise`` and ``after`` read them)."""
+        for epoch in epochs:
+            if not self.done(epoch):
+                self._merge(epoch)
+
     def positions(self, epoch: int) -> list[array[int]]:
         """For each lane, the merged index (in :meth:`share`) of each of its steps in ``epoch``."""
         return self._merge(epoch)[1]
@@ -166,7 +179,9 @@ class NodePlan:
         if got is not None:
             self._merged.move_to_end(epoch)
             return got
-        shares = [plan.share(epoch) for plan in self.plans]
+        shares = self._lane_shares(epoch)
+        for plan, share in zip(self.plans, shares, strict=True):
+            plan.prime(epoch, share)
         merged: array[int] = array("I")
         positions: list[array[int]] = [array("I") for _ in shares]
         for i in range(max(len(s) for s in shares)):
@@ -179,6 +194,38 @@ class NodePlan:
         if len(self._merged) > EPOCHS_CACHED:
             self._merged.popitem(last=False)
         return got
+
+    def _lane_shares(self, epoch: int) -> list[array[int]]:
+        """Every lane's share of ``epoch``, in one pass over the epoch (what each lane's
+        :meth:`Plan.share` computes, without a walk of the whole catalog per lane)."""
+        first = self.plans[0]
+        order = first.order(epoch)
+        if first.partition == "fixed" and self.world_size * self.num_workers > 1:
+            if self._lane_of is None:
+                base = permutation(self.n_items, first.seed, -1) if first.shuffle else order
+                self._lane_of = self._deal(base)
+            lane_of = self._lane_of
+            out: list[array[int]] = [array("I") for _ in self.lanes]
+            keep = [a.append for a in out]
+            for x in order:
+                lane = lane_of[x]
+                if lane >= 0:
+                    keep[lane](x)
+            return out
+        by_rank = split_all(order, self.sizes, self.world_size, first.balance)
+        return [share for rank in self.ranks for share in split_all(by_rank[rank], self.sizes, self.num_workers, first.balance)]
+
+    def _deal(self, base: array[int]) -> array[int]:
+        """``partition="fixed"``: each item's lane on this node (-1: another node's), split
+        once over ``base`` as :meth:`Plan.share` splits it."""
+        lane_of = array("i", [-1]) * self.n_items
+        by_rank = split_all(base, self.sizes, self.world_size, self.plans[0].balance)
+        for r, rank in enumerate(self.ranks):
+            for worker, share in enumerate(split_all(by_rank[rank], self.sizes, self.num_workers, self.plans[0].balance)):
+                lane = r * self.num_workers + worker
+                for x in share:
+                    lane_of[x] = lane
+        return lane_of
 
     def config(self) -> dict[str, Any]:
         """The plan's configuration (what a resume or a second registration must match)."""
@@ -206,6 +253,7 @@ class LaneSchedule:
 
     def __init__(self, plan: NodePlan) -> None:
         self.plan = plan
+        plan.prepare(0, 1)
         self.cursors = [p.normalise(Cursor(0, 0)) for p in plan.plans]
         self.generations = [0] * len(plan.lanes)
 
@@ -237,14 +285,15 @@ class LaneSchedule:
             key = (0 if load is None else load[lane], cursor.epoch, cursor.index, lane)
             if best is not None and key >= best:
                 continue
-            if busy(self.plan.plans[lane].share(cursor.epoch)[cursor.index]):
+            if busy(self.plan.lane_share(lane, cursor.epoch)[cursor.index]):
                 continue
             best = key
         if best is None:
             return None
         _, epoch, index, lane = best
         plan = self.plan.plans[lane]
-        step = Step(epoch, index, plan.share(epoch)[index])
+        step = Step(epoch, index, self.plan.lane_share(lane, epoch)[index])
+        self.plan.prepare(epoch + 1)
         self.cursors[lane] = plan.after(step)
         return LaneStep(lane, self.generations[lane], step, self.plan.tick(lane, epoch, index))
 
@@ -254,10 +303,14 @@ class LaneSchedule:
         Raises:
             ValueError: not a position of this lane's plan.
         """
+        epoch = cursor[0]
+        if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0:
+            self.plan.prepare(epoch, epoch + 1)
         return self.plan.plans[lane].normalise(cursor)
 
     def after(self, lane: int, step: Step | Cursor | tuple[int, ...]) -> Cursor:
         """The position that follows ``step`` of ``lane``."""
+        self.plan.prepare(step[0], step[0] + 1)
         return self.plan.plans[lane].after(step)
 
     def reset(self, lane: int, cursor: Cursor | tuple[int, int]) -> int:

@@ -66,6 +66,7 @@ __all__ = [
     "default_worker",
     "permutation",
     "split",
+    "split_all",
     "tick",
 ]
 
@@ -140,6 +141,25 @@ def split(
     return mine
 
 
+def split_all(
+    order: Sequence[int], sizes: Sequence[int], parts: int, balance: Literal["bytes", "count"] = "bytes"
+) -> list[array[int]]:
+    """Every part's subsequence of ``order`` in one walk: ``split_all(...)[p] == split(..., p)``."""
+    if parts == 1:
+        return [array("I", order)]
+    if balance == "count":
+        return [array("I", order[p::parts]) for p in range(parts)]
+    out = [array("I") for _ in range(parts)]
+    keep = [a.append for a in out]
+    heap = [(0, 0, p) for p in range(parts)]
+    replace = heapq.heapreplace
+    for x in order:
+        b, c, p = heap[0]
+        keep[p](x)
+        replace(heap, (b + sizes[x], c + 1, p))
+    return out
+
+
 def _env_int(environ: Mapping[str, str], name: str) -> int:
     text = environ[name]
     try:
@@ -198,7 +218,8 @@ class Plan:
 
     Args:
         sizes: the catalog, as item sizes in bytes or :class:`~cachepipe.catalog.Item` objects;
-            a step's ``item`` indexes this sequence.
+            a step's ``item`` indexes this sequence. An ``array('q')`` is used as it is, not
+            copied (do not modify it).
         epochs: number of passes, or None for endless.
         shuffle: a new permutation every epoch (False: catalog order every epoch).
         seed: with ``epoch``, the only input of the permutation.
@@ -229,6 +250,8 @@ class Plan:
     ) -> None:
         if len(sizes) and isinstance(sizes[0], Item):
             self.sizes = array("q", (item.size for item in sizes))  # type: ignore[union-attr]
+        elif isinstance(sizes, array) and sizes.typecode == "q":
+            self.sizes = sizes  # shared, not copied (a catalog's, or a node's lanes'): read only
         else:
             self.sizes = array("q", sizes)  # type: ignore[arg-type]
         if len(self.sizes) and min(self.sizes) < 0:
@@ -296,6 +319,15 @@ class Plan:
             if len(self._shares) > EPOCHS_CACHED:
                 self._shares.popitem(last=False)
             return got
+
+    def prime(self, epoch: int, share: array[int]) -> None:
+        """Cache ``share`` as this plan's share of ``epoch``: the one :meth:`share` would compute,
+        computed elsewhere for several plans at once (:class:`cachepipe.lanes.NodePlan`)."""
+        with self._lock:
+            self._shares[epoch] = share
+            self._shares.move_to_end(epoch)
+            if len(self._shares) > EPOCHS_CACHED:
+                self._shares.popitem(last=False)
 
     def _compute_share(self, epoch: int) -> array[int]:
         order = self.order(epoch)
