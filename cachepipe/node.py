@@ -29,7 +29,6 @@ what was fetched for it: size the node's capacity for what every lane's consumer
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -50,8 +49,6 @@ from .retention import PlanFuture, make_policy
 from .stores import Store
 
 __all__ = ["NodePipeline", "Taken"]
-
-log = logging.getLogger("cachepipe")
 
 
 @dataclass(slots=True, eq=False)
@@ -386,10 +383,7 @@ class NodePipeline(Pipeline):
                 return None
             value = planned.value
             if isinstance(value, Failed):
-                if (self.config.on_oversize if value.kind == "oversize" else self.config.on_error) == "raise":
-                    raise value.error
-                log.warning("skipping %s item: %s", value.kind, value.error)
-                self._count("skipped")
+                self._skip_or_raise(value)
                 at = queues.schedule.after(lane, planned.step)
                 continue
             if value is None:  # wait() returns only steps on disk or failed

@@ -554,10 +554,7 @@ class Pipeline:
                 if got.seq >= 0:
                     self._consume(got.seq)  # reported: the resume point moves past it
                 # "oversize": judged when its space was reserved (see Cache.reserve)
-                if (self.config.on_oversize if got.kind == "oversize" else self.config.on_error) == "raise":
-                    raise got.error
-                log.warning("skipping %s item: %s", "oversize" if got.kind == "oversize" else "failed", got.error)
-                self._count("skipped")
+                self._skip_or_raise(got)
                 continue
             self._count("handed")
             if self._bar is not None:
@@ -569,6 +566,14 @@ class Pipeline:
             with self._counts_lock:
                 self._handed[got.id] = handed
             return handed
+
+    def _skip_or_raise(self, failed: Failed) -> None:
+        """A failed item in its turn: raise its error (``on_error``/``on_oversize="raise"``), or
+        log and count it as skipped."""
+        if (self.config.on_oversize if failed.kind == "oversize" else self.config.on_error) == "raise":
+            raise failed.error
+        log.warning("skipping %s item: %s", "oversize" if failed.kind == "oversize" else "failed", failed.error)
+        self._count("skipped")
 
     def _take(self, timeout: float | None) -> Any:
         """The broker's next, warning every ``stall_warning`` seconds that nothing is ready."""

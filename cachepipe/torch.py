@@ -38,7 +38,7 @@ import os
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.utils.data
 
@@ -50,6 +50,8 @@ from .plan import Cursor, default_rank_world
 from .state import atomic_write
 
 __all__ = ["CachePipeDataset", "local_ranks"]
+
+T = TypeVar("T")
 
 
 NODE_BATCH = 16  #: node mode: most items a worker takes per request (the next ones already on disk)
@@ -142,22 +144,9 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         and broadcasts its manifest; every rank writes it under ``cache_dir`` and plans from it
         (its digest is checked when it is read), so all ranks plan over one catalog with one
         listing. Returns the manifest's path, or None (not distributed: each process lists)."""
-        dist = torch.distributed
-        if self.cache_dir is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        if self.cache_dir is None or _distributed() is None:
             return None
-        rank = dist.get_rank()
-        payload: list[Any] = [None]
-        if rank == 0:
-            try:
-                payload[0] = ("ok", _manifest_bytes(self.source, self.options))
-            except Exception as exc:  # every rank must learn that the listing failed; then it is raised here
-                payload[0] = ("error", f"{type(exc).__name__}: {exc}")
-                dist.broadcast_object_list(payload, src=0)
-                raise
-        dist.broadcast_object_list(payload, src=0)
-        kind, data = payload[0]
-        if kind != "ok":
-            raise RuntimeError(f"rank 0 could not list {self.source!r} for this job: {data}")
+        rank, data = _from_rank0(lambda: _manifest_bytes(self.source, self.options), self.source)
         path = self.cache_dir / f"manifest-rank{rank}.json.gz"
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(path, data)
@@ -169,26 +158,18 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         every other node uploads them to its daemon, which checks their digest; all ranks then
         register the job with that catalog (so every node plans from one listing). Returns the
         digest, or None (not distributed: the node daemon lists)."""
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        dist = _distributed()
+        if dist is None:
             return None
-        rank = dist.get_rank()
-        ranks = self.node_ranks if self.node_ranks is not None else local_ranks(rank)
         items = str(self.options.get("items", "folders"))
-        payload: list[Any] = [None]
-        with JobClient("manifests", {}, rank, 0, self.node) as daemon:
-            if rank == 0:
-                try:
-                    digest = daemon.index(self.source, items)
-                    payload[0] = ("ok", digest, daemon.manifest_bytes(digest))
-                except Exception as exc:  # every rank must learn that the listing failed; then it is raised here
-                    payload[0] = ("error", f"{type(exc).__name__}: {exc}", b"")
-                    dist.broadcast_object_list(payload, src=0)
-                    raise
-            dist.broadcast_object_list(payload, src=0)
-            kind, digest, data = payload[0]
-            if kind != "ok":
-                raise RuntimeError(f"rank 0 could not list {self.source!r} for this job: {digest}")
+        with JobClient("manifests", {}, dist.get_rank(), 0, self.node) as daemon:
+
+            def listed() -> tuple[str, bytes]:
+                digest = daemon.index(self.source, items)
+                return digest, daemon.manifest_bytes(digest)
+
+            rank, (digest, data) = _from_rank0(listed, self.source)
+            ranks = self.node_ranks if self.node_ranks is not None else local_ranks(rank)
             if rank != 0 and rank == min(ranks) and 0 not in ranks:
                 got = daemon.upload_manifest(data)
                 if got != digest:
@@ -331,6 +312,35 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         """Start the next iteration at ``state`` (from :meth:`state_dict`, same settings and data)."""
         self._state = dict(state)
         self._cursor = None
+
+
+def _distributed() -> Any:
+    """``torch.distributed`` if its process group is initialised with several ranks, else None."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist
+    return None
+
+
+def _from_rank0(make: Callable[[], T], source: str) -> tuple[int, T]:
+    """``(this rank, what rank 0's make() returned)``, broadcast to every rank. If rank 0's
+    ``make`` raises, every rank learns it: rank 0 raises its error, the others a RuntimeError
+    naming it (none waits forever for a broadcast that never comes)."""
+    dist = torch.distributed
+    rank = dist.get_rank()
+    payload: list[Any] = [None]
+    if rank == 0:
+        try:
+            payload[0] = ("ok", make())
+        except Exception as exc:
+            payload[0] = ("error", f"{type(exc).__name__}: {exc}")
+            dist.broadcast_object_list(payload, src=0)
+            raise
+    dist.broadcast_object_list(payload, src=0)
+    kind, value = payload[0]
+    if kind != "ok":
+        raise RuntimeError(f"rank 0 could not list {source!r} for this job: {value}")
+    return rank, value
 
 
 def _manifest_bytes(source: str, options: dict[str, Any]) -> bytes:

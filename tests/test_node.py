@@ -36,6 +36,15 @@ def read_lane(pipe: NodePipeline, rank: int, worker: int, start=(0, 0), limit: i
     return got, cursor
 
 
+def read_lanes(pipe: NodePipeline, lanes: list[tuple[int, int]], out: dict) -> None:
+    """Read every lane at once, a thread each (the node's consumers run side by side)."""
+    threads = [threading.Thread(target=read_lane, args=(pipe, r, k), kwargs={"out": out}) for r, k in lanes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def expected(names, sizes, rank, worker, world, workers, **kw):
     plan = Plan(sizes, rank=rank, world_size=world, worker=worker, num_workers=workers, **kw)
     return [(s.epoch, names[s.item]) for s in plan]
@@ -52,11 +61,7 @@ def test_each_lane_gets_exactly_its_share_under_one_cap(s3_source, tmp_path):
     )
     out: dict = {}
     with Sampler(cache) as sampler, pipe:
-        threads = [threading.Thread(target=read_lane, args=(pipe, r, k), kwargs={"out": out}) for r in (0, 1) for k in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        read_lanes(pipe, [(r, k) for r in (0, 1) for k in (0, 1)], out)
         stats = pipe.stats()
     assert sampler.samples > 0 and sampler.peak <= capacity
     for r in (0, 1):
@@ -116,11 +121,7 @@ def test_node_local_shuffle_with_retention_downloads_the_node_share_once(s3_sour
     )  # fmt: skip
     out: dict = {}
     with pipe:
-        threads = [threading.Thread(target=read_lane, args=(pipe, r, k), kwargs={"out": out}) for r in (0, 1) for k in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        read_lanes(pipe, [(r, k) for r in (0, 1) for k in (0, 1)], out)
         stats = pipe.stats()
     plan_kw = {k: v for k, v in kw.items() if k != "retain"}
     node_items = set()

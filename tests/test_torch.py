@@ -22,6 +22,27 @@ def read(path):
     return path.name, hashlib.md5((path / "f").read_bytes()).hexdigest()
 
 
+def run_ranks(script: str, cfg: dict, env: dict[str, str]) -> list:
+    """Run ``script`` as ranks 0 and 1 of 2 (RANK/WORLD_SIZE, as torchrun sets them) at once;
+    each prints a JSON value: the list of them, by rank."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, json.dumps(cfg)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", **env},
+        )
+        for rank in range(2)
+    ]
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        outputs.append(json.loads(out))
+    return outputs
+
+
 RANK_SCRIPT = """
 import json, sys, hashlib, torch
 from cachepipe.torch import CachePipeDataset
@@ -39,21 +60,7 @@ def test_two_ranks_by_two_workers_see_every_item_once_per_epoch(s3_source, tmp_p
     data = s3_source.folders(13, {"f": 500})
     digests = {name: hashlib.md5(files["f"]).hexdigest() for name, files in data.items()}
     cfg = {"url": s3_source.url, "cache": str(tmp_path / "cache"), "options": s3_source.options}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT, json.dumps(cfg)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2"},
-        )
-        for rank in range(2)
-    ]
-    outputs = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
-        outputs.append(json.loads(out))
+    outputs = run_ranks(RANK_SCRIPT, cfg, {})
     seen = [name for out in outputs for name, _ in out]
     assert sorted(seen) == sorted(list(digests) * 2)  # 2 epochs: each item exactly twice in all
     assert all(digests[name] == digest for out in outputs for name, digest in out)
@@ -129,21 +136,7 @@ def test_ranks_under_torch_distributed_list_once_and_plan_from_one_catalog(s3_so
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", DIST_SCRIPT, json.dumps(cfg)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)},
-        )
-        for rank in range(2)
-    ]
-    outputs = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
-        outputs.append(json.loads(out))
+    outputs = run_ranks(DIST_SCRIPT, cfg, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     assert listings(proxy) == one  # one listing for two ranks and four DataLoader workers
     seen = [name for out in outputs for name, _ in out]
     assert sorted(seen) == sorted(list(data) * 2)
