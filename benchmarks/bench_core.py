@@ -1,16 +1,19 @@
 """Core overheads without a network: hand-off rate, and memory for a very large catalog.
 
-    .venv/bin/python benchmarks/bench_core.py                 # 20,000 hand-offs, 1,000,000-item catalog
+    .venv/bin/python benchmarks/bench_core.py                 # hand-offs of 10,000 items x 8 cases x 3, 1,000,000-item catalog
     .venv/bin/python benchmarks/bench_core.py --quick --json  # what the smoke test runs
     .venv/bin/python benchmarks/bench_core.py --no-handoff    # the catalog measurements only
 
 Three measurements, each in a fresh child process (so RSS and CPU are its own):
 
 - ``handoff``: items per second through ``Pipeline`` when downloads cost nothing: a
-  ``memory://`` source of tiny one-file folders, a consumer that takes and acks each. Run with
+  ``memory://`` source of 1-byte items, either one-file folders (``items="folders"``) or single
+  files (``items="files"``), taken by a consumer one by one (the iterator, which acks each
+  item as it takes the next) or ``--batch`` at a time (``get_many`` and ``ack_many``). Run with
   the cache on the project disk and on tmpfs (``/dev/shm``), beside the **floor**: the same
-  file-system calls per item (mkdir, create and write, rename, unlink, rmdir) made by one plain
-  Python loop, no threads. The ratio to the floor is the pipeline's own overhead.
+  file-system calls per item (for folders mkdir, create and write, rename, unlink, rmdir; for
+  files create and write, rename, unlink) made by one plain Python loop, no threads. The ratio
+  to the floor is the pipeline's own overhead. ``--repeats`` interleaved runs; medians.
 - ``catalog-stream``: a generated listing of ``--catalog`` one-file folders (no I/O to list);
   the default pass streams it (see ``cachepipe/listing.py``). Reports the time to the first item
   and the peak RSS after ``--consume`` items, while the listing runs ahead as far as it may.
@@ -28,6 +31,7 @@ import json
 import multiprocessing
 import os
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -70,33 +74,55 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run_handoff(n: int, where: str) -> dict[str, Any]:
+def run_handoff(n: int, where: str, shape: str, batch: int) -> dict[str, Any]:
+    """Items per second through ``Pipeline`` from a ``memory://`` source of ``n`` 1-byte items
+    (``shape`` ``"folders"``: one-file folders; ``"files"``: single files), consumed one by one
+    (``batch`` 1: the iterator, which acks each item as it takes the next) or ``batch`` at a time
+    (``get_many`` and ``ack_many``)."""
     import fsspec
 
     fs = fsspec.filesystem("memory")
     for i in range(n):
-        fs.pipe_file(f"/handoff/{i:07d}/f", b"x")
+        fs.pipe_file(f"/handoff/{i:07d}" + ("/f" if shape == "folders" else ""), b"x")
     with tempfile.TemporaryDirectory(dir=where) as d:
         t0, c0 = time.perf_counter(), _cpu()
-        with Pipeline("memory://handoff", Path(d) / "c", "64MiB") as pipe:
-            count = sum(1 for _ in pipe)
+        with Pipeline("memory://handoff", Path(d) / "c", "64MiB", items=shape) as pipe:
+            if batch == 1:
+                count = sum(1 for _ in pipe)
+            else:
+                count = 0
+                while got := pipe.get_many(batch):
+                    count += len(got)
+                    pipe.ack_many(got)
         wall, cpu = time.perf_counter() - t0, _cpu() - c0
-    fs.rm("/handoff", recursive=True)
+    fs.store.clear()  # not fs.rm: the memory file system's recursive rm is quadratic in its size
+    fs.pseudo_dirs[:] = [""]
     assert count == n, (count, n)
     return {"items": n, "wall_s": wall, "items_per_s": n / wall, "cpu_s": cpu}
 
 
-def run_floor(n: int, where: str) -> dict[str, Any]:
+def run_floor(n: int, where: str, shape: str) -> dict[str, Any]:
+    """The same file-system calls per item as the pipeline makes, by one plain loop: for
+    folders mkdir, create and write, rename, unlink, rmdir; for files create and write, rename,
+    unlink."""
     with tempfile.TemporaryDirectory(dir=where) as d:
         t0 = time.perf_counter()
-        for i in range(n):
-            staged, final = f"{d}/s{i}", f"{d}/f{i}"
-            os.mkdir(staged)
-            with open(f"{staged}/f", "wb") as fh:
-                fh.write(b"x")
-            os.rename(staged, final)
-            os.unlink(f"{final}/f")
-            os.rmdir(final)
+        if shape == "folders":
+            for i in range(n):
+                staged, final = f"{d}/s{i}", f"{d}/f{i}"
+                os.mkdir(staged)
+                with open(f"{staged}/f", "wb") as fh:
+                    fh.write(b"x")
+                os.rename(staged, final)
+                os.unlink(f"{final}/f")
+                os.rmdir(final)
+        else:
+            for i in range(n):
+                staged, final = f"{d}/s{i}", f"{d}/f{i}"
+                with open(staged, "wb") as fh:
+                    fh.write(b"x")
+                os.rename(staged, final)
+                os.unlink(final)
         wall = time.perf_counter() - t0
     return {"items": n, "wall_s": wall, "items_per_s": n / wall}
 
@@ -153,7 +179,9 @@ def in_child(fn: str, *args: Any, limit: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--handoff", type=int, default=20_000, help="items in the hand-off measurement (default 20000)")
+    p.add_argument("--handoff", type=int, default=10_000, help="items in each hand-off measurement (default 10000)")
+    p.add_argument("--batch", type=int, default=64, help="items per get_many/ack_many in the batched hand-off (default 64)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved runs of each hand-off case; medians reported (default 3)")
     p.add_argument("--catalog", type=int, default=1_000_000, help="items in the generated catalog (default 1000000)")
     p.add_argument("--consume", type=int, default=20_000, help="items consumed from the streamed catalog (default 20000)")
     p.add_argument("--no-handoff", action="store_true", help="skip the hand-off measurement (catalog only)")
@@ -163,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
-        args.handoff, args.catalog, args.consume, args.limit = 300, 5_000, 200, 120
+        args.handoff, args.catalog, args.consume, args.limit, args.repeats = 300, 5_000, 200, 120, 1
     disk = tempfile.gettempdir()
     places = [("disk", disk)] + ([("tmpfs", "/dev/shm")] if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else [])
     import cachepipe
@@ -177,15 +205,33 @@ def main(argv: list[str] | None = None) -> int:
         "catalog": {},
         "load_average": {"start": list(os.getloadavg())},
     }
-    for label, where in [] if args.no_handoff else places:
-        progress(f"handoff on {label} ({where}), {args.handoff} items")
-        got = in_child("run_handoff", args.handoff, where, limit=args.limit)
-        floor = in_child("run_floor", args.handoff, where, limit=args.limit)
-        report["handoff"][label] = {
-            **got,
-            "floor_items_per_s": floor["items_per_s"],
-            "of_floor": got["items_per_s"] / floor["items_per_s"],
-        }
+    cases = [(label, where, shape) for label, where in places for shape in ("folders", "files")]
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for repeat in range(0 if args.no_handoff else args.repeats):
+        for label, where, shape in cases:  # interleaved: every case once per repeat
+            progress(f"repeat {repeat + 1}/{args.repeats}: hand-off on {label} ({where}), {shape}, {args.handoff} items")
+            runs.setdefault(f"{label} {shape} floor", []).append(
+                in_child("run_floor", args.handoff, where, shape, limit=args.limit)
+            )
+            for batch in (1, args.batch):
+                got = in_child("run_handoff", args.handoff, where, shape, batch, limit=args.limit)
+                runs.setdefault(f"{label} {shape} {batch}", []).append(got)
+    for label, _where, shape in [] if args.no_handoff else cases:
+        floor = statistics.median(r["items_per_s"] for r in runs[f"{label} {shape} floor"])
+        for batch in (1, args.batch):
+            got = runs[f"{label} {shape} {batch}"]
+            rate = statistics.median(r["items_per_s"] for r in got)
+            report["handoff"][f"{label} {shape} {batch}"] = {
+                "cache_on": label,
+                "shape": shape,
+                "batch": batch,
+                "items": args.handoff,
+                "items_per_s": rate,
+                "runs_items_per_s": [r["items_per_s"] for r in got],
+                "cpu_us_per_item": statistics.median(r["cpu_s"] for r in got) / args.handoff * 1e6,
+                "floor_items_per_s": floor,
+                "of_floor": rate / floor,
+            }
     progress(f"streamed catalog of {args.catalog} items, consuming {args.consume}")
     report["catalog"]["stream"] = in_child("run_catalog", args.catalog, args.consume, False, limit=args.limit)
     if not args.no_full:
@@ -196,13 +242,25 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report, indent=2))
         return 0
     rows = [
-        [label, f"{r['items_per_s']:,.0f}", f"{r['floor_items_per_s']:,.0f}", f"{r['of_floor']:.2f}", f"{r['cpu_s']:.1f}"]
-        for label, r in report["handoff"].items()
+        [
+            r["cache_on"],
+            r["shape"],
+            "iterator" if r["batch"] == 1 else f"get_many({r['batch']})",
+            f"{r['items_per_s']:,.0f}",
+            f"{r['cpu_us_per_item']:,.0f}",
+            f"{r['floor_items_per_s']:,.0f}",
+            f"{r['of_floor']:.2f}",
+        ]
+        for r in report["handoff"].values()
     ]
     lines = []
     if rows:
-        lines += ["hand-off through Pipeline (memory:// source, 1-byte one-file folders):"]
-        lines += [*format_table(["cache on", "items/s", "fs floor items/s", "x floor", "CPU s"], rows), ""]
+        title = f"hand-off through Pipeline (memory:// source, {args.handoff:,} items of 1 byte; medians of {args.repeats} runs):"
+        lines.append(title)
+        lines += [
+            *format_table(["cache on", "items", "consumer", "items/s", "CPU us/item", "fs floor items/s", "x floor"], rows),
+            "",
+        ]
     rows = [
         [
             mode,

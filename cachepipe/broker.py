@@ -13,6 +13,7 @@ import heapq
 import itertools
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar, cast
 
@@ -145,20 +146,10 @@ class Broker(Generic[T]):
                         raise Closed
                     now = time.monotonic()
                     next_expiry = self._expire(now)
-                    if self._ready and (
-                        not self.ordered or self._ready[0][0] <= self._frontier or self._ready[0][0] in self._resolved
-                    ):
-                        seq, name, value = heapq.heappop(self._ready)
-                        if seq >= self._frontier and seq not in self._resolved:
-                            self._fresh -= 1
-                        self._resolve(seq)
+                    got = self._pop(now)
+                    if got is not None:
                         self._cond.notify_all()
-                        if isinstance(value, Failed):
-                            return value
-                        expires = None if self.lease_timeout is None else now + self.lease_timeout
-                        lease = Lease(seq, name, cast("T", value), f"{next(self._ids):x}-{seq}", expires)
-                        self._leases[name] = lease
-                        return lease
+                        return got
                     if self._finished and self._pending == 0 and not self._ready and next_expiry is None:
                         return None  # outstanding leases without expiry do not hold the end
                     waits = [t - now for t in (deadline, next_expiry) if t is not None]
@@ -172,6 +163,43 @@ class Broker(Generic[T]):
                         self._waiting -= 1
             finally:
                 self.wait_seconds += time.monotonic() - start
+
+    def take_many(self, count: int, timeout: float | None = None) -> list[Lease[T]] | Failed | None:
+        """Up to ``count`` items: the next one as :meth:`take` (blocking), then those ready after
+        it in turn, without waiting. A :class:`Failed` is returned alone, in its turn (one that
+        follows items is left for the next call); None at the end of the stream.
+
+        Raises:
+            TimeoutError, Closed: as :meth:`take`.
+        """
+        first = self.take(timeout)
+        if not isinstance(first, Lease):
+            return first
+        taken = [first]
+        with self._cond:
+            now = time.monotonic()
+            while len(taken) < count and self._ready and not isinstance(self._ready[0][2], Failed):
+                got = self._pop(now)
+                if got is None:
+                    break
+                taken.append(cast("Lease[T]", got))
+            self._cond.notify_all()
+        return taken
+
+    def _pop(self, now: float) -> Lease[T] | Failed | None:
+        """The next item in turn, leased (or its failure), if one is ready; the caller notifies."""
+        if not self._ready or (self.ordered and self._ready[0][0] > self._frontier and self._ready[0][0] not in self._resolved):
+            return None
+        seq, name, value = heapq.heappop(self._ready)
+        if seq >= self._frontier and seq not in self._resolved:
+            self._fresh -= 1
+        self._resolve(seq)
+        if isinstance(value, Failed):
+            return value
+        expires = None if self.lease_timeout is None else now + self.lease_timeout
+        lease = Lease(seq, name, cast("T", value), f"{next(self._ids):x}-{seq}", expires)
+        self._leases[name] = lease
+        return lease
 
     def _expire(self, now: float) -> float | None:
         """Re-queue expired leases; return the next expiry time among live leases, or None."""
@@ -201,11 +229,33 @@ class Broker(Generic[T]):
             self._cond.notify_all()
             return lease
 
-    def restore(self, lease: Lease[T]) -> None:
-        """Make ``lease`` (ended by :meth:`ack`) live again: the ack could not be recorded, so the
-        consumer still holds the item (its deadline is unchanged: it may expire as before)."""
+    def ack_many(self, names: Sequence[tuple[str, str | None]]) -> list[Lease[T]]:
+        """End the leases on ``(name, lease_id)`` pairs, all or none; returns them in order.
+
+        Raises:
+            KeyError: one of them is not leased (as :meth:`ack`); no lease was ended.
+        """
         with self._cond:
-            self._leases[lease.name] = lease
+            self._expire(time.monotonic())
+            leases: list[Lease[T]] = []
+            seen: set[str] = set()
+            for name, lease_id in names:
+                lease = self._leases.get(name)
+                if lease is None or (lease_id is not None and lease.id != lease_id) or name in seen:
+                    raise KeyError(name)
+                leases.append(lease)
+                seen.add(name)
+            for lease in leases:
+                del self._leases[lease.name]
+            self._cond.notify_all()
+            return leases
+
+    def restore(self, leases: Sequence[Lease[T]]) -> None:
+        """Make ``leases`` (ended by :meth:`ack`) live again: the ack could not be recorded, so the
+        consumer still holds the items (deadlines unchanged: they may expire as before)."""
+        with self._cond:
+            for lease in leases:
+                self._leases[lease.name] = lease
             self._cond.notify_all()
 
     def release(self, name: str, lease_id: str | None = None) -> Lease[T]:

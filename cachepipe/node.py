@@ -33,7 +33,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -477,10 +477,16 @@ class NodePipeline(Pipeline):
     def __iter__(self) -> Iterator[CachedItem]:
         raise TypeError(f"{self!r} hands items to lanes: use take(rank, worker, cursor)")
 
+    def get_many(self, count: int, timeout: float | None = None) -> list[CachedItem]:
+        raise TypeError(f"{self!r} hands items to lanes: use take_many(rank, worker, cursor, count)")
+
     def ack(self, path: str | os.PathLike[str], lease: str | None = None) -> None:
         raise TypeError(f"{self!r}: a lane acknowledges by moving on, take(rank, worker, cursor) or consume()")
 
     release = renew = ack
+
+    def ack_many(self, items: Iterable[Any]) -> None:
+        raise TypeError(f"{self!r}: a lane acknowledges by moving on, take(rank, worker, cursor) or consume()")
 
     def state_dict(self) -> dict[str, Any]:
         raise TypeError(f"{self!r}: each lane's consumer keeps its own position (the cursor it passes to take)")

@@ -9,7 +9,7 @@ import os
 import threading
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -335,7 +335,7 @@ class Pipeline:
                 self._inflight[seq] = item
             if (step.epoch, item.name) in acked:
                 self._broker.skip(seq)
-                self._consume(seq)
+                self._consume([seq])
                 continue
             yield seq, item, step.tick
 
@@ -407,12 +407,13 @@ class Pipeline:
                 + ("smaller than the capacity" if listing.listed else "with objects")
             )
 
-    def _consume(self, seq: int) -> None:
-        """A step is done (acknowledged, or failed and reported): move the resume point."""
+    def _consume(self, seqs: Iterable[int]) -> None:
+        """Steps are done (acknowledged, or failed and reported): move the resume point."""
         with self._plan_lock:
-            self._inflight.pop(seq, None)
             before = self._frontier.position
-            self._frontier.consume(seq)
+            for seq in seqs:
+                self._inflight.pop(seq, None)
+                self._frontier.consume(seq)
             after = self._frontier.position
         if after != before:
             self._cache.advance(after.epoch, after.index)
@@ -540,32 +541,53 @@ class Pipeline:
                 after :meth:`open` (whatever ``on_error``), raised once the items listed before it.
             RuntimeError: the pipeline is not open.
         """
+        got = self.get_many(1, timeout)
+        return got[0] if got else None
+
+    def get_many(self, count: int, timeout: float | None = None) -> list[CachedItem]:
+        """Take up to ``count`` items at once: the next one (blocking as :meth:`get`), then the
+        items ready after it in turn, without waiting for more. An empty list when all are
+        delivered. For many small items: with :meth:`ack_many`, the per-item costs (locks,
+        wake-ups, journal writes) are paid once per batch.
+
+        Args:
+            count: the most items to return (at least 1).
+            timeout: seconds to wait for the first item (None: no limit).
+
+        Raises:
+            ValueError: ``count`` is below 1.
+            TimeoutError, ItemFailedError, OSError, ...: as :meth:`get`. A failed item is raised
+                in its turn, after the items before it were returned by earlier calls.
+        """
+        if count < 1:
+            raise ValueError(f"count must be at least 1, got {count!r}")
         self._require_open()
         while True:
             try:
-                got = self._take(timeout)
+                got = self._take(count, timeout)
             except Closed:
                 raise RuntimeError(f"{self!r} is closed") from None
             if got is None:
-                return None
+                return []
             if isinstance(got, Failed):
                 if got.kind == "stream":
                     raise got.error  # listing or planning stopped: not an item to skip, the rest is unknown
                 if got.seq >= 0:
-                    self._consume(got.seq)  # reported: the resume point moves past it
+                    self._consume([got.seq])  # reported: the resume point moves past it
                 # "oversize": judged when its space was reserved (see Cache.reserve)
                 self._skip_or_raise(got)
                 continue
-            self._count("handed")
+            items = [CachedItem(lease.value, self._inflight[lease.seq], lease.id) for lease in got]
+            with self._counts_lock:
+                self._counts["handed"] += len(items)
+                for item in items:
+                    self._handed[item.lease] = item
             if self._bar is not None:
-                self._bar.update(1)
+                self._bar.update(len(items))
                 self._bar.set_postfix(
                     cache=f"{self._cache.used / 2**20:.0f}/{self._cache.capacity / 2**20:.0f}MiB", refresh=False
                 )
-            handed = CachedItem(got.value, self._inflight[got.seq], got.id)
-            with self._counts_lock:
-                self._handed[got.id] = handed
-            return handed
+            return items
 
     def _skip_or_raise(self, failed: Failed) -> None:
         """A failed item in its turn: raise its error (``on_error``/``on_oversize="raise"``), or
@@ -575,17 +597,17 @@ class Pipeline:
         log.warning("skipping %s item: %s", "oversize" if failed.kind == "oversize" else "failed", failed.error)
         self._count("skipped")
 
-    def _take(self, timeout: float | None) -> Any:
-        """The broker's next, warning every ``stall_warning`` seconds that nothing is ready."""
+    def _take(self, count: int, timeout: float | None) -> Any:
+        """The broker's next items, warning every ``stall_warning`` seconds that nothing is ready."""
         every = self.config.stall_warning
         if every is None:
-            return self._broker.take(timeout)
+            return self._broker.take_many(count, timeout)
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         while True:
             chunk = every if deadline is None else min(every, deadline - time.monotonic())
             try:
-                return self._broker.take(max(chunk, 0.0))
+                return self._broker.take_many(count, max(chunk, 0.0))
             except TimeoutError:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"no item became ready within {timeout} s") from None
@@ -626,20 +648,46 @@ class Pipeline:
             OSError: the ack could not be journaled (a full disk): nothing changed, the item is
                 still leased to the caller, who may ack it again.
         """
-        taken = self._lease(path, "ack", lease)
-        with self._plan_lock:
-            step = self._frontier.step(taken.seq)
+        self.ack_many([path] if lease is None else [(path, lease)])
+
+    def ack_many(self, items: Iterable[str | os.PathLike[str] | tuple[str | os.PathLike[str], str]]) -> None:
+        """Acknowledge several delivered items at once (as :meth:`ack`), their acks journaled by
+        one write: all of them, or none.
+
+        Args:
+            items: :class:`CachedItem` objects, local paths, or ``(path, lease)`` pairs.
+
+        Raises:
+            UnknownItemError: one of them is not an item currently handed out, or is given twice:
+                nothing is acknowledged.
+            OSError: the acks could not be journaled (a full disk): nothing changed.
+        """
+        self._require_open()
+        wanted = [self._lease_key(*item) if isinstance(item, tuple) else self._lease_key(item, None) for item in items]
+        if not wanted:
+            return
         try:
-            self._cache.evict(taken.name, step.epoch, step.tick)
+            taken = self._broker.ack_many([(name, lease) for name, lease, _path in wanted])
+        except KeyError as exc:
+            path = next(path for name, _lease, path in wanted if name == exc.args[0])
+            raise UnknownItemError(
+                f"cannot ack {str(path)!r}: not an item handed out by this pipeline (never delivered, already "
+                "acknowledged or released, or its lease expired)" + (", or given twice" if len(wanted) > 1 else "")
+            ) from None
+        with self._plan_lock:
+            steps = [self._frontier.step(lease.seq) for lease in taken]
+        try:
+            self._cache.evict_many([(lease.name, step.epoch, step.tick) for lease, step in zip(taken, steps, strict=True)])
         except BaseException:
-            self._broker.restore(taken)  # not recorded: the consumer still holds the item, and may ack again
+            self._broker.restore(taken)  # not recorded: the consumer still holds the items, and may ack again
             raise
-        self._consume(taken.seq)
-        self._count("acked")
+        self._consume([lease.seq for lease in taken])
         with self._counts_lock:
-            handed = self._handed.pop(taken.id, None)
-        if handed is not None:
-            handed._gone = "acknowledged"  # noqa: SLF001 - the pipeline ends its items' lives
+            self._counts["acked"] += len(taken)
+            handed = [self._handed.pop(lease.id, None) for lease in taken]
+        for item in handed:
+            if item is not None:
+                item._gone = "acknowledged"  # noqa: SLF001 - the pipeline ends its items' lives
 
     def release(self, path: str | os.PathLike[str], lease: str | None = None) -> None:
         """Give a delivered item back: it is handed out again, before any other.
@@ -660,13 +708,16 @@ class Pipeline:
         """
         self._lease(path, "renew", lease)
 
+    def _lease_key(self, path: str | os.PathLike[str], lease: str | None) -> tuple[str, str | None, str | os.PathLike[str]]:
+        """``(name, lease, path)`` of an item a consumer names by its :class:`CachedItem` or path."""
+        if isinstance(path, CachedItem):
+            return path.name, lease or path.lease, path
+        return self._name_of(Path(path)), lease, path
+
     def _lease(self, path: str | os.PathLike[str], verb: str, lease: str | None) -> Lease[Path]:
         self._require_open()
-        if isinstance(path, CachedItem):
-            name, lease = path.name, lease or path.lease
-        else:
-            name = self._name_of(Path(path))
-        action = {"ack": self._broker.ack, "release": self._broker.release, "renew": self._broker.renew}[verb]
+        name, lease, _path = self._lease_key(path, lease)
+        action = {"release": self._broker.release, "renew": self._broker.renew}[verb]
         try:
             return action(name, lease)
         except KeyError:

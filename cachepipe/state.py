@@ -31,7 +31,7 @@ import io
 import json
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, BinaryIO
@@ -167,22 +167,35 @@ class Journal:
         Raises:
             OSError: the event was not written (ENOSPC, EIO...); the file ends on a whole line.
         """
+        self._write(f"{kind} {arg}\n".encode("utf-8", "surrogateescape"))
+
+    def append_many(self, events: Sequence[tuple[str, str]]) -> None:
+        """Append ``(kind, arg)`` events with a single ``write`` (a batch of acks): all of them, or
+        none (as :meth:`append`). A process killed mid-write leaves a prefix of them, whole
+        lines and at most one torn last line, which :func:`load` drops: each event stands alone.
+
+        Raises:
+            OSError: no event was written; the file ends on a whole line.
+        """
+        if events:
+            self._write("".join(f"{kind} {arg}\n" for kind, arg in events).encode("utf-8", "surrogateescape"))
+
+    def _write(self, data: bytes) -> None:
         with self._lock:
             if self._fd is None:
                 raise RuntimeError("journal is not open")
             if self._torn:
                 self._truncate()
-            line = f"{kind} {arg}\n".encode("utf-8", "surrogateescape")
             try:
-                written = os.write(self._fd, line)
+                written = os.write(self._fd, data)
             except OSError:
                 self._torn = True  # a failed write may still have put bytes in the file
                 self._truncate()
                 raise
-            if written != len(line):
+            if written != len(data):
                 self._torn = True
                 self._truncate()
-                raise OSError(errno.ENOSPC, f"{self.path}: short write to the journal ({written} of {len(line)} bytes)")
+                raise OSError(errno.ENOSPC, f"{self.path}: short write to the journal ({written} of {len(data)} bytes)")
             self._size += written
 
     def _truncate(self) -> None:

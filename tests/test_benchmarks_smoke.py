@@ -72,7 +72,9 @@ def test_core_benchmark_reports_handoff_and_catalog():
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)
-    assert set(report["handoff"]) >= {"disk"}
+    assert {(r["cache_on"], r["shape"], r["batch"]) for r in report["handoff"].values()} >= {
+        ("disk", shape, batch) for shape in ("folders", "files") for batch in (1, 64)
+    }
     for r in report["handoff"].values():
         assert r["items"] == 300 and r["items_per_s"] > 0 and r["floor_items_per_s"] > 0
     assert set(report["catalog"]) == {"stream", "full"}

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 from crashfs import KINDS, Crashed, CrashFs, Fault
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cachepipe import state
@@ -149,6 +149,26 @@ class Model:
         self.acked.add(n)
         self.ready.remove(n)
         self.consumed.add(n)
+        self._advance()
+
+    def ack_all(self) -> None:
+        """Every ready step acknowledged by one call (a consumer's ``ack_many``): all or none."""
+        batch = list(self.ready)
+        if not batch:
+            return
+        self.maybe |= set(batch)
+        try:
+            self.cache.evict_many([(f"i{STEPS[n][1]}", STEPS[n][0], tick(*STEPS[n])) for n in batch])
+        except OSError:
+            self.maybe -= set(batch)  # not recorded, none of them: still leased, acked again later
+            return
+        self.maybe -= set(batch)
+        self.acked |= set(batch)
+        self.ready = []
+        self.consumed |= set(batch)
+        self._advance()
+
+    def _advance(self) -> None:
         first = next((k for k in range(len(STEPS)) if k not in self.consumed), len(STEPS))
         position = STEPS[first] if first < len(STEPS) else (EPOCHS, 0)
         self.cache.advance(*position)
@@ -167,7 +187,7 @@ class Model:
         assert on_disk == published, f"{on_disk} bytes of items on disk, {published} published in the ledger"
 
 
-OPS = st.lists(st.sampled_from(["fetch", "fetch", "fetch", "ack0", "ack1", "restart", "drop"]), min_size=4, max_size=22)
+OPS = st.lists(st.sampled_from(["fetch", "fetch", "fetch", "ack0", "ack1", "ackall", "restart", "drop"]), min_size=4, max_size=22)
 
 
 def run(root: Path, program: list[str], retain: bool, fault: Fault | None) -> tuple[Model, CrashFs, bool]:
@@ -181,6 +201,8 @@ def run(root: Path, program: list[str], retain: bool, fault: Fault | None) -> tu
             for op in program:
                 if op == "fetch":
                     model.fetch()
+                elif op == "ackall":
+                    model.ack_all()
                 elif op.startswith("ack"):
                     model.ack(int(op[3:]))
                 elif op in ("restart", "drop"):
@@ -249,6 +271,7 @@ EXAMPLES = int(os.environ.get("CACHEPIPE_CRASH_EXAMPLES", "6"))
 @pytest.mark.parametrize("retain", [False, True], ids=["retain-none", "retain-auto"])
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(program=OPS)
+@example(program=["fetch", "fetch", "fetch", "ackall", "fetch", "fetch", "ackall", "restart", "fetch", "ackall"])
 def test_every_crash_point_recovers(tmp_path_factory, retain, program):
     explore(tmp_path_factory.mktemp("crash"), program, retain)
 

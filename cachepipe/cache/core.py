@@ -40,7 +40,7 @@ from ..config import Share
 from ..errors import ConfigError, OversizeError
 from ..removal import rmtree, tree_bytes
 from ..retention import RetentionPolicy
-from .eviction import Eviction
+from .eviction import REAP_MIN_BYTES, Eviction
 from .ledger import Ledger
 from .lock import STATE_DIR, OwnerLock
 from .record import Record
@@ -81,6 +81,7 @@ class Cache:
         self._replay = state.Replay()
         self._recovered: dict[str, Path] = {}  # published items found at open, not yet handed out
         self._claimed: set[str] = set()  # names with files on disk or on their way: one copy at a time
+        self._small_files: set[str] = set()  # published single-file items under REAP_MIN_BYTES: unlinked to delete
         self._policy: RetentionPolicy | None = None  # retain="auto": which acked items stay
         self._names: Sequence[str] = ()  # the policy's item i is _names[i]; found by _names.index()
         self._cond = threading.Condition()
@@ -486,6 +487,8 @@ class Cache:
                 os.makedirs(final.rpartition("/")[0], exist_ok=True)
             os.rename(staged, final)
             self.record.published_as(item.name, item.size if reserved is None else reserved)
+            if item.is_file and item.size < REAP_MIN_BYTES:
+                self._small_files.add(item.name)
         return Path(final)
 
     def discard(self, staged: Path, size: int, name: str) -> None:
@@ -507,19 +510,39 @@ class Cache:
             KeyError: ``name`` is not a published item of this cache.
             OSError: the ack could not be journaled; nothing changed.
         """
-        number = self._number(name) if self._policy is not None else None
+        self.evict_many([(name, epoch, tick)])
+
+    def evict_many(self, acks: Sequence[tuple[str, int, int]]) -> None:
+        """:meth:`evict` for each ``(name, epoch, tick)``, the acks journaled by one write: all
+        of them, or (on an error) none.
+
+        Raises:
+            KeyError: a name is not a published item of this cache, or is given twice; nothing changed.
+            OSError: the acks could not be journaled; nothing changed.
+        """
+        policy = self._policy
+        numbers = [self._number(name) if policy is not None else None for name, _epoch, _tick in acks]
+        doomed: list[tuple[str, int]] = []
         with self._cond:
-            if name not in self.record.published:
-                raise KeyError(name)
-            self.record.ack(epoch, name, tick)
-            if self._policy is not None and number is not None and self._policy.on_ack(number, tick):
-                if self.record.keep(name):  # still on disk, kept for a later step
-                    self._cond.notify_all()
-                    return
-                self._policy.forget(number)
-            size = self.record.unpublish(name)
-            self._recovered.pop(name, None)
-        self._delete(name, size)
+            seen: set[str] = set()
+            for name, _epoch, _tick in acks:
+                if name not in self.record.published or name in seen:
+                    raise KeyError(name)
+                seen.add(name)
+            self.record.ack(acks)
+            kept = False
+            for (name, _epoch, tick), number in zip(acks, numbers, strict=True):
+                if policy is not None and number is not None and policy.on_ack(number, tick):
+                    if self.record.keep(name):  # still on disk, kept for a later step
+                        kept = True
+                        continue
+                    policy.forget(number)
+                doomed.append((name, self.record.unpublish(name)))
+                self._recovered.pop(name, None)
+            if kept:
+                self._cond.notify_all()
+        for name, size in doomed:
+            self._delete(name, size)
 
     def shelve(self, name: str, epoch: int = 0, tick: int = 0) -> None:
         """A published item that its consumer moved away from before reading it, and that a later
@@ -552,17 +575,23 @@ class Cache:
         """Move the item's files away (:meth:`.eviction.Eviction.move_away`); then, for a drop,
         journal "D" (an ack's "A" was journaled before); release the claim on its name; delete
         the files (by the reaper for large items) and release its space after. Files that
-        cannot be deleted count as foreign until the next open removes them; nothing is raised."""
-        aside, left = self._eviction.move_away(name)
+        cannot be deleted count as foreign until the next open removes them; nothing is raised.
+        A small single-file item is unlinked where it is instead (one atomic call as well)."""
+        unlinked = name in self._small_files and self._eviction.unlink(name)
+        aside, left = ("", 0) if unlinked else self._eviction.move_away(name)
         with self._cond:
+            self._small_files.discard(name)
             self._claimed.discard(name)
             self.ledger.reaping_started(size)
             if left:
                 self.record.delete_failed(name)
             elif dropped:
                 self.record.dropped(name)
-            self._cond.notify_all()  # wakes claim()
-        self._eviction.finish(aside, size, left)
+            if unlinked:
+                self.ledger.reaped(size, 0)
+            self._cond.notify_all()  # wakes claim() and reserve()
+        if not unlinked:
+            self._eviction.finish(aside, size, left)
 
     def _reaped(self, size: int, left: int) -> None:
         """An item's files are deleted: release its ``size``; ``left`` bytes could not be deleted

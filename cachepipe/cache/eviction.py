@@ -4,7 +4,8 @@ Invariant: an item is never half-deleted under its own path. It is first renamed
 staging (one atomic call: its path is free when that returns), then deleted there, by the
 reaper thread for items of at least :data:`REAP_MIN_BYTES` (unlinking a large file takes the
 file system milliseconds: ext4 ~1.3 ms for 8 MiB) or in place for smaller ones (cheaper than a
-thread hand-off: benchmarks/bench_core.py). A crash leaves the item whole where it was, or in
+thread hand-off: benchmarks/bench_core.py). A single-file item under that size is simply
+unlinked (:meth:`Eviction.unlink`: atomic too, one call fewer). A crash leaves the item whole where it was, or in
 staging, which the cache clears at open. Its space is released (``release(size, left)``) only
 once its files are gone; bytes that could not be deleted are reported as ``left``.
 """
@@ -69,6 +70,19 @@ class Eviction:
             log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", name, left, exc)
             return aside, left
         return aside, 0
+
+    def unlink(self, name: str) -> bool:
+        """Delete the single-file item ``name`` where it is (an unlink is atomic, like the rename
+        aside). False if it could not be (the caller moves it away instead)."""
+        try:
+            os.unlink(f"{self._root}/{name}")
+        except OSError:
+            return False
+        try:
+            self.remove_parents(name)
+        except OSError as exc:  # empty folders only: no bytes left
+            log.warning("could not remove the empty folders of %s: %s", name, exc)
+        return True
 
     def finish(self, aside: str, size: int, left: int) -> None:
         """Delete what :meth:`move_away` moved aside (by the reaper if ``size`` is large and the

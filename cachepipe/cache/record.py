@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 from .. import state
@@ -85,11 +86,13 @@ class Record:
         self._compact_if_due()
 
     # ---- acknowledge -----------------------------------------------------------------
-    def ack(self, epoch: int, name: str, tick: int) -> None:
-        """Journal the ack of ``name`` at the step ``tick`` of ``epoch``. Raises OSError (nothing changed)."""
-        self.journal.append("A", f"{epoch} {name}")
-        self.acked.add((epoch, name))
-        heapq.heappush(self._acked_ticks, (tick, epoch, name))
+    def ack(self, acks: Sequence[tuple[str, int, int]]) -> None:
+        """Journal the acks of ``(name, epoch, tick)`` (item ``name`` at the step ``tick`` of
+        ``epoch``), all in one write. Raises OSError (nothing changed)."""
+        self.journal.append_many([("A", f"{epoch} {name}") for name, epoch, _tick in acks])
+        for name, epoch, tick in acks:
+            self.acked.add((epoch, name))
+            heapq.heappush(self._acked_ticks, (tick, epoch, name))
 
     def keep(self, name: str) -> bool:
         """Journal that acknowledged ``name`` stays on disk for a later step; False if that could

@@ -1,0 +1,110 @@
+"""Hand-out and acknowledgement in batches: ``get_many`` and ``ack_many`` (issue #19, item 4)."""
+
+from __future__ import annotations
+
+import pytest
+from crashfs import CrashFs
+from waiting import wait_until
+
+from cachepipe import ItemFailedError, Pipeline, UnknownItemError
+from cachepipe.cache import STATE_DIR
+from cachepipe.node import NodePipeline
+
+
+def journal_lines(cache_dir) -> list[str]:
+    return (cache_dir / STATE_DIR / "journal").read_text().splitlines()
+
+
+def test_get_many_takes_what_is_ready_in_order_and_ack_many_acks_it_all(s3_source, tmp_path):
+    s3_source.folders(12, {"f": 100})
+    cache = tmp_path / "c"
+    with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options, auto_ack=False) as pipe:
+        wait_until(lambda: pipe.stats().items_ready == 12)
+        first = pipe.get_many(5, timeout=30)
+        assert [item.name for item in first] == [f"item{i:03d}" for i in range(5)]
+        rest = pipe.get_many(100, timeout=30)  # no more than is there, and no waiting for more
+        assert [item.name for item in rest] == [f"item{i:03d}" for i in range(5, 12)]
+        assert pipe.get_many(3, timeout=30) == []  # the end
+        pipe.ack_many([*first, *rest])
+        assert not any(item.path.exists() for item in first + rest)
+        stats = pipe.stats()
+        assert stats.items_acked == 12 and stats.bytes_in_cache < 12 * 100 + stats.capacity // 2
+        acks = [line for line in journal_lines(cache) if line.startswith("A ")]
+        assert sorted(acks) == sorted(f"A 0 item{i:03d}" for i in range(12))
+
+
+def test_ack_many_is_all_or_nothing(s3_source, tmp_path):
+    s3_source.folders(3, {"f": 100})
+    cache = tmp_path / "c"
+    with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options, auto_ack=False) as pipe:
+        wait_until(lambda: pipe.stats().items_ready == 3)
+        a, b, c = pipe.get_many(3, timeout=30)
+        with pytest.raises(UnknownItemError, match="nope"):
+            pipe.ack_many([a, b, cache / "nope"])
+        with pytest.raises(UnknownItemError, match="given twice"):
+            pipe.ack_many([a, str(a)])
+        assert a.path.exists() and b.path.exists()  # nothing was acknowledged: still leased
+        assert pipe.stats().items_acked == 0
+        assert not [line for line in journal_lines(cache) if line.startswith("A ")]
+        pipe.ack_many([(str(a), a.lease), b, str(c)])  # (path, lease) pairs and plain paths too
+        assert pipe.stats().items_acked == 3
+        with pytest.raises(UnknownItemError, match="already acknowledged"):
+            pipe.ack_many([a])
+
+
+def test_get_many_stops_before_a_failed_item_and_raises_it_in_its_turn(s3_source, tmp_path):
+    s3_source.folders(4, {"f": 100})
+    options = {"storage_options": s3_source.options, "auto_ack": False, "prefetch": 2}
+    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", **options) as pipe:
+        wait_until(lambda: pipe.stats().items_ready == 2)  # prefetch=2: nothing more until they are taken
+        s3_source.delete("item002/f")  # vanishes between listing and download
+        got = pipe.get_many(10, timeout=30)
+        assert [item.name for item in got] == ["item000", "item001"]
+        with pytest.raises(ItemFailedError, match="item002/f"):
+            pipe.get_many(10, timeout=30)
+        assert [item.name for item in pipe.get_many(10, timeout=30)] == ["item003"]
+
+
+def test_get_many_with_on_error_skip_passes_the_failed_item(s3_source, tmp_path):
+    s3_source.folders(4, {"f": 100})
+    options = {"storage_options": s3_source.options, "on_error": "skip", "prefetch": 1}
+    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", **options) as pipe:
+        wait_until(lambda: pipe.stats().items_ready == 1)
+        s3_source.delete("item001/f")
+        names = []
+        while batch := pipe.get_many(10, timeout=30):
+            names += [item.name for item in batch]
+            pipe.ack_many(batch)
+        assert names == ["item000", "item002", "item003"] and pipe.stats().items_skipped == 1
+
+
+def test_a_batch_of_acks_is_one_journal_write_and_single_files_are_unlinked_in_place(s3_source, tmp_path):
+    """items='files': each item is one file, published by one rename; acking a batch of them
+    makes one journal write for the acks, one for the position, and one unlink per item (no
+    rename aside: an unlink is atomic too)."""
+    data = {f"obj{i:03d}.bin": bytes([i]) * 50 for i in range(30)}
+    for name, body in data.items():
+        s3_source.put(name, body)
+    got = {}
+    options = {"storage_options": s3_source.options, "items": "files", "auto_ack": False}
+    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", **options) as pipe:
+        wait_until(lambda: pipe.stats().items_ready == 30)
+        while batch := pipe.get_many(8, timeout=30):
+            got.update({item.name: item.path.read_bytes() for item in batch})
+            with CrashFs() as fs:  # no fault: it only records this thread's file-system mutations
+                pipe.ack_many(batch)
+            calls = [name for _n, name, _arg in fs.log]
+            assert calls.count("write") == 2 and calls.count("unlink") == len(batch), fs.log
+            assert "rename" not in calls, fs.log
+    assert got == data
+
+
+def test_bad_batch_sizes_and_node_pipelines_are_refused(s3_source, tmp_path):
+    s3_source.folders(1, {"f": 10})
+    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options) as pipe:
+        with pytest.raises(ValueError, match="count must be at least 1, got 0"):
+            pipe.get_many(0)
+        pipe.ack_many([])  # nothing to do
+    node = NodePipeline(s3_source.url, tmp_path / "n", "1MiB", storage_options=s3_source.options, ranks=[0], world_size=1)
+    with node, pytest.raises(TypeError, match="take_many"):
+        node.get_many(4)
