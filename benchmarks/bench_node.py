@@ -23,9 +23,14 @@ bytes of the response bodies, and the connections (opened, most open at once).
 
 **Part B: is the daemon the node's ceiling?** 8 consumers read every byte of a dataset once
 (world size 4, ranks 0-3 on this node, 2 workers each: 8 lanes that cover the dataset), through
-the daemon (``node``) or with a Pipeline each (``per-process``), directly against the server (no
-proxy in the data path): a case of large items and one of small items. Reported: MB/s and
-items/s delivered, the daemon's CPU seconds, the consumers' and the server's.
+the daemon (``node``), through the daemon with its GETs made by ``--download-processes`` worker
+processes (``node-procs``: ``download_processes`` in the daemon's ``jobs.options``) or with a
+Pipeline each (``per-process``), directly against the server (no proxy in the data path): a
+case of large items and one of small items. Reported: MB/s and items/s delivered, the CPU
+seconds of the daemon's own process, per item, and the items/s one core would give it at that
+cost (the "one-core ceiling": the daemon's process is one Python process, so this is its limit
+on a node with cores to spare), its download workers' CPU seconds (start-up included), the
+consumers' and the server's.
 
 How it measures:
 
@@ -101,7 +106,7 @@ LANES = [(rank, worker) for rank in RANKS for worker in range(WORKERS)]
 WORLD_A = 8  # part A: one node of two
 WORLD_B = 4  # part B: the node reads the whole dataset
 METHODS_A = ("per-process", "node", "node-fixed")
-METHODS_B = ("per-process", "node")
+METHODS_B = ("per-process", "node", "node-procs")
 PROXY_CHUNK = 256 * KIB
 LIST_PARAMETERS = {
     "list-type",
@@ -450,9 +455,12 @@ class Consumers:
 
 # ---- the node daemon -------------------------------------------------------------------
 @contextlib.contextmanager
-def node_daemon(work: Path, endpoint: str, capacity: int, max_concurrency: int) -> Iterator[tuple[Any, str]]:
+def node_daemon(
+    work: Path, endpoint: str, capacity: int, max_concurrency: int, download_processes: int = 0
+) -> Iterator[tuple[Any, str]]:
     """A ``cachepipe serve`` subprocess whose ``jobs`` section caches under ``work/jobs`` with
-    ``capacity``; yields it and its socket. Stopped (SIGTERM, else killed) on the way out."""
+    ``capacity`` (and the jobs' GETs made by ``download_processes`` worker processes, if not 0);
+    yields it and its socket. Stopped (SIGTERM, else killed) on the way out."""
     import yaml
 
     from cachepipe.service.testing import DaemonProcess
@@ -468,6 +476,7 @@ def node_daemon(work: Path, endpoint: str, capacity: int, max_concurrency: int) 
             "options": {
                 "storage_options": {"endpoint_url": endpoint, "skip_instance_cache": True},
                 "max_concurrency": max_concurrency,
+                "download_processes": download_processes,
             },
         },
     }
@@ -648,7 +657,8 @@ def measure(
             run["cachepipe_bytes_downloaded"] = sum(r["bytes_downloaded"] for r in run["consumers"])
         else:
             spec = {"source": source_of(case), "world_size": world, "ranks": RANKS, "num_workers": WORKERS, **options}
-            with node_daemon(work, endpoint, capacity, args.max_concurrency) as (daemon, sock):
+            processes = args.download_processes if method == "node-procs" else 0
+            with node_daemon(work, endpoint, capacity, args.max_concurrency, processes) as (daemon, sock):
                 run = timed(bench, lane_tasks("bench", spec, sock, compute_s, args), daemon.pid)
                 run["cachepipe_bytes_downloaded"] = job_stats(sock, "bench")["bytes_downloaded"]
     finally:
@@ -671,6 +681,7 @@ def timed(bench: Bench, tasks: list[dict[str, Any]], daemon_pid: int | None) -> 
     daemon0 = cpu_seconds(daemon_pid) if daemon_pid is not None else None
     go, results = bench.consumers.run(tasks, bench.args.measure_limit)
     daemon1 = cpu_seconds(daemon_pid) if daemon_pid is not None else None
+    workers = children_cpu_seconds(daemon_pid) if daemon_pid is not None else None
     server1 = bench.server.cpu_seconds()
     return {
         "wall_s": max(r["end"] for r in results) - go,
@@ -679,9 +690,22 @@ def timed(bench: Bench, tasks: list[dict[str, Any]], daemon_pid: int | None) -> 
         "first_item_max_s": max(r["first_item"] - go for r in results if r["first_item"] is not None),
         "consumers_cpu_s": sum(r["cpu_s"] for r in results),
         "daemon_cpu_s": None if daemon0 is None or daemon1 is None else daemon1 - daemon0,
+        "workers_cpu_s": workers,
         "server_cpu_s": None if server0 is None or server1 is None else server1 - server0,
         "proxy": None if bench.proxy is None else bench.proxy.snapshot(),
     }
+
+
+def children_cpu_seconds(pid: int) -> float:
+    """CPU seconds of the live children of process ``pid``: the daemon's download workers,
+    started with the job (inside the timed span, start-up included) and alive at its end."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            children += [int(c) for c in task.read_text().split()]
+        except OSError:
+            continue
+    return sum(cpu_seconds(c) or 0.0 for c in children)
 
 
 def _median(runs: list[dict[str, Any]], key: Any) -> Any:
@@ -777,7 +801,9 @@ def part_b(bench: Bench, cases: list[Case]) -> dict[str, Any]:
                 "wall_s": wall,
                 "mb_per_s": measured[0]["bytes_read"] / wall / 1e6,
                 "items_per_s": measured[0]["items_read"] / wall,
+                "items": measured[0]["items_read"],
                 "daemon_cpu_s": _median(measured, lambda r: r["daemon_cpu_s"]),
+                "workers_cpu_s": _median(measured, lambda r: r["workers_cpu_s"]),
                 "consumers_cpu_s": _median(measured, lambda r: r["consumers_cpu_s"]),
                 "server_cpu_s": _median(measured, lambda r: r["server_cpu_s"]),
                 "stall_max_s": _median(measured, lambda r: r["stall_max_s"]),
@@ -820,10 +846,10 @@ def expectations(report: dict[str, Any]) -> list[str]:
             lines.append(f"  downloaded at {share:.0%}: {got} (expected {want})")
     if "part_b" in report:
         lines += [
-            f"  throughput {row['case']}: node {row['mb_per_s']:.1f} MB/s = {row['x_per_process']:.2f}x the per-process "
-            "pipelines' (expected >= ~1: the daemon keeps up)"
+            f"  throughput {row['case']}: {row['method']} {row['mb_per_s']:.1f} MB/s = {row['x_per_process']:.2f}x the "
+            "per-process pipelines' (expected >= ~1: the daemon keeps up)"
             for row in report["part_b"]["rows"]
-            if row["method"] == "node"
+            if row["method"] != "per-process"
         ]
     return lines
 
@@ -882,6 +908,9 @@ def render(report: dict[str, Any]) -> str:
             "x per-process",
             "1st item s",
             "daemon CPU s",
+            "daemon ms/item",
+            "one-core ceiling items/s",
+            "workers CPU s",
             "consumers CPU s",
             "server CPU s",
             "stall max s",
@@ -896,6 +925,9 @@ def render(report: dict[str, Any]) -> str:
                 f"{r['x_per_process']:.2f}",
                 f"{r['first_item_max_s']:.2f}",
                 _f(r["daemon_cpu_s"], ".2f"),
+                _f(None if r["daemon_cpu_s"] is None else r["daemon_cpu_s"] / r["items"] * 1000, ".2f"),
+                _f(None if not r["daemon_cpu_s"] else r["items"] / r["daemon_cpu_s"], ".0f"),
+                _f(r["workers_cpu_s"], ".2f"),
                 _f(r["consumers_cpu_s"], ".2f"),
                 _f(r["server_cpu_s"], ".2f"),
                 f"{r['stall_max_s']:.2f}",
@@ -958,6 +990,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="lanes never call consume(): the next take() acknowledges the item read (as CachePipeDataset(node=...) "
         "without a transform); default: consume() after reading each item, before the compute",
+    )
+    p.add_argument(
+        "--download-processes",
+        type=int,
+        default=2,
+        help="part B, method node-procs: the daemon's jobs make their GETs in this many worker processes "
+        "(download_processes; default 2)",
     )
     p.add_argument(
         "--batch",

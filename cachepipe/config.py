@@ -223,6 +223,12 @@ class PipelineConfig(BaseModel):
         max_concurrency: requests in flight across all items and files (default 16).
         part_size: objects larger than this are fetched as parallel ranged GETs of this size
             (default 8 MiB).
+        download_processes: make the GETs in this many worker processes, ``max_concurrency``
+            requests split among them, instead of in threads of this process (default 0). For
+            a process whose own core would be the limit: the node daemon serving many
+            consumers, or many small items. Each worker opens the source with
+            ``storage_options``, so a ``store=`` object or a ``memory://`` source (private to
+            this process) cannot be used with it.
         ordered: hand items out in listing order (default True); False: whichever is ready first.
         auto_ack: when the loop asks for the next item, the previous one is acknowledged and
             evicted (default True). False: call ``ack``/``release`` yourself.
@@ -319,6 +325,7 @@ class PipelineConfig(BaseModel):
     prefetch: int | None = Field(default=None, ge=1)
     max_concurrency: int = Field(default=16, ge=1, le=1024)
     part_size: Annotated[int, _size_field("part_size")] = 8 * 1024**2
+    download_processes: int = Field(default=0, ge=0, le=256)
     ordered: bool = True
     auto_ack: bool = True
     on_oversize: Literal["raise", "skip"] = "raise"
@@ -354,6 +361,11 @@ class PipelineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _compatible(self) -> PipelineConfig:
+        if self.download_processes and self.source.startswith("memory:"):
+            raise ValueError(
+                f"download_processes={self.download_processes} with source {self.source!r}: a memory:// file system "
+                "is private to this process, worker processes cannot read it; use download_processes=0"
+            )
         for option in ("prepare", "unpack"):
             if getattr(self, option) not in (None, False) and self.retain != "none":
                 raise ValueError(f"{option} with retain='auto' is not supported yet: use retain='none'")

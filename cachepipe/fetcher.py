@@ -5,7 +5,9 @@ conditions signalled by consumers, never polled), stages the item and submits it
 pool of ``max_concurrency`` download threads. Objects above ``part_size`` are split into
 ranged GETs. The thread that finishes an item's last part publishes it (or discards it and
 reports the failure). Transient errors are retried with exponential backoff and equal jitter,
-sleeping on the stop event so that :meth:`Fetcher.stop` is immediate.
+sleeping on the stop event so that :meth:`Fetcher.stop` is immediate. With
+``download_processes``, each GET is made by a worker process (:mod:`cachepipe.downloads`) while
+the download thread waits for it: the threads keep the bookkeeping, the workers the request path.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
 
 from .broker import Broker
 from .cache import Cache, tree_bytes
 from .catalog import FileEntry, Item
 from .config import PipelineConfig, Share
+from .downloads import DownloadWorkers, LocalWriteError, StagingFile
 from .errors import ArchiveError, ItemFailedError, OversizeError, PrepareOverflowError, VerificationError, is_transient
 from .stores.base import Store
 from .unpack import DEFAULT_MAX_MEMBERS, split_volume, unpack_in_place
@@ -64,22 +66,6 @@ class _Job:
     disk_error: OSError | None = None  # a local write failed: free staging, back off, restart the item
     attempt: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-class _StagingFile:
-    """The staging file a part writes into. Remembers a local write failure (disk full, I/O
-    error), whatever a store backend makes of the exception on its way up."""
-
-    def __init__(self, fh: BinaryIO) -> None:
-        self._fh = fh
-        self.error: OSError | None = None
-
-    def write(self, data: bytes | memoryview) -> int:
-        try:
-            return self._fh.write(data)
-        except OSError as exc:
-            self.error = exc
-            raise
 
 
 class FetchCounters:
@@ -125,6 +111,12 @@ class Fetcher:
         self._stop = threading.Event()
         self.counters = FetchCounters()
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="cachepipe-fetch")
+        processes = config.download_processes
+        self._workers = (
+            DownloadWorkers(config.source, config.storage_options, processes, -(-config.max_concurrency // processes))
+            if processes
+            else None
+        )
         self._prepare_pool = (
             ThreadPoolExecutor(config.prepare_workers, thread_name_prefix="cachepipe-prepare") if config.prepares else None
         )
@@ -139,6 +131,8 @@ class Fetcher:
         if self._thread.is_alive():
             self._thread.join(timeout)
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._workers is not None:
+            self._workers.close()
         if self._prepare_pool is not None:
             self._prepare_pool.shutdown(wait=True, cancel_futures=True)
 
@@ -249,10 +243,13 @@ class Fetcher:
             staging = None
             try:
                 whole = start == 0 and end == f.size  # one part: the file is created here, not by stage()
-                with open(local, "wb" if whole else "r+b") as fh:
-                    fh.seek(start)
-                    staging = _StagingFile(fh)
-                    got = self._store.get(f.key, staging, start, end)  # type: ignore[arg-type]
+                if self._workers is not None:
+                    got = self._workers.get(f.key, str(local), start, end, whole)
+                else:
+                    with open(local, "wb" if whole else "r+b") as fh:
+                        fh.seek(start)
+                        staging = StagingFile(fh)
+                        got = self._store.get(f.key, staging, start, end)  # type: ignore[arg-type]
                 self.counters.add(requests=1, bytes_downloaded=got)
                 if got != end - start:
                     raise VerificationError(f"{f.key}: short body, {got} of {end - start} bytes at offset {start}")
@@ -262,7 +259,7 @@ class Fetcher:
                     staging.error
                     if staging is not None
                     else exc
-                    if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS
+                    if isinstance(exc, LocalWriteError) or (isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS)
                     else None
                 )
                 if local_error is not None:

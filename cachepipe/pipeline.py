@@ -156,6 +156,12 @@ class Pipeline:
         self.config = PipelineConfig(source=source, cache_dir=Path(check_cache_dir(cache_dir)), capacity=capacity, **options)
         if store is None:
             check_source(source)
+        elif self.config.download_processes:
+            raise ConfigError(
+                f"download_processes={self.config.download_processes} with store={store!r}: worker processes open the "
+                "source from its URL and storage_options, a store object cannot be shared with them; pass no store, "
+                "or download_processes=0"
+            )
         small = small_capacity(capacity, self.config.capacity)
         if small is not None:
             log.warning("%s", small)

@@ -30,7 +30,8 @@ def tmpfs(path, size: str):
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-def test_enospc_frees_staging_backs_off_and_recovers(s3_source, tmp_path):
+@pytest.mark.parametrize("download_processes", [0, 2], ids=["threads", "worker-processes"])
+def test_enospc_frees_staging_backs_off_and_recovers(s3_source, tmp_path, download_processes):
     data = s3_source.folders(8, {"f": 40 * KIB})
     with tmpfs(tmp_path / "disk", "256k") as disk:
         tenant = disk / "other-tenant.bin"
@@ -45,6 +46,7 @@ def test_enospc_frees_staging_backs_off_and_recovers(s3_source, tmp_path):
             retry_backoff=0.05,
             retry_backoff_max=0.2,
             retries=100,
+            download_processes=download_processes,  # a worker's failed write counts as the disk's, not the store's
         ) as pipe:
             wait_until(lambda: pipe.stats().disk_errors >= 2)
             assert pipe.stats().items_ready == 0  # nothing partial was published

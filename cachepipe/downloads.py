@@ -1,0 +1,288 @@
+"""Download worker processes: the ranged GETs of a pipeline run outside its process.
+
+A pipeline's download threads spend most of their CPU in the request path (HTTP, signing, TLS,
+copying bodies), under the one interpreter lock of their process. A node daemon that serves
+every rank and worker of a node is then bound to one core. With ``download_processes=N`` the
+fetcher keeps its threads (they plan, reserve, publish: bookkeeping), but each GET is made by one
+of ``N`` worker processes, each running its share of ``max_concurrency`` threads over its own
+store: the parent sends ``(key, local path, start, end)`` and waits for the number of bytes
+written. Files are written by the worker straight into the staging path, so no body crosses the
+pipe.
+
+Errors cross the pipe as the store raised them (already translated at the store's seam:
+``FileNotFoundError``, ``PermissionError``, transient ``ConnectionError``...), so the fetcher's
+retry policy sees the same exceptions as in one process. A local write that failed (a full disk)
+comes back as :class:`LocalWriteError`, which the fetcher tells apart from a store error. A worker
+that dies fails its requests in flight with a transient :class:`WorkerLostError` (the fetcher
+retries them) and is replaced at the next request.
+
+Each worker is a fresh interpreter (``python -m cachepipe.downloads FD``), not a fork (the
+parent runs threads: a fork would copy held locks) nor multiprocessing's spawn (which imports
+the caller's ``__main__`` again). :meth:`DownloadWorkers.close` stops them; none outlives it, and
+a worker exits by itself when its parent dies (its end of the pipe closes).
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from .errors import CachePipeError
+
+__all__ = ["DownloadWorkers", "LocalWriteError", "StagingFile", "WorkerLostError"]
+
+log = logging.getLogger("cachepipe.downloads")
+
+_STOP_SECONDS = 10.0  # how long close() waits for a worker to finish its requests before killing it
+
+
+_MAIN = "import sys; from cachepipe.downloads import serve_fd; serve_fd(int(sys.argv[1]))"
+
+
+def _child_env() -> dict[str, str]:
+    """This environment, with the folder cachepipe is imported from first on ``PYTHONPATH`` (the
+    worker must import the same cachepipe, however this process found it)."""
+    env = dict(os.environ)
+    here = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    return env
+
+
+class LocalWriteError(CachePipeError, OSError):
+    """A worker could not write a part into its staging file (errno as the local write's)."""
+
+
+class WorkerLostError(CachePipeError, ConnectionError):
+    """A download worker process died with the request in flight (transient: retried)."""
+
+
+class _Worker:
+    """The parent's end of one worker process: its pipe, a reader thread, requests in flight."""
+
+    def __init__(self, slot: int, url: str, storage_options: dict[str, Any], threads: int) -> None:
+        self.name = f"cachepipe-download-{slot}"
+        parent, child = socket.socketpair()
+        try:
+            # a fresh interpreter running this module, not multiprocessing's spawn: that would
+            # import the caller's __main__ again (a script without a main guard would run twice)
+            self.process = subprocess.Popen(  # noqa: S603 - this interpreter, our own module, an fd number
+                [sys.executable, "-c", _MAIN, str(child.fileno())], pass_fds=(child.fileno(),), env=_child_env()
+            )
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        self.conn = Connection(parent.detach())
+        self.conn.send((url, storage_options, threads))
+        self.pending: dict[int, Future[int]] = {}
+        self.lock = threading.Lock()  # sends, and pending
+        self.alive = True
+        self.reader = threading.Thread(target=self._read, name=f"{self.name}-reader", daemon=True)
+        self.reader.start()
+
+    def send(self, request_id: int, request: tuple[str, str, int, int, bool]) -> Future[int]:
+        future: Future[int] = Future()
+        with self.lock:
+            if not self.alive:
+                raise WorkerLostError(f"download worker {self.name} exited")
+            self.pending[request_id] = future
+            try:
+                self.conn.send((request_id, *request))
+            except (OSError, ValueError) as exc:  # the worker is gone: its pipe is closed
+                del self.pending[request_id]
+                self.alive = False
+                raise WorkerLostError(f"download worker {self.name} exited ({exc})") from exc
+        return future
+
+    def _read(self) -> None:
+        """Complete each request's future with the worker's reply, until the pipe closes."""
+        while True:
+            try:
+                request_id, status, payload = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            with self.lock:
+                future = self.pending.pop(request_id, None)
+            if future is None:
+                continue
+            if status == "ok":
+                future.set_result(payload)
+            else:
+                future.set_exception(_exception(payload))
+        with self.lock:
+            self.alive = False
+            lost, self.pending = list(self.pending.values()), {}
+        for future in lost:
+            future.set_exception(WorkerLostError(f"download worker {self.name} exited (exit code {self.process.poll()})"))
+
+    def stop(self, timeout: float) -> None:
+        """Ask the worker to finish its requests and exit; kill it after ``timeout`` seconds."""
+        with self.lock:
+            try:
+                if self.alive:
+                    self.conn.send(None)
+            except (OSError, ValueError):
+                pass
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("download worker %s did not stop within %.0f s: killing it", self.name, timeout)
+            self.process.kill()
+            self.process.wait()
+        self.conn.close()
+        self.reader.join()
+
+
+class DownloadWorkers:
+    """``processes`` worker processes, each with ``threads`` download threads over its own store.
+
+    Args:
+        url: the source URL (each worker opens its store with :func:`cachepipe.stores.open_store`).
+        storage_options: the store's options (picklable).
+        processes: worker processes (at least 1).
+        threads: requests each worker runs at once (at least 1).
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any], processes: int, threads: int) -> None:
+        self._args = (url, storage_options, threads)
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._workers: list[_Worker] = []
+        try:
+            for slot in range(processes):
+                self._workers.append(_Worker(slot, *self._args))
+        except BaseException:
+            self.close()
+            raise
+
+    def get(self, key: str, path: str, start: int, end: int, create: bool) -> int:
+        """Write bytes ``[start, end)`` of object ``key`` into the file at ``path`` at offset
+        ``start`` (``create``: create or truncate it first; else it exists). Blocks until done;
+        returns the bytes written (short if the store sent a short body).
+
+        Raises:
+            LocalWriteError: the local file could not be written.
+            WorkerLostError: the worker died meanwhile (transient).
+            RuntimeError: :meth:`close` was called.
+            Exception: what the store raised for this request.
+        """
+        worker = self._pick()
+        return worker.send(next(self._ids), (key, path, start, end, create)).result()
+
+    def _pick(self) -> _Worker:
+        """The worker with the fewest requests in flight; a dead one is replaced first."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("download workers are closed")
+            for slot, worker in enumerate(self._workers):
+                if not worker.alive:
+                    log.warning("download worker %s exited (exit code %s): starting another", worker.name, worker.process.poll())
+                    worker.stop(0)
+                    self._workers[slot] = _Worker(slot, *self._args)
+            return min(self._workers, key=lambda w: len(w.pending))
+
+    def close(self) -> None:
+        """Stop every worker (each finishes its requests in flight first). Idempotent."""
+        with self._lock:
+            self._closed = True
+            workers, self._workers = self._workers, []
+        for worker in workers:
+            worker.stop(_STOP_SECONDS)
+
+
+def _exception(payload: bytes | tuple[str, str]) -> BaseException:
+    """The exception a worker sent: unpickled, or (if it would not pickle) described."""
+    if isinstance(payload, tuple):
+        kind, message = payload
+        return RuntimeError(f"{kind} in a download worker: {message}")
+    exc = pickle.loads(payload)  # noqa: S301 - from our own child process, over a private pipe
+    return exc if isinstance(exc, BaseException) else RuntimeError(f"download worker sent {exc!r}")
+
+
+# ---- the worker process ----------------------------------------------------------------
+def _serve(conn: Connection) -> None:
+    """A worker's main: read ``(url, storage_options, threads)``, then serve requests from
+    ``conn`` with ``threads`` threads until told to stop (``None``) or the parent's end closes."""
+    url, storage_options, threads = conn.recv()
+    from .stores import open_store
+
+    store = open_store(url, storage_options)
+    send_lock = threading.Lock()
+
+    def handle(request_id: int, key: str, path: str, start: int, end: int, create: bool) -> None:
+        try:
+            reply: tuple[str, Any] = ("ok", _get(store, key, path, start, end, create))
+        except BaseException as exc:  # noqa: BLE001 - sent to the parent, which raises it for this request
+            try:
+                reply = ("error", pickle.dumps(exc))
+            except Exception:  # noqa: BLE001 - an exception that does not pickle is described instead
+                reply = ("error", (type(exc).__name__, str(exc)))
+        with send_lock:
+            try:
+                conn.send((request_id, *reply))
+            except OSError:
+                pass  # the parent is gone
+
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="cachepipe-get")
+    try:
+        while True:
+            try:
+                request = conn.recv()
+            except (EOFError, OSError):
+                break  # the parent is gone
+            if request is None:
+                break
+            pool.submit(handle, *request)
+    finally:
+        pool.shutdown(wait=True)
+        store.close()
+        conn.close()
+
+
+class StagingFile:
+    """The staging file a part is written into. Remembers a local write failure (disk full, I/O
+    error), whatever a store backend makes of the exception on its way up."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self._fh = fh
+        self.error: OSError | None = None
+
+    def write(self, data: bytes | memoryview) -> int:
+        try:
+            return self._fh.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+
+def _get(store: Any, key: str, path: str, start: int, end: int, create: bool) -> int:
+    """One part, as the fetcher writes it in one process: an error opening or closing the file
+    is raised as it is (the fetcher sorts it), a failed write as :class:`LocalWriteError`
+    whatever the store made of it."""
+    with open(path, "wb" if create else "r+b") as fh:
+        fh.seek(start)
+        out = StagingFile(fh)
+        try:
+            return int(store.get(key, out, start, end))
+        except BaseException:
+            if out.error is not None:
+                raise LocalWriteError(out.error.errno or errno.EIO, f"{path}: {out.error.strerror or out.error}") from None
+            raise
+
+
+def serve_fd(fd: int) -> None:
+    """The entry point of a worker process: serve the parent over the socket ``fd``."""
+    _serve(Connection(fd))
