@@ -456,11 +456,12 @@ class Consumers:
 # ---- the node daemon -------------------------------------------------------------------
 @contextlib.contextmanager
 def node_daemon(
-    work: Path, endpoint: str, capacity: int, max_concurrency: int, download_processes: int = 0
+    work: Path, source: str, endpoint: str, capacity: int, max_concurrency: int, download_processes: int = 0
 ) -> Iterator[tuple[Any, str]]:
     """A ``cachepipe serve`` subprocess whose ``jobs`` section caches under ``work/jobs`` with
-    ``capacity`` (and the jobs' GETs made by ``download_processes`` worker processes, if not 0);
-    yields it and its socket. Stopped (SIGTERM, else killed) on the way out."""
+    ``capacity``, for jobs reading ``source`` (the daemon imports its backend at start: a node's
+    daemon runs before jobs come) and their GETs made by ``download_processes`` worker processes
+    if not 0; yields it and its socket. Stopped (SIGTERM, else killed) on the way out."""
     import yaml
 
     from cachepipe.service.testing import DaemonProcess
@@ -473,6 +474,7 @@ def node_daemon(
             "root": str(work / "jobs"),
             "capacity": capacity,
             "max_jobs": 1,
+            "sources": [source],
             "options": {
                 "storage_options": {"endpoint_url": endpoint, "skip_instance_cache": True},
                 "max_concurrency": max_concurrency,
@@ -658,7 +660,7 @@ def measure(
         else:
             spec = {"source": source_of(case), "world_size": world, "ranks": RANKS, "num_workers": WORKERS, **options}
             processes = args.download_processes if method == "node-procs" else 0
-            with node_daemon(work, endpoint, capacity, args.max_concurrency, processes) as (daemon, sock):
+            with node_daemon(work, source_of(case), endpoint, capacity, args.max_concurrency, processes) as (daemon, sock):
                 run = timed(bench, lane_tasks("bench", spec, sock, compute_s, args), daemon.pid)
                 run["cachepipe_bytes_downloaded"] = job_stats(sock, "bench")["bytes_downloaded"]
     finally:

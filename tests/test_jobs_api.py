@@ -131,6 +131,9 @@ def test_jobs_section_is_checked(tmp_path):
     assert "jobs.options.colour: not a pipeline option" in error_of(
         {"jobs": {"root": "/j", "capacity": "1GiB", "options": {"colour": 1}}}
     )
+    assert "jobs.sources 'nope://b/': unknown URL scheme 'nope://'" in error_of(
+        {"jobs": {"root": "/j", "capacity": "1GiB", "sources": ["s3://ok/", "nope://b/"]}}
+    )
     overlap = {"jobs": {"root": "/data/jobs", "capacity": "1GiB"}}
     overlap["pipelines"] = {"train": {"source": "s3://b/", "cache_dir": "/data/jobs/train", "capacity": "1GiB"}}
     assert "overlaps jobs.root '/data/jobs'" in error_of(overlap)

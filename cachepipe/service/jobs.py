@@ -40,6 +40,7 @@ from ..errors import ConfigError
 from ..manifest import index, read_manifest
 from ..node import NodePipeline, Taken
 from ..plan import Cursor
+from ..stores import preload
 from .errors import StoppingError, UnknownPipelineError
 
 __all__ = ["JobConflictError", "JobSpec", "Jobs", "JobsConfig"]
@@ -88,6 +89,11 @@ class JobsConfig(BaseModel):
                 raise ValueError(f"jobs.options.{key}: not a pipeline option (see cachepipe.PipelineConfig)")
             if key in _NODE_SETS or key in _JOB_FIELDS:
                 raise ValueError(f"jobs.options.{key}: set by the job or by the daemon, not in jobs.options")
+        for prefix in self.sources:
+            try:  # checks the scheme, and imports its backend before the daemon serves: the first job does not wait
+                preload(prefix)
+            except (ConfigError, ImportError) as exc:
+                raise ValueError(f"jobs.sources {prefix!r}: {exc}") from exc
         return self
 
 

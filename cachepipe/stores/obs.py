@@ -227,6 +227,21 @@ def _parse_url(url: str) -> tuple[str, str]:
     return parts.netloc, prefix
 
 
+def load_sdk(url: str) -> Any:
+    """The Huawei OBS SDK's module (``obs``), imported.
+
+    Raises:
+        ImportError: it is not installed (naming the extra that installs it, for ``url``).
+    """
+    try:
+        import obs
+    except ImportError as exc:
+        raise ImportError(
+            f"{url}: the obs:// backend needs the Huawei OBS SDK; install it with pip install 'cachepipe[obs]'"
+        ) from exc
+    return obs
+
+
 class ObsStore:
     """The objects under ``obs://bucket/prefix/``, read through ``esdk-obs-python``.
 
@@ -256,13 +271,9 @@ class ObsStore:
         if not isinstance(page_size, int) or isinstance(page_size, bool) or not 1 <= page_size <= MAX_PAGE_SIZE:
             raise ConfigError(f"page_size {page_size!r}: expected an integer from 1 to {MAX_PAGE_SIZE}")
         self._page_size = page_size
-        try:
-            from obs import GetObjectHeader, ObsClient
-        except ImportError as exc:
-            raise ImportError(
-                f"{self.url}: the obs:// backend needs the Huawei OBS SDK; install it with pip install 'cachepipe[obs]'"
-            ) from exc
-        self._get_header = GetObjectHeader
+        sdk = load_sdk(self.url)
+        ObsClient = sdk.ObsClient  # noqa: N806 - the SDK's class
+        self._get_header = sdk.GetObjectHeader
         settings = _resolve_settings(storage_options or {}, os.environ, _client_arguments(ObsClient))
         self._settings = settings
         self._secrets = tuple(str(settings.client_kwargs[k]) for k in _SECRET_KEYS if settings.client_kwargs.get(k))
