@@ -10,9 +10,12 @@ time is excluded), it measures:
    ``next`` then ``ack`` as two requests, ``--round-trips`` times; then ``next`` carrying the
    previous item's ack (what ``for item in Client(...)`` does), for the rest of the items.
    Reported as p50/p99/mean in microseconds per item.
-2. items/s sustained by ``--consumers`` consumer processes in parallel, each iterating
-   ``Client("par")`` (auto-ack) until the pipeline is exhausted: all processes start on one
-   signal once connected; the time is from that signal to the last consumer's last item.
+2. items/s sustained by ``--consumers`` consumer processes in parallel until a pipeline is
+   exhausted, twice: each iterating ``Client("par")`` (auto-ack: one item per request, each ack
+   carried by the next), then each taking ``--batch`` items per request from pipeline ``batch``
+   (``Client.get_many``, each batch acknowledged by the next request). All processes start on
+   one signal once connected; the time is from that signal to the last consumer's last item.
+   With the daemon's CPU microseconds per item over the same span.
 
 Usage::
 
@@ -36,6 +39,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
@@ -52,14 +56,21 @@ WARMUP = 20
 CONSUMER = r"""
 import json, sys, time
 from cachepipe.client import Client
-client = Client(pipeline="par", socket=sys.argv[1], timeout=120).open()
+pipeline, batch = sys.argv[2], int(sys.argv[3])
+client = Client(pipeline=pipeline, socket=sys.argv[1], timeout=120).open()
 client.status()  # connected before the start signal
 print("ready", flush=True)
 sys.stdin.readline()
 start = time.monotonic()
 count = 0
-for item in client:
-    count += 1
+if batch == 1:
+    for item in client:
+        count += 1
+else:
+    got = client.get_many(batch, timeout=120)
+    while got:
+        count += len(got)
+        got = client.get_many(batch, timeout=120, ack=got)  # this batch acknowledged by the next request
 print(json.dumps({"start": start, "end": time.monotonic(), "count": count}), flush=True)
 """
 
@@ -162,15 +173,20 @@ def in_process(endpoint: str, tmp: str, items: int, count: int) -> dict[str, flo
     return percentiles(samples)
 
 
-def parallel(sock: str, consumers: int, items: int) -> dict[str, float]:
+def parallel(sock: str, consumers: int, items: int, pipeline: str, batch: int, daemon_pid: int) -> dict[str, Any]:
+    """``consumers`` processes exhaust ``pipeline``, each taking one item per request (``batch``
+    1: the iterator, each ack carried by the next request) or up to ``batch`` (``get_many``,
+    each batch acknowledged by the next request); with the daemon's CPU seconds meanwhile."""
     procs = [
-        subprocess.Popen([sys.executable, "-c", CONSUMER, sock], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", CONSUMER, sock, pipeline, str(batch)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         for _ in range(consumers)
     ]
     try:
         for proc in procs:
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"  # noqa: PT018 - one invariant
-        go = time.monotonic()
+        cpu0, go = _cpu_seconds(daemon_pid), time.monotonic()
         for proc in procs:
             assert proc.stdin is not None
             proc.stdin.write("go\n")
@@ -181,6 +197,7 @@ def parallel(sock: str, consumers: int, items: int) -> dict[str, float]:
             if proc.returncode != 0:
                 raise RuntimeError(f"a consumer failed with status {proc.returncode}")
             results.append(json.loads(out))
+        daemon_cpu = _cpu_seconds(daemon_pid) - cpu0
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -192,11 +209,19 @@ def parallel(sock: str, consumers: int, items: int) -> dict[str, float]:
     seconds = max(r["end"] for r in results) - go
     return {
         "consumers": consumers,
+        "batch": batch,
         "items": total,
         "seconds": round(seconds, 3),
         "items_per_s": round(total / seconds, 1),
+        "daemon_cpu_us_per_item": round(daemon_cpu / total * 1e6, 1),
         "per_consumer": sorted(r["count"] for r in results),
     }
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=1024, help="bytes per item (default 1024)")
     parser.add_argument("--round-trips", type=int, default=1000, help="next+ack round trips (default 1000)")
     parser.add_argument("--consumers", type=int, default=8, help="parallel consumer processes (default 8)")
+    parser.add_argument("--batch", type=int, default=64, help="items per request in the batched run (default 64)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 60 items, 30 round trips, 2 consumers")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
@@ -238,14 +264,17 @@ def main(argv: list[str] | None = None) -> int:
                         "capacity": "4GiB",
                         "storage_options": {"endpoint_url": endpoint},
                     }
-                    for name in ("rt", "par")
+                    for name in ("rt", "par", "batch")
                 },
             }
             Path(tmp, "cachepipe.yaml").write_text(yaml.safe_dump(config))
             with DaemonProcess(Path(tmp, "cachepipe.yaml")) as daemon, Client("rt", sock) as probe:
                 prefetch_s = wait_ready(probe, args.items, timeout=600)
                 latencies = round_trips(sock, args.round_trips)
-                par = parallel(sock, args.consumers, args.items)
+                par = [
+                    parallel(sock, args.consumers, args.items, "par", 1, daemon.pid),
+                    parallel(sock, args.consumers, args.items, "batch", args.batch, daemon.pid),
+                ]
                 code = daemon.stop()
                 if code != 0:
                     raise RuntimeError(f"the daemon exited with {code}:\n{daemon.log()}")
@@ -284,10 +313,13 @@ def main(argv: list[str] | None = None) -> int:
     for label, row in latencies.items():
         print(f"{label:<44} {row['n']:>6} {row['p50_us']:>9} {row['p99_us']:>9} {row['mean_us']:>9}")
     print()
-    print(
-        f"{par['consumers']} consumer processes, auto-ack: {par['items']} items in {par['seconds']} s = "
-        f"{par['items_per_s']} items/s (per consumer: {par['per_consumer']})"
-    )
+    for row in par:
+        how = "one item per request (the iterator)" if row["batch"] == 1 else f"get_many({row['batch']}), acks with the next"
+        print(
+            f"{row['consumers']} consumer processes, {how}: {row['items']} items in {row['seconds']} s = "
+            f"{row['items_per_s']} items/s, daemon CPU {row['daemon_cpu_us_per_item']} us/item "
+            f"(per consumer: {row['per_consumer']})"
+        )
     return 0
 
 

@@ -36,7 +36,7 @@ import os
 import socket as _socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -73,6 +73,20 @@ class ServiceError(CachePipeError):
         super().__init__(f"{message} (HTTP {status} {code})")
         self.status = status
         self.code = code
+
+
+MAX_BATCH = 1024
+"""The most items one request takes or acknowledges (the daemon refuses more)."""
+
+
+def _ack_bodies(items: Sequence[str | os.PathLike[str]]) -> list[dict[str, Any]]:
+    """The ``{"path", "lease"}`` objects acknowledging ``items`` (leases of :class:`ServedItem` s)."""
+    if len(items) > MAX_BATCH:
+        raise ValueError(f"{len(items)} items to acknowledge at once: at most {MAX_BATCH} per request")
+    return [
+        {"path": os.path.abspath(os.fspath(item)), "lease": item.lease if isinstance(item, ServedItem) else None}
+        for item in items
+    ]
 
 
 class ServedItem(PathItem):
@@ -258,7 +272,56 @@ class Client:
         """
         return self._take(timeout, None)
 
+    def get_many(self, count: int, timeout: float | None = None, ack: Sequence[str | os.PathLike[str]] = ()) -> list[ServedItem]:
+        """Take up to ``count`` items in one request: the next one (waiting as :meth:`get`), then
+        those ready after it, without waiting for more; an empty list when every item was
+        delivered. For many small items, with ``ack`` (or :meth:`ack_many`), a batch costs one
+        round trip.
+
+        Args:
+            count: the most items to take, 1 to 1024.
+            timeout: seconds to wait for the first item (None: no limit).
+            ack: items of this pipeline to acknowledge first (:class:`ServedItem` objects, or
+                paths), all or none: if the acknowledgement is refused, nothing is taken.
+
+        Raises:
+            ValueError: ``count`` out of range, or more than 1024 items to acknowledge.
+            UnknownItemError, TimeoutError, ServiceError, ConnectionError: as :meth:`get` and :meth:`ack`.
+        """
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_BATCH:
+            raise ValueError(f"count {count!r}: expected an integer from 1 to {MAX_BATCH}")
+        acks = _ack_bodies(ack)
+        reply = self._next(timeout, {"count": count, **({"acks": acks} if acks else {})})
+        return [] if reply is None else [ServedItem.from_json(item) for item in reply["items"]]
+
+    def ack_many(self, items: Sequence[str | os.PathLike[str]]) -> None:
+        """Acknowledge several items of one pipeline in one request, all or none.
+
+        Args:
+            items: :class:`ServedItem` objects (their leases are sent) or paths; at most 1024.
+
+        Raises:
+            ValueError: more than 1024 items.
+            ServiceError: items of more than one pipeline (HTTP 400); nothing was acknowledged.
+            UnknownItemError: one of them is not handed out, or its lease expired: none was
+                acknowledged (HTTP 409).
+        """
+        self._require_open()
+        bodies = _ack_bodies(items)
+        if not bodies:
+            return
+        status, data = self._request("POST", "/v1/ack", {"items": bodies}, self.request_timeout)
+        if status != 200:
+            self._raise_for(status, data)
+
     def _take(self, timeout: float | None, ack: ServedItem | None) -> ServedItem | None:
+        acks = None if ack is None else {"ack": {"path": str(ack.path), "lease": ack.lease}}
+        reply = self._next(timeout, acks)
+        return None if reply is None else ServedItem.from_json(reply)
+
+    def _next(self, timeout: float | None, extra: dict[str, Any] | None) -> dict[str, Any] | None:
+        """``POST .../next`` with ``extra`` in the body, waiting up to ``timeout``; the reply, or
+        None once every item was delivered."""
         self._require_open()
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.pipeline is None:
@@ -268,17 +331,19 @@ class Client:
             self.pipeline = names[0]
         route = f"/v1/pipelines/{quote(str(self.pipeline), safe='')}/next"
         outage = _Outage(self.startup_timeout)
+        acking = extra is not None and bool(extra.get("ack") or extra.get("acks"))
         while True:
             wait = _SLICE if deadline is None else min(max(deadline - time.monotonic(), 0.0), _SLICE)
-            body: dict[str, Any] = {"timeout": wait}
-            if ack is not None:
-                body["ack"] = {"path": str(ack.path), "lease": ack.lease}
+            body: dict[str, Any] = {"timeout": wait, **(extra or {})}
             # A next carrying an ack is sent once: were it sent again, the ack could be refused
             # (or apply twice); without one, asking again changes nothing.
-            status, data = self._request("POST", route, body, wait + _MARGIN, retry=ack is None)
-            ack = None
+            status, data = self._request("POST", route, body, wait + _MARGIN, retry=not acking)
+            if acking and extra is not None:
+                extra = {k: v for k, v in extra.items() if k not in ("ack", "acks")}
+                acking = False
             if status == 200:
-                return ServedItem.from_json(json.loads(data))
+                reply: dict[str, Any] = json.loads(data)
+                return reply
             if status == 204:
                 return None
             if status == 408 and (deadline is None or deadline - time.monotonic() > 0):

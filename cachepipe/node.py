@@ -448,9 +448,10 @@ class NodePipeline(Pipeline):
     def _move(self, lane: int, cursor: Cursor) -> None:
         with self._moves:
             consumed, stale = self._queues.move(lane, cursor)
-            for planned in consumed:
-                self._cache.evict(planned.item.name, planned.step.epoch, planned.tick)
-                self._count("acked")
+            if consumed:  # one journal write for the lot (one copy of an item at a time: no name twice)
+                self._cache.evict_many([(planned.item.name, planned.step.epoch, planned.tick) for planned in consumed])
+                with self._counts_lock:
+                    self._counts["acked"] += len(consumed)
             for planned in stale:
                 self._stale(planned)
             self._advance()

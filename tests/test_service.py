@@ -567,3 +567,4 @@ def test_benchmark_quick_smoke(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "next+ack" in proc.stdout and "items/s" in proc.stdout and "bench_service.py" in proc.stdout
+    assert "one item per request" in proc.stdout and "get_many(64)" in proc.stdout

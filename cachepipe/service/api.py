@@ -9,7 +9,13 @@ Routes (bodies are JSON objects; every error body is ``{"error": CODE, "message"
                                      200 {"pipeline", "name", "path", "lease", "size", "files"}
                                      204 every item was delivered | 408 none ready in time
                                      409 the "ack" failed (nothing taken) | 502 the item failed
+                                     (with "count": N, up to 1024, and "acks": [{"path", "lease"}...]
+                                     of items of NAME, acknowledged first, all or none: 200
+                                     {"pipeline", "items": [up to N of those]}, the next item and
+                                     those ready after it, without waiting for more)
     POST /v1/ack                     {"path": P, "lease": L}  200 | 409 not handed out / lease expired
+                                     (or {"items": [{"path", "lease"}...]}: items of one pipeline,
+                                     acknowledged all or none)
     POST /v1/release                 same; the item goes back to the front of the queue
     POST /v1/renew                   same; the lease is extended by lease_timeout
     PUT  /v1/jobs/JOB                a job's spec (see .jobs.JobSpec)  200 {"job", "created", "lanes", ...}
@@ -83,6 +89,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from .. import __version__
+from ..client import MAX_BATCH
 from ..errors import ConfigError, ItemFailedError, UnknownItemError
 from ..node import Taken
 from ..pipeline import CachedItem
@@ -292,17 +299,24 @@ class _Handler(BaseHTTPRequestHandler):
         timeout = body.get("timeout")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0):
             raise BadRequest(f"'timeout' {timeout!r}: expected seconds as a number >= 0, or null for the daemon's max_wait")
-        ack = body.get("ack")
+        ack, acks, count = body.get("ack"), body.get("acks"), body.get("count")
         if ack is not None and not isinstance(ack, dict):
             raise BadRequest(f'\'ack\' {ack!r}: expected an object {{"path": ..., "lease": ...}}')
-        item = daemon.take(name, timeout, ack)
-        if item is None:
+        if acks is not None and not (isinstance(acks, list) and all(isinstance(a, dict) for a in acks)):
+            raise BadRequest(f'\'acks\' {acks!r}: expected a list of objects {{"path": ..., "lease": ...}}')
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_BATCH):
+            raise BadRequest(f"'count' {count!r}: expected an integer from 1 to {MAX_BATCH}")
+        items = daemon.take_many(name, timeout, count or 1, [*([ack] if ack else []), *(acks or [])])
+        if not items:
             return self._reply(204)
         try:
-            return self._reply(200, item_json(name, item))
+            if count is None:
+                return self._reply(200, item_json(name, items[0]))
+            return self._reply(200, {"pipeline": name, "items": [item_json(name, item) for item in items]})
         except OSError:
-            log.info("%s: consumer went away before receiving %s; released", name, item.name)
-            daemon.finish("release", str(item.path), item.lease)
+            log.info("%s: consumer went away before receiving %s; released", name, ", ".join(i.name for i in items))
+            for item in items:
+                daemon.finish("release", str(item.path), item.lease)
             raise
 
     def _job(self, daemon: Service, name: str, body: dict[str, Any]) -> int:
@@ -354,6 +368,12 @@ class _Handler(BaseHTTPRequestHandler):
         return self._reply(200, info)
 
     def _finish(self, daemon: Service, verb: str, body: dict[str, Any]) -> int:
+        if "items" in body:
+            items = body["items"]
+            if not isinstance(items, list) or not 1 <= len(items) <= MAX_BATCH:
+                raise BadRequest(f'\'items\' {items!r}: expected a list of 1 to {MAX_BATCH} objects {{"path", "lease"}}')
+            pipeline, names = daemon.finish_many(verb, items)
+            return self._reply(200, {"pipeline": pipeline, "names": names, "result": verb})
         pipeline, name = daemon.finish(verb, body.get("path"), body.get("lease"))
         return self._reply(200, {"pipeline": pipeline, "name": name, "result": verb})
 

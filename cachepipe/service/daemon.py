@@ -267,33 +267,65 @@ class Daemon:
         return result
 
     # ---- operations (called from API handler threads) --------------------------------
-    def take(self, name: str, timeout: float | None, ack: dict[str, Any] | None = None) -> CachedItem | None:
-        """Acknowledge ``ack`` (if given), then lease the next item of pipeline ``name``.
-
-        Blocks up to ``timeout`` seconds (capped by ``max_wait``); a pipeline rebuilt by a reload
-        meanwhile is waited for. None: every item was delivered.
+    def take_many(self, name: str, timeout: float | None, count: int, acks: list[Any] | None = None) -> list[CachedItem]:
+        """Acknowledge ``acks`` (``{"path", "lease"}`` objects of items of pipeline ``name``, all or
+        none: see :meth:`finish_many`), then lease up to ``count`` items of it (see
+        :meth:`cachepipe.Pipeline.get_many`); :meth:`take` otherwise. Empty: every item was delivered.
 
         Raises:
-            UnknownPipelineError, UnavailableError, UnknownItemError (the ack), TimeoutError,
-            ItemFailedError.
+            As :meth:`take`; ValueError: a malformed ack, or one of another pipeline.
         """
         limit = self.config.max_wait if timeout is None else min(timeout, self.config.max_wait)
         deadline = time.monotonic() + limit
-        if ack is not None:
-            self.finish("ack", ack.get("path"), ack.get("lease"))
+        if acks:
+            for ack in acks:  # all of this pipeline, before any is acknowledged
+                owner = self._owner(self._checked(ack.get("path") if isinstance(ack, dict) else None, None)[0]).name
+                if owner != name:
+                    raise ValueError(f"the acks sent with next of pipeline {name!r} are items of pipeline {owner!r}")
+            self.finish_many("ack", acks)
         while True:
             pipe = self._pipeline(name)
             self._count_waiting(name, +1)
             try:
-                item = pipe.get(timeout=max(deadline - time.monotonic(), 0.0))
-                if item is not None:  # recorded before the consumer learns the path
+                items = pipe.get_many(count, timeout=max(deadline - time.monotonic(), 0.0))
+                for item in items:  # recorded before the consumer learns the paths
                     self._handouts.record(Path(os.path.abspath(item.path)), item.lease, item.files)
-                return item
+                return items
             except RuntimeError:
                 if not self._wait_replaced(name, pipe, deadline):
                     raise TimeoutError(f"pipeline {name!r} was being reloaded for the whole wait of {limit:g} s") from None
             finally:
                 self._count_waiting(name, -1)
+
+    def finish_many(self, verb: str, items: list[Any]) -> tuple[str, list[str]]:
+        """``ack`` (or ``release``, ``renew``) every ``{"path", "lease"}`` of ``items``, items of one
+        pipeline; an ack of several is journaled by one write, all or none (see
+        :meth:`cachepipe.Pipeline.ack_many`). Returns (pipeline name, item names).
+
+        Raises:
+            ValueError: a malformed entry, or items of more than one pipeline.
+            UnknownItemError: as :meth:`finish` (for an ack of several: none was acknowledged).
+        """
+        if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
+            raise ValueError(f'{items!r}: expected a non-empty list of objects {{"path": ..., "lease": ...}}')
+        if verb != "ack" or len(items) == 1:
+            done = [self.finish(verb, i.get("path"), i.get("lease")) for i in items]
+            return done[0][0], [n for _p, n in done]
+        checked = [self._checked(i.get("path"), i.get("lease")) for i in items]
+        owners = {self._owner(path).name for path, _lease in checked}
+        if len(owners) > 1:
+            raise ValueError(f"one request acknowledges items of one pipeline, not of {', '.join(sorted(owners))}")
+        served = self._owner(checked[0][0])
+        pipe = self._live(served)
+        try:
+            pipe.ack_many([(path, lease) if lease else path for path, lease in checked])
+        except RuntimeError:
+            raise self._rebuilt_error("ack", "these items", served) from None
+        except UnknownItemError as exc:
+            raise self._explained(exc, served) from None
+        for path, lease in checked:
+            self._handouts.forget(Path(path), lease or None)
+        return served.name, [Path(path).relative_to(served.root).as_posix() for path, _lease in checked]
 
     def _count_waiting(self, name: str, delta: int) -> None:
         with self._cond:
@@ -307,36 +339,54 @@ class Daemon:
             UnknownItemError: not handed out (or outside every cache), or ``lease`` is not the
                 live lease (it expired and the item went back to the queue or to another consumer).
         """
-        if not isinstance(path, str) or not path:
-            raise ValueError("'path': expected the item's local path as a string")
-        if lease is not None and not isinstance(lease, str):
-            raise ValueError(f"'lease' {lease!r}: expected the lease id string returned by next")
-        item_path = os.path.abspath(path)
+        item_path, lease = self._checked(path, lease)
         served = self._owner(item_path)
-        pipe = served.pipeline
-        if pipe is None:
-            raise UnavailableError(f"pipeline {served.name!r} is down: {served.error}")
+        pipe = self._live(served)
         action = {"ack": pipe.ack, "release": pipe.release, "renew": pipe.renew}.get(verb)
         if action is None:
             raise ValueError(f"unknown action {verb!r}")
         try:
             action(item_path, lease or None)
         except RuntimeError:
-            raise UnknownItemError(
-                f"cannot {verb} {path!r}: pipeline {served.name!r} is being rebuilt by a reload, which ends the leases "
-                "handed out before it; the item will be delivered again"
-            ) from None
+            raise self._rebuilt_error(verb, repr(path), served) from None
         except UnknownItemError as exc:
-            if served.rebuilt_at is None:
-                raise
-            ago = time.monotonic() - served.rebuilt_at
-            raise UnknownItemError(
-                f"{exc}; note: pipeline {served.name!r} was rebuilt by a reload {ago:.0f} s ago, which ended every lease "
-                "handed out before it (those items are delivered again)"
-            ) from None
+            raise self._explained(exc, served) from None
         if verb != "renew":
             self._handouts.forget(Path(item_path), lease or None)
         return served.name, Path(item_path).relative_to(served.root).as_posix()
+
+    @staticmethod
+    def _checked(path: Any, lease: Any) -> tuple[str, str | None]:
+        """``(absolute path, lease)`` of an item a consumer names; ValueError if malformed."""
+        if not isinstance(path, str) or not path:
+            raise ValueError("'path': expected the item's local path as a string")
+        if lease is not None and not isinstance(lease, str):
+            raise ValueError(f"'lease' {lease!r}: expected the lease id string returned by next")
+        return os.path.abspath(path), lease
+
+    @staticmethod
+    def _live(served: _Served) -> Pipeline:
+        if served.pipeline is None:
+            raise UnavailableError(f"pipeline {served.name!r} is down: {served.error}")
+        return served.pipeline
+
+    @staticmethod
+    def _rebuilt_error(verb: str, what: str, served: _Served) -> UnknownItemError:
+        return UnknownItemError(
+            f"cannot {verb} {what}: pipeline {served.name!r} is being rebuilt by a reload, which ends the leases "
+            "handed out before it; the item will be delivered again"
+        )
+
+    @staticmethod
+    def _explained(exc: UnknownItemError, served: _Served) -> UnknownItemError:
+        """``exc``, noting a reload that ended the leases, if there was one."""
+        if served.rebuilt_at is None:
+            return exc
+        ago = time.monotonic() - served.rebuilt_at
+        return UnknownItemError(
+            f"{exc}; note: pipeline {served.name!r} was rebuilt by a reload {ago:.0f} s ago, which ended every lease "
+            "handed out before it (those items are delivered again)"
+        )
 
     def _marker_ack(self, name: str, item: Path, how: str) -> None:
         with self._cond:
