@@ -167,7 +167,8 @@ def test_node_benchmark_reports_both_parts():
         assert r["largest_item_bytes"] == (r["room_bytes"] // 8 if method == "per-process" else r["room_bytes"])
     assert rows[1.0, "node-fixed"]["bytes_downloaded"] == a["node_epoch_bytes"]  # its share fits: each item once
     b = {(r["case"], r["method"]): r for r in report["part_b"]["rows"]}
-    assert set(b) == {(c, m) for c in ("node-large", "node-small") for m in ("per-process", "node")}
+    assert set(b) == {(c, m) for c in ("node-large", "node-small") for m in ("per-process", "node", "node-procs")}
     for key, r in b.items():
         assert r["mb_per_s"] > 0 and r["items_per_s"] > 0 and r["consumers_cpu_s"] > 0, key
         assert (r["daemon_cpu_s"] is None) == (key[1] == "per-process"), key
+        assert (r["workers_cpu_s"] or 0) > 0 if key[1] == "node-procs" else not r["workers_cpu_s"], key
