@@ -219,10 +219,13 @@ class NativeS3Store:
         try:
             yield
         except (obstore.exceptions.BaseError, FileNotFoundError) as exc:
-            if _STATUS.search(str(exc)) is not None:
-                self._answered = True
-            raise _translate(exc, where, self.endpoint, self._answered) from exc
+            raise self._translated(exc, where) from exc
         self._answered = True
+
+    def _translated(self, exc: Exception, where: str) -> BaseException:
+        if _STATUS.search(str(exc)) is not None:
+            self._answered = True
+        return _translate(exc, where, self.endpoint, self._answered)
 
     def list(self) -> Iterator[ObjectInfo]:
         """Every object under the root in key order, listed by the fsspec backend (see the module's docstring)."""
@@ -236,13 +239,13 @@ class NativeS3Store:
         with self._errors(where):
             chunks = obstore.get(self._store, key, options={"range": (start, end)}).stream(_CHUNK)
         written = 0
-        while True:
-            with self._errors(where):  # the engine's calls only: a failing write to `out` is the disk's, not the store's
-                chunk = next(chunks, None)
-            if chunk is None:
-                return written
-            out.write(chunk)
-            written += len(chunk)
+        try:
+            for chunk in chunks:
+                out.write(chunk)  # its OSError (the disk's, not the store's) is not obstore's: not translated
+                written += len(chunk)
+        except obstore.exceptions.BaseError as exc:  # a body cut short, a read timed out
+            raise self._translated(exc, f"{where} (after {written} bytes)") from exc
+        return written
 
     def close(self) -> None:
         """Close the listing's connections (obstore's pool goes with the store object). Idempotent."""
