@@ -4,11 +4,11 @@ bindings of Rust's ``object_store``: hyper and tokio, SigV4 in Rust), listings a
 Opt in with the storage option ``engine="obstore"`` (``pip install 'cachepipe[native]'``); the
 default stays the fsspec backend (s3fs, with :mod:`cachepipe.stores.s3direct` for GETs).
 
-Why: on loopback SeaweedFS, 2,000 GETs of 50 KiB into files from 16 threads cost 0.44 ms of
-client CPU each through obstore against 0.68 ms through s3direct (0.65x, 0.61-0.71 over five
-interleaved repeats), at 1,541 GETs/s against 1,258. Large parts go the other way: 8 MiB ranged
-GETs cost 1.52 CPU s/GB against 0.92 (1.5x). ``benchmarks/bench_engines.py`` measures both;
-``benchmarks/results-engines.txt`` holds a run.
+Why: on loopback SeaweedFS, 2,000 GETs of 50 KiB into files from 16 threads cost 0.49 ms of
+client CPU each through this store against 0.71 ms through s3direct (0.68x, 0.50-0.74 over five
+interleaved repeats), at 1,763 GETs/s against 996. Large parts go the other way: 8 MiB ranged
+GETs cost 1.13 CPU s/GB against 0.89 (1.4x). ``benchmarks/bench_engines.py`` measures both;
+``benchmarks/results-engines.txt`` holds that run.
 
 What goes where:
 
