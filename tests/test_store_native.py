@@ -51,6 +51,8 @@ def test_an_option_the_engine_cannot_honour_is_a_config_error_naming_it():
         open_store("s3://data/video/", {**_options("http://127.0.0.1:1"), "s3_additional_kwargs": {"RequestPayer": "requester"}})
     with pytest.raises(ConfigError, match="'verify'"):
         open_store("s3://data/video/", {**_options("http://127.0.0.1:1"), "client_kwargs": {"verify": False}})
+    with pytest.raises(ConfigError, match="'secret'"):
+        open_store("s3://data/video/", {"engine": "obstore", "endpoint_url": "http://127.0.0.1:1", "key": "testing"})
 
 
 def test_round_trip_of_whole_objects_listed_in_key_order(s3_source, native):

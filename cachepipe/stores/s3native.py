@@ -185,7 +185,9 @@ class NativeS3Store:
         if options.get("anon"):
             config["skip_signature"] = True
         elif options.get("key") or options.get("secret"):
-            config.update(access_key_id=options.get("key"), secret_access_key=options.get("secret"))
+            if not (options.get("key") and options.get("secret")):
+                raise ConfigError(f"storage_options for {url!r}: 'key' and 'secret' go together; one of them is missing")
+            config.update(access_key_id=options["key"], secret_access_key=options["secret"])
             if options.get("token"):
                 config["session_token"] = options["token"]
         try:
