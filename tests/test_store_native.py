@@ -174,6 +174,21 @@ def test_refused_before_any_answer_is_unreachable_and_after_one_is_transient(s3_
     assert any("refused" in str(e) or "ConnectionRefused" in str(e.__cause__) for e in errors)
 
 
+def test_a_region_redirect_is_permanent_and_says_what_to_set(s3_source, fault_proxy):
+    s3_source.put("redirect/f", b"x")  # "redirect" in the key too: not what the seam goes by
+    proxy, _, store = _through(fault_proxy, s3_source)
+    try:
+        proxy.inject("redirect", 1)
+        with pytest.raises(OSError, match="region_name") as info:
+            store.get("redirect/f", io.BytesIO(), 0, 1)
+        proxy.inject("refuse", 1)
+        with pytest.raises(ConnectionError):  # a dropped request naming the key's URL stays a connection error
+            store.get("redirect/f", io.BytesIO(), 0, 1)
+    finally:
+        store.close()
+    assert not is_transient(info.value)
+
+
 def test_unresolvable_host_is_unreachable(s3_source):
     store = open_store(s3_source.url, _options("http://cachepipe-test.invalid:9000"))
     try:

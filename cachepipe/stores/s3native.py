@@ -4,11 +4,12 @@ bindings of Rust's ``object_store``: hyper and tokio, SigV4 in Rust), listings a
 Opt in with the storage option ``engine="obstore"`` (``pip install 'cachepipe[native]'``); the
 default stays the fsspec backend (s3fs, with :mod:`cachepipe.stores.s3direct` for GETs).
 
-Why: on loopback SeaweedFS, 2,000 GETs of 50 KiB into files from 16 threads cost 0.49 ms of
-client CPU each through this store against 0.71 ms through s3direct (0.68x, 0.50-0.74 over five
-interleaved repeats), at 1,763 GETs/s against 996. Large parts go the other way: 8 MiB ranged
-GETs cost 1.13 CPU s/GB against 0.89 (1.4x). ``benchmarks/bench_engines.py`` measures both;
-``benchmarks/results-engines.txt`` holds that run.
+Why: on loopback SeaweedFS, 2,000 GETs of 50 KiB into files from 16 threads cost 0.53 ms of
+client CPU each through this store against 0.77 ms through s3direct (0.58x, 0.55-0.72 over five
+interleaved repeats), at 1,728 GETs/s against 1,181; through a Pipeline, 0.97 against 1.18 ms per
+item (0.81x). Large parts go the other way: 8 MiB ranged GETs cost 1.20 CPU s/GB against 0.91
+(1.33x). ``benchmarks/bench_engines.py`` measures them; ``benchmarks/results-engines.txt`` holds
+that run.
 
 What goes where:
 
@@ -111,7 +112,7 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool) -> Bas
             None,
             endpoint,
         )
-    if "redirect" in first:
+    if "inner: BareRedirect" in text:  # a 301 without Location: S3's answer for a bucket in another region
         return store_code(
             OSError(f"{endpoint} redirected {where} (a bucket in another region?); set client_kwargs region_name: {first}"),
             None,
