@@ -212,3 +212,24 @@ def test_pipeline_retries_the_engines_transient_errors_without_corruption(s3_sou
     assert got == {name: files["f"] for name, files in data.items()}
     assert proxy.injected["cut"] == 3 and proxy.injected["503"] == 2
     assert stats.retries >= 5
+
+
+def test_download_worker_processes_use_the_engine_and_send_its_errors_back(s3_source, fault_proxy, tmp_path):
+    """With download_processes each worker opens its own native store; a translated error crosses
+    the process boundary classified (retried here) and keeping the store code."""
+    proxy, endpoint = fault_proxy
+    data = s3_source.folders(3, {"f": 20 * KIB})
+    with Pipeline(
+        s3_source.url,
+        tmp_path / "c",
+        "1MiB",
+        storage_options=_options(endpoint),
+        retry_backoff=0.01,
+        max_concurrency=2,
+        download_processes=1,
+    ) as pipe:
+        proxy.inject("503", 2)
+        got = {p.name: (p / "f").read_bytes() for p in pipe}
+        stats = pipe.stats()
+    assert got == {name: files["f"] for name, files in data.items()}
+    assert proxy.injected["503"] == 2 and stats.retries >= 2
