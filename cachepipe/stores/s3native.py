@@ -4,11 +4,11 @@ bindings of Rust's ``object_store``: hyper and tokio, SigV4 in Rust), listings a
 Opt in with the storage option ``engine="obstore"`` (``pip install 'cachepipe[native]'``); the
 default stays the fsspec backend (s3fs, with :mod:`cachepipe.stores.s3direct` for GETs).
 
-Why: on loopback SeaweedFS, 2,000 GETs of 50 KiB into files from 16 threads cost 0.53 ms of
-client CPU each through this store against 0.77 ms through s3direct (0.58x, 0.55-0.72 over five
-interleaved repeats), at 1,728 GETs/s against 1,181; through a Pipeline, 0.97 against 1.18 ms per
-item (0.81x). Large parts go the other way: 8 MiB ranged GETs cost 1.20 CPU s/GB against 0.91
-(1.33x). ``benchmarks/bench_engines.py`` measures them; ``benchmarks/results-engines.txt`` holds
+Why: on loopback SeaweedFS, 2,000 GETs of 50 KiB into files from 16 threads cost 0.50 ms of
+client CPU each through this store against 0.82 ms through s3direct (0.61x, 0.54-0.70 over five
+interleaved repeats), at 1,846 GETs/s against 1,193; through a Pipeline, 0.93 against 1.25 ms per
+item (0.78x). Large parts go the other way: 8 MiB ranged GETs cost 1.30 CPU s/GB against 0.85
+(1.57x). ``benchmarks/bench_engines.py`` measures them; ``benchmarks/results-engines.txt`` holds
 that run.
 
 What goes where:
