@@ -2,19 +2,42 @@
 
 ``obs://`` is served by the Huawei OBS SDK (extra ``obs``); every other URL by fsspec
 (``s3://`` through s3fs, ``file://``, plain paths, ``memory://``, ``gs://`` with gcsfs, ...).
+An ``s3://`` URL with the storage option ``engine="obstore"`` is served by
+:class:`~cachepipe.stores.s3native.NativeS3Store` (extra ``native``; an opt-in prototype).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..errors import ConfigError
 from .base import ObjectInfo, Store
 
 __all__ = ["ObjectInfo", "Store", "open_store", "preload"]
 
+_ENGINES = ("s3fs", "obstore")
+
 
 def open_store(url: str, storage_options: dict[str, Any] | None = None) -> Store:
-    """Return the store serving ``url``, configured with ``storage_options``."""
+    """Return the store serving ``url``, configured with ``storage_options``.
+
+    For ``s3://`` the option ``engine`` picks the GET engine: ``"s3fs"`` (the default) or
+    ``"obstore"``; other schemes take no ``engine``.
+    """
+    if storage_options and "engine" in storage_options:
+        options = dict(storage_options)
+        engine = options.pop("engine")
+        if engine not in _ENGINES:
+            raise ConfigError(
+                f"storage_options['engine'] = {engine!r} for {url!r}: expected one of {', '.join(map(repr, _ENGINES))}"
+            )
+        if not url.startswith(("s3://", "s3a://")):
+            raise ConfigError(f"storage_options['engine'] is an option of s3:// URLs only, not of {url!r}")
+        if engine == "obstore":
+            from .s3native import NativeS3Store
+
+            return NativeS3Store(url, options)
+        storage_options = options
     if url.startswith("obs://"):
         from .obs import ObsStore
 

@@ -23,10 +23,13 @@ Messages never contain credentials.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol, runtime_checkable
+
+from ..errors import StoreUnavailableError, store_code
 
 __all__ = ["ObjectInfo", "Store", "WritableStore"]
 
@@ -44,6 +47,27 @@ CREDENTIAL_CODES = frozenset(
     }
 )
 THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "ServiceUnavailable"})
+
+
+def http_status_error(status: int, code: str | None, message: str | None, where: str, endpoint: str) -> OSError:
+    """The contract's error for an S3 error response: HTTP ``status``, S3 error ``code`` and
+    ``message`` (None when the body had none) to a request for ``where`` at ``endpoint``. Shared
+    by the S3 backends' error seams, so that each status reads and classifies the same."""
+    at = f"at {endpoint}"
+    detail = f"{code or 'HTTP ' + str(status)}: {message}" if message else f"{code or 'no error code'}, HTTP {status}"
+    if code in CREDENTIAL_CODES or status == 401:
+        return store_code(
+            PermissionError(errno.EACCES, f"{endpoint} rejected the credentials for {where} ({detail})"), code, endpoint
+        )
+    if status == 403 or code == "AccessDenied":
+        return store_code(PermissionError(errno.EACCES, f"access denied to {where} {at} ({detail})"), code, endpoint)
+    if status == 404 and code == "NoSuchBucket":
+        return store_code(FileNotFoundError(errno.ENOENT, f"no such bucket {at}: {where} ({detail})"), code, endpoint)
+    if status == 404:
+        return store_code(FileNotFoundError(errno.ENOENT, f"not found {at}: {where} ({detail})"), code, endpoint)
+    if status >= 500 or status in (408, 429) or code in THROTTLE_CODES:
+        return store_code(StoreUnavailableError(f"store {at} unavailable for {where} ({detail})"), code, endpoint)
+    return store_code(OSError(f"{endpoint} refused {where} ({detail})"), code, endpoint)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ import fsspec
 import fsspec.asyn
 
 from ..errors import ConfigError, StoreUnavailableError, StoreUnreachableError, store_code
-from .base import CREDENTIAL_CODES, THROTTLE_CODES, ObjectInfo
+from .base import ObjectInfo, http_status_error
 
 __all__ = ["FsspecStore"]
 
@@ -94,20 +94,7 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool) -> Bas
     name = type(exc).__name__
     at = f"at {endpoint}"
     if status is not None:
-        detail = f"{code or 'HTTP ' + str(status)}: {message}" if message else f"{code or 'no error code'}, HTTP {status}"
-        if code in CREDENTIAL_CODES or status == 401:
-            return store_code(
-                PermissionError(errno.EACCES, f"{endpoint} rejected the credentials for {where} ({detail})"), code, endpoint
-            )
-        if status == 403 or code == "AccessDenied":
-            return store_code(PermissionError(errno.EACCES, f"access denied to {where} {at} ({detail})"), code, endpoint)
-        if status == 404 and code == "NoSuchBucket":
-            return store_code(FileNotFoundError(errno.ENOENT, f"no such bucket {at}: {where} ({detail})"), code, endpoint)
-        if status == 404:
-            return store_code(FileNotFoundError(errno.ENOENT, f"not found {at}: {where} ({detail})"), code, endpoint)
-        if status >= 500 or status in (408, 429) or code in THROTTLE_CODES:
-            return store_code(StoreUnavailableError(f"store {at} unavailable for {where} ({detail})"), code, endpoint)
-        return store_code(OSError(f"{endpoint} refused {where} ({detail})"), code, endpoint)
+        return http_status_error(status, code, message, where, endpoint)
     if isinstance(exc, TypeError):  # s3fs passes unknown options on to aiobotocore, which raises this
         return ConfigError(f"{where}: storage_options rejected by the filesystem: {exc}")
     if isinstance(exc, (FileNotFoundError, PermissionError)):

@@ -1,0 +1,235 @@
+"""The native S3 GET engine (``engine="obstore"``, cachepipe.stores.s3native) against the moto server,
+and through the fault proxy for the errors a server or a network makes."""
+
+from __future__ import annotations
+
+import io
+import socket
+
+import pytest
+
+from cachepipe import ConfigError, Pipeline, StoreUnavailableError, StoreUnreachableError
+from cachepipe.errors import is_transient
+from cachepipe.stores import open_store
+
+pytest.importorskip("obstore")
+
+from cachepipe.stores.s3native import NativeS3Store  # after the skip: needs obstore
+
+KIB = 1024
+BODY = bytes(range(256)) * 300  # 76,800 bytes
+ODD_KEY = "c d/ü+x~=(1).bin"
+
+
+def _options(endpoint: str) -> dict:
+    return {"engine": "obstore", "endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+
+
+@pytest.fixture
+def native(s3_source):
+    store = open_store(s3_source.url, _options(s3_source.options["endpoint_url"]))
+    yield store
+    store.close()
+
+
+def _through(fault_proxy, s3_source):
+    """``(proxy, endpoint, store)``: a native store on ``s3_source`` whose requests go through the proxy."""
+    proxy, endpoint = fault_proxy
+    return proxy, endpoint, open_store(s3_source.url, _options(endpoint))
+
+
+def test_engine_option_opens_the_native_store_and_is_checked():
+    assert isinstance(open_store("s3://data/video/", _options("http://127.0.0.1:1")), NativeS3Store)
+    with pytest.raises(ConfigError, match="'obstor'"):
+        open_store("s3://data/video/", {**_options("http://127.0.0.1:1"), "engine": "obstor"})
+    with pytest.raises(ConfigError, match="s3:// URLs only"):
+        open_store("memory://data/video", {"engine": "obstore"})
+
+
+def test_an_option_the_engine_cannot_honour_is_a_config_error_naming_it():
+    with pytest.raises(ConfigError, match="'s3_additional_kwargs'"):
+        open_store("s3://data/video/", {**_options("http://127.0.0.1:1"), "s3_additional_kwargs": {"RequestPayer": "requester"}})
+    with pytest.raises(ConfigError, match="'verify'"):
+        open_store("s3://data/video/", {**_options("http://127.0.0.1:1"), "client_kwargs": {"verify": False}})
+    with pytest.raises(ConfigError, match="'secret'"):
+        open_store("s3://data/video/", {"engine": "obstore", "endpoint_url": "http://127.0.0.1:1", "key": "testing"})
+
+
+def test_round_trip_of_whole_objects_listed_in_key_order(s3_source, native):
+    bodies = {"b/2.bin": BODY, "a/x/1.bin": b"1", ODD_KEY: b"odd"}
+    for key, body in bodies.items():
+        s3_source.put(key, body)
+    listed = list(native.list())
+    assert [o.key for o in listed] == sorted(bodies)
+    for info in listed:
+        out = io.BytesIO()
+        assert native.get(info.key, out, 0, info.size) == info.size
+        assert out.getvalue() == bodies[info.key]
+
+
+def test_ranged_get_writes_exactly_the_range_at_the_files_position(s3_source, native):
+    s3_source.put("f/obj", BODY)
+    for start, end in [(0, len(BODY)), (100, 2000), (len(BODY) - 7, len(BODY)), (5, 5)]:
+        out = io.BytesIO()
+        out.write(b"head")
+        assert native.get("f/obj", out, start, end) == end - start
+        assert out.getvalue() == b"head" + BODY[start:end]
+
+
+def test_missing_key_is_file_not_found_keeping_the_store_code(s3_source, native):
+    s3_source.put("f/present", b"x")
+    with pytest.raises(FileNotFoundError) as info:
+        native.get("f/absent", io.BytesIO(), 0, 1)
+    error = info.value
+    assert error.code == "NoSuchKey" and error.endpoint == s3_source.options["endpoint_url"]
+    assert "f/absent" in str(error) and "NoSuchKey" in str(error)
+    assert not is_transient(error)
+
+
+def test_missing_bucket_is_file_not_found_naming_it(s3_source):
+    store = open_store("s3://no-such-bucket/video/", _options(s3_source.options["endpoint_url"]))
+    try:
+        with pytest.raises(FileNotFoundError) as info:
+            store.get("f", io.BytesIO(), 0, 1)
+    finally:
+        store.close()
+    assert info.value.code == "NoSuchBucket" and "no-such-bucket" in str(info.value)
+
+
+def test_throttling_is_store_unavailable_and_transient(s3_source, fault_proxy):
+    s3_source.put("f", BODY)
+    proxy, endpoint, store = _through(fault_proxy, s3_source)
+    try:
+        proxy.inject("503", 1)
+        with pytest.raises(StoreUnavailableError) as info:
+            store.get("f", io.BytesIO(), 0, len(BODY))
+        out = io.BytesIO()
+        assert store.get("f", out, 0, len(BODY)) == len(BODY)  # obstore did not retry it itself: the core does
+    finally:
+        store.close()
+    assert info.value.code == "SlowDown" and info.value.endpoint == endpoint
+    assert is_transient(info.value) and out.getvalue() == BODY
+    assert proxy.injected["503"] == 1
+
+
+def test_a_connection_dropped_mid_body_is_a_transient_connection_error(s3_source, fault_proxy):
+    s3_source.put("f", BODY)
+    proxy, endpoint, store = _through(fault_proxy, s3_source)
+    try:
+        proxy.inject("cut", 1)
+        out = io.BytesIO()
+        with pytest.raises(ConnectionError) as info:
+            store.get("f", out, 0, len(BODY))
+    finally:
+        store.close()
+    assert is_transient(info.value) and not isinstance(info.value, StoreUnreachableError), repr(info.value)
+    assert endpoint in str(info.value) and proxy.injected["cut"] == 1
+    assert len(out.getvalue()) < len(BODY)
+
+
+@pytest.mark.parametrize(("fault", "code"), [("InvalidAccessKeyId", "InvalidAccessKeyId"), ("403", "AccessDenied")])
+def test_rejected_and_denied_are_permission_errors_keeping_the_store_code(s3_source, fault_proxy, fault, code):
+    s3_source.put("f", b"x")
+    proxy, endpoint, store = _through(fault_proxy, s3_source)
+    try:
+        proxy.inject(fault, 1)
+        with pytest.raises(PermissionError) as info:
+            store.get("f", io.BytesIO(), 0, 1)
+    finally:
+        store.close()
+    assert info.value.code == code and info.value.endpoint == endpoint and code in str(info.value)
+    assert not is_transient(info.value)
+
+
+def test_refused_before_any_answer_is_unreachable_and_after_one_is_transient(s3_source, moto_server):
+    from faultproxy import FaultProxy
+
+    s3_source.put("f", b"0123456789")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    sock.close()
+    never = open_store(s3_source.url, _options(closed))
+    with pytest.raises(StoreUnreachableError, match="refused"):
+        never.get("f", io.BytesIO(), 0, 10)
+    never.close()
+
+    host, port = moto_server.removeprefix("http://").split(":")
+    proxy = FaultProxy(host, int(port))
+    endpoint = proxy.start()
+    store = open_store(s3_source.url, _options(endpoint))
+    try:
+        assert store.get("f", io.BytesIO(), 0, 10) == 10
+        proxy.stop()  # the listening socket is closed: new connections are refused
+        errors = []
+        for _ in range(3):  # the first may meet the pooled connection that the proxy dropped
+            with pytest.raises(ConnectionError) as info:
+                store.get("f", io.BytesIO(), 0, 10)
+            errors.append(info.value)
+    finally:
+        store.close()
+    for error in errors:
+        assert is_transient(error) and not isinstance(error, StoreUnreachableError), repr(error)
+        assert error.endpoint == endpoint
+    assert any("refused" in str(e) or "ConnectionRefused" in str(e.__cause__) for e in errors)
+
+
+def test_a_region_redirect_is_permanent_and_says_what_to_set(s3_source, fault_proxy):
+    s3_source.put("redirect/f", b"x")  # "redirect" in the key too: not what the seam goes by
+    proxy, _, store = _through(fault_proxy, s3_source)
+    try:
+        proxy.inject("redirect", 1)
+        with pytest.raises(OSError, match="region_name") as info:
+            store.get("redirect/f", io.BytesIO(), 0, 1)
+        proxy.inject("refuse", 1)
+        with pytest.raises(ConnectionError):  # a dropped request naming the key's URL stays a connection error
+            store.get("redirect/f", io.BytesIO(), 0, 1)
+    finally:
+        store.close()
+    assert not is_transient(info.value)
+
+
+def test_unresolvable_host_is_unreachable(s3_source):
+    store = open_store(s3_source.url, _options("http://cachepipe-test.invalid:9000"))
+    try:
+        with pytest.raises(StoreUnreachableError, match="does not resolve"):
+            store.get("f", io.BytesIO(), 0, 1)
+    finally:
+        store.close()
+
+
+def test_pipeline_retries_the_engines_transient_errors_without_corruption(s3_source, fault_proxy, tmp_path):
+    """The fetcher's retries see the engine's errors: bodies cut mid-way and throttling."""
+    proxy, endpoint = fault_proxy
+    data = s3_source.folders(4, {"f": 200 * KIB})
+    with Pipeline(
+        s3_source.url, tmp_path / "c", "1MiB", storage_options=_options(endpoint), retry_backoff=0.01, max_concurrency=2
+    ) as pipe:
+        proxy.inject("cut", 3)
+        proxy.inject("503", 2)
+        got = {p.name: (p / "f").read_bytes() for p in pipe}
+        stats = pipe.stats()
+    assert got == {name: files["f"] for name, files in data.items()}
+    assert proxy.injected["cut"] == 3 and proxy.injected["503"] == 2
+    assert stats.retries >= 5
+
+
+def test_download_worker_processes_use_the_engine_and_send_its_errors_back(s3_source, fault_proxy, tmp_path):
+    """With download_processes each worker opens its own native store; a translated error crosses
+    the process boundary classified (retried here) and keeping the store code."""
+    proxy, endpoint = fault_proxy
+    data = s3_source.folders(3, {"f": 20 * KIB})
+    with Pipeline(
+        s3_source.url,
+        tmp_path / "c",
+        "1MiB",
+        storage_options=_options(endpoint),
+        retry_backoff=0.01,
+        max_concurrency=2,
+        download_processes=1,
+    ) as pipe:
+        proxy.inject("503", 2)
+        got = {p.name: (p / "f").read_bytes() for p in pipe}
+        stats = pipe.stats()
+    assert got == {name: files["f"] for name, files in data.items()}
+    assert proxy.injected["503"] == 2 and stats.retries >= 2
