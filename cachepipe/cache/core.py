@@ -417,6 +417,9 @@ class Cache:
                         continue
                     if policy.on_fetch(idx, tick):
                         return self.item_path(item)  # retained: still reserved and claimed
+                    if item.name in self._claimed:  # its earlier copy is being deleted (acked, not kept): wait
+                        self._cond.wait()
+                        continue
                     free = ledger.free
                     if free >= item.size:
                         ledger.reserve(item.size)
