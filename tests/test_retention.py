@@ -1,4 +1,5 @@
-"""Retention policies (belady, lru, none) and the simulator, with no disk and no network."""
+"""Retention policies (belady, lru, none) and the simulator, with no disk and no network; and the
+cache's retention path on a real directory (the last test)."""
 
 from __future__ import annotations
 
@@ -412,3 +413,51 @@ def test_an_item_retained_twice_with_one_key_is_one_victim():
     assert policy.on_ack(0, 0)
     assert policy.choose_victims(15, 1, 1, urgent=True) is None  # 10 retained bytes are not 15
     assert policy.choose_victims(10, 1, 1, urgent=True) == [0]
+
+
+class _NeverAgain:
+    """A future in which no item is read again: every acknowledged item is deleted, not kept."""
+
+    def next_use(self, item: int, tick: int) -> int:
+        return NEVER
+
+
+def test_a_fetch_waits_while_the_items_earlier_copy_is_deleted(tmp_path):
+    """With retention, an item acknowledged and not kept is forgotten by the policy before its
+    files are gone. A fetch of it meanwhile must wait for them (one copy at a time), not stage a
+    second copy that cannot be published onto the first (FileExistsError, found by bench_node.py
+    when node lanes acknowledged in batches). Here item "a" (4,000 files) takes a while to delete,
+    and "b", acknowledged in the same batch, is deleted after it."""
+    import threading
+
+    from waiting import wait_until
+
+    from cachepipe.cache import Cache
+    from cachepipe.catalog import Catalog
+
+    catalog = Catalog(mode="folders")
+    catalog.add("a", [(f"f{i:04d}", 0, None) for i in range(4000)])
+    catalog.add("b", [("x", 10, None)])
+    a, b = catalog[0], catalog[1]
+    cache = Cache(tmp_path / "c", 1 << 20)
+    cache.open()
+    try:
+        cache.recover(catalog, resume=False)
+        cache.use_retention(make_policy("auto", [a.size, b.size], _NeverAgain()), ["a", "b"], 0)
+        for step, item in enumerate((a, b)):
+            assert cache.acquire(item, step) is True
+            staged = cache.stage(item)
+            for f in item.files:
+                (staged / f.rel).write_bytes(b"x" * f.size)
+            cache.publish(staged, item)
+        acks = threading.Thread(target=cache.evict_many, args=([("a", 0, 0), ("b", 0, 1)],))
+        acks.start()
+        wait_until(lambda: not cache.record.published)  # both acknowledged, neither kept; "a" is being deleted
+        assert cache.acquire(b, 2) is True  # the next read of "b"
+        assert not (tmp_path / "c" / "b").exists()  # its earlier copy was gone before this one was admitted
+        staged = cache.stage(b)
+        (staged / "x").write_bytes(b"y" * 10)
+        cache.publish(staged, b)
+        acks.join()
+    finally:
+        cache.close()
