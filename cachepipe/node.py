@@ -448,7 +448,7 @@ class NodePipeline(Pipeline):
     def _move(self, lane: int, cursor: Cursor) -> None:
         with self._moves:
             consumed, stale = self._queues.move(lane, cursor)
-            if consumed:  # one journal write for the lot (one copy of an item at a time: no name twice)
+            if consumed:  # one journal write for the lot
                 self._cache.evict_many([(planned.item.name, planned.step.epoch, planned.tick) for planned in consumed])
                 with self._counts_lock:
                     self._counts["acked"] += len(consumed)
