@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--round-trips", type=int, default=1000, help="next+ack round trips (default 1000)")
     parser.add_argument("--consumers", type=int, default=8, help="parallel consumer processes (default 8)")
     parser.add_argument("--batch", type=int, default=64, help="items per request in the batched run (default 64)")
+    parser.add_argument(
+        "--no-markers", action="store_true", help="run the daemon with markers: false (no inotify watch of the caches)"
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 60 items, 30 round trips, 2 consumers")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
@@ -257,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             config = {
                 "socket": sock,
                 "log_level": "warning",
+                "markers": not args.no_markers,
                 "pipelines": {
                     name: {
                         "source": f"s3://{BUCKET}/tiny/",
