@@ -13,7 +13,8 @@ Three measurements, each in a fresh child process (so RSS and CPU are its own):
   the cache on the project disk and on tmpfs (``/dev/shm``), beside the **floor**: the same
   file-system calls per item (for folders mkdir, create and write, rename, unlink, rmdir; for
   files create and write, rename, unlink) made by one plain Python loop, no threads. The ratio
-  to the floor is the pipeline's own overhead. ``--repeats`` interleaved runs; medians.
+  to the floor is the pipeline's own overhead. ``--repeats`` interleaved runs (the
+  two consumers' order alternates: on a disk, a run right after another is often slower); medians.
 - ``catalog-stream``: a generated listing of ``--catalog`` one-file folders (no I/O to list);
   the default pass streams it (see ``cachepipe/listing.py``). Reports the time to the first item
   and the peak RSS after ``--consume`` items, while the listing runs ahead as far as it may.
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             runs.setdefault(f"{label} {shape} floor", []).append(
                 in_child("run_floor", args.handoff, where, shape, limit=args.limit)
             )
-            for batch in (1, args.batch):
+            for batch in (1, args.batch) if repeat % 2 == 0 else (args.batch, 1):  # order rotates: the disk drifts
                 got = in_child("run_handoff", args.handoff, where, shape, batch, limit=args.limit)
                 runs.setdefault(f"{label} {shape} {batch}", []).append(got)
     for label, _where, shape in [] if args.no_handoff else cases:
