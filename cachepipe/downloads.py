@@ -27,7 +27,6 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
-import os
 import pickle
 import socket
 import subprocess
@@ -47,16 +46,11 @@ log = logging.getLogger("cachepipe.downloads")
 _STOP_SECONDS = 10.0  # how long close() waits for a worker to finish its requests before killing it
 
 
-_MAIN = "import sys; from cachepipe.downloads import serve_fd; serve_fd(int(sys.argv[1]))"
-
-
-def _child_env() -> dict[str, str]:
-    """This environment, with the folder cachepipe is imported from first on ``PYTHONPATH`` (the
-    worker must import the same cachepipe, however this process found it)."""
-    env = dict(os.environ)
-    here = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-    return env
+# The worker's main. The folder this cachepipe was imported from is appended to its sys.path (not
+# put first, which could shadow the standard library), so that a cachepipe found only there,
+# however this process found it, is found by the worker too.
+_MAIN = "import sys; sys.path.append(sys.argv[2]); from cachepipe.downloads import serve_fd; serve_fd(int(sys.argv[1]))"
+_HOME = str(Path(__file__).resolve().parents[1])
 
 
 class LocalWriteError(CachePipeError, OSError):
@@ -77,7 +71,7 @@ class _Worker:
             # a fresh interpreter running this module, not multiprocessing's spawn: that would
             # import the caller's __main__ again (a script without a main guard would run twice)
             self.process = subprocess.Popen(  # noqa: S603 - this interpreter, our own module, an fd number
-                [sys.executable, "-c", _MAIN, str(child.fileno())], pass_fds=(child.fileno(),), env=_child_env()
+                [sys.executable, "-c", _MAIN, str(child.fileno()), _HOME], pass_fds=(child.fileno(),)
             )
         except BaseException:
             parent.close()
@@ -134,7 +128,7 @@ class _Worker:
                 if self.alive:
                     self.conn.send(None)
             except (OSError, ValueError):
-                pass
+                pass  # its pipe is closed: the worker is gone already (waited for below)
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
