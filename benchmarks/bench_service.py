@@ -46,6 +46,7 @@ os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 import yaml
+from netlink import cpu_seconds
 
 from cachepipe.client import Client
 from cachepipe.service.testing import DaemonProcess
@@ -173,6 +174,13 @@ def in_process(endpoint: str, tmp: str, items: int, count: int) -> dict[str, flo
     return percentiles(samples)
 
 
+def _daemon_cpu(pid: int) -> float:
+    seconds = cpu_seconds(pid)
+    if seconds is None:
+        raise RuntimeError(f"the daemon (pid {pid}) exited during the measurement")
+    return seconds
+
+
 def parallel(sock: str, consumers: int, items: int, pipeline: str, batch: int, daemon_pid: int) -> dict[str, Any]:
     """``consumers`` processes exhaust ``pipeline``, each taking one item per request (``batch``
     1: the iterator, each ack carried by the next request) or up to ``batch`` (``get_many``,
@@ -186,7 +194,7 @@ def parallel(sock: str, consumers: int, items: int, pipeline: str, batch: int, d
     try:
         for proc in procs:
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"  # noqa: PT018 - one invariant
-        cpu0, go = _cpu_seconds(daemon_pid), time.monotonic()
+        cpu0, go = _daemon_cpu(daemon_pid), time.monotonic()
         for proc in procs:
             assert proc.stdin is not None
             proc.stdin.write("go\n")
@@ -197,7 +205,7 @@ def parallel(sock: str, consumers: int, items: int, pipeline: str, batch: int, d
             if proc.returncode != 0:
                 raise RuntimeError(f"a consumer failed with status {proc.returncode}")
             results.append(json.loads(out))
-        daemon_cpu = _cpu_seconds(daemon_pid) - cpu0
+        daemon_cpu = _daemon_cpu(daemon_pid) - cpu0
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -216,12 +224,6 @@ def parallel(sock: str, consumers: int, items: int, pipeline: str, batch: int, d
         "daemon_cpu_us_per_item": round(daemon_cpu / total * 1e6, 1),
         "per_consumer": sorted(r["count"] for r in results),
     }
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> int:

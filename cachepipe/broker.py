@@ -224,10 +224,7 @@ class Broker(Generic[T]):
             KeyError: ``name`` is not leased, or ``lease_id`` is given and is not the live lease
                 (it expired and the item went to another consumer).
         """
-        with self._cond:
-            lease = self._pop_lease(name, lease_id)
-            self._cond.notify_all()
-            return lease
+        return self.ack_many([(name, lease_id)])[0]
 
     def ack_many(self, names: Sequence[tuple[str, str | None]]) -> list[Lease[T]]:
         """End the leases on ``(name, lease_id)`` pairs, all or none; returns them in order.

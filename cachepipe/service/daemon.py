@@ -270,19 +270,18 @@ class Daemon:
     def take_many(self, name: str, timeout: float | None, count: int, acks: list[Any] | None = None) -> list[CachedItem]:
         """Acknowledge ``acks`` (``{"path", "lease"}`` objects of items of pipeline ``name``, all or
         none: see :meth:`finish_many`), then lease up to ``count`` items of it (see
-        :meth:`cachepipe.Pipeline.get_many`); :meth:`take` otherwise. Empty: every item was delivered.
+        :meth:`cachepipe.Pipeline.get_many`). Blocks up to ``timeout`` seconds for the first
+        (capped by ``max_wait``); a pipeline rebuilt by a reload meanwhile is waited for. Empty:
+        every item was delivered.
 
         Raises:
-            As :meth:`take`; ValueError: a malformed ack, or one of another pipeline.
+            UnknownPipelineError, UnavailableError, UnknownItemError (an ack), TimeoutError,
+            ItemFailedError; ValueError: a malformed ack, or one of another pipeline.
         """
         limit = self.config.max_wait if timeout is None else min(timeout, self.config.max_wait)
         deadline = time.monotonic() + limit
         if acks:
-            for ack in acks:  # all of this pipeline, before any is acknowledged
-                owner = self._owner(self._checked(ack.get("path") if isinstance(ack, dict) else None, None)[0]).name
-                if owner != name:
-                    raise ValueError(f"the acks sent with next of pipeline {name!r} are items of pipeline {owner!r}")
-            self.finish_many("ack", acks)
+            self.finish_many("ack", acks, pipeline=name)
         while True:
             pipe = self._pipeline(name)
             self._count_waiting(name, +1)
@@ -297,24 +296,28 @@ class Daemon:
             finally:
                 self._count_waiting(name, -1)
 
-    def finish_many(self, verb: str, items: list[Any]) -> tuple[str, list[str]]:
+    def finish_many(self, verb: str, items: list[Any], pipeline: str | None = None) -> tuple[str, list[str]]:
         """``ack`` (or ``release``, ``renew``) every ``{"path", "lease"}`` of ``items``, items of one
-        pipeline; an ack of several is journaled by one write, all or none (see
-        :meth:`cachepipe.Pipeline.ack_many`). Returns (pipeline name, item names).
+        pipeline (of ``pipeline``, if given), checked before any is acted on; an ack of several is
+        journaled by one write, all or none (see :meth:`cachepipe.Pipeline.ack_many`). Returns
+        (pipeline name, item names).
 
         Raises:
-            ValueError: a malformed entry, or items of more than one pipeline.
+            ValueError: a malformed entry, items of more than one pipeline, or not of ``pipeline``.
             UnknownItemError: as :meth:`finish` (for an ack of several: none was acknowledged).
         """
         if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
             raise ValueError(f'{items!r}: expected a non-empty list of objects {{"path": ..., "lease": ...}}')
-        if verb != "ack" or len(items) == 1:
-            done = [self.finish(verb, i.get("path"), i.get("lease")) for i in items]
-            return done[0][0], [n for _p, n in done]
         checked = [self._checked(i.get("path"), i.get("lease")) for i in items]
         owners = {self._owner(path).name for path, _lease in checked}
+        if pipeline is not None and owners != {pipeline}:
+            others = ", ".join(repr(o) for o in sorted(owners - {pipeline}))
+            raise ValueError(f"the acks sent with next of pipeline {pipeline!r} are items of pipeline {others}")
         if len(owners) > 1:
             raise ValueError(f"one request acknowledges items of one pipeline, not of {', '.join(sorted(owners))}")
+        if verb != "ack" or len(items) == 1:
+            done = [self.finish(verb, path, lease) for path, lease in checked]
+            return done[0][0], [n for _p, n in done]
         served = self._owner(checked[0][0])
         pipe = self._live(served)
         try:

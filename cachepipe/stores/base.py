@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol, runtime_checkable
 
-from ..errors import StoreUnavailableError, store_code
+from ..errors import StoreUnavailableError, StoreUnreachableError, store_code
 
 __all__ = ["ObjectInfo", "Store", "WritableStore"]
 
@@ -68,6 +68,15 @@ def http_status_error(status: int, code: str | None, message: str | None, where:
     if status >= 500 or status in (408, 429) or code in THROTTLE_CODES:
         return store_code(StoreUnavailableError(f"store {at} unavailable for {where} ({detail})"), code, endpoint)
     return store_code(OSError(f"{endpoint} refused {where} ({detail})"), code, endpoint)
+
+
+def unreachable_error(endpoint: str, where: str, why: str) -> StoreUnreachableError:
+    """The contract's error for an endpoint that cannot be reached at all (``why``: its host
+    name does not resolve, or it refused before it ever answered): not retried, since it points
+    at a wrong ``endpoint_url``. Shared by the S3 backends' error seams."""
+    return store_code(
+        StoreUnreachableError(f"cannot reach {endpoint} for {where}: {why}; check the endpoint_url"), None, endpoint
+    )
 
 
 @dataclass(frozen=True, slots=True)

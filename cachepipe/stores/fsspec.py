@@ -21,8 +21,8 @@ from typing import Any, BinaryIO
 import fsspec
 import fsspec.asyn
 
-from ..errors import ConfigError, StoreUnavailableError, StoreUnreachableError, store_code
-from .base import ObjectInfo, http_status_error
+from ..errors import ConfigError, StoreUnavailableError, store_code
+from .base import ObjectInfo, http_status_error, unreachable_error
 
 __all__ = ["FsspecStore"]
 
@@ -106,22 +106,10 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool) -> Bas
     chain = list(_chain(exc))
     if any(isinstance(err, socket.gaierror) for err in chain):
         reason = next(str(err) for err in chain if isinstance(err, socket.gaierror))
-        return store_code(
-            StoreUnreachableError(
-                f"cannot reach {endpoint} for {where}: its host name does not resolve ({reason}); check the endpoint_url"
-            ),
-            None,
-            endpoint,
-        )
+        return unreachable_error(endpoint, where, f"its host name does not resolve ({reason})")
     refused = any(isinstance(err, ConnectionRefusedError) for err in chain)
     if refused and not answered:
-        return store_code(
-            StoreUnreachableError(
-                f"cannot reach {endpoint} for {where}: connection refused before it ever answered; check the endpoint_url"
-            ),
-            None,
-            endpoint,
-        )
+        return unreachable_error(endpoint, where, "connection refused before it ever answered")
     if isinstance(exc, OSError) and exc.errno == errno.EBUSY:  # s3fs: SlowDown, ServiceUnavailable
         return store_code(StoreUnavailableError(f"store {at} throttled or unavailable for {where}: {exc}"), None, endpoint)
     if isinstance(exc, TimeoutError) or "Timeout" in name:

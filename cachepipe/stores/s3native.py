@@ -49,8 +49,8 @@ import obstore
 import obstore.exceptions
 from obstore.store import S3Store
 
-from ..errors import ConfigError, StoreUnreachableError, store_code
-from .base import ObjectInfo, http_status_error
+from ..errors import ConfigError, store_code
+from .base import ObjectInfo, http_status_error, unreachable_error
 from .fsspec import FsspecStore
 
 __all__ = ["NativeS3Store"]
@@ -96,22 +96,10 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool) -> Bas
     if isinstance(exc, FileNotFoundError):
         return store_code(FileNotFoundError(errno.ENOENT, f"not found at {endpoint}: {where} ({first})"), None, endpoint)
     if '"dns error"' in text:
-        return store_code(
-            StoreUnreachableError(
-                f"cannot reach {endpoint} for {where}: its host name does not resolve; check the endpoint_url ({first})"
-            ),
-            None,
-            endpoint,
-        )
+        return unreachable_error(endpoint, where, f"its host name does not resolve ({first})")
     refused = "kind: ConnectionRefused" in text
     if refused and not answered:
-        return store_code(
-            StoreUnreachableError(
-                f"cannot reach {endpoint} for {where}: connection refused before it ever answered; check the endpoint_url"
-            ),
-            None,
-            endpoint,
-        )
+        return unreachable_error(endpoint, where, "connection refused before it ever answered")
     if "inner: BareRedirect" in text:  # a 301 without Location: S3's answer for a bucket in another region
         return store_code(
             OSError(f"{endpoint} redirected {where} (a bucket in another region?); set client_kwargs region_name: {first}"),
