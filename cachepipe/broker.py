@@ -86,10 +86,13 @@ class Broker(Generic[T]):
         self._waiting = 0  # consumers blocked in take() right now
 
     # ---- producer side ---------------------------------------------------------------
-    def begin(self) -> None:
-        """Count an item the producer started fetching."""
+    def begin(self) -> int:
+        """Count an item the producer started fetching; return how many items were ahead of it
+        (fetching, or ready and never handed out): 0 means the consumers wait for this one next."""
         with self._cond:
+            ahead = self._pending + self._fresh
             self._pending += 1
+            return ahead
 
     def put(self, seq: int, name: str, value: T) -> None:
         """An item is ready to hand out."""

@@ -221,8 +221,11 @@ class PipelineConfig(BaseModel):
         prefetch: most items downloaded ahead of the consumer (staging + ready); None (default):
             as many as the capacity allows.
         max_concurrency: requests in flight across all items and files (default 16).
-        part_size: objects larger than this are fetched as parallel ranged GETs of this size
-            (default 8 MiB).
+        part_size: objects larger than this are fetched as parallel ranged GETs of this size.
+            None (default): the capacity over twice ``max_concurrency``, between 1 and 8 MiB
+            (8 MiB from a 256 MiB cache at 16 requests), so that every request has a part
+            while half the cache holds items for the consumer. The item the consumers wait
+            for next is split finer, over every request (parts of at least 256 KiB).
         download_processes: make the GETs in this many worker processes, ``max_concurrency``
             requests split among them, instead of in threads of this process (default 0). For
             a process whose own core would be the limit: the node daemon serving many
@@ -324,7 +327,7 @@ class PipelineConfig(BaseModel):
     storage_options: dict[str, Any] = Field(default_factory=dict)
     prefetch: int | None = Field(default=None, ge=1)
     max_concurrency: int = Field(default=16, ge=1, le=1024)
-    part_size: Annotated[int, _size_field("part_size")] = 8 * 1024**2
+    part_size: Annotated[int | None, BeforeValidator(lambda v: None if v is None else parse_size(v, "part_size"))] = None
     download_processes: int = Field(default=0, ge=0, le=256)
     ordered: bool = True
     auto_ack: bool = True

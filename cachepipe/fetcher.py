@@ -2,12 +2,14 @@
 
 One planner thread walks the plan in order: it waits for prefetch room and for space (both
 conditions signalled by consumers, never polled), stages the item and submits its parts to a
-pool of ``max_concurrency`` download threads. Objects above ``part_size`` are split into
-ranged GETs. The thread that finishes an item's last part publishes it (or discards it and
-reports the failure). Transient errors are retried with exponential backoff and equal jitter,
-sleeping on the stop event so that :meth:`Fetcher.stop` is immediate. With
-``download_processes``, each GET is made by a worker process (:mod:`cachepipe.downloads`) while
-the download thread waits for it: the threads keep the bookkeeping, the workers the request path.
+pool of ``max_concurrency`` download threads. Objects above the part size are split into
+ranged GETs (:func:`auto_part_size`; finer for the item the consumers wait for next,
+:func:`item_part_size`), fetched in the order their items started. The thread that finishes
+an item's last part publishes it (or discards it and reports the failure). Transient errors
+are retried with exponential backoff and equal jitter, sleeping on the stop event so that
+:meth:`Fetcher.stop` is immediate. With ``download_processes``, each GET is made by a worker
+process (:mod:`cachepipe.downloads`) while the download thread waits for it: the threads keep
+the bookkeeping, the workers the request path.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from .errors import ArchiveError, ItemFailedError, OversizeError, PrepareOverflo
 from .stores.base import Store
 from .unpack import DEFAULT_MAX_MEMBERS, split_volume, unpack_in_place
 
-__all__ = ["Fetcher", "backoff_delay", "split_ranges"]
+__all__ = ["Fetcher", "auto_part_size", "backoff_delay", "item_part_size", "split_ranges"]
 
 log = logging.getLogger("cachepipe.fetcher")
 
@@ -41,6 +43,34 @@ log = logging.getLogger("cachepipe.fetcher")
 def split_ranges(size: int, part_size: int) -> list[tuple[int, int]]:
     """Byte ranges ``[start, end)`` covering ``size`` bytes in parts of at most ``part_size``."""
     return [(start, min(start + part_size, size)) for start in range(0, size, part_size)]
+
+
+MIN_PART, MAX_PART = 1024 * 1024, 8 * 1024 * 1024
+"""The bounds of :func:`auto_part_size`, bytes."""
+
+
+def auto_part_size(capacity: int, concurrency: int) -> int:
+    """The default ``part_size``: ``capacity / (2 * concurrency)`` bytes, between
+    :data:`MIN_PART` and :data:`MAX_PART`. Space is reserved an item at a time, so a cache that
+    holds few items can keep few requests busy: with parts this small, each of the
+    ``concurrency`` requests has a part to fetch while half the cache holds items waiting for
+    the consumer (on an emulated 400 Mbit/s, 16 ms link, 64 MiB, 16 requests: 2 MiB parts
+    fill 0.97 of the link against 0.91 with 8 MiB; ``benchmarks/bench_link.py``)."""
+    return min(MAX_PART, max(MIN_PART, capacity // (2 * concurrency)))
+
+
+HEAD_MIN_PART = 256 * 1024
+"""The smallest part :func:`item_part_size` splits the consumers' next item into, bytes."""
+
+
+def item_part_size(size: int, part_size: int, concurrency: int, head: bool) -> int:
+    """The part size for an item of ``size`` bytes: ``part_size``, except for the item the
+    consumers wait for next (``head``): parts small enough to occupy all ``concurrency`` download
+    threads, but at least :data:`HEAD_MIN_PART`, so that it arrives at the whole link's speed
+    instead of a share of it (parts are fetched in the order items start)."""
+    if not head:
+        return part_size
+    return min(part_size, max(HEAD_MIN_PART, -(-size // concurrency)))
 
 
 def backoff_delay(attempt: int, base: float, cap: float, rand: Callable[[], float] = random.random) -> float:
@@ -60,6 +90,7 @@ class _Job:
     item: Item
     staged: Path
     parts: int
+    part_size: int  # of its ranged GETs (see item_part_size)
     extra: int = 0  # bytes reserved beside the item's own for unpack/prepare (fixed when reserved)
     error: BaseException | None = None
     error_key: str = ""
@@ -108,6 +139,7 @@ class Fetcher:
         self._broker = broker
         self._plan = plan
         self._cfg = config
+        self._part_size = config.part_size or auto_part_size(cache.limit, config.max_concurrency)
         self._stop = threading.Event()
         self.counters = FetchCounters()
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="cachepipe-fetch")
@@ -175,8 +207,9 @@ class Fetcher:
                 if self._stop.is_set():
                     self._cache.unreserve(item.size + extra, item.name)
                     return
-                self._broker.begin()
-                self._start(seq, item, extra)
+                head = self._broker.begin() == 0
+                part_size = item_part_size(item.size, self._part_size, self._cfg.max_concurrency, head)
+                self._start(seq, item, extra, part_size)
         except BaseException as exc:  # noqa: BLE001 - planning failed: the consumer sees it in turn, never a hang
             failed = seq if unstarted else seq + 1
             log.error("planning stopped at step %d: %s", failed, exc)
@@ -208,17 +241,18 @@ class Fetcher:
             self._stop.wait(1.0)
         return False
 
-    def _start(self, seq: int, item: Item, extra: int, attempt: int = 0) -> None:
+    def _start(self, seq: int, item: Item, extra: int, part_size: int, attempt: int = 0) -> None:
         try:
-            staged = self._cache.stage(item, self._cfg.part_size)
+            staged = self._cache.stage(item, part_size)
         except OSError as exc:
-            self._retry_disk_error(_Job(seq, item, self._cache.staging_root / "unstaged", 0, extra, attempt=attempt), exc)
+            unstaged = self._cache.staging_root / "unstaged"
+            self._retry_disk_error(_Job(seq, item, unstaged, 0, part_size, extra, attempt=attempt), exc)
             return
         tasks: list[tuple[FileEntry, Path, int, int]] = []
         for f in item.files:
             local = staged if item.is_file else staged / f.rel
-            tasks.extend((f, local, start, end) for start, end in split_ranges(f.size, self._cfg.part_size))
-        job = _Job(seq, item, staged, len(tasks), extra, attempt=attempt)
+            tasks.extend((f, local, start, end) for start, end in split_ranges(f.size, part_size))
+        job = _Job(seq, item, staged, len(tasks), part_size, extra, attempt=attempt)
         if not tasks:
             self._finish_or_report(job)
             return
@@ -391,7 +425,7 @@ class Fetcher:
         log.warning("local disk error on %s (%s): staging freed, retrying the item in %.2fs", job.item.name, error, delay)
         if self._stop.wait(delay):
             return
-        self._start(job.seq, job.item, job.extra, job.attempt + 1)
+        self._start(job.seq, job.item, job.extra, job.part_size, job.attempt + 1)
 
     def _report_failure(self, seq: int, item: Item, key: str, error: BaseException) -> None:
         self.counters.add(items_failed=1)

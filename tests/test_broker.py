@@ -19,6 +19,17 @@ def test_ordered_waits_for_earlier_items():
     assert b.take(0) is None
 
 
+def test_begin_counts_the_items_ahead_of_the_consumers():
+    b = Broker()
+    assert b.begin() == 0  # the consumers wait for this one next
+    assert b.begin() == 1
+    b.put(0, "a", "A")
+    assert b.begin() == 2  # ready and never handed out still counts
+    assert b.take(0).name == "a"
+    b.put(1, "b", "B")
+    assert b.begin() == 2  # "b" ready, "c" fetching
+
+
 def test_unordered_hands_out_what_is_ready():
     b = Broker(ordered=False)
     b.begin(), b.begin()

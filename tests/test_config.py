@@ -76,4 +76,4 @@ def test_config_rejects_unknown_option(tmp_path):
 def test_config_defaults(tmp_path):
     cfg = PipelineConfig(source="s3://b/p", cache_dir=tmp_path, capacity="1g")
     assert cfg.capacity == 1024**3 and cfg.items == "folders" and cfg.ordered and cfg.auto_ack
-    assert cfg.part_size == 8 * 1024**2 and cfg.max_concurrency == 16 and cfg.prefetch is None
+    assert cfg.part_size is None and cfg.max_concurrency == 16 and cfg.prefetch is None
