@@ -96,15 +96,10 @@ class Broker(Generic[T]):
 
     def put(self, seq: int, name: str, value: T) -> None:
         """An item is ready to hand out."""
-        self.put_many([(seq, name, value)])
-
-    def put_many(self, items: Sequence[tuple[int, str, T]]) -> None:
-        """:meth:`put` for each ``(seq, name, value)``, with one wake-up of the consumers."""
         with self._cond:
-            for seq, name, value in items:
-                self._pending -= 1
-                self._fresh += 1
-                heapq.heappush(self._ready, (seq, name, value))
+            self._pending -= 1
+            self._fresh += 1
+            heapq.heappush(self._ready, (seq, name, value))
             self._cond.notify_all()
 
     def fail(self, seq: int, name: str, error: BaseException, begun: bool = True, kind: FailureKind = "item") -> None:

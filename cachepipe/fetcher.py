@@ -21,7 +21,7 @@ import random
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,9 +141,6 @@ class Fetcher:
         self._cfg = config
         self._part_size = config.part_size or auto_part_size(cache.limit, config.max_concurrency)
         self._stop = threading.Event()
-        self._publish_lock = threading.Lock()
-        self._to_publish: list[_Job] = []  # downloaded, verified, waiting for the group commit (see _publish)
-        self._publishing = False
         self.counters = FetchCounters()
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="cachepipe-fetch")
         processes = config.download_processes
@@ -345,55 +342,19 @@ class Fetcher:
             self._prepare_pool.submit(self._prepare_and_publish, job)
             return
         if job.error is None:
-            self._publish(job)
-            return
+            try:
+                path = self._cache.publish(job.staged, item)
+            except OSError as exc:
+                if exc.errno in _DISK_ERRNOS and not isinstance(exc, VerificationError):
+                    self._retry_disk_error(job, exc)  # the journal write met a full disk
+                    return
+                job.error, job.error_key = exc, item.name
+            else:
+                self.counters.add(items_fetched=1)
+                self._broker.put(job.seq, item.name, path)
+                return
         self._cache.discard(job.staged, item.size + job.extra, item.name)
         self._report_failure(job.seq, item, job.error_key, job.error)
-
-    def _publish(self, job: _Job) -> None:
-        """Queue a downloaded item for publishing. The thread that finds no publish under way
-        publishes what is queued, and what is queued meanwhile, until nothing is: a group commit
-        (:meth:`Cache.publish_many`: one journal write for the intents, one for the results; one
-        wake-up of the consumers), so that download threads finishing together do not queue on
-        the cache's lock one item at a time."""
-        with self._publish_lock:
-            self._to_publish.append(job)
-            if self._publishing:
-                return
-            self._publishing = True
-        while True:
-            with self._publish_lock:
-                batch, self._to_publish = self._to_publish, []
-                if not batch or self._stop.is_set():  # closing: the cache removes staging wholesale
-                    self._publishing = False
-                    return
-            self._publish_batch(batch)
-
-    def _publish_batch(self, batch: list[_Job]) -> None:
-        try:
-            results: Sequence[Path | BaseException] = self._cache.publish_many([(job.staged, job.item, None) for job in batch])
-        except Exception as exc:  # unexpected: each item of the batch fails in its turn, none is lost
-            log.exception("publishing %d items failed", len(batch))
-            results = [exc] * len(batch)
-        ready: list[tuple[int, str, Path]] = []
-        for job, got in zip(batch, results, strict=True):
-            if isinstance(got, Path):
-                ready.append((job.seq, job.item.name, got))
-            elif isinstance(got, OSError) and got.errno in _DISK_ERRNOS and not isinstance(got, VerificationError):
-                self._retry_later(job, got)  # the journal write met a full disk
-            else:
-                self._cache.discard(job.staged, job.item.size + job.extra, job.item.name)
-                self._report_failure(job.seq, job.item, job.item.name, got)
-        if ready:
-            self.counters.add(items_fetched=len(ready))
-            self._broker.put_many(ready)
-
-    def _retry_later(self, job: _Job, error: OSError) -> None:
-        """:meth:`_retry_disk_error` in a download thread (it backs off), not in the publishing one."""
-        try:
-            self._pool.submit(self._retry_disk_error, job, error)
-        except RuntimeError:  # the pool is shut down: closing, the cache removes staging wholesale
-            return
 
     def _extra(self, item: Item) -> int:
         """Bytes to reserve beside ``item`` for what unpack and the prepare hook write: as the

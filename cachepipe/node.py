@@ -127,10 +127,6 @@ class LaneQueues(Broker[Path]):
     def put(self, seq: int, name: str, value: Path) -> None:
         self._arrive(seq, value)
 
-    def put_many(self, items: Sequence[tuple[int, str, Path]]) -> None:
-        for seq, _name, value in items:
-            self._arrive(seq, value)
-
     def fail(self, seq: int, name: str, error: BaseException, begun: bool = True, kind: FailureKind = "item") -> None:
         if kind == "stream":  # planning stopped: every lane sees it
             with self._cond:

@@ -7,8 +7,7 @@ from crashfs import CrashFs
 from waiting import wait_until
 
 from cachepipe import ItemFailedError, Pipeline, UnknownItemError
-from cachepipe.cache import STATE_DIR, Cache
-from cachepipe.catalog import Catalog
+from cachepipe.cache import STATE_DIR
 from cachepipe.node import NodePipeline
 
 
@@ -98,38 +97,6 @@ def test_a_batch_of_acks_is_one_journal_write_and_single_files_are_unlinked_in_p
             assert calls.count("write") == 2 and calls.count("unlink") == len(batch), fs.log
             assert "rename" not in calls, fs.log
     assert got == data
-
-
-def test_a_group_of_published_items_is_two_journal_writes_and_one_rename_each(tmp_path):
-    """The fetcher publishes what its download threads finished meanwhile as one group:
-    ``publish_many`` journals the intents by one write, renames each item, journals the results
-    by one more write. A name in the way fails that item only; the rest are published."""
-    cat = Catalog(mode="files")
-    for i in range(9):
-        cat.add(f"f{i}", [["", 10, None]])
-    cache = Cache(tmp_path / "c", 1 << 20)
-    cache.open()
-    try:
-        cache.recover(cat, resume=False)
-        batch = []
-        for i in range(9):
-            item = cat[i]
-            assert cache.acquire(item) is True
-            staged = cache.stage(item)
-            staged.write_bytes(b"x" * 10)
-            batch.append((staged, item, None))
-        (tmp_path / "c" / "f8").write_bytes(b"not ours")  # in the way of the last one
-        with CrashFs() as fs:  # no fault: it only records this thread's file-system mutations
-            results = cache.publish_many(batch)
-        calls = [name for _n, name, _arg in fs.log]
-        assert calls.count("write") == 2 and calls.count("rename") == 8, fs.log
-        assert results[:8] == [tmp_path / "c" / f"f{i}" for i in range(8)]
-        assert isinstance(results[8], FileExistsError) and "f8" in str(results[8])
-        assert sorted(cache.record.published) == [f"f{i}" for i in range(8)]
-        lines = journal_lines(tmp_path / "c")
-        assert [line for line in lines if line[0] in "IP"] == [f"I f{i}" for i in range(8)] + [f"P f{i}" for i in range(8)]
-    finally:
-        cache.close()
 
 
 def test_bad_batch_sizes_and_node_pipelines_are_refused(s3_source, tmp_path):

@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 
 from cachepipe import state
 from cachepipe.cache import Cache
-from cachepipe.catalog import Catalog, Item
+from cachepipe.catalog import Catalog
 from cachepipe.plan import Plan, tick
 from cachepipe.removal import tree_bytes
 from cachepipe.retention import PlanFuture, make_policy
@@ -97,65 +97,42 @@ class Model:
 
     # ---- operations ------------------------------------------------------------------
     def fetch(self) -> None:
-        self._publish([got] if (got := self._stage_next()) is not None else [])
-
-    def fetch_all(self) -> None:
-        """Every next step that fits staged, then published together (the fetcher's group commit,
-        ``publish_many``): one write for the intents, one for the results."""
-        staged: list[tuple[int, Item, Path]] = []
-        while (got := self._stage_next(held=[n for n, _item, _path in staged])) is not None:
-            staged.append(got)
-        self._publish(staged)
-
-    def _stage_next(self, held: list[int] | None = None) -> tuple[int, Item, Path] | None:
-        """Reserve and stage the next step (None if there is none, it waits, it is on disk
-        already, or a fault hit it). ``held``: steps staged and not yet published."""
         cache = self.cache
         while self.next_step < len(STEPS) and self.next_step in self.consumed:
             self.next_step += 1
         if self.next_step >= len(STEPS):
-            return None
+            return
         n = self.next_step
         e, i = STEPS[n]
         item = CATALOG[i]
         if self.future is not None:
             self.future.prepare(e)
-        if any(STEPS[r][1] == i for r in [*self.ready, *(held or [])]):
-            return None  # an earlier epoch's copy is still out: the pipeline waits (one copy at a time)
+        if any(STEPS[r][1] == i for r in self.ready):
+            return  # an earlier epoch's copy is still out: the pipeline waits (one copy at a time)
         if not self.retain and cache.used + item.size > cache.capacity and not cache._recovered:
-            return None  # no room until an ack: the pipeline would wait here
+            return  # no room until an ack: the pipeline would wait here
         try:
             got = cache.acquire(item, tick(e, i))
         except OSError:
-            return None  # a drop or victim deletion met the fault; the fetch is tried again later
+            return  # a drop or victim deletion met the fault; the fetch is tried again later
         if got is False:
-            return None
+            return
         if got is not True:  # recovered or retained: on disk already
             self.ready.append(n)
             self.next_step += 1
-            return None
+            return
         staged = None
         try:
             staged = cache.stage(item)
             for f in item.files:
                 with open(staged / f.rel, "wb") as fh:
                     fh.write(bytes([65 + i]) * f.size)
+            cache.publish(staged, item)
         except OSError:
             cache.discard(staged if staged is not None else cache.staging_root / "none", item.size, item.name)
-            return None
-        self.next_step += 1
-        return n, item, staged
-
-    def _publish(self, staged: list[tuple[int, Item, Path]]) -> None:
-        if not staged:
             return
-        results = self.cache.publish_many([(path, item, None) for _n, item, path in staged])
-        for (n, item, path), got in zip(staged, results, strict=True):
-            if isinstance(got, OSError):
-                self.cache.discard(path, item.size, item.name)
-                self.next_step = min(self.next_step, n)  # fetched again later
-            else:
-                self.ready.append(n)
+        self.ready.append(n)
+        self.next_step += 1
 
     def ack(self, which: int) -> None:
         if not self.ready:
@@ -210,9 +187,7 @@ class Model:
         assert on_disk == published, f"{on_disk} bytes of items on disk, {published} published in the ledger"
 
 
-OPS = st.lists(
-    st.sampled_from(["fetch", "fetch", "fetchall", "ack0", "ack1", "ackall", "restart", "drop"]), min_size=4, max_size=22
-)
+OPS = st.lists(st.sampled_from(["fetch", "fetch", "fetch", "ack0", "ack1", "ackall", "restart", "drop"]), min_size=4, max_size=22)
 
 
 def run(root: Path, program: list[str], retain: bool, fault: Fault | None) -> tuple[Model, CrashFs, bool]:
@@ -226,8 +201,6 @@ def run(root: Path, program: list[str], retain: bool, fault: Fault | None) -> tu
             for op in program:
                 if op == "fetch":
                     model.fetch()
-                elif op == "fetchall":
-                    model.fetch_all()
                 elif op == "ackall":
                     model.ack_all()
                 elif op.startswith("ack"):
@@ -299,7 +272,6 @@ EXAMPLES = int(os.environ.get("CACHEPIPE_CRASH_EXAMPLES", "6"))
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(program=OPS)
 @example(program=["fetch", "fetch", "fetch", "ackall", "fetch", "fetch", "ackall", "restart", "fetch", "ackall"])
-@example(program=["fetchall", "ack0", "fetchall", "ackall", "fetchall", "restart", "fetchall", "ackall"])
 def test_every_crash_point_recovers(tmp_path_factory, retain, program):
     explore(tmp_path_factory.mktemp("crash"), program, retain)
 

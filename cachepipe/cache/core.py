@@ -477,59 +477,22 @@ class Cache:
             FileExistsError: something not managed by this cache is in the way.
             OSError: the intent could not be journaled (a full disk): nothing was published.
         """
-        got = self.publish_many([(staged, item, reserved)], verified)[0]
-        if isinstance(got, OSError):
-            raise got
-        return got
-
-    def publish_many(self, batch: Sequence[tuple[Path, Item, int | None]], verified: bool = False) -> list[Path | OSError]:
-        """:meth:`publish` for each ``(staged, item, reserved)``, with the intents journaled by one
-        write and the results by one more: a group commit of what the download threads finished
-        meanwhile. Each item is renamed after its intent and before its result, as alone.
-
-        Returns:
-            In order, each item's path, or the error that kept it out (as :meth:`publish` raises
-            it). An intent write that fails (a full disk) fails every item: none is published.
-        """
-        results: list[Path | OSError] = []
-        todo: list[tuple[int, Path, Item, int, str]] = []
-        for i, (staged, item, reserved) in enumerate(batch):
-            final = f"{self._root}/{item.name}"
-            try:
-                if not verified:
-                    verify(staged, item)
-                if os.path.lexists(final):
-                    raise FileExistsError(
-                        errno.EEXIST, f"cannot publish item {item.name!r}: {final} exists and is not managed by cachepipe"
-                    )
-            except OSError as exc:
-                results.append(exc)
-                continue
-            results.append(Path(final))
-            todo.append((i, staged, item, item.size if reserved is None else reserved, final))
-        if not todo:
-            return results
+        if not verified:
+            verify(staged, item)
+        final = f"{self._root}/{item.name}"
+        if os.path.lexists(final):
+            raise FileExistsError(
+                errno.EEXIST, f"cannot publish item {item.name!r}: {final} exists and is not managed by cachepipe"
+            )
         with self._cond, self._eviction.folders:
-            try:
-                self.record.publishing([item.name for _i, _staged, item, _size, _final in todo])
-            except OSError as exc:
-                for i, *_rest in todo:
-                    results[i] = exc
-                return results
-            done: list[tuple[str, int]] = []
-            for i, staged, item, size, final in todo:
-                try:
-                    if "/" in item.name:  # a nested single-file item: its folders
-                        os.makedirs(final.rpartition("/")[0], exist_ok=True)
-                    os.rename(staged, final)
-                except OSError as exc:
-                    results[i] = exc
-                    continue
-                done.append((item.name, size))
-                if item.is_file and item.size < REAP_MIN_BYTES:
-                    self._small_files.add(item.name)
-            self.record.published_as(done)
-        return results
+            self.record.publishing(item.name)
+            if "/" in item.name:  # a nested single-file item: its folders
+                os.makedirs(final.rpartition("/")[0], exist_ok=True)
+            os.rename(staged, final)
+            self.record.published_as(item.name, item.size if reserved is None else reserved)
+            if item.is_file and item.size < REAP_MIN_BYTES:
+                self._small_files.add(item.name)
+        return Path(final)
 
     def discard(self, staged: Path, size: int, name: str) -> None:
         """Delete a staging area, release its reservation and the claim on ``name``."""

@@ -71,21 +71,18 @@ class Record:
         self.compact()
 
     # ---- publish ---------------------------------------------------------------------
-    def publishing(self, names: Sequence[str]) -> None:
-        """Journal the intent to publish ``names`` (before their renames), in one write. Raises
-        OSError (nothing written)."""
-        self.journal.append_many([("I", name) for name in names])
+    def publishing(self, name: str) -> None:
+        """Journal the intent to publish ``name`` (before the rename). Raises OSError."""
+        self.journal.append("I", name)
 
-    def published_as(self, sizes: Sequence[tuple[str, int]]) -> None:
-        """Each ``(name, size)`` was renamed into place holding ``size`` reserved bytes; journaled
-        in one write. A record that cannot be written is logged: the intent lines are durable,
-        and recovery checks the files."""
+    def published_as(self, name: str, size: int) -> None:
+        """``name`` was renamed into place holding ``size`` reserved bytes. A record that cannot be
+        written is logged: the intent line is durable, and recovery checks the files."""
         try:
-            self.journal.append_many([("P", name) for name, _size in sizes])
+            self.journal.append("P", name)
         except OSError as exc:
-            names = ", ".join(name for name, _size in sizes)
-            log.warning("journal: could not record that %s is published (%s); the intent lines cover it", names, exc)
-        self.published.update(sizes)
+            log.warning("journal: could not record that %s is published (%s); its intent line covers it", name, exc)
+        self.published[name] = size
         self._compact_if_due()
 
     # ---- acknowledge -----------------------------------------------------------------
