@@ -812,7 +812,7 @@ def render(report: dict[str, Any]) -> str:
         *(f"dataset {name}: {d['describe']} (uploaded in {d['upload_s']:.1f} s)" for name, d in report["datasets"].items()),
         (
             f"capacity {s['capacity_bytes'] / MIB:g} MiB (cachepipe and original); cachepipe max_concurrency={s['max_concurrency']}, "  # noqa: E501 - kept whole
-            f"part_size={s['part_size']}; slow consumer: {s['consumer_s']:g} s per item"
+            f"part_size={s['part_size'] or 'default'}; slow consumer: {s['consumer_s']:g} s per item"
         ),
         (
             f"median of {s['repeats']} run(s) per method (first-item scenarios: 1), methods interleaved, their order "

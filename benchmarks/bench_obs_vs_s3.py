@@ -176,8 +176,8 @@ def render_table(report: dict[str, Any]) -> str:
                 f"folder in hand; CPU s: {cpu}; GETs: ranged GETs per run; retries: transient errors retried, all runs"
             ),
             (
-                f"cachepipe capacity={s['capacity']}, max_concurrency={s['max_concurrency']}, part_size={s['part_size']}; "
-                f"one moto server at 127.0.0.1 ({s['server']})"
+                f"cachepipe capacity={s['capacity']}, max_concurrency={s['max_concurrency']}, "
+                f"part_size={s['part_size'] or 'default'}; one moto server at 127.0.0.1 ({s['server']})"
             ),
         ]
     )

@@ -388,7 +388,7 @@ def render_table(report: dict[str, Any]) -> str:
         f"1st item s: from start (listing included) to the first folder in the consumer's hands; CPU s: user+sys of the {cpu_note}",  # noqa: E501 - kept whole
         (
             "requests: S3 API calls made by s3fs and cachepipe's direct path; peak cache: cachepipe's cache dir, sampled every 5 ms in one "  # noqa: E501 - kept whole
-            f"extra untimed run, against the capacity; cachepipe max_concurrency={s['max_concurrency']}, part_size={s['part_size']}"  # noqa: E501 - kept whole
+            f"extra untimed run, against the capacity; cachepipe max_concurrency={s['max_concurrency']}, part_size={s['part_size'] or 'default'}"  # noqa: E501 - kept whole
         ),
     ]
     return "\n".join(format_table(cols, rows) + notes)

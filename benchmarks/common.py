@@ -264,7 +264,9 @@ def add_dataset_options(p: argparse.ArgumentParser, defaults: Mapping[str, tuple
 def add_cachepipe_options(p: argparse.ArgumentParser) -> None:
     """Add ``--max-concurrency`` and ``--part-size``, the Pipeline settings under test."""
     p.add_argument("--max-concurrency", type=int, default=16, help="cachepipe max_concurrency (default 16)")
-    p.add_argument("--part-size", default="8MiB", help="cachepipe part_size (default 8MiB)")
+    p.add_argument(
+        "--part-size", default=None, help="cachepipe part_size (default: the library's, capacity/(2 x max_concurrency), 1-8 MiB)"
+    )
 
 
 def add_server_option(p: argparse.ArgumentParser) -> None:
@@ -297,7 +299,8 @@ def parse_capacity(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     try:
         capacity = parse_size(args.capacity, "--capacity")
-        parse_size(args.part_size, "--part-size")
+        if args.part_size is not None:
+            parse_size(args.part_size, "--part-size")
     except ValueError as exc:
         p.error(str(exc))
     return capacity

@@ -56,7 +56,7 @@ from common import command_line, format_table, print_report
 
 from cachepipe.catalog import Catalog
 from cachepipe.config import PipelineConfig
-from cachepipe.fetcher import backoff_delay
+from cachepipe.fetcher import MAX_PART, backoff_delay
 from cachepipe.plan import Plan, permutation, split
 from cachepipe.retention import PlanFuture, run
 from cachepipe.state import save_catalog
@@ -69,8 +69,8 @@ BIN_S = 0.1  # Monte-Carlo histogram window
 HORIZON = inspect.signature(PlanFuture).parameters["horizon"].default  # epochs of next uses the cache sees
 DEFAULTS = {
     name: PipelineConfig.model_fields[name].default
-    for name in ("retries", "retry_backoff", "retry_backoff_max", "max_concurrency", "part_size")
-}
+    for name in ("retries", "retry_backoff", "retry_backoff_max", "max_concurrency")
+} | {"part_size": MAX_PART}  # cachepipe's default part size for a node's cache (256 MiB and more)
 
 
 # ---- 1. listing and manifest ---------------------------------------------------------
@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     add("--files-per-item", type=int, default=1, help="objects per item (default 1: items='files')")
     add("--item-size", type=int, default=1 * MB, help="bytes per item (default 1 MB)")
     add("--items-per-s", type=float, default=50.0, help="items/s consumed per GPU (default 50)")
-    add("--part-size", type=int, default=DEFAULTS["part_size"], help="ranged-GET part size (default: cachepipe's, 8 MiB)")
+    add("--part-size", type=int, default=DEFAULTS["part_size"], help="ranged-GET part size (default 8 MiB)")
     add("--prefixes", type=int, default=100, help="prefixes the keys are spread over, for the per-prefix column (default 100)")
     add("--manifest-sample", type=int, default=20_000, help="generated items whose catalog is measured (default 20000)")
     add("--sim-nodes", type=int, default=8, help="nodes of the scaled hit-rate instance (default 8)")
