@@ -54,8 +54,8 @@ def auto_part_size(capacity: int, concurrency: int) -> int:
     :data:`MIN_PART` and :data:`MAX_PART`. Space is reserved an item at a time, so a cache that
     holds few items can keep few requests busy: with parts this small, each of the
     ``concurrency`` requests has a part to fetch while half the cache holds items waiting for
-    the consumer (on an emulated 400 Mbit/s, 16 ms link, 64 MiB, 16 requests: 2 MiB parts
-    fill 0.97 of the link against 0.91 with 8 MiB; ``benchmarks/bench_link.py``)."""
+    the consumer (the video case of ``benchmarks/bench_link.py``, a 400 Mbit/s, 16 ms link, 64 MiB,
+    16 requests: 0.97 of the link with 2 MiB parts, 0.91 with 8 MiB)."""
     return min(MAX_PART, max(MIN_PART, capacity // (2 * concurrency)))
 
 
