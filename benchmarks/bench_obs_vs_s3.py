@@ -42,7 +42,6 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from datetime import date
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +58,7 @@ from common import (
     build_cases,
     check_positive,
     command_line,
+    dist_version,
     format_table,
     machine_info,
     parse_capacity,
@@ -183,13 +183,6 @@ def render_table(report: dict[str, Any]) -> str:
     )
 
 
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "?"
-
-
 # ---- main ----------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -226,9 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "versions": {
             "cachepipe": cachepipe.__version__,
-            "s3fs": _version("s3fs"),
-            "esdk-obs-python": _version("esdk-obs-python"),
-            "moto": _version("moto"),
+            "s3fs": dist_version("s3fs"),
+            "esdk-obs-python": dist_version("esdk-obs-python"),
+            "moto": dist_version("moto"),
         },
         "settings": {
             "repeats": args.repeats,

@@ -15,6 +15,7 @@ the scaffolding around the measurements:
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import multiprocessing
@@ -310,6 +311,14 @@ def parse_capacity(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def command_line() -> str:
     """The command that started this process, quoted for a shell (for the report)."""
     return shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
+
+
+def dist_version(dist: str) -> str:
+    """The installed version of distribution ``dist``, or ``"?"`` if it is not installed."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
 
 
 def machine_info() -> dict[str, Any]:
