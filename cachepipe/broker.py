@@ -78,6 +78,7 @@ class Broker(Generic[T]):
         self._resolved: set[int] = set()  # seqs handed out at least once, failed or skipped, above the frontier
         self._frontier = 0  # every seq below it is resolved
         self._leases: dict[str, Lease[T]] = {}
+        self._begun = 0  # items begun, ever
         self._pending = 0  # begun (downloading) but not yet ready
         self._fresh = 0  # entries in _ready never handed out (not released ones)
         self._finished = False  # no more items will be planned
@@ -91,8 +92,15 @@ class Broker(Generic[T]):
         (fetching, or ready and never handed out): 0 means the consumers wait for this one next."""
         with self._cond:
             ahead = self._pending + self._fresh
+            self._begun += 1
             self._pending += 1
             return ahead
+
+    def served(self) -> int:
+        """How many begun items are no longer ahead of the consumers (handed out, or their
+        failure returned). The item whose :meth:`begin` was the ``n``-th (from 0) has
+        ``n - served()`` items ahead of it. Read without the lock: a hint for the fetcher."""
+        return self._begun - self._pending - self._fresh
 
     def put(self, seq: int, name: str, value: T) -> None:
         """An item is ready to hand out."""

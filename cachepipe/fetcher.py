@@ -1,15 +1,16 @@
 """The producer: reserves space, downloads items into staging, verifies, publishes.
 
 One planner thread walks the plan in order: it waits for prefetch room and for space (both
-conditions signalled by consumers, never polled), stages the item and submits its parts to a
-pool of ``max_concurrency`` download threads. Objects above the part size are split into
-ranged GETs (:func:`auto_part_size`; finer for the item the consumers wait for next,
-:func:`item_part_size`), fetched in the order their items started. The thread that finishes
-an item's last part publishes it (or discards it and reports the failure). Transient errors
-are retried with exponential backoff and equal jitter, sleeping on the stop event so that
-:meth:`Fetcher.stop` is immediate. With ``download_processes``, each GET is made by a worker
-process (:mod:`cachepipe.downloads`) while the download thread waits for it: the threads keep
-the bookkeeping, the workers the request path.
+conditions signalled by consumers, never polled), stages the item and queues its bytes for a
+pool of ``max_concurrency`` download threads. Each thread takes the next part from the earliest
+started item with bytes not yet requested, and cuts it when it takes it: a ranged GET of
+:func:`item_part_size` for the items then ahead of that item (up to ``part_size``,
+:func:`auto_part_size`), so that the item the consumers wait for is fetched over every thread.
+The thread that finishes an item's last part publishes it (or discards it and reports the
+failure). Transient errors are retried with exponential backoff and equal jitter, sleeping on
+the stop event so that :meth:`Fetcher.stop` is immediate. With ``download_processes``, each
+GET is made by a worker process (:mod:`cachepipe.downloads`) while the download thread waits
+for it: the threads keep the bookkeeping, the workers the request path.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import random
 import shutil
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from .broker import Broker
 from .cache import Cache, tree_bytes
@@ -35,14 +38,9 @@ from .errors import ArchiveError, ItemFailedError, OversizeError, PrepareOverflo
 from .stores.base import Store
 from .unpack import DEFAULT_MAX_MEMBERS, split_volume, unpack_in_place
 
-__all__ = ["Fetcher", "auto_part_size", "backoff_delay", "item_part_size", "split_ranges"]
+__all__ = ["Fetcher", "PartQueue", "auto_part_size", "backoff_delay", "item_part_size"]
 
 log = logging.getLogger("cachepipe.fetcher")
-
-
-def split_ranges(size: int, part_size: int) -> list[tuple[int, int]]:
-    """Byte ranges ``[start, end)`` covering ``size`` bytes in parts of at most ``part_size``."""
-    return [(start, min(start + part_size, size)) for start in range(0, size, part_size)]
 
 
 MIN_PART, MAX_PART = 1024 * 1024, 8 * 1024 * 1024
@@ -63,14 +61,85 @@ HEAD_MIN_PART = 256 * 1024
 """The smallest part :func:`item_part_size` splits the consumers' next item into, bytes."""
 
 
-def item_part_size(size: int, part_size: int, concurrency: int, head: bool) -> int:
-    """The part size for an item of ``size`` bytes: ``part_size``, except for the item the
-    consumers wait for next (``head``): parts small enough to occupy all ``concurrency`` download
-    threads, but at least :data:`HEAD_MIN_PART`, so that it arrives at the whole link's speed
-    instead of a share of it (parts are fetched in the order items start)."""
-    if not head:
-        return part_size
-    return min(part_size, max(HEAD_MIN_PART, -(-size // concurrency)))
+def item_part_size(size: int, part_size: int, concurrency: int, ahead: int) -> int:
+    """The size of the next ranged GET of an item of ``size`` bytes with ``ahead`` items ahead of
+    it (fetching, or ready and never handed out), chosen when a download thread takes it.
+
+    ``concurrency`` parts of this size hold at most ``ahead + 1`` items' worth of bytes, so a part
+    taken now arrives in about the time the link takes to deliver the items ahead and this one:
+    the item the consumers wait for next (``ahead == 0``) is split over every thread and comes at
+    the whole link's speed, and each item after it comes in turn, not in a convoy with the
+    ones behind it. At least :data:`HEAD_MIN_PART` (requests have a cost) and at most
+    ``part_size`` (which it is once the consumers have enough ahead of them)."""
+    return min(part_size, max(HEAD_MIN_PART, -(-size * (ahead + 1) // concurrency)))
+
+
+J = TypeVar("J")
+
+
+@dataclass(eq=False)
+class Started(Generic[J]):
+    """An item in a :class:`PartQueue`: its bytes not yet requested, and its parts running."""
+
+    job: J
+    size: int  # the item's bytes
+    turn: int  # its place in hand-out order: turn - served items are ahead of it
+    todo: deque[tuple[FileEntry, Path, int]]  # files (or their rest) not yet requested: entry, local path, next offset
+    running: int = 0
+
+
+class PartQueue(Generic[J]):
+    """The bytes of started items not yet requested, cut into ranged GETs as download threads
+    take them. Not thread-safe: the fetcher holds one lock around every call.
+
+    Args:
+        part_size: the largest part, bytes.
+        concurrency: download threads.
+    """
+
+    def __init__(self, part_size: int, concurrency: int) -> None:
+        self.part_size = part_size
+        self.concurrency = concurrency
+        self._started: deque[Started[J]] = deque()  # with bytes not yet requested, in the order they started
+
+    def add(self, job: J, size: int, turn: int, files: Iterable[tuple[FileEntry, Path]]) -> Started[J] | None:
+        """Queue an item's files (those of 0 bytes need no request); None if nothing is to fetch."""
+        todo = deque((f, local, 0) for f, local in files if f.size)
+        if not todo:
+            return None
+        started = Started(job, size, turn, todo)
+        self._started.append(started)
+        return started
+
+    def take(self, served: int) -> tuple[Started[J], FileEntry, Path, int, int] | None:
+        """The next part: from the earliest started item with bytes not yet requested, of
+        :func:`item_part_size` for the items ahead of it now (``served``: see
+        :meth:`cachepipe.broker.Broker.served`); None if every byte is requested."""
+        while self._started:
+            started = self._started[0]
+            if not started.todo:  # given up (see done)
+                self._started.popleft()
+                continue
+            f, local, start = started.todo[0]
+            part = item_part_size(started.size, self.part_size, self.concurrency, max(0, started.turn - served))
+            end = min(f.size, start + part)
+            if end == f.size:
+                started.todo.popleft()
+                if not started.todo:
+                    self._started.popleft()
+            else:
+                started.todo[0] = (f, local, end)
+            started.running += 1
+            return started, f, local, start, end
+        return None
+
+    def done(self, started: Started[J], give_up: bool = False) -> bool:
+        """A part of ``started`` ended (``give_up``: request no more of it, it failed). True if
+        it was the item's last: nothing is running and nothing more will be requested."""
+        started.running -= 1
+        if give_up:
+            started.todo.clear()
+        return started.running == 0 and not started.todo
 
 
 def backoff_delay(attempt: int, base: float, cap: float, rand: Callable[[], float] = random.random) -> float:
@@ -89,8 +158,7 @@ class _Job:
     seq: int
     item: Item
     staged: Path
-    parts: int
-    part_size: int  # of its ranged GETs (see item_part_size)
+    turn: int  # its place in hand-out order (see PartQueue)
     extra: int = 0  # bytes reserved beside the item's own for unpack/prepare (fixed when reserved)
     error: BaseException | None = None
     error_key: str = ""
@@ -142,7 +210,12 @@ class Fetcher:
         self._part_size = config.part_size or auto_part_size(cache.limit, config.max_concurrency)
         self._stop = threading.Event()
         self.counters = FetchCounters()
+        self._min_part = min(self._part_size, HEAD_MIN_PART)  # the smallest part item_part_size gives
+        self._begun = 0  # items begun: the next one's turn
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="cachepipe-fetch")
+        self._parts: PartQueue[_Job] = PartQueue(self._part_size, config.max_concurrency)
+        self._parts_lock = threading.Lock()  # _parts and _takers
+        self._takers = 0  # download threads taking parts
         processes = config.download_processes
         self._workers = (
             DownloadWorkers(config.source, config.storage_options, processes, -(-config.max_concurrency // processes))
@@ -182,7 +255,7 @@ class Fetcher:
                 refused = self._refusal(item)
                 if refused is not None:
                     unstarted = False
-                    self._broker.begin()
+                    self._begin()
                     self._report_failure(seq, item, item.name, refused)
                     continue
                 if not self._wait_for_free_space(item.size):
@@ -192,14 +265,14 @@ class Fetcher:
                     got = self._cache.acquire(item, tick, self._broker.starving, extra)
                 except OversizeError as exc:  # no longer fits beside the state budget: this item only
                     unstarted = False
-                    self._broker.begin()
+                    self._begin()
                     self._broker.fail(seq, item.name, exc, kind="oversize")
                     continue
                 if got is False:
                     return
                 unstarted = False
                 if got is not True:  # on disk already: recovered at open, or retained
-                    self._broker.begin()
+                    self._begin()
                     self._broker.put(seq, item.name, got)
                     self.counters.add(items_adopted=1)
                     continue
@@ -207,15 +280,19 @@ class Fetcher:
                 if self._stop.is_set():
                     self._cache.unreserve(item.size + extra, item.name)
                     return
-                head = self._broker.begin() == 0
-                part_size = item_part_size(item.size, self._part_size, self._cfg.max_concurrency, head)
-                self._start(seq, item, extra, part_size)
+                self._start(seq, item, extra, self._begin())
         except BaseException as exc:  # noqa: BLE001 - planning failed: the consumer sees it in turn, never a hang
             failed = seq if unstarted else seq + 1
             log.error("planning stopped at step %d: %s", failed, exc)
             self._broker.fail(failed, "<listing>", exc, begun=False, kind="stream")
         finally:
             self._broker.finish()
+
+    def _begin(self) -> int:
+        """Count an item begun with the broker; return its turn."""
+        self._broker.begin()
+        self._begun += 1
+        return self._begun - 1
 
     def _wait_for_free_space(self, size: int) -> bool:
         """Pause while the filesystem would keep less than ``min_free`` after this item.
@@ -241,33 +318,46 @@ class Fetcher:
             self._stop.wait(1.0)
         return False
 
-    def _start(self, seq: int, item: Item, extra: int, part_size: int, attempt: int = 0) -> None:
+    def _start(self, seq: int, item: Item, extra: int, turn: int, attempt: int = 0) -> None:
+        """Stage ``item`` and queue its bytes for the download threads (parts are cut as they are
+        taken, :meth:`PartQueue.take`); start threads to take them, up to ``max_concurrency``."""
         try:
-            staged = self._cache.stage(item, part_size)
+            staged = self._cache.stage(item, self._min_part)
         except OSError as exc:
             unstaged = self._cache.staging_root / "unstaged"
-            self._retry_disk_error(_Job(seq, item, unstaged, 0, part_size, extra, attempt=attempt), exc)
+            self._retry_disk_error(_Job(seq, item, unstaged, turn, extra, attempt=attempt), exc)
             return
-        tasks: list[tuple[FileEntry, Path, int, int]] = []
-        for f in item.files:
-            local = staged if item.is_file else staged / f.rel
-            tasks.extend((f, local, start, end) for start, end in split_ranges(f.size, part_size))
-        job = _Job(seq, item, staged, len(tasks), part_size, extra, attempt=attempt)
-        if not tasks:
+        job = _Job(seq, item, staged, turn, extra, attempt=attempt)
+        parts = sum(-(-f.size // self._min_part) for f in item.files)  # at most
+        with self._parts_lock:
+            started = self._parts.add(job, item.size, turn, ((f, staged if item.is_file else staged / f.rel) for f in item.files))
+            more = min(parts, self._cfg.max_concurrency - self._takers) if started is not None else 0
+            self._takers += more
+        if started is None:
             self._finish_or_report(job)
             return
-        for task in tasks:
-            self._pool.submit(self._fetch_part, job, *task)
+        for _ in range(more):
+            self._pool.submit(self._take_and_fetch)
 
     # ---- download threads ------------------------------------------------------------
-    def _fetch_part(self, job: _Job, f: FileEntry, local: Path, start: int, end: int) -> None:
+    def _take_and_fetch(self) -> None:
+        """A download thread's task: fetch parts, each cut when taken, until none is left."""
+        while True:
+            with self._parts_lock:
+                part = None if self._stop.is_set() else self._parts.take(self._broker.served())
+                if part is None:
+                    self._takers -= 1
+                    return
+            self._fetch_part(*part)
+
+    def _fetch_part(self, started: Started[_Job], f: FileEntry, local: Path, start: int, end: int) -> None:
+        job = started.job
         try:
-            if job.error is None and not self._stop.is_set():
+            if job.error is None and job.disk_error is None and not self._stop.is_set():
                 self._get_with_retries(job, f, local, start, end)
         finally:
-            with job.lock:
-                job.parts -= 1
-                last = job.parts == 0
+            with self._parts_lock:  # after an error nothing more is requested: the item fails or restarts
+                last = self._parts.done(started, give_up=job.error is not None or job.disk_error is not None)
             if last:
                 self._finish_or_report(job)
 
@@ -425,7 +515,7 @@ class Fetcher:
         log.warning("local disk error on %s (%s): staging freed, retrying the item in %.2fs", job.item.name, error, delay)
         if self._stop.wait(delay):
             return
-        self._start(job.seq, job.item, job.extra, job.part_size, job.attempt + 1)
+        self._start(job.seq, job.item, job.extra, job.turn, job.attempt + 1)
 
     def _report_failure(self, seq: int, item: Item, key: str, error: BaseException) -> None:
         self.counters.add(items_failed=1)

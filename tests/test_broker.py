@@ -30,6 +30,21 @@ def test_begin_counts_the_items_ahead_of_the_consumers():
     assert b.begin() == 2  # "b" ready, "c" fetching
 
 
+def test_served_counts_the_items_no_longer_ahead_of_the_consumers():
+    b = Broker()
+    turns = [b.begin() for _ in range(3)]  # turns 0, 1, 2: nothing served yet
+    assert b.served() == 0 and turns == [0, 1, 2]
+    b.put(1, "b", "B")
+    assert b.served() == 0  # ready, never handed out: still ahead
+    b.put(0, "a", "A")
+    assert b.take(0).name == "a"
+    assert b.served() == 1  # the item of turn 2 has 2 - 1 items ahead of it: "b" ready, "c" fetching
+    b.fail(2, "c", OSError("gone"))
+    assert b.take(0).name == "b"
+    assert isinstance(b.take(0), Failed)
+    assert b.served() == 3
+
+
 def test_unordered_hands_out_what_is_ready():
     b = Broker(ordered=False)
     b.begin(), b.begin()

@@ -1,12 +1,9 @@
-from cachepipe.fetcher import HEAD_MIN_PART, auto_part_size, backoff_delay, item_part_size, split_ranges
+from pathlib import Path
+
+from cachepipe.catalog import FileEntry, Item
+from cachepipe.fetcher import HEAD_MIN_PART, PartQueue, auto_part_size, backoff_delay, item_part_size
 
 MIB = 1024 * 1024
-
-
-def test_split_ranges_cover_exactly():
-    assert split_ranges(0, 4) == []
-    assert split_ranges(4, 4) == [(0, 4)]
-    assert split_ranges(10, 4) == [(0, 4), (4, 8), (8, 10)]
 
 
 def test_the_default_part_size_gives_every_request_a_part_in_half_the_cache():
@@ -18,12 +15,19 @@ def test_the_default_part_size_gives_every_request_a_part_in_half_the_cache():
 
 
 def test_the_consumers_next_item_is_split_over_every_download_thread():
-    assert item_part_size(64 * MIB, 8 * MIB, 16, head=False) == 8 * MIB
-    assert item_part_size(64 * MIB, 8 * MIB, 16, head=True) == 4 * MIB
-    assert item_part_size(8 * MIB + 1024, 8 * MIB, 16, head=True) == -(-(8 * MIB + 1024) // 16)
-    assert item_part_size(1 * MIB, 8 * MIB, 16, head=True) == HEAD_MIN_PART  # never below the floor
-    assert item_part_size(1 * MIB, 128 * 1024, 16, head=True) == 128 * 1024  # nor above part_size
-    assert item_part_size(1 * MIB, 8 * MIB, 1, head=True) == 1 * MIB  # one thread: one part
+    assert item_part_size(64 * MIB, 8 * MIB, 16, ahead=0) == 4 * MIB
+    assert item_part_size(8 * MIB + 1024, 8 * MIB, 16, ahead=0) == -(-(8 * MIB + 1024) // 16)
+    assert item_part_size(1 * MIB, 8 * MIB, 16, ahead=0) == HEAD_MIN_PART  # never below the floor
+    assert item_part_size(1 * MIB, 128 * 1024, 16, ahead=0) == 128 * 1024  # nor above part_size
+    assert item_part_size(1 * MIB, 8 * MIB, 1, ahead=0) == 1 * MIB  # one thread: one part
+
+
+def test_parts_grow_with_the_items_ahead_until_part_size():
+    # 16 threads, 8 MiB items, 2 MiB parts: the parts in flight hold the items ahead and this one
+    sizes = [item_part_size(8 * MIB, 2 * MIB, 16, ahead) for ahead in range(5)]
+    assert sizes == [MIB // 2, MIB, 3 * MIB // 2, 2 * MIB, 2 * MIB]
+    assert item_part_size(64 * MIB, 8 * MIB, 16, ahead=1) == 8 * MIB
+    assert item_part_size(50 * 1024, 8 * MIB, 16, ahead=0) >= 50 * 1024  # a small file is one GET
 
 
 def test_backoff_grows_caps_and_keeps_half():
@@ -38,3 +42,49 @@ def test_backoff_grows_caps_and_keeps_half():
         < sum(backoff_delay(a, 0.2, 10, rand=lambda: 1.0) for a in range(12))
         < 73
     )
+
+
+def _item(name, *sizes):
+    files = tuple(FileEntry(f"{name}/f{i}", f"f{i}", size) for i, size in enumerate(sizes))
+    return Item(name, files, sum(sizes), is_file=False)
+
+
+def _queue(queue, job, turn, item):
+    return queue.add(job, item.size, turn, ((f, Path(item.name) / f.rel) for f in item.files))
+
+
+def test_parts_are_cut_when_taken_for_the_items_ahead_then():
+    """The second item's parts are cut for what is ahead of it when a thread takes them, not
+    when it started: once the first item is handed out it is the head, and goes over every thread."""
+    queue = PartQueue(part_size=2 * MIB, concurrency=4)
+    _queue(queue, "a", 0, _item("a", 2 * MIB))
+    _queue(queue, "b", 1, _item("b", 2 * MIB))
+    taken = [queue.take(served=0) for _ in range(4)]
+    assert [(s.job, start, end) for s, _, _, start, end in taken] == [("a", i * MIB // 2, (i + 1) * MIB // 2) for i in range(4)]
+    assert queue.take(served=0)[3:] == (0, MIB)  # "b", one item ahead: parts of 1 MiB
+    part = queue.take(served=1)  # "a" handed out: "b" is next, 512 KiB parts
+    assert (part[0].job, part[3], part[4]) == ("b", MIB, MIB + MIB // 2)
+
+
+def test_parts_follow_the_order_items_started_file_by_file():
+    queue = PartQueue(part_size=MIB, concurrency=1)
+    _queue(queue, "a", 0, _item("a", 10, 0, 3 * MIB // 2))
+    _queue(queue, "b", 1, _item("b", 5))
+    got = []
+    while (part := queue.take(served=0)) is not None:
+        got.append((part[0].job, part[1].rel, part[3], part[4]))
+    assert got == [("a", "f0", 0, 10), ("a", "f2", 0, MIB), ("a", "f2", MIB, 3 * MIB // 2), ("b", "f0", 0, 5)]
+    assert _queue(queue, "c", 2, _item("c", 0, 0)) is None  # nothing to request
+
+
+def test_an_item_is_done_after_its_last_part_or_when_it_gives_up():
+    queue = PartQueue(part_size=MIB, concurrency=1)
+    _queue(queue, "a", 0, _item("a", 2 * MIB))
+    first, second = queue.take(served=0), queue.take(served=0)
+    assert not queue.done(first[0])  # the second is running
+    assert queue.done(second[0])
+    _queue(queue, "b", 1, _item("b", 3 * MIB))
+    first, second = queue.take(served=0), queue.take(served=0)
+    assert not queue.done(first[0], give_up=True)  # failed: the third part is never requested ...
+    assert queue.take(served=0) is None
+    assert queue.done(second[0])  # ... so the second is the last
