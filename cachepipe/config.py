@@ -223,10 +223,11 @@ class PipelineConfig(BaseModel):
         max_concurrency: requests in flight across all items and files (default 16).
         part_size: objects larger than this are fetched as parallel ranged GETs of this size.
             None (default): the capacity over twice ``max_concurrency``, between 1 and 8 MiB
-            (8 MiB from a 256 MiB cache at 16 requests), so that every request has a part
-            while half the cache holds items for the consumer. Parts are cut when a request
-            takes them, finer for the items the consumers wait for next: the next one over
-            every request (parts of at least 256 KiB).
+            (8 MiB from a 256 MiB cache at 16 requests; it follows a capacity changed live),
+            so that every request has a part while half the cache holds items for the
+            consumer. Parts are cut when a request takes them, finer for the items the
+            consumers wait for next: the next one over every request (parts of at least
+            256 KiB).
         download_processes: make the GETs in this many worker processes, ``max_concurrency``
             requests split among them, instead of in threads of this process (default 0). For
             a process whose own core would be the limit: the node daemon serving many

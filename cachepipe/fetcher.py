@@ -93,12 +93,10 @@ class PartQueue(Generic[J]):
     take them. Not thread-safe: the fetcher holds one lock around every call.
 
     Args:
-        part_size: the largest part, bytes.
         concurrency: download threads.
     """
 
-    def __init__(self, part_size: int, concurrency: int) -> None:
-        self.part_size = part_size
+    def __init__(self, concurrency: int) -> None:
         self.concurrency = concurrency
         self._started: deque[Started[J]] = deque()  # with bytes not yet requested, in the order they started
 
@@ -111,17 +109,18 @@ class PartQueue(Generic[J]):
         self._started.append(started)
         return started
 
-    def take(self, served: int) -> tuple[Started[J], FileEntry, Path, int, int] | None:
+    def take(self, served: int, part_size: int) -> tuple[Started[J], FileEntry, Path, int, int] | None:
         """The next part: from the earliest started item with bytes not yet requested, of
         :func:`item_part_size` for the items ahead of it now (``served``: see
-        :meth:`cachepipe.broker.Broker.served`); None if every byte is requested."""
+        :meth:`cachepipe.broker.Broker.served`) and at most ``part_size`` bytes; None if every
+        byte is requested."""
         while self._started:
             started = self._started[0]
             if not started.todo:  # given up (see done)
                 self._started.popleft()
                 continue
             f, local, start = started.todo[0]
-            part = item_part_size(started.size, self.part_size, self.concurrency, max(0, started.turn - served))
+            part = item_part_size(started.size, part_size, self.concurrency, max(0, started.turn - served))
             end = min(f.size, start + part)
             if end == f.size:
                 started.todo.popleft()
@@ -207,13 +206,12 @@ class Fetcher:
         self._broker = broker
         self._plan = plan
         self._cfg = config
-        self._part_size = config.part_size or auto_part_size(cache.limit, config.max_concurrency)
         self._stop = threading.Event()
         self.counters = FetchCounters()
-        self._min_part = min(self._part_size, HEAD_MIN_PART)  # the smallest part item_part_size gives
+        self._min_part = min(config.part_size or HEAD_MIN_PART, HEAD_MIN_PART)  # the smallest part item_part_size gives
         self._begun = 0  # items begun: the next one's turn
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="cachepipe-fetch")
-        self._parts: PartQueue[_Job] = PartQueue(self._part_size, config.max_concurrency)
+        self._parts: PartQueue[_Job] = PartQueue(config.max_concurrency)
         self._parts_lock = threading.Lock()  # _parts and _takers
         self._takers = 0  # download threads taking parts
         processes = config.download_processes
@@ -288,6 +286,10 @@ class Fetcher:
         finally:
             self._broker.finish()
 
+    def _part_size(self) -> int:
+        """``part_size`` as configured, or by default for the capacity now (it may change live)."""
+        return self._cfg.part_size or auto_part_size(self._cache.limit, self._cfg.max_concurrency)
+
     def _begin(self) -> int:
         """Count an item begun with the broker; return its turn."""
         self._broker.begin()
@@ -344,7 +346,7 @@ class Fetcher:
         """A download thread's task: fetch parts, each cut when taken, until none is left."""
         while True:
             with self._parts_lock:
-                part = None if self._stop.is_set() else self._parts.take(self._broker.served())
+                part = None if self._stop.is_set() else self._parts.take(self._broker.served(), self._part_size())
                 if part is None:
                     self._takers -= 1
                     return

@@ -9,6 +9,7 @@ from waiting import wait_until
 from cachepipe import ItemFailedError, Pipeline, StoreUnavailableError
 
 KIB = 1024
+MIB = 1024 * KIB
 
 
 def _run(source, endpoint, tmp_path, **options):
@@ -51,19 +52,47 @@ def test_the_first_items_are_fetched_by_every_download_thread(remote_source, fau
     with Pipeline(remote_source.url, tmp_path / "c", "8MiB", storage_options=options, max_concurrency=4) as pipe:
         got = {p.name: (p / "f").read_bytes() for p in pipe}
     assert got == {name: files["f"] for name, files in data.items()}
+    parts = _object_gets(proxy, 1024 * KIB)
+    first_item, second_item = (parts[key] for key in sorted(parts))
+    assert first_item == [(start, start + 256 * KIB) for start in range(0, 1024 * KIB, 256 * KIB)]
+    size = second_item[0][1]
+    assert size in (256 * KIB, 512 * KIB)
+    assert second_item == [(start, start + size) for start in range(0, 1024 * KIB, size)]
+
+
+def test_the_default_part_size_follows_a_capacity_changed_live(remote_source, fault_proxy, tmp_path):
+    """``part_size`` left to its default follows the capacity (``set_capacity``, a daemon's
+    reload), not the capacity the pipeline opened with."""
+    proxy, endpoint = fault_proxy
+    data = remote_source.folders(2, {"f": 3 * MIB})
+    options = via(remote_source, endpoint)
+    with Pipeline(remote_source.url, tmp_path / "c", "4MiB", storage_options=options, max_concurrency=1) as pipe:
+        it = iter(pipe)
+        first = next(it)  # 4 MiB / 2: parts of 2 MiB; the second item does not fit beside it
+        got = {first.name: (first / "f").read_bytes()}
+        pipe.set_capacity("16MiB")  # 16 MiB / 2: parts of 8 MiB, so the second comes in one GET
+        second = next(it)
+        got[second.name] = (second / "f").read_bytes()
+    assert got == {name: files["f"] for name, files in data.items()}
+    parts = _object_gets(proxy, 3 * MIB)
+    first_item, second_item = (parts[key] for key in sorted(parts))
+    cut = first_item[0][1]
+    assert first_item == [(0, cut), (cut, 3 * MIB)] and 2 * MIB - 64 * KIB < cut <= 2 * MIB  # (4 MiB - state) / 2
+    assert second_item == [(0, 3 * MIB)]
+
+
+def _object_gets(proxy, size):
+    """The byte ranges ``[start, end)`` of the object GETs the proxy saw, sorted, by path
+    (``size``: the objects' size, for a GET without a Range header)."""
     parts: dict[str, list[tuple[int, int]]] = {}
     for head in proxy.requests:
         first = head.split("\r\n")[0]
         if not first.startswith("GET") or "list-type" in first or "prefix=" in first:
             continue
         ranges = [line.split("=", 1)[1] for line in head.split("\r\n") if line.lower().startswith("range:")]
-        start, end = (int(x) for x in ranges[0].split("-")) if ranges else (0, 1024 * KIB - 1)
+        start, end = (int(x) for x in ranges[0].split("-")) if ranges else (0, size - 1)
         parts.setdefault(first.split()[1].split("?")[0], []).append((start, end + 1))
-    first_item, second_item = (sorted(parts[key]) for key in sorted(parts))
-    assert first_item == [(start, start + 256 * KIB) for start in range(0, 1024 * KIB, 256 * KIB)]
-    size = second_item[0][1]
-    assert size in (256 * KIB, 512 * KIB)
-    assert second_item == [(start, start + size) for start in range(0, 1024 * KIB, size)]
+    return {path: sorted(got) for path, got in parts.items()}
 
 
 def test_throttling_and_refused_connections_are_retried(remote_source, fault_proxy, tmp_path):

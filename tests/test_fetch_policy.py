@@ -56,35 +56,35 @@ def _queue(queue, job, turn, item):
 def test_parts_are_cut_when_taken_for_the_items_ahead_then():
     """The second item's parts are cut for what is ahead of it when a thread takes them, not
     when it started: once the first item is handed out it is the head, and goes over every thread."""
-    queue = PartQueue(part_size=2 * MIB, concurrency=4)
+    queue, part_size = PartQueue(concurrency=4), 2 * MIB
     _queue(queue, "a", 0, _item("a", 2 * MIB))
     _queue(queue, "b", 1, _item("b", 2 * MIB))
-    taken = [queue.take(served=0) for _ in range(4)]
+    taken = [queue.take(0, part_size) for _ in range(4)]
     assert [(s.job, start, end) for s, _, _, start, end in taken] == [("a", i * MIB // 2, (i + 1) * MIB // 2) for i in range(4)]
-    assert queue.take(served=0)[3:] == (0, MIB)  # "b", one item ahead: parts of 1 MiB
-    part = queue.take(served=1)  # "a" handed out: "b" is next, 512 KiB parts
+    assert queue.take(0, part_size)[3:] == (0, MIB)  # "b", one item ahead: parts of 1 MiB
+    part = queue.take(1, part_size)  # "a" handed out: "b" is next, 512 KiB parts
     assert (part[0].job, part[3], part[4]) == ("b", MIB, MIB + MIB // 2)
 
 
 def test_parts_follow_the_order_items_started_file_by_file():
-    queue = PartQueue(part_size=MIB, concurrency=1)
+    queue = PartQueue(concurrency=1)
     _queue(queue, "a", 0, _item("a", 10, 0, 3 * MIB // 2))
     _queue(queue, "b", 1, _item("b", 5))
     got = []
-    while (part := queue.take(served=0)) is not None:
+    while (part := queue.take(0, MIB)) is not None:
         got.append((part[0].job, part[1].rel, part[3], part[4]))
     assert got == [("a", "f0", 0, 10), ("a", "f2", 0, MIB), ("a", "f2", MIB, 3 * MIB // 2), ("b", "f0", 0, 5)]
     assert _queue(queue, "c", 2, _item("c", 0, 0)) is None  # nothing to request
 
 
 def test_an_item_is_done_after_its_last_part_or_when_it_gives_up():
-    queue = PartQueue(part_size=MIB, concurrency=1)
+    queue = PartQueue(concurrency=1)
     _queue(queue, "a", 0, _item("a", 2 * MIB))
-    first, second = queue.take(served=0), queue.take(served=0)
+    first, second = queue.take(0, MIB), queue.take(0, MIB)
     assert not queue.done(first[0])  # the second is running
     assert queue.done(second[0])
     _queue(queue, "b", 1, _item("b", 3 * MIB))
-    first, second = queue.take(served=0), queue.take(served=0)
+    first, second = queue.take(0, MIB), queue.take(0, MIB)
     assert not queue.done(first[0], give_up=True)  # failed: the third part is never requested ...
-    assert queue.take(served=0) is None
+    assert queue.take(0, MIB) is None
     assert queue.done(second[0])  # ... so the second is the last
