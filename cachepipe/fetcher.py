@@ -101,12 +101,17 @@ class PartQueue(Generic[J]):
         self._started: deque[Started[J]] = deque()  # with bytes not yet requested, in the order they started
 
     def add(self, job: J, size: int, turn: int, files: Iterable[tuple[FileEntry, Path]]) -> Started[J] | None:
-        """Queue an item's files (those of 0 bytes need no request); None if nothing is to fetch."""
+        """Queue an item's files (those of 0 bytes need no request) in its turn: after the items
+        of earlier turns, before those of later ones (an item restarted after a disk error or an
+        ETag mismatch keeps its place). None if nothing is to fetch."""
         todo = deque((f, local, 0) for f, local in files if f.size)
         if not todo:
             return None
         started = Started(job, size, turn, todo)
-        self._started.append(started)
+        place = len(self._started)
+        while place and self._started[place - 1].turn > turn:
+            place -= 1
+        self._started.insert(place, started)
         return started
 
     def take(self, served: int, part_size: int) -> tuple[Started[J], FileEntry, Path, int, int] | None:
@@ -345,12 +350,15 @@ class Fetcher:
     def _take_and_fetch(self) -> None:
         """A download thread's task: fetch parts, each cut when taken, until none is left."""
         while True:
-            with self._parts_lock:
+            with self._parts_lock:  # a thread leaves only with the lock held, so no queued part is left untaken
                 part = None if self._stop.is_set() else self._parts.take(self._broker.served(), self._part_size())
                 if part is None:
                     self._takers -= 1
                     return
-            self._fetch_part(*part)
+            try:
+                self._fetch_part(*part)
+            except Exception:  # a defect, not the item's failure (that is reported): the thread stays
+                log.exception("a download thread's part of %s failed unexpectedly", part[0].job.item.name)
 
     def _fetch_part(self, started: Started[_Job], f: FileEntry, local: Path, start: int, end: int) -> None:
         job = started.job
@@ -366,6 +374,8 @@ class Fetcher:
     def _get_with_retries(self, job: _Job, f: FileEntry, local: Path, start: int, end: int) -> None:
         cfg = self._cfg
         for attempt in range(cfg.retries + 1):
+            if attempt and (job.error is not None or job.disk_error is not None):
+                return  # another part failed during the backoff: the item fails or restarts without this one
             staging = None
             try:
                 whole = start == 0 and end == f.size  # one part: the file is created here, not by stage()
@@ -411,8 +421,12 @@ class Fetcher:
             if self._stop.is_set():
                 return
             log.exception("finishing %s failed", job.item.name)
-            self._cache.discard(job.staged, job.item.size + job.extra, job.item.name)
-            self._report_failure(job.seq, job.item, job.item.name, exc)
+            self._discard_and_report(job, job.item.name, exc)
+
+    def _discard_and_report(self, job: _Job, key: str, error: BaseException) -> None:
+        """Delete the item's staging, release its reservation, report its failure."""
+        self._cache.discard(job.staged, job.item.size + job.extra, job.item.name)
+        self._report_failure(job.seq, job.item, key, error)
 
     def _finish(self, job: _Job) -> None:
         """Publish a completed item, or discard it and report the failure."""
@@ -445,8 +459,7 @@ class Fetcher:
                 self.counters.add(items_fetched=1)
                 self._broker.put(job.seq, item.name, path)
                 return
-        self._cache.discard(job.staged, item.size + job.extra, item.name)
-        self._report_failure(job.seq, item, job.error_key, job.error)
+        self._discard_and_report(job, job.error_key, job.error)
 
     def _extra(self, item: Item) -> int:
         """Bytes to reserve beside ``item`` for what unpack and the prepare hook write: as the
@@ -494,8 +507,7 @@ class Fetcher:
         except Exception as exc:  # noqa: BLE001 - unpack, the prepare hook (user code) or publish failed: the item's failure
             if self._stop.is_set():
                 return
-            self._cache.discard(job.staged, reserved, item.name)
-            self._report_failure(job.seq, item, item.name, exc)
+            self._discard_and_report(job, item.name, exc)
             return
         self.counters.add(items_fetched=1)
         self._broker.put(job.seq, item.name, path)

@@ -124,3 +124,56 @@ def test_an_item_that_cannot_be_deleted_stays_counted_and_the_rest_flows(s3_sour
     assert f"{size} bytes left" in caplog.text
     assert sampler.peak <= capacity, f"cache reached {sampler.peak} bytes, capacity {capacity}"
     assert not any(p for p in cache.rglob("*") if p.is_file() and ".cachepipe" not in p.parts)
+
+
+def _staging_that_cannot_be_deleted(s3_source, fault_proxy, tmp_path, caplog, check):
+    """item000..002 of 1 MiB and item003 of 10 KiB; a cache for two of the big ones, one download
+    thread. item002's GETs are throttled while it waits in staging; its staging file is then made
+    immutable: it can be neither written (EPERM: item002 fails) nor deleted. ``check(pipe)`` runs
+    once item001 is acknowledged too."""
+    from conftest import via
+
+    proxy, endpoint = fault_proxy
+    s3_source.folders(3, {"f": 1024 * KIB})
+    s3_source.put("item003/f", b"x" * (10 * KIB))
+    staging = tmp_path / "c" / ".cachepipe" / "staging"
+    options = {"max_concurrency": 1, "ordered": False, "auto_ack": False, "on_error": "skip", "retries": 1000}
+    options |= {"retry_backoff": 0.05, "retry_backoff_max": 0.1, "storage_options": via(s3_source, endpoint)}
+    with Pipeline(s3_source.url, tmp_path / "c", "2200KiB", **options) as pipe:
+        wait_until(lambda: pipe.stats().items_ready == 2)  # item000 and item001; item002 waits for room
+        first = pipe.get(timeout=30)
+        proxy.inject("503", 10**9)  # item002's GETs are throttled: it stays in staging, retrying
+        pipe.ack(first)
+        wait_until(lambda: any(staging.glob("[0-9]*/f")))
+        stuck = next(staging.glob("[0-9]*/f"))
+        stuck.write_bytes(b"p" * (512 * KIB))  # as if a part had been written
+        with immutable(stuck, list):
+            proxy.clear()
+            wait_until(lambda: "could not delete" in caplog.text)
+            second = pipe.get(timeout=30)
+            assert second.name == "item001"
+            pipe.ack(second)
+            check(pipe)
+
+
+def test_a_staging_area_that_cannot_be_deleted_fails_its_item_and_the_rest_flows(s3_source, fault_proxy, tmp_path, caplog):
+    """The item fails; the download thread that finished it stays, and fetches the next item."""
+
+    def check(pipe):
+        got = pipe.get(timeout=30)
+        assert got is not None and got.name == "item003"
+        pipe.ack(got)
+        assert pipe.stats().items_failed == 1
+
+    _staging_that_cannot_be_deleted(s3_source, fault_proxy, tmp_path, caplog, check)
+
+
+def test_a_staging_area_that_cannot_be_deleted_stays_counted(s3_source, fault_proxy, tmp_path, caplog):
+    """Its reservation is released once, and what could not be deleted counts against the cap."""
+
+    def check(pipe):
+        wait_until(lambda: pipe.stats().bytes_in_cache < 1024 * KIB)  # item000 and item001 are deleted
+        assert pipe.stats().bytes_in_cache >= 512 * KIB  # item002's staged part is still on disk
+        assert f"{512 * KIB} bytes left" in caplog.text
+
+    _staging_that_cannot_be_deleted(s3_source, fault_proxy, tmp_path, caplog, check)

@@ -95,6 +95,54 @@ def _object_gets(proxy, size):
     return {path: sorted(got) for path, got in parts.items()}
 
 
+def test_an_item_restarted_after_an_etag_mismatch_keeps_its_place_in_line(s3_source, fault_proxy, tmp_path):
+    """The consumers' next item, restarted after its body did not match its ETag, is fetched
+    again before the items behind it, not after every item started meanwhile."""
+    from cachepipe.manifest import index
+
+    proxy, endpoint = fault_proxy
+    data = s3_source.folders(4, {"f": 30 * KIB})
+    manifest = tmp_path / "m.gz"
+    index(s3_source.url, manifest, storage_options=s3_source.options)  # the listing does not take the fault
+    proxy.inject("corrupt", 1)  # the first GET: item000's
+    options = via(s3_source, endpoint)
+    with Pipeline(
+        s3_source.url, tmp_path / "c", "1MiB", storage_options=options, manifest=str(manifest), verify="etag", max_concurrency=1
+    ) as pipe:
+        got = {p.name: (p / "f").read_bytes() for p in pipe}
+    assert got == {name: files["f"] for name, files in data.items()}
+    order = [head.split()[1].split("/")[-2] for head in proxy.requests if head.startswith("GET") and "/item" in head.split()[1]]
+    assert order[:2] == ["item000", "item000"], order
+
+
+@pytest.mark.parametrize("download_processes", [0, 1], ids=["threads", "worker-processes"])
+@pytest.mark.parametrize("part_size", [64 * KIB, None], ids=["part64k", "auto"])
+def test_files_around_the_smallest_part_arrive_whole(s3_source, fault_proxy, tmp_path, download_processes, part_size):
+    """Empty files, files at and around the smallest part (parts are cut when taken, so a file is
+    whole or split depending on the moment), few threads, connections cut mid-body: every byte
+    arrives, and nothing is left in staging."""
+    proxy, endpoint = fault_proxy
+    sizes = {"empty": 0, "a": 64 * KIB, "b": 64 * KIB + 1, "c": 256 * KIB, "d": 256 * KIB + 1, "e": 700 * KIB}
+    data = s3_source.folders(4, sizes)
+    options = via(s3_source, endpoint)
+    with Pipeline(
+        s3_source.url,
+        tmp_path / "c",
+        "8MiB",
+        storage_options=options,
+        part_size=part_size,
+        max_concurrency=2,
+        download_processes=download_processes,
+        retry_backoff=0.01,
+    ) as pipe:
+        proxy.inject("cut", 4)
+        got = {p.name: {f: (p / f).read_bytes() for f in sizes} for p in pipe}
+        staging = tmp_path / "c" / ".cachepipe" / "staging"
+        assert [p for p in staging.iterdir() if not p.name.startswith("x")] == []  # x*: acked items being deleted
+    assert got == data
+    assert proxy.injected["cut"] == 4
+
+
 def test_throttling_and_refused_connections_are_retried(remote_source, fault_proxy, tmp_path):
     proxy, endpoint = fault_proxy
     data = remote_source.folders(4, {"f": 10 * KIB})

@@ -495,11 +495,17 @@ class Cache:
         return Path(final)
 
     def discard(self, staged: Path, size: int, name: str) -> None:
-        """Delete a staging area, release its reservation and the claim on ``name``."""
+        """Delete a staging area, release its reservation and the claim on ``name``. Bytes that
+        could not be deleted (logged, not raised) count as foreign until the next open clears
+        staging, as for an acknowledged item that could not be deleted."""
         try:
             rmtree(staged)
-        finally:
-            self.unreserve(size, name)
+        except OSError as exc:
+            left = tree_bytes(staged)
+            log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", staged, left, exc)
+            with self._cond:
+                self.ledger.foreign += left
+        self.unreserve(size, name)
 
     # ---- acknowledge, drop -----------------------------------------------------------
     def evict(self, name: str, epoch: int = 0, tick: int = 0) -> None:
