@@ -19,9 +19,21 @@ import sys
 import threading
 from collections.abc import Callable
 
-__all__ = ["Reaper", "rmtree", "tree_bytes"]
+__all__ = ["Reaper", "delete_tree", "rmtree", "tree_bytes"]
 
 log = logging.getLogger("cachepipe.cache")
+
+
+def delete_tree(path: str | os.PathLike[str]) -> int:
+    """:func:`rmtree` ``path``; if that fails, log it and return the bytes left under it (0 if
+    it is gone). The caller counts them as foreign until the next open clears staging."""
+    try:
+        rmtree(path)
+    except OSError as exc:
+        left = tree_bytes(path)
+        log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", path, left, exc)
+        return left
+    return 0
 
 
 def tree_bytes(root: str | os.PathLike[str]) -> int:
@@ -129,10 +141,4 @@ class Reaper:
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
             path, size = job
-            left = 0
-            try:
-                rmtree(path)
-            except OSError as exc:  # left for the next open, which clears the staging area
-                left = tree_bytes(path)
-                log.error("could not delete %s (%d bytes left): %s", path, left, exc)
-            self._release(size, left)
+            self._release(size, delete_tree(path))

@@ -38,7 +38,7 @@ from .. import state
 from ..catalog import Catalog, Item
 from ..config import Share
 from ..errors import ConfigError, OversizeError
-from ..removal import rmtree, tree_bytes
+from ..removal import delete_tree, tree_bytes
 from ..retention import RetentionPolicy
 from .eviction import REAP_MIN_BYTES, Eviction
 from .ledger import Ledger
@@ -498,11 +498,8 @@ class Cache:
         """Delete a staging area, release its reservation and the claim on ``name``. Bytes that
         could not be deleted (logged, not raised) count as foreign until the next open clears
         staging, as for an acknowledged item that could not be deleted."""
-        try:
-            rmtree(staged)
-        except OSError as exc:
-            left = tree_bytes(staged)
-            log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", staged, left, exc)
+        left = delete_tree(staged)
+        if left:
             with self._cond:
                 self.ledger.foreign += left
         self.unreserve(size, name)

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ..removal import Reaper, rmtree, tree_bytes
+from ..removal import Reaper, delete_tree, rmtree, tree_bytes
 from .staging import Staging
 
 __all__ = ["REAP_MIN_BYTES", "Eviction"]
@@ -90,12 +90,7 @@ class Eviction:
         if aside and size >= REAP_MIN_BYTES and self._reaper.put(aside, size):
             return
         if aside:
-            try:
-                rmtree(aside)
-            except OSError as exc:  # in staging: the next open clears it
-                stuck = tree_bytes(aside)
-                log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", aside, stuck, exc)
-                left += stuck
+            left += delete_tree(aside)  # in staging: the next open clears what is left
         self._release(size, left)
 
     def remove(self, name: str) -> None:
