@@ -662,7 +662,10 @@ def measure(
             processes = args.download_processes if method == "node-procs" else 0
             with node_daemon(work, source_of(case), endpoint, capacity, args.max_concurrency, processes) as (daemon, sock):
                 run = timed(bench, lane_tasks("bench", spec, sock, compute_s, args), daemon.pid)
-                run["cachepipe_bytes_downloaded"] = job_stats(sock, "bench")["bytes_downloaded"]
+                stats = job_stats(sock, "bench")
+                run["cachepipe_bytes_downloaded"] = stats["bytes_downloaded"]
+                run["job_stats"] = stats  # retries, disk errors, items fetched: what explains extra bytes
+            run["daemon_log"] = daemon.log()[-4000:]  # its warnings and errors (log_level "warning")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     expected = expected_bytes(case, world, options)

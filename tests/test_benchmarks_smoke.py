@@ -165,7 +165,10 @@ def test_node_benchmark_reports_both_parts():
         assert r["list_requests"] == (8 if method == "per-process" else 1), (share, method)
         assert r["peak_connections"] >= 1 and r["bytes_downloaded"] > 0 and r["min_bytes"] > 0, (share, method)
         assert r["largest_item_bytes"] == (r["room_bytes"] // 8 if method == "per-process" else r["room_bytes"])
-    assert rows[1.0, "node-fixed"]["bytes_downloaded"] == a["node_epoch_bytes"]  # its share fits: each item once
+    fits = rows[1.0, "node-fixed"]
+    assert fits["bytes_downloaded"] == a["node_epoch_bytes"], [  # its share fits: each item once
+        {k: r.get(k) for k in ("proxy", "job_stats", "daemon_log")} for r in fits["runs"]
+    ]
     b = {(r["case"], r["method"]): r for r in report["part_b"]["rows"]}
     assert set(b) == {(c, m) for c in ("node-large", "node-small") for m in ("per-process", "node", "node-procs")}
     for key, r in b.items():
