@@ -328,11 +328,13 @@ class Cache:
             ledger.reserve(size)
             return True
 
-    def unreserve(self, size: int, name: str | None = None) -> None:
-        """Release a reservation (and the claim on ``name``) of an item that will not be published."""
+    def unreserve(self, size: int, name: str | None = None, left: int = 0) -> None:
+        """Release a reservation (and the claim on ``name``) of an item that will not be published;
+        ``left`` bytes of it could not be deleted and count as foreign until the next open."""
         number = self._number(name) if name is not None and self._policy is not None else None
         with self._cond:
             self.ledger.release(size)
+            self.ledger.foreign += left
             if name is not None:
                 self._claimed.discard(name)
                 if self._policy is not None and number is not None:
@@ -498,11 +500,7 @@ class Cache:
         """Delete a staging area, release its reservation and the claim on ``name``. Bytes that
         could not be deleted (logged, not raised) count as foreign until the next open clears
         staging, as for an acknowledged item that could not be deleted."""
-        left = delete_tree(staged)
-        if left:
-            with self._cond:
-                self.ledger.foreign += left
-        self.unreserve(size, name)
+        self.unreserve(size, name, left=delete_tree(staged))  # one lock round: never counted twice
 
     # ---- acknowledge, drop -----------------------------------------------------------
     def evict(self, name: str, epoch: int = 0, tick: int = 0) -> None:
