@@ -405,6 +405,22 @@ def test_sd_notify_ready_status_and_watchdog(s3_source, s3_endpoint, tmp_path, s
         daemon.wait_for("STOPPING=1")
 
 
+def test_an_unread_notify_socket_does_not_stop_the_daemon_from_stopping(s3_source, s3_endpoint, tmp_path, short_dir):
+    """A supervisor that sets NOTIFY_SOCKET and stops reading it (here: nobody reads between
+    start and stop) fills the socket's queue (net.unix.max_dgram_qlen, often 10 datagrams):
+    the daemon drops its messages, warns once, and still stops on SIGTERM. It used to block in
+    send() for good, its main loop with it (seen as a 30 s stop timeout in a long benchmark)."""
+    s3_source.folders(1, FILES)
+    config = write_config(tmp_path, short_dir / "api.sock", s3_endpoint, {"train": {}})
+    daemon = DaemonProcess(config, env={"WATCHDOG_USEC": "20000"})  # a heartbeat every 10 ms
+    with daemon:
+        time.sleep(1.5)  # ~150 heartbeats unread: far more than the queue holds
+        assert daemon.stop(timeout=20) == 0
+        log = daemon.log()
+    assert log.count("cannot notify systemd") == 1, log
+    assert "stopped" in log
+
+
 def test_socket_mode_group_and_no_tcp_listener(s3_source, s3_endpoint, tmp_path, short_dir):
     s3_source.folders(1, FILES)
     sock = short_dir / "api.sock"

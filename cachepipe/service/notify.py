@@ -17,9 +17,12 @@ import socket
 import time
 from collections.abc import Mapping
 
-__all__ = ["Notifier"]
+__all__ = ["SEND_TIMEOUT", "Notifier"]
 
 log = logging.getLogger("cachepipe.service")
+
+SEND_TIMEOUT = 1.0
+"""Seconds a message waits for room in the notify socket's queue before it is dropped."""
 
 
 class Notifier:
@@ -53,6 +56,7 @@ class Notifier:
             sock.close()
             log.warning("cannot connect to NOTIFY_SOCKET=%r: %s; not notifying systemd", self.address, exc)
             return
+        sock.settimeout(SEND_TIMEOUT)  # never block the main loop for good on a reader that stopped reading
         self._sock = sock
 
     @property
@@ -60,7 +64,11 @@ class Notifier:
         return self._sock is not None
 
     def send(self, *lines: str) -> bool:
-        """Send one message of ``KEY=VALUE`` lines; False if it could not be sent (logged once)."""
+        """Send one message of ``KEY=VALUE`` lines; False if it could not be sent (logged once).
+
+        Waits at most :data:`SEND_TIMEOUT` seconds for room in the socket's queue (a reader that
+        does not read, such as a supervisor that set ``NOTIFY_SOCKET`` and forgot it): then the
+        message is dropped, so that the main loop goes on (stop, reload, status)."""
         if self._sock is None:
             return False
         try:
