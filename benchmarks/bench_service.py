@@ -22,6 +22,7 @@ Usage::
     .venv/bin/python benchmarks/bench_service.py               # 2,000 items, 1,000 round trips, 8 consumers
     .venv/bin/python benchmarks/bench_service.py --quick       # a smoke run (60 items)
     .venv/bin/python benchmarks/bench_service.py --json
+    .venv/bin/python benchmarks/bench_service.py --local --no-markers --items 20000   # items from a local folder
 """
 
 from __future__ import annotations
@@ -145,16 +146,24 @@ def round_trips(sock: str, count: int) -> dict[str, dict[str, float]]:
     }
 
 
-def in_process(endpoint: str, tmp: str, items: int, count: int) -> dict[str, float]:
+def write_local(root: str, items: int, size: int) -> None:
+    """The same items as :func:`upload`, as files under ``root`` (the ``--local`` source)."""
+    body = os.urandom(size)
+    for i in range(items):
+        os.makedirs(f"{root}/item{i:05d}")
+        with open(f"{root}/item{i:05d}/data.bin", "wb") as fh:
+            fh.write(body)
+
+
+def in_process(source: dict[str, Any], tmp: str, items: int, count: int) -> dict[str, float]:
     """Baseline: Pipeline.get + Pipeline.ack in this process, same data, same filesystem."""
     from cachepipe import Pipeline
 
     samples: list[int] = []
     with Pipeline(
-        f"s3://{BUCKET}/tiny/",
-        f"{tmp}/inproc",
-        "4GiB",
-        storage_options={"endpoint_url": endpoint},
+        cache_dir=f"{tmp}/inproc",
+        capacity="4GiB",
+        **source,
         auto_ack=False,
         lease_timeout=600,
         keep_on_close=True,
@@ -226,6 +235,31 @@ def parallel(sock: str, consumers: int, items: int, pipeline: str, batch: int, d
     }
 
 
+def measure(args: argparse.Namespace, tmp: str, source: dict[str, Any], upload_s: float) -> tuple[float, dict, list]:
+    """Start the daemon over ``source`` (``source`` and ``storage_options`` of a pipeline), wait
+    until every item is on disk, then measure; returns (prefetch seconds, latencies, parallel runs)."""
+    sock = f"{tmp}/api.sock"
+    config = {
+        "socket": sock,
+        "log_level": "warning",
+        "markers": not args.no_markers,
+        "pipelines": {name: {**source, "cache_dir": f"{tmp}/{name}", "capacity": "4GiB"} for name in ("rt", "par", "batch")},
+    }
+    Path(tmp, "cachepipe.yaml").write_text(yaml.safe_dump(config))
+    with DaemonProcess(Path(tmp, "cachepipe.yaml")) as daemon, Client("rt", sock) as probe:
+        prefetch_s = wait_ready(probe, args.items, timeout=600)
+        latencies = round_trips(sock, args.round_trips)
+        par = [
+            parallel(sock, args.consumers, args.items, "par", 1, daemon.pid),
+            parallel(sock, args.consumers, args.items, "batch", args.batch, daemon.pid),
+        ]
+        code = daemon.stop()
+        if code != 0:
+            raise RuntimeError(f"the daemon exited with {code}:\n{daemon.log()}")
+    latencies["in-process Pipeline.get+ack (baseline)"] = in_process(source, tmp, args.round_trips + WARMUP, args.round_trips)
+    return prefetch_s, latencies, par
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--items", type=int, default=2000, help="items per pipeline (default 2000)")
@@ -236,6 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-markers", action="store_true", help="run the daemon with markers: false (no inotify watch of the caches)"
     )
+    parser.add_argument(
+        "--local",
+        action="store_true",
+        help="read the items from files in a local folder instead of the moto server (the same hand-out path: "
+        "only the prefetch, which is not timed, differs); for runs of many items",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 60 items, 30 round trips, 2 consumers")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
@@ -244,51 +284,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.round_trips + WARMUP + 2 > args.items:
         parser.error("--items must exceed --round-trips by at least 22")
 
-    import logging
+    with tempfile.TemporaryDirectory(prefix="cp-bench-", dir="/tmp") as tmp:
+        if args.local:
+            t0 = time.monotonic()
+            write_local(f"{tmp}/data", args.items, args.size)
+            upload_s = time.monotonic() - t0
+            measured = measure(args, tmp, {"source": f"{tmp}/data"}, upload_s)
+        else:
+            import logging
 
-    from moto.server import ThreadedMotoServer
+            from moto.server import ThreadedMotoServer
 
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # the moto server logs every request at INFO
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        t0 = time.monotonic()
-        upload(endpoint, args.items, args.size)
-        upload_s = time.monotonic() - t0
-        with tempfile.TemporaryDirectory(prefix="cp-bench-", dir="/tmp") as tmp:
-            sock = f"{tmp}/api.sock"
-            config = {
-                "socket": sock,
-                "log_level": "warning",
-                "markers": not args.no_markers,
-                "pipelines": {
-                    name: {
-                        "source": f"s3://{BUCKET}/tiny/",
-                        "cache_dir": f"{tmp}/{name}",
-                        "capacity": "4GiB",
-                        "storage_options": {"endpoint_url": endpoint},
-                    }
-                    for name in ("rt", "par", "batch")
-                },
-            }
-            Path(tmp, "cachepipe.yaml").write_text(yaml.safe_dump(config))
-            with DaemonProcess(Path(tmp, "cachepipe.yaml")) as daemon, Client("rt", sock) as probe:
-                prefetch_s = wait_ready(probe, args.items, timeout=600)
-                latencies = round_trips(sock, args.round_trips)
-                par = [
-                    parallel(sock, args.consumers, args.items, "par", 1, daemon.pid),
-                    parallel(sock, args.consumers, args.items, "batch", args.batch, daemon.pid),
-                ]
-                code = daemon.stop()
-                if code != 0:
-                    raise RuntimeError(f"the daemon exited with {code}:\n{daemon.log()}")
-            latencies["in-process Pipeline.get+ack (baseline)"] = in_process(
-                endpoint, tmp, args.round_trips + WARMUP, args.round_trips
-            )
-    finally:
-        server.stop()
+            logging.getLogger("werkzeug").setLevel(logging.WARNING)  # the moto server logs every request at INFO
+            server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+            server.start()
+            try:
+                host, port = server.get_host_and_port()
+                endpoint = f"http://{host}:{port}"
+                t0 = time.monotonic()
+                upload(endpoint, args.items, args.size)
+                upload_s = time.monotonic() - t0
+                source = {"source": f"s3://{BUCKET}/tiny/", "storage_options": {"endpoint_url": endpoint}}
+                measured = measure(args, tmp, source, upload_s)
+            finally:
+                server.stop()
+    prefetch_s, latencies, par = measured
 
     command = " ".join(
         shlex.quote(a)
@@ -312,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"command: {command}")
     print(
         f"{args.items} items of {args.size} B per pipeline, all prefetched before timing "
-        f"(upload {result['upload_seconds']} s, prefetch of both pipelines {result['prefetch_seconds']} s)"
+        f"({'written' if args.local else 'upload'} {result['upload_seconds']} s, "
+        f"prefetch of both pipelines {result['prefetch_seconds']} s)"
     )
     print()
     print(f"{'one client, Unix socket, keep-alive':<44} {'n':>6} {'p50 us':>9} {'p99 us':>9} {'mean us':>9}")

@@ -718,7 +718,7 @@ class Pipeline:
         """``(name, lease, path)`` of an item a consumer names by its :class:`CachedItem` or path."""
         if isinstance(path, CachedItem):
             return path.name, lease or path.lease, path
-        return self._name_of(Path(path)), lease, path
+        return self._name_of(path), lease, path
 
     def _lease(self, path: str | os.PathLike[str], verb: str, lease: str | None) -> Lease[Path]:
         self._require_open()
@@ -732,11 +732,9 @@ class Pipeline:
                 "(never delivered, already acknowledged or released, or its lease expired)"
             ) from None
 
-    def _name_of(self, path: Path) -> str:
-        try:
-            return Path(os.path.abspath(path)).relative_to(self._cache.root).as_posix()
-        except ValueError:
-            return f"<outside the cache: {path}>"
+    def _name_of(self, path: str | os.PathLike[str]) -> str:
+        full, root = os.path.abspath(path), str(self._cache.root).rstrip("/") + "/"
+        return full[len(root) :] if full.startswith(root) else f"<outside the cache: {path}>"
 
     # ---- visibility ------------------------------------------------------------------
     def stats(self) -> Stats:

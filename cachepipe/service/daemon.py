@@ -49,9 +49,15 @@ class _Served:
     error: str = ""
     rebuilt_at: float | None = None  # monotonic time a reload rebuilt it, ending older leases
     root: Path = dataclasses.field(init=False)
+    prefix: str = dataclasses.field(init=False)  # str(root) + "/": what every item path starts with
 
     def __post_init__(self) -> None:
         self.root = Path(os.path.abspath(self.config.cache_dir))
+        self.prefix = str(self.root).rstrip("/") + "/"
+
+    def name_of(self, path: str) -> str:
+        """The item name of ``path``, an absolute path under :attr:`root` (see :meth:`Daemon._owner`)."""
+        return path[len(self.prefix) :]
 
 
 _UNOPENED, _RUNNING, _STOPPING, _CLOSED = "unopened", "running", "stopping", "closed"
@@ -287,8 +293,9 @@ class Daemon:
             self._count_waiting(name, +1)
             try:
                 items = pipe.get_many(count, timeout=max(deadline - time.monotonic(), 0.0))
+                watching = self._markers is not None  # else no marker to judge: the hand-out's marker is not looked up
                 for item in items:  # recorded before the consumer learns the paths
-                    self._handouts.record(Path(os.path.abspath(item.path)), item.lease, item.files)
+                    self._handouts.record(Path(os.path.abspath(item.path)), item.lease, item.files, look=watching)
                 return items
             except RuntimeError:
                 if not self._wait_replaced(name, pipe, deadline):
@@ -328,7 +335,7 @@ class Daemon:
             raise self._explained(exc, served) from None
         for path, lease in checked:
             self._handouts.forget(Path(path), lease or None)
-        return served.name, [Path(path).relative_to(served.root).as_posix() for path, _lease in checked]
+        return served.name, [served.name_of(path) for path, _lease in checked]
 
     def _count_waiting(self, name: str, delta: int) -> None:
         with self._cond:
@@ -356,7 +363,7 @@ class Daemon:
             raise self._explained(exc, served) from None
         if verb != "renew":
             self._handouts.forget(Path(item_path), lease or None)
-        return served.name, Path(item_path).relative_to(served.root).as_posix()
+        return served.name, served.name_of(item_path)
 
     @staticmethod
     def _checked(path: Any, lease: Any) -> tuple[str, str | None]:
@@ -438,10 +445,10 @@ class Daemon:
                 self._cond.wait(remaining)
 
     def _owner(self, path: str) -> _Served:
-        target = Path(path)
+        """The pipeline whose cache holds ``path`` (absolute and normal, see :meth:`_checked`)."""
         with self._cond:
             for served in self._served.values():
-                if served.root in target.parents:
+                if path.startswith(served.prefix):
                     return served
         raise UnknownItemError(f"cannot act on {path!r}: not in the cache directory of any pipeline of this daemon")
 

@@ -138,9 +138,11 @@ class HandOuts:
         with self._lock:
             return len(self._by_path)
 
-    def record(self, path: Path, lease: str, files: Iterable[str]) -> None:
-        """Item ``path`` (with ``files``, relative) was just handed out under ``lease``."""
-        handout = HandOut(lease, MARKER in files, marker_identity(path))
+    def record(self, path: Path, lease: str, files: Iterable[str], look: bool = True) -> None:
+        """Item ``path`` (with ``files``, relative) was just handed out under ``lease``. With
+        ``look`` False (no marker watch: a file-system call saved per item), the ``.done`` there
+        at hand-out is not looked up: a watch started later by a reload counts any it sees."""
+        handout = HandOut(lease, MARKER in files, marker_identity(path) if look else None)
         with self._lock:
             self._by_path[path] = handout
 
