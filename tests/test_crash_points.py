@@ -457,3 +457,15 @@ def test_a_full_disk_at_open_raises_enospc_and_leaves_the_items(tmp_path):
     cache.close(keep=False)
     assert (tmp_path / "i0" / "a").exists()
     check_recovery(tmp_path, Model(tmp_path, retain=False), "after a failed open")
+
+
+def test_an_ack_deletes_a_small_item_where_it_is(tmp_path):
+    """Items under REAP_MIN_BYTES (every item here: folders, one with a subfolder) are deleted in
+    place when acknowledged: the only renames are the publishes' (staging to the item's path),
+    none moves an item aside. The crash points above cover what a crash in the middle leaves."""
+    _model, fs, crashed = run(tmp_path, ["fetch", "fetch", "ackall"], False, None)
+    assert not crashed
+    renames = [arg for _n, call, arg in fs.log if call == "rename"]
+    assert len(renames) == 2, fs.log
+    assert all("/.cachepipe/staging/" in arg for arg in renames), renames
+    assert [arg.rpartition("/")[2] for _n, call, arg in fs.log if call == "rmdir"][:3] == ["i0", "sub", "i1"], fs.log

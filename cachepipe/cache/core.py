@@ -81,7 +81,7 @@ class Cache:
         self._replay = state.Replay()
         self._recovered: dict[str, Path] = {}  # published items found at open, not yet handed out
         self._claimed: set[str] = set()  # names with files on disk or on their way: one copy at a time
-        self._small_files: set[str] = set()  # published single-file items under REAP_MIN_BYTES: unlinked to delete
+        self._small: dict[str, bool] = {}  # published items under REAP_MIN_BYTES, deleted in place: name -> is a file
         self._policy: RetentionPolicy | None = None  # retain="auto": which acked items stay
         self._names: Sequence[str] = ()  # the policy's item i is _names[i]; found by _names.index()
         self._cond = threading.Condition()
@@ -438,8 +438,7 @@ class Cache:
                     for victim in chosen:
                         name = self._names[victim]
                         victims.append((name, self.record.dropping(name)))
-            for name, size in victims:
-                self._delete(name, size, dropped=True)
+            self._delete(victims, dropped=True)
 
     def _leftover_in_the_way(self, size: int) -> str | None:
         """A recovered item (reused from an earlier owner, not handed out yet) to drop so that
@@ -492,8 +491,8 @@ class Cache:
                 os.makedirs(final.rpartition("/")[0], exist_ok=True)
             os.rename(staged, final)
             self.record.published_as(item.name, item.size if reserved is None else reserved)
-            if item.is_file and item.size < REAP_MIN_BYTES:
-                self._small_files.add(item.name)
+            if item.size < REAP_MIN_BYTES:
+                self._small[item.name] = item.is_file
         return Path(final)
 
     def discard(self, staged: Path, size: int, name: str) -> None:
@@ -545,8 +544,7 @@ class Cache:
                 self._recovered.pop(name, None)
             if kept:
                 self._cond.notify_all()
-        for name, size in doomed:
-            self._delete(name, size)
+        self._delete(doomed)
 
     def shelve(self, name: str, epoch: int = 0, tick: int = 0) -> None:
         """A published item that its consumer moved away from before reading it, and that a later
@@ -573,29 +571,38 @@ class Cache:
         with self._cond:
             size = self.record.dropping(name)
             self._recovered.pop(name, None)
-        self._delete(name, size, dropped=True)
+        self._delete([(name, size)], dropped=True)
 
-    def _delete(self, name: str, size: int, dropped: bool = False) -> None:
-        """Move the item's files away (:meth:`.eviction.Eviction.move_away`); then, for a drop,
-        journal "D" (an ack's "A" was journaled before); release the claim on its name; delete
-        the files (by the reaper for large items) and release its space after. Files that
-        cannot be deleted count as foreign until the next open removes them; nothing is raised.
-        A small single-file item is unlinked where it is instead (one atomic call as well)."""
-        unlinked = name in self._small_files and self._eviction.unlink(name)
-        aside, left = ("", 0) if unlinked else self._eviction.move_away(name)
+    def _delete(self, doomed: Sequence[tuple[str, int]], dropped: bool = False) -> None:
+        """Delete the items ``doomed`` (``(name, size)``, their ack or drop decided): move each
+        one's files away (:meth:`.eviction.Eviction.move_away`); then, in one lock round for
+        all, for a drop journal "D" (an ack's "A" was journaled before), release the claims on
+        their names; delete the files (by the reaper for large items) and release their space
+        after. Files that cannot be deleted count as foreign until the next open removes them;
+        nothing is raised. A small item (under :data:`.eviction.REAP_MIN_BYTES`) is deleted where
+        it is instead, its space released in the same lock round: its "A" or "D" makes a
+        deletion cut short by a crash one that the next open finishes."""
+        gone: list[tuple[str, int, str, int, bool]] = []  # name, size, aside, left, deleted in place
+        for name, size in doomed:
+            is_file = self._small.get(name)
+            in_place = is_file is not None and self._eviction.delete_in_place(name, is_file)
+            aside, left = ("", 0) if in_place else self._eviction.move_away(name)
+            gone.append((name, size, aside, left, in_place))
         with self._cond:
-            self._small_files.discard(name)
-            self._claimed.discard(name)
-            self.ledger.reaping_started(size)
-            if left:
-                self.record.delete_failed(name)
-            elif dropped:
-                self.record.dropped(name)
-            if unlinked:
-                self.ledger.reaped(size, 0)
+            for name, size, _aside, left, in_place in gone:
+                self._small.pop(name, None)
+                self._claimed.discard(name)
+                self.ledger.reaping_started(size)
+                if left:
+                    self.record.delete_failed(name)
+                elif dropped:
+                    self.record.dropped(name)
+                if in_place:
+                    self.ledger.reaped(size, 0)
             self._cond.notify_all()  # wakes claim() and reserve()
-        if not unlinked:
-            self._eviction.finish(aside, size, left)
+        for _name, size, aside, left, in_place in gone:
+            if not in_place:
+                self._eviction.finish(aside, size, left)
 
     def _reaped(self, size: int, left: int) -> None:
         """An item's files are deleted: release its ``size``; ``left`` bytes could not be deleted
