@@ -586,8 +586,7 @@ class Cache:
         open finishes.
 
         One item per lock round, also for a batch of acks: releasing a batch in one round made
-        a whole pipeline slower on this VM's disk (1,000 against 1,330 single-file items/s,
-        ``get_many(64)``; benchmarks/README.md)."""
+        a whole pipeline slower on this VM's disk (benchmarks/README.md)."""
         is_file = self._small.get(name)
         in_place = is_file is not None and self._eviction.delete_in_place(name, is_file)
         aside, left = ("", 0) if in_place else self._eviction.move_away(name)

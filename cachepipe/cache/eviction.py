@@ -5,8 +5,8 @@ its path is free when that returns), then deleted there by the reaper thread (un
 file takes the file system milliseconds: ext4 ~1.3 ms for 8 MiB), off the consumer's path. A
 crash leaves it whole where it was, or in staging, which the cache clears at open. A smaller
 item is deleted where it is (:meth:`Eviction.delete_in_place`: a single file by one unlink,
-atomic too; a folder by :func:`~cachepipe.removal.rmtree`, without the rename: 27% more acks per
-second of one-file folders on tmpfs, 6% on disk, ``benchmarks/bench_core.py``). Its ack ("A")
+atomic too; a folder by :func:`~cachepipe.removal.rmtree`, without the rename: see
+``benchmarks/README.md``, "Small folder items deleted in place"). Its ack ("A")
 is journaled before, and a drop's "D" after, so a crash that cuts a folder's deletion short
 leaves a partial folder that the next open finds acked, or not matching the listing, and
 removes (``tests/test_crash_points.py`` crashes at every file-system call of it). Space is
