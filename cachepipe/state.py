@@ -133,6 +133,7 @@ class Journal:
         self._fd: int | None = None
         self._size = 0  # bytes of whole lines in the file: counted here, not asked of the OS after every append
         self._torn = False  # a failed append may have left a partial line after _size bytes
+        self._deferred: list[bytes] = []  # events written with the next write (see defer)
         self._lock = threading.Lock()
 
     def rewrite(self, replay: Replay) -> None:
@@ -154,6 +155,7 @@ class Journal:
                 self._close()  # the old descriptor is of a replaced file: appends to it would be lost
             self._fd = fd
             self._size, self._torn = len(data), False
+            self._deferred.clear()  # the rewrite holds what they said
 
     def append(self, kind: str, arg: str) -> None:
         """Append one event with a single ``write``: whole, or not at all.
@@ -180,10 +182,30 @@ class Journal:
         if events:
             self._write("".join(f"{kind} {arg}\n" for kind, arg in events).encode("utf-8", "surrogateescape"))
 
+    def defer(self, kind: str, arg: str) -> None:
+        """Queue one event to be written in front of the next write (its own, a later append's,
+        or :meth:`flush` at :meth:`close`): an event whose loss recovery tolerates costs no write
+        of its own. A ``"C"`` event replaces a queued ``"C"`` left last (only the latest position
+        counts). A rewrite drops the queue: it holds what the events said."""
+        line = f"{kind} {arg}\n".encode("utf-8", "surrogateescape")
+        with self._lock:
+            if kind == "C" and self._deferred and self._deferred[-1].startswith(b"C "):
+                self._deferred[-1] = line
+            else:
+                self._deferred.append(line)
+
+    def flush(self) -> None:
+        """Write the deferred events now (see :meth:`defer`). Raises OSError (they stay queued)."""
+        self._write(b"")
+
     def _write(self, data: bytes) -> None:
         with self._lock:
             if self._fd is None:
                 raise RuntimeError("journal is not open")
+            if self._deferred:
+                data = b"".join(self._deferred) + data
+            if not data:
+                return
             if self._torn:
                 self._truncate()
             try:
@@ -197,6 +219,7 @@ class Journal:
                 self._truncate()
                 raise OSError(errno.ENOSPC, f"{self.path}: short write to the journal ({written} of {len(data)} bytes)")
             self._size += written
+            self._deferred.clear()
 
     def _truncate(self) -> None:
         """Cut the file back to :attr:`size` (its last whole line); clears the torn flag."""

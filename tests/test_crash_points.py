@@ -317,9 +317,9 @@ def test_position_never_moves_backwards(tmp_path):
         cache.recover(CATALOG, resume=True, plan=PLAN_KEY)
         cache.advance(0, 3)
         cache.advance(0, 2)  # a slower thread's earlier position
-        assert _published_and_acked(tmp_path).cursor == (0, 3)
     finally:
-        cache.close(keep=True)
+        cache.close(keep=True)  # writes the position (deferred to the next event or the close)
+    assert _published_and_acked(tmp_path).cursor == (0, 3)
 
 
 def test_torn_append_is_cut_back_and_the_next_event_lands_whole(tmp_path):
@@ -336,20 +336,33 @@ def test_torn_append_is_cut_back_and_the_next_event_lands_whole(tmp_path):
 
 
 def test_a_full_disk_at_the_publish_record_does_not_orphan_the_item(tmp_path):
-    """Finding 4c: ENOSPC on the "P" write after the rename: the item is published all the same
-    (its "I" line is durable), counted in the ledger, and reused after a restart."""
-    model = Model(tmp_path, retain=False)
-    with CrashFs() as fs:
+    """Finding 4c: ENOSPC on the write that carries a "P" record (deferred: it rides in front of
+    the next publish's "I"): the item it names is published all the same (its "I" line is
+    durable), counted in the ledger, and reused after a restart; the publish whose intent met
+    the full disk fails and is discarded."""
+    _model, counted, _ = run(tmp_path / "count", ["fetch", "fetch"], False, None)
+    carrier = next(n for n, call, arg in counted.log if call == "write" and arg.endswith("b'P i0\\nI i1\\n'"))
+    model = Model(tmp_path / "real", retain=False)
+    with CrashFs(Fault(carrier, "enospc")) as fs:
         model.open()
-        first = fs.count
-    p_write = first + 3  # mkdir staging/N, write "I", rename, write "P"
-    with CrashFs(Fault(p_write - first, "enospc")) as fs:
         model.fetch()
-        assert fs.hit is not None and fs.hit[1].endswith("b'P i0\\n'"), fs.log
+        model.fetch()
+        assert fs.hit is not None and fs.hit[1].endswith("b'P i0\\nI i1\\n'"), fs.log
     assert model.ready == [0]
     model.check_ledger()
     model.cache.close(keep=True)
-    check_recovery(tmp_path, model, "after ENOSPC at the publish record")
+    check_recovery(tmp_path / "real", model, "after ENOSPC at the publish record")
+
+
+def test_a_publish_costs_one_journal_write(tmp_path):
+    """A publish journals its intent ("I") by one write before the rename; its record ("P"),
+    which recovery can do without (the intent covers it), is written in front of the next
+    event instead of by a write of its own, and closing writes the last one."""
+    _model, fs, crashed = run(tmp_path, ["fetch", "fetch"], False, None)
+    assert not crashed
+    events = [arg.split(": ", 1)[1] for _n, call, arg in fs.log if call == "write" and ("b'I " in arg or "b'P " in arg)]
+    assert events == ["b'I i0\\n'", "b'P i0\\nI i1\\n'", "b'P i1\\n'"], fs.log
+    assert _published_and_acked(tmp_path).published == {"i0", "i1"}
 
 
 def test_a_full_disk_at_the_ack_record_keeps_the_lease(tmp_path):

@@ -1,12 +1,15 @@
 """The cache's durable state: what is published, acknowledged and consumed, in memory and in the
 journal that makes it durable (the file format is in :mod:`cachepipe.state`).
 
-Invariant: memory holds only what is journaled. Every change appends its event first (an
-append that fails raises and changes nothing), then updates memory, then compacts if the
-journal outgrew half its budget; a compaction is rebuilt from memory, so it never loses an
-event, and replaces the file atomically. Events whose loss recovery tolerates (a publish record
-after its intent, a drop after the files are gone, a position the acks imply) are logged, not
-raised, when the disk is full.
+Invariant: memory holds only what is journaled, or what recovery finds without its event.
+Every change appends its event first (an append that fails raises and changes nothing), then
+updates memory, then compacts if the journal outgrew half its budget; a compaction is rebuilt
+from memory, so it never loses an event, and replaces the file atomically. Two events whose
+loss recovery tolerates cost no write of their own: a publish record ("P": its intent "I" is
+durable, and recovery checks the files) and a position ("C": the acks behind it stand for it)
+are deferred, written in front of the next event (:meth:`cachepipe.state.Journal.defer`) or at
+:meth:`Record.close`. A drop record ("D", after the files are gone) is logged, not raised, when
+the disk is full.
 
 Not thread-safe by itself: the cache holds its lock around every call.
 """
@@ -76,12 +79,10 @@ class Record:
         self.journal.append("I", name)
 
     def published_as(self, name: str, size: int) -> None:
-        """``name`` was renamed into place holding ``size`` reserved bytes. A record that cannot be
-        written is logged: the intent line is durable, and recovery checks the files."""
-        try:
-            self.journal.append("P", name)
-        except OSError as exc:
-            log.warning("journal: could not record that %s is published (%s); its intent line covers it", name, exc)
+        """``name`` was renamed into place holding ``size`` reserved bytes. Its record is deferred
+        (written in front of the next event): the intent line is durable, and recovery checks
+        the files."""
+        self.journal.defer("P", name)
         self.published[name] = size
         self._compact_if_due()
 
@@ -138,15 +139,12 @@ class Record:
     # ---- position --------------------------------------------------------------------
     def advance(self, epoch: int, index: int) -> None:
         """Every step before ``(epoch, index)`` is consumed. A position not after the current one
-        is ignored (consumers acking in parallel report positions out of order). A record that
-        cannot be written is logged: the acks behind it stand for it until a later one is."""
+        is ignored (consumers acking in parallel report positions out of order). Its record is
+        deferred (written in front of the next event): the acks behind it stand for it until
+        then."""
         if (epoch, index) <= self.cursor:
             return
-        try:
-            self.journal.append("C", f"{epoch} {index}")
-        except OSError as exc:
-            log.warning("journal: could not record the position (%d, %d): %s", epoch, index, exc)
-            return
+        self.journal.defer("C", f"{epoch} {index}")
         if epoch > self.cursor[0]:  # acks of finished epochs are implied by the position
             self.acked = {a for a in self.acked if a[0] >= epoch}
         self.cursor = (epoch, index)
@@ -157,4 +155,9 @@ class Record:
         self._compact_if_due()
 
     def close(self) -> None:
+        if self.journal.is_open:
+            try:
+                self.journal.flush()
+            except OSError as exc:
+                log.warning("journal: could not write its last records (%s); the intent and ack lines cover them", exc)
         self.journal.close()
