@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import os
 import pickle
 import socket
 import subprocess
@@ -35,11 +36,11 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from .errors import CachePipeError
 
-__all__ = ["DownloadWorkers", "LocalWriteError", "StagingFile", "WorkerLostError"]
+__all__ = ["DownloadWorkers", "LocalWriteError", "StagingFile", "WorkerLostError", "get_part"]
 
 log = logging.getLogger("cachepipe.downloads")
 
@@ -54,7 +55,7 @@ _HOME = str(Path(__file__).resolve().parents[1])
 
 
 class LocalWriteError(CachePipeError, OSError):
-    """A worker could not write a part into its staging file (errno as the local write's)."""
+    """A part could not be written into its staging file (errno as the local write's)."""
 
 
 class WorkerLostError(CachePipeError, ConnectionError):
@@ -218,7 +219,7 @@ def _serve(conn: Connection) -> None:
 
     def handle(request_id: int, key: str, path: str, start: int, end: int, create: bool) -> None:
         try:
-            reply: tuple[str, Any] = ("ok", _get(store, key, path, start, end, create))
+            reply: tuple[str, Any] = ("ok", get_part(store, key, path, start, end, create))
         except BaseException as exc:  # noqa: BLE001 - sent to the parent, which raises it for this request
             try:
                 reply = ("error", pickle.dumps(exc))
@@ -247,34 +248,52 @@ def _serve(conn: Connection) -> None:
 
 
 class StagingFile:
-    """The staging file a part is written into. Remembers a local write failure (disk full, I/O
-    error), whatever a store backend makes of the exception on its way up."""
+    """The staging file a part is written into, from ``offset`` on (each write one ``pwrite``,
+    unbuffered). Remembers a local write failure (disk full, I/O error), whatever a store
+    backend makes of the exception on its way up."""
 
-    def __init__(self, fh: BinaryIO) -> None:
-        self._fh = fh
+    def __init__(self, fd: int, offset: int = 0) -> None:
+        self._fd = fd
+        self._offset = offset
         self.error: OSError | None = None
 
     def write(self, data: bytes | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        size = len(view)
+        done = 0
         try:
-            return self._fh.write(data)
+            while done < size:
+                wrote = os.pwrite(self._fd, view[done:], self._offset + done)
+                if wrote == 0:
+                    raise OSError(errno.ENOSPC, "a staging write made no progress")
+                done += wrote
         except OSError as exc:
             self.error = exc
             raise
+        finally:
+            self._offset += done
+        return size
 
 
-def _get(store: Any, key: str, path: str, start: int, end: int, create: bool) -> int:
-    """One part, as the fetcher writes it in one process: an error opening or closing the file
-    is raised as it is (the fetcher sorts it), a failed write as :class:`LocalWriteError`
-    whatever the store made of it."""
-    with open(path, "wb" if create else "r+b") as fh:
-        fh.seek(start)
-        out = StagingFile(fh)
-        try:
-            return int(store.get(key, out, start, end))
-        except BaseException:
-            if out.error is not None:
-                raise LocalWriteError(out.error.errno or errno.EIO, f"{path}: {out.error.strerror or out.error}") from None
-            raise
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+
+
+def get_part(store: Any, key: str, path: str, start: int, end: int, create: bool) -> int:
+    """Bytes ``[start, end)`` of ``key`` into the staging file ``path`` at the same offsets
+    (``create``: the part is the whole file, created here); returns the bytes written. An error
+    opening or closing the file is raised as it is (the fetcher sorts it), a failed write as
+    :class:`LocalWriteError` whatever the store made of it. Three system calls for a small
+    file (open, write, close): no buffering layer, no seek."""
+    fd = os.open(path, _CREATE if create else os.O_WRONLY | os.O_CLOEXEC, 0o666)
+    out = StagingFile(fd, start)
+    try:
+        return int(store.get(key, out, start, end))
+    except BaseException:
+        if out.error is not None:
+            raise LocalWriteError(out.error.errno or errno.EIO, f"{path}: {out.error.strerror or out.error}") from None
+        raise
+    finally:
+        os.close(fd)
 
 
 def serve_fd(fd: int) -> None:

@@ -33,7 +33,7 @@ from .broker import Broker
 from .cache import Cache, tree_bytes
 from .catalog import FileEntry, Item
 from .config import PipelineConfig, Share
-from .downloads import DownloadWorkers, LocalWriteError, StagingFile
+from .downloads import DownloadWorkers, LocalWriteError, get_part
 from .errors import ArchiveError, ItemFailedError, OversizeError, PrepareOverflowError, VerificationError, is_transient
 from .stores.base import Store
 from .unpack import DEFAULT_MAX_MEMBERS, split_volume, unpack_in_place
@@ -376,27 +376,19 @@ class Fetcher:
         for attempt in range(cfg.retries + 1):
             if attempt and (job.error is not None or job.disk_error is not None):
                 return  # another part failed during the backoff: the item fails or restarts without this one
-            staging = None
             try:
                 whole = start == 0 and end == f.size  # one part: the file is created here, not by stage()
                 if self._workers is not None:
                     got = self._workers.get(f.key, str(local), start, end, whole)
                 else:
-                    with open(local, "wb" if whole else "r+b") as fh:
-                        fh.seek(start)
-                        staging = StagingFile(fh)
-                        got = self._store.get(f.key, staging, start, end)  # type: ignore[arg-type]
+                    got = get_part(self._store, f.key, str(local), start, end, whole)
                 self.counters.add(requests=1, bytes_downloaded=got)
                 if got != end - start:
                     raise VerificationError(f"{f.key}: short body, {got} of {end - start} bytes at offset {start}")
                 return
             except Exception as exc:  # noqa: BLE001 - sorted below: a local disk error, a transient one retried, else the item's failure
                 local_error = (
-                    staging.error
-                    if staging is not None
-                    else exc
-                    if isinstance(exc, LocalWriteError) or (isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS)
-                    else None
+                    exc if isinstance(exc, LocalWriteError) or (isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS) else None
                 )
                 if local_error is not None:
                     with job.lock:  # the disk, not the store: the whole item restarts from scratch

@@ -1,7 +1,7 @@
 """A file-system fault injector at the system-call boundary, for crash-point tests.
 
 :class:`CrashFs` interposes on the ``os`` functions that change a file system (``write``,
-``rename``, ``replace``, ``unlink``, ``rmdir``, ``mkdir``, ``ftruncate``, ``fsync``, and ``open``
+``pwrite``, ``rename``, ``replace``, ``unlink``, ``rmdir``, ``mkdir``, ``ftruncate``, ``fsync``, and ``open``
 with ``O_CREAT``), for calls made by the thread that entered it. cachepipe's cache, journal and
 deletions reach the disk only through these (the journal's atomic rewrite too), so every state
 change of the cache directory is one numbered *mutation*. A :class:`Fault` picks one of them:
@@ -42,7 +42,7 @@ class CrashFs:
     """Context manager: while active, the calling thread's mutations are counted and ``fault``
     (if any) is injected. ``log`` lists ``(number, call, argument)`` of each mutation seen."""
 
-    _NAMES = ("write", "rename", "replace", "unlink", "rmdir", "mkdir", "ftruncate", "fsync", "open", "close")
+    _NAMES = ("write", "pwrite", "rename", "replace", "unlink", "rmdir", "mkdir", "ftruncate", "fsync", "open", "close")
 
     def __init__(self, fault: Fault | None = None) -> None:
         self.fault = fault
