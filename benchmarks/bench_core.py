@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/bench_core.py                 # hand-offs of 10,000 items x 8 cases x 3, 1,000,000-item catalog
     .venv/bin/python benchmarks/bench_core.py --quick --json  # what the smoke test runs
     .venv/bin/python benchmarks/bench_core.py --no-handoff    # the catalog measurements only
+    .venv/bin/python benchmarks/bench_core.py --split --catalog 1000 --no-full  # where the hand-off's time goes
 
 Three measurements, each in a fresh child process (so RSS and CPU are its own):
 
@@ -22,12 +23,20 @@ Three measurements, each in a fresh child process (so RSS and CPU are its own):
   the first download: time to open (wall and CPU seconds: on a shared machine the CPU seconds
   vary less) and peak RSS.
 
+``--split`` adds, for each place and shape, two measurements of the batched hand-off's parts:
+the **consumer's side alone** (the clock starts once every item is ready: taking, acking and
+deleting only), and **every per-item call in one thread** (the producer's calls for a run of
+``--batch`` items, listing to publish, then the consumer's for that run; no other thread
+running). The second is the work the pipeline's threads share; the pipeline's rate against it
+is what running that work on threads, handing each item over between them, costs.
+
 ``--no-handoff`` runs only the two catalog measurements.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -36,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import date
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -47,17 +57,18 @@ from cachepipe.stores.base import ObjectInfo
 
 
 class GeneratedStore:
-    """A source of ``n`` folders ``s0000000/f`` of ``size`` bytes each, listed from a generator."""
+    """A source of ``n`` items of ``size`` bytes each, listed from a generator: folders
+    ``s0000000/f`` (``shape="folders"``) or single files ``s0000000`` (``"files"``)."""
 
     url = "gen://bench"
 
-    def __init__(self, n: int, size: int = 1) -> None:
-        self.n, self.size = n, size
+    def __init__(self, n: int, size: int = 1, shape: str = "folders") -> None:
+        self.n, self.size, self.suffix = n, size, "/f" if shape == "folders" else ""
 
     def list(self):
         etag = "0" * 32
         for i in range(self.n):
-            yield ObjectInfo(f"s{i:07d}/f", self.size, etag)
+            yield ObjectInfo(f"s{i:07d}{self.suffix}", self.size, etag)
 
     def get(self, key: str, out: BinaryIO, start: int, end: int) -> int:
         return out.write(b"x" * (end - start))
@@ -80,25 +91,91 @@ def run_handoff(n: int, where: str, shape: str, batch: int) -> dict[str, Any]:
     (``shape`` ``"folders"``: one-file folders; ``"files"``: single files), consumed one by one
     (``batch`` 1: the iterator, which acks each item as it takes the next) or ``batch`` at a time
     (``get_many`` and ``ack_many``)."""
+    with memory_source(n, shape) as url, tempfile.TemporaryDirectory(dir=where) as d:
+        t0, c0 = time.perf_counter(), _cpu()
+        with Pipeline(url, Path(d) / "c", "64MiB", items=shape) as pipe:
+            count = sum(1 for _ in pipe) if batch == 1 else _drain(pipe, batch)
+        wall, cpu = time.perf_counter() - t0, _cpu() - c0
+    assert count == n, (count, n)
+    return {"items": n, "wall_s": wall, "items_per_s": n / wall, "cpu_s": cpu}
+
+
+def _drain(pipe: Pipeline, batch: int) -> int:
+    """Take every item ``batch`` at a time (``get_many``), acking each batch; returns the count."""
+    count = 0
+    while got := pipe.get_many(batch):
+        count += len(got)
+        pipe.ack_many(got)
+    return count
+
+
+@contextlib.contextmanager
+def memory_source(n: int, shape: str) -> Iterator[str]:
+    """A ``memory://`` source of ``n`` 1-byte items of ``shape``; yields its URL."""
     import fsspec
 
     fs = fsspec.filesystem("memory")
     for i in range(n):
         fs.pipe_file(f"/handoff/{i:07d}" + ("/f" if shape == "folders" else ""), b"x")
-    with tempfile.TemporaryDirectory(dir=where) as d:
-        t0, c0 = time.perf_counter(), _cpu()
-        with Pipeline("memory://handoff", Path(d) / "c", "64MiB", items=shape) as pipe:
-            if batch == 1:
-                count = sum(1 for _ in pipe)
-            else:
-                count = 0
-                while got := pipe.get_many(batch):
-                    count += len(got)
-                    pipe.ack_many(got)
-        wall, cpu = time.perf_counter() - t0, _cpu() - c0
-    fs.store.clear()  # not fs.rm: the memory file system's recursive rm is quadratic in its size
-    fs.pseudo_dirs[:] = [""]
+    try:
+        yield "memory://handoff"
+    finally:
+        fs.store.clear()  # not fs.rm: the memory file system's recursive rm is quadratic in its size
+        fs.pseudo_dirs[:] = [""]
+
+
+def run_consumer_side(n: int, where: str, shape: str, batch: int) -> dict[str, Any]:
+    """The consumer's side alone: as :func:`run_handoff` with ``get_many(batch)``, but the clock
+    starts once all ``n`` items are ready (the producer is done), so only taking, acking and
+    deleting is timed."""
+    with memory_source(n, shape) as url, tempfile.TemporaryDirectory(dir=where) as d:
+        with Pipeline(url, Path(d) / "c", "64MiB", items=shape) as pipe:
+            while pipe.stats().items_ready < n:
+                time.sleep(0.05)
+            t0, c0 = time.perf_counter(), _cpu()
+            count = _drain(pipe, batch)
+            wall, cpu = time.perf_counter() - t0, _cpu() - c0
     assert count == n, (count, n)
+    return {"items": n, "wall_s": wall, "items_per_s": n / wall, "cpu_s": cpu}
+
+
+def run_one_thread(n: int, where: str, shape: str, batch: int) -> dict[str, Any]:
+    """Every per-item call of both sides, made by one thread with no other running: for each run
+    of ``batch`` items, list, reserve, stage, write, publish and queue each one (the producer's
+    calls), then take the run, ack it and delete it (the consumer's). The sum of the work the
+    pipeline's threads share, without their hand-overs: the pipeline's rate against this one is
+    what running it on threads costs. Uses the core's internal classes (``Cache``, ``Broker``)."""
+    from cachepipe.broker import Broker
+    from cachepipe.cache import Cache
+    from cachepipe.catalog import Catalog
+    from cachepipe.downloads import get_part
+    from cachepipe.stores import open_store
+
+    with memory_source(n, shape) as url, tempfile.TemporaryDirectory(dir=where) as d:
+        store = open_store(url)
+        items = list(Catalog.from_listing(store.list(), mode=shape))  # type: ignore[arg-type]
+        cache = Cache(Path(d) / "c", 64 * 2**20)
+        cache.open()
+        cache.recover(Catalog(mode=shape), resume=False)  # type: ignore[arg-type]
+        broker: Broker[Path] = Broker()
+        t0, c0 = time.perf_counter(), _cpu()
+        for first in range(0, n, batch):
+            for seq in range(first, min(n, first + batch)):
+                item = items[seq]
+                cache.note_listed(item.name)
+                cache.acquire(item)
+                broker.begin()
+                staged = cache.stage(item, 256 * 1024)
+                for f in item.files:
+                    get_part(store, f.key, f"{staged}/{f.rel}" if f.rel else str(staged), 0, f.size, True)
+                broker.put(seq, item.name, cache.publish(staged, item))
+            leases = broker.take_many(batch)
+            assert isinstance(leases, list), leases
+            broker.ack_many([(lease.name, lease.id) for lease in leases])
+            cache.evict_many([(lease.name, 0, lease.seq) for lease in leases])
+            cache.advance(0, leases[-1].seq + 1)
+        wall, cpu = time.perf_counter() - t0, _cpu() - c0
+        cache.close()
     return {"items": n, "wall_s": wall, "items_per_s": n / wall, "cpu_s": cpu}
 
 
@@ -185,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="interleaved runs of each hand-off case; medians reported (default 3)")
     p.add_argument("--catalog", type=int, default=1_000_000, help="items in the generated catalog (default 1000000)")
     p.add_argument("--consume", type=int, default=20_000, help="items consumed from the streamed catalog (default 20000)")
+    p.add_argument(
+        "--split",
+        action="store_true",
+        help="also split the batched hand-off's cost: the consumer's side alone, and every per-item call in one thread",
+    )
     p.add_argument("--no-handoff", action="store_true", help="skip the hand-off measurement (catalog only)")
     p.add_argument("--no-full", action="store_true", help="skip the full (shuffled) catalog measurement")
     p.add_argument("--limit", type=float, default=600, help="seconds per measurement (default 600)")
@@ -203,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "versions": {"cachepipe": cachepipe.__version__},
         "handoff": {},
+        "split": {},
         "catalog": {},
         "load_average": {"start": list(os.getloadavg())},
     }
@@ -217,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
             for batch in (1, args.batch) if repeat % 2 == 0 else (args.batch, 1):  # order rotates: the disk drifts
                 got = in_child("run_handoff", args.handoff, where, shape, batch, limit=args.limit)
                 runs.setdefault(f"{label} {shape} {batch}", []).append(got)
+            for part in ("run_consumer_side", "run_one_thread") if args.split else ():
+                got = in_child(part, args.handoff, where, shape, args.batch, limit=args.limit)
+                runs.setdefault(f"{label} {shape} {part}", []).append(got)
     for label, _where, shape in [] if args.no_handoff else cases:
         floor = statistics.median(r["items_per_s"] for r in runs[f"{label} {shape} floor"])
         for batch in (1, args.batch):
@@ -232,6 +318,21 @@ def main(argv: list[str] | None = None) -> int:
                 "cpu_us_per_item": statistics.median(r["cpu_s"] for r in got) / args.handoff * 1e6,
                 "floor_items_per_s": floor,
                 "of_floor": rate / floor,
+            }
+        if args.split:
+            pipeline = report["handoff"][f"{label} {shape} {args.batch}"]
+            report["split"][f"{label} {shape}"] = {
+                "cache_on": label,
+                "shape": shape,
+                "batch": args.batch,
+                "pipeline_items_per_s": pipeline["items_per_s"],
+                "pipeline_cpu_us_per_item": pipeline["cpu_us_per_item"],
+                **{
+                    f"{part}_{key}": statistics.median(r[key] for r in runs[f"{label} {shape} run_{part}"]) * scale
+                    for part in ("consumer_side", "one_thread")
+                    for key, scale in (("items_per_s", 1), ("cpu_s", 1e6 / args.handoff))
+                },
+                "floor_items_per_s": floor,
             }
     progress(f"streamed catalog of {args.catalog} items, consuming {args.consume}")
     report["catalog"]["stream"] = in_child("run_catalog", args.catalog, args.consume, False, limit=args.limit)
@@ -260,6 +361,35 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(title)
         lines += [
             *format_table(["cache on", "items", "consumer", "items/s", "CPU us/item", "fs floor items/s", "x floor"], rows),
+            "",
+        ]
+    rows = [
+        [
+            r["cache_on"],
+            r["shape"],
+            f"{r['pipeline_items_per_s']:,.0f} ({r['pipeline_cpu_us_per_item']:,.0f})",
+            f"{r['consumer_side_items_per_s']:,.0f} ({r['consumer_side_cpu_s']:,.0f})",
+            f"{r['one_thread_items_per_s']:,.0f} ({r['one_thread_cpu_s']:,.0f})",
+            f"{r['pipeline_items_per_s'] / r['one_thread_items_per_s']:.2f}",
+            f"{r['floor_items_per_s']:,.0f}",
+        ]
+        for r in report["split"].values()
+    ]
+    if rows:
+        lines.append(f"cost split of the get_many({args.batch}) hand-off: items/s (CPU us/item), medians of {args.repeats} runs:")
+        lines += [
+            *format_table(
+                [
+                    "cache on",
+                    "items",
+                    "pipeline",
+                    "consumer side alone",
+                    "all calls, one thread",
+                    "pipeline / one thread",
+                    "fs floor",
+                ],
+                rows,
+            ),
             "",
         ]
     rows = [

@@ -733,8 +733,8 @@ class Pipeline:
             ) from None
 
     def _name_of(self, path: str | os.PathLike[str]) -> str:
-        full, root = os.path.abspath(path), str(self._cache.root).rstrip("/") + "/"
-        return full[len(root) :] if full.startswith(root) else f"<outside the cache: {path}>"
+        full, prefix = os.path.abspath(path), self._cache.prefix
+        return full[len(prefix) :] if full.startswith(prefix) else f"<outside the cache: {path}>"
 
     # ---- visibility ------------------------------------------------------------------
     def stats(self) -> Stats:

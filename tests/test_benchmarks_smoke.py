@@ -68,7 +68,7 @@ def test_retention_through_the_pipeline_benchmark_runs():
 def test_core_benchmark_reports_handoff_and_catalog():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_core.py"
     proc = subprocess.run(
-        [sys.executable, str(script), "--quick", "--json"], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, str(script), "--quick", "--split", "--json"], capture_output=True, text=True, timeout=180, check=False
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)
@@ -77,6 +77,9 @@ def test_core_benchmark_reports_handoff_and_catalog():
     }
     for r in report["handoff"].values():
         assert r["items"] == 300 and r["items_per_s"] > 0 and r["floor_items_per_s"] > 0
+    assert set(report["split"]) >= {"disk folders", "disk files"}
+    for r in report["split"].values():
+        assert r["consumer_side_items_per_s"] > 0 and r["one_thread_items_per_s"] > 0 and r["one_thread_cpu_s"] > 0
     assert set(report["catalog"]) == {"stream", "full"}
     for r in report["catalog"].values():
         assert r["catalog"] == 5000 and r["first_item_s"] is not None and r["peak_rss_mib"] > 0
@@ -154,7 +157,7 @@ def test_node_benchmark_reports_both_parts():
     and a node-local shuffle whose share fits downloads it once. No timing is asserted."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_node.py"
     proc = subprocess.run(
-        [sys.executable, str(script), "--quick", "--json"], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, str(script), "--quick", "--split", "--json"], capture_output=True, text=True, timeout=180, check=False
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)

@@ -71,6 +71,7 @@ class Cache:
         self.staging_root = self.state_dir / "staging"
         self.catalog_path = self.state_dir / "catalog"
         self._root = str(self.root)
+        self.prefix = self._root.rstrip("/") + "/"  # what every item's path starts with
         self._capacity_spec = capacity
         self.ledger = Ledger()
         self.record = Record(self.state_dir / "journal")
