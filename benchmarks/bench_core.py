@@ -86,18 +86,24 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _switches() -> int:
+    """Voluntary context switches of this process so far: each a thread that blocked (on a
+    lock, the GIL, a queue, or I/O)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+
+
 def run_handoff(n: int, where: str, shape: str, batch: int) -> dict[str, Any]:
     """Items per second through ``Pipeline`` from a ``memory://`` source of ``n`` 1-byte items
     (``shape`` ``"folders"``: one-file folders; ``"files"``: single files), consumed one by one
     (``batch`` 1: the iterator, which acks each item as it takes the next) or ``batch`` at a time
     (``get_many`` and ``ack_many``)."""
     with memory_source(n, shape) as url, tempfile.TemporaryDirectory(dir=where) as d:
-        t0, c0 = time.perf_counter(), _cpu()
+        t0, c0, s0 = time.perf_counter(), _cpu(), _switches()
         with Pipeline(url, Path(d) / "c", "64MiB", items=shape) as pipe:
             count = sum(1 for _ in pipe) if batch == 1 else _drain(pipe, batch)
-        wall, cpu = time.perf_counter() - t0, _cpu() - c0
+        wall, cpu, switches = time.perf_counter() - t0, _cpu() - c0, _switches() - s0
     assert count == n, (count, n)
-    return {"items": n, "wall_s": wall, "items_per_s": n / wall, "cpu_s": cpu}
+    return {"items": n, "wall_s": wall, "items_per_s": n / wall, "cpu_s": cpu, "switches": switches}
 
 
 def _drain(pipe: Pipeline, batch: int) -> int:
@@ -132,11 +138,11 @@ def run_consumer_side(n: int, where: str, shape: str, batch: int) -> dict[str, A
         with Pipeline(url, Path(d) / "c", "64MiB", items=shape) as pipe:
             while pipe.stats().items_ready < n:
                 time.sleep(0.05)
-            t0, c0 = time.perf_counter(), _cpu()
+            t0, c0, s0 = time.perf_counter(), _cpu(), _switches()
             count = _drain(pipe, batch)
-            wall, cpu = time.perf_counter() - t0, _cpu() - c0
+            wall, cpu, switches = time.perf_counter() - t0, _cpu() - c0, _switches() - s0
     assert count == n, (count, n)
-    return {"items": n, "wall_s": wall, "items_per_s": n / wall, "cpu_s": cpu}
+    return {"items": n, "wall_s": wall, "items_per_s": n / wall, "cpu_s": cpu, "switches": switches}
 
 
 def run_one_thread(n: int, where: str, shape: str, batch: int) -> dict[str, Any]:
@@ -158,7 +164,7 @@ def run_one_thread(n: int, where: str, shape: str, batch: int) -> dict[str, Any]
         cache.open()
         cache.recover(Catalog(mode=shape), resume=False)  # type: ignore[arg-type]
         broker: Broker[Path] = Broker()
-        t0, c0 = time.perf_counter(), _cpu()
+        t0, c0, s0 = time.perf_counter(), _cpu(), _switches()
         for first in range(0, n, batch):
             for seq in range(first, min(n, first + batch)):
                 item = items[seq]
@@ -174,9 +180,9 @@ def run_one_thread(n: int, where: str, shape: str, batch: int) -> dict[str, Any]
             broker.ack_many([(lease.name, lease.id) for lease in leases])
             cache.evict_many([(lease.name, 0, lease.seq) for lease in leases])
             cache.advance(0, leases[-1].seq + 1)
-        wall, cpu = time.perf_counter() - t0, _cpu() - c0
+        wall, cpu, switches = time.perf_counter() - t0, _cpu() - c0, _switches() - s0
         cache.close()
-    return {"items": n, "wall_s": wall, "items_per_s": n / wall, "cpu_s": cpu}
+    return {"items": n, "wall_s": wall, "items_per_s": n / wall, "cpu_s": cpu, "switches": switches}
 
 
 def run_floor(n: int, where: str, shape: str) -> dict[str, Any]:
@@ -316,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                 "items_per_s": rate,
                 "runs_items_per_s": [r["items_per_s"] for r in got],
                 "cpu_us_per_item": statistics.median(r["cpu_s"] for r in got) / args.handoff * 1e6,
+                "switches_per_item": statistics.median(r["switches"] for r in got) / args.handoff,
                 "floor_items_per_s": floor,
                 "of_floor": rate / floor,
             }
@@ -327,10 +334,11 @@ def main(argv: list[str] | None = None) -> int:
                 "batch": args.batch,
                 "pipeline_items_per_s": pipeline["items_per_s"],
                 "pipeline_cpu_us_per_item": pipeline["cpu_us_per_item"],
+                "pipeline_switches_per_item": pipeline["switches_per_item"],
                 **{
                     f"{part}_{key}": statistics.median(r[key] for r in runs[f"{label} {shape} run_{part}"]) * scale
                     for part in ("consumer_side", "one_thread")
-                    for key, scale in (("items_per_s", 1), ("cpu_s", 1e6 / args.handoff))
+                    for key, scale in (("items_per_s", 1), ("cpu_s", 1e6 / args.handoff), ("switches", 1 / args.handoff))
                 },
                 "floor_items_per_s": floor,
             }
@@ -367,16 +375,19 @@ def main(argv: list[str] | None = None) -> int:
         [
             r["cache_on"],
             r["shape"],
-            f"{r['pipeline_items_per_s']:,.0f} ({r['pipeline_cpu_us_per_item']:,.0f})",
-            f"{r['consumer_side_items_per_s']:,.0f} ({r['consumer_side_cpu_s']:,.0f})",
-            f"{r['one_thread_items_per_s']:,.0f} ({r['one_thread_cpu_s']:,.0f})",
+            f"{r['pipeline_items_per_s']:,.0f} ({r['pipeline_cpu_us_per_item']:,.0f}, {r['pipeline_switches_per_item']:.1f})",
+            f"{r['consumer_side_items_per_s']:,.0f} ({r['consumer_side_cpu_s']:,.0f}, {r['consumer_side_switches']:.1f})",
+            f"{r['one_thread_items_per_s']:,.0f} ({r['one_thread_cpu_s']:,.0f}, {r['one_thread_switches']:.1f})",
             f"{r['pipeline_items_per_s'] / r['one_thread_items_per_s']:.2f}",
             f"{r['floor_items_per_s']:,.0f}",
         ]
         for r in report["split"].values()
     ]
     if rows:
-        lines.append(f"cost split of the get_many({args.batch}) hand-off: items/s (CPU us/item), medians of {args.repeats} runs:")
+        lines.append(
+            f"cost split of the get_many({args.batch}) hand-off: items/s (CPU us/item, voluntary context switches/item), "
+            f"medians of {args.repeats} runs:"
+        )
         lines += [
             *format_table(
                 [

@@ -79,7 +79,7 @@ def test_core_benchmark_reports_handoff_and_catalog():
         assert r["items"] == 300 and r["items_per_s"] > 0 and r["floor_items_per_s"] > 0
     assert set(report["split"]) >= {"disk folders", "disk files"}
     for r in report["split"].values():
-        assert r["consumer_side_items_per_s"] > 0 and r["one_thread_items_per_s"] > 0 and r["one_thread_cpu_s"] > 0
+        assert r["consumer_side_items_per_s"] > 0 and r["one_thread_items_per_s"] > 0 and r["pipeline_switches_per_item"] > 0
     assert set(report["catalog"]) == {"stream", "full"}
     for r in report["catalog"].values():
         assert r["catalog"] == 5000 and r["first_item_s"] is not None and r["peak_rss_mib"] > 0

@@ -116,8 +116,10 @@ class Store(Protocol):
     def get(self, key: str, out: BinaryIO, start: int, end: int) -> int:
         """Write bytes ``[start, end)`` of object ``key`` to ``out`` at its current position.
 
-        Streams in chunks (never the whole object in memory). Returns the number of bytes
-        written, which may be short if the store sent a short body; the caller verifies.
+        Streams in chunks (never the whole object in memory). ``out`` is not buffered: each
+        ``write`` is one system call, so write chunks as they come off the connection, not
+        small pieces of them. Returns the number of bytes written, which may be short if the
+        store sent a short body; the caller verifies.
         """
         ...
 
