@@ -57,18 +57,17 @@ from cachepipe.stores.base import ObjectInfo
 
 
 class GeneratedStore:
-    """A source of ``n`` items of ``size`` bytes each, listed from a generator: folders
-    ``s0000000/f`` (``shape="folders"``) or single files ``s0000000`` (``"files"``)."""
+    """A source of ``n`` folders ``s0000000/f`` of ``size`` bytes each, listed from a generator."""
 
     url = "gen://bench"
 
-    def __init__(self, n: int, size: int = 1, shape: str = "folders") -> None:
-        self.n, self.size, self.suffix = n, size, "/f" if shape == "folders" else ""
+    def __init__(self, n: int, size: int = 1) -> None:
+        self.n, self.size = n, size
 
     def list(self):
         etag = "0" * 32
         for i in range(self.n):
-            yield ObjectInfo(f"s{i:07d}{self.suffix}", self.size, etag)
+            yield ObjectInfo(f"s{i:07d}/f", self.size, etag)
 
     def get(self, key: str, out: BinaryIO, start: int, end: int) -> int:
         return out.write(b"x" * (end - start))
@@ -155,6 +154,7 @@ def run_one_thread(n: int, where: str, shape: str, batch: int) -> dict[str, Any]
     from cachepipe.cache import Cache
     from cachepipe.catalog import Catalog
     from cachepipe.downloads import get_part
+    from cachepipe.fetcher import HEAD_MIN_PART
     from cachepipe.stores import open_store
 
     with memory_source(n, shape) as url, tempfile.TemporaryDirectory(dir=where) as d:
@@ -171,7 +171,7 @@ def run_one_thread(n: int, where: str, shape: str, batch: int) -> dict[str, Any]
                 cache.note_listed(item.name)
                 cache.acquire(item)
                 broker.begin()
-                staged = cache.stage(item, 256 * 1024)
+                staged = cache.stage(item, HEAD_MIN_PART)  # the fetcher's smallest part, as in a pipeline
                 for f in item.files:
                     get_part(store, f.key, f"{staged}/{f.rel}" if f.rel else str(staged), 0, f.size, True)
                 broker.put(seq, item.name, cache.publish(staged, item))

@@ -185,14 +185,10 @@ class Journal:
     def defer(self, kind: str, arg: str) -> None:
         """Queue one event to be written in front of the next write (its own, a later append's,
         or :meth:`flush` at :meth:`close`): an event whose loss recovery tolerates costs no write
-        of its own. A ``"C"`` event replaces a queued ``"C"`` left last (only the latest position
-        counts). A rewrite drops the queue: it holds what the events said."""
+        of its own. A rewrite drops the queue: it holds what the events said."""
         line = f"{kind} {arg}\n".encode("utf-8", "surrogateescape")
         with self._lock:
-            if kind == "C" and self._deferred and self._deferred[-1].startswith(b"C "):
-                self._deferred[-1] = line
-            else:
-                self._deferred.append(line)
+            self._deferred.append(line)
 
     def flush(self) -> None:
         """Write the deferred events now (see :meth:`defer`). Raises OSError (they stay queued)."""

@@ -385,18 +385,11 @@ class Cache:
         the one case of a timed wait here. ``extra``: bytes reserved beside the item's own (the
         ``prepare`` hook's output).
         """
-        policy = self._policy
-        size = item.size + extra
         with self._cond:
             recovered = self._recovered.pop(item.name, None)
-            if recovered is not None:
-                return recovered
-            if policy is None and not self._recovered and item.name not in self._claimed and self.ledger.fits(size):
-                if self._closed:  # the common case in one lock round: nothing to wait for, nothing to drop
-                    return False
-                self._claimed.add(item.name)
-                self.ledger.reserve(size)
-                return True
+        if recovered is not None:
+            return recovered
+        policy = self._policy
         if policy is None:
             claimed = self._claim_or_adopt(item.name)
             if claimed is not True:
