@@ -146,9 +146,6 @@ class Daemon:
     def _open(self, served: _Served) -> Pipeline:
         pipe = Pipeline(**pipeline_options(served.config))
         if self._markers is not None:
-            # Watch before the pipeline starts writing: watchdog's recursive watch walks the tree
-            # when scheduled, and a folder created during that walk would be added twice (once by
-            # the walk, once by its own creation event: "Callback with id ... already exists").
             served.root.mkdir(parents=True, exist_ok=True)
             try:
                 self._markers.watch(served.name, served.root, served.config.items)
@@ -243,6 +240,8 @@ class Daemon:
             for entry in self._entries():
                 if entry.pipeline is not None:
                     self._markers.watch(entry.name, entry.root, entry.config.items)
+                    for path in self._handouts.under(entry.root):
+                        self._markers.follow(entry.name, path)
         elif not enabled and self._markers is not None:
             markers, self._markers = self._markers, None
             markers.stop()
@@ -293,9 +292,12 @@ class Daemon:
             self._count_waiting(name, +1)
             try:
                 items = pipe.get_many(count, timeout=max(deadline - time.monotonic(), 0.0))
-                watching = self._markers is not None  # else no marker to judge: the hand-out's marker is not looked up
-                for item in items:  # recorded before the consumer learns the paths
-                    self._handouts.record(Path(os.path.abspath(item.path)), item.lease, item.files, look=watching)
+                markers = self._markers  # None: no marker to judge, the hand-out's marker is not looked up
+                for item in items:  # recorded (and watched) before the consumer learns the paths
+                    path = Path(os.path.abspath(item.path))
+                    self._handouts.record(path, item.lease, item.files, look=markers is not None)
+                    if markers is not None:
+                        markers.follow(name, path)
                 return items
             except RuntimeError:
                 if not self._wait_replaced(name, pipe, deadline):
@@ -334,8 +336,14 @@ class Daemon:
         except UnknownItemError as exc:
             raise self._explained(exc, served) from None
         for path, lease in checked:
-            self._handouts.forget(Path(path), lease or None)
+            self._ended(Path(path), lease or None)
         return served.name, [served.name_of(path) for path, _lease in checked]
+
+    def _ended(self, path: Path, lease: str | None) -> None:
+        """The hand-out of ``path`` (under ``lease``, if given) ended: forget it, stop watching it."""
+        markers = self._markers
+        if self._handouts.forget(path, lease) and markers is not None:
+            markers.unfollow(path)
 
     def _count_waiting(self, name: str, delta: int) -> None:
         with self._cond:
@@ -362,7 +370,7 @@ class Daemon:
         except UnknownItemError as exc:
             raise self._explained(exc, served) from None
         if verb != "renew":
-            self._handouts.forget(Path(item_path), lease or None)
+            self._ended(Path(item_path), lease or None)
         return served.name, served.name_of(item_path)
 
     @staticmethod
@@ -415,7 +423,7 @@ class Daemon:
             return
         except RuntimeError:
             return  # the pipeline closed meanwhile (reload or stop)
-        self._handouts.forget(item, lease)
+        self._ended(item, lease)
         self.metrics.marker_acks.labels(name, how).inc()
         log.debug("%s: acknowledged %s (%s)", name, item, how)
 

@@ -5,8 +5,9 @@
 - Single-file items (``items: files``): delete the file. There is no marker file: a
   ``<file>.done`` beside it could collide with another object's name and would be left behind.
 
-The daemon watches each cache directory through inotify (watchdog) and calls
-:meth:`cachepipe.Pipeline.ack` with the item's path, usually well within a second.
+The daemon watches, through inotify (watchdog's inotify layer), each cache directory and each
+item it has handed out (:class:`MarkerWatcher`), and calls :meth:`cachepipe.Pipeline.ack` with
+the item's path, usually well within a second.
 
 Provenance: an event is processed some time after it happened (inotify, watchdog's queue), so
 "a ``.done`` exists and the item is handed out now" does not prove a consumer made it. A marker
@@ -27,26 +28,18 @@ watching.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, cast
 
-from watchdog.events import (
-    DirCreatedEvent,
-    DirDeletedEvent,
-    DirMovedEvent,
-    FileClosedEvent,
-    FileCreatedEvent,
-    FileDeletedEvent,
-    FileMovedEvent,
-    FileSystemEvent,
-    FileSystemEventHandler,
-)
-from watchdog.observers import Observer
-from watchdog.observers.api import BaseObserver, ObservedWatch
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from watchdog.observers.inotify_c import CallbackId, InotifyEvent, InotifyFD, Mask, WatchDescriptor
 
 __all__ = ["MARKER", "HandOut", "HandOuts", "MarkerWatcher", "acked_by", "marker_counts", "marker_identity"]
 
@@ -55,8 +48,14 @@ log = logging.getLogger("cachepipe.service.markers")
 MARKER = ".done"
 STATE_DIR = ".cachepipe"  # the cache's own state folder: never an item
 Kind = Literal["created", "deleted"]
-# Kernel-side filter: no IN_MODIFY, so downloads writing into staging cost no events.
-_EVENTS = [FileCreatedEvent, DirCreatedEvent, FileDeletedEvent, DirDeletedEvent, FileMovedEvent, DirMovedEvent, FileClosedEvent]
+# What each watch asks the kernel for: a cache directory and a single-file item's folder, a
+# child deleted or moved away; a handed-out item folder, a file made in it (created, closed
+# after writing, or moved in). The kernel's constants (<sys/inotify.h>), a stable ABI.
+_IN_CLOSE_WRITE, _IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE, _IN_ONLYDIR = 0x8, 0x40, 0x80, 0x100, 0x200, 0x01000000
+_GONE = _IN_DELETE | _IN_MOVED_FROM | _IN_ONLYDIR
+_MADE = _IN_CREATE | _IN_CLOSE_WRITE | _IN_MOVED_TO
+_MARKER = _MADE | _IN_ONLYDIR
+_ANY = _IN_DELETE | _IN_MOVED_FROM | _MADE
 
 
 def acked_by(root: Path, path: str, kind: Kind, is_directory: bool, items: str) -> tuple[Path, str] | None:
@@ -146,12 +145,20 @@ class HandOuts:
         with self._lock:
             self._by_path[path] = handout
 
-    def forget(self, path: Path, lease: str | None = None) -> None:
-        """The hand-out of ``path`` ended (acknowledged or released); with ``lease``: only that one."""
+    def forget(self, path: Path, lease: str | None = None) -> bool:
+        """The hand-out of ``path`` ended (acknowledged or released); with ``lease``: only that
+        one. True if it was recorded (and is now forgotten)."""
         with self._lock:
             handout = self._by_path.get(path)
             if handout is not None and (lease is None or handout.lease == lease):
                 del self._by_path[path]
+                return True
+            return False
+
+    def under(self, root: Path) -> list[Path]:
+        """The items handed out from the cache directory ``root``."""
+        with self._lock:
+            return [p for p in self._by_path if root in p.parents]
 
     def forget_under(self, root: Path) -> None:
         """Every hand-out of the pipeline cached in ``root`` ended (it closed or was rebuilt)."""
@@ -178,77 +185,165 @@ class HandOuts:
         return None, f"this {MARKER} was there before the item was handed out"
 
 
-class _Handler(FileSystemEventHandler):
-    def __init__(self, root: Path, items: str, act: Callable[[Path, str], None]) -> None:
-        self.root, self.items, self.act = root, items, act
+class _Events:
+    """The events of one inotify watch of a :class:`MarkerWatcher` (called by watchdog's
+    :class:`~watchdog.observers.inotify_c.InotifyFD` thread)."""
 
-    def dispatch(self, event: FileSystemEvent) -> None:
-        kinds: list[tuple[Kind, str]] = []
-        if event.event_type in ("created", "closed"):
-            kinds.append(("created", os.fsdecode(event.src_path)))
-        elif event.event_type == "deleted":
-            kinds.append(("deleted", os.fsdecode(event.src_path)))
-        elif event.event_type == "moved":
-            kinds.append(("deleted", os.fsdecode(event.src_path)))
-            if event.dest_path:
-                kinds.append(("created", os.fsdecode(event.dest_path)))
-        for kind, path in kinds:
-            hit = acked_by(self.root, path, kind, event.is_directory, self.items)
-            if hit is None:
-                continue
-            item, how = hit
-            # Act only on what is still true: a stale event must not ack a later hand-out.
-            if how == "marker" and not os.path.lexists(item / MARKER):
-                continue
-            if how == "deleted" and os.path.lexists(item):
-                continue
-            self.act(item, how)
+    def __init__(self, watcher: MarkerWatcher, served: _Served, directory: Path) -> None:
+        self.watcher, self.served, self.directory = watcher, served, directory
+
+    def on_event(self, event: InotifyEvent) -> None:
+        if not event.name or not event.mask & _ANY:
+            return
+        kind: Kind = "created" if event.mask & _MADE else "deleted"
+        self.watcher.judge(self.served, self.directory / os.fsdecode(event.name), kind, event.is_directory)
+
+    def on_watch_deleted(self, wd: WatchDescriptor) -> None:
+        """The watched folder is gone (deleted, or its file system unmounted): nothing to do."""
+
+    def on_queue_overflow(self) -> None:
+        self.watcher.overflowed()
+
+
+@dataclasses.dataclass
+class _Served:
+    """A watched cache directory: its pipeline, its ``items`` setting, its root watch."""
+
+    name: str
+    root: Path
+    items: str
+    wd: WatchDescriptor
+    id: CallbackId
 
 
 class MarkerWatcher:
-    """One inotify observer watching the cache directories of several pipelines.
+    """Watches what can acknowledge an item, through one inotify instance and its thread
+    (watchdog's :class:`~watchdog.observers.inotify_c.InotifyFD`): each cache directory (an item
+    folder, or a top-level file item, deleted or moved away) and, from its hand-out
+    (:meth:`follow`) to its end (:meth:`unfollow`), each handed-out item: its folder (a
+    ``.done`` made in it) or, for a single-file item in a subfolder, that subfolder (the file
+    deleted or moved away). Nothing else is watched: downloads into staging, publishes and the
+    evictions of items not handed out cost the daemon no event.
 
     Args:
-        on_ack: called from the observer thread as ``on_ack(name, item_path, how)`` for every
+        on_ack: called from the watcher's thread as ``on_ack(name, item_path, how)`` for every
             event that acknowledges an item (``how``: ``"marker"`` or ``"deleted"``).
     """
 
     def __init__(self, on_ack: Callable[[str, Path, str], None]) -> None:
         self._on_ack = on_ack
-        self._observer: BaseObserver | None = None
-        self._watches: dict[str, ObservedWatch] = {}
-        self._lock = threading.Lock()
+        self._inotify: InotifyFD | None = None
+        self._lock = threading.Lock()  # _served, _followed; taken before InotifyFD's own lock, never after
+        self._ids = itertools.count(1)
+        self._served: dict[str, _Served] = {}  # by pipeline name
+        self._followed: dict[Path, tuple[str, WatchDescriptor | None, CallbackId]] = {}  # item -> pipeline, its watch
 
     def start(self) -> None:
-        observer = Observer()
-        observer.name = "cachepipe-markers"
-        observer.start()
-        self._observer = observer
+        """Start the watcher's thread.
+
+        Raises:
+            ConfigError: this system has no inotify (it is Linux's): marker acks are unavailable.
+        """
+        try:
+            from watchdog.observers.inotify_c import InotifyFD
+        except Exception as exc:  # not Linux, or a libc without inotify: watchdog raises its own error type
+            raise ConfigError(
+                f"markers: true needs Linux's inotify, which this system lacks ({exc}); set markers: false "
+                "and acknowledge items over the API"
+            ) from exc
+        inotify = InotifyFD()
+        inotify.name = "cachepipe-markers"
+        inotify.start()
+        self._inotify = inotify
+
+    def _require(self) -> InotifyFD:
+        if self._inotify is None:
+            raise RuntimeError("MarkerWatcher used before start() or after stop()")
+        return self._inotify
 
     def watch(self, name: str, root: Path, items: str) -> None:
-        """Watch ``root`` (which must exist) for pipeline ``name``; replaces an earlier watch."""
+        """Watch ``root`` (which must exist) for pipeline ``name``; replaces an earlier watch.
+
+        Raises:
+            OSError: the watch cannot be added (``fs.inotify.max_user_watches`` reached).
+        """
         self.unwatch(name)
-        if self._observer is None:
-            raise RuntimeError("MarkerWatcher.watch() before start()")
-        handler = _Handler(Path(os.path.abspath(root)), items, lambda item, how: self._on_ack(name, item, how))
-        watch = self._observer.schedule(handler, str(root), recursive=True, event_filter=_EVENTS)
+        inotify = self._require()
+        root = Path(os.path.abspath(root))
         with self._lock:
-            self._watches[name] = watch
+            id_ = cast("CallbackId", next(self._ids))
+            served = _Served(name, root, items, cast("WatchDescriptor", -1), id_)
+            served.wd = inotify.add_callback(os.fsencode(root), cast("Mask", _GONE), _Events(self, served, root), id_)
+            self._served[name] = served
 
     def unwatch(self, name: str) -> None:
+        """Stop watching pipeline ``name``'s cache directory and its handed-out items."""
         with self._lock:
-            watch = self._watches.pop(name, None)
-        if watch is not None and self._observer is not None:
+            served = self._served.pop(name, None)
+            if served is None or self._inotify is None:
+                return
+            ended = [(wd, id_) for path, (owner, wd, id_) in self._followed.items() if owner == name and wd is not None]
+            self._followed = {path: got for path, got in self._followed.items() if got[0] != name}
+            self._inotify.remove_callbacks([(served.wd, served.id), *ended])
+
+    def follow(self, name: str, item: Path) -> None:
+        """Item ``item`` (absolute) of pipeline ``name`` was just handed out: watch what can
+        acknowledge it, before the consumer learns its path. A watch that cannot be added (the
+        watch limit) is logged: the item is then acknowledged over the API or by its lease."""
+        with self._lock:
+            served = self._served.get(name)
+            if served is None or item in self._followed or self._inotify is None:
+                return
+            folder = item if served.items == "folders" else item.parent
+            if folder == served.root:  # a top-level file: the root's watch sees it go
+                self._followed[item] = (name, None, cast("CallbackId", 0))
+                return
+            id_ = cast("CallbackId", next(self._ids))
+            mask = cast("Mask", _MARKER if served.items == "folders" else _GONE)
             try:
-                self._observer.unschedule(watch)
-            except KeyError:
-                pass  # the emitter already stopped (its directory was deleted)
+                wd = self._inotify.add_callback(os.fsencode(folder), mask, _Events(self, served, folder), id_)
+            except OSError as exc:
+                log.warning("%s: %s can be acknowledged only over the API: cannot watch %s: %s", name, item, folder, exc)
+                return
+            self._followed[item] = (name, wd, id_)
+
+    def unfollow(self, item: Path) -> None:
+        """The hand-out of ``item`` ended (acknowledged or released): stop watching it."""
+        with self._lock:
+            got = self._followed.pop(item, None)
+            if got is not None and got[1] is not None and self._inotify is not None:
+                self._inotify.remove_callbacks([(got[1], got[2])])
+
+    def judge(self, served: _Served, path: Path, kind: Kind, is_directory: bool) -> None:
+        """An event at ``path`` in a watched folder of ``served``: acknowledge the item it
+        names (:func:`acked_by`) if that item is handed out and the event is still true."""
+        hit = acked_by(served.root, os.fspath(path), kind, is_directory, served.items)
+        if hit is None:
+            return
+        item, how = hit
+        with self._lock:
+            if self._followed.get(item, ("",))[0] != served.name:
+                return  # not handed out (our own evictions): no file-system call
+        # Act only on what is still true: a stale event must not ack a later hand-out.
+        if how == "marker" and not os.path.lexists(item / MARKER):
+            return
+        if how == "deleted" and os.path.lexists(item):
+            return
+        self._on_ack(served.name, item, how)
+
+    @staticmethod
+    def overflowed() -> None:
+        log.warning(
+            "the kernel's inotify queue overflowed: marker events were lost; an item whose marker was missed "
+            "stays leased until it is acknowledged over the API, deleted again, or its lease expires"
+        )
 
     def stop(self) -> None:
-        """Stop watching; joins the observer's threads."""
-        observer, self._observer = self._observer, None
+        """Stop watching; joins the watcher's thread (its inotify instance is closed)."""
+        inotify, self._inotify = self._inotify, None
         with self._lock:
-            self._watches.clear()
-        if observer is not None:
-            observer.stop()
-            observer.join()
+            self._served.clear()
+            self._followed.clear()
+        if inotify is not None:
+            inotify.stop()
+            inotify.join()
