@@ -20,6 +20,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -506,6 +507,65 @@ def test_marker_policy():
     assert acked_by(root, "/elsewhere/item1/.done", "created", False, "folders") is None
     assert acked_by(root, "/cache/a/b.tar", "deleted", False, "files") == (root / "a/b.tar", "deleted")
     assert acked_by(root, "/cache/a/b.tar.done", "created", False, "files") is None  # files: deletion only
+
+
+def test_marker_watcher_sees_what_acknowledges_a_handed_out_item_and_nothing_else(tmp_path):
+    # MarkerWatcher alone, on real files: what each watch reports, for both item kinds.
+    from cachepipe.service.markers import MarkerWatcher
+
+    got: list[tuple[str, Path, str]] = []
+    seen = threading.Condition()
+
+    def on_ack(name: str, item: Path, how: str) -> None:  # as the daemon: the hand-out ends
+        watcher.unfollow(item)
+        with seen:
+            got.append((name, item, how))
+            seen.notify_all()
+
+    def next_ack() -> tuple[str, Path, str]:
+        with seen:
+            assert seen.wait_for(lambda: got, timeout=10), "no acknowledgement within 10 s"
+            return got.pop(0)
+
+    folders, files = tmp_path / "folders", tmp_path / "files"
+    for name in ("a", "b", "c", "held"):
+        (folders / name).mkdir(parents=True)
+    (files / "sub").mkdir(parents=True)
+    for name in ("top.tar", "sub/x.tar", "sub/y.tar"):
+        (files / name).write_bytes(b"x")
+    watcher = MarkerWatcher(on_ack)
+    watcher.start()
+    try:
+        watcher.watch("f", folders, "folders")
+        watcher.watch("s", files, "files")
+        for name in ("a", "b", "c"):
+            watcher.follow("f", folders / name)
+        for name in ("top.tar", "sub/x.tar"):
+            watcher.follow("s", files / name)
+
+        (folders / "held" / ".done").write_bytes(b"")  # not handed out: no acknowledgement
+        shutil.rmtree(folders / "held")
+        (files / "sub" / "y.tar").unlink()
+        (folders / "a" / "tmp").write_bytes(b"")
+        os.rename(folders / "a" / "tmp", folders / "a" / ".done")  # a marker moved into place
+        assert next_ack()[1:] == (folders / "a", "marker")  # (its closed tmp file was not a .done)
+        os.rename(folders / "b", tmp_path / "b-away")  # moved out of the cache: deleted
+        assert next_ack()[1:] == (folders / "b", "deleted")
+        (files / "top.tar").unlink()
+        assert next_ack() == ("s", files / "top.tar", "deleted")
+        (files / "sub" / "x.tar").unlink()
+        assert next_ack() == ("s", files / "sub" / "x.tar", "deleted")
+
+        watcher.unfollow(folders / "c")  # its hand-out ended: its marker is not watched any more
+        (folders / "c" / ".done").write_bytes(b"")
+        watcher.follow("f", folders / "a")
+        (folders / "a" / ".done").unlink()
+        (folders / "a" / ".done").write_bytes(b"")  # a watched item after an unwatched one's marker
+        assert next_ack()[1:] == (folders / "a", "marker")
+        with seen:
+            assert not got, got
+    finally:
+        watcher.stop()
 
 
 def test_marker_provenance_policy(tmp_path):
