@@ -772,6 +772,18 @@ def test_plan_groups_split_volumes_and_attaches_checksum_files():
         plan_items([ObjectInfo(f"{WORK_DIR}/x", 1)], "folders", unpack=False)
 
 
+def test_map_fetches_with_a_pipelines_part_size_unless_given(tmp_path):
+    # The pipeline under a map run sizes its ranged GETs as any pipeline does (by the capacity,
+    # auto_part_size), not by a fixed 8 MiB of its own; an explicit part_size is parsed and kept.
+    from cachepipe.map.plan import MapConfig
+
+    base = {"source": "s3://b/in/", "dest": "s3://b/out/", "cache_dir": tmp_path, "capacity": "64MiB"}
+    assert MapConfig(**base).part_size is None
+    assert MapConfig(**base, part_size="2MiB").part_size == 2 * 1024**2
+    with pytest.raises(ValueError, match="part_size"):
+        MapConfig(**base, part_size="2 lumps")
+
+
 def test_refusals_before_anything_runs(tmp_path):
     src, dst, cache = tmp_path / "src", str(tmp_path / "dst"), tmp_path / "cache"
     (src / "a").mkdir(parents=True)

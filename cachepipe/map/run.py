@@ -399,8 +399,9 @@ def map_items(
             (seconds per attempt), ``retries`` (2, per item), ``request_retries`` (12, per
             request, as downloads), ``storage_options``, ``dest_options`` (default: the same),
             ``upload_concurrency`` (8), ``upload_part_size`` (16 MiB), ``max_concurrency``,
-            ``part_size``, ``watch_interval`` (0.05 s), ``kill_grace`` (5 s), ``max_members``,
-            ``dry_run``, ``progress``.
+            ``part_size`` (default: a pipeline's, by the cache's capacity, see
+            :func:`~cachepipe.fetcher.auto_part_size`), ``watch_interval`` (0.05 s), ``kill_grace``
+            (5 s), ``max_members``, ``dry_run``, ``progress``.
 
     Returns:
         a :class:`MapResult`; failed items are in ``result.failed`` (the run does not stop for them).
