@@ -88,13 +88,12 @@ class Broker(Generic[T]):
 
     # ---- producer side ---------------------------------------------------------------
     def begin(self) -> int:
-        """Count an item the producer started fetching; return how many items were ahead of it
-        (fetching, or ready and never handed out): 0 means the consumers wait for this one next."""
+        """Count an item the producer started fetching; return its turn: how many items were
+        begun before it (``turn - served()`` of them are ahead of it, see :meth:`served`)."""
         with self._cond:
-            ahead = self._pending + self._fresh
             self._begun += 1
             self._pending += 1
-            return ahead
+            return self._begun - 1
 
     def served(self) -> int:
         """How many begun items are no longer ahead of the consumers (handed out, or their

@@ -214,7 +214,6 @@ class Fetcher:
         self._stop = threading.Event()
         self.counters = FetchCounters()
         self._min_part = min(config.part_size or HEAD_MIN_PART, HEAD_MIN_PART)  # the smallest part item_part_size gives
-        self._begun = 0  # items begun: the next one's turn
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="cachepipe-fetch")
         self._parts: PartQueue[_Job] = PartQueue(config.max_concurrency)
         self._parts_lock = threading.Lock()  # _parts and _takers
@@ -297,9 +296,7 @@ class Fetcher:
 
     def _begin(self) -> int:
         """Count an item begun with the broker; return its turn."""
-        self._broker.begin()
-        self._begun += 1
-        return self._begun - 1
+        return self._broker.begin()
 
     def _wait_for_free_space(self, size: int) -> bool:
         """Pause while the filesystem would keep less than ``min_free`` after this item.

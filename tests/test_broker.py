@@ -19,15 +19,16 @@ def test_ordered_waits_for_earlier_items():
     assert b.take(0) is None
 
 
-def test_begin_counts_the_items_ahead_of_the_consumers():
+def test_begin_gives_each_item_its_turn_and_served_the_items_ahead_of_it():
     b = Broker()
-    assert b.begin() == 0  # the consumers wait for this one next
-    assert b.begin() == 1
+    assert b.begin() - b.served() == 0  # the consumers wait for this one next
+    assert b.begin() - b.served() == 1
     b.put(0, "a", "A")
-    assert b.begin() == 2  # ready and never handed out still counts
+    assert b.begin() - b.served() == 2  # ready and never handed out still counts
     assert b.take(0).name == "a"
     b.put(1, "b", "B")
-    assert b.begin() == 2  # "b" ready, "c" fetching
+    assert b.begin() == 3  # its turn: 3 items were begun before it
+    assert 3 - b.served() == 2  # "b" ready, "c" fetching
 
 
 def test_served_counts_the_items_no_longer_ahead_of_the_consumers():
