@@ -402,6 +402,22 @@ def test_sigterm_exits_0_quickly_and_leaves_published_items(s3_source, s3_endpoi
         assert sorted(names) == sorted(left)  # resumed: the acked item is not delivered again
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH (keeping the working directory off the path) is 3.11+")
+def test_the_daemon_process_runs_the_cachepipe_its_caller_imported(s3_source, s3_endpoint, tmp_path, short_dir, monkeypatch):
+    # A benchmark of another checkout, run from this one's folder, must measure that checkout's
+    # daemon: `python -m` puts the working directory first on the path, ahead of PYTHONPATH.
+    impostor = tmp_path / "elsewhere" / "cachepipe"
+    impostor.mkdir(parents=True)
+    (impostor / "__init__.py").write_text("")
+    (impostor / "cli.py").write_text("raise SystemExit(97)\n")
+    s3_source.folders(1, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}})
+    monkeypatch.chdir(impostor.parent)
+    with DaemonProcess(config), Client("train", sock) as client:
+        assert client.get(timeout=30) is not None
+
+
 def test_sd_notify_ready_status_and_watchdog(s3_source, s3_endpoint, tmp_path, short_dir):
     s3_source.folders(2, FILES)
     config = write_config(tmp_path, short_dir / "api.sock", s3_endpoint, {"train": {}}, status_interval=0.2)

@@ -29,6 +29,8 @@ from pathlib import Path
 
 __all__ = ["DaemonExited", "DaemonProcess"]
 
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding this cachepipe package
+
 
 class DaemonExited(RuntimeError):
     """The daemon exited while we waited for one of its messages."""
@@ -82,6 +84,11 @@ class DaemonProcess:
             k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "JOURNAL_STREAM")
         }
         env["NOTIFY_SOCKET"] = "@" + name
+        # The daemon runs the cachepipe this process imported, not one that `python -m` finds first
+        # in the working directory (a benchmark run from another checkout): its folder first on
+        # the path, and no working directory on it (PYTHONSAFEPATH, Python 3.11+).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        env["PYTHONSAFEPATH"] = "1"
         for key, value in self._env.items():
             if value is None:
                 env.pop(key, None)
