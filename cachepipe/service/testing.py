@@ -37,7 +37,8 @@ class DaemonExited(RuntimeError):
 
 
 class DaemonProcess:
-    """A ``cachepipe serve --config CONFIG`` subprocess.
+    """A ``cachepipe serve --config CONFIG`` subprocess, running the cachepipe this process
+    imported (on Python 3.11+ also when the working directory holds another one).
 
     Args:
         config: the config file.
