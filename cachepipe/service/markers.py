@@ -191,8 +191,7 @@ class HandOuts:
 
 
 class _Events:
-    """The events of one inotify watch of a :class:`MarkerWatcher` (called by watchdog's
-    :class:`~watchdog.observers.inotify_c.InotifyFD` thread)."""
+    """The events of one inotify watch of a :class:`MarkerWatcher` (called in its thread)."""
 
     def __init__(self, watcher: MarkerWatcher, served: _Served, directory: Path) -> None:
         self.watcher, self.served, self.directory = watcher, served, directory
@@ -222,13 +221,14 @@ class _Served:
 
 
 class MarkerWatcher:
-    """Watches what can acknowledge an item, through one inotify instance and its thread
-    (watchdog's :class:`~watchdog.observers.inotify_c.InotifyFD`): each cache directory (an item
-    folder, or a top-level file item, deleted or moved away) and, from its hand-out
-    (:meth:`follow`) to its end (:meth:`unfollow`), each handed-out item: its folder (a
-    ``.done`` made in it) or, for a single-file item in a subfolder, that subfolder (the file
-    deleted or moved away). Nothing else is watched: downloads into staging, publishes and the
-    evictions of items not handed out cost the daemon no event.
+    """Watches what can acknowledge an item, through one inotify instance (watchdog's
+    :class:`~watchdog.observers.inotify_c.InotifyFD`) read by one thread in batches
+    (:data:`READ_EVERY`): each cache directory (an item folder, or a top-level file item,
+    deleted or moved away) and, from its hand-out (:meth:`follow`) to its end
+    (:meth:`unfollow`), each handed-out item: its folder (a ``.done`` made in it) or, for a
+    single-file item in a subfolder, that subfolder (the file deleted or moved away). Nothing
+    else is watched: downloads into staging, publishes and the evictions of items not handed
+    out cost the daemon no event.
 
     Args:
         on_ack: called from the watcher's thread as ``on_ack(name, item_path, how)`` for every
