@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Literal, cast
 
+from watchdog.utils import platform  # imported with this module: without the service extra, `serve` says so at once
+
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -251,13 +253,13 @@ class MarkerWatcher:
         Raises:
             ConfigError: this system has no inotify (it is Linux's): marker acks are unavailable.
         """
-        try:
-            from watchdog.observers.inotify_c import InotifyFD
-        except Exception as exc:  # not Linux, or a libc without inotify: watchdog raises its own error type
+        if not platform.is_linux():
             raise ConfigError(
-                f"markers: true needs Linux's inotify, which this system lacks ({exc}); set markers: false "
-                "and acknowledge items over the API"
-            ) from exc
+                f"markers: true needs Linux's inotify, and this system is {platform.get_platform_name()}; set "
+                "markers: false and acknowledge items over the API"
+            )
+        from watchdog.observers.inotify_c import InotifyFD  # Linux only: imported here
+
         inotify = InotifyFD()  # its own thread is not started: ours reads it in batches
         self._inotify = inotify
         self._stopping.clear()
