@@ -165,13 +165,16 @@ class HandOuts:
     def under(self, root: Path) -> list[Path]:
         """The items handed out from the cache directory ``root``."""
         with self._lock:
-            return [p for p in self._by_path if root in p.parents]
+            return self._under(root)
 
     def forget_under(self, root: Path) -> None:
         """Every hand-out of the pipeline cached in ``root`` ended (it closed or was rebuilt)."""
         with self._lock:
-            for path in [p for p in self._by_path if root in p.parents]:
+            for path in self._under(root):
                 del self._by_path[path]
+
+    def _under(self, root: Path) -> list[Path]:
+        return [p for p in self._by_path if root in p.parents]
 
     def lease_for(self, item: Path, how: str) -> tuple[str | None, str]:
         """(the lease an event acknowledges, or None; why not, for the log).
@@ -195,7 +198,7 @@ class HandOuts:
 class _Events:
     """The events of one inotify watch of a :class:`MarkerWatcher` (called in its thread)."""
 
-    def __init__(self, watcher: MarkerWatcher, served: _Served, directory: Path) -> None:
+    def __init__(self, watcher: MarkerWatcher, served: _Watched, directory: Path) -> None:
         self.watcher, self.served, self.directory = watcher, served, directory
 
     def on_event(self, event: InotifyEvent) -> None:
@@ -212,8 +215,8 @@ class _Events:
 
 
 @dataclasses.dataclass
-class _Served:
-    """A watched cache directory: its pipeline, its ``items`` setting, its root watch."""
+class _Watched:
+    """A watched cache directory: its pipeline, its ``items`` setting, its own watch."""
 
     name: str
     root: Path
@@ -242,7 +245,7 @@ class MarkerWatcher:
         self._inotify: InotifyFD | None = None
         self._lock = threading.Lock()  # _served, _followed; taken before InotifyFD's own lock, never after
         self._ids = itertools.count(1)
-        self._served: dict[str, _Served] = {}  # by pipeline name
+        self._served: dict[str, _Watched] = {}  # by pipeline name
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._followed: dict[Path, tuple[str, WatchDescriptor | None, CallbackId]] = {}  # item -> pipeline, its watch
@@ -302,7 +305,7 @@ class MarkerWatcher:
         root = Path(os.path.abspath(root))
         with self._lock:
             id_ = cast("CallbackId", next(self._ids))
-            served = _Served(name, root, items, cast("WatchDescriptor", -1), id_)
+            served = _Watched(name, root, items, cast("WatchDescriptor", -1), id_)
             served.wd = inotify.add_callback(os.fsencode(root), cast("Mask", _GONE), _Events(self, served, root), id_)
             self._served[name] = served
 
@@ -344,7 +347,7 @@ class MarkerWatcher:
             if got is not None and got[1] is not None and self._inotify is not None:
                 self._inotify.remove_callbacks([(got[1], got[2])])
 
-    def judge(self, served: _Served, path: Path, kind: Kind, is_directory: bool) -> None:
+    def judge(self, served: _Watched, path: Path, kind: Kind, is_directory: bool) -> None:
         """An event at ``path`` in a watched folder of ``served``: acknowledge the item it
         names (:func:`acked_by`) if that item is handed out and the event is still true."""
         hit = acked_by(served.root, os.fspath(path), kind, is_directory, served.items)
