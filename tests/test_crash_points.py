@@ -1,6 +1,7 @@
 """Crash-point tests of the cache: every mutation of an operation sequence, crashed or failed.
 
-Hypothesis draws programs of cache operations (fetch = reserve, stage, write, publish; ack =
+Hypothesis draws programs of cache operations (fetch = reserve, stage, write, publish, or the
+same in two steps with other operations between them, as a pipeline's threads interleave; ack =
 evict and advance the position; restart = close keeping items and reopen with resume; drop =
 close without keeping and reopen; retention keeps acknowledged items and evicts victims). Each
 program runs once under :class:`crashfs.CrashFs` to number its mutations (writes, renames,
@@ -70,8 +71,8 @@ class Model:
     root: Path
     retain: bool
     cache: Cache | None = None
-    next_step: int = 0
     ready: list[int] = field(default_factory=list)  # step numbers published, not acked
+    staged: list[tuple[int, Path]] = field(default_factory=list)  # step numbers staged, not yet published
     acked: set[int] = field(default_factory=set)  # ack returned
     maybe: set[int] = field(default_factory=set)  # ack called, outcome unknown (the crash hit it)
     consumed: set[int] = field(default_factory=set)
@@ -84,7 +85,7 @@ class Model:
         done = {n for n, (e, i) in enumerate(STEPS) if (e, i) < cursor or (e, f"i{i}") in acked}
         self.consumed = set(done)
         self.ready = []
-        self.next_step = 0
+        self.staged = []
         if self.retain:
             self.future = PlanFuture(PLAN, horizon=2)
             self.future.prepare(cursor[0])
@@ -97,42 +98,59 @@ class Model:
 
     # ---- operations ------------------------------------------------------------------
     def fetch(self) -> None:
+        """Stage the next step's item and publish it at once."""
+        if self.stage():
+            self.publish()
+
+    def stage(self) -> bool:
+        """Reserve and stage the next step's item and write its files; True if it is staged (a
+        pipeline publishes it later, from a download thread, while other events are journaled)."""
         cache = self.cache
-        while self.next_step < len(STEPS) and self.next_step in self.consumed:
-            self.next_step += 1
-        if self.next_step >= len(STEPS):
-            return
-        n = self.next_step
+        busy = self.consumed | set(self.ready) | {m for m, _ in self.staged}
+        n = next((k for k in range(len(STEPS)) if k not in busy), len(STEPS))  # a failed step is tried again
+        if n == len(STEPS):
+            return False
         e, i = STEPS[n]
         item = CATALOG[i]
         if self.future is not None:
             self.future.prepare(e)
-        if any(STEPS[r][1] == i for r in self.ready):
-            return  # an earlier epoch's copy is still out: the pipeline waits (one copy at a time)
+        if any(STEPS[r][1] == i for r in self.ready + [m for m, _ in self.staged]):
+            return False  # an earlier epoch's copy is still out: the pipeline waits (one copy at a time)
         if not self.retain and cache.used + item.size > cache.capacity and not cache._recovered:
-            return  # no room until an ack: the pipeline would wait here
+            return False  # no room until an ack: the pipeline would wait here
         try:
             got = cache.acquire(item, tick(e, i))
         except OSError:
-            return  # a drop or victim deletion met the fault; the fetch is tried again later
+            return False  # a drop or victim deletion met the fault; the fetch is tried again later
         if got is False:
-            return
+            return False
         if got is not True:  # recovered or retained: on disk already
             self.ready.append(n)
-            self.next_step += 1
-            return
+            return False
         staged = None
         try:
             staged = cache.stage(item)
             for f in item.files:
                 with open(staged / f.rel, "wb") as fh:
                     fh.write(bytes([65 + i]) * f.size)
-            cache.publish(staged, item)
         except OSError:
             cache.discard(staged if staged is not None else cache.staging_root / "none", item.size, item.name)
+            return False
+        self.staged.append((n, staged))
+        return True
+
+    def publish(self) -> None:
+        """Publish the earliest staged item (a failure discards it: its step is fetched again)."""
+        if not self.staged:
+            return
+        n, staged = self.staged.pop(0)
+        item = CATALOG[STEPS[n][1]]
+        try:
+            self.cache.publish(staged, item)
+        except OSError:
+            self.cache.discard(staged, item.size, item.name)
             return
         self.ready.append(n)
-        self.next_step += 1
 
     def ack(self, which: int) -> None:
         if not self.ready:
@@ -187,7 +205,9 @@ class Model:
         assert on_disk == published, f"{on_disk} bytes of items on disk, {published} published in the ledger"
 
 
-OPS = st.lists(st.sampled_from(["fetch", "fetch", "fetch", "ack0", "ack1", "ackall", "restart", "drop"]), min_size=4, max_size=22)
+OPS = st.lists(
+    st.sampled_from(["fetch", "fetch", "stage", "publish", "ack0", "ack1", "ackall", "restart", "drop"]), min_size=4, max_size=22
+)
 
 
 def run(root: Path, program: list[str], retain: bool, fault: Fault | None) -> tuple[Model, CrashFs, bool]:
@@ -201,6 +221,10 @@ def run(root: Path, program: list[str], retain: bool, fault: Fault | None) -> tu
             for op in program:
                 if op == "fetch":
                     model.fetch()
+                elif op == "stage":
+                    model.stage()
+                elif op == "publish":
+                    model.publish()
                 elif op == "ackall":
                     model.ack_all()
                 elif op.startswith("ack"):
@@ -272,6 +296,8 @@ EXAMPLES = int(os.environ.get("CACHEPIPE_CRASH_EXAMPLES", "6"))
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(program=OPS)
 @example(program=["fetch", "fetch", "fetch", "ackall", "fetch", "fetch", "ackall", "restart", "fetch", "ackall"])
+# compactions between a stage and its publish:
+@example(program=["stage", "fetch", "ack0", "publish", "stage", "ackall", "fetch", "publish", "drop", "fetch"])
 def test_every_crash_point_recovers(tmp_path_factory, retain, program):
     explore(tmp_path_factory.mktemp("crash"), program, retain)
 

@@ -45,7 +45,7 @@ from .ledger import Ledger
 from .lock import STATE_DIR, OwnerLock
 from .record import Record
 from .recovery import check_resume, sort_leftovers
-from .staging import Staging, verify
+from .staging import Staging, rename_new, verify
 
 __all__ = ["STATE_DIR", "Cache"]
 
@@ -470,7 +470,8 @@ class Cache:
 
     def publish(self, staged: Path, item: Item, reserved: int | None = None, verified: bool = False) -> Path:
         """Verify sizes (unless ``verified``), then atomically rename the staged item into place:
-        journal the intent ("I"), rename, journal the result ("P").
+        journal the intent ("I"), rename (never over anything in the way), journal the result
+        ("P"; an intent that came to nothing, "D").
 
         Args:
             reserved: the bytes reserved for it, released at eviction (default: its listed size).
@@ -483,15 +484,18 @@ class Cache:
         if not verified:
             verify(staged, item)
         final = f"{self._root}/{item.name}"
-        if os.path.lexists(final):
-            raise FileExistsError(
-                errno.EEXIST, f"cannot publish item {item.name!r}: {final} exists and is not managed by cachepipe"
-            )
         with self._cond, self._eviction.folders:
             self.record.publishing(item.name)
-            if "/" in item.name:  # a nested single-file item: its folders
-                os.makedirs(final.rpartition("/")[0], exist_ok=True)
-            os.rename(staged, final)
+            try:
+                if "/" in item.name:  # a nested single-file item: its folders
+                    os.makedirs(final.rpartition("/")[0], exist_ok=True)
+                rename_new(os.fspath(staged), final)  # never over anything in the way
+            except FileExistsError as exc:
+                self.record.withdraw(item.name)
+                raise FileExistsError(
+                    errno.EEXIST,
+                    f"cannot publish item {item.name!r}: {exc.filename2 or exc.filename} exists and is not managed by cachepipe",
+                ) from None
             self.record.published_as(item.name, item.size if reserved is None else reserved)
             if item.size < REAP_MIN_BYTES:
                 self._small[item.name] = item.is_file

@@ -78,6 +78,16 @@ class Record:
         """Journal the intent to publish ``name`` (before the rename). Raises OSError."""
         self.journal.append("I", name)
 
+    def withdraw(self, name: str) -> None:
+        """The intent to publish ``name`` came to nothing, because something not ours is in its
+        place: journal "D" (after its "I"), so that the next open does not take that for a
+        half-published item of ours (a failure is logged: the journal then names it, and the
+        next open removes it unless it matches the listing)."""
+        try:
+            self.journal.append("D", name)
+        except OSError as exc:
+            log.warning("journal: could not record that %s was not published (%s)", name, exc)
+
     def published_as(self, name: str, size: int) -> None:
         """``name`` was renamed into place holding ``size`` reserved bytes. Its record is deferred
         (written in front of the next event): the intent line is durable, and recovery checks

@@ -3,11 +3,14 @@
 the cache then publishes an item by one atomic rename (:meth:`cachepipe.cache.Cache.publish`).
 
 Invariant: a consumer only ever sees a complete item: nothing under an item's own path is
-written but by that rename, and a staged item is renamed only after :func:`verify`.
+written but by that rename (:func:`rename_new`, which never replaces anything in its place),
+and a staged item is renamed only once every file is known to hold its listed size: each of
+its parts counted whole as written (:func:`cachepipe.downloads.get_part`), or :func:`verify`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import itertools
 import os
@@ -17,7 +20,36 @@ from ..catalog import Item
 from ..errors import VerificationError
 from ..removal import rmtree
 
-__all__ = ["Staging", "matches", "verify"]
+__all__ = ["Staging", "matches", "rename_new", "verify"]
+
+_AT_FDCWD, _RENAME_NOREPLACE = -100, 1  # <fcntl.h>, <linux/fs.h>
+_renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc 2.28+; None elsewhere
+if _renameat2 is not None:
+    _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    _renameat2.restype = ctypes.c_int
+
+
+def rename_new(src: str, dst: str) -> None:
+    """Rename ``src`` to ``dst``, which must not exist (a plain rename would replace a file, or
+    an empty folder, in the way).
+
+    One ``renameat2(RENAME_NOREPLACE)`` where the kernel, libc and file system have it (the
+    check and the rename are one atomic step, one system call); elsewhere a check, then a
+    rename.
+
+    Raises:
+        FileExistsError: ``dst`` exists; nothing was renamed.
+        OSError: the rename failed.
+    """
+    if _renameat2 is not None:
+        if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.EINVAL, errno.ENOSYS):  # the file system, or the kernel (before 3.15), lacks it
+            raise OSError(code, os.strerror(code), src, None, dst)
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), src, None, dst)
+    os.rename(src, dst)
 
 
 class Staging:
