@@ -257,7 +257,7 @@ class Fetcher:
                 refused = self._refusal(item)
                 if refused is not None:
                     unstarted = False
-                    self._begin()
+                    self._broker.begin()
                     self._report_failure(seq, item, item.name, refused)
                     continue
                 if not self._wait_for_free_space(item.size):
@@ -267,14 +267,14 @@ class Fetcher:
                     got = self._cache.acquire(item, tick, self._broker.starving, extra)
                 except OversizeError as exc:  # no longer fits beside the state budget: this item only
                     unstarted = False
-                    self._begin()
+                    self._broker.begin()
                     self._broker.fail(seq, item.name, exc, kind="oversize")
                     continue
                 if got is False:
                     return
                 unstarted = False
                 if got is not True:  # on disk already: recovered at open, or retained
-                    self._begin()
+                    self._broker.begin()
                     self._broker.put(seq, item.name, got)
                     self.counters.add(items_adopted=1)
                     continue
@@ -282,7 +282,7 @@ class Fetcher:
                 if self._stop.is_set():
                     self._cache.unreserve(item.size + extra, item.name)
                     return
-                self._start(seq, item, extra, self._begin())
+                self._start(seq, item, extra, self._broker.begin())
         except BaseException as exc:  # noqa: BLE001 - planning failed: the consumer sees it in turn, never a hang
             failed = seq if unstarted else seq + 1
             log.error("planning stopped at step %d: %s", failed, exc)
@@ -293,10 +293,6 @@ class Fetcher:
     def _part_size(self) -> int:
         """``part_size`` as configured, or by default for the capacity now (it may change live)."""
         return self._cfg.part_size or auto_part_size(self._cache.limit, self._cfg.max_concurrency)
-
-    def _begin(self) -> int:
-        """Count an item begun with the broker; return its turn."""
-        return self._broker.begin()
 
     def _wait_for_free_space(self, size: int) -> bool:
         """Pause while the filesystem would keep less than ``min_free`` after this item.
@@ -439,7 +435,7 @@ class Fetcher:
             try:  # verified: every part wrote its whole range, as counted by get_part
                 path = self._cache.publish(job.staged, item, verified=True)
             except OSError as exc:
-                if exc.errno in _DISK_ERRNOS and not isinstance(exc, VerificationError):
+                if exc.errno in _DISK_ERRNOS:
                     self._retry_disk_error(job, exc)  # the journal write met a full disk
                     return
                 job.error, job.error_key = exc, item.name

@@ -466,8 +466,6 @@ class Cache:
         """Where ``item`` is (or will be) published."""
         return self.root / item.name
 
-    verify = staticmethod(verify)
-
     def publish(self, staged: Path, item: Item, reserved: int | None = None, verified: bool = False) -> Path:
         """Verify sizes (unless ``verified``), then atomically rename the staged item into place:
         journal the intent ("I"), rename (never over anything in the way), journal the result
@@ -491,7 +489,7 @@ class Cache:
                     os.makedirs(final.rpartition("/")[0], exist_ok=True)
                 rename_new(os.fspath(staged), final)  # never over anything in the way
             except FileExistsError as exc:
-                self.record.withdraw(item.name)
+                self.record.dropped(item.name)  # its intent withdrawn: what is in the way is not ours
                 raise FileExistsError(
                     errno.EEXIST,
                     f"cannot publish item {item.name!r}: {exc.filename2 or exc.filename} exists and is not managed by cachepipe",

@@ -78,16 +78,6 @@ class Record:
         """Journal the intent to publish ``name`` (before the rename). Raises OSError."""
         self.journal.append("I", name)
 
-    def withdraw(self, name: str) -> None:
-        """The intent to publish ``name`` came to nothing, because something not ours is in its
-        place: journal "D" (after its "I"), so that the next open does not take that for a
-        half-published item of ours (a failure is logged: the journal then names it, and the
-        next open removes it unless it matches the listing)."""
-        try:
-            self.journal.append("D", name)
-        except OSError as exc:
-            log.warning("journal: could not record that %s was not published (%s)", name, exc)
-
     def published_as(self, name: str, size: int) -> None:
         """``name`` was renamed into place holding ``size`` reserved bytes. Its record is deferred
         (written in front of the next event): the intent line is durable, and recovery checks
@@ -132,8 +122,10 @@ class Record:
         return size
 
     def dropped(self, name: str) -> None:
-        """A dropped item's files are moved away: journal "D" (a failure is logged: a name not on
-        disk is skipped by recovery)."""
+        """A dropped item's files are moved away, or an intent to publish came to nothing because
+        something not ours is in the item's place: journal "D", so that the next open does not
+        take what is there for ours (a failure is logged: a name not on disk is skipped by
+        recovery; a foreign file under a journaled name is removed unless it matches the listing)."""
         self._deleting.discard(name)
         try:
             self.journal.append("D", name)
