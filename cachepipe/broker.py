@@ -103,10 +103,15 @@ class Broker(Generic[T]):
 
     def put(self, seq: int, name: str, value: T) -> None:
         """An item is ready to hand out."""
+        self.put_many([(seq, name, value)])
+
+    def put_many(self, ready: Sequence[tuple[int, str, T]]) -> None:
+        """Items ``(seq, name, value)`` are ready to hand out: one lock round, one wake-up."""
         with self._cond:
-            self._pending -= 1
-            self._fresh += 1
-            heapq.heappush(self._ready, (seq, name, value))
+            self._pending -= len(ready)
+            self._fresh += len(ready)
+            for entry in ready:
+                heapq.heappush(self._ready, entry)
             self._cond.notify_all()
 
     def fail(self, seq: int, name: str, error: BaseException, begun: bool = True, kind: FailureKind = "item") -> None:

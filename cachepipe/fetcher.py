@@ -6,9 +6,11 @@ pool of ``max_concurrency`` download threads. Each thread takes the next part fr
 started item with bytes not yet requested, and cuts it when it takes it: a ranged GET of
 :func:`item_part_size` for the items then ahead of that item (up to ``part_size``,
 :func:`auto_part_size`), so that the item the consumers wait for is fetched over every thread.
-The thread that finishes an item's last part publishes it (or discards it and reports the
-failure). Transient errors are retried with exponential backoff and equal jitter, sleeping on
-the stop event so that :meth:`Fetcher.stop` is immediate. With ``download_processes``, each
+The thread that finishes an item's last part queues it to publish (or discards it and reports
+the failure); the first thread to queue one publishes every item queued meanwhile, a run at a
+time (one journal write, one hand-over to the broker), while the others go on downloading.
+Transient errors are retried with exponential backoff and equal jitter, sleeping on the stop
+event so that :meth:`Fetcher.stop` is immediate. With ``download_processes``, each
 GET is made by a worker process (:mod:`cachepipe.downloads`) while the download thread waits
 for it: the threads keep the bookkeeping, the workers the request path.
 """
@@ -218,6 +220,9 @@ class Fetcher:
         self._parts: PartQueue[_Job] = PartQueue(config.max_concurrency)
         self._parts_lock = threading.Lock()  # _parts and _takers
         self._takers = 0  # download threads taking parts
+        self._publish_lock = threading.Lock()  # _to_publish and _publishing
+        self._to_publish: list[_Job] = []  # verified items waiting for the publishing thread
+        self._publishing = False  # a download thread is publishing what is queued
         processes = config.download_processes
         self._workers = (
             DownloadWorkers(config.source, config.storage_options, processes, -(-config.max_concurrency // processes))
@@ -415,7 +420,6 @@ class Fetcher:
 
     def _finish(self, job: _Job) -> None:
         """Publish a completed item, or discard it and report the failure."""
-        item = job.item
         if self._stop.is_set():
             return  # closing: the cache removes staging wholesale
         if job.error is None and job.disk_error is not None:
@@ -432,18 +436,53 @@ class Fetcher:
             self._prepare_pool.submit(self._prepare_and_publish, job)
             return
         if job.error is None:
-            try:  # verified: every part wrote its whole range, as counted by get_part
-                path = self._cache.publish(job.staged, item, verified=True)
-            except OSError as exc:
-                if exc.errno in _DISK_ERRNOS:
-                    self._retry_disk_error(job, exc)  # the journal write met a full disk
-                    return
-                job.error, job.error_key = exc, item.name
-            else:
-                self.counters.add(items_fetched=1)
-                self._broker.put(job.seq, item.name, path)
-                return
+            self._publish_in_turn(job)
+            return
         self._discard_and_report(job, job.error_key, job.error)
+
+    def _publish_in_turn(self, job: _Job) -> None:
+        """Queue a verified item to publish (every part wrote its whole range, as counted by
+        get_part). The first thread to queue one publishes every item queued until none is left,
+        a run at a time (:meth:`_publish_run`); the others go back to downloading at once, never
+        waiting for the cache's lock."""
+        with self._publish_lock:
+            self._to_publish.append(job)
+            if self._publishing:
+                return
+            self._publishing = True
+        while True:
+            with self._publish_lock:
+                jobs, self._to_publish = self._to_publish, []
+                if not jobs:
+                    self._publishing = False
+                    return
+            try:
+                self._publish_run(jobs)
+            except Exception as exc:  # a defect: every item of the run is reported, none lost
+                log.exception("publishing %d items failed unexpectedly", len(jobs))
+                for lost in jobs:
+                    if not self._stop.is_set():
+                        self._discard_and_report(lost, lost.item.name, exc)
+
+    def _publish_run(self, jobs: list[_Job]) -> None:
+        """Publish verified items by one journal write, then hand them to the broker at once."""
+        if self._stop.is_set():
+            return  # closing: the cache removes staging wholesale
+        try:
+            got = self._cache.publish_many([(job.staged, job.item, job.item.size) for job in jobs])
+        except OSError as exc:  # the journal write failed (a full disk): nothing published
+            got = [exc] * len(jobs)
+        ready = []
+        for job, path in zip(jobs, got, strict=True):
+            if not isinstance(path, OSError):
+                ready.append((job.seq, job.item.name, path))
+            elif path.errno in _DISK_ERRNOS:  # backs off, then restarts the item: not on this thread
+                self._pool.submit(self._retry_disk_error, job, path)
+            else:
+                self._discard_and_report(job, job.item.name, path)
+        if ready:
+            self.counters.add(items_fetched=len(ready))
+            self._broker.put_many(ready)
 
     def _extra(self, item: Item) -> int:
         """Bytes to reserve beside ``item`` for what unpack and the prepare hook write: as the

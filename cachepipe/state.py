@@ -147,6 +147,7 @@ class Journal:
             # later step (retention) is both acked and published
             lines += [f"A {e} {n}" for e, n in sorted(replay.acked)]
             lines += [f"P {n}" for n in sorted(replay.published)]
+            lines += [f"I {n}" for n in sorted(replay.publishing)]  # intents whose renames are under way
             data = ("\n".join(lines) + "\n").encode("utf-8", "surrogateescape")
             atomic_write(self.path, data)  # on failure the old file and descriptor stay in use
             try:

@@ -152,6 +152,25 @@ class Model:
             return
         self.ready.append(n)
 
+    def publish_all(self) -> None:
+        """Publish every staged item by one call, as the download thread that publishes the run
+        queued by the others does (:meth:`Cache.publish_many`): the intents by one write, then
+        the renames. An item that failed is discarded (its step is fetched again)."""
+        if not self.staged:
+            return
+        batch, self.staged = self.staged, []
+        items = [CATALOG[STEPS[n][1]] for n, _ in batch]
+        try:
+            run = [(staged, item, item.size) for (_, staged), item in zip(batch, items, strict=True)]
+            got: list[Path | OSError] = self.cache.publish_many(run)
+        except OSError as exc:  # the intents were not journaled: nothing was published
+            got = [exc] * len(batch)
+        for (n, staged), item, path in zip(batch, items, got, strict=True):
+            if isinstance(path, OSError):
+                self.cache.discard(staged, item.size, item.name)
+            else:
+                self.ready.append(n)
+
     def ack(self, which: int) -> None:
         if not self.ready:
             return
@@ -206,7 +225,9 @@ class Model:
 
 
 OPS = st.lists(
-    st.sampled_from(["fetch", "fetch", "stage", "publish", "ack0", "ack1", "ackall", "restart", "drop"]), min_size=4, max_size=22
+    st.sampled_from(["fetch", "fetch", "stage", "publish", "publishall", "ack0", "ack1", "ackall", "restart", "drop"]),
+    min_size=4,
+    max_size=22,
 )
 
 
@@ -225,6 +246,8 @@ def run(root: Path, program: list[str], retain: bool, fault: Fault | None) -> tu
                     model.stage()
                 elif op == "publish":
                     model.publish()
+                elif op == "publishall":
+                    model.publish_all()
                 elif op == "ackall":
                     model.ack_all()
                 elif op.startswith("ack"):
@@ -298,6 +321,8 @@ EXAMPLES = int(os.environ.get("CACHEPIPE_CRASH_EXAMPLES", "6"))
 @example(program=["fetch", "fetch", "fetch", "ackall", "fetch", "fetch", "ackall", "restart", "fetch", "ackall"])
 # compactions between a stage and its publish:
 @example(program=["stage", "fetch", "ack0", "publish", "stage", "ackall", "fetch", "publish", "drop", "fetch"])
+# runs of publishes (one journal write of intents, then the renames), with acks between
+@example(program=["stage", "stage", "fetch", "publishall", "ack0", "stage", "stage", "publishall", "ackall", "drop", "fetch"])
 def test_every_crash_point_recovers(tmp_path_factory, retain, program):
     explore(tmp_path_factory.mktemp("crash"), program, retain)
 
@@ -389,6 +414,41 @@ def test_a_publish_costs_one_journal_write(tmp_path):
     events = [arg.split(": ", 1)[1] for _n, call, arg in fs.log if call == "write" and ("b'I " in arg or "b'P " in arg)]
     assert events == ["b'I i0\\n'", "b'P i0\\nI i1\\n'", "b'P i1\\n'"], fs.log
     assert _published_and_acked(tmp_path).published == {"i0", "i1"}
+
+
+def test_a_run_of_publishes_costs_one_journal_write(tmp_path):
+    """Items published together (:meth:`Cache.publish_many`) journal their intents by one write,
+    and their records ride in front of the next event."""
+    _model, fs, crashed = run(tmp_path, ["stage", "stage", "stage", "publishall"], False, None)
+    assert not crashed
+    events = [arg.split(": ", 1)[1] for _n, call, arg in fs.log if call == "write" and ("b'I " in arg or "b'P " in arg)]
+    assert events == ["b'I i0\\nI i1\\nI i2\\n'", "b'P i0\\nP i1\\nP i2\\n'"], fs.log
+    assert _published_and_acked(tmp_path).published == {"i0", "i1", "i2"}
+
+
+def test_an_item_in_the_way_fails_alone_in_a_run_of_publishes(tmp_path):
+    """Something not ours in the place of one item of a run: that item's rename is refused and
+    its intent withdrawn ("D"), the others are published; after a restart the foreign folder is
+    still there, counted as foreign, and the others are reused."""
+    model = Model(tmp_path, retain=False)
+    model.open()
+    assert model.stage() and model.stage() and model.stage()
+    (tmp_path / "i1").mkdir()
+    (tmp_path / "i1" / "mine").write_bytes(b"m")
+    staged = [(path, CATALOG[STEPS[n][1]], CATALOG[STEPS[n][1]].size) for n, path in model.staged]
+    got = model.cache.publish_many(staged)
+    assert [type(g) for g in got] == [type(tmp_path), FileExistsError, type(tmp_path)], got
+    assert "i1" in str(got[1]) and "not managed by cachepipe" in str(got[1])
+    assert set(model.cache.record.published) == {"i0", "i2"}
+    model.cache.close(keep=True)
+    cache = Cache(tmp_path, capacity())
+    cache.open()
+    try:
+        cache.recover(CATALOG, resume=True, plan=PLAN_KEY)
+        assert set(cache.record.published) == {"i0", "i2"} and cache.foreign == 1
+    finally:
+        cache.close(keep=True)
+    assert (tmp_path / "i1" / "mine").read_bytes() == b"m"
 
 
 def test_a_full_disk_at_the_ack_record_keeps_the_lease(tmp_path):

@@ -477,27 +477,55 @@ class Cache:
         Raises:
             VerificationError: a file's size differs from the listing.
             FileExistsError: something not managed by this cache is in the way.
-            OSError: the intent could not be journaled (a full disk): nothing was published.
+            OSError: the intent could not be journaled (a full disk), or the rename failed:
+                nothing was published.
         """
         if not verified:
             verify(staged, item)
-        final = f"{self._root}/{item.name}"
+        (got,) = self.publish_many([(staged, item, item.size if reserved is None else reserved)])
+        if isinstance(got, OSError):
+            raise got
+        return got
+
+    def publish_many(self, staged: Sequence[tuple[Path, Item, int]]) -> list[Path | OSError]:
+        """:meth:`publish` for each ``(staged path, item, bytes reserved)`` whose files are
+        verified, under one lock round, the intents journaled by one write.
+
+        Returns, for each in order, its published path or why it was not published
+        (``FileExistsError``: something not managed by this cache is in the way; another
+        ``OSError``: the rename failed).
+
+        Raises:
+            OSError: the intents could not be journaled (a full disk): nothing was published.
+        """
+        got: list[Path | OSError] = []
         with self._cond, self._eviction.folders:
-            self.record.publishing(item.name)
-            try:
-                if "/" in item.name:  # a nested single-file item: its folders
-                    os.makedirs(final.rpartition("/")[0], exist_ok=True)
-                rename_new(os.fspath(staged), final)  # never over anything in the way
-            except FileExistsError as exc:
-                self.record.dropped(item.name)  # its intent withdrawn: what is in the way is not ours
-                raise FileExistsError(
-                    errno.EEXIST,
-                    f"cannot publish item {item.name!r}: {exc.filename2 or exc.filename} exists and is not managed by cachepipe",
-                ) from None
-            self.record.published_as(item.name, item.size if reserved is None else reserved)
-            if item.size < REAP_MIN_BYTES:
-                self._small[item.name] = item.is_file
-        return Path(final)
+            self.record.publishing_many([item.name for _staged, item, _size in staged])
+            for path, item, size in staged:
+                final = f"{self._root}/{item.name}"
+                try:
+                    if "/" in item.name:  # a nested single-file item: its folders
+                        os.makedirs(final.rpartition("/")[0], exist_ok=True)
+                    rename_new(os.fspath(path), final)  # never over anything in the way
+                except FileExistsError as exc:
+                    self.record.dropped(item.name)  # its intent withdrawn: what is in the way is not ours
+                    got.append(
+                        FileExistsError(
+                            errno.EEXIST,
+                            f"cannot publish item {item.name!r}: {exc.filename2 or exc.filename} exists "
+                            "and is not managed by cachepipe",
+                        )
+                    )
+                    continue
+                except OSError as exc:  # nothing renamed: the next open finds nothing of it in place
+                    self.record.not_renamed(item.name)
+                    got.append(exc)
+                    continue
+                self.record.published_as(item.name, size)
+                if item.size < REAP_MIN_BYTES:
+                    self._small[item.name] = item.is_file
+                got.append(Path(final))
+        return got
 
     def discard(self, staged: Path, size: int, name: str) -> None:
         """Delete a staging area, release its reservation and the claim on ``name``. Bytes that

@@ -48,6 +48,7 @@ class Record:
         self.plan = ""
         self.budget = 0
         self._deleting: set[str] = set()  # no longer published, files not yet moved away: journaled as published
+        self._intents: set[str] = set()  # intents to publish journaled, renames under way: kept by a compaction
         self._acked_ticks: list[tuple[int, int, str]] = []  # heap of (tick, epoch, name) of acked
 
     def start(self, pass_no: int, cursor: tuple[int, int], acked: set[tuple[int, str]], plan: str) -> None:
@@ -59,7 +60,7 @@ class Record:
     def compact(self) -> None:
         """Rewrite the journal from memory (atomically; on failure the old file stays in use)."""
         published = set(self.published) | self._deleting
-        self.journal.rewrite(state.Replay(self.pass_no, published, set(), set(self.acked), self.cursor, self.plan))
+        self.journal.rewrite(state.Replay(self.pass_no, published, set(self._intents), set(self.acked), self.cursor, self.plan))
 
     def _compact_if_due(self) -> None:
         if self.journal.size > self.budget // 2:
@@ -74,15 +75,25 @@ class Record:
         self.compact()
 
     # ---- publish ---------------------------------------------------------------------
-    def publishing(self, name: str) -> None:
-        """Journal the intent to publish ``name`` (before the rename). Raises OSError."""
-        self.journal.append("I", name)
+    def publishing_many(self, names: Sequence[str]) -> None:
+        """Journal the intent to publish each of ``names`` (before their renames), by one write;
+        until each is resolved (:meth:`published_as`, :meth:`dropped`, :meth:`not_renamed`), a
+        compaction keeps its intent, so that an item renamed after a compaction is still ours.
+        Raises OSError (nothing written)."""
+        self.journal.append_many([("I", name) for name in names])
+        self._intents.update(names)
+
+    def not_renamed(self, name: str) -> None:
+        """The rename of ``name`` failed: nothing was published (its intent line stays until the
+        next compaction; recovery skips an intent with nothing in its place)."""
+        self._intents.discard(name)
 
     def published_as(self, name: str, size: int) -> None:
         """``name`` was renamed into place holding ``size`` reserved bytes. Its record is deferred
         (written in front of the next event): the intent line is durable, and recovery checks
         the files."""
         self.journal.defer("P", name)
+        self._intents.discard(name)
         self.published[name] = size
         self._compact_if_due()
 
@@ -127,6 +138,7 @@ class Record:
         take what is there for ours (a failure is logged: a name not on disk is skipped by
         recovery; a foreign file under a journaled name is removed unless it matches the listing)."""
         self._deleting.discard(name)
+        self._intents.discard(name)
         try:
             self.journal.append("D", name)
         except OSError as exc:
