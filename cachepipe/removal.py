@@ -17,7 +17,7 @@ import queue
 import shutil
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 __all__ = ["Reaper", "delete_tree", "rmtree", "tree_bytes"]
 
@@ -51,12 +51,18 @@ def tree_bytes(root: str | os.PathLike[str]) -> int:
     return total
 
 
-def rmtree(path: str | os.PathLike[str]) -> None:
+def rmtree(path: str | os.PathLike[str], names: Sequence[str] = ()) -> None:
     """Delete ``path`` and everything under it; a file or a symlink is unlinked (a link is never
     followed, also if it replaces a folder while this runs); nothing if it does not exist.
 
     The folder is opened once with ``O_NOFOLLOW`` and its entries are removed relative to that
     descriptor (as :func:`shutil.rmtree` does, with fewer calls for the flat folders items are).
+
+    Args:
+        names: entries expected directly under ``path`` (a small item's files, by name, none
+            with a ``/``): unlinked first, then the folder is removed without being listed (4
+            system calls for a one-file folder instead of about 9). Whatever else is there (a
+            folder in place of a name, a file the consumer added) is then found by listing it.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -71,6 +77,13 @@ def rmtree(path: str | os.PathLike[str]) -> None:
             pass
         return
     try:
+        if names and _unlink_names(fd, names):
+            try:
+                os.rmdir(path)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
         with os.scandir(fd) as entries:
             for entry in entries:
                 if entry.is_dir(follow_symlinks=False):
@@ -83,6 +96,21 @@ def rmtree(path: str | os.PathLike[str]) -> None:
     finally:
         os.close(fd)
     os.rmdir(path)
+
+
+def _unlink_names(dir_fd: int, names: Sequence[str]) -> bool:
+    """Unlink each of ``names`` in the folder ``dir_fd`` (never through a link: a name is the last
+    component); False if one is a folder now (the caller lists the folder instead)."""
+    for name in names:
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            continue  # the consumer removed it
+        except OSError as exc:
+            if exc.errno in (errno.EISDIR, errno.EPERM):  # a folder in its place (EPERM: POSIX's unlink of a folder)
+                return False
+            raise
+    return True
 
 
 def _rmtree_at(dir_fd: int, name: str) -> None:

@@ -42,3 +42,41 @@ def test_reaper_refuses_work_once_stopped_and_starts_no_thread_for_nothing(tmp_p
 def test_rmtree_of_a_missing_path_is_a_no_op(tmp_path):
     rmtree(tmp_path / "missing")
     rmtree(str(tmp_path / "missing"))
+
+
+def test_rmtree_by_names_deletes_whatever_the_consumer_left_in_the_folder(tmp_path):
+    """The names given are unlinked without listing the folder; whatever else is there (a file
+    added, a folder in place of a name, a name already gone) is found by listing it."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_bytes(b"mine")
+    cases = {
+        "exactly": ["a", "b"],
+        "added": ["a", "b", "extra"],
+        "gone": ["b"],
+        "folder": ["b"],  # "a" is a folder with a file in it
+        "link": ["b"],  # "a" is a link to a folder outside
+    }
+    for case, files in cases.items():
+        item = tmp_path / case
+        item.mkdir()
+        for name in files:
+            (item / name).write_bytes(b"x")
+        if case == "folder":
+            (item / "a").mkdir()
+            (item / "a" / "f").write_bytes(b"x")
+        if case == "link":
+            (item / "a").symlink_to(outside, target_is_directory=True)
+        rmtree(item, ("a", "b"))
+        assert not os.path.lexists(item), case
+    assert (outside / "keep").read_bytes() == b"mine"
+
+
+def test_rmtree_by_names_never_follows_a_link_in_place_of_the_folder(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "a").write_bytes(b"mine")
+    (tmp_path / "item").symlink_to(outside, target_is_directory=True)
+    rmtree(tmp_path / "item", ("a",))
+    assert not os.path.lexists(tmp_path / "item")
+    assert (outside / "a").read_bytes() == b"mine"

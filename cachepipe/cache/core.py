@@ -82,7 +82,10 @@ class Cache:
         self._replay = state.Replay()
         self._recovered: dict[str, Path] = {}  # published items found at open, not yet handed out
         self._claimed: set[str] = set()  # names with files on disk or on their way: one copy at a time
-        self._small: dict[str, bool] = {}  # published items under REAP_MIN_BYTES, deleted in place: name -> is a file
+        # published items under REAP_MIN_BYTES, deleted in place: name -> the names of its files
+        # directly under it (None: the item is one file; empty: more than 4, or some deeper, so
+        # the folder is listed to delete it)
+        self._small: dict[str, tuple[str, ...] | None] = {}
         self._policy: RetentionPolicy | None = None  # retain="auto": which acked items stay
         self._names: Sequence[str] = ()  # the policy's item i is _names[i]; found by _names.index()
         self._cond = threading.Condition()
@@ -523,7 +526,7 @@ class Cache:
                     continue
                 self.record.published_as(item.name, size)
                 if item.size < REAP_MIN_BYTES:
-                    self._small[item.name] = item.is_file
+                    self._small[item.name] = None if item.is_file else _flat_names(item)
                 got.append(Path(final))
         return got
 
@@ -618,8 +621,7 @@ class Cache:
 
         One item per lock round, also for a batch of acks: releasing a batch in one round made
         a whole pipeline slower on this VM's disk (benchmarks/README.md)."""
-        is_file = self._small.get(name)
-        in_place = is_file is not None and self._eviction.delete_in_place(name, is_file)
+        in_place = name in self._small and self._eviction.delete_in_place(name, self._small[name])
         aside, left = ("", 0) if in_place else self._eviction.move_away(name)
         with self._cond:
             self._small.pop(name, None)
@@ -669,3 +671,10 @@ class Cache:
             return self._names.index(name)
         except ValueError:
             return None
+
+
+def _flat_names(item: Item) -> tuple[str, ...]:
+    """The names of a folder item's files, if they are at most 4 (kept in memory while it is
+    published: a sample's media and caption, say) and each is directly under it; else ()."""
+    names = tuple(f.rel for f in item.files)
+    return () if len(names) > 4 or any("/" in name for name in names) else names

@@ -75,15 +75,16 @@ class Eviction:
             return aside, left
         return aside, 0
 
-    def delete_in_place(self, name: str, is_file: bool) -> bool:
+    def delete_in_place(self, name: str, files: tuple[str, ...] | None) -> bool:
         """Delete the small item ``name`` where it is, without the rename aside: a single-file
-        item by one unlink (atomic, as the rename is), a folder by :func:`rmtree`. False if it
-        could not be (the caller moves what is left away instead)."""
+        item (``files`` None) by one unlink (atomic, as the rename is), a folder by :func:`rmtree`
+        (``files``: the names of its files directly under it, unlinked without listing it). False
+        if it could not be (the caller moves what is left away instead)."""
         try:
-            if is_file:
+            if files is None:
                 os.unlink(f"{self._root}/{name}")
             else:
-                rmtree(f"{self._root}/{name}")
+                rmtree(f"{self._root}/{name}", files)
         except OSError:
             return False
         try:
