@@ -125,7 +125,10 @@ class LaneQueues(Broker[Path]):
             yield seq, planned.item, planned.tick
 
     def put(self, seq: int, name: str, value: Path) -> None:
-        self._arrive(seq, value)
+        self._arrive([(seq, value)])
+
+    def put_many(self, ready: Sequence[tuple[int, str, Path]]) -> None:
+        self._arrive([(seq, value) for seq, _name, value in ready])
 
     def fail(self, seq: int, name: str, error: BaseException, begun: bool = True, kind: FailureKind = "item") -> None:
         if kind == "stream":  # planning stopped: every lane sees it
@@ -133,23 +136,25 @@ class LaneQueues(Broker[Path]):
                 self._error = error
                 self._cond.notify_all()
             return
-        self._arrive(seq, Failed(seq, name, error, kind))
+        self._arrive([(seq, Failed(seq, name, error, kind))])
 
-    def _arrive(self, seq: int, value: Path | Failed) -> None:
+    def _arrive(self, arrivals: Sequence[tuple[int, Path | Failed]]) -> None:
+        """Items (or failures) of planned steps are ready: one lock round, one wake-up."""
+        stale: list[_Planned] = []
         with self._cond:
-            self._pending -= 1
-            planned = self._planned[seq]
-            lane = self._lanes[planned.lane]
-            if lane.held.get(planned.key) is not planned:  # the lane moved on while it downloaded
-                del self._planned[seq]
+            for seq, value in arrivals:
+                self._pending -= 1
+                planned = self._planned[seq]
                 planned.value = value
-                stale: _Planned | None = planned
-            else:
-                planned.value, stale = value, None
-                self._fresh += 1
+                if self._lanes[planned.lane].held.get(planned.key) is not planned:  # the lane moved on while it downloaded
+                    del self._planned[seq]
+                    stale.append(planned)
+                else:
+                    self._fresh += 1
+            if len(stale) < len(arrivals):
                 self._cond.notify_all()
-        if stale is not None:
-            self._on_stale(stale)
+        for planned in stale:
+            self._on_stale(planned)
 
     def skip(self, seq: int) -> None:  # the node pipeline skips nothing on the journal's word
         raise NotImplementedError
