@@ -102,7 +102,7 @@ class Broker(Generic[T]):
         return self._begun - self._pending - self._fresh
 
     def put(self, seq: int, name: str, value: T) -> None:
-        """An item is ready to hand out."""
+        """An item is ready to hand out (:meth:`put_many` of one: a subclass overrides that only)."""
         self.put_many([(seq, name, value)])
 
     def put_many(self, ready: Sequence[tuple[int, str, T]]) -> None:

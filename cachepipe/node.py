@@ -124,9 +124,6 @@ class LaneQueues(Broker[Path]):
                 self._busy[got.step.item] += 1
             yield seq, planned.item, planned.tick
 
-    def put(self, seq: int, name: str, value: Path) -> None:
-        self._arrive([(seq, value)])
-
     def put_many(self, ready: Sequence[tuple[int, str, Path]]) -> None:
         self._arrive([(seq, value) for seq, _name, value in ready])
 

@@ -61,7 +61,7 @@ def rmtree(path: str | os.PathLike[str], names: Sequence[str] = ()) -> None:
     Args:
         names: entries expected directly under ``path`` (a small item's files, by name, none
             with a ``/``): unlinked first, then the folder is removed without being listed (4
-            system calls for a one-file folder instead of about 9). Whatever else is there (a
+            system calls for a one-file folder instead of 13). Whatever else is there (a
             folder in place of a name, a file the consumer added) is then found by listing it.
     """
     try:
