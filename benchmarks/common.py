@@ -115,7 +115,12 @@ def _moto_server() -> Any:
 
 
 def _serve(conn: Any) -> None:
-    """Child process: run a moto server, report its address, answer CPU queries until told to stop."""
+    """Child process: run a moto server, report its address, answer CPU queries until told to stop.
+
+    Its stdout is the parent's, where a benchmark may print its JSON report; moto ``print``s a
+    diagnostic when it cannot tell a request's service (the OBS SDK's V2 signatures, see
+    ``bench_obs_vs_s3.py``), so the child writes to stderr instead."""
+    sys.stdout = sys.stderr
     server = _moto_server()
     try:
         conn.send(server.get_host_and_port())

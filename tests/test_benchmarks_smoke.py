@@ -178,3 +178,32 @@ def test_node_benchmark_reports_both_parts():
         assert r["mb_per_s"] > 0 and r["items_per_s"] > 0 and r["consumers_cpu_s"] > 0, key
         assert (r["daemon_cpu_s"] is None) == (key[1] == "per-process"), key
         assert (r["workers_cpu_s"] or 0) > 0 if key[1] == "node-procs" else not r["workers_cpu_s"], key
+
+
+MOTO_CHILD = """
+import sys, urllib.error, urllib.request
+sys.path.insert(0, sys.argv[1])
+from common import Server
+if __name__ == "__main__":
+    server = Server("subprocess")
+    # a credential scope with no service: moto prints that it cannot find a backend for it
+    scope = "AWS4-HMAC-SHA256 Credential=k/20200101/z//aws4_request, SignedHeaders=host, Signature=x"
+    try:
+        urllib.request.urlopen(urllib.request.Request(server.endpoint + "/", headers={"Authorization": scope}), timeout=30)
+    except urllib.error.HTTPError:
+        pass
+    server.stop()
+"""
+
+
+def test_the_benchmarks_moto_server_child_keeps_stdout_for_the_report(tmp_path):
+    """The moto server child shares the benchmark's stdout, where ``--json`` reports go: moto's
+    diagnostics (the OBS SDK's V2 signatures trigger one now and then) must not land in them."""
+    script = tmp_path / "moto_child.py"
+    script.write_text(MOTO_CHILD)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(SCRIPT.parent)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout == ""
+    assert "Unable to find appropriate backend" in proc.stderr  # the request did reach moto's dispatcher
