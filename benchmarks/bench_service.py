@@ -2,9 +2,10 @@
 
 Starts a moto S3 server (in a thread of this process; it is idle while we measure), uploads
 ``--items`` tiny items (one object of ``--size`` bytes each), and runs ``cachepipe serve`` as a
-subprocess with two pipelines over that prefix (``rt`` and ``par``, separate caches, capacity
-far above the dataset). Once the status shows every item of both pipelines ready (so download
-time is excluded), it measures:
+subprocess with three pipelines over that prefix (``rt``, ``par`` and ``batch``, separate
+caches, capacity far above the dataset; ``batch`` alone with ``--batched-only``, which measures
+2. for ``get_many`` and 3. only). Once the status shows every item of every pipeline ready (so
+download time is excluded), it measures:
 
 1. round trips from one client (:class:`cachepipe.client.Client`, one keep-alive connection):
    ``next`` then ``ack`` as two requests, ``--round-trips`` times; then ``next`` carrying the
@@ -15,7 +16,16 @@ time is excluded), it measures:
    carried by the next), then each taking ``--batch`` items per request from pipeline ``batch``
    (``Client.get_many``, each batch acknowledged by the next request). All processes start on
    one signal once connected; the time is from that signal to the last consumer's last item.
-   With the daemon's CPU microseconds per item over the same span.
+   With the daemon's CPU microseconds per item over the same span, and the consumers' (their
+   own processes' CPU while taking items, summed): on a machine of few cores they share it.
+3. the **deletion floor**: the file-system calls that acknowledging one of these items costs the
+   daemon (open the item's folder, unlink its file, close, rmdir), made for ``--items`` folders of
+   the same shape, written and synced beforehand as the prefetched ones were, by ``--consumers``
+   plain threads (the daemon deletes on the request thread of each consumer). No hand-out can
+   run faster than its items are deleted, so the batched rate's ratio to it (``of_floor``) is
+   what the daemon's own work costs on top. On this VM's ext4 a one-file folder costs ~55 us of
+   kernel CPU to delete and the threads wait on the file system's journal besides; on tmpfs ~12.
+   ``--cache-root /dev/shm`` puts the daemon's caches (and the floor's folders) on tmpfs.
 
 Usage::
 
@@ -23,6 +33,8 @@ Usage::
     .venv/bin/python benchmarks/bench_service.py --quick       # a smoke run (60 items)
     .venv/bin/python benchmarks/bench_service.py --json
     .venv/bin/python benchmarks/bench_service.py --local --no-markers --items 20000   # items from a local folder
+    .venv/bin/python benchmarks/bench_service.py --local --no-markers --items 20000 --cache-root /dev/shm  # caches on tmpfs
+    .venv/bin/python benchmarks/bench_service.py --local --no-markers --items 20000 --batched-only  # get_many alone
 """
 
 from __future__ import annotations
@@ -36,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import date
@@ -63,7 +76,7 @@ client = Client(pipeline=pipeline, socket=sys.argv[1], timeout=120).open()
 client.status()  # connected before the start signal
 print("ready", flush=True)
 sys.stdin.readline()
-start = time.monotonic()
+start, cpu = time.monotonic(), time.process_time()
 count = 0
 if batch == 1:
     for item in client:
@@ -73,7 +86,7 @@ else:
     while got:
         count += len(got)
         got = client.get_many(batch, timeout=120, ack=got)  # this batch acknowledged by the next request
-print(json.dumps({"start": start, "end": time.monotonic(), "count": count}), flush=True)
+print(json.dumps({"start": start, "end": time.monotonic(), "count": count, "cpu": time.process_time() - cpu}), flush=True)
 """
 
 
@@ -88,7 +101,7 @@ def upload(endpoint: str, items: int, size: int) -> None:
 
 
 def wait_ready(client: Client, items: int, timeout: float) -> float:
-    """Poll the status until every item of both pipelines is downloaded; returns the seconds waited."""
+    """Poll the status until every item of every pipeline is downloaded; returns the seconds waited."""
     start = time.monotonic()
     while True:
         pipes = client.status()["pipelines"]
@@ -231,32 +244,76 @@ def parallel(sock: str, consumers: int, items: int, pipeline: str, batch: int, d
         "seconds": round(seconds, 3),
         "items_per_s": round(total / seconds, 1),
         "daemon_cpu_us_per_item": round(daemon_cpu / total * 1e6, 1),
+        "consumers_cpu_us_per_item": round(sum(r["cpu"] for r in results) / total * 1e6, 1),
         "per_consumer": sorted(r["count"] for r in results),
     }
 
 
-def measure(args: argparse.Namespace, tmp: str, source: dict[str, Any], upload_s: float) -> tuple[float, dict, list]:
-    """Start the daemon over ``source`` (``source`` and ``storage_options`` of a pipeline), wait
-    until every item is on disk, then measure; returns (prefetch seconds, latencies, parallel runs)."""
+def deletion_floor(where: str, items: int, size: int, threads: int) -> dict[str, Any]:
+    """Items/s at which ``threads`` plain threads delete ``items`` one-file folders under
+    ``where`` by the daemon's calls for an acknowledged item (open the folder, unlink its file,
+    close, rmdir); the folders are written and synced first, as the prefetched items were."""
+    body = os.urandom(size)
+    with tempfile.TemporaryDirectory(prefix="floor-", dir=where) as d:
+        for i in range(items):
+            os.mkdir(f"{d}/item{i:05d}")
+            with open(f"{d}/item{i:05d}/data.bin", "wb") as fh:
+                fh.write(body)
+        os.sync()
+
+        def delete(first: int) -> None:
+            for i in range(first, items, threads):
+                path = f"{d}/item{i:05d}"
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:
+                    os.unlink("data.bin", dir_fd=fd)
+                finally:
+                    os.close(fd)
+                os.rmdir(path)
+
+        workers = [threading.Thread(target=delete, args=(k,)) for k in range(threads)]
+        t0 = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        seconds = time.perf_counter() - t0
+    return {"threads": threads, "items": items, "seconds": round(seconds, 3), "items_per_s": round(items / seconds, 1)}
+
+
+def measure(args: argparse.Namespace, tmp: str, caches: str, source: dict[str, Any]) -> tuple[float, dict, list]:
+    """Start the daemon over ``source`` (``source`` and ``storage_options`` of a pipeline), its
+    caches in ``caches``, wait until every item is on disk, then measure; returns (prefetch
+    seconds, latencies, parallel runs)."""
     sock = f"{tmp}/api.sock"
     config = {
         "socket": sock,
         "log_level": "warning",
         "markers": not args.no_markers,
-        "pipelines": {name: {**source, "cache_dir": f"{tmp}/{name}", "capacity": "4GiB"} for name in ("rt", "par", "batch")},
+        "pipelines": {
+            name: {**source, "cache_dir": f"{caches}/{name}", "capacity": "4GiB"}
+            for name in (("batch",) if args.batched_only else ("rt", "par", "batch"))
+        },
     }
     Path(tmp, "cachepipe.yaml").write_text(yaml.safe_dump(config))
-    with DaemonProcess(Path(tmp, "cachepipe.yaml")) as daemon, Client("rt", sock) as probe:
+    latencies: dict[str, dict[str, float]] = {}
+    par = []
+    with DaemonProcess(Path(tmp, "cachepipe.yaml")) as daemon, Client("batch", sock) as probe:
         prefetch_s = wait_ready(probe, args.items, timeout=600)
-        latencies = round_trips(sock, args.round_trips)
-        par = [
-            parallel(sock, args.consumers, args.items, "par", 1, daemon.pid),
-            parallel(sock, args.consumers, args.items, "batch", args.batch, daemon.pid),
-        ]
+        if not args.batched_only:
+            latencies = round_trips(sock, args.round_trips)
+            par.append(parallel(sock, args.consumers, args.items, "par", 1, daemon.pid))
+        par.append(parallel(sock, args.consumers, args.items, "batch", args.batch, daemon.pid))
         code = daemon.stop()
         if code != 0:
             raise RuntimeError(f"the daemon exited with {code}:\n{daemon.log()}")
-    latencies["in-process Pipeline.get+ack (baseline)"] = in_process(source, tmp, args.round_trips + WARMUP, args.round_trips)
+    if not args.batched_only:
+        baseline = in_process(source, caches, args.round_trips + WARMUP, args.round_trips)
+        latencies["in-process Pipeline.get+ack (baseline)"] = baseline
+    floor = deletion_floor(caches, args.items, args.size, args.consumers)
+    batched = par[-1]
+    batched["deletion_floor_items_per_s"] = floor["items_per_s"]
+    batched["of_floor"] = round(batched["items_per_s"] / floor["items_per_s"], 2)
     return prefetch_s, latencies, par
 
 
@@ -276,6 +333,17 @@ def main(argv: list[str] | None = None) -> int:
         help="read the items from files in a local folder instead of the moto server (the same hand-out path: "
         "only the prefetch, which is not timed, differs); for runs of many items",
     )
+    parser.add_argument(
+        "--cache-root",
+        default="",
+        help="folder to put the daemon's caches in (default: beside the socket, under /tmp, on the project disk; "
+        "/dev/shm for tmpfs)",
+    )
+    parser.add_argument(
+        "--batched-only",
+        action="store_true",
+        help="measure the batched hand-out (and the deletion floor) only: one pipeline, no round trips, no iterator run",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 60 items, 30 round trips, 2 consumers")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
@@ -283,13 +351,18 @@ def main(argv: list[str] | None = None) -> int:
         args.items, args.round_trips, args.consumers = 60, 30, 2
     if args.round_trips + WARMUP + 2 > args.items:
         parser.error("--items must exceed --round-trips by at least 22")
+    if args.cache_root and not os.path.isdir(args.cache_root):
+        parser.error(f"--cache-root {args.cache_root!r} is not a folder")
 
-    with tempfile.TemporaryDirectory(prefix="cp-bench-", dir="/tmp") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="cp-bench-", dir="/tmp") as tmp,
+        tempfile.TemporaryDirectory(prefix="cp-bench-caches-", dir=args.cache_root or tmp) as caches,
+    ):
         if args.local:
             t0 = time.monotonic()
             write_local(f"{tmp}/data", args.items, args.size)
             upload_s = time.monotonic() - t0
-            measured = measure(args, tmp, {"source": f"{tmp}/data"}, upload_s)
+            measured = measure(args, tmp, caches, {"source": f"{tmp}/data"})
         else:
             import logging
 
@@ -305,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                 upload(endpoint, args.items, args.size)
                 upload_s = time.monotonic() - t0
                 source = {"source": f"s3://{BUCKET}/tiny/", "storage_options": {"endpoint_url": endpoint}}
-                measured = measure(args, tmp, source, upload_s)
+                measured = measure(args, tmp, caches, source)
             finally:
                 server.stop()
     prefetch_s, latencies, par = measured
@@ -322,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         "item_bytes": args.size,
         "upload_seconds": round(upload_s, 1),
         "prefetch_seconds": round(prefetch_s, 1),
+        "cache_root": args.cache_root or "/tmp",
         "latencies": latencies,
         "parallel": par,
     }
@@ -333,20 +407,27 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.items} items of {args.size} B per pipeline, all prefetched before timing "
         f"({'written' if args.local else 'upload'} {result['upload_seconds']} s, "
-        f"prefetch of both pipelines {result['prefetch_seconds']} s)"
+        f"prefetch {result['prefetch_seconds']} s)"
     )
     print()
-    print(f"{'one client, Unix socket, keep-alive':<44} {'n':>6} {'p50 us':>9} {'p99 us':>9} {'mean us':>9}")
-    for label, row in latencies.items():
-        print(f"{label:<44} {row['n']:>6} {row['p50_us']:>9} {row['p99_us']:>9} {row['mean_us']:>9}")
-    print()
+    if latencies:
+        print(f"{'one client, Unix socket, keep-alive':<44} {'n':>6} {'p50 us':>9} {'p99 us':>9} {'mean us':>9}")
+        for label, row in latencies.items():
+            print(f"{label:<44} {row['n']:>6} {row['p50_us']:>9} {row['p99_us']:>9} {row['mean_us']:>9}")
+        print()
     for row in par:
         how = "one item per request (the iterator)" if row["batch"] == 1 else f"get_many({row['batch']}), acks with the next"
         print(
             f"{row['consumers']} consumer processes, {how}: {row['items']} items in {row['seconds']} s = "
-            f"{row['items_per_s']} items/s, daemon CPU {row['daemon_cpu_us_per_item']} us/item "
+            f"{row['items_per_s']} items/s, daemon CPU {row['daemon_cpu_us_per_item']} us/item, "
+            f"consumers' CPU {row['consumers_cpu_us_per_item']} us/item "
             f"(per consumer: {row['per_consumer']})"
         )
+        if "of_floor" in row:
+            print(
+                f"  deletion floor ({row['consumers']} plain threads deleting such items in {result['cache_root']}): "
+                f"{row['deletion_floor_items_per_s']} items/s; the batched hand-out is {row['of_floor']} of it"
+            )
     return 0
 
 

@@ -658,15 +658,30 @@ def test_unit_files_pass_systemd_analyze_verify(tmp_path):
     assert "/etc/cachepipe/%i.yaml" in (tmp_path / "cachepipe@train.service").read_text()
 
 
-def test_benchmark_quick_smoke(tmp_path):
+def _bench_service(cwd: Path, *args: str) -> str:
+    """Run ``benchmarks/bench_service.py`` with ``args``; its standard output."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_service.py"), "--quick"],
+        [sys.executable, str(ROOT / "benchmarks" / "bench_service.py"), *args],
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=tmp_path,
+        cwd=cwd,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "next+ack" in proc.stdout and "items/s" in proc.stdout and "bench_service.py" in proc.stdout
-    assert "one item per request" in proc.stdout and "get_many(64)" in proc.stdout
+    return proc.stdout
+
+
+def test_benchmark_quick_smoke(tmp_path):
+    out = _bench_service(tmp_path, "--quick")
+    assert "next+ack" in out and "items/s" in out and "bench_service.py" in out
+    assert "one item per request" in out and "get_many(64)" in out
+    assert "deletion floor (2 plain threads" in out
+
+
+def test_benchmark_batched_only_smoke(tmp_path):
+    report = json.loads(_bench_service(tmp_path, "--quick", "--batched-only", "--json"))
+    assert report["latencies"] == {}
+    (row,) = report["parallel"]
+    assert row["batch"] == 64 and row["items"] == 60 and row["items_per_s"] > 0
+    assert row["deletion_floor_items_per_s"] > 0 and row["of_floor"] > 0
