@@ -23,8 +23,7 @@ download time is excluded), it measures:
    the same shape, written and synced beforehand as the prefetched ones were, by ``--consumers``
    plain threads (the daemon deletes on the request thread of each consumer). No hand-out can
    run faster than its items are deleted, so the batched rate's ratio to it (``of_floor``) is
-   what the daemon's own work costs on top. On this VM's ext4 a one-file folder costs ~55 us of
-   kernel CPU to delete and the threads wait on the file system's journal besides; on tmpfs ~12.
+   what the daemon's own work costs on top (figures: benchmarks/README.md).
    ``--cache-root /dev/shm`` puts the daemon's caches (and the floor's folders) on tmpfs.
 
 Usage::

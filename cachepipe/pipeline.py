@@ -9,7 +9,7 @@ import os
 import threading
 import time
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -413,13 +413,13 @@ class Pipeline:
                 + ("smaller than the capacity" if listing.listed else "with objects")
             )
 
-    def _consume(self, seqs: Iterable[int]) -> None:
+    def _consume(self, seqs: Sequence[int]) -> None:
         """Steps are done (acknowledged, or failed and reported): move the resume point."""
         with self._plan_lock:
             before = self._frontier.position
             for seq in seqs:
                 self._inflight.pop(seq, None)
-                self._frontier.consume(seq)
+            self._frontier.consume(*seqs)
             after = self._frontier.position
         if after != before:
             self._cache.advance(after.epoch, after.index)

@@ -562,21 +562,26 @@ class Frontier:
         """
         return self._issued[seq]
 
-    def consume(self, seq: int) -> None:
-        """Mark step ``seq`` consumed (acknowledged); idempotent.
+    def consume(self, *seqs: int) -> None:
+        """Mark steps ``seqs`` consumed (acknowledged); idempotent. The position moves once per
+        call, past every step then consumed in a row (a batch of acks moves it once).
 
         Raises:
-            KeyError: ``seq`` was never issued.
+            KeyError: one of ``seqs`` was never issued; none is marked.
         """
-        if seq < self._low or seq in self._consumed:
-            return
-        if seq not in self._issued:
-            raise KeyError(f"sequence number {seq} was never issued")
-        self._consumed.add(seq)
-        while self._low in self._consumed:
-            self._consumed.discard(self._low)
-            self.position = self.plan.after(self._issued.pop(self._low))
-            self._low += 1
+        low, issued = self._low, self._issued
+        for seq in seqs:
+            if seq >= low and seq not in issued:
+                raise KeyError(f"sequence number {seq} was never issued")
+        self._consumed.update(seq for seq in seqs if seq >= low)
+        last = None
+        while low in self._consumed:
+            self._consumed.discard(low)
+            last = issued.pop(low)
+            low += 1
+        self._low = low
+        if last is not None:
+            self.position = self.plan.after(last)
 
     def state_dict(self) -> dict[str, Any]:
         """The plan's state at the first unconsumed step."""

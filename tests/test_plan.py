@@ -259,6 +259,22 @@ def test_bad_positions_are_refused():
     assert plan.normalise((0, 3)) == (1, 0)
 
 
+def test_frontier_moves_past_a_batch_of_steps_consumed_at_once():
+    plan = Plan([1] * 3, epochs=2, rank=0, world_size=1)
+    frontier = Frontier(plan)
+    seqs = [frontier.issue(s) for s in plan]
+    frontier.consume(seqs[0])
+    frontier.consume(seqs[2], seqs[0], seqs[1], seqs[5])  # a batch of acks, in any order, one consumed before
+    assert frontier.position == (1, 0)
+    with pytest.raises(KeyError):
+        frontier.consume(seqs[3], 99)  # one never issued: none of the batch is marked
+    assert frontier.position == (1, 0)
+    frontier.consume(seqs[4])
+    assert frontier.position == (1, 0)  # (1, 0) is still out
+    frontier.consume(seqs[3])
+    assert frontier.position == (2, 0)  # the end: (1, 2) was consumed in the batch before
+
+
 def test_frontier_is_the_first_unconsumed_step():
     plan = Plan([1] * 3, epochs=2, rank=0, world_size=1)
     frontier = Frontier(plan)

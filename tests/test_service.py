@@ -597,19 +597,24 @@ def test_marker_provenance_policy(tmp_path):
     item = tmp_path / "item1"
     item.mkdir()
     (item / ".done").touch()  # left by an earlier consumer (or unpacked with the item)
-    handouts = HandOuts()
-    handouts.record(item, "L2", ("a.bin",))
-    assert handouts.lease_for(item, "marker") == (None, "this .done was there before the item was handed out")
-    assert handouts.lease_for(item, "deleted") == ("L2", "")
+    handouts, path = HandOuts(), str(item)
+    handouts.record([(path, "L2", ("a.bin",))])
+    assert handouts.lease_for(path, "marker") == (None, "this .done was there before the item was handed out")
+    assert handouts.lease_for(path, "deleted") == ("L2", "")
     (item / "new").write_bytes(b"")
     os.replace(item / "new", item / ".done")  # this consumer's own marker (a new file, made while the old one existed)
-    assert handouts.lease_for(item, "marker") == ("L2", "")
-    handouts.record(item, "L3", ("a.bin", ".done"))
-    assert handouts.lease_for(item, "marker")[0] is None
-    handouts.forget(item, "L2")  # an older lease: the current hand-out stays
+    assert handouts.lease_for(path, "marker") == ("L2", "")
+    handouts.record([(path, "L3", ("a.bin", ".done"))])
+    assert handouts.lease_for(path, "marker")[0] is None
+    assert handouts.forget([(path, "L2")]) == []  # an older lease: the current hand-out stays
     assert len(handouts) == 1
+    assert handouts.under(tmp_path) == [path]
+    assert handouts.under(tmp_path / "item") == []  # a sibling folder whose name starts the same is not under it
     handouts.forget_under(tmp_path)
-    assert handouts.lease_for(item, "deleted") == (None, "not handed out")
+    assert handouts.lease_for(path, "deleted") == (None, "not handed out")
+    handouts.record([(path, "L4", ("a.bin",)), (f"{path}x", "L5", ("a.bin",))], look=False)
+    assert handouts.forget([(path, None), (f"{path}x", "L4"), ("/elsewhere", None)]) == [path]  # lease L5 stays
+    assert len(handouts) == 1
 
 
 def test_journal_log_format():

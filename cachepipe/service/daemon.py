@@ -241,7 +241,7 @@ class Daemon:
                 if entry.pipeline is not None:
                     self._markers.watch(entry.name, entry.root, entry.config.items)
                     for path in self._handouts.under(entry.root):
-                        self._markers.follow(entry.name, path)
+                        self._markers.follow(entry.name, Path(path))
         elif not enabled and self._markers is not None:
             markers, self._markers = self._markers, None
             markers.stop()
@@ -288,16 +288,20 @@ class Daemon:
         if acks:
             self.finish_many("ack", acks, pipeline=name)
         while True:
-            pipe = self._pipeline(name)
+            served, pipe = self._pipeline(name)
             self._count_waiting(name, +1)
             try:
                 items = pipe.get_many(count, timeout=max(deadline - time.monotonic(), 0.0))
                 markers = self._markers  # None: no marker to judge, the hand-out's marker is not looked up
-                for item in items:  # recorded (and watched) before the consumer learns the paths
-                    path = Path(os.path.abspath(item.path))
-                    self._handouts.record(path, item.lease, item.files, look=markers is not None)
-                    if markers is not None:
-                        markers.follow(name, path)
+                # recorded (and watched) before the consumer learns the paths: by the path an ack
+                # names them by (absolute and normal, see _checked), the cache's prefix and the name
+                paths = [served.prefix + item.name for item in items]
+                self._handouts.record(
+                    [(path, item.lease, item.files) for path, item in zip(paths, items, strict=True)], look=markers is not None
+                )
+                if markers is not None:
+                    for path in paths:
+                        markers.follow(name, Path(path))
                 return items
             except RuntimeError:
                 if not self._wait_replaced(name, pipe, deadline):
@@ -318,7 +322,11 @@ class Daemon:
         if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
             raise ValueError(f'{items!r}: expected a non-empty list of objects {{"path": ..., "lease": ...}}')
         checked = [self._checked(i.get("path"), i.get("lease")) for i in items]
-        owners = {self._owner(path).name for path, _lease in checked}
+        served = self._owner(checked[0][0])
+        if all(path.startswith(served.prefix) for path, _lease in checked):
+            owners = {served.name}
+        else:  # named, or an error for a path outside every cache
+            owners = {self._owner(path).name for path, _lease in checked}
         if pipeline is not None and owners != {pipeline}:
             others = ", ".join(repr(o) for o in sorted(owners - {pipeline}))
             raise ValueError(f"the acks sent with next of pipeline {pipeline!r} are items of pipeline {others}")
@@ -327,7 +335,6 @@ class Daemon:
         if verb != "ack" or len(items) == 1:
             done = [self.finish(verb, path, lease) for path, lease in checked]
             return done[0][0], [n for _p, n in done]
-        served = self._owner(checked[0][0])
         pipe = self._live(served)
         try:
             pipe.ack_many([(path, lease) if lease else path for path, lease in checked])
@@ -335,15 +342,17 @@ class Daemon:
             raise self._rebuilt_error("ack", "these items", served) from None
         except UnknownItemError as exc:
             raise self._explained(exc, served) from None
-        for path, lease in checked:
-            self._ended(Path(path), lease or None)
+        self._ended([(path, lease or None) for path, lease in checked])
         return served.name, [served.name_of(path) for path, _lease in checked]
 
-    def _ended(self, path: Path, lease: str | None) -> None:
-        """The hand-out of ``path`` (under ``lease``, if given) ended: forget it, stop watching it."""
+    def _ended(self, ended: list[tuple[str, str | None]]) -> None:
+        """The hand-outs of ``ended``, ``(absolute path, lease or None)`` each, ended: forget
+        them, stop watching them."""
+        gone = self._handouts.forget(ended)
         markers = self._markers
-        if self._handouts.forget(path, lease) and markers is not None:
-            markers.unfollow(path)
+        if markers is not None:
+            for path in gone:
+                markers.unfollow(Path(path))
 
     def _count_waiting(self, name: str, delta: int) -> None:
         with self._cond:
@@ -370,7 +379,7 @@ class Daemon:
         except UnknownItemError as exc:
             raise self._explained(exc, served) from None
         if verb != "renew":
-            self._ended(Path(item_path), lease or None)
+            self._ended([(item_path, lease or None)])
         return served.name, served.name_of(item_path)
 
     @staticmethod
@@ -412,7 +421,7 @@ class Daemon:
         if served is None or served.pipeline is None:
             return
         # Judged by provenance, not by what is true now: only the hand-out the marker was made for.
-        lease, why = self._handouts.lease_for(item, how)
+        lease, why = self._handouts.lease_for(str(item), how)
         try:
             if lease is None:
                 raise UnknownItemError(why)
@@ -423,11 +432,16 @@ class Daemon:
             return
         except RuntimeError:
             return  # the pipeline closed meanwhile (reload or stop)
-        self._ended(item, lease)
+        self._ended([(str(item), lease)])
         self.metrics.marker_acks.labels(name, how).inc()
         log.debug("%s: acknowledged %s (%s)", name, item, how)
 
-    def _pipeline(self, name: str) -> Pipeline:
+    def _pipeline(self, name: str) -> tuple[_Served, Pipeline]:
+        """The served pipeline ``name`` and its live :class:`Pipeline`.
+
+        Raises:
+            StoppingError, UnknownPipelineError, UnavailableError.
+        """
         with self._cond:
             if self._state != _RUNNING:
                 raise StoppingError("the daemon is shutting down" if self._state != _UNOPENED else "the daemon is starting")
@@ -436,7 +450,7 @@ class Daemon:
             raise UnknownPipelineError(f"no pipeline named {name!r}; this daemon serves: {', '.join(sorted(self._served))}")
         if served.pipeline is None:
             raise UnavailableError(f"pipeline {name!r} is down: {served.error}")
-        return served.pipeline
+        return served, served.pipeline
 
     def _wait_replaced(self, name: str, pipe: Pipeline, deadline: float) -> bool:
         """After ``pipe`` closed under a waiting request: wait until a reload replaced it."""

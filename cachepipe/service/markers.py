@@ -34,7 +34,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Literal, NamedTuple, cast
 
 from watchdog.utils import platform  # imported with this module: without the service extra, `serve` says so at once
 
@@ -106,8 +106,7 @@ def marker_identity(item: Path) -> MarkerId | None:
     return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
-@dataclasses.dataclass(frozen=True)
-class HandOut:
+class HandOut(NamedTuple):
     """What the daemon knew when it handed an item out.
 
     Attributes:
@@ -129,41 +128,49 @@ def marker_counts(handout: HandOut | None, now: MarkerId | None) -> bool:
 
 
 class HandOuts:
-    """The hand-outs of every served pipeline, by absolute item path (thread-safe).
+    """The hand-outs of every served pipeline, by item path (absolute and normal, a string),
+    thread-safe.
 
-    The daemon records one at each hand-out (:meth:`record`, before the consumer learns the
-    path), forgets it once the item is acknowledged or released, and asks :meth:`lease_for`
-    which lease a marker or deletion event acknowledges.
+    The daemon records a batch of them at each hand-out (:meth:`record`, before the consumer
+    learns the paths), forgets them once the items are acknowledged or released, and asks
+    :meth:`lease_for` which lease a marker or deletion event acknowledges. Paths are strings,
+    not :class:`~pathlib.Path` objects, and a batch is one lock round: the batched hand-out
+    pays for neither per item (benchmarks/README.md, ``bench_service.py``).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._by_path: dict[Path, HandOut] = {}
+        self._by_path: dict[str, HandOut] = {}
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._by_path)
 
-    def record(self, path: Path, lease: str, files: Iterable[str], look: bool = True) -> None:
-        """Item ``path`` (with ``files``, relative) was just handed out under ``lease``. With
-        ``look`` False (no marker watch: a file-system call saved per item), the ``.done`` there
-        at hand-out is not looked up: a watch started later by a reload counts any it sees."""
-        handout = HandOut(lease, MARKER in files, marker_identity(path) if look else None)
+    def record(self, handed: Iterable[tuple[str, str, Iterable[str]]], look: bool = True) -> None:
+        """Items were just handed out, each ``(path, lease, files)``: its path, the lease it went
+        out under and its files (relative). With ``look`` False (no marker watch: a file-system
+        call saved per item), the ``.done`` there at hand-out is not looked up: a watch started
+        later by a reload counts any it sees."""
+        new = {
+            path: HandOut(lease, MARKER in files, marker_identity(Path(path)) if look else None) for path, lease, files in handed
+        }
         with self._lock:
-            self._by_path[path] = handout
+            self._by_path.update(new)
 
-    def forget(self, path: Path, lease: str | None = None) -> bool:
-        """The hand-out of ``path`` ended (acknowledged or released); with ``lease``: only that
-        one. True if it was recorded (and is now forgotten)."""
+    def forget(self, ended: Iterable[tuple[str, str | None]]) -> list[str]:
+        """The hand-outs of ``ended``, ``(path, lease)`` each, ended (acknowledged or released);
+        with a lease, only that one. Returns the paths that were recorded (and are now forgotten)."""
+        gone = []
         with self._lock:
-            handout = self._by_path.get(path)
-            if handout is not None and (lease is None or handout.lease == lease):
-                del self._by_path[path]
-                return True
-            return False
+            for path, lease in ended:
+                handout = self._by_path.get(path)
+                if handout is not None and (lease is None or handout.lease == lease):
+                    del self._by_path[path]
+                    gone.append(path)
+        return gone
 
-    def under(self, root: Path) -> list[Path]:
-        """The items handed out from the cache directory ``root``."""
+    def under(self, root: Path) -> list[str]:
+        """The items handed out from the cache directory ``root`` (absolute and normal)."""
         with self._lock:
             return self._under(root)
 
@@ -173,10 +180,11 @@ class HandOuts:
             for path in self._under(root):
                 del self._by_path[path]
 
-    def _under(self, root: Path) -> list[Path]:
-        return [p for p in self._by_path if root in p.parents]
+    def _under(self, root: Path) -> list[str]:
+        prefix = str(root).rstrip("/") + "/"
+        return [p for p in self._by_path if p.startswith(prefix)]
 
-    def lease_for(self, item: Path, how: str) -> tuple[str | None, str]:
+    def lease_for(self, item: str, how: str) -> tuple[str | None, str]:
         """(the lease an event acknowledges, or None; why not, for the log).
 
         ``how`` is ``"marker"`` (judged by :func:`marker_counts` on the ``.done`` there now) or
@@ -190,7 +198,7 @@ class HandOuts:
             return handout.lease, ""
         if handout.shipped:
             return None, f"{MARKER} is one of the item's own files (ack it over the API or by deleting it)"
-        if marker_counts(handout, marker_identity(item)):
+        if marker_counts(handout, marker_identity(Path(item))):
             return handout.lease, ""
         return None, f"this {MARKER} was there before the item was handed out"
 
