@@ -150,6 +150,21 @@ def test_ack_evicts_at_once_and_bad_acks_are_rejected(s3_source, tmp_path):
         assert pipe.stats().items_acked == 1
 
 
+def test_a_cache_dir_through_dotdot_takes_acks_by_the_normal_path(tmp_path):
+    # The daemon names every acknowledged path by its normal form (os.path.abspath): the cache's
+    # own paths must be normal too, or no ack of a cache_dir written with ".." is recognised.
+    for name in ("a", "b"):
+        (tmp_path / "src" / name).mkdir(parents=True)
+        (tmp_path / "src" / name / "f").write_bytes(b"x" * 10)
+    (tmp_path / "x").mkdir()
+    with Pipeline(str(tmp_path / "src"), tmp_path / "x" / ".." / "c", capacity="1MiB", auto_ack=False) as pipe:
+        item = pipe.get(timeout=30)
+        assert item.path == tmp_path / "c" / "a"
+        pipe.ack(os.path.abspath(tmp_path / "x" / ".." / "c" / "a"))
+        assert not (tmp_path / "c" / "a").exists()
+        assert pipe.stats().items_acked == 1
+
+
 def test_auto_ack_evicts_previous_item_when_loop_asks_for_next(s3_source, tmp_path):
     s3_source.folders(3, {"f": 1000})
     with Pipeline(s3_source.url, tmp_path / "c", capacity="1MiB", storage_options=s3_source.options) as pipe:

@@ -66,7 +66,8 @@ class Cache:
     """
 
     def __init__(self, root: Path, capacity: int | Share) -> None:
-        self.root = Path(root).absolute()
+        # absolute and normal (".." taken lexically, as the daemon names the paths acked to it)
+        self.root = Path(os.path.abspath(root))
         self.state_dir = self.root / STATE_DIR
         self.staging_root = self.state_dir / "staging"
         self.catalog_path = self.state_dir / "catalog"
