@@ -132,6 +132,7 @@ class Cache:
             if self.staging_root.exists():
                 shutil.rmtree(self.staging_root)
             self.staging_root.mkdir()
+            self._eviction.open_deleters()
             usage = shutil.disk_usage(self.root)
             if isinstance(self._capacity_spec, Share):
                 self.ledger.capacity = int(usage.free * self._capacity_spec.fraction)
@@ -553,7 +554,9 @@ class Cache:
 
     def evict_many(self, acks: Sequence[tuple[str, int, int]]) -> None:
         """:meth:`evict` for each ``(name, epoch, tick)``, the acks journaled by one write: all
-        of them, or (on an error) none.
+        of them, or (on an error) none. Only a few threads delete their batches at once, as many as
+        suit the cache's file system (:func:`.eviction.deleters_for`); the others wait, their
+        acks journaled already.
 
         Raises:
             KeyError: a name is not a published item of this cache, or is given twice; nothing changed.
@@ -580,8 +583,9 @@ class Cache:
                 self._recovered.pop(name, None)
             if kept:
                 self._cond.notify_all()
-        for name, size in doomed:
-            self._delete(name, size)
+        with self._eviction.deleters:
+            for name, size in doomed:
+                self._delete(name, size)
 
     def shelve(self, name: str, epoch: int = 0, tick: int = 0) -> None:
         """A published item that its consumer moved away from before reading it, and that a later

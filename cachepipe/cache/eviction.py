@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -26,12 +27,59 @@ from pathlib import Path
 from ..removal import Reaper, delete_tree, rmtree, tree_bytes
 from .staging import Staging
 
-__all__ = ["REAP_MIN_BYTES", "Eviction"]
+__all__ = ["REAP_MIN_BYTES", "Eviction", "deleters_at", "deleters_for", "filesystem_type"]
 
 log = logging.getLogger("cachepipe.cache")
 
 REAP_MIN_BYTES = 1024 * 1024
 """Items at least this large are deleted by the reaper thread, off the consumer's path."""
+
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+"""File system types that keep files in memory only: deleting a file there never waits."""
+
+
+def deleters_for(fstype: str) -> int:
+    """How many threads may delete acknowledged items at once on a file system of type ``fstype``
+    (as ``/proc/self/mountinfo`` names it; "" if unknown): 2 on a memory file system, else 4.
+
+    Deleting a small item is a few short system calls with the interpreter's work between them,
+    and each call hands the interpreter's lock on: the daemon's eight request threads, all
+    deleting at once, spent their time handing it to each other. On tmpfs two at once ran the
+    daemon's batched hand-out fastest (one thread in the interpreter while the other is in the
+    kernel); on a disk, where a deletion can wait for the file system's journal, four
+    (benchmarks/README.md, "Deleters")."""
+    return 2 if fstype in MEMORY_FILESYSTEMS else 4
+
+
+_OCTAL = re.compile(r"\\([0-7]{3})")  # mountinfo writes a space in a path as \040
+
+
+def filesystem_type(path: str, mountinfo: str) -> str:
+    """The type of the file system mounted where ``path`` (absolute, links resolved) is, from the
+    text of ``/proc/self/mountinfo``: the longest mount point that holds it, the last mounted of
+    equals; "" if none does."""
+    longest, kind = -1, ""
+    for line in mountinfo.splitlines():
+        fields, _, tail = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) < 5 or not tail.split():
+            continue
+        point = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), parts[4])
+        under = path == point or path.startswith(point.rstrip("/") + "/")
+        if under and len(point) >= longest:
+            longest, kind = len(point), tail.split()[0]
+    return kind
+
+
+def deleters_at(root: str) -> int:
+    """:func:`deleters_for` the file system that holds the folder ``root`` (4 where the mounts
+    cannot be read)."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            mountinfo = f.read()
+    except OSError:
+        mountinfo = ""
+    return deleters_for(filesystem_type(os.path.realpath(root), mountinfo))
 
 
 class Eviction:
@@ -49,6 +97,13 @@ class Eviction:
         self._release = release
         self._reaper = Reaper(release)
         self.folders = threading.Lock()  # parent folders of nested items: made by publish, removed here
+        # held while a batch of acks is deleted: sized by open_deleters() for the file system
+        self.deleters = threading.BoundedSemaphore(deleters_for(""))
+
+    def open_deleters(self) -> None:
+        """Let as many threads delete at once as suit the file system that holds the cache
+        (:func:`deleters_at`); called by the cache's open, before any item is handed out."""
+        self.deleters = threading.BoundedSemaphore(deleters_at(self._root))
 
     def move_away(self, name: str) -> tuple[str, int]:
         """Free the path of item ``name``: rename it aside (or, if that fails, delete it in place).
