@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -96,6 +97,9 @@ MOUNTINFO = """\
 31 30 0:31 / /mnt/data/fast rw - tmpfs tmpfs rw
 32 30 0:32 / /mnt/data/fast rw - ramfs ramfs rw
 33 22 0:33 / /mnt/with\\040space rw - tmpfs tmpfs rw
+34 22 0:34 / /mnt/over/fast rw - tmpfs tmpfs rw
+35 22 0:35 / /mnt/over rw - xfs /dev/nvme1n1 rw
+36 22 0:36 / /mnt/nbsp\xa0x rw - tmpfs tmpfs rw
 """
 
 
@@ -109,10 +113,20 @@ MOUNTINFO = """\
         ("/mnt/database/cache", "ext4"),  # starts like /mnt/data, is not under it
         ("/mnt/data/fast/c", "ramfs"),  # mounted twice on one point: the last mount is the one seen
         ("/mnt/with space/c", "tmpfs"),
+        ("/mnt/nbsp\xa0x/c", "tmpfs"),  # fields are split at spaces only
+        ("/mnt/nbsp/c", "ext4"),
     ],
 )
 def test_the_file_system_of_a_path_is_its_longest_mount_point(path, fstype):
     assert filesystem_type(path, MOUNTINFO) == fstype
+
+
+def test_the_file_system_of_a_path_is_its_devices_mount_where_it_is_listed():
+    """/mnt/over was mounted over /mnt/over/fast: a path under both is on the later mount,
+    which only its device number tells (st_dev, "major:minor" in mountinfo)."""
+    assert filesystem_type("/mnt/over/fast/c", MOUNTINFO, "0:35") == "xfs"
+    assert filesystem_type("/mnt/over/fast/c", MOUNTINFO) == "tmpfs"  # by the mount point alone
+    assert filesystem_type("/mnt/data/c", MOUNTINFO, "9:99") == "xfs"  # a device not listed: by the mount point
 
 
 def test_two_deleters_on_memory_file_systems_and_four_elsewhere():
@@ -127,59 +141,108 @@ def test_only_a_few_threads_delete_acknowledged_items_at_once(where, tmp_path):
     only as many as suit the file system delete at once (:func:`deleters_for`: the daemon's
     batched hand-out ran 1.5-1.7 times as fast on tmpfs; benchmarks/README.md). A profile hook holds
     each thread in the ``rmdir`` that ends an item's deletion until one more than allowed is in
-    it, or 0.2 s passed: without the limit all eight meet there."""
+    it, or 0.5 s passed: without the limit all eight meet there."""
     from cachepipe.cache import Cache
     from cachepipe.catalog import Catalog
 
     root = tmp_path / "c" if where == "tmp_path" else Path(tempfile.mkdtemp(dir=where)) / "c"
-    allowed = deleters_at(str(root.parent))
-    catalog = Catalog(mode="folders")
-    for i in range(8):
-        catalog.add(f"i{i}", [("f", 10, None)])
-    cache = Cache(root, 1 << 20)
-    cache.open()
     inside = most = 0
     met = threading.Condition()
-
-    def hook(frame, event: str, arg: object) -> None:
-        nonlocal inside, most
-        if getattr(arg, "__name__", None) != "rmdir":
-            return
-        with met:
-            if event == "c_call":
-                inside += 1
-                most = max(most, inside)
-                met.notify_all()
-                met.wait_for(lambda: inside > allowed, timeout=0.2)
-            elif event in ("c_return", "c_exception"):
-                inside -= 1
-
     try:
-        cache.recover(catalog, resume=False)
-        for step, item in enumerate(catalog):
-            assert cache.acquire(item, step) is True
-            staged = cache.stage(item)
-            (staged / "f").write_bytes(b"x" * 10)
-            cache.publish(staged, item)
-        start = threading.Barrier(8)
+        allowed = deleters_at(str(root.parent))
+        catalog = Catalog(mode="folders")
+        for i in range(8):
+            catalog.add(f"i{i}", [("f", 10, None)])
+        cache = Cache(root, 1 << 20)
+        cache.open()
 
-        def ack(step: int) -> None:
-            start.wait()
-            cache.evict_many([(f"i{step}", 0, step)])
+        def hook(frame, event: str, arg: object) -> None:
+            nonlocal inside, most
+            if getattr(arg, "__name__", None) != "rmdir":
+                return
+            with met:
+                if event == "c_call":
+                    inside += 1
+                    most = max(most, inside)
+                    met.notify_all()
+                    met.wait_for(lambda: inside > allowed, timeout=0.5)
+                elif event in ("c_return", "c_exception"):
+                    inside -= 1
 
-        threading.setprofile(hook)
         try:
+            cache.recover(catalog, resume=False)
+            for step, item in enumerate(catalog):
+                assert cache.acquire(item, step) is True
+                staged = cache.stage(item)
+                (staged / "f").write_bytes(b"x" * 10)
+                cache.publish(staged, item)
+            start = threading.Barrier(8, timeout=30)
+
+            def ack(step: int) -> None:
+                sys.setprofile(hook)  # this thread's calls only
+                start.wait()
+                cache.evict_many([(f"i{step}", 0, step)])
+                sys.setprofile(None)
+
             threads = [threading.Thread(target=ack, args=(step,)) for step in range(8)]
             for thread in threads:
                 thread.start()
+            for thread in threads:
+                thread.join(timeout=60)
+            assert not any(thread.is_alive() for thread in threads)
+            assert most == allowed  # as many at once as allowed, never more
+            assert not cache.record.published
+            assert sorted(os.listdir(root)) == [".cachepipe"]
         finally:
-            threading.setprofile(None)  # type: ignore[arg-type]  # None clears it, as sys.setprofile's does
-        for thread in threads:
-            thread.join()
-        assert most == allowed  # as many at once as allowed, never more
-        assert not cache.record.published
-        assert sorted(os.listdir(root)) == [".cachepipe"]
+            cache.close()
     finally:
-        cache.close()
         if where != "tmp_path":
             shutil.rmtree(root.parent)
+
+
+def test_close_waits_for_the_deletion_of_items_acknowledged_before(tmp_path):
+    """A daemon's reload closes a pipeline while a request thread may still delete the items of
+    acks journaled before: their files must go while the cache is still owned, not under the
+    next owner's recovery. A profile hook holds the ack's ``rmdir`` until close has waited."""
+    from cachepipe.cache import Cache
+    from cachepipe.catalog import Catalog
+
+    catalog = Catalog(mode="folders")
+    catalog.add("i0", [("f", 10, None)])
+    root = tmp_path / "c"
+    cache = Cache(root, 1 << 20)
+    cache.open()
+    held, go = threading.Event(), threading.Event()
+
+    def hook(frame, event: str, arg: object) -> None:
+        if event == "c_call" and getattr(arg, "__name__", None) == "rmdir":
+            held.set()
+            go.wait(30)
+
+    def ack() -> None:
+        sys.setprofile(hook)
+        cache.evict_many([("i0", 0, 0)])
+        sys.setprofile(None)
+
+    cache.recover(catalog, resume=False)
+    item = catalog[0]
+    assert cache.acquire(item, 0) is True
+    staged = cache.stage(item)
+    (staged / "f").write_bytes(b"x" * 10)
+    cache.publish(staged, item)
+    acker, closer = threading.Thread(target=ack), threading.Thread(target=cache.close)
+    acker.start()
+    try:
+        assert held.wait(30)
+        closer.start()
+        closer.join(0.3)
+        assert closer.is_alive()  # waiting for the deletion
+    finally:
+        go.set()
+        acker.join(30)
+        if closer.ident is None:  # never started: close here
+            cache.close()
+        else:
+            closer.join(30)
+    assert not acker.is_alive() and not closer.is_alive()
+    assert not (root / "i0").exists()

@@ -91,6 +91,7 @@ class Cache:
         self._names: Sequence[str] = ()  # the policy's item i is _names[i]; found by _names.index()
         self._cond = threading.Condition()
         self._closed = False
+        self._acks_deleting = 0  # calls of evict_many deleting (or waiting to): close waits for them
 
     # ---- the ledger, read ------------------------------------------------------------
     @property
@@ -272,12 +273,15 @@ class Cache:
             self._cond.notify_all()
 
     def close(self, keep: bool = False) -> None:
-        """Interrupt waiters, delete staging and (unless ``keep``) published items; unlock.
+        """Interrupt waiters, wait for acks being deleted (by other threads), delete staging and
+        (unless ``keep``) published items; unlock.
 
         Kept items stay in the journal and are reused by the next owner. Call only once no
         thread writes into staging any more.
         """
         self.interrupt()
+        with self._cond:  # acks journaled before: their files go while the cache is still ours
+            self._cond.wait_for(lambda: not self._acks_deleting)
         self._eviction.stop()  # deletes what acks moved aside; from now on deletions run here
         if not self._lock.held:
             return
@@ -583,9 +587,17 @@ class Cache:
                 self._recovered.pop(name, None)
             if kept:
                 self._cond.notify_all()
-        with self._eviction.deleters:
-            for name, size in doomed:
-                self._delete(name, size)
+            if not doomed:
+                return
+            self._acks_deleting += 1
+        try:
+            with self._eviction.deleters:
+                for name, size in doomed:
+                    self._delete(name, size)
+        finally:
+            with self._cond:
+                self._acks_deleting -= 1
+                self._cond.notify_all()  # wakes close()
 
     def shelve(self, name: str, epoch: int = 0, tick: int = 0) -> None:
         """A published item that its consumer moved away from before reading it, and that a later

@@ -43,31 +43,34 @@ def deleters_for(fstype: str) -> int:
     (as ``/proc/self/mountinfo`` names it; "" if unknown): 2 on a memory file system, else 4.
 
     Deleting a small item is a few short system calls with the interpreter's work between them,
-    and each call hands the interpreter's lock on: the daemon's eight request threads, all
-    deleting at once, spent their time handing it to each other. On tmpfs two at once ran the
-    daemon's batched hand-out fastest (one thread in the interpreter while the other is in the
-    kernel); on a disk, where a deletion can wait for the file system's journal, four
-    (benchmarks/README.md, "Deleters")."""
+    and each call hands the interpreter's lock on: the daemon's request threads (one per
+    consumer connection; eight in the benchmark), all deleting at once, spent their time
+    handing it to each other. On tmpfs two at once ran the daemon's batched hand-out fastest
+    (one thread in the interpreter while the other is in the kernel); on a disk, where a
+    deletion can wait for the file system's journal, four (benchmarks/README.md, "Deleters")."""
     return 2 if fstype in MEMORY_FILESYSTEMS else 4
 
 
 _OCTAL = re.compile(r"\\([0-7]{3})")  # mountinfo writes a space in a path as \040
 
 
-def filesystem_type(path: str, mountinfo: str) -> str:
-    """The type of the file system mounted where ``path`` (absolute, links resolved) is, from the
-    text of ``/proc/self/mountinfo``: the longest mount point that holds it, the last mounted of
-    equals; "" if none does."""
+def filesystem_type(path: str, mountinfo: str, device: str = "") -> str:
+    """The type of the file system that holds ``path`` (absolute, links resolved), from the text
+    of ``/proc/self/mountinfo``: the mount of ``device`` (``"major:minor"`` of the path's
+    ``st_dev``) if one is listed, else the longest mount point that holds the path (the last
+    mounted of equals); "" if none does."""
     longest, kind = -1, ""
-    for line in mountinfo.splitlines():
+    for line in mountinfo.split("\n"):
         fields, _, tail = line.partition(" - ")
-        parts = fields.split()
-        if len(parts) < 5 or not tail.split():
+        parts, types = fields.split(" "), tail.split(" ")
+        if len(parts) < 5 or not types[0]:
             continue
+        if device and parts[2] == device:
+            return types[0]
         point = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), parts[4])
         under = path == point or path.startswith(point.rstrip("/") + "/")
         if under and len(point) >= longest:
-            longest, kind = len(point), tail.split()[0]
+            longest, kind = len(point), types[0]
     return kind
 
 
@@ -77,9 +80,10 @@ def deleters_at(root: str) -> int:
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
             mountinfo = f.read()
+        dev = os.stat(root).st_dev
     except OSError:
-        mountinfo = ""
-    return deleters_for(filesystem_type(os.path.realpath(root), mountinfo))
+        return deleters_for("")
+    return deleters_for(filesystem_type(os.path.realpath(root), mountinfo, f"{os.major(dev)}:{os.minor(dev)}"))
 
 
 class Eviction:
