@@ -597,7 +597,8 @@ class Cache:
         finally:
             with self._cond:
                 self._acks_deleting -= 1
-                self._cond.notify_all()  # wakes close()
+                if self._closed and not self._acks_deleting:
+                    self._cond.notify_all()  # wakes close() (only then: reserve()'s waiters have nothing new)
 
     def shelve(self, name: str, epoch: int = 0, tick: int = 0) -> None:
         """A published item that its consumer moved away from before reading it, and that a later
