@@ -10,7 +10,8 @@ download time is excluded), it measures:
 1. round trips from one client (:class:`cachepipe.client.Client`, one keep-alive connection):
    ``next`` then ``ack`` as two requests, ``--round-trips`` times; then ``next`` carrying the
    previous item's ack (what ``for item in Client(...)`` does), for the rest of the items.
-   Reported as p50/p99/mean in microseconds per item.
+   Before them, ``--shell`` items taken as a shell loop does: ``cachepipe next`` then
+   ``cachepipe ack``, a process each. Reported as p50/p99/mean in microseconds per item.
 2. items/s sustained by ``--consumers`` consumer processes in parallel until a pipeline is
    exhausted, twice: each iterating ``Client("par")`` (auto-ack: one item per request, each ack
    carried by the next), then each taking ``--batch`` items per request from pipeline ``batch``
@@ -119,6 +120,21 @@ def percentiles(samples_ns: list[int]) -> dict[str, float]:
         "p99_us": round(us[min(len(us) - 1, int(len(us) * 0.99))], 1),
         "mean_us": round(statistics.fmean(us), 1),
     }
+
+
+def shell_round_trips(sock: str, count: int) -> dict[str, float]:
+    """What a shell loop pays per item: ``cachepipe next`` then ``cachepipe ack``, a process each
+    (``python -m cachepipe``: the console script's imports), ``count`` items of pipeline ``rt``."""
+    cli = [sys.executable, "-m", "cachepipe"]
+    samples: list[int] = []
+    for _ in range(count):
+        t0 = time.perf_counter_ns()
+        taken = subprocess.run(
+            [*cli, "next", "--socket", sock, "--pipeline", "rt", "--timeout", "30"], capture_output=True, text=True, check=True
+        )
+        subprocess.run([*cli, "ack", taken.stdout.strip(), "--socket", sock], capture_output=True, check=True)
+        samples.append(time.perf_counter_ns() - t0)
+    return percentiles(samples)
 
 
 def round_trips(sock: str, count: int) -> dict[str, dict[str, float]]:
@@ -300,7 +316,9 @@ def measure(args: argparse.Namespace, tmp: str, caches: str, source: dict[str, A
     with DaemonProcess(Path(tmp, "cachepipe.yaml")) as daemon, Client("batch", sock) as probe:
         prefetch_s = wait_ready(probe, args.items, timeout=600)
         if not args.batched_only:
+            shell = shell_round_trips(sock, args.shell)
             latencies = round_trips(sock, args.round_trips)
+            latencies["shell: cachepipe next, cachepipe ack"] = shell
             par.append(parallel(sock, args.consumers, args.items, "par", 1, daemon.pid))
         par.append(parallel(sock, args.consumers, args.items, "batch", args.batch, daemon.pid))
         code = daemon.stop()
@@ -321,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--items", type=int, default=2000, help="items per pipeline (default 2000)")
     parser.add_argument("--size", type=int, default=1024, help="bytes per item (default 1024)")
     parser.add_argument("--round-trips", type=int, default=1000, help="next+ack round trips (default 1000)")
+    parser.add_argument(
+        "--shell", type=int, default=20, help="items taken by `cachepipe next` and `cachepipe ack` processes (default 20)"
+    )
     parser.add_argument("--consumers", type=int, default=8, help="parallel consumer processes (default 8)")
     parser.add_argument("--batch", type=int, default=64, help="items per request in the batched run (default 64)")
     parser.add_argument(
@@ -347,9 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     if args.quick:
-        args.items, args.round_trips, args.consumers = 60, 30, 2
-    if args.round_trips + WARMUP + 2 > args.items:
-        parser.error("--items must exceed --round-trips by at least 22")
+        args.items, args.round_trips, args.consumers, args.shell = 60, 30, 2, 3
+    if args.shell + args.round_trips + WARMUP + 2 > args.items:
+        parser.error(f"--items must exceed --round-trips and --shell together by at least {WARMUP + 2}")
     if args.cache_root and not os.path.isdir(args.cache_root):
         parser.error(f"--cache-root {args.cache_root!r} is not a folder")
 

@@ -40,7 +40,6 @@ from typing import Any
 
 from . import __version__
 from .client import DEFAULT_STARTUP_TIMEOUT
-from .config import format_size
 from .errors import UnknownItemError
 
 __all__ = ["EXIT_CONFIG", "EXIT_END", "EXIT_REFUSED", "EXIT_TIMEOUT", "main"]
@@ -180,6 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _index(args: argparse.Namespace) -> int:
     """``cachepipe index``: list, write the manifest, print what it holds."""
+    from .config import format_size
     from .manifest import index
 
     try:
@@ -235,6 +235,8 @@ def _print_shipped(unit: str | None) -> int:
 
 def format_status(info: dict[str, Any]) -> str:
     """The readable table of ``cachepipe status``."""
+    from .config import format_size  # imports pydantic: not on the path of `next` and `ack`
+
     head = ("PIPELINE", "STATE", "READY", "LEASED", "HANDED", "ACKED", "REDELIVERED", "FAILED", "CACHED", "CAPACITY", "SOURCE")
     rows = [head]
     for name, p in sorted(info.get("pipelines", {}).items()):

@@ -64,10 +64,15 @@ reaches the function and fails. ``python -m cachepipe.map`` runs the command lin
 
 from __future__ import annotations
 
-from .job import OutputTooLargeError
-from .plan import WORK_DIR, MapConfig, MapItem, plan_items
-from .result import MapFailure, MapResult
-from .run import map_items
+from typing import TYPE_CHECKING
+
+from .._lazy import attach
+
+if TYPE_CHECKING:
+    from .job import OutputTooLargeError
+    from .plan import WORK_DIR, MapConfig, MapItem, plan_items
+    from .result import MapFailure, MapResult
+    from .run import map_items
 
 __all__ = [
     "WORK_DIR",
@@ -79,3 +84,21 @@ __all__ = [
     "map_items",
     "plan_items",
 ]
+
+# Imported on first use: `import cachepipe` loads this package (see cachepipe/__init__.py), and
+# the `cachepipe` command builds its `map` options without importing the pipeline.
+__getattr__, __dir__ = attach(
+    __name__,
+    {
+        "OutputTooLargeError": (".job", "OutputTooLargeError"),
+        "WORK_DIR": (".plan", "WORK_DIR"),
+        "MapConfig": (".plan", "MapConfig"),
+        "MapItem": (".plan", "MapItem"),
+        "plan_items": (".plan", "plan_items"),
+        "MapFailure": (".result", "MapFailure"),
+        "MapResult": (".result", "MapResult"),
+        "map_items": (".run", "map_items"),
+    },
+    globals(),
+)
+del TYPE_CHECKING, attach  # not names of this package

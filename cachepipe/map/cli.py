@@ -12,7 +12,6 @@ from typing import Any
 
 from ..errors import CachePipeError, ConfigError
 from .result import format_plan, format_summary
-from .run import map_items
 
 __all__ = ["add_map_parser", "main", "run_map_command"]
 
@@ -156,6 +155,8 @@ def _option(text: str) -> tuple[str, Any]:
 
 def run_map_command(args: argparse.Namespace) -> int:
     """Run ``cachepipe map`` from parsed arguments; print the summary; return the exit status."""
+    from .run import map_items  # the pipeline: imported by the command that runs it, not by `cachepipe --help`
+
     rest = list(args.cmd or [])
     if "--" in rest:  # argparse hands everything after SRC DST here: options, then '--', then CMD
         cut = rest.index("--")
