@@ -449,7 +449,7 @@ def child_main(spec: dict[str, Any]) -> None:
     """Run one measurement and print its result as one JSON line on stdout."""
     import s3fs  # noqa: F401  (imported before the clock starts)
 
-    import cachepipe  # noqa: F401
+    from cachepipe import Pipeline  # noqa: F401  (the same: cachepipe imports its public names on first use)
 
     def expire(signum: int, frame: object) -> None:
         raise ChildTimeout

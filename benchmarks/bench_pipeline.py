@@ -496,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     import s3fs
 
     import cachepipe
+    from cachepipe import Pipeline  # noqa: F401  (the same: cachepipe imports its public names on first use)
 
     cases = [c for c in build_cases(args) if c.name in args.cases]
     for case in cases:
