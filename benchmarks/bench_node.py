@@ -68,6 +68,7 @@ import contextlib
 import importlib.metadata
 import logging
 import multiprocessing
+import os
 import resource
 import shutil
 import signal
@@ -542,7 +543,12 @@ def offline_minimum(case: Case, method: str, room: int, args: argparse.Namespace
 
 def state_budget(endpoint: str, case: Case, node: bool, work: Path, args: argparse.Namespace) -> int:
     """Bytes a cache of this listing reserves for its own state (journal): measured by opening a
-    probe pipeline (directly against the server, not counted) and reading its cache's limit."""
+    probe pipeline (directly against the server, not counted) and reading its cache's limit.
+
+    The state files counted include the owner's lock file (``"pid host"``): the caches measured
+    are owned by other processes (the daemon, the consumers), whose pids may have more digits
+    than this one's, so the budget allows for the longest pid (else a share that should fit
+    misses by a byte, and an item is downloaded twice)."""
     from cachepipe import Pipeline
     from cachepipe.node import NodePipeline
 
@@ -563,7 +569,15 @@ def state_budget(endpoint: str, case: Case, node: bool, work: Path, args: argpar
     with pipe:
         budget = capacity - pipe._cache.limit  # noqa: SLF001 - the limit OversizeError checks; not in Stats
     shutil.rmtree(cache_dir, ignore_errors=True)
-    return budget
+    return budget + _longest_pid_digits() - len(str(os.getpid()))
+
+
+def _longest_pid_digits() -> int:
+    """Digits of the largest pid this system hands out (7 if /proc does not say: Linux's limit 4194304)."""
+    try:
+        return len(str(int(Path("/proc/sys/kernel/pid_max").read_text()) - 1))
+    except (OSError, ValueError):
+        return 7
 
 
 # ---- measurements ----------------------------------------------------------------------
