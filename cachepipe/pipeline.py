@@ -53,7 +53,7 @@ class CachedItem(PathItem):
             lease expired cannot evict the item from under the next one.
     """
 
-    __slots__ = ("_gone", "files", "lease", "name", "path", "size")
+    __slots__ = ("_first", "_gone", "files", "lease", "name", "path", "size")
 
     def __init__(self, path: Path, item: Item, lease: str = "") -> None:
         self.path = path
@@ -62,6 +62,7 @@ class CachedItem(PathItem):
         self.files = tuple(f.rel for f in item.files)
         self.lease = lease
         self._gone: str | None = None  # why its files are gone, once they are
+        self._first = False  # its first hand-out since this pipeline downloaded it (Cache.first_hand_out)
 
     def __fspath__(self) -> str:
         self._check()
@@ -584,6 +585,8 @@ class Pipeline:
                 self._skip_or_raise(got)
                 continue
             items = [CachedItem(lease.value, self._inflight[lease.seq], lease.id) for lease in got]
+            for item in items:
+                item._first = self._cache.first_hand_out(item.name)  # noqa: SLF001 - the pipeline notes its items' history
             with self._counts_lock:
                 self._counts["handed"] += len(items)
                 for item in items:

@@ -349,6 +349,23 @@ def test_keep_on_close_items_are_reused_by_the_next_owner(s3_source, tmp_path):
     assert os.listdir(cache) == [".cachepipe"]
 
 
+def test_only_an_items_first_hand_out_since_its_download_is_marked_first(s3_source, tmp_path):
+    # The daemon's marker watch skips the look for a stale .done only on such a hand-out
+    # (Cache.first_hand_out): a released, redelivered or recovered item may hold a consumer's marker.
+    s3_source.folders(2, {"f": 1000})
+    cache = tmp_path / "c"
+    options = {"storage_options": s3_source.options, "keep_on_close": True, "auto_ack": False}
+    with Pipeline(s3_source.url, cache, "1MiB", **options) as pipe:
+        item = pipe.get(timeout=30)
+        assert item._first
+        pipe.release(item)
+        again = pipe.get(timeout=30)
+        assert again.name == item.name and not again._first
+        wait_until(lambda: pipe.stats().items_ready == 1)  # the other one, on disk and not handed out
+    with Pipeline(s3_source.url, cache, "1MiB", **options) as pipe:  # both recovered from the first owner
+        assert [i._first for i in pipe.get_many(2, timeout=30)] == [False, False]
+
+
 def test_foreign_files_count_and_are_never_deleted(s3_source, tmp_path):
     s3_source.folders(5, {"f": 1000})
     cache = tmp_path / "c"

@@ -247,6 +247,32 @@ def test_done_file_shipped_in_the_dataset_never_acks_an_item_under_its_lease(
         assert "cachepipe_marker_acks_total{" not in client.metrics()  # no marker acknowledged anything
 
 
+def test_a_marker_left_in_a_released_item_does_not_ack_its_next_hand_out(s3_source, s3_endpoint, tmp_path, short_dir):
+    # The daemon looks for a .done at hand-out only where one can be: not on an item's first
+    # hand-out since its download (nobody has had its path), but on every later one. A consumer
+    # releases an item and then leaves a .done in it: the next hand-out must not count that
+    # marker (an event on it that changes nothing is judged and ignored), and the new consumer's
+    # own marker still acknowledges.
+    s3_source.folders(2, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}})
+    with DaemonProcess(config) as daemon, Client("train", sock, auto_ack=False) as client:
+        item = client.get(timeout=30)
+        client.release(item)
+        (item.path / ".done").touch()  # made after the release: the item is not handed out, nothing watches it
+        again = client.get(timeout=30)  # a released item goes out again first
+        assert again.name == item.name and again.lease != item.lease
+        with open(again.path / ".done", "ab"):  # opened for writing and closed: an event, the same marker
+            pass
+        wait_until(lambda: f"marker of {again.path} ignored" in daemon.log(), what="the daemon to judge the old marker")
+        assert again.path.exists(), "the marker left before this hand-out acknowledged it"
+        client.renew(again)  # still leased to us
+        (again.path / "new").write_bytes(b"")
+        os.replace(again.path / "new", again.path / ".done")  # this consumer's own marker
+        wait_until(lambda: stats(client)["items_acked"] == 1, what="the new marker to ack")
+        assert not again.path.exists()
+
+
 def raw_request(sock_path: Path, data: bytes, timeout: float = 10.0) -> tuple[int, dict]:
     """Send ``data`` as is on a new connection; (status, JSON body) of the answer."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -598,13 +624,13 @@ def test_marker_provenance_policy(tmp_path):
     item.mkdir()
     (item / ".done").touch()  # left by an earlier consumer (or unpacked with the item)
     handouts, path = HandOuts(), str(item)
-    handouts.record([(path, "L2", ("a.bin",))])
+    handouts.record([(path, "L2", ("a.bin",), True)])
     assert handouts.lease_for(path, "marker") == (None, "this .done was there before the item was handed out")
     assert handouts.lease_for(path, "deleted") == ("L2", "")
     (item / "new").write_bytes(b"")
     os.replace(item / "new", item / ".done")  # this consumer's own marker (a new file, made while the old one existed)
     assert handouts.lease_for(path, "marker") == ("L2", "")
-    handouts.record([(path, "L3", ("a.bin", ".done"))])
+    handouts.record([(path, "L3", ("a.bin", ".done"), True)])
     assert handouts.lease_for(path, "marker")[0] is None
     assert handouts.forget([(path, "L2")]) == []  # an older lease: the current hand-out stays
     assert len(handouts) == 1
@@ -612,7 +638,7 @@ def test_marker_provenance_policy(tmp_path):
     assert handouts.under(tmp_path / "item") == []  # a sibling folder whose name starts the same is not under it
     handouts.forget_under(tmp_path)
     assert handouts.lease_for(path, "deleted") == (None, "not handed out")
-    handouts.record([(path, "L4", ("a.bin",)), (f"{path}x", "L5", ("a.bin",))], look=False)
+    handouts.record([(path, "L4", ("a.bin",), False), (f"{path}x", "L5", ("a.bin",), False)])
     assert handouts.forget([(path, None), (f"{path}x", "L4"), ("/elsewhere", None)]) == [path]  # lease L5 stays
     assert len(handouts) == 1
 

@@ -87,6 +87,9 @@ class Cache:
         # directly under it (None: the item is one file; empty: more than 4, or some deeper, so
         # the folder is listed to delete it)
         self._small: dict[str, tuple[str, ...] | None] = {}
+        # items this owner published (downloaded) and has not handed out yet: nobody has had their
+        # path, so no consumer can have left a marker in them (see first_hand_out)
+        self._fresh: set[str] = set()
         self._policy: RetentionPolicy | None = None  # retain="auto": which acked items stay
         self._names: Sequence[str] = ()  # the policy's item i is _names[i]; found by _names.index()
         self._cond = threading.Condition()
@@ -533,8 +536,20 @@ class Cache:
                 self.record.published_as(item.name, size)
                 if item.size < REAP_MIN_BYTES:
                     self._small[item.name] = None if item.is_file else _flat_names(item)
+                self._fresh.add(item.name)
                 got.append(Path(final))
         return got
+
+    def first_hand_out(self, name: str) -> bool:
+        """Whether this is the first hand-out of published item ``name`` since this owner
+        downloaded it: True once, False after (and for items recovered at open, or kept by
+        retention after an ack). The daemon's marker watch looks for a stale ``.done`` only in
+        the others (:mod:`cachepipe.service.markers`)."""
+        try:
+            self._fresh.remove(name)  # one atomic step: a name is handed out to one consumer at a time
+        except KeyError:
+            return False
+        return True
 
     def discard(self, staged: Path, size: int, name: str) -> None:
         """Delete a staging area, release its reservation and the claim on ``name``. Bytes that
@@ -643,6 +658,7 @@ class Cache:
         aside, left = ("", 0) if in_place else self._eviction.move_away(name)
         with self._cond:
             self._small.pop(name, None)
+            self._fresh.discard(name)
             self._claimed.discard(name)
             self.ledger.reaping_started(size)
             if left:

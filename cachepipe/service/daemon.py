@@ -296,8 +296,13 @@ class Daemon:
                 # recorded (and watched) before the consumer learns the paths: by the path an ack
                 # names them by (absolute and normal, see _checked), the cache's prefix and the name
                 paths = [served.prefix + item.name for item in items]
+                # a marker at hand-out is looked up only where one can be: not in an item on its first
+                # hand-out since its download (nobody has had its path), one lstat saved per item
                 self._handouts.record(
-                    [(path, item.lease, item.files) for path, item in zip(paths, items, strict=True)], look=markers is not None
+                    [
+                        (path, item.lease, item.files, markers is not None and not item._first)  # noqa: SLF001
+                        for path, item in zip(paths, items, strict=True)
+                    ]
                 )
                 if markers is not None:
                     for path in paths:

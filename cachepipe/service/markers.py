@@ -146,13 +146,15 @@ class HandOuts:
         with self._lock:
             return len(self._by_path)
 
-    def record(self, handed: Iterable[tuple[str, str, Iterable[str]]], look: bool = True) -> None:
-        """Items were just handed out, each ``(path, lease, files)``: its path, the lease it went
-        out under and its files (relative). With ``look`` False (no marker watch: a file-system
-        call saved per item), the ``.done`` there at hand-out is not looked up: a watch started
-        later by a reload counts any it sees."""
+    def record(self, handed: Iterable[tuple[str, str, Iterable[str], bool]]) -> None:
+        """Items were just handed out, each ``(path, lease, files, look)``: its path, the lease it
+        went out under, its files (relative), and whether to look up the ``.done`` there now.
+        Without a look (no marker watch, or the item's first hand-out since its download: nobody
+        has had its path; a file-system call saved per item) no ``.done`` counts as there before:
+        a watch started later by a reload counts any it sees."""
         new = {
-            path: HandOut(lease, MARKER in files, marker_identity(Path(path)) if look else None) for path, lease, files in handed
+            path: HandOut(lease, MARKER in files, marker_identity(Path(path)) if look else None)
+            for path, lease, files, look in handed
         }
         with self._lock:
             self._by_path.update(new)
