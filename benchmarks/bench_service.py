@@ -130,9 +130,13 @@ def shell_round_trips(sock: str, count: int) -> dict[str, float]:
     for _ in range(count):
         t0 = time.perf_counter_ns()
         taken = subprocess.run(
-            [*cli, "next", "--socket", sock, "--pipeline", "rt", "--timeout", "30"], capture_output=True, text=True, check=True
+            [*cli, "next", "--socket", sock, "--pipeline", "rt", "--timeout", "30"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
         )
-        subprocess.run([*cli, "ack", taken.stdout.strip(), "--socket", sock], capture_output=True, check=True)
+        subprocess.run([*cli, "ack", taken.stdout.strip(), "--socket", sock], capture_output=True, check=True, timeout=60)
         samples.append(time.perf_counter_ns() - t0)
     return percentiles(samples)
 
@@ -369,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.items, args.round_trips, args.consumers, args.shell = 60, 30, 2, 3
+    if args.shell < 1:
+        parser.error(f"--shell {args.shell}: expected a number of items >= 1")
     if args.shell + args.round_trips + WARMUP + 2 > args.items:
         parser.error(f"--items must exceed --round-trips and --shell together by at least {WARMUP + 2}")
     if args.cache_root and not os.path.isdir(args.cache_root):

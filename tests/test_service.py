@@ -711,6 +711,18 @@ def test_benchmark_quick_smoke(tmp_path):
     assert "deletion floor (2 plain threads" in out
 
 
+def test_benchmark_refuses_a_shell_count_below_one(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_service.py"), "--shell", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 2 and "--shell 0: expected a number of items >= 1" in proc.stderr, proc.stderr
+
+
 def test_benchmark_batched_only_smoke(tmp_path):
     report = json.loads(_bench_service(tmp_path, "--quick", "--batched-only", "--json"))
     assert report["latencies"] == {}
