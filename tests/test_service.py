@@ -539,15 +539,19 @@ def listening_tcp_ports(pid: int) -> list[tuple[str, int]]:
 
 # ---- pieces without a daemon --------------------------------------------------------------
 def test_marker_policy():
-    root = Path("/cache")
-    assert acked_by(root, "/cache/item1/.done", "created", False, "folders") == (root / "item1", "marker")
-    assert acked_by(root, "/cache/item1", "deleted", True, "folders") == (root / "item1", "deleted")
+    root = "/cache"
+    assert acked_by(root, "/cache/item1/.done", "created", False, "folders") == ("/cache/item1", "marker")
+    assert acked_by(root, "/cache/item1", "deleted", True, "folders") == ("/cache/item1", "deleted")
+    assert acked_by("/cache/", "/cache/item1", "deleted", True, "folders") == ("/cache/item1", "deleted")
     assert acked_by(root, "/cache/item1/sub/.done", "created", False, "folders") is None
     assert acked_by(root, "/cache/item1/a.bin", "deleted", False, "folders") is None
     assert acked_by(root, "/cache/.cachepipe/staging/3/.done", "created", False, "folders") is None
     assert acked_by(root, "/cache/.cachepipe", "deleted", True, "folders") is None
     assert acked_by(root, "/elsewhere/item1/.done", "created", False, "folders") is None
-    assert acked_by(root, "/cache/a/b.tar", "deleted", False, "files") == (root / "a/b.tar", "deleted")
+    assert acked_by(root, "/cache-2/item1/.done", "created", False, "folders") is None  # a sibling, not under it
+    assert acked_by(root, "/cache", "deleted", True, "folders") is None  # the cache directory itself
+    assert acked_by(root, "/cache/../item1", "deleted", True, "folders") is None
+    assert acked_by(root, "/cache/a/b.tar", "deleted", False, "files") == ("/cache/a/b.tar", "deleted")
     assert acked_by(root, "/cache/a/b.tar.done", "created", False, "files") is None  # files: deletion only
 
 
@@ -555,16 +559,16 @@ def test_marker_watcher_sees_what_acknowledges_a_handed_out_item_and_nothing_els
     # MarkerWatcher alone, on real files: what each watch reports, for both item kinds.
     from cachepipe.service.markers import MarkerWatcher
 
-    got: list[tuple[str, Path, str]] = []
+    got: list[tuple[str, str, str]] = []
     seen = threading.Condition()
 
-    def on_ack(name: str, item: Path, how: str) -> None:  # as the daemon: the hand-out ends
+    def on_ack(name: str, item: str, how: str) -> None:  # as the daemon: the hand-out ends
         watcher.unfollow(item)
         with seen:
             got.append((name, item, how))
             seen.notify_all()
 
-    def next_ack() -> tuple[str, Path, str]:
+    def next_ack() -> tuple[str, str, str]:
         with seen:
             assert seen.wait_for(lambda: got, timeout=10), "no acknowledgement within 10 s"
             return got.pop(0)
@@ -581,29 +585,29 @@ def test_marker_watcher_sees_what_acknowledges_a_handed_out_item_and_nothing_els
         watcher.watch("f", folders, "folders")
         watcher.watch("s", files, "files")
         for name in ("a", "b", "c"):
-            watcher.follow("f", folders / name)
+            watcher.follow("f", str(folders / name))
         for name in ("top.tar", "sub/x.tar"):
-            watcher.follow("s", files / name)
+            watcher.follow("s", str(files / name))
 
         (folders / "held" / ".done").write_bytes(b"")  # not handed out: no acknowledgement
         shutil.rmtree(folders / "held")
         (files / "sub" / "y.tar").unlink()
         (folders / "a" / "tmp").write_bytes(b"")
         os.rename(folders / "a" / "tmp", folders / "a" / ".done")  # a marker moved into place
-        assert next_ack()[1:] == (folders / "a", "marker")  # (its closed tmp file was not a .done)
+        assert next_ack()[1:] == (str(folders / "a"), "marker")  # (its closed tmp file was not a .done)
         os.rename(folders / "b", tmp_path / "b-away")  # moved out of the cache: deleted
-        assert next_ack()[1:] == (folders / "b", "deleted")
+        assert next_ack()[1:] == (str(folders / "b"), "deleted")
         (files / "top.tar").unlink()
-        assert next_ack() == ("s", files / "top.tar", "deleted")
+        assert next_ack() == ("s", str(files / "top.tar"), "deleted")
         (files / "sub" / "x.tar").unlink()
-        assert next_ack() == ("s", files / "sub" / "x.tar", "deleted")
+        assert next_ack() == ("s", str(files / "sub" / "x.tar"), "deleted")
 
-        watcher.unfollow(folders / "c")  # its hand-out ended: its marker is not watched any more
+        watcher.unfollow(str(folders / "c"))  # its hand-out ended: its marker is not watched any more
         (folders / "c" / ".done").write_bytes(b"")
-        watcher.follow("f", folders / "a")
+        watcher.follow("f", str(folders / "a"))
         (folders / "a" / ".done").unlink()
         (folders / "a" / ".done").write_bytes(b"")  # a watched item after an unwatched one's marker
-        assert next_ack()[1:] == (folders / "a", "marker")
+        assert next_ack()[1:] == (str(folders / "a"), "marker")
         with seen:
             assert not got, got
     finally:

@@ -241,7 +241,7 @@ class Daemon:
                 if entry.pipeline is not None:
                     self._markers.watch(entry.name, entry.root, entry.config.items)
                     for path in self._handouts.under(entry.root):
-                        self._markers.follow(entry.name, Path(path))
+                        self._markers.follow(entry.name, path)
         elif not enabled and self._markers is not None:
             markers, self._markers = self._markers, None
             markers.stop()
@@ -306,7 +306,7 @@ class Daemon:
                 )
                 if markers is not None:
                     for path in paths:
-                        markers.follow(name, Path(path))
+                        markers.follow(name, path)
                 return items
             except RuntimeError:
                 if not self._wait_replaced(name, pipe, deadline):
@@ -357,7 +357,7 @@ class Daemon:
         markers = self._markers
         if markers is not None:
             for path in gone:
-                markers.unfollow(Path(path))
+                markers.unfollow(path)
 
     def _count_waiting(self, name: str, delta: int) -> None:
         with self._cond:
@@ -420,13 +420,13 @@ class Daemon:
             "handed out before it (those items are delivered again)"
         )
 
-    def _marker_ack(self, name: str, item: Path, how: str) -> None:
+    def _marker_ack(self, name: str, item: str, how: str) -> None:
         with self._cond:
             served = self._served.get(name)
         if served is None or served.pipeline is None:
             return
         # Judged by provenance, not by what is true now: only the hand-out the marker was made for.
-        lease, why = self._handouts.lease_for(str(item), how)
+        lease, why = self._handouts.lease_for(item, how)
         try:
             if lease is None:
                 raise UnknownItemError(why)
@@ -437,7 +437,7 @@ class Daemon:
             return
         except RuntimeError:
             return  # the pipeline closed meanwhile (reload or stop)
-        self._ended([(str(item), lease)])
+        self._ended([(item, lease)])
         self.metrics.marker_acks.labels(name, how).inc()
         log.debug("%s: acknowledged %s (%s)", name, item, how)
 

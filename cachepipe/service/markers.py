@@ -33,7 +33,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NamedTuple, cast
 
 from watchdog.utils import platform  # imported with this module: without the service extra, `serve` says so at once
@@ -65,8 +65,13 @@ marker's acknowledgement), unless a read returned at least ``_LONG_READ`` events
 _LONG_READ = 256
 
 
-def acked_by(root: Path, path: str, kind: Kind, is_directory: bool, items: str) -> tuple[Path, str] | None:
+def acked_by(root: str, path: str, kind: Kind, is_directory: bool, items: str) -> tuple[str, str] | None:
     """The item a filesystem event acknowledges, as ``(item path, "marker" | "deleted")``, or None.
+
+    Paths are strings (absolute and normal; an event's path is its watched folder's and the name
+    inotify reports): the watcher judges an event for every deletion in a cache directory, and
+    :mod:`pathlib` would cost the daemon more per item than the rest of the judging
+    (``benchmarks/README.md``).
 
     Args:
         root: the cache directory.
@@ -76,31 +81,30 @@ def acked_by(root: Path, path: str, kind: Kind, is_directory: bool, items: str) 
         is_directory: whether ``path`` is a directory.
         items: the pipeline's ``items`` setting, ``"folders"`` or ``"files"``.
     """
-    try:
-        rel = PurePosixPath(Path(path).relative_to(root).as_posix())
-    except ValueError:
+    prefix = root.rstrip("/") + "/"
+    if not path.startswith(prefix):
         return None
-    parts = rel.parts
-    if not parts or parts[0] == STATE_DIR or ".." in parts:
+    parts = path[len(prefix) :].split("/")
+    if parts[0] == STATE_DIR or any(part in ("", ".", "..") for part in parts):
         return None
     if items == "folders":
         if kind == "created" and not is_directory and len(parts) == 2 and parts[1] == MARKER:
-            return root / parts[0], "marker"
+            return prefix + parts[0], "marker"
         if kind == "deleted" and is_directory and len(parts) == 1:
-            return root / parts[0], "deleted"
+            return path, "deleted"
         return None
     if kind == "deleted" and not is_directory:
-        return root.joinpath(*parts), "deleted"
+        return path, "deleted"
     return None
 
 
 MarkerId = tuple[int, int, int]  # (st_dev, st_ino, st_ctime_ns) of a marker file
 
 
-def marker_identity(item: Path) -> MarkerId | None:
+def marker_identity(item: str | os.PathLike[str]) -> MarkerId | None:
     """Which ``<item>/.done`` exists now (device, inode, change time), or None if none does."""
     try:
-        st = os.lstat(item / MARKER)
+        st = os.lstat(f"{os.fspath(item)}/{MARKER}")
     except (FileNotFoundError, NotADirectoryError):
         return None
     return st.st_dev, st.st_ino, st.st_ctime_ns
@@ -153,8 +157,7 @@ class HandOuts:
         has had its path; a file-system call saved per item) no ``.done`` counts as there before:
         a watch started later by a reload counts any it sees."""
         new = {
-            path: HandOut(lease, MARKER in files, marker_identity(Path(path)) if look else None)
-            for path, lease, files, look in handed
+            path: HandOut(lease, MARKER in files, marker_identity(path) if look else None) for path, lease, files, look in handed
         }
         with self._lock:
             self._by_path.update(new)
@@ -200,7 +203,7 @@ class HandOuts:
             return handout.lease, ""
         if handout.shipped:
             return None, f"{MARKER} is one of the item's own files (ack it over the API or by deleting it)"
-        if marker_counts(handout, marker_identity(Path(item))):
+        if marker_counts(handout, marker_identity(item)):
             return handout.lease, ""
         return None, f"this {MARKER} was there before the item was handed out"
 
@@ -208,14 +211,14 @@ class HandOuts:
 class _Events:
     """The events of one inotify watch of a :class:`MarkerWatcher` (called in its thread)."""
 
-    def __init__(self, watcher: MarkerWatcher, served: _Watched, directory: Path) -> None:
-        self.watcher, self.served, self.directory = watcher, served, directory
+    def __init__(self, watcher: MarkerWatcher, served: _Watched, directory: str) -> None:
+        self.watcher, self.served, self.directory = watcher, served, directory + "/"
 
     def on_event(self, event: InotifyEvent) -> None:
         if not event.name or not event.mask & _ANY:
             return
         kind: Kind = "created" if event.mask & _MADE else "deleted"
-        self.watcher.judge(self.served, self.directory / os.fsdecode(event.name), kind, event.is_directory)
+        self.watcher.judge(self.served, self.directory + os.fsdecode(event.name), kind, event.is_directory)
 
     def on_watch_deleted(self, wd: WatchDescriptor) -> None:
         """The watched folder is gone (deleted, or its file system unmounted): nothing to do."""
@@ -229,7 +232,7 @@ class _Watched:
     """A watched cache directory: its pipeline, its ``items`` setting, its own watch."""
 
     name: str
-    root: Path
+    root: str  # absolute and normal
     items: str
     wd: WatchDescriptor
     id: CallbackId
@@ -250,7 +253,7 @@ class MarkerWatcher:
             event that acknowledges an item (``how``: ``"marker"`` or ``"deleted"``).
     """
 
-    def __init__(self, on_ack: Callable[[str, Path, str], None]) -> None:
+    def __init__(self, on_ack: Callable[[str, str, str], None]) -> None:
         self._on_ack = on_ack
         self._inotify: InotifyFD | None = None
         self._lock = threading.Lock()  # _served, _followed; taken before InotifyFD's own lock, never after
@@ -258,7 +261,9 @@ class MarkerWatcher:
         self._served: dict[str, _Watched] = {}  # by pipeline name
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
-        self._followed: dict[Path, tuple[str, WatchDescriptor | None, CallbackId]] = {}  # item -> pipeline, its watch
+        # item path (a string, as every path here: hashing a Path was a quarter of the daemon's
+        # CPU per item with markers on) -> pipeline, its watch
+        self._followed: dict[str, tuple[str, WatchDescriptor | None, CallbackId]] = {}
 
     def start(self) -> None:
         """Start the watcher's thread.
@@ -304,7 +309,7 @@ class MarkerWatcher:
             raise RuntimeError("MarkerWatcher used before start() or after stop()")
         return self._inotify
 
-    def watch(self, name: str, root: Path, items: str) -> None:
+    def watch(self, name: str, root: str | os.PathLike[str], items: str) -> None:
         """Watch ``root`` (which must exist) for pipeline ``name``; replaces an earlier watch.
 
         Raises:
@@ -312,11 +317,11 @@ class MarkerWatcher:
         """
         self.unwatch(name)
         inotify = self._require()
-        root = Path(os.path.abspath(root))
+        top = os.path.abspath(root)
         with self._lock:
             id_ = cast("CallbackId", next(self._ids))
-            served = _Watched(name, root, items, cast("WatchDescriptor", -1), id_)
-            served.wd = inotify.add_callback(os.fsencode(root), cast("Mask", _GONE), _Events(self, served, root), id_)
+            served = _Watched(name, top, items, cast("WatchDescriptor", -1), id_)
+            served.wd = inotify.add_callback(os.fsencode(top), cast("Mask", _GONE), _Events(self, served, top), id_)
             self._served[name] = served
 
     def unwatch(self, name: str) -> None:
@@ -329,15 +334,15 @@ class MarkerWatcher:
             self._followed = {path: got for path, got in self._followed.items() if got[0] != name}
             self._inotify.remove_callbacks([(served.wd, served.id), *ended])
 
-    def follow(self, name: str, item: Path) -> None:
-        """Item ``item`` (absolute) of pipeline ``name`` was just handed out: watch what can
+    def follow(self, name: str, item: str) -> None:
+        """Item ``item`` (its absolute, normal path) of pipeline ``name`` was just handed out: watch what can
         acknowledge it, before the consumer learns its path. A watch that cannot be added (the
         watch limit) is logged: the item is then acknowledged over the API or by its lease."""
         with self._lock:
             served = self._served.get(name)
             if served is None or item in self._followed or self._inotify is None:
                 return
-            folder = item if served.items == "folders" else item.parent
+            folder = item if served.items == "folders" else os.path.dirname(item)
             if folder == served.root:  # a top-level file: the root's watch sees it go
                 self._followed[item] = (name, None, cast("CallbackId", 0))
                 return
@@ -350,17 +355,17 @@ class MarkerWatcher:
                 return
             self._followed[item] = (name, wd, id_)
 
-    def unfollow(self, item: Path) -> None:
+    def unfollow(self, item: str) -> None:
         """The hand-out of ``item`` ended (acknowledged or released): stop watching it."""
         with self._lock:
             got = self._followed.pop(item, None)
             if got is not None and got[1] is not None and self._inotify is not None:
                 self._inotify.remove_callbacks([(got[1], got[2])])
 
-    def judge(self, served: _Watched, path: Path, kind: Kind, is_directory: bool) -> None:
+    def judge(self, served: _Watched, path: str, kind: Kind, is_directory: bool) -> None:
         """An event at ``path`` in a watched folder of ``served``: acknowledge the item it
         names (:func:`acked_by`) if that item is handed out and the event is still true."""
-        hit = acked_by(served.root, os.fspath(path), kind, is_directory, served.items)
+        hit = acked_by(served.root, path, kind, is_directory, served.items)
         if hit is None:
             return
         item, how = hit
@@ -368,7 +373,7 @@ class MarkerWatcher:
             if self._followed.get(item, ("",))[0] != served.name:
                 return  # not handed out (our own evictions): no file-system call
         # Act only on what is still true: a stale event must not ack a later hand-out.
-        if how == "marker" and not os.path.lexists(item / MARKER):
+        if how == "marker" and not os.path.lexists(f"{item}/{MARKER}"):
             return
         if how == "deleted" and os.path.lexists(item):
             return
