@@ -35,6 +35,7 @@ Usage::
     .venv/bin/python benchmarks/bench_service.py --local --no-markers --items 20000   # items from a local folder
     .venv/bin/python benchmarks/bench_service.py --local --no-markers --items 20000 --cache-root /dev/shm  # caches on tmpfs
     .venv/bin/python benchmarks/bench_service.py --local --no-markers --items 20000 --batched-only  # get_many alone
+    .venv/bin/python benchmarks/bench_service.py --local --items 20000 --batched-only --api-acks  # Client(markers=False)
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ WARMUP = 20
 CONSUMER = r"""
 import json, sys, time
 from cachepipe.client import Client
-pipeline, batch = sys.argv[2], int(sys.argv[3])
-client = Client(pipeline=pipeline, socket=sys.argv[1], timeout=120).open()
+pipeline, batch, markers = sys.argv[2], int(sys.argv[3]), sys.argv[4] == "markers"
+client = Client(pipeline=pipeline, socket=sys.argv[1], timeout=120, **({} if markers else {"markers": False})).open()
 client.status()  # connected before the start signal
 print("ready", flush=True)
 sys.stdin.readline()
@@ -222,13 +223,20 @@ def _daemon_cpu(pid: int) -> float:
     return seconds
 
 
-def parallel(sock: str, consumers: int, items: int, pipeline: str, batch: int, daemon_pid: int) -> dict[str, Any]:
+def parallel(
+    sock: str, consumers: int, items: int, pipeline: str, batch: int, daemon_pid: int, markers: bool = True
+) -> dict[str, Any]:
     """``consumers`` processes exhaust ``pipeline``, each taking one item per request (``batch``
     1: the iterator, each ack carried by the next request) or up to ``batch`` (``get_many``,
-    each batch acknowledged by the next request); with the daemon's CPU seconds meanwhile."""
+    each batch acknowledged by the next request); with the daemon's CPU seconds meanwhile.
+    ``markers=False``: the consumers are ``Client(markers=False)`` (their items not watched)."""
+    how = "markers" if markers else "api-acks"
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", CONSUMER, sock, pipeline, str(batch)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", CONSUMER, sock, pipeline, str(batch), how],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         for _ in range(consumers)
     ]
@@ -323,8 +331,8 @@ def measure(args: argparse.Namespace, tmp: str, caches: str, source: dict[str, A
             shell = shell_round_trips(sock, args.shell)
             latencies = round_trips(sock, args.round_trips)
             latencies["shell: cachepipe next, cachepipe ack"] = shell
-            par.append(parallel(sock, args.consumers, args.items, "par", 1, daemon.pid))
-        par.append(parallel(sock, args.consumers, args.items, "batch", args.batch, daemon.pid))
+            par.append(parallel(sock, args.consumers, args.items, "par", 1, daemon.pid, not args.api_acks))
+        par.append(parallel(sock, args.consumers, args.items, "batch", args.batch, daemon.pid, not args.api_acks))
         code = daemon.stop()
         if code != 0:
             raise RuntimeError(f"the daemon exited with {code}:\n{daemon.log()}")
@@ -350,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64, help="items per request in the batched run (default 64)")
     parser.add_argument(
         "--no-markers", action="store_true", help="run the daemon with markers: false (no inotify watch of the caches)"
+    )
+    parser.add_argument(
+        "--api-acks",
+        action="store_true",
+        help="the consumer processes are Client(markers=False): they acknowledge over the API, and the daemon "
+        "does not watch their items for a .done",
     )
     parser.add_argument(
         "--local",

@@ -174,6 +174,12 @@ class Client:
         auto_ack: in ``for item in client``, acknowledge each item when the loop asks for the
             next (default True); an item the loop stopped inside is released.
         request_timeout: seconds to wait for any other answer (status, ack...).
+        markers: False when this client (and whatever it gives the paths to) acknowledges
+            items only over the API (as the iterator does) or by deleting them: the daemon then
+            does not watch the items it takes for a ``.done`` marker, and a ``.done`` made in
+            them is ignored. With the daemon's default ``markers: true``, each watch costs it about
+            a third of its work per item in a batched hand-out (``docs/performance.md``). Default
+            True: every item can be acknowledged by a marker.
         startup_timeout: seconds to keep trying while the daemon is not there to answer: its
             socket is missing or refuses connections (it is starting, or restarting), or it
             answers that it is stopping. Default 10; 0: fail at once. Only requests that
@@ -190,7 +196,11 @@ class Client:
         auto_ack: bool = True,
         request_timeout: float = 30.0,
         startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+        markers: bool = True,
     ) -> None:
+        if not isinstance(markers, bool):
+            raise TypeError(f"markers {markers!r}: expected True (a .done acknowledges an item) or False (acks over the API)")
+        self.markers = markers
         if isinstance(startup_timeout, bool) or not isinstance(startup_timeout, (int, float)) or not startup_timeout >= 0:
             raise ValueError(f"startup_timeout {startup_timeout!r}: expected a number of seconds >= 0 (0: do not wait)")
         self.startup_timeout = float(startup_timeout)
@@ -334,7 +344,7 @@ class Client:
         acking = extra is not None and bool(extra.get("ack") or extra.get("acks"))
         while True:
             wait = _SLICE if deadline is None else min(max(deadline - time.monotonic(), 0.0), _SLICE)
-            body: dict[str, Any] = {"timeout": wait, **(extra or {})}
+            body: dict[str, Any] = {"timeout": wait, **(extra or {}), **({} if self.markers else {"markers": False})}
             # A next carrying an ack is sent once: were it sent again, the ack could be refused
             # (or apply twice); without one, asking again changes nothing.
             status, data = self._request("POST", route, body, wait + _MARGIN, retry=not acking)

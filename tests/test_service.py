@@ -223,6 +223,35 @@ def test_the_marker_watch_is_the_cache_directory_and_the_items_handed_out(s3_sou
         wait_until(lambda: inotify_watches(daemon.pid) == 1, what="the acknowledged item's watch to end")
 
 
+def test_a_client_that_acks_over_the_api_has_its_items_not_watched_for_markers(s3_source, s3_endpoint, tmp_path, short_dir):
+    # Client(markers=False): the daemon adds no watch for the items it hands that client (each
+    # watch was about a third of its work per item), so a .done made in them acknowledges
+    # nothing; deleting one still does (the cache directory's watch), and API acks work as ever.
+    s3_source.folders(4, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}})
+    with (
+        DaemonProcess(config) as daemon,
+        Client("train", sock, auto_ack=False, markers=False) as unwatched,
+        Client("train", sock, auto_ack=False) as watched,
+    ):
+        wait_until(lambda: stats(unwatched)["items_ready"] == 4, what="every item to be downloaded")
+        first, second = unwatched.get_many(2, timeout=30)
+        assert inotify_watches(daemon.pid) == 1  # the cache directory's alone
+        (first / ".done").touch()
+        third = watched.get(timeout=30)
+        assert inotify_watches(daemon.pid) == 2
+        (third / ".done").touch()  # its event comes after first's, from the same inotify queue
+        wait_until(lambda: not third.path.exists(), what="the watched item's marker to ack")
+        assert first.path.exists() and stats(unwatched)["items_acked"] == 1  # first's .done was not seen
+        shutil.rmtree(second)  # deleting an item acknowledges it whoever took it
+        wait_until(lambda: stats(unwatched)["items_acked"] == 2, what="the deletion to ack")
+        unwatched.ack(first)
+        assert stats(unwatched)["items_acked"] == 3
+    with pytest.raises(TypeError, match=r"markers 'no': expected True \(a \.done acknowledges an item\) or False"):
+        Client("train", sock, markers="no")  # type: ignore[arg-type]
+
+
 def test_done_file_shipped_in_the_dataset_never_acks_an_item_under_its_lease(
     s3_source, s3_client, s3_endpoint, tmp_path, short_dir
 ):
@@ -343,6 +372,10 @@ def test_malformed_requests_are_400_with_the_reason(s3_source, s3_endpoint, tmp_
             assert status == 400 and "Content-Length given 2 times" in body["message"], body
         status, body = raw_request(sock, b"POST /v1/pipelines/train/next HTTP/1.1\r\nHost: x\r\nContent-Length: +2\r\n\r\n{}")
         assert status == 400 and body["message"] == "Content-Length '+2': expected a number of bytes", body
+        status, body = raw_request(
+            sock, b'POST /v1/pipelines/train/next HTTP/1.1\r\nHost: x\r\nContent-Length: 17\r\n\r\n{"markers": "no"}'
+        )
+        assert status == 400 and body["message"].startswith("'markers' 'no': expected true (the default"), body
         status, body = raw_request(
             sock, b"GET /v1/health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 60_000 + b"\r\nX-Big2: " + b"a" * 60_000 + b"\r\n\r\n"
         )
@@ -728,8 +761,8 @@ def test_benchmark_refuses_a_shell_count_below_one(tmp_path):
 
 
 def test_benchmark_batched_only_smoke(tmp_path):
-    report = json.loads(_bench_service(tmp_path, "--quick", "--batched-only", "--json"))
-    assert report["latencies"] == {}
+    report = json.loads(_bench_service(tmp_path, "--quick", "--batched-only", "--api-acks", "--json"))
+    assert report["latencies"] == {} and "--api-acks" in report["command"]
     (row,) = report["parallel"]
     assert row["batch"] == 64 and row["items"] == 60 and row["items_per_s"] > 0
     assert row["deletion_floor_items_per_s"] > 0 and row["of_floor"] > 0

@@ -306,7 +306,13 @@ class _Handler(BaseHTTPRequestHandler):
             raise BadRequest(f'\'acks\' {acks!r}: expected a list of objects {{"path": ..., "lease": ...}}')
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_BATCH):
             raise BadRequest(f"'count' {count!r}: expected an integer from 1 to {MAX_BATCH}")
-        items = daemon.take_many(name, timeout, count or 1, [*([ack] if ack else []), *(acks or [])])
+        markers = body.get("markers", True)
+        if not isinstance(markers, bool):
+            raise BadRequest(
+                f"'markers' {markers!r}: expected true (the default: a .done made in the items acknowledges them) or "
+                "false (this consumer acknowledges over the API or by deleting the item: the items are not watched)"
+            )
+        items = daemon.take_many(name, timeout, count or 1, [*([ack] if ack else []), *(acks or [])], markers)
         if not items:
             return self._reply(204)
         try:

@@ -272,12 +272,15 @@ class Daemon:
         return result
 
     # ---- operations (called from API handler threads) --------------------------------
-    def take_many(self, name: str, timeout: float | None, count: int, acks: list[Any] | None = None) -> list[CachedItem]:
+    def take_many(
+        self, name: str, timeout: float | None, count: int, acks: list[Any] | None = None, markers: bool = True
+    ) -> list[CachedItem]:
         """Acknowledge ``acks`` (``{"path", "lease"}`` objects of items of pipeline ``name``, all or
         none: see :meth:`finish_many`), then lease up to ``count`` items of it (see
         :meth:`cachepipe.Pipeline.get_many`). Blocks up to ``timeout`` seconds for the first
         (capped by ``max_wait``); a pipeline rebuilt by a reload meanwhile is waited for. Empty:
-        every item was delivered.
+        every item was delivered. ``markers=False``: the consumer acknowledges over the API (or
+        by deleting the item), and a ``.done`` made in these items is not watched for.
 
         Raises:
             UnknownPipelineError, UnavailableError, UnknownItemError (an ack), TimeoutError,
@@ -292,7 +295,8 @@ class Daemon:
             self._count_waiting(name, +1)
             try:
                 items = pipe.get_many(count, timeout=max(deadline - time.monotonic(), 0.0))
-                markers = self._markers  # None: no marker to judge, the hand-out's marker is not looked up
+                watcher = self._markers  # None: no marker watch (markers: false)
+                watch = watcher if markers else None  # None: no marker to judge, none looked up at hand-out
                 # recorded (and watched) before the consumer learns the paths: by the path an ack
                 # names them by (absolute and normal, see _checked), the cache's prefix and the name
                 paths = [served.prefix + item.name for item in items]
@@ -300,13 +304,13 @@ class Daemon:
                 # hand-out since its download (nobody has had its path), one lstat saved per item
                 self._handouts.record(
                     [
-                        (path, item.lease, item.files, markers is not None and not item._first)  # noqa: SLF001
+                        (path, item.lease, item.files, watch is not None and not item._first)  # noqa: SLF001
                         for path, item in zip(paths, items, strict=True)
                     ]
                 )
-                if markers is not None:
+                if watcher is not None:  # a deletion acknowledges an item either way
                     for path in paths:
-                        markers.follow(name, path)
+                        watcher.follow(name, path, markers=markers)
                 return items
             except RuntimeError:
                 if not self._wait_replaced(name, pipe, deadline):

@@ -334,16 +334,18 @@ class MarkerWatcher:
             self._followed = {path: got for path, got in self._followed.items() if got[0] != name}
             self._inotify.remove_callbacks([(served.wd, served.id), *ended])
 
-    def follow(self, name: str, item: str) -> None:
+    def follow(self, name: str, item: str, markers: bool = True) -> None:
         """Item ``item`` (its absolute, normal path) of pipeline ``name`` was just handed out: watch what can
         acknowledge it, before the consumer learns its path. A watch that cannot be added (the
-        watch limit) is logged: the item is then acknowledged over the API or by its lease."""
+        watch limit) is logged: the item is then acknowledged over the API or by its lease.
+        ``markers=False`` (its consumer acknowledges over the API): no watch of its own, only the
+        cache directory's (it sees a folder item, or a top-level file, deleted)."""
         with self._lock:
             served = self._served.get(name)
             if served is None or item in self._followed or self._inotify is None:
                 return
             folder = item if served.items == "folders" else os.path.dirname(item)
-            if folder == served.root:  # a top-level file: the root's watch sees it go
+            if folder == served.root or not markers:  # the root's watch sees it go (a folder, a top-level file)
                 self._followed[item] = (name, None, cast("CallbackId", 0))
                 return
             id_ = cast("CallbackId", next(self._ids))
