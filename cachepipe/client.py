@@ -177,9 +177,10 @@ class Client:
         markers: False when this client (and whatever it gives the paths to) acknowledges
             items only over the API (as the iterator does) or by deleting them: the daemon then
             does not watch the items it takes for a ``.done`` marker, and a ``.done`` made in
-            them is ignored. With the daemon's default ``markers: true``, each watch costs it about
-            a third of its work per item in a batched hand-out (``docs/performance.md``). Default
-            True: every item can be acknowledged by a marker.
+            them is ignored (deleting them still acknowledges them). With the daemon's default
+            ``markers: true``, each watch costs it about half of its work per item in a batched
+            hand-out (``docs/performance.md``). Default True: every item can be acknowledged by
+            a marker.
         startup_timeout: seconds to keep trying while the daemon is not there to answer: its
             socket is missing or refuses connections (it is starting, or restarting), or it
             answers that it is stopping. Default 10; 0: fail at once. Only requests that

@@ -225,31 +225,62 @@ def test_the_marker_watch_is_the_cache_directory_and_the_items_handed_out(s3_sou
 
 def test_a_client_that_acks_over_the_api_has_its_items_not_watched_for_markers(s3_source, s3_endpoint, tmp_path, short_dir):
     # Client(markers=False): the daemon adds no watch for the items it hands that client (each
-    # watch was about a third of its work per item), so a .done made in them acknowledges
+    # watch was about half of its work per item), so a .done made in them acknowledges
     # nothing; deleting one still does (the cache directory's watch), and API acks work as ever.
     s3_source.folders(4, FILES)
     sock = short_dir / "api.sock"
-    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}})
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}, "shards": {"items": "files"}})
     with (
         DaemonProcess(config) as daemon,
         Client("train", sock, auto_ack=False, markers=False) as unwatched,
         Client("train", sock, auto_ack=False) as watched,
+        Client("shards", sock, auto_ack=False, markers=False) as shards,
     ):
         wait_until(lambda: stats(unwatched)["items_ready"] == 4, what="every item to be downloaded")
         first, second = unwatched.get_many(2, timeout=30)
-        assert inotify_watches(daemon.pid) == 1  # the cache directory's alone
+        assert inotify_watches(daemon.pid) == 2  # the cache directories' alone
         (first / ".done").touch()
         third = watched.get(timeout=30)
-        assert inotify_watches(daemon.pid) == 2
-        (third / ".done").touch()  # its event comes after first's, from the same inotify queue
+        assert inotify_watches(daemon.pid) == 3
+        (third / ".done").touch()  # had first been watched, its event would have come first
         wait_until(lambda: not third.path.exists(), what="the watched item's marker to ack")
         assert first.path.exists() and stats(unwatched)["items_acked"] == 1  # first's .done was not seen
         shutil.rmtree(second)  # deleting an item acknowledges it whoever took it
         wait_until(lambda: stats(unwatched)["items_acked"] == 2, what="the deletion to ack")
         unwatched.ack(first)
         assert stats(unwatched)["items_acked"] == 3
+        shard = shards.get(timeout=30)  # a single-file item in a subfolder: that folder is watched as ever
+        assert shard.name == "item000/a.bin" and inotify_watches(daemon.pid) == 3
+        shard.path.unlink()
+        wait_until(lambda: stats(shards, "shards")["items_acked"] == 1, what="the file deletion to ack")
     with pytest.raises(TypeError, match=r"markers 'no': expected True \(a \.done acknowledges an item\) or False"):
         Client("train", sock, markers="no")  # type: ignore[arg-type]
+
+
+def test_an_item_handed_out_again_after_its_lease_expired_is_watched_as_its_new_consumer_asks(
+    s3_source, s3_endpoint, tmp_path, short_dir
+):
+    # Nothing ends a hand-out whose lease expired but the item's next hand-out: the watch (or its
+    # absence) must follow the new consumer's choice, not the old one's.
+    s3_source.folders(1, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {"lease_timeout": 1}})
+    with (
+        DaemonProcess(config) as daemon,
+        Client("train", sock, auto_ack=False, markers=False) as unwatched,
+        Client("train", sock, auto_ack=False) as watched,
+    ):
+        first = unwatched.get(timeout=30)
+        assert inotify_watches(daemon.pid) == 1
+        again = watched.get(timeout=30)  # the same item, once the first lease expired
+        assert again.name == first.name and again.lease != first.lease
+        assert inotify_watches(daemon.pid) == 2
+        third = unwatched.get(timeout=30)  # and back
+        assert third.name == first.name and third.lease != again.lease
+        assert inotify_watches(daemon.pid) == 1
+        fourth = watched.get(timeout=30)
+        (fourth / ".done").touch()
+        wait_until(lambda: stats(watched)["items_acked"] == 1, what="the .done marker to ack")
 
 
 def test_done_file_shipped_in_the_dataset_never_acks_an_item_under_its_lease(
@@ -585,6 +616,7 @@ def test_marker_policy():
     assert acked_by(root, "/cache", "deleted", True, "folders") is None  # the cache directory itself
     assert acked_by(root, "/cache/../item1", "deleted", True, "folders") is None
     assert acked_by(root, "/cache/a/b.tar", "deleted", False, "files") == ("/cache/a/b.tar", "deleted")
+    assert acked_by("/", "/item1/.done", "created", False, "folders") == ("/item1", "marker")  # a cache at /
     assert acked_by(root, "/cache/a/b.tar.done", "created", False, "files") is None  # files: deletion only
 
 
@@ -661,21 +693,22 @@ def test_marker_provenance_policy(tmp_path):
     item.mkdir()
     (item / ".done").touch()  # left by an earlier consumer (or unpacked with the item)
     handouts, path = HandOuts(), str(item)
-    handouts.record([(path, "L2", ("a.bin",), True)])
+    assert handouts.record([(path, "L2", ("a.bin",), True, True)]) == []
     assert handouts.lease_for(path, "marker") == (None, "this .done was there before the item was handed out")
     assert handouts.lease_for(path, "deleted") == ("L2", "")
     (item / "new").write_bytes(b"")
     os.replace(item / "new", item / ".done")  # this consumer's own marker (a new file, made while the old one existed)
     assert handouts.lease_for(path, "marker") == ("L2", "")
-    handouts.record([(path, "L3", ("a.bin", ".done"), True)])
+    assert handouts.record([(path, "L3", ("a.bin", ".done"), True, False)]) == [path]  # L2 expired: replaced
     assert handouts.lease_for(path, "marker")[0] is None
     assert handouts.forget([(path, "L2")]) == []  # an older lease: the current hand-out stays
     assert len(handouts) == 1
-    assert handouts.under(tmp_path) == [path]
-    assert handouts.under(tmp_path / "item") == []  # a sibling folder whose name starts the same is not under it
+    (under,) = handouts.under(tmp_path).items()
+    assert under[0] == path and under[1].lease == "L3" and under[1].markers is False
+    assert handouts.under(tmp_path / "item") == {}  # a sibling folder whose name starts the same is not under it
     handouts.forget_under(tmp_path)
     assert handouts.lease_for(path, "deleted") == (None, "not handed out")
-    handouts.record([(path, "L4", ("a.bin",), False), (f"{path}x", "L5", ("a.bin",), False)])
+    handouts.record([(path, "L4", ("a.bin",), False, True), (f"{path}x", "L5", ("a.bin",), False, True)])
     assert handouts.forget([(path, None), (f"{path}x", "L4"), ("/elsewhere", None)]) == [path]  # lease L5 stays
     assert len(handouts) == 1
 
@@ -760,9 +793,10 @@ def test_benchmark_refuses_a_shell_count_below_one(tmp_path):
     assert proc.returncode == 2 and "--shell 0: expected a number of items >= 1" in proc.stderr, proc.stderr
 
 
-def test_benchmark_batched_only_smoke(tmp_path):
-    report = json.loads(_bench_service(tmp_path, "--quick", "--batched-only", "--api-acks", "--json"))
-    assert report["latencies"] == {} and "--api-acks" in report["command"]
+@pytest.mark.parametrize("consumers", [(), ("--api-acks",)], ids=["default", "api-acks"])
+def test_benchmark_batched_only_smoke(tmp_path, consumers):
+    report = json.loads(_bench_service(tmp_path, "--quick", "--batched-only", *consumers, "--json"))
+    assert report["latencies"] == {} and report["command"].endswith(" ".join(["--batched-only", *consumers, "--json"]))
     (row,) = report["parallel"]
     assert row["batch"] == 64 and row["items"] == 60 and row["items_per_s"] > 0
     assert row["deletion_floor_items_per_s"] > 0 and row["of_floor"] > 0

@@ -240,8 +240,8 @@ class Daemon:
             for entry in self._entries():
                 if entry.pipeline is not None:
                     self._markers.watch(entry.name, entry.root, entry.config.items)
-                    for path in self._handouts.under(entry.root):
-                        self._markers.follow(entry.name, path)
+                    for path, handout in self._handouts.under(entry.root).items():
+                        self._markers.follow(entry.name, path, markers=handout.markers)
         elif not enabled and self._markers is not None:
             markers, self._markers = self._markers, None
             markers.stop()
@@ -302,13 +302,15 @@ class Daemon:
                 paths = [served.prefix + item.name for item in items]
                 # a marker at hand-out is looked up only where one can be: not in an item on its first
                 # hand-out since its download (nobody has had its path), one lstat saved per item
-                self._handouts.record(
+                replaced = self._handouts.record(
                     [
-                        (path, item.lease, item.files, watch is not None and not item._first)  # noqa: SLF001
+                        (path, item.lease, item.files, watch is not None and not item._first, markers)  # noqa: SLF001
                         for path, item in zip(paths, items, strict=True)
                     ]
                 )
                 if watcher is not None:  # a deletion acknowledges an item either way
+                    for path in replaced:  # handed out again after its lease expired: watched anew, as asked now
+                        watcher.unfollow(path)
                     for path in paths:
                         watcher.follow(name, path, markers=markers)
                 return items

@@ -117,11 +117,14 @@ class HandOut(NamedTuple):
         lease: the lease the item was handed out under.
         shipped: ``.done`` is one of the item's own files (it came with the dataset).
         before: the ``<item>/.done`` that existed at hand-out (:func:`marker_identity`), if any.
+        markers: its consumer may acknowledge it by a ``.done`` (False: ``Client(markers=False)``,
+            the item's folder is not watched).
     """
 
     lease: str
     shipped: bool
     before: MarkerId | None
+    markers: bool = True
 
 
 def marker_counts(handout: HandOut | None, now: MarkerId | None) -> bool:
@@ -150,17 +153,24 @@ class HandOuts:
         with self._lock:
             return len(self._by_path)
 
-    def record(self, handed: Iterable[tuple[str, str, Iterable[str], bool]]) -> None:
-        """Items were just handed out, each ``(path, lease, files, look)``: its path, the lease it
-        went out under, its files (relative), and whether to look up the ``.done`` there now.
-        Without a look (no marker watch, or the item's first hand-out since its download: nobody
-        has had its path; a file-system call saved per item) no ``.done`` counts as there before:
-        a watch started later by a reload counts any it sees."""
+    def record(self, handed: Iterable[tuple[str, str, Iterable[str], bool, bool]]) -> list[str]:
+        """Items were just handed out, each ``(path, lease, files, look, markers)``: its path, the
+        lease it went out under, its files (relative), whether to look up the ``.done`` there now,
+        and whether its consumer may acknowledge it by one (:attr:`HandOut.markers`). Without a
+        look (no marker watch, or the item's first hand-out since its download: nobody has had its
+        path; a file-system call saved per item) no ``.done`` counts as there before: a watch
+        started later by a reload counts any it sees.
+
+        Returns the paths of those that replaced a hand-out still recorded: its lease expired
+        (nothing ends a hand-out then but the next one), so what watched it must end too."""
         new = {
-            path: HandOut(lease, MARKER in files, marker_identity(path) if look else None) for path, lease, files, look in handed
+            path: HandOut(lease, MARKER in files, marker_identity(path) if look else None, markers)
+            for path, lease, files, look, markers in handed
         }
         with self._lock:
+            replaced = [path for path in new if path in self._by_path]
             self._by_path.update(new)
+        return replaced
 
     def forget(self, ended: Iterable[tuple[str, str | None]]) -> list[str]:
         """The hand-outs of ``ended``, ``(path, lease)`` each, ended (acknowledged or released);
@@ -174,10 +184,10 @@ class HandOuts:
                     gone.append(path)
         return gone
 
-    def under(self, root: Path) -> list[str]:
-        """The items handed out from the cache directory ``root`` (absolute and normal)."""
+    def under(self, root: Path) -> dict[str, HandOut]:
+        """The items handed out from the cache directory ``root`` (absolute and normal), by path."""
         with self._lock:
-            return self._under(root)
+            return {path: self._by_path[path] for path in self._under(root)}
 
     def forget_under(self, root: Path) -> None:
         """Every hand-out of the pipeline cached in ``root`` ended (it closed or was rebuilt)."""
@@ -212,7 +222,7 @@ class _Events:
     """The events of one inotify watch of a :class:`MarkerWatcher` (called in its thread)."""
 
     def __init__(self, watcher: MarkerWatcher, served: _Watched, directory: str) -> None:
-        self.watcher, self.served, self.directory = watcher, served, directory + "/"
+        self.watcher, self.served, self.directory = watcher, served, directory.rstrip("/") + "/"
 
     def on_event(self, event: InotifyEvent) -> None:
         if not event.name or not event.mask & _ANY:
@@ -338,14 +348,15 @@ class MarkerWatcher:
         """Item ``item`` (its absolute, normal path) of pipeline ``name`` was just handed out: watch what can
         acknowledge it, before the consumer learns its path. A watch that cannot be added (the
         watch limit) is logged: the item is then acknowledged over the API or by its lease.
-        ``markers=False`` (its consumer acknowledges over the API): no watch of its own, only the
-        cache directory's (it sees a folder item, or a top-level file, deleted)."""
+        ``markers=False`` (its consumer acknowledges over the API): a folder item gets no watch of
+        its own, only the cache directory's, which sees it deleted; a single-file item's
+        subfolder is watched as ever (its watch sees nothing but deletions)."""
         with self._lock:
             served = self._served.get(name)
             if served is None or item in self._followed or self._inotify is None:
                 return
             folder = item if served.items == "folders" else os.path.dirname(item)
-            if folder == served.root or not markers:  # the root's watch sees it go (a folder, a top-level file)
+            if folder == served.root or (not markers and served.items == "folders"):  # the root's watch sees it go
                 self._followed[item] = (name, None, cast("CallbackId", 0))
                 return
             id_ = cast("CallbackId", next(self._ids))
