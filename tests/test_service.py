@@ -759,9 +759,9 @@ def test_unit_files_pass_systemd_analyze_verify(tmp_path):
     assert "/etc/cachepipe/%i.yaml" in (tmp_path / "cachepipe@train.service").read_text()
 
 
-def _bench_service(cwd: Path, *args: str) -> str:
-    """Run ``benchmarks/bench_service.py`` with ``args``; its standard output."""
-    proc = subprocess.run(
+def _run_bench_service(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``benchmarks/bench_service.py`` with ``args`` in ``cwd``, output captured."""
+    return subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_service.py"), *args],
         capture_output=True,
         text=True,
@@ -769,6 +769,11 @@ def _bench_service(cwd: Path, *args: str) -> str:
         cwd=cwd,
         check=False,
     )
+
+
+def _bench_service(cwd: Path, *args: str) -> str:
+    """Run ``benchmarks/bench_service.py`` with ``args``; its standard output."""
+    proc = _run_bench_service(cwd, *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -782,14 +787,7 @@ def test_benchmark_quick_smoke(tmp_path):
 
 
 def test_benchmark_refuses_a_shell_count_below_one(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_service.py"), "--shell", "0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
-        check=False,
-    )
+    proc = _run_bench_service(tmp_path, "--shell", "0")
     assert proc.returncode == 2 and "--shell 0: expected a number of items >= 1" in proc.stderr, proc.stderr
 
 

@@ -296,7 +296,7 @@ class Daemon:
             try:
                 items = pipe.get_many(count, timeout=max(deadline - time.monotonic(), 0.0))
                 watcher = self._markers  # None: no marker watch (markers: false)
-                watch = watcher if markers else None  # None: no marker to judge, none looked up at hand-out
+                judged = watcher is not None and markers  # else no marker to judge: none looked up at hand-out
                 # recorded (and watched) before the consumer learns the paths: by the path an ack
                 # names them by (absolute and normal, see _checked), the cache's prefix and the name
                 paths = [served.prefix + item.name for item in items]
@@ -304,7 +304,7 @@ class Daemon:
                 # hand-out since its download (nobody has had its path), one lstat saved per item
                 replaced = self._handouts.record(
                     [
-                        (path, item.lease, item.files, watch is not None and not item._first, markers)  # noqa: SLF001
+                        (path, item.lease, item.files, judged and not item._first, markers)  # noqa: SLF001
                         for path, item in zip(paths, items, strict=True)
                     ]
                 )

@@ -271,8 +271,8 @@ class MarkerWatcher:
         self._served: dict[str, _Watched] = {}  # by pipeline name
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
-        # item path (a string, as every path here: hashing a Path was a quarter of the daemon's
-        # CPU per item with markers on) -> pipeline, its watch
+        # item path (a string, as every path here: making and hashing a Path for each follow,
+        # unfollow and event was a quarter of the daemon's CPU per item) -> pipeline, its watch
         self._followed: dict[str, tuple[str, WatchDescriptor | None, CallbackId]] = {}
 
     def start(self) -> None:
