@@ -508,20 +508,24 @@ def test_a_failed_upload_is_retried_without_running_the_command_again(s3_source,
 
 
 # ---- the cap for outputs ----------------------------------------------------------------------------------------
+# Each writer writes its total in chunks, then waits to be stopped: what the watcher measures does
+# not depend on when it measures (a writer that kept writing would pass the margin if the watcher
+# ran late on a busy machine, as the margin's rule says).
 WRITER = r"""
-import os, time
+import os, sys, time
 name = os.environ["CACHEPIPE_NAME"]
 where = "." if name == "grows-input" else os.environ["CACHEPIPE_OUT"]  # the input folder counts too
-total = 60_000 if name == "small" else 2_000_000
+total, chunk = {"small": (60_000, 20_000), "burst": (400_000, 400_000)}.get(name, (220_000, 20_000))
 with open(os.path.join(where, "out.bin"), "wb") as fh:
-    for _ in range(total // 20_000):
-        fh.write(os.urandom(20_000))
+    for _ in range(total // chunk):
+        fh.write(os.urandom(chunk))
         fh.flush()
-        time.sleep(0.01)  # 2 MB/s: 100 KB per 50 ms watch interval, less than the margin
+if name != "small":
+    time.sleep(30)  # over the reserve: the watcher must stop it
 """
 
 
-def test_outputs_over_their_reserve_are_stopped_and_the_cap_holds(s3_source, s3_client, tmp_path):
+def test_outputs_over_their_reserve_are_stopped_and_the_cap_holds(s3_source, s3_client, tmp_path, caplog):
     for name in ("grows-input", "hog", "small"):
         s3_source.put(f"{name}/in.bin", os.urandom(1000))
     cache, capacity = tmp_path / "cache", 1536 * KIB
@@ -541,14 +545,42 @@ def test_outputs_over_their_reserve_are_stopped_and_the_cap_holds(s3_source, s3_
     for failure in result.failed:
         assert (
             failure.attempts == 1
-            and "OutputTooLargeError" in failure.error
-            and "over its reserve of 204800 bytes" in failure.error
+            and "OutputTooLargeError: item" in failure.error
+            and "outputs reached 220000 bytes, over its reserve of 204800 bytes" in failure.error
+            and "slot" not in failure.error
         )
-    assert 200 * KIB < result.peak_job_bytes <= 328 * KIB  # passed the reserve, stopped within the margin
+    assert result.peak_job_bytes == 220_000  # passed the reserve, within the margin
+    killed = [
+        r.getMessage() for r in caplog.records if r.getMessage().endswith("passed its reserve of 204800 bytes: command killed")
+    ]
+    assert len(killed) == 2  # by the watcher, not measured after the command ended by itself
     assert result.download_capacity == capacity - 3 * 328 * KIB
     assert sampler.peak <= capacity
     assert sorted(bucket(s3_client, "out/")) == [f"small/{DONE_MARKER}", "small/out.bin"]
     assert_cache_clean(cache)
+
+
+def test_outputs_that_pass_the_margin_say_the_cap_may_have_been_passed(s3_source, tmp_path):
+    s3_source.put("burst/in.bin", os.urandom(1000))
+    result = map_items(
+        [sys.executable, "-c", WRITER],
+        s3_source.url,
+        "s3://data/out/",
+        cache_dir=tmp_path / "cache",
+        capacity="4MiB",
+        out_reserve="200KiB",
+        out_margin="128KiB",
+        storage_options=s3_source.options,
+    )
+    (failure,) = result.failed
+    assert "outputs reached 400000 bytes, over its reserve of 204800 bytes" in failure.error
+    assert (
+        "passed the job's slot of 335872 bytes (reserve + margin), so the cache may have held up to 64128 bytes more "
+        "than its capacity"
+        in failure.error
+        and "raise out_margin (--out-margin)" in failure.error
+    )
+    assert_cache_clean(tmp_path / "cache")
 
 
 # ---- what a command leaves running ------------------------------------------------------------------------------

@@ -23,7 +23,9 @@ every running job's slot (plus whatever the command adds to its input folder) ev
 item's reserve; the item fails with :class:`OutputTooLargeError`. The margin (default ``min(reserve, 64 MiB)``)
 absorbs what a command writes between two measurements: the cap holds for any command that
 writes less than ``margin`` per ``watch_interval`` (1.3 GB/s at the defaults); a faster
-writer can pass the cap by what it writes beyond that within one interval. Extraction
+writer can pass the cap by what it writes beyond that within one interval (as can a steady one
+on a machine so busy that the watcher measures late), and the item's error then says by how
+much the cache may have passed it. Extraction
 (``--unpack``) is exact: each member's size is checked before it is written; past its share the
 item fails with :class:`~cachepipe.ArchiveTooLargeError` naming ``--unpack-ratio`` and the size.
 An item larger than what the capacity leaves for downloads is refused before it is downloaded;

@@ -44,10 +44,12 @@ class CommandError(CachePipeError, RuntimeError):
 
 class Slot:
     """One job's work folder under ``cache_dir/.cachepipe-map/<n>/``: ``in`` (extracted files),
-    ``out`` (outputs), ``cwd`` (working directory for single-file items)."""
+    ``out`` (outputs), ``cwd`` (working directory for single-file items); ``size`` is the bytes set
+    aside for it (the largest item's reserve plus the margin)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, size: int) -> None:
         self.root = root
+        self.size = size
         self.inp = root / "in"
         self.out = root / "out"
         self.cwd = root / "cwd"
@@ -167,11 +169,20 @@ class Job:
         used = watch.measure()
         self._tally.measured(watch.peak)
         if watch.over or used > limit:
+            peak = max(used, watch.peak)
             share = f" ({extracted} extracted + {limit - extracted} for outputs)" if cfg.unpack else ""
-            raise OutputTooLargeError(
-                f"item {mi.name!r}: outputs reached {max(used, watch.peak)} bytes, over its reserve of {limit} bytes"
+            message = (
+                f"item {mi.name!r}: outputs reached {peak} bytes, over its reserve of {limit} bytes"
                 f"{share} (the command was stopped); raise out_reserve/out_ratio (--out-reserve/--out-ratio)"
             )
+            if peak > slot.size:
+                message += (
+                    f"; they also passed the job's slot of {slot.size} bytes (reserve + margin), so the cache may have "
+                    f"held up to {peak - slot.size} bytes more than its capacity: the command wrote more than the margin "
+                    f"between two of the watcher's measurements (every {cfg.watch_interval:g} s); raise out_margin "
+                    "(--out-margin)"
+                )
+            raise OutputTooLargeError(message)
         if self._stop.is_set():
             raise InterruptedError("stopped")
         what = "fn" if self._fn is not None else f"command {cfg.command[0]!r}"  # type: ignore[index]

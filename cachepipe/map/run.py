@@ -195,7 +195,7 @@ class _MapRun:
                     job = Job(
                         cfg,
                         self._fn,
-                        Slot(work / str(n)),
+                        Slot(work / str(n), sizing.reserve + sizing.margin),
                         watcher=self._watcher,
                         uploader=uploader,
                         stop=self._stop,
