@@ -194,6 +194,17 @@ def fault_proxy(moto_server: str):
     proxy.stop()
 
 
+def listed(source: Source, tmp_path: Path) -> str:
+    """A manifest of ``source``, listed directly (not through a proxy): a pipeline opened on it
+    sends nothing but the items' GETs, so faults a proxy takes before the pipeline opens hit
+    those and only those (taken after it opens, they would race its first downloads)."""
+    from cachepipe.manifest import index
+
+    manifest = tmp_path / "listing.gz"
+    index(source.url, manifest, storage_options=source.options)
+    return str(manifest)
+
+
 def via(source: Source, endpoint: str) -> dict:
     """``source``'s storage options with the endpoint replaced (to route through a proxy)."""
     options = dict(source.options)

@@ -1,7 +1,9 @@
 """A consumer process for crash tests: resumes the pass, prints what it gets and acks.
 
-argv[1]: JSON {"url", "cache", "capacity", "options"[, "wait_ready": n][, "work_seconds": s]}. Prints "OPEN", then per item
-"GOT <name> <md5 of every file, in order>" and, once ack() returned, "ACKED <name>"; "DONE" at the end.
+argv[1]: JSON {"url", "cache", "capacity", "options"[, "wait_ready": n][, "work_seconds": s][, "hold_after_acks": n]}.
+Prints "OPEN", then per item "GOT <name> <md5 of every file, in order>" and, once ack() returned, "ACKED <name>";
+"DONE" at the end. With "hold_after_acks", the item taken after that many acks is held unacked: "HOLDING <name>",
+then a line read from stdin (a test kills the child there, or writes a line to let it go on).
 """
 
 import hashlib
@@ -27,10 +29,15 @@ with Pipeline(
     pause = threading.Event()
     while cfg.get("wait_ready") and pipe.stats().items_ready < cfg["wait_ready"]:
         pause.wait(0.01)  # a test wants this many items published before consuming
+    acks = 0
     while (item := pipe.get(timeout=120)) is not None:
         digest = hashlib.md5(b"".join((item / rel).read_bytes() for rel in sorted(item.files))).hexdigest()
         print("GOT", item.name, digest, flush=True)
+        if acks == cfg.get("hold_after_acks"):
+            print("HOLDING", item.name, flush=True)
+            sys.stdin.readline()
         pause.wait(cfg.get("work_seconds", 0))  # the "training step"
         pipe.ack(item)
+        acks += 1
         print("ACKED", item.name, flush=True)
 print("DONE", flush=True)

@@ -98,7 +98,7 @@ def test_close_wakes_blocked_consumer():
     t = threading.Thread(target=consumer)
     t.start()
     b.close()
-    t.join(2)
+    t.join(30)  # bounds a hang only
     assert errors == ["closed"] and not t.is_alive()
 
 
@@ -126,7 +126,8 @@ def test_prefetch_gate_counts_pending_and_unhanded(pending, ready, handed, relea
     done = threading.Event()
     t = threading.Thread(target=lambda: (b.wait_ahead_below(2), done.set()))
     t.start()
-    assert done.wait(0.2 if not passes else 2) == passes
+    # 30 s bounds a hang only; 0.2 s: a gate that must not open stays shut however long we wait
+    assert done.wait(0.2 if not passes else 30) == passes
     b.close()  # wakes the gate if it is still waiting
     t.join()
 
@@ -136,8 +137,24 @@ def test_expired_lease_is_handed_out_again_and_stale_ack_rejected():
     b.begin()
     b.put(0, "a", "A")
     b.finish()
-    first = b.take(0)
-    second = b.take(timeout=5)  # blocks until the first lease expires, then gets the same item
+    first = b.take(0)  # its deadline is fixed now: it expires 0.05 s from here
+    b.lease_timeout = 3600  # the leases handed out from now on outlive any stall of the machine
+    got = []
+
+    def take() -> None:
+        try:
+            got.append(b.take())  # no timeout: only the expiry of the first lease can wake it
+        except Closed:
+            pass
+
+    taker = threading.Thread(target=take)
+    taker.start()
+    taker.join(30)  # bounds a hang only
+    if taker.is_alive():
+        b.close()  # wakes it, so that the failure below does not leave a thread behind
+        taker.join()
+    assert not taker.is_alive() and len(got) == 1, "take() was not woken by the expiry of the first lease"
+    second = got[0]  # the same item again, under a new lease
     assert second.name == "a" and second.id != first.id and b.redelivered == 1
     with pytest.raises(KeyError):
         b.ack("a", first.id)  # the dead consumer's late ack cannot evict the live lease
@@ -147,10 +164,12 @@ def test_expired_lease_is_handed_out_again_and_stale_ack_rejected():
 
 
 def test_stream_end_waits_for_expiring_leases_only():
-    b = Broker(lease_timeout=0.05)
+    b = Broker(lease_timeout=3600)  # long: the lease cannot expire between the calls below, however slow
     b.begin()
     b.put(0, "a", "A")
     b.finish()
     lease = b.take(0)
+    with pytest.raises(TimeoutError):
+        b.take(0)  # the stream has not ended: the lease may still expire and its item come back
     b.ack(lease.name, lease.id)
     assert b.take(0) is None

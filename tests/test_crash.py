@@ -25,6 +25,7 @@ class Child:
     def __init__(self, cfg: dict) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "crash_child.py"), json.dumps(cfg)],
+            stdin=subprocess.PIPE,  # where a child run with "hold_after_acks" waits
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -58,6 +59,7 @@ class Child:
         code = self.proc.wait(60)
         self._reader.join()
         self.stderr = self.proc.stderr.read()
+        self.proc.stdin.close()
         self.proc.stdout.close()
         self.proc.stderr.close()
         return code
@@ -132,13 +134,14 @@ def test_restart_reuses_published_items_and_redelivers_leased_ones(s3_source, tm
         "capacity": 1024**2,
         "options": s3_source.options,
         "wait_ready": 6,
-        "work_seconds": 0.3,
-    }  # slow enough that the kill lands while items are left
+        "hold_after_acks": 2,
+    }  # the child acks two items, takes a third and waits, holding it: the kill lands there
     child = Child(cfg)
-    child.wait_for(lambda lines: sum(1 for line in lines if line[0] == "ACKED") >= 2)
+    child.wait_for(lambda lines: any(line[0] == "HOLDING" for line in lines))
     child.kill()
     acked = {line[1] for line in child.lines if line[0] == "ACKED"}
-    taken = {line[1] for line in child.lines if line[0] == "GOT"}  # the last may have been acked unprinted
+    taken = {line[1] for line in child.lines if line[0] == "GOT"}
+    assert len(acked) == 2 and len(taken) == 3, child.lines
     (cache / ".cachepipe" / "staging" / "999").mkdir(parents=True)  # a staging leftover
     (cache / ".cachepipe" / "staging" / "999" / "half").write_bytes(b"x" * 100)
     with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options, resume=True) as pipe:
@@ -146,6 +149,7 @@ def test_restart_reuses_published_items_and_redelivers_leased_ones(s3_source, tm
         stats = pipe.stats()
     everything = {f"item{i:03d}" for i in range(6)}
     assert not acked & set(names), "acknowledged items came back"
+    assert taken - acked <= set(names), "the item leased when the child was killed was not delivered again"
     assert everything - taken <= set(names) and set(names) | taken == everything
     assert stats.items_reused == len(names) >= 3, "published items were downloaded again"
     assert stats.bytes_downloaded == 0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import via
+from conftest import listed, via
 from waiting import wait_until
 
 from cachepipe import ItemFailedError, Pipeline, StoreUnavailableError
@@ -25,16 +25,17 @@ def _run(source, endpoint, tmp_path, **options):
 def test_connections_dropped_mid_body_are_retried_without_corruption(remote_source, fault_proxy, tmp_path):
     proxy, endpoint = fault_proxy
     data = remote_source.folders(6, {"f": 200 * KIB})
-    pipe = Pipeline(
+    manifest = listed(remote_source, tmp_path)
+    proxy.inject("cut", 6)  # every new connection is cut after 2000 response bytes, 6 times
+    with Pipeline(
         remote_source.url,
         tmp_path / "c",
         "1MiB",
         storage_options=via(remote_source, endpoint),
+        manifest=manifest,
         retry_backoff=0.01,
         max_concurrency=2,
-    )
-    with pipe:  # listing done; now every new connection is cut after 2000 response bytes, 6 times
-        proxy.inject("cut", 6)
+    ) as pipe:
         got = {p.name: (p / "f").read_bytes() for p in pipe}
     assert got == {name: files["f"] for name, files in data.items()}
     assert proxy.injected["cut"] == 6
@@ -125,17 +126,19 @@ def test_files_around_the_smallest_part_arrive_whole(s3_source, fault_proxy, tmp
     sizes = {"empty": 0, "a": 64 * KIB, "b": 64 * KIB + 1, "c": 256 * KIB, "d": 256 * KIB + 1, "e": 700 * KIB}
     data = s3_source.folders(4, sizes)
     options = via(s3_source, endpoint)
+    manifest = listed(s3_source, tmp_path)
+    proxy.inject("cut", 4)
     with Pipeline(
         s3_source.url,
         tmp_path / "c",
         "8MiB",
         storage_options=options,
+        manifest=manifest,
         part_size=part_size,
         max_concurrency=2,
         download_processes=download_processes,
         retry_backoff=0.01,
     ) as pipe:
-        proxy.inject("cut", 4)
         got = {p.name: {f: (p / f).read_bytes() for f in sizes} for p in pipe}
         staging = tmp_path / "c" / ".cachepipe" / "staging"
         assert [p for p in staging.iterdir() if not p.name.startswith("x")] == []  # x*: acked items being deleted
@@ -146,16 +149,18 @@ def test_files_around_the_smallest_part_arrive_whole(s3_source, fault_proxy, tmp
 def test_throttling_and_refused_connections_are_retried(remote_source, fault_proxy, tmp_path):
     proxy, endpoint = fault_proxy
     data = remote_source.folders(4, {"f": 10 * KIB})
+    manifest = listed(remote_source, tmp_path)
+    proxy.inject("503", 3)
+    proxy.inject("refuse", 2)
     with Pipeline(
         remote_source.url,
         tmp_path / "c",
         "1MiB",
         storage_options=via(remote_source, endpoint),
+        manifest=manifest,
         retry_backoff=0.01,
         max_concurrency=1,
     ) as pipe:
-        proxy.inject("503", 3)
-        proxy.inject("refuse", 2)
         got = {p.name: (p / "f").read_bytes() for p in pipe}
         stats = pipe.stats()
     assert got == {name: files["f"] for name, files in data.items()}
@@ -167,16 +172,18 @@ def test_throttling_and_refused_connections_are_retried(remote_source, fault_pro
 def test_item_fails_after_retry_budget_naming_key_and_cause(remote_source, fault_proxy, tmp_path):
     proxy, endpoint = fault_proxy
     remote_source.folders(2, {"f": 10 * KIB})
+    manifest = listed(remote_source, tmp_path)
+    proxy.inject("503", 10_000)
     with Pipeline(
         remote_source.url,
         tmp_path / "c",
         "1MiB",
         storage_options=via(remote_source, endpoint),
+        manifest=manifest,
         retries=2,
         retry_backoff=0.01,
         max_concurrency=1,
     ) as pipe:
-        proxy.inject("503", 10_000)
         with pytest.raises(ItemFailedError) as info:
             next(iter(pipe))
     assert "video/item000/f" in str(info.value)
@@ -188,16 +195,18 @@ def test_verify_etag_catches_corrupted_bytes_and_refetches(fault_proxy, s3_sourc
     """A body that arrives with the right length but wrong bytes is caught by the MD5 ETag."""
     proxy, endpoint = fault_proxy
     data = s3_source.folders(3, {"f": 30 * KIB})
+    manifest = listed(s3_source, tmp_path)
+    proxy.inject("corrupt", 2)
     with Pipeline(
         s3_source.url,
         tmp_path / "c",
         "1MiB",
         storage_options=via(s3_source, endpoint),
+        manifest=manifest,
         verify="etag",
         retry_backoff=0.01,
         max_concurrency=1,
     ) as pipe:
-        proxy.inject("corrupt", 2)
         got = {p.name: (p / "f").read_bytes() for p in pipe}
         stats = pipe.stats()
     assert got == {name: files["f"] for name, files in data.items()}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -399,39 +400,49 @@ open(os.path.join(os.environ["CACHEPIPE_OUT"], "result.txt"), "w").write(name)
 
 
 def test_failures_retries_and_timeouts_are_reported_and_the_run_goes_on(s3_source, s3_client, tmp_path, capsys):
-    for name in ("bad", "flaky", "ok", "slow"):
-        s3_source.put(f"{name}/in.txt", name.encode())
+    # Two runs into one DST: the failures and the retry without a timeout (a short one would also
+    # count the Python start-up of the items that succeed), then the item that always overruns
+    # alone, under --timeout 1.
+    for name in ("bad", "flaky", "ok"):
+        s3_source.put(f"quick/{name}/in.txt", name.encode())
+    s3_source.put("slow/slow/in.txt", b"slow")
     script, attempts = tmp_path / "failing.py", tmp_path / "attempts"
     script.write_text(FAILING)
     attempts.mkdir()
-    code = main(
-        [
-            s3_source.url,
-            "s3://data/out/",
-            "--cache",
-            str(tmp_path / "cache"),
-            "--capacity",
-            "1MiB",
-            "--jobs",
-            "2",
-            "--retries",
-            "1",
-            "--timeout",
-            "1",
-            "--out-reserve",
-            "64KiB",
-            "--no-progress",
-            *storage_args(s3_source.options),
-            "--",
-            sys.executable,
-            str(script),
-            str(attempts),
-        ]
-    )
-    err = capsys.readouterr().err
+
+    def run(prefix: str, *options: str) -> tuple[int, str]:
+        code = main(
+            [
+                s3_source.url + prefix,
+                "s3://data/out/",
+                "--cache",
+                str(tmp_path / "cache"),
+                "--capacity",
+                "1MiB",
+                "--jobs",
+                "2",
+                "--retries",
+                "1",
+                *options,
+                "--out-reserve",
+                "64KiB",
+                "--no-progress",
+                *storage_args(s3_source.options),
+                "--",
+                sys.executable,
+                str(script),
+                str(attempts),
+            ]
+        )
+        return code, capsys.readouterr().err
+
+    code, err = run("quick/")
     assert code == 1
-    assert "2 done, 2 failed, 0 already done" in err
+    assert "2 done, 1 failed, 0 already done" in err
     assert "exited with status 3 (after 2 attempt(s))" in err and "    | boom: cannot decode bad" in err
+    code, err = run("slow/", "--timeout", "1")
+    assert code == 1
+    assert "0 done, 1 failed, 0 already done" in err
     assert "timed out after 1.0 s (after 2 attempt(s))" in err
     assert {p.name: len(p.read_text()) for p in attempts.iterdir()} == {"bad": 2, "flaky": 2, "ok": 1, "slow": 2}
     assert sorted(bucket(s3_client, "out/")) == [f"flaky/{DONE_MARKER}", "flaky/result.txt", f"ok/{DONE_MARKER}", "ok/result.txt"]
@@ -586,9 +597,11 @@ def test_outputs_that_pass_the_margin_say_the_cap_may_have_been_passed(s3_source
 # ---- what a command leaves running ------------------------------------------------------------------------------
 # "quiet" leaves a process that let go of CMD's stderr: it would outlive the item and write into the
 # cache (into the next item's slot, past the cap); "held" leaves one that keeps stderr: its job would
-# stall until it ends. Each writes the leftover's pid as its output.
+# stall until it ends, and then it would write $1 (the leftover is killed, never waited out).
+# Each writes the leftover's pid as its output.
 LEAVE_BEHIND = (
-    'if [ "$CACHEPIPE_NAME" = quiet ]; then sleep 300 >/dev/null 2>&1 & else sleep 30 & fi; echo $! > "$CACHEPIPE_OUT/pid"'
+    'if [ "$CACHEPIPE_NAME" = quiet ]; then sleep 300 >/dev/null 2>&1 & else (sleep 30; echo waited out > "$1") & fi; '
+    'echo $! > "$CACHEPIPE_OUT/pid"'
 )
 
 
@@ -606,9 +619,35 @@ def alive(pid: int) -> bool:
         return False
 
 
+def running_after(pids: dict[str, int], seconds: float) -> list[str]:
+    """The names of ``pids`` that still run after waiting up to ``seconds`` for them all to end.
+
+    A SIGKILL sent is not a process gone: the victim ends when it is next scheduled, which a
+    loaded machine may put off. Each pidfd becomes readable when its process ends (a zombie too);
+    a process that survives keeps its own open, and is named once the bound passes.
+    """
+    fds: dict[int, str] = {}
+    try:
+        for where, pid in pids.items():
+            try:
+                fds[os.pidfd_open(pid)] = where
+            except ProcessLookupError:
+                pass  # gone and reaped
+        deadline = time.monotonic() + seconds
+        while fds and (remaining := deadline - time.monotonic()) > 0:
+            ended, _, _ = select.select(list(fds), [], [], remaining)
+            for fd in ended:
+                del fds[fd]
+                os.close(fd)
+        return sorted(where for fd, where in fds.items() if alive(pids[where]))
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 @pytest.mark.skipif(not hasattr(os, "pidfd_open") or not Path("/proc/self/stat").exists(), reason="needs Linux pidfds and /proc")
 def test_what_a_command_or_fn_leaves_running_is_killed_when_it_exits(tmp_path):
-    src, cache = tmp_path / "src", tmp_path / "cache"
+    src, cache, waited_out = tmp_path / "src", tmp_path / "cache", tmp_path / "waited-out"
     for name in ("held", "quiet"):
         (src / name).mkdir(parents=True)
         (src / name / "in.txt").write_text(name)
@@ -616,13 +655,19 @@ def test_what_a_command_or_fn_leaves_running_is_killed_when_it_exits(tmp_path):
         leave_a_process_behind, str(src), str(tmp_path / "fn-dst"), cache_dir=cache, capacity="1MiB", jobs=2, out_reserve="1KiB"
     )
     result = map_items(
-        ["sh", "-c", LEAVE_BEHIND], str(src), str(tmp_path / "dst"), cache_dir=cache, capacity="1MiB", jobs=2, out_reserve="1KiB"
+        ["sh", "-c", LEAVE_BEHIND, "sh", str(waited_out)],
+        str(src),
+        str(tmp_path / "dst"),
+        cache_dir=cache,
+        capacity="1MiB",
+        jobs=2,
+        out_reserve="1KiB",
     )
     pids = {p.parent.parent.name + "/" + p.parent.name: int(p.read_text()) for p in tmp_path.glob("*dst/*/pid")}
     try:
         assert fn_result.ok and result.ok and len(pids) == 4
-        assert result.seconds < 20  # "held" did not wait for its leftover to let go of stderr
-        assert [where for where, pid in pids.items() if alive(pid)] == []
+        assert not waited_out.exists()  # "held" did not wait for its leftover to let go of stderr
+        assert running_after(pids, 30) == []  # killed: each ends within the bound (a guard, not a timing assertion)
     finally:
         for pid in pids.values():
             if alive(pid):
@@ -694,35 +739,70 @@ def test_a_download_side_error_is_raised_not_taken_for_the_end(tmp_path, monkeyp
 
 
 class DeniedDest(FsspecStore):
-    """Checking item00's marker is refused; every other check meets a 503 (retried with backoff)."""
+    """Checking item00's marker is refused; every other check meets a 503 (retried with backoff).
+
+    Each key's checks are counted; item00's refusal waits (bounded) until the 15 other checks the
+    pool started have been made, so that they are in flight (retrying) when it comes.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.checks: dict[str, int] = {}
+        self.changed = threading.Condition()
+        self.denied_all = False  # set by the test once it gave up on the run: end the retries at once
 
     def exists(self, key):
-        if key == f"item00/{DONE_MARKER}":
-            raise PermissionError("access denied to item00's marker")
+        with self.changed:
+            self.checks[key] = self.checks.get(key, 0) + 1
+            self.changed.notify_all()
+            if key == f"item00/{DONE_MARKER}":
+                self.changed.wait_for(lambda: len(self.checks) >= 16, timeout=30)
+                raise PermissionError("access denied to item00's marker")
+            if self.denied_all:
+                raise PermissionError(f"the test is over: access denied to {key}")
         raise StoreUnavailableError(f"store unavailable (HTTP 503) for {key}")
 
 
 def test_a_marker_check_that_fails_stops_the_other_checks_at_once(tmp_path):
-    # 48 checks on 16 threads; each but item00's would retry 3 times with 0.5-1, 1-2 and 2-4 s of
-    # backoff. The refusal must end the run at once, not after the checks in flight went through
-    # their retries (up to a minute at the default backoff): Ctrl-C takes the same path.
+    # 48 checks on 16 threads; the 15 in flight with item00's meet a 503 and would wait 30-60 s
+    # (backoff 60, the most allowed) before their one retry. The refusal must end the run at once,
+    # not after the checks in flight went through their retries: Ctrl-C takes the same path.
+    # A run that does not stop them is still running when the bound below gives up on it, or
+    # checked some marker twice; the bound only keeps such a run from hanging the suite.
     src = tmp_path / "src"
     for n in range(48):
         (src / f"item{n:02d}").mkdir(parents=True)
         (src / f"item{n:02d}" / "f").write_bytes(b"x")
-    started = time.monotonic()
-    with pytest.raises(PermissionError, match="item00"):
-        map_items(
-            ["true"],
-            str(src),
-            str(tmp_path / "dst"),
-            cache_dir=tmp_path / "cache",
-            capacity="1MiB",
-            dest_store=DeniedDest(str(tmp_path / "dst")),
-            request_retries=3,
-            retry_backoff=1,
-        )
-    assert time.monotonic() - started < 3
+    dest, raised = DeniedDest(str(tmp_path / "dst")), []
+
+    def run() -> None:
+        try:
+            map_items(
+                ["true"],
+                str(src),
+                str(tmp_path / "dst"),
+                cache_dir=tmp_path / "cache",
+                capacity="1MiB",
+                dest_store=dest,
+                request_retries=1,
+                retry_backoff=60,
+                retry_backoff_max=600,
+            )
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            raised.append(exc)
+
+    runner = threading.Thread(target=run, name="test-map-run", daemon=True)
+    runner.start()
+    runner.join(60)  # a guard against a hang, not a timing assertion: a stopped run ends at once
+    try:
+        assert not runner.is_alive(), "the checks in flight went on retrying after item00's refusal"
+        [error] = raised
+        assert isinstance(error, PermissionError) and "item00" in str(error)
+        assert len(dest.checks) >= 16  # item00's and the 15 in flight with it (queued ones may start as the pool ends)
+        assert {key: n for key, n in dest.checks.items() if n > 1} == {}  # none was retried
+    finally:
+        with dest.changed:
+            dest.denied_all = True  # a run that did not stop: its retries fail for good, so it ends
 
 
 # ---- the Python API -----------------------------------------------------------------------------------------------

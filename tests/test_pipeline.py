@@ -453,16 +453,26 @@ def test_lease_timeout_redelivers_an_unacked_item(s3_source, tmp_path):
         s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options, auto_ack=False, lease_timeout=0.5
     ) as pipe:
         dead = pipe.get(timeout=30)  # this consumer "dies" holding item000
-        other = pipe.get(timeout=30)
-        pipe.ack(other)
-        again = pipe.get(timeout=30)  # blocks until the dead consumer's lease expires
-        assert (dead.name, other.name, again.name) == ("item000", "item001", "item000")
-        with pytest.raises(UnknownItemError, match="expired"):
-            pipe.ack(dead)  # its late ack must not evict the item from under the live consumer
-        assert Path(again).exists()
-        pipe.ack(again)
-        assert pipe.get(timeout=30) is None
-        assert pipe.stats().items_redelivered == 1
+        assert dead.name == "item000"
+        acked, refused = [], False
+        # A live consumer takes and acks the rest. A stall of the machine may let any lease expire,
+        # this consumer's too (its ack is refused, the item comes again): only the end result is fixed.
+        while (item := pipe.get(timeout=30)) is not None:  # blocks until the dead consumer's lease expires
+            if item.name == dead.name and not refused:
+                assert item.lease != dead.lease
+                with pytest.raises(UnknownItemError, match="expired"):
+                    pipe.ack(dead)  # its late ack must not evict the item from under the live consumer
+                assert Path(item).exists()
+                refused = True
+            try:
+                pipe.ack(item)
+            except UnknownItemError:
+                continue  # its lease expired in a stall: it is handed out again
+            acked.append(item.name)
+        assert refused, "the dead consumer's item was not handed out again"
+        assert sorted(acked) == ["item000", "item001"]  # each acked once: nothing lost
+        stats = pipe.stats()
+        assert stats.items_redelivered >= 1 and stats.items_acked == 2
 
 
 def test_set_capacity_applies_at_once(s3_source, tmp_path):

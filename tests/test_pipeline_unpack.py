@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 import os
 import random
+import threading
 
 import pytest
 from sampling import Sampler
 from test_unpack import archive_bytes, link, md5_sidecar, media_clip, read_tree, tar_bytes, volumes, zip_bytes
-from waiting import wait_until
 
 from cachepipe import (
     ArchiveError,
@@ -249,15 +249,39 @@ def test_config_default_reserve_and_what_unpack_is_not_combined_with(tmp_path):
 
 
 def test_close_during_an_extraction_stops_it_and_runs_nothing_after_it(s3_source, tmp_path):
-    # many small members: extracting them takes far longer than noticing that it began
+    # A profile hook holds the extraction in the file creation of its second member until the
+    # extraction's stop flag is set (close() sets it, then waits for the extraction's thread): the
+    # close comes while the extraction is under way, whatever the machine's speed.
     s3_source.put("a/many.tar.gz", tar_bytes({f"m/{i:05d}": b"x" for i in range(1500)}, "w:gz"))
     cache, prepared = tmp_path / "c", []
-    pipe = unpacking(s3_source, cache, "16MiB", prepare=prepared.append, prepare_ratio=20)
-    pipe.open()
-    staging = cache / ".cachepipe" / "staging"
-    wait_until(
-        lambda: any(p.name.endswith(".unpacked") and any(p.rglob("*")) for p in staging.iterdir()), what="an extraction under way"
-    )
-    pipe.close()
-    assert prepared == []  # close() did not wait for the extraction to end, nor run the hook on its result
+    held, stops, created = threading.Event(), [], []
+
+    def hook(frame, event: str, arg: object) -> None:
+        if event != "c_call" or getattr(arg, "__name__", None) != "open" or frame.f_code.co_name != "makefile":
+            return  # only tarfile creating a member's file
+        created.append(frame.f_locals["targetpath"])
+        if len(created) == 2:
+            caller = frame
+            while caller.f_code.co_name != "_tar_member":
+                caller = caller.f_back
+            stop = caller.f_locals["self"].stop  # the flag the extraction checks before each member
+            stops.append(stop.is_set())
+            held.set()
+            stops.append(stop.wait(30))  # bounded: a close that never sets it fails the test, not hangs it
+
+    threading.setprofile(hook)  # each thread the pipeline starts from now on (the extraction's, when it starts)
+    try:
+        pipe = unpacking(s3_source, cache, "16MiB", prepare=prepared.append, prepare_ratio=20)
+        pipe.open()
+        staging = cache / ".cachepipe" / "staging"
+        try:
+            assert held.wait(60), "the extraction did not reach its second member"  # a guard against a hang
+            assert [p for p in staging.iterdir() if p.name.endswith(".unpacked") and any(p.rglob("*"))]  # under way
+        finally:
+            pipe.close()
+    finally:
+        threading.setprofile(None)
+    assert stops == [False, True]  # held until close() set the stop flag, then let go
+    assert len(created) == 2  # the extraction stopped at the next member
+    assert prepared == []  # and the hook was not run on its result
     assert not staging.exists() and leftovers(cache) == []

@@ -140,8 +140,9 @@ def test_only_a_few_threads_delete_acknowledged_items_at_once(where, tmp_path):
     """Eight threads acknowledge an item each at once, as the daemon's request threads do, and
     only as many as suit the file system delete at once (:func:`deleters_for`: the daemon's
     batched hand-out ran 1.5-1.7 times as fast on tmpfs; benchmarks/README.md). A profile hook holds
-    each thread in the ``rmdir`` that ends an item's deletion until one more than allowed is in
-    it, or 0.5 s passed: without the limit all eight meet there."""
+    each thread in the ``rmdir`` that ends an item's deletion until as many as allowed have been in
+    it at once (however late a stalled machine lets them come), then 0.5 s longer or until one more
+    than allowed is in it: without the limit the others meet them there."""
     from cachepipe.cache import Cache
     from cachepipe.catalog import Catalog
 
@@ -165,6 +166,9 @@ def test_only_a_few_threads_delete_acknowledged_items_at_once(where, tmp_path):
                     inside += 1
                     most = max(most, inside)
                     met.notify_all()
+                    # hold until the allowed number met (bounded: a limit set too low fails below) ...
+                    met.wait_for(lambda: most >= allowed or inside > allowed, timeout=30)
+                    # ... and a little longer, the others' chance to come in too if nothing stops them
                     met.wait_for(lambda: inside > allowed, timeout=0.5)
                 elif event in ("c_return", "c_exception"):
                     inside -= 1

@@ -148,21 +148,26 @@ def test_killed_consumer_item_is_redelivered_after_its_lease(s3_source, s3_endpo
             holder.stdin.close()
             holder.stdout.close()
         with Client("train", sock, auto_ack=False) as client:
-            got = []
+            acked, again = [], None
             while (item := client.get(timeout=30)) is not None:  # blocks until the dead lease expires
-                got.append(item)
-                if item.name != held["name"]:
-                    client.ack(item)
-                else:
-                    again = item
+                if item.name == held["name"] and again is None:
+                    again = item  # the dead consumer's item, handed out again: its lease is over for good
                     with pytest.raises(UnknownItemError, match="lease expired"):
                         client.ack(held["path"], lease=held["lease"])  # the dead consumer's late ack: 409
-                    client.ack(again)
-            assert sorted(i.name for i in got) == [f"item{i:03d}" for i in range(5)]
-            assert again.lease != held["lease"]
+                try:
+                    client.ack(item)
+                except UnknownItemError:
+                    # A stall of the machine longer than the 1.5 s lease between this hand-out
+                    # and its ack: the item went back to the queue and comes to us again.
+                    continue
+                acked.append(item.name)
+            assert again is not None and again.lease != held["lease"]
+            assert sorted(acked) == [f"item{i:03d}" for i in range(5)]  # nothing lost, none acked twice
             s = stats(client)
-            assert s["items_redelivered"] == 1 and s["items_acked"] == 5
-            assert 'cachepipe_items_redelivered_total{pipeline="train"} 1.0' in client.metrics()
+            assert s["items_redelivered"] >= 1 and s["items_acked"] == 5  # more than 1 only after a stall
+            metric = 'cachepipe_items_redelivered_total{pipeline="train"} '
+            lines = [line for line in client.metrics().splitlines() if line.startswith(metric)]
+            assert lines == [f"{metric}{float(s['items_redelivered'])}"], lines
 
 
 def test_done_markers_and_deletions_ack(s3_source, s3_endpoint, tmp_path, short_dir):
@@ -278,9 +283,34 @@ def test_an_item_handed_out_again_after_its_lease_expired_is_watched_as_its_new_
         third = unwatched.get(timeout=30)  # and back
         assert third.name == first.name and third.lease != again.lease
         assert inotify_watches(daemon.pid) == 1
-        fourth = watched.get(timeout=30)
-        (fourth / ".done").touch()
-        wait_until(lambda: stats(watched)["items_acked"] == 1, what="the .done marker to ack")
+        fourth = watched.get(timeout=30)  # and watched again
+        assert fourth.name == first.name and fourth.lease != third.lease
+        assert inotify_watches(daemon.pid) == 2
+        # The watch works: a .done made in it acknowledges the item. Its 1 s lease can run out
+        # (a stall of the machine) before the daemon judges the marker, which is then refused
+        # ("ignored" in the log, by the pipeline, as any ack of an expired lease): take the item
+        # again, as this consumer, and make a new marker in that hand-out.
+        item, ignored = fourth, f"marker of {fourth.path} ignored"
+        for _ in range(5):
+            before = daemon.log().count(ignored)
+            (item.path / "new").write_bytes(b"")
+            os.replace(item.path / "new", item.path / ".done")  # a new marker: an event, a new inode
+            outcome = wait_until(
+                lambda before=before: (
+                    ("acked" if stats(watched)["items_acked"] == 1 else None)
+                    or ("ignored" if daemon.log().count(ignored) > before else None)
+                ),
+                what=f"the daemon to judge the .done made in {item.name}",
+            )
+            if outcome == "acked":
+                break
+            refusal = [line for line in daemon.log().splitlines() if ignored in line][-1]
+            assert "its lease expired" in refusal, refusal  # refused for its lease, not for its marker
+            item = watched.get(timeout=30)
+            assert item.name == first.name and inotify_watches(daemon.pid) == 2
+        else:
+            raise AssertionError("every marker came after its hand-out's lease expired")
+        assert not fourth.path.exists()
 
 
 def test_done_file_shipped_in_the_dataset_never_acks_an_item_under_its_lease(
@@ -531,7 +561,8 @@ def test_an_unread_notify_socket_does_not_stop_the_daemon_from_stopping(s3_sourc
     config = write_config(tmp_path, short_dir / "api.sock", s3_endpoint, {"train": {}})
     daemon = DaemonProcess(config, env={"WATCHDOG_USEC": "20000"})  # a heartbeat every 10 ms
     with daemon:
-        time.sleep(1.5)  # ~150 heartbeats unread: far more than the queue holds
+        # heartbeats unread until the queue is full and one could not be sent (the daemon warns)
+        wait_until(lambda: "cannot notify systemd" in daemon.log(), timeout=30, what="the notify socket's queue to fill")
         assert daemon.stop(timeout=20) == 0
         log = daemon.log()
     assert log.count("cannot notify systemd") == 1, log

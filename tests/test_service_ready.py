@@ -63,11 +63,13 @@ def test_consumers_started_with_the_daemon_get_an_item_not_an_error(s3_source, s
     s3_source.folders(3, FILES)
     sock = short_dir / "api.sock"
     config = write_config(tmp_path, sock, s3_endpoint, s3_source.url)
-    taker = cli("next", "--socket", str(sock), "--timeout", "60")  # before the daemon: no socket yet
+    # before the daemon: no socket yet; each waits for it as long as the daemon may take to start
+    # on a loaded machine (DaemonProcess waits 60 s for READY=1), not the default 10 s
+    taker = cli("next", "--socket", str(sock), "--timeout", "60", "--startup-timeout", "60")
     got: list = []
 
     def take() -> None:
-        with Client("train", sock, auto_ack=False) as client:
+        with Client("train", sock, auto_ack=False, startup_timeout=60) as client:
             got.append(client.get(timeout=60))
 
     thread = threading.Thread(target=take)
@@ -135,7 +137,9 @@ def test_a_restart_does_not_end_a_consumer_loop(s3_source, s3_endpoint, tmp_path
     seen = tmp_path / "seen.txt"
     seen.touch()
     env = {**os.environ, "CACHEPIPE_SOCKET": str(sock), "SEEN": str(seen)}
-    script = f'cachepipe_cli() {{ {sys.executable} -m cachepipe.cli "$@"; }}\n' + LOOP
+    # the loop's commands wait for the restarted daemon as long as it may take on a loaded machine
+    # (DaemonProcess waits 60 s for READY=1), not the default 10 s
+    script = f'cachepipe_cli() {{ {sys.executable} -m cachepipe.cli "$@" --startup-timeout 60; }}\n' + LOOP
     with DaemonProcess(config) as first:
         loop = subprocess.Popen(["bash", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         with Client("train", sock, auto_ack=False) as client:

@@ -7,6 +7,7 @@ import io
 import socket
 
 import pytest
+from conftest import listed
 
 from cachepipe import ConfigError, Pipeline, StoreUnavailableError, StoreUnreachableError
 from cachepipe.errors import is_transient
@@ -202,11 +203,18 @@ def test_pipeline_retries_the_engines_transient_errors_without_corruption(s3_sou
     """The fetcher's retries see the engine's errors: bodies cut mid-way and throttling."""
     proxy, endpoint = fault_proxy
     data = s3_source.folders(4, {"f": 200 * KIB})
+    manifest = listed(s3_source, tmp_path)
+    proxy.inject("cut", 3)
+    proxy.inject("503", 2)
     with Pipeline(
-        s3_source.url, tmp_path / "c", "1MiB", storage_options=_options(endpoint), retry_backoff=0.01, max_concurrency=2
+        s3_source.url,
+        tmp_path / "c",
+        "1MiB",
+        storage_options=_options(endpoint),
+        manifest=manifest,
+        retry_backoff=0.01,
+        max_concurrency=2,
     ) as pipe:
-        proxy.inject("cut", 3)
-        proxy.inject("503", 2)
         got = {p.name: (p / "f").read_bytes() for p in pipe}
         stats = pipe.stats()
     assert got == {name: files["f"] for name, files in data.items()}
@@ -219,16 +227,17 @@ def test_download_worker_processes_use_the_engine_and_send_its_errors_back(s3_so
     the process boundary classified (retried here) and keeping the store code."""
     proxy, endpoint = fault_proxy
     data = s3_source.folders(3, {"f": 20 * KIB})
+    proxy.inject("503", 2)
     with Pipeline(
         s3_source.url,
         tmp_path / "c",
         "1MiB",
         storage_options=_options(endpoint),
+        manifest=listed(s3_source, tmp_path),
         retry_backoff=0.01,
         max_concurrency=2,
         download_processes=1,
     ) as pipe:
-        proxy.inject("503", 2)
         got = {p.name: (p / "f").read_bytes() for p in pipe}
         stats = pipe.stats()
     assert got == {name: files["f"] for name, files in data.items()}

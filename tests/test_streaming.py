@@ -64,7 +64,8 @@ def test_first_items_arrive_while_the_listing_is_still_going(memory_data, tmp_pa
     with Pipeline(ROOT, tmp_path / "c", "1MiB", store=store) as pipe:
         first = pipe.get(timeout=30)
         assert first.name == "item00000" and (first / "f").read_bytes() == b"\x00" * 10
-        assert store.blocked.is_set() and not store.gate.is_set()  # delivered before the listing ended
+        # delivered before the listing ended: it cannot end while the gate is shut, and the lister gets there
+        assert store.blocked.wait(30) and not store.gate.is_set()
         assert pipe.stats().items_listed <= FIRST_PAGE_OBJECTS + 10
         pipe.ack(first)
         store.gate.set()
