@@ -83,11 +83,19 @@ def test_capacity_beyond_the_disk_is_warned_about(s3_source, tmp_path, caplog):
 
 
 @contextlib.contextmanager
-def immutable(path, moved_to):
+def immutable(path, moved_to, content=None):
     """``chattr +i``: not even root may unlink the file (a filesystem fault, not a patch).
-    ``moved_to()``: where the file may be by the end, to make it mutable again."""
-    if subprocess.run(["chattr", "+i", str(path)], capture_output=True, check=False).returncode != 0:
-        pytest.skip(f"chattr +i is not supported on the filesystem of {path}")
+    ``moved_to()``: where the file may be by the end, to make it mutable again. ``content``: the
+    bytes the file holds once immutable, written first; a download retrying into it may truncate
+    it (its open has O_TRUNC) until it is immutable, so it is written again until it holds them."""
+    while True:
+        if content is not None:
+            path.write_bytes(content)
+        if subprocess.run(["chattr", "+i", str(path)], capture_output=True, check=False).returncode != 0:
+            pytest.skip(f"chattr +i is not supported on the filesystem of {path}")
+        if content is None or path.stat().st_size == len(content):
+            break
+        subprocess.run(["chattr", "-i", str(path)], capture_output=True, check=False)
     try:
         yield
     finally:
@@ -146,8 +154,7 @@ def _staging_that_cannot_be_deleted(s3_source, fault_proxy, tmp_path, caplog, ch
         pipe.ack(first)
         wait_until(lambda: any(staging.glob("[0-9]*/f")))
         stuck = next(staging.glob("[0-9]*/f"))
-        stuck.write_bytes(b"p" * (512 * KIB))  # as if a part had been written
-        with immutable(stuck, list):
+        with immutable(stuck, list, content=b"p" * (512 * KIB)):  # as if a part had been written
             proxy.clear()
             wait_until(lambda: "could not delete" in caplog.text)
             second = pipe.get(timeout=30)
