@@ -99,16 +99,13 @@ def _object_gets(proxy, size):
 def test_an_item_restarted_after_an_etag_mismatch_keeps_its_place_in_line(s3_source, fault_proxy, tmp_path):
     """The consumers' next item, restarted after its body did not match its ETag, is fetched
     again before the items behind it, not after every item started meanwhile."""
-    from cachepipe.manifest import index
-
     proxy, endpoint = fault_proxy
     data = s3_source.folders(4, {"f": 30 * KIB})
-    manifest = tmp_path / "m.gz"
-    index(s3_source.url, manifest, storage_options=s3_source.options)  # the listing does not take the fault
+    manifest = listed(s3_source, tmp_path)  # the listing does not take the fault
     proxy.inject("corrupt", 1)  # the first GET: item000's
     options = via(s3_source, endpoint)
     with Pipeline(
-        s3_source.url, tmp_path / "c", "1MiB", storage_options=options, manifest=str(manifest), verify="etag", max_concurrency=1
+        s3_source.url, tmp_path / "c", "1MiB", storage_options=options, manifest=manifest, verify="etag", max_concurrency=1
     ) as pipe:
         got = {p.name: (p / "f").read_bytes() for p in pipe}
     assert got == {name: files["f"] for name, files in data.items()}
