@@ -36,13 +36,14 @@ import os
 import socket as _socket
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 from .errors import CachePipeError, UnknownItemError
-from .items import PathItem
+from .items import ACK_AT_ONCE, HOLD_SECONDS, LoopPace, PathItem
 
 __all__ = ["DEFAULT_SOCKET", "DEFAULT_STARTUP_TIMEOUT", "Client", "ServedItem", "ServiceError", "default_socket"]
 
@@ -244,29 +245,74 @@ class Client:
 
     # ---- consuming -------------------------------------------------------------------
     def __iter__(self) -> Iterator[ServedItem]:
-        """Yield items until every item was delivered; opens the client if needed and closes it after."""
+        """Yield items until every item was delivered; opens the client if needed and closes it after.
+
+        A loop whose body is quick takes the items ready in batches, one request each (as
+        :meth:`~cachepipe.Pipeline.__iter__` does: about 5 ms of the body's work, at most 64 items;
+        one at a time while the body is slower). With ``auto_ack``, the items the loop moved past
+        are acknowledged by the request that takes the next batch (an item of 1 MiB or more at
+        once, by a request of its own). A batch held longer than a second (the body slowed down)
+        is given back rather than held while its leases run.
+        """
         owner = self._state == _UNOPENED
         if owner:
             self.open()
+        held: deque[ServedItem] = deque()  # taken in one batch, not yet yielded
+        done: list[ServedItem] = []  # the loop moved past them: acknowledged with the next request
         last: ServedItem | None = None
+        pace, taken = LoopPace(), 0.0
         try:
             while True:
-                ack = None
                 if last is not None and self.auto_ack:
-                    ack, last = last, None  # sent with the next request: attempted exactly once
-                item = self._take(self.timeout, ack)
-                if item is None:
-                    return
-                last = item
-                yield item
+                    done.append(last)
+                    last = None
+                if held and time.monotonic() - taken > HOLD_SECONDS:
+                    self._give_back(list(held))  # the acks ride on the request below
+                    held.clear()
+                elif held and done and done[-1].size >= ACK_AT_ONCE:
+                    acks, done = done, []
+                    self.ack_many(acks)
+                if not held:
+                    acks, done = done, []  # sent with the next request: attempted exactly once
+                    batch = self.get_many(pace.batch(), self.timeout, ack=acks)
+                    if not batch:
+                        return
+                    held.extend(batch)
+                    taken = time.monotonic()
+                last = held.popleft()
+                pace.started()
+                yield last
+                pace.ended()
         finally:
-            if last is not None and self.auto_ack and self._state == _OPEN:
+            if self._state == _OPEN:
                 try:
-                    self.release(last)  # the loop stopped inside this item: give it back, not evict
+                    if done:
+                        self.ack_many(done)
                 except (UnknownItemError, ConnectionError, ServiceError) as exc:
-                    log.warning("could not release %s (it comes back after its lease_timeout): %s", last, exc)
+                    log.warning("could not acknowledge %d items the loop moved past (they come again): %s", len(done), exc)
+                try:  # the loop stopped inside ``last``: give it back, not evict; and those not yet yielded
+                    self._give_back(([last] if last is not None and self.auto_ack else []) + list(held))
+                except (ConnectionError, ServiceError) as exc:
+                    log.warning("could not release the loop's items (they come back after their lease_timeout): %s", exc)
             if owner:
                 self.close()
+
+    def _give_back(self, items: list[ServedItem]) -> None:
+        """Release ``items``, by one request; if one's lease expired meanwhile (it went back to
+        the queue anyway), the others one by one."""
+        if not items:
+            return
+        bodies = _ack_bodies(items)
+        status, data = self._request("POST", "/v1/release", {"items": bodies}, self.request_timeout)
+        if status == 200:
+            return
+        if status != 409:
+            self._raise_for(status, data)
+        for item in items:
+            try:
+                self.release(item)
+            except UnknownItemError:
+                log.info("%s went back to the queue before it was released (its lease expired)", item.path)
 
     def get(self, timeout: float | None = None) -> ServedItem | None:
         """Take the next item (leased until :meth:`ack`/:meth:`release` or ``lease_timeout``);

@@ -10,6 +10,7 @@ with a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import http.client
 import io
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -829,3 +831,57 @@ def test_benchmark_batched_only_smoke(tmp_path, consumers):
     (row,) = report["parallel"]
     assert row["batch"] == 64 and row["items"] == 60 and row["items_per_s"] > 0
     assert row["deletion_floor_items_per_s"] > 0 and row["of_floor"] > 0
+
+
+def next_requests(client: Client) -> float:
+    """``next`` requests the daemon answered, from its metrics."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in client.metrics().splitlines()
+        if line.startswith("cachepipe_api_requests_total{") and 'route="next"' in line
+    )
+
+
+@contextlib.contextmanager
+def all_ready(n: int, s3_source, s3_endpoint, tmp_path: Path, sock: Path) -> Iterator[Client]:
+    """A daemon serving ``n`` tiny folders as 'train', all downloaded; yields a client to watch it."""
+    s3_source.folders(n, {"f": 10})
+    with DaemonProcess(write_config(tmp_path, sock, s3_endpoint, {"train": {}})), Client("train", sock) as probe:
+        wait_until(lambda: stats(probe)["items_ready"] == n)
+        yield probe
+
+
+def test_a_quick_client_loop_takes_batches_acks_them_with_the_next_request_and_gives_back_what_it_did_not_reach(
+    s3_source, s3_endpoint, tmp_path, short_dir
+):
+    names = [f"item{i:03d}" for i in range(40)]
+    sock = short_dir / "api.sock"
+    with all_ready(40, s3_source, s3_endpoint, tmp_path, sock) as probe:
+        first = []
+        for item in Client("train", sock, timeout=60, markers=False):
+            first.append(item.name)
+            if len(first) == 10:
+                held = stats(probe)["items_handed"] - 10
+                break
+        assert held > 0  # it stopped inside a batch
+        got = stats(probe)
+        assert got["items_acked"] == 9 and got["items_released"] == 1 + held
+        before = next_requests(probe)
+        rest = [item.name for item in Client("train", sock, timeout=60, markers=False)]
+        assert first + rest[1:] == names and rest[0] == first[-1]  # the item it stopped in comes again, then the rest
+        assert next_requests(probe) - before <= 31 // 4  # one per item and one for the end, before batches
+        assert stats(probe)["items_acked"] == 40
+
+
+def test_a_client_loop_that_slows_down_gives_its_batch_back(s3_source, s3_endpoint, tmp_path, short_dir):
+    sock = short_dir / "api.sock"
+    with all_ready(20, s3_source, s3_endpoint, tmp_path, sock) as probe:
+        seen = []
+        for item in Client("train", sock, timeout=60, markers=False):
+            seen.append(item.name)
+            if len(seen) == 3:
+                held = stats(probe)["items_handed"] - 3
+                threading.Event().wait(1.5)  # longer than HOLD_SECONDS: the batch's leases have run meanwhile
+        assert held > 0 and seen == [f"item{i:03d}" for i in range(20)]
+        got = stats(probe)
+        assert got["items_acked"] == 20 and got["items_released"] == held  # given back at once, not held on
