@@ -43,7 +43,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from .errors import CachePipeError, UnknownItemError
-from .items import ACK_AT_ONCE, HOLD_SECONDS, LoopPace, PathItem
+from .items import ACK_AT_ONCE, HOLD, LoopPace, PathItem
 
 __all__ = ["DEFAULT_SOCKET", "DEFAULT_STARTUP_TIMEOUT", "Client", "ServedItem", "ServiceError", "default_socket"]
 
@@ -247,12 +247,17 @@ class Client:
     def __iter__(self) -> Iterator[ServedItem]:
         """Yield items until every item was delivered; opens the client if needed and closes it after.
 
-        A loop whose body is quick takes the items ready in batches, one request each (as
-        :meth:`~cachepipe.Pipeline.__iter__` does: about 5 ms of the body's work, at most 64 items;
-        one at a time while the body is slower). With ``auto_ack``, the items the loop moved past
-        are acknowledged by the request that takes the next batch (an item of 1 MiB or more at
-        once, by a request of its own). A batch held longer than a second (the body slowed down)
-        is given back rather than held while its leases run.
+        With ``auto_ack``, a loop whose body is quick takes the items ready in batches, one
+        request each (:func:`~cachepipe.items.iter_batch`: about 5 ms of the body's work, at most
+        64 items; one at a time for a body over 2.5 ms), and the items it moved past are
+        acknowledged by the request that takes the next batch (an item of 1 MiB or more at once,
+        by a request of its own). A batch not used up within :data:`~cachepipe.items.HOLD`
+        (the body slowed down) is ended early: the items moved past are acknowledged and the
+        others given back, so no lease waits on the loop much longer than one body. An ack
+        refused (the item was acked by hand, or its lease expired) does not hold back the
+        others: they are acknowledged one by one, then the refusal is raised. Breaking out of
+        the loop acknowledges what it moved past and gives back the item it stopped in and
+        those it did not reach.
         """
         owner = self._state == _UNOPENED
         if owner:
@@ -266,15 +271,21 @@ class Client:
                 if last is not None and self.auto_ack:
                     done.append(last)
                     last = None
-                if held and time.monotonic() - taken > HOLD_SECONDS:
-                    self._give_back(list(held))  # the acks ride on the request below
-                    held.clear()
-                elif held and done and done[-1].size >= ACK_AT_ONCE:
+                if held and done and (time.monotonic() - taken > HOLD or done[-1].size >= ACK_AT_ONCE):
                     acks, done = done, []
-                    self.ack_many(acks)
+                    self._ack_each(acks)
+                    if time.monotonic() - taken > HOLD:
+                        self._give_back(list(held))
+                        held.clear()
                 if not held:
                     acks, done = done, []  # sent with the next request: attempted exactly once
-                    batch = self.get_many(pace.batch(), self.timeout, ack=acks)
+                    try:
+                        batch = self.get_many(pace.batch() if self.auto_ack else 1, self.timeout, ack=acks)
+                    except UnknownItemError:
+                        if len(acks) < 2:
+                            raise
+                        self._ack_each(acks)  # nothing was taken: ack the others, raise the refusal
+                        batch = self.get_many(pace.batch(), self.timeout)
                     if not batch:
                         return
                     held.extend(batch)
@@ -286,10 +297,9 @@ class Client:
         finally:
             if self._state == _OPEN:
                 try:
-                    if done:
-                        self.ack_many(done)
+                    self._ack_each(done)
                 except (UnknownItemError, ConnectionError, ServiceError) as exc:
-                    log.warning("could not acknowledge %d items the loop moved past (they come again): %s", len(done), exc)
+                    log.warning("could not acknowledge the items the loop moved past (they come again): %s", exc)
                 try:  # the loop stopped inside ``last``: give it back, not evict; and those not yet yielded
                     self._give_back(([last] if last is not None and self.auto_ack else []) + list(held))
                 except (ConnectionError, ServiceError) as exc:
@@ -297,13 +307,32 @@ class Client:
             if owner:
                 self.close()
 
+    def _ack_each(self, items: list[ServedItem]) -> None:
+        """Acknowledge ``items`` by one request; if one is refused, the others one by one, then
+        raise the (first) refusal."""
+        if not items:
+            return
+        try:
+            self.ack_many(items)
+            return
+        except UnknownItemError:
+            if len(items) == 1:
+                raise
+        refused: UnknownItemError | None = None
+        for item in items:
+            try:
+                self.ack(item)
+            except UnknownItemError as exc:
+                refused = refused or exc
+        if refused is not None:
+            raise refused
+
     def _give_back(self, items: list[ServedItem]) -> None:
         """Release ``items``, by one request; if one's lease expired meanwhile (it went back to
         the queue anyway), the others one by one."""
         if not items:
             return
-        bodies = _ack_bodies(items)
-        status, data = self._request("POST", "/v1/release", {"items": bodies}, self.request_timeout)
+        status, data = self._request("POST", "/v1/release", {"items": _ack_bodies(items)}, self.request_timeout)
         if status == 200:
             return
         if status != 409:

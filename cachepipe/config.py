@@ -236,8 +236,7 @@ class PipelineConfig(BaseModel):
             this process) cannot be used with it.
         ordered: hand items out in listing order (default True); False: whichever is ready first.
         auto_ack: when the loop asks for the next item, the previous one is acknowledged and
-            evicted (default True; a quick loop over items under 1 MiB deletes them with their
-            batch, see :meth:`cachepipe.Pipeline.__iter__`). False: call ``ack``/``release`` yourself.
+            evicted (default True). False: call ``ack``/``release`` yourself.
         on_oversize: ``"raise"`` (default) an item larger than the capacity before anything is
             downloaded, or ``"skip"`` it with a warning in the log.
         on_error: ``"raise"`` (default) a failed item from the iterator, or ``"skip"`` it

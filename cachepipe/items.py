@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["ACK_AT_ONCE", "HOLD_SECONDS", "ITER_MOST", "ITER_WINDOW", "LoopPace", "PathItem", "iter_batch"]
+__all__ = ["ACK_AT_ONCE", "HOLD", "ITER_MOST", "ITER_WINDOW", "LoopPace", "PathItem", "iter_batch"]
 
 ITER_WINDOW = 0.005
 """Seconds of the loop body's work that one batch of the iterator covers (see :func:`iter_batch`)."""
@@ -16,8 +16,8 @@ ITER_MOST = 64
 """The most items the iterator takes at once."""
 
 ACK_AT_ONCE = 1024 * 1024
-"""Items of this many bytes or more are acknowledged as soon as the loop moves on, never with a
-batch: their space goes back to the producer at once."""
+"""The daemon client's iterator acknowledges an item of this many bytes or more as soon as the
+loop moves on, not with the next batch: its space goes back to the producer at once."""
 
 
 def iter_batch(body_seconds: float | None, window: float = ITER_WINDOW, most: int = ITER_MOST) -> int:
@@ -33,9 +33,10 @@ def iter_batch(body_seconds: float | None, window: float = ITER_WINDOW, most: in
     return max(1, min(most, int(window / body_seconds)))
 
 
-HOLD_SECONDS = 1.0
-"""A batch the daemon's client iterator took longer ago than this is given back rather than
-held on (the loop body slowed down): its items' leases run on the daemon meanwhile."""
+HOLD = 4 * ITER_WINDOW
+"""Seconds the daemon client's iterator keeps a batch: one not used up by then (the loop's body
+slowed down) is ended early, its items moved past acknowledged and the others given back, so that
+their leases do not wait on the loop."""
 
 
 class LoopPace:

