@@ -252,12 +252,14 @@ class Client:
         64 items; one at a time for a body over 2.5 ms), and the items it moved past are
         acknowledged by the request that takes the next batch (an item of 1 MiB or more at once,
         by a request of its own). A batch not used up within :data:`~cachepipe.items.HOLD`
-        (the body slowed down) is ended early: the items moved past are acknowledged and the
-        others given back, so no lease waits on the loop much longer than one body. An ack
-        refused (the item was acked by hand, or its lease expired) does not hold back the
-        others: they are acknowledged one by one, then the refusal is raised. Breaking out of
-        the loop acknowledges what it moved past and gives back the item it stopped in and
-        those it did not reach.
+        (the body slowed down) is ended when the loop next moves on: the items moved past are
+        acknowledged and the others given back. An ack refused (the item was acked by hand, or
+        its lease expired) does not hold back the others: they are acknowledged one by one,
+        then the refusal is raised. Breaking out of the loop acknowledges what it moved past and
+        gives back the item it stopped in and those it did not reach. If the acks waiting for
+        the next request are lost (this process dies, the daemon restarts, the request fails),
+        up to a batch of items the loop moved past come again after their leases, one before
+        batches.
         """
         owner = self._state == _UNOPENED
         if owner:
@@ -275,8 +277,8 @@ class Client:
                     acks, done = done, []
                     self._ack_each(acks)
                     if time.monotonic() - taken > HOLD:
-                        self._give_back(list(held))
-                        held.clear()
+                        back, held = list(held), deque()
+                        self._give_back(back)
                 if not held:
                     acks, done = done, []  # sent with the next request: attempted exactly once
                     try:
@@ -298,7 +300,9 @@ class Client:
             if self._state == _OPEN:
                 try:
                     self._ack_each(done)
-                except (UnknownItemError, ConnectionError, ServiceError) as exc:
+                except UnknownItemError as exc:  # the others were acknowledged
+                    log.warning("an item the loop moved past could not be acknowledged: %s", exc)
+                except (ConnectionError, ServiceError) as exc:
                     log.warning("could not acknowledge the items the loop moved past (they come again): %s", exc)
                 try:  # the loop stopped inside ``last``: give it back, not evict; and those not yet yielded
                     self._give_back(([last] if last is not None and self.auto_ack else []) + list(held))

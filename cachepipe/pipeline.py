@@ -519,9 +519,11 @@ class Pipeline:
         most 64 items; one at a time for a body over 2.5 ms): one lock round and wake-up per
         batch. Each item is still acknowledged when the loop asks for the next. The items of a
         batch not yet yielded are given back when the loop stops (``break``, an error, the
-        iterator closed or collected); until then they are this loop's, about 5 ms of its work:
-        another loop over the same pipeline does not get them, and may end first. Close an
-        iterator you stop using before starting another (``with``, or ``contextlib.closing``)."""
+        iterator closed or collected); until then they are this loop's (about 5 ms of its body's
+        work, however long it pauses between items): another loop over the same pipeline does
+        not get them, and may end first. Close an iterator you stop using before starting
+        another (``with``, or ``contextlib.closing``). ``stats().items_handed`` counts them when
+        taken, and ``items_released`` when given back."""
         owner = self._state == _UNOPENED
         if owner:
             self.open()
