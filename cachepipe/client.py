@@ -43,7 +43,7 @@ from typing import Any
 from urllib.parse import quote, urlsplit
 
 from .errors import CachePipeError, UnknownItemError
-from .items import ACK_AT_ONCE, HOLD, LoopPace, PathItem
+from .items import PathItem
 
 __all__ = ["DEFAULT_SOCKET", "DEFAULT_STARTUP_TIMEOUT", "Client", "ServedItem", "ServiceError", "default_socket"]
 
@@ -78,6 +78,59 @@ class ServiceError(CachePipeError):
 
 MAX_BATCH = 1024
 """The most items one request takes or acknowledges (the daemon refuses more)."""
+
+
+ITER_WINDOW = 0.005
+"""Seconds of the loop body's work that one batch of ``for item in Client(...)`` covers (see
+:func:`iter_batch`)."""
+
+ITER_MOST = 64
+"""The most items ``for item in Client(...)`` takes in one request."""
+
+ACK_AT_ONCE = 1024 * 1024
+"""The iterator acknowledges an item of this many bytes or more as soon as the loop moves on, not
+with the next batch: its space goes back to the producer at once."""
+
+
+def iter_batch(body_seconds: float | None, window: float = ITER_WINDOW, most: int = ITER_MOST) -> int:
+    """How many items ``for item in Client(...)`` takes in one request, for a loop whose body
+    spends ``body_seconds`` per item (a moving average; None before the first item): as many as
+    it gets through in ``window`` seconds, from 1 to ``most``. A loop that reads a large item or
+    trains on it takes one at a time; one that only lists paths takes up to ``most``, paying a
+    request (and the daemon's lock rounds and journal write) once per batch instead of once per
+    item."""
+    if body_seconds is None:
+        return 1
+    if body_seconds <= 0:
+        return most
+    return max(1, min(most, int(window / body_seconds)))
+
+
+HOLD = 4 * ITER_WINDOW
+"""Seconds the iterator keeps a batch: one not used up by then (the loop's body slowed down) is
+ended when the loop next moves on, its items moved past acknowledged and the others given back."""
+
+
+class LoopPace:
+    """The iterator's measure of its loop's body: :meth:`started` as it yields an item,
+    :meth:`ended` when the loop asks for the next; :meth:`batch` is :func:`iter_batch` for the
+    moving average (a weight of 1/4 for the newest) of the seconds the body spent per item."""
+
+    __slots__ = ("_at", "seconds")
+
+    def __init__(self) -> None:
+        self.seconds: float | None = None
+        self._at = 0.0
+
+    def started(self) -> None:
+        self._at = time.monotonic()
+
+    def ended(self) -> None:
+        spent = time.monotonic() - self._at
+        self.seconds = spent if self.seconds is None else self.seconds + (spent - self.seconds) / 4
+
+    def batch(self) -> int:
+        return iter_batch(self.seconds)
 
 
 def _ack_bodies(items: Sequence[str | os.PathLike[str]]) -> list[dict[str, Any]]:
@@ -248,10 +301,10 @@ class Client:
         """Yield items until every item was delivered; opens the client if needed and closes it after.
 
         With ``auto_ack``, a loop whose body is quick takes the items ready in batches, one
-        request each (:func:`~cachepipe.items.iter_batch`: about 5 ms of the body's work, at most
+        request each (:func:`iter_batch`: about 5 ms of the body's work, at most
         64 items; one at a time for a body over 2.5 ms), and the items it moved past are
         acknowledged by the request that takes the next batch (an item of 1 MiB or more at once,
-        by a request of its own). A batch not used up within :data:`~cachepipe.items.HOLD`
+        by a request of its own). A batch not used up within :data:`HOLD`
         (the body slowed down) is ended when the loop next moves on: the items moved past are
         acknowledged and the others given back. An ack refused (the item was acked by hand, or
         its lease expired) does not hold back the others: they are acknowledged one by one,

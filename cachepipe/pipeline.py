@@ -9,7 +9,6 @@ import os
 import threading
 import time
 from array import array
-from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from .catalog import Catalog, Item, Names
 from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_capacity, small_capacity
 from .errors import ConfigError, EmptySourceError, OversizeError, UnknownItemError
 from .fetcher import Fetcher, backoff_delay
-from .items import LoopPace, PathItem
+from .items import PathItem
 from .listing import StreamingListing
 from .plan import Cursor, Frontier, GrowingPlan, Plan, Step, default_rank_world
 from .plan import tick as plan_tick
@@ -512,55 +511,30 @@ class Pipeline:
     # ---- consuming -------------------------------------------------------------------
     def __iter__(self) -> Iterator[CachedItem]:
         """Yield items until all are delivered. Opens the pipeline if needed, and then closes it
-        when the loop ends (prefer ``with`` so that ``break`` and errors close it at once).
-
-        With ``auto_ack`` (and no ``lease_timeout``), a loop whose body is quick takes the items
-        ready in batches (:func:`~cachepipe.items.iter_batch`: about 5 ms of the body's work, at
-        most 64 items; one at a time for a body over 2.5 ms): one lock round and wake-up per
-        batch. Each item is still acknowledged when the loop asks for the next. The items of a
-        batch not yet yielded are given back when the loop stops (``break``, an error, the
-        iterator closed or collected); until then they are this loop's (about 5 ms of its body's
-        work, however long it pauses between items): another loop over the same pipeline does
-        not get them, and may end first. Close an iterator you stop using before starting
-        another (``with``, or ``contextlib.closing``). ``stats().items_handed`` counts them when
-        taken, and ``items_released`` when given back."""
+        when the loop ends (prefer ``with`` so that ``break`` and errors close it at once)."""
         owner = self._state == _UNOPENED
         if owner:
             self.open()
-        held: deque[CachedItem] = deque()  # taken in one batch, not yet yielded
         last: CachedItem | None = None
-        pace = LoopPace()
-        batching = self.config.auto_ack and self.config.lease_timeout is None
         try:
             while True:
                 if last is not None and self.config.auto_ack:
-                    done, last = last, None
-                    self.ack(done)
-                if not held:
-                    try:
-                        held.extend(self.get_many(pace.batch() if batching else 1))
-                    except RuntimeError:
-                        if self._state == _CLOSED:
-                            return  # closed by another thread
-                        raise
-                    if not held:
-                        return
-                last = held.popleft()
-                pace.started()
+                    self.ack(last)
+                    last = None
+                try:
+                    last = self.get()
+                except RuntimeError:
+                    if self._state == _CLOSED:
+                        return  # closed by another thread
+                    raise
+                if last is None:
+                    return
                 yield last
-                pace.ended()
         finally:
-            if self._state == _OPEN:
-                self._give_back(held)
-                if last is not None and self.config.auto_ack:
-                    self.release(last)  # the loop stopped inside this item: give it back, not evict
+            if last is not None and self.config.auto_ack and self._state == _OPEN:
+                self.release(last)  # the loop stopped inside this item: give it back, not evict
             if owner:
                 self.close()
-
-    def _give_back(self, held: deque[CachedItem]) -> None:
-        """Release the items an iterator took and did not yield (none of them was seen)."""
-        while held:
-            self.release(held.pop())  # the last first: each goes back in its turn anyway
 
     def get(self, timeout: float | None = None) -> CachedItem | None:
         """Take the next item (leased until :meth:`ack` or :meth:`release`); None when all are delivered.

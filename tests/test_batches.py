@@ -1,11 +1,7 @@
-"""Hand-out and acknowledgement in batches: ``get_many`` and ``ack_many``, and the iterator's
-batches (issue #19, item 4)."""
+"""Hand-out and acknowledgement in batches: ``get_many`` and ``ack_many``, and how the daemon
+client's iterator sizes its batches (issue #19, item 4)."""
 
 from __future__ import annotations
-
-import os
-import threading
-from pathlib import Path
 
 import pytest
 from crashfs import CrashFs
@@ -13,7 +9,7 @@ from waiting import wait_until
 
 from cachepipe import ItemFailedError, Pipeline, UnknownItemError
 from cachepipe.cache import STATE_DIR
-from cachepipe.items import ITER_MOST, iter_batch
+from cachepipe.client import ITER_MOST, iter_batch
 from cachepipe.node import NodePipeline
 
 
@@ -116,108 +112,10 @@ def test_bad_batch_sizes_and_node_pipelines_are_refused(s3_source, tmp_path):
         node.get_many(4)
 
 
-def test_iter_batch_covers_a_few_milliseconds_of_the_loop_body():
+def test_iter_batch_covers_a_few_milliseconds_of_the_loop_body():  # Client.__iter__'s batches
     assert iter_batch(None) == 1  # nothing known yet: one
     assert iter_batch(0.0) == ITER_MOST
     assert iter_batch(1e-6) == ITER_MOST  # capped
     assert iter_batch(0.001, window=0.005) == 5
     assert iter_batch(0.004, window=0.005) == 1
     assert iter_batch(0.25) == 1  # a training step per item: one at a time, as before
-
-
-def tiny_folders(root: Path, n: int) -> list[str]:
-    names = [f"i{i:03d}" for i in range(n)]
-    for name in names:
-        (root / name).mkdir(parents=True)
-        (root / name / "f").write_bytes(b"x")
-    return names
-
-
-def test_a_quick_loop_takes_items_in_batches_and_acks_each_as_it_moves_on(tmp_path):
-    """A loop body of microseconds: the iterator takes the ready items up to 64 at a time, and
-    each item is still acknowledged, journaled and deleted when the loop moves on (state_dict()
-    and a crash resume after it)."""
-    names = tiny_folders(tmp_path / "src", 200)
-    cache = tmp_path / "c"
-    seen, previous, ahead = [], None, 0
-    with Pipeline(str(tmp_path / "src"), cache, "1MiB") as pipe:
-        wait_until(lambda: pipe.stats().items_ready == 200)
-        for item in pipe:
-            seen.append(item.name)
-            if previous is not None:
-                assert not previous.path.exists()
-            previous = item
-            ahead = max(ahead, pipe.stats().items_handed - len(seen))
-            if len(seen) == 100:
-                assert pipe.state_dict()["index"] == 99  # every item the loop moved past, none after
-                acks = [line for line in journal_lines(cache) if line.startswith("A ")]
-                assert len(acks) == 99
-        assert pipe.stats().items_acked == 200
-    assert ahead > 0  # items were taken ahead of the loop: batches
-    assert seen == names
-    assert os.listdir(cache) == [STATE_DIR]
-
-
-def test_a_loop_that_stops_inside_a_batch_gives_back_the_items_it_did_not_reach(tmp_path):
-    names = tiny_folders(tmp_path / "src", 100)
-    with Pipeline(str(tmp_path / "src"), tmp_path / "c", "1MiB") as pipe:
-        wait_until(lambda: pipe.stats().items_ready == 100)
-        first = []
-        for item in pipe:
-            first.append(item.name)
-            if len(first) == 30:
-                held = pipe.stats().items_handed - len(first)
-                break
-        assert held > 0  # it stopped inside a batch: items were taken and not yet yielded
-        stats = pipe.stats()
-        assert stats.items_acked == 29 and stats.items_released == 1 + held
-        rest = [item.name for item in pipe]
-        assert pipe.stats().items_acked == 100
-    assert first + rest[1:] == names and rest[0] == first[-1]  # the item it stopped in comes again, then the rest
-
-
-def test_a_slow_loop_leases_or_manual_acks_take_one_item_at_a_time(tmp_path):
-    tiny_folders(tmp_path / "src", 6)
-    pause = threading.Event()
-    for options in ({}, {"lease_timeout": 3600}, {"auto_ack": False}):
-        with Pipeline(str(tmp_path / "src"), tmp_path / "c", "1MiB", **options) as pipe:
-            wait_until(lambda pipe=pipe: pipe.stats().items_ready == 6)
-            for count, item in enumerate(pipe, 1):
-                assert pipe.stats().items_handed == count, options  # nothing taken ahead of the loop
-                if not options:
-                    pause.wait(0.01)  # 10 ms an item: more than a batch's window
-                if options.get("auto_ack") is False:
-                    pipe.ack(item)
-
-
-def test_items_of_a_mebibyte_or_more_are_deleted_as_the_loop_moves_on_even_in_a_batch(tmp_path):
-    for i in range(5):
-        (tmp_path / "src" / f"v{i}").mkdir(parents=True)
-        (tmp_path / "src" / f"v{i}" / "video.mp4").write_bytes(b"v" * 2**20)
-    previous, ahead = None, 0
-    with Pipeline(str(tmp_path / "src"), tmp_path / "c", "8MiB") as pipe:
-        wait_until(lambda: pipe.stats().items_ready == 5)
-        for count, item in enumerate(pipe, 1):
-            ahead = max(ahead, pipe.stats().items_handed - count)
-            if previous is not None:
-                assert not previous.path.exists()  # its space goes back to the producer at once
-            previous = item
-        assert ahead > 0 and pipe.stats().items_acked == 5  # taken in a batch, acked one by one
-
-
-def test_an_item_acked_by_hand_in_a_quick_loop_is_refused_at_once_and_its_batch_comes_next_time(tmp_path):
-    names = tiny_folders(tmp_path / "src", 40)
-    seen = []
-
-    def loop(pipe: Pipeline) -> None:
-        for item in pipe:
-            seen.append(item.name)
-            if len(seen) == 5:
-                pipe.ack(item)
-
-    with Pipeline(str(tmp_path / "src"), tmp_path / "c", "1MiB") as pipe:
-        wait_until(lambda: pipe.stats().items_ready == 40)
-        with pytest.raises(UnknownItemError, match="i004"):  # auto_ack acks it again: refused, as before batches
-            loop(pipe)
-        assert seen == names[:5] and pipe.stats().items_acked == 5
-        assert [item.name for item in pipe] == names[5:]  # what the loop took ahead was given back
