@@ -301,18 +301,17 @@ class Client:
         """Yield items until every item was delivered; opens the client if needed and closes it after.
 
         With ``auto_ack``, a loop whose body is quick takes the items ready in batches, one
-        request each (:func:`iter_batch`: about 5 ms of the body's work, at most
-        64 items; one at a time for a body over 2.5 ms), and the items it moved past are
-        acknowledged by the request that takes the next batch (an item of 1 MiB or more at once,
-        by a request of its own). A batch not used up within :data:`HOLD`
-        (the body slowed down) is ended when the loop next moves on: the items moved past are
-        acknowledged and the others given back. An ack refused (the item was acked by hand, or
-        its lease expired) does not hold back the others: they are acknowledged one by one,
-        then the refusal is raised. Breaking out of the loop acknowledges what it moved past and
-        gives back the item it stopped in and those it did not reach. If the acks waiting for
-        the next request are lost (this process dies, the daemon restarts, the request fails),
-        up to a batch of items the loop moved past come again after their leases, one before
-        batches.
+        request each (:func:`iter_batch`: about 5 ms of the body's work, at most 64 items; one at
+        a time for a body over 2.5 ms), and the items it moved past are acknowledged by the
+        request that takes the next batch (an item of 1 MiB or more at once, by a request of its
+        own). A batch not used up within :data:`HOLD` (the body slowed down) is ended when the
+        loop next moves on: the items moved past are acknowledged and the others given back.
+        An ack refused (the item was acked by hand, or its lease expired) does not hold back the
+        others: they are acknowledged one by one, then the refusal is raised. Breaking out of
+        the loop acknowledges what it moved past and gives back the item it stopped in and those
+        it did not reach. If the acks waiting for the next request are lost (this process dies,
+        the daemon restarts, the request fails), up to a batch of items the loop moved past come
+        again after their leases, one before batches.
         """
         owner = self._state == _UNOPENED
         if owner:
