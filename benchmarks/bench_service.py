@@ -8,13 +8,15 @@ caches, capacity far above the dataset; ``batch`` alone with ``--batched-only``,
 download time is excluded), it measures:
 
 1. round trips from one client (:class:`cachepipe.client.Client`, one keep-alive connection):
-   ``next`` then ``ack`` as two requests, ``--round-trips`` times; then ``next`` carrying the
-   previous item's ack (what ``for item in Client(...)`` does), for the rest of the items.
+   ``next`` then ``ack`` as two requests, ``--round-trips`` times; then ``next`` of one item
+   carrying the previous item's ack (``get_many(1, ack=[previous])``; what ``for item in
+   Client(...)`` did for every item before it took batches), for the rest of the items.
    Before them, ``--shell`` items taken as a shell loop does: ``cachepipe next`` then
    ``cachepipe ack``, a process each. Reported as p50/p99/mean in microseconds per item.
 2. items/s sustained by ``--consumers`` consumer processes in parallel until a pipeline is
-   exhausted, twice: each iterating ``Client("par")`` (auto-ack: one item per request, each ack
-   carried by the next), then each taking ``--batch`` items per request from pipeline ``batch``
+   exhausted, twice: each looping ``for item in Client("par")`` (auto-ack; the loop takes batches
+   sized by its body, here up to 64 items a request, their acks carried by the next), then each
+   taking ``--batch`` items per request from pipeline ``batch``
    (``Client.get_many``, each batch acknowledged by the next request). All processes start on
    one signal once connected; the time is from that signal to the last consumer's last item.
    With the daemon's CPU microseconds per item over the same span, and the consumers' (their
@@ -164,12 +166,15 @@ def round_trips(sock: str, count: int) -> dict[str, dict[str, float]]:
                 take.append(t2 - t1)
                 ack.append(t3 - t2)
                 both.append(t3 - t1)
-    client = Client("rt", sock, timeout=30)  # the iterator piggybacks each ack on the next request
+    client = Client("rt", sock, timeout=30).open()
     t0 = time.perf_counter_ns()
-    for _item in client:
+    got = client.get_many(1, timeout=30)
+    while got:  # one item per request, each ack piggybacked on the next
+        got = client.get_many(1, timeout=30, ack=got)
         now = time.perf_counter_ns()
         combined.append(now - t0)
         t0 = now
+    client.close()
     return {
         "GET /v1/health (protocol floor)": percentiles(floor),
         "next (lease an item)": percentiles(take),
@@ -226,9 +231,10 @@ def _daemon_cpu(pid: int) -> float:
 def parallel(
     sock: str, consumers: int, items: int, pipeline: str, batch: int, daemon_pid: int, markers: bool = True
 ) -> dict[str, Any]:
-    """``consumers`` processes exhaust ``pipeline``, each taking one item per request (``batch``
-    1: the iterator, each ack carried by the next request) or up to ``batch`` (``get_many``,
-    each batch acknowledged by the next request); with the daemon's CPU seconds meanwhile.
+    """``consumers`` processes exhaust ``pipeline``, each looping ``for item in client`` (``batch``
+    1: the loop sizes its own batches, acks carried by the next request) or taking up to
+    ``batch`` per request (``get_many``, each batch acknowledged by the next request); with the
+    daemon's CPU seconds meanwhile.
     ``markers=False``: the consumers are ``Client(markers=False)`` (their items not watched)."""
     how = "markers" if markers else "api-acks"
     procs = [
@@ -456,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label:<44} {row['n']:>6} {row['p50_us']:>9} {row['p99_us']:>9} {row['mean_us']:>9}")
         print()
     for row in par:
-        how = "one item per request (the iterator)" if row["batch"] == 1 else f"get_many({row['batch']}), acks with the next"
+        how = "the loop (for item in client)" if row["batch"] == 1 else f"get_many({row['batch']}), acks with the next"
         print(
             f"{row['consumers']} consumer processes, {how}: {row['items']} items in {row['seconds']} s = "
             f"{row['items_per_s']} items/s, daemon CPU {row['daemon_cpu_us_per_item']} us/item, "

@@ -815,7 +815,7 @@ def test_benchmark_quick_smoke(tmp_path):
     out = _bench_service(tmp_path, "--quick")
     assert "next+ack" in out and "items/s" in out and "bench_service.py" in out
     assert "shell: cachepipe next, cachepipe ack" in out  # a process per call, as a shell loop pays
-    assert "one item per request" in out and "get_many(64)" in out
+    assert "the loop (for item in client)" in out and "get_many(64)" in out
     assert "deletion floor (2 plain threads" in out
 
 
