@@ -851,18 +851,27 @@ def all_ready(n: int, s3_source, s3_endpoint, tmp_path: Path, sock: Path) -> Ite
         yield probe
 
 
+def quick_loop(sock: Path, probe: Client, at: int, *, stop: bool = False, pause: float = 0.0) -> tuple[list[str], int]:
+    """Loop over 'train' with a body of microseconds; at the ``at``-th item, note how many items the
+    loop holds taken ahead, then stop there or pause ``pause`` seconds. Returns (names seen, held)."""
+    seen, held = [], 0
+    for item in Client("train", sock, timeout=60, markers=False):
+        seen.append(item.name)
+        if len(seen) == at:
+            held = stats(probe)["items_handed"] - at
+            if stop:
+                break
+            threading.Event().wait(pause)
+    return seen, held
+
+
 def test_a_quick_client_loop_takes_batches_acks_them_with_the_next_request_and_gives_back_what_it_did_not_reach(
     s3_source, s3_endpoint, tmp_path, short_dir
 ):
     names = [f"item{i:03d}" for i in range(40)]
     sock = short_dir / "api.sock"
     with all_ready(40, s3_source, s3_endpoint, tmp_path, sock) as probe:
-        first = []
-        for item in Client("train", sock, timeout=60, markers=False):
-            first.append(item.name)
-            if len(first) == 10:
-                held = stats(probe)["items_handed"] - 10
-                break
+        first, held = quick_loop(sock, probe, 10, stop=True)
         assert held > 0  # it stopped inside a batch
         got = stats(probe)
         assert got["items_acked"] == 9 and got["items_released"] >= 1 + held  # more if a batch was ended early (HOLD)
@@ -876,12 +885,7 @@ def test_a_quick_client_loop_takes_batches_acks_them_with_the_next_request_and_g
 def test_a_client_loop_that_slows_down_gives_its_batch_back(s3_source, s3_endpoint, tmp_path, short_dir):
     sock = short_dir / "api.sock"
     with all_ready(40, s3_source, s3_endpoint, tmp_path, sock) as probe:
-        seen = []
-        for item in Client("train", sock, timeout=60, markers=False):
-            seen.append(item.name)
-            if len(seen) == 10:
-                held = stats(probe)["items_handed"] - 10
-                threading.Event().wait(0.5)  # far longer than HOLD: the batch is ended when the loop moves on
+        seen, held = quick_loop(sock, probe, 10, pause=0.5)  # far longer than HOLD: the batch is ended when the loop moves on
         assert held > 0 and seen == [f"item{i:03d}" for i in range(40)]
         got = stats(probe)
         assert got["items_acked"] == 40 and got["items_released"] >= held  # given back, not held on
