@@ -386,18 +386,14 @@ class Client:
     def _give_back(self, items: list[ServedItem]) -> None:
         """Release ``items``, by one request; if one's lease expired meanwhile (it went back to
         the queue anyway), the others one by one."""
-        if not items:
-            return
-        status, data = self._request("POST", "/v1/release", {"items": _ack_bodies(items)}, self.request_timeout)
-        if status == 200:
-            return
-        if status != 409:
-            self._raise_for(status, data)
-        for item in items:
-            try:
-                self.release(item)
-            except UnknownItemError:
-                log.info("%s went back to the queue before it was released (its lease expired)", item.path)
+        try:
+            self._finish_many("release", items)
+        except UnknownItemError:
+            for item in items:
+                try:
+                    self.release(item)
+                except UnknownItemError:
+                    log.info("%s went back to the queue before it was released (its lease expired)", item.path)
 
     def get(self, timeout: float | None = None) -> ServedItem | None:
         """Take the next item (leased until :meth:`ack`/:meth:`release` or ``lease_timeout``);
@@ -449,10 +445,14 @@ class Client:
                 acknowledged (HTTP 409).
         """
         self._require_open()
+        self._finish_many("ack", items)
+
+    def _finish_many(self, verb: str, items: Sequence[str | os.PathLike[str]]) -> None:
+        """``POST /v1/ack`` or ``/v1/release`` of ``items`` in one request (raises as :meth:`ack_many`)."""
         bodies = _ack_bodies(items)
         if not bodies:
             return
-        status, data = self._request("POST", "/v1/ack", {"items": bodies}, self.request_timeout)
+        status, data = self._request("POST", f"/v1/{verb}", {"items": bodies}, self.request_timeout)
         if status != 200:
             self._raise_for(status, data)
 
