@@ -233,8 +233,10 @@ class Client:
             does not watch the items it takes for a ``.done`` marker, and a ``.done`` made in
             them is ignored (deleting them still acknowledges them). With the daemon's default
             ``markers: true``, each watch costs it about half of its work per item in a batched
-            hand-out (``docs/performance.md``). Default True: every item can be acknowledged by
-            a marker.
+            hand-out (``docs/performance.md``). Default True: every item taken by :meth:`get`
+            and :meth:`get_many` can be acknowledged by a marker. The items of ``for item in
+            client`` with ``auto_ack`` are never watched, whatever this says: the loop
+            acknowledges each of them itself (a marker could only race its ack).
         startup_timeout: seconds to keep trying while the daemon is not there to answer: its
             socket is missing or refuses connections (it is starting, or restarting), or it
             answers that it is stopping. Default 10; 0: fail at once. Only requests that
@@ -311,7 +313,9 @@ class Client:
         the loop acknowledges what it moved past and gives back the item it stopped in and those
         it did not reach. If the acks waiting for the next request are lost (this process dies,
         the daemon restarts, the request fails), up to a batch of items the loop moved past come
-        again after their leases, one before batches.
+        again after their leases, one before batches. With ``auto_ack`` the daemon does not
+        watch the loop's items for a ``.done`` (as with ``markers=False``): a ``.done`` made in
+        one is ignored; deleting one still acknowledges it (and the loop's own ack is refused).
         """
         owner = self._state == _UNOPENED
         if owner:
@@ -320,6 +324,7 @@ class Client:
         done: list[ServedItem] = []  # the loop moved past them: acknowledged with the next request
         last: ServedItem | None = None
         pace, taken = LoopPace(), 0.0
+        watched = self.markers and not self.auto_ack  # with auto_ack the loop acknowledges every item itself
         try:
             while True:
                 if last is not None and self.auto_ack:
@@ -334,12 +339,12 @@ class Client:
                 if not held:
                     acks, done = done, []  # sent with the next request: attempted exactly once
                     try:
-                        batch = self.get_many(pace.batch() if self.auto_ack else 1, self.timeout, ack=acks)
+                        batch = self._take_many(pace.batch() if self.auto_ack else 1, self.timeout, acks, watched)
                     except UnknownItemError:
                         if len(acks) < 2:
                             raise
                         self._ack_each(acks)  # nothing was taken: ack the others, raise the refusal
-                        batch = self.get_many(pace.batch(), self.timeout)
+                        batch = self._take_many(pace.batch(), self.timeout, [], watched)
                     if not batch:
                         return
                     held.extend(batch)
@@ -428,8 +433,14 @@ class Client:
         """
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_BATCH:
             raise ValueError(f"count {count!r}: expected an integer from 1 to {MAX_BATCH}")
+        return self._take_many(count, timeout, ack, self.markers)
+
+    def _take_many(
+        self, count: int, timeout: float | None, ack: Sequence[str | os.PathLike[str]], markers: bool
+    ) -> list[ServedItem]:
+        """:meth:`get_many`; ``markers``: whether the daemon watches these items for a ``.done``."""
         acks = _ack_bodies(ack)
-        reply = self._next(timeout, {"count": count, **({"acks": acks} if acks else {})})
+        reply = self._next(timeout, {"count": count, **({"acks": acks} if acks else {})}, markers)
         return [] if reply is None else [ServedItem.from_json(item) for item in reply["items"]]
 
     def ack_many(self, items: Sequence[str | os.PathLike[str]]) -> None:
@@ -458,12 +469,13 @@ class Client:
 
     def _take(self, timeout: float | None, ack: ServedItem | None) -> ServedItem | None:
         acks = None if ack is None else {"ack": {"path": str(ack.path), "lease": ack.lease}}
-        reply = self._next(timeout, acks)
+        reply = self._next(timeout, acks, self.markers)
         return None if reply is None else ServedItem.from_json(reply)
 
-    def _next(self, timeout: float | None, extra: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _next(self, timeout: float | None, extra: dict[str, Any] | None, markers: bool) -> dict[str, Any] | None:
         """``POST .../next`` with ``extra`` in the body, waiting up to ``timeout``; the reply, or
-        None once every item was delivered."""
+        None once every item was delivered. ``markers`` False: the daemon does not watch the
+        items taken for a ``.done``."""
         self._require_open()
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.pipeline is None:
@@ -476,7 +488,7 @@ class Client:
         acking = extra is not None and bool(extra.get("ack") or extra.get("acks"))
         while True:
             wait = _SLICE if deadline is None else min(max(deadline - time.monotonic(), 0.0), _SLICE)
-            body: dict[str, Any] = {"timeout": wait, **(extra or {}), **({} if self.markers else {"markers": False})}
+            body: dict[str, Any] = {"timeout": wait, **(extra or {}), **({} if markers else {"markers": False})}
             # A next carrying an ack is sent once: were it sent again, the ack could be refused
             # (or apply twice); without one, asking again changes nothing.
             status, data = self._request("POST", route, body, wait + _MARGIN, retry=not acking)

@@ -891,6 +891,35 @@ def test_a_client_loop_that_slows_down_gives_its_batch_back(s3_source, s3_endpoi
         assert got["items_acked"] == 40 and got["items_released"] >= held  # given back, not held on
 
 
+def test_the_items_of_a_client_loop_that_acks_them_are_not_watched_for_markers(s3_source, s3_endpoint, tmp_path, short_dir):
+    # With auto_ack the loop acknowledges every item itself: the daemon adds no watch for its
+    # items (a watch was most of its work per item), so a .done made in one is ignored, where it
+    # raced the loop's ack (the marker acked it first and the loop's ack was refused). A loop
+    # without auto_ack, and get_many, are watched as the client says.
+    sock = short_dir / "api.sock"
+    with all_ready(12, s3_source, s3_endpoint, tmp_path, sock) as probe:
+        pid = probe.status()["pid"]
+        watches = []
+        for item in Client("train", sock, timeout=60):
+            watches.append(inotify_watches(pid))
+            if len(watches) == 3:
+                (item / ".done").touch()
+                threading.Event().wait(0.3)  # the marker watch reads its events every 50 ms
+            if len(watches) == 6:
+                break
+        assert watches == [1] * 6  # the cache directory's watch alone
+        assert stats(probe)["items_acked"] == 5 and "cachepipe_marker_acks_total{" not in probe.metrics()
+        with Client("train", sock, timeout=60, auto_ack=False) as by_hand:
+            for item in by_hand:
+                assert inotify_watches(pid) == 2  # this item's watch: a .done would acknowledge it
+                by_hand.ack(item)
+                break
+            batch = by_hand.get_many(3, timeout=60)
+            assert inotify_watches(pid) == 4
+            by_hand.ack_many(batch)
+        assert stats(probe)["items_acked"] == 9
+
+
 def test_an_item_acked_by_hand_in_a_quick_client_loop_is_refused_and_the_others_are_acked(
     s3_source, s3_endpoint, tmp_path, short_dir
 ):
