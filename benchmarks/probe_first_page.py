@@ -6,7 +6,7 @@ and one of ``--large`` one-file sub-folders, and times the first page (``--max-k
 each, ``--repeats`` times, with a plain HTTP client. It prints the medians and their ratio.
 
     .venv/bin/python benchmarks/probe_first_page.py                 # 5,000 against 100,000 (~2 min)
-    .venv/bin/python benchmarks/probe_first_page.py --max-keys 100
+    .venv/bin/python benchmarks/probe_first_page.py --max-keys 1000   # S3's largest page
     .venv/bin/python benchmarks/probe_first_page.py --small 20 --large 200 --repeats 2 --json   # the smoke test
 """
 
@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_link
 from seaweed import S3Server, signed_headers, weed_binary
+
+from cachepipe.stores.base import FIRST_PAGE_KEYS
 
 
 def first_page_seconds(endpoint: str, prefix: str, max_keys: int) -> tuple[float, int]:
@@ -52,7 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--small", type=int, default=5000, help="one-file folders in the small case (default 5000)")
     p.add_argument("--large", type=int, default=100_000, help="one-file folders in the large case (default 100000)")
-    p.add_argument("--max-keys", type=int, default=1000, help="keys in the first page (default 1000, as cachepipe asks)")
+    p.add_argument(
+        "--max-keys",
+        type=int,
+        default=FIRST_PAGE_KEYS,
+        help=f"keys in the first page (default {FIRST_PAGE_KEYS}, as cachepipe asks)",
+    )
     p.add_argument("--repeats", type=int, default=5, help="first pages timed per case, alternating (default 5)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     args = p.parse_args(argv)

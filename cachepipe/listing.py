@@ -18,15 +18,16 @@ from typing import Literal
 from .catalog import Item, group_items
 from .errors import is_transient
 from .stores import Store
-from .stores.base import ObjectInfo
+from .stores.base import FIRST_PAGE_KEYS, ObjectInfo
 
 __all__ = ["FIRST_PAGE_OBJECTS", "QUEUE_ITEMS", "StreamingListing"]
 
 log = logging.getLogger("cachepipe")
 
-FIRST_PAGE_OBJECTS = 1000
-"""Objects in a first listing page (S3's and OBS's page size): :meth:`StreamingListing.wait_first_page`
-returns once this many objects are listed, or the listing ended."""
+FIRST_PAGE_OBJECTS = FIRST_PAGE_KEYS
+"""Objects in a first listing page (what the S3 and OBS stores ask for first, 100):
+:meth:`StreamingListing.wait_first_page` returns once this many objects are listed, or the
+listing ended."""
 
 QUEUE_ITEMS = 10_000
 """Most listed items waiting for the producer (a few MB): the listing pauses beyond it."""

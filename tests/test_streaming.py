@@ -7,12 +7,14 @@ not ended; S3 listings are read page by page from the moto server.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 
 import fsspec
 import pytest
 import tqdm.auto
+from conftest import via
 from waiting import wait_until
 
 from cachepipe import ConfigError, EmptySourceError, OversizeError, Pipeline
@@ -152,9 +154,9 @@ def test_a_listing_that_stops_after_the_first_page_is_raised_also_with_on_error_
 @pytest.mark.parametrize("on_oversize", ["raise", "skip"])
 def test_an_item_that_the_growing_state_budget_leaves_no_room_for_is_reported_not_waited_for(memory_data, tmp_path, on_oversize):
     # Streamed, the journal budget grows with each listed name (168 bytes for these): item00001
-    # fits when it is listed, second, and not beside the budget of the first page (~168 KB).
+    # fits when it is listed, second, and not beside the budget of the first page (~17 KB).
     memory_data.pipe_file("/stream/data/item00000/f", b"x" * 100_000)
-    memory_data.pipe_file("/stream/data/item00001/f", b"x" * 300_000)
+    memory_data.pipe_file("/stream/data/item00001/f", b"x" * 390_000)
     _put(memory_data, FIRST_PAGE_OBJECTS + 8, start=2)
     names = []
     with Pipeline(ROOT, tmp_path / "c", 400_000, on_oversize=on_oversize, auto_ack=False) as pipe:
@@ -162,7 +164,7 @@ def test_an_item_that_the_growing_state_budget_leaves_no_room_for_is_reported_no
             try:
                 item = pipe.get(timeout=30)  # a guard against the hang this was, not a timing assertion
             except OversizeError as exc:
-                assert on_oversize == "raise" and "'item00001' is 300000 bytes" in str(exc)  # noqa: PT017 - the except branch is what the test checks
+                assert on_oversize == "raise" and "'item00001' is 390000 bytes" in str(exc)  # noqa: PT017 - the except branch is what the test checks
                 names.append("<oversize>")
                 continue
             if item is None:
@@ -279,3 +281,16 @@ def test_the_progress_bar_gets_its_total_when_the_listing_ends_while_the_bar_is_
         names = [p.name for p in pipe]
     assert len(names) == FIRST_PAGE_OBJECTS + 5
     assert bars[0].total == bars[0].n == FIRST_PAGE_OBJECTS + 5
+
+
+def test_the_first_listing_request_is_short(remote_source, fault_proxy, tmp_path):
+    # A store's time for a listing page grows with its keys (SeaweedFS behind a 16 ms link: about
+    # 0.3 s for 1,000 keys against 0.05 s for 10), and the first download waits for the first
+    # page: the first request asks for FIRST_PAGE_OBJECTS keys, each later one for 1,000.
+    proxy, endpoint = fault_proxy
+    remote_source.folders(FIRST_PAGE_OBJECTS + 30, {"f": 1})
+    with Pipeline(remote_source.url, tmp_path / "c", "1MiB", storage_options=via(remote_source, endpoint)) as pipe:
+        names = [p.name for p in pipe]
+    assert len(names) == FIRST_PAGE_OBJECTS + 30
+    pages = [re.search(r"[?&]max-keys=(\d+)", head.split("\r\n")[0]) for head in proxy.requests]
+    assert [int(page[1]) for page in pages if page] == [FIRST_PAGE_OBJECTS, 1000] and FIRST_PAGE_OBJECTS < 1000

@@ -22,7 +22,7 @@ import fsspec
 import fsspec.asyn
 
 from ..errors import ConfigError, StoreUnavailableError, store_code
-from .base import ObjectInfo, http_status_error, unreachable_error
+from .base import FIRST_PAGE_KEYS, ObjectInfo, http_status_error, unreachable_error
 
 __all__ = ["FsspecStore"]
 
@@ -226,7 +226,8 @@ class FsspecStore:
         return f"{self.root}/{key}" if self.root else key
 
     list_page_size: int = 1000
-    """Keys per listing request to S3 (S3's maximum and default is 1,000)."""
+    """Keys per listing request to S3 (S3's maximum and default is 1,000); the first request asks
+    for :data:`~cachepipe.stores.base.FIRST_PAGE_KEYS` if that is fewer."""
 
     def list(self) -> Iterator[ObjectInfo]:
         """Yield every object under the root in key order. On S3, one page at a time: each page
@@ -249,9 +250,11 @@ class FsspecStore:
         bucket, key, _ = self.fs.split_path(self.root)
         prefix = f"{key}/" if key else ""
         token = None
+        keys = min(FIRST_PAGE_KEYS, self.list_page_size)
         while True:
             with self._errors(self.url):
-                entries, token = self._list_s3_page(bucket, prefix, token)
+                entries, token = self._list_s3_page(bucket, prefix, token, keys)
+            keys = self.list_page_size
             for name, size, etag in entries:
                 if name == prefix:
                     continue  # the root's own directory marker
@@ -260,14 +263,15 @@ class FsspecStore:
                 return
 
     def _list_s3_page(
-        self, bucket: str, prefix: str, token: str | None
+        self, bucket: str, prefix: str, token: str | None, keys: int
     ) -> tuple[builtins.list[tuple[str, int, str | None]], str | None]:  # `list` is also this class's method
-        """One ListObjectsV2 page: ``([(key, size, etag), ...], next continuation token or None)``."""
+        """One ListObjectsV2 page of up to ``keys`` keys: ``([(key, size, etag), ...], next
+        continuation token or None)``."""
         if self._direct is not None:
-            page = self._direct.list_page(bucket, prefix, self.list_page_size, token)
+            page = self._direct.list_page(bucket, prefix, keys, token)
             if page is not None:
                 return page  # type: ignore[no-any-return]  # DirectGet, held as Any so botocore stays unimported
-        request = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": self.list_page_size, **self.fs.req_kw}
+        request = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": keys, **self.fs.req_kw}
         if token is not None:
             request["ContinuationToken"] = token
         page = fsspec.asyn.sync(self.fs.loop, self.fs._call_s3, "list_objects_v2", **request)  # noqa: SLF001 - s3fs has no public call for one raw page

@@ -50,7 +50,7 @@ from typing import Any, BinaryIO, TypeVar
 from urllib.parse import urlsplit
 
 from cachepipe.errors import ConfigError, StoreUnavailableError, StoreUnreachableError, store_code
-from cachepipe.stores.base import CREDENTIAL_CODES, THROTTLE_CODES, ObjectInfo
+from cachepipe.stores.base import CREDENTIAL_CODES, FIRST_PAGE_KEYS, THROTTLE_CODES, ObjectInfo
 
 __all__ = ["CHUNK_SIZE", "MAX_PAGE_SIZE", "ObsServiceError", "ObsStore"]
 
@@ -323,10 +323,12 @@ class ObsStore:
         """Yield every object under the root in lexicographic key order, one page at a time.
 
         Keys are relative to :attr:`prefix`; etags lose their quotes. Each page holds up to
-        ``page_size`` objects and is yielded before the next one is requested.
+        ``page_size`` objects (the first up to :data:`~cachepipe.stores.base.FIRST_PAGE_KEYS`)
+        and is yielded before the next one is requested.
         """
         marker: str | None = None
         last = ""
+        keys = min(FIRST_PAGE_KEYS, self._page_size)
         while True:
             resp = self._call(
                 "list",
@@ -335,9 +337,10 @@ class ObsStore:
                 self.bucket,
                 prefix=self.prefix or None,
                 marker=marker,
-                max_keys=self._page_size,
+                max_keys=keys,
                 encoding_type="url",
             )
+            keys = self._page_size
             page = resp.body
             if page is None:
                 raise OSError(f"{self.url}: OBS sent a listing that could not be parsed (HTTP {resp.status})")
