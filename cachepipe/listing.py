@@ -114,6 +114,7 @@ class StreamingListing:
         attempt = 0
         try:
             while not self._stop.is_set():
+                self._objects = 0  # a restarted listing counts its first page again
                 try:
                     for item in group_items(self._count(self._store.list()), self._mode):
                         position = _position(item)

@@ -119,8 +119,9 @@ def test_cluster_simulation_reports_every_section():
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)
-    assert report["listing"]["per_process"]["list_requests"] == 16 * 2  # 16 consumers x 2 pages
-    assert report["listing"]["node"]["list_requests"] == 2
+    # 16 consumers x 3 pages of 2,000 keys: the first of FIRST_PAGE_KEYS (100), then 1,000 and 900
+    assert FIRST_PAGE_KEYS == 100 and report["listing"]["per_process"]["list_requests"] == 16 * 3
+    assert report["listing"]["node"]["list_requests"] == 3
     assert report["manifest_sample"]["bytes_per_item"] > 0
     assert report["gets"]["rows"][0]["gets_per_s"] > 0
     rows = {(r["scheme"], r["capacity_of_node_share"]): r for r in report["hits"]["rows"]}

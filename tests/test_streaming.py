@@ -21,6 +21,7 @@ from cachepipe import ConfigError, EmptySourceError, OversizeError, Pipeline
 from cachepipe.listing import FIRST_PAGE_OBJECTS
 from cachepipe.stores.base import ObjectInfo
 from cachepipe.stores.fsspec import FsspecStore
+from cachepipe.stores.obs import ObsStore
 
 ROOT = "memory://stream/data"
 
@@ -122,6 +123,18 @@ def test_oversize_item_after_the_first_page_fails_in_its_turn(memory_data, tmp_p
     assert len(delivered) == FIRST_PAGE_OBJECTS + 5  # everything before it, in order
 
 
+def test_a_listing_restarted_within_the_first_page_raises_its_errors_at_open(memory_data, tmp_path):
+    # A restarted listing counts its first page from its start again: an oversize item within
+    # the first page is raised by open(), as without the restart (the objects listed again were
+    # counted twice, and the open returned before reaching it).
+    _put(memory_data, FIRST_PAGE_OBJECTS + 30)
+    memory_data.pipe_file(f"/stream/data/item{FIRST_PAGE_OBJECTS - 20:05d}/f", b"x" * 300_000)
+    store = GatedStore(gate_after=10**9, fail_after=FIRST_PAGE_OBJECTS // 2 + 10)
+    with pytest.raises(OversizeError, match="300000 bytes"):
+        Pipeline(ROOT, tmp_path / "c", "256KiB", store=store, retry_backoff=0).open()
+    assert store.lists == 2
+
+
 @pytest.mark.parametrize("fault", ["listing error", "oversize", "no items"])
 def test_a_listing_that_stops_after_the_first_page_is_raised_also_with_on_error_skip(memory_data, tmp_path, fault):
     # on_error="skip" skips failed *items*; a listing that stops leaves the rest of the source
@@ -180,7 +193,7 @@ def test_an_item_that_the_growing_state_budget_leaves_no_room_for_is_reported_no
 def test_the_state_budget_of_a_streamed_listing_waits_for_room_instead_of_overcommitting(memory_data, tmp_path):
     capacity = 400_000
     memory_data.pipe_file("/stream/data/item00000/f", b"x" * 200_000)  # held while the listing goes on
-    _put(memory_data, 2 * FIRST_PAGE_OBJECTS, start=1)  # the budget of 2,000 names: ~336 KB
+    _put(memory_data, 2000, start=1)  # the budget of 2,001 names: ~336 KB, beyond the room beside it
     store = GatedStore(gate_after=FIRST_PAGE_OBJECTS + 1)  # item00000 is reserved before the rest is listed
     with Pipeline(ROOT, tmp_path / "c", capacity, store=store, auto_ack=False) as pipe:
         held = pipe.get(timeout=30)
@@ -190,10 +203,12 @@ def test_the_state_budget_of_a_streamed_listing_waits_for_room_instead_of_overco
             item = pipe.get(timeout=30)
             pipe.ack(item)
             assert pipe.stats().bytes_in_cache <= capacity
+        threading.Event().wait(0.2)  # time to list everything, were there room (a memory store lists 2,001 in ms)
+        assert pipe.stats().items_listed < 2001  # the listing waits for room (about 1,190 names fit)
         pipe.ack(held)  # room: the listing goes on
         rest = [item.name for item in pipe]
         assert pipe.stats().bytes_in_cache <= capacity
-    assert len(rest) == FIRST_PAGE_OBJECTS + 1 and rest[-1] == f"item{2 * FIRST_PAGE_OBJECTS:05d}"
+    assert len(rest) == 2001 - FIRST_PAGE_OBJECTS and rest[-1] == "item02000"
 
 
 def test_on_oversize_skip_skips_an_item_that_the_state_budget_leaves_no_room_for(memory_data, tmp_path):
@@ -283,13 +298,45 @@ def test_the_progress_bar_gets_its_total_when_the_listing_ends_while_the_bar_is_
     assert bars[0].total == bars[0].n == FIRST_PAGE_OBJECTS + 5
 
 
-def test_the_first_listing_request_is_short(remote_source, fault_proxy, tmp_path):
-    # A store's time for a listing page grows with its keys (SeaweedFS behind a 16 ms link: about
-    # 0.3 s for 1,000 keys against 0.05 s for 10), and the first download waits for the first
-    # page: the first request asks for FIRST_PAGE_OBJECTS keys, each later one for 1,000.
+def _second_page_gated(store: FsspecStore | ObsStore) -> threading.Event:
+    """Make ``store``'s second listing request wait for the returned gate (30 s at most); the
+    gate's ``listed`` event is set once that request was answered."""
+    gate, listed, calls = threading.Event(), threading.Event(), [0]
+    name = "_list_s3_page" if isinstance(store, FsspecStore) else "_call"
+    request = getattr(store, name)
+
+    def gated(*args, **kwargs):
+        if name == "_call" and args[0] != "list":
+            return request(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] == 2:
+            assert gate.wait(30), "the test never opened the gate"
+        try:
+            return request(*args, **kwargs)
+        finally:
+            if calls[0] == 2:
+                listed.set()
+
+    setattr(store, name, gated)
+    gate.listed = listed  # type: ignore[attr-defined]
+    return gate
+
+
+def test_the_first_listing_request_is_short_and_the_open_waits_for_it_alone(remote_source, fault_proxy, tmp_path):
+    # A store's time for a listing page grows with its keys (SeaweedFS: about 0.19 s for 1,000
+    # keys, 0.02 s for 100), and the first download waits for the first page: the first request
+    # asks for FIRST_PAGE_OBJECTS keys, each later one for 1,000, and the open returns once the
+    # first page is listed, also when the prefix has a folder marker of its own ("video/", as a
+    # console's "Create folder" makes), which would take a key of the first page.
     proxy, endpoint = fault_proxy
+    remote_source.put("", b"")
     remote_source.folders(FIRST_PAGE_OBJECTS + 30, {"f": 1})
-    with Pipeline(remote_source.url, tmp_path / "c", "1MiB", storage_options=via(remote_source, endpoint)) as pipe:
+    options = via(remote_source, endpoint)
+    store = FsspecStore(remote_source.url, options) if remote_source.kind == "s3" else ObsStore(remote_source.url, options)
+    gate = _second_page_gated(store)
+    with Pipeline(remote_source.url, tmp_path / "c", "1MiB", store=store) as pipe:
+        assert not gate.listed.is_set()  # type: ignore[attr-defined]  # the open did not wait for the second page
+        gate.set()
         names = [p.name for p in pipe]
     assert len(names) == FIRST_PAGE_OBJECTS + 30
     pages = [re.search(r"[?&]max-keys=(\d+)", head.split("\r\n")[0]) for head in proxy.requests]

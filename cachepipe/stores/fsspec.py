@@ -266,14 +266,20 @@ class FsspecStore:
         self, bucket: str, prefix: str, token: str | None, keys: int
     ) -> tuple[builtins.list[tuple[str, int, str | None]], str | None]:  # `list` is also this class's method
         """One ListObjectsV2 page of up to ``keys`` keys: ``([(key, size, etag), ...], next
-        continuation token or None)``."""
+        continuation token or None)``. The first (no ``token``) starts after ``prefix`` itself: a
+        folder marker of the prefix (what a console's "Create folder" makes) would take a key of
+        the first page, which :func:`~cachepipe.listing.StreamingListing.wait_first_page` counts
+        in objects."""
+        start_after = prefix if token is None and prefix else None
         if self._direct is not None:
-            page = self._direct.list_page(bucket, prefix, keys, token)
+            page = self._direct.list_page(bucket, prefix, keys, token, start_after)
             if page is not None:
                 return page  # type: ignore[no-any-return]  # DirectGet, held as Any so botocore stays unimported
         request = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": keys, **self.fs.req_kw}
         if token is not None:
             request["ContinuationToken"] = token
+        if start_after is not None:
+            request["StartAfter"] = start_after
         page = fsspec.asyn.sync(self.fs.loop, self.fs._call_s3, "list_objects_v2", **request)  # noqa: SLF001 - s3fs has no public call for one raw page
         entries = []
         for entry in page.get("Contents", ()):

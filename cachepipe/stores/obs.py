@@ -326,7 +326,9 @@ class ObsStore:
         ``page_size`` objects (the first up to :data:`~cachepipe.stores.base.FIRST_PAGE_KEYS`)
         and is yielded before the next one is requested.
         """
-        marker: str | None = None
+        # after the prefix's own folder marker (see FsspecStore._list_s3_page): the first page's
+        # keys are all objects
+        marker: str | None = self.prefix or None
         last = ""
         keys = min(FIRST_PAGE_KEYS, self._page_size)
         while True:

@@ -376,9 +376,12 @@ class DirectGet:
             "GetObject", bucket, lambda route: route.prefix + quoted, {"Range": f"bytes={start}-{end - 1}"}, read
         )
 
-    def list_page(self, bucket: str, prefix: str, max_keys: int, token: str | None = None) -> _Page | None:
-        """One ListObjectsV2 page of ``bucket`` under ``prefix``: ``([(key, size, etag), ...],
-        continuation token or None on the last page)``, keys in order; None if s3fs must send it.
+    def list_page(
+        self, bucket: str, prefix: str, max_keys: int, token: str | None = None, start_after: str | None = None
+    ) -> _Page | None:
+        """One ListObjectsV2 page of ``bucket`` under ``prefix`` (keys after ``start_after``, if
+        given): ``([(key, size, etag), ...], continuation token or None on the last page)``, keys
+        in order; None if s3fs must send it.
 
         Parsed with :mod:`xml.etree.ElementTree` (what botocore parses with), reading only keys,
         sizes and ETags: botocore's parser also turns every LastModified into a datetime with
@@ -386,6 +389,8 @@ class DirectGet:
         query = {"list-type": "2", "prefix": prefix, "max-keys": str(max_keys), "encoding-type": "url"}
         if token is not None:
             query["continuation-token"] = token
+        if start_after:
+            query["start-after"] = start_after
         # sorted and encoded as SigV4's canonical query string wants it (botocore signs it as sent)
         encoded = "&".join(f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}" for k, v in sorted(query.items()))
 
