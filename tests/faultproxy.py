@@ -9,7 +9,8 @@ close (a connection dropped mid-body). ``"503"`` answers an S3 ``SlowDown`` erro
 flipped body bytes (same length). ``proxy.drop_all()`` closes live (pooled) connections so faults
 take effect. ``proxy.requests`` holds the head of every request (request line and headers) in
 arrival order; it assumes requests without a body (GET, HEAD), which is all that tests send
-through the proxy.
+through the proxy. ``proxy.hold(match, gate)`` holds each request whose head ``match`` accepts
+until ``gate`` is set (30 s at most; :attr:`hold_timeouts` counts the waits that ran out).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
+from collections.abc import Callable
 
 SLOWDOWN = b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
 SLOWDOWN_BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>'  # noqa: E501 - kept whole
@@ -44,6 +46,8 @@ class FaultProxy:
         self.injected: dict[str, int] = {"cut": 0, "refuse": 0, "corrupt": 0} | dict.fromkeys(CANNED, 0)
         self.connections = 0
         self.requests: list[str] = []
+        self._hold: tuple[Callable[[str], bool], threading.Event] | None = None
+        self.hold_timeouts = 0
         self._writers: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -63,6 +67,11 @@ class FaultProxy:
         with self._lock:
             self.faults.append([kind, count])
         self.drop_all()
+
+    def hold(self, match: Callable[[str], bool], gate: threading.Event) -> None:
+        """Hold each request whose head (request line and headers) ``match`` accepts until
+        ``gate`` is set, 30 s at most."""
+        self._hold = (match, gate)
 
     def clear(self) -> None:
         """No more faults: pass everything through."""
@@ -111,7 +120,7 @@ class FaultProxy:
                 writer.transport.abort()
                 return
             if fault in CANNED:
-                self._record(await reader.readuntil(b"\r\n\r\n"))
+                self._record(await reader.readuntil(b"\r\n\r\n"))  # a canned answer: nothing held
                 head, body = CANNED[fault]
                 writer.write(head % len(body) + body)
                 await writer.drain()
@@ -129,12 +138,21 @@ class FaultProxy:
             self._writers.discard(writer)
             writer.transport.abort()
 
-    def _record(self, heads: bytes) -> bytes:
-        """Append the complete request heads in ``heads`` to :attr:`requests`; return the rest."""
+    def _record(self, heads: bytes) -> tuple[list[str], bytes]:
+        """Append the complete request heads in ``heads`` to :attr:`requests`; return them and the rest."""
         *complete, rest = heads.split(b"\r\n\r\n")
+        got = [h.decode("latin-1") for h in complete]
         with self._lock:
-            self.requests.extend(h.decode("latin-1") for h in complete)
-        return rest
+            self.requests.extend(got)
+        return got, rest
+
+    async def _held(self, heads: list[str]) -> None:
+        """Wait for the gate of :meth:`hold` if one of ``heads`` is to be held."""
+        hold = self._hold
+        if hold is None or not any(hold[0](head) for head in heads):
+            return
+        if not await self._loop.run_in_executor(None, hold[1].wait, 30):
+            self.hold_timeouts += 1
 
     async def _pipe(
         self,
@@ -149,7 +167,8 @@ class FaultProxy:
         try:
             while data := await reader.read(65536):
                 if record:
-                    pending = self._record(pending + data)
+                    heads, pending = self._record(pending + data)
+                    await self._held(heads)
                 if corrupt and sent + len(data) > 4096:  # past the headers: flip one body byte per chunk
                     data = data[:-1] + bytes([data[-1] ^ 0xFF])
                 if limit is not None and sent + len(data) >= limit:

@@ -21,7 +21,6 @@ from cachepipe import ConfigError, EmptySourceError, OversizeError, Pipeline
 from cachepipe.listing import FIRST_PAGE_OBJECTS
 from cachepipe.stores.base import ObjectInfo
 from cachepipe.stores.fsspec import FsspecStore
-from cachepipe.stores.obs import ObsStore
 
 ROOT = "memory://stream/data"
 
@@ -298,30 +297,6 @@ def test_the_progress_bar_gets_its_total_when_the_listing_ends_while_the_bar_is_
     assert bars[0].total == bars[0].n == FIRST_PAGE_OBJECTS + 5
 
 
-def _second_page_gated(store: FsspecStore | ObsStore) -> threading.Event:
-    """Make ``store``'s second listing request wait for the returned gate (30 s at most); the
-    gate's ``listed`` event is set once that request was answered."""
-    gate, listed, calls = threading.Event(), threading.Event(), [0]
-    name = "_list_s3_page" if isinstance(store, FsspecStore) else "_call"
-    request = getattr(store, name)
-
-    def gated(*args, **kwargs):
-        if name == "_call" and args[0] != "list":
-            return request(*args, **kwargs)
-        calls[0] += 1
-        if calls[0] == 2:
-            assert gate.wait(30), "the test never opened the gate"
-        try:
-            return request(*args, **kwargs)
-        finally:
-            if calls[0] == 2:
-                listed.set()
-
-    setattr(store, name, gated)
-    gate.listed = listed  # type: ignore[attr-defined]
-    return gate
-
-
 def test_the_first_listing_request_is_short_and_the_open_waits_for_it_alone(remote_source, fault_proxy, tmp_path):
     # A store's time for a listing page grows with its keys (SeaweedFS: about 0.19 s for 1,000
     # keys, 0.02 s for 100), and the first download waits for the first page: the first request
@@ -331,13 +306,12 @@ def test_the_first_listing_request_is_short_and_the_open_waits_for_it_alone(remo
     proxy, endpoint = fault_proxy
     remote_source.put("", b"")
     remote_source.folders(FIRST_PAGE_OBJECTS + 30, {"f": 1})
-    options = via(remote_source, endpoint)
-    store = FsspecStore(remote_source.url, options) if remote_source.kind == "s3" else ObsStore(remote_source.url, options)
-    gate = _second_page_gated(store)
-    with Pipeline(remote_source.url, tmp_path / "c", "1MiB", store=store) as pipe:
-        assert not gate.listed.is_set()  # type: ignore[attr-defined]  # the open did not wait for the second page
-        gate.set()
+    gate = threading.Event()
+    proxy.hold(lambda head: "max-keys=1000" in head.split("\r\n")[0], gate)  # the second listing request
+    with Pipeline(remote_source.url, tmp_path / "c", "1MiB", storage_options=via(remote_source, endpoint)) as pipe:
+        gate.set()  # the open returned while the second page was held
         names = [p.name for p in pipe]
+    assert proxy.hold_timeouts == 0  # else the open waited for the second page (30 s)
     assert len(names) == FIRST_PAGE_OBJECTS + 30
     pages = [re.search(r"[?&]max-keys=(\d+)", head.split("\r\n")[0]) for head in proxy.requests]
     assert [int(page[1]) for page in pages if page] == [FIRST_PAGE_OBJECTS, 1000] and FIRST_PAGE_OBJECTS < 1000
