@@ -6,20 +6,25 @@ close (a connection dropped mid-body). ``"503"`` answers an S3 ``SlowDown`` erro
 ``AccessDenied``, ``"InvalidAccessKeyId"`` and ``"SignatureDoesNotMatch"`` a 403 with that code
 (rejected credentials: the moto server accepts any), ``"redirect"`` a ``PermanentRedirect`` naming another region in
 ``x-amz-bucket-region``; ``"refuse"`` closes at once, ``"corrupt"`` relays the response with
-flipped body bytes (same length). ``proxy.drop_all()`` closes live (pooled) connections so faults
-take effect. ``proxy.requests`` holds the head of every request (request line and headers) in
-arrival order; it assumes requests without a body (GET, HEAD), which is all that tests send
-through the proxy. ``proxy.hold(match, gate)`` holds each request whose head ``match`` accepts
-until ``gate`` is set (30 s at most; :attr:`hold_timeouts` counts the waits that ran out).
+flipped body bytes (same length), ``"trickle"`` relays the response in pieces of
+``trickle_bytes`` a millisecond apart (a body coming in over a slow link, packet by packet).
+``proxy.drop_all()`` closes live (pooled) connections so faults take effect. Clients see TCP
+segments of an Ethernet link (``SEGMENT``), not loopback's.
+``proxy.requests`` holds the head of every request (request line and headers) in arrival
+order; it assumes requests without a body (GET, HEAD), which is all that tests send through
+the proxy. ``proxy.hold(match, gate)`` holds each request whose head ``match`` accepts until
+``gate`` is set (30 s at most; :attr:`hold_timeouts` counts the waits that ran out).
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 from collections import deque
 from collections.abc import Callable
 
+SEGMENT = 1448  # bytes: the TCP segments of an Ethernet link (MTU 1,500), not loopback's 64 KiB
 SLOWDOWN = b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
 SLOWDOWN_BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>'  # noqa: E501 - kept whole
 DENIED = b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
@@ -39,11 +44,12 @@ CANNED.update({code: (DENIED, _REJECTED_BODY % (code.encode(), text)) for code, 
 
 
 class FaultProxy:
-    def __init__(self, target_host: str, target_port: int, cut_after: int = 2000) -> None:
+    def __init__(self, target_host: str, target_port: int, cut_after: int = 2000, trickle_bytes: int = 4096) -> None:
         self.target = (target_host, target_port)
         self.cut_after = cut_after
+        self.trickle_bytes = trickle_bytes
         self.faults: deque[list] = deque()  # [kind, connections left]
-        self.injected: dict[str, int] = {"cut": 0, "refuse": 0, "corrupt": 0} | dict.fromkeys(CANNED, 0)
+        self.injected: dict[str, int] = {"cut": 0, "refuse": 0, "corrupt": 0, "trickle": 0} | dict.fromkeys(CANNED, 0)
         self.connections = 0
         self.requests: list[str] = []
         self._hold: tuple[Callable[[str], bool], threading.Event] | None = None
@@ -88,7 +94,10 @@ class FaultProxy:
     # ---- the event loop thread -------------------------------------------------------
     def _serve(self) -> None:
         asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, SEGMENT)  # advertised to clients
+        listener.bind(("127.0.0.1", 0))
+        server = self._loop.run_until_complete(asyncio.start_server(self._handle, sock=listener))
         self.port = server.sockets[0].getsockname()[1]
         self._ready.set()
         try:
@@ -130,7 +139,8 @@ class FaultProxy:
             self._writers.add(up_writer)
             limit = self.cut_after if fault == "cut" else None
             await asyncio.gather(
-                self._pipe(reader, up_writer, None, record=True), self._pipe(up_reader, writer, limit, corrupt=fault == "corrupt")
+                self._pipe(reader, up_writer, None, record=True),
+                self._pipe(up_reader, writer, limit, corrupt=fault == "corrupt", trickle=fault == "trickle"),
             )
         except (ConnectionError, asyncio.IncompleteReadError, OSError):
             pass  # a client or upstream went away: that is what this proxy is for
@@ -161,6 +171,7 @@ class FaultProxy:
         limit: int | None,
         corrupt: bool = False,
         record: bool = False,
+        trickle: bool = False,
     ) -> None:
         sent = 0
         pending = b""
@@ -175,7 +186,13 @@ class FaultProxy:
                     writer.write(data[: limit - sent])
                     await writer.drain()
                     break
-                writer.write(data)
+                if trickle:
+                    for at in range(0, len(data), self.trickle_bytes):
+                        writer.write(data[at : at + self.trickle_bytes])
+                        await writer.drain()
+                        await asyncio.sleep(0.001)
+                else:
+                    writer.write(data)
                 sent += len(data)
                 await writer.drain()
         finally:

@@ -12,6 +12,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from cachepipe.stores.fsspec import FsspecStore
+from cachepipe.stores.s3direct import BODY_AHEAD, LOW_WATER, MIN_MARK, body_read
 
 BODY = bytes(range(256)) * 300  # 76,800 bytes
 ODD_KEY = "c d/ü+x~=(1).bin"
@@ -236,3 +237,83 @@ def test_a_region_redirect_hands_the_bucket_to_s3fs(s3_source, fault_proxy):
         assert _get(store, "a") == BODY
     finally:
         store.close()
+
+
+def test_a_body_read_under_the_low_water_mark_never_waits_for_bytes_that_will_not_come():
+    """body_read's promise, read by read over bodies around its thresholds: under a mark above
+    1 byte, at least that mark and BODY_AHEAD bytes of the body come after the read (what
+    http.client or TLS may hold unread counts against BODY_AHEAD), and the mark is at most a
+    quarter of the receive buffer; at most BODY_AHEAD and two MIN_MARKs of a body are read
+    under 1 byte, and few reads are marked; a body of unknown length, or a receive buffer too
+    small for a mark, is read under 1 byte."""
+    sizes = (0, 1, BODY_AHEAD, BODY_AHEAD + 2 * MIN_MARK, LOW_WATER + BODY_AHEAD + 1, 2 * LOW_WATER + 7, 5 * 1024 * 1024 + 3)
+    for size in sizes:
+        for most in (1, 4096, LOW_WATER, 1024 * 1024):
+            for buffer in (4 * MIN_MARK, 128 * 1024, 4 * LOW_WATER, 32 * 1024 * 1024):
+                left, unmarked, marked = size, 0, 0
+                while left:
+                    mark, amount = body_read(left, most, buffer)
+                    assert 1 <= amount <= min(most, left)
+                    if mark > 1:
+                        assert MIN_MARK <= mark <= min(LOW_WATER, buffer // 4) and left - amount >= mark + BODY_AHEAD
+                        marked += 1
+                    else:
+                        unmarked += amount
+                    left -= amount
+                assert unmarked < min(size, BODY_AHEAD + 2 * MIN_MARK) + 1
+                if most >= LOW_WATER and buffer >= 4 * LOW_WATER:
+                    assert marked <= size // LOW_WATER + 6
+    assert body_read(None, 4096, 1 << 20) == (1, 4096)
+    assert body_read(10 << 20, 4096, 4 * MIN_MARK - 1) == (1, 4096)
+
+
+def _voluntary_switches() -> int:
+    """How often this thread has slept (the kernel's count, Linux)."""
+    with open("/proc/thread-self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("voluntary_ctxt_switches"))
+
+
+def test_a_body_that_trickles_in_wakes_its_reader_once_per_low_water_mark(s3_source, fault_proxy):
+    """Over a link a body comes a packet at a time: the reading thread must not wake for each
+    (a poll, a recv and two hand-overs of the interpreter's lock every few KiB). The proxy sends
+    2 MiB in 1,024 pieces of 2 KiB a millisecond apart; the thread sleeps far fewer times."""
+    proxy, endpoint = fault_proxy
+    body = bytes(range(256)) * (8 * 1024)  # 2 MiB
+    s3_source.put("warm", b"x")
+    s3_source.put("big", body)
+    proxy.trickle_bytes = 2048
+    store = FsspecStore(s3_source.url, {**s3_source.options, "endpoint_url": endpoint, "skip_instance_cache": True})
+    try:
+        assert store._direct is not None
+        out = io.BytesIO()
+        store.get("warm", out, 0, 1)  # the route's probe and the connection, before counting
+        proxy.inject("trickle", 1)
+        before = _voluntary_switches()
+        out = io.BytesIO()
+        assert store.get("big", out, 0, len(body)) == len(body)
+        slept = _voluntary_switches() - before
+    finally:
+        store.close()
+    assert out.getvalue() == body and proxy.injected["trickle"] == 1
+    pieces = len(body) // 2048
+    assert slept < pieces // 4, f"the reader slept {slept} times for {pieces} pieces"
+
+
+def test_bodies_of_every_size_around_the_low_water_mark_come_whole_when_they_trickle_in(s3_source, fault_proxy):
+    """Whole objects and ranges whose ends fall around the mark's thresholds, each coming in
+    pieces: none waits for a byte that will not come (that would be the store's 60 s timeout)."""
+    proxy, endpoint = fault_proxy
+    edge = BODY_AHEAD + 2 * MIN_MARK  # the smallest body read under a mark
+    body = bytes(range(251)) * (3 * LOW_WATER // 251 + 1)
+    s3_source.put("obj", body)
+    store = FsspecStore(s3_source.url, {**s3_source.options, "endpoint_url": endpoint, "skip_instance_cache": True})
+    ranges = [(0, 1), (0, edge - 1), (0, edge), (0, edge + 1), (3, edge + 4), (0, LOW_WATER + BODY_AHEAD + 5), (7, len(body))]
+    try:
+        proxy.inject("trickle", len(ranges))  # the moto server closes each connection after its response
+        for start, end in ranges:
+            out = io.BytesIO()
+            assert store.get("obj", out, start, end) == end - start
+            assert out.getvalue() == body[start:end], (start, end)
+    finally:
+        store.close()
+    assert proxy.injected["trickle"] == len(ranges)

@@ -25,6 +25,13 @@ that they need it (checked before every request), and the copy is taken again at
 :attr:`DirectGet.RETAKE_AFTER` seconds in case s3fs's client refreshed them meanwhile. A 403
 takes a new probe and a new copy and tries once more.
 
+Reading a body: over a network, whose packets come one at a time, a read woke for each (on
+the 400 Mbit/s link of ``benchmarks/bench_link.py``, shared by 16 requests, a few KiB per
+wake-up, each a poll, a recv and two hand-overs of the interpreter's lock: half the client's
+CPU on large items). On Linux the kernel is asked to gather up to :data:`LOW_WATER` bytes
+before it wakes the reader (``SO_RCVLOWAT``), never more than a quarter of the connection's
+receive buffer and never more than is still to come (:func:`body_read`).
+
 Errors leave this module as ``OSError`` (HTTP statuses, shaped like botocore's errors),
 ``ConnectionError``, ``TimeoutError`` or botocore's exceptions; the fsspec backend translates
 them at its one seam. Retrying is the core's, as for every store.
@@ -36,7 +43,9 @@ import dataclasses
 import http.client
 import logging
 import os
+import socket
 import ssl
+import sys
 import threading
 import time
 import uuid
@@ -56,6 +65,21 @@ __all__ = ["DirectGet"]
 log = logging.getLogger("cachepipe.stores.s3direct")
 
 _READ = 1024 * 1024  # bytes per read of a response body
+LOW_WATER = 256 * 1024
+"""The most bytes of a response body the kernel gathers before waking the thread reading
+it (``SO_RCVLOWAT``; Linux only; less for a small receive buffer and towards the body's end,
+:func:`body_read`)."""
+BODY_AHEAD = 64 * 1024
+"""Bytes of a body that may have left the socket without being read by the response:
+http.client's buffer (8 KiB) and, over TLS, a record (16 KiB) with its framing; the margin
+:func:`body_read` keeps."""
+MIN_MARK = 8 * 1024
+"""The smallest low-water mark :func:`body_read` sets above the kernel's default of 1 byte."""
+NETWORK_SEGMENT = 9000
+"""The largest TCP segment (``TCP_MAXSEG``, bytes; jumbo frames included) of a connection whose
+body reads get a low-water mark. Over loopback a segment is 64 KiB, so a wake-up brings that
+much without a mark."""
+_LOW_WATER_ON = sys.platform.startswith("linux")  # socket(7): poll and recv honour it for TCP
 _SIGV4 = ("s3v4", "v4")  # botocore's names of plain SigV4 header signing
 _PROBE_EVENT = "before-sign.s3.GetObject"
 _DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -88,6 +112,46 @@ def _error_body(body: bytes) -> tuple[str | None, str | None]:
         return None, None
     ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
     return root.findtext(f"{ns}Code") or None, root.findtext(f"{ns}Message") or None
+
+
+def body_read(left: int | None, most: int, receive_buffer: int, low_water: int = LOW_WATER) -> tuple[int, int]:
+    """The next read of a response body with ``left`` bytes not yet read by the response (None:
+    not known): ``(mark, size)``, the low-water mark to set on the connection and the bytes to
+    ask for, at most ``most``.
+
+    A read waits in the kernel until ``mark`` bytes are there (or the connection ends), so it
+    must never wait for bytes that will not come: a read under a mark above 1 byte leaves at
+    least that mark and :data:`BODY_AHEAD` bytes of the body after it. Towards the end the mark
+    halves with what is left, down to :data:`MIN_MARK`; the last ``BODY_AHEAD`` bytes or so
+    (and a body of unknown length) are read under 1 byte, the kernel's default. The mark is at
+    most a quarter of the connection's ``receive_buffer`` (``SO_RCVBUF``, bytes; the kernel
+    grows it as the connection speeds up): the window the sender sees is about half of it, so
+    the sender goes on sending while the reader sleeps. With a mark above half the buffer the
+    kernel sizes the window to the mark, and the sender stops until the reader wakes (a fixed
+    256 KiB slowed 40 x 8 MiB on loopback by a sixth, ``benchmarks/README.md``).
+    """
+    room = -1 if left is None else left - BODY_AHEAD  # bytes of the body surely still in or to the socket
+    if room >= 2 * MIN_MARK and receive_buffer >= 4 * MIN_MARK:
+        mark = min(low_water, receive_buffer // 4, room // 2)
+        return mark, min(most, room - mark)
+    return 1, most if left is None else min(most, left)
+
+
+def _marks_help(sock: socket.socket | None, left: int | None) -> bool:
+    """Whether a body of ``left`` bytes (None: not known) on ``sock`` is read under low-water
+    marks: on Linux, a body long enough for one (:func:`body_read`), over a connection whose
+    segments are a network's (:data:`NETWORK_SEGMENT`). Small bodies cost no system call here."""
+    if not _LOW_WATER_ON or sock is None or left is None or left - BODY_AHEAD < 2 * MIN_MARK:
+        return False
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG) <= NETWORK_SEGMENT
+
+
+def _receive_buffer(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+
+
+def _set_low_water(sock: socket.socket, mark: int) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, mark)
 
 
 class HTTPStatusError(OSError):
@@ -310,11 +374,12 @@ class DirectGet:
         bucket: str,
         target: Callable[[_Route], str],
         headers: dict[str, str],
-        read: Callable[[_Route, http.client.HTTPResponse], _T],
+        read: Callable[[_Route, http.client.HTTPResponse, socket.socket | None], _T],
     ) -> _T | None:
         """Send a signed GET of ``target(route)`` (path and query) to ``bucket`` and return
-        ``read(route, response)``; None, with nothing read, if s3fs must send it. Each request
-        is logged at DEBUG as ``direct <operation>: <path>`` (as s3fs logs its calls)."""
+        ``read(route, response, its connection's socket)``; None, with nothing read, if s3fs
+        must send it. Each request is logged at DEBUG as ``direct <operation>: <path>`` (as s3fs
+        logs its calls)."""
         route = None
         for attempt in (0, 1):  # a 403: probe and copy the credentials again, once
             route = self._route(bucket, stale=route if attempt else None)
@@ -331,6 +396,7 @@ class DirectGet:
             log.debug("direct %s: %s", operation, path)
             try:
                 conn.request("GET", path, headers=signed)
+                sock = conn.sock  # the response's: http.client lets go of it when the server will close it
                 resp = conn.getresponse()
                 if resp.status == 403 and attempt == 0:
                     resp.read()
@@ -339,7 +405,7 @@ class DirectGet:
                     resp.read()  # the bucket is in another region: s3fs's client follows that
                     self._to_sdk(bucket)
                     return None
-                return read(route, resp)
+                return read(route, resp, sock)
             except http.client.HTTPException as exc:
                 self._drop(route.scheme, route.netloc)
                 if isinstance(exc, http.client.IncompleteRead):
@@ -356,17 +422,25 @@ class DirectGet:
         signed in a way this path does not implement, or a region redirect)."""
         quoted = quote(key, safe="/~")
 
-        def read(route: _Route, resp: http.client.HTTPResponse) -> int:
+        def read(route: _Route, resp: http.client.HTTPResponse, sock: socket.socket | None) -> int:
             if resp.status != 206 and not (resp.status == 200 and start == 0):
                 raise HTTPStatusError(resp.status, resp.reason, resp.read())
-            written = 0
+            written, mark = 0, 1
+            marked = sock if _marks_help(sock, resp.length) else None
             while written < end - start:
-                chunk = resp.read(min(_READ, end - start - written))
+                room = 0 if marked is None else _receive_buffer(marked)  # it grows as the connection speeds up
+                want, size = body_read(resp.length, min(_READ, end - start - written), room)
+                if want != mark and marked is not None:
+                    _set_low_water(marked, want)
+                    mark = want
+                chunk = resp.read(size)
                 if not chunk:
                     break
                 out.write(chunk)
                 written += len(chunk)
             if written == end - start and resp.status == 206:
+                if mark != 1 and marked is not None:  # the next response's head must not wait for a mark
+                    _set_low_water(marked, 1)
                 resp.read()  # nothing left: keeps the connection reusable
             else:
                 self._drop(route.scheme, route.netloc)
@@ -394,7 +468,7 @@ class DirectGet:
         # sorted and encoded as SigV4's canonical query string wants it (botocore signs it as sent)
         encoded = "&".join(f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}" for k, v in sorted(query.items()))
 
-        def read(route: _Route, resp: http.client.HTTPResponse) -> _Page:  # noqa: ARG001 - the callback's signature is fixed by its caller
+        def read(route: _Route, resp: http.client.HTTPResponse, sock: socket.socket | None) -> _Page:  # noqa: ARG001 - the callback's signature is fixed by its caller
             body = resp.read()
             if resp.status != 200:
                 raise HTTPStatusError(resp.status, resp.reason, body)
