@@ -30,7 +30,9 @@ the 400 Mbit/s link of ``benchmarks/bench_link.py``, shared by 16 requests, a fe
 wake-up, each a poll, a recv and two hand-overs of the interpreter's lock: half the client's
 CPU on large items). On Linux the kernel is asked to gather up to :data:`LOW_WATER` bytes
 before it wakes the reader (``SO_RCVLOWAT``), never more than a quarter of the connection's
-receive buffer and never more than is still to come (:func:`body_read`).
+receive buffer and never more than is still to come (:func:`body_read`). The connection's
+timeout (:attr:`DirectGet.TIMEOUT`) then runs until that many bytes came, not one: a stream
+slower than 256 KiB a minute times out and is retried as any stalled one.
 
 Errors leave this module as ``OSError`` (HTTP statuses, shaped like botocore's errors),
 ``ConnectionError``, ``TimeoutError`` or botocore's exceptions; the fsspec backend translates
