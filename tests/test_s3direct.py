@@ -317,3 +317,22 @@ def test_bodies_of_every_size_around_the_low_water_mark_come_whole_when_they_tri
     finally:
         store.close()
     assert proxy.injected["trickle"] == len(ranges)
+
+
+def test_a_range_past_the_end_of_a_marked_body_reads_the_body_whole(s3_source, fault_proxy):
+    """A manifest is read with a range to 2**62 (any size to its end): over a network (the proxy's
+    segments), a body long enough for a mark ends before the range does, and the moto server
+    closes the connection after it. The read returns the body's bytes; it used to raise EBADF
+    (the loop asked the closed socket for its receive buffer), which nothing retried."""
+    _proxy, endpoint = fault_proxy
+    body = bytes(range(256)) * 800  # 200 KiB
+    s3_source.put("whole", body)
+    store = FsspecStore(s3_source.url, {**s3_source.options, "endpoint_url": endpoint, "skip_instance_cache": True})
+    try:
+        assert store._direct is not None
+        for end in (1 << 62, len(body) + 10):
+            out = io.BytesIO()
+            assert store.get("whole", out, 0, end) == len(body)
+            assert out.getvalue() == body
+    finally:
+        store.close()

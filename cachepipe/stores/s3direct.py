@@ -429,7 +429,7 @@ class DirectGet:
                 raise HTTPStatusError(resp.status, resp.reason, resp.read())
             written, mark = 0, 1
             marked = sock if _marks_help(sock, resp.length) else None
-            while written < end - start:
+            while written < end - start and not resp.isclosed():  # closed: the body ended (a range past its end)
                 room = 0 if marked is None else _receive_buffer(marked)  # it grows as the connection speeds up
                 want, size = body_read(resp.length, min(_READ, end - start - written), room)
                 if want != mark and marked is not None:
