@@ -12,7 +12,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from cachepipe.stores.fsspec import FsspecStore
-from cachepipe.stores.s3direct import BODY_AHEAD, LOW_WATER, MIN_MARK, body_read
+from cachepipe.stores.s3direct import BODY_AHEAD, LOW_WATER, MIN_MARK, body_read, kernel_at_least
 
 BODY = bytes(range(256)) * 300  # 76,800 bytes
 ODD_KEY = "c d/ü+x~=(1).bin"
@@ -336,3 +336,11 @@ def test_a_range_past_the_end_of_a_marked_body_reads_the_body_whole(s3_source, f
             assert out.getvalue() == body
     finally:
         store.close()
+
+
+def test_marks_are_used_from_linux_5_8():
+    """Kernels before 5.8 could leave a mark unmet under memory pressure: no marks there."""
+    assert kernel_at_least("5.8.0", (5, 8)) and kernel_at_least("6.18.44-fc-v445-x86_64", (5, 8))
+    assert kernel_at_least("10.0", (5, 8))
+    assert not kernel_at_least("5.4.0-150-generic", (5, 8)) and not kernel_at_least("4.19.112", (5, 8))
+    assert not kernel_at_least("3.10.0-1160.el7.x86_64", (5, 8)) and not kernel_at_least("", (5, 8))

@@ -30,9 +30,10 @@ the 400 Mbit/s link of ``benchmarks/bench_link.py``, shared by 16 requests, a fe
 wake-up, each a poll, a recv and two hand-overs of the interpreter's lock: half the client's
 CPU on large items). On Linux the kernel is asked to gather up to :data:`LOW_WATER` bytes
 before it wakes the reader (``SO_RCVLOWAT``), never more than a quarter of the connection's
-receive buffer and never more than is still to come (:func:`body_read`). The connection's
-timeout (:attr:`DirectGet.TIMEOUT`) then runs until that many bytes came, not one: a stream
-slower than 256 KiB a minute times out and is retried as any stalled one.
+receive buffer and never more than is still to come (:func:`body_read`; Linux 5.8 or later,
+:data:`LOW_WATER_KERNEL`). The connection's timeout (:attr:`DirectGet.TIMEOUT`) then runs
+until that many bytes came, not one: a stream slower than 256 KiB a minute times out and is
+retried as any stalled one.
 
 Errors leave this module as ``OSError`` (HTTP statuses, shaped like botocore's errors),
 ``ConnectionError``, ``TimeoutError`` or botocore's exceptions; the fsspec backend translates
@@ -45,6 +46,8 @@ import dataclasses
 import http.client
 import logging
 import os
+import platform
+import re
 import socket
 import ssl
 import sys
@@ -69,7 +72,7 @@ log = logging.getLogger("cachepipe.stores.s3direct")
 _READ = 1024 * 1024  # bytes per read of a response body
 LOW_WATER = 256 * 1024
 """The most bytes of a response body the kernel gathers before waking the thread reading
-it (``SO_RCVLOWAT``; Linux only; less for a small receive buffer and towards the body's end,
+it (``SO_RCVLOWAT``; Linux 5.8 or later; less for a small receive buffer and towards the body's end,
 :func:`body_read`)."""
 BODY_AHEAD = 64 * 1024
 """Bytes of a body that may have left the socket without being read by the response:
@@ -81,7 +84,21 @@ NETWORK_SEGMENT = 9000
 """The largest TCP segment (``TCP_MAXSEG``, bytes; jumbo frames included) of a connection whose
 body reads get a low-water mark. Over loopback a segment is 64 KiB, so a wake-up brings that
 much without a mark."""
-_LOW_WATER_ON = sys.platform.startswith("linux")  # socket(7): poll and recv honour it for TCP
+LOW_WATER_KERNEL = (5, 8)
+"""The oldest Linux release whose marks are used: before it, a receive buffer filled by packets'
+overhead before the mark's bytes came could leave the reader asleep until the timeout (fixed by
+"tcp: fix SO_RCVLOWAT possible hangs under high mem pressure", Linux 5.8)."""
+
+
+def kernel_at_least(release: str, wanted: tuple[int, int]) -> bool:
+    """Whether a Linux release string (``platform.release()``, e.g. ``"6.8.0-45-generic"``) is
+    ``wanted`` (major, minor) or later; False if it does not start with a version."""
+    found = re.match(r"(\d+)\.(\d+)", release)
+    return found is not None and (int(found[1]), int(found[2])) >= wanted
+
+
+# socket(7): poll and recv honour the mark for TCP
+_LOW_WATER_ON = sys.platform.startswith("linux") and kernel_at_least(platform.release(), LOW_WATER_KERNEL)
 _SIGV4 = ("s3v4", "v4")  # botocore's names of plain SigV4 header signing
 _PROBE_EVENT = "before-sign.s3.GetObject"
 _DEFAULT_PORTS = {"http": 80, "https": 443}
