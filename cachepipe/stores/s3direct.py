@@ -158,7 +158,7 @@ def body_read(left: int | None, most: int, receive_buffer: int, low_water: int =
 
 def _marks_help(sock: socket.socket | None, left: int | None) -> bool:
     """Whether a body of ``left`` bytes (None: not known) on ``sock`` is read under low-water
-    marks: on Linux, a body long enough for one (:func:`body_read`), over a connection whose
+    marks: on Linux 5.8 or later, a body long enough for one (:func:`body_read`), over a connection whose
     segments are a network's (:data:`NETWORK_SEGMENT`). Small bodies cost no system call here."""
     if not _LOW_WATER_ON or sock is None or left is None or left - BODY_AHEAD < 2 * MIN_MARK:
         return False
