@@ -8,8 +8,9 @@ close (a connection dropped mid-body). ``"503"`` answers an S3 ``SlowDown`` erro
 ``x-amz-bucket-region``; ``"refuse"`` closes at once, ``"corrupt"`` relays the response with
 flipped body bytes (same length), ``"trickle"`` relays the response in pieces of
 ``trickle_bytes`` a millisecond apart (a body coming in over a slow link, packet by packet).
-``proxy.drop_all()`` closes live (pooled) connections so faults take effect. Clients see TCP
-segments of an Ethernet link (``SEGMENT``), not loopback's.
+``"stall"`` relays the first ``cut_after`` bytes of the response, then nothing, and keeps the
+connection open (a stream that stops mid-body). ``proxy.drop_all()`` closes live (pooled)
+connections so faults take effect. Clients see TCP segments of an Ethernet link (``SEGMENT``), not loopback's.
 ``proxy.requests`` holds the head of every request (request line and headers) in arrival
 order; it assumes requests without a body (GET, HEAD), which is all that tests send through
 the proxy. ``proxy.hold(match, gate)`` holds each request whose head ``match`` accepts until
@@ -49,7 +50,7 @@ class FaultProxy:
         self.cut_after = cut_after
         self.trickle_bytes = trickle_bytes
         self.faults: deque[list] = deque()  # [kind, connections left]
-        self.injected: dict[str, int] = {"cut": 0, "refuse": 0, "corrupt": 0, "trickle": 0} | dict.fromkeys(CANNED, 0)
+        self.injected: dict[str, int] = {"cut": 0, "stall": 0, "refuse": 0, "corrupt": 0, "trickle": 0} | dict.fromkeys(CANNED, 0)
         self.connections = 0
         self.requests: list[str] = []
         self._hold: tuple[Callable[[str], bool], threading.Event] | None = None
@@ -137,10 +138,12 @@ class FaultProxy:
                 return
             up_reader, up_writer = await asyncio.open_connection(*self.target)
             self._writers.add(up_writer)
-            limit = self.cut_after if fault == "cut" else None
+            limit = self.cut_after if fault in ("cut", "stall") else None
             await asyncio.gather(
                 self._pipe(reader, up_writer, None, record=True),
-                self._pipe(up_reader, writer, limit, corrupt=fault == "corrupt", trickle=fault == "trickle"),
+                self._pipe(
+                    up_reader, writer, limit, corrupt=fault == "corrupt", trickle=fault == "trickle", stall=fault == "stall"
+                ),
             )
         except (ConnectionError, asyncio.IncompleteReadError, OSError):
             pass  # a client or upstream went away: that is what this proxy is for
@@ -172,6 +175,7 @@ class FaultProxy:
         corrupt: bool = False,
         record: bool = False,
         trickle: bool = False,
+        stall: bool = False,
     ) -> None:
         sent = 0
         pending = b""
@@ -185,6 +189,8 @@ class FaultProxy:
                 if limit is not None and sent + len(data) >= limit:
                     writer.write(data[: limit - sent])
                     await writer.drain()
+                    if stall:  # open and silent until the client goes or the proxy stops
+                        await writer.wait_closed()
                     break
                 if trickle:
                     for at in range(0, len(data), self.trickle_bytes):

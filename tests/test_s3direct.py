@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import io
 import json
+import re
+import socket
+import threading
 import urllib.request
 from datetime import datetime, timedelta, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from faultproxy import SEGMENT
 
 from cachepipe.stores.fsspec import FsspecStore
 from cachepipe.stores.s3direct import BODY_AHEAD, LOW_WATER, MIN_MARK, body_read, kernel_at_least
@@ -344,3 +349,137 @@ def test_marks_are_used_from_linux_5_8():
     assert kernel_at_least("10.0", (5, 8))
     assert not kernel_at_least("5.4.0-150-generic", (5, 8)) and not kernel_at_least("4.19.112", (5, 8))
     assert not kernel_at_least("3.10.0-1160.el7.x86_64", (5, 8)) and not kernel_at_least("", (5, 8))
+
+
+def test_a_body_cut_short_returns_what_came_and_the_next_request_is_whole(s3_source, fault_proxy):
+    """The server's connection ends mid-body (after a mark was set): the bytes that came are
+    written and counted, nothing raises (the fetcher's size check retries the part), and the
+    next request, on a new connection, is whole."""
+    proxy, endpoint = fault_proxy
+    body = bytes(range(256)) * (8 * 1024)  # 2 MiB
+    s3_source.put("big", body)
+    store = FsspecStore(s3_source.url, {**s3_source.options, "endpoint_url": endpoint, "skip_instance_cache": True})
+    proxy.cut_after = 700_000  # response bytes, headers included
+    try:
+        proxy.inject("cut", 1)
+        out = io.BytesIO()
+        got = store.get("big", out, 0, len(body))
+        assert 0 < got < len(body) and out.getvalue() == body[:got]
+        assert _get(store, "big", 0, len(body)) == body
+    finally:
+        store.close()
+    assert proxy.injected["cut"] == 1
+
+
+def test_a_body_that_stops_coming_times_out(s3_source, fault_proxy):
+    """The server goes silent mid-body and keeps the connection open: the read waits under a
+    low-water mark, and still gives up after the connection's timeout (a TimeoutError, which
+    the fetcher retries); the next request is whole."""
+    proxy, endpoint = fault_proxy
+    body = bytes(range(256)) * (8 * 1024)  # 2 MiB
+    s3_source.put("big", body)
+    store = FsspecStore(s3_source.url, {**s3_source.options, "endpoint_url": endpoint, "skip_instance_cache": True})
+    assert store._direct is not None
+    store._direct.TIMEOUT = 0.5  # seconds, for the connections made from now on
+    proxy.cut_after = 400_000
+    try:
+        proxy.inject("stall", 1)
+        with pytest.raises(TimeoutError):
+            store.get("big", io.BytesIO(), 0, len(body))
+        assert _get(store, "big", 0, len(body)) == body
+    finally:
+        store.close()
+    assert proxy.injected["stall"] == 1
+
+
+class _RangeServer(ThreadingHTTPServer):
+    """An S3 stand-in that keeps connections alive (moto closes each after its response), over
+    Ethernet-sized TCP segments as :mod:`faultproxy` (so bodies are read under low-water
+    marks): a GET of ``/bucket/<key>`` with a ``Range`` gets a 206 of that range, or with
+    :attr:`longer` of the range to the object's end. Any signature passes."""
+
+    def __init__(self, objects: dict[str, bytes]) -> None:
+        self.objects = objects
+        self.longer = False
+        self.connections = 0
+        self.lock = threading.Lock()
+        super().__init__(("127.0.0.1", 0), _RangeHandler)
+        self.thread = threading.Thread(target=self.serve_forever, name="test-range-server")
+
+    def server_bind(self) -> None:
+        self.socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, SEGMENT)  # advertised to clients
+        super().server_bind()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _RangeHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive
+    server: _RangeServer
+
+    def setup(self) -> None:
+        super().setup()
+        with self.server.lock:
+            self.server.connections += 1
+
+    def do_GET(self) -> None:
+        body = self.server.objects[self.path.removeprefix("/bucket/")]
+        found = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
+        assert found is not None, self.headers
+        start, end = int(found[1]), int(found[2]) + 1
+        if self.server.longer:
+            end = len(body)
+        self.send_response(206)
+        self.send_header("Content-Length", str(end - start))
+        self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(body)}")
+        self.end_headers()
+        self.wfile.write(body[start:end])
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - http.server's name
+        pass
+
+
+@pytest.fixture
+def range_server():
+    server = _RangeServer({})
+    server.thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()  # joins the handler threads (the clients closed their connections)
+    server.thread.join(5)
+
+
+def _read_on_one_connection(server: _RangeServer, body: bytes, ranges: list[tuple[int, int]]) -> None:
+    """GET each range of ``body`` (object ``obj``) in turn from ``server``: each whole and right,
+    all over one connection."""
+    server.objects["obj"] = body
+    store = FsspecStore("s3://bucket/", {"endpoint_url": server.url, "key": "k", "secret": "s", "skip_instance_cache": True})
+    assert store._direct is not None
+    store._direct.TIMEOUT = 2.0  # a head left waiting behind a mark fails fast, not in 60 s
+    try:
+        for start, end in ranges:
+            out = io.BytesIO()
+            assert store.get("obj", out, start, end) == end - start, (start, end)
+            assert out.getvalue() == body[start:end], (start, end)
+    finally:
+        store.close()
+    assert server.connections == 1
+
+
+def test_a_kept_alive_connection_serves_the_next_request_after_a_marked_body(range_server):
+    """After a body read under low-water marks, the connection's mark is back to 1 byte: the
+    next response on it, large or a few bytes, is read at once. One connection for them all."""
+    body = bytes(range(251)) * (4 * 1024 * 1024 // 251)
+    mib = 1024 * 1024
+    _read_on_one_connection(range_server, body, [(0, mib), (mib, len(body)), (10, 20), (3, 300_003), (0, 5), (0, len(body))])
+
+
+def test_a_206_longer_than_the_range_asked_for_writes_the_range_alone(range_server):
+    """A server that answers a range with more (to the object's end): the range is written, the
+    rest is read off the connection (its mark back to 1 byte first), which then serves the
+    next request."""
+    range_server.longer = True
+    body = bytes(range(251)) * (2 * 1024 * 1024 // 251)
+    _read_on_one_connection(range_server, body, [(0, 600_000), (100, 300_100), (0, 10), (0, 10)])

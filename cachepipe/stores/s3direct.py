@@ -380,9 +380,14 @@ class DirectGet:
             self._conns[key] = conn
         return conn
 
-    def _drop(self, scheme: str, netloc: str) -> None:
+    def _drop(self, scheme: str, netloc: str, resp: http.client.HTTPResponse | None = None) -> None:
+        """Close this thread's connection to ``netloc`` and ``resp``, a response on it: when the
+        server said it would close the connection, http.client let go of the socket and only the
+        response holds it (until the garbage collector, if a traceback keeps the response)."""
         with self._lock:
             conn = self._conns.pop((threading.get_ident(), scheme, netloc), None)
+        if resp is not None:
+            resp.close()
         if conn is not None:
             conn.close()
 
@@ -413,6 +418,7 @@ class DirectGet:
                 signed = dict(request.headers.items())
             conn = self._conn(route.scheme, route.netloc)
             log.debug("direct %s: %s", operation, path)
+            resp = None
             try:
                 conn.request("GET", path, headers=signed)
                 sock = conn.sock  # the response's: http.client lets go of it when the server will close it
@@ -426,12 +432,12 @@ class DirectGet:
                     return None
                 return read(route, resp, sock)
             except http.client.HTTPException as exc:
-                self._drop(route.scheme, route.netloc)
+                self._drop(route.scheme, route.netloc, resp)
                 if isinstance(exc, http.client.IncompleteRead):
                     raise
                 raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
             except BaseException:
-                self._drop(route.scheme, route.netloc)
+                self._drop(route.scheme, route.netloc, resp)
                 raise
         raise AssertionError("unreachable")
 
@@ -462,7 +468,7 @@ class DirectGet:
                     _set_low_water(marked, 1)
                 resp.read()  # nothing left: keeps the connection reusable
             else:
-                self._drop(route.scheme, route.netloc)
+                self._drop(route.scheme, route.netloc, resp)
             return written
 
         return self._exchange(
