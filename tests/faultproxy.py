@@ -138,13 +138,7 @@ class FaultProxy:
                 return
             up_reader, up_writer = await asyncio.open_connection(*self.target)
             self._writers.add(up_writer)
-            limit = self.cut_after if fault in ("cut", "stall") else None
-            await asyncio.gather(
-                self._pipe(reader, up_writer, None, record=True),
-                self._pipe(
-                    up_reader, writer, limit, corrupt=fault == "corrupt", trickle=fault == "trickle", stall=fault == "stall"
-                ),
-            )
+            await asyncio.gather(self._pipe(reader, up_writer, record=True), self._pipe(up_reader, writer, fault))
         except (ConnectionError, asyncio.IncompleteReadError, OSError):
             pass  # a client or upstream went away: that is what this proxy is for
         finally:
@@ -171,12 +165,11 @@ class FaultProxy:
         self,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
-        limit: int | None,
-        corrupt: bool = False,
+        fault: str | None = None,
         record: bool = False,
-        trickle: bool = False,
-        stall: bool = False,
     ) -> None:
+        """Relay ``reader`` to ``writer`` (a response with ``fault`` applied; ``record``: requests)."""
+        limit = self.cut_after if fault in ("cut", "stall") else None
         sent = 0
         pending = b""
         try:
@@ -184,15 +177,15 @@ class FaultProxy:
                 if record:
                     heads, pending = self._record(pending + data)
                     await self._held(heads)
-                if corrupt and sent + len(data) > 4096:  # past the headers: flip one body byte per chunk
+                if fault == "corrupt" and sent + len(data) > 4096:  # past the headers: flip one body byte per chunk
                     data = data[:-1] + bytes([data[-1] ^ 0xFF])
                 if limit is not None and sent + len(data) >= limit:
                     writer.write(data[: limit - sent])
                     await writer.drain()
-                    if stall:  # open and silent until the client goes or the proxy stops
+                    if fault == "stall":  # open and silent until the client goes or the proxy stops
                         await writer.wait_closed()
                     break
-                if trickle:
+                if fault == "trickle":
                     for at in range(0, len(data), self.trickle_bytes):
                         writer.write(data[at : at + self.trickle_bytes])
                         await writer.drain()

@@ -73,6 +73,11 @@ def _get(store: FsspecStore, key: str, start: int = 0, end: int | None = None) -
     return out.getvalue()
 
 
+def _through(source, endpoint: str) -> FsspecStore:
+    """A store of ``source`` reaching the server at ``endpoint`` (the fault proxy), with its own connections."""
+    return FsspecStore(source.url, {**source.options, "endpoint_url": endpoint, "skip_instance_cache": True})
+
+
 def _gets(proxy, key: str) -> list[str]:
     return [head for head in proxy.requests if head.startswith(f"GET /data/video/{key} ")]
 
@@ -152,7 +157,7 @@ def test_changed_credentials_are_used_from_the_next_request(s3_source, moto_iam,
 def test_a_403_is_signed_again_once_then_access_denied(s3_source, fault_proxy):
     proxy, endpoint = fault_proxy
     s3_source.put("a", BODY)
-    store = FsspecStore(s3_source.url, {**s3_source.options, "endpoint_url": endpoint, "skip_instance_cache": True})
+    store = _through(s3_source, endpoint)
     try:
         assert store._direct is not None
         proxy.inject("403", 1)
@@ -233,7 +238,7 @@ def test_a_region_redirect_hands_the_bucket_to_s3fs(s3_source, fault_proxy):
     follows that, so the request, and every later one to that bucket, goes through s3fs."""
     proxy, endpoint = fault_proxy
     s3_source.put("a", BODY)
-    store = FsspecStore(s3_source.url, {**s3_source.options, "endpoint_url": endpoint, "skip_instance_cache": True})
+    store = _through(s3_source, endpoint)
     try:
         proxy.inject("redirect", 1)
         assert _get(store, "a", 10, 20) == BODY[10:20]
@@ -289,7 +294,7 @@ def test_a_body_that_trickles_in_wakes_its_reader_once_per_low_water_mark(s3_sou
     s3_source.put("warm", b"x")
     s3_source.put("big", body)
     proxy.trickle_bytes = 2048
-    store = FsspecStore(s3_source.url, {**s3_source.options, "endpoint_url": endpoint, "skip_instance_cache": True})
+    store = _through(s3_source, endpoint)
     try:
         assert store._direct is not None
         out = io.BytesIO()
@@ -313,7 +318,7 @@ def test_bodies_of_every_size_around_the_low_water_mark_come_whole_when_they_tri
     edge = BODY_AHEAD + 2 * MIN_MARK  # the smallest body read under a mark
     body = bytes(range(251)) * (3 * LOW_WATER // 251 + 1)
     s3_source.put("obj", body)
-    store = FsspecStore(s3_source.url, {**s3_source.options, "endpoint_url": endpoint, "skip_instance_cache": True})
+    store = _through(s3_source, endpoint)
     ranges = [(0, 1), (0, edge - 1), (0, edge), (0, edge + 1), (3, edge + 4), (0, LOW_WATER + BODY_AHEAD + 5), (7, len(body))]
     try:
         proxy.inject("trickle", len(ranges))  # the moto server closes each connection after its response
@@ -334,7 +339,7 @@ def test_a_range_past_the_end_of_a_marked_body_reads_the_body_whole(s3_source, f
     _proxy, endpoint = fault_proxy
     body = bytes(range(256)) * 800  # 200 KiB
     s3_source.put("whole", body)
-    store = FsspecStore(s3_source.url, {**s3_source.options, "endpoint_url": endpoint, "skip_instance_cache": True})
+    store = _through(s3_source, endpoint)
     try:
         assert store._direct is not None
         for end in (1 << 62, len(body) + 10):
@@ -360,7 +365,7 @@ def test_a_body_cut_short_returns_what_came_and_the_next_request_is_whole(s3_sou
     proxy, endpoint = fault_proxy
     body = bytes(range(256)) * (8 * 1024)  # 2 MiB
     s3_source.put("big", body)
-    store = FsspecStore(s3_source.url, {**s3_source.options, "endpoint_url": endpoint, "skip_instance_cache": True})
+    store = _through(s3_source, endpoint)
     proxy.cut_after = 700_000  # response bytes, headers included
     try:
         proxy.inject("cut", 1)
@@ -380,7 +385,7 @@ def test_a_body_that_stops_coming_times_out(s3_source, fault_proxy):
     proxy, endpoint = fault_proxy
     body = bytes(range(256)) * (8 * 1024)  # 2 MiB
     s3_source.put("big", body)
-    store = FsspecStore(s3_source.url, {**s3_source.options, "endpoint_url": endpoint, "skip_instance_cache": True})
+    store = _through(s3_source, endpoint)
     assert store._direct is not None
     store._direct.TIMEOUT = 0.5  # seconds, for the connections made from now on
     proxy.cut_after = 400_000
