@@ -582,7 +582,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--small-kib", type=int, default=50, help="KiB per small object (default 50)")
     p.add_argument("--large-count", type=int, help="objects in the large case (default 40; --quick 8)")
     p.add_argument("--large-mib", type=int, default=8, help="MiB per large object (default 8)")
-    p.add_argument("--concurrency", type=int, default=16, help="GETs in flight (default 16, cachepipe's max_concurrency)")
+    p.add_argument("--concurrency", type=int, default=16, help="GETs in flight (default 16, cachepipe's max_large_requests)")
     p.add_argument(
         "--dir",
         default="/dev/shm" if os.path.isdir("/dev/shm") else None,

@@ -317,6 +317,7 @@ def cachepipe_items(spec: dict[str, Any], work: Path) -> Items:
         capacity=spec["capacity"],
         storage_options=options,
         max_concurrency=spec["max_concurrency"],
+        max_large_requests=spec["max_large_requests"],
         part_size=spec["part_size"],
     ) as pipe:
         for item in pipe:
@@ -534,6 +535,7 @@ def measure(
         "work": str(work),
         "capacity": args.capacity_bytes,
         "max_concurrency": args.max_concurrency,
+        "max_large_requests": args.max_large_requests,
         "part_size": args.part_size,
         "seconds_per_item": scn.seconds_per_item,
         "first_only": scn.first_only,
@@ -815,6 +817,7 @@ def render(report: dict[str, Any]) -> str:
         *(f"dataset {name}: {d['describe']} (uploaded in {d['upload_s']:.1f} s)" for name, d in report["datasets"].items()),
         (
             f"capacity {s['capacity_bytes'] / MIB:g} MiB (cachepipe and original); cachepipe max_concurrency={s['max_concurrency']}, "  # noqa: E501 - kept whole
+            f"max_large_requests={s.get('max_large_requests', s['max_concurrency'])}, "
             f"part_size={s['part_size'] or 'default'}; slow consumer: {s['consumer_s']:g} s per item"
         ),
         (
@@ -1113,6 +1116,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "capacity_bytes": args.capacity_bytes,
         "max_concurrency": args.max_concurrency,
+        "max_large_requests": args.max_large_requests,
         "part_size": args.part_size,
         "consumer_s": args.consumer_s,
         "limit_s": args.limit,

@@ -109,6 +109,7 @@ def measure(backend: str, case: Case, endpoint: str, tmp: Path, args: argparse.N
         args.capacity,
         storage_options=storage_options(backend, endpoint),
         max_concurrency=args.max_concurrency,
+        max_large_requests=args.max_large_requests,
         part_size=args.part_size,
     ) as pipe:
         for path in pipe:
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": args.repeats,
             "capacity": args.capacity,
             "max_concurrency": args.max_concurrency,
+            "max_large_requests": args.max_large_requests,
             "part_size": args.part_size,
             "server": args.server,
         },

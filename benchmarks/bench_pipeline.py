@@ -140,6 +140,7 @@ def run_cachepipe(endpoint: str, case: Case, work: Path, capacity: int, args: ar
         capacity=capacity,
         storage_options=options,
         max_concurrency=args.max_concurrency,
+        max_large_requests=args.max_large_requests,
         part_size=args.part_size,
     ) as pipe:
         for item in pipe:
@@ -310,6 +311,7 @@ def measure_peak(server: Server, case: Case, tmp: Path, capacity: int, args: arg
                 capacity=capacity,
                 storage_options=options,
                 max_concurrency=args.max_concurrency,
+                max_large_requests=args.max_large_requests,
                 part_size=args.part_size,
             ) as pipe:
                 for item in pipe:
@@ -516,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
             "capacity_bytes": args.capacity_bytes,
             "server": args.server,
             "max_concurrency": args.max_concurrency,
+            "max_large_requests": args.max_large_requests,
             "part_size": args.part_size,
         },
         "cases": {c.name: c.describe() for c in cases},

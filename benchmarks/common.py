@@ -268,10 +268,18 @@ def add_dataset_options(p: argparse.ArgumentParser, defaults: Mapping[str, tuple
 
 
 def add_cachepipe_options(p: argparse.ArgumentParser) -> None:
-    """Add ``--max-concurrency`` and ``--part-size``, the Pipeline settings under test."""
-    p.add_argument("--max-concurrency", type=int, default=16, help="cachepipe max_concurrency (default 16)")
+    """Add ``--max-concurrency``, ``--max-large-requests`` and ``--part-size``, the Pipeline
+    settings under test (defaults: the library's)."""
+    from cachepipe.config import PipelineConfig
+
+    fields = PipelineConfig.model_fields
+    for name in ("max_concurrency", "max_large_requests"):
+        default = fields[name].default
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=f"cachepipe {name} (default {default})")
     p.add_argument(
-        "--part-size", default=None, help="cachepipe part_size (default: the library's, capacity/(2 x max_concurrency), 1-8 MiB)"
+        "--part-size",
+        default=None,
+        help="cachepipe part_size (default: the library's, capacity/(2 x max_large_requests), 1-8 MiB)",
     )
 
 

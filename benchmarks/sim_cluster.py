@@ -70,7 +70,7 @@ BIN_S = 0.1  # Monte-Carlo histogram window
 HORIZON = inspect.signature(PlanFuture).parameters["horizon"].default  # epochs of next uses the cache sees
 DEFAULTS = {
     name: PipelineConfig.model_fields[name].default
-    for name in ("retries", "retry_backoff", "retry_backoff_max", "max_concurrency")
+    for name in ("retries", "retry_backoff", "retry_backoff_max", "max_large_requests")
 } | {"part_size": MAX_PART}  # cachepipe's default part size for a node's cache (256 MiB and more)
 
 
@@ -502,8 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     add(
         "--inflight",
         type=int,
-        default=DEFAULTS["max_concurrency"],
-        help="requests in flight per node when throttled (default: max_concurrency, 16)",
+        default=DEFAULTS["max_large_requests"],
+        help="requests in flight per node when throttled (default: max_large_requests, 16, as for the default items, "
+        "files over 256 KiB; files of 256 KiB or less go up to max_concurrency, 64)",
     )
     add("--throttle-s", type=float, default=3.0, help="seconds the store answers SlowDown (default 3)")
     add("--seed", type=int, default=0, help="seed of the plan, the sample and the Monte-Carlo (default 0)")

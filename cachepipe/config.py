@@ -220,9 +220,14 @@ class PipelineConfig(BaseModel):
         storage_options: passed to the store (s3fs/fsspec options, or OBS settings).
         prefetch: most items downloaded ahead of the consumer (staging + ready); None (default):
             as many as the capacity allows.
-        max_concurrency: requests in flight across all items and files (default 16).
+        max_concurrency: requests in flight across all items and files (default 64).
+        max_large_requests: of those, most for files over 256 KiB, which are cut into parts
+            (default 16; at most ``max_concurrency``). A file of 256 KiB or less is one short
+            request, mostly round trip: up to ``max_concurrency`` of them keep a link busy on
+            folders of small files, while the large files' bytes in flight stay those of 16
+            streams.
         part_size: objects larger than this are fetched as parallel ranged GETs of this size.
-            None (default): the capacity over twice ``max_concurrency``, between 1 and 8 MiB
+            None (default): the capacity over twice ``max_large_requests``, between 1 and 8 MiB
             (8 MiB from a 256 MiB cache at 16 requests; it follows a capacity changed live),
             so that every request has a part while half the cache holds items for the
             consumer. Parts are cut when a request takes them, finer for the items the
@@ -328,7 +333,8 @@ class PipelineConfig(BaseModel):
     items: Literal["folders", "files"] = "folders"
     storage_options: dict[str, Any] = Field(default_factory=dict)
     prefetch: int | None = Field(default=None, ge=1)
-    max_concurrency: int = Field(default=16, ge=1, le=1024)
+    max_concurrency: int = Field(default=64, ge=1, le=1024)
+    max_large_requests: int = Field(default=16, ge=1, le=1024)
     part_size: Annotated[int | None, BeforeValidator(lambda v: None if v is None else parse_size(v, "part_size"))] = None
     download_processes: int = Field(default=0, ge=0, le=256)
     ordered: bool = True
@@ -375,6 +381,12 @@ class PipelineConfig(BaseModel):
             if getattr(self, option) not in (None, False) and self.retain != "none":
                 raise ValueError(f"{option} with retain='auto' is not supported yet: use retain='none'")
         return self
+
+    @property
+    def large_requests(self) -> int:
+        """Requests in flight for files over 256 KiB at most: ``max_large_requests``, within
+        ``max_concurrency``."""
+        return min(self.max_large_requests, self.max_concurrency)
 
     @property
     def prepares(self) -> bool:

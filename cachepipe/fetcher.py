@@ -6,6 +6,9 @@ pool of ``max_concurrency`` download threads. Each thread takes the next part fr
 started item with bytes not yet requested, and cuts it when it takes it: a ranged GET of
 :func:`item_part_size` for the items then ahead of that item (up to ``part_size``,
 :func:`auto_part_size`), so that the item the consumers wait for is fetched over every thread.
+The requests for files over :data:`HEAD_MIN_PART` (the ones cut into parts) are at most
+``max_large_requests`` of them; a file under it is one short request, whose time is mostly the
+round trip, so more of them (up to ``max_concurrency``) keep the link busy.
 The thread that finishes an item's last part queues it to publish (or discards it and reports
 the failure); the first thread to queue one publishes every item queued meanwhile, a run at a
 time (one journal write, one hand-over to the broker), while the others go on downloading.
@@ -60,7 +63,9 @@ def auto_part_size(capacity: int, concurrency: int) -> int:
 
 
 HEAD_MIN_PART = 256 * 1024
-"""The smallest part :func:`item_part_size` splits the consumers' next item into, bytes."""
+"""The smallest part :func:`item_part_size` splits the consumers' next item into, bytes. A file
+of at most this size is fetched whole by one request; a larger one's requests count against
+``max_large_requests``."""
 
 
 def item_part_size(size: int, part_size: int, concurrency: int, ahead: int) -> int:
@@ -116,17 +121,20 @@ class PartQueue(Generic[J]):
         self._started.insert(place, started)
         return started
 
-    def take(self, served: int, part_size: int) -> tuple[Started[J], FileEntry, Path, int, int] | None:
+    def take(self, served: int, part_size: int, large: bool = True) -> tuple[Started[J], FileEntry, Path, int, int] | None:
         """The next part: from the earliest started item with bytes not yet requested, of
         :func:`item_part_size` for the items ahead of it now (``served``: see
         :meth:`cachepipe.broker.Broker.served`) and at most ``part_size`` bytes; None if every
-        byte is requested."""
+        byte is requested, or if ``large`` is False and the next part is of a file over
+        :data:`HEAD_MIN_PART` (it waits for its turn: no later file is taken before it)."""
         while self._started:
             started = self._started[0]
             if not started.todo:  # given up (see done)
                 self._started.popleft()
                 continue
             f, local, start = started.todo[0]
+            if not large and f.size > HEAD_MIN_PART:
+                return None
             part = item_part_size(started.size, part_size, self.concurrency, max(0, started.turn - served))
             end = min(f.size, start + part)
             if end == f.size:
@@ -217,9 +225,10 @@ class Fetcher:
         self.counters = FetchCounters()
         self._min_part = min(config.part_size or HEAD_MIN_PART, HEAD_MIN_PART)  # the smallest part item_part_size gives
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="cachepipe-fetch")
-        self._parts: PartQueue[_Job] = PartQueue(config.max_concurrency)
-        self._parts_lock = threading.Lock()  # _parts and _takers
+        self._parts: PartQueue[_Job] = PartQueue(config.large_requests)
+        self._parts_lock = threading.Lock()  # _parts, _takers and _large
         self._takers = 0  # download threads taking parts
+        self._large = 0  # requests in flight for files over HEAD_MIN_PART
         self._publish_lock = threading.Lock()  # _to_publish and _publishing
         self._to_publish: list[_Job] = []  # verified items waiting for the publishing thread
         self._publishing = False  # a download thread is publishing what is queued
@@ -297,7 +306,7 @@ class Fetcher:
 
     def _part_size(self) -> int:
         """``part_size`` as configured, or by default for the capacity now (it may change live)."""
-        return self._cfg.part_size or auto_part_size(self._cache.limit, self._cfg.max_concurrency)
+        return self._cfg.part_size or auto_part_size(self._cache.limit, self._cfg.large_requests)
 
     def _wait_for_free_space(self, size: int) -> bool:
         """Pause while the filesystem would keep less than ``min_free`` after this item.
@@ -325,7 +334,8 @@ class Fetcher:
 
     def _start(self, seq: int, item: Item, extra: int, turn: int, attempt: int = 0) -> None:
         """Stage ``item`` and queue its bytes for the download threads (parts are cut as they are
-        taken, :meth:`PartQueue.take`); start threads to take them, up to ``max_concurrency``."""
+        taken, :meth:`PartQueue.take`); start threads to take them, up to ``max_concurrency`` and
+        ``max_large_requests`` for the files cut into parts."""
         try:
             staged = self._cache.stage(item, self._min_part)
         except OSError as exc:
@@ -333,10 +343,15 @@ class Fetcher:
             self._retry_disk_error(_Job(seq, item, unstaged, turn, extra, attempt=attempt), exc)
             return
         job = _Job(seq, item, staged, turn, extra, attempt=attempt)
-        parts = sum(-(-f.size // self._min_part) for f in item.files)  # at most
+        small = sum(1 for f in item.files if 0 < f.size <= HEAD_MIN_PART)
+        parts = sum(-(-f.size // self._min_part) for f in item.files if f.size > HEAD_MIN_PART)  # at most
         with self._parts_lock:
             started = self._parts.add(job, item.size, turn, ((f, staged if item.is_file else staged / f.rel) for f in item.files))
-            more = min(parts, self._cfg.max_concurrency - self._takers) if started is not None else 0
+            more = 0
+            if started is not None:
+                more = min(
+                    small + min(parts, max(0, self._cfg.large_requests - self._large)), self._cfg.max_concurrency - self._takers
+                )
             self._takers += more
         if started is None:
             self._finish_or_report(job)
@@ -347,12 +362,18 @@ class Fetcher:
     # ---- download threads ------------------------------------------------------------
     def _take_and_fetch(self) -> None:
         """A download thread's task: fetch parts, each cut when taken, until none is left."""
+        large = False  # the part just fetched was of a file over HEAD_MIN_PART
         while True:
             with self._parts_lock:  # a thread leaves only with the lock held, so no queued part is left untaken
-                part = None if self._stop.is_set() else self._parts.take(self._broker.served(), self._part_size())
+                self._large -= large
+                # a large part waits while max_large_requests are in flight: their threads take it next
+                large_free = self._large < self._cfg.large_requests
+                part = None if self._stop.is_set() else self._parts.take(self._broker.served(), self._part_size(), large_free)
                 if part is None:
                     self._takers -= 1
                     return
+                large = part[1].size > HEAD_MIN_PART
+                self._large += large
             try:
                 self._fetch_part(*part)
             except Exception:  # a defect, not the item's failure (that is reported): the thread stays

@@ -346,7 +346,7 @@ class NodePipeline(Pipeline):
         self._catalog_items, self._eligible_items = catalog, eligible
         if cfg.retain == "auto":
             future = PlanFuture(plan, horizon=2)
-            reserve = min(cache.limit // 4, max(2 * cfg.max_concurrency, 16) * largest)
+            reserve = min(cache.limit // 4, max(2 * cfg.large_requests, 16) * largest)
             cache.use_retention(make_policy("auto", plan.sizes, future, reserve=reserve), Names(catalog, eligible), 0)
         self._total_steps = None
         return queues.steps(self._item)

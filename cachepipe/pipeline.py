@@ -287,7 +287,7 @@ class Pipeline:
         self._catalog_items, self._eligible = catalog, eligible
         if cfg.retain == "auto":
             self._future = PlanFuture(plan, horizon=2)
-            reserve = min(cache.limit // 4, max(2 * cfg.max_concurrency, 16) * largest)
+            reserve = min(cache.limit // 4, max(2 * cfg.large_requests, 16) * largest)
             policy = make_policy("auto", plan.sizes, self._future, reserve=reserve)
             cache.use_retention(policy, Names(catalog, eligible), plan_tick(*cursor))
         self._total_steps = (

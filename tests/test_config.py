@@ -59,6 +59,7 @@ def test_config_rejects_bad_values_with_field_names(tmp_path):
         ("items", "dirs"),
         ("on_error", "ignore"),
         ("max_concurrency", 0),
+        ("max_large_requests", 0),
         ("prefetch", 0),
         ("part_size", "1Q"),
         ("retries", -1),
@@ -76,4 +77,5 @@ def test_config_rejects_unknown_option(tmp_path):
 def test_config_defaults(tmp_path):
     cfg = PipelineConfig(source="s3://b/p", cache_dir=tmp_path, capacity="1g")
     assert cfg.capacity == 1024**3 and cfg.items == "folders" and cfg.ordered and cfg.auto_ack
-    assert cfg.part_size is None and cfg.max_concurrency == 16 and cfg.prefetch is None
+    assert cfg.part_size is None and cfg.max_concurrency == 64 and cfg.max_large_requests == 16 and cfg.prefetch is None
+    assert cfg.large_requests == 16 and cfg.model_copy(update={"max_concurrency": 4}).large_requests == 4

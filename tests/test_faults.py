@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from pathlib import Path
+
 import pytest
 from conftest import listed, via
 from waiting import wait_until
@@ -266,3 +270,50 @@ def test_index_retries_a_transient_listing_error(remote_source, fault_proxy, tmp
     manifest = index(remote_source.url, tmp_path / "m.gz", storage_options=via(remote_source, endpoint))
     assert len(read_manifest(tmp_path / "m.gz").catalog) == len(manifest.catalog) == 2
     assert proxy.injected["503"] == 2
+
+
+def _item_get(head: str) -> bool:
+    return head.startswith("GET") and "/item" in head.split()[1]
+
+
+def _requests_at_once(fault_proxy, source, tmp_path, data, name: str, expected: int, held=_item_get, **options) -> int:
+    """Hold every GET that ``held`` accepts until ``expected`` arrived (or 10 s passed) and 0.3 s
+    more: the GETs held meanwhile, none answered. Then the whole run's bytes are checked against
+    ``data``."""
+    proxy, endpoint = fault_proxy
+    gate, first = threading.Event(), len(proxy.requests)
+    proxy.hold(held, gate)
+    manifest = listed(source, tmp_path)
+    with Pipeline(
+        source.url, tmp_path / name, "64MiB", storage_options=via(source, endpoint), manifest=manifest, **options
+    ) as pipe:
+        deadline = time.monotonic() + 10
+        while sum(map(held, proxy.requests[first:])) < expected and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)
+        at_once = sum(map(held, proxy.requests[first:]))
+        gate.set()
+        got = {p.name: {f.name: f.read_bytes() for f in Path(p).iterdir()} for p in pipe}
+    assert got == data and proxy.hold_timeouts == 0
+    return at_once
+
+
+def test_small_files_go_over_more_requests_than_the_parts_of_large_ones(s3_source, fault_proxy, tmp_path):
+    """Files of at most 256 KiB are one short request each: up to ``max_concurrency`` (64) of them
+    are in flight, not only as many as the parts of large files (``max_large_requests``, 16);
+    ``max_concurrency`` bounds them all."""
+    data = s3_source.folders(40, {"f": 10 * KIB})
+    assert _requests_at_once(fault_proxy, s3_source, tmp_path, data, "default", 40) == 40
+    assert _requests_at_once(fault_proxy, s3_source, tmp_path, data, "four", 4, max_concurrency=4) == 4
+
+
+def test_the_parts_of_large_files_in_flight_are_at_most_max_large_requests(s3_source, fault_proxy, tmp_path):
+    """Also when the threads that fetched an item's small files go on to its large one: its parts
+    wait for a thread of the ``max_large_requests`` ones."""
+    data = s3_source.folders(8, {"s0": 10 * KIB, "s1": 10 * KIB, "s2": 10 * KIB, "s3": 10 * KIB, "x": 2 * MIB})
+
+    def large_get(head: str) -> bool:
+        return _item_get(head) and head.split()[1].endswith("/x")
+
+    assert _requests_at_once(fault_proxy, s3_source, tmp_path, data, "default", 16, held=large_get) == 16
+    assert _requests_at_once(fault_proxy, s3_source, tmp_path, data, "three", 3, held=large_get, max_large_requests=3) == 3

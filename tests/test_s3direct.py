@@ -490,3 +490,36 @@ def test_a_206_longer_than_the_range_asked_for_writes_the_range_alone(range_serv
     range_server.longer = True
     body = bytes(range(251)) * (2 * 1024 * 1024 // 251)
     _read_on_one_connection(range_server, body, [(0, 600_000), (100, 300_100), (0, 10), (0, 10)])
+
+
+def test_a_connection_serves_the_next_request_whichever_thread_makes_it(range_server):
+    """Connections are kept for the next request of any thread, the one used last first: GETs
+    made one after another by four live threads go over one connection, not one per thread (a
+    pool of 64 download threads would keep 64, most of them idle and cold)."""
+    body = bytes(range(251)) * 40
+    range_server.objects["obj"] = body
+    store = FsspecStore(
+        "s3://bucket/", {"endpoint_url": range_server.url, "key": "k", "secret": "s", "skip_instance_cache": True}
+    )
+    turns = [threading.Event() for _ in range(5)]
+    got: list[bytes] = []
+
+    def one(i: int) -> None:
+        turns[i].wait(5)
+        out = io.BytesIO()
+        store.get("obj", out, i, i + 1000)
+        got.append(out.getvalue())
+        turns[i + 1].set()
+        turns[4].wait(5)  # alive until the last has its answer
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    try:
+        for thread in threads:
+            thread.start()
+        turns[0].set()
+        for thread in threads:
+            thread.join(10)
+    finally:
+        store.close()
+    assert got == [body[i : i + 1000] for i in range(4)]
+    assert range_server.connections == 1

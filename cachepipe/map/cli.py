@@ -95,7 +95,13 @@ def _add_options(parser: argparse.ArgumentParser | Any, suppress: bool) -> None:
     )
     parser.add_argument("--upload-concurrency", type=int, default=d(8), help="files uploaded at once (default 8)")
     parser.add_argument("--upload-part-size", default=d("16MiB"), metavar="SIZE", help="multipart part size (default 16MiB)")
-    parser.add_argument("--max-concurrency", type=int, default=d(16), help="download requests in flight (default 16)")
+    parser.add_argument("--max-concurrency", type=int, default=d(64), help="download requests in flight (default 64)")
+    parser.add_argument(
+        "--max-large-requests",
+        type=int,
+        default=d(16),
+        help="of those, most for files over 256 KiB, cut into parts (default 16)",
+    )
     parser.add_argument(
         "--rank",
         type=int,
@@ -193,6 +199,7 @@ def run_map_command(args: argparse.Namespace) -> int:
             "upload_concurrency": args.upload_concurrency,
             "upload_part_size": args.upload_part_size,
             "max_concurrency": args.max_concurrency,
+            "max_large_requests": args.max_large_requests,
             "rank": args.rank,
             "world_size": args.world_size,
         }

@@ -68,7 +68,8 @@ class MapConfig(BaseModel):
     request_retries: int = Field(default=12, ge=0, le=1000)
     retry_backoff: float = Field(default=0.2, ge=0, le=60)
     retry_backoff_max: float = Field(default=10.0, gt=0, le=600)
-    max_concurrency: int = Field(default=16, ge=1, le=1024)
+    max_concurrency: int = Field(default=64, ge=1, le=1024)
+    max_large_requests: int = Field(default=16, ge=1, le=1024)
     part_size: Annotated[int | None, _optional_size("part_size")] = None  # None: a pipeline's default, by the capacity
     upload_concurrency: int = Field(default=8, ge=1, le=1024)
     upload_part_size: Annotated[int, BeforeValidator(lambda v: parse_size(v, "upload_part_size"))] = 16 * _MIB

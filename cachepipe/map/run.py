@@ -179,6 +179,7 @@ class _MapRun:
             retry_backoff=cfg.retry_backoff,
             retry_backoff_max=cfg.retry_backoff_max,
             max_concurrency=cfg.max_concurrency,
+            max_large_requests=cfg.max_large_requests,
             part_size=cfg.part_size,
         )
         uploader = Uploader(
@@ -398,8 +399,8 @@ def map_items(
             files, in times the item's size; default 1.25, see :data:`~cachepipe.config.UNPACK_RATIO`), ``timeout``
             (seconds per attempt), ``retries`` (2, per item), ``request_retries`` (12, per
             request, as downloads), ``storage_options``, ``dest_options`` (default: the same),
-            ``upload_concurrency`` (8), ``upload_part_size`` (16 MiB), ``max_concurrency``,
-            ``part_size`` (default: a pipeline's, by the cache's capacity, see
+            ``upload_concurrency`` (8), ``upload_part_size`` (16 MiB), ``max_concurrency`` (64),
+            ``max_large_requests`` (16), ``part_size`` (default: a pipeline's, by the cache's capacity, see
             :func:`~cachepipe.fetcher.auto_part_size`), ``watch_interval`` (0.05 s), ``kill_grace``
             (5 s), ``max_members``, ``dry_run``, ``progress``.
 

@@ -216,8 +216,8 @@ class _Route:
 
 class DirectGet:
     """GETs of S3 object ranges and listing pages without the SDK in the data path, over
-    keep-alive ``http.client`` connections (one per thread and host), object bodies streamed in
-    1 MiB reads.
+    keep-alive ``http.client`` connections (kept per host for the next request of any thread,
+    the one used last first), object bodies streamed in 1 MiB reads.
 
     Args:
         fs: the s3fs filesystem whose client addresses, signs for and authenticates the requests.
@@ -230,11 +230,12 @@ class DirectGet:
 
     def __init__(self, fs: Any) -> None:
         self.fs = fs
-        self._lock = threading.Lock()  # guards _conns and _sdk_buckets
+        self._lock = threading.Lock()  # guards _idle, _closed and _sdk_buckets
         self._probing = threading.Lock()  # one thread probes; the others wait for its route
         self._routes: dict[str, _Route] = {}
         self._sdk_buckets: set[str] = set()  # buckets whose requests s3fs sends
-        self._conns: dict[tuple[int, str, str], http.client.HTTPConnection] = {}
+        self._idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}  # by (scheme, netloc), last used last
+        self._closed = False
         self._ssl: ssl.SSLContext | None = None  # made on the first https connection (loading CAs costs ~30 ms)
 
     @staticmethod
@@ -365,31 +366,38 @@ class DirectGet:
 
     # ---- connections -----------------------------------------------------------------
     def _conn(self, scheme: str, netloc: str) -> http.client.HTTPConnection:
-        key = (threading.get_ident(), scheme, netloc)
-        conn = self._conns.get(key)
-        if conn is not None:
-            return conn
+        """The connection to ``netloc`` used last and idle now (its congestion window the widest,
+        the least likely to have been closed by the server), or a new one; the caller's until
+        :meth:`_done` or :meth:`_drop`."""
+        with self._lock:
+            idle = self._idle.get((scheme, netloc))
+            if idle:
+                return idle.pop()
         if scheme == "https":
             with self._lock:
                 if self._ssl is None:
                     self._ssl = ssl.create_default_context()
-            conn = http.client.HTTPSConnection(netloc, timeout=self.TIMEOUT, context=self._ssl)
-        else:
-            conn = http.client.HTTPConnection(netloc, timeout=self.TIMEOUT)
-        with self._lock:
-            self._conns[key] = conn
-        return conn
+            return http.client.HTTPSConnection(netloc, timeout=self.TIMEOUT, context=self._ssl)
+        return http.client.HTTPConnection(netloc, timeout=self.TIMEOUT)
 
-    def _drop(self, scheme: str, netloc: str, resp: http.client.HTTPResponse | None = None) -> None:
-        """Close this thread's connection to ``netloc`` and ``resp``, a response on it: when the
-        server said it would close the connection, http.client let go of the socket and only the
-        response holds it (until the garbage collector, if a traceback keeps the response)."""
-        with self._lock:
-            conn = self._conns.pop((threading.get_ident(), scheme, netloc), None)
+    def _done(self, scheme: str, netloc: str, conn: http.client.HTTPConnection) -> None:
+        """Give ``conn`` back after a response read to its end: kept for the next request if it is
+        still open (not when the server said it would close it, nor after :meth:`_drop`)."""
+        if conn.sock is not None:
+            with self._lock:
+                if not self._closed:
+                    self._idle.setdefault((scheme, netloc), []).append(conn)
+                    return
+        conn.close()
+
+    @staticmethod
+    def _drop(conn: http.client.HTTPConnection, resp: http.client.HTTPResponse | None = None) -> None:
+        """Close ``conn`` and ``resp``, a response on it: when the server said it would close the
+        connection, http.client let go of the socket and only the response holds it (until the
+        garbage collector, if a traceback keeps the response)."""
         if resp is not None:
             resp.close()
-        if conn is not None:
-            conn.close()
+        conn.close()
 
     # ---- requests -------------------------------------------------------------------
     def _exchange(
@@ -398,10 +406,11 @@ class DirectGet:
         bucket: str,
         target: Callable[[_Route], str],
         headers: dict[str, str],
-        read: Callable[[_Route, http.client.HTTPResponse, socket.socket | None], _T],
+        read: Callable[[http.client.HTTPResponse, http.client.HTTPConnection, socket.socket | None], _T],
     ) -> _T | None:
         """Send a signed GET of ``target(route)`` (path and query) to ``bucket`` and return
-        ``read(route, response, its connection's socket)``; None, with nothing read, if s3fs
+        ``read(response, its connection, the connection's socket)`` (the connection is
+        given back for the next request unless ``read`` dropped it); None, with nothing read, if s3fs
         must send it. Each request is logged at DEBUG as ``direct <operation>: <path>`` (as s3fs
         logs its calls)."""
         route = None
@@ -425,20 +434,24 @@ class DirectGet:
                 resp = conn.getresponse()
                 if resp.status == 403 and attempt == 0:
                     resp.read()
+                    self._done(route.scheme, route.netloc, conn)
                     continue
                 if resp.status in (301, 307, 400) and resp.getheader("x-amz-bucket-region", route.region) != route.region:
                     resp.read()  # the bucket is in another region: s3fs's client follows that
+                    self._done(route.scheme, route.netloc, conn)
                     self._to_sdk(bucket)
                     return None
-                return read(route, resp, sock)
+                result = read(resp, conn, sock)
             except http.client.HTTPException as exc:
-                self._drop(route.scheme, route.netloc, resp)
+                self._drop(conn, resp)
                 if isinstance(exc, http.client.IncompleteRead):
                     raise
                 raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
             except BaseException:
-                self._drop(route.scheme, route.netloc, resp)
+                self._drop(conn, resp)
                 raise
+            self._done(route.scheme, route.netloc, conn)
+            return result
         raise AssertionError("unreachable")
 
     def get(self, bucket: str, key: str, out: BinaryIO, start: int, end: int) -> int | None:
@@ -447,7 +460,7 @@ class DirectGet:
         signed in a way this path does not implement, or a region redirect)."""
         quoted = quote(key, safe="/~")
 
-        def read(route: _Route, resp: http.client.HTTPResponse, sock: socket.socket | None) -> int:
+        def read(resp: http.client.HTTPResponse, conn: http.client.HTTPConnection, sock: socket.socket | None) -> int:
             if resp.status != 206 and not (resp.status == 200 and start == 0):
                 raise HTTPStatusError(resp.status, resp.reason, resp.read())
             written, mark = 0, 1
@@ -468,7 +481,7 @@ class DirectGet:
                     _set_low_water(marked, 1)
                 resp.read()  # nothing left: keeps the connection reusable
             else:
-                self._drop(route.scheme, route.netloc, resp)
+                self._drop(conn, resp)
             return written
 
         return self._exchange(
@@ -493,7 +506,7 @@ class DirectGet:
         # sorted and encoded as SigV4's canonical query string wants it (botocore signs it as sent)
         encoded = "&".join(f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}" for k, v in sorted(query.items()))
 
-        def read(route: _Route, resp: http.client.HTTPResponse, sock: socket.socket | None) -> _Page:  # noqa: ARG001 - the callback's signature is fixed by its caller
+        def read(resp: http.client.HTTPResponse, conn: http.client.HTTPConnection, sock: socket.socket | None) -> _Page:  # noqa: ARG001 - the callback's signature is fixed by its caller
             body = resp.read()
             if resp.status != 200:
                 raise HTTPStatusError(resp.status, resp.reason, body)
@@ -502,8 +515,10 @@ class DirectGet:
         return self._exchange("ListObjectsV2", bucket, lambda route: f"{route.prefix[:-1] or '/'}?{encoded}", {}, read)
 
     def close(self) -> None:
-        """Close every connection (of every thread)."""
+        """Close the idle connections; one in use is closed when its request ends."""
         with self._lock:
-            conns, self._conns = list(self._conns.values()), {}
+            self._closed = True
+            conns = [conn for idle in self._idle.values() for conn in idle]
+            self._idle = {}
         for conn in conns:
             conn.close()
