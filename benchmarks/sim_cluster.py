@@ -504,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=DEFAULTS["max_large_requests"],
         help="requests in flight per node when throttled (default: max_large_requests, 16, as for the default items, "
-        "files over 256 KiB; files of 256 KiB or less go up to max_concurrency, 64)",
+        "items with a file over 256 KiB; items of smaller files go up to max_concurrency, 64)",
     )
     add("--throttle-s", type=float, default=3.0, help="seconds the store answers SlowDown (default 3)")
     add("--seed", type=int, default=0, help="seed of the plan, the sample and the Monte-Carlo (default 0)")

@@ -221,11 +221,11 @@ class PipelineConfig(BaseModel):
         prefetch: most items downloaded ahead of the consumer (staging + ready); None (default):
             as many as the capacity allows.
         max_concurrency: requests in flight across all items and files (default 64).
-        max_large_requests: of those, most for files over 256 KiB, which are cut into parts
-            (default 16; at most ``max_concurrency``). A file of 256 KiB or less is one short
-            request, mostly round trip: up to ``max_concurrency`` of them keep a link busy on
-            folders of small files, while the large files' bytes in flight stay those of 16
-            streams.
+        max_large_requests: of those, most for items with a file over 256 KiB, which is cut
+            into parts (default 16; at most ``max_concurrency``). An item whose files are all
+            of 256 KiB or less is short requests, mostly round trip: up to ``max_concurrency``
+            of them keep a link busy on folders of small files, while large items stay at the
+            bytes in flight of 16 streams.
         part_size: objects larger than this are fetched as parallel ranged GETs of this size.
             None (default): the capacity over twice ``max_large_requests``, between 1 and 8 MiB
             (8 MiB from a 256 MiB cache at 16 requests; it follows a capacity changed live),
@@ -384,8 +384,8 @@ class PipelineConfig(BaseModel):
 
     @property
     def large_requests(self) -> int:
-        """Requests in flight for files over 256 KiB at most: ``max_large_requests``, within
-        ``max_concurrency``."""
+        """Requests in flight of items with a file over 256 KiB at most: ``max_large_requests``,
+        within ``max_concurrency``."""
         return min(self.max_large_requests, self.max_concurrency)
 
     @property

@@ -6,9 +6,9 @@ pool of ``max_concurrency`` download threads. Each thread takes the next part fr
 started item with bytes not yet requested, and cuts it when it takes it: a ranged GET of
 :func:`item_part_size` for the items then ahead of that item (up to ``part_size``,
 :func:`auto_part_size`), so that the item the consumers wait for is fetched over every thread.
-The requests for files over :data:`HEAD_MIN_PART` (the ones cut into parts) are at most
-``max_large_requests`` of them; a file under it is one short request, whose time is mostly the
-round trip, so more of them (up to ``max_concurrency``) keep the link busy.
+The requests of items with a file over :data:`HEAD_MIN_PART` (one cut into parts) are at most
+``max_large_requests``; an item of smaller files only is short requests, each mostly round trip,
+so more of them (up to ``max_concurrency``) keep the link busy.
 The thread that finishes an item's last part queues it to publish (or discards it and reports
 the failure); the first thread to queue one publishes every item queued meanwhile, a run at a
 time (one journal write, one hand-over to the broker), while the others go on downloading.
@@ -64,8 +64,8 @@ def auto_part_size(capacity: int, concurrency: int) -> int:
 
 HEAD_MIN_PART = 256 * 1024
 """The smallest part :func:`item_part_size` splits the consumers' next item into, bytes. A file
-of at most this size is fetched whole by one request; a larger one's requests count against
-``max_large_requests``."""
+of at most this size is fetched whole by one request; the requests of an item with a larger
+file count against ``max_large_requests``."""
 
 
 def item_part_size(size: int, part_size: int, concurrency: int, ahead: int) -> int:
@@ -92,6 +92,7 @@ class Started(Generic[J]):
     size: int  # the item's bytes
     turn: int  # its place in hand-out order: turn - served items are ahead of it
     todo: deque[tuple[FileEntry, Path, int]]  # files (or their rest) not yet requested: entry, local path, next offset
+    small: bool  # every file of at most HEAD_MIN_PART: its requests do not count against max_large_requests
     running: int = 0
 
 
@@ -114,7 +115,7 @@ class PartQueue(Generic[J]):
         todo = deque((f, local, 0) for f, local in files if f.size)
         if not todo:
             return None
-        started = Started(job, size, turn, todo)
+        started = Started(job, size, turn, todo, small=all(f.size <= HEAD_MIN_PART for f, _local, _start in todo))
         place = len(self._started)
         while place and self._started[place - 1].turn > turn:
             place -= 1
@@ -125,16 +126,16 @@ class PartQueue(Generic[J]):
         """The next part: from the earliest started item with bytes not yet requested, of
         :func:`item_part_size` for the items ahead of it now (``served``: see
         :meth:`cachepipe.broker.Broker.served`) and at most ``part_size`` bytes; None if every
-        byte is requested, or if ``large`` is False and the next part is of a file over
-        :data:`HEAD_MIN_PART` (it waits for its turn: no later file is taken before it)."""
+        byte is requested, or if ``large`` is False and the next part is of an item with a file
+        over :data:`HEAD_MIN_PART` (it waits for its turn: nothing later is taken before it)."""
         while self._started:
             started = self._started[0]
             if not started.todo:  # given up (see done)
                 self._started.popleft()
                 continue
-            f, local, start = started.todo[0]
-            if not large and f.size > HEAD_MIN_PART:
+            if not large and not started.small:
                 return None
+            f, local, start = started.todo[0]
             part = item_part_size(started.size, part_size, self.concurrency, max(0, started.turn - served))
             end = min(f.size, start + part)
             if end == f.size:
@@ -228,7 +229,7 @@ class Fetcher:
         self._parts: PartQueue[_Job] = PartQueue(config.large_requests)
         self._parts_lock = threading.Lock()  # _parts, _takers and _large
         self._takers = 0  # download threads taking parts
-        self._large = 0  # requests in flight for files over HEAD_MIN_PART
+        self._large = 0  # requests in flight of items with a file over HEAD_MIN_PART
         self._publish_lock = threading.Lock()  # _to_publish and _publishing
         self._to_publish: list[_Job] = []  # verified items waiting for the publishing thread
         self._publishing = False  # a download thread is publishing what is queued
@@ -334,8 +335,8 @@ class Fetcher:
 
     def _start(self, seq: int, item: Item, extra: int, turn: int, attempt: int = 0) -> None:
         """Stage ``item`` and queue its bytes for the download threads (parts are cut as they are
-        taken, :meth:`PartQueue.take`); start threads to take them, up to ``max_concurrency`` and
-        ``max_large_requests`` for the files cut into parts."""
+        taken, :meth:`PartQueue.take`); start threads to take them: up to ``max_concurrency`` for
+        an item of small files only, else up to ``max_large_requests``."""
         try:
             staged = self._cache.stage(item, self._min_part)
         except OSError as exc:
@@ -343,15 +344,11 @@ class Fetcher:
             self._retry_disk_error(_Job(seq, item, unstaged, turn, extra, attempt=attempt), exc)
             return
         job = _Job(seq, item, staged, turn, extra, attempt=attempt)
-        small = sum(1 for f in item.files if 0 < f.size <= HEAD_MIN_PART)
-        parts = sum(-(-f.size // self._min_part) for f in item.files if f.size > HEAD_MIN_PART)  # at most
+        parts = sum(-(-f.size // self._min_part) for f in item.files)  # at most
         with self._parts_lock:
             started = self._parts.add(job, item.size, turn, ((f, staged if item.is_file else staged / f.rel) for f in item.files))
-            more = 0
-            if started is not None:
-                more = min(
-                    small + min(parts, max(0, self._cfg.large_requests - self._large)), self._cfg.max_concurrency - self._takers
-                )
+            limit = self._cfg.max_concurrency if started is not None and started.small else self._cfg.large_requests
+            more = max(0, min(parts, limit - self._takers)) if started is not None else 0
             self._takers += more
         if started is None:
             self._finish_or_report(job)
@@ -362,7 +359,7 @@ class Fetcher:
     # ---- download threads ------------------------------------------------------------
     def _take_and_fetch(self) -> None:
         """A download thread's task: fetch parts, each cut when taken, until none is left."""
-        large = False  # the part just fetched was of a file over HEAD_MIN_PART
+        large = False  # the part just fetched was of an item with a file over HEAD_MIN_PART
         while True:
             with self._parts_lock:  # a thread leaves only with the lock held, so no queued part is left untaken
                 self._large -= large
@@ -372,7 +369,7 @@ class Fetcher:
                 if part is None:
                     self._takers -= 1
                     return
-                large = part[1].size > HEAD_MIN_PART
+                large = not part[0].small
                 self._large += large
             try:
                 self._fetch_part(*part)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from pathlib import Path
@@ -298,19 +299,24 @@ def _requests_at_once(fault_proxy, source, tmp_path, data, name: str, expected: 
     return at_once
 
 
-def test_small_files_go_over_more_requests_than_the_parts_of_large_ones(s3_source, fault_proxy, tmp_path):
-    """Files of at most 256 KiB are one short request each: up to ``max_concurrency`` (64) of them
-    are in flight, not only as many as the parts of large files (``max_large_requests``, 16);
-    ``max_concurrency`` bounds them all."""
+def test_items_of_small_files_go_over_more_requests_than_large_ones(s3_source, fault_proxy, tmp_path):
+    """An item whose files are all of at most 256 KiB is short requests: up to ``max_concurrency``
+    (64) of them are in flight, not only as many as for items with a larger file
+    (``max_large_requests``, 16); ``max_concurrency`` bounds them all."""
     data = s3_source.folders(40, {"f": 10 * KIB})
     assert _requests_at_once(fault_proxy, s3_source, tmp_path, data, "default", 40) == 40
     assert _requests_at_once(fault_proxy, s3_source, tmp_path, data, "four", 4, max_concurrency=4) == 4
 
 
-def test_the_parts_of_large_files_in_flight_are_at_most_max_large_requests(s3_source, fault_proxy, tmp_path):
-    """Also when the threads that fetched an item's small files go on to its large one: its parts
+def test_the_requests_of_large_items_in_flight_are_at_most_max_large_requests(s3_source, fault_proxy, tmp_path):
+    """Also when the threads that fetched items of small files go on to a large one: its parts
     wait for a thread of the ``max_large_requests`` ones."""
-    data = s3_source.folders(8, {"s0": 10 * KIB, "s1": 10 * KIB, "s2": 10 * KIB, "s3": 10 * KIB, "x": 2 * MIB})
+    data = s3_source.folders(40, {"f": 10 * KIB})
+    rng = random.Random(1)
+    for i in range(40, 48):
+        body = rng.randbytes(2 * MIB)
+        s3_source.put(f"item{i:03d}/x", body)
+        data[f"item{i:03d}"] = {"x": body}
 
     def large_get(head: str) -> bool:
         return _item_get(head) and head.split()[1].endswith("/x")

@@ -90,18 +90,19 @@ def test_an_item_is_done_after_its_last_part_or_when_it_gives_up():
     assert queue.done(second[0])  # ... so the second is the last
 
 
-def test_without_room_for_a_large_request_only_small_files_are_taken_and_never_out_of_turn():
-    """``large=False`` (``max_large_requests`` in flight): a file of at most HEAD_MIN_PART is taken
-    whole; the next part of a larger file is not, and nothing behind it is taken before it."""
+def test_without_room_for_a_large_request_only_items_of_small_files_are_taken_and_never_out_of_turn():
+    """``large=False`` (``max_large_requests`` in flight): an item whose files are all of at most
+    HEAD_MIN_PART is taken; the next part of an item with a larger file is not (also its small
+    files), and nothing behind it is taken before it."""
     queue = PartQueue(concurrency=2)
-    _queue(queue, "a", 0, _item("a", HEAD_MIN_PART, 2 * MIB + 1, 10))
-    _queue(queue, "b", 1, _item("b", 5))
-    part = queue.take(0, MIB, large=False)
-    assert (part[0].job, part[1].rel, part[3], part[4]) == ("a", "f0", 0, HEAD_MIN_PART)  # small: one request
-    assert queue.take(0, MIB, large=False) is None  # f1 is over the floor; f2 and "b" wait behind it
+    _queue(queue, "a", 0, _item("a", HEAD_MIN_PART, 10))
+    _queue(queue, "b", 1, _item("b", 5, 2 * MIB + 1))
+    _queue(queue, "c", 2, _item("c", 7))
+    assert [queue.take(0, MIB, large=False)[0].job for _ in range(2)] == ["a", "a"]  # small: one request a file
+    assert queue.take(0, MIB, large=False) is None  # "b" has a file over the floor: its 5 bytes wait too, and "c"
+    part = queue.take(0, MIB)
+    assert (part[0].job, part[1].rel, part[3], part[4]) == ("b", "f0", 0, 5)
     assert [queue.take(0, MIB)[3:] for _ in range(2)] == [(0, MIB), (MIB, 2 * MIB)]  # cut into parts
-    assert queue.take(0, MIB, large=False) is None  # its last byte is a large file's part too
-    assert queue.take(0, MIB)[1:] == (FileEntry("a/f1", "f1", 2 * MIB + 1), Path("a/f1"), 2 * MIB, 2 * MIB + 1)
-    part = queue.take(0, MIB, large=False)
-    assert (part[0].job, part[1].rel) == ("a", "f2")  # small files again, in turn
-    assert queue.take(0, MIB, large=False)[0].job == "b"
+    assert queue.take(0, MIB, large=False) is None  # its last byte is a large item's request too
+    assert queue.take(0, MIB)[1:] == (FileEntry("b/f1", "f1", 2 * MIB + 1), Path("b/f1"), 2 * MIB, 2 * MIB + 1)
+    assert queue.take(0, MIB, large=False)[0].job == "c"  # small again, in turn

@@ -100,7 +100,7 @@ def _add_options(parser: argparse.ArgumentParser | Any, suppress: bool) -> None:
         "--max-large-requests",
         type=int,
         default=d(16),
-        help="of those, most for files over 256 KiB, cut into parts (default 16)",
+        help="of those, most for items with a file over 256 KiB (default 16)",
     )
     parser.add_argument(
         "--rank",
