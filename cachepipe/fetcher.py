@@ -347,8 +347,10 @@ class Fetcher:
         parts = sum(-(-f.size // self._min_part) for f in item.files)  # at most
         with self._parts_lock:
             started = self._parts.add(job, item.size, turn, ((f, staged if item.is_file else staged / f.rel) for f in item.files))
-            limit = self._cfg.max_concurrency if started is not None and started.small else self._cfg.large_requests
-            more = max(0, min(parts, limit - self._takers)) if started is not None else 0
+            more = 0
+            if started is not None:
+                limit = self._cfg.max_concurrency if started.small else self._cfg.large_requests
+                more = max(0, min(parts, limit - self._takers))
             self._takers += more
         if started is None:
             self._finish_or_report(job)
