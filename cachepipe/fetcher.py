@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import math
 import random
 import shutil
 import threading
@@ -79,6 +80,26 @@ def item_part_size(size: int, part_size: int, concurrency: int, ahead: int) -> i
     ones behind it. At least :data:`HEAD_MIN_PART` (requests have a cost) and at most
     ``part_size`` (which it is once the consumers have enough ahead of them)."""
     return min(part_size, max(HEAD_MIN_PART, -(-size * (ahead + 1) // concurrency)))
+
+
+PACE_WINDOW = 32
+"""Parts between two choices of :func:`download_threads` (and the parts each choice looks at)."""
+
+
+def download_threads(request_s: float, work_s: float, limit: int) -> int:
+    """How many download threads to run: ``1 + request_s / work_s`` (rounded up), at least 1
+    and at most ``limit``.
+
+    Little's law: while one thread does a part's own work in Python (``work_s`` seconds of its
+    CPU: the part's bookkeeping, writing it, publishing), the others wait for their requests
+    (``request_s`` seconds each, wall). That many threads keep one always working, and the
+    requests' round trips hidden behind it. More only take turns at the interpreter's lock:
+    where a request costs about nothing (a ``memory://`` or local source), each handing over
+    of the lock at a system call costs a context switch. ``work_s`` of 0 or less (nothing
+    measured yet): ``limit``."""
+    if work_s <= 0:
+        return limit
+    return max(1, min(limit, math.ceil(1 + request_s / work_s)))
 
 
 J = TypeVar("J")
@@ -230,6 +251,8 @@ class Fetcher:
         self._parts_lock = threading.Lock()  # _parts, _takers and _large
         self._takers = 0  # download threads taking parts
         self._large = 0  # requests in flight of items with a file over HEAD_MIN_PART
+        self.threads = config.max_concurrency  # download threads wanted now (download_threads)
+        self._paces: list[tuple[float, float]] = []  # (request wall s, thread CPU s) of parts since the last choice
         self._publish_lock = threading.Lock()  # _to_publish and _publishing
         self._to_publish: list[_Job] = []  # verified items waiting for the publishing thread
         self._publishing = False  # a download thread is publishing what is queued
@@ -350,7 +373,7 @@ class Fetcher:
             more = 0
             if started is not None:
                 limit = self._cfg.max_concurrency if started.small else self._cfg.large_requests
-                more = max(0, min(parts, limit - self._takers))
+                more = max(0, min(parts, min(limit, self.threads) - self._takers))
             self._takers += more
         if started is None:
             self._finish_or_report(job)
@@ -360,34 +383,65 @@ class Fetcher:
 
     # ---- download threads ------------------------------------------------------------
     def _take_and_fetch(self) -> None:
-        """A download thread's task: fetch parts, each cut when taken, until none is left."""
+        """A download thread's task: fetch parts, each cut when taken, until none is left, or
+        until more threads take parts than :attr:`threads` wants."""
         large = False  # the part just fetched was of an item with a file over HEAD_MIN_PART
+        pace: tuple[float, float] | None = None  # the part just fetched: request wall s, this thread's CPU s
         while True:
             with self._parts_lock:  # a thread leaves only with the lock held, so no queued part is left untaken
                 self._large -= large
+                if pace is not None:
+                    self._note_pace(pace)
                 # a large part waits while max_large_requests are in flight: their threads take it next
                 large_free = self._large < self._cfg.large_requests
-                part = None if self._stop.is_set() else self._parts.take(self._broker.served(), self._part_size(), large_free)
+                part = None
+                if not self._stop.is_set() and self._takers <= self.threads:  # else leave: another thread takes it
+                    part = self._parts.take(self._broker.served(), self._part_size(), large_free)
                 if part is None:
                     self._takers -= 1
                     return
                 large = not part[0].small
                 self._large += large
+            pace = None
+            cpu = time.thread_time()
             try:
-                self._fetch_part(*part)
+                request_s = self._fetch_part(*part)
             except Exception:  # a defect, not the item's failure (that is reported): the thread stays
                 log.exception("a download thread's part of %s failed unexpectedly", part[0].job.item.name)
+            else:
+                if request_s is not None:
+                    pace = (request_s, time.thread_time() - cpu)
 
-    def _fetch_part(self, started: Started[_Job], f: FileEntry, local: Path, start: int, end: int) -> None:
+    def _note_pace(self, pace: tuple[float, float]) -> None:
+        """Count a part's request time and work (under the parts lock); every
+        :data:`PACE_WINDOW` parts, choose :attr:`threads` from their median request time and
+        mean work (:func:`download_threads`). The median, since a request that came back while
+        the interpreter's lock was busy is also counted as waiting for it."""
+        paces = self._paces
+        paces.append(pace)
+        if len(paces) < PACE_WINDOW:
+            return
+        request_s = sorted(r for r, _ in paces)[len(paces) // 2]
+        work_s = sum(w for _, w in paces) / len(paces)
+        paces.clear()
+        self.threads = download_threads(request_s, work_s, self._cfg.max_concurrency)
+
+    def _fetch_part(self, started: Started[_Job], f: FileEntry, local: Path, start: int, end: int) -> float | None:
+        """Fetch one part (with retries) and finish its item if it was the last; returns the
+        seconds its request took, None if it was not requested (the item had failed)."""
         job = started.job
+        request_s = None
         try:
             if job.error is None and job.disk_error is None and not self._stop.is_set():
+                began = time.perf_counter()
                 self._get_with_retries(job, f, local, start, end)
+                request_s = time.perf_counter() - began
         finally:
             with self._parts_lock:  # after an error nothing more is requested: the item fails or restarts
                 last = self._parts.done(started, give_up=job.error is not None or job.disk_error is not None)
             if last:
                 self._finish_or_report(job)
+        return request_s
 
     def _get_with_retries(self, job: _Job, f: FileEntry, local: Path, start: int, end: int) -> None:
         cfg = self._cfg

@@ -118,6 +118,7 @@ class Stats:
     disk_pauses: int
     consumer_wait_seconds: float
     producer_wait_seconds: float
+    download_threads: int  # threads taking parts now at most: max_concurrency, fewer where requests cost about nothing
 
 
 _UNOPENED, _OPEN, _CLOSED = "unopened", "open", "closed"
@@ -767,6 +768,7 @@ class Pipeline:
             disk_pauses=c.disk_pauses,
             consumer_wait_seconds=self._broker.wait_seconds,
             producer_wait_seconds=c.producer_wait_seconds,
+            download_threads=self._fetcher.threads,
         )
 
     def _count(self, name: str) -> None:

@@ -1,7 +1,7 @@
 from pathlib import Path
 
 from cachepipe.catalog import FileEntry, Item
-from cachepipe.fetcher import HEAD_MIN_PART, PartQueue, auto_part_size, backoff_delay, item_part_size
+from cachepipe.fetcher import HEAD_MIN_PART, PartQueue, auto_part_size, backoff_delay, download_threads, item_part_size
 
 MIB = 1024 * 1024
 
@@ -106,3 +106,13 @@ def test_without_room_for_a_large_request_only_items_of_small_files_are_taken_an
     assert queue.take(0, MIB, large=False) is None  # its last byte is a large item's request too
     assert queue.take(0, MIB)[1:] == (FileEntry("b/f1", "f1", 2 * MIB + 1), Path("b/f1"), 2 * MIB, 2 * MIB + 1)
     assert queue.take(0, MIB, large=False)[0].job == "c"  # small again, in turn
+
+
+def test_download_threads_keep_one_working_while_the_others_wait_for_requests():
+    assert download_threads(0.0, 0.0, 64) == 64  # nothing measured yet: the limit
+    assert download_threads(10e-6, 100e-6, 64) == 2  # a request costs less than a part's work
+    assert download_threads(0.0, 100e-6, 64) == 1
+    assert download_threads(1e-3, 100e-6, 64) == 11  # 1 ms requests, 100 us of work each
+    assert download_threads(16e-3, 100e-6, 64) == 64  # a remote link: the limit
+    assert download_threads(1e-3, 100e-6, 4) == 4
+    assert download_threads(1e-3, 100e-6, 1) == 1

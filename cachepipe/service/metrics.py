@@ -40,6 +40,7 @@ _STATS: dict[str, tuple[str, str, str]] = {
     "retries": ("cachepipe_store_retries", "counter", "Store requests retried after a transient error."),
     "consumer_wait_seconds": ("cachepipe_consumer_wait_seconds", "counter", "Seconds consumers waited for an item."),
     "producer_wait_seconds": ("cachepipe_producer_wait_seconds", "counter", "Seconds the producer waited for space."),
+    "download_threads": ("cachepipe_download_threads", "gauge", "Download threads the producer runs at most now."),
 }
 
 

@@ -1,0 +1,93 @@
+"""The download threads follow how long requests take (:func:`cachepipe.fetcher.download_threads`).
+
+Where a request costs about nothing next to a part's own work (a ``memory://`` or local
+source), a few threads take parts, not ``max_concurrency``: more would only take turns at the
+interpreter's lock. Where requests are long, every thread the limit allows takes parts. The
+store is fsspec's real memory store; its ``get`` is held or delayed to make requests long.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import BinaryIO
+
+import fsspec
+import pytest
+from waiting import wait_until
+
+from cachepipe import Pipeline
+from cachepipe.stores.fsspec import FsspecStore
+
+ROOT = "memory://threads/data"
+
+
+class TimedStore(FsspecStore):
+    """The memory store, counting the gets in flight at once. ``delay``: seconds each get sleeps;
+    after ``free`` gets, every get waits for ``release``."""
+
+    def __init__(self, delay: float = 0.0, free: int | None = None) -> None:
+        super().__init__(ROOT)
+        self.delay, self.free = delay, free
+        self.release = threading.Event()
+        self._lock = threading.Lock()
+        self.gets = self.in_flight = self.peak = 0
+
+    def get(self, key: str, out: BinaryIO, start: int, end: int) -> int:
+        with self._lock:
+            self.gets += 1
+            held = self.free is not None and self.gets > self.free
+            self.in_flight += 1
+            self.peak = max(self.peak, self.in_flight)
+        try:
+            if self.delay:
+                time.sleep(self.delay)
+            if held:
+                assert self.release.wait(30), "the test never released the held gets"
+            return super().get(key, out, start, end)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+
+@pytest.fixture
+def files():
+    """``n`` 1-byte single-file items in the memory store; removed afterwards."""
+    fs = fsspec.filesystem("memory")
+    made: list[str] = []
+
+    def make(n: int) -> None:
+        for i in range(n):
+            fs.pipe_file(f"{ROOT}/{i:05d}", b"x")
+            made.append(f"{i:05d}")
+
+    yield make
+    fs.store.clear()
+    fs.pseudo_dirs[:] = [""]
+
+
+def test_requests_that_cost_nothing_are_made_by_a_few_threads(files, tmp_path):
+    files(1500)
+    store = TimedStore(free=1000)  # then every get is held until released
+    with Pipeline(ROOT, tmp_path / "cache", "64MiB", items="files", store=store, max_concurrency=64) as pipe:
+        # every thread the pool has that takes a part now blocks in its get
+        wait_until(lambda: store.in_flight >= 1, what="a held get")
+        time.sleep(0.5)  # time for more threads to reach a get, if more take parts
+        held, threads = store.in_flight, pipe.stats().download_threads
+        store.release.set()
+        names = [item.name for item in pipe]
+    assert sorted(names) == [f"{i:05d}" for i in range(1500)]  # nothing lost or repeated
+    assert threads <= 16  # of 64: the free gets took microseconds, a part's work more
+    assert held <= threads
+    assert store.peak <= 64
+
+
+def test_long_requests_are_made_by_every_thread_the_limit_allows(files, tmp_path):
+    files(300)
+    store = TimedStore(delay=0.05)
+    with Pipeline(ROOT, tmp_path / "cache", "64MiB", items="files", store=store, max_concurrency=32) as pipe:
+        names = [item.name for item in pipe]
+        threads = pipe.stats().download_threads
+    assert len(names) == 300
+    assert threads == 32  # 50 ms requests: the limit
+    assert store.peak == 32
