@@ -220,7 +220,11 @@ class PipelineConfig(BaseModel):
         storage_options: passed to the store (s3fs/fsspec options, or OBS settings).
         prefetch: most items downloaded ahead of the consumer (staging + ready); None (default):
             as many as the capacity allows.
-        max_concurrency: requests in flight across all items and files (default 64).
+        max_concurrency: requests in flight across all items and files at most (default 64).
+            The download threads follow how long requests take: as many as keep one working
+            while the others wait for theirs (1 + median request time / mean work of a part,
+            chosen every 32 parts), so a request that costs microseconds (a local or
+            ``memory://`` source) is made by 2 or 3 threads, not 64.
         max_large_requests: of those, most for items with a file over 256 KiB, which is cut
             into parts (default 16; at most ``max_concurrency``). An item whose files are all
             of 256 KiB or less is short requests, mostly round trip: up to ``max_concurrency``

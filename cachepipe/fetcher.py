@@ -2,10 +2,12 @@
 
 One planner thread walks the plan in order: it waits for prefetch room and for space (both
 conditions signalled by consumers, never polled), stages the item and queues its bytes for a
-pool of ``max_concurrency`` download threads. Each thread takes the next part from the earliest
-started item with bytes not yet requested, and cuts it when it takes it: a ranged GET of
-:func:`item_part_size` for the items then ahead of that item (up to ``part_size``,
-:func:`auto_part_size`), so that the item the consumers wait for is fetched over every thread.
+pool of ``max_concurrency`` download threads, of which :func:`download_threads` take parts (as
+many as keep one working while the others wait for their requests). Each thread takes the next
+part from the earliest started item with bytes not yet requested, and cuts it when it takes it:
+a ranged GET of :func:`item_part_size` for the items then ahead of that item (up to
+``part_size``, :func:`auto_part_size`), so that the item the consumers wait for is fetched over
+every thread.
 The requests of items with a file over :data:`HEAD_MIN_PART` (one cut into parts) are at most
 ``max_large_requests``; an item of smaller files only is short requests, each mostly round trip,
 so more of them (up to ``max_concurrency``) keep the link busy.
