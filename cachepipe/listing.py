@@ -32,6 +32,11 @@ listing ended."""
 QUEUE_ITEMS = 10_000
 """Most listed items waiting for the producer (a few MB): the listing pauses beyond it."""
 
+ADMIT_RUN, ADMIT_AHEAD = 64, 1024
+"""While at least ``ADMIT_AHEAD`` items wait for the producer, the listing admits the items it
+lists in runs of up to ``ADMIT_RUN`` (one round of the cache's lock and of the queue's for a
+run); with fewer waiting, each item at once, so that the producer never waits for a run."""
+
 
 class StreamingListing:
     """List ``store`` into items in a thread; hand them out in order with :meth:`take`.
@@ -39,9 +44,10 @@ class StreamingListing:
     Args:
         store: the source.
         mode: ``"folders"`` or ``"files"`` (see :func:`~cachepipe.catalog.group_items`).
-        admit: called in the listing thread with each item, in order: returns True to queue
-            it, False to skip it, or raises to stop the listing with that error (it reaches the
-            consumer in the item's turn).
+        admit: called in the listing thread with a run of items (one or more, in order):
+            returns whether to queue (True) or skip (False) each of its first ones (at least
+            one), or raises about the first item to stop the listing with that error (it
+            reaches the consumer in the item's turn). The rest of the run is given again.
         complete: called in the listing thread when the whole source is listed.
         retries, backoff: a transient listing error restarts the listing after
             ``backoff(attempt)`` seconds, skipping the items already listed (items come in
@@ -52,7 +58,7 @@ class StreamingListing:
         self,
         store: Store,
         mode: Literal["folders", "files"],
-        admit: Callable[[Item], bool],
+        admit: Callable[[list[Item]], list[bool]],
         complete: Callable[[], None],
         retries: int,
         backoff: Callable[[int], float],
@@ -116,23 +122,21 @@ class StreamingListing:
             while not self._stop.is_set():
                 self._objects = 0  # a restarted listing counts its first page again
                 try:
+                    run: list[Item] = []  # listed, not admitted yet: listed again after a restart
                     for item in group_items(self._count(self._store.list()), self._mode):
                         position = _position(item)
                         if last is not None and position <= last:
                             continue
                         attempt = 0
-                        last = position
-                        keep = self._admit(item)
-                        with self._cond:
-                            self.listed += 1
-                            self.listed_bytes += item.size
-                            if keep:
-                                self._queue.append(item)
-                                self._cond.notify_all()
-                            while len(self._queue) >= QUEUE_ITEMS and not self._stop.is_set():
-                                self._cond.wait()
-                        if self._stop.is_set():
+                        run.append(item)
+                        if len(run) < ADMIT_RUN and len(self._queue) >= ADMIT_AHEAD:
+                            continue  # the producer has work queued: gather a run
+                        last = _position(run[-1])
+                        if not self._queue_run(run):
                             return
+                        run = []
+                    if run and not self._queue_run(run):
+                        return
                     self._complete()
                     return
                 except Exception as exc:
@@ -152,6 +156,23 @@ class StreamingListing:
             with self._cond:
                 self.done = True
                 self._cond.notify_all()
+
+    def _queue_run(self, run: list[Item]) -> bool:
+        """Admit ``run`` and queue the items kept, pausing while the queue is full; False if
+        stopped meanwhile."""
+        while run:
+            keeps = self._admit(run)
+            done, run = run[: len(keeps)], run[len(keeps) :]
+            with self._cond:
+                self.listed += len(done)
+                self.listed_bytes += sum(item.size for item in done)
+                self._queue.extend(item for item, keep in zip(done, keeps, strict=True) if keep)
+                self._cond.notify_all()
+                while len(self._queue) >= QUEUE_ITEMS and not self._stop.is_set():
+                    self._cond.wait()
+            if self._stop.is_set():
+                return False
+        return True
 
     def _count(self, objects: Iterator[ObjectInfo]) -> Iterator[ObjectInfo]:
         for obj in objects:

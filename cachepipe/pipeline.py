@@ -359,18 +359,24 @@ class Pipeline:
         self._plan, self._frontier = plan, Frontier(plan)
         self._total_steps = None
 
-        def admit(item: Item) -> bool:  # in the listing thread, in listing order
-            cache.note_listed(item.name)
-            if item.size > cache.limit:
-                error = OversizeError(item.name, item.size, cache.capacity, cache.capacity - cache.limit)
-                if cfg.on_oversize == "raise":
-                    raise error
-                log.warning("skipping %s", error)
-                self._count("skipped")
-                return False
+        def admit(run: list[Item]) -> list[bool]:  # in the listing thread, in listing order
+            keeps: list[bool] = []
+            limits = cache.note_listed([item.name for item in run]) or [cache.limit]  # none: the cache closed
+            for item, limit in zip(run, limits, strict=False):  # the first len(limits) items
+                if item.size > limit:
+                    error = OversizeError(item.name, item.size, cache.capacity, cache.capacity - limit)
+                    if cfg.on_oversize == "raise":
+                        if keeps:
+                            break  # raised when the listing gives this item first
+                        raise error
+                    log.warning("skipping %s", error)
+                    self._count("skipped")
+                keeps.append(item.size <= limit)
             with self._plan_lock:
-                plan.add(item.size)
-            return True
+                for item, keep in zip(run, keeps, strict=False):
+                    if keep:
+                        plan.add(item.size)
+            return keeps
 
         def complete() -> None:  # in the listing thread, once it listed everything
             with self._plan_lock:

@@ -315,3 +315,66 @@ def test_the_first_listing_request_is_short_and_the_open_waits_for_it_alone(remo
     assert len(names) == FIRST_PAGE_OBJECTS + 30
     pages = [re.search(r"[?&]max-keys=(\d+)", head.split("\r\n")[0]) for head in proxy.requests]
     assert [int(page[1]) for page in pages if page] == [FIRST_PAGE_OBJECTS, 1000] and FIRST_PAGE_OBJECTS < 1000
+
+
+@pytest.mark.parametrize("on_oversize", ["raise", "skip"])
+def test_items_listed_while_the_producer_has_work_queued_are_admitted_in_runs_in_order(memory_data, tmp_path, on_oversize):
+    # The first item held and prefetch=1: the producer waits, so the listing queues thousands of
+    # items and admits those after the first ADMIT_AHEAD in runs. item02500, inside a run, is
+    # over the room its name's budget leaves (2,501 names of 168 bytes listed by then).
+    _put(memory_data, 3000, size=1)
+    memory_data.pipe_file("/stream/data/item02500/f", b"x" * 700_000)
+    names: list[str] = []
+    with Pipeline(ROOT, tmp_path / "c", "1MiB", on_oversize=on_oversize, prefetch=1, auto_ack=False) as pipe:
+        held = pipe.get(timeout=30)
+        wait_until(lambda: pipe.stats().items_listed >= 2500, what="the listing ahead of the producer")
+        names.append(held.name)
+        pipe.ack(held)
+        while True:
+            try:
+                item = pipe.get(timeout=30)  # a guard against a hang, not a timing assertion
+            except OversizeError as exc:
+                assert on_oversize == "raise" and "'item02500' is 700000 bytes" in str(exc)  # noqa: PT017 - the except branch is what the test checks
+                break
+            if item is None:
+                break
+            names.append(item.name)
+            pipe.ack(item)
+        assert pipe.stats().items_skipped == (on_oversize == "skip")
+    expected = [f"item{i:05d}" for i in range(3000) if i != 2500]
+    assert names == (expected[:2500] if on_oversize == "raise" else expected)
+
+
+def test_a_run_of_listed_names_is_budgeted_while_there_is_room_the_rest_in_the_next_call(tmp_path):
+    from cachepipe import state
+    from cachepipe.cache import Cache
+    from cachepipe.catalog import Catalog
+
+    cache = Cache(tmp_path / "c", 1 << 20)
+    cache.open()
+    try:
+        cache.recover(Catalog(mode="folders"), resume=False)
+        grow = 2 * (4 * len("n000") + state.EVENT_OVERHEAD)
+        limit = cache.limit
+        assert cache.note_listed(["n000", "n001", "n002"]) == [limit - grow, limit - 2 * grow, limit - 3 * grow]
+        # room now for one more name: the run stops there and nothing waits
+        assert cache.reserve(cache.ledger.free - grow - 1)
+        assert cache.note_listed(["n003", "n004"]) == [limit - 4 * grow]
+        # the next call waits for room for n004, here an item's reservation released
+        got: list[list[int]] = []
+        waiting = threading.Thread(target=lambda: got.append(cache.note_listed(["n004"])))
+        waiting.start()
+        waiting.join(0.2)
+        assert waiting.is_alive() and not got
+        cache.unreserve(grow)
+        waiting.join(30)
+        assert got == [[limit - 5 * grow]]
+        # a name that the state budget alone would not leave room beside is left to the next
+        # call, which raises for it
+        cache.unreserve(cache.ledger.reserved)
+        cache.set_capacity(cache.capacity - cache.limit + grow + grow // 2)
+        assert cache.note_listed(["n005", "n006"]) == [cache.limit]
+        with pytest.raises(ConfigError, match="bytes for its state"):
+            cache.note_listed(["n006"])
+    finally:
+        cache.close()

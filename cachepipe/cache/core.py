@@ -233,29 +233,39 @@ class Cache:
         replay = self._replay
         return self.rebuilt or bool(replay.published or replay.publishing or replay.acked)
 
-    def note_listed(self, name: str) -> None:
-        """Budget journal space for an item listed after :meth:`recover` (a listing that streams
-        while downloads run): the same share per name that :meth:`recover` budgets. Blocks until
-        that space is free (items are acked), so that the ledger never exceeds the capacity; a
-        reservation that the larger budget leaves no room for raises instead of waiting (see
-        :meth:`reserve`).
+    def note_listed(self, names: Sequence[str]) -> list[int]:
+        """Budget journal space for items listed after :meth:`recover` (a listing that streams
+        while downloads run): the same share per name that :meth:`recover` budgets, in one
+        round of the lock for a run of names. Returns, for each of the first names (at least
+        one, unless the cache closed), :attr:`limit` once that name is counted: the largest
+        item that fits beside the state budget then. Blocks until the first name's space is
+        free (items are acked), so that the ledger never exceeds the capacity; the names
+        after it are counted while their space is free now, and the others are left to the
+        next call (the caller's items queued meanwhile can be acked). A reservation that the
+        larger budget leaves no room for raises instead of waiting (see :meth:`reserve`).
 
         Raises:
-            ConfigError: the state budget alone would reach the capacity.
+            ConfigError: the state budget alone would reach the capacity with the first name.
         """
         ledger = self.ledger
+        limits: list[int] = []
         with self._cond:
-            grow = 2 * (4 * len(name.encode("utf-8", "surrogateescape")) + state.EVENT_OVERHEAD)
-            ledger.check_room(self._root, ledger.overhead + grow)
-            # Wait for room (acks) rather than count space the reserved items already hold: the
-            # ledger never exceeds the capacity. Reservations waiting for room re-check the limit.
-            while not self._closed and not ledger.fits(grow):
-                self._cond.wait()
-            if self._closed:
-                return
-            self.record.budget += grow
-            ledger.overhead += grow
+            for name in names:
+                grow = 2 * (4 * len(name.encode("utf-8", "surrogateescape")) + state.EVENT_OVERHEAD)
+                if limits and (ledger.foreign + ledger.overhead + grow >= ledger.capacity or not ledger.fits(grow)):
+                    break  # for the next call: it raises or waits for that name alone
+                ledger.check_room(self._root, ledger.overhead + grow)
+                # Wait for room (acks) rather than count space the reserved items already hold: the
+                # ledger never exceeds the capacity. Reservations waiting for room re-check the limit.
+                while not self._closed and not ledger.fits(grow):
+                    self._cond.wait()
+                if self._closed:
+                    break
+                self.record.budget += grow
+                ledger.overhead += grow
+                limits.append(ledger.limit)
             self._cond.notify_all()
+        return limits
 
     def set_plan(self, plan: str) -> None:
         """Record the plan (its configuration as JSON) once it is known, for a later ``resume``."""
