@@ -4,7 +4,9 @@ Used by :class:`~cachepipe.pipeline.Pipeline` for a plain pass (one epoch, listi
 rank and worker, nothing to resume): the first download waits for the first page of the
 listing, not for the whole of it, and the catalog is never held in memory as a whole: listed
 items wait in a queue of at most :data:`QUEUE_ITEMS` until the producer takes them, and the
-listing pauses while the queue is full.
+listing pauses while the queue is full. While the producer has :data:`ADMIT_AHEAD` items queued,
+the listing admits the items it lists in runs (one round of the cache's lock and of the queue's
+for a run, not for each item).
 """
 
 from __future__ import annotations

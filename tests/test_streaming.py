@@ -60,6 +60,24 @@ def _put(fs, n: int, size: int = 10, start: int = 0) -> None:
         fs.pipe_file(f"/stream/data/item{i:05d}/f", bytes([i % 256]) * size)
 
 
+def _take_all(pipe: Pipeline) -> tuple[list[str], list[str]]:
+    """Take every item in turn, acking each: their names, ``"<oversize>"`` for an item refused
+    as oversize in its turn; and the messages of those refusals."""
+    names: list[str] = []
+    errors: list[str] = []
+    while True:
+        try:
+            item = pipe.get(timeout=30)  # a guard against a hang, not a timing assertion
+        except OversizeError as exc:
+            names.append("<oversize>")
+            errors.append(str(exc))
+            continue
+        if item is None:
+            return names, errors
+        names.append(item.name)
+        pipe.ack(item)
+
+
 def test_first_items_arrive_while_the_listing_is_still_going(memory_data, tmp_path):
     _put(memory_data, FIRST_PAGE_OBJECTS + 50)
     store = GatedStore(gate_after=FIRST_PAGE_OBJECTS + 10)
@@ -170,23 +188,13 @@ def test_an_item_that_the_growing_state_budget_leaves_no_room_for_is_reported_no
     memory_data.pipe_file("/stream/data/item00000/f", b"x" * 100_000)
     memory_data.pipe_file("/stream/data/item00001/f", b"x" * 390_000)
     _put(memory_data, FIRST_PAGE_OBJECTS + 8, start=2)
-    names = []
     with Pipeline(ROOT, tmp_path / "c", 400_000, on_oversize=on_oversize, auto_ack=False) as pipe:
-        while True:
-            try:
-                item = pipe.get(timeout=30)  # a guard against the hang this was, not a timing assertion
-            except OversizeError as exc:
-                assert on_oversize == "raise" and "'item00001' is 390000 bytes" in str(exc)  # noqa: PT017 - the except branch is what the test checks
-                names.append("<oversize>")
-                continue
-            if item is None:
-                break
-            names.append(item.name)
-            pipe.ack(item)
+        names, errors = _take_all(pipe)
         assert pipe.stats().items_skipped == (on_oversize == "skip")
     expected = [f"item{i:05d}" for i in range(FIRST_PAGE_OBJECTS + 10)]
     expected[1] = "<oversize>"
     assert names == (expected if on_oversize == "raise" else expected[:1] + expected[2:])
+    assert all("'item00001' is 390000 bytes" in error for error in errors)
 
 
 def test_the_state_budget_of_a_streamed_listing_waits_for_room_instead_of_overcommitting(memory_data, tmp_path):
@@ -324,25 +332,16 @@ def test_items_listed_while_the_producer_has_work_queued_are_admitted_in_runs_in
     # over the room its name's budget leaves (2,501 names of 168 bytes listed by then).
     _put(memory_data, 3000, size=1)
     memory_data.pipe_file("/stream/data/item02500/f", b"x" * 700_000)
-    names: list[str] = []
     with Pipeline(ROOT, tmp_path / "c", "1MiB", on_oversize=on_oversize, prefetch=1, auto_ack=False) as pipe:
         held = pipe.get(timeout=30)
+        assert held.name == "item00000"
         wait_until(lambda: pipe.stats().items_listed >= 2500, what="the listing ahead of the producer")
-        names.append(held.name)
         pipe.ack(held)
-        while True:
-            try:
-                item = pipe.get(timeout=30)  # a guard against a hang, not a timing assertion
-            except OversizeError as exc:
-                assert on_oversize == "raise" and "'item02500' is 700000 bytes" in str(exc)  # noqa: PT017 - the except branch is what the test checks
-                break
-            if item is None:
-                break
-            names.append(item.name)
-            pipe.ack(item)
+        names, errors = _take_all(pipe)
         assert pipe.stats().items_skipped == (on_oversize == "skip")
-    expected = [f"item{i:05d}" for i in range(3000) if i != 2500]
-    assert names == (expected[:2500] if on_oversize == "raise" else expected)
+    expected = [f"item{i:05d}" for i in range(1, 3000) if i != 2500]
+    assert names == ([*expected[:2499], "<oversize>"] if on_oversize == "raise" else expected)
+    assert all("'item02500' is 700000 bytes" in error for error in errors)
 
 
 def test_a_run_of_listed_names_is_budgeted_while_there_is_room_the_rest_in_the_next_call(tmp_path):
