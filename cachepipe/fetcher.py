@@ -145,6 +145,10 @@ class PartQueue(Generic[J]):
         self._started.insert(place, started)
         return started
 
+    def head(self) -> Started[J] | None:
+        """The earliest started item with bytes not yet requested, or None."""
+        return self._started[0] if self._started else None
+
     def take(self, served: int, part_size: int, large: bool = True) -> tuple[Started[J], FileEntry, Path, int, int] | None:
         """The next part: from the earliest started item with bytes not yet requested, of
         :func:`item_part_size` for the items ahead of it now (``served``: see
@@ -390,10 +394,11 @@ class Fetcher:
         large = False  # the part just fetched was of an item with a file over HEAD_MIN_PART
         pace: tuple[float, float] | None = None  # the part just fetched: request wall s, this thread's CPU s
         while True:
+            more = 0
             with self._parts_lock:  # a thread leaves only with the lock held, so no queued part is left untaken
                 self._large -= large
                 if pace is not None:
-                    self._note_pace(pace)
+                    more = self._note_pace(pace)
                 # a large part waits while max_large_requests are in flight: their threads take it next
                 large_free = self._large < self._cfg.large_requests
                 part = None
@@ -404,6 +409,8 @@ class Fetcher:
                     return
                 large = not part[0].small
                 self._large += large
+            for _ in range(more):
+                self._pool.submit(self._take_and_fetch)
             pace = None
             cpu = time.thread_time()
             try:
@@ -414,19 +421,29 @@ class Fetcher:
                 if request_s is not None:
                     pace = (request_s, time.thread_time() - cpu)
 
-    def _note_pace(self, pace: tuple[float, float]) -> None:
+    def _note_pace(self, pace: tuple[float, float]) -> int:
         """Count a part's request time and work (under the parts lock); every
         :data:`PACE_WINDOW` parts, choose :attr:`threads` from their median request time and
         mean work (:func:`download_threads`). The median, since a request that came back while
-        the interpreter's lock was busy is also counted as waiting for it."""
+        the interpreter's lock was busy is also counted as waiting for it. Returns the threads
+        to start now (counted as takers): when more are wanted than take parts and parts are
+        queued, up to the limit of the next item's kind, as :meth:`_start` would (an item being
+        fetched must not stay on the few threads that a fast stretch of it chose)."""
         paces = self._paces
         paces.append(pace)
         if len(paces) < PACE_WINDOW:
-            return
+            return 0
         request_s = sorted(r for r, _ in paces)[len(paces) // 2]
         work_s = sum(w for _, w in paces) / len(paces)
         paces.clear()
         self.threads = download_threads(request_s, work_s, self._cfg.max_concurrency)
+        head = self._parts.head()
+        if head is None:
+            return 0
+        limit = self._cfg.max_concurrency if head.small else self._cfg.large_requests
+        more = max(0, min(limit, self.threads) - self._takers)
+        self._takers += more
+        return more
 
     def _fetch_part(self, started: Started[_Job], f: FileEntry, local: Path, start: int, end: int) -> float | None:
         """Fetch one part (with retries) and finish its item if it was the last; returns the

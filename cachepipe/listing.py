@@ -123,8 +123,8 @@ class StreamingListing:
         try:
             while not self._stop.is_set():
                 self._objects = 0  # a restarted listing counts its first page again
+                run: list[Item] = []  # listed, not admitted yet
                 try:
-                    run: list[Item] = []  # listed, not admitted yet: listed again after a restart
                     for item in group_items(self._count(self._store.list()), self._mode):
                         position = _position(item)
                         if last is not None and position <= last:
@@ -133,15 +133,18 @@ class StreamingListing:
                         run.append(item)
                         if len(run) < ADMIT_RUN and len(self._queue) >= ADMIT_AHEAD:
                             continue  # the producer has work queued: gather a run
-                        last = _position(run[-1])
-                        if not self._queue_run(run):
+                        admitting, run, last = run, [], position
+                        if not self._queue_run(admitting):
                             return
-                        run = []
                     if run and not self._queue_run(run):
                         return
                     self._complete()
                     return
                 except Exception as exc:
+                    if run:  # listed before the error: theirs is the turn before it, and a restart skips them
+                        admitting, run, last = run, [], _position(run[-1])
+                        if not self._queue_run(admitting):
+                            return
                     if not is_transient(exc) or attempt >= self._retries or self._stop.is_set():
                         raise
                     delay = self._backoff(attempt)

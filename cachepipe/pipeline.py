@@ -361,14 +361,12 @@ class Pipeline:
 
         def admit(run: list[Item]) -> list[bool]:  # in the listing thread, in listing order
             keeps: list[bool] = []
-            limits = cache.note_listed([item.name for item in run]) or [cache.limit]  # none: the cache closed
+            limits = cache.note_listed([item.name for item in run], [item.size for item in run]) or [cache.limit]  # none: closed
             for item, limit in zip(run, limits, strict=False):  # the first len(limits) items
                 if item.size > limit:
                     error = OversizeError(item.name, item.size, cache.capacity, cache.capacity - limit)
                     if cfg.on_oversize == "raise":
-                        if keeps:
-                            break  # raised when the listing gives this item first
-                        raise error
+                        raise error  # the first item of the run: note_listed stops before an oversize one
                     log.warning("skipping %s", error)
                     self._count("skipped")
                 keeps.append(item.size <= limit)

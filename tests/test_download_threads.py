@@ -23,24 +23,28 @@ ROOT = "memory://threads/data"
 
 
 class TimedStore(FsspecStore):
-    """The memory store, counting the gets in flight at once. ``delay``: seconds each get sleeps;
-    after ``free`` gets, every get waits for ``release``."""
+    """The memory store, counting the gets in flight at once. ``delay``: seconds each get after
+    the first ``delay_after`` sleeps; after ``free`` gets, every get waits for ``release``.
+    ``peak_delayed``: the most gets in flight at once while delayed ones ran."""
 
-    def __init__(self, delay: float = 0.0, free: int | None = None) -> None:
+    def __init__(self, delay: float = 0.0, free: int | None = None, delay_after: int = 0) -> None:
         super().__init__(ROOT)
-        self.delay, self.free = delay, free
+        self.delay, self.free, self.delay_after = delay, free, delay_after
         self.release = threading.Event()
         self._lock = threading.Lock()
-        self.gets = self.in_flight = self.peak = 0
+        self.gets = self.in_flight = self.peak = self.peak_delayed = 0
 
     def get(self, key: str, out: BinaryIO, start: int, end: int) -> int:
         with self._lock:
             self.gets += 1
             held = self.free is not None and self.gets > self.free
+            delayed = self.delay and self.gets > self.delay_after
             self.in_flight += 1
             self.peak = max(self.peak, self.in_flight)
+            if delayed:
+                self.peak_delayed = max(self.peak_delayed, self.in_flight)
         try:
-            if self.delay:
+            if delayed:
                 time.sleep(self.delay)
             if held:
                 assert self.release.wait(30), "the test never released the held gets"
@@ -92,3 +96,19 @@ def test_long_requests_are_made_by_every_thread_the_limit_allows(files, tmp_path
     assert len(names) == 300
     assert threads == 32  # 50 ms requests: the limit
     assert store.peak == 32
+
+
+def test_an_item_whose_requests_turn_slow_gets_its_threads_back(tmp_path):
+    # One 48 MiB file in 256 KiB parts: the first 48 requests cost nothing (few threads are
+    # chosen), the rest take 20 ms each. The threads come back for the rest of the same item:
+    # up to max_large_requests (16) at once, not the few of the fast stretch.
+    fsspec.filesystem("memory").pipe_file(f"{ROOT}/big/f", b"y" * (48 << 20))
+    try:
+        store = TimedStore(delay=0.02, delay_after=48)
+        with Pipeline(ROOT, tmp_path / "cache", "1GiB", store=store, part_size="256KiB") as pipe:
+            names = [item.name for item in pipe]
+        assert names == ["big"]
+        assert store.peak_delayed >= 12  # 16 on a quiet machine; 4 or 5 when threads did not come back
+    finally:
+        fsspec.filesystem("memory").store.clear()
+        fsspec.filesystem("memory").pseudo_dirs[:] = [""]

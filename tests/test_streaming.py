@@ -377,3 +377,57 @@ def test_a_run_of_listed_names_is_budgeted_while_there_is_room_the_rest_in_the_n
             cache.note_listed(["n006"])
     finally:
         cache.close()
+
+
+class _FailingAfter:
+    """A store whose listing always fails (transiently) after ``n`` objects."""
+
+    url = "test://failing"
+
+    def __init__(self, n: int) -> None:
+        self.n, self.lists = n, 0
+
+    def list(self) -> Iterator[ObjectInfo]:
+        self.lists += 1
+        for i in range(self.n):
+            yield ObjectInfo(f"k{i:06d}", 1)
+        raise ConnectionError("the listing fails here (injected)")
+
+
+@pytest.mark.parametrize("objects", [500, 1100])  # 1,100: past ADMIT_AHEAD, items gathered in runs
+def test_a_listing_that_fails_at_the_same_place_gives_up_after_its_retries_with_every_item_before(objects):
+    from cachepipe.listing import StreamingListing
+
+    store = _FailingAfter(objects)
+    listing = StreamingListing(store, "files", lambda run: [True] * len(run), lambda: None, retries=3, backoff=lambda _: 0.0)
+    listing.start()
+    try:
+        wait_until(lambda: listing.done, what="the listing's end")
+        assert isinstance(listing.error, ConnectionError)
+        assert store.lists == 4  # the first listing and 3 retries: no progress, no more
+        assert listing.listed == objects  # each once, all before the error
+        assert [listing.take().name for _ in range(objects)] == [f"k{i:06d}" for i in range(objects)]
+    finally:
+        listing.stop()
+
+
+def test_a_run_stops_before_an_item_over_the_limit_its_name_would_leave(tmp_path):
+    from cachepipe import state
+    from cachepipe.cache import Cache
+    from cachepipe.catalog import Catalog
+
+    cache = Cache(tmp_path / "c", 1 << 20)
+    cache.open()
+    try:
+        cache.recover(Catalog(mode="folders"), resume=False)
+        grow = 2 * (4 * len("n000") + state.EVENT_OVERHEAD)
+        limit, overhead = cache.limit, cache.ledger.overhead
+        big = limit  # fits beside the budget now, not once two more names are counted
+        # n001's item would be over the limit: its name is not counted (the caller decides about
+        # it first, in the next call), and so never counted twice
+        assert cache.note_listed(["n000", "n001", "n002"], [1, big, 1]) == [limit - grow]
+        assert cache.ledger.overhead == overhead + grow
+        assert cache.note_listed(["n001", "n002"], [big, 1]) == [limit - 2 * grow, limit - 3 * grow]
+        assert cache.ledger.overhead == overhead + 3 * grow
+    finally:
+        cache.close()

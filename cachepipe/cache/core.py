@@ -233,7 +233,7 @@ class Cache:
         replay = self._replay
         return self.rebuilt or bool(replay.published or replay.publishing or replay.acked)
 
-    def note_listed(self, names: Sequence[str]) -> list[int]:
+    def note_listed(self, names: Sequence[str], sizes: Sequence[int] = ()) -> list[int]:
         """Budget journal space for items listed after :meth:`recover` (a listing that streams
         while downloads run): the same share per name that :meth:`recover` budgets, in one
         round of the lock for a run of names. Returns, for each of the first names (at least
@@ -241,8 +241,11 @@ class Cache:
         item that fits beside the state budget then. Blocks until the first name's space is
         free (items are acked), so that the ledger never exceeds the capacity; the names
         after it are counted while their space is free now, and the others are left to the
-        next call (the caller's items queued meanwhile can be acked). A reservation that the
-        larger budget leaves no room for raises instead of waiting (see :meth:`reserve`).
+        next call (the caller's items queued meanwhile can be acked). With ``sizes`` (bytes of
+        each name's item), a name after the first whose item would not fit the limit is left to
+        the next call too, so that the caller decides about that item first (refusing it) before
+        its name is counted. A reservation that the larger budget leaves no room for raises
+        instead of waiting (see :meth:`reserve`).
 
         Raises:
             ConfigError: the state budget alone would reach the capacity with the first name.
@@ -250,10 +253,14 @@ class Cache:
         ledger = self.ledger
         limits: list[int] = []
         with self._cond:
-            for name in names:
+            for i, name in enumerate(names):
                 grow = 2 * (4 * len(name.encode("utf-8", "surrogateescape")) + state.EVENT_OVERHEAD)
-                if limits and (ledger.foreign + ledger.overhead + grow >= ledger.capacity or not ledger.fits(grow)):
-                    break  # for the next call: it raises or waits for that name alone
+                if limits and (
+                    ledger.foreign + ledger.overhead + grow >= ledger.capacity
+                    or not ledger.fits(grow)
+                    or (i < len(sizes) and sizes[i] > ledger.limit - grow)
+                ):
+                    break  # for the next call, with that name first: it raises, waits, or refuses the item
                 ledger.check_room(self._root, ledger.overhead + grow)
                 # Wait for room (acks) rather than count space the reserved items already hold: the
                 # ledger never exceeds the capacity. Reservations waiting for room re-check the limit.
