@@ -344,7 +344,10 @@ def test_items_listed_while_the_producer_has_work_queued_are_admitted_in_runs_in
     assert all("'item02500' is 700000 bytes" in error for error in errors)
 
 
-def test_a_run_of_listed_names_is_budgeted_while_there_is_room_the_rest_in_the_next_call(tmp_path):
+@pytest.fixture
+def streamed_cache(tmp_path):
+    """An open 1 MiB cache recovered with no catalog (a streamed pass's), and the journal budget
+    of a 4-byte name."""
     from cachepipe import state
     from cachepipe.cache import Cache
     from cachepipe.catalog import Catalog
@@ -353,30 +356,34 @@ def test_a_run_of_listed_names_is_budgeted_while_there_is_room_the_rest_in_the_n
     cache.open()
     try:
         cache.recover(Catalog(mode="folders"), resume=False)
-        grow = 2 * (4 * len("n000") + state.EVENT_OVERHEAD)
-        limit = cache.limit
-        assert cache.note_listed(["n000", "n001", "n002"]) == [limit - grow, limit - 2 * grow, limit - 3 * grow]
-        # room now for one more name: the run stops there and nothing waits
-        assert cache.reserve(cache.ledger.free - grow - 1)
-        assert cache.note_listed(["n003", "n004"]) == [limit - 4 * grow]
-        # the next call waits for room for n004, here an item's reservation released
-        got: list[list[int]] = []
-        waiting = threading.Thread(target=lambda: got.append(cache.note_listed(["n004"])))
-        waiting.start()
-        waiting.join(0.2)
-        assert waiting.is_alive() and not got
-        cache.unreserve(grow)
-        waiting.join(30)
-        assert got == [[limit - 5 * grow]]
-        # a name that the state budget alone would not leave room beside is left to the next
-        # call, which raises for it
-        cache.unreserve(cache.ledger.reserved)
-        cache.set_capacity(cache.capacity - cache.limit + grow + grow // 2)
-        assert cache.note_listed(["n005", "n006"]) == [cache.limit]
-        with pytest.raises(ConfigError, match="bytes for its state"):
-            cache.note_listed(["n006"])
+        yield cache, 2 * (4 * len("n000") + state.EVENT_OVERHEAD)
     finally:
         cache.close()
+
+
+def test_a_run_of_listed_names_is_budgeted_while_there_is_room_the_rest_in_the_next_call(streamed_cache):
+    cache, grow = streamed_cache
+    limit = cache.limit
+    assert cache.note_listed(["n000", "n001", "n002"]) == [limit - grow, limit - 2 * grow, limit - 3 * grow]
+    # room now for one more name: the run stops there and nothing waits
+    assert cache.reserve(cache.ledger.free - grow - 1)
+    assert cache.note_listed(["n003", "n004"]) == [limit - 4 * grow]
+    # the next call waits for room for n004, here an item's reservation released
+    got: list[list[int]] = []
+    waiting = threading.Thread(target=lambda: got.append(cache.note_listed(["n004"])))
+    waiting.start()
+    waiting.join(0.2)
+    assert waiting.is_alive() and not got
+    cache.unreserve(grow)
+    waiting.join(30)
+    assert got == [[limit - 5 * grow]]
+    # a name that the state budget alone would not leave room beside is left to the next
+    # call, which raises for it
+    cache.unreserve(cache.ledger.reserved)
+    cache.set_capacity(cache.capacity - cache.limit + grow + grow // 2)
+    assert cache.note_listed(["n005", "n006"]) == [cache.limit]
+    with pytest.raises(ConfigError, match="bytes for its state"):
+        cache.note_listed(["n006"])
 
 
 class _FailingAfter:
@@ -411,23 +418,13 @@ def test_a_listing_that_fails_at_the_same_place_gives_up_after_its_retries_with_
         listing.stop()
 
 
-def test_a_run_stops_before_an_item_over_the_limit_its_name_would_leave(tmp_path):
-    from cachepipe import state
-    from cachepipe.cache import Cache
-    from cachepipe.catalog import Catalog
-
-    cache = Cache(tmp_path / "c", 1 << 20)
-    cache.open()
-    try:
-        cache.recover(Catalog(mode="folders"), resume=False)
-        grow = 2 * (4 * len("n000") + state.EVENT_OVERHEAD)
-        limit, overhead = cache.limit, cache.ledger.overhead
-        big = limit  # fits beside the budget now, not once two more names are counted
-        # n001's item would be over the limit: its name is not counted (the caller decides about
-        # it first, in the next call), and so never counted twice
-        assert cache.note_listed(["n000", "n001", "n002"], [1, big, 1]) == [limit - grow]
-        assert cache.ledger.overhead == overhead + grow
-        assert cache.note_listed(["n001", "n002"], [big, 1]) == [limit - 2 * grow, limit - 3 * grow]
-        assert cache.ledger.overhead == overhead + 3 * grow
-    finally:
-        cache.close()
+def test_a_run_stops_before_an_item_over_the_limit_its_name_would_leave(streamed_cache):
+    cache, grow = streamed_cache
+    limit, overhead = cache.limit, cache.ledger.overhead
+    big = limit  # fits beside the budget now, not once two more names are counted
+    # n001's item would be over the limit: its name is not counted (the caller decides about
+    # it first, in the next call), and so never counted twice
+    assert cache.note_listed(["n000", "n001", "n002"], [1, big, 1]) == [limit - grow]
+    assert cache.ledger.overhead == overhead + grow
+    assert cache.note_listed(["n001", "n002"], [big, 1]) == [limit - 2 * grow, limit - 3 * grow]
+    assert cache.ledger.overhead == overhead + 3 * grow
