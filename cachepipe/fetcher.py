@@ -376,10 +376,7 @@ class Fetcher:
         parts = sum(-(-f.size // self._min_part) for f in item.files)  # at most
         with self._parts_lock:
             started = self._parts.add(job, item.size, turn, ((f, staged if item.is_file else staged / f.rel) for f in item.files))
-            more = 0
-            if started is not None:
-                limit = self._cfg.max_concurrency if started.small else self._cfg.large_requests
-                more = max(0, min(parts, min(limit, self.threads) - self._takers))
+            more = 0 if started is None else min(parts, self._room_for_takers(started))
             self._takers += more
         if started is None:
             self._finish_or_report(job)
@@ -438,12 +435,16 @@ class Fetcher:
         paces.clear()
         self.threads = download_threads(request_s, work_s, self._cfg.max_concurrency)
         head = self._parts.head()
-        if head is None:
-            return 0
-        limit = self._cfg.max_concurrency if head.small else self._cfg.large_requests
-        more = max(0, min(limit, self.threads) - self._takers)
+        more = 0 if head is None else self._room_for_takers(head)
         self._takers += more
         return more
+
+    def _room_for_takers(self, started: Started[_Job]) -> int:
+        """Threads that may start now to take parts of ``started`` (under the parts lock): up to
+        ``max_concurrency`` for an item of small files only, else ``max_large_requests``, and
+        no more than :attr:`threads` in all."""
+        limit = self._cfg.max_concurrency if started.small else self._cfg.large_requests
+        return max(0, min(limit, self.threads) - self._takers)
 
     def _fetch_part(self, started: Started[_Job], f: FileEntry, local: Path, start: int, end: int) -> float | None:
         """Fetch one part (with retries) and finish its item if it was the last; returns the

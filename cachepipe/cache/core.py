@@ -255,11 +255,8 @@ class Cache:
         with self._cond:
             for i, name in enumerate(names):
                 grow = 2 * (4 * len(name.encode("utf-8", "surrogateescape")) + state.EVENT_OVERHEAD)
-                if limits and (
-                    ledger.foreign + ledger.overhead + grow >= ledger.capacity
-                    or not ledger.fits(grow)
-                    or (i < len(sizes) and sizes[i] > ledger.limit - grow)
-                ):
+                after = ledger.limit - grow  # the largest item beside the budget with this name counted
+                if limits and (after <= 0 or not ledger.fits(grow) or (i < len(sizes) and sizes[i] > after)):
                     break  # for the next call, with that name first: it raises, waits, or refuses the item
                 ledger.check_room(self._root, ledger.overhead + grow)
                 # Wait for room (acks) rather than count space the reserved items already hold: the
