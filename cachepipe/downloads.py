@@ -33,12 +33,14 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from .errors import CachePipeError
+from .fscalls import RELEASING, FileCalls
 
 __all__ = ["DownloadWorkers", "LocalWriteError", "StagingFile", "WorkerLostError", "get_part"]
 
@@ -248,12 +250,14 @@ def _serve(conn: Connection) -> None:
 
 
 class StagingFile:
-    """The staging file a part is written into, from ``offset`` on (each write one ``pwrite``,
-    unbuffered). Remembers a local write failure (disk full, I/O error), whatever a store
-    backend makes of the exception on its way up."""
+    """The staging file a part is written into, from ``offset`` on (each write one call of
+    ``pwrite``, unbuffered: :func:`os.pwrite`, or a :class:`~cachepipe.fscalls.FileCalls`'s).
+    Remembers a local write failure (disk full, I/O error), whatever a store backend makes of the
+    exception on its way up."""
 
-    def __init__(self, fd: int, offset: int = 0) -> None:
+    def __init__(self, fd: int, offset: int = 0, pwrite: Callable[[int, bytes | memoryview, int], int] = os.pwrite) -> None:
         self._fd = fd
+        self._pwrite = pwrite
         self._start = self._offset = offset
         self.error: OSError | None = None
 
@@ -268,7 +272,7 @@ class StagingFile:
         done = 0
         try:
             while done < size:
-                wrote = os.pwrite(self._fd, view[done:], self._offset + done)
+                wrote = self._pwrite(self._fd, view[done:], self._offset + done)
                 if wrote == 0:
                     raise OSError(errno.ENOSPC, "a staging write made no progress")
                 done += wrote
@@ -283,16 +287,17 @@ class StagingFile:
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
 
 
-def get_part(store: Any, key: str, path: str, start: int, end: int, create: bool) -> int:
+def get_part(store: Any, key: str, path: str, start: int, end: int, create: bool, calls: FileCalls = RELEASING) -> int:
     """Bytes ``[start, end)`` of ``key`` into the staging file ``path`` at the same offsets
     (``create``: the part is the whole file, created here); returns the bytes written, as
     counted by the file, whatever the store says it wrote: so when each part of a file wrote its
     whole range, the file holds exactly the listed size and needs no ``stat`` to prove it. An
     error opening or closing the file is raised as it is (the fetcher sorts it), a failed write
     as :class:`LocalWriteError` whatever the store made of it. Three system calls for a small
-    file (open, write, close): no buffering layer, no seek."""
-    fd = os.open(path, _CREATE if create else os.O_WRONLY | os.O_CLOEXEC, 0o666)
-    out = StagingFile(fd, start)
+    file (open, write, close): no buffering layer, no seek; made by ``calls`` (the cache's
+    :attr:`~cachepipe.cache.Cache.file_calls`)."""
+    fd = calls.open(path, _CREATE if create else os.O_WRONLY | os.O_CLOEXEC, 0o666)
+    out = StagingFile(fd, start, calls.pwrite)
     try:
         store.get(key, out, start, end)
         return out.written
@@ -301,7 +306,7 @@ def get_part(store: Any, key: str, path: str, start: int, end: int, create: bool
             raise LocalWriteError(out.error.errno or errno.EIO, f"{path}: {out.error.strerror or out.error}") from None
         raise
     finally:
-        os.close(fd)
+        calls.close(fd)
 
 
 def serve_fd(fd: int) -> None:

@@ -473,7 +473,7 @@ class Fetcher:
                 if self._workers is not None:
                     got = self._workers.get(f.key, str(local), start, end, whole)
                 else:
-                    got = get_part(self._store, f.key, str(local), start, end, whole)
+                    got = get_part(self._store, f.key, str(local), start, end, whole, self._cache.file_calls)
                 self.counters.add(requests=1, bytes_downloaded=got)
                 if got != end - start:
                     raise VerificationError(f"{f.key}: short body, {got} of {end - start} bytes at offset {start}")

@@ -2,7 +2,7 @@
 
 :class:`CrashFs` interposes on the ``os`` functions that change a file system (``write``,
 ``pwrite``, ``rename``, ``replace``, ``unlink``, ``rmdir``, ``mkdir``, ``ftruncate``, ``fsync``, and ``open``
-with ``O_CREAT``), and on the ``renameat2`` that publishes an item (:func:`cachepipe.cache.staging.rename_new`,
+with ``O_CREAT``), and on the ``renameat2`` that publishes an item (:func:`cachepipe.fscalls.rename_new`,
 logged as a ``rename``), for calls made by the thread that entered it. cachepipe's cache, journal and
 deletions reach the disk only through these (the journal's atomic rewrite too), so every state
 change of the cache directory is one numbered *mutation*. A :class:`Fault` picks one of them:
@@ -26,7 +26,7 @@ import os
 import threading
 from dataclasses import dataclass
 
-from cachepipe.cache import staging
+from cachepipe import fscalls
 
 KINDS = ("crash", "torn", "enospc", "eio", "short")
 WRITE_ONLY = {"torn", "short"}  # kinds that only apply to a write of at least 2 bytes
@@ -58,6 +58,7 @@ class CrashFs:
         self._owner = 0
         self._fds: set[int] = set()  # descriptors the owner opened and has not closed
         self._native = None  # the real renameat2 while entered (see _wrap_renameat2)
+        self._holding: fscalls.FileCalls | None = None  # fscalls.HOLDING, put back at exit
 
     def __enter__(self) -> CrashFs:
         self._owner = threading.get_ident()
@@ -65,9 +66,12 @@ class CrashFs:
             real = getattr(os, name)
             self._saved[name] = real
             setattr(os, name, self._wrap(name, real))
-        self._native = staging._renameat2
+        self._native = fscalls._renameat2
         if self._native is not None:  # the publish rename's system call, made through ctypes
-            staging._renameat2 = self._wrap_renameat2(self._native)
+            fscalls._renameat2 = self._wrap_renameat2(self._native)
+        # the calls that keep the interpreter's lock go to the C library, past these wrappers: a
+        # cache opened while this is entered makes the same calls through os (see fscalls)
+        self._holding, fscalls.HOLDING = fscalls.HOLDING, None
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -75,7 +79,8 @@ class CrashFs:
             setattr(os, name, real)
         self._saved.clear()
         if self._native is not None:
-            staging._renameat2 = self._native
+            fscalls._renameat2 = self._native
+        fscalls.HOLDING = self._holding
 
     def _wrap_renameat2(self, real):
         """``renameat2`` as libc has it (-1 and ``errno`` on failure), one mutation named ``rename``."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cachepipe.cache.eviction import deleters_at, deleters_for, filesystem_type
+from cachepipe.cache.eviction import deleters_for, filesystem_at, filesystem_type
 from cachepipe.removal import Reaper, rmtree
 
 
@@ -132,7 +132,7 @@ def test_the_file_system_of_a_path_is_its_devices_mount_where_it_is_listed():
 def test_two_deleters_on_memory_file_systems_and_four_elsewhere():
     assert [deleters_for(t) for t in ("tmpfs", "ramfs", "ext4", "xfs", "")] == [2, 2, 4, 4, 4]
     assert filesystem_type("/x", "") == "" and filesystem_type("/x", "garbage line\n") == ""
-    assert deleters_at(SHM) == 2  # read from this machine's mounts, where /dev/shm is tmpfs
+    assert filesystem_at(SHM) == "tmpfs"  # read from this machine's mounts, where /dev/shm is tmpfs
 
 
 @pytest.mark.parametrize("where", ["tmp_path", SHM])
@@ -150,7 +150,7 @@ def test_only_a_few_threads_delete_acknowledged_items_at_once(where, tmp_path):
     inside = most = 0
     met = threading.Condition()
     try:
-        allowed = deleters_at(str(root.parent))
+        allowed = deleters_for(filesystem_at(str(root.parent)))
         catalog = Catalog(mode="folders")
         for i in range(8):
             catalog.add(f"i{i}", [("f", 10, None)])

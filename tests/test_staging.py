@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import pytest
 
-from cachepipe.cache import staging
+from cachepipe import fscalls
+
+RENAMES = {
+    "renameat2": fscalls.rename_new,
+    "check-then-rename": fscalls.rename_new,  # a platform without renameat2 (macOS, glibc before 2.28)
+    "holding the lock": fscalls.HOLDING.rename_new if fscalls.HOLDING else None,
+}
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["renameat2", "check-then-rename"])
+def rename_new(way, monkeypatch):
+    if way == "check-then-rename":
+        monkeypatch.setattr(fscalls, "_renameat2", None)
+    assert RENAMES[way] is not None, "the C library has renameat2 here (glibc 2.28+)"
+    return RENAMES[way]
+
+
+@pytest.mark.parametrize("way", RENAMES)
 @pytest.mark.parametrize("in_the_way", ["file", "empty folder", "folder"])
-def test_a_publish_rename_never_replaces_what_is_in_the_way(tmp_path, monkeypatch, native, in_the_way):
-    if not native:  # a platform without renameat2 (macOS, glibc before 2.28)
-        monkeypatch.setattr(staging, "_renameat2", None)
+def test_a_publish_rename_never_replaces_what_is_in_the_way(tmp_path, monkeypatch, way, in_the_way):
+    rename = rename_new(way, monkeypatch)
     src, dst = tmp_path / "staged", tmp_path / "item"
     src.mkdir()
     (src / "f").write_bytes(b"new")
@@ -22,7 +34,7 @@ def test_a_publish_rename_never_replaces_what_is_in_the_way(tmp_path, monkeypatc
         if in_the_way == "folder":
             (dst / "g").write_bytes(b"theirs")
     with pytest.raises(FileExistsError) as info:
-        staging.rename_new(str(src), str(dst))
+        rename(str(src), str(dst))
     assert info.value.filename2 == str(dst)
     assert (src / "f").read_bytes() == b"new"
     if in_the_way == "file":
@@ -31,13 +43,12 @@ def test_a_publish_rename_never_replaces_what_is_in_the_way(tmp_path, monkeypatc
         assert [p.name for p in dst.iterdir()] == ([] if in_the_way == "empty folder" else ["g"])
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["renameat2", "check-then-rename"])
-def test_a_publish_rename_moves_a_staged_item_into_a_free_place(tmp_path, monkeypatch, native):
-    if not native:
-        monkeypatch.setattr(staging, "_renameat2", None)
+@pytest.mark.parametrize("way", RENAMES)
+def test_a_publish_rename_moves_a_staged_item_into_a_free_place(tmp_path, monkeypatch, way):
+    rename = rename_new(way, monkeypatch)
     (tmp_path / "staged").write_bytes(b"new")
-    staging.rename_new(str(tmp_path / "staged"), str(tmp_path / "item"))
+    rename(str(tmp_path / "staged"), str(tmp_path / "item"))
     assert (tmp_path / "item").read_bytes() == b"new" and not (tmp_path / "staged").exists()
     with pytest.raises(FileNotFoundError) as info:
-        staging.rename_new(str(tmp_path / "staged"), str(tmp_path / "other"))
+        rename(str(tmp_path / "staged"), str(tmp_path / "other"))
     assert info.value.filename == str(tmp_path / "staged")

@@ -38,14 +38,15 @@ from .. import state
 from ..catalog import Catalog, Item
 from ..config import Share
 from ..errors import ConfigError, OversizeError
+from ..fscalls import RELEASING, FileCalls, file_calls_for
 from ..removal import delete_tree, tree_bytes
 from ..retention import RetentionPolicy
-from .eviction import REAP_MIN_BYTES, Eviction
+from .eviction import REAP_MIN_BYTES, Eviction, filesystem_at
 from .ledger import Ledger
 from .lock import STATE_DIR, OwnerLock
 from .record import Record
 from .recovery import check_resume, sort_leftovers
-from .staging import Staging, rename_new, verify
+from .staging import Staging, verify
 
 __all__ = ["STATE_DIR", "Cache"]
 
@@ -78,6 +79,9 @@ class Cache:
         self.record = Record(self.state_dir / "journal")
         self._staging = Staging(self.staging_root)
         self._eviction = Eviction(self.root, self._staging, self._reaped)
+        # the calls that write and publish items (:func:`~cachepipe.fscalls.file_calls_for`
+        # the file system that holds the cache, chosen by open)
+        self.file_calls: FileCalls = RELEASING
         self._lock = OwnerLock(self.state_dir / "lock", self.root)
         self.rebuilt = False  # the journal was unreadable and state was rebuilt from disk
         self._replay = state.Replay()
@@ -136,7 +140,9 @@ class Cache:
             if self.staging_root.exists():
                 shutil.rmtree(self.staging_root)
             self.staging_root.mkdir()
-            self._eviction.open_deleters()
+            fstype = filesystem_at(self._root)
+            self._eviction.open_deleters(fstype)
+            self.file_calls = file_calls_for(fstype)
             usage = shutil.disk_usage(self.root)
             if isinstance(self._capacity_spec, Share):
                 self.ledger.capacity = int(usage.free * self._capacity_spec.fraction)
@@ -486,7 +492,7 @@ class Cache:
     # ---- staging and publish ---------------------------------------------------------
     def stage(self, item: Item, part_size: int | None = None) -> Path:
         """Create the staging area for ``item`` (see :meth:`.staging.Staging.stage`)."""
-        return self._staging.stage(item, part_size)
+        return self._staging.stage(item, part_size, self.file_calls)
 
     def item_path(self, item: Item) -> Path:
         """Where ``item`` is (or will be) published."""
@@ -532,7 +538,7 @@ class Cache:
                 try:
                     if "/" in item.name:  # a nested single-file item: its folders
                         os.makedirs(final.rpartition("/")[0], exist_ok=True)
-                    rename_new(os.fspath(path), final)  # never over anything in the way
+                    self.file_calls.rename_new(os.fspath(path), final)  # never over anything in the way
                 except FileExistsError as exc:
                     self.record.dropped(item.name)  # its intent withdrawn: what is in the way is not ours
                     got.append(

@@ -24,18 +24,16 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from ..fscalls import MEMORY_FILESYSTEMS
 from ..removal import Reaper, delete_tree, rmtree, tree_bytes
 from .staging import Staging
 
-__all__ = ["REAP_MIN_BYTES", "Eviction", "deleters_at", "deleters_for", "filesystem_type"]
+__all__ = ["REAP_MIN_BYTES", "Eviction", "deleters_for", "filesystem_at", "filesystem_type"]
 
 log = logging.getLogger("cachepipe.cache")
 
 REAP_MIN_BYTES = 1024 * 1024
 """Items at least this large are deleted by the reaper thread, off the consumer's path."""
-
-MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
-"""File system types that keep files in memory only: deleting a file there never waits."""
 
 
 def deleters_for(fstype: str) -> int:
@@ -74,16 +72,16 @@ def filesystem_type(path: str, mountinfo: str, device: str = "") -> str:
     return kind
 
 
-def deleters_at(root: str) -> int:
-    """:func:`deleters_for` the file system that holds the folder ``root`` (4 where the mounts
+def filesystem_at(root: str) -> str:
+    """:func:`filesystem_type` of the folder ``root``, from this process's mounts ("" where they
     cannot be read)."""
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
             mountinfo = f.read()
         dev = os.stat(root).st_dev
     except OSError:
-        return deleters_for("")
-    return deleters_for(filesystem_type(os.path.realpath(root), mountinfo, f"{os.major(dev)}:{os.minor(dev)}"))
+        return ""
+    return filesystem_type(os.path.realpath(root), mountinfo, f"{os.major(dev)}:{os.minor(dev)}")
 
 
 class Eviction:
@@ -104,10 +102,11 @@ class Eviction:
         # held while a batch of acks is deleted: sized by open_deleters() for the file system
         self.deleters = threading.BoundedSemaphore(deleters_for(""))
 
-    def open_deleters(self) -> None:
-        """Let as many threads delete at once as suit the file system that holds the cache
-        (:func:`deleters_at`); called by the cache's open, before any item is handed out."""
-        self.deleters = threading.BoundedSemaphore(deleters_at(self._root))
+    def open_deleters(self, fstype: str) -> None:
+        """Let as many threads delete at once as suit the file system that holds the cache (its
+        type, as :func:`filesystem_at` gives it; :func:`deleters_for`); called by the cache's open,
+        before any item is handed out."""
+        self.deleters = threading.BoundedSemaphore(deleters_for(fstype))
 
     def move_away(self, name: str) -> tuple[str, int]:
         """Free the path of item ``name``: rename it aside (or, if that fails, delete it in place).

@@ -10,7 +10,6 @@ its parts counted whole as written (:func:`cachepipe.downloads.get_part`), or :f
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import itertools
 import os
@@ -18,38 +17,10 @@ from pathlib import Path
 
 from ..catalog import Item
 from ..errors import VerificationError
+from ..fscalls import RELEASING, FileCalls, rename_new
 from ..removal import rmtree
 
 __all__ = ["Staging", "matches", "rename_new", "verify"]
-
-_AT_FDCWD, _RENAME_NOREPLACE = -100, 1  # <fcntl.h>, <linux/fs.h>
-_renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc 2.28+; None elsewhere
-if _renameat2 is not None:
-    _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    _renameat2.restype = ctypes.c_int
-
-
-def rename_new(src: str, dst: str) -> None:
-    """Rename ``src`` to ``dst``, which must not exist (a plain rename would replace a file, or
-    an empty folder, in the way).
-
-    One ``renameat2(RENAME_NOREPLACE)`` where the kernel, libc and file system have it (the
-    check and the rename are one atomic step, one system call); elsewhere a check, then a
-    rename.
-
-    Raises:
-        FileExistsError: ``dst`` exists; nothing was renamed.
-        OSError: the rename failed.
-    """
-    if _renameat2 is not None:
-        if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
-            return
-        code = ctypes.get_errno()
-        if code not in (errno.EINVAL, errno.ENOSYS):  # the file system, or the kernel (before 3.15), lacks it
-            raise OSError(code, os.strerror(code), src, None, dst)
-    if os.path.lexists(dst):
-        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), src, None, dst)
-    os.rename(src, dst)
 
 
 class Staging:
@@ -64,12 +35,14 @@ class Staging:
         """A fresh path under the staging root (``prefix`` ``"x"``: items moved aside to be deleted)."""
         return f"{self._root}/{prefix}{next(self._numbers)}"
 
-    def stage(self, item: Item, part_size: int | None = None) -> Path:
+    def stage(self, item: Item, part_size: int | None = None, calls: FileCalls = RELEASING) -> Path:
         """Create the staging area for ``item``: its folders and empty files.
 
         With ``part_size``, only the files that are empty or that several parts write into
         are created; the downloader creates a one-part file as it writes it (a file creation
         costs a few hundred microseconds on some disks: better in the download threads).
+
+        ``calls`` makes the item's own folder (the cache's :attr:`~cachepipe.cache.Cache.file_calls`).
 
         Returns the staging path (a directory, or a file for single-object items).
         """
@@ -80,7 +53,7 @@ class Staging:
                     with open(path, "wb"):
                         pass
                 return Path(path)
-            os.mkdir(path)
+            calls.mkdir(path, 0o777)
             made = {path}
             for f in item.files:
                 target = f"{path}/{f.rel}"

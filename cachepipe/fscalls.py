@@ -1,0 +1,192 @@
+"""The file-system calls that stage, write and publish each item, in two sets (:class:`FileCalls`).
+
+- :data:`RELEASING`: the standard library's (:func:`os.open` and the rest), which let the
+  process's other threads run during each call. Right wherever a call can wait: on a disk, a
+  create or a rename can wait for the file system's journal.
+- :data:`HOLDING`: the same calls through the C library by :class:`ctypes.PyDLL`, which keeps
+  the interpreter's lock during each call. Used for a cache on a memory file system (tmpfs,
+  ramfs; :func:`file_calls_for`), where such a call never waits for a device and takes a few
+  microseconds. There, letting go of the lock costs more than the call: another thread takes
+  it, and the caller waits until that thread lets it go. For many tiny items, the calls that
+  stage, write and publish an item (a folder item's mkdir; open, write, close; rename) handed
+  the lock on between the producer's, the download threads' and the consumer's work (``benchmarks/README.md``, "File
+  calls that keep the interpreter's lock").
+
+The deletion of an acknowledged item keeps using :mod:`os` on every file system: on tmpfs,
+holding the lock through a batch of deletions was slower in the same benchmark (while the
+consumer's thread deletes, the producer's threads run).
+
+Both sets raise :class:`OSError` as :mod:`os` does (the subclass for the error number, with the
+file name) and retry a call that a signal interrupted. :data:`HOLDING` is None where the C
+library lacks a call it needs (``renameat2``: glibc 2.28 or later); then :data:`RELEASING` is
+used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+__all__ = ["HOLDING", "HOLD_MAX_WRITE", "MEMORY_FILESYSTEMS", "RELEASING", "FileCalls", "file_calls_for", "rename_new"]
+
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+"""File system types that keep files in memory only (as ``/proc/self/mountinfo`` names them)."""
+
+HOLD_MAX_WRITE = 64 * 1024
+"""Bytes: a larger write through :data:`HOLDING` lets the interpreter's lock go, as
+:func:`os.pwrite` does (copying it takes long enough for other threads to run meanwhile)."""
+
+_AT_FDCWD, _RENAME_NOREPLACE = -100, 1  # <fcntl.h>, <linux/fs.h>
+
+
+class FileCalls(NamedTuple):
+    """One set of the calls made per item; each behaves as its :mod:`os` namesake.
+
+    Attributes:
+        open: ``open(path, flags, mode)``, as :func:`os.open`; returns a file descriptor.
+        pwrite: ``pwrite(fd, data, offset)``, as :func:`os.pwrite`; returns the bytes written.
+        close: ``close(fd)``, as :func:`os.close`.
+        rename_new: ``rename_new(src, dst)``, as :func:`rename_new`.
+        mkdir: ``mkdir(path, mode)``, as :func:`os.mkdir`.
+    """
+
+    open: Callable[[str, int, int], int]
+    pwrite: Callable[[int, bytes | memoryview, int], int]
+    close: Callable[[int], None]
+    rename_new: Callable[[str, str], None]
+    mkdir: Callable[[str, int], None]
+
+
+def _function(lib: ctypes.CDLL, name: str, argtypes: list[Any], restype: Any) -> Any:
+    """The C function ``name`` of ``lib`` with its argument and result types, or None."""
+    func = getattr(lib, name, None)
+    if func is not None:
+        func.argtypes, func.restype = argtypes, restype
+    return func
+
+
+_RENAMEAT2 = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+_renameat2 = _function(ctypes.CDLL(None, use_errno=True), "renameat2", _RENAMEAT2, ctypes.c_int)  # lets the lock go
+
+
+def _renamed(call: Callable[..., int] | None, src: str, dst: str) -> bool:
+    """``renameat2(RENAME_NOREPLACE)`` by ``call``: True if renamed, False where the kernel or
+    the file system lacks it (or ``call`` is None); raises its error otherwise."""
+    if call is None:
+        return False
+    while call(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) != 0:
+        code = ctypes.get_errno()
+        if code in (errno.EINVAL, errno.ENOSYS):  # the file system, or the kernel (before 3.15), lacks it
+            return False
+        if code != errno.EINTR:
+            raise OSError(code, os.strerror(code), src, None, dst)
+    return True
+
+
+def rename_new(src: str, dst: str) -> None:
+    """Rename ``src`` to ``dst``, which must not exist (a plain rename would replace a file, or
+    an empty folder, in the way).
+
+    One ``renameat2(RENAME_NOREPLACE)`` where the kernel, libc and file system have it (the
+    check and the rename are one atomic step, one system call); elsewhere a check, then a
+    rename.
+
+    Raises:
+        FileExistsError: ``dst`` exists; nothing was renamed.
+        OSError: the rename failed.
+    """
+    if not _renamed(_renameat2, src, dst):
+        _rename_checked(src, dst)
+
+
+def _rename_checked(src: str, dst: str) -> None:
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), src, None, dst)
+    os.rename(src, dst)
+
+
+def _open(path: str, flags: int, mode: int = 0o777) -> int:
+    return os.open(path, flags, mode)
+
+
+def _pwrite(fd: int, data: bytes | memoryview, offset: int) -> int:
+    return os.pwrite(fd, data, offset)
+
+
+def _close(fd: int) -> None:
+    os.close(fd)
+
+
+def _mkdir(path: str, mode: int = 0o777) -> None:
+    os.mkdir(path, mode)
+
+
+# each looks up its os function when called, so that a test's fault injector at that boundary sees it
+RELEASING = FileCalls(_open, _pwrite, _close, rename_new, _mkdir)
+"""The standard library's calls: other threads run during each."""
+
+
+def _holding() -> FileCalls | None:
+    """:data:`HOLDING`, or None where the C library lacks a call."""
+    try:
+        libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: the interpreter's lock is kept during each call
+    except OSError:
+        return None
+    c_open = _function(libc, "open", [ctypes.c_char_p, ctypes.c_int, ctypes.c_uint], ctypes.c_int)
+    c_pwrite = _function(libc, "pwrite", [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int64], ctypes.c_ssize_t)
+    c_close = _function(libc, "close", [ctypes.c_int], ctypes.c_int)
+    c_renameat2 = _function(libc, "renameat2", _RENAMEAT2, ctypes.c_int)
+    c_mkdir = _function(libc, "mkdir", [ctypes.c_char_p, ctypes.c_uint], ctypes.c_int)
+    if None in (c_open, c_pwrite, c_close, c_renameat2, c_mkdir) or ctypes.sizeof(ctypes.c_ssize_t) != 8:
+        return None
+
+    def failed(name: str | None = None) -> OSError:
+        code = ctypes.get_errno()
+        return OSError(code, os.strerror(code), name)
+
+    def open_(path: str, flags: int, mode: int = 0o777) -> int:
+        raw = os.fsencode(path)
+        while (fd := c_open(raw, flags, mode)) < 0:
+            if ctypes.get_errno() != errno.EINTR:
+                raise failed(path)
+        return int(fd)
+
+    def pwrite(fd: int, data: bytes | memoryview, offset: int) -> int:
+        if len(data) > HOLD_MAX_WRITE:
+            return os.pwrite(fd, data, offset)
+        raw = data if isinstance(data, bytes) else bytes(data)
+        while (wrote := c_pwrite(fd, raw, len(raw), offset)) < 0:
+            if ctypes.get_errno() != errno.EINTR:
+                raise failed()
+        return int(wrote)
+
+    def close(fd: int) -> None:
+        if c_close(fd) != 0 and ctypes.get_errno() != errno.EINTR:  # after EINTR the descriptor is closed (Linux)
+            raise failed()
+
+    def rename_new_(src: str, dst: str) -> None:
+        if not _renamed(c_renameat2, src, dst):
+            _rename_checked(src, dst)
+
+    def mkdir(path: str, mode: int = 0o777) -> None:
+        raw = os.fsencode(path)
+        while c_mkdir(raw, mode) != 0:
+            if ctypes.get_errno() != errno.EINTR:
+                raise failed(path)
+
+    return FileCalls(open_, pwrite, close, rename_new_, mkdir)
+
+
+HOLDING = _holding()
+"""Calls that keep the interpreter's lock (None where the C library lacks one): for a cache on a
+memory file system only."""
+
+
+def file_calls_for(fstype: str) -> FileCalls:
+    """The calls to make per item in a cache on a file system of type ``fstype`` (as
+    ``/proc/self/mountinfo`` names it; "" if unknown): :data:`HOLDING` on a memory file system
+    where it exists, else :data:`RELEASING`."""
+    return HOLDING if HOLDING is not None and fstype in MEMORY_FILESYSTEMS else RELEASING
