@@ -295,7 +295,8 @@ def get_part(store: Any, key: str, path: str, start: int, end: int, create: bool
     error opening or closing the file is raised as it is (the fetcher sorts it), a failed write
     as :class:`LocalWriteError` whatever the store made of it. Three system calls for a small
     file (open, write, close): no buffering layer, no seek; made by ``calls`` (the cache's
-    :attr:`~cachepipe.cache.Cache.file_calls`)."""
+    :attr:`~cachepipe.cache.Cache.file_calls`; a download worker process uses :mod:`os`'s, the
+    default)."""
     fd = calls.open(path, _CREATE if create else os.O_WRONLY | os.O_CLOEXEC, 0o666)
     out = StagingFile(fd, start, calls.pwrite)
     try:

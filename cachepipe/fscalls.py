@@ -16,10 +16,14 @@ The deletion of an acknowledged item keeps using :mod:`os` on every file system:
 holding the lock through a batch of deletions was slower in the same benchmark (while the
 consumer's thread deletes, the producer's threads run).
 
-Both sets raise :class:`OSError` as :mod:`os` does (the subclass for the error number, with the
-file name) and retry a call that a signal interrupted. :data:`HOLDING` is None where the C
-library lacks a call it needs (``renameat2``: glibc 2.28 or later); then :data:`RELEASING` is
-used.
+Both sets take paths as strings, make every descriptor non-inheritable, raise :class:`OSError`
+as :mod:`os` does (the subclass for the error number, with the path) and retry a call that a
+signal interrupted (but close). :data:`HOLDING` is None where the C library lacks a call it needs
+(``renameat2``: glibc 2.28 or later); then :data:`RELEASING` is used.
+
+The risk of :data:`HOLDING`: a call that does wait stops every thread of the process meanwhile.
+On a memory file system that is the kernel reclaiming memory for the write (a cgroup at its
+memory limit, tmpfs pages swapped out), when the process's other threads would be slow too.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import ctypes
 import errno
 import os
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 __all__ = ["HOLDING", "HOLD_MAX_WRITE", "MEMORY_FILESYSTEMS", "RELEASING", "FileCalls", "file_calls_for", "rename_new"]
@@ -72,12 +77,19 @@ _RENAMEAT2 = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctyp
 _renameat2 = _function(ctypes.CDLL(None, use_errno=True), "renameat2", _RENAMEAT2, ctypes.c_int)  # lets the lock go
 
 
+def _encoded(path: str) -> bytes:
+    raw = os.fsencode(path)
+    if b"\0" in raw:
+        raise ValueError("embedded null byte")
+    return raw
+
+
 def _renamed(call: Callable[..., int] | None, src: str, dst: str) -> bool:
     """``renameat2(RENAME_NOREPLACE)`` by ``call``: True if renamed, False where the kernel or
     the file system lacks it (or ``call`` is None); raises its error otherwise."""
     if call is None:
         return False
-    while call(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) != 0:
+    while call(_AT_FDCWD, _encoded(src), _AT_FDCWD, _encoded(dst), _RENAME_NOREPLACE) != 0:
         code = ctypes.get_errno()
         if code in (errno.EINVAL, errno.ENOSYS):  # the file system, or the kernel (before 3.15), lacks it
             return False
@@ -129,58 +141,70 @@ RELEASING = FileCalls(_open, _pwrite, _close, rename_new, _mkdir)
 """The standard library's calls: other threads run during each."""
 
 
-def _holding() -> FileCalls | None:
-    """:data:`HOLDING`, or None where the C library lacks a call."""
+def _c_functions() -> SimpleNamespace | None:
+    """The C library's functions behind :data:`HOLDING`, through :class:`ctypes.PyDLL` (the
+    interpreter's lock is kept during each call); None where one is missing."""
     try:
-        libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: the interpreter's lock is kept during each call
+        libc = ctypes.PyDLL(None, use_errno=True)
     except OSError:
         return None
-    c_open = _function(libc, "open", [ctypes.c_char_p, ctypes.c_int, ctypes.c_uint], ctypes.c_int)
-    c_pwrite = _function(libc, "pwrite", [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int64], ctypes.c_ssize_t)
-    c_close = _function(libc, "close", [ctypes.c_int], ctypes.c_int)
-    c_renameat2 = _function(libc, "renameat2", _RENAMEAT2, ctypes.c_int)
-    c_mkdir = _function(libc, "mkdir", [ctypes.c_char_p, ctypes.c_uint], ctypes.c_int)
-    if None in (c_open, c_pwrite, c_close, c_renameat2, c_mkdir) or ctypes.sizeof(ctypes.c_ssize_t) != 8:
+    functions = SimpleNamespace(
+        open=_function(libc, "open", [ctypes.c_char_p, ctypes.c_int, ctypes.c_uint], ctypes.c_int),
+        pwrite=_function(libc, "pwrite", [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int64], ctypes.c_ssize_t),
+        close=_function(libc, "close", [ctypes.c_int], ctypes.c_int),
+        renameat2=_function(libc, "renameat2", _RENAMEAT2, ctypes.c_int),
+        mkdir=_function(libc, "mkdir", [ctypes.c_char_p, ctypes.c_uint], ctypes.c_int),
+    )
+    if None in vars(functions).values() or ctypes.sizeof(ctypes.c_ssize_t) != 8:
         return None
-
-    def failed(name: str | None = None) -> OSError:
-        code = ctypes.get_errno()
-        return OSError(code, os.strerror(code), name)
-
-    def open_(path: str, flags: int, mode: int = 0o777) -> int:
-        raw = os.fsencode(path)
-        while (fd := c_open(raw, flags, mode)) < 0:
-            if ctypes.get_errno() != errno.EINTR:
-                raise failed(path)
-        return int(fd)
-
-    def pwrite(fd: int, data: bytes | memoryview, offset: int) -> int:
-        if len(data) > HOLD_MAX_WRITE:
-            return os.pwrite(fd, data, offset)
-        raw = data if isinstance(data, bytes) else bytes(data)
-        while (wrote := c_pwrite(fd, raw, len(raw), offset)) < 0:
-            if ctypes.get_errno() != errno.EINTR:
-                raise failed()
-        return int(wrote)
-
-    def close(fd: int) -> None:
-        if c_close(fd) != 0 and ctypes.get_errno() != errno.EINTR:  # after EINTR the descriptor is closed (Linux)
-            raise failed()
-
-    def rename_new_(src: str, dst: str) -> None:
-        if not _renamed(c_renameat2, src, dst):
-            _rename_checked(src, dst)
-
-    def mkdir(path: str, mode: int = 0o777) -> None:
-        raw = os.fsencode(path)
-        while c_mkdir(raw, mode) != 0:
-            if ctypes.get_errno() != errno.EINTR:
-                raise failed(path)
-
-    return FileCalls(open_, pwrite, close, rename_new_, mkdir)
+    return functions
 
 
-HOLDING = _holding()
+# module-level and looked up at each call, so that a test's fault injector can wrap them
+_held: Any = _c_functions()
+
+
+def _failed(path: str | None = None) -> OSError:
+    code = ctypes.get_errno()
+    return OSError(code, os.strerror(code), path)
+
+
+def _open_held(path: str, flags: int, mode: int = 0o777) -> int:
+    raw = _encoded(path)
+    while (fd := _held.open(raw, flags | os.O_CLOEXEC, mode)) < 0:  # os.open makes every descriptor non-inheritable
+        if ctypes.get_errno() != errno.EINTR:
+            raise _failed(path)
+    return int(fd)
+
+
+def _pwrite_held(fd: int, data: bytes | memoryview, offset: int) -> int:
+    if len(data) > HOLD_MAX_WRITE:
+        return os.pwrite(fd, data, offset)
+    raw = data if isinstance(data, bytes) else bytes(data)
+    while (wrote := _held.pwrite(fd, raw, len(raw), offset)) < 0:
+        if ctypes.get_errno() != errno.EINTR:
+            raise _failed()
+    return int(wrote)
+
+
+def _close_held(fd: int) -> None:
+    if _held.close(fd) != 0:  # not retried, as os.close: on Linux the descriptor is closed by then
+        raise _failed()
+
+
+def _rename_new_held(src: str, dst: str) -> None:
+    if not _renamed(_held.renameat2, src, dst):
+        _rename_checked(src, dst)
+
+
+def _mkdir_held(path: str, mode: int = 0o777) -> None:
+    raw = _encoded(path)
+    while _held.mkdir(raw, mode) != 0:
+        if ctypes.get_errno() != errno.EINTR:
+            raise _failed(path)
+
+
+HOLDING = None if _held is None else FileCalls(_open_held, _pwrite_held, _close_held, _rename_new_held, _mkdir_held)
 """Calls that keep the interpreter's lock (None where the C library lacks one): for a cache on a
 memory file system only."""
 

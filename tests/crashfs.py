@@ -3,7 +3,9 @@
 :class:`CrashFs` interposes on the ``os`` functions that change a file system (``write``,
 ``pwrite``, ``rename``, ``replace``, ``unlink``, ``rmdir``, ``mkdir``, ``ftruncate``, ``fsync``, and ``open``
 with ``O_CREAT``), and on the ``renameat2`` that publishes an item (:func:`cachepipe.fscalls.rename_new`,
-logged as a ``rename``), for calls made by the thread that entered it. cachepipe's cache, journal and
+logged as a ``rename``), and on the C library's functions that :data:`cachepipe.fscalls.HOLDING`
+calls for a cache on tmpfs (named as their ``os`` namesakes), for calls made by the thread that
+entered it. cachepipe's cache, journal and
 deletions reach the disk only through these (the journal's atomic rewrite too), so every state
 change of the cache directory is one numbered *mutation*. A :class:`Fault` picks one of them:
 
@@ -25,6 +27,7 @@ import errno
 import os
 import threading
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from cachepipe import fscalls
 
@@ -58,7 +61,7 @@ class CrashFs:
         self._owner = 0
         self._fds: set[int] = set()  # descriptors the owner opened and has not closed
         self._native = None  # the real renameat2 while entered (see _wrap_renameat2)
-        self._holding: fscalls.FileCalls | None = None  # fscalls.HOLDING, put back at exit
+        self._held = None  # fscalls._held while entered (see _wrap_held)
 
     def __enter__(self) -> CrashFs:
         self._owner = threading.get_ident()
@@ -69,9 +72,9 @@ class CrashFs:
         self._native = fscalls._renameat2
         if self._native is not None:  # the publish rename's system call, made through ctypes
             fscalls._renameat2 = self._wrap_renameat2(self._native)
-        # the calls that keep the interpreter's lock go to the C library, past these wrappers: a
-        # cache opened while this is entered makes the same calls through os (see fscalls)
-        self._holding, fscalls.HOLDING = fscalls.HOLDING, None
+        self._held = fscalls._held
+        if self._held is not None:  # the C functions behind fscalls.HOLDING (a cache on tmpfs)
+            fscalls._held = self._wrap_held(self._held)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -80,7 +83,8 @@ class CrashFs:
         self._saved.clear()
         if self._native is not None:
             fscalls._renameat2 = self._native
-        fscalls.HOLDING = self._holding
+        if self._held is not None:
+            fscalls._held = self._held
 
     def _wrap_renameat2(self, real):
         """``renameat2`` as libc has it (-1 and ``errno`` on failure), one mutation named ``rename``."""
@@ -95,6 +99,45 @@ class CrashFs:
                 return -1
 
         return call
+
+    def _wrap_held(self, held):
+        """The C library's functions behind ``fscalls.HOLDING``, as libc has them (-1 and
+        ``errno`` on failure), each a mutation named as its ``os`` namesake (``renameat2``:
+        ``rename``; an ``open`` without ``O_CREAT`` is none)."""
+
+        def label(name: str, args) -> str:
+            if name == "pwrite":
+                return f"fd {args[0]}"
+            return os.fsdecode(args[1] if name == "rename" else args[0])
+
+        def wrapped(name: str, real, counts=lambda _args: True):
+            def call(*args):
+                if threading.get_ident() != self._owner:
+                    return real(*args)
+                if name == "close":
+                    self._fds.discard(args[0])
+                    return real(*args)
+                if not counts(args):
+                    got = real(*args)
+                else:
+                    try:
+                        got = self._mutate(name, lambda *_: real(*args), (label(name, args),), {})
+                    except OSError as exc:
+                        ctypes.set_errno(exc.errno or errno.EIO)
+                        return -1
+                if name == "open" and got >= 0:
+                    self._fds.add(got)
+                return got
+
+            return call
+
+        return SimpleNamespace(
+            open=wrapped("open", held.open, lambda args: args[1] & os.O_CREAT),
+            pwrite=wrapped("pwrite", held.pwrite),
+            close=wrapped("close", held.close),
+            renameat2=wrapped("rename", held.renameat2),
+            mkdir=wrapped("mkdir", held.mkdir),
+        )
 
     def _wrap(self, name: str, real):
         def call(*args, **kwargs):

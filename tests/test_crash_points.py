@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +34,7 @@ from crashfs import KINDS, Crashed, CrashFs, Fault
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from cachepipe import state
+from cachepipe import fscalls, state
 from cachepipe.cache import Cache
 from cachepipe.catalog import Catalog
 from cachepipe.plan import Plan, tick
@@ -313,6 +315,7 @@ def explore(tmp_path: Path, program: list[str], retain: bool) -> None:
 
 
 EXAMPLES = int(os.environ.get("CACHEPIPE_CRASH_EXAMPLES", "6"))
+SHM = "/dev/shm"  # noqa: S108 - tmpfs on every Linux: the memory file system case
 
 
 @pytest.mark.parametrize("retain", [False, True], ids=["retain-none", "retain-auto"])
@@ -323,8 +326,44 @@ EXAMPLES = int(os.environ.get("CACHEPIPE_CRASH_EXAMPLES", "6"))
 @example(program=["stage", "fetch", "ack0", "publish", "stage", "ackall", "fetch", "publish", "drop", "fetch"])
 # runs of publishes (one journal write of intents, then the renames), with acks between
 @example(program=["stage", "stage", "fetch", "publishall", "ack0", "stage", "stage", "publishall", "ackall", "drop", "fetch"])
-def test_every_crash_point_recovers(tmp_path_factory, retain, program):
-    explore(tmp_path_factory.mktemp("crash"), program, retain)
+@pytest.mark.parametrize("where", ["disk", "tmpfs"])
+def test_every_crash_point_recovers(tmp_path_factory, retain, program, where):
+    """On tmpfs the cache stages and publishes through the calls that keep the interpreter's lock
+    (``fscalls.HOLDING``), which CrashFs wraps too."""
+    if where == "disk":
+        explore(tmp_path_factory.mktemp("crash"), program, retain)
+        return
+    base = Path(tempfile.mkdtemp(dir=SHM))
+    try:
+        explore(base, program, retain)
+    finally:
+        shutil.rmtree(base)
+
+
+def test_the_calls_that_keep_the_lock_are_mutations_too():
+    """A cache on tmpfs, opened before CrashFs is entered: its stage and publish (a folder made,
+    a rename) are counted, and a fault there fails them as on disk."""
+    base = Path(tempfile.mkdtemp(dir=SHM))
+    try:
+        cache = Cache(base / "c", capacity())
+        cache.open()
+        cache.recover(CATALOG, resume=False)
+        assert cache.file_calls is fscalls.HOLDING
+        item = CATALOG[0]
+        assert cache.acquire(item) is True
+        with CrashFs() as fs:
+            staged = cache.stage(item)
+            (staged / "a").write_bytes(b"A" * item.files[0].size)
+            cache.publish(staged, item)
+        # stage, the intent, the publish (its "P" rides on the next event)
+        assert [name for _n, name, _arg in fs.log] == ["mkdir", "write", "rename"]
+        assert cache.acquire(CATALOG[1]) is True
+        with CrashFs(Fault(0, "eio")), pytest.raises(OSError) as failed:  # noqa: PT011 - its errno is checked
+            cache.stage(CATALOG[1])
+        assert failed.value.errno == errno.EIO
+        cache.close()
+    finally:
+        shutil.rmtree(base)
 
 
 def test_zz_report_totals(capsys):
