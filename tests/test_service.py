@@ -712,6 +712,32 @@ def test_marker_watcher_sees_what_acknowledges_a_handed_out_item_and_nothing_els
         watcher.stop()
 
 
+def test_the_marker_watch_adds_and_removes_watches_keeping_the_interpreters_lock(tmp_path, caplog):
+    """watchdog's two inotify bindings are replaced by ones through ``ctypes.PyDLL`` (measured in
+    benchmarks/README.md); a watch that cannot be added still says why (its errno comes through)."""
+    import ctypes
+
+    from watchdog.observers import inotify_c
+
+    from cachepipe.service import markers
+
+    watcher = markers.MarkerWatcher(lambda *_: None)
+    watcher.start()
+    try:
+        bound = (inotify_c.inotify_add_watch, inotify_c.inotify_rm_watch)
+        assert bound == markers._watch_calls()
+        assert all(call._flags_ & ctypes._FUNCFLAG_PYTHONAPI for call in bound)  # PyDLL: the lock is kept
+        (tmp_path / "c" / "item").mkdir(parents=True)
+        watcher.watch("p", tmp_path / "c", "folders")
+        watcher.follow("p", str(tmp_path / "c" / "item"))
+        watcher.unfollow(str(tmp_path / "c" / "item"))
+        with caplog.at_level("WARNING", logger="cachepipe.service.markers"):
+            watcher.follow("p", str(tmp_path / "c" / "gone"))
+        assert "cannot watch" in caplog.text and "No such file or directory" in caplog.text
+    finally:
+        watcher.stop()
+
+
 def test_marker_provenance_policy(tmp_path):
     from cachepipe.service.markers import HandOut, HandOuts, marker_counts
 

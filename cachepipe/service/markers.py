@@ -7,7 +7,8 @@
 
 The daemon watches, through inotify (watchdog's inotify layer), each cache directory and each
 item it has handed out (:class:`MarkerWatcher`), and calls :meth:`cachepipe.Pipeline.ack` with
-the item's path, usually well within a second.
+the item's path, usually well within a second. The calls that add and remove a watch keep the
+interpreter's lock (:func:`keep_the_lock_for_watch_calls`).
 
 Provenance: an event is processed some time after it happened (inotify, watchdog's queue), so
 "a ``.done`` exists and the item is handed out now" does not prove a consumer made it. A marker
@@ -27,14 +28,16 @@ watching.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import itertools
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 
 from watchdog.utils import platform  # imported with this module: without the service extra, `serve` says so at once
 
@@ -43,7 +46,16 @@ from ..errors import ConfigError
 if TYPE_CHECKING:
     from watchdog.observers.inotify_c import CallbackId, InotifyEvent, InotifyFD, Mask, WatchDescriptor
 
-__all__ = ["MARKER", "HandOut", "HandOuts", "MarkerWatcher", "acked_by", "marker_counts", "marker_identity"]
+__all__ = [
+    "MARKER",
+    "HandOut",
+    "HandOuts",
+    "MarkerWatcher",
+    "acked_by",
+    "keep_the_lock_for_watch_calls",
+    "marker_counts",
+    "marker_identity",
+]
 
 log = logging.getLogger("cachepipe.service.markers")
 
@@ -218,6 +230,44 @@ class HandOuts:
         return None, f"this {MARKER} was there before the item was handed out"
 
 
+def keep_the_lock_for_watch_calls() -> bool:
+    """Make watchdog's inotify layer add and remove watches without letting the interpreter's lock
+    go; True once done (every time after the first), False if watchdog no longer has the two
+    bindings this replaces (nothing is changed then).
+
+    :class:`~watchdog.observers.inotify_c.InotifyFD` calls ``inotify_add_watch`` and
+    ``inotify_rm_watch`` through :mod:`ctypes`, with its own lock held, and :mod:`ctypes` lets the
+    interpreter's lock go for each call. The daemon adds a watch at each hand-out and removes it at
+    each ack, from its request threads: each call then handed the interpreter's lock to another
+    thread, which soon waited for watchdog's lock, held by the first thread while it waited to get
+    the interpreter's lock back. Both calls are quick and in memory (the removal of a watch, the
+    lookup of an item's folder just handed out), so they are bound again here, the same C
+    functions with the same signatures and ``errno`` handling, through :class:`ctypes.PyDLL`,
+    which keeps the lock. Both must be: either one alone changed nothing (the daemon's batched
+    hand-out, ``benchmarks/README.md``, "The marker watch's calls keep the interpreter's lock").
+    This replaces two module attributes of ``watchdog.observers.inotify_c`` for the whole
+    process; the ``watchdog`` version is pinned below 8 in ``pyproject.toml``, and the tests check
+    that the bindings are in place."""
+    from watchdog.observers import inotify_c
+
+    if not (hasattr(inotify_c, "inotify_add_watch") and hasattr(inotify_c, "inotify_rm_watch")):
+        log.warning("watchdog has no inotify_add_watch/inotify_rm_watch bindings to replace: marker watches cost more")
+        return False
+    inotify_c.inotify_add_watch, inotify_c.inotify_rm_watch = _watch_calls()
+    return True
+
+
+@functools.cache
+def _watch_calls() -> tuple[Any, Any]:
+    """``(inotify_add_watch, inotify_rm_watch)`` of the C library through :class:`ctypes.PyDLL`
+    (made once)."""
+    libc = ctypes.PyDLL(None, use_errno=True)
+    add, remove = libc.inotify_add_watch, libc.inotify_rm_watch
+    add.argtypes, add.restype = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32], ctypes.c_int
+    remove.argtypes, remove.restype = [ctypes.c_int, ctypes.c_uint32], ctypes.c_int
+    return add, remove
+
+
 class _Events:
     """The events of one inotify watch of a :class:`MarkerWatcher` (called in its thread)."""
 
@@ -288,6 +338,7 @@ class MarkerWatcher:
             )
         from watchdog.observers.inotify_c import InotifyFD  # Linux only: imported here
 
+        keep_the_lock_for_watch_calls()
         inotify = InotifyFD()  # its own thread is not started: ours reads it in batches
         self._inotify = inotify
         self._stopping.clear()
