@@ -35,10 +35,23 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-__all__ = ["HOLDING", "HOLD_MAX_WRITE", "MEMORY_FILESYSTEMS", "RELEASING", "FileCalls", "file_calls_for", "rename_new"]
+__all__ = [
+    "HOLDING",
+    "HOLD_MAX_WRITE",
+    "LOCAL_FILESYSTEMS",
+    "MEMORY_FILESYSTEMS",
+    "RELEASING",
+    "FileCalls",
+    "file_calls_for",
+    "rename_new",
+]
 
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
 """File system types that keep files in memory only (as ``/proc/self/mountinfo`` names them)."""
+
+LOCAL_FILESYSTEMS = MEMORY_FILESYSTEMS | {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "overlay"}
+"""File system types whose lookups of a path never wait for a server (memory, or a local
+device): not NFS, SMB, FUSE, Ceph and the like, nor a type this does not know."""
 
 HOLD_MAX_WRITE = 64 * 1024
 """Bytes: a larger write through :data:`HOLDING` lets the interpreter's lock go, as

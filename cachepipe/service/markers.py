@@ -41,7 +41,9 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 
 from watchdog.utils import platform  # imported with this module: without the service extra, `serve` says so at once
 
+from ..cache.eviction import filesystem_at
 from ..errors import ConfigError
+from ..fscalls import LOCAL_FILESYSTEMS
 
 if TYPE_CHECKING:
     from watchdog.observers.inotify_c import CallbackId, InotifyEvent, InotifyFD, Mask, WatchDescriptor
@@ -231,30 +233,65 @@ class HandOuts:
 
 
 def keep_the_lock_for_watch_calls() -> bool:
-    """Make watchdog's inotify layer add and remove watches without letting the interpreter's lock
-    go; True once done (every time after the first), False if watchdog no longer has the two
-    bindings this replaces (nothing is changed then).
+    """Make watchdog's inotify layer add watches under :func:`hold_under` cache directories, and
+    remove any, without letting the interpreter's lock go. True if it does (every call), False if
+    watchdog no longer has the two bindings this replaces (nothing is changed then).
 
     :class:`~watchdog.observers.inotify_c.InotifyFD` calls ``inotify_add_watch`` and
     ``inotify_rm_watch`` through :mod:`ctypes`, with its own lock held, and :mod:`ctypes` lets the
     interpreter's lock go for each call. The daemon adds a watch at each hand-out and removes it at
     each ack, from its request threads: each call then handed the interpreter's lock to another
     thread, which soon waited for watchdog's lock, held by the first thread while it waited to get
-    the interpreter's lock back. Both calls are quick and in memory (the removal of a watch, the
-    lookup of an item's folder just handed out), so they are bound again here, the same C
-    functions with the same signatures and ``errno`` handling, through :class:`ctypes.PyDLL`,
-    which keeps the lock. Both must be: either one alone changed nothing (the daemon's batched
-    hand-out, ``benchmarks/README.md``, "The marker watch's calls keep the interpreter's lock").
+    the interpreter's lock back. So both are bound again here, the same C functions with the same
+    signatures and ``errno`` handling, through :class:`ctypes.PyDLL`, which keeps the lock. Both
+    must be: either one alone changed nothing (the daemon's batched hand-out,
+    ``benchmarks/README.md``, "The marker watch's calls keep the interpreter's lock").
+
+    Removing a watch is in memory. Adding one looks its path up, which waits for a server on a
+    network or FUSE file system, and would stop every thread of the daemon meanwhile: so a watch is
+    added keeping the lock only under a cache directory on a local file system
+    (:data:`~cachepipe.fscalls.LOCAL_FILESYSTEMS`, registered by :func:`hold_under`), where the
+    item just handed out is in the kernel's cache; elsewhere by watchdog's own binding.
+
     This replaces two module attributes of ``watchdog.observers.inotify_c`` for the whole
     process; the ``watchdog`` version is pinned below 8 in ``pyproject.toml``, and the tests check
-    that the bindings are in place."""
+    that watchdog's watches go through them."""
     from watchdog.observers import inotify_c
 
     if not (hasattr(inotify_c, "inotify_add_watch") and hasattr(inotify_c, "inotify_rm_watch")):
         log.warning("watchdog has no inotify_add_watch/inotify_rm_watch bindings to replace: marker watches cost more")
         return False
-    inotify_c.inotify_add_watch, inotify_c.inotify_rm_watch = _watch_calls()
+    if inotify_c.inotify_add_watch is not _add_watch:
+        _released_add.append(inotify_c.inotify_add_watch)
+    inotify_c.inotify_add_watch, inotify_c.inotify_rm_watch = _add_watch, _remove_watch
     return True
+
+
+_released_add: list[Any] = []  # watchdog's own inotify_add_watch (which lets the lock go), once replaced
+_held_under: dict[str, tuple[bytes, bytes]] = {}  # cache directory -> (it, it + "/"), encoded: see hold_under
+
+
+def hold_under(root: str, fstype: str | None) -> None:
+    """Add watches under the cache directory ``root`` (absolute and normal) keeping the
+    interpreter's lock if its file system (type ``fstype``, as ``/proc/self/mountinfo`` names it)
+    is local; ``fstype`` None: no longer watched."""
+    if fstype in LOCAL_FILESYSTEMS:
+        _held_under[root] = (os.fsencode(root), os.fsencode(root.rstrip("/") + "/"))
+    else:
+        _held_under.pop(root, None)
+
+
+def _add_watch(fd: int, path: bytes, mask: int) -> WatchDescriptor:
+    """``inotify_add_watch`` keeping the interpreter's lock under a :func:`hold_under` directory."""
+    for top, prefix in list(_held_under.values()):  # a copy: another thread may register one
+        if path == top or path.startswith(prefix):
+            return cast("WatchDescriptor", _watch_calls()[0](fd, path, mask))
+    return cast("WatchDescriptor", _released_add[0](fd, path, mask))
+
+
+def _remove_watch(fd: int, wd: WatchDescriptor) -> int:
+    """``inotify_rm_watch`` keeping the interpreter's lock."""
+    return int(_watch_calls()[1](fd, wd))
 
 
 @functools.cache
@@ -379,6 +416,7 @@ class MarkerWatcher:
         self.unwatch(name)
         inotify = self._require()
         top = os.path.abspath(root)
+        hold_under(top, filesystem_at(top))
         with self._lock:
             id_ = cast("CallbackId", next(self._ids))
             served = _Watched(name, top, items, cast("WatchDescriptor", -1), id_)
@@ -391,6 +429,8 @@ class MarkerWatcher:
             served = self._served.pop(name, None)
             if served is None or self._inotify is None:
                 return
+            if all(other.root != served.root for other in self._served.values()):
+                hold_under(served.root, None)
             ended = [(wd, id_) for path, (owner, wd, id_) in self._followed.items() if owner == name and wd is not None]
             self._followed = {path: got for path, got in self._followed.items() if got[0] != name}
             self._inotify.remove_callbacks([(served.wd, served.id), *ended])
