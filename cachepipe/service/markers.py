@@ -7,8 +7,9 @@
 
 The daemon watches, through inotify (watchdog's inotify layer), each cache directory and each
 item it has handed out (:class:`MarkerWatcher`), and calls :meth:`cachepipe.Pipeline.ack` with
-the item's path, usually well within a second. The calls that add and remove a watch keep the
-interpreter's lock (:func:`keep_the_lock_for_watch_calls`).
+the item's path, usually well within a second. The calls that add a watch (under a cache directory on
+a local file system) and remove one keep the interpreter's lock
+(:func:`keep_the_lock_for_watch_calls`).
 
 Provenance: an event is processed some time after it happened (inotify, watchdog's queue), so
 "a ``.done`` exists and the item is handed out now" does not prove a consumer made it. A marker
