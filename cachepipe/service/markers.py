@@ -55,6 +55,7 @@ __all__ = [
     "HandOuts",
     "MarkerWatcher",
     "acked_by",
+    "hold_under",
     "keep_the_lock_for_watch_calls",
     "marker_counts",
     "marker_identity",
