@@ -754,38 +754,6 @@ def test_the_marker_watch_adds_and_removes_watches_keeping_the_interpreters_lock
         watcher.stop()
 
 
-def test_the_marker_watch_drops_events_of_items_nobody_holds_before_dispatching_them(tmp_path, monkeypatch):
-    """The cache directory's watch sees every deletion, the daemon's own evictions too: those of
-    items not handed out are dropped before watchdog dispatches them (one callback less per
-    evicted item, benchmarks/README.md); a held item's deletion still acknowledges it."""
-    from cachepipe.service import markers
-
-    dispatched: list[str] = []
-    on_event = markers._Events.on_event
-
-    def counting(self, event):
-        dispatched.append(os.fsdecode(event.name))
-        on_event(self, event)
-
-    monkeypatch.setattr(markers._Events, "on_event", counting)
-    acked = threading.Event()
-    watcher = markers.MarkerWatcher(lambda _name, item, _how: acked.set() if item.endswith("/held") else None)
-    watcher.start()
-    try:
-        root = tmp_path / "c"
-        for name in [f"evicted{i}" for i in range(50)] + ["held"]:
-            (root / name).mkdir(parents=True)
-        watcher.watch("p", root, "folders")
-        watcher.follow("p", str(root / "held"), markers=False)  # the cache directory's watch sees it go
-        for i in range(50):
-            (root / f"evicted{i}").rmdir()
-        (root / "held").rmdir()
-        assert acked.wait(10), "the held item's deletion was not seen"
-        assert dispatched == ["held"]
-    finally:
-        watcher.stop()
-
-
 def test_marker_provenance_policy(tmp_path):
     from cachepipe.service.markers import HandOut, HandOuts, marker_counts
 

@@ -363,7 +363,6 @@ class MarkerWatcher:
         # item path (a string, as every path here: making and hashing a Path for each follow,
         # unfollow and event was a quarter of the daemon's CPU per item) -> pipeline, its watch
         self._followed: dict[str, tuple[str, WatchDescriptor | None, CallbackId]] = {}
-        self._roots: dict[WatchDescriptor, str] = {}  # each cache directory's watch -> it, with a "/"
 
     def start(self) -> None:
         """Start the watcher's thread.
@@ -390,8 +389,6 @@ class MarkerWatcher:
         gather for :data:`READ_EVERY` seconds (unless this read was long: more are waiting): a
         thread woken for each event takes the interpreter's lock from the request threads each
         time (read in batches, the daemon's CPU per item fell 4-8%, ``benchmarks/README.md``).
-        An event in a cache directory's own watch about a child that is not an item handed out
-        (the daemon's own evictions, most of them) is dropped before watchdog dispatches it.
         An event whose handling fails is logged and the watch goes on."""
         while not self._stopping.is_set():
             try:
@@ -399,11 +396,7 @@ class MarkerWatcher:
             except OSError as exc:
                 log.error("the marker watch stopped: %s; items are acknowledged over the API or by their lease", exc)
                 return
-            roots, followed = self._roots, self._followed  # read without the lock: one lookup each is atomic
             for event in events:
-                root = roots.get(event.wd)
-                if root is not None and event.name and root + os.fsdecode(event.name) not in followed:
-                    continue  # in a cache directory, not an item handed out (an eviction): as judge() would
                 try:
                     inotify.handle_event(event)
                 except Exception:  # a defect: logged, the other events still count
@@ -431,7 +424,6 @@ class MarkerWatcher:
             served = _Watched(name, top, items, cast("WatchDescriptor", -1), id_)
             served.wd = inotify.add_callback(os.fsencode(top), cast("Mask", _GONE), _Events(self, served, top), id_)
             self._served[name] = served
-            self._roots = {**self._roots, served.wd: top.rstrip("/") + "/"}
 
     def unwatch(self, name: str) -> None:
         """Stop watching pipeline ``name``'s cache directory and its handed-out items."""
@@ -441,7 +433,6 @@ class MarkerWatcher:
                 return
             if all(other.root != served.root for other in self._served.values()):
                 hold_under(served.root, None)
-            self._roots = {wd: root for wd, root in self._roots.items() if wd != served.wd}
             ended = [(wd, id_) for path, (owner, wd, id_) in self._followed.items() if owner == name and wd is not None]
             self._followed = {path: got for path, got in self._followed.items() if got[0] != name}
             self._inotify.remove_callbacks([(served.wd, served.id), *ended])
@@ -507,7 +498,6 @@ class MarkerWatcher:
         with self._lock:
             self._served.clear()
             self._followed.clear()
-            self._roots = {}
         if inotify is not None:
             self._stopping.set()
             inotify.close()  # wakes our thread if it waits for events; else it sees _stopping
