@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, NamedTuple
@@ -43,6 +44,9 @@ __all__ = [
     "RELEASING",
     "FileCalls",
     "file_calls_for",
+    "filesystem_at",
+    "filesystem_type",
+    "holding_function",
     "rename_new",
 ]
 
@@ -56,6 +60,41 @@ device): not NFS, SMB, FUSE, Ceph and the like, nor a type this does not know.""
 HOLD_MAX_WRITE = 64 * 1024
 """Bytes: a larger write through :data:`HOLDING` lets the interpreter's lock go, as
 :func:`os.pwrite` does (copying it takes long enough for other threads to run meanwhile)."""
+
+_OCTAL = re.compile(r"\\([0-7]{3})")  # mountinfo writes a space in a path as \040
+
+
+def filesystem_type(path: str, mountinfo: str, device: str = "") -> str:
+    """The type of the file system that holds ``path`` (absolute, links resolved), from the text
+    of ``/proc/self/mountinfo``: the mount of ``device`` (``"major:minor"`` of the path's
+    ``st_dev``) if one is listed, else the longest mount point that holds the path (the last
+    mounted of equals); "" if none does."""
+    longest, kind = -1, ""
+    for line in mountinfo.split("\n"):
+        fields, _, tail = line.partition(" - ")
+        parts, types = fields.split(" "), tail.split(" ")
+        if len(parts) < 5 or not types[0]:
+            continue
+        if device and parts[2] == device:
+            return types[0]
+        point = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), parts[4])
+        under = path == point or path.startswith(point.rstrip("/") + "/")
+        if under and len(point) >= longest:
+            longest, kind = len(point), types[0]
+    return kind
+
+
+def filesystem_at(root: str) -> str:
+    """:func:`filesystem_type` of the folder ``root``, from this process's mounts ("" where they
+    cannot be read)."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            mountinfo = f.read()
+        dev = os.stat(root).st_dev
+    except OSError:
+        return ""
+    return filesystem_type(os.path.realpath(root), mountinfo, f"{os.major(dev)}:{os.minor(dev)}")
+
 
 _AT_FDCWD, _RENAME_NOREPLACE = -100, 1  # <fcntl.h>, <linux/fs.h>
 
@@ -154,19 +193,26 @@ RELEASING = FileCalls(_open, _pwrite, _close, rename_new, _mkdir)
 """The standard library's calls: other threads run during each."""
 
 
-def _c_functions() -> SimpleNamespace | None:
-    """The C library's functions behind :data:`HOLDING`, through :class:`ctypes.PyDLL` (the
-    interpreter's lock is kept during each call); None where one is missing."""
+def holding_function(name: str, argtypes: list[Any], restype: Any) -> Any:
+    """The C library's function ``name`` through :class:`ctypes.PyDLL` (the interpreter's lock
+    is kept during each call; ``errno`` saved for :func:`ctypes.get_errno`), with its argument
+    and result types; None where the C library lacks it."""
     try:
         libc = ctypes.PyDLL(None, use_errno=True)
     except OSError:
         return None
+    return _function(libc, name, argtypes, restype)
+
+
+def _c_functions() -> SimpleNamespace | None:
+    """The C library's functions behind :data:`HOLDING` (:func:`holding_function`); None where
+    one is missing."""
     functions = SimpleNamespace(
-        open=_function(libc, "open", [ctypes.c_char_p, ctypes.c_int, ctypes.c_uint], ctypes.c_int),
-        pwrite=_function(libc, "pwrite", [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int64], ctypes.c_ssize_t),
-        close=_function(libc, "close", [ctypes.c_int], ctypes.c_int),
-        renameat2=_function(libc, "renameat2", _RENAMEAT2, ctypes.c_int),
-        mkdir=_function(libc, "mkdir", [ctypes.c_char_p, ctypes.c_uint], ctypes.c_int),
+        open=holding_function("open", [ctypes.c_char_p, ctypes.c_int, ctypes.c_uint], ctypes.c_int),
+        pwrite=holding_function("pwrite", [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int64], ctypes.c_ssize_t),
+        close=holding_function("close", [ctypes.c_int], ctypes.c_int),
+        renameat2=holding_function("renameat2", _RENAMEAT2, ctypes.c_int),
+        mkdir=holding_function("mkdir", [ctypes.c_char_p, ctypes.c_uint], ctypes.c_int),
     )
     if None in vars(functions).values() or ctypes.sizeof(ctypes.c_ssize_t) != 8:
         return None

@@ -60,7 +60,7 @@ class CrashFs:
         self._saved: dict[str, object] = {}
         self._owner = 0
         self._fds: set[int] = set()  # descriptors the owner opened and has not closed
-        self._native = None  # the real renameat2 while entered (see _wrap_renameat2)
+        self._native = None  # the real renameat2 while entered (see _wrap_c)
         self._held = None  # fscalls._held while entered (see _wrap_held)
 
     def __enter__(self) -> CrashFs:
@@ -71,7 +71,7 @@ class CrashFs:
             setattr(os, name, self._wrap(name, real))
         self._native = fscalls._renameat2
         if self._native is not None:  # the publish rename's system call, made through ctypes
-            fscalls._renameat2 = self._wrap_renameat2(self._native)
+            fscalls._renameat2 = self._wrap_c("rename", self._native)
         self._held = fscalls._held
         if self._held is not None:  # the C functions behind fscalls.HOLDING (a cache on tmpfs)
             fscalls._held = self._wrap_held(self._held)
@@ -86,57 +86,44 @@ class CrashFs:
         if self._held is not None:
             fscalls._held = self._held
 
-    def _wrap_renameat2(self, real):
-        """``renameat2`` as libc has it (-1 and ``errno`` on failure), one mutation named ``rename``."""
+    def _wrap_c(self, name: str, real, counts=lambda _args: True):
+        """A C library function as libc has it (-1 and ``errno`` on failure), each call one
+        mutation named as its ``os`` namesake (``renameat2``: ``rename``); ``counts(args)``
+        False: this call changes nothing (an ``open`` without ``O_CREAT``)."""
 
-        def call(olddirfd, old, newdirfd, new, flags):
-            if threading.get_ident() != self._owner:
-                return real(olddirfd, old, newdirfd, new, flags)
-            try:
-                return self._mutate("rename", lambda *_: real(olddirfd, old, newdirfd, new, flags), (os.fsdecode(old),), {})
-            except OSError as exc:
-                ctypes.set_errno(exc.errno or errno.EIO)
-                return -1
-
-        return call
-
-    def _wrap_held(self, held):
-        """The C library's functions behind ``fscalls.HOLDING``, as libc has them (-1 and
-        ``errno`` on failure), each a mutation named as its ``os`` namesake (``renameat2``:
-        ``rename``; an ``open`` without ``O_CREAT`` is none)."""
-
-        def label(name: str, args) -> str:
+        def label(args) -> str:
             if name == "pwrite":
                 return f"fd {args[0]}"
             return os.fsdecode(args[1] if name == "rename" else args[0])
 
-        def wrapped(name: str, real, counts=lambda _args: True):
-            def call(*args):
-                if threading.get_ident() != self._owner:
-                    return real(*args)
-                if name == "close":
-                    self._fds.discard(args[0])
-                    return real(*args)
-                if not counts(args):
-                    got = real(*args)
-                else:
-                    try:
-                        got = self._mutate(name, lambda *_: real(*args), (label(name, args),), {})
-                    except OSError as exc:
-                        ctypes.set_errno(exc.errno or errno.EIO)
-                        return -1
-                if name == "open" and got >= 0:
-                    self._fds.add(got)
-                return got
+        def call(*args):
+            if threading.get_ident() != self._owner:
+                return real(*args)
+            if name == "close":
+                self._fds.discard(args[0])
+                return real(*args)
+            if not counts(args):
+                got = real(*args)
+            else:
+                try:
+                    got = self._mutate(name, lambda *_: real(*args), (label(args),), {})
+                except OSError as exc:
+                    ctypes.set_errno(exc.errno or errno.EIO)
+                    return -1
+            if name == "open" and got >= 0:
+                self._fds.add(got)
+            return got
 
-            return call
+        return call
 
+    def _wrap_held(self, held):
+        """The C library's functions behind ``fscalls.HOLDING`` (:meth:`_wrap_c`)."""
         return SimpleNamespace(
-            open=wrapped("open", held.open, lambda args: args[1] & os.O_CREAT),
-            pwrite=wrapped("pwrite", held.pwrite),
-            close=wrapped("close", held.close),
-            renameat2=wrapped("rename", held.renameat2),
-            mkdir=wrapped("mkdir", held.mkdir),
+            open=self._wrap_c("open", held.open, lambda args: args[1] & os.O_CREAT),
+            pwrite=self._wrap_c("pwrite", held.pwrite),
+            close=self._wrap_c("close", held.close),
+            renameat2=self._wrap_c("rename", held.renameat2),
+            mkdir=self._wrap_c("mkdir", held.mkdir),
         )
 
     def _wrap(self, name: str, real):

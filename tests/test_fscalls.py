@@ -18,7 +18,7 @@ import pytest
 
 from cachepipe import Pipeline, fscalls
 from cachepipe.cache import Cache
-from cachepipe.cache.eviction import filesystem_at
+from cachepipe.fscalls import filesystem_at
 
 SHM = "/dev/shm"  # noqa: S108 - tmpfs on every Linux: the memory file system case
 CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC

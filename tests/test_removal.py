@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cachepipe.cache.eviction import deleters_for, filesystem_at, filesystem_type
+from cachepipe.cache.eviction import deleters_for
+from cachepipe.fscalls import filesystem_at, filesystem_type
 from cachepipe.removal import Reaper, rmtree
 
 

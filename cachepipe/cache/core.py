@@ -38,10 +38,10 @@ from .. import state
 from ..catalog import Catalog, Item
 from ..config import Share
 from ..errors import ConfigError, OversizeError
-from ..fscalls import RELEASING, FileCalls, file_calls_for
+from ..fscalls import RELEASING, FileCalls, file_calls_for, filesystem_at
 from ..removal import delete_tree, tree_bytes
 from ..retention import RetentionPolicy
-from .eviction import REAP_MIN_BYTES, Eviction, filesystem_at
+from .eviction import REAP_MIN_BYTES, Eviction
 from .ledger import Ledger
 from .lock import STATE_DIR, OwnerLock
 from .record import Record

@@ -19,7 +19,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +27,7 @@ from ..fscalls import MEMORY_FILESYSTEMS
 from ..removal import Reaper, delete_tree, rmtree, tree_bytes
 from .staging import Staging
 
-__all__ = ["REAP_MIN_BYTES", "Eviction", "deleters_for", "filesystem_at", "filesystem_type"]
+__all__ = ["REAP_MIN_BYTES", "Eviction", "deleters_for"]
 
 log = logging.getLogger("cachepipe.cache")
 
@@ -47,41 +46,6 @@ def deleters_for(fstype: str) -> int:
     (one thread in the interpreter while the other is in the kernel); on a disk, where a
     deletion can wait for the file system's journal, four (benchmarks/README.md, "Deleters")."""
     return 2 if fstype in MEMORY_FILESYSTEMS else 4
-
-
-_OCTAL = re.compile(r"\\([0-7]{3})")  # mountinfo writes a space in a path as \040
-
-
-def filesystem_type(path: str, mountinfo: str, device: str = "") -> str:
-    """The type of the file system that holds ``path`` (absolute, links resolved), from the text
-    of ``/proc/self/mountinfo``: the mount of ``device`` (``"major:minor"`` of the path's
-    ``st_dev``) if one is listed, else the longest mount point that holds the path (the last
-    mounted of equals); "" if none does."""
-    longest, kind = -1, ""
-    for line in mountinfo.split("\n"):
-        fields, _, tail = line.partition(" - ")
-        parts, types = fields.split(" "), tail.split(" ")
-        if len(parts) < 5 or not types[0]:
-            continue
-        if device and parts[2] == device:
-            return types[0]
-        point = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), parts[4])
-        under = path == point or path.startswith(point.rstrip("/") + "/")
-        if under and len(point) >= longest:
-            longest, kind = len(point), types[0]
-    return kind
-
-
-def filesystem_at(root: str) -> str:
-    """:func:`filesystem_type` of the folder ``root``, from this process's mounts ("" where they
-    cannot be read)."""
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-            mountinfo = f.read()
-        dev = os.stat(root).st_dev
-    except OSError:
-        return ""
-    return filesystem_type(os.path.realpath(root), mountinfo, f"{os.major(dev)}:{os.minor(dev)}")
 
 
 class Eviction:
@@ -104,7 +68,7 @@ class Eviction:
 
     def open_deleters(self, fstype: str) -> None:
         """Let as many threads delete at once as suit the file system that holds the cache (its
-        type, as :func:`filesystem_at` gives it; :func:`deleters_for`); called by the cache's open,
+        type, as :func:`~cachepipe.fscalls.filesystem_at` gives it; :func:`deleters_for`); called by the cache's open,
         before any item is handed out."""
         self.deleters = threading.BoundedSemaphore(deleters_for(fstype))
 

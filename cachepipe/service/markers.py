@@ -42,9 +42,8 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 
 from watchdog.utils import platform  # imported with this module: without the service extra, `serve` says so at once
 
-from ..cache.eviction import filesystem_at
 from ..errors import ConfigError
-from ..fscalls import LOCAL_FILESYSTEMS
+from ..fscalls import LOCAL_FILESYSTEMS, filesystem_at, holding_function
 
 if TYPE_CHECKING:
     from watchdog.observers.inotify_c import CallbackId, InotifyEvent, InotifyFD, Mask, WatchDescriptor
@@ -299,12 +298,11 @@ def _remove_watch(fd: int, wd: WatchDescriptor) -> int:
 @functools.cache
 def _watch_calls() -> tuple[Any, Any]:
     """``(inotify_add_watch, inotify_rm_watch)`` of the C library through :class:`ctypes.PyDLL`
-    (made once)."""
-    libc = ctypes.PyDLL(None, use_errno=True)
-    add, remove = libc.inotify_add_watch, libc.inotify_rm_watch
-    add.argtypes, add.restype = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32], ctypes.c_int
-    remove.argtypes, remove.restype = [ctypes.c_int, ctypes.c_uint32], ctypes.c_int
-    return add, remove
+    (:func:`~cachepipe.fscalls.holding_function`; made once)."""
+    return (
+        holding_function("inotify_add_watch", [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32], ctypes.c_int),
+        holding_function("inotify_rm_watch", [ctypes.c_int, ctypes.c_uint32], ctypes.c_int),
+    )
 
 
 class _Events:
