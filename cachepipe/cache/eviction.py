@@ -68,8 +68,8 @@ class Eviction:
 
     def open_deleters(self, fstype: str) -> None:
         """Let as many threads delete at once as suit the file system that holds the cache (its
-        type, as :func:`~cachepipe.fscalls.filesystem_at` gives it; :func:`deleters_for`); called by the cache's open,
-        before any item is handed out."""
+        type, as :func:`~cachepipe.fscalls.filesystem_at` gives it; :func:`deleters_for`);
+        called by the cache's open, before any item is handed out."""
         self.deleters = threading.BoundedSemaphore(deleters_for(fstype))
 
     def move_away(self, name: str) -> tuple[str, int]:
