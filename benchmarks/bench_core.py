@@ -30,7 +30,10 @@ deleting only), and **every per-item call in one thread** (the producer's calls 
 running). The second is the work the pipeline's threads share; the pipeline's rate against it
 is what running that work on threads, handing each item over between them, costs.
 
-``--no-handoff`` runs only the two catalog measurements.
+``--no-handoff`` runs only the two catalog measurements. ``--switch-interval S`` runs every
+measuring process with ``sys.setswitchinterval(S)`` (Python's default is 0.005 s): how often a
+thread running Python is made to hand the interpreter's lock to one waiting for it, which is
+most of the pipeline's context switches on tmpfs.
 """
 
 from __future__ import annotations
@@ -102,7 +105,14 @@ def run_handoff(n: int, where: str, shape: str, batch: int) -> dict[str, Any]:
             count = sum(1 for _ in pipe) if batch == 1 else _drain(pipe, batch)
         wall, cpu, switches = time.perf_counter() - t0, _cpu() - c0, _switches() - s0
     assert count == n, (count, n)
-    return {"items": n, "wall_s": wall, "items_per_s": n / wall, "cpu_s": cpu, "switches": switches}
+    return {
+        "items": n,
+        "wall_s": wall,
+        "items_per_s": n / wall,
+        "cpu_s": cpu,
+        "switches": switches,
+        "switch_interval_s": sys.getswitchinterval(),
+    }
 
 
 def _drain(pipe: Pipeline, batch: int) -> int:
@@ -168,7 +178,7 @@ def run_one_thread(n: int, where: str, shape: str, batch: int) -> dict[str, Any]
         for first in range(0, n, batch):
             for seq in range(first, min(n, first + batch)):
                 item = items[seq]
-                cache.note_listed(item.name)
+                cache.note_listed([item.name])
                 cache.acquire(item)
                 broker.begin()
                 staged = cache.stage(item, HEAD_MIN_PART)  # the fetcher's smallest part, as in a pipeline
@@ -237,17 +247,20 @@ def run_catalog(n: int, consume: int, shuffle: bool) -> dict[str, Any]:
     }
 
 
-def _child(conn: Any, fn: str, args: tuple) -> None:
+def _child(conn: Any, fn: str, args: tuple, switch_interval: float | None) -> None:
+    if switch_interval is not None:
+        sys.setswitchinterval(switch_interval)
     try:
         conn.send(("ok", globals()[fn](*args)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails the run
         conn.send(("error", repr(exc)))
 
 
-def in_child(fn: str, *args: Any, limit: float) -> dict[str, Any]:
+def in_child(fn: str, *args: Any, limit: float, switch_interval: float | None = None) -> dict[str, Any]:
+    """``fn(*args)`` in a fresh process (``switch_interval``: its ``sys.setswitchinterval``)."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_child, args=(child, fn, args))
+    proc = ctx.Process(target=_child, args=(child, fn, args, switch_interval))
     proc.start()
     try:
         if not parent.poll(limit):
@@ -276,9 +289,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-handoff", action="store_true", help="skip the hand-off measurement (catalog only)")
     p.add_argument("--no-full", action="store_true", help="skip the full (shuffled) catalog measurement")
     p.add_argument("--limit", type=float, default=600, help="seconds per measurement (default 600)")
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        help="seconds: sys.setswitchinterval in every measuring process (default: Python's, 0.005); "
+        "how often a thread that runs Python is made to let the interpreter's lock go to a waiting one",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.switch_interval is not None and args.switch_interval <= 0:
+        p.error(f"--switch-interval must be a positive number of seconds, not {args.switch_interval}")
     if args.quick:
         args.handoff, args.catalog, args.consume, args.limit, args.repeats = 300, 5_000, 200, 120, 1
     disk = tempfile.gettempdir()
@@ -294,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         "split": {},
         "catalog": {},
         "load_average": {"start": list(os.getloadavg())},
+        "switch_interval_s": sys.getswitchinterval() if args.switch_interval is None else args.switch_interval,
     }
     cases = [(label, where, shape) for label, where in places for shape in ("folders", "files")]
     runs: dict[str, list[dict[str, Any]]] = {}
@@ -301,13 +323,17 @@ def main(argv: list[str] | None = None) -> int:
         for label, where, shape in cases:  # interleaved: every case once per repeat
             progress(f"repeat {repeat + 1}/{args.repeats}: hand-off on {label} ({where}), {shape}, {args.handoff} items")
             runs.setdefault(f"{label} {shape} floor", []).append(
-                in_child("run_floor", args.handoff, where, shape, limit=args.limit)
+                in_child("run_floor", args.handoff, where, shape, limit=args.limit, switch_interval=args.switch_interval)
             )
             for batch in (1, args.batch) if repeat % 2 == 0 else (args.batch, 1):  # order rotates: the disk drifts
-                got = in_child("run_handoff", args.handoff, where, shape, batch, limit=args.limit)
+                got = in_child(
+                    "run_handoff", args.handoff, where, shape, batch, limit=args.limit, switch_interval=args.switch_interval
+                )
                 runs.setdefault(f"{label} {shape} {batch}", []).append(got)
             for part in ("run_consumer_side", "run_one_thread") if args.split else ():
-                got = in_child(part, args.handoff, where, shape, args.batch, limit=args.limit)
+                got = in_child(
+                    part, args.handoff, where, shape, args.batch, limit=args.limit, switch_interval=args.switch_interval
+                )
                 runs.setdefault(f"{label} {shape} {part}", []).append(got)
     for label, _where, shape in [] if args.no_handoff else cases:
         floor = statistics.median(r["items_per_s"] for r in runs[f"{label} {shape} floor"])
@@ -323,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                 "runs_items_per_s": [r["items_per_s"] for r in got],
                 "cpu_us_per_item": statistics.median(r["cpu_s"] for r in got) / args.handoff * 1e6,
                 "switches_per_item": statistics.median(r["switches"] for r in got) / args.handoff,
+                "switch_interval_s": got[0]["switch_interval_s"],
                 "floor_items_per_s": floor,
                 "of_floor": rate / floor,
             }
@@ -367,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     if rows:
         title = f"hand-off through Pipeline (memory:// source, {args.handoff:,} items of 1 byte; medians of {args.repeats} runs):"
         lines.append(title)
+        if args.switch_interval is not None:
+            lines.append(f"(every measuring process ran with sys.setswitchinterval({args.switch_interval:g}))")
         lines += [
             *format_table(["cache on", "items", "consumer", "items/s", "CPU us/item", "fs floor items/s", "x floor"], rows),
             "",

@@ -70,7 +70,11 @@ def test_retention_through_the_pipeline_benchmark_runs():
 def test_core_benchmark_reports_handoff_and_catalog():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_core.py"
     proc = subprocess.run(
-        [sys.executable, str(script), "--quick", "--split", "--json"], capture_output=True, text=True, timeout=180, check=False
+        [sys.executable, str(script), "--quick", "--split", "--switch-interval", "0.02", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)
@@ -79,6 +83,7 @@ def test_core_benchmark_reports_handoff_and_catalog():
     }
     for r in report["handoff"].values():
         assert r["items"] == 300 and r["items_per_s"] > 0 and r["floor_items_per_s"] > 0
+        assert r["switch_interval_s"] == 0.02  # as the measuring process ran
     assert set(report["split"]) >= {"disk folders", "disk files"}
     for r in report["split"].values():
         assert r["consumer_side_items_per_s"] > 0 and r["one_thread_items_per_s"] > 0 and r["pipeline_switches_per_item"] > 0

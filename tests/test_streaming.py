@@ -386,6 +386,15 @@ def test_a_run_of_listed_names_is_budgeted_while_there_is_room_the_rest_in_the_n
         cache.note_listed(["n006"])
 
 
+def test_one_listed_name_passed_as_a_string_is_refused(streamed_cache):
+    # a string is a sequence of names too: each of its characters would be budgeted as a name
+    cache, _grow = streamed_cache
+    overhead = cache.ledger.overhead
+    with pytest.raises(TypeError, match="not one name: 'n000'"):
+        cache.note_listed("n000")
+    assert cache.ledger.overhead == overhead
+
+
 class _FailingAfter:
     """A store whose listing always fails (transiently) after ``n`` objects."""
 

@@ -255,7 +255,10 @@ class Cache:
 
         Raises:
             ConfigError: the state budget alone would reach the capacity with the first name.
+            TypeError: ``names`` is one name (a string), not a sequence of them.
         """
+        if isinstance(names, str):  # its characters would each be budgeted as a name
+            raise TypeError(f"note_listed takes a sequence of item names, not one name: {names!r}")
         ledger = self.ledger
         limits: list[int] = []
         with self._cond:
