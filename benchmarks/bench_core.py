@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import multiprocessing
 import os
 import resource
@@ -298,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    if args.switch_interval is not None and args.switch_interval <= 0:
-        p.error(f"--switch-interval must be a positive number of seconds, not {args.switch_interval}")
+    if args.switch_interval is not None and not (math.isfinite(args.switch_interval) and args.switch_interval >= 1e-6):
+        p.error(f"--switch-interval must be a finite number of seconds, at least 1e-6, not {args.switch_interval}")
     if args.quick:
         args.handoff, args.catalog, args.consume, args.limit, args.repeats = 300, 5_000, 200, 120, 1
     disk = tempfile.gettempdir()
@@ -370,10 +371,14 @@ def main(argv: list[str] | None = None) -> int:
                 "floor_items_per_s": floor,
             }
     progress(f"streamed catalog of {args.catalog} items, consuming {args.consume}")
-    report["catalog"]["stream"] = in_child("run_catalog", args.catalog, args.consume, False, limit=args.limit)
+    report["catalog"]["stream"] = in_child(
+        "run_catalog", args.catalog, args.consume, False, limit=args.limit, switch_interval=args.switch_interval
+    )
     if not args.no_full:
         progress(f"full (shuffled) catalog of {args.catalog} items")
-        report["catalog"]["full"] = in_child("run_catalog", args.catalog, min(args.consume, 1000), True, limit=args.limit)
+        report["catalog"]["full"] = in_child(
+            "run_catalog", args.catalog, min(args.consume, 1000), True, limit=args.limit, switch_interval=args.switch_interval
+        )
     report["load_average"]["end"] = list(os.getloadavg())
     if args.json:
         print(json.dumps(report, indent=2))
