@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import re
 from collections.abc import Callable
@@ -136,18 +137,22 @@ def _encoded(path: str) -> bytes:
     return raw
 
 
-def _renamed(call: Callable[..., int] | None, src: str, dst: str) -> bool:
-    """``renameat2(RENAME_NOREPLACE)`` by ``call``: True if renamed, False where the kernel or
-    the file system lacks it (or ``call`` is None); raises its error otherwise."""
-    if call is None:
-        return False
-    while call(_AT_FDCWD, _encoded(src), _AT_FDCWD, _encoded(dst), _RENAME_NOREPLACE) != 0:
-        code = ctypes.get_errno()
-        if code in (errno.EINVAL, errno.ENOSYS):  # the file system, or the kernel (before 3.15), lacks it
-            return False
-        if code != errno.EINTR:
-            raise OSError(code, os.strerror(code), src, None, dst)
-    return True
+def _rename_by(call: Callable[..., int] | None, src: str, dst: str) -> None:
+    """:func:`rename_new` by ``call``, a binding of ``renameat2``: one ``RENAME_NOREPLACE``
+    call, or where the kernel or the file system lacks it (or ``call`` is None) a check, then
+    :func:`os.rename`."""
+    if call is not None:
+        while call(_AT_FDCWD, _encoded(src), _AT_FDCWD, _encoded(dst), _RENAME_NOREPLACE) != 0:
+            code = ctypes.get_errno()
+            if code in (errno.EINVAL, errno.ENOSYS):  # the file system, or the kernel (before 3.15), lacks it
+                break
+            if code != errno.EINTR:
+                raise OSError(code, os.strerror(code), src, None, dst)
+        else:
+            return
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), src, None, dst)
+    os.rename(src, dst)
 
 
 def rename_new(src: str, dst: str) -> None:
@@ -162,14 +167,7 @@ def rename_new(src: str, dst: str) -> None:
         FileExistsError: ``dst`` exists; nothing was renamed.
         OSError: the rename failed.
     """
-    if not _renamed(_renameat2, src, dst):
-        _rename_checked(src, dst)
-
-
-def _rename_checked(src: str, dst: str) -> None:
-    if os.path.lexists(dst):
-        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), src, None, dst)
-    os.rename(src, dst)
+    _rename_by(_renameat2, src, dst)
 
 
 def _open(path: str, flags: int, mode: int = 0o777) -> int:
@@ -197,11 +195,17 @@ def holding_function(name: str, argtypes: list[Any], restype: Any) -> Any:
     """The C library's function ``name`` through :class:`ctypes.PyDLL` (the interpreter's lock
     is kept during each call; ``errno`` saved for :func:`ctypes.get_errno`), with its argument
     and result types; None where the C library lacks it."""
+    libc = _holding_libc()
+    return None if libc is None else _function(libc, name, argtypes, restype)
+
+
+@functools.cache
+def _holding_libc() -> ctypes.PyDLL | None:
+    """The C library through :class:`ctypes.PyDLL`, loaded once (None where it cannot be)."""
     try:
-        libc = ctypes.PyDLL(None, use_errno=True)
+        return ctypes.PyDLL(None, use_errno=True)
     except OSError:
         return None
-    return _function(libc, name, argtypes, restype)
 
 
 def _c_functions() -> SimpleNamespace | None:
@@ -252,8 +256,7 @@ def _close_held(fd: int) -> None:
 
 
 def _rename_new_held(src: str, dst: str) -> None:
-    if not _renamed(_held.renameat2, src, dst):
-        _rename_checked(src, dst)
+    _rename_by(_held.renameat2, src, dst)
 
 
 def _mkdir_held(path: str, mode: int = 0o777) -> None:
