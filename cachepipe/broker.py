@@ -90,10 +90,15 @@ class Broker(Generic[T]):
     def begin(self) -> int:
         """Count an item the producer started fetching; return its turn: how many items were
         begun before it (``turn - served()`` of them are ahead of it, see :meth:`served`)."""
+        return self.begin_many(1)
+
+    def begin_many(self, count: int) -> int:
+        """:meth:`begin` ``count`` items in one lock round; the first one's turn (the others'
+        follow it)."""
         with self._cond:
-            self._begun += 1
-            self._pending += 1
-            return self._begun - 1
+            self._begun += count
+            self._pending += count
+            return self._begun - count
 
     def served(self) -> int:
         """How many begun items are no longer ahead of the consumers (handed out, or their
@@ -143,6 +148,12 @@ class Broker(Generic[T]):
             while not self._closed and self._pending + self._fresh >= limit:
                 self._cond.wait()
             return not self._closed
+
+    def room_ahead(self, limit: int) -> int:
+        """How many more items may be begun before ``limit`` are ahead of the consumers
+        (fetching, or ready and never handed out); 0 or less: none. Does not wait."""
+        with self._cond:
+            return limit - self._pending - self._fresh
 
     # ---- consumer side ---------------------------------------------------------------
     def take(self, timeout: float | None = None) -> Lease[T] | Failed | None:

@@ -1,9 +1,11 @@
 """The producer: reserves space, downloads items into staging, verifies, publishes.
 
-One planner thread walks the plan in order: it waits for prefetch room and for space (both
-conditions signalled by consumers, never polled), stages the item and queues its bytes for a
-pool of ``max_concurrency`` download threads, of which :func:`download_threads` take parts (as
-many as keep one working while the others wait for their requests). Each thread takes the next
+One planner thread walks the plan in order, given in runs of steps: it waits for prefetch room
+and for space (both conditions signalled by consumers, never polled), stages the item and
+queues its bytes for a pool of ``max_concurrency`` download threads, of which
+:func:`download_threads` take parts (as many as keep one working while the others wait for
+their requests). The items of a run that need no wait are started together, one round of each
+lock for all of them (:meth:`Fetcher._start_without_waiting`). Each thread takes the next
 part from the earliest started item with bytes not yet requested, and cuts it when it takes it:
 a ranged GET of :func:`item_part_size` for the items then ahead of that item (up to
 ``part_size``, :func:`auto_part_size`), so that the item the consumers wait for is fetched over
@@ -11,6 +13,8 @@ every thread.
 The requests of items with a file over :data:`HEAD_MIN_PART` (one cut into parts) are at most
 ``max_large_requests``; an item of smaller files only is short requests, each mostly round trip,
 so more of them (up to ``max_concurrency``) keep the link busy.
+While requests cost less than a part's own work (a memory or local source), a thread takes
+up to :data:`PART_RUN` parts of small items at once.
 The thread that finishes an item's last part queues it to publish (or discards it and reports
 the failure); the first thread to queue one publishes every item queued meanwhile, a run at a
 time (one journal write, one hand-over to the broker), while the others go on downloading.
@@ -31,7 +35,7 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +50,7 @@ from .errors import ArchiveError, ItemFailedError, OversizeError, PrepareOverflo
 from .stores.base import Store
 from .unpack import DEFAULT_MAX_MEMBERS, split_volume, unpack_in_place
 
-__all__ = ["Fetcher", "PartQueue", "auto_part_size", "backoff_delay", "item_part_size"]
+__all__ = ["Fetcher", "PartQueue", "Planned", "auto_part_size", "backoff_delay", "item_part_size"]
 
 log = logging.getLogger("cachepipe.fetcher")
 
@@ -103,6 +107,13 @@ def download_threads(request_s: float, work_s: float, limit: int) -> int:
         return limit
     return max(1, min(limit, math.ceil(1 + request_s / work_s)))
 
+
+Planned = tuple[int, Item, int]
+"""A planned step for the fetcher: ``(seq, item, tick)`` (``tick`` orders the plan's steps)."""
+
+PART_RUN = 16
+"""The most parts of small items a download thread takes at once, while requests cost less than
+the work around them (a memory or local source: ``Fetcher._take_and_fetch``)."""
 
 J = TypeVar("J")
 
@@ -242,7 +253,7 @@ class Fetcher:
     """
 
     def __init__(
-        self, store: Store, cache: Cache, broker: Broker[Path], plan: Iterable[tuple[int, Item, int]], config: PipelineConfig
+        self, store: Store, cache: Cache, broker: Broker[Path], plan: Iterable[Sequence[Planned]], config: PipelineConfig
     ) -> None:
         self._store = store
         self._cache = cache
@@ -259,6 +270,7 @@ class Fetcher:
         self._large = 0  # requests in flight of items with a file over HEAD_MIN_PART
         self.threads = config.max_concurrency  # download threads wanted now (download_threads)
         self._paces: list[tuple[float, float]] = []  # (request wall s, thread CPU s) of parts since the last choice
+        self._cheap = False  # the last choice found requests shorter than the work around them
         self._publish_lock = threading.Lock()  # _to_publish and _publishing
         self._to_publish: list[_Job] = []  # verified items waiting for the publishing thread
         self._publishing = False  # a download thread is publishing what is queued
@@ -289,50 +301,98 @@ class Fetcher:
 
     # ---- planner thread --------------------------------------------------------------
     def _run(self) -> None:
-        seq, unstarted = -1, False  # unstarted: seq was planned but not yet handed to the broker
+        self._unbegun = 0  # the first planned step not yet handed to the broker (begun or reported)
         try:
-            for seq, item, tick in self._plan:
-                unstarted = True
-                if self._stop.is_set():
-                    return
-                waited = time.monotonic()
-                if self._cfg.prefetch is not None and not self._broker.wait_ahead_below(self._cfg.prefetch):
-                    return
-                refused = self._refusal(item)
-                if refused is not None:
-                    unstarted = False
-                    self._broker.begin()
-                    self._report_failure(seq, item, item.name, refused)
+            for run in self._plan:
+                if not run:
                     continue
-                if not self._wait_for_free_space(item.size):
-                    return
-                extra = self._extra(item)
-                try:
-                    got = self._cache.acquire(item, tick, self._broker.starving, extra)
-                except OversizeError as exc:  # no longer fits beside the state budget: this item only
-                    unstarted = False
-                    self._broker.begin()
-                    self._broker.fail(seq, item.name, exc, kind="oversize")
-                    continue
-                if got is False:
-                    return
-                unstarted = False
-                if got is not True:  # on disk already: recovered at open, or retained
-                    self._broker.begin()
-                    self._broker.put(seq, item.name, got)
-                    self.counters.add(items_adopted=1)
-                    continue
-                self.counters.add(producer_wait_seconds=time.monotonic() - waited)
-                if self._stop.is_set():
-                    self._cache.unreserve(item.size + extra, item.name)
-                    return
-                self._start(seq, item, extra, self._broker.begin())
+                self._unbegun = run[0][0]
+                done = 0
+                while done < len(run):
+                    if self._stop.is_set():
+                        return
+                    started = self._start_without_waiting(run[done:])
+                    if started is None:
+                        return
+                    done += started
+                    if done < len(run):
+                        if not self._plan_one(*run[done]):
+                            return
+                        done += 1
+                    if done < len(run):
+                        self._unbegun = run[done][0]
         except BaseException as exc:  # noqa: BLE001 - planning failed: the consumer sees it in turn, never a hang
-            failed = seq if unstarted else seq + 1
-            log.error("planning stopped at step %d: %s", failed, exc)
-            self._broker.fail(failed, "<listing>", exc, begun=False, kind="stream")
+            log.error("planning stopped at step %d: %s", self._unbegun, exc)
+            self._broker.fail(self._unbegun, "<listing>", exc, begun=False, kind="stream")
         finally:
             self._broker.finish()
+
+    def _begin(self, seq: int, count: int = 1) -> int:
+        """:meth:`Broker.begin` ``count`` planned items, the last of them ``seq``; their first turn."""
+        turn = self._broker.begin_many(count)
+        self._unbegun = seq + 1
+        return turn
+
+    def _start_without_waiting(self, run: Sequence[tuple[int, Item, int]]) -> int | None:
+        """Start the first items of ``run`` that need no wait (room ahead of the consumers under
+        ``prefetch``, space in the cache, no earlier copy on disk or on its way, nothing to
+        refuse; see :meth:`Cache.acquire_many`): one round of the broker's lock, of the cache's
+        and of the download queue's for all of them. Returns how many (0: the next one waits,
+        :meth:`_plan_one`); None if stopped."""
+        if self._cfg.min_free is not None:
+            return 0  # free space is polled per item (_wait_for_free_space)
+        room = len(run) if self._cfg.prefetch is None else min(len(run), self._broker.room_ahead(self._cfg.prefetch))
+        if room <= 0:
+            return 0
+        wanted = []
+        for _seq, item, _tick in run[:room]:
+            if self._refusal(item) is not None:
+                break
+            wanted.append((item, self._extra(item)))
+        count = self._cache.acquire_many(wanted)
+        if not count:
+            return 0
+        if self._stop.is_set():
+            for item, extra in wanted[:count]:
+                self._cache.unreserve(item.size + extra, item.name)
+            return None
+        turn = self._begin(run[count - 1][0], count)
+        self._start_many([(run[i][0], item, extra, turn + i, 0) for i, (item, extra) in enumerate(wanted[:count])])
+        return count
+
+    def _plan_one(self, seq: int, item: Item, tick: int) -> bool:
+        """Start (or refuse, or hand out from disk) one planned item, waiting for room ahead of
+        the consumers, free space and cache space as needed; False if stopped meanwhile."""
+        waited = time.monotonic()
+        if self._cfg.prefetch is not None and not self._broker.wait_ahead_below(self._cfg.prefetch):
+            return False
+        refused = self._refusal(item)
+        if refused is not None:
+            self._begin(seq)
+            self._report_failure(seq, item, item.name, refused)
+            return True
+        if not self._wait_for_free_space(item.size):
+            return False
+        extra = self._extra(item)
+        try:
+            got = self._cache.acquire(item, tick, self._broker.starving, extra)
+        except OversizeError as exc:  # no longer fits beside the state budget: this item only
+            self._begin(seq)
+            self._broker.fail(seq, item.name, exc, kind="oversize")
+            return True
+        if got is False:
+            return False
+        if got is not True:  # on disk already: recovered at open, or retained
+            self._begin(seq)
+            self._broker.put(seq, item.name, got)
+            self.counters.add(items_adopted=1)
+            return True
+        self.counters.add(producer_wait_seconds=time.monotonic() - waited)
+        if self._stop.is_set():
+            self._cache.unreserve(item.size + extra, item.name)
+            return False
+        self._start(seq, item, extra, self._begin(seq))
+        return True
 
     def _part_size(self) -> int:
         """``part_size`` as configured, or by default for the capacity now (it may change live)."""
@@ -363,60 +423,82 @@ class Fetcher:
         return False
 
     def _start(self, seq: int, item: Item, extra: int, turn: int, attempt: int = 0) -> None:
-        """Stage ``item`` and queue its bytes for the download threads (parts are cut as they are
-        taken, :meth:`PartQueue.take`); start threads to take them: up to ``max_concurrency`` for
-        an item of small files only, else up to ``max_large_requests``."""
-        try:
-            staged = self._cache.stage(item, self._min_part)
-        except OSError as exc:
-            unstaged = self._cache.staging_root / "unstaged"
-            self._retry_disk_error(_Job(seq, item, unstaged, turn, extra, attempt=attempt), exc)
-            return
-        job = _Job(seq, item, staged, turn, extra, attempt=attempt)
-        parts = sum(-(-f.size // self._min_part) for f in item.files)  # at most
+        """:meth:`_start_many` of one item."""
+        self._start_many([(seq, item, extra, turn, attempt)])
+
+    def _start_many(self, items: Sequence[tuple[int, Item, int, int, int]]) -> None:
+        """Stage each ``(seq, item, extra, turn, attempt)`` and queue its bytes for the download
+        threads (parts are cut as they are taken, :meth:`PartQueue.take`), in one round of the
+        queue's lock; start threads to take them: up to ``max_concurrency`` for an item of
+        small files only, else up to ``max_large_requests``."""
+        jobs = []
+        for seq, item, extra, turn, attempt in items:
+            try:
+                staged = self._cache.stage(item, self._min_part)
+            except OSError as exc:
+                unstaged = self._cache.staging_root / "unstaged"
+                self._retry_disk_error(_Job(seq, item, unstaged, turn, extra, attempt=attempt), exc)
+                continue
+            jobs.append(_Job(seq, item, staged, turn, extra, attempt=attempt))
+        empty, more = [], 0
         with self._parts_lock:
-            started = self._parts.add(job, item.size, turn, ((f, staged if item.is_file else staged / f.rel) for f in item.files))
-            more = 0 if started is None else min(parts, self._room_for_takers(started))
-            self._takers += more
-        if started is None:
+            for job in jobs:
+                item, staged = job.item, job.staged
+                files = ((f, staged if item.is_file else staged / f.rel) for f in item.files)
+                started = self._parts.add(job, item.size, job.turn, files)
+                if started is None:
+                    empty.append(job)
+                    continue
+                parts = sum(-(-f.size // self._min_part) for f in item.files)  # at most
+                room = min(parts, self._room_for_takers(started))
+                more += room
+                self._takers += room
+        for job in empty:
             self._finish_or_report(job)
-            return
         for _ in range(more):
             self._pool.submit(self._take_and_fetch)
 
     # ---- download threads ------------------------------------------------------------
     def _take_and_fetch(self) -> None:
         """A download thread's task: fetch parts, each cut when taken, until none is left, or
-        until more threads take parts than :attr:`threads` wants."""
-        large = False  # the part just fetched was of an item with a file over HEAD_MIN_PART
-        pace: tuple[float, float] | None = None  # the part just fetched: request wall s, this thread's CPU s
+        until more threads take parts than :attr:`threads` wants. While requests cost less than
+        the work around them (:meth:`_note_pace`), a thread takes up to :data:`PART_RUN` parts
+        of small items at once: one round of the queue's lock for them."""
+        large = False  # the parts just fetched were of an item with a file over HEAD_MIN_PART
+        paces: list[tuple[float, float]] = []  # the parts just fetched: request wall s, this thread's CPU s
         while True:
             more = 0
             with self._parts_lock:  # a thread leaves only with the lock held, so no queued part is left untaken
                 self._large -= large
-                if pace is not None:
-                    more = self._note_pace(pace)
+                for pace in paces:
+                    more += self._note_pace(pace)
                 # a large part waits while max_large_requests are in flight: their threads take it next
                 large_free = self._large < self._cfg.large_requests
-                part = None
+                parts = []
                 if not self._stop.is_set() and self._takers <= self.threads:  # else leave: another thread takes it
-                    part = self._parts.take(self._broker.served(), self._part_size(), large_free)
-                if part is None:
+                    served, part_size = self._broker.served(), self._part_size()
+                    part = self._parts.take(served, part_size, large_free)
+                    while part is not None:
+                        parts.append(part)
+                        if not (self._cheap and part[0].small) or len(parts) == PART_RUN:
+                            break
+                        part = self._parts.take(served, part_size, large=False)
+                if not parts:
                     self._takers -= 1
                     return
-                large = not part[0].small
+                large = not parts[0][0].small
                 self._large += large
             for _ in range(more):
                 self._pool.submit(self._take_and_fetch)
-            pace = None
             cpu = time.thread_time()
             try:
-                request_s = self._fetch_part(*part)
-            except Exception:  # a defect, not the item's failure (that is reported): the thread stays
-                log.exception("a download thread's part of %s failed unexpectedly", part[0].job.item.name)
-            else:
-                if request_s is not None:
-                    pace = (request_s, time.thread_time() - cpu)
+                paces = self._fetch_parts(parts)
+            except Exception:  # a defect, not an item's failure (those are reported): the thread stays
+                log.exception("a download thread's parts from %s on failed unexpectedly", parts[0][0].job.item.name)
+                paces = []
+            if paces:
+                work = (time.thread_time() - cpu) / len(paces)
+                paces = [(request_s, work) for request_s, _ in paces]
 
     def _note_pace(self, pace: tuple[float, float]) -> int:
         """Count a part's request time and work (under the parts lock); every
@@ -434,6 +516,7 @@ class Fetcher:
         work_s = sum(w for _, w in paces) / len(paces)
         paces.clear()
         self.threads = download_threads(request_s, work_s, self._cfg.max_concurrency)
+        self._cheap = request_s < work_s
         head = self._parts.head()
         more = 0 if head is None else self._room_for_takers(head)
         self._takers += more
@@ -446,22 +529,41 @@ class Fetcher:
         limit = self._cfg.max_concurrency if started.small else self._cfg.large_requests
         return max(0, min(limit, self.threads) - self._takers)
 
-    def _fetch_part(self, started: Started[_Job], f: FileEntry, local: Path, start: int, end: int) -> float | None:
-        """Fetch one part (with retries) and finish its item if it was the last; returns the
-        seconds its request took, None if it was not requested (the item had failed)."""
-        job = started.job
-        request_s = None
-        try:
-            if job.error is None and job.disk_error is None and not self._stop.is_set():
-                began = time.perf_counter()
+    def _fetch_parts(self, parts: list[tuple[Started[_Job], FileEntry, Path, int, int]]) -> list[tuple[float, float]]:
+        """Fetch parts (each with retries), then count them done in one round of the queue's
+        lock, and finish the items whose last part they were: those to publish as they are by
+        one run (:meth:`_publish_in_turn`). Returns ``(request seconds, 0.0)`` for each part
+        requested (not one of an item that had failed)."""
+        paces = []
+        for started, f, local, start, end in parts:
+            job = started.job
+            if job.error is not None or job.disk_error is not None or self._stop.is_set():
+                continue
+            began = time.perf_counter()
+            try:
                 self._get_with_retries(job, f, local, start, end)
-                request_s = time.perf_counter() - began
-        finally:
-            with self._parts_lock:  # after an error nothing more is requested: the item fails or restarts
-                last = self._parts.done(started, give_up=job.error is not None or job.disk_error is not None)
-            if last:
+            except Exception as exc:  # a defect, not the store's error: the item fails (reported), never half-published
+                log.exception("a download thread's part of %s failed unexpectedly", job.item.name)
+                with job.lock:
+                    if job.error is None:
+                        job.error, job.error_key = exc, f.key
+                continue
+            paces.append((time.perf_counter() - began, 0.0))
+        with self._parts_lock:  # after an error nothing more is requested: the item fails or restarts
+            last = [
+                started.job
+                for started, *_ in parts
+                if self._parts.done(started, give_up=started.job.error is not None or started.job.disk_error is not None)
+            ]
+        publish = []
+        for job in last:
+            if self._publishable(job):
+                publish.append(job)
+            else:
                 self._finish_or_report(job)
-        return request_s
+        if publish:
+            self._publish_in_turn(publish)
+        return paces
 
     def _get_with_retries(self, job: _Job, f: FileEntry, local: Path, start: int, end: int) -> None:
         cfg = self._cfg
@@ -512,6 +614,17 @@ class Fetcher:
         self._cache.discard(job.staged, job.item.size + job.extra, job.item.name)
         self._report_failure(job.seq, job.item, key, error)
 
+    def _publishable(self, job: _Job) -> bool:
+        """Whether a completed item goes to publish as it is: no error, nothing to verify or
+        prepare first, not closing."""
+        return (
+            job.error is None
+            and job.disk_error is None
+            and self._cfg.verify != "etag"
+            and self._prepare_pool is None
+            and not self._stop.is_set()
+        )
+
     def _finish(self, job: _Job) -> None:
         """Publish a completed item, or discard it and report the failure."""
         if self._stop.is_set():
@@ -530,17 +643,17 @@ class Fetcher:
             self._prepare_pool.submit(self._prepare_and_publish, job)
             return
         if job.error is None:
-            self._publish_in_turn(job)
+            self._publish_in_turn([job])
             return
         self._discard_and_report(job, job.error_key, job.error)
 
-    def _publish_in_turn(self, job: _Job) -> None:
-        """Queue a verified item to publish (every part wrote its whole range, as counted by
-        get_part). The first thread to queue one publishes every item queued until none is left,
+    def _publish_in_turn(self, jobs: list[_Job]) -> None:
+        """Queue verified items to publish (every part wrote its whole range, as counted by
+        get_part). The first thread to queue some publishes every item queued until none is left,
         a run at a time (:meth:`_publish_run`); the others go back to downloading at once, never
         waiting for the cache's lock."""
         with self._publish_lock:
-            self._to_publish.append(job)
+            self._to_publish.extend(jobs)
             if self._publishing:
                 return
             self._publishing = True

@@ -106,15 +106,22 @@ class StreamingListing:
 
     def take(self) -> Item | None:
         """The next item; None at the end (or when stopped). Raises the listing's error in turn."""
+        got = self.take_many(1)
+        return got[0] if got else None
+
+    def take_many(self, count: int) -> list[Item]:
+        """The next item, waiting for it, and those queued after it, up to ``count`` in all;
+        empty at the end (or when stopped). Raises the listing's error in turn."""
         with self._cond:
             while not self._queue and not self.done and not self._stop.is_set():
                 self._cond.wait()
-            if self._queue:
+            queue = self._queue
+            if queue:
                 self._cond.notify_all()  # room for the listing thread
-                return self._queue.popleft()
+                return [queue.popleft() for _ in range(min(count, len(queue)))]
             if self.error is not None:
                 raise self.error
-            return None
+            return []
 
     # ---- the listing thread ------------------------------------------------------------
     def _run(self) -> None:

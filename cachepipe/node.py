@@ -42,6 +42,7 @@ from .broker import Broker, Closed, Failed, FailureKind
 from .cache import Cache
 from .catalog import Item, Names
 from .config import Share
+from .fetcher import Planned
 from .lanes import LaneSchedule, NodePlan
 from .pipeline import CachedItem, Pipeline
 from .plan import Cursor, Step
@@ -107,9 +108,10 @@ class LaneQueues(Broker[Path]):
         self._busy: Counter[int] = Counter()  # catalog items of steps planned and not consumed
 
     # ---- planner side ----------------------------------------------------------------
-    def steps(self, item_of: Callable[[int], Item]) -> Iterator[tuple[int, Item, int]]:
-        """The fetch order, run in the producer thread: the schedule's next step, waiting while
-        every lane is at its end (until one is moved, or the queues close)."""
+    def steps(self, item_of: Callable[[int], Item]) -> Iterator[list[Planned]]:
+        """The fetch order, run in the producer thread: the schedule's next step (a run of one:
+        the schedule picks each step by the lanes' load as it is then), waiting while every lane
+        is at its end (until one is moved, or the queues close)."""
         while True:
             with self._cond:
                 while (got := None if self._closed else self.schedule.next(self._load(), self._busy.__contains__)) is None:
@@ -122,7 +124,7 @@ class LaneQueues(Broker[Path]):
                 self._planned[seq] = planned
                 self._lanes[got.lane].held[planned.key] = planned
                 self._busy[got.step.item] += 1
-            yield seq, planned.item, planned.tick
+            yield [(seq, planned.item, planned.tick)]
 
     def put_many(self, ready: Sequence[tuple[int, str, Path]]) -> None:
         self._arrive([(seq, value) for seq, _name, value in ready])
@@ -322,7 +324,7 @@ class NodePipeline(Pipeline):
     def _streams(self, cache: Cache) -> bool:
         return False
 
-    def _catalog(self, store: Store, cache: Cache) -> Iterator[tuple[int, Item, int]]:
+    def _catalog(self, store: Store, cache: Cache) -> Iterator[list[Planned]]:
         cfg = self.config
         self._future = None
         catalog, sizes, eligible, _ = self._fitting(store, cache)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ from .cache import Cache
 from .catalog import Catalog, Item, Names
 from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_capacity, small_capacity
 from .errors import ConfigError, EmptySourceError, OversizeError, UnknownItemError
-from .fetcher import Fetcher, backoff_delay
+from .fetcher import Fetcher, Planned, backoff_delay
 from .items import PathItem
 from .listing import StreamingListing
 from .plan import Cursor, Frontier, GrowingPlan, Plan, Step, default_rank_world
@@ -31,6 +32,10 @@ from .stores import Store, open_store
 __all__ = ["CachedItem", "Pipeline", "Stats"]
 
 log = logging.getLogger("cachepipe")
+
+PLAN_RUN = 64
+"""The most steps the producer is given at once (see :meth:`cachepipe.fetcher.Fetcher`): it
+starts those that need no wait in one round of each lock."""
 
 
 class CachedItem(PathItem):
@@ -262,7 +267,7 @@ class Pipeline:
             and not cache.has_leftovers()
         )
 
-    def _catalog(self, store: Store, cache: Cache) -> Iterator[tuple[int, Item, int]]:
+    def _catalog(self, store: Store, cache: Cache) -> Iterator[list[Planned]]:
         """List (or load the saved listing), recover the cache, build the plan; return the fetch order."""
         cfg = self.config
         self._future: PlanFuture | None = None
@@ -329,25 +334,37 @@ class Pipeline:
             raise OversizeError(item.name, item.size, cache.capacity, cache.capacity - cache.limit)
         return largest
 
-    def _steps(self, plan: Plan, cursor: Cursor, acked: set[tuple[int, str]]) -> Iterator[tuple[int, Item, int]]:
-        """The fetch order, run in the producer thread: each step gets the next sequence number.
+    def _steps(self, plan: Plan, cursor: Cursor, acked: set[tuple[int, str]]) -> Iterator[list[Planned]]:
+        """The fetch order, run in the producer thread, in runs of up to :data:`PLAN_RUN` steps
+        (issued in one round of the plan's lock): each step gets the next sequence number.
         Steps acknowledged before a restart are consumed at once, not fetched."""
         prepared = -1
-        for step in plan.steps(cursor):
-            if self._future is not None and step.epoch != prepared:
-                self._future.prepare(step.epoch)  # next-use lookups, computed outside the cache's lock
-                prepared = step.epoch
-            item = self._catalog_items[step.item if self._eligible is None else self._eligible[step.item]]
+        steps = plan.steps(cursor)
+        while True:
+            run = list(itertools.islice(steps, PLAN_RUN))
+            if not run:
+                return
+            epochs = {step.epoch for step in run} - {prepared}
+            if self._future is not None:
+                for epoch in sorted(epochs):
+                    self._future.prepare(epoch)  # next-use lookups, computed outside the cache's lock
+                    prepared = epoch
+            catalog, eligible = self._catalog_items, self._eligible
+            items = [catalog[step.item if eligible is None else eligible[step.item]] for step in run]
             with self._plan_lock:
-                seq = self._frontier.issue(step)
-                self._inflight[seq] = item
-            if (step.epoch, item.name) in acked:
-                self._broker.skip(seq)
-                self._consume([seq])
-                continue
-            yield seq, item, step.tick
+                seqs = [self._frontier.issue(step) for step in run]
+                self._inflight.update(zip(seqs, items, strict=True))
+            planned: list[Planned] = []
+            for seq, step, item in zip(seqs, run, items, strict=True):
+                if (step.epoch, item.name) in acked:
+                    self._broker.skip(seq)
+                    self._consume([seq])
+                else:
+                    planned.append((seq, item, step.tick))
+            if planned:
+                yield planned
 
-    def _stream(self, store: Store, cache: Cache) -> Iterator[tuple[int, Item, int]]:
+    def _stream(self, store: Store, cache: Cache) -> Iterator[list[Planned]]:
         """Start the streaming listing (see :mod:`cachepipe.listing`); return the fetch order.
 
         Waits for the first page: a listing error or an oversize item (``on_oversize="raise"``)
@@ -398,19 +415,21 @@ class Pipeline:
             )
         return self._stream_steps(listing)
 
-    def _stream_steps(self, listing: StreamingListing) -> Iterator[tuple[int, Item, int]]:
-        """The fetch order of a streaming listing, run in the producer thread."""
+    def _stream_steps(self, listing: StreamingListing) -> Iterator[list[Planned]]:
+        """The fetch order of a streaming listing, run in the producer thread: the items listed
+        and not yet planned, up to :data:`PLAN_RUN` at a time (issued in one round of the plan's
+        lock)."""
         index = 0
         while True:
-            item = listing.take()
-            if item is None:
+            items = listing.take_many(PLAN_RUN)
+            if not items:
                 break
-            step = Step(0, index, index)
-            index += 1
+            steps = [Step(0, index + i, index + i) for i in range(len(items))]
+            index += len(items)
             with self._plan_lock:
-                seq = self._frontier.issue(step)
-                self._inflight[seq] = item
-            yield seq, item, step.tick
+                seqs = [self._frontier.issue(step) for step in steps]
+                self._inflight.update(zip(seqs, items, strict=True))
+            yield [(seq, item, step.tick) for seq, item, step in zip(seqs, items, steps, strict=True)]
         if listing.stopped:
             return
         if index == 0:

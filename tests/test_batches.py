@@ -3,14 +3,20 @@ client's iterator sizes its batches (issue #19, item 4)."""
 
 from __future__ import annotations
 
+from typing import BinaryIO
+
+import fsspec
 import pytest
 from crashfs import CrashFs
 from waiting import wait_until
 
 from cachepipe import ItemFailedError, Pipeline, UnknownItemError
-from cachepipe.cache import STATE_DIR
+from cachepipe.cache import STATE_DIR, Cache
+from cachepipe.catalog import Catalog
 from cachepipe.client import ITER_MOST, iter_batch
 from cachepipe.node import NodePipeline
+from cachepipe.stores.base import ObjectInfo
+from cachepipe.stores.fsspec import FsspecStore
 
 
 def journal_lines(cache_dir) -> list[str]:
@@ -119,3 +125,85 @@ def test_iter_batch_covers_a_few_milliseconds_of_the_loop_body():  # Client.__it
     assert iter_batch(0.001, window=0.005) == 5
     assert iter_batch(0.004, window=0.005) == 1
     assert iter_batch(0.25) == 1  # a training step per item: one at a time, as before
+
+
+@pytest.fixture
+def files_cache(tmp_path):
+    """An open 1 MiB cache of single-file items, recovered empty, and ``item(name, size)``."""
+    cache = Cache(tmp_path / "c", 1 << 20)
+    cache.open()
+    try:
+        cache.recover(Catalog(mode="files"), resume=False)
+        yield cache, lambda name, size: Catalog.from_listing([ObjectInfo(name, size)], mode="files")[0]
+    finally:
+        cache.close()
+
+
+def test_the_planner_reserves_the_items_that_fit_now_in_one_round_and_stops_at_one_that_waits(files_cache):
+    cache, item = files_cache
+    a, b, c, d = (item(name, 300 * 1024) for name in "abcd")
+    assert cache.ledger.fits(4 * 300 * 1024 - 1) is False  # the state budget takes part of the MiB
+    assert cache.acquire_many([(a, 0), (b, 0), (c, 0), (d, 0)]) == 3  # d would wait for space
+    assert cache.ledger.reserved == 3 * 300 * 1024
+    assert cache.acquire_many([(d, 0)]) == 0  # still no room: acquire() waits for it, not this
+    cache.unreserve(300 * 1024, "a")
+    assert cache.acquire_many([(b, 0), (d, 0)]) == 0  # b is claimed (on its way): acquire() waits for its copy
+    assert cache.acquire_many([(d, 0), (a, 0)]) == 1  # room for one again, and a's claim is gone
+    assert cache.ledger.reserved == 3 * 300 * 1024
+
+
+def test_the_planner_leaves_an_item_recovered_or_shelved_to_acquire(files_cache):
+    cache, item = files_cache
+    a, b = item("a", 10), item("b", 10)
+    assert cache.acquire_many([(a, 0)]) == 1
+    staged = cache.stage(a)
+    staged.write_bytes(b"x" * 10)
+    path = cache.publish(staged, a)
+    cache.shelve("a")  # a lane moved away from it: on disk, for the step that reaches it again
+    assert cache.acquire_many([(b, 0)]) == 0  # a recovered copy may be in the way: acquire() decides
+    assert cache.acquire(a) == path  # handed over, not fetched again
+    assert cache.acquire_many([(b, 0)]) == 1
+    cache.close()
+    assert cache.acquire_many([(item("c", 10), 0)]) == 0
+
+
+class Faulty(FsspecStore):
+    """fsspec's memory store, where ``gone`` is missing when fetched (not transient) and ``flaky``
+    fails once with a cut connection (transient, retried)."""
+
+    def __init__(self, root: str, gone: str, flaky: str) -> None:
+        super().__init__(root)
+        self.gone, self.flaky, self.cut = gone, flaky, False
+
+    def get(self, key: str, out: BinaryIO, start: int, end: int) -> int:
+        if key.endswith(self.gone):
+            raise FileNotFoundError(key)
+        if key.endswith(self.flaky) and not self.cut:
+            self.cut = True
+            raise ConnectionResetError("cut (injected)")
+        return super().get(key, out, start, end)
+
+
+def test_runs_of_cheap_requests_lose_nothing_when_one_of_their_items_fails(tmp_path):
+    # A memory store's requests cost less than their work: the planner starts its items in runs
+    # and the download threads take their parts in runs. A failure inside a run is that item's.
+    root, fs = "memory://runs/data", fsspec.filesystem("memory")
+    for i in range(400):
+        fs.pipe_file(f"{root}/{i:05d}", bytes([i % 256]) * 10)
+    try:
+        store = Faulty(root, gone="00150", flaky="00151")
+        options = {"items": "files", "store": store, "on_error": "skip", "retry_backoff": 0.001, "auto_ack": False}
+        with Pipeline(root, tmp_path / "c", "64KiB", **options) as pipe:
+            names = []
+            while batch := pipe.get_many(64, timeout=30):
+                assert all(item.path.read_bytes() == bytes([int(item.name) % 256]) * 10 for item in batch)
+                names += [item.name for item in batch]
+                pipe.ack_many(batch)
+            stats = pipe.stats()
+        assert names == [f"{i:05d}" for i in range(400) if i != 150]  # in order, each once
+        assert (stats.items_failed, stats.items_skipped, stats.retries) == (1, 1, 1)
+        left = sorted(path.relative_to(tmp_path / "c").as_posix() for path in (tmp_path / "c").rglob("*"))
+        assert left == [STATE_DIR, f"{STATE_DIR}/journal", f"{STATE_DIR}/lock"]  # no staging or item left behind
+    finally:
+        fs.store.clear()
+        fs.pseudo_dirs[:] = [""]

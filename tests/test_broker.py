@@ -173,3 +173,16 @@ def test_stream_end_waits_for_expiring_leases_only():
         b.take(0)  # the stream has not ended: the lease may still expire and its item come back
     b.ack(lease.name, lease.id)
     assert b.take(0) is None
+
+
+def test_begin_many_gives_consecutive_turns_and_room_ahead_counts_them():
+    b = Broker()
+    assert b.room_ahead(5) == 5
+    assert b.begin_many(3) == 0  # turns 0, 1, 2
+    assert b.begin() == 3
+    assert b.room_ahead(5) == 1  # 4 fetching
+    b.put(0, "a", "A")
+    assert b.room_ahead(5) == 1  # ready and never handed out: still ahead
+    assert b.take(0).name == "a"
+    assert b.room_ahead(5) == 2
+    assert b.room_ahead(2) == -1  # over the limit already: none may begin (the producer waits instead)

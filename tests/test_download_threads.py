@@ -112,3 +112,14 @@ def test_an_item_whose_requests_turn_slow_gets_its_threads_back(tmp_path):
     finally:
         fsspec.filesystem("memory").store.clear()
         fsspec.filesystem("memory").pseudo_dirs[:] = [""]
+
+
+def test_small_items_whose_requests_turn_slow_are_fetched_over_every_thread_again(files, tmp_path):
+    # While requests cost nothing, a download thread takes parts of small items in runs; once
+    # they turn slow (20 ms), one part per thread again, over every thread the limit allows.
+    files(600)
+    store = TimedStore(delay=0.02, delay_after=300)
+    with Pipeline(ROOT, tmp_path / "cache", "64MiB", items="files", store=store, max_concurrency=32) as pipe:
+        names = [item.name for item in pipe]
+    assert names == [f"{i:05d}" for i in range(600)]
+    assert store.peak_delayed >= 24, store.peak_delayed  # in runs of 16, the 300 slow ones would be 19 requests at most

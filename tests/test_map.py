@@ -725,15 +725,15 @@ def test_a_download_side_error_is_raised_not_taken_for_the_end(tmp_path, monkeyp
     for n in range(4):
         (src / f"item{n}").mkdir(parents=True)
         (src / f"item{n}" / "f").write_bytes(b"x")
-    acquire, calls = Cache.acquire, []
+    acquire_many, calls = Cache.acquire_many, []
 
-    def acquire_or_fail(self, item, *args, **kwargs):
-        calls.append(item.name)
+    def acquire_first_then_fail(self, items):  # the planner's reservation of its runs: the first item, then an error
+        calls.append([item.name for item, _extra in items])
         if len(calls) == 2:
             raise RuntimeError("planning broke")
-        return acquire(self, item, *args, **kwargs)
+        return acquire_many(self, items[:1])
 
-    monkeypatch.setattr(Cache, "acquire", acquire_or_fail)
+    monkeypatch.setattr(Cache, "acquire_many", acquire_first_then_fail)
     with pytest.raises(RuntimeError, match="planning broke"):
         map_items(["true"], str(src), str(tmp_path / "dst"), cache_dir=tmp_path / "cache", capacity="1MiB")
 

@@ -18,7 +18,7 @@ from conftest import via
 from waiting import wait_until
 
 from cachepipe import ConfigError, EmptySourceError, OversizeError, Pipeline
-from cachepipe.listing import FIRST_PAGE_OBJECTS
+from cachepipe.listing import FIRST_PAGE_OBJECTS, StreamingListing
 from cachepipe.stores.base import ObjectInfo
 from cachepipe.stores.fsspec import FsspecStore
 
@@ -437,3 +437,23 @@ def test_a_run_stops_before_an_item_over_the_limit_its_name_would_leave(streamed
     assert cache.ledger.overhead == overhead + grow
     assert cache.note_listed(["n001", "n002"], [big, 1]) == [limit - 2 * grow, limit - 3 * grow]
     assert cache.ledger.overhead == overhead + 3 * grow
+
+
+def test_take_many_takes_what_is_queued_up_to_its_count_and_nothing_at_the_end():
+    listed = [ObjectInfo(f"k{i:03d}", 1) for i in range(5)]
+
+    class Listed:
+        url = "test://listed"
+
+        def list(self) -> Iterator[ObjectInfo]:
+            yield from listed
+
+    listing = StreamingListing(Listed(), "files", lambda run: [True] * len(run), lambda: None, 0, lambda _n: 0.0)
+    listing.start()
+    try:
+        wait_until(lambda: listing.done, what="the listing's end")
+        assert [item.name for item in listing.take_many(3)] == ["k000", "k001", "k002"]
+        assert [item.name for item in listing.take_many(3)] == ["k003", "k004"]  # what is left, no wait for more
+        assert listing.take_many(3) == []  # the end
+    finally:
+        listing.stop()

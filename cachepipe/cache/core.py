@@ -439,6 +439,24 @@ class Cache:
                 raise
         return self._acquire_retained(policy, item, tick, starving)
 
+    def acquire_many(self, items: Sequence[tuple[Item, int]]) -> int:
+        """:meth:`acquire` ``(item, extra)`` in order, for as many as need no wait, in one lock
+        round: each fits now, no copy of it is on disk or on its way, and no retention policy or
+        recovered item is involved. Returns how many were reserved and claimed (0: call
+        :meth:`acquire` for the next, which waits or decides)."""
+        if self._policy is not None:
+            return 0
+        ledger, claimed = self.ledger, self._claimed
+        with self._cond:
+            if self._closed or self._recovered:
+                return 0
+            for count, (item, extra) in enumerate(items):
+                if item.name in claimed or not ledger.fits(item.size + extra):
+                    return count
+                claimed.add(item.name)
+                ledger.reserve(item.size + extra)
+            return len(items)
+
     def _acquire_retained(self, policy: RetentionPolicy, item: Item, tick: int, starving: Callable[[], bool]) -> Path | bool:
         ledger = self.ledger
         idx = self._number(item.name)
