@@ -4,8 +4,8 @@ One planner thread walks the plan in order, given in runs of steps: it waits for
 and for space (both conditions signalled by consumers, never polled), stages the item and
 queues its bytes for a pool of ``max_concurrency`` download threads, of which
 :func:`download_threads` take parts (as many as keep one working while the others wait for
-their requests). The items of a run that need no wait are started together, one round of each
-lock for all of them (:meth:`Fetcher._start_without_waiting`). Each thread takes the next
+their requests). The items of a run that need no wait are started together, a round or two of
+each lock for all of them (:meth:`Fetcher._start_without_waiting`). Each thread takes the next
 part from the earliest started item with bytes not yet requested, and cuts it when it takes it:
 a ranged GET of :func:`item_part_size` for the items then ahead of that item (up to
 ``part_size``, :func:`auto_part_size`), so that the item the consumers wait for is fetched over
@@ -13,8 +13,9 @@ every thread.
 The requests of items with a file over :data:`HEAD_MIN_PART` (one cut into parts) are at most
 ``max_large_requests``; an item of smaller files only is short requests, each mostly round trip,
 so more of them (up to ``max_concurrency``) keep the link busy.
-While requests cost less than a part's own work (a memory or local source), a thread takes
-up to :data:`PART_RUN` parts of small items at once.
+While requests cost less than twice a part's own work (a memory or local source), a thread
+takes up to :data:`PART_RUN` parts of small items at once; one whose request must be retried
+hands the rest to another thread first.
 The thread that finishes an item's last part queues it to publish (or discards it and reports
 the failure); the first thread to queue one publishes every item queued meanwhile, a run at a
 time (one journal write, one hand-over to the broker), while the others go on downloading.
@@ -113,7 +114,7 @@ Planned = tuple[int, Item, int]
 
 PART_RUN = 16
 """The most parts of small items a download thread takes at once, while requests cost less than
-the work around them (a memory or local source: ``Fetcher._take_and_fetch``)."""
+twice the work around them (a memory or local source: ``Fetcher._take_and_fetch``)."""
 
 J = TypeVar("J")
 
@@ -248,7 +249,8 @@ class Fetcher:
         store: where the bytes come from.
         cache: where they go (space reservation, staging, publish).
         broker: who hands them out.
-        plan: ``(seq, item, tick)`` in the order to fetch (``tick`` orders the plan's steps).
+        plan: runs of :data:`Planned` steps ``(seq, item, tick)``, in the order to fetch (``tick``
+            orders the plan's steps).
         config: concurrency, part size, retries and prefetch settings.
     """
 
@@ -270,7 +272,7 @@ class Fetcher:
         self._large = 0  # requests in flight of items with a file over HEAD_MIN_PART
         self.threads = config.max_concurrency  # download threads wanted now (download_threads)
         self._paces: list[tuple[float, float]] = []  # (request wall s, thread CPU s) of parts since the last choice
-        self._cheap = False  # the last choice found requests shorter than the work around them
+        self._cheap = False  # the last choice found requests shorter than twice the work around them
         self._publish_lock = threading.Lock()  # _to_publish and _publishing
         self._to_publish: list[_Job] = []  # verified items waiting for the publishing thread
         self._publishing = False  # a download thread is publishing what is queued
@@ -304,23 +306,20 @@ class Fetcher:
         self._unbegun = 0  # the first planned step not yet handed to the broker (begun or reported)
         try:
             for run in self._plan:
-                if not run:
-                    continue
-                self._unbegun = run[0][0]
                 done = 0
                 while done < len(run):
                     if self._stop.is_set():
                         return
+                    self._unbegun = run[done][0]
                     started = self._start_without_waiting(run[done:])
                     if started is None:
                         return
                     done += started
                     if done < len(run):
+                        self._unbegun = run[done][0]  # the run's seqs may skip some (steps acked before a restart)
                         if not self._plan_one(*run[done]):
                             return
                         done += 1
-                    if done < len(run):
-                        self._unbegun = run[done][0]
         except BaseException as exc:  # noqa: BLE001 - planning failed: the consumer sees it in turn, never a hang
             log.error("planning stopped at step %d: %s", self._unbegun, exc)
             self._broker.fail(self._unbegun, "<listing>", exc, begun=False, kind="stream")
@@ -336,9 +335,9 @@ class Fetcher:
     def _start_without_waiting(self, run: Sequence[tuple[int, Item, int]]) -> int | None:
         """Start the first items of ``run`` that need no wait (room ahead of the consumers under
         ``prefetch``, space in the cache, no earlier copy on disk or on its way, nothing to
-        refuse; see :meth:`Cache.acquire_many`): one round of the broker's lock, of the cache's
-        and of the download queue's for all of them. Returns how many (0: the next one waits,
-        :meth:`_plan_one`); None if stopped."""
+        refuse; see :meth:`Cache.acquire_many`): two rounds of the broker's lock, one of the
+        cache's and one of the download queue's for all of them. Returns how many (0: the next
+        one waits, :meth:`_plan_one`; always 0 with ``min_free``); None if stopped."""
         if self._cfg.min_free is not None:
             return 0  # free space is polled per item (_wait_for_free_space)
         room = len(run) if self._cfg.prefetch is None else min(len(run), self._broker.room_ahead(self._cfg.prefetch))
@@ -459,13 +458,16 @@ class Fetcher:
             self._pool.submit(self._take_and_fetch)
 
     # ---- download threads ------------------------------------------------------------
-    def _take_and_fetch(self) -> None:
+    def _take_and_fetch(self, first: list[tuple[Started[_Job], FileEntry, Path, int, int]] | None = None) -> None:
         """A download thread's task: fetch parts, each cut when taken, until none is left, or
         until more threads take parts than :attr:`threads` wants. While requests cost less than
-        the work around them (:meth:`_note_pace`), a thread takes up to :data:`PART_RUN` parts
-        of small items at once: one round of the queue's lock for them."""
+        twice the work around them (:meth:`_note_pace`), a thread takes up to :data:`PART_RUN` parts
+        of small items at once: one round of the queue's lock for them. ``first``: parts of
+        small items taken already (the rest of another thread's run), fetched first."""
         large = False  # the parts just fetched were of an item with a file over HEAD_MIN_PART
         paces: list[tuple[float, float]] = []  # the parts just fetched: request wall s, this thread's CPU s
+        if first is not None:
+            paces = self._fetch_timed(first)
         while True:
             more = 0
             with self._parts_lock:  # a thread leaves only with the lock held, so no queued part is left untaken
@@ -490,15 +492,21 @@ class Fetcher:
                 self._large += large
             for _ in range(more):
                 self._pool.submit(self._take_and_fetch)
-            cpu = time.thread_time()
-            try:
-                paces = self._fetch_parts(parts)
-            except Exception:  # a defect, not an item's failure (those are reported): the thread stays
-                log.exception("a download thread's parts from %s on failed unexpectedly", parts[0][0].job.item.name)
-                paces = []
-            if paces:
-                work = (time.thread_time() - cpu) / len(paces)
-                paces = [(request_s, work) for request_s, _ in paces]
+            paces = self._fetch_timed(parts)
+
+    def _fetch_timed(self, parts: list[tuple[Started[_Job], FileEntry, Path, int, int]]) -> list[tuple[float, float]]:
+        """:meth:`_fetch_parts`, with this thread's CPU seconds per part requested: the paces
+        for :meth:`_note_pace`."""
+        cpu = time.thread_time()
+        try:
+            paces = self._fetch_parts(parts)
+        except Exception:  # a defect, not an item's failure (those are reported): the thread stays
+            log.exception("a download thread's parts from %s on failed unexpectedly", parts[0][0].job.item.name)
+            return []
+        if not paces:
+            return []
+        work = (time.thread_time() - cpu) / len(paces)
+        return [(request_s, work) for request_s, _ in paces]
 
     def _note_pace(self, pace: tuple[float, float]) -> int:
         """Count a part's request time and work (under the parts lock); every
@@ -516,7 +524,9 @@ class Fetcher:
         work_s = sum(w for _, w in paces) / len(paces)
         paces.clear()
         self.threads = download_threads(request_s, work_s, self._cfg.max_concurrency)
-        self._cheap = request_s < work_s
+        # a request's wall time counts its waits for the interpreter's lock too: one that costs
+        # about nothing (a memory or local source) measures near a part's work, on either side
+        self._cheap = request_s < 2 * work_s
         head = self._parts.head()
         more = 0 if head is None else self._room_for_takers(head)
         self._takers += more
@@ -530,42 +540,72 @@ class Fetcher:
         return max(0, min(limit, self.threads) - self._takers)
 
     def _fetch_parts(self, parts: list[tuple[Started[_Job], FileEntry, Path, int, int]]) -> list[tuple[float, float]]:
-        """Fetch parts (each with retries), then count them done in one round of the queue's
-        lock, and finish the items whose last part they were: those to publish as they are by
-        one run (:meth:`_publish_in_turn`). Returns ``(request seconds, 0.0)`` for each part
-        requested (not one of an item that had failed)."""
-        paces = []
-        for started, f, local, start, end in parts:
+        """Fetch parts (each with retries), then count them done (:meth:`_parts_done`). Returns
+        ``(request seconds, 0.0)`` for each part requested (not one of an item that had failed).
+
+        A part whose request must be retried does not hold the rest of a run: before its first
+        backoff, the parts fetched so far are counted done (their items published) and the parts
+        after it go to another download thread."""
+        paces: list[tuple[float, float]] = []
+        for index, (started, f, local, start, end) in enumerate(parts):
             job = started.job
             if job.error is not None or job.disk_error is not None or self._stop.is_set():
                 continue
+            handed: list[bool] = []  # the rest of the run handed to another thread (before a backoff)
+
+            def hand_off(index: int = index, handed: list[bool] = handed) -> None:
+                handed.append(True)
+                self._parts_done(parts[:index])
+                rest = parts[index + 1 :]
+                if rest:
+                    with self._parts_lock:
+                        self._takers += 1
+                    self._pool.submit(self._take_and_fetch, rest)
+
             began = time.perf_counter()
             try:
-                self._get_with_retries(job, f, local, start, end)
+                self._get_with_retries(job, f, local, start, end, hand_off if len(parts) > 1 else None)
             except Exception as exc:  # a defect, not the store's error: the item fails (reported), never half-published
                 log.exception("a download thread's part of %s failed unexpectedly", job.item.name)
                 with job.lock:
                     if job.error is None:
                         job.error, job.error_key = exc, f.key
-                continue
-            paces.append((time.perf_counter() - began, 0.0))
+            else:
+                paces.append((time.perf_counter() - began, 0.0))
+            if handed:
+                self._parts_done([parts[index]])
+                return paces
+        self._parts_done(parts)
+        return paces
+
+    def _parts_done(self, parts: list[tuple[Started[_Job], FileEntry, Path, int, int]]) -> None:
+        """Count fetched (or skipped) parts done, in one round of the queue's lock, and finish
+        the items whose last part they were: first those to publish as they are, by one run
+        (:meth:`_publish_in_turn`), then the others (a failure to report, a retry's backoff, a
+        check or a prepare hook; :meth:`_finish_or_report`)."""
+        if not parts:
+            return
         with self._parts_lock:  # after an error nothing more is requested: the item fails or restarts
             last = [
                 started.job
                 for started, *_ in parts
                 if self._parts.done(started, give_up=started.job.error is not None or started.job.disk_error is not None)
             ]
-        publish = []
+        publish: list[_Job] = []
+        others: list[_Job] = []
         for job in last:
-            if self._publishable(job):
-                publish.append(job)
-            else:
-                self._finish_or_report(job)
+            (publish if self._publishable(job) else others).append(job)
         if publish:
             self._publish_in_turn(publish)
-        return paces
+        for job in others:
+            self._finish_or_report(job)
 
-    def _get_with_retries(self, job: _Job, f: FileEntry, local: Path, start: int, end: int) -> None:
+    def _get_with_retries(
+        self, job: _Job, f: FileEntry, local: Path, start: int, end: int, before_backoff: Callable[[], None] | None = None
+    ) -> None:
+        """Request one part, retrying transient errors with backoff (``before_backoff`` is called
+        once, before the first); an error is recorded on the job (``error``, or ``disk_error``
+        for the local disk), not raised."""
         cfg = self._cfg
         for attempt in range(cfg.retries + 1):
             if attempt and (job.error is not None or job.disk_error is not None):
@@ -596,6 +636,9 @@ class Fetcher:
                 delay = backoff_delay(attempt, cfg.retry_backoff, cfg.retry_backoff_max)
                 log.warning("retry %d/%d of %s in %.2fs: %s", attempt + 1, cfg.retries, f.key, delay, exc)
                 self.counters.add(retries=1)
+                if before_backoff is not None:
+                    before_backoff()
+                    before_backoff = None
                 if self._stop.wait(delay):
                     return
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import itertools
 import json
 import logging
 import os
@@ -34,8 +33,8 @@ __all__ = ["CachedItem", "Pipeline", "Stats"]
 log = logging.getLogger("cachepipe")
 
 PLAN_RUN = 64
-"""The most steps the producer is given at once (see :meth:`cachepipe.fetcher.Fetcher`): it
-starts those that need no wait in one round of each lock."""
+"""The most steps the producer is given at once (see :class:`cachepipe.fetcher.Fetcher`): it
+starts those that need no wait together, one round of each lock for them."""
 
 
 class CachedItem(PathItem):
@@ -339,11 +338,7 @@ class Pipeline:
         (issued in one round of the plan's lock): each step gets the next sequence number.
         Steps acknowledged before a restart are consumed at once, not fetched."""
         prepared = -1
-        steps = plan.steps(cursor)
-        while True:
-            run = list(itertools.islice(steps, PLAN_RUN))
-            if not run:
-                return
+        for run in _in_runs(plan.steps(cursor), PLAN_RUN):
             epochs = {step.epoch for step in run} - {prepared}
             if self._future is not None:
                 for epoch in sorted(epochs):
@@ -811,6 +806,24 @@ class Pipeline:
             f"{self!r} is {self._state}: "
             + ("use it inside 'with' or call open()" if self._state == _UNOPENED else "create a new Pipeline")
         )
+
+
+def _in_runs(steps: Iterator[Step], size: int) -> Iterator[list[Step]]:
+    """``steps`` in lists of up to ``size``; if ``steps`` raises, the steps it gave before the
+    error first (their items are delivered before it), then the error."""
+    run: list[Step] = []
+    try:
+        for step in steps:
+            run.append(step)
+            if len(run) == size:
+                yield run
+                run = []
+    except Exception:
+        if run:
+            yield run
+        raise
+    if run:
+        yield run
 
 
 def _plan_key(plan: Plan, catalog_digest: str | None = None) -> str:

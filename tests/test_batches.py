@@ -3,6 +3,8 @@ client's iterator sizes its batches (issue #19, item 4)."""
 
 from __future__ import annotations
 
+import errno
+import time
 from typing import BinaryIO
 
 import fsspec
@@ -204,6 +206,88 @@ def test_runs_of_cheap_requests_lose_nothing_when_one_of_their_items_fails(tmp_p
         assert (stats.items_failed, stats.items_skipped, stats.retries) == (1, 1, 1)
         left = sorted(path.relative_to(tmp_path / "c").as_posix() for path in (tmp_path / "c").rglob("*"))
         assert left == [STATE_DIR, f"{STATE_DIR}/journal", f"{STATE_DIR}/lock"]  # no staging or item left behind
+    finally:
+        fs.store.clear()
+        fs.pseudo_dirs[:] = [""]
+
+
+def test_a_planning_error_after_part_of_a_run_started_comes_after_those_items(tmp_path, monkeypatch):
+    # A resumed pass leaves out of its runs the steps acknowledged before the restart, so a run's
+    # seqs can skip one (2 here). Planning breaks at c, after a and b started together: the
+    # error is handed out in c's turn (3), after a and b, not in the skipped step's.
+    from cachepipe.broker import Broker, Failed
+    from cachepipe.config import PipelineConfig
+    from cachepipe.fetcher import Fetcher
+
+    root, fs = "memory://gap/data", fsspec.filesystem("memory")
+    for name in "abc":
+        fs.pipe_file(f"{root}/{name}", b"x" * 10)
+    catalog = Catalog.from_listing([ObjectInfo(name, 10) for name in "abc"], mode="files")
+    acquire, acquire_many = Cache.acquire, Cache.acquire_many
+
+    def acquire_or_fail(self, item, *args, **kwargs):
+        if item.name == "c":
+            raise RuntimeError("planning broke at c (injected)")
+        return acquire(self, item, *args, **kwargs)
+
+    monkeypatch.setattr(Cache, "acquire", acquire_or_fail)
+    monkeypatch.setattr(Cache, "acquire_many", lambda self, items: acquire_many(self, items[:2]))  # c waits
+    cache = Cache(tmp_path / "c", 1 << 20)
+    cache.open()
+    broker: Broker = Broker(ordered=True)
+    cfg = PipelineConfig(source=root, cache_dir=tmp_path / "c", capacity="1MiB", items="files")
+    fetcher = Fetcher(FsspecStore(root), cache, broker, [[(0, catalog[0], 0), (1, catalog[1], 1), (3, catalog[2], 3)]], cfg)
+    try:
+        cache.recover(catalog, resume=False)
+        broker.skip(2)
+        fetcher.start()
+        got = [broker.take(timeout=30) for _ in range(3)]
+        assert [lease.name for lease in got[:2]] == ["a", "b"]
+        assert isinstance(got[2], Failed) and got[2].seq == 3 and got[2].kind == "stream"
+    finally:
+        broker.close()
+        cache.interrupt()
+        fetcher.stop()
+        cache.close()
+        fs.store.clear()
+        fs.pseudo_dirs[:] = [""]
+
+
+class FailsOnce(FsspecStore):
+    """fsspec's memory store; the first get of ``key`` fails with ``error``."""
+
+    def __init__(self, root: str, key: str, error: OSError) -> None:
+        super().__init__(root)
+        self.key, self.error, self.failed = key, error, False
+
+    def get(self, key: str, out: BinaryIO, start: int, end: int) -> int:
+        if key.endswith(self.key) and not self.failed:
+            self.failed = True
+            raise self.error
+        return super().get(key, out, start, end)
+
+
+@pytest.mark.parametrize(
+    "error", [ConnectionResetError("cut (injected)"), OSError(errno.ENOSPC, "No space left on device (injected)")], ids=str
+)
+def test_an_item_retried_in_a_run_does_not_hold_the_items_before_it(tmp_path, error):
+    # Requests of a memory store cost less than their work: once the first parts show it, the
+    # download threads take runs of up to 16 parts. Item 01000 fails once and waits its backoff
+    # (at least 2.5 s) before it is fetched again: the items before it, in its run too, are
+    # published meanwhile and handed out at once.
+    root, fs = "memory://held/data", fsspec.filesystem("memory")
+    for i in range(1200):
+        fs.pipe_file(f"{root}/{i:05d}", b"x" * 10)
+    try:
+        store = FailsOnce(root, "01000", error)
+        options = {"items": "files", "store": store, "retry_backoff": 5.0, "retry_backoff_max": 5.0}
+        with Pipeline(root, tmp_path / "c", "64MiB", **options) as pipe:
+            started = time.monotonic()
+            names = [pipe.get(timeout=30).name for _ in range(1000)]  # up to 00999 (leased, not acked: room enough)
+            before = time.monotonic() - started
+            rest = [item.name for item in pipe]
+        assert names + rest == [f"{i:05d}" for i in range(1200)]
+        assert store.failed and before < 2.0, before
     finally:
         fs.store.clear()
         fs.pseudo_dirs[:] = [""]
