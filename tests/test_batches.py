@@ -291,3 +291,17 @@ def test_an_item_retried_in_a_run_does_not_hold_the_items_before_it(tmp_path, er
     finally:
         fs.store.clear()
         fs.pseudo_dirs[:] = [""]
+
+
+def test_a_plan_given_in_runs_gives_the_steps_before_an_error_then_the_error():
+    from cachepipe.pipeline import _in_runs
+
+    def steps():
+        yield from range(5)
+        raise RuntimeError("no items for this share (injected)")
+
+    runs = _in_runs(steps(), 2)
+    assert [next(runs), next(runs), next(runs)] == [[0, 1], [2, 3], [4]]  # the last one short, before the error
+    with pytest.raises(RuntimeError, match="injected"):
+        next(runs)
+    assert list(_in_runs(iter(range(4)), 2)) == [[0, 1], [2, 3]]
