@@ -222,7 +222,7 @@ def test_the_marker_watch_is_the_cache_directory_and_the_items_handed_out(s3_sou
         wait_until(lambda: stats(client)["items_ready"] == 6, what="every item to be downloaded")
         assert inotify_watches(daemon.pid) == 1  # the cache directory
         first, second = client.get_many(2, timeout=30)
-        assert inotify_watches(daemon.pid) == 3
+        wait_until(lambda: inotify_watches(daemon.pid) == 3, what="the items' own watches (LOOK_AFTER on)")
         client.ack(first)
         assert inotify_watches(daemon.pid) == 2
         (second / ".done").touch()
@@ -248,7 +248,7 @@ def test_a_client_that_acks_over_the_api_has_its_items_not_watched_for_markers(s
         assert inotify_watches(daemon.pid) == 2  # the cache directories' alone
         (first / ".done").touch()
         third = watched.get(timeout=30)
-        assert inotify_watches(daemon.pid) == 3
+        wait_until(lambda: inotify_watches(daemon.pid) == 3, what="the watched item's own watch (LOOK_AFTER on)")
         (third / ".done").touch()  # had first been watched, its event would have come first
         wait_until(lambda: not third.path.exists(), what="the watched item's marker to ack")
         assert first.path.exists() and stats(unwatched)["items_acked"] == 1  # first's .done was not seen
@@ -257,7 +257,8 @@ def test_a_client_that_acks_over_the_api_has_its_items_not_watched_for_markers(s
         unwatched.ack(first)
         assert stats(unwatched)["items_acked"] == 3
         shard = shards.get(timeout=30)  # a single-file item in a subfolder: that folder is watched as ever
-        assert shard.name == "item000/a.bin" and inotify_watches(daemon.pid) == 3
+        assert shard.name == "item000/a.bin"
+        wait_until(lambda: inotify_watches(daemon.pid) == 3, what="the shard's subfolder watch")
         shard.path.unlink()
         wait_until(lambda: stats(shards, "shards")["items_acked"] == 1, what="the file deletion to ack")
     with pytest.raises(TypeError, match=r"markers 'no': expected True \(a \.done acknowledges an item\) or False"):
@@ -281,13 +282,13 @@ def test_an_item_handed_out_again_after_its_lease_expired_is_watched_as_its_new_
         assert inotify_watches(daemon.pid) == 1
         again = watched.get(timeout=30)  # the same item, once the first lease expired
         assert again.name == first.name and again.lease != first.lease
-        assert inotify_watches(daemon.pid) == 2
+        wait_until(lambda: inotify_watches(daemon.pid) == 2, what="its own watch (LOOK_AFTER on)")
         third = unwatched.get(timeout=30)  # and back
         assert third.name == first.name and third.lease != again.lease
         assert inotify_watches(daemon.pid) == 1
         fourth = watched.get(timeout=30)  # and watched again
         assert fourth.name == first.name and fourth.lease != third.lease
-        assert inotify_watches(daemon.pid) == 2
+        wait_until(lambda: inotify_watches(daemon.pid) == 2, what="its own watch again")
         # The watch works: a .done made in it acknowledges the item. Its 1 s lease can run out
         # (a stall of the machine) before the daemon judges the marker, which is then refused
         # ("ignored" in the log, by the pipeline, as any ack of an expired lease): take the item
@@ -712,6 +713,53 @@ def test_marker_watcher_sees_what_acknowledges_a_handed_out_item_and_nothing_els
         watcher.stop()
 
 
+def test_an_item_gets_its_own_watch_only_once_held_for_look_after_and_a_marker_made_before_counts(tmp_path, monkeypatch):
+    # An item acknowledged soon after its hand-out (a batch acked over the API with the next)
+    # costs no watch; one still held LOOK_AFTER seconds on gets it, and whatever acknowledged it
+    # in between (a .done made, a single file deleted) is found by a look when it is added.
+    from cachepipe.service import markers
+
+    monkeypatch.setattr(markers, "LOOK_AFTER", 0.5)
+    got: list[tuple[str, str, str]] = []
+    seen = threading.Condition()
+
+    def on_ack(name: str, item: str, how: str) -> None:
+        watcher.unfollow(item)
+        with seen:
+            got.append((name, item, how))
+            seen.notify_all()
+
+    folders, files = tmp_path / "folders", tmp_path / "files"
+    for name in ("quick", "held", "early"):
+        (folders / name).mkdir(parents=True)
+    (files / "sub").mkdir(parents=True)
+    (files / "sub" / "x.tar").write_bytes(b"x")
+    watcher = markers.MarkerWatcher(on_ack)
+    watcher.start()
+    try:
+        watcher.watch("f", folders, "folders")
+        watcher.watch("s", files, "files")
+        assert inotify_watches(os.getpid()) == 2  # the cache directories
+        for name in ("quick", "held", "early"):
+            watcher.follow("f", str(folders / name))
+        watcher.follow("s", str(files / "sub" / "x.tar"))
+        watcher.unfollow(str(folders / "quick"))  # acknowledged over the API at once
+        (folders / "early" / ".done").write_bytes(b"")  # before any watch of its own
+        (files / "sub" / "x.tar").unlink()  # likewise: its subfolder is not watched yet
+        assert inotify_watches(os.getpid()) == 2  # no item's own watch yet
+        with seen:
+            assert seen.wait_for(lambda: len(got) == 2, timeout=10), got
+            assert sorted(got) == [("f", str(folders / "early"), "marker"), ("s", str(files / "sub" / "x.tar"), "deleted")]
+        wait_until(lambda: inotify_watches(os.getpid()) == 3, what="the held item's own watch")  # "held" only
+        (folders / "held" / ".done").write_bytes(b"")  # seen by its watch now
+        with seen:
+            assert seen.wait_for(lambda: len(got) == 3, timeout=10), got
+            assert got[2] == ("f", str(folders / "held"), "marker")
+        wait_until(lambda: inotify_watches(os.getpid()) == 2, what="the acknowledged item's watch to end")
+    finally:
+        watcher.stop()
+
+
 @pytest.mark.parametrize("fstype", ["ext4", "nfs4"])
 def test_the_marker_watch_adds_and_removes_watches_keeping_the_interpreters_lock(tmp_path, monkeypatch, caplog, fstype):
     """watchdog's watches go through the C functions bound by ``ctypes.PyDLL`` (measured in
@@ -736,18 +784,21 @@ def test_the_marker_watch_adds_and_removes_watches_keeping_the_interpreters_lock
 
     monkeypatch.setattr(markers, "_watch_calls", lambda: (counted("held add", held_add), counted("held remove", held_remove)))
     monkeypatch.setattr(markers, "filesystem_at", lambda _path: fstype)  # as /proc/self/mountinfo would say
+    monkeypatch.setattr(markers, "LOOK_AFTER", 0.01)  # an item's own watch is added 10 ms after its hand-out
     watcher = markers.MarkerWatcher(lambda *_: None)
     watcher.start()
     try:
         (tmp_path / "c" / "item").mkdir(parents=True)
         watcher.watch("p", tmp_path / "c", "folders")
         watcher.follow("p", str(tmp_path / "c" / "item"))
+        wait_until(lambda: inotify_watches(os.getpid()) == 2, what="the item's own watch")
         watcher.unfollow(str(tmp_path / "c" / "item"))
         local = fstype == "ext4"
         assert counts == Counter({"held add": 2 if local else 0, "held remove": 1})  # the root's watch, the item's
         with caplog.at_level("WARNING", logger="cachepipe.service.markers"):
             watcher.follow("p", str(tmp_path / "c" / "gone"))
-        assert "cannot watch" in caplog.text and "No such file or directory" in caplog.text
+            wait_until(lambda: "cannot watch" in caplog.text, what="the failed watch's warning")
+        assert "No such file or directory" in caplog.text
         watcher.unwatch("p")
         assert str(tmp_path / "c") not in markers._held_under
     finally:
@@ -953,11 +1004,11 @@ def test_the_items_of_a_client_loop_that_acks_them_are_not_watched_for_markers(s
         assert stats(probe)["items_acked"] == 5 and "cachepipe_marker_acks_total{" not in probe.metrics()
         with Client("train", sock, timeout=60, auto_ack=False) as by_hand:
             for item in by_hand:
-                assert inotify_watches(pid) == 2  # this item's watch: a .done would acknowledge it
+                wait_until(lambda: inotify_watches(pid) == 2, what="this item's watch: a .done would acknowledge it")
                 by_hand.ack(item)
                 break
             batch = by_hand.get_many(3, timeout=60)
-            assert inotify_watches(pid) == 4
+            wait_until(lambda: inotify_watches(pid) == 4, what="the batch's watches")
             by_hand.ack_many(batch)
         assert stats(probe)["items_acked"] == 9
 

@@ -36,6 +36,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
@@ -78,6 +79,12 @@ READ_EVERY = 0.05
 """Seconds the marker watcher lets events gather between two reads (so the latency it adds to a
 marker's acknowledgement), unless a read returned at least ``_LONG_READ`` events."""
 _LONG_READ = 256
+
+LOOK_AFTER = 0.25
+"""Seconds after its hand-out that an item's own watch is added (:meth:`MarkerWatcher.follow`),
+if it is still handed out then. A consumer that acknowledges over the API soon after taking its
+items (a batch acked with the next) costs no watch; a marker made (or an item deleted) before
+the watch is added is found by a look right after adding it."""
 
 
 def acked_by(root: str, path: str, kind: Kind, is_directory: bool, items: str) -> tuple[str, str] | None:
@@ -339,11 +346,12 @@ class MarkerWatcher:
     """Watches what can acknowledge an item, through one inotify instance (watchdog's
     :class:`~watchdog.observers.inotify_c.InotifyFD`) read by one thread in batches
     (:data:`READ_EVERY`): each cache directory (an item folder, or a top-level file item,
-    deleted or moved away) and, from its hand-out (:meth:`follow`) to its end
-    (:meth:`unfollow`), each handed-out item: its folder (a ``.done`` made in it) or, for a
-    single-file item in a subfolder, that subfolder (the file deleted or moved away). Nothing
-    else is watched: downloads into staging, publishes and the evictions of items not handed
-    out cost the daemon no event.
+    deleted or moved away) and, from :data:`LOOK_AFTER` after its hand-out (:meth:`follow`;
+    added by a second thread, with a look for what came before) to its end (:meth:`unfollow`),
+    each handed-out item: its folder (a ``.done`` made in it) or, for a single-file item in a
+    subfolder, that subfolder (the file deleted or moved away). Nothing else is watched:
+    downloads into staging, publishes, the evictions of items not handed out and the items
+    acknowledged sooner cost the daemon no event.
 
     Args:
         on_ack: called from the watcher's thread as ``on_ack(name, item_path, how)`` for every
@@ -361,6 +369,10 @@ class MarkerWatcher:
         # item path (a string, as every path here: making and hashing a Path for each follow,
         # unfollow and event was a quarter of the daemon's CPU per item) -> pipeline, its watch
         self._followed: dict[str, tuple[str, WatchDescriptor | None, CallbackId]] = {}
+        self._due: dict[str, float] = {}  # followed items whose own watch is not added yet -> when it is due (in that order)
+        self._due_added = threading.Condition(self._lock)  # _due gained an item while the due thread sleeps
+        self._sleeping = False  # the due thread waits with no timeout: a follow must wake it
+        self._due_thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Start the watcher's thread.
@@ -381,6 +393,8 @@ class MarkerWatcher:
         self._stopping.clear()
         self._thread = threading.Thread(target=self._read, args=(inotify,), name="cachepipe-markers", daemon=True)
         self._thread.start()
+        self._due_thread = threading.Thread(target=self._add_when_due, name="cachepipe-markers-due", daemon=True)
+        self._due_thread.start()
 
     def _read(self, inotify: InotifyFD) -> None:
         """The watcher's thread: read the events queued, dispatch them, then let the next ones
@@ -401,6 +415,46 @@ class MarkerWatcher:
                     log.exception("handling the marker event %r failed", event)
             if len(events) < _LONG_READ:
                 self._stopping.wait(READ_EVERY)
+
+    def _add_when_due(self) -> None:
+        """The thread that adds items' own watches when they are due (:meth:`_add_due`): it
+        waits on :attr:`_due_added` until the next is due, or without a timeout while none is
+        (:meth:`follow` wakes it)."""
+        while not self._stopping.is_set():
+            wait = self._add_due()
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                if wait is None and not self._due:
+                    self._sleeping = True
+                    self._due_added.wait()
+                elif wait is not None:
+                    self._due_added.wait(wait)
+
+    def _add_due(self) -> float | None:
+        """Add the own watch of each followed item whose time has come (:data:`LOOK_AFTER`
+        after its hand-out), then look for what may have acknowledged it before: a ``.done`` in
+        a folder item, a single-file item deleted (judged as the event would be). Returns the
+        seconds until the next is due; None if none is."""
+        now = time.monotonic()
+        added: list[tuple[_Watched, str]] = []
+        wait = None
+        with self._lock:
+            while self._due:
+                item, due = next(iter(self._due.items()))  # the earliest: they are due in the order followed
+                if due > now:
+                    wait = due - now
+                    break
+                del self._due[item]
+                served = self._served.get(self._followed[item][0])
+                if served is not None and self._inotify is not None and self._add_watch(self._inotify, served, item):
+                    added.append((served, item))
+        for served, item in added:  # a marker made, or an item deleted, before its watch was added
+            if served.items == "folders":
+                self.judge(served, f"{item}/{MARKER}", "created", False)
+            else:
+                self.judge(served, item, "deleted", False)
+        return wait
 
     def _require(self) -> InotifyFD:
         if self._inotify is None:
@@ -433,12 +487,15 @@ class MarkerWatcher:
                 hold_under(served.root, None)
             ended = [(wd, id_) for path, (owner, wd, id_) in self._followed.items() if owner == name and wd is not None]
             self._followed = {path: got for path, got in self._followed.items() if got[0] != name}
+            self._due = {path: due for path, due in self._due.items() if path in self._followed}
             self._inotify.remove_callbacks([(served.wd, served.id), *ended])
 
     def follow(self, name: str, item: str, markers: bool = True) -> None:
-        """Item ``item`` (its absolute, normal path) of pipeline ``name`` was just handed out: watch what can
-        acknowledge it, before the consumer learns its path. A watch that cannot be added (the
-        watch limit) is logged: the item is then acknowledged over the API or by its lease.
+        """Item ``item`` (its absolute, normal path) of pipeline ``name`` was just handed out:
+        watch what can acknowledge it, from :data:`LOOK_AFTER` seconds on if it is still handed
+        out then (:meth:`_add_due`; what acknowledged it before is found by a look), so that an
+        item acknowledged over the API soon after costs no watch. A watch that cannot be added
+        (the watch limit) is logged: the item is then acknowledged over the API or by its lease.
         ``markers=False`` (its consumer acknowledges over the API): a folder item gets no watch of
         its own, only the cache directory's, which sees it deleted; a single-file item's
         subfolder is watched as ever (its watch sees nothing but deletions)."""
@@ -446,23 +503,36 @@ class MarkerWatcher:
             served = self._served.get(name)
             if served is None or item in self._followed or self._inotify is None:
                 return
+            self._followed[item] = (name, None, cast("CallbackId", 0))
             folder = item if served.items == "folders" else os.path.dirname(item)
             if folder == served.root or (not markers and served.items == "folders"):  # the root's watch sees it go
-                self._followed[item] = (name, None, cast("CallbackId", 0))
                 return
-            id_ = cast("CallbackId", next(self._ids))
-            mask = cast("Mask", _MARKER if served.items == "folders" else _GONE)
-            try:
-                wd = self._inotify.add_callback(os.fsencode(folder), mask, _Events(self, served, folder), id_)
-            except OSError as exc:
-                log.warning("%s: %s can be acknowledged only over the API: cannot watch %s: %s", name, item, folder, exc)
-                return
-            self._followed[item] = (name, wd, id_)
+            self._due[item] = time.monotonic() + LOOK_AFTER
+            if self._sleeping:
+                self._sleeping = False
+                self._due_added.notify()
+
+    def _add_watch(self, inotify: InotifyFD, served: _Watched, item: str) -> bool:
+        """Add the own watch of followed item ``item`` of ``served`` (under :attr:`_lock`): its
+        folder for a folder item (a ``.done`` made), else the subfolder it is in (it deleted).
+        False if it cannot be added (logged; the item is followed no more)."""
+        folder = item if served.items == "folders" else os.path.dirname(item)
+        id_ = cast("CallbackId", next(self._ids))
+        mask = cast("Mask", _MARKER if served.items == "folders" else _GONE)
+        try:
+            wd = inotify.add_callback(os.fsencode(folder), mask, _Events(self, served, folder), id_)
+        except OSError as exc:
+            log.warning("%s: %s can be acknowledged only over the API: cannot watch %s: %s", served.name, item, folder, exc)
+            del self._followed[item]
+            return False
+        self._followed[item] = (served.name, wd, id_)
+        return True
 
     def unfollow(self, item: str) -> None:
         """The hand-out of ``item`` ended (acknowledged or released): stop watching it."""
         with self._lock:
             got = self._followed.pop(item, None)
+            self._due.pop(item, None)
             if got is not None and got[1] is not None and self._inotify is not None:
                 self._inotify.remove_callbacks([(got[1], got[2])])
 
@@ -491,14 +561,17 @@ class MarkerWatcher:
         )
 
     def stop(self) -> None:
-        """Stop watching; joins the watcher's thread (its inotify instance is closed)."""
-        inotify, self._inotify = self._inotify, None
+        """Stop watching; joins the watcher's threads (its inotify instance is closed)."""
         with self._lock:
+            inotify, self._inotify = self._inotify, None
             self._served.clear()
             self._followed.clear()
-        if inotify is not None:
+            self._due.clear()
             self._stopping.set()
-            inotify.close()  # wakes our thread if it waits for events; else it sees _stopping
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+            self._due_added.notify_all()  # wakes the due thread
+        if inotify is not None:
+            inotify.close()  # wakes the watcher's thread if it waits for events; else it sees _stopping
+        for thread in (self._thread, self._due_thread):
+            if thread is not None:
+                thread.join()
+        self._thread = self._due_thread = None
