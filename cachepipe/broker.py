@@ -120,11 +120,16 @@ class Broker(Generic[T]):
             self._cond.notify_all()
 
     def fail(self, seq: int, name: str, error: BaseException, begun: bool = True, kind: FailureKind = "item") -> None:
-        """An item failed (or, ``kind="stream"``, the planning of every step from ``seq`` on);
-        consumers see a :class:`Failed` in its turn."""
+        """An item failed (or, ``kind="stream"``, the planning of every step from ``seq`` on, or
+        from the first after it not yet resolved: a skipped step is done); consumers see a
+        :class:`Failed` in its turn."""
         with self._cond:
             if begun:
                 self._pending -= 1
+            if kind == "stream":  # in the turn of the first step not resolved: one skipped is done already
+                seq = max(seq, self._frontier)
+                while seq in self._resolved:
+                    seq += 1
             self._fresh += 1
             heapq.heappush(self._ready, (seq, name, Failed(seq, name, error, kind)))
             self._cond.notify_all()

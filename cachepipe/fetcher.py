@@ -554,13 +554,20 @@ class Fetcher:
             handed: list[bool] = []  # the rest of the run handed to another thread (before a backoff)
 
             def hand_off(index: int = index, handed: list[bool] = handed) -> None:
-                handed.append(True)
-                self._parts_done(parts[:index])
                 rest = parts[index + 1 :]
-                if rest:
+                if rest and not self._stop.is_set():
                     with self._parts_lock:
                         self._takers += 1
-                    self._pool.submit(self._take_and_fetch, rest)
+                    try:
+                        self._pool.submit(self._take_and_fetch, rest)
+                    except RuntimeError:  # the pool shut down meanwhile (closing): this thread keeps them
+                        with self._parts_lock:
+                            self._takers -= 1
+                        return
+                    handed.append(True)
+                self._parts_done(parts[:index])  # after the hand-over: finishing them may wait a disk error's backoff
+                if not rest:
+                    handed.append(True)
 
             began = time.perf_counter()
             try:

@@ -186,3 +186,19 @@ def test_begin_many_gives_consecutive_turns_and_room_ahead_counts_them():
     assert b.take(0).name == "a"
     assert b.room_ahead(5) == 2
     assert b.room_ahead(2) == -1  # over the limit already: none may begin (the producer waits instead)
+
+
+def test_a_planning_failure_at_a_skipped_step_comes_in_the_turn_of_the_next_step():
+    # Steps acknowledged before a restart are skipped: one is done already. Planning that stops
+    # there is failed in the turn of the first step not done, after the items before it.
+    b = Broker(ordered=True)
+    b.begin_many(2)
+    b.skip(2)
+    b.fail(2, "<listing>", RuntimeError("planning broke"), begun=False, kind="stream")
+    with pytest.raises(TimeoutError):
+        b.take(timeout=0.01)  # not before items 0 and 1
+    b.put(1, "b", "B")
+    b.put(0, "a", "A")
+    assert [b.take(0).name, b.take(0).name] == ["a", "b"]
+    failed = b.take(0)
+    assert isinstance(failed, Failed) and failed.seq == 3 and failed.kind == "stream"

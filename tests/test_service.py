@@ -310,7 +310,8 @@ def test_an_item_handed_out_again_after_its_lease_expired_is_watched_as_its_new_
             refusal = [line for line in daemon.log().splitlines() if ignored in line][-1]
             assert "its lease expired" in refusal, refusal  # refused for its lease, not for its marker
             item = watched.get(timeout=30)
-            assert item.name == first.name and inotify_watches(daemon.pid) == 2
+            assert item.name == first.name
+            wait_until(lambda: inotify_watches(daemon.pid) == 2, what="its own watch again (LOOK_AFTER on)")
         else:
             raise AssertionError("every marker came after its hand-out's lease expired")
         assert not fourth.path.exists()
@@ -329,6 +330,7 @@ def test_done_file_shipped_in_the_dataset_never_acks_an_item_under_its_lease(
         for _ in range(3):
             item = client.get(timeout=30)
             assert ".done" in item.files
+            wait_until(lambda: inotify_watches(daemon.pid) == 2, what="the item's own watch (LOOK_AFTER on)")
             (item.path / ".done").write_bytes(b"")  # written (and closed) again; touch() on a file is a utime
             wait_until(lambda: f"marker of {item.path} ignored" in daemon.log(), what=f"the daemon to judge {item.name}'s marker")  # noqa: B023 - called at once, inside this iteration
             assert item.path.exists() and (item.path / ".done").exists(), f"{item.name} vanished under its live lease"
@@ -355,6 +357,7 @@ def test_a_marker_left_in_a_released_item_does_not_ack_its_next_hand_out(s3_sour
         (item.path / ".done").touch()  # made after the release: the item is not handed out, nothing watches it
         again = client.get(timeout=30)  # a released item goes out again first
         assert again.name == item.name and again.lease != item.lease
+        wait_until(lambda: inotify_watches(daemon.pid) == 2, what="its own watch (LOOK_AFTER on)")
         with open(again.path / ".done", "ab"):  # opened for writing and closed: an event, the same marker
             pass
         wait_until(lambda: f"marker of {again.path} ignored" in daemon.log(), what="the daemon to judge the old marker")
@@ -661,7 +664,7 @@ def test_marker_watcher_sees_what_acknowledges_a_handed_out_item_and_nothing_els
     got: list[tuple[str, str, str]] = []
     seen = threading.Condition()
 
-    def on_ack(name: str, item: str, how: str) -> None:  # as the daemon: the hand-out ends
+    def on_ack(name: str, item: str, how: str, looked: bool) -> None:  # as the daemon: the hand-out ends
         watcher.unfollow(item)
         with seen:
             got.append((name, item, how))
@@ -716,14 +719,16 @@ def test_marker_watcher_sees_what_acknowledges_a_handed_out_item_and_nothing_els
 def test_an_item_gets_its_own_watch_only_once_held_for_look_after_and_a_marker_made_before_counts(tmp_path, monkeypatch):
     # An item acknowledged soon after its hand-out (a batch acked over the API with the next)
     # costs no watch; one still held LOOK_AFTER seconds on gets it, and whatever acknowledged it
-    # in between (a .done made, a single file deleted) is found by a look when it is added.
+    # in between (a .done made, a single file deleted) is found by a look when it is added, also
+    # where the watch cannot be added (a single file's subfolder gone: ENOENT; the cache
+    # directory's watch sees only the subfolder go, which acknowledges nothing by itself).
     from cachepipe.service import markers
 
-    monkeypatch.setattr(markers, "LOOK_AFTER", 0.5)
+    monkeypatch.setattr(markers, "LOOK_AFTER", 2.0)  # long: "no watch yet" is asserted within it
     got: list[tuple[str, str, str]] = []
     seen = threading.Condition()
 
-    def on_ack(name: str, item: str, how: str) -> None:
+    def on_ack(name: str, item: str, how: str, looked: bool) -> None:
         watcher.unfollow(item)
         with seen:
             got.append((name, item, how))
@@ -732,8 +737,9 @@ def test_an_item_gets_its_own_watch_only_once_held_for_look_after_and_a_marker_m
     folders, files = tmp_path / "folders", tmp_path / "files"
     for name in ("quick", "held", "early"):
         (folders / name).mkdir(parents=True)
-    (files / "sub").mkdir(parents=True)
-    (files / "sub" / "x.tar").write_bytes(b"x")
+    for sub in ("sub", "gone"):
+        (files / sub).mkdir(parents=True)
+        (files / sub / "x.tar").write_bytes(b"x")
     watcher = markers.MarkerWatcher(on_ack)
     watcher.start()
     try:
@@ -743,21 +749,68 @@ def test_an_item_gets_its_own_watch_only_once_held_for_look_after_and_a_marker_m
         for name in ("quick", "held", "early"):
             watcher.follow("f", str(folders / name))
         watcher.follow("s", str(files / "sub" / "x.tar"))
+        watcher.follow("s", str(files / "gone" / "x.tar"))
         watcher.unfollow(str(folders / "quick"))  # acknowledged over the API at once
         (folders / "early" / ".done").write_bytes(b"")  # before any watch of its own
         (files / "sub" / "x.tar").unlink()  # likewise: its subfolder is not watched yet
+        shutil.rmtree(files / "gone")
         assert inotify_watches(os.getpid()) == 2  # no item's own watch yet
         with seen:
-            assert seen.wait_for(lambda: len(got) == 2, timeout=10), got
-            assert sorted(got) == [("f", str(folders / "early"), "marker"), ("s", str(files / "sub" / "x.tar"), "deleted")]
+            assert seen.wait_for(lambda: len(got) == 3, timeout=10), got
+            assert sorted(got) == [
+                ("f", str(folders / "early"), "marker"),
+                ("s", str(files / "gone" / "x.tar"), "deleted"),
+                ("s", str(files / "sub" / "x.tar"), "deleted"),
+            ]
         wait_until(lambda: inotify_watches(os.getpid()) == 3, what="the held item's own watch")  # "held" only
         (folders / "held" / ".done").write_bytes(b"")  # seen by its watch now
         with seen:
-            assert seen.wait_for(lambda: len(got) == 3, timeout=10), got
-            assert got[2] == ("f", str(folders / "held"), "marker")
+            assert seen.wait_for(lambda: len(got) == 4, timeout=10), got
+            assert got[3] == ("f", str(folders / "held"), "marker")
         wait_until(lambda: inotify_watches(os.getpid()) == 2, what="the acknowledged item's watch to end")
     finally:
         watcher.stop()
+
+
+def test_turning_markers_on_by_reload_does_not_count_a_marker_older_than_the_hand_out(
+    s3_source, s3_endpoint, tmp_path, short_dir
+):
+    # Items handed out while markers were off recorded no .done at hand-out: the watches a
+    # reload adds for them look for none (one there may be an earlier consumer's); a .done made
+    # after the reload acknowledges as ever.
+    s3_source.folders(1, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}}, markers=False)
+    with DaemonProcess(config) as daemon, Client("train", sock, auto_ack=False) as client:
+        first = client.get(timeout=30)
+        client.release(first)
+        (first.path / ".done").touch()  # left by the consumer that released it
+        again = client.get(timeout=30)
+        assert again.name == first.name
+        data = yaml.safe_load(config.read_text())
+        data["markers"] = True
+        config.write_text(yaml.safe_dump(data))
+        daemon.reload()
+        wait_until(lambda: inotify_watches(daemon.pid) == 2, what="the reload's watches: the cache's and the item's")
+        time.sleep(0.6)  # past LOOK_AFTER and a read of the events: nothing may acknowledge it
+        assert stats(client)["items_acked"] == 0, "the earlier consumer's .done acknowledged the new hand-out"
+        (again.path / "new").write_bytes(b"")
+        os.replace(again.path / "new", again.path / ".done")  # this consumer's marker
+        wait_until(lambda: stats(client)["items_acked"] == 1, what="the new marker to ack")
+
+
+def test_a_marker_shipped_in_an_item_is_not_logged_at_each_hand_out(s3_source, s3_endpoint, tmp_path, short_dir):
+    # The look when an item's own watch is added finds the dataset's .done in every hand-out
+    # held that long: refused as ever, but not an INFO line each time (no consumer made it).
+    s3_source.folders(1, {"a.bin": 1024, ".done": 0})
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}})
+    with DaemonProcess(config) as daemon, Client("train", sock, auto_ack=False) as client:
+        item = client.get(timeout=30)
+        wait_until(lambda: inotify_watches(daemon.pid) == 2, what="its own watch, and the look")
+        time.sleep(0.2)
+        assert f"marker of {item.path} ignored" not in daemon.log()
+        assert stats(client)["items_acked"] == 0
 
 
 @pytest.mark.parametrize("fstype", ["ext4", "nfs4"])
@@ -795,10 +848,11 @@ def test_the_marker_watch_adds_and_removes_watches_keeping_the_interpreters_lock
         watcher.unfollow(str(tmp_path / "c" / "item"))
         local = fstype == "ext4"
         assert counts == Counter({"held add": 2 if local else 0, "held remove": 1})  # the root's watch, the item's
+        (tmp_path / "c" / "a-file").write_bytes(b"")  # handed out as a folder item: its watch fails (ENOTDIR)
         with caplog.at_level("WARNING", logger="cachepipe.service.markers"):
-            watcher.follow("p", str(tmp_path / "c" / "gone"))
+            watcher.follow("p", str(tmp_path / "c" / "a-file"))
             wait_until(lambda: "cannot watch" in caplog.text, what="the failed watch's warning")
-        assert "No such file or directory" in caplog.text
+        assert "Not a directory" in caplog.text
         watcher.unwatch("p")
         assert str(tmp_path / "c") not in markers._held_under
     finally:

@@ -241,7 +241,7 @@ class Daemon:
                 if entry.pipeline is not None:
                     self._markers.watch(entry.name, entry.root, entry.config.items)
                     for path, handout in self._handouts.under(entry.root).items():
-                        self._markers.follow(entry.name, path, markers=handout.markers)
+                        self._markers.follow(entry.name, path, markers=handout.markers, at_once=True)
         elif not enabled and self._markers is not None:
             markers, self._markers = self._markers, None
             markers.stop()
@@ -426,7 +426,7 @@ class Daemon:
             "handed out before it (those items are delivered again)"
         )
 
-    def _marker_ack(self, name: str, item: str, how: str) -> None:
+    def _marker_ack(self, name: str, item: str, how: str, looked: bool = False) -> None:
         with self._cond:
             served = self._served.get(name)
         if served is None or served.pipeline is None:
@@ -439,7 +439,8 @@ class Daemon:
             served.pipeline.ack(item, lease)
         except UnknownItemError as exc:
             # Our own evictions show up as deletions too; a marker on an item not handed out is ignored.
-            (log.info if how == "marker" else log.debug)("%s: %s of %s ignored: %s", name, how, item, why or exc)
+            # a look (no event) finds an item's own or an earlier .done at each hand-out held that long
+            (log.info if how == "marker" and not looked else log.debug)("%s: %s of %s ignored: %s", name, how, item, why or exc)
             return
         except RuntimeError:
             return  # the pipeline closed meanwhile (reload or stop)

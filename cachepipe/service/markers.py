@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import functools
 import itertools
 import logging
@@ -354,11 +355,13 @@ class MarkerWatcher:
     acknowledged sooner cost the daemon no event.
 
     Args:
-        on_ack: called from the watcher's thread as ``on_ack(name, item_path, how)`` for every
-            event that acknowledges an item (``how``: ``"marker"`` or ``"deleted"``).
+        on_ack: called from the watcher's threads as ``on_ack(name, item_path, how, looked)`` for
+            every event that acknowledges an item (``how``: ``"marker"`` or ``"deleted"``), and
+            for what the look finds when an item's own watch is added (``looked`` True: no event
+            was seen, the ``.done`` or the deletion may be older than the hand-out).
     """
 
-    def __init__(self, on_ack: Callable[[str, str, str], None]) -> None:
+    def __init__(self, on_ack: Callable[[str, str, str, bool], None]) -> None:
         self._on_ack = on_ack
         self._inotify: InotifyFD | None = None
         self._lock = threading.Lock()  # _served, _followed; taken before InotifyFD's own lock, never after
@@ -421,7 +424,11 @@ class MarkerWatcher:
         waits on :attr:`_due_added` until the next is due, or without a timeout while none is
         (:meth:`follow` wakes it)."""
         while not self._stopping.is_set():
-            wait = self._add_due()
+            try:
+                wait = self._add_due()
+            except Exception:  # a defect: logged, and the watches due are tried again shortly
+                log.exception("adding the handed-out items' marker watches failed")
+                wait = READ_EVERY
             with self._lock:
                 if self._stopping.is_set():
                     return
@@ -437,7 +444,7 @@ class MarkerWatcher:
         a folder item, a single-file item deleted (judged as the event would be). Returns the
         seconds until the next is due; None if none is."""
         now = time.monotonic()
-        added: list[tuple[_Watched, str]] = []
+        due_now: list[tuple[_Watched, str, bool]] = []
         wait = None
         with self._lock:
             while self._due:
@@ -447,13 +454,18 @@ class MarkerWatcher:
                     break
                 del self._due[item]
                 served = self._served.get(self._followed[item][0])
-                if served is not None and self._inotify is not None and self._add_watch(self._inotify, served, item):
-                    added.append((served, item))
-        for served, item in added:  # a marker made, or an item deleted, before its watch was added
-            if served.items == "folders":
-                self.judge(served, f"{item}/{MARKER}", "created", False)
-            else:
-                self.judge(served, item, "deleted", False)
+                if served is not None and self._inotify is not None:
+                    due_now.append((served, item, self._add_watch(self._inotify, served, item)))
+        for served, item, added in due_now:  # what acknowledged it before its watch was there
+            try:
+                if added and served.items == "folders":
+                    self.judge(served, f"{item}/{MARKER}", "created", False, looked=True)
+                elif not added:  # gone (ENOENT), or the watch limit: was it deleted?
+                    self.judge(served, item, "deleted", served.items == "folders", looked=True)
+                else:
+                    self.judge(served, item, "deleted", False, looked=True)
+            except Exception:  # a defect (or the ack's journal write failed): logged, the others still count
+                log.exception("looking for an acknowledgement of %s failed", item)
         return wait
 
     def _require(self) -> InotifyFD:
@@ -490,7 +502,7 @@ class MarkerWatcher:
             self._due = {path: due for path, due in self._due.items() if path in self._followed}
             self._inotify.remove_callbacks([(served.wd, served.id), *ended])
 
-    def follow(self, name: str, item: str, markers: bool = True) -> None:
+    def follow(self, name: str, item: str, markers: bool = True, at_once: bool = False) -> None:
         """Item ``item`` (its absolute, normal path) of pipeline ``name`` was just handed out:
         watch what can acknowledge it, from :data:`LOOK_AFTER` seconds on if it is still handed
         out then (:meth:`_add_due`; what acknowledged it before is found by a look), so that an
@@ -498,7 +510,9 @@ class MarkerWatcher:
         (the watch limit) is logged: the item is then acknowledged over the API or by its lease.
         ``markers=False`` (its consumer acknowledges over the API): a folder item gets no watch of
         its own, only the cache directory's, which sees it deleted; a single-file item's
-        subfolder is watched as ever (its watch sees nothing but deletions)."""
+        subfolder is watched as ever (its watch sees nothing but deletions). ``at_once``: the
+        watch is added now, with no look (an item handed out while markers were off: a
+        ``.done`` already in it is not known to be this hand-out's)."""
         with self._lock:
             served = self._served.get(name)
             if served is None or item in self._followed or self._inotify is None:
@@ -506,6 +520,9 @@ class MarkerWatcher:
             self._followed[item] = (name, None, cast("CallbackId", 0))
             folder = item if served.items == "folders" else os.path.dirname(item)
             if folder == served.root or (not markers and served.items == "folders"):  # the root's watch sees it go
+                return
+            if at_once:
+                self._add_watch(self._inotify, served, item)
                 return
             self._due[item] = time.monotonic() + LOOK_AFTER
             if self._sleeping:
@@ -515,15 +532,23 @@ class MarkerWatcher:
     def _add_watch(self, inotify: InotifyFD, served: _Watched, item: str) -> bool:
         """Add the own watch of followed item ``item`` of ``served`` (under :attr:`_lock`): its
         folder for a folder item (a ``.done`` made), else the subfolder it is in (it deleted).
-        False if it cannot be added (logged; the item is followed no more)."""
+        False if it cannot be added: the item stays followed without one (the cache directory's
+        watch still sees a folder item or a top-level file deleted); logged unless its folder is
+        gone (ENOENT: the item was deleted, which acknowledges it)."""
         folder = item if served.items == "folders" else os.path.dirname(item)
         id_ = cast("CallbackId", next(self._ids))
         mask = cast("Mask", _MARKER if served.items == "folders" else _GONE)
         try:
             wd = inotify.add_callback(os.fsencode(folder), mask, _Events(self, served, folder), id_)
         except OSError as exc:
-            log.warning("%s: %s can be acknowledged only over the API: cannot watch %s: %s", served.name, item, folder, exc)
-            del self._followed[item]
+            if exc.errno != errno.ENOENT:
+                log.warning(
+                    "%s: a .done in %s is not watched (cannot watch %s: %s): acknowledge it over the API or by deleting it",
+                    served.name,
+                    item,
+                    folder,
+                    exc,
+                )
             return False
         self._followed[item] = (served.name, wd, id_)
         return True
@@ -536,9 +561,10 @@ class MarkerWatcher:
             if got is not None and got[1] is not None and self._inotify is not None:
                 self._inotify.remove_callbacks([(got[1], got[2])])
 
-    def judge(self, served: _Watched, path: str, kind: Kind, is_directory: bool) -> None:
-        """An event at ``path`` in a watched folder of ``served``: acknowledge the item it
-        names (:func:`acked_by`) if that item is handed out and the event is still true."""
+    def judge(self, served: _Watched, path: str, kind: Kind, is_directory: bool, looked: bool = False) -> None:
+        """An event at ``path`` in a watched folder of ``served`` (``looked``: what a look
+        found, no event): acknowledge the item it names (:func:`acked_by`) if that item is
+        handed out and the event is still true."""
         hit = acked_by(served.root, path, kind, is_directory, served.items)
         if hit is None:
             return
@@ -551,7 +577,7 @@ class MarkerWatcher:
             return
         if how == "deleted" and os.path.lexists(item):
             return
-        self._on_ack(served.name, item, how)
+        self._on_ack(served.name, item, how, looked)
 
     @staticmethod
     def overflowed() -> None:
