@@ -555,7 +555,9 @@ class Fetcher:
 
             def hand_off(index: int = index, handed: list[bool] = handed) -> None:
                 rest = parts[index + 1 :]
-                if rest and not self._stop.is_set():
+                if rest and self._stop.is_set():
+                    return  # closing: the loop skips the rest and counts every part done once, at its end
+                if rest:
                     with self._parts_lock:
                         self._takers += 1
                     try:

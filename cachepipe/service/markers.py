@@ -542,13 +542,12 @@ class MarkerWatcher:
             wd = inotify.add_callback(os.fsencode(folder), mask, _Events(self, served, folder), id_)
         except OSError as exc:
             if exc.errno != errno.ENOENT:
-                log.warning(
-                    "%s: a .done in %s is not watched (cannot watch %s: %s): acknowledge it over the API or by deleting it",
-                    served.name,
-                    item,
-                    folder,
-                    exc,
+                what, how = (
+                    (f"a .done in {item}", "over the API or by deleting it")
+                    if served.items == "folders"
+                    else (f"the deletion of {item}", "over the API or let its lease expire")  # a file in a subfolder
                 )
+                log.warning("%s: %s is not watched (cannot watch %s: %s): acknowledge it %s", served.name, what, folder, exc, how)
             return False
         self._followed[item] = (served.name, wd, id_)
         return True
