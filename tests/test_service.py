@@ -11,6 +11,7 @@ with a deadline.
 from __future__ import annotations
 
 import contextlib
+import errno
 import grp
 import http.client
 import io
@@ -768,6 +769,42 @@ def test_an_item_gets_its_own_watch_only_once_held_for_look_after_and_a_marker_m
             assert seen.wait_for(lambda: len(got) == 4, timeout=10), got
             assert got[3] == ("f", str(folders / "held"), "marker")
         wait_until(lambda: inotify_watches(os.getpid()) == 2, what="the acknowledged item's watch to end")
+    finally:
+        watcher.stop()
+
+
+def test_an_acknowledgement_that_fails_in_a_look_is_logged_and_the_watch_goes_on(tmp_path, monkeypatch, caplog):
+    # The daemon's ack can fail (its journal write, on a full disk): the look that found the
+    # marker logs it, and later items are still watched and acknowledged.
+    from cachepipe.service import markers
+
+    monkeypatch.setattr(markers, "LOOK_AFTER", 0.05)
+    got: list[str] = []
+    seen = threading.Condition()
+
+    def on_ack(name: str, item: str, how: str, looked: bool) -> None:
+        if item.endswith("first"):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        watcher.unfollow(item)
+        with seen:
+            got.append(item)
+            seen.notify_all()
+
+    folders = tmp_path / "folders"
+    for name in ("first", "second"):
+        (folders / name).mkdir(parents=True)
+        (folders / name / ".done").write_bytes(b"")  # before its watch: found by the look
+    watcher = markers.MarkerWatcher(on_ack)
+    watcher.start()
+    try:
+        watcher.watch("f", folders, "folders")
+        with caplog.at_level("ERROR", logger="cachepipe.service.markers"):
+            watcher.follow("f", str(folders / "first"))
+            wait_until(lambda: "looking for an acknowledgement of" in caplog.text, what="the failed ack logged")
+        watcher.follow("f", str(folders / "second"))
+        with seen:
+            assert seen.wait_for(lambda: got, timeout=10), "the watch stopped after a failed acknowledgement"
+        assert got == [str(folders / "second")]
     finally:
         watcher.stop()
 
