@@ -221,6 +221,10 @@ class _Job:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+_Part = tuple[Started[_Job], FileEntry, Path, int, int]
+"""A part taken from the queue (:meth:`PartQueue.take`): its item, file, local path and range."""
+
+
 class FetchCounters:
     """Producer-side counters, read by :meth:`cachepipe.Pipeline.stats`."""
 
@@ -458,7 +462,7 @@ class Fetcher:
             self._pool.submit(self._take_and_fetch)
 
     # ---- download threads ------------------------------------------------------------
-    def _take_and_fetch(self, first: list[tuple[Started[_Job], FileEntry, Path, int, int]] | None = None) -> None:
+    def _take_and_fetch(self, first: list[_Part] | None = None) -> None:
         """A download thread's task: fetch parts, each cut when taken, until none is left, or
         until more threads take parts than :attr:`threads` wants. While requests cost less than
         twice the work around them (:meth:`_note_pace`), a thread takes up to :data:`PART_RUN` parts
@@ -494,19 +498,19 @@ class Fetcher:
                 self._pool.submit(self._take_and_fetch)
             paces = self._fetch_timed(parts)
 
-    def _fetch_timed(self, parts: list[tuple[Started[_Job], FileEntry, Path, int, int]]) -> list[tuple[float, float]]:
+    def _fetch_timed(self, parts: list[_Part]) -> list[tuple[float, float]]:
         """:meth:`_fetch_parts`, with this thread's CPU seconds per part requested: the paces
         for :meth:`_note_pace`."""
         cpu = time.thread_time()
         try:
-            paces = self._fetch_parts(parts)
+            requests = self._fetch_parts(parts)
         except Exception:  # a defect, not an item's failure (those are reported): the thread stays
             log.exception("a download thread's parts from %s on failed unexpectedly", parts[0][0].job.item.name)
             return []
-        if not paces:
+        if not requests:
             return []
-        work = (time.thread_time() - cpu) / len(paces)
-        return [(request_s, work) for request_s, _ in paces]
+        work = (time.thread_time() - cpu) / len(requests)
+        return [(request_s, work) for request_s in requests]
 
     def _note_pace(self, pace: tuple[float, float]) -> int:
         """Count a part's request time and work (under the parts lock); every
@@ -539,14 +543,14 @@ class Fetcher:
         limit = self._cfg.max_concurrency if started.small else self._cfg.large_requests
         return max(0, min(limit, self.threads) - self._takers)
 
-    def _fetch_parts(self, parts: list[tuple[Started[_Job], FileEntry, Path, int, int]]) -> list[tuple[float, float]]:
+    def _fetch_parts(self, parts: list[_Part]) -> list[float]:
         """Fetch parts (each with retries), then count them done (:meth:`_parts_done`). Returns
-        ``(request seconds, 0.0)`` for each part requested (not one of an item that had failed).
+        the seconds of each part's request (none for a part of an item that had failed).
 
         A part whose request must be retried does not hold the rest of a run: before its first
         backoff, the parts fetched so far are counted done (their items published) and the parts
         after it go to another download thread."""
-        paces: list[tuple[float, float]] = []
+        requests: list[float] = []
         for index, (started, f, local, start, end) in enumerate(parts):
             job = started.job
             if job.error is not None or job.disk_error is not None or self._stop.is_set():
@@ -555,21 +559,10 @@ class Fetcher:
 
             def hand_off(index: int = index, handed: list[bool] = handed) -> None:
                 rest = parts[index + 1 :]
-                if rest and self._stop.is_set():
+                if rest and not self._start_taker(rest):
                     return  # closing: the loop skips the rest and counts every part done once, at its end
-                if rest:
-                    with self._parts_lock:
-                        self._takers += 1
-                    try:
-                        self._pool.submit(self._take_and_fetch, rest)
-                    except RuntimeError:  # the pool shut down meanwhile (closing): this thread keeps them
-                        with self._parts_lock:
-                            self._takers -= 1
-                        return
-                    handed.append(True)
                 self._parts_done(parts[:index])  # after the hand-over: finishing them may wait a disk error's backoff
-                if not rest:
-                    handed.append(True)
+                handed.append(True)
 
             began = time.perf_counter()
             try:
@@ -580,14 +573,29 @@ class Fetcher:
                     if job.error is None:
                         job.error, job.error_key = exc, f.key
             else:
-                paces.append((time.perf_counter() - began, 0.0))
+                requests.append(time.perf_counter() - began)
             if handed:
                 self._parts_done([parts[index]])
-                return paces
+                return requests
         self._parts_done(parts)
-        return paces
+        return requests
 
-    def _parts_done(self, parts: list[tuple[Started[_Job], FileEntry, Path, int, int]]) -> None:
+    def _start_taker(self, parts: list[_Part]) -> bool:
+        """Start a download thread that fetches ``parts`` first, counted as a taker; False if
+        closing (the pool shut down, or about to)."""
+        if self._stop.is_set():
+            return False
+        with self._parts_lock:
+            self._takers += 1
+        try:
+            self._pool.submit(self._take_and_fetch, parts)
+        except RuntimeError:  # the pool shut down meanwhile
+            with self._parts_lock:
+                self._takers -= 1
+            return False
+        return True
+
+    def _parts_done(self, parts: list[_Part]) -> None:
         """Count fetched (or skipped) parts done, in one round of the queue's lock, and finish
         the items whose last part they were: first those to publish as they are, by one run
         (:meth:`_publish_in_turn`), then the others (a failure to report, a retry's backoff, a

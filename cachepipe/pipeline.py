@@ -34,7 +34,7 @@ log = logging.getLogger("cachepipe")
 
 PLAN_RUN = 64
 """The most steps the producer is given at once (see :class:`cachepipe.fetcher.Fetcher`): it
-starts those that need no wait together, one round of each lock for them."""
+starts those that need no wait together, a round or two of each lock for them."""
 
 
 class CachedItem(PathItem):
@@ -346,9 +346,7 @@ class Pipeline:
                     prepared = epoch
             catalog, eligible = self._catalog_items, self._eligible
             items = [catalog[step.item if eligible is None else eligible[step.item]] for step in run]
-            with self._plan_lock:
-                seqs = [self._frontier.issue(step) for step in run]
-                self._inflight.update(zip(seqs, items, strict=True))
+            seqs = self._issue(run, items)
             planned: list[Planned] = []
             for seq, step, item in zip(seqs, run, items, strict=True):
                 if (step.epoch, item.name) in acked:
@@ -358,6 +356,14 @@ class Pipeline:
                     planned.append((seq, item, step.tick))
             if planned:
                 yield planned
+
+    def _issue(self, steps: list[Step], items: list[Item]) -> list[int]:
+        """Give ``steps`` (of ``items``) their sequence numbers, in one round of the plan's lock;
+        they are in flight until consumed."""
+        with self._plan_lock:
+            seqs = [self._frontier.issue(step) for step in steps]
+            self._inflight.update(zip(seqs, items, strict=True))
+        return seqs
 
     def _stream(self, store: Store, cache: Cache) -> Iterator[list[Planned]]:
         """Start the streaming listing (see :mod:`cachepipe.listing`); return the fetch order.
@@ -421,9 +427,7 @@ class Pipeline:
                 break
             steps = [Step(0, index + i, index + i) for i in range(len(items))]
             index += len(items)
-            with self._plan_lock:
-                seqs = [self._frontier.issue(step) for step in steps]
-                self._inflight.update(zip(seqs, items, strict=True))
+            seqs = self._issue(steps, items)
             yield [(seq, item, step.tick) for seq, item, step in zip(seqs, items, steps, strict=True)]
         if listing.stopped:
             return

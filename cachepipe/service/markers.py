@@ -332,6 +332,12 @@ class _Events:
         self.watcher.overflowed()
 
 
+def _own_folder(served: _Watched, item: str) -> str:
+    """The folder an item's own watch is on: a folder item's own, else the folder its file is in
+    (the cache directory's for a top-level file, which needs no watch of its own)."""
+    return item if served.items == "folders" else os.path.dirname(item)
+
+
 @dataclasses.dataclass
 class _Watched:
     """A watched cache directory: its pipeline, its ``items`` setting, its own watch."""
@@ -373,8 +379,7 @@ class MarkerWatcher:
         # unfollow and event was a quarter of the daemon's CPU per item) -> pipeline, its watch
         self._followed: dict[str, tuple[str, WatchDescriptor | None, CallbackId]] = {}
         self._due: dict[str, float] = {}  # followed items whose own watch is not added yet -> when it is due (in that order)
-        self._due_added = threading.Condition(self._lock)  # _due gained an item while the due thread sleeps
-        self._sleeping = False  # the due thread waits with no timeout: a follow must wake it
+        self._due_added = threading.Condition(self._lock)  # _due gained its first item: the due thread may sleep untimed
         self._due_thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -433,7 +438,6 @@ class MarkerWatcher:
                 if self._stopping.is_set():
                     return
                 if wait is None and not self._due:
-                    self._sleeping = True
                     self._due_added.wait()
                 elif wait is not None:
                     self._due_added.wait(wait)
@@ -460,10 +464,8 @@ class MarkerWatcher:
             try:
                 if added and served.items == "folders":
                     self.judge(served, f"{item}/{MARKER}", "created", False, looked=True)
-                elif not added:  # gone (ENOENT), or the watch limit: was it deleted?
+                else:  # a single file, or a folder whose watch failed (gone: ENOENT; the watch limit): deleted?
                     self.judge(served, item, "deleted", served.items == "folders", looked=True)
-                else:
-                    self.judge(served, item, "deleted", False, looked=True)
             except Exception:  # a defect (or the ack's journal write failed): logged, the others still count
                 log.exception("looking for an acknowledgement of %s failed", item)
         return wait
@@ -518,16 +520,14 @@ class MarkerWatcher:
             if served is None or item in self._followed or self._inotify is None:
                 return
             self._followed[item] = (name, None, cast("CallbackId", 0))
-            folder = item if served.items == "folders" else os.path.dirname(item)
-            if folder == served.root or (not markers and served.items == "folders"):  # the root's watch sees it go
-                return
+            if _own_folder(served, item) == served.root or (not markers and served.items == "folders"):
+                return  # the root's watch sees it go
             if at_once:
                 self._add_watch(self._inotify, served, item)
                 return
-            self._due[item] = time.monotonic() + LOOK_AFTER
-            if self._sleeping:
-                self._sleeping = False
+            if not self._due:  # else the due thread waits for an earlier one, due before this
                 self._due_added.notify()
+            self._due[item] = time.monotonic() + LOOK_AFTER
 
     def _add_watch(self, inotify: InotifyFD, served: _Watched, item: str) -> bool:
         """Add the own watch of followed item ``item`` of ``served`` (under :attr:`_lock`): its
@@ -535,7 +535,7 @@ class MarkerWatcher:
         False if it cannot be added: the item stays followed without one (the cache directory's
         watch still sees a folder item or a top-level file deleted); logged unless its folder is
         gone (ENOENT: the item was deleted, which acknowledges it)."""
-        folder = item if served.items == "folders" else os.path.dirname(item)
+        folder = _own_folder(served, item)
         id_ = cast("CallbackId", next(self._ids))
         mask = cast("Mask", _MARKER if served.items == "folders" else _GONE)
         try:
