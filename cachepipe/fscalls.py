@@ -1,8 +1,8 @@
-"""The file-system calls that stage, write and publish each item, in two sets (:class:`FileCalls`).
+"""The file-system calls that stage, write and publish each item, in sets (:class:`FileCalls`).
 
 - :data:`RELEASING`: the standard library's (:func:`os.open` and the rest), which let the
-  process's other threads run during each call. Right wherever a call can wait: on a disk, a
-  create or a rename can wait for the file system's journal.
+  process's other threads run during each call. Used where a call may wait for a server (a
+  network or FUSE file system, or one this module does not know).
 - :data:`HOLDING`: the same calls through the C library by :class:`ctypes.PyDLL`, which keeps
   the interpreter's lock during each call. Used for a cache on a memory file system (tmpfs,
   ramfs; :func:`file_calls_for`), where such a call never waits for a device and takes a few
@@ -11,13 +11,21 @@
   stage, write and publish an item (a folder item's mkdir; open, write, close; rename) handed
   the lock on between the producer's, the download threads' and the consumer's work (``benchmarks/README.md``, "File
   calls that keep the interpreter's lock").
+- :class:`WhileQuick`: for a cache on a local disk (:data:`LOCAL_FILESYSTEMS`), the calls of
+  :data:`HOLDING` while they stay quick, and those of :data:`RELEASING` for
+  :data:`HOLD_PAUSE_S` after they were not (one call longer than :data:`HOLD_CALL_MAX_S`, or a
+  recent mean above :data:`HOLD_MEAN_MAX_S`). On a journaled ext4 such a call takes a few
+  microseconds, as on tmpfs; but it can wait for the device (the journal, writeback), and while a
+  call that keeps the lock waits, every thread of the process waits with it. The pause bounds
+  that to one slow call per :data:`HOLD_PAUSE_S` (``benchmarks/README.md``, "File calls on a
+  disk keep the lock while they are quick").
 
 The deletion of an acknowledged item keeps using :mod:`os` on every file system: on tmpfs,
 holding the lock through a batch of deletions was slower in the same benchmark (while the
 consumer's thread deletes, the producer's threads run).
 
-Both sets take paths as strings, make every descriptor non-inheritable, raise :class:`OSError`
-as :mod:`os` does (the subclass for the error number, with the path) and retry a call that a
+Every set takes paths as strings, makes every descriptor non-inheritable, raises :class:`OSError`
+as :mod:`os` does (the subclass for the error number, with the path) and retries a call that a
 signal interrupted (but close). :data:`HOLDING` is None where the C library lacks a call it needs
 (``renameat2``: glibc 2.28 or later); then :data:`RELEASING` is used.
 
@@ -31,25 +39,35 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import logging
+import math
 import os
 import re
+import time
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 __all__ = [
     "HOLDING",
+    "HOLD_CALL_MAX_S",
     "HOLD_MAX_WRITE",
+    "HOLD_MEAN_MAX_S",
+    "HOLD_PAUSE_MAX_S",
+    "HOLD_PAUSE_S",
     "LOCAL_FILESYSTEMS",
     "MEMORY_FILESYSTEMS",
     "RELEASING",
     "FileCalls",
+    "WhileQuick",
     "file_calls_for",
     "filesystem_at",
     "filesystem_type",
     "holding_function",
     "rename_new",
 ]
+
+log = logging.getLogger(__name__)
 
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
 """File system types that keep files in memory only (as ``/proc/self/mountinfo`` names them)."""
@@ -61,6 +79,31 @@ device): not NFS, SMB, FUSE, Ceph and the like, nor a type this does not know.""
 HOLD_MAX_WRITE = 64 * 1024
 """Bytes: a larger write through :data:`HOLDING` lets the interpreter's lock go, as
 :func:`os.pwrite` does (copying it takes long enough for other threads to run meanwhile)."""
+
+HOLD_CALL_MAX_S = 0.02
+"""Seconds: on a disk (:class:`WhileQuick`), a call that keeps the interpreter's lock for longer
+makes the calls after it let the lock go for a pause (:func:`pause_after`). A journaled ext4
+makes a create wait a few milliseconds at its commits (every 5 s by default): that is not a
+reason to stop keeping it."""
+
+HOLD_MEAN_MAX_S = 50e-6
+"""Seconds: on a disk (:class:`WhileQuick`), calls keep the interpreter's lock while the mean of
+the recent ones (weighted by :data:`HOLD_MEAN_WEIGHT`) stays under this; letting it go costs a
+hand-over between threads, tens of microseconds."""
+
+HOLD_MEAN_WEIGHT = 1 / 64
+"""The weight of each new call in :class:`WhileQuick`'s recent mean (about the last 64 calls);
+a call counts there as at most 4 x :data:`HOLD_MEAN_MAX_S`, so that one rare slow call (a
+journal's commit, a block read) does not decide alone (:data:`HOLD_CALL_MAX_S` does that)."""
+
+HOLD_PAUSE_S = 10.0
+"""Seconds a disk's calls let the interpreter's lock go after they were found slow, before
+:class:`WhileQuick` keeps it again; doubled, up to :data:`HOLD_PAUSE_MAX_S`, when they are found
+slow again within as long after that (:func:`pause_after`)."""
+
+HOLD_PAUSE_MAX_S = 640.0
+"""Seconds: the longest pause of :class:`WhileQuick` (a disk whose calls stay slow costs at most
+one slow call that keeps the lock per pause)."""
 
 _OCTAL = re.compile(r"\\([0-7]{3})")  # mountinfo writes a space in a path as \040
 
@@ -268,11 +311,89 @@ def _mkdir_held(path: str, mode: int = 0o777) -> None:
 
 HOLDING = None if _held is None else FileCalls(_open_held, _pwrite_held, _close_held, _rename_new_held, _mkdir_held)
 """Calls that keep the interpreter's lock (None where the C library lacks one): for a cache on a
-memory file system only."""
+memory file system, and behind :class:`WhileQuick` on a local disk."""
+
+
+def recent_mean(mean: float, took: float) -> float:
+    """The recent mean of calls' seconds (``mean`` before), after a call that took ``took``
+    seconds (:data:`HOLD_MEAN_WEIGHT`; the call counted as at most 4 x :data:`HOLD_MEAN_MAX_S`)."""
+    return mean + (min(took, 4 * HOLD_MEAN_MAX_S) - mean) * HOLD_MEAN_WEIGHT
+
+
+def held_too_long(mean: float, took: float) -> bool:
+    """Whether calls that took ``took`` seconds, and ``mean`` on average lately (both seconds),
+    should let the interpreter's lock go for a while (:class:`WhileQuick`)."""
+    return took > HOLD_CALL_MAX_S or mean > HOLD_MEAN_MAX_S
+
+
+def pause_after(pause: float, held_for: float) -> float:
+    """Seconds to let the interpreter's lock go after calls were found slow, where ``pause`` was
+    the previous pause (0: none) and calls have kept the lock ``held_for`` seconds since it
+    ended: twice ``pause`` (at most :data:`HOLD_PAUSE_MAX_S`) if that is under
+    :data:`HOLD_PAUSE_S`, else :data:`HOLD_PAUSE_S`."""
+    return min(2 * pause, HOLD_PAUSE_MAX_S) if pause and held_for < HOLD_PAUSE_S else HOLD_PAUSE_S
+
+
+class WhileQuick:
+    """:data:`HOLDING`'s calls while they are quick, :data:`RELEASING`'s for
+    a pause after they were not (:func:`recent_mean`, :func:`held_too_long`, :func:`pause_after`);
+    its :attr:`calls` are the set, for one cache on a local disk.
+
+    Each call that keeps the lock is timed by ``clock`` (seconds, default :func:`time.monotonic`).
+    A write larger than :data:`HOLD_MAX_WRITE` lets the lock go anyway and is not timed. Updates of
+    the recent mean from several threads may overwrite each other now and then: it is a guide,
+    not a count.
+    """
+
+    def __init__(self, held: FileCalls, releasing: FileCalls = RELEASING, clock: Callable[[], float] = time.monotonic) -> None:
+        self._held, self._releasing, self._clock = held, releasing, clock
+        self._mean = 0.0  # seconds: the recent calls' weighted mean
+        self._released_until = -math.inf  # clock time until which calls let the lock go
+        self._pause = 0.0  # seconds: the last pause (0: none yet)
+        self.calls = FileCalls(self._open, self._pwrite, self._close, self._rename_new, self._mkdir)
+
+    def _run(self, held: Callable[..., Any], releasing: Callable[..., Any], *args: Any) -> Any:
+        start = self._clock()
+        if start < self._released_until:
+            return releasing(*args)
+        try:
+            return held(*args)
+        finally:
+            took = self._clock() - start
+            self._mean = recent_mean(self._mean, took)
+            if held_too_long(self._mean, took) and self._released_until <= start:  # not paused by another thread meanwhile
+                self._pause = pause_after(self._pause, start - self._released_until)
+                log.debug(
+                    "file calls let the interpreter's lock go for %.0f s: one took %.2f ms, the recent ones %.0f us on average",
+                    self._pause,
+                    took * 1e3,
+                    self._mean * 1e6,
+                )
+                self._released_until, self._mean = start + took + self._pause, 0.0
+
+    def _open(self, path: str, flags: int, mode: int = 0o777) -> int:
+        return int(self._run(self._held.open, self._releasing.open, path, flags, mode))
+
+    def _pwrite(self, fd: int, data: bytes | memoryview, offset: int) -> int:
+        if len(data) > HOLD_MAX_WRITE:
+            return self._releasing.pwrite(fd, data, offset)
+        return int(self._run(self._held.pwrite, self._releasing.pwrite, fd, data, offset))
+
+    def _close(self, fd: int) -> None:
+        self._run(self._held.close, self._releasing.close, fd)
+
+    def _rename_new(self, src: str, dst: str) -> None:
+        self._run(self._held.rename_new, self._releasing.rename_new, src, dst)
+
+    def _mkdir(self, path: str, mode: int = 0o777) -> None:
+        self._run(self._held.mkdir, self._releasing.mkdir, path, mode)
 
 
 def file_calls_for(fstype: str) -> FileCalls:
     """The calls to make per item in a cache on a file system of type ``fstype`` (as
-    ``/proc/self/mountinfo`` names it; "" if unknown): :data:`HOLDING` on a memory file system
-    where it exists, else :data:`RELEASING`."""
-    return HOLDING if HOLDING is not None and fstype in MEMORY_FILESYSTEMS else RELEASING
+    ``/proc/self/mountinfo`` names it; "" if unknown), where the C library has
+    :data:`HOLDING`: it on a memory file system; on another local one, a new
+    :class:`WhileQuick`'s (one per cache: its own recent mean); else :data:`RELEASING`."""
+    if HOLDING is None or fstype not in LOCAL_FILESYSTEMS:
+        return RELEASING
+    return HOLDING if fstype in MEMORY_FILESYSTEMS else WhileQuick(HOLDING).calls

@@ -1,9 +1,12 @@
-"""The per-item file calls: both sets behave as :mod:`os` does, and a cache on a memory file system
-uses the set that keeps the interpreter's lock (the speed is measured in benchmarks/, not here)."""
+"""The per-item file calls: every set behaves as :mod:`os` does; a cache on a memory file system
+uses the set that keeps the interpreter's lock, one on a local disk keeps it while the calls are
+quick (the speed is measured in benchmarks/, not here)."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import math
 import os
 import shutil
 import sys
@@ -11,6 +14,7 @@ import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import fsspec
@@ -22,7 +26,11 @@ from cachepipe.fscalls import filesystem_at
 
 SHM = "/dev/shm"  # noqa: S108 - tmpfs on every Linux: the memory file system case
 CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-SETS = {"releasing": fscalls.RELEASING, "holding": fscalls.HOLDING}
+SETS = {
+    "releasing": fscalls.RELEASING,
+    "holding": fscalls.HOLDING,
+    "while quick": None if fscalls.HOLDING is None else fscalls.WhileQuick(fscalls.HOLDING).calls,
+}
 
 
 @pytest.fixture(params=SETS)
@@ -36,10 +44,146 @@ def test_the_set_that_keeps_the_lock_exists_on_linux():
 
 
 @pytest.mark.parametrize(
-    ("fstype", "holding"), [("tmpfs", True), ("ramfs", True), ("ext4", False), ("xfs", False), ("nfs4", False), ("", False)]
+    ("fstype", "kind"),
+    [
+        ("tmpfs", "holding"),
+        ("ramfs", "holding"),
+        ("ext4", "while quick"),
+        ("xfs", "while quick"),
+        ("btrfs", "while quick"),
+        ("nfs4", "releasing"),
+        ("fuse.s3fs", "releasing"),
+        ("", "releasing"),
+    ],
 )
-def test_only_a_memory_file_system_keeps_the_lock(fstype, holding):
-    assert fscalls.file_calls_for(fstype) is (fscalls.HOLDING if holding else fscalls.RELEASING)
+def test_a_memory_file_system_keeps_the_lock_a_disk_while_quick_others_let_it_go(fstype, kind):
+    calls = fscalls.file_calls_for(fstype)
+    if kind == "while quick":
+        assert isinstance(calls.open.__self__, fscalls.WhileQuick)  # type: ignore[attr-defined]
+        assert calls != fscalls.file_calls_for(fstype)  # each cache its own recent mean
+    else:
+        assert calls is SETS[kind]
+
+
+class FakeClock:
+    """A clock that moves only when told (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fake_sets(clock: FakeClock, took: dict[str, float], used: list[str]) -> tuple[fscalls.FileCalls, fscalls.FileCalls]:
+    """A held and a releasing set whose calls note in ``used`` which set served them; a held call
+    moves ``clock`` by ``took[name]`` seconds (default 10 us), or raises if that is an exception."""
+
+    def held(name: str) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            used.append(f"held {name}")
+            spent = took.get(name, 10e-6)
+            if isinstance(spent, BaseException):
+                raise spent
+            clock.now += spent
+            return 1
+
+        return call
+
+    def releasing(name: str) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            used.append(f"releasing {name}")
+            return 1
+
+        return call
+
+    names = fscalls.FileCalls._fields
+    return fscalls.FileCalls(*(held(n) for n in names)), fscalls.FileCalls(*(releasing(n) for n in names))
+
+
+def test_recent_mean_counts_a_rare_slow_call_as_bounded_and_follows_a_steady_one():
+    mean = 0.0
+    for _ in range(500):
+        mean = fscalls.recent_mean(mean, 5e-6)
+    assert mean == pytest.approx(5e-6, rel=1e-3)
+    after_outlier = fscalls.recent_mean(mean, 2.0)  # a 2 s call counts as 4 x the limit
+    assert after_outlier == pytest.approx(mean + (4 * fscalls.HOLD_MEAN_MAX_S - mean) * fscalls.HOLD_MEAN_WEIGHT)
+    assert not fscalls.held_too_long(after_outlier, 1e-3)
+    for _ in range(500):
+        mean = fscalls.recent_mean(mean, 3 * fscalls.HOLD_MEAN_MAX_S)
+    assert fscalls.held_too_long(mean, 1e-6)
+    assert fscalls.held_too_long(0.0, fscalls.HOLD_CALL_MAX_S * 1.01)
+    assert not fscalls.held_too_long(fscalls.HOLD_MEAN_MAX_S, fscalls.HOLD_CALL_MAX_S)
+
+
+def test_the_pause_doubles_while_calls_are_slow_again_soon_and_is_reset_after_a_quiet_while():
+    base, top = fscalls.HOLD_PAUSE_S, fscalls.HOLD_PAUSE_MAX_S
+    assert fscalls.pause_after(0.0, float("inf")) == base  # the first
+    assert fscalls.pause_after(base, 0.5) == 2 * base
+    assert fscalls.pause_after(2 * base, base - 0.1) == 4 * base
+    assert fscalls.pause_after(top, 0.0) == top
+    assert fscalls.pause_after(top, base) == base  # quick calls for a pause's length since
+
+
+def test_calls_keep_the_lock_while_quick_and_let_it_go_for_a_pause_after_a_slow_one():
+    clock, took, used = FakeClock(), {}, []
+    held, releasing = fake_sets(clock, took, used)
+    calls = fscalls.WhileQuick(held, releasing, clock).calls
+    calls.open("a", 0, 0o666)
+    calls.pwrite(3, b"x" * fscalls.HOLD_MAX_WRITE, 0)
+    calls.pwrite(3, b"x" * (fscalls.HOLD_MAX_WRITE + 1), 0)  # a large write lets it go anyway, untimed
+    calls.close(3)
+    calls.rename_new("a", "b")
+    calls.mkdir("d", 0o777)
+    assert used == ["held open", "held pwrite", "releasing pwrite", "held close", "held rename_new", "held mkdir"]
+
+    used.clear()
+    took["rename_new"] = fscalls.HOLD_CALL_MAX_S * 1.5  # one call waits: the calls after it let the lock go
+    calls.rename_new("a", "b")
+    slow_ended = clock.now
+    calls.open("a", 0, 0o666)
+    clock.now = slow_ended + fscalls.HOLD_PAUSE_S - 0.001
+    calls.close(3)
+    del took["rename_new"]
+    clock.now = slow_ended + fscalls.HOLD_PAUSE_S  # the pause is over: kept again
+    calls.close(3)
+    assert used == ["held rename_new", "releasing open", "releasing close", "held close"]
+
+
+def test_a_steady_mean_over_the_limit_lets_the_lock_go_and_a_failed_call_is_timed_too():
+    clock, took, used = FakeClock(), {"open": 2 * fscalls.HOLD_MEAN_MAX_S}, []
+    held, releasing = fake_sets(clock, took, used)
+    calls = fscalls.WhileQuick(held, releasing, clock).calls
+    for _ in range(200):
+        calls.open("a", 0, 0o666)
+    first_released = used.index("releasing open")
+    assert 10 < first_released < 200  # a few dozen such calls (each well under HOLD_CALL_MAX_S) lift the mean over the limit
+    assert set(used[first_released:]) == {"releasing open"}
+
+    clock2, used2 = FakeClock(), []
+    took2: dict[str, Any] = {"open": FileNotFoundError(errno.ENOENT, "no")}
+    held2, releasing2 = fake_sets(clock2, took2, used2)
+    calls2 = fscalls.WhileQuick(held2, releasing2, clock2).calls
+    with pytest.raises(FileNotFoundError):
+        calls2.open("a", 0, 0o666)
+    took2["open"] = fscalls.HOLD_CALL_MAX_S * 2
+    calls2.open("a", 0, 0o666)
+    calls2.open("a", 0, 0o666)
+    assert used2 == ["held open", "held open", "releasing open"]
+
+
+def test_slow_again_soon_after_a_pause_doubles_it():
+    clock, took, used = FakeClock(), {"open": fscalls.HOLD_CALL_MAX_S * 2}, []
+    held, releasing = fake_sets(clock, took, used)
+    calls = fscalls.WhileQuick(held, releasing, clock).calls
+    calls.open("a", 0, 0o666)  # slow: a pause of HOLD_PAUSE_S
+    clock.now += fscalls.HOLD_PAUSE_S
+    calls.open("a", 0, 0o666)  # kept again, and slow at once: twice as long
+    clock.now += fscalls.HOLD_PAUSE_S
+    calls.open("a", 0, 0o666)
+    clock.now += fscalls.HOLD_PAUSE_S
+    calls.open("a", 0, 0o666)
+    assert used == ["held open", "held open", "releasing open", "held open"]
 
 
 @pytest.mark.parametrize("size", [0, 1, 4096, fscalls.HOLD_MAX_WRITE, fscalls.HOLD_MAX_WRITE + 1, 3 * 2**20])
@@ -121,7 +265,7 @@ def test_a_folder_is_made_once(tmp_path, calls):
 
 
 @pytest.mark.parametrize("where", ["tmpfs", "tmp_path"])
-def test_a_cache_keeps_the_lock_on_a_memory_file_system_only(shm, tmp_path, where):
+def test_a_cache_chooses_its_calls_by_its_file_system(shm, tmp_path, where):
     root = shm / "c" if where == "tmpfs" else tmp_path / "c"
     cache = Cache(root, 2**20)
     assert cache.file_calls is fscalls.RELEASING  # until it is opened
@@ -129,7 +273,11 @@ def test_a_cache_keeps_the_lock_on_a_memory_file_system_only(shm, tmp_path, wher
     try:
         fstype = filesystem_at(str(root))
         assert fstype == "tmpfs" or where == "tmp_path"  # pytest's folder may be on tmpfs too
-        assert cache.file_calls is fscalls.file_calls_for(fstype)
+        if fstype in fscalls.MEMORY_FILESYSTEMS:
+            assert cache.file_calls is fscalls.HOLDING
+        else:
+            assert fstype in fscalls.LOCAL_FILESYSTEMS, f"pytest's folder is on {fstype!r}, not a local disk"
+            assert isinstance(cache.file_calls.open.__self__, fscalls.WhileQuick)  # type: ignore[attr-defined]
     finally:
         cache.close()
 
@@ -147,30 +295,79 @@ def counting(calls: fscalls.FileCalls, counts: Counter[str]) -> fscalls.FileCall
     return fscalls.FileCalls(*(count(name, call) for name, call in zip(fscalls.FileCalls._fields, calls, strict=True)))
 
 
-@pytest.mark.parametrize("items", ["files", "folders"])
-def test_a_pipeline_on_tmpfs_writes_and_publishes_every_item_whole_by_the_calls_that_keep_the_lock(shm, monkeypatch, items):
-    """Items of one byte to several parts: every part is written, and every item published, by
-    the calls that keep the lock; every ack deletes its item."""
-    counts: Counter[str] = Counter()
-    monkeypatch.setattr(fscalls, "HOLDING", counting(fscalls.HOLDING, counts))
+def _memory_items(items: str, sizes: list[int]) -> dict[str, bytes]:
+    """``memory://fscalls``: one item of each size (a folder of one file ``f`` for ``items``
+    "folders"); returns the bytes expected of each item by name."""
     fs = fsspec.filesystem("memory")
-    sizes = [1, 10, fscalls.HOLD_MAX_WRITE + 1, 3 * 2**20 + 7]  # the last in several 1 MiB parts
     expected = {}
     for i, size in enumerate(sizes):
-        key = f"fscalls/{i}" + ("/f" if items == "folders" else "")
         expected[str(i)] = os.urandom(size)
-        fs.pipe_file(f"/{key}", expected[str(i)])
+        fs.pipe_file(f"/fscalls/{i}" + ("/f" if items == "folders" else ""), expected[str(i)])
+    return expected
+
+
+def _consume_all(root: Path, items: str, **options: Any) -> tuple[dict[str, bytes], int]:
+    """Every item of ``memory://fscalls`` through a pipeline caching in ``root`` (more
+    ``options`` for it), read whole; checks each was deleted at its ack. Returns the bytes by
+    name, and the requests made."""
     try:
-        with Pipeline("memory://fscalls", shm / "c", "64MiB", items=items, part_size="1MiB") as pipe:
+        with Pipeline("memory://fscalls", root, "64MiB", items=items, **options) as pipe:
             got = {}
             for item in pipe:
                 got[item.name] = Path(item.path if items == "files" else item / "f").read_bytes()
-            assert got == expected
-            assert sorted(p.name for p in (shm / "c").iterdir()) == [".cachepipe"]  # each deleted at its ack
-            parts = pipe.stats().requests
-        assert parts > len(sizes)  # the last item came in several parts
-        assert counts["open"] == counts["close"] == parts and counts["pwrite"] >= parts
-        assert counts["rename_new"] == len(sizes)
-        assert counts["mkdir"] == (len(sizes) if items == "folders" else 0)  # a folder item's own folder
+            assert sorted(p.name for p in root.iterdir()) == [".cachepipe"]  # each deleted at its ack
+            return got, pipe.stats().requests
     finally:
-        fs.rm("/fscalls", recursive=True)
+        fsspec.filesystem("memory").rm("/fscalls", recursive=True)
+
+
+@pytest.mark.parametrize("items", ["files", "folders"])
+@pytest.mark.parametrize("where", ["tmpfs", "disk"])
+def test_a_pipeline_writes_and_publishes_every_item_whole_by_the_calls_that_keep_the_lock(
+    shm, tmp_path, monkeypatch, where, items
+):
+    """Items of one byte to several parts: every part is written, and every item published, by
+    the calls that keep the lock (on a disk, while they are quick: here they count as quick
+    whatever they take); every ack deletes its item."""
+    counts: Counter[str] = Counter()
+    monkeypatch.setattr(fscalls, "HOLDING", counting(fscalls.HOLDING, counts))
+    monkeypatch.setattr(fscalls, "HOLD_CALL_MAX_S", math.inf)  # a loaded machine's slow call must not decide here
+    monkeypatch.setattr(fscalls, "HOLD_MEAN_MAX_S", math.inf)
+    sizes = [1, 10, fscalls.HOLD_MAX_WRITE + 1, 3 * 2**20 + 7]  # the last in several 1 MiB parts
+    expected = _memory_items(items, sizes)
+    root = (shm if where == "tmpfs" else tmp_path) / "c"
+    got, parts = _consume_all(root, items, part_size="1MiB")
+    assert got == expected
+    assert parts > len(sizes)  # the last item came in several parts
+    assert counts["open"] == counts["close"] == parts
+    if where == "tmpfs":
+        assert counts["pwrite"] >= parts
+    else:  # a write of over HOLD_MAX_WRITE lets the lock go anyway, not through HOLDING
+        assert counts["pwrite"] >= 2  # the items of 1 and 10 bytes, and any small piece of a part
+    assert counts["rename_new"] == len(sizes)
+    assert counts["mkdir"] == (len(sizes) if items == "folders" else 0)  # a folder item's own folder
+
+
+def test_on_a_disk_a_slow_call_makes_the_calls_after_it_let_the_lock_go(tmp_path, monkeypatch):
+    """The first create waits longer than HOLD_CALL_MAX_S (delayed at the C library, keeping the
+    lock): every later call of the pipeline goes through :mod:`os` for the pause, and every item
+    arrives whole. One download thread makes every call, one after another."""
+    assert filesystem_at(str(tmp_path)) not in fscalls.MEMORY_FILESYSTEMS, "pytest's folder is on tmpfs"
+    held: Counter[str] = Counter()
+    c_open, opens = fscalls._held.open, []
+    usleep = fscalls.holding_function("usleep", [ctypes.c_uint], ctypes.c_int)  # waits keeping the lock, as a slow call would
+
+    def slow_first_open(*args: Any) -> int:
+        opens.append(args)
+        if len(opens) == 1:
+            usleep(int(2e6 * fscalls.HOLD_CALL_MAX_S))
+        return int(c_open(*args))
+
+    monkeypatch.setattr(fscalls, "_held", SimpleNamespace(**{**vars(fscalls._held), "open": slow_first_open}))
+    monkeypatch.setattr(fscalls, "HOLDING", counting(fscalls.HOLDING, held))
+    expected = _memory_items("files", [1] * 20)
+    got, parts = _consume_all(tmp_path / "c", "files", max_concurrency=1)
+    assert got == expected
+    assert parts == 20
+    assert held == Counter({"open": 1})  # the slow create; its write, close and publish, and every later call, by os
+    assert len(opens) == 1
