@@ -54,7 +54,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from common import command_line, format_table, machine_info, progress, provenance_lines
+from common import command_line, file_system_of, format_table, machine_info, progress, provenance_lines
 
 from cachepipe import Pipeline
 from cachepipe.stores.base import ObjectInfo
@@ -296,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds: sys.setswitchinterval in every measuring process (default: Python's, 0.005); "
         "how often a thread that runs Python is made to let the interpreter's lock go to a waiting one",
     )
+    p.add_argument(
+        "--disk",
+        default=tempfile.gettempdir(),
+        help="folder on the disk to measure (default: the temporary folder); its file system is reported",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -303,8 +308,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--switch-interval must be a finite number of seconds, at least 1e-6, not {args.switch_interval}")
     if args.quick:
         args.handoff, args.catalog, args.consume, args.limit, args.repeats = 300, 5_000, 200, 120, 1
-    disk = tempfile.gettempdir()
-    places = [("disk", disk)] + ([("tmpfs", "/dev/shm")] if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else [])
+    if not os.path.isdir(args.disk) or not os.access(args.disk, os.W_OK):
+        p.error(f"--disk must be a writable folder, not {args.disk!r}")
+    shm = "/dev/shm"  # tmpfs on every Linux
+    places = [("disk", args.disk)] + ([("tmpfs", shm)] if os.path.isdir(shm) and os.access(shm, os.W_OK) else [])
     import cachepipe
 
     report: dict[str, Any] = {
@@ -312,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": date.today().isoformat(),
         "machine": machine_info(),
         "versions": {"cachepipe": cachepipe.__version__},
+        "places": {label: {"path": where, "file_system": file_system_of(where)} for label, where in places},
         "handoff": {},
         "split": {},
         "catalog": {},
@@ -401,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(title)
         if args.switch_interval is not None:
             lines.append(f"(every measuring process ran with sys.setswitchinterval({args.switch_interval:g}))")
+        lines.append("; ".join(f"{label}: {p['path']} ({p['file_system']})" for label, p in report["places"].items()))
         lines += [
             *format_table(["cache on", "items", "consumer", "items/s", "CPU us/item", "fs floor items/s", "x floor"], rows),
             "",

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cachepipe import fscalls
 from cachepipe.stores.base import FIRST_PAGE_KEYS
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_pipeline.py"
@@ -67,10 +68,10 @@ def test_retention_through_the_pipeline_benchmark_runs():
     assert "auto" in proc.stdout and "MIN" in proc.stdout
 
 
-def test_core_benchmark_reports_handoff_and_catalog():
+def test_core_benchmark_reports_handoff_and_catalog(tmp_path):
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_core.py"
     proc = subprocess.run(
-        [sys.executable, str(script), "--quick", "--split", "--switch-interval", "0.02", "--json"],
+        [sys.executable, str(script), "--quick", "--split", "--switch-interval", "0.02", "--disk", str(tmp_path), "--json"],
         capture_output=True,
         text=True,
         timeout=180,
@@ -78,6 +79,8 @@ def test_core_benchmark_reports_handoff_and_catalog():
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)
+    assert report["places"]["disk"]["path"] == str(tmp_path)
+    assert report["places"]["disk"]["file_system"].split(",")[0] in fscalls.LOCAL_FILESYSTEMS  # as the cache chose its calls
     assert {(r["cache_on"], r["shape"], r["batch"]) for r in report["handoff"].values()} >= {
         ("disk", shape, batch) for shape in ("folders", "files") for batch in (1, 64)
     }
