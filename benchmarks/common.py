@@ -340,24 +340,22 @@ def machine_info() -> dict[str, Any]:
 
 
 def file_system_of(path: str) -> str:
-    """What holds the folder ``path``: its file system type, and for ext3/ext4 whether it has a
-    journal (``/proc/fs/jbd2`` lists the devices that do; an ext4 made without one has the kernel
-    check, at every create, that the inode it reuses was not deleted moments ago); "?" if unknown."""
+    """What holds the folder ``path``: its file system type as the cache sees it
+    (:func:`cachepipe.fscalls.filesystem_at`), and for ext3/ext4 whether it has a journal
+    (``/proc/fs/jbd2`` lists the block devices, by their kernel names, that have one; an ext4
+    made without one checks at every create that the inode it reuses was not deleted moments
+    ago); "?" if unknown."""
+    from cachepipe.fscalls import filesystem_at
+
+    kind = filesystem_at(path)
+    if kind not in ("ext3", "ext4"):
+        return kind or "?"
     try:
         dev = os.stat(path).st_dev
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            mounts = f.read().splitlines()
+        name = os.path.basename(os.path.realpath(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"))
     except OSError:
-        return "?"
-    for line in mounts:
-        fields, _, tail = line.partition(" - ")
-        if fields.split(" ")[2:3] == [f"{os.major(dev)}:{os.minor(dev)}"]:
-            kind, source = [*tail.split(" "), "", ""][:2]
-            if kind in ("ext3", "ext4"):
-                journaled = os.path.exists(f"/proc/fs/jbd2/{os.path.basename(source)}-8")
-                return f"{kind}, {'journaled' if journaled else 'no journal'}"
-            return kind or "?"
-    return "?"
+        return kind
+    return f"{kind}, {'journaled' if os.path.exists(f'/proc/fs/jbd2/{name}-8') else 'no journal'}"
 
 
 def provenance_lines(report: Mapping[str, Any]) -> list[str]:

@@ -4,7 +4,7 @@
 ``pwrite``, ``rename``, ``replace``, ``unlink``, ``rmdir``, ``mkdir``, ``ftruncate``, ``fsync``, and ``open``
 with ``O_CREAT``), and on the ``renameat2`` that publishes an item (:func:`cachepipe.fscalls.rename_new`,
 logged as a ``rename``), and on the C library's functions that :data:`cachepipe.fscalls.HOLDING`
-calls for a cache on tmpfs (named as their ``os`` namesakes), for calls made by the thread that
+calls for a cache on tmpfs or a local disk (named as their ``os`` namesakes), for calls made by the thread that
 entered it. cachepipe's cache, journal and
 deletions reach the disk only through these (the journal's atomic rewrite too), so every state
 change of the cache directory is one numbered *mutation*. A :class:`Fault` picks one of them:
@@ -73,7 +73,7 @@ class CrashFs:
         if self._native is not None:  # the publish rename's system call, made through ctypes
             fscalls._renameat2 = self._wrap_c("rename", self._native)
         self._held = fscalls._held
-        if self._held is not None:  # the C functions behind fscalls.HOLDING (a cache on tmpfs)
+        if self._held is not None:  # the C functions behind fscalls.HOLDING (a cache on tmpfs or a local disk)
             fscalls._held = self._wrap_held(self._held)
         return self
 

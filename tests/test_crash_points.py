@@ -328,8 +328,9 @@ SHM = "/dev/shm"  # noqa: S108 - tmpfs on every Linux: the memory file system ca
 @example(program=["stage", "stage", "fetch", "publishall", "ack0", "stage", "stage", "publishall", "ackall", "drop", "fetch"])
 @pytest.mark.parametrize("where", ["disk", "tmpfs"])
 def test_every_crash_point_recovers(tmp_path_factory, retain, program, where):
-    """On tmpfs the cache stages and publishes through the calls that keep the interpreter's lock
-    (``fscalls.HOLDING``), which CrashFs wraps too."""
+    """On tmpfs and on a local disk the cache stages and publishes through the calls that keep
+    the interpreter's lock (``fscalls.HOLDING``, on a disk while they are quick), which CrashFs
+    wraps too."""
     if where == "disk":
         explore(tmp_path_factory.mktemp("crash"), program, retain)
         return

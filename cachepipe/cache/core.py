@@ -38,7 +38,7 @@ from .. import state
 from ..catalog import Catalog, Item
 from ..config import Share
 from ..errors import ConfigError, OversizeError
-from ..fscalls import RELEASING, FileCalls, file_calls_for, filesystem_at
+from ..fscalls import RELEASING, FileCalls, file_calls_for, filesystem_at, rename_new
 from ..removal import delete_tree, tree_bytes
 from ..retention import RetentionPolicy
 from .eviction import REAP_MIN_BYTES, Eviction
@@ -557,9 +557,11 @@ class Cache:
             for path, item, size in staged:
                 final = f"{self._root}/{item.name}"
                 try:
-                    if "/" in item.name:  # a nested single-file item: its folders
-                        os.makedirs(final.rpartition("/")[0], exist_ok=True)
-                    self.file_calls.rename_new(os.fspath(path), final)  # never over anything in the way
+                    if "/" in item.name:  # a nested single-file item: its folders; the lookup may leave
+                        os.makedirs(final.rpartition("/")[0], exist_ok=True)  # this file system: let the lock go
+                        rename_new(os.fspath(path), final)
+                    else:
+                        self.file_calls.rename_new(os.fspath(path), final)  # never over anything in the way
                 except FileExistsError as exc:
                     self.record.dropped(item.name)  # its intent withdrawn: what is in the way is not ours
                     got.append(
