@@ -155,12 +155,12 @@ class ServedItem(PathItem):
         pipeline: the name of the pipeline it came from.
     """
 
-    __slots__ = ("files", "lease", "name", "path", "pipeline", "size")
+    __slots__ = ("files", "lease", "name", "pipeline", "size")
 
     def __init__(
         self, path: str | os.PathLike[str], name: str, lease: str, size: int = 0, files: tuple[str, ...] = (), pipeline: str = ""
     ) -> None:
-        self.path = Path(path)
+        super().__init__(path)
         self.name = name
         self.lease = lease
         self.size = size
@@ -177,14 +177,14 @@ class ServedItem(PathItem):
         return {
             "pipeline": self.pipeline,
             "name": self.name,
-            "path": str(self.path),
+            "path": self._local,
             "lease": self.lease,
             "size": self.size,
             "files": list(self.files),
         }
 
     def __repr__(self) -> str:
-        return f"ServedItem({str(self.path)!r}, lease={self.lease!r})"
+        return f"ServedItem({self._local!r}, lease={self.lease!r})"
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, ServedItem):
@@ -468,7 +468,7 @@ class Client:
             self._raise_for(status, data)
 
     def _take(self, timeout: float | None, ack: ServedItem | None) -> ServedItem | None:
-        acks = None if ack is None else {"ack": {"path": str(ack.path), "lease": ack.lease}}
+        acks = None if ack is None else {"ack": {"path": str(ack), "lease": ack.lease}}
         reply = self._next(timeout, acks, self.markers)
         return None if reply is None else ServedItem.from_json(reply)
 

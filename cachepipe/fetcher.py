@@ -27,10 +27,12 @@ for it: the threads keep the bookkeeping, the workers the request path.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
 import math
+import os
 import random
 import shutil
 import threading
@@ -126,7 +128,7 @@ class Started(Generic[J]):
     job: J
     size: int  # the item's bytes
     turn: int  # its place in hand-out order: turn - served items are ahead of it
-    todo: deque[tuple[FileEntry, Path, int]]  # files (or their rest) not yet requested: entry, local path, next offset
+    todo: deque[tuple[FileEntry, str, int]]  # files (or their rest) not yet requested: entry, local path, next offset
     small: bool  # every file of at most HEAD_MIN_PART: its requests do not count against max_large_requests
     running: int = 0
 
@@ -143,7 +145,7 @@ class PartQueue(Generic[J]):
         self.concurrency = concurrency
         self._started: deque[Started[J]] = deque()  # with bytes not yet requested, in the order they started
 
-    def add(self, job: J, size: int, turn: int, files: Iterable[tuple[FileEntry, Path]]) -> Started[J] | None:
+    def add(self, job: J, size: int, turn: int, files: Iterable[tuple[FileEntry, str]]) -> Started[J] | None:
         """Queue an item's files (those of 0 bytes need no request) in its turn: after the items
         of earlier turns, before those of later ones (an item restarted after a disk error or an
         ETag mismatch keeps its place). None if nothing is to fetch."""
@@ -161,7 +163,7 @@ class PartQueue(Generic[J]):
         """The earliest started item with bytes not yet requested, or None."""
         return self._started[0] if self._started else None
 
-    def take(self, served: int, part_size: int, large: bool = True) -> tuple[Started[J], FileEntry, Path, int, int] | None:
+    def take(self, served: int, part_size: int, large: bool = True) -> tuple[Started[J], FileEntry, str, int, int] | None:
         """The next part: from the earliest started item with bytes not yet requested, of
         :func:`item_part_size` for the items ahead of it now (``served``: see
         :meth:`cachepipe.broker.Broker.served`) and at most ``part_size`` bytes; None if every
@@ -211,7 +213,7 @@ _DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
 class _Job:
     seq: int
     item: Item
-    staged: Path
+    staged: str  # its staging path (a folder, or a file for single-object items)
     turn: int  # its place in hand-out order (see PartQueue)
     extra: int = 0  # bytes reserved beside the item's own for unpack/prepare (fixed when reserved)
     error: BaseException | None = None
@@ -221,7 +223,7 @@ class _Job:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-_Part = tuple[Started[_Job], FileEntry, Path, int, int]
+_Part = tuple[Started[_Job], FileEntry, str, int, int]
 """A part taken from the queue (:meth:`PartQueue.take`): its item, file, local path and range."""
 
 
@@ -259,7 +261,7 @@ class Fetcher:
     """
 
     def __init__(
-        self, store: Store, cache: Cache, broker: Broker[Path], plan: Iterable[Sequence[Planned]], config: PipelineConfig
+        self, store: Store, cache: Cache, broker: Broker[str], plan: Iterable[Sequence[Planned]], config: PipelineConfig
     ) -> None:
         self._store = store
         self._cache = cache
@@ -387,7 +389,7 @@ class Fetcher:
             return False
         if got is not True:  # on disk already: recovered at open, or retained
             self._begin(seq)
-            self._broker.put(seq, item.name, got)
+            self._broker.put(seq, item.name, os.fspath(got))
             self.counters.add(items_adopted=1)
             return True
         self.counters.add(producer_wait_seconds=time.monotonic() - waited)
@@ -439,7 +441,7 @@ class Fetcher:
             try:
                 staged = self._cache.stage(item, self._min_part)
             except OSError as exc:
-                unstaged = self._cache.staging_root / "unstaged"
+                unstaged = f"{self._cache.staging_root}/unstaged"
                 self._retry_disk_error(_Job(seq, item, unstaged, turn, extra, attempt=attempt), exc)
                 continue
             jobs.append(_Job(seq, item, staged, turn, extra, attempt=attempt))
@@ -447,7 +449,7 @@ class Fetcher:
         with self._parts_lock:
             for job in jobs:
                 item, staged = job.item, job.staged
-                files = ((f, staged if item.is_file else staged / f.rel) for f in item.files)
+                files = ((f, staged if item.is_file else f"{staged}/{f.rel}") for f in item.files)
                 started = self._parts.add(job, item.size, job.turn, files)
                 if started is None:
                     empty.append(job)
@@ -618,7 +620,7 @@ class Fetcher:
             self._finish_or_report(job)
 
     def _get_with_retries(
-        self, job: _Job, f: FileEntry, local: Path, start: int, end: int, before_backoff: Callable[[], None] | None = None
+        self, job: _Job, f: FileEntry, local: str, start: int, end: int, before_backoff: Callable[[], None] | None = None
     ) -> None:
         """Request one part, retrying transient errors with backoff (``before_backoff`` is called
         once, before the first); an error is recorded on the job (``error``, or ``disk_error``
@@ -630,9 +632,9 @@ class Fetcher:
             try:
                 whole = start == 0 and end == f.size  # one part: the file is created here, not by stage()
                 if self._workers is not None:
-                    got = self._workers.get(f.key, str(local), start, end, whole)
+                    got = self._workers.get(f.key, local, start, end, whole)
                 else:
-                    got = get_part(self._store, f.key, str(local), start, end, whole, self._cache.file_calls)
+                    got = get_part(self._store, f.key, local, start, end, whole, self._cache.file_calls)
                 self.counters.add(requests=1, bytes_downloaded=got)
                 if got != end - start:
                     raise VerificationError(f"{f.key}: short body, {got} of {end - start} bytes at offset {start}")
@@ -769,11 +771,11 @@ class Fetcher:
     def _prepare_and_publish(self, job: _Job) -> None:
         """Unpack and/or run the prepare hook on a verified staged item, measure it, publish it
         (prepare pool). The extraction may add at most ``job.extra`` bytes beside the archives."""
-        item, reserved = job.item, job.item.size + job.extra
+        item, reserved, staged = job.item, job.item.size + job.extra, Path(job.staged)
         try:
             if self._cfg.unpack:
                 unpack_in_place(
-                    job.staged,
+                    staged,
                     name=item.name,
                     limit_bytes=job.extra,
                     max_members=DEFAULT_MAX_MEMBERS,
@@ -783,8 +785,8 @@ class Fetcher:
                 if self._stop.is_set():
                     return  # closing: the cache removes staging wholesale; the hook is not run
             if self._cfg.prepare is not None:
-                self._cfg.prepare(job.staged)
-            used = tree_bytes(job.staged) if job.staged.is_dir() else job.staged.stat().st_size
+                self._cfg.prepare(staged)
+            used = tree_bytes(staged) if staged.is_dir() else staged.stat().st_size
             if used > reserved:
                 raise PrepareOverflowError(
                     f"prepare wrote item {item.name!r} up to {used} bytes, more than the {reserved} reserved "
@@ -792,7 +794,7 @@ class Fetcher:
                 )
             if self._stop.is_set():
                 return
-            path = self._cache.publish(job.staged, item, reserved=used, verified=True)
+            path = self._cache.publish(staged, item, reserved=used, verified=True)
             self._cache.unreserve(reserved - used)
         except Exception as exc:  # noqa: BLE001 - unpack, the prepare hook (user code) or publish failed: the item's failure
             if self._stop.is_set():
@@ -829,13 +831,14 @@ class Fetcher:
         self._broker.fail(seq, item.name, failure)
 
 
-def _rmtree_quiet(path: Path) -> None:
+def _rmtree_quiet(path: str) -> None:
     """Remove a staging path; a failure is logged (the next open removes staging anyway)."""
     try:
-        if path.is_dir():
+        if os.path.isdir(path):
             shutil.rmtree(path)
         else:
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
     except OSError as exc:
         log.warning("could not remove staging %s: %s", path, exc)
 
@@ -850,7 +853,7 @@ def _etag_mismatch(job: _Job) -> VerificationError | None:
         if len(etag) != 32 or any(c not in "0123456789abcdef" for c in etag):
             continue
         digest = hashlib.md5(usedforsecurity=False)
-        with open(job.staged / f.rel if f.rel else job.staged, "rb") as fh:
+        with open(f"{job.staged}/{f.rel}" if f.rel else job.staged, "rb") as fh:
             while chunk := fh.read(1 << 20):
                 digest.update(chunk)
         if digest.hexdigest() != etag:

@@ -11,17 +11,29 @@ __all__ = ["PathItem"]
 class PathItem(os.PathLike[str]):
     """An item usable wherever a path is: ``open(item / "text.txt")``, ``os.fspath(item)``.
 
-    Subclasses set ``path`` (a :class:`~pathlib.Path`) and add their own attributes.
+    Subclasses call ``__init__`` with the local path and add their own attributes. The
+    :class:`~pathlib.Path` of :attr:`path` is made on first use: many items are handed on as
+    strings only (``os.fspath``), and making one costs a few microseconds per item.
     """
 
-    __slots__ = ()
-    path: Path
+    __slots__ = ("_local", "_path")
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._local = os.fspath(path)
+        self._path: Path | None = None
+
+    @property
+    def path(self) -> Path:
+        """The local path (a folder, or a file for single-object items)."""
+        if self._path is None:
+            self._path = Path(self._local)
+        return self._path
 
     def __fspath__(self) -> str:
-        return str(self.path)
+        return self._local
 
     def __truediv__(self, other: str | os.PathLike[str]) -> Path:
         return self.path / other
 
     def __str__(self) -> str:
-        return str(self.path)
+        return self._local

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -46,10 +45,10 @@ class LaneItem(PathItem):
         next: the position after it (what to ask for next, and to save in a checkpoint).
     """
 
-    __slots__ = ("cursor", "files", "name", "next", "path", "size")
+    __slots__ = ("cursor", "files", "name", "next", "size")
 
     def __init__(self, data: dict[str, Any]) -> None:
-        self.path = Path(data["path"])
+        super().__init__(str(data["path"]))
         self.name = str(data["name"])
         self.size = int(data["size"])
         self.files = tuple(data["files"])
@@ -57,7 +56,7 @@ class LaneItem(PathItem):
         self.next = Cursor(*(int(x) for x in data["next"]))
 
     def __repr__(self) -> str:
-        return f"LaneItem({str(self.path)!r}, cursor={tuple(self.cursor)})"
+        return f"LaneItem({self._local!r}, cursor={tuple(self.cursor)})"
 
 
 class JobClient:

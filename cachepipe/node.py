@@ -35,7 +35,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from .broker import Broker, Closed, Failed, FailureKind
@@ -62,7 +61,7 @@ class _Planned:
     step: Step
     tick: int
     item: Item
-    value: Path | Failed | None = None  # None: downloading
+    value: str | Failed | None = None  # None: downloading; its path once on disk
     handed: bool = False
 
     @property
@@ -88,7 +87,7 @@ class Taken:
     after: Cursor
 
 
-class LaneQueues(Broker[Path]):
+class LaneQueues(Broker[str]):
     """The fetcher's hand-out for a node: each planned step belongs to one lane.
 
     Bookkeeping only, under one condition variable, like :class:`~cachepipe.broker.Broker`
@@ -126,7 +125,7 @@ class LaneQueues(Broker[Path]):
                 self._busy[got.step.item] += 1
             yield [(seq, planned.item, planned.tick)]
 
-    def put_many(self, ready: Sequence[tuple[int, str, Path]]) -> None:
+    def put_many(self, ready: Sequence[tuple[int, str, str]]) -> None:
         self._arrive([(seq, value) for seq, _name, value in ready])
 
     def fail(self, seq: int, name: str, error: BaseException, begun: bool = True, kind: FailureKind = "item") -> None:
@@ -137,7 +136,7 @@ class LaneQueues(Broker[Path]):
             return
         self._arrive([(seq, Failed(seq, name, error, kind))])
 
-    def _arrive(self, arrivals: Sequence[tuple[int, Path | Failed]]) -> None:
+    def _arrive(self, arrivals: Sequence[tuple[int, str | Failed]]) -> None:
         """Items (or failures) of planned steps are ready: one lock round, one wake-up."""
         stale: list[_Planned] = []
         with self._cond:
@@ -430,7 +429,7 @@ class NodePipeline(Pipeline):
             self._count("handed")
             size += planned.item.size
             value = planned.value
-            if not isinstance(value, Path):  # ready() returns only items on disk
+            if not isinstance(value, str):  # ready() returns only items on disk
                 raise TypeError(f"lane {rank}.{worker}: step {at} handed out before it was on disk")
             item = CachedItem(value, planned.item, f"{rank}.{worker}@{at.epoch}.{at.index}")
             got.append(Taken(item, at, queues.schedule.after(lane, planned.step)))

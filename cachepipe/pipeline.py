@@ -57,10 +57,10 @@ class CachedItem(PathItem):
             lease expired cannot evict the item from under the next one.
     """
 
-    __slots__ = ("_first", "_gone", "files", "lease", "name", "path", "size")
+    __slots__ = ("_first", "_gone", "files", "lease", "name", "size")
 
-    def __init__(self, path: Path, item: Item, lease: str = "") -> None:
-        self.path = path
+    def __init__(self, path: str | os.PathLike[str], item: Item, lease: str = "") -> None:
+        super().__init__(path)
         self.name = item.name
         self.size = item.size
         self.files = tuple(f.rel for f in item.files)
@@ -70,7 +70,7 @@ class CachedItem(PathItem):
 
     def __fspath__(self) -> str:
         self._check()
-        return str(self.path)
+        return self._local
 
     def __truediv__(self, other: str | os.PathLike[str]) -> Path:
         self._check()
@@ -82,11 +82,11 @@ class CachedItem(PathItem):
                 errno.ENOENT,
                 f"item {self.name!r} was {self._gone}: its files are deleted; read an item before it is acknowledged "
                 "(auto_ack: before the loop asks for the next) and copy out what must outlive it",
-                str(self.path),
+                self._local,
             )
 
     def __repr__(self) -> str:
-        return f"CachedItem({str(self.path)!r}, size={self.size})"
+        return f"CachedItem({self._local!r}, size={self.size})"
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, CachedItem):
@@ -207,7 +207,7 @@ class Pipeline:
             cfg = self.config
             store = self._given_store or open_store(cfg.source, cfg.storage_options)
             cache = Cache(cfg.cache_dir, cfg.capacity)
-            broker: Broker[Path] = Broker(ordered=cfg.ordered, lease_timeout=cfg.lease_timeout)
+            broker: Broker[str] = Broker(ordered=cfg.ordered, lease_timeout=cfg.lease_timeout)
             fetcher: Fetcher | None = None
             try:
                 cache.open()
@@ -746,7 +746,7 @@ class Pipeline:
             return path.name, lease or path.lease, path
         return self._name_of(path), lease, path
 
-    def _lease(self, path: str | os.PathLike[str], verb: str, lease: str | None) -> Lease[Path]:
+    def _lease(self, path: str | os.PathLike[str], verb: str, lease: str | None) -> Lease[str]:
         self._require_open()
         name, lease, _path = self._lease_key(path, lease)
         action = {"release": self._broker.release, "renew": self._broker.renew}[verb]

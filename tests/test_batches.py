@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import time
+from pathlib import Path
 from typing import BinaryIO
 
 import fsspec
@@ -158,9 +159,9 @@ def test_the_planner_leaves_an_item_recovered_or_shelved_to_acquire(files_cache)
     cache, item = files_cache
     a, b = item("a", 10), item("b", 10)
     assert cache.acquire_many([(a, 0)]) == 1
-    staged = cache.stage(a)
+    staged = Path(cache.stage(a))
     staged.write_bytes(b"x" * 10)
-    path = cache.publish(staged, a)
+    path = Path(cache.publish(staged, a))
     cache.shelve("a")  # a lane moved away from it: on disk, for the step that reaches it again
     assert cache.acquire_many([(b, 0)]) == 0  # a recovered copy may be in the way: acquire() decides
     assert cache.acquire(a) == path  # handed over, not fetched again

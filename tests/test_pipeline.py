@@ -40,6 +40,8 @@ def test_delivers_every_item_complete_and_in_order(source, tmp_path):
     ) as pipe:
         for path in pipe:
             assert isinstance(path, CachedItem) and Path(path).is_dir()
+            assert isinstance(path.path, Path) and path.path is path.path  # made once, on first use
+            assert os.fspath(path) == str(path) == str(path.path)
             assert path.path.parent == cache.absolute()
             assert path.size == sum(len(b) for b in data[path.name].values())
             assert set(path.files) == set(data[path.name])

@@ -178,7 +178,7 @@ def test_only_a_few_threads_delete_acknowledged_items_at_once(where, tmp_path):
             cache.recover(catalog, resume=False)
             for step, item in enumerate(catalog):
                 assert cache.acquire(item, step) is True
-                staged = cache.stage(item)
+                staged = Path(cache.stage(item))
                 (staged / "f").write_bytes(b"x" * 10)
                 cache.publish(staged, item)
             start = threading.Barrier(8, timeout=30)
@@ -232,7 +232,7 @@ def test_close_waits_for_the_deletion_of_items_acknowledged_before(tmp_path):
     cache.recover(catalog, resume=False)
     item = catalog[0]
     assert cache.acquire(item, 0) is True
-    staged = cache.stage(item)
+    staged = Path(cache.stage(item))
     (staged / "f").write_bytes(b"x" * 10)
     cache.publish(staged, item)
     acker, closer = threading.Thread(target=ack), threading.Thread(target=cache.close)

@@ -4,6 +4,7 @@ cache's retention path on a real directory (the last test)."""
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -446,7 +447,7 @@ def test_a_fetch_waits_while_the_items_earlier_copy_is_deleted(tmp_path):
         cache.use_retention(make_policy("auto", [a.size, b.size], _NeverAgain()), ["a", "b"], 0)
         for step, item in enumerate((a, b)):
             assert cache.acquire(item, step) is True
-            staged = cache.stage(item)
+            staged = Path(cache.stage(item))
             for f in item.files:
                 (staged / f.rel).write_bytes(b"x" * f.size)
             cache.publish(staged, item)
@@ -455,7 +456,7 @@ def test_a_fetch_waits_while_the_items_earlier_copy_is_deleted(tmp_path):
         wait_until(lambda: not cache.record.published)  # both acknowledged, neither kept; "a" is being deleted
         assert cache.acquire(b, 2) is True  # the next read of "b"
         assert not (tmp_path / "c" / "b").exists()  # its earlier copy was gone before this one was admitted
-        staged = cache.stage(b)
+        staged = Path(cache.stage(b))
         (staged / "x").write_bytes(b"y" * 10)
         cache.publish(staged, b)
         acks.join()

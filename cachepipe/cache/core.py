@@ -511,21 +511,24 @@ class Cache:
             return next(reversed(self._recovered))
 
     # ---- staging and publish ---------------------------------------------------------
-    def stage(self, item: Item, part_size: int | None = None) -> Path:
-        """Create the staging area for ``item`` (see :meth:`.staging.Staging.stage`)."""
+    def stage(self, item: Item, part_size: int | None = None) -> str:
+        """Create the staging area for ``item``; its path (see :meth:`.staging.Staging.stage`)."""
         return self._staging.stage(item, part_size, self.file_calls)
 
     def item_path(self, item: Item) -> Path:
         """Where ``item`` is (or will be) published."""
         return self.root / item.name
 
-    def publish(self, staged: Path, item: Item, reserved: int | None = None, verified: bool = False) -> Path:
+    def publish(self, staged: str | Path, item: Item, reserved: int | None = None, verified: bool = False) -> str:
         """Verify sizes (unless ``verified``), then atomically rename the staged item into place:
         journal the intent ("I"), rename (never over anything in the way), journal the result
         ("P"; an intent that came to nothing, "D").
 
         Args:
             reserved: the bytes reserved for it, released at eviction (default: its listed size).
+
+        Returns:
+            The item's path, a string (as :meth:`stage`'s).
 
         Raises:
             VerificationError: a file's size differs from the listing.
@@ -540,7 +543,7 @@ class Cache:
             raise got
         return got
 
-    def publish_many(self, staged: Sequence[tuple[Path, Item, int]]) -> list[Path | OSError]:
+    def publish_many(self, staged: Sequence[tuple[str | Path, Item, int]]) -> list[str | OSError]:
         """:meth:`publish` for each ``(staged path, item, bytes reserved)`` whose files are
         verified, under one lock round, the intents journaled by one write.
 
@@ -551,7 +554,7 @@ class Cache:
         Raises:
             OSError: the intents could not be journaled (a full disk): nothing was published.
         """
-        got: list[Path | OSError] = []
+        got: list[str | OSError] = []
         with self._cond, self._eviction.folders:
             self.record.publishing_many([item.name for _staged, item, _size in staged])
             for path, item, size in staged:
@@ -580,7 +583,7 @@ class Cache:
                 if item.size < REAP_MIN_BYTES:
                     self._small[item.name] = None if item.is_file else _flat_names(item)
                 self._fresh.add(item.name)
-                got.append(Path(final))
+                got.append(final)
         return got
 
     def first_hand_out(self, name: str) -> bool:
@@ -594,7 +597,7 @@ class Cache:
             return False
         return True
 
-    def discard(self, staged: Path, size: int, name: str) -> None:
+    def discard(self, staged: str | Path, size: int, name: str) -> None:
         """Delete a staging area, release its reservation and the claim on ``name``. Bytes that
         could not be deleted (logged, not raised) count as foreign until the next open clears
         staging, as for an acknowledged item that could not be deleted."""

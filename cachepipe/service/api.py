@@ -134,7 +134,7 @@ def item_json(pipeline: str, item: CachedItem) -> dict[str, Any]:
     return {
         "pipeline": pipeline,
         "name": item.name,
-        "path": str(item.path),
+        "path": str(item),  # the path, as a string (no Path made)
         "lease": item.lease,
         "size": item.size,
         "files": list(item.files),
@@ -322,7 +322,7 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             log.info("%s: consumer went away before receiving %s; released", name, ", ".join(i.name for i in items))
             for item in items:
-                daemon.finish("release", str(item.path), item.lease)
+                daemon.finish("release", str(item), item.lease)
             raise
 
     def _job(self, daemon: Service, name: str, body: dict[str, Any]) -> int:
@@ -488,7 +488,7 @@ def _taken_json(job: str, taken: Taken) -> dict[str, Any]:
     return {
         "job": job,
         "name": item.name,
-        "path": str(item.path),
+        "path": str(item),  # the path, as a string (no Path made)
         "size": item.size,
         "files": list(item.files),
         "epoch": taken.cursor.epoch,
