@@ -174,7 +174,7 @@ def run_one_thread(n: int, where: str, shape: str, batch: int) -> dict[str, Any]
         cache = Cache(Path(d) / "c", 64 * 2**20)
         cache.open()
         cache.recover(Catalog(mode=shape), resume=False)  # type: ignore[arg-type]
-        broker: Broker[Path] = Broker()
+        broker: Broker[str] = Broker()
         t0, c0, s0 = time.perf_counter(), _cpu(), _switches()
         for first in range(0, n, batch):
             for seq in range(first, min(n, first + batch)):

@@ -13,13 +13,21 @@ class PathItem(os.PathLike[str]):
 
     Subclasses call ``__init__`` with the local path and add their own attributes. The
     :class:`~pathlib.Path` of :attr:`path` is made on first use: many items are handed on as
-    strings only (``os.fspath``), and making one costs a few microseconds per item.
+    strings only (``os.fspath``), and making one costs a few microseconds per item. ``str(item)``
+    and ``os.fspath(item)`` give the path as it was given (cachepipe gives absolute, normal ones);
+    :attr:`path` is its ``Path``.
+
+    Raises:
+        TypeError: ``path`` is not a string or a path-like of one.
     """
 
     __slots__ = ("_local", "_path")
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self._local = os.fspath(path)
+        local = os.fspath(path)
+        if not isinstance(local, str):
+            raise TypeError(f"an item's path must be a string or a path-like of one, not {path!r}")
+        self._local = local
         self._path: Path | None = None
 
     @property

@@ -48,7 +48,7 @@ class LaneItem(PathItem):
     __slots__ = ("cursor", "files", "name", "next", "size")
 
     def __init__(self, data: dict[str, Any]) -> None:
-        super().__init__(str(data["path"]))
+        super().__init__(data["path"])
         self.name = str(data["name"])
         self.size = int(data["size"])
         self.files = tuple(data["files"])

@@ -429,7 +429,7 @@ class NodePipeline(Pipeline):
             self._count("handed")
             size += planned.item.size
             value = planned.value
-            if not isinstance(value, str):  # ready() returns only items on disk
+            if value is None or isinstance(value, Failed):  # ready() returns only items on disk
                 raise TypeError(f"lane {rank}.{worker}: step {at} handed out before it was on disk")
             item = CachedItem(value, planned.item, f"{rank}.{worker}@{at.epoch}.{at.index}")
             got.append(Taken(item, at, queues.schedule.after(lane, planned.step)))

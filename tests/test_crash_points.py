@@ -164,7 +164,7 @@ class Model:
         items = [CATALOG[STEPS[n][1]] for n, _ in batch]
         try:
             run = [(staged, item, item.size) for (_, staged), item in zip(batch, items, strict=True)]
-            got: list[Path | OSError] = self.cache.publish_many(run)
+            got: list[str | OSError] = self.cache.publish_many(run)
         except OSError as exc:  # the intents were not journaled: nothing was published
             got = [exc] * len(batch)
         for (n, staged), item, path in zip(batch, items, got, strict=True):

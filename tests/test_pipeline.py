@@ -40,8 +40,9 @@ def test_delivers_every_item_complete_and_in_order(source, tmp_path):
     ) as pipe:
         for path in pipe:
             assert isinstance(path, CachedItem) and Path(path).is_dir()
-            assert isinstance(path.path, Path) and path.path is path.path  # made once, on first use
+            assert path._path is None  # no Path made by taking it, nor by os.fspath() or str()
             assert os.fspath(path) == str(path) == str(path.path)
+            assert isinstance(path.path, Path) and path.path is path.path  # made once, on first use
             assert path.path.parent == cache.absolute()
             assert path.size == sum(len(b) for b in data[path.name].values())
             assert set(path.files) == set(data[path.name])
@@ -487,3 +488,17 @@ def test_set_capacity_applies_at_once(s3_source, tmp_path):
         with pytest.raises(ValueError, match="capacity"):
             pipe.set_capacity("10X")
         pipe.ack(first)
+
+
+@pytest.mark.parametrize("bad", [None, 3, b"/tmp/c/a"])
+def test_an_item_refuses_a_path_that_is_not_a_string(bad):
+    from cachepipe.catalog import FileEntry, Item
+    from cachepipe.client import ServedItem
+    from cachepipe.jobclient import LaneItem
+
+    with pytest.raises(TypeError):
+        CachedItem(bad, Item("a", (FileEntry("a", "", 1),)))
+    with pytest.raises(TypeError):
+        ServedItem(bad, "a", "lease")
+    with pytest.raises(TypeError):
+        LaneItem({"path": bad, "name": "a", "size": 1, "files": [""], "epoch": 0, "index": 0, "next": [0, 1]})
