@@ -24,7 +24,7 @@ class PathItem(os.PathLike[str]):
     __slots__ = ("_local", "_path")
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        local = os.fspath(path)
+        local = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
         if not isinstance(local, str):
             raise TypeError(f"an item's path must be a string or a path-like of one, not {path!r}")
         self._local = local

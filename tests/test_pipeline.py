@@ -496,9 +496,10 @@ def test_an_item_refuses_a_path_that_is_not_a_string(bad):
     from cachepipe.client import ServedItem
     from cachepipe.jobclient import LaneItem
 
-    with pytest.raises(TypeError):
-        CachedItem(bad, Item("a", (FileEntry("a", "", 1),)))
-    with pytest.raises(TypeError):
+    item = Item("a", (FileEntry("a", "", 1),), 1)
+    with pytest.raises(TypeError, match="string or a path-like"):
+        CachedItem(bad, item)
+    with pytest.raises(TypeError, match="string or a path-like"):
         ServedItem(bad, "a", "lease")
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="string or a path-like"):
         LaneItem({"path": bad, "name": "a", "size": 1, "files": [""], "epoch": 0, "index": 0, "next": [0, 1]})
