@@ -27,7 +27,6 @@ for it: the threads keep the bookkeeping, the workers the request path.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import logging
@@ -50,6 +49,7 @@ from .catalog import FileEntry, Item
 from .config import PipelineConfig, Share
 from .downloads import DownloadWorkers, LocalWriteError, get_part
 from .errors import ArchiveError, ItemFailedError, OversizeError, PrepareOverflowError, VerificationError, is_transient
+from .removal import rmtree
 from .stores.base import Store
 from .unpack import DEFAULT_MAX_MEMBERS, split_volume, unpack_in_place
 
@@ -832,13 +832,10 @@ class Fetcher:
 
 
 def _rmtree_quiet(path: str) -> None:
-    """Remove a staging path; a failure is logged (the next open removes staging anyway)."""
+    """Remove a staging path (:func:`~cachepipe.removal.rmtree`: a folder, a file, or nothing);
+    a failure is logged (the next open removes staging anyway)."""
     try:
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        rmtree(path)
     except OSError as exc:
         log.warning("could not remove staging %s: %s", path, exc)
 
