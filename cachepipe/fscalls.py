@@ -20,6 +20,10 @@
   of the time in the long run
   (``benchmarks/README.md``, "File calls on a disk keep the lock while they are quick").
 
+A cache whose path passes, at a folder above it, a file system not known to be local (a disk
+mounted under an NFS home) uses :data:`RELEASING` whatever its own file system
+(:func:`lookups_stay_local`): a call that keeps the lock looks its path up from ``/``.
+
 A nested item's publish (a name with a ``/``) renames through :data:`RELEASING` on every file
 system: its target's parent folders may be anything a user put under the cache directory (a
 mount, a link), and a lookup there may wait for a server.
@@ -49,7 +53,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
@@ -70,13 +74,15 @@ __all__ = [
     "file_calls_for",
     "filesystem_at",
     "filesystem_type",
+    "filesystems_above",
     "holding_function",
+    "lookups_stay_local",
     "rename_new",
 ]
 
 log = logging.getLogger(__name__)
 
-MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs"})
 """File system types that keep files in memory only (as ``/proc/self/mountinfo`` names them)."""
 
 LOCAL_FILESYSTEMS = MEMORY_FILESYSTEMS | {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "overlay"}
@@ -123,36 +129,71 @@ HOLD_PAUSE_MAX_S = 640.0
 _OCTAL = re.compile(r"\\([0-7]{3})")  # mountinfo writes a space in a path as \040
 
 
+def _mounts(mountinfo: str) -> Iterator[tuple[str, str, str]]:
+    """``(device, mount point, type)`` of each mount in the text of ``/proc/self/mountinfo``, in
+    the order mounted."""
+    for line in mountinfo.split("\n"):
+        fields, _, tail = line.partition(" - ")
+        parts, types = fields.split(" "), tail.split(" ")
+        if len(parts) >= 5 and types[0]:
+            yield parts[2], _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), parts[4]), types[0]
+
+
+def _holds(point: str, path: str) -> bool:
+    """Whether the mount point ``point`` is ``path`` or a folder above it."""
+    return path == point or path.startswith(point.rstrip("/") + "/")
+
+
 def filesystem_type(path: str, mountinfo: str, device: str = "") -> str:
     """The type of the file system that holds ``path`` (absolute, links resolved), from the text
     of ``/proc/self/mountinfo``: the mount of ``device`` (``"major:minor"`` of the path's
     ``st_dev``) if one is listed, else the longest mount point that holds the path (the last
     mounted of equals); "" if none does."""
     longest, kind = -1, ""
-    for line in mountinfo.split("\n"):
-        fields, _, tail = line.partition(" - ")
-        parts, types = fields.split(" "), tail.split(" ")
-        if len(parts) < 5 or not types[0]:
-            continue
-        if device and parts[2] == device:
-            return types[0]
-        point = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), parts[4])
-        under = path == point or path.startswith(point.rstrip("/") + "/")
-        if under and len(point) >= longest:
-            longest, kind = len(point), types[0]
+    for dev, point, fstype in _mounts(mountinfo):
+        if device and dev == device:
+            return fstype
+        if _holds(point, path) and len(point) >= longest:
+            longest, kind = len(point), fstype
     return kind
+
+
+def filesystems_above(path: str, mountinfo: str) -> frozenset[str]:
+    """The types of the file systems mounted at ``path`` (absolute) or at a folder above it, "/"
+    included, from the text of ``/proc/self/mountinfo``: those a lookup of ``path`` walks
+    through. One hidden by a later mount on the same point counts too (more, never fewer)."""
+    return frozenset(fstype for _device, point, fstype in _mounts(mountinfo) if _holds(point, path))
+
+
+def _mountinfo() -> str:
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        return f.read()
 
 
 def filesystem_at(root: str) -> str:
     """:func:`filesystem_type` of the folder ``root``, from this process's mounts ("" where they
     cannot be read)."""
     try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-            mountinfo = f.read()
+        mountinfo = _mountinfo()
         dev = os.stat(root).st_dev
     except OSError:
         return ""
     return filesystem_type(os.path.realpath(root), mountinfo, f"{os.major(dev)}:{os.minor(dev)}")
+
+
+def lookups_stay_local(root: str) -> bool:
+    """Whether a lookup of a path under the folder ``root`` walks through local file systems
+    only (:data:`LOCAL_FILESYSTEMS`): those mounted at ``root`` or above it, as given and with
+    its links resolved (:func:`filesystems_above`). A call that keeps the interpreter's lock
+    looks its path up from ``/``: a folder above the cache on a network mount (a local disk
+    mounted under an NFS home) may wait for its server there, and every thread with it. False
+    where this process's mounts cannot be read."""
+    try:
+        mountinfo = _mountinfo()
+    except OSError:
+        return False
+    walked = filesystems_above(os.path.abspath(root), mountinfo) | filesystems_above(os.path.realpath(root), mountinfo)
+    return walked <= LOCAL_FILESYSTEMS
 
 
 _AT_FDCWD, _RENAME_NOREPLACE = -100, 1  # <fcntl.h>, <linux/fs.h>

@@ -9,6 +9,7 @@ import errno
 import math
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections import Counter
@@ -349,14 +350,87 @@ def test_a_cache_chooses_its_calls_by_its_file_system(shm, tmp_path, where):
     try:
         fstype = filesystem_at(str(root))
         assert fstype == "tmpfs" or where == "tmp_path"  # pytest's folder may be on tmpfs too
-        if fstype in fscalls.MEMORY_FILESYSTEMS:
-            assert cache.file_calls is fscalls.HOLDING
-        elif fstype in fscalls.LOCAL_FILESYSTEMS:
-            assert isinstance(cache.file_calls.open.__self__, fscalls.WhileQuick)  # type: ignore[attr-defined]
-        else:  # pytest's folder on a network file system
+        if not fscalls.lookups_stay_local(str(root)):  # pytest's folder on, or under, a network file system
             assert cache.file_calls is fscalls.RELEASING
+        elif fstype in fscalls.MEMORY_FILESYSTEMS:
+            assert cache.file_calls is fscalls.HOLDING
+        else:
+            assert isinstance(cache.file_calls.open.__self__, fscalls.WhileQuick)  # type: ignore[attr-defined]
     finally:
         cache.close()
+
+
+MOUNTS = """\
+22 1 8:1 / / rw - ext4 /dev/sda1 rw
+23 22 0:5 / /dev rw - devtmpfs udev rw
+24 23 0:26 / /dev/shm rw - tmpfs tmpfs rw
+30 22 0:40 / /home rw - nfs4 server:/home rw
+31 30 8:17 / /home/u/scratch rw - xfs /dev/sdb1 rw
+32 22 0:41 / /mnt/s3 rw - fuse.s3fs s3fs rw
+33 22 0:42 / /mnt/s3 rw - tmpfs tmpfs rw
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "types"),
+    [
+        ("/", {"ext4"}),
+        ("/dev/shm/c", {"ext4", "devtmpfs", "tmpfs"}),  # noqa: S108 - a path in the text above, not a file
+        ("/home/u/scratch/c", {"ext4", "nfs4", "xfs"}),  # a local disk under an NFS home
+        ("/home2/c", {"ext4"}),  # starts like /home, is not under it
+        ("/mnt/s3/c", {"ext4", "fuse.s3fs", "tmpfs"}),  # one hidden by a later mount counts too
+    ],
+)
+def test_the_file_systems_a_lookup_walks_are_those_mounted_at_the_path_or_above(path, types):
+    assert fscalls.filesystems_above(path, MOUNTS) == types
+
+
+@pytest.fixture
+def mount(tmp_path: Path) -> Iterator[Callable[[str, Path], None]]:
+    """``mount(type, folder)``: a real mount of a fresh file system (made, with its parents), undone
+    after the test; the test is skipped where this process may not mount (root is needed)."""
+    done: list[Path] = []
+
+    def make(fstype: str, where: Path) -> None:
+        where.mkdir(parents=True, exist_ok=True)
+        run = subprocess.run(["mount", "-t", fstype, "none", str(where)], capture_output=True, text=True, check=False)
+        if run.returncode:
+            pytest.skip(f"cannot mount {fstype} here (root is needed): {run.stderr.strip()}")
+        done.append(where)
+
+    yield make
+    for where in reversed(done):
+        subprocess.run(["umount", str(where)], check=True)  # busy: something was left open
+
+
+def test_under_a_file_system_not_known_to_be_local_the_calls_let_the_lock_go(mount, tmp_path):
+    """A tmpfs mounted under a hugetlbfs, a type :data:`LOCAL_FILESYSTEMS` does not name (as an NFS
+    home would be): its cache writes by the calls that let the lock go, and the daemon's marker
+    watch adds its watches by watchdog's own binding. The same tmpfs beside it keeps the lock."""
+    from cachepipe.service import markers
+
+    if not fscalls.lookups_stay_local(str(tmp_path)):
+        pytest.skip("pytest's temporary folder is itself under a file system not known to be local")
+    mount("hugetlbfs", tmp_path / "far")
+    mount("tmpfs", tmp_path / "far" / "near")
+    mount("tmpfs", tmp_path / "near")
+    under, beside = tmp_path / "far" / "near" / "c", tmp_path / "near" / "c"
+    assert filesystem_at(str(under.parent)) == filesystem_at(str(beside.parent)) == "tmpfs"
+    watcher = markers.MarkerWatcher(lambda *_: None)
+    watcher.start()
+    try:
+        for root, kept in ((under, False), (beside, True)):
+            cache = Cache(root, 2**20)
+            cache.open()
+            try:
+                assert cache.file_calls is (fscalls.HOLDING if kept else fscalls.RELEASING)
+                watcher.watch(root.parent.name, root, "folders")
+                assert (str(root) in markers._held_under) is kept
+                watcher.unwatch(root.parent.name)
+            finally:
+                cache.close()
+    finally:
+        watcher.stop()
 
 
 def counting(calls: fscalls.FileCalls, counts: Counter[str]) -> fscalls.FileCalls:

@@ -38,7 +38,7 @@ from .. import state
 from ..catalog import Catalog, Item
 from ..config import Share
 from ..errors import ConfigError, OversizeError
-from ..fscalls import RELEASING, FileCalls, file_calls_for, filesystem_at, rename_new
+from ..fscalls import RELEASING, FileCalls, file_calls_for, filesystem_at, lookups_stay_local, rename_new
 from ..removal import delete_tree, tree_bytes
 from ..retention import RetentionPolicy
 from .eviction import REAP_MIN_BYTES, Eviction
@@ -80,7 +80,8 @@ class Cache:
         self._staging = Staging(self.staging_root)
         self._eviction = Eviction(self.root, self._staging, self._reaped)
         # the calls that write and publish items (:func:`~cachepipe.fscalls.file_calls_for`
-        # the file system that holds the cache, chosen by open)
+        # the file system that holds the cache, chosen by open; :data:`~cachepipe.fscalls.RELEASING`
+        # where a lookup of the cache's path passes a file system not known to be local)
         self.file_calls: FileCalls = RELEASING
         self._lock = OwnerLock(self.state_dir / "lock", self.root)
         self.rebuilt = False  # the journal was unreadable and state was rebuilt from disk
@@ -142,7 +143,8 @@ class Cache:
             self.staging_root.mkdir()
             fstype = filesystem_at(self._root)
             self._eviction.open_deleters(fstype)
-            self.file_calls = file_calls_for(fstype)
+            # calls that keep the interpreter's lock only where no lookup waits for a server on the way
+            self.file_calls = file_calls_for(fstype) if lookups_stay_local(self._root) else RELEASING
             usage = shutil.disk_usage(self.root)
             if isinstance(self._capacity_spec, Share):
                 self.ledger.capacity = int(usage.free * self._capacity_spec.fraction)

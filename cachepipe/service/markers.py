@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 from watchdog.utils import platform  # imported with this module: without the service extra, `serve` says so at once
 
 from ..errors import ConfigError
-from ..fscalls import LOCAL_FILESYSTEMS, filesystem_at, holding_function
+from ..fscalls import LOCAL_FILESYSTEMS, filesystem_at, holding_function, lookups_stay_local
 
 if TYPE_CHECKING:
     from watchdog.observers.inotify_c import CallbackId, InotifyEvent, InotifyFD, Mask, WatchDescriptor
@@ -259,8 +259,10 @@ def keep_the_lock_for_watch_calls() -> bool:
     Removing a watch is in memory. Adding one looks its path up, which waits for a server on a
     network or FUSE file system, and would stop every thread of the daemon meanwhile: so a watch is
     added keeping the lock only under a cache directory on a local file system
-    (:data:`~cachepipe.fscalls.LOCAL_FILESYSTEMS`, registered by :func:`hold_under`), where the
-    item just handed out is in the kernel's cache; elsewhere by watchdog's own binding.
+    (:data:`~cachepipe.fscalls.LOCAL_FILESYSTEMS`, registered by :func:`hold_under`) whose
+    lookups pass no other kind of file system above it
+    (:func:`~cachepipe.fscalls.lookups_stay_local`), where the item just handed out is in the
+    kernel's cache; elsewhere by watchdog's own binding.
 
     This replaces two module attributes of ``watchdog.observers.inotify_c`` for the whole
     process; the ``watchdog`` version is pinned below 8 in ``pyproject.toml``, and the tests check
@@ -484,7 +486,7 @@ class MarkerWatcher:
         self.unwatch(name)
         inotify = self._require()
         top = os.path.abspath(root)
-        hold_under(top, filesystem_at(top))
+        hold_under(top, filesystem_at(top) if lookups_stay_local(top) else "")
         with self._lock:
             id_ = cast("CallbackId", next(self._ids))
             served = _Watched(name, top, items, cast("WatchDescriptor", -1), id_)
