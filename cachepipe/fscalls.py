@@ -20,9 +20,10 @@
   of the time in the long run
   (``benchmarks/README.md``, "File calls on a disk keep the lock while they are quick").
 
-A cache whose path passes, at a folder above it, a file system not known to be local (a disk
-mounted under an NFS home) uses :data:`RELEASING` whatever its own file system
-(:func:`lookups_stay_local`): a call that keeps the lock looks its path up from ``/``.
+A cache whose path passes a file system not known to be local, at a folder above it or at a
+link on the way (a disk mounted under an NFS home; a link kept on NFS to a local disk), uses
+:data:`RELEASING` whatever its own file system (:func:`lookups_stay_local`): a call that keeps
+the lock looks its path up from ``/``.
 
 A nested item's publish (a name with a ``/``) renames through :data:`RELEASING` on every file
 system: its target's parent folders may be anything a user put under the cache directory (a
@@ -66,6 +67,7 @@ __all__ = [
     "HOLD_PAUSE_MAX_S",
     "HOLD_PAUSE_S",
     "HOLD_SLOW_S",
+    "LINK_HOPS",
     "LOCAL_FILESYSTEMS",
     "MEMORY_FILESYSTEMS",
     "RELEASING",
@@ -77,12 +79,13 @@ __all__ = [
     "filesystems_above",
     "holding_function",
     "lookups_stay_local",
+    "paths_walked",
     "rename_new",
 ]
 
 log = logging.getLogger(__name__)
 
-MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs"})
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "rootfs"})
 """File system types that keep files in memory only (as ``/proc/self/mountinfo`` names them)."""
 
 LOCAL_FILESYSTEMS = MEMORY_FILESYSTEMS | {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "overlay"}
@@ -181,19 +184,52 @@ def filesystem_at(root: str) -> str:
     return filesystem_type(os.path.realpath(root), mountinfo, f"{os.major(dev)}:{os.minor(dev)}")
 
 
+LINK_HOPS = 40
+"""The most symbolic links one lookup follows (Linux's limit); :func:`paths_walked` stops there."""
+
+
+def paths_walked(path: str) -> list[str]:
+    """Every path a lookup of ``path`` walks, in order, each absolute: its folders one after the
+    other from ``/``, and where one is a symbolic link, the link itself, then its target's (up
+    to :data:`LINK_HOPS` links; ``..`` goes up from where the walk is). A folder that does not
+    exist is walked as a plain one."""
+    walked: list[str] = []
+    # not normalised as abspath does: ".." after a link is its target's parent
+    whole = path if path.startswith("/") else os.path.join(os.getcwd(), path)
+    here, todo, hops = "/", [p for p in whole.split("/") if p], 0
+    while todo:
+        name = todo.pop(0)
+        if name in (".", ".."):
+            here = os.path.dirname(here) if name == ".." else here
+            continue
+        step = os.path.join(here, name)
+        walked.append(step)
+        try:
+            target = os.readlink(step) if hops < LINK_HOPS else None
+        except OSError:  # not a link, or not there
+            target = None
+        if target is None:
+            here = step
+        else:
+            hops += 1
+            here = "/" if target.startswith("/") else here
+            todo[:0] = [p for p in target.split("/") if p]
+    return walked
+
+
 def lookups_stay_local(root: str) -> bool:
     """Whether a lookup of a path under the folder ``root`` walks through local file systems
-    only (:data:`LOCAL_FILESYSTEMS`): those mounted at ``root`` or above it, as given and with
-    its links resolved (:func:`filesystems_above`). A call that keeps the interpreter's lock
-    looks its path up from ``/``: a folder above the cache on a network mount (a local disk
-    mounted under an NFS home) may wait for its server there, and every thread with it. False
-    where this process's mounts cannot be read."""
+    only (:data:`LOCAL_FILESYSTEMS`): those mounted at each path it walks (:func:`paths_walked`:
+    its folders, and the links it follows on the way) or above one (:func:`filesystems_above`).
+    A call that keeps the interpreter's lock looks its path up from ``/``: a folder or a link on
+    a network mount (a local disk mounted under an NFS home, a link kept on NFS to a local disk)
+    may wait for its server there, and every thread with it. False where this process's mounts
+    cannot be read."""
     try:
         mountinfo = _mountinfo()
     except OSError:
         return False
-    walked = filesystems_above(os.path.abspath(root), mountinfo) | filesystems_above(os.path.realpath(root), mountinfo)
-    return walked <= LOCAL_FILESYSTEMS
+    return all(filesystems_above(step, mountinfo) <= LOCAL_FILESYSTEMS for step in paths_walked(root) or ["/"])
 
 
 _AT_FDCWD, _RENAME_NOREPLACE = -100, 1  # <fcntl.h>, <linux/fs.h>

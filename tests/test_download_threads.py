@@ -77,23 +77,30 @@ def files():
 
 def test_requests_that_cost_nothing_are_made_by_a_few_threads(files, tmp_path):
     files(6000)
-    store = TimedStore()  # its gets cost nothing until held
-    with Pipeline(ROOT, tmp_path / "cache", "64MiB", items="files", store=store, max_concurrency=64) as pipe:
-        # The choice starts at the limit and falls as windows of parts are measured: at the
-        # 1,000th get on a quiet machine; later on a busy one, where a request's wall time also
-        # counts the waits for the interpreter's lock (a CI run saw 40 there once).
-        wait_until(lambda: pipe.stats().download_threads <= 16 or store.gets >= 3000, what="a choice or 3,000 gets")
-        store.hold()
-        threads, gets = pipe.stats().download_threads, store.gets
-        # every thread the pool has that takes a part now blocks in its get
-        wait_until(lambda: store.in_flight >= 1, what="a held get")
-        time.sleep(0.5)  # time for more threads to reach a get, if more take parts
-        held = store.in_flight
+    store = TimedStore(free=3000)  # its gets cost nothing; held from the 3,000th on, or from hold()
+    try:
+        with Pipeline(ROOT, tmp_path / "cache", "64MiB", items="files", store=store, max_concurrency=64) as pipe:
+            # The choice starts at the limit and falls as windows of parts are measured: by the
+            # 1,000th get on a quiet machine; later on a busy one, where a request's wall time
+            # also counts the waits for the interpreter's lock (a local run saw 40 there once).
+            def chosen() -> int:
+                threads = pipe.stats().download_threads
+                return threads if threads <= 16 or store.gets >= 3000 else 0
+
+            threads = wait_until(chosen, what="a choice of a few threads, or 3,000 gets")
+            store.hold()
+            gets = store.gets
+            # every thread the pool has that takes a part now blocks in its get
+            wait_until(lambda: store.in_flight >= 1, what="a held get")
+            time.sleep(0.5)  # time for more threads to reach a get, if more take parts
+            held = store.in_flight
+            store.release.set()
+            names = [item.name for item in pipe]
+    finally:
         store.release.set()
-        names = [item.name for item in pipe]
-    assert sorted(names) == [f"{i:05d}" for i in range(6000)]  # nothing lost or repeated
     # of 64: the free gets took microseconds, a part's work more (2 or 3 on a quiet machine)
     assert threads <= 16, f"{threads} threads chosen after {gets} gets"
+    assert sorted(names) == [f"{i:05d}" for i in range(6000)]  # nothing lost or repeated
     assert held <= 16  # the threads that took parts (the choice may have moved by one window since)
     assert store.peak <= 64
 

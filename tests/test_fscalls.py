@@ -387,50 +387,82 @@ def test_the_file_systems_a_lookup_walks_are_those_mounted_at_the_path_or_above(
 
 @pytest.fixture
 def mount(tmp_path: Path) -> Iterator[Callable[[str, Path], None]]:
-    """``mount(type, folder)``: a real mount of a fresh file system (made, with its parents), undone
-    after the test; the test is skipped where this process may not mount (root is needed)."""
+    """``mount(type, folder)``: a real mount of a fresh file system (the folder made, with its
+    parents), undone after the test (lazily if busy); the test is skipped where this process may
+    not mount (root is needed)."""
     done: list[Path] = []
 
     def make(fstype: str, where: Path) -> None:
         where.mkdir(parents=True, exist_ok=True)
-        run = subprocess.run(["mount", "-t", fstype, "none", str(where)], capture_output=True, text=True, check=False)
+        try:
+            run = subprocess.run(["mount", "-t", fstype, "none", str(where)], capture_output=True, text=True, check=False)
+        except FileNotFoundError:
+            pytest.skip("no mount command here")
         if run.returncode:
             pytest.skip(f"cannot mount {fstype} here (root is needed): {run.stderr.strip()}")
         done.append(where)
 
     yield make
-    for where in reversed(done):
-        subprocess.run(["umount", str(where)], check=True)  # busy: something was left open
+    busy = [where for where in reversed(done) if subprocess.run(["umount", str(where)], check=False).returncode]
+    for where in busy:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+    assert not busy, f"still in use at the test's end: {busy}"
 
 
-def test_under_a_file_system_not_known_to_be_local_the_calls_let_the_lock_go(mount, tmp_path):
-    """A tmpfs mounted under a hugetlbfs, a type :data:`LOCAL_FILESYSTEMS` does not name (as an NFS
-    home would be): its cache writes by the calls that let the lock go, and the daemon's marker
-    watch adds its watches by watchdog's own binding. The same tmpfs beside it keeps the lock."""
+@pytest.mark.parametrize("how", ["mounted under it", "a link on it"])
+def test_past_a_file_system_not_known_to_be_local_the_calls_let_the_lock_go(mount, tmp_path, how):
+    """The cache's path passes a bpf file system, a type :data:`LOCAL_FILESYSTEMS` does not name
+    (as an NFS home, or a link kept on NFS, would be): a tmpfs mounted under it, or reached by a
+    link on it. Its cache writes by the calls that let the lock go, and the daemon's marker
+    watch adds its watches by watchdog's own binding. A tmpfs reached directly keeps the lock."""
     from cachepipe.service import markers
 
     if not fscalls.lookups_stay_local(str(tmp_path)):
-        pytest.skip("pytest's temporary folder is itself under a file system not known to be local")
-    mount("hugetlbfs", tmp_path / "far")
-    mount("tmpfs", tmp_path / "far" / "near")
+        pytest.skip("pytest's temporary folder is itself past a file system not known to be local")
+    mount("bpf", tmp_path / "far")
     mount("tmpfs", tmp_path / "near")
-    under, beside = tmp_path / "far" / "near" / "c", tmp_path / "near" / "c"
-    assert filesystem_at(str(under.parent)) == filesystem_at(str(beside.parent)) == "tmpfs"
+    if how == "mounted under it":
+        mount("tmpfs", tmp_path / "far" / "near")
+        past = tmp_path / "far" / "near" / "c"
+    else:
+        (tmp_path / "far" / "hop").symlink_to(tmp_path / "near")
+        (tmp_path / "entry").symlink_to(tmp_path / "far" / "hop")
+        past = tmp_path / "entry" / "c"  # as given and resolved (near/c), local only
+    direct = tmp_path / "near" / "c"
+    assert filesystem_at(str(past.parent)) == filesystem_at(str(direct.parent)) == "tmpfs"
     watcher = markers.MarkerWatcher(lambda *_: None)
     watcher.start()
     try:
-        for root, kept in ((under, False), (beside, True)):
+        for root, kept in ((past, False), (direct, True)):
             cache = Cache(root, 2**20)
             cache.open()
             try:
                 assert cache.file_calls is (fscalls.HOLDING if kept else fscalls.RELEASING)
-                watcher.watch(root.parent.name, root, "folders")
-                assert (str(root) in markers._held_under) is kept
-                watcher.unwatch(root.parent.name)
+                watcher.watch("p", root, "folders")
+                try:
+                    assert (str(root) in markers._held_under) is kept
+                finally:
+                    watcher.unwatch("p")
             finally:
                 cache.close()
     finally:
         watcher.stop()
+
+
+def test_a_walk_follows_links_as_the_kernel_does(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "up").symlink_to("a/b")  # relative
+    (tmp_path / "abs").symlink_to(tmp_path / "up")  # absolute, to a link
+    (tmp_path / "loop").symlink_to("loop")
+    t = str(tmp_path)
+    ancestors = fscalls.paths_walked(t)
+    assert ancestors[-1] == t and len(ancestors) == t.count("/")
+    walked = fscalls.paths_walked(f"{t}/abs/../c")[len(ancestors) :]
+    # an absolute link starts again from /; ".." after a link goes to its target's parent
+    assert walked == [f"{t}/abs", *ancestors, f"{t}/up", f"{t}/a", f"{t}/a/b", f"{t}/a/c"]
+    assert fscalls.paths_walked(f"{t}/new/./c")[len(ancestors) :] == [f"{t}/new", f"{t}/new/c"]  # not there yet
+    assert len(fscalls.paths_walked(f"{t}/loop")) == len(ancestors) + 1 + fscalls.LINK_HOPS  # stops at the limit
+    assert fscalls.paths_walked("/") == []
 
 
 def counting(calls: fscalls.FileCalls, counts: Counter[str]) -> fscalls.FileCalls:

@@ -885,6 +885,11 @@ def test_the_marker_watch_adds_and_removes_watches_keeping_the_interpreters_lock
         watcher.unfollow(str(tmp_path / "c" / "item"))
         local = fstype == "ext4"
         assert counts == Counter({"held add": 2 if local else 0, "held remove": 1})  # the root's watch, the item's
+        (tmp_path / "c" / "sub" / "item").mkdir(parents=True)  # a nested item: its folder may be a link or a mount
+        watcher.follow("p", str(tmp_path / "c" / "sub" / "item"), at_once=True)
+        assert inotify_watches(os.getpid()) == 2  # the root's, the nested item's
+        watcher.unfollow(str(tmp_path / "c" / "sub" / "item"))
+        assert counts == Counter({"held add": 2 if local else 0, "held remove": 2})  # added by watchdog's own binding
         (tmp_path / "c" / "a-file").write_bytes(b"")  # handed out as a folder item: its watch fails (ENOTDIR)
         with caplog.at_level("WARNING", logger="cachepipe.service.markers"):
             watcher.follow("p", str(tmp_path / "c" / "a-file"))

@@ -293,9 +293,12 @@ def hold_under(root: str, fstype: str | None) -> None:
 
 
 def _add_watch(fd: int, path: bytes, mask: int) -> WatchDescriptor:
-    """``inotify_add_watch`` keeping the interpreter's lock under a :func:`hold_under` directory."""
+    """``inotify_add_watch`` keeping the interpreter's lock on a :func:`hold_under` directory or
+    a path right in it. A nested item's folder (a name with a ``/``) may be anything a user put
+    under the cache directory (a link, a mount), as in :mod:`cachepipe.fscalls`: watchdog's own
+    binding, which lets the lock go."""
     for top, prefix in list(_held_under.values()):  # a copy: another thread may register one
-        if path == top or path.startswith(prefix):
+        if path == top or (path.startswith(prefix) and b"/" not in path[len(prefix) :]):
             return cast("WatchDescriptor", _watch_calls()[0](fd, path, mask))
     return cast("WatchDescriptor", _released_add[0](fd, path, mask))
 
