@@ -16,6 +16,9 @@ Three measurements, each in a fresh child process (so RSS and CPU are its own):
   files create and write, rename, unlink) made by one plain Python loop, no threads. The ratio
   to the floor is the pipeline's own overhead. ``--repeats`` interleaved runs (the
   two consumers' order alternates: on a disk, a run right after another is often slower); medians.
+  Each run also reports the time spent in Python's cyclic garbage collector (``gc.callbacks``)
+  per item, and its collections of the oldest generation ("full": each walks every tracked
+  object, with every thread waiting).
 - ``catalog-stream``: a generated listing of ``--catalog`` one-file folders (no I/O to list);
   the default pass streams it (see ``cachepipe/listing.py``). Reports the time to the first item
   and the peak RSS after ``--consume`` items, while the listing runs ahead as far as it may.
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import multiprocessing
@@ -95,14 +99,37 @@ def _switches() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
 
 
+class CollectorTime:
+    """While entered: the seconds this process spends in Python's cyclic garbage collector
+    (:data:`gc.callbacks`; a collection runs in the thread whose allocation set it off, with the
+    interpreter's lock held, so every thread waits meanwhile), and the collections of the oldest
+    generation (each walks every tracked object)."""
+
+    def __enter__(self) -> CollectorTime:
+        self.seconds, self.full, self._start = 0.0, 0, 0.0
+        gc.callbacks.append(self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._note)
+
+    def _note(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.full += info["generation"] == 2
+
+
 def run_handoff(n: int, where: str, shape: str, batch: int) -> dict[str, Any]:
     """Items per second through ``Pipeline`` from a ``memory://`` source of ``n`` 1-byte items
     (``shape`` ``"folders"``: one-file folders; ``"files"``: single files), consumed one by one
     (``batch`` 1: the iterator, which acks each item as it takes the next) or ``batch`` at a time
-    (``get_many`` and ``ack_many``)."""
+    (``get_many`` and ``ack_many``); with the time spent in the garbage collector
+    (:class:`CollectorTime`)."""
     with memory_source(n, shape) as url, tempfile.TemporaryDirectory(dir=where) as d:
         t0, c0, s0 = time.perf_counter(), _cpu(), _switches()
-        with Pipeline(url, Path(d) / "c", "64MiB", items=shape) as pipe:
+        with CollectorTime() as collector, Pipeline(url, Path(d) / "c", "64MiB", items=shape) as pipe:
             count = sum(1 for _ in pipe) if batch == 1 else _drain(pipe, batch)
         wall, cpu, switches = time.perf_counter() - t0, _cpu() - c0, _switches() - s0
     assert count == n, (count, n)
@@ -113,6 +140,8 @@ def run_handoff(n: int, where: str, shape: str, batch: int) -> dict[str, Any]:
         "cpu_s": cpu,
         "switches": switches,
         "switch_interval_s": sys.getswitchinterval(),
+        "gc_s": collector.seconds,
+        "gc_full_collections": collector.full,
     }
 
 
@@ -358,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
                 "runs_items_per_s": [r["items_per_s"] for r in got],
                 "cpu_us_per_item": statistics.median(r["cpu_s"] for r in got) / args.handoff * 1e6,
                 "switches_per_item": statistics.median(r["switches"] for r in got) / args.handoff,
+                "gc_us_per_item": statistics.median(r["gc_s"] for r in got) / args.handoff * 1e6,
+                "gc_full_collections": statistics.median(r["gc_full_collections"] for r in got),
                 "switch_interval_s": got[0]["switch_interval_s"],
                 "floor_items_per_s": floor,
                 "of_floor": rate / floor,
@@ -398,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             "iterator" if r["batch"] == 1 else f"get_many({r['batch']})",
             f"{r['items_per_s']:,.0f}",
             f"{r['cpu_us_per_item']:,.0f}",
+            f"{r['gc_us_per_item']:,.1f} ({r['gc_full_collections']:g})",
             f"{r['floor_items_per_s']:,.0f}",
             f"{r['of_floor']:.2f}",
         ]
@@ -411,7 +443,10 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"(every measuring process ran with sys.setswitchinterval({args.switch_interval:g}))")
         lines.append("; ".join(f"{label}: {p['path']} ({p['file_system']})" for label, p in report["places"].items()))
         lines += [
-            *format_table(["cache on", "items", "consumer", "items/s", "CPU us/item", "fs floor items/s", "x floor"], rows),
+            *format_table(
+                ["cache on", "items", "consumer", "items/s", "CPU us/item", "GC us/item (full)", "fs floor items/s", "x floor"],
+                rows,
+            ),
             "",
         ]
     rows = [
