@@ -106,7 +106,10 @@ class CollectorTime:
     generation (each walks every tracked object)."""
 
     def __enter__(self) -> CollectorTime:
-        self.seconds, self.full, self._start = 0.0, 0, 0.0
+        if self._note in gc.callbacks:
+            raise RuntimeError("CollectorTime is entered already")
+        self.seconds, self.full = 0.0, 0
+        self._start: float | None = None  # a collection under way when entered is not counted
         gc.callbacks.append(self._note)
         return self
 
@@ -116,9 +119,10 @@ class CollectorTime:
     def _note(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._start = time.perf_counter()
-        else:
+        elif self._start is not None:
             self.seconds += time.perf_counter() - self._start
             self.full += info["generation"] == 2
+            self._start = None
 
 
 def run_handoff(n: int, where: str, shape: str, batch: int) -> dict[str, Any]:

@@ -54,7 +54,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
@@ -76,7 +76,7 @@ __all__ = [
     "file_calls_for",
     "filesystem_at",
     "filesystem_type",
-    "filesystems_above",
+    "filesystems_walked",
     "holding_function",
     "lookups_stay_local",
     "paths_walked",
@@ -161,11 +161,23 @@ def filesystem_type(path: str, mountinfo: str, device: str = "") -> str:
     return kind
 
 
-def filesystems_above(path: str, mountinfo: str) -> frozenset[str]:
-    """The types of the file systems mounted at ``path`` (absolute) or at a folder above it, "/"
-    included, from the text of ``/proc/self/mountinfo``: those a lookup of ``path`` walks
-    through. One hidden by a later mount on the same point counts too (more, never fewer)."""
-    return frozenset(fstype for _device, point, fstype in _mounts(mountinfo) if _holds(point, path))
+def filesystems_walked(walked: Iterable[str], mountinfo: str) -> frozenset[str]:
+    """The types of the file systems mounted at any of the paths ``walked`` (absolute, normal)
+    or at a folder above one, "/" included, from the text of ``/proc/self/mountinfo``: those a
+    lookup that walks them passes through. One hidden by a later mount on the same point counts
+    too (more, never fewer)."""
+    points: dict[str, set[str]] = {}
+    for _device, point, fstype in _mounts(mountinfo):
+        points.setdefault(point, set()).add(fstype)
+    kinds: set[str] = set()
+    seen: set[str] = set()
+    for path in walked:
+        folder = path
+        while folder not in seen:  # the path, then each folder above it, each once
+            seen.add(folder)
+            kinds |= points.get(folder, set())
+            folder = os.path.dirname(folder)
+    return frozenset(kinds)
 
 
 def _mountinfo() -> str:
@@ -192,7 +204,12 @@ def paths_walked(path: str) -> list[str]:
     """Every path a lookup of ``path`` walks, in order, each absolute: its folders one after the
     other from ``/``, and where one is a symbolic link, the link itself, then its target's (up
     to :data:`LINK_HOPS` links; ``..`` goes up from where the walk is). A folder that does not
-    exist is walked as a plain one."""
+    exist is walked as a plain one.
+
+    Raises:
+        OSError: a step could not be read as a link or not (``ENAMETOOLONG``, ``EACCES``...), or
+            the working folder of a relative ``path`` is gone.
+    """
     walked: list[str] = []
     # not normalised as abspath does: ".." after a link is its target's parent
     whole = path if path.startswith("/") else os.path.join(os.getcwd(), path)
@@ -204,10 +221,13 @@ def paths_walked(path: str) -> list[str]:
             continue
         step = os.path.join(here, name)
         walked.append(step)
-        try:
-            target = os.readlink(step) if hops < LINK_HOPS else None
-        except OSError:  # not a link, or not there
-            target = None
+        target = None
+        if hops < LINK_HOPS:
+            try:
+                target = os.readlink(step)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.ENOENT, errno.ENOTDIR):  # not a link; not there
+                    raise
         if target is None:
             here = step
         else:
@@ -217,19 +237,20 @@ def paths_walked(path: str) -> list[str]:
     return walked
 
 
-def lookups_stay_local(root: str) -> bool:
+def lookups_stay_local(root: str, mountinfo: str | None = None) -> bool:
     """Whether a lookup of a path under the folder ``root`` walks through local file systems
-    only (:data:`LOCAL_FILESYSTEMS`): those mounted at each path it walks (:func:`paths_walked`:
-    its folders, and the links it follows on the way) or above one (:func:`filesystems_above`).
-    A call that keeps the interpreter's lock looks its path up from ``/``: a folder or a link on
-    a network mount (a local disk mounted under an NFS home, a link kept on NFS to a local disk)
-    may wait for its server there, and every thread with it. False where this process's mounts
-    cannot be read."""
+    only (:data:`LOCAL_FILESYSTEMS`): those mounted at each path it walks
+    (:func:`paths_walked`: its folders, and the links it follows on the way) or above one
+    (:func:`filesystems_walked`; ``mountinfo``: the text of ``/proc/self/mountinfo``, read if
+    None). A call that keeps the interpreter's lock looks its path up from ``/``: a folder or a
+    link on a network mount (a local disk mounted under an NFS home, a link kept on NFS to a
+    local disk) may wait for its server there, and every thread with it. False where the mounts
+    or the walk cannot be read."""
     try:
-        mountinfo = _mountinfo()
-    except OSError:
+        walked = paths_walked(root) or ["/"]
+        return filesystems_walked(walked, _mountinfo() if mountinfo is None else mountinfo) <= LOCAL_FILESYSTEMS
+    except (OSError, ValueError):  # ValueError: a NUL in the path
         return False
-    return all(filesystems_above(step, mountinfo) <= LOCAL_FILESYSTEMS for step in paths_walked(root) or ["/"])
 
 
 _AT_FDCWD, _RENAME_NOREPLACE = -100, 1  # <fcntl.h>, <linux/fs.h>

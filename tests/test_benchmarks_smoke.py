@@ -87,7 +87,7 @@ def test_core_benchmark_reports_handoff_and_catalog(tmp_path):
     for r in report["handoff"].values():
         assert r["items"] == 300 and r["items_per_s"] > 0 and r["floor_items_per_s"] > 0
         assert r["switch_interval_s"] == 0.02  # as the measuring process ran
-        assert r["gc_us_per_item"] > 0 and r["gc_full_collections"] >= 0  # 300 items allocate far more than 700 objects
+        assert r["gc_us_per_item"] > 0  # 300 items allocate far more than the 700 objects of a young collection
     assert set(report["split"]) >= {"disk folders", "disk files"}
     for r in report["split"].values():
         assert r["consumer_side_items_per_s"] > 0 and r["one_thread_items_per_s"] > 0 and r["pipeline_switches_per_item"] > 0

@@ -382,7 +382,41 @@ MOUNTS = """\
     ],
 )
 def test_the_file_systems_a_lookup_walks_are_those_mounted_at_the_path_or_above(path, types):
-    assert fscalls.filesystems_above(path, MOUNTS) == types
+    assert fscalls.filesystems_walked([path], MOUNTS) == types
+
+
+def test_a_link_into_a_network_mount_on_the_way_is_found(tmp_path):
+    """The mount table (given, as the kernel would list it) says ``far`` is NFS; the cache is
+    reached from ``entry`` through a link kept in ``far``: not local, though the path as given
+    and as resolved never pass ``far``."""
+    mounts = f"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n40 22 0:50 / {tmp_path}/far rw - nfs4 server:/far rw\n"
+    (tmp_path / "far").mkdir()
+    (tmp_path / "near").mkdir()
+    (tmp_path / "far" / "hop").symlink_to(tmp_path / "near")
+    (tmp_path / "entry").symlink_to(tmp_path / "far" / "hop")
+    assert os.path.realpath(tmp_path / "entry" / "c") == str(tmp_path / "near" / "c")
+    assert not fscalls.lookups_stay_local(str(tmp_path / "entry" / "c"), mounts)
+    assert fscalls.lookups_stay_local(str(tmp_path / "near" / "c"), mounts)
+
+
+def test_a_walk_that_cannot_be_read_is_not_local(tmp_path):
+    """A folder whose physical path is longer than PATH_MAX, reached by short links: the kernel
+    walks it, but a step of it cannot be read by its whole path (ENAMETOOLONG)."""
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    names = [f"{i:02d}" + "d" * 200 for i in range(24)]  # about 4,900 characters in all
+    try:
+        for name in names:
+            os.mkdir(name, dir_fd=fd)
+            fd, parent = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd), fd
+            os.close(parent)
+    finally:
+        os.close(fd)
+    (tmp_path / "x").symlink_to("/".join(names[:12]))
+    os.symlink("/".join(names[12:]), os.path.join(tmp_path, "x", "y"))  # the link's own path is short through x
+    deep = f"{tmp_path}/x/y/c"
+    with pytest.raises(OSError, match="too long"):
+        fscalls.paths_walked(deep)
+    assert not fscalls.lookups_stay_local(deep, "22 1 8:1 / / rw - ext4 /dev/sda1 rw\n")
 
 
 @pytest.fixture

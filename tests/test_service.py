@@ -890,6 +890,13 @@ def test_the_marker_watch_adds_and_removes_watches_keeping_the_interpreters_lock
         assert inotify_watches(os.getpid()) == 2  # the root's, the nested item's
         watcher.unfollow(str(tmp_path / "c" / "sub" / "item"))
         assert counts == Counter({"held add": 2 if local else 0, "held remove": 2})  # added by watchdog's own binding
+        (tmp_path / "d" / "sub").mkdir(parents=True)  # a single-file item in a subfolder: the same
+        (tmp_path / "d" / "sub" / "f").write_bytes(b"")
+        watcher.watch("q", tmp_path / "d", "files")
+        watcher.follow("q", str(tmp_path / "d" / "sub" / "f"), at_once=True)
+        watcher.unfollow(str(tmp_path / "d" / "sub" / "f"))
+        watcher.unwatch("q")
+        assert counts == Counter({"held add": 3 if local else 0, "held remove": 4})  # d's own watch kept it
         (tmp_path / "c" / "a-file").write_bytes(b"")  # handed out as a folder item: its watch fails (ENOTDIR)
         with caplog.at_level("WARNING", logger="cachepipe.service.markers"):
             watcher.follow("p", str(tmp_path / "c" / "a-file"))

@@ -279,26 +279,27 @@ def keep_the_lock_for_watch_calls() -> bool:
 
 
 _released_add: list[Any] = []  # watchdog's own inotify_add_watch (which lets the lock go), once replaced
-_held_under: dict[str, tuple[bytes, bytes]] = {}  # cache directory -> (it, it + "/"), encoded: see hold_under
+_held_under: dict[str, tuple[bytes, bytes | None]] = {}  # cache directory -> (it, it + "/" or None), encoded: see hold_under
 
 
-def hold_under(root: str, fstype: str | None) -> None:
-    """Add watches under the cache directory ``root`` (absolute and normal) keeping the
-    interpreter's lock if its file system (type ``fstype``, as ``/proc/self/mountinfo`` names it)
-    is local; ``fstype`` None: no longer watched."""
+def hold_under(root: str, fstype: str | None, items: str = "folders") -> None:
+    """Add watches on the cache directory ``root`` (absolute and normal), and on the folder items
+    right in it (``items`` "folders"), keeping the interpreter's lock if its file system (type
+    ``fstype``, as ``/proc/self/mountinfo`` names it) is local; ``fstype`` None: no longer
+    watched. Any other folder under ``root`` (a nested item's, a single-file item's subfolder)
+    may be anything a user put there (a link, a mount), as in :mod:`cachepipe.fscalls`: its
+    watch is added by watchdog's own binding, which lets the lock go."""
     if fstype in LOCAL_FILESYSTEMS:
-        _held_under[root] = (os.fsencode(root), os.fsencode(root.rstrip("/") + "/"))
+        _held_under[root] = (os.fsencode(root), os.fsencode(root.rstrip("/") + "/") if items == "folders" else None)
     else:
         _held_under.pop(root, None)
 
 
 def _add_watch(fd: int, path: bytes, mask: int) -> WatchDescriptor:
     """``inotify_add_watch`` keeping the interpreter's lock on a :func:`hold_under` directory or
-    a path right in it. A nested item's folder (a name with a ``/``) may be anything a user put
-    under the cache directory (a link, a mount), as in :mod:`cachepipe.fscalls`: watchdog's own
-    binding, which lets the lock go."""
+    a folder item right in it; else by watchdog's own binding."""
     for top, prefix in list(_held_under.values()):  # a copy: another thread may register one
-        if path == top or (path.startswith(prefix) and b"/" not in path[len(prefix) :]):
+        if path == top or (prefix is not None and path.startswith(prefix) and b"/" not in path[len(prefix) :]):
             return cast("WatchDescriptor", _watch_calls()[0](fd, path, mask))
     return cast("WatchDescriptor", _released_add[0](fd, path, mask))
 
@@ -489,7 +490,7 @@ class MarkerWatcher:
         self.unwatch(name)
         inotify = self._require()
         top = os.path.abspath(root)
-        hold_under(top, filesystem_at(top) if lookups_stay_local(top) else "")
+        hold_under(top, filesystem_at(top) if lookups_stay_local(top) else "", items)
         with self._lock:
             id_ = cast("CallbackId", next(self._ids))
             served = _Watched(name, top, items, cast("WatchDescriptor", -1), id_)
