@@ -542,7 +542,9 @@ class Frontier:
     def __init__(self, plan: Plan | GrowingPlan, start: Cursor | None = None) -> None:
         self.plan = plan
         self.position = plan.normalise(plan.start if start is None else start)
-        self._issued: dict[int, Step] = {}
+        # plain tuples, not Steps: the collector stops tracking a tuple of ints, and there is one
+        # per item issued and not yet consumed (benchmarks/README.md, "The garbage collector's share")
+        self._issued: dict[int, tuple[int, ...]] = {}
         self._consumed: set[int] = set()
         self._next_seq = 0
         self._low = 0  # every seq below it is consumed
@@ -551,7 +553,7 @@ class Frontier:
         """Record the next step handed to the producer; returns its sequence number."""
         seq = self._next_seq
         self._next_seq += 1
-        self._issued[seq] = step
+        self._issued[seq] = tuple(step)
         return seq
 
     def step(self, seq: int) -> Step:
@@ -560,7 +562,7 @@ class Frontier:
         Raises:
             KeyError: ``seq`` was never issued, or every step up to it is consumed.
         """
-        return self._issued[seq]
+        return Step._make(self._issued[seq])
 
     def consume(self, *seqs: int) -> None:
         """Mark steps ``seqs`` consumed (acknowledged); idempotent. The position moves once per
