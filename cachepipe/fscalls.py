@@ -142,9 +142,14 @@ def _mounts(mountinfo: str) -> Iterator[tuple[str, str, str]]:
             yield parts[2], _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), parts[4]), types[0]
 
 
-def _holds(point: str, path: str) -> bool:
-    """Whether the mount point ``point`` is ``path`` or a folder above it."""
-    return path == point or path.startswith(point.rstrip("/") + "/")
+def _up(path: str) -> Iterator[str]:
+    """``path`` (absolute, normal), then each folder above it, up to ``/``."""
+    while True:
+        yield path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
 
 
 def filesystem_type(path: str, mountinfo: str, device: str = "") -> str:
@@ -152,13 +157,12 @@ def filesystem_type(path: str, mountinfo: str, device: str = "") -> str:
     of ``/proc/self/mountinfo``: the mount of ``device`` (``"major:minor"`` of the path's
     ``st_dev``) if one is listed, else the longest mount point that holds the path (the last
     mounted of equals); "" if none does."""
-    longest, kind = -1, ""
+    points: dict[str, str] = {}
     for dev, point, fstype in _mounts(mountinfo):
         if device and dev == device:
             return fstype
-        if _holds(point, path) and len(point) >= longest:
-            longest, kind = len(point), fstype
-    return kind
+        points[point] = fstype  # the last mounted on a point
+    return next((points[folder] for folder in _up(path) if folder in points), "")
 
 
 def filesystems_walked(walked: Iterable[str], mountinfo: str) -> frozenset[str]:
@@ -172,11 +176,11 @@ def filesystems_walked(walked: Iterable[str], mountinfo: str) -> frozenset[str]:
     kinds: set[str] = set()
     seen: set[str] = set()
     for path in walked:
-        folder = path
-        while folder not in seen:  # the path, then each folder above it, each once
+        for folder in _up(path):
+            if folder in seen:  # and every folder above it
+                break
             seen.add(folder)
             kinds |= points.get(folder, set())
-            folder = os.path.dirname(folder)
     return frozenset(kinds)
 
 
