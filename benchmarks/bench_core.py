@@ -17,8 +17,9 @@ Three measurements, each in a fresh child process (so RSS and CPU are its own):
   to the floor is the pipeline's own overhead. ``--repeats`` interleaved runs (the
   two consumers' order alternates: on a disk, a run right after another is often slower); medians.
   Each run also reports the time spent in Python's cyclic garbage collector (``gc.callbacks``)
-  per item, and its collections of the oldest generation ("full": each walks every tracked
-  object, with every thread waiting).
+  per item, its collections of the oldest generation ("full": each walks every tracked
+  object, with every thread waiting), and its longest collection (the longest pause of every
+  thread).
 - ``catalog-stream``: a generated listing of ``--catalog`` one-file folders (no I/O to list);
   the default pass streams it (see ``cachepipe/listing.py``). Reports the time to the first item
   and the peak RSS after ``--consume`` items, while the listing runs ahead as far as it may.
@@ -102,13 +103,19 @@ def _switches() -> int:
 class CollectorTime:
     """While entered: the seconds this process spends in Python's cyclic garbage collector
     (:data:`gc.callbacks`; a collection runs in the thread whose allocation set it off, with the
-    interpreter's lock held, so every thread waits meanwhile), and the collections of the oldest
-    generation (each walks every tracked object)."""
+    interpreter's lock held, so every thread waits meanwhile), the collections of the oldest
+    generation (each walks every tracked object), and the longest single collection: the
+    longest pause it imposed on every thread.
+
+    Each collection is timed by the CPU time of its thread (:func:`time.thread_time`), not by
+    the clock: the callbacks are Python code, where the thread may hand the interpreter's lock
+    to another (its switch interval) and wait for it back, so the clock between them can count
+    other threads' turns too (in the hand-off, up to a quarter more per full collection)."""
 
     def __enter__(self) -> CollectorTime:
         if self._note in gc.callbacks:
             raise RuntimeError("CollectorTime is entered already")
-        self.seconds, self.full = 0.0, 0
+        self.seconds, self.full, self.longest = 0.0, 0, 0.0
         self._start: float | None = None  # a collection under way when entered is not counted
         gc.callbacks.append(self._note)
         return self
@@ -118,9 +125,11 @@ class CollectorTime:
 
     def _note(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
-            self._start = time.perf_counter()
+            self._start = time.thread_time()
         elif self._start is not None:
-            self.seconds += time.perf_counter() - self._start
+            took = time.thread_time() - self._start
+            self.seconds += took
+            self.longest = max(self.longest, took)
             self.full += info["generation"] == 2
             self._start = None
 
@@ -146,6 +155,7 @@ def run_handoff(n: int, where: str, shape: str, batch: int) -> dict[str, Any]:
         "switch_interval_s": sys.getswitchinterval(),
         "gc_s": collector.seconds,
         "gc_full_collections": collector.full,
+        "gc_longest_s": collector.longest,
     }
 
 
@@ -160,15 +170,22 @@ def _drain(pipe: Pipeline, batch: int) -> int:
 
 @contextlib.contextmanager
 def memory_source(n: int, shape: str) -> Iterator[str]:
-    """A ``memory://`` source of ``n`` 1-byte items of ``shape``; yields its URL."""
+    """A ``memory://`` source of ``n`` 1-byte items of ``shape``; yields its URL.
+
+    Its objects (about 2.5 per item, which the garbage collector would track and walk in every
+    full collection: an object store's items are not in the process) are frozen out of the
+    collector's walks (:func:`gc.freeze`) until it is left, with whatever else the process holds
+    by then: the collections measured walk what the pipeline makes."""
     import fsspec
 
     fs = fsspec.filesystem("memory")
     for i in range(n):
         fs.pipe_file(f"/handoff/{i:07d}" + ("/f" if shape == "folders" else ""), b"x")
+    gc.freeze()
     try:
         yield "memory://handoff"
     finally:
+        gc.unfreeze()
         fs.store.clear()  # not fs.rm: the memory file system's recursive rm is quadratic in its size
         fs.pseudo_dirs[:] = [""]
 
@@ -393,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                 "switches_per_item": statistics.median(r["switches"] for r in got) / args.handoff,
                 "gc_us_per_item": statistics.median(r["gc_s"] for r in got) / args.handoff * 1e6,
                 "gc_full_collections": statistics.median(r["gc_full_collections"] for r in got),
+                "gc_longest_ms": statistics.median(r["gc_longest_s"] for r in got) * 1e3,
                 "switch_interval_s": got[0]["switch_interval_s"],
                 "floor_items_per_s": floor,
                 "of_floor": rate / floor,
@@ -433,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
             "iterator" if r["batch"] == 1 else f"get_many({r['batch']})",
             f"{r['items_per_s']:,.0f}",
             f"{r['cpu_us_per_item']:,.0f}",
-            f"{r['gc_us_per_item']:,.1f} ({r['gc_full_collections']:g})",
+            f"{r['gc_us_per_item']:,.1f} ({r['gc_full_collections']:g}, {r['gc_longest_ms']:,.0f} ms)",
             f"{r['floor_items_per_s']:,.0f}",
             f"{r['of_floor']:.2f}",
         ]
@@ -448,7 +466,10 @@ def main(argv: list[str] | None = None) -> int:
         lines.append("; ".join(f"{label}: {p['path']} ({p['file_system']})" for label, p in report["places"].items()))
         lines += [
             *format_table(
-                ["cache on", "items", "consumer", "items/s", "CPU us/item", "GC us/item (full)", "fs floor items/s", "x floor"],
+                [
+                    *("cache on", "items", "consumer", "items/s", "CPU us/item"),
+                    *("GC us/item (full, longest)", "fs floor items/s", "x floor"),
+                ],
                 rows,
             ),
             "",

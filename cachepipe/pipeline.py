@@ -37,6 +37,22 @@ PLAN_RUN = 64
 starts those that need no wait together, a round or two of each lock for them."""
 
 
+_Held = tuple[str, int, tuple[str, ...]]
+"""What a hand-out needs of an item in flight: its name, size and files' relative paths."""
+
+_ONE_FILE = ("",)  # the files of every single-file item
+
+
+def _held(item: Item) -> _Held:
+    """What the pipeline keeps of ``item`` from planning until consumed: a tuple of strings and
+    ints, which Python's garbage collector stops tracking at its first collection (an
+    :class:`Item` stays tracked, with its files: with many items ready, every full collection
+    walked them all, and every thread waited)."""
+    files = item.files
+    rels = _ONE_FILE if len(files) == 1 and not files[0].rel else tuple(f.rel for f in files)
+    return item.name, item.size, rels
+
+
 class CachedItem(PathItem):
     """A delivered item: usable wherever a path is (``open(item / "text.txt")``, ``os.fspath``).
 
@@ -60,10 +76,18 @@ class CachedItem(PathItem):
     __slots__ = ("_first", "_gone", "files", "lease", "name", "size")
 
     def __init__(self, path: str | os.PathLike[str], item: Item, lease: str = "") -> None:
+        self._set(path, _held(item), lease)
+
+    @classmethod
+    def _of(cls, path: str | os.PathLike[str], held: _Held, lease: str) -> CachedItem:
+        """The item handed out at ``path``, from what the pipeline kept of it (:func:`_held`)."""
+        self = cls.__new__(cls)
+        self._set(path, held, lease)
+        return self
+
+    def _set(self, path: str | os.PathLike[str], held: _Held, lease: str) -> None:
         super().__init__(path)
-        self.name = item.name
-        self.size = item.size
-        self.files = tuple(f.rel for f in item.files)
+        self.name, self.size, self.files = held
         self.lease = lease
         self._gone: str | None = None  # why its files are gone, once they are
         self._first = False  # its first hand-out since this pipeline downloaded it (Cache.first_hand_out)
@@ -176,7 +200,7 @@ class Pipeline:
         self._handed: dict[str, CachedItem] = {}  # lease id -> the object handed out, until ack or release
         self._state = _UNOPENED
         self._lock = threading.Lock()
-        self._inflight: dict[int, Item] = {}  # seq -> item, from planning until consumed
+        self._inflight: dict[int, _Held] = {}  # seq -> what a hand-out needs of its item, from planning until consumed
         self._listing: StreamingListing | None = None
         self._counts = {"handed": 0, "acked": 0, "released": 0, "skipped": 0}
         self._counts_lock = threading.Lock()  # not _lock: open() holds that while the listing thread counts
@@ -362,7 +386,7 @@ class Pipeline:
         they are in flight until consumed."""
         with self._plan_lock:
             seqs = [self._frontier.issue(step) for step in steps]
-            self._inflight.update(zip(seqs, items, strict=True))
+            self._inflight.update(zip(seqs, map(_held, items), strict=True))
         return seqs
 
     def _stream(self, store: Store, cache: Cache) -> Iterator[list[Planned]]:
@@ -607,7 +631,7 @@ class Pipeline:
                 # "oversize": judged when its space was reserved (see Cache.reserve)
                 self._skip_or_raise(got)
                 continue
-            items = [CachedItem(lease.value, self._inflight[lease.seq], lease.id) for lease in got]
+            items = [CachedItem._of(lease.value, self._inflight[lease.seq], lease.id) for lease in got]  # noqa: SLF001 - from what the pipeline kept
             for item in items:
                 item._first = self._cache.first_hand_out(item.name)  # noqa: SLF001 - the pipeline notes its items' history
             with self._counts_lock:

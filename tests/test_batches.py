@@ -4,6 +4,7 @@ client's iterator sizes its batches (issue #19, item 4)."""
 from __future__ import annotations
 
 import errno
+import gc
 import time
 from pathlib import Path
 from typing import BinaryIO
@@ -207,6 +208,39 @@ def test_runs_of_cheap_requests_lose_nothing_when_one_of_their_items_fails(tmp_p
         assert (stats.items_failed, stats.items_skipped, stats.retries) == (1, 1, 1)
         left = sorted(path.relative_to(tmp_path / "c").as_posix() for path in (tmp_path / "c").rglob("*"))
         assert left == [STATE_DIR, f"{STATE_DIR}/journal", f"{STATE_DIR}/lock"]  # no staging or item left behind
+    finally:
+        fs.store.clear()
+        fs.pseudo_dirs[:] = [""]
+
+
+@pytest.mark.parametrize("items", ["files", "folders"])
+def test_items_waiting_for_the_consumer_are_not_tracked_by_the_garbage_collector(tmp_path, items):
+    # Tiny items run far ahead of the consumer. What the pipeline keeps of each until it is
+    # consumed used to be an Item, its files tuple and a FileEntry: three objects that every
+    # full collection walked, all threads waiting (45 ms per collection at 30,000 items ready).
+    root, fs, n = "memory://untracked/data", fsspec.filesystem("memory"), 3000
+    for i in range(n):
+        if items == "files":
+            fs.pipe_file(f"{root}/{i:05d}", b"x")
+        else:
+            fs.pipe(f"{root}/{i:05d}/a.txt", b"xy")
+            fs.pipe(f"{root}/{i:05d}/b/c.bin", b"z")
+    try:
+        gc.collect()
+        before = len(gc.get_objects())
+        with Pipeline(root, tmp_path / "c", "64MiB", items=items, shuffle=items == "folders") as pipe:
+            wait_until(lambda: pipe.stats().items_ready == n)
+            gc.collect()
+            extra = len(gc.get_objects()) - before
+            got = pipe.get_many(n)
+            if items == "files":
+                assert [(i.name, i.size, i.files) for i in got[:2]] == [("00000", 1, ("",)), ("00001", 1, ("",))]
+            else:
+                assert {(i.size, i.files) for i in got} == {(3, ("a.txt", "b/c.bin"))}
+                assert sorted(i.name for i in got) == [f"{i:05d}" for i in range(n)]
+                assert (got[0] / "b/c.bin").read_bytes() == b"z"
+            pipe.ack_many(got)
+        assert extra < n / 2, f"{extra} more objects tracked with {n} items ready"  # was 3 per item
     finally:
         fs.store.clear()
         fs.pseudo_dirs[:] = [""]
