@@ -413,9 +413,7 @@ class Pipeline:
                     self._count("skipped")
                 keeps.append(item.size <= limit)
             with self._plan_lock:
-                for item, keep in zip(run, keeps, strict=False):
-                    if keep:
-                        plan.add(item.size)
+                plan.extend([item.size for item, keep in zip(run, keeps, strict=False) if keep])
             return keeps
 
         def complete() -> None:  # in the listing thread, once it listed everything

@@ -494,12 +494,17 @@ class GrowingPlan:
 
     def add(self, size: int) -> Step:
         """The next listed item (``size`` bytes) as a step."""
+        i = len(self.sizes)
+        self.extend((size,))
+        return Step(0, i, i)
+
+    def extend(self, sizes: Sequence[int]) -> None:
+        """:meth:`add` each of ``sizes`` (bytes), in one update of the digest: all or none."""
         if self._full is not None:
             raise RuntimeError("the listing is complete: no more items can be added")
-        i = len(self.sizes)
-        self.sizes.append(size)
-        self._hash.update(self.sizes[i:].tobytes())
-        return Step(0, i, i)
+        run = array("q", sizes)  # raises before anything is added
+        self.sizes.extend(run)
+        self._hash.update(run.tobytes())
 
     def complete(self) -> Plan:
         """The listing ended: return the plan it amounts to."""

@@ -421,3 +421,20 @@ def test_fixed_partition_keeps_each_worker_on_the_same_items():
             plan = Plan(sizes, epochs=4, shuffle=True, seed=1, rank=r, world_size=2, worker=j, num_workers=3, partition="fixed")
             assert len({frozenset(plan.share(e)) for e in range(4)}) == 1
             assert len({tuple(plan.share(e)) for e in range(4)}) > 1
+
+
+@given(st.lists(st.lists(st.integers(0, 2**40), max_size=8), max_size=8))
+def test_a_growing_plan_extended_in_runs_is_the_plan_grown_one_item_at_a_time(runs):
+    from cachepipe.plan import GrowingPlan
+
+    one, batched = GrowingPlan(seed=3), GrowingPlan(seed=3)
+    for run in runs:
+        for size in run:
+            one.add(size)
+        batched.extend(run)
+        assert Frontier(batched).state_dict() == Frontier(one).state_dict()  # the listed sizes and their digest
+    assert list(batched.sizes) == [size for run in runs for size in run]
+    assert batched.complete().state_dict() == one.complete().state_dict()
+    assert Frontier(batched).state_dict() == Frontier(one).state_dict()
+    with pytest.raises(RuntimeError, match="complete"):
+        batched.extend([1])
