@@ -18,8 +18,10 @@ Three measurements, each in a fresh child process (so RSS and CPU are its own):
   two consumers' order alternates: on a disk, a run right after another is often slower); medians.
   Each run also reports the time spent in Python's cyclic garbage collector (``gc.callbacks``)
   per item, its collections of the oldest generation ("full": each walks every tracked
-  object, with every thread waiting), and its longest collection (the longest pause of every
-  thread).
+  object, with every thread waiting), and the CPU time of its longest collection (a floor of the
+  longest pause of every thread: on a busy machine the collecting thread may also be
+  preempted). The ``memory://`` source's own objects are frozen out of the collector's walks
+  (:func:`memory_source`), in every measurement that uses it (the ``--split`` ones too).
 - ``catalog-stream``: a generated listing of ``--catalog`` one-file folders (no I/O to list);
   the default pass streams it (see ``cachepipe/listing.py``). Reports the time to the first item
   and the peak RSS after ``--consume`` items, while the listing runs ahead as far as it may.
@@ -104,18 +106,19 @@ class CollectorTime:
     """While entered: the seconds this process spends in Python's cyclic garbage collector
     (:data:`gc.callbacks`; a collection runs in the thread whose allocation set it off, with the
     interpreter's lock held, so every thread waits meanwhile), the collections of the oldest
-    generation (each walks every tracked object), and the longest single collection: the
-    longest pause it imposed on every thread.
+    generation (each walks every tracked object), and the longest single collection.
 
     Each collection is timed by the CPU time of its thread (:func:`time.thread_time`), not by
     the clock: the callbacks are Python code, where the thread may hand the interpreter's lock
-    to another (its switch interval) and wait for it back, so the clock between them can count
-    other threads' turns too (in the hand-off, up to a quarter more per full collection)."""
+    to another (its switch interval) and wait for it back, and the clock between them would
+    count those turns. The CPU time is a floor of the pause every thread saw: when the OS
+    preempts the collecting thread, which holds the interpreter's lock, the others wait too
+    (on this 2-core VM under load, a collection's clock time was up to 3 times its CPU time)."""
 
     def __enter__(self) -> CollectorTime:
         if self._note in gc.callbacks:
             raise RuntimeError("CollectorTime is entered already")
-        self.seconds, self.full, self.longest = 0.0, 0, 0.0
+        self.seconds, self.full, self.longest = 0.0, 0, 0.0  # CPU seconds
         self._start: float | None = None  # a collection under way when entered is not counted
         gc.callbacks.append(self._note)
         return self
@@ -155,7 +158,7 @@ def run_handoff(n: int, where: str, shape: str, batch: int) -> dict[str, Any]:
         "switch_interval_s": sys.getswitchinterval(),
         "gc_s": collector.seconds,
         "gc_full_collections": collector.full,
-        "gc_longest_s": collector.longest,
+        "gc_longest_cpu_s": collector.longest,
     }
 
 
@@ -172,10 +175,11 @@ def _drain(pipe: Pipeline, batch: int) -> int:
 def memory_source(n: int, shape: str) -> Iterator[str]:
     """A ``memory://`` source of ``n`` 1-byte items of ``shape``; yields its URL.
 
-    Its objects (about 2.5 per item, which the garbage collector would track and walk in every
-    full collection: an object store's items are not in the process) are frozen out of the
-    collector's walks (:func:`gc.freeze`) until it is left, with whatever else the process holds
-    by then: the collections measured walk what the pipeline makes."""
+    Its objects (2 per item, each ``MemoryFile`` and its ``__dict__``, which the garbage
+    collector would track and walk in every full collection: an object store's items are not in
+    the process) are frozen out of the collector's walks (:func:`gc.freeze`) until it is left,
+    with whatever else the process holds by then (its imported modules): the collections
+    measured walk what the pipeline makes."""
     import fsspec
 
     fs = fsspec.filesystem("memory")
@@ -410,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                 "switches_per_item": statistics.median(r["switches"] for r in got) / args.handoff,
                 "gc_us_per_item": statistics.median(r["gc_s"] for r in got) / args.handoff * 1e6,
                 "gc_full_collections": statistics.median(r["gc_full_collections"] for r in got),
-                "gc_longest_ms": statistics.median(r["gc_longest_s"] for r in got) * 1e3,
+                "gc_longest_cpu_ms": statistics.median(r["gc_longest_cpu_s"] for r in got) * 1e3,
                 "switch_interval_s": got[0]["switch_interval_s"],
                 "floor_items_per_s": floor,
                 "of_floor": rate / floor,
@@ -451,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
             "iterator" if r["batch"] == 1 else f"get_many({r['batch']})",
             f"{r['items_per_s']:,.0f}",
             f"{r['cpu_us_per_item']:,.0f}",
-            f"{r['gc_us_per_item']:,.1f} ({r['gc_full_collections']:g}, {r['gc_longest_ms']:,.0f} ms)",
+            f"{r['gc_us_per_item']:,.1f} ({r['gc_full_collections']:g}, {r['gc_longest_cpu_ms']:,.1f} ms)",
             f"{r['floor_items_per_s']:,.0f}",
             f"{r['of_floor']:.2f}",
         ]
@@ -468,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
             *format_table(
                 [
                     *("cache on", "items", "consumer", "items/s", "CPU us/item"),
-                    *("GC us/item (full, longest)", "fs floor items/s", "x floor"),
+                    *("GC us/item (full, longest CPU)", "fs floor items/s", "x floor"),
                 ],
                 rows,
             ),

@@ -48,7 +48,7 @@ def _held(item: Item) -> _Held:
     ints, which Python's garbage collector stops tracking at its first collection (an
     :class:`Item` stays tracked, with its files: with many items ready, every full collection
     walked them all, and every thread waited)."""
-    files = item.files
+    files = tuple(item.files)
     rels = _ONE_FILE if len(files) == 1 and not files[0].rel else tuple(f.rel for f in files)
     return item.name, item.size, rels
 
@@ -76,17 +76,18 @@ class CachedItem(PathItem):
     __slots__ = ("_first", "_gone", "files", "lease", "name", "size")
 
     def __init__(self, path: str | os.PathLike[str], item: Item, lease: str = "") -> None:
-        self._set(path, _held(item), lease)
+        super().__init__(path)
+        self._set(_held(item), lease)
 
     @classmethod
     def _of(cls, path: str | os.PathLike[str], held: _Held, lease: str) -> CachedItem:
         """The item handed out at ``path``, from what the pipeline kept of it (:func:`_held`)."""
         self = cls.__new__(cls)
-        self._set(path, held, lease)
+        PathItem.__init__(self, path)
+        self._set(held, lease)
         return self
 
-    def _set(self, path: str | os.PathLike[str], held: _Held, lease: str) -> None:
-        super().__init__(path)
+    def _set(self, held: _Held, lease: str) -> None:
         self.name, self.size, self.files = held
         self.lease = lease
         self._gone: str | None = None  # why its files are gone, once they are
@@ -384,9 +385,10 @@ class Pipeline:
     def _issue(self, steps: list[Step], items: list[Item]) -> list[int]:
         """Give ``steps`` (of ``items``) their sequence numbers, in one round of the plan's lock;
         they are in flight until consumed."""
+        held = [_held(item) for item in items]  # outside the lock, which the consumers' acks take
         with self._plan_lock:
             seqs = [self._frontier.issue(step) for step in steps]
-            self._inflight.update(zip(seqs, map(_held, items), strict=True))
+            self._inflight.update(zip(seqs, held, strict=True))
         return seqs
 
     def _stream(self, store: Store, cache: Cache) -> Iterator[list[Planned]]:

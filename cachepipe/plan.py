@@ -470,7 +470,7 @@ class GrowingPlan:
 
     The default pipeline (one epoch, no shuffle, one rank and worker) starts downloading while
     the listing goes on: step ``i`` is listed item ``i``, ``Step(0, i, i)``. :meth:`add` appends
-    an item; :meth:`complete` ends the listing, after which positions and the resume state
+    an item (:meth:`extend` a run of them); :meth:`complete` ends the listing, after which positions and the resume state
     are exactly those of ``Plan(sizes, epochs=1, seed=seed)`` (with the same ``balance`` and
     ``partition``, which one rank and worker do not change but a resume must match). Until then the end of the pass is
     unknown (``normalise`` leaves ``(0, n)`` as it is) and the resume state names the items

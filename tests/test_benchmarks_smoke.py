@@ -88,7 +88,7 @@ def test_core_benchmark_reports_handoff_and_catalog(tmp_path):
         assert r["items"] == 300 and r["items_per_s"] > 0 and r["floor_items_per_s"] > 0
         assert r["switch_interval_s"] == 0.02  # as the measuring process ran
         assert r["gc_us_per_item"] > 0  # 300 items allocate far more than the 700 objects of a young collection
-        assert 0 < r["gc_longest_ms"] <= r["gc_us_per_item"] * r["items"] / 1e3
+        assert 0 < r["gc_longest_cpu_ms"] <= r["gc_us_per_item"] * r["items"] / 1e3 * (1 + 1e-9)  # one of them
     assert set(report["split"]) >= {"disk folders", "disk files"}
     for r in report["split"].values():
         assert r["consumer_side_items_per_s"] > 0 and r["one_thread_items_per_s"] > 0 and r["pipeline_switches_per_item"] > 0

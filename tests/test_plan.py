@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 import types
+from array import array
 from collections import Counter
 from itertools import islice
 
@@ -427,13 +429,18 @@ def test_fixed_partition_keeps_each_worker_on_the_same_items():
 def test_a_growing_plan_extended_in_runs_is_the_plan_grown_one_item_at_a_time(runs):
     from cachepipe.plan import GrowingPlan
 
-    one, batched = GrowingPlan(seed=3), GrowingPlan(seed=3)
+    one, batched, listed = GrowingPlan(seed=3), GrowingPlan(seed=3), []
     for run in runs:
         for size in run:
             one.add(size)
         batched.extend(run)
-        assert Frontier(batched).state_dict() == Frontier(one).state_dict()  # the listed sizes and their digest
-    assert list(batched.sizes) == [size for run in runs for size in run]
+        listed += run
+        state = Frontier(batched).state_dict()
+        assert state == Frontier(one).state_dict()
+        assert state["listed"] == len(listed)  # the digest of the sizes listed, made here independently
+        assert state["listed_digest"] == hashlib.blake2b(array("q", listed).tobytes(), digest_size=16).hexdigest()
+        Plan([*listed, 7], epochs=1, seed=3, rank=0, world_size=1).load_state_dict(state)  # a resume on more accepts it
+    assert list(batched.sizes) == listed
     assert batched.complete().state_dict() == one.complete().state_dict()
     assert Frontier(batched).state_dict() == Frontier(one).state_dict()
     with pytest.raises(RuntimeError, match="complete"):
