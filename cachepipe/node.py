@@ -43,7 +43,7 @@ from .catalog import Item, Names
 from .config import Share
 from .fetcher import Planned
 from .lanes import LaneSchedule, NodePlan
-from .pipeline import CachedItem, Pipeline
+from .pipeline import CachedItem, Pipeline, _Held, _held
 from .plan import Cursor, Step
 from .retention import PlanFuture, make_policy
 from .stores import Store
@@ -60,13 +60,21 @@ class _Planned:
     generation: int
     step: Step
     tick: int
-    item: Item
+    held: _Held  # what a hand-out needs of the item (not the Item: the collector stops tracking it)
     value: str | Failed | None = None  # None: downloading; its path once on disk
     handed: bool = False
 
     @property
     def key(self) -> Cursor:
         return Cursor(self.step.epoch, self.step.index)
+
+    @property
+    def name(self) -> str:
+        return self.held[0]
+
+    @property
+    def size(self) -> int:
+        return self.held[1]
 
 
 @dataclass(slots=True)
@@ -119,11 +127,12 @@ class LaneQueues(Broker[str]):
                     self._cond.wait()  # every lane at its end, or waiting to consume an item before it comes again
                 seq = self._next_seq
                 self._next_seq += 1
-                planned = _Planned(seq, got.lane, got.generation, got.step, got.tick, item_of(got.step.item))
+                item = item_of(got.step.item)
+                planned = _Planned(seq, got.lane, got.generation, got.step, got.tick, _held(item))
                 self._planned[seq] = planned
                 self._lanes[got.lane].held[planned.key] = planned
                 self._busy[got.step.item] += 1
-            yield [(seq, planned.item, planned.tick)]
+            yield [(seq, item, planned.tick)]
 
     def put_many(self, ready: Sequence[tuple[int, str, str]]) -> None:
         self._arrive([(seq, value) for seq, _name, value in ready])
@@ -254,7 +263,7 @@ class LaneQueues(Broker[str]):
             planned = self._lanes[lane_no].held.get(cursor)
             if planned is None or planned.value is None or isinstance(planned.value, Failed):
                 return None
-            if room is not None and planned.item.size > room:
+            if room is not None and planned.size > room:
                 return None
             if not planned.handed:
                 planned.handed = True
@@ -393,7 +402,7 @@ class NodePipeline(Pipeline):
                 raise RuntimeError(f"lane {rank}.{worker}: step {at} handed out before it was on disk")
             self._count("handed")
             after = queues.schedule.after(lane, planned.step)
-            return Taken(CachedItem(value, planned.item, f"{rank}.{worker}@{at.epoch}.{at.index}"), at, after)
+            return Taken(CachedItem._of(value, planned.held, f"{rank}.{worker}@{at.epoch}.{at.index}"), at, after)  # noqa: SLF001 - from what the node kept
 
     def take_many(
         self,
@@ -427,11 +436,11 @@ class NodePipeline(Pipeline):
             if planned is None:
                 break
             self._count("handed")
-            size += planned.item.size
+            size += planned.size
             value = planned.value
             if value is None or isinstance(value, Failed):  # ready() returns only items on disk
                 raise TypeError(f"lane {rank}.{worker}: step {at} handed out before it was on disk")
-            item = CachedItem(value, planned.item, f"{rank}.{worker}@{at.epoch}.{at.index}")
+            item = CachedItem._of(value, planned.held, f"{rank}.{worker}@{at.epoch}.{at.index}")  # noqa: SLF001 - as in take
             got.append(Taken(item, at, queues.schedule.after(lane, planned.step)))
         return got
 
@@ -452,7 +461,7 @@ class NodePipeline(Pipeline):
         with self._moves:
             consumed, stale = self._queues.move(lane, cursor)
             if consumed:  # one journal write for the lot
-                self._cache.evict_many([(planned.item.name, planned.step.epoch, planned.tick) for planned in consumed])
+                self._cache.evict_many([(planned.name, planned.step.epoch, planned.tick) for planned in consumed])
                 with self._counts_lock:
                     self._counts["acked"] += len(consumed)
             for planned in stale:
@@ -464,7 +473,7 @@ class NodePipeline(Pipeline):
         again (no retention), or acknowledge it (retention decides whether to keep it)."""
         if isinstance(planned.value, Failed) or planned.value is None:
             return
-        self._cache.shelve(planned.item.name, planned.step.epoch, planned.tick)
+        self._cache.shelve(planned.name, planned.step.epoch, planned.tick)
 
     def _advance(self) -> None:
         """Journal the node's position: the earliest of the lanes' first unconsumed steps."""
