@@ -60,7 +60,7 @@ class _Planned:
     generation: int
     step: Step
     tick: int
-    held: _Held  # what a hand-out needs of the item (not the Item: the collector stops tracking it)
+    kept: _Held  # what a hand-out needs of the item (not the Item: the collector stops tracking it)
     value: str | Failed | None = None  # None: downloading; its path once on disk
     handed: bool = False
 
@@ -70,11 +70,11 @@ class _Planned:
 
     @property
     def name(self) -> str:
-        return self.held[0]
+        return self.kept[0]
 
     @property
     def size(self) -> int:
-        return self.held[1]
+        return self.kept[1]
 
 
 @dataclass(slots=True)
@@ -402,7 +402,7 @@ class NodePipeline(Pipeline):
                 raise RuntimeError(f"lane {rank}.{worker}: step {at} handed out before it was on disk")
             self._count("handed")
             after = queues.schedule.after(lane, planned.step)
-            return Taken(CachedItem._of(value, planned.held, f"{rank}.{worker}@{at.epoch}.{at.index}"), at, after)  # noqa: SLF001 - from what the node kept
+            return Taken(CachedItem._of(value, planned.kept, f"{rank}.{worker}@{at.epoch}.{at.index}"), at, after)  # noqa: SLF001 - from what the node kept
 
     def take_many(
         self,
@@ -440,7 +440,7 @@ class NodePipeline(Pipeline):
             value = planned.value
             if value is None or isinstance(value, Failed):  # ready() returns only items on disk
                 raise TypeError(f"lane {rank}.{worker}: step {at} handed out before it was on disk")
-            item = CachedItem._of(value, planned.held, f"{rank}.{worker}@{at.epoch}.{at.index}")  # noqa: SLF001 - as in take
+            item = CachedItem._of(value, planned.kept, f"{rank}.{worker}@{at.epoch}.{at.index}")  # noqa: SLF001 - as in take
             got.append(Taken(item, at, queues.schedule.after(lane, planned.step)))
         return got
 
