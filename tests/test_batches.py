@@ -3,9 +3,11 @@ client's iterator sizes its batches (issue #19, item 4)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -213,12 +215,12 @@ def test_runs_of_cheap_requests_lose_nothing_when_one_of_their_items_fails(tmp_p
         fs.pseudo_dirs[:] = [""]
 
 
-@pytest.mark.parametrize("items", ["files", "folders"])
-def test_items_waiting_for_the_consumer_are_not_tracked_by_the_garbage_collector(tmp_path, items):
-    # Tiny items run far ahead of the consumer. What the pipeline keeps of each until it is
-    # consumed used to be an Item, its files tuple and a FileEntry per file: three or four
-    # objects per item that every full collection walked, every thread waiting.
-    root, fs, n = "memory://untracked/data", fsspec.filesystem("memory"), 3000
+@contextlib.contextmanager
+def tiny_items(root: str, n: int, items: str) -> Iterator[int]:
+    """``n`` tiny items under ``root`` in fsspec's memory store: single files of 1 byte, or
+    folders of ``a.txt`` (2 bytes) and ``b/c.bin`` (1 byte); yields the objects the garbage
+    collector tracks once they are made (after a collection), and removes them on leaving."""
+    fs = fsspec.filesystem("memory")
     for i in range(n):
         if items == "files":
             fs.pipe_file(f"{root}/{i:05d}", b"x")
@@ -227,7 +229,19 @@ def test_items_waiting_for_the_consumer_are_not_tracked_by_the_garbage_collector
             fs.pipe(f"{root}/{i:05d}/b/c.bin", b"z")
     try:
         gc.collect()
-        before = len(gc.get_objects())
+        yield len(gc.get_objects())
+    finally:
+        fs.store.clear()
+        fs.pseudo_dirs[:] = [""]
+
+
+@pytest.mark.parametrize("items", ["files", "folders"])
+def test_items_waiting_for_the_consumer_are_not_tracked_by_the_garbage_collector(tmp_path, items):
+    # Tiny items run far ahead of the consumer. What the pipeline keeps of each until it is
+    # consumed used to be an Item, its files tuple and a FileEntry per file: three or four
+    # objects per item that every full collection walked, every thread waiting.
+    root, n = "memory://untracked/data", 3000
+    with tiny_items(root, n, items) as before:
         with Pipeline(root, tmp_path / "c", "64MiB", items=items, shuffle=items == "folders") as pipe:
             wait_until(lambda: pipe.stats().items_ready == n)
             gc.collect()
@@ -241,25 +255,14 @@ def test_items_waiting_for_the_consumer_are_not_tracked_by_the_garbage_collector
                 assert (got[0] / "b/c.bin").read_bytes() == b"z"
             pipe.ack_many(got)
         assert extra < n / 2, f"{extra} more objects tracked with {n} items ready"  # was 3 or 4 per item
-    finally:
-        fs.store.clear()
-        fs.pseudo_dirs[:] = [""]
 
 
 @pytest.mark.parametrize("items", ["files", "folders"])
 def test_the_node_keeps_fewer_tracked_objects_per_item_ready(tmp_path, items):
     # The node daemon's plan kept each item's Item, files tuple and FileEntries beside its own
     # record of the step (a _Planned, its Step and its Cursor): 6 or 7 tracked objects per item.
-    root, fs, n = "memory://untracked-node/data", fsspec.filesystem("memory"), 3000
-    for i in range(n):
-        if items == "files":
-            fs.pipe_file(f"{root}/{i:05d}", b"x")
-        else:
-            fs.pipe(f"{root}/{i:05d}/a.txt", b"xy")
-            fs.pipe(f"{root}/{i:05d}/b/c.bin", b"z")
-    try:
-        gc.collect()
-        before = len(gc.get_objects())
+    root, n = "memory://untracked-node/data", 3000
+    with tiny_items(root, n, items) as before:
         with NodePipeline(root, tmp_path / "n", "64MiB", items=items, ranks=[0], world_size=1) as node:
             wait_until(lambda: node.stats().items_ready == n)
             gc.collect()
@@ -274,9 +277,6 @@ def test_the_node_keeps_fewer_tracked_objects_per_item_ready(tmp_path, items):
                 assert (got[-1].item / "b/c.bin").read_bytes() == b"z"
             node.consume(0, 0, got[-1].after)
         assert extra < 4.5 * n, f"{extra} more objects tracked with {n} items ready"  # was 6 or 7 per item
-    finally:
-        fs.store.clear()
-        fs.pseudo_dirs[:] = [""]
 
 
 def test_a_planning_error_after_part_of_a_run_started_comes_after_those_items(tmp_path, monkeypatch):
