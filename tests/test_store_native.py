@@ -242,3 +242,46 @@ def test_download_worker_processes_use_the_engine_and_send_its_errors_back(s3_so
         stats = pipe.stats()
     assert got == {name: files["f"] for name, files in data.items()}
     assert proxy.injected["503"] == 2 and stats.retries >= 2
+
+
+def _senders(proxy, key: str) -> list[str]:
+    """Who sent each GET of ``key`` through the proxy, in order: obstore and s3fs (botocore) name
+    themselves, s3direct sends no User-Agent."""
+    heads = [h.lower() for h in proxy.requests if h.startswith(f"GET /data/video/{key} ")]
+    return ["obstore" if "\nuser-agent: object_store/" in h else "s3fs" if "\nuser-agent:" in h else "s3direct" for h in heads]
+
+
+def test_a_range_of_a_mebibyte_or_more_goes_through_the_direct_path_a_shorter_one_through_obstore(s3_source, fault_proxy):
+    """Per GET, obstore costs less CPU below 1 MiB and s3direct less from there (bench_engines.py):
+    each range goes to the cheaper one, seen at the proxy by who sent it."""
+    big = bytes(range(256)) * (8 * KIB)  # 2 MiB
+    s3_source.put("big", big)
+    proxy, _, store = _through(fault_proxy, s3_source)
+    cut = NativeS3Store.DIRECT_FROM
+    assert cut == 1024 * KIB
+    ranges = [(0, cut - 1), (5, 5 + cut), (0, len(big)), (len(big) - 10, len(big))]
+    outs = [io.BytesIO() for _ in ranges]
+    try:
+        got = [store.get("big", out, start, end) for out, (start, end) in zip(outs, ranges, strict=True)]
+    finally:
+        store.close()
+    assert got == [end - start for start, end in ranges]
+    assert [out.getvalue() for out in outs] == [big[start:end] for start, end in ranges]
+    assert _senders(proxy, "big") == ["obstore", "s3direct", "s3direct", "obstore"]
+
+
+def test_without_a_direct_path_every_range_goes_through_obstore(s3_source, fault_proxy, monkeypatch):
+    """An HTTP proxy in the environment leaves the fsspec backend without its direct path (it
+    would not apply the proxy): large ranges then go through obstore too, not through s3fs."""
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    big = bytes(range(256)) * (8 * KIB)  # 2 MiB
+    s3_source.put("big", big)
+    proxy, _, store = _through(fault_proxy, s3_source)
+    out = io.BytesIO()
+    try:
+        got = store.get("big", out, 0, len(big))
+    finally:
+        store.close()
+    assert got == len(big) and out.getvalue() == big
+    assert _senders(proxy, "big") == ["obstore"]

@@ -194,6 +194,11 @@ class FsspecStore:
     def __repr__(self) -> str:
         return f"FsspecStore({self.url!r})"
 
+    @property
+    def direct(self) -> bool:
+        """True if GETs go through :mod:`~cachepipe.stores.s3direct` (s3:// with options it takes), not s3fs."""
+        return self._direct is not None
+
     def _endpoint(self, options: dict[str, Any]) -> str:
         """The server this store talks to, for messages: the endpoint URL, or what stands for it."""
         protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)

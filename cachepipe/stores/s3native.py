@@ -1,21 +1,26 @@
-"""The native S3 GET engine (opt-in, a prototype): ``s3://`` object GETs through obstore (Python
-bindings of Rust's ``object_store``: hyper and tokio, SigV4 in Rust), listings as before.
+"""The native S3 GET engine (opt-in, a prototype): ``s3://`` object GETs shorter than 1 MiB
+through obstore (Python bindings of Rust's ``object_store``: hyper and tokio, SigV4 in Rust),
+longer GETs and listings as before.
 
 Opt in with the storage option ``engine="obstore"`` (``pip install 'cachepipe[native]'``); the
 default stays the fsspec backend (s3fs, with :mod:`cachepipe.stores.s3direct` for GETs).
 
 Why: on loopback SeaweedFS, 2,000 GETs of 50 KiB into files from 16 threads cost 0.50 ms of
-client CPU each through this store against 0.82 ms through s3direct (0.61x, 0.54-0.70 over five
+client CPU each through obstore against 0.82 ms through s3direct (0.61x, 0.54-0.70 over five
 interleaved repeats), at 1,846 GETs/s against 1,193; through a Pipeline, 0.93 against 1.25 ms per
 item (0.78x). Large parts go the other way: 8 MiB ranged GETs cost 1.30 CPU s/GB against 0.85
-(1.57x). ``benchmarks/bench_engines.py`` measures them; ``benchmarks/results-engines.txt`` holds
-that run.
+(1.57x), whatever size of chunk obstore streams. ``benchmarks/bench_engines.py`` measures them;
+``benchmarks/results-engines.txt`` holds that run.
 
 What goes where:
 
-- GETs: ``obstore.get`` with a ``range``, the body streamed (``GetResult.stream``) into the file
-  the fetcher hands over, chunk by chunk. obstore's own retries are off: retrying is the core's,
-  as for every store.
+- GETs shorter than :attr:`NativeS3Store.DIRECT_FROM` (1 MiB): ``obstore.get`` with a
+  ``range``, the body streamed (``GetResult.stream``) into the file the fetcher hands over, chunk
+  by chunk. obstore's own retries are off: retrying is the core's, as for every store.
+- GETs of 1 MiB or more (an item's parts are ``part_size``, 8 MiB by default): through the
+  fsspec backend's direct path (:mod:`~cachepipe.stores.s3direct`), which costs less CPU per
+  byte, with its own connections, credentials and error translation. When that backend has no
+  direct path (options it leaves to s3fs), every GET goes through obstore.
 - Listing: through the fsspec backend (s3fs, whose pages :mod:`~cachepipe.stores.s3direct`
   requests). ``object_store`` normalises keys into its own paths: a directory marker ``dir/``
   lists as ``dir``, which would read as a zero-byte file, so its listing is not used.
@@ -152,6 +157,12 @@ class NativeS3Store:
     """Time allowed to connect, and for each read of a response (as the direct S3 path)."""
     REQUEST_TIMEOUT = "30min"
     """Time allowed for a whole request, body included (obstore's default is 30 s, too short for a large part on a slow link)."""
+    DIRECT_FROM = 1024 * 1024
+    """Bytes: a GET of this many or more goes through the fsspec backend's direct path
+    (:mod:`~cachepipe.stores.s3direct`), which costs less CPU per byte; a shorter one through
+    obstore, which costs less per request. 1 MiB is where the two cost the same on loopback
+    SeaweedFS (``benchmarks/bench_engines.py``: obstore's CPU per GET 0.67x s3direct's at 256 KiB,
+    0.91x at 512 KiB, 0.95x at 1 MiB, 1.20x at 2 MiB, 1.3-1.6x at 8 MiB)."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url
@@ -164,7 +175,8 @@ class NativeS3Store:
         endpoint = options.get("endpoint_url") or client_kwargs.get("endpoint_url")
         self.endpoint = str(endpoint or "the AWS S3 endpoint")
         self._answered = False  # the endpoint answered a request: a refused connection is then an outage
-        self._listing = FsspecStore(url, options)  # validates the options against s3fs as well
+        self._fsspec = FsspecStore(url, options)  # validates the options against s3fs as well; lists, and GETs large parts
+        self._direct = self._fsspec.direct
         prefix = parts.path.strip("/")
         config: dict[str, Any] = {"virtual_hosted_style_request": self._virtual_host(options)}
         if endpoint:
@@ -220,10 +232,16 @@ class NativeS3Store:
 
     def list(self) -> Iterator[ObjectInfo]:
         """Every object under the root in key order, listed by the fsspec backend (see the module's docstring)."""
-        return self._listing.list()
+        return self._fsspec.list()
 
     def get(self, key: str, out: BinaryIO, start: int, end: int) -> int:
-        """Write bytes ``[start, end)`` of ``key`` to ``out`` as they arrive; return how many were written."""
+        """Write bytes ``[start, end)`` of ``key`` to ``out`` as they arrive; return how many were written.
+
+        A range of :attr:`DIRECT_FROM` bytes or more goes through the fsspec backend's direct path
+        when it has one (see the module's docstring); a shorter one through obstore.
+        """
+        if end - start >= self.DIRECT_FROM and self._direct:
+            return self._fsspec.get(key, out, start, end)
         if end <= start:
             return 0  # obstore refuses an empty range
         where = f"{self.url.rstrip('/')}/{key}"
@@ -239,5 +257,5 @@ class NativeS3Store:
         return written
 
     def close(self) -> None:
-        """Close the listing's connections (obstore's pool goes with the store object). Idempotent."""
-        self._listing.close()
+        """Close the fsspec backend's connections (obstore's pool goes with the store object). Idempotent."""
+        self._fsspec.close()
