@@ -3,8 +3,14 @@ and through the fault proxy for the errors a server or a network makes."""
 
 from __future__ import annotations
 
+import gc
 import io
+import logging
+import os
+import select
+import signal
 import socket
+import weakref
 
 import pytest
 from conftest import listed
@@ -20,6 +26,7 @@ from cachepipe.stores.s3native import NativeS3Store  # after the skip: needs obs
 KIB = 1024
 BODY = bytes(range(256)) * 300  # 76,800 bytes
 ODD_KEY = "c d/ü+x~=(1).bin"
+PROFILE = "aws_access_key_id = fromprofile\naws_secret_access_key = s\n"  # a shared credentials file's lines
 
 
 def _options(endpoint: str) -> dict:
@@ -285,3 +292,126 @@ def test_without_a_direct_path_every_range_goes_through_obstore(s3_source, fault
         store.close()
     assert got == len(big) and out.getvalue() == big
     assert _senders(proxy, "big") == ["obstore"]
+
+
+def _profile_only(monkeypatch, tmp_path, profile: str = "") -> None:
+    """Credentials only in a shared credentials file (as ``~/.aws/credentials``), its default
+    profile's lines ``profile``: none in the environment, no instance metadata."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    shared = tmp_path / "credentials"
+    shared.write_text(f"[default]\n{profile}")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(shared))
+
+
+def test_without_key_and_secret_obstore_signs_with_botocores_credentials_from_a_profile(
+    s3_source, fault_proxy, monkeypatch, tmp_path
+):
+    """obstore alone does not read ``~/.aws``: it is handed what botocore found for the direct
+    path, so that small and large GETs are signed alike."""
+    _profile_only(monkeypatch, tmp_path, PROFILE + "aws_session_token = tok\n")
+    big = bytes(range(256)) * (8 * KIB)  # 2 MiB
+    s3_source.put("big", big)
+    proxy, endpoint = fault_proxy
+    store = open_store(s3_source.url, {"engine": "obstore", "endpoint_url": endpoint, "skip_instance_cache": True})
+    small, large = io.BytesIO(), io.BytesIO()
+    try:
+        assert store.get("big", small, 0, 100) == 100
+        assert store.get("big", large, 0, len(big)) == len(big)
+    finally:
+        store.close()
+    assert small.getvalue() == big[:100] and large.getvalue() == big
+    heads = [h.lower() for h in proxy.requests if h.startswith("GET /data/video/big ")]
+    assert _senders(proxy, "big") == ["obstore", "s3direct"]
+    assert all("credential=fromprofile/" in h and "\nx-amz-security-token: tok" in h for h in heads), heads
+
+
+def test_credentials_handed_to_obstore_are_asked_for_again_after_a_minute(s3_source, monkeypatch, tmp_path):
+    """obstore asks its provider again only when what it holds expires within 5 minutes: the
+    copy is said to expire 5 minutes after :attr:`NativeS3Store.CREDENTIALS_FOR` (60 s)."""
+    from datetime import datetime, timedelta, timezone
+
+    _profile_only(monkeypatch, tmp_path, PROFILE)
+    store = open_store(
+        s3_source.url, {"engine": "obstore", "endpoint_url": s3_source.options["endpoint_url"], "skip_instance_cache": True}
+    )
+    try:
+        before = datetime.now(timezone.utc)
+        given = store._store.credential_provider()  # what obstore asks
+    finally:
+        store.close()
+    assert (given["access_key_id"], given["secret_access_key"], given["token"]) == ("fromprofile", "s", None)
+    ahead = given["expires_at"] - before
+    assert timedelta(seconds=300 + 59) < ahead <= timedelta(seconds=300 + 61), ahead
+
+
+def test_no_credentials_anywhere_is_a_permission_error_naming_the_object(s3_source, monkeypatch, tmp_path):
+    _profile_only(monkeypatch, tmp_path)
+    s3_source.put("f", BODY)
+    store = open_store(
+        s3_source.url, {"engine": "obstore", "endpoint_url": s3_source.options["endpoint_url"], "skip_instance_cache": True}
+    )
+    try:
+        with pytest.raises(PermissionError) as info:
+            store.get("f", io.BytesIO(), 0, len(BODY))
+    finally:
+        store.close()
+    assert not is_transient(info.value)
+    assert str(info.value).startswith("[Errno 13] s3://data/video/f: PermissionError: [Errno 13] no usable credentials for")
+    assert "rejected" not in str(info.value)  # nothing was sent: the endpoint rejected nothing
+
+
+def test_a_process_forked_after_obstore_ran_gets_through_the_direct_path_instead_of_hanging(s3_source, fault_proxy):
+    """obstore's runtime does not survive a fork: a GET through it in such a child waits forever
+    (as a DataLoader worker forked after the main process read through this engine would)."""
+    s3_source.put("f", BODY)
+    proxy, endpoint, store = _through(fault_proxy, s3_source)
+    try:
+        assert store.get("f", io.BytesIO(), 0, len(BODY)) == len(BODY)  # obstore runs in this process
+    finally:
+        store.close()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a new store, as a worker would open
+        status = 1
+        try:
+            os.close(read)
+            said: list[logging.LogRecord] = []
+            handler = logging.Handler(logging.WARNING)
+            handler.emit = said.append  # type: ignore[method-assign]
+            logging.getLogger("cachepipe.stores.s3native").addHandler(handler)
+            child = open_store(s3_source.url, _options(endpoint))
+            out = io.BytesIO()
+            got = [child.get("f", out, 0, len(BODY)), child.get("f", io.BytesIO(), 0, len(BODY))]
+            child.close()
+            warned = [r.getMessage() for r in said]
+            right = got == [len(BODY)] * 2 and out.getvalue() == BODY
+            os.write(write, b"ok" if right and len(warned) == 1 and "was forked from process" in warned[0] else b"wrong")
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write)
+    try:
+        ready, _, _ = select.select([read], [], [], 30)
+        answer = os.read(read, 16) if ready else b"hung"
+    finally:
+        os.close(read)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    assert answer == b"ok" and status == 0, (answer, status)
+    assert _senders(proxy, "f") == ["obstore", "s3direct", "s3direct"]  # and the warning said once
+
+
+def test_a_closed_store_is_freed_with_its_credential_provider(s3_source):
+    """obstore's store holds the provider, and obstore's objects are not traversed by the garbage
+    collector: a provider that referred back to the store would keep both alive for good."""
+    store = open_store(s3_source.url, {"engine": "obstore", "endpoint_url": s3_source.options["endpoint_url"]})
+    assert store._store.credential_provider is not None
+    freed = weakref.ref(store)
+    store.close()
+    del store
+    gc.collect()
+    assert freed() is None

@@ -199,6 +199,16 @@ class FsspecStore:
         """True if GETs go through :mod:`~cachepipe.stores.s3direct` (s3:// with options it takes), not s3fs."""
         return self._direct is not None
 
+    def credentials(self) -> Any:
+        """The frozen botocore credentials (``access_key``, ``secret_key``, ``token``) that the
+        direct path signs this store's GETs with now; None without a direct path, or when s3fs
+        sends the bucket's requests or sends them unsigned. Raises the store's errors (e.g.
+        :class:`PermissionError` when botocore finds no credentials)."""
+        if self._direct is None:
+            return None
+        with self._errors(self.url, sends=False):  # the probe sends nothing
+            return self._direct.credentials(self._bucket)
+
     def _endpoint(self, options: dict[str, Any]) -> str:
         """The server this store talks to, for messages: the endpoint URL, or what stands for it."""
         protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)
@@ -214,8 +224,9 @@ class FsspecStore:
         return f"the {protocols[0]}:// endpoint"
 
     @contextmanager
-    def _errors(self, where: str) -> Iterator[None]:
-        """The seam: translate whatever the body raises (see :func:`_translate`)."""
+    def _errors(self, where: str, sends: bool = True) -> Iterator[None]:
+        """The seam: translate whatever the body raises (see :func:`_translate`). ``sends``: the
+        body sends a request, so its success means that the endpoint answered."""
         try:
             yield
         except Exception as exc:
@@ -225,7 +236,8 @@ class FsspecStore:
             if translated is exc:
                 raise
             raise translated from exc
-        self._answered = True
+        if sends:
+            self._answered = True
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}" if self.root else key

@@ -358,6 +358,13 @@ class DirectGet:
             self._sdk_buckets.add(bucket)
             self._routes.pop(bucket, None)
 
+    def credentials(self, bucket: str) -> Any:
+        """The frozen botocore credentials that a GET from ``bucket`` is signed with now: refreshed
+        when botocore says they are due, copied again at least every :attr:`RETAKE_AFTER` seconds.
+        None if s3fs sends that bucket's requests, or sends them unsigned."""
+        route = self._route(bucket)
+        return None if route is None or route.signer is None else route.signer.credentials
+
     def url(self, bucket: str, key: str) -> str | None:
         """The URL (unsigned) that a GET of ``key`` in ``bucket`` is sent to, as s3fs's client
         resolves it; None if s3fs sends that bucket's requests itself."""

@@ -25,14 +25,24 @@ What goes where:
   requests). ``object_store`` normalises keys into its own paths: a directory marker ``dir/``
   lists as ``dir``, which would read as a zero-byte file, so its listing is not used.
 
+Forks: obstore's runtime (tokio's threads, one per process) does not survive a fork, and a GET
+through it in a process forked after obstore ran in the parent waits forever. A store sees that
+case when the parent's GETs were its own (:func:`_runtime_here`) and sends the child's GETs
+through the fsspec backend instead, saying so once per store in a warning. A fork after another
+library ran obstore is not seen.
+
 Storage options: those of the s3 backend that this engine can honour, and only those (any
 other raises :class:`~cachepipe.errors.ConfigError` naming what is accepted): ``endpoint_url``,
 ``key``, ``secret``, ``token``, ``anon``, ``client_kwargs`` (``endpoint_url``, ``region_name``),
 ``config_kwargs`` (``s3.addressing_style``; ``retries`` and ``max_pool_connections`` are
 accepted and have no use here), and fsspec's cache options, which only the listing uses.
-Without ``key`` and ``secret``, obstore finds credentials itself: the ``AWS_*`` environment
-variables, web identity, ECS and EC2 instance metadata, but not the shared files of
-``~/.aws`` (profiles, SSO), which botocore reads.
+Credentials: without ``key`` and ``secret``, obstore signs with the credentials that the direct
+path signs with, those botocore finds for s3fs's client (the environment, the profiles and SSO
+of ``~/.aws``, web identity, container and instance metadata). It asks for them through its
+credential provider at most every :attr:`NativeS3Store.CREDENTIALS_FOR` seconds, and botocore
+refreshes temporary ones before they are due. Without a direct path (see above), obstore finds
+credentials itself: the ``AWS_*`` environment variables, web identity, ECS and EC2 instance
+metadata, but not the shared files of ``~/.aws``.
 
 Errors: obstore raises ``FileNotFoundError`` and its own exception classes, whose only detail is
 their text (object_store's ``Display`` of the HTTP status, the S3 error body, and hyper's and
@@ -44,9 +54,12 @@ obstore's version; the tests in ``tests/test_store_native.py`` hold each mapping
 from __future__ import annotations
 
 import errno
+import logging
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
 from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
@@ -60,6 +73,14 @@ from .fsspec import FsspecStore
 
 __all__ = ["NativeS3Store"]
 
+log = logging.getLogger("cachepipe.stores.s3native")
+
+
+class _Runtime:
+    started_in: int | None = None  # pid of the process whose GET started obstore's runtime (tokio's threads)
+
+
+_OBSTORE_EARLY = 300  # seconds: obstore asks for new credentials this long before they expire
 _CHUNK = 64 * 1024  # min_chunk_size of a streamed body: hyper's chunks as they come, not merged into bigger buffers
 _OPTIONS = frozenset(
     {"endpoint_url", "key", "secret", "token", "anon", "client_kwargs", "config_kwargs"}
@@ -71,8 +92,20 @@ _CONFIG_KWARGS = frozenset({"s3", "retries", "max_pool_connections"})
 _STATUS = re.compile(r"non-2xx status code: (\d{3})")
 _CODE = re.compile(r"<Code>([^<]*)</Code>")
 _MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
+_PROVIDER = "External AWS credential provider: "  # how obstore names an error raised by a credential provider
 _HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")  # object_store's HttpErrorKind
 _TRANSIENT_KINDS = frozenset({"Connect", "Request", "Interrupted", "Decode"})
+
+
+def _runtime_here() -> bool:
+    """Whether obstore can run in this process: its runtime (tokio's threads, one per process)
+    does not survive a fork, and a GET in a child forked after the parent's first one waits
+    forever (obstore is not fork safe). A DataLoader's worker processes are such children when
+    the main process read through this engine first."""
+    pid = os.getpid()
+    if _Runtime.started_in is None:
+        _Runtime.started_in = pid  # threads of one process all write the same pid
+    return _Runtime.started_in == pid
 
 
 def _first_line(exc: BaseException) -> str:
@@ -93,6 +126,8 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool) -> Bas
         return http_status_error(int(status[1]), code[1] if code else None, message[1] if message else None, where, endpoint)
     first = _first_line(exc)
     if isinstance(exc, obstore.exceptions.UnauthenticatedError):
+        if _PROVIDER in first:  # NativeS3Store._credentials raised: its message says why, not the endpoint
+            return store_code(PermissionError(errno.EACCES, f"{where}: {first.split(_PROVIDER, 1)[1]}"), None, endpoint)
         return store_code(
             PermissionError(errno.EACCES, f"{endpoint} rejected the credentials for {where}: {first}"), None, endpoint
         )
@@ -117,6 +152,34 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool) -> Bas
     if refused or (kind is not None and kind[1] in _TRANSIENT_KINDS):
         return store_code(ConnectionError(f"connection to {endpoint} failed for {where}: {first}"), None, endpoint)
     return store_code(OSError(f"{where} at {endpoint}: {type(exc).__name__}: {first}"), None, endpoint)  # no errno: permanent
+
+
+class _FromBotocore:
+    """obstore's credential provider: the credentials the direct path signs with (see the module's
+    docstring), said to expire ``lifetime`` seconds before obstore would ask again. It holds the
+    fsspec backend, not the store (a store its own obstore store referred back to would never be
+    freed: obstore's objects are not traversed by the garbage collector). An exception fails the
+    GET as unauthenticated."""
+
+    def __init__(self, fsspec: FsspecStore, url: str, lifetime: float) -> None:
+        self.fsspec = fsspec
+        self.url = url
+        self.lifetime = lifetime
+
+    def __call__(self) -> dict[str, Any]:
+        frozen = self.fsspec.credentials()
+        if frozen is None:
+            raise PermissionError(
+                errno.EACCES,
+                f"s3fs's client sends the requests for {self.url} in a way obstore cannot (S3 Express, SigV4a, "
+                "a bucket in another region or unsigned): use engine='s3fs'",
+            )
+        return {
+            "access_key_id": frozen.access_key,
+            "secret_access_key": frozen.secret_key,
+            "token": frozen.token,
+            "expires_at": datetime.now(timezone.utc) + timedelta(seconds=self.lifetime + _OBSTORE_EARLY),
+        }
 
 
 def _check_options(url: str, options: dict[str, Any]) -> None:
@@ -157,6 +220,10 @@ class NativeS3Store:
     """Time allowed to connect, and for each read of a response (as the direct S3 path)."""
     REQUEST_TIMEOUT = "30min"
     """Time allowed for a whole request, body included (obstore's default is 30 s, too short for a large part on a slow link)."""
+    CREDENTIALS_FOR = 60
+    """Seconds for which obstore uses a copy of botocore's credentials before it asks for one
+    again (as :attr:`~cachepipe.stores.s3direct.DirectGet.RETAKE_AFTER`). botocore refreshes
+    temporary credentials 15 minutes before they expire, so a copy is good for longer."""
     DIRECT_FROM = 1024 * 1024
     """Bytes: a GET of this many or more goes through the fsspec backend's direct path
     (:mod:`~cachepipe.stores.s3direct`), which costs less CPU per byte; a shorter one through
@@ -175,10 +242,12 @@ class NativeS3Store:
         endpoint = options.get("endpoint_url") or client_kwargs.get("endpoint_url")
         self.endpoint = str(endpoint or "the AWS S3 endpoint")
         self._answered = False  # the endpoint answered a request: a refused connection is then an outage
+        self._said_forked = False  # logged that obstore cannot run in this (forked) process
         self._fsspec = FsspecStore(url, options)  # validates the options against s3fs as well; lists, and GETs large parts
         self._direct = self._fsspec.direct
         prefix = parts.path.strip("/")
         config: dict[str, Any] = {"virtual_hosted_style_request": self._virtual_host(options)}
+        credentials: Any = None
         if endpoint:
             config["endpoint"] = str(endpoint)
         if client_kwargs.get("region_name"):
@@ -191,6 +260,8 @@ class NativeS3Store:
             config.update(access_key_id=options["key"], secret_access_key=options["secret"])
             if options.get("token"):
                 config["session_token"] = options["token"]
+        elif self._direct:
+            credentials = _FromBotocore(self._fsspec, url, self.CREDENTIALS_FOR)  # as the direct path signs
         try:
             self._store = S3Store(
                 parts.netloc,
@@ -203,9 +274,25 @@ class NativeS3Store:
                     "timeout": self.REQUEST_TIMEOUT,
                 },
                 retry_config={"max_retries": 0},  # the core retries, with backoff, as for every store
+                credential_provider=credentials,
             )
         except obstore.exceptions.BaseError as exc:
             raise ConfigError(f"{url!r}: obstore rejected the storage options: {_first_line(exc)}") from exc
+
+    def _runtime_here(self) -> bool:
+        """:func:`_runtime_here`, said once per store in a process where obstore cannot run."""
+        if _runtime_here():
+            return True
+        if not self._said_forked:
+            self._said_forked = True
+            log.warning(
+                "%r: process %d was forked from process %d after obstore ran there, and obstore cannot run in it "
+                "(tokio's threads do not survive a fork); its GETs go through the fsspec backend instead",
+                self,
+                os.getpid(),
+                _Runtime.started_in,
+            )
+        return False
 
     @staticmethod
     def _virtual_host(options: dict[str, Any]) -> bool:
@@ -240,7 +327,7 @@ class NativeS3Store:
         A range of :attr:`DIRECT_FROM` bytes or more goes through the fsspec backend's direct path
         when it has one (see the module's docstring); a shorter one through obstore.
         """
-        if end - start >= self.DIRECT_FROM and self._direct:
+        if (end - start >= self.DIRECT_FROM and self._direct) or not self._runtime_here():
             return self._fsspec.get(key, out, start, end)
         if end <= start:
             return 0  # obstore refuses an empty range
