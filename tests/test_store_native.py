@@ -10,6 +10,7 @@ import os
 import select
 import signal
 import socket
+import time
 import weakref
 
 import pytest
@@ -328,23 +329,28 @@ def test_without_key_and_secret_obstore_signs_with_botocores_credentials_from_a_
     assert all("credential=fromprofile/" in h and "\nx-amz-security-token: tok" in h for h in heads), heads
 
 
-def test_credentials_handed_to_obstore_are_asked_for_again_after_a_minute(s3_source, monkeypatch, tmp_path):
-    """obstore asks its provider again only when what it holds expires within 5 minutes: the
-    copy is said to expire 5 minutes after :attr:`NativeS3Store.CREDENTIALS_FOR` (60 s)."""
-    from datetime import datetime, timedelta, timezone
-
+def test_obstore_asks_for_the_credentials_again_after_credentials_for_seconds(s3_source, monkeypatch, tmp_path):
+    """obstore asks its provider again only when what it holds expires within 5 minutes: each copy
+    is said to expire then, :attr:`NativeS3Store.CREDENTIALS_FOR` seconds on (1 s here). Asked
+    on every GET, it would cost a hop to Python each; never asked again, rotated credentials
+    would go stale."""
+    monkeypatch.setattr(NativeS3Store, "CREDENTIALS_FOR", 1)
     _profile_only(monkeypatch, tmp_path, PROFILE)
+    s3_source.put("f", BODY)
     store = open_store(
         s3_source.url, {"engine": "obstore", "endpoint_url": s3_source.options["endpoint_url"], "skip_instance_cache": True}
     )
+    gets = 0
     try:
-        before = datetime.now(timezone.utc)
-        given = store._store.credential_provider()  # what obstore asks
+        began = time.monotonic()
+        while time.monotonic() - began < 2.5:
+            assert store.get("f", io.BytesIO(), 0, len(BODY)) == len(BODY)
+            gets += 1
+            time.sleep(0.05)
     finally:
         store.close()
-    assert (given["access_key_id"], given["secret_access_key"], given["token"]) == ("fromprofile", "s", None)
-    ahead = given["expires_at"] - before
-    assert timedelta(seconds=300 + 59) < ahead <= timedelta(seconds=300 + 61), ahead
+    asked = store._credentials.asked
+    assert gets >= 10 and 2 <= asked <= 4, (gets, asked)
 
 
 def test_no_credentials_anywhere_is_a_permission_error_naming_the_object(s3_source, monkeypatch, tmp_path):
@@ -359,7 +365,7 @@ def test_no_credentials_anywhere_is_a_permission_error_naming_the_object(s3_sour
     finally:
         store.close()
     assert not is_transient(info.value)
-    assert str(info.value).startswith("[Errno 13] s3://data/video/f: PermissionError: [Errno 13] no usable credentials for")
+    assert str(info.value).startswith("[Errno 13] no usable credentials for s3://data/video/f at ")
     assert "rejected" not in str(info.value)  # nothing was sent: the endpoint rejected nothing
 
 
@@ -384,10 +390,10 @@ def test_a_process_forked_after_obstore_ran_gets_through_the_direct_path_instead
             logging.getLogger("cachepipe.stores.s3native").addHandler(handler)
             child = open_store(s3_source.url, _options(endpoint))
             out = io.BytesIO()
-            got = [child.get("f", out, 0, len(BODY)), child.get("f", io.BytesIO(), 0, len(BODY))]
+            got = [child.get("f", out, 0, len(BODY)), child.get("f", io.BytesIO(), 0, len(BODY)), child.get("f", out, 5, 5)]
             child.close()
             warned = [r.getMessage() for r in said]
-            right = got == [len(BODY)] * 2 and out.getvalue() == BODY
+            right = got == [len(BODY), len(BODY), 0] and out.getvalue() == BODY
             os.write(write, b"ok" if right and len(warned) == 1 and "was forked from process" in warned[0] else b"wrong")
             status = 0
         finally:
@@ -415,3 +421,66 @@ def test_a_closed_store_is_freed_with_its_credential_provider(s3_source):
     del store
     gc.collect()
     assert freed() is None
+
+
+@pytest.mark.parametrize("first", ["small", "large"])
+def test_an_answer_through_either_path_makes_a_refused_connection_an_outage(s3_source, moto_server, first):
+    """Once the endpoint answered a GET (through obstore or the direct path), a refused
+    connection is a server down for a while, retried, on both paths; not a wrong endpoint."""
+    from faultproxy import FaultProxy
+
+    big = bytes(range(256)) * (8 * KIB)  # 2 MiB
+    s3_source.put("big", big)
+    host, port = moto_server.removeprefix("http://").split(":")
+    proxy = FaultProxy(host, int(port))
+    endpoint = proxy.start()
+    store = open_store(s3_source.url, _options(endpoint))
+    ranges = {"small": (0, 100), "large": (0, len(big))}
+    errors = []
+    try:
+        assert store.get("big", io.BytesIO(), *ranges[first]) == ranges[first][1]
+        proxy.stop()
+        for start, end in ranges.values():
+            with pytest.raises(ConnectionError) as info:
+                store.get("big", io.BytesIO(), start, end)
+            errors.append(info.value)
+    finally:
+        store.close()
+    assert [is_transient(e) and not isinstance(e, StoreUnreachableError) for e in errors] == [True, True], errors
+
+
+def test_taking_the_credentials_is_not_an_answer_from_the_endpoint(monkeypatch, tmp_path):
+    """The direct path's probe sends nothing: an endpoint that refuses every connection and
+    never answered is unreachable (not retried) on both paths, after the credentials were taken."""
+    _profile_only(monkeypatch, tmp_path, PROFILE)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    store = open_store("s3://data/video/", {"engine": "obstore", "endpoint_url": endpoint, "skip_instance_cache": True})
+    errors = []
+    try:
+        for end in (100, 2 * NativeS3Store.DIRECT_FROM):
+            with pytest.raises(StoreUnreachableError) as info:
+                store.get("f", io.BytesIO(), 0, end)
+            errors.append(info.value)
+    finally:
+        store.close()
+    assert all("never answered" in str(e) or "before it ever answered" in str(e) for e in errors), errors
+
+
+def test_a_bucket_the_direct_path_leaves_to_s3fs_is_left_to_it_for_small_ranges_too(s3_source, fault_proxy):
+    """A bucket in another region (a 301 naming it): the direct path leaves its requests to
+    s3fs, whose client follows such redirects; small ranges follow, rather than fail."""
+    big = bytes(range(256)) * (8 * KIB)  # 2 MiB
+    s3_source.put("big", big)
+    proxy, _, store = _through(fault_proxy, s3_source)
+    large, small = io.BytesIO(), io.BytesIO()
+    try:
+        proxy.inject("redirect", 1)
+        assert store.get("big", large, 0, len(big)) == len(big)
+        assert store.get("big", small, 0, 100) == 100
+    finally:
+        store.close()
+    assert large.getvalue() == big and small.getvalue() == big[:100]
+    assert proxy.injected["redirect"] == 1
+    assert _senders(proxy, "big") == ["s3direct", "s3fs", "s3fs"]

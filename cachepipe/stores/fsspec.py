@@ -174,7 +174,8 @@ class FsspecStore:
         options = dict(storage_options or {})
         if "::" not in url:  # a chained URL's options are per layer: left to fsspec
             _check_options(url, _filesystem_class(url), options)
-        self._answered = False  # the endpoint answered a request: a refused connection is then an outage
+        self.answered = False
+        """The endpoint answered a request (a refused connection is then an outage, retried, not a wrong endpoint)."""
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **options)
         except (TypeError, ValueError) as exc:
@@ -199,14 +200,14 @@ class FsspecStore:
         """True if GETs go through :mod:`~cachepipe.stores.s3direct` (s3:// with options it takes), not s3fs."""
         return self._direct is not None
 
-    def credentials(self) -> Any:
+    def credentials(self, key: str = "") -> Any:
         """The frozen botocore credentials (``access_key``, ``secret_key``, ``token``) that the
         direct path signs this store's GETs with now; None without a direct path, or when s3fs
-        sends the bucket's requests or sends them unsigned. Raises the store's errors (e.g.
-        :class:`PermissionError` when botocore finds no credentials)."""
+        sends the bucket's requests or sends them unsigned. Raises the store's errors, naming
+        ``key`` (e.g. :class:`PermissionError` when botocore finds no credentials)."""
         if self._direct is None:
             return None
-        with self._errors(self.url, sends=False):  # the probe sends nothing
+        with self._errors(f"{self.url.rstrip('/')}/{key}", sends=False):  # the probe sends nothing
             return self._direct.credentials(self._bucket)
 
     def _endpoint(self, options: dict[str, Any]) -> str:
@@ -216,10 +217,10 @@ class FsspecStore:
             client_kwargs = options.get("client_kwargs") or {}
             return str(options.get("endpoint_url") or client_kwargs.get("endpoint_url") or "the AWS S3 endpoint")
         if "file" in protocols or "local" in protocols:
-            self._answered = True
+            self.answered = True
             return "the local filesystem"
         if "memory" in protocols:
-            self._answered = True
+            self.answered = True
             return "fsspec's memory filesystem"
         return f"the {protocols[0]}:// endpoint"
 
@@ -231,13 +232,13 @@ class FsspecStore:
             yield
         except Exception as exc:
             if _s3_error(exc)[0] is not None:
-                self._answered = True
-            translated = _translate(exc, where, self.endpoint, self._answered)
+                self.answered = True
+            translated = _translate(exc, where, self.endpoint, self.answered)
             if translated is exc:
                 raise
             raise translated from exc
         if sends:
-            self._answered = True
+            self.answered = True
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}" if self.root else key

@@ -26,10 +26,11 @@ What goes where:
   lists as ``dir``, which would read as a zero-byte file, so its listing is not used.
 
 Forks: obstore's runtime (tokio's threads, one per process) does not survive a fork, and a GET
-through it in a process forked after obstore ran in the parent waits forever. A store sees that
-case when the parent's GETs were its own (:func:`_runtime_here`) and sends the child's GETs
-through the fsspec backend instead, saying so once per store in a warning. A fork after another
-library ran obstore is not seen.
+through it in a process forked after obstore ran in the parent waits forever. This module sees
+that case when the parent's GETs were its own (``os.register_at_fork``): a store opened in the
+child sends its GETs through the fsspec backend instead, saying so once in a warning. A fork
+after another library ran obstore is not seen. As with every store, a store object is not to
+be used across a fork (open a new one in the child): its pooled connections are the parent's.
 
 Storage options: those of the s3 backend that this engine can honour, and only those (any
 other raises :class:`~cachepipe.errors.ConfigError` naming what is accepted): ``endpoint_url``,
@@ -38,11 +39,14 @@ other raises :class:`~cachepipe.errors.ConfigError` naming what is accepted): ``
 accepted and have no use here), and fsspec's cache options, which only the listing uses.
 Credentials: without ``key`` and ``secret``, obstore signs with the credentials that the direct
 path signs with, those botocore finds for s3fs's client (the environment, the profiles and SSO
-of ``~/.aws``, web identity, container and instance metadata). It asks for them through its
-credential provider at most every :attr:`NativeS3Store.CREDENTIALS_FOR` seconds, and botocore
-refreshes temporary ones before they are due. Without a direct path (see above), obstore finds
-credentials itself: the ``AWS_*`` environment variables, web identity, ECS and EC2 instance
-metadata, but not the shared files of ``~/.aws``.
+of ``~/.aws``, web identity, container and instance metadata). Each short GET takes them from
+the direct path's route on its own thread (a dictionary look-up while the route is current;
+botocore refreshes temporary ones before they are due), so that an error getting them is raised
+and classified there as any of the fsspec backend's; obstore asks its credential provider for
+the latest copy every :attr:`NativeS3Store.CREDENTIALS_FOR` seconds. A bucket that the direct
+path leaves to s3fs (in another region, S3 Express...) has its short GETs sent by s3fs too.
+Without a direct path (see above), obstore finds credentials itself: the ``AWS_*`` environment
+variables, web identity, ECS and EC2 instance metadata, but not the shared files of ``~/.aws``.
 
 Errors: obstore raises ``FileNotFoundError`` and its own exception classes, whose only detail is
 their text (object_store's ``Display`` of the HTTP status, the S3 error body, and hyper's and
@@ -60,7 +64,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import urlsplit
 
 import obstore
@@ -71,14 +75,24 @@ from ..errors import ConfigError, store_code
 from .base import ObjectInfo, http_status_error, unreachable_error
 from .fsspec import FsspecStore
 
+if TYPE_CHECKING:
+    from obstore.store import S3Credential  # a type only: not importable at run time
+
 __all__ = ["NativeS3Store"]
 
 log = logging.getLogger("cachepipe.stores.s3native")
 
 
 class _Runtime:
-    started_in: int | None = None  # pid of the process whose GET started obstore's runtime (tokio's threads)
+    ran = False  # obstore ran a GET in this process: its runtime (tokio's threads) started
+    forked = False  # this process was forked after obstore ran (here or in an ancestor): it cannot run here
 
+
+def _after_fork_in_child() -> None:
+    _Runtime.forked = _Runtime.forked or _Runtime.ran
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 _OBSTORE_EARLY = 300  # seconds: obstore asks for new credentials this long before they expire
 _CHUNK = 64 * 1024  # min_chunk_size of a streamed body: hyper's chunks as they come, not merged into bigger buffers
@@ -95,17 +109,6 @@ _MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
 _PROVIDER = "External AWS credential provider: "  # how obstore names an error raised by a credential provider
 _HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")  # object_store's HttpErrorKind
 _TRANSIENT_KINDS = frozenset({"Connect", "Request", "Interrupted", "Decode"})
-
-
-def _runtime_here() -> bool:
-    """Whether obstore can run in this process: its runtime (tokio's threads, one per process)
-    does not survive a fork, and a GET in a child forked after the parent's first one waits
-    forever (obstore is not fork safe). A DataLoader's worker processes are such children when
-    the main process read through this engine first."""
-    pid = os.getpid()
-    if _Runtime.started_in is None:
-        _Runtime.started_in = pid  # threads of one process all write the same pid
-    return _Runtime.started_in == pid
 
 
 def _first_line(exc: BaseException) -> str:
@@ -156,24 +159,23 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool) -> Bas
 
 class _FromBotocore:
     """obstore's credential provider: the credentials the direct path signs with (see the module's
-    docstring), said to expire ``lifetime`` seconds before obstore would ask again. It holds the
-    fsspec backend, not the store (a store its own obstore store referred back to would never be
-    freed: obstore's objects are not traversed by the garbage collector). An exception fails the
-    GET as unauthenticated."""
+    docstring), as :meth:`NativeS3Store.get` last found them on its own thread (where an error
+    getting them is raised and classified as any of the store's errors, not on obstore's
+    threads). Each copy is said to expire ``lifetime`` + 300 seconds from when obstore asks, so
+    that obstore asks again ``lifetime`` seconds later. It holds no reference to the store (a
+    store that its own obstore store referred back to would never be freed: obstore's objects
+    are not traversed by the garbage collector)."""
 
-    def __init__(self, fsspec: FsspecStore, url: str, lifetime: float) -> None:
-        self.fsspec = fsspec
-        self.url = url
+    def __init__(self, lifetime: float) -> None:
         self.lifetime = lifetime
+        self.frozen: Any = None  # botocore's frozen credentials, as the last GET found them
+        self.asked = 0  # how many times obstore asked
 
-    def __call__(self) -> dict[str, Any]:
-        frozen = self.fsspec.credentials()
-        if frozen is None:
-            raise PermissionError(
-                errno.EACCES,
-                f"s3fs's client sends the requests for {self.url} in a way obstore cannot (S3 Express, SigV4a, "
-                "a bucket in another region or unsigned): use engine='s3fs'",
-            )
+    def __call__(self) -> S3Credential:
+        self.asked += 1
+        frozen = self.frozen
+        if frozen is None:  # not reached: get() holds a copy before its first obstore GET
+            raise PermissionError(errno.EACCES, "no credentials taken from botocore yet")
         return {
             "access_key_id": frozen.access_key,
             "secret_access_key": frozen.secret_key,
@@ -209,7 +211,7 @@ def _check_options(url: str, options: dict[str, Any]) -> None:
 
 
 class NativeS3Store:
-    """A :class:`~cachepipe.stores.base.Store` for ``s3://`` whose GETs go through obstore.
+    """A :class:`~cachepipe.stores.base.Store` for ``s3://`` whose GETs shorter than 1 MiB go through obstore.
 
     Args:
         url: the root prefix, ``s3://bucket/prefix/``.
@@ -227,9 +229,9 @@ class NativeS3Store:
     DIRECT_FROM = 1024 * 1024
     """Bytes: a GET of this many or more goes through the fsspec backend's direct path
     (:mod:`~cachepipe.stores.s3direct`), which costs less CPU per byte; a shorter one through
-    obstore, which costs less per request. 1 MiB is where the two cost the same on loopback
-    SeaweedFS (``benchmarks/bench_engines.py``: obstore's CPU per GET 0.67x s3direct's at 256 KiB,
-    0.91x at 512 KiB, 0.95x at 1 MiB, 1.20x at 2 MiB, 1.3-1.6x at 8 MiB)."""
+    obstore, which costs less per request. The two cost the same between 1 and 2 MiB on loopback
+    SeaweedFS (``benchmarks/bench_engines.py``, medians of 5: obstore's CPU per GET 0.67x
+    s3direct's at 256 KiB, 0.91x at 512 KiB, 0.95x at 1 MiB, 1.20x at 2 MiB, 1.57x at 8 MiB)."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url
@@ -241,13 +243,12 @@ class NativeS3Store:
         client_kwargs = options.get("client_kwargs") or {}
         endpoint = options.get("endpoint_url") or client_kwargs.get("endpoint_url")
         self.endpoint = str(endpoint or "the AWS S3 endpoint")
-        self._answered = False  # the endpoint answered a request: a refused connection is then an outage
         self._said_forked = False  # logged that obstore cannot run in this (forked) process
         self._fsspec = FsspecStore(url, options)  # validates the options against s3fs as well; lists, and GETs large parts
         self._direct = self._fsspec.direct
         prefix = parts.path.strip("/")
         config: dict[str, Any] = {"virtual_hosted_style_request": self._virtual_host(options)}
-        credentials: Any = None
+        self._credentials: _FromBotocore | None = None
         if endpoint:
             config["endpoint"] = str(endpoint)
         if client_kwargs.get("region_name"):
@@ -261,7 +262,7 @@ class NativeS3Store:
             if options.get("token"):
                 config["session_token"] = options["token"]
         elif self._direct:
-            credentials = _FromBotocore(self._fsspec, url, self.CREDENTIALS_FOR)  # as the direct path signs
+            self._credentials = _FromBotocore(self.CREDENTIALS_FOR)  # as the direct path signs
         try:
             self._store = S3Store(
                 parts.netloc,
@@ -274,14 +275,15 @@ class NativeS3Store:
                     "timeout": self.REQUEST_TIMEOUT,
                 },
                 retry_config={"max_retries": 0},  # the core retries, with backoff, as for every store
-                credential_provider=credentials,
+                credential_provider=self._credentials,
             )
         except obstore.exceptions.BaseError as exc:
             raise ConfigError(f"{url!r}: obstore rejected the storage options: {_first_line(exc)}") from exc
 
     def _runtime_here(self) -> bool:
-        """:func:`_runtime_here`, said once per store in a process where obstore cannot run."""
-        if _runtime_here():
+        """Whether obstore can run in this process, said once per store where it cannot (see the
+        module's docstring: a process forked after obstore ran)."""
+        if not _Runtime.forked:
             return True
         if not self._said_forked:
             self._said_forked = True
@@ -290,9 +292,19 @@ class NativeS3Store:
                 "(tokio's threads do not survive a fork); its GETs go through the fsspec backend instead",
                 self,
                 os.getpid(),
-                _Runtime.started_in,
+                os.getppid(),
             )
         return False
+
+    @property
+    def _answered(self) -> bool:
+        """The endpoint answered a request, through either path (a refused connection is then an
+        outage): one flag, the fsspec backend's, for obstore's GETs and the direct path's."""
+        return self._fsspec.answered
+
+    @_answered.setter
+    def _answered(self, value: bool) -> None:
+        self._fsspec.answered = value
 
     @staticmethod
     def _virtual_host(options: dict[str, Any]) -> bool:
@@ -325,12 +337,21 @@ class NativeS3Store:
         """Write bytes ``[start, end)`` of ``key`` to ``out`` as they arrive; return how many were written.
 
         A range of :attr:`DIRECT_FROM` bytes or more goes through the fsspec backend's direct path
-        when it has one (see the module's docstring); a shorter one through obstore.
+        when it has one (see the module's docstring); a shorter one through obstore, unless the
+        direct path leaves the bucket to s3fs (a bucket in another region, S3 Express...) or this
+        process cannot run obstore (forked after it ran): then through the fsspec backend too.
         """
-        if (end - start >= self.DIRECT_FROM and self._direct) or not self._runtime_here():
-            return self._fsspec.get(key, out, start, end)
         if end <= start:
             return 0  # obstore refuses an empty range
+        if (end - start >= self.DIRECT_FROM and self._direct) or not self._runtime_here():
+            return self._fsspec.get(key, out, start, end)
+        if self._direct:
+            frozen = self._fsspec.credentials(key)  # the route's, current: cheap, and probed when due
+            if frozen is None:  # s3fs sends this bucket's requests: so do we
+                return self._fsspec.get(key, out, start, end)
+            if self._credentials is not None:
+                self._credentials.frozen = frozen
+        _Runtime.ran = True
         where = f"{self.url.rstrip('/')}/{key}"
         with self._errors(where):
             chunks = obstore.get(self._store, key, options={"range": (start, end)}).stream(_CHUNK)
