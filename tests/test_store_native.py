@@ -484,3 +484,20 @@ def test_a_bucket_the_direct_path_leaves_to_s3fs_is_left_to_it_for_small_ranges_
     assert large.getvalue() == big and small.getvalue() == big[:100]
     assert proxy.injected["redirect"] == 1
     assert _senders(proxy, "big") == ["s3direct", "s3fs", "s3fs"]
+
+
+def test_anonymous_short_ranges_go_through_obstore_unsigned(s3_source, fault_proxy, s3_client):
+    """``anon``: the direct path's route is unsigned, and short GETs still go through obstore,
+    unsigned (the object readable by anyone)."""
+    s3_source.put("f", BODY)
+    s3_client.put_object_acl(Bucket="data", Key="video/f", ACL="public-read")
+    proxy, endpoint = fault_proxy
+    store = open_store(s3_source.url, {"engine": "obstore", "endpoint_url": endpoint, "anon": True})
+    out = io.BytesIO()
+    try:
+        assert store.get("f", out, 0, len(BODY)) == len(BODY)
+    finally:
+        store.close()
+    assert out.getvalue() == BODY
+    heads = [h.lower() for h in proxy.requests if h.startswith("GET /data/video/f ")]
+    assert _senders(proxy, "f") == ["obstore"] and "authorization:" not in heads[0], heads

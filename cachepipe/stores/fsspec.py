@@ -202,9 +202,10 @@ class FsspecStore:
 
     def credentials(self, key: str = "") -> Any:
         """The frozen botocore credentials (``access_key``, ``secret_key``, ``token``) that the
-        direct path signs this store's GETs with now; None without a direct path, or when s3fs
-        sends the bucket's requests or sends them unsigned. Raises the store's errors, naming
-        ``key`` (e.g. :class:`PermissionError` when botocore finds no credentials)."""
+        direct path signs this store's GETs with now, or ``botocore.UNSIGNED`` if it sends them
+        unsigned; None without a direct path, or when s3fs sends the bucket's requests. Raises
+        the store's errors, naming ``key`` (e.g. :class:`PermissionError` when botocore finds no
+        credentials)."""
         if self._direct is None:
             return None
         with self._errors(f"{self.url.rstrip('/')}/{key}", sends=False):  # the probe sends nothing

@@ -360,10 +360,12 @@ class DirectGet:
 
     def credentials(self, bucket: str) -> Any:
         """The frozen botocore credentials that a GET from ``bucket`` is signed with now: refreshed
-        when botocore says they are due, copied again at least every :attr:`RETAKE_AFTER` seconds.
-        None if s3fs sends that bucket's requests, or sends them unsigned."""
+        when botocore says they are due, copied again at least every :attr:`RETAKE_AFTER` seconds;
+        ``botocore.UNSIGNED`` if it is sent unsigned; None if s3fs sends that bucket's requests."""
         route = self._route(bucket)
-        return None if route is None or route.signer is None else route.signer.credentials
+        if route is None:
+            return None
+        return botocore.UNSIGNED if route.signer is None else route.signer.credentials
 
     def url(self, bucket: str, key: str) -> str | None:
         """The URL (unsigned) that a GET of ``key`` in ``bucket`` is sent to, as s3fs's client

@@ -67,6 +67,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import urlsplit
 
+import botocore
 import obstore
 import obstore.exceptions
 from obstore.store import S3Store
@@ -349,7 +350,7 @@ class NativeS3Store:
             frozen = self._fsspec.credentials(key)  # the route's, current: cheap, and probed when due
             if frozen is None:  # s3fs sends this bucket's requests: so do we
                 return self._fsspec.get(key, out, start, end)
-            if self._credentials is not None:
+            if self._credentials is not None and frozen is not botocore.UNSIGNED:
                 self._credentials.frozen = frozen
         _Runtime.ran = True
         where = f"{self.url.rstrip('/')}/{key}"
