@@ -150,6 +150,27 @@ def test_rejected_and_denied_are_permission_errors_keeping_the_store_code(s3_sou
     assert not is_transient(info.value)
 
 
+def test_a_redirected_short_get_goes_through_the_fsspec_backend_and_so_do_the_next(s3_source, fault_proxy, caplog):
+    """S3's answer for a bucket in another region than obstore's (its region comes from
+    ``region_name`` or the environment, not from ``~/.aws/config`` as botocore's does): the GET
+    is sent again by the fsspec backend, whose client follows such redirects, and so are the
+    store's next GETs, with one warning naming ``region_name``."""
+    s3_source.put("f", BODY)
+    proxy, _, store = _through(fault_proxy, s3_source)
+    outs = [io.BytesIO() for _ in range(3)]
+    try:
+        proxy.inject("redirect", 1)
+        with caplog.at_level(logging.WARNING, logger="cachepipe.stores.s3native"):
+            got = [store.get("f", out, 0, len(BODY)) for out in outs]
+    finally:
+        store.close()
+    assert got == [len(BODY)] * 3 and all(out.getvalue() == BODY for out in outs)
+    assert proxy.injected["redirect"] == 1
+    assert _senders(proxy, "f") == ["obstore", "s3direct", "s3direct", "s3direct"]
+    said = [r.getMessage() for r in caplog.records if r.name == "cachepipe.stores.s3native"]
+    assert len(said) == 1 and "region_name" in said[0], said
+
+
 def test_refused_before_any_answer_is_unreachable_and_after_one_is_transient(s3_source, moto_server):
     from faultproxy import FaultProxy
 
@@ -183,7 +204,10 @@ def test_refused_before_any_answer_is_unreachable_and_after_one_is_transient(s3_
     assert any("refused" in str(e) or "ConnectionRefused" in str(e.__cause__) for e in errors)
 
 
-def test_a_region_redirect_is_permanent_and_says_what_to_set(s3_source, fault_proxy):
+def test_without_a_direct_path_a_region_redirect_is_permanent_and_says_what_to_set(s3_source, fault_proxy, monkeypatch):
+    """(With a direct path, the GET goes there instead: the next test.)"""
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # no direct path (as in the test of that below)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     s3_source.put("redirect/f", b"x")  # "redirect" in the key too: not what the seam goes by
     proxy, _, store = _through(fault_proxy, s3_source)
     try:
@@ -394,7 +418,8 @@ def test_a_process_forked_after_obstore_ran_gets_through_the_direct_path_instead
             child.close()
             warned = [r.getMessage() for r in said]
             right = got == [len(BODY), len(BODY), 0] and out.getvalue() == BODY
-            os.write(write, b"ok" if right and len(warned) == 1 and "was forked from process" in warned[0] else b"wrong")
+            named = f"was forked after obstore ran in process {os.getppid()},"  # the test's process
+            os.write(write, b"ok" if right and len(warned) == 1 and named in warned[0] else b"wrong")
             status = 0
         finally:
             os._exit(status)

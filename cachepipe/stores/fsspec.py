@@ -232,7 +232,7 @@ class FsspecStore:
         try:
             yield
         except Exception as exc:
-            if _s3_error(exc)[0] is not None:
+            if sends and _s3_error(exc)[0] is not None:  # not an answer of STS or SSO to a credential refresh
                 self.answered = True
             translated = _translate(exc, where, self.endpoint, self.answered)
             if translated is exc:

@@ -48,6 +48,11 @@ path leaves to s3fs (in another region, S3 Express...) has its short GETs sent b
 Without a direct path (see above), obstore finds credentials itself: the ``AWS_*`` environment
 variables, web identity, ECS and EC2 instance metadata, but not the shared files of ``~/.aws``.
 
+Regions: obstore takes its region from ``client_kwargs`` ``region_name`` or the environment
+(``AWS_REGION``), not from ``~/.aws/config`` as botocore does. When S3 redirects one of its GETs
+(a bucket in another region), that GET and the store's next ones go through the fsspec backend
+(whose client follows such redirects), with one warning naming ``region_name``.
+
 Errors: obstore raises ``FileNotFoundError`` and its own exception classes, whose only detail is
 their text (object_store's ``Display`` of the HTTP status, the S3 error body, and hyper's and
 reqwest's error kinds). :func:`_translate`, the one seam, reads the status, S3's ``Code`` and
@@ -62,7 +67,6 @@ import logging
 import os
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import urlsplit
@@ -85,12 +89,12 @@ log = logging.getLogger("cachepipe.stores.s3native")
 
 
 class _Runtime:
-    ran = False  # obstore ran a GET in this process: its runtime (tokio's threads) started
+    ran_in: int | None = None  # the process where obstore ran a GET first: its runtime (tokio's threads) started
     forked = False  # this process was forked after obstore ran (here or in an ancestor): it cannot run here
 
 
 def _after_fork_in_child() -> None:
-    _Runtime.forked = _Runtime.forked or _Runtime.ran
+    _Runtime.forked = _Runtime.forked or _Runtime.ran_in is not None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -108,6 +112,7 @@ _STATUS = re.compile(r"non-2xx status code: (\d{3})")
 _CODE = re.compile(r"<Code>([^<]*)</Code>")
 _MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
 _PROVIDER = "External AWS credential provider: "  # how obstore names an error raised by a credential provider
+_REDIRECT = "inner: BareRedirect"  # object_store's error for a 301 without Location: S3's for a bucket in another region
 _HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")  # object_store's HttpErrorKind
 _TRANSIENT_KINDS = frozenset({"Connect", "Request", "Interrupted", "Decode"})
 
@@ -144,7 +149,7 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool) -> Bas
     refused = "kind: ConnectionRefused" in text
     if refused and not answered:
         return unreachable_error(endpoint, where, "connection refused before it ever answered")
-    if "inner: BareRedirect" in text:  # a 301 without Location: S3's answer for a bucket in another region
+    if _REDIRECT in text:  # a 301 without Location: S3's answer for a bucket in another region
         return store_code(
             OSError(f"{endpoint} redirected {where} (a bucket in another region?); set client_kwargs region_name: {first}"),
             None,
@@ -169,8 +174,8 @@ class _FromBotocore:
 
     def __init__(self, lifetime: float) -> None:
         self.lifetime = lifetime
-        self.frozen: Any = None  # botocore's frozen credentials, as the last GET found them
-        self.asked = 0  # how many times obstore asked
+        self.frozen: Any = None  # botocore's frozen credentials, as a GET found them last (any thread's: each is valid)
+        self.asked = 0  # how many times obstore asked (its token cache asks one at a time)
 
     def __call__(self) -> S3Credential:
         self.asked += 1
@@ -245,6 +250,7 @@ class NativeS3Store:
         endpoint = options.get("endpoint_url") or client_kwargs.get("endpoint_url")
         self.endpoint = str(endpoint or "the AWS S3 endpoint")
         self._said_forked = False  # logged that obstore cannot run in this (forked) process
+        self._redirected = False  # S3 redirected one of obstore's GETs: the fsspec backend sends them all
         self._fsspec = FsspecStore(url, options)  # validates the options against s3fs as well; lists, and GETs large parts
         self._direct = self._fsspec.direct
         prefix = parts.path.strip("/")
@@ -289,13 +295,27 @@ class NativeS3Store:
         if not self._said_forked:
             self._said_forked = True
             log.warning(
-                "%r: process %d was forked from process %d after obstore ran there, and obstore cannot run in it "
+                "%r: process %d was forked after obstore ran in process %d, and obstore cannot run in it "
                 "(tokio's threads do not survive a fork); its GETs go through the fsspec backend instead",
                 self,
                 os.getpid(),
-                os.getppid(),
+                _Runtime.ran_in,
             )
         return False
+
+    def _redirect(self, exc: BaseException) -> None:
+        """S3 redirected an obstore GET (a bucket in another region than obstore's): from now on
+        the fsspec backend sends this store's GETs (its client follows such redirects), said once."""
+        if not self._redirected:
+            self._redirected = True
+            log.warning(
+                "%r: %s redirected a GET through obstore (a bucket in another region?): the fsspec backend sends this "
+                "store's GETs from now on; set storage_options client_kwargs region_name to the bucket's region for "
+                "obstore's: %s",
+                self,
+                self.endpoint,
+                _first_line(exc),
+            )
 
     @property
     def _answered(self) -> bool:
@@ -316,15 +336,6 @@ class NativeS3Store:
     def __repr__(self) -> str:
         return f"NativeS3Store({self.url!r})"
 
-    @contextmanager
-    def _errors(self, where: str) -> Iterator[None]:
-        """The seam: translate what obstore raises (see :func:`_translate`)."""
-        try:
-            yield
-        except (obstore.exceptions.BaseError, FileNotFoundError) as exc:
-            raise self._translated(exc, where) from exc
-        self._answered = True
-
     def _translated(self, exc: Exception, where: str) -> BaseException:
         if _STATUS.search(str(exc)) is not None:
             self._answered = True
@@ -339,12 +350,13 @@ class NativeS3Store:
 
         A range of :attr:`DIRECT_FROM` bytes or more goes through the fsspec backend's direct path
         when it has one (see the module's docstring); a shorter one through obstore, unless the
-        direct path leaves the bucket to s3fs (a bucket in another region, S3 Express...) or this
-        process cannot run obstore (forked after it ran): then through the fsspec backend too.
+        direct path leaves the bucket to s3fs (a bucket in another region, S3 Express...), S3
+        redirected one of obstore's GETs, or this process cannot run obstore (forked after it
+        ran): then through the fsspec backend too.
         """
         if end <= start:
             return 0  # obstore refuses an empty range
-        if (end - start >= self.DIRECT_FROM and self._direct) or not self._runtime_here():
+        if (end - start >= self.DIRECT_FROM and self._direct) or self._redirected or not self._runtime_here():
             return self._fsspec.get(key, out, start, end)
         if self._direct:
             frozen = self._fsspec.credentials(key)  # the route's, current: cheap, and probed when due
@@ -352,10 +364,17 @@ class NativeS3Store:
                 return self._fsspec.get(key, out, start, end)
             if self._credentials is not None and frozen is not botocore.UNSIGNED:
                 self._credentials.frozen = frozen
-        _Runtime.ran = True
+        if _Runtime.ran_in is None:
+            _Runtime.ran_in = os.getpid()
         where = f"{self.url.rstrip('/')}/{key}"
-        with self._errors(where):
+        try:
             chunks = obstore.get(self._store, key, options={"range": (start, end)}).stream(_CHUNK)
+        except (obstore.exceptions.BaseError, FileNotFoundError) as exc:
+            if self._direct and _REDIRECT in str(exc):
+                self._redirect(exc)
+                return self._fsspec.get(key, out, start, end)  # which learns the bucket's region from the 301
+            raise self._translated(exc, where) from exc
+        self._answered = True
         written = 0
         try:
             for chunk in chunks:
