@@ -205,7 +205,8 @@ def test_refused_before_any_answer_is_unreachable_and_after_one_is_transient(s3_
 
 
 def test_without_a_direct_path_a_region_redirect_is_permanent_and_says_what_to_set(s3_source, fault_proxy, monkeypatch):
-    """(With a direct path, the GET goes there instead: the next test.)"""
+    """(With a direct path, the GET is sent again there instead:
+    ``test_a_redirected_short_get_goes_through_the_fsspec_backend_and_so_do_the_next``.)"""
     monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # no direct path (as in the test of that below)
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     s3_source.put("redirect/f", b"x")  # "redirect" in the key too: not what the seam goes by
@@ -214,6 +215,7 @@ def test_without_a_direct_path_a_region_redirect_is_permanent_and_says_what_to_s
         proxy.inject("redirect", 1)
         with pytest.raises(OSError, match="region_name") as info:
             store.get("redirect/f", io.BytesIO(), 0, 1)
+        assert store._answered  # a 301 is an answer: a refused connection after it is an outage
         proxy.inject("refuse", 1)
         with pytest.raises(ConnectionError):  # a dropped request naming the key's URL stays a connection error
             store.get("redirect/f", io.BytesIO(), 0, 1)
@@ -493,6 +495,28 @@ def test_taking_the_credentials_is_not_an_answer_from_the_endpoint(monkeypatch, 
     assert all("never answered" in str(e) or "before it ever answered" in str(e) for e in errors), errors
 
 
+def test_an_http_error_while_taking_the_credentials_is_not_an_answer_from_the_endpoint(s3_source):
+    """A 403 from STS or SSO while botocore refreshes credentials says nothing of the S3
+    endpoint: a refused connection to it is still "never answered" afterwards."""
+    import botocore.exceptions
+
+    from cachepipe.stores.fsspec import FsspecStore
+
+    store = FsspecStore(s3_source.url, s3_source.options)
+    refused = botocore.exceptions.ClientError(
+        {"Error": {"Code": "AccessDenied"}, "ResponseMetadata": {"HTTPStatusCode": 403}}, "AssumeRole"
+    )
+    try:
+        with pytest.raises(PermissionError), store._errors("s3://data/video/f", sends=False):
+            raise refused
+        assert not store.answered
+        with pytest.raises(PermissionError), store._errors("s3://data/video/f"):
+            raise refused  # the same from a request to the endpoint: an answer
+        assert store.answered
+    finally:
+        store.close()
+
+
 def test_a_bucket_the_direct_path_leaves_to_s3fs_is_left_to_it_for_small_ranges_too(s3_source, fault_proxy):
     """A bucket in another region (a 301 naming it): the direct path leaves its requests to
     s3fs, whose client follows such redirects; small ranges follow, rather than fail."""
@@ -518,6 +542,7 @@ def test_anonymous_short_ranges_go_through_obstore_unsigned(s3_source, fault_pro
     s3_client.put_object_acl(Bucket="data", Key="video/f", ACL="public-read")
     proxy, endpoint = fault_proxy
     store = open_store(s3_source.url, {"engine": "obstore", "endpoint_url": endpoint, "anon": True})
+    assert store._direct  # an unsigned route: the case under test
     out = io.BytesIO()
     try:
         assert store.get("f", out, 0, len(BODY)) == len(BODY)

@@ -309,9 +309,9 @@ class NativeS3Store:
         if not self._redirected:
             self._redirected = True
             log.warning(
-                "%r: %s redirected a GET through obstore (a bucket in another region?): the fsspec backend sends this "
-                "store's GETs from now on; set storage_options client_kwargs region_name to the bucket's region for "
-                "obstore's: %s",
+                "%r: %s redirected a GET through obstore (a bucket in another region than obstore's?): the fsspec "
+                "backend sends this store's GETs from now on; for obstore to send the short ones, set the bucket's "
+                "region in storage_options client_kwargs region_name (or AWS_REGION): %s",
                 self,
                 self.endpoint,
                 _first_line(exc),
@@ -337,7 +337,7 @@ class NativeS3Store:
         return f"NativeS3Store({self.url!r})"
 
     def _translated(self, exc: Exception, where: str) -> BaseException:
-        if _STATUS.search(str(exc)) is not None:
+        if _STATUS.search(str(exc)) is not None or _REDIRECT in str(exc):  # an HTTP status: the endpoint answered
             self._answered = True
         return _translate(exc, where, self.endpoint, self._answered)
 
@@ -367,14 +367,17 @@ class NativeS3Store:
         if _Runtime.ran_in is None:
             _Runtime.ran_in = os.getpid()
         where = f"{self.url.rstrip('/')}/{key}"
+        redirected = None
         try:
             chunks = obstore.get(self._store, key, options={"range": (start, end)}).stream(_CHUNK)
         except (obstore.exceptions.BaseError, FileNotFoundError) as exc:
-            if self._direct and _REDIRECT in str(exc):
-                self._redirect(exc)
-                return self._fsspec.get(key, out, start, end)  # which learns the bucket's region from the 301
-            raise self._translated(exc, where) from exc
+            if not (self._direct and _REDIRECT in str(exc)):
+                raise self._translated(exc, where) from exc
+            redirected = exc  # raised before any of the body was read: nothing written to out
         self._answered = True
+        if redirected is not None:  # sent again outside the handler: its errors are not chained to obstore's
+            self._redirect(redirected)
+            return self._fsspec.get(key, out, start, end)  # which learns the bucket's region from the 301
         written = 0
         try:
             for chunk in chunks:
