@@ -208,7 +208,7 @@ class FsspecStore:
         credentials)."""
         if self._direct is None:
             return None
-        with self._errors(f"{self.url.rstrip('/')}/{key}", sends=False):  # the probe sends nothing
+        with self._errors(self._where(key), sends=False):  # the probe sends nothing
             return self._direct.credentials(self._bucket)
 
     def _endpoint(self, options: dict[str, Any]) -> str:
@@ -240,6 +240,10 @@ class FsspecStore:
             raise translated from exc
         if sends:
             self.answered = True
+
+    def _where(self, key: str) -> str:
+        """``key``'s URL, for messages."""
+        return f"{self.url.rstrip('/')}/{key}"
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}" if self.root else key
@@ -309,7 +313,7 @@ class FsspecStore:
     def get(self, key: str, out: BinaryIO, start: int, end: int) -> int:
         path = self._path(key)
         if self._direct is not None:
-            with self._errors(f"{self.url.rstrip('/')}/{key}"):
+            with self._errors(self._where(key)):
                 got = self._direct.get(self._bucket, self._key_prefix + key, out, start, end)
             if got is not None:
                 return got  # type: ignore[no-any-return]  # as above
@@ -317,7 +321,7 @@ class FsspecStore:
         pos = start
         while pos < end:
             want = min(self.chunk_size, end - pos)
-            with self._errors(f"{self.url.rstrip('/')}/{key}"):
+            with self._errors(self._where(key)):
                 data = self.fs.cat_file(path, start=pos, end=pos + want)
             if not data:
                 break
@@ -343,7 +347,7 @@ class FsspecStore:
         on a local filesystem it is copied to a temporary name beside the target and renamed."""
         local = os.fspath(local_path)
         path = self._path(key)
-        with self._errors(f"{self.url.rstrip('/')}/{key}"):
+        with self._errors(self._where(key)):
             protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)
             if "file" in protocols or "local" in protocols:
                 self.fs.makedirs(self.fs._parent(path), exist_ok=True)  # noqa: SLF001 - fsspec's own parent rule for this filesystem
@@ -364,7 +368,7 @@ class FsspecStore:
         """True if ``key`` exists. Asks the store (no cached listing); a missing object is False,
         any other failure raises (fsspec's own ``exists`` would return False for those too)."""
         path = self._path(key)
-        with self._errors(f"{self.url.rstrip('/')}/{key}"):
+        with self._errors(self._where(key)):
             self.fs.invalidate_cache(path)
             try:
                 info = self.fs.info(path)

@@ -111,7 +111,6 @@ _CONFIG_KWARGS = frozenset({"s3", "retries", "max_pool_connections"})
 _STATUS = re.compile(r"non-2xx status code: (\d{3})")
 _CODE = re.compile(r"<Code>([^<]*)</Code>")
 _MESSAGE = re.compile(r"<Message>([^<]*)</Message>")
-_PROVIDER = "External AWS credential provider: "  # how obstore names an error raised by a credential provider
 _REDIRECT = "inner: BareRedirect"  # object_store's error for a 301 without Location: S3's for a bucket in another region
 _HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")  # object_store's HttpErrorKind
 _TRANSIENT_KINDS = frozenset({"Connect", "Request", "Interrupted", "Decode"})
@@ -135,8 +134,6 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool) -> Bas
         return http_status_error(int(status[1]), code[1] if code else None, message[1] if message else None, where, endpoint)
     first = _first_line(exc)
     if isinstance(exc, obstore.exceptions.UnauthenticatedError):
-        if _PROVIDER in first:  # NativeS3Store._credentials raised: its message says why, not the endpoint
-            return store_code(PermissionError(errno.EACCES, f"{where}: {first.split(_PROVIDER, 1)[1]}"), None, endpoint)
         return store_code(
             PermissionError(errno.EACCES, f"{endpoint} rejected the credentials for {where}: {first}"), None, endpoint
         )
