@@ -376,6 +376,8 @@ class PipelineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _compatible(self) -> PipelineConfig:
+        if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} with world_size {self.world_size}: expected 0 <= rank < world_size")
         if self.download_processes and self.source.startswith("memory:"):
             raise ValueError(
                 f"download_processes={self.download_processes} with source {self.source!r}: a memory:// file system "

@@ -139,6 +139,25 @@ def test_error_from_the_environment_names_the_variable(tmp_path, monkeypatch):
     assert "(set by the environment variable CACHEPIPE_PIPELINES__TRAIN__CAPACITY)" in message
 
 
+def test_an_environment_value_that_is_not_json_names_the_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("CACHEPIPE_PIPELINES__TRAIN__STORAGE_OPTIONS", '{"endpoint_url": "http://x"')
+    message = error_of(tmp_path, minimal(tmp_path))
+    assert "pipelines: the environment variable CACHEPIPE_PIPELINES__TRAIN__STORAGE_OPTIONS cannot be parsed" in message
+    assert "Expecting ',' delimiter" in message and "must be JSON" in message
+
+
+def test_a_rank_outside_the_world_size_is_refused_with_the_file(tmp_path):
+    message = error_of(tmp_path, minimal(tmp_path, rank=5, world_size=2))
+    assert "pipelines.train" in message and "rank 5 with world_size 2: expected 0 <= rank < world_size" in message
+    assert load_config(write(tmp_path, minimal(tmp_path, rank=1, world_size=2))).pipelines["train"].rank == 1
+    with pytest.raises(ValueError, match="rank 2 with world_size 2"):
+        PipelineConfig(source="s3://b/p/", cache_dir=str(tmp_path / "c"), capacity="1GiB", rank=2, world_size=2)
+
+
+def test_a_socket_group_may_be_a_number_written_unquoted(tmp_path):
+    assert load_config(write(tmp_path, "socket_group: 0\n" + yaml.safe_dump(minimal(tmp_path)))).socket_group == "0"
+
+
 def test_share_capacity_and_octal_modes(tmp_path):
     cfg = load_config(write(tmp_path, {**minimal(tmp_path, capacity="80%"), "socket_mode": "0640"}))
     assert cfg.pipelines["train"].capacity == Share(0.8) and cfg.socket_mode == 0o640

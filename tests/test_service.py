@@ -18,6 +18,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -479,6 +480,56 @@ def test_sighup_reload_applies_a_valid_config_and_keeps_the_old_one_on_errors(s3
         assert set(status["pipelines"]) == {"train", "val"} and status["pipelines"]["train"]["stats"]["capacity"] == 2 * 1024**2
         assert client.health()["status"] == "ok"
         assert 'cachepipe_reloads_total{result="invalid"} 1.0' in client.metrics()
+
+
+def test_a_reload_the_host_cannot_apply_keeps_the_daemon_and_its_configuration(s3_source, s3_endpoint, tmp_path, short_dir):
+    """A reload whose socket_group does not exist (start would refuse it: exit 78, never
+    restarted by systemd), or whose socket permissions cannot be applied (the socket file
+    removed), is logged and the daemon serves on: before, either ended it with a traceback."""
+    s3_source.folders(2, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}})
+    with DaemonProcess(config) as daemon, Client("train", sock, auto_ack=False) as client:
+        held = client.get(timeout=30)
+        write_config(tmp_path, sock, s3_endpoint, {"train": {}}, socket_group="cachepipe-no-such-group")
+        assert "reload failed" in daemon.reload()
+        assert "socket_group 'cachepipe-no-such-group': no such group on this system" in daemon.log()
+        client.ack(held)  # nothing was rebuilt: the lease is still good
+        held = client.get(timeout=30)
+
+        sock.unlink()  # our connection stays; new ones cannot come (a mistake of an operator)
+        write_config(tmp_path, sock, s3_endpoint, {"train": {}}, socket_mode="0600")
+        daemon.reload()
+        assert "reload: socket permissions not applied" in daemon.log()
+        client.ack(held)
+        assert client.status()["pipelines"]["train"]["stats"]["items_acked"] == 2
+        assert daemon.stop() == 0
+        assert "Traceback" not in daemon.log(), daemon.log()
+
+
+def test_an_item_taken_over_tcp_by_a_consumer_killed_while_it_waited_is_released_at_once(
+    s3_source, s3_endpoint, tmp_path, short_dir
+):
+    """Over TCP the reply to a consumer that is gone is written without an error (the peer's
+    reset comes later): the daemon looks for its end of file before it hands the item out."""
+    s3_source.folders(1, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}}, tcp_port=0)
+    with DaemonProcess(config) as daemon, Client("train", sock, auto_ack=False) as client:
+        port = re.search(r"http://127\.0\.0\.1:(\d+)", daemon.log()).group(1)
+        held = client.get(timeout=30)
+        waiting = subprocess.Popen(
+            [sys.executable, "-m", "cachepipe.cli", "next", "--socket", f"http://127.0.0.1:{port}", "--timeout", "60"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_until(lambda: client.status()["pipelines"]["train"]["waiting"] == 1, what="the consumer to wait in next")
+        waiting.kill()
+        waiting.wait()
+        client.release(held)  # the item is ready again: the gone consumer's request takes it
+        wait_until(lambda: "consumer went away before receiving" in daemon.log(), what="the release to be logged")
+        assert client.get(timeout=10).name == held.name  # not leased to nobody until lease_timeout
+        assert daemon.stop() == 0
 
 
 def test_sigterm_exits_0_quickly_and_leaves_published_items(s3_source, s3_endpoint, tmp_path, short_dir):

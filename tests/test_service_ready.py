@@ -191,10 +191,20 @@ def host_cases(tmp_path: Path) -> dict:
             f"socket '{blocker}/api.sock': its directory: '{blocker}' is not a directory",
         ),
         "socket path taken": ({"socket": str(blocker)}, f"socket '{blocker}': exists and is not a socket"),
+        "tcp host": ({"tcp_port": 0, "tcp_host": "999.1.1.1"}, "tcp_host '999.1.1.1': cannot resolve it"),
+        "tcp host elsewhere": ({"tcp_port": 0, "tcp_host": "192.0.2.1"}, "tcp_host '192.0.2.1': cannot listen there"),
+        "scheme": (
+            {"pipelines": {"train": {"source": "nosuchscheme://b/p/"}}},
+            "pipelines.train.source 'nosuchscheme://b/p/': unknown URL scheme 'nosuchscheme://'",
+        ),
     }
 
 
-@pytest.mark.parametrize("case", ["group", "cache under a file", "socket dir under a file", "socket path taken"])
+CASES = ["group", "cache under a file", "socket dir under a file", "socket path taken"]
+CASES += ["tcp host", "tcp host elsewhere", "scheme"]
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_check_reports_what_serve_would_refuse_naming_the_value(tmp_path, case):
     override, expected = host_cases(tmp_path)[case]
     data = {

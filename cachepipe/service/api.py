@@ -77,6 +77,7 @@ import json
 import logging
 import os
 import re
+import select
 import selectors
 import socket
 import stat
@@ -316,6 +317,8 @@ class _Handler(BaseHTTPRequestHandler):
         if not items:
             return self._reply(204)
         try:
+            if self._peer_closed():  # over TCP the reply's write would still succeed
+                raise ConnectionResetError(errno.ECONNRESET, "the consumer closed its connection while its request waited")
             if count is None:
                 return self._reply(200, item_json(name, items[0]))
             return self._reply(200, {"pipeline": name, "items": [item_json(name, item) for item in items]})
@@ -324,6 +327,22 @@ class _Handler(BaseHTTPRequestHandler):
             for item in items:
                 daemon.finish("release", str(item), item.lease)
             raise
+
+    def _peer_closed(self) -> bool:
+        """True if the client has closed or reset its connection (a consumer killed while its
+        ``next`` waited). A waiting client sends nothing, so the socket is readable only at its
+        end of file (or with the next request of a client that did not wait, which is alive).
+        Over a Unix socket writing the reply would fail; over TCP the first write to a closed
+        peer succeeds, and the items would be leased to nobody until ``lease_timeout``."""
+        poller = select.poll()
+        poller.register(self.connection, select.POLLIN)
+        if not poller.poll(0):
+            return False
+        try:
+            peeked: bytes = self.connection.recv(1, socket.MSG_PEEK)
+        except OSError:
+            return True
+        return not peeked
 
     def _job(self, daemon: Service, name: str, body: dict[str, Any]) -> int:
         if self.command == "DELETE":

@@ -32,7 +32,7 @@ if sys.version_info >= (3, 11):
 else:  # tomllib is new in 3.11; tomli is the same parser (a dependency on 3.10 only)
     import tomli as tomllib
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from ..config import PipelineConfig
 from ..errors import ConfigError
@@ -84,6 +84,12 @@ PipelineName = Annotated[str, AfterValidator(_check_name)]
 SocketMode = Annotated[int, BeforeValidator(_parse_mode)]
 
 
+def _group_name(value: Any) -> Any:
+    """``socket_group`` as text: a group number written unquoted in YAML (``socket_group: 0``) is
+    an int there, and names the same group as ``"0"``."""
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else value
+
+
 class ServiceConfig(BaseSettings):
     """Everything ``cachepipe serve`` needs, validated. See ``config/cachepipe.yaml``.
 
@@ -121,7 +127,7 @@ class ServiceConfig(BaseSettings):
 
     socket: Path = DEFAULT_SOCKET
     socket_mode: SocketMode = 0o660
-    socket_group: str | None = Field(default=None, min_length=1)
+    socket_group: Annotated[str | None, BeforeValidator(_group_name)] = Field(default=None, min_length=1)
     tcp_port: int | None = Field(default=None, ge=0, le=65535)
     tcp_host: str = Field(default="127.0.0.1", min_length=1)
     markers: bool = True
@@ -272,6 +278,24 @@ def load_config(path: str | os.PathLike[str], *, environ: dict[str, str] | None 
         return ServiceConfig(**data)
     except ValidationError as exc:
         raise ConfigError(format_errors(exc, str(path), os.environ if environ is None else environ)) from None
+    except SettingsError as exc:  # an environment override that pydantic-settings cannot parse (bad JSON)
+        raise ConfigError(_settings_error(exc, str(path), os.environ if environ is None else environ)) from None
+
+
+def _settings_error(exc: SettingsError, source: str, environ: Any) -> str:
+    """The message for a ``CACHEPIPE_*`` variable whose value pydantic-settings cannot parse (a
+    nested value, such as ``CACHEPIPE_PIPELINES__TRAIN__STORAGE_OPTIONS``, must be JSON), naming
+    the variables that set the field."""
+    match = re.search(r'field "([^"]+)"', str(exc))
+    field = match.group(1) if match else ""
+    prefix = (ENV_PREFIX + field).upper()
+    names = sorted(k for k in environ if k.upper() == prefix or k.upper().startswith(prefix + "__")) if field else []
+    where = f"the environment variable{'s' if len(names) > 1 else ''} {', '.join(names)}" if names else "the environment"
+    return (
+        f"invalid configuration in {source!r}:\n  {field or '(an environment override)'}: {where} cannot be parsed "
+        f"({exc.__cause__ or exc}); a nested value (a mapping or a list) must be JSON, e.g. "
+        f'{ENV_PREFIX}PIPELINES__TRAIN__STORAGE_OPTIONS=\'{{"endpoint_url": "http://127.0.0.1:9000"}}\''
+    )
 
 
 def format_errors(exc: ValidationError, source: str, environ: Any = None) -> str:

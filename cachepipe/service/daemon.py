@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 from .. import __version__
 from ..config import PipelineConfig, format_size
-from ..errors import UnknownItemError
+from ..errors import ConfigError, UnknownItemError
 from ..node import Taken
 from ..pipeline import CachedItem, Pipeline, Stats
 from ..plan import Cursor
@@ -190,8 +190,13 @@ class Daemon:
             if fixed:
                 new = new.model_copy(update=fixed)
             if (new.socket_mode, new.socket_group) != (old.socket_mode, old.socket_group):
-                self._api.set_permissions(new.socket_mode, new.socket_group)
-                changes.append("socket permissions")
+                try:
+                    self._api.set_permissions(new.socket_mode, new.socket_group)
+                    changes.append("socket permissions")
+                except (ConfigError, OSError) as exc:  # e.g. the socket file was removed: the daemon serves on
+                    log.error("reload: socket permissions not applied: %s", exc)
+                    changes.append(f"failed socket permissions ({exc})")
+                    new = new.model_copy(update={"socket_mode": old.socket_mode, "socket_group": old.socket_group})
             if new.log_level != old.log_level:
                 set_level(new.log_level)
                 changes.append(f"log_level {new.log_level}")

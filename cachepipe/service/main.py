@@ -172,6 +172,10 @@ def _reload(daemon: Daemon, config_path: Path, notifier: Notifier) -> None:
     notifier.reloading()
     try:
         new = load_config(config_path)
+        problems = host_problems(new)  # as at start: a restart with this file would stop there
+        if problems:
+            lines = "\n  ".join(problems)
+            raise ConfigError(f"configuration {str(config_path)!r} cannot run on this host:\n  {lines}")
     except ConfigError as exc:
         log.error("reload: keeping the running configuration: %s", exc)
         daemon.metrics.reloads.labels("invalid").inc()

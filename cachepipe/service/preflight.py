@@ -4,18 +4,23 @@
 nested in each other, capacities parseable); :func:`host_problems` checks it against this host
 and this user, without changing anything: the ``socket_group`` exists (and this user may give
 the socket to it), the socket's directory and every ``cache_dir`` exist as writable directories
-or can be created, nothing that is not a socket sits at the socket path. ``serve --check``
-reports these problems with the file's; ``serve`` refuses to start on them (exit 78), each named
-with its field, its value and what would do.
+or can be created, nothing that is not a socket sits at the socket path, ``tcp_host`` (with a
+``tcp_port``) is an address of this machine, and a backend serves each pipeline's ``source``
+scheme and is installed. ``serve --check`` reports these problems with the file's; ``serve``
+refuses to start on them (exit 78), and a reload (SIGHUP) keeps the running configuration, each
+named with its field, its value and what would do.
 """
 
 from __future__ import annotations
 
 import grp
 import os
+import socket
 import stat
 from pathlib import Path
 
+from ..errors import ConfigError
+from ..stores import preload
 from .config import ServiceConfig
 
 __all__ = ["host_problems"]
@@ -28,9 +33,39 @@ def host_problems(config: ServiceConfig) -> list[str]:
         problems += _group_problems(config.socket_group)
     problems += _dir_problems(f"socket {str(config.socket)!r}: its directory", config.socket.parent)
     problems += _socket_path_problems(config.socket)
+    if config.tcp_port is not None:
+        problems += _tcp_host_problems(config.tcp_host)
     for name, cfg in config.pipelines.items():
         problems += _dir_problems(f"pipelines.{name}.cache_dir {str(cfg.cache_dir)!r}", Path(cfg.cache_dir))
+        problems += _source_problems(f"pipelines.{name}.source {cfg.source!r}", cfg.source)
     return problems
+
+
+def _tcp_host_problems(host: str) -> list[str]:
+    """``host`` is an address of this machine that a listener can bind (tried on port 0, so that
+    no port is taken), as the daemon's TCP listener will at start."""
+    expected = "expected an address of this machine, such as '127.0.0.1'"
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return [f"tcp_host {host!r}: cannot resolve it ({exc.strerror}); {expected}"]
+    family, kind, proto, _name, address = infos[0]
+    try:
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(address)
+    except OSError as exc:
+        return [f"tcp_host {host!r}: cannot listen there ({exc.strerror}); {expected}"]
+    return []
+
+
+def _source_problems(label: str, source: str) -> list[str]:
+    """A backend serves ``source``'s scheme and is installed (imported now, as the daemon does
+    when it opens the pipeline; nothing is sent to the store)."""
+    try:
+        preload(source)
+    except (ConfigError, ImportError) as exc:
+        return [f"{label}: {exc}"]
+    return []
 
 
 def _group_problems(group: str) -> list[str]:
