@@ -299,8 +299,8 @@ class Pipeline:
             return self._stream(store, cache)
         catalog, sizes, eligible, from_manifest = self._fitting(store, cache)
         plan = make_plan(cfg, sizes)
-        # with a manifest, a resume must also be of the same manifest (the key of a listed pass is kept as it was)
-        key = _plan_key(plan, self._catalog_digest if from_manifest else None)
+        # with a manifest, a resume must also be of the same manifest
+        key = _plan_key(plan, cfg, self._catalog_digest if from_manifest else None)
         cursor, acked = cache.recover(catalog, resume=cfg.resume, plan=key)
         if self._start_state is not None:
             saved = self._start_state.get("catalog_digest")
@@ -421,7 +421,7 @@ class Pipeline:
         def complete() -> None:  # in the listing thread, once it listed everything
             with self._plan_lock:
                 full = plan.complete()
-            cache.set_plan(_plan_key(full))
+            cache.set_plan(_plan_key(full, cfg))
             self._total_steps = full.n_items
             if self._bar is not None:
                 self._bar.total = full.n_items
@@ -854,10 +854,12 @@ def _in_runs(steps: Iterator[Step], size: int) -> Iterator[list[Step]]:
         yield run
 
 
-def _plan_key(plan: Plan, catalog_digest: str | None = None) -> str:
-    """The plan's configuration (its position excluded), with ``catalog_digest`` if given, as
-    JSON: what a resume must match."""
+def _plan_key(plan: Plan, cfg: PipelineConfig, catalog_digest: str | None = None) -> str:
+    """The plan's configuration (its position excluded), the source and the items mode it was
+    made of, and ``catalog_digest`` if given, as JSON: what a resume must match (an item count
+    and sizes alone match another source's listing of items of the same sizes)."""
     key = {k: v for k, v in plan.state_dict().items() if k not in ("epoch", "index")}
+    key["source"], key["items"] = cfg.source, cfg.items
     if catalog_digest is not None:
         key["catalog_digest"] = catalog_digest
     return json.dumps(key, sort_keys=True)

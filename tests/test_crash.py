@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from sampling import Sampler
 
-from cachepipe import Pipeline
+from cachepipe import ConfigError, Pipeline
+from cachepipe.cache.recovery import plan_differences
 
 HERE = Path(__file__).parent
 KIB = 1024
@@ -168,6 +169,39 @@ def test_corrupt_journal_is_rebuilt_from_disk(s3_source, tmp_path):
     with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options, resume=True) as pipe:
         assert [p.name for p in pipe] == ["item000", "item001", "item002"]
         assert pipe.stats().items_reused >= 1
+
+
+def test_resume_over_another_source_or_items_mode_is_refused(s3_source, tmp_path):
+    """Two prefixes of items of the same sizes: the plan's count and sizes are the same, so only
+    the recorded source and items mode tell the passes apart. Before, the other source's first
+    items were skipped, unreported, as if consumed."""
+    for prefix in ("a", "b"):
+        for i in range(4):
+            s3_source.put(f"{prefix}/item{i:03d}/f", b"x" * 100)
+    url_a, url_b, cache = s3_source.url + "a/", s3_source.url + "b/", tmp_path / "cache"
+    with Pipeline(url_a, cache, "1MiB", storage_options=s3_source.options, resume=True) as pipe:
+        it = iter(pipe)
+        next(it), next(it), next(it)  # item000 and item001 acked (auto-ack), item002 in hand
+        it.close()
+    with pytest.raises(ConfigError, match=rf"another plan: source '{url_a}' there, '{url_b}' here"):
+        Pipeline(url_b, cache, "1MiB", storage_options=s3_source.options, resume=True).open()
+    with pytest.raises(ConfigError, match="another plan: items 'folders' there, 'files' here"):
+        Pipeline(url_a, cache, "1MiB", storage_options=s3_source.options, resume=True, items="files").open()
+    with Pipeline(url_a, cache, "1MiB", storage_options=s3_source.options, resume=True) as pipe:
+        assert [p.name for p in pipe] == ["item002", "item003"]  # the refusals changed nothing
+
+
+def test_a_pass_recorded_before_its_source_was_resumes_and_other_plans_are_named():
+    old = json.dumps({"n_items": 4, "sizes_digest": "d", "epochs": 1})
+    assert (
+        plan_differences(old, json.dumps({"n_items": 4, "sizes_digest": "d", "epochs": 1, "source": "s3://b/", "items": "files"}))
+        == ""
+    )
+    new = json.dumps({"n_items": 5, "sizes_digest": "d", "epochs": 1, "source": "s3://b/"})
+    assert plan_differences(old, new) == "n_items 4 there, 5 here"
+    assert (
+        plan_differences(new, json.dumps({"n_items": 5, "sizes_digest": "d", "epochs": 1})) == "source 's3://b/' there, None here"
+    )
 
 
 def test_resume_skips_acked_items_without_relisting(s3_source, tmp_path):

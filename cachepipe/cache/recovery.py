@@ -12,6 +12,7 @@ matching the catalog exactly are reused, and nothing is removed.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from ..catalog import Catalog
 from ..errors import ConfigError
 from .staging import matches
 
-__all__ = ["check_resume", "sort_leftovers"]
+__all__ = ["check_resume", "plan_differences", "sort_leftovers"]
 
 
 def check_resume(replay: state.Replay, resume: bool, plan: str, where: str) -> None:
@@ -36,12 +37,31 @@ def check_resume(replay: state.Replay, resume: bool, plan: str, where: str) -> N
             f"{replay.cursor[1]} before the listing ended, so its plan was never recorded and that position "
             "cannot be checked against the data; use resume=False to start a new pass"
         )
-    if resume and replay.plan and plan and replay.plan != plan:
+    if resume and replay.plan and plan and (differ := plan_differences(replay.plan, plan)):
         raise ConfigError(
-            f"resume=True, but {where!r} holds a pass of another plan ({replay.plan}); this one is {plan}. "
-            "The data (n_items, sizes_digest) or the epochs/shuffle/seed/rank settings differ; "
+            f"resume=True, but {where!r} holds a pass of another plan: {differ}. The source, the items mode, "
+            "the data (n_items, sizes_digest) or the epochs/shuffle/seed/rank settings differ; "
             "use the same ones, or resume=False to start a new pass"
         )
+
+
+LATER_KEYS = ("source", "items")
+"""Keys of a recorded plan that earlier versions did not record: compared only when both have them."""
+
+
+def plan_differences(saved: str, new: str) -> str:
+    """How the recorded plan ``saved`` and this pass's plan ``new`` (both JSON) differ, one
+    ``key: saved there, new here`` per key, or "" if they are the same pass. A key of
+    :data:`LATER_KEYS` that ``saved`` lacks is not compared (a pass recorded before it was)."""
+    try:
+        before, now = json.loads(saved), json.loads(new)
+    except ValueError:
+        return "" if saved == new else f"{saved} there, {new} here"
+    if not isinstance(before, dict) or not isinstance(now, dict):
+        return "" if before == now else f"{saved} there, {new} here"
+    now = {k: v for k, v in now.items() if k in before or k not in LATER_KEYS}
+    keys = sorted(before.keys() | now.keys())
+    return "; ".join(f"{k} {before.get(k)!r} there, {now.get(k)!r} here" for k in keys if before.get(k) != now.get(k))
 
 
 def sort_leftovers(root: Path, replay: state.Replay, rebuilt: bool, items: Catalog) -> tuple[dict[str, int], list[str]]:
