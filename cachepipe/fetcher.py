@@ -448,6 +448,10 @@ class Fetcher:
             try:
                 staged = self._cache.stage(item, self._min_part)
             except OSError as exc:
+                if exc.errno == errno.ENAMETOOLONG:  # a path of the item over the file system's limit: never fits
+                    self._cache.unreserve(item.size + extra, item.name)
+                    self._report_failure(seq, item, item.name, exc)
+                    continue
                 unstaged = f"{self._cache.staging_root}/unstaged"
                 self._retry_disk_error(_Job(seq, item, unstaged, turn, extra, attempt=attempt), exc)
                 continue

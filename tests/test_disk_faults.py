@@ -184,3 +184,17 @@ def test_a_staging_area_that_cannot_be_deleted_stays_counted(s3_source, fault_pr
         assert f"{512 * KIB} bytes left" in caplog.text
 
     _staging_that_cannot_be_deleted(s3_source, fault_proxy, tmp_path, caplog, check)
+
+
+def test_an_item_whose_local_path_is_over_the_file_systems_limit_fails_at_once(s3_source, tmp_path):
+    """Every segment of the key is under 255 bytes, the whole path over PATH_MAX (4,096): the
+    item can never be staged, so it fails at once and is not retried as a disk error (before,
+    it was, ``retries`` times with backoff, holding back the items after it)."""
+    s3_source.put("a/" + "/".join(["D" * 200] * 21) + "/f", b"x")
+    s3_source.put("b/f", b"y")
+    with Pipeline(
+        s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options, on_error="skip", retries=3, retry_backoff=2
+    ) as pipe:
+        assert [p.name for p in pipe] == ["b"]
+        stats = pipe.stats()
+    assert stats.items_failed == 1 and stats.disk_errors == 0
