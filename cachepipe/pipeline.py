@@ -566,8 +566,8 @@ class Pipeline:
         try:
             while True:
                 if last is not None and self.config.auto_ack:
-                    self.ack(last)
-                    last = None
+                    done, last = last, None  # an ack that fails (its lease expired) is the error raised, not a release's
+                    self.ack(done)
                 try:
                     last = self.get()
                 except RuntimeError:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -448,6 +449,21 @@ class _nullcontext:  # noqa: N801 - mirrors contextlib.nullcontext
 
     def __exit__(self, *a):
         return False
+
+
+def test_a_loop_whose_body_outlasts_the_lease_raises_the_refused_ack(s3_source, tmp_path):
+    """The loop acknowledges an item when it asks for the next; if that ack is refused (the
+    lease expired), that is the error raised. Before, the loop then also gave the item back,
+    which was refused too, and its "cannot release" replaced the ack's error."""
+    s3_source.folders(2, {"f": 10})
+
+    def slow_loop(pipe: Pipeline) -> None:
+        for _item in pipe:
+            time.sleep(0.5)  # longer than the lease
+
+    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options, lease_timeout=0.2) as pipe:
+        with pytest.raises(UnknownItemError, match=r"cannot ack .*item000.*its lease expired"):
+            slow_loop(pipe)
 
 
 def test_lease_timeout_redelivers_an_unacked_item(s3_source, tmp_path):
