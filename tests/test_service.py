@@ -371,6 +371,26 @@ def test_a_marker_left_in_a_released_item_does_not_ack_its_next_hand_out(s3_sour
         assert not again.path.exists()
 
 
+def test_a_marker_touched_again_by_the_next_consumer_acks(s3_source, s3_endpoint, tmp_path, short_dir):
+    """A ``.done`` left by an earlier consumer is there when the item goes out again; the new
+    consumer's ``Path.touch()`` of it changes only its times (a utime, IN_ATTRIB, no write):
+    that is its marker, and acknowledges the item. Before, the watch did not ask for IN_ATTRIB,
+    and the item stayed leased until it went out again, and again."""
+    s3_source.folders(2, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}})
+    with DaemonProcess(config) as daemon, Client("train", sock, auto_ack=False) as client:
+        item = client.get(timeout=30)
+        client.release(item)
+        (item.path / ".done").touch()  # made after the release: ignored
+        again = client.get(timeout=30)
+        assert again.name == item.name
+        wait_until(lambda: inotify_watches(daemon.pid) == 2, what="its own watch (LOOK_AFTER on)")
+        (again.path / ".done").touch()  # exists: only its times change
+        wait_until(lambda: stats(client)["items_acked"] == 1, what="the touched marker to ack")
+        assert not again.path.exists()
+
+
 def raw_request(sock_path: Path, data: bytes, timeout: float = 10.0) -> tuple[int, dict]:
     """Send ``data`` as is on a new connection; (status, JSON body) of the answer."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

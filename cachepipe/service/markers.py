@@ -69,10 +69,12 @@ STATE_DIR = ".cachepipe"  # the cache's own state folder: never an item
 Kind = Literal["created", "deleted"]
 # What each watch asks the kernel for: a cache directory and a single-file item's folder, a
 # child deleted or moved away; a handed-out item folder, a file made in it (created, closed
-# after writing, or moved in). The kernel's constants (<sys/inotify.h>), a stable ABI.
-_IN_CLOSE_WRITE, _IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE, _IN_ONLYDIR = 0x8, 0x40, 0x80, 0x100, 0x200, 0x01000000
+# after writing, moved in, or touched: Python's Path.touch() of a file that exists is a utime
+# alone, an IN_ATTRIB). The kernel's constants (<sys/inotify.h>), a stable ABI.
+_IN_ATTRIB, _IN_CLOSE_WRITE, _IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x4, 0x8, 0x40, 0x80, 0x100, 0x200
+_IN_ONLYDIR = 0x01000000
 _GONE = _IN_DELETE | _IN_MOVED_FROM | _IN_ONLYDIR
-_MADE = _IN_CREATE | _IN_CLOSE_WRITE | _IN_MOVED_TO
+_MADE = _IN_CREATE | _IN_CLOSE_WRITE | _IN_MOVED_TO | _IN_ATTRIB
 _MARKER = _MADE | _IN_ONLYDIR
 _ANY = _IN_DELETE | _IN_MOVED_FROM | _MADE
 
