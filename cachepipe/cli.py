@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
 
     nxt = sub.add_parser("next", parents=[client], help="take the next item and print its local path")
     nxt.add_argument("--pipeline", "-p", default=None, help="pipeline name (default: the daemon's only one)")
-    nxt.add_argument("--timeout", "-t", type=float, default=None, help="seconds to wait for an item (default: no limit)")
+    nxt.add_argument("--timeout", "-t", type=_seconds, default=None, help="seconds to wait for an item (default: no limit)")
     nxt.add_argument("--json", action="store_true", help="print the item as JSON (name, path, lease, size, files)")
 
     for verb, text in (

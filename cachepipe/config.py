@@ -118,8 +118,9 @@ def format_size(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def parse_capacity(value: Any) -> int | Share:
-    """Parse a capacity: a size (see :func:`parse_size`) or a share of free space (``"80%"``)."""
+def parse_capacity(value: Any, name: str = "capacity") -> int | Share:
+    """Parse a capacity: a size (see :func:`parse_size`) or a share of free space (``"80%"``);
+    errors name the option ``name``."""
     if isinstance(value, Share):
         return value
     if isinstance(value, str) and value.strip().endswith("%"):
@@ -129,12 +130,12 @@ def parse_capacity(value: Any) -> int | Share:
         except ValueError:
             percent = math.nan
         if not (0 < percent <= 100):
-            raise ValueError(f"capacity {value!r}: expected {_CAPACITY_FORMS} (a share between 0% and 100%)")
+            raise ValueError(f"{name} {value!r}: expected {_CAPACITY_FORMS} (a share between 0% and 100%)")
         return Share(percent / 100)
     try:
-        return parse_size(value, "capacity")
+        return parse_size(value, name)
     except ValueError:
-        raise ValueError(f"capacity {value!r}: expected {_CAPACITY_FORMS}") from None
+        raise ValueError(f"{name} {value!r}: expected {_CAPACITY_FORMS}") from None
 
 
 SMALL_CAPACITY = 1024**2
@@ -329,7 +330,7 @@ class PipelineConfig(BaseModel):
             item is ready, with what is downloading and what is held (default 60); None: never.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True, allow_inf_nan=False)
 
     source: str = Field(min_length=1)
     cache_dir: Annotated[Path, BeforeValidator(check_cache_dir)]
@@ -349,7 +350,9 @@ class PipelineConfig(BaseModel):
     retries: int = Field(default=12, ge=0, le=1000)
     retry_backoff: float = Field(default=0.2, ge=0, le=60)
     retry_backoff_max: float = Field(default=10.0, gt=0, le=600)
-    min_free: Annotated[int | Share | None, BeforeValidator(lambda v: None if v is None else parse_capacity(v))] = None
+    min_free: Annotated[int | Share | None, BeforeValidator(lambda v: None if v is None else parse_capacity(v, "min_free"))] = (
+        None
+    )
     lease_timeout: float | None = Field(default=None, gt=0)
     epochs: int | None = Field(default=1, ge=1)
     shuffle: bool = False

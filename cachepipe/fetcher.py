@@ -829,7 +829,8 @@ class Fetcher:
             self._report_failure(job.seq, job.item, job.item.name, error)
             return
         delay = backoff_delay(job.attempt, self._cfg.retry_backoff, self._cfg.retry_backoff_max)
-        log.warning("local disk error on %s (%s): staging freed, retrying the item in %.2fs", job.item.name, error, delay)
+        what = "verification failed" if isinstance(error, VerificationError) else "local disk error"
+        log.warning("%s on %s (%s): staging freed, retrying the item in %.2fs", what, job.item.name, error, delay)
         if self._stop.wait(delay):
             return
         self._start(job.seq, job.item, job.extra, job.turn, job.attempt + 1)

@@ -158,6 +158,9 @@ def test_cli_exit_codes(served, short_dir):
     down = run("status", "--socket", str(short_dir / "absent.sock"))
     assert down.returncode == 1 and "cannot reach the cachepipe daemon" in down.stderr
     assert run("next", "--timeout", "x").returncode == 2  # usage
+    for bad in ("-1", "nan"):  # before: -1 took an item, nan exited 1 without naming the option
+        usage = run("next", "--timeout", bad)
+        assert usage.returncode == 2 and f"--timeout/-t: {bad!r}: expected a number of seconds >= 0" in usage.stderr, usage.stderr
 
 
 def test_bash_consumer_with_cachepipe_next_and_done_markers(served, tmp_path):

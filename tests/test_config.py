@@ -69,6 +69,14 @@ def test_config_rejects_bad_values_with_field_names(tmp_path):
         assert field in str(info.value)
 
 
+def test_an_option_given_as_a_share_or_a_number_is_named_in_its_error(tmp_path):
+    with pytest.raises(ValidationError, match=r"min_free '200%': expected .*a share between 0% and 100%"):
+        PipelineConfig(source="s3://b/p", cache_dir=tmp_path, capacity="1G", min_free="200%")
+    for field in ("retry_backoff", "lease_timeout", "unpack_ratio"):  # not a range's message: "a finite number"
+        with pytest.raises(ValidationError, match=rf"{field}\n  Input should be a finite number"):
+            PipelineConfig(source="s3://b/p", cache_dir=tmp_path, capacity="1G", **{field: float("nan")})
+
+
 def test_config_rejects_unknown_option(tmp_path):
     with pytest.raises(ValidationError, match="capactiy"):
         PipelineConfig(source="s3://b/p", cache_dir=tmp_path, capacity="1G", capactiy=3)

@@ -90,6 +90,7 @@ def test_bad_pipeline_values_name_path_value_and_expectation(tmp_path, pipeline,
         ({"sockets": "/x"}, "sockets = '/x': unknown key; expected one of: socket, socket_mode"),
         ({"socket": "relative.sock"}, "socket 'relative.sock': expected an absolute path"),
         ({"socket": "/" + "s" * 120}, "expected a path of at most 107 bytes"),
+        ({"max_wait": float("nan")}, "max_wait = nan: Input should be a finite number"),
     ],
 )
 def test_bad_daemon_values(tmp_path, top, fragment):

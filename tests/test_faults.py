@@ -193,8 +193,9 @@ def test_item_fails_after_retry_budget_naming_key_and_cause(remote_source, fault
     assert list((tmp_path / "c").iterdir()) == [tmp_path / "c" / ".cachepipe"]
 
 
-def test_verify_etag_catches_corrupted_bytes_and_refetches(fault_proxy, s3_source, tmp_path):
-    """A body that arrives with the right length but wrong bytes is caught by the MD5 ETag."""
+def test_verify_etag_catches_corrupted_bytes_and_refetches(fault_proxy, s3_source, tmp_path, caplog):
+    """A body that arrives with the right length but wrong bytes is caught by the MD5 ETag
+    (logged as a failed verification, not as a local disk error)."""
     proxy, endpoint = fault_proxy
     data = s3_source.folders(3, {"f": 30 * KIB})
     manifest = listed(s3_source, tmp_path)
@@ -213,6 +214,8 @@ def test_verify_etag_catches_corrupted_bytes_and_refetches(fault_proxy, s3_sourc
         stats = pipe.stats()
     assert got == {name: files["f"] for name, files in data.items()}
     assert proxy.injected["corrupt"] == 2 and stats.retries >= 1
+    retried = [r.getMessage() for r in caplog.records if "staging freed" in r.getMessage()]
+    assert retried and all(m.startswith("verification failed on item") for m in retried), retried
 
 
 def test_store_down_for_a_while_then_back_resumes_by_itself(remote_source, fault_proxy, tmp_path):

@@ -71,7 +71,7 @@ class JobsConfig(BaseModel):
             ``max_concurrency``, ``part_size``...); not the ones a job gives or the node decides.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     root: Path
     capacity: Capacity
@@ -113,7 +113,7 @@ class JobSpec(BaseModel):
         capacity: this job's share of ``jobs.capacity`` (default: all of it).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     source: str = Field(min_length=1)
     items: Literal["folders", "files"] = "folders"
