@@ -67,8 +67,11 @@ class CachedItem(PathItem):
     Attributes:
         path: the local path (a folder, or a file for single-object items).
         name: the item's name (its path relative to the source prefix and to the cache dir).
-        size: total bytes.
-        files: relative paths of its files, in key order (``("",)`` for a single file).
+        size: total bytes, as listed.
+        files: relative paths of its files as listed, in key order (``("",)`` for a single
+            file). With ``unpack`` or a ``prepare`` hook, ``size`` and ``files`` still describe
+            the listed objects (the archives), not what the item's folder holds after it: list
+            the folder for those.
         lease: the lease token; ``ack``/``release`` of this object check it, so a consumer whose
             lease expired cannot evict the item from under the next one.
     """
