@@ -513,6 +513,25 @@ def test_a_reload_the_host_cannot_apply_keeps_the_daemon_and_its_configuration(s
         assert "Traceback" not in daemon.log(), daemon.log()
 
 
+def test_the_temporary_sockets_of_daemons_killed_while_starting_are_removed(s3_source, s3_endpoint, tmp_path, short_dir):
+    """A daemon listens under ``.<socket>.<pid>.starting`` until it is ready; one killed before
+    left it behind, and each later daemon removed only its own pid's (they piled up)."""
+    s3_source.folders(1, FILES)
+    sock = short_dir / "api.sock"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid is no process's now
+    leftovers = {pid: short_dir / f".api.sock.{pid}.starting" for pid in (gone.pid, os.getpid())}
+    for path in leftovers.values():
+        with socket.socket(socket.AF_UNIX) as listener:
+            listener.bind(str(path))  # a socket file nobody listens on, as a killed daemon leaves
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}})
+    with DaemonProcess(config) as daemon:
+        assert not leftovers[gone.pid].exists()
+        assert leftovers[os.getpid()].exists()  # a live process's (a daemon starting beside it): kept
+        assert daemon.stop() == 0
+    leftovers[os.getpid()].unlink()
+
+
 def test_an_item_taken_over_tcp_by_a_consumer_killed_while_it_waited_is_released_at_once(
     s3_source, s3_endpoint, tmp_path, short_dir
 ):

@@ -577,6 +577,7 @@ class ApiServer:
         path = cfg.socket
         path.parent.mkdir(parents=True, exist_ok=True)
         _clear_stale(path)
+        _clear_starting_leftovers(path)
         temp = path.with_name(f".{path.name}.{os.getpid()}.starting")
         if len(os.fsencode(temp)) > SOCKET_PATH_MAX:
             temp = path  # no room for a longer name: bound in place, connections are refused until it listens
@@ -716,6 +717,31 @@ class ApiServer:
             return
         if (st.st_dev, st.st_ino) == self._socket_id:  # never remove a socket another daemon made since
             path.unlink()
+
+
+def _clear_starting_leftovers(path: Path) -> None:
+    """Remove the temporary sockets (``.<name>.<pid>.starting``, see :meth:`ApiServer.bind`) of
+    daemons killed while starting: those whose pid is gone. One of a daemon starting now, or of
+    a live process that took a dead daemon's pid, is left alone."""
+    prefix, suffix = f".{path.name}.", ".starting"
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry.name[len(prefix) : -len(suffix)] if entry.name.startswith(prefix) and entry.name.endswith(suffix) else ""
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            try:
+                if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+                    os.unlink(entry.path)
+            except FileNotFoundError:
+                pass
+        except OSError:
+            pass  # a live process of another user
 
 
 def _clear_stale(path: Path) -> None:
