@@ -569,8 +569,14 @@ class Pipeline:
         try:
             while True:
                 if last is not None and self.config.auto_ack:
-                    done, last = last, None  # an ack that fails (its lease expired) is the error raised, not a release's
-                    self.ack(done)
+                    done, last = last, None
+                    try:
+                        self.ack(done)
+                    except UnknownItemError:  # its lease expired: not ours to give back; this is the error raised
+                        raise
+                    except BaseException:  # not journaled (a full disk): still ours, given back below
+                        last = done
+                        raise
                 try:
                     last = self.get()
                 except RuntimeError:

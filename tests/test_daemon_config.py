@@ -142,6 +142,7 @@ def test_error_from_the_environment_names_the_variable(tmp_path, monkeypatch):
 
 def test_an_environment_value_that_is_not_json_names_the_variable(tmp_path, monkeypatch):
     monkeypatch.setenv("CACHEPIPE_PIPELINES__TRAIN__STORAGE_OPTIONS", '{"endpoint_url": "http://x"')
+    monkeypatch.setenv("CACHEPIPE_PIPELINES__TRAIN__CAPACITY", "2GiB")  # a good one beside it is not blamed
     message = error_of(tmp_path, minimal(tmp_path))
     assert "pipelines: the environment variable CACHEPIPE_PIPELINES__TRAIN__STORAGE_OPTIONS cannot be parsed" in message
     assert "Expecting ',' delimiter" in message and "must be JSON" in message

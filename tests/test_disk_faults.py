@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 
 import pytest
 from waiting import wait_until
@@ -198,3 +199,46 @@ def test_an_item_whose_local_path_is_over_the_file_systems_limit_fails_at_once(s
         assert [p.name for p in pipe] == ["b"]
         stats = pipe.stats()
     assert stats.items_failed == 1 and stats.disk_errors == 0
+
+
+ACK_NOT_JOURNALED = r"""
+import resource, signal, sys, time
+from pathlib import Path
+from cachepipe import Pipeline
+source, cache = sys.argv[1], Path(sys.argv[2])
+with Pipeline(source, cache, "1MiB") as pipe:
+    items = iter(pipe)
+    next(items)
+    while pipe.stats().items_ready < 2:
+        time.sleep(0.01)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (cache.joinpath(".cachepipe", "journal").stat().st_size, hard))
+    try:
+        next(items)  # acknowledges the first item: its journal write fails
+    except OSError as exc:
+        print("raised", exc.errno)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    print(" ".join(p.name for p in pipe))
+"""
+
+
+def test_an_auto_ack_that_could_not_be_journaled_gives_the_item_back(tmp_path):
+    """The loop's ack of an item fails on the journal's write (the kernel refuses to grow a file
+    past RLIMIT_FSIZE, in a process of its own): the error is raised, nothing changed, and the
+    item is given back, so the next loop delivers it. (While the loop let a refused ack's error
+    through without giving the item back, it stayed leased to nobody and the pass ended without it.)"""
+    source = tmp_path / "src"
+    for i in range(3):
+        (source / f"item{i}").mkdir(parents=True)
+        (source / f"item{i}" / "f").write_bytes(b"x" * 100)
+    run = subprocess.run(
+        [sys.executable, "-c", ACK_NOT_JOURNALED, str(source), str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("\n")[:2] == ["raised 27", "item0 item1 item2"], run.stdout + run.stderr

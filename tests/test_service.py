@@ -500,6 +500,9 @@ def test_a_reload_the_host_cannot_apply_keeps_the_daemon_and_its_configuration(s
         write_config(tmp_path, sock, s3_endpoint, {"train": {}}, socket_group="cachepipe-no-such-group")
         assert "reload failed" in daemon.reload()
         assert "socket_group 'cachepipe-no-such-group': no such group on this system" in daemon.log()
+        write_config(tmp_path, sock, s3_endpoint, {"train": {}}, tcp_port=0, tcp_host="127.0.0..1")  # getaddrinfo: UnicodeError
+        assert "reload failed" in daemon.reload()
+        assert "tcp_host '127.0.0..1': not a host name or address" in daemon.log()
         client.ack(held)  # nothing was rebuilt: the lease is still good
         held = client.get(timeout=30)
 

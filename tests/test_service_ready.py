@@ -193,6 +193,7 @@ def host_cases(tmp_path: Path) -> dict:
         "socket path taken": ({"socket": str(blocker)}, f"socket '{blocker}': exists and is not a socket"),
         "tcp host": ({"tcp_port": 0, "tcp_host": "999.1.1.1"}, "tcp_host '999.1.1.1': cannot resolve it"),
         "tcp host elsewhere": ({"tcp_port": 0, "tcp_host": "192.0.2.1"}, "tcp_host '192.0.2.1': cannot listen there"),
+        "tcp host typo": ({"tcp_port": 0, "tcp_host": "127.0.0..1"}, "tcp_host '127.0.0..1': not a host name or address"),
         "scheme": (
             {"pipelines": {"train": {"source": "nosuchscheme://b/p/"}}},
             "pipelines.train.source 'nosuchscheme://b/p/': unknown URL scheme 'nosuchscheme://'",
@@ -201,7 +202,7 @@ def host_cases(tmp_path: Path) -> dict:
 
 
 CASES = ["group", "cache under a file", "socket dir under a file", "socket path taken"]
-CASES += ["tcp host", "tcp host elsewhere", "scheme"]
+CASES += ["tcp host", "tcp host elsewhere", "tcp host typo", "scheme"]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -19,6 +19,7 @@ Every error names the field path, the bad value and what is expected; :func:`loa
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -287,6 +288,17 @@ def load_config(path: str | os.PathLike[str], *, environ: dict[str, str] | None 
         raise ConfigError(_settings_error(exc, str(path), os.environ if environ is None else environ)) from None
 
 
+def _bad_json(text: str) -> bool:
+    """``text`` is meant as a JSON mapping or list (it starts like one) and does not parse."""
+    if not text.lstrip().startswith(("{", "[")):
+        return False
+    try:
+        json.loads(text)
+    except ValueError:
+        return True
+    return False
+
+
 def _settings_error(exc: SettingsError, source: str, environ: Any) -> str:
     """The message for a ``CACHEPIPE_*`` variable whose value pydantic-settings cannot parse (a
     nested value, such as ``CACHEPIPE_PIPELINES__TRAIN__STORAGE_OPTIONS``, must be JSON), naming
@@ -295,6 +307,7 @@ def _settings_error(exc: SettingsError, source: str, environ: Any) -> str:
     field = match.group(1) if match else ""
     prefix = (ENV_PREFIX + field).upper()
     names = sorted(k for k in environ if k.upper() == prefix or k.upper().startswith(prefix + "__")) if field else []
+    names = [k for k in names if _bad_json(environ[k])] or names  # the ones at fault, when that tells
     where = f"the environment variable{'s' if len(names) > 1 else ''} {', '.join(names)}" if names else "the environment"
     return (
         f"invalid configuration in {source!r}:\n  {field or '(an environment override)'}: {where} cannot be parsed "

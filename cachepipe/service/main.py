@@ -176,12 +176,16 @@ def _reload(daemon: Daemon, config_path: Path, notifier: Notifier) -> None:
         if problems:
             lines = "\n  ".join(problems)
             raise ConfigError(f"configuration {str(config_path)!r} cannot run on this host:\n  {lines}")
-    except ConfigError as exc:
-        log.error("reload: keeping the running configuration: %s", exc)
+    except Exception as exc:  # noqa: BLE001 - ConfigError, or a check that failed itself: never end the daemon
+        log.error("reload: keeping the running configuration: %s", exc if isinstance(exc, ConfigError) else repr(exc))
         daemon.metrics.reloads.labels("invalid").inc()
         notifier.send("READY=1", "STATUS=reload failed (invalid config, see the log); running on the previous configuration")
         return
-    changes = daemon.reload(new)
+    try:
+        changes = daemon.reload(new)
+    except Exception:  # a host failure while applying it (e.g. inotify's limits): serve on with what was applied
+        log.exception("reload: applying %s failed part way; serving on with what was applied", config_path)
+        changes = ["failed part way (see the log)"]
     failed = any(c.startswith("failed") for c in changes)
     daemon.metrics.reloads.labels("partial" if failed else "ok").inc()
     log.info("reloaded %s: %s", config_path, ", ".join(changes) or "nothing changed")

@@ -45,10 +45,13 @@ def _tcp_host_problems(host: str) -> list[str]:
     """``host`` is an address of this machine that a listener can bind (tried on port 0, so that
     no port is taken), as the daemon's TCP listener will at start."""
     expected = "expected an address of this machine, such as '127.0.0.1'"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as the listener chooses (service/api.py)
     try:
-        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(host, 0, family, socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        return [f"tcp_host {host!r}: cannot resolve it ({exc.strerror}); {expected}"]
+        return [f"tcp_host {host!r}: cannot resolve it as an IPv{6 if ':' in host else 4} address ({exc.strerror}); {expected}"]
+    except (UnicodeError, ValueError) as exc:  # e.g. '127.0.0..1': an empty label
+        return [f"tcp_host {host!r}: not a host name or address ({exc}); {expected}"]
     family, kind, proto, _name, address = infos[0]
     try:
         with socket.socket(family, kind, proto) as probe:
@@ -91,6 +94,8 @@ def _dir_problems(label: str, path: Path) -> list[str]:
             existing = existing.parent
         except OSError as exc:
             return [f"{label}: cannot look at {str(existing)!r}: {exc.strerror}"]
+        except ValueError as exc:  # a NUL byte in the path
+            return [f"{label}: {exc}; expected a path without NUL bytes"]
     if not stat.S_ISDIR(st.st_mode):
         where = f"{str(existing)!r} is" if existing == path else f"{str(existing)!r} on its path is"
         return [f"{label}: {where} not a directory; expected a directory this daemon can write to"]
@@ -109,6 +114,8 @@ def _socket_path_problems(path: Path) -> list[str]:
         return []
     except OSError as exc:
         return [f"socket {str(path)!r}: cannot look at it: {exc.strerror}"]
+    except ValueError as exc:  # a NUL byte in the path
+        return [f"socket {str(path)!r}: {exc}; expected a path without NUL bytes"]
     if not stat.S_ISSOCK(st.st_mode):
         return [f"socket {str(path)!r}: exists and is not a socket; expected a free path (remove it or choose another)"]
     return []  # a socket: a live daemon's (serve refuses it then) or a stale one (serve replaces it)
