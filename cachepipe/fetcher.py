@@ -449,8 +449,7 @@ class Fetcher:
                 staged = self._cache.stage(item, self._min_part)
             except OSError as exc:
                 if exc.errno == errno.ENAMETOOLONG:  # a path of the item over the file system's limit: never fits
-                    self._cache.unreserve(item.size + extra, item.name)
-                    self._report_failure(seq, item, item.name, exc)
+                    self._fail_reserved(seq, item, extra, exc)
                     continue
                 unstaged = f"{self._cache.staging_root}/unstaged"
                 self._retry_disk_error(_Job(seq, item, unstaged, turn, extra, attempt=attempt), exc)
@@ -825,8 +824,7 @@ class Fetcher:
             self.counters.add(disk_errors=1)
         _rmtree_quiet(job.staged)
         if job.attempt >= self._cfg.retries:
-            self._cache.unreserve(job.item.size + job.extra, job.item.name)
-            self._report_failure(job.seq, job.item, job.item.name, error)
+            self._fail_reserved(job.seq, job.item, job.extra, error)
             return
         delay = backoff_delay(job.attempt, self._cfg.retry_backoff, self._cfg.retry_backoff_max)
         what = "verification failed" if isinstance(error, VerificationError) else "local disk error"
@@ -834,6 +832,11 @@ class Fetcher:
         if self._stop.wait(delay):
             return
         self._start(job.seq, job.item, job.extra, job.turn, job.attempt + 1)
+
+    def _fail_reserved(self, seq: int, item: Item, extra: int, error: BaseException) -> None:
+        """Give back the space reserved for ``item`` (its size and ``extra``) and report its failure."""
+        self._cache.unreserve(item.size + extra, item.name)
+        self._report_failure(seq, item, item.name, error)
 
     def _report_failure(self, seq: int, item: Item, key: str, error: BaseException) -> None:
         self.counters.add(items_failed=1)

@@ -45,11 +45,13 @@ def _tcp_host_problems(host: str) -> list[str]:
     """``host`` is an address of this machine that a listener can bind (tried on port 0, so that
     no port is taken), as the daemon's TCP listener will at start."""
     expected = "expected an address of this machine, such as '127.0.0.1'"
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as the listener chooses (service/api.py)
+    version = 6 if ":" in host else 4  # as the listener chooses (service/api.py, ApiServer.bind)
     try:
-        infos = socket.getaddrinfo(host, 0, family, socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(
+            host, 0, socket.AF_INET6 if version == 6 else socket.AF_INET, socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
     except socket.gaierror as exc:
-        return [f"tcp_host {host!r}: cannot resolve it as an IPv{6 if ':' in host else 4} address ({exc.strerror}); {expected}"]
+        return [f"tcp_host {host!r}: cannot resolve it as an IPv{version} address ({exc.strerror}); {expected}"]
     except (UnicodeError, ValueError) as exc:  # e.g. '127.0.0..1': an empty label
         return [f"tcp_host {host!r}: not a host name or address ({exc}); {expected}"]
     family, kind, proto, _name, address = infos[0]
