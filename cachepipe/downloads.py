@@ -89,7 +89,7 @@ class _Worker:
         self.reader = threading.Thread(target=self._read, name=f"{self.name}-reader", daemon=True)
         self.reader.start()
 
-    def send(self, request_id: int, request: tuple[str, str, int, int, bool]) -> Future[int]:
+    def send(self, request_id: int, request: tuple[str, str, int, int, bool, str | None]) -> Future[int]:
         future: Future[int] = Future()
         with self.lock:
             if not self.alive:
@@ -165,10 +165,11 @@ class DownloadWorkers:
             self.close()
             raise
 
-    def get(self, key: str, path: str, start: int, end: int, create: bool) -> int:
+    def get(self, key: str, path: str, start: int, end: int, create: bool, etag: str | None = None) -> int:
         """Write bytes ``[start, end)`` of object ``key`` into the file at ``path`` at offset
-        ``start`` (``create``: create or truncate it first; else it exists). Blocks until done;
-        returns the bytes written (short if the store sent a short body).
+        ``start`` (``create``: create or truncate it first; else it exists), by a request
+        conditional on ``etag`` if given. Blocks until done; returns the bytes written (short if
+        the store sent a short body).
 
         Raises:
             LocalWriteError: the local file could not be written.
@@ -177,7 +178,7 @@ class DownloadWorkers:
             Exception: what the store raised for this request.
         """
         worker = self._pick()
-        return worker.send(next(self._ids), (key, path, start, end, create)).result()
+        return worker.send(next(self._ids), (key, path, start, end, create, etag)).result()
 
     def _pick(self) -> _Worker:
         """The worker with the fewest requests in flight; a dead one is replaced first."""
@@ -219,9 +220,9 @@ def _serve(conn: Connection) -> None:
     store = open_store(url, storage_options)
     send_lock = threading.Lock()
 
-    def handle(request_id: int, key: str, path: str, start: int, end: int, create: bool) -> None:
+    def handle(request_id: int, key: str, path: str, start: int, end: int, create: bool, etag: str | None) -> None:
         try:
-            reply: tuple[str, Any] = ("ok", get_part(store, key, path, start, end, create))
+            reply: tuple[str, Any] = ("ok", get_part(store, key, path, start, end, create, etag=etag))
         except BaseException as exc:  # noqa: BLE001 - sent to the parent, which raises it for this request
             try:
                 reply = ("error", pickle.dumps(exc))
@@ -287,9 +288,12 @@ class StagingFile:
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
 
 
-def get_part(store: Any, key: str, path: str, start: int, end: int, create: bool, calls: FileCalls = RELEASING) -> int:
+def get_part(
+    store: Any, key: str, path: str, start: int, end: int, create: bool, calls: FileCalls = RELEASING, etag: str | None = None
+) -> int:
     """Bytes ``[start, end)`` of ``key`` into the staging file ``path`` at the same offsets
-    (``create``: the part is the whole file, created here); returns the bytes written, as
+    (``create``: the part is the whole file, created here), by a request conditional on ``etag``
+    if given (the caller passes one only to a store whose ``get`` takes it); returns the bytes written, as
     counted by the file, whatever the store says it wrote: so when each part of a file wrote its
     whole range, the file holds exactly the listed size and needs no ``stat`` to prove it. An
     error opening or closing the file is raised as it is (the fetcher sorts it), a failed write
@@ -300,7 +304,10 @@ def get_part(store: Any, key: str, path: str, start: int, end: int, create: bool
     fd = calls.open(path, _CREATE if create else os.O_WRONLY | os.O_CLOEXEC, 0o666)
     out = StagingFile(fd, start, calls.pwrite)
     try:
-        store.get(key, out, start, end)
+        if etag is None:
+            store.get(key, out, start, end)
+        else:
+            store.get(key, out, start, end, etag=etag)
         return out.written
     except BaseException:
         if out.error is not None:

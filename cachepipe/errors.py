@@ -16,6 +16,7 @@ Every error is a builtin subclass as well, so callers that catch ``ValueError`` 
      +-- StoreUnreachableError  (ConnectionError)   the endpoint never answered (host does not resolve, refused): not retried
      +-- VerificationError      (OSError)           downloaded bytes do not match the listing: retried
      |    +-- ChecksumError                         an archive volume does not match its MD5 file
+     +-- ObjectChangedError     (OSError)           the object was rewritten since it was listed: not retried
      +-- ArchiveError           (ValueError)        an item that cannot be unpacked (no archive, corrupt, gaps)
           +-- UnsafeMemberError                     a member that would leave the item, or a device file
           +-- ArchiveTooLargeError                  extraction past its byte or member limit (a bomb)
@@ -46,6 +47,7 @@ __all__ = [
     "ConfigError",
     "EmptySourceError",
     "ItemFailedError",
+    "ObjectChangedError",
     "OversizeError",
     "PrepareOverflowError",
     "StoreUnavailableError",
@@ -143,6 +145,13 @@ class VerificationError(CachePipeError, OSError):
     """Downloaded bytes do not match the listing (size or checksum). Retried."""
 
 
+class ObjectChangedError(CachePipeError, OSError):
+    """The object is no longer the one listed: the store refused a request conditional on the
+    listed ETag (HTTP 412, ``If-Match``), so it was rewritten or deleted and written again since.
+    Not retried: the plan holds the listed size, and the bytes the store now has are another
+    object's. List again (a new pass) to fetch the new content."""
+
+
 class ArchiveError(CachePipeError, ValueError):
     """An item that cannot be unpacked: no archive in it, a corrupt or unsupported archive."""
 
@@ -191,7 +200,7 @@ def is_transient(exc: BaseException) -> bool:
     download and a full or failing local disk are transient. An endpoint that never answered,
     missing keys, denied access, bad settings and everything else are not.
     """
-    if isinstance(exc, StoreUnreachableError):
+    if isinstance(exc, (StoreUnreachableError, ObjectChangedError)):
         return False
     if isinstance(exc, (ConnectionError, TimeoutError, VerificationError)):
         return True

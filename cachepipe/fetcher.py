@@ -50,7 +50,7 @@ from .config import PipelineConfig, Share
 from .downloads import DownloadWorkers, LocalWriteError, get_part
 from .errors import ArchiveError, ItemFailedError, OversizeError, PrepareOverflowError, VerificationError, is_transient
 from .removal import rmtree
-from .stores.base import Store
+from .stores.base import Store, takes_etag
 from .unpack import DEFAULT_MAX_MEMBERS, split_volume, unpack_in_place
 
 __all__ = ["Fetcher", "PartQueue", "Planned", "auto_part_size", "backoff_delay", "item_part_size"]
@@ -271,6 +271,7 @@ class Fetcher:
         self, store: Store, cache: Cache, broker: Broker[str], plan: Iterable[Sequence[Planned]], config: PipelineConfig
     ) -> None:
         self._store = store
+        self._conditional = takes_etag(store)  # each GET is conditional on the listed ETag (If-Match)
         self._cache = cache
         self._broker = broker
         self._plan = plan
@@ -641,10 +642,11 @@ class Fetcher:
                 return  # another part failed during the backoff: the item fails or restarts without this one
             try:
                 whole = start == 0 and end == f.size  # one part: the file is created here, not by stage()
-                if self._workers is not None:
-                    got = self._workers.get(f.key, local, start, end, whole)
+                if self._workers is not None:  # whose stores are cachepipe's own, which take etag
+                    got = self._workers.get(f.key, local, start, end, whole, f.etag)
                 else:
-                    got = get_part(self._store, f.key, local, start, end, whole, self._cache.file_calls)
+                    etag = f.etag if self._conditional else None
+                    got = get_part(self._store, f.key, local, start, end, whole, self._cache.file_calls, etag)
                 self.counters.answered(got)
                 if got != end - start:
                     raise VerificationError(f"{f.key}: short body, {got} of {end - start} bytes at offset {start}")

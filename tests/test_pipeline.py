@@ -19,6 +19,7 @@ from cachepipe import (
     CacheLockedError,
     EmptySourceError,
     ItemFailedError,
+    ObjectChangedError,
     OversizeError,
     Pipeline,
     UnknownItemError,
@@ -230,7 +231,8 @@ def test_missing_key_fails_the_item_in_the_consumer_naming_the_key(remote_source
 
 def test_an_object_shorter_than_listed_fails_its_item_naming_the_bytes(source, tmp_path):
     """The fetcher counts the bytes it writes itself (no stat before publish): an object that
-    shrank between listing and download is caught by that count, whatever the store reports."""
+    shrank between listing and download is caught by that count, whatever the store reports.
+    S3 and OBS refuse it before that, as changed (its GET is conditional on the listed ETag)."""
     source.folders(3, {"f": 1000})
     options = {"prefetch": 1, "retries": 1, "retry_backoff": 0.01}  # a short body is retried as a cut connection
     with Pipeline(source.url, tmp_path / "c", capacity="1MiB", storage_options=source.options, **options) as pipe:
@@ -240,7 +242,33 @@ def test_an_object_shorter_than_listed_fails_its_item_naming_the_bytes(source, t
         assert next(it).name == "item001"
         with pytest.raises(ItemFailedError) as info:
             next(it)
-    assert "item002/f" in str(info.value) and "600 of 1000 bytes" in str(info.value)
+    assert "item002/f" in str(info.value)
+    if source.kind in ("s3", "obs"):
+        assert isinstance(info.value.__cause__, ObjectChangedError), info.value
+        assert "changed since it was listed" in str(info.value)
+    else:
+        assert "600 of 1000 bytes" in str(info.value)
+    assert not (tmp_path / "c" / "item002").exists()
+
+
+@pytest.mark.parametrize("processes", [0, 1], ids=["threads", "worker-process"])
+def test_an_object_rewritten_since_listing_fails_its_item_at_once_even_at_the_same_size(remote_source, tmp_path, processes):
+    """Every GET is conditional on the listed ETag (If-Match): an object rewritten to the same
+    size, which the size check cannot see, fails its item as changed, not retried, and nothing
+    of it is published; the items around it are delivered."""
+    data = remote_source.folders(3, {"f": 1000})
+    options = {"prefetch": 1, "retry_backoff": 0.01, "download_processes": processes}
+    with Pipeline(
+        remote_source.url, tmp_path / "c", capacity="1MiB", storage_options=remote_source.options, on_error="skip", **options
+    ) as pipe:
+        it = iter(pipe)
+        assert next(it).name == "item000"
+        remote_source.put("item001/f", b"x" * 1000)  # item001 may be in flight already; item002 is not (prefetch=1)
+        remote_source.put("item002/f", b"x" * 1000)
+        rest = {p.name: (p / "f").read_bytes() for p in it}
+        stats = pipe.stats()
+    assert "item002" not in rest and rest.get("item001", data["item001"]["f"]) == data["item001"]["f"]
+    assert stats.items_failed == 3 - 1 - len(rest) and stats.retries == 0
     assert not (tmp_path / "c" / "item002").exists()
 
 

@@ -35,6 +35,7 @@ EXPECTED = {
     "UnsafeMemberError",
     "ArchiveTooLargeError",
     "ChecksumError",
+    "ObjectChangedError",
 }
 
 

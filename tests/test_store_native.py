@@ -16,7 +16,7 @@ import weakref
 import pytest
 from conftest import listed
 
-from cachepipe import ConfigError, Pipeline, StoreUnavailableError, StoreUnreachableError
+from cachepipe import ConfigError, ObjectChangedError, Pipeline, StoreUnavailableError, StoreUnreachableError
 from cachepipe.errors import is_transient
 from cachepipe.stores import open_store
 
@@ -83,6 +83,23 @@ def test_ranged_get_writes_exactly_the_range_at_the_files_position(s3_source, na
         out.write(b"head")
         assert native.get("f/obj", out, start, end) == end - start
         assert out.getvalue() == b"head" + BODY[start:end]
+
+
+def test_both_paths_make_the_get_conditional_on_the_listed_etag(s3_source, native):
+    """A short range goes through obstore, a long one through the direct path: both send the
+    listed ETag as If-Match, and both refuse an object rewritten since as changed."""
+    size = NativeS3Store.DIRECT_FROM + 10
+    s3_source.put("f/obj", b"a" * size)
+    (listed,) = native.list()
+    for start, end in ((0, 100), (0, size)):
+        out = io.BytesIO()
+        assert native.get("f/obj", out, start, end, etag=listed.etag) == end - start
+    s3_source.put("f/obj", b"b" * size)
+    for start, end in ((0, 100), (0, size)):
+        out = io.BytesIO()
+        with pytest.raises(ObjectChangedError, match=r"f/obj .*changed since it was listed"):
+            native.get("f/obj", out, start, end, etag=listed.etag)
+        assert out.getvalue() == b""
 
 
 def test_missing_key_is_file_not_found_keeping_the_store_code(s3_source, native):

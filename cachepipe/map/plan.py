@@ -21,7 +21,7 @@ from ..catalog import check_key, group_items
 from ..config import UNPACK_RATIO, Capacity, parse_size
 from ..errors import ConfigError, UnsafeKeyError
 from ..stores import Store
-from ..stores.base import ObjectInfo
+from ..stores.base import ObjectInfo, takes_etag
 from ..unpack import DEFAULT_MAX_MEMBERS, is_checksum_file, split_volume
 
 __all__ = [
@@ -228,11 +228,14 @@ class PlannedSource:
         self._store = store
         self._objects = sorted((o for mi in items for o in mi.objects), key=lambda o: o.key)
         self._keys = {k: v for mi in items for k, v in mi.keys.items()}
+        self._conditional = takes_etag(store)
 
     def list(self) -> Iterator[ObjectInfo]:
         return iter(self._objects)
 
-    def get(self, key: str, out: Any, start: int, end: int) -> int:
+    def get(self, key: str, out: Any, start: int, end: int, *, etag: str | None = None) -> int:
+        if etag is not None and self._conditional:
+            return self._store.get(self._keys[key], out, start, end, etag=etag)
         return self._store.get(self._keys[key], out, start, end)
 
     def close(self) -> None:

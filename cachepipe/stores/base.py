@@ -15,6 +15,8 @@ Error contract (the one seam where a backend translates its SDK's errors):
 - ``PermissionError``: access denied, bad or missing credentials;
 - ``TimeoutError``, ``ConnectionError`` or :class:`cachepipe.errors.StoreUnavailableError`:
   transient (timeouts, resets, 5xx, throttling); the core retries these with backoff;
+- :class:`cachepipe.errors.ObjectChangedError`: a request conditional on the listed ETag was
+  refused (HTTP 412): the object was rewritten since it was listed; permanent;
 - any other ``OSError``: permanent.
 
 Each translated error names the URL or key and is chained (``raise ... from exc``).
@@ -24,14 +26,15 @@ Messages never contain credentials.
 from __future__ import annotations
 
 import errno
+import inspect
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Protocol, runtime_checkable
 
-from ..errors import StoreUnavailableError, StoreUnreachableError, store_code
+from ..errors import ObjectChangedError, StoreUnavailableError, StoreUnreachableError, store_code
 
-__all__ = ["FIRST_PAGE_KEYS", "ObjectInfo", "Store", "WritableStore"]
+__all__ = ["FIRST_PAGE_KEYS", "ObjectInfo", "Store", "WritableStore", "takes_etag"]
 
 FIRST_PAGE_KEYS = 100
 """Keys a paginated store asks for in its first listing request; each later request asks for the
@@ -72,9 +75,27 @@ def http_status_error(status: int, code: str | None, message: str | None, where:
         return store_code(FileNotFoundError(errno.ENOENT, f"no such bucket {at}: {where} ({detail})"), code, endpoint)
     if status == 404:
         return store_code(FileNotFoundError(errno.ENOENT, f"not found {at}: {where} ({detail})"), code, endpoint)
+    if status == 412:  # only a conditional GET (If-Match: the listed ETag) is answered so
+        return store_code(ObjectChangedError(f"{where} {at} {CHANGED} ({detail})"), code, endpoint)
     if status >= 500 or status in (408, 429) or code in THROTTLE_CODES:
         return store_code(StoreUnavailableError(f"store {at} unavailable for {where} ({detail})"), code, endpoint)
     return store_code(OSError(f"{endpoint} refused {where} ({detail})"), code, endpoint)
+
+
+CHANGED = "changed since it was listed: its ETag is no longer the listed one"
+"""What an :class:`~cachepipe.errors.ObjectChangedError` says, after the object's URL: the same
+words from every backend."""
+
+
+def takes_etag(store: Any) -> bool:
+    """Whether ``store.get`` takes the keyword ``etag`` (every backend of cachepipe's does; a
+    store written for an older cachepipe and passed as ``store=`` may not): the core passes the
+    listed ETag only to a ``get`` that takes it."""
+    try:
+        params = inspect.signature(store.get).parameters
+    except (TypeError, ValueError):  # a callable with no signature to read (a C function)
+        return False
+    return "etag" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def unreachable_error(endpoint: str, where: str, why: str) -> StoreUnreachableError:
@@ -120,13 +141,19 @@ class Store(Protocol):
         """
         ...
 
-    def get(self, key: str, out: BinaryIO, start: int, end: int) -> int:
+    def get(self, key: str, out: BinaryIO, start: int, end: int, *, etag: str | None = None) -> int:
         """Write bytes ``[start, end)`` of object ``key`` to ``out`` at its current position.
 
         Streams in chunks (never the whole object in memory). ``out`` is not buffered: each
         ``write`` is one system call, so write chunks as they come off the connection, not
         small pieces of them. Returns the number of bytes written, which may be short if the
         store sent a short body; the caller verifies.
+
+        ``etag`` (default None: unconditional): the ETag the listing gave for ``key``, without
+        quotes. A store that can make the request conditional on it (S3's and OBS's
+        ``If-Match``) does, and raises :class:`~cachepipe.errors.ObjectChangedError` when the
+        store refuses it; one that cannot ignores it. Optional for stores passed as ``store=``:
+        the core passes it only to a ``get`` that takes it (see :func:`takes_etag`).
         """
         ...
 

@@ -184,7 +184,8 @@ class FsspecStore:
         self.root = root.rstrip("/")
         self.chunk_size = chunk_size
         self._direct: Any = None  # a DirectGet for plain s3fs options (botocore only imported then)
-        if getattr(self.fs, "protocol", None) in (("s3", "s3a"), "s3"):
+        self._s3 = getattr(self.fs, "protocol", None) in (("s3", "s3a"), "s3")
+        if self._s3:
             from .s3direct import DirectGet
 
             self._bucket, prefix, _ = self.fs.split_path(self.root)  # keys are relative to the root
@@ -310,19 +311,26 @@ class FsspecStore:
             entries.append((entry["Key"], int(entry["Size"]), etag.strip('"') if etag else None))
         return entries, page["NextContinuationToken"] if page.get("IsTruncated") else None
 
-    def get(self, key: str, out: BinaryIO, start: int, end: int) -> int:
+    def get(self, key: str, out: BinaryIO, start: int, end: int, *, etag: str | None = None) -> int:
+        """See :meth:`Store.get <cachepipe.stores.base.Store.get>`. ``etag`` makes S3 requests
+        conditional (``If-Match``); other filesystems (local, memory, ...) have no such request
+        and ignore it."""
         path = self._path(key)
         if self._direct is not None:
             with self._errors(self._where(key)):
-                got = self._direct.get(self._bucket, self._key_prefix + key, out, start, end)
+                got = self._direct.get(self._bucket, self._key_prefix + key, out, start, end, etag)
             if got is not None:
                 return got  # type: ignore[no-any-return]  # as above
+        conditional = etag is not None and self._s3
         written = 0
         pos = start
         while pos < end:
             want = min(self.chunk_size, end - pos)
             with self._errors(self._where(key)):
-                data = self.fs.cat_file(path, start=pos, end=pos + want)
+                if conditional:
+                    data = fsspec.asyn.sync(self.fs.loop, self._get_object, path, pos, pos + want, etag)
+                else:
+                    data = self.fs.cat_file(path, start=pos, end=pos + want)
             if not data:
                 break
             out.write(data)
@@ -331,6 +339,19 @@ class FsspecStore:
             if len(data) < want:
                 break  # short body: the caller's size check decides
         return written
+
+    async def _get_object(self, path: str, start: int, end: int, etag: str | None) -> bytes:
+        """Bytes ``[start, end)`` of ``path`` by one GetObject through s3fs's client, conditional
+        on ``etag`` (what s3fs's ``cat_file`` sends, which takes no condition)."""
+        bucket, key, _ = self.fs.split_path(path)
+        resp = await self.fs._call_s3(  # noqa: SLF001 - s3fs has no public call for a conditional GET
+            "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", IfMatch=f'"{etag}"', **self.fs.req_kw
+        )
+        body = resp["Body"]
+        try:
+            return await body.read()  # type: ignore[no-any-return]  # aiobotocore's stream is untyped
+        finally:
+            body.close()
 
     def close(self) -> None:
         """Close the direct GET connections (fsspec shares filesystem instances and their pools)."""

@@ -49,8 +49,8 @@ from http.client import HTTPException
 from typing import Any, BinaryIO, TypeVar
 from urllib.parse import urlsplit
 
-from cachepipe.errors import ConfigError, StoreUnavailableError, StoreUnreachableError, store_code
-from cachepipe.stores.base import CREDENTIAL_CODES, FIRST_PAGE_KEYS, THROTTLE_CODES, ObjectInfo
+from cachepipe.errors import ConfigError, ObjectChangedError, StoreUnavailableError, StoreUnreachableError, store_code
+from cachepipe.stores.base import CHANGED, CREDENTIAL_CODES, FIRST_PAGE_KEYS, THROTTLE_CODES, ObjectInfo
 
 __all__ = ["CHUNK_SIZE", "MAX_PAGE_SIZE", "ObsServiceError", "ObsStore"]
 
@@ -363,13 +363,14 @@ class ObsStore:
                 raise OSError(f"{self.url}: OBS sent a truncated listing page without a way to continue after {last!r}")
             marker = following
 
-    def get(self, key: str, out: BinaryIO, start: int, end: int) -> int:
+    def get(self, key: str, out: BinaryIO, start: int, end: int, *, etag: str | None = None) -> int:
         """Write bytes ``[start, end)`` of ``key`` (relative to the root) to ``out``; return the count.
 
         One ranged GET, read in chunks of :data:`CHUNK_SIZE` (1 MiB) straight into ``out``; the
         object is never held in memory whole. The count is short if the server sent a short
         body (the caller verifies). ``start == end`` checks that the object exists (a HEAD) and
-        writes nothing.
+        writes nothing. ``etag``: the GET is conditional on it (``If-Match``; refused:
+        :class:`~cachepipe.errors.ObjectChangedError`).
         """
         if not 0 <= start <= end:
             raise ValueError(f"{self._object_url(key)}: bad byte range [{start}, {end})")
@@ -377,7 +378,8 @@ class ObsStore:
         if start == end:
             self._call("head", key, client.headObject, self.bucket, self.prefix + key)
             return 0
-        header = self._get_header(range=f"bytes={start}-{end - 1}")
+        # The SDK percent-encodes header values, so a quoted ETag would arrive as %22...%22: bare
+        header = self._get_header(range=f"bytes={start}-{end - 1}", if_match=etag)
         resp = self._call("get", key, client.getObject, self.bucket, self.prefix + key, headers=header, loadStreamInMemory=False)
         # An obs.model.ResponseWrapper: .result is the http.client.HTTPResponse, .conn its connection.
         # We read .result directly: the wrapper raises a bare Exception on a short body, where the
@@ -538,6 +540,8 @@ class ObsStore:
         if status == 404:
             hint = "" if code == "NoSuchKey" else " (or no such bucket)"
             return FileNotFoundError(f"no such object {target}{hint} {detail}")
+        if status == 412:  # only a conditional GET (If-Match: the listed ETag) is answered so
+            return ObjectChangedError(f"{target} at {self.endpoint} {CHANGED} {detail}")
         if status == 401 or code in CREDENTIAL_CODES:  # some (ExpiredToken, InvalidToken) come as 400
             return PermissionError(
                 f"OBS at {self.endpoint} rejected the credentials {detail} {doing} {target}; "

@@ -463,10 +463,11 @@ class DirectGet:
             return result
         raise AssertionError("unreachable")
 
-    def get(self, bucket: str, key: str, out: BinaryIO, start: int, end: int) -> int | None:
+    def get(self, bucket: str, key: str, out: BinaryIO, start: int, end: int, etag: str | None = None) -> int | None:
         """Write bytes ``[start, end)`` of object ``key`` in ``bucket`` to ``out``; return how many
         were written, or None without writing anything if s3fs must send this request (a bucket
-        signed in a way this path does not implement, or a region redirect)."""
+        signed in a way this path does not implement, or a region redirect). ``etag``: the
+        request is conditional on it (``If-Match``; a refusal is HTTP 412)."""
         quoted = quote(key, safe="/~")
 
         def read(resp: http.client.HTTPResponse, conn: http.client.HTTPConnection, sock: socket.socket | None) -> int:
@@ -493,9 +494,10 @@ class DirectGet:
                 self._drop(conn, resp)
             return written
 
-        return self._exchange(
-            "GetObject", bucket, lambda route: route.prefix + quoted, {"Range": f"bytes={start}-{end - 1}"}, read
-        )
+        headers = {"Range": f"bytes={start}-{end - 1}"}
+        if etag is not None:
+            headers["If-Match"] = f'"{etag}"'
+        return self._exchange("GetObject", bucket, lambda route: route.prefix + quoted, headers, read)
 
     def list_page(
         self, bucket: str, prefix: str, max_keys: int, token: str | None = None, start_after: str | None = None

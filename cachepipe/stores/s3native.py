@@ -76,12 +76,13 @@ import obstore
 import obstore.exceptions
 from obstore.store import S3Store
 
-from ..errors import ConfigError, store_code
-from .base import ObjectInfo, http_status_error, unreachable_error
+from ..errors import ConfigError, ObjectChangedError, store_code
+from .base import CHANGED, ObjectInfo, http_status_error, unreachable_error
 from .fsspec import FsspecStore
 
 if TYPE_CHECKING:
-    from obstore.store import S3Credential  # a type only: not importable at run time
+    from obstore import GetOptions  # types only: not importable at run time
+    from obstore.store import S3Credential
 
 __all__ = ["NativeS3Store"]
 
@@ -334,6 +335,10 @@ class NativeS3Store:
         return f"NativeS3Store({self.url!r})"
 
     def _translated(self, exc: Exception, where: str) -> BaseException:
+        if isinstance(exc, obstore.exceptions.PreconditionError):  # only a conditional GET is refused so
+            self._answered = True
+            changed = ObjectChangedError(f"{where} at {self.endpoint} {CHANGED} ({_first_line(exc)})")
+            return store_code(changed, None, self.endpoint)
         if _STATUS.search(str(exc)) is not None or _REDIRECT in str(exc):  # an HTTP status: the endpoint answered
             self._answered = True
         return _translate(exc, where, self.endpoint, self._answered)
@@ -342,23 +347,24 @@ class NativeS3Store:
         """Every object under the root in key order, listed by the fsspec backend (see the module's docstring)."""
         return self._fsspec.list()
 
-    def get(self, key: str, out: BinaryIO, start: int, end: int) -> int:
+    def get(self, key: str, out: BinaryIO, start: int, end: int, *, etag: str | None = None) -> int:
         """Write bytes ``[start, end)`` of ``key`` to ``out`` as they arrive; return how many were written.
 
         A range of :attr:`DIRECT_FROM` bytes or more goes through the fsspec backend's direct path
         when it has one (see the module's docstring); a shorter one through obstore, unless the
         direct path leaves the bucket to s3fs (a bucket in another region, S3 Express...), S3
         redirected one of obstore's GETs, or this process cannot run obstore (forked after it
-        ran): then through the fsspec backend too.
+        ran): then through the fsspec backend too. ``etag``: each request is conditional on it
+        (``If-Match``; refused: :class:`~cachepipe.errors.ObjectChangedError`).
         """
         if end <= start:
             return 0  # obstore refuses an empty range
         if (end - start >= self.DIRECT_FROM and self._direct) or self._redirected or not self._runtime_here():
-            return self._fsspec.get(key, out, start, end)
+            return self._fsspec.get(key, out, start, end, etag=etag)
         if self._direct:
             frozen = self._fsspec.credentials(key)  # the route's, current: cheap, and probed when due
             if frozen is None:  # s3fs sends this bucket's requests: so do we
-                return self._fsspec.get(key, out, start, end)
+                return self._fsspec.get(key, out, start, end, etag=etag)
             if self._credentials is not None and frozen is not botocore.UNSIGNED:
                 self._credentials.frozen = frozen
         if _Runtime.ran_in is None:
@@ -366,7 +372,10 @@ class NativeS3Store:
         where = f"{self.url.rstrip('/')}/{key}"
         redirected = None
         try:
-            chunks = obstore.get(self._store, key, options={"range": (start, end)}).stream(_CHUNK)
+            options: GetOptions = {"range": (start, end)}
+            if etag is not None:
+                options["if_match"] = f'"{etag}"'
+            chunks = obstore.get(self._store, key, options=options).stream(_CHUNK)
         except (obstore.exceptions.BaseError, FileNotFoundError) as exc:
             if not (self._direct and _REDIRECT in str(exc)):
                 raise self._translated(exc, where) from exc
@@ -374,7 +383,7 @@ class NativeS3Store:
         self._answered = True
         if redirected is not None:  # sent again outside the handler: its errors are not chained to obstore's
             self._redirect(redirected)
-            return self._fsspec.get(key, out, start, end)  # which learns the bucket's region from the 301
+            return self._fsspec.get(key, out, start, end, etag=etag)  # which learns the bucket's region from the 301
         written = 0
         try:
             for chunk in chunks:
