@@ -9,6 +9,7 @@ Every error is a builtin subclass as well, so callers that catch ``ValueError`` 
      +-- OversizeError          (ValueError)        an item larger than the capacity
      +-- EmptySourceError       (FileNotFoundError) the listing found nothing under the URL
      +-- CacheLockedError       (RuntimeError)      another live process owns the cache directory
+     +-- CacheRemovedError      (FileNotFoundError) the cache directory was removed or replaced under the open pipeline
      +-- UnknownItemError       (KeyError)          ack/release of a path that is not handed out
      +-- ItemFailedError                            an item could not be fetched; ``__cause__`` says why
      +-- PrepareOverflowError   (OSError)           the prepare hook wrote more than its reserve
@@ -43,6 +44,7 @@ __all__ = [
     "ArchiveTooLargeError",
     "CacheLockedError",
     "CachePipeError",
+    "CacheRemovedError",
     "ChecksumError",
     "ConfigError",
     "EmptySourceError",
@@ -108,6 +110,13 @@ class CacheLockedError(CachePipeError, RuntimeError):
         super().__init__(f"cache directory {cache_dir!r} is in use by {owner}; close it first or use another cache_dir")
         self.cache_dir = cache_dir
         self.owner = owner
+
+
+class CacheRemovedError(CachePipeError, FileNotFoundError):
+    """The cache directory, or the state directory in it (``.cachepipe``: journal, lock,
+    staging), was removed or replaced while the pipeline was open. The items, the journal and the
+    lock in it are gone, so the pipeline stops: every later ``get`` raises this error. Open a
+    pipeline again to start over in a fresh directory."""
 
 
 class UnknownItemError(CachePipeError, KeyError):

@@ -48,7 +48,15 @@ from .cache import Cache, tree_bytes
 from .catalog import FileEntry, Item
 from .config import PipelineConfig, Share
 from .downloads import DownloadWorkers, LocalWriteError, get_part
-from .errors import ArchiveError, ItemFailedError, OversizeError, PrepareOverflowError, VerificationError, is_transient
+from .errors import (
+    ArchiveError,
+    CacheRemovedError,
+    ItemFailedError,
+    OversizeError,
+    PrepareOverflowError,
+    VerificationError,
+    is_transient,
+)
 from .removal import rmtree
 from .stores.base import Store, takes_etag
 from .unpack import DEFAULT_MAX_MEMBERS, split_volume, unpack_in_place
@@ -300,6 +308,7 @@ class Fetcher:
             ThreadPoolExecutor(config.prepare_workers, thread_name_prefix="cachepipe-prepare") if config.prepares else None
         )
         self._thread = threading.Thread(target=self._run, name="cachepipe-producer", daemon=True)
+        self.removed: CacheRemovedError | None = None  # the cache directory is gone: stopped for good (halt)
 
     def start(self) -> None:
         self._thread.start()
@@ -314,6 +323,19 @@ class Fetcher:
             self._workers.close()
         if self._prepare_pool is not None:
             self._prepare_pool.shutdown(wait=True, cancel_futures=True)
+
+    def halt(self, seq: int, name: str, error: CacheRemovedError) -> None:
+        """Stop for good because the cache directory is gone (``error``, found at item ``seq``
+        ``name``, or by a consumer: seq -1): planning and downloads end, waiters for room wake,
+        and consumers get ``error`` in turn. Once; returns at once (:meth:`stop` joins the threads)."""
+        with self._parts_lock:
+            if self._stop.is_set():
+                return
+            self.removed = error
+            self._stop.set()
+        log.error("downloads stopped: %s", error)
+        self._cache.interrupt()
+        self._broker.fail(max(seq, 0), name, error, begun=seq >= 0, kind="stream")
 
     # ---- planner thread --------------------------------------------------------------
     def _run(self) -> None:
@@ -451,6 +473,11 @@ class Fetcher:
             except OSError as exc:
                 if exc.errno == errno.ENAMETOOLONG:  # a path of the item over the file system's limit: never fits
                     self._fail_reserved(seq, item, extra, exc)
+                    continue
+                removed = self._cache.removed() if exc.errno == errno.ENOENT else None
+                if removed is not None:  # the cache directory was removed: nothing more can be fetched into it
+                    self._cache.unreserve(item.size + extra, item.name)
+                    self.halt(seq, item.name, removed)
                     continue
                 unstaged = f"{self._cache.staging_root}/unstaged"
                 self._retry_disk_error(_Job(seq, item, unstaged, turn, extra, attempt=attempt), exc)

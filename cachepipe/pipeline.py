@@ -37,6 +37,11 @@ PLAN_RUN = 64
 starts those that need no wait together, a round or two of each lock for them."""
 
 
+CACHE_CHECK_SECONDS = 1.0
+"""How often, at most, :meth:`Pipeline.get_many` checks that the cache directory is still there
+(two ``stat`` calls; see :meth:`Pipeline.check_cache`)."""
+
+
 _Held = tuple[str, int, tuple[str, ...]]
 """What a hand-out needs of an item in flight: its name, size and files' relative paths."""
 
@@ -212,6 +217,7 @@ class Pipeline:
         self._start_state: dict[str, Any] | None = None
         self._catalog_digest: str | None = None  # of the whole catalog the plan was made from (None: streamed)
         self._plan_lock = threading.Lock()  # the frontier: issued by the producer, consumed by consumers
+        self._cache_checked = 0.0  # monotonic time of the last check_cache by get_many
 
     def __repr__(self) -> str:
         return f"Pipeline({self.config.source!r}, cache_dir={str(self.config.cache_dir)!r}, state={self._state})"
@@ -625,6 +631,10 @@ class Pipeline:
         if count < 1:
             raise ValueError(f"count must be at least 1, got {count!r}")
         self._require_open()
+        now = time.monotonic()
+        if self._fetcher.removed is not None or now - self._cache_checked >= CACHE_CHECK_SECONDS:
+            self._cache_checked = now
+            self.check_cache()
         while True:
             try:
                 got = self._take(count, timeout)
@@ -633,6 +643,7 @@ class Pipeline:
             if got is None:
                 return []
             if isinstance(got, Failed):
+                self.check_cache()  # an item failed: because the cache directory is gone?
                 if got.kind == "stream":
                     raise got.error  # listing or planning stopped: not an item to skip, the rest is unknown
                 if got.seq >= 0:
@@ -653,6 +664,24 @@ class Pipeline:
                     cache=f"{self._cache.used / 2**20:.0f}/{self._cache.capacity / 2**20:.0f}MiB", refresh=False
                 )
             return items
+
+    def check_cache(self) -> None:
+        """Check that the cache directory, and the state directory in it, are the ones
+        :meth:`open` took. :meth:`get` and :meth:`get_many` check at most once every
+        :data:`CACHE_CHECK_SECONDS` (1 s) and after every failed item; so after a removal at most
+        that long of hand-outs can name deleted paths.
+
+        Raises:
+            CacheRemovedError: they were removed or replaced. The pipeline stopped downloading,
+                and every later ``get`` raises this too; :meth:`close` it and open a new one.
+            RuntimeError: the pipeline is not open.
+        """
+        self._require_open()
+        removed = self._fetcher.removed or self._cache.removed()
+        if removed is None:
+            return
+        self._fetcher.halt(-1, "<cache>", removed)  # once: a later call finds it halted
+        raise self._fetcher.removed or removed
 
     def _skip_or_raise(self, failed: Failed) -> None:
         """A failed item in its turn: raise its error (``on_error``/``on_oversize="raise"``), or

@@ -495,6 +495,48 @@ class FlakyDest(FsspecStore):
         super().put(local_path, key)
 
 
+class RewrittenAfterListing:
+    """The source, with ``item001/a.bin`` rewritten (the same size) once it has been listed,
+    before any download: what a writer does to a dataset while a map job runs."""
+
+    def __init__(self, source) -> None:
+        self._source = source
+        self._inner = FsspecStore(source.url, source.options)
+        self.url = self._inner.url
+
+    def list(self):
+        yield from self._inner.list()
+        self._source.put("item001/a.bin", b"x" * 300)
+
+    def get(self, key, out, start, end, *, etag=None):
+        return self._inner.get(key, out, start, end, etag=etag)
+
+    def close(self):
+        self._inner.close()
+
+
+def test_an_object_rewritten_after_the_listing_fails_its_item_and_the_others_are_done(s3_source, s3_client, tmp_path):
+    """map's planned source hands the listed ETag on to the store: the rewritten object is
+    refused (If-Match), its item fails as changed, and no output of it is written."""
+    data = s3_source.folders(3, {"a.bin": 300})
+    log = tmp_path / "runs.log"
+    result = map_items(
+        [sys.executable, "-c", COPY, str(log)],
+        s3_source.url,
+        "s3://data/out/",
+        cache_dir=tmp_path / "cache",
+        capacity="1MiB",
+        out_reserve="4KiB",
+        storage_options=s3_source.options,
+        store=RewrittenAfterListing(s3_source),
+    )
+    assert result.items_done == 2
+    (failure,) = result.failed
+    assert failure.name == "item001" and "ObjectChangedError" in failure.error and "changed since it was listed" in failure.error
+    assert sorted(runs(log)) == ["item000", "item002"]
+    assert bucket(s3_client, "out/item002/")["out.bin"] == data["item002"]["a.bin"]
+
+
 def test_a_failed_upload_is_retried_without_running_the_command_again(s3_source, s3_client, tmp_path, capsys):
     data = s3_source.folders(2, {"a.bin": 300})
     log = tmp_path / "runs.log"

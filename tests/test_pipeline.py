@@ -17,6 +17,7 @@ from waiting import wait_until
 from cachepipe import (
     CachedItem,
     CacheLockedError,
+    CacheRemovedError,
     EmptySourceError,
     ItemFailedError,
     ObjectChangedError,
@@ -270,6 +271,56 @@ def test_an_object_rewritten_since_listing_fails_its_item_at_once_even_at_the_sa
     assert "item002" not in rest and rest.get("item001", data["item001"]["f"]) == data["item001"]["f"]
     assert stats.items_failed == 3 - 1 - len(rest) and stats.retries == 0
     assert not (tmp_path / "c" / "item002").exists()
+
+
+def _remove_tree(path: Path) -> None:
+    """``rm -rf``, as an operator would, while the pipeline writes into it (shutil.rmtree raises
+    on a file that vanished meanwhile)."""
+    subprocess.run(["rm", "-rf", str(path)], check=True)
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_a_cache_directory_removed_under_the_pipeline_stops_it_naming_why(s3_source, tmp_path, how):
+    """Before, items were handed out with paths that no longer existed, then each failed on its
+    staging after its retries (or was skipped one by one). Now the pipeline stops with
+    CacheRemovedError, at once and at every later get; close still works."""
+    s3_source.folders(20, {"f": 50_000})
+    cache = tmp_path / "c"
+    options = {"prefetch": 2, "on_error": "skip", "storage_options": s3_source.options}
+    with Pipeline(s3_source.url, cache, capacity="1MiB", **options) as pipe:
+        pipe.ack(pipe.get(timeout=10))
+        if how == "removed":
+            _remove_tree(cache)
+        else:
+            cache.rename(tmp_path / "aside")
+            cache.mkdir()
+
+        def take_all() -> None:  # at most the items ready before the removal come first
+            for _ in range(20):
+                pipe.ack(pipe.get(timeout=10))  # bounded: before, this waited on retries item after item
+
+        with pytest.raises(CacheRemovedError, match=f"{cache}.* was {how}.* while the pipeline was open") as info:
+            take_all()
+        with pytest.raises(CacheRemovedError) as again:
+            pipe.get(timeout=5)
+        assert again.value is info.value and pipe.stats().items_skipped == 0
+
+
+def test_check_cache_finds_a_removed_directory_with_every_item_downloaded(s3_source, tmp_path):
+    """With nothing left to download no staging error can tell: the check at hand-out does."""
+    n = 5
+    s3_source.folders(n, {"f": 1000})
+    cache = tmp_path / "c"
+    with Pipeline(s3_source.url, cache, capacity="10MiB", prefetch=n, storage_options=s3_source.options) as pipe:
+        first = pipe.get(timeout=30)
+        wait_until(lambda: pipe.stats().items_ready == n - 1, what="every item downloaded")
+        pipe.check_cache()  # nothing wrong yet
+        _remove_tree(cache)
+        with pytest.raises(CacheRemovedError, match="was removed"):
+            pipe.check_cache()
+        with pytest.raises(CacheRemovedError):
+            pipe.get(timeout=5)
+        assert not os.path.exists(first)
 
 
 def test_on_error_skip_counts_and_continues(remote_source, tmp_path):

@@ -36,6 +36,7 @@ EXPECTED = {
     "ArchiveTooLargeError",
     "ChecksumError",
     "ObjectChangedError",
+    "CacheRemovedError",
 }
 
 

@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from cachepipe import UnknownItemError
-from cachepipe.client import Client
+from cachepipe.client import Client, ServiceError
 from cachepipe.service.logs import JournalFormatter
 from cachepipe.service.markers import acked_by
 from cachepipe.service.testing import DaemonExited, DaemonProcess
@@ -512,6 +512,35 @@ def test_a_reload_the_host_cannot_apply_keeps_the_daemon_and_its_configuration(s
         assert "reload: socket permissions not applied" in daemon.log()
         client.ack(held)
         assert client.status()["pipelines"]["train"]["stats"]["items_acked"] == 2
+        assert daemon.stop() == 0
+        assert "Traceback" not in daemon.log(), daemon.log()
+
+
+def test_a_cache_directory_removed_under_the_daemon_takes_its_pipeline_down_until_a_reload(
+    s3_source, s3_endpoint, tmp_path, short_dir
+):
+    """``rm -rf`` of a pipeline's cache directory: before, the daemon handed out paths that no
+    longer existed, then every download failed on staging and ``next`` timed out, while health
+    said ok. Now the pipeline is down, health and ``next`` say why (503), the rest of the daemon
+    serves on, and a reload starts the pipeline over in a fresh directory."""
+    s3_source.folders(3, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}, "val": {}})
+    with DaemonProcess(config) as daemon, Client("train", sock, auto_ack=False) as client:
+        client.get(timeout=30)
+        subprocess.run(["rm", "-rf", str(tmp_path / "cache-train")], check=True)
+        health = client.health()
+        assert health["status"] == "degraded" and health["pipelines"]["val"] == "open"
+        assert health["pipelines"]["train"].startswith("down: CacheRemovedError: ")
+        assert "cache-train was removed while the pipeline was open" in health["pipelines"]["train"]
+        with pytest.raises(ServiceError, match="pipeline 'train' is down: CacheRemovedError"):
+            client.get(timeout=5)
+        with Client("val", sock) as val:
+            assert val.get(timeout=30) is not None
+        daemon.reload()
+        assert client.health()["status"] == "ok"
+        again = sorted(client.get(timeout=30).name for _ in range(3))  # a new pass: the journal went with the directory
+        assert again == ["item000", "item001", "item002"]
         assert daemon.stop() == 0
         assert "Traceback" not in daemon.log(), daemon.log()
 

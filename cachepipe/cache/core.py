@@ -37,7 +37,7 @@ from pathlib import Path
 from .. import state
 from ..catalog import Catalog, Item
 from ..config import Share
-from ..errors import ConfigError, OversizeError
+from ..errors import CacheRemovedError, ConfigError, OversizeError
 from ..fscalls import RELEASING, FileCalls, file_calls_for, filesystem_at, lookups_stay_local, rename_new
 from ..removal import delete_tree, tree_bytes
 from ..retention import RetentionPolicy
@@ -100,6 +100,7 @@ class Cache:
         self._cond = threading.Condition()
         self._closed = False
         self._acks_deleting = 0  # calls of evict_many deleting (or waiting to): close waits for them
+        self._identity: tuple[tuple[int, int], ...] = ()  # (st_dev, st_ino) of root and state_dir, taken by open
 
     # ---- the ledger, read ------------------------------------------------------------
     @property
@@ -141,6 +142,7 @@ class Cache:
             if self.staging_root.exists():
                 shutil.rmtree(self.staging_root)
             self.staging_root.mkdir()
+            self._identity = tuple(_identity(path) for path in (self._root, str(self.state_dir)))
             fstype = filesystem_at(self._root)
             self._eviction.open_deleters(fstype)
             # calls that keep the interpreter's lock only where no lookup waits for a server on the way
@@ -168,6 +170,29 @@ class Cache:
         except BaseException:
             self._lock.release()
             raise
+
+    def removed(self) -> CacheRemovedError | None:
+        """The error to stop with if this cache's directory or its state directory was removed,
+        or replaced by another, since :meth:`open`; else None (two ``stat`` calls; None before
+        :meth:`open`, and when a ``stat`` fails otherwise, e.g. denied)."""
+        if not self._identity:
+            return None
+        for path, known in zip((self._root, str(self.state_dir)), self._identity, strict=True):
+            try:
+                now = _identity(path)
+            except (FileNotFoundError, NotADirectoryError):
+                what = "was removed"
+            except OSError:
+                return None
+            else:
+                if now == known:
+                    continue
+                what = "was replaced by another directory"
+            return CacheRemovedError(
+                f"{path} {what} while the pipeline was open: its items, journal and lock are gone, so the pipeline "
+                "stopped; open it again to start over"
+            )
+        return None
 
     def saved_catalog(self, source: str, mode: str) -> Catalog | None:
         """The listing saved by an earlier owner for this source, if any and readable."""
@@ -753,6 +778,12 @@ class Cache:
             return self._names.index(name)
         except ValueError:
             return None
+
+
+def _identity(path: str) -> tuple[int, int]:
+    """``(st_dev, st_ino)`` of ``path``: which directory it is, whatever its name."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
 
 
 def _flat_names(item: Item) -> tuple[str, ...]:

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 from .. import __version__
 from ..config import PipelineConfig, format_size
-from ..errors import ConfigError, UnknownItemError
+from ..errors import CacheRemovedError, ConfigError, UnknownItemError
 from ..node import Taken
 from ..pipeline import CachedItem, Pipeline, Stats
 from ..plan import Cursor
@@ -299,7 +299,10 @@ class Daemon:
             served, pipe = self._pipeline(name)
             self._count_waiting(name, +1)
             try:
-                items = pipe.get_many(count, timeout=max(deadline - time.monotonic(), 0.0))
+                try:
+                    items = pipe.get_many(count, timeout=max(deadline - time.monotonic(), 0.0))
+                except CacheRemovedError as exc:
+                    raise self._take_down(served, pipe, exc) from None
                 watcher = self._markers  # None: no marker watch (markers: false)
                 judged = watcher is not None and markers  # else no marker to judge: none looked up at hand-out
                 # recorded (and watched) before the consumer learns the paths: by the path an ack
@@ -592,8 +595,44 @@ class Daemon:
             },
         }
 
+    def check_caches(self) -> None:
+        """Take down each pipeline whose cache directory was removed or replaced (see
+        :meth:`cachepipe.Pipeline.check_cache`): called by :meth:`health` and every
+        ``status_interval`` seconds, besides each ``next``."""
+        for served in self._entries():
+            pipe = served.pipeline
+            if pipe is None:
+                continue
+            try:
+                pipe.check_cache()
+            except CacheRemovedError as exc:
+                self._take_down(served, pipe, exc)
+            except RuntimeError:
+                pass  # closed meanwhile (a reload, or the daemon stopping)
+
+    def _take_down(self, served: _Served, pipe: Pipeline, exc: CacheRemovedError) -> UnavailableError:
+        """The cache directory of ``served`` (running ``pipe``) is gone: close the pipeline and
+        mark it down (health 503, and 503 to its consumers) until a reload reopens it, which
+        starts over in a fresh directory. Returns the error to answer its consumers with."""
+        with self._cond:
+            # once: the first thread to find it closes it (served.error is empty while it runs)
+            current = self._served.get(served.name) is served and served.pipeline is pipe and not served.error
+            if current:
+                served.error = f"{type(exc).__name__}: {exc}"
+        if current:
+            log.error("pipeline %s is down until a reload reopens it: %s", served.name, exc)
+            try:
+                self._close(served)
+            except Exception:  # closing what is left of a removed cache: logged, the pipeline is down either way
+                log.exception("closing pipeline %s after its cache directory was removed failed", served.name)
+            with self._cond:
+                served.pipeline = None
+                self._cond.notify_all()
+        return UnavailableError(f"pipeline {served.name!r} is down: {served.error}")
+
     def health(self) -> tuple[bool, dict[str, Any]]:
         """(healthy, body of ``GET /v1/health``): healthy when running and every pipeline is open."""
+        self.check_caches()
         entries = self._entries()
         down = {e.name: e.error for e in entries if e.pipeline is None}
         ok = self._state == _RUNNING and not down

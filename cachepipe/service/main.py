@@ -161,6 +161,7 @@ def _loop(daemon: Daemon, config_path: Path, notifier: Notifier, events: queue.S
             notifier.watchdog()
             next_beat = now + beat  # type: ignore[operator]
         if now >= next_status or event == "reload":
+            daemon.check_caches()
             line = daemon.status_line()
             if line != last_status:
                 notifier.status(line)

@@ -88,14 +88,16 @@ words from every backend."""
 
 
 def takes_etag(store: Any) -> bool:
-    """Whether ``store.get`` takes the keyword ``etag`` (every backend of cachepipe's does; a
+    """Whether ``store.get`` names a parameter ``etag`` (every backend of cachepipe's does; a
     store written for an older cachepipe and passed as ``store=`` may not): the core passes the
-    listed ETag only to a ``get`` that takes it."""
+    listed ETag only to a ``get`` that names it. A ``**kwargs`` does not count: such a ``get``
+    may hand its keywords on to a call that takes no ``etag``."""
     try:
         params = inspect.signature(store.get).parameters
     except (TypeError, ValueError):  # a callable with no signature to read (a C function)
         return False
-    return "etag" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    etag = params.get("etag")
+    return etag is not None and etag.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 def unreachable_error(endpoint: str, where: str, why: str) -> StoreUnreachableError:
@@ -141,7 +143,7 @@ class Store(Protocol):
         """
         ...
 
-    def get(self, key: str, out: BinaryIO, start: int, end: int, *, etag: str | None = None) -> int:
+    def get(self, key: str, out: BinaryIO, start: int, end: int) -> int:
         """Write bytes ``[start, end)`` of object ``key`` to ``out`` at its current position.
 
         Streams in chunks (never the whole object in memory). ``out`` is not buffered: each
@@ -149,11 +151,13 @@ class Store(Protocol):
         small pieces of them. Returns the number of bytes written, which may be short if the
         store sent a short body; the caller verifies.
 
-        ``etag`` (default None: unconditional): the ETag the listing gave for ``key``, without
-        quotes. A store that can make the request conditional on it (S3's and OBS's
-        ``If-Match``) does, and raises :class:`~cachepipe.errors.ObjectChangedError` when the
-        store refuses it; one that cannot ignores it. Optional for stores passed as ``store=``:
-        the core passes it only to a ``get`` that takes it (see :func:`takes_etag`).
+        Optional: a keyword-only ``etag: str | None = None`` after ``end`` (every backend of
+        cachepipe has it; the protocol leaves it out so that stores written without it still
+        match). The core then passes the ETag the listing gave for ``key``, without quotes. A
+        store that can make the request conditional on it (S3's and OBS's ``If-Match``) does,
+        and raises :class:`~cachepipe.errors.ObjectChangedError` when the store refuses it; one
+        that cannot ignores it. A ``get`` without a parameter named ``etag`` is called without
+        it (see :func:`takes_etag`).
         """
         ...
 
