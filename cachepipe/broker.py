@@ -252,8 +252,9 @@ class Broker(Generic[T]):
         """End the lease on ``name``; returns it.
 
         Raises:
-            KeyError: ``name`` is not leased, or ``lease_id`` is given and is not the live lease
-                (it expired and the item went to another consumer).
+            KeyError: ``(name, why)``: ``name`` is not leased (``why`` ``"not leased"``), or
+                ``lease_id`` is given and is not the live lease (``"another lease"``: it expired
+                and the item went to another consumer).
         """
         return self.ack_many([(name, lease_id)])[0]
 
@@ -261,16 +262,17 @@ class Broker(Generic[T]):
         """End the leases on ``(name, lease_id)`` pairs, all or none; returns them in order.
 
         Raises:
-            KeyError: one of them is not leased (as :meth:`ack`); no lease was ended.
+            KeyError: one of them is not leased (as :meth:`ack`), or is given twice (``why``
+                ``"twice"``); no lease was ended.
         """
         with self._cond:
             self._expire(time.monotonic())
             leases: list[Lease[T]] = []
             seen: set[str] = set()
             for name, lease_id in names:
-                lease = self._leases.get(name)
-                if lease is None or (lease_id is not None and lease.id != lease_id) or name in seen:
-                    raise KeyError(name)
+                if name in seen:
+                    raise KeyError(name, "twice")
+                lease = self._live(name, lease_id)
                 leases.append(lease)
                 seen.add(name)
             for lease in leases:
@@ -298,19 +300,28 @@ class Broker(Generic[T]):
         """Extend a live lease by ``lease_timeout`` from now (a consumer still working). Raises like :meth:`ack`."""
         with self._cond:
             self._expire(time.monotonic())
-            lease = self._leases.get(name)
-            if lease is None or (lease_id is not None and lease.id != lease_id):
-                raise KeyError(name)
+            lease = self._live(name, lease_id)
             if self.lease_timeout is not None:
                 lease.deadline = time.monotonic() + self.lease_timeout
             return lease
 
     def _pop_lease(self, name: str, lease_id: str | None) -> Lease[T]:
         self._expire(time.monotonic())
-        lease = self._leases.get(name)
-        if lease is None or (lease_id is not None and lease.id != lease_id):
-            raise KeyError(name)
+        lease = self._live(name, lease_id)
         del self._leases[name]
+        return lease
+
+    def _live(self, name: str, lease_id: str | None) -> Lease[T]:
+        """The live lease on ``name`` (under the lock), if it is ``lease_id`` (when given).
+
+        Raises:
+            KeyError: ``(name, why)``, ``why`` ``"not leased"`` or ``"another lease"``.
+        """
+        lease = self._leases.get(name)
+        if lease is None:
+            raise KeyError(name, "not leased")
+        if lease_id is not None and lease.id != lease_id:
+            raise KeyError(name, "another lease")
         return lease
 
     def starving(self) -> bool:

@@ -763,11 +763,9 @@ class Pipeline:
         try:
             taken = self._broker.ack_many([(name, lease) for name, lease, _path in wanted])
         except KeyError as exc:
-            path = next(path for name, _lease, path in wanted if name == exc.args[0])
-            raise UnknownItemError(
-                f"cannot ack {str(path)!r}: not an item handed out by this pipeline (never delivered, already "
-                "acknowledged or released, or its lease expired)" + (", or given twice" if len(wanted) > 1 else "")
-            ) from None
+            name, why = exc.args
+            path = next(path for named, _lease, path in wanted if named == name)
+            raise self._not_handed_out("ack", path, why) from None
         with self._plan_lock:
             steps = [self._frontier.step(lease.seq) for lease in taken]
         try:
@@ -814,11 +812,27 @@ class Pipeline:
         action = {"release": self._broker.release, "renew": self._broker.renew}[verb]
         try:
             return action(name, lease)
-        except KeyError:
-            raise UnknownItemError(
-                f"cannot {verb} {str(path)!r}: not an item handed out by this pipeline "
-                "(never delivered, already acknowledged or released, or its lease expired)"
-            ) from None
+        except KeyError as exc:
+            raise self._not_handed_out(verb, path, exc.args[1]) from None
+
+    def _not_handed_out(self, verb: str, path: str | os.PathLike[str], why: str) -> UnknownItemError:
+        """The error for a ``verb`` of ``path`` that the broker refused (``why``, see :meth:`Broker._live`)."""
+        if why == "twice":
+            return UnknownItemError(f"cannot {verb} {str(path)!r}: given twice in one call")
+        if why == "another lease":
+            timeout = self.config.lease_timeout
+            return UnknownItemError(
+                f"cannot {verb} {str(path)!r}: it is handed out under another lease than the one given (the lease "
+                f"given expired after lease_timeout={timeout:g} s and the item was handed out again, or it is not "
+                "the lease that delivered it)"
+                if timeout is not None
+                else f"cannot {verb} {str(path)!r}: it is handed out under another lease than the one given (not "
+                "the lease that delivered it)"
+            )
+        return UnknownItemError(
+            f"cannot {verb} {str(path)!r}: not an item handed out by this pipeline (never delivered, already "
+            "acknowledged or released, or its lease expired)"
+        )
 
     def _name_of(self, path: str | os.PathLike[str]) -> str:
         full, prefix = os.path.abspath(path), self._cache.prefix

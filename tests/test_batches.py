@@ -57,6 +57,8 @@ def test_ack_many_is_all_or_nothing(s3_source, tmp_path):
             pipe.ack_many([a, b, cache / "nope"])
         with pytest.raises(UnknownItemError, match="given twice"):
             pipe.ack_many([a, str(a)])
+        with pytest.raises(UnknownItemError, match="handed out under another lease than the one given"):
+            pipe.ack_many([a, (b.path, "not-its-lease")])  # says why, not "not an item handed out"
         assert a.path.exists() and b.path.exists()  # nothing was acknowledged: still leased
         assert pipe.stats().items_acked == 0
         assert not [line for line in journal_lines(cache) if line.startswith("A ")]

@@ -86,8 +86,8 @@ def test_explicit_ack_release_renew_and_lease_checks(served):
         client.renew(a)
         client.release(b)
         assert client.get(timeout=30).name == "item001"  # back at the front of the queue
-        with pytest.raises(UnknownItemError, match="not an item handed out"):
-            client.ack(a.path, lease="1-999")  # a lease that is not the live one: refused (409)
+        with pytest.raises(UnknownItemError, match="handed out under another lease than the one given"):
+            client.ack(a.path, lease="1-999")  # a lease that is not the live one: refused (409), saying so
         client.ack(a)
         with pytest.raises(UnknownItemError):
             client.ack(a)  # only once
