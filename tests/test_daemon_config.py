@@ -3,6 +3,7 @@ environment overrides; the commented example documents every field."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -199,6 +200,36 @@ def test_the_example_is_valid_and_documents_every_field():
     missing = (set(ServiceConfig.model_fields) | set(PipelineConfig.model_fields)) - documented
     assert not missing, f"config/cachepipe.yaml does not document: {sorted(missing)}"
     assert read_config_file(EXAMPLE)["pipelines"]["train"].keys() >= set(PipelineConfig.model_fields)
+
+
+@pytest.mark.parametrize("field", ["socket", "cache_dir"])
+def test_a_folder_that_cannot_be_created_after_the_host_check_is_named_by_its_field(tmp_path, field):
+    """Root may write anywhere as far as access(2) says, but not make a folder in /proc: the host
+    check passes, and before, serve then stopped with a bare FileNotFoundError naming no field."""
+    data = minimal(tmp_path, source="memory://cachepipe-test-none")
+    data["socket"] = str(tmp_path / "api.sock")
+    where = "/proc/cachepipe-test-no-such-folder"
+    if field == "socket":
+        data["socket"] = f"{where}/api.sock"
+    else:
+        data["pipelines"]["train"]["cache_dir"] = f"{where}/c"
+    proc = subprocess.run(
+        [sys.executable, "-m", "cachepipe.cli", "serve", "--config", str(write(tmp_path, data))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if os.geteuid() != 0:  # the host check refuses it already (exit 78), naming the field
+        assert proc.returncode == 78 and field in proc.stderr and where in proc.stderr, proc.stderr
+        return
+    assert proc.returncode == 1, proc.stderr
+    named = (
+        f"socket '{where}/api.sock': cannot create its directory"
+        if field == "socket"
+        else "pipelines.train.cache_dir: cannot create it"
+    )
+    assert named in proc.stderr and where in proc.stderr, proc.stderr
 
 
 def test_serve_refuses_a_bad_config_with_exit_status_78(tmp_path):

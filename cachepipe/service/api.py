@@ -575,7 +575,10 @@ class ApiServer:
         """
         cfg = self._config
         path = cfg.socket
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # what the start's host check cannot foresee (a /proc path, a full disk)
+            raise type(exc)(exc.errno, f"socket {str(path)!r}: cannot create its directory: {exc}") from exc
         _clear_stale(path)
         _clear_starting_leftovers(path)
         temp = path.with_name(f".{path.name}.{os.getpid()}.starting")

@@ -146,7 +146,10 @@ class Daemon:
     def _open(self, served: _Served) -> Pipeline:
         pipe = Pipeline(**pipeline_options(served.config))
         if self._markers is not None:
-            served.root.mkdir(parents=True, exist_ok=True)
+            try:
+                served.root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:  # what the start's host check cannot foresee (a /proc path, a full disk)
+                raise type(exc)(exc.errno, f"pipelines.{served.name}.cache_dir: cannot create it: {exc}") from exc
             try:
                 self._markers.watch(served.name, served.root, served.config.items)
             except OSError as exc:  # e.g. fs.inotify.max_user_watches reached: serve without markers
