@@ -548,6 +548,7 @@ def unpack_item(
     max_members: int = DEFAULT_MAX_MEMBERS,
     stop: threading.Event | None = None,
     advice: str | None = None,
+    name: str | None = None,
 ) -> UnpackResult:
     """Extract the archive(s) of a downloaded item into ``out_dir``, safely (see the module docstring).
 
@@ -564,6 +565,8 @@ def unpack_item(
             extraction would reach (for a zip, the total of its central directory).
         stop: once set, the extraction stops at the next member or read with
             :class:`InterruptedError` (and ``out_dir`` is emptied, as on any error).
+        name: the item's name as listed, which error messages give (default: the last
+            segment of ``item_path``).
 
     Returns:
         an :class:`UnpackResult`.
@@ -589,7 +592,7 @@ def unpack_item(
     result = UnpackResult(other=other)
     if not sets:
         raise ArchiveError(
-            f"item {item.name!r}: no archive found (recognised: tar, tar.gz/tgz, tar.bz2, tar.xz, tar.zst, zip, "
+            f"item {name or item.name!r}: no archive found (recognised: tar, tar.gz/tgz, tar.bz2, tar.xz, tar.zst, zip, "
             "and their split volumes)" + (f"; files: {other[:5]}" if other else "")
         )
     for rel in other:
@@ -624,8 +627,9 @@ def unpack_in_place(
 
     Args:
         path: the item: a folder, or one archive file.
-        name: the archive's file name, when ``path`` is a single file stored under another
-            name (error messages name it).
+        name: the item's name as listed, when ``path`` is stored under another name (a staging
+            number): error messages give it, and a single archive file is extracted under its
+            last segment (``shards/a.tar`` -> ``a.tar``). Default: the last segment of ``path``.
         limit_bytes, max_members, stop, advice: as for :func:`unpack_item`.
 
     Raises:
@@ -643,7 +647,7 @@ def unpack_in_place(
         source.parent.mkdir()
         os.rename(item, source)
     try:
-        result = unpack_item(source, out, limit_bytes=limit_bytes, max_members=max_members, stop=stop, advice=advice)
+        result = unpack_item(source, out, limit_bytes=limit_bytes, max_members=max_members, stop=stop, advice=advice, name=name)
         _adopt(item, out, result.other)
     except BaseException:
         if os.path.lexists(out):

@@ -368,6 +368,16 @@ def test_a_single_archive_file_becomes_a_folder_and_errors_name_the_archive(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["7", "8"]
 
 
+def test_an_item_with_no_archive_is_named_as_listed_not_by_its_staging_number(tmp_path):
+    staged = tmp_path / "2"  # staged under a number, listed as item002
+    staged.mkdir()
+    (staged / "notes.txt").write_text("hello")
+    with pytest.raises(ArchiveError) as caught:
+        unpack_in_place(staged, name="item002", limit_bytes=LIMIT)
+    assert str(caught.value).startswith("item 'item002': no archive found") and "'2'" not in str(caught.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2"]
+
+
 def test_a_file_of_the_item_may_not_take_the_path_of_an_extracted_member(tmp_path):
     item = tmp_path / "item"
     item.mkdir()

@@ -142,7 +142,7 @@ class Job:
                 f"unpack_ratio (--unpack-ratio) {cfg.unpack_ratio:g} reserves {reserve.unpack} bytes for this item of "
                 f"{mi.size} bytes: raise it to the archive's compression ratio"
             )
-            unpack_item(item_path, slot.inp, limit_bytes=reserve.unpack, max_members=cfg.max_members, advice=advice)
+            unpack_item(item_path, slot.inp, limit_bytes=reserve.unpack, max_members=cfg.max_members, advice=advice, name=mi.name)
             source = slot.inp
             if not runs:
                 return slot.inp
