@@ -27,6 +27,8 @@ more than ``max_members`` members, or an extracted total over ``limit_bytes`` (a
 checked from the declared sizes *before* a member is written, so ``out_dir`` never holds more
 than ``limit_bytes``; the error names the size the extraction would reach (for a zip, also the
 total of its central directory) and the caller's ``advice`` (the option that sets the limit).
+A tar member refused for its size is read first (and dropped, at most :data:`_PROBE` bytes): an
+archive that ends inside it is refused as truncated, which no limit would extract.
 Tar members then go through Python's ``tarfile`` ``data`` filter as a second line (it resolves
 links and existing paths with ``realpath``); zip members are written by this module, each
 target checked with ``realpath`` to stay inside ``out_dir``.
@@ -46,6 +48,7 @@ import stat
 import tarfile
 import threading
 import zipfile
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +82,10 @@ archive, for one, holds about 220,000 files."""
 
 _CHUNK = 1 << 20
 _SNIFF = 512
+_PROBE = 1 << 30
+"""Most bytes of a tar member refused for its size that are read (and dropped) to tell an archive
+cut short inside that member (refused as truncated) from one that is too large: a second or two
+of gzip."""
 _TarMode = Literal["r|", "r|gz", "r|bz2", "r|xz"]
 _TAR_MODES: dict[str, _TarMode] = {"tar": "r|", "tar.gz": "r|gz", "tar.bz2": "r|bz2", "tar.xz": "r|xz"}
 
@@ -299,10 +306,14 @@ class _Budget:
             f"{self.limit_bytes} bytes" + (f"; {self.advice}" if self.advice else ""),
         )
 
+    def fits(self, size: int) -> bool:
+        """Whether ``size`` more bytes stay within ``limit_bytes``."""
+        return self.bytes + size <= self.limit_bytes
+
     def add(self, archive: str, member: str, size: int) -> None:
         if self.members + 1 > self.max_members:
             raise ArchiveTooLargeError(archive, member, f"more than {self.max_members} members")
-        if self.bytes + size > self.limit_bytes:
+        if not self.fits(size):
             raise self.over(archive, member, size)
         self.members += 1
         self.bytes += size
@@ -352,8 +363,11 @@ def _check_stop(stop: threading.Event | None) -> None:
 
 
 class _Extraction:
-    def __init__(self, out_dir: Path, budget: _Budget, result: UnpackResult, stop: threading.Event | None = None) -> None:
+    def __init__(
+        self, out_dir: Path, budget: _Budget, result: UnpackResult, stop: threading.Event | None = None, item: str = ""
+    ) -> None:
         self.out = out_dir
+        self.item = item  # the item's name as listed, for error messages
         self.stop = stop  # checked before each member and each read (a member's data may be buffered)
         self.budget = budget
         self.result = result
@@ -405,6 +419,8 @@ class _Extraction:
                 size = self.sizes[target]
         if not member.isdir():
             self.claim(archive, name, rel)
+        if member.isreg() and not self.budget.fits(size):
+            _read_data(tar, member)  # an archive that ends inside the member fails here, as truncated, not as too large
         self.budget.add(archive, name, size)
         try:
             tar.extract(member, self.out, filter="data")
@@ -416,11 +432,7 @@ class _Extraction:
         self.result.members += 1
 
     def zip(self, archive: str, stream: io.RawIOBase) -> None:
-        try:
-            zf = zipfile.ZipFile(io.BufferedReader(stream, _CHUNK))
-        except zipfile.BadZipFile as exc:
-            raise ArchiveError(f"{archive}: not a valid zip archive: {exc}") from exc
-        with zf:
+        with zipfile.ZipFile(io.BufferedReader(stream, _CHUNK)) as zf:
             infos = zf.infolist()
             seen: set[str] = set()
             planned = _Budget(self.budget.limit_bytes, self.budget.max_members - self.budget.members, self.budget.advice)
@@ -597,7 +609,7 @@ def unpack_item(
         )
     for rel in other:
         log.info("%s: %s is not an archive; not extracted", item, rel)
-    extraction = _Extraction(out, _Budget(limit_bytes, max_members, advice), result, stop)
+    extraction = _Extraction(out, _Budget(limit_bytes, max_members, advice), result, stop, name or item.name)
     try:
         for volumes in sets:
             _unpack_one(root, volumes, checksums, extraction)
@@ -690,7 +702,10 @@ def _unpack_one(root: Path, volumes: list[str], checksums: dict[str, str], extra
         expected = {i: checksums[p.name] for i, p in enumerate(paths) if p.name in checksums}
         if fmt == "zip":
             _verify(label, paths, expected, _hash_files(paths, expected))  # zip seeks: check before extracting
-            extraction.zip(label, reader)
+            try:
+                extraction.zip(label, reader)
+            except (zipfile.BadZipFile, zlib.error, EOFError) as exc:  # no central directory, a member's CRC...
+                raise _corrupt(extraction.item, label, exc) from exc
         else:
             try:
                 extraction.tar(label, reader, fmt)
@@ -703,7 +718,7 @@ def _unpack_one(root: Path, volumes: list[str], checksums: dict[str, str], extra
                     else:
                         _verify(label, paths, expected, {i: reader.md5s[i].hexdigest() for i in expected}, cause=exc)
                 if isinstance(exc, (tarfile.TarError, EOFError)) or type(exc).__name__ == "ZstdError":
-                    raise ArchiveError(f"{label}: corrupt or truncated {fmt} archive: {type(exc).__name__}: {exc}") from exc
+                    raise _corrupt(extraction.item, label, exc) from exc
                 raise
             if expected:
                 reader.drain()
@@ -711,6 +726,30 @@ def _unpack_one(root: Path, volumes: list[str], checksums: dict[str, str], extra
                 _verify(label, paths, expected, digests)
     extraction.result.archives.append(volumes[0])
     extraction.result.verified.extend(volumes[i] for i in sorted(expected))
+
+
+def _corrupt(item: str, archive: str, exc: BaseException) -> ArchiveError:
+    """The error for an archive whose reader failed with ``exc`` (it ends early, or does not decode)."""
+    return ArchiveError(
+        f"archive {archive!r} of item {item!r} is truncated or corrupt: {type(exc).__name__}: {exc}; "
+        "replace it at the source with a complete copy"
+    )
+
+
+def _read_data(tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+    """Read the data of the regular file ``member`` (the current one of a stream), at most
+    :data:`_PROBE` bytes, and drop it: tarfile raises :class:`tarfile.ReadError` where the archive
+    ends early."""
+    data = tar.extractfile(member)
+    if data is None:
+        return
+    with data:
+        left = min(member.size, _PROBE)
+        while left > 0:
+            chunk = data.read(min(left, _CHUNK))
+            if not chunk:
+                raise tarfile.ReadError("unexpected end of data")
+            left -= len(chunk)
 
 
 def _hash_files(paths: list[Path], which: dict[int, str]) -> dict[int, str]:

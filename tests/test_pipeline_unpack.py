@@ -234,6 +234,19 @@ def test_an_archive_that_outgrows_its_reserve_names_the_option_and_the_size(s3_s
     )
 
 
+def test_a_truncated_archive_fails_as_truncated_not_as_outgrowing_its_reserve(s3_source, tmp_path):
+    packed = tar_bytes({"captions.txt": b"a person folds a towel\n" * 2000}, "w:gz")
+    s3_source.put("captions/all.tar.gz", packed[: len(packed) // 2])  # an upload cut short
+    s3_source.put("clips/video.tar.gz", tar_bytes(CLIPS, "w:gz"))
+    with unpacking(s3_source, tmp_path / "c", "1MiB") as pipe:
+        delivered, failed = drain(pipe)
+    assert list(delivered) == ["clips"]
+    error = failed["captions"]
+    assert isinstance(error, ArchiveError) and not isinstance(error, ArchiveTooLargeError)
+    assert str(error).startswith("archive 'all.tar.gz' of item 'captions' is truncated or corrupt: "), str(error)
+    assert "unpack_ratio" not in str(error)
+
+
 def test_config_default_reserve_and_what_unpack_is_not_combined_with(tmp_path):
     base = {"source": "s3://b/p/", "cache_dir": tmp_path, "capacity": "1GiB"}
     cfg = PipelineConfig(**base, unpack=True)

@@ -217,9 +217,47 @@ def test_not_an_archive_and_corrupt_archive(tmp_path):
         unpack_item(tmp_path / "item", tmp_path / "out", limit_bytes=LIMIT)
     truncated = tmp_path / "t.tar.gz"
     truncated.write_bytes(tar_bytes(FILES, "w:gz")[:-2000])
-    with pytest.raises(ArchiveError, match="corrupt or truncated"):
+    with pytest.raises(ArchiveError, match="is truncated or corrupt"):
         unpack_item(truncated, tmp_path / "out2", limit_bytes=LIMIT)
     assert list((tmp_path / "out2").iterdir()) == []
+
+
+@pytest.mark.parametrize("fmt", ["tar", "tar.gz", "tar.bz2", "tar.xz", "tar.zst", "zip"])
+def test_a_truncated_archive_is_called_truncated_not_too_large(tmp_path, fmt):
+    # captions compress 200-fold: the reserve for the cut archive (1.25 times its size) is far below
+    # the size its member declares, so the size check refused it first and blamed unpack_ratio (tar,
+    # gz, xz); bz2 and zstd, which decode whole blocks, failed as corrupt, but without the item's name
+    files = {"captions.txt": b"a person folds a towel\n" * 2000}
+    whole = (
+        tar_bytes(files, {"tar.bz2": "w:bz2", "tar.xz": "w:xz"}[fmt])
+        if fmt in ("tar.bz2", "tar.xz")
+        else archive_bytes(files, fmt)
+    )
+    cut = whole[: len(whole) * 2 // 3] if fmt != "tar" else whole[:5000]  # a tar: into the member's data
+    staged = tmp_path / "5"  # staged under a number, listed as captions
+    staged.mkdir()
+    (staged / f"all.{fmt}").write_bytes(cut)
+    with pytest.raises(ArchiveError) as caught:
+        unpack_in_place(staged, name="captions", limit_bytes=int(1.25 * len(cut)), advice="raise unpack_ratio")
+    message = str(caught.value)
+    assert not isinstance(caught.value, ArchiveTooLargeError) and "unpack_ratio" not in message
+    assert message.startswith(f"archive 'all.{fmt}' of item 'captions' is truncated or corrupt: "), message
+    assert caught.value.__cause__ is not None and str(caught.value.__cause__) in message  # the reader's own words
+    assert read_tree(staged) == {f"all.{fmt}": cut}  # left as it was
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["5"]
+
+
+def test_a_zip_member_that_fails_its_crc_is_called_corrupt(tmp_path):
+    data = bytearray(zip_bytes([("a.bin", os.urandom(5000))]))
+    data[2000] ^= 0xFF  # inside the member's data; the central directory is intact
+    archive = tmp_path / "x.zip"
+    archive.write_bytes(bytes(data))
+    with pytest.raises(ArchiveError) as caught:
+        unpack_item(archive, tmp_path / "out", limit_bytes=LIMIT, name="shard-0001")
+    assert str(caught.value).startswith(
+        "archive 'x.zip' of item 'shard-0001' is truncated or corrupt: BadZipFile: Bad CRC-32 for file 'a.bin'"
+    )
+    assert list((tmp_path / "out").iterdir()) == []
 
 
 # ---- safety ----------------------------------------------------------------------------------------
