@@ -380,6 +380,39 @@ class _Extraction:
             raise UnsafeMemberError(archive, name, f"collides with {rel!r} extracted from {owner!r}")
         self.written[rel] = archive
 
+    def unwritable(self, archive: str, name: str, is_dir: bool, exc: OSError) -> ArchiveError | None:
+        """The :class:`ArchiveError` that ``exc``, raised writing member ``name`` (a folder if
+        ``is_dir``), stands for when the member's path cannot be made: a file where the member
+        needs a folder or the reverse (names of the archive that clash), a name or path over the
+        file system's limits. None for any other error (a full disk...), which stays as it is."""
+        rel = _check_name(archive, name)  # checked before: only normalised here
+        where = f"archive {archive!r} of item {self.item!r}: member {_abridged(name)}"
+        if exc.errno == errno.ENAMETOOLONG:
+            return ArchiveError(f"{where} cannot be extracted: {_too_long(self.out, rel)}")
+        if exc.errno not in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
+            return None
+        parts = rel.split("/")
+        for depth in range(1, len(parts)):
+            folder = "/".join(parts[:depth])
+            if os.path.lexists(self.out / folder) and not (self.out / folder).is_dir():
+                return ArchiveError(
+                    f"{where} needs a folder {folder!r}, but {folder!r} is a file{self._origin(archive, folder)}; "
+                    "rename one of the two"
+                )
+        target = self.out / rel
+        if not is_dir and target.is_dir() and not target.is_symlink():
+            return ArchiveError(
+                f"{where} is a file, but {rel!r} is a folder of members extracted before it; rename one of the two"
+            )
+        if is_dir and os.path.lexists(target) and not target.is_dir():
+            return ArchiveError(f"{where} is a folder, but {rel!r} is a file{self._origin(archive, rel)}; rename one of the two")
+        return None
+
+    def _origin(self, archive: str, rel: str) -> str:
+        """Where the file ``rel`` came from, when another archive of the item wrote it."""
+        owner = self.written.get(rel, archive)
+        return "" if owner == archive else f" extracted from {owner!r}"
+
     def tar(self, archive: str, stream: io.RawIOBase, fmt: str) -> None:
         # a binary file at run time; typeshed does not declare RawIOBase an IO[bytes] (its read may return None)
         binary = cast("IO[bytes]", stream)
@@ -426,6 +459,11 @@ class _Extraction:
             tar.extract(member, self.out, filter="data")
         except tarfile.FilterError as exc:
             raise UnsafeMemberError(archive, name, f"refused by tarfile's data filter: {exc}") from exc
+        except OSError as exc:
+            error = self.unwritable(archive, name, member.isdir(), exc)
+            if error is None:
+                raise
+            raise error from exc
         if member.isreg() or member.islnk():
             self.sizes[rel] = size
             self.result.bytes += size
@@ -448,7 +486,13 @@ class _Extraction:
                     raise planned.over(archive, info.filename, size, total)
                 planned.add(archive, info.filename, size)
             for info in infos:
-                self._zip_member(archive, zf, info)
+                try:
+                    self._zip_member(archive, zf, info)
+                except OSError as exc:
+                    error = self.unwritable(archive, info.filename, info.is_dir(), exc)
+                    if error is None:
+                        raise
+                    raise error from exc
 
     def _zip_member(self, archive: str, zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> None:
         _check_stop(self.stop)
@@ -500,6 +544,36 @@ class _Extraction:
         self.sizes[rel] = written
         self.result.bytes += written
         self.result.members += 1
+
+
+def _abridged(name: str, most: int = 120) -> str:
+    """``name`` quoted, with its middle left out when it is longer than ``most`` characters."""
+    if len(name) <= most:
+        return repr(name)
+    return f"{name[: most // 2] + '...' + name[-most // 2 :]!r} ({len(os.fsencode(name))} bytes)"
+
+
+def _too_long(out: Path, rel: str) -> str:
+    """Which limit of the file system the path of member ``rel`` under ``out`` passes (ENAMETOOLONG)."""
+    longest = max(len(os.fsencode(part)) for part in rel.split("/"))
+    path = len(os.fsencode(out / rel))
+    name_max: int | None = None
+    path_max: int | None = None
+    try:
+        name_max, path_max = os.pathconf(out, "PC_NAME_MAX"), os.pathconf(out, "PC_PATH_MAX")
+    except (OSError, ValueError):  # limits unknown (not POSIX, or not told)
+        pass
+    if name_max is not None and longest > name_max:
+        return (
+            f"a name in its path is {longest} bytes; a name may be at most {name_max} bytes on the cache's file system: "
+            "shorten it in the archive"
+        )
+    if path_max is not None and path >= path_max:
+        return (
+            f"its path in the cache would be {path} bytes; a path must be shorter than {path_max} bytes on the cache's "
+            "file system: shorten its names in the archive, or the cache directory's path"
+        )
+    return "its path is too long for the cache's file system; shorten its names in the archive"
 
 
 def _archive_sets(root: Path) -> tuple[list[list[str]], dict[str, str], list[str]]:
@@ -584,8 +658,10 @@ def unpack_item(
         an :class:`UnpackResult`.
 
     Raises:
-        ArchiveError: no archive in the item, a corrupt one, gaps in split volumes;
-            :class:`UnsafeMemberError` or :class:`ArchiveTooLargeError` for a refused member.
+        ArchiveError: no archive in the item, a truncated or corrupt one, gaps in split volumes,
+            members that cannot be written as named (a file ``a`` and a member ``a/b``, a name
+            over the file system's limit); :class:`UnsafeMemberError` or
+            :class:`ArchiveTooLargeError` for a refused member.
         ChecksumError: a volume does not match its MD5.
         OSError: reading the item or writing ``out_dir`` failed.
 

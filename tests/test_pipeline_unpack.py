@@ -146,6 +146,21 @@ def test_unsafe_members_fail_their_item_by_name_and_nothing_is_written_outside(s
     assert not list(tmp_path.rglob("*evil*"))
 
 
+def test_members_that_cannot_be_written_fail_their_item_by_name_not_by_staging_path(s3_source, tmp_path):
+    s3_source.put("clash/x.tar", tar_bytes({"a": b"1", "a/b": b"2"}))  # 'a' a file, then a folder
+    s3_source.put("long/x.zip", zip_bytes([("d/" + "n" * 300, b"x")]))  # a name over NAME_MAX
+    s3_source.put("good/x.tar", tar_bytes(CLIPS))
+    cache = tmp_path / "c"
+    with unpacking(s3_source, cache, "1MiB") as pipe:
+        delivered, failed = drain(pipe)
+        assert leftovers(cache) == []
+    assert list(delivered) == ["good"] and all(isinstance(exc, ArchiveError) for exc in failed.values())
+    assert str(failed["clash"]).startswith("archive 'x.tar' of item 'clash': member 'a/b' needs a folder 'a'"), str(failed)
+    assert str(failed["long"]).startswith("archive 'x.zip' of item 'long': member 'd/nnn"), str(failed)
+    assert f"a name may be at most {os.pathconf(tmp_path, 'PC_NAME_MAX')} bytes" in str(failed["long"])
+    assert not [exc for exc in failed.values() if ".cachepipe" in str(exc) or str(tmp_path) in str(exc)]
+
+
 def test_a_tar_bomb_fails_before_its_member_is_written_and_the_cap_holds(s3_source, tmp_path):
     bomb = tar_bytes({"small.txt": TEXT, "zeros.bin": bytes(2_000_000)}, "w:gz")
     assert len(bomb) < 5000

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import itertools
@@ -414,6 +415,49 @@ def test_an_item_with_no_archive_is_named_as_listed_not_by_its_staging_number(tm
         unpack_in_place(staged, name="item002", limit_bytes=LIMIT)
     assert str(caught.value).startswith("item 'item002': no archive found") and "'2'" not in str(caught.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["2"]
+
+
+CLASH_CASES = {  # members in archive order -> what the error says
+    "a file, then a member under it": ([("a", b"1"), ("a/b", b"2")], "member 'a/b' needs a folder 'a', but 'a' is a file; "),
+    "a member under it, then the file": ([("a/b", b"2"), ("a", b"1")], "member 'a' is a file, but 'a' is a folder"),
+}
+
+
+@pytest.mark.parametrize("fmt", ["tar", "zip"])
+@pytest.mark.parametrize("case", list(CLASH_CASES))
+def test_members_whose_names_clash_fail_by_name_not_by_staging_path(tmp_path, fmt, case):
+    entries, says = CLASH_CASES[case]
+    staged = tmp_path / "3"  # staged under a number, listed as item002
+    staged.mkdir()
+    (staged / f"clash.{fmt}").write_bytes(tar_bytes(dict(entries)) if fmt == "tar" else zip_bytes(entries))
+    with pytest.raises(ArchiveError) as caught:
+        unpack_in_place(staged, name="item002", limit_bytes=LIMIT)
+    message = str(caught.value)
+    assert message.startswith(f"archive 'clash.{fmt}' of item 'item002': {says}"), message
+    assert message.endswith("; rename one of the two") and str(tmp_path) not in message
+    assert isinstance(caught.value.__cause__, OSError)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["3"] and sorted(p.name for p in staged.iterdir()) == [f"clash.{fmt}"]
+
+
+@pytest.mark.parametrize("fmt", ["tar", "zip"])
+@pytest.mark.parametrize("limit", ["name", "path"])
+def test_a_member_name_over_the_file_systems_limit_fails_by_name_and_names_the_limit(tmp_path, fmt, limit):
+    if limit == "name":
+        member, says = "d/" + "n" * 300, f"is 300 bytes; a name may be at most {os.pathconf(tmp_path, 'PC_NAME_MAX')} bytes"
+    else:
+        member, says = (
+            "/".join(["n" * 200] * 30) + "/f",
+            f"a path must be shorter than {os.pathconf(tmp_path, 'PC_PATH_MAX')} bytes",
+        )
+    staged, data = tmp_path / "4", tar_bytes({member: b"x"}) if fmt == "tar" else zip_bytes([(member, b"x")])
+    staged.write_bytes(data)  # staged under a number, listed as shard-0001.tar
+    with pytest.raises(ArchiveError) as caught:
+        unpack_in_place(staged, name=f"shard-0001.{fmt}", limit_bytes=LIMIT)
+    message = str(caught.value)
+    assert message.startswith(f"archive 'shard-0001.{fmt}' of item 'shard-0001.{fmt}': member '{member[:40]}"), message
+    assert says in message and str(tmp_path) not in message and len(message) < 600
+    assert isinstance(caught.value.__cause__, OSError) and caught.value.__cause__.errno == errno.ENAMETOOLONG
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["4"] and staged.read_bytes() == data  # left as it was
 
 
 def test_a_file_of_the_item_may_not_take_the_path_of_an_extracted_member(tmp_path):
