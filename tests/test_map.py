@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from sampling import Sampler
 from test_unpack import archive_bytes, md5_sidecar, media_clip, tar_bytes, volumes
+from waiting import wait_until
 
 from cachepipe.cache import Cache, tree_bytes
 from cachepipe.errors import (
@@ -714,6 +715,83 @@ def test_what_a_command_or_fn_leaves_running_is_killed_when_it_exits(tmp_path):
         for pid in pids.values():
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+WRITER_FOREVER = """
+import os, time
+for _ in range(1200):  # a minute: a worker a wrapper script started, writing its outputs bit by bit
+    with open(os.path.join(os.environ["CACHEPIPE_OUT"], "part"), "a") as out:
+        out.write("x" * 10)
+    time.sleep(0.05)
+"""
+
+
+def processes_writing_into(cache: Path) -> dict[str, int]:
+    """Processes whose ``CACHEPIPE_OUT`` names a slot of ``cache``'s map work folder, by pid."""
+    marker = f"CACHEPIPE_OUT={cache / WORK_DIR}/".encode()
+    found = {}
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker in environ.read_bytes():
+                found[environ.parent.name] = int(environ.parent.name)
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_what_the_commands_of_a_killed_run_started_does_not_live_on(tmp_path, sig):
+    """A command run through a wrapper (``sh -c 'worker; echo done'``): the map process's death
+    signal reaches ``sh`` only. Before, SIGTERM (docker stop, kubectl delete) ended map at once,
+    and the worker wrote on into the cache, past its cap, into the next run's slots. Now SIGTERM
+    stops the run as Ctrl-C does (exit 143, every command's group killed); after a SIGKILL, which
+    nothing can catch, the next run on the cache kills what the last one left running."""
+    src, cache, script = tmp_path / "src", tmp_path / "cache", tmp_path / "worker.py"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "in.txt").write_text("a")
+    script.write_text(WRITER_FOREVER)
+    options = ["--cache", str(cache), "--capacity", "1MiB", "--out-reserve", "100KiB", "--no-progress", "-v"]
+    command = [sys.executable, "-m", "cachepipe.map", str(src), str(tmp_path / "dst"), *options, "--"]
+    proc = subprocess.Popen([*command, "sh", "-c", f"{sys.executable} {script}; echo done"], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: list(cache.glob(f"{WORK_DIR}/*/out/part")), what="the worker writing its output")
+        proc.send_signal(sig)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    left = processes_writing_into(cache)
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 143 and "terminated (SIGTERM)" in stderr, stderr
+        assert running_after(left, 10) == []
+        return
+    assert left, "the worker did not outlive the killed run: this test no longer shows what it is for"
+    try:
+        rerun = subprocess.run([*command, "true"], capture_output=True, text=True, timeout=60, check=False)
+        assert rerun.returncode == 0, rerun.stderr
+        assert f"killed {len(left)} processes" in rerun.stderr and running_after(left, 10) == []
+    finally:
+        for pid in left.values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_usage_errors_exit_2_naming_the_option_and_an_empty_source_is_an_error(tmp_path, capsys):
+    """Before: every one of these exited 1, the refused value as pydantic's raw text, and a source
+    under which nothing is listed (a mistyped prefix) ran nothing and exited 0."""
+    src, empty = tmp_path / "src", tmp_path / "empty"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "in.txt").write_text("a")
+    empty.mkdir()
+    sized = ["--cache", str(tmp_path / "cache"), "--capacity", "1MiB"]
+    for args, said in (
+        ([str(src), str(tmp_path / "dst"), "--", "true"], "--cache and --capacity are required"),
+        ([str(src), str(tmp_path / "dst"), *sized, "--bogus", "--", "true"], "unrecognized arguments ['--bogus']"),
+        ([str(src), str(tmp_path / "dst"), *sized, "--jobs", "0", "--", "true"], "--jobs 0: Input should be greater than"),
+    ):
+        assert main(args) == 2
+        assert said in capsys.readouterr().err
+    assert main([str(empty), str(tmp_path / "dst"), *sized, "--", "true"]) == 1
+    assert f"no items under {str(empty)!r}" in capsys.readouterr().err
 
 
 class Bug(BaseException):

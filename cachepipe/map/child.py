@@ -30,7 +30,7 @@ from typing import Any
 
 from ..cache import tree_bytes
 
-__all__ = ["TAIL_BYTES", "CommandRun", "FunctionRun", "Watch", "Watcher"]
+__all__ = ["TAIL_BYTES", "CommandRun", "FunctionRun", "Watch", "Watcher", "kill_leftovers"]
 
 log = logging.getLogger("cachepipe.map")
 
@@ -62,6 +62,50 @@ def _signal_group(pid: int, sig: int) -> None:
             os.kill(pid, sig)  # not yet a group leader (a function child before its setsid)
         except ProcessLookupError:
             pass  # already gone
+
+
+def kill_leftovers(work: Path, wait: float = 5.0) -> list[int]:
+    """Kill every process whose ``CACHEPIPE_OUT`` names a slot under ``work``: what the commands of
+    an earlier run on this cache started and left running when that run was killed (SIGKILL
+    reaches only a command's own process, through its parent-death signal; what it started
+    lives on, writing into the slots). Call with the run's lock held, before the slots are
+    cleared. Waits up to ``wait`` seconds for them to die; returns their pids. Linux (reads
+    ``/proc``); elsewhere nothing is found. Processes of other users are not readable, so not
+    found: they could not write into this user's cache anyway, unless it is shared."""
+    marker = os.fsencode(f"CACHEPIPE_OUT={work}{os.sep}")
+    me = os.getpid()
+    killed = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                environ = fh.read()
+        except OSError:  # gone, or another user's
+            continue
+        if any(var.startswith(marker) for var in environ.split(b"\0")):
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+                killed.append(int(entry))
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + wait
+    while killed and time.monotonic() < deadline and any(_running(pid) for pid in killed):
+        time.sleep(0.01)
+    return killed
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (a killed orphan stays one until init reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _exit_fd(pid: int) -> int | None:

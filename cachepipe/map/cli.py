@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +33,7 @@ examples:
   cachepipe map s3://b/ss/ s3://b/ss-video/ --items files --unpack --cache /tmp/c --capacity 50GiB
 
 exit status: 0 every item done (or already done); 1 an item failed (--dry-run: would be refused) or an error;
-2 usage; 130 interrupted
+2 usage; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM: stopped as Ctrl-C stops it)
 """
 
 
@@ -159,8 +161,51 @@ def _option(text: str) -> tuple[str, Any]:
         return key, value
 
 
+class _UsageError(ConfigError):
+    """A command line that is not one: exit status 2, as argparse's own errors."""
+
+
+def _option_errors(exc: ValueError) -> str | None:
+    """An option's value refused by :class:`~cachepipe.map.plan.MapConfig` (pydantic), one line
+    per error naming the flag (``--jobs 0: ...``); None for any other ValueError."""
+    from pydantic import ValidationError
+
+    if not isinstance(exc, ValidationError):
+        return None
+    named = {"source": "SRC", "dest": "DST", "command": "CMD"}
+    lines = []
+    for err in exc.errors(include_url=False):
+        field = str(err["loc"][0]) if err["loc"] else ""
+        flag = named.get(field) or (f"--{field.replace('_', '-')}" if field else "the options")
+        lines.append(f"{flag} {err['input']!r}: {err['msg'].removeprefix('Value error, ')}")
+    return "; ".join(lines)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (``docker stop``, ``kubectl delete``, ``timeout``): stopped like Ctrl-C, so that the
+    commands' process groups are killed and the slots cleared; exit status 143."""
+
+
+def _terminate(_signum: int, _frame: Any) -> None:
+    raise _Terminated
+
+
 def run_map_command(args: argparse.Namespace) -> int:
-    """Run ``cachepipe map`` from parsed arguments; print the summary; return the exit status."""
+    """Run ``cachepipe map`` from parsed arguments; print the summary; return the exit status.
+    SIGTERM stops the run as Ctrl-C does (exit status 143)."""
+    if threading.current_thread() is not threading.main_thread():
+        return _run_map_command(args)  # signal handlers belong to the main thread
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _run_map_command(args)
+    except _Terminated:  # between the command's own handling and the restore: still a clean stop
+        print("cachepipe map: terminated (SIGTERM); run the same command again to resume", file=sys.stderr)
+        return 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_map_command(args: argparse.Namespace) -> int:
     from .run import map_items  # the pipeline: imported by the command that runs it, not by `cachepipe --help`
 
     rest = list(args.cmd or [])
@@ -176,11 +221,11 @@ def run_map_command(args: argparse.Namespace) -> int:
     try:
         parsed, unknown = late.parse_known_args(options)
         if unknown:
-            raise ConfigError(f"unrecognized arguments {unknown}: put the command after '--'")
+            raise _UsageError(f"unrecognized arguments {unknown}: put the command after '--'")
         for key, value in vars(parsed).items():
             setattr(args, key, value)
         if not args.cache or not args.capacity:
-            raise ConfigError("--cache and --capacity are required")
+            raise _UsageError("--cache and --capacity are required")
         if args.verbose:
             logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
             logging.getLogger("cachepipe").setLevel(logging.DEBUG if args.verbose > 1 else logging.INFO)
@@ -207,10 +252,21 @@ def run_map_command(args: argparse.Namespace) -> int:
             if getattr(args, key) is not None:
                 options_map[key] = getattr(args, key)
         result = map_items(command or None, args.source, args.dest, cache_dir=args.cache, capacity=args.capacity, **options_map)
-    except KeyboardInterrupt:
-        print("cachepipe map: interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
-    except (ValueError, TypeError, OSError, CachePipeError) as exc:
+    except KeyboardInterrupt as exc:
+        how, status = ("terminated (SIGTERM)", 143) if isinstance(exc, _Terminated) else ("interrupted", 130)
+        print(f"cachepipe map: {how}; run the same command again to resume", file=sys.stderr)
+        return status
+    except _UsageError as exc:
+        print(f"cachepipe map: {exc}; see cachepipe map --help", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        usage = _option_errors(exc)
+        if usage is None:
+            print(f"cachepipe map: {exc}", file=sys.stderr)
+            return 1
+        print(f"cachepipe map: {usage}", file=sys.stderr)
+        return 2
+    except (TypeError, OSError, CachePipeError) as exc:
         print(f"cachepipe map: {exc}", file=sys.stderr)
         return 1
     if args.dry_run:

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Share, check_cache_dir, check_source
-from ..errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError, is_transient
+from ..errors import CacheLockedError, ConfigError, EmptySourceError, ItemFailedError, UnknownItemError, is_transient
 from ..fetcher import backoff_delay
 from ..pipeline import Pipeline
 from ..stores import Store, open_store
 from ..stores.base import WritableStore
-from .child import Watcher
+from .child import Watcher, kill_leftovers
 from .job import Job, Slot
 from .plan import WORK_DIR, MapConfig, MapItem, PlannedSource, inside_prefix, item_reserve, plan_items
 from .result import MapResult, Tally
@@ -87,6 +87,10 @@ class _MapRun:
                 if inside is not None:  # DST under SRC: its results are not items
                     listing = [o for o in listing if not o.key.startswith(inside)]
                 planned = plan_items(listing, cfg.items, cfg.unpack)
+                if not planned:  # a mistyped prefix lists nothing: said, not "0 done" and exit 0
+                    raise EmptySourceError(
+                        f"no items under {cfg.source!r}: found no {cfg.items} with objects; check the bucket and prefix"
+                    )
                 result.items_listed = len(planned)
                 if cfg.world_size > 1:  # this process's share, from the listing alone (never from what is done)
                     planned = take_share(planned, cfg.rank, cfg.world_size)
@@ -149,6 +153,15 @@ class _MapRun:
         work.mkdir(parents=True, exist_ok=True)
         lock_fd = _take_lock(work, cache_dir)
         try:
+            leftovers = kill_leftovers(work)
+            if leftovers:
+                log.warning(
+                    "killed %d processes (pids %s) left running in %s by an earlier run that was killed: what its "
+                    "commands started",
+                    len(leftovers),
+                    ", ".join(map(str, leftovers[:10])),
+                    work,
+                )
             for entry in work.iterdir():  # slots left by a run that died
                 if entry.name != "lock":
                     shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
