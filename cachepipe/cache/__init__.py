@@ -11,7 +11,7 @@ The parts, each owning one invariant (see their module docstrings):
 """
 
 from ..removal import tree_bytes
-from .core import STATE_DIR, Cache
+from .core import STATE_DIR, Cache, journal_budget_of
 from .eviction import REAP_MIN_BYTES
 
-__all__ = ["REAP_MIN_BYTES", "STATE_DIR", "Cache", "tree_bytes"]
+__all__ = ["REAP_MIN_BYTES", "STATE_DIR", "Cache", "journal_budget_of", "tree_bytes"]

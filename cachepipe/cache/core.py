@@ -258,7 +258,7 @@ class Cache:
         """Bytes the journal may take in a pass over ``items`` (reserved against the capacity by
         :meth:`recover`). A step writes at most four lines (I, P, A, C); a compacted journal holds
         at most two per item (P, A). Compacting at half the budget keeps it under it at all times."""
-        return 2 * (4 * items.name_bytes + state.EVENT_OVERHEAD * len(items)) + 256
+        return journal_budget_of(items.name_bytes, len(items))
 
     def has_leftovers(self) -> bool:
         """True if the journal read at open names items on disk (or could not be read): then
@@ -778,6 +778,12 @@ class Cache:
             return self._names.index(name)
         except ValueError:
             return None
+
+
+def journal_budget_of(name_bytes: int, count: int) -> int:
+    """:meth:`Cache.journal_budget` of ``count`` items whose names take ``name_bytes`` bytes
+    (UTF-8) in all: for a caller that sizes a cache before it has a catalog (``cachepipe map``)."""
+    return 2 * (4 * name_bytes + state.EVENT_OVERHEAD * count) + 256
 
 
 def _identity(path: str) -> tuple[int, int]:

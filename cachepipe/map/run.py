@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..cache import journal_budget_of
 from ..config import Share, check_cache_dir, check_source
 from ..errors import CacheLockedError, ConfigError, EmptySourceError, ItemFailedError, UnknownItemError, is_transient
 from ..fetcher import backoff_delay
@@ -38,6 +39,10 @@ __all__ = ["map_items"]
 
 log = logging.getLogger("cachepipe.map")
 
+_STATE_FILES = 4096
+"""Bytes allowed for the state files an open of the downloads' pipeline finds (the journal's
+header, the lock): counted against its capacity with the journal's budget."""
+
 _MIB = 1024**2
 
 
@@ -47,10 +52,17 @@ class _Sizing:
     reserve: int
     margin: int
     jobs: int
+    state: int  # what the downloads' pipeline reserves for its journal, inside the downloads' share
 
     @property
     def downloads(self) -> int:
+        """The capacity of the downloads' pipeline: what the jobs' slots leave."""
         return self.capacity - self.jobs * (self.reserve + self.margin)
+
+    @property
+    def largest(self) -> int:
+        """The largest item the downloads' pipeline can hold beside its state."""
+        return self.downloads - self.state
 
 
 class _MapRun:
@@ -134,13 +146,16 @@ class _MapRun:
         runs = cfg.command is not None or self._fn is not None
         reserve = max(item_reserve(cfg, mi, runs).total for mi in todo)
         margin = cfg.out_margin if cfg.out_margin is not None else min(reserve, 64 * _MIB)
-        sizing = _Sizing(capacity, reserve, margin, min(cfg.jobs, len(todo)))
+        # the pipeline's journal budget (Cache.journal_budget), and the state files an open finds
+        state = journal_budget_of(sum(len(mi.local.encode()) for mi in todo), len(todo)) + _STATE_FILES
+        sizing = _Sizing(capacity, reserve, margin, min(cfg.jobs, len(todo)), state)
         r = self._result
         r.capacity, r.reserve, r.margin, r.download_capacity = capacity, reserve, margin, sizing.downloads
-        if sizing.downloads <= 0:
+        if sizing.largest <= 0:
             raise ConfigError(
                 f"capacity {capacity} bytes leaves no room for downloads after setting aside {sizing.jobs} jobs x "
-                f"({reserve} bytes reserve + {margin} bytes margin) for {_FOR[cfg.unpack]}; raise capacity, or lower jobs, "
+                f"({reserve} bytes reserve + {margin} bytes margin) for {_FOR[cfg.unpack]} and {state} bytes for the "
+                f"state of a run over {len(todo)} items; raise capacity, or lower jobs, "
                 f"{'unpack_ratio, ' if cfg.unpack else ''}out_reserve/out_ratio or out_margin"
             )
         return sizing
@@ -313,12 +328,13 @@ def _refusals(todo: Sequence[MapItem], sizing: _Sizing) -> list[tuple[str, str]]
         (
             mi.name,
             (
-                f"item is {mi.size} bytes, more than the {sizing.downloads} bytes the capacity leaves for "
-                "downloads beside the jobs' reserves; raise capacity or lower jobs/out_reserve"
+                f"item is {mi.size} bytes, more than the {sizing.largest} bytes the capacity leaves for "
+                f"downloads beside the jobs' reserves and the run's state ({sizing.state} bytes); raise capacity "
+                "or lower jobs/out_reserve"
             ),
         )
         for mi in todo
-        if mi.size > sizing.downloads
+        if mi.size > sizing.largest
     ]
 
 
