@@ -237,6 +237,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         pipe = self.pipeline()
         if self._state is not None:
             pipe.load_state_dict(self._state)
+            self._state = None  # this iteration only: the next one starts a new pass
         self._pipe = pipe
         with pipe:
             for path in pipe:
@@ -266,6 +267,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                 )
             self._lane_info = (name, rank, worker, info.get("catalog_digest"))
             self._cursor = cursor
+            self._state = None  # this iteration only: the next one starts at the job's beginning
             if self.transform is None:
                 while (item := lane.take(cursor)) is not None:
                     self._cursor = cursor = item.next
@@ -309,7 +311,8 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         return self._pipe.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Start the next iteration at ``state`` (from :meth:`state_dict`, same settings and data)."""
+        """Start the next iteration at ``state`` (from :meth:`state_dict`, same settings and data);
+        the iterations after it start from the beginning, as without a state."""
         self._state = dict(state)
         self._cursor = None
 

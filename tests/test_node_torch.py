@@ -156,6 +156,27 @@ def test_a_rank_killed_mid_epoch_resumes_from_its_stateful_dataloader_checkpoint
         assert by_worker(samples(out_other), worker) == expected(data, 1, worker)
 
 
+def test_a_loaded_state_is_for_one_iteration_and_the_next_pass_is_whole(dataset, tmp_path, short_dir):
+    """Before, every later iteration of a resumed node-mode dataset started from the loaded state
+    again: ``for epoch in ...: for x in loader`` lost the items before it in every later pass."""
+    from cachepipe.torch import CachePipeDataset
+
+    source, data = dataset
+    sock = short_dir / "api.sock"
+    options = {"node": str(sock), "job": "train", "rank": 0, "world_size": 1, "transform": lambda item: item.name}
+    with DaemonProcess(write_config(tmp_path, sock, source.url, source.options)):
+        first = CachePipeDataset(source.url, **options)
+        it = iter(first)
+        head = [next(it) for _ in range(4)]
+        state = first.state_dict()
+        it.close()
+        resumed = CachePipeDataset(source.url, **options)
+        resumed.load_state_dict(state)
+        rest = list(resumed)
+        again = list(resumed)
+    assert head + rest == sorted(data) and again == sorted(data)
+
+
 DIST_RANK = r"""
 import json, sys, torch, torch.distributed as dist
 from cachepipe.torch import CachePipeDataset

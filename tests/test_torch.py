@@ -100,6 +100,9 @@ def test_dataset_state_dict_resumes_mid_epoch(s3_source, tmp_path):
     resumed = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", **opts)
     resumed.load_state_dict(state)
     assert first[:4] + [p.name for p in resumed] == full
+    # the state is for one iteration: the next pass (for epoch in ...: for x in loader) is whole,
+    # where before it started from the state again, every pass losing the items before it
+    assert [p.name for p in resumed] == full
 
 
 DIST_SCRIPT = """
