@@ -62,6 +62,9 @@ def test_jobs_register_once_conflict_and_end(s3_source, tmp_path, short_dir):
             with pytest.raises(ServiceError, match=r"may read only under") as err:
                 register(sock, "x", spec(s3_source, source="s3://elsewhere/"), 0)
             assert err.value.status == 400
+            with pytest.raises(ServiceError, match=r"a '\.' or '\.\.' path segment") as err:  # before: registered, read
+                register(sock, "x", spec(s3_source, source=s3_source.url + "../secret/"), 0)
+            assert err.value.status == 400
             with pytest.raises(ServiceError, match=r"job name '\.\./evil'") as err:
                 register(sock, "../evil", spec(s3_source), 0)
             assert not (tmp_path / "evil").exists()
@@ -113,6 +116,14 @@ def test_manifests_listed_uploaded_and_checked(s3_source, tmp_path, short_dir):
                 lane.manifest_bytes("f" * 32)
             assert err.value.status == 404
     assert sorted(p.name for p in (root / ".manifests").iterdir()) == [f"{digest}.json.gz"]  # no upload leftovers
+
+
+def test_jobs_sources_are_prefixes_by_whole_path_segments():
+    from cachepipe.service.jobs import _under
+
+    assert _under("s3://b/data", "s3://b/data") and _under("s3://b/data/x/", "s3://b/data")
+    assert _under("s3://b/data/x/", "s3://b/data/") and _under("s3://b/data", "s3://b/data/")
+    assert not _under("s3://b/data-private/", "s3://b/data")  # before: a plain startswith let it through
 
 
 def test_jobs_section_is_checked(tmp_path):

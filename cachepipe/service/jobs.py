@@ -97,6 +97,14 @@ class JobsConfig(BaseModel):
         return self
 
 
+def _under(value: str, prefix: str) -> bool:
+    """Whether the URL ``value`` is ``prefix`` or under it, by whole path segments: under
+    ``s3://b/data`` are ``s3://b/data`` and ``s3://b/data/x``, not ``s3://b/data-private/``."""
+    if prefix.endswith("/"):
+        return value.startswith(prefix) or value == prefix[:-1]
+    return value == prefix or value.startswith(prefix + "/")
+
+
 class JobSpec(BaseModel):
     """What a job asks for when it registers (the body of ``PUT /v1/jobs/NAME``).
 
@@ -296,7 +304,12 @@ class Jobs:
         if not allowed:
             return
         for field, value in (("source", spec.source), ("manifest", spec.manifest)):
-            if value is not None and not any(value.startswith(prefix) for prefix in allowed):
+            if value is None:
+                continue
+            path = value.split("://", 1)[-1]
+            if any(segment in (".", "..") for segment in path.split("/")):
+                raise ValueError(f"{field} {value!r}: a '.' or '..' path segment; expected a URL under {allowed} without them")
+            if not any(_under(value, prefix) for prefix in allowed):
                 raise ValueError(f"{field} {value!r}: this daemon's jobs may read only under {allowed} (jobs.sources)")
 
     def _check_same(self, job: _Job, spec: JobSpec) -> None:
