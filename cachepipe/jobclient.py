@@ -115,10 +115,22 @@ class JobClient:
             ServiceError: a bad spec (400), another spec under this name or no room (409), the
                 daemon takes no jobs (404), the job's source cannot be listed (5xx).
             ConnectionError: the daemon cannot be reached.
+            RuntimeError: registered again (the daemon restarted and forgot the job), the job
+                now plans from another catalog than this lane's positions refer to (its source
+                was listed again and changed): continuing would skip and repeat items.
         """
         _, data = self._request("PUT", self._route, self.spec, self.register_timeout)
-        self.info = json.loads(data)
-        return self.info
+        info: dict[str, Any] = json.loads(data)
+        before = None if self.info is None else self.info.get("catalog_digest")
+        if before is not None and info.get("catalog_digest") != before:
+            raise RuntimeError(
+                f"job {self.job!r} was registered again (the daemon restarted) and now plans from another catalog "
+                f"({info.get('catalog_digest')!r}, was {before!r}): its source changed since it was listed, so this "
+                "lane's position would skip and repeat items. Restart the run, or pin the job to a manifest "
+                "(a spec's 'catalog', see JobClient.index) so that a restart plans from the same items"
+            )
+        self.info = info
+        return info
 
     def upload_manifest(self, data: bytes) -> str:
         """Give the daemon a manifest (the bytes of ``cachepipe index``) to plan from; returns its

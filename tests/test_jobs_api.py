@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,34 @@ def test_manifests_listed_uploaded_and_checked(s3_source, tmp_path, short_dir):
                 lane.manifest_bytes("f" * 32)
             assert err.value.status == 404
     assert sorted(p.name for p in (root / ".manifests").iterdir()) == [f"{digest}.json.gz"]  # no upload leftovers
+
+
+@pytest.mark.parametrize("grown", [False, True], ids=["same-data", "source-grew"])
+def test_a_lane_registered_again_after_a_daemon_restart_refuses_a_changed_catalog(s3_source, tmp_path, short_dir, grown):
+    """The daemon killed and restarted forgets its jobs; a lane's next request registers the job
+    again, which lists the source again. Before, a source that had changed meanwhile gave a new
+    plan under the lane's old position: items skipped and repeated, silently. Now the lane goes
+    on over the same data, and refuses to over other data."""
+    s3_source.folders(6, {"a.bin": KIB})
+    sock = short_dir / "api.sock"
+    jobs = {"root": str(tmp_path / "jobs"), "capacity": "1MiB", "sources": [s3_source.url]}
+    jobs["options"] = {"storage_options": s3_source.options}
+    config = write_config(tmp_path, sock, jobs)
+    one = {**spec(s3_source), "world_size": 1, "ranks": [0]}
+    with JobClient("train", one, 0, socket=sock, startup_timeout=30) as lane:
+        with DaemonProcess(config) as daemon:
+            lane.register()
+            item = lane.take((0, 0), timeout=30)
+            daemon.signal(signal.SIGKILL)
+            daemon.proc.wait(30)
+        if grown:
+            s3_source.put("item006/a.bin", b"x" * KIB)
+        with DaemonProcess(config):
+            if not grown:
+                assert lane.take(item.next, timeout=30).cursor == item.next
+                return
+            with pytest.raises(RuntimeError, match=r"registered again .* now plans from another catalog"):
+                lane.take(item.next, timeout=30)
 
 
 def test_jobs_sources_are_prefixes_by_whole_path_segments():
