@@ -379,9 +379,11 @@ class NodePipeline(Pipeline):
             ValueError: not a lane of this node, or not a position of its plan.
             TimeoutError: nothing became ready within ``timeout`` seconds.
             ItemFailedError, OversizeError: the item at ``cursor`` failed (``on_error="raise"``).
+            CacheRemovedError: the cache directory was removed (see :meth:`check_cache`).
             RuntimeError: the pipeline is not open.
         """
         self._require_open()
+        self._check_cache_due()
         queues = self._queues
         lane = self.node_plan.lane(rank, worker)
         at = queues.schedule.normalise(lane, cursor)
@@ -395,6 +397,7 @@ class NodePipeline(Pipeline):
                 return None
             value = planned.value
             if isinstance(value, Failed):
+                self.check_cache()  # failed because the cache directory is gone?
                 self._skip_or_raise(value)
                 at = queues.schedule.after(lane, planned.step)
                 continue

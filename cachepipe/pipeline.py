@@ -631,10 +631,7 @@ class Pipeline:
         if count < 1:
             raise ValueError(f"count must be at least 1, got {count!r}")
         self._require_open()
-        now = time.monotonic()
-        if self._fetcher.removed is not None or now - self._cache_checked >= CACHE_CHECK_SECONDS:
-            self._cache_checked = now
-            self.check_cache()
+        self._check_cache_due()
         while True:
             try:
                 got = self._take(count, timeout)
@@ -664,6 +661,13 @@ class Pipeline:
                     cache=f"{self._cache.used / 2**20:.0f}/{self._cache.capacity / 2**20:.0f}MiB", refresh=False
                 )
             return items
+
+    def _check_cache_due(self) -> None:
+        """:meth:`check_cache`, if the last was :data:`CACHE_CHECK_SECONDS` ago or the fetcher found the cache gone."""
+        now = time.monotonic()
+        if self._fetcher.removed is not None or now - self._cache_checked >= CACHE_CHECK_SECONDS:
+            self._cache_checked = now
+            self.check_cache()
 
     def check_cache(self) -> None:
         """Check that the cache directory, and the state directory in it, are the ones
@@ -822,12 +826,12 @@ class Pipeline:
         if why == "another lease":
             timeout = self.config.lease_timeout
             return UnknownItemError(
-                f"cannot {verb} {str(path)!r}: it is handed out under another lease than the one given (the lease "
-                f"given expired after lease_timeout={timeout:g} s and the item was handed out again, or it is not "
-                "the lease that delivered it)"
+                f"cannot {verb} {str(path)!r}: it is handed out under another lease (your lease expired after "
+                f"lease_timeout={timeout:g} s and the item was handed out again, or the lease given is not the one "
+                "that delivered it)"
                 if timeout is not None
-                else f"cannot {verb} {str(path)!r}: it is handed out under another lease than the one given (not "
-                "the lease that delivered it)"
+                else f"cannot {verb} {str(path)!r}: it is handed out under another lease (the lease given is not the "
+                "one that delivered it)"
             )
         return UnknownItemError(
             f"cannot {verb} {str(path)!r}: not an item handed out by this pipeline (never delivered, already "

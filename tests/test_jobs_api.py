@@ -10,12 +10,14 @@ import gzip
 import json
 import os
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from cachepipe.client import ServiceError
+from cachepipe.client import Client, ServiceError
 from cachepipe.errors import ConfigError
 from cachepipe.jobclient import JobClient
 from cachepipe.manifest import index
@@ -145,6 +147,35 @@ def test_a_lane_registered_again_after_a_daemon_restart_refuses_a_changed_catalo
                 return
             with pytest.raises(RuntimeError, match=r"registered again .* now plans from another catalog"):
                 lane.take(item.next, timeout=30)
+
+
+@pytest.mark.parametrize("found_by", ["health", "take"])
+def test_a_job_whose_cache_directory_is_removed_is_dropped_and_its_lane_goes_on(s3_source, tmp_path, short_dir, found_by):
+    """``rm -rf`` of a job's directory: before, the lanes were handed deleted paths, health said
+    ok, and registering the job again failed with HTTP 500 until the daemon restarted. Now the
+    daemon drops the job (found by a health check, or at the lane's next take), and the lane
+    registers it again and gets the rest of its share from a fresh directory."""
+    data = s3_source.folders(6, {"a.bin": KIB})
+    sock = short_dir / "api.sock"
+    root = tmp_path / "jobs"
+    jobs = {"root": str(root), "capacity": "1MiB", "sources": [s3_source.url]}
+    jobs["options"] = {"storage_options": s3_source.options}
+    one = {**spec(s3_source), "world_size": 1, "ranks": [0]}
+    with DaemonProcess(write_config(tmp_path, sock, jobs)) as daemon, JobClient("train", one, 0, socket=sock) as lane:
+        lane.register()
+        taken = lane.take((0, 0), timeout=30)
+        names = [taken.name]
+        subprocess.run(["rm", "-rf", str(root / "train")], check=True)
+        if found_by == "health":
+            with Client(socket=sock) as client:
+                assert client.health()["status"] == "ok"  # the job is dropped: nothing is down
+        else:
+            time.sleep(1.1)  # past the at-most-once-a-second check at hand-out
+        while (taken := lane.take(taken.next, timeout=30)) is not None:
+            assert (Path(taken.path) / "a.bin").read_bytes() == data[taken.name]["a.bin"]
+            names.append(taken.name)
+        assert sorted(names) == sorted(data)
+        assert "job train dropped: " in daemon.log() and "was removed while the pipeline was open" in daemon.log()
 
 
 def test_jobs_sources_are_prefixes_by_whole_path_segments():

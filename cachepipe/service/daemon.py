@@ -600,8 +600,9 @@ class Daemon:
 
     def check_caches(self) -> None:
         """Take down each pipeline whose cache directory was removed or replaced (see
-        :meth:`cachepipe.Pipeline.check_cache`): called by :meth:`health` and every
-        ``status_interval`` seconds, besides each ``next``."""
+        :meth:`cachepipe.Pipeline.check_cache`), and drop each such job (see
+        :meth:`~cachepipe.service.jobs.Jobs.take`): called by :meth:`health` and every
+        ``status_interval`` seconds, besides each ``next`` and each lane's request."""
         for served in self._entries():
             pipe = served.pipeline
             if pipe is None:
@@ -612,6 +613,8 @@ class Daemon:
                 self._take_down(served, pipe, exc)
             except RuntimeError:
                 pass  # closed meanwhile (a reload, or the daemon stopping)
+        if self._jobs is not None:
+            self._jobs.check_caches()
 
     def _take_down(self, served: _Served, pipe: Pipeline, exc: CacheRemovedError) -> UnavailableError:
         """The cache directory of ``served`` (running ``pipe``) is gone: close the pipeline and

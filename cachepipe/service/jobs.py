@@ -36,7 +36,7 @@ from typing import Annotated, Any, BinaryIO, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from ..config import Capacity, PipelineConfig, Share, check_manifest_location, parse_size
-from ..errors import ConfigError
+from ..errors import CacheRemovedError, ConfigError
 from ..manifest import index, read_manifest
 from ..node import NodePipeline, Taken
 from ..plan import Cursor
@@ -359,8 +359,46 @@ class Jobs:
         count: int = 1,
         max_bytes: int | None = None,
     ) -> list[Taken]:
-        """:meth:`NodePipeline.take_many` of job ``name``."""
-        return self._job(name).pipeline.take_many(rank, worker, cursor, count, max_bytes, timeout)
+        """:meth:`NodePipeline.take_many` of job ``name``.
+
+        Raises:
+            UnknownPipelineError: the job's cache directory was removed: the job is dropped, and
+                a new registration opens it again in a fresh directory (a lane's
+                :class:`~cachepipe.jobclient.JobClient` registers again and goes on).
+        """
+        job = self._job(name)
+        try:
+            return job.pipeline.take_many(rank, worker, cursor, count, max_bytes, timeout)
+        except CacheRemovedError as exc:
+            raise self._drop(job, exc) from None
+
+    def check_caches(self) -> None:
+        """Drop every job whose cache directory was removed (see :meth:`take`)."""
+        for job in self._jobs_now():
+            try:
+                job.pipeline.check_cache()
+            except CacheRemovedError as exc:
+                self._drop(job, exc)
+            except RuntimeError:
+                pass  # closed meanwhile (deleted, or the daemon stopping)
+
+    def _drop(self, job: _Job, exc: CacheRemovedError) -> UnknownPipelineError:
+        """Forget ``job`` (its cache directory is gone) and close it; the error for its lanes."""
+        with self._lock:
+            mine = self._jobs.get(job.name) is job
+            if mine:
+                del self._jobs[job.name]
+        if mine:
+            log.error("job %s dropped: %s", job.name, exc)
+            try:
+                job.pipeline.close()
+            except Exception:  # closing what is left of a removed cache: logged, the job is gone either way
+                log.exception("closing job %s after its cache directory was removed failed", job.name)
+        return UnknownPipelineError(f"job {job.name!r} was dropped: {exc}; register it again to start over")
+
+    def _jobs_now(self) -> list[_Job]:
+        with self._lock:
+            return list(self._jobs.values())
 
     def consume(self, name: str, rank: int, worker: int, cursor: Cursor) -> None:
         """:meth:`NodePipeline.consume` of job ``name``."""
@@ -391,9 +429,7 @@ class Jobs:
 
     def entries(self) -> list[tuple[str, NodePipeline, dict[str, Any]]]:
         """``(name, pipeline, description)`` of every registered job."""
-        with self._lock:
-            jobs = list(self._jobs.values())
-        return [(job.name, job.pipeline, self._describe(job)) for job in jobs]
+        return [(job.name, job.pipeline, self._describe(job)) for job in self._jobs_now()]
 
     @staticmethod
     def _describe(job: _Job) -> dict[str, Any]:
