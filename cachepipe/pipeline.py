@@ -758,9 +758,13 @@ class Pipeline:
         Raises:
             UnknownItemError: one of them is not an item currently handed out, or is given twice:
                 nothing is acknowledged.
+            CacheRemovedError: the cache directory was removed or replaced (see
+                :meth:`check_cache`): its paths may name another owner's items, so nothing is deleted.
             OSError: the acks could not be journaled (a full disk): nothing changed.
         """
         self._require_open()
+        if self._fetcher.removed is not None:  # a path may now name another owner's item: nothing is deleted
+            raise self._fetcher.removed
         wanted = [self._lease_key(*item) if isinstance(item, tuple) else self._lease_key(item, None) for item in items]
         if not wanted:
             return

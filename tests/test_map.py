@@ -802,6 +802,25 @@ def test_the_state_of_the_downloads_pipeline_is_part_of_the_sizing_so_the_dry_ru
             assert said in err.err + err.out and "Traceback" not in err.err
 
 
+def test_leftovers_are_looked_for_in_this_mount_namespace_only(tmp_path):
+    """In another mount namespace (a container, systemd's PrivateTmp) the same path can be another
+    folder with a live run of its own: its commands are not this cache's leftovers."""
+    from cachepipe.map.child import kill_leftovers
+
+    work = tmp_path / WORK_DIR
+    env = {**os.environ, "CACHEPIPE_OUT": f"{work}/0/out"}
+    here = subprocess.Popen(["sleep", "60"], env=env)
+    elsewhere = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "60"], env=env)
+    try:
+        wait_until(lambda: processes_writing_into(tmp_path).keys() >= {str(here.pid), str(elsewhere.pid)})
+        assert sorted(kill_leftovers(work)) == [here.pid]  # before: both
+        assert here.wait(10) == -signal.SIGKILL and elsewhere.poll() is None
+    finally:
+        for proc in (here, elsewhere):
+            proc.kill()
+            proc.wait()
+
+
 def test_usage_errors_exit_2_naming_the_option_and_an_empty_source_is_an_error(tmp_path, capsys):
     """Before: every one of these exited 1, the refused value as pydantic's raw text, and a source
     under which nothing is listed (a mistyped prefix) ran nothing and exited 0."""

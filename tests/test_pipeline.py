@@ -306,6 +306,32 @@ def test_a_cache_directory_removed_under_the_pipeline_stops_it_naming_why(s3_sou
         assert again.value is info.value and pipe.stats().items_skipped == 0
 
 
+def test_a_pipeline_whose_directory_was_replaced_leaves_the_new_owners_items_alone(s3_source, tmp_path):
+    """The directory moved aside and another pipeline opened at its path: closing the first (or
+    acknowledging one of its items) must not delete the second one's items by name, nor its
+    staging. Before, close dropped every item it had published, under the new directory."""
+    s3_source.folders(4, {"f": 1000})
+    cache = tmp_path / "c"
+    options = {"storage_options": s3_source.options, "auto_ack": False}
+    first = Pipeline(s3_source.url, cache, capacity="1MiB", **options).open()
+    try:
+        held = first.get(timeout=30)
+        wait_until(lambda: first.stats().items_ready == 3, what="every item of the first downloaded")
+        cache.rename(tmp_path / "aside")
+        with Pipeline(s3_source.url, cache, capacity="1MiB", **options) as second:
+            theirs = second.get_many(4, timeout=30)
+            wait_until(lambda: second.stats().items_handed + second.stats().items_ready == 4, what="the second's items")
+            with pytest.raises(CacheRemovedError, match="was replaced by another directory"):
+                first.check_cache()
+            with pytest.raises(CacheRemovedError):
+                first.ack(held)  # its name is one of the second's items now
+            first.close()
+            assert all(Path(item).exists() for item in theirs)
+            assert (cache / ".cachepipe" / "staging").is_dir()
+    finally:
+        first.close()
+
+
 def test_check_cache_finds_a_removed_directory_with_every_item_downloaded(s3_source, tmp_path):
     """With nothing left to download no staging error can tell: the check at hand-out does."""
     n = 5

@@ -248,6 +248,34 @@ def test_a_truncated_archive_is_called_truncated_not_too_large(tmp_path, fmt):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["5"]
 
 
+def test_a_stop_while_a_refused_member_is_read_ends_the_read(tmp_path):
+    """The read that tells a truncated archive from a too large one must end at a stop: read
+    through tarfile's extractfile (a buffered reader), the stop's InterruptedError was retried
+    for ever, at full CPU, and a close or reload waited on it."""
+    from cachepipe.unpack import _read_data
+
+    path = tmp_path / "big.tar.gz"
+    path.write_bytes(archive_bytes({"big.bin": os.urandom(12 << 20)}, "tar.gz"))  # incompressible: read as it goes
+    stop = threading.Event()
+    box: list[BaseException] = []
+
+    def probe() -> None:
+        with ConcatReader([path], stop) as reader, tarfile.open(fileobj=reader, mode="r|gz") as tar:
+            member = tar.next()
+            assert member is not None
+            stop.set()  # as Pipeline.close sets it, while the member's data is being read
+            try:
+                _read_data(tar, member, None)  # the stream's own read sees the stop
+            except BaseException as exc:  # noqa: BLE001 - handed to the test
+                box.append(exc)
+
+    thread = threading.Thread(target=probe, name="test-probe", daemon=True)
+    thread.start()
+    thread.join(30)  # a guard, not a timing assertion: before, it never returned
+    assert not thread.is_alive(), "the read of a refused member went on after the stop"
+    assert box and isinstance(box[0], InterruptedError), box
+
+
 def test_a_zip_member_that_fails_its_crc_is_called_corrupt(tmp_path):
     data = bytearray(zip_bytes([("a.bin", os.urandom(5000))]))
     data[2000] ^= 0xFF  # inside the member's data; the central directory is intact

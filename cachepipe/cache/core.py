@@ -338,6 +338,12 @@ class Cache:
         self._eviction.stop()  # deletes what acks moved aside; from now on deletions run here
         if not self._lock.held:
             return
+        removed = self.removed()
+        if removed is not None:  # what is at its path now is not ours (another owner's, maybe): touch nothing
+            log.warning("closing without deleting anything: %s", removed)
+            self.record.close()
+            self._lock.release()
+            return
         try:
             if not keep and self.record.journal.is_open:  # else recovery never finished: the next open decides
                 for name in list(self.record.published):

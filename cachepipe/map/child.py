@@ -70,19 +70,24 @@ def kill_leftovers(work: Path, wait: float = 5.0) -> list[int]:
     reaches only a command's own process, through its parent-death signal; what it started
     lives on, writing into the slots). Call with the run's lock held, before the slots are
     cleared. Waits up to ``wait`` seconds for them to die; returns their pids. Linux (reads
-    ``/proc``); elsewhere nothing is found. Processes of other users are not readable, so not
-    found: they could not write into this user's cache anyway, unless it is shared."""
+    ``/proc``); elsewhere nothing is found. Only processes in this mount namespace count (in
+    another, the same path may be another folder, with a live run of its own). Processes of
+    other users are not readable, so not found: they could not write into this user's cache
+    anyway, unless it is shared."""
     marker = os.fsencode(f"CACHEPIPE_OUT={work}{os.sep}")
     me = os.getpid()
     killed = []
     try:
         entries = os.listdir("/proc")
+        here = os.stat("/proc/self/ns/mnt").st_ino
     except OSError:
         return []
     for entry in entries:
         if not entry.isdigit() or int(entry) == me:
             continue
         try:
+            if os.stat(f"/proc/{entry}/ns/mnt").st_ino != here:
+                continue  # another mount namespace (a container, PrivateTmp): the same path is another folder
             with open(f"/proc/{entry}/environ", "rb") as fh:
                 environ = fh.read()
         except OSError:  # gone, or another user's

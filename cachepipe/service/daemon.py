@@ -325,6 +325,8 @@ class Daemon:
                     for path in paths:
                         watcher.follow(name, path, markers=markers)
                 return items
+            except UnavailableError:
+                raise  # taken down (its cache directory is gone): not a pipeline closed by a reload
             except RuntimeError:
                 if not self._wait_replaced(name, pipe, deadline):
                     raise TimeoutError(f"pipeline {name!r} was being reloaded for the whole wait of {limit:g} s") from None
