@@ -335,7 +335,8 @@ class Fetcher:
             self._stop.set()
         log.error("downloads stopped: %s", error)
         self._cache.interrupt()
-        self._broker.fail(max(seq, 0), name, error, begun=seq >= 0, kind="stream")
+        # in the turn of the first step not resolved: steps before the one that found it may never come now
+        self._broker.fail(0, name, error, begun=seq >= 0, kind="stream")
 
     # ---- planner thread --------------------------------------------------------------
     def _run(self) -> None:
