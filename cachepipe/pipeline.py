@@ -829,12 +829,13 @@ class Pipeline:
             return UnknownItemError(f"cannot {verb} {str(path)!r}: given twice in one call")
         if why == "another lease":
             timeout = self.config.lease_timeout
+            expired = (
+                ""
+                if timeout is None
+                else f"your lease expired after lease_timeout={timeout:g} s and the item was handed out again, or "
+            )
             return UnknownItemError(
-                f"cannot {verb} {str(path)!r}: it is handed out under another lease (your lease expired after "
-                f"lease_timeout={timeout:g} s and the item was handed out again, or the lease given is not the one "
-                "that delivered it)"
-                if timeout is not None
-                else f"cannot {verb} {str(path)!r}: it is handed out under another lease (the lease given is not the "
+                f"cannot {verb} {str(path)!r}: it is handed out under another lease ({expired}the lease given is not the "
                 "one that delivered it)"
             )
         return UnknownItemError(
