@@ -10,12 +10,12 @@ import gzip
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from removing import remove_tree
 
 from cachepipe.client import Client, ServiceError
 from cachepipe.errors import ConfigError
@@ -165,7 +165,7 @@ def test_a_job_whose_cache_directory_is_removed_is_dropped_and_its_lane_goes_on(
         lane.register()
         taken = lane.take((0, 0), timeout=30)
         names = [taken.name]
-        subprocess.run(["rm", "-rf", str(root / "train")], check=True)
+        remove_tree(root / "train")
         if found_by == "health":
             with Client(socket=sock) as client:
                 assert client.health()["status"] == "ok"  # the job is dropped: nothing is down

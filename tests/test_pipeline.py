@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from removing import remove_tree
 from sampling import Sampler
 from waiting import wait_until
 
@@ -273,12 +274,6 @@ def test_an_object_rewritten_since_listing_fails_its_item_at_once_even_at_the_sa
     assert not (tmp_path / "c" / "item002").exists()
 
 
-def _remove_tree(path: Path) -> None:
-    """``rm -rf``, as an operator would, while the pipeline writes into it (shutil.rmtree raises
-    on a file that vanished meanwhile)."""
-    subprocess.run(["rm", "-rf", str(path)], check=True)
-
-
 @pytest.mark.parametrize("how", ["removed", "replaced"])
 def test_a_cache_directory_removed_under_the_pipeline_stops_it_naming_why(s3_source, tmp_path, how):
     """Before, items were handed out with paths that no longer existed, then each failed on its
@@ -290,7 +285,7 @@ def test_a_cache_directory_removed_under_the_pipeline_stops_it_naming_why(s3_sou
     with Pipeline(s3_source.url, cache, capacity="1MiB", **options) as pipe:
         pipe.ack(pipe.get(timeout=10))
         if how == "removed":
-            _remove_tree(cache)
+            remove_tree(cache)
         else:
             cache.rename(tmp_path / "aside")
             cache.mkdir()
@@ -341,7 +336,7 @@ def test_check_cache_finds_a_removed_directory_with_every_item_downloaded(s3_sou
         first = pipe.get(timeout=30)
         wait_until(lambda: pipe.stats().items_ready == n - 1, what="every item downloaded")
         pipe.check_cache()  # nothing wrong yet
-        _remove_tree(cache)
+        remove_tree(cache)
         with pytest.raises(CacheRemovedError, match="was removed"):
             pipe.check_cache()
         with pytest.raises(CacheRemovedError):
