@@ -14,9 +14,8 @@ so that :class:`~cachepipe.retention.PlanFuture` and Belady retention see the wh
 its consumer (a worker restarting from a checkpoint asks for an earlier position; one that
 skipped ahead, for a later one): :meth:`LaneSchedule.next` serves the lane with the fewest
 steps planned and not consumed, then the earliest ``(epoch, index)`` (the merged order when
-lanes keep pace), passing over a lane whose next item is still out; :meth:`LaneSchedule.reset`
-moves a lane
-and starts a new *generation* of it, so that steps planned for its old position can be told
+lanes keep pace), passing over a lane the caller holds back; :meth:`LaneSchedule.reset`
+moves a lane and starts a new *generation* of it, so that steps planned for its old position can be told
 apart. Nothing here does I/O, takes a lock or starts a thread.
 """
 
@@ -265,18 +264,19 @@ class LaneSchedule:
         """True when every lane is past the end of a finite plan."""
         return all(self.plan.done(cursor.epoch) for cursor in self.cursors)
 
-    def next(self, load: Sequence[int] | None = None, busy: Callable[[int], bool] = lambda _item: False) -> LaneStep | None:
-        """The next step to fetch; that lane moves past it. None: every lane is at its end, or
-        every lane's next item is ``busy``.
+    def next(
+        self, load: Sequence[int] | None = None, hold: Callable[[int, int], bool] = lambda _lane, _item: False
+    ) -> LaneStep | None:
+        """The next step to plan; that lane moves past it. None: every lane is at its end, or
+        ``hold(lane, item)`` is true of every lane's next step.
 
         The lane is the one with the least ``load`` (its steps planned and not yet consumed;
         default: none), then the earliest ``(epoch, index)``, then the lowest number. So lanes
         are served as fast as they consume: a DataLoader takes one sample from each worker in
         turn and DDP ranks step together, by count, so a lane whose shares are shorter runs
         epochs ahead of the others, and an order by epoch alone would wait for it. A lane whose
-        next item is ``busy`` (an earlier step of it is still planned and not consumed: one copy
-        of an item at a time) is passed over, so that fetching never waits for a consumer that is
-        itself waiting for another lane.
+        next step (of catalog index ``item``) is held back is passed over (the node holds back a
+        lane that is far enough ahead over items already on disk).
         """
         best: tuple[int, int, int, int] | None = None
         for lane, cursor in enumerate(self.cursors):
@@ -285,7 +285,7 @@ class LaneSchedule:
             key = (0 if load is None else load[lane], cursor.epoch, cursor.index, lane)
             if best is not None and key >= best:
                 continue
-            if busy(self.plan.lane_share(lane, cursor.epoch)[cursor.index]):
+            if hold(lane, self.plan.lane_share(lane, cursor.epoch)[cursor.index]):
                 continue
             best = key
         if best is None:

@@ -21,8 +21,9 @@ opens with ``resume=False``: published items that match the catalog are reused w
 plan reaches them, nothing is skipped on the node's word).
 
 The fetch order serves the lane with the fewest steps planned and not consumed (see
-:meth:`~cachepipe.lanes.LaneSchedule.next`), so lanes are fetched for as fast as they consume,
-and the fetcher never waits for an item that a lane still holds. A lane that stops asking keeps
+:meth:`~cachepipe.lanes.LaneSchedule.next`), so lanes are fetched for as fast as they consume.
+Steps of one item that are planned at once (lanes an epoch apart) share its one copy on disk
+(see :class:`LaneQueues`): no lane waits for another to move on. A lane that stops asking keeps
 what was fetched for it: size the node's capacity for what every lane's consumer runs ahead
 (with DataLoader workers, ``prefetch_factor x batch_size`` items per worker).
 """
@@ -32,7 +33,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,15 +52,27 @@ __all__ = ["NodePipeline", "Taken"]
 
 
 @dataclass(slots=True, eq=False)
+class _Copy:
+    """The one copy of a catalog item that the node's steps of it share: downloading, then on
+    disk (or failed). Known while a step holds it or it downloads."""
+
+    item: int  # catalog index (in the plan's sizes)
+    holders: list[_Planned] = field(default_factory=list)  # steps planned and not consumed
+    value: str | Failed | None = None  # None: downloading
+    last: _Planned | None = None  # the last holder gone (what an arrival nobody holds is shelved as)
+
+
+@dataclass(slots=True, eq=False)
 class _Planned:
     """A step of a lane, from planning until the lane consumes it."""
 
-    seq: int
+    seq: int  # the download's turn; -1: the step shares a copy planned before
     lane: int
     generation: int
     step: Step
     tick: int
     kept: _Held  # what a hand-out needs of the item (not the Item: the collector stops tracking it)
+    copy: _Copy
     value: str | Failed | None = None  # None: downloading; its path once on disk
     handed: bool = False
 
@@ -101,6 +113,14 @@ class LaneQueues(Broker[str]):
     Bookkeeping only, under one condition variable, like :class:`~cachepipe.broker.Broker`
     (whose producer side it implements). Items that arrive for a lane that moved on are given to
     ``on_stale`` (outside the lock).
+
+    A step whose item has a copy planned or on disk for another step (another lane's, or an
+    earlier epoch of its own lane) shares that copy instead of downloading it again: the cache
+    holds one copy of an item at a time, and a lane must never wait for another lane to move on
+    (a DataLoader's main process waits for worker 1's batch while worker 0 holds the item worker
+    1 needs next). The copy is deleted (or shelved) when its last step is consumed. A lane plans
+    such shared steps no further ahead than the node has copies, so the planner stops when
+    every lane is that far ahead over items already on disk.
     """
 
     def __init__(self, schedule: LaneSchedule, on_stale: Callable[[_Planned], None]) -> None:
@@ -108,31 +128,54 @@ class LaneQueues(Broker[str]):
         self.schedule = schedule
         self._on_stale = on_stale
         self._lanes = [_LaneState(floor=c) for c in schedule.cursors]
-        self._planned: dict[int, _Planned] = {}
+        self._fetching: dict[int, _Copy] = {}  # download seq -> its copy, until it arrives
+        self._copies: dict[int, _Copy] = {}  # catalog item -> its copy that a new step shares
         self._next_seq = 0
         self._handed_count = 0
         self._error: BaseException | None = None
-        self._busy: Counter[int] = Counter()  # catalog items of steps planned and not consumed
 
     # ---- planner side ----------------------------------------------------------------
     def steps(self, item_of: Callable[[int], Item]) -> Iterator[list[Planned]]:
-        """The fetch order, run in the producer thread: the schedule's next step (a run of one:
-        the schedule picks each step by the lanes' load as it is then), waiting while every lane
-        is at its end (until one is moved, or the queues close)."""
+        """The fetch order, run in the producer thread: the schedule's next step that needs a
+        download (a run of one: the schedule picks each step by the lanes' load as it is then;
+        steps that share a copy are planned on the way), waiting while every lane is at its end
+        or as far ahead as it may run (until one moves, or the queues close)."""
         while True:
             with self._cond:
-                while (got := None if self._closed else self.schedule.next(self._load(), self._busy.__contains__)) is None:
-                    if self._closed:
-                        return
-                    self._cond.wait()  # every lane at its end, or waiting to consume an item before it comes again
-                seq = self._next_seq
-                self._next_seq += 1
-                item = item_of(got.step.item)
-                planned = _Planned(seq, got.lane, got.generation, got.step, got.tick, _held(item))
-                self._planned[seq] = planned
-                self._lanes[got.lane].held[planned.key] = planned
-                self._busy[got.step.item] += 1
-            yield [(seq, item, planned.tick)]
+                while True:
+                    got = None if self._closed else self.schedule.next(self._load(), self._far_ahead)
+                    if got is None:
+                        if self._closed:
+                            return
+                        self._cond.wait()  # every lane at its end, or far ahead over copies on disk
+                        continue
+                    item = item_of(got.step.item)
+                    copy = self._copies.get(got.step.item)
+                    shared = copy is not None and not isinstance(copy.value, Failed)  # a failed item is tried again
+                    if copy is None or not shared:
+                        copy = self._copies[got.step.item] = _Copy(got.step.item)
+                    planned = _Planned(-1, got.lane, got.generation, got.step, got.tick, _held(item), copy, copy.value)
+                    copy.holders.append(planned)
+                    self._lanes[got.lane].held[planned.key] = planned
+                    self._begun += 1  # each step counts as begun (Broker.served: how many are ahead)
+                    if not shared:
+                        planned.seq = self._next_seq
+                        self._next_seq += 1
+                        self._fetching[planned.seq] = copy
+                        self._begun -= 1  # the fetcher begins it
+                        break
+                    if planned.value is None:
+                        self._pending += 1  # its copy is downloading
+                    else:
+                        self._fresh += 1
+                        self._cond.notify_all()
+            yield [(planned.seq, item, planned.tick)]
+
+    def _far_ahead(self, lane: int, item: int) -> bool:
+        """True if the lane's next step (of catalog ``item``) would share a copy, and the lane
+        already holds as many steps as the node has copies (planning it waits for the lane's
+        consumer, which has steps to take)."""
+        return item in self._copies and len(self._lanes[lane].held) >= len(self._copies)
 
     def put_many(self, ready: Sequence[tuple[int, str, str]]) -> None:
         self._arrive([(seq, value) for seq, _name, value in ready])
@@ -150,14 +193,18 @@ class LaneQueues(Broker[str]):
         stale: list[_Planned] = []
         with self._cond:
             for seq, value in arrivals:
-                self._pending -= 1
-                planned = self._planned[seq]
-                planned.value = value
-                if self._lanes[planned.lane].held.get(planned.key) is not planned:  # the lane moved on while it downloaded
-                    del self._planned[seq]
-                    stale.append(planned)
-                else:
+                copy = self._fetching.pop(seq)
+                copy.value = value
+                sharing = sum(1 for planned in copy.holders if planned.seq != seq)  # steps that wait for it with its own
+                self._pending -= 1 + sharing
+                for planned in copy.holders:
+                    planned.value = value
                     self._fresh += 1
+                if not copy.holders:  # every step of it moved on while it downloaded
+                    if self._copies.get(copy.item) is copy:
+                        del self._copies[copy.item]
+                    if copy.last is not None:
+                        stale.append(copy.last)
             if len(stale) < len(arrivals):
                 self._cond.notify_all()
         for planned in stale:
@@ -170,10 +217,12 @@ class LaneQueues(Broker[str]):
         return self._waiting > 0 and self._fresh == 0
 
     # ---- lane side -------------------------------------------------------------------
-    def move(self, lane_no: int, cursor: Cursor) -> tuple[list[_Planned], list[_Planned]]:
-        """Lane ``lane_no`` asks for ``cursor`` (normalised): returns ``(consumed, stale)``, the
-        items on disk that the lane is done with (before ``cursor``) and those it no longer
-        holds because it moved outside what was planned for it (see the module notes)."""
+    def move(self, lane_no: int, cursor: Cursor) -> tuple[list[_Planned], list[_Planned], int]:
+        """Lane ``lane_no`` asks for ``cursor`` (normalised): returns ``(consumed, stale,
+        acked)``: the items on disk that the lane is done with (before ``cursor``) and those it
+        no longer holds because it moved outside what was planned for it (see the module notes),
+        each only if no other step holds its copy; and how many of its steps with an item on
+        disk it consumed."""
         with self._cond:
             lane = self._lanes[lane_no]
             if lane.floor <= cursor <= self.schedule.cursors[lane_no]:
@@ -185,28 +234,30 @@ class LaneQueues(Broker[str]):
                 lane.generation = self.schedule.reset(lane_no, cursor)
                 lane.floor = self.schedule.cursors[lane_no]
                 moved = True
-            on_disk = []
+            on_disk, acked = [], 0
             for planned in gone:
                 del lane.held[planned.key]
-                self._unbusy(planned.step.item)
+                copy = planned.copy
+                copy.holders.remove(planned)
+                copy.last = planned
                 if planned.value is None:
-                    continue  # downloading: stale on arrival
-                del self._planned[planned.seq]
+                    if planned.seq == -1:
+                        self._pending -= 1  # a step sharing a download no longer waits for it
+                    continue  # the download arrives stale, if no step holds it then
                 self._forget(planned)
-                if not isinstance(planned.value, Failed):
+                failed = isinstance(planned.value, Failed)
+                acked += not failed
+                if copy.holders:
+                    continue  # another step holds the copy: it stays
+                if self._copies.get(copy.item) is copy:
+                    del self._copies[copy.item]
+                if not failed:
                     on_disk.append(planned)
             self._cond.notify_all()
-        return ([], on_disk) if moved else (on_disk, [])
+        return ([], on_disk, 0) if moved else (on_disk, [], acked)
 
     def _load(self) -> list[int]:
         return [len(lane.held) for lane in self._lanes]
-
-    def _unbusy(self, item: int) -> None:
-        left = self._busy[item] - 1
-        if left:
-            self._busy[item] = left
-        else:
-            del self._busy[item]
 
     def _forget(self, planned: _Planned) -> None:
         if planned.handed:
@@ -462,11 +513,12 @@ class NodePipeline(Pipeline):
 
     def _move(self, lane: int, cursor: Cursor) -> None:
         with self._moves:
-            consumed, stale = self._queues.move(lane, cursor)
+            consumed, stale, acked = self._queues.move(lane, cursor)
             if consumed:  # one journal write for the lot
                 self._cache.evict_many([(planned.name, planned.step.epoch, planned.tick) for planned in consumed])
+            if acked:
                 with self._counts_lock:
-                    self._counts["acked"] += len(consumed)
+                    self._counts["acked"] += acked
             for planned in stale:
                 self._stale(planned)
             self._advance()

@@ -63,6 +63,21 @@ def test_schedule_walks_the_merged_order_and_each_lane_in_its_own():
     assert all(s.tick == tick(s.step.epoch, plan.positions(s.step.epoch)[s.lane][s.step.index]) for s in walked)
 
 
+def test_schedule_passes_over_a_lane_held_back_and_none_when_every_lane_is():
+    plan = node(list(range(1, 13)), [0], 1, 2, epochs=1)
+    schedule = LaneSchedule(plan)
+    asked = []
+
+    def hold(lane: int, item: int) -> bool:
+        asked.append((lane, item))
+        return lane == 0
+
+    got = schedule.next([0, 5], hold)  # lane 0 is the less loaded, but held back
+    assert got.lane == 1 and asked[0] == (0, plan.lane_share(0, 0)[0])
+    assert schedule.next([0, 5], lambda _lane, _item: True) is None
+    assert schedule.cursors[0] == Cursor(0, 0)  # a lane passed over keeps its position
+
+
 def test_reset_moves_one_lane_and_starts_a_new_generation():
     plan = node(list(range(1, 13)), [0, 1], 2, 1, epochs=2)
     schedule = LaneSchedule(plan)

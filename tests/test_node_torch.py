@@ -61,12 +61,12 @@ for n, sample in enumerate(loader, 1):
 """
 
 
-def write_config(tmp_path: Path, sock: Path, url: str, options: dict) -> Path:
+def write_config(tmp_path: Path, sock: Path, url: str, options: dict, capacity: int = CAPACITY) -> Path:
     data = {
         "socket": str(sock),
         "jobs": {
             "root": str(tmp_path / "jobs"),
-            "capacity": CAPACITY,
+            "capacity": capacity,
             "sources": [url],
             "options": {"storage_options": options, "max_concurrency": 4},
         },
@@ -248,3 +248,30 @@ def test_two_nodes_under_torch_distributed_list_once(dataset, fault_proxy, tmp_p
     for rank in (0, 1):
         for worker in (0, 1):
             assert by_worker(outs[rank], worker) == expected(data, rank, worker)
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_workers_of_one_rank_over_unequal_items_and_epochs_do_not_hang(s3_source, tmp_path, short_dir, seed):
+    """Under the defaults (partition="epoch"), with a cache that holds the whole epoch: before,
+    worker 1's next item could be one planned for worker 0 further on. One copy of an item at a
+    time, so worker 1 waited for worker 0 to pass it, and worker 0 waited for the main process,
+    which waited for worker 1's sample: the job hung (in seeds 3 and 4 of 0-5; the others pass
+    either way). Now worker 1 shares worker 0's copy."""
+    data = {f"item{i:02d}": {"f": os.urandom((1 + i % 8) * KIB)} for i in range(40)}
+    for name, files in data.items():
+        s3_source.put(f"{name}/f", files["f"])
+    sock = short_dir / "api.sock"
+    options = {"epochs": 3, "shuffle": True, "seed": seed}
+    cfg = {"url": s3_source.url, "socket": str(sock), "options": options}
+    with DaemonProcess(write_config(tmp_path, sock, s3_source.url, s3_source.options, capacity=1 << 20)):
+        env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+        command = [sys.executable, "-c", RANK, json.dumps(cfg)]
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+            try:
+                out, err = proc.communicate(timeout=60)  # before: hung (in seeds 3 and 4 of 0-5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise
+    assert proc.returncode == 0, err
+    got = samples(out)
+    assert len(got) == 3 * len(data) and all(hashlib.md5(data[n]["f"]).hexdigest() == d for _, _, n, d in got)
