@@ -13,13 +13,12 @@ of one process. The price: every process lists the source, and the capacity is s
 one cache under the node's capacity (an item may be as large as all of it) and downloads for
 every lane with one pool of connections (see :mod:`cachepipe.node`). The dataset registers the
 job (its spec: source, plan options, world size, the node's ranks, DataLoader workers), then each
-worker reads its lane by position. The position is the dataset's state: :meth:`state_dict` and
-:meth:`load_state_dict` work in every worker, which is what
-``torchdata.stateful_dataloader.StatefulDataLoader`` saves and restores.
+worker reads its lane by position. The position is the dataset's state.
 
 Items are read inside the worker: pass ``transform(path)`` (decode the video, read the text...)
-and the worker yields what it returns; in node mode the item is released as soon as
-``transform`` returns, in per-process mode when the worker moves to the next.
+and the worker yields what it returns; the item is released as soon as ``transform`` returns.
+:meth:`~CachePipeDataset.state_dict` and :meth:`~CachePipeDataset.load_state_dict` work in
+every worker in both modes (what ``StatefulDataLoader`` saves and restores).
 A bare path cannot leave a worker process safely (it would be evicted before the main process
 read it), so ``transform`` is required when ``num_workers > 0``.
 
@@ -235,13 +234,18 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             yield from self._iter_node()
             return
         pipe = self.pipeline()
-        if self._state is not None:
+        if self._state:  # {}: the start
             pipe.load_state_dict(self._state)
-            self._state = None  # this iteration only: the next one starts a new pass
+        self._state = None  # this iteration only: the next one starts a new pass
         self._pipe = pipe
         with pipe:
-            for path in pipe:
-                yield path if self.transform is None else self.transform(path)
+            if self.transform is None:
+                yield from pipe  # each item acknowledged when the loop asks for the next
+                return
+            while (item := pipe.get()) is not None:
+                sample = self.transform(item)
+                pipe.ack(item)  # read: its space is free while the sample travels on, and the state is past it
+                yield sample
 
     def _iter_node(self) -> Iterator[Any]:
         worker, num_workers = self._worker()
@@ -284,15 +288,14 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             self._cursor = cursor
 
     def state_dict(self) -> dict[str, Any]:
-        """Where to resume.
+        """Where to resume: valid in every DataLoader worker (``StatefulDataLoader`` saves
+        each worker's) and in the main process.
 
         Node mode: the position after the last sample this process (worker) yielded, with the
-        job, lane and catalog digest; valid in every DataLoader worker (``StatefulDataLoader``
-        saves each worker's). Per-process mode: the epoch and position of the iteration in this
-        process (``num_workers=0`` only; resume workers with ``resume=True`` instead).
-
-        Raises:
-            RuntimeError: nothing has iterated in this process yet (per-process mode).
+        job, lane and catalog digest. Per-process mode: the plan's configuration and the
+        position of this process's pipeline (:meth:`cachepipe.Pipeline.state_dict`): after the
+        last sample yielded with a ``transform``, at the item in hand without one. Before this
+        process iterates: the state loaded, or the start (``{}`` in per-process mode).
         """
         if self.node is not None:
             if self._cursor is None:
@@ -307,7 +310,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                 "catalog_digest": digest,
             }
         if self._pipe is None:
-            raise RuntimeError("state_dict(): iterate the dataset in this process first (num_workers=0)")
+            return dict(self._state) if self._state is not None else {}
         return self._pipe.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

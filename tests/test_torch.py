@@ -105,6 +105,34 @@ def test_dataset_state_dict_resumes_mid_epoch(s3_source, tmp_path):
     assert [p.name for p in resumed] == full
 
 
+def test_stateful_dataloader_with_workers_resumes_each_worker_after_its_last_sample(s3_source, tmp_path):
+    """Per-process mode. Before, StatefulDataLoader with workers failed at its first batch: a
+    worker's state_dict() raised "iterate the dataset in this process first (num_workers=0)".
+    Now each worker's state is its pipeline's position after the last sample it yielded (the
+    item is acknowledged once transform returns), so a resume gets exactly the rest."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed")
+    s3_source.folders(12, {"f": 500})
+    opts = {"transform": read, "storage_options": s3_source.options, "rank": 0, "world_size": 1}
+    opts |= {"epochs": 2, "shuffle": True, "seed": 3}
+
+    def loader(cache: str):
+        dataset = CachePipeDataset(s3_source.url, tmp_path / cache, "1MiB", **opts)
+        return stateful.StatefulDataLoader(dataset, batch_size=None, num_workers=2)
+
+    full = [tuple(x) for x in loader("a")]
+    first, got = loader("b"), []
+    for n, sample in enumerate(first, 1):
+        got.append(tuple(sample))
+        if n == 7:
+            state = first.state_dict()
+    resumed = loader("c")
+    resumed.load_state_dict(state)
+    rest = [tuple(x) for x in resumed]
+    assert got == full and len(full) == 24
+    assert got[:7] + rest == full  # nothing twice, nothing lost
+    assert [tuple(x) for x in resumed] == full  # the loaded state is for one pass
+
+
 DIST_SCRIPT = """
 import json, sys, hashlib, torch, torch.distributed as dist
 from cachepipe.torch import CachePipeDataset
