@@ -52,29 +52,34 @@ __all__ = ["NodePipeline", "Taken"]
 
 
 @dataclass(slots=True, eq=False)
-class _Copy:
-    """The one copy of a catalog item that the node's steps of it share: downloading, then on
-    disk (or failed). Known while a step holds it or it downloads."""
-
-    item: int  # catalog index (in the plan's sizes)
-    holders: list[_Planned] = field(default_factory=list)  # steps planned and not consumed
-    value: str | Failed | None = None  # None: downloading
-    last: _Planned | None = None  # the last holder gone (what an arrival nobody holds is shelved as)
-
-
-@dataclass(slots=True, eq=False)
 class _Planned:
-    """A step of a lane, from planning until the lane consumes it."""
+    """A step of a lane, from planning until the lane consumes it.
 
-    seq: int  # the download's turn; -1: the step shares a copy planned before
+    The step that downloads an item also keeps the record of that one copy of it (``got``,
+    ``holders``), which later steps of the item share while it is held (see
+    :class:`LaneQueues`). One object per step: the node may hold millions.
+    """
+
+    seq: int  # the download's turn; -1: the step shares the copy of ``source``
     lane: int
     generation: int
     step: Step
     tick: int
     kept: _Held  # what a hand-out needs of the item (not the Item: the collector stops tracking it)
-    copy: _Copy
-    value: str | Failed | None = None  # None: downloading; its path once on disk
+    source: _Planned | None = None  # the step whose copy this one shares; None: its own download
+    got: str | Failed | None = None  # the copy's: None while downloading; its path once on disk, or its failure
+    holders: int = 1  # the copy's: steps planned and not consumed that hold it
     handed: bool = False
+
+    @property
+    def copy(self) -> _Planned:
+        """The step that keeps this step's copy (itself, unless it shares one)."""
+        return self if self.source is None else self.source
+
+    @property
+    def value(self) -> str | Failed | None:
+        """The item's path once on disk, or its failure; None while it downloads."""
+        return self.copy.got
 
     @property
     def key(self) -> Cursor:
@@ -128,8 +133,8 @@ class LaneQueues(Broker[str]):
         self.schedule = schedule
         self._on_stale = on_stale
         self._lanes = [_LaneState(floor=c) for c in schedule.cursors]
-        self._fetching: dict[int, _Copy] = {}  # download seq -> its copy, until it arrives
-        self._copies: dict[int, _Copy] = {}  # catalog item -> its copy that a new step shares
+        self._fetching: dict[int, _Planned] = {}  # download seq -> its step (the copy's), until it arrives
+        self._copies: dict[int, _Planned] = {}  # catalog item -> the step with its copy, that a new step shares
         self._next_seq = 0
         self._handed_count = 0
         self._error: BaseException | None = None
@@ -151,20 +156,18 @@ class LaneQueues(Broker[str]):
                         continue
                     item = item_of(got.step.item)
                     copy = self._copies.get(got.step.item)
-                    shared = copy is not None and not isinstance(copy.value, Failed)  # a failed item is tried again
-                    if copy is None or not shared:
-                        copy = self._copies[got.step.item] = _Copy(got.step.item)
-                    planned = _Planned(-1, got.lane, got.generation, got.step, got.tick, _held(item), copy, copy.value)
-                    copy.holders.append(planned)
+                    if copy is not None and isinstance(copy.got, Failed):
+                        copy = None  # a failed item is tried again
+                    planned = _Planned(-1, got.lane, got.generation, got.step, got.tick, _held(item), copy)
                     self._lanes[got.lane].held[planned.key] = planned
-                    self._begun += 1  # each step counts as begun (Broker.served: how many are ahead)
-                    if not shared:
+                    if copy is None:
                         planned.seq = self._next_seq
                         self._next_seq += 1
-                        self._fetching[planned.seq] = copy
-                        self._begun -= 1  # the fetcher begins it
+                        self._fetching[planned.seq] = self._copies[got.step.item] = planned
                         break
-                    if planned.value is None:
+                    copy.holders += 1
+                    self._begun += 1  # a shared step counts as begun too (Broker.served: how many are ahead)
+                    if copy.got is None:
                         self._pending += 1  # its copy is downloading
                     else:
                         self._fresh += 1
@@ -194,17 +197,14 @@ class LaneQueues(Broker[str]):
         with self._cond:
             for seq, value in arrivals:
                 copy = self._fetching.pop(seq)
-                copy.value = value
-                sharing = sum(1 for planned in copy.holders if planned.seq != seq)  # steps that wait for it with its own
-                self._pending -= 1 + sharing
-                for planned in copy.holders:
-                    planned.value = value
-                    self._fresh += 1
+                copy.got = value
+                held = self._lanes[copy.lane].held.get(copy.key) is copy
+                self._pending -= 1 + copy.holders - held  # the download, and the shared steps that waited for it
+                self._fresh += copy.holders
                 if not copy.holders:  # every step of it moved on while it downloaded
-                    if self._copies.get(copy.item) is copy:
-                        del self._copies[copy.item]
-                    if copy.last is not None:
-                        stale.append(copy.last)
+                    if self._copies.get(copy.step.item) is copy:
+                        del self._copies[copy.step.item]
+                    stale.append(copy)
             if len(stale) < len(arrivals):
                 self._cond.notify_all()
         for planned in stale:
@@ -238,19 +238,18 @@ class LaneQueues(Broker[str]):
             for planned in gone:
                 del lane.held[planned.key]
                 copy = planned.copy
-                copy.holders.remove(planned)
-                copy.last = planned
-                if planned.value is None:
-                    if planned.seq == -1:
-                        self._pending -= 1  # a step sharing a download no longer waits for it
+                copy.holders -= 1
+                if copy.got is None:
+                    if planned.source is not None:
+                        self._pending -= 1  # a shared step no longer waits for the download
                     continue  # the download arrives stale, if no step holds it then
                 self._forget(planned)
-                failed = isinstance(planned.value, Failed)
+                failed = isinstance(copy.got, Failed)
                 acked += not failed
                 if copy.holders:
                     continue  # another step holds the copy: it stays
-                if self._copies.get(copy.item) is copy:
-                    del self._copies[copy.item]
+                if self._copies.get(copy.step.item) is copy:
+                    del self._copies[copy.step.item]
                 if not failed:
                     on_disk.append(planned)
             self._cond.notify_all()
