@@ -13,7 +13,7 @@ from conftest import via
 from cachepipe import ConfigError, ObjectChangedError, Pipeline, StoreUnreachableError
 from cachepipe.errors import is_transient
 from cachepipe.stores import open_store
-from cachepipe.stores.base import takes_etag
+from cachepipe.stores.base import listed_etag, takes_etag
 
 
 @pytest.fixture
@@ -83,6 +83,19 @@ def test_s3_gets_through_s3fs_are_conditional_too(s3_source):
             store.get("a/f", io.BytesIO(), 2, 7, etag=listed.etag)
     finally:
         store.close()
+
+
+def test_a_weak_etag_is_listed_as_none_so_that_its_get_carries_no_condition():
+    """If-Match compares strongly: a weak tag (W/"...", from a gateway that rewrites bodies)
+    never matches, so a GET conditional on it was refused every time (ObjectChangedError for
+    every object). A weak tag is now listed as unknown, and its object read unconditionally."""
+    from cachepipe.stores.s3direct import _parse_listing
+
+    assert [listed_etag(t) for t in ('"abc"', "abc", 'W/"abc"', '""', "", None)] == ["abc", "abc", None, None, None, None]
+    page = b"""<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><IsTruncated>false</IsTruncated>
+    <Contents><Key>a</Key><Size>1</Size><ETag>W/&quot;abc&quot;</ETag></Contents>
+    <Contents><Key>b</Key><Size>2</Size><ETag>&quot;def&quot;</ETag></Contents></ListBucketResult>"""
+    assert _parse_listing(page) == ([("a", 1, None), ("b", 2, "def")], None)
 
 
 def test_takes_etag_tells_a_get_that_takes_the_condition_from_one_written_before_it():

@@ -34,7 +34,7 @@ from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 from ..errors import ObjectChangedError, StoreUnavailableError, StoreUnreachableError, store_code
 
-__all__ = ["FIRST_PAGE_KEYS", "ObjectInfo", "Store", "WritableStore", "takes_etag"]
+__all__ = ["FIRST_PAGE_KEYS", "ObjectInfo", "Store", "WritableStore", "listed_etag", "takes_etag"]
 
 FIRST_PAGE_KEYS = 100
 """Keys a paginated store asks for in its first listing request; each later request asks for the
@@ -87,6 +87,15 @@ CHANGED = "changed since it was listed: its ETag is no longer the listed one"
 words from every backend."""
 
 
+def listed_etag(raw: str | None) -> str | None:
+    """A listed ETag as the core keeps it: without its quotes; None when there is none, or when
+    it is weak (``W/"..."``: ``If-Match`` compares strongly, so a GET conditional on a weak tag
+    is refused every time; such an object is read without the condition)."""
+    if not raw or raw.startswith("W/"):
+        return None
+    return raw.strip('"') or None
+
+
 def takes_etag(store: Any) -> bool:
     """Whether ``store.get`` names a parameter ``etag`` (every backend of cachepipe's does; a
     store written for an older cachepipe and passed as ``store=`` may not): the core passes the
@@ -117,7 +126,8 @@ class ObjectInfo:
         key: path relative to the store's root prefix, ``/``-separated, exactly as listed
             (not yet checked for safety: the catalog does that).
         size: size in bytes.
-        etag: the store's entity tag without quotes, or None when unknown.
+        etag: the store's entity tag without quotes, or None when unknown or weak (see
+            :func:`listed_etag`).
     """
 
     key: str

@@ -22,7 +22,7 @@ import fsspec
 import fsspec.asyn
 
 from ..errors import ConfigError, StoreUnavailableError, store_code
-from .base import FIRST_PAGE_KEYS, ObjectInfo, http_status_error, unreachable_error
+from .base import FIRST_PAGE_KEYS, ObjectInfo, http_status_error, listed_etag, unreachable_error
 
 __all__ = ["FsspecStore"]
 
@@ -268,7 +268,7 @@ class FsspecStore:
             if info.get("type", "file") != "file" or not path.startswith(prefix):
                 continue
             etag = info.get("ETag") or info.get("etag")
-            yield ObjectInfo(path[len(prefix) :], int(info["size"]), etag.strip('"') if etag else None)
+            yield ObjectInfo(path[len(prefix) :], int(info["size"]), listed_etag(etag))
 
     def _list_s3(self) -> Iterator[ObjectInfo]:
         bucket, key, _ = self.fs.split_path(self.root)
@@ -308,7 +308,7 @@ class FsspecStore:
         entries = []
         for entry in page.get("Contents", ()):
             etag = entry.get("ETag")
-            entries.append((entry["Key"], int(entry["Size"]), etag.strip('"') if etag else None))
+            entries.append((entry["Key"], int(entry["Size"]), listed_etag(etag)))
         return entries, page["NextContinuationToken"] if page.get("IsTruncated") else None
 
     def get(self, key: str, out: BinaryIO, start: int, end: int, *, etag: str | None = None) -> int:

@@ -50,7 +50,7 @@ from typing import Any, BinaryIO, TypeVar
 from urllib.parse import urlsplit
 
 from cachepipe.errors import ConfigError, ObjectChangedError, StoreUnavailableError, StoreUnreachableError, store_code
-from cachepipe.stores.base import CHANGED, CREDENTIAL_CODES, FIRST_PAGE_KEYS, THROTTLE_CODES, ObjectInfo
+from cachepipe.stores.base import CHANGED, CREDENTIAL_CODES, FIRST_PAGE_KEYS, THROTTLE_CODES, ObjectInfo, listed_etag
 
 __all__ = ["CHUNK_SIZE", "MAX_PAGE_SIZE", "ObsServiceError", "ObsStore"]
 
@@ -354,7 +354,7 @@ class ObsStore:
                 if not key.startswith(self.prefix) or key <= last:
                     raise OSError(f"{self.url}: OBS listed {key!r} out of order or outside the prefix")
                 last = key
-                etag = entry.etag.strip('"') if entry.etag else None
+                etag = listed_etag(entry.etag)
                 yield ObjectInfo(key=key[len(self.prefix) :], size=int(entry.size or 0), etag=etag)
             if not page.is_truncated:
                 return

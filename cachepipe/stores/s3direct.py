@@ -65,6 +65,8 @@ from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.exceptions import NoCredentialsError
 
+from .base import listed_etag
+
 __all__ = ["DirectGet"]
 
 log = logging.getLogger("cachepipe.stores.s3direct")
@@ -118,7 +120,7 @@ def _parse_listing(body: bytes) -> _Page:
         key, size, etag = (entry.findtext(f"{ns}{tag}") for tag in ("Key", "Size", "ETag"))
         if key is None or size is None:
             raise ValueError(f"a ListObjectsV2 entry without Key or Size: {ElementTree.tostring(entry)[:200]!r}")
-        entries.append((unquote_plus(key) if url_encoded else key, int(size), etag.strip('"') if etag else None))
+        entries.append((unquote_plus(key) if url_encoded else key, int(size), listed_etag(etag)))
     truncated = root.findtext(f"{ns}IsTruncated") == "true"
     return entries, root.findtext(f"{ns}NextContinuationToken") if truncated else None
 
