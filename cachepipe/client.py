@@ -53,6 +53,7 @@ DEFAULT_SOCKET = "/run/cachepipe/cachepipe.sock"
 _SLICE = 60.0  # longest single wait per request; longer waits are several requests
 _MARGIN = 30.0  # socket timeout beyond the wait the daemon was asked for
 DEFAULT_STARTUP_TIMEOUT = 10.0  # covers a restart: stop (close the caches) and start (open them)
+DEFAULT_OUTAGE_TIMEOUT = 300.0  # a registered lane (JobClient): a crash, systemd's RestartSec=5s, and opening big caches
 _POLL = (0.02, 0.05, 0.1, 0.2, 0.25)  # pauses between attempts to reach a starting daemon, then the last
 
 
@@ -484,7 +485,7 @@ class Client:
                 raise ValueError(f"the daemon at {self.address} serves the pipelines {', '.join(names)}: pass pipeline=NAME")
             self.pipeline = names[0]
         route = f"/v1/pipelines/{quote(str(self.pipeline), safe='')}/next"
-        outage = _Outage(self.startup_timeout)
+        outage = _Outage(self.startup_timeout, self.address)
         acking = extra is not None and bool(extra.get("ack") or extra.get("acks"))
         while True:
             wait = _SLICE if deadline is None else min(max(deadline - time.monotonic(), 0.0), _SLICE)
@@ -652,7 +653,7 @@ class Client:
             payload, headers = raw, {"Content-Type": "application/gzip"}
         if retry is None:
             retry = method == "GET"
-        outage = _Outage(self.startup_timeout if patience is None else patience)
+        outage = _Outage(self.startup_timeout if patience is None else patience, self.address)
         with self._lock:
             kept = True  # the first attempt may be on a kept-alive connection the daemon closed meanwhile
             while True:
@@ -723,10 +724,13 @@ def _code(data: bytes) -> str:
 
 
 class _Outage:
-    """How long we have been waiting for a daemon to be there; the pauses between attempts."""
+    """How long we have been waiting for a daemon to be there; the pauses between attempts. A
+    wait longer than a start's (``DEFAULT_STARTUP_TIMEOUT``) is logged as it begins, naming
+    ``address``: a lane that waits out a daemon's restart is not silent."""
 
-    def __init__(self, limit: float) -> None:
+    def __init__(self, limit: float, address: str = "") -> None:
         self.limit = limit
+        self.address = address
         self._since: float | None = None
         self._pauses = 0
 
@@ -735,6 +739,10 @@ class _Outage:
         now = time.monotonic()
         if self._since is None:
             self._since = now
+            if self.limit > DEFAULT_STARTUP_TIMEOUT:
+                log.warning(
+                    "the cachepipe daemon at %s is not there (restarting?): trying again for up to %g s", self.address, self.limit
+                )
         left = self._since + self.limit - now
         if left <= 0:
             return False

@@ -12,7 +12,9 @@ the node daemon and then reads its own share by position::
 
 Every request names the lane's position, and asking for a position acknowledges everything
 before it (see :mod:`cachepipe.node`), so every request is safe to send again: a daemon that
-restarts meanwhile is waited for (``startup_timeout``) and the job is registered again.
+restarts meanwhile is waited for (``outage_timeout``, 5 minutes, once the job is registered:
+a training job had better wait for systemd to restart the daemon than die) and the job is
+registered again.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 from typing import Any
 from urllib.parse import quote
 
-from .client import DEFAULT_STARTUP_TIMEOUT, Client, ServiceError, _code, _info
+from .client import DEFAULT_OUTAGE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT, Client, ServiceError, _code, _info
 from .items import PathItem
 from .plan import Cursor
 
@@ -73,7 +75,14 @@ class JobClient:
         request_timeout: seconds to wait for an answer other than an item or a registration.
         register_timeout: seconds to wait for a registration (the daemon lists the source
             then, unless the spec names a manifest or catalog) or an upload (default 600).
-        startup_timeout: seconds to keep trying while the daemon is not there (a restart).
+        startup_timeout: seconds to keep trying while the daemon is not there, until the job
+            is registered (default 10: a wrong socket fails fast).
+        outage_timeout: seconds to keep trying while the daemon is not there, once the job is
+            registered (default 300: a crash, systemd's ``RestartSec=5s``, then opening the
+            caches); each such wait is logged as it begins.
+
+    Raises:
+        ValueError: ``outage_timeout`` not a number of seconds >= 0.
     """
 
     def __init__(
@@ -87,8 +96,11 @@ class JobClient:
         request_timeout: float = 30.0,
         register_timeout: float = 600.0,
         startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+        outage_timeout: float = DEFAULT_OUTAGE_TIMEOUT,
     ) -> None:
-        self.register_timeout = register_timeout
+        if isinstance(outage_timeout, bool) or not isinstance(outage_timeout, (int, float)) or not outage_timeout >= 0:
+            raise ValueError(f"outage_timeout {outage_timeout!r}: expected a number of seconds >= 0")
+        self.register_timeout, self.outage_timeout = register_timeout, float(outage_timeout)
         self.job, self.spec, self.rank, self.worker = job, dict(spec), rank, worker
         self._client = Client(socket=socket, request_timeout=request_timeout, startup_timeout=startup_timeout).open()
         self._route = f"/v1/jobs/{quote(job, safe='')}"
@@ -130,6 +142,8 @@ class JobClient:
                 "(a spec's 'catalog', see JobClient.index) so that a restart plans from the same items"
             )
         self.info = info
+        client = self._client
+        client.startup_timeout = max(client.startup_timeout, self.outage_timeout)  # the daemon was here: wait for it
         return info
 
     def upload_manifest(self, data: bytes) -> str:

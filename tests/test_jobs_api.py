@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -147,6 +149,39 @@ def test_a_lane_registered_again_after_a_daemon_restart_refuses_a_changed_catalo
                 return
             with pytest.raises(RuntimeError, match=r"registered again .* now plans from another catalog"):
                 lane.take(item.next, timeout=30)
+
+
+def test_a_registered_lane_waits_out_a_daemon_restart_longer_than_a_start(s3_source, tmp_path, short_dir, caplog):
+    """Before, a lane waited startup_timeout (10 s) for a daemon that went away, then raised:
+    systemd restarts a crashed daemon after RestartSec=5s and it then opens its caches, so a
+    crash cost the training job. A lane that has registered now waits outage_timeout (300 s),
+    saying so in the log; one that never reached a daemon still fails after startup_timeout."""
+    s3_source.folders(4, {"a.bin": KIB})
+    sock = short_dir / "api.sock"
+    jobs = {"root": str(tmp_path / "jobs"), "capacity": "1MiB", "sources": [s3_source.url]}
+    jobs["options"] = {"storage_options": s3_source.options}
+    config = write_config(tmp_path, sock, jobs)
+    one = {**spec(s3_source), "world_size": 1, "ranks": [0]}
+    with JobClient("train", one, 0, socket=sock, startup_timeout=0.5) as lane:
+        with pytest.raises(ConnectionError, match=r"tried for 0.5 s"):
+            lane.register()  # no daemon yet: a wrong socket fails fast
+        with DaemonProcess(config) as daemon:
+            lane.register()
+            item = lane.take((0, 0), timeout=30)
+            daemon.signal(signal.SIGKILL)
+            daemon.proc.wait(30)
+        later = DaemonProcess(config)
+        starter = threading.Timer(2.0, later.start)  # back after 2 s and its start: past startup_timeout
+        starter.start()
+        try:
+            with caplog.at_level(logging.WARNING, logger="cachepipe.client"):
+                assert lane.take(item.next, timeout=60).cursor == item.next  # before: ConnectionError after 0.5 s
+        finally:
+            starter.join()
+            later.close()
+    assert "is not there (restarting?): trying again for up to 300 s" in caplog.text
+    with pytest.raises(ValueError, match=r"outage_timeout -1: expected a number of seconds >= 0"):
+        JobClient("train", one, 0, socket=sock, outage_timeout=-1)
 
 
 @pytest.mark.parametrize("found_by", ["health", "take"])
