@@ -44,6 +44,13 @@ def spec(where, **kw) -> dict:
     return {"source": where.url, "world_size": 2, "ranks": [0, 1], "num_workers": 1, **kw}
 
 
+def one_rank_job(where, tmp_path: Path, sock: Path) -> tuple[Path, dict]:
+    """A daemon's config with a jobs section over ``where`` (1 MiB), and the spec of a job of one rank."""
+    jobs = {"root": str(tmp_path / "jobs"), "capacity": "1MiB", "sources": [where.url]}
+    jobs["options"] = {"storage_options": where.options}
+    return write_config(tmp_path, sock, jobs), {**spec(where), "world_size": 1, "ranks": [0]}
+
+
 def test_jobs_register_once_conflict_and_end(s3_source, tmp_path, short_dir):
     s3_source.folders(6, {"a.bin": KIB})
     sock = short_dir / "api.sock"
@@ -131,10 +138,7 @@ def test_a_lane_registered_again_after_a_daemon_restart_refuses_a_changed_catalo
     on over the same data, and refuses to over other data."""
     s3_source.folders(6, {"a.bin": KIB})
     sock = short_dir / "api.sock"
-    jobs = {"root": str(tmp_path / "jobs"), "capacity": "1MiB", "sources": [s3_source.url]}
-    jobs["options"] = {"storage_options": s3_source.options}
-    config = write_config(tmp_path, sock, jobs)
-    one = {**spec(s3_source), "world_size": 1, "ranks": [0]}
+    config, one = one_rank_job(s3_source, tmp_path, sock)
     with JobClient("train", one, 0, socket=sock, startup_timeout=30) as lane:
         with DaemonProcess(config) as daemon:
             lane.register()
@@ -158,10 +162,7 @@ def test_a_registered_lane_waits_out_a_daemon_restart_longer_than_a_start(s3_sou
     saying so in the log; one that never reached a daemon still fails after startup_timeout."""
     s3_source.folders(4, {"a.bin": KIB})
     sock = short_dir / "api.sock"
-    jobs = {"root": str(tmp_path / "jobs"), "capacity": "1MiB", "sources": [s3_source.url]}
-    jobs["options"] = {"storage_options": s3_source.options}
-    config = write_config(tmp_path, sock, jobs)
-    one = {**spec(s3_source), "world_size": 1, "ranks": [0]}
+    config, one = one_rank_job(s3_source, tmp_path, sock)
     with JobClient("train", one, 0, socket=sock, startup_timeout=0.5) as lane:
         with pytest.raises(ConnectionError, match=r"tried for 0.5 s"):
             lane.register()  # no daemon yet: a wrong socket fails fast
