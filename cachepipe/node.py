@@ -50,6 +50,9 @@ from .stores import Store
 
 __all__ = ["NodePipeline", "Taken"]
 
+SHARED_RUN = 256
+"""Most steps that share a copy the planner plans in one hold of the queues' lock."""
+
 
 @dataclass(slots=True, eq=False)
 class _Planned:
@@ -117,21 +120,32 @@ class LaneQueues(Broker[str]):
 
     Bookkeeping only, under one condition variable, like :class:`~cachepipe.broker.Broker`
     (whose producer side it implements). Items that arrive for a lane that moved on are given to
-    ``on_stale`` (outside the lock).
+    ``on_stale``, and steps planned to share a copy to ``on_share`` (both outside the lock, in
+    the producer thread).
 
     A step whose item has a copy planned or on disk for another step (another lane's, or an
     earlier epoch of its own lane) shares that copy instead of downloading it again: the cache
     holds one copy of an item at a time, and a lane must never wait for another lane to move on
     (a DataLoader's main process waits for worker 1's batch while worker 0 holds the item worker
     1 needs next). The copy is deleted (or shelved) when its last step is consumed. A lane plans
-    such shared steps no further ahead than the node has copies, so the planner stops when
-    every lane is that far ahead over items already on disk.
+    such shared steps only while it holds fewer than its fair share of the node's copies
+    (copies / lanes; a lane that holds none is never held back), so the planner stops when the
+    lanes are that far ahead over items already on disk; it plans at most
+    :data:`SHARED_RUN` of them per hold of the lock. A step that shares a download that fails
+    fails with it (the download failed its retries already); one planned after the failure
+    downloads again.
     """
 
-    def __init__(self, schedule: LaneSchedule, on_stale: Callable[[_Planned], None]) -> None:
+    def __init__(
+        self,
+        schedule: LaneSchedule,
+        on_stale: Callable[[_Planned], None],
+        on_share: Callable[[list[_Planned]], None] = lambda _steps: None,
+    ) -> None:
         super().__init__(ordered=True)
         self.schedule = schedule
         self._on_stale = on_stale
+        self._on_share = on_share
         self._lanes = [_LaneState(floor=c) for c in schedule.cursors]
         self._fetching: dict[int, _Planned] = {}  # download seq -> its step (the copy's), until it arrives
         self._copies: dict[int, _Planned] = {}  # catalog item -> the step with its copy, that a new step shares
@@ -146,12 +160,16 @@ class LaneQueues(Broker[str]):
         steps that share a copy are planned on the way), waiting while every lane is at its end
         or as far ahead as it may run (until one moves, or the queues close)."""
         while True:
+            shared: list[_Planned] = []
+            download: Planned | None = None
             with self._cond:
-                while True:
+                while download is None and len(shared) < SHARED_RUN:
                     got = None if self._closed else self.schedule.next(self._load(), self._far_ahead)
                     if got is None:
                         if self._closed:
                             return
+                        if shared:
+                            break  # tell on_share first
                         self._cond.wait()  # every lane at its end, or far ahead over copies on disk
                         continue
                     item = item_of(got.step.item)
@@ -164,21 +182,26 @@ class LaneQueues(Broker[str]):
                         planned.seq = self._next_seq
                         self._next_seq += 1
                         self._fetching[planned.seq] = self._copies[got.step.item] = planned
+                        download = (planned.seq, item, planned.tick)
                         break
                     copy.holders += 1
+                    shared.append(planned)
                     self._begun += 1  # a shared step counts as begun too (Broker.served: how many are ahead)
                     if copy.got is None:
                         self._pending += 1  # its copy is downloading
                     else:
                         self._fresh += 1
                         self._cond.notify_all()
-            yield [(planned.seq, item, planned.tick)]
+            if shared:
+                self._on_share(shared)
+            if download is not None:
+                yield [download]
 
     def _far_ahead(self, lane: int, item: int) -> bool:
         """True if the lane's next step (of catalog ``item``) would share a copy, and the lane
-        already holds as many steps as the node has copies (planning it waits for the lane's
+        already holds its fair share of the node's copies (planning it waits for the lane's
         consumer, which has steps to take)."""
-        return item in self._copies and len(self._lanes[lane].held) >= len(self._copies)
+        return item in self._copies and len(self._lanes[lane].held) * len(self._lanes) >= len(self._copies)
 
     def put_many(self, ready: Sequence[tuple[int, str, str]]) -> None:
         self._arrive([(seq, value) for seq, _name, value in ready])
@@ -400,7 +423,7 @@ class NodePipeline(Pipeline):
         cache.recover(catalog, resume=False)
         largest = self._check_limit(plan.sizes, catalog, eligible, cache)
         self.node_plan = plan
-        queues = LaneQueues(LaneSchedule(plan), self._stale)
+        queues = LaneQueues(LaneSchedule(plan), self._stale, self._shared)
         self._broker = queues
         self._queues = queues
         self._catalog_items, self._eligible_items = catalog, eligible
@@ -521,6 +544,12 @@ class NodePipeline(Pipeline):
             for planned in stale:
                 self._stale(planned)
             self._advance()
+
+    def _shared(self, steps: list[_Planned]) -> None:
+        """Steps planned to share a copy on disk or downloading: its retention pin now lasts
+        until the latest of them (the policy's next use of the item is after it)."""
+        for planned in steps:
+            self._cache.reach(planned.name, planned.tick)
 
     def _stale(self, planned: _Planned) -> None:
         """An item on disk that its lane moved away from: keep it for the step that reaches it

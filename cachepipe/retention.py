@@ -271,12 +271,22 @@ class RetentionPolicy:
     def is_pinned(self, item: int) -> bool:
         return self._pins[item] > 0
 
+    def reach(self, item: int, tick: int) -> None:
+        """The step at ``tick`` shares the pinned copy of ``item`` without a pin of its own (its
+        copy is acknowledged once, after the last step that shares it): the item's next use is
+        then after ``tick``, if that is later than the pin's. Nothing if ``item`` is not pinned."""
+        if self._pins[item]:
+            self._reach(item, tick)
+
     def is_retained(self, item: int) -> bool:
         return self._is_retained(item)
 
     # ---- per policy ------------------------------------------------------------------
     def _pinned(self, item: int, tick: int) -> None:
         """``item`` was pinned (again) for the step at ``tick``."""
+
+    def _reach(self, item: int, tick: int) -> None:
+        """A step at ``tick`` shares ``item``'s pinned copy (see :meth:`reach`)."""
 
     def _retain(self, item: int, tick: int) -> bool:
         raise NotImplementedError
@@ -396,6 +406,14 @@ class Belady(RetentionPolicy):
         key = self.future.next_use(item, tick)  # type: ignore[union-attr]
         self._pkey[item] = key
         self._push(self._pheap, self._pkey, key, item, self._pinned_items)
+
+    def _reach(self, item: int, tick: int) -> None:
+        key = self.future.next_use(item, tick)  # type: ignore[union-attr]
+        if key > self._pkey[item]:
+            if self._pkey[item] < 0:
+                self._pinned_items += 1
+            self._pkey[item] = key
+            self._push(self._pheap, self._pkey, key, item, self._pinned_items)
 
     def on_ack(self, item: int, tick: int) -> bool:
         keep = super().on_ack(item, tick)

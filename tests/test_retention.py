@@ -462,3 +462,17 @@ def test_a_fetch_waits_while_the_items_earlier_copy_is_deleted(tmp_path):
         acks.join()
     finally:
         cache.close()
+
+
+def test_a_step_sharing_a_pinned_copy_moves_its_next_use_past_it():
+    """A node's steps of one item share one copy, pinned by the first and acknowledged by the
+    last: the copy's next use is the one after the latest step that shares it. Before, it was
+    the one after the first: the sharing step itself, read already, so the item was kept with a
+    next use in the past and never chosen for eviction."""
+    policy = Belady([10, 10, 10], SequenceFuture([0, 1, 0, 2, 0]))
+    policy.on_admit(0, 0)
+    policy.reach(0, 2)  # the step at tick 2 shares the copy of tick 0
+    policy.reach(0, 0)  # an earlier tick does not move it back
+    assert policy.on_ack(0, 2) is True and policy._rkey[0] == 4  # kept for tick 4, the next use after 2
+    policy.reach(1, 1)  # not pinned: nothing
+    assert not policy.is_pinned(1) and not policy.is_retained(1)

@@ -694,6 +694,20 @@ class Cache:
                 if self._closed and not self._acks_deleting:
                     self._cond.notify_all()  # wakes close() (only then: reserve()'s waiters have nothing new)
 
+    def reach(self, name: str, tick: int) -> None:
+        """The step at ``tick`` reads the copy of ``name`` that an earlier step pinned (a node's
+        steps of one item share one copy, acknowledged once, by the last): with retention, the
+        item's next use is from then on the one after ``tick`` (if later). Nothing without
+        retention, or if the item is not pinned."""
+        policy = self._policy
+        if policy is None:
+            return
+        number = self._number(name)
+        if number is None:
+            return
+        with self._cond:
+            policy.reach(number, tick)
+
     def shelve(self, name: str, epoch: int = 0, tick: int = 0) -> None:
         """A published item that its consumer moved away from before reading it, and that a later
         step will ask for again (a node's lane that restarted from an earlier position): without
