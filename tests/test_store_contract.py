@@ -3,9 +3,13 @@ moto server, local files, fsspec memory."""
 
 from __future__ import annotations
 
+import http.client
 import io
 import socket
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from conftest import via
@@ -13,7 +17,7 @@ from conftest import via
 from cachepipe import ConfigError, ObjectChangedError, Pipeline, StoreUnreachableError
 from cachepipe.errors import is_transient
 from cachepipe.stores import open_store
-from cachepipe.stores.base import listed_etag, takes_etag
+from cachepipe.stores.base import CONNECT_TIMEOUT, listed_etag, takes_etag
 
 
 @pytest.fixture
@@ -208,6 +212,59 @@ def test_unresolvable_host_fails_at_once_naming_host_and_url(remote_source, tmp_
     assert not is_transient(error)
     assert endpoint in str(error) and remote_source.url in str(error) and "does not resolve" in str(error)
     assert error.endpoint == endpoint
+
+
+@contextmanager
+def _blackhole() -> Iterator[str]:
+    """An endpoint whose connections time out, as behind a firewall that drops packets: a
+    listening socket whose accept queue (backlog 0) one connection fills, so that the kernel
+    drops every later SYN."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    filler = socket.create_connection(server.getsockname(), timeout=5)
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        filler.close()
+        server.close()
+
+
+def test_an_endpoint_whose_connections_time_out_fails_at_once_naming_it(remote_source, tmp_path):
+    """Before, a connect timeout was a transient error like any timeout: the first listing was
+    tried 13 times, each after botocore's own 5 attempts of 60 s (over an hour), with a warning
+    per retry and nothing else. Before the endpoint ever answered, it now fails at once."""
+    with _blackhole() as endpoint:
+        options = via(remote_source, endpoint)
+        if remote_source.kind == "obs":
+            options["timeout"] = 1
+        else:
+            options["config_kwargs"] = {**options["config_kwargs"], "connect_timeout": 1}
+        error = _fails_within(_pipeline_run(remote_source.url, options, tmp_path))
+    assert isinstance(error, StoreUnreachableError), repr(error)
+    assert not is_transient(error) and endpoint.removeprefix("http://") in str(error)
+    assert "before it ever answered (packets dropped: a firewall, or a" in str(error)
+
+
+def test_s3_connects_wait_ten_seconds_unless_configured(s3_source):
+    """botocore waits 60 s for a connection, up to 5 times per call; the S3 stores wait 10 s."""
+    from cachepipe.stores.s3direct import ConnectTimeoutError, DirectGet
+
+    store = open_store(s3_source.url, s3_source.options)
+    assert store.fs.config_kwargs["connect_timeout"] == 10 == CONNECT_TIMEOUT and store.direct
+    given = {**s3_source.options, "config_kwargs": {"connect_timeout": 3}}
+    assert open_store(s3_source.url, given).fs.config_kwargs["connect_timeout"] == 3
+    assert DirectGet.CONNECT_TIMEOUT == CONNECT_TIMEOUT
+
+    class QuickerDirectGet(DirectGet):
+        CONNECT_TIMEOUT = 0.5
+
+    with _blackhole() as endpoint:
+        conn = http.client.HTTPConnection(endpoint.removeprefix("http://"))
+        started = time.monotonic()
+        with pytest.raises(ConnectTimeoutError, match=r"no connection to 127.0.0.1:\d+ within 0.5 s"):
+            QuickerDirectGet(store.fs)._connect(conn)  # the direct path's connect, on its own
+        assert time.monotonic() - started >= 0.45 and conn.sock is None
 
 
 def test_refused_at_the_first_request_fails_at_once_naming_the_endpoint(remote_source, tmp_path):

@@ -109,10 +109,21 @@ def takes_etag(store: Any) -> bool:
     return etag is not None and etag.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
+CONNECT_TIMEOUT = 10.0
+"""Seconds to wait for a connection to an S3 endpoint (botocore's default is 60, with up to 5
+attempts per call): a firewall that drops packets makes every connect wait this long. Before the
+endpoint ever answered, such a timeout fails at once (:func:`unreachable_error`); after, it is
+retried like any timeout. ``storage_options["config_kwargs"]["connect_timeout"]`` sets it."""
+
+NO_ANSWER = "no answer to a connection before it ever answered (packets dropped: a firewall, or a wrong host)"
+"""Why an endpoint is unreachable when its first connection timed out (see :data:`CONNECT_TIMEOUT`)."""
+
+
 def unreachable_error(endpoint: str, where: str, why: str) -> StoreUnreachableError:
     """The contract's error for an endpoint that cannot be reached at all (``why``: its host
-    name does not resolve, or it refused before it ever answered): not retried, since it points
-    at a wrong ``endpoint_url``. Shared by the S3 backends' error seams."""
+    name does not resolve, it refused before it ever answered, or its connections time out
+    before it ever answered): not retried, since it points at a wrong ``endpoint_url`` or a
+    network that drops its packets. Shared by the S3 backends' error seams."""
     return store_code(
         StoreUnreachableError(f"cannot reach {endpoint} for {where}: {why}; check the endpoint_url"), None, endpoint
     )

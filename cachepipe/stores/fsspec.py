@@ -22,7 +22,7 @@ import fsspec
 import fsspec.asyn
 
 from ..errors import ConfigError, StoreUnavailableError, store_code
-from .base import FIRST_PAGE_KEYS, ObjectInfo, http_status_error, listed_etag, unreachable_error
+from .base import CONNECT_TIMEOUT, FIRST_PAGE_KEYS, NO_ANSWER, ObjectInfo, http_status_error, listed_etag, unreachable_error
 
 __all__ = ["FsspecStore"]
 
@@ -110,6 +110,8 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool) -> Bas
     refused = any(isinstance(err, ConnectionRefusedError) for err in chain)
     if refused and not answered:
         return unreachable_error(endpoint, where, "connection refused before it ever answered")
+    if not answered and any("ConnectTimeout" in type(err).__name__ for err in chain):  # botocore's, s3direct's
+        return unreachable_error(endpoint, where, NO_ANSWER)
     if isinstance(exc, OSError) and exc.errno == errno.EBUSY:  # s3fs: SlowDown, ServiceUnavailable
         return store_code(StoreUnavailableError(f"store {at} throttled or unavailable for {where}: {exc}"), None, endpoint)
     if isinstance(exc, TimeoutError) or "Timeout" in name:
@@ -123,7 +125,7 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool) -> Bas
 
 def _check_options(url: str, fs_cls: Any, options: dict[str, Any]) -> None:
     """Raise ConfigError for a storage option that ``fs_cls`` would ignore or fail on later."""
-    protocols = (fs_cls.protocol,) if isinstance(fs_cls.protocol, str) else tuple(fs_cls.protocol)
+    protocols = _protocols(fs_cls)
     if not _CHECKED_PROTOCOLS.intersection(protocols):
         return
     accepted = set(_FSSPEC_OPTIONS)
@@ -144,6 +146,11 @@ def _check_options(url: str, fs_cls: Any, options: dict[str, Any]) -> None:
                 f"storage_options[{key!r}] is not an option of {protocols[0]}:// ({fs_cls.__module__}.{fs_cls.__name__}) "
                 f"for {url!r}; {hint}accepted: {', '.join(sorted(accepted))}"
             )
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    """The protocols of an fsspec filesystem (class or instance): its ``protocol``, a name or several."""
+    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
 
 
 def _filesystem_class(url: str) -> type:
@@ -173,7 +180,11 @@ class FsspecStore:
         self.url = url
         options = dict(storage_options or {})
         if "::" not in url:  # a chained URL's options are per layer: left to fsspec
-            _check_options(url, _filesystem_class(url), options)
+            fs_cls = _filesystem_class(url)
+            _check_options(url, fs_cls, options)
+            if "s3" in _protocols(fs_cls):
+                config = options.get("config_kwargs") or {}
+                options["config_kwargs"] = {"connect_timeout": CONNECT_TIMEOUT, **config}
         self.answered = False
         """The endpoint answered a request (a refused connection is then an outage, retried, not a wrong endpoint)."""
         try:
@@ -214,7 +225,7 @@ class FsspecStore:
 
     def _endpoint(self, options: dict[str, Any]) -> str:
         """The server this store talks to, for messages: the endpoint URL, or what stands for it."""
-        protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)
+        protocols = _protocols(self.fs)
         if "s3" in protocols:
             client_kwargs = options.get("client_kwargs") or {}
             return str(options.get("endpoint_url") or client_kwargs.get("endpoint_url") or "the AWS S3 endpoint")
@@ -369,7 +380,7 @@ class FsspecStore:
         local = os.fspath(local_path)
         path = self._path(key)
         with self._errors(self._where(key)):
-            protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)
+            protocols = _protocols(self.fs)
             if "file" in protocols or "local" in protocols:
                 self.fs.makedirs(self.fs._parent(path), exist_ok=True)  # noqa: SLF001 - fsspec's own parent rule for this filesystem
                 temp = f"{path}.cachepipe-{uuid.uuid4().hex[:12]}.tmp"

@@ -24,8 +24,9 @@ Error seam: the SDK does not raise for HTTP errors, it returns a result with ``s
         InvalidToken, ExpiredToken...                   PermissionError    "credentials were rejected"
     HTTP 403 AccessDenied and other 403s                PermissionError    "access denied"
     HTTP 5xx, 429, SlowDown, throttling                 StoreUnavailableError (a ConnectionError)
-    socket timeout                                      TimeoutError       "timed out ... OBS endpoint"
-    DNS failure; refused before OBS ever answered       StoreUnreachableError "cannot reach OBS endpoint" (not retried)
+    socket timeout once OBS answered                    TimeoutError       "timed out ... OBS endpoint"
+    DNS failure; refused or timed out before OBS
+        ever answered                                   StoreUnreachableError "cannot reach OBS endpoint" (not retried)
     refused once OBS answered, reset, TLS, broken HTTP  StoreUnavailableError "cannot reach OBS endpoint"
     anything else (400, 416...)                         OSError            permanent
 
@@ -571,7 +572,11 @@ class ObsStore:
         target = self._object_url(key)
         check = f"check storage_options['server'] or {_ENV_ENDPOINT}"
         error: OSError
-        if isinstance(exc, TimeoutError):
+        if isinstance(exc, TimeoutError) and not self._answered:  # the SDK's one timeout: its connects' too
+            reason = f"no answer within {self._timeout} s before it ever answered (packets dropped: a firewall, or a wrong host)"
+            reason += f"; {check}"
+            error = StoreUnreachableError(f"cannot reach OBS endpoint {self.endpoint}: {reason} ({doing} {target})")
+        elif isinstance(exc, TimeoutError):
             error = TimeoutError(f"timed out after {self._timeout} s talking to OBS endpoint {self.endpoint}, {doing} {target}")
         elif isinstance(exc, socket.gaierror):
             reason = f"its host name does not resolve ({exc.strerror}); {check}"

@@ -65,9 +65,16 @@ from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.exceptions import NoCredentialsError
 
+from .base import CONNECT_TIMEOUT as _CONNECT_TIMEOUT
 from .base import listed_etag
 
-__all__ = ["DirectGet"]
+__all__ = ["ConnectTimeoutError", "DirectGet"]
+
+
+class ConnectTimeoutError(TimeoutError):
+    """No connection to the endpoint within :attr:`DirectGet.CONNECT_TIMEOUT` (named
+    like botocore's, which the error seam tells apart the same way)."""
+
 
 log = logging.getLogger("cachepipe.stores.s3direct")
 
@@ -228,7 +235,9 @@ class DirectGet:
     RETAKE_AFTER = 60.0
     """Seconds after which a bucket's probe and credential copy are taken again."""
     TIMEOUT = 60.0
-    """Seconds for a connect and for each read of a response."""
+    """Seconds for each read of a response."""
+    CONNECT_TIMEOUT = _CONNECT_TIMEOUT
+    """Seconds for a connect (:data:`cachepipe.stores.base.CONNECT_TIMEOUT`)."""
 
     def __init__(self, fs: Any) -> None:
         self.fs = fs
@@ -391,6 +400,20 @@ class DirectGet:
             return http.client.HTTPSConnection(netloc, timeout=self.TIMEOUT, context=self._ssl)
         return http.client.HTTPConnection(netloc, timeout=self.TIMEOUT)
 
+    def _connect(self, conn: http.client.HTTPConnection) -> None:
+        """Connect ``conn`` within :attr:`CONNECT_TIMEOUT` (then reads wait
+        up to :attr:`TIMEOUT`). Raises :class:`ConnectTimeoutError` when no connection came."""
+        conn.timeout = self.CONNECT_TIMEOUT
+        try:
+            conn.connect()
+        except TimeoutError as exc:
+            conn.close()
+            raise ConnectTimeoutError(f"no connection to {conn.host}:{conn.port} within {self.CONNECT_TIMEOUT:g} s") from exc
+        finally:
+            conn.timeout = self.TIMEOUT
+        if conn.sock is not None:
+            conn.sock.settimeout(self.TIMEOUT)
+
     def _done(self, scheme: str, netloc: str, conn: http.client.HTTPConnection) -> None:
         """Give ``conn`` back after a response read to its end: kept for the next request if it is
         still open (not when the server said it would close it, nor after :meth:`_drop`)."""
@@ -440,6 +463,8 @@ class DirectGet:
             log.debug("direct %s: %s", operation, path)
             resp = None
             try:
+                if conn.sock is None:
+                    self._connect(conn)
                 conn.request("GET", path, headers=signed)
                 sock = conn.sock  # the response's: http.client lets go of it when the server will close it
                 resp = conn.getresponse()
