@@ -24,9 +24,10 @@ Error seam: the SDK does not raise for HTTP errors, it returns a result with ``s
         InvalidToken, ExpiredToken...                   PermissionError    "credentials were rejected"
     HTTP 403 AccessDenied and other 403s                PermissionError    "access denied"
     HTTP 5xx, 429, SlowDown, throttling                 StoreUnavailableError (a ConnectionError)
-    socket timeout once OBS answered                    TimeoutError       "timed out ... OBS endpoint"
-    DNS failure; refused or timed out before OBS
-        ever answered                                   StoreUnreachableError "cannot reach OBS endpoint" (not retried)
+    socket timeout (but a connect's before OBS
+        ever answered)                                  TimeoutError       "timed out ... OBS endpoint"
+    DNS failure; refused, or a connect timed out,
+        before OBS ever answered                        StoreUnreachableError "cannot reach OBS endpoint" (not retried)
     refused once OBS answered, reset, TLS, broken HTTP  StoreUnavailableError "cannot reach OBS endpoint"
     anything else (400, 416...)                         OSError            permanent
 
@@ -43,6 +44,7 @@ from __future__ import annotations
 import inspect
 import os
 import socket
+import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -96,6 +98,15 @@ _SDK_SSL_WARNINGS = (r"ssl\.PROTOCOL_TLS is deprecated", r"ssl\.OP_NO_SSL\*/ssl\
 _DOING = {"list": "listing", "get": "reading", "head": "checking"}
 
 _T = TypeVar("_T")
+
+
+def _in_connect(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while connecting (in :func:`socket.create_connection`, which the
+    SDK's connections call): the SDK has one ``timeout`` for connects and reads, and raises the
+    socket's own error, so where it was raised tells a connect that timed out (no answer at all:
+    packets dropped) from a response that did not come in time (a silent server)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return any(frame.name == "create_connection" and frame.filename.endswith("socket.py") for frame in frames)
 
 
 class ObsServiceError(Exception):
@@ -572,7 +583,7 @@ class ObsStore:
         target = self._object_url(key)
         check = f"check storage_options['server'] or {_ENV_ENDPOINT}"
         error: OSError
-        if isinstance(exc, TimeoutError) and not self._answered:  # the SDK's one timeout: its connects' too
+        if isinstance(exc, TimeoutError) and not self._answered and _in_connect(exc):
             reason = f"no answer within {self._timeout} s before it ever answered (packets dropped: a firewall, or a wrong host)"
             reason += f"; {check}"
             error = StoreUnreachableError(f"cannot reach OBS endpoint {self.endpoint}: {reason} ({doing} {target})")
