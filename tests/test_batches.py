@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import gc
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -173,6 +174,28 @@ def test_the_planner_leaves_an_item_recovered_or_shelved_to_acquire(files_cache)
     assert cache.acquire_many([(b, 0)]) == 1
     cache.close()
     assert cache.acquire_many([(item("c", 10), 0)]) == 0
+
+
+def test_an_item_shelved_while_a_download_waits_for_room_is_dropped_to_make_it(files_cache):
+    """A node's lane that moves back shelves what it held after the planner, woken by the move,
+    reached its next step: that step already waited for room, and the room check for shelved
+    items came only before the wait. It waited for ever (a resumed node-mode dataset's second
+    pass hung in 3 of 4 runs). The wait now ends when a shelved item is in the way."""
+    cache, item = files_cache
+    a, c = item("a", 600 * 1024), item("c", 600 * 1024)
+    assert cache.acquire(a) is True
+    staged = Path(cache.stage(a))
+    staged.write_bytes(b"x" * a.size)
+    path = Path(cache.publish(staged, a))  # a lane holds it
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(cache.acquire(c)))
+    waiter.start()
+    time.sleep(0.2)
+    assert got == []  # no room for c beside a: it waits
+    cache.shelve("a")  # the lane moved away from a
+    waiter.join(10)
+    assert got == [True] and not path.exists()  # a dropped, c reserved
+    assert not waiter.is_alive()
 
 
 class Faulty(FsspecStore):

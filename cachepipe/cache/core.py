@@ -386,11 +386,19 @@ class Cache:
                 of a streamed listing grows as names are listed, or the capacity was lowered):
                 it would never fit, so it is not waited for. ``name`` names it in the error.
         """
+        got = self._reserve(size, name, leftovers=False)
+        return bool(got)
+
+    def _reserve(self, size: int, name: str, leftovers: bool) -> bool | str:
+        """:meth:`reserve`; with ``leftovers``, the wait ends too when a recovered (or shelved)
+        item is in the way (:meth:`_in_the_way`): its name is returned, to drop."""
         ledger = self.ledger
         with self._cond:
             while not self._closed and not ledger.fits(size):
                 if size > ledger.limit:
                     raise OversizeError(name, size, ledger.capacity, ledger.foreign + ledger.overhead)
+                if leftovers and (leftover := self._in_the_way(size)) is not None:
+                    return leftover
                 self._cond.wait()
             if self._closed:
                 return False
@@ -447,7 +455,7 @@ class Cache:
 
         Without retention this waits for any earlier copy of the item to be gone (:meth:`claim`)
         and for space (:meth:`reserve`), after dropping recovered items that would otherwise
-        never leave it room (:meth:`_leftover_in_the_way`). With retention, the policy picks
+        never leave it room (:meth:`_in_the_way`). With retention, the policy picks
         retained items to evict; when it prefers to wait for an ack instead, the wait is
         re-checked every 0.25 s against ``starving()`` (a consumer blocked on this very step),
         the one case of a timed wait here. ``extra``: bytes reserved beside the item's own (the
@@ -463,10 +471,10 @@ class Cache:
             if claimed is not True:
                 return claimed  # the earlier copy was shelved meanwhile (a path), or the cache closed
             try:
-                while (leftover := self._leftover_in_the_way(item.size + extra)) is not None:
-                    log.info("dropping %s, an earlier owner's item not due yet, to make room for %s", leftover, item.name)
-                    self.drop(leftover)
-                return self.reserve(item.size + extra, item.name)
+                while isinstance(got := self._reserve(item.size + extra, item.name, leftovers=True), str):
+                    log.info("dropping %s, an earlier owner's item not due yet, to make room for %s", got, item.name)
+                    self.drop(got)
+                return got
             except BaseException:
                 self.unreserve(0, item.name)  # the claim
                 raise
@@ -528,20 +536,21 @@ class Cache:
             for name, size in victims:
                 self._delete(name, size, dropped=True)
 
-    def _leftover_in_the_way(self, size: int) -> str | None:
-        """A recovered item (reused from an earlier owner, not handed out yet) to drop so that
-        ``size`` bytes can ever fit, or None. Recovered items are handed out only when the plan
-        reaches them, after the step that waits for room: if the room that every other
-        reservation will free is not enough, waiting would never end. The last recovered name
+    def _in_the_way(self, size: int) -> str | None:
+        """A recovered item (reused from an earlier owner, or shelved by a node's lane that moved
+        away, not handed out yet) to drop so that ``size`` bytes can ever fit, or None; under
+        the lock. Recovered items are handed out only when the plan reaches them, after the step
+        that waits for room: if the room that every other reservation will free is not enough,
+        waiting would never end. It is checked while that step waits (a lane shelves its items
+        after the planner, woken by the lane's move, reached the step). The last recovered name
         goes first (names are recovered in sorted order: for a listing-ordered plan, the one
         needed last)."""
-        with self._cond:
-            if not self._recovered:
-                return None
-            held = sum(self.record.published[name] for name in self._recovered)
-            if self.ledger.room_beside(held) >= size:
-                return None
-            return next(reversed(self._recovered))
+        if not self._recovered:
+            return None
+        held = sum(self.record.published[name] for name in self._recovered)
+        if self.ledger.room_beside(held) >= size:
+            return None
+        return next(reversed(self._recovered))
 
     # ---- staging and publish ---------------------------------------------------------
     def stage(self, item: Item, part_size: int | None = None) -> str:
