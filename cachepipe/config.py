@@ -145,8 +145,11 @@ SCHEMES = "s3://, obs://, gs://, az://, file://, memory://, http(s):// or any ot
 
 
 def small_capacity(given: Any, capacity: int | Share) -> str | None:
-    """A warning for a capacity under :data:`SMALL_CAPACITY` (``given`` as the caller wrote it), else None."""
+    """A warning for a capacity under :data:`SMALL_CAPACITY` given without a unit (``given`` as
+    the caller wrote it: a number, or a string of digits), else None: ``"512KiB"`` is meant."""
     if isinstance(capacity, Share) or capacity >= SMALL_CAPACITY:
+        return None
+    if isinstance(given, str) and not given.strip().isdigit():
         return None
     return (
         f"capacity {given!r} is {capacity} bytes, less than 1 MiB: a size without a unit is in bytes; "

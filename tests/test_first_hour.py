@@ -227,6 +227,7 @@ def test_a_capacity_under_one_mib_is_warned_about(tmp_path: Path, caplog: pytest
     caplog.clear()
     with caplog.at_level(logging.WARNING, "cachepipe"):
         Pipeline(str(src), tmp_path / "c", "1MiB")
+        Pipeline(str(src), tmp_path / "c", "512KiB")  # a unit: meant
     assert "capacity" not in caplog.text
 
 

@@ -1062,6 +1062,32 @@ def test_map_fetches_with_a_pipelines_part_size_unless_given(tmp_path):
         MapConfig(**base, part_size="2 lumps")
 
 
+def test_a_function_from_an_interactive_main_is_refused_before_anything_runs(tmp_path):
+    """fn defined under ``python -c`` (or in a REPL or a notebook): the spawned child cannot
+    import it. Before, every item failed 3 times with "fn exited with status 1" and an empty
+    tail (the AttributeError went to the terminal). A script's own __main__ still works, and
+    map's own sizing of a small capacity no longer warns as if the user had left out a unit."""
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "f").write_bytes(b"x")
+    body = (
+        "from cachepipe.map import map_items\n"
+        "def fn(item, out):\n"
+        "    open(out + '/g', 'w').write('k')\n"
+        f"r = map_items(fn, {str(src)!r}, {str(tmp_path / 'dst')!r}, cache_dir={str(cache)!r}, capacity='1MiB')\n"
+        "print('done', r.items_done)\n"
+    )
+    interactive = subprocess.run([sys.executable, "-c", body], capture_output=True, text=True, timeout=120, check=False)
+    assert interactive.returncode == 1 and not cache.exists()
+    assert "is defined in __main__ of an interactive session (python -c, a REPL, a notebook)" in interactive.stderr
+    script = tmp_path / "job.py"
+    main = body.replace("r = map_items", "if __name__ == '__main__':\n    r = map_items").replace("print(", "    print(")
+    script.write_text(main)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0 and "done 1" in run.stdout, run.stderr
+    assert "capacity" not in run.stderr  # before: "capacity 1048574 is 1048574 bytes, less than 1 MiB", of map's own sizing
+
+
 def test_refusals_before_anything_runs(tmp_path):
     src, dst, cache = tmp_path / "src", str(tmp_path / "dst"), tmp_path / "cache"
     (src / "a").mkdir(parents=True)

@@ -13,6 +13,7 @@ import logging
 import os
 import pickle
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -198,7 +199,7 @@ class _MapRun:
         pipe = Pipeline(
             cfg.source,
             cfg.cache_dir,
-            sizing.downloads,
+            f"{sizing.downloads}B",  # with its unit: a size worked out, not one to warn about
             store=PlannedSource(src, items),
             items="folders" if grouped else cfg.items,
             auto_ack=False,
@@ -382,6 +383,16 @@ def _check_command(program: str) -> None:
         raise ConfigError(f"command {program!r}: {why}; expected a program on PATH or a path to an executable file")
 
 
+def _from_fileless_main(fn: Any) -> bool:
+    """Whether ``fn`` (a function, a ``functools.partial`` of one, or a callable object) is
+    pickled by reference to ``__main__`` of a session without a script file: a spawned child
+    re-imports the parent's main script to find such names, and there is none."""
+    main = sys.modules.get("__main__")
+    if main is None or getattr(main, "__file__", None):
+        return False
+    return any(getattr(x, "__module__", None) == "__main__" for x in (fn, getattr(fn, "func", None), type(fn)))
+
+
 def map_items(
     fn: Callable[[str, str], Any] | Sequence[str] | None,
     source: str,
@@ -457,6 +468,13 @@ def map_items(
             pickle.dumps(fn)
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             raise TypeError(f"fn {fn!r} cannot be sent to a child process ({exc}); define it at module level") from exc
+        if _from_fileless_main(fn):
+            raise TypeError(
+                f"fn {fn!r} is defined in __main__ of an interactive session (python -c, a REPL, a notebook), which "
+                "the child process that runs it cannot import (it starts a fresh interpreter): define fn in a .py file "
+                "and import it (in a notebook: %%writefile transform.py, then from transform import fn), or pass a "
+                "command"
+            )
         func = fn
     node = resolve_rank(os.environ, rank, world_size)  # the edge: the environment is read here, once
     cfg = MapConfig(
