@@ -55,6 +55,27 @@ def test_minimal_config_gets_the_daemon_defaults(tmp_path):
         assert train.resume is True
 
 
+def test_a_small_capacity_without_a_unit_is_warned_about_as_written(tmp_path, caplog):
+    """Before, the daemon built each pipeline from the parsed bytes, so "512KiB" was warned about
+    as if written without a unit ("capacity 524288 is 524288 bytes"), and a job's worked-out
+    share likewise. Now the file's own value is checked at load, naming its field."""
+    from cachepipe import Pipeline
+    from cachepipe.service.config import pipeline_options
+
+    data = minimal(tmp_path, capacity=100)
+    data["pipelines"]["b"] = {"source": "s3://b/q/", "cache_dir": str(tmp_path / "d"), "capacity": "512KiB"}
+    data["jobs"] = {"root": str(tmp_path / "jobs"), "capacity": "900"}
+    path = write(tmp_path, data)
+    with caplog.at_level("WARNING", logger="cachepipe"):
+        cfg = load_config(path)
+        Pipeline(**pipeline_options(cfg.pipelines["b"]))
+    advice = "a size without a unit is in bytes; if you meant more, give a unit like '100MiB' or '100GiB', or a share like '80%'"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"pipelines.train.capacity in {path}: capacity 100 is 100 bytes, less than 1 MiB: {advice}",
+        f"jobs.capacity in {path}: capacity '900' is 900 bytes, less than 1 MiB: {advice}",
+    ]
+
+
 def test_daemon_defaults_yield_to_explicit_values(tmp_path):
     cfg = load_config(write(tmp_path, minimal(tmp_path, lease_timeout=None, keep_on_close=False)))
     assert cfg.pipelines["train"].lease_timeout is None and cfg.pipelines["train"].keep_on_close is False

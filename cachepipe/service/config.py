@@ -20,6 +20,7 @@ Every error names the field path, the bad value and what is expected; :func:`loa
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import sys
@@ -35,9 +36,11 @@ else:  # tomllib is new in 3.11; tomli is the same parser (a dependency on 3.10 
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
-from ..config import PipelineConfig
+from ..config import PipelineConfig, small_capacity
 from ..errors import ConfigError
 from .jobs import JobsConfig
+
+log = logging.getLogger("cachepipe.service")
 
 __all__ = [
     "DEFAULT_SOCKET",
@@ -206,8 +209,12 @@ class ServiceConfig(BaseSettings):
 
 
 def pipeline_options(cfg: PipelineConfig) -> dict[str, Any]:
-    """Keyword arguments that build a :class:`cachepipe.Pipeline` from ``cfg`` (values as validated)."""
-    return {name: getattr(cfg, name) for name in type(cfg).model_fields}
+    """Keyword arguments that build a :class:`cachepipe.Pipeline` from ``cfg`` (values as validated;
+    a capacity in bytes with its unit: a small one was warned about as written, at load)."""
+    options = {name: getattr(cfg, name) for name in type(cfg).model_fields}
+    if isinstance(options["capacity"], int):
+        options["capacity"] = f"{options['capacity']}B"
+    return options
 
 
 # ---- loading ---------------------------------------------------------------------------
@@ -281,11 +288,27 @@ def load_config(path: str | os.PathLike[str], *, environ: dict[str, str] | None 
             f"invalid configuration in {str(path)!r}:\n  {bad_keys[0]!r}: unknown key; expected one of: {_known(())}"
         )
     try:
-        return ServiceConfig(**data)
+        config = ServiceConfig(**data)
     except ValidationError as exc:
         raise ConfigError(format_errors(exc, str(path), os.environ if environ is None else environ)) from None
     except SettingsError as exc:  # an environment override that pydantic-settings cannot parse (bad JSON)
         raise ConfigError(_settings_error(exc, str(path), os.environ if environ is None else environ)) from None
+    _warn_small_capacities(config, data, str(path))
+    return config
+
+
+def _warn_small_capacities(config: ServiceConfig, data: dict[str, Any], path: str) -> None:
+    """Warn of each capacity under 1 MiB written without a unit in the file (as
+    :class:`cachepipe.Pipeline` warns of one given to it), naming its field."""
+    raw = data.get("pipelines")
+    written: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    given = {f"pipelines.{name}.capacity": (written.get(name) or {}).get("capacity") for name in config.pipelines}
+    found = {f"pipelines.{name}.capacity": cfg.capacity for name, cfg in config.pipelines.items()}
+    if config.jobs is not None and isinstance(data.get("jobs"), dict):
+        given["jobs.capacity"], found["jobs.capacity"] = data["jobs"].get("capacity"), config.jobs.capacity
+    for field, value in found.items():
+        if isinstance(given[field], (int, str)) and (warning := small_capacity(given[field], value)) is not None:
+            log.warning("%s in %s: %s", field, path, warning)
 
 
 def _bad_json(text: str) -> bool:

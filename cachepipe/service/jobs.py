@@ -204,7 +204,7 @@ class Jobs:
             pipeline = NodePipeline(
                 spec.source,
                 self.config.root / name,
-                capacity,
+                f"{capacity}B",  # worked out here: not a size written without its unit
                 ranks=spec.ranks,
                 world_size=spec.world_size,
                 num_workers=spec.num_workers,
