@@ -100,8 +100,8 @@ def test_client_errors(served, short_dir):
         with pytest.raises(ServiceError) as info:
             client.get(timeout=1)
         assert info.value.status == 404 and "train" in str(info.value)
-    with Client("train", short_dir / "absent.sock") as client:
-        with pytest.raises(ConnectionError, match="cannot reach the cachepipe daemon"):
+    with Client("train", short_dir / "absent.sock", startup_timeout=0.5) as client:  # the default waits 10 s
+        with pytest.raises(ConnectionError, match=r"cannot reach the cachepipe daemon .* \(tried for 0.5 s\)"):
             client.status()
     with Client("train", served, auto_ack=False) as client:
         for _ in range(6):
@@ -155,8 +155,8 @@ def test_cli_exit_codes(served, short_dir):
     assert run("ack", last, env=env).returncode == 0
     end = run("next", env=env)
     assert end.returncode == EXIT_END and "every item was delivered" in end.stderr
-    down = run("status", "--socket", str(short_dir / "absent.sock"))
-    assert down.returncode == 1 and "cannot reach the cachepipe daemon" in down.stderr
+    down = run("status", "--socket", str(short_dir / "absent.sock"), "--startup-timeout", "0.5")  # the default waits 10 s
+    assert down.returncode == 1 and "cannot reach the cachepipe daemon" in down.stderr and "tried for 0.5 s" in down.stderr
     assert run("next", "--timeout", "x").returncode == 2  # usage
     for bad in ("-1", "nan"):  # before: -1 took an item, nan exited 1 without naming the option
         usage = run("next", "--timeout", bad)
