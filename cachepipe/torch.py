@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 
 import torch.utils.data
 
+from .client import DEFAULT_OUTAGE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT
 from .config import Share, parse_capacity
 from .jobclient import JobClient
 from .manifest import index
@@ -108,6 +109,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         self._state: dict[str, Any] | None = None  # where the next iteration starts (load_state_dict)
         self._pipe: Pipeline | None = None  # the pipeline iterating in this process, if any (per-process mode)
         self._cursor: Cursor | None = None  # node mode: the position after the last item yielded here
+        self._lane_info: tuple[str, int, int, Any] | None = None  # node mode: the lane, once registered here
         for key in ("worker", "num_workers"):
             if key in options:
                 raise ValueError(f"{key}={options[key]!r}: set by the DataLoader, not by the dataset")
@@ -230,9 +232,13 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         return f"torch-{digest}"
 
     def __iter__(self) -> Iterator[Any]:
-        if self.node is not None:
-            yield from self._iter_node()
-            return
+        """A pass: over the share from the state loaded, if any, else from the start. Until it
+        yields, and once it ends, :meth:`state_dict` is where the next pass starts (with
+        persistent DataLoader workers, a pass's first state is taken before it yields)."""
+        self._pipe, self._cursor = None, None
+        return self._iter_node() if self.node is not None else self._iter_local()
+
+    def _iter_local(self) -> Iterator[Any]:
         pipe = self.pipeline()
         if self._state:  # {}: the start
             pipe.load_state_dict(self._state)
@@ -241,11 +247,11 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         with pipe:
             if self.transform is None:
                 yield from pipe  # each item acknowledged when the loop asks for the next
-                return
-            while (item := pipe.get()) is not None:
+            while self.transform is not None and (item := pipe.get()) is not None:
                 sample = self.transform(item)
                 pipe.ack(item)  # read: its space is free while the sample travels on, and the state is past it
                 yield sample
+        self._pipe = None  # the pass is over: a state taken now is the start of the next
 
     def _iter_node(self) -> Iterator[Any]:
         worker, num_workers = self._worker()
@@ -262,7 +268,9 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                     f"{name!r} lane {rank}.{worker} (same settings, world size and DataLoader workers to resume)"
                 )
             cursor, digest = Cursor(int(state["epoch"]), int(state["index"])), state.get("catalog_digest")
-        with JobClient(name, spec, rank, worker, self.node) as lane:
+        # registered in an earlier pass of this process: the daemon was here, a restart is waited out
+        patience = DEFAULT_OUTAGE_TIMEOUT if self._lane_info is not None else DEFAULT_STARTUP_TIMEOUT
+        with JobClient(name, spec, rank, worker, self.node, startup_timeout=patience) as lane:
             info = lane.register()
             if digest is not None and digest != info.get("catalog_digest"):
                 raise ValueError(
@@ -272,12 +280,10 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             self._lane_info = (name, rank, worker, info.get("catalog_digest"))
             self._cursor = cursor
             self._state = None  # this iteration only: the next one starts at the job's beginning
-            if self.transform is None:
-                while (item := lane.take(cursor)) is not None:
-                    self._cursor = cursor = item.next
-                    yield item  # released when the loop asks for the next
-                return
-            while batch := lane.take_many(cursor, NODE_BATCH, NODE_BATCH_BYTES):
+            while self.transform is None and (item := lane.take(cursor)) is not None:
+                self._cursor = cursor = item.next
+                yield item  # released when the loop asks for the next
+            while self.transform is not None and (batch := lane.take_many(cursor, NODE_BATCH, NODE_BATCH_BYTES)):
                 # several small items per request; a batch's items are consumed together once read
                 samples = [self.transform(item) for item in batch]
                 cursor = batch[-1].next
@@ -285,7 +291,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                 for sample, item in zip(samples, batch, strict=True):
                     self._cursor = item.next
                     yield sample
-            self._cursor = cursor
+        self._cursor = None  # the pass is over: a state taken now is the start of the next
 
     def state_dict(self) -> dict[str, Any]:
         """Where to resume: valid in every DataLoader worker (``StatefulDataLoader`` saves
@@ -298,7 +304,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         process iterates: the state loaded, or the start (``{}`` in per-process mode).
         """
         if self.node is not None:
-            if self._cursor is None:
+            if self._cursor is None or self._lane_info is None:
                 return dict(self._state) if self._state is not None else {"epoch": 0, "index": 0}
             name, rank, worker, digest = self._lane_info
             return {

@@ -133,6 +133,37 @@ def test_stateful_dataloader_with_workers_resumes_each_worker_after_its_last_sam
     assert [tuple(x) for x in resumed] == full  # the loaded state is for one pass
 
 
+def test_a_checkpoint_between_passes_or_early_in_a_pass_of_persistent_workers_resumes_exactly(s3_source, tmp_path):
+    """Found in review: a pass's state stayed on the dataset after it ended. With persistent
+    workers, a checkpoint early in the next pass saved a worker's previous end (its first state
+    is taken before it yields): a resume lost that worker's items. A checkpoint after a whole pass
+    resumed into an empty pass (num_workers=0). Now a state between passes is the next's start."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed")
+    s3_source.folders(12, {"f": 500})
+    opts = {"transform": read, "storage_options": s3_source.options, "rank": 0, "world_size": 1}
+
+    def loader(cache: str, **kw):
+        dataset = CachePipeDataset(s3_source.url, tmp_path / cache, "1MiB", **opts)
+        return stateful.StatefulDataLoader(dataset, batch_size=None, **kw)
+
+    persistent = loader("a", num_workers=2, persistent_workers=True)
+    full = [tuple(x) for x in persistent]
+    second = iter(persistent)
+    head = [tuple(next(second))]
+    state = persistent.state_dict()
+    rest = [tuple(x) for x in second]
+    assert head + rest == full and len(full) == 12
+    resumed = loader("b", num_workers=2)
+    resumed.load_state_dict(state)
+    assert [tuple(x) for x in resumed] == rest  # before: worker 1's items were lost
+    single = loader("c", num_workers=0)
+    assert [tuple(x) for x in single] == full
+    state = single.state_dict()  # after a whole pass
+    again = loader("d", num_workers=0)
+    again.load_state_dict(state)
+    assert [tuple(x) for x in again] == full  # before: an empty pass
+
+
 DIST_SCRIPT = """
 import json, sys, hashlib, torch, torch.distributed as dist
 from cachepipe.torch import CachePipeDataset
