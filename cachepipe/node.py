@@ -120,8 +120,9 @@ class LaneQueues(Broker[str]):
 
     Bookkeeping only, under one condition variable, like :class:`~cachepipe.broker.Broker`
     (whose producer side it implements). Items that arrive for a lane that moved on are given to
-    ``on_stale``, and steps planned to share a copy to ``on_share`` (both outside the lock, in
-    the producer thread).
+    ``on_stale`` (outside the lock); each step planned to share a copy to ``on_share``, under the
+    lock (before a lane could take it and move past it), in the producer thread: it may take
+    the cache's lock, never the other way round.
 
     A step whose item has a copy planned or on disk for another step (another lane's, or an
     earlier epoch of its own lane) shares that copy instead of downloading it again: the cache
@@ -140,7 +141,7 @@ class LaneQueues(Broker[str]):
         self,
         schedule: LaneSchedule,
         on_stale: Callable[[_Planned], None],
-        on_share: Callable[[list[_Planned]], None] = lambda _steps: None,
+        on_share: Callable[[_Planned], None] = lambda _step: None,
     ) -> None:
         super().__init__(ordered=True)
         self.schedule = schedule
@@ -160,16 +161,14 @@ class LaneQueues(Broker[str]):
         steps that share a copy are planned on the way), waiting while every lane is at its end
         or as far ahead as it may run (until one moves, or the queues close)."""
         while True:
-            shared: list[_Planned] = []
+            shared = 0
             download: Planned | None = None
             with self._cond:
-                while download is None and len(shared) < SHARED_RUN:
+                while download is None and shared < SHARED_RUN:
                     got = None if self._closed else self.schedule.next(self._load(), self._far_ahead)
                     if got is None:
                         if self._closed:
                             return
-                        if shared:
-                            break  # tell on_share first
                         self._cond.wait()  # every lane at its end, or far ahead over copies on disk
                         continue
                     item = item_of(got.step.item)
@@ -185,15 +184,14 @@ class LaneQueues(Broker[str]):
                         download = (planned.seq, item, planned.tick)
                         break
                     copy.holders += 1
-                    shared.append(planned)
+                    self._on_share(planned)  # before any lane can take it and move past it
+                    shared += 1
                     self._begun += 1  # a shared step counts as begun too (Broker.served: how many are ahead)
                     if copy.got is None:
                         self._pending += 1  # its copy is downloading
                     else:
                         self._fresh += 1
                         self._cond.notify_all()
-            if shared:
-                self._on_share(shared)
             if download is not None:
                 yield [download]
 
@@ -545,11 +543,10 @@ class NodePipeline(Pipeline):
                 self._stale(planned)
             self._advance()
 
-    def _shared(self, steps: list[_Planned]) -> None:
-        """Steps planned to share a copy on disk or downloading: its retention pin now lasts
+    def _shared(self, planned: _Planned) -> None:
+        """A step planned to share a copy on disk or downloading: its retention pin now lasts
         until the latest of them (the policy's next use of the item is after it)."""
-        for planned in steps:
-            self._cache.reach(planned.name, planned.tick)
+        self._cache.reach(planned.name, planned.tick)
 
     def _stale(self, planned: _Planned) -> None:
         """An item on disk that its lane moved away from: keep it for the step that reaches it

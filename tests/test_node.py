@@ -7,6 +7,7 @@ import time
 
 import pytest
 from sampling import Sampler
+from waiting import wait_until
 
 from cachepipe.lanes import LaneSchedule, NodePlan
 from cachepipe.node import LaneQueues, NodePipeline
@@ -259,6 +260,34 @@ def test_a_download_that_arrives_after_its_lane_moved_past_it_is_shelved_with_it
     assert [(planned.name, planned.value) for planned in stale] == [("item0", "/cache/item0"), ("item1", "/cache/item1")]
     queues.close()
     steps.close()
+
+
+def test_a_shared_step_is_given_to_on_share_before_a_lane_can_take_it():
+    """Found in review: steps that share a copy went to on_share (which moves the copy's
+    retention past them) after the queues' lock was let go; a lane could take and pass the step
+    first, and the copy was kept for a use already read. on_share now runs under the lock."""
+    from cachepipe.catalog import Item
+
+    plan = NodePlan([10] * 4, ranks=[0], world_size=1, num_workers=2, epochs=2, shuffle=True, seed=0)
+    x = plan.lane_share(1, 1)[0]
+    assert x in plan.lane_share(0, 0)  # lane 1's first item of epoch 1 is one of lane 0's epoch 0
+    seen: list = []
+    queues = LaneQueues(LaneSchedule(plan), on_stale=lambda _planned: None)
+    queues._on_share = lambda planned: seen.append((planned.step.item, planned.lane, queues._cond._is_owned()))
+    steps = queues.steps(lambda i: Item(f"item{i}", (), plan.sizes[i]))
+    downloads = [next(steps)[0] for _ in range(4)]  # every lane's epoch 0
+    queues.begin_many(4)
+    queues.put_many([(seq, item.name, f"/cache/{item.name}") for seq, item, _tick in downloads])
+    queues.move(1, Cursor(1, 0))  # lane 1 read its epoch 0; lane 0 still holds x
+    planner = threading.Thread(target=next, args=(steps, None), daemon=True)
+    planner.start()
+    try:
+        wait_until(lambda: seen, what="a shared step")
+        assert seen[0] == (x, 1, True)  # lane 1's step of x, while the planner held the lock
+        assert queues.wait(1, Cursor(1, 0), timeout=0).value == f"/cache/item{x}"
+    finally:
+        queues.close()
+        planner.join(10)
 
 
 def test_planning_shared_steps_stops_once_every_lane_holds_its_share_of_the_copies():
