@@ -246,24 +246,42 @@ def test_an_endpoint_whose_connections_time_out_fails_at_once_naming_it(remote_s
     assert "before it ever answered (packets dropped: a firewall, or a" in str(error)
 
 
+def test_a_connect_timeout_is_unreachable_only_at_first_contact_and_on_the_stores_own_host():
+    """Found in review: a GET's connect timeout in a download worker process (whose store never
+    saw the listing's answer), or a connect timeout of the credentials' endpoint (STS), was
+    taken for the S3 endpoint being unreachable, and failed for good."""
+    from botocore.exceptions import ConnectTimeoutError
+
+    from cachepipe.stores.fsspec import _translate
+
+    endpoint = "http://s3.example:9000"
+    mine = ConnectTimeoutError(endpoint_url="http://s3.example:9000/b?list-type=2")
+    assert isinstance(_translate(mine, "s3://b/", endpoint, answered=False), StoreUnreachableError)
+    got = _translate(mine, "s3://b/k", endpoint, answered=False, first=False)  # a GET: a busy server, retried
+    assert isinstance(got, TimeoutError) and is_transient(got)
+    sts = _translate(ConnectTimeoutError(endpoint_url="http://sts.example:8080/"), "s3://b/", endpoint, answered=False)
+    assert not isinstance(sts, StoreUnreachableError) and is_transient(sts)
+    assert "no answer to a connection to http://sts.example:8080/ (for s3://b/)" in str(sts)
+    aws = ConnectTimeoutError(endpoint_url="https://b.s3.eu-west-1.amazonaws.com/?list-type=2")
+    assert isinstance(_translate(aws, "s3://b/", "the AWS S3 endpoint", answered=False), StoreUnreachableError)
+    aws_sts = ConnectTimeoutError(endpoint_url="https://sts.amazonaws.com/")
+    assert not isinstance(_translate(aws_sts, "s3://b/", "the AWS S3 endpoint", answered=False), StoreUnreachableError)
+
+
 def test_s3_connects_wait_ten_seconds_unless_configured(s3_source):
     """botocore waits 60 s for a connection, up to 5 times per call; the S3 stores wait 10 s."""
     from cachepipe.stores.s3direct import ConnectTimeoutError, DirectGet
 
     store = open_store(s3_source.url, s3_source.options)
-    assert store.fs.config_kwargs["connect_timeout"] == 10 == CONNECT_TIMEOUT and store.direct
-    given = {**s3_source.options, "config_kwargs": {"connect_timeout": 3}}
-    assert open_store(s3_source.url, given).fs.config_kwargs["connect_timeout"] == 3
-    assert DirectGet.CONNECT_TIMEOUT == CONNECT_TIMEOUT
-
-    class QuickerDirectGet(DirectGet):
-        CONNECT_TIMEOUT = 0.5
-
+    assert store.fs.config_kwargs["connect_timeout"] == 10 == CONNECT_TIMEOUT == DirectGet(store.fs).connect_timeout
+    assert store.direct
+    given = open_store(s3_source.url, {**s3_source.options, "config_kwargs": {"connect_timeout": 0.5}})
+    assert given.fs.config_kwargs["connect_timeout"] == 0.5 and given.direct  # before: the option turned the direct path off
     with _blackhole() as endpoint:
         conn = http.client.HTTPConnection(endpoint.removeprefix("http://"))
         started = time.monotonic()
         with pytest.raises(ConnectTimeoutError, match=r"no connection to 127.0.0.1:\d+ within 0.5 s"):
-            QuickerDirectGet(store.fs)._connect(conn)  # the direct path's connect, on its own
+            DirectGet(given.fs)._connect(conn)  # the direct path's connect, on its own
         assert time.monotonic() - started >= 0.45 and conn.sock is None
 
 

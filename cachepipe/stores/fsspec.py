@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO
+from urllib.parse import urlsplit
 
 import fsspec
 import fsspec.asyn
@@ -83,12 +84,16 @@ def _s3_error(exc: BaseException) -> tuple[int | None, str | None, str | None]:
     return None, None, None
 
 
-def _translate(exc: Exception, where: str, endpoint: str, answered: bool) -> BaseException:
+def _translate(exc: Exception, where: str, endpoint: str, answered: bool, first: bool = True) -> BaseException:
     """Map an exception raised by fsspec or a backend SDK to the store error contract.
 
     ``endpoint`` names the server (or the local filesystem) in messages; ``answered`` says whether
     it has answered a request before (a refused connection is then an outage, retried, and
-    otherwise a wrong endpoint, not retried).
+    otherwise a wrong endpoint, not retried). ``first``: the request may be the run's first
+    contact with the endpoint (a listing, a check); only then is a connect that timed out
+    before any answer taken for an unreachable endpoint (GETs and uploads come after a listing,
+    or from many processes at once, whose stores have not seen the answers: a server too busy
+    to accept them all is retried).
     """
     status, code, message = _s3_error(exc)
     name = type(exc).__name__
@@ -110,8 +115,10 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool) -> Bas
     refused = any(isinstance(err, ConnectionRefusedError) for err in chain)
     if refused and not answered:
         return unreachable_error(endpoint, where, "connection refused before it ever answered")
-    if not answered and any("ConnectTimeout" in type(err).__name__ for err in chain):  # botocore's, s3direct's
-        return unreachable_error(endpoint, where, NO_ANSWER)
+    if first and not answered and (url := _timed_out_connecting(chain)) is not None:
+        if url == "" or _same_host(url, endpoint):
+            return unreachable_error(endpoint, where, NO_ANSWER)
+        return store_code(TimeoutError(f"no answer to a connection to {url} (for {where}): {exc}"), None, endpoint)
     if isinstance(exc, OSError) and exc.errno == errno.EBUSY:  # s3fs: SlowDown, ServiceUnavailable
         return store_code(StoreUnavailableError(f"store {at} throttled or unavailable for {where}: {exc}"), None, endpoint)
     if isinstance(exc, TimeoutError) or "Timeout" in name:
@@ -121,6 +128,25 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool) -> Bas
     if isinstance(exc, OSError):
         return exc
     return store_code(OSError(f"{where} {at}: {name}: {exc}"), None, endpoint)  # no errno: permanent
+
+
+def _timed_out_connecting(chain: list[BaseException]) -> str | None:
+    """The endpoint URL of a connect that timed out in ``chain`` (botocore's error names it; ""
+    if it does not: the direct path's is the store's endpoint); None if no connect timed out."""
+    for err in chain:
+        if "ConnectTimeout" in type(err).__name__:  # botocore's ConnectTimeoutError, s3direct's
+            kwargs = getattr(err, "kwargs", None)
+            return str(kwargs.get("endpoint_url") or "") if isinstance(kwargs, dict) else ""
+    return None
+
+
+def _same_host(url: str, endpoint: str) -> bool:
+    """Whether ``url`` (a request's) is on the host of ``endpoint`` (the store's endpoint URL,
+    or a description such as "the AWS S3 endpoint": then any ``*.amazonaws.com`` S3 host)."""
+    host = urlsplit(url).hostname or ""
+    if "://" not in endpoint:
+        return host.endswith(".amazonaws.com") and (host.startswith("s3") or ".s3" in host)  # not sts.*, sso.*
+    return host == (urlsplit(endpoint).hostname or "")
 
 
 def _check_options(url: str, fs_cls: Any, options: dict[str, Any]) -> None:
@@ -238,15 +264,16 @@ class FsspecStore:
         return f"the {protocols[0]}:// endpoint"
 
     @contextmanager
-    def _errors(self, where: str, sends: bool = True) -> Iterator[None]:
+    def _errors(self, where: str, sends: bool = True, first: bool = True) -> Iterator[None]:
         """The seam: translate whatever the body raises (see :func:`_translate`). ``sends``: the
-        body sends a request, so its success means that the endpoint answered."""
+        body sends a request, so its success means that the endpoint answered. ``first``: the
+        request may be the run's first contact with the endpoint (not a GET or an upload)."""
         try:
             yield
         except Exception as exc:
             if sends and _s3_error(exc)[0] is not None:  # not an answer of STS or SSO to a credential refresh
                 self.answered = True
-            translated = _translate(exc, where, self.endpoint, self.answered)
+            translated = _translate(exc, where, self.endpoint, self.answered, first)
             if translated is exc:
                 raise
             raise translated from exc
@@ -328,7 +355,7 @@ class FsspecStore:
         and ignore it."""
         path = self._path(key)
         if self._direct is not None:
-            with self._errors(self._where(key)):
+            with self._errors(self._where(key), first=False):
                 got = self._direct.get(self._bucket, self._key_prefix + key, out, start, end, etag)
             if got is not None:
                 return got  # type: ignore[no-any-return]  # as above
@@ -337,7 +364,7 @@ class FsspecStore:
         pos = start
         while pos < end:
             want = min(self.chunk_size, end - pos)
-            with self._errors(self._where(key)):
+            with self._errors(self._where(key), first=False):
                 if conditional:
                     data = fsspec.asyn.sync(self.fs.loop, self._get_object, path, pos, pos + want, etag)
                 else:
@@ -379,7 +406,7 @@ class FsspecStore:
         on a local filesystem it is copied to a temporary name beside the target and renamed."""
         local = os.fspath(local_path)
         path = self._path(key)
-        with self._errors(self._where(key)):
+        with self._errors(self._where(key), first=False):
             protocols = _protocols(self.fs)
             if "file" in protocols or "local" in protocols:
                 self.fs.makedirs(self.fs._parent(path), exist_ok=True)  # noqa: SLF001 - fsspec's own parent rule for this filesystem

@@ -237,7 +237,8 @@ class DirectGet:
     TIMEOUT = 60.0
     """Seconds for each read of a response."""
     CONNECT_TIMEOUT = _CONNECT_TIMEOUT
-    """Seconds for a connect (:data:`cachepipe.stores.base.CONNECT_TIMEOUT`)."""
+    """Seconds for a connect unless the filesystem's ``config_kwargs`` set ``connect_timeout``
+    (:data:`cachepipe.stores.base.CONNECT_TIMEOUT`)."""
 
     def __init__(self, fs: Any) -> None:
         self.fs = fs
@@ -248,13 +249,16 @@ class DirectGet:
         self._idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}  # by (scheme, netloc), last used last
         self._closed = False
         self._ssl: ssl.SSLContext | None = None  # made on the first https connection (loading CAs costs ~30 ms)
+        config = getattr(fs, "config_kwargs", None) or {}
+        self.connect_timeout = float(config.get("connect_timeout", self.CONNECT_TIMEOUT))
 
     @staticmethod
     def usable(fs: Any, storage_options: dict[str, Any]) -> bool:
         """True for a plain s3fs filesystem: no versioning, requester-pays, SSE-C or other extra
         request parameters, no custom TLS verification, proxies or botocore settings other than
-        retries and pool size (which the direct path has no use for) and S3 addressing style
-        (which the probe follows), which it would not apply."""
+        retries and pool size (which the direct path has no use for), S3 addressing style
+        (which the probe follows) and the connect timeout (which it applies too), which it would
+        not apply."""
         client_kwargs = storage_options.get("client_kwargs") or {}
         config_kwargs = storage_options.get("config_kwargs") or {}
         return (
@@ -262,7 +266,7 @@ class DirectGet:
             and not getattr(fs, "version_aware", False)
             and not getattr(fs, "req_kw", None)
             and not storage_options.get("s3_additional_kwargs")
-            and set(config_kwargs) <= {"retries", "max_pool_connections", "s3"}
+            and set(config_kwargs) <= {"retries", "max_pool_connections", "s3", "connect_timeout"}
             and set(config_kwargs.get("s3") or {}) <= {"addressing_style"}
             and set(client_kwargs) <= {"endpoint_url", "region_name"}
             and os.environ.get("HTTPS_PROXY") is None
@@ -401,14 +405,14 @@ class DirectGet:
         return http.client.HTTPConnection(netloc, timeout=self.TIMEOUT)
 
     def _connect(self, conn: http.client.HTTPConnection) -> None:
-        """Connect ``conn`` within :attr:`CONNECT_TIMEOUT` (then reads wait
+        """Connect ``conn`` within :attr:`connect_timeout` seconds (then reads wait
         up to :attr:`TIMEOUT`). Raises :class:`ConnectTimeoutError` when no connection came."""
-        conn.timeout = self.CONNECT_TIMEOUT
+        conn.timeout = self.connect_timeout
         try:
             conn.connect()
         except TimeoutError as exc:
             conn.close()
-            raise ConnectTimeoutError(f"no connection to {conn.host}:{conn.port} within {self.CONNECT_TIMEOUT:g} s") from exc
+            raise ConnectTimeoutError(f"no connection to {conn.host}:{conn.port} within {self.connect_timeout:g} s") from exc
         finally:
             conn.timeout = self.TIMEOUT
         if conn.sock is not None:
