@@ -23,7 +23,8 @@ import asyncio
 import socket
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 SEGMENT = 1448  # bytes: the TCP segments of an Ethernet link (MTU 1,500), not loopback's 64 KiB
 SLOWDOWN = b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
@@ -197,3 +198,19 @@ class FaultProxy:
         finally:
             self._writers.discard(writer)
             writer.transport.abort()
+
+
+@contextmanager
+def blackhole() -> Iterator[str]:
+    """An endpoint whose connections time out, as behind a firewall that drops packets: a
+    listening socket whose accept queue (backlog 0) one connection fills, so that the kernel
+    drops every later SYN."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    filler = socket.create_connection(server.getsockname(), timeout=5)
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        filler.close()
+        server.close()

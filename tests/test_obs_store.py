@@ -315,6 +315,21 @@ def test_silent_endpoint_is_timeout_error(make_store) -> None:
             list(store.list())
 
 
+def test_a_get_whose_connect_times_out_is_retried_and_a_listing_s_is_unreachable(make_store) -> None:
+    """A connect that timed out before OBS ever answered: unreachable at a listing (the first
+    contact), a TimeoutError (retried) at a GET, which a download worker process makes with a
+    store that never saw the listing's answer (a busy server's full accept queue)."""
+    from faultproxy import blackhole
+
+    with blackhole() as endpoint:
+        store = make_store(storage_options={**_keys(endpoint), "timeout": 0.3})
+        with pytest.raises(TimeoutError) as got:
+            store.get("k", io.BytesIO(), 0, 1)
+        assert is_transient(got.value) and "timed out after 0.3 s talking to OBS endpoint" in str(got.value)
+        with pytest.raises(StoreUnreachableError, match=r"no answer within 0.3 s before it ever answered"):
+            list(store.list())
+
+
 def test_endpoint_bucket_and_key_errors_differ(make_store, closed_port: int, s3_endpoint: str) -> None:
     """A wrong endpoint, a missing bucket and a rejected key each say something different."""
     store = make_store(storage_options=_keys(f"http://127.0.0.1:{closed_port}"))

@@ -8,11 +8,10 @@ import io
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 from conftest import via
+from faultproxy import blackhole
 
 from cachepipe import ConfigError, ObjectChangedError, Pipeline, StoreUnreachableError
 from cachepipe.errors import is_transient
@@ -214,27 +213,11 @@ def test_unresolvable_host_fails_at_once_naming_host_and_url(remote_source, tmp_
     assert error.endpoint == endpoint
 
 
-@contextmanager
-def _blackhole() -> Iterator[str]:
-    """An endpoint whose connections time out, as behind a firewall that drops packets: a
-    listening socket whose accept queue (backlog 0) one connection fills, so that the kernel
-    drops every later SYN."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(0)
-    filler = socket.create_connection(server.getsockname(), timeout=5)
-    try:
-        yield f"http://127.0.0.1:{server.getsockname()[1]}"
-    finally:
-        filler.close()
-        server.close()
-
-
 def test_an_endpoint_whose_connections_time_out_fails_at_once_naming_it(remote_source, tmp_path):
     """Before, a connect timeout was a transient error like any timeout: the first listing was
     tried 13 times, each after botocore's own 5 attempts of 60 s (over an hour), with a warning
     per retry and nothing else. Before the endpoint ever answered, it now fails at once."""
-    with _blackhole() as endpoint:
+    with blackhole() as endpoint:
         options = via(remote_source, endpoint)
         if remote_source.kind == "obs":
             options["timeout"] = 1
@@ -277,7 +260,7 @@ def test_s3_connects_wait_ten_seconds_unless_configured(s3_source):
     assert store.direct
     given = open_store(s3_source.url, {**s3_source.options, "config_kwargs": {"connect_timeout": 0.5}})
     assert given.fs.config_kwargs["connect_timeout"] == 0.5 and given.direct  # before: the option turned the direct path off
-    with _blackhole() as endpoint:
+    with blackhole() as endpoint:
         conn = http.client.HTTPConnection(endpoint.removeprefix("http://"))
         started = time.monotonic()
         with pytest.raises(ConnectTimeoutError, match=r"no connection to 127.0.0.1:\d+ within 0.5 s"):

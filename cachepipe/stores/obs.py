@@ -583,7 +583,9 @@ class ObsStore:
         target = self._object_url(key)
         check = f"check storage_options['server'] or {_ENV_ENDPOINT}"
         error: OSError
-        if isinstance(exc, TimeoutError) and not self._answered and _in_connect(exc):
+        # a connect that timed out: unreachable at a first contact (a listing, a check); a GET or
+        # an upload comes after one, or from a worker process whose store saw no answer: retried
+        if isinstance(exc, TimeoutError) and not self._answered and what in ("list", "head") and _in_connect(exc):
             reason = f"no answer within {self._timeout} s before it ever answered (packets dropped: a firewall, or a wrong host)"
             reason += f"; {check}"
             error = StoreUnreachableError(f"cannot reach OBS endpoint {self.endpoint}: {reason} ({doing} {target})")
