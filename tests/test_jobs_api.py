@@ -173,14 +173,25 @@ def test_a_registered_lane_waits_out_a_daemon_restart_longer_than_a_start(s3_sou
             daemon.proc.wait(30)
         later = DaemonProcess(config)
         starter = threading.Timer(2.0, later.start)  # back after 2 s and its start: past startup_timeout
+        statuses: list = []
+
+        def plain() -> None:  # a client that never reached the daemon waits quietly, as for a start
+            with Client(socket=sock, startup_timeout=30) as client:
+                statuses.append(client.health()["status"])
+
+        other = threading.Thread(target=plain)
         starter.start()
         try:
             with caplog.at_level(logging.WARNING, logger="cachepipe.client"):
+                other.start()
                 assert lane.take(item.next, timeout=60).cursor == item.next  # before: ConnectionError after 0.5 s
+                other.join(60)
         finally:
             starter.join()
             later.close()
-    assert "is not there (restarting?): trying again for up to 300 s" in caplog.text
+    assert statuses == ["ok"]
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned == [f"the cachepipe daemon at {sock} is not there (restarting?): trying again for up to 300 s"]
     with pytest.raises(ValueError, match=r"outage_timeout -1: expected a number of seconds >= 0"):
         JobClient("train", one, 0, socket=sock, outage_timeout=-1)
 
