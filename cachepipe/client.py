@@ -262,7 +262,6 @@ class Client:
         if isinstance(startup_timeout, bool) or not isinstance(startup_timeout, (int, float)) or not startup_timeout >= 0:
             raise ValueError(f"startup_timeout {startup_timeout!r}: expected a number of seconds >= 0 (0: do not wait)")
         self.startup_timeout = float(startup_timeout)
-        self.log_outages = False  # a JobClient sets it once registered: a wait for the daemon is then a restart
         self.pipeline = pipeline
         self.address = os.fspath(socket) if socket is not None else default_socket()
         self.timeout = timeout
@@ -486,7 +485,7 @@ class Client:
                 raise ValueError(f"the daemon at {self.address} serves the pipelines {', '.join(names)}: pass pipeline=NAME")
             self.pipeline = names[0]
         route = f"/v1/pipelines/{quote(str(self.pipeline), safe='')}/next"
-        outage = _Outage(self.startup_timeout, self.address if self.log_outages else "")
+        outage = _Outage(self.startup_timeout, self.address)
         acking = extra is not None and bool(extra.get("ack") or extra.get("acks"))
         while True:
             wait = _SLICE if deadline is None else min(max(deadline - time.monotonic(), 0.0), _SLICE)
@@ -575,7 +574,7 @@ class Client:
         limit = self.startup_timeout if timeout is None else timeout
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 0:
             raise ValueError(f"timeout {timeout!r}: expected a number of seconds >= 0")
-        outage = _Outage(limit)
+        outage = _Outage(limit, self.address)
         deadline = time.monotonic() + limit
         while True:
             try:
@@ -654,7 +653,7 @@ class Client:
             payload, headers = raw, {"Content-Type": "application/gzip"}
         if retry is None:
             retry = method == "GET"
-        outage = _Outage(self.startup_timeout if patience is None else patience, self.address if self.log_outages else "")
+        outage = _Outage(self.startup_timeout if patience is None else patience, self.address)
         with self._lock:
             kept = True  # the first attempt may be on a kept-alive connection the daemon closed meanwhile
             while True:
@@ -725,12 +724,11 @@ def _code(data: bytes) -> str:
 
 
 class _Outage:
-    """How long we have been waiting for a daemon to be there; the pauses between attempts. With
-    an ``address`` (a registered lane's client: the daemon was there), a wait longer than a
-    start's (``DEFAULT_STARTUP_TIMEOUT``) is logged as it begins: a lane that waits out a
-    daemon's restart is not silent."""
+    """How long we have been waiting for a daemon at ``address`` to be there; the pauses between
+    attempts. A wait that may last longer than a start's (``DEFAULT_STARTUP_TIMEOUT``, e.g. a
+    registered lane waiting out a restart) is logged as it begins: it is not silent."""
 
-    def __init__(self, limit: float, address: str = "") -> None:
+    def __init__(self, limit: float, address: str) -> None:
         self.limit = limit
         self.address = address
         self._since: float | None = None
@@ -741,10 +739,8 @@ class _Outage:
         now = time.monotonic()
         if self._since is None:
             self._since = now
-            if self.address and self.limit > DEFAULT_STARTUP_TIMEOUT:
-                log.warning(
-                    "the cachepipe daemon at %s is not there (restarting?): trying again for up to %g s", self.address, self.limit
-                )
+            if self.limit > DEFAULT_STARTUP_TIMEOUT:
+                log.warning("the cachepipe daemon at %s is not answering yet: trying for up to %g s", self.address, self.limit)
         left = self._since + self.limit - now
         if left <= 0:
             return False

@@ -149,8 +149,8 @@ def small_capacity(given: Any, capacity: int | Share) -> str | None:
     the caller wrote it: a number, or a string of digits), else None: ``"512KiB"`` is meant."""
     if isinstance(capacity, Share) or capacity >= SMALL_CAPACITY:
         return None
-    if isinstance(given, str) and not given.strip().isdigit():
-        return None
+    if isinstance(given, str) and ((match := _SIZE_RE.match(given)) is None or match.group(2)):
+        return None  # a unit: meant
     return (
         f"capacity {given!r} is {capacity} bytes, less than 1 MiB: a size without a unit is in bytes; "
         "if you meant more, give a unit like '100MiB' or '100GiB', or a share like '80%'"

@@ -144,7 +144,6 @@ class JobClient:
         self.info = info
         client = self._client
         client.startup_timeout = max(client.startup_timeout, self.outage_timeout)  # the daemon was here: wait for it
-        client.log_outages = True
         return info
 
     def upload_manifest(self, data: bytes) -> str:

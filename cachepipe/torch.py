@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
@@ -42,7 +43,7 @@ from typing import Any, TypeVar
 import torch.utils.data
 
 from .client import DEFAULT_OUTAGE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT
-from .config import Share, parse_capacity
+from .config import Share, parse_capacity, small_capacity
 from .jobclient import JobClient
 from .manifest import index
 from .pipeline import Pipeline
@@ -50,6 +51,8 @@ from .plan import Cursor, default_rank_world
 from .state import atomic_write
 
 __all__ = ["CachePipeDataset", "local_ranks"]
+
+log = logging.getLogger("cachepipe")
 
 T = TypeVar("T")
 
@@ -121,6 +124,8 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                 raise ValueError("cache_dir and capacity are required without node= (per-process mode)")
             self.cache_dir: Path | None = Path(cache_dir)
             self.capacity: int | Share | None = parse_capacity(capacity)
+            if (small := small_capacity(capacity, self.capacity)) is not None:
+                log.warning("%s", small)  # here, as written: the workers' pipelines get their shares in bytes
             if options.get("manifest") is None:
                 shared = self._list_once()
                 if shared is not None:
@@ -203,7 +208,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         worker, num_workers = self._worker()
         rank, world = self._rank_world()
         capacity = self.capacity
-        share = Share(capacity.fraction / num_workers) if isinstance(capacity, Share) else capacity // num_workers
+        share = Share(capacity.fraction / num_workers) if isinstance(capacity, Share) else f"{capacity // num_workers}B"
         options = {**self.options, "rank": rank, "world_size": world, "worker": worker, "num_workers": num_workers}
         return Pipeline(self.source, self.cache_dir / f"rank{rank}-worker{worker}", share, **options)
 

@@ -226,6 +226,10 @@ def test_a_capacity_under_one_mib_is_warned_about(tmp_path: Path, caplog: pytest
     assert "capacity '100' is 100 bytes, less than 1 MiB" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, "cachepipe"):
+        Pipeline(str(src), tmp_path / "c", "1e5")
+    assert "capacity '1e5' is 100000 bytes, less than 1 MiB" in caplog.text  # a number in a string, without a unit
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "cachepipe"):
         Pipeline(str(src), tmp_path / "c", "1MiB")
         Pipeline(str(src), tmp_path / "c", "512KiB")  # a unit: meant
     assert "capacity" not in caplog.text

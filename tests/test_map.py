@@ -1085,6 +1085,13 @@ def test_a_function_from_an_interactive_main_is_refused_before_anything_runs(tmp
     script.write_text(main)
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 0 and "done 1" in run.stdout, run.stderr
+    package = tmp_path / "pkg"  # python -m pkg: its __main__ is no file the child runs again either
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "__main__.py").write_text(body)
+    command = [sys.executable, "-m", "pkg"]
+    as_module = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False)
+    assert as_module.returncode == 1 and "is defined in __main__ of" in as_module.stderr, as_module.stderr
     assert "capacity" not in run.stderr  # before: "capacity 1048574 is 1048574 bytes, less than 1 MiB", of map's own sizing
 
 

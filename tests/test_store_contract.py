@@ -245,10 +245,16 @@ def test_a_connect_timeout_is_unreachable_only_at_first_contact_and_on_the_store
     sts = _translate(ConnectTimeoutError(endpoint_url="http://sts.example:8080/"), "s3://b/", endpoint, answered=False)
     assert not isinstance(sts, StoreUnreachableError) and is_transient(sts)
     assert "no answer to a connection to http://sts.example:8080/ (for s3://b/)" in str(sts)
-    aws = ConnectTimeoutError(endpoint_url="https://b.s3.eu-west-1.amazonaws.com/?list-type=2")
-    assert isinstance(_translate(aws, "s3://b/", "the AWS S3 endpoint", answered=False), StoreUnreachableError)
-    aws_sts = ConnectTimeoutError(endpoint_url="https://sts.amazonaws.com/")
-    assert not isinstance(_translate(aws_sts, "s3://b/", "the AWS S3 endpoint", answered=False), StoreUnreachableError)
+    for url in (
+        "https://b.s3.eu-west-1.amazonaws.com/",
+        "http://b.minio.local:9000/",
+        "https://b.s3.cn-north-1.amazonaws.com.cn/",
+    ):
+        got = _translate(ConnectTimeoutError(endpoint_url=url), "s3://b/", endpoint, answered=False)  # virtual hosts too
+        assert isinstance(got, StoreUnreachableError), url
+    for url in ("https://sts.amazonaws.com/", "https://sts.eu-west-1.amazonaws.com/", "http://169.254.169.254/latest"):
+        got = _translate(ConnectTimeoutError(endpoint_url=url), "s3://b/", endpoint, answered=False)  # credentials' hosts
+        assert not isinstance(got, StoreUnreachableError), url
 
 
 def test_s3_connects_wait_ten_seconds_unless_configured(s3_source):

@@ -385,12 +385,17 @@ def _check_command(program: str) -> None:
 
 def _from_fileless_main(fn: Any) -> bool:
     """Whether ``fn`` (a function, a ``functools.partial`` of one, or a callable object) is
-    pickled by reference to ``__main__`` of a session without a script file: a spawned child
-    re-imports the parent's main script to find such names, and there is none."""
-    main = sys.modules.get("__main__")
-    if main is None or getattr(main, "__file__", None):
+    pickled by reference to a ``__main__`` that a spawned child cannot import: the child runs
+    the parent's main module again (as multiprocessing's spawn does, by its ``__spec__`` name,
+    else its file) to find such names, and there is none in a session without a script file
+    (``python -c``, a REPL, a notebook), nor for a package's ``__main__`` (``python -m pkg``)."""
+    if not any(getattr(x, "__module__", None) == "__main__" for x in (fn, getattr(fn, "func", None), type(fn))):
         return False
-    return any(getattr(x, "__module__", None) == "__main__" for x in (fn, getattr(fn, "func", None), type(fn)))
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None:
+        return bool(name == "__main__" or name.endswith(".__main__"))
+    return not getattr(main, "__file__", None)
 
 
 def map_items(
@@ -470,10 +475,10 @@ def map_items(
             raise TypeError(f"fn {fn!r} cannot be sent to a child process ({exc}); define it at module level") from exc
         if _from_fileless_main(fn):
             raise TypeError(
-                f"fn {fn!r} is defined in __main__ of an interactive session (python -c, a REPL, a notebook), which "
-                "the child process that runs it cannot import (it starts a fresh interpreter): define fn in a .py file "
-                "and import it (in a notebook: %%writefile transform.py, then from transform import fn), or pass a "
-                "command"
+                f"fn {fn!r} is defined in __main__ of an interactive session (python -c, a REPL, a notebook) or of a "
+                "package run with python -m, which the child process that runs it cannot import (it starts a fresh "
+                "interpreter): define fn in a .py file and import it (in a notebook: %%writefile transform.py, then "
+                "from transform import fn), or pass a command"
             )
         func = fn
     node = resolve_rank(os.environ, rank, world_size)  # the edge: the environment is read here, once

@@ -230,7 +230,7 @@ class Daemon:
                     and entry.config.model_copy(update={"capacity": cfg.capacity}) == cfg
                 ):
                     try:  # only the capacity changed: applied live, leases and queue untouched
-                        entry.pipeline.set_capacity(cfg.capacity)
+                        entry.pipeline.set_capacity(f"{cfg.capacity}B" if isinstance(cfg.capacity, int) else cfg.capacity)
                         entry.config = cfg
                         changes.append(f"capacity of {name} {cfg.capacity}")
                         continue

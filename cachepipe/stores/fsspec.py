@@ -116,7 +116,7 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool, first:
     if refused and not answered:
         return unreachable_error(endpoint, where, "connection refused before it ever answered")
     if first and not answered and (url := _timed_out_connecting(chain)) is not None:
-        if url == "" or _same_host(url, endpoint):
+        if not _credentials_host(url):
             return unreachable_error(endpoint, where, NO_ANSWER)
         return store_code(TimeoutError(f"no answer to a connection to {url} (for {where}): {exc}"), None, endpoint)
     if isinstance(exc, OSError) and exc.errno == errno.EBUSY:  # s3fs: SlowDown, ServiceUnavailable
@@ -140,13 +140,16 @@ def _timed_out_connecting(chain: list[BaseException]) -> str | None:
     return None
 
 
-def _same_host(url: str, endpoint: str) -> bool:
-    """Whether ``url`` (a request's) is on the host of ``endpoint`` (the store's endpoint URL,
-    or a description such as "the AWS S3 endpoint": then any ``*.amazonaws.com`` S3 host)."""
-    host = urlsplit(url).hostname or ""
-    if "://" not in endpoint:
-        return host.endswith(".amazonaws.com") and (host.startswith("s3") or ".s3" in host)  # not sts.*, sso.*
-    return host == (urlsplit(endpoint).hostname or "")
+_CREDENTIAL_HOSTS = ("169.254.169.254", "169.254.170.2", "fd00:ec2::254")  # EC2 instance metadata, ECS task role
+
+
+def _credentials_host(url: str) -> bool:
+    """Whether ``url`` is on a host that serves credentials (STS, SSO, OIDC, instance or task
+    metadata), not the store: botocore connects to them too, inside a store's request. Every
+    other host is taken for the store's own (a custom endpoint, a bucket's virtual host, one
+    set by ``AWS_ENDPOINT_URL``, any AWS partition)."""
+    host = (urlsplit(url).hostname or "").lower()
+    return host in _CREDENTIAL_HOSTS or host.startswith(("sts.", "sts-", "oidc.", "portal.sso.", "sso."))
 
 
 def _check_options(url: str, fs_cls: Any, options: dict[str, Any]) -> None:

@@ -250,7 +250,8 @@ class DirectGet:
         self._closed = False
         self._ssl: ssl.SSLContext | None = None  # made on the first https connection (loading CAs costs ~30 ms)
         config = getattr(fs, "config_kwargs", None) or {}
-        self.connect_timeout = float(config.get("connect_timeout", self.CONNECT_TIMEOUT))
+        given = config.get("connect_timeout")
+        self.connect_timeout = self.CONNECT_TIMEOUT if given is None else float(given)
 
     @staticmethod
     def usable(fs: Any, storage_options: dict[str, Any]) -> bool:
