@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from removing import remove_tree
+from removing import remove_tree, replace_tree
 from sampling import Sampler
 from waiting import wait_until
 
@@ -287,8 +287,7 @@ def test_a_cache_directory_removed_under_the_pipeline_stops_it_naming_why(s3_sou
         if how == "removed":
             remove_tree(cache)
         else:
-            cache.rename(tmp_path / "aside")
-            cache.mkdir()
+            replace_tree(cache, tmp_path / "aside")  # in one step: never missing in between
 
         def take_all() -> None:  # at most the items ready before the removal come first
             for _ in range(20):
