@@ -36,6 +36,7 @@ __all__ = [
     "parse_capacity",
     "parse_size",
     "small_capacity",
+    "with_unit",
 ]
 
 SIZE_FORMS = "a positive number of bytes or a size like '50GiB', '1.5GB', '512M', '1g'"
@@ -142,6 +143,13 @@ SMALL_CAPACITY = 1024**2
 """A capacity under this (1 MiB) is legal but most likely a size without its unit (``"100"``)."""
 
 SCHEMES = "s3://, obs://, gs://, az://, file://, memory://, http(s):// or any other fsspec protocol"
+
+
+def with_unit(capacity: int | Share) -> str | Share:
+    """A capacity worked out in bytes (a share of another, a reloaded one), written with its
+    unit (``"524288B"``) for the :class:`~cachepipe.Pipeline` it is given to: a size with a unit
+    is meant, so :func:`small_capacity` does not take it for one whose unit was left out."""
+    return capacity if isinstance(capacity, Share) else f"{capacity}B"
 
 
 def small_capacity(given: Any, capacity: int | Share) -> str | None:

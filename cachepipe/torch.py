@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 import torch.utils.data
 
 from .client import DEFAULT_OUTAGE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT
-from .config import Share, parse_capacity, small_capacity
+from .config import Share, parse_capacity, small_capacity, with_unit
 from .jobclient import JobClient
 from .manifest import index
 from .pipeline import Pipeline
@@ -208,7 +208,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         worker, num_workers = self._worker()
         rank, world = self._rank_world()
         capacity = self.capacity
-        share = Share(capacity.fraction / num_workers) if isinstance(capacity, Share) else f"{capacity // num_workers}B"
+        share = with_unit(Share(capacity.fraction / num_workers) if isinstance(capacity, Share) else capacity // num_workers)
         options = {**self.options, "rank": rank, "world_size": world, "worker": worker, "num_workers": num_workers}
         return Pipeline(self.source, self.cache_dir / f"rank{rank}-worker{worker}", share, **options)
 
@@ -252,10 +252,11 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         with pipe:
             if self.transform is None:
                 yield from pipe  # each item acknowledged when the loop asks for the next
-            while self.transform is not None and (item := pipe.get()) is not None:
-                sample = self.transform(item)
-                pipe.ack(item)  # read: its space is free while the sample travels on, and the state is past it
-                yield sample
+            else:
+                while (item := pipe.get()) is not None:
+                    sample = self.transform(item)
+                    pipe.ack(item)  # read: its space is free while the sample travels on, and the state is past it
+                    yield sample
         self._pipe = None  # the pass is over: a state taken now is the start of the next
 
     def _iter_node(self) -> Iterator[Any]:
@@ -285,17 +286,20 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             self._lane_info = (name, rank, worker, info.get("catalog_digest"))
             self._cursor = cursor
             self._state = None  # this iteration only: the next one starts at the job's beginning
-            while self.transform is None and (item := lane.take(cursor)) is not None:
-                self._cursor = cursor = item.next
-                yield item  # released when the loop asks for the next
-            while self.transform is not None and (batch := lane.take_many(cursor, NODE_BATCH, NODE_BATCH_BYTES)):
-                # several small items per request; a batch's items are consumed together once read
-                samples = [self.transform(item) for item in batch]
-                cursor = batch[-1].next
-                lane.consume(cursor)  # read: their space is free while the samples travel on
-                for sample, item in zip(samples, batch, strict=True):
-                    self._cursor = item.next
-                    yield sample
+            if self.transform is None:
+                while (item := lane.take(cursor)) is not None:
+                    self._cursor = cursor = item.next
+                    yield item  # released when the loop asks for the next
+            else:
+                transform = self.transform
+                while batch := lane.take_many(cursor, NODE_BATCH, NODE_BATCH_BYTES):
+                    # several small items per request; a batch's items are consumed together once read
+                    samples = [transform(item) for item in batch]
+                    cursor = batch[-1].next
+                    lane.consume(cursor)  # read: their space is free while the samples travel on
+                    for sample, item in zip(samples, batch, strict=True):
+                        self._cursor = item.next
+                        yield sample
         self._cursor = None  # the pass is over: a state taken now is the start of the next
 
     def state_dict(self) -> dict[str, Any]:

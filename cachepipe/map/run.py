@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cache import journal_budget_of
-from ..config import Share, check_cache_dir, check_source
+from ..config import Share, check_cache_dir, check_source, with_unit
 from ..errors import CacheLockedError, ConfigError, EmptySourceError, ItemFailedError, UnknownItemError, is_transient
 from ..fetcher import backoff_delay
 from ..pipeline import Pipeline
@@ -199,7 +199,7 @@ class _MapRun:
         pipe = Pipeline(
             cfg.source,
             cfg.cache_dir,
-            f"{sizing.downloads}B",  # with its unit: a size worked out, not one to warn about
+            with_unit(sizing.downloads),
             store=PlannedSource(src, items),
             items="folders" if grouped else cfg.items,
             auto_ack=False,

@@ -36,7 +36,7 @@ else:  # tomllib is new in 3.11; tomli is the same parser (a dependency on 3.10 
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
-from ..config import PipelineConfig, small_capacity
+from ..config import PipelineConfig, small_capacity, with_unit
 from ..errors import ConfigError
 from .jobs import JobsConfig
 
@@ -212,8 +212,7 @@ def pipeline_options(cfg: PipelineConfig) -> dict[str, Any]:
     """Keyword arguments that build a :class:`cachepipe.Pipeline` from ``cfg`` (values as validated;
     a capacity in bytes with its unit: a small one was warned about as written, at load)."""
     options = {name: getattr(cfg, name) for name in type(cfg).model_fields}
-    if isinstance(options["capacity"], int):
-        options["capacity"] = f"{options['capacity']}B"
+    options["capacity"] = with_unit(options["capacity"])
     return options
 
 

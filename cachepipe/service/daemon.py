@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from .. import __version__
-from ..config import PipelineConfig, format_size
+from ..config import PipelineConfig, format_size, with_unit
 from ..errors import CacheRemovedError, ConfigError, UnknownItemError
 from ..node import Taken
 from ..pipeline import CachedItem, Pipeline, Stats
@@ -230,7 +230,7 @@ class Daemon:
                     and entry.config.model_copy(update={"capacity": cfg.capacity}) == cfg
                 ):
                     try:  # only the capacity changed: applied live, leases and queue untouched
-                        entry.pipeline.set_capacity(f"{cfg.capacity}B" if isinstance(cfg.capacity, int) else cfg.capacity)
+                        entry.pipeline.set_capacity(with_unit(cfg.capacity))
                         entry.config = cfg
                         changes.append(f"capacity of {name} {cfg.capacity}")
                         continue

@@ -35,7 +35,7 @@ from typing import Annotated, Any, BinaryIO, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from ..config import Capacity, PipelineConfig, Share, check_manifest_location, parse_size
+from ..config import Capacity, PipelineConfig, Share, check_manifest_location, parse_size, with_unit
 from ..errors import CacheRemovedError, ConfigError
 from ..manifest import index, read_manifest
 from ..node import NodePipeline, Taken
@@ -204,7 +204,7 @@ class Jobs:
             pipeline = NodePipeline(
                 spec.source,
                 self.config.root / name,
-                f"{capacity}B",  # worked out here: not a size written without its unit
+                with_unit(capacity),
                 ranks=spec.ranks,
                 world_size=spec.world_size,
                 num_workers=spec.num_workers,

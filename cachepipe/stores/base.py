@@ -115,7 +115,10 @@ attempts per call): a firewall that drops packets makes every connect wait this 
 endpoint ever answered, such a timeout fails at once (:func:`unreachable_error`); after, it is
 retried like any timeout. ``storage_options["config_kwargs"]["connect_timeout"]`` sets it."""
 
-NO_ANSWER = "no answer to a connection before it ever answered (packets dropped: a firewall, or a wrong host)"
+DROPPED = "packets dropped: a firewall, or a wrong host"
+"""What an endpoint that never accepts a connection most likely is (both S3 and OBS seams say it)."""
+
+NO_ANSWER = f"no answer to a connection before it ever answered ({DROPPED})"
 """Why an endpoint is unreachable when its first connection timed out (see :data:`CONNECT_TIMEOUT`)."""
 
 

@@ -53,7 +53,7 @@ from typing import Any, BinaryIO, TypeVar
 from urllib.parse import urlsplit
 
 from cachepipe.errors import ConfigError, ObjectChangedError, StoreUnavailableError, StoreUnreachableError, store_code
-from cachepipe.stores.base import CHANGED, CREDENTIAL_CODES, FIRST_PAGE_KEYS, THROTTLE_CODES, ObjectInfo, listed_etag
+from cachepipe.stores.base import CHANGED, CREDENTIAL_CODES, DROPPED, FIRST_PAGE_KEYS, THROTTLE_CODES, ObjectInfo, listed_etag
 
 __all__ = ["CHUNK_SIZE", "MAX_PAGE_SIZE", "ObsServiceError", "ObsStore"]
 
@@ -586,8 +586,7 @@ class ObsStore:
         # a connect that timed out: unreachable at a first contact (a listing, a check); a GET or
         # an upload comes after one, or from a worker process whose store saw no answer: retried
         if isinstance(exc, TimeoutError) and not self._answered and what in ("list", "head") and _in_connect(exc):
-            reason = f"no answer within {self._timeout} s before it ever answered (packets dropped: a firewall, or a wrong host)"
-            reason += f"; {check}"
+            reason = f"no answer within {self._timeout} s before it ever answered ({DROPPED}); {check}"
             error = StoreUnreachableError(f"cannot reach OBS endpoint {self.endpoint}: {reason} ({doing} {target})")
         elif isinstance(exc, TimeoutError):
             error = TimeoutError(f"timed out after {self._timeout} s talking to OBS endpoint {self.endpoint}, {doing} {target}")

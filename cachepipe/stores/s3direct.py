@@ -65,14 +65,13 @@ from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.exceptions import NoCredentialsError
 
-from .base import CONNECT_TIMEOUT as _CONNECT_TIMEOUT
-from .base import listed_etag
+from .base import CONNECT_TIMEOUT, listed_etag
 
 __all__ = ["ConnectTimeoutError", "DirectGet"]
 
 
 class ConnectTimeoutError(TimeoutError):
-    """No connection to the endpoint within :attr:`DirectGet.CONNECT_TIMEOUT` (named
+    """No connection to the endpoint within :attr:`DirectGet.connect_timeout` (named
     like botocore's, which the error seam tells apart the same way)."""
 
 
@@ -235,10 +234,7 @@ class DirectGet:
     RETAKE_AFTER = 60.0
     """Seconds after which a bucket's probe and credential copy are taken again."""
     TIMEOUT = 60.0
-    """Seconds for each read of a response."""
-    CONNECT_TIMEOUT = _CONNECT_TIMEOUT
-    """Seconds for a connect unless the filesystem's ``config_kwargs`` set ``connect_timeout``
-    (:data:`cachepipe.stores.base.CONNECT_TIMEOUT`)."""
+    """Seconds for each read of a response (a connect: :attr:`connect_timeout`)."""
 
     def __init__(self, fs: Any) -> None:
         self.fs = fs
@@ -249,9 +245,10 @@ class DirectGet:
         self._idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}  # by (scheme, netloc), last used last
         self._closed = False
         self._ssl: ssl.SSLContext | None = None  # made on the first https connection (loading CAs costs ~30 ms)
-        config = getattr(fs, "config_kwargs", None) or {}
-        given = config.get("connect_timeout")
-        self.connect_timeout = self.CONNECT_TIMEOUT if given is None else float(given)
+        given = (getattr(fs, "config_kwargs", None) or {}).get("connect_timeout")
+        self.connect_timeout = CONNECT_TIMEOUT if given is None else float(given)
+        """Seconds for a connect: the filesystem's ``config_kwargs["connect_timeout"]``, else
+        :data:`cachepipe.stores.base.CONNECT_TIMEOUT`."""
 
     @staticmethod
     def usable(fs: Any, storage_options: dict[str, Any]) -> bool:
