@@ -23,13 +23,16 @@ plan reaches them, nothing is skipped on the node's word).
 The fetch order serves the lane with the fewest steps planned and not consumed (see
 :meth:`~cachepipe.lanes.LaneSchedule.next`), so lanes are fetched for as fast as they consume.
 Steps of one item that are planned at once (lanes an epoch apart) share its one copy on disk
-(see :class:`LaneQueues`): no lane waits for another to move on. A lane that stops asking keeps
-what was fetched for it: size the node's capacity for what every lane's consumer runs ahead
-(with DataLoader workers, ``prefetch_factor x batch_size`` items per worker).
+(see :class:`LaneQueues`): no lane waits for another to move on. A lane that waits for an item
+with no room gets the room of items fetched ahead for lanes that are not waiting (see
+:meth:`LaneQueues.give_back`): a lane that stops asking (a rank waiting for another in an
+all-reduce) never holds the room of the lane it waits for. What consumers hold (handed out,
+not consumed) cannot be given back: size the node's capacity for what the lanes hold at once.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -50,8 +53,18 @@ from .stores import Store
 
 __all__ = ["NodePipeline", "Taken"]
 
+log = logging.getLogger("cachepipe.node")
+
 SHARED_RUN = 256
 """Most steps that share a copy the planner plans in one hold of the queues' lock."""
+
+ROOM_CHECK = 1.0
+"""Seconds a lane waits for its item between checks that a download has room (see
+:meth:`NodePipeline.take`)."""
+
+HELD_WARNING = 30.0
+"""Seconds a lane waits, with no room made for it, before the node logs that its consumers hold
+the whole cache."""
 
 
 @dataclass(slots=True, eq=False)
@@ -276,6 +289,43 @@ class LaneQueues(Broker[str]):
             self._cond.notify_all()
         return ([], on_disk, 0) if moved else (on_disk, [], acked)
 
+    def give_back(self, needed: int) -> list[_Planned]:
+        """Make about ``needed`` bytes of room for a download that a waiting lane is held up
+        behind: steps on disk that were planned ahead for lanes whose consumers are not waiting
+        now, and not handed out, are unplanned, the one needed last first (the latest tick of a
+        lane's last step). Their lanes plan them again (each lane moves back to such a step).
+        Without this, a lane that stops asking (a DDP rank waiting for another rank) could hold
+        the room that the lane it waits for needs, for ever.
+
+        Returns the steps given back whose copy no other step holds (to delete); they add up to
+        ``needed`` bytes or more, unless no more steps qualify."""
+        gone: list[_Planned] = []
+        freed = 0
+        with self._cond:
+            while freed < needed:
+                last: _Planned | None = None
+                for lane in self._lanes:
+                    if lane.waiting or not lane.held:
+                        continue
+                    step = lane.held[next(reversed(lane.held))]  # held in plan order: the lane's last
+                    if not step.handed and isinstance(step.value, str) and (last is None or step.tick > last.tick):
+                        last = step
+                if last is None:
+                    break
+                lane = self._lanes[last.lane]
+                del lane.held[last.key]
+                lane.generation = self.schedule.reset(last.lane, last.key)
+                self._forget(last)
+                copy = last.copy
+                copy.holders -= 1
+                if not copy.holders:
+                    if self._copies.get(copy.step.item) is copy:
+                        del self._copies[copy.step.item]
+                    gone.append(last)
+                    freed += last.size
+            self._cond.notify_all()  # the planner plans those steps again
+        return gone
+
     def _load(self) -> list[int]:
         return [len(lane.held) for lane in self._lanes]
 
@@ -461,7 +511,7 @@ class NodePipeline(Pipeline):
         while True:
             self._move(lane, at)
             try:
-                planned = queues.wait(lane, at, timeout)
+                planned = self._wait(lane, at, timeout)
             except Closed:
                 raise RuntimeError(f"{self!r} is closed") from None
             if planned is None:
@@ -530,6 +580,52 @@ class NodePipeline(Pipeline):
         self._require_open()
         lane = self.node_plan.lane(rank, worker)
         self._move(lane, self._queues.schedule.normalise(lane, cursor))
+
+    def _wait(self, lane: int, at: Cursor, timeout: float | None) -> _Planned | None:
+        """:meth:`LaneQueues.wait` in turns of :data:`ROOM_CHECK` seconds; after each, if a
+        download has no room (:meth:`Cache.shortfall`), steps planned ahead for lanes whose
+        consumers are not waiting are given back and their copies deleted
+        (:meth:`LaneQueues.give_back`). If none can be, every item in the cache is held by a
+        consumer: after :data:`HELD_WARNING` seconds this is logged, once per wait."""
+        queues, start = self._queues, time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        rank, worker = self.node_plan.lanes[lane]
+        warned = False
+        while True:
+            turn = ROOM_CHECK if deadline is None else max(0.0, min(ROOM_CHECK, deadline - time.monotonic()))
+            try:
+                return queues.wait(lane, at, turn)
+            except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"no item became ready within {timeout} s") from None
+            needed = self._cache.shortfall()
+            if not needed:
+                continue
+            with self._moves:
+                gone = queues.give_back(needed)
+                for planned in gone:
+                    if self.config.retain == "auto":
+                        self._stale(planned)  # acknowledged: the policy may keep it, or evict it for room
+                    else:
+                        self._cache.drop(planned.name)
+            if gone:
+                log.info("lane %s.%s waits for room: gave back %d items planned ahead for other lanes", rank, worker, len(gone))
+                continue
+            self._cache.force_room()  # with retention: evict retained items, however soon they are used
+            if not warned and time.monotonic() - start >= HELD_WARNING:
+                warned = True
+                log.warning(
+                    "lane %s.%s has waited %.0f s for its item at %s: the node's cache (capacity %s) has no room "
+                    "for the next download, and every item in it is held by a consumer that has not consumed it; "
+                    "a consumer that holds its item while it waits for another (DDP ranks step together) needs a "
+                    "capacity of an item per lane at least: raise the capacity, or consume each item once read "
+                    "(the PyTorch adapter does with a transform)",
+                    rank,
+                    worker,
+                    time.monotonic() - start,
+                    tuple(at),
+                    self._cache.capacity,
+                )
 
     def _move(self, lane: int, cursor: Cursor) -> None:
         with self._moves:

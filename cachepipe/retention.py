@@ -256,17 +256,22 @@ class RetentionPolicy:
         elif self._release(item):
             self.retained_bytes -= self.sizes[item]
 
-    def choose_victims(self, needed_bytes: int, item: int, tick: int, *, urgent: bool = False) -> list[int] | None:
+    def choose_victims(
+        self, needed_bytes: int, item: int, tick: int, *, urgent: bool = False, forced: bool = False
+    ) -> list[int] | None:
         """Retained items to delete so that ``needed_bytes`` more are free for ``item`` at
         ``tick``; ``[]`` if ``needed_bytes <= 0``. None: evict nothing and wait for an ack.
         The returned items are forgotten by the policy: the caller must delete them.
 
         ``urgent``: the consumer is blocked waiting for this step, so waiting for an ack is
-        not an option (Belady then ignores its wait rule, never its "do no harm" rule).
+        not an option (Belady then ignores its wait rule, not its "do no harm" rule).
+        ``forced``: consumers do not follow the plan's order (a node's lane waits for this step
+        while the lanes that would use the retained items first wait for it), so no rule holds
+        the items back: Belady ignores both rules (it still takes the items used last first).
         """
         if needed_bytes <= 0:
             return []
-        return self._victims(needed_bytes, item, tick, urgent)
+        return self._victims(needed_bytes, item, tick, urgent or forced, forced)
 
     def is_pinned(self, item: int) -> bool:
         return self._pins[item] > 0
@@ -298,7 +303,7 @@ class RetentionPolicy:
     def _is_retained(self, item: int) -> bool:
         raise NotImplementedError
 
-    def _victims(self, needed: int, item: int, tick: int, urgent: bool) -> list[int] | None:
+    def _victims(self, needed: int, item: int, tick: int, urgent: bool, forced: bool = False) -> list[int] | None:
         raise NotImplementedError
 
 
@@ -316,7 +321,7 @@ class NoRetention(RetentionPolicy):
     def _is_retained(self, item: int) -> bool:
         return False
 
-    def _victims(self, needed: int, item: int, tick: int, urgent: bool) -> list[int] | None:
+    def _victims(self, needed: int, item: int, tick: int, urgent: bool, forced: bool = False) -> list[int] | None:
         return None
 
 
@@ -342,7 +347,7 @@ class LRU(RetentionPolicy):
     def _is_retained(self, item: int) -> bool:
         return item in self._order
 
-    def _victims(self, needed: int, item: int, tick: int, urgent: bool) -> list[int] | None:
+    def _victims(self, needed: int, item: int, tick: int, urgent: bool, forced: bool = False) -> list[int] | None:
         victims, freed = [], 0
         for x in self._order:
             if freed >= needed:
@@ -461,7 +466,7 @@ class Belady(RetentionPolicy):
     def _is_retained(self, item: int) -> bool:
         return self._rkey[item] >= 0
 
-    def _victims(self, needed: int, item: int, tick: int, urgent: bool) -> list[int] | None:
+    def _victims(self, needed: int, item: int, tick: int, urgent: bool, forced: bool = False) -> list[int] | None:
         if self._placeholders:
             self._look_again(tick)
         may_wait = not urgent and self.pinned_bytes >= self.reserve
@@ -476,7 +481,7 @@ class Belady(RetentionPolicy):
                 ok = False  # not enough retained bytes: only acks can free space
                 break
             key, x = top
-            if key < tick or (pinned_top is not None and pinned_top[0] > key):
+            if not forced and (key < tick or (pinned_top is not None and pinned_top[0] > key)):
                 ok = False  # do no harm / a pinned item is the better victim once acked
                 break
             heapq.heappop(self._rheap)

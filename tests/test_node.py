@@ -323,3 +323,60 @@ def test_planning_shared_steps_stops_once_every_lane_holds_its_share_of_the_copi
             queues._cond.release()
             queues.close()
             planner.join(timeout=10)
+
+
+@pytest.mark.parametrize("retain", ["none", "auto"])
+def test_a_waiting_lane_gets_the_room_of_an_item_planned_ahead_for_a_lane_that_is_not_asking(s3_source, tmp_path, retain):
+    """Two ranks that step together, as DDP ranks without DataLoader workers: each holds the
+    item it trains on until the other has its next. Room for two items and a half: rank 0 holds
+    its first item, and its second was planned first (the lower lane, at a tie) and fetched as
+    soon as rank 1 consumed its own first. Rank 1's second item has no room while rank 0, which
+    waits for rank 1, holds two. Before, rank 1 waited for ever; now rank 0's second item,
+    not handed out, is given back (deleted, or left to the retention policy, which then evicts
+    it) and planned again."""
+    data = s3_source.folders(8, {"a.bin": 32 * KIB})
+    names, sizes = sorted(data), sizes_of(data)
+    cache = tmp_path / "node"
+    pipe = NodePipeline(
+        s3_source.url, cache, "88KiB", ranks=[0, 1], world_size=2, storage_options=s3_source.options, retain=retain
+    )
+    with Sampler(cache) as sampler, pipe:
+        first = [pipe.take(r, 0, (0, 0), timeout=10) for r in (0, 1)]
+        wait_until(lambda: pipe.stats().bytes_downloaded == 2 * 32 * KIB)  # rank 0's second item waits for room
+        second = pipe.take(1, 0, first[1].after, timeout=10)  # consumes rank 1's first: rank 0's second, then its own
+        assert second.cursor == first[1].after
+        got = {r: [first[r].item.name] for r in (0, 1)}
+        got[1].append(second.item.name)
+        got[0] += [t.item.name for t in [pipe.take(0, 0, first[0].after, timeout=10)]]
+        stats = pipe.stats()
+    assert sampler.peak <= 88 * KIB
+    for r in (0, 1):
+        assert [(0, n) for n in got[r]] == expected(names, sizes, r, 0, 2, 1)[:2]
+    assert stats.bytes_downloaded == 5 * 32 * KIB  # rank 0's second item twice
+
+
+def test_a_lane_waiting_while_consumers_hold_the_whole_cache_is_logged(s3_source, tmp_path, monkeypatch, caplog):
+    """Rank 0 holds its first item (30 KiB) while rank 1 waits for its second (60 KiB) in 88 KiB:
+    no room can be made (what rank 0 holds is in its hand), so the capacity is too small for
+    ranks that hold their items while they wait for each other. The node says so once the lane
+    has waited ``HELD_WARNING`` seconds (made 0 here), naming the lane and the capacity; once
+    rank 0 consumes, rank 1 gets its item."""
+    import logging
+
+    import cachepipe.node
+
+    monkeypatch.setattr(cachepipe.node, "HELD_WARNING", 0.0)
+    for i, size in enumerate([30, 30, 30, 60]):  # rank 0: items 0, 2; rank 1: items 1, 3
+        s3_source.put(f"item{i:03d}/a.bin", bytes(size * KIB))
+    cache = tmp_path / "node"
+    pipe = NodePipeline(s3_source.url, cache, "88KiB", ranks=[0, 1], world_size=2, storage_options=s3_source.options)
+    with Sampler(cache) as sampler, pipe:
+        first = [pipe.take(r, 0, (0, 0), timeout=10) for r in (0, 1)]
+        with caplog.at_level(logging.WARNING, logger="cachepipe.node"), pytest.raises(TimeoutError):
+            pipe.take(1, 0, first[1].after, timeout=2.5)
+        warned = [r.getMessage() for r in caplog.records if r.name == "cachepipe.node"]
+        assert len(warned) == 1, warned
+        assert "lane 1.0 has waited" in warned[0] and f"capacity {pipe.stats().capacity}" in warned[0]
+        pipe.consume(0, 0, first[0].after)
+        assert pipe.take(1, 0, first[1].after, timeout=10).item.name == "item003"
+    assert sampler.peak <= 88 * KIB

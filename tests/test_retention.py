@@ -181,6 +181,20 @@ def test_never_evicts_an_item_needed_before_the_one_fetched():
     assert not policy.is_retained(0) and policy.retained_bytes == 0
 
 
+def test_forced_evicts_what_the_rules_keep_items_used_last_first():
+    """A node's lane waits for the step and the lanes that would use the retained items first
+    wait for that lane: ``forced`` waives both rules, and still takes the latest next use first."""
+    seq = [0, 1, 2, 0, 1, 3]
+    policy = belady_on(seq, [1, 1, 1, 1])
+    for item, at in ((0, 0), (1, 1)):
+        policy.on_admit(item, at)
+        assert policy.on_ack(item, at) is True  # 0 read again at 3, 1 at 4
+    assert policy.choose_victims(1, 3, 5, urgent=True) is None  # do no harm: both are needed before tick 5
+    assert policy.choose_victims(1, 3, 5, forced=True) == [1]  # 1 is needed last
+    assert policy.choose_victims(1, 3, 5, forced=True) == [0]
+    assert policy.retained_bytes == 0 and policy.choose_victims(1, 3, 5, forced=True) is None
+
+
 def test_waits_while_a_pinned_item_is_the_better_victim():
     # ticks: 0:a 1:b 2:c 3:b 4:a -- at tick 2, a (pinned, next 4) is farther than b (retained, next 3)
     a, b, c = 0, 1, 2

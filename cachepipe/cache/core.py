@@ -100,6 +100,8 @@ class Cache:
         self._cond = threading.Condition()
         self._closed = False
         self._acks_deleting = 0  # calls of evict_many deleting (or waiting to): close waits for them
+        self._wanting = 0  # bytes the latest download waiting for room asks for (0: none waits)
+        self._forced = False  # force_room(): the next choice of retention victims waives the policy's rules
         self._identity: tuple[tuple[int, int], ...] = ()  # (st_dev, st_ino) of root and state_dir, taken by open
 
     # ---- the ledger, read ------------------------------------------------------------
@@ -394,12 +396,18 @@ class Cache:
         item is in the way (:meth:`_in_the_way`): its name is returned, to drop."""
         ledger = self.ledger
         with self._cond:
-            while not self._closed and not ledger.fits(size):
-                if size > ledger.limit:
-                    raise OversizeError(name, size, ledger.capacity, ledger.foreign + ledger.overhead)
-                if leftovers and (leftover := self._in_the_way(size)) is not None:
-                    return leftover
-                self._cond.wait()
+            try:
+                while not self._closed and not ledger.fits(size):
+                    if size > ledger.limit:
+                        raise OversizeError(name, size, ledger.capacity, ledger.foreign + ledger.overhead)
+                    leftover = self._in_the_way(size) if leftovers else None
+                    self._forced = False
+                    if leftover is not None:
+                        return leftover
+                    self._wanting = size
+                    self._cond.wait()
+            finally:
+                self._wanting = 0
             if self._closed:
                 return False
             ledger.reserve(size)
@@ -526,9 +534,14 @@ class Cache:
                     if free + ledger.reaping >= item.size:  # victims being deleted make room: no more
                         self._cond.wait()
                         continue
-                    chosen = policy.choose_victims(item.size - free - ledger.reaping, idx, tick, urgent=starving())
+                    forced, self._forced = self._forced, False
+                    chosen = policy.choose_victims(item.size - free - ledger.reaping, idx, tick, urgent=starving(), forced=forced)
                     if chosen is None:
-                        self._cond.wait(0.25)
+                        self._wanting = item.size
+                        try:
+                            self._cond.wait(0.25)
+                        finally:
+                            self._wanting = 0
                         continue
                     for victim in chosen:
                         name = self._names[victim]
@@ -536,19 +549,39 @@ class Cache:
             for name, size in victims:
                 self._delete(name, size, dropped=True)
 
+    def shortfall(self) -> int:
+        """Bytes that a download waiting for room lacks beyond the free space and the deletions
+        under way (0: none waits, or it will fit). A hint for a caller that can free space some
+        other way (a node gives back steps planned ahead, see :meth:`.node.LaneQueues.give_back`)."""
+        with self._cond:
+            if not self._wanting:
+                return 0
+            return max(0, self._wanting - self.ledger.free - self.ledger.reaping)
+
+    def force_room(self) -> None:
+        """Let the download that waits for room make it without waiting for acks, once: a node's
+        lane has waited for it and no other room can be made (its consumers do not follow the
+        plan's order, and may wait for this download). With retention, it evicts retained items
+        that the policy would keep for an earlier step (``choose_victims(forced=True)``);
+        without, it drops a recovered (or shelved) item even if acks would make room later."""
+        with self._cond:
+            self._forced = True
+            self._cond.notify_all()
+
     def _in_the_way(self, size: int) -> str | None:
         """A recovered item (reused from an earlier owner, or shelved by a node's lane that moved
         away, not handed out yet) to drop so that ``size`` bytes can ever fit, or None; under
         the lock. Recovered items are handed out only when the plan reaches them, after the step
         that waits for room: if the room that every other reservation will free is not enough,
-        waiting would never end. It is checked while that step waits (a lane shelves its items
-        after the planner, woken by the lane's move, reached the step). The last recovered name
+        waiting would never end, or after :meth:`force_room`. It is checked while that step
+        waits (a lane shelves its items after the planner, woken by the lane's move, reached the
+        step). The last recovered name
         goes first (names are recovered in sorted order: for a listing-ordered plan, the one
         needed last)."""
         if not self._recovered:
             return None
         held = sum(self.record.published[name] for name in self._recovered)
-        if self.ledger.room_beside(held) >= size:
+        if self.ledger.room_beside(held) >= size and not self._forced:
             return None
         return next(reversed(self._recovered))
 
