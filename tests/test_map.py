@@ -154,6 +154,22 @@ def test_video_shards_split_into_clips_and_rerun_skips_them(remote_source, s3_cl
     assert len(runs(log)) == 4
 
 
+def test_a_destination_bucket_that_does_not_exist_fails_before_anything_runs(remote_source, tmp_path):
+    """A mistyped destination bucket: before, every item was downloaded and its command run,
+    and then each upload failed (NoSuchBucket). Now the run checks the bucket first (one HEAD)
+    and stops at once, naming it: exit 1, no command run."""
+    remote_source.folders(3, {"a.bin": 300})
+    log = tmp_path / "runs.log"
+    dst = remote_source.url.replace("//data/", "//no-such-bucket/")
+    proc = cli(
+        remote_source.url, dst, "--cache", str(tmp_path / "cache"), "--capacity", "1MiB", "--no-progress",
+        *storage_args(remote_source.options), "--", sys.executable, "-c", COPY, str(log),
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert "no-such-bucket" in proc.stderr and ("no such bucket" in proc.stderr or "does not exist" in proc.stderr), proc.stderr
+    assert not log.exists()  # no item was run
+
+
 # ---- seed 003: split tar.gz volumes with md5 files, extracted and written back ------------------------------
 def test_split_targz_volumes_with_md5_files_unpacked_and_written_back(s3_source, s3_client, tmp_path):
     rng = __import__("random").Random(3)

@@ -95,6 +95,9 @@ class _MapRun:
                     )
                 if hasattr(dst, "upload_part_size"):
                     dst.upload_part_size = cfg.upload_part_size
+                check_bucket = getattr(dst, "check_bucket", None)  # optional: a missing bucket fails here, not at each upload
+                if check_bucket is not None:
+                    self._retrying(f"checking {cfg.dest}", check_bucket)
                 inside = inside_prefix(cfg.source, cfg.dest)
                 listing = self._retrying(f"listing {cfg.source}", lambda: list(src.list()))
                 if inside is not None:  # DST under SRC: its results are not items

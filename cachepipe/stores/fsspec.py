@@ -426,6 +426,28 @@ class FsspecStore:
             else:
                 self.fs.put_file(local, path)
 
+    def check_bucket(self) -> None:
+        """Raise :class:`FileNotFoundError` if the root's bucket does not exist (one HEAD of the
+        bucket, on S3; nothing elsewhere: a local destination's folders are made as it is
+        written). ``cachepipe map`` asks before it runs anything, so that a mistyped destination
+        fails at once instead of at every upload. A bucket that the credentials may not check
+        (403, without ``s3:ListBucket``) passes: only what is sure to fail is refused.
+
+        Raises:
+            FileNotFoundError: no such bucket; other failures as in the error contract.
+        """
+        if not self._s3 or not self._bucket:
+            return
+        with self._errors(self.url):
+            try:
+                self.fs.info(self._bucket, refresh=True)
+                return
+            except PermissionError:
+                return
+            except FileNotFoundError:
+                pass
+        raise FileNotFoundError(f"no such bucket {self._bucket!r} at {self.endpoint}: {self.url}")
+
     def exists(self, key: str) -> bool:
         """True if ``key`` exists. Asks the store (no cached listing); a missing object is False,
         any other failure raises (fsspec's own ``exists`` would return False for those too)."""

@@ -467,6 +467,27 @@ class ObsStore:
                 pass  # the upload's own error is the one to report; OBS expires abandoned parts by lifecycle rules
             raise
 
+    def check_bucket(self) -> None:
+        """Raise :class:`FileNotFoundError` if the bucket does not exist (one HEAD of the bucket):
+        ``cachepipe map`` asks before it runs anything. A bucket the credentials may not check
+        (403) passes.
+
+        Raises:
+            FileNotFoundError: no such bucket; other failures as in the error contract.
+        """
+        try:
+            resp = self._open().headBucket(self.bucket)
+        except (OSError, HTTPException) as exc:
+            raise self._unreachable(exc, "head", "") from exc
+        status = getattr(resp, "status", None)
+        if isinstance(status, int):
+            self._answered = True
+        if status == 403:
+            return
+        if status == 404:  # a HEAD response has no error code
+            raise self._error_for(404, "NoSuchBucket", "head", "(HTTP 404)", self._object_url(""))
+        self._check(resp, "head", "")
+
     def exists(self, key: str) -> bool:
         """True if ``key`` (relative to the root) exists: one HEAD. A 404 is False; other failures raise.
 
