@@ -76,6 +76,25 @@ def test_a_small_capacity_without_a_unit_is_warned_about_as_written(tmp_path, ca
     ]
 
 
+def test_a_small_capacity_set_by_the_environment_is_warned_about_naming_the_variable(tmp_path, caplog, monkeypatch):
+    """An override of a capacity by a ``CACHEPIPE_*`` variable is what the daemon uses: a small
+    one without a unit is warned about, naming the variable (before, nothing was said)."""
+    data = minimal(tmp_path, capacity="1GiB")
+    data["jobs"] = {"root": str(tmp_path / "jobs"), "capacity": "1GiB"}
+    path = write(tmp_path, data)
+    monkeypatch.setenv("CACHEPIPE_PIPELINES__TRAIN__CAPACITY", "512")
+    monkeypatch.setenv("cachepipe_jobs__capacity", "2GiB")  # a unit: nothing to say
+    with caplog.at_level("WARNING", logger="cachepipe"):
+        cfg = load_config(path)
+    assert cfg.pipelines["train"].capacity == 512 and cfg.jobs.capacity == 2 * 1024**3
+    advice = "a size without a unit is in bytes; if you meant more, give a unit like '100MiB' or '100GiB', or a share like '80%'"
+    variable = "CACHEPIPE_PIPELINES__TRAIN__CAPACITY"
+    said = "capacity '512' is 512 bytes, less than 1 MiB"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"pipelines.train.capacity set by the environment variable {variable}: {said}: {advice}"
+    ]
+
+
 def test_daemon_defaults_yield_to_explicit_values(tmp_path):
     cfg = load_config(write(tmp_path, minimal(tmp_path, lease_timeout=None, keep_on_close=False)))
     assert cfg.pipelines["train"].lease_timeout is None and cfg.pipelines["train"].keep_on_close is False

@@ -292,22 +292,29 @@ def load_config(path: str | os.PathLike[str], *, environ: dict[str, str] | None 
         raise ConfigError(format_errors(exc, str(path), os.environ if environ is None else environ)) from None
     except SettingsError as exc:  # an environment override that pydantic-settings cannot parse (bad JSON)
         raise ConfigError(_settings_error(exc, str(path), os.environ if environ is None else environ)) from None
-    _warn_small_capacities(config, data, str(path))
+    _warn_small_capacities(config, data, str(path), os.environ if environ is None else environ)
     return config
 
 
-def _warn_small_capacities(config: ServiceConfig, data: dict[str, Any], path: str) -> None:
-    """Warn of each capacity under 1 MiB written without a unit in the file (as
-    :class:`cachepipe.Pipeline` warns of one given to it), naming its field."""
+def _warn_small_capacities(config: ServiceConfig, data: dict[str, Any], path: str, environ: Any) -> None:
+    """Warn of each capacity under 1 MiB written without a unit, in the file or in the
+    ``CACHEPIPE_*`` variable that overrides it (as :class:`cachepipe.Pipeline` warns of one
+    given to it), naming its field and where it was written."""
     raw = data.get("pipelines")
     written: dict[str, Any] = raw if isinstance(raw, dict) else {}
     given = {f"pipelines.{name}.capacity": (written.get(name) or {}).get("capacity") for name in config.pipelines}
     found = {f"pipelines.{name}.capacity": cfg.capacity for name, cfg in config.pipelines.items()}
-    if config.jobs is not None and isinstance(data.get("jobs"), dict):
-        given["jobs.capacity"], found["jobs.capacity"] = data["jobs"].get("capacity"), config.jobs.capacity
+    if config.jobs is not None:
+        given["jobs.capacity"] = data["jobs"].get("capacity") if isinstance(data.get("jobs"), dict) else None
+        found["jobs.capacity"] = config.jobs.capacity
+    variables = {str(k).upper(): v for k, v in (environ or {}).items()}
     for field, value in found.items():
-        if isinstance(given[field], (int, str)) and (warning := small_capacity(given[field], value)) is not None:
-            log.warning("%s in %s: %s", field, path, warning)
+        where, text = f"in {path}", given[field]
+        variable = ENV_PREFIX + field.replace(".", "__").upper()
+        if variable in variables:  # the environment overrides the file
+            where, text = f"set by the environment variable {variable}", variables[variable]
+        if isinstance(text, (int, str)) and (warning := small_capacity(text, value)) is not None:
+            log.warning("%s %s: %s", field, where, warning)
 
 
 def _bad_json(text: str) -> bool:
