@@ -164,6 +164,7 @@ class LaneQueues(Broker[str]):
         self._fetching: dict[int, _Planned] = {}  # download seq -> its step (the copy's), until it arrives
         self._copies: dict[int, _Planned] = {}  # catalog item -> the step with its copy, that a new step shares
         self._next_seq = 0
+        self._started = 0  # downloads the fetcher began (it begins them in turn: every seq below it)
         self._handed_count = 0
         self._error: BaseException | None = None
 
@@ -213,6 +214,14 @@ class LaneQueues(Broker[str]):
         already holds its fair share of the node's copies (planning it waits for the lane's
         consumer, which has steps to take)."""
         return item in self._copies and len(self._lanes[lane].held) * len(self._lanes) >= len(self._copies)
+
+    def begin_many(self, count: int) -> int:
+        """The fetcher began the next ``count`` downloads (in turn): their room is reserved."""
+        with self._cond:
+            self._started += count
+            self._begun += count
+            self._pending += count
+            return self._begun - count
 
     def put_many(self, ready: Sequence[tuple[int, str, str]]) -> None:
         self._arrive([(seq, value) for seq, _name, value in ready])
@@ -289,7 +298,7 @@ class LaneQueues(Broker[str]):
             self._cond.notify_all()
         return ([], on_disk, 0) if moved else (on_disk, [], acked)
 
-    def give_back(self, needed: int) -> list[_Planned]:
+    def give_back(self, needed: int, lane_no: int, cursor: Cursor) -> list[_Planned] | None:
         """Make about ``needed`` bytes of room for a download that a waiting lane is held up
         behind: steps on disk that were planned ahead for lanes whose consumers are not waiting
         now, and not handed out, are unplanned, the one needed last first (the latest tick of a
@@ -297,11 +306,20 @@ class LaneQueues(Broker[str]):
         Without this, a lane that stops asking (a DDP rank waiting for another rank) could hold
         the room that the lane it waits for needs, for ever.
 
+        Lane ``lane_no`` waits for its step at ``cursor``: room helps it only if that step is
+        not planned yet, or its download has not begun (it waits for room, or is queued behind
+        the one that does). None: the step is on disk, failed, or downloading already; nothing
+        is given back (room would not bring it sooner, and the items given back would be
+        downloaded again).
+
         Returns the steps given back whose copy no other step holds (to delete); they add up to
         ``needed`` bytes or more, unless no more steps qualify."""
         gone: list[_Planned] = []
         freed = 0
         with self._cond:
+            waited = self._lanes[lane_no].held.get(cursor)
+            if waited is not None and (waited.value is not None or waited.copy.seq < self._started):
+                return None
             while freed < needed:
                 last: _Planned | None = None
                 for lane in self._lanes:
@@ -583,10 +601,13 @@ class NodePipeline(Pipeline):
 
     def _wait(self, lane: int, at: Cursor, timeout: float | None) -> _Planned | None:
         """:meth:`LaneQueues.wait` in turns of :data:`ROOM_CHECK` seconds; after each, if a
-        download has no room (:meth:`Cache.shortfall`), steps planned ahead for lanes whose
+        download has no room (:meth:`Cache.shortfall`) and the lane's step waits for that room
+        (not planned yet, or its download not begun), steps planned ahead for lanes whose
         consumers are not waiting are given back and their copies deleted
         (:meth:`LaneQueues.give_back`). If none can be, every item in the cache is held by a
-        consumer: after :data:`HELD_WARNING` seconds this is logged, once per wait."""
+        consumer: after :data:`HELD_WARNING` seconds this is logged, once per wait. A step
+        that downloads already gives nothing back (room would not bring it sooner; each turn
+        gave back an item that was then downloaded again)."""
         queues, start = self._queues, time.monotonic()
         deadline = None if timeout is None else start + timeout
         rank, worker = self.node_plan.lanes[lane]
@@ -602,12 +623,14 @@ class NodePipeline(Pipeline):
             if not needed:
                 continue
             with self._moves:
-                gone = queues.give_back(needed)
-                for planned in gone:
+                gone = queues.give_back(needed, lane, at)
+                for planned in gone or ():
                     if self.config.retain == "auto":
                         self._stale(planned)  # acknowledged: the policy may keep it, or evict it for room
                     else:
                         self._cache.drop(planned.name)
+            if gone is None:
+                continue  # its item downloads (or is ready): room would not bring it sooner
             if gone:
                 log.info("lane %s.%s waits for room: gave back %d items planned ahead for other lanes", rank, worker, len(gone))
                 continue
