@@ -47,12 +47,21 @@ class GatedStore(FsspecStore):
             yield obj
 
 
+def _forget_stream(fs: fsspec.AbstractFileSystem) -> None:
+    """Drop everything under /stream from the process-wide memory store. Not ``fs.rm(recursive=True)``:
+    fsspec's memory rm asks ``exists`` of every path it deletes, and each answer scans the whole
+    store, so 3,000 items took 4-5 s of teardown."""
+    for key in [k for k in fs.store if k.startswith("/stream/")]:
+        del fs.store[key]  # in place: the store is shared by every memory filesystem instance
+    fs.pseudo_dirs[:] = [d for d in fs.pseudo_dirs if d != "/stream" and not d.startswith("/stream/")]
+
+
 @pytest.fixture
 def memory_data() -> Iterator[fsspec.AbstractFileSystem]:
     fs = fsspec.filesystem("memory")
-    fs.rm("/stream", recursive=True) if fs.exists("/stream") else None
+    _forget_stream(fs)
     yield fs
-    fs.rm("/stream", recursive=True) if fs.exists("/stream") else None
+    _forget_stream(fs)
 
 
 def _put(fs, n: int, size: int = 10, start: int = 0) -> None:
