@@ -18,6 +18,11 @@ change of the cache directory is one numbered *mutation*. A :class:`Fault` picks
 
 Run an operation sequence once without a fault to count its mutations (:attr:`CrashFs.count`),
 then once per mutation and fault kind: that explores every crash point, not a sample.
+
+An ``fsync`` of the owner's is a mutation like the others (counted, and failed or crashed at), but
+it only checks its descriptor (``fstat``) instead of flushing: a simulated crash is a process's,
+whose writes the page cache keeps with or without it, and on a disk each one waited for a
+journal commit (a quarter of an exploration's time there).
 """
 
 from __future__ import annotations
@@ -33,6 +38,11 @@ from cachepipe import fscalls
 
 KINDS = ("crash", "torn", "enospc", "eio", "short")
 WRITE_ONLY = {"torn", "short"}  # kinds that only apply to a write of at least 2 bytes
+
+
+def _unflushed(fd: int) -> None:
+    """``fsync`` without the flush: a bad descriptor still raises (``EBADF``)."""
+    os.fstat(fd)
 
 
 class Crashed(BaseException):
@@ -136,7 +146,7 @@ class CrashFs:
             if name == "open" and not (len(args) > 1 and args[1] & os.O_CREAT):
                 fd = real(*args, **kwargs)  # opening an existing file changes nothing
             else:
-                fd = self._mutate(name, real, args, kwargs)
+                fd = self._mutate(name, _unflushed if name == "fsync" else real, args, kwargs)
             if name == "open":
                 self._fds.add(fd)
             return fd

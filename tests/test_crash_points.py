@@ -6,9 +6,9 @@ evict and advance the position; restart = close keeping items and reopen with re
 close without keeping and reopen; retention keeps acknowledged items and evicts victims). Each
 program runs once under :class:`crashfs.CrashFs` to number its mutations (writes, renames,
 unlinks, fsyncs...), then once per mutation and fault kind: a crash (``kill -9``) before it, a
-torn write, ENOSPC, EIO, a short write. After a fault the program goes on where a real consumer
-would (a failed fetch is discarded, a failed ack is retried later). Then a new owner opens the
-cache with ``resume=True`` and these must hold:
+torn write, a short write, a failure (ENOSPC or EIO, in turn: see :data:`ERRORS`). After a fault
+the program goes on where a real consumer would (a failed fetch is discarded, a failed ack is
+retried later). Then a new owner opens the cache with ``resume=True`` and these must hold:
 
 - the journal loads (a torn last line is dropped, nothing else is damaged);
 - the cache is within its capacity on disk;
@@ -299,13 +299,21 @@ def state_dir_name() -> str:
     return STATE_DIR
 
 
+ERRORS = ("enospc", "eio")
+"""The failures: the cache, its journal and its deletions (``cachepipe/cache/``, ``state.py``,
+``removal.py``, ``fscalls.py``) handle a failed call alike whether its errno is ENOSPC or EIO
+(neither has an ``OSError`` subclass, and they branch on no errno but ENOENT, EEXIST, ENOTEMPTY,
+ENOTDIR, EISDIR, EPERM, ELOOP, EINVAL, ENOSYS and EINTR): at one mutation the two take the same
+path, so each mutation gets one of them, in turn."""
+
+
 def explore(tmp_path: Path, program: list[str], retain: bool) -> None:
     base = tmp_path / f"p{TOTALS['programs']}"
     _model, counted, _ = run(base / "clean", program, retain, None)
     TOTALS["programs"] += 1
     for at in range(counted.count):
         for kind in KINDS:
-            if not counted.applies(kind, at):
+            if not counted.applies(kind, at) or (kind in ERRORS and kind != ERRORS[at % len(ERRORS)]):
                 continue
             root = base / f"{at}-{kind}"
             model, fs, _crashed = run(root, program, retain, Fault(at, kind))
