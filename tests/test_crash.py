@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from sampling import Sampler
+from zygote import Zygote
 
 from cachepipe import ConfigError, Pipeline
 from cachepipe.cache.recovery import plan_differences
@@ -21,15 +22,20 @@ KIB = 1024
 
 
 class Child:
-    """One run of tests/crash_child.py, its stdout read line by line in a thread."""
+    """One run of tests/crash_child.py, its stdout read line by line in a thread; forked by
+    ``zygote`` if given (its imports done once), else a process of its own."""
 
-    def __init__(self, cfg: dict) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "crash_child.py"), json.dumps(cfg)],
-            stdin=subprocess.PIPE,  # where a child run with "hold_after_acks" waits
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+    def __init__(self, cfg: dict, zygote: Zygote | None = None) -> None:
+        self.proc = (
+            zygote.spawn(cfg)
+            if zygote is not None
+            else subprocess.Popen(
+                [sys.executable, str(HERE / "crash_child.py"), json.dumps(cfg)],
+                stdin=subprocess.PIPE,  # where a child run with "hold_after_acks" waits
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
         )
         self.lines: list[str] = []
         self.changed = threading.Condition()
@@ -83,16 +89,16 @@ def test_kill_soak(s3_source, tmp_path):
     acked_before: set[str] = set()
     corrupt: list[str] = []
     came_back: list[str] = []
-    with Sampler(cache) as sampler:
+    with Zygote("crash_child", s3_source.url) as zygote, Sampler(cache) as sampler:
         for _run in range(kills):
-            child = Child(cfg)
+            child = Child(cfg, zygote)
             target = rng.randint(0, 25)  # kill after this many more items were taken, plus a random delay
             child.wait_for(lambda lines: sum(1 for line in lines if line[0] == "GOT") >= target)  # noqa: B023 - the lambda is called at once, inside this iteration
             threading.Event().wait(rng.random() * 0.05)
             child.kill()
             _tally(child.lines, data, got, acked_before, corrupt, came_back)
             assert "Traceback" not in child.stderr, child.stderr
-        final = Child(cfg)
+        final = Child(cfg, zygote)
         assert final.finish() == 0, final.stderr
         _tally(final.lines, data, got, acked_before, corrupt, came_back)
         assert final.lines[-2] == ["DONE"]
