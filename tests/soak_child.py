@@ -15,6 +15,8 @@ The epoch of a delivery is read from the pipeline's frontier (``Pipeline._fronti
 sequence number in the lease token: a test's read of cachepipe's bookkeeping, nothing is
 changed. With ``ordered=False`` and eight consumers it is the only way to tell which epoch a
 hand-out belongs to.
+
+Also run by tests/zygote.py, which calls :func:`main` in a process it forked.
 """
 
 import faulthandler
@@ -28,47 +30,49 @@ import threading
 
 from cachepipe import Pipeline
 
-cfg = json.loads(sys.argv[1])
-run = cfg["run"]
-logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for every stack when a run stalls
-fd = os.open(cfg["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-failures: list[BaseException] = []
 
+class Run:
+    """One run: its log and the failures of its threads."""
 
-def note(line: str, durable: bool = False) -> None:
-    os.write(fd, (line + "\n").encode("utf-8", "surrogateescape"))
-    if durable:
-        os.fsync(fd)
+    def __init__(self, cfg: dict) -> None:
+        self.cfg = cfg
+        self.run = cfg["run"]
+        self.fd = os.open(cfg["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self.failures: list[BaseException] = []
+
+    def note(self, line: str, durable: bool = False) -> None:
+        os.write(self.fd, (line + "\n").encode("utf-8", "surrogateescape"))
+        if durable:
+            os.fsync(self.fd)
+
+    def consume(self, pipe: Pipeline, stop: threading.Event) -> None:
+        pause = threading.Event()
+        run = self.run
+        try:
+            while not stop.is_set() and (item := pipe.get(timeout=120)) is not None:
+                epoch = epoch_of(pipe, item)
+                digest = hashlib.md5(b"".join((item / rel).read_bytes() for rel in sorted(item.files))).hexdigest()
+                self.note(f"GOT {run} {epoch} {item.name} {digest}")
+                pause.wait(self.cfg.get("work_seconds", 0))  # the "training step"
+                pipe.ack(item)
+                self.note(f"ACK {run} {epoch} {item.name}", durable=True)
+        except RuntimeError:
+            if not stop.is_set():  # closed by the main thread after another consumer failed: not a failure
+                self.failures.append(sys.exc_info()[1])
+                stop.set()
+        except BaseException as exc:  # noqa: BLE001 - collected and reported by the child
+            self.failures.append(exc)
+            stop.set()
+            try:
+                pipe.close()  # wakes the other consumers (their get() raises RuntimeError)
+            except BaseException as exc2:  # noqa: BLE001 - collected and reported by the child
+                self.failures.append(exc2)
 
 
 def epoch_of(pipe: Pipeline, item) -> int:
     seq = int(item.lease.rpartition("-")[2])
     with pipe._plan_lock:
         return pipe._frontier.step(seq).epoch
-
-
-def consume(pipe: Pipeline, stop: threading.Event) -> None:
-    pause = threading.Event()
-    try:
-        while not stop.is_set() and (item := pipe.get(timeout=120)) is not None:
-            epoch = epoch_of(pipe, item)
-            digest = hashlib.md5(b"".join((item / rel).read_bytes() for rel in sorted(item.files))).hexdigest()
-            note(f"GOT {run} {epoch} {item.name} {digest}")
-            pause.wait(cfg.get("work_seconds", 0))  # the "training step"
-            pipe.ack(item)
-            note(f"ACK {run} {epoch} {item.name}", durable=True)
-    except RuntimeError:
-        if not stop.is_set():  # closed by the main thread after another consumer failed: not a failure
-            failures.append(sys.exc_info()[1])
-            stop.set()
-    except BaseException as exc:  # noqa: BLE001 - collected and reported by the child
-        failures.append(exc)
-        stop.set()
-        try:
-            pipe.close()  # wakes the other consumers (their get() raises RuntimeError)
-        except BaseException as exc2:  # noqa: BLE001 - collected and reported by the child
-            failures.append(exc2)
 
 
 def describe(exc: BaseException) -> str:
@@ -81,37 +85,48 @@ def describe(exc: BaseException) -> str:
     return " <- ".join(parts).replace("\n", " | ")
 
 
-options = {
-    "epochs": cfg["epochs"],
-    "shuffle": True,
-    "seed": cfg["seed"],
-    "rank": 0,
-    "world_size": 1,
-    "ordered": False,
-    "retain": "auto",
-    "resume": True,
-    "auto_ack": False,
-    "max_concurrency": 4,
-    "part_size": "4KiB",
-}
-options.update(cfg.get("pipeline", {}))
-stop = threading.Event()
-try:
-    with Pipeline(cfg["url"], cfg["cache"], cfg["capacity"], storage_options=cfg["options"], **options) as pipe:
-        note(f"OPEN {run}")
-        threads = [threading.Thread(target=consume, args=(pipe, stop), name=f"consumer-{i}") for i in range(cfg["threads"])]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-except BaseException as exc:  # noqa: BLE001 - collected and reported by the child
-    failures.append(exc)
-if failures:
-    first = failures[0]
-    note(f"FAIL {run} {describe(first)}")
-    import traceback
+def main(cfg: dict) -> int:
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for every stack when a run stalls
+    me = Run(cfg)
+    options = {
+        "epochs": cfg["epochs"],
+        "shuffle": True,
+        "seed": cfg["seed"],
+        "rank": 0,
+        "world_size": 1,
+        "ordered": False,
+        "retain": "auto",
+        "resume": True,
+        "auto_ack": False,
+        "max_concurrency": 4,
+        "part_size": "4KiB",
+    }
+    options.update(cfg.get("pipeline", {}))
+    stop = threading.Event()
+    try:
+        with Pipeline(cfg["url"], cfg["cache"], cfg["capacity"], storage_options=cfg["options"], **options) as pipe:
+            me.note(f"OPEN {me.run}")
+            threads = [
+                threading.Thread(target=me.consume, args=(pipe, stop), name=f"consumer-{i}") for i in range(cfg["threads"])
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    except BaseException as exc:  # noqa: BLE001 - collected and reported by the child
+        me.failures.append(exc)
+    if me.failures:
+        first = me.failures[0]
+        me.note(f"FAIL {me.run} {describe(first)}")
+        import traceback
 
-    for exc in failures:
-        traceback.print_exception(exc)
-    sys.exit(3)
-note(f"DONE {run}")
+        for exc in me.failures:
+            traceback.print_exception(exc)
+        return 3
+    me.note(f"DONE {me.run}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(json.loads(sys.argv[1])))

@@ -43,6 +43,7 @@ from pathlib import Path
 from sampling import Sampler
 from test_disk_faults import tmpfs
 from waiting import wait_until
+from zygote import Zygote
 
 from cachepipe import state as journal_state
 
@@ -81,17 +82,22 @@ def snapshot(root: Path) -> dict[str, int]:
 
 # ---- a child run ----------------------------------------------------------------------
 class Run:
-    """One run of tests/soak_child.py; its stderr goes to a file beside the log."""
+    """One run of tests/soak_child.py, forked by ``zygote`` if given (its imports done once), else
+    a process of its own; its stderr goes to a file beside the log."""
 
-    def __init__(self, cfg: dict, run: int, workdir: Path) -> None:
+    def __init__(self, cfg: dict, run: int, workdir: Path, zygote: Zygote | None = None) -> None:
         self.run = run
         self.stderr_path = workdir / f"child-{run}.stderr"
-        with open(self.stderr_path, "wb") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(HERE / "soak_child.py"), json.dumps({**cfg, "run": run})],
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-                env=CHILD_ENV,
+        with open(self.stderr_path, "wb") as err, open(os.devnull, "rb") as nothing, open(os.devnull, "wb") as out:
+            self.proc = (
+                zygote.spawn({**cfg, "run": run}, stdin=nothing, stdout=out, stderr=err)
+                if zygote is not None
+                else subprocess.Popen(
+                    [sys.executable, str(HERE / "soak_child.py"), json.dumps({**cfg, "run": run})],
+                    stdout=out,
+                    stderr=err,
+                    env=CHILD_ENV,
+                )
             )
 
     def stderr(self) -> str:
@@ -138,13 +144,15 @@ class Log:
         return [line for line in self.lines if line[0] == kind and line[1] == str(run)]
 
 
-def drive(cfg: dict, log: Log, workdir: Path, run: int, rng: random.Random, most: int) -> tuple[Run, str]:
+def drive(
+    cfg: dict, log: Log, workdir: Path, run: int, rng: random.Random, most: int, zygote: Zygote | None = None
+) -> tuple[Run, str]:
     """Start run ``run``; after ``1..most`` more hand-outs and a random instant, kill it.
 
     Returns the run and how it ended: "killed", "done" or "failed" (it stopped by itself first).
     Raises AssertionError with every thread's stack if it hands out nothing for STALL_SECONDS.
     """
-    child = Run(cfg, run, workdir)
+    child = Run(cfg, run, workdir, zygote)
     target = rng.randint(1, most)
 
     def reached() -> bool:
@@ -171,9 +179,9 @@ def drive(cfg: dict, log: Log, workdir: Path, run: int, rng: random.Random, most
     return child, ("done" if log.of(run, "DONE") else "failed")
 
 
-def finish(cfg: dict, log: Log, workdir: Path, run: int) -> Run:
+def finish(cfg: dict, log: Log, workdir: Path, run: int, zygote: Zygote | None = None) -> Run:
     """A last run, left to end by itself (stack dump and failure if it stalls)."""
-    child = Run(cfg, run, workdir)
+    child = Run(cfg, run, workdir, zygote)
     progress = [-1]
 
     def ended_or_stuck() -> bool:
@@ -279,10 +287,10 @@ def test_multi_epoch_eight_thread_kill_soak(tmp_path):
     }
     ends: Counter = Counter()
     held_at_kill = []
-    with Sampler(cache) as sampler:
+    with Zygote("soak_child", cfg["url"], env=CHILD_ENV) as zygote, Sampler(cache) as sampler:
         run = 0
         for run in range(kills):
-            child, how = drive(cfg, log, tmp_path, run, rng, most=3 * n_items)
+            child, how = drive(cfg, log, tmp_path, run, rng, most=3 * n_items, zygote=zygote)
             ends[how] += 1
             if how == "killed":
                 held_at_kill.append(in_hand(log, run))
@@ -293,7 +301,7 @@ def test_multi_epoch_eight_thread_kill_soak(tmp_path):
             assert journal_error(cache, digests) is None, f"after run {run} ({how}): {journal_error(cache, digests)}"
             if how == "done":
                 break  # the plan ended before the kills did
-        last = finish(cfg, log, tmp_path, run + 1)
+        last = finish(cfg, log, tmp_path, run + 1, zygote)
     stderr = last.stderr()
     tally = Tally(log.lines, digests)
     plan = {(e, name) for e in range(epochs) for name in digests}
@@ -410,11 +418,11 @@ def test_full_shared_disk_soak_with_kills(tmp_path):
         failures: list[str] = []
         torn: list[str] = []  # journals that would not load after a run
         runs = 0
-        with Sampler(cache) as sampler:
+        with Zygote("soak_child", cfg["url"], env=CHILD_ENV) as zygote, Sampler(cache) as sampler:
             with OtherWriter(disk / "tenant", seed) as writer:
                 # every run is killed or fails by itself; a bounded number of runs
                 while ends["killed"] < kills and runs < 2 * kills:
-                    child, how = drive(cfg, log, tmp_path, runs, rng, most=2 * n_items)
+                    child, how = drive(cfg, log, tmp_path, runs, rng, most=2 * n_items, zygote=zygote)
                     runs += 1
                     ends[how] += 1
                     if (error := journal_error(cache, digests)) is not None:
@@ -426,7 +434,7 @@ def test_full_shared_disk_soak_with_kills(tmp_path):
                     if how == "done":
                         break
             # the other writer is gone and its files freed: the pass must complete
-            last = finish(cfg, log, tmp_path, runs)
+            last = finish(cfg, log, tmp_path, runs, zygote)
         stderr = last.stderr()
         tally = Tally(log.lines, digests)
         plan = {(e, name) for e in range(epochs) for name in digests}

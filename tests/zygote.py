@@ -37,7 +37,7 @@ class Zygote:
     the backend it serves is imported too (:func:`cachepipe.stores.preload`). A context manager;
     closing it ends the zygote (a child still running is the caller's to kill first)."""
 
-    def __init__(self, module: str, url: str = "") -> None:
+    def __init__(self, module: str, url: str = "", env: dict[str, str] | None = None) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with theirs:
             self.proc = subprocess.Popen(
@@ -45,6 +45,7 @@ class Zygote:
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
+                env=env,
             )
         self._sock = ours
         self._exits: dict[int, int] = {}
@@ -64,25 +65,28 @@ class Zygote:
             self.proc.kill()
             self.proc.wait()
 
-    def spawn(self, cfg: dict[str, Any]) -> Forked:
-        """Fork a child that runs ``main(cfg)``."""
-        stdin_r, stdin_w = os.pipe()
-        stdout_r, stdout_w = os.pipe()
-        stderr_r, stderr_w = os.pipe()
+    def spawn(
+        self, cfg: dict[str, Any], stdin: IO[Any] | None = None, stdout: IO[Any] | None = None, stderr: IO[Any] | None = None
+    ) -> Forked:
+        """Fork a child that runs ``main(cfg)``, its stdin, stdout and stderr on the files given,
+        else on pipes (:attr:`Forked.stdin`, :attr:`Forked.stdout`, :attr:`Forked.stderr`)."""
+        stdin_r, stdin_w = os.pipe() if stdin is None else (os.dup(stdin.fileno()), -1)
+        (stdout_r, stdout_w), (stderr_r, stderr_w) = _output(stdout), _output(stderr)
+        theirs = [stdin_r, stdout_w, stderr_w]
         try:
             with self._lock:
-                socket.send_fds(self._sock, [json.dumps(cfg).encode()], [stdin_r, stdout_w, stderr_w])
+                socket.send_fds(self._sock, [json.dumps(cfg).encode()], theirs)
                 pid, pidfd = self._receive_started()
         finally:
-            for fd in (stdin_r, stdout_w, stderr_w):
+            for fd in theirs:
                 os.close(fd)
         return Forked(
             self,
             pid,
             pidfd,
-            open(stdin_w, "w"),  # closed by the caller, as Popen's are
-            open(stdout_r),
-            open(stderr_r),
+            None if stdin_w < 0 else open(stdin_w, "w"),  # closed by the caller, as Popen's are
+            None if stdout_r < 0 else open(stdout_r),
+            None if stderr_r < 0 else open(stderr_r),
         )
 
     def _receive_started(self) -> tuple[int, int]:
@@ -118,21 +122,34 @@ class Zygote:
             return self._exits[pid]
 
 
+def _output(given: IO[Any] | None) -> tuple[int, int]:
+    """(the test's end, the child's) of where a child writes: a new pipe, or a copy of the
+    descriptor of the file ``given`` (the test's end: -1)."""
+    if given is None:
+        return os.pipe()
+    return -1, os.dup(given.fileno())
+
+
 class Forked:
     """A child forked by a :class:`Zygote`, used as a :class:`subprocess.Popen` (text mode)."""
 
-    def __init__(self, zygote: Zygote, pid: int, pidfd: int, stdin: IO[str], stdout: IO[str], stderr: IO[str]) -> None:
+    def __init__(
+        self, zygote: Zygote, pid: int, pidfd: int, stdin: IO[str] | None, stdout: IO[str] | None, stderr: IO[str] | None
+    ) -> None:
         self._zygote = zygote
         self.pid = pid
         self._pidfd = pidfd
         self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
         self.returncode: int | None = None
 
-    def kill(self) -> None:
+    def send_signal(self, sig: int) -> None:
         if self.returncode is not None:
             return  # reaped (its pidfd is closed)
         with contextlib.suppress(ProcessLookupError):  # it has exited, not yet reaped
-            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            signal.pidfd_send_signal(self._pidfd, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
     def poll(self) -> int | None:
         return self._status(0)
