@@ -388,11 +388,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="measure the batched hand-out (and the deletion floor) only: one pipeline, no round trips, no iterator run",
     )
-    parser.add_argument("--quick", action="store_true", help="smoke run: 60 items, 30 round trips, 2 consumers")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 60 items, 30 round trips, 2 consumers, 1 item by the shell's commands"
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     if args.quick:
-        args.items, args.round_trips, args.consumers, args.shell = 60, 30, 2, 3
+        args.items, args.round_trips, args.consumers, args.shell = 60, 30, 2, 1
     if args.shell < 1:
         parser.error(f"--shell {args.shell}: expected a number of items >= 1")
     if args.shell + args.round_trips + WARMUP + 2 > args.items:
