@@ -575,9 +575,8 @@ class Cache:
         that waits for room: if the room that every other reservation will free is not enough,
         waiting would never end, or after :meth:`force_room`. It is checked while that step
         waits (a lane shelves its items after the planner, woken by the lane's move, reached the
-        step). The last recovered name
-        goes first (names are recovered in sorted order: for a listing-ordered plan, the one
-        needed last)."""
+        step). The last recovered name goes first (names are recovered in sorted order: for a
+        listing-ordered plan, the one needed last)."""
         if not self._recovered:
             return None
         held = sum(self.record.published[name] for name in self._recovered)
