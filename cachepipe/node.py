@@ -611,8 +611,8 @@ class NodePipeline(Pipeline):
         lane has waited :data:`GIVE_BACK_AFTER` seconds, if a download has no room
         (:meth:`Cache.shortfall`) and the lane's step waits for that room (not planned yet, or
         its download not begun), steps planned ahead for lanes whose
-        consumers are not waiting are given back and their copies deleted
-        (:meth:`LaneQueues.give_back`). If none can be, every item in the cache is held by a
+        consumers are not waiting are given back (:meth:`LaneQueues.give_back`) and their copies
+        given up (:meth:`Cache.give_up`). If none can be, every item in the cache is held by a
         consumer: after :data:`HELD_WARNING` seconds this is logged, once per wait. A step
         that downloads already gives nothing back (room would not bring it sooner; each turn
         gave back an item that was then downloaded again)."""
@@ -635,10 +635,7 @@ class NodePipeline(Pipeline):
             with self._moves:
                 gone = queues.give_back(needed, lane, at)
                 for planned in gone or ():
-                    if self.config.retain == "auto":
-                        self._stale(planned)  # acknowledged: the policy may keep it, or evict it for room
-                    else:
-                        self._cache.drop(planned.name)
+                    self._cache.give_up(planned.name, planned.step.epoch, planned.tick)
             if gone is None:
                 continue  # its item downloads (or is ready): room would not bring it sooner
             if gone:

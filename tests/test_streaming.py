@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -466,3 +467,51 @@ def test_take_many_takes_what_is_queued_up_to_its_count_and_nothing_at_the_end()
         assert listing.take_many(3) == []  # the end
     finally:
         listing.stop()
+
+
+def test_force_room_reaches_the_download_waiting_for_room_past_a_plain_reserve(tmp_path):
+    """:meth:`Cache.force_room` is meant for the download that waits for room (a node's lane
+    waits for it): it may drop a shelved item though acks would make room later. A plain
+    ``reserve`` waiting at the same time must not take that one-shot permission for itself
+    (it took it before, whenever it woke first, and the download went on waiting)."""
+    from cachepipe.catalog import Catalog
+
+    kib = 1 << 10
+    catalog = Catalog(mode="folders")
+    for name, size in (("held", 300 * kib), ("shelved", 300 * kib), ("next", 500 * kib)):
+        catalog.add(name, [("x", size, None)])
+    for attempt in range(10):  # which waiter wakes first is the scheduler's choice: try it often
+        _force_room_past_a_plain_reserve(tmp_path / f"c{attempt}", catalog)
+
+
+def _force_room_past_a_plain_reserve(root: Path, catalog) -> None:
+    from cachepipe.cache import Cache
+
+    held, shelved, wanted = catalog[0], catalog[1], catalog[2]
+    cache = Cache(root, 1 << 20)
+    cache.open()
+    got: list[object] = []
+    plain = threading.Thread(target=lambda: cache.reserve(cache.limit))
+    download = threading.Thread(target=lambda: got.append(cache.acquire(wanted)))
+    try:
+        cache.recover(catalog, resume=False)
+        for item in (held, shelved):
+            assert cache.acquire(item) is True
+            staged = Path(cache.stage(item))
+            (staged / "x").write_bytes(b"x" * item.size)
+            cache.publish(staged, item)
+        cache.shelve("shelved")  # on disk, not handed out; "held" is in a consumer's hands
+        plain.start()
+        wait_until(lambda: cache.shortfall() > 0)  # the plain reserve waits
+        download.start()
+        # the download waits too: acks of "held" would make room
+        wait_until(lambda: cache.shortfall() == wanted.size - cache.ledger.free)
+        cache.force_room()
+        download.join(10)
+        assert got == [True], "the download still waits after force_room()"
+        assert "shelved" not in cache.record.published
+    finally:
+        cache.close()
+        for thread in (plain, download):
+            if thread.ident is not None:  # started
+                thread.join(10)

@@ -400,10 +400,11 @@ class Cache:
                 while not self._closed and not ledger.fits(size):
                     if size > ledger.limit:
                         raise OversizeError(name, size, ledger.capacity, ledger.foreign + ledger.overhead)
-                    leftover = self._in_the_way(size) if leftovers else None
-                    self._forced = False
-                    if leftover is not None:
-                        return leftover
+                    if leftovers:  # the waiter that force_room() means (a plain reserve leaves it be)
+                        leftover = self._in_the_way(size)
+                        self._forced = False
+                        if leftover is not None:
+                            return leftover
                     self._wanting = size
                     self._cond.wait()
             finally:
@@ -767,6 +768,21 @@ class Cache:
                 raise KeyError(name)
             self._recovered[name] = self.root / name
             self._cond.notify_all()
+
+    def give_up(self, name: str, epoch: int = 0, tick: int = 0) -> None:
+        """A published item, not handed out, whose step will be planned again later (a node's
+        lane gave its room back to a lane that waits, see :meth:`.node.LaneQueues.give_back`):
+        without retention it is dropped (downloaded again when its step comes); with retention
+        it is acknowledged as of ``tick`` and the policy decides whether to keep it.
+
+        Raises:
+            KeyError: ``name`` is not a published item of this cache.
+            OSError: with retention, the ack could not be journaled; nothing changed.
+        """
+        if self._policy is not None:
+            self.evict(name, epoch, tick)
+        else:
+            self.drop(name)
 
     def drop(self, name: str) -> None:
         """Delete a published item that was not acknowledged (closing, a leftover in the way, or a
