@@ -363,7 +363,7 @@ class Daemon:
         try:
             pipe.ack_many([(path, lease) if lease else path for path, lease in checked])
         except RuntimeError:
-            raise self._rebuilt_error("ack", "these items", served) from None
+            raise self._closed_error("ack", "these items", served) from None
         except UnknownItemError as exc:
             raise self._explained(exc, served) from None
         self._ended([(path, lease or None) for path, lease in checked])
@@ -399,7 +399,7 @@ class Daemon:
         try:
             action(item_path, lease or None)
         except RuntimeError:
-            raise self._rebuilt_error(verb, repr(path), served) from None
+            raise self._closed_error(verb, repr(path), served) from None
         except UnknownItemError as exc:
             raise self._explained(exc, served) from None
         if verb != "renew":
@@ -420,6 +420,22 @@ class Daemon:
         if served.pipeline is None:
             raise UnavailableError(f"pipeline {served.name!r} is down: {served.error}")
         return served.pipeline
+
+    def _closed_error(self, verb: str, what: str, served: _Served) -> Exception:
+        """Why ``verb`` of ``what`` found the pipeline of ``served`` closed: the daemon is stopping
+        (503 ``stopping``: nothing was done, the next start delivers an item not acknowledged
+        again), the pipeline was taken down (503), or a reload is rebuilding it (409: its leases
+        ended)."""
+        with self._cond:
+            state, error = self._state, served.error
+        if state != _RUNNING:
+            return StoppingError(
+                f"cannot {verb} {what}: the daemon is shutting down (an item not acknowledged is delivered again "
+                "after it restarts)"
+            )
+        if error:
+            return UnavailableError(f"cannot {verb} {what}: pipeline {served.name!r} is down: {error}")
+        return self._rebuilt_error(verb, what, served)
 
     @staticmethod
     def _rebuilt_error(verb: str, what: str, served: _Served) -> UnknownItemError:

@@ -1,0 +1,119 @@
+"""The daemon's life around its consumers: requests that arrive while it stops, a pipeline taken
+down while its downloads hang, acks across a restart.
+
+The daemon runs as a real subprocess; its downloads go through a fault proxy where a test must
+hold one (a download in flight keeps a stop, or a pipeline's close, under way). Waits are on
+events (a notify message, a process exit, an answer) with deadlines.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+from cachepipe.client import Client
+from cachepipe.service.testing import DaemonProcess
+
+KIB = 1024
+FILES = {"a.bin": KIB, "b.txt": 10}
+
+
+def write_config(tmp_path: Path, sock: Path, endpoint: str, **pipeline) -> Path:
+    data = {
+        "socket": str(sock),
+        "pipelines": {
+            "train": {
+                "source": "s3://data/video/",
+                "cache_dir": str(tmp_path / "cache"),
+                "capacity": "1MiB",
+                "storage_options": {"endpoint_url": endpoint},
+                **pipeline,
+            }
+        },
+    }
+    path = tmp_path / "cachepipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+class _Unix(http.client.HTTPConnection):
+    def __init__(self, path: Path) -> None:
+        super().__init__("localhost", timeout=30)
+        self._path = str(path)
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
+
+
+def connected(sock: Path) -> _Unix:
+    """A connection the daemon has accepted (kept open: it is served after the socket file goes)."""
+    conn = _Unix(sock)
+    conn.request("GET", "/v1/status")
+    conn.getresponse().read()
+    return conn
+
+
+def post(conn: _Unix, path: str, body: dict) -> tuple[int, dict]:
+    conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    data = response.read()
+    return response.status, json.loads(data) if data else {}
+
+
+def is_item(name: str):
+    return lambda head: head.startswith("GET ") and f"/{name}/" in head.split("\r\n", 1)[0]
+
+
+def test_acks_that_arrive_while_the_daemon_stops_are_answered_stopping_not_refused(s3_source, fault_proxy, tmp_path, short_dir):
+    # An ack (or an ack sent with next) that reached the daemon after its pipelines began to
+    # close was answered 409 "being rebuilt by a reload": `cachepipe ack` exited 5 naming a
+    # reload nobody made, and a client loop acking with its next request raised
+    # UnknownItemError instead of waiting for the restarted daemon.
+    proxy, endpoint = fault_proxy
+    s3_source.folders(4, FILES)
+    gate = threading.Event()
+    proxy.hold(is_item("item003"), gate)  # a download in flight: the stop waits for it
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, endpoint)
+    conns: list[_Unix] = []
+    with DaemonProcess(config) as daemon:
+        try:
+            with Client("train", sock, auto_ack=False) as client:
+                item = client.get(timeout=30)
+            deadline = time.monotonic() + 30
+            while not any(is_item("item003")(h) for h in proxy.requests):
+                assert time.monotonic() < deadline, "item003 was never requested"
+                time.sleep(0.01)
+            conns = [connected(sock) for _ in range(40)]  # each answer while stopping closes its connection
+            daemon.signal(signal.SIGTERM)
+            while sock.exists():  # the stop has begun: its pipelines close next
+                time.sleep(0.01)
+            answers = []
+            for conn in conns[:-2]:  # renew (changes nothing) until the pipeline is closing
+                status, body = post(conn, "/v1/renew", {"path": str(item), "lease": item.lease})
+                answers.append((status, body.get("error")))
+                if status != 200:
+                    break
+                time.sleep(0.02)
+            assert answers[-1] == (503, "stopping"), answers
+            status, body = post(conns[-2], "/v1/ack", {"path": str(item), "lease": item.lease})
+            assert (status, body["error"]) == (503, "stopping"), body
+            assert "reload" not in body["message"], body
+            status, body = post(
+                conns[-1], "/v1/pipelines/train/next", {"timeout": 5, "ack": {"path": str(item), "lease": item.lease}}
+            )
+            assert (status, body["error"]) == (503, "stopping"), body
+        finally:
+            gate.set()
+            for conn in conns:
+                conn.close()
+        assert daemon.proc.wait(30) == 0
