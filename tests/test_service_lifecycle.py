@@ -16,9 +16,10 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
-from cachepipe.client import Client
+from cachepipe.client import Client, ServiceError
 from cachepipe.service.testing import DaemonProcess
 
 KIB = 1024
@@ -117,3 +118,35 @@ def test_acks_that_arrive_while_the_daemon_stops_are_answered_stopping_not_refus
             for conn in conns:
                 conn.close()
         assert daemon.proc.wait(30) == 0
+
+
+def test_health_answers_at_once_while_a_removed_cache_closes_behind_a_hung_download(s3_source, fault_proxy, tmp_path, short_dir):
+    # The first health check (or next) that found the cache directory removed closed the
+    # pipeline itself, in its request thread: closing waits for the downloads in flight, so
+    # with a store that stopped answering the health check hung for as long as a read may take
+    # (60 s), as did the main loop's periodic check, with the systemd heartbeats and signals.
+    proxy, endpoint = fault_proxy
+    s3_source.folders(4, FILES)
+    gate = threading.Event()
+    proxy.hold(is_item("item003"), gate)  # the store stops answering one download
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, endpoint)
+    with DaemonProcess(config) as daemon:
+        try:
+            with Client("train", sock, auto_ack=False, request_timeout=5) as client:
+                client.get(timeout=30)
+                deadline = time.monotonic() + 30
+                while not any(is_item("item003")(h) for h in proxy.requests):
+                    assert time.monotonic() < deadline, "item003 was never requested"
+                    time.sleep(0.01)
+                (tmp_path / "cache").rename(tmp_path / "gone")  # removed from under the daemon, at once
+                health = client.health()  # TimeoutError (5 s) before the fix
+                assert health["status"] == "degraded", health
+                assert health["pipelines"]["train"].startswith("down: CacheRemovedError: "), health
+                with pytest.raises(ServiceError, match="pipeline 'train' is down"):
+                    client.get(timeout=5)
+                assert client.health()["status"] == "degraded"
+        finally:
+            gate.set()
+        assert daemon.stop() == 0
+        assert "Traceback" not in daemon.log(), daemon.log()
