@@ -150,3 +150,42 @@ def test_health_answers_at_once_while_a_removed_cache_closes_behind_a_hung_downl
             gate.set()
         assert daemon.stop() == 0
         assert "Traceback" not in daemon.log(), daemon.log()
+
+
+def test_a_next_carrying_an_ack_cut_by_a_daemon_crash_is_not_sent_again_with_the_ack(s3_source, s3_endpoint, tmp_path, short_dir):
+    # A next that carried an ack and was waiting when the daemon died (kill -9, an OOM kill):
+    # the client took the closed connection for a kept-alive one the daemon had closed while
+    # idle and sent the same request again, ack included, to the restarted daemon, which
+    # refused the old lease (409): get_many raised UnknownItemError and a client loop ended,
+    # where the docs promise that acks in flight may be lost and their items come again.
+    s3_source.folders(3, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint)
+    first = DaemonProcess(config).start()
+    try:
+        with Client("train", sock, auto_ack=False, startup_timeout=60) as client:
+            held = [client.get(timeout=30) for _ in range(3)]  # nothing is ready now
+            got: list = []
+
+            def take() -> None:
+                try:
+                    got.append(client.get_many(1, timeout=60, ack=[held[0]]))  # acks, then waits
+                except Exception as exc:  # noqa: BLE001 - the test reports it
+                    got.append(exc)
+
+            thread = threading.Thread(target=take)
+            with Client("train", sock) as probe:
+                thread.start()
+                deadline = time.monotonic() + 30
+                while probe.status()["pipelines"]["train"]["waiting"] != 1:
+                    assert time.monotonic() < deadline, "the next never waited"
+                    time.sleep(0.02)
+            first.signal(signal.SIGKILL)
+            first.proc.wait(30)
+            with DaemonProcess(config):
+                thread.join(60)
+                assert not thread.is_alive()
+                assert isinstance(got[0], list), got  # UnknownItemError before the fix
+                assert len(got[0]) == 1 and got[0][0].name in {"item001", "item002"}, got
+    finally:
+        first.close()
