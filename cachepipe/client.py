@@ -33,6 +33,7 @@ import http.client
 import json
 import logging
 import os
+import select
 import socket as _socket
 import threading
 import time
@@ -242,7 +243,9 @@ class Client:
             socket is missing or refuses connections (it is starting, or restarting), or it
             answers that it is stopping. Default 10; 0: fail at once. Only requests that
             change nothing are tried again (``next`` without an ack, status, health, metrics);
-            the wait is at most this long per outage, never forever.
+            a ``next`` that carried acks and whose daemon went away with it (stopping, killed) is
+            asked again without them (they were applied, or are lost and their items come
+            again); the wait is at most this long per outage, never forever.
     """
 
     def __init__(
@@ -492,10 +495,20 @@ class Client:
             body: dict[str, Any] = {"timeout": wait, **(extra or {}), **({} if markers else {"markers": False})}
             # A next carrying an ack is sent once: were it sent again, the ack could be refused
             # (or apply twice); without one, asking again changes nothing.
-            status, data = self._request("POST", route, body, wait + _MARGIN, retry=not acking)
+            try:
+                status, data = self._request("POST", route, body, wait + _MARGIN, retry=not acking)
+            except ConnectionError as exc:
+                if not (acking and isinstance(exc.__cause__, (ConnectionResetError, BrokenPipeError))):
+                    raise
+                # The daemon went away with the request (killed, crashed): its acks were journaled
+                # or are lost (those items come again); ask its successor, without them.
+                log.warning("the cachepipe daemon at %s went away during a next: asking again (%s)", self.address, exc)
+                status, data = 0, b""
             if acking and extra is not None:
                 extra = {k: v for k, v in extra.items() if k not in ("ack", "acks")}
                 acking = False
+            if status == 0:
+                continue
             if status == 200:
                 reply: dict[str, Any] = json.loads(data)
                 return reply
@@ -614,6 +627,9 @@ class Client:
 
     def _connection(self, timeout: float) -> tuple[http.client.HTTPConnection, bool]:
         conn = self._conn
+        if conn is not None and conn.sock is not None and _ended(conn.sock):
+            self._drop()  # the daemon closed it while idle (idle_timeout), or went away: nothing was sent on it
+            conn = None
         if conn is not None:
             conn.timeout = timeout
             if conn.sock is not None:
@@ -643,9 +659,12 @@ class Client:
 
         A connection that cannot be made because nothing listens (no socket file, or refused:
         a daemon starting or restarting) is tried again for up to ``startup_timeout``: such a
-        request never reached a daemon. So is one the daemon closed before answering, when
-        ``retry`` (default: GET requests) says asking again changes nothing. ``patience``
-        replaces ``startup_timeout`` for this request. ``raw``: bytes to send instead of ``body``.
+        request never reached a daemon. So is one whose connection ended before the whole
+        request was sent (the daemon cannot have acted on it), and one the daemon closed before
+        answering when ``retry`` (default: GET requests) says asking again changes nothing;
+        otherwise (the daemon went away with the request, which it may have carried out: an ack
+        must not be sent again to its successor) ``ConnectionError``. ``patience`` replaces
+        ``startup_timeout`` for this request. ``raw``: bytes to send instead of ``body``.
         """
         payload = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"} if payload is not None else {}
@@ -658,8 +677,10 @@ class Client:
             kept = True  # the first attempt may be on a kept-alive connection the daemon closed meanwhile
             while True:
                 conn, fresh = self._connection(timeout)
+                sent = False  # until the whole request is sent, the daemon cannot have acted on it
                 try:
                     conn.request(method, path, body=payload, headers=headers)
+                    sent = True
                     response = conn.getresponse()
                     data = response.read()
                 except TimeoutError as exc:
@@ -677,10 +698,11 @@ class Client:
                     ) from exc
                 except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
                     self._drop()
-                    if not fresh and kept:
+                    again = retry or not sent  # a request that may have been carried out is not sent twice
+                    if again and not fresh and kept:
                         kept = False
                         continue  # a kept-alive connection the daemon had closed (it restarted): once more, fresh
-                    if retry and outage.pause():
+                    if again and outage.pause():
                         continue  # the daemon went away before answering (it is stopping)
                     raise ConnectionError(
                         f"the cachepipe daemon at {self.address} closed the connection: {exc}{outage.waited()}"
@@ -708,6 +730,14 @@ class Client:
         if status == 408:
             raise TimeoutError(message)
         raise ServiceError(status, str(info.get("error", "")), message)
+
+
+def _ended(sock: _socket.socket) -> bool:
+    """Whether a kept-alive connection, idle between two requests, has ended: the daemon closed
+    it (``idle_timeout``, a stop) or reset it. Nothing else can be waiting to be read on it."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(0))
 
 
 def _info(data: bytes) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from ..node import Taken
 from ..pipeline import CachedItem, Pipeline, Stats
 from ..plan import Cursor
 from .api import ApiServer, Deadlines
+from .closing import Closer
 from .config import ServiceConfig, pipeline_options
 from .errors import StoppingError, UnavailableError, UnknownPipelineError
 from .jobs import Jobs
@@ -75,7 +76,8 @@ class Daemon:
         self.config = config
         self.config_path = None if config_path is None else str(config_path)
         self._state = _UNOPENED
-        self._jobs = None if config.jobs is None else Jobs(config.jobs)
+        self._closer = Closer()  # closes what a removed cache directory took down, in the background
+        self._jobs = None if config.jobs is None else Jobs(config.jobs, self._closer)
         self._cond = threading.Condition()  # guards _served; notified when a pipeline is replaced
         self._served: dict[str, _Served] = {}
         self._waiting: dict[str, int] = {}  # requests blocked in next, by pipeline name
@@ -133,6 +135,7 @@ class Daemon:
             served = list(self._served.values())
         for entry in served:
             self._close(entry)
+        self._closer.wait_all()  # pipelines taken down (their cache directory removed) still closing
         if self._api is not None:
             self._api.close()
         self._state = _CLOSED
@@ -257,6 +260,7 @@ class Daemon:
     def _rebuild(self, name: str, cfg: PipelineConfig, old: _Served | None) -> str:
         if old is not None:
             self._close(old)
+        self._closer.wait(name)  # one taken down: it finishes closing before its cache opens again
         fresh = _Served(name, cfg, rebuilt_at=None if old is None else time.monotonic())
         try:
             fresh.pipeline = self._open(fresh)
@@ -363,7 +367,7 @@ class Daemon:
         try:
             pipe.ack_many([(path, lease) if lease else path for path, lease in checked])
         except RuntimeError:
-            raise self._rebuilt_error("ack", "these items", served) from None
+            raise self._closed_error("ack", "these items", served) from None
         except UnknownItemError as exc:
             raise self._explained(exc, served) from None
         self._ended([(path, lease or None) for path, lease in checked])
@@ -399,7 +403,7 @@ class Daemon:
         try:
             action(item_path, lease or None)
         except RuntimeError:
-            raise self._rebuilt_error(verb, repr(path), served) from None
+            raise self._closed_error(verb, repr(path), served) from None
         except UnknownItemError as exc:
             raise self._explained(exc, served) from None
         if verb != "renew":
@@ -420,6 +424,22 @@ class Daemon:
         if served.pipeline is None:
             raise UnavailableError(f"pipeline {served.name!r} is down: {served.error}")
         return served.pipeline
+
+    def _closed_error(self, verb: str, what: str, served: _Served) -> Exception:
+        """Why ``verb`` of ``what`` found the pipeline of ``served`` closed: the daemon is stopping
+        (503 ``stopping``: nothing was done, the next start delivers an item not acknowledged
+        again), the pipeline was taken down (503), or a reload is rebuilding it (409: its leases
+        ended)."""
+        with self._cond:
+            state, error = self._state, served.error
+        if state != _RUNNING:
+            return StoppingError(
+                f"cannot {verb} {what}: the daemon is shutting down (an item not acknowledged is delivered again "
+                "after it restarts)"
+            )
+        if error:
+            return UnavailableError(f"cannot {verb} {what}: pipeline {served.name!r} is down: {error}")
+        return self._rebuilt_error(verb, what, served)
 
     @staticmethod
     def _rebuilt_error(verb: str, what: str, served: _Served) -> UnknownItemError:
@@ -629,13 +649,16 @@ class Daemon:
                 served.error = f"{type(exc).__name__}: {exc}"
         if current:
             log.error("pipeline %s is down until a reload reopens it: %s", served.name, exc)
-            try:
-                self._close(served)
-            except Exception:  # closing what is left of a removed cache: logged, the pipeline is down either way
-                log.exception("closing pipeline %s after its cache directory was removed failed", served.name)
+            if self._markers is not None:
+                self._markers.unwatch(served.name)
+            self._handouts.forget_under(served.root)
             with self._cond:
                 served.pipeline = None
                 self._cond.notify_all()
+            # Closed in the background: closing waits for the downloads in flight, as long as a
+            # store that stopped answering takes, and the caller answers a request (or sends
+            # systemd's heartbeats).
+            self._closer.close(served.name, pipe)
         return UnavailableError(f"pipeline {served.name!r} is down: {served.error}")
 
     def health(self) -> tuple[bool, dict[str, Any]]:

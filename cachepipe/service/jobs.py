@@ -41,6 +41,7 @@ from ..manifest import index, read_manifest
 from ..node import NodePipeline, Taken
 from ..plan import Cursor
 from ..stores import preload
+from .closing import Closer
 from .errors import StoppingError, UnknownPipelineError
 
 __all__ = ["JobConflictError", "JobSpec", "Jobs", "JobsConfig"]
@@ -157,10 +158,13 @@ class Jobs:
 
     Args:
         config: the daemon's ``jobs`` section.
+        closer: closes the pipeline of a job dropped because its cache directory was removed,
+            in the background (default: one of its own).
     """
 
-    def __init__(self, config: JobsConfig) -> None:
+    def __init__(self, config: JobsConfig, closer: Closer | None = None) -> None:
         self.config = config
+        self._closer = closer or Closer()
         self._lock = threading.Lock()  # guards _jobs; registration opens a pipeline under it
         self._jobs: dict[str, _Job] = {}
         self._closed = False
@@ -180,6 +184,7 @@ class Jobs:
             raise ValueError(f"job name {name!r}: expected 1-64 letters, digits, '.', '_' or '-', not starting with '.'")
         spec = JobSpec.model_validate(body)
         self._check_sources(spec)
+        self._closer.wait(f"job/{name}")  # a job of this name dropped: its close ends before it opens again
         with self._lock:
             if self._closed:
                 raise StoppingError("the daemon is stopping")
@@ -390,10 +395,7 @@ class Jobs:
                 del self._jobs[job.name]
         if mine:
             log.error("job %s dropped: %s", job.name, exc)
-            try:
-                job.pipeline.close()
-            except Exception:  # closing what is left of a removed cache: logged, the job is gone either way
-                log.exception("closing job %s after its cache directory was removed failed", job.name)
+            self._closer.close(f"job/{job.name}", job.pipeline)  # in the background: its downloads in flight end first
         return UnknownPipelineError(f"job {job.name!r} was dropped: {exc}; register it again to start over")
 
     def _jobs_now(self) -> list[_Job]:
@@ -426,6 +428,7 @@ class Jobs:
             jobs, self._jobs = list(self._jobs.values()), {}
         for job in jobs:
             job.pipeline.close()
+        self._closer.wait_all()
 
     def entries(self) -> list[tuple[str, NodePipeline, dict[str, Any]]]:
         """``(name, pipeline, description)`` of every registered job."""
