@@ -1133,3 +1133,63 @@ def test_refusals_before_anything_runs(tmp_path):
         os.close(fd)
     result = map_items(["sh", "-c", 'cp f "$CACHEPIPE_OUT/g"'], str(src), dst, cache_dir=cache, capacity="1MiB")
     assert result.ok and (Path(dst) / "a" / "g").read_bytes() == b"x" * 1000 and (Path(dst) / "a" / DONE_MARKER).exists()
+
+
+# ---- review: a process that left the command's group ----------------------------------------------------------
+ESCAPE = r"""
+import os, subprocess, sys
+# a helper started in a session of its own (start_new_session=True, setsid, a daemon): out of the
+# command's process group, still holding the command's stderr
+helper = subprocess.Popen(["sleep", "120"], start_new_session=True)
+for folder in (os.environ["CACHEPIPE_OUT"], sys.argv[1]):
+    open(os.path.join(folder, os.environ["CACHEPIPE_NAME"] + ".pid"), "w").write(str(helper.pid))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open") or not Path("/proc/self/stat").exists(), reason="needs Linux pidfds and /proc")
+def test_a_process_that_left_the_commands_group_holding_its_stderr_does_not_stall_the_job(tmp_path):
+    """Before, the job read CMD's stderr until EOF: a process CMD started in a session of its own
+    held it, so the job waited for that process to end (forever, for a daemon), item after item,
+    and Ctrl-C or SIGTERM waited too. Now, once CMD exits, the job waits a moment for the EOF, then
+    kills what still runs with this slot's $CACHEPIPE_OUT and goes on."""
+    src, pid_dir = tmp_path / "src", tmp_path / "pids"
+    for name in ("a", "b"):
+        (src / name).mkdir(parents=True)
+        (src / name / "in.txt").write_text(name)
+    pid_dir.mkdir()
+    result: list = []
+    runner = threading.Thread(
+        target=lambda: result.append(
+            map_items(
+                [sys.executable, "-c", ESCAPE, str(pid_dir)],
+                str(src),
+                str(tmp_path / "dst"),
+                cache_dir=tmp_path / "cache",
+                capacity="1MiB",
+                out_reserve="1KiB",
+            )
+        ),
+        name="test-map-run",
+        daemon=True,
+    )
+    started = time.monotonic()
+    runner.start()
+    runner.join(30)  # a guard: a stalled run waits for the helpers, 120 s each
+    pids = {p.stem: int(p.read_text()) for p in pid_dir.iterdir()}
+    try:
+        assert not runner.is_alive(), "the job waited for a process that left the command's group"
+        assert time.monotonic() - started < 20
+        [done] = result
+        assert done.ok and done.items_done == 2 and sorted(pids) == ["a", "b"]
+        assert sorted(p.name for p in (tmp_path / "dst").glob("*/*.pid")) == ["a.pid", "b.pid"]
+        assert running_after(pids, 10) == []
+    finally:
+        for pid in pids.values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        runner.join(30)
+        for p in pid_dir.iterdir():  # a helper started after the kill above
+            if alive(int(p.read_text())):
+                os.kill(int(p.read_text()), signal.SIGKILL)
+        runner.join(30)
+
