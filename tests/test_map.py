@@ -1193,3 +1193,23 @@ def test_a_process_that_left_the_commands_group_holding_its_stderr_does_not_stal
                 os.kill(int(p.read_text()), signal.SIGKILL)
         runner.join(30)
 
+
+# ---- review: a destination in the source, spelled another way --------------------------------------------------
+def test_a_destination_in_the_source_is_found_however_the_paths_are_spelled(tmp_path, monkeypatch):
+    """``cachepipe map data ./data/results``: before, the two spellings were compared as text, so
+    the results were not recognised as lying in the source: a rerun listed them as an item
+    ("results") and ran the command on them; the source itself given as ``file://`` + its path
+    was not refused, and results went into the source's own items."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b"):
+        (tmp_path / "data" / name).mkdir(parents=True)
+        (tmp_path / "data" / name / "f").write_text(name)
+    command = ["sh", "-c", 'cp f "$CACHEPIPE_OUT/g"']
+    for _ in range(2):
+        result = map_items(command, "data", "./data/results", cache_dir="cache", capacity="1MiB")
+        assert result.ok and result.items_listed == 2, result.failed
+    assert result.items_skipped == 2 and result.items_done == 0
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["a", "b", "results"]
+    for same in (f"file://{tmp_path}/data/", str(tmp_path / "data")):
+        with pytest.raises(ConfigError, match="is the source itself"):
+            map_items(command, "data", same, cache_dir="cache", capacity="1MiB")

@@ -9,6 +9,7 @@ disk, no network) but for the reads :class:`PlannedSource` forwards to the real 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -242,9 +243,24 @@ class PlannedSource:
         """The map run owns the real store and closes it."""
 
 
+def _location(url: str) -> str:
+    """``url`` spelled one way, ending in ``/``: a local path (no scheme, or ``file://``) made
+    absolute and normalised (``data``, ``./data/`` and ``file:///home/me/data`` are one place;
+    symbolic links are not resolved), any other URL as it is."""
+    path = url.removeprefix("file://") if url.startswith("file://") else None if "://" in url else url
+    if path is None:
+        return url.rstrip("/") + "/"
+    return "file://" + os.path.abspath(os.path.expanduser(path)).rstrip("/") + "/"
+
+
 def inside_prefix(source: str, dest: str) -> str | None:
-    """``dest`` relative to ``source`` when it lies under it (``s3://b/d/`` and ``s3://b/d/out/`` -> ``out/``)."""
-    src, dst = source.rstrip("/") + "/", dest.rstrip("/") + "/"
+    """``dest`` relative to ``source`` when it lies under it (``s3://b/d/`` and ``s3://b/d/out/`` -> ``out/``;
+    ``data`` and ``./data/out`` -> ``out/``: local paths are compared as absolute paths).
+
+    Raises:
+        ConfigError: ``dest`` is ``source`` itself.
+    """
+    src, dst = _location(source), _location(dest)
     if dst == src:
-        raise ConfigError(f"dest {dest!r} is the source itself; give a folder beside it or under it")
+        raise ConfigError(f"dest {dest!r} is the source itself ({source!r}); give a folder beside it or under it")
     return dst[len(src) :] if dst.startswith(src) else None
