@@ -1213,3 +1213,31 @@ def test_a_destination_in_the_source_is_found_however_the_paths_are_spelled(tmp_
     for same in (f"file://{tmp_path}/data/", str(tmp_path / "data")):
         with pytest.raises(ConfigError, match="is the source itself"):
             map_items(command, "data", same, cache_dir="cache", capacity="1MiB")
+
+
+# ---- review: refused options, named without the other options -------------------------------------------------
+def test_a_refused_combination_of_options_names_them_and_never_echoes_the_storage_options(tmp_path, capsys):
+    """Before, an error of MapConfig's cross-field check (``--out-reserve`` with ``--out-ratio``,
+    ``--upload-part-size`` under 5 MiB) was printed as "the options {...}: ...", every option's
+    value, the storage options' secret key included, and its str() from map_items too."""
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "f").write_text("a")
+    secret = "wJalrXUtnFEMI-K7MDENG"
+    base = [str(tmp_path / "src"), str(tmp_path / "dst"), "--cache", str(tmp_path / "cache"), "--capacity", "1MiB"]
+    for options, said in (
+        (
+            ["--out-reserve", "1KiB", "--out-ratio", "2"],
+            "--out-ratio 2.0: give out_reserve or out_ratio, not both (--out-reserve or --out-ratio)",
+        ),
+        (["--upload-part-size", "1KiB"], "--upload-part-size '1KiB': upload_part_size 1024: expected at least 5 MiB"),
+    ):
+        assert main([*base, *options, "-o", f"secret={secret}", "--no-progress", "--", "true"]) == 2
+        err = capsys.readouterr().err
+        assert said in err and secret not in err and "the options" not in err, err
+    with pytest.raises(ValueError, match="not both") as raised:
+        map_items(
+            ["true"], str(tmp_path / "src"), str(tmp_path / "dst"), cache_dir=tmp_path / "cache", capacity="1MiB",
+            out_reserve="1KiB", out_ratio=2, storage_options={"secret": secret},
+        )  # fmt: skip
+    assert secret not in str(raised.value)
+    assert not (tmp_path / "cache").exists()

@@ -175,9 +175,13 @@ def _option_errors(exc: ValueError) -> str | None:
     named = {"source": "SRC", "dest": "DST", "command": "CMD"}
     lines = []
     for err in exc.errors(include_url=False):
-        field = str(err["loc"][0]) if err["loc"] else ""
-        flag = named.get(field) or (f"--{field.replace('_', '-')}" if field else "the options")
-        lines.append(f"{flag} {err['input']!r}: {err['msg'].removeprefix('Value error, ')}")
+        message = err["msg"].removeprefix("Value error, ")
+        if not err["loc"]:  # a check of several options: its input is all of them, credentials included
+            lines.append(message)
+            continue
+        field = str(err["loc"][0])
+        flag = named.get(field) or f"--{field.replace('_', '-')}"
+        lines.append(f"{flag} {err['input']!r}: {message}")
     return "; ".join(lines)
 
 
