@@ -1241,3 +1241,23 @@ def test_a_refused_combination_of_options_names_them_and_never_echoes_the_storag
         )  # fmt: skip
     assert secret not in str(raised.value)
     assert not (tmp_path / "cache").exists()
+
+
+# ---- review: placeholders replaced once -------------------------------------------------------------------------
+def test_placeholders_are_replaced_once_not_inside_what_replaced_them(tmp_path):
+    """Before, ``{out}``, ``{name}`` and ``{}`` were replaced one after the other, each in the result
+    of the last: an item named ``clip{}.mp4`` reached the command as ``clip<its path>.mp4``."""
+    src = tmp_path / "src"
+    (src / "clip{}").mkdir(parents=True)
+    (src / "clip{}" / "f").write_text("x")
+    result = map_items(
+        ["sh", "-c", 'printf "%s|%s" "$1" "$2" > "$CACHEPIPE_OUT/args"', "sh", "{name}", "{}"],
+        str(src),
+        str(tmp_path / "dst"),
+        cache_dir=tmp_path / "cache",
+        capacity="1MiB",
+        out_reserve="4KiB",
+    )
+    assert result.ok, result.failed
+    name, item = (tmp_path / "dst" / "clip{}" / "args").read_text().split("|")
+    assert name == "clip{}" and item.endswith("/clip{}")
