@@ -1261,3 +1261,14 @@ def test_placeholders_are_replaced_once_not_inside_what_replaced_them(tmp_path):
     assert result.ok, result.failed
     name, item = (tmp_path / "dst" / "clip{}" / "args").read_text().split("|")
     assert name == "clip{}" and item.endswith("/clip{}")
+
+
+def test_a_malformed_storage_option_is_a_usage_error(tmp_path, capsys):
+    """``-o foo`` (no ``=``) exited 1, as a failed run does; map.md gives 2 for a value an option refuses."""
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "f").write_text("a")
+    base = [str(tmp_path / "src"), str(tmp_path / "dst"), "--cache", str(tmp_path / "cache"), "--capacity", "1MiB"]
+    for flag in ("-o", "--dest-option"):
+        assert main([*base, flag, "endpoint_url", "--no-progress", "--", "true"]) == 2
+        assert "storage option 'endpoint_url': expected KEY=VALUE" in capsys.readouterr().err
+    assert not (tmp_path / "cache").exists()

@@ -151,18 +151,18 @@ def add_map_parser(subparsers: Any) -> None:
     _add_arguments(parser)
 
 
+class _UsageError(ConfigError):
+    """A command line that is not one: exit status 2, as argparse's own errors."""
+
+
 def _option(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
-        raise ConfigError(f"storage option {text!r}: expected KEY=VALUE")
+        raise _UsageError(f"storage option {text!r}: expected KEY=VALUE")
     try:
         return key, json.loads(value)
     except json.JSONDecodeError:
         return key, value
-
-
-class _UsageError(ConfigError):
-    """A command line that is not one: exit status 2, as argparse's own errors."""
 
 
 def _option_errors(exc: ValueError) -> str | None:
