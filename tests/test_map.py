@@ -1272,3 +1272,26 @@ def test_a_malformed_storage_option_is_a_usage_error(tmp_path, capsys):
         assert main([*base, flag, "endpoint_url", "--no-progress", "--", "true"]) == 2
         assert "storage option 'endpoint_url': expected KEY=VALUE" in capsys.readouterr().err
     assert not (tmp_path / "cache").exists()
+
+
+def test_an_output_folder_replaced_by_a_link_is_not_followed(tmp_path):
+    """A command that replaces its output folder with a link to a folder elsewhere: before, the
+    files there were uploaded as the item's results (every link inside the folder is checked to
+    stay in it, the folder itself was not), and the watcher, which follows no link, did not
+    count them."""
+    src, elsewhere = tmp_path / "src", tmp_path / "elsewhere"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "f").write_text("a")
+    elsewhere.mkdir()
+    (elsewhere / "not-an-output.txt").write_text("private")
+    result = map_items(
+        ["sh", "-c", 'rmdir "$CACHEPIPE_OUT" && ln -s "$1" "$CACHEPIPE_OUT"', "sh", str(elsewhere)],
+        str(src),
+        str(tmp_path / "dst"),
+        cache_dir=tmp_path / "cache",
+        capacity="1MiB",
+        out_reserve="4KiB",
+    )
+    [failure] = result.failed
+    assert failure.name == "a" and "OutputError" in failure.error and "link" in failure.error, failure
+    assert not (tmp_path / "dst").exists() and (elsewhere / "not-an-output.txt").read_text() == "private"
