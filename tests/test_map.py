@@ -1133,3 +1133,165 @@ def test_refusals_before_anything_runs(tmp_path):
         os.close(fd)
     result = map_items(["sh", "-c", 'cp f "$CACHEPIPE_OUT/g"'], str(src), dst, cache_dir=cache, capacity="1MiB")
     assert result.ok and (Path(dst) / "a" / "g").read_bytes() == b"x" * 1000 and (Path(dst) / "a" / DONE_MARKER).exists()
+
+
+# ---- review: a process that left the command's group ----------------------------------------------------------
+ESCAPE = r"""
+import os, subprocess, sys
+# a helper started in a session of its own (start_new_session=True, setsid, a daemon): out of the
+# command's process group, still holding the command's stderr
+helper = subprocess.Popen(["sleep", "120"], start_new_session=True)
+for folder in (os.environ["CACHEPIPE_OUT"], sys.argv[1]):
+    open(os.path.join(folder, os.environ["CACHEPIPE_NAME"] + ".pid"), "w").write(str(helper.pid))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open") or not Path("/proc/self/stat").exists(), reason="needs Linux pidfds and /proc")
+def test_a_process_that_left_the_commands_group_holding_its_stderr_does_not_stall_the_job(tmp_path):
+    """Before, the job read CMD's stderr until EOF: a process CMD started in a session of its own
+    held it, so the job waited for that process to end (forever, for a daemon), item after item,
+    and Ctrl-C or SIGTERM waited too. Now, once CMD exits, the job waits a moment for the EOF, then
+    kills what still runs with this slot's $CACHEPIPE_OUT and goes on."""
+    src, pid_dir = tmp_path / "src", tmp_path / "pids"
+    for name in ("a", "b"):
+        (src / name).mkdir(parents=True)
+        (src / name / "in.txt").write_text(name)
+    pid_dir.mkdir()
+    result: list = []
+    runner = threading.Thread(
+        target=lambda: result.append(
+            map_items(
+                [sys.executable, "-c", ESCAPE, str(pid_dir)],
+                str(src),
+                str(tmp_path / "dst"),
+                cache_dir=tmp_path / "cache",
+                capacity="1MiB",
+                out_reserve="1KiB",
+            )
+        ),
+        name="test-map-run",
+        daemon=True,
+    )
+    started = time.monotonic()
+    runner.start()
+    runner.join(30)  # a guard: a stalled run waits for the helpers, 120 s each
+    pids = {p.stem: int(p.read_text()) for p in pid_dir.iterdir()}
+    try:
+        assert not runner.is_alive(), "the job waited for a process that left the command's group"
+        assert time.monotonic() - started < 20
+        [done] = result
+        assert done.ok and done.items_done == 2 and sorted(pids) == ["a", "b"]
+        assert sorted(p.name for p in (tmp_path / "dst").glob("*/*.pid")) == ["a.pid", "b.pid"]
+        assert running_after(pids, 10) == []
+    finally:
+        for pid in pids.values():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        runner.join(30)
+        for p in pid_dir.iterdir():  # a helper started after the kill above
+            if alive(int(p.read_text())):
+                os.kill(int(p.read_text()), signal.SIGKILL)
+        runner.join(30)
+
+
+# ---- review: a destination in the source, spelled another way --------------------------------------------------
+def test_a_destination_in_the_source_is_found_however_the_paths_are_spelled(tmp_path, monkeypatch):
+    """``cachepipe map data ./data/results``: before, the two spellings were compared as text, so
+    the results were not recognised as lying in the source: a rerun listed them as an item
+    ("results") and ran the command on them; the source itself given as ``file://`` + its path
+    was not refused, and results went into the source's own items."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b"):
+        (tmp_path / "data" / name).mkdir(parents=True)
+        (tmp_path / "data" / name / "f").write_text(name)
+    command = ["sh", "-c", 'cp f "$CACHEPIPE_OUT/g"']
+    for _ in range(2):
+        result = map_items(command, "data", "./data/results", cache_dir="cache", capacity="1MiB")
+        assert result.ok and result.items_listed == 2, result.failed
+    assert result.items_skipped == 2 and result.items_done == 0
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["a", "b", "results"]
+    for same in (f"file://{tmp_path}/data/", str(tmp_path / "data")):
+        with pytest.raises(ConfigError, match="is the source itself"):
+            map_items(command, "data", same, cache_dir="cache", capacity="1MiB")
+
+
+# ---- review: refused options, named without the other options -------------------------------------------------
+def test_a_refused_combination_of_options_names_them_and_never_echoes_the_storage_options(tmp_path, capsys):
+    """Before, an error of MapConfig's cross-field check (``--out-reserve`` with ``--out-ratio``,
+    ``--upload-part-size`` under 5 MiB) was printed as "the options {...}: ...", every option's
+    value, the storage options' secret key included, and its str() from map_items too."""
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "f").write_text("a")
+    secret = "wJalrXUtnFEMI-K7MDENG"
+    base = [str(tmp_path / "src"), str(tmp_path / "dst"), "--cache", str(tmp_path / "cache"), "--capacity", "1MiB"]
+    for options, said in (
+        (
+            ["--out-reserve", "1KiB", "--out-ratio", "2"],
+            "--out-ratio 2.0: give out_reserve or out_ratio, not both (--out-reserve or --out-ratio)",
+        ),
+        (["--upload-part-size", "1KiB"], "--upload-part-size '1KiB': upload_part_size 1024: expected at least 5 MiB"),
+    ):
+        assert main([*base, *options, "-o", f"secret={secret}", "--no-progress", "--", "true"]) == 2
+        err = capsys.readouterr().err
+        assert said in err and secret not in err and "the options" not in err, err
+    with pytest.raises(ValueError, match="not both") as raised:
+        map_items(
+            ["true"], str(tmp_path / "src"), str(tmp_path / "dst"), cache_dir=tmp_path / "cache", capacity="1MiB",
+            out_reserve="1KiB", out_ratio=2, storage_options={"secret": secret},
+        )  # fmt: skip
+    assert secret not in str(raised.value)
+    assert not (tmp_path / "cache").exists()
+
+
+# ---- review: placeholders replaced once -------------------------------------------------------------------------
+def test_placeholders_are_replaced_once_not_inside_what_replaced_them(tmp_path):
+    """Before, ``{out}``, ``{name}`` and ``{}`` were replaced one after the other, each in the result
+    of the last: an item named ``clip{}.mp4`` reached the command as ``clip<its path>.mp4``."""
+    src = tmp_path / "src"
+    (src / "clip{}").mkdir(parents=True)
+    (src / "clip{}" / "f").write_text("x")
+    result = map_items(
+        ["sh", "-c", 'printf "%s|%s" "$1" "$2" > "$CACHEPIPE_OUT/args"', "sh", "{name}", "{}"],
+        str(src),
+        str(tmp_path / "dst"),
+        cache_dir=tmp_path / "cache",
+        capacity="1MiB",
+        out_reserve="4KiB",
+    )
+    assert result.ok, result.failed
+    name, item = (tmp_path / "dst" / "clip{}" / "args").read_text().split("|")
+    assert name == "clip{}" and item.endswith("/clip{}")
+
+
+def test_a_malformed_storage_option_is_a_usage_error(tmp_path, capsys):
+    """``-o foo`` (no ``=``) exited 1, as a failed run does; map.md gives 2 for a value an option refuses."""
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "f").write_text("a")
+    base = [str(tmp_path / "src"), str(tmp_path / "dst"), "--cache", str(tmp_path / "cache"), "--capacity", "1MiB"]
+    for flag in ("-o", "--dest-option"):
+        assert main([*base, flag, "endpoint_url", "--no-progress", "--", "true"]) == 2
+        assert "storage option 'endpoint_url': expected KEY=VALUE" in capsys.readouterr().err
+    assert not (tmp_path / "cache").exists()
+
+
+def test_an_output_folder_replaced_by_a_link_is_not_followed(tmp_path):
+    """A command that replaces its output folder with a link to a folder elsewhere: before, the
+    files there were uploaded as the item's results (every link inside the folder is checked to
+    stay in it, the folder itself was not), and the watcher, which follows no link, did not
+    count them."""
+    src, elsewhere = tmp_path / "src", tmp_path / "elsewhere"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "f").write_text("a")
+    elsewhere.mkdir()
+    (elsewhere / "not-an-output.txt").write_text("private")
+    result = map_items(
+        ["sh", "-c", 'rmdir "$CACHEPIPE_OUT" && ln -s "$1" "$CACHEPIPE_OUT"', "sh", str(elsewhere)],
+        str(src),
+        str(tmp_path / "dst"),
+        cache_dir=tmp_path / "cache",
+        capacity="1MiB",
+        out_reserve="4KiB",
+    )
+    [failure] = result.failed
+    assert failure.name == "a" and "OutputError" in failure.error and "link" in failure.error, failure
+    assert not (tmp_path / "dst").exists() and (elsewhere / "not-an-output.txt").read_text() == "private"

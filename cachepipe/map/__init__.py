@@ -32,7 +32,8 @@ An item larger than what the capacity leaves for downloads is refused before it 
 ``--dry-run`` lists those refusals (``would refuse: ...``, exit status 1). The command's
 input stays in the cache until its outputs are uploaded (a retry needs it), so downloads pause
 while outputs wait for upload. When CMD exits, whatever it left running in its process group is
-killed (Linux), so nothing it started writes into the cache after it.
+killed (Linux), so nothing it started writes into the cache after it; a process started outside
+the group that still holds CMD's stderr a second later is killed too (by its ``CACHEPIPE_OUT``).
 
 **Resumable.** Items whose marker exists in ``DST`` are skipped before anything is downloaded.
 The marker is written last and lists the item's outputs; a run killed mid-upload leaves no

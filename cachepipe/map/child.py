@@ -5,8 +5,10 @@ leads a session of its own (so that a signal reaches everything it started) and 
 map process (Linux). ``wait`` keeps the tail of its stderr and enforces the timeout (TERM the
 group, ``grace`` seconds later KILL it). When the child exits, whatever it left running in its
 group is killed, before the child is reaped: nothing it started writes into the cache after it
-(a process that left the group with its own ``setsid`` escapes this). :class:`Watcher` measures
-every running job's slot and kills a child whose outputs outgrew the item's reserve.
+(a process that left the group with its own ``setsid`` escapes this, unless it still holds the
+command's stderr: then it is found by its ``CACHEPIPE_OUT`` and killed, ``STDERR_DRAIN`` seconds
+after the exit, so that it cannot hold up the job). :class:`Watcher` measures every running
+job's slot and kills a child whose outputs outgrew the item's reserve.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ log = logging.getLogger("cachepipe.map")
 
 TAIL_BYTES = 4096
 """How much of the end of a child's stderr (or traceback) is kept for the failure report."""
+
+STDERR_DRAIN = 1.0
+"""Seconds a command's stderr may stay open after the command exited and its group was killed:
+what still holds it then left the group (``setsid``, ``start_new_session=True``, a daemon)."""
 
 _PR_SET_PDEATHSIG = 1
 _libc: Any = None
@@ -166,11 +172,14 @@ class CommandRun(_Child):
             preexec_fn=_die_with_parent if _libc is not None else None,  # noqa: PLW1509 - one prctl call, no lock (comment above)
         )
         self.pid = self.proc.pid
+        self._out = env.get("CACHEPIPE_OUT")
 
     def wait(self, timeout: float | None, grace: float) -> tuple[int, str, bool]:
         """Block until CMD exits, keeping the tail of its stderr; past ``timeout`` TERM its group,
         ``grace`` seconds later KILL it; at its exit, kill what it left in its group (with a pidfd;
-        without one, leftovers run on). Returns (exit status, stderr tail, timed out)."""
+        without one, leftovers run on), and :data:`STDERR_DRAIN` seconds later what still holds
+        its stderr outside the group (:meth:`_kill_escaped`). Returns (exit status, stderr tail,
+        timed out)."""
         stderr = self.proc.stderr
         if stderr is None:
             raise RuntimeError(f"{self.proc.args!r}: started without its stderr pipe")
@@ -180,6 +189,7 @@ class CommandRun(_Child):
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._grace = grace
         self._stage = 0  # 0 running, 1 sent TERM, 2 sent KILL
+        drain: float | None = None  # once CMD exited: when to stop waiting for its stderr's EOF
         try:
             with selectors.DefaultSelector() as sel:
                 sel.register(fd, selectors.EVENT_READ)
@@ -187,14 +197,21 @@ class CommandRun(_Child):
                     sel.register(exit_fd, selectors.EVENT_READ)
                 while sel.get_map():  # stderr until EOF, and CMD's exit (a KILL that brought neither in a second: stop waiting)
                     remaining = self._remaining()
-                    if remaining is not None and remaining <= 0:
+                    if drain is not None:  # CMD is gone, its group killed: only an escaped process holds stderr
+                        if drain <= time.monotonic():
+                            self._kill_escaped()
+                            sel.unregister(fd)
+                            break
+                        remaining = drain - time.monotonic()
+                    elif remaining is not None and remaining <= 0:
                         if not self._escalate():
                             break
                         continue
                     for key, _events in sel.select(remaining):
                         if key.fd == exit_fd:
                             sel.unregister(exit_fd)
-                            self._end()  # a leftover holding stderr dies too: the EOF comes
+                            self._end()  # a leftover in its group holding stderr dies too: the EOF comes
+                            drain = time.monotonic() + STDERR_DRAIN
                             continue
                         data = os.read(fd, 65536)
                         if data:
@@ -219,6 +236,20 @@ class CommandRun(_Child):
 
     def _remaining(self) -> float | None:
         return None if self._deadline is None else self._deadline - time.monotonic()
+
+    def _kill_escaped(self) -> None:
+        """CMD exited and its group was killed, yet its stderr is still open: held by a process it
+        started in a session of its own. Kill every process whose ``CACHEPIPE_OUT`` is this job's
+        (what a later run on the cache would kill anyway); stop reading stderr either way."""
+        slot = os.path.dirname(self._out) if self._out else None
+        killed = kill_leftovers(Path(slot)) if slot else []
+        log.warning(
+            "command %r exited, but processes it started outside its process group still held its stderr %s s later: "
+            "%s; a command must not leave processes running",
+            self.proc.args[0] if isinstance(self.proc.args, list) else self.proc.args,
+            STDERR_DRAIN,
+            f"killed pids {', '.join(map(str, killed))}" if killed else "none of them has this job's CACHEPIPE_OUT, left running",
+        )
 
     def _escalate(self) -> bool:
         """The deadline passed: TERM, then KILL the group; False once KILL was sent and its second passed."""

@@ -151,18 +151,18 @@ def add_map_parser(subparsers: Any) -> None:
     _add_arguments(parser)
 
 
+class _UsageError(ConfigError):
+    """A command line that is not one: exit status 2, as argparse's own errors."""
+
+
 def _option(text: str) -> tuple[str, Any]:
     key, sep, value = text.partition("=")
     if not sep or not key:
-        raise ConfigError(f"storage option {text!r}: expected KEY=VALUE")
+        raise _UsageError(f"storage option {text!r}: expected KEY=VALUE")
     try:
         return key, json.loads(value)
     except json.JSONDecodeError:
         return key, value
-
-
-class _UsageError(ConfigError):
-    """A command line that is not one: exit status 2, as argparse's own errors."""
 
 
 def _option_errors(exc: ValueError) -> str | None:
@@ -175,9 +175,13 @@ def _option_errors(exc: ValueError) -> str | None:
     named = {"source": "SRC", "dest": "DST", "command": "CMD"}
     lines = []
     for err in exc.errors(include_url=False):
-        field = str(err["loc"][0]) if err["loc"] else ""
-        flag = named.get(field) or (f"--{field.replace('_', '-')}" if field else "the options")
-        lines.append(f"{flag} {err['input']!r}: {err['msg'].removeprefix('Value error, ')}")
+        message = err["msg"].removeprefix("Value error, ")
+        if not err["loc"]:  # a check of several options: its input is all of them, credentials included
+            lines.append(message)
+            continue
+        field = str(err["loc"][0])
+        flag = named.get(field) or f"--{field.replace('_', '-')}"
+        lines.append(f"{flag} {err['input']!r}: {message}")
     return "; ".join(lines)
 
 

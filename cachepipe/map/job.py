@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import threading
 from collections.abc import Callable
@@ -28,6 +29,9 @@ from .uploader import Uploader
 __all__ = ["CommandError", "Job", "OutputTooLargeError", "Slot"]
 
 log = logging.getLogger("cachepipe.map")
+
+_PLACEHOLDER = re.compile(r"\{out\}|\{name\}|\{\}")
+"""The placeholders of a command's arguments: the output folder, the item's name, its path."""
 
 
 class OutputTooLargeError(CachePipeError, OSError):
@@ -153,7 +157,8 @@ class Job:
         if self._fn is not None:
             run: Any = FunctionRun(self._fn, source, slot.out, cwd, env)
         elif cfg.command is not None:
-            argv = [a.replace("{out}", str(slot.out)).replace("{name}", mi.name).replace("{}", str(source)) for a in cfg.command]
+            values = {"{out}": str(slot.out), "{name}": mi.name, "{}": str(source)}
+            argv = [_PLACEHOLDER.sub(lambda m: values[m.group()], a) for a in cfg.command]  # once: not in what replaced them
             try:
                 run = CommandRun(argv, cwd, {**os.environ, **env})
             except OSError as exc:

@@ -9,13 +9,14 @@ disk, no network) but for the reads :class:`PlannedSource` forwards to the real 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from ..catalog import check_key, group_items
 from ..config import UNPACK_RATIO, Capacity, parse_size
@@ -84,15 +85,30 @@ class MapConfig(BaseModel):
     world_size: int = Field(default=1, ge=1)
     rank_source: str = "default"
 
-    @model_validator(mode="after")
-    def _check(self) -> MapConfig:
-        if self.rank >= self.world_size:
-            raise ValueError(f"rank {self.rank} ({self.rank_source}): expected 0 <= rank < world_size {self.world_size}")
-        if self.out_reserve is not None and self.out_ratio is not None:
-            raise ValueError("give out_reserve or out_ratio, not both")
-        if self.upload_part_size < 5 * _MIB:
-            raise ValueError(f"upload_part_size {self.upload_part_size}: expected at least 5 MiB (the smallest S3 part)")
-        return self
+    # Checks of one field against those before it, not of the model: an error of a model validator
+    # carries every option as its input, which pydantic's message and the command line would show
+    # (the storage options' credentials among them).
+    @field_validator("out_ratio")
+    @classmethod
+    def _one_reserve(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value is not None and info.data.get("out_reserve") is not None:
+            raise ValueError("give out_reserve or out_ratio, not both (--out-reserve or --out-ratio)")
+        return value
+
+    @field_validator("upload_part_size")
+    @classmethod
+    def _smallest_part(cls, value: int) -> int:
+        if value < 5 * _MIB:
+            raise ValueError(f"upload_part_size {value}: expected at least 5 MiB (the smallest S3 part)")
+        return value
+
+    @field_validator("world_size")
+    @classmethod
+    def _rank_in_world(cls, value: int, info: ValidationInfo) -> int:
+        rank = info.data.get("rank")
+        if rank is not None and rank >= value:
+            raise ValueError(f"rank {rank}: expected 0 <= rank < world_size {value}")
+        return value
 
 
 @dataclass(frozen=True)
@@ -242,9 +258,24 @@ class PlannedSource:
         """The map run owns the real store and closes it."""
 
 
+def _location(url: str) -> str:
+    """``url`` spelled one way, ending in ``/``: a local path (no scheme, or ``file://``) made
+    absolute and normalised (``data``, ``./data/`` and ``file:///home/me/data`` are one place;
+    symbolic links are not resolved), any other URL as it is."""
+    path = url.removeprefix("file://") if url.startswith("file://") else None if "://" in url else url
+    if path is None:
+        return url.rstrip("/") + "/"
+    return "file://" + os.path.abspath(os.path.expanduser(path)).rstrip("/") + "/"
+
+
 def inside_prefix(source: str, dest: str) -> str | None:
-    """``dest`` relative to ``source`` when it lies under it (``s3://b/d/`` and ``s3://b/d/out/`` -> ``out/``)."""
-    src, dst = source.rstrip("/") + "/", dest.rstrip("/") + "/"
+    """``dest`` relative to ``source`` when it lies under it (``s3://b/d/`` and ``s3://b/d/out/`` -> ``out/``;
+    ``data`` and ``./data/out`` -> ``out/``: local paths are compared as absolute paths).
+
+    Raises:
+        ConfigError: ``dest`` is ``source`` itself.
+    """
+    src, dst = _location(source), _location(dest)
     if dst == src:
-        raise ConfigError(f"dest {dest!r} is the source itself; give a folder beside it or under it")
+        raise ConfigError(f"dest {dest!r} is the source itself ({source!r}); give a folder beside it or under it")
     return dst[len(src) :] if dst.startswith(src) else None

@@ -49,9 +49,12 @@ def collect_outputs(root: Path) -> list[tuple[str, Path]]:
     when that is a regular file inside ``root`` (like ``cp -L``). Empty folders are not objects.
 
     Raises:
-        OutputError: a link that leaves ``root`` or dangles, a FIFO, socket or device, a name
-            that is not a safe key, or a file named like the marker.
+        OutputError: ``root`` itself replaced by a link (to a folder the command does not own:
+            never followed), a link that leaves ``root`` or dangles, a FIFO, socket or device, a
+            name that is not a safe key, or a file named like the marker.
     """
+    if os.path.islink(root):
+        raise OutputError(".", f"the output folder was replaced by a link to {os.readlink(root)!r}: write the outputs into it")
     real_root = os.path.realpath(root)
     found: list[tuple[str, Path]] = []
     for dirpath, dirs, files in os.walk(root):
