@@ -12,6 +12,7 @@ once when the cache opens.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -31,6 +32,7 @@ __all__ = [
     "PipelineConfig",
     "Share",
     "check_cache_dir",
+    "check_option_names",
     "check_source",
     "format_size",
     "parse_capacity",
@@ -194,6 +196,22 @@ def check_source(source: str) -> None:
         f"source {source!r}: no such local path, and no scheme; expected a URL like 's3://{source.lstrip('/')}' "
         f"(schemes: {SCHEMES}), or an existing local path (or 'file://' + an absolute path)"
     )
+
+
+def check_option_names(options: dict[str, Any], positional: tuple[str, ...] = ("source", "cache_dir", "capacity")) -> None:
+    """Refuse a keyword that is not an option of :class:`PipelineConfig` (``max_concurency=4``),
+    naming it, its value, the option it most resembles and every accepted one; ``positional``:
+    the options given as arguments of their own, not among ``options``.
+
+    Raises:
+        ConfigError: for the first unknown name.
+    """
+    accepted = sorted(set(PipelineConfig.model_fields) - set(positional))
+    for name, value in options.items():
+        if name not in accepted:
+            close = difflib.get_close_matches(name, accepted, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"{name}={value!r} is not an option of Pipeline; {hint}accepted: {', '.join(accepted)}")
 
 
 def check_manifest_location(value: Any) -> Any:

@@ -17,7 +17,7 @@ from typing import Any
 from .broker import Broker, Closed, Failed, Lease
 from .cache import Cache
 from .catalog import Catalog, Item, Names
-from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_capacity, small_capacity
+from .config import PipelineConfig, Share, check_cache_dir, check_option_names, check_source, parse_capacity, small_capacity
 from .errors import ConfigError, EmptySourceError, OversizeError, UnknownItemError
 from .fetcher import Fetcher, Planned, backoff_delay
 from .items import PathItem
@@ -180,7 +180,8 @@ class Pipeline:
     Raises:
         ValueError: a malformed option (pydantic's ``ValidationError`` names the field, the value
             and what is accepted), an empty ``cache_dir``, a ``source`` with no scheme that is
-            not an existing local path (:class:`~cachepipe.ConfigError`).
+            not an existing local path, a keyword that is no option (naming the one it
+            resembles; :class:`~cachepipe.ConfigError`).
     """
 
     def __init__(
@@ -192,6 +193,7 @@ class Pipeline:
         store: Store | None = None,
         **options: Any,
     ) -> None:
+        check_option_names(options)
         self.config = PipelineConfig(source=source, cache_dir=Path(check_cache_dir(cache_dir)), capacity=capacity, **options)
         if store is None:
             check_source(source)

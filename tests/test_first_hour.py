@@ -219,6 +219,16 @@ def test_a_source_without_scheme_that_does_not_exist_is_refused(tmp_path: Path, 
     assert not (tmp_path / "c").exists()
 
 
+def test_a_misspelt_option_is_refused_naming_the_option_it_resembles(tmp_path: Path) -> None:
+    src = _source(tmp_path)
+    with pytest.raises(ValueError, match=r"max_concurency=4.*did you mean 'max_concurrency'\?") as raised:
+        Pipeline(str(src), tmp_path / "c", "10MiB", max_concurency=4)
+    assert "on_error" in str(raised.value)  # and what is accepted
+    with pytest.raises(ValueError, match=r"on_eror='skip'.*did you mean 'on_error'\?"):
+        Pipeline(str(src), tmp_path / "c", "10MiB", on_eror="skip")
+    assert not (tmp_path / "c").exists()
+
+
 def test_a_capacity_under_one_mib_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = _source(tmp_path)
     with caplog.at_level(logging.WARNING, "cachepipe"):
