@@ -169,7 +169,9 @@ def small_capacity(given: Any, capacity: int | Share) -> str | None:
 
 def check_cache_dir(value: Any) -> Any:
     """Refuse an empty ``cache_dir`` (``Path("")`` is the current directory, which the cache would
-    then own and clean); everything else is left to the ``Path`` field.
+    then own and clean) and expand a leading ``~`` to the user's home, as a shell would (kept, it
+    would make a folder named ``~`` in the current directory); everything else is left to the
+    ``Path`` field.
 
     Raises:
         ConfigError: naming the value and what is accepted.
@@ -179,6 +181,8 @@ def check_cache_dir(value: Any) -> Any:
             f"cache_dir {os.fspath(value)!r}: expected a directory path; an empty one would make the current "
             "directory the cache (write '.' if that is what you want)"
         )
+    if isinstance(value, (str, os.PathLike)) and os.fspath(value).startswith("~"):
+        return Path(os.path.expanduser(os.fspath(value)))
     return value
 
 

@@ -229,6 +229,22 @@ def test_a_misspelt_option_is_refused_naming_the_option_it_resembles(tmp_path: P
     assert not (tmp_path / "c").exists()
 
 
+def test_a_cache_dir_under_home_is_the_users_home_not_a_folder_named_tilde(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = _source(tmp_path)
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    with Pipeline(str(src), "~/cache", "10MiB") as pipe:
+        assert [item.name for item in pipe] == ["a", "b"]
+    assert pipe.config.cache_dir == home / "cache"
+    assert (home / "cache" / ".cachepipe").is_dir()
+    assert not (work / "~").exists()
+
+
 def test_a_capacity_under_one_mib_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = _source(tmp_path)
     with caplog.at_level(logging.WARNING, "cachepipe"):
