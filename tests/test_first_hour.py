@@ -245,6 +245,18 @@ def test_a_cache_dir_under_home_is_the_users_home_not_a_folder_named_tilde(
     assert not (work / "~").exists()
 
 
+def test_index_refuses_a_source_without_scheme_as_the_pipeline_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cachepipe.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["index", "bucket/video/", "-o", str(tmp_path / "m.gz")]) == 1
+    err = capsys.readouterr().err
+    assert "source 'bucket/video/': no such local path, and no scheme" in err and "'s3://bucket/video/'" in err
+    assert not (tmp_path / "m.gz").exists()
+
+
 def test_a_capacity_under_one_mib_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = _source(tmp_path)
     with caplog.at_level(logging.WARNING, "cachepipe"):
