@@ -161,6 +161,12 @@ class Stats:
 _UNOPENED, _OPEN, _CLOSED = "unopened", "open", "closed"
 
 
+def _log_oversize_skipped(error: OversizeError) -> None:
+    """Log an item skipped as larger than the capacity (``on_oversize="skip"``), without the
+    error's advice to pass that option."""
+    log.warning("skipping item %r (on_oversize='skip'): %s", error.item, error.reason)
+
+
 class Pipeline:
     """Stream the items under ``source`` through a size-capped cache at ``cache_dir``.
 
@@ -352,7 +358,7 @@ class Pipeline:
         for error in too_large:
             if cfg.on_oversize == "raise":
                 raise error
-            log.warning("skipping %s", error)
+            _log_oversize_skipped(error)
             self._counts["skipped"] += 1
         if eligible is not None and not eligible:
             raise EmptySourceError(f"no items under {cfg.source!r}: found no {cfg.items} smaller than the capacity")
@@ -422,7 +428,7 @@ class Pipeline:
                     error = OversizeError(item.name, item.size, cache.capacity, cache.capacity - limit)
                     if cfg.on_oversize == "raise":
                         raise error  # the first item of the run: note_listed stops before an oversize one
-                    log.warning("skipping %s", error)
+                    _log_oversize_skipped(error)
                     self._count("skipped")
                 keeps.append(item.size <= limit)
             with self._plan_lock:
@@ -694,7 +700,10 @@ class Pipeline:
         log and count it as skipped."""
         if (self.config.on_oversize if failed.kind == "oversize" else self.config.on_error) == "raise":
             raise failed.error
-        log.warning("skipping %s item: %s", "oversize" if failed.kind == "oversize" else "failed", failed.error)
+        if isinstance(failed.error, OversizeError):
+            _log_oversize_skipped(failed.error)
+        else:
+            log.warning("skipping %s item: %s", "oversize" if failed.kind == "oversize" else "failed", failed.error)
         self._count("skipped")
 
     def _take(self, count: int, timeout: float | None) -> Any:

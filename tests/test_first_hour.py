@@ -257,6 +257,19 @@ def test_index_refuses_a_source_without_scheme_as_the_pipeline_does(
     assert not (tmp_path / "m.gz").exists()
 
 
+def test_a_skipped_oversize_item_is_logged_as_skipped_not_advised_to_be(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    src = _source(tmp_path)
+    (src / "big").mkdir()
+    (src / "big" / "data.bin").write_bytes(b"x" * 3 * 1024 * 1024)
+    with caplog.at_level(logging.WARNING, "cachepipe"):
+        with Pipeline(str(src), tmp_path / "c", "2MiB", on_oversize="skip") as pipe:
+            assert [item.name for item in pipe] == ["a", "b"]
+    assert "skipping item 'big' (on_oversize='skip'): 3145728 bytes, larger than the cache capacity" in caplog.text
+    assert "pass on_oversize='skip'" not in caplog.text  # already passed
+
+
 def test_a_capacity_under_one_mib_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = _source(tmp_path)
     with caplog.at_level(logging.WARNING, "cachepipe"):
