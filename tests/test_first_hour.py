@@ -257,9 +257,7 @@ def test_index_refuses_a_source_without_scheme_as_the_pipeline_does(
     assert not (tmp_path / "m.gz").exists()
 
 
-def test_a_skipped_oversize_item_is_logged_as_skipped_not_advised_to_be(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_skipped_oversize_item_is_logged_as_skipped_not_advised_to_be(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = _source(tmp_path)
     (src / "big").mkdir()
     (src / "big" / "data.bin").write_bytes(b"x" * 3 * 1024 * 1024)
@@ -352,3 +350,27 @@ def test_a_pipeline_refuses_use_in_a_forked_child(tmp_path: Path) -> None:
         os.waitpid(pid, 0)
         assert outcome == b"ok"
         assert [pipe.get(), pipe.get()] != [None, None]  # the parent's pipeline is untouched
+
+
+# ---- the endpoint of AWS_ENDPOINT_URL, as the quick start sets it ---------------------
+def test_errors_name_the_endpoint_set_by_aws_endpoint_url(
+    s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    from cachepipe import StoreUnreachableError
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    fresh = {"skip_instance_cache": True}  # s3fs would reuse a client made for another endpoint
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", closed)
+    with pytest.raises(StoreUnreachableError, match=f"cannot reach {closed} "):
+        Pipeline("s3://bucket/video/", tmp_path / "c1", "10MiB", storage_options=fresh).open()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    with pytest.raises(FileNotFoundError, match=f"no such bucket at {s3_endpoint}"):
+        Pipeline("s3://nobucket/video/", tmp_path / "c2", "10MiB", storage_options=fresh).open()
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", closed)  # botocore's S3-only variable comes first
+    with pytest.raises(StoreUnreachableError, match=f"cannot reach {closed} "):
+        Pipeline("s3://bucket/video/", tmp_path / "c3", "10MiB", storage_options=fresh).open()
