@@ -374,3 +374,13 @@ def test_errors_name_the_endpoint_set_by_aws_endpoint_url(
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", closed)  # botocore's S3-only variable comes first
     with pytest.raises(StoreUnreachableError, match=f"cannot reach {closed} "):
         Pipeline("s3://bucket/video/", tmp_path / "c3", "10MiB", storage_options=fresh).open()
+
+
+def test_an_https_endpoint_that_speaks_http_is_unreachable_naming_it(s3_endpoint: str, tmp_path: Path) -> None:
+    from cachepipe import StoreUnreachableError
+
+    wrong = s3_endpoint.replace("http://", "https://")
+    for options in ({"endpoint_url": wrong}, {"endpoint_url": wrong, "client_kwargs": {"verify": True}}):  # direct path, s3fs
+        with pytest.raises(StoreUnreachableError, match=f"cannot reach {wrong} for s3://bucket/video/: .*TLS") as raised:
+            Pipeline("s3://bucket/video/", tmp_path / "c", "10MiB", storage_options=options).open()
+        assert "http://" in str(raised.value).split("TLS", 1)[1]  # the likely fix, named

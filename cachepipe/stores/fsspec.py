@@ -13,6 +13,7 @@ import errno
 import inspect
 import os
 import socket
+import ssl
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -112,6 +113,15 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool, first:
     if any(isinstance(err, socket.gaierror) for err in chain):
         reason = next(str(err) for err in chain if isinstance(err, socket.gaierror))
         return unreachable_error(endpoint, where, f"its host name does not resolve ({reason})")
+    tls = next((err for err in chain if isinstance(err, ssl.SSLError)), None)
+    if tls is not None and not answered:  # an https:// endpoint that serves plain HTTP, or a CA this host lacks
+        return unreachable_error(
+            endpoint,
+            where,
+            f"the TLS handshake failed ({tls}): if the endpoint serves plain HTTP, write it http://; if its "
+            "certificate is signed by a CA this host does not trust, give the CA (AWS_CA_BUNDLE, or "
+            "storage_options client_kwargs={'verify': '/path/to/ca.pem'})",
+        )
     refused = any(isinstance(err, ConnectionRefusedError) for err in chain)
     if refused and not answered:
         return unreachable_error(endpoint, where, "connection refused before it ever answered")
