@@ -268,6 +268,21 @@ def test_a_skipped_oversize_item_is_logged_as_skipped_not_advised_to_be(tmp_path
     assert "pass on_oversize='skip'" not in caplog.text  # already passed
 
 
+def test_an_empty_source_says_whether_it_listed_nothing_or_only_objects_outside_folders(tmp_path: Path) -> None:
+    from cachepipe import EmptySourceError
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(EmptySourceError, match=r"found no folders with objects: .*lists no objects; check the bucket and"):
+        Pipeline(str(empty), tmp_path / "c", "10MiB").open()
+    shards = tmp_path / "shards"  # a prefix of files, given in the default items="folders"
+    shards.mkdir()
+    for name in ("shard-000.tar", "shard-001.tar"):
+        (shards / name).write_bytes(b"x" * 100)
+    with pytest.raises(EmptySourceError, match=r"found no folders with objects: .*2 objects.*none in a folder.*items='files'"):
+        Pipeline(str(shards), tmp_path / "c", "10MiB").open()
+
+
 def test_a_capacity_under_one_mib_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = _source(tmp_path)
     with caplog.at_level(logging.WARNING, "cachepipe"):
