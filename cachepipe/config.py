@@ -196,8 +196,15 @@ def check_source(source: str) -> None:
     """
     if "://" in source or os.path.exists(source):
         return
+    import fsspec
+
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):/?(?!/)", source)  # s3:/bucket/ or s3:bucket/: a slash short
+    if scheme and scheme.group(1).lower() not in {"obs", *fsspec.available_protocols()}:
+        scheme = None  # not a scheme: a colon in a name
+    meant = f"{scheme.group(1).lower()}://{source[scheme.end() :]}" if scheme else f"s3://{source.lstrip('/')}"
+    what = "a scheme without its '//'" if scheme else "no scheme"
     raise ConfigError(
-        f"source {source!r}: no such local path, and no scheme; expected a URL like 's3://{source.lstrip('/')}' "
+        f"source {source!r}: no such local path, and {what}; expected a URL like {meant!r} "
         f"(schemes: {SCHEMES}), or an existing local path (or 'file://' + an absolute path)"
     )
 

@@ -283,6 +283,16 @@ def test_an_empty_source_says_whether_it_listed_nothing_or_only_objects_outside_
         Pipeline(str(shards), tmp_path / "c", "10MiB").open()
 
 
+def test_a_url_with_one_slash_after_its_scheme_is_refused_naming_the_url_it_means(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for written in ("s3:/bucket/video/", "s3:bucket/video/"):
+        with pytest.raises(ConfigError, match=r"expected a URL like 's3://bucket/video/'") as raised:
+            Pipeline(written, tmp_path / "c", "10MiB")
+        assert "s3://s3:" not in str(raised.value)
+
+
 def test_a_capacity_under_one_mib_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = _source(tmp_path)
     with caplog.at_level(logging.WARNING, "cachepipe"):
