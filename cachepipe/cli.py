@@ -179,10 +179,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _index(args: argparse.Namespace) -> int:
     """``cachepipe index``: list, write the manifest, print what it holds."""
-    from .config import format_size
+    from .config import check_source, format_size
     from .manifest import index
 
     try:
+        check_source(args.source)  # `bucket/video/` is `s3://bucket/video/`, as for Pipeline
         options = dict(_storage_option(o) for o in args.storage_option)
         dest_options = {**options, **dict(_storage_option(o) for o in args.dest_option)}
         manifest = index(args.source, args.output, args.items, options, dest_options=dest_options)

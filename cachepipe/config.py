@@ -12,6 +12,7 @@ once when the cache opens.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -31,6 +32,7 @@ __all__ = [
     "PipelineConfig",
     "Share",
     "check_cache_dir",
+    "check_option_names",
     "check_source",
     "format_size",
     "parse_capacity",
@@ -167,7 +169,9 @@ def small_capacity(given: Any, capacity: int | Share) -> str | None:
 
 def check_cache_dir(value: Any) -> Any:
     """Refuse an empty ``cache_dir`` (``Path("")`` is the current directory, which the cache would
-    then own and clean); everything else is left to the ``Path`` field.
+    then own and clean) and expand a leading ``~`` to the user's home, as a shell would (kept, it
+    would make a folder named ``~`` in the current directory); everything else is left to the
+    ``Path`` field.
 
     Raises:
         ConfigError: naming the value and what is accepted.
@@ -177,6 +181,8 @@ def check_cache_dir(value: Any) -> Any:
             f"cache_dir {os.fspath(value)!r}: expected a directory path; an empty one would make the current "
             "directory the cache (write '.' if that is what you want)"
         )
+    if isinstance(value, (str, os.PathLike)) and os.fspath(value).startswith("~"):
+        return Path(os.path.expanduser(os.fspath(value)))
     return value
 
 
@@ -190,10 +196,33 @@ def check_source(source: str) -> None:
     """
     if "://" in source or os.path.exists(source):
         return
+    import fsspec
+
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):/?(?!/)", source)  # s3:/bucket/ or s3:bucket/: a slash short
+    if scheme and scheme.group(1).lower() not in {"obs", *fsspec.available_protocols()}:
+        scheme = None  # not a scheme: a colon in a name
+    meant = f"{scheme.group(1).lower()}://{source[scheme.end() :]}" if scheme else f"s3://{source.lstrip('/')}"
+    what = "a scheme without its '//'" if scheme else "no scheme"
     raise ConfigError(
-        f"source {source!r}: no such local path, and no scheme; expected a URL like 's3://{source.lstrip('/')}' "
+        f"source {source!r}: no such local path, and {what}; expected a URL like {meant!r} "
         f"(schemes: {SCHEMES}), or an existing local path (or 'file://' + an absolute path)"
     )
+
+
+def check_option_names(options: dict[str, Any], positional: tuple[str, ...] = ("source", "cache_dir", "capacity")) -> None:
+    """Refuse a keyword that is not an option of :class:`PipelineConfig` (``max_concurency=4``),
+    naming it, its value, the option it most resembles and every accepted one; ``positional``:
+    the options given as arguments of their own, not among ``options``.
+
+    Raises:
+        ConfigError: for the first unknown name.
+    """
+    accepted = sorted(set(PipelineConfig.model_fields) - set(positional))
+    for name, value in options.items():
+        if name not in accepted:
+            close = difflib.get_close_matches(name, accepted, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"{name}={value!r} is not an option of Pipeline; {hint}accepted: {', '.join(accepted)}")
 
 
 def check_manifest_location(value: Any) -> Any:

@@ -90,10 +90,9 @@ class OversizeError(CachePipeError, ValueError):
 
     def __init__(self, item: str, size: int, capacity: int, occupied: int = 0) -> None:
         room = f" less {occupied} bytes taken by other files and cachepipe's state" if occupied else ""
-        super().__init__(
-            f"item {item!r} is {size} bytes, larger than the cache capacity of {capacity} bytes{room}; "
-            "raise capacity or pass on_oversize='skip'"
-        )
+        self.reason = f"{size} bytes, larger than the cache capacity of {capacity} bytes{room}"
+        """Why the item does not fit, without the advice: what a skipped item is logged with."""
+        super().__init__(f"item {item!r} is {self.reason}; raise capacity or pass on_oversize='skip'")
         self.item = item
         self.size = size
         self.capacity = capacity

@@ -186,6 +186,11 @@ class StreamingListing:
                 return False
         return True
 
+    @property
+    def objects(self) -> int:
+        """Objects the listing has read so far (since its last restart), in items or not."""
+        return self._objects
+
     def _count(self, objects: Iterator[ObjectInfo]) -> Iterator[ObjectInfo]:
         for obj in objects:
             yield obj

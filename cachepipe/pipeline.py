@@ -17,7 +17,7 @@ from typing import Any
 from .broker import Broker, Closed, Failed, Lease
 from .cache import Cache
 from .catalog import Catalog, Item, Names
-from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_capacity, small_capacity
+from .config import PipelineConfig, Share, check_cache_dir, check_option_names, check_source, parse_capacity, small_capacity
 from .errors import ConfigError, EmptySourceError, OversizeError, UnknownItemError
 from .fetcher import Fetcher, Planned, backoff_delay
 from .items import PathItem
@@ -161,6 +161,32 @@ class Stats:
 _UNOPENED, _OPEN, _CLOSED = "unopened", "open", "closed"
 
 
+def _empty_source(cfg: PipelineConfig, listing: StreamingListing) -> EmptySourceError:
+    """The error of a streamed listing that ended without an item to deliver, saying why: every
+    item was larger than the capacity, the prefix lists nothing (a wrong bucket or prefix), or
+    its objects lie directly under it while ``items="folders"`` makes items of folders only."""
+    what = f"no items under {cfg.source!r}: found no {cfg.items}"
+    if listing.listed:
+        return EmptySourceError(f"{what} smaller than the capacity")
+    if not listing.objects:
+        return EmptySourceError(
+            f"{what} with objects: the source lists no objects; check the bucket and the prefix (keys are case-sensitive)"
+        )
+    n = listing.objects
+    return EmptySourceError(
+        f"{what} with objects: the {n} object{'s' if n > 1 else ''} it lists {'lie' if n > 1 else 'lies'} directly under "
+        "it, none in a folder; "
+        "items='folders' (the default) makes an item of each folder below the prefix: pass items='files' for an item "
+        "per object, or give the prefix above their folder"
+    )
+
+
+def _log_oversize_skipped(error: OversizeError) -> None:
+    """Log an item skipped as larger than the capacity (``on_oversize="skip"``), without the
+    error's advice to pass that option."""
+    log.warning("skipping item %r (on_oversize='skip'): %s", error.item, error.reason)
+
+
 class Pipeline:
     """Stream the items under ``source`` through a size-capped cache at ``cache_dir``.
 
@@ -180,7 +206,8 @@ class Pipeline:
     Raises:
         ValueError: a malformed option (pydantic's ``ValidationError`` names the field, the value
             and what is accepted), an empty ``cache_dir``, a ``source`` with no scheme that is
-            not an existing local path (:class:`~cachepipe.ConfigError`).
+            not an existing local path, a keyword that is no option (naming the one it
+            resembles; :class:`~cachepipe.ConfigError`).
     """
 
     def __init__(
@@ -192,6 +219,7 @@ class Pipeline:
         store: Store | None = None,
         **options: Any,
     ) -> None:
+        check_option_names(options)
         self.config = PipelineConfig(source=source, cache_dir=Path(check_cache_dir(cache_dir)), capacity=capacity, **options)
         if store is None:
             check_source(source)
@@ -350,7 +378,7 @@ class Pipeline:
         for error in too_large:
             if cfg.on_oversize == "raise":
                 raise error
-            log.warning("skipping %s", error)
+            _log_oversize_skipped(error)
             self._counts["skipped"] += 1
         if eligible is not None and not eligible:
             raise EmptySourceError(f"no items under {cfg.source!r}: found no {cfg.items} smaller than the capacity")
@@ -420,7 +448,7 @@ class Pipeline:
                     error = OversizeError(item.name, item.size, cache.capacity, cache.capacity - limit)
                     if cfg.on_oversize == "raise":
                         raise error  # the first item of the run: note_listed stops before an oversize one
-                    log.warning("skipping %s", error)
+                    _log_oversize_skipped(error)
                     self._count("skipped")
                 keeps.append(item.size <= limit)
             with self._plan_lock:
@@ -443,10 +471,7 @@ class Pipeline:
         listing.start()
         listing.wait_first_page()
         if listing.done and plan.n_items == 0:
-            raise EmptySourceError(
-                f"no items under {cfg.source!r}: found no {cfg.items} "
-                + ("smaller than the capacity" if listing.listed else "with objects")
-            )
+            raise _empty_source(cfg, listing)
         return self._stream_steps(listing)
 
     def _stream_steps(self, listing: StreamingListing) -> Iterator[list[Planned]]:
@@ -465,10 +490,7 @@ class Pipeline:
         if listing.stopped:
             return
         if index == 0:
-            raise EmptySourceError(
-                f"no items under {self.config.source!r}: found no {self.config.items} "
-                + ("smaller than the capacity" if listing.listed else "with objects")
-            )
+            raise _empty_source(self.config, listing)
 
     def _consume(self, seqs: Sequence[int]) -> None:
         """Steps are done (acknowledged, or failed and reported): move the resume point."""
@@ -692,7 +714,10 @@ class Pipeline:
         log and count it as skipped."""
         if (self.config.on_oversize if failed.kind == "oversize" else self.config.on_error) == "raise":
             raise failed.error
-        log.warning("skipping %s item: %s", "oversize" if failed.kind == "oversize" else "failed", failed.error)
+        if isinstance(failed.error, OversizeError):
+            _log_oversize_skipped(failed.error)
+        else:
+            log.warning("skipping %s item: %s", "oversize" if failed.kind == "oversize" else "failed", failed.error)
         self._count("skipped")
 
     def _take(self, count: int, timeout: float | None) -> Any:

@@ -219,6 +219,80 @@ def test_a_source_without_scheme_that_does_not_exist_is_refused(tmp_path: Path, 
     assert not (tmp_path / "c").exists()
 
 
+def test_a_misspelt_option_is_refused_naming_the_option_it_resembles(tmp_path: Path) -> None:
+    src = _source(tmp_path)
+    with pytest.raises(ValueError, match=r"max_concurency=4.*did you mean 'max_concurrency'\?") as raised:
+        Pipeline(str(src), tmp_path / "c", "10MiB", max_concurency=4)
+    assert "on_error" in str(raised.value)  # and what is accepted
+    with pytest.raises(ValueError, match=r"on_eror='skip'.*did you mean 'on_error'\?"):
+        Pipeline(str(src), tmp_path / "c", "10MiB", on_eror="skip")
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_cache_dir_under_home_is_the_users_home_not_a_folder_named_tilde(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = _source(tmp_path)
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    with Pipeline(str(src), "~/cache", "10MiB") as pipe:
+        assert [item.name for item in pipe] == ["a", "b"]
+    assert pipe.config.cache_dir == home / "cache"
+    assert (home / "cache" / ".cachepipe").is_dir()
+    assert not (work / "~").exists()
+
+
+def test_index_refuses_a_source_without_scheme_as_the_pipeline_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cachepipe.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["index", "bucket/video/", "-o", str(tmp_path / "m.gz")]) == 1
+    err = capsys.readouterr().err
+    assert "source 'bucket/video/': no such local path, and no scheme" in err and "'s3://bucket/video/'" in err
+    assert not (tmp_path / "m.gz").exists()
+
+
+def test_a_skipped_oversize_item_is_logged_as_skipped_not_advised_to_be(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    src = _source(tmp_path)
+    (src / "big").mkdir()
+    (src / "big" / "data.bin").write_bytes(b"x" * 3 * 1024 * 1024)
+    with caplog.at_level(logging.WARNING, "cachepipe"):
+        with Pipeline(str(src), tmp_path / "c", "2MiB", on_oversize="skip") as pipe:
+            assert [item.name for item in pipe] == ["a", "b"]
+    assert "skipping item 'big' (on_oversize='skip'): 3145728 bytes, larger than the cache capacity" in caplog.text
+    assert "pass on_oversize='skip'" not in caplog.text  # already passed
+
+
+def test_an_empty_source_says_whether_it_listed_nothing_or_only_objects_outside_folders(tmp_path: Path) -> None:
+    from cachepipe import EmptySourceError
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(EmptySourceError, match=r"found no folders with objects: .*lists no objects; check the bucket and"):
+        Pipeline(str(empty), tmp_path / "c", "10MiB").open()
+    shards = tmp_path / "shards"  # a prefix of files, given in the default items="folders"
+    shards.mkdir()
+    for name in ("shard-000.tar", "shard-001.tar"):
+        (shards / name).write_bytes(b"x" * 100)
+    with pytest.raises(EmptySourceError, match=r"found no folders with objects: .*2 objects.*none in a folder.*items='files'"):
+        Pipeline(str(shards), tmp_path / "c", "10MiB").open()
+
+
+def test_a_url_with_one_slash_after_its_scheme_is_refused_naming_the_url_it_means(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    for written in ("s3:/bucket/video/", "s3:bucket/video/"):
+        with pytest.raises(ConfigError, match=r"expected a URL like 's3://bucket/video/'") as raised:
+            Pipeline(written, tmp_path / "c", "10MiB")
+        assert "s3://s3:" not in str(raised.value)
+
+
 def test_a_capacity_under_one_mib_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = _source(tmp_path)
     with caplog.at_level(logging.WARNING, "cachepipe"):
@@ -301,3 +375,37 @@ def test_a_pipeline_refuses_use_in_a_forked_child(tmp_path: Path) -> None:
         os.waitpid(pid, 0)
         assert outcome == b"ok"
         assert [pipe.get(), pipe.get()] != [None, None]  # the parent's pipeline is untouched
+
+
+# ---- the endpoint of AWS_ENDPOINT_URL, as the quick start sets it ---------------------
+def test_errors_name_the_endpoint_set_by_aws_endpoint_url(
+    s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    from cachepipe import StoreUnreachableError
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    fresh = {"skip_instance_cache": True}  # s3fs would reuse a client made for another endpoint
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", closed)
+    with pytest.raises(StoreUnreachableError, match=f"cannot reach {closed} "):
+        Pipeline("s3://bucket/video/", tmp_path / "c1", "10MiB", storage_options=fresh).open()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    with pytest.raises(FileNotFoundError, match=f"no such bucket at {s3_endpoint}"):
+        Pipeline("s3://nobucket/video/", tmp_path / "c2", "10MiB", storage_options=fresh).open()
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", closed)  # botocore's S3-only variable comes first
+    with pytest.raises(StoreUnreachableError, match=f"cannot reach {closed} "):
+        Pipeline("s3://bucket/video/", tmp_path / "c3", "10MiB", storage_options=fresh).open()
+
+
+def test_an_https_endpoint_that_speaks_http_is_unreachable_naming_it(s3_endpoint: str, tmp_path: Path) -> None:
+    from cachepipe import StoreUnreachableError
+
+    wrong = s3_endpoint.replace("http://", "https://")
+    for options in ({"endpoint_url": wrong}, {"endpoint_url": wrong, "client_kwargs": {"verify": True}}):  # direct path, s3fs
+        with pytest.raises(StoreUnreachableError, match=f"cannot reach {wrong} for s3://bucket/video/: .*TLS") as raised:
+            Pipeline("s3://bucket/video/", tmp_path / "c", "10MiB", storage_options=options).open()
+        assert "http://" in str(raised.value).split("TLS", 1)[1]  # the likely fix, named

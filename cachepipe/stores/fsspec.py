@@ -13,6 +13,7 @@ import errno
 import inspect
 import os
 import socket
+import ssl
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -112,6 +113,15 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool, first:
     if any(isinstance(err, socket.gaierror) for err in chain):
         reason = next(str(err) for err in chain if isinstance(err, socket.gaierror))
         return unreachable_error(endpoint, where, f"its host name does not resolve ({reason})")
+    tls = next((err for err in chain if isinstance(err, ssl.SSLError)), None)
+    if tls is not None and not answered:  # an https:// endpoint that serves plain HTTP, or a CA this host lacks
+        return unreachable_error(
+            endpoint,
+            where,
+            f"the TLS handshake failed ({tls}): if the endpoint serves plain HTTP, write it http://; if its "
+            "certificate is signed by a CA this host does not trust, give the CA (AWS_CA_BUNDLE, or "
+            "storage_options client_kwargs={'verify': '/path/to/ca.pem'})",
+        )
     refused = any(isinstance(err, ConnectionRefusedError) for err in chain)
     if refused and not answered:
         return unreachable_error(endpoint, where, "connection refused before it ever answered")
@@ -150,6 +160,17 @@ def _credentials_host(url: str) -> bool:
     set by ``AWS_ENDPOINT_URL``, any AWS partition)."""
     host = (urlsplit(url).hostname or "").lower()
     return host in _CREDENTIAL_HOSTS or host.startswith(("sts.", "sts-", "oidc.", "portal.sso.", "sso."))
+
+
+def _environment_endpoint() -> str:
+    """The S3 endpoint botocore takes from the environment when no ``endpoint_url`` is given
+    (``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, unless
+    ``AWS_IGNORE_CONFIGURED_ENDPOINT_URLS``), for messages; else "the AWS S3 endpoint"."""
+    if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").strip().lower() != "true":
+        for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+            if value := os.environ.get(name, "").strip():
+                return value
+    return "the AWS S3 endpoint"
 
 
 def _check_options(url: str, fs_cls: Any, options: dict[str, Any]) -> None:
@@ -257,7 +278,7 @@ class FsspecStore:
         protocols = _protocols(self.fs)
         if "s3" in protocols:
             client_kwargs = options.get("client_kwargs") or {}
-            return str(options.get("endpoint_url") or client_kwargs.get("endpoint_url") or "the AWS S3 endpoint")
+            return str(options.get("endpoint_url") or client_kwargs.get("endpoint_url") or _environment_endpoint())
         if "file" in protocols or "local" in protocols:
             self.answered = True
             return "the local filesystem"
