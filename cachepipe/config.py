@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from .errors import ConfigError
 
@@ -417,19 +417,34 @@ class PipelineConfig(BaseModel):
     progress: bool = False
     stall_warning: float | None = Field(default=60.0, gt=0)
 
-    @model_validator(mode="after")
-    def _compatible(self) -> PipelineConfig:
-        if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
-            raise ValueError(f"rank {self.rank} with world_size {self.world_size}: expected 0 <= rank < world_size")
-        if self.download_processes and self.source.startswith("memory:"):
+    # Checks of a field against fields before it, never of the model: an error of a model validator
+    # carries every option as its input, which pydantic's message shows (the storage options'
+    # credentials among them).
+    @field_validator("download_processes")
+    @classmethod
+    def _processes_can_read(cls, value: int, info: ValidationInfo) -> int:
+        source = info.data.get("source")
+        if value and isinstance(source, str) and source.startswith("memory:"):
             raise ValueError(
-                f"download_processes={self.download_processes} with source {self.source!r}: a memory:// file system "
+                f"download_processes={value} with source {source!r}: a memory:// file system "
                 "is private to this process, worker processes cannot read it; use download_processes=0"
             )
-        for option in ("prepare", "unpack"):
-            if getattr(self, option) not in (None, False) and self.retain != "none":
-                raise ValueError(f"{option} with retain='auto' is not supported yet: use retain='none'")
-        return self
+        return value
+
+    @field_validator("world_size")
+    @classmethod
+    def _rank_in_world(cls, value: int | None, info: ValidationInfo) -> int | None:
+        rank = info.data.get("rank")
+        if rank is not None and value is not None and rank >= value:
+            raise ValueError(f"rank {rank} with world_size {value}: expected 0 <= rank < world_size")
+        return value
+
+    @field_validator("prepare", "unpack")
+    @classmethod
+    def _without_retention(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, False) and info.data.get("retain", "none") != "none":
+            raise ValueError(f"{info.field_name} with retain='auto' is not supported yet: use retain='none'")
+        return value
 
     @property
     def large_requests(self) -> int:

@@ -298,3 +298,32 @@ def test_serve_refuses_a_bad_config_with_exit_status_78(tmp_path):
         env={**os.environ, **here},
     )
     assert ok.returncode == 0 and "valid" in ok.stdout, ok.stderr
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        ("pipeline", "pipelines.train.world_size = 2: rank 5 with world_size 2"),
+        ("retain", "pipelines.train.unpack = True: unpack with retain='auto' is not supported yet"),
+        ("jobs", "jobs: jobs.options.colour: not a pipeline option"),
+    ],
+)
+def test_a_refused_combination_never_echoes_the_storage_options(tmp_path, data, fragment):
+    """A check of several options at once (a model validator) had every option of its section as
+    its input, and the message showed it: the storage options' credentials in the daemon's log."""
+    secret = {"key": "AKIAEXAMPLE", "secret": "s3cr3t-do-not-print"}
+    if data == "pipeline":
+        config = minimal(tmp_path, rank=5, world_size=2, storage_options=secret)
+    elif data == "retain":
+        config = minimal(tmp_path, retain="auto", unpack=True, storage_options=secret)
+    else:
+        jobs = {"root": str(tmp_path / "jobs"), "capacity": "1GiB", "options": {"storage_options": secret, "colour": 1}}
+        config = {"jobs": jobs}
+    message = error_of(tmp_path, config)
+    assert fragment in message, message
+    assert "s3cr3t" not in message and "AKIAEXAMPLE" not in message, message
+    if data != "jobs":
+        options = {k: v for k, v in config["pipelines"]["train"].items() if k not in ("source", "cache_dir", "capacity")}
+        with pytest.raises(ValueError, match=r"rank 5|not supported yet") as info:
+            PipelineConfig(source="s3://b/p/", cache_dir=str(tmp_path / "c"), capacity="1GiB", **options)
+        assert "s3cr3t" not in str(info.value), info.value

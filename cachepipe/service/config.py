@@ -361,8 +361,9 @@ def format_errors(exc: ValidationError, source: str, environ: Any = None) -> str
             line = f"{where} = {_short(err['input'])}: unknown key; expected one of: {_known(loc[:-1])}"
         elif kind == "missing":
             line = f"{where}: required, not set"
-        elif kind == "value_error" and not loc:
-            line = msg
+        elif kind == "value_error" and (not loc or isinstance(err["input"], dict)):
+            # a check of a whole section: its input is every option in it, credentials included
+            line = f"{where}: {msg}" if loc else msg
         else:
             line = f"{where} = {_short(err['input'])}: {msg}"
         env_name = ENV_PREFIX + "__".join(loc).upper()
