@@ -568,3 +568,21 @@ def test_anonymous_short_ranges_go_through_obstore_unsigned(s3_source, fault_pro
     assert out.getvalue() == BODY
     heads = [h.lower() for h in proxy.requests if h.startswith("GET /data/video/f ")]
     assert _senders(proxy, "f") == ["obstore"] and "authorization:" not in heads[0], heads
+
+
+def test_the_endpoint_of_aws_endpoint_url_s3_is_where_small_gets_go(s3_source, monkeypatch):
+    """With no endpoint_url, the listing and large GETs go where botocore finds the endpoint
+    (``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``); obstore does not read the first, and
+    sent the small GETs to AWS; errors named "the AWS S3 endpoint"."""
+    endpoint = s3_source.options["endpoint_url"]
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
+    s3_source.put("a/small.bin", BODY)
+    store = open_store(s3_source.url, {"engine": "obstore", "key": "testing", "secret": "testing", "skip_instance_cache": True})
+    try:
+        assert store.endpoint == endpoint
+        out = io.BytesIO()
+        assert store.get("a/small.bin", out, 0, len(BODY)) == len(BODY)
+        assert out.getvalue() == BODY
+    finally:
+        store.close()

@@ -499,5 +499,8 @@ def map_items(
     if store is None:
         check_source(source)
     if command is None and func is None and not cfg.unpack:
-        raise ConfigError("nothing to do: give fn or a command (after -- on the command line), or unpack=True")
+        raise ConfigError(
+            "nothing to do: give a command (on the command line after --: cachepipe map SRC DST -- CMD {}), "
+            "or --unpack (map(fn=...) and unpack=True in Python)"
+        )
     return _MapRun(cfg, func, store, dest_store).run()

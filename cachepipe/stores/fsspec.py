@@ -162,15 +162,15 @@ def _credentials_host(url: str) -> bool:
     return host in _CREDENTIAL_HOSTS or host.startswith(("sts.", "sts-", "oidc.", "portal.sso.", "sso."))
 
 
-def _environment_endpoint() -> str:
+def environment_endpoint() -> str | None:
     """The S3 endpoint botocore takes from the environment when no ``endpoint_url`` is given
     (``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, unless
-    ``AWS_IGNORE_CONFIGURED_ENDPOINT_URLS``), for messages; else "the AWS S3 endpoint"."""
+    ``AWS_IGNORE_CONFIGURED_ENDPOINT_URLS``), or None."""
     if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").strip().lower() != "true":
         for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
             if value := os.environ.get(name, "").strip():
                 return value
-    return "the AWS S3 endpoint"
+    return None
 
 
 def _check_options(url: str, fs_cls: Any, options: dict[str, Any]) -> None:
@@ -278,7 +278,8 @@ class FsspecStore:
         protocols = _protocols(self.fs)
         if "s3" in protocols:
             client_kwargs = options.get("client_kwargs") or {}
-            return str(options.get("endpoint_url") or client_kwargs.get("endpoint_url") or _environment_endpoint())
+            endpoint = options.get("endpoint_url") or client_kwargs.get("endpoint_url") or environment_endpoint()
+            return str(endpoint or "the AWS S3 endpoint")
         if "file" in protocols or "local" in protocols:
             self.answered = True
             return "the local filesystem"

@@ -78,7 +78,7 @@ from obstore.store import S3Store
 
 from ..errors import ConfigError, ObjectChangedError, store_code
 from .base import CHANGED, ObjectInfo, http_status_error, unreachable_error
-from .fsspec import FsspecStore
+from .fsspec import FsspecStore, environment_endpoint
 
 if TYPE_CHECKING:
     from obstore import GetOptions  # types only: not importable at run time
@@ -245,7 +245,9 @@ class NativeS3Store:
         if parts.scheme not in ("s3", "s3a") or not parts.netloc:
             raise ConfigError(f"{url!r}: engine='obstore' serves s3://bucket/prefix URLs")
         client_kwargs = options.get("client_kwargs") or {}
-        endpoint = options.get("endpoint_url") or client_kwargs.get("endpoint_url")
+        # the environment's endpoint as botocore reads it (for the listing and large GETs): obstore
+        # does not read AWS_ENDPOINT_URL_S3, and its small GETs must go where the others go
+        endpoint = options.get("endpoint_url") or client_kwargs.get("endpoint_url") or environment_endpoint()
         self.endpoint = str(endpoint or "the AWS S3 endpoint")
         self._said_forked = False  # logged that obstore cannot run in this (forked) process
         self._redirected = False  # S3 redirected one of obstore's GETs: the fsspec backend sends them all
