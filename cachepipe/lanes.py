@@ -16,18 +16,19 @@ skipped ahead, for a later one): :meth:`LaneSchedule.next` serves the lane with 
 steps planned and not consumed, then the earliest ``(epoch, index)`` (the merged order when
 lanes keep pace), passing over a lane the caller holds back; :meth:`LaneSchedule.reset`
 moves a lane and starts a new *generation* of it, so that steps planned for its old position can be told
-apart. Nothing here does I/O, takes a lock or starts a thread.
+apart. Nothing here does I/O or starts a thread; the only locks guard the epochs computed.
 """
 
 from __future__ import annotations
 
+import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 from .catalog import Item
-from .plan import EPOCHS_CACHED, STATE_VERSION, Cursor, Plan, Step, permutation, split_all
+from .plan import EPOCHS_CACHED, RUN, STATE_VERSION, Cursor, Plan, Step, permutation, split_all
 from .plan import tick as plan_tick
 
 __all__ = ["Lane", "LaneSchedule", "LaneStep", "NodePlan"]
@@ -128,6 +129,8 @@ class NodePlan:
         ]
         self.n_items, self.epochs = first.n_items, epochs
         self._merged: OrderedDict[int, tuple[array[int], list[array[int]]]] = OrderedDict()
+        self._lock = threading.Lock()  # guards _merged: lanes read it while the planner computes an epoch
+        self._computing = threading.Lock()  # one epoch computed at a time
         self._lane_of: array[int] | None = None  # partition="fixed": each item's lane here, or -1
 
     def __repr__(self) -> str:
@@ -158,12 +161,14 @@ class NodePlan:
         self._merge(epoch)
         return self.plans[lane].share(epoch)
 
-    def prepare(self, *epochs: int) -> None:
+    def prepare(self, *epochs: int, pause: Callable[[], None] | None = None) -> None:
         """Compute the shares of ``epochs`` (those before the end) for every lane at once, so
-        that the lanes' own plans find them (their ``normalise`` and ``after`` read them)."""
+        that the lanes' own plans find them (their ``normalise`` and ``after`` read them).
+        ``pause``: called every few hundred items of the computation (a thread computing in the
+        background lets the interpreter's lock go: see :func:`~cachepipe.plan.permutation`)."""
         for epoch in epochs:
             if not self.done(epoch):
-                self._merge(epoch)
+                self._merge(epoch, pause)
 
     def positions(self, epoch: int) -> list[array[int]]:
         """For each lane, the merged index (in :meth:`share`) of each of its steps in ``epoch``."""
@@ -173,32 +178,42 @@ class NodePlan:
         """The node's tick of step ``index`` of ``lane`` in ``epoch``."""
         return plan_tick(epoch, self.positions(epoch)[lane][index])
 
-    def _merge(self, epoch: int) -> tuple[array[int], list[array[int]]]:
-        got = self._merged.get(epoch)
-        if got is not None:
-            self._merged.move_to_end(epoch)
+    def prepared(self, epoch: int) -> bool:
+        """True if ``epoch``'s shares are computed (or ``epoch`` is past the end): reading them
+        takes no time."""
+        with self._lock:
+            return self.done(epoch) or epoch in self._merged
+
+    def _merge(self, epoch: int, pause: Callable[[], None] | None = None) -> tuple[array[int], list[array[int]]]:
+        with self._lock:
+            got = self._merged.get(epoch)
+            if got is not None:
+                self._merged.move_to_end(epoch)
+                return got
+        with self._computing:  # one epoch at a time; a second caller of it waits for the first
+            with self._lock:
+                got = self._merged.get(epoch)
+            if got is None:
+                got = self._compute(epoch, pause)
+                with self._lock:
+                    self._merged[epoch] = got
+                    if len(self._merged) > EPOCHS_CACHED:
+                        self._merged.popitem(last=False)
             return got
-        shares = self._lane_shares(epoch)
+
+    def _compute(self, epoch: int, pause: Callable[[], None] | None) -> tuple[array[int], list[array[int]]]:
+        """``epoch``'s merged share and each lane's positions in it (about 2 s per million
+        catalog items on the 2-core VM: :meth:`prepare` it outside the locks that lanes wait on)."""
+        shares = self._lane_shares(epoch, pause)
         for plan, share in zip(self.plans, shares, strict=True):
             plan.prime(epoch, share)
-        merged: array[int] = array("I")
-        positions: list[array[int]] = [array("I") for _ in shares]
-        for i in range(max(len(s) for s in shares)):
-            for share, where in zip(shares, positions, strict=True):
-                if i < len(share):
-                    where.append(len(merged))
-                    merged.append(share[i])
-        got = (merged, positions)
-        self._merged[epoch] = got
-        if len(self._merged) > EPOCHS_CACHED:
-            self._merged.popitem(last=False)
-        return got
+        return interleave(shares)
 
-    def _lane_shares(self, epoch: int) -> list[array[int]]:
+    def _lane_shares(self, epoch: int, pause: Callable[[], None] | None = None) -> list[array[int]]:
         """Every lane's share of ``epoch``, in one pass over the epoch (what each lane's
         :meth:`Plan.share` computes, without a walk of the whole catalog per lane)."""
         first = self.plans[0]
-        order = first.order(epoch)
+        order = first.order(epoch, pause)
         if first.partition == "fixed" and self.world_size * self.num_workers > 1:
             if self._lane_of is None:
                 base = permutation(self.n_items, first.seed, -1) if first.shuffle else order
@@ -206,13 +221,18 @@ class NodePlan:
             lane_of = self._lane_of
             out: list[array[int]] = [array("I") for _ in self.lanes]
             keep = [a.append for a in out]
-            for x in order:
-                lane = lane_of[x]
-                if lane >= 0:
-                    keep[lane](x)
+            for start in range(0, len(order), RUN):
+                for x in order[start : start + RUN]:
+                    lane = lane_of[x]
+                    if lane >= 0:
+                        keep[lane](x)
+                if pause is not None:
+                    pause()
             return out
-        by_rank = split_all(order, self.sizes, self.world_size, first.balance)
-        return [share for rank in self.ranks for share in split_all(by_rank[rank], self.sizes, self.num_workers, first.balance)]
+        by_rank = split_all(order, self.sizes, self.world_size, first.balance, pause)
+        return [
+            share for rank in self.ranks for share in split_all(by_rank[rank], self.sizes, self.num_workers, first.balance, pause)
+        ]
 
     def _deal(self, base: array[int]) -> array[int]:
         """``partition="fixed"``: each item's lane on this node (-1: another node's), split
@@ -244,6 +264,26 @@ class NodePlan:
         }
 
 
+def interleave(shares: Sequence[array[int]]) -> tuple[array[int], list[array[int]]]:
+    """The shares merged by ``(index, lane)`` (the first item of every share, then the second of
+    every share long enough, ...), and each share's positions in the result. By bands of
+    indices that the same shares reach, each copied by strided slices (no loop per item)."""
+    merged: array[int] = array("I", bytes(4 * sum(len(s) for s in shares)))
+    positions: list[array[int]] = [array("I") for _ in shares]
+    start = filled = 0
+    for end in sorted({len(s) for s in shares}):
+        if end == start:
+            continue  # empty shares
+        active = [k for k, s in enumerate(shares) if len(s) >= end]
+        width, band = len(active), end - start
+        for offset, k in enumerate(active):
+            first = filled + offset
+            merged[first : filled + width * band : width] = shares[k][start:end]
+            positions[k].extend(range(first, filled + width * band, width))
+        start, filled = end, filled + width * band
+    return merged, positions
+
+
 class LaneSchedule:
     """Where each lane of a :class:`NodePlan` is, and which step the node fetches next.
 
@@ -255,6 +295,9 @@ class LaneSchedule:
         plan.prepare(0, 1)
         self.cursors = [p.normalise(Cursor(0, 0)) for p in plan.plans]
         self.generations = [0] * len(plan.lanes)
+        self.latest = max(cursor.epoch for cursor in self.cursors)
+        """The latest epoch a lane's next step to plan has been in: the epochs after it are
+        prepared (:meth:`NodePlan.prepare`) before a lane enters them, outside any lock."""
 
     def done(self, lane: int, cursor: Cursor | None = None) -> bool:
         """True if ``lane`` has no step at or after ``cursor`` (default: its position)."""
@@ -293,8 +336,9 @@ class LaneSchedule:
         _, epoch, index, lane = best
         plan = self.plan.plans[lane]
         step = Step(epoch, index, self.plan.lane_share(lane, epoch)[index])
-        self.plan.prepare(epoch + 1)
-        self.cursors[lane] = plan.after(step)
+        self.plan.prepare(epoch + 1)  # prepared already if the caller kept up with latest
+        cursor = self.cursors[lane] = plan.after(step)
+        self.latest = max(self.latest, cursor.epoch)
         return LaneStep(lane, self.generations[lane], step, self.plan.tick(lane, epoch, index))
 
     def normalise(self, lane: int, cursor: Cursor | tuple[int, int]) -> Cursor:
@@ -303,15 +347,26 @@ class LaneSchedule:
         Raises:
             ValueError: not a position of this lane's plan.
         """
-        epoch = cursor[0]
-        if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0:
-            self.plan.prepare(epoch, epoch + 1)
+        self._prepare_for(lane, cursor[0], cursor[1])
         return self.plan.plans[lane].normalise(cursor)
 
     def after(self, lane: int, step: Step | Cursor | tuple[int, ...]) -> Cursor:
         """The position that follows ``step`` of ``lane``."""
-        self.plan.prepare(step[0], step[0] + 1)
+        self._prepare_for(lane, step[0], step[1] + 1)
         return self.plan.plans[lane].after(step)
+
+    def _prepare_for(self, lane: int, epoch: Any, index: Any) -> None:
+        """Compute (for every lane at once) the shares that ``lane``'s plan reads to normalise
+        ``(epoch, index)``: that epoch's, and the next ones' only while the position is the end
+        of a share (an epoch being prepared in the background is not waited for before it is
+        needed). A malformed position is left to the plan to refuse."""
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (epoch, index)):
+            return
+        while not self.plan.done(epoch):
+            self.plan.prepare(epoch)
+            if index != len(self.plan.lane_share(lane, epoch)):
+                return
+            epoch, index = epoch + 1, 0
 
     def reset(self, lane: int, cursor: Cursor | tuple[int, int]) -> int:
         """Move ``lane`` to ``cursor`` (its next step to plan); returns its new generation.
@@ -320,5 +375,6 @@ class LaneSchedule:
             ValueError: not a position of this lane's plan.
         """
         self.cursors[lane] = self.normalise(lane, cursor)
+        self.latest = max(self.latest, self.cursors[lane].epoch)
         self.generations[lane] += 1
         return self.generations[lane]

@@ -55,6 +55,15 @@ __all__ = ["NodePipeline", "Taken"]
 
 log = logging.getLogger("cachepipe.node")
 
+
+def let_others_run() -> None:
+    """Let the interpreter's lock go to a thread that waits for it, if any (a computation in
+    the background calls it every few hundred items: without it, each thread that let the
+    lock go for a moment, as every download and hand-out does, waited up to the switch
+    interval, 5 ms, to get it back, and the lanes stalled: benchmarks/bench_node_epochs.py)."""
+    time.sleep(0)
+
+
 SHARED_RUN = 256
 """Most steps that share a copy the planner plans in one hold of the queues' lock."""
 
@@ -144,6 +153,14 @@ class LaneQueues(Broker[str]):
     lock (before a lane could take it and move past it), in the producer thread: it may take
     the cache's lock, never the other way round.
 
+    An epoch's shares take about 2 s per million catalog items to compute (the 2-core VM), and
+    planning waits for nothing else: computed when needed, under the lock or by the planner, they
+    stopped every lane that long at each epoch. When a lane enters epoch ``e`` (the planner plans its
+    first step), the shares of ``e + 1`` are ready (the planner computes them outside the lock if
+    not), and ``prepare(e)`` (default: the shares of ``e + 2``) runs in a thread of its own while
+    planning goes on, letting the interpreter's lock go every few hundred items
+    (:func:`let_others_run`). :meth:`close` waits for that thread.
+
     A step whose item has a copy planned or on disk for another step (another lane's, or an
     earlier epoch of its own lane) shares that copy instead of downloading it again: the cache
     holds one copy of an item at a time, and a lane must never wait for another lane to move on
@@ -162,11 +179,14 @@ class LaneQueues(Broker[str]):
         schedule: LaneSchedule,
         on_stale: Callable[[_Planned], None],
         on_share: Callable[[_Planned], None] = lambda _step: None,
+        prepare: Callable[[int], None] | None = None,
     ) -> None:
         super().__init__(ordered=True)
         self.schedule = schedule
         self._on_stale = on_stale
         self._on_share = on_share
+        self._prepare = prepare if prepare is not None else lambda epoch: schedule.plan.prepare(epoch + 2, pause=let_others_run)
+        self._preparing: threading.Thread | None = None  # the latest prepare() thread; under _cond
         self._lanes = [_LaneState(floor=c) for c in schedule.cursors]
         self._fetching: dict[int, _Planned] = {}  # download seq -> its step (the copy's), until it arrives
         self._copies: dict[int, _Planned] = {}  # catalog item -> the step with its copy, that a new step shares
@@ -180,12 +200,21 @@ class LaneQueues(Broker[str]):
         """The fetch order, run in the producer thread: the schedule's next step that needs a
         download (a run of one: the schedule picks each step by the lanes' load as it is then;
         steps that share a copy are planned on the way), waiting while every lane is at its end
-        or as far ahead as it may run (until one moves, or the queues close)."""
+        or as far ahead as it may run (until one moves, or the queues close). When a lane enters
+        a new epoch, the next is made ready outside the lock and the one after it is prepared
+        in the background (see the class notes)."""
+        schedule, prepared = self.schedule, -1
         while True:
+            latest = schedule.latest
+            if latest > prepared:
+                schedule.plan.prepare(latest + 1)  # ready already, unless an epoch took less than its preparation
+                if not self._prepare_in_background(latest):
+                    return  # closed
+                prepared = latest
             shared = 0
             download: Planned | None = None
             with self._cond:
-                while download is None and shared < SHARED_RUN:
+                while download is None and shared < SHARED_RUN and schedule.latest == prepared:
                     got = None if self._closed else self.schedule.next(self._load(), self._far_ahead)
                     if got is None:
                         if self._closed:
@@ -215,6 +244,33 @@ class LaneQueues(Broker[str]):
                         self._cond.notify_all()
             if download is not None:
                 yield [download]
+
+    def _prepare_in_background(self, epoch: int) -> bool:
+        """Run ``prepare(epoch)`` in a thread (after the previous one ends); False if closed."""
+        with self._cond:
+            previous = self._preparing
+        if previous is not None:
+            previous.join()  # done long ago, unless an epoch took less than its preparation
+        with self._cond:
+            if self._closed:
+                return False
+            self._preparing = threading.Thread(target=self._run_prepare, args=(epoch,), name="cachepipe-plan-ahead", daemon=True)
+            self._preparing.start()
+        return True
+
+    def _run_prepare(self, epoch: int) -> None:
+        try:
+            self._prepare(epoch)
+        except Exception:  # what failed here is computed again where it is needed, and raises there
+            log.debug("preparing after epoch %d failed; computed again when needed", epoch, exc_info=True)
+
+    def close(self) -> None:
+        """:meth:`Broker.close`, then wait for the background preparation, if it runs."""
+        super().close()
+        with self._cond:
+            preparing = self._preparing
+        if preparing is not None:
+            preparing.join()
 
     def _far_ahead(self, lane: int, item: int) -> bool:
         """True if the lane's next step (of catalog ``item``) would share a copy, and the lane
@@ -496,12 +552,18 @@ class NodePipeline(Pipeline):
         cache.recover(catalog, resume=False)
         largest = self._check_limit(plan.sizes, catalog, eligible, cache)
         self.node_plan = plan
-        queues = LaneQueues(LaneSchedule(plan), self._stale, self._shared)
+        future = PlanFuture(plan, horizon=2) if cfg.retain == "auto" else None
+
+        def prepare(epoch: int) -> None:  # in the background once a lane enters epoch: see LaneQueues
+            plan.prepare(epoch + 2, pause=let_others_run)
+            if future is not None:
+                future.prepare(epoch, pause=let_others_run)  # the next uses of epoch's items, in the two epochs after it
+
+        queues = LaneQueues(LaneSchedule(plan), self._stale, self._shared, prepare)
         self._broker = queues
         self._queues = queues
         self._catalog_items, self._eligible_items = catalog, eligible
-        if cfg.retain == "auto":
-            future = PlanFuture(plan, horizon=2)
+        if future is not None:
             reserve = min(cache.limit // 4, max(2 * cfg.large_requests, 16) * largest)
             cache.use_retention(make_policy("auto", plan.sizes, future, reserve=reserve), Names(catalog, eligible), 0)
         self._total_steps = None

@@ -49,7 +49,7 @@ import sys
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import islice
 from typing import Any, Literal, NamedTuple
 
@@ -109,15 +109,24 @@ def _derive(*parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big")
 
 
-def permutation(n: int, seed: int, epoch: int) -> array[int]:
+RUN = 256
+"""Iterations of :func:`permutation` and :func:`split_all` between two calls of their ``pause``."""
+
+
+def permutation(n: int, seed: int, epoch: int, pause: Callable[[], None] | None = None) -> array[int]:
     """The permutation of ``range(n)`` for ``epoch``: a Fisher-Yates shuffle driven by
     ``random.Random(derived seed).random()``, whose output Python guarantees across versions
-    (``Random.shuffle`` is not guaranteed). Same ``(n, seed, epoch)``, same permutation."""
+    (``Random.shuffle`` is not guaranteed). Same ``(n, seed, epoch)``, same permutation.
+    ``pause`` is called after every :data:`RUN` swaps (a thread computing in the background
+    lets the interpreter's lock go to the threads that wait for it: ``time.sleep(0)``)."""
     order = array("I", range(n))
     rand = random.Random(_derive(seed, epoch)).random  # noqa: S311 - a shuffle order, not a secret
-    for i in range(n - 1, 0, -1):
-        j = int(rand() * (i + 1))
-        order[i], order[j] = order[j], order[i]
+    for top in range(n - 1, 0, -RUN):
+        for i in range(top, max(top - RUN, 0), -1):
+            j = int(rand() * (i + 1))
+            order[i], order[j] = order[j], order[i]
+        if pause is not None:
+            pause()
     return order
 
 
@@ -142,9 +151,14 @@ def split(
 
 
 def split_all(
-    order: Sequence[int], sizes: Sequence[int], parts: int, balance: Literal["bytes", "count"] = "bytes"
+    order: Sequence[int],
+    sizes: Sequence[int],
+    parts: int,
+    balance: Literal["bytes", "count"] = "bytes",
+    pause: Callable[[], None] | None = None,
 ) -> list[array[int]]:
-    """Every part's subsequence of ``order`` in one walk: ``split_all(...)[p] == split(..., p)``."""
+    """Every part's subsequence of ``order`` in one walk: ``split_all(...)[p] == split(..., p)``;
+    ``pause`` as for :func:`permutation`."""
     if parts == 1:
         return [array("I", order)]
     if balance == "count":
@@ -153,10 +167,13 @@ def split_all(
     keep = [a.append for a in out]
     heap = [(0, 0, p) for p in range(parts)]
     replace = heapq.heapreplace
-    for x in order:
-        b, c, p = heap[0]
-        keep[p](x)
-        replace(heap, (b + sizes[x], c + 1, p))
+    for start in range(0, len(order), RUN):
+        for x in order[start : start + RUN]:
+            b, c, p = heap[0]
+            keep[p](x)
+            replace(heap, (b + sizes[x], c + 1, p))
+        if pause is not None:
+            pause()
     return out
 
 
@@ -301,10 +318,10 @@ class Plan:
         )
 
     # ---- one epoch -------------------------------------------------------------------
-    def order(self, epoch: int) -> array[int]:
-        """The whole epoch's order (all ranks), before splitting."""
+    def order(self, epoch: int, pause: Callable[[], None] | None = None) -> array[int]:
+        """The whole epoch's order (all ranks), before splitting (``pause``: see :func:`permutation`)."""
         if self.shuffle:
-            return permutation(self.n_items, self.seed, epoch)
+            return permutation(self.n_items, self.seed, epoch, pause)
         return array("I", range(self.n_items))
 
     def share(self, epoch: int) -> array[int]:

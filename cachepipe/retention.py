@@ -44,12 +44,14 @@ Ticks order the steps: a sequence index (:class:`SequenceFuture`) or a plan's
 from __future__ import annotations
 
 import heapq
+import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from .plan import RUN
 from .plan import tick as plan_tick
 
 __all__ = [
@@ -139,28 +141,37 @@ class PlanFuture:
             raise ValueError(f"horizon {horizon!r}: expected at least 1 epoch")
         self.plan, self.horizon = plan, horizon
         self._where: OrderedDict[int, array[int]] = OrderedDict()
+        self._lock = threading.Lock()  # guards _where: prepare() runs outside the cache's lock, lookups under it
 
-    def where(self, epoch: int) -> array[int]:
-        """For each catalog item, its index in the plan's share of ``epoch``, or -1 (cached)."""
-        got = self._where.get(epoch)
-        if got is not None:
-            self._where.move_to_end(epoch)
-            return got
+    def where(self, epoch: int, pause: Callable[[], None] | None = None) -> array[int]:
+        """For each catalog item, its index in the plan's share of ``epoch``, or -1 (cached);
+        ``pause`` as for :meth:`prepare`."""
+        with self._lock:
+            got = self._where.get(epoch)
+            if got is not None:
+                self._where.move_to_end(epoch)
+                return got
         got = array("i", [-1]) * self.plan.n_items
-        for j, x in enumerate(self.plan.share(epoch)):
-            got[x] = j
-        self._where[epoch] = got
-        if len(self._where) > self.horizon + 2:
-            self._where.popitem(last=False)
+        share = self.plan.share(epoch)
+        for start in range(0, len(share), RUN):
+            for j, x in enumerate(share[start : start + RUN], start):
+                got[x] = j
+            if pause is not None:
+                pause()
+        with self._lock:
+            got = self._where.setdefault(epoch, got)  # computed twice at once: either will do
+            if len(self._where) > self.horizon + 2:
+                self._where.popitem(last=False)
         return got
 
-    def prepare(self, epoch: int) -> None:
+    def prepare(self, epoch: int, pause: Callable[[], None] | None = None) -> None:
         """Compute the lookups needed while reading ``epoch`` (call it outside any lock when
-        the plan enters an epoch: one epoch takes about a second per million items)."""
+        the plan enters an epoch: one epoch takes about a second per million items). ``pause``
+        is called every few hundred items (see :func:`cachepipe.plan.permutation`)."""
         for e in range(epoch + 1, epoch + 1 + self.horizon):
             if self.plan.done(e):
                 return
-            self.where(e)
+            self.where(e, pause)
 
     def next_use(self, item: int, tick: int) -> int:
         epoch, index = tick >> 32, tick & _ITEM_MASK

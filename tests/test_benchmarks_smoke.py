@@ -165,6 +165,19 @@ def test_manifest_benchmark_reports_every_phase():
     assert report["phases"]["plan"]["share"] > 0
 
 
+def test_node_epochs_benchmark_crosses_an_epoch_in_each_run():
+    script = Path(__file__).parent.parent / "benchmarks" / "bench_node_epochs.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--json"], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs = json.loads(proc.stdout)["runs"]
+    assert [r["retain"] for r in runs] == ["none", "auto"]
+    for r in runs:
+        assert r["taken"] >= 8 * 300 and r["crossed_after_s"] is not None  # every lane took its items, across the epoch's end
+        assert r["median_take_ms"] > 0 and r["takes_near_crossing"] > 0
+
+
 def test_node_benchmark_reports_both_parts():
     """benchmarks/bench_node.py --quick end to end (SeaweedFS from the test extra, moto without it):
     every method of both parts is reported, the node lists once where 8 pipelines list 8 times,

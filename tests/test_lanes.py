@@ -120,3 +120,19 @@ def test_retention_sees_the_whole_node():
     share0, share1 = plan.share(0), plan.share(1)
     first = share0[0]
     assert future.next_use(first, tick(0, 0)) == tick(1, list(share1).index(first))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 1000), max_size=12), min_size=1, max_size=9))
+def test_interleave_merges_by_index_then_share(lists):
+    """:func:`interleave` (strided slices by bands) against its definition, with empty and
+    unequal shares."""
+    from array import array
+
+    from cachepipe.lanes import interleave
+
+    shares = [array("I", xs) for xs in lists]
+    merged, positions = interleave(shares)
+    order = sorted((i, k) for k, xs in enumerate(lists) for i in range(len(xs)))
+    assert list(merged) == [lists[k][i] for i, k in order]
+    assert [list(p) for p in positions] == [[order.index((i, k)) for i in range(len(xs))] for k, xs in enumerate(lists)]

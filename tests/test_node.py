@@ -498,3 +498,40 @@ def test_a_lane_that_asks_at_its_pace_keeps_what_was_planned_for_it(s3_source, t
     for r in (0, 1):
         assert out[r] == expected(names, sizes, r, 0, 2, 1)
     assert stats.bytes_downloaded == 8 * 32 * KIB, stats.bytes_downloaded // (32 * KIB)
+
+
+def test_the_epoch_after_next_is_prepared_in_the_background_while_planning_goes_on():
+    """Computing an epoch's shares takes about 2 s per million catalog items; computed when
+    first needed, under the queues' lock, it stopped every lane that long at each epoch
+    (benchmarks/bench_node_epochs.py). When a lane enters epoch e, ``prepare(e)`` runs in a
+    thread of its own: here it blocks, and epoch 0 is planned meanwhile, up to the step at
+    which a lane enters epoch 1 (the planner then waits for it: it has had an epoch's time,
+    unless an epoch is shorter than its preparation). close() waits for the thread."""
+    from cachepipe.catalog import Item
+
+    plan = NodePlan([10] * 8, ranks=[0], world_size=1, num_workers=2, epochs=3, shuffle=True, seed=0)
+    release = threading.Event()
+    asked: list[tuple[int, str]] = []
+
+    def prepare(epoch: int) -> None:
+        asked.append((epoch, threading.current_thread().name))
+        release.wait(30)
+
+    queues = LaneQueues(LaneSchedule(plan), on_stale=lambda _planned: None, prepare=prepare)
+    steps = queues.steps(lambda i: Item(f"item{i}", (), plan.sizes[i]))
+    planned: list = []
+    planner = threading.Thread(target=lambda: planned.extend(next(steps)[0] for _ in range(8)), daemon=True)
+    planner.start()
+    try:
+        wait_until(lambda: len(planned) == 7, what="epoch 0 planned while prepare(0) runs")
+        assert all(tick >> 32 == 0 for _seq, _item, tick in planned)
+        assert asked == [(0, "cachepipe-plan-ahead")]  # in a thread of its own, still running
+        release.set()
+        wait_until(lambda: len(planned) == 8, what="the last step of epoch 0, once prepare(0) ended")
+        wait_until(lambda: [epoch for epoch, _name in asked] == [0, 1], what="prepare(1), a lane having entered epoch 1")
+    finally:
+        release.set()
+        planner.join(10)
+        queues.close()
+        steps.close()
+    assert not any(t.name == "cachepipe-plan-ahead" for t in threading.enumerate())
