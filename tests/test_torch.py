@@ -206,3 +206,65 @@ def test_ranks_under_torch_distributed_list_once_and_plan_from_one_catalog(s3_so
         tmp_path / "cache" / "manifest-rank0.json.gz",
         tmp_path / "cache" / "manifest-rank1.json.gz",
     ]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "batch_size", "cut"),
+    [
+        ([1000] + [100] * 6, None, 3),  # worker 0's share is one item: it ends while worker 1 still has five
+        ([100] * 7, 2, 4),  # worker 1's last batch is short: its share ended inside the batch
+    ],
+)
+def test_a_checkpoint_after_one_worker_ended_its_share_resumes_without_repeating_it(s3_source, tmp_path, sizes, batch_size, cut):
+    """Found in review: a DataLoader worker whose share ended before the loader's pass did (a
+    short last batch, or a smaller share than the other workers') saved the start of the next
+    pass as its state; StatefulDataLoader keeps that worker state with the loader's, and a
+    resume from a checkpoint taken after it delivered that worker's whole share again."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed")
+    for i, size in enumerate(sizes):
+        s3_source.put(f"item{i:03d}/f", bytes(size))
+    opts = {"transform": lambda path: path.name, "storage_options": s3_source.options, "rank": 0, "world_size": 1}
+
+    def loader(cache: str):
+        dataset = CachePipeDataset(s3_source.url, tmp_path / cache, "1MiB", **opts)
+        return stateful.StatefulDataLoader(dataset, batch_size=batch_size, num_workers=2)
+
+    first, got = loader("a"), []
+    for n, batch in enumerate(first, 1):
+        got.append(batch)
+        if n == cut:
+            state = first.state_dict()
+    resumed = loader("b")
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+
+    def names(batches: list) -> list[str]:
+        return sorted(name for batch in batches for name in ([batch] if isinstance(batch, str) else batch))
+
+    assert names(got) == [f"item{i:03d}" for i in range(len(sizes))]
+    assert names(got[:cut] + rest) == names(got)  # before: the ended worker's share again
+    assert list(resumed) == got  # and the pass after it is whole
+
+
+def test_a_pass_that_cannot_open_its_cache_leaves_the_loaded_state_for_the_next(s3_source, tmp_path):
+    """Found in review: a pass whose pipeline failed to open (here its cache folder is held by a
+    live iterator of the same dataset, as in a notebook that kept one) left the unopened
+    pipeline as the dataset's position: state_dict() raised AttributeError ('Pipeline' object
+    has no attribute '_frontier'), and the loaded state was gone, so the next pass started
+    from the beginning. Now the state is the loaded one until a pass starts from it."""
+    from cachepipe.errors import CacheLockedError
+
+    s3_source.folders(5, {"f": 10})
+    opts = {"transform": read, "storage_options": s3_source.options, "rank": 0, "world_size": 1}
+    ds = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", **opts)
+    full = list(ds)
+    held = iter(ds)
+    assert next(held) == full[0]
+    state = ds.state_dict()  # after the first sample
+    ds.load_state_dict(state)
+    with pytest.raises(CacheLockedError, match="rank0-worker0"):
+        next(iter(ds))  # the live iterator holds the folder
+    assert ds.state_dict() == state  # before: AttributeError
+    held.close()
+    assert list(ds) == full[1:]  # before: the whole pass again
+    assert list(ds) == full
