@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 import torch.utils.data
 
 from .client import DEFAULT_OUTAGE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT
-from .config import Share, parse_capacity, small_capacity, with_unit
+from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_capacity, small_capacity, with_unit
 from .jobclient import JobClient
 from .manifest import index
 from .pipeline import Pipeline
@@ -93,7 +93,10 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             ``worker`` and ``num_workers`` are set from the DataLoader.
 
     Raises:
-        ValueError: a missing or misplaced argument, named.
+        ValueError: a missing, misplaced or invalid argument, named (per-process mode: every
+            pipeline option, as :class:`~cachepipe.Pipeline` checks it; node mode: the daemon
+            checks the job's options when it registers).
+        TypeError: ``transform`` is not callable.
     """
 
     def __init__(
@@ -118,14 +121,20 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         for key in ("worker", "num_workers"):
             if key in options:
                 raise ValueError(f"{key}={options[key]!r}: set by the DataLoader, not by the dataset")
+        if transform is not None and not callable(transform):
+            raise TypeError(f"transform={transform!r}: expected a function fn(path) -> sample, or None")
         self.source, self.transform, self.options = source, transform, options
         self.node = None if node is None else os.fspath(node)
         self.job, self.node_ranks = job, node_ranks
+        self._rank_world()  # both or neither, and in range: here, not first in every DataLoader worker
         if self.node is None:
             if cache_dir is None or capacity is None:
                 raise ValueError("cache_dir and capacity are required without node= (per-process mode)")
-            self.cache_dir: Path | None = Path(cache_dir)
+            self.cache_dir: Path | None = Path(check_cache_dir(cache_dir))
             self.capacity: int | Share | None = parse_capacity(capacity)
+            # every option checked here, as each worker's pipeline will check it (before any listing)
+            PipelineConfig(source=source, cache_dir=self.cache_dir, capacity=self.capacity, **options)
+            check_source(source)
             if (small := small_capacity(capacity, self.capacity)) is not None:
                 log.warning("%s", small)  # here, as written: the workers' pipelines get their shares in bytes
             if options.get("manifest") is None:
@@ -201,6 +210,8 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             return default_rank_world()
         if rank is None or world is None:
             raise ValueError(f"rank {rank!r}, world_size {world!r}: give both or neither")
+        if not 0 <= int(rank) < int(world):
+            raise ValueError(f"rank {rank} with world_size {world}: expected 0 <= rank < world_size")
         return int(rank), int(world)
 
     def pipeline(self) -> Pipeline:

@@ -268,3 +268,29 @@ def test_a_pass_that_cannot_open_its_cache_leaves_the_loaded_state_for_the_next(
     held.close()
     assert list(ds) == full[1:]  # before: the whole pass again
     assert list(ds) == full
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"epoch": 2}, "epoch"),  # a typo of epochs
+        ({"epochs": 0}, "epochs"),
+        ({"partition": "fix"}, "partition"),
+        ({"rank": 1}, "rank 1, world_size None"),
+        ({"rank": 3, "world_size": 2}, "rank 3 with world_size 2"),
+        ({"transform": "read"}, "transform='read'"),
+        ({"source": "bucket/video/"}, "s3://bucket/video/"),  # a scheme forgotten
+    ],
+)
+def test_a_bad_argument_is_refused_when_the_dataset_is_made(tmp_path, kwargs, match):
+    """Found in review: per-process mode checked the pipeline's options only when each DataLoader
+    worker opened its pipeline (after the workers started, once per worker, under torch's
+    'Caught ... in DataLoader worker process N'), and a transform that is not a function failed
+    with "'str' object is not callable". Now the dataset refuses them when it is made (node mode
+    too for rank/world_size and transform; the daemon checks a job's plan options)."""
+    source = kwargs.pop("source", str(tmp_path))
+    with pytest.raises((ValueError, TypeError), match=match):
+        CachePipeDataset(source, tmp_path / "c", "1MiB", **kwargs)
+    if "rank" in kwargs or "transform" in kwargs:
+        with pytest.raises((ValueError, TypeError), match=match):
+            CachePipeDataset(source, node="/nowhere.sock", **kwargs)
