@@ -385,6 +385,15 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             return dict(start)
         return {"epoch": 0, "index": 0} if self.node is not None else {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (for a DataLoader worker started by spawn or forkserver) keeps this process's
+        position, not its pipeline (threads, locks, files: this process's alone)."""
+        state = dict(self.__dict__)
+        if self._pipe is not None:
+            state["_start"] = self._pipe.state_dict()
+        state["_pipe"], state["_pass"] = None, None
+        return state
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Start the next iteration at ``state`` (from :meth:`state_dict`, same settings and data);
         the iterations after it start from the beginning, as without a state."""
