@@ -133,8 +133,10 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             self.cache_dir: Path | None = Path(check_cache_dir(cache_dir))
             self.capacity: int | Share | None = parse_capacity(capacity)
             # every option checked here, as each worker's pipeline will check it (before any listing)
-            PipelineConfig(source=source, cache_dir=self.cache_dir, capacity=self.capacity, **options)
-            check_source(source)
+            config = {k: v for k, v in options.items() if k != "store"}  # Pipeline(store=) is not an option
+            PipelineConfig(source=source, cache_dir=self.cache_dir, capacity=self.capacity, **config)
+            if options.get("store") is None:
+                check_source(source)
             if (small := small_capacity(capacity, self.capacity)) is not None:
                 log.warning("%s", small)  # here, as written: the workers' pipelines get their shares in bytes
             if options.get("manifest") is None:

@@ -315,3 +315,16 @@ def test_a_dataset_read_in_the_main_process_can_still_go_to_spawned_workers(s3_s
     assert copy.state_dict() == ds.state_dict()
     assert list(copy) == full  # a new pass starts at the beginning, as in the original
     assert list(ds) == full
+
+
+def test_a_store_object_passes_through_to_the_pipelines(tmp_path):
+    """Pipeline(store=) is not a pipeline option: the dataset's check of its options when it is
+    made (77f1ac4) must let it through, as the workers' pipelines take it."""
+    from cachepipe.stores.fsspec import FsspecStore
+
+    src = tmp_path / "src"
+    for name in ("a", "b"):
+        (src / name).mkdir(parents=True)
+        (src / name / "f").write_bytes(b"x")
+    opts = {"store": FsspecStore(f"file://{src}"), "rank": 0, "world_size": 1, "transform": lambda path: path.name}
+    assert list(CachePipeDataset("s3://read/through/the/store/", tmp_path / "c", "1MiB", **opts)) == ["a", "b"]
