@@ -272,11 +272,22 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             self._state = start
 
     def _ended(self, token: object) -> None:
-        """The pass ran to its end: in the main process, a state taken now is the next pass's start."""
-        if self._pass is token and torch.utils.data.get_worker_info() is None:
+        """The pass ran to its end: in the main process, a state taken now is the next pass's
+        start; in a DataLoader worker, it stays this pass's end (kept without the closed pipeline)."""
+        if self._pass is not token:
+            return
+        if torch.utils.data.get_worker_info() is None:
             self._start, self._pipe, self._cursor = None, None, None
+        elif self._pipe is not None:
+            self._start, self._pipe = self._pipe.state_dict(), None
 
     def _iter_local(self, start: dict[str, Any] | None, token: object) -> Iterator[Any]:
+        if start and start.get("epochs") is not None and start.get("epoch", 0) >= start["epochs"]:
+            # loaded at the end of its share (a worker's, saved once it had ended): nothing to read,
+            # and no cache to take: StatefulDataLoader, resuming a finished pass, starts workers that
+            # run such a pass while the next pass's workers open the same folders
+            self._ended(token)
+            return
         try:
             pipe = self.pipeline()
             if start:  # {}: the start

@@ -328,3 +328,28 @@ def test_a_store_object_passes_through_to_the_pipelines(tmp_path):
         (src / name / "f").write_bytes(b"x")
     opts = {"store": FsspecStore(f"file://{src}"), "rank": 0, "world_size": 1, "transform": lambda path: path.name}
     assert list(CachePipeDataset("s3://read/through/the/store/", tmp_path / "c", "1MiB", **opts)) == ["a", "b"]
+
+
+def test_a_checkpoint_after_a_whole_pass_of_workers_resumes_into_the_next_pass(s3_source, tmp_path):
+    """Found in review: StatefulDataLoader resuming a checkpoint taken after a whole pass starts
+    workers with the saved (finished) states, then, seeing the pass finished, another set for
+    the next pass while the first set still runs. The first set ran whole passes (a worker's
+    state after its pass was the next pass's start) and held their cache folders: the next
+    pass's workers failed with CacheLockedError (3 runs in 3 before this review's fixes, 2 in 3
+    after the first, where the first set ran empty passes). Now a pass loaded at the end of its
+    share takes no cache."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed")
+    s3_source.folders(40, {"f": 100})
+    opts = {"transform": read, "storage_options": s3_source.options, "rank": 0, "world_size": 1}
+
+    def loader(cache: str):
+        dataset = CachePipeDataset(s3_source.url, tmp_path / cache, "1MiB", **opts)
+        return stateful.StatefulDataLoader(dataset, batch_size=2, num_workers=2)
+
+    first = loader("a")
+    full = [[tuple(x) for x in zip(*batch, strict=True)] for batch in first]
+    state = first.state_dict()
+    resumed = loader("b")
+    resumed.load_state_dict(state)
+    assert [[tuple(x) for x in zip(*batch, strict=True)] for batch in resumed] == full  # before: CacheLockedError
+    assert [[tuple(x) for x in zip(*batch, strict=True)] for batch in resumed] == full
