@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 import torch.utils.data
 
 from .client import DEFAULT_OUTAGE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT
-from .config import Share, parse_capacity, small_capacity, with_unit
+from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_capacity, small_capacity, with_unit
 from .jobclient import JobClient
 from .manifest import index
 from .pipeline import Pipeline
@@ -93,7 +93,10 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             ``worker`` and ``num_workers`` are set from the DataLoader.
 
     Raises:
-        ValueError: a missing or misplaced argument, named.
+        ValueError: a missing, misplaced or invalid argument, named (per-process mode: every
+            pipeline option, as :class:`~cachepipe.Pipeline` checks it; node mode: the daemon
+            checks the job's options when it registers).
+        TypeError: ``transform`` is not callable.
     """
 
     def __init__(
@@ -109,21 +112,31 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         **options: Any,
     ) -> None:
         super().__init__()
-        self._state: dict[str, Any] | None = None  # where the next iteration starts (load_state_dict)
-        self._pipe: Pipeline | None = None  # the pipeline iterating in this process, if any (per-process mode)
+        self._state: dict[str, Any] | None = None  # loaded (load_state_dict), for the next iter() to take
+        self._pass: object | None = None  # the latest iter()'s token: only its pass records a position here
+        self._start: dict[str, Any] | None = None  # the state the latest pass started from (None: the start)
+        self._pipe: Pipeline | None = None  # the latest pass's open pipeline (per-process mode)
         self._cursor: Cursor | None = None  # node mode: the position after the last item yielded here
         self._lane_info: tuple[str, int, int, Any] | None = None  # node mode: the lane, once registered here
         for key in ("worker", "num_workers"):
             if key in options:
                 raise ValueError(f"{key}={options[key]!r}: set by the DataLoader, not by the dataset")
+        if transform is not None and not callable(transform):
+            raise TypeError(f"transform={transform!r}: expected a function fn(path) -> sample, or None")
         self.source, self.transform, self.options = source, transform, options
         self.node = None if node is None else os.fspath(node)
         self.job, self.node_ranks = job, node_ranks
+        self._rank_world()  # both or neither, and in range: here, not first in every DataLoader worker
         if self.node is None:
             if cache_dir is None or capacity is None:
                 raise ValueError("cache_dir and capacity are required without node= (per-process mode)")
-            self.cache_dir: Path | None = Path(cache_dir)
+            self.cache_dir: Path | None = Path(check_cache_dir(cache_dir))
             self.capacity: int | Share | None = parse_capacity(capacity)
+            # every option checked here, as each worker's pipeline will check it (before any listing)
+            config = {k: v for k, v in options.items() if k != "store"}  # Pipeline(store=) is not an option
+            PipelineConfig(source=source, cache_dir=self.cache_dir, capacity=self.capacity, **config)
+            if options.get("store") is None:
+                check_source(source)
             if (small := small_capacity(capacity, self.capacity)) is not None:
                 log.warning("%s", small)  # here, as written: the workers' pipelines get their shares in bytes
             if options.get("manifest") is None:
@@ -199,6 +212,8 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             return default_rank_world()
         if rank is None or world is None:
             raise ValueError(f"rank {rank!r}, world_size {world!r}: give both or neither")
+        if not 0 <= int(rank) < int(world):
+            raise ValueError(f"rank {rank} with world_size {world}: expected 0 <= rank < world_size")
         return int(rank), int(world)
 
     def pipeline(self) -> Pipeline:
@@ -237,19 +252,53 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         return f"torch-{digest}"
 
     def __iter__(self) -> Iterator[Any]:
-        """A pass: over the share from the state loaded, if any, else from the start. Until it
-        yields, and once it ends, :meth:`state_dict` is where the next pass starts (with
-        persistent DataLoader workers, a pass's first state is taken before it yields)."""
-        self._pipe, self._cursor = None, None
-        return self._iter_node() if self.node is not None else self._iter_local()
+        """A pass: over the share from the state loaded, if any, else from the start.
 
-    def _iter_local(self) -> Iterator[Any]:
-        pipe = self.pipeline()
-        if self._state:  # {}: the start
-            pipe.load_state_dict(self._state)
-        self._state = None  # this iteration only: the next one starts a new pass
-        self._pipe = pipe
-        with pipe:
+        The loaded state is taken here, by the first ``iter()`` after :meth:`load_state_dict`
+        (``StatefulDataLoader`` may make an iterator it never runs, then another). Until the
+        pass yields, :meth:`state_dict` is where it starts. Once it has ended, in a DataLoader
+        worker the state is its end (the worker's share of the loader's pass is done, which a
+        ``StatefulDataLoader`` checkpoint taken while other workers still yield must keep); in
+        the main process it is the start of the next pass. Only the latest iterator of this
+        dataset in a process records its position here."""
+        start, self._state = self._state, None
+        token = self._pass = object()
+        self._start, self._pipe, self._cursor = start, None, None
+        return self._iter_node(start, token) if self.node is not None else self._iter_local(start, token)
+
+    def _not_started(self, start: dict[str, Any] | None, token: object) -> None:
+        """The pass failed before it began: the next iteration starts where this one would have."""
+        if self._pass is token and self._state is None:
+            self._state = start
+
+    def _ended(self, token: object) -> None:
+        """The pass ran to its end: in the main process, a state taken now is the next pass's
+        start; in a DataLoader worker, it stays this pass's end (kept without the closed pipeline)."""
+        if self._pass is not token:
+            return
+        if torch.utils.data.get_worker_info() is None:
+            self._start, self._pipe, self._cursor = None, None, None
+        elif self._pipe is not None:
+            self._start, self._pipe = self._pipe.state_dict(), None
+
+    def _iter_local(self, start: dict[str, Any] | None, token: object) -> Iterator[Any]:
+        if start and start.get("epochs") is not None and start.get("epoch", 0) >= start["epochs"]:
+            # loaded at the end of its share (a worker's, saved once it had ended): nothing to read,
+            # and no cache to take: StatefulDataLoader, resuming a finished pass, starts workers that
+            # run such a pass while the next pass's workers open the same folders
+            self._ended(token)
+            return
+        try:
+            pipe = self.pipeline()
+            if start:  # {}: the start
+                pipe.load_state_dict(start)
+            pipe.open()
+        except BaseException:
+            self._not_started(start, token)
+            raise
+        if self._pass is token:
+            self._pipe = pipe
+        try:
             if self.transform is None:
                 yield from pipe  # each item acknowledged when the loop asks for the next
             else:
@@ -257,38 +306,24 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                     sample = self.transform(item)
                     pipe.ack(item)  # read: its space is free while the sample travels on, and the state is past it
                     yield sample
-        self._pipe = None  # the pass is over: a state taken now is the start of the next
+        finally:
+            pipe.close()
+        self._ended(token)
 
-    def _iter_node(self) -> Iterator[Any]:
-        worker, num_workers = self._worker()
-        rank, _ = self._rank_world()
-        spec = self.job_spec(num_workers)
-        name = self.job_name(spec)
-        cursor = Cursor(0, 0)
-        digest = None
-        if self._state is not None:
-            state = self._state
-            if (state.get("job"), state.get("rank"), state.get("worker")) not in ((name, rank, worker), (None, None, None)):
-                raise ValueError(
-                    f"state of job {state.get('job')!r} lane {state.get('rank')}.{state.get('worker')}: this is job "
-                    f"{name!r} lane {rank}.{worker} (same settings, world size and DataLoader workers to resume)"
-                )
-            cursor, digest = Cursor(int(state["epoch"]), int(state["index"])), state.get("catalog_digest")
-        # registered in an earlier pass of this process: the daemon was here, a restart is waited out
-        patience = DEFAULT_OUTAGE_TIMEOUT if self._lane_info is not None else DEFAULT_STARTUP_TIMEOUT
-        with JobClient(name, spec, rank, worker, self.node, startup_timeout=patience) as lane:
-            info = lane.register()
-            if digest is not None and digest != info.get("catalog_digest"):
-                raise ValueError(
-                    f"state was saved with catalog_digest={digest!r}, job {name!r} has "
-                    f"catalog_digest={info.get('catalog_digest')!r}: cannot resume over other data"
-                )
-            self._lane_info = (name, rank, worker, info.get("catalog_digest"))
-            self._cursor = cursor
-            self._state = None  # this iteration only: the next one starts at the job's beginning
+    def _iter_node(self, start: dict[str, Any] | None, token: object) -> Iterator[Any]:
+        try:
+            lane, cursor = self._open_lane(start)
+        except BaseException:
+            self._not_started(start, token)
+            raise
+        with lane:
+            if self._pass is token:
+                self._cursor = cursor
             if self.transform is None:
                 while (item := lane.take(cursor)) is not None:
-                    self._cursor = cursor = item.next
+                    cursor = item.next
+                    if self._pass is token:
+                        self._cursor = cursor
                     yield item  # released when the loop asks for the next
             else:
                 transform = self.transform
@@ -298,9 +333,41 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                     cursor = batch[-1].next
                     lane.consume(cursor)  # read: their space is free while the samples travel on
                     for sample, item in zip(samples, batch, strict=True):
-                        self._cursor = item.next
+                        if self._pass is token:
+                            self._cursor = item.next
                         yield sample
-        self._cursor = None  # the pass is over: a state taken now is the start of the next
+        self._ended(token)
+
+    def _open_lane(self, start: dict[str, Any] | None) -> tuple[JobClient, Cursor]:
+        """Node mode: this process's lane, registered, and the position its pass starts at."""
+        worker, num_workers = self._worker()
+        rank, _ = self._rank_world()
+        spec = self.job_spec(num_workers)
+        name = self.job_name(spec)
+        cursor = Cursor(0, 0)
+        digest = None
+        if start is not None:
+            if (start.get("job"), start.get("rank"), start.get("worker")) not in ((name, rank, worker), (None, None, None)):
+                raise ValueError(
+                    f"state of job {start.get('job')!r} lane {start.get('rank')}.{start.get('worker')}: this is job "
+                    f"{name!r} lane {rank}.{worker} (same settings, world size and DataLoader workers to resume)"
+                )
+            cursor, digest = Cursor(int(start["epoch"]), int(start["index"])), start.get("catalog_digest")
+        # registered in an earlier pass of this process: the daemon was here, a restart is waited out
+        patience = DEFAULT_OUTAGE_TIMEOUT if self._lane_info is not None else DEFAULT_STARTUP_TIMEOUT
+        lane = JobClient(name, spec, rank, worker, self.node, startup_timeout=patience)
+        try:
+            info = lane.register()
+            if digest is not None and digest != info.get("catalog_digest"):
+                raise ValueError(
+                    f"state was saved with catalog_digest={digest!r}, job {name!r} has "
+                    f"catalog_digest={info.get('catalog_digest')!r}: cannot resume over other data"
+                )
+        except BaseException:
+            lane.close()
+            raise
+        self._lane_info = (name, rank, worker, info.get("catalog_digest"))
+        return lane, cursor
 
     def state_dict(self) -> dict[str, Any]:
         """Where to resume: valid in every DataLoader worker (``StatefulDataLoader`` saves
@@ -310,29 +377,40 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         job, lane and catalog digest. Per-process mode: the plan's configuration and the
         position of this process's pipeline (:meth:`cachepipe.Pipeline.state_dict`): after the
         last sample yielded with a ``transform``, at the item in hand without one. Before this
-        process iterates: the state loaded, or the start (``{}`` in per-process mode).
+        process iterates: the state loaded, or the start (``{}`` in per-process mode). After a
+        pass ended: its end in a DataLoader worker, the next pass's start in the main process.
         """
-        if self.node is not None:
-            if self._cursor is None or self._lane_info is None:
-                return dict(self._state) if self._state is not None else {"epoch": 0, "index": 0}
-            name, rank, worker, digest = self._lane_info
-            return {
-                "job": name,
-                "rank": rank,
-                "worker": worker,
-                "epoch": self._cursor.epoch,
-                "index": self._cursor.index,
-                "catalog_digest": digest,
-            }
-        if self._pipe is None:
-            return dict(self._state) if self._state is not None else {}
-        return self._pipe.state_dict()
+        if self._state is None:  # no state loaded since this process's last pass began
+            if self.node is not None and self._cursor is not None and self._lane_info is not None:
+                name, rank, worker, digest = self._lane_info
+                return {
+                    "job": name,
+                    "rank": rank,
+                    "worker": worker,
+                    "epoch": self._cursor.epoch,
+                    "index": self._cursor.index,
+                    "catalog_digest": digest,
+                }
+            if self.node is None and self._pipe is not None:
+                return self._pipe.state_dict()
+        start = self._state if self._state is not None else self._start
+        if start is not None:
+            return dict(start)
+        return {"epoch": 0, "index": 0} if self.node is not None else {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (for a DataLoader worker started by spawn or forkserver) keeps this process's
+        position, not its pipeline (threads, locks, files: this process's alone)."""
+        state = dict(self.__dict__)
+        if self._pipe is not None:
+            state["_start"] = self._pipe.state_dict()
+        state["_pipe"], state["_pass"] = None, None
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Start the next iteration at ``state`` (from :meth:`state_dict`, same settings and data);
         the iterations after it start from the beginning, as without a state."""
         self._state = dict(state)
-        self._cursor = None
 
 
 def _distributed() -> Any:

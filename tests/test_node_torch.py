@@ -276,3 +276,47 @@ def test_workers_of_one_rank_over_unequal_items_and_epochs_do_not_hang(s3_source
     assert proc.returncode == 0, err
     got = samples(out)
     assert len(got) == 3 * len(data) and all(hashlib.md5(data[n]["f"]).hexdigest() == d for _, _, n, d in got)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "batch_size", "cut"),
+    [
+        ([8 * KIB] + [KIB] * 6, None, 3),  # worker 0's share is one item: it ends while worker 1 still has five
+        ([KIB] * 7, 2, 4),  # worker 1's last batch is short: its share ended inside the batch
+    ],
+)
+def test_a_checkpoint_after_one_worker_ended_its_lane_resumes_without_repeating_it(
+    s3_source, tmp_path, short_dir, sizes, batch_size, cut
+):
+    """Found in review: a DataLoader worker whose lane ended before the loader's pass did (a
+    short last batch, or a smaller share than the other workers') saved the job's beginning as
+    its state; StatefulDataLoader keeps that worker state with the loader's, and a resume from a
+    checkpoint taken after it delivered that worker's whole share again."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from cachepipe.torch import CachePipeDataset
+
+    for i, size in enumerate(sizes):
+        s3_source.put(f"item{i:03d}/f", bytes(size))
+    sock = short_dir / "api.sock"
+    options = {"node": str(sock), "job": "train", "rank": 0, "world_size": 1, "transform": lambda item: item.name}
+
+    def loader() -> StatefulDataLoader:
+        return StatefulDataLoader(CachePipeDataset(s3_source.url, **options), batch_size=batch_size, num_workers=2)
+
+    def names(batches: list) -> list[str]:
+        return sorted(name for batch in batches for name in ([batch] if isinstance(batch, str) else batch))
+
+    with DaemonProcess(write_config(tmp_path, sock, s3_source.url, s3_source.options)):
+        first, got = loader(), []
+        for n, batch in enumerate(first, 1):
+            got.append(batch)
+            if n == cut:
+                state = first.state_dict()
+        resumed = loader()
+        resumed.load_state_dict(state)
+        rest = list(resumed)
+        again = list(resumed)
+    assert names(got) == [f"item{i:03d}" for i in range(len(sizes))]
+    assert names(got[:cut] + rest) == names(got)  # before: the ended worker's share again
+    assert again == got  # and the pass after it is whole

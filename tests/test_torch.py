@@ -206,3 +206,150 @@ def test_ranks_under_torch_distributed_list_once_and_plan_from_one_catalog(s3_so
         tmp_path / "cache" / "manifest-rank0.json.gz",
         tmp_path / "cache" / "manifest-rank1.json.gz",
     ]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "batch_size", "cut"),
+    [
+        ([1000] + [100] * 6, None, 3),  # worker 0's share is one item: it ends while worker 1 still has five
+        ([100] * 7, 2, 4),  # worker 1's last batch is short: its share ended inside the batch
+    ],
+)
+def test_a_checkpoint_after_one_worker_ended_its_share_resumes_without_repeating_it(s3_source, tmp_path, sizes, batch_size, cut):
+    """Found in review: a DataLoader worker whose share ended before the loader's pass did (a
+    short last batch, or a smaller share than the other workers') saved the start of the next
+    pass as its state; StatefulDataLoader keeps that worker state with the loader's, and a
+    resume from a checkpoint taken after it delivered that worker's whole share again."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed")
+    for i, size in enumerate(sizes):
+        s3_source.put(f"item{i:03d}/f", bytes(size))
+    opts = {"transform": lambda path: path.name, "storage_options": s3_source.options, "rank": 0, "world_size": 1}
+
+    def loader(cache: str):
+        dataset = CachePipeDataset(s3_source.url, tmp_path / cache, "1MiB", **opts)
+        return stateful.StatefulDataLoader(dataset, batch_size=batch_size, num_workers=2)
+
+    first, got = loader("a"), []
+    for n, batch in enumerate(first, 1):
+        got.append(batch)
+        if n == cut:
+            state = first.state_dict()
+    resumed = loader("b")
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+
+    def names(batches: list) -> list[str]:
+        return sorted(name for batch in batches for name in ([batch] if isinstance(batch, str) else batch))
+
+    assert names(got) == [f"item{i:03d}" for i in range(len(sizes))]
+    assert names(got[:cut] + rest) == names(got)  # before: the ended worker's share again
+    assert list(resumed) == got  # and the pass after it is whole
+
+
+def test_a_pass_that_cannot_open_its_cache_leaves_the_loaded_state_for_the_next(s3_source, tmp_path):
+    """Found in review: a pass whose pipeline failed to open (here its cache folder is held by a
+    live iterator of the same dataset, as in a notebook that kept one) left the unopened
+    pipeline as the dataset's position: state_dict() raised AttributeError ('Pipeline' object
+    has no attribute '_frontier'), and the loaded state was gone, so the next pass started
+    from the beginning. Now the state is the loaded one until a pass starts from it."""
+    from cachepipe.errors import CacheLockedError
+
+    s3_source.folders(5, {"f": 10})
+    opts = {"transform": read, "storage_options": s3_source.options, "rank": 0, "world_size": 1}
+    ds = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", **opts)
+    full = list(ds)
+    held = iter(ds)
+    assert next(held) == full[0]
+    state = ds.state_dict()  # after the first sample
+    ds.load_state_dict(state)
+    with pytest.raises(CacheLockedError, match="rank0-worker0"):
+        next(iter(ds))  # the live iterator holds the folder
+    assert ds.state_dict() == state  # before: AttributeError
+    held.close()
+    assert list(ds) == full[1:]  # before: the whole pass again
+    assert list(ds) == full
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"epoch": 2}, "epoch"),  # a typo of epochs
+        ({"epochs": 0}, "epochs"),
+        ({"partition": "fix"}, "partition"),
+        ({"rank": 1}, "rank 1, world_size None"),
+        ({"rank": 3, "world_size": 2}, "rank 3 with world_size 2"),
+        ({"transform": "read"}, "transform='read'"),
+        ({"source": "bucket/video/"}, "s3://bucket/video/"),  # a scheme forgotten
+    ],
+)
+def test_a_bad_argument_is_refused_when_the_dataset_is_made(tmp_path, kwargs, match):
+    """Found in review: per-process mode checked the pipeline's options only when each DataLoader
+    worker opened its pipeline (after the workers started, once per worker, under torch's
+    'Caught ... in DataLoader worker process N'), and a transform that is not a function failed
+    with "'str' object is not callable". Now the dataset refuses them when it is made (node mode
+    too for rank/world_size and transform; the daemon checks a job's plan options)."""
+    source = kwargs.pop("source", str(tmp_path))
+    with pytest.raises((ValueError, TypeError), match=match):
+        CachePipeDataset(source, tmp_path / "c", "1MiB", **kwargs)
+    if "rank" in kwargs or "transform" in kwargs:
+        with pytest.raises((ValueError, TypeError), match=match):
+            CachePipeDataset(source, node="/nowhere.sock", **kwargs)
+
+
+def test_a_dataset_read_in_the_main_process_can_still_go_to_spawned_workers(s3_source, tmp_path):
+    """Found in review: after a pass in the main process that did not run to its end (a peek
+    with next(iter(ds)), a loop left with break), the dataset held its closed pipeline, and
+    pickling it (what DataLoader workers started by spawn or forkserver do: macOS, Python 3.14's
+    default on Linux) failed with "cannot pickle '_thread.lock' object". Now a copy keeps the
+    position, not the pipeline."""
+    import pickle
+
+    s3_source.folders(4, {"f": 100})
+    opts = {"transform": read, "storage_options": s3_source.options, "rank": 0, "world_size": 1}
+    ds = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", **opts)
+    full = list(ds)
+    peek = iter(ds)
+    assert next(peek) == full[0]
+    peek.close()
+    copy = pickle.loads(pickle.dumps(ds))  # noqa: S301 - bytes made here; before: TypeError
+    assert copy.state_dict() == ds.state_dict()
+    assert list(copy) == full  # a new pass starts at the beginning, as in the original
+    assert list(ds) == full
+
+
+def test_a_store_object_passes_through_to_the_pipelines(tmp_path):
+    """Pipeline(store=) is not a pipeline option: the dataset's check of its options when it is
+    made (77f1ac4) must let it through, as the workers' pipelines take it."""
+    from cachepipe.stores.fsspec import FsspecStore
+
+    src = tmp_path / "src"
+    for name in ("a", "b"):
+        (src / name).mkdir(parents=True)
+        (src / name / "f").write_bytes(b"x")
+    opts = {"store": FsspecStore(f"file://{src}"), "rank": 0, "world_size": 1, "transform": lambda path: path.name}
+    assert list(CachePipeDataset("s3://read/through/the/store/", tmp_path / "c", "1MiB", **opts)) == ["a", "b"]
+
+
+def test_a_checkpoint_after_a_whole_pass_of_workers_resumes_into_the_next_pass(s3_source, tmp_path):
+    """Found in review: StatefulDataLoader resuming a checkpoint taken after a whole pass starts
+    workers with the saved (finished) states, then, seeing the pass finished, another set for
+    the next pass while the first set still runs. The first set ran whole passes (a worker's
+    state after its pass was the next pass's start) and held their cache folders: the next
+    pass's workers failed with CacheLockedError (3 runs in 3 before this review's fixes, 2 in 3
+    after the first, where the first set ran empty passes). Now a pass loaded at the end of its
+    share takes no cache."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed")
+    s3_source.folders(40, {"f": 100})
+    opts = {"transform": read, "storage_options": s3_source.options, "rank": 0, "world_size": 1}
+
+    def loader(cache: str):
+        dataset = CachePipeDataset(s3_source.url, tmp_path / cache, "1MiB", **opts)
+        return stateful.StatefulDataLoader(dataset, batch_size=2, num_workers=2)
+
+    first = loader("a")
+    full = [[tuple(x) for x in zip(*batch, strict=True)] for batch in first]
+    state = first.state_dict()
+    resumed = loader("b")
+    resumed.load_state_dict(state)
+    assert [[tuple(x) for x in zip(*batch, strict=True)] for batch in resumed] == full  # before: CacheLockedError
+    assert [[tuple(x) for x in zip(*batch, strict=True)] for batch in resumed] == full
