@@ -20,6 +20,8 @@ Each worker is a fresh interpreter (``python -m cachepipe.downloads FD``), not a
 parent runs threads: a fork would copy held locks) nor multiprocessing's spawn (which imports
 the caller's ``__main__`` again). :meth:`DownloadWorkers.close` stops them; none outlives it, and
 a worker exits by itself when its parent dies (its end of the pipe closes).
+:meth:`DownloadWorkers.abort` (a closing pipeline) has each worker abort its store: its requests
+in flight fail at once as the store's ``abort`` cuts them, so that the close after it is prompt.
 """
 
 from __future__ import annotations
@@ -124,6 +126,15 @@ class _Worker:
         for future in lost:
             future.set_exception(WorkerLostError(f"download worker {self.name} exited (exit code {self.process.poll()})"))
 
+    def abort(self) -> None:
+        """Ask the worker to abort its store's requests (it goes on serving: :meth:`stop` ends it)."""
+        with self.lock:
+            try:
+                if self.alive:
+                    self.conn.send("abort")
+            except (OSError, ValueError):
+                pass  # its pipe is closed: the worker is gone already
+
     def stop(self, timeout: float) -> None:
         """Ask the worker to finish its requests and exit; kill it after ``timeout`` seconds."""
         with self.lock:
@@ -192,6 +203,14 @@ class DownloadWorkers:
                     self._workers[slot] = _Worker(slot, *self._args)
             return min(self._workers, key=lambda w: len(w.pending))
 
+    def abort(self) -> None:
+        """Have every worker abort its store (see :func:`cachepipe.stores.base.abort_store`): their
+        requests in flight fail at once, and later ones are refused. Before :meth:`close`."""
+        with self._lock:
+            workers = list(self._workers)
+        for worker in workers:
+            worker.abort()
+
     def close(self) -> None:
         """Stop every worker (each finishes its requests in flight first). Idempotent."""
         with self._lock:
@@ -213,9 +232,11 @@ def _exception(payload: bytes | tuple[str, str]) -> BaseException:
 # ---- the worker process ----------------------------------------------------------------
 def _serve(conn: Connection) -> None:
     """A worker's main: read ``(url, storage_options, threads)``, then serve requests from
-    ``conn`` with ``threads`` threads until told to stop (``None``) or the parent's end closes."""
+    ``conn`` with ``threads`` threads until told to stop (``None``) or the parent's end closes;
+    ``"abort"`` aborts the store's requests (:meth:`DownloadWorkers.abort`)."""
     url, storage_options, threads = conn.recv()
     from .stores import open_store
+    from .stores.base import abort_store
 
     store = open_store(url, storage_options)
     send_lock = threading.Lock()
@@ -243,6 +264,9 @@ def _serve(conn: Connection) -> None:
                 break  # the parent is gone
             if request is None:
                 break
+            if request == "abort":
+                abort_store(store)
+                continue
             pool.submit(handle, *request)
     finally:
         pool.shutdown(wait=True)

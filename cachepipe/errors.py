@@ -18,6 +18,7 @@ Every error is a builtin subclass as well, so callers that catch ``ValueError`` 
      +-- VerificationError      (OSError)           downloaded bytes do not match the listing: retried
      |    +-- ChecksumError                         an archive volume does not match its MD5 file
      +-- ObjectChangedError     (OSError)           the object was rewritten since it was listed: not retried
+     +-- StoreClosedError       (OSError)           a request cut short or refused because its store was aborted: not retried
      +-- ArchiveError           (ValueError)        an item that cannot be unpacked (no archive, corrupt, gaps)
           +-- UnsafeMemberError                     a member that would leave the item, or a device file
           +-- ArchiveTooLargeError                  extraction past its byte or member limit (a bomb)
@@ -52,6 +53,7 @@ __all__ = [
     "ObjectChangedError",
     "OversizeError",
     "PrepareOverflowError",
+    "StoreClosedError",
     "StoreUnavailableError",
     "StoreUnreachableError",
     "UnknownItemError",
@@ -160,6 +162,12 @@ class ObjectChangedError(CachePipeError, OSError):
     object's. List again (a new pass) to fetch the new content."""
 
 
+class StoreClosedError(CachePipeError, OSError):
+    """A store request cut short, or refused before it was sent, because the store was aborted
+    (``abort()``: its owner is closing). Not retried: every later request of the store is refused
+    too. A closing pipeline reports no item failure for it."""
+
+
 class ArchiveError(CachePipeError, ValueError):
     """An item that cannot be unpacked: no archive in it, a corrupt or unsupported archive."""
 
@@ -208,7 +216,7 @@ def is_transient(exc: BaseException) -> bool:
     download and a full or failing local disk are transient. An endpoint that never answered,
     missing keys, denied access, bad settings and everything else are not.
     """
-    if isinstance(exc, (StoreUnreachableError, ObjectChangedError)):
+    if isinstance(exc, (StoreUnreachableError, ObjectChangedError, StoreClosedError)):
         return False
     if isinstance(exc, (ConnectionError, TimeoutError, VerificationError)):
         return True

@@ -313,8 +313,18 @@ class Fetcher:
     def start(self) -> None:
         self._thread.start()
 
+    def interrupt(self) -> None:
+        """Stop planning and downloading without waiting: no part is taken, no request retried and
+        no backoff slept from now on, and an item whose request fails meanwhile is not reported
+        (staging is the cache's to remove at close). Download worker processes abort their
+        stores' requests. Then the pipeline aborts its own store, and :meth:`stop` joins."""
+        self._stop.set()
+        if self._workers is not None:
+            self._workers.abort()
+
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop planning and downloading; wait for the threads (in-flight requests finish their chunk)."""
+        """Stop planning and downloading; wait for the threads (in-flight requests finish their
+        chunk, or fail at once if the store was aborted after :meth:`interrupt`)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)

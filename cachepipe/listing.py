@@ -82,11 +82,17 @@ class StreamingListing:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop listing (a page request in flight completes first) and join the thread."""
+    def interrupt(self) -> None:
+        """Stop listing without waiting: no more pages are asked for, no backoff is slept, and an
+        error met from now on (a page request the store's ``abort`` cut) is not retried."""
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
+
+    def stop(self) -> None:
+        """Stop listing and join the thread: a page request in flight completes first, unless
+        the store was aborted after :meth:`interrupt` (see :meth:`Pipeline.close`)."""
+        self.interrupt()
         if self._thread.ident is not None:
             self._thread.join()
 

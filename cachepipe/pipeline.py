@@ -27,6 +27,7 @@ from .plan import tick as plan_tick
 from .retention import PlanFuture, make_policy
 from .sourcing import fitting_items, make_plan, obtain_catalog
 from .stores import Store, open_store
+from .stores.base import abort_store
 
 __all__ = ["CachedItem", "Pipeline", "Stats"]
 
@@ -237,6 +238,9 @@ class Pipeline:
         self._handed: dict[str, CachedItem] = {}  # lease id -> the object handed out, until ack or release
         self._state = _UNOPENED
         self._lock = threading.Lock()
+        self._closing = threading.Event()  # close() was called: an open() under way stops listing and raises
+        self._abort_lock = threading.Lock()  # _opening, between open() and a close() from another thread
+        self._opening: Store | None = None  # the store while open() runs (a close meanwhile aborts it)
         self._inflight: dict[int, _Held] = {}  # seq -> what a hand-out needs of its item, from planning until consumed
         self._listing: StreamingListing | None = None
         self._counts = {"handed": 0, "acked": 0, "released": 0, "skipped": 0}
@@ -255,7 +259,9 @@ class Pipeline:
         """List the source, take the cache, start downloading. Called by ``with`` and ``iter``.
 
         Raises:
-            RuntimeError: the pipeline is already open or closed.
+            RuntimeError: the pipeline is already open or closed, or :meth:`close` was called from
+                another thread while it opened (the listing's requests in flight are aborted; the
+                error it cut is chained).
             CacheLockedError: another pipeline owns ``cache_dir``, or a cache directory inside
                 it or around it (naming both).
             EmptySourceError: nothing to deliver under ``source``.
@@ -268,6 +274,8 @@ class Pipeline:
             self._state = _CLOSED  # until it is open: a failed open cannot be retried on this object
             cfg = self.config
             store = self._given_store or open_store(cfg.source, cfg.storage_options)
+            with self._abort_lock:
+                self._opening = store
             cache = Cache(cfg.cache_dir, cfg.capacity)
             broker: Broker[str] = Broker(ordered=cfg.ordered, lease_timeout=cfg.lease_timeout)
             fetcher: Fetcher | None = None
@@ -286,21 +294,35 @@ class Pipeline:
                             self._bar.total = self._total_steps
                             self._bar.refresh()
                     self._store, self._fetcher = store, fetcher
+                    with self._abort_lock:
+                        if self._closing.is_set():
+                            raise RuntimeError(f"{self!r} was closed while it opened")
+                        self._opening = None  # open: a close() from now on takes the lock and stops it in order
                     fetcher.start()
                     self._state = _OPEN
                 except BaseException:
+                    # wakers first, then the store's requests in flight cut, then the joins (as close())
                     if self._listing is not None:
-                        self._listing.stop()
+                        self._listing.interrupt()
                     if fetcher is not None:
                         broker.close()
                         cache.interrupt()
+                        fetcher.interrupt()
+                    abort_store(store)
+                    if self._listing is not None:
+                        self._listing.stop()
+                    if fetcher is not None:
                         fetcher.stop()
                     cache.close()
                     raise
-            except BaseException:
+            except BaseException as exc:
+                with self._abort_lock:
+                    self._opening = None
                 if self._bar is not None:
                     self._bar.close()
                 store.close()
+                if self._closing.is_set() and isinstance(exc, Exception) and not isinstance(exc, RuntimeError):
+                    raise RuntimeError(f"{self!r} was closed while it opened") from exc
                 raise
             log.info(
                 "opened %s: %s, capacity %d bytes",
@@ -368,7 +390,7 @@ class Pipeline:
         sizes, eligible, from_manifest)``, where plan item ``i`` is catalog item ``eligible[i]``
         (``eligible`` None: every item fits, no second list is kept)."""
         cfg = self.config
-        catalog, self._catalog_digest, from_manifest = obtain_catalog(cfg, store, cache)
+        catalog, self._catalog_digest, from_manifest = obtain_catalog(cfg, store, cache, self._closing)
         sizes = catalog.sizes
         self._listed = len(catalog)
         self._listed_bytes = sum(sizes)
@@ -557,7 +579,18 @@ class Pipeline:
         Idempotent. Consumers blocked in the iterator stop; further use raises ``RuntimeError``.
         Items still handed out are deleted too (unless ``keep_on_close``): their
         :class:`CachedItem` objects raise ``FileNotFoundError`` from then on.
+
+        Prompt: the store's requests in flight are aborted (its ``abort()``, where the backend
+        can: see :mod:`cachepipe.stores.base`) before the threads are joined, so a download or a
+        listing page blocked on a store that stopped answering ends at once; what it staged is
+        removed. Called from another thread while :meth:`open` lists, it aborts that listing,
+        and ``open`` raises ``RuntimeError``.
         """
+        self._closing.set()
+        with self._abort_lock:
+            opening = self._opening
+        if opening is not None:
+            abort_store(opening)  # open() runs in another thread, holding the lock: it fails at once
         with self._lock:
             state, self._state = self._state, _CLOSED
         if state != _OPEN:
@@ -566,6 +599,10 @@ class Pipeline:
             return  # a forked copy: the threads, the lock and the files are the parent's to close
         self._broker.close()
         self._cache.interrupt()
+        if self._listing is not None:
+            self._listing.interrupt()
+        self._fetcher.interrupt()  # before the abort: a request it cuts is neither retried nor reported
+        abort_store(self._store)
         if self._listing is not None:
             self._listing.stop()
         self._fetcher.stop()

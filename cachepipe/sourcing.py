@@ -13,7 +13,7 @@ pipeline that is about the data, not about threads.
 from __future__ import annotations
 
 import logging
-import time
+import threading
 from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
@@ -41,28 +41,36 @@ def list_source(
     backoff: float = 0.2,
     backoff_max: float = 10.0,
     source: str = "",
+    stop: threading.Event | None = None,
 ) -> Catalog:
     """List ``store`` into a catalog, retrying transient store errors as downloads are (the whole
-    listing again: a catalog is built in one pass). ``source`` names it in the log.
+    listing again: a catalog is built in one pass). ``source`` names it in the log. ``stop``: once
+    set (a pipeline closing while it opens), an error is not retried and a backoff ends at once.
 
     Raises:
-        OSError, UnsafeKeyError, ...: a permanent error, or a transient one after ``retries``.
+        OSError, UnsafeKeyError, ...: a permanent error, or a transient one after ``retries``
+            (or once ``stop`` is set).
     """
+    stop = stop or threading.Event()
     for attempt in range(retries + 1):
         try:
             return Catalog.from_listing(store.list(), items)
         except Exception as exc:
-            if not is_transient(exc) or attempt == retries:
+            if not is_transient(exc) or attempt == retries or stop.is_set():
                 raise
             delay = backoff_delay(attempt, backoff, backoff_max)
             log.warning("listing %s failed, retry %d/%d in %.2fs: %s", source or store.url, attempt + 1, retries, delay, exc)
-            time.sleep(delay)  # a backoff in the opening thread; Ctrl-C interrupts it
+            if stop.wait(delay):  # a backoff in the opening thread; Ctrl-C interrupts it, and so does a close
+                raise
     raise AssertionError("unreachable")
 
 
-def obtain_catalog(cfg: PipelineConfig, store: Store, cache: Cache) -> tuple[Catalog, str, bool]:
+def obtain_catalog(
+    cfg: PipelineConfig, store: Store, cache: Cache, stop: threading.Event | None = None
+) -> tuple[Catalog, str, bool]:
     """The catalog of this pass: read from ``cfg.manifest``; else the listing an earlier owner of
-    ``cache`` saved (``resume`` without ``relist``); else a new listing (saved with ``resume``).
+    ``cache`` saved (``resume`` without ``relist``); else a new listing (saved with ``resume``;
+    ``stop``: see :func:`list_source`).
 
     Returns:
         ``(catalog, digest, from_manifest)``.
@@ -78,7 +86,7 @@ def obtain_catalog(cfg: PipelineConfig, store: Store, cache: Cache) -> tuple[Cat
     else:
         saved = cache.saved_catalog(cfg.source, cfg.items) if cfg.resume and not cfg.relist else None
         if saved is None:
-            saved = list_source(store, cfg.items, cfg.retries, cfg.retry_backoff, cfg.retry_backoff_max, cfg.source)
+            saved = list_source(store, cfg.items, cfg.retries, cfg.retry_backoff, cfg.retry_backoff_max, cfg.source, stop)
             if cfg.resume:
                 cache.save_catalog(cfg.source, cfg.items, saved)
         catalog, digest, from_manifest = saved, saved.digest(), False

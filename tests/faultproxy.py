@@ -14,7 +14,8 @@ connections so faults take effect. Clients see TCP segments of an Ethernet link 
 ``proxy.requests`` holds the head of every request (request line and headers) in arrival
 order; it assumes requests without a body (GET, HEAD), which is all that tests send through
 the proxy. ``proxy.hold(match, gate)`` holds each request whose head ``match`` accepts until
-``gate`` is set (30 s at most; :attr:`hold_timeouts` counts the waits that ran out).
+``gate`` is set (``limit``, 30 s by default, at most; :attr:`hold_timeouts` counts the waits
+that ran out). :func:`silent` is an endpoint that takes requests and never answers.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class FaultProxy:
         self.injected: dict[str, int] = {"cut": 0, "stall": 0, "refuse": 0, "corrupt": 0, "trickle": 0} | dict.fromkeys(CANNED, 0)
         self.connections = 0
         self.requests: list[str] = []
-        self._hold: tuple[Callable[[str], bool], threading.Event] | None = None
+        self._hold: tuple[Callable[[str], bool], threading.Event, float] | None = None
         self.hold_timeouts = 0
         self._writers: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
@@ -76,10 +77,10 @@ class FaultProxy:
             self.faults.append([kind, count])
         self.drop_all()
 
-    def hold(self, match: Callable[[str], bool], gate: threading.Event) -> None:
+    def hold(self, match: Callable[[str], bool], gate: threading.Event, limit: float = 30.0) -> None:
         """Hold each request whose head (request line and headers) ``match`` accepts until
-        ``gate`` is set, 30 s at most."""
-        self._hold = (match, gate)
+        ``gate`` is set, ``limit`` seconds at most (set ``gate`` before the proxy stops)."""
+        self._hold = (match, gate, limit)
 
     def clear(self) -> None:
         """No more faults: pass everything through."""
@@ -159,7 +160,7 @@ class FaultProxy:
         hold = self._hold
         if hold is None or not any(hold[0](head) for head in heads):
             return
-        if not await self._loop.run_in_executor(None, hold[1].wait, 30):
+        if not await self._loop.run_in_executor(None, hold[1].wait, hold[2]):
             self.hold_timeouts += 1
 
     async def _pipe(
@@ -198,6 +199,46 @@ class FaultProxy:
         finally:
             self._writers.discard(writer)
             writer.transport.abort()
+
+
+@contextmanager
+def silent() -> Iterator[tuple[str, threading.Event]]:
+    """An endpoint that accepts connections and reads what comes, but never answers (a store that
+    stopped answering): ``(url, asked)``, ``asked`` set once a request's first bytes came. Its
+    connections stay open until the block ends."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    asked, stop = threading.Event(), threading.Event()
+    conns: list[socket.socket] = []
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return  # closed: the block ended
+            conns.append(conn)
+            try:
+                if conn.recv(65536):
+                    asked.set()
+            except OSError:
+                pass  # shut down: the block ended
+
+    thread = threading.Thread(target=serve, name="test-silent")
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}", asked
+    finally:
+        stop.set()
+        for sock in [server, *conns]:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the accept, or a read
+            except OSError:
+                pass  # the client shut it down first
+        thread.join(5)
+        for sock in [server, *conns]:
+            sock.close()
 
 
 @contextmanager

@@ -326,3 +326,81 @@ def test_the_requests_of_large_items_in_flight_are_at_most_max_large_requests(s3
 
     assert _requests_at_once(fault_proxy, s3_source, tmp_path, data, "default", 16, held=large_get) == 16
     assert _requests_at_once(fault_proxy, s3_source, tmp_path, data, "three", 3, held=large_get, max_large_requests=3) == 3
+
+
+@pytest.mark.parametrize("processes", [0, 1])
+def test_close_aborts_a_download_whose_body_stopped_coming(remote_source, fault_proxy, tmp_path, processes):
+    # A store that stopped sending mid-body held close() (and so a daemon's SIGTERM) for as long
+    # as a read may wait (60 s), past systemd's TimeoutStopSec: close waited for the download
+    # threads before it closed the store. Now it aborts the store's requests first.
+    proxy, endpoint = fault_proxy
+    data = remote_source.folders(2, {"f": 200 * KIB})
+    manifest = listed(remote_source, tmp_path)  # only the GETs go through the proxy
+    proxy.inject("stall", 100)  # every connection: 2,000 bytes of the response, then silence, open
+    pipe = Pipeline(
+        remote_source.url,
+        tmp_path / "c",
+        "1MiB",
+        storage_options=via(remote_source, endpoint),
+        manifest=manifest,
+        max_concurrency=1,
+        retry_backoff=0.01,
+        download_processes=processes,
+    )
+    pipe.open()
+    closed = threading.Event()
+    closing = threading.Thread(target=lambda: (pipe.close(), closed.set()))
+    try:
+        wait_until(lambda: any(map(_item_get, proxy.requests)), what="an item's GET")
+        closing.start()
+        wait_until(closed.is_set, timeout=20, what="close() while the store holds the body")
+    finally:
+        if closing.is_alive():
+            proxy.drop_all()  # the fix failed: let the close end for the thread check
+        if closing.ident is not None:
+            closing.join()
+        else:
+            pipe.close()
+    assert proxy.injected["stall"] >= 1
+    assert pipe.stats().items_failed == 0  # not an item failure: the pipeline is closing
+    staging = tmp_path / "c" / ".cachepipe" / "staging"
+    assert not staging.exists() or not any(staging.iterdir())
+    # the journal is whole: the same cache opens and delivers every item
+    with Pipeline(remote_source.url, tmp_path / "c", "1MiB", storage_options=remote_source.options, manifest=manifest) as again:
+        got = {p.name: (p / "f").read_bytes() for p in again}
+    assert got == {name: files["f"] for name, files in data.items()}
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["streamed-listing", "whole-listing"])
+def test_close_from_another_thread_ends_an_open_whose_listing_gets_no_answer(remote_source, tmp_path, resume):
+    # open() against an endpoint that accepts and never answers: Ctrl-C (or a close) waited for
+    # the listing's page request, up to the 60 s read timeout. close() now aborts it, and open()
+    # raises RuntimeError. resume=True lists in the opening thread, otherwise a listing thread.
+    from faultproxy import silent
+
+    remote_source.folders(1, {"f": 10})
+    raised: list[BaseException] = []
+    opening: threading.Thread | None = None
+    try:
+        with silent() as (endpoint, asked):
+            options = via(remote_source, endpoint)
+            pipe = Pipeline(remote_source.url, tmp_path / "c", "1MiB", storage_options=options, resume=resume)
+
+            def run() -> None:
+                try:
+                    pipe.open()
+                except BaseException as exc:  # noqa: BLE001 - the test checks it
+                    raised.append(exc)
+
+            opening = threading.Thread(target=run)
+            opening.start()
+            wait_until(asked.is_set, what="the listing's request")
+            pipe.close()
+            wait_until(lambda: not opening.is_alive(), timeout=20, what="open() to end after close()")
+    finally:
+        if opening is not None:
+            opening.join()  # if the fix failed: the connections the block ended end open() too
+    assert len(raised) == 1 and isinstance(raised[0], RuntimeError), raised
+    assert "closed while it opened" in str(raised[0])
+    staging = tmp_path / "c" / ".cachepipe" / "staging"
+    assert not staging.exists() or not any(staging.iterdir())

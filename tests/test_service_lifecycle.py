@@ -84,7 +84,9 @@ def test_acks_that_arrive_while_the_daemon_stops_are_answered_stopping_not_refus
     gate = threading.Event()
     proxy.hold(is_item("item003"), gate)  # a download in flight: the stop waits for it
     sock = short_dir / "api.sock"
-    config = write_config(tmp_path, sock, endpoint)
+    # obstore's GETs (the engine's, of items under 1 MiB) are the ones a closing pipeline cannot
+    # abort (stores/s3native.py): the held one keeps the stop under way while the test asks
+    config = write_config(tmp_path, sock, endpoint, storage_options={"endpoint_url": endpoint, "engine": "obstore"})
     conns: list[_Unix] = []
     with DaemonProcess(config) as daemon:
         try:
@@ -189,3 +191,35 @@ def test_a_next_carrying_an_ack_cut_by_a_daemon_crash_is_not_sent_again_with_the
                 assert len(got[0]) == 1 and got[0][0].name in {"item001", "item002"}, got
     finally:
         first.close()
+
+
+def test_sigterm_with_a_download_the_store_never_answers_exits_promptly(s3_source, fault_proxy, tmp_path, short_dir):
+    # Under systemd (TimeoutStopSec=30s) SIGTERM with one download stalled took as long as the
+    # store held it (a read waits up to 60 s), and systemd killed the daemon first: closing a
+    # pipeline waited for its downloads before it closed the store. Now it aborts them.
+    proxy, endpoint = fault_proxy
+    s3_source.folders(4, FILES)
+    gate = threading.Event()
+    proxy.hold(is_item("item003"), gate, limit=600)  # far longer than this test waits
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, endpoint)
+    with DaemonProcess(config) as daemon:
+        try:
+            with Client("train", sock, auto_ack=False) as client:
+                client.get(timeout=30)
+            deadline = time.monotonic() + 30
+            while not any(is_item("item003")(h) for h in proxy.requests):
+                assert time.monotonic() < deadline, "item003 was never requested"
+                time.sleep(0.01)
+            started = time.monotonic()
+            daemon.signal(signal.SIGTERM)
+            code = daemon.proc.wait(20)  # TimeoutExpired before the fix (60 s, the read timeout)
+            print(f"SIGTERM to exit: {time.monotonic() - started:.2f} s")
+            assert code == 0, daemon.log()
+            assert proxy.hold_timeouts == 0  # the store still held the request when the daemon exited
+        finally:
+            gate.set()
+    assert "Traceback" not in daemon.log(), daemon.log()
+    assert "item003" not in daemon.log() or "failed" not in daemon.log(), daemon.log()
+    staging = tmp_path / "cache" / ".cachepipe" / "staging"
+    assert not staging.exists() or not any(staging.iterdir())

@@ -22,7 +22,7 @@ from ..catalog import check_key, group_items
 from ..config import UNPACK_RATIO, Capacity, parse_size
 from ..errors import ConfigError, UnsafeKeyError
 from ..stores import Store
-from ..stores.base import ObjectInfo, takes_etag
+from ..stores.base import ObjectInfo, abort_store, takes_etag
 from ..unpack import DEFAULT_MAX_MEMBERS, is_checksum_file, split_volume
 
 __all__ = [
@@ -239,9 +239,10 @@ def _plan_grouped(objects: list[ObjectInfo]) -> list[MapItem]:
 class PlannedSource:
     """The source store as the pipeline sees it: only the items to do, under their cache names."""
 
-    def __init__(self, store: Store, items: Sequence[MapItem]) -> None:
+    def __init__(self, store: Store, items: Sequence[MapItem], abortable: bool = True) -> None:
         self.url = store.url
         self._store = store
+        self._abortable = abortable  # False: the store is also the destination, which uploads after the pipeline closes
         self._objects = sorted((o for mi in items for o in mi.objects), key=lambda o: o.key)
         self._keys = {k: v for mi in items for k, v in mi.keys.items()}
         self._conditional = takes_etag(store)
@@ -256,6 +257,12 @@ class PlannedSource:
 
     def close(self) -> None:
         """The map run owns the real store and closes it."""
+
+    def abort(self) -> None:
+        """Cut the real store's requests in flight (the pipeline is closing; the map run reads
+        nothing from its source after that), unless it is the destination too."""
+        if self._abortable:
+            abort_store(self._store)
 
 
 def _location(url: str) -> str:

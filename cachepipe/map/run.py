@@ -203,7 +203,7 @@ class _MapRun:
             cfg.source,
             cfg.cache_dir,
             with_unit(sizing.downloads),
-            store=PlannedSource(src, items),
+            store=PlannedSource(src, items, abortable=src is not dst),
             items="folders" if grouped else cfg.items,
             auto_ack=False,
             on_error="raise",

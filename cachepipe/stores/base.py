@@ -3,6 +3,12 @@
 A backend implements three primitives; everything else (grouping objects into items,
 ranged parts, retries, verification, publishing) is written once in the core.
 
+One more is optional for every store: ``abort()`` makes the requests in flight fail at once
+(a thread blocked reading from a store that stopped answering wakes) and every later request fail
+without being sent, with :class:`cachepipe.errors.StoreClosedError`; idempotent, callable from
+any thread. A closing pipeline calls it (through :func:`abort_store`) before it waits for its
+threads, then ``close()``. A store without it is waited for.
+
 Two more primitives are optional, for stores that are written to (``cachepipe map`` uploads
 results through them; a store that is only read need not have them), described by
 :class:`WritableStore`: ``put(local_path, key)`` uploads one local file (streamed, multipart
@@ -34,7 +40,7 @@ from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 from ..errors import ObjectChangedError, StoreUnavailableError, StoreUnreachableError, store_code
 
-__all__ = ["FIRST_PAGE_KEYS", "ObjectInfo", "Store", "WritableStore", "listed_etag", "takes_etag"]
+__all__ = ["FIRST_PAGE_KEYS", "ObjectInfo", "Store", "WritableStore", "abort_store", "listed_etag", "takes_etag"]
 
 FIRST_PAGE_KEYS = 100
 """Keys a paginated store asks for in its first listing request; each later request asks for the
@@ -107,6 +113,15 @@ def takes_etag(store: Any) -> bool:
         return False
     etag = params.get("etag")
     return etag is not None and etag.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def abort_store(store: Any) -> None:
+    """``store.abort()`` if the store has one (every backend of cachepipe's does; a store passed
+    as ``store=`` may not, and is then waited for): its requests in flight fail at once, and its
+    later ones are refused (see the module's docstring)."""
+    abort = getattr(store, "abort", None)
+    if callable(abort):
+        abort()
 
 
 CONNECT_TIMEOUT = 10.0

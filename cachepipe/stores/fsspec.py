@@ -3,19 +3,30 @@
 All errors from fsspec, s3fs, botocore and aiohttp, and from the direct S3 requests of
 :mod:`cachepipe.stores.s3direct` (GETs and listing pages, for plain s3fs options), are translated in
 :func:`_translate`, the one seam of this backend (see :mod:`cachepipe.stores.base` for the contract).
+
+:meth:`FsspecStore.abort` cuts the requests in flight: the direct path's (their sockets shut
+down), and the GETs and listing pages this store sends through an async filesystem's event loop
+(s3fs, gcsfs: each runs as a task of its own there, cancelled). Requests of a synchronous
+filesystem (local files, memory) are not cut (they do not wait on a network); a listing of a
+filesystem other than S3 (one ``find``) and uploads (``put``, ``exists``, ``check_bucket``:
+``cachepipe map``'s) are not either, and take as long as they take. Every later request is refused
+with :class:`~cachepipe.errors.StoreClosedError`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import builtins
+import concurrent.futures
 import difflib
 import errno
 import inspect
 import os
 import socket
 import ssl
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO
 from urllib.parse import urlsplit
@@ -23,7 +34,7 @@ from urllib.parse import urlsplit
 import fsspec
 import fsspec.asyn
 
-from ..errors import ConfigError, StoreUnavailableError, store_code
+from ..errors import ConfigError, StoreClosedError, StoreUnavailableError, store_code
 from .base import CONNECT_TIMEOUT, FIRST_PAGE_KEYS, NO_ANSWER, ObjectInfo, http_status_error, listed_etag, unreachable_error
 
 __all__ = ["FsspecStore"]
@@ -96,6 +107,8 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool, first:
     or from many processes at once, whose stores have not seen the answers: a server too busy
     to accept them all is retried).
     """
+    if isinstance(exc, StoreClosedError):
+        return exc  # aborted (see FsspecStore.abort): its message says so, nothing to map
     status, code, message = _s3_error(exc)
     name = type(exc).__name__
     at = f"at {endpoint}"
@@ -245,6 +258,9 @@ class FsspecStore:
         self.root = root.rstrip("/")
         self.chunk_size = chunk_size
         self._direct: Any = None  # a DirectGet for plain s3fs options (botocore only imported then)
+        self._lock = threading.Lock()  # _aborted and _running
+        self._aborted = False
+        self._running: set[concurrent.futures.Future[Any]] = set()  # requests in the event loop (abort cancels them)
         self._s3 = getattr(self.fs, "protocol", None) in (("s3", "s3a"), "s3")
         if self._s3:
             from .s3direct import DirectGet
@@ -367,7 +383,7 @@ class FsspecStore:
             request["ContinuationToken"] = token
         if start_after is not None:
             request["StartAfter"] = start_after
-        page = fsspec.asyn.sync(self.fs.loop, self.fs._call_s3, "list_objects_v2", **request)  # noqa: SLF001 - s3fs has no public call for one raw page
+        page = self._await(self.fs._call_s3, "list_objects_v2", **request)  # noqa: SLF001 - s3fs has no public call for one raw page
         entries = []
         for entry in page.get("Contents", ()):
             etag = entry.get("ETag")
@@ -391,8 +407,11 @@ class FsspecStore:
             want = min(self.chunk_size, end - pos)
             with self._errors(self._where(key), first=False):
                 if conditional:
-                    data = fsspec.asyn.sync(self.fs.loop, self._get_object, path, pos, pos + want, etag)
+                    data = self._await(self._get_object, path, pos, pos + want, etag)
+                elif getattr(self.fs, "async_impl", False):
+                    data = self._await(self.fs._cat_file, path, start=pos, end=pos + want)  # noqa: SLF001 - fsspec's async twin of cat_file, which abort can cancel
                 else:
+                    self._check_aborted()
                     data = self.fs.cat_file(path, start=pos, end=pos + want)
             if not data:
                 break
@@ -415,6 +434,40 @@ class FsspecStore:
             return await body.read()  # type: ignore[no-any-return]  # aiobotocore's stream is untyped
         finally:
             body.close()
+
+    def _await(self, func: Callable[..., Coroutine[Any, Any, Any]], *args: Any, **kwargs: Any) -> Any:
+        """Run ``func(*args, **kwargs)`` in the filesystem's event loop and wait for it (what
+        ``fsspec.asyn.sync`` does), as a task that :meth:`abort` can cancel."""
+        with self._lock:
+            self._check_aborted()
+            future = asyncio.run_coroutine_threadsafe(func(*args, **kwargs), self.fs.loop)
+            self._running.add(future)
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError as exc:
+            raise self._aborted_error() from exc
+        finally:
+            with self._lock:
+                self._running.discard(future)
+
+    def _check_aborted(self) -> None:
+        if self._aborted:
+            raise self._aborted_error()
+
+    def _aborted_error(self) -> StoreClosedError:
+        return StoreClosedError(f"request to {self.url} at {self.endpoint} aborted: the store was closed")
+
+    def abort(self) -> None:
+        """Cut the requests in flight and refuse later ones, each with
+        :class:`~cachepipe.errors.StoreClosedError` (see the module's docstring for what is not
+        cut). Idempotent; from any thread."""
+        with self._lock:
+            self._aborted = True
+            running = list(self._running)
+        for future in running:
+            future.cancel()  # the task is cancelled in the loop: aiohttp closes its connection
+        if self._direct is not None:
+            self._direct.abort()
 
     def close(self) -> None:
         """Close the direct GET connections (fsspec shares filesystem instances and their pools)."""

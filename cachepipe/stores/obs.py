@@ -37,6 +37,19 @@ raised error and the endpoint its ``endpoint`` (:func:`cachepipe.errors.store_co
 Each is chained (``raise ... from``) to the SDK's exception or, for a returned result, to an
 :class:`ObsServiceError` built from its status, code and message. Messages never contain the
 secret key, the security token or a proxy password.
+
+Aborting (:meth:`ObsStore.abort`, when the pipeline closes): the SDK takes every connection from
+its client's ``_get_server_connection`` (a private method; the store wraps it on its own client
+to note each connection it hands out, and the socket each one connects). ``abort`` shuts down
+those sockets (a thread blocked reading a response wakes at once, also one whose server said it
+would close the connection, whose socket only the response holds), and every request after it,
+and every one cut by it, raises :class:`~cachepipe.errors.StoreClosedError`. Not cut: a connect
+in flight (it waits at most the SDK's ``timeout``, then is refused). The SDK closes its sockets
+in its own code, without a lock of ours: a socket it closes in the instant ``abort`` shuts it
+down, with another thread opening a descriptor of the same number between the two, would have
+that descriptor shut down instead (a window of a system call; ``abort`` runs once, at close).
+An SDK without that method (a version that renamed it) is not cut at all: its requests end by
+themselves, and only the later ones are refused.
 """
 
 from __future__ import annotations
@@ -44,15 +57,24 @@ from __future__ import annotations
 import inspect
 import os
 import socket
+import threading
 import traceback
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from http.client import HTTPException
 from typing import Any, BinaryIO, TypeVar
 from urllib.parse import urlsplit
 
-from cachepipe.errors import ConfigError, ObjectChangedError, StoreUnavailableError, StoreUnreachableError, store_code
+from cachepipe.errors import (
+    ConfigError,
+    ObjectChangedError,
+    StoreClosedError,
+    StoreUnavailableError,
+    StoreUnreachableError,
+    store_code,
+)
 from cachepipe.stores.base import CHANGED, CREDENTIAL_CODES, DROPPED, FIRST_PAGE_KEYS, THROTTLE_CODES, ObjectInfo, listed_etag
 
 __all__ = ["CHUNK_SIZE", "MAX_PAGE_SIZE", "ObsServiceError", "ObsStore"]
@@ -291,6 +313,10 @@ class ObsStore:
         self._secrets = tuple(str(settings.client_kwargs[k]) for k in _SECRET_KEYS if settings.client_kwargs.get(k))
         self._timeout = settings.client_kwargs.get("timeout", 60)
         self._answered = False  # OBS answered a request: a refused connection is then an outage, retried
+        self._aborted = False  # abort(): requests in flight cut, later ones refused
+        self._abort_lock = threading.Lock()  # _aborted, _conns and _socks
+        self._conns: weakref.WeakSet[Any] = weakref.WeakSet()  # connections the SDK took
+        self._socks: weakref.WeakSet[socket.socket] = weakref.WeakSet()  # their sockets (abort shuts them down)
         try:
             with warnings.catch_warnings():
                 # For an https endpoint the SDK builds ssl.SSLContext(ssl.PROTOCOL_SSLv23), which
@@ -303,6 +329,61 @@ class ObsStore:
         except Exception as exc:  # the SDK validates its arguments with bare Exception
             reason = self._redact(str(exc))
             raise ConfigError(f"{self.url}: obs.ObsClient rejected the storage_options: {reason}") from exc
+        take = getattr(self._client, "_get_server_connection", None)
+        if callable(take):
+            self._client._get_server_connection = self._noting(take)  # noqa: SLF001 - see the module's docstring, "Aborting"
+
+    def _noting(self, take: Callable[..., Any]) -> Callable[..., Any]:
+        """The SDK's ``_get_server_connection`` that notes each connection it hands out, and
+        refuses to hand one out once the store is aborted."""
+
+        def noted(*args: Any, **kwargs: Any) -> Any:
+            conn = take(*args, **kwargs)
+            with self._abort_lock:
+                if self._aborted:
+                    conn.close()
+                    raise self._aborted_error()
+                if conn not in self._conns:
+                    self._conns.add(conn)
+                    conn.connect = self._noting_connect(conn)  # http.client connects in request(), on the SDK's thread
+                if getattr(conn, "sock", None) is not None:
+                    self._socks.add(conn.sock)
+            return conn
+
+        return noted
+
+    def _noting_connect(self, conn: Any) -> Callable[[], None]:
+        """``conn.connect`` that notes the socket it connects (refused once the store is aborted)."""
+        connect = conn.connect
+
+        def connected() -> None:
+            connect()
+            with self._abort_lock:
+                aborted = self._aborted
+                if not aborted and conn.sock is not None:
+                    self._socks.add(conn.sock)
+            if aborted:
+                conn.close()
+                raise self._aborted_error()
+
+        return connected
+
+    def _aborted_error(self) -> StoreClosedError:
+        return StoreClosedError(f"request to {self.url} at {self.endpoint} aborted: the store was closed")
+
+    def abort(self) -> None:
+        """Cut the requests in flight and refuse later ones, with
+        :class:`~cachepipe.errors.StoreClosedError` (see the module's docstring, "Aborting", for
+        what is not cut). Idempotent; from any thread."""
+        with self._abort_lock:
+            self._aborted = True
+            for sock in list(self._socks):
+                if sock.fileno() == -1:
+                    continue  # closed
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # closed meanwhile, or not connected any more: nothing to wake
 
     @property
     def endpoint(self) -> str:
@@ -507,6 +588,8 @@ class ObsStore:
     # -- helpers ------------------------------------------------------------------------------
 
     def _open(self) -> Any:
+        if self._aborted:
+            raise self._aborted_error()
         if self._client is None:
             raise RuntimeError(f"{self!r} is closed")
         return self._client
@@ -530,6 +613,8 @@ class ObsStore:
                 done = out.write(chunk)
                 chunk = chunk[done if done is not None else len(chunk) :]
             written += n
+        if written < length and self._aborted:  # a body cut by abort: not a short body to verify
+            raise self._aborted_error()
         return written
 
     def _call(self, what: str, key: str | None, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
@@ -557,6 +642,8 @@ class ObsStore:
         status = getattr(resp, "status", None)
         if isinstance(status, int) and status < 300:
             return
+        if self._aborted:  # the SDK turned the cut connection into an error result
+            raise self._aborted_error()
         code = getattr(resp, "errorCode", None) or None
         message = getattr(resp, "errorMessage", None)
         message = self._redact(message) if message else None
@@ -600,6 +687,10 @@ class ObsStore:
 
     def _unreachable(self, exc: BaseException, what: str, key: str | None) -> OSError:
         """The builtin error for a network exception raised by the SDK or the body read."""
+        if isinstance(exc, StoreClosedError):
+            return exc
+        if self._aborted:  # a socket that abort shut down
+            return self._aborted_error()
         doing = _DOING.get(what, what)
         target = self._object_url(key)
         check = f"check storage_options['server'] or {_ENV_ENDPOINT}"

@@ -35,9 +35,18 @@ receive buffer and never more than is still to come (:func:`body_read`; Linux 5.
 until that many bytes came, not one: a stream slower than 256 KiB a minute times out and is
 retried as any stalled one.
 
+Aborting (:meth:`DirectGet.abort`, when the pipeline closes): the sockets of the requests in
+flight are shut down (``shutdown(SHUT_RDWR)``: a thread blocked in ``recv`` wakes at once, which a
+``close`` from another thread does not promise), each such request raises
+:class:`~cachepipe.errors.StoreClosedError`, and so does every later one before it connects. A
+connect in flight is not aborted (its socket is not ours until it returns): it waits at most
+:attr:`DirectGet.connect_timeout`, then fails the same way; nor is a probe (it sends nothing; a
+credential refresh inside it is botocore's).
+
 Errors leave this module as ``OSError`` (HTTP statuses, shaped like botocore's errors),
-``ConnectionError``, ``TimeoutError`` or botocore's exceptions; the fsspec backend translates
-them at its one seam. Retrying is the core's, as for every store.
+``ConnectionError``, ``TimeoutError``, :class:`~cachepipe.errors.StoreClosedError` or botocore's
+exceptions; the fsspec backend translates them at its one seam. Retrying is the core's, as for
+every store.
 """
 
 from __future__ import annotations
@@ -65,6 +74,7 @@ from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.exceptions import NoCredentialsError
 
+from ..errors import StoreClosedError
 from .base import CONNECT_TIMEOUT, listed_etag
 
 __all__ = ["ConnectTimeoutError", "DirectGet"]
@@ -238,12 +248,14 @@ class DirectGet:
 
     def __init__(self, fs: Any) -> None:
         self.fs = fs
-        self._lock = threading.Lock()  # guards _idle, _closed and _sdk_buckets
+        self._lock = threading.Lock()  # guards _idle, _closed, _aborted, _busy and _sdk_buckets
         self._probing = threading.Lock()  # one thread probes; the others wait for its route
         self._routes: dict[str, _Route] = {}
         self._sdk_buckets: set[str] = set()  # buckets whose requests s3fs sends
         self._idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}  # by (scheme, netloc), last used last
         self._closed = False
+        self._aborted = False  # abort(): requests in flight are cut, later ones refused
+        self._busy: set[socket.socket] = set()  # sockets of requests in flight (abort shuts them down)
         self._ssl: ssl.SSLContext | None = None  # made on the first https connection (loading CAs costs ~30 ms)
         given = (getattr(fs, "config_kwargs", None) or {}).get("connect_timeout")
         self.connect_timeout = CONNECT_TIMEOUT if given is None else float(given)
@@ -392,6 +404,8 @@ class DirectGet:
         the least likely to have been closed by the server), or a new one; the caller's until
         :meth:`_done` or :meth:`_drop`."""
         with self._lock:
+            if self._aborted:
+                raise self._aborted_error()
             idle = self._idle.get((scheme, netloc))
             if idle:
                 return idle.pop()
@@ -416,9 +430,31 @@ class DirectGet:
         if conn.sock is not None:
             conn.sock.settimeout(self.TIMEOUT)
 
-    def _done(self, scheme: str, netloc: str, conn: http.client.HTTPConnection) -> None:
+    def _enter(self, sock: socket.socket | None) -> socket.socket | None:
+        """Count ``sock`` (a connected request's) in flight, for :meth:`abort`; raises
+        :class:`~cachepipe.errors.StoreClosedError` if the store was aborted meanwhile."""
+        with self._lock:
+            if self._aborted:
+                raise self._aborted_error()
+            if sock is not None:
+                self._busy.add(sock)
+        return sock
+
+    def _leave(self, sock: socket.socket | None) -> None:
+        """``sock`` is no longer in flight: :meth:`abort` leaves it alone from now on (so it may be
+        closed, and its descriptor reused, without abort shutting down another socket)."""
+        if sock is not None:
+            with self._lock:
+                self._busy.discard(sock)
+
+    def _aborted_error(self) -> StoreClosedError:
+        return StoreClosedError(f"request to {self.fs!r} aborted: the store was closed")
+
+    def _done(self, scheme: str, netloc: str, conn: http.client.HTTPConnection, sock: socket.socket | None = None) -> None:
         """Give ``conn`` back after a response read to its end: kept for the next request if it is
-        still open (not when the server said it would close it, nor after :meth:`_drop`)."""
+        still open (not when the server said it would close it, nor after :meth:`_drop` or
+        :meth:`abort`). ``sock``: its socket, no longer in flight."""
+        self._leave(sock)
         if conn.sock is not None:
             with self._lock:
                 if not self._closed:
@@ -426,11 +462,13 @@ class DirectGet:
                     return
         conn.close()
 
-    @staticmethod
-    def _drop(conn: http.client.HTTPConnection, resp: http.client.HTTPResponse | None = None) -> None:
+    def _drop(
+        self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse | None = None, sock: socket.socket | None = None
+    ) -> None:
         """Close ``conn`` and ``resp``, a response on it: when the server said it would close the
         connection, http.client let go of the socket and only the response holds it (until the
-        garbage collector, if a traceback keeps the response)."""
+        garbage collector, if a traceback keeps the response). ``sock``: its socket, no longer in flight."""
+        self._leave(sock)
         if resp is not None:
             resp.close()
         conn.close()
@@ -464,31 +502,41 @@ class DirectGet:
             conn = self._conn(route.scheme, route.netloc)
             log.debug("direct %s: %s", operation, path)
             resp = None
+            sock = None  # the response's: http.client lets go of it when the server will close it
             try:
                 if conn.sock is None:
                     self._connect(conn)
+                sock = self._enter(conn.sock)
                 conn.request("GET", path, headers=signed)
-                sock = conn.sock  # the response's: http.client lets go of it when the server will close it
                 resp = conn.getresponse()
                 if resp.status == 403 and attempt == 0:
                     resp.read()
-                    self._done(route.scheme, route.netloc, conn)
+                    self._done(route.scheme, route.netloc, conn, sock)
                     continue
                 if resp.status in (301, 307, 400) and resp.getheader("x-amz-bucket-region", route.region) != route.region:
                     resp.read()  # the bucket is in another region: s3fs's client follows that
-                    self._done(route.scheme, route.netloc, conn)
+                    self._done(route.scheme, route.netloc, conn, sock)
                     self._to_sdk(bucket)
                     return None
                 result = read(resp, conn, sock)
+                if self._aborted:  # cut short by abort (a body read to a short count): not a result
+                    raise self._aborted_error()
             except http.client.HTTPException as exc:
-                self._drop(conn, resp)
+                self._drop(conn, resp, sock)
+                if self._aborted:
+                    raise self._aborted_error() from exc
                 if isinstance(exc, http.client.IncompleteRead):
                     raise
                 raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
-            except BaseException:
-                self._drop(conn, resp)
+            except Exception as exc:
+                self._drop(conn, resp, sock)
+                if self._aborted and not isinstance(exc, StoreClosedError):
+                    raise self._aborted_error() from exc
                 raise
-            self._done(route.scheme, route.netloc, conn)
+            except BaseException:
+                self._drop(conn, resp, sock)
+                raise
+            self._done(route.scheme, route.netloc, conn, sock)
             return result
         raise AssertionError("unreachable")
 
@@ -520,7 +568,7 @@ class DirectGet:
                     _set_low_water(marked, 1)
                 resp.read()  # nothing left: keeps the connection reusable
             else:
-                self._drop(conn, resp)
+                self._drop(conn, resp, sock)
             return written
 
         headers = {"Range": f"bytes={start}-{end - 1}"}
@@ -558,6 +606,23 @@ class DirectGet:
         """Close the idle connections; one in use is closed when its request ends."""
         with self._lock:
             self._closed = True
+            conns = [conn for idle in self._idle.values() for conn in idle]
+            self._idle = {}
+        for conn in conns:
+            conn.close()
+
+    def abort(self) -> None:
+        """Cut the requests in flight and refuse later ones (see the module's docstring): each
+        raises :class:`~cachepipe.errors.StoreClosedError`. Idempotent; from any thread. The
+        sockets are shut down under the lock that their requests' threads take before closing
+        them, so a descriptor closed and reused meanwhile is never shut down."""
+        with self._lock:
+            self._aborted = self._closed = True
+            for sock in self._busy:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # not connected any more (the peer closed it): nothing to wake
             conns = [conn for idle in self._idle.values() for conn in idle]
             self._idle = {}
         for conn in conns:

@@ -53,6 +53,13 @@ Regions: obstore takes its region from ``client_kwargs`` ``region_name`` or the 
 (a bucket in another region), that GET and the store's next ones go through the fsspec backend
 (whose client follows such redirects), with one warning naming ``region_name``.
 
+Aborting (:meth:`NativeS3Store.abort`, when the pipeline closes): the fsspec backend's requests
+in flight (listing pages, the GETs of 1 MiB or more) are cut as that backend cuts them. obstore's
+GETs in flight are not: its blocking calls cannot be interrupted from another thread, so one
+that waits on a store that stopped answering takes up to :attr:`NativeS3Store.TIMEOUT` (a read)
+before it fails. Every GET after the abort, of either path, is refused with
+:class:`~cachepipe.errors.StoreClosedError` before it is sent.
+
 Errors: obstore raises ``FileNotFoundError`` and its own exception classes, whose only detail is
 their text (object_store's ``Display`` of the HTTP status, the S3 error body, and hyper's and
 reqwest's error kinds). :func:`_translate`, the one seam, reads the status, S3's ``Code`` and
@@ -76,7 +83,7 @@ import obstore
 import obstore.exceptions
 from obstore.store import S3Store
 
-from ..errors import ConfigError, ObjectChangedError, store_code
+from ..errors import ConfigError, ObjectChangedError, StoreClosedError, store_code
 from .base import CHANGED, ObjectInfo, http_status_error, unreachable_error
 from .fsspec import FsspecStore, environment_endpoint
 
@@ -251,6 +258,7 @@ class NativeS3Store:
         self.endpoint = str(endpoint or "the AWS S3 endpoint")
         self._said_forked = False  # logged that obstore cannot run in this (forked) process
         self._redirected = False  # S3 redirected one of obstore's GETs: the fsspec backend sends them all
+        self._aborted = False  # abort(): later GETs are refused
         self._fsspec = FsspecStore(url, options)  # validates the options against s3fs as well; lists, and GETs large parts
         self._direct = self._fsspec.direct
         prefix = parts.path.strip("/")
@@ -361,6 +369,8 @@ class NativeS3Store:
         """
         if end <= start:
             return 0  # obstore refuses an empty range
+        if self._aborted:
+            raise StoreClosedError(f"GET of {self.url.rstrip('/')}/{key} at {self.endpoint} refused: the store was closed")
         if (end - start >= self.DIRECT_FROM and self._direct) or self._redirected or not self._runtime_here():
             return self._fsspec.get(key, out, start, end, etag=etag)
         if self._direct:
@@ -394,6 +404,13 @@ class NativeS3Store:
         except obstore.exceptions.BaseError as exc:  # a body cut short, a read timed out
             raise self._translated(exc, f"{where} (after {written} bytes)") from exc
         return written
+
+    def abort(self) -> None:
+        """Cut the fsspec backend's requests in flight, and refuse every later GET, with
+        :class:`~cachepipe.errors.StoreClosedError`; obstore's GETs in flight end by themselves
+        (see the module's docstring, "Aborting"). Idempotent; from any thread."""
+        self._aborted = True
+        self._fsspec.abort()
 
     def close(self) -> None:
         """Close the fsspec backend's connections (obstore's pool goes with the store object). Idempotent."""
