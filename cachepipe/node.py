@@ -64,6 +64,10 @@ def let_others_run() -> None:
     time.sleep(0)
 
 
+class _PreparingStopped(Exception):
+    """Raised by :meth:`LaneQueues.pause` in the plan-ahead thread once the queues are closed."""
+
+
 SHARED_RUN = 256
 """Most steps that share a copy the planner plans in one hold of the queues' lock."""
 
@@ -185,7 +189,7 @@ class LaneQueues(Broker[str]):
         self.schedule = schedule
         self._on_stale = on_stale
         self._on_share = on_share
-        self._prepare = prepare if prepare is not None else lambda epoch: schedule.plan.prepare(epoch + 2, pause=let_others_run)
+        self._prepare = prepare if prepare is not None else lambda epoch: schedule.plan.prepare(epoch + 2, pause=self.pause)
         self._preparing: threading.Thread | None = None  # the latest prepare() thread; under _cond
         self._lanes = [_LaneState(floor=c) for c in schedule.cursors]
         self._fetching: dict[int, _Planned] = {}  # download seq -> its step (the copy's), until it arrives
@@ -258,9 +262,19 @@ class LaneQueues(Broker[str]):
             self._preparing.start()
         return True
 
+    def pause(self) -> None:
+        """The ``pause`` of a computation in the plan-ahead thread: :func:`let_others_run`, and
+        once the queues are closed, stop it (raises): :meth:`close` waits for that thread, and an
+        epoch's preparation takes seconds per million catalog items."""
+        if self._closed:
+            raise _PreparingStopped
+        let_others_run()
+
     def _run_prepare(self, epoch: int) -> None:
         try:
             self._prepare(epoch)
+        except _PreparingStopped:
+            pass  # closed: nothing half-computed was kept (NodePlan and PlanFuture store an epoch once computed)
         except Exception:  # what failed here is computed again where it is needed, and raises there
             log.debug("preparing after epoch %d failed; computed again when needed", epoch, exc_info=True)
 
@@ -555,9 +569,9 @@ class NodePipeline(Pipeline):
         future = PlanFuture(plan, horizon=2) if cfg.retain == "auto" else None
 
         def prepare(epoch: int) -> None:  # in the background once a lane enters epoch: see LaneQueues
-            plan.prepare(epoch + 2, pause=let_others_run)
+            plan.prepare(epoch + 2, pause=queues.pause)  # queues.pause: stops when the queues close
             if future is not None:
-                future.prepare(epoch, pause=let_others_run)  # the next uses of epoch's items, in the two epochs after it
+                future.prepare(epoch, pause=queues.pause)  # the next uses of epoch's items, in the two epochs after it
 
         queues = LaneQueues(LaneSchedule(plan), self._stale, self._shared, prepare)
         self._broker = queues

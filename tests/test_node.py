@@ -535,3 +535,16 @@ def test_the_epoch_after_next_is_prepared_in_the_background_while_planning_goes_
         queues.close()
         steps.close()
     assert not any(t.name == "cachepipe-plan-ahead" for t in threading.enumerate())
+
+
+def test_close_stops_the_preparation_in_the_background():
+    """close() waits for the plan-ahead thread; an epoch's preparation takes about 2 s per million
+    catalog items (more with retain='auto'), so close (SIGTERM, Ctrl-C) waited that long. The
+    thread now stops at its next pause once the queues are closed: the epoch it was computing is
+    left uncomputed (computed again if ever needed)."""
+    plan = NodePlan([10] * 400_000, ranks=[0], world_size=1, num_workers=8, epochs=4, shuffle=True, seed=0)
+    queues = LaneQueues(LaneSchedule(plan), on_stale=lambda _planned: None)
+    assert queues._prepare_in_background(0)  # what the planner does when a lane enters epoch 0: epoch 2
+    queues.close()
+    assert not any(t.name == "cachepipe-plan-ahead" for t in threading.enumerate())
+    assert not plan.prepared(2)  # cut short, not run to its end
