@@ -71,7 +71,10 @@ __all__ = [
 ]
 
 STATE_VERSION = 1
-EPOCHS_CACHED = 4  #: epochs whose shares a plan keeps computed
+EPOCHS_CACHED = 5
+"""Epochs whose shares a plan keeps computed. A node computes the epoch after next as soon as a
+lane enters an epoch (:class:`cachepipe.node.LaneQueues`): with lanes two epochs apart, five
+are read at once (fewer slots made the lagging lane's epoch be computed again and again)."""
 _SHIFT = 32  # a tick is epoch << 32 | index
 _MASK = (1 << _SHIFT) - 1
 _MAX_ITEMS = 1 << 32

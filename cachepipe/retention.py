@@ -132,7 +132,7 @@ class PlanFuture:
     epoch ``e`` is later in ``e``, or at its index in the first of epochs ``e+1 .. e+horizon``
     whose share holds it. Not found: :data:`NEVER` if the plan ends first, else a placeholder
     for "after epoch ``e+horizon``" (such items are evicted first; :class:`Belady` looks again
-    when the placeholder is reached). Keeps ``horizon + 2`` epochs of index arrays (4 bytes
+    when the placeholder is reached). Keeps ``horizon + 3`` epochs of index arrays (4 bytes
     per catalog item each).
     """
 
@@ -160,7 +160,7 @@ class PlanFuture:
                 pause()
         with self._lock:
             got = self._where.setdefault(epoch, got)  # computed twice at once: either will do
-            if len(self._where) > self.horizon + 2:
+            if len(self._where) > self.horizon + 3:  # a lane two epochs behind the latest still finds its own
                 self._where.popitem(last=False)
         return got
 

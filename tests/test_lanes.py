@@ -136,3 +136,14 @@ def test_interleave_merges_by_index_then_share(lists):
     order = sorted((i, k) for k, xs in enumerate(lists) for i in range(len(xs)))
     assert list(merged) == [lists[k][i] for i, k in order]
     assert [list(p) for p in positions] == [[order.index((i, k)) for i in range(len(xs))] for k, xs in enumerate(lists)]
+
+
+def test_a_node_keeps_the_epochs_of_a_lane_two_behind_while_it_plans_two_ahead():
+    """Review: the node computes the epoch after next as soon as a lane enters an epoch; with a
+    lane two epochs behind (shares of unequal lengths drift apart), five epochs are read at once,
+    and with four kept the lagging lane's was computed again and again (2 s per million items)."""
+    plan = node([1] * 20, [0, 1], 2, 2, epochs=None, shuffle=True, seed=3)
+    latest = 4
+    plan.prepare(*range(latest - 2, latest + 3))  # the lagging lane's epoch .. the epoch after next
+    assert all(plan.prepared(e) for e in range(latest - 2, latest + 3))
+    assert all(len(p._shares) >= 5 for p in plan.plans)  # the lanes' own plans keep them too
