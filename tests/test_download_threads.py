@@ -140,4 +140,6 @@ def test_small_items_whose_requests_turn_slow_are_fetched_over_every_thread_agai
     with Pipeline(ROOT, tmp_path / "cache", "64MiB", items="files", store=store, max_concurrency=32) as pipe:
         names = [item.name for item in pipe]
     assert names == [f"{i:05d}" for i in range(600)]
-    assert store.peak_delayed >= 24, store.peak_delayed  # in runs of 16, the 300 slow ones would be 19 requests at most
+    # in runs of 16, the 300 slow ones would be 19 requests at most; one part per thread: up to 32
+    # (23 in a full suite on a busy hour, where 24 was asked and the run failed)
+    assert store.peak_delayed >= 20, store.peak_delayed
