@@ -162,8 +162,8 @@ class LaneQueues(Broker[str]):
     stopped every lane that long at each epoch. When a lane enters epoch ``e`` (the planner plans its
     first step), the shares of ``e + 1`` are ready (the planner computes them outside the lock if
     not), and ``prepare(e)`` (default: the shares of ``e + 2``) runs in a thread of its own while
-    planning goes on, letting the interpreter's lock go every few hundred items
-    (:func:`let_others_run`). :meth:`close` waits for that thread.
+    planning goes on, letting the interpreter's lock go every few hundred items (:meth:`pause`,
+    which stops it once the queues are closed). :meth:`close` waits for that thread.
 
     A step whose item has a copy planned or on disk for another step (another lane's, or an
     earlier epoch of its own lane) shares that copy instead of downloading it again: the cache
