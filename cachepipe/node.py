@@ -14,7 +14,10 @@ consumer that restarts from its own saved position (a checkpoint) gets exactly t
 there on, whatever the node had handed out before. A position before what the node still holds
 for the lane, or past what it planned, moves the lane there: what the lane held is kept on disk
 for the steps that reach it again (without retention) or acknowledged, and planning restarts at
-the new position (:meth:`~cachepipe.lanes.LaneSchedule.reset`).
+the new position (:meth:`~cachepipe.lanes.LaneSchedule.reset`). A lane has one consumer at a
+time; two at once (a DataLoader resumed beside an earlier one that still reads) each move it to
+their own position when they ask, and one that waits while the other moved the lane moves it
+back after a turn (:data:`ROOM_CHECK`): both are served, slowly, and the node warns once.
 
 The consumer's position is the resume state; the node's journal is not (a node pipeline always
 opens with ``resume=False``: published items that match the catalog are reused when a lane's
@@ -66,6 +69,15 @@ def let_others_run() -> None:
 
 class _PreparingStopped(Exception):
     """Raised by :meth:`LaneQueues.pause` in the plan-ahead thread once the queues are closed."""
+
+
+class _MovedAway(Exception):
+    """Raised by :meth:`LaneQueues.wait` when another consumer of the lane moved it away from
+    the position waited for (two consumers read one lane)."""
+
+    def __init__(self, floor: Cursor) -> None:
+        super().__init__(floor)
+        self.floor = floor
 
 
 SHARED_RUN = 256
@@ -437,6 +449,8 @@ class LaneQueues(Broker[str]):
         Raises:
             TimeoutError: not ready within ``timeout`` seconds.
             Closed: the queues closed.
+            _MovedAway: the lane is no longer at ``cursor``: another consumer moved it (a lane
+                waits only at its first unconsumed step, where its consumer's take put it).
             BaseException: planning stopped (the error it stopped with).
         """
         start = time.monotonic()
@@ -449,6 +463,8 @@ class LaneQueues(Broker[str]):
                         raise Closed
                     if self.schedule.done(lane_no, cursor):
                         return None
+                    if cursor != lane.floor:  # another consumer of the lane moved it (see NodePipeline.take)
+                        raise _MovedAway(lane.floor)
                     planned = lane.held.get(cursor)
                     if planned is not None and planned.value is not None:
                         if not planned.handed:
@@ -471,6 +487,18 @@ class LaneQueues(Broker[str]):
                         self._waiting -= 1
             finally:
                 self.wait_seconds += time.monotonic() - start
+
+    def idle(self, seconds: float) -> None:
+        """Wait ``seconds`` (nothing if not positive), unless the queues close first.
+
+        Raises:
+            Closed: the queues closed.
+        """
+        with self._cond:
+            if seconds > 0:
+                self._cond.wait_for(lambda: self._closed, seconds)
+            if self._closed:
+                raise Closed
 
     def ready(self, lane_no: int, cursor: Cursor, room: int | None = None) -> _Planned | None:
         """The planned step at ``cursor`` of the lane if it is on disk now and its item is at
@@ -541,6 +569,7 @@ class NodePipeline(Pipeline):
         self.ranks, self.world_size, self.num_workers = list(ranks), world_size, num_workers
         NodePlan([], ranks=self.ranks, world_size=world_size, num_workers=num_workers)  # checks them now
         self._moves = threading.Lock()  # one lane move at a time (journal position, eviction order)
+        self._contended_lanes: set[tuple[int, int]] = set()  # lanes found with two consumers (logged once each)
 
     def __repr__(self) -> str:
         return f"NodePipeline({self.config.source!r}, ranks={self.ranks} of {self.world_size}, state={self._state})"
@@ -609,12 +638,24 @@ class NodePipeline(Pipeline):
         queues = self._queues
         lane = self.node_plan.lane(rank, worker)
         at = queues.schedule.normalise(lane, cursor)
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._move(lane, at)
             try:
-                planned = self._wait(lane, at, timeout)
+                planned = self._wait(lane, at, timeout, deadline)
             except Closed:
                 raise RuntimeError(f"{self!r} is closed") from None
+            except _MovedAway as moved:
+                # another consumer of the lane moved it: move it back, after a turn (two consumers
+                # that wait at different positions would otherwise move it back and forth, spinning)
+                self._contended(rank, worker, at, moved.floor)
+                try:
+                    queues.idle(ROOM_CHECK if deadline is None else min(ROOM_CHECK, deadline - time.monotonic()))
+                except Closed:
+                    raise RuntimeError(f"{self!r} is closed") from None
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"no item became ready within {timeout} s") from None
+                continue
             if planned is None:
                 return None
             value = planned.value
@@ -682,7 +723,26 @@ class NodePipeline(Pipeline):
         lane = self.node_plan.lane(rank, worker)
         self._move(lane, self._queues.schedule.normalise(lane, cursor))
 
-    def _wait(self, lane: int, at: Cursor, timeout: float | None) -> _Planned | None:
+    def _contended(self, rank: int, worker: int, at: Cursor, floor: Cursor) -> None:
+        """Another consumer of lane ``(rank, worker)`` moved it to ``floor`` while this one waited
+        for ``at``: logged once per lane. Each consumer moves the lane back to its own position
+        when it asks, so both get their items, but the lane is planned again at each move."""
+        with self._counts_lock:
+            if (rank, worker) in self._contended_lanes:
+                return
+            self._contended_lanes.add((rank, worker))
+        log.warning(
+            "lane %s.%s has two consumers: one asks for %s while another moved the lane to %s; each is served, "
+            "but the lane is planned again at every move and items may be downloaded twice: give each "
+            "(rank, DataLoader worker) one consumer at a time (a DataLoader whose workers are still reading, "
+            "beside a new one that resumes the same job?)",
+            rank,
+            worker,
+            tuple(at),
+            tuple(floor),
+        )
+
+    def _wait(self, lane: int, at: Cursor, timeout: float | None, deadline: float | None) -> _Planned | None:
         """:meth:`LaneQueues.wait` in turns of :data:`ROOM_CHECK` seconds; after each, once the
         lane has waited :data:`GIVE_BACK_AFTER` seconds, if a download has no room
         (:meth:`Cache.shortfall`) and the lane's step waits for that room (not planned yet, or
@@ -691,9 +751,9 @@ class NodePipeline(Pipeline):
         given up (:meth:`Cache.give_up`). If none can be, every item in the cache is held by a
         consumer: after :data:`HELD_WARNING` seconds this is logged, once per wait. A step
         that downloads already gives nothing back (room would not bring it sooner; each turn
-        gave back an item that was then downloaded again)."""
+        gave back an item that was then downloaded again). ``deadline``: the monotonic time
+        at which it raises TimeoutError (None: never); ``timeout``, the seconds it names."""
         queues, start = self._queues, time.monotonic()
-        deadline = None if timeout is None else start + timeout
         rank, worker = self.node_plan.lanes[lane]
         warned = False
         while True:

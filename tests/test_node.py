@@ -548,3 +548,64 @@ def test_close_stops_the_preparation_in_the_background():
     queues.close()
     assert not any(t.name == "cachepipe-plan-ahead" for t in threading.enumerate())
     assert not plan.prepared(2)  # cut short, not run to its end
+
+
+@pytest.mark.parametrize(("waits_at", "moved_to"), [((0, 5), (0, 0)), ((0, 0), (0, 3))], ids=["moved-back", "moved-on"])
+def test_a_consumer_whose_lane_another_consumer_moved_while_it_waited_gets_its_item(
+    s3_source, tmp_path, caplog, waits_at, moved_to
+):
+    """Two consumers of one lane at once (found by a randomized run of DataLoaders of one job: a
+    loader resumed beside an earlier one whose workers still asked): one waits for its item, a
+    slow download, and the other moves the lane elsewhere (its consume). Before, the first waited
+    for ever: only a move plans a lane from a position, and the lane was no longer at its
+    position (with room for two items, the node planned from the other one and filled the
+    cache). Now the consumer moved away moves the lane back after a turn (ROOM_CHECK) and gets its
+    item, and the node warns, once, that the lane has two consumers."""
+    import logging
+
+    from cachepipe.stores import open_store
+
+    data = s3_source.folders(8, {"a.bin": 32 * KIB})
+    mine = [name for _e, name in expected(sorted(data), sizes_of(data), 0, 0, 1, 1)]
+    store = _Gated(open_store(s3_source.url, s3_source.options), mine[waits_at[1]])
+    cache = tmp_path / "node"
+    pipe = NodePipeline(s3_source.url, cache, "80KiB", ranks=[0], world_size=1, store=store)
+    got: dict = {}
+    with Sampler(cache) as sampler, pipe, caplog.at_level(logging.WARNING, logger="cachepipe.node"):
+        waiter = threading.Thread(target=lambda: got.update(taken=pipe.take(0, 0, waits_at, timeout=15)))
+        waiter.start()
+        wait_until(lambda: store.gets.get(f"{mine[waits_at[1]]}/a.bin"), what="the download the consumer waits for")
+        pipe.consume(0, 0, moved_to)  # the other consumer
+        threading.Timer(1.0, store.gate.set).start()
+        waiter.join()
+    assert got["taken"].item.name == mine[waits_at[1]] and got["taken"].cursor == waits_at  # before: TimeoutError
+    warned = [r.getMessage() for r in caplog.records if r.name == "cachepipe.node"]
+    assert len(warned) == 1 and warned[0].startswith("lane 0.0 has two consumers"), warned
+    assert sampler.peak <= 80 * KIB
+
+
+def test_two_consumers_waiting_at_two_positions_of_a_lane_take_turns_without_spinning(s3_source, tmp_path):
+    """Both consumers of one lane wait, at two positions, for downloads that are slow (2 s): each
+    moves the lane back to its position at most once a turn (ROOM_CHECK, 1 s), so the lane is
+    planned again a few times, not in a loop that holds a core (the first version of the fix
+    moved it back at once: a daemon spent 17 CPU minutes so). Both get their items."""
+    from cachepipe.stores import open_store
+
+    data = s3_source.folders(8, {"a.bin": 32 * KIB})
+    mine = [name for _e, name in expected(sorted(data), sizes_of(data), 0, 0, 1, 1)]
+    store = _Gated(open_store(s3_source.url, s3_source.options), "item")  # every download waits for the gate
+    pipe = NodePipeline(s3_source.url, tmp_path / "node", "80KiB", ranks=[0], world_size=1, store=store)
+    got: dict = {}
+    with pipe:
+        consumers = [
+            threading.Thread(target=lambda at=at: got.update({at: pipe.take(0, 0, at, timeout=20)})) for at in ((0, 5), (0, 0))
+        ]
+        for consumer in consumers:
+            consumer.start()
+        time.sleep(2.0)  # both wait for the gate
+        moves = pipe._queues.schedule.generations[0]
+        store.gate.set()
+        for consumer in consumers:
+            consumer.join()
+    assert moves <= 8, moves  # the first two moves, then one back per consumer and turn; before: thousands
+    assert {at: taken.item.name for at, taken in got.items()} == {(0, 5): mine[5], (0, 0): mine[0]}
