@@ -10,7 +10,7 @@ Routes (bodies are JSON objects; every error body is ``{"error": CODE, "message"
                                      204 every item was delivered | 408 none ready in time
                                      409 the "ack" failed (nothing taken) | 502 the item failed
                                      (with "count": N, up to 1024, and "acks": [{"path", "lease"}...]
-                                     of items of NAME, acknowledged first, all or none: 200
+                                     of up to 1024 items of NAME, acknowledged first, all or none: 200
                                      {"pipeline", "items": [up to N of those]}, the next item and
                                      those ready after it, without waiting for more)
     POST /v1/ack                     {"path": P, "lease": L}  200 | 409 not handed out / lease expired
@@ -305,6 +305,8 @@ class _Handler(BaseHTTPRequestHandler):
             raise BadRequest(f'\'ack\' {ack!r}: expected an object {{"path": ..., "lease": ...}}')
         if acks is not None and not (isinstance(acks, list) and all(isinstance(a, dict) for a in acks)):
             raise BadRequest(f'\'acks\' {acks!r}: expected a list of objects {{"path": ..., "lease": ...}}')
+        if acks is not None and len(acks) > MAX_BATCH:
+            raise BadRequest(f"'acks' of {len(acks)} items: expected at most {MAX_BATCH} per request")
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_BATCH):
             raise BadRequest(f"'count' {count!r}: expected an integer from 1 to {MAX_BATCH}")
         markers = body.get("markers", True)
