@@ -25,7 +25,7 @@ from .listing import StreamingListing
 from .plan import Cursor, Frontier, GrowingPlan, Plan, Step, default_rank_world
 from .plan import tick as plan_tick
 from .retention import PlanFuture, make_policy
-from .sourcing import fitting_items, make_plan, obtain_catalog
+from .sourcing import empty_source, fitting_items, make_plan, obtain_catalog
 from .stores import Store, open_store
 from .stores.base import abort_store
 
@@ -160,26 +160,6 @@ class Stats:
 
 
 _UNOPENED, _OPEN, _CLOSED = "unopened", "open", "closed"
-
-
-def _empty_source(cfg: PipelineConfig, listing: StreamingListing) -> EmptySourceError:
-    """The error of a streamed listing that ended without an item to deliver, saying why: every
-    item was larger than the capacity, the prefix lists nothing (a wrong bucket or prefix), or
-    its objects lie directly under it while ``items="folders"`` makes items of folders only."""
-    what = f"no items under {cfg.source!r}: found no {cfg.items}"
-    if listing.listed:
-        return EmptySourceError(f"{what} smaller than the capacity")
-    if not listing.objects:
-        return EmptySourceError(
-            f"{what} with objects: the source lists no objects; check the bucket and the prefix (keys are case-sensitive)"
-        )
-    n = listing.objects
-    return EmptySourceError(
-        f"{what} with objects: the {n} object{'s' if n > 1 else ''} it lists {'lie' if n > 1 else 'lies'} directly under "
-        "it, none in a folder; "
-        "items='folders' (the default) makes an item of each folder below the prefix: pass items='files' for an item "
-        "per object, or give the prefix above their folder"
-    )
 
 
 def _log_oversize_skipped(error: OversizeError) -> None:
@@ -493,7 +473,7 @@ class Pipeline:
         listing.start()
         listing.wait_first_page()
         if listing.done and plan.n_items == 0:
-            raise _empty_source(cfg, listing)
+            raise empty_source(cfg.source, cfg.items, listing.objects, listing.listed)
         return self._stream_steps(listing)
 
     def _stream_steps(self, listing: StreamingListing) -> Iterator[list[Planned]]:
@@ -512,7 +492,7 @@ class Pipeline:
         if listing.stopped:
             return
         if index == 0:
-            raise _empty_source(self.config, listing)
+            raise empty_source(self.config.source, self.config.items, listing.objects, listing.listed)
 
     def _consume(self, seqs: Sequence[int]) -> None:
         """Steps are done (acknowledged, or failed and reported): move the resume point."""
