@@ -230,6 +230,7 @@ class Pipeline:
         self._catalog_digest: str | None = None  # of the whole catalog the plan was made from (None: streamed)
         self._plan_lock = threading.Lock()  # the frontier: issued by the producer, consumed by consumers
         self._cache_checked = 0.0  # monotonic time of the last check_cache by get_many
+        self._open_error: BaseException | None = None  # what open() raised: this pipeline has no position
 
     def __repr__(self) -> str:
         return f"Pipeline({self.config.source!r}, cache_dir={str(self.config.cache_dir)!r}, state={self._state})"
@@ -301,8 +302,10 @@ class Pipeline:
                 if self._bar is not None:
                     self._bar.close()
                 store.close()
+                self._open_error = exc
                 if self._closing.is_set() and isinstance(exc, Exception) and not isinstance(exc, RuntimeError):
-                    raise RuntimeError(f"{self!r} was closed while it opened") from exc
+                    self._open_error = RuntimeError(f"{self!r} was closed while it opened")
+                    raise self._open_error from exc
                 raise
             log.info(
                 "opened %s: %s, capacity %d bytes",
@@ -533,8 +536,19 @@ class Pipeline:
 
         Save it with a training checkpoint; pass it to :meth:`load_state_dict` of a new pipeline
         with the same settings to continue from there.
+
+        Raises:
+            RuntimeError: the pipeline is not opened yet, or its :meth:`open` failed (naming that
+                error, chained): nothing was consumed, so a new pipeline starts where this one
+                was to start (from the state loaded into it, if any).
         """
         self._require_open(allow_closed=True)
+        if self._open_error is not None:
+            error = self._open_error
+            raise RuntimeError(
+                f"{self!r} has no position to save: its open() failed ({type(error).__name__}: {error}); nothing was "
+                "consumed, so a new Pipeline starts where this one was to (from the state loaded into it, if any)"
+            ) from error
         with self._plan_lock:
             state = self._frontier.state_dict()
         if self._catalog_digest is not None:
