@@ -689,12 +689,17 @@ class ApiServer:
         """Stop accepting new connections (existing ones are served until :meth:`close`).
 
         The socket file goes first: a client connecting from now on finds no socket (and
-        waits for the next daemon) rather than a listener that will never accept it.
+        waits for the next daemon) rather than a listener that will never accept it. Then the
+        connections already queued are accepted and served as those in flight are (503
+        ``stopping``), and the listening sockets close: a TCP client connecting from now on is
+        refused at once (and waits for the next daemon), not queued until the stop has ended.
         """
         self._unlink()
         if self._thread is not None:
             os.write(self._wake_w, b"x")
             self._thread.join()
+            for server in self._servers:
+                server.accept_queued()
 
     def close(self) -> None:
         """End every connection, join their threads, close and remove the socket. Idempotent."""
