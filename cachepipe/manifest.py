@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .catalog import Catalog
-from .errors import ConfigError, EmptySourceError
+from .errors import ConfigError
 from .state import StateCorrupt, atomic_write, catalog_header, read_catalog_header, read_catalog_items, write_catalog
 from .stores import Store, open_store
 
@@ -187,7 +187,8 @@ def index(
         dest_options: storage options for ``location`` when it is a URL (default ``storage_options``).
 
     Raises:
-        EmptySourceError: nothing to list.
+        EmptySourceError: nothing to list (saying whether the source lists no objects, or only
+            objects outside folders with ``items="folders"``, as :class:`~cachepipe.Pipeline` does).
         UnsafeKeyError: a key that cannot be mapped safely into a cache.
         OSError: as the store and the file system.
     """
@@ -202,6 +203,4 @@ def index(
     finally:
         if own:
             src.close()
-    if not catalog:
-        raise EmptySourceError(f"no items under {source!r}: found no {items} with objects")
     return write_manifest(location, source, items, catalog, storage_options if dest_options is None else dest_options)

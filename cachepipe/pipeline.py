@@ -25,7 +25,7 @@ from .listing import StreamingListing
 from .plan import Cursor, Frontier, GrowingPlan, Plan, Step, default_rank_world
 from .plan import tick as plan_tick
 from .retention import PlanFuture, make_policy
-from .sourcing import fitting_items, make_plan, obtain_catalog
+from .sourcing import empty_source, fitting_items, make_plan, obtain_catalog
 from .stores import Store, open_store
 from .stores.base import abort_store
 
@@ -162,26 +162,6 @@ class Stats:
 _UNOPENED, _OPEN, _CLOSED = "unopened", "open", "closed"
 
 
-def _empty_source(cfg: PipelineConfig, listing: StreamingListing) -> EmptySourceError:
-    """The error of a streamed listing that ended without an item to deliver, saying why: every
-    item was larger than the capacity, the prefix lists nothing (a wrong bucket or prefix), or
-    its objects lie directly under it while ``items="folders"`` makes items of folders only."""
-    what = f"no items under {cfg.source!r}: found no {cfg.items}"
-    if listing.listed:
-        return EmptySourceError(f"{what} smaller than the capacity")
-    if not listing.objects:
-        return EmptySourceError(
-            f"{what} with objects: the source lists no objects; check the bucket and the prefix (keys are case-sensitive)"
-        )
-    n = listing.objects
-    return EmptySourceError(
-        f"{what} with objects: the {n} object{'s' if n > 1 else ''} it lists {'lie' if n > 1 else 'lies'} directly under "
-        "it, none in a folder; "
-        "items='folders' (the default) makes an item of each folder below the prefix: pass items='files' for an item "
-        "per object, or give the prefix above their folder"
-    )
-
-
 def _log_oversize_skipped(error: OversizeError) -> None:
     """Log an item skipped as larger than the capacity (``on_oversize="skip"``), without the
     error's advice to pass that option."""
@@ -250,6 +230,7 @@ class Pipeline:
         self._catalog_digest: str | None = None  # of the whole catalog the plan was made from (None: streamed)
         self._plan_lock = threading.Lock()  # the frontier: issued by the producer, consumed by consumers
         self._cache_checked = 0.0  # monotonic time of the last check_cache by get_many
+        self._open_error: BaseException | None = None  # what open() raised: this pipeline has no position
 
     def __repr__(self) -> str:
         return f"Pipeline({self.config.source!r}, cache_dir={str(self.config.cache_dir)!r}, state={self._state})"
@@ -321,8 +302,10 @@ class Pipeline:
                 if self._bar is not None:
                     self._bar.close()
                 store.close()
+                self._open_error = exc
                 if self._closing.is_set() and isinstance(exc, Exception) and not isinstance(exc, RuntimeError):
-                    raise RuntimeError(f"{self!r} was closed while it opened") from exc
+                    self._open_error = RuntimeError(f"{self!r} was closed while it opened")
+                    raise self._open_error from exc
                 raise
             log.info(
                 "opened %s: %s, capacity %d bytes",
@@ -493,7 +476,7 @@ class Pipeline:
         listing.start()
         listing.wait_first_page()
         if listing.done and plan.n_items == 0:
-            raise _empty_source(cfg, listing)
+            raise empty_source(cfg.source, cfg.items, listing.objects, listing.listed)
         return self._stream_steps(listing)
 
     def _stream_steps(self, listing: StreamingListing) -> Iterator[list[Planned]]:
@@ -512,7 +495,7 @@ class Pipeline:
         if listing.stopped:
             return
         if index == 0:
-            raise _empty_source(self.config, listing)
+            raise empty_source(self.config.source, self.config.items, listing.objects, listing.listed)
 
     def _consume(self, seqs: Sequence[int]) -> None:
         """Steps are done (acknowledged, or failed and reported): move the resume point."""
@@ -553,8 +536,19 @@ class Pipeline:
 
         Save it with a training checkpoint; pass it to :meth:`load_state_dict` of a new pipeline
         with the same settings to continue from there.
+
+        Raises:
+            RuntimeError: the pipeline is not opened yet, or its :meth:`open` failed (naming that
+                error, chained): nothing was consumed, so a new pipeline starts where this one
+                was to start (from the state loaded into it, if any).
         """
         self._require_open(allow_closed=True)
+        if self._open_error is not None:
+            error = self._open_error
+            raise RuntimeError(
+                f"{self!r} has no position to save: its open() failed ({type(error).__name__}: {error}); nothing was "
+                "consumed, so a new Pipeline starts where this one was to (from the state loaded into it, if any)"
+            ) from error
         with self._plan_lock:
             state = self._frontier.state_dict()
         if self._catalog_digest is not None:

@@ -3,6 +3,8 @@ pipeline that is about the data, not about threads.
 
 - :func:`list_source`: list a store into a catalog, retrying transient errors (the one listing
   with retries, for a pipeline and for ``cachepipe index``);
+- :func:`empty_source`: the error of a listing that found nothing to deliver, saying why (for
+  a listing that streams, :func:`list_source` and ``cachepipe index``);
 - :func:`obtain_catalog`: a manifest, or the listing an earlier owner of the cache saved
   (``resume``), or a new listing; with its digest;
 - :func:`fitting_items`: which items can ever fit beside the cache's foreign bytes and state
@@ -15,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Literal
 
 from .catalog import Catalog
@@ -24,14 +26,34 @@ from .errors import EmptySourceError, OversizeError, is_transient
 from .fetcher import backoff_delay
 from .manifest import check_manifest, read_manifest
 from .plan import Plan
-from .stores import Store
+from .stores import ObjectInfo, Store
 
 if TYPE_CHECKING:
     from .cache import Cache
 
-__all__ = ["fitting_items", "list_source", "make_plan", "obtain_catalog"]
+__all__ = ["empty_source", "fitting_items", "list_source", "make_plan", "obtain_catalog"]
 
 log = logging.getLogger("cachepipe")
+
+
+def empty_source(source: str, items: str, objects: int, listed: int = 0) -> EmptySourceError:
+    """The error of a listing of ``source`` that ended without an item to deliver, saying why:
+    every one of the ``listed`` items was larger than the capacity, the prefix lists nothing
+    (``objects`` 0: a wrong bucket or prefix), or its objects lie directly under it while
+    ``items="folders"`` makes items of folders only."""
+    what = f"no items under {source!r}: found no {items}"
+    if listed:
+        return EmptySourceError(f"{what} smaller than the capacity")
+    if not objects:
+        return EmptySourceError(
+            f"{what} with objects: the source lists no objects; check the bucket and the prefix (keys are case-sensitive)"
+        )
+    return EmptySourceError(
+        f"{what} with objects: the {objects} object{'s' if objects > 1 else ''} it lists {'lie' if objects > 1 else 'lies'} "
+        "directly under it, none in a folder; "
+        "items='folders' (the default) makes an item of each folder below the prefix: pass items='files' for an item "
+        "per object, or give the prefix above their folder"
+    )
 
 
 def list_source(
@@ -48,13 +70,15 @@ def list_source(
     set (a pipeline closing while it opens), an error is not retried and a backoff ends at once.
 
     Raises:
+        EmptySourceError: no items (:func:`empty_source` says why).
         OSError, UnsafeKeyError, ...: a permanent error, or a transient one after ``retries``
             (or once ``stop`` is set).
     """
     stop = stop or threading.Event()
     for attempt in range(retries + 1):
+        objects = _Counted(store.list())
         try:
-            return Catalog.from_listing(store.list(), items)
+            catalog = Catalog.from_listing(objects, items)
         except Exception as exc:
             if not is_transient(exc) or attempt == retries or stop.is_set():
                 raise
@@ -62,7 +86,23 @@ def list_source(
             log.warning("listing %s failed, retry %d/%d in %.2fs: %s", source or store.url, attempt + 1, retries, delay, exc)
             if stop.wait(delay):  # a backoff in the opening thread; Ctrl-C interrupts it, and so does a close
                 raise
+        else:
+            if not catalog:
+                raise empty_source(source or store.url, items, objects.n)
+            return catalog
     raise AssertionError("unreachable")
+
+
+class _Counted:
+    """The objects of a listing, counted as they pass (``n``)."""
+
+    def __init__(self, objects: Iterable[ObjectInfo]) -> None:
+        self._objects, self.n = objects, 0
+
+    def __iter__(self) -> Iterator[ObjectInfo]:
+        for obj in self._objects:
+            self.n += 1
+            yield obj
 
 
 def obtain_catalog(
@@ -90,7 +130,7 @@ def obtain_catalog(
             if cfg.resume:
                 cache.save_catalog(cfg.source, cfg.items, saved)
         catalog, digest, from_manifest = saved, saved.digest(), False
-    if not catalog:
+    if not catalog:  # a manifest's or a saved listing's (a new listing raised already)
         raise EmptySourceError(f"no items under {cfg.source!r}: found no {cfg.items} with objects")
     return catalog, digest, from_manifest
 

@@ -123,7 +123,7 @@ def test_bad_pipeline_values_name_path_value_and_expectation(tmp_path, pipeline,
 @pytest.mark.parametrize(
     ("top", "fragment"),
     [
-        ({"socket_mode": 660}, "socket_mode = 660: socket_mode 660: expected an octal permission like '0660'"),
+        ({"socket_mode": 660}, "socket_mode = 660: socket_mode 660: a number is read as decimal, and 660 is no mode"),
         ({"socket_mode": "rw"}, "socket_mode = 'rw'"),
         ({"tcp_port": 70000}, "tcp_port = 70000: Input should be less than or equal to 65535"),
         ({"log_level": "loud"}, "log_level = 'loud': Input should be 'debug', 'info', 'warning' or 'error'"),
@@ -205,6 +205,22 @@ def test_share_capacity_and_octal_modes(tmp_path):
     cfg = load_config(write(tmp_path, {**minimal(tmp_path, capacity="80%"), "socket_mode": "0640"}))
     assert cfg.pipelines["train"].capacity == Share(0.8) and cfg.socket_mode == 0o640
     assert load_config(write(tmp_path, "socket_mode: 0600\n" + yaml.safe_dump(minimal(tmp_path)))).socket_mode == 0o600
+
+
+def test_a_socket_mode_written_as_a_decimal_number_is_refused_naming_the_text_to_write(tmp_path):
+    # YAML reads an unquoted 440 as four hundred and forty: the daemon gave its socket the mode
+    # 0670 (= 440) where 0440 was meant, without a word.
+    message = error_of(tmp_path, "socket_mode: 440\n" + yaml.safe_dump(minimal(tmp_path)))
+    assert (
+        "socket_mode = 440: socket_mode 440: a number is read as decimal, and 440 is the mode 0670, not 0440: "
+        'write the mode quoted, as text: socket_mode: "0440" (or "0670" if that was meant)'
+    ) in message
+    for written in ('"440"', '"0440"', "0440", '"0o440"'):  # as text, or with the leading 0 YAML reads as octal
+        assert load_config(write(tmp_path, f"socket_mode: {written}\n" + yaml.safe_dump(minimal(tmp_path)))).socket_mode == 0o440
+    base = f'[pipelines.train]\nsource = "s3://b/"\ncache_dir = "{tmp_path}/c"\ncapacity = "2GiB"\n'
+    with pytest.raises(ConfigError, match=r'socket_mode 432: .* is the mode 0660, not 0432: .*"0432" \(or "0660" if'):
+        load_config(write(tmp_path, "socket_mode = 0o660\n" + base, "c.toml"))  # TOML keeps no spelling either
+    assert load_config(write(tmp_path, 'socket_mode = "0660"\n' + base, "c.toml")).socket_mode == 0o660
 
 
 def test_file_level_errors(tmp_path):

@@ -68,7 +68,7 @@ def test_jobs_register_once_conflict_and_end(s3_source, tmp_path, short_dir):
             with pytest.raises(ServiceError, match=r"registered with seed=0, this registration asks for seed=1") as err:
                 register(sock, "train", spec(s3_source, seed=1), 0)
             assert err.value.status == 409
-            with pytest.raises(ServiceError, match=r"asks for \d+ bytes; jobs.capacity is 1048576 bytes") as err:
+            with pytest.raises(ServiceError, match=r"asks for the rest of jobs.capacity .*, and 0 bytes are available") as err:
                 register(sock, "other", spec(s3_source), 0)  # the first job holds all of it
             assert err.value.status == 409
             with pytest.raises(ServiceError, match=r"may read only under") as err:
@@ -95,6 +95,32 @@ def test_jobs_register_once_conflict_and_end(s3_source, tmp_path, short_dir):
             status, data = client._request("DELETE", "/v1/jobs/train", None, 10)
             assert status == 200 and json.loads(data)["result"] == "deleted"
         assert not any(p.name.startswith("item") for p in (root / "train").iterdir())  # its items are deleted
+
+
+def test_a_job_refused_for_want_of_room_is_told_what_it_asked_and_what_is_available(s3_source, tmp_path, short_dir):
+    # A second job with no capacity of its own, after the first took all of jobs.capacity, was
+    # told it "asks for 0 bytes".
+    s3_source.folders(2, {"a.bin": KIB})
+    sock = short_dir / "api.sock"
+    config, job = one_rank_job(s3_source, tmp_path, sock)
+    with DaemonProcess(config):
+        register(sock, "a", {**job, "capacity": "768KiB"})
+        with pytest.raises(ServiceError) as err:
+            register(sock, "b", {**job, "capacity": "512KiB"})
+        assert err.value.status == 409
+        assert str(err.value).startswith(
+            "job 'b' asks for capacity 524288 bytes, and 262144 bytes are available: jobs.capacity is 1048576 bytes and "
+            "the registered jobs hold 786432 ('a' 786432): give the job a capacity of at most 262144 bytes, "
+            "or DELETE a job that ended ("
+        ), err.value
+        register(sock, "c", job)  # no capacity: the rest
+        with pytest.raises(ServiceError) as err:
+            register(sock, "d", job)
+        assert str(err.value).startswith(
+            "job 'd' asks for the rest of jobs.capacity (its spec gives no capacity), and 0 bytes are available: "
+            "jobs.capacity is 1048576 bytes and the registered jobs hold 1048576 ('a' 786432, 'c' 262144): "
+            "DELETE a job that ended ("
+        ), err.value
 
 
 def test_manifests_listed_uploaded_and_checked(s3_source, tmp_path, short_dir):

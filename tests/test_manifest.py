@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cachepipe import ConfigError, Pipeline
+from cachepipe import ConfigError, EmptySourceError, Pipeline
 from cachepipe.catalog import Catalog
 from cachepipe.cli import main
 from cachepipe.manifest import index, read_manifest, write_manifest
@@ -227,3 +227,31 @@ def test_daemon_config_accepts_a_manifest(tmp_path):
         }
     )
     assert cfg.pipelines["train"].manifest == "s3://b/m.gz"
+
+
+def test_cli_index_of_an_empty_source_says_why_as_a_pipeline_does(tmp_path, s3_source, capsys):
+    # `cachepipe index` said only "found no folders with objects", where Pipeline.open() says
+    # whether the prefix lists nothing or only objects outside folders.
+    options = [f"--storage-option={k}={v}" for k, v in s3_source.options.items()]
+
+    def said() -> tuple[str, str, str]:
+        assert main(["index", s3_source.url, "-o", str(tmp_path / "m.gz"), *options]) == 1
+        cli = capsys.readouterr().err.strip().removeprefix("cachepipe index: ")
+        messages = []
+        for shuffle in (False, True):  # a listing that streams, and one listed whole first
+            with pytest.raises(EmptySourceError) as raised:
+                Pipeline(s3_source.url, tmp_path / "c", "10MiB", storage_options=s3_source.options, shuffle=shuffle).open()
+            messages.append(str(raised.value))
+        return cli, *messages
+
+    nothing = said()
+    assert nothing[0].endswith(
+        "with objects: the source lists no objects; check the bucket and the prefix (keys are case-sensitive)"
+    )
+    assert nothing[0] == nothing[1] == nothing[2]
+    for name in ("shard-000.tar", "shard-001.tar"):
+        s3_source.put(name, b"x" * 100)
+    loose = said()
+    assert "the 2 objects it lists lie directly under it, none in a folder; items='folders'" in loose[0]
+    assert loose[0] == loose[1] == loose[2]
+    assert not (tmp_path / "m.gz").exists()

@@ -214,6 +214,20 @@ def test_empty_listing_names_the_url(source, tmp_path):
         Pipeline(source.url, tmp_path / "c", capacity="1MiB", storage_options=source.options).open()
 
 
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_state_dict_after_a_failed_open_names_the_failure(s3_source, tmp_path, shuffle):
+    # With the whole listing first (shuffle), it raised AttributeError: the position is made
+    # when open() plans, and open() failed before; a streamed listing gave a state of no items.
+    pipe = Pipeline(s3_source.url, tmp_path / "c", capacity="1MiB", storage_options=s3_source.options, shuffle=shuffle)
+    with pytest.raises(EmptySourceError) as failed:
+        pipe.open()
+    with pytest.raises(
+        RuntimeError, match=r"has no position to save: its open\(\) failed \(EmptySourceError: no items under"
+    ) as raised:
+        pipe.state_dict()
+    assert raised.value.__cause__ is failed.value
+
+
 def test_missing_bucket_is_file_not_found(s3_endpoint, s3_options, tmp_path):
     with pytest.raises(FileNotFoundError, match="nobucket"):
         Pipeline("s3://nobucket/x/", tmp_path / "c", capacity="1MiB", storage_options=s3_options).open()

@@ -3,8 +3,10 @@ with ``items``), through :class:`cachepipe.client.Client`, against the daemon as
 
 from __future__ import annotations
 
+import json
+
 import pytest
-from test_service import FILES, stats, wait_until, write_config
+from test_service import FILES, raw_request, stats, wait_until, write_config
 
 from cachepipe import UnknownItemError
 from cachepipe.client import Client, ServiceError
@@ -53,3 +55,23 @@ def test_a_batch_of_acks_is_all_or_nothing_and_of_one_pipeline(s3_source, s3_end
             train.get_many(0)
         with pytest.raises(ValueError, match="1025 items to acknowledge at once: at most 1024"):
             train.ack_many([a] * 1025)
+
+
+def test_a_next_with_more_acks_than_a_batch_is_refused_naming_the_count_and_the_limit(
+    s3_source, s3_endpoint, tmp_path, short_dir
+):
+    # `acks` of a batched next had no cap, unlike `count` and an ack's `items` (1024 each).
+    s3_source.folders(2, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}})
+    with DaemonProcess(config), Client("train", sock) as client:
+        wait_until(lambda: stats(client)["items_ready"] == 2, what="every item ready")
+        item = client.get_many(1, timeout=30)[0]
+        acks = [{"path": str(item.path), "lease": item.lease}] * 1025
+        body = json.dumps({"count": 1, "timeout": 0, "acks": acks}).encode()
+        status, reply = raw_request(
+            sock, b"POST /v1/pipelines/train/next HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        assert status == 400 and reply["message"] == "'acks' of 1025 items: expected at most 1024 per request", reply
+        assert item.path.exists() and stats(client)["items_acked"] == 0  # nothing acknowledged, nothing taken
+        assert [i.name for i in client.get_many(2, timeout=30, ack=[item])] == ["item001"]

@@ -223,3 +223,50 @@ def test_sigterm_with_a_download_the_store_never_answers_exits_promptly(s3_sourc
     assert "item003" not in daemon.log() or "failed" not in daemon.log(), daemon.log()
     staging = tmp_path / "cache" / ".cachepipe" / "staging"
     assert not staging.exists() or not any(staging.iterdir())
+
+
+def test_a_tcp_connection_made_while_the_daemon_stops_is_refused_at_once_not_queued_until_the_stop_ends(
+    s3_source, fault_proxy, tmp_path, short_dir
+):
+    # Once the accept loop had stopped, the listening sockets stayed open until the end of the
+    # stop: a TCP client connecting meanwhile (or any client queued when the loop stopped) was
+    # queued, unanswered, for as long as the pipelines took to close.
+    from test_service import listening_tcp_ports
+
+    proxy, endpoint = fault_proxy
+    s3_source.folders(4, FILES)
+    gate = threading.Event()
+    proxy.hold(is_item("item003"), gate)  # a download in flight: the stop waits for it (see the first test)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, endpoint, storage_options={"endpoint_url": endpoint, "engine": "obstore"})
+    config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "tcp_port": 0}))
+    with DaemonProcess(config) as daemon:
+        try:
+            (port,) = (port for _host, port in listening_tcp_ports(daemon.pid))
+            with Client("train", sock, auto_ack=False) as client:
+                client.get(timeout=30)
+            deadline = time.monotonic() + 30
+            while not any(is_item("item003")(h) for h in proxy.requests):
+                assert time.monotonic() < deadline, "item003 was never requested"
+                time.sleep(0.01)
+            daemon.signal(signal.SIGTERM)
+            answers = []
+            deadline = time.monotonic() + 30
+            while True:  # a new connection each time, until one is refused (the loop has stopped by then)
+                assert time.monotonic() < deadline, answers  # a bound on the test's own wait
+                try:
+                    conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+                except ConnectionRefusedError:
+                    break
+                with conn:
+                    try:
+                        conn.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+                        answers.append(conn.recv(64).split(b"\r\n")[0])  # TimeoutError before: queued, unanswered
+                    except ConnectionResetError:
+                        answers.append(b"reset")  # queued as the listening socket closed: ended at once
+                time.sleep(0.01)
+            assert daemon.proc.poll() is None  # refused while the stop is under way, held by the download
+            assert all(a in (b"HTTP/1.1 200 OK", b"HTTP/1.1 503 Service Unavailable", b"reset") for a in answers), answers
+        finally:
+            gate.set()
+        assert daemon.proc.wait(30) == 0

@@ -10,7 +10,7 @@ Routes (bodies are JSON objects; every error body is ``{"error": CODE, "message"
                                      204 every item was delivered | 408 none ready in time
                                      409 the "ack" failed (nothing taken) | 502 the item failed
                                      (with "count": N, up to 1024, and "acks": [{"path", "lease"}...]
-                                     of items of NAME, acknowledged first, all or none: 200
+                                     of up to 1024 items of NAME, acknowledged first, all or none: 200
                                      {"pipeline", "items": [up to N of those]}, the next item and
                                      those ready after it, without waiting for more)
     POST /v1/ack                     {"path": P, "lease": L}  200 | 409 not handed out / lease expired
@@ -305,6 +305,8 @@ class _Handler(BaseHTTPRequestHandler):
             raise BadRequest(f'\'ack\' {ack!r}: expected an object {{"path": ..., "lease": ...}}')
         if acks is not None and not (isinstance(acks, list) and all(isinstance(a, dict) for a in acks)):
             raise BadRequest(f'\'acks\' {acks!r}: expected a list of objects {{"path": ..., "lease": ...}}')
+        if acks is not None and len(acks) > MAX_BATCH:
+            raise BadRequest(f"'acks' of {len(acks)} items: expected at most {MAX_BATCH} per request")
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_BATCH):
             raise BadRequest(f"'count' {count!r}: expected an integer from 1 to {MAX_BATCH}")
         markers = body.get("markers", True)
@@ -687,12 +689,17 @@ class ApiServer:
         """Stop accepting new connections (existing ones are served until :meth:`close`).
 
         The socket file goes first: a client connecting from now on finds no socket (and
-        waits for the next daemon) rather than a listener that will never accept it.
+        waits for the next daemon) rather than a listener that will never accept it. Then the
+        connections already queued are accepted and served as those in flight are (503
+        ``stopping``), and the listening sockets close: a TCP client connecting from now on is
+        refused at once (and waits for the next daemon), not queued until the stop has ended.
         """
         self._unlink()
         if self._thread is not None:
             os.write(self._wake_w, b"x")
             self._thread.join()
+            for server in self._servers:
+                server.accept_queued()
 
     def close(self) -> None:
         """End every connection, join their threads, close and remove the socket. Idempotent."""

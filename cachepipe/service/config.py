@@ -70,18 +70,39 @@ def _check_name(name: str) -> str:
 
 
 def _parse_mode(value: Any) -> int:
+    """``socket_mode`` as text of octal digits (``"0660"``, ``"660"``, ``"0o660"``). A number is
+    refused: YAML reads an unquoted ``440`` as the decimal 440 (the mode 0670, not the 0440 its
+    digits spell), and a number from TOML or Python carries no spelling to check either
+    (``_load_yaml`` passes YAML's own octal, a leading 0, as its text)."""
     bad = ValueError(f"socket_mode {value!r}: expected an octal permission like '0660' (quote it in YAML)")
     if isinstance(value, bool):
         raise bad
     if isinstance(value, int):
-        mode = value
-    elif isinstance(value, str) and (match := _MODE_RE.match(value.strip())):
+        raise ValueError(_number_as_mode(value))  # noqa: TRY004 - pydantic reports a ValueError, not a TypeError
+    if isinstance(value, str) and (match := _MODE_RE.match(value.strip())):
         mode = int(match.group(1), 8)
     else:
         raise bad
     if not 0 <= mode <= 0o777:
         raise bad
     return mode
+
+
+def _number_as_mode(value: int) -> str:
+    """Why ``socket_mode`` given as the number ``value`` is refused, and the text to write."""
+    digits = _MODE_RE.match(str(value))
+    spelled = f"{int(digits.group(1), 8):04o}" if digits and int(digits.group(1), 8) <= 0o777 else None
+    decimal = f"{value:04o}" if 0 <= value <= 0o777 else None
+    head = f"socket_mode {value}: a number is read as decimal"
+    if decimal is None:
+        example = f': socket_mode: "{spelled}"' if spelled else ', like socket_mode: "0660"'
+        return f"{head}, and {value} is no mode (expected 0 to 0777): write the mode quoted, as text{example}"
+    if spelled is None or spelled == decimal:
+        return f'{head}, and {value} is the mode {decimal}: write the mode quoted, as text: socket_mode: "{decimal}"'
+    return (
+        f"{head}, and {value} is the mode {decimal}, not {spelled}: write the mode quoted, as text: "
+        f'socket_mode: "{spelled}" (or "{decimal}" if that was meant)'
+    )
 
 
 PipelineName = Annotated[str, AfterValidator(_check_name)]
@@ -99,7 +120,8 @@ class ServiceConfig(BaseSettings):
 
     Attributes:
         socket: path of the Unix socket of the API (absolute, at most 107 bytes).
-        socket_mode: permissions of the socket (default ``0660``: owner and group).
+        socket_mode: permissions of the socket (default ``0660``: owner and group), given as
+            octal text (``"0660"``); a number is refused (YAML and TOML read ``440`` as decimal).
         socket_group: group (name or number) given the socket, so that its members may take
             and acknowledge items; None: the daemon's own group.
         tcp_port: also serve the API on TCP at ``tcp_host:tcp_port`` (no authentication:
@@ -135,7 +157,7 @@ class ServiceConfig(BaseSettings):
     )
 
     socket: Path = DEFAULT_SOCKET
-    socket_mode: SocketMode = 0o660
+    socket_mode: SocketMode = Field(default=0o660, validate_default=False)  # a number given is refused: _parse_mode
     socket_group: Annotated[str | None, BeforeValidator(_group_name)] = Field(default=None, min_length=1)
     tcp_port: int | None = Field(default=None, ge=0, le=65535)
     tcp_host: str = Field(default="127.0.0.1", min_length=1)
@@ -234,6 +256,30 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+def _load_yaml(text: str) -> Any:
+    """``text`` read by :class:`_StrictLoader`, with a ``socket_mode`` written as an unquoted
+    number with a leading 0 (``0660``, which YAML reads as octal) given as that text, the mode
+    it spells; any other number there stays a number, refused by ``_parse_mode``."""
+    loader = _StrictLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = None if node is None else loader.construct_document(node)
+    finally:
+        loader.dispose()
+    if isinstance(node, yaml.MappingNode) and isinstance(data, dict):
+        for key, value in node.value:
+            if (
+                key.value == "socket_mode"
+                and isinstance(value, yaml.ScalarNode)
+                and value.tag == "tag:yaml.org,2002:int"
+                and value.style is None
+                and _MODE_RE.match(value.value)
+                and value.value.startswith("0")
+            ):
+                data["socket_mode"] = value.value
+    return data
+
+
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Parse a YAML (or ``.toml``) config file into a mapping.
 
@@ -252,7 +298,7 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         if path.suffix.lower() == ".toml":
             data: Any = tomllib.loads(text)
         else:
-            data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - _StrictLoader is a yaml.SafeLoader subclass
+            data = _load_yaml(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {str(path)!r}: invalid TOML: {exc}") from exc
     except yaml.YAMLError as exc:

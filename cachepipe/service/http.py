@@ -223,6 +223,26 @@ class Server(socketserver.ThreadingMixIn):
             return
         super().process_request(request, client_address)
 
+    def accept_queued(self) -> None:
+        """Once the accept loop has stopped: accept the connections queued on the listening
+        socket, each served in its thread like any other (the daemon is stopping: a ``next`` or
+        an ack is answered 503 ``stopping``), then close the socket, so that none queues up to
+        wait for the end of the stop (a TCP client is refused at once). Idempotent."""
+        listener: socket.socket = self.socket  # type: ignore[attr-defined]  # of the socketserver class mixed in
+        if listener.fileno() < 0:
+            return
+        for _ in range(2 * self.request_queue_size):  # what the queue holds, and a few arriving meanwhile
+            try:
+                request, address = self.get_request()
+            except OSError:  # none left (BlockingIOError), or accept failed (EMFILE): reset by the close below
+                break
+            try:
+                self.process_request(request, address)
+            except RuntimeError:  # no thread for it ("can't start new thread"): logged, and the connection ended
+                self.handle_error(request, address)
+                self.shutdown_request(request)
+        listener.close()
+
     def shutdown_request(self, request: Any) -> None:
         with self._live_lock:
             self._live.pop(request, None)

@@ -335,9 +335,27 @@ class Jobs:
         taken = sum(job.pipeline.config.capacity for job in self._jobs.values() if isinstance(job.pipeline.config.capacity, int))
         want = total - taken if spec.capacity is None else self._bytes(spec.capacity, root)
         if want <= 0 or taken + want > total:
+            free = max(total - taken, 0)
+            if spec.capacity is None:
+                asked = "the rest of jobs.capacity (its spec gives no capacity)"
+            elif isinstance(spec.capacity, Share):
+                asked = f"capacity {spec.capacity} of the free disk space ({want} bytes)"
+            else:
+                asked = f"capacity {want} bytes"
+            size = (
+                f"{self.config.capacity} of the free disk space, {total} bytes"
+                if isinstance(self.config.capacity, Share)
+                else f"{total} bytes"
+            )
+            held = ", ".join(f"{other!r} {job.pipeline.config.capacity}" for other, job in sorted(self._jobs.items()))
+            fix = (
+                f"give the job a capacity of at most {free} bytes, or DELETE a job that ended"
+                if free
+                else "DELETE a job that ended"
+            )
             raise JobConflictError(
-                f"job {name!r} asks for {want} bytes; jobs.capacity is {total} bytes and registered jobs hold {taken}: "
-                "DELETE a job that ended, or ask for less"
+                f"job {name!r} asks for {asked}, and {free} bytes are available: jobs.capacity is {size} and the "
+                f"registered jobs hold {taken} ({held or 'none'}): {fix}"
             )
         return want
 
