@@ -75,3 +75,20 @@ def test_a_next_with_more_acks_than_a_batch_is_refused_naming_the_count_and_the_
         assert status == 400 and reply["message"] == "'acks' of 1025 items: expected at most 1024 per request", reply
         assert item.path.exists() and stats(client)["items_acked"] == 0  # nothing acknowledged, nothing taken
         assert [i.name for i in client.get_many(2, timeout=30, ack=[item])] == ["item001"]
+
+
+def test_an_ack_of_more_items_than_a_batch_is_refused_naming_the_count_not_echoing_the_list(
+    s3_source, s3_endpoint, tmp_path, short_dir
+):
+    # the message repeated the whole list, up to the 1 MiB body limit (found in review)
+    s3_source.folders(1, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}})
+    with DaemonProcess(config), Client("train", sock) as client:
+        item = client.get_many(1, timeout=30)[0]
+        body = json.dumps({"items": [{"path": str(item.path), "lease": item.lease}] * 1025}).encode()
+        status, reply = raw_request(sock, b"POST /v1/ack HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert status == 400 and reply["message"] == (
+            '\'items\' of 1025 items: expected a list of 1 to 1024 objects {"path", "lease"}'
+        ), reply
+        assert item.path.exists()  # nothing acknowledged

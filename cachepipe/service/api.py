@@ -398,7 +398,8 @@ class _Handler(BaseHTTPRequestHandler):
         if "items" in body:
             items = body["items"]
             if not isinstance(items, list) or not 1 <= len(items) <= MAX_BATCH:
-                raise BadRequest(f'\'items\' {items!r}: expected a list of 1 to {MAX_BATCH} objects {{"path", "lease"}}')
+                given = f"of {len(items)} items" if isinstance(items, list) else f"{repr(items)[:80]}"  # not the whole body
+                raise BadRequest(f'\'items\' {given}: expected a list of 1 to {MAX_BATCH} objects {{"path", "lease"}}')
             pipeline, names = daemon.finish_many(verb, items)
             return self._reply(200, {"pipeline": pipeline, "names": names, "result": verb})
         pipeline, name = daemon.finish(verb, body.get("path"), body.get("lease"))
