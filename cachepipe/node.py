@@ -17,7 +17,7 @@ for the steps that reach it again (without retention) or acknowledged, and plann
 the new position (:meth:`~cachepipe.lanes.LaneSchedule.reset`). A lane has one consumer at a
 time; two at once (a DataLoader resumed beside an earlier one that still reads) each move it to
 their own position when they ask, and one that waits while the other moved the lane moves it
-back after a turn (:data:`ROOM_CHECK`): both are served, slowly, and the node warns once.
+back once the other is not waiting: both are served, slowly, and the node warns once.
 
 The consumer's position is the resume state; the node's journal is not (a node pipeline always
 opens with ``resume=False``: published items that match the catalog are reused when a lane's
@@ -449,8 +449,11 @@ class LaneQueues(Broker[str]):
         Raises:
             TimeoutError: not ready within ``timeout`` seconds.
             Closed: the queues closed.
-            _MovedAway: the lane is no longer at ``cursor``: another consumer moved it (a lane
-                waits only at its first unconsumed step, where its consumer's take put it).
+            _MovedAway: the lane is no longer at ``cursor`` (a lane waits at its first unconsumed
+                step, where its consumer's take put it): another consumer of the lane moved it,
+                and is not waiting now. While it waits, it is served first: two consumers that
+                wait at two positions of a lane would otherwise move it back and forth, and each
+                move plans it again.
             BaseException: planning stopped (the error it stopped with).
         """
         start = time.monotonic()
@@ -463,7 +466,7 @@ class LaneQueues(Broker[str]):
                         raise Closed
                     if self.schedule.done(lane_no, cursor):
                         return None
-                    if cursor != lane.floor:  # another consumer of the lane moved it (see NodePipeline.take)
+                    if cursor != lane.floor and not lane.waiting:  # another consumer moved the lane, and waits no more
                         raise _MovedAway(lane.floor)
                     planned = lane.held.get(cursor)
                     if planned is not None and planned.value is not None:
@@ -487,18 +490,6 @@ class LaneQueues(Broker[str]):
                         self._waiting -= 1
             finally:
                 self.wait_seconds += time.monotonic() - start
-
-    def idle(self, seconds: float) -> None:
-        """Wait ``seconds`` (nothing if not positive), unless the queues close first.
-
-        Raises:
-            Closed: the queues closed.
-        """
-        with self._cond:
-            if seconds > 0:
-                self._cond.wait_for(lambda: self._closed, seconds)
-            if self._closed:
-                raise Closed
 
     def ready(self, lane_no: int, cursor: Cursor, room: int | None = None) -> _Planned | None:
         """The planned step at ``cursor`` of the lane if it is on disk now and its item is at
@@ -645,16 +636,8 @@ class NodePipeline(Pipeline):
                 planned = self._wait(lane, at, timeout, deadline)
             except Closed:
                 raise RuntimeError(f"{self!r} is closed") from None
-            except _MovedAway as moved:
-                # another consumer of the lane moved it: move it back, after a turn (two consumers
-                # that wait at different positions would otherwise move it back and forth, spinning)
+            except _MovedAway as moved:  # another consumer of the lane moved it: move it back
                 self._contended(rank, worker, at, moved.floor)
-                try:
-                    queues.idle(ROOM_CHECK if deadline is None else min(ROOM_CHECK, deadline - time.monotonic()))
-                except Closed:
-                    raise RuntimeError(f"{self!r} is closed") from None
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"no item became ready within {timeout} s") from None
                 continue
             if planned is None:
                 return None
@@ -725,8 +708,8 @@ class NodePipeline(Pipeline):
 
     def _contended(self, rank: int, worker: int, at: Cursor, floor: Cursor) -> None:
         """Another consumer of lane ``(rank, worker)`` moved it to ``floor`` while this one waited
-        for ``at``: logged once per lane. Each consumer moves the lane back to its own position
-        when it asks, so both get their items, but the lane is planned again at each move."""
+        for ``at``: logged once per lane. Each consumer moves the lane to its own position when
+        it asks, so both get their items, but the lane is planned again at each move."""
         with self._counts_lock:
             if (rank, worker) in self._contended_lanes:
                 return
