@@ -10,6 +10,7 @@ Every error is a builtin subclass as well, so callers that catch ``ValueError`` 
      +-- EmptySourceError       (FileNotFoundError) the listing found nothing under the URL
      +-- CacheLockedError       (RuntimeError)      another live process owns the cache directory
      +-- CacheRemovedError      (FileNotFoundError) the cache directory was removed or replaced under the open pipeline
+     +-- LaneConflictError      (RuntimeError)      node mode: another consumer moved the lane while this one waited
      +-- UnknownItemError       (KeyError)          ack/release of a path that is not handed out
      +-- ItemFailedError                            an item could not be fetched; ``__cause__`` says why
      +-- PrepareOverflowError   (OSError)           the prepare hook wrote more than its reserve
@@ -50,6 +51,7 @@ __all__ = [
     "ConfigError",
     "EmptySourceError",
     "ItemFailedError",
+    "LaneConflictError",
     "ObjectChangedError",
     "OversizeError",
     "PrepareOverflowError",
@@ -118,6 +120,12 @@ class CacheRemovedError(CachePipeError, FileNotFoundError):
     staging), was removed or replaced while the pipeline was open. The items, the journal and the
     lock in it are gone, so the pipeline stops: every later ``get`` raises this error. Open a
     pipeline again to start over in a fresh directory."""
+
+
+class LaneConflictError(CachePipeError, RuntimeError):
+    """Node mode: another consumer of the lane (the same rank and DataLoader worker of the job)
+    moved it while this one waited for its item. A lane has one consumer at a time: its
+    position acknowledges every earlier item, so two consumers would consume each other's items."""
 
 
 class UnknownItemError(CachePipeError, KeyError):

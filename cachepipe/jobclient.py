@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import quote
 
 from .client import DEFAULT_OUTAGE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT, Client, ServiceError, _code, _info
+from .errors import LaneConflictError
 from .items import PathItem
 from .plan import Cursor
 
@@ -181,6 +182,7 @@ class JobClient:
         Raises:
             TimeoutError: nothing ready within ``timeout`` seconds (None: no limit).
             ServiceError: the item failed (502), a bad position (400).
+            LaneConflictError: another consumer of this lane moved it while this one waited.
             ConnectionError: the daemon cannot be reached.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -258,6 +260,8 @@ class JobClient:
                     client._drop()  # noqa: SLF001 - ask the daemon's successor
                     time.sleep(0.1)
                     continue
+            if status == 409 and code == "lane_conflict":  # another consumer moved the lane while this one waited
+                raise LaneConflictError(str(_info(data).get("message", "")))
             if status == 409:  # a job registered under this name with another spec, or no room
                 raise ServiceError(status, code, str(_info(data).get("message", "")))
             client._raise_for(status, data)  # noqa: SLF001 - one translation of error answers

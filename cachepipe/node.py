@@ -15,9 +15,8 @@ there on, whatever the node had handed out before. A position before what the no
 for the lane, or past what it planned, moves the lane there: what the lane held is kept on disk
 for the steps that reach it again (without retention) or acknowledged, and planning restarts at
 the new position (:meth:`~cachepipe.lanes.LaneSchedule.reset`). A lane has one consumer at a
-time; two at once (a DataLoader resumed beside an earlier one that still reads) each move it to
-their own position when they ask, and one that waits while the other moved the lane moves it
-back once the other is not waiting: both are served, slowly, and the node warns once.
+time: a consumer that waits while another moves the lane elsewhere (a DataLoader resumed beside
+an earlier one that still reads) gets :class:`~cachepipe.errors.LaneConflictError`.
 
 The consumer's position is the resume state; the node's journal is not (a node pipeline always
 opens with ``resume=False``: published items that match the catalog are reused when a lane's
@@ -47,6 +46,7 @@ from .broker import Broker, Closed, Failed, FailureKind
 from .cache import Cache
 from .catalog import Item, Names
 from .config import Share
+from .errors import LaneConflictError
 from .fetcher import Planned
 from .lanes import LaneSchedule, NodePlan
 from .pipeline import CachedItem, Pipeline, _Held, _held
@@ -450,10 +450,7 @@ class LaneQueues(Broker[str]):
             TimeoutError: not ready within ``timeout`` seconds.
             Closed: the queues closed.
             _MovedAway: the lane is no longer at ``cursor`` (a lane waits at its first unconsumed
-                step, where its consumer's take put it): another consumer of the lane moved it,
-                and is not waiting now. While it waits, it is served first: two consumers that
-                wait at two positions of a lane would otherwise move it back and forth, and each
-                move plans it again.
+                step, where its consumer's take put it): another consumer of the lane moved it.
             BaseException: planning stopped (the error it stopped with).
         """
         start = time.monotonic()
@@ -466,7 +463,7 @@ class LaneQueues(Broker[str]):
                         raise Closed
                     if self.schedule.done(lane_no, cursor):
                         return None
-                    if cursor != lane.floor and not lane.waiting:  # another consumer moved the lane, and waits no more
+                    if cursor != lane.floor:  # another consumer of the lane moved it (see NodePipeline.take)
                         raise _MovedAway(lane.floor)
                     planned = lane.held.get(cursor)
                     if planned is not None and planned.value is not None:
@@ -620,6 +617,7 @@ class NodePipeline(Pipeline):
         Raises:
             ValueError: not a lane of this node, or not a position of its plan.
             TimeoutError: nothing became ready within ``timeout`` seconds.
+            LaneConflictError: another consumer of the lane moved it while this one waited.
             ItemFailedError, OversizeError: the item at ``cursor`` failed (``on_error="raise"``).
             CacheRemovedError: the cache directory was removed (see :meth:`check_cache`).
             RuntimeError: the pipeline is not open.
@@ -636,9 +634,8 @@ class NodePipeline(Pipeline):
                 planned = self._wait(lane, at, timeout, deadline)
             except Closed:
                 raise RuntimeError(f"{self!r} is closed") from None
-            except _MovedAway as moved:  # another consumer of the lane moved it: move it back
-                self._contended(rank, worker, at, moved.floor)
-                continue
+            except _MovedAway as moved:
+                raise self._conflict(rank, worker, at, moved.floor) from None
             if planned is None:
                 return None
             value = planned.value
@@ -706,24 +703,23 @@ class NodePipeline(Pipeline):
         lane = self.node_plan.lane(rank, worker)
         self._move(lane, self._queues.schedule.normalise(lane, cursor))
 
-    def _contended(self, rank: int, worker: int, at: Cursor, floor: Cursor) -> None:
-        """Another consumer of lane ``(rank, worker)`` moved it to ``floor`` while this one waited
-        for ``at``: logged once per lane. Each consumer moves the lane to its own position when
-        it asks, so both get their items, but the lane is planned again at each move."""
+    def _conflict(self, rank: int, worker: int, at: Cursor, floor: Cursor) -> LaneConflictError:
+        """The error for the consumer of lane ``(rank, worker)`` that waited for ``at`` while
+        another moved the lane to ``floor``; logged once per lane. It does not move the lane back:
+        each move consumes the steps before it, so two consumers would consume (delete) each
+        other's items, and a request left waiting by a consumer that went away (a killed
+        DataLoader worker) would take the lane from the one after it."""
         with self._counts_lock:
-            if (rank, worker) in self._contended_lanes:
-                return
+            first = (rank, worker) not in self._contended_lanes
             self._contended_lanes.add((rank, worker))
-        log.warning(
-            "lane %s.%s has two consumers: one asks for %s while another moved the lane to %s; each is served, "
-            "but the lane is planned again at every move and items may be downloaded twice: give each "
-            "(rank, DataLoader worker) one consumer at a time (a DataLoader whose workers are still reading, "
-            "beside a new one that resumes the same job?)",
-            rank,
-            worker,
-            tuple(at),
-            tuple(floor),
+        message = (
+            f"lane {rank}.{worker}: another consumer moved the lane to {tuple(floor)} while this one waited for "
+            f"{tuple(at)}; a lane (a rank's DataLoader worker of one job) has one consumer at a time: is an earlier "
+            "DataLoader of this job still reading, beside one that resumed it?"
         )
+        if first:
+            log.warning("%s (refused; logged once per lane)", message)
+        return LaneConflictError(message)
 
     def _wait(self, lane: int, at: Cursor, timeout: float | None, deadline: float | None) -> _Planned | None:
         """:meth:`LaneQueues.wait` in turns of :data:`ROOM_CHECK` seconds; after each, once the

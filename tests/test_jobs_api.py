@@ -281,3 +281,59 @@ def test_jobs_section_is_checked(tmp_path):
     overlap = {"jobs": {"root": "/data/jobs", "capacity": "1GiB"}}
     overlap["pipelines"] = {"train": {"source": "s3://b/", "cache_dir": "/data/jobs/train", "capacity": "1GiB"}}
     assert "overlaps jobs.root '/data/jobs'" in error_of(overlap)
+
+
+def test_a_take_left_waiting_by_a_consumer_that_went_away_does_not_move_the_lane_of_the_next(
+    s3_source, fault_proxy, tmp_path, short_dir
+):
+    """A consumer asks for (0, 5), whose download is slow, and goes away (a DataLoader worker
+    killed while it waited: a loop left with ``break``, a rank killed and restarted); the
+    daemon's request thread still waits for the item. A new consumer of the lane reads it from
+    (0, 0), its first item taking 2 s to read. Found by review of a first fix, which moved the
+    lane back a turn (1 s) later, to (0, 5), consuming the steps before it: the new consumer's
+    item was deleted while it read it (FileNotFoundError). Now the request left waiting is
+    refused (LaneConflictError, 409 to a client that is gone) and moves nothing."""
+    import socket
+
+    from conftest import via
+
+    proxy, endpoint = fault_proxy
+    data = s3_source.folders(8, {"a.bin": 32 * KIB})
+    sock = short_dir / "api.sock"
+    jobs = {"root": str(tmp_path / "jobs"), "capacity": "1MiB", "sources": [s3_source.url]}
+    jobs["options"] = {"storage_options": via(s3_source, endpoint)}
+    one = {**spec(s3_source), "world_size": 1, "ranks": [0]}  # room for every item: all are planned at once
+    fifth = sorted(data)[5]  # one lane of one rank: its share is the catalog in order
+    gate = threading.Event()
+    proxy.hold(lambda head: f"{fifth}/a.bin" in head, gate)
+    try:
+        with DaemonProcess(write_config(tmp_path, sock, jobs)) as daemon, JobClient("train", one, 0, socket=sock) as lane:
+            lane.register()
+            body = json.dumps({"rank": 0, "worker": 0, "epoch": 0, "index": 5, "timeout": 60}).encode()
+            with socket.socket(socket.AF_UNIX) as gone:
+                gone.connect(str(sock))
+                gone.sendall(
+                    b"POST /v1/jobs/train/take HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                deadline = time.monotonic() + 30
+                while not any(f"{fifth}/a.bin" in head for head in proxy.requests):  # the request waits for it
+                    assert time.monotonic() < deadline, "the download of (0, 5) never began"
+                    time.sleep(0.05)
+            threading.Timer(4.0, gate.set).start()  # the item arrives later, for nobody
+            cursor, names, failed = (0, 0), [], []
+            while (item := lane.take(cursor, timeout=60)) is not None:
+                time.sleep(2.0 if not names else 0.1)  # a transform, before it reads the item
+                try:
+                    assert (Path(item.path) / "a.bin").read_bytes() == data[item.name]["a.bin"]
+                except FileNotFoundError:
+                    failed.append(tuple(item.cursor))
+                names.append(item.name)
+                cursor = item.next
+                lane.consume(cursor)
+            log = daemon.log()
+    finally:
+        gate.set()
+    assert names == sorted(data)
+    assert failed == []  # with the first fix: [(0, 0)], deleted while it was read
+    assert "lane 0.0: another consumer moved the lane to (0, 0) while this one waited for (0, 5)" in log

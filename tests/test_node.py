@@ -551,18 +551,17 @@ def test_close_stops_the_preparation_in_the_background():
 
 
 @pytest.mark.parametrize(("waits_at", "moved_to"), [((0, 5), (0, 0)), ((0, 0), (0, 3))], ids=["moved-back", "moved-on"])
-def test_a_consumer_whose_lane_another_consumer_moved_while_it_waited_gets_its_item(
-    s3_source, tmp_path, caplog, waits_at, moved_to
-):
+def test_a_consumer_whose_lane_another_consumer_moved_while_it_waited_is_refused(s3_source, tmp_path, caplog, waits_at, moved_to):
     """Two consumers of one lane at once (found by a randomized run of DataLoaders of one job: a
     loader resumed beside an earlier one whose workers still asked): one waits for its item, a
     slow download, and the other moves the lane elsewhere (its consume). Before, the first waited
     for ever: only a move plans a lane from a position, and the lane was no longer at its
-    position (with room for two items, the node planned from the other one and filled the
-    cache). Now the consumer moved away moves the lane back, the other not waiting, and gets its
-    item, and the node warns, once, that the lane has two consumers."""
+    position. Now it gets LaneConflictError at once, naming both positions, and the lane stays
+    where the other consumer put it (moving it back would consume the other's items: a position
+    acknowledges every step before it). The node warns once."""
     import logging
 
+    from cachepipe.errors import LaneConflictError
     from cachepipe.stores import open_store
 
     data = s3_source.folders(8, {"a.bin": 32 * KIB})
@@ -571,44 +570,88 @@ def test_a_consumer_whose_lane_another_consumer_moved_while_it_waited_gets_its_i
     cache = tmp_path / "node"
     pipe = NodePipeline(s3_source.url, cache, "80KiB", ranks=[0], world_size=1, store=store)
     got: dict = {}
+
+    def waiter() -> None:
+        try:
+            pipe.take(0, 0, waits_at, timeout=15)
+        except Exception as exc:  # noqa: BLE001 - what the waiter got, checked below
+            got["error"] = exc
+
     with Sampler(cache) as sampler, pipe, caplog.at_level(logging.WARNING, logger="cachepipe.node"):
-        waiter = threading.Thread(target=lambda: got.update(taken=pipe.take(0, 0, waits_at, timeout=15)))
-        waiter.start()
+        thread = threading.Thread(target=waiter)
+        thread.start()
         wait_until(lambda: store.gets.get(f"{mine[waits_at[1]]}/a.bin"), what="the download the consumer waits for")
         wait_until(lambda: pipe._queues._lanes[0].waiting, what="the consumer waiting")  # it asked first
         pipe.consume(0, 0, moved_to)  # the other consumer
-        threading.Timer(1.0, store.gate.set).start()
-        waiter.join()
-    assert got["taken"].item.name == mine[waits_at[1]] and got["taken"].cursor == waits_at  # before: TimeoutError
+        thread.join(10)
+        store.gate.set()
+        assert not thread.is_alive()  # before: it waited until its timeout (TimeoutError)
+        taken = pipe.take(0, 0, moved_to, timeout=10)  # the other consumer reads on from where it put the lane
+    assert isinstance(got["error"], LaneConflictError), got
+    assert f"moved the lane to {moved_to} while this one waited for {waits_at}" in str(got["error"])
+    assert taken.item.name == mine[moved_to[1]]
     warned = [r.getMessage() for r in caplog.records if r.name == "cachepipe.node"]
-    assert len(warned) == 1 and warned[0].startswith("lane 0.0 has two consumers"), warned
+    assert len(warned) == 1 and warned[0].startswith("lane 0.0: another consumer moved the lane"), warned
     assert sampler.peak <= 80 * KIB
 
 
-def test_two_consumers_waiting_at_two_positions_of_a_lane_take_turns_without_spinning(s3_source, tmp_path):
-    """Both consumers of one lane wait, at two positions, for downloads that are slow (2 s): the
-    one that moved the lane last is served first, and the other moves it back once that one no
-    longer waits, so the lane is planned again a few times, not in a loop that holds a core (the
-    first version of the fix moved it back at once: a daemon spent 17 CPU minutes so; the
-    second, after a turn of waiting, livelocked with a cache of two items, no wait lasting the
-    5 s after which room is given back). Both get their items."""
+class _Slow:
+    """A store whose every GET takes ``delay`` seconds (a large item over a slow link)."""
+
+    def __init__(self, inner, delay: float) -> None:
+        self.inner, self.url, self.delay = inner, inner.url, delay
+        self.gets = 0
+
+    def list(self):
+        return self.inner.list()
+
+    def get(self, key, out, start, end, *, etag=None):
+        self.gets += 1
+        time.sleep(self.delay)
+        return self.inner.get(key, out, start, end, etag=etag)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_two_consumers_reading_one_lane_to_its_end_one_is_refused_and_the_other_reads_on_intact(s3_source, tmp_path, monkeypatch):
+    """Two consumers of one lane read it to its end from two positions (a loader resumed beside
+    an earlier one), each download taking longer than a turn (ROOM_CHECK, shortened here to 0.2
+    s; downloads of 0.5 s), with room for three items. Found by review of the first fix, which
+    moved the lane back after a turn: neither got an item for 20 s while the node downloaded
+    the items again and again. Now the one whose lane the other moved while it waited is refused
+    (LaneConflictError), and the other reads its share from its position to the end, each item
+    whole."""
+    import cachepipe.node
+    from cachepipe.errors import LaneConflictError
     from cachepipe.stores import open_store
 
-    data = s3_source.folders(8, {"a.bin": 32 * KIB})
+    monkeypatch.setattr(cachepipe.node, "ROOM_CHECK", 0.2)
+    data = s3_source.folders(12, {"a.bin": 8 * KIB})
     mine = [name for _e, name in expected(sorted(data), sizes_of(data), 0, 0, 1, 1)]
-    store = _Gated(open_store(s3_source.url, s3_source.options), "item")  # every download waits for the gate
-    pipe = NodePipeline(s3_source.url, tmp_path / "node", "80KiB", ranks=[0], world_size=1, store=store)
-    got: dict = {}
+    store = _Slow(open_store(s3_source.url, s3_source.options), 0.5)
+    pipe = NodePipeline(s3_source.url, tmp_path / "node", 3 * 8 * KIB + 100, ranks=[0], world_size=1, store=store)
+    out: dict = {}
+
+    def reader(start) -> None:
+        got = out.setdefault(start, [])
+        cursor = Cursor(*start)
+        try:
+            while (taken := pipe.take(0, 0, cursor, timeout=20)) is not None:
+                assert (taken.item.path / "a.bin").read_bytes() == data[taken.item.name]["a.bin"]
+                got.append(taken.item.name)
+                cursor = taken.after
+                pipe.consume(0, 0, cursor)
+        except LaneConflictError:
+            got.append("refused")
+
     with pipe:
-        consumers = [
-            threading.Thread(target=lambda at=at: got.update({at: pipe.take(0, 0, at, timeout=20)})) for at in ((0, 5), (0, 0))
-        ]
-        for consumer in consumers:
-            consumer.start()
-        time.sleep(2.0)  # both wait for the gate
-        moves = pipe._queues.schedule.generations[0]
-        store.gate.set()
-        for consumer in consumers:
-            consumer.join()
-    assert moves <= 4, moves  # the first two moves; before: thousands
-    assert {at: taken.item.name for at, taken in got.items()} == {(0, 5): mine[5], (0, 0): mine[0]}
+        readers = [threading.Thread(target=reader, args=(start,)) for start in ((0, 0), (0, 6))]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join()
+    refused = [start for start, got in out.items() if got[-1:] == ["refused"]]
+    assert len(refused) == 1, (out, store.gets)  # before the first fix: both waited; with it, neither was served
+    (reads_on,) = set(out) - set(refused)
+    assert out[reads_on] == mine[reads_on[1] :], out  # its share from its position, to the end

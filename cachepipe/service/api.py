@@ -91,7 +91,7 @@ from urllib.parse import unquote
 
 from .. import __version__
 from ..client import MAX_BATCH
-from ..errors import ConfigError, ItemFailedError, UnknownItemError
+from ..errors import ConfigError, ItemFailedError, LaneConflictError, UnknownItemError
 from ..node import Taken
 from ..pipeline import CachedItem
 from ..plan import Cursor
@@ -149,6 +149,7 @@ def _error_for(exc: BaseException) -> tuple[int, str]:
         (UnknownPipelineError, 404, "not_found"),
         (UnknownItemError, 409, "lease_conflict"),
         (JobConflictError, 409, "conflict"),
+        (LaneConflictError, 409, "lane_conflict"),
         (TimeoutError, 408, "timeout"),
         (ItemFailedError, 502, "item_failed"),
         (StoppingError, 503, "stopping"),
