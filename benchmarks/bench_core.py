@@ -11,7 +11,7 @@ Three measurements, each in a fresh child process (so RSS and CPU are its own):
   ``memory://`` source of 1-byte items, either one-file folders (``items="folders"``) or single
   files (``items="files"``), taken by a consumer one by one (the iterator, which acks each
   item as it takes the next) or ``--batch`` at a time (``get_many`` and ``ack_many``). Run with
-  the cache on the project disk and on tmpfs (``/dev/shm``), beside the **floor**: the same
+  the cache on the project disk and on tmpfs (``/dev/shm``; ``--no-tmpfs``: the disk only), beside the **floor**: the same
   file-system calls per item (for folders mkdir, create and write, rename, unlink, rmdir; for
   files create and write, rename, unlink) made by one plain Python loop, no threads. The ratio
   to the floor is the pipeline's own overhead. ``--repeats`` interleaved runs (the
@@ -355,6 +355,11 @@ def main(argv: list[str] | None = None) -> int:
         default=tempfile.gettempdir(),
         help="folder on the disk to measure (default: the temporary folder); its file system is reported",
     )
+    p.add_argument(
+        "--no-tmpfs",
+        action="store_true",
+        help="measure the hand-off with the cache on --disk only, not also on tmpfs (/dev/shm): the same code, half the runs",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -365,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.isdir(args.disk) or not os.access(args.disk, os.W_OK):
         p.error(f"--disk must be a writable folder, not {args.disk!r}")
     shm = "/dev/shm"  # tmpfs on every Linux
-    places = [("disk", args.disk)] + ([("tmpfs", shm)] if os.path.isdir(shm) and os.access(shm, os.W_OK) else [])
+    tmpfs = not args.no_tmpfs and os.path.isdir(shm) and os.access(shm, os.W_OK)
+    places = [("disk", args.disk)] + ([("tmpfs", shm)] if tmpfs else [])
     import cachepipe
 
     report: dict[str, Any] = {

@@ -164,6 +164,22 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+def _run_together(runs: list[tuple[list[str], dict[str, str]]]) -> list[subprocess.CompletedProcess]:
+    """Start every ``(argv, env)`` at once, then wait for each (60 s); their output, captured."""
+    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for argv, env in runs]
+    done = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=60)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return done
+
+
 def test_three_processes_share_one_source_each_item_once(s3_source, s3_client, tmp_path):
     rng = random.Random(17)
     sizes = {f"item{i:02d}": 500 + rng.randrange(8000) for i in range(14)}
@@ -198,16 +214,10 @@ def test_three_processes_share_one_source_each_item_once(s3_source, s3_client, t
         ]
 
     # --dry-run with the rank from torchrun's variables: disjoint shares that cover the listing
+    # (the three at once: each only lists and prints)
     planned: dict[int, list[str]] = {}
-    for rank in range(3):
-        dry = subprocess.run(
-            command(rank, "--dry-run"),
-            env=_clean_env(RANK=str(rank), WORLD_SIZE="3"),
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+    dry_runs = _run_together([(command(rank, "--dry-run"), _clean_env(RANK=str(rank), WORLD_SIZE="3")) for rank in range(3)])
+    for rank, dry in enumerate(dry_runs):
         assert dry.returncode == 0, dry.stderr
         assert dry.stdout.splitlines()[0].startswith(f"rank {rank} of 3 (RANK={rank}, WORLD_SIZE=3): ")
         planned[rank] = [line.split()[2] for line in dry.stdout.splitlines() if line.startswith("would run: ")]
@@ -252,10 +262,14 @@ def test_three_processes_share_one_source_each_item_once(s3_source, s3_client, t
     ]
     assert sorted(keys) == sorted(f"out/{n}/{f}" for n in sizes for f in ("size.txt", DONE_MARKER))
 
-    # a rerun with the same ranks (from a Slurm array of ids 1-3) does nothing
-    for rank in range(3):
-        env = _clean_env(SLURM_ARRAY_TASK_ID=str(rank + 1), SLURM_ARRAY_TASK_MIN="1", SLURM_ARRAY_TASK_COUNT="3")
-        rerun = subprocess.run(command(rank), env=env, capture_output=True, text=True, timeout=60, check=False)
+    # a rerun with the same ranks (from a Slurm array of ids 1-3, the three at once) does nothing
+    reruns = _run_together(
+        [
+            (command(rank), _clean_env(SLURM_ARRAY_TASK_ID=str(rank + 1), SLURM_ARRAY_TASK_MIN="1", SLURM_ARRAY_TASK_COUNT="3"))
+            for rank in range(3)
+        ]
+    )
+    for rank, rerun in enumerate(reruns):
         assert rerun.returncode == 0, rerun.stderr
         assert f"0 done, 0 failed, {shares[rank][0]} already done" in rerun.stderr
         assert f"rank {rank} of 3 (SLURM_ARRAY_TASK_ID={rank + 1} (minus SLURM_ARRAY_TASK_MIN=1)" in rerun.stderr
