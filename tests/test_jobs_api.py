@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 from removing import remove_tree
+from waiting import wait_until
 
 from cachepipe.client import Client, ServiceError
 from cachepipe.errors import ConfigError
@@ -337,3 +338,48 @@ def test_a_take_left_waiting_by_a_consumer_that_went_away_does_not_move_the_lane
     assert names == sorted(data)
     assert failed == []  # with the first fix: [(0, 0)], deleted while it was read
     assert "lane 0.0: another consumer moved the lane to (0, 0) while this one waited for (0, 5)" in log
+
+
+def test_a_take_waiting_when_the_daemon_stops_is_answered_stopping_and_asks_the_next_daemon(
+    s3_source, fault_proxy, tmp_path, short_dir
+):
+    """A lane's take waits for an item whose download is slow when the daemon stops (a
+    `systemctl restart`). Before, the stop closed the job's node pipeline under the request, which
+    was answered 500 "internal" (RuntimeError: closed), and JobClient raised ServiceError: the
+    DataLoader worker died on a restart it is meant to wait out (found in review). Now it is 503
+    "stopping", and the lane asks the next daemon, which hands it the item."""
+    from conftest import via
+
+    proxy, endpoint = fault_proxy
+    data = s3_source.folders(4, {"a.bin": KIB})
+    sock = short_dir / "api.sock"
+    jobs = {"root": str(tmp_path / "jobs"), "capacity": "1MiB", "sources": [s3_source.url]}
+    jobs["options"] = {"storage_options": via(s3_source, endpoint)}
+    config = write_config(tmp_path, sock, jobs)
+    one = {**spec(s3_source), "world_size": 1, "ranks": [0]}
+    first = min(data)
+    gate = threading.Event()
+    proxy.hold(lambda head: f"{first}/a.bin" in head, gate)
+    got: dict = {}
+
+    def take() -> None:
+        try:
+            got["item"] = lane.take((0, 0), timeout=60)
+        except Exception as exc:  # noqa: BLE001 - what the lane got, checked below
+            got["error"] = exc
+
+    try:
+        with JobClient("train", one, 0, socket=sock) as lane:
+            with DaemonProcess(config) as daemon, Client(socket=sock) as admin:
+                lane.register()
+                waiter = threading.Thread(target=take)
+                waiter.start()
+                wait_until(lambda: admin.status()["jobs"]["job/train"]["waiting"], what="the take waiting in the daemon")
+                assert daemon.stop() == 0
+            gate.set()
+            with DaemonProcess(config):
+                waiter.join(60)
+    finally:
+        gate.set()
+    assert "error" not in got, got  # before: ServiceError 500 internal "... is closed"
+    assert got["item"].name == first

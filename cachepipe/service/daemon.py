@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 from .. import __version__
 from ..config import PipelineConfig, format_size, with_unit
-from ..errors import CacheRemovedError, ConfigError, UnknownItemError
+from ..errors import CachePipeError, CacheRemovedError, ConfigError, UnknownItemError
 from ..node import Taken
 from ..pipeline import CachedItem, Pipeline, Stats
 from ..plan import Cursor
@@ -553,12 +553,27 @@ class Daemon:
         self._count_waiting(key, +1)
         try:
             return self._job_registry().take(name, rank, worker, cursor, limit, count, max_bytes)
+        except RuntimeError as exc:
+            raise self._stopped_under(exc, f"take from lane {rank}.{worker} of job {name!r}") from exc
         finally:
             self._count_waiting(key, -1)
 
     def consume_lane(self, name: str, rank: int, worker: int, cursor: Cursor) -> None:
         """Lane ``(rank, worker)`` of job ``name`` is done with every step before ``cursor``."""
-        self._job_registry().consume(name, rank, worker, cursor)
+        try:
+            self._job_registry().consume(name, rank, worker, cursor)
+        except RuntimeError as exc:
+            raise self._stopped_under(exc, f"consume on lane {rank}.{worker} of job {name!r}") from exc
+
+    def _stopped_under(self, exc: RuntimeError, what: str) -> Exception:
+        """``exc`` from a job's node pipeline, or, if it closed under the request because the
+        daemon stops (not a cachepipe error of its own), a StoppingError (503 ``stopping``: the
+        lane asks the next daemon; before, 500 ``internal``, and the lane gave up)."""
+        with self._cond:
+            stopping = self._state != _RUNNING
+        if stopping and not isinstance(exc, CachePipeError):
+            return StoppingError(f"cannot {what}: the daemon is shutting down (the lane asks again after it restarts)")
+        return exc
 
     def manifest_limit(self) -> int:
         """The largest manifest a job may upload, in bytes (``jobs.max_manifest``)."""
