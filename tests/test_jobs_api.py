@@ -317,10 +317,7 @@ def test_a_take_left_waiting_by_a_consumer_that_went_away_does_not_move_the_lane
                     b"POST /v1/jobs/train/take HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
                 )
-                deadline = time.monotonic() + 30
-                while not any(f"{fifth}/a.bin" in head for head in proxy.requests):  # the request waits for it
-                    assert time.monotonic() < deadline, "the download of (0, 5) never began"
-                    time.sleep(0.05)
+                wait_until(lambda: any(f"{fifth}/a.bin" in head for head in proxy.requests), 30, "the download of (0, 5)")
             threading.Timer(4.0, gate.set).start()  # the item arrives later, for nobody
             cursor, names, failed = (0, 0), [], []
             while (item := lane.take(cursor, timeout=60)) is not None:

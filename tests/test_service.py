@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from waiting import wait_until
 
 from cachepipe import UnknownItemError
 from cachepipe.client import Client, ServiceError
@@ -55,18 +56,6 @@ def write_config(tmp_path: Path, sock: Path, endpoint: str, pipelines: dict[str,
     path = tmp_path / "cachepipe.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
-
-
-def wait_until(predicate, timeout: float = 20.0, what: str = "the condition"):
-    """Poll ``predicate`` (a status query) until it returns something true, with a deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def stats(client: Client, name: str = "train") -> dict:
@@ -392,6 +381,13 @@ def raw_request(sock_path: Path, data: bytes, timeout: float = 10.0) -> tuple[in
         conn.close()
 
 
+def post(sock_path: Path, route: str, body: bytes) -> tuple[int, dict]:
+    """POST ``body`` (sent as is) to ``route`` on a new connection; (status, JSON body)."""
+    return raw_request(
+        sock_path, b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (route.encode(), len(body), body)
+    )
+
+
 def test_slow_clients_are_cut_off_and_do_not_lock_out_a_consumer(s3_source, s3_endpoint, tmp_path, short_dir):
     # Issue #18 finding 7: 16 connections that announce a body of 100 bytes and send one held
     # every slot (max_clients: 16) for as long as they liked.
@@ -437,9 +433,7 @@ def test_malformed_requests_are_400_with_the_reason(s3_source, s3_endpoint, tmp_
     config = write_config(tmp_path, sock, s3_endpoint, {"train": {}})
     with DaemonProcess(config):
         nested = b"[" * 100_000 + b"]" * 100_000
-        status, body = raw_request(
-            sock, b"POST /v1/ack HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(nested), nested)
-        )
+        status, body = post(sock, "/v1/ack", nested)
         assert status == 400 and body["error"] == "bad_request" and "nested too deeply" in body["message"], body
         for lengths in ((b"2", b"2"), (b"2", b"5")):
             head = b"".join(b"Content-Length: %s\r\n" % n for n in lengths)

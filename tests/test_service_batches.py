@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_service import FILES, raw_request, stats, wait_until, write_config
+from test_service import FILES, post, stats, wait_until, write_config
 
 from cachepipe import UnknownItemError
 from cachepipe.client import Client, ServiceError
@@ -69,9 +69,7 @@ def test_a_next_with_more_acks_than_a_batch_is_refused_naming_the_count_and_the_
         item = client.get_many(1, timeout=30)[0]
         acks = [{"path": str(item.path), "lease": item.lease}] * 1025
         body = json.dumps({"count": 1, "timeout": 0, "acks": acks}).encode()
-        status, reply = raw_request(
-            sock, b"POST /v1/pipelines/train/next HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
-        )
+        status, reply = post(sock, "/v1/pipelines/train/next", body)
         assert status == 400 and reply["message"] == "'acks' of 1025 items: expected at most 1024 per request", reply
         assert item.path.exists() and stats(client)["items_acked"] == 0  # nothing acknowledged, nothing taken
         assert [i.name for i in client.get_many(2, timeout=30, ack=[item])] == ["item001"]
@@ -87,7 +85,7 @@ def test_an_ack_of_more_items_than_a_batch_is_refused_naming_the_count_not_echoi
     with DaemonProcess(config), Client("train", sock) as client:
         item = client.get_many(1, timeout=30)[0]
         body = json.dumps({"items": [{"path": str(item.path), "lease": item.lease}] * 1025}).encode()
-        status, reply = raw_request(sock, b"POST /v1/ack HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        status, reply = post(sock, "/v1/ack", body)
         assert status == 400 and reply["message"] == (
             '\'items\' of 1025 items: expected a list of 1 to 1024 objects {"path", "lease"}'
         ), reply

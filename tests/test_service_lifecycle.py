@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from waiting import wait_until
 
 from cachepipe.client import Client, ServiceError
 from cachepipe.service.testing import DaemonProcess
@@ -92,10 +93,7 @@ def test_acks_that_arrive_while_the_daemon_stops_are_answered_stopping_not_refus
         try:
             with Client("train", sock, auto_ack=False) as client:
                 item = client.get(timeout=30)
-            deadline = time.monotonic() + 30
-            while not any(is_item("item003")(h) for h in proxy.requests):
-                assert time.monotonic() < deadline, "item003 was never requested"
-                time.sleep(0.01)
+            wait_until(lambda: any(is_item("item003")(h) for h in proxy.requests), 30, "the request of item003")
             conns = [connected(sock) for _ in range(40)]  # each answer while stopping closes its connection
             daemon.signal(signal.SIGTERM)
             while sock.exists():  # the stop has begun: its pipelines close next
@@ -137,10 +135,7 @@ def test_health_answers_at_once_while_a_removed_cache_closes_behind_a_hung_downl
         try:
             with Client("train", sock, auto_ack=False, request_timeout=5) as client:
                 client.get(timeout=30)
-                deadline = time.monotonic() + 30
-                while not any(is_item("item003")(h) for h in proxy.requests):
-                    assert time.monotonic() < deadline, "item003 was never requested"
-                    time.sleep(0.01)
+                wait_until(lambda: any(is_item("item003")(h) for h in proxy.requests), 30, "the request of item003")
                 (tmp_path / "cache").rename(tmp_path / "gone")  # removed from under the daemon, at once
                 health = client.health()  # TimeoutError (5 s) before the fix
                 assert health["status"] == "degraded", health
@@ -207,10 +202,7 @@ def test_sigterm_with_a_download_the_store_never_answers_exits_promptly(s3_sourc
         try:
             with Client("train", sock, auto_ack=False) as client:
                 client.get(timeout=30)
-            deadline = time.monotonic() + 30
-            while not any(is_item("item003")(h) for h in proxy.requests):
-                assert time.monotonic() < deadline, "item003 was never requested"
-                time.sleep(0.01)
+            wait_until(lambda: any(is_item("item003")(h) for h in proxy.requests), 30, "the request of item003")
             started = time.monotonic()
             daemon.signal(signal.SIGTERM)
             code = daemon.proc.wait(20)  # TimeoutExpired before the fix (60 s, the read timeout)
@@ -245,10 +237,7 @@ def test_a_tcp_connection_made_while_the_daemon_stops_is_refused_at_once_not_que
             (port,) = (port for _host, port in listening_tcp_ports(daemon.pid))
             with Client("train", sock, auto_ack=False) as client:
                 client.get(timeout=30)
-            deadline = time.monotonic() + 30
-            while not any(is_item("item003")(h) for h in proxy.requests):
-                assert time.monotonic() < deadline, "item003 was never requested"
-                time.sleep(0.01)
+            wait_until(lambda: any(is_item("item003")(h) for h in proxy.requests), 30, "the request of item003")
             daemon.signal(signal.SIGTERM)
             answers = []
             deadline = time.monotonic() + 30
