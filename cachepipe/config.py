@@ -304,6 +304,10 @@ class PipelineConfig(BaseModel):
         lease_timeout: seconds a handed-out item may stay unacknowledged before it is handed out
             again (a consumer that died); None (default): never.
         epochs: passes over the dataset (default 1); None: endless.
+        start_epoch: the epoch the pipeline starts at when no state is loaded and nothing is
+            resumed (default 0): it reads epochs ``start_epoch`` to ``epochs - 1``, each in the
+            same order as a pipeline started at 0 reads it (a loop that makes one pipeline per
+            epoch passes ``start_epoch=e, epochs=e + 1`` to read epoch ``e``'s permutation).
         shuffle: a new seeded permutation every epoch, identical on every rank (default False:
             listing order).
         seed: the shuffle's seed (default 0).
@@ -395,6 +399,7 @@ class PipelineConfig(BaseModel):
     )
     lease_timeout: float | None = Field(default=None, gt=0)
     epochs: int | None = Field(default=1, ge=1)
+    start_epoch: int = Field(default=0, ge=0)
     shuffle: bool = False
     seed: int = 0
     rank: int | None = Field(default=None, ge=0)
@@ -420,6 +425,16 @@ class PipelineConfig(BaseModel):
     # Checks of a field against fields before it, never of the model: an error of a model validator
     # carries every option as its input, which pydantic's message shows (the storage options'
     # credentials among them).
+    @field_validator("start_epoch")
+    @classmethod
+    def _start_within_epochs(cls, value: int, info: ValidationInfo) -> int:
+        if "epochs" not in info.data:
+            return value  # epochs was refused already
+        epochs = info.data["epochs"]
+        if epochs is not None and value >= epochs:
+            raise ValueError(f"start_epoch={value} with epochs={epochs}: expected 0 <= start_epoch < epochs (counted from 0)")
+        return value
+
     @field_validator("download_processes")
     @classmethod
     def _processes_can_read(cls, value: int, info: ValidationInfo) -> int:

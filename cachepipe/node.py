@@ -532,7 +532,8 @@ class NodePipeline(Pipeline):
         num_workers: DataLoader workers per rank (default 1: each rank is one lane).
         **options: other :class:`~cachepipe.config.PipelineConfig` options (``epochs``,
             ``shuffle``, ``seed``, ``partition``, ``balance``, ``manifest``, ``retain``...);
-            ``rank``, ``worker``, ``resume`` and ``auto_ack`` do not apply.
+            ``rank``, ``worker``, ``resume``, ``start_epoch`` and ``auto_ack`` do not apply (a
+            lane starts where its consumer's :meth:`take` asks).
 
     Raises:
         ValueError: a bad option, or ``ranks`` not a set of ranks of ``world_size``.
@@ -553,6 +554,8 @@ class NodePipeline(Pipeline):
         for key in ("rank", "worker", "resume", "auto_ack", "lease_timeout", "ordered"):
             if key in options:
                 raise ValueError(f"{key}={options[key]!r}: a node pipeline's lanes are given by ranks and num_workers")
+        if options.get("start_epoch"):
+            raise ValueError(f"start_epoch={options['start_epoch']!r}: a node lane starts where its consumer's take() asks")
         super().__init__(source, cache_dir, capacity, store=store, world_size=world_size, num_workers=num_workers, **options)
         self.ranks, self.world_size, self.num_workers = list(ranks), world_size, num_workers
         NodePlan([], ranks=self.ranks, world_size=world_size, num_workers=num_workers)  # checks them now

@@ -353,6 +353,8 @@ class Pipeline:
                 )
             plan.load_state_dict(self._start_state)  # an explicit position wins over the journal's
             cursor, acked = plan.start, set()
+        elif cfg.start_epoch and tuple(cursor) == (0, 0) and not acked:  # nothing resumed
+            cursor = plan.start = plan.normalise(Cursor(cfg.start_epoch, 0))
         largest = self._check_limit(plan.sizes, catalog, eligible, cache)
         self._plan: Plan | GrowingPlan = plan
         self._frontier = Frontier(plan, Cursor(*cursor))

@@ -15,6 +15,12 @@ every lane with one pool of connections (see :mod:`cachepipe.node`). The dataset
 job (its spec: source, plan options, world size, the node's ranks, DataLoader workers), then each
 worker reads its lane by position. The position is the dataset's state.
 
+Epochs: with ``epochs=E``, one pass over the DataLoader reads all ``E`` epochs, each in its own
+order (the cache fetches across the epochs' boundaries). A loop that makes one pass per epoch
+calls :meth:`~CachePipeDataset.set_epoch` before each, as for torch's ``DistributedSampler``
+(Hugging Face's Trainer and Accelerate call it): the pass then reads that epoch alone. Without
+it, every pass reads the same epochs in the same order (logged, with ``shuffle``).
+
 Items are read inside the worker: pass ``transform(path)`` (decode the video, read the text...)
 and the worker yields what it returns; the item is released as soon as ``transform`` returns.
 :meth:`~CachePipeDataset.state_dict` and :meth:`~CachePipeDataset.load_state_dict` work in
@@ -118,9 +124,16 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         self._pipe: Pipeline | None = None  # the latest pass's open pipeline (per-process mode)
         self._cursor: Cursor | None = None  # node mode: the position after the last item yielded here
         self._lane_info: tuple[str, int, int, Any] | None = None  # node mode: the lane, once registered here
+        self._end: int | None = None  # node mode: the epoch the latest pass ends before (None: the plan's end)
+        # set_epoch's value (-1: never called), in shared memory: persistent DataLoader workers read
+        # what the main process set after they started
+        self._epoch = torch.full((), -1, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call, unused-ignore]
+        self._replayed: bool | None = False  # a pass ran to its end here (None: its replay was logged)
         for key in ("worker", "num_workers"):
             if key in options:
                 raise ValueError(f"{key}={options[key]!r}: set by the DataLoader, not by the dataset")
+        if "start_epoch" in options:
+            raise ValueError(f"start_epoch={options['start_epoch']!r}: call dataset.set_epoch(epoch) before a pass instead")
         if transform is not None and not callable(transform):
             raise TypeError(f"transform={transform!r}: expected a function fn(path) -> sample, or None")
         self.source, self.transform, self.options = source, transform, options
@@ -216,8 +229,41 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             raise ValueError(f"rank {rank} with world_size {world}: expected 0 <= rank < world_size")
         return int(rank), int(world)
 
+    def set_epoch(self, epoch: int) -> None:
+        """Make each later pass read epoch ``epoch`` of the plan alone (counted from 0), in that
+        epoch's order (with ``shuffle``: its own permutation), as ``DistributedSampler.set_epoch``
+        does. Call it before each pass of a loop that makes one pass per epoch; a pass already
+        running keeps its epochs, and a state loaded with :meth:`load_state_dict` resumes the
+        pass it was saved in. Persistent DataLoader workers see it (shared memory). Never
+        called: a pass reads every epoch of the plan (``epochs``), from the first.
+
+        Raises:
+            ValueError: ``epoch`` is not an integer >= 0, or is past the plan's epochs (give
+                ``epochs`` the number of epochs you train, or None: endless).
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"set_epoch({epoch!r}): expected an integer >= 0 (epochs count from 0)")
+        epochs = self.options.get("epochs", 1)
+        if epochs is not None and epoch >= epochs:
+            raise ValueError(
+                f"set_epoch({epoch}) with epochs={epochs}: the plan has epochs 0 to {epochs - 1}; "
+                "give the dataset epochs=N (the epochs you train) or epochs=None (endless)"
+            )
+        self._epoch.fill_(epoch)
+
+    def _first_epoch(self) -> int | None:
+        """The epoch set by :meth:`set_epoch`, or None (never called)."""
+        epoch = int(self._epoch.item())
+        return None if epoch < 0 else epoch
+
     def pipeline(self) -> Pipeline:
-        """The pipeline this process (a DataLoader worker, or the main process) iterates (per-process mode)."""
+        """The pipeline this process (a DataLoader worker, or the main process) iterates
+        (per-process mode): over every epoch of the plan, or the one :meth:`set_epoch` set."""
+        return self._pipeline(self._first_epoch())
+
+    def _pipeline(self, first: int | None, epochs: int | None = None) -> Pipeline:
+        """This process's pipeline: epoch ``first`` alone, or the plan's epochs (``epochs``:
+        the end a loaded state was saved with instead)."""
         if self.cache_dir is None or self.capacity is None:
             raise ValueError("pipeline(): a node-mode dataset has no pipeline of its own (it reads from the daemon)")
         worker, num_workers = self._worker()
@@ -225,6 +271,10 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         capacity = self.capacity
         share = with_unit(Share(capacity.fraction / num_workers) if isinstance(capacity, Share) else capacity // num_workers)
         options = {**self.options, "rank": rank, "world_size": world, "worker": worker, "num_workers": num_workers}
+        if epochs is not None:
+            options["epochs"] = epochs
+        elif first is not None:
+            options["epochs"], options["start_epoch"] = first + 1, first
         return Pipeline(self.source, self.cache_dir / f"rank{rank}-worker{worker}", share, **options)
 
     def job_spec(self, num_workers: int) -> dict[str, Any]:
@@ -260,10 +310,18 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         worker the state is its end (the worker's share of the loader's pass is done, which a
         ``StatefulDataLoader`` checkpoint taken while other workers still yield must keep); in
         the main process it is the start of the next pass. Only the latest iterator of this
-        dataset in a process records its position here."""
+        dataset in a process records its position here. Without a loaded state, the pass reads
+        the epoch :meth:`set_epoch` set, else every epoch of the plan."""
         start, self._state = self._state, None
         token = self._pass = object()
         self._start, self._pipe, self._cursor = start, None, None
+        if not start and self._replayed and self._first_epoch() is None and self.options.get("shuffle"):
+            self._replayed = None  # logged once
+            log.warning(
+                "%s: this pass reads the same epochs in the same order as the last one: call set_epoch(epoch) before "
+                "each pass for a new order (one epoch per pass), or give epochs=N and make one pass",
+                self.source,
+            )
         return self._iter_node(start, token) if self.node is not None else self._iter_local(start, token)
 
     def _not_started(self, start: dict[str, Any] | None, token: object) -> None:
@@ -276,6 +334,8 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         start; in a DataLoader worker, it stays this pass's end (kept without the closed pipeline)."""
         if self._pass is not token:
             return
+        if self._replayed is False:
+            self._replayed = True
         if torch.utils.data.get_worker_info() is None:
             self._start, self._pipe, self._cursor = None, None, None
         elif self._pipe is not None:
@@ -289,9 +349,11 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             self._ended(token)
             return
         try:
-            pipe = self.pipeline()
             if start:  # {}: the start
+                pipe = self._pipeline(None, start.get("epochs"))  # the pass it was saved in: its epochs
                 pipe.load_state_dict(start)
+            else:
+                pipe = self.pipeline()
             pipe.open()
         except BaseException:
             self._not_started(start, token)
@@ -319,16 +381,20 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         with lane:
             if self._pass is token:
                 self._cursor = cursor
+            end = self._end
             if self.transform is None:
-                while (item := lane.take(cursor)) is not None:
+                while not _past(cursor, end) and (item := lane.take(cursor)) is not None and not _past(item.cursor, end):
                     cursor = item.next
                     if self._pass is token:
                         self._cursor = cursor
                     yield item  # released when the loop asks for the next
             else:
                 transform = self.transform
-                while batch := lane.take_many(cursor, NODE_BATCH, NODE_BATCH_BYTES):
+                while not _past(cursor, end) and (batch := lane.take_many(cursor, NODE_BATCH, NODE_BATCH_BYTES)):
                     # several small items per request; a batch's items are consumed together once read
+                    batch = [item for item in batch if not _past(item.cursor, end)]  # the next epoch's: the next pass's
+                    if not batch:
+                        break
                     samples = [transform(item) for item in batch]
                     cursor = batch[-1].next
                     lane.consume(cursor)  # read: their space is free while the samples travel on
@@ -344,7 +410,8 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         rank, _ = self._rank_world()
         spec = self.job_spec(num_workers)
         name = self.job_name(spec)
-        cursor = Cursor(0, 0)
+        first = self._first_epoch()
+        cursor, self._end = (Cursor(0, 0), None) if first is None else (Cursor(first, 0), first + 1)
         digest = None
         if start is not None:
             if (start.get("job"), start.get("rank"), start.get("worker")) not in ((name, rank, worker), (None, None, None)):
@@ -353,6 +420,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                     f"{name!r} lane {rank}.{worker} (same settings, world size and DataLoader workers to resume)"
                 )
             cursor, digest = Cursor(int(start["epoch"]), int(start["index"])), start.get("catalog_digest")
+            self._end = start.get("end_epoch")  # the pass it was saved in: its end
         # registered in an earlier pass of this process: the daemon was here, a restart is waited out
         patience = DEFAULT_OUTAGE_TIMEOUT if self._lane_info is not None else DEFAULT_STARTUP_TIMEOUT
         lane = JobClient(name, spec, rank, worker, self.node, startup_timeout=patience)
@@ -374,7 +442,8 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         each worker's) and in the main process.
 
         Node mode: the position after the last sample this process (worker) yielded, with the
-        job, lane and catalog digest. Per-process mode: the plan's configuration and the
+        job, lane and catalog digest, and the epoch the pass ends before (``end_epoch``: None
+        for the plan's end; one past the epoch :meth:`set_epoch` set). Per-process mode: the plan's configuration and the
         position of this process's pipeline (:meth:`cachepipe.Pipeline.state_dict`): after the
         last sample yielded with a ``transform``, at the item in hand without one. Before this
         process iterates: the state loaded, or the start (``{}`` in per-process mode). After a
@@ -390,13 +459,17 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                     "epoch": self._cursor.epoch,
                     "index": self._cursor.index,
                     "catalog_digest": digest,
+                    "end_epoch": self._end,
                 }
             if self.node is None and self._pipe is not None:
                 return self._pipe.state_dict()
         start = self._state if self._state is not None else self._start
         if start is not None:
             return dict(start)
-        return {"epoch": 0, "index": 0} if self.node is not None else {}
+        if self.node is None:
+            return {}
+        first = self._first_epoch()
+        return {"epoch": 0, "index": 0} if first is None else {"epoch": first, "index": 0, "end_epoch": first + 1}
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (for a DataLoader worker started by spawn or forkserver) keeps this process's
@@ -411,6 +484,11 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         """Start the next iteration at ``state`` (from :meth:`state_dict`, same settings and data);
         the iterations after it start from the beginning, as without a state."""
         self._state = dict(state)
+
+
+def _past(cursor: Cursor, end: int | None) -> bool:
+    """True if ``cursor`` is at or after the start of epoch ``end`` (None: never)."""
+    return end is not None and cursor.epoch >= end
 
 
 def _distributed() -> Any:

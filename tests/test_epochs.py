@@ -214,3 +214,41 @@ def test_oversize_item_skipped_in_a_shuffled_pass_with_retention(s3_source, tmp_
         stats = pipe.stats()
     assert sorted(seen) == sorted(list(data) * 2)
     assert stats.items_skipped == 1 and stats.items_listed == 7 and stats.bytes_downloaded == 6 * 1000
+
+
+def test_a_pipeline_started_at_an_epoch_reads_that_epoch_as_a_pipeline_from_the_start_does(s3_source, tmp_path):
+    s3_source.folders(12, {"f": 100})
+    opts = {"storage_options": s3_source.options, "shuffle": True, "seed": 7, "rank": 0, "world_size": 1}
+    with Pipeline(s3_source.url, tmp_path / "all", "1MiB", epochs=3, **opts) as pipe:
+        every = names(pipe)
+    with Pipeline(s3_source.url, tmp_path / "one", "1MiB", epochs=2, start_epoch=1, **opts) as pipe:
+        assert pipe.state_dict()["epoch"] == 1 and pipe.state_dict()["index"] == 0  # before any item
+        assert names(pipe) == every[12:24]  # epoch 1 alone, in its own order
+    with Pipeline(s3_source.url, tmp_path / "two", "1MiB", epochs=3, start_epoch=1, **opts) as pipe:
+        got = []
+        for item in pipe:
+            got.append(item.name)
+            if len(got) == 5:
+                state = pipe.state_dict()
+                break
+    for start in (0, 2):  # a loaded state wins over start_epoch, given or not
+        pipe = Pipeline(s3_source.url, tmp_path / "two", "1MiB", epochs=3, start_epoch=start, **opts)
+        pipe.load_state_dict(state)
+        with pipe:
+            assert got[:4] + names(pipe) == every[12:]
+
+
+@pytest.mark.parametrize(("epochs", "start"), [(1, 1), (3, 3), (2, -1)])
+def test_a_start_epoch_outside_the_plan_is_refused_naming_both(tmp_path, epochs, start):
+    with pytest.raises(ValueError, match="start_epoch") as error:
+        Pipeline("memory://x", tmp_path / "c", "1MiB", epochs=epochs, start_epoch=start)
+    assert str(start) in str(error.value)
+
+
+def test_a_start_epoch_with_endless_epochs_starts_there(s3_source, tmp_path):
+    s3_source.folders(4, {"f": 100})
+    opts = {"storage_options": s3_source.options, "shuffle": True, "seed": 3, "rank": 0, "world_size": 1}
+    with Pipeline(s3_source.url, tmp_path / "a", "1MiB", epochs=6, **opts) as pipe:
+        every = names(pipe)
+    with Pipeline(s3_source.url, tmp_path / "b", "1MiB", epochs=None, start_epoch=5, **opts) as pipe:
+        assert [pipe.get().name for _ in range(4)] == every[20:24]

@@ -139,6 +139,8 @@ def test_lane_and_option_errors_are_named(s3_source, tmp_path):
     s3_source.folders(2, {"a.bin": KIB})
     with pytest.raises(ValueError, match="rank=0: a node pipeline's lanes are given by ranks and num_workers"):
         NodePipeline(s3_source.url, tmp_path / "n", "1MiB", ranks=[0], world_size=1, rank=0)
+    with pytest.raises(ValueError, match=r"start_epoch=2: a node lane starts where its consumer's take\(\) asks"):
+        NodePipeline(s3_source.url, tmp_path / "n", "1MiB", ranks=[0], world_size=1, epochs=3, start_epoch=2)
     with pytest.raises(ValueError, match=r"rank 1 in ranks: expected an integer with 0 <= rank < world_size = 1"):
         NodePipeline(s3_source.url, tmp_path / "n", "1MiB", ranks=[1], world_size=1)
     pipe = NodePipeline(s3_source.url, tmp_path / "n", "1MiB", ranks=[0], world_size=1, storage_options=s3_source.options)

@@ -320,3 +320,59 @@ def test_a_checkpoint_after_one_worker_ended_its_lane_resumes_without_repeating_
     assert names(got) == [f"item{i:03d}" for i in range(len(sizes))]
     assert names(got[:cut] + rest) == names(got)  # before: the ended worker's share again
     assert again == got  # and the pass after it is whole
+
+
+def test_set_epoch_in_node_mode_reads_that_epoch_per_pass_and_a_checkpoint_resumes_to_its_end(s3_source, tmp_path, short_dir):
+    """One pass per epoch through the daemon: each (persistent) DataLoader worker reads its lane's
+    share of the epoch set, in the plan's order; the items of the next epoch already on disk
+    wait for the next pass; a StatefulDataLoader checkpoint taken in the pass resumes to the
+    end of that epoch, not of the plan."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from cachepipe.torch import CachePipeDataset
+
+    data = s3_source.folders(12, {"f": 2 * KIB})
+    names = sorted(data)
+    plan = {"epochs": 3, "shuffle": True, "seed": 5}
+    share = {  # (worker, epoch) -> names, as plan.py assigns them
+        (w, e): [names[s.item] for s in Plan([2 * KIB] * 12, worker=w, num_workers=2, **plan) if s.epoch == e]
+        for w in (0, 1)
+        for e in range(3)
+    }
+    sock = short_dir / "api.sock"
+    options = {"node": str(sock), "job": "train", "rank": 0, "world_size": 1, **plan}
+    options["transform"] = lambda item: [torch_worker(), item.cursor.epoch, item.name]
+
+    def pass_of(loader) -> list[list]:
+        return [list(x) for x in loader]
+
+    with DaemonProcess(write_config(tmp_path, sock, s3_source.url, s3_source.options, capacity=64 * KIB)):
+        dataset = CachePipeDataset(s3_source.url, **options)
+        loader = StatefulDataLoader(dataset, batch_size=None, num_workers=2, persistent_workers=True)
+        for epoch in (0, 1):
+            dataset.set_epoch(epoch)
+            got = pass_of(loader)
+            assert {e for _, e, _ in got} == {epoch}
+            assert [[n for w, _, n in got if w == worker] for worker in (0, 1)] == [share[0, epoch], share[1, epoch]]
+        dataset.set_epoch(1)
+        again = []
+        for n, sample in enumerate(loader, 1):
+            again.append(list(sample))
+            if n == 5:
+                state = loader.state_dict()
+        assert again == got  # epoch 1 again
+        del loader
+        resumed_dataset = CachePipeDataset(s3_source.url, **options)
+        resumed = StatefulDataLoader(resumed_dataset, batch_size=None, num_workers=2)
+        resumed.load_state_dict(state)
+        assert again[:5] + pass_of(resumed) == again  # the rest of epoch 1, and no further
+        resumed_dataset.set_epoch(2)
+        last = pass_of(resumed)
+    assert [[n for w, e, n in last if w == worker and e == 2] for worker in (0, 1)] == [share[0, 2], share[1, 2]]
+    assert len(last) == 12
+
+
+def torch_worker() -> int:
+    import torch
+
+    return torch.utils.data.get_worker_info().id

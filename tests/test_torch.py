@@ -353,3 +353,71 @@ def test_a_checkpoint_after_a_whole_pass_of_workers_resumes_into_the_next_pass(s
     resumed.load_state_dict(state)
     assert [[tuple(x) for x in zip(*batch, strict=True)] for batch in resumed] == full  # before: CacheLockedError
     assert [[tuple(x) for x in zip(*batch, strict=True)] for batch in resumed] == full
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_set_epoch_makes_each_pass_read_that_epoch_alone_in_its_order_persistent_workers_too(s3_source, tmp_path, num_workers):
+    """A loop of one pass per epoch (Hugging Face's Trainer, Accelerate) calls set_epoch before
+    each: before, there was none, and with ``epochs=1`` every pass replayed epoch 0's order.
+    Persistent workers started in the first pass see the later calls."""
+    s3_source.folders(12, {"f": 500})
+    opts = {"transform": read, "storage_options": s3_source.options, "rank": 0, "world_size": 1, "shuffle": True, "seed": 3}
+    kw = {"batch_size": None, "num_workers": num_workers, "persistent_workers": num_workers > 0}
+    whole = CachePipeDataset(s3_source.url, tmp_path / "a", "1MiB", epochs=3, **opts)
+    every = [tuple(x) for x in torch.utils.data.DataLoader(whole, **kw)]  # one pass over 3 epochs
+    dataset = CachePipeDataset(s3_source.url, tmp_path / "b", "1MiB", epochs=3, **opts)
+    loader = torch.utils.data.DataLoader(dataset, **kw)
+    passes = []
+    for epoch in range(3):
+        dataset.set_epoch(epoch)
+        passes.append([tuple(x) for x in loader])
+    assert passes == [every[:12], every[12:24], every[24:]]  # each epoch's order, each pass one epoch
+    assert passes[0] != passes[1] != passes[2]
+
+
+def test_a_checkpoint_in_a_set_epoch_pass_resumes_to_the_end_of_that_epoch(s3_source, tmp_path):
+    stateful = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed")
+    s3_source.folders(12, {"f": 500})
+    opts = {"transform": read, "storage_options": s3_source.options, "rank": 0, "world_size": 1, "shuffle": True}
+    opts |= {"seed": 4, "epochs": 3}
+
+    def loader(cache: str, epoch: int | None) -> tuple[CachePipeDataset, stateful.StatefulDataLoader]:
+        dataset = CachePipeDataset(s3_source.url, tmp_path / cache, "1MiB", **opts)
+        if epoch is not None:
+            dataset.set_epoch(epoch)
+        return dataset, stateful.StatefulDataLoader(dataset, batch_size=None, num_workers=2)
+
+    _, first = loader("a", 1)
+    got = []
+    for n, sample in enumerate(first, 1):
+        got.append(tuple(sample))
+        if n == 5:
+            state = first.state_dict()
+    _, whole = loader("b", None)
+    assert got == [tuple(x) for x in whole][12:24]  # epoch 1
+    for name, epoch in (("c", 1), ("d", None)):  # set again (as a Trainer resuming does), or not
+        dataset, resumed = loader(name, epoch)
+        resumed.load_state_dict(state)
+        assert got[:5] + [tuple(x) for x in resumed] == got  # the rest of epoch 1, and no further
+        dataset.set_epoch(2)
+        assert [tuple(x) for x in resumed] == [tuple(x) for x in whole][24:]  # the next pass: epoch 2 alone
+
+
+def test_passes_that_replay_one_shuffled_order_are_logged_and_set_epoch_past_the_plan_is_refused(s3_source, tmp_path, caplog):
+    s3_source.folders(4, {"f": 100})
+    opts = {"transform": read, "storage_options": s3_source.options, "rank": 0, "world_size": 1, "shuffle": True}
+    dataset = CachePipeDataset(s3_source.url, tmp_path / "a", "1MiB", **opts)
+    first = list(dataset)
+    assert not [r for r in caplog.records if "set_epoch" in r.getMessage()]
+    assert list(dataset) == first  # epochs=1: the same epoch, and said so
+    list(dataset)
+    assert [r.levelname for r in caplog.records if "set_epoch(epoch) before each pass" in r.getMessage()] == ["WARNING"]  # once
+    with pytest.raises(ValueError, match=r"set_epoch\(1\) with epochs=1: the plan has epochs 0 to 0; give the dataset epochs=N"):
+        dataset.set_epoch(1)
+    for bad in (-1, 1.0, True, "2"):
+        with pytest.raises(ValueError, match=r"expected an integer >= 0"):
+            dataset.set_epoch(bad)
+    endless = CachePipeDataset(s3_source.url, tmp_path / "b", "1MiB", **{**opts, "epochs": None})
+    endless.set_epoch(10**6)  # any epoch of an endless plan
+    with pytest.raises(ValueError, match=r"start_epoch=1: call dataset\.set_epoch"):
+        CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", start_epoch=1, **opts)
