@@ -480,6 +480,15 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         state["_pipe"], state["_pass"] = None, None
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy (``copy.deepcopy``, ``pickle``) gets set_epoch's value in shared memory of its
+        own, so that the persistent workers of a DataLoader over the copy see its later calls (a
+        plain copy of the tensor is private memory, which forked workers only inherit). A worker
+        started by spawn or forkserver receives the parent's shared value, which stays shared."""
+        self.__dict__.update(state)
+        if not self._epoch.is_shared():
+            self._epoch.share_memory_()
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Start the next iteration at ``state`` (from :meth:`state_dict`, same settings and data);
         the iterations after it start from the beginning, as without a state."""
