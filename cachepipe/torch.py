@@ -322,6 +322,10 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                 "each pass for a new order (one epoch per pass), or give epochs=N and make one pass",
                 self.source,
             )
+        if not start and self.node is None and (first := self._first_epoch()) is not None:
+            # the epoch set, fixed now and named in a state taken before the pass yields (a
+            # StatefulDataLoader worker that has not yielded when the loader is saved saves it)
+            start = self._start = {"start_epoch": first}
         return self._iter_node(start, token) if self.node is not None else self._iter_local(start, token)
 
     def _not_started(self, start: dict[str, Any] | None, token: object) -> None:
@@ -349,11 +353,13 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             self._ended(token)
             return
         try:
-            if start:  # {}: the start
+            if start and set(start) == {"start_epoch"}:  # a set_epoch pass from its start
+                pipe = self._pipeline(int(start["start_epoch"]))
+            elif start:  # {}: the start
                 pipe = self._pipeline(None, start.get("epochs"))  # the pass it was saved in: its epochs
                 pipe.load_state_dict(start)
             else:
-                pipe = self.pipeline()
+                pipe = self._pipeline(None)
             pipe.open()
         except BaseException:
             self._not_started(start, token)
@@ -446,7 +452,8 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         for the plan's end; one past the epoch :meth:`set_epoch` set). Per-process mode: the plan's configuration and the
         position of this process's pipeline (:meth:`cachepipe.Pipeline.state_dict`): after the
         last sample yielded with a ``transform``, at the item in hand without one. Before this
-        process iterates: the state loaded, or the start (``{}`` in per-process mode). After a
+        process iterates: the state loaded, or the start (``{}`` in per-process mode; in a pass
+        that :meth:`set_epoch` set, ``{"start_epoch": epoch}`` until it yields). After a
         pass ended: its end in a DataLoader worker, the next pass's start in the main process.
         """
         if self._state is None:  # no state loaded since this process's last pass began
