@@ -532,7 +532,7 @@ def test_a_skipped_item_at_an_epoch_boundary_in_node_mode(s3_source, tmp_path, s
             got = [n for _, _, n in dataset]
             want = node_share(names, epoch, 0, 1)
             assert set(want) - set(got) <= {gone} and all(n in want for n in got), (epoch, got, want)
-    assert first == {"epoch": 0, "index": 0, "end_epoch": 1}
+    assert first == {}  # the start, of the epoch set when the pass begins
 
 
 # ---- two ranks by two workers, one pass per epoch, through one daemon ------------------------
@@ -631,3 +631,45 @@ def test_set_epoch_during_a_pass_does_not_change_it(s3_source, tmp_path):
     dataset.set_epoch(2)
     assert head + names_of(it) == plan_names(names, 0, epochs=3, **PLAN)
     assert names_of(dataset) == plan_names(names, 2, epochs=3, **PLAN)
+
+
+@pytest.mark.parametrize("mode", ["local", "node"])
+def test_a_state_taken_after_a_pass_in_the_main_process_follows_the_next_set_epoch(s3_source, tmp_path, short_dir, mode):
+    """state_dict() after a pass ended (main process, no StatefulDataLoader): "the next pass's
+    start". A run resumed from it that calls set_epoch(2) should read epoch 2."""
+    import contextlib
+
+    from test_node_torch import write_config
+
+    from cachepipe.service.testing import DaemonProcess
+
+    data = s3_source.folders(6, {"f": 2 * KIB})
+    names = sorted(data)
+    sock = short_dir / "api.sock"
+    if mode == "node":
+        daemon = DaemonProcess(write_config(tmp_path, sock, s3_source.url, s3_source.options, capacity=64 * KIB))
+        options = {"node": str(sock), "job": "train", "rank": 0, "world_size": 1, "epochs": None, **PLAN}
+
+        def make(name):
+            return CachePipeDataset(s3_source.url, transform=node_transform, **options)
+
+        def read_names(ds):
+            return [n for _, _, n in ds]
+    else:
+        daemon = contextlib.nullcontext()
+
+        def make(name):
+            return CachePipeDataset(s3_source.url, tmp_path / name, "1MiB", epochs=None, **opts(s3_source))
+
+        def read_names(ds):
+            return names_of(ds)
+
+    with daemon:
+        first = make("a")
+        first.set_epoch(1)
+        assert read_names(first) == node_share(names, 1, 0, 1)
+        state = first.state_dict()
+        resumed = make("b")
+        resumed.load_state_dict(state)
+        resumed.set_epoch(2)
+        assert read_names(resumed) == node_share(names, 2, 0, 1), state
