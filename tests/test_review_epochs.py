@@ -30,8 +30,7 @@ def plan_names(names, epoch, *, worker=0, num_workers=1, rank=0, world_size=1, *
 
 def per_worker_expected(names, epoch, num_workers, **plan):
     """What a DataLoader of num_workers yields for one epoch (workers round-robin, batch_size=None)."""
-    shares = [plan_names(names, epoch, worker=w, num_workers=num_workers, **plan) for w in range(num_workers)]
-    return shares
+    return [plan_names(names, epoch, worker=w, num_workers=num_workers, **plan) for w in range(num_workers)]
 
 
 def split_by_worker(got, shares):
@@ -77,7 +76,7 @@ def test_set_epoch_on_a_copy_reaches_its_persistent_workers(s3_source, tmp_path,
     data = s3_source.folders(9, {"f": 500})
     names = sorted(data)
     original = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", epochs=3, **opts(s3_source))
-    dataset = copy.deepcopy(original) if copier == "deepcopy" else pickle.loads(pickle.dumps(original))
+    dataset = copy.deepcopy(original) if copier == "deepcopy" else pickle.loads(pickle.dumps(original))  # noqa: S301 - our own bytes
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=None, num_workers=2, persistent_workers=True, multiprocessing_context=context
     )
@@ -275,9 +274,7 @@ DROP_LAST_RACE = pytest.mark.xfail(
 
 
 @pytest.mark.parametrize("num_workers", [0, 2, 3])
-@pytest.mark.parametrize(
-    ("batch_size", "drop_last"), [(None, False), (2, False), pytest.param(2, True, marks=DROP_LAST_RACE)]
-)
+@pytest.mark.parametrize(("batch_size", "drop_last"), [(None, False), (2, False), pytest.param(2, True, marks=DROP_LAST_RACE)])
 def test_a_checkpoint_after_the_pass_resumes_into_the_next_epoch(s3_source, tmp_path, num_workers, batch_size, drop_last):
     s3_source.folders(7, {"f": 500})
     args = (num_workers, batch_size, drop_last)
@@ -333,9 +330,7 @@ def test_retain_auto_with_set_epoch_downloads_no_more_than_one_pass(s3_source, t
 
     one = CachePipeDataset(s3_source.url, tmp_path / "a", "1MiB", epochs=3, retain="auto", **opts(s3_source))
     whole = downloaded(one)
-    each = CachePipeDataset(
-        s3_source.url, tmp_path / "b", "1MiB", epochs=3, retain="auto", keep_on_close=keep, **opts(s3_source)
-    )
+    each = CachePipeDataset(s3_source.url, tmp_path / "b", "1MiB", epochs=3, retain="auto", keep_on_close=keep, **opts(s3_source))
     per_pass = [downloaded(each, e) for e in range(3)]
     assert whole == 6 * 500
     assert sum(per_pass) == whole, per_pass
@@ -572,9 +567,10 @@ def test_two_ranks_two_workers_one_pass_per_epoch_read_their_plan_shares(s3_sour
     names = sorted(data)
     sock = short_dir / "api.sock"
     cfg = {"url": s3_source.url, "socket": str(sock), "options": {"epochs": None, **PLAN}, "passes": 3}
-    with DaemonProcess(write_config(tmp_path, sock, s3_source.url, s3_source.options, capacity=capacity)), Sampler(
-        tmp_path / "jobs"
-    ) as sampler:
+    with (
+        DaemonProcess(write_config(tmp_path, sock, s3_source.url, s3_source.options, capacity=capacity)),
+        Sampler(tmp_path / "jobs") as sampler,
+    ):
         procs = []
         for rank in (0, 1):
             env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
