@@ -669,3 +669,25 @@ def test_a_state_taken_after_a_pass_in_the_main_process_follows_the_next_set_epo
         resumed.load_state_dict(state)
         resumed.set_epoch(2)
         assert read_names(resumed) == node_share(names, 2, 0, 1), state
+
+
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_node_set_epoch_reaches_spawned_persistent_workers(s3_source, tmp_path, short_dir, context):
+    from test_node_torch import write_config
+
+    from cachepipe.service.testing import DaemonProcess
+
+    data = s3_source.folders(8, {"f": 2 * KIB})
+    names = sorted(data)
+    sock = short_dir / "api.sock"
+    options = {"node": str(sock), "job": "train", "rank": 0, "world_size": 1, "epochs": None, **PLAN}
+    with DaemonProcess(write_config(tmp_path, sock, s3_source.url, s3_source.options, capacity=64 * KIB)):
+        dataset = CachePipeDataset(s3_source.url, transform=node_transform, **options)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=None, num_workers=2, persistent_workers=True, multiprocessing_context=context, timeout=60
+        )
+        for epoch in range(3):
+            dataset.set_epoch(epoch)
+            got = [list(x) for x in loader]
+            assert [[n for w, _, n in got if w == k] for k in (0, 1)] == [node_share(names, epoch, k, 2) for k in (0, 1)]
+        del loader
