@@ -322,6 +322,11 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                 "each pass for a new order (one epoch per pass), or give epochs=N and make one pass",
                 self.source,
             )
+        if not start and (first := self._first_epoch()) is not None:
+            # the epoch set, fixed now and named in a state taken before the pass yields (a
+            # StatefulDataLoader worker that has not yielded when the loader is saved saves it)
+            start = {"start_epoch": first} if self.node is None else {"epoch": first, "index": 0, "end_epoch": first + 1}
+            self._start = start
         return self._iter_node(start, token) if self.node is not None else self._iter_local(start, token)
 
     def _not_started(self, start: dict[str, Any] | None, token: object) -> None:
@@ -349,11 +354,13 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             self._ended(token)
             return
         try:
-            if start:  # {}: the start
+            if start and set(start) == {"start_epoch"}:  # a set_epoch pass from its start
+                pipe = self._pipeline(int(start["start_epoch"]))
+            elif start:  # {}: the start
                 pipe = self._pipeline(None, start.get("epochs"))  # the pass it was saved in: its epochs
                 pipe.load_state_dict(start)
             else:
-                pipe = self.pipeline()
+                pipe = self._pipeline(None)
             pipe.open()
         except BaseException:
             self._not_started(start, token)
@@ -410,10 +417,9 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         rank, _ = self._rank_world()
         spec = self.job_spec(num_workers)
         name = self.job_name(spec)
-        first = self._first_epoch()
-        cursor, self._end = (Cursor(0, 0), None) if first is None else (Cursor(first, 0), first + 1)
+        cursor, self._end = Cursor(0, 0), None  # no state: the plan from its start (a set_epoch pass has one)
         digest = None
-        if start is not None:
+        if start:  # {}: the start
             if (start.get("job"), start.get("rank"), start.get("worker")) not in ((name, rank, worker), (None, None, None)):
                 raise ValueError(
                     f"state of job {start.get('job')!r} lane {start.get('rank')}.{start.get('worker')}: this is job "
@@ -446,7 +452,8 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         for the plan's end; one past the epoch :meth:`set_epoch` set). Per-process mode: the plan's configuration and the
         position of this process's pipeline (:meth:`cachepipe.Pipeline.state_dict`): after the
         last sample yielded with a ``transform``, at the item in hand without one. Before this
-        process iterates: the state loaded, or the start (``{}`` in per-process mode). After a
+        process iterates: the state loaded, or the start (``{}``; in a pass that :meth:`set_epoch`
+        set, once it began, that epoch's start until it yields). After a
         pass ended: its end in a DataLoader worker, the next pass's start in the main process.
         """
         if self._state is None:  # no state loaded since this process's last pass began
@@ -466,10 +473,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         start = self._state if self._state is not None else self._start
         if start is not None:
             return dict(start)
-        if self.node is None:
-            return {}
-        first = self._first_epoch()
-        return {"epoch": 0, "index": 0} if first is None else {"epoch": first, "index": 0, "end_epoch": first + 1}
+        return {}  # the start: of the plan, or of the epoch set_epoch sets before the pass
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (for a DataLoader worker started by spawn or forkserver) keeps this process's
@@ -479,6 +483,15 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             state["_start"] = self._pipe.state_dict()
         state["_pipe"], state["_pass"] = None, None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy (``copy.deepcopy``, ``pickle``) gets set_epoch's value in shared memory of its
+        own, so that the persistent workers of a DataLoader over the copy see its later calls (a
+        plain copy of the tensor is private memory, which forked workers only inherit). A worker
+        started by spawn or forkserver receives the parent's shared value, which stays shared."""
+        self.__dict__.update(state)
+        if not self._epoch.is_shared():
+            self._epoch.share_memory_()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Start the next iteration at ``state`` (from :meth:`state_dict`, same settings and data);
