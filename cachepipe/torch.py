@@ -239,10 +239,16 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
 
         Raises:
             ValueError: ``epoch`` is not an integer >= 0, or is past the plan's epochs (give
-                ``epochs`` the number of epochs you train, or None: endless).
+                ``epochs`` the number of epochs you train, or None: endless); per-process mode
+                with ``resume=True``.
         """
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"set_epoch({epoch!r}): expected an integer >= 0 (epochs count from 0)")
+        if self.node is None and self.options.get("resume"):
+            raise ValueError(
+                f"set_epoch({epoch}) with resume=True: resume continues the pass each worker's journal holds, and a pass "
+                "per epoch is another plan each time; resume from StatefulDataLoader's state instead"
+            )
         epochs = self.options.get("epochs", 1)
         if epochs is not None and epoch >= epochs:
             raise ValueError(
@@ -261,9 +267,9 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         (per-process mode): over every epoch of the plan, or the one :meth:`set_epoch` set."""
         return self._pipeline(self._first_epoch())
 
-    def _pipeline(self, first: int | None, epochs: int | None = None) -> Pipeline:
+    def _pipeline(self, first: int | None, epochs: int | None = None, resume: bool | None = None) -> Pipeline:
         """This process's pipeline: epoch ``first`` alone, or the plan's epochs (``epochs``:
-        the end a loaded state was saved with instead)."""
+        the end a loaded state was saved with instead); ``resume`` instead of the option's."""
         if self.cache_dir is None or self.capacity is None:
             raise ValueError("pipeline(): a node-mode dataset has no pipeline of its own (it reads from the daemon)")
         worker, num_workers = self._worker()
@@ -275,6 +281,8 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             options["epochs"] = epochs
         elif first is not None:
             options["epochs"], options["start_epoch"] = first + 1, first
+        if resume is not None:
+            options["resume"] = resume
         return Pipeline(self.source, self.cache_dir / f"rank{rank}-worker{worker}", share, **options)
 
     def job_spec(self, num_workers: int) -> dict[str, Any]:
@@ -347,7 +355,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             self._start, self._pipe = self._pipe.state_dict(), None
 
     def _iter_local(self, start: dict[str, Any] | None, token: object) -> Iterator[Any]:
-        if start and start.get("epochs") is not None and start.get("epoch", 0) >= start["epochs"]:
+        if start and _finished(start):
             # loaded at the end of its share (a worker's, saved once it had ended): nothing to read,
             # and no cache to take: StatefulDataLoader, resuming a finished pass, starts workers that
             # run such a pass while the next pass's workers open the same folders
@@ -362,6 +370,12 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             else:
                 pipe = self._pipeline(None)
             pipe.open()
+            if not start and self.options.get("resume") and _finished(pipe.state_dict()):
+                # resume=True continues a pass this folder's journal holds; one that ended (this
+                # process's last pass, or a run that finished) has nothing left: this pass is new
+                pipe.close()
+                pipe = self._pipeline(None, resume=False)
+                pipe.open()
         except BaseException:
             self._not_started(start, token)
             raise
@@ -497,6 +511,11 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         """Start the next iteration at ``state`` (from :meth:`state_dict`, same settings and data);
         the iterations after it start from the beginning, as without a state."""
         self._state = dict(state)
+
+
+def _finished(state: Mapping[str, Any]) -> bool:
+    """True if a per-process pipeline ``state`` is at the end of its (finite) plan."""
+    return state.get("epochs") is not None and state.get("epoch", 0) >= state["epochs"]
 
 
 def _past(cursor: Cursor, end: int | None) -> bool:

@@ -421,3 +421,18 @@ def test_passes_that_replay_one_shuffled_order_are_logged_and_set_epoch_past_the
     endless.set_epoch(10**6)  # any epoch of an endless plan
     with pytest.raises(ValueError, match=r"start_epoch=1: call dataset\.set_epoch"):
         CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", start_epoch=1, **opts)
+
+
+def test_with_resume_true_a_pass_after_a_finished_one_reads_its_share_again(s3_source, tmp_path):
+    """Found in review: resume=True continues each worker's journal, and a pass after one that
+    finished (in this process, or a restarted one) found its journal at the end: it read nothing."""
+    s3_source.folders(5, {"f": 100})
+    opts = {"transform": read, "storage_options": s3_source.options, "rank": 0, "world_size": 1, "resume": True}
+    dataset = CachePipeDataset(s3_source.url, tmp_path / "a", "1MiB", **opts)
+    first = list(dataset)
+    assert len(first) == 5
+    assert list(dataset) == first  # before: []
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1)
+    assert [tuple(x) for x in loader] == first  # a worker process: its journal, of a pass that ended
+    with pytest.raises(ValueError, match=r"set_epoch\(0\) with resume=True"):
+        dataset.set_epoch(0)

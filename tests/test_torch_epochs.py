@@ -1,0 +1,200 @@
+"""CachePipeDataset.set_epoch (one pass per epoch), both modes: the regressions its review found
+(a copy of the dataset, a worker saved before it yielded, a state taken after a pass), and the
+start methods. The review's probes (about 100 cases, most of which held) are in commit 8857f09
+and those after it, as tests/test_review_epochs.py."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import pickle
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+
+from cachepipe.plan import Plan  # noqa: E402
+from cachepipe.torch import CachePipeDataset  # noqa: E402
+
+
+def read(path):
+    return path.name, hashlib.md5((path / "f").read_bytes()).hexdigest()
+
+
+def names_of(samples):
+    return [s[0] for s in samples]
+
+
+def plan_names(names, epoch, *, worker=0, num_workers=1, rank=0, world_size=1, **plan):
+    p = Plan([500] * len(names), rank=rank, world_size=world_size, worker=worker, num_workers=num_workers, **plan)
+    return [names[s.item] for s in p if s.epoch == epoch]
+
+
+def per_worker_expected(names, epoch, num_workers, **plan):
+    """What a DataLoader of num_workers yields for one epoch (workers round-robin, batch_size=None)."""
+    return [plan_names(names, epoch, worker=w, num_workers=num_workers, **plan) for w in range(num_workers)]
+
+
+def split_by_worker(got, shares):
+    """Assign each yielded name to its worker by membership (the shares are disjoint)."""
+    owner = {n: w for w, share in enumerate(shares) for n in share}
+    out = [[] for _ in shares]
+    for n in got:
+        out[owner[n]].append(n) if n in owner else out[0].append(("stray", n))
+    return out
+
+
+PLAN = {"shuffle": True, "seed": 11}
+
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+def opts(s3_source, **more):
+    return {"transform": read, "storage_options": s3_source.options, "rank": 0, "world_size": 1, **PLAN, **more}
+
+
+@pytest.mark.parametrize(("context", "persistent"), [("spawn", True)])
+def test_set_epoch_reaches_workers_of_every_start_method(s3_source, tmp_path, context, persistent):
+    data = s3_source.folders(9, {"f": 500})
+    names = sorted(data)
+    dataset = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", epochs=3, **opts(s3_source))
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=None, num_workers=2, persistent_workers=persistent, multiprocessing_context=context
+    )
+    for epoch in range(3):
+        dataset.set_epoch(epoch)
+        got = names_of(loader)
+        shares = per_worker_expected(names, epoch, 2, epochs=3, **PLAN)
+        assert split_by_worker(got, shares) == shares, epoch
+
+
+@pytest.mark.parametrize("copier", ["deepcopy", "pickle"])
+def test_set_epoch_on_a_copy_reaches_its_persistent_workers(s3_source, tmp_path, copier):
+    """Review: a copy's value was private memory, which forked persistent workers only inherit."""
+    context = "fork"
+    data = s3_source.folders(9, {"f": 500})
+    names = sorted(data)
+    original = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", epochs=3, **opts(s3_source))
+    dataset = copy.deepcopy(original) if copier == "deepcopy" else pickle.loads(pickle.dumps(original))  # noqa: S301 - our own bytes
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=None, num_workers=2, persistent_workers=True, multiprocessing_context=context
+    )
+    for epoch in range(3):
+        dataset.set_epoch(epoch)
+        got = names_of(loader)
+        shares = per_worker_expected(names, epoch, 2, epochs=3, **PLAN)
+        assert split_by_worker(got, shares) == shares, epoch
+    # and the copy is independent of the original
+    assert int(original._epoch.item()) == -1
+
+
+def flat(batches, batch_size):
+    out = []
+    for b in batches:
+        if batch_size is None:
+            out.append(b[0])
+        else:
+            out.extend(b[0])
+    return out
+
+
+def stateful_loader(s3_source, cache, epoch, num_workers, batch_size, drop_last):
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    dataset = CachePipeDataset(s3_source.url, cache, "1MiB", epochs=4, **opts(s3_source))
+    if epoch is not None:
+        dataset.set_epoch(epoch)
+    kw = {"batch_size": batch_size, "num_workers": num_workers}
+    if batch_size is not None:
+        kw["drop_last"] = drop_last
+    return dataset, stateful.StatefulDataLoader(dataset, **kw)
+
+
+@pytest.mark.parametrize(("num_workers", "batch_size", "drop_last"), [(3, None, False), (0, 2, True)])
+def test_a_mid_pass_checkpoint_resumes_the_rest_of_the_epoch(s3_source, tmp_path, num_workers, batch_size, drop_last):
+    """Review: with 3 workers, one had not yielded when the loader was saved; its state was {},
+    and resumed without set_epoch it read every epoch of the plan."""
+    s3_source.folders(7, {"f": 500})
+    args = (num_workers, batch_size, drop_last)
+    _, ref_loader = stateful_loader(s3_source, tmp_path / "ref", 1, *args)
+    ref = flat(list(ref_loader), batch_size)
+    _, loader = stateful_loader(s3_source, tmp_path / "a", 1, *args)
+    got, state = [], None
+    for n, batch in enumerate(loader, 1):
+        got.append(batch)
+        if n == 2:
+            state = loader.state_dict()
+    assert flat(got, batch_size) == ref
+    head = flat(got[:2], batch_size)
+    _, resumed = stateful_loader(s3_source, tmp_path / "b", None, *args)  # set_epoch not called again
+    resumed.load_state_dict(state)
+    rest = flat(list(resumed), batch_size)
+    assert head + rest == ref
+
+
+KIB = 1024
+
+
+def node_transform(item):
+    info = torch.utils.data.get_worker_info()
+    return [0 if info is None else info.id, item.cursor.epoch, item.name]
+
+
+def node_share(names, epoch, worker, num_workers, rank=0, world_size=1, **plan):
+    plan = {**PLAN, **{k: v for k, v in plan.items() if k != "retain"}, "epochs": epoch + 1}
+    p = Plan([2 * KIB] * len(names), rank=rank, world_size=world_size, worker=worker, num_workers=num_workers, **plan)
+    return [names[s.item] for s in p if s.epoch == epoch]
+
+
+def test_set_epoch_during_a_pass_does_not_change_it(s3_source, tmp_path):
+    data = s3_source.folders(6, {"f": 500})
+    names = sorted(data)
+    dataset = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", epochs=3, **opts(s3_source))
+    dataset.set_epoch(0)
+    it = iter(dataset)
+    head = [next(it)[0] for _ in range(2)]
+    dataset.set_epoch(2)
+    assert head + names_of(it) == plan_names(names, 0, epochs=3, **PLAN)
+    assert names_of(dataset) == plan_names(names, 2, epochs=3, **PLAN)
+
+
+@pytest.mark.parametrize("mode", ["local", "node"])
+def test_a_state_taken_after_a_pass_in_the_main_process_follows_the_next_set_epoch(s3_source, tmp_path, short_dir, mode):
+    """state_dict() after a pass ended (main process, no StatefulDataLoader): "the next pass's
+    start". A run resumed from it that calls set_epoch(2) should read epoch 2."""
+    import contextlib
+
+    from test_node_torch import write_config
+
+    from cachepipe.service.testing import DaemonProcess
+
+    data = s3_source.folders(6, {"f": 2 * KIB})
+    names = sorted(data)
+    sock = short_dir / "api.sock"
+    if mode == "node":
+        daemon = DaemonProcess(write_config(tmp_path, sock, s3_source.url, s3_source.options, capacity=64 * KIB))
+        options = {"node": str(sock), "job": "train", "rank": 0, "world_size": 1, "epochs": None, **PLAN}
+
+        def make(name):
+            return CachePipeDataset(s3_source.url, transform=node_transform, **options)
+
+        def read_names(ds):
+            return [n for _, _, n in ds]
+    else:
+        daemon = contextlib.nullcontext()
+
+        def make(name):
+            return CachePipeDataset(s3_source.url, tmp_path / name, "1MiB", epochs=None, **opts(s3_source))
+
+        def read_names(ds):
+            return names_of(ds)
+
+    with daemon:
+        first = make("a")
+        first.set_epoch(1)
+        assert read_names(first) == node_share(names, 1, 0, 1)
+        state = first.state_dict()
+        resumed = make("b")
+        resumed.load_state_dict(state)
+        resumed.set_epoch(2)
+        assert read_names(resumed) == node_share(names, 2, 0, 1), state
