@@ -54,29 +54,9 @@ def opts(s3_source, **more):
     return {"transform": read, "storage_options": s3_source.options, "rank": 0, "world_size": 1, **PLAN, **more}
 
 
-@pytest.mark.parametrize(("context", "persistent"), [("spawn", True)])
-def test_set_epoch_reaches_workers_of_every_start_method(s3_source, tmp_path, context, persistent):
-    data = s3_source.folders(9, {"f": 500})
-    names = sorted(data)
-    dataset = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", epochs=3, **opts(s3_source))
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_size=None, num_workers=2, persistent_workers=persistent, multiprocessing_context=context
-    )
-    for epoch in range(3):
-        dataset.set_epoch(epoch)
-        got = names_of(loader)
-        shares = per_worker_expected(names, epoch, 2, epochs=3, **PLAN)
-        assert split_by_worker(got, shares) == shares, epoch
-
-
-@pytest.mark.parametrize("copier", ["deepcopy", "pickle"])
-def test_set_epoch_on_a_copy_reaches_its_persistent_workers(s3_source, tmp_path, copier):
-    """Review: a copy's value was private memory, which forked persistent workers only inherit."""
-    context = "fork"
-    data = s3_source.folders(9, {"f": 500})
-    names = sorted(data)
-    original = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", epochs=3, **opts(s3_source))
-    dataset = copy.deepcopy(original) if copier == "deepcopy" else pickle.loads(pickle.dumps(original))  # noqa: S301 - our own bytes
+def passes_follow_set_epoch(dataset, names, context):
+    """Three passes of 2 persistent workers started by ``context``, each after set_epoch: each
+    worker reads its plan share of that epoch."""
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=None, num_workers=2, persistent_workers=True, multiprocessing_context=context
     )
@@ -85,6 +65,20 @@ def test_set_epoch_on_a_copy_reaches_its_persistent_workers(s3_source, tmp_path,
         got = names_of(loader)
         shares = per_worker_expected(names, epoch, 2, epochs=3, **PLAN)
         assert split_by_worker(got, shares) == shares, epoch
+
+
+def test_set_epoch_reaches_persistent_workers_started_by_spawn(s3_source, tmp_path):
+    names = sorted(s3_source.folders(9, {"f": 500}))
+    passes_follow_set_epoch(CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", epochs=3, **opts(s3_source)), names, "spawn")
+
+
+@pytest.mark.parametrize("copier", ["deepcopy", "pickle"])
+def test_set_epoch_on_a_copy_reaches_its_persistent_workers(s3_source, tmp_path, copier):
+    """Review: a copy's value was private memory, which forked persistent workers only inherit."""
+    names = sorted(s3_source.folders(9, {"f": 500}))
+    original = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", epochs=3, **opts(s3_source))
+    dataset = copy.deepcopy(original) if copier == "deepcopy" else pickle.loads(pickle.dumps(original))  # noqa: S301 - our own bytes
+    passes_follow_set_epoch(dataset, names, "fork")
     # and the copy is independent of the original
     assert int(original._epoch.item()) == -1
 
