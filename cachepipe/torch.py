@@ -128,7 +128,9 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         # set_epoch's value (-1: never called), in shared memory: persistent DataLoader workers read
         # what the main process set after they started
         self._epoch = torch.full((), -1, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call, unused-ignore]
-        self._replayed: bool | None = False  # a pass ran to its end here (None: its replay was logged)
+        # passes run to their end by this dataset or its DataLoader workers, and whether a replay
+        # was logged: shared too, as a pass's workers are new processes unless persistent
+        self._passes = torch.zeros(2, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call, unused-ignore]
         for key in ("worker", "num_workers"):
             if key in options:
                 raise ValueError(f"{key}={options[key]!r}: set by the DataLoader, not by the dataset")
@@ -323,8 +325,9 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         start, self._state = self._state, None
         token = self._pass = object()
         self._start, self._pipe, self._cursor = start, None, None
-        if not start and self._replayed and self._first_epoch() is None and self.options.get("shuffle"):
-            self._replayed = None  # logged once
+        ended, logged = (int(x) for x in self._passes.tolist())
+        if not start and ended and not logged and self._first_epoch() is None and self.options.get("shuffle"):
+            self._passes[1] = 1  # once (two workers starting at once may both log it)
             log.warning(
                 "%s: this pass reads the same epochs in the same order as the last one: call set_epoch(epoch) before "
                 "each pass for a new order (one epoch per pass), or give epochs=N and make one pass",
@@ -347,8 +350,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         start; in a DataLoader worker, it stays this pass's end (kept without the closed pipeline)."""
         if self._pass is not token:
             return
-        if self._replayed is False:
-            self._replayed = True
+        self._passes[0] += 1
         if torch.utils.data.get_worker_info() is None:
             self._start, self._pipe, self._cursor = None, None, None
         elif self._pipe is not None:
@@ -504,8 +506,9 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         plain copy of the tensor is private memory, which forked workers only inherit). A worker
         started by spawn or forkserver receives the parent's shared value, which stays shared."""
         self.__dict__.update(state)
-        if not self._epoch.is_shared():
-            self._epoch.share_memory_()
+        for shared in (self._epoch, self._passes):
+            if not shared.is_shared():
+                shared.share_memory_()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Start the next iteration at ``state`` (from :meth:`state_dict`, same settings and data);

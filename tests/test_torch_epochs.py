@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import pickle
+import subprocess
+import sys
 
 import pytest
 
@@ -192,3 +195,29 @@ def test_a_state_taken_after_a_pass_in_the_main_process_follows_the_next_set_epo
         resumed.load_state_dict(state)
         resumed.set_epoch(2)
         assert read_names(resumed) == node_share(names, 2, 0, 1), state
+
+
+REPLAY = r"""
+import json, logging, sys, torch
+from cachepipe.torch import CachePipeDataset
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+cfg = json.loads(sys.argv[1])
+dataset = CachePipeDataset(cfg["url"], cfg["cache"], "1MiB", transform=lambda path: path.name, storage_options=cfg["options"],
+                           rank=0, world_size=1, shuffle=True)
+loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2)
+print(json.dumps([sorted(loader), sorted(loader)]))
+"""
+
+
+def test_a_replayed_pass_is_logged_by_new_worker_processes_too(s3_source, tmp_path):
+    """Review: the replay was logged only by the process that ran the last pass, so never with
+    the DataLoader's default (non-persistent) workers, each pass's being new processes."""
+    names = sorted(s3_source.folders(4, {"f": 100}))
+    cfg = {"url": s3_source.url, "cache": str(tmp_path / "c"), "options": s3_source.options}
+    command = [sys.executable, "-c", REPLAY, json.dumps(cfg)]
+    run = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == [names, names]
+    logged = [line for line in run.stderr.splitlines() if "call set_epoch(epoch) before each pass" in line]
+    assert 1 <= len(logged) <= 2, run.stderr  # once, or by both workers if they start at the same moment
+    assert logged[0].startswith("WARNING")
