@@ -322,6 +322,17 @@ class PipelineConfig(BaseModel):
             then only ever mixes items of one share (see the training guide).
         balance: how a split weighs items: ``"bytes"`` (default: shares differ by at most the
             largest item's size) or ``"count"`` (round-robin: counts differ by at most one).
+        equal_steps: every rank reads the same number of items per epoch, which DDP needs (a
+            rank with more steps than the others hangs in a collective at the epoch's end).
+            None (default): the shares the split gives (by bytes, counts may differ a lot);
+            ``"pad"``: the epoch's permutation is extended with its first items until its
+            length is a multiple of ``world_size`` (some items are read twice), as torch's
+            ``DistributedSampler`` does; ``"drop"``: its last ``n % world_size`` items are
+            left out of the epoch, as with ``drop_last=True``. With ``balance="bytes"`` the
+            ranks' bytes still differ by at most the largest item's size; a rank's DataLoader
+            workers get the same counts on every rank (so batches are equal too). With
+            ``partition="fixed"`` the same items are padded or dropped every epoch. No effect
+            with one rank.
         retain: ``"none"`` (default): evict an item when it is acknowledged; ``"auto"``: keep
             acknowledged items while space allows and, when space is needed, evict the one whose
             next use in the (known) plan is farthest away (Belady's MIN).
@@ -408,6 +419,7 @@ class PipelineConfig(BaseModel):
     num_workers: int = Field(default=1, ge=1)
     partition: Literal["epoch", "fixed"] = "epoch"
     balance: Literal["bytes", "count"] = "bytes"
+    equal_steps: Literal["pad", "drop"] | None = None
     retain: Literal["none", "auto"] = "none"
     prepare: Callable[[Path], Any] | None = None
     prepare_reserve: Annotated[int, BeforeValidator(lambda v: 0 if v in (0, "0") else parse_size(v, "prepare_reserve"))] = 0

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 from .catalog import Item
-from .plan import EPOCHS_CACHED, RUN, STATE_VERSION, Cursor, Plan, Step, permutation, split_all
+from .plan import EPOCHS_CACHED, RUN, STATE_VERSION, Cursor, Plan, Step, deal, equalise, permutation, split_all
 from .plan import tick as plan_tick
 
 __all__ = ["Lane", "LaneSchedule", "LaneStep", "NodePlan"]
@@ -77,7 +77,7 @@ class NodePlan:
         ranks: the ranks this node serves (distinct, each below ``world_size``).
         world_size: ranks in the whole job.
         num_workers: DataLoader workers per rank (1: no workers).
-        epochs, shuffle, seed, balance, partition: as for :class:`~cachepipe.plan.Plan`.
+        epochs, shuffle, seed, balance, partition, equal_steps: as for :class:`~cachepipe.plan.Plan`.
 
     Raises:
         ValueError: a bad argument, named with its value and what is accepted.
@@ -95,6 +95,7 @@ class NodePlan:
         seed: int = 0,
         balance: Literal["bytes", "count"] = "bytes",
         partition: Literal["epoch", "fixed"] = "epoch",
+        equal_steps: Literal["pad", "drop"] | None = None,
     ) -> None:
         self.ranks = check_ranks(ranks, world_size)
         self.world_size, self.num_workers = world_size, num_workers
@@ -109,6 +110,7 @@ class NodePlan:
             num_workers=num_workers,
             balance=balance,
             partition=partition,
+            equal_steps=equal_steps,
         )
         self.sizes = first.sizes
         self.lanes = [Lane(rank, worker) for rank in self.ranks for worker in range(num_workers)]
@@ -124,6 +126,7 @@ class NodePlan:
                 num_workers=num_workers,
                 balance=balance,
                 partition=partition,
+                equal_steps=equal_steps,
             )
             for lane in self.lanes[1:]
         ]
@@ -132,6 +135,7 @@ class NodePlan:
         self._lock = threading.Lock()  # guards _merged: lanes read it while the planner computes an epoch
         self._computing = threading.Lock()  # one epoch computed at a time
         self._lane_of: array[int] | None = None  # partition="fixed": each item's lane here, or -1
+        self._more_lanes: dict[int, list[int]] = {}  # partition="fixed", "pad": an item's further lanes here
 
     def __repr__(self) -> str:
         return f"NodePlan({self.n_items} items, ranks={self.ranks} of {self.world_size}, num_workers={self.num_workers})"
@@ -218,7 +222,7 @@ class NodePlan:
             if self._lane_of is None:
                 base = permutation(self.n_items, first.seed, -1) if first.shuffle else order
                 self._lane_of = self._deal(base)
-            lane_of = self._lane_of
+            lane_of, more = self._lane_of, self._more_lanes
             out: list[array[int]] = [array("I") for _ in self.lanes]
             keep = [a.append for a in out]
             for start in range(0, len(order), RUN):
@@ -226,24 +230,43 @@ class NodePlan:
                     lane = lane_of[x]
                     if lane >= 0:
                         keep[lane](x)
+                        if more and x in more:  # "pad": an item given twice (read twice in a row by one lane)
+                            for other in more[x]:
+                                keep[other](x)
                 if pause is not None:
                     pause()
             return out
-        by_rank = split_all(order, self.sizes, self.world_size, first.balance, pause)
-        return [
-            share for rank in self.ranks for share in split_all(by_rank[rank], self.sizes, self.num_workers, first.balance, pause)
-        ]
+        return self._split(order, pause)
+
+    def _split(self, order: Sequence[int], pause: Callable[[], None] | None = None) -> list[array[int]]:
+        """Every lane's part of ``order``, a whole epoch's, as :meth:`Plan.share` splits it."""
+        plan = self.plans[0]
+        if plan.equal_steps is None:
+            by_rank = split_all(order, self.sizes, self.world_size, plan.balance, pause)
+            return [
+                share
+                for rank in self.ranks
+                for share in split_all(by_rank[rank], self.sizes, self.num_workers, plan.balance, pause)
+            ]
+        if self.world_size > 1:
+            by_rank = deal(equalise(order, self.world_size, plan.equal_steps), self.sizes, self.world_size, plan.balance, pause)
+        else:
+            by_rank = [array("I", order)]
+        return [share for rank in self.ranks for share in deal(by_rank[rank], self.sizes, self.num_workers, plan.balance, pause)]
 
     def _deal(self, base: array[int]) -> array[int]:
         """``partition="fixed"``: each item's lane on this node (-1: another node's), split
-        once over ``base`` as :meth:`Plan.share` splits it."""
+        once over ``base`` as :meth:`Plan.share` splits it; an item of several lanes here
+        (``equal_steps="pad"``) has the others in :attr:`_more_lanes`, in lane order."""
         lane_of = array("i", [-1]) * self.n_items
-        by_rank = split_all(base, self.sizes, self.world_size, self.plans[0].balance)
-        for r, rank in enumerate(self.ranks):
-            for worker, share in enumerate(split_all(by_rank[rank], self.sizes, self.num_workers, self.plans[0].balance)):
-                lane = r * self.num_workers + worker
-                for x in share:
+        more: dict[int, list[int]] = {}
+        for lane, share in enumerate(self._split(base)):
+            for x in share:
+                if lane_of[x] < 0:
                     lane_of[x] = lane
+                else:
+                    more.setdefault(x, []).append(lane)
+        self._more_lanes = more
         return lane_of
 
     def config(self) -> dict[str, Any]:
@@ -261,6 +284,7 @@ class NodePlan:
             "num_workers": self.num_workers,
             "balance": plan.balance,
             "partition": plan.partition,
+            **({} if plan.equal_steps is None else {"equal_steps": plan.equal_steps}),
         }
 
 

@@ -531,7 +531,7 @@ class NodePipeline(Pipeline):
         world_size: ranks in the whole job.
         num_workers: DataLoader workers per rank (default 1: each rank is one lane).
         **options: other :class:`~cachepipe.config.PipelineConfig` options (``epochs``,
-            ``shuffle``, ``seed``, ``partition``, ``balance``, ``manifest``, ``retain``...);
+            ``shuffle``, ``seed``, ``partition``, ``balance``, ``equal_steps``, ``manifest``, ``retain``...);
             ``rank``, ``worker``, ``resume``, ``start_epoch`` and ``auto_ack`` do not apply (a
             lane starts where its consumer's :meth:`take` asks).
 
@@ -582,6 +582,7 @@ class NodePipeline(Pipeline):
             seed=cfg.seed,
             balance=cfg.balance,
             partition=cfg.partition,
+            equal_steps=cfg.equal_steps,
         )
         cache.recover(catalog, resume=False)
         largest = self._check_limit(plan.sizes, catalog, eligible, cache)

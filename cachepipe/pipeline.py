@@ -443,7 +443,7 @@ class Pipeline:
         """
         cfg = self.config
         cache.recover(Catalog(), resume=False)  # nothing of an earlier owner's to keep (see _streams)
-        plan = GrowingPlan(seed=cfg.seed, balance=cfg.balance, partition=cfg.partition)
+        plan = GrowingPlan(seed=cfg.seed, balance=cfg.balance, partition=cfg.partition, equal_steps=cfg.equal_steps)
         self._plan, self._frontier = plan, Frontier(plan)
         self._total_steps = None
 

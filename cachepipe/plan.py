@@ -24,19 +24,53 @@ without ``m`` are unchanged. For any other part ``r``: ``(B_m + s) - B_r <= s <=
 because ``B_m <= B_r``; and ``B_r - (B_m + s) <= B_r - B_m <= s_max`` by induction. QED.
 
 Counts are not balanced by bytes: one rank may get one large item while another gets many
-small ones, so ranks can run different numbers of steps in an epoch (DDP users then need
-``Join`` or a step cap). With equal sizes the tie-break makes the walk a round-robin, and counts
-differ by at most one; with any sizes the first ``parts`` items go to distinct parts, so when
+small ones, so ranks can run different numbers of steps in an epoch (a DDP collective then
+hangs: see ``equal_steps`` below, or use ``Join``). With equal sizes the tie-break makes the
+walk a round-robin, and counts differ by at most one; with any sizes the first ``parts`` items go to distinct parts, so when
 there are at least as many items as parts, every rank gets at least one item per epoch.
 ``balance="count"`` deals the permutation out round-robin instead: counts differ by at most
 one, bytes are not bounded.
+
+Equal steps per rank, and their bound
+-------------------------------------
+DDP needs every rank to run the same number of steps in an epoch. ``equal_steps="pad"`` (like
+torch's ``DistributedSampler``) extends the epoch's permutation with its first items again
+until its length is a multiple of ``world_size``; ``equal_steps="drop"`` (like its
+``drop_last=True``) leaves its last ``n % world_size`` items out of the epoch. The adjusted
+permutation is then *dealt* (:func:`deal`) in rounds of ``world_size`` consecutive items, one
+item per rank per round: with ``balance="count"`` round-robin, with ``balance="bytes"`` the
+round's largest item to the rank with the fewest bytes so far, its second largest to the rank
+with the second fewest, and so on (ties: earlier item in the walk; lower rank). Every rank gets
+exactly ``len / world_size`` items. ``equal_steps=None`` (default) is the walk above, unchanged.
+
+Claim: after every round, for any two ranks ``a`` and ``b``, ``bytes(a) - bytes(b) <= s_max``,
+the size of the largest item dealt so far. Proof by induction: it holds at the start (all 0).
+In a round, number the ranks by bytes before it, ``B_1 <= ... <= B_w``, and the round's items by
+size, ``s_1 >= ... >= s_w``: rank ``i`` gets ``s_i``. For ``i < j``: ``(B_i + s_i) - (B_j + s_j)
+<= s_i - s_j <= s_max`` because ``B_i <= B_j``; and ``(B_j + s_j) - (B_i + s_i) <= B_j - B_i <=
+s_max`` because ``s_j <= s_i``, by induction. QED. A last round of fewer items than parts
+(inside a rank, below) is the same round with items of size 0 for the rest.
+
+Inside a rank, the DataLoader workers' split is dealt the same way (rounds of ``num_workers``
+items, the last one possibly short) when ``equal_steps`` is set: then every rank's workers get
+the same counts (``m // k`` or one more, the same number of each on every rank, for a rank's
+``m`` items and ``k`` workers), so a DataLoader that batches each worker's items (``batch_size``
+> 1) makes the same number of batches on every rank. The greedy walk does not: two ranks of 10
+items each could split them 5 + 5 and 6 + 4, which with batches of 4 are 4 and 3 batches.
+
+With ``"pad"``, an item may be read twice in an epoch (by two ranks, or, by bytes, by one);
+with ``"drop"``, up to ``world_size - 1`` items are not read in that epoch (each epoch others,
+with ``shuffle`` and ``partition="epoch"``).
 
 ``partition="epoch"`` (default) re-splits every epoch, like torch's ``DistributedSampler``.
 ``partition="fixed"`` splits once (by bytes or count, over the permutation of epoch ``-1``)
 and then each rank reads its own items in the order of each epoch's global permutation: a
 rank sees the same items every epoch, which is what lets a per-node cache retain them
 across epochs. Its workers are split once in the same way (each DataLoader worker has a cache
-of its own), so an item stays with one (rank, worker) for the whole run.
+of its own), so an item stays with one (rank, worker) for the whole run. ``equal_steps``
+applies to that one split: ``"drop"`` leaves the same items out of every epoch (the last
+``n % world_size`` of epoch ``-1``'s permutation), ``"pad"`` gives the same items twice every
+epoch (a share that holds an item twice reads it twice in a row).
 """
 
 from __future__ import annotations
@@ -62,8 +96,10 @@ __all__ = [
     "GrowingPlan",
     "Plan",
     "Step",
+    "deal",
     "default_rank_world",
     "default_worker",
+    "equalise",
     "permutation",
     "split",
     "split_all",
@@ -180,6 +216,56 @@ def split_all(
     return out
 
 
+def equalise(order: Sequence[int], parts: int, equal_steps: Literal["pad", "drop"] | None) -> Sequence[int]:
+    """``order`` made a multiple of ``parts`` long (see the module notes): ``"pad"`` extends it
+    with its first items again (cycling, if it is shorter than the padding), ``"drop"`` leaves
+    out its last ``len(order) % parts`` items; None, or already a multiple: ``order`` itself."""
+    n = len(order)
+    if equal_steps is None or n % parts == 0 or n == 0:
+        return order
+    if equal_steps == "drop":
+        return order[: n - n % parts]
+    out = array("I", order)
+    need = parts - n % parts
+    while need:
+        run = order[:need]
+        out.extend(run)
+        need -= len(run)
+    return out
+
+
+def deal(
+    order: Sequence[int],
+    sizes: Sequence[int],
+    parts: int,
+    balance: Literal["bytes", "count"] = "bytes",
+    pause: Callable[[], None] | None = None,
+) -> list[array[int]]:
+    """Every part's subsequence of ``order``, dealt in rounds of ``parts`` items, one item to each
+    part per round (the last round may be short): counts differ by at most one, and not at all
+    when ``len(order)`` is a multiple of ``parts``. ``"count"``: round-robin; ``"bytes"``: the
+    round's items by size, largest first, to the parts by bytes so far, fewest first (see the
+    module notes). ``pause`` as for :func:`permutation`."""
+    if parts == 1:
+        return [array("I", order)]
+    if balance == "count":
+        return [array("I", order[p::parts]) for p in range(parts)]
+    out = [array("I") for _ in range(parts)]
+    keep = [a.append for a in out]
+    total = [0] * parts
+    ranked = list(range(parts))  # parts by (bytes, part), fewest first
+    size = sizes.__getitem__
+    for rounds, start in enumerate(range(0, len(order), parts), 1):
+        ranked.sort(key=lambda p: (total[p], p))
+        # a stable sort: items of one size keep their order in the walk (reverse=True keeps it too)
+        for x, p in zip(sorted(order[start : start + parts], key=size, reverse=True), ranked, strict=False):
+            keep[p](x)
+            total[p] += sizes[x]
+        if pause is not None and rounds % RUN == 0:
+            pause()
+    return out
+
+
 def _env_int(environ: Mapping[str, str], name: str) -> int:
     text = environ[name]
     try:
@@ -247,6 +333,8 @@ class Plan:
         worker, num_workers: this DataLoader worker's share of the rank's share.
         balance: ``"bytes"`` (default) or ``"count"`` (see the module notes).
         partition: ``"epoch"`` (default) or ``"fixed"`` (see the module notes).
+        equal_steps: None (default: shares as the walk gives them), ``"pad"`` or ``"drop"``:
+            every rank the same number of steps per epoch (see the module notes).
         start: the first position to yield (usually from :meth:`load_state_dict`).
 
     Raises:
@@ -266,6 +354,7 @@ class Plan:
         num_workers: int = 1,
         balance: Literal["bytes", "count"] = "bytes",
         partition: Literal["epoch", "fixed"] = "epoch",
+        equal_steps: Literal["pad", "drop"] | None = None,
         start: Cursor | tuple[int, int] | None = None,
     ) -> None:
         if len(sizes) and isinstance(sizes[0], Item):
@@ -297,6 +386,9 @@ class Plan:
             raise ValueError(f"balance {balance!r}: expected 'bytes' or 'count'")
         if partition not in ("epoch", "fixed"):
             raise ValueError(f"partition {partition!r}: expected 'epoch' or 'fixed'")
+        if equal_steps not in (None, "pad", "drop"):
+            raise ValueError(f"equal_steps {equal_steps!r}: expected None, 'pad' or 'drop'")
+        # with "drop", n >= world_size * num_workers still leaves each rank at least num_workers items
         if epochs is None and len(self.sizes) < world_size * num_workers:
             raise ValueError(
                 f"{len(self.sizes)} items for world_size {world_size} x num_workers {num_workers}: "
@@ -305,10 +397,11 @@ class Plan:
         self.n_items = len(self.sizes)
         self.epochs, self.shuffle, self.seed = epochs, bool(shuffle), seed
         self.rank, self.world_size, self.worker, self.num_workers = rank, world_size, worker, num_workers
-        self.balance, self.partition = balance, partition
+        self.balance, self.partition, self.equal_steps = balance, partition, equal_steps
         self._lock = threading.Lock()  # the epoch caches may be read by the fetcher and the cache
         self._shares: OrderedDict[int, array[int]] = OrderedDict()
-        self._mine: bytearray | None = None  # partition="fixed": membership of this (rank, worker)
+        self._mine: bytearray | None = None  # partition="fixed": copies of each item in this (rank, worker)
+        self._twice = False  # partition="fixed": an item is in _mine twice ("pad")
         self._digest: str | None = None
         self.start = Cursor(0, 0)
         if start is not None:
@@ -354,16 +447,26 @@ class Plan:
         if self.partition == "fixed" and self.world_size * self.num_workers > 1:
             if self._mine is None:
                 base = permutation(self.n_items, self.seed, -1) if self.shuffle else order
-                base = split(base, self.sizes, self.world_size, self.rank, self.balance)
                 mine = bytearray(self.n_items)
-                for x in split(base, self.sizes, self.num_workers, self.worker, self.balance):
-                    mine[x] = 1
+                for x in self._split(base):
+                    mine[x] += 1  # at most 2: "pad" repeats fewer items than the epoch has, or gives one per rank
                 self._mine = mine
+                self._twice = self.equal_steps == "pad" and max(mine, default=0) > 1
             mine = self._mine
+            if self._twice:  # an item this share holds twice is read twice in a row
+                return array("I", (x for x in order for _ in range(mine[x])))
             return array("I", (x for x in order if mine[x]))
+        return self._split(order)
+
+    def _split(self, order: Sequence[int]) -> array[int]:
+        """This (rank, worker)'s part of ``order``, a whole epoch's (see the module notes)."""
+        if self.equal_steps is None:
+            if self.world_size > 1:
+                order = split(order, self.sizes, self.world_size, self.rank, self.balance)
+            return split(order, self.sizes, self.num_workers, self.worker, self.balance)
         if self.world_size > 1:
-            order = split(order, self.sizes, self.world_size, self.rank, self.balance)
-        return split(order, self.sizes, self.num_workers, self.worker, self.balance)
+            order = deal(equalise(order, self.world_size, self.equal_steps), self.sizes, self.world_size, self.balance)[self.rank]
+        return deal(order, self.sizes, self.num_workers, self.balance)[self.worker]
 
     # ---- positions -------------------------------------------------------------------
     def done(self, epoch: int) -> bool:
@@ -445,6 +548,8 @@ class Plan:
             "worker": self.worker,
             "balance": self.balance,
             "partition": self.partition,
+            # only when set: a state (and a journal's plan key) of equal_steps=None is the one saved before it existed
+            **({} if self.equal_steps is None else {"equal_steps": self.equal_steps}),
         }
 
     def state_dict(self, consumed: Step | Cursor | tuple[int, ...] | None = None) -> dict[str, Any]:
@@ -464,7 +569,7 @@ class Plan:
                 key is named, with both values), or is malformed.
         """
         mine = self._config()
-        missing = [k for k in (*mine, "epoch", "index") if k not in state]
+        missing = [k for k in (*mine, "epoch", "index") if k not in state and k != "equal_steps"]
         if missing:
             raise ValueError(f"plan state is missing {missing}: not a state_dict() of a Plan")
         if state["n_items"] is None and "listed" in state:  # saved while the listing streamed (GrowingPlan)
@@ -479,9 +584,12 @@ class Plan:
                     f"plan state was saved with other sizes of the first {listed} items than this plan's: cannot resume"
                 )
             mine = {k: v for k, v in mine.items() if k not in ("n_items", "sizes_digest")}
+        mine.setdefault("equal_steps", None)  # a state without the key: None (saved without it, or before it existed)
         for key, value in mine.items():
-            if state[key] != value:
-                raise ValueError(f"plan state was saved with {key}={state[key]!r}, this plan has {key}={value!r}: cannot resume")
+            if state.get(key) != value:
+                raise ValueError(
+                    f"plan state was saved with {key}={state.get(key)!r}, this plan has {key}={value!r}: cannot resume"
+                )
         self.start = self.normalise(Cursor(state["epoch"], state["index"]))
 
 
@@ -490,20 +598,25 @@ class GrowingPlan:
 
     The default pipeline (one epoch, no shuffle, one rank and worker) starts downloading while
     the listing goes on: step ``i`` is listed item ``i``, ``Step(0, i, i)``. :meth:`add` appends
-    an item (:meth:`extend` a run of them); :meth:`complete` ends the listing, after which positions and the resume state
-    are exactly those of ``Plan(sizes, epochs=1, seed=seed)`` (with the same ``balance`` and
-    ``partition``, which one rank and worker do not change but a resume must match). Until then the end of the pass is
-    unknown (``normalise`` leaves ``(0, n)`` as it is) and the resume state names the items
-    listed so far instead of the whole catalog: ``n_items`` and ``sizes_digest`` are None,
-    ``listed`` and ``listed_digest`` describe the first ``listed`` sizes, and
-    :meth:`Plan.load_state_dict` accepts it if its catalog starts with them.
+    an item (:meth:`extend` a run of them); :meth:`complete` ends the listing, after which
+    positions and the resume state are exactly those of ``Plan(sizes, epochs=1, seed=seed)``
+    (with the same ``balance``, ``partition`` and ``equal_steps``, which one rank and worker do
+    not change but a resume must match). Until then the end of the pass is unknown
+    (``normalise`` leaves ``(0, n)`` as it is) and the resume state names the items listed so
+    far instead of the whole catalog: ``n_items`` and ``sizes_digest`` are None, ``listed`` and
+    ``listed_digest`` describe the first ``listed`` sizes, and :meth:`Plan.load_state_dict`
+    accepts it if its catalog starts with them.
     """
 
     def __init__(
-        self, seed: int = 0, balance: Literal["bytes", "count"] = "bytes", partition: Literal["epoch", "fixed"] = "epoch"
+        self,
+        seed: int = 0,
+        balance: Literal["bytes", "count"] = "bytes",
+        partition: Literal["epoch", "fixed"] = "epoch",
+        equal_steps: Literal["pad", "drop"] | None = None,
     ) -> None:
         self.sizes = array("q")
-        self.seed, self.balance, self.partition = seed, balance, partition
+        self.seed, self.balance, self.partition, self.equal_steps = seed, balance, partition, equal_steps
         self.start = Cursor(0, 0)
         self._full: Plan | None = None
         self._hash = hashlib.blake2b(digest_size=16)  # of sizes.tobytes(), kept up to date
@@ -530,7 +643,14 @@ class GrowingPlan:
         """The listing ended: return the plan it amounts to."""
         if self._full is None:
             self._full = Plan(
-                self.sizes, epochs=1, seed=self.seed, rank=0, world_size=1, balance=self.balance, partition=self.partition
+                self.sizes,
+                epochs=1,
+                seed=self.seed,
+                rank=0,
+                world_size=1,
+                balance=self.balance,
+                partition=self.partition,
+                equal_steps=self.equal_steps,
             )
         return self._full
 
@@ -545,7 +665,16 @@ class GrowingPlan:
     def _config(self) -> dict[str, Any]:
         if self._full is not None:
             return self._full._config()  # noqa: SLF001 - same class
-        empty = Plan([], epochs=1, seed=self.seed, rank=0, world_size=1, balance=self.balance, partition=self.partition)
+        empty = Plan(
+            [],
+            epochs=1,
+            seed=self.seed,
+            rank=0,
+            world_size=1,
+            balance=self.balance,
+            partition=self.partition,
+            equal_steps=self.equal_steps,
+        )
         config = empty._config()  # noqa: SLF001 - same class
         return {
             **config,

@@ -154,7 +154,7 @@ def fitting_items(catalog: Catalog, capacity: int, occupied: int) -> tuple[array
 
 
 def make_plan(cfg: PipelineConfig, sizes: Sequence[int]) -> Plan:
-    """The plan of ``cfg``'s options (epochs, shuffle, seed, shares, partition) over ``sizes``."""
+    """The plan of ``cfg``'s options (epochs, shuffle, seed, shares, partition, equal steps) over ``sizes``."""
     return Plan(
         sizes,
         epochs=cfg.epochs,
@@ -166,4 +166,5 @@ def make_plan(cfg: PipelineConfig, sizes: Sequence[int]) -> Plan:
         num_workers=cfg.num_workers,
         balance=cfg.balance,
         partition=cfg.partition,
+        equal_steps=cfg.equal_steps,
     )

@@ -68,7 +68,20 @@ NODE_BATCH_BYTES = 64 * 2**20  #: node mode: most bytes a worker takes per reque
 
 # the options of a job's spec (the rest of a node's settings is the daemon's jobs section)
 _JOB_OPTIONS = frozenset(
-    {"items", "manifest", "catalog", "epochs", "shuffle", "seed", "balance", "partition", "retain", "on_error", "on_oversize"}
+    {
+        "items",
+        "manifest",
+        "catalog",
+        "epochs",
+        "shuffle",
+        "seed",
+        "balance",
+        "partition",
+        "equal_steps",
+        "retain",
+        "on_error",
+        "on_oversize",
+    }
 )
 
 
@@ -95,8 +108,12 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         **options: :class:`~cachepipe.config.PipelineConfig` options (``epochs``, ``shuffle``,
             ``seed``, ``rank``/``world_size``, ``storage_options``...); with ``node``, only
             the plan's (``items``, ``manifest``, ``epochs``, ``shuffle``, ``seed``, ``balance``,
-            ``partition``, ``retain``, ``on_error``, ``on_oversize``) and ``rank``/``world_size``.
-            ``worker`` and ``num_workers`` are set from the DataLoader.
+            ``partition``, ``equal_steps``, ``retain``, ``on_error``, ``on_oversize``) and
+            ``rank``/``world_size``. ``worker`` and ``num_workers`` are set from the DataLoader.
+            ``equal_steps`` defaults to ``"pad"`` with several ranks (every rank the same
+            number of items and batches per epoch, as DDP needs, like ``DistributedSampler``;
+            ``Pipeline``'s default is None); give ``equal_steps=None`` for the shares as
+            they were before it existed (to resume a state saved then).
 
     Raises:
         ValueError: a missing, misplaced or invalid argument, named (per-process mode: every
@@ -141,7 +158,10 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         self.source, self.transform, self.options = source, transform, options
         self.node = None if node is None else os.fspath(node)
         self.job, self.node_ranks = job, node_ranks
-        self._rank_world()  # both or neither, and in range: here, not first in every DataLoader worker
+        _, world = self._rank_world()  # both or neither, and in range: here, not first in every DataLoader worker
+        if world > 1 and "equal_steps" not in options:
+            # DDP-safe by default; set here, so every worker's pipeline, or the job's spec, carries it
+            options["equal_steps"] = "pad"
         if self.node is None:
             if cache_dir is None or capacity is None:
                 raise ValueError("cache_dir and capacity are required without node= (per-process mode)")
@@ -293,7 +313,8 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         ranks = self.node_ranks if self.node_ranks is not None else local_ranks(rank)
         spec: dict[str, Any] = {
             "source": self.source,
-            **{k: v for k, v in self.options.items() if k in _JOB_OPTIONS},
+            # equal_steps=None as the spec of a job registered before the option existed (same name)
+            **{k: v for k, v in self.options.items() if k in _JOB_OPTIONS and not (k == "equal_steps" and v is None)},
             "world_size": world,
             "ranks": sorted(ranks),
             "num_workers": num_workers,

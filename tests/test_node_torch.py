@@ -278,6 +278,33 @@ def test_workers_of_one_rank_over_unequal_items_and_epochs_do_not_hang(s3_source
     assert len(got) == 3 * len(data) and all(hashlib.md5(data[n]["f"]).hexdigest() == d for _, _, n, d in got)
 
 
+def test_two_ranks_over_items_of_different_sizes_read_as_many_items_from_the_node(s3_source, tmp_path, short_dir):
+    """Two ranks, 25 items, one large: by bytes alone rank 0 would read 1 or 2 items an epoch and
+    rank 1 the rest (a DDP job then hangs in a collective). The dataset's default for several
+    ranks, equal_steps="pad", reaches the daemon in the job's spec: 13 items a rank an epoch."""
+    data = {f"item{i:02d}": {"f": os.urandom(20 * KIB if i == 3 else KIB + 37 * i)} for i in range(25)}
+    for name, files in data.items():
+        s3_source.put(f"{name}/f", files["f"])
+    sock = short_dir / "api.sock"
+    cfg = {"url": s3_source.url, "socket": str(sock), "options": OPTIONS}
+    with DaemonProcess(write_config(tmp_path, sock, s3_source.url, s3_source.options, capacity=1 << 20)):
+        procs = [start_rank(rank, cfg) for rank in (0, 1)]
+        outs = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+            outs.append(samples(out))
+        with Client(socket=sock) as client:
+            spec = client.status()["jobs"]["job/train"]["spec"]
+    assert spec["equal_steps"] == "pad"
+    assert [len(got) for got in outs] == [26, 26]  # 13 a rank in each of 2 epochs
+    names, sizes = sorted(data), [len(data[n]["f"]) for n in sorted(data)]
+    for rank in (0, 1):
+        for worker in (0, 1):
+            plan = Plan(sizes, rank=rank, world_size=2, worker=worker, num_workers=2, equal_steps="pad", **OPTIONS)
+            assert by_worker(outs[rank], worker) == [[s.epoch, names[s.item]] for s in plan]
+
+
 @pytest.mark.parametrize(
     ("sizes", "batch_size", "cut"),
     [

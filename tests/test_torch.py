@@ -50,7 +50,7 @@ def read(path):
     return path.name, hashlib.md5((path / "f").read_bytes()).hexdigest()
 cfg = json.loads(sys.argv[1])
 ds = CachePipeDataset(cfg["url"], cfg["cache"], "1MiB", transform=read, storage_options=cfg["options"],
-                      epochs=2, shuffle=True, seed=5)
+                      epochs=2, shuffle=True, seed=5, **cfg.get("extra", {}))
 loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
 print(json.dumps([list(x) for x in loader]))
 """
@@ -59,12 +59,48 @@ print(json.dumps([list(x) for x in loader]))
 def test_two_ranks_by_two_workers_see_every_item_once_per_epoch(s3_source, tmp_path):
     data = s3_source.folders(13, {"f": 500})
     digests = {name: hashlib.md5(files["f"]).hexdigest() for name, files in data.items()}
-    cfg = {"url": s3_source.url, "cache": str(tmp_path / "cache"), "options": s3_source.options}
+    # equal_steps=None: the shares as the split gives them (the default "pad" reads an item twice here)
+    cfg = {"url": s3_source.url, "cache": str(tmp_path / "cache"), "options": s3_source.options, "extra": {"equal_steps": None}}
     outputs = run_ranks(RANK_SCRIPT, cfg, {})
     seen = [name for out in outputs for name, _ in out]
     assert sorted(seen) == sorted(list(digests) * 2)  # 2 epochs: each item exactly twice in all
     assert all(digests[name] == digest for out in outputs for name, digest in out)
     assert all(len(out) in (12, 14) for out in outputs)  # each rank about half of 13 per epoch
+
+
+EQUAL_SCRIPT = """
+import json, sys, torch
+from cachepipe.torch import CachePipeDataset
+def name(path):
+    return path.name
+cfg = json.loads(sys.argv[1])
+ds = CachePipeDataset(cfg["url"], cfg["cache"], "1MiB", transform=name, storage_options=cfg["options"],
+                      epochs=2, shuffle=True, seed=5, **cfg["extra"])
+loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2)
+print(json.dumps([list(batch) for batch in loader]))
+"""
+
+
+@pytest.mark.parametrize("extra", [{}, {"equal_steps": "drop"}], ids=["default-pad", "drop"])
+def test_ranks_of_items_of_different_sizes_run_the_same_number_of_steps(s3_source, tmp_path, extra):
+    # 25 items, one of them large: split by bytes, one rank would get far fewer items than the other
+    # (a DDP job hangs in the collective of the steps only the other runs)
+    from cachepipe.plan import permutation
+
+    names = [f"item{i:03d}" for i in range(25)]
+    for i, name in enumerate(names):
+        s3_source.put(f"{name}/f", bytes([i]) * (40_000 if i == 3 else 100 + 37 * i))
+    cfg = {"url": s3_source.url, "cache": str(tmp_path / "cache"), "options": s3_source.options, "extra": extra}
+    outputs = run_ranks(EQUAL_SCRIPT, cfg, {})
+    per_rank = 13 if not extra else 12  # per epoch: 25 padded to 26, or cut to 24
+    assert [sum(len(batch) for batch in out) for out in outputs] == [2 * per_rank] * 2
+    assert len(outputs[0]) == len(outputs[1])  # and as many batches of 4 (each worker's batches)
+    seen = sorted(name for out in outputs for batch in out for name in batch)
+    orders = [[names[x] for x in permutation(25, 5, epoch)] for epoch in (0, 1)]
+    if not extra:  # the first item of each epoch's permutation is read twice
+        assert seen == sorted(names * 2 + [order[0] for order in orders])
+    else:  # the last item of each epoch's permutation is left out of it
+        assert seen == sorted([n for n in names if n != orders[0][-1]] + [n for n in names if n != orders[1][-1]])
 
 
 def test_single_process_yields_cached_items(s3_source, tmp_path):
@@ -201,7 +237,12 @@ def test_ranks_under_torch_distributed_list_once_and_plan_from_one_catalog(s3_so
     outputs = run_ranks(DIST_SCRIPT, cfg, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     assert listings(proxy) == one  # one listing for two ranks and four DataLoader workers
     seen = [name for out in outputs for name, _ in out]
-    assert sorted(seen) == sorted(list(data) * 2)
+    # two ranks: equal_steps="pad" by default, so 13 items are 14 an epoch, the first of its permutation twice
+    from cachepipe.plan import permutation
+
+    firsts = [sorted(data)[permutation(13, 5, epoch)[0]] for epoch in (0, 1)]
+    assert sorted(seen) == sorted(list(data) * 2 + firsts)
+    assert [len(out) for out in outputs] == [14, 14]
     assert sorted((tmp_path / "cache").glob("manifest-rank*.json.gz")) == [
         tmp_path / "cache" / "manifest-rank0.json.gz",
         tmp_path / "cache" / "manifest-rank1.json.gz",

@@ -49,7 +49,7 @@ __all__ = ["JobConflictError", "JobSpec", "Jobs", "JobsConfig"]
 log = logging.getLogger("cachepipe.service")
 
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_JOB_FIELDS = ("source", "items", "manifest", "epochs", "shuffle", "seed", "balance", "partition", "retain")
+_JOB_FIELDS = ("source", "items", "manifest", "epochs", "shuffle", "seed", "balance", "partition", "equal_steps", "retain")
 _NODE_SETS = {"cache_dir", "capacity", "keep_on_close", "resume", "start_epoch", "rank", "worker", "world_size", "num_workers"}
 
 
@@ -111,8 +111,8 @@ class JobSpec(BaseModel):
 
     Attributes:
         source: the dataset URL (under one of the daemon's ``jobs.sources``).
-        items, manifest, epochs, shuffle, seed, balance, partition, retain, on_error,
-            on_oversize: as for :class:`~cachepipe.Pipeline` (``manifest`` also under
+        items, manifest, epochs, shuffle, seed, balance, partition, equal_steps, retain,
+            on_error, on_oversize: as for :class:`~cachepipe.Pipeline` (``manifest`` also under
             ``jobs.sources``).
         catalog: the digest of a manifest uploaded to this daemon (``PUT /v1/manifests``), to
             plan from instead of listing (not with ``manifest``).
@@ -133,6 +133,7 @@ class JobSpec(BaseModel):
     seed: int = 0
     balance: Literal["bytes", "count"] = "bytes"
     partition: Literal["epoch", "fixed"] = "epoch"
+    equal_steps: Literal["pad", "drop"] | None = None
     retain: Literal["none", "auto"] = "none"
     on_error: Literal["raise", "skip"] = "raise"
     on_oversize: Literal["raise", "skip"] = "raise"
