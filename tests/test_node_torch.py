@@ -6,6 +6,9 @@ Checked: every item exactly once per epoch across the node; each (rank, worker) 
 what ``plan.py`` assigns it, in order; the node's cap held (sampled while they run); one job,
 listed once, for all four lanes; a rank killed mid-epoch (SIGKILL, its workers die with it) and
 restarted from its ``StatefulDataLoader`` checkpoint gets exactly the rest of its items.
+
+The ranks run tests/torch_rank_child.py, forked from a zygote (tests/zygote.py) that imported
+torch once for the module: a rank starts in milliseconds, not the 3 s its imports take.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 from sampling import Sampler
+from zygote import Forked, Zygote
 
 pytest.importorskip(
     "torch", reason="PyTorch is not installed (make test installs torch==2.13.0 where the CPU wheel is available)"
@@ -33,32 +38,6 @@ from cachepipe.service.testing import DaemonProcess
 KIB = 1024
 CAPACITY = 48 * KIB
 OPTIONS = {"epochs": 2, "shuffle": True, "seed": 5}
-
-RANK = r"""
-import hashlib, json, os, pickle, signal, sys, torch
-from torchdata.stateful_dataloader import StatefulDataLoader
-from cachepipe.torch import CachePipeDataset
-
-def read(item):
-    info = torch.utils.data.get_worker_info()
-    digest = hashlib.md5((item / "f").read_bytes()).hexdigest()
-    return [info.id, item.cursor.epoch, item.name, digest]
-
-cfg = json.loads(sys.argv[1])
-ds = CachePipeDataset(cfg["url"], node=cfg["socket"], transform=read, job="train", **cfg["options"])
-loader = StatefulDataLoader(ds, batch_size=None, num_workers=2)
-if cfg.get("resume"):
-    with open(cfg["resume"], "rb") as f:
-        loader.load_state_dict(pickle.load(f))
-for n, sample in enumerate(loader, 1):
-    print(json.dumps(sample), flush=True)
-    if n == cfg.get("checkpoint_at"):
-        with open(cfg["checkpoint"], "wb") as f:
-            pickle.dump(loader.state_dict(), f)
-        print("checkpoint", flush=True)
-    if n == cfg.get("die_at"):
-        os.kill(os.getpid(), signal.SIGKILL)  # mid-epoch, holding items; its workers die with it
-"""
 
 
 def write_config(tmp_path: Path, sock: Path, url: str, options: dict, capacity: int = CAPACITY) -> Path:
@@ -76,11 +55,18 @@ def write_config(tmp_path: Path, sock: Path, url: str, options: dict, capacity: 
     return path
 
 
-def start_rank(rank: int, cfg: dict) -> subprocess.Popen:
-    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
-    return subprocess.Popen(
-        [sys.executable, "-c", RANK, json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[Zygote]:
+    """The fork server of the ranks (tests/torch_rank_child.py): torch, torchdata and cachepipe's
+    adapter imported once for the module, a rank forked per start (a fresh process, its
+    DataLoader workers its own children), not a Python started and importing torch each time."""
+    with Zygote("torch_rank_child") as zygote:
+        yield zygote
+
+
+def start_rank(ranks: Zygote, rank: int, cfg: dict, world_size: int = 2) -> Forked:
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}
+    return ranks.spawn({**cfg, "env": env})
 
 
 def samples(out: str) -> list[list]:
@@ -104,13 +90,13 @@ def dataset(s3_source):
     return s3_source, data
 
 
-def test_two_ranks_by_two_workers_read_their_plan_shares_from_one_node_cache(dataset, tmp_path, short_dir):
+def test_two_ranks_by_two_workers_read_their_plan_shares_from_one_node_cache(dataset, ranks, tmp_path, short_dir):
     source, data = dataset
     digests = {name: hashlib.md5(files["f"]).hexdigest() for name, files in data.items()}
     sock = short_dir / "api.sock"
     cfg = {"url": source.url, "socket": str(sock), "options": OPTIONS}
     with DaemonProcess(write_config(tmp_path, sock, source.url, source.options)), Sampler(tmp_path / "jobs") as sampler:
-        procs = [start_rank(rank, cfg) for rank in (0, 1)]
+        procs = [start_rank(ranks, rank, cfg) for rank in (0, 1)]
         outs = []
         for proc in procs:
             out, err = proc.communicate(timeout=120)
@@ -131,20 +117,20 @@ def test_two_ranks_by_two_workers_read_their_plan_shares_from_one_node_cache(dat
     assert job["stats"]["items_listed"] == 26 and job["stats"]["items_acked"] == 52
 
 
-def test_a_rank_killed_mid_epoch_resumes_from_its_stateful_dataloader_checkpoint(dataset, tmp_path, short_dir):
+def test_a_rank_killed_mid_epoch_resumes_from_its_stateful_dataloader_checkpoint(dataset, ranks, tmp_path, short_dir):
     source, data = dataset
     sock = short_dir / "api.sock"
     checkpoint = tmp_path / "loader.pkl"
     cfg = {"url": source.url, "socket": str(sock), "options": OPTIONS}
     killed = {**cfg, "checkpoint_at": 5, "checkpoint": str(checkpoint), "die_at": 9}
     with DaemonProcess(write_config(tmp_path, sock, source.url, source.options)), Sampler(tmp_path / "jobs") as sampler:
-        other = start_rank(1, cfg)
-        first = start_rank(0, killed)
+        other = start_rank(ranks, 1, cfg)
+        first = start_rank(ranks, 0, killed)
         out, err = first.communicate(timeout=120)
         assert first.returncode == -9, err
         before = samples(out)
         assert len(before) == 9 and "checkpoint" in out
-        again = start_rank(0, {**cfg, "resume": str(checkpoint)})
+        again = start_rank(ranks, 0, {**cfg, "resume": str(checkpoint)})
         out_again, err = again.communicate(timeout=120)
         assert again.returncode == 0, err
         out_other, err = other.communicate(timeout=120)
@@ -252,7 +238,7 @@ def test_two_nodes_under_torch_distributed_list_once(dataset, fault_proxy, tmp_p
 
 
 @pytest.mark.parametrize("seed", [3, 4])
-def test_workers_of_one_rank_over_unequal_items_and_epochs_do_not_hang(s3_source, tmp_path, short_dir, seed):
+def test_workers_of_one_rank_over_unequal_items_and_epochs_do_not_hang(s3_source, ranks, tmp_path, short_dir, seed):
     """Under the defaults (partition="epoch"), with a cache that holds the whole epoch: before,
     worker 1's next item could be one planned for worker 0 further on. One copy of an item at a
     time, so worker 1 waited for worker 0 to pass it, and worker 0 waited for the main process,
@@ -265,14 +251,13 @@ def test_workers_of_one_rank_over_unequal_items_and_epochs_do_not_hang(s3_source
     options = {"epochs": 3, "shuffle": True, "seed": seed}
     cfg = {"url": s3_source.url, "socket": str(sock), "options": options}
     with DaemonProcess(write_config(tmp_path, sock, s3_source.url, s3_source.options, capacity=1 << 20)):
-        env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-        command = [sys.executable, "-c", RANK, json.dumps(cfg)]
-        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
-            try:
-                out, err = proc.communicate(timeout=60)  # before: hung (in seeds 3 and 4 of 0-5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                raise
+        proc = start_rank(ranks, 0, cfg, world_size=1)
+        try:
+            out, err = proc.communicate(timeout=60)  # before: hung (in seeds 3 and 4 of 0-5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+            raise
     assert proc.returncode == 0, err
     got = samples(out)
     assert len(got) == 3 * len(data) and all(hashlib.md5(data[n]["f"]).hexdigest() == d for _, _, n, d in got)
