@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,7 +65,7 @@ def ranks() -> Iterator[Zygote]:
 
 def start_rank(ranks: Zygote, rank: int, cfg: dict, world_size: int = 2) -> Forked:
     env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}
-    return ranks.spawn({**cfg, "env": env})
+    return ranks.spawn({**cfg, "kind": "node", "env": env})
 
 
 def samples(out: str) -> list[list]:
@@ -166,24 +165,7 @@ def test_a_loaded_state_is_for_one_iteration_and_the_next_pass_is_whole(s3_sourc
     assert head + rest == sorted(data) and again == sorted(data)
 
 
-DIST_RANK = r"""
-import json, sys, torch, torch.distributed as dist
-from cachepipe.torch import CachePipeDataset
-
-def read(item):
-    return [torch.utils.data.get_worker_info().id, item.cursor.epoch, item.name, ""]
-
-cfg = json.loads(sys.argv[1])
-dist.init_process_group("gloo")
-ds = CachePipeDataset(cfg["url"], node=cfg["socket"], transform=read, job="train", node_ranks=[dist.get_rank()],
-                      **cfg["options"])
-for sample in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2):
-    print(json.dumps(sample), flush=True)
-dist.destroy_process_group()
-"""
-
-
-def test_two_nodes_under_torch_distributed_list_once(dataset, fault_proxy, tmp_path, short_dir):
+def test_two_nodes_under_torch_distributed_list_once(dataset, ranks, fault_proxy, tmp_path, short_dir):
     """Two nodes (a daemon each, one rank each): rank 0's daemon lists, the other node gets the
     manifest through the process group, and both plan from that one catalog."""
     import socket
@@ -207,16 +189,8 @@ def test_two_nodes_under_torch_distributed_list_once(dataset, fault_proxy, tmp_p
             sock = short_dir / f"api{rank}.sock"
             daemons.append(DaemonProcess(write_config(node, sock, source.url, options)).__enter__())
             cfg = {"url": source.url, "socket": str(sock), "options": OPTIONS}
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", DIST_RANK, json.dumps(cfg)],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    env=env,
-                )
-            )
+            env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            procs.append(ranks.spawn({**cfg, "kind": "node-dist", "env": env}))
         outs = []
         for proc in procs:
             out, err = proc.communicate(timeout=120)
@@ -226,7 +200,7 @@ def test_two_nodes_under_torch_distributed_list_once(dataset, fault_proxy, tmp_p
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-                proc.communicate()
+                proc.communicate(30)
         for daemon in daemons:
             daemon.__exit__(None, None, None)
     assert sum(1 for head in proxy.requests if "list-type=2" in head.split("\r\n", 1)[0]) == one
