@@ -54,18 +54,27 @@ def write_config(tmp_path: Path, sock: Path, url: str, options: dict, capacity: 
     return path
 
 
-@pytest.fixture(scope="module")
+_RANKS: list[Zygote] = []  # the module's fork server of ranks, while its tests run (see ranks)
+
+
+@pytest.fixture(scope="module", autouse=True)
 def ranks() -> Iterator[Zygote]:
     """The fork server of the ranks (tests/torch_rank_child.py): torch, torchdata and cachepipe's
     adapter imported once for the module, a rank forked per start (a fresh process, its
-    DataLoader workers its own children), not a Python started and importing torch each time."""
+    DataLoader workers its own children), not a Python started that imports torch each time.
+    Autouse, and kept in ``_RANKS``, so that :func:`start_rank` keeps its arguments."""
     with Zygote("torch_rank_child") as zygote:
-        yield zygote
+        _RANKS.append(zygote)
+        try:
+            yield zygote
+        finally:
+            _RANKS.remove(zygote)
 
 
-def start_rank(ranks: Zygote, rank: int, cfg: dict, world_size: int = 2) -> Forked:
+def start_rank(rank: int, cfg: dict, world_size: int = 2) -> Forked:
+    """Rank ``rank`` of ``world_size`` (RANK, LOCAL_RANK... as torchrun sets them), forked from the zygote."""
     env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}
-    return ranks.spawn({**cfg, "kind": "node", "env": env})
+    return _RANKS[-1].spawn({**cfg, "kind": "node", "env": env})
 
 
 def samples(out: str) -> list[list]:
@@ -89,13 +98,13 @@ def dataset(s3_source):
     return s3_source, data
 
 
-def test_two_ranks_by_two_workers_read_their_plan_shares_from_one_node_cache(dataset, ranks, tmp_path, short_dir):
+def test_two_ranks_by_two_workers_read_their_plan_shares_from_one_node_cache(dataset, tmp_path, short_dir):
     source, data = dataset
     digests = {name: hashlib.md5(files["f"]).hexdigest() for name, files in data.items()}
     sock = short_dir / "api.sock"
     cfg = {"url": source.url, "socket": str(sock), "options": OPTIONS}
     with DaemonProcess(write_config(tmp_path, sock, source.url, source.options)), Sampler(tmp_path / "jobs") as sampler:
-        procs = [start_rank(ranks, rank, cfg) for rank in (0, 1)]
+        procs = [start_rank(rank, cfg) for rank in (0, 1)]
         outs = []
         for proc in procs:
             out, err = proc.communicate(timeout=120)
@@ -116,20 +125,20 @@ def test_two_ranks_by_two_workers_read_their_plan_shares_from_one_node_cache(dat
     assert job["stats"]["items_listed"] == 26 and job["stats"]["items_acked"] == 52
 
 
-def test_a_rank_killed_mid_epoch_resumes_from_its_stateful_dataloader_checkpoint(dataset, ranks, tmp_path, short_dir):
+def test_a_rank_killed_mid_epoch_resumes_from_its_stateful_dataloader_checkpoint(dataset, tmp_path, short_dir):
     source, data = dataset
     sock = short_dir / "api.sock"
     checkpoint = tmp_path / "loader.pkl"
     cfg = {"url": source.url, "socket": str(sock), "options": OPTIONS}
     killed = {**cfg, "checkpoint_at": 5, "checkpoint": str(checkpoint), "die_at": 9}
     with DaemonProcess(write_config(tmp_path, sock, source.url, source.options)), Sampler(tmp_path / "jobs") as sampler:
-        other = start_rank(ranks, 1, cfg)
-        first = start_rank(ranks, 0, killed)
+        other = start_rank(1, cfg)
+        first = start_rank(0, killed)
         out, err = first.communicate(timeout=120)
         assert first.returncode == -9, err
         before = samples(out)
         assert len(before) == 9 and "checkpoint" in out
-        again = start_rank(ranks, 0, {**cfg, "resume": str(checkpoint)})
+        again = start_rank(0, {**cfg, "resume": str(checkpoint)})
         out_again, err = again.communicate(timeout=120)
         assert again.returncode == 0, err
         out_other, err = other.communicate(timeout=120)
@@ -212,7 +221,7 @@ def test_two_nodes_under_torch_distributed_list_once(dataset, ranks, fault_proxy
 
 
 @pytest.mark.parametrize("seed", [3, 4])
-def test_workers_of_one_rank_over_unequal_items_and_epochs_do_not_hang(s3_source, ranks, tmp_path, short_dir, seed):
+def test_workers_of_one_rank_over_unequal_items_and_epochs_do_not_hang(s3_source, tmp_path, short_dir, seed):
     """Under the defaults (partition="epoch"), with a cache that holds the whole epoch: before,
     worker 1's next item could be one planned for worker 0 further on. One copy of an item at a
     time, so worker 1 waited for worker 0 to pass it, and worker 0 waited for the main process,
@@ -225,7 +234,7 @@ def test_workers_of_one_rank_over_unequal_items_and_epochs_do_not_hang(s3_source
     options = {"epochs": 3, "shuffle": True, "seed": seed}
     cfg = {"url": s3_source.url, "socket": str(sock), "options": options}
     with DaemonProcess(write_config(tmp_path, sock, s3_source.url, s3_source.options, capacity=1 << 20)):
-        proc = start_rank(ranks, 0, cfg, world_size=1)
+        proc = start_rank(0, cfg, world_size=1)
         try:
             out, err = proc.communicate(timeout=60)  # before: hung (in seeds 3 and 4 of 0-5)
         except subprocess.TimeoutExpired:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -21,18 +24,38 @@ def read(path):
     return path.name, hashlib.md5((path / "f").read_bytes()).hexdigest()
 
 
+def run_ranks(script: str, cfg: dict, env: dict[str, str]) -> list:
+    """Run ``script`` as ranks 0 and 1 of 2 (RANK/WORLD_SIZE, as torchrun sets them) at once;
+    each prints a JSON value: the list of them, by rank."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, json.dumps(cfg)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", **env},
+        )
+        for rank in range(2)
+    ]
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        outputs.append(json.loads(out))
+    return outputs
+
+
 @pytest.fixture(scope="module")
 def ranks() -> Iterator[Zygote]:
-    """The fork server of the ranks (tests/torch_rank_child.py, ``kind="direct"``): torch, the
-    adapter and s3fs imported once for the module, a rank forked per run (a fresh process, its
-    DataLoader workers its own children), not a Python started and importing torch each time."""
+    """A fork server of ranks (tests/torch_rank_child.py, ``kind="direct"``): torch, the adapter
+    and s3fs imported once for the module, a rank forked per run (a fresh process, its DataLoader
+    workers its own children), not a Python started that imports torch each time (about 3 s)."""
     with Zygote("torch_rank_child", "s3://data/video/") as zygote:
         yield zygote
 
 
-def run_ranks(ranks: Zygote, cfg: dict, env: dict[str, str]) -> list:
-    """Run ranks 0 and 1 of 2 (RANK/WORLD_SIZE, as torchrun sets them) at once, forked from
-    ``ranks``; each prints a JSON value: the list of them, by rank."""
+def fork_ranks(ranks: Zygote, cfg: dict, env: dict[str, str]) -> list:
+    """As :func:`run_ranks`, the ranks forked from ``ranks`` (the script's ``kind="direct"``)."""
     procs = [ranks.spawn({**cfg, "kind": "direct", "env": {"RANK": str(rank), "WORLD_SIZE": "2", **env}}) for rank in range(2)]
     outputs = []
     try:
@@ -48,11 +71,24 @@ def run_ranks(ranks: Zygote, cfg: dict, env: dict[str, str]) -> list:
     return outputs
 
 
-def test_two_ranks_by_two_workers_see_every_item_once_per_epoch(s3_source, ranks, tmp_path):
+RANK_SCRIPT = """
+import json, sys, hashlib, torch
+from cachepipe.torch import CachePipeDataset
+def read(path):
+    return path.name, hashlib.md5((path / "f").read_bytes()).hexdigest()
+cfg = json.loads(sys.argv[1])
+ds = CachePipeDataset(cfg["url"], cfg["cache"], "1MiB", transform=read, storage_options=cfg["options"],
+                      epochs=2, shuffle=True, seed=5)
+loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+print(json.dumps([list(x) for x in loader]))
+"""
+
+
+def test_two_ranks_by_two_workers_see_every_item_once_per_epoch(s3_source, tmp_path):
     data = s3_source.folders(13, {"f": 500})
     digests = {name: hashlib.md5(files["f"]).hexdigest() for name, files in data.items()}
     cfg = {"url": s3_source.url, "cache": str(tmp_path / "cache"), "options": s3_source.options}
-    outputs = run_ranks(ranks, cfg, {})
+    outputs = run_ranks(RANK_SCRIPT, cfg, {})
     seen = [name for out in outputs for name, _ in out]
     assert sorted(seen) == sorted(list(digests) * 2)  # 2 epochs: each item exactly twice in all
     assert all(digests[name] == digest for out in outputs for name, digest in out)
@@ -175,7 +211,7 @@ def test_ranks_under_torch_distributed_list_once_and_plan_from_one_catalog(s3_so
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    outputs = run_ranks(ranks, cfg, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    outputs = fork_ranks(ranks, cfg, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     assert listings(proxy) == one  # one listing for two ranks and four DataLoader workers
     seen = [name for out in outputs for name, _ in out]
     assert sorted(seen) == sorted(list(data) * 2)

@@ -14,8 +14,8 @@ them) come in ``cfg["env"]``. ``cfg["kind"]``:
 - ``"node-dist"``: under ``torch.distributed`` (gloo), ``node_ranks=[rank]``, a plain
   DataLoader; prints each sample ``[worker, epoch, name, ""]`` as a JSON line.
 - ``"direct"``: ``CachePipeDataset(url, cache, "1MiB", storage_options=options, epochs=2,
-  shuffle=True, seed=5)``, under ``torch.distributed`` if ``dist``; prints the JSON list of its
-  samples ``[name, md5]``.
+  shuffle=True, seed=5, **extra)``, under ``torch.distributed`` if ``dist``; prints the JSON
+  list of its samples ``[name, md5]``.
 """
 
 from __future__ import annotations
@@ -78,7 +78,15 @@ def direct(cfg: dict[str, Any]) -> None:
     if cfg.get("dist"):
         dist.init_process_group("gloo")
     ds = CachePipeDataset(
-        cfg["url"], cfg["cache"], "1MiB", transform=read_direct, storage_options=cfg["options"], epochs=2, shuffle=True, seed=5
+        cfg["url"],
+        cfg["cache"],
+        "1MiB",
+        transform=read_direct,
+        storage_options=cfg["options"],
+        epochs=2,
+        shuffle=True,
+        seed=5,
+        **cfg.get("extra", {}),
     )
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
     print(json.dumps([list(x) for x in loader]), flush=True)
