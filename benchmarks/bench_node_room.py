@@ -6,15 +6,16 @@ Two scenarios over a ``memory://`` source, in one process, threads as consumers:
   step, as DDP's all-reduce): each holds the item it trains on until every rank has its next.
   A rank whose share ends leaves the collective. Reports how many runs (seeds) hung: a lane
   that waited ``--timeout`` s for its item. Before items planned ahead were given back
-  (``cachepipe.node.GIVE_BACK_AFTER``), the planner could fill the room ahead for a rank that
-  waited for another, and every run hung.
+  (``NodePipeline(give_back_after=...)``, default ``cachepipe.node.GIVE_BACK_AFTER``), the
+  planner could fill the room ahead for a rank that waited for another, and every run hung.
 - ``pace``: two lanes that consume each item once read, at different paces (``--paces``), and
   GETs that take ``--delay`` s. Reports the data downloaded over the data planned and the wall
   time, for each ``--give-back-after`` value, interleaved: giving back after a short wait
   treats a slow lane as stopped and downloads its items again.
 
 Run against another tree with ``PYTHONPATH=TREE``; ``--give-back-after`` needs a tree that has
-the setting (it is skipped otherwise)::
+the setting (the ``give_back_after`` argument, or before it the module's ``GIVE_BACK_AFTER``;
+it is skipped otherwise)::
 
     python benchmarks/bench_node_room.py                     # both scenarios
     python benchmarks/bench_node_room.py --scenarios pace --give-back-after 5 0
@@ -23,6 +24,7 @@ the setting (it is skipped otherwise)::
 from __future__ import annotations
 
 import argparse
+import inspect
 import random
 import statistics
 import tempfile
@@ -131,12 +133,23 @@ class _Slow:
         self.inner.close()
 
 
-def pace(items: int, size: int, room: int, paces: list[float], delay: float) -> tuple[float, float]:
-    """One run: (downloaded over planned, wall seconds) for lanes at ``paces`` s per item."""
+def pace(
+    items: int, size: int, room: int, paces: list[float], delay: float, give_back_after: float | None = None
+) -> tuple[float, float]:
+    """One run: (downloaded over planned, wall seconds) for lanes at ``paces`` s per item;
+    ``give_back_after``: the node's setting (None: the tree's default)."""
     url = _memory_source("pace", [size] * items)
     store = _Slow(open_store(url), delay)
+    setting: dict[str, Any] = {}
+    if give_back_after is not None:
+        if "give_back_after" in inspect.signature(NodePipeline).parameters:
+            setting["give_back_after"] = give_back_after
+        else:  # a tree from before the argument: its module constant
+            cachepipe.node.GIVE_BACK_AFTER = give_back_after
     with tempfile.TemporaryDirectory() as cache:
-        pipe = NodePipeline(url, cache, f"{room * size}B", ranks=list(range(len(paces))), world_size=len(paces), store=store)
+        pipe = NodePipeline(
+            url, cache, f"{room * size}B", ranks=list(range(len(paces))), world_size=len(paces), store=store, **setting
+        )
 
         def lane(r: int) -> None:
             cursor = Cursor(0, 0)
@@ -172,7 +185,7 @@ def main() -> None:
         type=float,
         nargs="+",
         default=None,
-        help="pace: GIVE_BACK_AFTER values to compare (default: the tree's)",
+        help="pace: give_back_after values to compare, in seconds (default: the tree's)",
     )
     args = parser.parse_args()
     scenarios = args.scenarios.split(",")
@@ -193,9 +206,7 @@ def main() -> None:
         results: dict[float | None, list[tuple[float, float]]] = {s: [] for s in settings}
         for _ in range(args.repeats):
             for setting in settings:
-                if setting is not None:
-                    cachepipe.node.GIVE_BACK_AFTER = setting
-                results[setting].append(pace(24, 100_000, 2, args.paces, args.delay))
+                results[setting].append(pace(24, 100_000, 2, args.paces, args.delay, setting))
         for setting, runs in results.items():
             label = "tree's" if setting is None else f"{setting:g} s"
             print(

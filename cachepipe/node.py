@@ -88,11 +88,12 @@ ROOM_CHECK = 1.0
 :meth:`NodePipeline.take`)."""
 
 GIVE_BACK_AFTER = 5.0
-"""Seconds a lane waits for its item before items planned ahead for other lanes are given back
-to make room for it. Shorter waits are ordinary back-pressure: a lane that computes for a while
-per item consumes soon, and giving its next item back would download it again (two lanes taking
-0.5 s and 3 s per item, with room for two items, downloaded 1.21x the data and took 49 s instead
-of 38 s when lanes gave back after 1 s)."""
+"""The default of :class:`NodePipeline`'s ``give_back_after``: seconds a lane waits for its item
+before items planned ahead for other lanes are given back to make room for it. Shorter waits are
+ordinary back-pressure: a lane that computes for a while per item consumes soon, and giving its
+next item back would download it again (two lanes taking 0.5 s and 3 s per item, with room for
+two items, downloaded 1.21x the data and took 49 s instead of 38 s when lanes gave back after
+1 s)."""
 
 HELD_WARNING = 30.0
 """Seconds a lane waits, with no room made for it, before the node logs that its consumers hold
@@ -530,13 +531,18 @@ class NodePipeline(Pipeline):
         ranks: the ranks this node serves (each a rank of ``world_size``).
         world_size: ranks in the whole job.
         num_workers: DataLoader workers per rank (default 1: each rank is one lane).
+        give_back_after: seconds a lane waits for an item with no room before items planned
+            ahead for lanes that are not asking are given back to make room for it (default
+            :data:`GIVE_BACK_AFTER`, 5 s; shorter waits are ordinary back-pressure; checked
+            every :data:`ROOM_CHECK` seconds, so 0 gives back at the first check).
         **options: other :class:`~cachepipe.config.PipelineConfig` options (``epochs``,
             ``shuffle``, ``seed``, ``partition``, ``balance``, ``equal_steps``, ``manifest``, ``retain``...);
             ``rank``, ``worker``, ``resume``, ``start_epoch`` and ``auto_ack`` do not apply (a
             lane starts where its consumer's :meth:`take` asks).
 
     Raises:
-        ValueError: a bad option, or ``ranks`` not a set of ranks of ``world_size``.
+        ValueError: a bad option, ``ranks`` not a set of ranks of ``world_size``, or
+            ``give_back_after`` not a number of seconds >= 0.
     """
 
     def __init__(
@@ -549,8 +555,17 @@ class NodePipeline(Pipeline):
         world_size: int,
         num_workers: int = 1,
         store: Store | None = None,
+        give_back_after: float = GIVE_BACK_AFTER,
         **options: Any,
     ) -> None:
+        if (
+            isinstance(give_back_after, bool)
+            or not isinstance(give_back_after, (int, float))
+            or not 0 <= give_back_after < float("inf")
+        ):
+            raise ValueError(
+                f"give_back_after={give_back_after!r}: expected seconds, a finite number >= 0 (default {GIVE_BACK_AFTER})"
+            )
         for key in ("rank", "worker", "resume", "auto_ack", "lease_timeout", "ordered"):
             if key in options:
                 raise ValueError(f"{key}={options[key]!r}: a node pipeline's lanes are given by ranks and num_workers")
@@ -561,6 +576,7 @@ class NodePipeline(Pipeline):
         NodePlan([], ranks=self.ranks, world_size=world_size, num_workers=num_workers)  # checks them now
         self._moves = threading.Lock()  # one lane move at a time (journal position, eviction order)
         self._contended_lanes: set[tuple[int, int]] = set()  # lanes found with two consumers (logged once each)
+        self.give_back_after = float(give_back_after)
 
     def __repr__(self) -> str:
         return f"NodePipeline({self.config.source!r}, ranks={self.ranks} of {self.world_size}, state={self._state})"
@@ -727,7 +743,7 @@ class NodePipeline(Pipeline):
 
     def _wait(self, lane: int, at: Cursor, timeout: float | None, deadline: float | None) -> _Planned | None:
         """:meth:`LaneQueues.wait` in turns of :data:`ROOM_CHECK` seconds; after each, once the
-        lane has waited :data:`GIVE_BACK_AFTER` seconds, if a download has no room
+        lane has waited ``give_back_after`` seconds (see the class), if a download has no room
         (:meth:`Cache.shortfall`) and the lane's step waits for that room (not planned yet, or
         its download not begun), steps planned ahead for lanes whose
         consumers are not waiting are given back (:meth:`LaneQueues.give_back`) and their copies
@@ -746,7 +762,7 @@ class NodePipeline(Pipeline):
             except TimeoutError:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"no item became ready within {timeout} s") from None
-            if time.monotonic() - start < GIVE_BACK_AFTER:
+            if time.monotonic() - start < self.give_back_after:
                 continue  # ordinary back-pressure: a slower lane consumes soon
             needed = self._cache.shortfall()
             if not needed:

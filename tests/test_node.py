@@ -143,6 +143,10 @@ def test_lane_and_option_errors_are_named(s3_source, tmp_path):
         NodePipeline(s3_source.url, tmp_path / "n", "1MiB", ranks=[0], world_size=1, epochs=3, start_epoch=2)
     with pytest.raises(ValueError, match=r"rank 1 in ranks: expected an integer with 0 <= rank < world_size = 1"):
         NodePipeline(s3_source.url, tmp_path / "n", "1MiB", ranks=[1], world_size=1)
+    for bad in (-1, float("inf"), float("nan"), "5", True):
+        with pytest.raises(ValueError, match=rf"give_back_after={bad!r}: expected seconds, a finite number >= 0 \(default 5.0\)"):
+            NodePipeline(s3_source.url, tmp_path / "n", "1MiB", ranks=[0], world_size=1, give_back_after=bad)
+    assert NodePipeline(s3_source.url, tmp_path / "n", "1MiB", ranks=[0], world_size=1).give_back_after == 5.0
     pipe = NodePipeline(s3_source.url, tmp_path / "n", "1MiB", ranks=[0], world_size=1, storage_options=s3_source.options)
     with pipe:
         with pytest.raises(ValueError, match=r"this node serves ranks \[0\] of world_size 1"):
@@ -327,27 +331,31 @@ def test_planning_shared_steps_stops_once_every_lane_holds_its_share_of_the_copi
             planner.join(timeout=10)
 
 
-@pytest.mark.parametrize("retain", ["none", "auto"])
-def test_a_waiting_lane_gets_the_room_of_an_item_planned_ahead_for_a_lane_that_is_not_asking(s3_source, tmp_path, retain):
+@pytest.mark.parametrize(("retain", "give_back_after"), [("none", None), ("auto", 0.0)], ids=["none", "auto"])
+def test_a_waiting_lane_gets_the_room_of_an_item_planned_ahead_for_a_lane_that_is_not_asking(
+    s3_source, tmp_path, retain, give_back_after
+):
     """Two ranks that step together, as DDP ranks without DataLoader workers: each holds the
     item it trains on until the other has its next. Room for two items and a half: rank 0 holds
     its first item, and its second was planned first (the lower lane, at a tie) and fetched as
     soon as rank 1 consumed its own first. Rank 1's second item has no room while rank 0, which
     waits for rank 1, holds two. Before, rank 1 waited for ever; now rank 0's second item,
     not handed out, is given back (deleted, or left to the retention policy, which then evicts
-    it) and planned again."""
+    it) and planned again. Without retention after the default wait (5 s), with retention at
+    the first check (``give_back_after=0``): what is given back does not depend on when."""
     data = s3_source.folders(8, {"a.bin": 32 * KIB})
     names, sizes = sorted(data), sizes_of(data)
     cache = tmp_path / "node"
+    setting = {} if give_back_after is None else {"give_back_after": give_back_after}
     pipe = NodePipeline(
-        s3_source.url, cache, "88KiB", ranks=[0, 1], world_size=2, storage_options=s3_source.options, retain=retain
+        s3_source.url, cache, "88KiB", ranks=[0, 1], world_size=2, storage_options=s3_source.options, retain=retain, **setting
     )
     with Sampler(cache) as sampler, pipe:
         first = [pipe.take(r, 0, (0, 0), timeout=10) for r in (0, 1)]
         wait_until(lambda: pipe.stats().bytes_downloaded == 2 * 32 * KIB)  # rank 0's second item waits for room
         second = pipe.take(
             1, 0, first[1].after, timeout=30
-        )  # given back after GIVE_BACK_AFTER (5 s)  # consumes rank 1's first: rank 0's second, then its own
+        )  # given back after give_back_after  # consumes rank 1's first: rank 0's second, then its own
         assert second.cursor == first[1].after
         got = {r: [first[r].item.name] for r in (0, 1)}
         got[1].append(second.item.name)
@@ -370,11 +378,12 @@ def test_a_lane_waiting_while_consumers_hold_the_whole_cache_is_logged(s3_source
     import cachepipe.node
 
     monkeypatch.setattr(cachepipe.node, "HELD_WARNING", 0.0)
-    monkeypatch.setattr(cachepipe.node, "GIVE_BACK_AFTER", 0.0)
     for i, size in enumerate([30, 30, 30, 60]):  # rank 0: items 0, 2; rank 1: items 1, 3
         s3_source.put(f"item{i:03d}/a.bin", bytes(size * KIB))
     cache = tmp_path / "node"
-    pipe = NodePipeline(s3_source.url, cache, "88KiB", ranks=[0, 1], world_size=2, storage_options=s3_source.options)
+    pipe = NodePipeline(
+        s3_source.url, cache, "88KiB", ranks=[0, 1], world_size=2, storage_options=s3_source.options, give_back_after=0.0
+    )
     with Sampler(cache) as sampler, pipe:
         first = [pipe.take(r, 0, (0, 0), timeout=10) for r in (0, 1)]
         with caplog.at_level(logging.WARNING, logger="cachepipe.node"), pytest.raises(TimeoutError):
@@ -420,13 +429,14 @@ def test_a_lane_whose_item_is_downloading_gives_nothing_back(s3_source, tmp_path
     from cachepipe.stores import open_store
 
     monkeypatch.setattr(cachepipe.node, "ROOM_CHECK", 0.2)
-    monkeypatch.setattr(cachepipe.node, "GIVE_BACK_AFTER", 0.0)  # the check of what the lane waits for, at once
     data = s3_source.folders(8, {"a.bin": 32 * KIB})
     names, sizes = sorted(data), sizes_of(data)
     lanes = [[n for _e, n in expected(names, sizes, r, 0, 2, 1)] for r in (0, 1)]
     store = _Gated(open_store(s3_source.url, s3_source.options), lanes[0][1])
     cache = tmp_path / "node"
-    pipe = NodePipeline(s3_source.url, cache, "144KiB", ranks=[0, 1], world_size=2, store=store, retain=retain)
+    pipe = NodePipeline(  # give_back_after=0: the check of what the lane waits for, at once
+        s3_source.url, cache, "144KiB", ranks=[0, 1], world_size=2, store=store, retain=retain, give_back_after=0.0
+    )
     with Sampler(cache) as sampler, pipe:
         held = pipe.take(1, 0, (0, 0), timeout=10)  # rank 1 reads its first item
         first = pipe.take(0, 0, (0, 0), timeout=10)
@@ -453,12 +463,11 @@ def test_a_lane_whose_item_is_downloading_logs_no_warning(s3_source, tmp_path, m
     from cachepipe.stores import open_store
 
     monkeypatch.setattr(cachepipe.node, "HELD_WARNING", 0.0)
-    monkeypatch.setattr(cachepipe.node, "GIVE_BACK_AFTER", 0.0)
     for i, size in enumerate([30, 30, 30, 30]):  # rank 0: items 0, 2; rank 1: items 1, 3
         s3_source.put(f"item{i:03d}/a.bin", bytes(size * KIB))
     store = _Gated(open_store(s3_source.url, s3_source.options), "item003")
     cache = tmp_path / "node"
-    pipe = NodePipeline(s3_source.url, cache, "88KiB", ranks=[0, 1], world_size=2, store=store)
+    pipe = NodePipeline(s3_source.url, cache, "88KiB", ranks=[0, 1], world_size=2, store=store, give_back_after=0.0)
     with Sampler(cache) as sampler, pipe:
         first = [pipe.take(r, 0, (0, 0), timeout=10) for r in (0, 1)]
         with caplog.at_level(logging.WARNING, logger="cachepipe.node"):

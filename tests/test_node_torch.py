@@ -6,6 +6,9 @@ Checked: every item exactly once per epoch across the node; each (rank, worker) 
 what ``plan.py`` assigns it, in order; the node's cap held (sampled while they run); one job,
 listed once, for all four lanes; a rank killed mid-epoch (SIGKILL, its workers die with it) and
 restarted from its ``StatefulDataLoader`` checkpoint gets exactly the rest of its items.
+
+The ranks run tests/torch_rank_child.py, forked from a zygote (tests/zygote.py) that imported
+torch once for the module: a rank starts in milliseconds, not the 3 s its imports take.
 """
 
 from __future__ import annotations
@@ -14,12 +17,13 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 from sampling import Sampler
+from zygote import Forked, Zygote
 
 pytest.importorskip(
     "torch", reason="PyTorch is not installed (make test installs torch==2.13.0 where the CPU wheel is available)"
@@ -33,32 +37,6 @@ from cachepipe.service.testing import DaemonProcess
 KIB = 1024
 CAPACITY = 48 * KIB
 OPTIONS = {"epochs": 2, "shuffle": True, "seed": 5}
-
-RANK = r"""
-import hashlib, json, os, pickle, signal, sys, torch
-from torchdata.stateful_dataloader import StatefulDataLoader
-from cachepipe.torch import CachePipeDataset
-
-def read(item):
-    info = torch.utils.data.get_worker_info()
-    digest = hashlib.md5((item / "f").read_bytes()).hexdigest()
-    return [info.id, item.cursor.epoch, item.name, digest]
-
-cfg = json.loads(sys.argv[1])
-ds = CachePipeDataset(cfg["url"], node=cfg["socket"], transform=read, job="train", **cfg["options"])
-loader = StatefulDataLoader(ds, batch_size=None, num_workers=2)
-if cfg.get("resume"):
-    with open(cfg["resume"], "rb") as f:
-        loader.load_state_dict(pickle.load(f))
-for n, sample in enumerate(loader, 1):
-    print(json.dumps(sample), flush=True)
-    if n == cfg.get("checkpoint_at"):
-        with open(cfg["checkpoint"], "wb") as f:
-            pickle.dump(loader.state_dict(), f)
-        print("checkpoint", flush=True)
-    if n == cfg.get("die_at"):
-        os.kill(os.getpid(), signal.SIGKILL)  # mid-epoch, holding items; its workers die with it
-"""
 
 
 def write_config(tmp_path: Path, sock: Path, url: str, options: dict, capacity: int = CAPACITY) -> Path:
@@ -76,11 +54,27 @@ def write_config(tmp_path: Path, sock: Path, url: str, options: dict, capacity: 
     return path
 
 
-def start_rank(rank: int, cfg: dict) -> subprocess.Popen:
-    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
-    return subprocess.Popen(
-        [sys.executable, "-c", RANK, json.dumps(cfg)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+_RANKS: list[Zygote] = []  # the module's fork server of ranks, while its tests run (see ranks)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ranks() -> Iterator[Zygote]:
+    """The fork server of the ranks (tests/torch_rank_child.py): torch, torchdata and cachepipe's
+    adapter imported once for the module, a rank forked per start (a fresh process, its
+    DataLoader workers its own children), not a Python started that imports torch each time.
+    Autouse, and kept in ``_RANKS``, so that :func:`start_rank` keeps its arguments."""
+    with Zygote("torch_rank_child") as zygote:
+        _RANKS.append(zygote)
+        try:
+            yield zygote
+        finally:
+            _RANKS.remove(zygote)
+
+
+def start_rank(rank: int, cfg: dict, world_size: int = 2) -> Forked:
+    """Rank ``rank`` of ``world_size`` (RANK, LOCAL_RANK... as torchrun sets them), forked from the zygote."""
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}
+    return _RANKS[-1].spawn({**cfg, "kind": "node", "env": env})
 
 
 def samples(out: str) -> list[list]:
@@ -180,24 +174,7 @@ def test_a_loaded_state_is_for_one_iteration_and_the_next_pass_is_whole(s3_sourc
     assert head + rest == sorted(data) and again == sorted(data)
 
 
-DIST_RANK = r"""
-import json, sys, torch, torch.distributed as dist
-from cachepipe.torch import CachePipeDataset
-
-def read(item):
-    return [torch.utils.data.get_worker_info().id, item.cursor.epoch, item.name, ""]
-
-cfg = json.loads(sys.argv[1])
-dist.init_process_group("gloo")
-ds = CachePipeDataset(cfg["url"], node=cfg["socket"], transform=read, job="train", node_ranks=[dist.get_rank()],
-                      **cfg["options"])
-for sample in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2):
-    print(json.dumps(sample), flush=True)
-dist.destroy_process_group()
-"""
-
-
-def test_two_nodes_under_torch_distributed_list_once(dataset, fault_proxy, tmp_path, short_dir):
+def test_two_nodes_under_torch_distributed_list_once(dataset, ranks, fault_proxy, tmp_path, short_dir):
     """Two nodes (a daemon each, one rank each): rank 0's daemon lists, the other node gets the
     manifest through the process group, and both plan from that one catalog."""
     import socket
@@ -221,16 +198,8 @@ def test_two_nodes_under_torch_distributed_list_once(dataset, fault_proxy, tmp_p
             sock = short_dir / f"api{rank}.sock"
             daemons.append(DaemonProcess(write_config(node, sock, source.url, options)).__enter__())
             cfg = {"url": source.url, "socket": str(sock), "options": OPTIONS}
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", DIST_RANK, json.dumps(cfg)],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    env=env,
-                )
-            )
+            env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            procs.append(ranks.spawn({**cfg, "kind": "node-dist", "env": env}))
         outs = []
         for proc in procs:
             out, err = proc.communicate(timeout=120)
@@ -240,7 +209,7 @@ def test_two_nodes_under_torch_distributed_list_once(dataset, fault_proxy, tmp_p
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-                proc.communicate()
+                proc.communicate(30)
         for daemon in daemons:
             daemon.__exit__(None, None, None)
     assert sum(1 for head in proxy.requests if "list-type=2" in head.split("\r\n", 1)[0]) == one
@@ -265,14 +234,13 @@ def test_workers_of_one_rank_over_unequal_items_and_epochs_do_not_hang(s3_source
     options = {"epochs": 3, "shuffle": True, "seed": seed}
     cfg = {"url": s3_source.url, "socket": str(sock), "options": options}
     with DaemonProcess(write_config(tmp_path, sock, s3_source.url, s3_source.options, capacity=1 << 20)):
-        env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-        command = [sys.executable, "-c", RANK, json.dumps(cfg)]
-        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
-            try:
-                out, err = proc.communicate(timeout=60)  # before: hung (in seeds 3 and 4 of 0-5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                raise
+        proc = start_rank(0, cfg, world_size=1)
+        try:
+            out, err = proc.communicate(timeout=60)  # before: hung (in seeds 3 and 4 of 0-5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+            raise
     assert proc.returncode == 0, err
     got = samples(out)
     assert len(got) == 3 * len(data) and all(hashlib.md5(data[n]["f"]).hexdigest() == d for _, _, n, d in got)

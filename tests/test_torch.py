@@ -8,8 +8,10 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
+from zygote import Zygote
 
 torch = pytest.importorskip(
     "torch", reason="PyTorch is not installed (make test installs torch==2.13.0 where the CPU wheel is available)"
@@ -40,6 +42,32 @@ def run_ranks(script: str, cfg: dict, env: dict[str, str]) -> list:
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
         outputs.append(json.loads(out))
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[Zygote]:
+    """A fork server of ranks (tests/torch_rank_child.py, ``kind="direct"``): torch, the adapter
+    and s3fs imported once for the module, a rank forked per run (a fresh process, its DataLoader
+    workers its own children), not a Python started that imports torch each time (about 3 s)."""
+    with Zygote("torch_rank_child", "s3://data/video/") as zygote:
+        yield zygote
+
+
+def fork_ranks(ranks: Zygote, cfg: dict, env: dict[str, str]) -> list:
+    """As :func:`run_ranks`, the ranks forked from ``ranks`` (the script's ``kind="direct"``)."""
+    procs = [ranks.spawn({**cfg, "kind": "direct", "env": {"RANK": str(rank), "WORLD_SIZE": "2", **env}}) for rank in range(2)]
+    outputs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err
+            outputs.append(json.loads(out))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
     return outputs
 
 
@@ -200,26 +228,11 @@ def test_a_checkpoint_between_passes_or_early_in_a_pass_of_persistent_workers_re
     assert [tuple(x) for x in again] == full  # before: an empty pass
 
 
-DIST_SCRIPT = """
-import json, sys, hashlib, torch, torch.distributed as dist
-from cachepipe.torch import CachePipeDataset
-def read(path):
-    return path.name, hashlib.md5((path / "f").read_bytes()).hexdigest()
-cfg = json.loads(sys.argv[1])
-dist.init_process_group("gloo")
-ds = CachePipeDataset(cfg["url"], cfg["cache"], "1MiB", transform=read, storage_options=cfg["options"],
-                      epochs=2, shuffle=True, seed=5)
-loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
-print(json.dumps([list(x) for x in loader]))
-dist.destroy_process_group()
-"""
-
-
 def listings(proxy) -> int:
     return sum(1 for head in proxy.requests if "list-type=2" in head.split("\r\n", 1)[0])
 
 
-def test_ranks_under_torch_distributed_list_once_and_plan_from_one_catalog(s3_source, fault_proxy, tmp_path):
+def test_ranks_under_torch_distributed_list_once_and_plan_from_one_catalog(s3_source, ranks, fault_proxy, tmp_path):
     """Rank 0 lists and broadcasts the manifest; the four pipelines of two ranks plan from it."""
     proxy, endpoint = fault_proxy
     data = s3_source.folders(13, {"f": 500})
@@ -230,11 +243,11 @@ def test_ranks_under_torch_distributed_list_once_and_plan_from_one_catalog(s3_so
     one = listings(proxy)
     assert one >= 1
     proxy.requests.clear()
-    cfg = {"url": s3_source.url, "cache": str(tmp_path / "cache"), "options": options}
+    cfg = {"url": s3_source.url, "cache": str(tmp_path / "cache"), "options": options, "dist": True}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    outputs = run_ranks(DIST_SCRIPT, cfg, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    outputs = fork_ranks(ranks, cfg, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     assert listings(proxy) == one  # one listing for two ranks and four DataLoader workers
     seen = [name for out in outputs for name, _ in out]
     # two ranks: equal_steps="pad" by default, so 13 items are 14 an epoch, the first of its permutation twice

@@ -7,8 +7,8 @@ and the backend of a URL once, then forks a child for each :meth:`Zygote.spawn`;
 ``module.main(cfg)`` with its stdin, stdout and stderr on pipes of the test's, and exits with
 what it returns, as the module run as a script would. :class:`Forked` stands for it as a
 :class:`subprocess.Popen` does (``stdin``, ``stdout``, ``stderr``, ``pid``, ``kill``, ``wait``,
-``poll``): SIGKILL reaches it through a pidfd (no pid reuse), its exit status comes from the
-zygote, which reaps it.
+``poll``, ``communicate``): SIGKILL reaches it through a pidfd (no pid reuse), its exit status
+comes from the zygote, which reaps it.
 
 The zygote forks with one thread and nothing started (no event loop, no connection): a child is
 a fresh consumer process whose modules are already imported.
@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -159,6 +160,36 @@ class Forked:
         if code is None:
             raise subprocess.TimeoutExpired(f"forked child {self.pid}", timeout or 0)
         return code
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """As :meth:`subprocess.Popen.communicate` with no input: close stdin, read stdout and
+        stderr (those on pipes) to their end, wait for the exit; ``(stdout, stderr)``. Raises
+        :class:`subprocess.TimeoutExpired` after ``timeout`` s (the child is left running)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.stdin is not None:
+            self.stdin.close()
+        got: dict[int, list[bytes]] = {f.fileno(): [] for f in (self.stdout, self.stderr) if f is not None and not f.closed}
+        open_fds = list(got)
+        while open_fds:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = select.select(open_fds, [], [], left)[0]
+            if not ready:
+                raise subprocess.TimeoutExpired(f"forked child {self.pid}", timeout or 0)
+            for fd in ready:
+                chunk = os.read(fd, 1 << 16)
+                if chunk:
+                    got[fd].append(chunk)
+                else:
+                    open_fds.remove(fd)
+        out = [
+            b"".join(got.get(f.fileno(), [])).decode() if f is not None and not f.closed else ""
+            for f in (self.stdout, self.stderr)
+        ]
+        for f in (self.stdout, self.stderr):
+            if f is not None:
+                f.close()
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return out[0], out[1]
 
     def _status(self, timeout: float | None) -> int | None:
         if self.returncode is None:

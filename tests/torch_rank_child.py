@@ -1,0 +1,100 @@
+"""A "rank" of tests/test_node_torch.py and tests/test_torch.py: a DataLoader of two worker
+processes over a ``CachePipeDataset``, printing what it yields.
+
+Run by tests/zygote.py, which imports torch, torchdata, cachepipe's adapter (and the source's
+backend) once (about 3 s a process on the CI machine) and forks a rank per :func:`main`; the
+rank's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_PORT``..., as torchrun sets
+them) come in ``cfg["env"]``. ``cfg["kind"]``:
+
+- ``"node"``: ``CachePipeDataset(url, node=socket, job="train", **options)`` in a
+  ``StatefulDataLoader``; prints each sample ``[worker, epoch, name, md5]`` as a JSON line.
+  Optionally ``resume`` (a checkpoint to load), ``checkpoint_at`` with ``checkpoint`` (save the
+  loader's state after that sample), ``die_at`` (SIGKILL itself after that sample: mid-epoch,
+  holding items; its workers die with it).
+- ``"node-dist"``: under ``torch.distributed`` (gloo), ``node_ranks=[rank]``, a plain
+  DataLoader; prints each sample ``[worker, epoch, name, ""]`` as a JSON line.
+- ``"direct"``: ``CachePipeDataset(url, cache, "1MiB", storage_options=options, epochs=2,
+  shuffle=True, seed=5, **extra)``, under ``torch.distributed`` if ``dist``; prints the JSON
+  list of its samples ``[name, md5]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import signal
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from cachepipe.torch import CachePipeDataset
+
+
+def read_node(item: Any) -> list:
+    info = torch.utils.data.get_worker_info()
+    digest = hashlib.md5((item / "f").read_bytes()).hexdigest()
+    return [info.id, item.cursor.epoch, item.name, digest]
+
+
+def read_node_dist(item: Any) -> list:
+    return [torch.utils.data.get_worker_info().id, item.cursor.epoch, item.name, ""]
+
+
+def read_direct(path: Any) -> tuple[str, str]:
+    return path.name, hashlib.md5((path / "f").read_bytes()).hexdigest()
+
+
+def node(cfg: dict[str, Any]) -> None:
+    ds = CachePipeDataset(cfg["url"], node=cfg["socket"], transform=read_node, job="train", **cfg["options"])
+    loader = StatefulDataLoader(ds, batch_size=None, num_workers=2)
+    if cfg.get("resume"):
+        with open(cfg["resume"], "rb") as f:
+            loader.load_state_dict(pickle.load(f))  # noqa: S301 - the test's own checkpoint
+    for n, sample in enumerate(loader, 1):
+        print(json.dumps(sample), flush=True)
+        if n == cfg.get("checkpoint_at"):
+            with open(cfg["checkpoint"], "wb") as f:
+                pickle.dump(loader.state_dict(), f)
+            print("checkpoint", flush=True)
+        if n == cfg.get("die_at"):
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-epoch, holding items; its workers die with it
+
+
+def node_dist(cfg: dict[str, Any]) -> None:
+    dist.init_process_group("gloo")
+    ds = CachePipeDataset(
+        cfg["url"], node=cfg["socket"], transform=read_node_dist, job="train", node_ranks=[dist.get_rank()], **cfg["options"]
+    )
+    for sample in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2):
+        print(json.dumps(sample), flush=True)
+    dist.destroy_process_group()
+
+
+def direct(cfg: dict[str, Any]) -> None:
+    if cfg.get("dist"):
+        dist.init_process_group("gloo")
+    ds = CachePipeDataset(
+        cfg["url"],
+        cfg["cache"],
+        "1MiB",
+        transform=read_direct,
+        storage_options=cfg["options"],
+        epochs=2,
+        shuffle=True,
+        seed=5,
+        **cfg.get("extra", {}),
+    )
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    print(json.dumps([list(x) for x in loader]), flush=True)
+    if cfg.get("dist"):
+        dist.destroy_process_group()
+
+
+def main(cfg: dict[str, Any]) -> int:
+    os.environ.update(cfg["env"])
+    {"node": node, "node-dist": node_dist, "direct": direct}[cfg["kind"]](cfg)
+    return 0
