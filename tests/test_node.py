@@ -325,6 +325,35 @@ def test_planning_shared_steps_stops_once_every_lane_holds_its_share_of_the_copi
             planner.join(timeout=10)
 
 
+def test_a_lane_waiting_for_a_step_not_planned_asks_for_the_download_not_begun_back_and_goes_first():
+    """The bookkeeping of a download given back before it begins (no disk): lane 1 waits for its
+    second step while the fetcher waits for room for lane 0's second, planned ahead. The waiting
+    lane asks for it back (the fetcher is woken); once the fetcher withdraws it, lane 1's step is
+    the next download, then lane 0's again (its lane moved back to it)."""
+    from cachepipe.catalog import Item
+
+    plan = NodePlan([10] * 8, ranks=[0, 1], world_size=2)
+    woken: list[int] = []
+    queues = LaneQueues(LaneSchedule(plan), on_stale=lambda _planned: None, wake=lambda: woken.append(1))
+    steps = queues.steps(lambda i: Item(f"item{i}", (), plan.sizes[i]))
+    downloads = [next(steps)[0] for _ in range(3)]  # lane 0's first, lane 1's first, lane 0's second (a tie: lane 0)
+    lanes = [[f"item{i}" for i in plan.lane_share(lane, 0)] for lane in (0, 1)]
+    assert [item.name for _seq, item, _tick in downloads] == [lanes[0][0], lanes[1][0], lanes[0][1]]
+    queues.begin_many(2)  # the third waits for room
+    queues.put_many([(seq, item.name, f"/cache/{item.name}") for seq, item, _tick in downloads[:2]])
+    assert queues.wait(1, Cursor(0, 0), timeout=0).name == lanes[1][0]
+    queues.move(1, Cursor(0, 1))
+    with pytest.raises(TimeoutError):
+        queues.wait(1, Cursor(0, 1), timeout=0.05)  # lane 1's second is not planned
+    third = downloads[2][0]
+    assert woken and queues.withdrawn(third)
+    queues.withdraw(third)
+    assert not queues.withdrawn(third)
+    assert [item.name for _seq, item, _tick in (next(steps)[0], next(steps)[0])] == [lanes[1][1], lanes[0][1]]
+    queues.close()
+    steps.close()
+
+
 @pytest.mark.parametrize("retain", ["none", "auto"])
 def test_a_waiting_lane_gets_the_room_of_an_item_planned_ahead_for_a_lane_that_is_not_asking(s3_source, tmp_path, retain):
     """Two ranks that step together, as DDP ranks without DataLoader workers: each holds the
@@ -467,11 +496,6 @@ def test_a_lane_whose_item_is_downloading_logs_no_warning(s3_source, tmp_path, m
     assert sampler.peak <= 88 * KIB
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TimeoutError,
-    reason="the planner plans the restarted lane's step only once the download planned ahead for rank 0 has room",
-)
 @pytest.mark.parametrize("retain", ["none", "auto"])
 def test_a_restarted_lane_is_not_held_up_behind_a_download_planned_ahead_for_a_lane_that_is_not_asking(
     s3_source, tmp_path, caplog, retain
