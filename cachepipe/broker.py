@@ -140,6 +140,16 @@ class Broker(Generic[T]):
             self._resolve(seq)
             self._cond.notify_all()
 
+    def withdrawn(self, seq: int) -> bool:
+        """Whether the planner wants planned step ``seq`` back, not begun, while the producer waits
+        for its room (a node's lane waits for a step planned after it; read without the lock:
+        :meth:`withdraw` decides). Never here."""
+        return False
+
+    def withdraw(self, seq: int) -> None:
+        """The producer gave back step ``seq`` without beginning it, as :meth:`withdrawn` asked."""
+        raise NotImplementedError("a pipeline's broker never asks for a step back")
+
     def finish(self) -> None:
         """The producer planned its last item."""
         with self._cond:

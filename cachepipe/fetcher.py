@@ -421,13 +421,17 @@ class Fetcher:
             return False
         extra = self._extra(item)
         try:
-            got = self._cache.acquire(item, tick, self._broker.starving, extra)
+            got = self._cache.acquire(item, tick, self._broker.starving, extra, lambda: self._broker.withdrawn(seq))
         except OversizeError as exc:  # no longer fits beside the state budget: this item only
             self._begin(seq)
             self._broker.fail(seq, item.name, exc, kind="oversize")
             return True
         if got is False:
             return False
+        if got is None:  # the broker plans another step first (a node's waiting lane): this one is unplanned
+            self._broker.withdraw(seq)
+            self._unbegun = seq + 1
+            return True
         if got is not True:  # on disk already: recovered at open, or retained
             self._begin(seq)
             self._broker.put(seq, item.name, os.fspath(got))

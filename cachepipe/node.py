@@ -23,7 +23,9 @@ opens with ``resume=False``: published items that match the catalog are reused w
 plan reaches them, nothing is skipped on the node's word).
 
 The fetch order serves the lane with the fewest steps planned and not consumed (see
-:meth:`~cachepipe.lanes.LaneSchedule.next`), so lanes are fetched for as fast as they consume.
+:meth:`~cachepipe.lanes.LaneSchedule.next`), so lanes are fetched for as fast as they consume;
+a lane that waits for a step not planned yet goes first, and a download that the fetcher has
+not begun, waiting for its room, is given back unbegun for it (see :meth:`LaneQueues.withdraw`).
 Steps of one item that are planned at once (lanes an epoch apart) share its one copy on disk
 (see :class:`LaneQueues`): no lane waits for another to move on. A lane that waits for an item
 with no room gets the room of items fetched ahead for lanes that are not waiting (see
@@ -197,18 +199,21 @@ class LaneQueues(Broker[str]):
         on_stale: Callable[[_Planned], None],
         on_share: Callable[[_Planned], None] = lambda _step: None,
         prepare: Callable[[int], None] | None = None,
+        wake: Callable[[], None] = lambda: None,
     ) -> None:
         super().__init__(ordered=True)
         self.schedule = schedule
         self._on_stale = on_stale
         self._on_share = on_share
+        self._wake = wake
         self._prepare = prepare if prepare is not None else lambda epoch: schedule.plan.prepare(epoch + 2, pause=self.pause)
         self._preparing: threading.Thread | None = None  # the latest prepare() thread; under _cond
         self._lanes = [_LaneState(floor=c) for c in schedule.cursors]
         self._fetching: dict[int, _Planned] = {}  # download seq -> its step (the copy's), until it arrives
         self._copies: dict[int, _Planned] = {}  # catalog item -> the step with its copy, that a new step shares
         self._next_seq = 0
-        self._started = 0  # downloads the fetcher began (it begins them in turn: every seq below it)
+        self._started = 0  # downloads the fetcher began or withdrew (in turn: every seq below it)
+        self._asking = -1  # the download asked back from the fetcher (see withdraw), or -1
         self._handed_count = 0
         self._error: BaseException | None = None
 
@@ -309,9 +314,54 @@ class LaneQueues(Broker[str]):
         """The fetcher began the next ``count`` downloads (in turn): their room is reserved."""
         with self._cond:
             self._started += count
+            if self._asking < self._started:
+                self._asking = -1  # begun before the fetcher saw it asked back
             self._begun += count
             self._pending += count
             return self._begun - count
+
+    def withdrawn(self, seq: int) -> bool:
+        """Whether a lane waiting for a step not planned yet asked for download ``seq`` back (the
+        fetcher waits for its room; read without the lock, by the cache under its own)."""
+        return self._asking == seq
+
+    def withdraw(self, seq: int) -> None:
+        """The fetcher gave download ``seq`` back without beginning it (nothing was reserved or
+        dropped for it): it is unplanned, and its lane, if it still holds it, moves back to it and
+        plans it again (as :meth:`give_back` does, before any download). The planner plans the
+        waiting lane's step next (see :meth:`_load`)."""
+        with self._cond:
+            planned = self._fetching.pop(seq)
+            self._started += 1
+            self._asking = -1
+            lane = self._lanes[planned.lane]
+            if lane.held.get(planned.key) is planned:  # its lane's last planned step (the planner stopped at it)
+                del lane.held[planned.key]
+                lane.generation = self.schedule.reset(planned.lane, planned.key)
+            planned.holders = 0
+            if self._copies.get(planned.step.item) is planned:
+                del self._copies[planned.step.item]
+            self._cond.notify_all()
+
+    def _ask_back(self, lane: _LaneState) -> None:
+        """Under the lock, for ``lane`` waiting for a step not planned yet: ask the fetcher for the
+        download it has not begun back (:meth:`withdrawn`; ``wake`` wakes it if it waits for
+        room), if no waiting consumer needs it (its lane is not waiting, or moved away from it)
+        and no other step shares its copy. Else the waiting lane's step would be planned only
+        once that download has its room, which may come only from the waiting lane's own
+        consumer, or after :data:`GIVE_BACK_AFTER`."""
+        seq = self._next_seq - 1
+        if lane.held or seq < self._started or self._asking == seq:
+            return  # its step is planned, every download planned has begun, or asked already
+        planned = self._fetching.get(seq)
+        if planned is None:
+            return
+        owner = self._lanes[planned.lane]
+        held = owner.held.get(planned.key) is planned
+        if planned.holders != held or (held and owner.waiting):
+            return
+        self._asking = seq
+        self._wake()
 
     def put_many(self, ready: Sequence[tuple[int, str, str]]) -> None:
         self._arrive([(seq, value) for seq, _name, value in ready])
@@ -435,7 +485,9 @@ class LaneQueues(Broker[str]):
         return gone
 
     def _load(self) -> list[int]:
-        return [len(lane.held) for lane in self._lanes]
+        """Each lane's steps planned and not consumed; -1 for a lane that waits for a step not
+        planned yet: the schedule plans it first."""
+        return [-1 if lane.waiting and not lane.held else len(lane.held) for lane in self._lanes]
 
     def _forget(self, planned: _Planned) -> None:
         if planned.handed:
@@ -479,6 +531,7 @@ class LaneQueues(Broker[str]):
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         raise TimeoutError(f"no item became ready within {timeout} s")
+                    self._ask_back(lane)
                     lane.waiting += 1
                     self._waiting += 1
                     try:
@@ -610,7 +663,7 @@ class NodePipeline(Pipeline):
             if future is not None:
                 future.prepare(epoch, pause=queues.pause)  # the next uses of epoch's items, in the two epochs after it
 
-        queues = LaneQueues(LaneSchedule(plan), self._stale, self._shared, prepare)
+        queues = LaneQueues(LaneSchedule(plan), self._stale, self._shared, prepare, cache.wake)
         self._broker = queues
         self._queues = queues
         self._catalog_items, self._eligible_items = catalog, eligible

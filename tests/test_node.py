@@ -331,6 +331,35 @@ def test_planning_shared_steps_stops_once_every_lane_holds_its_share_of_the_copi
             planner.join(timeout=10)
 
 
+def test_a_lane_waiting_for_a_step_not_planned_asks_for_the_download_not_begun_back_and_goes_first():
+    """The bookkeeping of a download given back before it begins (no disk): lane 1 waits for its
+    second step while the fetcher waits for room for lane 0's second, planned ahead. The waiting
+    lane asks for it back (the fetcher is woken); once the fetcher withdraws it, lane 1's step is
+    the next download, then lane 0's again (its lane moved back to it)."""
+    from cachepipe.catalog import Item
+
+    plan = NodePlan([10] * 8, ranks=[0, 1], world_size=2)
+    woken: list[int] = []
+    queues = LaneQueues(LaneSchedule(plan), on_stale=lambda _planned: None, wake=lambda: woken.append(1))
+    steps = queues.steps(lambda i: Item(f"item{i}", (), plan.sizes[i]))
+    downloads = [next(steps)[0] for _ in range(3)]  # lane 0's first, lane 1's first, lane 0's second (a tie: lane 0)
+    lanes = [[f"item{i}" for i in plan.lane_share(lane, 0)] for lane in (0, 1)]
+    assert [item.name for _seq, item, _tick in downloads] == [lanes[0][0], lanes[1][0], lanes[0][1]]
+    queues.begin_many(2)  # the third waits for room
+    queues.put_many([(seq, item.name, f"/cache/{item.name}") for seq, item, _tick in downloads[:2]])
+    assert queues.wait(1, Cursor(0, 0), timeout=0).name == lanes[1][0]
+    queues.move(1, Cursor(0, 1))
+    with pytest.raises(TimeoutError):
+        queues.wait(1, Cursor(0, 1), timeout=0.05)  # lane 1's second is not planned
+    third = downloads[2][0]
+    assert woken and queues.withdrawn(third)
+    queues.withdraw(third)
+    assert not queues.withdrawn(third)
+    assert [item.name for _seq, item, _tick in (next(steps)[0], next(steps)[0])] == [lanes[1][1], lanes[0][1]]
+    queues.close()
+    steps.close()
+
+
 @pytest.mark.parametrize(("retain", "give_back_after"), [("none", None), ("auto", 0.0)], ids=["none", "auto"])
 def test_a_waiting_lane_gets_the_room_of_an_item_planned_ahead_for_a_lane_that_is_not_asking(
     s3_source, tmp_path, retain, give_back_after
@@ -476,6 +505,52 @@ def test_a_lane_whose_item_is_downloading_logs_no_warning(s3_source, tmp_path, m
         warned = [r.getMessage() for r in caplog.records if r.name == "cachepipe.node"]
         assert not warned, warned
     assert sampler.peak <= 88 * KIB
+
+
+@pytest.mark.parametrize("retain", ["none", "auto"])
+def test_a_restarted_lane_is_not_held_up_behind_a_download_planned_ahead_for_a_lane_that_is_not_asking(
+    s3_source, tmp_path, caplog, retain
+):
+    """Rank 0 holds its first item (20 KiB) and stops asking (a DDP rank at its all-reduce);
+    its second (20 KiB) is on disk, and its third (60 KiB) is the download the fetcher waits
+    room for, in 84 KiB: it cannot fit until rank 0 moves on. Rank 1 (10 KiB items) read two
+    items and restarts from its first (a DataLoader worker restarted, or resumed from a
+    checkpoint), which fits. Before, its step was planned only once rank 0's download had
+    room: nothing could be given back for it (rank 0's last step was not on disk), so after
+    GIVE_BACK_AFTER (5 s) the node dropped rank 1's own items, kept on disk for it, to make
+    room for rank 0's, which still did not fit, and rank 1 waited until rank 0 moved on (in
+    DDP, for ever). Now the fetcher gives that download back unbegun, and rank 1's step is
+    planned first: it gets its item before rank 0's third is downloaded, with nothing given
+    back or dropped. The timeout of the restarted take only bounds the hang it was."""
+    import logging
+
+    from cachepipe.stores import open_store
+
+    sizes = [20, 10, 20, 10, 60, 10, 20, 10, 20, 10]  # balance="count": rank 0 the even items, rank 1 the odd
+    for i, size in enumerate(sizes):
+        s3_source.put(f"item{i:03d}/a.bin", bytes(size * KIB))
+    names = [f"item{i:03d}" for i in range(len(sizes))]
+    store = _Gated(open_store(s3_source.url, s3_source.options), "no such key")  # counts the GETs
+    store.gate.set()
+    cache = tmp_path / "node"
+    pipe = NodePipeline(s3_source.url, cache, "84KiB", ranks=[0, 1], world_size=2, balance="count", store=store, retain=retain)
+    with Sampler(cache) as sampler, pipe, caplog.at_level(logging.INFO, logger="cachepipe"):
+        held = pipe.take(0, 0, (0, 0), timeout=10)
+        first, _ = read_lane(pipe, 1, 0, limit=2)
+        wait_until(pipe._cache.shortfall, what="a download waiting for room")  # rank 0's third item
+        assert store.gets.get("item004/a.bin", 0) == 0
+        again = pipe.take(1, 0, (0, 0), timeout=20)
+        assert again.item.name == names[1]
+        assert store.gets.get("item004/a.bin", 0) == 0  # rank 0's third was not downloaded first
+        assert not [r.getMessage() for r in caplog.records if r.name in ("cachepipe.node", "cachepipe.cache")]
+        got = {1: [n for _e, n in first] + [again.item.name]}
+        got[1] += [n for _e, n in read_lane(pipe, 1, 0, again.after)[0]]
+        got[0] = [held.item.name] + [n for _e, n in read_lane(pipe, 0, 0, held.after)[0]]
+        stats = pipe.stats()
+    assert sampler.peak <= 84 * KIB
+    assert got == {0: names[0::2], 1: names[1::2][:2] + names[1::2]}
+    if retain == "none":  # rank 1's first two twice (consumed, then asked for again); the rest once
+        assert stats.bytes_downloaded == (sum(sizes) + sizes[1] + sizes[3]) * KIB, store.gets
 
 
 def test_a_lane_that_asks_at_its_pace_keeps_what_was_planned_for_it(s3_source, tmp_path):

@@ -515,3 +515,51 @@ def _force_room_past_a_plain_reserve(root: Path, catalog) -> None:
         for thread in (plain, download):
             if thread.ident is not None:  # started
                 thread.join(10)
+
+
+def test_a_download_withdrawn_while_it_waits_for_room_reserves_claims_and_drops_nothing(tmp_path):
+    """``acquire(withdrawn=)``: a node asks for a download back, not begun, while it waits for
+    room (a lane waits for a step planned after it, see ``LaneQueues.withdraw``). Once woken
+    (:meth:`Cache.wake`) it returns None, with no room reserved, no claim on its name, and the
+    shelved item that :meth:`Cache.force_room` would have dropped for it still on disk; the
+    same item is acquired later as any other."""
+    from cachepipe.cache import Cache
+    from cachepipe.catalog import Catalog
+
+    kib = 1 << 10
+    catalog = Catalog(mode="folders")
+    for name, size in (("held", 300 * kib), ("shelved", 300 * kib), ("next", 500 * kib)):
+        catalog.add(name, [("x", size, None)])
+    held, shelved, wanted = catalog[0], catalog[1], catalog[2]
+    cache = Cache(tmp_path / "c", 1 << 20)
+    cache.open()
+    asked = threading.Event()
+    got: list[object] = []
+    download = threading.Thread(target=lambda: got.append(cache.acquire(wanted, withdrawn=asked.is_set)))
+    again = threading.Thread(target=lambda: got.append(cache.acquire(wanted)))
+    try:
+        cache.recover(catalog, resume=False)
+        for item in (held, shelved):
+            assert cache.acquire(item) is True
+            staged = Path(cache.stage(item))
+            (staged / "x").write_bytes(b"x" * item.size)
+            cache.publish(staged, item)
+        cache.shelve("shelved")
+        reserved = cache.ledger.reserved
+        download.start()
+        wait_until(lambda: cache.shortfall() > 0, what="the download waiting for room")
+        asked.set()
+        cache.wake()
+        download.join(10)
+        assert got == [None]
+        assert cache.ledger.reserved == reserved and "shelved" in cache.record.published
+        again.start()  # waits for room: with a claim left on its name it would wait for that first, for ever
+        wait_until(lambda: cache.shortfall() > 0, what="the second download waiting for room")
+        cache.force_room()
+        again.join(10)
+        assert got == [None, True]
+    finally:
+        cache.close()
+        for thread in (download, again):
+            if thread.ident is not None:
+                thread.join(10)

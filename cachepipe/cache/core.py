@@ -53,6 +53,10 @@ __all__ = ["STATE_DIR", "Cache"]
 log = logging.getLogger("cachepipe.cache")
 
 
+def _never() -> bool:
+    return False
+
+
 class Cache:
     """A size-capped cache directory owned by one pipeline at a time.
 
@@ -391,15 +395,18 @@ class Cache:
         got = self._reserve(size, name, leftovers=False)
         return bool(got)
 
-    def _reserve(self, size: int, name: str, leftovers: bool) -> bool | str:
+    def _reserve(self, size: int, name: str, leftovers: bool, withdrawn: Callable[[], bool] = _never) -> bool | str | None:
         """:meth:`reserve`; with ``leftovers``, the wait ends too when a recovered (or shelved)
-        item is in the way (:meth:`_in_the_way`): its name is returned, to drop."""
+        item is in the way (:meth:`_in_the_way`): its name is returned, to drop. None:
+        ``withdrawn()`` was true when it would wait (nothing reserved)."""
         ledger = self.ledger
         with self._cond:
             try:
                 while not self._closed and not ledger.fits(size):
                     if size > ledger.limit:
                         raise OversizeError(name, size, ledger.capacity, ledger.foreign + ledger.overhead)
+                    if withdrawn():  # before dropping anything for it
+                        return None
                     if leftovers:  # the waiter that force_room() means (a plain reserve leaves it be)
                         leftover = self._in_the_way(size)
                         self._forced = False
@@ -441,26 +448,38 @@ class Cache:
             self._claimed.add(name)
             return True
 
-    def _claim_or_adopt(self, name: str) -> Path | bool:
+    def _claim_or_adopt(self, name: str, withdrawn: Callable[[], bool] = _never) -> Path | bool | None:
         """:meth:`claim`, except that an earlier copy that is :meth:`shelve` d while we wait is
-        handed over instead (its path): it is the copy this step wants."""
+        handed over instead (its path): it is the copy this step wants. None: ``withdrawn()``
+        was true when it would wait."""
         with self._cond:
             while not self._closed and name in self._claimed:
                 recovered = self._recovered.pop(name, None)
                 if recovered is not None:
                     return recovered
+                if withdrawn():
+                    return None
                 self._cond.wait()
             if self._closed:
                 return False
             self._claimed.add(name)
             return True
 
-    def acquire(self, item: Item, tick: int = 0, starving: Callable[[], bool] = lambda: False, extra: int = 0) -> Path | bool:
+    def acquire(
+        self,
+        item: Item,
+        tick: int = 0,
+        starving: Callable[[], bool] = _never,
+        extra: int = 0,
+        withdrawn: Callable[[], bool] = _never,
+    ) -> Path | bool | None:
         """Make room for the step at ``tick`` reading ``item``.
 
         Returns the item's path if it is on disk already (recovered at open, or retained): hand
         it out, no download. True: its space is reserved (and its name claimed): download it.
-        False: the cache closed meanwhile.
+        False: the cache closed meanwhile. None: ``withdrawn()`` was true when it was about to
+        wait, or once woken (:meth:`wake`): nothing is reserved, claimed or dropped for it (a
+        node plans a waiting lane's step first, see :meth:`.node.LaneQueues.withdraw`).
 
         Without retention this waits for any earlier copy of the item to be gone (:meth:`claim`)
         and for space (:meth:`reserve`), after dropping recovered items that would otherwise
@@ -476,18 +495,20 @@ class Cache:
             return recovered
         policy = self._policy
         if policy is None:
-            claimed = self._claim_or_adopt(item.name)
+            claimed = self._claim_or_adopt(item.name, withdrawn)
             if claimed is not True:
-                return claimed  # the earlier copy was shelved meanwhile (a path), or the cache closed
+                return claimed  # the earlier copy was shelved meanwhile (a path), the cache closed, or withdrawn
             try:
-                while isinstance(got := self._reserve(item.size + extra, item.name, leftovers=True), str):
+                while isinstance(got := self._reserve(item.size + extra, item.name, True, withdrawn), str):
                     log.info("dropping %s, an earlier owner's item not due yet, to make room for %s", got, item.name)
                     self.drop(got)
-                return got
             except BaseException:
                 self.unreserve(0, item.name)  # the claim
                 raise
-        return self._acquire_retained(policy, item, tick, starving)
+            if got is None:
+                self.unreserve(0, item.name)  # withdrawn: the claim
+            return got
+        return self._acquire_retained(policy, item, tick, starving, withdrawn)
 
     def acquire_many(self, items: Sequence[tuple[Item, int]]) -> int:
         """:meth:`acquire` ``(item, extra)`` in order, for as many as need no wait, in one lock
@@ -507,7 +528,9 @@ class Cache:
                 ledger.reserve(item.size + extra)
             return len(items)
 
-    def _acquire_retained(self, policy: RetentionPolicy, item: Item, tick: int, starving: Callable[[], bool]) -> Path | bool:
+    def _acquire_retained(
+        self, policy: RetentionPolicy, item: Item, tick: int, starving: Callable[[], bool], withdrawn: Callable[[], bool]
+    ) -> Path | bool | None:
         ledger = self.ledger
         idx = self._number(item.name)
         if idx is None:
@@ -519,11 +542,15 @@ class Cache:
                     if self._closed:
                         return False
                     if policy.is_pinned(idx):  # an earlier step's copy is still out: one copy at a time
+                        if withdrawn():
+                            return None
                         self._cond.wait()
                         continue
                     if policy.on_fetch(idx, tick):
                         return self.item_path(item)  # retained: still reserved and claimed
                     if item.name in self._claimed:  # its earlier copy is being deleted (acked, not kept): wait
+                        if withdrawn():
+                            return None
                         self._cond.wait()
                         continue
                     free = ledger.free
@@ -532,6 +559,8 @@ class Cache:
                         self._claimed.add(item.name)
                         policy.on_admit(idx, tick)
                         return True
+                    if withdrawn():  # before evicting anything for it
+                        return None
                     if free + ledger.reaping >= item.size:  # victims being deleted make room: no more
                         self._cond.wait()
                         continue
@@ -558,6 +587,11 @@ class Cache:
             if not self._wanting:
                 return 0
             return max(0, self._wanting - self.ledger.free - self.ledger.reaping)
+
+    def wake(self) -> None:
+        """Wake the downloads that wait in :meth:`acquire`, to check their ``withdrawn()`` again."""
+        with self._cond:
+            self._cond.notify_all()
 
     def force_room(self) -> None:
         """Let the download that waits for room make it without waiting for acks, once: a node's
