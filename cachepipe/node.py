@@ -388,8 +388,7 @@ class LaneQueues(Broker[str]):
                     if self._copies.get(copy.step.item) is copy:
                         del self._copies[copy.step.item]
                     stale.append(copy)
-            if len(stale) < len(arrivals):
-                self._cond.notify_all()
+            self._cond.notify_all()  # stale ones too: fewer are ahead (a producer waits in wait_ahead_below)
         for planned in stale:
             self._on_stale(planned)
 
@@ -591,7 +590,7 @@ class NodePipeline(Pipeline):
         **options: other :class:`~cachepipe.config.PipelineConfig` options (``epochs``,
             ``shuffle``, ``seed``, ``partition``, ``balance``, ``equal_steps``, ``manifest``, ``retain``...);
             ``rank``, ``worker``, ``resume``, ``start_epoch`` and ``auto_ack`` do not apply (a
-            lane starts where its consumer's :meth:`take` asks).
+            lane starts where its consumer's :meth:`take` asks), nor ``prefetch`` (refused).
 
     Raises:
         ValueError: a bad option, ``ranks`` not a set of ranks of ``world_size``, or
@@ -622,6 +621,11 @@ class NodePipeline(Pipeline):
         for key in ("rank", "worker", "resume", "auto_ack", "lease_timeout", "ordered"):
             if key in options:
                 raise ValueError(f"{key}={options[key]!r}: a node pipeline's lanes are given by ranks and num_workers")
+        if options.get("prefetch") is not None:
+            raise ValueError(
+                f"prefetch={options['prefetch']!r}: a node's lanes run ahead within their share of the capacity; "
+                "a count of items ahead of all lanes together would hold a lane behind items of a lane that is not asking"
+            )
         if options.get("start_epoch"):
             raise ValueError(f"start_epoch={options['start_epoch']!r}: a node lane starts where its consumer's take() asks")
         super().__init__(source, cache_dir, capacity, store=store, world_size=world_size, num_workers=num_workers, **options)

@@ -273,6 +273,9 @@ def test_jobs_section_is_checked(tmp_path):
     assert "jobs.options.cache_dir: set by the job or by the daemon" in error_of(
         {"jobs": {"root": "/j", "capacity": "1GiB", "options": {"cache_dir": "/x"}}}
     )
+    assert "jobs.options.prefetch: set by the job or by the daemon" in error_of(
+        {"jobs": {"root": "/j", "capacity": "1GiB", "options": {"prefetch": 4}}}
+    )
     assert "jobs.options.start_epoch: set by the job or by the daemon" in error_of(
         {"jobs": {"root": "/j", "capacity": "1GiB", "options": {"start_epoch": 1}}}
     )

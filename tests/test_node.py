@@ -9,6 +9,7 @@ import pytest
 from sampling import Sampler
 from waiting import wait_until
 
+from cachepipe.catalog import Item
 from cachepipe.lanes import LaneSchedule, NodePlan
 from cachepipe.node import LaneQueues, NodePipeline
 from cachepipe.plan import Cursor, Plan
@@ -139,6 +140,8 @@ def test_lane_and_option_errors_are_named(s3_source, tmp_path):
     s3_source.folders(2, {"a.bin": KIB})
     with pytest.raises(ValueError, match="rank=0: a node pipeline's lanes are given by ranks and num_workers"):
         NodePipeline(s3_source.url, tmp_path / "n", "1MiB", ranks=[0], world_size=1, rank=0)
+    with pytest.raises(ValueError, match=r"prefetch=2: a node's lanes run ahead within their share of the capacity"):
+        NodePipeline(s3_source.url, tmp_path / "n", "1MiB", ranks=[0], world_size=1, prefetch=2)
     with pytest.raises(ValueError, match=r"start_epoch=2: a node lane starts where its consumer's take\(\) asks"):
         NodePipeline(s3_source.url, tmp_path / "n", "1MiB", ranks=[0], world_size=1, epochs=3, start_epoch=2)
     with pytest.raises(ValueError, match=r"rank 1 in ranks: expected an integer with 0 <= rank < world_size = 1"):
@@ -253,7 +256,6 @@ def test_a_download_that_arrives_after_its_lane_moved_past_it_is_shelved_with_it
     """Found in review: with a copy's record apart from its steps, a download that arrived after
     every step of it had moved on went to on_stale without its path, which shelved nothing: its
     space was lost until close, and the next step of the item waited for the name for ever."""
-    from cachepipe.catalog import Item
 
     plan = NodePlan([10, 20, 30], ranks=[0], world_size=1)
     stale: list = []
@@ -272,7 +274,6 @@ def test_a_shared_step_is_given_to_on_share_before_a_lane_can_take_it():
     """Found in review: steps that share a copy went to on_share (which moves the copy's
     retention past them) after the queues' lock was let go; a lane could take and pass the step
     first, and the copy was kept for a use already read. on_share now runs under the lock."""
-    from cachepipe.catalog import Item
 
     plan = NodePlan([10] * 4, ranks=[0], world_size=1, num_workers=2, epochs=2, shuffle=True, seed=0)
     x = plan.lane_share(1, 1)[0]
@@ -741,3 +742,39 @@ def test_two_consumers_reading_one_lane_to_its_end_one_is_refused_and_the_other_
     assert len(refused) == 1, (out, store.gets)  # before the first fix: both waited; with it, neither was served
     (reads_on,) = set(out) - set(refused)
     assert out[reads_on] == mine[reads_on[1] :], out  # its share from its position, to the end
+
+
+def test_a_download_that_arrives_for_a_lane_that_moved_away_wakes_the_fetcher_waiting_for_room_ahead():
+    """Found by the review of the withdraw (fails on 8451bc1 too): ``_arrive`` lowered
+    ``_pending`` for every arrival but notified only if some arrival was not stale: when every
+    arrival was for steps whose lanes moved away (a restarted lane), a producer waiting in
+    ``Broker.wait_ahead_below`` was never woken, and planning stopped for every lane. Nodes
+    now refuse ``prefetch`` (the way a node reached that wait), and any arrival wakes."""
+    plan = NodePlan([10] * 8, ranks=[0], world_size=1)
+    queues = LaneQueues(LaneSchedule(plan), on_stale=lambda _planned: None)
+    steps = queues.steps(lambda i: Item(f"item{i}", (), plan.sizes[i]))
+    seq, item, _tick = next(steps)[0]  # lane 0's first step
+    queues.begin_many(1)  # downloading: one item ahead of the consumers
+    woke = threading.Event()
+
+    def producer() -> None:  # Fetcher._plan_one with prefetch=1
+        if queues.wait_ahead_below(1):
+            woke.set()
+
+    def waiters() -> int:
+        with queues._cond:
+            return len(queues._cond._waiters)
+
+    thread = threading.Thread(target=producer, daemon=True)
+    thread.start()
+    try:
+        wait_until(waiters, what="the producer waiting for room ahead")
+        queues.move(0, Cursor(0, 5))  # the lane's consumer restarts elsewhere: the download will arrive stale
+        wait_until(waiters, what="the producer waiting again after the move's wake-up")
+        queues.put_many([(seq, item.name, f"/cache/{item.name}")])  # arrives: nothing is ahead any more
+        assert queues.counts()["pending"] == 0
+        assert woke.wait(5), "the producer waiting for room ahead was not woken by the stale arrival"
+    finally:
+        queues.close()
+        thread.join(5)
+        steps.close()

@@ -50,7 +50,18 @@ log = logging.getLogger("cachepipe.service")
 
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _JOB_FIELDS = ("source", "items", "manifest", "epochs", "shuffle", "seed", "balance", "partition", "equal_steps", "retain")
-_NODE_SETS = {"cache_dir", "capacity", "keep_on_close", "resume", "start_epoch", "rank", "worker", "world_size", "num_workers"}
+_NODE_SETS = {
+    "cache_dir",
+    "capacity",
+    "keep_on_close",
+    "resume",
+    "start_epoch",
+    "prefetch",
+    "rank",
+    "worker",
+    "world_size",
+    "num_workers",
+}
 
 
 class JobConflictError(ValueError):
