@@ -17,9 +17,11 @@ worker reads its lane by position. The position is the dataset's state.
 
 Epochs: with ``epochs=E``, one pass over the DataLoader reads all ``E`` epochs, each in its own
 order (the cache fetches across the epochs' boundaries). A loop that makes one pass per epoch
-calls :meth:`~CachePipeDataset.set_epoch` before each, as for torch's ``DistributedSampler``
-(Hugging Face's Trainer and Accelerate call it): the pass then reads that epoch alone. Without
-it, every pass reads the same epochs in the same order (logged, with ``shuffle``).
+calls :meth:`~CachePipeDataset.set_epoch` before each, as for torch's ``DistributedSampler``:
+the pass then reads that epoch alone. Without it, every pass reads the same epochs in the same
+order (logged, with ``shuffle``). With several ranks, ``equal_steps`` defaults to ``"pad"``, so
+that DDP ranks run the same number of steps. A Hugging Face ``Trainer`` or an Accelerate loop
+must not prepare the DataLoader (it would split the shares again): see docs/training.md.
 
 Items are read inside the worker: pass ``transform(path)`` (decode the video, read the text...)
 and the worker yields what it returns; the item is released as soon as ``transform`` returns.
