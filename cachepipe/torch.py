@@ -43,7 +43,9 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -52,6 +54,7 @@ import torch.utils.data
 
 from .client import DEFAULT_OUTAGE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT
 from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_capacity, small_capacity, with_unit
+from .errors import CacheLockedError
 from .jobclient import JobClient
 from .manifest import index
 from .pipeline import Pipeline
@@ -65,6 +68,7 @@ log = logging.getLogger("cachepipe")
 T = TypeVar("T")
 
 
+SIBLING_WAIT = 60.0  #: per-process mode: most seconds a worker waits for a folder another worker of its DataLoader holds
 NODE_BATCH = 16  #: node mode: most items a worker takes per request (the next ones already on disk)
 NODE_BATCH_BYTES = 64 * 2**20  #: node mode: most bytes a worker takes per request (the first item always)
 
@@ -386,21 +390,23 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             # run such a pass while the next pass's workers open the same folders
             self._ended(token)
             return
-        try:
+
+        def make() -> Pipeline:
             if start and set(start) == {"start_epoch"}:  # a set_epoch pass from its start
-                pipe = self._pipeline(int(start["start_epoch"]))
-            elif start:  # {}: the start
+                return self._pipeline(int(start["start_epoch"]))
+            if start:  # {}: the start
                 pipe = self._pipeline(None, start.get("epochs"))  # the pass it was saved in: its epochs
                 pipe.load_state_dict(start)
-            else:
-                pipe = self._pipeline(None)
-            pipe.open()
+                return pipe
+            return self._pipeline(None)
+
+        try:
+            pipe = _open(make)
             if not start and self.options.get("resume") and _finished(pipe.state_dict()):
                 # resume=True continues a pass this folder's journal holds; one that ended (this
                 # process's last pass, or a run that finished) has nothing left: this pass is new
                 pipe.close()
-                pipe = self._pipeline(None, resume=False)
-                pipe.open()
+                pipe = _open(lambda: self._pipeline(None, resume=False))
         except BaseException:
             self._not_started(start, token)
             raise
@@ -537,6 +543,38 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         """Start the next iteration at ``state`` (from :meth:`state_dict`, same settings and data);
         the iterations after it start from the beginning, as without a state."""
         self._state = dict(state)
+
+
+def _open(make: Callable[[], Pipeline]) -> Pipeline:
+    """``make()``, opened. In a DataLoader worker, a cache folder held by another worker of the
+    same DataLoader (same parent process) is waited for, up to :data:`SIBLING_WAIT` seconds:
+    ``StatefulDataLoader``, resuming a checkpoint taken after a pass, starts the saved pass's
+    workers, then the next pass's while the first ones still stop (a worker whose state is
+    before an item ``drop_last`` dropped still has it to read, in its folder)."""
+    deadline = time.monotonic() + SIBLING_WAIT
+    while True:
+        pipe = make()
+        try:
+            return pipe.open()
+        except CacheLockedError as exc:
+            if torch.utils.data.get_worker_info() is None or not _sibling(exc.owner) or time.monotonic() >= deadline:
+                raise
+            log.info("%s is held by %s, a worker of this DataLoader that stops: waiting for it", exc.cache_dir, exc.owner)
+        time.sleep(0.1)  # another process's lock: polled (flock has no timed wait)
+
+
+def _sibling(owner: str) -> bool:
+    """True if a :class:`CacheLockedError`'s owner (``"pid PID HOST"``) is a process on this host
+    with this process's parent (read from ``/proc``: Linux; elsewhere False)."""
+    parts = owner.split()
+    if len(parts) != 3 or parts[0] != "pid" or not parts[1].isdigit() or parts[2] != socket.gethostname():
+        return False
+    try:
+        stat = Path(f"/proc/{parts[1]}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
+    return len(fields) > 1 and fields[1] == str(os.getppid())
 
 
 def _finished(state: Mapping[str, Any]) -> bool:
