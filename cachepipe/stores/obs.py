@@ -488,6 +488,9 @@ class ObsStore:
                 # would pool the connection with bytes still on it, and the next request would
                 # read them as its status line. Its own flag for "close, do not pool" is _clear.
                 stream.conn._clear = True  # noqa: SLF001 - the OBS SDK offers no public way to drop this connection
+                # the SDK then closes the connection, not the response, whose file object would keep
+                # the socket's descriptor open until it is collected (a ResourceWarning in a cycle)
+                stream.result.close()
             stream.close()
 
     # -- writing (optional primitives, see WritableStore) ---------------------------------------
