@@ -45,10 +45,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shlex
-import stat
 import subprocess
 import sys
 import tempfile
@@ -59,8 +57,9 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+from common import PeakSampler  # benchmarks/common.py: the cache walk that counts no file twice
+
 import cachepipe
-from cachepipe.cache import tree_bytes
 from cachepipe.node import NodePipeline
 from cachepipe.plan import Cursor, Plan
 
@@ -102,51 +101,6 @@ def check_item(taken: Any, name: str) -> str | None:
         if data != content(name, rel, len(data)):
             return f"{name}/{rel}: wrong bytes"
     return None
-
-
-# ---- the cache sampler (the walk of tests/sampling.py) --------------------------------
-class Peak:
-    """Samples the bytes under ``root`` every ``interval`` s in a thread; keeps the peak.
-
-    Lists the cache folder first (``.cachepipe`` first), then walks each entry, as
-    ``tests/sampling.py`` does: a file moving between staging and its place is counted once."""
-
-    def __init__(self, root: Path, interval: float = 0.002) -> None:
-        self.root, self.interval = root, interval
-        self.peak = self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="stress-sampler", daemon=True)
-
-    def __enter__(self) -> Peak:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, self._bytes())
-            self.samples += 1
-
-    def _bytes(self) -> int:
-        try:
-            names = sorted(os.listdir(self.root), key=lambda name: name != ".cachepipe")
-        except FileNotFoundError:
-            return 0
-        total = 0
-        for name in names:
-            path = self.root / name
-            try:
-                st = path.lstat()
-            except FileNotFoundError:
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                total += tree_bytes(path)
-            elif stat.S_ISREG(st.st_mode):
-                total += st.st_size
-        return total
 
 
 # ---- one seed ------------------------------------------------------------------------
@@ -341,7 +295,7 @@ def run_seed(mode: str, seed: int, timeout: float) -> dict[str, Any]:
             num_workers=setup.num_workers, retain=setup.retain, **setup.options,
         )  # fmt: skip
         downloaded = 0
-        with Peak(cache) as peak:
+        with PeakSampler(cache, interval=0.002) as peak:
             try:
                 pipe.open()
                 threads = [

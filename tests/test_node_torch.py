@@ -77,6 +77,17 @@ def start_rank(rank: int, cfg: dict, world_size: int = 2) -> Forked:
     return _RANKS[-1].spawn({**cfg, "kind": "node", "env": env})
 
 
+def both_ranks(cfg: dict) -> list[list[list]]:
+    """Ranks 0 and 1 run at once with ``cfg`` to their end (each must exit 0): their samples."""
+    procs = [start_rank(rank, cfg) for rank in (0, 1)]
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        outs.append(samples(out))
+    return outs
+
+
 def samples(out: str) -> list[list]:
     return [json.loads(line) for line in out.splitlines() if line.startswith("[")]
 
@@ -104,12 +115,7 @@ def test_two_ranks_by_two_workers_read_their_plan_shares_from_one_node_cache(dat
     sock = short_dir / "api.sock"
     cfg = {"url": source.url, "socket": str(sock), "options": OPTIONS}
     with DaemonProcess(write_config(tmp_path, sock, source.url, source.options)), Sampler(tmp_path / "jobs") as sampler:
-        procs = [start_rank(rank, cfg) for rank in (0, 1)]
-        outs = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, err
-            outs.append(samples(out))
+        outs = both_ranks(cfg)
         with Client(socket=sock) as client:
             jobs = client.status()["jobs"]
     assert sampler.samples > 0 and sampler.peak <= CAPACITY  # one cache under the node's capacity
@@ -256,12 +262,7 @@ def test_two_ranks_over_items_of_different_sizes_read_as_many_items_from_the_nod
     sock = short_dir / "api.sock"
     cfg = {"url": s3_source.url, "socket": str(sock), "options": OPTIONS}
     with DaemonProcess(write_config(tmp_path, sock, s3_source.url, s3_source.options, capacity=1 << 20)):
-        procs = [start_rank(rank, cfg) for rank in (0, 1)]
-        outs = []
-        for proc in procs:
-            out, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, err
-            outs.append(samples(out))
+        outs = both_ranks(cfg)
         with Client(socket=sock) as client:
             spec = client.status()["jobs"]["job/train"]["spec"]
     assert spec["equal_steps"] == "pad"

@@ -484,6 +484,15 @@ def test_force_room_reaches_the_download_waiting_for_room_past_a_plain_reserve(t
         _force_room_past_a_plain_reserve(tmp_path / f"c{attempt}", catalog)
 
 
+def publish_each(cache, items) -> None:
+    """Download-free: acquire, stage (one file of the item's size) and publish each item."""
+    for item in items:
+        assert cache.acquire(item) is True
+        staged = Path(cache.stage(item))
+        (staged / "x").write_bytes(b"x" * item.size)
+        cache.publish(staged, item)
+
+
 def _force_room_past_a_plain_reserve(root: Path, catalog) -> None:
     from cachepipe.cache import Cache
 
@@ -495,11 +504,7 @@ def _force_room_past_a_plain_reserve(root: Path, catalog) -> None:
     download = threading.Thread(target=lambda: got.append(cache.acquire(wanted)))
     try:
         cache.recover(catalog, resume=False)
-        for item in (held, shelved):
-            assert cache.acquire(item) is True
-            staged = Path(cache.stage(item))
-            (staged / "x").write_bytes(b"x" * item.size)
-            cache.publish(staged, item)
+        publish_each(cache, (held, shelved))
         cache.shelve("shelved")  # on disk, not handed out; "held" is in a consumer's hands
         plain.start()
         wait_until(lambda: cache.shortfall() > 0)  # the plain reserve waits
@@ -539,11 +544,7 @@ def test_a_download_withdrawn_while_it_waits_for_room_reserves_claims_and_drops_
     again = threading.Thread(target=lambda: got.append(cache.acquire(wanted)))
     try:
         cache.recover(catalog, resume=False)
-        for item in (held, shelved):
-            assert cache.acquire(item) is True
-            staged = Path(cache.stage(item))
-            (staged / "x").write_bytes(b"x" * item.size)
-            cache.publish(staged, item)
+        publish_each(cache, (held, shelved))
         cache.shelve("shelved")
         reserved = cache.ledger.reserved
         download.start()
