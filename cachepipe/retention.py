@@ -175,7 +175,8 @@ class PlanFuture:
 
     def next_use(self, item: int, tick: int) -> int:
         epoch, index = tick >> 32, tick & _ITEM_MASK
-        share = self.plan.share(epoch) if not self.plan.done(epoch) else None
+        # index _ITEM_MASK: the end of the epoch (the tick before its next's first step; -1 before epoch 0)
+        share = self.plan.share(epoch) if index != _ITEM_MASK and not self.plan.done(epoch) else None
         if share is not None and (index >= len(share) or share[index] != item):
             j = self.where(epoch)[item]  # not the item's own read: it may come later this epoch
             if j > index:

@@ -252,3 +252,24 @@ def test_a_start_epoch_with_endless_epochs_starts_there(s3_source, tmp_path):
         every = names(pipe)
     with Pipeline(s3_source.url, tmp_path / "b", "1MiB", epochs=None, start_epoch=5, **opts) as pipe:
         assert [pipe.get().name for _ in range(4)] == every[20:24]
+
+
+def test_retained_items_kept_on_close_are_all_reused_by_the_next_owner_with_the_first_step_s(s3_source, tmp_path):
+    """An earlier owner's retained items become retained items of the next at its first
+    unconsumed step: the one that step reads too (it was dropped, as not read "after" the step,
+    and downloaded again)."""
+    data = s3_source.folders(6, {"f": 1000})
+    opts = {"storage_options": s3_source.options, "epochs": 2, "shuffle": True, "seed": 2, "rank": 0, "world_size": 1}
+    opts |= {"retain": "auto", "keep_on_close": True, "auto_ack": False}  # epoch 1 is the last: no read after it
+    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", **opts) as pipe:
+        while pipe.state_dict()["epoch"] == 0:  # epoch 0 alone; epoch 1's first items are fetched ahead
+            pipe.ack(pipe.get(timeout=30))
+    with Pipeline(s3_source.url, tmp_path / "c", "1MiB", start_epoch=1, **opts) as pipe:
+        got = []
+        while pipe.state_dict()["epoch"] == 1:
+            item = pipe.get(timeout=30)
+            got.append(item.name)
+            pipe.ack(item)
+        stats = pipe.stats()
+    assert sorted(got) == sorted(data)
+    assert stats.bytes_downloaded == 0 and stats.items_reused >= 6

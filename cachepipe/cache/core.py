@@ -865,12 +865,15 @@ class Cache:
     # ---- retention -------------------------------------------------------------------
     def use_retention(self, policy: RetentionPolicy, names: Sequence[str], tick: int) -> None:
         """Keep acknowledged items by ``policy`` (its item ``i`` is ``names[i]``). Items recovered
-        at open become retained items as of ``tick`` (or are dropped if the policy says so).
+        at open become retained items as if acknowledged just before the step at ``tick`` (the
+        first one not consumed), so one that this step reads is kept too; the policy drops
+        the others it would not keep.
 
         ``names`` is searched with ``names.index(name)`` for each item fetched or acknowledged:
         a :class:`~cachepipe.catalog.Names` view does that by binary search, with no index of
         the whole catalog in memory."""
         self._policy, self._names = policy, names
+        tick -= 1  # a next use is one strictly after the tick: the step at ``tick`` is one
         with self._cond:
             numbered = [(name, self._number(name)) for name in self._recovered]
             recovered = [(name, number) for name, number in numbered if number is not None]
