@@ -19,8 +19,10 @@ Epochs: with ``epochs=E``, one pass over the DataLoader reads all ``E`` epochs, 
 order (the cache fetches across the epochs' boundaries). A loop that makes one pass per epoch
 calls :meth:`~CachePipeDataset.set_epoch` before each, as for torch's ``DistributedSampler``:
 the pass then reads that epoch alone. Without it, every pass reads the same epochs in the same
-order (logged, with ``shuffle``). With several ranks, ``equal_steps`` defaults to ``"pad"``, so
-that DDP ranks run the same number of steps. A Hugging Face ``Trainer`` or an Accelerate loop
+order (logged, with ``shuffle``). Per-process with ``retain="auto"``, such a pass plans the
+later epochs too, stops at its epoch's end and keeps what it retained or fetched ahead on disk
+for the next pass (``keep_on_close``, but in the plan's last epoch). With several ranks,
+``equal_steps`` defaults to ``"pad"``, so that DDP ranks run the same number of steps. A Hugging Face ``Trainer`` or an Accelerate loop
 must not prepare the DataLoader (it would split the shares again): see docs/training.md.
 
 Items are read inside the worker: pass ``transform(path)`` (decode the video, read the text...)
@@ -57,7 +59,7 @@ from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_
 from .errors import CacheLockedError
 from .jobclient import JobClient
 from .manifest import index
-from .pipeline import Pipeline
+from .pipeline import CachedItem, Pipeline
 from .plan import Cursor, default_rank_world
 from .state import atomic_write
 
@@ -147,7 +149,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         self._pipe: Pipeline | None = None  # the latest pass's open pipeline (per-process mode)
         self._cursor: Cursor | None = None  # node mode: the position after the last item yielded here
         self._lane_info: tuple[str, int, int, Any] | None = None  # node mode: the lane, once registered here
-        self._end: int | None = None  # node mode: the epoch the latest pass ends before (None: the plan's end)
+        self._end: int | None = None  # the epoch the latest pass ends before (None: the plan's end)
         # set_epoch's value (-1: never called), in shared memory: persistent DataLoader workers read
         # what the main process set after they started
         self._epoch = torch.full((), -1, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call, unused-ignore]
@@ -295,9 +297,14 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         (per-process mode): over every epoch of the plan, or the one :meth:`set_epoch` set."""
         return self._pipeline(self._first_epoch())
 
-    def _pipeline(self, first: int | None, epochs: int | None = None, resume: bool | None = None) -> Pipeline:
+    def _pipeline(
+        self, first: int | None, epochs: int | None = None, resume: bool | None = None, end: int | None = None
+    ) -> Pipeline:
         """This process's pipeline: epoch ``first`` alone, or the plan's epochs (``epochs``:
-        the end a loaded state was saved with instead); ``resume`` instead of the option's."""
+        the end a loaded state was saved with instead); ``resume`` instead of the option's.
+        ``end``: a pass that stops before epoch ``end`` (a set_epoch pass with retention) over
+        a pipeline of the plan's epochs from ``first``, which keeps its items on close for the
+        next pass unless ``end`` is the plan's end."""
         if self.cache_dir is None or self.capacity is None:
             raise ValueError("pipeline(): a node-mode dataset has no pipeline of its own (it reads from the daemon)")
         worker, num_workers = self._worker()
@@ -308,7 +315,11 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         if epochs is not None:
             options["epochs"] = epochs
         elif first is not None:
-            options["epochs"], options["start_epoch"] = first + 1, first
+            options["start_epoch"] = first
+            if end is None:
+                options["epochs"] = first + 1
+        if end is not None and (options.get("epochs", 1) is None or end < options.get("epochs", 1)):
+            options["keep_on_close"] = True  # the next pass adopts what this one retained or fetched ahead
         if resume is not None:
             options["resume"] = resume
         return Pipeline(self.source, self.cache_dir / f"rank{rank}-worker{worker}", share, **options)
@@ -381,7 +392,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         if torch.utils.data.get_worker_info() is None:
             self._start, self._pipe, self._cursor = None, None, None
         elif self._pipe is not None:
-            self._start, self._pipe = self._pipe.state_dict(), None
+            self._start, self._pipe = self._local_state(self._pipe), None
 
     def _iter_local(self, start: dict[str, Any] | None, token: object) -> Iterator[Any]:
         if start and _finished(start):
@@ -391,11 +402,16 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             self._ended(token)
             return
 
+        end = start.get("end_epoch") if start else None  # a set_epoch pass's end, saved in its state
+        if start and set(start) == {"start_epoch"} and self.options.get("retain", "none") != "none":
+            # over the plan's epochs, stopped here: what it retains (or fetches ahead) stays for the next pass
+            end = int(start["start_epoch"]) + 1
+
         def make() -> Pipeline:
             if start and set(start) == {"start_epoch"}:  # a set_epoch pass from its start
-                return self._pipeline(int(start["start_epoch"]))
+                return self._pipeline(int(start["start_epoch"]), end=end)
             if start:  # {}: the start
-                pipe = self._pipeline(None, start.get("epochs"))  # the pass it was saved in: its epochs
+                pipe = self._pipeline(None, start.get("epochs"), end=end)  # the pass it was saved in: its epochs
                 pipe.load_state_dict(start)
                 return pipe
             return self._pipeline(None)
@@ -411,12 +427,13 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             self._not_started(start, token)
             raise
         if self._pass is token:
-            self._pipe = pipe
+            self._pipe, self._end = pipe, end
         try:
-            if self.transform is None:
-                yield from pipe  # each item acknowledged when the loop asks for the next
-            else:
-                while (item := pipe.get()) is not None:
+            while (item := _next(pipe, end)) is not None:
+                if self.transform is None:
+                    yield item
+                    pipe.ack(item)  # when the loop asks for the next
+                else:
                     sample = self.transform(item)
                     pipe.ack(item)  # read: its space is free while the sample travels on, and the state is past it
                     yield sample
@@ -496,7 +513,8 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         job, lane and catalog digest, and the epoch the pass ends before (``end_epoch``: None
         for the plan's end; one past the epoch :meth:`set_epoch` set). Per-process mode: the plan's configuration and the
         position of this process's pipeline (:meth:`cachepipe.Pipeline.state_dict`): after the
-        last sample yielded with a ``transform``, at the item in hand without one. Before this
+        last sample yielded with a ``transform``, at the item in hand without one; with
+        ``end_epoch`` in a :meth:`set_epoch` pass with ``retain="auto"``. Before this
         process iterates: the state loaded, or the start (``{}``; in a pass that :meth:`set_epoch`
         set, once it began, that epoch's start until it yields). After a
         pass ended: its end in a DataLoader worker, the next pass's start in the main process.
@@ -514,18 +532,26 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                     "end_epoch": self._end,
                 }
             if self.node is None and self._pipe is not None:
-                return self._pipe.state_dict()
+                return self._local_state(self._pipe)
         start = self._state if self._state is not None else self._start
         if start is not None:
             return dict(start)
         return {}  # the start: of the plan, or of the epoch set_epoch sets before the pass
+
+    def _local_state(self, pipe: Pipeline) -> dict[str, Any]:
+        """Per-process mode: ``pipe``'s state, with the epoch its pass ends before if it stops
+        before the plan's end (``end_epoch``)."""
+        state = pipe.state_dict()
+        if self._end is not None:
+            state["end_epoch"] = self._end
+        return state
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (for a DataLoader worker started by spawn or forkserver) keeps this process's
         position, not its pipeline (threads, locks, files: this process's alone)."""
         state = dict(self.__dict__)
         if self._pipe is not None:
-            state["_start"] = self._pipe.state_dict()
+            state["_start"] = self._local_state(self._pipe)
         state["_pipe"], state["_pass"] = None, None
         return state
 
@@ -578,8 +604,24 @@ def _sibling(owner: str) -> bool:
 
 
 def _finished(state: Mapping[str, Any]) -> bool:
-    """True if a per-process pipeline ``state`` is at the end of its (finite) plan."""
-    return state.get("epochs") is not None and state.get("epoch", 0) >= state["epochs"]
+    """True if a per-process pipeline ``state`` is at the end of its pass: of its (finite) plan,
+    or the epoch its pass ends before (``end_epoch``)."""
+    end = state.get("end_epoch")
+    if end is None:
+        end = state.get("epochs")
+    return end is not None and state.get("epoch", 0) >= end
+
+
+def _next(pipe: Pipeline, end: int | None) -> CachedItem | None:
+    """``pipe``'s next item; None once all are delivered, or (``end``) the next is of epoch
+    ``end`` or later: such an item got (when the last of the epoch were skipped) is given back."""
+    if end is not None and pipe.state_dict()["epoch"] >= end:
+        return None
+    item = pipe.get()
+    if item is not None and end is not None and pipe.state_dict()["epoch"] >= end:
+        pipe.release(item)  # the first unconsumed step is this item's or before it: epoch end or later
+        return None
+    return item
 
 
 def _past(cursor: Cursor, end: int | None) -> bool:

@@ -413,13 +413,18 @@ def test_a_checkpoint_after_a_whole_pass_of_workers_resumes_into_the_next_pass(s
     assert [[tuple(x) for x in zip(*batch, strict=True)] for batch in resumed] == full
 
 
+@pytest.mark.parametrize("retain", ["none", "auto"])
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_set_epoch_makes_each_pass_read_that_epoch_alone_in_its_order_persistent_workers_too(s3_source, tmp_path, num_workers):
+def test_set_epoch_makes_each_pass_read_that_epoch_alone_in_its_order_persistent_workers_too(
+    s3_source, tmp_path, num_workers, retain
+):
     """A loop of one pass per epoch (Hugging Face's Trainer, Accelerate) calls set_epoch before
     each: before, there was none, and with ``epochs=1`` every pass replayed epoch 0's order.
-    Persistent workers started in the first pass see the later calls."""
+    Persistent workers started in the first pass see the later calls. With retention, a pass
+    is a pipeline of the plan's epochs that stops at its epoch's end."""
     s3_source.folders(12, {"f": 500})
     opts = {"transform": read, "storage_options": s3_source.options, "rank": 0, "world_size": 1, "shuffle": True, "seed": 3}
+    opts["retain"] = retain
     kw = {"batch_size": None, "num_workers": num_workers, "persistent_workers": num_workers > 0}
     whole = CachePipeDataset(s3_source.url, tmp_path / "a", "1MiB", epochs=3, **opts)
     every = [tuple(x) for x in torch.utils.data.DataLoader(whole, **kw)]  # one pass over 3 epochs
@@ -433,11 +438,12 @@ def test_set_epoch_makes_each_pass_read_that_epoch_alone_in_its_order_persistent
     assert passes[0] != passes[1] != passes[2]
 
 
-def test_a_checkpoint_in_a_set_epoch_pass_resumes_to_the_end_of_that_epoch(s3_source, tmp_path):
+@pytest.mark.parametrize("retain", ["none", "auto"])
+def test_a_checkpoint_in_a_set_epoch_pass_resumes_to_the_end_of_that_epoch(s3_source, tmp_path, retain):
     stateful = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed")
     s3_source.folders(12, {"f": 500})
     opts = {"transform": read, "storage_options": s3_source.options, "rank": 0, "world_size": 1, "shuffle": True}
-    opts |= {"seed": 4, "epochs": 3}
+    opts |= {"seed": 4, "epochs": 3, "retain": retain}
 
     def loader(cache: str, epoch: int | None) -> tuple[CachePipeDataset, stateful.StatefulDataLoader]:
         dataset = CachePipeDataset(s3_source.url, tmp_path / cache, "1MiB", **opts)

@@ -221,3 +221,47 @@ def test_a_replayed_pass_is_logged_by_new_worker_processes_too(s3_source, tmp_pa
     logged = [line for line in run.stderr.splitlines() if "call set_epoch(epoch) before each pass" in line]
     assert 1 <= len(logged) <= 2, run.stderr  # once, or by both workers if they start at the same moment
     assert logged[0].startswith("WARNING")
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["new-workers", "persistent"])
+def test_set_epoch_passes_with_retention_download_a_share_that_fits_once(s3_source, fault_proxy, tmp_path, persistent):
+    """retain="auto" with partition="fixed" and a cache that holds the share: the first epoch
+    downloads each item once and later ones nothing, in a loop of one pass per epoch too (each
+    pass was a pipeline of its own epoch, which kept nothing for the next and downloaded it
+    all again). The last epoch's pass leaves the cache empty."""
+    proxy, endpoint = fault_proxy
+    data = s3_source.folders(8, {"f": 500})
+    names = sorted(data)
+    plan = {**PLAN, "partition": "fixed"}
+    options = {**s3_source.options, "endpoint_url": endpoint}
+    cache = tmp_path / "c"
+    dataset = CachePipeDataset(
+        s3_source.url, cache, "1MiB", epochs=3, retain="auto", **{**opts(s3_source, **plan), "storage_options": options}
+    )
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, persistent_workers=persistent)
+    for epoch in range(3):
+        dataset.set_epoch(epoch)
+        shares = per_worker_expected(names, epoch, 2, epochs=3, **plan)
+        assert split_by_worker(names_of(loader), shares) == shares, epoch
+    gets = [head for head in proxy.requests if head.startswith("GET") and "/item" in head.split()[1]]
+    assert sorted(head.split()[1].split("/")[-2] for head in gets) == names  # each item once, in all
+    del loader  # persistent workers stop
+    assert sorted(p.name for p in cache.glob("rank0-worker*/*") if p.name != ".cachepipe") == []
+
+
+def test_a_set_epoch_pass_with_retention_whose_last_item_fails_stops_at_its_epoch(s3_source, tmp_path):
+    """The item got after the epoch's last one was skipped is the next epoch's: given back, for
+    the next pass, not yielded in this one."""
+    from conftest import listed
+
+    data = s3_source.folders(6, {"f": 500})
+    names = sorted(data)
+    manifest = listed(s3_source, tmp_path)
+    last = plan_names(names, 0, epochs=2, **PLAN)[-1]
+    s3_source.delete(f"{last}/f")  # listed, then gone: its download fails
+    dataset = CachePipeDataset(
+        s3_source.url, tmp_path / "c", "1MiB", epochs=2, retain="auto", on_error="skip", manifest=manifest, **opts(s3_source)
+    )
+    for epoch in range(2):
+        dataset.set_epoch(epoch)
+        assert names_of(dataset) == [n for n in plan_names(names, epoch, epochs=2, **PLAN) if n != last], epoch
