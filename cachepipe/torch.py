@@ -22,8 +22,9 @@ the pass then reads that epoch alone. Without it, every pass reads the same epoc
 order (logged, with ``shuffle``). Per-process with ``retain="auto"``, such a pass plans the
 later epochs too, stops at its epoch's end and keeps what it retained or fetched ahead on disk
 for the next pass (``keep_on_close``, but in the plan's last epoch). With several ranks,
-``equal_steps`` defaults to ``"pad"``, so that DDP ranks run the same number of steps. A Hugging Face ``Trainer`` or an Accelerate loop
-must not prepare the DataLoader (it would split the shares again): see docs/training.md.
+``equal_steps`` defaults to ``"pad"``, so that DDP ranks run the same number of steps. A
+Hugging Face ``Trainer`` or an Accelerate loop must not prepare the DataLoader (it would split
+the shares again): see docs/training.md.
 
 Items are read inside the worker: pass ``transform(path)`` (decode the video, read the text...)
 and the worker yields what it returns; the item is released as soon as ``transform`` returns.
