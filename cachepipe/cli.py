@@ -236,7 +236,7 @@ def _print_shipped(unit: str | None) -> int:
 
 def format_status(info: dict[str, Any]) -> str:
     """The readable table of ``cachepipe status``."""
-    from .config import format_size  # imports pydantic: not on the path of `next` and `ack`
+    from .sizes import format_size  # not on the path of `next` and `ack`
 
     head = ("PIPELINE", "STATE", "READY", "LEASED", "HANDED", "ACKED", "REDELIVERED", "FAILED", "CACHED", "CAPACITY", "SOURCE")
     rows = [head]

@@ -1,4 +1,5 @@
-"""The service package has no import circle: issue #15 item 3.
+"""The service package has no import circle: issue #15 item 3. A daemon's start does not
+import the code only some requests need.
 
 Imports are read from the source (``ast``), so an import under ``if TYPE_CHECKING:`` or inside
 a function counts as much as one at the top of a module.
@@ -7,6 +8,8 @@ a function counts as much as one at the top of a module.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import cachepipe.service
@@ -47,3 +50,11 @@ def test_no_import_circle_in_the_service_package():
     for module in sorted(graph):
         if module != "__init__":
             visit(module, [])
+
+
+def test_the_daemon_imports_the_node_code_with_its_first_job():
+    """``cachepipe.node`` and ``cachepipe.lanes`` (1,300 lines, compiled at every start where no
+    bytecode is cached) serve only jobs: the daemon imports them when the first job registers."""
+    code = "import sys, cachepipe.service.main; print([m for m in ('cachepipe.node', 'cachepipe.lanes') if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout
+    assert out.strip() == "[]"

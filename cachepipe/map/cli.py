@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import CachePipeError, ConfigError
-from .result import format_plan, format_summary
 
 __all__ = ["add_map_parser", "main", "run_map_command"]
 
@@ -210,6 +209,7 @@ def run_map_command(args: argparse.Namespace) -> int:
 
 
 def _run_map_command(args: argparse.Namespace) -> int:
+    from .result import format_plan, format_summary
     from .run import map_items  # the pipeline: imported by the command that runs it, not by `cachepipe --help`
 
     rest = list(args.cmd or [])

@@ -86,13 +86,12 @@ import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 from .. import __version__
 from ..client import MAX_BATCH
 from ..errors import ConfigError, ItemFailedError, LaneConflictError, UnknownItemError
-from ..node import Taken
 from ..pipeline import CachedItem
 from ..plan import Cursor
 from .config import SOCKET_PATH_MAX, ServiceConfig
@@ -110,6 +109,9 @@ from .http import (
 )
 from .jobs import JobConflictError
 from .metrics import CONTENT_TYPE
+
+if TYPE_CHECKING:
+    from ..node import Taken
 
 __all__ = ["ApiServer", "Deadlines", "Service", "item_json"]
 

@@ -20,12 +20,11 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from .. import __version__
 from ..config import PipelineConfig, format_size, with_unit
 from ..errors import CachePipeError, CacheRemovedError, ConfigError, UnknownItemError
-from ..node import Taken
 from ..pipeline import CachedItem, Pipeline, Stats
 from ..plan import Cursor
 from .api import ApiServer, Deadlines
@@ -36,6 +35,9 @@ from .jobs import Jobs
 from .logs import set_level
 from .markers import HandOuts, MarkerWatcher
 from .metrics import Metrics, Snapshot, leased
+
+if TYPE_CHECKING:
+    from ..node import Taken
 
 __all__ = ["Daemon", "UnavailableError", "UnknownPipelineError"]  # the errors live in .errors; re-exported
 

@@ -31,18 +31,20 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
-from typing import Annotated, Any, BinaryIO, Literal
+from typing import TYPE_CHECKING, Annotated, Any, BinaryIO, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from ..config import Capacity, PipelineConfig, Share, check_manifest_location, parse_size, with_unit
 from ..errors import CacheRemovedError, ConfigError
 from ..manifest import index, read_manifest
-from ..node import NodePipeline, Taken
 from ..plan import Cursor
 from ..stores import preload
 from .closing import Closer
 from .errors import StoppingError, UnknownPipelineError
+
+if TYPE_CHECKING:
+    from ..node import NodePipeline, Taken
 
 __all__ = ["JobConflictError", "JobSpec", "Jobs", "JobsConfig"]
 
@@ -218,6 +220,8 @@ class Jobs:
             }
             if uploaded is not None:
                 options["manifest"] = uploaded
+            from ..node import NodePipeline  # imported by the first job, not by every daemon's start
+
             pipeline = NodePipeline(
                 spec.source,
                 self.config.root / name,
