@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 from .. import __version__
 from ..config import PipelineConfig, format_size, with_unit
 from ..errors import CachePipeError, CacheRemovedError, ConfigError, UnknownItemError
-from ..node import Taken
+from ..node import SkippedStep, Taken
 from ..pipeline import CachedItem, Pipeline, Stats
 from ..plan import Cursor
 from .api import ApiServer, Deadlines
@@ -544,15 +544,17 @@ class Daemon:
         timeout: float | None,
         count: int = 1,
         max_bytes: int | None = None,
-    ) -> list[Taken]:
+        report_skips: bool = False,
+    ) -> list[Taken] | list[SkippedStep]:
         """The item at ``cursor`` of lane ``(rank, worker)`` of job ``name`` and up to ``count - 1``
-        more already on disk (see :meth:`cachepipe.node.NodePipeline.take_many`); blocks up to
-        ``timeout`` seconds for the first, capped by ``max_wait``. Empty: the lane's share ended."""
+        more already on disk (see :meth:`cachepipe.node.NodePipeline.take_many`, and its
+        ``report_skips``); blocks up to ``timeout`` seconds for the first, capped by
+        ``max_wait``. Empty: the lane's share ended."""
         limit = self.config.max_wait if timeout is None else min(timeout, self.config.max_wait)
         key = f"job/{name}"
         self._count_waiting(key, +1)
         try:
-            return self._job_registry().take(name, rank, worker, cursor, limit, count, max_bytes)
+            return self._job_registry().take(name, rank, worker, cursor, limit, count, max_bytes, report_skips)
         except RuntimeError as exc:
             raise self._stopped_under(exc, f"take from lane {rank}.{worker} of job {name!r}") from exc
         finally:

@@ -38,7 +38,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 from ..config import Capacity, PipelineConfig, Share, check_manifest_location, parse_size, with_unit
 from ..errors import CacheRemovedError, ConfigError
 from ..manifest import index, read_manifest
-from ..node import NodePipeline, Taken
+from ..node import NodePipeline, SkippedStep, Taken
 from ..plan import Cursor
 from ..stores import preload
 from .closing import Closer
@@ -393,7 +393,8 @@ class Jobs:
         timeout: float | None,
         count: int = 1,
         max_bytes: int | None = None,
-    ) -> list[Taken]:
+        report_skips: bool = False,
+    ) -> list[Taken] | list[SkippedStep]:
         """:meth:`NodePipeline.take_many` of job ``name``.
 
         Raises:
@@ -403,7 +404,7 @@ class Jobs:
         """
         job = self._job(name)
         try:
-            return job.pipeline.take_many(rank, worker, cursor, count, max_bytes, timeout)
+            return job.pipeline.take_many(rank, worker, cursor, count, max_bytes, timeout, report_skips)
         except CacheRemovedError as exc:
             raise self._drop(job, exc) from None
 
