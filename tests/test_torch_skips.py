@@ -197,3 +197,23 @@ def test_two_ranks_by_two_workers_run_as_many_batches_when_an_item_fails_on_one(
             got = [name for batch in batches for worker, name in batch if worker == w]
             assert got == substituted(shares[r, w], bad), (r, w)
     assert sum(len(b) for b in outputs[0]) == sum(len(b) for b in outputs[1]) == 2 * 7
+
+
+def test_a_set_epoch_pass_with_retention_repeats_its_last_skipped_item_and_stops_at_its_epoch(s3_source, tmp_path):
+    # retain="auto": a set_epoch pass plans the later epochs too and stops at its own epoch's end;
+    # its last item skipped, the sample before it takes its step, and the next epoch's first item
+    # (got after it) waits for the next pass. (unpack does not go with retain="auto": here the
+    # fault is an object listed in the manifest and deleted from the source since: a 404.)
+    from conftest import listed
+
+    names, sizes = put_items(s3_source, 10, set())
+    steps = list(Plan(sizes, equal_steps="pad", rank=0, world_size=2, epochs=2))
+    shares = [[names[s.item] for s in steps if s.epoch == epoch] for epoch in (0, 1)]
+    bad = {shares[0][-1]}
+    manifest = listed(s3_source, tmp_path)
+    for name in bad:
+        s3_source.delete(f"{name}/f.tar")
+    ds = dataset(s3_source, tmp_path, "c", epochs=2, retain="auto", unpack=False, manifest=manifest)
+    for epoch in (0, 1):
+        ds.set_epoch(epoch)
+        assert list(ds) == substituted(shares[epoch], bad), epoch
