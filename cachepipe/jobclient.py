@@ -30,7 +30,7 @@ from .errors import LaneConflictError
 from .items import PathItem
 from .plan import Cursor
 
-__all__ = ["JobClient", "LaneItem"]
+__all__ = ["JobClient", "LaneItem", "LaneSkip"]
 
 _SLICE = 60.0  # longest single wait per request (the daemon caps it by max_wait too)
 _MARGIN = 30.0
@@ -60,6 +60,32 @@ class LaneItem(PathItem):
 
     def __repr__(self) -> str:
         return f"LaneItem({self._local!r}, cursor={tuple(self.cursor)})"
+
+
+class LaneSkip:
+    """A step of a lane whose item the daemon skipped (``on_error``/``on_oversize="skip"``),
+    as :meth:`JobClient.take` returns it with ``report_skips=True``.
+
+    Attributes:
+        name: the item's name.
+        reason: why it was skipped (the error, as text).
+        cursor: its position in the lane's share, ``(epoch, index)``.
+        next: the position after it.
+    """
+
+    __slots__ = ("cursor", "name", "next", "reason")
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.name, self.reason = str(data["name"]), str(data["reason"])
+        self.cursor = Cursor(int(data["epoch"]), int(data["index"]))
+        self.next = Cursor(*(int(x) for x in data["next"]))
+
+    def __repr__(self) -> str:
+        return f"LaneSkip({self.name!r}, cursor={tuple(self.cursor)})"
+
+
+def _lane_step(data: dict[str, Any]) -> LaneItem | LaneSkip:
+    return LaneSkip(data) if data.get("skipped") else LaneItem(data)
 
 
 class JobClient:
@@ -175,9 +201,13 @@ class JobClient:
         _, data = self._request("GET", f"/v1/manifests/{quote(digest, safe='')}", {}, self.register_timeout)
         return data
 
-    def take(self, cursor: Cursor | tuple[int, int] = (0, 0), timeout: float | None = None) -> LaneItem | None:
+    def take(
+        self, cursor: Cursor | tuple[int, int] = (0, 0), timeout: float | None = None, report_skips: bool = False
+    ) -> LaneItem | LaneSkip | None:
         """The item at ``cursor`` of this lane (every earlier step is consumed); None when the
         lane's share ends before it. Registers the job first if the daemon does not know it.
+        ``report_skips``: an item the daemon skipped in its turn is returned as a
+        :class:`LaneSkip` (ask for its ``next`` then), not passed over.
 
         Raises:
             TimeoutError: nothing ready within ``timeout`` seconds (None: no limit).
@@ -190,10 +220,10 @@ class JobClient:
             self.register()
         while True:
             wait = _SLICE if deadline is None else min(max(deadline - time.monotonic(), 0.0), _SLICE)
-            body = self._lane(cursor) | {"timeout": wait}
+            body = self._lane(cursor) | {"timeout": wait} | ({"report_skips": True} if report_skips else {})
             status, data = self._request("POST", self._route + "/take", body, wait + _MARGIN, may_wait=True)
             if status == 200:
-                return LaneItem(json.loads(data))
+                return _lane_step(json.loads(data))
             if status == 204:
                 return None
             if deadline is not None and deadline - time.monotonic() <= 0:
@@ -205,19 +235,24 @@ class JobClient:
         count: int = 16,
         max_bytes: int | None = 64 * 2**20,
         timeout: float | None = None,
-    ) -> list[LaneItem]:
+        report_skips: bool = False,
+    ) -> list[LaneItem | LaneSkip]:
         """The item at ``cursor`` and the lane's next ones that are on disk already, up to
         ``count`` items and ``max_bytes`` bytes (the first always): one request for several small
-        items. Empty when the lane's share ends before ``cursor``. Raises like :meth:`take`."""
+        items. Empty when the lane's share ends before ``cursor``. ``report_skips``: a skipped
+        item at ``cursor`` comes alone, as a :class:`LaneSkip` (see :meth:`take`). Raises like
+        :meth:`take`."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.info is None:
             self.register()
         while True:
             wait = _SLICE if deadline is None else min(max(deadline - time.monotonic(), 0.0), _SLICE)
             body = self._lane(cursor) | {"timeout": wait, "count": count, "max_bytes": max_bytes}
+            if report_skips:
+                body["report_skips"] = True
             status, data = self._request("POST", self._route + "/take", body, wait + _MARGIN, may_wait=True)
             if status == 200:
-                return [LaneItem(x) for x in json.loads(data)["items"]]
+                return [_lane_step(x) for x in json.loads(data)["items"]]
             if status == 204:
                 return []
             if deadline is not None and deadline - time.monotonic() <= 0:

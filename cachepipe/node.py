@@ -51,12 +51,12 @@ from .config import Share
 from .errors import LaneConflictError
 from .fetcher import Planned
 from .lanes import LaneSchedule, NodePlan
-from .pipeline import CachedItem, Pipeline, _Held, _held
+from .pipeline import CachedItem, Pipeline, Skipped, _Held, _held
 from .plan import Cursor, Step
 from .retention import PlanFuture, make_policy
 from .stores import Store
 
-__all__ = ["NodePipeline", "Taken"]
+__all__ = ["NodePipeline", "SkippedStep", "Taken"]
 
 log = logging.getLogger("cachepipe.node")
 
@@ -159,6 +159,18 @@ class Taken:
     and ``cursor``, its position in the lane's share (the next position is ``after``)."""
 
     item: CachedItem
+    cursor: Cursor
+    after: Cursor
+
+
+@dataclass(frozen=True)
+class SkippedStep:
+    """A lane's step whose item was skipped (``on_error``/``on_oversize="skip"``), as
+    :meth:`NodePipeline.take` reports it when asked to (``report_skips``): the item's name, why,
+    its position in the lane's share and the next position."""
+
+    name: str
+    reason: str
     cursor: Cursor
     after: Cursor
 
@@ -682,14 +694,21 @@ class NodePipeline(Pipeline):
 
     # ---- lanes -----------------------------------------------------------------------
     def take(
-        self, rank: int, worker: int = 0, cursor: Cursor | tuple[int, int] = (0, 0), timeout: float | None = None
-    ) -> Taken | None:
+        self,
+        rank: int,
+        worker: int = 0,
+        cursor: Cursor | tuple[int, int] = (0, 0),
+        timeout: float | None = None,
+        report_skips: bool = False,
+    ) -> Taken | SkippedStep | None:
         """The item at ``cursor`` of lane ``(rank, worker)``, once it is on disk; every earlier
         step of the lane is consumed (its item acknowledged). None: the lane's share ends
         before ``cursor``.
 
         Failed items are skipped (``on_error="skip"``) or raised (``"raise"``, as often as
-        the lane asks for that position), like :meth:`Pipeline.get`.
+        the lane asks for that position), like :meth:`Pipeline.get`. ``report_skips``: a
+        skipped item is returned as a :class:`SkippedStep` in its turn (as
+        :meth:`Pipeline.get_or_skipped`), not passed over: the lane then asks for its ``after``.
 
         Raises:
             ValueError: not a lane of this node, or not a position of its plan.
@@ -719,7 +738,11 @@ class NodePipeline(Pipeline):
             if isinstance(value, Failed):
                 self.check_cache()  # failed because the cache directory is gone?
                 self._skip_or_raise(value)
-                at = queues.schedule.after(lane, planned.step)
+                after = queues.schedule.after(lane, planned.step)
+                if report_skips:
+                    reason = f"{type(value.error).__name__}: {value.error}"
+                    return SkippedStep(value.name, reason, at, after)
+                at = after
                 continue
             if value is None:  # wait() returns only steps on disk or failed
                 raise RuntimeError(f"lane {rank}.{worker}: step {at} handed out before it was on disk")
@@ -735,20 +758,24 @@ class NodePipeline(Pipeline):
         count: int = 1,
         max_bytes: int | None = None,
         timeout: float | None = None,
-    ) -> list[Taken]:
+        report_skips: bool = False,
+    ) -> list[Taken] | list[SkippedStep]:
         """:meth:`take` the item at ``cursor``, then as many of the lane's next items as are on
         disk already (no waiting for them), up to ``count`` items and ``max_bytes`` bytes in all
         (the first is always included). Empty: the lane's share ends before ``cursor``. One call
-        (one request to the daemon) for several small items.
+        (one request to the daemon) for several small items. ``report_skips``: a skipped item
+        at ``cursor`` is returned alone, as a :class:`SkippedStep` (see :meth:`take`).
 
         Raises:
             ValueError: ``count`` below 1, or as :meth:`take`.
         """
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"count {count!r}: expected an integer >= 1")
-        first = self.take(rank, worker, cursor, timeout)
+        first = self.take(rank, worker, cursor, timeout, report_skips)
         if first is None:
             return []
+        if isinstance(first, SkippedStep):
+            return [first]
         got, size = [first], first.item.size
         lane, queues = self.node_plan.lane(rank, worker), self._queues
         while len(got) < count:
@@ -890,6 +917,9 @@ class NodePipeline(Pipeline):
 
     def get_many(self, count: int, timeout: float | None = None) -> list[CachedItem]:
         raise TypeError(f"{self!r} hands items to lanes: use take_many(rank, worker, cursor, count)")
+
+    def get_or_skipped(self, timeout: float | None = None) -> CachedItem | Skipped | None:
+        raise TypeError(f"{self!r} hands items to lanes: use take(rank, worker, cursor, report_skips=True)")
 
     def ack(self, path: str | os.PathLike[str], lease: str | None = None) -> None:
         raise TypeError(f"{self!r}: a lane acknowledges by moving on, take(rank, worker, cursor) or consume()")

@@ -29,7 +29,7 @@ from .sourcing import empty_source, fitting_items, make_plan, obtain_catalog
 from .stores import Store, open_store
 from .stores.base import abort_store
 
-__all__ = ["CachedItem", "Pipeline", "Stats"]
+__all__ = ["CachedItem", "Pipeline", "Skipped", "Stats"]
 
 log = logging.getLogger("cachepipe")
 
@@ -157,6 +157,15 @@ class Stats:
     consumer_wait_seconds: float
     producer_wait_seconds: float
     download_threads: int  # threads taking parts now at most: max_concurrency, fewer where requests cost about nothing
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """An item passed over in its turn (``on_error``/``on_oversize="skip"``), as
+    :meth:`Pipeline.get_or_skipped` reports it: its name, and why (the error, as text)."""
+
+    name: str
+    reason: str
 
 
 _UNOPENED, _OPEN, _CLOSED = "unopened", "open", "closed"
@@ -683,6 +692,25 @@ class Pipeline:
             TimeoutError, ItemFailedError, OSError, ...: as :meth:`get`. A failed item is raised
                 in its turn, after the items before it were returned by earlier calls.
         """
+        got = self._get_many(count, timeout, report=False)
+        return [] if isinstance(got, Skipped) else got  # report=False: never a Skipped
+
+    def get_or_skipped(self, timeout: float | None = None) -> CachedItem | Skipped | None:
+        """As :meth:`get`, but an item skipped in its turn (``on_error``/``on_oversize="skip"``:
+        logged, counted and its step consumed, as :meth:`get` does) is returned as a
+        :class:`Skipped` instead of passed over: for a consumer that keeps count of its steps
+        (the PyTorch adapter puts a repeat in a skipped item's place, see ``equal_steps``).
+
+        Raises:
+            As :meth:`get`.
+        """
+        got = self._get_many(1, timeout, report=True)
+        if isinstance(got, Skipped):
+            return got
+        return got[0] if got else None
+
+    def _get_many(self, count: int, timeout: float | None, report: bool) -> list[CachedItem] | Skipped:
+        """:meth:`get_many`; ``report``: an item skipped in its turn is returned as a :class:`Skipped`."""
         if count < 1:
             raise ValueError(f"count must be at least 1, got {count!r}")
         self._require_open()
@@ -702,6 +730,8 @@ class Pipeline:
                     self._consume([got.seq])  # reported: the resume point moves past it
                 # "oversize": judged when its space was reserved (see Cache.reserve)
                 self._skip_or_raise(got)
+                if report:
+                    return Skipped(got.name, f"{type(got.error).__name__}: {got.error}")
                 continue
             items = [CachedItem._of(lease.value, self._inflight[lease.seq], lease.id) for lease in got]  # noqa: SLF001 - from what the pipeline kept
             for item in items:

@@ -22,7 +22,10 @@ the pass then reads that epoch alone. Without it, every pass reads the same epoc
 order (logged, with ``shuffle``). Per-process with ``retain="auto"``, such a pass plans the
 later epochs too, stops at its epoch's end and keeps what it retained or fetched ahead on disk
 for the next pass (``keep_on_close``, but in the plan's last epoch). With several ranks,
-``equal_steps`` defaults to ``"pad"``, so that DDP ranks run the same number of steps. A
+``equal_steps`` defaults to ``"pad"``, so that DDP ranks run the same number of steps; with
+it, an item skipped at run time (``on_error``/``on_oversize="skip"``) is replaced by a repeat of
+another sample of its worker (:mod:`cachepipe.repeats`: logged), so that each worker still
+yields its planned count. A
 Hugging Face ``Trainer`` or an Accelerate loop must not prepare the DataLoader (it would split
 the shares again): see docs/training.md.
 
@@ -58,10 +61,11 @@ import torch.utils.data
 from .client import DEFAULT_OUTAGE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT
 from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_capacity, small_capacity, with_unit
 from .errors import CacheLockedError
-from .jobclient import JobClient
+from .jobclient import JobClient, LaneItem, LaneSkip
 from .manifest import index
-from .pipeline import CachedItem, Pipeline
+from .pipeline import CachedItem, Pipeline, Skipped
 from .plan import Cursor, default_rank_world
+from .repeats import Repeats
 from .state import atomic_write
 
 __all__ = ["CachePipeDataset", "local_ranks"]
@@ -122,12 +126,16 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             ``equal_steps`` defaults to ``"pad"`` with several ranks (every rank the same
             number of items and batches per epoch, as DDP needs, like ``DistributedSampler``;
             ``Pipeline``'s default is None); give ``equal_steps=None`` for the shares as
-            they were before it existed (to resume a state saved then).
+            they were before it existed (to resume a state saved then). With it set and
+            several ranks, a skipped item (``on_error``/``on_oversize="skip"``) is replaced by
+            a repeat of the worker's previous sample (the next one at a pass's start), logged;
+            a worker whose every item of a pass is skipped raises ``RuntimeError``.
 
     Raises:
         ValueError: a missing, misplaced or invalid argument, named (per-process mode: every
             pipeline option, as :class:`~cachepipe.Pipeline` checks it; node mode: the daemon
-            checks the job's options when it registers).
+            checks the job's options when it registers); ``transform=None`` with a skip option
+            and ``equal_steps`` over several ranks (a repeat of a path would be of a deleted item).
         TypeError: ``transform`` is not callable.
     """
 
@@ -151,6 +159,9 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         self._cursor: Cursor | None = None  # node mode: the position after the last item yielded here
         self._lane_info: tuple[str, int, int, Any] | None = None  # node mode: the lane, once registered here
         self._end: int | None = None  # the epoch the latest pass ends before (None: the plan's end)
+        # equal_steps: (the position of the sample in hand, its yields still due) while a skipped
+        # item's repeats are due (see _equal_local): a state taken then resumes to that sample
+        self._owed: tuple[Any, int] | None = None
         # set_epoch's value (-1: never called), in shared memory: persistent DataLoader workers read
         # what the main process set after they started
         self._epoch = torch.full((), -1, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call, unused-ignore]
@@ -171,6 +182,16 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         if world > 1 and "equal_steps" not in options:
             # DDP-safe by default; set here, so every worker's pipeline, or the job's spec, carries it
             options["equal_steps"] = "pad"
+        # a skipped item's step is taken by a repeat: only where equal counts are planned and kept
+        # (one rank has no collective to hang; equal_steps=None plans unequal counts anyway)
+        self._equal = world > 1 and options.get("equal_steps") is not None
+        skips = [f"{key}='skip'" for key in ("on_error", "on_oversize") if options.get(key) == "skip"]
+        if self._equal and skips and transform is None:
+            raise ValueError(
+                f"transform=None with {' and '.join(skips)} and equal_steps={options['equal_steps']!r} over "
+                f"{world} ranks: a skipped item's step is taken by a repeat of another sample, and a path is deleted "
+                "once the loop asks for the next; pass transform=fn(path) (the repeat is its sample)"
+            )
         if self.node is None:
             if cache_dir is None or capacity is None:
                 raise ValueError("cache_dir and capacity are required without node= (per-process mode)")
@@ -364,6 +385,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         start, self._state = self._state, None
         token = self._pass = object()
         self._start, self._pipe, self._cursor = start, None, None
+        self._owed = None
         ended, logged = (int(x) for x in self._passes.tolist())
         if not start and ended and not logged and self._first_epoch() is None and self.options.get("shuffle"):
             self._passes[1] = 1  # once (two workers starting at once may both log it)
@@ -390,6 +412,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         if self._pass is not token:
             return
         self._passes[0] += 1
+        self._owed = None
         if torch.utils.data.get_worker_info() is None:
             self._start, self._pipe, self._cursor = None, None, None
         elif self._pipe is not None:
@@ -430,14 +453,17 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         if self._pass is token:
             self._pipe, self._end = pipe, end
         try:
-            while (item := _next(pipe, end)) is not None:
-                if self.transform is None:
-                    yield item
-                    pipe.ack(item)  # when the loop asks for the next
-                else:
-                    sample = self.transform(item)
-                    pipe.ack(item)  # read: its space is free while the sample travels on, and the state is past it
-                    yield sample
+            if self._equal and self.transform is not None:
+                yield from self._equal_local(pipe, start, end, token)
+            else:
+                while (item := _next(pipe, end)) is not None:
+                    if self.transform is None:
+                        yield item
+                        pipe.ack(item)  # when the loop asks for the next
+                    else:
+                        sample = self.transform(item)
+                        pipe.ack(item)  # read: its space is free while the sample travels on, and the state is past it
+                        yield sample
         finally:
             pipe.close()
         self._ended(token)
@@ -458,6 +484,8 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                     if self._pass is token:
                         self._cursor = cursor
                     yield item  # released when the loop asks for the next
+            elif self._equal:
+                yield from self._equal_node(lane, cursor, start, token)
             else:
                 transform = self.transform
                 while not _past(cursor, end) and (batch := lane.take_many(cursor, NODE_BATCH, NODE_BATCH_BYTES)):
@@ -473,6 +501,60 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                             self._cursor = item.next
                         yield sample
         self._ended(token)
+
+    def _equal_local(self, pipe: Pipeline, start: dict[str, Any] | None, end: int | None, token: object) -> Iterator[Any]:
+        """Per-process mode, ``equal_steps`` over several ranks: one sample per planned step (up
+        to epoch ``end``, as :func:`_next`), a skipped item's step taken by a repeat
+        (:class:`~cachepipe.repeats.Repeats`)."""
+        transform = self.transform
+        if transform is None:
+            raise ValueError("equal steps with transform=None: refused when the dataset is made")
+        repeats = Repeats(self._where(), _repeat(start))
+        while (got := _next_step(pipe, end)) is not None:
+            if isinstance(got, Skipped):  # its step is consumed: a state after the repeat is past it
+                for _ in range(repeats.skipped(got.name, got.reason)):
+                    yield repeats.previous
+                continue
+            sample = transform(got)
+            times = repeats.sample(got.name, sample)
+            at = self._local_state(pipe) if times > 1 else None  # at this item (its own and earlier steps' yields due)
+            pipe.ack(got)
+            for left in reversed(range(times)):
+                if self._pass is token:
+                    self._owed = (at, left) if left else None
+                yield sample
+        repeats.end()
+
+    def _equal_node(self, lane: JobClient, cursor: Cursor, start: dict[str, Any] | None, token: object) -> Iterator[Any]:
+        """Node mode, ``equal_steps`` over several ranks: as :meth:`_equal_local`, the daemon
+        reporting each skipped step in its turn (``report_skips``)."""
+        transform, end = self.transform, self._end
+        if transform is None:
+            raise ValueError("equal steps with transform=None: refused when the dataset is made")
+        repeats = Repeats(self._where(), _repeat(start))
+        while not _past(cursor, end) and (batch := lane.take_many(cursor, NODE_BATCH, NODE_BATCH_BYTES, report_skips=True)):
+            batch = [step for step in batch if not _past(step.cursor, end)]  # the next epoch's: the next pass's
+            if not batch:
+                break
+            samples = [transform(step) if isinstance(step, LaneItem) else None for step in batch]
+            cursor = batch[-1].next
+            lane.consume(cursor)  # read: their space is free while the samples travel on
+            for read, step in zip(samples, batch, strict=True):
+                if isinstance(step, LaneSkip):
+                    times, sample = repeats.skipped(step.name, step.reason), repeats.previous
+                else:
+                    times, sample = repeats.sample(step.name, read), read
+                for left in reversed(range(times)):
+                    if self._pass is token:
+                        self._cursor, self._owed = step.next, (step.cursor, left) if left else None
+                    yield sample
+        repeats.end()
+
+    def _where(self) -> str:
+        """This process's lane, for messages: ``"rank R worker K"``."""
+        worker, _ = self._worker()
+        rank, _ = self._rank_world()
+        return f"rank {rank} worker {worker}"
 
     def _open_lane(self, start: dict[str, Any] | None) -> tuple[JobClient, Cursor]:
         """Node mode: this process's lane, registered, and the position its pass starts at."""
@@ -512,26 +594,33 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
 
         Node mode: the position after the last sample this process (worker) yielded, with the
         job, lane and catalog digest, and the epoch the pass ends before (``end_epoch``: None
-        for the plan's end; one past the epoch :meth:`set_epoch` set). Per-process mode: the plan's configuration and the
-        position of this process's pipeline (:meth:`cachepipe.Pipeline.state_dict`): after the
-        last sample yielded with a ``transform``, at the item in hand without one; with
-        ``end_epoch`` in a :meth:`set_epoch` pass with ``retain="auto"``. Before this
-        process iterates: the state loaded, or the start (``{}``; in a pass that :meth:`set_epoch`
-        set, once it began, that epoch's start until it yields). After a
-        pass ended: its end in a DataLoader worker, the next pass's start in the main process.
+        for the plan's end; one past the epoch :meth:`set_epoch` set). Either mode, while the
+        repeats of a skipped item are due (``equal_steps``): the position of the sample being
+        repeated and ``"repeat"``, its yields still due (a resume reads it again). Per-process
+        mode: the plan's configuration and the position of this process's pipeline
+        (:meth:`cachepipe.Pipeline.state_dict`): after the last sample yielded with a
+        ``transform``, at the item in hand without one; with ``end_epoch`` in a
+        :meth:`set_epoch` pass with ``retain="auto"``. Before this process iterates: the state
+        loaded, or the start (``{}``; in a pass that :meth:`set_epoch` set, once it began, that
+        epoch's start until it yields). After a pass ended: its end in a DataLoader worker, the
+        next pass's start in the main process.
         """
         if self._state is None:  # no state loaded since this process's last pass began
             if self.node is not None and self._cursor is not None and self._lane_info is not None:
                 name, rank, worker, digest = self._lane_info
+                cursor, repeat = (self._cursor, 0) if self._owed is None else self._owed
                 return {
                     "job": name,
                     "rank": rank,
                     "worker": worker,
-                    "epoch": self._cursor.epoch,
-                    "index": self._cursor.index,
+                    "epoch": cursor.epoch,
+                    "index": cursor.index,
                     "catalog_digest": digest,
                     "end_epoch": self._end,
+                    **({"repeat": repeat} if repeat else {}),
                 }
+            if self.node is None and self._owed is not None:
+                return {**self._owed[0], "repeat": self._owed[1]}
             if self.node is None and self._pipe is not None:
                 return self._local_state(self._pipe)
         start = self._state if self._state is not None else self._start
@@ -552,7 +641,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         position, not its pipeline (threads, locks, files: this process's alone)."""
         state = dict(self.__dict__)
         if self._pipe is not None:
-            state["_start"] = self._local_state(self._pipe)
+            state["_start"] = self._local_state(self._pipe) if self._owed is None else {**self._owed[0], "repeat": self._owed[1]}
         state["_pipe"], state["_pass"] = None, None
         return state
 
@@ -604,6 +693,12 @@ def _sibling(owner: str) -> bool:
     return len(fields) > 1 and fields[1] == str(os.getppid())
 
 
+def _repeat(start: Mapping[str, Any] | None) -> int:
+    """The yields due for the first step of a pass started from ``start`` (``"repeat"``: a state
+    taken while a sample's repeats were due; 1 without it, as in a state saved before it existed)."""
+    return int(start.get("repeat", 1)) if start else 1
+
+
 def _finished(state: Mapping[str, Any]) -> bool:
     """True if a per-process pipeline ``state`` is at the end of its pass: of its (finite) plan,
     or the epoch its pass ends before (``end_epoch``)."""
@@ -623,6 +718,18 @@ def _next(pipe: Pipeline, end: int | None) -> CachedItem | None:
         pipe.release(item)  # the first unconsumed step is this item's or before it: epoch end or later
         return None
     return item
+
+
+def _next_step(pipe: Pipeline, end: int | None) -> CachedItem | Skipped | None:
+    """As :func:`_next`, with each skipped item in its turn (:meth:`Pipeline.get_or_skipped`):
+    one asked for while the first unconsumed step is before epoch ``end`` is of that step."""
+    if end is not None and pipe.state_dict()["epoch"] >= end:
+        return None
+    got = pipe.get_or_skipped()
+    if isinstance(got, CachedItem) and end is not None and pipe.state_dict()["epoch"] >= end:
+        pipe.release(got)  # the first unconsumed step is this item's: epoch end or later
+        return None
+    return got
 
 
 def _past(cursor: Cursor, end: int | None) -> bool:

@@ -372,3 +372,31 @@ def torch_worker() -> int:
     import torch
 
     return torch.utils.data.get_worker_info().id
+
+
+def test_an_item_skipped_on_one_rank_is_repeated_in_its_place_so_both_ranks_run_as_many_steps(s3_source, tmp_path, short_dir):
+    # equal_steps="pad" (the default over 2 ranks), on_error="skip", an archive that does not
+    # match its .md5 at the source (the daemon unpacks and checks it): the daemon reports the
+    # skipped step (report_skips) and the lane's worker yields the sample before it again
+    from test_torch_skips import put_items, substituted
+
+    names, sizes = put_items(s3_source, 13, set())
+    shares = {
+        (r, w): [names[s.item] for s in Plan(sizes, rank=r, world_size=2, worker=w, num_workers=2, equal_steps="pad", **OPTIONS)]
+        for r in (0, 1)
+        for w in (0, 1)
+    }
+    bad = {shares[1, 0][2], shares[1, 1][0]}  # rank 1's, in epoch 0: a middle item and a first one
+    put_items(s3_source, 13, {names.index(b) for b in bad})
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_source.url, s3_source.options)
+    data = yaml.safe_load(config.read_text())
+    data["jobs"]["options"]["unpack"] = True
+    config.write_text(yaml.safe_dump(data))
+    cfg = {"url": s3_source.url, "socket": str(sock), "options": {**OPTIONS, "on_error": "skip"}}
+    with DaemonProcess(config):
+        outs = both_ranks(cfg)
+    assert len(outs[0]) == len(outs[1]) == 2 * 7  # 13 items padded to 14: 7 a rank, each of 2 epochs
+    for rank in (0, 1):
+        for worker in (0, 1):
+            assert [name for _, name in by_worker(outs[rank], worker)] == substituted(shares[rank, worker], bad)

@@ -16,6 +16,8 @@ them) come in ``cfg["env"]``. ``cfg["kind"]``:
 - ``"direct"``: ``CachePipeDataset(url, cache, "1MiB", storage_options=options, epochs=2,
   shuffle=True, seed=5, **extra)``, under ``torch.distributed`` if ``dist``; prints the JSON
   list of its samples ``[name, md5]``.
+- ``"equal"``: ``CachePipeDataset(url, cache, "1MiB", **extra)`` in a ``StatefulDataLoader`` of
+  ``batch_size``; prints the JSON list of its batches of ``[worker, name]``.
 """
 
 from __future__ import annotations
@@ -94,7 +96,25 @@ def direct(cfg: dict[str, Any]) -> None:
         dist.destroy_process_group()
 
 
+def read_equal(path: Any) -> list:
+    info = torch.utils.data.get_worker_info()
+    return [info.id, path.name]
+
+
+def keep(batch: list) -> list:
+    return batch
+
+
+def equal(cfg: dict[str, Any]) -> None:
+    """``"equal"``: a StatefulDataLoader (2 workers, ``batch_size``, batches kept as lists) over
+    ``CachePipeDataset(url, cache, "1MiB", **extra)``; prints the JSON list of its batches of
+    ``[worker, name]``."""
+    ds = CachePipeDataset(cfg["url"], cfg["cache"], "1MiB", transform=read_equal, storage_options=cfg["options"], **cfg["extra"])
+    loader = StatefulDataLoader(ds, batch_size=cfg["batch_size"], num_workers=2, collate_fn=keep)
+    print(json.dumps(list(loader)), flush=True)
+
+
 def main(cfg: dict[str, Any]) -> int:
     os.environ.update(cfg["env"])
-    {"node": node, "node-dist": node_dist, "direct": direct}[cfg["kind"]](cfg)
+    {"node": node, "node-dist": node_dist, "direct": direct, "equal": equal}[cfg["kind"]](cfg)
     return 0

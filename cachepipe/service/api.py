@@ -21,10 +21,14 @@ Routes (bodies are JSON objects; every error body is ``{"error": CODE, "message"
     PUT  /v1/jobs/JOB                a job's spec (see .jobs.JobSpec)  200 {"job", "created", "lanes", ...}
                                      400 a bad spec | 409 registered with another spec, or no room
     DELETE /v1/jobs/JOB              200: the job ended, its items are deleted | 404
-    POST /v1/jobs/JOB/take           {"rank", "worker", "epoch", "index", "timeout", "count", "max_bytes"}
+    POST /v1/jobs/JOB/take           {"rank", "worker", "epoch", "index", "timeout", "count", "max_bytes",
+                                     "report_skips"}
                                      200 {"job", "name", "path", "size", "files", "epoch", "index", "next"}
                                      (with "count": {"job", "items": [up to count of those]}: the
-                                     item at the position, and the next ones already on disk)
+                                     item at the position, and the next ones already on disk; with
+                                     "report_skips": true, an item skipped in its turn (on_error or
+                                     on_oversize "skip") is answered alone as {"job", "skipped": true,
+                                     "name", "reason", "epoch", "index", "next"}, not passed over)
                                      204 the lane's share ends before (epoch, index) | 408 | 502
     POST /v1/jobs/JOB/consume        {"rank", "worker", "epoch", "index"}  200: every step before it is done
     PUT  /v1/manifests               a manifest (gzip, the bytes of ``cachepipe index``; Content-Type
@@ -111,7 +115,7 @@ from .jobs import JobConflictError
 from .metrics import CONTENT_TYPE
 
 if TYPE_CHECKING:
-    from ..node import Taken
+    from ..node import SkippedStep, Taken
 
 __all__ = ["ApiServer", "Deadlines", "Service", "item_json"]
 
@@ -365,7 +369,10 @@ class _Handler(BaseHTTPRequestHandler):
         for key, value in (("count", count), ("max_bytes", max_bytes)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise BadRequest(f"{key!r} {value!r}: expected an integer >= 1, or null")
-        got = daemon.take_lane(name, rank, worker, cursor, timeout, count or 1, max_bytes)
+        report = body.get("report_skips", False)
+        if not isinstance(report, bool):
+            raise BadRequest(f"'report_skips' {report!r}: expected true or false")
+        got = daemon.take_lane(name, rank, worker, cursor, timeout, count or 1, max_bytes, report)
         if not got:
             return self._reply(204)
         items = [_taken_json(name, taken) for taken in got]
@@ -508,7 +515,20 @@ def _match(path: str) -> tuple[str | None, str, tuple[str, ...]]:
     return None, "", ()
 
 
-def _taken_json(job: str, taken: Taken) -> dict[str, Any]:
+def _taken_json(job: str, taken: Taken | SkippedStep) -> dict[str, Any]:
+    from ..node import SkippedStep  # loaded with the first job: not at the daemon's start
+
+    if isinstance(taken, SkippedStep):  # asked for with report_skips: no path
+        cursor = taken.cursor
+        return {
+            "job": job,
+            "skipped": True,
+            "name": taken.name,
+            "reason": taken.reason,
+            "epoch": cursor.epoch,
+            "index": cursor.index,
+            "next": list(taken.after),
+        }
     item = taken.item
     return {
         "job": job,

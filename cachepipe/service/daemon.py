@@ -37,7 +37,7 @@ from .markers import HandOuts, MarkerWatcher
 from .metrics import Metrics, Snapshot, leased
 
 if TYPE_CHECKING:
-    from ..node import Taken
+    from ..node import SkippedStep, Taken
 
 __all__ = ["Daemon", "UnavailableError", "UnknownPipelineError"]  # the errors live in .errors; re-exported
 
@@ -546,15 +546,17 @@ class Daemon:
         timeout: float | None,
         count: int = 1,
         max_bytes: int | None = None,
-    ) -> list[Taken]:
+        report_skips: bool = False,
+    ) -> list[Taken] | list[SkippedStep]:
         """The item at ``cursor`` of lane ``(rank, worker)`` of job ``name`` and up to ``count - 1``
-        more already on disk (see :meth:`cachepipe.node.NodePipeline.take_many`); blocks up to
-        ``timeout`` seconds for the first, capped by ``max_wait``. Empty: the lane's share ended."""
+        more already on disk (see :meth:`cachepipe.node.NodePipeline.take_many`, and its
+        ``report_skips``); blocks up to ``timeout`` seconds for the first, capped by
+        ``max_wait``. Empty: the lane's share ended."""
         limit = self.config.max_wait if timeout is None else min(timeout, self.config.max_wait)
         key = f"job/{name}"
         self._count_waiting(key, +1)
         try:
-            return self._job_registry().take(name, rank, worker, cursor, limit, count, max_bytes)
+            return self._job_registry().take(name, rank, worker, cursor, limit, count, max_bytes, report_skips)
         except RuntimeError as exc:
             raise self._stopped_under(exc, f"take from lane {rank}.{worker} of job {name!r}") from exc
         finally:

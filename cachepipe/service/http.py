@@ -27,7 +27,7 @@ from ..pipeline import CachedItem
 from .metrics import Metrics
 
 if TYPE_CHECKING:
-    from ..node import Taken
+    from ..node import SkippedStep, Taken
     from ..plan import Cursor
     from .config import ServiceConfig
 
@@ -88,7 +88,8 @@ class Service(Protocol):
         timeout: float | None,
         count: int = 1,
         max_bytes: int | None = None,
-    ) -> list[Taken]: ...
+        report_skips: bool = False,
+    ) -> list[Taken] | list[SkippedStep]: ...
 
     def consume_lane(self, name: str, rank: int, worker: int, cursor: Cursor) -> None: ...
 

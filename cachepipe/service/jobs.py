@@ -44,7 +44,7 @@ from .closing import Closer
 from .errors import StoppingError, UnknownPipelineError
 
 if TYPE_CHECKING:
-    from ..node import NodePipeline, Taken
+    from ..node import NodePipeline, SkippedStep, Taken
 
 __all__ = ["JobConflictError", "JobSpec", "Jobs", "JobsConfig"]
 
@@ -397,7 +397,8 @@ class Jobs:
         timeout: float | None,
         count: int = 1,
         max_bytes: int | None = None,
-    ) -> list[Taken]:
+        report_skips: bool = False,
+    ) -> list[Taken] | list[SkippedStep]:
         """:meth:`NodePipeline.take_many` of job ``name``.
 
         Raises:
@@ -407,7 +408,7 @@ class Jobs:
         """
         job = self._job(name)
         try:
-            return job.pipeline.take_many(rank, worker, cursor, count, max_bytes, timeout)
+            return job.pipeline.take_many(rank, worker, cursor, count, max_bytes, timeout, report_skips)
         except CacheRemovedError as exc:
             raise self._drop(job, exc) from None
 
