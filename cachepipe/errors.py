@@ -11,6 +11,7 @@ Every error is a builtin subclass as well, so callers that catch ``ValueError`` 
      +-- CacheLockedError       (RuntimeError)      another live process owns the cache directory
      +-- CacheRemovedError      (FileNotFoundError) the cache directory was removed or replaced under the open pipeline
      +-- LaneConflictError      (RuntimeError)      node mode: another consumer moved the lane while this one waited
+     +-- NothingToRepeatError   (RuntimeError)      equal_steps: every item of a worker's pass was skipped
      +-- UnknownItemError       (KeyError)          ack/release of a path that is not handed out
      +-- ItemFailedError                            an item could not be fetched; ``__cause__`` says why
      +-- PrepareOverflowError   (OSError)           the prepare hook wrote more than its reserve
@@ -52,6 +53,7 @@ __all__ = [
     "EmptySourceError",
     "ItemFailedError",
     "LaneConflictError",
+    "NothingToRepeatError",
     "ObjectChangedError",
     "OversizeError",
     "PrepareOverflowError",
@@ -126,6 +128,12 @@ class LaneConflictError(CachePipeError, RuntimeError):
     """Node mode: another consumer of the lane (the same rank and DataLoader worker of the job)
     moved it while this one waited for its item. A lane has one consumer at a time: its
     position acknowledges every earlier item, so two consumers would consume each other's items."""
+
+
+class NothingToRepeatError(CachePipeError, RuntimeError):
+    """``equal_steps`` over several ranks: every step of a DataLoader worker's pass (from its
+    start, or from the state it resumed from) was skipped, so there is no sample to repeat in
+    their place, and a shorter pass would leave its rank a step short (a DDP collective hangs)."""
 
 
 class UnknownItemError(CachePipeError, KeyError):

@@ -26,17 +26,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-__all__ = ["NothingToRepeatError", "Repeats"]
+from .errors import NothingToRepeatError
+
+__all__ = ["Repeats"]
 
 log = logging.getLogger("cachepipe")
 
 _NAMED = 5  # the most skipped items a message names
-
-
-class NothingToRepeatError(RuntimeError):
-    """Every step of a worker's pass (from its start, or from the state it resumed from) was
-    skipped: there is no sample to repeat in their place, and a shorter pass would leave its
-    rank a step short (a DDP collective hangs)."""
 
 
 class Repeats:

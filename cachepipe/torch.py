@@ -709,20 +709,17 @@ def _finished(state: Mapping[str, Any]) -> bool:
 
 
 def _next(pipe: Pipeline, end: int | None) -> CachedItem | None:
-    """``pipe``'s next item; None once all are delivered, or (``end``) the next is of epoch
-    ``end`` or later: such an item got (when the last of the epoch were skipped) is given back."""
-    if end is not None and pipe.state_dict()["epoch"] >= end:
-        return None
-    item = pipe.get()
-    if item is not None and end is not None and pipe.state_dict()["epoch"] >= end:
-        pipe.release(item)  # the first unconsumed step is this item's or before it: epoch end or later
-        return None
-    return item
+    """``pipe``'s next item; None once all are delivered, or (``end``) once the next step is of
+    epoch ``end`` or later. Skipped items are passed over (as :meth:`Pipeline.get` does)."""
+    while isinstance(got := _next_step(pipe, end), Skipped):
+        pass
+    return got
 
 
 def _next_step(pipe: Pipeline, end: int | None) -> CachedItem | Skipped | None:
-    """As :func:`_next`, with each skipped item in its turn (:meth:`Pipeline.get_or_skipped`):
-    one asked for while the first unconsumed step is before epoch ``end`` is of that step."""
+    """``pipe``'s next step: its item, or the item skipped in its turn
+    (:meth:`Pipeline.get_or_skipped`); None once all are delivered, or (``end``) once the next
+    step is of epoch ``end`` or later (an item got past it is given back)."""
     if end is not None and pipe.state_dict()["epoch"] >= end:
         return None
     got = pipe.get_or_skipped()

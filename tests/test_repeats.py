@@ -2,7 +2,8 @@
 
 import pytest
 
-from cachepipe.repeats import NothingToRepeatError, Repeats
+from cachepipe.errors import NothingToRepeatError
+from cachepipe.repeats import Repeats
 
 
 def run(steps: list[str | None], weight: int = 1) -> list[str]:

@@ -22,8 +22,8 @@ torch = pytest.importorskip(
     "torch", reason="PyTorch is not installed (make test installs torch==2.13.0 where the CPU wheel is available)"
 )
 
+from cachepipe.errors import NothingToRepeatError  # noqa: E402
 from cachepipe.plan import Plan  # noqa: E402
-from cachepipe.repeats import NothingToRepeatError  # noqa: E402
 from cachepipe.torch import CachePipeDataset  # noqa: E402
 
 
