@@ -129,7 +129,8 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             they were before it existed (to resume a state saved then). With it set and
             several ranks, a skipped item (``on_error``/``on_oversize="skip"``) is replaced by
             a repeat of the worker's previous sample (the next one at a pass's start), logged;
-            a worker whose every item of a pass is skipped raises ``RuntimeError``.
+            a worker whose every item of a pass is skipped raises
+            :class:`~cachepipe.errors.NothingToRepeatError` (a ``RuntimeError``).
 
     Raises:
         ValueError: a missing, misplaced or invalid argument, named (per-process mode: every
