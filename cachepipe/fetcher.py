@@ -395,7 +395,8 @@ class Fetcher:
             if self._refusal(item) is not None:
                 break
             wanted.append((item, self._extra(item)))
-        count = self._cache.acquire_many(wanted)
+        first = run[0][0]
+        count = self._cache.acquire_many(wanted, lambda: self._broker.withdrawn(first))
         if not count:
             return 0
         if self._stop.is_set():

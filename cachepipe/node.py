@@ -25,7 +25,9 @@ plan reaches them, nothing is skipped on the node's word).
 The fetch order serves the lane with the fewest steps planned and not consumed (see
 :meth:`~cachepipe.lanes.LaneSchedule.next`), so lanes are fetched for as fast as they consume;
 a lane that waits for a step not planned yet goes first, and a download that the fetcher has
-not begun, waiting for its room, is given back unbegun for it (see :meth:`LaneQueues.withdraw`).
+not begun, waiting for its room, is given back unbegun for it (see :meth:`LaneQueues.withdraw`);
+so is one for another lane when a lane consumes or moves, before the room it frees goes to it:
+the schedule chooses again by the loads after the move.
 Steps of one item that are planned at once (lanes an epoch apart) share its one copy on disk
 (see :class:`LaneQueues`): no lane waits for another to move on. A lane that waits for an item
 with no room gets the room of items fetched ahead for lanes that are not waiting (see
@@ -355,22 +357,29 @@ class LaneQueues(Broker[str]):
                 del self._copies[planned.step.item]
             self._cond.notify_all()
 
-    def _ask_back(self, lane: _LaneState) -> None:
+    def _ask_back(self, lane: _LaneState, moved: bool = False) -> None:
         """Under the lock, for ``lane`` waiting for a step not planned yet: ask the fetcher for the
         download it has not begun back (:meth:`withdrawn`; ``wake`` wakes it if it waits for
         room), if no waiting consumer needs it (its lane is not waiting, or moved away from it)
         and no other step shares its copy. Else the waiting lane's step would be planned only
         once that download has its room, which may come only from the waiting lane's own
-        consumer, or after :data:`GIVE_BACK_AFTER`."""
+        consumer, or after :data:`GIVE_BACK_AFTER`.
+
+        ``moved``: ``lane`` has just consumed steps or moved away from them (:meth:`move`),
+        whatever it has planned. The download was chosen by the lanes' loads from before the
+        move, and would take at once the room the lane frees (or the items it shelves): unless
+        it is ``lane``'s own step, it is asked back on the same terms, and the schedule chooses
+        again (a lane beside one that holds its item and does not ask waited for the give-back
+        at every step)."""
         seq = self._next_seq - 1
-        if lane.held or seq < self._started or self._asking == seq:
+        if (lane.held and not moved) or seq < self._started or self._asking == seq:
             return  # its step is planned, every download planned has begun, or asked already
         planned = self._fetching.get(seq)
         if planned is None:
             return
         owner = self._lanes[planned.lane]
         held = owner.held.get(planned.key) is planned
-        if planned.holders != held or (held and owner.waiting):
+        if planned.holders != held or (held and (owner.waiting or owner is lane)):
             return
         self._asking = seq
         self._wake()
@@ -416,7 +425,8 @@ class LaneQueues(Broker[str]):
         acked)``: the items on disk that the lane is done with (before ``cursor``) and those it
         no longer holds because it moved outside what was planned for it (see the module notes),
         each only if no other step holds its copy; and how many of its steps with an item on
-        disk it consumed."""
+        disk it consumed. A download of another lane that the fetcher has not begun is asked
+        back first (:meth:`_ask_back`), before the caller frees the room or shelves the items."""
         with self._cond:
             lane = self._lanes[lane_no]
             if lane.floor <= cursor <= self.schedule.cursors[lane_no]:
@@ -446,6 +456,8 @@ class LaneQueues(Broker[str]):
                     del self._copies[copy.step.item]
                 if not failed:
                     on_disk.append(planned)
+            if gone:
+                self._ask_back(lane, moved=True)  # before the caller frees the room (evicts) or shelves items
             self._cond.notify_all()
         return ([], on_disk, 0) if moved else (on_disk, [], acked)
 

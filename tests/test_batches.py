@@ -324,7 +324,7 @@ def test_a_planning_error_after_part_of_a_run_started_comes_after_those_items(tm
         return acquire(self, item, *args, **kwargs)
 
     monkeypatch.setattr(Cache, "acquire", acquire_or_fail)
-    monkeypatch.setattr(Cache, "acquire_many", lambda self, items: acquire_many(self, items[:2]))  # c waits
+    monkeypatch.setattr(Cache, "acquire_many", lambda self, items, *args: acquire_many(self, items[:2], *args))  # c waits
     cache = Cache(tmp_path / "c", 1 << 20)
     cache.open()
     broker: Broker = Broker(ordered=True)

@@ -909,11 +909,11 @@ def test_a_download_side_error_is_raised_not_taken_for_the_end(tmp_path, monkeyp
         (src / f"item{n}" / "f").write_bytes(b"x")
     acquire_many, calls = Cache.acquire_many, []
 
-    def acquire_first_then_fail(self, items):  # the planner's reservation of its runs: the first item, then an error
+    def acquire_first_then_fail(self, items, *args):  # the planner's reservation of its runs: the first item, then an error
         calls.append([item.name for item, _extra in items])
         if len(calls) == 2:
             raise RuntimeError("planning broke")
-        return acquire_many(self, items[:1])
+        return acquire_many(self, items[:1], *args)
 
     monkeypatch.setattr(Cache, "acquire_many", acquire_first_then_fail)
     with pytest.raises(RuntimeError, match="planning broke"):

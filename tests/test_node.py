@@ -1,4 +1,4 @@
-"""NodePipeline in-process over the moto server: one cache, every lane its exact plan share."""
+"""NodePipeline in-process over the moto server (and a local folder): one cache, every lane its exact plan share."""
 
 from __future__ import annotations
 
@@ -361,40 +361,77 @@ def test_a_lane_waiting_for_a_step_not_planned_asks_for_the_download_not_begun_b
     steps.close()
 
 
+def test_a_lane_that_consumes_asks_for_the_download_of_a_lane_not_asking_back_before_it_frees_the_room():
+    """The bookkeeping (no disk): lane 0 holds its first item (its consumer does not ask) and
+    the fetcher waits for room for lane 0's second, planned at a tie of the lanes' loads. Lane 1
+    consumes its first: its move asks for that download back, before the caller frees the
+    room (the fetcher is woken), and once withdrawn, lane 1's second is the next download (its
+    load is now the lower), then lane 0's again. Not for a download of the moving lane's own."""
+    plan = NodePlan([10] * 8, ranks=[0, 1], world_size=2)
+    woken: list[int] = []
+    queues = LaneQueues(LaneSchedule(plan), on_stale=lambda _planned: None, wake=lambda: woken.append(1))
+    steps = queues.steps(lambda i: Item(f"item{i}", (), plan.sizes[i]))
+    downloads = [next(steps)[0] for _ in range(3)]  # lane 0's first, lane 1's first, lane 0's second
+    lanes = [[f"item{i}" for i in plan.lane_share(lane, 0)] for lane in (0, 1)]
+    queues.begin_many(2)  # the third waits for room
+    queues.put_many([(seq, item.name, f"/cache/{item.name}") for seq, item, _tick in downloads[:2]])
+    for lane in (0, 1):
+        assert queues.wait(lane, Cursor(0, 0), timeout=0).name == lanes[lane][0]
+    third = downloads[2][0]
+    consumed, _stale, _acked = queues.move(1, Cursor(0, 1))
+    assert [p.name for p in consumed] == [lanes[1][0]]
+    assert woken and queues.withdrawn(third)
+    queues.withdraw(third)
+    fourth = next(steps)[0]
+    assert fourth[1].name == lanes[1][1]
+    fifth = next(steps)[0]
+    assert fifth[1].name == lanes[0][1]
+    queues.begin_many(1)  # lane 1's second begins; lane 0's second waits for room again
+    queues.put_many([(fourth[0], fourth[1].name, f"/cache/{fourth[1].name}")])
+    woken.clear()
+    queues.move(0, Cursor(0, 1))  # lane 0 consumes its first: the download waiting is its own
+    assert not woken and not queues.withdrawn(fifth[0])
+    queues.close()
+    steps.close()
+
+
 @pytest.mark.parametrize(("retain", "give_back_after"), [("none", None), ("auto", 0.0)], ids=["none", "auto"])
 def test_a_waiting_lane_gets_the_room_of_an_item_planned_ahead_for_a_lane_that_is_not_asking(
     s3_source, tmp_path, retain, give_back_after
 ):
     """Two ranks that step together, as DDP ranks without DataLoader workers: each holds the
-    item it trains on until the other has its next. Room for two items and a half: rank 0 holds
-    its first item, and its second was planned first (the lower lane, at a tie) and fetched as
-    soon as rank 1 consumed its own first. Rank 1's second item has no room while rank 0, which
-    waits for rank 1, holds two. Before, rank 1 waited for ever; now rank 0's second item,
-    not handed out, is given back (deleted, or left to the retention policy, which then evicts
-    it) and planned again. Without retention after the default wait (5 s), with retention at
-    the first check (``give_back_after=0``): what is given back does not depend on when."""
-    data = s3_source.folders(8, {"a.bin": 32 * KIB})
-    names, sizes = sorted(data), sizes_of(data)
+    item it trains on until the other has its next. Room for 88 KiB: rank 0 holds its first
+    item (20 KiB), and its second (20 KiB) was planned first (the lower lane, at a tie) and
+    fetched while there was room. Rank 1's second item (60 KiB) has no room beside what rank 0,
+    which waits for rank 1, holds, even once rank 1 consumes its first. Before, rank 1 waited
+    for ever; now rank 0's second item, not handed out, is given back (deleted, or left to the
+    retention policy, which then evicts it) and planned again. Without retention after the
+    default wait (5 s), with retention at the first check (``give_back_after=0``): what is given
+    back does not depend on when. (With items of one size, the room rank 1's consume frees is
+    enough, and rank 0's download that waits for it is asked back unbegun instead: see
+    ``test_a_lane_beside_a_rank_that_holds_its_item_gets_the_room_it_frees_at_each_step``.)"""
+    sizes = [20, 20, 20, 60, 20, 20, 20, 20]  # balance="count": rank 0 the even items, rank 1 the odd
+    for i, size in enumerate(sizes):
+        s3_source.put(f"item{i:03d}/a.bin", bytes(size * KIB))
+    names = [f"item{i:03d}" for i in range(len(sizes))]
     cache = tmp_path / "node"
     setting = {} if give_back_after is None else {"give_back_after": give_back_after}
     pipe = NodePipeline(
-        s3_source.url, cache, "88KiB", ranks=[0, 1], world_size=2, storage_options=s3_source.options, retain=retain, **setting
-    )
+        s3_source.url, cache, "88KiB", ranks=[0, 1], world_size=2, storage_options=s3_source.options, balance="count",
+        shuffle=False, retain=retain, **setting,
+    )  # fmt: skip
     with Sampler(cache) as sampler, pipe:
         first = [pipe.take(r, 0, (0, 0), timeout=10) for r in (0, 1)]
-        wait_until(lambda: pipe.stats().bytes_downloaded == 2 * 32 * KIB)  # rank 0's second item waits for room
-        second = pipe.take(
-            1, 0, first[1].after, timeout=30
-        )  # given back after give_back_after  # consumes rank 1's first: rank 0's second, then its own
+        wait_until(lambda: pipe.stats().bytes_downloaded == 60 * KIB and pipe._cache.shortfall())  # rank 1's second waits
+        second = pipe.take(1, 0, first[1].after, timeout=30)  # consumes rank 1's first; given back after give_back_after
         assert second.cursor == first[1].after
         got = {r: [first[r].item.name] for r in (0, 1)}
         got[1].append(second.item.name)
         got[0] += [t.item.name for t in [pipe.take(0, 0, first[0].after, timeout=10)]]
         stats = pipe.stats()
     assert sampler.peak <= 88 * KIB
-    for r in (0, 1):
-        assert [(0, n) for n in got[r]] == expected(names, sizes, r, 0, 2, 1)[:2]
-    assert stats.bytes_downloaded == 5 * 32 * KIB  # rank 0's second item twice
+    assert got == {0: names[0:4:2], 1: names[1:4:2]}
+    assert stats.bytes_downloaded == (sum(sizes[:4]) + sizes[2]) * KIB  # rank 0's second item twice
 
 
 def test_a_lane_waiting_while_consumers_hold_the_whole_cache_is_logged(s3_source, tmp_path, monkeypatch, caplog):
@@ -482,8 +519,9 @@ def test_a_lane_whose_item_is_downloading_gives_nothing_back(s3_source, tmp_path
 
 def test_a_lane_whose_item_is_downloading_logs_no_warning(s3_source, tmp_path, monkeypatch, caplog):
     """As the test of the warning, except that rank 1's second item is as small as the others:
-    rank 0's second item (planned first, on disk) is given back to make room for it, and then
-    it downloads, slowly (2.5 s), while rank 0's second, planned again, waits for room that
+    rank 0's second item (planned first, waiting for room) is asked back when rank 1 consumes
+    its first (before that, it took the room and was given back for rank 1's), and rank 1's
+    second downloads, slowly (2.5 s), while rank 0's second, planned again, waits for room that
     nothing can give. The cache is not full of items consumers hold: rank 1's item is on its
     way. No warning (before, it was logged while the download ran: every turn that gave
     nothing back counted, whatever the lane waited for)."""
@@ -778,3 +816,40 @@ def test_a_download_that_arrives_for_a_lane_that_moved_away_wakes_the_fetcher_wa
         queues.close()
         thread.join(5)
         steps.close()
+
+
+@pytest.mark.parametrize("retain", ["none", "auto"])
+def test_a_lane_beside_a_rank_that_holds_its_item_gets_the_room_it_frees_at_each_step(tmp_path, retain):
+    """Rank 0 takes its first item and holds it without asking (a DDP rank at its all-reduce);
+    rank 1 reads its whole lane meanwhile, consuming each item once read. Room for two items
+    and a half (of 16 KiB): what rank 0 holds, and one more. Each item rank 1 consumes frees
+    the room its next needs. Before, that room went to rank 0's next item, planned ahead (at
+    a tie of the lanes' loads, the lower lane) and waiting for room, and rank 1's step, planned
+    after it, waited for the give-back (``give_back_after``, 5 s by default, 30 s here) at
+    every step; the given-back item was downloaded again. Now rank 1's move asks that download
+    back unbegun, as a lane waiting for a step not planned yet does, and rank 1's step has the
+    room at once. The take's timeout only bounds the stall it was."""
+    source = tmp_path / "source"
+    for i in range(10):  # balance="count", no shuffle: rank 0 the even items, rank 1 the odd
+        (source / f"item{i:03d}").mkdir(parents=True)
+        (source / f"item{i:03d}" / "a.bin").write_bytes(bytes([i]) * 16 * KIB)
+    names = [f"item{i:03d}" for i in range(10)]
+    cache = tmp_path / "node"
+    pipe = NodePipeline(
+        str(source), cache, "40KiB", ranks=[0, 1], world_size=2, balance="count", shuffle=False, retain=retain,
+        give_back_after=30.0,
+    )  # fmt: skip
+    with Sampler(cache) as sampler, pipe:
+        held = pipe.take(0, 0, (0, 0), timeout=10)
+        got = {0: [held.item.name], 1: []}
+        cursor = Cursor(0, 0)
+        while (taken := pipe.take(1, 0, cursor, timeout=10)) is not None:  # 30 s per step before
+            assert (taken.item.path / "a.bin").read_bytes() == bytes([int(taken.item.name[4:])]) * 16 * KIB
+            got[1].append(taken.item.name)
+            cursor = taken.after
+            pipe.consume(1, 0, cursor)
+        got[0] += [n for _e, n in read_lane(pipe, 0, 0, held.after)[0]]
+        stats = pipe.stats()
+    assert sampler.peak <= 40 * KIB
+    assert got == {0: names[0::2], 1: names[1::2]}
+    assert stats.bytes_downloaded == 10 * 16 * KIB  # each item once: nothing given back

@@ -564,3 +564,41 @@ def test_a_download_withdrawn_while_it_waits_for_room_reserves_claims_and_drops_
         for thread in (download, again):
             if thread.ident is not None:
                 thread.join(10)
+
+
+def test_a_download_asked_back_takes_no_room_freed_after_it_was_asked(tmp_path):
+    """A node's lane that consumes its last planned item asks for the download waiting for room
+    back before it frees that room (``LaneQueues.move``), so that its own next step is planned
+    first. The download, woken by the room freed (not by :meth:`Cache.wake`), finds that it
+    fits now: it returns None all the same, with no room reserved and no claim on its name.
+    Before, a fit was reserved without looking, and the lane waited for the give-back."""
+    from cachepipe.cache import Cache
+    from cachepipe.catalog import Catalog
+
+    kib = 1 << 10
+    catalog = Catalog(mode="folders")
+    for name, size in (("held", 300 * kib), ("consumed", 300 * kib), ("next", 500 * kib)):
+        catalog.add(name, [("x", size, None)])
+    held, consumed, wanted = catalog[0], catalog[1], catalog[2]
+    cache = Cache(tmp_path / "c", 1 << 20)
+    cache.open()
+    asked = threading.Event()
+    got: list[object] = []
+    download = threading.Thread(target=lambda: got.append(cache.acquire(wanted, withdrawn=asked.is_set)))
+    try:
+        cache.recover(catalog, resume=False)
+        publish_each(cache, (held, consumed))
+        reserved = cache.ledger.reserved
+        download.start()
+        wait_until(lambda: cache.shortfall() > 0, what="the download waiting for room")
+        asked.set()  # no wake: the eviction's is the download's
+        cache.evict("consumed")
+        download.join(10)
+        assert got == [None]
+        assert cache.ledger.reserved == reserved - 300 * kib
+        assert cache.acquire_many([(wanted, 0)], withdrawn=asked.is_set) == 0  # nor the path that needs no wait
+        assert cache.acquire(wanted) is True  # no claim was left on its name
+    finally:
+        cache.close()
+        if download.ident is not None:
+            download.join(10)

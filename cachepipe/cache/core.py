@@ -398,7 +398,7 @@ class Cache:
     def _reserve(self, size: int, name: str, leftovers: bool, withdrawn: Callable[[], bool] = _never) -> bool | str | None:
         """:meth:`reserve`; with ``leftovers``, the wait ends too when a recovered (or shelved)
         item is in the way (:meth:`_in_the_way`): its name is returned, to drop. None:
-        ``withdrawn()`` was true when it would wait (nothing reserved)."""
+        ``withdrawn()`` was true before it reserved (nothing reserved)."""
         ledger = self.ledger
         with self._cond:
             try:
@@ -418,6 +418,8 @@ class Cache:
                 self._wanting = 0
             if self._closed:
                 return False
+            if withdrawn():  # asked back when the room it now fits in was freed (see acquire)
+                return None
             ledger.reserve(size)
             return True
 
@@ -477,9 +479,11 @@ class Cache:
 
         Returns the item's path if it is on disk already (recovered at open, or retained): hand
         it out, no download. True: its space is reserved (and its name claimed): download it.
-        False: the cache closed meanwhile. None: ``withdrawn()`` was true when it was about to
-        wait, or once woken (:meth:`wake`): nothing is reserved, claimed or dropped for it (a
-        node plans a waiting lane's step first, see :meth:`.node.LaneQueues.withdraw`).
+        False: the cache closed meanwhile. None: ``withdrawn()`` was true before anything was
+        reserved, when it was about to wait, or once woken (:meth:`wake`), or once room was
+        freed: nothing is reserved, claimed or dropped for it (a node plans a waiting lane's
+        step first, see :meth:`.node.LaneQueues.withdraw`; a lane that consumes asks for the
+        download back before it frees the room, which the download must not take then).
 
         Without retention this waits for any earlier copy of the item to be gone (:meth:`claim`)
         and for space (:meth:`reserve`), after dropping recovered items that would otherwise
@@ -510,16 +514,17 @@ class Cache:
             return got
         return self._acquire_retained(policy, item, tick, starving, withdrawn)
 
-    def acquire_many(self, items: Sequence[tuple[Item, int]]) -> int:
+    def acquire_many(self, items: Sequence[tuple[Item, int]], withdrawn: Callable[[], bool] = _never) -> int:
         """:meth:`acquire` ``(item, extra)`` in order, for as many as need no wait, in one lock
         round: each fits now, no copy of it is on disk or on its way, and no retention policy or
         recovered item is involved. Returns how many were reserved and claimed (0: call
-        :meth:`acquire` for the next, which waits or decides)."""
+        :meth:`acquire` for the next, which waits or decides; so too if ``withdrawn()``, the
+        first item asked back, as :meth:`acquire`'s)."""
         if self._policy is not None:
             return 0
         ledger, claimed = self.ledger, self._claimed
         with self._cond:
-            if self._closed or self._recovered:
+            if self._closed or self._recovered or withdrawn():
                 return 0
             for count, (item, extra) in enumerate(items):
                 if item.name in claimed or not ledger.fits(item.size + extra):
@@ -553,14 +558,14 @@ class Cache:
                             return None
                         self._cond.wait()
                         continue
+                    if withdrawn():  # before reserving or evicting anything for it (see acquire)
+                        return None
                     free = ledger.free
                     if free >= item.size:
                         ledger.reserve(item.size)
                         self._claimed.add(item.name)
                         policy.on_admit(idx, tick)
                         return True
-                    if withdrawn():  # before evicting anything for it
-                        return None
                     if free + ledger.reaping >= item.size:  # victims being deleted make room: no more
                         self._cond.wait()
                         continue
