@@ -484,6 +484,28 @@ def test_force_room_reaches_the_download_waiting_for_room_past_a_plain_reserve(t
         _force_room_past_a_plain_reserve(tmp_path / f"c{attempt}", catalog)
 
 
+def two_published_and_one_to_come(tmp_path, first: str, second: str):
+    """A 1 MiB cache, recovered, holding two published items of 300 KiB (``first``, ``second``),
+    and a third of 500 KiB, ``"next"``, that fits only once one of them is gone. Returns
+    ``(cache, next)``; close the cache."""
+    from cachepipe.cache import Cache
+    from cachepipe.catalog import Catalog
+
+    kib = 1 << 10
+    catalog = Catalog(mode="folders")
+    for name, size in ((first, 300 * kib), (second, 300 * kib), ("next", 500 * kib)):
+        catalog.add(name, [("x", size, None)])
+    cache = Cache(tmp_path / "c", 1 << 20)
+    cache.open()
+    try:
+        cache.recover(catalog, resume=False)
+        publish_each(cache, (catalog[0], catalog[1]))
+    except BaseException:
+        cache.close()
+        raise
+    return cache, catalog[2]
+
+
 def publish_each(cache, items) -> None:
     """Download-free: acquire, stage (one file of the item's size) and publish each item."""
     for item in items:
@@ -528,23 +550,12 @@ def test_a_download_withdrawn_while_it_waits_for_room_reserves_claims_and_drops_
     (:meth:`Cache.wake`) it returns None, with no room reserved, no claim on its name, and the
     shelved item that :meth:`Cache.force_room` would have dropped for it still on disk; the
     same item is acquired later as any other."""
-    from cachepipe.cache import Cache
-    from cachepipe.catalog import Catalog
-
-    kib = 1 << 10
-    catalog = Catalog(mode="folders")
-    for name, size in (("held", 300 * kib), ("shelved", 300 * kib), ("next", 500 * kib)):
-        catalog.add(name, [("x", size, None)])
-    held, shelved, wanted = catalog[0], catalog[1], catalog[2]
-    cache = Cache(tmp_path / "c", 1 << 20)
-    cache.open()
+    cache, wanted = two_published_and_one_to_come(tmp_path, "held", "shelved")
     asked = threading.Event()
     got: list[object] = []
     download = threading.Thread(target=lambda: got.append(cache.acquire(wanted, withdrawn=asked.is_set)))
     again = threading.Thread(target=lambda: got.append(cache.acquire(wanted)))
     try:
-        cache.recover(catalog, resume=False)
-        publish_each(cache, (held, shelved))
         cache.shelve("shelved")
         reserved = cache.ledger.reserved
         download.start()
@@ -572,22 +583,11 @@ def test_a_download_asked_back_takes_no_room_freed_after_it_was_asked(tmp_path):
     first. The download, woken by the room freed (not by :meth:`Cache.wake`), finds that it
     fits now: it returns None all the same, with no room reserved and no claim on its name.
     Before, a fit was reserved without looking, and the lane waited for the give-back."""
-    from cachepipe.cache import Cache
-    from cachepipe.catalog import Catalog
-
-    kib = 1 << 10
-    catalog = Catalog(mode="folders")
-    for name, size in (("held", 300 * kib), ("consumed", 300 * kib), ("next", 500 * kib)):
-        catalog.add(name, [("x", size, None)])
-    held, consumed, wanted = catalog[0], catalog[1], catalog[2]
-    cache = Cache(tmp_path / "c", 1 << 20)
-    cache.open()
+    cache, wanted = two_published_and_one_to_come(tmp_path, "held", "consumed")
     asked = threading.Event()
     got: list[object] = []
     download = threading.Thread(target=lambda: got.append(cache.acquire(wanted, withdrawn=asked.is_set)))
     try:
-        cache.recover(catalog, resume=False)
-        publish_each(cache, (held, consumed))
         reserved = cache.ledger.reserved
         download.start()
         wait_until(lambda: cache.shortfall() > 0, what="the download waiting for room")
@@ -595,7 +595,7 @@ def test_a_download_asked_back_takes_no_room_freed_after_it_was_asked(tmp_path):
         cache.evict("consumed")
         download.join(10)
         assert got == [None]
-        assert cache.ledger.reserved == reserved - 300 * kib
+        assert cache.ledger.reserved == reserved - 300 * 1024
         assert cache.acquire_many([(wanted, 0)], withdrawn=asked.is_set) == 0  # nor the path that needs no wait
         assert cache.acquire(wanted) is True  # no claim was left on its name
     finally:

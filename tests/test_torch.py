@@ -55,8 +55,9 @@ def ranks() -> Iterator[Zygote]:
 
 
 def fork_ranks(ranks: Zygote, cfg: dict, env: dict[str, str]) -> list:
-    """As :func:`run_ranks`, the ranks forked from ``ranks`` (the script's ``kind="direct"``)."""
-    procs = [ranks.spawn({**cfg, "kind": "direct", "env": {"RANK": str(rank), "WORLD_SIZE": "2", **env}}) for rank in range(2)]
+    """As :func:`run_ranks`, the ranks forked from ``ranks`` (the script's ``kind="direct"``,
+    unless ``cfg`` names another)."""
+    procs = [ranks.spawn({"kind": "direct", **cfg, "env": {"RANK": str(rank), "WORLD_SIZE": "2", **env}}) for rank in range(2)]
     outputs = []
     try:
         for proc in procs:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import logging
 import tarfile
 from collections.abc import Iterator
@@ -21,6 +20,8 @@ from zygote import Zygote
 torch = pytest.importorskip(
     "torch", reason="PyTorch is not installed (make test installs torch==2.13.0 where the CPU wheel is available)"
 )
+
+from test_torch import fork_ranks  # noqa: E402
 
 from cachepipe.errors import NothingToRepeatError  # noqa: E402
 from cachepipe.plan import Plan  # noqa: E402
@@ -179,18 +180,7 @@ def test_two_ranks_by_two_workers_run_as_many_batches_when_an_item_fails_on_one(
         "batch_size": 3,
         "extra": {"unpack": True, "on_error": "skip", **opts},
     }
-    procs = [ranks.spawn({**cfg, "env": {"RANK": str(r), "WORLD_SIZE": "2"}}) for r in (0, 1)]
-    outputs = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, err
-            outputs.append(json.loads(out))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(30)
+    outputs = fork_ranks(ranks, cfg, {})
     assert len(outputs[0]) == len(outputs[1])  # as many steps (batches) on both ranks: no hang
     for r, batches in enumerate(outputs):
         for w in (0, 1):
