@@ -93,6 +93,9 @@ def test_jobs_register_once_conflict_and_end(s3_source, tmp_path, short_dir):
                 stray.take((0, 0), timeout=5)
 
             client = lane._client
+            body = {"rank": 0, "worker": 0, "epoch": 0, "index": 0, "timeout": 5, "report_skips": "yes"}
+            status, data = client._request("POST", "/v1/jobs/train/take", body, 10)
+            assert status == 400 and "'report_skips' 'yes': expected true or false" in json.loads(data)["message"]
             status, data = client._request("DELETE", "/v1/jobs/train", None, 10)
             assert status == 200 and json.loads(data)["result"] == "deleted"
         assert not any(p.name.startswith("item") for p in (root / "train").iterdir())  # its items are deleted
