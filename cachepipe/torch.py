@@ -232,10 +232,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         if self.cache_dir is None or _distributed() is None:
             return None
         rank, data = _from_rank0(lambda: _manifest_bytes(self.source, self.options), self.source)
-        path = self.cache_dir / f"manifest-rank{rank}.json.gz"
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, data)
-        return str(path)
+        return _save_manifest(self.cache_dir, rank, data)
 
     def _node_catalog(self) -> str | None:
         """Node mode under an initialised ``torch.distributed`` of several ranks: rank 0's node
@@ -290,6 +287,11 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         pass it was saved in. Persistent DataLoader workers see it (shared memory). Never
         called: a pass reads every epoch of the plan (``epochs``), from the first.
 
+        Per-process mode without a ``manifest`` (or ``store``): the first call lists the source,
+        here, into a manifest under ``cache_dir`` that every later pass and DataLoader worker
+        plans from (else each worker of each pass would list it again), so the passes read one
+        catalog, as one pass over the epochs does.
+
         Raises:
             ValueError: ``epoch`` is not an integer >= 0, or is past the plan's epochs (give
                 ``epochs`` the number of epochs you train, or None: endless); per-process mode
@@ -308,6 +310,9 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                 f"set_epoch({epoch}) with epochs={epochs}: the plan has epochs 0 to {epochs - 1}; "
                 "give the dataset epochs=N (the epochs you train) or epochs=None (endless)"
             )
+        if self.cache_dir is not None and self.options.get("manifest") is None and self.options.get("store") is None:
+            rank, _ = self._rank_world()
+            self.options["manifest"] = _save_manifest(self.cache_dir, rank, _manifest_bytes(self.source, self.options))
         self._epoch.fill_(epoch)
 
     def _first_epoch(self) -> int | None:
@@ -762,6 +767,14 @@ def _from_rank0(make: Callable[[], T], source: str) -> tuple[int, T]:
     if kind != "ok":
         raise RuntimeError(f"rank 0 could not list {source!r} for this job: {value}")
     return rank, value
+
+
+def _save_manifest(cache_dir: Path, rank: int, data: bytes) -> str:
+    """Write manifest ``data`` as rank ``rank``'s under ``cache_dir``; its path."""
+    path = cache_dir / f"manifest-rank{rank}.json.gz"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, data)
+    return str(path)
 
 
 def _manifest_bytes(source: str, options: dict[str, Any]) -> bytes:

@@ -265,3 +265,22 @@ def test_a_set_epoch_pass_with_retention_whose_last_item_fails_stops_at_its_epoc
     for epoch in range(2):
         dataset.set_epoch(epoch)
         assert names_of(dataset) == [n for n in plan_names(names, epoch, epochs=2, **PLAN) if n != last], epoch
+
+
+def test_set_epoch_passes_list_the_source_once_for_every_pass_and_worker(s3_source, fault_proxy, tmp_path):
+    """Per-process mode without torch.distributed: each DataLoader worker of each pass listed
+    the source (6 listings for 3 passes of 2 workers); the first set_epoch lists it once, into
+    a manifest every pass plans from."""
+    from test_torch import listings
+
+    proxy, endpoint = fault_proxy
+    names = sorted(s3_source.folders(6, {"f": 500}))
+    options = {**s3_source.options, "endpoint_url": endpoint}
+    dataset = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", epochs=3, **{**opts(s3_source), "storage_options": options})
+    assert listings(proxy) == 0  # not at construction
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2)
+    for epoch in range(3):
+        dataset.set_epoch(epoch)
+        shares = per_worker_expected(names, epoch, 2, epochs=3, **PLAN)
+        assert split_by_worker(names_of(loader), shares) == shares, epoch
+    assert listings(proxy) == 1
