@@ -265,7 +265,8 @@ class PipelineConfig(BaseModel):
             need their compression ratio (5 for text packed to a fifth). After the extraction
             the real size is measured and the surplus released.
         keep_on_close: leave published items in ``cache_dir`` on close (default False); the next
-            owner reuses those whose files still match the listing.
+            owner of the same source and items mode reuses those whose files still match the
+            listing (by size), and removes the others.
         resume: continue the pass an earlier owner of ``cache_dir`` was in (after a crash or a
             restart): from the first step of the plan it had not consumed, skipping the steps it
             acknowledged beyond it, with its saved listing instead of listing the source again

@@ -632,3 +632,27 @@ def test_an_item_refuses_a_path_that_is_not_a_string(bad):
         ServedItem(bad, "a", "lease")
     with pytest.raises(TypeError, match="string or a path-like"):
         LaneItem({"path": bad, "name": "a", "size": 1, "files": [""], "epoch": 0, "index": 0, "next": [0, 1]})
+
+
+def test_items_kept_by_a_pipeline_of_another_source_are_not_reused_though_names_and_sizes_match(
+    s3_source, s3_client, tmp_path
+):
+    """Found in review: leftovers were reused when their files had the listed sizes, so a
+    pipeline of s3://data/other/ over a cache_dir that one of s3://data/video/ left items in
+    (keep_on_close; a set_epoch pass with retain="auto" does) read the other source's bytes."""
+    data = s3_source.folders(3, {"f": 1000})
+    for name, files in data.items():
+        s3_client.put_object(Bucket="data", Key=f"other/{name}/f", Body=bytes(reversed(files["f"])))
+    cache = tmp_path / "c"
+    with Pipeline(
+        s3_source.url, cache, "1MiB", storage_options=s3_source.options, keep_on_close=True, auto_ack=False, prefetch=3
+    ) as pipe:
+        wait_until(lambda: pipe.stats().items_ready == 3)
+    with Pipeline("s3://data/other/", cache, "1MiB", storage_options=s3_source.options, auto_ack=False) as pipe:
+        got = {}
+        for item in pipe:
+            got[item.name] = (item / "f").read_bytes()
+            pipe.ack(item)
+        assert pipe.stats().items_reused == 0
+    assert got == {name: bytes(reversed(files["f"])) for name, files in data.items()}
+    assert os.listdir(cache) == [".cachepipe"]  # the other source's items removed, not left as foreign files

@@ -45,7 +45,7 @@ from .eviction import REAP_MIN_BYTES, Eviction
 from .ledger import Ledger
 from .lock import STATE_DIR, OwnerLock
 from .record import Record
-from .recovery import check_resume, sort_leftovers
+from .recovery import check_resume, of_same_data, sort_leftovers
 from .staging import Staging, verify
 
 __all__ = ["STATE_DIR", "Cache"]
@@ -234,7 +234,7 @@ class Cache:
         replay = self._replay
         check_resume(replay, resume, plan, self._root)
         record, ledger = self.record, self.ledger
-        reuse, stale = sort_leftovers(self.root, replay, self.rebuilt, items)
+        reuse, stale = sort_leftovers(self.root, replay, self.rebuilt, items, of_same_data(replay.plan, plan))
         for name in stale:
             log.info("removing stale cached item %s", name)
             self._eviction.remove(name)

@@ -4,8 +4,9 @@ Policy, no writes: :func:`check_resume` decides from the journal alone whether a
 resumed; :func:`sort_leftovers` reads the disk and decides which items are reused and which
 are removed (the cache deletes those, through its eviction).
 
-Invariant: an item is reused only if the journal names it as published (or being published)
-and its files match the catalog exactly; other items the journal names are ours to remove;
+Invariant: an item is reused only if the journal names it as published (or being published),
+the journal's recorded plan is of the same source and items mode (when it records them), and
+its files match the catalog exactly; other items the journal names are ours to remove;
 files it does not name are never touched (foreign). With an unreadable journal, only items
 matching the catalog exactly are reused, and nothing is removed.
 """
@@ -21,7 +22,7 @@ from ..catalog import Catalog
 from ..errors import ConfigError
 from .staging import matches
 
-__all__ = ["check_resume", "plan_differences", "sort_leftovers"]
+__all__ = ["check_resume", "of_same_data", "plan_differences", "sort_leftovers"]
 
 
 def check_resume(replay: state.Replay, resume: bool, plan: str, where: str) -> None:
@@ -64,11 +65,28 @@ def plan_differences(saved: str, new: str) -> str:
     return "; ".join(f"{k} {before.get(k)!r} there, {now.get(k)!r} here" for k in keys if before.get(k) != now.get(k))
 
 
-def sort_leftovers(root: Path, replay: state.Replay, rebuilt: bool, items: Catalog) -> tuple[dict[str, int], list[str]]:
+def of_same_data(saved: str, new: str) -> bool:
+    """False if the recorded plan ``saved`` and this pass's plan ``new`` (both JSON, or "":
+    unknown) name another source or items mode: an item of the same name and sizes there is
+    another object. True when either is unknown or does not record them (an earlier version's)."""
+    try:
+        before, now = json.loads(saved), json.loads(new)
+    except ValueError:
+        return True
+    if not isinstance(before, dict) or not isinstance(now, dict):
+        return True
+    return all(before.get(k) == now.get(k) for k in LATER_KEYS if k in before and k in now)
+
+
+def sort_leftovers(
+    root: Path, replay: state.Replay, rebuilt: bool, items: Catalog, reusable: bool = True
+) -> tuple[dict[str, int], list[str]]:
     """The items on disk under ``root`` to reuse (name -> size, in name order) and the names to
-    remove, from the journal's ``replay`` (or, if it was unreadable, ``rebuilt``) and the catalog."""
-    live = replay.published | replay.publishing
-    ours = live | {name for _epoch, name in replay.acked}
+    remove, from the journal's ``replay`` (or, if it was unreadable, ``rebuilt``) and the catalog;
+    ``reusable`` False: none is reused (see :func:`of_same_data`)."""
+    named = replay.published | replay.publishing
+    live = named if reusable else set()
+    ours = named | {name for _epoch, name in replay.acked}
     if rebuilt:
         ours = live = {name for name in items.names if os.path.lexists(root / name)}
     reuse: dict[str, int] = {}
