@@ -232,7 +232,11 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         if self.cache_dir is None or _distributed() is None:
             return None
         rank, data = _from_rank0(lambda: _manifest_bytes(self.source, self.options), self.source)
-        return _save_manifest(self.cache_dir, rank, data)
+        return _save_manifest(self.cache_dir, rank, data, self.source, self._items())
+
+    def _items(self) -> str:
+        """The items mode (the ``items`` option, default ``"folders"``)."""
+        return str(self.options.get("items", "folders"))
 
     def _node_catalog(self) -> str | None:
         """Node mode under an initialised ``torch.distributed`` of several ranks: rank 0's node
@@ -243,7 +247,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         dist = _distributed()
         if dist is None:
             return None
-        items = str(self.options.get("items", "folders"))
+        items = self._items()
         with JobClient("manifests", {}, dist.get_rank(), 0, self.node) as daemon:
 
             def listed() -> tuple[str, bytes]:
@@ -312,7 +316,8 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             )
         if self.cache_dir is not None and self.options.get("manifest") is None and self.options.get("store") is None:
             rank, _ = self._rank_world()
-            self.options["manifest"] = _save_manifest(self.cache_dir, rank, _manifest_bytes(self.source, self.options))
+            data = _manifest_bytes(self.source, self.options)
+            self.options["manifest"] = _save_manifest(self.cache_dir, rank, data, self.source, self._items())
         self._epoch.fill_(epoch)
 
     def _first_epoch(self) -> int | None:
@@ -769,9 +774,12 @@ def _from_rank0(make: Callable[[], T], source: str) -> tuple[int, T]:
     return rank, value
 
 
-def _save_manifest(cache_dir: Path, rank: int, data: bytes) -> str:
-    """Write manifest ``data`` as rank ``rank``'s under ``cache_dir``; its path."""
-    path = cache_dir / f"manifest-rank{rank}.json.gz"
+def _save_manifest(cache_dir: Path, rank: int, data: bytes, source: str, items: str) -> str:
+    """Write manifest ``data`` (of ``source`` listed as ``items``) as rank ``rank``'s under
+    ``cache_dir``; its path. The name holds a digest of the source and items mode, so that
+    datasets of other sources over one ``cache_dir`` (training and validation) keep theirs."""
+    of = hashlib.blake2b(f"{items} {source}".encode(), digest_size=4).hexdigest()
+    path = cache_dir / f"manifest-rank{rank}-{of}.json.gz"
     cache_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(path, data)
     return str(path)

@@ -634,9 +634,7 @@ def test_an_item_refuses_a_path_that_is_not_a_string(bad):
         LaneItem({"path": bad, "name": "a", "size": 1, "files": [""], "epoch": 0, "index": 0, "next": [0, 1]})
 
 
-def test_items_kept_by_a_pipeline_of_another_source_are_not_reused_though_names_and_sizes_match(
-    s3_source, s3_client, tmp_path
-):
+def test_items_kept_by_a_pipeline_of_another_source_are_not_reused_though_names_and_sizes_match(s3_source, s3_client, tmp_path):
     """Found in review: leftovers were reused when their files had the listed sizes, so a
     pipeline of s3://data/other/ over a cache_dir that one of s3://data/video/ left items in
     (keep_on_close; a set_epoch pass with retain="auto" does) read the other source's bytes."""

@@ -284,3 +284,18 @@ def test_set_epoch_passes_list_the_source_once_for_every_pass_and_worker(s3_sour
         shares = per_worker_expected(names, epoch, 2, epochs=3, **PLAN)
         assert split_by_worker(names_of(loader), shares) == shares, epoch
     assert listings(proxy) == 1
+
+
+def test_two_datasets_of_other_sources_over_one_cache_dir_keep_their_own_listings(s3_source, s3_client, tmp_path):
+    """Training and validation over one cache_dir, in turns: each set_epoch loop plans from its
+    own source's manifest (one name for both: the second overwrote the first's, which then
+    refused to plan from a manifest of another source)."""
+    train = sorted(s3_source.folders(4, {"f": 500}))
+    for name in ("val0", "val1"):
+        s3_client.put_object(Bucket="data", Key=f"other/{name}/f", Body=b"v" * 500)
+    options = {**opts(s3_source), "epochs": 2}
+    datasets = [CachePipeDataset(url, tmp_path / "c", "1MiB", **options) for url in (s3_source.url, "s3://data/other/")]
+    for epoch in range(2):
+        for dataset, names in zip(datasets, (train, ["val0", "val1"]), strict=True):
+            dataset.set_epoch(epoch)
+            assert sorted(names_of(dataset)) == names
