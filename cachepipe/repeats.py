@@ -16,9 +16,10 @@ sample so that the worker yields exactly one sample per planned step:
 
 So the counts hold per epoch too when one pass reads several epochs (each repeat takes the
 place of its skipped step, except at a pass's start, where the first sample's repeats follow
-it). A resumed pass starts with ``weight``: the yields still due for its first step (a
-checkpoint taken while a sample's repeats were due resumes to that sample, re-read, with the
-number still due). Each substitution is logged as a warning.
+it). A checkpoint is taken at the last sample read; a pass resumed from it reads that sample
+again, with ``weight`` (the yields its step is due) and ``delivered`` (the yields made from it
+on before the checkpoint, not made again: see :meth:`Repeats.deliver`), so it has a sample to
+repeat for skipped items right after the checkpoint. Each substitution is logged as a warning.
 """
 
 from __future__ import annotations
@@ -40,14 +41,22 @@ class Repeats:
 
     Args:
         where: the worker, for messages (``"rank 1 worker 0"``).
-        weight: the yields due for the pass's first step (1; more when a state saved while a
-            sample's repeats were due is resumed).
+        weight: the yields due for the pass's first step (1; more for a resumed pass whose first
+            step's sample was also yielded for skipped steps before it).
+        delivered: the yields a resumed pass made before, from its first step on (not made
+            again, see :meth:`deliver`): a pass resumes at its last sample's step, which it
+            reads again, so that it has a sample to repeat for the skipped steps after it.
     """
 
-    def __init__(self, where: str, weight: int = 1) -> None:
+    def __init__(self, where: str, weight: int = 1, delivered: int = 0) -> None:
         if isinstance(weight, bool) or not isinstance(weight, int) or weight < 1:
             raise ValueError(f"repeat {weight!r} in the state: expected an integer >= 1 (the yields due at its position)")
+        if isinstance(delivered, bool) or not isinstance(delivered, int) or delivered < 0:
+            raise ValueError(f"yielded {delivered!r} in the state: expected an integer >= 0")
         self.where = where
+        self._suppress = delivered  # yields made before the resume: counted, not made again
+        self.due = weight  # the yields the current sample's step is due (its own and skipped steps' before it)
+        self.since = 0  # the yields made (or made before the resume) from the current sample's step on
         self._weight = weight  # the yields the next step is due (more than 1 only for a resumed pass's first)
         self.previous: Any = None  # the last sample yielded
         self.previous_name: str | None = None  # its item's name (None: no sample yet)
@@ -92,7 +101,17 @@ class Repeats:
             )
         self._owed, self._owed_count = [], 0
         self.previous, self.previous_name = sample, name
+        self.due, self.since = times, 0
         return times
+
+    def deliver(self) -> bool:
+        """Count one yield of :attr:`previous` (of its own step, or a skipped step's); False: it
+        was made before the resume (``delivered``), so it is not made again."""
+        self.since += 1
+        if self._suppress:
+            self._suppress -= 1
+            return False
+        return True
 
     def end(self) -> None:
         """The pass ended.

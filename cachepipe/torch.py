@@ -160,9 +160,9 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         self._cursor: Cursor | None = None  # node mode: the position after the last item yielded here
         self._lane_info: tuple[str, int, int, Any] | None = None  # node mode: the lane, once registered here
         self._end: int | None = None  # the epoch the latest pass ends before (None: the plan's end)
-        # equal_steps: (the position of the sample in hand, its yields still due) while a skipped
-        # item's repeats are due (see _equal_local): a state taken then resumes to that sample
-        self._owed: tuple[Any, int] | None = None
+        # equal_steps with skips: (the state at the last sample read, its step's yields due, the
+        # yields made from its step on): a state resumes there, reading it again (see _equal_local)
+        self._owed: tuple[Any, int, int] | None = None
         # set_epoch's value (-1: never called), in shared memory: persistent DataLoader workers read
         # what the main process set after they started
         self._epoch = torch.full((), -1, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call, unused-ignore]
@@ -185,8 +185,9 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             options["equal_steps"] = "pad"
         # a skipped item's step is taken by a repeat: only where equal counts are planned and kept
         # (one rank has no collective to hang; equal_steps=None plans unequal counts anyway)
-        self._equal = world > 1 and options.get("equal_steps") is not None
         skips = [f"{key}='skip'" for key in ("on_error", "on_oversize") if options.get(key) == "skip"]
+        # per-process, the pipeline's options say whether it skips; a node's jobs.options may too
+        self._equal = world > 1 and options.get("equal_steps") is not None and (bool(skips) or node is not None)
         if self._equal and skips and transform is None:
             raise ValueError(
                 f"transform=None with {' and '.join(skips)} and equal_steps={options['equal_steps']!r} over "
@@ -520,20 +521,20 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         transform = self.transform
         if transform is None:
             raise ValueError("equal steps with transform=None: refused when the dataset is made")
-        repeats = Repeats(self._where(), _repeat(start))
+        repeats = _repeats(self._where(), start)
+        at: dict[str, Any] = {}
         while (got := _next_step(pipe, end)) is not None:
-            if isinstance(got, Skipped):  # its step is consumed: a state after the repeat is past it
-                for _ in range(repeats.skipped(got.name, got.reason)):
+            if isinstance(got, Skipped):
+                times = repeats.skipped(got.name, got.reason)
+            else:
+                times = repeats.sample(got.name, transform(got))
+                at = self._local_state(pipe)  # at this item: a resume reads it again, to repeat it
+                pipe.ack(got)
+            for _ in range(times):
+                if repeats.deliver():
+                    if self._pass is token:
+                        self._owed = (at, repeats.due, repeats.since)
                     yield repeats.previous
-                continue
-            sample = transform(got)
-            times = repeats.sample(got.name, sample)
-            at = self._local_state(pipe) if times > 1 else None  # at this item (its own and earlier steps' yields due)
-            pipe.ack(got)
-            for left in reversed(range(times)):
-                if self._pass is token:
-                    self._owed = (at, left) if left else None
-                yield sample
         repeats.end()
 
     def _equal_node(self, lane: JobClient, cursor: Cursor, start: dict[str, Any] | None, token: object) -> Iterator[Any]:
@@ -542,7 +543,8 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         transform, end = self.transform, self._end
         if transform is None:
             raise ValueError("equal steps with transform=None: refused when the dataset is made")
-        repeats = Repeats(self._where(), _repeat(start))
+        repeats = _repeats(self._where(), start)
+        at = cursor
         while not _past(cursor, end) and (batch := lane.take_many(cursor, NODE_BATCH, NODE_BATCH_BYTES, report_skips=True)):
             batch = [step for step in batch if not _past(step.cursor, end)]  # the next epoch's: the next pass's
             if not batch:
@@ -552,13 +554,14 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             lane.consume(cursor)  # read: their space is free while the samples travel on
             for read, step in zip(samples, batch, strict=True):
                 if isinstance(step, LaneSkip):
-                    times, sample = repeats.skipped(step.name, step.reason), repeats.previous
+                    times = repeats.skipped(step.name, step.reason)
                 else:
-                    times, sample = repeats.sample(step.name, read), read
-                for left in reversed(range(times)):
-                    if self._pass is token:
-                        self._cursor, self._owed = step.next, (step.cursor, left) if left else None
-                    yield sample
+                    times, at = repeats.sample(step.name, read), step.cursor
+                for _ in range(times):
+                    if repeats.deliver():
+                        if self._pass is token:
+                            self._cursor, self._owed = step.next, (at, repeats.due, repeats.since)
+                        yield repeats.previous
         repeats.end()
 
     def _where(self) -> str:
@@ -605,9 +608,11 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
 
         Node mode: the position after the last sample this process (worker) yielded, with the
         job, lane and catalog digest, and the epoch the pass ends before (``end_epoch``: None
-        for the plan's end; one past the epoch :meth:`set_epoch` set). Either mode, while the
-        repeats of a skipped item are due (``equal_steps``): the position of the sample being
-        repeated and ``"repeat"``, its yields still due (a resume reads it again). Per-process
+        for the plan's end; one past the epoch :meth:`set_epoch` set). Either mode, with
+        ``equal_steps`` over several ranks and a skip option (node mode: whatever the job's
+        options), once the pass yielded: the position of the last sample read (a resume reads
+        it again, to repeat it for skipped items after it), ``"repeat"`` the yields due for its
+        step and ``"yielded"`` those made from its step on (not made again). Per-process
         mode: the plan's configuration and the position of this process's pipeline
         (:meth:`cachepipe.Pipeline.state_dict`): after the last sample yielded with a
         ``transform``, at the item in hand without one; with ``end_epoch`` in a
@@ -619,7 +624,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         if self._state is None:  # no state loaded since this process's last pass began
             if self.node is not None and self._cursor is not None and self._lane_info is not None:
                 name, rank, worker, digest = self._lane_info
-                cursor, repeat = (self._cursor, 0) if self._owed is None else self._owed
+                cursor = self._cursor if self._owed is None else self._owed[0]
                 return {
                     "job": name,
                     "rank": rank,
@@ -628,16 +633,23 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                     "index": cursor.index,
                     "catalog_digest": digest,
                     "end_epoch": self._end,
-                    **({"repeat": repeat} if repeat else {}),
+                    **self._owed_counts(),
                 }
             if self.node is None and self._owed is not None:
-                return {**self._owed[0], "repeat": self._owed[1]}
+                return {**self._owed[0], **self._owed_counts()}
             if self.node is None and self._pipe is not None:
                 return self._local_state(self._pipe)
         start = self._state if self._state is not None else self._start
         if start is not None:
             return dict(start)
         return {}  # the start: of the plan, or of the epoch set_epoch sets before the pass
+
+    def _owed_counts(self) -> dict[str, int]:
+        """``equal_steps`` with skips, in a state at the last sample read (:attr:`_owed`): its
+        step's yields due (``"repeat"``) and the yields made from it on (``"yielded"``); {} else."""
+        if self._owed is None:
+            return {}
+        return {"repeat": self._owed[1], "yielded": self._owed[2]}
 
     def _local_state(self, pipe: Pipeline) -> dict[str, Any]:
         """Per-process mode: ``pipe``'s state, with the epoch its pass ends before if it stops
@@ -652,7 +664,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         position, not its pipeline (threads, locks, files: this process's alone)."""
         state = dict(self.__dict__)
         if self._pipe is not None:
-            state["_start"] = self._local_state(self._pipe) if self._owed is None else {**self._owed[0], "repeat": self._owed[1]}
+            state["_start"] = self._local_state(self._pipe) if self._owed is None else {**self._owed[0], **self._owed_counts()}
         state["_pipe"], state["_pass"] = None, None
         return state
 
@@ -704,10 +716,12 @@ def _sibling(owner: str) -> bool:
     return len(fields) > 1 and fields[1] == str(os.getppid())
 
 
-def _repeat(start: Mapping[str, Any] | None) -> int:
-    """The yields due for the first step of a pass started from ``start`` (``"repeat"``: a state
-    taken while a sample's repeats were due; 1 without it, as in a state saved before it existed)."""
-    return int(start.get("repeat", 1)) if start else 1
+def _repeats(where: str, start: Mapping[str, Any] | None) -> Repeats:
+    """The substitutions of a pass started from ``start``: at a state's last sample, its step's
+    yields due (``"repeat"``, default 1) and those made before (``"yielded"``, default 0: a
+    state saved without them, which is after its last sample)."""
+    start = start or {}
+    return Repeats(where, int(start.get("repeat", 1)), int(start.get("yielded", 0)))
 
 
 def _finished(state: Mapping[str, Any]) -> bool:

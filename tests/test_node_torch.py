@@ -39,14 +39,14 @@ CAPACITY = 48 * KIB
 OPTIONS = {"epochs": 2, "shuffle": True, "seed": 5}
 
 
-def write_config(tmp_path: Path, sock: Path, url: str, options: dict, capacity: int = CAPACITY) -> Path:
+def write_config(tmp_path: Path, sock: Path, url: str, options: dict, capacity: int = CAPACITY, **job_options) -> Path:
     data = {
         "socket": str(sock),
         "jobs": {
             "root": str(tmp_path / "jobs"),
             "capacity": capacity,
             "sources": [url],
-            "options": {"storage_options": options, "max_concurrency": 4},
+            "options": {"storage_options": options, "max_concurrency": 4, **job_options},
         },
     }
     path = tmp_path / "cachepipe.yaml"
@@ -389,10 +389,7 @@ def test_an_item_skipped_on_one_rank_is_repeated_in_its_place_so_both_ranks_run_
     bad = {shares[1, 0][2], shares[1, 1][0]}  # rank 1's, in epoch 0: a middle item and a first one
     put_items(s3_source, 13, {names.index(b) for b in bad})
     sock = short_dir / "api.sock"
-    config = write_config(tmp_path, sock, s3_source.url, s3_source.options)
-    data = yaml.safe_load(config.read_text())
-    data["jobs"]["options"]["unpack"] = True
-    config.write_text(yaml.safe_dump(data))
+    config = write_config(tmp_path, sock, s3_source.url, s3_source.options, unpack=True)
     cfg = {"url": s3_source.url, "socket": str(sock), "options": {**OPTIONS, "on_error": "skip"}}
     with DaemonProcess(config):
         outs = both_ranks(cfg)
@@ -400,3 +397,32 @@ def test_an_item_skipped_on_one_rank_is_repeated_in_its_place_so_both_ranks_run_
     for rank in (0, 1):
         for worker in (0, 1):
             assert [name for _, name in by_worker(outs[rank], worker)] == substituted(shares[rank, worker], bad)
+
+
+def test_a_checkpoint_before_only_skipped_steps_resumes_from_the_node(s3_source, tmp_path, short_dir):
+    """Found in review: a state taken after a worker's last good sample, with only skipped items
+    left in its pass, could not be resumed (NothingToRepeatError: the resumed worker had no
+    sample to repeat). The state is at that sample now, which the resumed worker reads again."""
+    from test_torch_skips import planned, put_items
+
+    from cachepipe.torch import CachePipeDataset
+
+    names, sizes = put_items(s3_source, 4, set())
+    share = planned(sizes, names, rank=0, world_size=2)
+    put_items(s3_source, 4, {names.index(share[-1])})
+    sock = short_dir / "api.sock"
+    options = {"node": str(sock), "job": "train", "rank": 0, "world_size": 2, "node_ranks": [0], "on_error": "skip"}
+
+    def dataset() -> CachePipeDataset:
+        return CachePipeDataset(s3_source.url, transform=lambda item: item.name, **options)
+
+    with DaemonProcess(write_config(tmp_path, sock, s3_source.url, s3_source.options, unpack=True)):
+        assert list(dataset()) == [share[0]] * 2  # the last item's step: a repeat of the first
+        first = dataset()
+        it = iter(first)
+        head = [next(it)]
+        state = first.state_dict()
+        it.close()
+        resumed = dataset()
+        resumed.load_state_dict(state)
+        assert head + list(resumed) == [share[0]] * 2
