@@ -29,8 +29,12 @@ $(TEST): pyproject.toml | $(PY)
 demo: $(DEMO)
 	$(PY) examples/demo.py
 
+# Bytecode goes to .venv/pycache (not beside the sources), written even where the environment
+# sets PYTHONDONTWRITEBYTECODE: the suite starts a few hundred Python processes (daemons, ranks,
+# CLI runs), which otherwise each compile cachepipe from source. tests/test_service.py: 48.0 s
+# against 52.7 s (medians of 3 interleaved runs).
 test: $(TEST)
-	$(PY) -m pytest -q -p no:cacheprovider
+	PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=$(CURDIR)/$(VENV)/pycache $(PY) -m pytest -q -p no:cacheprovider
 
 # ruff and mypy at the versions pinned in pyproject's `lint` extra (part of `test`); settings in pyproject.toml
 lint: $(TEST)
