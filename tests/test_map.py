@@ -818,6 +818,14 @@ def test_the_state_of_the_downloads_pipeline_is_part_of_the_sizing_so_the_dry_ru
             assert said in err.err + err.out and "Traceback" not in err.err
 
 
+def mount_namespace(pid: int) -> int | None:
+    """The mount namespace of process ``pid`` (its inode), or None if it is gone."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/mnt").st_ino
+    except OSError:
+        return None
+
+
 def test_leftovers_are_looked_for_in_this_mount_namespace_only(tmp_path):
     """In another mount namespace (a container, systemd's PrivateTmp) the same path can be another
     folder with a live run of its own: its commands are not this cache's leftovers."""
@@ -829,6 +837,8 @@ def test_leftovers_are_looked_for_in_this_mount_namespace_only(tmp_path):
     elsewhere = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "60"], env=env)
     try:
         wait_until(lambda: processes_writing_into(tmp_path).keys() >= {str(here.pid), str(elsewhere.pid)})
+        # unshare(1) runs in this namespace until its unshare(2) call: a look before that finds both
+        wait_until(lambda: mount_namespace(elsewhere.pid) != mount_namespace(os.getpid()), what="unshare's own namespace")
         assert sorted(kill_leftovers(work)) == [here.pid]  # before: both
         assert here.wait(10) == -signal.SIGKILL and elsewhere.poll() is None
     finally:
