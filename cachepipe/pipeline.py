@@ -400,12 +400,14 @@ class Pipeline:
             raise EmptySourceError(f"no items under {cfg.source!r}: found no {cfg.items} smaller than the capacity")
         return catalog, sizes if eligible is None else array("q", (sizes[i] for i in eligible)), eligible, from_manifest
 
-    @staticmethod
-    def _check_limit(sizes: array[int], catalog: Catalog, eligible: array[int] | None, cache: Cache) -> int:
-        """The largest of ``sizes``; raises :class:`OversizeError` for the first item above what
-        the cache can hold once recovered (state files and foreign files counted)."""
+    def _check_limit(self, sizes: array[int], catalog: Catalog, eligible: array[int] | None, cache: Cache) -> int:
+        """The largest of ``sizes``; with ``on_oversize="raise"``, raises :class:`OversizeError`
+        for the first item above what the cache can hold once recovered (state files and foreign
+        files counted). With ``"skip"``, such an item (left in by :meth:`_fitting`'s estimate,
+        made before the state files were measured) is skipped in its turn, when its room is
+        reserved (:meth:`Cache.acquire` raises for it)."""
         largest = max(sizes)
-        if largest > cache.limit:
+        if largest > cache.limit and self.config.on_oversize == "raise":
             i = next(i for i, size in enumerate(sizes) if size > cache.limit)
             item = catalog[i if eligible is None else eligible[i]]
             raise OversizeError(item.name, item.size, cache.capacity, cache.capacity - cache.limit)

@@ -546,6 +546,8 @@ class Cache:
                 while not victims:
                     if self._closed:
                         return False
+                    if item.size > ledger.limit:  # it would never fit: not waited for (as in _reserve)
+                        raise OversizeError(item.name, item.size, ledger.capacity, ledger.foreign + ledger.overhead)
                     if policy.is_pinned(idx):  # an earlier step's copy is still out: one copy at a time
                         if withdrawn():
                             return None
