@@ -170,6 +170,20 @@ def test_manifest_benchmark_reports_every_phase():
     assert report["phases"]["plan"]["share"] > 0
 
 
+def test_startup_benchmark_times_each_start_of_a_tree():
+    root = Path(__file__).parent.parent
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench_startup.py"), "--trees", str(root), "--runs", "1", "--bytecode", "off"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["help"], ["status"], ["serve"])]
+    assert [(r[0], r[1], r[-1]) for r in rows] == [(kind, "none", "1.00") for kind in ("help", "status", "serve")]
+
+
 def test_node_epochs_benchmark_crosses_an_epoch_in_each_run():
     script = Path(__file__).parent.parent / "benchmarks" / "bench_node_epochs.py"
     proc = subprocess.run(
