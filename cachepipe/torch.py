@@ -54,7 +54,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import torch.utils.data
 
@@ -232,12 +232,13 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         listing. Returns the manifest's path, or None (not distributed: each process lists)."""
         if self.cache_dir is None or _distributed() is None:
             return None
-        rank, data = _from_rank0(lambda: _manifest_bytes(self.source, self.options), self.source)
+        rank, data = _from_rank0(lambda: _manifest_bytes(self.source, self._items(), self.options), self.source)
         return _save_manifest(self.cache_dir, rank, data, self.source, self._items())
 
-    def _items(self) -> str:
-        """The items mode (the ``items`` option, default ``"folders"``)."""
-        return str(self.options.get("items", "folders"))
+    def _items(self) -> Literal["folders", "files"]:
+        """The items mode (the ``items`` option, default ``"folders"``; checked where the
+        pipeline's options are, or by the daemon)."""
+        return cast(Literal["folders", "files"], str(self.options.get("items", "folders")))
 
     def _node_catalog(self) -> str | None:
         """Node mode under an initialised ``torch.distributed`` of several ranks: rank 0's node
@@ -317,7 +318,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             )
         if self.cache_dir is not None and self.options.get("manifest") is None and self.options.get("store") is None:
             rank, _ = self._rank_world()
-            data = _manifest_bytes(self.source, self.options)
+            data = _manifest_bytes(self.source, self._items(), self.options)
             self.options["manifest"] = _save_manifest(self.cache_dir, rank, data, self.source, self._items())
         self._epoch.fill_(epoch)
 
@@ -744,14 +745,11 @@ def _next(pipe: Pipeline, end: int | None) -> CachedItem | None:
 def _next_step(pipe: Pipeline, end: int | None) -> CachedItem | Skipped | None:
     """``pipe``'s next step: its item, or the item skipped in its turn
     (:meth:`Pipeline.get_or_skipped`); None once all are delivered, or (``end``) once the next
-    step is of epoch ``end`` or later (an item got past it is given back)."""
+    step is of epoch ``end`` or later. The caller acknowledges each item before it asks again,
+    so the next step is the first unconsumed one, whose epoch the state names."""
     if end is not None and pipe.state_dict()["epoch"] >= end:
         return None
-    got = pipe.get_or_skipped()
-    if isinstance(got, CachedItem) and end is not None and pipe.state_dict()["epoch"] >= end:
-        pipe.release(got)  # the first unconsumed step is this item's: epoch end or later
-        return None
-    return got
+    return pipe.get_or_skipped()
 
 
 def _past(cursor: Cursor, end: int | None) -> bool:
@@ -799,11 +797,11 @@ def _save_manifest(cache_dir: Path, rank: int, data: bytes, source: str, items: 
     return str(path)
 
 
-def _manifest_bytes(source: str, options: dict[str, Any]) -> bytes:
-    """List ``source`` (with the dataset's ``items`` and ``storage_options``) into manifest bytes."""
+def _manifest_bytes(source: str, items: Literal["folders", "files"], options: dict[str, Any]) -> bytes:
+    """List ``source`` as ``items`` (with the dataset's ``storage_options``) into manifest bytes."""
     with tempfile.TemporaryDirectory(prefix="cachepipe-list-") as tmp:
         path = Path(tmp) / "manifest.json.gz"
-        index(source, path, options.get("items", "folders"), options.get("storage_options"))
+        index(source, path, items, options.get("storage_options"))
         return path.read_bytes()
 
 

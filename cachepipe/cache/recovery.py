@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from .. import state
 from ..catalog import Catalog
@@ -50,16 +51,23 @@ LATER_KEYS = ("source", "items")
 """Keys of a recorded plan that earlier versions did not record: compared only when both have them."""
 
 
+def _as_dicts(saved: str, new: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """Two recorded plans (JSON) as dicts, or None if either is not a JSON object."""
+    try:
+        before, now = json.loads(saved), json.loads(new)
+    except ValueError:
+        return None
+    return (before, now) if isinstance(before, dict) and isinstance(now, dict) else None
+
+
 def plan_differences(saved: str, new: str) -> str:
     """How the recorded plan ``saved`` and this pass's plan ``new`` (both JSON) differ, one
     ``key: saved there, new here`` per key, or "" if they are the same pass. A key of
     :data:`LATER_KEYS` that ``saved`` lacks is not compared (a pass recorded before it was)."""
-    try:
-        before, now = json.loads(saved), json.loads(new)
-    except ValueError:
+    plans = _as_dicts(saved, new)
+    if plans is None:
         return "" if saved == new else f"{saved} there, {new} here"
-    if not isinstance(before, dict) or not isinstance(now, dict):
-        return "" if before == now else f"{saved} there, {new} here"
+    before, now = plans
     now = {k: v for k, v in now.items() if k in before or k not in LATER_KEYS}
     keys = sorted(before.keys() | now.keys())
     return "; ".join(f"{k} {before.get(k)!r} there, {now.get(k)!r} here" for k in keys if before.get(k) != now.get(k))
@@ -69,12 +77,10 @@ def of_same_data(saved: str, new: str) -> bool:
     """False if the recorded plan ``saved`` and this pass's plan ``new`` (both JSON, or "":
     unknown) name another source or items mode: an item of the same name and sizes there is
     another object. True when either is unknown or does not record them (an earlier version's)."""
-    try:
-        before, now = json.loads(saved), json.loads(new)
-    except ValueError:
+    plans = _as_dicts(saved, new)
+    if plans is None:
         return True
-    if not isinstance(before, dict) or not isinstance(now, dict):
-        return True
+    before, now = plans
     return all(before.get(k) == now.get(k) for k in LATER_KEYS if k in before and k in now)
 
 
