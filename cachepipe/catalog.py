@@ -65,6 +65,20 @@ class Item:
     size: int
     is_file: bool = False
 
+    @property
+    def version(self) -> str | None:
+        """Which version of the item the listing names: 16 hex digits of a digest of its files'
+        paths, sizes and entity tags, or None if no file has a tag (local files, ``memory://``).
+        The journal records it with each publish, so that recovery reuses an item left on disk
+        only while the store still lists that version (an object rewritten at the same size has
+        another tag)."""
+        if all(f.etag is None for f in self.files):
+            return None
+        digest = hashlib.blake2b(digest_size=8)
+        for f in self.files:
+            digest.update(f"{f.rel}\0{f.size}\0{f.etag or ''}\0".encode("utf-8", "surrogateescape"))
+        return digest.hexdigest()
+
 
 def check_key(key: str) -> list[str]:
     """Return the ``/``-separated segments of ``key``, or raise :class:`UnsafeKeyError`.

@@ -4,7 +4,9 @@ Files under ``cache_dir/.cachepipe/``::
 
     journal   one event per line, appended with a single write() and flushed:
                 "I <name>"  about to publish (the rename may or may not have happened)
+                "J <version> <name>"  the same, of the version the listing names (Item.version)
                 "P <name>"  published (after an "A": kept on disk for a later step)
+                "R <version> <name>"  published, of that version (written by a compaction)
                 "A <epoch> <name>"  acknowledged in that epoch of the current pass
                 "D <name>"  deleted without an ack (closing without keep_on_close, a leftover
                             in the way, a retention victim), written once its files are moved away
@@ -53,7 +55,9 @@ __all__ = [
 ]
 
 CATALOG_VERSION = 1
-EVENT_OVERHEAD = 48  # bytes per step besides 4 x the name: kinds, spaces, newlines, epoch and index numbers
+# bytes per step besides 4 x the name: kinds, spaces, newlines, epoch and index numbers (48), and
+# an item's version (16 hex digits and a space) on its intent, or on its compacted publish record
+EVENT_OVERHEAD = 65
 
 
 class StateCorrupt(ValueError):
@@ -70,6 +74,7 @@ class Replay:
     acked: set[tuple[int, str]] = field(default_factory=set)  # (epoch, name)
     cursor: tuple[int, int] = (0, 0)  # (epoch, index): every step before it is consumed
     plan: str = ""  # the plan configuration (JSON) the cursor refers to
+    versions: dict[str, str] = field(default_factory=dict)  # name -> version of an item published or publishing
 
 
 def load(path: Path) -> Replay:
@@ -89,9 +94,16 @@ def load(path: Path) -> Replay:
             kind, arg = raw.decode("utf-8", "surrogateescape").split(" ", 1)
         except ValueError as exc:
             raise StateCorrupt(f"{path}: line {number} is not a journal event: {raw[:60]!r}") from exc
-        if kind == "I":
+        if kind in ("J", "R"):
+            version, _, arg = arg.partition(" ")
+            if not arg:
+                raise StateCorrupt(f"{path}: line {number}: {kind} event without a name: {raw[:60]!r}")
+            replay.versions[arg] = version
+        elif kind == "I":
+            replay.versions.pop(arg, None)  # of a version not known (no tags, or an older journal)
+        if kind in ("I", "J"):
             replay.publishing.add(arg)
-        elif kind == "P":
+        elif kind in ("P", "R"):
             replay.publishing.discard(arg)
             replay.published.add(arg)
         elif kind == "A":
@@ -109,6 +121,7 @@ def load(path: Path) -> Replay:
         elif kind == "D":
             replay.published.discard(arg)
             replay.publishing.discard(arg)
+            replay.versions.pop(arg, None)
         elif kind == "N":
             replay.pass_no = _int(arg, path, number)
             replay.acked.clear()
@@ -146,8 +159,10 @@ class Journal:
             # acks first: an "A" ends an item's published state, and an item acked and kept for a
             # later step (retention) is both acked and published
             lines += [f"A {e} {n}" for e, n in sorted(replay.acked)]
-            lines += [f"P {n}" for n in sorted(replay.published)]
-            lines += [f"I {n}" for n in sorted(replay.publishing)]  # intents whose renames are under way
+            versions = replay.versions
+            lines += [f"R {versions[n]} {n}" if n in versions else f"P {n}" for n in sorted(replay.published)]
+            # intents whose renames are under way
+            lines += [f"J {versions[n]} {n}" if n in versions else f"I {n}" for n in sorted(replay.publishing)]
             data = ("\n".join(lines) + "\n").encode("utf-8", "surrogateescape")
             atomic_write(self.path, data)  # on failure the old file and descriptor stay in use
             try:

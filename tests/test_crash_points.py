@@ -587,6 +587,25 @@ def test_compaction_keeps_an_item_acked_and_kept_for_a_later_step(tmp_path):
     assert replay.published == {"kept"} and replay.acked == {(3, "kept")}
 
 
+def test_the_journal_keeps_item_versions_through_compaction_and_reads_older_journals_without_them(tmp_path):
+    """An intent with a version ("J") and a compacted publish record ("R") give the item's
+    version; "I" and "P" (an older journal's, or an item without ETags) give none, and a later
+    "I" forgets an earlier publish's version; a "J" without a name is damage."""
+    path = tmp_path / "journal"
+    path.write_bytes(b"N 1\nJ 00aa11bb22cc33dd a b\nP a b\nI old\nP old\nJ 1111222233334444 again\nA 0 again\nI again\n")
+    replay = state.load(path)
+    assert replay.published == {"a b", "old"} and replay.publishing == {"again"}
+    assert replay.versions == {"a b": "00aa11bb22cc33dd"}
+    journal = state.Journal(path)
+    journal.rewrite(replay)
+    journal.close()
+    assert b"R 00aa11bb22cc33dd a b\nP old\nI again\n" in path.read_bytes()
+    assert state.load(path).versions == replay.versions
+    path.write_bytes(b"N 1\nJ 00aa11bb22cc33dd\n")
+    with pytest.raises(state.StateCorrupt, match="J event without a name"):
+        state.load(path)
+
+
 def test_a_full_disk_at_open_raises_enospc_and_leaves_the_items(tmp_path):
     """Recovery's first journal rewrite meets a full disk: open fails with that error, and
     closing after it deletes nothing (nothing was recorded yet; the next open decides)."""

@@ -452,13 +452,17 @@ def test_close_while_consumer_blocked_ends_its_loop(s3_source, tmp_path):
     pipe.close()  # idempotent
 
 
+def _leave_items(source, cache: Path, n: int = 3) -> None:
+    """Download ``source``'s first ``n`` items into ``cache`` and close, leaving them there."""
+    options = {"storage_options": source.options, "keep_on_close": True, "auto_ack": False, "prefetch": n}
+    with Pipeline(source.url, cache, "1MiB", **options) as pipe:
+        wait_until(lambda: pipe.stats().items_ready == n)
+
+
 def test_keep_on_close_items_are_reused_by_the_next_owner(s3_source, tmp_path):
     data = s3_source.folders(3, {"f": 1000})
     cache = tmp_path / "c"
-    with Pipeline(
-        s3_source.url, cache, "1MiB", storage_options=s3_source.options, keep_on_close=True, auto_ack=False, prefetch=3
-    ) as pipe:
-        wait_until(lambda: pipe.stats().items_ready == 3)
+    _leave_items(s3_source, cache)
     assert sorted(n for n in os.listdir(cache) if n != ".cachepipe") == sorted(data)
     with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options) as pipe:
         assert [p.name for p in pipe] == sorted(data)
@@ -642,10 +646,7 @@ def test_items_kept_by_a_pipeline_of_another_source_are_not_reused_though_names_
     for name, files in data.items():
         s3_client.put_object(Bucket="data", Key=f"other/{name}/f", Body=bytes(reversed(files["f"])))
     cache = tmp_path / "c"
-    with Pipeline(
-        s3_source.url, cache, "1MiB", storage_options=s3_source.options, keep_on_close=True, auto_ack=False, prefetch=3
-    ) as pipe:
-        wait_until(lambda: pipe.stats().items_ready == 3)
+    _leave_items(s3_source, cache)
     with Pipeline("s3://data/other/", cache, "1MiB", storage_options=s3_source.options, auto_ack=False) as pipe:
         got = {}
         for item in pipe:
@@ -654,6 +655,42 @@ def test_items_kept_by_a_pipeline_of_another_source_are_not_reused_though_names_
         assert pipe.stats().items_reused == 0
     assert got == {name: bytes(reversed(files["f"])) for name, files in data.items()}
     assert os.listdir(cache) == [".cachepipe"]  # the other source's items removed, not left as foreign files
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_an_item_left_on_disk_is_not_reused_once_its_object_is_rewritten_at_the_same_size(s3_source, tmp_path, resume):
+    """Recovery matched an item left on disk (kept on close, or published before a crash) by its
+    name and its files' sizes: an object rewritten between two runs at the same size (a
+    re-encoded clip, recomputed embeddings of a fixed shape) was reused, and the run read the
+    old bytes, silently. The journal now records each item's version (its ETags), and an item
+    of another version is downloaded again."""
+    data = s3_source.folders(3, {"f": 1000})
+    cache = tmp_path / "c"
+    _leave_items(s3_source, cache)
+    new = bytes(reversed(data["item001"]["f"]))
+    s3_source.put("item001/f", new)
+    with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options, resume=resume, auto_ack=False) as pipe:
+        got = {}
+        for item in pipe:
+            got[item.name] = (item / "f").read_bytes()
+            pipe.ack(item)
+        assert pipe.stats().items_reused == 2
+    assert got == {"item000": data["item000"]["f"], "item001": new, "item002": data["item002"]["f"]}
+
+
+def test_versions_recorded_in_the_journal_outlive_its_compactions(s3_source, tmp_path):
+    """An open compacts the journal; the items it keeps carry their versions into the compacted
+    journal (an "R" line), so the open after that reuses them too."""
+    s3_source.folders(3, {"f": 1000})
+    cache, options = tmp_path / "c", {"storage_options": s3_source.options, "keep_on_close": True, "auto_ack": False}
+    _leave_items(s3_source, cache)
+    with Pipeline(s3_source.url, cache, "1MiB", prefetch=3, **options) as pipe:
+        wait_until(lambda: pipe.stats().items_ready == 3)
+        assert pipe.stats().items_reused == 3
+    assert b"\nR " in (cache / ".cachepipe" / "journal").read_bytes()
+    with Pipeline(s3_source.url, cache, "1MiB", **options) as pipe:
+        assert [pipe.get(timeout=30).name for _ in range(3)] == ["item000", "item001", "item002"]
+        assert pipe.stats().items_reused == 3
 
 
 @pytest.mark.parametrize("retain", ["none", "auto"])

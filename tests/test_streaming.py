@@ -208,9 +208,9 @@ def test_an_item_that_the_growing_state_budget_leaves_no_room_for_is_reported_no
 
 
 def test_the_state_budget_of_a_streamed_listing_waits_for_room_instead_of_overcommitting(memory_data, tmp_path):
-    capacity = 400_000
+    capacity = 480_000
     memory_data.pipe_file("/stream/data/item00000/f", b"x" * 200_000)  # held while the listing goes on
-    _put(memory_data, 2000, start=1)  # the budget of 2,001 names: ~336 KB, beyond the room beside it
+    _put(memory_data, 2000, start=1)  # the budget of 2,001 names: ~404 KB, beyond the room beside it
     store = GatedStore(gate_after=FIRST_PAGE_OBJECTS + 1)  # item00000 is reserved before the rest is listed
     with Pipeline(ROOT, tmp_path / "c", capacity, store=store, auto_ack=False) as pipe:
         held = pipe.get(timeout=30)
@@ -221,7 +221,7 @@ def test_the_state_budget_of_a_streamed_listing_waits_for_room_instead_of_overco
             pipe.ack(item)
             assert pipe.stats().bytes_in_cache <= capacity
         threading.Event().wait(0.2)  # time to list everything, were there room (a memory store lists 2,001 in ms)
-        assert pipe.stats().items_listed < 2001  # the listing waits for room (about 1,190 names fit)
+        assert pipe.stats().items_listed < 2001  # the listing waits for room (about 1,380 names fit)
         pipe.ack(held)  # room: the listing goes on
         rest = [item.name for item in pipe]
         assert pipe.stats().bytes_in_cache <= capacity

@@ -240,6 +240,8 @@ class Cache:
             self._eviction.remove(name)
         for name, size in reuse.items():
             record.published[name] = size
+            if name in replay.versions:
+                record.versions[name] = replay.versions[name]
             self._recovered[name] = self.root / name
             self._claimed.add(name)
         if resume:
@@ -637,8 +639,8 @@ class Cache:
 
     def publish(self, staged: str | Path, item: Item, reserved: int | None = None, verified: bool = False) -> str:
         """Verify sizes (unless ``verified``), then atomically rename the staged item into place:
-        journal the intent ("I"), rename (never over anything in the way), journal the result
-        ("P"; an intent that came to nothing, "D").
+        journal the intent ("I", or "J" with the item's version), rename (never over anything in
+        the way), journal the result ("P"; an intent that came to nothing, "D").
 
         Args:
             reserved: the bytes reserved for it, released at eviction (default: its listed size).
@@ -672,7 +674,7 @@ class Cache:
         """
         got: list[str | OSError] = []
         with self._cond, self._eviction.folders:
-            self.record.publishing_many([item.name for _staged, item, _size in staged])
+            self.record.publishing_many([(item.name, item.version) for _staged, item, _size in staged])
             for path, item, size in staged:
                 final = f"{self._root}/{item.name}"
                 try:

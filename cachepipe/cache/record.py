@@ -34,6 +34,8 @@ class Record:
 
     Attributes:
         published: item name -> bytes reserved for it, for every item on disk under its name.
+        versions: item name -> its version (:attr:`cachepipe.catalog.Item.version`), for the items
+            published or being published whose listing gave one.
         acked: ``(epoch, name)`` acknowledged at or after the position.
         cursor: ``(epoch, index)``: every step of the plan before it is consumed.
         budget: bytes the journal may take (compaction at half of it keeps it under).
@@ -43,6 +45,7 @@ class Record:
         self.journal = state.Journal(path)
         self.pass_no = 0
         self.published: dict[str, int] = {}
+        self.versions: dict[str, str] = {}
         self.acked: set[tuple[int, str]] = set()
         self.cursor = (0, 0)
         self.plan = ""
@@ -60,7 +63,8 @@ class Record:
     def compact(self) -> None:
         """Rewrite the journal from memory (atomically; on failure the old file stays in use)."""
         published = set(self.published) | self._deleting
-        self.journal.rewrite(state.Replay(self.pass_no, published, set(self._intents), set(self.acked), self.cursor, self.plan))
+        replay = state.Replay(self.pass_no, published, set(self._intents), set(self.acked), self.cursor, self.plan, self.versions)
+        self.journal.rewrite(replay)
 
     def _compact_if_due(self) -> None:
         if self.journal.size > self.budget // 2:
@@ -75,18 +79,24 @@ class Record:
         self.compact()
 
     # ---- publish ---------------------------------------------------------------------
-    def publishing_many(self, names: Sequence[str]) -> None:
-        """Journal the intent to publish each of ``names`` (before their renames), by one write;
-        until each is resolved (:meth:`published_as`, :meth:`dropped`, :meth:`not_renamed`), a
-        compaction keeps its intent, so that an item renamed after a compaction is still ours.
-        Raises OSError (nothing written)."""
-        self.journal.append_many([("I", name) for name in names])
-        self._intents.update(names)
+    def publishing_many(self, items: Sequence[tuple[str, str | None]]) -> None:
+        """Journal the intent to publish each of ``items``, ``(name, version or None)``, before
+        their renames, by one write; until each is resolved (:meth:`published_as`,
+        :meth:`dropped`, :meth:`not_renamed`), a compaction keeps its intent, so that an item
+        renamed after a compaction is still ours. Raises OSError (nothing written)."""
+        self.journal.append_many([("I", name) if version is None else ("J", f"{version} {name}") for name, version in items])
+        for name, version in items:
+            self._intents.add(name)
+            if version is None:
+                self.versions.pop(name, None)
+            else:
+                self.versions[name] = version
 
     def not_renamed(self, name: str) -> None:
         """The rename of ``name`` failed: nothing was published (its intent line stays until the
         next compaction; recovery skips an intent with nothing in its place)."""
         self._intents.discard(name)
+        self.versions.pop(name, None)
 
     def published_as(self, name: str, size: int) -> None:
         """``name`` was renamed into place holding ``size`` reserved bytes. Its record is deferred
@@ -120,6 +130,7 @@ class Record:
     def unpublish(self, name: str) -> int:
         """An acknowledged item is to be deleted (its "A" is journaled): forget it; returns its bytes."""
         size = self.published.pop(name)
+        self.versions.pop(name, None)
         self._compact_if_due()
         return size
 
@@ -139,6 +150,7 @@ class Record:
         recovery; a foreign file under a journaled name is removed unless it matches the listing)."""
         self._deleting.discard(name)
         self._intents.discard(name)
+        self.versions.pop(name, None)
         try:
             self.journal.append("D", name)
         except OSError as exc:

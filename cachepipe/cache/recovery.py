@@ -89,7 +89,13 @@ def sort_leftovers(
 ) -> tuple[dict[str, int], list[str]]:
     """The items on disk under ``root`` to reuse (name -> size, in name order) and the names to
     remove, from the journal's ``replay`` (or, if it was unreadable, ``rebuilt``) and the catalog;
-    ``reusable`` False: none is reused (see :func:`of_same_data`)."""
+    ``reusable`` False: none is reused (see :func:`of_same_data`). An item is reused when its
+    files match the listing's sizes and the journal recorded the version the listing names now
+    (:attr:`cachepipe.catalog.Item.version`): an object rewritten since, even at the same size,
+    is downloaded again. An item whose version the journal does not hold (an unreadable journal,
+    or one written before versions were recorded) is reused only if the listing gives none;
+    after an unreadable journal, a name on disk whose files do not match is left alone (it may
+    not be ours)."""
     named = replay.published | replay.publishing
     live = named if reusable else set()
     ours = named | {name for _epoch, name in replay.acked}
@@ -104,7 +110,10 @@ def sort_leftovers(
         found = items.find(name)  # only names on disk are looked up: no index of the whole catalog
         item = items[found] if found >= 0 else None
         if name in live and item is not None and matches(path, item):
-            reuse[name] = item.size
+            if replay.versions.get(name) == item.version:
+                reuse[name] = item.size
+            else:  # ours (journaled, or matching the listing), of another version or of one not known
+                stale.append(name)
         elif not rebuilt:
             stale.append(name)
     return reuse, stale
