@@ -665,6 +665,10 @@ class NodePipeline(Pipeline):
     def _streams(self, cache: Cache) -> bool:
         return False
 
+    def _shares_catalog(self) -> bool:
+        """Whether ranks on other nodes plan over this catalog too."""
+        return len(self.ranks) < self.world_size
+
     def _catalog(self, store: Store, cache: Cache) -> Iterator[list[Planned]]:
         cfg = self.config
         self._future = None

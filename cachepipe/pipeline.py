@@ -329,18 +329,23 @@ class Pipeline:
         whole catalog up front (shuffle, shares, retention, a resume point) nor its names to
         decide which leftovers of an earlier owner to keep."""
         cfg = self.config
-        world = cfg.world_size if cfg.rank is not None else default_rank_world()[1]
         return (
             cfg.epochs == 1
             and not cfg.shuffle
-            and world == 1
-            and cfg.num_workers == 1
+            and not self._shares_catalog()
             and cfg.retain == "none"
             and not cfg.resume
             and self._start_state is None
             and cfg.manifest is None
             and not cache.has_leftovers()
         )
+
+    def _shares_catalog(self) -> bool:
+        """Whether other processes plan over this catalog too (ranks, DataLoader workers), each
+        taking its share of one plan."""
+        cfg = self.config
+        world = cfg.world_size if cfg.rank is not None else default_rank_world()[1]
+        return world != 1 or cfg.num_workers > 1
 
     def _catalog(self, store: Store, cache: Cache) -> Iterator[list[Planned]]:
         """List (or load the saved listing), recover the cache, build the plan; return the fetch order."""
@@ -382,7 +387,15 @@ class Pipeline:
         """The catalog (from the manifest, a saved listing or a listing), and the sizes of the
         items that fit under the capacity beside what the cache holds otherwise: ``(catalog,
         sizes, eligible, from_manifest)``, where plan item ``i`` is catalog item ``eligible[i]``
-        (``eligible`` None: every item fits, no second list is kept)."""
+        (``eligible`` None: every item is planned, no second list is kept).
+
+        An item that does not fit is left out of the plan only when this process plans over the
+        catalog alone. When other processes take shares of the same plan (ranks, DataLoader
+        workers), every item is planned, and one over this cache's limit is skipped in its turn
+        (``on_oversize="skip"``): what fits depends on each process's foreign files and, with a
+        capacity given as a share of the disk, on the disk's free space at its open, and plans
+        over different items would deal the items differently, some to two processes and some to
+        none."""
         cfg = self.config
         catalog, self._catalog_digest, from_manifest = obtain_catalog(cfg, store, cache, self._closing)
         sizes = catalog.sizes
@@ -391,13 +404,15 @@ class Pipeline:
         # recover() reserves the journal's budget too (and measures the state files: checked after it)
         occupied = cache.foreign + cache.journal_budget(catalog)
         eligible, too_large = fitting_items(catalog, cache.capacity, occupied)
-        for error in too_large:
-            if cfg.on_oversize == "raise":
-                raise error
-            _log_oversize_skipped(error)
-            self._counts["skipped"] += 1
+        if too_large and cfg.on_oversize == "raise":
+            raise too_large[0]
         if eligible is not None and not eligible:
             raise EmptySourceError(f"no items under {cfg.source!r}: found no {cfg.items} smaller than the capacity")
+        if self._shares_catalog():
+            return catalog, sizes, None, from_manifest
+        for error in too_large:
+            _log_oversize_skipped(error)
+            self._counts["skipped"] += 1
         return catalog, sizes if eligible is None else array("q", (sizes[i] for i in eligible)), eligible, from_manifest
 
     def _check_limit(self, sizes: array[int], catalog: Catalog, eligible: array[int] | None, cache: Cache) -> int:

@@ -253,3 +253,15 @@ def short_dir() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(dir="/tmp", prefix="cp-"))
     yield path
     shutil.rmtree(path)
+
+
+@pytest.fixture
+def one_large_item(tmp_path) -> tuple[str, list[str]]:
+    """A local source of six one-file folders, ``item0``..``item5``, of 100 bytes but ``item2``
+    of 95,000: it fits a cache of 100,000 bytes, not one of 90,000. Its path and item names."""
+    src = tmp_path / "src"
+    names = [f"item{i}" for i in range(6)]
+    for name in names:
+        (src / name).mkdir(parents=True)
+        (src / name / "f").write_bytes(bytes(95_000 if name == "item2" else 100))
+    return str(src), names

@@ -693,6 +693,27 @@ def test_versions_recorded_in_the_journal_outlive_its_compactions(s3_source, tmp
         assert pipe.stats().items_reused == 3
 
 
+@pytest.mark.parametrize("smaller", [0, 1])
+def test_ranks_whose_caches_fit_other_items_still_deal_every_item_to_one_of_them(tmp_path, one_large_item, smaller):
+    """With on_oversize="skip", each rank left the items over its own cache's limit out of its
+    plan. What fits differs between ranks whose capacities differ: a capacity given as a share of
+    the disk ("80%") is resolved against the free space at each one's open, and foreign files
+    count against it. Here one rank's cache is 10 kB smaller, so one item fits the other's and
+    not its own. The two ranks then dealt different lists, and items were read by both ranks or
+    by neither, silently. Now every rank plans every item; an item over a rank's limit is
+    skipped in that rank's turn."""
+    src, names = one_large_item
+    got, skipped = [], 0
+    for rank in (0, 1):
+        capacity = 90_000 if rank == smaller else 100_000
+        options = {"rank": rank, "world_size": 2, "balance": "count", "on_oversize": "skip"}
+        with Pipeline(src, tmp_path / f"c{rank}", capacity, **options) as pipe:
+            got += [item.name for item in pipe]
+            skipped += pipe.stats().items_skipped
+    assert sorted(got) == sorted(names if skipped == 0 else [n for n in names if n != "item2"])
+    assert skipped in (0, 1)  # item2 is dealt to one rank: skipped there if that rank's cache is the smaller
+
+
 @pytest.mark.parametrize("retain", ["none", "auto"])
 def test_an_item_that_fits_the_listing_s_estimate_but_not_beside_the_state_is_skipped_with_on_oversize_skip(
     s3_source, tmp_path, retain
