@@ -96,6 +96,16 @@ def test_jobs_register_once_conflict_and_end(s3_source, tmp_path, short_dir):
             body = {"rank": 0, "worker": 0, "epoch": 0, "index": 0, "timeout": 5, "report_skips": "yes"}
             status, data = client._request("POST", "/v1/jobs/train/take", body, 10)
             assert status == 400 and "'report_skips' 'yes': expected true or false" in json.loads(data)["message"]
+            # a misspelt key (or one a daemon is too old for) was ignored, silently
+            for route, body in (
+                ("jobs/train/take", {"rank": 0, "report_skip": True}),
+                ("jobs/train/consume", {"rank": 0, "timeout": 1}),
+                ("ack", {"leases": []}),
+                ("pipelines/any/next", {"time_out": 1}),
+            ):
+                status, data = client._request("POST", f"/v1/{route}", body, 10)
+                message, key = json.loads(data)["message"], next(k for k in body if k != "rank")
+                assert status == 400 and f"unknown key(s) '{key}' in the body: expected some of " in message, message
             status, data = client._request("DELETE", "/v1/jobs/train", None, 10)
             assert status == 200 and json.loads(data)["result"] == "deleted"
         assert not any(p.name.startswith("item") for p in (root / "train").iterdir())  # its items are deleted

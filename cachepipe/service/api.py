@@ -277,6 +277,7 @@ class _Handler(BaseHTTPRequestHandler):
                 raise BadRequest(f"no route {path!r}: see GET /v1/status, POST /v1/pipelines/NAME/next, POST /v1/ack", 404)
             if method not in allowed:
                 raise BadRequest(f"{method} {path}: expected {' or '.join(allowed)}", 405)
+            _check_keys(method, path, route, body)
             status = getattr(self, "_" + route)(daemon, arg, body)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
@@ -513,6 +514,28 @@ def _match(path: str) -> tuple[str | None, str, tuple[str, ...]]:
             return "job", name, ("PUT", "DELETE")
         return match.group(2)[1:], name, ("POST",)
     return None, "", ()
+
+
+#: the keys each route's JSON body may have (a job's spec is checked by its model, .jobs.JobSpec)
+_BODY_KEYS = {
+    "next": frozenset({"timeout", "ack", "acks", "count", "markers"}),
+    "finish": frozenset({"path", "lease", "items"}),
+    "take": frozenset({"rank", "worker", "epoch", "index", "timeout", "count", "max_bytes", "report_skips"}),
+    "consume": frozenset({"rank", "worker", "epoch", "index"}),
+    "manifest": frozenset({"source", "items"}),
+}
+
+
+def _check_keys(method: str, path: str, route: str, body: dict[str, Any]) -> None:
+    """Refuse a body key the route does not know (400, naming it and the keys it takes): a
+    misspelt option ("time_out") or one this daemon is too old for ("report_skips") would
+    otherwise be ignored, silently."""
+    known = _BODY_KEYS.get(route)
+    unknown = sorted(set(body) - known) if known is not None else []
+    if unknown:
+        names = ", ".join(repr(k[:40]) for k in unknown[:5])
+        expected = ", ".join(repr(k) for k in sorted(known or ()))
+        raise BadRequest(f"{method} {path}: unknown key(s) {names} in the body: expected some of {expected}")
 
 
 def _taken_json(job: str, taken: Taken | SkippedStep) -> dict[str, Any]:
