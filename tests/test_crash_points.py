@@ -50,7 +50,8 @@ TOTALS = {"programs": 0, "crash points": 0, "faults injected": 0}
 def catalog() -> Catalog:
     cat = Catalog(mode="folders")
     for i in range(N_ITEMS):
-        files = [["a", 40 + 30 * i, None]] + ([["sub/b", 25, None]] if i % 2 else [])
+        tag = "e" * 32 if i == N_ITEMS - 1 else None  # the last item's publishes journal its version ("J", compacted "R")
+        files = [["a", 40 + 30 * i, tag]] + ([["sub/b", 25, tag]] if i % 2 else [])
         cat.add(f"i{i}", files)
     return cat
 
