@@ -1205,6 +1205,26 @@ def test_a_process_that_left_the_commands_group_holding_its_stderr_does_not_stal
         runner.join(30)
 
 
+# ---- an input rewritten since its item was done ---------------------------------------------------------------
+def test_a_rerun_does_again_an_item_whose_input_was_rewritten_since_it_was_done(remote_source, s3_client, tmp_path):
+    """A rerun skipped every item whose completion marker existed: an item whose objects were
+    rewritten since (here at the same size) kept the results of its old input, silently. The
+    marker now records the input's version (its ETags), and an item of another version is done
+    again; a marker that records none (an earlier cachepipe's) still counts as done."""
+    data = remote_source.folders(3, {"f": 1000})
+    dst = remote_source.url.replace("/video/", "/copies/")
+    command = ["sh", "-c", 'cp f "$CACHEPIPE_OUT/g"']
+    options = {"cache_dir": tmp_path / "cache", "capacity": "1MiB", "storage_options": remote_source.options}
+    assert map_items(command, remote_source.url, dst, **options).items_done == 3
+    new = bytes(reversed(data["item001"]["f"]))
+    remote_source.put("item001/f", new)
+    s3_client.put_object(Bucket="data", Key=f"copies/item002/{DONE_MARKER}", Body=b'{"item": "item002"}')  # no version
+    result = map_items(command, remote_source.url, dst, **options)
+    assert (result.items_done, result.items_skipped) == (1, 2), result.failed
+    copies = bucket(s3_client, "copies/")
+    assert copies["item001/g"] == new and copies["item000/g"] == data["item000"]["f"]
+
+
 # ---- review: a destination in the source, spelled another way --------------------------------------------------
 def test_a_destination_in_the_source_is_found_however_the_paths_are_spelled(tmp_path, monkeypatch):
     """``cachepipe map data ./data/results``: before, the two spellings were compared as text, so

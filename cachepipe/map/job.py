@@ -107,7 +107,7 @@ class Job:
                     produced = self._produce(cached, mi)
                 if manifest is None:
                     log.info("uploading %s", mi.name)
-                    manifest = self._uploader.upload_item(mi.name, produced, marker_dir=slot.root)
+                    manifest = self._uploader.upload_item(mi.name, produced, marker_dir=slot.root, version=mi.version)
                     if self._stop.is_set():
                         return
             except (OutputTooLargeError, ArchiveError, ChecksumError, UnsafeKeyError) as exc:

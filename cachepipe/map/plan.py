@@ -18,7 +18,7 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
-from ..catalog import check_key, group_items
+from ..catalog import check_key, group_items, version_of
 from ..config import UNPACK_RATIO, Capacity, parse_size
 from ..errors import ConfigError, UnsafeKeyError
 from ..stores import Store
@@ -129,6 +129,13 @@ class MapItem:
     objects: tuple[ObjectInfo, ...]
     keys: dict[str, str] = field(hash=False, compare=False)
     size: int = 0
+
+    @property
+    def version(self) -> str | None:
+        """Which version of the item's objects the listing names (a digest of their keys, sizes
+        and ETags; None without ETags): recorded in its completion marker, so that a rerun does
+        an item whose objects were rewritten since again."""
+        return version_of((o.key, o.size, o.etag) for o in self.objects)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ downloads and the jobs' output slots, takes the work folder's lock, and feeds th
 from __future__ import annotations
 
 import fcntl
+import io
 import logging
 import os
 import pickle
@@ -34,7 +35,7 @@ from .job import Job, Slot
 from .plan import WORK_DIR, MapConfig, MapItem, PlannedSource, inside_prefix, item_reserve, plan_items
 from .result import MapResult, Tally
 from .share import resolve_rank, take_share
-from .uploader import Uploader, marker_key
+from .uploader import MARKER_LIMIT, Uploader, marker_key, marker_version
 
 __all__ = ["map_items"]
 
@@ -306,14 +307,31 @@ class _MapRun:
         raise AssertionError("unreachable")
 
     def _done(self, dst: WritableStore, planned: list[MapItem]) -> set[str]:
-        """Names of the items whose marker is in DST (checked concurrently, one HEAD each)."""
+        """Names of the items whose marker is in DST, for the version of their input listed now
+        (checked concurrently: one HEAD per item without a version, one GET of its marker per
+        item with one). A marker of another version is of an input rewritten since: the item is
+        done again. A marker that records no version (written by an earlier cachepipe) counts."""
         if not planned:
             return set()
+
+        def done(mi: MapItem) -> bool:
+            key, version = marker_key(mi.name), mi.version
+            if version is None:
+                return bool(dst.exists(key))
+            body = io.BytesIO()
+            try:
+                dst.get(key, body, 0, MARKER_LIMIT)
+            except FileNotFoundError:
+                return False
+            recorded = marker_version(body.getvalue())
+            if recorded not in (None, version):
+                log.info("%s: input changed since it was done (version %s, now %s): doing it again", mi.name, recorded, version)
+                return False
+            return True
+
         pool = ThreadPoolExecutor(min(16, len(planned)), thread_name_prefix="cachepipe-map-check")
         try:
-            flags = list(
-                pool.map(lambda mi: self._retrying(f"checking {mi.name}", lambda: dst.exists(marker_key(mi.name))), planned)
-            )
+            flags = list(pool.map(lambda mi: self._retrying(f"checking {mi.name}", lambda: done(mi)), planned))
         except BaseException:  # a check failed for good, or Ctrl-C: the checks in flight stop retrying
             self._stop.set()
             raise

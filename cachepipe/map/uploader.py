@@ -1,10 +1,13 @@
 """Writing results back: upload an item's output folder, then its completion marker.
 
-An item is complete in the destination when ``DST/<item>/.cachepipe-done`` exists. The marker
-is written last, after every output of the item was uploaded, and lists them (relative path and
-size, JSON); a run that dies in the middle of an upload leaves outputs without a marker, and
-the next run does the item again (overwriting them). Uploads retry transient store errors with
-the same exponential backoff as downloads, sleeping on the stop event.
+An item is complete in the destination when ``DST/<item>/.cachepipe-done`` exists, for the
+version of its input objects that the marker records, if it records one. The marker is written
+last, after every output of the item was uploaded, and lists them (relative path and size, JSON)
+with the input's version (:attr:`cachepipe.map.plan.MapItem.version`, when the source gives
+ETags); a run that dies in the middle of an upload leaves outputs without a marker, and the next
+run does the item again (overwriting them), as it does an item whose input was rewritten since.
+Uploads retry transient store errors with the same exponential backoff as downloads, sleeping on
+the stop event.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from ..errors import UnsafeKeyError, is_transient
 from ..fetcher import backoff_delay
 from ..stores.base import WritableStore
 
-__all__ = ["DONE_MARKER", "OutputError", "Uploader", "collect_outputs", "marker_key"]
+__all__ = ["DONE_MARKER", "MARKER_LIMIT", "OutputError", "Uploader", "collect_outputs", "marker_key", "marker_version"]
 
 log = logging.getLogger("cachepipe.map")
 
@@ -32,9 +35,24 @@ DONE_MARKER = ".cachepipe-done"
 """The object written last under ``DST/<item>/``: the item's results are complete."""
 
 
+MARKER_LIMIT = 2**20
+"""Bytes of a completion marker read to find its version (a marker lists the item's outputs)."""
+
+
 def marker_key(name: str) -> str:
     """The key of an item's completion marker, relative to the destination root."""
     return f"{name}/{DONE_MARKER}"
+
+
+def marker_version(data: bytes) -> str | None:
+    """The input version a completion marker's bytes record; None if it records none (written
+    without ETags, or by an earlier cachepipe) or cannot be read as a marker."""
+    try:
+        record = json.loads(data)
+    except ValueError:
+        return None
+    version = record.get("version") if isinstance(record, dict) else None
+    return version if isinstance(version, str) else None
 
 
 class OutputError(UnsafeKeyError):
@@ -111,11 +129,12 @@ class Uploader:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def upload_item(self, name: str, root: Path, marker_dir: Path) -> dict[str, int]:
+    def upload_item(self, name: str, root: Path, marker_dir: Path, version: str | None = None) -> dict[str, int]:
         """Upload every output under ``root`` to ``DST/<name>/``, then the marker; return the manifest.
 
         The marker file is written in ``marker_dir`` (beside the outputs, so that its bytes are
-        in the job's space), uploaded and removed.
+        in the job's space), uploaded and removed. ``version``: the input's (see
+        :func:`marker_version`), recorded in the marker.
 
         Raises:
             OutputError: an output that cannot be uploaded (nothing is uploaded then).
@@ -136,6 +155,8 @@ class Uploader:
             raise InterruptedError(f"stopped while uploading {name}")
         marker = marker_dir / "marker.json"
         record: dict[str, Any] = {"item": name, "files": manifest, "bytes": sum(manifest.values()), "finished": time.time()}
+        if version is not None:
+            record["version"] = version
         marker.write_text(json.dumps(record, indent=0, sort_keys=True))
         try:
             self._put(marker, marker_key(name), count=False)
