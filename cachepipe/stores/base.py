@@ -88,7 +88,10 @@ def http_status_error(status: int, code: str | None, message: str | None, where:
     return store_code(OSError(f"{endpoint} refused {where} ({detail})"), code, endpoint)
 
 
-CHANGED = "changed since it was listed: its ETag is no longer the listed one"
+CHANGED = (
+    "changed since it was listed: its ETag is no longer the listed one "
+    "(list again to read it: a new pass, relist=True, or a manifest indexed again)"
+)
 """What an :class:`~cachepipe.errors.ObjectChangedError` says, after the object's URL: the same
 words from every backend."""
 
