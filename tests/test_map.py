@@ -36,7 +36,7 @@ from cachepipe.map import job as map_job
 from cachepipe.map.child import Watcher
 from cachepipe.map.cli import main
 from cachepipe.map.run import _take_lock
-from cachepipe.map.uploader import DONE_MARKER
+from cachepipe.map.uploader import DONE_MARKER, MARKER_LIMIT, Uploader, marker_version
 from cachepipe.state import EVENT_OVERHEAD
 from cachepipe.stores.base import ObjectInfo
 from cachepipe.stores.fsspec import FsspecStore
@@ -1223,6 +1223,25 @@ def test_a_rerun_does_again_an_item_whose_input_was_rewritten_since_it_was_done(
     assert (result.items_done, result.items_skipped) == (1, 2), result.failed
     copies = bucket(s3_client, "copies/")
     assert copies["item001/g"] == new and copies["item000/g"] == data["item000"]["f"]
+
+
+def test_a_marker_s_version_is_read_from_its_head_however_many_outputs_it_lists(tmp_path):
+    """A rerun reads MARKER_LIMIT bytes of each marker: the version comes first in it, so a
+    marker listing thousands of outputs (over a megabyte here) still tells it."""
+    outputs = tmp_path / "out"
+    outputs.mkdir()
+    for i in range(6000):
+        (outputs / f"clip-{i:06d}-{'x' * 200}.mp4").write_bytes(b"")
+    dest, slot = tmp_path / "dst", tmp_path / "slot"
+    dest.mkdir(), slot.mkdir()
+    uploader = Uploader(FsspecStore(str(dest)), 4, 0, 0.01, 0.01, threading.Event())
+    try:
+        uploader.upload_item("item", outputs, slot, version="0123456789abcdef")
+    finally:
+        uploader.close()
+    marker = (dest / "item" / DONE_MARKER).read_bytes()
+    assert len(marker) > 2**20 and marker_version(marker[:MARKER_LIMIT]) == "0123456789abcdef"
+    assert marker_version(json.dumps({"bytes": 0, "files": {}, "item": "old"}, indent=0, sort_keys=True).encode()) is None
 
 
 # ---- review: a destination in the source, spelled another way --------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -35,8 +36,10 @@ DONE_MARKER = ".cachepipe-done"
 """The object written last under ``DST/<item>/``: the item's results are complete."""
 
 
-MARKER_LIMIT = 2**20
-"""Bytes of a completion marker read to find its version (a marker lists the item's outputs)."""
+MARKER_LIMIT = 4096
+"""Bytes read from the start of a completion marker to find its version, which it holds first
+(the outputs it lists after it can make it megabytes long)."""
+_VERSION = re.compile(rb'\{\s*"version":\s*"([0-9a-f]{1,64})"')
 
 
 def marker_key(name: str) -> str:
@@ -44,15 +47,11 @@ def marker_key(name: str) -> str:
     return f"{name}/{DONE_MARKER}"
 
 
-def marker_version(data: bytes) -> str | None:
-    """The input version a completion marker's bytes record; None if it records none (written
-    without ETags, or by an earlier cachepipe) or cannot be read as a marker."""
-    try:
-        record = json.loads(data)
-    except ValueError:
-        return None
-    version = record.get("version") if isinstance(record, dict) else None
-    return version if isinstance(version, str) else None
+def marker_version(head: bytes) -> str | None:
+    """The input version that a completion marker starting with the bytes ``head`` records;
+    None if it records none (written without ETags, or by an earlier cachepipe)."""
+    found = _VERSION.match(head)
+    return found.group(1).decode() if found else None
 
 
 class OutputError(UnsafeKeyError):
@@ -154,10 +153,9 @@ class Uploader:
         if self._stop.is_set():
             raise InterruptedError(f"stopped while uploading {name}")
         marker = marker_dir / "marker.json"
-        record: dict[str, Any] = {"item": name, "files": manifest, "bytes": sum(manifest.values()), "finished": time.time()}
-        if version is not None:
-            record["version"] = version
-        marker.write_text(json.dumps(record, indent=0, sort_keys=True))
+        record: dict[str, Any] = {} if version is None else {"version": version}  # first: read from a marker's head
+        record |= {"item": name, "bytes": sum(manifest.values()), "finished": time.time(), "files": manifest}
+        marker.write_text(json.dumps(record, indent=0))
         try:
             self._put(marker, marker_key(name), count=False)
         finally:
