@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -712,6 +713,27 @@ def test_ranks_whose_caches_fit_other_items_still_deal_every_item_to_one_of_them
             skipped += pipe.stats().items_skipped
     assert sorted(got) == sorted(names if skipped == 0 else [n for n in names if n != "item2"])
     assert skipped in (0, 1)  # item2 is dealt to one rank: skipped there if that rank's cache is the smaller
+
+
+def test_an_item_over_the_limit_in_a_shared_plan_is_skipped_without_waiting_for_free_space(tmp_path):
+    """Found in review: with min_free, the fetcher waited for the disk's free space to take an
+    item before the cache refused it as oversize; an item kept in a shared plan (since 97d0214)
+    that is also larger than the free space beyond min_free held every later item up for ever."""
+    src = tmp_path / "src"
+    names = [f"item{i}" for i in range(6)]
+    for name in names:
+        (src / name).mkdir(parents=True)
+        with open(src / name / "f", "wb") as fh:
+            fh.truncate(2**30 if name == "item2" else 100)  # sparse: 1 GiB listed, no disk taken
+    options = {"world_size": 2, "balance": "count", "on_oversize": "skip", "min_free": shutil.disk_usage(tmp_path).free - 2**28}
+    got, skipped = [], 0
+    for rank in (0, 1):
+        with Pipeline(str(src), tmp_path / f"c{rank}", "1MiB", rank=rank, auto_ack=False, **options) as pipe:
+            while (item := pipe.get(timeout=30)) is not None:
+                got.append(item.name)
+                pipe.ack(item)
+            skipped += pipe.stats().items_skipped
+    assert sorted(got) == [n for n in names if n != "item2"] and skipped == 1
 
 
 @pytest.mark.parametrize("retain", ["none", "auto"])
