@@ -106,6 +106,13 @@ def test_jobs_register_once_conflict_and_end(s3_source, tmp_path, short_dir):
                 status, data = client._request("POST", f"/v1/{route}", body, 10)
                 message, key = json.loads(data)["message"], next(k for k in body if k != "rank")
                 assert status == 400 and f"unknown key(s) '{key}' in the body: expected some of " in message, message
+            # so was a misspelt key of an ack object (an ack without its lease applies to whoever holds the item)
+            ack = {"path": "/x", "leese": "L"}
+            for route, body in (("ack", {"items": [ack]}), ("pipelines/p/next", {"ack": ack}), ("renew", {"items": [ack]})):
+                status, data = client._request("POST", f"/v1/{route}", body, 10)
+                message = json.loads(data)["message"]
+                assert status == 400 and "unknown key(s) 'leese' in an object of" in message, message
+                assert message.endswith("expected some of 'lease', 'path'"), message
             status, data = client._request("DELETE", "/v1/jobs/train", None, 10)
             assert status == 200 and json.loads(data)["result"] == "deleted"
         assert not any(p.name.startswith("item") for p in (root / "train").iterdir())  # its items are deleted

@@ -526,16 +526,30 @@ _BODY_KEYS = {
 }
 
 
+_ACK_KEYS = frozenset({"path", "lease"})
+_ACKS_IN = {"next": ("ack", "acks"), "finish": ("items",)}  # the body keys holding ack objects (or lists of them)
+
+
 def _check_keys(method: str, path: str, route: str, body: dict[str, Any]) -> None:
-    """Refuse a body key the route does not know (400, naming it and the keys it takes): a
-    misspelt option ("time_out") or one this daemon is too old for ("report_skips") would
-    otherwise be ignored, silently."""
+    """Refuse a body key the route does not know, and a key of an ack object other than
+    ``path`` and ``lease`` (400, naming it and the keys taken): a misspelt option ("time_out",
+    "leese": an ack without its lease applies to whoever holds the item) or one this daemon is
+    too old for ("report_skips") would otherwise be ignored, silently."""
     known = _BODY_KEYS.get(route)
-    unknown = sorted(set(body) - known) if known is not None else []
+    if known is not None:
+        _refuse_unknown(f"{method} {path}: unknown key(s) {{}} in the body", body, known)
+    for key in _ACKS_IN.get(route, ()):
+        value = body.get(key)
+        for ack in value if isinstance(value, list) else [value]:
+            if isinstance(ack, dict):  # other shapes are refused by the route, naming them
+                _refuse_unknown(f"{method} {path}: unknown key(s) {{}} in an object of {key!r}", ack, _ACK_KEYS)
+
+
+def _refuse_unknown(message: str, given: dict[str, Any], known: frozenset[str]) -> None:
+    unknown = sorted(set(given) - known)
     if unknown:
         names = ", ".join(repr(k[:40]) for k in unknown[:5])
-        expected = ", ".join(repr(k) for k in sorted(known or ()))
-        raise BadRequest(f"{method} {path}: unknown key(s) {names} in the body: expected some of {expected}")
+        raise BadRequest(message.format(names) + ": expected some of " + ", ".join(repr(k) for k in sorted(known)))
 
 
 def _taken_json(job: str, taken: Taken | SkippedStep) -> dict[str, Any]:
