@@ -537,19 +537,19 @@ def _check_keys(method: str, path: str, route: str, body: dict[str, Any]) -> Non
     too old for ("report_skips") would otherwise be ignored, silently."""
     known = _BODY_KEYS.get(route)
     if known is not None:
-        _refuse_unknown(f"{method} {path}: unknown key(s) {{}} in the body", body, known)
+        _refuse_unknown(f"{method} {path}", body, known, "in the body")
     for key in _ACKS_IN.get(route, ()):
         value = body.get(key)
         for ack in value if isinstance(value, list) else [value]:
             if isinstance(ack, dict):  # other shapes are refused by the route, naming them
-                _refuse_unknown(f"{method} {path}: unknown key(s) {{}} in an object of {key!r}", ack, _ACK_KEYS)
+                _refuse_unknown(f"{method} {path}", ack, _ACK_KEYS, f"in an object of {key!r}")
 
 
-def _refuse_unknown(message: str, given: dict[str, Any], known: frozenset[str]) -> None:
+def _refuse_unknown(request: str, given: dict[str, Any], known: frozenset[str], where: str) -> None:
     unknown = sorted(set(given) - known)
     if unknown:
-        names = ", ".join(repr(k[:40]) for k in unknown[:5])
-        raise BadRequest(message.format(names) + ": expected some of " + ", ".join(repr(k) for k in sorted(known)))
+        names, expected = ", ".join(repr(k[:40]) for k in unknown[:5]), ", ".join(repr(k) for k in sorted(known))
+        raise BadRequest(f"{request}: unknown key(s) {names} {where}: expected some of {expected}")
 
 
 def _taken_json(job: str, taken: Taken | SkippedStep) -> dict[str, Any]:
