@@ -77,7 +77,7 @@ class Record:
     # ---- publish ---------------------------------------------------------------------
     def publishing_many(self, names: Sequence[str]) -> None:
         """Journal the intent to publish each of ``names`` (before their renames), by one write;
-        until each is resolved (:meth:`published_as`, :meth:`dropped`, :meth:`not_renamed`), a
+        until each is resolved (:meth:`published_many`, :meth:`dropped`, :meth:`not_renamed`), a
         compaction keeps its intent, so that an item renamed after a compaction is still ours.
         Raises OSError (nothing written)."""
         self.journal.append_many([("I", name) for name in names])
@@ -88,13 +88,14 @@ class Record:
         next compaction; recovery skips an intent with nothing in its place)."""
         self._intents.discard(name)
 
-    def published_as(self, name: str, size: int) -> None:
-        """``name`` was renamed into place holding ``size`` reserved bytes. Its record is deferred
-        (written in front of the next event): the intent line is durable, and recovery checks
-        the files."""
-        self.journal.defer("P", name)
-        self._intents.discard(name)
-        self.published[name] = size
+    def published_many(self, done: Sequence[tuple[str, int]]) -> None:
+        """Each ``(name, size)`` was renamed into place holding ``size`` reserved bytes. Their
+        records are deferred (written in front of the next event), in one round of the
+        journal's lock: the intent lines are durable, and recovery checks the files."""
+        self.journal.defer_many("P", [name for name, _size in done])
+        for name, size in done:
+            self._intents.discard(name)
+            self.published[name] = size
         self._compact_if_due()
 
     # ---- acknowledge -----------------------------------------------------------------
@@ -117,11 +118,12 @@ class Record:
         self._compact_if_due()
         return True
 
-    def unpublish(self, name: str) -> int:
-        """An acknowledged item is to be deleted (its "A" is journaled): forget it; returns its bytes."""
-        size = self.published.pop(name)
+    def unpublish_many(self, names: Sequence[str]) -> list[int]:
+        """Acknowledged items are to be deleted (their "A" is journaled): forget them; returns
+        their bytes, in order."""
+        sizes = [self.published.pop(name) for name in names]
         self._compact_if_due()
-        return size
+        return sizes
 
     # ---- drop ------------------------------------------------------------------------
     def dropping(self, name: str) -> int:
