@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Generic, Literal, TypeVar, cast
+from typing import Generic, Literal, TypeVar
 
 __all__ = ["Broker", "Closed", "Failed", "FailureKind", "Lease"]
 
@@ -74,7 +74,7 @@ class Broker(Generic[T]):
         self.redelivered = 0  # leases that expired and were handed out again
         self._ids = itertools.count(1)
         self._cond = threading.Condition()
-        self._ready: list[tuple[int, str, object]] = []  # heap of (seq, name, value | Failed)
+        self._ready: list[tuple[int, str, T | Failed]] = []  # heap of (seq, name, value | Failed)
         self._resolved: set[int] = set()  # seqs handed out at least once, failed or skipped, above the frontier
         self._frontier = 0  # every seq below it is resolved
         self._leases: dict[str, Lease[T]] = {}
@@ -221,9 +221,9 @@ class Broker(Generic[T]):
             now = time.monotonic()
             while len(taken) < count and self._ready and not isinstance(self._ready[0][2], Failed):
                 got = self._pop(now)
-                if got is None:
+                if not isinstance(got, Lease):  # None: not its turn yet (a Failed is never next here)
                     break
-                taken.append(cast("Lease[T]", got))
+                taken.append(got)
             self._cond.notify_all()
         return taken
 
@@ -238,7 +238,7 @@ class Broker(Generic[T]):
         if isinstance(value, Failed):
             return value
         expires = None if self.lease_timeout is None else now + self.lease_timeout
-        lease = Lease(seq, name, cast("T", value), f"{next(self._ids):x}-{seq}", expires)
+        lease = Lease(seq, name, value, f"{next(self._ids):x}-{seq}", expires)
         self._leases[name] = lease
         return lease
 
@@ -357,7 +357,10 @@ class Broker(Generic[T]):
     def _resolve(self, seq: int) -> None:
         if seq < self._frontier:
             return
-        self._resolved.add(seq)
+        if seq == self._frontier:  # in turn (the common case): no need to note it
+            self._frontier += 1
+        else:
+            self._resolved.add(seq)
         while self._frontier in self._resolved:
             self._resolved.discard(self._frontier)
             self._frontier += 1

@@ -148,7 +148,10 @@ def group_items(objects: Iterable[ObjectInfo], mode: Literal["folders", "files"]
     """
     is_file = mode == "files"
     for name, size, files in _grouped(objects, mode):
-        entries = tuple(FileEntry(f"{name}/{rel}" if rel else name, rel, file_size, etag) for rel, file_size, etag in files)
+        if is_file:  # one file, whose key is the name
+            entries: tuple[FileEntry, ...] = (FileEntry(name, "", size, files[0][2]),)
+        else:
+            entries = tuple([FileEntry(f"{name}/{rel}", rel, file_size, etag) for rel, file_size, etag in files])
         yield Item(name, entries, size, is_file=is_file)
 
 

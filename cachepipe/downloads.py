@@ -292,12 +292,12 @@ class StagingFile:
         return self._offset - self._start
 
     def write(self, data: bytes | memoryview) -> int:
-        view = memoryview(data).cast("B")
+        view = data if type(data) is bytes else memoryview(data).cast("B")  # bytes as they are: no view, no copy
         size = len(view)
         done = 0
         try:
             while done < size:
-                wrote = self._pwrite(self._fd, view[done:], self._offset + done)
+                wrote = self._pwrite(self._fd, view[done:] if done else view, self._offset + done)
                 if wrote == 0:
                     raise OSError(errno.ENOSPC, "a staging write made no progress")
                 done += wrote

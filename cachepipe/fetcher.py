@@ -39,7 +39,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
@@ -157,10 +157,15 @@ class PartQueue(Generic[J]):
         """Queue an item's files (those of 0 bytes need no request) in its turn: after the items
         of earlier turns, before those of later ones (an item restarted after a disk error or an
         ETag mismatch keeps its place). None if nothing is to fetch."""
-        todo = deque((f, local, 0) for f, local in files if f.size)
+        todo: deque[tuple[FileEntry, str, int]] = deque()
+        small = True
+        for f, local in files:
+            if f.size:
+                todo.append((f, local, 0))
+                small = small and f.size <= HEAD_MIN_PART
         if not todo:
             return None
-        started = Started(job, size, turn, todo, small=all(f.size <= HEAD_MIN_PART for f, _local, _start in todo))
+        started = Started(job, size, turn, todo, small)
         place = len(self._started)
         while place and self._started[place - 1].turn > turn:
             place -= 1
@@ -185,8 +190,11 @@ class PartQueue(Generic[J]):
             if not large and not started.small:
                 return None
             f, local, start = started.todo[0]
-            part = item_part_size(started.size, part_size, self.concurrency, max(0, started.turn - served))
-            end = min(f.size, start + part)
+            if started.small and f.size - start <= part_size:  # item_part_size would give at least the rest
+                end = f.size
+            else:
+                part = item_part_size(started.size, part_size, self.concurrency, max(0, started.turn - served))
+                end = min(f.size, start + part)
             if end == f.size:
                 started.todo.popleft()
                 if not started.todo:
@@ -217,7 +225,7 @@ def backoff_delay(attempt: int, base: float, cap: float, rand: Callable[[], floa
 _DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
 
 
-@dataclass
+@dataclass(slots=True)
 class _Job:
     seq: int
     item: Item
@@ -228,7 +236,6 @@ class _Job:
     error_key: str = ""
     disk_error: OSError | None = None  # a local write failed: free staging, back off, restart the item
     attempt: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 _Part = tuple[Started[_Job], FileEntry, str, int, int]
@@ -298,6 +305,7 @@ class Fetcher:
         self._publish_lock = threading.Lock()  # _to_publish and _publishing
         self._to_publish: list[_Job] = []  # verified items waiting for the publishing thread
         self._publishing = False  # a download thread is publishing what is queued
+        self._job_errors = threading.Lock()  # a job's first error, set by the thread of one of its parts (rare: one lock)
         processes = config.download_processes
         self._workers = (
             DownloadWorkers(config.source, config.storage_options, processes, -(-config.max_concurrency // processes))
@@ -307,6 +315,8 @@ class Fetcher:
         self._prepare_pool = (
             ThreadPoolExecutor(config.prepare_workers, thread_name_prefix="cachepipe-prepare") if config.prepares else None
         )
+        # a completed item without an error goes to publish as it is: nothing to verify or prepare first
+        self._publish_as_is = config.verify != "etag" and self._prepare_pool is None
         self._thread = threading.Thread(target=self._run, name="cachepipe-producer", daemon=True)
         self.removed: CacheRemovedError | None = None  # the cache directory is gone: stopped for good (halt)
 
@@ -510,8 +520,9 @@ class Fetcher:
                 if started is None:
                     empty.append(job)
                     continue
-                parts = sum(-(-f.size // self._min_part) for f in item.files)  # at most
-                room = min(parts, self._room_for_takers(started))
+                room = self._room_for_takers(started)
+                if room > 0:  # no more than its parts, at most
+                    room = min(room, sum(-(-f.size // self._min_part) for f in item.files))
                 more += room
                 self._takers += room
         for job in empty:
@@ -523,7 +534,7 @@ class Fetcher:
     def _take_and_fetch(self, first: list[_Part] | None = None) -> None:
         """A download thread's task: fetch parts, each cut when taken, until none is left, or
         until more threads take parts than :attr:`threads` wants. While requests cost less than
-        twice the work around them (:meth:`_note_pace`), a thread takes up to :data:`PART_RUN` parts
+        twice the work around them (:meth:`_note_paces`), a thread takes up to :data:`PART_RUN` parts
         of small items at once: one round of the queue's lock for them. ``first``: parts of
         small items taken already (the rest of another thread's run), fetched first."""
         large = False  # the parts just fetched were of an item with a file over HEAD_MIN_PART
@@ -534,8 +545,8 @@ class Fetcher:
             more = 0
             with self._parts_lock:  # a thread leaves only with the lock held, so no queued part is left untaken
                 self._large -= large
-                for pace in paces:
-                    more += self._note_pace(pace)
+                if paces:
+                    more = self._note_paces(paces)
                 # a large part waits while max_large_requests are in flight: their threads take it next
                 large_free = self._large < self._cfg.large_requests
                 parts = []
@@ -558,7 +569,7 @@ class Fetcher:
 
     def _fetch_timed(self, parts: list[_Part]) -> list[tuple[float, float]]:
         """:meth:`_fetch_parts`, with this thread's CPU seconds per part requested: the paces
-        for :meth:`_note_pace`."""
+        for :meth:`_note_paces`."""
         cpu = time.thread_time()
         try:
             requests = self._fetch_parts(parts)
@@ -570,18 +581,26 @@ class Fetcher:
         work = (time.thread_time() - cpu) / len(requests)
         return [(request_s, work) for request_s in requests]
 
-    def _note_pace(self, pace: tuple[float, float]) -> int:
-        """Count a part's request time and work (under the parts lock); every
-        :data:`PACE_WINDOW` parts, choose :attr:`threads` from their median request time and
-        mean work (:func:`download_threads`). The median, since a request that came back while
-        the interpreter's lock was busy is also counted as waiting for it. Returns the threads
-        to start now (counted as takers): when more are wanted than take parts and parts are
-        queued, up to the limit of the next item's kind, as :meth:`_start` would (an item being
-        fetched must not stay on the few threads that a fast stretch of it chose)."""
+    def _note_paces(self, parts: list[tuple[float, float]]) -> int:
+        """Count parts' request times and work (under the parts lock); every
+        :data:`PACE_WINDOW` parts, choose :attr:`threads` (:meth:`_choose_threads`). Returns
+        the threads to start now (counted as takers)."""
+        paces, more = self._paces, 0
+        for pace in parts:
+            paces.append(pace)
+            if len(paces) == PACE_WINDOW:
+                more += self._choose_threads()
+        return more
+
+    def _choose_threads(self) -> int:
+        """Choose :attr:`threads` from the median request time and the mean work of the last
+        :data:`PACE_WINDOW` parts (:func:`download_threads`), and forget them. The median, since
+        a request that came back while the interpreter's lock was busy is also counted as
+        waiting for it. Returns the threads to start now (counted as takers): when more are
+        wanted than take parts and parts are queued, up to the limit of the next item's kind,
+        as :meth:`_start` would (an item being fetched must not stay on the few threads that a
+        fast stretch of it chose)."""
         paces = self._paces
-        paces.append(pace)
-        if len(paces) < PACE_WINDOW:
-            return 0
         request_s = sorted(r for r, _ in paces)[len(paces) // 2]
         work_s = sum(w for _, w in paces) / len(paces)
         paces.clear()
@@ -627,7 +646,7 @@ class Fetcher:
                 self._get_with_retries(job, f, local, start, end, hand_off if len(parts) > 1 else None)
             except Exception as exc:  # a defect, not the store's error: the item fails (reported), never half-published
                 log.exception("a download thread's part of %s failed unexpectedly", job.item.name)
-                with job.lock:
+                with self._job_errors:
                     if job.error is None:
                         job.error, job.error_key = exc, f.key
             else:
@@ -662,14 +681,15 @@ class Fetcher:
             return
         with self._parts_lock:  # after an error nothing more is requested: the item fails or restarts
             last = [
-                started.job
-                for started, *_ in parts
-                if self._parts.done(started, give_up=started.job.error is not None or started.job.disk_error is not None)
+                part[0].job
+                for part in parts
+                if self._parts.done(part[0], give_up=part[0].job.error is not None or part[0].job.disk_error is not None)
             ]
         publish: list[_Job] = []
         others: list[_Job] = []
+        as_is = self._publish_as_is and not self._stop.is_set()  # nothing to check or prepare first, not closing
         for job in last:
-            (publish if self._publishable(job) else others).append(job)
+            (publish if as_is and job.error is None and job.disk_error is None else others).append(job)
         if publish:
             self._publish_in_turn(publish)
         for job in others:
@@ -701,11 +721,11 @@ class Fetcher:
                     exc if isinstance(exc, LocalWriteError) or (isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS) else None
                 )
                 if local_error is not None:
-                    with job.lock:  # the disk, not the store: the whole item restarts from scratch
+                    with self._job_errors:  # the disk, not the store: the whole item restarts from scratch
                         job.disk_error = job.disk_error or local_error
                     return
                 if not is_transient(exc) or attempt == cfg.retries or self._stop.is_set() or job.error is not None:
-                    with job.lock:
+                    with self._job_errors:
                         if job.error is None:
                             job.error, job.error_key = exc, f.key
                     return
@@ -732,17 +752,6 @@ class Fetcher:
         """Delete the item's staging, release its reservation, report its failure."""
         self._cache.discard(job.staged, job.item.size + job.extra, job.item.name)
         self._report_failure(job.seq, job.item, key, error)
-
-    def _publishable(self, job: _Job) -> bool:
-        """Whether a completed item goes to publish as it is: no error, nothing to verify or
-        prepare first, not closing."""
-        return (
-            job.error is None
-            and job.disk_error is None
-            and self._cfg.verify != "etag"
-            and self._prepare_pool is None
-            and not self._stop.is_set()
-        )
 
     def _finish(self, job: _Job) -> None:
         """Publish a completed item, or discard it and report the failure."""
@@ -813,6 +822,8 @@ class Fetcher:
     def _extra(self, item: Item) -> int:
         """Bytes to reserve beside ``item`` for what unpack and the prepare hook write: as the
         config asks, but at most what the cache leaves beside the item (more would wait forever)."""
+        if self._prepare_pool is None:  # neither unpack nor a prepare hook (made for config.prepares)
+            return 0
         return max(0, min(self._cfg.prepare_extra(item.size), self._cache.limit - item.size))
 
     def _refusal(self, item: Item) -> ArchiveError | None:

@@ -52,6 +52,7 @@ import logging
 import math
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -290,8 +291,11 @@ _RENAMEAT2 = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctyp
 _renameat2 = _function(ctypes.CDLL(None, use_errno=True), "renameat2", _RENAMEAT2, ctypes.c_int)  # lets the lock go
 
 
+_FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
+
+
 def _encoded(path: str) -> bytes:
-    raw = os.fsencode(path)
+    raw = path.encode(_FS_ENCODING, _FS_ERRORS)  # os.fsencode of a str, without its call
     if b"\0" in raw:
         raise ValueError("embedded null byte")
     return raw

@@ -137,16 +137,18 @@ class StreamingListing:
             while not self._stop.is_set():
                 self._objects = 0  # a restarted listing counts its first page again
                 run: list[Item] = []  # listed, not admitted yet
+                skip = last  # a restarted listing skips what was admitted before (keys come in order)
                 try:
                     for item in group_items(self._count(self._store.list()), self._mode):
-                        position = _position(item)
-                        if last is not None and position <= last:
-                            continue
+                        if skip is not None:
+                            if _position(item) <= skip:
+                                continue
+                            skip = None
                         attempt = 0
                         run.append(item)
                         if len(run) < ADMIT_RUN and len(self._queue) >= ADMIT_AHEAD:
                             continue  # the producer has work queued: gather a run
-                        admitting, run, last = run, [], position
+                        admitting, run, last = run, [], _position(item)
                         if not self._queue_run(admitting):
                             return
                     if run and not self._queue_run(run):

@@ -89,11 +89,13 @@ class CachedItem(PathItem):
         self._set(_held(item), lease)
 
     @classmethod
-    def _of(cls, path: str | os.PathLike[str], held: _Held, lease: str) -> CachedItem:
-        """The item handed out at ``path``, from what the pipeline kept of it (:func:`_held`)."""
+    def _of(cls, path: str, held: _Held, lease: str, first: bool = False) -> CachedItem:
+        """The item handed out at ``path`` (a string the cache made: not checked again), from
+        what the pipeline kept of it (:func:`_held`); ``first``: see :meth:`Cache.first_hand_out`."""
         self = cls.__new__(cls)
-        PathItem.__init__(self, path)
-        self._set(held, lease)
+        self._local, self._path = path, None
+        self.name, self.size, self.files = held
+        self.lease, self._gone, self._first = lease, None, first
         return self
 
     def _set(self, held: _Held, lease: str) -> None:
@@ -452,12 +454,12 @@ class Pipeline:
             if planned:
                 yield planned
 
-    def _issue(self, steps: list[Step], items: list[Item]) -> list[int]:
+    def _issue(self, steps: list[Step], items: list[Item]) -> range:
         """Give ``steps`` (of ``items``) their sequence numbers, in one round of the plan's lock;
         they are in flight until consumed."""
         held = [_held(item) for item in items]  # outside the lock, which the consumers' acks take
         with self._plan_lock:
-            seqs = [self._frontier.issue(step) for step in steps]
+            seqs = self._frontier.issue_many(steps)
             self._inflight.update(zip(seqs, held, strict=True))
         return seqs
 
@@ -516,10 +518,10 @@ class Pipeline:
             items = listing.take_many(PLAN_RUN)
             if not items:
                 break
-            steps = [Step(0, index + i, index + i) for i in range(len(items))]
+            indices = range(index, index + len(items))
             index += len(items)
-            seqs = self._issue(steps, items)
-            yield [(seq, item, step.tick) for seq, item, step in zip(seqs, items, steps, strict=True)]
+            seqs = self._issue([Step(0, i, i) for i in indices], items)
+            yield list(zip(seqs, items, indices, strict=True))  # epoch 0: a step's tick is its index
         if listing.stopped:
             return
         if index == 0:
@@ -750,9 +752,11 @@ class Pipeline:
                 if report:
                     return Skipped(got.name, f"{type(got.error).__name__}: {got.error}")
                 continue
-            items = [CachedItem._of(lease.value, self._inflight[lease.seq], lease.id) for lease in got]  # noqa: SLF001 - from what the pipeline kept
-            for item in items:
-                item._first = self._cache.first_hand_out(item.name)  # noqa: SLF001 - the pipeline notes its items' history
+            first_hand_out, inflight = self._cache.first_hand_out, self._inflight
+            items = [
+                CachedItem._of(lease.value, inflight[lease.seq], lease.id, first_hand_out(lease.name))  # noqa: SLF001 - from what the pipeline kept
+                for lease in got
+            ]
             with self._counts_lock:
                 self._counts["handed"] += len(items)
                 for item in items:
@@ -880,9 +884,9 @@ class Pipeline:
             path = next(path for named, _lease, path in wanted if named == name)
             raise self._not_handed_out("ack", path, why) from None
         with self._plan_lock:
-            steps = [self._frontier.step(lease.seq) for lease in taken]
+            steps = self._frontier.epoch_ticks([lease.seq for lease in taken])
         try:
-            self._cache.evict_many([(lease.name, step.epoch, step.tick) for lease, step in zip(taken, steps, strict=True)])
+            self._cache.evict_many([(lease.name, epoch, tick) for lease, (epoch, tick) in zip(taken, steps, strict=True)])
         except BaseException:
             self._broker.restore(taken)  # not recorded: the consumer still holds the items, and may ack again
             raise

@@ -705,10 +705,15 @@ class Frontier:
 
     def issue(self, step: Step) -> int:
         """Record the next step handed to the producer; returns its sequence number."""
-        seq = self._next_seq
-        self._next_seq += 1
-        self._issued[seq] = tuple(step)
-        return seq
+        return self.issue_many([step])[0]
+
+    def issue_many(self, steps: Sequence[Step]) -> range:
+        """:meth:`issue` each of ``steps`` in order; returns their sequence numbers (consecutive)."""
+        first = self._next_seq
+        self._next_seq += len(steps)
+        seqs = range(first, self._next_seq)
+        self._issued.update(zip(seqs, map(tuple, steps), strict=True))
+        return seqs
 
     def step(self, seq: int) -> Step:
         """The step issued as ``seq`` (issued and not yet below the frontier).
@@ -717,6 +722,19 @@ class Frontier:
             KeyError: ``seq`` was never issued, or every step up to it is consumed.
         """
         return Step._make(self._issued[seq])
+
+    def epoch_ticks(self, seqs: Sequence[int]) -> list[tuple[int, int]]:
+        """``(epoch, tick)`` of the step issued as each of ``seqs`` (as :meth:`step`, without
+        making the steps).
+
+        Raises:
+            KeyError: as :meth:`step`.
+        """
+        issued, got = self._issued, []
+        for seq in seqs:
+            epoch, index, _item = issued[seq]
+            got.append((epoch, (epoch << _SHIFT) | index))
+        return got
 
     def consume(self, *seqs: int) -> None:
         """Mark steps ``seqs`` consumed (acknowledged); idempotent. The position moves once per

@@ -202,9 +202,14 @@ class Journal:
         """Queue one event to be written in front of the next write (its own, a later append's,
         or :meth:`flush` at :meth:`close`): an event whose loss recovery tolerates costs no write
         of its own. A rewrite drops the queue: it holds what the events said."""
-        line = f"{kind} {arg}\n".encode("utf-8", "surrogateescape")
-        with self._lock:
-            self._deferred.append(line)
+        self.defer_many(kind, [arg])
+
+    def defer_many(self, kind: str, args: Sequence[str]) -> None:
+        """:meth:`defer` an event of ``kind`` for each of ``args``, in one round of the lock."""
+        if args:
+            data = "".join(f"{kind} {arg}\n" for arg in args).encode("utf-8", "surrogateescape")
+            with self._lock:
+                self._deferred.append(data)
 
     def flush(self) -> None:
         """Write the deferred events now (see :meth:`defer`). Raises OSError (they stay queued)."""

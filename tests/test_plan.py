@@ -297,6 +297,19 @@ def test_frontier_is_the_first_unconsumed_step():
     assert [s.tick for s in resumed] == [tick(1, 0), tick(1, 1), tick(1, 2)]
 
 
+def test_frontier_issues_runs_and_gives_their_epochs_and_ticks():
+    plan = Plan([1] * 3, epochs=2, rank=0, world_size=1)
+    frontier = Frontier(plan)
+    steps = list(plan)
+    first, rest = frontier.issue_many(steps[:2]), frontier.issue_many(steps[2:])
+    assert list(first) + list(rest) == list(range(6))  # consecutive, as issue() gives them
+    assert frontier.step(4) == steps[4]
+    assert frontier.epoch_ticks([4, 0, 3]) == [(s.epoch, s.tick) for s in (steps[4], steps[0], steps[3])]
+    frontier.consume(0)
+    with pytest.raises(KeyError):
+        frontier.epoch_ticks([1, 0])  # 0 is below the frontier now
+
+
 # ---- arguments ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("kwargs", "match"),

@@ -295,23 +295,28 @@ class Cache:
         if isinstance(names, str):  # its characters would each be budgeted as a name
             raise TypeError(f"note_listed takes a sequence of item names, not one name: {names!r}")
         ledger = self.ledger
+        grows = [2 * (4 * len(name.encode("utf-8", "surrogateescape")) + state.EVENT_OVERHEAD) for name in names]
         limits: list[int] = []
         with self._cond:
-            for i, name in enumerate(names):
-                grow = 2 * (4 * len(name.encode("utf-8", "surrogateescape")) + state.EVENT_OVERHEAD)
-                after = ledger.limit - grow  # the largest item beside the budget with this name counted
-                if limits and (after <= 0 or not ledger.fits(grow) or (i < len(sizes) and sizes[i] > after)):
-                    break  # for the next call, with that name first: it raises, waits, or refuses the item
-                ledger.check_room(self._root, ledger.overhead + grow)
+            if grows:
+                ledger.check_room(self._root, ledger.overhead + grows[0])
                 # Wait for room (acks) rather than count space the reserved items already hold: the
                 # ledger never exceeds the capacity. Reservations waiting for room re-check the limit.
-                while not self._closed and not ledger.fits(grow):
+                while not self._closed and not ledger.fits(grows[0]):
                     self._cond.wait()
-                if self._closed:
-                    break
-                self.record.budget += grow
-                ledger.overhead += grow
-                limits.append(ledger.limit)
+            if grows and not self._closed:
+                # the largest item beside the budget, and the room left, with the names so far counted
+                limit, free = ledger.limit - grows[0], ledger.free - grows[0]
+                limits.append(limit)
+                for i in range(1, len(grows)):
+                    grow = grows[i]
+                    if grow > free or limit - grow <= 0 or (i < len(sizes) and sizes[i] > limit - grow):
+                        break  # for the next call, with that name first: it raises, waits, or refuses the item
+                    limit, free = limit - grow, free - grow
+                    limits.append(limit)
+                counted = sum(grows[: len(limits)])
+                self.record.budget += counted
+                ledger.overhead += counted
             self._cond.notify_all()
         return limits
 
@@ -673,6 +678,7 @@ class Cache:
             OSError: the intents could not be journaled (a full disk): nothing was published.
         """
         got: list[str | OSError] = []
+        done: list[tuple[str, int]] = []  # (name, bytes reserved) renamed into place
         with self._cond, self._eviction.folders:
             self.record.publishing_many([(item.name, item.version) for _staged, item, _size in staged])
             for path, item, size in staged:
@@ -697,11 +703,12 @@ class Cache:
                     self.record.not_renamed(item.name)
                     got.append(exc)
                     continue
-                self.record.published_as(item.name, size)
+                done.append((item.name, size))
                 if item.size < REAP_MIN_BYTES:
                     self._small[item.name] = None if item.is_file else _flat_names(item)
                 self._fresh.add(item.name)
                 got.append(final)
+            self.record.published_many(done)
         return got
 
     def first_hand_out(self, name: str) -> bool:
@@ -747,7 +754,6 @@ class Cache:
         """
         policy = self._policy
         numbers = [self._number(name) if policy is not None else None for name, _epoch, _tick in acks]
-        doomed: list[tuple[str, int]] = []
         with self._cond:
             seen: set[str] = set()
             for name, _epoch, _tick in acks:
@@ -756,14 +762,18 @@ class Cache:
                 seen.add(name)
             self.record.ack(acks)
             kept = False
+            gone: list[str] = []
             for (name, _epoch, tick), number in zip(acks, numbers, strict=True):
                 if policy is not None and number is not None and policy.on_ack(number, tick):
                     if self.record.keep(name):  # still on disk, kept for a later step
                         kept = True
                         continue
                     policy.forget(number)
-                doomed.append((name, self.record.unpublish(name)))
-                self._recovered.pop(name, None)
+                gone.append(name)
+            doomed = list(zip(gone, self.record.unpublish_many(gone), strict=True))
+            if self._recovered:
+                for name in gone:
+                    self._recovered.pop(name, None)
             if kept:
                 self._cond.notify_all()
             if not doomed:
@@ -771,8 +781,7 @@ class Cache:
             self._acks_deleting += 1
         try:
             with self._eviction.deleters:
-                for name, size in doomed:
-                    self._delete(name, size)
+                self._delete_acked(doomed)
         finally:
             with self._cond:
                 self._acks_deleting -= 1
@@ -835,7 +844,7 @@ class Cache:
             self._recovered.pop(name, None)
         self._delete(name, size, dropped=True)
 
-    def _delete(self, name: str, size: int, dropped: bool = False) -> None:
+    def _delete(self, name: str, size: int, dropped: bool = False, in_place: bool = True) -> None:
         """Move the item's files away (:meth:`.eviction.Eviction.move_away`); then, for a drop,
         journal "D" (an ack's "A" was journaled before); release the claim on its name; delete
         the files (by the reaper for large items) and release its space after. Files that
@@ -843,11 +852,10 @@ class Cache:
         A small item (under :data:`.eviction.REAP_MIN_BYTES`) is deleted where it is instead,
         its space released in the same lock round: its "A" (or, for a drop, the "P" that the
         missing files no longer match) makes a deletion cut short by a crash one that the next
-        open finishes.
-
-        One item per lock round, also for a batch of acks: releasing a batch in one round made
-        a whole pipeline slower on this VM's disk (benchmarks/README.md)."""
-        in_place = name in self._small and self._eviction.delete_in_place(name, self._small[name])
+        open finishes. ``in_place`` False: its deletion in place failed already
+        (:meth:`_delete_acked`, which releases a batch's small acknowledged items in one lock
+        round): what is left is moved away."""
+        in_place = in_place and name in self._small and self._eviction.delete_in_place(name, self._small[name])
         aside, left = ("", 0) if in_place else self._eviction.move_away(name)
         with self._cond:
             self._small.pop(name, None)
@@ -863,6 +871,30 @@ class Cache:
             self._cond.notify_all()  # wakes claim() and reserve()
         if not in_place:
             self._eviction.finish(aside, size, left)
+
+    def _delete_acked(self, doomed: Sequence[tuple[str, int]]) -> None:
+        """:meth:`_delete` each acknowledged ``(name, size)``: the small ones deleted in place
+        first, one by one, then their claims and space released in one lock round (one wake-up);
+        the others (large, or not deleted in place) one by one as :meth:`_delete` does."""
+        small, eviction = self._small, self._eviction
+        gone: list[tuple[str, int]] = []
+        try:
+            for name, size in doomed:
+                if name not in small:
+                    self._delete(name, size)
+                elif eviction.delete_in_place(name, small[name]):
+                    gone.append((name, size))
+                else:
+                    self._delete(name, size, in_place=False)  # what is left is moved away
+        finally:  # what is deleted is released, whatever stopped the loop
+            if gone:
+                with self._cond:
+                    for name, size in gone:
+                        small.pop(name, None)
+                        self._fresh.discard(name)
+                        self._claimed.discard(name)
+                        self.ledger.release(size)  # deleted: no longer reaping
+                    self._cond.notify_all()  # wakes claim() and reserve()
 
     def _reaped(self, size: int, left: int) -> None:
         """An item's files are deleted: release its ``size``; ``left`` bytes could not be deleted

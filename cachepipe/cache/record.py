@@ -81,7 +81,7 @@ class Record:
     # ---- publish ---------------------------------------------------------------------
     def publishing_many(self, items: Sequence[tuple[str, str | None]]) -> None:
         """Journal the intent to publish each of ``items``, ``(name, version or None)``, before
-        their renames, by one write; until each is resolved (:meth:`published_as`,
+        their renames, by one write; until each is resolved (:meth:`published_many`,
         :meth:`dropped`, :meth:`not_renamed`), a compaction keeps its intent, so that an item
         renamed after a compaction is still ours. Raises OSError (nothing written)."""
         self.journal.append_many([("I", name) if version is None else ("J", f"{version} {name}") for name, version in items])
@@ -98,13 +98,14 @@ class Record:
         self._intents.discard(name)
         self.versions.pop(name, None)
 
-    def published_as(self, name: str, size: int) -> None:
-        """``name`` was renamed into place holding ``size`` reserved bytes. Its record is deferred
-        (written in front of the next event): the intent line is durable, and recovery checks
-        the files."""
-        self.journal.defer("P", name)
-        self._intents.discard(name)
-        self.published[name] = size
+    def published_many(self, done: Sequence[tuple[str, int]]) -> None:
+        """Each ``(name, size)`` was renamed into place holding ``size`` reserved bytes. Their
+        records are deferred (written in front of the next event), in one round of the
+        journal's lock: the intent lines are durable, and recovery checks the files."""
+        self.journal.defer_many("P", [name for name, _size in done])
+        for name, size in done:
+            self._intents.discard(name)
+            self.published[name] = size
         self._compact_if_due()
 
     # ---- acknowledge -----------------------------------------------------------------
@@ -127,12 +128,14 @@ class Record:
         self._compact_if_due()
         return True
 
-    def unpublish(self, name: str) -> int:
-        """An acknowledged item is to be deleted (its "A" is journaled): forget it; returns its bytes."""
-        size = self.published.pop(name)
-        self.versions.pop(name, None)
+    def unpublish_many(self, names: Sequence[str]) -> list[int]:
+        """Acknowledged items are to be deleted (their "A" is journaled): forget them; returns
+        their bytes, in order."""
+        sizes = [self.published.pop(name) for name in names]
+        for name in names:
+            self.versions.pop(name, None)
         self._compact_if_due()
-        return size
+        return sizes
 
     # ---- drop ------------------------------------------------------------------------
     def dropping(self, name: str) -> int:

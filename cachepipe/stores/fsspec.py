@@ -28,7 +28,7 @@ import threading
 import uuid
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NoReturn
 from urllib.parse import urlsplit
 
 import fsspec
@@ -306,20 +306,26 @@ class FsspecStore:
 
     @contextmanager
     def _errors(self, where: str, sends: bool = True, first: bool = True) -> Iterator[None]:
-        """The seam: translate whatever the body raises (see :func:`_translate`). ``sends``: the
-        body sends a request, so its success means that the endpoint answered. ``first``: the
-        request may be the run's first contact with the endpoint (not a GET or an upload)."""
+        """The seam: translate whatever the body raises (:meth:`_raise_translated`). ``sends``:
+        the body sends a request, so its success means that the endpoint answered. ``first``:
+        the request may be the run's first contact with the endpoint (not a GET or an upload)."""
         try:
             yield
-        except Exception as exc:
-            if sends and _s3_error(exc)[0] is not None:  # not an answer of STS or SSO to a credential refresh
-                self.answered = True
-            translated = _translate(exc, where, self.endpoint, self.answered, first)
-            if translated is exc:
-                raise
-            raise translated from exc
+        except Exception as exc:  # noqa: BLE001 - raised again, translated
+            self._raise_translated(exc, where, sends, first)
         if sends:
             self.answered = True
+
+    def _raise_translated(self, exc: Exception, where: str, sends: bool = True, first: bool = True) -> NoReturn:
+        """Raise ``exc`` as :func:`_translate` maps it (chained), or as it is; called in its
+        ``except`` clause (by :meth:`_errors`, or by a loop that makes a call per chunk and
+        spares itself a context manager's per-call cost)."""
+        if sends and _s3_error(exc)[0] is not None:  # not an answer of STS or SSO to a credential refresh
+            self.answered = True
+        translated = _translate(exc, where, self.endpoint, self.answered, first)
+        if translated is exc:
+            raise exc
+        raise translated from exc
 
     def _where(self, key: str) -> str:
         """``key``'s URL, for messages."""
@@ -405,7 +411,7 @@ class FsspecStore:
         pos = start
         while pos < end:
             want = min(self.chunk_size, end - pos)
-            with self._errors(self._where(key), first=False):
+            try:  # the seam, as _errors(first=False)
                 if conditional:
                     data = self._await(self._get_object, path, pos, pos + want, etag)
                 elif getattr(self.fs, "async_impl", False):
@@ -413,6 +419,9 @@ class FsspecStore:
                 else:
                     self._check_aborted()
                     data = self.fs.cat_file(path, start=pos, end=pos + want)
+            except Exception as exc:  # noqa: BLE001 - raised again, translated
+                self._raise_translated(exc, self._where(key), first=False)
+            self.answered = True
             if not data:
                 break
             out.write(data)
