@@ -72,7 +72,10 @@ class Item:
         The journal records it with each publish, so that recovery reuses an item left on disk
         only while the store still lists that version (an object rewritten at the same size has
         another tag)."""
-        return version_of((f.rel, f.size, f.etag) for f in self.files)
+        files = self.files
+        if all(f.etag is None for f in files):  # no digest to make: the common case of a local source
+            return None
+        return version_of((f.rel, f.size, f.etag) for f in files)
 
 
 def version_of(files: Iterable[tuple[str, int, str | None]]) -> str | None:
