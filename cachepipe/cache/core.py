@@ -781,7 +781,8 @@ class Cache:
             self._acks_deleting += 1
         try:
             with self._eviction.deleters:
-                self._delete_acked(doomed)
+                for name, size in doomed:
+                    self._delete(name, size)
         finally:
             with self._cond:
                 self._acks_deleting -= 1
@@ -844,7 +845,7 @@ class Cache:
             self._recovered.pop(name, None)
         self._delete(name, size, dropped=True)
 
-    def _delete(self, name: str, size: int, dropped: bool = False, in_place: bool = True) -> None:
+    def _delete(self, name: str, size: int, dropped: bool = False) -> None:
         """Move the item's files away (:meth:`.eviction.Eviction.move_away`); then, for a drop,
         journal "D" (an ack's "A" was journaled before); release the claim on its name; delete
         the files (by the reaper for large items) and release its space after. Files that
@@ -852,10 +853,12 @@ class Cache:
         A small item (under :data:`.eviction.REAP_MIN_BYTES`) is deleted where it is instead,
         its space released in the same lock round: its "A" (or, for a drop, the "P" that the
         missing files no longer match) makes a deletion cut short by a crash one that the next
-        open finishes. ``in_place`` False: its deletion in place failed already
-        (:meth:`_delete_acked`, which releases a batch's small acknowledged items in one lock
-        round): what is left is moved away."""
-        in_place = in_place and name in self._small and self._eviction.delete_in_place(name, self._small[name])
+        open finishes.
+
+        One item per lock round, also for a batch of acks: releasing a batch in one round made
+        a whole pipeline slower on this VM's disk (benchmarks/README.md), and was level or
+        undecided by the VM's noise when tried again (2026-11-29)."""
+        in_place = name in self._small and self._eviction.delete_in_place(name, self._small[name])
         aside, left = ("", 0) if in_place else self._eviction.move_away(name)
         with self._cond:
             self._small.pop(name, None)
@@ -871,30 +874,6 @@ class Cache:
             self._cond.notify_all()  # wakes claim() and reserve()
         if not in_place:
             self._eviction.finish(aside, size, left)
-
-    def _delete_acked(self, doomed: Sequence[tuple[str, int]]) -> None:
-        """:meth:`_delete` each acknowledged ``(name, size)``: the small ones deleted in place
-        first, one by one, then their claims and space released in one lock round (one wake-up);
-        the others (large, or not deleted in place) one by one as :meth:`_delete` does."""
-        small, eviction = self._small, self._eviction
-        gone: list[tuple[str, int]] = []
-        try:
-            for name, size in doomed:
-                if name not in small:
-                    self._delete(name, size)
-                elif eviction.delete_in_place(name, small[name]):
-                    gone.append((name, size))
-                else:
-                    self._delete(name, size, in_place=False)  # what is left is moved away
-        finally:  # what is deleted is released, whatever stopped the loop
-            if gone:
-                with self._cond:
-                    for name, size in gone:
-                        small.pop(name, None)
-                        self._fresh.discard(name)
-                        self._claimed.discard(name)
-                        self.ledger.release(size)  # deleted: no longer reaping
-                    self._cond.notify_all()  # wakes claim() and reserve()
 
     def _reaped(self, size: int, left: int) -> None:
         """An item's files are deleted: release its ``size``; ``left`` bytes could not be deleted
