@@ -5,7 +5,9 @@ A synthetic catalog of ``--items`` folder items (default 1,000,000), each of ``-
 file (:func:`cachepipe.manifest.write_manifest`: digest, then gzip JSON lines), read back and
 checked (:func:`cachepipe.manifest.read_manifest`: parse, count and digest), and planned
 (:class:`cachepipe.plan.Plan` with a seeded shuffle, rank 0 of ``--world-size``, and its epoch-0
-share computed).
+share computed). Beside them, ``group``: a listing of as many single objects, generated as it
+is read, grouped into items with ``items="files"`` (:func:`cachepipe.catalog.group_items`, which
+checks every key, and files against the folders of later keys) and counted, not kept.
 
 Each phase is timed once without tracing, then run again under :mod:`tracemalloc` for its peak
 of Python allocations above what was held before it. The process's peak RSS
@@ -34,9 +36,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cachepipe.catalog import Catalog
+from cachepipe.catalog import Catalog, group_items
 from cachepipe.manifest import read_manifest, write_manifest
 from cachepipe.plan import Plan
+from cachepipe.stores.base import ObjectInfo
 
 SOURCE = "s3://bench/dataset/"
 
@@ -91,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
             return len(p.share(0))
 
         plan_s, plan_peak, share = measure(plan)
+
+    def group() -> int:
+        listing = (ObjectInfo(f"train/shard{i // 1000:05d}/sample{i:08d}.jpg", 110_000) for i in range(args.items))
+        return sum(1 for _ in group_items(listing, "files"))
+
+    group_s, group_peak, grouped = measure(group)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     report = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
@@ -104,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             "write": {"seconds": round(write_s, 3), "peak_traced_bytes": write_peak},
             "read": {"seconds": round(read_s, 3), "peak_traced_bytes": read_peak},
             "plan": {"seconds": round(plan_s, 3), "peak_traced_bytes": plan_peak, "share": share},
+            "group": {"seconds": round(group_s, 3), "peak_traced_bytes": group_peak, "items": grouped},
         },
         "peak_rss_bytes": peak_rss,
     }

@@ -13,6 +13,7 @@ few flat buffers (about 60-70 bytes per one-file item, against about 400 for a l
 from __future__ import annotations
 
 import hashlib
+import heapq
 import re
 import sys
 from array import array
@@ -120,22 +121,30 @@ def check_key(key: str) -> list[str]:
 
 
 class _TreeCheck:
-    """Detects keys that collide after mapping: a file that is also a directory of another key."""
+    """Detects keys that collide after mapping: a file that is also a folder of another key.
+
+    Keys are added in strictly increasing order (a listing's), so a file comes before every key
+    under it, and those come before any key at or after ``file + "0"`` ("0" follows "/"). A file
+    is remembered only until the keys pass that point: memory for the few files whose names
+    prefix the keys that follow, not for every key listed (a listing of millions of single
+    files)."""
 
     def __init__(self) -> None:
-        self.files: set[str] = set()
-        self.dirs: set[str] = set()
+        self._open: set[str] = set()  # files that a later key may still be under
+        self._ends: list[tuple[str, str]] = []  # heap of (file + "0", file): past it, the file is closed
 
     def add(self, key: str, segments: list[str]) -> None:
-        path = "/".join(segments)
-        if path in self.dirs or path in self.files:
-            raise UnsafeKeyError(key, "collides with another key (a file and a folder of the same name)")
-        for i in range(1, len(segments)):
-            parent = "/".join(segments[:i])
-            if parent in self.files:
-                raise UnsafeKeyError(key, f"collides with the file {parent!r} (a file and a folder of the same name)")
-            self.dirs.add(parent)
-        self.files.add(path)
+        """Add the file ``key`` at the path ``segments`` (relative to what is checked)."""
+        path, ends, open_ = "/".join(segments), self._ends, self._open
+        while ends and ends[0][0] <= path:
+            open_.discard(heapq.heappop(ends)[1])
+        if open_:
+            for i in range(1, len(segments)):
+                parent = "/".join(segments[:i])
+                if parent in open_:
+                    raise UnsafeKeyError(key, f"collides with the file {parent!r} (a file and a folder of the same name)")
+        open_.add(path)
+        heapq.heappush(ends, (path + "0", path))
 
 
 def group_items(objects: Iterable[ObjectInfo], mode: Literal["folders", "files"] = "folders") -> Iterator[Item]:

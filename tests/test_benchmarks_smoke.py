@@ -166,7 +166,8 @@ def test_manifest_benchmark_reports_every_phase():
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)
     assert report["items"] == 500 and report["manifest_bytes"] > 0
-    assert set(report["phases"]) == {"digest", "write", "read", "plan"}
+    assert set(report["phases"]) == {"digest", "write", "read", "plan", "group"}
+    assert report["phases"]["group"]["items"] == report["items"]
     assert report["phases"]["plan"]["share"] > 0
 
 

@@ -77,6 +77,29 @@ def test_collision_in_files_mode():
         list(group_items(objs("s/000.tar", "s/000.tar/x"), "files"))
 
 
+def test_a_file_collides_with_a_later_key_under_it_across_the_keys_sorted_between_them():
+    # keys that sort between a file and the keys under it ('!', '-', '.' come before '/')
+    keys = ("s/a", "s/a!b", "s/a-b", "s/a.txt", "s/a/x")
+    with pytest.raises(UnsafeKeyError, match="collides with the file 's/a'"):
+        list(group_items(objs(*keys), "files"))
+    with pytest.raises(UnsafeKeyError, match="collides with the file 'a'"):
+        list(group_items(objs(*keys)))  # inside the folder s: its paths a, a!b, ... a/x
+
+
+def test_the_collision_check_keeps_only_files_that_a_later_key_may_be_under():
+    """It kept every key listed (files mode: a set of every key and folder of the listing, more
+    memory than the catalog itself for millions of single files); a file is kept now only until
+    the sorted keys pass every key that could be under it."""
+    from cachepipe.catalog import _TreeCheck
+
+    check = _TreeCheck()
+    for i in range(10_000):
+        key = f"shard{i:05d}/clip.mp4"
+        check.add(key, key.split("/"))
+        check.add(key + ".json", (key + ".json").split("/"))
+    assert len(check._open) <= 2 and len(check._ends) <= 2
+
+
 def test_files_mode():
     items = list(group_items(objs("000.tar", "001.tar", "sub/002.tar", size=5), "files"))
     assert [i.name for i in items] == ["000.tar", "001.tar", "sub/002.tar"]
