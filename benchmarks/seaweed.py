@@ -17,6 +17,7 @@ client inside the namespace can also reach it on 127.0.0.1.
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import socket
@@ -104,6 +105,7 @@ class S3Server:
         self.kind = kind
         self.host = host
         self.log_path = data_dir / "server.log"
+        self.ports: list[int] = []
         in_netns = exec_argv is not None
         if kind == "seaweedfs":
             weed = weed_binary()
@@ -114,7 +116,7 @@ class S3Server:
             # depend on the pid keep two concurrent runs apart. In the shared namespace, free ones.
             base = 20000 + 10 * (os.getpid() % 4000)
             ports = [base + i for i in range(len(WEED_PORTS))] if in_netns else _free_ports(host, len(WEED_PORTS))
-            self.port = ports[WEED_PORTS.index("s3.port")]
+            self.port, self.ports = ports[WEED_PORTS.index("s3.port")], ports
             argv = [
                 weed,
                 "server",
@@ -195,3 +197,10 @@ class S3Server:
         # after SIGTERM until stop_child's grace ends, 5 s by default, every time)
         stop_child(self.proc, grace=0.5)
         self._log.close()
+        for path in self.grpc_sockets():  # killed: weed leaves them in the shared /tmp
+            Path(path).unlink(missing_ok=True)
+
+    def grpc_sockets(self) -> list[str]:
+        """The unix sockets SeaweedFS made in /tmp for its gRPC ports (named after them; there is
+        no flag to put them elsewhere)."""
+        return [path for port in self.ports for path in glob.glob(f"/tmp/seaweedfs-*-grpc-{port}.sock")]

@@ -88,3 +88,22 @@ def test_quick_link_benchmark_reports_every_scenario_and_method(tmp_path):
         mine = results[(scenario, "cachepipe")]
         assert mine["x_original"] is not None and mine["x_copy_all"] is not None, scenario
     assert {t["scenario"] for t in report["targets"]} == {"video", "small-files", "first-item", "slow-consumer", "loopback-video"}
+
+
+def test_a_seaweedfs_server_stopped_leaves_no_socket_in_tmp(tmp_path, monkeypatch):
+    """SeaweedFS names unix sockets in the shared /tmp after its gRPC ports, and a killed server
+    left them there: dozens a day on a developer's machine. stop() removes this server's."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # weed would take the suite's as its only key
+        monkeypatch.delenv(name, raising=False)
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from seaweed import S3Server
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    server = S3Server("seaweedfs", "127.0.0.1", tmp_path, "bucket")
+    try:
+        made = server.grpc_sockets()
+        assert made, "the server made no gRPC socket in /tmp: nothing to check"
+    finally:
+        server.stop()
+    assert [path for path in made if Path(path).exists()] == []
