@@ -480,6 +480,12 @@ class Catalog(Sequence[Item]):
         return len(self._names.data)
 
     @property
+    def tagged(self) -> bool:
+        """Whether any file has an entity tag (then its item has a :attr:`Item.version`)."""
+        kinds = self._etag_kinds
+        return kinds.count(_ETAG_NONE) != len(kinds)
+
+    @property
     def nbytes(self) -> int:
         """Bytes held by the columns (buffers and arrays, without their over-allocation)."""
         arrays = (self._sizes, self._first_file, self._file_sizes)

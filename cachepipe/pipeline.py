@@ -477,7 +477,9 @@ class Pipeline:
 
         def admit(run: list[Item]) -> list[bool]:  # in the listing thread, in listing order
             keeps: list[bool] = []
-            limits = cache.note_listed([item.name for item in run], [item.size for item in run]) or [cache.limit]  # none: closed
+            names, sizes = [item.name for item in run], [item.size for item in run]
+            plain = [all(f.etag is None for f in item.files) for item in run]  # no version to journal
+            limits = cache.note_listed(names, sizes, plain) or [cache.limit]  # none: closed
             for item, limit in zip(run, limits, strict=False):  # the first len(limits) items
                 if item.size > limit:
                     error = OversizeError(item.name, item.size, cache.capacity, cache.capacity - limit)

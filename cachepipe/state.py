@@ -42,6 +42,7 @@ from .catalog import Catalog
 
 __all__ = [
     "EVENT_OVERHEAD",
+    "VERSION_OVERHEAD",
     "Journal",
     "Replay",
     "StateCorrupt",
@@ -55,9 +56,10 @@ __all__ = [
 ]
 
 CATALOG_VERSION = 1
-# bytes per step besides 4 x the name: kinds, spaces, newlines, epoch and index numbers (48), and
-# an item's version (16 hex digits and a space) on its intent, or on its compacted publish record
-EVENT_OVERHEAD = 65
+EVENT_OVERHEAD = 48  # bytes per step besides 4 x the name: kinds, spaces, newlines, epoch and index numbers
+# and, for an item with a version, the version (16 hex digits and a space) on its intent ("J"),
+# or on its compacted publish record ("R")
+VERSION_OVERHEAD = 17
 
 
 class StateCorrupt(ValueError):

@@ -224,7 +224,7 @@ def test_runs_of_cheap_requests_lose_nothing_when_one_of_their_items_fails(tmp_p
     try:
         store = Faulty(root, gone="00150", flaky="00151")
         options = {"items": "files", "store": store, "on_error": "skip", "retry_backoff": 0.001, "auto_ack": False}
-        with Pipeline(root, tmp_path / "c", "128KiB", **options) as pipe:  # the journal's budget: ~67 KB
+        with Pipeline(root, tmp_path / "c", "64KiB", **options) as pipe:
             names = []
             while batch := pipe.get_many(64, timeout=30):
                 assert all(item.path.read_bytes() == bytes([int(item.name) % 256]) * 10 for item in batch)

@@ -37,7 +37,7 @@ from cachepipe.map.child import Watcher
 from cachepipe.map.cli import main
 from cachepipe.map.run import _take_lock
 from cachepipe.map.uploader import DONE_MARKER, MARKER_LIMIT, Uploader, marker_version
-from cachepipe.state import EVENT_OVERHEAD
+from cachepipe.state import EVENT_OVERHEAD, VERSION_OVERHEAD
 from cachepipe.stores.base import ObjectInfo
 from cachepipe.stores.fsspec import FsspecStore
 
@@ -309,7 +309,7 @@ def test_dry_run_predicts_what_the_run_refuses(s3_source, s3_client, tmp_path, c
     command = ["--", "sh", "-c", 'cp a.bin "$CACHEPIPE_OUT/"']
     code = main([*args, "--dry-run", *command])
     out = capsys.readouterr().out.splitlines()
-    state = 2 * (4 * len("big" + "small") + EVENT_OVERHEAD * 2) + 256 + 4096  # the journal budget of 2 items, state files
+    state = 2 * (4 * len("big" + "small") + (EVENT_OVERHEAD + VERSION_OVERHEAD) * 2) + 256 + 4096  # journal budget, state files
     why = f"item is {950 * KIB} bytes, more than the {896 * KIB - state} bytes the capacity leaves for downloads"
     assert code == 1
     assert out[0] == "would run: small -> s3://data/out/small/"

@@ -18,7 +18,9 @@ import tqdm.auto
 from conftest import via
 from waiting import wait_until
 
-from cachepipe import ConfigError, EmptySourceError, OversizeError, Pipeline
+from cachepipe import ConfigError, EmptySourceError, OversizeError, Pipeline, state
+from cachepipe.cache import Cache
+from cachepipe.catalog import Catalog
 from cachepipe.listing import FIRST_PAGE_OBJECTS, StreamingListing
 from cachepipe.stores.base import ObjectInfo
 from cachepipe.stores.fsspec import FsspecStore
@@ -208,9 +210,9 @@ def test_an_item_that_the_growing_state_budget_leaves_no_room_for_is_reported_no
 
 
 def test_the_state_budget_of_a_streamed_listing_waits_for_room_instead_of_overcommitting(memory_data, tmp_path):
-    capacity = 480_000
+    capacity = 400_000
     memory_data.pipe_file("/stream/data/item00000/f", b"x" * 200_000)  # held while the listing goes on
-    _put(memory_data, 2000, start=1)  # the budget of 2,001 names: ~404 KB, beyond the room beside it
+    _put(memory_data, 2000, start=1)  # the budget of 2,001 names: ~336 KB, beyond the room beside it
     store = GatedStore(gate_after=FIRST_PAGE_OBJECTS + 1)  # item00000 is reserved before the rest is listed
     with Pipeline(ROOT, tmp_path / "c", capacity, store=store, auto_ack=False) as pipe:
         held = pipe.get(timeout=30)
@@ -221,11 +223,27 @@ def test_the_state_budget_of_a_streamed_listing_waits_for_room_instead_of_overco
             pipe.ack(item)
             assert pipe.stats().bytes_in_cache <= capacity
         threading.Event().wait(0.2)  # time to list everything, were there room (a memory store lists 2,001 in ms)
-        assert pipe.stats().items_listed < 2001  # the listing waits for room (about 1,380 names fit)
+        assert pipe.stats().items_listed < 2001  # the listing waits for room (about 1,190 names fit)
         pipe.ack(held)  # room: the listing goes on
         rest = [item.name for item in pipe]
         assert pipe.stats().bytes_in_cache <= capacity
     assert len(rest) == 2001 - FIRST_PAGE_OBJECTS and rest[-1] == "item02000"
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_the_journal_budget_counts_versions_only_for_items_with_etags(memory_data, tmp_path, streamed):
+    """564d744 budgeted a version (17 bytes per journal step) for every item, also for a
+    source without ETags, which journals none: a cache sized close to its state budget (here
+    17,056 bytes for 100 names, 20,456 with versions) was refused."""
+    _put(memory_data, 100, size=100)
+    options = {} if streamed else {"shuffle": True}  # shuffle: the whole catalog before the plan
+    with Pipeline(ROOT, tmp_path / "c", 19_000, **options) as pipe:
+        assert len([p.name for p in pipe]) == 100
+    tagged, plain = Catalog(mode="files"), Catalog(mode="files")
+    for i in range(3):
+        tagged.add(f"x{i}", [("", 1, "e" * 32)])
+        plain.add(f"x{i}", [("", 1, None)])
+    assert Cache.journal_budget(tagged) - Cache.journal_budget(plain) == 2 * 3 * state.VERSION_OVERHEAD
 
 
 def test_on_oversize_skip_skips_an_item_that_the_state_budget_leaves_no_room_for(memory_data, tmp_path):
@@ -366,7 +384,7 @@ def streamed_cache(tmp_path):
     cache.open()
     try:
         cache.recover(Catalog(mode="folders"), resume=False)
-        yield cache, 2 * (4 * len("n000") + state.EVENT_OVERHEAD)
+        yield cache, 2 * (4 * len("n000") + state.EVENT_OVERHEAD + state.VERSION_OVERHEAD)
     finally:
         cache.close()
 

@@ -264,9 +264,10 @@ class Cache:
     @staticmethod
     def journal_budget(items: Catalog) -> int:
         """Bytes the journal may take in a pass over ``items`` (reserved against the capacity by
-        :meth:`recover`). A step writes at most four lines (I, P, A, C); a compacted journal holds
-        at most two per item (P, A). Compacting at half the budget keeps it under it at all times."""
-        return journal_budget_of(items.name_bytes, len(items))
+        :meth:`recover`). A step writes at most four lines (I or J, P, A, C); a compacted journal
+        holds at most two per item (P or R, A); the versions of J and R are budgeted only if
+        ``items`` has ETags. Compacting at half the budget keeps it under it at all times."""
+        return journal_budget_of(items.name_bytes, len(items), versions=items.tagged)
 
     def has_leftovers(self) -> bool:
         """True if the journal read at open names items on disk (or could not be read): then
@@ -274,7 +275,7 @@ class Cache:
         replay = self._replay
         return self.rebuilt or bool(replay.published or replay.publishing or replay.acked)
 
-    def note_listed(self, names: Sequence[str], sizes: Sequence[int] = ()) -> list[int]:
+    def note_listed(self, names: Sequence[str], sizes: Sequence[int] = (), plain: Sequence[bool] = ()) -> list[int]:
         """Budget journal space for items listed after :meth:`recover` (a listing that streams
         while downloads run): the same share per name that :meth:`recover` budgets, in one
         round of the lock for a run of names. Returns, for each of the first names (at least
@@ -286,7 +287,9 @@ class Cache:
         each name's item), a name after the first whose item would not fit the limit is left to
         the next call too, so that the caller decides about that item first (refusing it) before
         its name is counted. A reservation that the larger budget leaves no room for raises
-        instead of waiting (see :meth:`reserve`).
+        instead of waiting (see :meth:`reserve`). ``plain``: for each name, True if its item has
+        no version (no ETags: its journal lines are budgeted without one); names beyond it are
+        budgeted with a version.
 
         Raises:
             ConfigError: the state budget alone would reach the capacity with the first name.
@@ -295,7 +298,11 @@ class Cache:
         if isinstance(names, str):  # its characters would each be budgeted as a name
             raise TypeError(f"note_listed takes a sequence of item names, not one name: {names!r}")
         ledger = self.ledger
-        grows = [2 * (4 * len(name.encode("utf-8", "surrogateescape")) + state.EVENT_OVERHEAD) for name in names]
+        step, versioned = state.EVENT_OVERHEAD, state.EVENT_OVERHEAD + state.VERSION_OVERHEAD
+        grows = [
+            2 * (4 * len(name.encode("utf-8", "surrogateescape")) + (step if i < len(plain) and plain[i] else versioned))
+            for i, name in enumerate(names)
+        ]
         limits: list[int] = []
         with self._cond:
             if grows:
@@ -914,10 +921,12 @@ class Cache:
             return None
 
 
-def journal_budget_of(name_bytes: int, count: int) -> int:
+def journal_budget_of(name_bytes: int, count: int, versions: bool = True) -> int:
     """:meth:`Cache.journal_budget` of ``count`` items whose names take ``name_bytes`` bytes
-    (UTF-8) in all: for a caller that sizes a cache before it has a catalog (``cachepipe map``)."""
-    return 2 * (4 * name_bytes + state.EVENT_OVERHEAD * count) + 256
+    (UTF-8) in all: for a caller that sizes a cache before it has a catalog (``cachepipe map``).
+    ``versions``: whether their publishes journal a version (items with ETags; default True)."""
+    step = state.EVENT_OVERHEAD + (state.VERSION_OVERHEAD if versions else 0)
+    return 2 * (4 * name_bytes + step * count) + 256
 
 
 def _identity(path: str) -> tuple[int, int]:
