@@ -42,6 +42,11 @@ class Failed:
     error: BaseException
     kind: FailureKind = "item"
 
+    @property
+    def reason(self) -> str:
+        """Why, as text: the error's type and message."""
+        return f"{type(self.error).__name__}: {self.error}"
+
 
 @dataclass(slots=True)
 class Lease(Generic[T]):

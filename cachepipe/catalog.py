@@ -73,20 +73,23 @@ class Item:
         The journal records it with each publish, so that recovery reuses an item left on disk
         only while the store still lists that version (an object rewritten at the same size has
         another tag)."""
-        files = self.files
-        if all(f.etag is None for f in files):  # no digest to make: the common case of a local source
-            return None
-        return version_of((f.rel, f.size, f.etag) for f in files)
+        return version_of([(f.rel, f.size, f.etag) for f in self.files]) if self.tagged else None
+
+    @property
+    def tagged(self) -> bool:
+        """Whether any of its files has an entity tag: then it has a :attr:`version`."""
+        return any(f.etag is not None for f in self.files)
 
 
-def version_of(files: Iterable[tuple[str, int, str | None]]) -> str | None:
+def version_of(files: Sequence[tuple[str, int, str | None]]) -> str | None:
     """16 hex digits of a digest of ``(path, size, etag)`` of each of an item's files, in order;
     None if no file has an entity tag (see :attr:`Item.version`)."""
-    digest, tagged = hashlib.blake2b(digest_size=8), False
+    if all(etag is None for _rel, _size, etag in files):
+        return None
+    digest = hashlib.blake2b(digest_size=8)
     for rel, size, etag in files:
-        tagged = tagged or etag is not None
         digest.update(f"{rel}\0{size}\0{etag or ''}\0".encode("utf-8", "surrogateescape"))
-    return digest.hexdigest() if tagged else None
+    return digest.hexdigest()
 
 
 def check_key(key: str) -> list[str]:

@@ -266,7 +266,7 @@ class PipelineConfig(BaseModel):
             the real size is measured and the surplus released.
         keep_on_close: leave published items in ``cache_dir`` on close (default False); the next
             owner of the same source and items mode reuses those whose files still match the
-            listing (by size), and removes the others.
+            listing (by size, and by version where it gives ETags), and removes the others.
         resume: continue the pass an earlier owner of ``cache_dir`` was in (after a crash or a
             restart): from the first step of the plan it had not consumed, skipping the steps it
             acknowledged beyond it, with its saved listing instead of listing the source again

@@ -756,8 +756,7 @@ class NodePipeline(Pipeline):
                 self._skip_or_raise(value)
                 after = queues.schedule.after(lane, planned.step)
                 if report_skips:
-                    reason = f"{type(value.error).__name__}: {value.error}"
-                    return SkippedStep(value.name, reason, at, after)
+                    return SkippedStep(value.name, value.reason, at, after)
                 at = after
                 continue
             if value is None:  # wait() returns only steps on disk or failed

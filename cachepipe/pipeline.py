@@ -478,8 +478,7 @@ class Pipeline:
         def admit(run: list[Item]) -> list[bool]:  # in the listing thread, in listing order
             keeps: list[bool] = []
             names, sizes = [item.name for item in run], [item.size for item in run]
-            plain = [all(f.etag is None for f in item.files) for item in run]  # no version to journal
-            limits = cache.note_listed(names, sizes, plain) or [cache.limit]  # none: closed
+            limits = cache.note_listed(names, sizes, [not item.tagged for item in run]) or [cache.limit]  # none: closed
             for item, limit in zip(run, limits, strict=False):  # the first len(limits) items
                 if item.size > limit:
                     error = OversizeError(item.name, item.size, cache.capacity, cache.capacity - limit)
@@ -752,7 +751,7 @@ class Pipeline:
                 # "oversize": judged when its space was reserved (see Cache.reserve)
                 self._skip_or_raise(got)
                 if report:
-                    return Skipped(got.name, f"{type(got.error).__name__}: {got.error}")
+                    return Skipped(got.name, got.reason)
                 continue
             first_hand_out, inflight = self._cache.first_hand_out, self._inflight
             items = [

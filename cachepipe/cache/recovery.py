@@ -5,10 +5,11 @@ resumed; :func:`sort_leftovers` reads the disk and decides which items are reuse
 are removed (the cache deletes those, through its eviction).
 
 Invariant: an item is reused only if the journal names it as published (or being published),
-the journal's recorded plan is of the same source and items mode (when it records them), and
-its files match the catalog exactly; other items the journal names are ours to remove;
-files it does not name are never touched (foreign). With an unreadable journal, only items
-matching the catalog exactly are reused, and nothing is removed.
+the journal's recorded plan is of the same source and items mode (when it records them), its
+files match the catalog exactly, and the version the journal recorded for it is the catalog's
+(none for an item without ETags); other items the journal names are ours to remove; files it
+does not name are never touched (foreign). With an unreadable journal, only items matching the
+catalog exactly and without a version are reused; those with one are removed, and nothing else.
 """
 
 from __future__ import annotations
@@ -90,10 +91,10 @@ def sort_leftovers(
     """The items on disk under ``root`` to reuse (name -> size, in name order) and the names to
     remove, from the journal's ``replay`` (or, if it was unreadable, ``rebuilt``) and the catalog;
     ``reusable`` False: none is reused (see :func:`of_same_data`). An item is reused when its
-    files match the listing's sizes and the journal recorded the version the listing names now
+    files match the catalog's sizes and the journal recorded the version the catalog names
     (:attr:`cachepipe.catalog.Item.version`): an object rewritten since, even at the same size,
     is downloaded again. An item whose version the journal does not hold (an unreadable journal,
-    or one written before versions were recorded) is reused only if the listing gives none;
+    or one written before versions were recorded) is reused only if the catalog gives none;
     after an unreadable journal, a name on disk whose files do not match is left alone (it may
     not be ours)."""
     named = replay.published | replay.publishing

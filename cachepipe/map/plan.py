@@ -135,7 +135,7 @@ class MapItem:
         """Which version of the item's objects the listing names (a digest of their keys, sizes
         and ETags; None without ETags): recorded in its completion marker, so that a rerun does
         an item whose objects were rewritten since again."""
-        return version_of((o.key, o.size, o.etag) for o in self.objects)
+        return version_of([(o.key, o.size, o.etag) for o in self.objects])
 
 
 @dataclass(frozen=True)
