@@ -113,6 +113,10 @@ def test_jobs_register_once_conflict_and_end(s3_source, tmp_path, short_dir):
                 message = json.loads(data)["message"]
                 assert status == 400 and "unknown key(s) 'leese' in an object of" in message, message
                 assert message.endswith("expected some of 'lease', 'path'"), message
+            for method, route in (("DELETE", "jobs/train"), ("GET", "status")):  # they take no body key
+                status, data = client._request(method, f"/v1/{route}", {"force": True}, 10)
+                message = json.loads(data)["message"]
+                assert status == 400 and message == f"{method} /v1/{route}: unknown key(s) 'force' in the body: it takes none"
             status, data = client._request("DELETE", "/v1/jobs/train", None, 10)
             assert status == 200 and json.loads(data)["result"] == "deleted"
         assert not any(p.name.startswith("item") for p in (root / "train").iterdir())  # its items are deleted

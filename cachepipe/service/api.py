@@ -534,8 +534,9 @@ def _check_keys(method: str, path: str, route: str, body: dict[str, Any]) -> Non
     """Refuse a body key the route does not know, and a key of an ack object other than
     ``path`` and ``lease`` (400, naming it and the keys taken): a misspelt option ("time_out",
     "leese": an ack without its lease applies to whoever holds the item) or one this daemon is
-    too old for ("report_skips") would otherwise be ignored, silently."""
-    known = _BODY_KEYS.get(route)
+    too old for ("report_skips") would otherwise be ignored, silently. A GET or DELETE takes no
+    body key (a job's ``DELETE`` with ``{"force": true}`` would do what a plain one does)."""
+    known = frozenset() if method in ("GET", "DELETE") else _BODY_KEYS.get(route)
     if known is not None:
         _refuse_unknown(f"{method} {path}", body, known, "in the body")
     for key in _ACKS_IN.get(route, ()):
@@ -549,7 +550,8 @@ def _refuse_unknown(request: str, given: dict[str, Any], known: frozenset[str], 
     unknown = sorted(set(given) - known)
     if unknown:
         names, expected = ", ".join(repr(k[:40]) for k in unknown[:5]), ", ".join(repr(k) for k in sorted(known))
-        raise BadRequest(f"{request}: unknown key(s) {names} {where}: expected some of {expected}")
+        taken = f"expected some of {expected}" if known else "it takes none"
+        raise BadRequest(f"{request}: unknown key(s) {names} {where}: {taken}")
 
 
 def _taken_json(job: str, taken: Taken | SkippedStep) -> dict[str, Any]:
