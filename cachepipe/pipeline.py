@@ -145,7 +145,7 @@ class Stats:
     items_acked: int
     items_released: int
     items_failed: int
-    items_skipped: int
+    items_skipped: int  # turns passed over; an item left out of the plan at open (planning alone) once
     items_reused: int
     items_redelivered: int
     bytes_listed: int
