@@ -1345,3 +1345,27 @@ def test_an_output_folder_replaced_by_a_link_is_not_followed(tmp_path):
     [failure] = result.failed
     assert failure.name == "a" and "OutputError" in failure.error and "link" in failure.error, failure
     assert not (tmp_path / "dst").exists() and (elsewhere / "not-an-output.txt").read_text() == "private"
+
+
+def test_a_local_destination_s_temporary_file_left_by_a_killed_upload_is_removed_by_the_next(tmp_path):
+    """A local destination's output is written to ``<name>.cachepipe-<id>.tmp`` and renamed; a
+    SIGKILL during the copy left that file for good, beside the results. The next put of the key
+    removes one that no process holds locked, and keeps a live writer's."""
+    import fcntl
+
+    dest, local = tmp_path / "dst", tmp_path / "part.bin"
+    (dest / "item").mkdir(parents=True)
+    local.write_bytes(b"new")
+    killed, held, fresh, old = (dest / "item" / f"part.bin.cachepipe-{i:012x}.tmp" for i in range(4))
+    killed.write_bytes(b"half of it")  # what a killed upload leaves: not locked
+    held.write_bytes(b"being written")
+    fresh.touch()  # empty and just made: may be a writer's that has not locked it yet
+    old.touch()
+    os.utime(old, (time.time() - 60, time.time() - 60))
+    other = dest / "item" / "part.binary.cachepipe-000000000009.tmp"  # another output's
+    other.write_bytes(b"x")
+    with open(held, "rb") as writer:
+        fcntl.flock(writer, fcntl.LOCK_EX)
+        FsspecStore(str(dest)).put(local, "item/part.bin")
+    assert (dest / "item" / "part.bin").read_bytes() == b"new"
+    assert sorted(p.name for p in (dest / "item").iterdir()) == sorted(["part.bin", held.name, fresh.name, other.name])

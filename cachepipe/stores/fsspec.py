@@ -18,13 +18,19 @@ from __future__ import annotations
 import asyncio
 import builtins
 import concurrent.futures
+import contextlib
 import difflib
 import errno
+import fcntl
 import inspect
+import logging
 import os
+import re
+import shutil
 import socket
 import ssl
 import threading
+import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
@@ -38,6 +44,8 @@ from ..errors import ConfigError, StoreClosedError, StoreUnavailableError, store
 from .base import CONNECT_TIMEOUT, FIRST_PAGE_KEYS, NO_ANSWER, ObjectInfo, http_status_error, listed_etag, unreachable_error
 
 __all__ = ["FsspecStore"]
+
+log = logging.getLogger("cachepipe.stores.fsspec")
 
 _CHUNK = 8 * 1024 * 1024  # bytes per request when streaming a range
 _UPLOAD_PART = 16 * 1024 * 1024  # multipart part size of uploads (s3fs: files from twice this size)
@@ -209,6 +217,66 @@ def _check_options(url: str, fs_cls: Any, options: dict[str, Any]) -> None:
                 f"storage_options[{key!r}] is not an option of {protocols[0]}:// ({fs_cls.__module__}.{fs_cls.__name__}) "
                 f"for {url!r}; {hint}accepted: {', '.join(sorted(accepted))}"
             )
+
+
+_TEMP_SUFFIX = re.compile(r"\.cachepipe-[0-9a-f]{12}\.tmp")
+FRESH_TEMP = 10.0
+"""Seconds for which an empty temporary file without a lock is taken to be a writer's that has
+not locked it yet (it locks it right after creating it), not one a killed writer left."""
+
+
+def _put_local(local: str, path: str) -> None:
+    """Copy the file ``local`` to ``path`` on a local filesystem: to ``<path>.cachepipe-<id>.tmp``
+    beside it, renamed over it once whole, so that a reader never sees part of it.
+
+    The temporary file is locked (``flock``) while it is written. A temporary file of the same
+    ``path`` that no process holds locked was left by an upload that was killed (a SIGKILL leaves
+    it; an exception removes it): it is removed first, unless it is empty and younger than
+    :data:`FRESH_TEMP` (it may be a writer's that has not locked it yet)."""
+    _remove_abandoned_temps(path)
+    temp = f"{path}.cachepipe-{uuid.uuid4().hex[:12]}.tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        with contextlib.suppress(OSError):  # a filesystem without locks (ENOLCK): its temps are never removed
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        with open(local, "rb") as src, open(fd, "wb", closefd=False) as dst:
+            shutil.copyfileobj(src, dst, 1024 * 1024)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _remove_abandoned_temps(path: str) -> None:
+    """Remove the temporary files of :func:`_put_local` for ``path`` that no process holds."""
+    folder, name = os.path.split(path)
+    try:
+        entries = [e.name for e in os.scandir(folder or ".") if e.name.startswith(name) and e.name.endswith(".tmp")]
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        if not _TEMP_SUFFIX.fullmatch(entry, len(name)):
+            continue
+        temp = os.path.join(folder, entry)
+        try:
+            fd = os.open(temp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue  # gone (its writer renamed it), or a link: not ours
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by a live writer: BlockingIOError
+            info = os.fstat(fd)
+            if info.st_size == 0 and time.time() - info.st_mtime < FRESH_TEMP:
+                continue
+            if os.path.samestat(info, os.stat(temp, follow_symlinks=False)):
+                os.unlink(temp)
+                log.info("removed %s: left by an upload that was killed", temp)
+        except OSError:
+            continue  # locked, or no locks here, or gone meanwhile: left as it is
+        finally:
+            os.close(fd)
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:
@@ -490,21 +558,15 @@ class FsspecStore:
 
     def put(self, local_path: str | os.PathLike[str], key: str) -> None:
         """Upload ``local_path`` as ``key``: s3fs streams it, multipart from ``2 * upload_part_size``;
-        on a local filesystem it is copied to a temporary name beside the target and renamed."""
+        on a local filesystem it is copied to a temporary name beside the target and renamed
+        (:func:`_put_local`: one left by a killed upload is removed by the next put of the key)."""
         local = os.fspath(local_path)
         path = self._path(key)
         with self._errors(self._where(key), first=False):
             protocols = _protocols(self.fs)
             if "file" in protocols or "local" in protocols:
                 self.fs.makedirs(self.fs._parent(path), exist_ok=True)  # noqa: SLF001 - fsspec's own parent rule for this filesystem
-                temp = f"{path}.cachepipe-{uuid.uuid4().hex[:12]}.tmp"
-                try:
-                    self.fs.put_file(local, temp)
-                    os.replace(temp, path)
-                except BaseException:
-                    if os.path.lexists(temp):
-                        os.unlink(temp)
-                    raise
+                _put_local(local, path)
             elif "s3" in protocols or "s3a" in protocols:
                 self.fs.put_file(local, path, chunksize=self.upload_part_size)
             else:
