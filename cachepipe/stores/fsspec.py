@@ -227,7 +227,7 @@ not locked it yet (it locks it right after creating it), not one a killed writer
 
 def _put_local(local: str, path: str) -> None:
     """Copy the file ``local`` to ``path`` on a local filesystem: to ``<path>.cachepipe-<id>.tmp``
-    beside it, renamed over it once whole, so that a reader never sees part of it.
+    beside it, ``fsync``-ed and renamed over it once whole, so that a reader never sees part of it.
 
     The temporary file is locked (``flock``) while it is written. A temporary file of the same
     ``path`` that no process holds locked was left by an upload that was killed (a SIGKILL leaves
@@ -241,6 +241,7 @@ def _put_local(local: str, path: str) -> None:
             fcntl.flock(fd, fcntl.LOCK_EX)
         with open(local, "rb") as src, open(fd, "wb", closefd=False) as dst:
             shutil.copyfileobj(src, dst, 1024 * 1024)
+        os.fsync(fd)  # its bytes on disk before its name: after a power cut the name holds all of them
         os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
