@@ -36,7 +36,7 @@ from cachepipe.map import job as map_job
 from cachepipe.map.child import Watcher
 from cachepipe.map.cli import main
 from cachepipe.map.run import _take_lock
-from cachepipe.map.uploader import DONE_MARKER, MARKER_LIMIT, Uploader, marker_version
+from cachepipe.map.uploader import DONE_MARKER, MARKER_LIMIT, OutputError, Uploader, collect_outputs, marker_version
 from cachepipe.state import EVENT_OVERHEAD, VERSION_OVERHEAD
 from cachepipe.stores.base import ObjectInfo
 from cachepipe.stores.fsspec import FsspecStore
@@ -1347,25 +1347,38 @@ def test_an_output_folder_replaced_by_a_link_is_not_followed(tmp_path):
     assert not (tmp_path / "dst").exists() and (elsewhere / "not-an-output.txt").read_text() == "private"
 
 
-def test_a_local_destination_s_temporary_file_left_by_a_killed_upload_is_removed_by_the_next(tmp_path):
-    """A local destination's output is written to ``<name>.cachepipe-<id>.tmp`` and renamed; a
-    SIGKILL during the copy left that file for good, beside the results. The next put of the key
-    removes one that no process holds locked, and keeps a live writer's."""
+def test_a_local_destination_s_temporary_file_left_by_a_killed_upload_is_overwritten_by_the_next(tmp_path):
+    """A local destination's output is written to a temporary name and renamed; a SIGKILL during
+    the copy left that file (``<name>.cachepipe-<random id>.tmp``) for good, beside the results.
+    Its name is now the same at every put of the key, so the next put overwrites it; it is
+    locked while written, so a second put of the key at the same time waits for the first."""
     import fcntl
 
     dest, local = tmp_path / "dst", tmp_path / "part.bin"
     (dest / "item").mkdir(parents=True)
     local.write_bytes(b"new")
-    killed, held, fresh, old = (dest / "item" / f"part.bin.cachepipe-{i:012x}.tmp" for i in range(4))
-    killed.write_bytes(b"half of it")  # what a killed upload leaves: not locked
-    held.write_bytes(b"being written")
-    fresh.touch()  # empty and just made: may be a writer's that has not locked it yet
-    old.touch()
-    os.utime(old, (time.time() - 60, time.time() - 60))
-    other = dest / "item" / "part.binary.cachepipe-000000000009.tmp"  # another output's
-    other.write_bytes(b"x")
-    with open(held, "rb") as writer:
-        fcntl.flock(writer, fcntl.LOCK_EX)
-        FsspecStore(str(dest)).put(local, "item/part.bin")
+    temp = dest / "item" / "part.bin.cachepipe.tmp"
+    temp.write_bytes(b"what a killed upload wrote, longer than the new bytes")
+    FsspecStore(str(dest)).put(local, "item/part.bin")
+    assert sorted(p.name for p in (dest / "item").iterdir()) == ["part.bin"]
     assert (dest / "item" / "part.bin").read_bytes() == b"new"
-    assert sorted(p.name for p in (dest / "item").iterdir()) == sorted(["part.bin", held.name, fresh.name, other.name])
+
+    done = threading.Event()
+    with open(temp, "wb") as other:  # another put of the key, under way
+        fcntl.flock(other, fcntl.LOCK_EX)
+        thread = threading.Thread(target=lambda: (FsspecStore(str(dest)).put(local, "item/part.bin"), done.set()))
+        thread.start()
+        assert not done.wait(0.3)  # it waits for the put under way (a guard: a put that did not wait is done by now)
+        other.write(b"the other put's")
+        other.flush()
+        os.replace(temp, dest / "item" / "part.bin")
+    thread.join(10)
+    assert done.is_set() and (dest / "item" / "part.bin").read_bytes() == b"new"  # its own file, after the other's
+    assert sorted(p.name for p in (dest / "item").iterdir()) == ["part.bin"]
+
+
+def test_outputs_named_like_a_file_being_written_are_refused(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "clip.mp4.cachepipe.tmp").write_bytes(b"x")
+    with pytest.raises(OutputError, match=r"clip.mp4.cachepipe.tmp.*reserved for files being written"):
+        collect_outputs(tmp_path / "out")

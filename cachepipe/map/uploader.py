@@ -26,7 +26,7 @@ from typing import Any
 from ..catalog import check_key
 from ..errors import UnsafeKeyError, is_transient
 from ..fetcher import backoff_delay
-from ..stores.base import WritableStore
+from ..stores.base import TEMP_SUFFIX, WritableStore
 
 __all__ = ["DONE_MARKER", "MARKER_LIMIT", "OutputError", "Uploader", "collect_outputs", "marker_key", "marker_version"]
 
@@ -56,7 +56,7 @@ def marker_version(head: bytes) -> str | None:
 
 class OutputError(UnsafeKeyError):
     """An output that cannot be uploaded: an unsafe name, a link leaving the output folder,
-    a FIFO or device, or the reserved marker name."""
+    a FIFO or device, or a reserved name (the marker's, ``*.cachepipe.tmp``)."""
 
 
 def collect_outputs(root: Path) -> list[tuple[str, Path]]:
@@ -68,7 +68,8 @@ def collect_outputs(root: Path) -> list[tuple[str, Path]]:
     Raises:
         OutputError: ``root`` itself replaced by a link (to a folder the command does not own:
             never followed), a link that leaves ``root`` or dangles, a FIFO, socket or device, a
-            name that is not a safe key, or a file named like the marker.
+            name that is not a safe key, or a file named like the marker or like a file being
+            written to a local destination (``*.cachepipe.tmp``).
     """
     if os.path.islink(root):
         raise OutputError(".", f"the output folder was replaced by a link to {os.readlink(root)!r}: write the outputs into it")
@@ -85,6 +86,8 @@ def collect_outputs(root: Path) -> list[tuple[str, Path]]:
             check_key(rel)
             if rel == DONE_MARKER:
                 raise OutputError(rel, "reserved for the completion marker")
+            if rel.endswith(TEMP_SUFFIX):
+                raise OutputError(rel, f"names ending in {TEMP_SUFFIX!r} are reserved for files being written")
             target = Path(os.path.realpath(path))
             if os.path.commonpath([str(target), real_root]) != real_root:
                 raise OutputError(rel, f"a link to {str(target)!r}, outside the output folder")

@@ -40,7 +40,7 @@ from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 from ..errors import ObjectChangedError, StoreUnavailableError, StoreUnreachableError, store_code
 
-__all__ = ["FIRST_PAGE_KEYS", "ObjectInfo", "Store", "WritableStore", "abort_store", "listed_etag", "takes_etag"]
+__all__ = ["FIRST_PAGE_KEYS", "TEMP_SUFFIX", "ObjectInfo", "Store", "WritableStore", "abort_store", "listed_etag", "takes_etag"]
 
 FIRST_PAGE_KEYS = 100
 """Keys a paginated store asks for in its first listing request; each later request asks for the
@@ -132,6 +132,10 @@ CONNECT_TIMEOUT = 10.0
 attempts per call): a firewall that drops packets makes every connect wait this long. Before the
 endpoint ever answered, such a timeout fails at once (:func:`unreachable_error`); after, it is
 retried like any timeout. ``storage_options["config_kwargs"]["connect_timeout"]`` sets it."""
+
+TEMP_SUFFIX = ".cachepipe.tmp"
+"""A local destination's file is written as ``<path>.cachepipe.tmp`` and renamed to ``<path>``
+(:meth:`WritableStore.put`); ``cachepipe map`` refuses outputs named so."""
 
 DROPPED = "packets dropped: a firewall, or a wrong host"
 """What an endpoint that never accepts a connection most likely is (both S3 and OBS seams say it)."""

@@ -23,14 +23,11 @@ import difflib
 import errno
 import fcntl
 import inspect
-import logging
 import os
-import re
 import shutil
 import socket
 import ssl
 import threading
-import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
@@ -41,11 +38,18 @@ import fsspec
 import fsspec.asyn
 
 from ..errors import ConfigError, StoreClosedError, StoreUnavailableError, store_code
-from .base import CONNECT_TIMEOUT, FIRST_PAGE_KEYS, NO_ANSWER, ObjectInfo, http_status_error, listed_etag, unreachable_error
+from .base import (
+    CONNECT_TIMEOUT,
+    FIRST_PAGE_KEYS,
+    NO_ANSWER,
+    TEMP_SUFFIX,
+    ObjectInfo,
+    http_status_error,
+    listed_etag,
+    unreachable_error,
+)
 
 __all__ = ["FsspecStore"]
-
-log = logging.getLogger("cachepipe.stores.fsspec")
 
 _CHUNK = 8 * 1024 * 1024  # bytes per request when streaming a range
 _UPLOAD_PART = 16 * 1024 * 1024  # multipart part size of uploads (s3fs: files from twice this size)
@@ -219,26 +223,37 @@ def _check_options(url: str, fs_cls: Any, options: dict[str, Any]) -> None:
             )
 
 
-_TEMP_SUFFIX = re.compile(r"\.cachepipe-[0-9a-f]{12}\.tmp")
-FRESH_TEMP = 10.0
-"""Seconds for which an empty temporary file without a lock is taken to be a writer's that has
-not locked it yet (it locks it right after creating it), not one a killed writer left."""
-
-
 def _put_local(local: str, path: str) -> None:
-    """Copy the file ``local`` to ``path`` on a local filesystem: to ``<path>.cachepipe-<id>.tmp``
+    """Copy the file ``local`` to ``path`` on a local filesystem: to ``<path>.cachepipe.tmp``
     beside it, ``fsync``-ed and renamed over it once whole, so that a reader never sees part of it.
 
-    The temporary file is locked (``flock``) while it is written. A temporary file of the same
-    ``path`` that no process holds locked was left by an upload that was killed (a SIGKILL leaves
-    it; an exception removes it): it is removed first, unless it is empty and younger than
-    :data:`FRESH_TEMP` (it may be a writer's that has not locked it yet)."""
-    _remove_abandoned_temps(path)
-    temp = f"{path}.cachepipe-{uuid.uuid4().hex[:12]}.tmp"
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-    try:
-        with contextlib.suppress(OSError):  # a filesystem without locks (ENOLCK): its temps are never removed
+    The temporary file's name is the same at every put of ``path``, so one that a killed upload
+    left (a SIGKILL leaves it; an exception removes it) is overwritten by the next put of that
+    path, not left for good. It is locked (``flock``) while it is written: a second put of the
+    same path at the same time waits for the first. On a filesystem without locks (``ENOLCK``) the
+    name is made unique instead (``<path>.cachepipe-<id>.tmp``), and a killed upload leaves it."""
+    temp = path + TEMP_SUFFIX
+    while True:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        try:
             fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.path.samestat(os.fstat(fd), os.stat(temp, follow_symlinks=False)):
+                break  # locked, and still the file of that name (a put before may have renamed or removed it)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno != errno.ENOLCK:
+                raise
+            temp = f"{path}.cachepipe-{uuid.uuid4().hex[:12]}.tmp"  # no locks on this filesystem
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)  # what a killed upload wrote
         with open(local, "rb") as src, open(fd, "wb", closefd=False) as dst:
             shutil.copyfileobj(src, dst, 1024 * 1024)
         os.fsync(fd)  # its bytes on disk before its name: after a power cut the name holds all of them
@@ -249,35 +264,6 @@ def _put_local(local: str, path: str) -> None:
         raise
     finally:
         os.close(fd)
-
-
-def _remove_abandoned_temps(path: str) -> None:
-    """Remove the temporary files of :func:`_put_local` for ``path`` that no process holds."""
-    folder, name = os.path.split(path)
-    try:
-        entries = [e.name for e in os.scandir(folder or ".") if e.name.startswith(name) and e.name.endswith(".tmp")]
-    except FileNotFoundError:
-        return
-    for entry in entries:
-        if not _TEMP_SUFFIX.fullmatch(entry, len(name)):
-            continue
-        temp = os.path.join(folder, entry)
-        try:
-            fd = os.open(temp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue  # gone (its writer renamed it), or a link: not ours
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by a live writer: BlockingIOError
-            info = os.fstat(fd)
-            if info.st_size == 0 and time.time() - info.st_mtime < FRESH_TEMP:
-                continue
-            if os.path.samestat(info, os.stat(temp, follow_symlinks=False)):
-                os.unlink(temp)
-                log.info("removed %s: left by an upload that was killed", temp)
-        except OSError:
-            continue  # locked, or no locks here, or gone meanwhile: left as it is
-        finally:
-            os.close(fd)
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:
@@ -560,7 +546,7 @@ class FsspecStore:
     def put(self, local_path: str | os.PathLike[str], key: str) -> None:
         """Upload ``local_path`` as ``key``: s3fs streams it, multipart from ``2 * upload_part_size``;
         on a local filesystem it is copied to a temporary name beside the target and renamed
-        (:func:`_put_local`: one left by a killed upload is removed by the next put of the key)."""
+        (:func:`_put_local`: one left by a killed upload is overwritten by the next put of the key)."""
         local = os.fspath(local_path)
         path = self._path(key)
         with self._errors(self._where(key), first=False):
