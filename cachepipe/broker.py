@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -53,7 +54,8 @@ class Lease(Generic[T]):
     """An item handed to a consumer, until it is acked, released or expires.
 
     Attributes:
-        id: a token unique within the broker; ack/release with an id must match the live lease.
+        id: a token unique within the broker and unlike any other broker's (a random tag, a
+            count, the turn): ack/release with an id must match the live lease.
         deadline: monotonic time at which the lease expires, or None (never).
     """
 
@@ -78,6 +80,9 @@ class Broker(Generic[T]):
         self.lease_timeout = lease_timeout
         self.redelivered = 0  # leases that expired and were handed out again
         self._ids = itertools.count(1)
+        # a daemon restarted or a pipeline rebuilt hands the same items out again in the same order:
+        # without it their leases had the same ids, and an ack of the old lease evicted the new one's item
+        self._tag = os.urandom(4).hex()
         self._cond = threading.Condition()
         self._ready: list[tuple[int, str, T | Failed]] = []  # heap of (seq, name, value | Failed)
         self._resolved: set[int] = set()  # seqs handed out at least once, failed or skipped, above the frontier
@@ -243,7 +248,7 @@ class Broker(Generic[T]):
         if isinstance(value, Failed):
             return value
         expires = None if self.lease_timeout is None else now + self.lease_timeout
-        lease = Lease(seq, name, value, f"{next(self._ids):x}-{seq}", expires)
+        lease = Lease(seq, name, value, f"{self._tag}-{next(self._ids):x}-{seq}", expires)
         self._leases[name] = lease
         return lease
 

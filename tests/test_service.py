@@ -631,6 +631,28 @@ def test_sigterm_exits_0_quickly_and_leaves_published_items(s3_source, s3_endpoi
         assert sorted(names) == sorted(left)  # resumed: the acked item is not delivered again
 
 
+def test_an_ack_of_a_lease_from_before_a_restart_does_not_evict_the_item_handed_out_again(
+    s3_source, s3_endpoint, tmp_path, short_dir
+):
+    """A restarted daemon (resume) hands the unacknowledged items out again in the same order:
+    their leases had the same ids as before (each daemon counted from 1), so a consumer still
+    working on its item from before the restart acked it, and evicted the item another consumer
+    had just been given."""
+    s3_source.folders(2, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}})
+    with DaemonProcess(config) as daemon, Client("train", sock, auto_ack=False) as first:
+        before = first.get(timeout=30)
+        assert daemon.stop() == 0
+    with DaemonProcess(config), Client("train", sock, auto_ack=False) as second:
+        again = second.get(timeout=30)
+        assert again.name == before.name
+        with pytest.raises(UnknownItemError, match="another lease"):
+            second.ack(before)  # the first consumer's ack, sent to the new daemon
+        assert again.path.exists()
+        second.ack(again)
+
+
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH (keeping the working directory off the path) is 3.11+")
 def test_the_daemon_process_runs_the_cachepipe_its_caller_imported(s3_source, s3_endpoint, tmp_path, short_dir, monkeypatch):
     # A benchmark of another checkout, run from this one's folder, must measure that checkout's
