@@ -49,7 +49,7 @@ import tarfile
 import threading
 import zipfile
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Literal, cast
@@ -67,6 +67,7 @@ __all__ = [
     "ConcatReader",
     "UnpackResult",
     "UnsafeMemberError",
+    "adopt_others",
     "archive_format",
     "is_checksum_file",
     "split_volume",
@@ -751,9 +752,30 @@ def unpack_in_place(
     return result
 
 
-def _adopt(item: Path, out: Path, others: list[str]) -> None:
-    """Move the item's files that are not archives into the extraction, refusing any path that
-    an extracted member (a file, a link, or a file where a folder is needed) already holds."""
+def adopt_others(item: str | os.PathLike[str], out: str | os.PathLike[str], others: list[str], *, move: bool) -> None:
+    """Put the folder item's files that are not archives (:attr:`UnpackResult.other`) beside
+    its extraction in ``out``: moved (``move``), or else hard-linked (copied across filesystems),
+    leaving the item whole.
+
+    Raises:
+        ArchiveError: a path that an extracted member (a file, a link, or a file where a folder
+            is needed) already holds; nothing is put then.
+    """
+    _adopt(Path(item), Path(out), others, os.rename if move else _link_or_copy)
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+            raise
+        shutil.copy2(source, target)
+
+
+def _adopt(item: Path, out: Path, others: list[str], place: Callable[[Path, Path], object] = os.rename) -> None:
+    """Move (``place``) the item's files that are not archives into the extraction, refusing any
+    path that an extracted member (a file, a link, or a file where a folder is needed) already holds."""
     for rel in others:
         parts = rel.split("/")
         for depth in range(1, len(parts) + 1):
@@ -766,7 +788,7 @@ def _adopt(item: Path, out: Path, others: list[str]) -> None:
     for rel in others:
         target = out / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(item / rel, target)
+        place(item / rel, target)
 
 
 def _unpack_one(root: Path, volumes: list[str], checksums: dict[str, str], extraction: _Extraction) -> None:

@@ -889,9 +889,10 @@ def test_a_command_that_starts_as_the_run_stops_is_killed(tmp_path, monkeypatch)
         if item_path.name == "a.tar":
             assert b_unpacked.wait(10)
             raise Bug("job a crashed")
-        unpack(item_path, *args, **kwargs)
+        result = unpack(item_path, *args, **kwargs)
         b_unpacked.set()
         assert stopped.wait(10)
+        return result
 
     monkeypatch.setattr(map_job, "unpack_item", unpack_then_wait)
     monkeypatch.setattr(Watcher, "kill_all", kill_all_then_tell)
@@ -1382,3 +1383,39 @@ def test_outputs_named_like_a_file_being_written_are_refused(tmp_path):
     (tmp_path / "out" / "clip.mp4.cachepipe.tmp").write_bytes(b"x")
     with pytest.raises(OutputError, match=r"clip.mp4.cachepipe.tmp.*reserved for files being written"):
         collect_outputs(tmp_path / "out")
+
+
+def test_unpack_keeps_a_folder_item_s_files_that_are_not_archives(s3_source, s3_client, tmp_path):
+    """A folder item of an archive and a caption arrived as the extraction alone: the caption was
+    dropped without a word (``Pipeline(unpack=True)`` keeps it, and docs/archives.md says so). A
+    caption at the path of an extracted member fails its item, naming both."""
+    frame = __import__("random").Random(7).randbytes(5000)  # incompressible: within the default unpack reserve
+    s3_source.put("clips/a/frames.tar.gz", tar_bytes({"x.bin": frame, "d/y.txt": b"hello"}, "w:gz"))
+    s3_source.put("clips/a/text.txt", b"a caption")
+    s3_source.put("clips/b/frames.tar", tar_bytes({"text.txt": b"extracted"}, "w"))
+    s3_source.put("clips/b/text.txt", b"beside it")
+    for command in ([], COPY_TREE):
+        out = f"out{len(command)}/"
+        proc = cli(
+            s3_source.url + "clips/",
+            s3_source.url + out,
+            "--cache",
+            str(tmp_path / "cache"),
+            "--capacity",
+            "1MiB",
+            "--unpack",
+            "--retries",
+            "0",
+            "--no-progress",
+            *storage_args(s3_source.options),
+            *command,
+        )
+        assert proc.returncode == 1 and "1 done, 1 failed" in proc.stderr, proc.stderr
+        assert "file 'text.txt' of the item collides with 'text.txt' extracted from its archive(s)" in proc.stderr
+        results = bucket(s3_client, s3_source.url.split("/", 3)[3] + out)
+        assert {k: v for k, v in results.items() if not k.endswith(DONE_MARKER)} == {
+            "a/x.bin": frame,
+            "a/d/y.txt": b"hello",
+            "a/text.txt": b"a caption",
+        }
+    assert_cache_clean(tmp_path / "cache")

@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import CachePipeError, UnsafeKeyError
 from ..pipeline import CachedItem
 from ..removal import tree_bytes
-from ..unpack import ArchiveError, ChecksumError, unpack_item
+from ..unpack import ArchiveError, ChecksumError, adopt_others, unpack_item
 from .child import CommandRun, FunctionRun, Watch, Watcher
 from .plan import MapConfig, MapItem, item_reserve, out_reserve
 from .result import Tally
@@ -146,7 +146,10 @@ class Job:
                 f"unpack_ratio (--unpack-ratio) {cfg.unpack_ratio:g} reserves {reserve.unpack} bytes for this item of "
                 f"{mi.size} bytes: raise it to the archive's compression ratio"
             )
-            unpack_item(item_path, slot.inp, limit_bytes=reserve.unpack, max_members=cfg.max_members, advice=advice, name=mi.name)
+            result = unpack_item(
+                item_path, slot.inp, limit_bytes=reserve.unpack, max_members=cfg.max_members, advice=advice, name=mi.name
+            )
+            adopt_others(item_path, slot.inp, result.other, move=False)  # a folder item's captions beside its archive
             source = slot.inp
             if not runs:
                 return slot.inp
