@@ -437,6 +437,7 @@ class Fetcher:
             got = self._cache.acquire(item, tick, self._broker.starving, extra, lambda: self._broker.withdrawn(seq))
         except OversizeError as exc:  # no longer fits beside the state budget: this item only
             self._begin(seq)
+            self.counters.add(items_failed=1)
             self._broker.fail(seq, item.name, exc, kind="oversize")
             return True
         if got is False:

@@ -549,14 +549,17 @@ class Pipeline:
         """Change the capacity of an open pipeline, effective at once (see :meth:`Cache.set_capacity`).
 
         Raises:
-            ValueError: a malformed capacity, or one too small for what is already in ``cache_dir``.
+            ValueError: a malformed capacity, or one too small for what is already in ``cache_dir``
+                or (``on_oversize="raise"``) for the largest item planned: every such item still to
+                come would fail, even if the capacity were raised again a moment later.
         """
         self._require_open()
         value = parse_capacity(capacity)
         small = small_capacity(capacity, value)
         if small is not None:
             log.warning("%s", small)
-        self._cache.set_capacity(value)
+        largest = max(self._plan.sizes, default=0) if self.config.on_oversize == "raise" else 0
+        self._cache.set_capacity(value, at_least=largest)
         self.config = self.config.model_copy(update={"capacity": value})
         log.info("capacity of %s set to %s", self.config.source, capacity)
 

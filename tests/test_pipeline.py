@@ -20,6 +20,7 @@ from cachepipe import (
     CachedItem,
     CacheLockedError,
     CacheRemovedError,
+    ConfigError,
     EmptySourceError,
     ItemFailedError,
     ObjectChangedError,
@@ -622,6 +623,34 @@ def test_set_capacity_applies_at_once(s3_source, tmp_path):
         with pytest.raises(ValueError, match="capacity"):
             pipe.set_capacity("10X")
         pipe.ack(first)
+
+
+@pytest.mark.parametrize("on_oversize", ["raise", "skip"])
+def test_a_capacity_below_the_largest_item_is_refused_where_such_items_would_fail(s3_source, tmp_path, on_oversize):
+    """A capacity set under the largest item (a typo in a daemon's reload, fixed a second later)
+    failed every item the fetcher reached meanwhile, each with the old capacity in its error, and
+    the counters said nothing: most of the pass was lost. With on_oversize="raise" it is refused;
+    with "skip" such items are skipped in their turn, as asked."""
+    s3_source.folders(6, {"f": 20_000})
+    options = {"storage_options": s3_source.options, "on_oversize": on_oversize, "auto_ack": False}
+    capacity = "1MiB" if on_oversize == "raise" else "60KiB"  # skip: the fetcher waits for room for the third
+    with Pipeline(s3_source.url, tmp_path / "c", capacity, **options) as pipe:
+        first = pipe.get(timeout=30)
+        if on_oversize == "raise":
+            with pytest.raises(ConfigError, match=r"less than the largest item planned \(20000 bytes\).*give at least"):
+                pipe.set_capacity("10KiB")
+            assert pipe.stats().capacity == 1024**2
+        else:
+            pipe.set_capacity("10KiB")
+            wait_until(lambda: pipe.stats().items_failed >= 1, what="the waiting item to be refused")
+            pipe.set_capacity("1MiB")
+        pipe.ack(first)
+        names = [first.name] + [item.name for item in pipe if pipe.ack(item) or True]
+        stats = pipe.stats()
+    if on_oversize == "raise":
+        assert names == [f"item{i:03d}" for i in range(6)] and stats.items_failed == 0
+    else:  # the items the fetcher reached while the capacity was small are skipped, and counted
+        assert len(names) + stats.items_skipped == 6 and stats.items_failed == stats.items_skipped >= 1, (names, stats)
 
 
 @pytest.mark.parametrize("bad", [None, 3, b"/tmp/c/a"])

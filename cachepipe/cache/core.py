@@ -379,17 +379,24 @@ class Cache:
             self._lock.release()
 
     # ---- room ------------------------------------------------------------------------
-    def set_capacity(self, capacity: int | Share) -> int:
+    def set_capacity(self, capacity: int | Share, at_least: int = 0) -> int:
         """Change the capacity now; returns it in bytes. Shrinking deletes nothing: downloads
         wait until acknowledgements bring the cache under the new cap.
 
         Raises:
-            ConfigError: the new capacity leaves no room beside foreign files and the state budget.
+            ConfigError: the new capacity leaves no room beside foreign files and the state
+                budget, or less than ``at_least`` bytes (the largest item still to be fetched,
+                which would fail).
         """
         new = int(shutil.disk_usage(self.root).free * capacity.fraction) if isinstance(capacity, Share) else capacity
-        if self.foreign + self.overhead >= new:
+        beside = self.foreign + self.overhead
+        if beside >= new:
+            raise ConfigError(f"capacity {new} bytes leaves no room beside {beside} bytes of other files and state")
+        if new - beside < at_least:
             raise ConfigError(
-                f"capacity {new} bytes leaves no room beside {self.foreign + self.overhead} bytes of other files and state"
+                f"capacity {new} bytes leaves {new - beside} bytes for items beside {beside} bytes of other files and "
+                f"state, less than the largest item planned ({at_least} bytes), which would fail (on_oversize='raise'): "
+                f"give at least {at_least + beside} bytes, or on_oversize='skip' to skip such items"
             )
         with self._cond:
             self.ledger.capacity = new
