@@ -1419,3 +1419,24 @@ def test_unpack_keeps_a_folder_item_s_files_that_are_not_archives(s3_source, s3_
             "a/text.txt": b"a caption",
         }
     assert_cache_clean(tmp_path / "cache")
+
+
+def test_a_key_is_not_run_as_code_where_a_placeholder_is_put_into_a_script(tmp_path, monkeypatch):
+    """``sh -c 'ls {}'`` put the item's path into the shell's script as text: a key such as
+    ``x$(touch pwned)y`` ran its command substitution. Such an item now fails, naming the
+    characters and the variable to read instead; a plain name in a script, and any name in an
+    argument that is not code, run as before."""
+    src, marks = tmp_path / "src", tmp_path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("PWNED", str(marks / "pwned"))  # the commands inherit the environment
+    for name in ("x$(touch $PWNED)y", "plain-1.0", "with space"):
+        (src / name).mkdir(parents=True)
+        (src / name / "f").write_text(name)
+    script = ["sh", "-c", f'cat {{}}/f > /dev/null && touch "{marks}/ran-$CACHEPIPE_NAME"']
+    result = map_items(script, str(src), str(tmp_path / "dst"), cache_dir=tmp_path / "cache", capacity="1MiB", retries=0)
+    assert sorted(f.name for f in result.failed) == sorted(["x$(touch $PWNED)y", "with space"])
+    assert all("UnsafeArgumentError" in f.error and 'read "$CACHEPIPE_ITEM" in the script' in f.error for f in result.failed)
+    assert sorted(p.name for p in marks.iterdir()) == ["ran-plain-1.0"]  # no "pwned": the code was not run
+    argv = ["cp", "{}/f", "{out}/copy"]  # no shell: any name is one argument
+    result = map_items(argv, str(src), str(tmp_path / "dst2"), cache_dir=tmp_path / "cache", capacity="1MiB", retries=0)
+    assert result.ok and result.items_done == 3, result.failed

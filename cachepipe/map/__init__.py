@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING
 from .._lazy import attach
 
 if TYPE_CHECKING:
-    from .job import OutputTooLargeError
+    from .job import OutputTooLargeError, UnsafeArgumentError
     from .plan import WORK_DIR, MapConfig, MapItem, plan_items
     from .result import MapFailure, MapResult
     from .run import map_items
@@ -84,6 +84,7 @@ __all__ = [
     "MapItem",
     "MapResult",
     "OutputTooLargeError",
+    "UnsafeArgumentError",
     "map_items",
     "plan_items",
 ]
@@ -94,6 +95,7 @@ __getattr__, __dir__ = attach(
     __name__,
     {
         "OutputTooLargeError": (".job", "OutputTooLargeError"),
+        "UnsafeArgumentError": (".job", "UnsafeArgumentError"),
         "WORK_DIR": (".plan", "WORK_DIR"),
         "MapConfig": (".plan", "MapConfig"),
         "MapItem": (".plan", "MapItem"),

@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +26,30 @@ from .plan import MapConfig, MapItem, item_reserve, out_reserve
 from .result import Tally
 from .uploader import Uploader
 
-__all__ = ["CommandError", "Job", "OutputTooLargeError", "Slot"]
+__all__ = ["CommandError", "Job", "OutputTooLargeError", "Slot", "UnsafeArgumentError", "script_arguments"]
 
 log = logging.getLogger("cachepipe.map")
 
 _PLACEHOLDER = re.compile(r"\{out\}|\{name\}|\{\}")
 """The placeholders of a command's arguments: the output folder, the item's name, its path."""
+
+
+_SCRIPT_FLAG = re.compile(r"-[A-Za-z]*[ce]|--command|--eval")
+"""An argument after which comes code for an interpreter: ``sh -c``, ``bash -lc``, ``python -c``,
+``perl -e``, ``sed -e``, ``node --eval``..."""
+_SAFE_IN_SCRIPT = re.compile(r"[\w@%+=:,./-]+")
+"""What a placeholder's value may hold where it is put into code: no quote, ``$``, backtick,
+``;``, space (a word split off, ``/``), bracket or glob, whatever the language."""
+
+
+def script_arguments(command: Sequence[str]) -> set[int]:
+    """The positions in ``command`` of the arguments that are code for an interpreter (the one
+    after :data:`_SCRIPT_FLAG`): a placeholder there is put into the code as text."""
+    return {i + 1 for i, arg in enumerate(command[:-1]) if _SCRIPT_FLAG.fullmatch(arg)}
+
+
+class UnsafeArgumentError(CachePipeError, ValueError):
+    """A placeholder's value (from an object key) cannot be put into a command's script safely."""
 
 
 class OutputTooLargeError(CachePipeError, OSError):
@@ -110,7 +128,7 @@ class Job:
                     manifest = self._uploader.upload_item(mi.name, produced, marker_dir=slot.root, version=mi.version)
                     if self._stop.is_set():
                         return
-            except (OutputTooLargeError, ArchiveError, ChecksumError, UnsafeKeyError) as exc:
+            except (OutputTooLargeError, ArchiveError, ChecksumError, UnsafeKeyError, UnsafeArgumentError) as exc:
                 error, tail = exc, ""
                 break  # the same input would fail the same way
             except CommandError as exc:
@@ -161,6 +179,7 @@ class Job:
             run: Any = FunctionRun(self._fn, source, slot.out, cwd, env)
         elif cfg.command is not None:
             values = {"{out}": str(slot.out), "{name}": mi.name, "{}": str(source)}
+            _check_script_values(cfg.command, values, mi.name)
             argv = [_PLACEHOLDER.sub(lambda m: values[m.group()], a) for a in cfg.command]  # once: not in what replaced them
             try:
                 run = CommandRun(argv, cwd, {**os.environ, **env})
@@ -200,3 +219,19 @@ class Job:
             status = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
             raise CommandError(f"{what} {status}", tail)
         return slot.out
+
+
+def _check_script_values(command: Sequence[str], values: dict[str, str], name: str) -> None:
+    """Refuse an item whose placeholder value would go into a command's script (``sh -c '... {}'``)
+    with characters that code can read as code: a key such as ``x$(rm -rf ~)y`` would run."""
+    for i in script_arguments(command):
+        for placeholder in sorted(set(_PLACEHOLDER.findall(command[i]))):
+            value = values[placeholder]
+            if not _SAFE_IN_SCRIPT.fullmatch(value):
+                bad = sorted({c for c in value if not _SAFE_IN_SCRIPT.fullmatch(c)})
+                variable = {"{}": "CACHEPIPE_ITEM", "{out}": "CACHEPIPE_OUT", "{name}": "CACHEPIPE_NAME"}[placeholder]
+                raise UnsafeArgumentError(
+                    f"item {name!r}: {placeholder} is {value!r}, which has characters that the script after "
+                    f"{command[i - 1]!r} could run as code or split ({', '.join(map(repr, bad))}); {placeholder} is put into "
+                    f'a script as text: read "${variable}" in the script instead (the item is not run)'
+                )
