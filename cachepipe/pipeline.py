@@ -237,6 +237,7 @@ class Pipeline:
         self._counts = {"handed": 0, "acked": 0, "released": 0, "skipped": 0}
         self._counts_lock = threading.Lock()  # not _lock: open() holds that while the listing thread counts
         self._bar: Any = None
+        self._resumed_complete = False  # opened at the end of a finite plan (resume, or a state loaded)
         self._start_state: dict[str, Any] | None = None
         self._catalog_digest: str | None = None  # of the whole catalog the plan was made from (None: streamed)
         self._plan_lock = threading.Lock()  # the frontier: issued by the producer, consumed by consumers
@@ -324,6 +325,12 @@ class Pipeline:
                 "listing while downloading" if self._listing else f"{self._listed} items, {self._listed_bytes} bytes",
                 cache.capacity,
             )
+            if self._resumed_complete:
+                log.warning(
+                    "%s: the pass resumed is complete (%s): nothing to hand out; resume=False reads it again",
+                    cfg.source,
+                    "from the state loaded" if self._start_state is not None else f"as recorded in {cache.root}",
+                )
         return self
 
     def _streams(self, cache: Cache) -> bool:
@@ -380,9 +387,9 @@ class Pipeline:
             reserve = min(cache.limit // 4, max(2 * cfg.large_requests, 16) * largest)
             policy = make_policy("auto", plan.sizes, self._future, reserve=reserve)
             cache.use_retention(policy, Names(catalog, eligible), plan_tick(*cursor))
-        self._total_steps = (
-            None if cfg.epochs is None else sum(len(plan.share(e)) for e in range(cfg.epochs)) - _steps_before(plan, cursor)
-        )
+        before = _steps_before(plan, cursor)
+        self._total_steps = None if cfg.epochs is None else sum(len(plan.share(e)) for e in range(cfg.epochs)) - before
+        self._resumed_complete = before > 0 and self._total_steps == 0
         return self._steps(plan, Cursor(*cursor), acked)
 
     def _fitting(self, store: Store, cache: Cache) -> tuple[Catalog, array[int], array[int] | None, bool]:

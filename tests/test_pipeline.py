@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -788,3 +789,17 @@ def test_an_item_that_fits_the_listing_s_estimate_but_not_beside_the_state_is_sk
             got.append(item.name)
             pipe.ack(item)
         assert got == names[1:] * 2 and pipe.stats().items_skipped == 2
+
+
+def test_resuming_a_complete_pass_says_there_is_nothing_to_hand_out(s3_source, tmp_path, caplog):
+    """A job run with resume=True "in case of a crash" read every item the first time and none
+    from the second on, with nothing said: the pass it resumes is complete."""
+    s3_source.folders(3, {"f": 100})
+    for run in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="cachepipe"):
+            with Pipeline(s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options, resume=True) as pipe:
+                assert len(list(pipe)) == (3 if run == 0 else 0)
+        complete = [r.getMessage() for r in caplog.records if "the pass resumed is complete" in r.getMessage()]
+        assert len(complete) == run, complete
+    assert "nothing to hand out; resume=False reads it again" in complete[0]
