@@ -257,6 +257,24 @@ def test_a_connect_timeout_is_unreachable_only_at_first_contact_and_on_the_store
         assert not isinstance(got, StoreUnreachableError), url
 
 
+def test_a_first_request_whose_reply_timed_out_before_any_answer_is_unreachable():
+    """An endpoint that takes connections and never replies (a wrong port, another service) was
+    retried as a slow store: 12 listings of a 60 s timeout each, silent for 13 minutes."""
+    from botocore.exceptions import ReadTimeoutError
+
+    from cachepipe.stores.fsspec import _translate
+
+    endpoint = "http://s3.example:9000"
+    for error in (TimeoutError("timed out"), ReadTimeoutError(endpoint_url="http://s3.example:9000/b?list-type=2")):
+        got = _translate(error, "s3://b/", endpoint, answered=False)
+        assert isinstance(got, StoreUnreachableError) and "sent no reply to the first request" in str(got), repr(got)
+        for answered, first in ((True, True), (False, False)):  # a store that answered before; a GET: retried
+            got = _translate(error, "s3://b/k", endpoint, answered=answered, first=first)
+            assert isinstance(got, TimeoutError) and is_transient(got), (answered, first)
+    sts = _translate(ReadTimeoutError(endpoint_url="https://sts.amazonaws.com/"), "s3://b/", endpoint, answered=False)
+    assert not isinstance(sts, StoreUnreachableError) and is_transient(sts)
+
+
 def test_s3_connects_wait_ten_seconds_unless_configured(s3_source):
     """botocore waits 60 s for a connection, up to 5 times per call; the S3 stores wait 10 s."""
     from cachepipe.stores.s3direct import ConnectTimeoutError, DirectGet

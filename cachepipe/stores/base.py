@@ -143,6 +143,13 @@ DROPPED = "packets dropped: a firewall, or a wrong host"
 NO_ANSWER = f"no answer to a connection before it ever answered ({DROPPED})"
 """Why an endpoint is unreachable when its first connection timed out (see :data:`CONNECT_TIMEOUT`)."""
 
+NO_REPLY = (
+    "it took the connection but sent no reply to the first request before the read timed out "
+    "(a wrong port, or a service there that does not speak HTTP)"
+)
+"""Why an endpoint is unreachable when the first request's reply timed out, before it ever
+answered (the run's first contact only: a listing or a check)."""
+
 
 def unreachable_error(endpoint: str, where: str, why: str) -> StoreUnreachableError:
     """The contract's error for an endpoint that cannot be reached at all (``why``: its host

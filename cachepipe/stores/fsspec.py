@@ -42,6 +42,7 @@ from .base import (
     CONNECT_TIMEOUT,
     FIRST_PAGE_KEYS,
     NO_ANSWER,
+    NO_REPLY,
     TEMP_SUFFIX,
     ObjectInfo,
     http_status_error,
@@ -154,6 +155,8 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool, first:
         if not _credentials_host(url):
             return unreachable_error(endpoint, where, NO_ANSWER)
         return store_code(TimeoutError(f"no answer to a connection to {url} (for {where}): {exc}"), None, endpoint)
+    if first and not answered and (url := _timed_out(chain)) is not None and not _credentials_host(url):
+        return unreachable_error(endpoint, where, NO_REPLY)
     if isinstance(exc, OSError) and exc.errno == errno.EBUSY:  # s3fs: SlowDown, ServiceUnavailable
         return store_code(StoreUnavailableError(f"store {at} throttled or unavailable for {where}: {exc}"), None, endpoint)
     if isinstance(exc, TimeoutError) or "Timeout" in name:
@@ -163,6 +166,16 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool, first:
     if isinstance(exc, OSError):
         return exc
     return store_code(OSError(f"{where} {at}: {name}: {exc}"), None, endpoint)  # no errno: permanent
+
+
+def _timed_out(chain: list[BaseException]) -> str | None:
+    """The endpoint URL of a request that timed out in ``chain``, connecting or reading (as
+    :func:`_timed_out_connecting`); None if none did."""
+    for err in chain:
+        if isinstance(err, TimeoutError) or "Timeout" in type(err).__name__:
+            kwargs = getattr(err, "kwargs", None)
+            return str(kwargs.get("endpoint_url") or "") if isinstance(kwargs, dict) else ""
+    return None
 
 
 def _timed_out_connecting(chain: list[BaseException]) -> str | None:
