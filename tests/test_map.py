@@ -36,7 +36,15 @@ from cachepipe.map import job as map_job
 from cachepipe.map.child import Watcher
 from cachepipe.map.cli import main
 from cachepipe.map.run import _take_lock
-from cachepipe.map.uploader import DONE_MARKER, MARKER_LIMIT, OutputError, Uploader, collect_outputs, marker_version
+from cachepipe.map.uploader import (
+    DONE_MARKER,
+    MARKER_LIMIT,
+    DestinationFullError,
+    OutputError,
+    Uploader,
+    collect_outputs,
+    marker_version,
+)
 from cachepipe.state import EVENT_OVERHEAD, VERSION_OVERHEAD
 from cachepipe.stores.base import ObjectInfo
 from cachepipe.stores.fsspec import FsspecStore
@@ -1440,3 +1448,28 @@ def test_a_key_is_not_run_as_code_where_a_placeholder_is_put_into_a_script(tmp_p
     argv = ["cp", "{}/f", "{out}/copy"]  # no shell: any name is one argument
     result = map_items(argv, str(src), str(tmp_path / "dst2"), cache_dir=tmp_path / "cache", capacity="1MiB", retries=0)
     assert result.ok and result.items_done == 3, result.failed
+
+
+def test_a_full_destination_stops_the_run_and_a_rerun_with_space_finishes_it(tmp_path):
+    """A local destination that filled up cost each item its uploads' retries three times over
+    (about 3 minutes an item with the defaults) and the run went on through every item. An
+    upload that still finds it full after its retries now stops the run, saying so; a run
+    after space was freed finishes it, keeping the items done."""
+    from test_disk_faults import tmpfs
+
+    src = tmp_path / "src"
+    for i in range(4):
+        (src / f"item{i}").mkdir(parents=True)
+        (src / f"item{i}" / "f").write_bytes(os.urandom(40 * 1024))
+    options = {"cache_dir": tmp_path / "cache", "capacity": "1MiB", "request_retries": 2, "retry_backoff": 0.01, "jobs": 1}
+    with tmpfs(tmp_path / "dst", "200k") as dst:
+        tenant = dst / "other-tenant.bin"
+        tenant.write_bytes(b"t" * 130 * 1024)  # room for one item's output
+        with pytest.raises(DestinationFullError, match=r"the destination is full after 3 attempt\(s\).*the run stops"):
+            map_items(["cp", "f", "{out}/g"], str(src), str(dst / "out"), **options)
+        done = sorted(p.parent.name for p in (dst / "out").glob(f"*/{DONE_MARKER}"))
+        assert len(done) == 1, done
+        tenant.unlink()
+        result = map_items(["cp", "f", "{out}/g"], str(src), str(dst / "out"), **options)
+        assert result.ok and (result.items_done, result.items_skipped) == (3, 1), result.failed
+    assert_cache_clean(tmp_path / "cache")

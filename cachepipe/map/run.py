@@ -35,7 +35,7 @@ from .job import Job, Slot
 from .plan import WORK_DIR, MapConfig, MapItem, PlannedSource, inside_prefix, item_reserve, plan_items
 from .result import MapResult, Tally
 from .share import resolve_rank, take_share
-from .uploader import MARKER_LIMIT, Uploader, marker_key, marker_version
+from .uploader import MARKER_LIMIT, DestinationFullError, Uploader, marker_key, marker_version
 
 __all__ = ["map_items"]
 
@@ -283,8 +283,11 @@ class _MapRun:
                         self._pipe.ack(cached)
                     except (RuntimeError, UnknownItemError):
                         pass  # closed while this item ran: closing removes it anyway
-        except BaseException as exc:  # a bug: stop the run and raise it from map_items
-            log.exception("map job crashed")
+        except BaseException as exc:  # a bug, or a full destination: stop the run and raise it from map_items
+            if isinstance(exc, DestinationFullError):
+                log.error("%s", exc)
+            else:
+                log.exception("map job crashed")
             with self._crash_lock:
                 self._crash = self._crash or exc
             self._stop.set()

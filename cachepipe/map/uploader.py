@@ -12,6 +12,7 @@ the stop event.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -24,11 +25,20 @@ from pathlib import Path
 from typing import Any
 
 from ..catalog import check_key
-from ..errors import UnsafeKeyError, is_transient
+from ..errors import CachePipeError, UnsafeKeyError, is_transient
 from ..fetcher import backoff_delay
 from ..stores.base import TEMP_SUFFIX, WritableStore
 
-__all__ = ["DONE_MARKER", "MARKER_LIMIT", "OutputError", "Uploader", "collect_outputs", "marker_key", "marker_version"]
+__all__ = [
+    "DONE_MARKER",
+    "MARKER_LIMIT",
+    "DestinationFullError",
+    "OutputError",
+    "Uploader",
+    "collect_outputs",
+    "marker_key",
+    "marker_version",
+]
 
 log = logging.getLogger("cachepipe.map")
 
@@ -52,6 +62,11 @@ def marker_version(head: bytes) -> str | None:
     None if it records none (written without ETags, or by an earlier cachepipe)."""
     found = _VERSION.match(head)
     return found.group(1).decode() if found else None
+
+
+class DestinationFullError(CachePipeError, OSError):
+    """An upload still found the destination full (``ENOSPC``, ``EDQUOT``) after its retries: every
+    later item would wait for it and fail the same way, so the run stops."""
 
 
 class OutputError(UnsafeKeyError):
@@ -173,6 +188,11 @@ class Uploader:
                 self.dest.put(path, key)
             except Exception as exc:
                 if not is_transient(exc) or attempt == self._retries:
+                    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                        raise DestinationFullError(
+                            f"uploading {key}: the destination is full after {attempt + 1} attempt(s) ({exc}); the run stops: "
+                            "free space there and run it again (items done are kept)"
+                        ) from exc
                     raise
                 delay = backoff_delay(attempt, self._backoff, self._backoff_max)
                 log.warning("upload retry %d/%d of %s in %.2fs: %s", attempt + 1, self._retries, key, delay, exc)
