@@ -9,7 +9,6 @@ Sizes and shares of free space (``"50GiB"``, ``"80%"``) are parsed and formatted
 
 from __future__ import annotations
 
-import difflib
 import math
 import os
 import re
@@ -19,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
-from .errors import ConfigError
+from .errors import ConfigError, closest
 from .sizes import (
     SIZE_FORMS,
     SMALL_CAPACITY,
@@ -115,8 +114,7 @@ def check_option_names(options: dict[str, Any], positional: tuple[str, ...] = ("
     accepted = sorted(set(PipelineConfig.model_fields) - set(positional))
     for name, value in options.items():
         if name not in accepted:
-            close = difflib.get_close_matches(name, accepted, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
+            hint = f"did you mean {close!r}? " if (close := closest(name, accepted)) else ""
             raise ConfigError(f"{name}={value!r} is not an option of Pipeline; {hint}accepted: {', '.join(accepted)}")
 
 

@@ -64,11 +64,14 @@ __all__ = [
     "UnsafeKeyError",
     "UnsafeMemberError",
     "VerificationError",
+    "closest",
     "is_transient",
     "store_code",
 ]
 
+import difflib
 import errno
+from collections.abc import Iterable
 from typing import TypeVar
 
 _E = TypeVar("_E", bound=BaseException)
@@ -212,6 +215,14 @@ class ChecksumError(VerificationError):
 
 
 _TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT}
+
+
+def closest(name: str, accepted: Iterable[str]) -> str | None:
+    """The one of ``accepted`` that ``name`` most resembles, if one is close enough to be what
+    was meant (``max_concurency``: ``max_concurrency``), else None: the "did you mean" of every
+    message that refuses an unknown name (an option, a storage option, a config key)."""
+    close = difflib.get_close_matches(name, sorted(accepted), n=1)
+    return close[0] if close else None
 
 
 def store_code(exc: _E, code: str | None, endpoint: str | None) -> _E:

@@ -91,7 +91,9 @@ def test_a_small_capacity_set_by_the_environment_is_warned_about_naming_the_vari
     variable = "CACHEPIPE_PIPELINES__TRAIN__CAPACITY"
     said = "capacity '512' is 512 bytes, less than 1 MiB"
     assert [r.getMessage() for r in caplog.records] == [
-        f"pipelines.train.capacity set by the environment variable {variable}: {said}: {advice}"
+        f"jobs.capacity in {path} is overridden by the environment variable cachepipe_jobs__capacity",
+        f"pipelines.train.capacity in {path} is overridden by the environment variable {variable}",
+        f"pipelines.train.capacity set by the environment variable {variable}: {said}: {advice}",
     ]
 
 
@@ -128,7 +130,7 @@ def test_bad_pipeline_values_name_path_value_and_expectation(tmp_path, pipeline,
         ({"tcp_port": 70000}, "tcp_port = 70000: Input should be less than or equal to 65535"),
         ({"log_level": "loud"}, "log_level = 'loud': Input should be 'debug', 'info', 'warning' or 'error'"),
         ({"status_interval": "often"}, "status_interval = 'often'"),
-        ({"sockets": "/x"}, "sockets = '/x': unknown key; expected one of: socket, socket_mode"),
+        ({"sockets": "/x"}, "sockets = '/x': unknown key; did you mean 'socket'? expected one of: socket, socket_mode"),
         ({"socket": "relative.sock"}, "socket 'relative.sock': expected an absolute path"),
         ({"socket": "/" + "s" * 120}, "expected a path of at most 107 bytes"),
         ({"max_wait": float("nan")}, "max_wait = nan: Input should be a finite number"),
@@ -166,7 +168,6 @@ def test_environment_overrides_the_file(tmp_path, monkeypatch):
     monkeypatch.setenv("CACHEPIPE_SOCKET", "/run/x/train.sock")
     monkeypatch.setenv("CACHEPIPE_LOG_LEVEL", "debug")
     monkeypatch.setenv("CACHEPIPE_PIPELINES__TRAIN__STORAGE_OPTIONS", '{"endpoint_url": "http://h:9000"}')
-    monkeypatch.setenv("CACHEPIPE_NOT_A_SETTING", "ignored")
     cfg = load_config(write(tmp_path, minimal(tmp_path)))
     assert cfg.pipelines["train"].capacity == 10 * 1024**3
     assert cfg.pipelines["train"].source == "s3://b/p/"  # the rest of the pipeline still comes from the file
@@ -343,3 +344,118 @@ def test_a_refused_combination_never_echoes_the_storage_options(tmp_path, data, 
         with pytest.raises(ValueError, match=r"rank 5|not supported yet") as info:
             PipelineConfig(source="s3://b/p/", cache_dir=str(tmp_path / "c"), capacity="1GiB", **options)
         assert "s3cr3t" not in str(info.value), info.value
+
+
+# ---- what the environment does to the file, said by serve --check and serve ----------------
+def serve_cli(path: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``cachepipe serve [args] --config path``, with ``env`` added to this (CACHEPIPE_-free) environment."""
+    return subprocess.run(
+        [sys.executable, "-m", "cachepipe.cli", "serve", *args, "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_a_setting_of_the_file_that_the_environment_overrides_is_said_by_check_and_serve(tmp_path, short_dir):
+    """``CACHEPIPE_SOCKET``, exported for the clients, moved the daemon's socket away from the
+    file's without a word: ``--check`` said "valid; socket <the variable's>", and a second daemon
+    started from that shell failed on a socket its config does not name."""
+    from cachepipe.service.testing import DaemonProcess
+
+    path = write(tmp_path, {"socket": str(short_dir / "file.sock"), "jobs": {"root": str(tmp_path / "jobs"), "capacity": "1GiB"}})
+    env = {"CACHEPIPE_SOCKET": str(short_dir / "env.sock"), "CACHEPIPE_MAX_WAIT": "30"}
+    overridden = f"WARNING cachepipe.service: socket in {path} is overridden by the environment variable CACHEPIPE_SOCKET"
+    added = "INFO cachepipe.service: max_wait is set by the environment variable CACHEPIPE_MAX_WAIT"  # not in the file
+    proc = serve_cli(path, "--check", env=env)
+    assert proc.returncode == 0 and f"socket {short_dir / 'env.sock'};" in proc.stdout, proc.stderr
+    assert overridden in proc.stderr.splitlines() and added in proc.stderr.splitlines(), proc.stderr
+    with DaemonProcess(path, env=env) as daemon:
+        assert (short_dir / "env.sock").exists() and not (short_dir / "file.sock").exists()
+        assert daemon.stop() == 0
+        log = daemon.log().splitlines()
+    assert overridden in log and added in log, log
+    quiet = serve_cli(path, "--check")  # nothing set by the environment: nothing said
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+
+
+def test_a_cachepipe_variable_that_names_no_setting_is_refused_saying_what_was_meant(tmp_path):
+    """A top-level typo was ignored (``CACHEPIPE_LOGLEVEL=debug`` left the level at info), when a
+    nested one (``CACHEPIPE_PIPELINES__TRAIN__CAPACTIY``) was refused; the variables that other
+    commands read (``cachepipe map``'s, the clients' ``CACHEPIPE_SOCKET``) are not refused."""
+    path = write(tmp_path, minimal(tmp_path))
+    typos = {"CACHEPIPE_LOGLEVEL": "debug", "CACHEPIPE_MAXWAIT": "abc", "CACHEPIPE_TCP_PROT": "1", "CACHEPIPE_COLOUR": "red"}
+    for args in (["--check"], []):
+        proc = serve_cli(path, *args, env=typos)
+        assert proc.returncode == 78, proc.stderr
+        lines = proc.stderr.splitlines()
+        assert lines[0] == f"invalid configuration in {str(path)!r}:", proc.stderr
+        said = "(in the environment): names no setting of the daemon;"
+        assert f"  CACHEPIPE_LOGLEVEL {said} did you mean CACHEPIPE_LOG_LEVEL?" in lines, proc.stderr
+        assert f"  CACHEPIPE_MAXWAIT {said} did you mean CACHEPIPE_MAX_WAIT?" in lines, proc.stderr
+        assert f"  CACHEPIPE_TCP_PROT {said} did you mean CACHEPIPE_TCP_PORT?" in lines, proc.stderr
+        colour = next(line for line in lines if "CACHEPIPE_COLOUR" in line)
+        assert "expected CACHEPIPE_ and a setting in capitals (SOCKET, SOCKET_MODE" in colour, colour
+        assert "or a variable another command reads (CACHEPIPE_ITEM, CACHEPIPE_OUT" in colour, colour
+    others = {"CACHEPIPE_ITEM": "/x", "CACHEPIPE_OUT": "/y", "CACHEPIPE_NAME": "a", "CACHEPIPE_WORLD_SIZE": "2"}
+    proc = serve_cli(path, "--check", env={**others, "CACHEPIPE_SOCKET": str(tmp_path / "s.sock")})
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_every_cachepipe_variable_read_in_this_repository_is_a_setting_or_known_to_the_daemon():
+    """The daemon refuses a ``CACHEPIPE_*`` variable it does not know: every one that cachepipe,
+    its tests, examples and benchmarks read must be a setting or in ``OTHER_VARIABLES``, or a
+    daemon started where it is set would refuse to start."""
+    from cachepipe.service.config import ENV_PREFIX, OTHER_VARIABLES
+
+    root = EXAMPLE.parent.parent
+    files = [p for folder in ("cachepipe", "tests", "examples", "benchmarks", "systemd") for p in (root / folder).rglob("*")]
+    found: dict[str, Path] = {}
+    for file in files:
+        if file.is_file() and file.suffix in (".py", ".ipynb", ".yaml", ".service", ".sh") and file.name != Path(__file__).name:
+            for name in re.findall(r"CACHEPIPE_[A-Z][A-Z0-9_]*", file.read_text(encoding="utf-8")):
+                found.setdefault(name, file)
+    assert "CACHEPIPE_ITEM" in found and "CACHEPIPE_SOCKET" in found  # the scan sees them
+    settings = set(ServiceConfig.model_fields)
+    unknown = {
+        name: str(file)
+        for name, file in found.items()
+        if name not in OTHER_VARIABLES and name.removeprefix(ENV_PREFIX).split("__")[0].lower() not in settings
+    }
+    assert unknown == {}
+
+
+def test_a_pipeline_made_by_the_environment_says_so(tmp_path):
+    """``CACHEPIPE_PIPELINES__TRIAN__CAPACITY`` (a typo of train) makes a pipeline 'trian' of one
+    setting; the refusal named its missing source without saying where 'trian' came from."""
+    path = write(tmp_path, minimal(tmp_path))
+    proc = serve_cli(path, "--check", env={"CACHEPIPE_PIPELINES__TRIAN__CAPACITY": "1GiB"})
+    assert proc.returncode == 78, proc.stderr
+    made = (
+        "(pipelines.trian is made by the environment variable CACHEPIPE_PIPELINES__TRIAN__CAPACITY: "
+        "the file has no pipelines.trian; did you mean 'train'?)"
+    )
+    assert f"  pipelines.trian.source: required, not set {made}" in proc.stderr.splitlines(), proc.stderr
+    assert f"  pipelines.trian.cache_dir: required, not set {made}" in proc.stderr.splitlines(), proc.stderr
+
+
+def test_an_unknown_key_says_which_key_was_meant(tmp_path):
+    """The daemon listed the accepted keys of an unknown one, without the did-you-mean that
+    ``Pipeline(lease_timout=5)`` gives."""
+    data = {**minimal(tmp_path, lease_timout=5), "log_levl": "debug"}
+    proc = serve_cli(write(tmp_path, data), "--check")
+    assert proc.returncode == 78, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert any(
+        line.startswith("  pipelines.train.lease_timout = 5: unknown key; did you mean 'lease_timeout'? expected one of: source,")
+        for line in lines
+    ), proc.stderr
+    assert any(
+        line.startswith("  log_levl = 'debug': unknown key; did you mean 'log_level'? expected one of: socket,") for line in lines
+    ), proc.stderr
+    from cachepipe import Pipeline
+
+    with pytest.raises(ConfigError, match=r"lease_timout=5 is not an option of Pipeline; did you mean 'lease_timeout'\?"):
+        Pipeline("s3://b/p/", tmp_path / "c", "1GiB", lease_timout=5)

@@ -198,11 +198,33 @@ def host_cases(tmp_path: Path) -> dict:
             {"pipelines": {"train": {"source": "nosuchscheme://b/p/"}}},
             "pipelines.train.source 'nosuchscheme://b/p/': unknown URL scheme 'nosuchscheme://'",
         ),
+        # refused when the pipeline is built (serve exited 78 after binding its socket; --check said "valid")
+        "storage option": (
+            {"pipelines": {"train": {"storage_options": {"endpoint": "http://127.0.0.1:9"}}}},
+            (
+                "pipelines.train: storage_options['endpoint'] is not an option of s3:// (s3fs.core.S3FileSystem) "
+                "for 's3://b/p/'; did you mean 'endpoint_url'?"
+            ),
+        ),
+        "scheme short of a slash": (
+            {"pipelines": {"train": {"source": "s3:/no-such-bucket/videos/"}}},
+            (
+                "pipelines.train: source 's3:/no-such-bucket/videos/': no such local path, and a scheme without its '//'; "
+                "expected a URL like 's3://no-such-bucket/videos/'"
+            ),
+        ),
+        "no scheme": (
+            {"pipelines": {"train": {"source": "no-such-bucket/videos/"}}},
+            (
+                "pipelines.train: source 'no-such-bucket/videos/': no such local path, and no scheme; "
+                "expected a URL like 's3://no-such-bucket/videos/'"
+            ),
+        ),
     }
 
 
 CASES = ["group", "cache under a file", "socket dir under a file", "socket path taken"]
-CASES += ["tcp host", "tcp host elsewhere", "tcp host typo", "scheme"]
+CASES += ["tcp host", "tcp host elsewhere", "tcp host typo", "scheme", "storage option", "scheme short of a slash", "no scheme"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -219,11 +241,15 @@ def test_check_reports_what_serve_would_refuse_naming_the_value(tmp_path, case):
             data[key] = value
     path = tmp_path / "cachepipe.yaml"
     path.write_text(yaml.safe_dump(data))
+    said = []
     for args in (["serve", "--check", "--config", str(path)], ["serve", "--config", str(path)]):
         proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=60, check=False)
         assert proc.returncode == 78, (args, proc.stderr)
         assert expected in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
+        said.append(proc.stderr)
+    assert said[0] == said[1]  # the same refusal, from the same checks
+    assert not (tmp_path / "s.sock").exists()
 
 
 def test_check_accepts_a_config_this_host_can_run(tmp_path):

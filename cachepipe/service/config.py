@@ -7,6 +7,11 @@ Environment variables win over the file. Nested fields are joined with ``__``::
     CACHEPIPE_PIPELINES__TRAIN__CAPACITY=10GiB
     CACHEPIPE_PIPELINES__TRAIN__STORAGE_OPTIONS='{"endpoint_url": "http://10.0.0.5:9000"}'
 
+:func:`load_config` logs each field a variable sets (a warning when the file sets it too:
+``CACHEPIPE_SOCKET`` is also the clients' variable, and moves the daemon's socket), and refuses
+a ``CACHEPIPE_*`` variable that names no field and that no other command reads
+(:data:`OTHER_VARIABLES`), which pydantic-settings would ignore.
+
 Each pipeline is a :class:`cachepipe.PipelineConfig` (the same model ``Pipeline(...)`` uses); the
 daemon only changes three defaults, filled in where the file and the environment say nothing:
 ``lease_timeout: 600`` (a consumer that died gives its item back), ``keep_on_close: true`` and
@@ -37,7 +42,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, mo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from ..config import PipelineConfig, small_capacity, with_unit
-from ..errors import ConfigError
+from ..errors import ConfigError, closest
 from .jobs import JobsConfig
 
 log = logging.getLogger("cachepipe.service")
@@ -45,6 +50,7 @@ log = logging.getLogger("cachepipe.service")
 __all__ = [
     "DEFAULT_SOCKET",
     "ENV_PREFIX",
+    "OTHER_VARIABLES",
     "PIPELINE_DEFAULTS",
     "ServiceConfig",
     "load_config",
@@ -53,6 +59,21 @@ __all__ = [
 ]
 
 ENV_PREFIX = "CACHEPIPE_"
+OTHER_VARIABLES = {
+    "CACHEPIPE_ITEM": "cachepipe map: the item, in the environment of its command",
+    "CACHEPIPE_OUT": "cachepipe map: the item's output folder, in the environment of its command",
+    "CACHEPIPE_NAME": "cachepipe map: the item's name, in the environment of its command",
+    "CACHEPIPE_WORLD_SIZE": "cachepipe map: the number of processes sharing the source",
+    "CACHEPIPE_SOAK_SEED": "the test suite's soak tests",
+    "CACHEPIPE_SOAK_KILLS": "the test suite's soak tests",
+    "CACHEPIPE_SOAK_EPOCHS": "the test suite's soak tests",
+    "CACHEPIPE_CRASH_EXAMPLES": "the test suite's crash tests",
+    "CACHEPIPE_EXAMPLE_URL": "the example notebook examples/modelarts_obs.ipynb",
+    "CACHEPIPE_EXAMPLE_CACHE_DIR": "the example notebook examples/modelarts_obs.ipynb",
+}
+"""The ``CACHEPIPE_*`` variables that other commands read, which are no setting of the daemon:
+:func:`load_config` refuses any other one that names no setting (``LOG_LEVEL`` misspelled).
+``CACHEPIPE_SOCKET`` is a setting: the clients read it too, to find the daemon."""
 DEFAULT_SOCKET = Path("/run/cachepipe/cachepipe.sock")
 SOCKET_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
 PIPELINE_DEFAULTS: dict[str, Any] = {"lease_timeout": 600.0, "keep_on_close": True, "resume": True}
@@ -320,26 +341,76 @@ def load_config(path: str | os.PathLike[str], *, environ: dict[str, str] | None 
 
     Args:
         path: the config file.
-        environ: the environment, only to name the variable behind a bad value in messages
+        environ: the environment, to refuse ``CACHEPIPE_*`` variables that name no setting, to
+            say which fields variables set, and to name the variable behind a bad value
             (default ``os.environ``; the values themselves are read by pydantic-settings).
 
     Raises:
-        ConfigError: one line per problem: ``<field path> = <value>: <what is expected>``.
+        ConfigError: one line per problem: ``<field path> = <value>: <what is expected>``, and
+            one per unknown ``CACHEPIPE_*`` variable.
     """
     data = read_config_file(path)
     bad_keys = [k for k in data if not isinstance(k, str) or k.startswith("_")]
     if bad_keys:
         raise ConfigError(
-            f"invalid configuration in {str(path)!r}:\n  {bad_keys[0]!r}: unknown key; expected one of: {_known(())}"
+            f"invalid configuration in {str(path)!r}:\n  {bad_keys[0]!r}: unknown key; expected one of: {', '.join(_keys(()))}"
         )
+    env: Any = os.environ if environ is None else environ
+    unknown = _unknown_variables(env)
     try:
         config = ServiceConfig(**data)
     except ValidationError as exc:
-        raise ConfigError(format_errors(exc, str(path), os.environ if environ is None else environ)) from None
+        raise ConfigError("\n  ".join([format_errors(exc, str(path), env, data), *unknown])) from None
     except SettingsError as exc:  # an environment override that pydantic-settings cannot parse (bad JSON)
-        raise ConfigError(_settings_error(exc, str(path), os.environ if environ is None else environ)) from None
-    _warn_small_capacities(config, data, str(path), os.environ if environ is None else environ)
+        raise ConfigError("\n  ".join([_settings_error(exc, str(path), env), *unknown])) from None
+    if unknown:
+        raise ConfigError("\n  ".join([f"invalid configuration in {str(path)!r}:", *unknown]))
+    _note_environment(data, str(path), env)
+    _warn_small_capacities(config, data, str(path), env)
     return config
+
+
+def _unknown_variables(environ: Any) -> list[str]:
+    """One line for each ``CACHEPIPE_*`` variable that names no setting (by its first part: a
+    nested typo, ``CACHEPIPE_PIPELINES__TRAIN__CAPACTIY``, is pydantic's unknown key) and that
+    no other command reads (:data:`OTHER_VARIABLES`); pydantic-settings would ignore it."""
+    fields = list(ServiceConfig.model_fields)
+    lines = []
+    for variable in sorted(environ, key=str.upper):
+        name = variable.upper()
+        field = name.removeprefix(ENV_PREFIX).split("__")[0].lower()
+        if not name.startswith(ENV_PREFIX) or name in OTHER_VARIABLES or field in fields:
+            continue
+        if close := closest(field, fields):
+            expected = f"did you mean {ENV_PREFIX + close.upper()}?"
+        else:
+            expected = (
+                f"expected {ENV_PREFIX} and a setting in capitals ({', '.join(f.upper() for f in fields)}; "
+                f"nested ones joined by __), or a variable another command reads ({', '.join(OTHER_VARIABLES)})"
+            )
+        lines.append(f"{variable} (in the environment): names no setting of the daemon; {expected}")
+    return lines
+
+
+def _note_environment(data: dict[str, Any], path: str, environ: Any) -> None:
+    """Log each setting a ``CACHEPIPE_*`` variable sets: a warning when the file sets it too (the
+    variable wins, and the file does not say so: a ``CACHEPIPE_SOCKET`` exported for the clients
+    moves the daemon's socket), otherwise at info. Values are not shown (credentials)."""
+    for variable in sorted(environ, key=str.upper):
+        name = variable.upper()
+        if not name.startswith(ENV_PREFIX) or name in OTHER_VARIABLES:
+            continue
+        parts = name.removeprefix(ENV_PREFIX).lower().split("__")
+        field, node = ".".join(parts), data
+        for part in parts:
+            node = node.get(part, _ABSENT) if isinstance(node, dict) else _ABSENT
+        if node is _ABSENT:
+            log.info("%s is set by the environment variable %s", field, variable)
+        else:
+            log.warning("%s in %s is overridden by the environment variable %s", field, path, variable)
+
+
+_ABSENT = object()
 
 
 def _warn_small_capacities(config: ServiceConfig, data: dict[str, Any], path: str, environ: Any) -> None:
@@ -391,9 +462,11 @@ def _settings_error(exc: SettingsError, source: str, environ: Any) -> str:
     )
 
 
-def format_errors(exc: ValidationError, source: str, environ: Any = None) -> str:
+def format_errors(exc: ValidationError, source: str, environ: Any = None, given: Any = None) -> str:
     """One readable line per validation error: field path, value, what is expected, and the
-    environment variable that set it, if one did."""
+    environment variable that set it, if one did, or the variables that made its section when
+    ``given`` (the file's settings) has none (``CACHEPIPE_PIPELINES__TRIAN__CAPACITY`` makes a
+    pipeline ``trian``, without its other settings)."""
     upper_env = {k.upper() for k in (environ or {})}
     lines = [f"invalid configuration in {source!r}:"]
     for err in exc.errors(include_url=False):
@@ -404,7 +477,10 @@ def format_errors(exc: ValidationError, source: str, environ: Any = None) -> str
             msg = msg.removeprefix(prefix)
         kind = err["type"]
         if kind == "extra_forbidden":
-            line = f"{where} = {_short(err['input'])}: unknown key; expected one of: {_known(loc[:-1])}"
+            keys = _keys(loc[:-1])
+            hint = f"did you mean {close!r}? " if loc and (close := closest(loc[-1], keys)) else ""
+            expected = f"expected one of: {', '.join(keys)}" if keys else "expected none here"
+            line = f"{where} = {_short(err['input'])}: unknown key; {hint}{expected}"
         elif kind == "missing":
             line = f"{where}: required, not set"
         elif kind == "value_error" and (not loc or isinstance(err["input"], dict)):
@@ -415,8 +491,31 @@ def format_errors(exc: ValidationError, source: str, environ: Any = None) -> str
         env_name = ENV_PREFIX + "__".join(loc).upper()
         if loc and env_name in upper_env:
             line += f" (set by the environment variable {env_name})"
+        elif given is not None:
+            line += _made_by_environment(loc, given, upper_env)
         lines.append("  " + line)
     return "\n".join(lines)
+
+
+def _made_by_environment(loc: tuple[str, ...], given: Any, upper_env: set[str]) -> str:
+    """`` (pipelines.trian is made by the environment variable ...; the file has no ...)`` when
+    the first section of ``loc`` that the file lacks is set by ``CACHEPIPE_*`` variables; ""
+    otherwise."""
+    node = given
+    for depth, part in enumerate(loc[:-1]):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+            continue
+        prefix = ENV_PREFIX + "__".join(loc[: depth + 1]).upper()
+        names = sorted(v for v in upper_env if v.startswith(prefix + "__"))
+        if not names:
+            return ""
+        section = ".".join(loc[: depth + 1])
+        close = closest(part, [str(k) for k in node]) if isinstance(node, dict) else None
+        hint = f"; did you mean {close!r}?" if close else ""
+        made = f"the environment variable{'s' if len(names) > 1 else ''} {', '.join(names)}"
+        return f" ({section} is made by {made}: the file has no {section}{hint})"
+    return ""
 
 
 def _short(value: Any) -> str:
@@ -424,8 +523,13 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _known(loc: tuple[str, ...]) -> str:
-    model: Any = ServiceConfig
-    if len(loc) == 2 and loc[0] == "pipelines":
+def _keys(loc: tuple[str, ...]) -> list[str]:
+    """The keys accepted in the section at ``loc``; [] for a section whose keys are free."""
+    model: Any = None
+    if not loc:
+        model = ServiceConfig
+    elif len(loc) == 2 and loc[0] == "pipelines":
         model = PipelineConfig
-    return ", ".join(model.model_fields)
+    elif loc == ("jobs",):
+        model = JobsConfig
+    return list(model.model_fields) if model is not None else []

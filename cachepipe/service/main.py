@@ -36,7 +36,7 @@ from typing import Any
 from ..errors import CachePipeError, ConfigError
 from .config import ServiceConfig, load_config
 from .daemon import Daemon
-from .logs import setup_logging
+from .logs import set_level, setup_logging
 from .notify import Notifier
 from .preflight import host_problems
 
@@ -54,7 +54,11 @@ class _Interrupted(BaseException):
 def check(config_path: str | os.PathLike[str]) -> int:
     """Validate the config file, and it against this host, as ``serve`` would before opening
     anything; print a summary (``cachepipe serve --check``)."""
-    config = _load(config_path)
+    handler = setup_logging("info")  # what loading says: the settings made by the environment
+    try:
+        config = _load(config_path)
+    finally:
+        logging.getLogger("cachepipe").removeHandler(handler)
     if config is None:
         return EX_CONFIG
     names = ", ".join(f"{n} ({c.source} -> {c.cache_dir})" for n, c in config.pipelines.items())
@@ -64,11 +68,12 @@ def check(config_path: str | os.PathLike[str]) -> int:
 
 def serve(config_path: str | os.PathLike[str]) -> int:
     """Run the daemon until SIGTERM/SIGINT; returns the exit status."""
-    config = _load(config_path)
-    if config is None:
-        return EX_CONFIG
-    handler = setup_logging(config.log_level)
+    handler = setup_logging("info")  # what loading says (the settings made by the environment), then the level set
     try:
+        config = _load(config_path)
+        if config is None:
+            return EX_CONFIG
+        set_level(config.log_level)
         with Notifier() as notifier:
             return _run(Path(config_path).absolute(), config, notifier)  # reloads read the same file
     finally:

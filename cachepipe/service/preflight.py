@@ -5,10 +5,12 @@ nested in each other, capacities parseable); :func:`host_problems` checks it aga
 and this user, without changing anything: the ``socket_group`` exists (and this user may give
 the socket to it), the socket's directory and every ``cache_dir`` exist as writable directories
 or can be created, nothing that is not a socket sits at the socket path, ``tcp_host`` (with a
-``tcp_port``) is an address of this machine, and a backend serves each pipeline's ``source``
-scheme and is installed. ``serve --check`` reports these problems with the file's; ``serve``
-refuses to start on them (exit 78), and a reload (SIGHUP) keeps the running configuration, each
-named with its field, its value and what would do.
+``tcp_port``) is an address of this machine, a backend serves each pipeline's ``source``
+scheme and is installed, and the ``source`` and its ``storage_options`` pass the checks that
+opening the pipeline makes before it sends anything (a source written without ``s3://``, a
+storage option its backend does not take). ``serve --check`` reports these problems with the
+file's; ``serve`` refuses to start on them (exit 78), and a reload (SIGHUP) keeps the running
+configuration, each named with its field, its value and what would do.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import socket
 import stat
 from pathlib import Path
 
+from ..config import PipelineConfig, check_source
 from ..errors import ConfigError
-from ..stores import preload
+from ..stores import check_store, preload
 from .config import ServiceConfig
 
 __all__ = ["host_problems"]
@@ -37,7 +40,7 @@ def host_problems(config: ServiceConfig) -> list[str]:
         problems += _tcp_host_problems(config.tcp_host)
     for name, cfg in config.pipelines.items():
         problems += _dir_problems(f"pipelines.{name}.cache_dir {str(cfg.cache_dir)!r}", Path(cfg.cache_dir))
-        problems += _source_problems(f"pipelines.{name}.source {cfg.source!r}", cfg.source)
+        problems += _source_problems(name, cfg)
     return problems
 
 
@@ -63,13 +66,21 @@ def _tcp_host_problems(host: str) -> list[str]:
     return []
 
 
-def _source_problems(label: str, source: str) -> list[str]:
-    """A backend serves ``source``'s scheme and is installed (imported now, as the daemon does
-    when it opens the pipeline; nothing is sent to the store)."""
+def _source_problems(name: str, cfg: PipelineConfig) -> list[str]:
+    """A backend serves the ``source``'s scheme and is installed (imported now, as the daemon
+    does when it opens the pipeline), and the source and its ``storage_options`` pass the checks
+    that ``Pipeline(...)`` and its :func:`~cachepipe.stores.open_store` make before they send
+    anything (:func:`~cachepipe.config.check_source`, :func:`~cachepipe.stores.check_store`),
+    with their messages. Nothing is sent to the store."""
     try:
-        preload(source)
+        preload(cfg.source)
     except (ConfigError, ImportError) as exc:
-        return [f"{label}: {exc}"]
+        return [f"pipelines.{name}.source {cfg.source!r}: {exc}"]
+    try:
+        check_source(cfg.source)
+        check_store(cfg.source, cfg.storage_options)
+    except (ConfigError, ImportError) as exc:
+        return [f"pipelines.{name}: {exc}"]
     return []
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import ConfigError
 from .base import ObjectInfo, Store
 
-__all__ = ["ObjectInfo", "Store", "open_store", "preload"]
+__all__ = ["ObjectInfo", "Store", "check_store", "open_store", "preload"]
 
 _ENGINES = ("s3fs", "obstore")
 
@@ -24,27 +24,58 @@ def open_store(url: str, storage_options: dict[str, Any] | None = None) -> Store
     For ``s3://`` the option ``engine`` picks the GET engine: ``"s3fs"`` (the default) or
     ``"obstore"``; other schemes take no ``engine``.
     """
-    if storage_options and "engine" in storage_options:
-        options = dict(storage_options)
-        engine = options.pop("engine")
-        if engine not in _ENGINES:
-            raise ConfigError(
-                f"storage_options['engine'] = {engine!r} for {url!r}: expected one of {', '.join(map(repr, _ENGINES))}"
-            )
-        if not url.startswith(("s3://", "s3a://")):
-            raise ConfigError(f"storage_options['engine'] is an option of s3:// URLs only, not of {url!r}")
-        if engine == "obstore":
-            from .s3native import NativeS3Store
+    engine, options = _engine(url, storage_options)
+    if engine == "obstore":
+        from .s3native import NativeS3Store
 
-            return NativeS3Store(url, options)
-        storage_options = options
+        return NativeS3Store(url, options)
     if url.startswith("obs://"):
         from .obs import ObsStore
 
-        return ObsStore(url, storage_options)
+        return ObsStore(url, options)
     from .fsspec import FsspecStore
 
-    return FsspecStore(url, storage_options)
+    return FsspecStore(url, options)
+
+
+def check_store(url: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Refuse what :func:`open_store` would refuse of ``url`` and ``storage_options`` before it
+    sends anything (an unknown scheme or ``engine``, a storage option the backend does not
+    take, an ``obs://`` URL with no endpoint), with the same errors; nothing is opened or sent.
+    The backend is imported (as :func:`preload` does). ``cachepipe serve --check`` calls it for
+    each pipeline, so that it refuses what ``serve`` would.
+
+    Raises:
+        ConfigError: naming the value and what would do.
+        ImportError: the backend is not installed (naming the extra to install).
+    """
+    engine, options = _engine(url, storage_options)
+    if url.startswith("obs://"):
+        from .obs import check_options as check_obs
+
+        check_obs(url, options)
+        return
+    if engine == "obstore":  # checked as NativeS3Store checks them: its own options first, then s3fs's
+        from .s3native import check_options as check_native
+
+        check_native(url, options or {})
+    from .fsspec import check_options
+
+    check_options(url, options)
+
+
+def _engine(url: str, storage_options: dict[str, Any] | None) -> tuple[str | None, dict[str, Any] | None]:
+    """The GET engine that ``storage_options`` picks for ``url`` (None: the backend's own), and
+    the options without it; ConfigError for an unknown engine, or one given to a URL not ``s3://``."""
+    if not storage_options or "engine" not in storage_options:
+        return None, storage_options
+    options = dict(storage_options)
+    engine = options.pop("engine")
+    if engine not in _ENGINES:
+        raise ConfigError(f"storage_options['engine'] = {engine!r} for {url!r}: expected one of {', '.join(map(repr, _ENGINES))}")
+    if not url.startswith(("s3://", "s3a://")):
+        raise ConfigError(f"storage_options['engine'] is an option of s3:// URLs only, not of {url!r}")
+    return engine, options
 
 
 def preload(url: str) -> None:

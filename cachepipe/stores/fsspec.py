@@ -19,7 +19,6 @@ import asyncio
 import builtins
 import concurrent.futures
 import contextlib
-import difflib
 import errno
 import fcntl
 import inspect
@@ -37,7 +36,7 @@ from urllib.parse import urlsplit
 import fsspec
 import fsspec.asyn
 
-from ..errors import ConfigError, StoreClosedError, StoreUnavailableError, store_code
+from ..errors import ConfigError, StoreClosedError, StoreUnavailableError, closest, store_code
 from .base import (
     CONNECT_TIMEOUT,
     FIRST_PAGE_KEYS,
@@ -211,6 +210,21 @@ def environment_endpoint() -> str | None:
     return None
 
 
+def check_options(url: str, options: dict[str, Any] | None) -> type | None:
+    """The fsspec filesystem class serving ``url``, with ``options`` checked against it (what
+    :class:`FsspecStore` refuses before it sends anything); None for a chained URL (``a::b``),
+    whose options are per layer and left to fsspec.
+
+    Raises:
+        ConfigError: no filesystem serves the scheme, or an option it would ignore or fail on.
+    """
+    if "::" in url:
+        return None
+    fs_cls = _filesystem_class(url)
+    _check_options(url, fs_cls, options or {})
+    return fs_cls
+
+
 def _check_options(url: str, fs_cls: Any, options: dict[str, Any]) -> None:
     """Raise ConfigError for a storage option that ``fs_cls`` would ignore or fail on later."""
     protocols = _protocols(fs_cls)
@@ -228,8 +242,7 @@ def _check_options(url: str, fs_cls: Any, options: dict[str, Any]) -> None:
                 accepted.add(param.name)
     for key in options:
         if key not in accepted:
-            close = difflib.get_close_matches(key, sorted(accepted), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
+            hint = f"did you mean {close!r}? " if (close := closest(key, accepted)) else ""
             raise ConfigError(
                 f"storage_options[{key!r}] is not an option of {protocols[0]}:// ({fs_cls.__module__}.{fs_cls.__name__}) "
                 f"for {url!r}; {hint}accepted: {', '.join(sorted(accepted))}"
@@ -310,12 +323,10 @@ class FsspecStore:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, chunk_size: int = _CHUNK) -> None:
         self.url = url
         options = dict(storage_options or {})
-        if "::" not in url:  # a chained URL's options are per layer: left to fsspec
-            fs_cls = _filesystem_class(url)
-            _check_options(url, fs_cls, options)
-            if "s3" in _protocols(fs_cls):
-                config = options.get("config_kwargs") or {}
-                options["config_kwargs"] = {"connect_timeout": CONNECT_TIMEOUT, **config}
+        fs_cls = check_options(url, options)
+        if fs_cls is not None and "s3" in _protocols(fs_cls):  # None: a chained URL, options per layer
+            config = options.get("config_kwargs") or {}
+            options["config_kwargs"] = {"connect_timeout": CONNECT_TIMEOUT, **config}
         self.answered = False
         """The endpoint answered a request (a refused connection is then an outage, retried, not a wrong endpoint)."""
         try:

@@ -276,6 +276,19 @@ def load_sdk(url: str) -> Any:
     return obs
 
 
+def check_options(url: str, storage_options: Mapping[str, Any] | None) -> None:
+    """Refuse what :class:`ObsStore` refuses of ``url`` and ``storage_options`` before it makes its
+    client (a malformed URL, an unknown option, no endpoint, half-given credentials); nothing is sent.
+
+    Raises:
+        ImportError: the OBS SDK is not installed.
+        ConfigError: naming the value and what would do.
+    """
+    _parse_url(url)
+    sdk = load_sdk(url)
+    _resolve_settings(storage_options or {}, os.environ, _client_arguments(sdk.ObsClient))
+
+
 class ObsStore:
     """The objects under ``obs://bucket/prefix/``, read through ``esdk-obs-python``.
 

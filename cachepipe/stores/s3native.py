@@ -195,8 +195,9 @@ class _FromBotocore:
         }
 
 
-def _check_options(url: str, options: dict[str, Any]) -> None:
-    """Raise ConfigError for an option this engine would not honour."""
+def check_options(url: str, options: dict[str, Any]) -> None:
+    """Raise ConfigError for an option this engine would not honour (:func:`~cachepipe.stores.check_store`
+    calls it too, the fsspec backend's check beside it)."""
     accepted = f"accepted with engine='obstore': {', '.join(sorted(_OPTIONS))}"
     for key in options:
         if key not in _OPTIONS:
@@ -247,7 +248,7 @@ class NativeS3Store:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url
         options = dict(storage_options or {})
-        _check_options(url, options)
+        check_options(url, options)
         parts = urlsplit(url)
         if parts.scheme not in ("s3", "s3a") or not parts.netloc:
             raise ConfigError(f"{url!r}: engine='obstore' serves s3://bucket/prefix URLs")
