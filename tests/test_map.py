@@ -873,6 +873,11 @@ def test_usage_errors_exit_2_naming_the_option_and_an_empty_source_is_an_error(t
         assert said in capsys.readouterr().err
     assert main([str(empty), str(tmp_path / "dst"), *sized, "--", "true"]) == 1
     assert f"no items under {str(empty)!r}" in capsys.readouterr().err
+    # a misspelt option was told to go after '--'; a flat prefix to check the bucket and prefix
+    assert main([str(src), str(tmp_path / "dst"), "--cache", "c", "--capactiy", "1MiB", "--", "true"]) == 2
+    assert "unrecognized arguments ['--capactiy', '1MiB']; --capactiy (did you mean --capacity?)" in capsys.readouterr().err
+    assert main([str(src / "a"), str(tmp_path / "dst"), *sized, "--", "true"]) == 1
+    assert "the 1 object it lists lies directly under it, none in a folder" in capsys.readouterr().err
 
 
 class Bug(BaseException):

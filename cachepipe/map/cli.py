@@ -12,7 +12,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import CachePipeError, ConfigError
+from ..errors import CachePipeError, ConfigError, closest
 
 __all__ = ["add_map_parser", "main", "run_map_command"]
 
@@ -225,7 +225,10 @@ def _run_map_command(args: argparse.Namespace) -> int:
     try:
         parsed, unknown = late.parse_known_args(options)
         if unknown:
-            raise _UsageError(f"unrecognized arguments {unknown}: put the command after '--'")
+            flags = [a for a in late._option_string_actions if a.startswith("--")]  # noqa: SLF001 - argparse's own table
+            meant = [f"{a} (did you mean {m}?)" for a in unknown if a.startswith("--") and (m := closest(a, flags))]
+            hint = f"; {', '.join(meant)}" if meant else ": put the command after '--'"
+            raise _UsageError(f"unrecognized arguments {unknown}{hint}")
         for key, value in vars(parsed).items():
             setattr(args, key, value)
         if not args.cache or not args.capacity:

@@ -25,9 +25,10 @@ from typing import Any
 
 from ..cache import journal_budget_of
 from ..config import Share, check_cache_dir, check_source, with_unit
-from ..errors import CacheLockedError, ConfigError, EmptySourceError, ItemFailedError, UnknownItemError, is_transient
+from ..errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError, is_transient
 from ..fetcher import backoff_delay
 from ..pipeline import Pipeline
+from ..sourcing import empty_source
 from ..stores import Store, open_store
 from ..stores.base import WritableStore
 from .child import Watcher, kill_leftovers
@@ -105,9 +106,7 @@ class _MapRun:
                     listing = [o for o in listing if not o.key.startswith(inside)]
                 planned = plan_items(listing, cfg.items, cfg.unpack)
                 if not planned:  # a mistyped prefix lists nothing: said, not "0 done" and exit 0
-                    raise EmptySourceError(
-                        f"no items under {cfg.source!r}: found no {cfg.items} with objects; check the bucket and prefix"
-                    )
+                    raise empty_source(cfg.source, cfg.items, len(listing))
                 result.items_listed = len(planned)
                 if cfg.world_size > 1:  # this process's share, from the listing alone (never from what is done)
                     planned = take_share(planned, cfg.rank, cfg.world_size)
