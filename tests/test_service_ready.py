@@ -206,6 +206,13 @@ def host_cases(tmp_path: Path) -> dict:
                 "for 's3://b/p/'; did you mean 'endpoint_url'?"
             ),
         ),
+        "endpoint without scheme": (
+            {"pipelines": {"train": {"storage_options": {"endpoint_url": "localhost:5123"}}}},
+            (
+                "pipelines.train: storage_options endpoint_url 'localhost:5123' for 's3://b/p/' has no scheme: write it "
+                "http://localhost:5123"
+            ),
+        ),
         "scheme short of a slash": (
             {"pipelines": {"train": {"source": "s3:/no-such-bucket/videos/"}}},
             (
@@ -224,7 +231,8 @@ def host_cases(tmp_path: Path) -> dict:
 
 
 CASES = ["group", "cache under a file", "socket dir under a file", "socket path taken"]
-CASES += ["tcp host", "tcp host elsewhere", "tcp host typo", "scheme", "storage option", "scheme short of a slash", "no scheme"]
+CASES += ["tcp host", "tcp host elsewhere", "tcp host typo", "scheme", "storage option", "endpoint without scheme"]
+CASES += ["scheme short of a slash", "no scheme"]
 
 
 @pytest.mark.parametrize("case", CASES)

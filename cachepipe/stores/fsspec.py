@@ -240,6 +240,16 @@ def _check_options(url: str, fs_cls: Any, options: dict[str, Any]) -> None:
         for param in inspect.signature(cls.__init__).parameters.values():
             if param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY) and param.name != "self":
                 accepted.add(param.name)
+    endpoints = (
+        ("endpoint_url", options.get("endpoint_url")),
+        ("client_kwargs['endpoint_url']", (options.get("client_kwargs") or {}).get("endpoint_url")),
+    )
+    for where, endpoint in endpoints:
+        if isinstance(endpoint, str) and "s3" in protocols and not endpoint.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"storage_options {where} {endpoint!r} for {url!r} has no scheme: write it http://{endpoint} "
+                "(or https://, as the server serves it)"
+            )
     for key in options:
         if key not in accepted:
             hint = f"did you mean {close!r}? " if (close := closest(key, accepted)) else ""
