@@ -485,7 +485,10 @@ class Client:
         if self.pipeline is None:
             names = sorted(self.status()["pipelines"])
             if len(names) != 1:
-                raise ValueError(f"the daemon at {self.address} serves the pipelines {', '.join(names)}: pass pipeline=NAME")
+                raise ValueError(
+                    f"the daemon at {self.address} serves the pipelines {', '.join(names)}: "
+                    "name one (Client(pipeline=NAME); cachepipe next --pipeline NAME)"
+                )
             self.pipeline = names[0]
         route = f"/v1/pipelines/{quote(str(self.pipeline), safe='')}/next"
         outage = _Outage(self.startup_timeout, self.address)

@@ -464,6 +464,11 @@ def test_sighup_reload_applies_a_valid_config_and_keeps_the_old_one_on_errors(s3
         status = client.status()
         assert set(status["pipelines"]) == {"train", "val"}
         assert status["pipelines"]["train"]["stats"]["capacity"] == 2 * 1024**2
+        with (
+            Client(None, sock) as unnamed,
+            pytest.raises(ValueError, match=r"val: name one \(Client\(pipeline=NAME\); cachepipe next --pipeline NAME\)"),
+        ):
+            unnamed.get(timeout=1)  # it said "pass pipeline=NAME" to the CLI too
         client.ack(held)  # a capacity change applies live: the lease survived it
         held = client.get(timeout=30)
         write_config(tmp_path, sock, s3_endpoint, {"train": {"capacity": "2MiB", "ordered": False}, "val": {}}, log_level="debug")
