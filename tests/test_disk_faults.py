@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import subprocess
 import sys
@@ -242,3 +243,18 @@ def test_an_auto_ack_that_could_not_be_journaled_gives_the_item_back(tmp_path):
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.split("\n")[:2] == ["raised 27", "item0 item1 item2"], run.stdout + run.stderr
+
+
+def test_a_full_disk_at_open_names_the_cache(s3_source, tmp_path):
+    """A disk already full when the pipeline opens failed with a bare "[Errno 28] No space left
+    on device", raised from the lock file's write, naming no path."""
+    s3_source.folders(1, {"f": KIB})
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        (disk / "cache").mkdir()
+        filler = disk / "filler.bin"
+        with open(filler, "wb", buffering=0) as fh, contextlib.suppress(OSError):
+            while True:
+                fh.write(b"x" * 4096)
+        with pytest.raises(OSError, match=r"No space left on device: cannot write the cache's lock file .*disk/cache/") as err:
+            Pipeline(s3_source.url, disk / "cache", "32KiB", storage_options=s3_source.options).open()
+        assert err.value.errno == errno.ENOSPC

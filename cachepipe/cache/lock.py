@@ -64,8 +64,12 @@ class OwnerLock:
             other, who, around = nested
             relation = "contains it" if around else "lies inside it"
             raise CacheLockedError(str(self.root), f"{who}, which owns the cache directory {str(other)!r} that {relation}")
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        except OSError as exc:  # a full disk: said with the path, not as a bare errno
+            self.release()
+            raise OSError(exc.errno, f"{exc.strerror}: cannot write the cache's lock file {str(self.path)!r}") from exc
 
     @property
     def held(self) -> bool:
