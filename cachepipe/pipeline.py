@@ -320,10 +320,11 @@ class Pipeline:
                     raise self._open_error from exc
                 raise
             log.info(
-                "opened %s: %s, capacity %d bytes",
+                "opened %s: %s, capacity %d bytes%s",
                 cfg.source,
                 "listing while downloading" if self._listing else f"{self._listed} items, {self._listed_bytes} bytes",
                 cache.capacity,
+                self._share_text(),
             )
             if self._resumed_complete:
                 log.warning(
@@ -348,6 +349,16 @@ class Pipeline:
             and cfg.manifest is None
             and not cache.has_leftovers()
         )
+
+    def _share_text(self) -> str:
+        """What share of the plan this pipeline reads, for the open's log line ("" for all of it):
+        a rank taken from the environment (RANK/WORLD_SIZE, torch.distributed) is otherwise unseen."""
+        plan = self._plan
+        if not isinstance(plan, Plan) or plan.world_size * plan.num_workers == 1:  # a streamed plan is all of it
+            return ""
+        whence = "" if self.config.rank is not None else " (from RANK/WORLD_SIZE or torch.distributed)"
+        worker = f", worker {plan.worker} of {plan.num_workers}" if plan.num_workers > 1 else ""
+        return f"; this process reads the share of rank {plan.rank} of {plan.world_size}{whence}{worker}"
 
     def _shares_catalog(self) -> bool:
         """Whether other processes plan over this catalog too (ranks, DataLoader workers), each
