@@ -281,7 +281,7 @@ class PipelineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True, allow_inf_nan=False)
 
-    source: str = Field(min_length=1)
+    source: Annotated[str, BeforeValidator(lambda v: os.fspath(v) if isinstance(v, os.PathLike) else v)] = Field(min_length=1)
     cache_dir: Annotated[Path, BeforeValidator(check_cache_dir)]
     capacity: Capacity
     items: Literal["folders", "files"] = "folders"

@@ -204,7 +204,7 @@ class Pipeline:
 
     def __init__(
         self,
-        source: str,
+        source: str | os.PathLike[str],
         cache_dir: str | os.PathLike[str],
         capacity: int | str | Share,
         *,
@@ -214,7 +214,7 @@ class Pipeline:
         check_option_names(options)
         self.config = PipelineConfig(source=source, cache_dir=Path(check_cache_dir(cache_dir)), capacity=capacity, **options)
         if store is None:
-            check_source(source)
+            check_source(self.config.source)
         elif self.config.download_processes:
             raise ConfigError(
                 f"download_processes={self.config.download_processes} with store={store!r}: worker processes open the "
