@@ -353,7 +353,7 @@ class Pipeline:
     def _share_text(self) -> str:
         """What share of the plan this pipeline reads, for the open's log line ("" for all of it):
         a rank taken from the environment (RANK/WORLD_SIZE, torch.distributed) is otherwise unseen."""
-        plan = self._plan
+        plan = getattr(self, "_plan", None)  # a NodePipeline plans per lane, and keeps none
         if not isinstance(plan, Plan) or plan.world_size * plan.num_workers == 1:  # a streamed plan is all of it
             return ""
         whence = "" if self.config.rank is not None else " (from RANK/WORLD_SIZE or torch.distributed)"
