@@ -33,6 +33,7 @@ import http.client
 import json
 import logging
 import os
+import re
 import select
 import socket as _socket
 import threading
@@ -695,9 +696,11 @@ class Client:
                     self._drop()
                     if outage.pause():
                         continue  # nothing listens yet: a daemon starting or restarting
+                    tcp = isinstance(exc, FileNotFoundError) and re.fullmatch(r"[\w.-]+:\d+|\[[0-9a-fA-F:]+\]:\d+", self.address)
+                    hint = f"; a socket path, not a TCP address: write http://{self.address} for TCP" if tcp else ""
                     raise ConnectionError(
                         f"cannot reach the cachepipe daemon at {self.address}: {exc}{outage.waited()} (is `cachepipe serve` "
-                        "running? `cachepipe wait` waits for it to be ready)"
+                        f"running? `cachepipe wait` waits for it to be ready){hint}"
                     ) from exc
                 except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
                     self._drop()

@@ -101,8 +101,12 @@ def test_client_errors(served, short_dir):
             client.get(timeout=1)
         assert info.value.status == 404 and "train" in str(info.value)
     with Client("train", short_dir / "absent.sock", startup_timeout=0.5) as client:  # the default waits 10 s
-        with pytest.raises(ConnectionError, match=r"cannot reach the cachepipe daemon .* \(tried for 0.5 s\)"):
+        with pytest.raises(ConnectionError, match=r"cannot reach the cachepipe daemon .* \(tried for 0.5 s\)") as err:
             client.status()
+        assert "TCP" not in str(err.value)
+    with Client("train", "127.0.0.1:5311", startup_timeout=0) as client, pytest.raises(ConnectionError) as err:
+        client.status()  # a TCP address given as the socket: a file of that name was looked for, without a word
+    assert str(err.value).endswith("; a socket path, not a TCP address: write http://127.0.0.1:5311 for TCP")
     with Client("train", served, auto_ack=False) as client:
         for _ in range(6):
             client.get(timeout=30)
