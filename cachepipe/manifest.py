@@ -18,6 +18,7 @@ so two listings of the same data give the same digest; it is checked when the ma
 
 from __future__ import annotations
 
+import errno
 import gzip
 import io
 import os
@@ -194,6 +195,9 @@ def index(
     """
     if items not in ("folders", "files"):
         raise ConfigError(f"items {items!r}: expected 'folders' or 'files'")
+    where = os.fspath(location)
+    if not _is_url(where) and not Path(where).parent.is_dir():  # said before the listing, naming the folder
+        raise FileNotFoundError(errno.ENOENT, f"manifest {where!r}: no such folder {str(Path(where).parent)!r}")
     from .sourcing import list_source  # sourcing reads manifests: imported here, not at the top
 
     own = store is None

@@ -199,6 +199,9 @@ def test_cli_index_exit_codes(tmp_path, s3_client, s3_options, capsys):
     # a destination bucket that does not exist
     assert main(["index", source, "-o", "s3://nobucket/m.gz", *opts]) == 1
     assert "nobucket" in capsys.readouterr().err
+    # a local manifest in a folder that does not exist: said naming the folder (it named the temporary file)
+    assert main(["index", source, "-o", str(tmp_path / "nowhere" / "m.gz")]) == 1
+    assert f"manifest '{tmp_path}/nowhere/m.gz': no such folder '{tmp_path}/nowhere'" in capsys.readouterr().err
     # -o is required: a usage error
     with pytest.raises(SystemExit) as exc:
         main(["index", source])
