@@ -11,7 +11,7 @@ import sys
 import pytest
 from waiting import wait_until
 
-from cachepipe import Pipeline
+from cachepipe import OversizeError, Pipeline
 
 KIB = 1024
 
@@ -79,9 +79,22 @@ def test_min_free_pauses_until_space_returns(s3_source, tmp_path):
 def test_capacity_beyond_the_disk_is_warned_about(s3_source, tmp_path, caplog):
     s3_source.folders(1, {"f": 10})
     with tmpfs(tmp_path / "disk", "256k") as disk:
-        with Pipeline(s3_source.url, disk / "cache", "1MiB", storage_options=s3_source.options) as pipe:
+        (disk / "other.bin").write_bytes(b"x" * 128 * KIB)
+        with Pipeline(s3_source.url, disk / "cache", "200KiB", storage_options=s3_source.options) as pipe:
             list(pipe)
     assert "exceeds the space available" in caplog.text
+
+
+def test_an_item_larger_than_the_filesystem_is_refused_at_once(s3_source, tmp_path, caplog):
+    """A capacity beyond the filesystem's size let an item larger than the whole filesystem be
+    downloaded, meet a full disk and be retried for about a minute before it failed. The
+    capacity is now held to the filesystem's size: such an item is oversize, refused at open."""
+    s3_source.folders(1, {"f": 300 * KIB})
+    with tmpfs(tmp_path / "disk", "256k") as disk:
+        pipe = Pipeline(s3_source.url, disk / "cache", "1MiB", storage_options=s3_source.options)
+        with pytest.raises(OversizeError, match=r"item000.* larger than the cache capacity of 262144 bytes"):
+            pipe.open()
+    assert "exceeds the size of the filesystem" in caplog.text
 
 
 @contextlib.contextmanager

@@ -157,9 +157,18 @@ class Cache:
             if isinstance(self._capacity_spec, Share):
                 self.ledger.capacity = int(usage.free * self._capacity_spec.fraction)
             else:
-                self.ledger.capacity = self._capacity_spec
+                self.ledger.capacity = min(self._capacity_spec, usage.total)
                 room = usage.free + tree_bytes(self.root)
-                if self.capacity > room:
+                if self._capacity_spec > usage.total:  # no item larger than the filesystem can ever fit: said at once
+                    log.warning(
+                        "capacity %d bytes exceeds the size of the filesystem of %s (%d bytes): the cache holds at most "
+                        "that, and an item larger than it is refused as oversize; lower the capacity or give it as a "
+                        "share like '80%%'",
+                        self._capacity_spec,
+                        self.root,
+                        usage.total,
+                    )
+                elif self.capacity > room:
                     log.warning(
                         "capacity %d bytes exceeds the space available to %s (%d bytes): downloads will meet a full "
                         "disk, and in-order delivery can wait on space held by later items; lower the capacity or "
@@ -388,7 +397,8 @@ class Cache:
                 budget, or less than ``at_least`` bytes (the largest item still to be fetched,
                 which would fail).
         """
-        new = int(shutil.disk_usage(self.root).free * capacity.fraction) if isinstance(capacity, Share) else capacity
+        usage = shutil.disk_usage(self.root)
+        new = int(usage.free * capacity.fraction) if isinstance(capacity, Share) else min(capacity, usage.total)
         beside = self.foreign + self.overhead
         if beside >= new:
             raise ConfigError(f"capacity {new} bytes leaves no room beside {beside} bytes of other files and state")
