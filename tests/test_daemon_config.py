@@ -371,6 +371,9 @@ def test_a_setting_of_the_file_that_the_environment_overrides_is_said_by_check_a
     added = "INFO cachepipe.service: max_wait is set by the environment variable CACHEPIPE_MAX_WAIT"  # not in the file
     proc = serve_cli(path, "--check", env=env)
     assert proc.returncode == 0 and f"socket {short_dir / 'env.sock'};" in proc.stdout, proc.stderr
+    assert proc.stdout.rstrip().endswith(
+        f"; pipelines: none; jobs under {tmp_path / 'jobs'}, capacity 1073741824"
+    )  # was "pipelines: "
     assert overridden in proc.stderr.splitlines() and added in proc.stderr.splitlines(), proc.stderr
     with DaemonProcess(path, env=env) as daemon:
         assert (short_dir / "env.sock").exists() and not (short_dir / "file.sock").exists()

@@ -61,8 +61,9 @@ def check(config_path: str | os.PathLike[str]) -> int:
         logging.getLogger("cachepipe").removeHandler(handler)
     if config is None:
         return EX_CONFIG
-    names = ", ".join(f"{n} ({c.source} -> {c.cache_dir})" for n, c in config.pipelines.items())
-    print(f"{config_path}: valid; socket {config.socket}; pipelines: {names}")
+    names = ", ".join(f"{n} ({c.source} -> {c.cache_dir})" for n, c in config.pipelines.items()) or "none"
+    jobs = "" if config.jobs is None else f"; jobs under {config.jobs.root}, capacity {config.jobs.capacity}"
+    print(f"{config_path}: valid; socket {config.socket}; pipelines: {names}{jobs}")
     return 0
 
 
