@@ -301,8 +301,8 @@ class Catalog(Sequence[Item]):
     Append-only: :meth:`from_listing`, :meth:`append` or :meth:`add`, then read with ``len()``,
     indexing, iteration, :meth:`entries`, :attr:`names`, :attr:`sizes` and :meth:`find`. Keys are
     checked by :meth:`from_listing` (and :meth:`append` keeps an item's :attr:`Item.unsafe`);
-    :meth:`add` takes an item as it is: a catalog read from a file is made by
-    :meth:`from_listing` of its keys (see :func:`cachepipe.state.read_catalog_items`).
+    :meth:`add` takes an item as it is: call :meth:`check_keys` once they are added (a catalog
+    read from a file, :func:`cachepipe.state.read_catalog_items`).
 
     Args:
         items: items to append, in order.
@@ -464,6 +464,47 @@ class Catalog(Sequence[Item]):
                 first_file.append(len(file_sizes))
         finally:
             self._last_key, self._sorted = last_key, ordered
+
+    def check_keys(self) -> None:
+        """Check every item's keys as :meth:`from_listing` does, for items added by :meth:`add`
+        (in any order): an item with a key that is unsafe, collides or is listed twice is marked
+        in :attr:`unsafe`, and so, in ``"folders"`` mode, is one whose name is not one folder
+        (its keys would not all be under one first-level folder of the cache)."""
+        found: dict[int, UnsafeKeyError] = {}
+        rels, first = self._rels, self._first_file
+        if self.mode == "files":  # one key per item, its name; collisions are across items
+            everything, last = _TreeCheck(), None
+            order = range(len(self)) if self._sorted else sorted(range(len(self)), key=self.name)
+            for i in order:
+                key = self.name(i)
+                try:
+                    if key == last:
+                        raise UnsafeKeyError(key, "listed twice")
+                    everything.add(key, check_key(key))
+                except UnsafeKeyError as exc:
+                    found[i] = exc
+                last = key
+        else:
+            for i in range(len(self)):
+                name = self.name(i)
+                paths = [rels[j] for j in range(first[i], first[i + 1])]
+                try:
+                    for rel in paths:
+                        check_key(f"{name}/{rel}")
+                        if "/" in name:
+                            raise UnsafeKeyError(f"{name}/{rel}", f"its item's name {name!r} is not one folder")
+                    if len(paths) > 1:  # (the common flat item, one file or many, needs no tree)
+                        paths.sort()
+                        nested = any("/" in rel for rel in paths)
+                        tree = _TreeCheck() if nested else None
+                        for k, rel in enumerate(paths):
+                            if k and rel == paths[k - 1]:
+                                raise UnsafeKeyError(f"{name}/{rel}", "listed twice")
+                            if tree is not None:
+                                tree.add(f"{name}/{rel}", rel.split("/"))
+                except UnsafeKeyError as exc:
+                    found[i] = exc
+        self._unsafe = dict(sorted(found.items()))
 
     # ---- reading -----------------------------------------------------------------------
     def __len__(self) -> int:

@@ -33,13 +33,12 @@ import io
 import json
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, BinaryIO, Literal
+from typing import IO, Any, BinaryIO
 
 from .catalog import Catalog
-from .stores.base import ObjectInfo
 
 __all__ = [
     "EVENT_OVERHEAD",
@@ -319,41 +318,26 @@ def read_catalog_header(text: IO[str], where: str) -> dict[str, Any]:
 
 def read_catalog_items(text: IO[str], header: dict[str, Any], where: str) -> Catalog:
     """The items after :func:`read_catalog_header`, checked against the header's ``count`` and
-    (when present) ``digest``: a truncated or altered file is refused. The catalog is
-    :meth:`Catalog.from_listing` of the keys its lines name, so that they are checked as a
-    listing's are (an item with an unsafe key is kept, and refused in its turn, never written),
-    and lines that are not what a listing makes (out of key order, or grouped otherwise) are
-    refused too, as not matching the count or the digest.
+    (when present) ``digest``: a truncated or altered file is refused. Its keys are checked as
+    a listing's are (:meth:`Catalog.check_keys`): an item with one that cannot be stored in a
+    cache is kept, marked, and never written.
 
     Raises:
         StateCorrupt: unreadable, truncated, or not the catalog its header describes.
     """
-    mode: Literal["folders", "files"] = "files" if header["items"] == "files" else "folders"
+    catalog = Catalog(mode="files" if header["items"] == "files" else "folders")
     try:
-        catalog = Catalog.from_listing(_keys_of(text, mode), mode)
+        for line in text:
+            name, files = json.loads(line)
+            catalog.add(name, files)
     except (OSError, EOFError, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise StateCorrupt(f"{where}: unreadable catalog: {exc}") from exc
     if len(catalog) != header["count"]:
         raise StateCorrupt(f"{where}: catalog has {len(catalog)} items, header says {header['count']}")
     if "digest" in header and catalog.digest() != header["digest"]:
         raise StateCorrupt(f"{where}: catalog content has digest {catalog.digest()}, header says {header['digest']!r}")
+    catalog.check_keys()
     return catalog
-
-
-def _keys_of(text: IO[str], mode: str) -> Iterator[ObjectInfo]:
-    """The objects that the lines ``[name, [[rel, size, etag], ...]]`` of a catalog file name."""
-    for line in text:
-        name, files = json.loads(line)
-        for rel, size, etag in files:
-            if (
-                not isinstance(name, str)
-                or not isinstance(rel, str)
-                or not isinstance(size, int)
-                or isinstance(size, bool)
-                or not (etag is None or isinstance(etag, str))
-            ):
-                raise TypeError(f"item {name!r}, file {[rel, size, etag]!r}: expected [rel: str, size: int, etag: str or null]")
-            yield ObjectInfo(name if mode == "files" and not rel else f"{name}/{rel}", size, etag)
 
 
 def load_catalog(path: Path, source: str, mode: str) -> Catalog | None:

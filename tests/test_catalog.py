@@ -294,3 +294,26 @@ def test_fitting_items_names_each_item_too_large():
     fitting, too_large = fitting_items(catalog, capacity=100, occupied=60)
     assert list(fitting) == [0, 2]
     assert [(e.item, e.size) for e in too_large] == [("b", 50)] and isinstance(too_large[0], OversizeError)
+
+
+def test_check_keys_marks_what_a_listing_would_in_items_added_in_any_order():
+    # What a manifest or a saved listing holds (Catalog.add, in the order written) was never
+    # checked: a manifest could name keys that leave the cache (test_key_safety.py).
+    catalog = Catalog()
+    catalog.add("a", [("video.mp4", 1, None), ("text.txt", 1, None)])  # files in any order: fine
+    catalog.add("b", [("x//y", 1, None)])
+    catalog.add("c/d", [("f", 1, None)])
+    catalog.add("e", [("f", 1, None), ("f/g", 1, None)])
+    catalog.add("h", [("f", 1, None), ("f", 1, None)])
+    catalog.add("i", [("../../x", 1, None)])
+    catalog.check_keys()
+    reasons = {catalog.name(i): e.reason for i, e in catalog.unsafe.items()}
+    assert list(reasons) == ["b", "c/d", "e", "h", "i"] and catalog[0].unsafe is None
+    assert "empty path segment" in reasons["b"] and "not one folder" in reasons["c/d"]
+    assert "collides with the file 'f'" in reasons["e"] and reasons["h"] == "listed twice" and "'..'" in reasons["i"]
+    files = Catalog(mode="files")
+    for name in ("s/b", "s/a/x", "s/a", "s/b", ".cachepipe"):
+        files.add(name, [("", 1, None)])
+    files.check_keys()
+    assert {i: e.reason for i, e in files.unsafe.items()}.keys() == {1, 3, 4}
+    assert "collides with the file 's/a'" in files.unsafe[1].reason and files.unsafe[3].reason == "listed twice"
