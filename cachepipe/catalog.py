@@ -3,7 +3,11 @@
 An item is either a first-level folder under the prefix (every object under ``<name>/``,
 recursively) or, with ``items="files"``, a single object. Each object key is checked here,
 once, before anything touches the disk: a key that could escape the cache directory or
-collide with another after mapping is rejected with :class:`~cachepipe.errors.UnsafeKeyError`.
+collide with another after mapping makes its item unsafe: the item is kept, in its place, with
+the :class:`~cachepipe.errors.UnsafeKeyError` that names the key and the reason
+(:attr:`Item.unsafe`), and is never written (the fetcher refuses it in its turn; a pipeline
+with ``on_error="raise"`` refuses the listing). One bad key costs its item only, and every
+process that plans from the same listing sees the same items in the same places.
 
 A whole listing is held as a :class:`Catalog`: columns of names, sizes and entity tags in a
 few flat buffers (about 60-70 bytes per one-file item, against about 400 for a list of
@@ -19,7 +23,8 @@ import sys
 from array import array
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Literal, overload
 
 from .errors import UnsafeKeyError
@@ -59,12 +64,15 @@ class Item:
         files: its objects, in key order.
         size: total bytes of its files.
         is_file: True for a single-object item (``items="files"``).
+        unsafe: why the item cannot be stored in the cache (a key of it that is unsafe, or that
+            collides, see :func:`check_key`), or None. An unsafe item is never written.
     """
 
     name: str
     files: tuple[FileEntry, ...]
     size: int
     is_file: bool = False
+    unsafe: UnsafeKeyError | None = field(default=None, compare=False)
 
     @property
     def version(self) -> str | None:
@@ -155,32 +163,38 @@ def group_items(objects: Iterable[ObjectInfo], mode: Literal["folders", "files"]
 
     ``objects`` must be in strictly increasing key order (every store lists that way); then all
     objects of a folder are contiguous. Zero-byte directory markers are skipped. Objects directly
-    under the prefix (no folder) are ignored in ``"folders"`` mode.
+    under the prefix (no folder) are ignored in ``"folders"`` mode. An item with a key that is
+    unsafe or collides (see :func:`check_key`) is yielded in its place with :attr:`Item.unsafe`
+    set to the first such key's error (a folder's name is its key's first segment, whatever
+    that is): it must not be written.
 
     Raises:
-        UnsafeKeyError: a key that is unsafe or collides (see :func:`check_key`).
         ValueError: the listing is not in key order.
     """
     is_file = mode == "files"
-    for name, size, files in _grouped(objects, mode):
+    for name, size, files, unsafe in _grouped(objects, mode):
         if is_file:  # one file, whose key is the name
             entries: tuple[FileEntry, ...] = (FileEntry(name, "", size, files[0][2]),)
         else:
             entries = tuple([FileEntry(f"{name}/{rel}", rel, file_size, etag) for rel, file_size, etag in files])
-        yield Item(name, entries, size, is_file=is_file)
+        yield Item(name, entries, size, is_file=is_file, unsafe=unsafe)
 
 
 _Files = list[tuple[str, int, str | None]]  # (rel, size, etag) of an item's files
+_Entry = tuple[str, int | None, _Files, UnsafeKeyError | None]  # (name, size or None: the sum, files, why unsafe)
 
 
-def _grouped(objects: Iterable[ObjectInfo], mode: Literal["folders", "files"]) -> Iterator[tuple[str, int, _Files]]:
-    """:func:`group_items` as ``(name, size, [(rel, size, etag), ...])``, making no objects per item
-    (what :meth:`Catalog.from_listing` stores). A file's key is ``name/rel``, or ``name`` in
-    ``"files"`` mode, where ``rel`` is empty."""
+def _grouped(
+    objects: Iterable[ObjectInfo], mode: Literal["folders", "files"]
+) -> Iterator[tuple[str, int, _Files, UnsafeKeyError | None]]:
+    """:func:`group_items` as ``(name, size, [(rel, size, etag), ...], unsafe)``, making no objects
+    per item (what :meth:`Catalog.from_listing` stores). A file's key is ``name/rel``, or ``name``
+    in ``"files"`` mode, where ``rel`` is empty."""
     last_key: str | None = None
     current: str | None = None
     files: _Files = []
     size = 0
+    unsafe: UnsafeKeyError | None = None  # of the current folder
     first: tuple[str, list[str]] = ("", [])  # the folder's first key and its segments under the folder
     tree: _TreeCheck | None = None  # made at a folder's second file: one file cannot collide
     everything = _TreeCheck() if mode == "files" else None
@@ -191,30 +205,42 @@ def _grouped(objects: Iterable[ObjectInfo], mode: Literal["folders", "files"]) -
         last_key = key
         if key.endswith("/") and obj.size == 0:
             continue  # a directory marker
-        segments = check_key(key)
+        error: UnsafeKeyError | None = None
+        try:
+            segments = check_key(key)
+        except UnsafeKeyError as exc:
+            segments, error = key.split("/"), exc  # grouped as listed, never written
         if everything is not None:
-            if key.endswith("/"):
-                raise UnsafeKeyError(key, "empty path segment ('//' or a trailing '/')")
-            everything.add(key, segments)
-            yield key, obj.size, [("", obj.size, obj.etag)]
+            if error is None:
+                try:
+                    everything.add(key, segments)
+                except UnsafeKeyError as exc:
+                    error = exc
+            yield key, obj.size, [("", obj.size, obj.etag)], error
             continue
         if len(segments) < 2:
             continue  # a loose object beside the folders: not part of any item
         name, inside = segments[0], segments[1:]
         if name != current:
             if files:
-                yield current, size, files  # type: ignore[misc]
-            current, files, size, tree, first = name, [], 0, None, (key, inside)
-        elif tree is None:
-            tree = _TreeCheck()
-            tree.add(*first)
-            tree.add(key, inside)
+                yield current, size, files, unsafe  # type: ignore[misc]
+            current, files, size, tree, first, unsafe = name, [], 0, None, (key, inside), error
+        elif unsafe is not None:
+            pass  # an unsafe folder is not checked further: its first bad key names it
+        elif error is not None:
+            unsafe = error
         else:
-            tree.add(key, inside)
+            try:
+                if tree is None:
+                    tree = _TreeCheck()
+                    tree.add(*first)
+                tree.add(key, inside)
+            except UnsafeKeyError as exc:
+                unsafe = exc
         files.append((key[len(name) + 1 :], obj.size, obj.etag))
         size += obj.size
     if files:
-        yield current, size, files  # type: ignore[misc]
+        yield current, size, files, unsafe  # type: ignore[misc]
 
 
 # ---- the columnar catalog ------------------------------------------------------------------
@@ -267,11 +293,16 @@ class Catalog(Sequence[Item]):
     Names and relative paths are kept as UTF-8 in one buffer each, with ``array('q')`` offsets;
     sizes in ``array('q')``; an entity tag that is a 32-digit lowercase hex MD5 as its 16-byte
     digest (others as text, None as a flag). Object keys are not stored: a file's key is
-    ``name/rel``, or ``name`` when ``rel`` is empty (how :func:`group_items` makes them).
+    ``name/rel``, or ``name`` in ``"files"`` mode (how :func:`group_items` makes them).
     A one-file item costs 57 bytes plus its name and relative path in UTF-8 (see :attr:`nbytes`).
+    Unsafe items (:attr:`Item.unsafe`) are kept in their place, their errors by position in
+    :attr:`unsafe`.
 
     Append-only: :meth:`from_listing`, :meth:`append` or :meth:`add`, then read with ``len()``,
-    indexing, iteration, :meth:`entries`, :attr:`names`, :attr:`sizes` and :meth:`find`.
+    indexing, iteration, :meth:`entries`, :attr:`names`, :attr:`sizes` and :meth:`find`. Keys are
+    checked by :meth:`from_listing` (and :meth:`append` keeps an item's :attr:`Item.unsafe`);
+    :meth:`add` takes an item as it is: call :meth:`check_keys` once they are added (a catalog
+    read from a file, :func:`cachepipe.state.read_catalog_items`).
 
     Args:
         items: items to append, in order.
@@ -294,6 +325,7 @@ class Catalog(Sequence[Item]):
         "_sizes",
         "_sorted",
         "_suffix",
+        "_unsafe",
         "mode",
     )
 
@@ -314,16 +346,17 @@ class Catalog(Sequence[Item]):
         self._suffix = b"" if mode == "files" else b"/"
         self._last_key: bytes | bytearray = b""
         self._sorted = True
+        self._unsafe: dict[int, UnsafeKeyError] = {}
         for item in items:
             self.append(item)
 
     @classmethod
     def from_listing(cls, objects: Iterable[ObjectInfo], mode: Literal["folders", "files"] = "folders") -> Catalog:
         """The catalog of a listing: what ``Catalog(group_items(objects, mode), mode)`` holds,
-        made without an :class:`Item` per item.
+        made without an :class:`Item` per item; its unsafe items in :attr:`unsafe`.
 
         Raises:
-            UnsafeKeyError, ValueError: as :func:`group_items`.
+            ValueError: as :func:`group_items`.
         """
         catalog = cls(mode=mode)
         catalog._extend(_grouped(objects, mode))
@@ -338,32 +371,33 @@ class Catalog(Sequence[Item]):
 
         Raises:
             ValueError: ``item.is_file`` does not match :attr:`mode`, or a file's key is not
-                ``name/rel`` (``name`` for an empty ``rel``), so it could not be derived back;
+                ``name/rel`` (``name`` for a single-file item), so it could not be derived back;
                 the catalog is left as it was.
         """
         if item.is_file != (self.mode == "files"):
             kind = "a single-file item" if item.is_file else "a folder item"
             raise ValueError(f"item {item.name!r} is {kind}, but this catalog holds {self.mode} (Catalog(mode=...))")
         for f in item.files:
-            expected = f"{item.name}/{f.rel}" if f.rel else item.name
+            expected = item.name if item.is_file else f"{item.name}/{f.rel}"
             if f.key != expected:
                 raise ValueError(
                     f"file key {f.key!r} of item {item.name!r}: expected {expected!r} (keys are derived from the name and rel)"
                 )
-        self._extend([(item.name, item.size, [(f.rel, f.size, f.etag) for f in item.files])])
+        self._extend([(item.name, item.size, [(f.rel, f.size, f.etag) for f in item.files], item.unsafe)])
 
     def add(self, name: str, files: Iterable[tuple[str, int, str | None]]) -> None:
         """Add an item by its ``name`` and its files as ``(rel, size, etag)``; its size is their sum.
+        Its keys are not checked (see the class's note).
 
         Raises:
             TypeError, ValueError: a name that is not a str, or a file that is not
                 ``(str, int >= 0, str or None)``; the catalog is left as it was.
         """
-        self._extend([(name, None, list(files))])
+        self._extend([(name, None, list(files), None)])
 
-    def _extend(self, entries: Iterable[tuple[str, int | None, _Files]]) -> None:
-        """Append ``(name, size or None for the files' sum, files)`` entries: one loop, with the
-        columns in local names (a listing of a million items spends most of its time here)."""
+    def _extend(self, entries: Iterable[_Entry]) -> None:
+        """Append ``(name, size or None for the files' sum, files, unsafe)`` entries: one loop, with
+        the columns in local names (a listing of a million items spends most of its time here)."""
         files_mode = self.mode == "files"
         suffix, last_key, ordered = self._suffix, self._last_key, self._sorted
         names, rels, texts = self._names, self._rels, self._etag_texts
@@ -376,7 +410,7 @@ class Catalog(Sequence[Item]):
             self._digests,
         )
         try:
-            for name, size, files in entries:
+            for name, size, files, unsafe in entries:
                 # Checked before anything of the item is stored: a bad one leaves the catalog as it was.
                 if not isinstance(name, str):
                     raise TypeError(f"item name {name!r}: expected a str")
@@ -422,12 +456,55 @@ class Catalog(Sequence[Item]):
                         kinds.append(_ETAG_TEXT)
                         digests += (len(texts.offsets) - 1).to_bytes(_DIGEST, "little")
                         texts.append(etag)
+                if unsafe is not None:
+                    self._unsafe[len(sizes)] = unsafe
                 name_data += encoded
                 name_offsets.append(len(name_data))
                 sizes.append(size)
                 first_file.append(len(file_sizes))
         finally:
             self._last_key, self._sorted = last_key, ordered
+
+    def check_keys(self) -> None:
+        """Check every item's keys as :meth:`from_listing` does, for items added by :meth:`add`
+        (in any order): an item with a key that is unsafe, collides or is listed twice is marked
+        in :attr:`unsafe`, and so, in ``"folders"`` mode, is one whose name is not one folder
+        (its keys would not all be under one first-level folder of the cache)."""
+        found: dict[int, UnsafeKeyError] = {}
+        rels, first = self._rels, self._first_file
+        if self.mode == "files":  # one key per item, its name; collisions are across items
+            everything, last = _TreeCheck(), None
+            order = range(len(self)) if self._sorted else sorted(range(len(self)), key=self.name)
+            for i in order:
+                key = self.name(i)
+                try:
+                    if key == last:
+                        raise UnsafeKeyError(key, "listed twice")
+                    everything.add(key, check_key(key))
+                except UnsafeKeyError as exc:
+                    found[i] = exc
+                last = key
+        else:
+            for i in range(len(self)):
+                name = self.name(i)
+                paths = [rels[j] for j in range(first[i], first[i + 1])]
+                try:
+                    for rel in paths:
+                        check_key(f"{name}/{rel}")
+                        if "/" in name:
+                            raise UnsafeKeyError(f"{name}/{rel}", f"its item's name {name!r} is not one folder")
+                    if len(paths) > 1:  # (the common flat item, one file or many, needs no tree)
+                        paths.sort()
+                        nested = any("/" in rel for rel in paths)
+                        tree = _TreeCheck() if nested else None
+                        for k, rel in enumerate(paths):
+                            if k and rel == paths[k - 1]:
+                                raise UnsafeKeyError(f"{name}/{rel}", "listed twice")
+                            if tree is not None:
+                                tree.add(f"{name}/{rel}", rel.split("/"))
+                except UnsafeKeyError as exc:
+                    found[i] = exc
+        self._unsafe = dict(sorted(found.items()))
 
     # ---- reading -----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -443,13 +520,13 @@ class Catalog(Sequence[Item]):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         i = self._position(i)
-        names, rels, sizes = self._names, self._rels, self._file_sizes
+        names, rels, sizes, is_file = self._names, self._rels, self._file_sizes, self.mode == "files"
         name = names.data[names.offsets[i] : names.offsets[i + 1]].decode("utf-8", _UTF8_ERRORS)
         files = []
         for j in range(self._first_file[i], self._first_file[i + 1]):
             rel = rels.data[rels.offsets[j] : rels.offsets[j + 1]].decode("utf-8", _UTF8_ERRORS)
-            files.append(FileEntry(f"{name}/{rel}" if rel else name, rel, sizes[j], self._etag(j)))
-        return Item(name, tuple(files), self._sizes[i], is_file=self.mode == "files")
+            files.append(FileEntry(name if is_file else f"{name}/{rel}", rel, sizes[j], self._etag(j)))
+        return Item(name, tuple(files), self._sizes[i], is_file=self.mode == "files", unsafe=self._unsafe.get(i))
 
     def __iter__(self) -> Iterator[Item]:
         for i in range(len(self)):
@@ -471,6 +548,11 @@ class Catalog(Sequence[Item]):
     def names(self) -> Names:
         """The item names, by position (a view: nothing is copied)."""
         return Names(self)
+
+    @property
+    def unsafe(self) -> MappingProxyType[int, UnsafeKeyError]:
+        """The unsafe items' errors by position, in the order they were added (a read-only view)."""
+        return MappingProxyType(self._unsafe)
 
     @property
     def sizes(self) -> array[int]:

@@ -183,7 +183,10 @@ class PipelineConfig(BaseModel):
         on_oversize: ``"raise"`` (default) an item larger than the capacity before anything is
             downloaded, or ``"skip"`` it with a warning in the log.
         on_error: ``"raise"`` (default) a failed item from the iterator, or ``"skip"`` it
-            (logged and counted in stats).
+            (logged and counted in stats). An item with an object key that cannot be stored in
+            the cache (:class:`~cachepipe.UnsafeKeyError`) follows it too: ``"raise"`` refuses
+            the listing where it meets the key (at open for the first listing page), ``"skip"``
+            skips the item in its turn.
         verify: ``"size"`` (default): every file's size must match the listing before publish;
             ``"etag"``: also its MD5 where the listing's ETag is one (single-part uploads).
             A mismatch frees the staging files and downloads the item again.

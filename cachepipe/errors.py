@@ -86,10 +86,11 @@ class ConfigError(CachePipeError, ValueError):
 
 
 class UnsafeKeyError(CachePipeError, ValueError):
-    """An object key cannot be mapped safely into the cache directory."""
+    """An object key cannot be mapped safely into the cache directory; ``advice``, if given, is
+    added to the message (what to do about it)."""
 
-    def __init__(self, key: str, reason: str) -> None:
-        super().__init__(f"unsafe object key {key!r}: {reason}")
+    def __init__(self, key: str, reason: str, advice: str = "") -> None:
+        super().__init__(f"unsafe object key {key!r}: {reason}" + (f"; {advice}" if advice else ""))
         self.key = key
         self.reason = reason
 

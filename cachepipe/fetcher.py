@@ -54,6 +54,7 @@ from .errors import (
     ItemFailedError,
     OversizeError,
     PrepareOverflowError,
+    UnsafeKeyError,
     VerificationError,
     is_transient,
 )
@@ -426,7 +427,7 @@ class Fetcher:
         refused = self._refusal(item)
         if refused is not None:
             self._begin(seq)
-            self._report_failure(seq, item, item.name, refused)
+            self._report_failure(seq, item, refused.key if isinstance(refused, UnsafeKeyError) else item.name, refused)
             return True
         extra = self._extra(item)
         # an item over the cache's limit is refused by acquire (oversize) whatever the disk's free
@@ -827,8 +828,12 @@ class Fetcher:
             return 0
         return max(0, min(self._cfg.prepare_extra(item.size), self._cache.limit - item.size))
 
-    def _refusal(self, item: Item) -> ArchiveError | None:
-        """Why ``item`` cannot be delivered as configured, known before downloading it; or None."""
+    def _refusal(self, item: Item) -> ArchiveError | UnsafeKeyError | None:
+        """Why ``item`` cannot be delivered as configured, known before downloading it; or None.
+        An item with a key that cannot be stored safely (:attr:`Item.unsafe`) is refused here,
+        before anything of it is reserved or written: it fails in its turn (``on_error``)."""
+        if item.unsafe is not None:
+            return item.unsafe
         if self._cfg.unpack and item.is_file and split_volume(item.name) is not None:
             return ArchiveError(
                 f"{item.name!r} is one volume of a split archive: with items='files' each object is unpacked alone. "

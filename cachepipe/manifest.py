@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import gzip
 import io
+import logging
 import os
 import tempfile
 import time
@@ -34,6 +35,8 @@ from .state import StateCorrupt, atomic_write, catalog_header, read_catalog_head
 from .stores import Store, open_store
 
 __all__ = ["Manifest", "check_manifest", "index", "read_manifest", "write_manifest"]
+
+log = logging.getLogger("cachepipe")
 
 _WHOLE = 1 << 62  # the end of a GET range that reads an object of any size to its end
 
@@ -190,8 +193,11 @@ def index(
     Raises:
         EmptySourceError: nothing to list (saying whether the source lists no objects, or only
             objects outside folders with ``items="folders"``, as :class:`~cachepipe.Pipeline` does).
-        UnsafeKeyError: a key that cannot be mapped safely into a cache.
         OSError: as the store and the file system.
+
+    An item with a key that cannot be stored in a cache (see :func:`cachepipe.catalog.check_key`)
+    is recorded, with a warning: a pipeline reading the manifest checks its keys again and
+    refuses the item or skips it in its turn, as its ``on_error`` says.
     """
     if items not in ("folders", "files"):
         raise ConfigError(f"items {items!r}: expected 'folders' or 'files'")
@@ -207,4 +213,14 @@ def index(
     finally:
         if own:
             src.close()
+    if catalog.unsafe:
+        first = next(iter(catalog.unsafe))
+        log.warning(
+            "%s: %d item(s) hold keys that cannot be stored in a cache, recorded in the manifest; a pipeline refuses "
+            "them (on_error='raise') or skips them in their turn (on_error='skip'); the first, %r: %s",
+            source,
+            len(catalog.unsafe),
+            catalog.name(first),
+            catalog.unsafe[first],
+        )
     return write_manifest(location, source, items, catalog, storage_options if dest_options is None else dest_options)

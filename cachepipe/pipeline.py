@@ -18,7 +18,7 @@ from .broker import Broker, Closed, Failed, Lease
 from .cache import Cache
 from .catalog import Catalog, Item, Names
 from .config import PipelineConfig, Share, check_cache_dir, check_option_names, check_source, parse_capacity, small_capacity
-from .errors import ConfigError, EmptySourceError, OversizeError, UnknownItemError
+from .errors import ConfigError, EmptySourceError, OversizeError, UnknownItemError, UnsafeKeyError
 from .fetcher import Fetcher, Planned, backoff_delay
 from .items import PathItem
 from .listing import StreamingListing
@@ -179,6 +179,16 @@ def _log_oversize_skipped(error: OversizeError) -> None:
     log.warning("skipping item %r (on_oversize='skip'): %s", error.item, error.reason)
 
 
+def _unsafe_refused(item: str, error: UnsafeKeyError) -> UnsafeKeyError:
+    """The error that refuses a listing with an item whose key cannot be stored safely
+    (``on_error="raise"``), saying how to read the rest."""
+    advice = (
+        f"item {item!r} cannot be stored in the cache (nothing of it is written); on_error='skip' skips it in "
+        "its turn (logged, counted in items_skipped) and reads the other items"
+    )
+    return UnsafeKeyError(error.key, error.reason, advice)
+
+
 class Pipeline:
     """Stream the items under ``source`` through a size-capped cache at ``cache_dir``.
 
@@ -259,7 +269,8 @@ class Pipeline:
                 it or around it (naming both).
             EmptySourceError: nothing to deliver under ``source``.
             OversizeError: an item is larger than the capacity (``on_oversize="raise"``).
-            UnsafeKeyError: an object key cannot be mapped safely into the cache.
+            UnsafeKeyError: an object key cannot be mapped safely into the cache
+                (``on_error="raise"``; with ``"skip"``, its item is skipped in its turn).
         """
         with self._lock:
             if self._state != _UNOPENED:
@@ -418,6 +429,19 @@ class Pipeline:
         none."""
         cfg = self.config
         catalog, self._catalog_digest, from_manifest = obtain_catalog(cfg, store, cache, self._closing)
+        unsafe = catalog.unsafe
+        if unsafe:  # in every process's plan, in its place: refused by the fetcher in its turn
+            first = next(iter(unsafe))
+            if cfg.on_error == "raise":
+                raise _unsafe_refused(catalog.name(first), unsafe[first])
+            log.warning(
+                "%d item(s) under %s cannot be stored in the cache, and will be skipped in their turn "
+                "(on_error='skip'); the first, %r: %s",
+                len(unsafe),
+                cfg.source,
+                catalog.name(first),
+                unsafe[first],
+            )
         sizes = catalog.sizes
         self._listed = len(catalog)
         self._listed_bytes = sum(sizes)
@@ -484,8 +508,9 @@ class Pipeline:
     def _stream(self, store: Store, cache: Cache) -> Iterator[list[Planned]]:
         """Start the streaming listing (see :mod:`cachepipe.listing`); return the fetch order.
 
-        Waits for the first page: a listing error or an oversize item (``on_oversize="raise"``)
-        in it is raised here; later ones reach the consumer in their turn.
+        Waits for the first page: a listing error, an oversize item (``on_oversize="raise"``) or
+        an item with an unsafe key (``on_error="raise"``) in it is raised here; later ones reach
+        the consumer in their turn.
         """
         cfg = self.config
         cache.recover(Catalog(), resume=False)  # nothing of an earlier owner's to keep (see _streams)
@@ -494,6 +519,11 @@ class Pipeline:
         self._total_steps = None
 
         def admit(run: list[Item]) -> list[bool]:  # in the listing thread, in listing order
+            if cfg.on_error == "raise":
+                bad = next((k for k, item in enumerate(run) if item.unsafe is not None), None)
+                if bad == 0:
+                    raise _unsafe_refused(run[0].name, run[0].unsafe)  # type: ignore[arg-type]  # not None: bad
+                run = run[:bad]  # the unsafe item comes first in the next call (the rest is given again)
             keeps: list[bool] = []
             names, sizes = [item.name for item in run], [item.size for item in run]
             limits = cache.note_listed(names, sizes, [not item.tagged for item in run]) or [cache.limit]  # none: closed
@@ -712,7 +742,8 @@ class Pipeline:
             TimeoutError: no item became ready in time.
             ItemFailedError: the next item failed (``on_error="raise"``); the cause is chained.
             OSError, OversizeError, UnsafeKeyError, EmptySourceError: a listing that streams stopped
-                after :meth:`open` (whatever ``on_error``), raised once the items listed before it.
+                after :meth:`open` (whatever ``on_error``; an unsafe key stops it with
+                ``on_error="raise"`` only), raised once the items listed before it.
             RuntimeError: the pipeline is not open.
         """
         got = self.get_many(1, timeout)

@@ -318,7 +318,9 @@ def read_catalog_header(text: IO[str], where: str) -> dict[str, Any]:
 
 def read_catalog_items(text: IO[str], header: dict[str, Any], where: str) -> Catalog:
     """The items after :func:`read_catalog_header`, checked against the header's ``count`` and
-    (when present) ``digest``: a truncated or altered file is refused.
+    (when present) ``digest``: a truncated or altered file is refused. Its keys are checked as
+    a listing's are (:meth:`Catalog.check_keys`): an item with one that cannot be stored in a
+    cache is kept, marked, and never written.
 
     Raises:
         StateCorrupt: unreadable, truncated, or not the catalog its header describes.
@@ -334,6 +336,7 @@ def read_catalog_items(text: IO[str], header: dict[str, Any], where: str) -> Cat
         raise StateCorrupt(f"{where}: catalog has {len(catalog)} items, header says {header['count']}")
     if "digest" in header and catalog.digest() != header["digest"]:
         raise StateCorrupt(f"{where}: catalog content has digest {catalog.digest()}, header says {header['digest']!r}")
+    catalog.check_keys()
     return catalog
 
 

@@ -61,29 +61,53 @@ def test_directory_markers_skipped():
     assert [(i.name, [f.rel for f in i.files]) for i in items] == [("a", ["f"])]
 
 
-def test_nonempty_key_with_trailing_slash_rejected():
-    with pytest.raises(UnsafeKeyError, match="empty path segment"):
-        list(group_items([ObjectInfo("a/f/", 5)]))
+def unsafe(items):
+    """``{name: the error's message}`` of the unsafe items."""
+    return {item.name: str(item.unsafe) for item in items if item.unsafe is not None}
 
 
-def test_file_and_folder_collision_rejected():
-    with pytest.raises(UnsafeKeyError, match="collides") as info:
-        list(group_items(objs("a/x", "a/x/y")))
-    assert "a/x/y" in str(info.value)
+def test_nonempty_key_with_trailing_slash_makes_its_item_unsafe():
+    items = list(group_items([ObjectInfo("a/f/", 5), ObjectInfo("b/f", 1)]))
+    assert [i.name for i in items] == ["a", "b"]
+    assert isinstance(items[0].unsafe, UnsafeKeyError) and "empty path segment" in str(items[0].unsafe)
+    assert items[0].files[0].key == "a/f/" and items[1].unsafe is None
+
+
+def test_file_and_folder_collision_makes_its_item_unsafe():
+    items = list(group_items(objs("a/x", "a/x/y", "b/x")))
+    assert [i.name for i in items] == ["a", "b"]
+    assert unsafe(items).keys() == {"a"} and "collides" in unsafe(items)["a"] and "a/x/y" in unsafe(items)["a"]
 
 
 def test_collision_in_files_mode():
-    with pytest.raises(UnsafeKeyError, match="collides"):
-        list(group_items(objs("s/000.tar", "s/000.tar/x"), "files"))
+    items = list(group_items(objs("s/000.tar", "s/000.tar/x", "s/001.tar"), "files"))
+    assert [i.name for i in items] == ["s/000.tar", "s/000.tar/x", "s/001.tar"]
+    assert unsafe(items).keys() == {"s/000.tar/x"} and "collides" in unsafe(items)["s/000.tar/x"]
 
 
 def test_a_file_collides_with_a_later_key_under_it_across_the_keys_sorted_between_them():
     # keys that sort between a file and the keys under it ('!', '-', '.' come before '/')
     keys = ("s/a", "s/a!b", "s/a-b", "s/a.txt", "s/a/x")
-    with pytest.raises(UnsafeKeyError, match="collides with the file 's/a'"):
-        list(group_items(objs(*keys), "files"))
-    with pytest.raises(UnsafeKeyError, match="collides with the file 'a'"):
-        list(group_items(objs(*keys)))  # inside the folder s: its paths a, a!b, ... a/x
+    assert "collides with the file 's/a'" in unsafe(group_items(objs(*keys), "files"))["s/a/x"]
+    assert "collides with the file 'a'" in unsafe(group_items(objs(*keys)))["s"]  # inside the folder s: a, a!b, ... a/x
+
+
+@pytest.mark.parametrize("mode", ["folders", "files"])
+def test_an_unsafe_key_costs_its_item_only_and_the_catalog_keeps_it_in_its_place(mode):
+    keys = ("a/f", "b//c", "b/d", "c/../x", "d/f", "e\\f/g", "f/f")
+    items = list(group_items(objs(*keys), mode))
+    catalog = Catalog.from_listing(objs(*keys), mode)
+    assert list(catalog) == items and len(items) == (7 if mode == "files" else 6)
+    assert {catalog.name(i): str(e) for i, e in catalog.unsafe.items()} == unsafe(items)
+    assert [catalog[i].unsafe is not None for i in range(len(catalog))] == [i.unsafe is not None for i in items]
+    reasons = set(unsafe(items).values())
+    assert any("empty path segment" in r for r in reasons) and any("'..'" in r for r in reasons)
+    assert any("backslash" in r for r in reasons) and len(reasons) == 3
+
+
+def test_a_loose_object_with_an_unsafe_key_is_no_item():
+    items = list(group_items(objs("a/f", "a\\b")))
+    assert [(i.name, i.unsafe) for i in items] == [("a", None)]
 
 
 def test_the_collision_check_keeps_only_files_that_a_later_key_may_be_under():
@@ -270,3 +294,26 @@ def test_fitting_items_names_each_item_too_large():
     fitting, too_large = fitting_items(catalog, capacity=100, occupied=60)
     assert list(fitting) == [0, 2]
     assert [(e.item, e.size) for e in too_large] == [("b", 50)] and isinstance(too_large[0], OversizeError)
+
+
+def test_check_keys_marks_what_a_listing_would_in_items_added_in_any_order():
+    # What a manifest or a saved listing holds (Catalog.add, in the order written) was never
+    # checked: a manifest could name keys that leave the cache (test_key_safety.py).
+    catalog = Catalog()
+    catalog.add("a", [("video.mp4", 1, None), ("text.txt", 1, None)])  # files in any order: fine
+    catalog.add("b", [("x//y", 1, None)])
+    catalog.add("c/d", [("f", 1, None)])
+    catalog.add("e", [("f", 1, None), ("f/g", 1, None)])
+    catalog.add("h", [("f", 1, None), ("f", 1, None)])
+    catalog.add("i", [("../../x", 1, None)])
+    catalog.check_keys()
+    reasons = {catalog.name(i): e.reason for i, e in catalog.unsafe.items()}
+    assert list(reasons) == ["b", "c/d", "e", "h", "i"] and catalog[0].unsafe is None
+    assert "empty path segment" in reasons["b"] and "not one folder" in reasons["c/d"]
+    assert "collides with the file 'f'" in reasons["e"] and reasons["h"] == "listed twice" and "'..'" in reasons["i"]
+    files = Catalog(mode="files")
+    for name in ("s/b", "s/a/x", "s/a", "s/b", ".cachepipe"):
+        files.add(name, [("", 1, None)])
+    files.check_keys()
+    assert {i: e.reason for i, e in files.unsafe.items()}.keys() == {1, 3, 4}
+    assert "collides with the file 's/a'" in files.unsafe[1].reason and files.unsafe[3].reason == "listed twice"

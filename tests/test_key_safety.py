@@ -64,3 +64,189 @@ def test_a_local_name_that_is_not_utf8_is_delivered_journaled_and_resumed(tmp_pa
     with Pipeline(url, cache, "1MiB", resume=True) as pipe:
         names = [p.name for p in pipe]
     assert names == ["plain"]  # the ack of the first pass was read back
+
+
+# ---- an unsafe key is its item's problem, not the dataset's -------------------------------------
+BAD_KEYS = {
+    "empty segment": ("b//c.txt", "empty path segment"),
+    "dot-dot": ("../escape.txt", "'..' path segment"),
+    "file and folder": ("a.txt/inner", "collides with the file 'a.txt'"),
+}
+
+
+def with_unsafe_key(source, n: int, bad: str, rel: str) -> list[str]:
+    """``n`` folders f000.. each with a.txt, and the key ``bad/rel`` beside; their names."""
+    names = [f"f{i:03d}" for i in range(n)]
+    for name in names:
+        source.put(f"{name}/a.txt", name.encode())
+    source.put(f"{bad}/{rel}", b"x")
+    return names
+
+
+def read_all(pipe) -> tuple[list[str], list]:
+    """The names delivered and the :class:`Skipped` reported, in turn order."""
+    from cachepipe.pipeline import Skipped
+
+    names, skipped = [], []
+    while (got := pipe.get_or_skipped(timeout=60)) is not None:
+        if isinstance(got, Skipped):
+            skipped.append(got)
+        else:
+            assert (got / "a.txt").read_bytes() == got.name.encode()
+            names.append(got.name)
+            pipe.ack(got)
+    return names, skipped
+
+
+@pytest.mark.parametrize("case", BAD_KEYS)
+@pytest.mark.parametrize("late", [False, True], ids=["first page", "beyond the first page"])
+def test_with_on_error_skip_an_item_with_an_unsafe_key_is_skipped_in_its_turn_and_the_rest_read(s3_source, tmp_path, case, late):
+    # It stopped the whole dataset: UnsafeKeyError from open(), or, beyond the listing's first
+    # page, from the iterator after the items before it (hours into a long loop).
+    rel, reason = BAD_KEYS[case]
+    n = 105 if late else 3
+    bad = f"f{n - 1:03d}" if late else "f001"
+    names = with_unsafe_key(s3_source, n, bad, rel)
+    with Pipeline(
+        s3_source.url, tmp_path / "cache", "1MiB", on_error="skip", auto_ack=False, storage_options=s3_source.options
+    ) as pipe:
+        delivered, skipped = read_all(pipe)
+        assert pipe.stats().items_skipped == 1
+    assert delivered == [name for name in names if name != bad]
+    (skip,) = skipped
+    assert skip.name == bad and "UnsafeKeyError" in skip.reason and reason in skip.reason
+    assert repr(f"{bad}/{rel}") in skip.reason
+    assert os.listdir(tmp_path) == ["cache"]  # nothing outside the cache
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["first page", "beyond the first page"])
+def test_with_on_error_raise_an_unsafe_key_is_refused_naming_it_its_item_and_on_error_skip(s3_source, tmp_path, late):
+    n = 105 if late else 3
+    bad = f"f{n - 1:03d}" if late else "f001"
+    names = with_unsafe_key(s3_source, n, bad, "b//c.txt")
+    delivered = []
+    with pytest.raises(UnsafeKeyError) as info:
+        with Pipeline(s3_source.url, tmp_path / "cache", "1MiB", storage_options=s3_source.options) as pipe:
+            delivered.extend(item.name for item in pipe)  # those before the error stay in the list
+    message = str(info.value)
+    assert repr(f"{bad}/b//c.txt") in message and "empty path segment" in message
+    assert repr(bad) in message and "on_error='skip'" in message
+    assert delivered == (names[: names.index(bad)] if late else [])
+
+
+def test_every_rank_deals_the_same_items_and_one_skips_the_unsafe_item_in_its_turn(s3_source, tmp_path):
+    # Shares of one plan: every process keeps the unsafe item in its place, so the shares stay
+    # disjoint and covering, and the rank dealt it reports it in its turn.
+    names = with_unsafe_key(s3_source, 9, "f004", "x//y")
+    seen, skips = [], []
+    for rank in (0, 1):
+        with Pipeline(
+            s3_source.url,
+            tmp_path / f"cache{rank}",
+            "1MiB",
+            rank=rank,
+            world_size=2,
+            shuffle=True,
+            seed=3,
+            on_error="skip",
+            auto_ack=False,
+            storage_options=s3_source.options,
+        ) as pipe:
+            delivered, skipped = read_all(pipe)
+        seen += delivered
+        skips += [s.name for s in skipped]
+    assert skips == ["f004"]
+    assert sorted(seen) == [name for name in names if name != "f004"]
+
+
+def test_a_manifest_keeps_an_unsafe_item_and_a_pipeline_reading_it_follows_on_error(s3_source, tmp_path):
+    from cachepipe.manifest import index
+
+    names = with_unsafe_key(s3_source, 3, "f001", "dots/../x.txt")
+    manifest = tmp_path / "m.gz"
+    assert index(s3_source.url, manifest, storage_options=s3_source.options).count == 3  # raised UnsafeKeyError
+    with pytest.raises(UnsafeKeyError, match="on_error='skip'"):
+        Pipeline(s3_source.url, tmp_path / "c1", "1MiB", manifest=manifest, storage_options=s3_source.options).open()
+    with Pipeline(
+        s3_source.url,
+        tmp_path / "c2",
+        "1MiB",
+        manifest=manifest,
+        on_error="skip",
+        auto_ack=False,
+        storage_options=s3_source.options,
+    ) as pipe:
+        delivered, skipped = read_all(pipe)
+    assert delivered == ["f000", "f002"] and [s.name for s in skipped] == ["f001"] and names[1] == "f001"
+
+
+def test_a_manifest_naming_a_key_that_leaves_the_cache_is_refused_and_nothing_is_written_outside(s3_source, tmp_path):
+    # A manifest's items were taken as written: its keys were never checked, so a manifest (an
+    # object anyone with write access to its prefix can replace) could name a key whose local
+    # path leaves the cache directory. Its keys are checked now as a listing's are.
+    from cachepipe.catalog import Catalog
+    from cachepipe.manifest import write_manifest
+
+    escape = "../../../../escape.txt"  # from cache/.cachepipe/staging/N/x/: up to tmp_path
+    s3_source.put("a/a.txt", b"a")
+    s3_source.put(f"x/{escape}", b"pwned")
+    catalog = Catalog()
+    catalog.add("a", [("a.txt", 1, None)])
+    catalog.add("x", [(escape, 5, None)])
+    write_manifest(tmp_path / "m.gz", s3_source.url, "folders", catalog)
+    with Pipeline(
+        s3_source.url,
+        tmp_path / "cache",
+        "1MiB",
+        manifest=tmp_path / "m.gz",
+        on_error="skip",
+        auto_ack=False,
+        storage_options=s3_source.options,
+    ) as pipe:
+        delivered, skipped = [], []
+        from cachepipe.pipeline import Skipped
+
+        while (got := pipe.get_or_skipped(timeout=60)) is not None:
+            (skipped if isinstance(got, Skipped) else delivered).append(got.name)
+            if not isinstance(got, Skipped):
+                pipe.ack(got)
+    assert delivered == ["a"] and skipped == ["x"]
+    assert sorted(os.listdir(tmp_path)) == ["cache", "m.gz"]
+
+
+def test_a_daemon_on_a_source_with_an_unsafe_key_exits_78_or_skips_it(s3_source, tmp_path, short_dir):
+    # It exited 1 (could not start), which the shipped unit restarts every 5 s for ever.
+    import subprocess
+    import sys
+
+    import yaml
+
+    from cachepipe.client import Client
+    from cachepipe.service.testing import DaemonProcess
+
+    names = with_unsafe_key(s3_source, 3, "f001", "b//c.txt")
+    sock = short_dir / "api.sock"
+
+    def config(**options) -> str:
+        train = {
+            "source": s3_source.url,
+            "cache_dir": str(tmp_path / "cache"),
+            "capacity": "1MiB",
+            "storage_options": s3_source.options,
+            **options,
+        }
+        path = tmp_path / "cachepipe.yaml"
+        path.write_text(yaml.safe_dump({"socket": str(sock), "pipelines": {"train": train}}))
+        return str(path)
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "cachepipe.cli", "serve", "--config", config()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 78, proc.stderr
+    assert "'f001/b//c.txt'" in proc.stderr and "on_error='skip'" in proc.stderr, proc.stderr
+    with DaemonProcess(config(on_error="skip")), Client("train", sock, startup_timeout=60) as client:
+        assert [item.name for item in client] == [n for n in names if n != "f001"]

@@ -29,7 +29,6 @@ from cachepipe.errors import (
     CacheLockedError,
     ConfigError,
     StoreUnavailableError,
-    UnsafeKeyError,
 )
 from cachepipe.map import WORK_DIR, map_items, plan_items
 from cachepipe.map import job as map_job
@@ -565,6 +564,30 @@ def test_an_object_rewritten_after_the_listing_fails_its_item_and_the_others_are
     assert bucket(s3_client, "out/item002/")["out.bin"] == data["item002"]["a.bin"]
 
 
+@pytest.mark.parametrize("unpack", [False, True])
+def test_an_item_with_an_unsafe_key_is_refused_and_the_others_are_done(s3_source, s3_client, tmp_path, unpack):
+    # The whole run stopped (UnsafeKeyError, exit 1) before doing anything.
+    data = s3_source.folders(3, {"a.bin": 300})
+    s3_source.put("item001/b//c.bin", b"x")
+    log = tmp_path / "runs.log"
+    args = ([sys.executable, "-c", COPY, str(log)], s3_source.url, "s3://data/out/")
+    options = {"cache_dir": tmp_path / "cache", "capacity": "1MiB", "out_reserve": "4KiB"}
+    if unpack:  # files grouped by volume: planned otherwise; the object alone is refused
+        options |= {"items": "files", "unpack": True, "dry_run": True}
+        dry = map_items(*args, **options, storage_options=s3_source.options)
+        assert list(dry.refused) == ["item001/b//c.bin"] and len(dry.planned) == 3 and dry.items_listed == 4
+        return
+    dry = map_items(*args, **options, dry_run=True, storage_options=s3_source.options)
+    assert list(dry.refused) == ["item001"] and "unsafe object key 'item001/b//c.bin'" in dry.refused["item001"]
+    result = map_items(*args, **options, storage_options=s3_source.options)
+    assert result.items_done == 2
+    (failure,) = result.failed
+    assert failure.name == "item001" and "unsafe object key 'item001/b//c.bin': empty path segment" in failure.error
+    assert sorted(runs(log)) == ["item000", "item002"]
+    assert bucket(s3_client, "out/item002/")["out.bin"] == data["item002"]["a.bin"]
+    assert not bucket(s3_client, "out/item001/")
+
+
 def test_a_failed_upload_is_retried_without_running_the_command_again(s3_source, s3_client, tmp_path, capsys):
     data = s3_source.folders(2, {"a.bin": 300})
     log = tmp_path / "runs.log"
@@ -1087,8 +1110,8 @@ def test_plan_groups_split_volumes_and_attaches_checksum_files():
         "shards",
     ]
     assert len(plan_items([ObjectInfo(k, 1) for k in keys], "files", unpack=False)) == len(keys)
-    with pytest.raises(UnsafeKeyError, match="reserved for cachepipe map"):
-        plan_items([ObjectInfo(f"{WORK_DIR}/x", 1)], "folders", unpack=False)
+    (reserved,) = plan_items([ObjectInfo(f"{WORK_DIR}/x", 1)], "folders", unpack=False)
+    assert reserved.unsafe is not None and "reserved for cachepipe map" in reserved.unsafe
 
 
 def test_map_fetches_with_a_pipelines_part_size_unless_given(tmp_path):

@@ -224,3 +224,18 @@ def test_a_set_epoch_pass_with_retention_repeats_its_last_skipped_item_and_stops
     for epoch in (0, 1):
         ds.set_epoch(epoch)
         assert list(ds) == substituted(shares[epoch], bad), epoch
+
+
+def test_an_item_with_an_unsafe_key_is_repeated_in_its_place_under_equal_steps(s3_source, tmp_path):
+    # Every rank plans the item (its place in the shares unchanged); the rank dealt it skips it in
+    # its turn and repeats a sample there, as for a failed download. Before, no rank opened.
+    names = [f"item{i:03d}" for i in range(6)]
+    sizes = [100 + 37 * i for i in range(6)]
+    for i, name in enumerate(names):
+        s3_source.put(f"{name}/f", bytes([i]) * sizes[i])
+    s3_source.put("item002/x//y", b"z")  # listed under item002: empty path segment
+    sizes[2] += 1
+    shares = [planned(sizes, names, rank=rank, world_size=2) for rank in (0, 1)]
+    rank = 0 if "item002" in shares[0] else 1
+    got = list(dataset(s3_source, tmp_path, "c", rank=rank, unpack=False))
+    assert got == substituted(shares[rank], {"item002"}) and len(got) == len(shares[rank])

@@ -100,8 +100,9 @@ def sort_leftovers(
     named = replay.published | replay.publishing
     live = named if reusable else set()
     ours = named | {name for _epoch, name in replay.acked}
+    unsafe = {items.name(i) for i in items.unsafe}  # never written: such a name is no path of ours
     if rebuilt:
-        ours = live = {name for name in items.names if os.path.lexists(root / name)}
+        ours = live = {name for name in items.names if name not in unsafe and os.path.lexists(root / name)}
     reuse: dict[str, int] = {}
     stale: list[str] = []
     for name in sorted(ours):
@@ -109,7 +110,7 @@ def sort_leftovers(
         if not os.path.lexists(path):
             continue
         found = items.find(name)  # only names on disk are looked up: no index of the whole catalog
-        item = items[found] if found >= 0 else None
+        item = items[found] if found >= 0 and found not in items.unsafe else None
         if name in live and item is not None and matches(path, item):
             if replay.versions.get(name) == item.version:
                 reuse[name] = item.size

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import quote
@@ -122,6 +122,9 @@ class MapItem:
             ``local`` when grouped).
         keys: real key of each listed key.
         size: total bytes.
+        unsafe: why the item cannot be stored in the cache (a key of it that is unsafe or
+            collides, naming the key; see :func:`cachepipe.catalog.check_key`), or None. The run
+            refuses such an item, recorded as failed, and does the others.
     """
 
     name: str
@@ -129,6 +132,7 @@ class MapItem:
     objects: tuple[ObjectInfo, ...]
     keys: dict[str, str] = field(hash=False, compare=False)
     size: int = 0
+    unsafe: str | None = None
 
     @property
     def version(self) -> str | None:
@@ -185,8 +189,8 @@ def plan_items(objects: Iterable[ObjectInfo], items: Literal["folders", "files"]
     name is unique, anywhere under ``SRC``, e.g. a ``md5/`` folder beside ``compressed/``), and an
     ``md5sums`` file to every item with a volume in its folder. Checksum files are not items.
 
-    Raises:
-        UnsafeKeyError: an unsafe key, or an item named like the work folder ``.cachepipe-map``.
+    An item with an unsafe key, or named like the work folder ``.cachepipe-map``, is planned
+    with :attr:`MapItem.unsafe` set: in its place, so that every rank takes the same share.
     """
     objects = [o for o in objects if not (o.key.endswith("/") and o.size == 0)]
     if items == "folders" or not unpack:
@@ -197,22 +201,28 @@ def plan_items(objects: Iterable[ObjectInfo], items: Literal["folders", "files"]
                 tuple(ObjectInfo(f.key, f.size, f.etag) for f in it.files),
                 {f.key: f.key for f in it.files},
                 it.size,
+                None if it.unsafe is None else str(it.unsafe),
             )
             for it in group_items(objects, items)
         ]
     else:
         planned = _plan_grouped(objects)
-    for mi in planned:
-        if mi.local.split("/", 1)[0] == WORK_DIR:
-            raise UnsafeKeyError(mi.objects[0].key, f"'{WORK_DIR}' is reserved for cachepipe map's work folder")
+    for k, mi in enumerate(planned):
+        if mi.unsafe is None and mi.local.split("/", 1)[0] == WORK_DIR:
+            reserved = UnsafeKeyError(mi.objects[0].key, f"'{WORK_DIR}' is reserved for cachepipe map's work folder")
+            planned[k] = replace(mi, unsafe=str(reserved))
     return planned
 
 
 def _plan_grouped(objects: list[ObjectInfo]) -> list[MapItem]:
     groups: dict[str, list[ObjectInfo]] = {}
     sidecars: list[ObjectInfo] = []
+    unsafe: dict[str, str] = {}  # key -> why
     for obj in objects:
-        check_key(obj.key)
+        try:
+            check_key(obj.key)
+        except UnsafeKeyError as exc:
+            unsafe[obj.key] = str(exc)
         if is_checksum_file(obj.key):
             sidecars.append(obj)
             continue
@@ -239,7 +249,9 @@ def _plan_grouped(objects: list[ObjectInfo]) -> list[MapItem]:
         local = quote(name, safe="")
         members = sorted(groups[name], key=lambda o: o.key)
         listed = tuple(ObjectInfo(f"{local}/{o.key}", o.size, o.etag) for o in members)
-        planned.append(MapItem(name, local, listed, {f"{local}/{o.key}": o.key for o in members}, sum(o.size for o in members)))
+        why = next((unsafe[o.key] for o in members if o.key in unsafe), None)
+        keys = {f"{local}/{o.key}": o.key for o in members}
+        planned.append(MapItem(name, local, listed, keys, sum(o.size for o in members), why))
     return planned
 
 

@@ -111,15 +111,22 @@ class _MapRun:
                 if cfg.world_size > 1:  # this process's share, from the listing alone (never from what is done)
                     planned = take_share(planned, cfg.rank, cfg.world_size)
                 self._record_share(planned)
-                done = self._done(dst, planned)
-                todo = [mi for mi in planned if mi.name not in done]
+                # an item whose keys cannot be stored is refused, whatever DST holds: never downloaded
+                unsafe = {mi.name: mi.unsafe for mi in planned if mi.unsafe is not None}
+                done = self._done(dst, [mi for mi in planned if mi.unsafe is None])
+                todo = [mi for mi in planned if mi.name not in done and mi.unsafe is None]
                 result.items_skipped = len(done)
                 result.planned = [mi.name for mi in todo]
-                if todo and not cfg.dry_run:
-                    self._execute(src, dst, todo)
-                elif todo:  # what the run would refuse, for the same reason
-                    sizing = self._size(todo, _resolve_capacity(cfg.capacity, cfg.cache_dir))
-                    refused = dict(_refusals(todo, sizing))
+                if not cfg.dry_run:
+                    for name, why in unsafe.items():
+                        self._tally.fail(name, why, "", 0)
+                    if todo:
+                        self._execute(src, dst, todo)
+                else:  # what the run would refuse, for the same reason
+                    refused = dict(unsafe)
+                    if todo:
+                        sizing = self._size(todo, _resolve_capacity(cfg.capacity, cfg.cache_dir))
+                        refused |= dict(_refusals(todo, sizing))
                     result.planned = [mi.name for mi in todo if mi.name not in refused]
                     result.refused = refused
             finally:

@@ -16,7 +16,9 @@ the loop blocks on that queue with a timeout that is the next heartbeat or statu
 Exit status: 0 after SIGTERM/SIGINT, 1 when the daemon cannot start or its API thread dies,
 78 (EX_CONFIG) when the configuration is invalid or this host cannot run it (see
 :mod:`.preflight`: a ``socket_group`` that does not exist, a directory it cannot create or
-write), or the ``service`` extra is not installed (the unit's ``RestartPreventExitStatus=78``:
+write), a pipeline with ``on_error: raise`` meets a key that cannot be stored in its first
+listing page (:class:`~cachepipe.UnsafeKeyError`: the same listing would refuse every restart),
+or the ``service`` extra is not installed (the unit's ``RestartPreventExitStatus=78``:
 restarting would not help).
 """
 
@@ -33,7 +35,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ..errors import CachePipeError, ConfigError
+from ..errors import CachePipeError, ConfigError, UnsafeKeyError
 from .config import ServiceConfig, load_config
 from .daemon import Daemon
 from .logs import set_level, setup_logging
@@ -120,6 +122,10 @@ def _run(config_path: Path, config: Any, notifier: Notifier) -> int:
             return 0
         except ConfigError as exc:
             log.error("cannot start: %s", exc)
+            daemon.stop()
+            return EX_CONFIG
+        except UnsafeKeyError as exc:  # the data, as listed, with on_error "raise": a restart lists it again
+            log.error("cannot start: %s: %s", type(exc).__name__, exc)
             daemon.stop()
             return EX_CONFIG
         except (CachePipeError, OSError, ValueError) as exc:
