@@ -28,7 +28,7 @@ from types import MappingProxyType
 from typing import Literal, overload
 
 from .errors import UnsafeKeyError
-from .stores.base import ObjectInfo
+from .stores.base import ObjectInfo, slot_setters
 
 __all__ = ["RESERVED_NAMES", "Catalog", "FileEntry", "Item", "Names", "check_key", "group_items"]
 
@@ -38,7 +38,7 @@ _MAX_SEGMENT_BYTES = 255
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class FileEntry:
     """One object of an item.
 
@@ -54,8 +54,18 @@ class FileEntry:
     size: int
     etag: str | None = None
 
+    def __init__(self, key: str, rel: str, size: int, etag: str | None = None) -> None:
+        set_key, set_rel, set_size, set_etag = _FILE_ENTRY_SETTERS  # see slot_setters
+        set_key(self, key)
+        set_rel(self, rel)
+        set_size(self, size)
+        set_etag(self, etag)
 
-@dataclass(frozen=True, slots=True)
+
+_FILE_ENTRY_SETTERS = slot_setters(FileEntry, "key", "rel", "size", "etag")
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class Item:
     """One unit of delivery: a folder of files, or a single file.
 
@@ -74,6 +84,13 @@ class Item:
     is_file: bool = False
     unsafe: UnsafeKeyError | None = field(default=None, compare=False)
 
+    def __init__(self, name: str, files: tuple[FileEntry, ...], size: int, is_file: bool = False) -> None:
+        set_name, set_files, set_size, set_is_file = _ITEM_SETTERS  # see slot_setters
+        set_name(self, name)
+        set_files(self, files)
+        set_size(self, size)
+        set_is_file(self, is_file)
+
     @property
     def version(self) -> str | None:
         """Which version of the item the listing names: 16 hex digits of a digest of its files'
@@ -87,6 +104,9 @@ class Item:
     def tagged(self) -> bool:
         """Whether any of its files has an entity tag: then it has a :attr:`version`."""
         return any(f.etag is not None for f in self.files)
+
+
+_ITEM_SETTERS = slot_setters(Item, "name", "files", "size", "is_file")
 
 
 def version_of(files: Sequence[tuple[str, int, str | None]]) -> str | None:

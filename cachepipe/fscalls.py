@@ -258,7 +258,8 @@ def lookups_stay_local(root: str, mountinfo: str | None = None) -> bool:
         return False
 
 
-_AT_FDCWD, _RENAME_NOREPLACE = -100, 1  # <fcntl.h>, <linux/fs.h>
+_RENAME_NOREPLACE = 1  # <linux/fs.h>
+_AT_FDCWD = ctypes.c_int(-100)  # <fcntl.h>; a C int already: ctypes converts a negative int by a caught OverflowError
 
 
 class FileCalls(NamedTuple):
@@ -279,16 +280,22 @@ class FileCalls(NamedTuple):
     mkdir: Callable[[str, int], None]
 
 
-def _function(lib: ctypes.CDLL, name: str, argtypes: list[Any], restype: Any) -> Any:
-    """The C function ``name`` of ``lib`` with its argument and result types, or None."""
+def _function(lib: ctypes.CDLL, name: str, argtypes: list[Any] | None, restype: Any) -> Any:
+    """The C function ``name`` of ``lib`` with its argument and result types, or None.
+
+    ``argtypes`` None, for a call whose arguments are all ints that fit a C int and paths as
+    bytes: ctypes passes a Python int as a C ``int`` and bytes as a ``char *`` by itself.
+    An ``argtypes`` entry converts each argument by its type's ``from_param`` first: about 1,000
+    instructions for an int (an ``isinstance`` through ctypes' metaclass, and an argument
+    object), more than the call's own part in user space. Without it nothing checks the
+    arguments' types: the callers here pass bytes (:func:`_encoded`) and such ints."""
     func = getattr(lib, name, None)
     if func is not None:
         func.argtypes, func.restype = argtypes, restype
     return func
 
 
-_RENAMEAT2 = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-_renameat2 = _function(ctypes.CDLL(None, use_errno=True), "renameat2", _RENAMEAT2, ctypes.c_int)  # lets the lock go
+_renameat2 = _function(ctypes.CDLL(None, use_errno=True), "renameat2", None, ctypes.c_int)  # lets the lock go
 
 
 _FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
@@ -296,7 +303,7 @@ _FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodee
 
 def _encoded(path: str) -> bytes:
     raw = path.encode(_FS_ENCODING, _FS_ERRORS)  # os.fsencode of a str, without its call
-    if b"\0" in raw:
+    if 0 in raw:  # a NUL byte (an int needle: a bytes one costs a caught TypeError per test)
         raise ValueError("embedded null byte")
     return raw
 
@@ -355,10 +362,10 @@ RELEASING = FileCalls(_open, _pwrite, _close, rename_new, _mkdir)
 """The standard library's calls: other threads run during each."""
 
 
-def holding_function(name: str, argtypes: list[Any], restype: Any) -> Any:
+def holding_function(name: str, argtypes: list[Any] | None, restype: Any) -> Any:
     """The C library's function ``name`` through :class:`ctypes.PyDLL` (the interpreter's lock
     is kept during each call; ``errno`` saved for :func:`ctypes.get_errno`), with its argument
-    and result types; None where the C library lacks it."""
+    and result types (``argtypes`` None: see :func:`_function`); None where the C library lacks it."""
     libc = _holding_libc()
     return None if libc is None else _function(libc, name, argtypes, restype)
 
@@ -376,11 +383,13 @@ def _c_functions() -> SimpleNamespace | None:
     """The C library's functions behind :data:`HOLDING` (:func:`holding_function`); None where
     one is missing."""
     functions = SimpleNamespace(
-        open=holding_function("open", [ctypes.c_char_p, ctypes.c_int, ctypes.c_uint], ctypes.c_int),
+        # no argtypes where every argument is a path or fits a C int (see _function); pwrite's
+        # count and offset are 64-bit
+        open=holding_function("open", None, ctypes.c_int),
         pwrite=holding_function("pwrite", [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int64], ctypes.c_ssize_t),
-        close=holding_function("close", [ctypes.c_int], ctypes.c_int),
-        renameat2=holding_function("renameat2", _RENAMEAT2, ctypes.c_int),
-        mkdir=holding_function("mkdir", [ctypes.c_char_p, ctypes.c_uint], ctypes.c_int),
+        close=holding_function("close", None, ctypes.c_int),
+        renameat2=holding_function("renameat2", None, ctypes.c_int),
+        mkdir=holding_function("mkdir", None, ctypes.c_int),
     )
     if None in vars(functions).values() or ctypes.sizeof(ctypes.c_ssize_t) != 8:
         return None

@@ -161,7 +161,7 @@ def unreachable_error(endpoint: str, where: str, why: str) -> StoreUnreachableEr
     )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class ObjectInfo:
     """One listed object.
 
@@ -176,6 +176,22 @@ class ObjectInfo:
     key: str
     size: int
     etag: str | None = None
+
+    def __init__(self, key: str, size: int, etag: str | None = None) -> None:
+        set_key, set_size, set_etag = _OBJECT_INFO_SETTERS  # see slot_setters
+        set_key(self, key)
+        set_size(self, size)
+        set_etag(self, etag)
+
+
+def slot_setters(cls: type, *names: str) -> tuple[Any, ...]:
+    """The setters of the slots ``names`` of ``cls``, a frozen dataclass with slots, for its own
+    ``__init__``: dataclass's sets each field by ``object.__setattr__``, about twice the
+    instructions of its slot's descriptor (one object per listed object and item is made)."""
+    return tuple(cls.__dict__[name].__set__ for name in names)
+
+
+_OBJECT_INFO_SETTERS = slot_setters(ObjectInfo, "key", "size", "etag")
 
 
 @runtime_checkable
