@@ -84,12 +84,15 @@ class Item:
     is_file: bool = False
     unsafe: UnsafeKeyError | None = field(default=None, compare=False)
 
-    def __init__(self, name: str, files: tuple[FileEntry, ...], size: int, is_file: bool = False) -> None:
-        set_name, set_files, set_size, set_is_file = _ITEM_SETTERS  # see slot_setters
+    def __init__(
+        self, name: str, files: tuple[FileEntry, ...], size: int, is_file: bool = False, unsafe: UnsafeKeyError | None = None
+    ) -> None:
+        set_name, set_files, set_size, set_is_file, set_unsafe = _ITEM_SETTERS  # see slot_setters
         set_name(self, name)
         set_files(self, files)
         set_size(self, size)
         set_is_file(self, is_file)
+        set_unsafe(self, unsafe)
 
     @property
     def version(self) -> str | None:
@@ -106,7 +109,7 @@ class Item:
         return any(f.etag is not None for f in self.files)
 
 
-_ITEM_SETTERS = slot_setters(Item, "name", "files", "size", "is_file")
+_ITEM_SETTERS = slot_setters(Item, "name", "files", "size", "is_file", "unsafe")
 
 
 def version_of(files: Sequence[tuple[str, int, str | None]]) -> str | None:
