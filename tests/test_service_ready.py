@@ -155,6 +155,16 @@ def test_a_restart_does_not_end_a_consumer_loop(s3_source, s3_endpoint, tmp_path
 
 
 # ---- a clean run logs no warning -------------------------------------------------------------
+def test_a_daemon_whose_source_holds_an_item_over_its_capacity_exits_78(s3_source, s3_endpoint, tmp_path, short_dir):
+    # It exited 1 (could not start), which the shipped unit restarts every 5 s, each start listing
+    # the same item again.
+    s3_source.folders(2, {"big.bin": 2 * 1024 * KIB})
+    config = write_config(tmp_path, short_dir / "api.sock", s3_endpoint, s3_source.url)
+    proc = subprocess.run([*CLI, "serve", "--config", str(config)], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 78, proc.stderr
+    assert "cannot start: OversizeError" in proc.stderr and "on_oversize" in proc.stderr, proc.stderr
+
+
 def test_a_clean_run_logs_no_warning(s3_source, s3_endpoint, tmp_path, short_dir):
     s3_source.folders(6, FILES)
     sock = short_dir / "api.sock"

@@ -18,6 +18,7 @@ Exit status: 0 after SIGTERM/SIGINT, 1 when the daemon cannot start or its API t
 :mod:`.preflight`: a ``socket_group`` that does not exist, a directory it cannot create or
 write), a pipeline with ``on_error: raise`` meets a key that cannot be stored in its first
 listing page (:class:`~cachepipe.UnsafeKeyError`: the same listing would refuse every restart),
+one with ``on_oversize: raise`` an item larger than its capacity (:class:`~cachepipe.OversizeError`),
 or the ``service`` extra is not installed (the unit's ``RestartPreventExitStatus=78``:
 restarting would not help).
 """
@@ -35,7 +36,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from ..errors import CachePipeError, ConfigError, UnsafeKeyError
+from ..errors import CachePipeError, ConfigError, OversizeError, UnsafeKeyError
 from .config import ServiceConfig, load_config
 from .daemon import Daemon
 from .logs import set_level, setup_logging
@@ -124,7 +125,7 @@ def _run(config_path: Path, config: Any, notifier: Notifier) -> int:
             log.error("cannot start: %s", exc)
             daemon.stop()
             return EX_CONFIG
-        except UnsafeKeyError as exc:  # the data, as listed, with on_error "raise": a restart lists it again
+        except (UnsafeKeyError, OversizeError) as exc:  # the data as listed, refused ("raise"): so would a restart
             log.error("cannot start: %s: %s", type(exc).__name__, exc)
             daemon.stop()
             return EX_CONFIG
