@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import logging
 import re
 import sys
 from array import array
@@ -31,6 +32,8 @@ from .errors import UnsafeKeyError
 from .stores.base import ObjectInfo, slot_setters
 
 __all__ = ["RESERVED_NAMES", "Catalog", "FileEntry", "Item", "Names", "check_key", "group_items"]
+
+log = logging.getLogger("cachepipe")
 
 #: top-level names cachepipe keeps for itself inside the cache directory
 RESERVED_NAMES = frozenset({".cachepipe"})
@@ -221,6 +224,8 @@ def _grouped(
     first: tuple[str, list[str]] = ("", [])  # the folder's first key and its segments under the folder
     tree: _TreeCheck | None = None  # made at a folder's second file: one file cannot collide
     everything = _TreeCheck() if mode == "files" else None
+    loose: list[str] = []  # the first object beside the folders, and how many
+    skipped = 0
     for obj in objects:
         key = obj.key
         if last_key is not None and key <= last_key:
@@ -242,7 +247,9 @@ def _grouped(
             yield key, obj.size, [("", obj.size, obj.etag)], error
             continue
         if len(segments) < 2:
-            continue  # a loose object beside the folders: not part of any item
+            skipped += 1  # a loose object beside the folders: not part of any item
+            loose = loose or [key]
+            continue
         name, inside = segments[0], segments[1:]
         if name != current:
             if files:
@@ -264,6 +271,13 @@ def _grouped(
         size += obj.size
     if files:
         yield current, size, files, unsafe  # type: ignore[misc]
+    if skipped and current is not None:  # with no folder at all, the listing is refused, saying so
+        log.warning(
+            "%d object(s) lie directly under the prefix, beside its folders, and are part of no item "
+            "(items='folders' makes an item of each folder; the first: %r)",
+            skipped,
+            loose[0],
+        )
 
 
 # ---- the columnar catalog ------------------------------------------------------------------

@@ -817,3 +817,20 @@ def test_a_share_taken_from_the_environment_is_said_at_open(tmp_path, monkeypatc
         assert len(list(pipe)) == 1
     opened = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("opened "))
     assert opened.endswith("this process reads the share of rank 1 of 4 (from RANK/WORLD_SIZE or torch.distributed)")
+
+
+def test_objects_beside_the_folders_are_said_to_be_in_no_item(tmp_path, caplog):
+    """items="folders" made items of the folders and passed over the objects beside them
+    (readme.txt, a stray clip) without a word."""
+    for name in ("a", "b"):
+        (tmp_path / "src" / name).mkdir(parents=True)
+        (tmp_path / "src" / name / "f").write_text(name)
+    (tmp_path / "src" / "readme.txt").write_text("beside the folders")
+    with caplog.at_level(logging.WARNING, logger="cachepipe"), Pipeline(tmp_path / "src", tmp_path / "c", "1MiB") as pipe:
+        assert [item.name for item in pipe] == ["a", "b"]
+    said = [r.getMessage() for r in caplog.records if "directly under the prefix" in r.getMessage()]
+    expected = (
+        "1 object(s) lie directly under the prefix, beside its folders, and are part of no item "
+        "(items='folders' makes an item of each folder; the first: 'readme.txt')"
+    )
+    assert said == [expected]
