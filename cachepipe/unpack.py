@@ -49,7 +49,7 @@ import tarfile
 import threading
 import zipfile
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Literal, cast
@@ -739,7 +739,7 @@ def unpack_in_place(
         os.rename(item, source)
     try:
         result = unpack_item(source, out, limit_bytes=limit_bytes, max_members=max_members, stop=stop, advice=advice, name=name)
-        _adopt(item, out, result.other)
+        adopt_others(item, out, result.other, move=True)
     except BaseException:
         if os.path.lexists(out):
             shutil.rmtree(out)
@@ -761,21 +761,7 @@ def adopt_others(item: str | os.PathLike[str], out: str | os.PathLike[str], othe
         ArchiveError: a path that an extracted member (a file, a link, or a file where a folder
             is needed) already holds; nothing is put then.
     """
-    _adopt(Path(item), Path(out), others, os.rename if move else _link_or_copy)
-
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    try:
-        os.link(source, target)
-    except OSError as exc:
-        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
-            raise
-        shutil.copy2(source, target)
-
-
-def _adopt(item: Path, out: Path, others: list[str], place: Callable[[Path, Path], object] = os.rename) -> None:
-    """Move (``place``) the item's files that are not archives into the extraction, refusing any
-    path that an extracted member (a file, a link, or a file where a folder is needed) already holds."""
+    item, out = Path(item), Path(out)
     for rel in others:
         parts = rel.split("/")
         for depth in range(1, len(parts) + 1):
@@ -788,7 +774,16 @@ def _adopt(item: Path, out: Path, others: list[str], place: Callable[[Path, Path
     for rel in others:
         target = out / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        place(item / rel, target)
+        (os.rename if move else _link_or_copy)(item / rel, target)
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    try:
+        os.link(source, target)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+            raise
+        shutil.copy2(source, target)
 
 
 def _unpack_one(root: Path, volumes: list[str], checksums: dict[str, str], extraction: _Extraction) -> None:

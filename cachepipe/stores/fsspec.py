@@ -150,7 +150,7 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool, first:
     refused = any(isinstance(err, ConnectionRefusedError) for err in chain)
     if refused and not answered:
         return unreachable_error(endpoint, where, "connection refused before it ever answered")
-    if first and not answered and (url := _timed_out_connecting(chain)) is not None:
+    if first and not answered and (url := _timed_out(chain, connecting=True)) is not None:
         if not _credentials_host(url):
             return unreachable_error(endpoint, where, NO_ANSWER)
         return store_code(TimeoutError(f"no answer to a connection to {url} (for {where}): {exc}"), None, endpoint)
@@ -167,22 +167,14 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool, first:
     return store_code(OSError(f"{where} {at}: {name}: {exc}"), None, endpoint)  # no errno: permanent
 
 
-def _timed_out(chain: list[BaseException]) -> str | None:
-    """The endpoint URL of a request that timed out in ``chain``, connecting or reading (as
-    :func:`_timed_out_connecting`); None if none did."""
+def _timed_out(chain: list[BaseException], connecting: bool = False) -> str | None:
+    """The endpoint URL of a request that timed out in ``chain`` (botocore's error names it; ""
+    if it does not: the direct path's is the store's endpoint), connecting or reading, or only
+    connecting (``connecting``); None if none did."""
     for err in chain:
-        if isinstance(err, TimeoutError) or "Timeout" in type(err).__name__:
-            kwargs = getattr(err, "kwargs", None)
-            return str(kwargs.get("endpoint_url") or "") if isinstance(kwargs, dict) else ""
-    return None
-
-
-def _timed_out_connecting(chain: list[BaseException]) -> str | None:
-    """The endpoint URL of a connect that timed out in ``chain`` (botocore's error names it; ""
-    if it does not: the direct path's is the store's endpoint); None if no connect timed out."""
-    for err in chain:
-        if "ConnectTimeout" in type(err).__name__:  # botocore's ConnectTimeoutError, s3direct's
-            kwargs = getattr(err, "kwargs", None)
+        name = type(err).__name__
+        if "ConnectTimeout" in name if connecting else isinstance(err, TimeoutError) or "Timeout" in name:
+            kwargs = getattr(err, "kwargs", None)  # botocore's ConnectTimeoutError and ReadTimeoutError, s3direct's
             return str(kwargs.get("endpoint_url") or "") if isinstance(kwargs, dict) else ""
     return None
 
