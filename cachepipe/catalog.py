@@ -224,8 +224,8 @@ def _grouped(
     first: tuple[str, list[str]] = ("", [])  # the folder's first key and its segments under the folder
     tree: _TreeCheck | None = None  # made at a folder's second file: one file cannot collide
     everything = _TreeCheck() if mode == "files" else None
-    loose: list[str] = []  # the first object beside the folders, and how many
-    skipped = 0
+    loose = ""  # the first object beside the folders
+    skipped = 0  # how many
     for obj in objects:
         key = obj.key
         if last_key is not None and key <= last_key:
@@ -248,7 +248,7 @@ def _grouped(
             continue
         if len(segments) < 2:
             skipped += 1  # a loose object beside the folders: not part of any item
-            loose = loose or [key]
+            loose = loose or key
             continue
         name, inside = segments[0], segments[1:]
         if name != current:
@@ -276,7 +276,7 @@ def _grouped(
             "%d object(s) lie directly under the prefix, beside its folders, and are part of no item "
             "(items='folders' makes an item of each folder; the first: %r)",
             skipped,
-            loose[0],
+            loose,
         )
 
 
@@ -563,7 +563,7 @@ class Catalog(Sequence[Item]):
         for j in range(self._first_file[i], self._first_file[i + 1]):
             rel = rels.data[rels.offsets[j] : rels.offsets[j + 1]].decode("utf-8", _UTF8_ERRORS)
             files.append(FileEntry(name if is_file else f"{name}/{rel}", rel, sizes[j], self._etag(j)))
-        return Item(name, tuple(files), self._sizes[i], is_file=self.mode == "files", unsafe=self._unsafe.get(i))
+        return Item(name, tuple(files), self._sizes[i], is_file=is_file, unsafe=self._unsafe.get(i))
 
     def __iter__(self) -> Iterator[Item]:
         for i in range(len(self)):

@@ -432,7 +432,7 @@ class Fetcher:
         extra = self._extra(item)
         # an item over the cache's limit is refused by acquire (oversize) whatever the disk's free
         # space: waiting for that first would hold every later item up for ever
-        if item.size + extra <= self._cache.limit and not self._wait_for_free_space(item.size):
+        if item.size <= self._cache.limit and not self._wait_for_free_space(item.size):
             return False
         try:
             got = self._cache.acquire(item, tick, self._broker.starving, extra, lambda: self._broker.withdrawn(seq))

@@ -100,8 +100,8 @@ def sort_leftovers(
     named = replay.published | replay.publishing
     live = named if reusable else set()
     ours = named | {name for _epoch, name in replay.acked}
-    unsafe = {items.name(i) for i in items.unsafe}  # never written: such a name is no path of ours
     if rebuilt:
+        unsafe = {items.name(i) for i in items.unsafe}  # never written: such a name is no path of ours
         ours = live = {name for name in items.names if name not in unsafe and os.path.lexists(root / name)}
     reuse: dict[str, int] = {}
     stale: list[str] = []

@@ -113,8 +113,9 @@ class _MapRun:
                 self._record_share(planned)
                 # an item whose keys cannot be stored is refused, whatever DST holds: never downloaded
                 unsafe = {mi.name: mi.unsafe for mi in planned if mi.unsafe is not None}
-                done = self._done(dst, [mi for mi in planned if mi.unsafe is None])
-                todo = [mi for mi in planned if mi.name not in done and mi.unsafe is None]
+                safe = [mi for mi in planned if mi.unsafe is None]
+                done = self._done(dst, safe)
+                todo = [mi for mi in safe if mi.name not in done]
                 result.items_skipped = len(done)
                 result.planned = [mi.name for mi in todo]
                 if not cfg.dry_run:

@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -370,16 +371,24 @@ def load_config(path: str | os.PathLike[str], *, environ: dict[str, str] | None 
     return config
 
 
+def _daemon_variables(environ: Any) -> Iterator[tuple[str, list[str]]]:
+    """Each ``CACHEPIPE_*`` variable of ``environ`` that no other command reads
+    (:data:`OTHER_VARIABLES`), in order, with its parts after the prefix (lower case, split at ``__``)."""
+    for variable in sorted(environ, key=str.upper):
+        name = variable.upper()
+        if name.startswith(ENV_PREFIX) and name not in OTHER_VARIABLES:
+            yield variable, name.removeprefix(ENV_PREFIX).lower().split("__")
+
+
 def _unknown_variables(environ: Any) -> list[str]:
     """One line for each ``CACHEPIPE_*`` variable that names no setting (by its first part: a
     nested typo, ``CACHEPIPE_PIPELINES__TRAIN__CAPACTIY``, is pydantic's unknown key) and that
     no other command reads (:data:`OTHER_VARIABLES`); pydantic-settings would ignore it."""
     fields = list(ServiceConfig.model_fields)
     lines = []
-    for variable in sorted(environ, key=str.upper):
-        name = variable.upper()
-        field = name.removeprefix(ENV_PREFIX).split("__")[0].lower()
-        if not name.startswith(ENV_PREFIX) or name in OTHER_VARIABLES or field in fields:
+    for variable, parts in _daemon_variables(environ):
+        field = parts[0]
+        if field in fields:
             continue
         if close := closest(field, fields):
             expected = f"did you mean {ENV_PREFIX + close.upper()}?"
@@ -396,11 +405,7 @@ def _note_environment(data: dict[str, Any], path: str, environ: Any) -> None:
     """Log each setting a ``CACHEPIPE_*`` variable sets: a warning when the file sets it too (the
     variable wins, and the file does not say so: a ``CACHEPIPE_SOCKET`` exported for the clients
     moves the daemon's socket), otherwise at info. Values are not shown (credentials)."""
-    for variable in sorted(environ, key=str.upper):
-        name = variable.upper()
-        if not name.startswith(ENV_PREFIX) or name in OTHER_VARIABLES:
-            continue
-        parts = name.removeprefix(ENV_PREFIX).lower().split("__")
+    for variable, parts in _daemon_variables(environ):
         field, node = ".".join(parts), data
         for part in parts:
             node = node.get(part, _ABSENT) if isinstance(node, dict) else _ABSENT

@@ -125,14 +125,11 @@ def _run(config_path: Path, config: Any, notifier: Notifier) -> int:
             log.error("cannot start: %s", exc)
             daemon.stop()
             return EX_CONFIG
-        except (UnsafeKeyError, OversizeError) as exc:  # the data as listed, refused ("raise"): so would a restart
-            log.error("cannot start: %s: %s", type(exc).__name__, exc)
-            daemon.stop()
-            return EX_CONFIG
         except (CachePipeError, OSError, ValueError) as exc:
             log.error("cannot start: %s: %s", type(exc).__name__, exc)
             daemon.stop()
-            return 1
+            # the data as listed, refused ("raise"): a restart would list it again
+            return EX_CONFIG if isinstance(exc, (UnsafeKeyError, OversizeError)) else 1
         phase[0] = "running"
         notifier.ready(daemon.status_line())
         if notifier.watchdog_interval:
