@@ -1159,6 +1159,33 @@ def test_a_function_from_an_interactive_main_is_refused_before_anything_runs(tmp
     assert "capacity" not in run.stderr  # before: "capacity 1048574 is 1048574 bytes, less than 1 MiB", of map's own sizing
 
 
+def test_a_script_that_calls_map_outside_its_main_guard_is_refused_before_anything_runs(tmp_path):
+    """First-hour review: without the ``if __name__ == "__main__":`` guard, each spawned child ran
+    the script again, so map_items again, and every item failed after its download, with the
+    cache lock's error in the tails. Now the call is refused at once, naming the line."""
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "f").write_bytes(b"x")
+    call = f"map_items(fn, {str(src)!r}, {str(tmp_path / 'dst')!r}, cache_dir={str(cache)!r}, capacity='1MiB')"
+    head = "import sys\nfrom cachepipe.map import map_items\ndef fn(item, out):\n    open(out + '/g', 'w').write('k')\n"
+    bodies = {
+        "top level": f"{call}\n",
+        "in a function called at top level": f"def main():\n    {call}\ntry:\n    main()\nfinally:\n    pass\n",
+    }
+    for what, body in bodies.items():
+        script = tmp_path / "job.py"
+        script.write_text(head + body)
+        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
+        line = 5 if what == "top level" else 8
+        assert run.returncode == 1 and not cache.exists(), (what, run.stderr)
+        assert f"RuntimeError: {script}, line {line}: a child process that runs fn starts by running the main script again" in run.stderr
+        assert 'is not under the script\'s `if __name__ == "__main__":` guard' in run.stderr, what
+    guarded = head + "if sys.argv and __name__ == '__main__':\n    print('done', " + call + ".items_done)\n"
+    script.write_text(guarded)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0 and "done 1" in run.stdout, run.stderr
+
+
 def test_refusals_before_anything_runs(tmp_path):
     src, dst, cache = tmp_path / "src", str(tmp_path / "dst"), tmp_path / "cache"
     (src / "a").mkdir(parents=True)

@@ -8,9 +8,12 @@ downloads and the jobs' output slots, takes the work folder's lock, and feeds th
 
 from __future__ import annotations
 
+import ast
 import fcntl
+import inspect
 import io
 import logging
+import multiprocessing
 import os
 import pickle
 import shutil
@@ -429,6 +432,47 @@ def _from_fileless_main(fn: Any) -> bool:
     return not getattr(main, "__file__", None)
 
 
+UNGUARDED = (
+    "a child process that runs fn starts by running the main script again (multiprocessing's spawn), "
+    'and this call to map_items is not under the script\'s `if __name__ == "__main__":` guard, so each child '
+    "would run map_items again instead of fn: put the call (or the call of the function that makes it) under the guard"
+)
+
+
+def _unguarded_line() -> int | None:
+    """The line of the main script's top-level statement running now (the one that led to this
+    call), if no ``if`` that tests ``__name__`` encloses it, so that a spawned child, which runs
+    the script again by its file or module name (as multiprocessing's spawn does), would run
+    it too; None if one does, or there is no script for spawn to run or for us to read."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if main is None or not path or (name is not None and (name == "__main__" or name.endswith(".__main__"))):
+        return None  # spawn does not run such a main again (and a fn from it is refused on its own)
+    line, frame = None, inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals is vars(main):
+            line = frame.f_lineno
+        frame = frame.f_back
+    if line is None:
+        return None
+    try:
+        body = ast.parse(Path(path).read_bytes(), path).body
+    except (OSError, SyntaxError, ValueError):
+        return None
+    while True:
+        stmt = next((s for s in body if s.lineno <= line <= (s.end_lineno or s.lineno)), None)
+        if stmt is None or (
+            isinstance(stmt, ast.If) and any(isinstance(n, ast.Name) and n.id == "__name__" for n in ast.walk(stmt.test))
+        ):
+            return None  # not found (the file changed?), or under a guard
+        inner = [getattr(stmt, f, []) for f in ("body", "orelse", "finalbody")]
+        inner += [h.body for h in getattr(stmt, "handlers", [])] + [c.body for c in getattr(stmt, "cases", [])]
+        body = [s for block in inner if isinstance(block, list) for s in block if isinstance(s, ast.stmt)]
+        if not body:
+            return line
+
+
 def map_items(
     fn: Callable[[str, str], Any] | Sequence[str] | None,
     source: str,
@@ -485,7 +529,9 @@ def map_items(
 
     Raises:
         ValueError: a bad option, or nothing to do (no ``fn``, no command, no ``unpack``).
-        TypeError: ``fn`` cannot be pickled for the child process.
+        TypeError: ``fn`` cannot be pickled for the child process, or it is defined in a
+            ``__main__`` that the child cannot import (``python -c``, a REPL, a notebook).
+        RuntimeError: the call runs at a script's top level outside its ``__main__`` guard.
         CacheLockedError: another map run or pipeline uses ``cache_dir``.
     """
     command: tuple[str, ...] | None = None
@@ -504,6 +550,10 @@ def map_items(
             pickle.dumps(fn)
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
             raise TypeError(f"fn {fn!r} cannot be sent to a child process ({exc}); define it at module level") from exc
+        line = _unguarded_line()
+        if line is not None or getattr(multiprocessing.current_process(), "_inheriting", False):
+            where = f"{sys.modules['__main__'].__file__}, line {line}: " if line is not None else ""
+            raise RuntimeError(where + UNGUARDED)  # else each child runs map_items, and every item fails
         if _from_fileless_main(fn):
             raise TypeError(
                 f"fn {fn!r} is defined in __main__ of an interactive session (python -c, a REPL, a notebook) or of a "
