@@ -7,6 +7,7 @@
     cachepipe renew   PATH [--lease ID]                            extend its lease
     cachepipe status  [--json]
     cachepipe wait    [--timeout S]                                until the daemon serves (scripts)
+    cachepipe delete-job NAME [--force]                            end a job, deleting its cached items
     cachepipe index SRC -o DEST [--items folders|files]          list SRC once into a manifest
     cachepipe map SRC DST --cache DIR --capacity SIZE [--jobs N] [--unpack] ... -- CMD ARGS...
     cachepipe print-unit [NAME]      print a shipped systemd unit (default cachepipe.service)
@@ -19,7 +20,8 @@ at once). ``wait`` waits ``--timeout`` seconds (default 30) for a daemon to serv
 
 Exit status: 0 success; 1 error (daemon unreachable, item failed...); 2 usage; 3 ``next``:
 every item was delivered; 4 ``next``: no item within ``--timeout``; 5 ``ack``/``release``/
-``renew`` refused (not handed out, or the lease expired and the item went to another consumer);
+``renew`` refused (not handed out, or the lease expired and the item went to another consumer),
+``delete-job`` refused (the job's lanes have not all consumed their share: ``--force``);
 ``wait``: 0 the daemon serves (it prints its health: ``ok``, or ``degraded`` when a pipeline is
 down), 4 not serving within ``--timeout``, 1 cannot reach it for another reason (no permission
 on its socket...). ``serve``: 78 invalid configuration, or one this host cannot run (a
@@ -36,11 +38,14 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .client import DEFAULT_STARTUP_TIMEOUT
 from .errors import UnknownItemError
+
+if TYPE_CHECKING:
+    from .client import Client
 
 __all__ = ["EXIT_CONFIG", "EXIT_END", "EXIT_REFUSED", "EXIT_TIMEOUT", "main"]
 
@@ -91,8 +96,14 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("path", help="the item's local path, as printed by `cachepipe next`")
         cmd.add_argument("--lease", "-l", default=None, help="lease id from `cachepipe next --json` (refused if it expired)")
 
-    status = sub.add_parser("status", parents=[client], help="show the daemon's pipelines and counters")
+    status = sub.add_parser("status", parents=[client], help="show the daemon's pipelines and jobs, with their counters")
     status.add_argument("--json", action="store_true", help="print the full status as JSON")
+
+    delete = sub.add_parser("delete-job", parents=[client], help="end a job: its downloads stop, its cached items are deleted")
+    delete.add_argument("job", metavar="NAME", help="the job's name, as `cachepipe status` lists it")
+    delete.add_argument(
+        "--force", "-f", action="store_true", help="delete it even if its lanes have not all consumed their share"
+    )
 
     wait = sub.add_parser("wait", parents=[client], help="wait until the daemon serves (exit 0), or --timeout passes (4)")
     wait.add_argument("--timeout", "-t", type=_seconds, default=30.0, help="seconds to wait (default 30)")
@@ -162,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(json.dumps(item.to_json()) if args.json else item.path)
             elif args.command in ("ack", "release", "renew"):
                 getattr(client, args.command)(args.path, args.lease)
+            elif args.command == "delete-job":
+                return _delete_job(client, args.job, args.force)
             else:
                 info = client.status()
                 print(json.dumps(info, indent=2) if args.json else format_status(info))
@@ -174,6 +187,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConnectionError, ServiceError, ValueError) as exc:
         print(f"cachepipe: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _delete_job(client: Client, name: str, force: bool) -> int:
+    """``cachepipe delete-job``: delete job ``name``, unless (without ``force``) its lanes have not
+    all consumed their share: its cached items would go, and its lanes would register it again
+    and download from the start. A name the daemon does not know is its error (naming its jobs)."""
+    job = None if force else client.status().get("jobs", {}).get(f"job/{name}")
+    if job is not None and (left := len(job["lanes"]) - job.get("lanes_done", 0)) > 0:
+        endless = " (its plan has no end: epochs null)" if job["spec"].get("epochs", 1) is None else ""
+        print(
+            f"cachepipe: job {name!r}: {left} of its {len(job['lanes'])} lanes have not consumed their "
+            f"share{endless}, {job.get('waiting', 0)} waiting for an item now; deleting it deletes its cached items, and "
+            "a lane still reading registers it again and downloads from the start. --force deletes it anyway",
+            file=sys.stderr,
+        )
+        return EXIT_REFUSED
+    client.delete_job(name)
     return 0
 
 
@@ -234,46 +265,103 @@ def _print_shipped(unit: str | None) -> int:
     return 0
 
 
+_PIPELINE_HEAD = (
+    "PIPELINE",
+    "STATE",
+    "READY",
+    "LEASED",
+    "HANDED",
+    "ACKED",
+    "REDELIVERED",
+    "FAILED",
+    "CACHED",
+    "CAPACITY",
+    "SOURCE",
+)
+# a job's consumers are its lanes (rank, worker): DONE counts those that consumed their whole share
+_JOB_HEAD = (
+    "JOB",
+    "STATE",
+    "LANES",
+    "DONE",
+    "WAITING",
+    "READY",
+    "TAKEN",
+    "CONSUMED",
+    "FAILED",
+    "SKIPPED",
+    "CACHED",
+    "CAPACITY",
+    "SOURCE",
+)
+
+
 def format_status(info: dict[str, Any]) -> str:
-    """The readable table of ``cachepipe status``."""
+    """The readable text of ``cachepipe status``: a line on the daemon, a table of its pipelines
+    (left out when it has none but jobs), a table of its jobs (when it has some), and the error
+    of each pipeline that is down."""
     from .sizes import format_size  # not on the path of `next` and `ack`
 
-    head = ("PIPELINE", "STATE", "READY", "LEASED", "HANDED", "ACKED", "REDELIVERED", "FAILED", "CACHED", "CAPACITY", "SOURCE")
-    rows = [head]
-    for name, p in sorted(info.get("pipelines", {}).items()):
-        s = p.get("stats") or {}
-        rows.append(
-            (
-                name,
-                p.get("state", "?"),
-                str(s.get("items_ready", "-")),
-                str(p.get("leased", "-")),
-                str(s.get("items_handed", "-")),
-                str(s.get("items_acked", "-")),
-                str(s.get("items_redelivered", "-")),
-                str(s.get("items_failed", "-")),
-                format_size(s["bytes_in_cache"]) if "bytes_in_cache" in s else "-",
-                format_size(s["capacity"]) if "capacity" in s else "-",
-                p.get("source", ""),
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    numeric = {2, 3, 4, 5, 6, 7, 8, 9}
+    def sizes(stats: dict[str, Any]) -> list[str]:
+        return [format_size(stats[key]) if key in stats else "-" for key in ("bytes_in_cache", "capacity")]
+
+    pipelines, jobs = sorted(info.get("pipelines", {}).items()), sorted(info.get("jobs", {}).items())
+    up = info.get("uptime_seconds", 0)
     lines = [
+        f"cachepipe {info.get('version', '?')}, pid {info.get('pid', '?')}, up {_duration(up)}, socket {info.get('socket', '?')}"
+    ]
+    rows = []
+    for name, p in pipelines:
+        s = p.get("stats") or {}
+        counts = _counts(
+            s.get("items_ready"),
+            p.get("leased"),
+            s.get("items_handed"),
+            s.get("items_acked"),
+            s.get("items_redelivered"),
+            s.get("items_failed"),
+        )
+        rows.append((name, p.get("state", "?"), *counts, *sizes(s), p.get("source", "")))
+    if pipelines or not jobs:
+        lines += _table(_PIPELINE_HEAD, rows)
+    rows = []
+    for name, j in jobs:
+        s, lanes, done = j.get("stats") or {}, len(j.get("lanes", ())), j.get("lanes_done")
+        counts = _counts(
+            lanes,
+            done,
+            j.get("waiting"),
+            s.get("items_ready"),
+            s.get("items_handed"),
+            s.get("items_acked"),
+            s.get("items_failed"),
+            s.get("items_skipped"),
+        )
+        state = "done" if lanes and done == lanes else "open"
+        rows.append((j.get("job", name.removeprefix("job/")), state, *counts, *sizes(s), (j.get("spec") or {}).get("source", "")))
+    if jobs:
+        lines += ["", *_table(_JOB_HEAD, rows)] if pipelines else _table(_JOB_HEAD, rows)
+    lines += [f"{name}: {p['error']}" for name, p in pipelines if p.get("error")]
+    return "\n".join(lines)
+
+
+def _counts(*values: Any) -> list[str]:
+    """Table cells of counters: ``-`` for one the daemon did not give."""
+    return ["-" if v is None else str(v) for v in values]
+
+
+def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    """``head`` and ``rows`` as aligned lines: the first two columns and the last to the left,
+    the others (numbers and sizes) to the right."""
+    rows = [head, *rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    last = len(head) - 1
+    return [
         "  ".join(
-            (cell.rjust(w) if i in numeric else cell.ljust(w)) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+            (cell.ljust(w) if i < 2 or i == last else cell.rjust(w)) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
         ).rstrip()
         for row in rows
     ]
-    up = info.get("uptime_seconds", 0)
-    lines.insert(
-        0,
-        f"cachepipe {info.get('version', '?')}, pid {info.get('pid', '?')}, up {_duration(up)}, socket {info.get('socket', '?')}",
-    )
-    for name, p in sorted(info.get("pipelines", {}).items()):
-        if p.get("error"):
-            lines.append(f"{name}: {p['error']}")
-    return "\n".join(lines)
 
 
 def _duration(seconds: float) -> str:

@@ -565,6 +565,20 @@ class Client:
         reply: dict[str, Any] = json.loads(data)
         return reply
 
+    def delete_job(self, job: str) -> None:
+        """End job ``job`` (``DELETE /v1/jobs/JOB``): the daemon stops its downloads and deletes
+        its cached items. Its lanes, if any still read, would register it again and start over.
+
+        Raises:
+            ServiceError: no job of that name (404, naming the registered ones), or the daemon
+                takes no jobs (404).
+            ConnectionError: the daemon cannot be reached.
+        """
+        self._require_open()
+        status, data = self._request("DELETE", f"/v1/jobs/{quote(job, safe='')}", None, self.request_timeout)
+        if status != 200:
+            self._raise_for(status, data)
+
     def health(self) -> dict[str, Any]:
         """``GET /v1/health``: ``{"status": "ok" | "degraded" | "stopping", "pipelines": ...}``
         (an unhealthy daemon's answer is returned too, not raised)."""

@@ -822,6 +822,12 @@ class NodePipeline(Pipeline):
         lane = self.node_plan.lane(rank, worker)
         self._move(lane, self._queues.schedule.normalise(lane, cursor))
 
+    def lanes_done(self) -> int:
+        """How many of the node's lanes have consumed their whole share: each step of every
+        epoch (always 0 for a plan without end, ``epochs=None``). Once the pipeline has opened."""
+        queues = self._queues
+        return sum(queues.schedule.done(lane, floor) for lane, floor in enumerate(queues.floors()))
+
     def _conflict(self, rank: int, worker: int, at: Cursor, floor: Cursor) -> LaneConflictError:
         """The error for the consumer of lane ``(rank, worker)`` that waited for ``at`` while
         another moved the lane to ``floor``; logged once per lane. It does not move the lane back:

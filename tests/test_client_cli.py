@@ -13,8 +13,9 @@ import pytest
 import yaml
 
 from cachepipe import UnknownItemError
-from cachepipe.cli import EXIT_END, EXIT_REFUSED, EXIT_TIMEOUT, format_status
+from cachepipe.cli import EXIT_END, EXIT_REFUSED, EXIT_TIMEOUT, format_status, main
 from cachepipe.client import Client, ServedItem, ServiceError
+from cachepipe.jobclient import JobClient
 from cachepipe.service.testing import DaemonProcess
 
 KIB = 1024
@@ -267,3 +268,91 @@ def test_format_status_is_a_table():
     assert lines[0] == "cachepipe 0.1.0, pid 1, up 1m5s, socket /run/s"
     assert lines[2].split() == ["train", "open", "3", "2", "7", "5", "0", "0", "3.0", "MiB", "50.0", "GiB", "s3://b/p/"]
     assert lines[3].split()[:2] == ["val", "down"] and lines[-1] == "val: EmptySourceError: no items"
+
+
+# ---- jobs in the CLI -------------------------------------------------------------------------
+@pytest.fixture
+def jobs_served(tmp_path, short_dir):
+    """A daemon with a jobs section only (no pipelines) over a local source of 2 folders; yields
+    its socket path and a job's spec (one rank)."""
+    src = tmp_path / "src"
+    for i in range(2):
+        (src / f"item{i}").mkdir(parents=True)
+        (src / f"item{i}" / "a.bin").write_bytes(bytes(100))
+    sock = short_dir / "api.sock"
+    config = tmp_path / "cachepipe.yaml"
+    config.write_text(yaml.safe_dump({"socket": str(sock), "jobs": {"root": str(tmp_path / "jobs"), "capacity": "1MiB"}}))
+    with DaemonProcess(config):
+        yield sock, {"source": str(src), "world_size": 1, "ranks": [0]}
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``cachepipe ARGS`` in this process (no interpreter to start): exit status, stdout, stderr."""
+    status = main(list(args))
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def test_status_shows_a_row_per_job(jobs_served, capsys):
+    # A daemon whose only work was jobs showed a header of pipelines and nothing else.
+    sock, spec = jobs_served
+    with JobClient("train", {**spec, "num_workers": 2}, 0, socket=sock) as lane:
+        assert lane.take((0, 0), timeout=30).name == "item0"
+        status, out, _ = cli(capsys, "status", "--socket", str(sock))
+        lines = out.splitlines()
+        assert status == 0 and len(lines) == 3, out  # no table of pipelines: there are none
+        assert (
+            " ".join(lines[1].split())
+            == "JOB STATE LANES DONE WAITING READY TAKEN CONSUMED FAILED SKIPPED CACHED CAPACITY SOURCE"
+        )
+        row = lines[2].split()
+        assert row[:5] == ["train", "open", "2", "0", "0"] and row[6:10] == ["1", "0", "0", "0"], out
+        assert row[-3:] == ["1.0", "MiB", spec["source"]], out
+        lane.consume((1, 0))  # both lanes move past the end of their share
+        with JobClient("train", {**spec, "num_workers": 2}, 0, worker=1, socket=sock) as other:
+            other.consume((1, 0))
+        info = json.loads(cli(capsys, "status", "--json", "--socket", str(sock))[1])
+        assert info["jobs"]["job/train"]["lanes_done"] == 2
+        row = cli(capsys, "status", "--socket", str(sock))[1].splitlines()[2].split()
+        assert row[:4] == ["train", "done", "2", "2"], row
+
+
+def test_delete_job_names_what_exists_and_refuses_a_job_still_read_without_force(jobs_served, capsys, tmp_path):
+    sock, spec = jobs_served
+    socket = ["--socket", str(sock)]
+    with JobClient("train", spec, 0, socket=sock) as lane:
+        assert lane.take((0, 0), timeout=30).name == "item0"
+    status, _, err = cli(capsys, "delete-job", "nope", *socket)
+    assert status == 1 and "no job 'nope' on this daemon: the jobs registered are 'train'" in err, err
+
+    status, _, err = cli(capsys, "delete-job", "train", *socket)  # its lane has not read its share
+    assert status == EXIT_REFUSED, err
+    assert err.startswith("cachepipe: job 'train': 1 of its 1 lanes have not consumed their share"), err
+    assert err.rstrip().endswith("--force deletes it anyway"), err
+    assert (tmp_path / "jobs" / "train" / "item0").is_dir()  # nothing was deleted
+
+    assert cli(capsys, "delete-job", "train", "--force", *socket) == (0, "", "")
+    assert not (tmp_path / "jobs" / "train" / "item0").exists()  # its items are deleted
+    with Client(socket=sock) as client:
+        assert client.status()["jobs"] == {}
+    status, _, err = cli(capsys, "delete-job", "train", *socket)
+    assert status == 1 and "no job 'train' on this daemon: no job is registered" in err, err
+
+    with JobClient("done", spec, 0, socket=sock) as lane:
+        lane.register()
+        lane.consume((1, 0))  # its one lane read its whole share: deleted without --force
+    assert cli(capsys, "delete-job", "done", *socket) == (0, "", "")
+
+
+def test_format_status_puts_the_jobs_below_the_pipelines():
+    stats = {"items_ready": 1, "items_handed": 4, "items_acked": 3, "items_failed": 0, "items_skipped": 1}
+    stats |= {"bytes_in_cache": 1024, "capacity": 2048}
+    job = {"job": "train", "spec": {"source": "s3://b/j/"}, "lanes": [[0, 0], [1, 0]], "lanes_done": 1, "waiting": 1}
+    info = {
+        "pipelines": {"val": {"state": "open", "leased": 0, "source": "s3://b/v/", "stats": {"items_ready": 2}}},
+        "jobs": {"job/train": {**job, "stats": stats}},
+    }
+    lines = format_status(info).splitlines()
+    assert lines[1].split()[0] == "PIPELINE" and lines[2].split()[:3] == ["val", "open", "2"] and lines[3] == ""
+    assert lines[4].split()[:3] == ["JOB", "STATE", "LANES"]
+    assert lines[5].split() == ["train", "open", "2", "1", "1", "1", "4", "3", "0", "1", "1.0", "KiB", "2.0", "KiB", "s3://b/j/"]

@@ -37,7 +37,7 @@ from .markers import HandOuts, MarkerWatcher
 from .metrics import Metrics, Snapshot, leased
 
 if TYPE_CHECKING:
-    from ..node import SkippedStep, Taken
+    from ..node import NodePipeline, SkippedStep, Taken
 
 __all__ = ["Daemon", "UnavailableError", "UnknownPipelineError"]  # the errors live in .errors; re-exported
 
@@ -595,7 +595,7 @@ class Daemon:
         """The bytes of the manifest ``digest`` (uploaded or listed here)."""
         return self._job_registry().manifest_bytes(digest)
 
-    def _job_entries(self) -> list[tuple[str, Pipeline, dict[str, Any]]]:
+    def _job_entries(self) -> list[tuple[str, NodePipeline, dict[str, Any]]]:
         return [(f"job/{name}", pipe, info) for name, pipe, info in self._jobs.entries()] if self._jobs else []
 
     # ---- views -----------------------------------------------------------------------
@@ -634,7 +634,12 @@ class Daemon:
             "socket": str(self.config.socket),
             "pipelines": pipelines,
             "jobs": {
-                name: {**info, "waiting": self._waiting.get(name, 0), "stats": dataclasses.asdict(pipe.stats())}
+                name: {
+                    **info,
+                    "lanes_done": pipe.lanes_done(),
+                    "waiting": self._waiting.get(name, 0),
+                    "stats": dataclasses.asdict(pipe.stats()),
+                }
                 for name, pipe, info in self._job_entries()
             },
         }

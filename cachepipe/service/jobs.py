@@ -449,8 +449,10 @@ class Jobs:
         """
         with self._lock:
             job = self._jobs.pop(name, None)
+            known = sorted(self._jobs)
         if job is None:
-            raise UnknownPipelineError(f"no job {name!r}")
+            registered = f"the jobs registered are {', '.join(map(repr, known))}" if known else "no job is registered"
+            raise UnknownPipelineError(f"no job {name!r} on this daemon: {registered}")
         pipe = job.pipeline
         pipe.config = pipe.config.model_copy(update={"keep_on_close": False})
         pipe.close()
