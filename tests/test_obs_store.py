@@ -21,6 +21,7 @@ pytest.importorskip("obs")
 from obs.model import GetResult
 
 from cachepipe.errors import ConfigError, StoreUnavailableError, StoreUnreachableError, is_transient
+from cachepipe.stores import check_store
 from cachepipe.stores.base import ObjectInfo, Store
 from cachepipe.stores.obs import CHUNK_SIZE, ObsServiceError, ObsStore
 
@@ -526,6 +527,33 @@ def test_bad_urls(url: str, s3_endpoint: str) -> None:
 def test_bad_page_size(page_size, s3_endpoint: str) -> None:
     with pytest.raises(ValueError, match="page_size"):
         ObsStore("obs://b/", {"server": s3_endpoint}, page_size=page_size)
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [({"timeout": None}, "timeout=None"), ({"custom_ciphers": "NO-SUCH-CIPHER"}, "custom_ciphers='NO-SUCH-CIPHER'")],
+)
+def test_what_the_client_refuses_when_it_is_made_check_store_refuses_naming_it_and_sends_nothing(extra, named) -> None:
+    """check_store (serve --check, and serve at its start) passed these: only ObsStore refused
+    them, when it made its client. Making one sends nothing: a listener at the endpoint sees no
+    connection, for a client that the check makes and closes."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.setblocking(False)
+        endpoint = f"https://127.0.0.1:{listener.getsockname()[1]}"
+        options = {**_keys(endpoint), "proxy_password": SECRET, **extra}
+        with pytest.raises(ConfigError, match=r"obs\.ObsClient refused the storage options it was given") as checked:
+            check_store("obs://b/p/", options)
+        message = str(checked.value)
+        assert f"server='{endpoint}'" in message and named in message and "proxy_password='***'" in message
+        _assert_no_secrets(message)
+        with pytest.raises(ConfigError) as opened:
+            ObsStore("obs://b/p/", options)
+        assert str(opened.value) == message
+        check_store("obs://b/p/", _keys(endpoint))
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing connected
 
 
 def test_endpoint_without_scheme_defaults_to_https() -> None:
