@@ -556,6 +556,14 @@ def test_what_the_client_refuses_when_it_is_made_check_store_refuses_naming_it_a
             listener.accept()  # nothing connected
 
 
+@pytest.mark.parametrize("server", ["http://127.0.0.1:abc", "http://h:1:2", "https://h:70000"])
+def test_an_endpoint_whose_port_is_not_a_number_is_refused(server: str) -> None:
+    """The SDK took a port that is not a number for none, and sent to port 80 or 443; 70000 failed at the first connect."""
+    for make in (check_store, ObsStore):
+        with pytest.raises(ConfigError, match=rf"its port is not a number from 0 to 65535, got '{server}'"):
+            make("obs://b/p/", _keys(server))
+
+
 def test_endpoint_without_scheme_defaults_to_https() -> None:
     store = ObsStore("obs://b/", _keys("obs.example.com"))  # https: the SDK's ssl warning must not escape
     try:

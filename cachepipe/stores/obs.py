@@ -192,6 +192,10 @@ def _normalize_endpoint(value: object, origin: str, is_secure: object) -> str:
         raise ConfigError(f"{expected}; credentials in the endpoint are not supported")
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query:
         raise ConfigError(f"{expected}, got {value!r}")
+    try:
+        parts.port  # noqa: B018 - read for its ValueError: the SDK takes a port it cannot read for none (port 80 or 443)
+    except ValueError:
+        raise ConfigError(f"{expected}; its port is not a number from 0 to 65535, got {value!r}") from None
     return value
 
 
