@@ -307,14 +307,20 @@ def test_unreachable_endpoint_is_connection_error(make_store, closed_port: int) 
         store.get("k", io.BytesIO(), 0, 1)
 
 
-def test_silent_endpoint_is_timeout_error(make_store) -> None:
+def test_a_silent_endpoint_is_unreachable_at_first_contact_and_a_timeout_at_a_get(make_store) -> None:
+    """An endpoint that takes connections and never replies (a wrong port, another service): its
+    first listing was a TimeoutError, retried as a slow store, as on S3 before (b3dd2a3); a GET
+    comes after a listing, or from a worker process whose store saw none of its answers: retried."""
     with socket.socket() as server:  # accepts TCP connections (backlog) but never answers
         server.bind(("127.0.0.1", 0))
         server.listen(8)
         endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
         store = make_store(storage_options={**_keys(endpoint), "timeout": 0.3})
-        with pytest.raises(TimeoutError, match=f"timed out after 0.3 s talking to OBS endpoint {endpoint}"):
+        with pytest.raises(StoreUnreachableError, match=f"cannot reach OBS endpoint {endpoint}: it took the connection"):
             list(store.list())
+        with pytest.raises(TimeoutError, match=f"timed out after 0.3 s talking to OBS endpoint {endpoint}") as got:
+            store.get("k", io.BytesIO(), 0, 1)
+        assert is_transient(got.value)
 
 
 def test_a_get_whose_connect_times_out_is_retried_and_a_listing_s_is_unreachable(make_store) -> None:

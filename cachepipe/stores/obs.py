@@ -24,10 +24,11 @@ Error seam: the SDK does not raise for HTTP errors, it returns a result with ``s
         InvalidToken, ExpiredToken...                   PermissionError    "credentials were rejected"
     HTTP 403 AccessDenied and other 403s                PermissionError    "access denied"
     HTTP 5xx, 429, SlowDown, throttling                 StoreUnavailableError (a ConnectionError)
-    socket timeout (but a connect's before OBS
-        ever answered)                                  TimeoutError       "timed out ... OBS endpoint"
-    DNS failure; refused, or a connect timed out,
-        before OBS ever answered                        StoreUnreachableError "cannot reach OBS endpoint" (not retried)
+    socket timeout (but at a listing or a check
+        before OBS ever answered)                       TimeoutError       "timed out ... OBS endpoint"
+    DNS failure; refused before OBS ever answered;
+        a connect or a reply timed out at a listing
+        or a check before OBS ever answered             StoreUnreachableError "cannot reach OBS endpoint" (not retried)
     refused once OBS answered, reset, TLS, broken HTTP  StoreUnavailableError "cannot reach OBS endpoint"
     anything else (400, 416...)                         OSError            permanent
 
@@ -75,7 +76,16 @@ from cachepipe.errors import (
     StoreUnreachableError,
     store_code,
 )
-from cachepipe.stores.base import CHANGED, CREDENTIAL_CODES, DROPPED, FIRST_PAGE_KEYS, THROTTLE_CODES, ObjectInfo, listed_etag
+from cachepipe.stores.base import (
+    CHANGED,
+    CREDENTIAL_CODES,
+    DROPPED,
+    FIRST_PAGE_KEYS,
+    NO_REPLY,
+    THROTTLE_CODES,
+    ObjectInfo,
+    listed_etag,
+)
 
 __all__ = ["CHUNK_SIZE", "MAX_PAGE_SIZE", "ObsServiceError", "ObsStore"]
 
@@ -756,11 +766,15 @@ class ObsStore:
         target = self._object_url(key)
         check = f"check storage_options['server'] or {_ENV_ENDPOINT}"
         error: OSError
-        # a connect that timed out: unreachable at a first contact (a listing, a check); a GET or
-        # an upload comes after one, or from a worker process whose store saw no answer: retried
-        if isinstance(exc, TimeoutError) and not self._answered and what in ("list", "head") and _in_connect(exc):
-            reason = f"no answer within {self._timeout} s before it ever answered ({DROPPED}); {check}"
-            error = StoreUnreachableError(f"cannot reach OBS endpoint {self.endpoint}: {reason} ({doing} {target})")
+        # a connect, or the first request's reply, that timed out: unreachable at a first contact (a
+        # listing, a check); a GET or an upload comes after one, or from a worker process whose
+        # store saw no answer: retried
+        if isinstance(exc, TimeoutError) and not self._answered and what in ("list", "head"):
+            if _in_connect(exc):
+                reason = f"no answer within {self._timeout} s before it ever answered ({DROPPED})"
+            else:
+                reason = f"{NO_REPLY} ({self._timeout} s)"
+            error = StoreUnreachableError(f"cannot reach OBS endpoint {self.endpoint}: {reason}; {check} ({doing} {target})")
         elif isinstance(exc, TimeoutError):
             error = TimeoutError(f"timed out after {self._timeout} s talking to OBS endpoint {self.endpoint}, {doing} {target}")
         elif isinstance(exc, socket.gaierror):
