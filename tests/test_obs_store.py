@@ -21,6 +21,7 @@ pytest.importorskip("obs")
 from obs.model import GetResult
 
 from cachepipe.errors import ConfigError, StoreUnavailableError, StoreUnreachableError, is_transient
+from cachepipe.stores import check_store
 from cachepipe.stores.base import ObjectInfo, Store
 from cachepipe.stores.obs import CHUNK_SIZE, ObsServiceError, ObsStore
 
@@ -306,14 +307,20 @@ def test_unreachable_endpoint_is_connection_error(make_store, closed_port: int) 
         store.get("k", io.BytesIO(), 0, 1)
 
 
-def test_silent_endpoint_is_timeout_error(make_store) -> None:
+def test_a_silent_endpoint_is_unreachable_at_first_contact_and_a_timeout_at_a_get(make_store) -> None:
+    """An endpoint that takes connections and never replies (a wrong port, another service): its
+    first listing was a TimeoutError, retried as a slow store, as on S3 before (b3dd2a3); a GET
+    comes after a listing, or from a worker process whose store saw none of its answers: retried."""
     with socket.socket() as server:  # accepts TCP connections (backlog) but never answers
         server.bind(("127.0.0.1", 0))
         server.listen(8)
         endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
         store = make_store(storage_options={**_keys(endpoint), "timeout": 0.3})
-        with pytest.raises(TimeoutError, match=f"timed out after 0.3 s talking to OBS endpoint {endpoint}"):
+        with pytest.raises(StoreUnreachableError, match=f"cannot reach OBS endpoint {endpoint}: it took the connection"):
             list(store.list())
+        with pytest.raises(TimeoutError, match=f"timed out after 0.3 s talking to OBS endpoint {endpoint}") as got:
+            store.get("k", io.BytesIO(), 0, 1)
+        assert is_transient(got.value)
 
 
 def test_a_get_whose_connect_times_out_is_retried_and_a_listing_s_is_unreachable(make_store) -> None:
@@ -526,6 +533,41 @@ def test_bad_urls(url: str, s3_endpoint: str) -> None:
 def test_bad_page_size(page_size, s3_endpoint: str) -> None:
     with pytest.raises(ValueError, match="page_size"):
         ObsStore("obs://b/", {"server": s3_endpoint}, page_size=page_size)
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [({"timeout": None}, "timeout=None"), ({"custom_ciphers": "NO-SUCH-CIPHER"}, "custom_ciphers='NO-SUCH-CIPHER'")],
+)
+def test_what_the_client_refuses_when_it_is_made_check_store_refuses_naming_it_and_sends_nothing(extra, named) -> None:
+    """check_store (serve --check, and serve at its start) passed these: only ObsStore refused
+    them, when it made its client. Making one sends nothing: a listener at the endpoint sees no
+    connection, for a client that the check makes and closes."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.setblocking(False)
+        endpoint = f"https://127.0.0.1:{listener.getsockname()[1]}"
+        options = {**_keys(endpoint), "proxy_password": SECRET, **extra}
+        with pytest.raises(ConfigError, match=r"obs\.ObsClient refused the storage options it was given") as checked:
+            check_store("obs://b/p/", options)
+        message = str(checked.value)
+        assert f"server='{endpoint}'" in message and named in message and "proxy_password='***'" in message
+        _assert_no_secrets(message)
+        with pytest.raises(ConfigError) as opened:
+            ObsStore("obs://b/p/", options)
+        assert str(opened.value) == message
+        check_store("obs://b/p/", _keys(endpoint))
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing connected
+
+
+@pytest.mark.parametrize("server", ["http://127.0.0.1:abc", "http://h:1:2", "https://h:70000"])
+def test_an_endpoint_whose_port_is_not_a_number_is_refused(server: str) -> None:
+    """The SDK took a port that is not a number for none, and sent to port 80 or 443; 70000 failed at the first connect."""
+    for make in (check_store, ObsStore):
+        with pytest.raises(ConfigError, match=rf"its port is not a number from 0 to 65535, got '{server}'"):
+            make("obs://b/p/", _keys(server))
 
 
 def test_endpoint_without_scheme_defaults_to_https() -> None:

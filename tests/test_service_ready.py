@@ -223,6 +223,24 @@ def host_cases(tmp_path: Path) -> dict:
                 "http://localhost:5123"
             ),
         ),
+        "obstore key without secret": (
+            {"pipelines": {"train": {"storage_options": {"engine": "obstore", "key": "AK"}}}},
+            (
+                "pipelines.train: storage_options['key'] is given without storage_options['secret'] for 's3://b/p/': "
+                "with engine='obstore' they go together"
+            ),
+        ),
+        "obs client refuses": (
+            {
+                "pipelines": {
+                    "train": {"source": "obs://b/p/", "storage_options": {"server": "http://127.0.0.1:9", "timeout": None}}
+                }
+            },
+            (
+                "pipelines.train: obs://b/p/: obs.ObsClient refused the storage options it was given "
+                "(server='http://127.0.0.1:9', timeout=None): Exception: timeout can not be None"
+            ),
+        ),
         "scheme short of a slash": (
             {"pipelines": {"train": {"source": "s3:/no-such-bucket/videos/"}}},
             (
@@ -242,6 +260,7 @@ def host_cases(tmp_path: Path) -> dict:
 
 CASES = ["group", "cache under a file", "socket dir under a file", "socket path taken"]
 CASES += ["tcp host", "tcp host elsewhere", "tcp host typo", "scheme", "storage option", "endpoint without scheme"]
+CASES += ["obstore key without secret", "obs client refuses"]
 CASES += ["scheme short of a slash", "no scheme"]
 
 

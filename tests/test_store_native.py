@@ -18,7 +18,7 @@ from conftest import listed
 
 from cachepipe import ConfigError, ObjectChangedError, Pipeline, StoreUnavailableError, StoreUnreachableError
 from cachepipe.errors import is_transient
-from cachepipe.stores import open_store
+from cachepipe.stores import check_store, open_store
 
 pytest.importorskip("obstore")
 
@@ -62,6 +62,21 @@ def test_an_option_the_engine_cannot_honour_is_a_config_error_naming_it():
         open_store("s3://data/video/", {**_options("http://127.0.0.1:1"), "client_kwargs": {"verify": False}})
     with pytest.raises(ConfigError, match="'secret'"):
         open_store("s3://data/video/", {"engine": "obstore", "endpoint_url": "http://127.0.0.1:1", "key": "testing"})
+
+
+@pytest.mark.parametrize(("given", "missing"), [("key", "secret"), ("secret", "key")])
+def test_a_key_without_its_secret_is_refused_by_the_check_as_by_open_and_pipeline(tmp_path, given, missing):
+    """check_store (serve --check, and serve at its start) refused nothing here: only opening the
+    store did (with another message), after the check had said the options were valid."""
+    options = {"engine": "obstore", "endpoint_url": "http://127.0.0.1:1", given: "testing"}
+    expected = rf"storage_options\['{given}'\] is given without storage_options\['{missing}'\]"
+    with pytest.raises(ConfigError, match=expected):
+        check_store("s3://data/video/", options)
+    with pytest.raises(ConfigError, match=expected):
+        open_store("s3://data/video/", options)
+    with pytest.raises(ConfigError, match=expected):
+        Pipeline("s3://data/video/", tmp_path / "c", "1MiB", storage_options=options).open()  # before any request
+    check_store("s3://data/video/", {**options, "anon": True})  # unsigned: neither is used
 
 
 def test_round_trip_of_whole_objects_listed_in_key_order(s3_source, native):

@@ -41,8 +41,10 @@ def open_store(url: str, storage_options: dict[str, Any] | None = None) -> Store
 def check_store(url: str, storage_options: dict[str, Any] | None = None) -> None:
     """Refuse what :func:`open_store` would refuse of ``url`` and ``storage_options`` before it
     sends anything (an unknown scheme or ``engine``, a storage option the backend does not
-    take, an ``obs://`` URL with no endpoint), with the same errors; nothing is opened or sent.
-    The backend is imported (as :func:`preload` does). ``cachepipe serve --check`` calls it for
+    take, an ``obs://`` URL with no endpoint, or with arguments the OBS SDK's client refuses when
+    it is made), with the same errors; nothing is sent (an ``obs://`` URL's client is made, as
+    the store makes it, and closed: the SDK connects only at a request). The backend is
+    imported (as :func:`preload` does). ``cachepipe serve --check`` calls it for
     each pipeline, so that it refuses what ``serve`` would.
 
     Raises:

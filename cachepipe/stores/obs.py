@@ -24,10 +24,11 @@ Error seam: the SDK does not raise for HTTP errors, it returns a result with ``s
         InvalidToken, ExpiredToken...                   PermissionError    "credentials were rejected"
     HTTP 403 AccessDenied and other 403s                PermissionError    "access denied"
     HTTP 5xx, 429, SlowDown, throttling                 StoreUnavailableError (a ConnectionError)
-    socket timeout (but a connect's before OBS
-        ever answered)                                  TimeoutError       "timed out ... OBS endpoint"
-    DNS failure; refused, or a connect timed out,
-        before OBS ever answered                        StoreUnreachableError "cannot reach OBS endpoint" (not retried)
+    socket timeout (but at a listing or a check
+        before OBS ever answered)                       TimeoutError       "timed out ... OBS endpoint"
+    DNS failure; refused before OBS ever answered;
+        a connect or a reply timed out at a listing
+        or a check before OBS ever answered             StoreUnreachableError "cannot reach OBS endpoint" (not retried)
     refused once OBS answered, reset, TLS, broken HTTP  StoreUnavailableError "cannot reach OBS endpoint"
     anything else (400, 416...)                         OSError            permanent
 
@@ -75,7 +76,16 @@ from cachepipe.errors import (
     StoreUnreachableError,
     store_code,
 )
-from cachepipe.stores.base import CHANGED, CREDENTIAL_CODES, DROPPED, FIRST_PAGE_KEYS, THROTTLE_CODES, ObjectInfo, listed_etag
+from cachepipe.stores.base import (
+    CHANGED,
+    CREDENTIAL_CODES,
+    DROPPED,
+    FIRST_PAGE_KEYS,
+    NO_REPLY,
+    THROTTLE_CODES,
+    ObjectInfo,
+    listed_etag,
+)
 
 __all__ = ["CHUNK_SIZE", "MAX_PAGE_SIZE", "ObsServiceError", "ObsStore"]
 
@@ -158,6 +168,11 @@ class _Settings:
     credential_source: str  # "explicit", "env" or "provider"
     client_kwargs: dict[str, Any] = field(repr=False)
 
+    @property
+    def secrets(self) -> tuple[str, ...]:
+        """The values that messages must not show (the secret key, the token, a proxy password)."""
+        return tuple(str(self.client_kwargs[k]) for k in _SECRET_KEYS if self.client_kwargs.get(k))
+
 
 def _client_arguments(client_cls: type) -> frozenset[str]:
     """Names of the keyword arguments ``client_cls`` (``obs.ObsClient``) accepts."""
@@ -187,6 +202,10 @@ def _normalize_endpoint(value: object, origin: str, is_secure: object) -> str:
         raise ConfigError(f"{expected}; credentials in the endpoint are not supported")
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query:
         raise ConfigError(f"{expected}, got {value!r}")
+    try:
+        parts.port  # noqa: B018 - read for its ValueError: the SDK takes a port it cannot read for none (port 80 or 443)
+    except ValueError:
+        raise ConfigError(f"{expected}; its port is not a number from 0 to 65535, got {value!r}") from None
     return value
 
 
@@ -276,17 +295,66 @@ def load_sdk(url: str) -> Any:
     return obs
 
 
+def _new_client(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, _Settings, Any]:
+    """The OBS SDK's module, the settings resolved from ``storage_options`` and the environment,
+    and a new ``obs.ObsClient`` made with them, for ``url`` (named in messages): what
+    :class:`ObsStore` opens and :func:`check_options` checks. Making a client sends nothing (the
+    SDK connects at the first request; it reads local files it is given: certificates, an ID
+    token's configuration).
+
+    Raises:
+        ImportError: the OBS SDK is not installed.
+        ConfigError: (a ValueError) an unknown option, no endpoint, half-given credentials, or
+            arguments that ``obs.ObsClient`` refuses (naming the ones given to it).
+    """
+    options = storage_options or {}
+    sdk = load_sdk(url)
+    settings = _resolve_settings(options, os.environ, _client_arguments(sdk.ObsClient))
+    try:
+        with warnings.catch_warnings():
+            # For an https endpoint the SDK builds ssl.SSLContext(ssl.PROTOCOL_SSLv23), which
+            # warns "ssl.PROTOCOL_TLS is deprecated" on every client: nothing we pass avoids
+            # it. Ignored here only, by message and module; catch_warnings touches the global
+            # filter list, but only for this one constructor call.
+            for message in _SDK_SSL_WARNINGS:
+                warnings.filterwarnings("ignore", message=message, category=DeprecationWarning, module=r"obs\.")
+            client = sdk.ObsClient(**settings.client_kwargs)
+    except Exception as exc:  # the SDK validates its arguments with bare Exception (and ssl's, open's errors)
+        reason = f"{type(exc).__name__}: {exc}"
+        for secret in settings.secrets:
+            reason = reason.replace(secret, "***")
+        given = [f"server={settings.endpoint!r}"]
+        given += [f"{k}={_shown(k, v)}" for k, v in options.items() if k not in _ENDPOINT_KEYS + _CREDENTIAL_KEYS]
+        raise ConfigError(
+            f"{url}: obs.ObsClient refused the storage options it was given ({', '.join(given)}): {reason}; "
+            "expected values it takes (see esdk-obs-python's ObsClient arguments)"
+        ) from exc
+    return sdk, settings, client
+
+
+def _shown(key: str, value: object) -> str:
+    """``value`` of the storage option ``key`` as a message shows it: a secret as ``'***'``, a
+    number, a flag or a string as itself, anything else by its type (a dict may hold an ID token)."""
+    if key in _SECRET_KEYS:
+        return "'***'"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    return f"<{type(value).__name__}>"
+
+
 def check_options(url: str, storage_options: Mapping[str, Any] | None) -> None:
-    """Refuse what :class:`ObsStore` refuses of ``url`` and ``storage_options`` before it makes its
-    client (a malformed URL, an unknown option, no endpoint, half-given credentials); nothing is sent.
+    """Refuse what :class:`ObsStore` refuses of ``url`` and ``storage_options`` before it sends
+    anything (a malformed URL, an unknown option, no endpoint, half-given credentials, arguments
+    that ``obs.ObsClient`` refuses when it is made): the client is made as the store makes it,
+    then closed; nothing is sent.
 
     Raises:
         ImportError: the OBS SDK is not installed.
         ConfigError: naming the value and what would do.
     """
     _parse_url(url)
-    sdk = load_sdk(url)
-    _resolve_settings(storage_options or {}, os.environ, _client_arguments(sdk.ObsClient))
+    _, _, client = _new_client(url, storage_options)
+    client.close()
 
 
 class ObsStore:
@@ -309,7 +377,8 @@ class ObsStore:
 
     Raises:
         ImportError: the OBS SDK is not installed.
-        ConfigError: (a ValueError) a malformed URL, an unknown option, no endpoint.
+        ConfigError: (a ValueError) a malformed URL, an unknown option, no endpoint, arguments
+            that ``obs.ObsClient`` refuses when it is made.
     """
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None, *, page_size: int = MAX_PAGE_SIZE) -> None:
@@ -318,30 +387,16 @@ class ObsStore:
         if not isinstance(page_size, int) or isinstance(page_size, bool) or not 1 <= page_size <= MAX_PAGE_SIZE:
             raise ConfigError(f"page_size {page_size!r}: expected an integer from 1 to {MAX_PAGE_SIZE}")
         self._page_size = page_size
-        sdk = load_sdk(self.url)
-        ObsClient = sdk.ObsClient  # noqa: N806 - the SDK's class
+        sdk, settings, self._client = _new_client(self.url, storage_options)
         self._get_header = sdk.GetObjectHeader
-        settings = _resolve_settings(storage_options or {}, os.environ, _client_arguments(ObsClient))
         self._settings = settings
-        self._secrets = tuple(str(settings.client_kwargs[k]) for k in _SECRET_KEYS if settings.client_kwargs.get(k))
+        self._secrets = settings.secrets
         self._timeout = settings.client_kwargs.get("timeout", 60)
         self._answered = False  # OBS answered a request: a refused connection is then an outage, retried
         self._aborted = False  # abort(): requests in flight cut, later ones refused
         self._abort_lock = threading.Lock()  # _aborted, _conns and _socks
         self._conns: weakref.WeakSet[Any] = weakref.WeakSet()  # connections the SDK took
         self._socks: weakref.WeakSet[socket.socket] = weakref.WeakSet()  # their sockets (abort shuts them down)
-        try:
-            with warnings.catch_warnings():
-                # For an https endpoint the SDK builds ssl.SSLContext(ssl.PROTOCOL_SSLv23), which
-                # warns "ssl.PROTOCOL_TLS is deprecated" on every client: nothing we pass avoids
-                # it. Ignored here only, by message and module; catch_warnings touches the global
-                # filter list, but only for this one constructor call.
-                for message in _SDK_SSL_WARNINGS:
-                    warnings.filterwarnings("ignore", message=message, category=DeprecationWarning, module=r"obs\.")
-                self._client: Any = ObsClient(**settings.client_kwargs)
-        except Exception as exc:  # the SDK validates its arguments with bare Exception
-            reason = self._redact(str(exc))
-            raise ConfigError(f"{self.url}: obs.ObsClient rejected the storage_options: {reason}") from exc
         take = getattr(self._client, "_get_server_connection", None)
         if callable(take):
             self._client._get_server_connection = self._noting(take)  # noqa: SLF001 - see the module's docstring, "Aborting"
@@ -711,11 +766,15 @@ class ObsStore:
         target = self._object_url(key)
         check = f"check storage_options['server'] or {_ENV_ENDPOINT}"
         error: OSError
-        # a connect that timed out: unreachable at a first contact (a listing, a check); a GET or
-        # an upload comes after one, or from a worker process whose store saw no answer: retried
-        if isinstance(exc, TimeoutError) and not self._answered and what in ("list", "head") and _in_connect(exc):
-            reason = f"no answer within {self._timeout} s before it ever answered ({DROPPED}); {check}"
-            error = StoreUnreachableError(f"cannot reach OBS endpoint {self.endpoint}: {reason} ({doing} {target})")
+        # a connect, or the first request's reply, that timed out: unreachable at a first contact (a
+        # listing, a check); a GET or an upload comes after one, or from a worker process whose
+        # store saw no answer: retried
+        if isinstance(exc, TimeoutError) and not self._answered and what in ("list", "head"):
+            if _in_connect(exc):
+                reason = f"no answer within {self._timeout} s before it ever answered ({DROPPED})"
+            else:
+                reason = f"{NO_REPLY} ({self._timeout} s)"
+            error = StoreUnreachableError(f"cannot reach OBS endpoint {self.endpoint}: {reason}; {check} ({doing} {target})")
         elif isinstance(exc, TimeoutError):
             error = TimeoutError(f"timed out after {self._timeout} s talking to OBS endpoint {self.endpoint}, {doing} {target}")
         elif isinstance(exc, socket.gaierror):

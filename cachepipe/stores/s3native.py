@@ -196,8 +196,9 @@ class _FromBotocore:
 
 
 def check_options(url: str, options: dict[str, Any]) -> None:
-    """Raise ConfigError for an option this engine would not honour (:func:`~cachepipe.stores.check_store`
-    calls it too, the fsspec backend's check beside it)."""
+    """Raise ConfigError for an option this engine would not honour, or a ``key`` without its
+    ``secret`` or the reverse (:func:`~cachepipe.stores.check_store` calls it too, the fsspec
+    backend's check beside it)."""
     accepted = f"accepted with engine='obstore': {', '.join(sorted(_OPTIONS))}"
     for key in options:
         if key not in _OPTIONS:
@@ -214,6 +215,12 @@ def check_options(url: str, options: dict[str, Any]) -> None:
                 f"storage_options[{name!r}][{unknown[0]!r}] is not supported with engine='obstore' for {url!r}; "
                 f"accepted: {', '.join(sorted(known))}"
             )
+    if not options.get("anon") and bool(options.get("key")) != bool(options.get("secret")):
+        given, missing = ("key", "secret") if options.get("key") else ("secret", "key")
+        raise ConfigError(
+            f"storage_options[{given!r}] is given without storage_options[{missing!r}] for {url!r}: with "
+            "engine='obstore' they go together (give both, or neither)"
+        )
     s3 = config_kwargs.get("s3") or {}
     if set(s3) - {"addressing_style"} or s3.get("addressing_style", "auto") not in ("auto", "path", "virtual"):
         raise ConfigError(
@@ -271,9 +278,7 @@ class NativeS3Store:
             config["region"] = client_kwargs["region_name"]
         if options.get("anon"):
             config["skip_signature"] = True
-        elif options.get("key") or options.get("secret"):
-            if not (options.get("key") and options.get("secret")):
-                raise ConfigError(f"storage_options for {url!r}: 'key' and 'secret' go together; one of them is missing")
+        elif options.get("key") or options.get("secret"):  # both (check_options refuses one alone)
             config.update(access_key_id=options["key"], secret_access_key=options["secret"])
             if options.get("token"):
                 config["session_token"] = options["token"]
