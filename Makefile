@@ -33,8 +33,13 @@ demo: $(DEMO)
 # sets PYTHONDONTWRITEBYTECODE: the suite starts a few hundred Python processes (daemons, ranks,
 # CLI runs), which otherwise each compile cachepipe from source. tests/test_service.py: 48.0 s
 # against 52.7 s (medians of 3 interleaved runs).
+# The suite runs in TEST_WORKERS processes (pytest-xdist; `make test TEST_WORKERS=0` runs it in one):
+# the tests wait on daemons, children and servers for much of their time, so two workers on two
+# cores took 359 s where one took 588 s (one run each, 2026-11-29; the two-worker run shared the
+# machine with two other test runs, the one-worker run did not).
+TEST_WORKERS ?= 2
 test: $(TEST)
-	PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=$(CURDIR)/$(VENV)/pycache $(PY) -m pytest -q -p no:cacheprovider
+	PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=$(CURDIR)/$(VENV)/pycache $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal
 
 # ruff and mypy at the versions pinned in pyproject's `lint` extra (part of `test`); settings in pyproject.toml
 lint: $(TEST)
