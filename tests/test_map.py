@@ -1162,7 +1162,8 @@ def test_a_function_from_an_interactive_main_is_refused_before_anything_runs(tmp
 def test_a_script_that_calls_map_outside_its_main_guard_is_refused_before_anything_runs(tmp_path):
     """First-hour review: without the ``if __name__ == "__main__":`` guard, each spawned child ran
     the script again, so map_items again, and every item failed after its download, with the
-    cache lock's error in the tails. Now the call is refused at once, naming the line."""
+    cache lock's error in the tails. Now the call is refused at once, naming the line. Called at
+    the top level of a module being imported, the run hung; it is refused too."""
     src, cache = tmp_path / "src", tmp_path / "cache"
     (src / "a").mkdir(parents=True)
     (src / "a" / "f").write_bytes(b"x")
@@ -1178,8 +1179,15 @@ def test_a_script_that_calls_map_outside_its_main_guard_is_refused_before_anythi
         run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
         line = 5 if what == "top level" else 8
         assert run.returncode == 1 and not cache.exists(), (what, run.stderr)
-        assert f"RuntimeError: {script}, line {line}: a child process that runs fn starts by running the main script again" in run.stderr
+        said = f"RuntimeError: {script}, line {line}: a child process that runs fn starts by running the main script again"
+        assert said in run.stderr, (what, run.stderr)
         assert 'is not under the script\'s `if __name__ == "__main__":` guard' in run.stderr, what
+    # imported, not run: before, the run hung (its threads that look fn up waited for the import, which waited for them)
+    (tmp_path / "imported.py").write_text(head + f"{call}\n")
+    command = [sys.executable, "-c", "import imported"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=tmp_path, check=False)
+    assert run.returncode == 1 and not cache.exists(), run.stderr
+    assert "its module 'imported' is still being imported (map_items is called from its top level)" in run.stderr
     guarded = head + "if sys.argv and __name__ == '__main__':\n    print('done', " + call + ".items_done)\n"
     script.write_text(guarded)
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)

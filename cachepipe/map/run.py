@@ -439,6 +439,19 @@ UNGUARDED = (
 )
 
 
+def _importing(fn: Any) -> str | None:
+    """The name of the module that defines ``fn`` (a function, a ``functools.partial`` of one, or
+    a callable object) if it is still being imported, i.e. ``map_items`` runs from its top level:
+    a child would import it to find ``fn``, so run that top level, this call included, again, and
+    the run's threads that look ``fn`` up would wait for that import to end, which waits for them."""
+    for x in (fn, getattr(fn, "func", None), type(fn)):
+        name = getattr(x, "__module__", None)
+        module = sys.modules.get(name) if isinstance(name, str) else None
+        if getattr(getattr(module, "__spec__", None), "_initializing", False):
+            return name
+    return None
+
+
 def _unguarded_line() -> int | None:
     """The line of the main script's top-level statement running now (the one that led to this
     call), if no ``if`` that tests ``__name__`` encloses it, so that a spawned child, which runs
@@ -531,7 +544,8 @@ def map_items(
         ValueError: a bad option, or nothing to do (no ``fn``, no command, no ``unpack``).
         TypeError: ``fn`` cannot be pickled for the child process, or it is defined in a
             ``__main__`` that the child cannot import (``python -c``, a REPL, a notebook).
-        RuntimeError: the call runs at a script's top level outside its ``__main__`` guard.
+        RuntimeError: the call runs at a script's top level outside its ``__main__`` guard, or
+            at the top level of ``fn``'s module while it is imported.
         CacheLockedError: another map run or pipeline uses ``cache_dir``.
     """
     command: tuple[str, ...] | None = None
@@ -554,6 +568,14 @@ def map_items(
         if line is not None or getattr(multiprocessing.current_process(), "_inheriting", False):
             where = f"{sys.modules['__main__'].__file__}, line {line}: " if line is not None else ""
             raise RuntimeError(where + UNGUARDED)  # else each child runs map_items, and every item fails
+        importing = _importing(fn)
+        if importing is not None:  # else the run hangs: its job threads wait for the import that waits for them
+            raise RuntimeError(
+                f"fn {fn!r}: its module {importing!r} is still being imported (map_items is called from its top "
+                "level), so a child process that imports it to find fn would run map_items again: call map_items "
+                "once the import has ended, e.g. from the script that imports the module, under its `if __name__ == "
+                '"__main__":` guard'
+            )
         if _from_fileless_main(fn):
             raise TypeError(
                 f"fn {fn!r} is defined in __main__ of an interactive session (python -c, a REPL, a notebook) or of a "
