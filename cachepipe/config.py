@@ -36,6 +36,7 @@ __all__ = [
     "UNPACK_RATIO",
     "PipelineConfig",
     "Share",
+    "check_absolute_source",
     "check_cache_dir",
     "check_option_names",
     "check_source",
@@ -100,6 +101,33 @@ def check_source(source: str) -> None:
     raise ConfigError(
         f"source {source!r}: no such local path, and {what}; expected a URL like {meant!r} "
         f"(schemes: {SCHEMES}), or an existing local path (or 'file://' + an absolute path)"
+    )
+
+
+def check_absolute_source(source: str, field: str = "source") -> None:
+    """Refuse a local source (no scheme, ``file://`` or ``local://``) written as a relative path,
+    for a long-running process whose working directory is not its user's: the daemon's is ``/``
+    under systemd, so ``data/train/`` that ``serve --check`` finds in its user's shell would be
+    ``/data/train/`` in the service. ``Pipeline(...)`` keeps relative paths, against its process's
+    working directory, as a library does.
+
+    Raises:
+        ConfigError: naming ``field``, the value, and the absolute path or URL to write instead.
+    """
+    scheme, sep, path = source.partition("://")
+    if sep and scheme.lower() not in ("file", "local"):
+        return
+    if os.path.isabs(path if sep else source) or (not sep and re.match(r"[A-Za-z][A-Za-z0-9+.-]+:", source)):
+        return  # absolute, or a scheme short of its '//' (s3:/bucket/), which check_source names
+    if sep:
+        meant = f"an absolute path after {scheme}:// (three slashes, such as {scheme}:///srv/{path.lstrip('./')})"
+    else:
+        rest = source.lstrip("./")
+        meant = f"an absolute path (such as /srv/{rest}), or a URL if an object store was meant (s3://{rest})"
+    raise ConfigError(
+        f"{field} {source!r}: a relative local path; the daemon would read it from its own working directory "
+        f"('/' under systemd), not from the folder of its config file or of the shell that checks it: "
+        f"expected {meant}"
     )
 
 

@@ -462,3 +462,55 @@ def test_an_unknown_key_says_which_key_was_meant(tmp_path):
 
     with pytest.raises(ConfigError, match=r"lease_timout=5 is not an option of Pipeline; did you mean 'lease_timeout'\?"):
         Pipeline("s3://b/p/", tmp_path / "c", "1GiB", lease_timout=5)
+
+
+# ---- a relative local source; the config's log level while it loads; jobs' options --------
+def test_a_relative_local_source_is_refused_where_a_pipeline_keeps_it(tmp_path, monkeypatch):
+    """``source: data/train/`` was read from the daemon's working directory: ``serve --check`` in
+    the user's shell found the folder, and the service (working directory ``/`` under systemd)
+    read another one, or none. ``Pipeline(...)``, a library in the user's own process, keeps it."""
+    (tmp_path / "data" / "train" / "a").mkdir(parents=True)
+    (tmp_path / "data" / "train" / "a" / "x.bin").write_bytes(b"x")
+    monkeypatch.chdir(tmp_path)  # where the folder is: the shell that checks the file
+    for source, expected in [
+        ("data/train/", "expected an absolute path (such as /srv/data/train/), or a URL if an object store was meant"),
+        ("file://data/train", "expected an absolute path after file:// (three slashes, such as file:///srv/data/train)"),
+    ]:
+        message = error_of(tmp_path, minimal(tmp_path, source=source))
+        assert f"pipelines.train.source {source!r}: a relative local path; the daemon would read it from" in message
+        assert expected in message, message
+    jobs = {"root": str(tmp_path / "jobs"), "capacity": "1GiB", "sources": ["data/"]}
+    assert "jobs.sources 'data/': a relative local path" in error_of(tmp_path, {"jobs": jobs})
+    assert load_config(write(tmp_path, minimal(tmp_path, source=str(tmp_path / "data" / "train"))))
+    from cachepipe import Pipeline
+
+    with Pipeline("data/train/", tmp_path / "c", "1MiB") as pipe:
+        assert [Path(p).name for p in pipe] == ["a"]
+
+
+def test_the_config_log_level_applies_to_what_loading_logs(tmp_path, short_dir):
+    """``log_level: warning`` left out the daemon's info lines but not those logged while its file
+    loaded (a setting made by the environment): the level was set after loading."""
+    from cachepipe.service.testing import DaemonProcess
+
+    jobs = {"root": str(tmp_path / "jobs"), "capacity": "1GiB"}
+    path = write(tmp_path, {"socket": str(short_dir / "file.sock"), "log_level": "warning", "jobs": jobs})
+    env = {"CACHEPIPE_SOCKET": str(short_dir / "env.sock"), "CACHEPIPE_MAX_WAIT": "30"}
+    overridden = f"WARNING cachepipe.service: socket in {path} is overridden by the environment variable CACHEPIPE_SOCKET"
+    proc = serve_cli(path, "--check", env=env)
+    assert proc.returncode == 0 and proc.stderr.splitlines() == [overridden], proc.stderr
+    with DaemonProcess(path, env=env) as daemon:
+        assert daemon.stop() == 0
+        log = daemon.log().splitlines()
+    assert log == [overridden], log  # no "max_wait is set by ...", no "serving", no "stopped"
+
+
+def test_jobs_options_are_checked_when_the_file_loads(tmp_path):
+    """``jobs.options`` were checked by name only; their values when a job registered."""
+    jobs = {"root": str(tmp_path / "jobs"), "capacity": "1GiB", "options": {"max_concurrency": "many", "retries": -1}}
+    message = error_of(tmp_path, {"jobs": jobs})
+    assert "jobs.options.max_concurrency = 'many': Input should be a valid integer" in message, message
+    assert "jobs.options.retries = -1: Input should be greater than or equal to 0" in message, message
+    secret = {"storage_options": {"key": "AKIAEXAMPLE", "secret": "s3cr3t"}}
+    message = error_of(tmp_path, {"jobs": {**jobs, "options": {**secret, "retries": "x"}}})
+    assert "jobs.options.retries = 'x'" in message and "s3cr3t" not in message, message

@@ -248,11 +248,27 @@ def host_cases(tmp_path: Path) -> dict:
                 "expected a URL like 's3://no-such-bucket/videos/'"
             ),
         ),
-        "no scheme": (
+        "jobs storage option": (  # checked against jobs.sources at start, as a pipeline's (was: when a job registered)
+            {
+                "jobs": {
+                    "root": str(tmp_path / "jobs"),
+                    "capacity": "1GiB",
+                    "sources": ["s3://b/"],
+                    "options": {"storage_options": {"endpoint_url": "http://127.0.0.1:9", "endpont": "x"}},
+                }
+            },
+            (
+                "jobs.options.storage_options, for jobs.sources 's3://b/': storage_options['endpont'] is not an "
+                "option of s3:// (s3fs.core.S3FileSystem) for 's3://b/'; did you mean 'endpoint_url'?"
+            ),
+        ),
+        "no scheme": (  # a relative local path to the daemon, whatever its working directory holds
             {"pipelines": {"train": {"source": "no-such-bucket/videos/"}}},
             (
-                "pipelines.train: source 'no-such-bucket/videos/': no such local path, and no scheme; "
-                "expected a URL like 's3://no-such-bucket/videos/'"
+                "pipelines.train.source 'no-such-bucket/videos/': a relative local path; the daemon would read it "
+                "from its own working directory ('/' under systemd), not from the folder of its config file or of "
+                "the shell that checks it: expected an absolute path (such as /srv/no-such-bucket/videos/), or a URL "
+                "if an object store was meant (s3://no-such-bucket/videos/)"
             ),
         ),
     }
@@ -261,7 +277,7 @@ def host_cases(tmp_path: Path) -> dict:
 CASES = ["group", "cache under a file", "socket dir under a file", "socket path taken"]
 CASES += ["tcp host", "tcp host elsewhere", "tcp host typo", "scheme", "storage option", "endpoint without scheme"]
 CASES += ["obstore key without secret", "obs client refuses"]
-CASES += ["scheme short of a slash", "no scheme"]
+CASES += ["scheme short of a slash", "no scheme", "jobs storage option"]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -190,6 +190,41 @@ def test_unknown_storage_option_is_a_config_error_naming_it(source):
         open_store(source.url, {**source.options, "endpont": "http://127.0.0.1:1"}).close()
 
 
+def _obstore_importable() -> bool:
+    try:
+        import obstore  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "engine", ["s3fs", pytest.param("obstore", marks=pytest.mark.skipif(not _obstore_importable(), reason="no obstore"))]
+)
+@pytest.mark.parametrize(
+    ("endpoint", "why"),
+    [
+        ("http://[::1", "is not a valid URL (Invalid IPv6 URL)"),
+        ("http://h:abc", "its port is not a number of 0 to 65535"),
+        ("http://h:65536", "its port is not a number of 0 to 65535"),
+        ("http://:9000", "names no host"),
+        (9000, "is not text"),
+    ],
+)
+def test_a_malformed_s3_endpoint_is_refused_by_the_check_as_by_open(engine, endpoint, why):
+    """Such endpoints passed check_store (serve --check) and open_store, both engines, and failed
+    at the first request."""
+    from cachepipe.stores import check_store
+
+    options = {"engine": engine, "endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+    for call in (check_store, open_store):
+        with pytest.raises(ConfigError) as info:
+            call("s3://b/p/", options)
+        assert f"storage_options endpoint_url {endpoint!r} for 's3://b/p/'" in str(info.value), info.value
+        assert why in str(info.value) and "expected a URL like 'http://10.0.0.5:9000'" in str(info.value), info.value
+    check_store("s3://b/p/", {**options, "endpoint_url": "http://[::1]:0"})
+
+
 def test_s3_mistyped_endpoint_fails_at_once_suggesting_endpoint_url(s3_source, tmp_path):
     options = {"endpoint": s3_source.options["endpoint_url"], "key": "testing", "secret": "testing"}
     error = _fails_within(_pipeline_run(s3_source.url, options, tmp_path))

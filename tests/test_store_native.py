@@ -64,6 +64,24 @@ def test_an_option_the_engine_cannot_honour_is_a_config_error_naming_it():
         open_store("s3://data/video/", {"engine": "obstore", "endpoint_url": "http://127.0.0.1:1", "key": "testing"})
 
 
+@pytest.mark.parametrize(
+    ("option", "named"),
+    [
+        ({"client_kwargs": {"region_name": 5}}, "storage_options client_kwargs['region_name'] = 5 (of type int)"),
+        ({"token": 7}, "storage_options token (of type int; not shown)"),
+    ],
+)
+def test_a_value_obstore_refuses_when_its_store_is_made_is_a_config_error_naming_the_option(option, named):
+    """obstore's S3Store raised a bare TypeError naming no option ("'int' object is not an instance
+    of 'str'") out of open_store, and check_store (serve --check) did not make one."""
+    options = {**_options("http://127.0.0.1:1"), **option}
+    for call in (check_store, open_store):
+        with pytest.raises(ConfigError) as info:
+            call("s3://data/video/", options)
+        assert f"{named} for 's3://data/video/': obstore refuses it" in str(info.value), info.value
+        assert str(info.value).endswith("expected a string") and isinstance(info.value.__cause__, TypeError)
+
+
 @pytest.mark.parametrize(("given", "missing"), [("key", "secret"), ("secret", "key")])
 def test_a_key_without_its_secret_is_refused_by_the_check_as_by_open_and_pipeline(tmp_path, given, missing):
     """check_store (serve --check, and serve at its start) refused nothing here: only opening the

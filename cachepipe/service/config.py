@@ -42,7 +42,7 @@ else:  # tomllib is new in 3.11; tomli is the same parser (a dependency on 3.10 
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
-from ..config import PipelineConfig, small_capacity, with_unit
+from ..config import PipelineConfig, check_absolute_source, small_capacity, with_unit
 from ..errors import ConfigError, closest
 from .jobs import JobsConfig
 
@@ -235,6 +235,7 @@ class ServiceConfig(BaseSettings):
                 raise ValueError(f"socket {str(self.socket)!r} is inside jobs.root: expected a path outside every cache")
             roots["jobs.root"] = Path(os.path.normpath(self.jobs.root))
         for name, cfg in self.pipelines.items():
+            check_absolute_source(cfg.source, f"pipelines.{name}.source")  # not the daemon's working directory's
             root = Path(os.path.normpath(cfg.cache_dir))
             if not cfg.cache_dir.is_absolute():
                 raise ValueError(f"pipelines.{name}.cache_dir {str(cfg.cache_dir)!r}: expected an absolute path")

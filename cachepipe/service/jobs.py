@@ -33,9 +33,9 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, BinaryIO, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from ..config import Capacity, PipelineConfig, Share, check_manifest_location, parse_size, with_unit
+from ..config import Capacity, PipelineConfig, Share, check_absolute_source, check_manifest_location, parse_size, with_unit
 from ..errors import CacheRemovedError, ConfigError
 from ..manifest import index, read_manifest
 from ..plan import Cursor
@@ -103,12 +103,29 @@ class JobsConfig(BaseModel):
                 raise ValueError(f"jobs.options.{key}: not a pipeline option (see cachepipe.PipelineConfig)")
             if key in _NODE_SETS or key in _JOB_FIELDS:
                 raise ValueError(f"jobs.options.{key}: set by the job or by the daemon, not in jobs.options")
+        self._check_option_values()
         for prefix in self.sources:
+            check_absolute_source(prefix, "jobs.sources")
             try:  # checks the scheme, and imports its backend before the daemon serves: the first job does not wait
                 preload(prefix)
             except (ConfigError, ImportError) as exc:
                 raise ValueError(f"jobs.sources {prefix!r}: {exc}") from exc
         return self
+
+    def _check_option_values(self) -> None:
+        """The values of ``options`` as a job's pipeline will validate them when a job registers
+        (a ``max_concurrency`` of ``"abc"``), checked now; the options of the stores are checked
+        against ``sources`` by the daemon's host checks (:mod:`.preflight`)."""
+        source = self.sources[0] if self.sources else "s3://bucket/"  # some validators look at the source
+        try:
+            PipelineConfig(source=source, cache_dir=self.root / "job", capacity=1, **self.options)
+        except ValidationError as exc:
+            lines = []
+            for err in exc.errors(include_url=False):
+                where = ".".join(str(p) for p in err["loc"])
+                shown = "" if where.startswith("storage_options") else f" = {err['input']!r}"  # credentials stay unsaid
+                lines.append(f"jobs.options.{where}{shown}: {err['msg'].removeprefix('Value error, ')}")
+            raise ValueError("; ".join(lines)) from None
 
 
 def _under(value: str, prefix: str) -> bool:

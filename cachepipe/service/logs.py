@@ -3,6 +3,10 @@
 When stderr is connected to the journal (``$JOURNAL_STREAM`` names it, as systemd sets it for
 ``StandardError=journal``), every line starts with ``<N>``, the syslog priority journald reads
 (``SyslogLevelPrefix=yes``, the default). Otherwise lines start with the level name.
+
+What is logged while the config file loads (the settings the environment makes, a small
+capacity) is held (:class:`HeldRecords`) until the file's ``log_level`` is known, then written at
+that level: ``log_level: warning`` leaves out the info lines of the loading too.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import os
 import sys
 from typing import TextIO
 
-__all__ = ["JournalFormatter", "setup_logging", "stream_is_journal"]
+__all__ = ["HeldRecords", "JournalFormatter", "set_level", "setup_logging", "stream_is_journal"]
 
 _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 
@@ -68,3 +72,40 @@ def setup_logging(level: str, stream: TextIO | None = None) -> logging.Handler:
 def set_level(level: str) -> None:
     """Change the level of the ``cachepipe`` loggers (on reload)."""
     logging.getLogger("cachepipe").setLevel(level.upper())
+
+
+class HeldRecords(logging.Handler):
+    """Keeps the records of the ``cachepipe`` loggers, every level, while it is attached (as a
+    context manager), to be written once the level to write them at is known (:meth:`replay`).
+
+    For the daemon's start, before its handler is set up and before any other thread logs: while
+    attached, the loggers' level is ``DEBUG``. A reload logs as it goes, at the running level."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+        self._level = logging.NOTSET
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def __enter__(self) -> HeldRecords:
+        logger = logging.getLogger("cachepipe")
+        self._level = logger.level
+        logger.addHandler(self)
+        logger.setLevel(logging.DEBUG)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        logger = logging.getLogger("cachepipe")
+        logger.removeHandler(self)
+        logger.setLevel(self._level)
+
+    def replay(self, level: str) -> None:
+        """Log again, through the ``cachepipe`` loggers' handlers, each record at ``level`` or above."""
+        threshold = logging.getLevelName(level.upper())
+        logger = logging.getLogger("cachepipe")
+        for record in self.records:
+            if record.levelno >= threshold:
+                logger.handle(record)
+        self.records.clear()

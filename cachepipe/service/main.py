@@ -39,7 +39,7 @@ from typing import Any
 from ..errors import CachePipeError, ConfigError, OversizeError, UnsafeKeyError
 from .config import ServiceConfig, load_config
 from .daemon import Daemon
-from .logs import set_level, setup_logging
+from .logs import HeldRecords, setup_logging
 from .notify import Notifier
 from .preflight import host_problems
 
@@ -57,11 +57,8 @@ class _Interrupted(BaseException):
 def check(config_path: str | os.PathLike[str]) -> int:
     """Validate the config file, and it against this host, as ``serve`` would before opening
     anything; print a summary (``cachepipe serve --check``)."""
-    handler = setup_logging("info")  # what loading says: the settings made by the environment
-    try:
-        config = _load(config_path)
-    finally:
-        logging.getLogger("cachepipe").removeHandler(handler)
+    config, handler = _load(config_path)
+    logging.getLogger("cachepipe").removeHandler(handler)
     if config is None:
         return EX_CONFIG
     names = ", ".join(f"{n} ({c.source} -> {c.cache_dir})" for n, c in config.pipelines.items()) or "none"
@@ -72,31 +69,36 @@ def check(config_path: str | os.PathLike[str]) -> int:
 
 def serve(config_path: str | os.PathLike[str]) -> int:
     """Run the daemon until SIGTERM/SIGINT; returns the exit status."""
-    handler = setup_logging("info")  # what loading says (the settings made by the environment), then the level set
+    config, handler = _load(config_path)
     try:
-        config = _load(config_path)
         if config is None:
             return EX_CONFIG
-        set_level(config.log_level)
         with Notifier() as notifier:
             return _run(Path(config_path).absolute(), config, notifier)  # reloads read the same file
     finally:
         logging.getLogger("cachepipe").removeHandler(handler)
 
 
-def _load(config_path: str | os.PathLike[str]) -> ServiceConfig | None:
-    """The valid configuration, or None after printing every problem (the file's, then the host's)."""
-    try:
-        config = load_config(config_path)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return None
-    problems = host_problems(config)
-    if problems:
-        lines = "\n  ".join(problems)
-        print(f"configuration {str(config_path)!r} cannot run on this host:\n  {lines}", file=sys.stderr)
-        return None
-    return config
+def _load(config_path: str | os.PathLike[str]) -> tuple[ServiceConfig | None, logging.Handler]:
+    """The valid configuration, or None after printing every problem (the file's, then the
+    host's); and the handler that writes the ``cachepipe`` loggers to stderr at the file's
+    ``log_level`` (at info when the file is invalid), which has written what loading logged (the
+    settings made by the environment, a small capacity) at that level."""
+    problems = None
+    with HeldRecords() as held:
+        try:
+            config: ServiceConfig | None = load_config(config_path)
+        except ConfigError as exc:
+            config, problems = None, str(exc)
+        if config is not None and (host := host_problems(config)):
+            lines = "\n  ".join(host)
+            config, problems = None, f"configuration {str(config_path)!r} cannot run on this host:\n  {lines}"
+    level = "info" if config is None else config.log_level
+    handler = setup_logging(level)
+    held.replay(level)
+    if problems is not None:
+        print(problems, file=sys.stderr)
+    return config, handler
 
 
 def _run(config_path: Path, config: Any, notifier: Notifier) -> int:

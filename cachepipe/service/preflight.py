@@ -8,7 +8,8 @@ or can be created, nothing that is not a socket sits at the socket path, ``tcp_h
 ``tcp_port``) is an address of this machine, a backend serves each pipeline's ``source``
 scheme and is installed, and the ``source`` and its ``storage_options`` pass the checks that
 opening the pipeline makes before it sends anything (a source written without ``s3://``, a
-storage option its backend does not take). ``serve --check`` reports these problems with the
+storage option its backend does not take), as do ``jobs.options.storage_options`` against each
+of ``jobs.sources``. ``serve --check`` reports these problems with the
 file's; ``serve`` refuses to start on them (exit 78), and a reload (SIGHUP) keeps the running
 configuration, each named with its field, its value and what would do.
 """
@@ -25,6 +26,7 @@ from ..config import PipelineConfig, check_source
 from ..errors import ConfigError
 from ..stores import check_store, preload
 from .config import ServiceConfig
+from .jobs import JobsConfig
 
 __all__ = ["host_problems"]
 
@@ -41,6 +43,23 @@ def host_problems(config: ServiceConfig) -> list[str]:
     for name, cfg in config.pipelines.items():
         problems += _dir_problems(f"pipelines.{name}.cache_dir {str(cfg.cache_dir)!r}", Path(cfg.cache_dir))
         problems += _source_problems(name, cfg)
+    if config.jobs is not None:
+        problems += _jobs_problems(config.jobs)
+    return problems
+
+
+def _jobs_problems(jobs: JobsConfig) -> list[str]:
+    """``jobs.options.storage_options`` pass the checks of :func:`~cachepipe.stores.check_store`
+    for each of ``jobs.sources``, as a job's pipeline will check them against its source when it
+    registers. With no ``sources`` (any source may register) no backend is known to check them
+    against: a job's registration does (HTTP 400)."""
+    options = jobs.options.get("storage_options")
+    problems = []
+    for prefix in jobs.sources if options else []:
+        try:
+            check_store(prefix, options)
+        except (ConfigError, ImportError) as exc:
+            problems.append(f"jobs.options.storage_options, for jobs.sources {prefix!r}: {exc}")
     return problems
 
 

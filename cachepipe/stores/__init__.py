@@ -41,9 +41,11 @@ def open_store(url: str, storage_options: dict[str, Any] | None = None) -> Store
 def check_store(url: str, storage_options: dict[str, Any] | None = None) -> None:
     """Refuse what :func:`open_store` would refuse of ``url`` and ``storage_options`` before it
     sends anything (an unknown scheme or ``engine``, a storage option the backend does not
-    take, an ``obs://`` URL with no endpoint, or with arguments the OBS SDK's client refuses when
-    it is made), with the same errors; nothing is sent (an ``obs://`` URL's client is made, as
-    the store makes it, and closed: the SDK connects only at a request). The backend is
+    take, an S3 ``endpoint_url`` that is no ``http(s)://host[:port]`` URL, an ``obs://`` URL with
+    no endpoint, or with arguments the OBS SDK's client refuses when it is made, a value
+    obstore's ``S3Store`` refuses with ``engine="obstore"``), with the same errors; nothing is
+    sent (an ``obs://`` URL's client, and obstore's ``S3Store``, are made, as the store makes
+    them, and dropped: they connect only at a request). The backend is
     imported (as :func:`preload` does). ``cachepipe serve --check`` calls it for
     each pipeline, so that it refuses what ``serve`` would.
 
@@ -57,10 +59,11 @@ def check_store(url: str, storage_options: dict[str, Any] | None = None) -> None
 
         check_obs(url, options)
         return
-    if engine == "obstore":  # checked as NativeS3Store checks them: its own options first, then s3fs's
+    if engine == "obstore":  # checked as NativeS3Store checks them: its own options, s3fs's, then obstore's S3Store
         from .s3native import check_options as check_native
 
         check_native(url, options or {})
+        return
     from .fsspec import check_options
 
     check_options(url, options)

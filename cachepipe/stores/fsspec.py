@@ -237,11 +237,8 @@ def _check_options(url: str, fs_cls: Any, options: dict[str, Any]) -> None:
         ("client_kwargs['endpoint_url']", (options.get("client_kwargs") or {}).get("endpoint_url")),
     )
     for where, endpoint in endpoints:
-        if isinstance(endpoint, str) and "s3" in protocols and not endpoint.startswith(("http://", "https://")):
-            raise ConfigError(
-                f"storage_options {where} {endpoint!r} for {url!r} has no scheme: write it http://{endpoint} "
-                "(or https://, as the server serves it)"
-            )
+        if endpoint is not None and "s3" in protocols:
+            _check_endpoint(url, where, endpoint)
     for key in options:
         if key not in accepted:
             hint = f"did you mean {close!r}? " if (close := closest(key, accepted)) else ""
@@ -249,6 +246,31 @@ def _check_options(url: str, fs_cls: Any, options: dict[str, Any]) -> None:
                 f"storage_options[{key!r}] is not an option of {protocols[0]}:// ({fs_cls.__module__}.{fs_cls.__name__}) "
                 f"for {url!r}; {hint}accepted: {', '.join(sorted(accepted))}"
             )
+
+
+def _check_endpoint(url: str, where: str, endpoint: Any) -> None:
+    """Refuse an S3 endpoint that is not an ``http(s)://host[:port]`` URL (a port of 0-65535),
+    which s3fs and obstore take as it is and fail on at the first request."""
+    expected = "expected a URL like 'http://10.0.0.5:9000' or 'https://s3.example.com'"
+    if not isinstance(endpoint, str):
+        raise ConfigError(f"storage_options {where} {endpoint!r} for {url!r} is not text: {expected}")
+    if not endpoint.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"storage_options {where} {endpoint!r} for {url!r} has no scheme: write it http://{endpoint} "
+            "(or https://, as the server serves it)"
+        )
+    try:
+        parts = urlsplit(endpoint)
+    except ValueError as exc:  # an unclosed '[' of an IPv6 address
+        raise ConfigError(f"storage_options {where} {endpoint!r} for {url!r} is not a valid URL ({exc}); {expected}") from None
+    try:
+        parts.port  # noqa: B018 - parsed on access
+    except ValueError as exc:
+        raise ConfigError(
+            f"storage_options {where} {endpoint!r} for {url!r}: its port is not a number of 0 to 65535 ({exc}); {expected}"
+        ) from None
+    if not parts.hostname:
+        raise ConfigError(f"storage_options {where} {endpoint!r} for {url!r} names no host; {expected}")
 
 
 def _put_local(local: str, path: str) -> None:

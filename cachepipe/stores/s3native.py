@@ -86,6 +86,7 @@ from obstore.store import S3Store
 from ..errors import ConfigError, ObjectChangedError, StoreClosedError, store_code
 from .base import CHANGED, ObjectInfo, http_status_error, unreachable_error
 from .fsspec import FsspecStore, environment_endpoint
+from .fsspec import check_options as check_fsspec
 
 if TYPE_CHECKING:
     from obstore import GetOptions  # types only: not importable at run time
@@ -195,10 +196,9 @@ class _FromBotocore:
         }
 
 
-def check_options(url: str, options: dict[str, Any]) -> None:
+def _check_names(url: str, options: dict[str, Any]) -> None:
     """Raise ConfigError for an option this engine would not honour, or a ``key`` without its
-    ``secret`` or the reverse (:func:`~cachepipe.stores.check_store` calls it too, the fsspec
-    backend's check beside it)."""
+    ``secret`` or the reverse."""
     accepted = f"accepted with engine='obstore': {', '.join(sorted(_OPTIONS))}"
     for key in options:
         if key not in _OPTIONS:
@@ -229,6 +229,83 @@ def check_options(url: str, options: dict[str, Any]) -> None:
         )
 
 
+def check_options(url: str, options: dict[str, Any]) -> None:
+    """Refuse what :class:`NativeS3Store` refuses before it sends anything, with the same errors
+    and in the same order: an option this engine would not honour, the fsspec backend's checks
+    (:func:`~cachepipe.stores.fsspec.check_options`: the backend that lists), then what obstore's
+    ``S3Store`` refuses when it is made (made, as the store makes it, and dropped: it sends
+    nothing). :func:`~cachepipe.stores.check_store` calls it for ``engine='obstore'``.
+
+    Raises:
+        ConfigError: naming the option, its value (not a credential's) and what is accepted.
+    """
+    _check_names(url, options)
+    check_fsspec(url, options)
+    _s3_store(url, options, None)
+
+
+_TEXT_OPTIONS = {  # S3Store's config keys that _s3_store fills and that it takes as text only, by their storage option
+    "region": "client_kwargs['region_name']",
+    "access_key_id": "key",
+    "secret_access_key": "secret",
+    "session_token": "token",
+}
+_SECRET_KEYS = frozenset({"access_key_id", "secret_access_key", "session_token"})
+
+
+def _s3_store(url: str, options: dict[str, Any], credentials: _FromBotocore | None) -> S3Store:
+    """obstore's ``S3Store`` for ``url`` and ``options`` (checked by :func:`_check_names`): the
+    one place it is made, and the seam for what it refuses when it is made (its own exceptions,
+    and a ``TypeError`` naming no option for a value that is not text): a ConfigError, naming the
+    storage option that is not text.
+
+    ``credentials``: the store's provider of botocore's credentials, or None."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("s3", "s3a") or not parts.netloc:
+        raise ConfigError(f"{url!r}: engine='obstore' serves s3://bucket/prefix URLs")
+    client_kwargs = options.get("client_kwargs") or {}
+    endpoint = options.get("endpoint_url") or client_kwargs.get("endpoint_url") or environment_endpoint()
+    s3 = (options.get("config_kwargs") or {}).get("s3") or {}
+    # virtual-host addressing only when asked for: path style works with AWS and custom endpoints alike
+    config: dict[str, Any] = {"virtual_hosted_style_request": s3.get("addressing_style") == "virtual"}
+    if endpoint:
+        config["endpoint"] = str(endpoint)
+    if client_kwargs.get("region_name"):
+        config["region"] = client_kwargs["region_name"]
+    if options.get("anon"):
+        config["skip_signature"] = True
+    elif options.get("key") or options.get("secret"):  # both (_check_names refuses one alone)
+        config.update(access_key_id=options["key"], secret_access_key=options["secret"])
+        if options.get("token"):
+            config["session_token"] = options["token"]
+    prefix = parts.path.strip("/")
+    try:
+        return S3Store(
+            parts.netloc,
+            prefix=prefix or None,
+            config=config,  # type: ignore[arg-type]  # built as a plain dict; obstore checks the keys
+            client_options={
+                "allow_http": str(endpoint or "").startswith("http://"),
+                "connect_timeout": NativeS3Store.TIMEOUT,
+                "read_timeout": NativeS3Store.TIMEOUT,
+                "timeout": NativeS3Store.REQUEST_TIMEOUT,
+            },
+            retry_config={"max_retries": 0},  # the core retries, with backoff, as for every store
+            credential_provider=credentials,
+        )
+    except (obstore.exceptions.BaseError, TypeError, ValueError) as exc:
+        why = f"{type(exc).__name__}: {_first_line(exc)}"
+        for key, option in _TEXT_OPTIONS.items():  # its TypeError names no option: the value that is not text
+            if key in config and not isinstance(config[key], str):
+                kind = type(config[key]).__name__
+                shown = f"(of type {kind}; not shown)" if key in _SECRET_KEYS else f"= {config[key]!r} (of type {kind})"
+                raise ConfigError(
+                    f"storage_options {option} {shown} for {url!r}: obstore "
+                    f"refuses it with engine='obstore' ({why}); expected a string"
+                ) from exc
+        raise ConfigError(f"{url!r}: obstore rejected the storage options with engine='obstore' ({why})") from exc
+
+
 class NativeS3Store:
     """A :class:`~cachepipe.stores.base.Store` for ``s3://`` whose GETs shorter than 1 MiB go through obstore.
 
@@ -255,10 +332,7 @@ class NativeS3Store:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url
         options = dict(storage_options or {})
-        check_options(url, options)
-        parts = urlsplit(url)
-        if parts.scheme not in ("s3", "s3a") or not parts.netloc:
-            raise ConfigError(f"{url!r}: engine='obstore' serves s3://bucket/prefix URLs")
+        _check_names(url, options)
         client_kwargs = options.get("client_kwargs") or {}
         # the environment's endpoint as botocore reads it (for the listing and large GETs): obstore
         # does not read AWS_ENDPOINT_URL_S3, and its small GETs must go where the others go
@@ -269,37 +343,9 @@ class NativeS3Store:
         self._aborted = False  # abort(): later GETs are refused
         self._fsspec = FsspecStore(url, options)  # validates the options against s3fs as well; lists, and GETs large parts
         self._direct = self._fsspec.direct
-        prefix = parts.path.strip("/")
-        config: dict[str, Any] = {"virtual_hosted_style_request": self._virtual_host(options)}
-        self._credentials: _FromBotocore | None = None
-        if endpoint:
-            config["endpoint"] = str(endpoint)
-        if client_kwargs.get("region_name"):
-            config["region"] = client_kwargs["region_name"]
-        if options.get("anon"):
-            config["skip_signature"] = True
-        elif options.get("key") or options.get("secret"):  # both (check_options refuses one alone)
-            config.update(access_key_id=options["key"], secret_access_key=options["secret"])
-            if options.get("token"):
-                config["session_token"] = options["token"]
-        elif self._direct:
-            self._credentials = _FromBotocore(self.CREDENTIALS_FOR)  # as the direct path signs
-        try:
-            self._store = S3Store(
-                parts.netloc,
-                prefix=prefix or None,
-                config=config,  # type: ignore[arg-type]  # built as a plain dict; obstore checks the keys
-                client_options={
-                    "allow_http": str(endpoint or "").startswith("http://"),
-                    "connect_timeout": self.TIMEOUT,
-                    "read_timeout": self.TIMEOUT,
-                    "timeout": self.REQUEST_TIMEOUT,
-                },
-                retry_config={"max_retries": 0},  # the core retries, with backoff, as for every store
-                credential_provider=self._credentials,
-            )
-        except obstore.exceptions.BaseError as exc:
-            raise ConfigError(f"{url!r}: obstore rejected the storage options: {_first_line(exc)}") from exc
+        signs = not options.get("anon") and not (options.get("key") or options.get("secret"))
+        self._credentials = _FromBotocore(self.CREDENTIALS_FOR) if signs and self._direct else None  # as the direct path signs
+        self._store = _s3_store(url, options, self._credentials)
 
     def _runtime_here(self) -> bool:
         """Whether obstore can run in this process, said once per store where it cannot (see the
@@ -340,12 +386,6 @@ class NativeS3Store:
     @_answered.setter
     def _answered(self, value: bool) -> None:
         self._fsspec.answered = value
-
-    @staticmethod
-    def _virtual_host(options: dict[str, Any]) -> bool:
-        """Virtual-host addressing only when asked for: path style works with AWS and custom endpoints alike."""
-        s3 = (options.get("config_kwargs") or {}).get("s3") or {}
-        return bool(s3.get("addressing_style") == "virtual")
 
     def __repr__(self) -> str:
         return f"NativeS3Store({self.url!r})"
