@@ -276,6 +276,30 @@ def test_a_job_whose_cache_directory_is_removed_is_dropped_and_its_lane_goes_on(
         assert "job train dropped: " in daemon.log() and "was removed while the pipeline was open" in daemon.log()
 
 
+def test_a_relative_local_source_of_a_job_is_refused(tmp_path, short_dir):
+    """A lane's relative source (or manifest) was read from the daemon's working directory ('/'
+    under systemd), not the lane's: with no jobs.sources the job registered and read another folder."""
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "f.bin").write_bytes(b"x")
+    sock = short_dir / "api.sock"
+    relative = os.path.relpath(src)  # found from the daemon's working directory: this process's
+    with DaemonProcess(write_config(tmp_path, sock, {"root": str(tmp_path / "jobs"), "capacity": "1MiB"})):
+        for field, body in (
+            ("source", {"source": relative, "world_size": 1, "ranks": [0]}),
+            ("manifest", {"source": str(src), "manifest": "m.json.gz", "world_size": 1, "ranks": [0]}),
+        ):
+            with pytest.raises(ServiceError, match=rf"{field} '[^']+': a relative local path; the daemon would") as err:
+                register(sock, "train", body)
+            assert err.value.status == 400
+        with JobClient("x", {"source": str(src), "world_size": 1, "ranks": [0]}, 0, socket=sock) as lane:
+            with pytest.raises(ServiceError, match=r"source '[^']+': a relative local path") as err:
+                lane.index(relative)
+            assert err.value.status == 400
+            assert lane.take((0, 0), timeout=30).name == "a"  # an absolute one registers
+    assert not (tmp_path / "jobs" / "train").exists()
+
+
 def test_jobs_sources_are_prefixes_by_whole_path_segments():
     from cachepipe.service.jobs import _under
 

@@ -338,6 +338,9 @@ class Jobs:
             raise UnknownPipelineError(f"no manifest {digest!r} on this daemon") from None
 
     def _check_sources(self, spec: JobSpec) -> None:
+        for field, value in (("source", spec.source), ("manifest", spec.manifest)):
+            if value is not None:  # a lane's relative path is relative to its own directory, not the daemon's
+                check_absolute_source(value, field)
         allowed = self.config.sources
         if not allowed:
             return
