@@ -514,3 +514,40 @@ def test_jobs_options_are_checked_when_the_file_loads(tmp_path):
     secret = {"storage_options": {"key": "AKIAEXAMPLE", "secret": "s3cr3t"}}
     message = error_of(tmp_path, {"jobs": {**jobs, "options": {**secret, "retries": "x"}}})
     assert "jobs.options.retries = 'x'" in message and "s3cr3t" not in message, message
+
+
+def test_what_loading_logs_reaches_the_root_logger_once_at_the_level_and_is_written_if_a_check_fails(
+    tmp_path, short_dir, monkeypatch, caplog, capsys
+):
+    """Review: held records also went on to the root logger's handlers while they were held (every
+    level, below the file's log_level too), then again when replayed; and a check that failed with
+    an exception other than ConfigError lost them (they were written before the change)."""
+    import logging
+
+    from cachepipe.service import main
+
+    logger = logging.getLogger("cachepipe")
+    level, propagate = logger.level, logger.propagate
+    monkeypatch.setenv("CACHEPIPE_MAX_WAIT", "30")  # loading logs "max_wait is set by the environment..."
+    said = "max_wait is set by the environment variable CACHEPIPE_MAX_WAIT"
+    try:
+        for log_level, times in (("info", 1), ("warning", 0)):
+            caplog.clear()
+            jobs = {"root": str(tmp_path / "jobs"), "capacity": "1GiB"}
+            path = write(tmp_path, {"socket": str(short_dir / "s.sock"), "log_level": log_level, "jobs": jobs})
+            with caplog.at_level(logging.DEBUG, logger="cachepipe"):
+                assert main.check(path) == 0
+            assert [r.getMessage() for r in caplog.records].count(said) == times, (log_level, caplog.records)
+            assert logger.propagate is propagate
+        capsys.readouterr()
+
+        def fails(config):
+            raise RuntimeError("a check that failed itself")
+
+        monkeypatch.setattr(main, "host_problems", fails)
+        with pytest.raises(RuntimeError, match="a check that failed itself"):
+            main.check(path)
+        assert f"INFO cachepipe.service: {said}" in capsys.readouterr().err
+        assert logger.propagate is propagate
+    finally:
+        logger.setLevel(level)

@@ -79,27 +79,32 @@ class HeldRecords(logging.Handler):
     context manager), to be written once the level to write them at is known (:meth:`replay`).
 
     For the daemon's start, before its handler is set up and before any other thread logs: while
-    attached, the loggers' level is ``DEBUG``. A reload logs as it goes, at the running level."""
+    attached, the loggers' level is ``DEBUG`` and their records go no further (to no handler of
+    the root logger: :meth:`replay` sends them there, once). A reload logs as it goes, at the
+    running level."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.records: list[logging.LogRecord] = []
         self._level = logging.NOTSET
+        self._propagate = True
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
 
     def __enter__(self) -> HeldRecords:
         logger = logging.getLogger("cachepipe")
-        self._level = logger.level
+        self._level, self._propagate = logger.level, logger.propagate
         logger.addHandler(self)
         logger.setLevel(logging.DEBUG)
+        logger.propagate = False  # held: not written now by the root logger's handlers, at any level
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         logger = logging.getLogger("cachepipe")
         logger.removeHandler(self)
         logger.setLevel(self._level)
+        logger.propagate = self._propagate
 
     def replay(self, level: str) -> None:
         """Log again, through the ``cachepipe`` loggers' handlers, each record at ``level`` or above."""

@@ -85,14 +85,21 @@ def _load(config_path: str | os.PathLike[str]) -> tuple[ServiceConfig | None, lo
     ``log_level`` (at info when the file is invalid), which has written what loading logged (the
     settings made by the environment, a small capacity) at that level."""
     problems = None
-    with HeldRecords() as held:
-        try:
-            config: ServiceConfig | None = load_config(config_path)
-        except ConfigError as exc:
-            config, problems = None, str(exc)
-        if config is not None and (host := host_problems(config)):
-            lines = "\n  ".join(host)
-            config, problems = None, f"configuration {str(config_path)!r} cannot run on this host:\n  {lines}"
+    held = HeldRecords()
+    try:
+        with held:
+            try:
+                config: ServiceConfig | None = load_config(config_path)
+            except ConfigError as exc:
+                config, problems = None, str(exc)
+            if config is not None and (host := host_problems(config)):
+                lines = "\n  ".join(host)
+                config, problems = None, f"configuration {str(config_path)!r} cannot run on this host:\n  {lines}"
+    except BaseException:  # a check that failed itself: what loading logged is written before its traceback
+        handler = setup_logging("info")
+        held.replay("info")
+        logging.getLogger("cachepipe").removeHandler(handler)
+        raise
     level = "info" if config is None else config.log_level
     handler = setup_logging(level)
     held.replay(level)
