@@ -225,6 +225,24 @@ def test_a_malformed_s3_endpoint_is_refused_by_the_check_as_by_open(engine, endp
     check_store("s3://b/p/", {**options, "endpoint_url": "http://[::1]:0"})
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "shown"),
+    [
+        ("http://AK:s3cr3t@h:99999", "'http://***@h:99999'"),
+        ("AK:s3cr3t@h:9000/p", "'***@h:9000/p'"),
+        ("http://AK:s3cr3t@[::1:9000", "'http://***@[::1:9000'"),
+    ],
+)
+def test_credentials_in_a_refused_s3_endpoint_are_not_shown(endpoint, shown):
+    """Review: the message of a malformed endpoint showed it whole, a password written in it too."""
+    from cachepipe.stores import check_store
+
+    with pytest.raises(ConfigError) as info:
+        check_store("s3://b/p/", {"endpoint_url": endpoint})
+    assert f"storage_options endpoint_url {shown} for 's3://b/p/'" in str(info.value), info.value
+    assert "s3cr3t" not in str(info.value), info.value
+
+
 def test_s3_mistyped_endpoint_fails_at_once_suggesting_endpoint_url(s3_source, tmp_path):
     options = {"endpoint": s3_source.options["endpoint_url"], "key": "testing", "secret": "testing"}
     error = _fails_within(_pipeline_run(s3_source.url, options, tmp_path))

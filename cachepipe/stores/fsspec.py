@@ -254,6 +254,10 @@ def _check_endpoint(url: str, where: str, endpoint: Any) -> None:
     expected = "expected a URL like 'http://10.0.0.5:9000' or 'https://s3.example.com'"
     if not isinstance(endpoint, str):
         raise ConfigError(f"storage_options {where} {endpoint!r} for {url!r} is not text: {expected}")
+    scheme, sep, rest = endpoint.partition("://") if "://" in endpoint else ("", "", endpoint)
+    netloc, slash, path = rest.partition("/")
+    if "@" in netloc:  # credentials in it (user:secret@host) are not shown
+        endpoint = f"{scheme}{sep}***@{netloc.rpartition('@')[2]}{slash}{path}"
     if not endpoint.startswith(("http://", "https://")):
         raise ConfigError(
             f"storage_options {where} {endpoint!r} for {url!r} has no scheme: write it http://{endpoint} "
