@@ -12,6 +12,7 @@ import math
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -1169,15 +1170,15 @@ def test_a_script_that_calls_map_outside_its_main_guard_is_refused_before_anythi
     (src / "a" / "f").write_bytes(b"x")
     call = f"map_items(fn, {str(src)!r}, {str(tmp_path / 'dst')!r}, cache_dir={str(cache)!r}, capacity='1MiB')"
     head = "import sys\nfrom cachepipe.map import map_items\ndef fn(item, out):\n    open(out + '/g', 'w').write('k')\n"
-    bodies = {
-        "top level": f"{call}\n",
-        "in a function called at top level": f"def main():\n    {call}\ntry:\n    main()\nfinally:\n    pass\n",
+    bodies = {  # the line of the top-level statement named
+        "top level": (f"{call}\n", 5),
+        "in a function called at top level": (f"def main():\n    {call}\ntry:\n    main()\nfinally:\n    pass\n", 8),
+        "in a decorator": (f"def deco(f):\n    {call}\n    return f\n@deco\ndef g():\n    pass\n", 8),
     }
-    for what, body in bodies.items():
-        script = tmp_path / "job.py"
+    script = tmp_path / "job.py"
+    for what, (body, line) in bodies.items():
         script.write_text(head + body)
         run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
-        line = 5 if what == "top level" else 8
         assert run.returncode == 1 and not cache.exists(), (what, run.stderr)
         said = f"RuntimeError: {script}, line {line}: a child process that runs fn starts by running the main script again"
         assert said in run.stderr, (what, run.stderr)
@@ -1188,10 +1189,17 @@ def test_a_script_that_calls_map_outside_its_main_guard_is_refused_before_anythi
     run = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=tmp_path, check=False)
     assert run.returncode == 1 and not cache.exists(), run.stderr
     assert "its module 'imported' is still being imported (map_items is called from its top level)" in run.stderr
-    guarded = head + "if sys.argv and __name__ == '__main__':\n    print('done', " + call + ".items_done)\n"
-    script.write_text(guarded)
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
-    assert run.returncode == 0 and "done 1" in run.stdout, run.stderr
+    show = f"print('done', {call}.items_done)"
+    guards = {  # any if that tests __name__ on the way, or any if at the top level (it may be a guard): the run goes on
+        "guarded": f"if sys.argv and __name__ == '__main__':\n    {show}\n",
+        "guarded in the function": f"def main():\n    if __name__ == '__main__':\n        {show}\nmain()\n",
+        "a guard by another name": f"IS_MAIN = __name__ == '__main__'\nif IS_MAIN:\n    {show}\n",
+    }
+    for what, body in guards.items():
+        shutil.rmtree(tmp_path / "dst", ignore_errors=True)
+        script.write_text(head + body)
+        run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
+        assert run.returncode == 0 and "done 1" in run.stdout, (what, run.stderr)
 
 
 def test_refusals_before_anything_runs(tmp_path):

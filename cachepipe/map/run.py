@@ -454,36 +454,44 @@ def _importing(fn: Any) -> str | None:
 
 def _unguarded_line() -> int | None:
     """The line of the main script's top-level statement running now (the one that led to this
-    call), if no ``if`` that tests ``__name__`` encloses it, so that a spawned child, which runs
-    the script again by its file or module name (as multiprocessing's spawn does), would run
-    it too; None if one does, or there is no script for spawn to run or for us to read."""
+    call) if it runs unconditionally, so that a spawned child, which runs the script again by
+    its file or module name (as multiprocessing's spawn does), would run it too. None where any
+    ``if`` stands on the way: one that tests ``__name__`` (at the top level, or in a function of
+    the script between it and this call), or any other at the top level (``if IS_MAIN:``), which
+    may be a guard; and None where there is no script for spawn to run or for us to read."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     name = getattr(getattr(main, "__spec__", None), "name", None)
     if main is None or not path or (name is not None and (name == "__main__" or name.endswith(".__main__"))):
         return None  # spawn does not run such a main again (and a fn from it is refused on its own)
-    line, frame = None, inspect.currentframe()
+    lines, frame = [], inspect.currentframe()  # the lines running in the script's frames, its top level's last
     while frame is not None:
-        if frame.f_code.co_name == "<module>" and frame.f_globals is vars(main):
-            line = frame.f_lineno
+        if frame.f_globals is vars(main):
+            lines.append((frame.f_lineno, frame.f_code.co_name == "<module>"))
         frame = frame.f_back
-    if line is None:
+    if not lines or not lines[-1][1]:
         return None
     try:
-        body = ast.parse(Path(path).read_bytes(), path).body
+        tree = ast.parse(Path(path).read_bytes(), path)
     except (OSError, SyntaxError, ValueError):
         return None
-    while True:
-        stmt = next((s for s in body if s.lineno <= line <= (s.end_lineno or s.lineno)), None)
-        if stmt is None or (
-            isinstance(stmt, ast.If) and any(isinstance(n, ast.Name) and n.id == "__name__" for n in ast.walk(stmt.test))
-        ):
-            return None  # not found (the file changed?), or under a guard
-        inner = [getattr(stmt, f, []) for f in ("body", "orelse", "finalbody")]
-        inner += [h.body for h in getattr(stmt, "handlers", [])] + [c.body for c in getattr(stmt, "cases", [])]
-        body = [s for block in inner if isinstance(block, list) for s in block if isinstance(s, ast.stmt)]
-        if not body:
-            return line
+    ifs = [
+        (n, any(isinstance(x, ast.Name) and x.id == "__name__" for x in ast.walk(n.test)))
+        for n in ast.walk(tree)
+        if isinstance(n, ast.If)
+    ]
+    for line, top in lines:
+        for node, tests_name in ifs:
+            if (tests_name or top) and any(_holds(s, line) for s in node.body + node.orelse):
+                return None
+    line = lines[-1][0]
+    return line if any(_holds(s, line) for s in tree.body) else None  # else the file changed since it ran
+
+
+def _holds(stmt: ast.stmt, line: int) -> bool:
+    """Whether ``line`` is in ``stmt``, its decorators included."""
+    first = min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", [])])
+    return first <= line <= (stmt.end_lineno or stmt.lineno)
 
 
 def map_items(
