@@ -490,7 +490,7 @@ def _unguarded_line() -> int | None:
 
 def _holds(stmt: ast.stmt, line: int) -> bool:
     """Whether ``line`` is in ``stmt``, its decorators included."""
-    first = min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", [])])
+    first: int = min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", [])])
     return first <= line <= (stmt.end_lineno or stmt.lineno)
 
 
