@@ -241,6 +241,17 @@ def host_cases(tmp_path: Path) -> dict:
                 "(server='http://127.0.0.1:9', timeout=None): Exception: timeout can not be None"
             ),
         ),
+        "options not a mapping": (  # was a traceback (AttributeError), exit 1
+            {"pipelines": {"train": {"storage_options": {"client_kwargs": 5}}}},
+            (
+                "pipelines.train: storage_options client_kwargs for 's3://b/p/' is a value of type int: expected a "
+                "mapping of option names to values"
+            ),
+        ),
+        "obstore options not a mapping": (  # was a traceback (TypeError), exit 1
+            {"pipelines": {"train": {"storage_options": {"engine": "obstore", "config_kwargs": {"s3": "path"}}}}},
+            "pipelines.train: storage_options config_kwargs['s3'] for 's3://b/p/' is a value of type str: expected a mapping",
+        ),
         "scheme short of a slash": (
             {"pipelines": {"train": {"source": "s3:/no-such-bucket/videos/"}}},
             (
@@ -276,7 +287,7 @@ def host_cases(tmp_path: Path) -> dict:
 
 CASES = ["group", "cache under a file", "socket dir under a file", "socket path taken"]
 CASES += ["tcp host", "tcp host elsewhere", "tcp host typo", "scheme", "storage option", "endpoint without scheme"]
-CASES += ["obstore key without secret", "obs client refuses"]
+CASES += ["obstore key without secret", "obs client refuses", "options not a mapping", "obstore options not a mapping"]
 CASES += ["scheme short of a slash", "no scheme", "jobs storage option"]
 
 

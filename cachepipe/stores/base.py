@@ -34,11 +34,11 @@ from __future__ import annotations
 import errno
 import inspect
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol, runtime_checkable
 
-from ..errors import ObjectChangedError, StoreUnavailableError, StoreUnreachableError, store_code
+from ..errors import ConfigError, ObjectChangedError, StoreUnavailableError, StoreUnreachableError, store_code
 
 __all__ = ["FIRST_PAGE_KEYS", "TEMP_SUFFIX", "ObjectInfo", "Store", "WritableStore", "abort_store", "listed_etag", "takes_etag"]
 
@@ -94,6 +94,28 @@ CHANGED = (
 )
 """What an :class:`~cachepipe.errors.ObjectChangedError` says, after the object's URL: the same
 words from every backend."""
+
+
+def check_mappings(url: str, options: Mapping[str, Any]) -> None:
+    """Refuse an S3 storage option that holds options of its own (``client_kwargs``,
+    ``config_kwargs``, ``config_kwargs['s3']``) given as something other than a mapping, which
+    the checks that read it and the SDK would fail on with a bare ``TypeError``. The value is
+    not shown (a string there may be a credential misplaced).
+
+    Raises:
+        ConfigError: naming the option and the type given.
+    """
+    config = options.get("config_kwargs")
+    for where, value in (
+        ("client_kwargs", options.get("client_kwargs")),
+        ("config_kwargs", config),
+        ("config_kwargs['s3']", config.get("s3") if isinstance(config, Mapping) else None),
+    ):
+        if value is not None and not isinstance(value, Mapping):
+            raise ConfigError(
+                f"storage_options {where} for {url!r} is a value of type {type(value).__name__}: expected a mapping "
+                "of option names to values, such as {'region_name': 'us-east-1'}"
+            )
 
 
 def listed_etag(raw: str | None) -> str | None:

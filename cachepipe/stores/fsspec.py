@@ -44,6 +44,7 @@ from .base import (
     NO_REPLY,
     TEMP_SUFFIX,
     ObjectInfo,
+    check_mappings,
     http_status_error,
     listed_etag,
     unreachable_error,
@@ -225,6 +226,7 @@ def _check_options(url: str, fs_cls: Any, options: dict[str, Any]) -> None:
     accepted = set(_FSSPEC_OPTIONS)
     classes: builtins.list[Any] = [c for c in fs_cls.__mro__ if c is not object]
     if "s3" in protocols:
+        check_mappings(url, options)
         import aiobotocore.session  # type: ignore[import-untyped]
 
         classes.append(aiobotocore.session.AioSession)

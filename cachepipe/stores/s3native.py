@@ -84,7 +84,7 @@ import obstore.exceptions
 from obstore.store import S3Store
 
 from ..errors import ConfigError, ObjectChangedError, StoreClosedError, store_code
-from .base import CHANGED, ObjectInfo, http_status_error, unreachable_error
+from .base import CHANGED, ObjectInfo, check_mappings, http_status_error, unreachable_error
 from .fsspec import FsspecStore, environment_endpoint
 from .fsspec import check_options as check_fsspec
 
@@ -203,6 +203,7 @@ def _check_names(url: str, options: dict[str, Any]) -> None:
     for key in options:
         if key not in _OPTIONS:
             raise ConfigError(f"storage_options[{key!r}] is not supported with engine='obstore' for {url!r}; {accepted}")
+    check_mappings(url, options)
     client_kwargs = options.get("client_kwargs") or {}
     config_kwargs = options.get("config_kwargs") or {}
     for name, given, known in (
