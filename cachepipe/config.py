@@ -119,7 +119,9 @@ def check_absolute_source(source: str, field: str = "source") -> None:
         return
     if os.path.isabs(path if sep else source) or (not sep and re.match(r"[A-Za-z][A-Za-z0-9+.-]+:", source)):
         return  # absolute, or a scheme short of its '//' (s3:/bucket/), which check_source names
-    if sep:
+    if (path if sep else source).startswith("~"):  # nothing expands it: the shell does, not a config file
+        meant = f"the path written out (such as {os.path.expanduser(path if sep else source)}): '~' is not expanded"
+    elif sep:
         meant = f"an absolute path after {scheme}:// (three slashes, such as {scheme}:///srv/{path.lstrip('./')})"
     else:
         rest = source.lstrip("./")

@@ -475,6 +475,7 @@ def test_a_relative_local_source_is_refused_where_a_pipeline_keeps_it(tmp_path, 
     for source, expected in [
         ("data/train/", "expected an absolute path (such as /srv/data/train/), or a URL if an object store was meant"),
         ("file://data/train", "expected an absolute path after file:// (three slashes, such as file:///srv/data/train)"),
+        ("~/data/train", f"expected the path written out (such as {Path.home()}/data/train): '~' is not expanded"),
     ]:
         message = error_of(tmp_path, minimal(tmp_path, source=source))
         assert f"pipelines.train.source {source!r}: a relative local path; the daemon would read it from" in message
