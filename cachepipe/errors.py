@@ -98,14 +98,15 @@ class UnsafeKeyError(CachePipeError, ValueError):
 class OversizeError(CachePipeError, ValueError):
     """An item is larger than the whole cache capacity."""
 
-    def __init__(self, item: str, size: int, capacity: int, occupied: int = 0) -> None:
+    def __init__(self, item: str, size: int, capacity: int, occupied: int = 0, of: str = "the cache capacity") -> None:
         room = f" less {occupied} bytes taken by other files and cachepipe's state" if occupied else ""
-        self.reason = f"{size} bytes, larger than the cache capacity of {capacity} bytes{room}"
+        self.reason = f"{size} bytes, larger than {of} of {capacity} bytes{room}"
         """Why the item does not fit, without the advice: what a skipped item is logged with."""
         super().__init__(f"item {item!r} is {self.reason}; raise capacity or pass on_oversize='skip'")
         self.item = item
         self.size = size
         self.capacity = capacity
+        self.occupied = occupied
 
 
 class EmptySourceError(CachePipeError, FileNotFoundError):

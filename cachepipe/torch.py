@@ -60,7 +60,7 @@ import torch.utils.data
 
 from .client import DEFAULT_OUTAGE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT
 from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_capacity, small_capacity, with_unit
-from .errors import CacheLockedError
+from .errors import CacheLockedError, OversizeError
 from .jobclient import JobClient, LaneItem, LaneSkip
 from .manifest import index
 from .pipeline import CachedItem, Pipeline, Skipped
@@ -431,6 +431,18 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         elif self._pipe is not None:
             self._start, self._pipe = self._local_state(self._pipe), None
 
+    def _in_share(self, call: Callable[..., T], *args: Any) -> T:
+        """``call(*args)``; an :class:`OversizeError` it raises in a DataLoader worker, whose
+        pipeline has ``capacity / num_workers``, says that this is the capacity it names."""
+        try:
+            return call(*args)
+        except OversizeError as exc:
+            info = torch.utils.data.get_worker_info()
+            if info is None or info.num_workers == 1:
+                raise
+            of = f"this DataLoader worker's share of the cache (capacity {self.capacity} / num_workers {info.num_workers})"
+            raise OversizeError(exc.item, exc.size, exc.capacity, exc.occupied, of) from None
+
     def _iter_local(self, start: dict[str, Any] | None, token: object) -> Iterator[Any]:
         if start and _finished(start):
             # loaded at the end of its share (a worker's, saved once it had ended): nothing to read,
@@ -454,7 +466,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             return self._pipeline(None)
 
         try:
-            pipe = _open(make)
+            pipe = self._in_share(_open, make)
             if not start and self.options.get("resume") and _finished(pipe.state_dict()):
                 # resume=True continues a pass this folder's journal holds; one that ended (this
                 # process's last pass, or a run that finished) has nothing left: this pass is new
@@ -469,7 +481,7 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             if self._equal and self.transform is not None:
                 yield from self._equal_local(pipe, start, end, token)
             else:
-                while (item := _next(pipe, end)) is not None:
+                while (item := self._in_share(_next, pipe, end)) is not None:
                     if self.transform is None:
                         yield item
                         pipe.ack(item)  # when the loop asks for the next

@@ -502,3 +502,20 @@ def test_with_resume_true_a_pass_after_a_finished_one_reads_its_share_again(s3_s
     assert [tuple(x) for x in loader] == first  # a worker process: its journal, of a pass that ended
     with pytest.raises(ValueError, match=r"set_epoch\(0\) with resume=True"):
         dataset.set_epoch(0)
+
+
+def test_an_item_over_a_worker_s_share_of_the_cache_is_said_to_be_over_that_share(tmp_path):
+    """First-hour review: a DataLoader worker's pipeline has capacity / num_workers, and its
+    OversizeError named that as "the cache capacity", a figure the user never gave."""
+    for name, size in (("a", 600_000), ("b", 1000)):
+        (tmp_path / "src" / name).mkdir(parents=True)
+        (tmp_path / "src" / name / "f").write_bytes(b"x" * size)
+    dataset = CachePipeDataset(str(tmp_path / "src"), tmp_path / "c", "1MiB", transform=read, rank=0, world_size=1)
+    it = iter(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2))
+    try:
+        with pytest.raises(Exception, match="OversizeError") as failed:  # re-raised by the DataLoader in the main process
+            list(it)
+    finally:
+        it._shutdown_workers()  # the worker error leaves the loader's queue threads to its shutdown
+    said = "item 'a' is 600000 bytes, larger than this DataLoader worker's share of the cache (capacity 1048576 / num_workers 2)"
+    assert said in str(failed.value), failed.value
