@@ -151,8 +151,10 @@ class StreamingListing:
                         admitting, run, last = run, [], _position(item)
                         if not self._queue_run(admitting):
                             return
-                    if run and not self._queue_run(run):
-                        return
+                    if run:  # the last run; taken out first, as above: an error in it must not admit it again
+                        admitting, run, last = run, [], _position(run[-1])
+                        if not self._queue_run(admitting):
+                            return
                     self._complete()
                     return
                 except Exception as exc:

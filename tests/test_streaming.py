@@ -372,6 +372,21 @@ def test_items_listed_while_the_producer_has_work_queued_are_admitted_in_runs_in
     assert all("'item02500' is 700000 bytes" in error for error in errors)
 
 
+def test_an_oversize_item_in_the_last_run_is_raised_in_its_turn_after_each_item_before_it_once(memory_data, tmp_path):
+    # The run gathered at the listing's end (the producer held, so over ADMIT_AHEAD items wait)
+    # is admitted up to the oversize item, which then raises: the items of that run before it
+    # were queued again by the listing's error path, and delivered twice.
+    _put(memory_data, 1100, size=1)
+    memory_data.pipe_file("/stream/data/item01100/f", b"x" * 1_000_000)
+    with Pipeline(ROOT, tmp_path / "c", "1MiB", prefetch=1, auto_ack=False) as pipe:
+        held = pipe.get(timeout=30)
+        wait_until(lambda: pipe.stats().items_listed >= 1100, what="the listing up to the oversize item")
+        pipe.ack(held)
+        names, errors = _take_all(pipe)
+    assert names == [*(f"item{i:05d}" for i in range(1, 1100)), "<oversize>"]
+    assert len(errors) == 1
+
+
 @pytest.fixture
 def streamed_cache(tmp_path):
     """An open 1 MiB cache recovered with no catalog (a streamed pass's), and the journal budget
