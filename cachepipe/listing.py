@@ -34,10 +34,15 @@ listing ended."""
 QUEUE_ITEMS = 10_000
 """Most listed items waiting for the producer (a few MB): the listing pauses beyond it."""
 
-ADMIT_RUN, ADMIT_AHEAD = 64, 1024
-"""While at least ``ADMIT_AHEAD`` items wait for the producer, the listing admits the items it
-lists in runs of up to ``ADMIT_RUN`` (one round of the cache's lock and of the queue's for a
-run); with fewer waiting, each item at once, so that the producer never waits for a run."""
+ADMIT_RUN, ADMIT_AHEAD = 64, 64
+"""While at least ``ADMIT_AHEAD`` items wait for the producer (a run of its own: it takes up to
+64 at a time), the listing admits the items it lists in runs of up to ``ADMIT_RUN`` (one round
+of the cache's lock and of the queue's for a run); with fewer waiting, each item at once, so
+that a producer with nothing queued never waits for a run. With 1,024 the listing of tiny items
+on a quick source stayed, in some runs, at one item per admission from start to end (the
+producer took each as it came, and the queue never grew to 1,024): twice the listing's CPU per
+item (benchmarks/README.md, 2026-11-30). The first page's items are admitted each at once, so
+that an error about one of them is raised by the open (:meth:`StreamingListing.wait_first_page`)."""
 
 
 class StreamingListing:
@@ -146,8 +151,8 @@ class StreamingListing:
                             skip = None
                         attempt = 0
                         run.append(item)
-                        if len(run) < ADMIT_RUN and len(self._queue) >= ADMIT_AHEAD:
-                            continue  # the producer has work queued: gather a run
+                        if len(run) < ADMIT_RUN and self._first_page and len(self._queue) >= ADMIT_AHEAD:
+                            continue  # the producer has work queued: gather a run (not in the first page: open raises its errors)
                         admitting, run, last = run, [], _position(item)
                         if not self._queue_run(admitting):
                             return

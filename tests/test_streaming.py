@@ -453,7 +453,7 @@ class _FailingAfter:
         raise ConnectionError("the listing fails here (injected)")
 
 
-@pytest.mark.parametrize("objects", [500, 1100])  # 1,100: past ADMIT_AHEAD, items gathered in runs
+@pytest.mark.parametrize("objects", [50, 1100])  # 1,100: past ADMIT_AHEAD, items gathered in runs
 def test_a_listing_that_fails_at_the_same_place_gives_up_after_its_retries_with_every_item_before(objects):
     from cachepipe.listing import StreamingListing
 
@@ -466,6 +466,43 @@ def test_a_listing_that_fails_at_the_same_place_gives_up_after_its_retries_with_
         assert store.lists == 4  # the first listing and 3 retries: no progress, no more
         assert listing.listed == objects  # each once, all before the error
         assert [listing.take().name for _ in range(objects)] == [f"k{i:06d}" for i in range(objects)]
+    finally:
+        listing.stop()
+
+
+def test_a_listing_admits_in_runs_once_a_run_of_the_producers_waits():
+    # Nothing takes: the queue grows. After the first page (each of its items admitted at once,
+    # so that open raises an error about one), once ADMIT_AHEAD items wait (a run of the
+    # producer's, which takes up to PLAN_RUN at a time), the listing gathers what it lists into
+    # runs. With 1,024 it admitted these 500 items one by one, and a producer that kept up with
+    # the listing made it admit every item alone (twice its CPU per item).
+    from cachepipe.listing import ADMIT_AHEAD, ADMIT_RUN
+    from cachepipe.pipeline import PLAN_RUN
+
+    class Listed:
+        url = "test://listed"
+
+        def list(self) -> Iterator[ObjectInfo]:
+            for i in range(500):
+                yield ObjectInfo(f"k{i:06d}", 1)
+
+    runs: list[int] = []
+
+    def admit(run: list) -> list[bool]:
+        runs.append(len(run))
+        return [True] * len(run)
+
+    listing = StreamingListing(Listed(), "files", admit, lambda: None, 0, lambda _n: 0.0)
+    listing.start()
+    try:
+        wait_until(lambda: listing.done, what="the listing's end")
+        assert sum(runs) == 500
+        assert max(runs) == ADMIT_RUN  # 500 items waiting: gathered
+        first_run = runs.index(ADMIT_RUN)
+        assert runs[:first_run] == [1] * first_run and FIRST_PAGE_OBJECTS <= first_run <= FIRST_PAGE_OBJECTS + 1
+        assert runs[first_run:-1] == [ADMIT_RUN] * (len(runs) - first_run - 1)
+        assert [item.name for item in listing.take_many(500)] == [f"k{i:06d}" for i in range(500)]
+        assert ADMIT_AHEAD <= PLAN_RUN
     finally:
         listing.stop()
 
