@@ -37,11 +37,13 @@ QUEUE_ITEMS = 10_000
 ADMIT_RUN, ADMIT_AHEAD = 64, 64
 """While at least ``ADMIT_AHEAD`` items wait for the producer (a run of its own: it takes up to
 64 at a time), the listing admits the items it lists in runs of up to ``ADMIT_RUN`` (one round
-of the cache's lock and of the queue's for a run); with fewer waiting, each item at once, so
-that a producer with nothing queued never waits for a run. With 1,024 the listing of tiny items
-on a quick source stayed, in some runs, at one item per admission from start to end (the
-producer took each as it came, and the queue never grew to 1,024): twice the listing's CPU per
-item (benchmarks/README.md, 2026-11-30). The first page's items are admitted each at once, so
+of the cache's lock and of the queue's for a run); with fewer waiting, each item at once. A run
+being gathered when the listing waits for its store's next page waits with it: at most
+``ADMIT_RUN - 1`` items, listed while the producer had ``ADMIT_AHEAD`` queued (the producer
+waits for them only if it starts all of those before the page comes). With 1,024 the listing
+of tiny items on a quick source stayed, in some runs, at one item per admission from start to
+end (the producer took each as it came, and the queue never grew to 1,024): twice the listing's
+CPU per item (benchmarks/README.md, 2026-11-30). The first page's items are admitted each at once, so
 that an error about one of them is raised by the open (:meth:`StreamingListing.wait_first_page`)."""
 
 
