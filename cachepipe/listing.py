@@ -34,10 +34,17 @@ listing ended."""
 QUEUE_ITEMS = 10_000
 """Most listed items waiting for the producer (a few MB): the listing pauses beyond it."""
 
-ADMIT_RUN, ADMIT_AHEAD = 64, 1024
-"""While at least ``ADMIT_AHEAD`` items wait for the producer, the listing admits the items it
-lists in runs of up to ``ADMIT_RUN`` (one round of the cache's lock and of the queue's for a
-run); with fewer waiting, each item at once, so that the producer never waits for a run."""
+ADMIT_RUN, ADMIT_AHEAD = 64, 64
+"""While at least ``ADMIT_AHEAD`` items wait for the producer (a run of its own: it takes up to
+64 at a time), the listing admits the items it lists in runs of up to ``ADMIT_RUN`` (one round
+of the cache's lock and of the queue's for a run); with fewer waiting, each item at once. A run
+being gathered when the listing waits for its store's next page waits with it: at most
+``ADMIT_RUN - 1`` items, listed while the producer had ``ADMIT_AHEAD`` queued (the producer
+waits for them only if it starts all of those before the page comes). With 1,024 the listing
+of tiny items on a quick source stayed, in some runs, at one item per admission from start to
+end (the producer took each as it came, and the queue never grew to 1,024): twice the listing's
+CPU per item (benchmarks/README.md, 2026-11-30). The first page's items are admitted each at once, so
+that an error about one of them is raised by the open (:meth:`StreamingListing.wait_first_page`)."""
 
 
 class StreamingListing:
@@ -146,13 +153,15 @@ class StreamingListing:
                             skip = None
                         attempt = 0
                         run.append(item)
-                        if len(run) < ADMIT_RUN and len(self._queue) >= ADMIT_AHEAD:
-                            continue  # the producer has work queued: gather a run
+                        if len(run) < ADMIT_RUN and self._first_page and len(self._queue) >= ADMIT_AHEAD:
+                            continue  # the producer has work queued: gather a run (not in the first page: open raises its errors)
                         admitting, run, last = run, [], _position(item)
                         if not self._queue_run(admitting):
                             return
-                    if run and not self._queue_run(run):
-                        return
+                    if run:  # the last run; taken out first, as above: an error in it must not admit it again
+                        admitting, run, last = run, [], _position(run[-1])
+                        if not self._queue_run(admitting):
+                            return
                     self._complete()
                     return
                 except Exception as exc:

@@ -372,6 +372,21 @@ def test_items_listed_while_the_producer_has_work_queued_are_admitted_in_runs_in
     assert all("'item02500' is 700000 bytes" in error for error in errors)
 
 
+def test_an_oversize_item_in_the_last_run_is_raised_in_its_turn_after_each_item_before_it_once(memory_data, tmp_path):
+    # The run gathered at the listing's end (the producer held, so over ADMIT_AHEAD items wait)
+    # is admitted up to the oversize item, which then raises: the items of that run before it
+    # were queued again by the listing's error path, and delivered twice.
+    _put(memory_data, 1100, size=1)
+    memory_data.pipe_file("/stream/data/item01100/f", b"x" * 1_000_000)
+    with Pipeline(ROOT, tmp_path / "c", "1MiB", prefetch=1, auto_ack=False) as pipe:
+        held = pipe.get(timeout=30)
+        wait_until(lambda: pipe.stats().items_listed >= 1100, what="the listing up to the oversize item")
+        pipe.ack(held)
+        names, errors = _take_all(pipe)
+    assert names == [*(f"item{i:05d}" for i in range(1, 1100)), "<oversize>"]
+    assert len(errors) == 1
+
+
 @pytest.fixture
 def streamed_cache(tmp_path):
     """An open 1 MiB cache recovered with no catalog (a streamed pass's), and the journal budget
@@ -438,7 +453,7 @@ class _FailingAfter:
         raise ConnectionError("the listing fails here (injected)")
 
 
-@pytest.mark.parametrize("objects", [500, 1100])  # 1,100: past ADMIT_AHEAD, items gathered in runs
+@pytest.mark.parametrize("objects", [50, 1100])  # 1,100: past ADMIT_AHEAD, items gathered in runs
 def test_a_listing_that_fails_at_the_same_place_gives_up_after_its_retries_with_every_item_before(objects):
     from cachepipe.listing import StreamingListing
 
@@ -451,6 +466,43 @@ def test_a_listing_that_fails_at_the_same_place_gives_up_after_its_retries_with_
         assert store.lists == 4  # the first listing and 3 retries: no progress, no more
         assert listing.listed == objects  # each once, all before the error
         assert [listing.take().name for _ in range(objects)] == [f"k{i:06d}" for i in range(objects)]
+    finally:
+        listing.stop()
+
+
+def test_a_listing_admits_in_runs_once_a_run_of_the_producers_waits():
+    # Nothing takes: the queue grows. After the first page (each of its items admitted at once,
+    # so that open raises an error about one), once ADMIT_AHEAD items wait (a run of the
+    # producer's, which takes up to PLAN_RUN at a time), the listing gathers what it lists into
+    # runs. With 1,024 it admitted these 500 items one by one, and a producer that kept up with
+    # the listing made it admit every item alone (twice its CPU per item).
+    from cachepipe.listing import ADMIT_AHEAD, ADMIT_RUN
+    from cachepipe.pipeline import PLAN_RUN
+
+    class Listed:
+        url = "test://listed"
+
+        def list(self) -> Iterator[ObjectInfo]:
+            for i in range(500):
+                yield ObjectInfo(f"k{i:06d}", 1)
+
+    runs: list[int] = []
+
+    def admit(run: list) -> list[bool]:
+        runs.append(len(run))
+        return [True] * len(run)
+
+    listing = StreamingListing(Listed(), "files", admit, lambda: None, 0, lambda _n: 0.0)
+    listing.start()
+    try:
+        wait_until(lambda: listing.done, what="the listing's end")
+        assert sum(runs) == 500
+        assert max(runs) == ADMIT_RUN  # 500 items waiting: gathered
+        first_run = runs.index(ADMIT_RUN)
+        assert runs[:first_run] == [1] * first_run and FIRST_PAGE_OBJECTS <= first_run <= FIRST_PAGE_OBJECTS + 1
+        assert runs[first_run:-1] == [ADMIT_RUN] * (len(runs) - first_run - 1)
+        assert [item.name for item in listing.take_many(500)] == [f"k{i:06d}" for i in range(500)]
+        assert ADMIT_AHEAD <= PLAN_RUN
     finally:
         listing.stop()
 
