@@ -434,3 +434,20 @@ def test_a_take_waiting_when_the_daemon_stops_is_answered_stopping_and_asks_the_
         gate.set()
     assert "error" not in got, got  # before: ServiceError 500 internal "... is closed"
     assert got["item"].name == first
+
+
+def test_a_reload_that_changes_the_jobs_section_says_it_takes_a_restart(s3_source, tmp_path, short_dir):
+    """First-hour review: a reload ignored a new jobs.capacity or jobs.sources and logged
+    "nothing changed"; a job asking for the new source was then refused by the old section."""
+    s3_source.folders(2, {"a.bin": KIB})
+    sock = short_dir / "api.sock"
+    config, _ = one_rank_job(s3_source, tmp_path, sock)
+    with DaemonProcess(config) as daemon:
+        data = yaml.safe_load(config.read_text())
+        data["jobs"]["capacity"] = "2MiB"
+        data["jobs"]["options"]["storage_options"]["secret"] = "the-new-secret"
+        config.write_text(yaml.safe_dump(data))
+        daemon.reload()
+        assert "reload: the jobs section changed; this takes a restart" in daemon.log()
+        assert "the-new-secret" not in daemon.log()
+        assert daemon.stop() == 0

@@ -182,8 +182,9 @@ class Daemon:
         published items per ``keep_on_close``, then opened with the new settings: their leases
         end and unacknowledged items are delivered again). A rebuilt pipeline that fails to
         open is reopened with its old settings; if that fails too it stays down (health 503)
-        until the next reload. Socket path and TCP settings need a restart; socket permissions
-        and every other daemon setting apply at once.
+        until the next reload. Socket path, TCP settings and the ``jobs`` section need a restart
+        (a change is logged, and the running ones kept); socket permissions and every other
+        daemon setting apply at once.
         """
         with self._reload_lock:
             if self._state != _RUNNING or self._api is None:
@@ -195,6 +196,12 @@ class Daemon:
                 log.warning(
                     "reload: %s changed from %r to %r; this takes a restart", field, getattr(old, field), getattr(new, field)
                 )
+            if new.jobs != old.jobs:  # its values unsaid: jobs.options may hold credentials
+                log.warning(
+                    "reload: the jobs section changed; this takes a restart (the jobs registered, and those to come, "
+                    "keep the section the daemon started with)"
+                )
+                fixed["jobs"] = old.jobs
             if fixed:
                 new = new.model_copy(update=fixed)
             if (new.socket_mode, new.socket_group) != (old.socket_mode, old.socket_group):
