@@ -411,7 +411,10 @@ class Pipeline:
             cache.use_retention(policy, Names(catalog, eligible), plan_tick(*cursor))
         before = _steps_before(plan, cursor)
         self._total_steps = None if cfg.epochs is None else sum(len(plan.share(e)) for e in range(cfg.epochs)) - before
-        self._resumed_complete = before > 0 and self._total_steps == 0
+        # every step left acknowledged already: at the end, or short of it where the last acks
+        # were journaled beyond the cursor (a process killed before it closed)
+        left = None if self._total_steps is None else self._total_steps - len(acked)
+        self._resumed_complete = (before > 0 or bool(acked)) and left is not None and left <= 0
         return self._steps(plan, Cursor(*cursor), acked)
 
     def _fitting(self, store: Store, cache: Cache) -> tuple[Catalog, array[int], array[int] | None, bool]:
