@@ -599,10 +599,14 @@ class Pipeline:
     def set_capacity(self, capacity: int | str | Share) -> None:
         """Change the capacity of an open pipeline, effective at once (see :meth:`Cache.set_capacity`).
 
+        Lowering it below the bytes in the cache deletes nothing (a warning says so): downloads
+        wait until acknowledgements bring the cache under it.
+
         Raises:
-            ValueError: a malformed capacity, or one too small for what is already in ``cache_dir``
-                or (``on_oversize="raise"``) for the largest item planned: every such item still to
-                come would fail, even if the capacity were raised again a moment later.
+            ValueError: a malformed capacity, or one that leaves no room beside the files in
+                ``cache_dir`` that are not items and cachepipe's state, or (``on_oversize="raise"``)
+                less than the largest item planned: every such item still to come would fail,
+                even if the capacity were raised again a moment later.
         """
         self._require_open()
         value = parse_capacity(capacity)
@@ -610,9 +614,17 @@ class Pipeline:
         if small is not None:
             log.warning("%s", small)
         largest = max(self._plan.sizes, default=0) if self.config.on_oversize == "raise" else 0
-        self._cache.set_capacity(value, at_least=largest)
+        new = self._cache.set_capacity(value, at_least=largest)
         self.config = self.config.model_copy(update={"capacity": value})
         log.info("capacity of %s set to %s", self.config.source, capacity)
+        if (used := self._cache.used) > new:
+            log.warning(
+                "capacity of %s lowered to %d bytes, below the %d bytes in the cache now: nothing is deleted for it; "
+                "downloads wait until acknowledgements bring the cache under it",
+                self.config.source,
+                new,
+                used,
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """Where to resume: the plan's configuration and its first unconsumed step (JSON-able),

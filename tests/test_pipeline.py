@@ -654,6 +654,22 @@ def test_a_capacity_below_the_largest_item_is_refused_where_such_items_would_fai
         assert len(names) + stats.items_skipped == 6 and stats.items_failed == stats.items_skipped >= 1, (names, stats)
 
 
+def test_a_capacity_lowered_below_the_bytes_in_the_cache_says_that_nothing_is_deleted(tmp_path, caplog):
+    """First-hour review 2: lowering the capacity below what the cache held was accepted without a
+    word, and the docstring said it would be refused: the bytes stay until acknowledged."""
+    for i in range(3):
+        (tmp_path / "src" / f"i{i}").mkdir(parents=True)
+        (tmp_path / "src" / f"i{i}" / "f").write_bytes(b"x" * 20_000)
+    with Pipeline(tmp_path / "src", tmp_path / "c", "1MiB", auto_ack=False) as pipe:
+        items = [pipe.get(timeout=30) for _ in range(3)]  # all three on disk, none acknowledged
+        with caplog.at_level(logging.WARNING, logger="cachepipe"):
+            pipe.set_capacity("30KiB")
+        lowered = [r.getMessage() for r in caplog.records if "lowered to 30720 bytes, below the" in r.getMessage()]
+        assert lowered and "nothing is deleted for it; downloads wait until acknowledgements" in lowered[0], lowered
+        assert all(Path(item).exists() for item in items)
+        pipe.ack_many(items)
+
+
 @pytest.mark.parametrize("bad", [None, 3, b"/tmp/c/a"])
 def test_an_item_refuses_a_path_that_is_not_a_string(bad):
     from cachepipe.catalog import FileEntry, Item
