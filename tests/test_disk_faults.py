@@ -13,6 +13,8 @@ from waiting import wait_until
 
 from cachepipe import OversizeError, Pipeline
 from cachepipe.cache.lock import unusable_dir
+from cachepipe.service.config import ServiceConfig
+from cachepipe.service.preflight import host_problems
 
 KIB = 1024
 
@@ -317,3 +319,21 @@ def test_a_cache_dir_this_user_may_not_create_is_said_so(tmp_path):
         "user can write to"
     )
     assert unusable_dir(tmp_path, OSError(errno.ENOSPC, "No space left on device")) is None  # said as it is
+
+
+def test_serve_check_says_a_cache_dir_is_on_a_read_only_filesystem(tmp_path):
+    """The host check said "'<dir>' is not writable by this user (uid 0); create it beforehand":
+    wrong advice for root on a read-only mount."""
+    with tmpfs(tmp_path / "disk", "64k", ",ro") as disk:
+        for given, why in [
+            (disk / "cache", f"cannot be created: '{disk}' is on a read-only filesystem"),
+            (disk, "on a read-only filesystem"),
+        ]:
+            config = ServiceConfig.model_validate(
+                {
+                    "socket": str(tmp_path / "api.sock"),
+                    "pipelines": {"a": {"source": "memory://cachepipe-test-none/", "cache_dir": str(given), "capacity": "1MiB"}},
+                }
+            )
+            expected = "expected a directory on a writable filesystem"
+            assert host_problems(config) == [f"pipelines.a.cache_dir '{given}': {why}; {expected}"]
