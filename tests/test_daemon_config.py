@@ -284,7 +284,7 @@ def test_a_folder_that_cannot_be_created_after_the_host_check_is_named_by_its_fi
     named = (
         f"socket '{where}/api.sock': cannot create its directory"
         if field == "socket"
-        else "pipelines.train.cache_dir: cannot create it"
+        else f"pipelines.train.cache_dir '{where}/c': cannot be created under '/proc': its filesystem does not allow it"
     )
     assert named in proc.stderr and where in proc.stderr, proc.stderr
 

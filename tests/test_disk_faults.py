@@ -12,17 +12,20 @@ import pytest
 from waiting import wait_until
 
 from cachepipe import OversizeError, Pipeline
+from cachepipe.cache.lock import unusable_dir
+from cachepipe.service.config import ServiceConfig
+from cachepipe.service.preflight import host_problems
 
 KIB = 1024
 
 
 @contextlib.contextmanager
-def tmpfs(path, size: str):
+def tmpfs(path, size: str, options: str = ""):
     path.mkdir()
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
     result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, text=True, check=False
+        ["mount", "-t", "tmpfs", "-o", f"size={size}{options}", "tmpfs", str(path)], capture_output=True, text=True, check=False
     )
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
@@ -271,3 +274,66 @@ def test_a_full_disk_at_open_names_the_cache(s3_source, tmp_path):
         with pytest.raises(OSError, match=r"No space left on device: cannot write the cache's lock file .*disk/cache/") as err:
             Pipeline(s3_source.url, disk / "cache", "32KiB", storage_options=s3_source.options).open()
         assert err.value.errno == errno.ENOSPC
+
+
+def test_a_cache_dir_on_a_read_only_filesystem_is_named_with_the_reason(tmp_path):
+    """A bare "[Errno 30] Read-only file system: '.../cache'" before, and at the mount point
+    itself it named '<mount>/.cachepipe', a path the user never gave; neither said cache_dir."""
+    with tmpfs(tmp_path / "disk", "64k", ",ro") as disk:
+        for given, why in [
+            (disk / "cache", f"cannot be created: '{disk}' is on a read-only filesystem"),
+            (disk, "on a read-only filesystem"),
+        ]:
+            with pytest.raises(OSError, match="read-only filesystem") as err:
+                Pipeline("memory://cachepipe-test-none/", given, "32KiB").open()
+            assert str(err.value) == (
+                f"[Errno {errno.EROFS}] cache_dir '{given}': {why}; expected a directory on a writable filesystem"
+            )
+            assert err.value.errno == errno.EROFS and isinstance(err.value.__cause__, OSError)
+
+
+def test_a_cache_dir_whose_filesystem_makes_no_folders_is_not_said_to_be_missing(tmp_path):
+    """Under /proc, even root cannot make a folder: a bare "No such file or directory: '/proc/x'"
+    before, which reads as "create it"."""
+    with pytest.raises(FileNotFoundError) as err:
+        Pipeline("memory://cachepipe-test-none/", "/proc/cachepipe-test-x", "32KiB").open()
+    assert str(err.value) == (
+        "[Errno 2] cache_dir '/proc/cachepipe-test-x': cannot be created under '/proc': its filesystem does not "
+        "allow it (No such file or directory); expected a directory this user can write to"
+    )
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError, match=r"cache_dir '.*/file/cache': '.*/file' on its path is not a directory"):
+        Pipeline("memory://cachepipe-test-none/", tmp_path / "file" / "cache", "32KiB").open()
+
+
+def test_a_cache_dir_this_user_may_not_create_is_said_so(tmp_path):
+    """What the cache's open raises for EACCES (as root the kernel never refuses it, so the
+    error is made here): the field, the value given, and the folder it cannot be made in."""
+    (tmp_path / "locked").mkdir()
+    denied = PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "locked" / "cache"))
+    error = unusable_dir(tmp_path / "locked" / "cache" / "x", denied)
+    assert isinstance(error, PermissionError)
+    assert str(error) == (
+        f"[Errno {errno.EACCES}] cache_dir '{tmp_path}/locked/cache/x': cannot be created under "
+        f"'{tmp_path}/locked': permission denied for this user (uid {os.geteuid()}); expected a directory this "
+        "user can write to"
+    )
+    assert unusable_dir(tmp_path, OSError(errno.ENOSPC, "No space left on device")) is None  # said as it is
+
+
+def test_serve_check_says_a_cache_dir_is_on_a_read_only_filesystem(tmp_path):
+    """The host check said "'<dir>' is not writable by this user (uid 0); create it beforehand":
+    wrong advice for root on a read-only mount."""
+    with tmpfs(tmp_path / "disk", "64k", ",ro") as disk:
+        for given, why in [
+            (disk / "cache", f"cannot be created: '{disk}' is on a read-only filesystem"),
+            (disk, "on a read-only filesystem"),
+        ]:
+            config = ServiceConfig.model_validate(
+                {
+                    "socket": str(tmp_path / "api.sock"),
+                    "pipelines": {"a": {"source": "memory://cachepipe-test-none/", "cache_dir": str(given), "capacity": "1MiB"}},
+                }
+            )
+            expected = "expected a directory on a writable filesystem"
+            assert host_problems(config) == [f"pipelines.a.cache_dir '{given}': {why}; {expected}"]

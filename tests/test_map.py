@@ -331,6 +331,25 @@ def test_dry_run_predicts_what_the_run_refuses(s3_source, s3_client, tmp_path, c
     assert sorted(bucket(s3_client, "out/")) == [f"small/{DONE_MARKER}", "small/a.bin"]
 
 
+def test_a_refusal_for_the_capacity_names_the_least_capacity_that_would_do(s3_source, tmp_path, capsys):
+    """It said "raise capacity or lower jobs/out_reserve", leaving the user to work out by how
+    much (the daemon's refusal says "give at least N bytes")."""
+    s3_source.put("small/a.bin", b"a" * 1000)
+    s3_source.put("big/a.bin", b"b" * 950 * KIB)
+
+    def dry_run(capacity: str) -> list[str]:
+        args = [s3_source.url, "s3://data/out/", "--cache", str(tmp_path / "cache"), "--capacity", capacity]
+        args += ["--out-reserve", "64KiB", "--out-margin", "64KiB", "--no-progress", "--dry-run"]
+        main([*args, *storage_args(s3_source.options), "--", "true"])
+        return capsys.readouterr().out.splitlines()
+
+    refused = dry_run("1MiB")[1]
+    least = int(re.search(r"; give capacity \(--capacity\) at least (\d+) bytes, or lower jobs/out_reserve$", refused)[1])
+    assert refused.startswith("would refuse: big: item is") and least > 1024 * KIB
+    assert dry_run(str(least - 1))[1].startswith("would refuse: big: ")
+    assert dry_run(str(least))[:2] == ["would run: big -> s3://data/out/big/", "would run: small -> s3://data/out/small/"]
+
+
 # ---- crash in the middle, run again -------------------------------------------------------------------------
 MANY_OUTPUTS = r"""
 import os, sys

@@ -43,7 +43,7 @@ from ..removal import delete_tree, tree_bytes
 from ..retention import RetentionPolicy
 from .eviction import REAP_MIN_BYTES, Eviction
 from .ledger import Ledger
-from .lock import STATE_DIR, OwnerLock
+from .lock import STATE_DIR, OwnerLock, unusable_dir
 from .record import Record
 from .recovery import check_resume, of_same_data, sort_leftovers
 from .staging import Staging, verify
@@ -71,6 +71,7 @@ class Cache:
     """
 
     def __init__(self, root: Path, capacity: int | Share) -> None:
+        self._given = root  # as the user wrote it, for the error messages
         # absolute and normal (".." taken lexically, as the daemon names the paths acked to it)
         self.root = Path(os.path.abspath(root))
         self.state_dir = self.root / STATE_DIR
@@ -141,9 +142,17 @@ class Cache:
 
         Raises:
             CacheLockedError: another live process owns the directory.
+            OSError: the directory cannot be created or taken (:func:`~.lock.unusable_dir`: a
+                read-only filesystem, permission denied, a file on its path), naming ``cache_dir``.
         """
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        self._lock.acquire()
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self._lock.acquire()
+        except OSError as exc:
+            error = unusable_dir(self._given, exc)
+            if error is None:
+                raise
+            raise error from exc
         try:
             if self.staging_root.exists():
                 shutil.rmtree(self.staging_root)

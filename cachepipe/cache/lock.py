@@ -12,20 +12,26 @@ probes each other ``.cachepipe/lock`` with a shared, non-blocking ``flock``: ref
 live owner holds it (any process, this one included: ``flock`` locks belong to open files).
 The probe holds that lock for a moment; an owner opening that directory in that moment is
 refused as if it were in use, which is right, since it would nest with this live one.
+
+:func:`unusable_dir` says why a cache directory cannot be created or taken (a read-only
+filesystem, no permission, a file on its path), naming the ``cache_dir`` given rather than the
+state folder or lock file the failing call was about.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
+import stat
 from pathlib import Path
 
 from ..errors import CacheLockedError
 
 STATE_DIR = ".cachepipe"  # the cache's state folder; its "lock" file is the one locked here
 
-__all__ = ["OwnerLock"]
+__all__ = ["OwnerLock", "unusable_dir"]
 
 
 class OwnerLock:
@@ -123,3 +129,43 @@ def _held(lock: Path) -> str | None:
         return None
     finally:
         os.close(fd)
+
+
+_UNUSABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EEXIST}
+
+
+def unusable_dir(given: str | os.PathLike[str], exc: OSError, field: str = "cache_dir") -> OSError | None:
+    """The error to raise, chained to ``exc``, when creating or taking the cache directory
+    ``given`` (its ``.cachepipe`` folder, its lock file) failed with ``exc`` because the directory
+    cannot be used: ``<field> <given>: <why>; expected ...``, with ``exc``'s errno, so that it is
+    the same builtin (``PermissionError``, ``FileNotFoundError``, ``OSError`` with ``EROFS``...).
+    None for any other failure (a full disk, an I/O error): raise ``exc`` as it is."""
+    if exc.errno not in _UNUSABLE:
+        return None
+    path = os.path.abspath(given)
+    existing = path  # the nearest folder on the path that exists (or what is there instead)
+    while True:
+        try:
+            mode = os.stat(existing).st_mode
+            break
+        except (FileNotFoundError, NotADirectoryError):
+            existing = os.path.dirname(existing)
+        except OSError:
+            mode = stat.S_IFDIR
+            break
+    created = existing != path
+    expected = "expected a directory this user can write to"
+    if not stat.S_ISDIR(mode):
+        why = f"{existing!r} on its path is not a directory" if created else f"{existing!r} is not a directory"
+    elif exc.errno == errno.EROFS:
+        why = f"cannot be created: {existing!r} is on" if created else "on"
+        why, expected = f"{why} a read-only filesystem", "expected a directory on a writable filesystem"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        at = f" at {exc.filename!r}" if exc.filename and exc.filename != path and not created else ""
+        why = f"cannot be created under {existing!r}: " if created else ""
+        why += f"permission denied for this user (uid {os.geteuid()}){at}"
+    elif created:  # ENOENT with the folder above there: its filesystem makes no folders (/proc, /sys)
+        why = f"cannot be created under {existing!r}: its filesystem does not allow it ({exc.strerror})"
+    else:
+        why = f"{exc.strerror}: {exc.filename!r}"  # removed while it was taken
+    return OSError(exc.errno, f"{field} {os.fspath(given)!r}: {why}; {expected}")

@@ -28,7 +28,8 @@ on a machine so busy that the watcher measures late), and the item's error then 
 much the cache may have passed it. Extraction
 (``--unpack``) is exact: each member's size is checked before it is written; past its share the
 item fails with :class:`~cachepipe.ArchiveTooLargeError` naming ``--unpack-ratio`` and the size.
-An item larger than what the capacity leaves for downloads is refused before it is downloaded;
+An item larger than what the capacity leaves for downloads is refused before it is downloaded,
+naming the least capacity that would hold it;
 ``--dry-run`` lists those refusals (``would refuse: ...``, exit status 1). The command's
 input stays in the cache until its outputs are uploaded (a retry needs it), so downloads pause
 while outputs wait for upload. When CMD exits, whatever it left running in its process group is

@@ -70,6 +70,11 @@ class _Sizing:
         """The largest item the downloads' pipeline can hold beside its state."""
         return self.downloads - self.state
 
+    def least_for(self, size: int) -> int:
+        """The least capacity whose :attr:`largest` holds an item of ``size`` bytes, all else kept
+        (the jobs' reserves and margins and the state do not grow with the capacity)."""
+        return self.capacity + size - self.largest
+
 
 class _MapRun:
     def __init__(
@@ -364,8 +369,8 @@ def _refusals(todo: Sequence[MapItem], sizing: _Sizing) -> list[tuple[str, str]]
             mi.name,
             (
                 f"item is {mi.size} bytes, more than the {sizing.largest} bytes the capacity leaves for "
-                f"downloads beside the jobs' reserves and the run's state ({sizing.state} bytes); raise capacity "
-                "or lower jobs/out_reserve"
+                f"downloads beside the jobs' reserves and the run's state ({sizing.state} bytes); give capacity "
+                f"(--capacity) at least {sizing.least_for(mi.size)} bytes, or lower jobs/out_reserve"
             ),
         )
         for mi in todo

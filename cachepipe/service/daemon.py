@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from .. import __version__
+from ..cache.lock import unusable_dir
 from ..config import PipelineConfig, format_size, with_unit
 from ..errors import CachePipeError, CacheRemovedError, ConfigError, UnknownItemError
 from ..pipeline import CachedItem, Pipeline, Stats
@@ -154,7 +155,9 @@ class Daemon:
             try:
                 served.root.mkdir(parents=True, exist_ok=True)
             except OSError as exc:  # what the start's host check cannot foresee (a /proc path, a full disk)
-                raise type(exc)(exc.errno, f"pipelines.{served.name}.cache_dir: cannot create it: {exc}") from exc
+                field = f"pipelines.{served.name}.cache_dir"
+                error = unusable_dir(served.config.cache_dir, exc, field)
+                raise (error or type(exc)(exc.errno, f"{field}: cannot create it: {exc}")) from exc
             try:
                 self._markers.watch(served.name, served.root, served.config.items)
             except OSError as exc:  # e.g. fs.inotify.max_user_watches reached: serve without markers

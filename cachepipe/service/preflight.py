@@ -115,7 +115,9 @@ def _group_problems(group: str) -> list[str]:
 
 
 def _dir_problems(label: str, path: Path) -> list[str]:
-    """``path`` is a writable directory, or the nearest existing folder above it is one (it can be created)."""
+    """``path`` is a writable directory, or the nearest existing folder above it is one (it can be
+    created). A folder on a read-only filesystem is said to be so: no user may write there, so
+    "not writable by this user" and "create it beforehand" would be the wrong advice."""
     uid = os.geteuid()
     existing = path
     while True:
@@ -131,6 +133,9 @@ def _dir_problems(label: str, path: Path) -> list[str]:
     if not stat.S_ISDIR(st.st_mode):
         where = f"{str(existing)!r} is" if existing == path else f"{str(existing)!r} on its path is"
         return [f"{label}: {where} not a directory; expected a directory this daemon can write to"]
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:  # no user may write there: not a matter of this user's rights
+        why = "on" if existing == path else f"cannot be created: {str(existing)!r} is on"
+        return [f"{label}: {why} a read-only filesystem; expected a directory on a writable filesystem"]
     if not os.access(existing, os.W_OK | os.X_OK):
         if existing == path:
             return [f"{label}: not writable by this user (uid {uid}); expected a directory it can write to"]
