@@ -1221,6 +1221,16 @@ def test_a_script_that_calls_map_outside_its_main_guard_is_refused_before_anythi
         assert run.returncode == 0 and "done 1" in run.stdout, (what, run.stderr)
 
 
+def test_a_cache_dir_whose_filesystem_makes_no_folders_is_named_as_a_pipeline_s_is(tmp_path):
+    """A --cache under /proc gave a bare 'No such file or directory: /proc/x/.cachepipe-map', which
+    reads as "create it"; a Pipeline's cache_dir is named with the reason (cache.lock.unusable_dir)."""
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "f").write_bytes(b"x")
+    cache = "/proc/cachepipe-test-no-such-folder"
+    with pytest.raises(FileNotFoundError, match=rf"cache_dir '{cache}': cannot be created under '/proc': its filesystem"):
+        map_items(["true"], str(tmp_path / "src"), str(tmp_path / "dst"), cache_dir=cache, capacity="1MiB")
+
+
 def test_refusals_before_anything_runs(tmp_path):
     src, dst, cache = tmp_path / "src", str(tmp_path / "dst"), tmp_path / "cache"
     (src / "a").mkdir(parents=True)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cache import journal_budget_of
+from ..cache.lock import unusable_dir
 from ..config import Share, check_cache_dir, check_source, with_unit
 from ..errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError, is_transient
 from ..fetcher import backoff_delay
@@ -185,7 +186,10 @@ class _MapRun:
         cache_dir = cfg.cache_dir.absolute()
         sizing = self._size(todo, _resolve_capacity(cfg.capacity, cache_dir))  # refuse before touching the disk
         work = cache_dir / WORK_DIR
-        work.mkdir(parents=True, exist_ok=True)
+        try:
+            work.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a read-only filesystem, /proc...: named as a pipeline's cache_dir is
+            raise (unusable_dir(cfg.cache_dir, exc) or exc) from exc
         lock_fd = _take_lock(work, cache_dir)
         try:
             leftovers = kill_leftovers(work)
