@@ -45,6 +45,7 @@ read items in ``transform``, or use ``batch_size=1``/``None``. Using an acknowle
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -431,11 +432,12 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         elif self._pipe is not None:
             self._start, self._pipe = self._local_state(self._pipe), None
 
-    def _in_share(self, call: Callable[..., T], *args: Any) -> T:
-        """``call(*args)``; an :class:`OversizeError` it raises in a DataLoader worker, whose
-        pipeline has ``capacity / num_workers``, says that this is the capacity it names."""
+    @contextlib.contextmanager
+    def _in_share(self) -> Iterator[None]:
+        """An :class:`OversizeError` raised inside, in a DataLoader worker, whose pipeline has
+        ``capacity / num_workers``, says that this is the capacity it names."""
         try:
-            return call(*args)
+            yield
         except OversizeError as exc:
             info = torch.utils.data.get_worker_info()
             if info is None or info.num_workers == 1:
@@ -466,29 +468,31 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             return self._pipeline(None)
 
         try:
-            pipe = self._in_share(_open, make)
-            if not start and self.options.get("resume") and _finished(pipe.state_dict()):
-                # resume=True continues a pass this folder's journal holds; one that ended (this
-                # process's last pass, or a run that finished) has nothing left: this pass is new
-                pipe.close()
-                pipe = _open(lambda: self._pipeline(None, resume=False))
+            with self._in_share():
+                pipe = _open(make)
+                if not start and self.options.get("resume") and _finished(pipe.state_dict()):
+                    # resume=True continues a pass this folder's journal holds; one that ended (this
+                    # process's last pass, or a run that finished) has nothing left: this pass is new
+                    pipe.close()
+                    pipe = _open(lambda: self._pipeline(None, resume=False))
         except BaseException:
             self._not_started(start, token)
             raise
         if self._pass is token:
             self._pipe, self._end = pipe, end
         try:
-            if self._equal and self.transform is not None:
-                yield from self._equal_local(pipe, start, end, token)
-            else:
-                while (item := self._in_share(_next, pipe, end)) is not None:
-                    if self.transform is None:
-                        yield item
-                        pipe.ack(item)  # when the loop asks for the next
-                    else:
-                        sample = self.transform(item)
-                        pipe.ack(item)  # read: its space is free while the sample travels on, and the state is past it
-                        yield sample
+            with self._in_share():  # an item over the worker's share, in its turn
+                if self._equal and self.transform is not None:
+                    yield from self._equal_local(pipe, start, end, token)
+                else:
+                    while (item := _next(pipe, end)) is not None:
+                        if self.transform is None:
+                            yield item
+                            pipe.ack(item)  # when the loop asks for the next
+                        else:
+                            sample = self.transform(item)
+                            pipe.ack(item)  # read: its space is free while the sample travels on, and the state is past it
+                            yield sample
         finally:
             pipe.close()
         self._ended(token)
