@@ -721,12 +721,19 @@ def _open(make: Callable[[], Pipeline]) -> Pipeline:
 
 def _sibling(owner: str) -> bool:
     """True if a :class:`CacheLockedError`'s owner (``"pid PID HOST"``) is a process on this host
-    with this process's parent (read from ``/proc``: Linux; elsewhere False)."""
+    with this process's parent (read from ``/proc``: Linux; elsewhere False), or may be one: the
+    owner not yet written (``"another process"``: the lock file is written just after its
+    ``flock`` is taken), or a pid that is gone (the file still names the last owner while the
+    next writes its own). The next try reads the owner that holds it."""
     parts = owner.split()
+    if owner == "another process":
+        return True
     if len(parts) != 3 or parts[0] != "pid" or not parts[1].isdigit() or parts[2] != socket.gethostname():
         return False
     try:
         stat = Path(f"/proc/{parts[1]}/stat").read_text()
+    except FileNotFoundError:
+        return Path("/proc/self/stat").exists()  # gone (where /proc tells)
     except OSError:
         return False
     fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces

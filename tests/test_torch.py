@@ -519,3 +519,19 @@ def test_an_item_over_a_worker_s_share_of_the_cache_is_said_to_be_over_that_shar
         it._shutdown_workers()  # the worker error leaves the loader's queue threads to its shutdown
     said = "item 'a' is 600000 bytes, larger than this DataLoader worker's share of the cache (capacity 1048576 / num_workers 2)"
     assert said in str(failed.value), failed.value
+
+
+def test_a_worker_waits_for_a_cache_folder_whose_owner_is_not_written_yet_or_gone():
+    """A fresh clone's run failed test_a_checkpoint_after_a_whole_pass... once with "in use by
+    another process": the next pass's worker found the folder's lock taken by a worker that had
+    not yet written its pid into the lock file (it does just after its flock), read no owner, and
+    did not wait for it as for a sibling. A pid that is gone (the file still naming the last
+    owner while the next writes its own) is waited for too; a live stranger is not."""
+    from cachepipe.torch import _sibling
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    host = socket.gethostname()
+    assert _sibling("another process")
+    assert _sibling(f"pid {done.stdout.strip()} {host}")  # gone
+    assert not _sibling(f"pid 1 {host}")  # alive, another parent
+    assert not _sibling(f"pid {os.getpid()} elsewhere")
