@@ -32,6 +32,8 @@ log = logging.getLogger("cachepipe.map")
 
 _PLACEHOLDER = re.compile(r"\{out\}|\{name\}|\{\}")
 """The placeholders of a command's arguments: the output folder, the item's name, its path."""
+_VARIABLE = {"{}": "CACHEPIPE_ITEM", "{out}": "CACHEPIPE_OUT", "{name}": "CACHEPIPE_NAME"}
+"""The environment variable that holds each placeholder's value."""
 
 
 _SCRIPT_FLAG = re.compile(r"-[A-Za-z]*[ce]|--command|--eval")
@@ -176,11 +178,11 @@ class Job:
             extracted = tree_bytes(slot.inp)
             limit = extracted + out_reserve(cfg, extracted)
         cwd = source if source.is_dir() else slot.cwd
-        env = {"CACHEPIPE_ITEM": str(source), "CACHEPIPE_OUT": str(slot.out), "CACHEPIPE_NAME": mi.name}
+        values = {"{}": str(source), "{out}": str(slot.out), "{name}": mi.name}
+        env = {_VARIABLE[placeholder]: value for placeholder, value in values.items()}
         if self._fn is not None:
             run: Any = FunctionRun(self._fn, source, slot.out, cwd, env)
         elif cfg.command is not None:
-            values = {"{out}": str(slot.out), "{name}": mi.name, "{}": str(source)}
             _check_script_values(cfg.command, values, mi.name)
             argv = [_PLACEHOLDER.sub(lambda m: values[m.group()], a) for a in cfg.command]  # once: not in what replaced them
             try:
@@ -231,7 +233,7 @@ def _check_script_values(command: Sequence[str], values: dict[str, str], name: s
             value = values[placeholder]
             if not _SAFE_IN_SCRIPT.fullmatch(value):
                 bad = sorted({c for c in value if not _SAFE_IN_SCRIPT.fullmatch(c)})
-                variable = {"{}": "CACHEPIPE_ITEM", "{out}": "CACHEPIPE_OUT", "{name}": "CACHEPIPE_NAME"}[placeholder]
+                variable = _VARIABLE[placeholder]
                 raise UnsafeArgumentError(
                     f"item {name!r}: {placeholder} is {value!r}, which has characters that the script after "
                     f"{command[i - 1]!r} could run as code or split ({', '.join(map(repr, bad))}); {placeholder} is put into "

@@ -203,6 +203,13 @@ def environment_endpoint() -> str | None:
     return None
 
 
+def s3_endpoint(options: dict[str, Any]) -> str | None:
+    """The S3 endpoint that storage ``options`` name (``endpoint_url``, else ``client_kwargs``'),
+    else the environment's (:func:`environment_endpoint`), or None: where botocore sends."""
+    client_kwargs = options.get("client_kwargs") or {}
+    return options.get("endpoint_url") or client_kwargs.get("endpoint_url") or environment_endpoint()
+
+
 def check_options(url: str, options: dict[str, Any] | None) -> type | None:
     """The fsspec filesystem class serving ``url``, with ``options`` checked against it (what
     :class:`FsspecStore` refuses before it sends anything); None for a chained URL (``a::b``),
@@ -402,9 +409,7 @@ class FsspecStore:
         """The server this store talks to, for messages: the endpoint URL, or what stands for it."""
         protocols = _protocols(self.fs)
         if "s3" in protocols:
-            client_kwargs = options.get("client_kwargs") or {}
-            endpoint = options.get("endpoint_url") or client_kwargs.get("endpoint_url") or environment_endpoint()
-            return str(endpoint or "the AWS S3 endpoint")
+            return str(s3_endpoint(options) or "the AWS S3 endpoint")
         if "file" in protocols or "local" in protocols:
             self.answered = True
             return "the local filesystem"

@@ -85,7 +85,7 @@ from obstore.store import S3Store
 
 from ..errors import ConfigError, ObjectChangedError, StoreClosedError, store_code
 from .base import CHANGED, ObjectInfo, check_mappings, http_status_error, unreachable_error
-from .fsspec import FsspecStore, environment_endpoint
+from .fsspec import FsspecStore, s3_endpoint
 from .fsspec import check_options as check_fsspec
 
 if TYPE_CHECKING:
@@ -265,7 +265,7 @@ def _s3_store(url: str, options: dict[str, Any], credentials: _FromBotocore | No
     if parts.scheme not in ("s3", "s3a") or not parts.netloc:
         raise ConfigError(f"{url!r}: engine='obstore' serves s3://bucket/prefix URLs")
     client_kwargs = options.get("client_kwargs") or {}
-    endpoint = options.get("endpoint_url") or client_kwargs.get("endpoint_url") or environment_endpoint()
+    endpoint = s3_endpoint(options)
     s3 = (options.get("config_kwargs") or {}).get("s3") or {}
     # virtual-host addressing only when asked for: path style works with AWS and custom endpoints alike
     config: dict[str, Any] = {"virtual_hosted_style_request": s3.get("addressing_style") == "virtual"}
@@ -334,11 +334,9 @@ class NativeS3Store:
         self.url = url
         options = dict(storage_options or {})
         _check_names(url, options)
-        client_kwargs = options.get("client_kwargs") or {}
         # the environment's endpoint as botocore reads it (for the listing and large GETs): obstore
         # does not read AWS_ENDPOINT_URL_S3, and its small GETs must go where the others go
-        endpoint = options.get("endpoint_url") or client_kwargs.get("endpoint_url") or environment_endpoint()
-        self.endpoint = str(endpoint or "the AWS S3 endpoint")
+        self.endpoint = str(s3_endpoint(options) or "the AWS S3 endpoint")
         self._said_forked = False  # logged that obstore cannot run in this (forked) process
         self._redirected = False  # S3 redirected one of obstore's GETs: the fsspec backend sends them all
         self._aborted = False  # abort(): later GETs are refused
