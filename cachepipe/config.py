@@ -81,6 +81,10 @@ def check_cache_dir(value: Any) -> Any:
     return value
 
 
+_SCHEME = r"[A-Za-z][A-Za-z0-9+.-]+"
+"""A URL scheme's name, as a regular expression (before its ``:``)."""
+
+
 def check_source(source: str) -> None:
     """Refuse a source with no scheme that is not an existing local path: ``bucket/video/`` is
     an S3 prefix written without ``s3://`` far more often than a local folder yet to be made,
@@ -93,7 +97,7 @@ def check_source(source: str) -> None:
         return
     import fsspec
 
-    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]+):/?(?!/)", source)  # s3:/bucket/ or s3:bucket/: a slash short
+    scheme = re.match(rf"({_SCHEME}):/?(?!/)", source)  # s3:/bucket/ or s3:bucket/: a slash short
     if scheme and scheme.group(1).lower() not in {"obs", *fsspec.available_protocols()}:
         scheme = None  # not a scheme: a colon in a name
     meant = f"{scheme.group(1).lower()}://{source[scheme.end() :]}" if scheme else f"s3://{source.lstrip('/')}"
@@ -117,10 +121,11 @@ def check_absolute_source(source: str, field: str = "source") -> None:
     scheme, sep, path = source.partition("://")
     if sep and scheme.lower() not in ("file", "local"):
         return
-    if os.path.isabs(path if sep else source) or (not sep and re.match(r"[A-Za-z][A-Za-z0-9+.-]+:", source)):
+    local = path if sep else source
+    if os.path.isabs(local) or (not sep and re.match(f"{_SCHEME}:", source)):
         return  # absolute, or a scheme short of its '//' (s3:/bucket/), which check_source names
-    if (path if sep else source).startswith("~"):  # nothing expands it: the shell does, not a config file
-        meant = f"the path written out (such as {os.path.expanduser(path if sep else source)}): '~' is not expanded"
+    if local.startswith("~"):  # nothing expands it: the shell does, not a config file
+        meant = f"the path written out (such as {os.path.expanduser(local)}): '~' is not expanded"
     elif sep:
         meant = f"an absolute path after {scheme}:// (three slashes, such as {scheme}:///srv/{path.lstrip('./')})"
     else:

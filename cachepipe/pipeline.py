@@ -413,8 +413,7 @@ class Pipeline:
         self._total_steps = None if cfg.epochs is None else sum(len(plan.share(e)) for e in range(cfg.epochs)) - before
         # every step left acknowledged already: at the end, or short of it where the last acks
         # were journaled beyond the cursor (a process killed before it closed)
-        left = None if self._total_steps is None else self._total_steps - len(acked)
-        self._resumed_complete = (before > 0 or bool(acked)) and left is not None and left <= 0
+        self._resumed_complete = (before > 0 or bool(acked)) and self._total_steps is not None and self._total_steps <= len(acked)
         return self._steps(plan, Cursor(*cursor), acked)
 
     def _fitting(self, store: Store, cache: Cache) -> tuple[Catalog, array[int], array[int] | None, bool]:
@@ -526,7 +525,8 @@ class Pipeline:
                 bad = next((k for k, item in enumerate(run) if item.unsafe is not None), None)
                 if bad == 0:
                     raise _unsafe_refused(run[0].name, run[0].unsafe)  # type: ignore[arg-type]  # not None: bad
-                run = run[:bad]  # the unsafe item comes first in the next call (the rest is given again)
+                if bad is not None:
+                    run = run[:bad]  # the unsafe item comes first in the next call (the rest is given again)
             keeps: list[bool] = []
             names, sizes = [item.name for item in run], [item.size for item in run]
             limits = cache.note_listed(names, sizes, [not item.tagged for item in run]) or [cache.limit]  # none: closed

@@ -59,6 +59,7 @@ from typing import Any, Literal, TypeVar, cast
 
 import torch.utils.data
 
+from .cache.lock import UNKNOWN_OWNER
 from .client import DEFAULT_OUTAGE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT
 from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_capacity, small_capacity, with_unit
 from .errors import CacheLockedError, OversizeError
@@ -725,9 +726,9 @@ def _sibling(owner: str) -> bool:
     owner not yet written (``"another process"``: the lock file is written just after its
     ``flock`` is taken), or a pid that is gone (the file still names the last owner while the
     next writes its own). The next try reads the owner that holds it."""
-    parts = owner.split()
-    if owner == "another process":
+    if owner == UNKNOWN_OWNER:
         return True
+    parts = owner.split()
     if len(parts) != 3 or parts[0] != "pid" or not parts[1].isdigit() or parts[2] != socket.gethostname():
         return False
     try:

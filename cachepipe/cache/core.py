@@ -57,6 +57,12 @@ def _never() -> bool:
     return False
 
 
+def _capacity_bytes(capacity: int | Share, free: int, total: int) -> int:
+    """``capacity`` in bytes on a filesystem of ``free`` and ``total`` bytes: a share of its free
+    space, or the bytes given, held to its size (no item larger can ever fit)."""
+    return int(free * capacity.fraction) if isinstance(capacity, Share) else min(capacity, total)
+
+
 class Cache:
     """A size-capped cache directory owned by one pipeline at a time.
 
@@ -163,11 +169,8 @@ class Cache:
             # calls that keep the interpreter's lock only where no lookup waits for a server on the way
             self.file_calls = file_calls_for(fstype) if lookups_stay_local(self._root) else RELEASING
             usage = shutil.disk_usage(self.root)
-            if isinstance(self._capacity_spec, Share):
-                self.ledger.capacity = int(usage.free * self._capacity_spec.fraction)
-            else:
-                self.ledger.capacity = min(self._capacity_spec, usage.total)
-                room = usage.free + tree_bytes(self.root)
+            self.ledger.capacity = _capacity_bytes(self._capacity_spec, usage.free, usage.total)
+            if not isinstance(self._capacity_spec, Share):
                 if self._capacity_spec > usage.total:  # no item larger than the filesystem can ever fit: said at once
                     log.warning(
                         "capacity %d bytes exceeds the size of the filesystem of %s (%d bytes): the cache holds at most "
@@ -177,7 +180,8 @@ class Cache:
                         self.root,
                         usage.total,
                     )
-                elif self.capacity > room:
+                # the tree walked only where it can matter: a capacity over the free space
+                elif self.capacity > usage.free and self.capacity > (room := usage.free + tree_bytes(self.root)):
                     log.warning(
                         "capacity %d bytes exceeds the space available to %s (%d bytes): downloads will meet a full "
                         "disk, and in-order delivery can wait on space held by later items; lower the capacity or "
@@ -407,7 +411,7 @@ class Cache:
                 which would fail).
         """
         usage = shutil.disk_usage(self.root)
-        new = int(usage.free * capacity.fraction) if isinstance(capacity, Share) else min(capacity, usage.total)
+        new = _capacity_bytes(capacity, usage.free, usage.total)
         beside = self.foreign + self.overhead
         if beside >= new:
             raise ConfigError(f"capacity {new} bytes leaves no room beside {beside} bytes of other files and state")

@@ -30,8 +30,9 @@ from pathlib import Path
 from ..errors import CacheLockedError
 
 STATE_DIR = ".cachepipe"  # the cache's state folder; its "lock" file is the one locked here
+UNKNOWN_OWNER = "another process"  # a lock whose owner has not written its pid yet (or wrote something else)
 
-__all__ = ["OwnerLock", "unusable_dir"]
+__all__ = ["UNKNOWN_OWNER", "OwnerLock", "unusable_dir"]
 
 
 class OwnerLock:
@@ -56,7 +57,7 @@ class OwnerLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            owner = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+            owner = os.pread(fd, 256, 0).decode(errors="replace").strip() or UNKNOWN_OWNER
             os.close(fd)
             raise CacheLockedError(str(self.root), f"pid {owner}" if owner[:1].isdigit() else owner) from None
         self._fd = fd  # held from here: release() closes it whatever happens next
@@ -124,7 +125,7 @@ def _held(lock: Path) -> str | None:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             owner = os.pread(fd, 256, 0).decode(errors="replace").strip()
-            return f"pid {owner}" if owner[:1].isdigit() else "another process"
+            return f"pid {owner}" if owner[:1].isdigit() else UNKNOWN_OWNER
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     finally:

@@ -110,8 +110,8 @@ def sort_leftovers(
         if not os.path.lexists(path):
             continue
         found = items.find(name)  # only names on disk are looked up: no index of the whole catalog
-        item = items[found] if found >= 0 and found not in items.unsafe else None
-        if name in live and item is not None and matches(path, item):
+        item = items[found] if found >= 0 else None
+        if name in live and item is not None and item.unsafe is None and matches(path, item):
             if replay.versions.get(name) == item.version:
                 reuse[name] = item.size
             else:  # ours (journaled, or matching the listing), of another version or of one not known

@@ -189,7 +189,10 @@ class _MapRun:
         try:
             work.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # a read-only filesystem, /proc...: named as a pipeline's cache_dir is
-            raise (unusable_dir(cfg.cache_dir, exc) or exc) from exc
+            error = unusable_dir(cfg.cache_dir, exc)
+            if error is None:
+                raise
+            raise error from exc
         lock_fd = _take_lock(work, cache_dir)
         try:
             leftovers = kill_leftovers(work)
