@@ -201,6 +201,15 @@ def host_cases(tmp_path: Path) -> dict:
             f"socket '{blocker}/api.sock': its directory: '{blocker}' is not a directory",
         ),
         "socket path taken": ({"socket": str(blocker)}, f"socket '{blocker}': exists and is not a socket"),
+        # access(2) lets root pass there: --check said "valid", and serve exited 1 (restarted by systemd, again and again)
+        "cache under /proc": (
+            {"pipelines": {"train": {"cache_dir": "/proc/cachepipe-cache"}}},
+            "pipelines.train.cache_dir '/proc/cachepipe-cache': cannot be created: '/proc' is on a proc filesystem",
+        ),
+        "cache in /sys": (
+            {"pipelines": {"train": {"cache_dir": "/sys/kernel"}}},
+            "pipelines.train.cache_dir '/sys/kernel': is on a sysfs filesystem, which holds the kernel's own files",
+        ),
         "tcp host": ({"tcp_port": 0, "tcp_host": "999.1.1.1"}, "tcp_host '999.1.1.1': cannot resolve it"),
         "tcp host elsewhere": ({"tcp_port": 0, "tcp_host": "192.0.2.1"}, "tcp_host '192.0.2.1': cannot listen there"),
         "tcp host typo": ({"tcp_port": 0, "tcp_host": "127.0.0..1"}, "tcp_host '127.0.0..1': not a host name or address"),
@@ -285,7 +294,7 @@ def host_cases(tmp_path: Path) -> dict:
     }
 
 
-CASES = ["group", "cache under a file", "socket dir under a file", "socket path taken"]
+CASES = ["group", "cache under a file", "socket dir under a file", "socket path taken", "cache under /proc", "cache in /sys"]
 CASES += ["tcp host", "tcp host elsewhere", "tcp host typo", "scheme", "storage option", "endpoint without scheme"]
 CASES += ["obstore key without secret", "obs client refuses", "options not a mapping", "obstore options not a mapping"]
 CASES += ["scheme short of a slash", "no scheme", "jobs storage option"]
@@ -329,7 +338,9 @@ def test_check_accepts_a_config_this_host_can_run(tmp_path):
         [*CLI, "serve", "--check", "--config", str(path)], capture_output=True, text=True, timeout=60, check=False
     )
     assert proc.returncode == 0 and "valid" in proc.stdout, proc.stderr
+    assert "checked on this host: the socket's folder and each cache_dir take a new folder and file" in proc.stdout
     assert not (tmp_path / "new").exists() and not (tmp_path / "run").exists()  # --check changes nothing
+    assert sorted(os.listdir(tmp_path)) == ["cachepipe.yaml"]  # its probes are gone
 
 
 # ---- serve without the service extra ---------------------------------------------------------

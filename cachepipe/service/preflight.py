@@ -2,9 +2,11 @@
 
 :func:`load_config` checks the file on its own terms (types, ranges, absolute paths, caches not
 nested in each other, capacities parseable); :func:`host_problems` checks it against this host
-and this user, without changing anything: the ``socket_group`` exists (and this user may give
+and this user, leaving nothing behind: the ``socket_group`` exists (and this user may give
 the socket to it), the socket's directory and every ``cache_dir`` exist as writable directories
-or can be created, nothing that is not a socket sits at the socket path, ``tcp_host`` (with a
+or can be created, on a filesystem that stores files (not ``/proc`` or ``/sys``, where
+``access(2)`` lets root pass): a folder holding a file is created there and removed at once,
+nothing that is not a socket sits at the socket path, ``tcp_host`` (with a
 ``tcp_port``) is an address of this machine, a backend serves each pipeline's ``source``
 scheme and is installed, and the ``source`` and its ``storage_options`` pass the checks that
 opening the pipeline makes before it sends anything (a source written without ``s3://``, a
@@ -17,18 +19,23 @@ configuration, each named with its field, its value and what would do.
 from __future__ import annotations
 
 import grp
+import logging
 import os
 import socket
 import stat
+import tempfile
 from pathlib import Path
 
 from ..config import PipelineConfig, check_source
 from ..errors import ConfigError
+from ..fscalls import filesystem_at
 from ..stores import check_store, preload
 from .config import ServiceConfig
 from .jobs import JobsConfig
 
 __all__ = ["host_problems"]
+
+log = logging.getLogger("cachepipe.service")
 
 
 def host_problems(config: ServiceConfig) -> list[str]:
@@ -133,6 +140,10 @@ def _dir_problems(label: str, path: Path) -> list[str]:
     if not stat.S_ISDIR(st.st_mode):
         where = f"{str(existing)!r} is" if existing == path else f"{str(existing)!r} on its path is"
         return [f"{label}: {where} not a directory; expected a directory this daemon can write to"]
+    fstype = filesystem_at(str(existing))
+    if fstype in PSEUDO_FILESYSTEMS:  # before the rights: what is said of them would not help there
+        where = "" if existing == path else f"cannot be created: {str(existing)!r} "
+        return [f"{label}: {where}is on a {fstype} filesystem, which holds the kernel's own files; {_STORES_FILES}"]
     if os.statvfs(existing).f_flag & os.ST_RDONLY:  # no user may write there: not a matter of this user's rights
         why = "on" if existing == path else f"cannot be created: {str(existing)!r} is on"
         return [f"{label}: {why} a read-only filesystem; expected a directory on a writable filesystem"]
@@ -141,6 +152,44 @@ def _dir_problems(label: str, path: Path) -> list[str]:
             return [f"{label}: not writable by this user (uid {uid}); expected a directory it can write to"]
         why = f"cannot be created: {str(existing)!r} is not writable by this user (uid {uid})"
         return [f"{label}: {why}; create it beforehand or choose a path this user can create"]
+    return _probe_problems(label, existing, existing == path)
+
+
+#: filesystems of the kernel's own files: access(2) lets root "write" there, yet they store nothing
+PSEUDO_FILESYSTEMS = frozenset(
+    {"proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs", "configfs", "bpf", "pstore"}
+)
+_STORES_FILES = "expected a directory on a filesystem that stores files"
+PROBE_PREFIX = ".cachepipe-check-"  # the folder the probe makes, and removes at once
+
+
+def _probe_problems(label: str, folder: Path, itself: bool) -> list[str]:
+    """``folder`` (the directory, or the nearest one above it that exists) takes a new folder
+    holding a new file, as a cache does: both are created, then removed at once (nothing stays).
+    Permission bits and ``access(2)`` do not tell: for root they pass in ``/proc`` and ``/sys``,
+    whose filesystems store nothing, and a full or failing filesystem answers only when written."""
+    where = "" if itself else f"cannot be created: {str(folder)!r} "
+    expected = _STORES_FILES
+    try:
+        probe = tempfile.mkdtemp(prefix=PROBE_PREFIX, dir=folder)
+    except OSError as exc:
+        return [f"{label}: {where}refuses a new folder (tried to create one: {exc.strerror}); {expected}"]
+    file = os.path.join(probe, "probe")
+    try:
+        try:
+            os.close(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        except OSError as exc:
+            return [f"{label}: {where}refuses a new file (tried to create one: {exc.strerror}); {expected}"]
+        os.unlink(file)
+    except OSError as exc:
+        return [f"{label}: {where}keeps what is made there (cannot remove {file!r}: {exc.strerror}); {expected}"]
+    finally:
+        try:
+            os.rmdir(probe)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.error("%s: cannot remove the probe folder %r: %s; remove it by hand", label, probe, exc.strerror)
     return []
 
 
