@@ -321,7 +321,9 @@ def format_status(info: dict[str, Any]) -> str:
             s.get("items_redelivered"),
             s.get("items_failed"),
         )
-        rows.append((name, p.get("state", "?"), *counts, *sizes(s), p.get("source", "")))
+        progress = p.get("pass") or {}
+        state = "done" if progress.get("complete") else p.get("state", "?")  # a pass complete is served no more
+        rows.append((name, state, *counts, *sizes(s), p.get("source", "")))
     if pipelines or not jobs:
         lines += _table(_PIPELINE_HEAD, rows)
     rows = []
@@ -342,7 +344,19 @@ def format_status(info: dict[str, Any]) -> str:
     if jobs:
         lines += ["", *_table(_JOB_HEAD, rows)] if pipelines else _table(_JOB_HEAD, rows)
     lines += [f"{name}: {p['error']}" for name, p in pipelines if p.get("error")]
+    lines += [_complete(name, p["pass"]) for name, p in pipelines if (p.get("pass") or {}).get("complete")]
     return "\n".join(lines)
+
+
+def _complete(name: str, progress: dict[str, Any]) -> str:
+    """The note under the table on a pipeline whose pass is complete: the counters above count
+    since the daemon started, and are zero after a restart over a finished pass."""
+    done, items, epochs = progress.get("acknowledged"), progress.get("items"), progress.get("epochs")
+    what = f"{done} of {items * epochs} items acknowledged" if done is not None and items else f"{epochs} epoch(s)"
+    return (
+        f"{name}: the pass is complete ({what}, as its cache_dir records it; the counters above count since the "
+        "daemon started): nothing more is handed out; `resume: false` or a new cache_dir starts a new pass"
+    )
 
 
 def _counts(*values: Any) -> list[str]:

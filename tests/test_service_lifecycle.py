@@ -259,3 +259,47 @@ def test_a_tcp_connection_made_while_the_daemon_stops_is_refused_at_once_not_que
         finally:
             gate.set()
         assert daemon.proc.wait(30) == 0
+
+
+# ---- a pass that ends, and the restarts after it ----------------------------------------------
+def folders_config(tmp_path: Path, sock: Path, count: int, **pipeline) -> Path:
+    """A daemon's config over a local source of ``count`` one-file folders."""
+    src = tmp_path / "src"
+    for i in range(count):
+        (src / f"item{i}").mkdir(parents=True)
+        (src / f"item{i}" / "a.bin").write_bytes(bytes(100))
+    train = {"source": f"{src}/", "cache_dir": str(tmp_path / "cache"), "capacity": "1MiB", "items": "folders", **pipeline}
+    data = {"socket": str(sock), "pipelines": {"train": train}}
+    path = tmp_path / "cachepipe.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_status_says_a_pass_is_complete_with_its_counts_before_and_after_a_restart(tmp_path, short_dir):
+    # A daemon whose pass was complete showed the pipeline "open" with nothing ready, and after
+    # a restart over it zero counters too (this run's), and so did systemd's STATUS= line: an
+    # operator could not tell a finished pass from a stalled one.
+    from cachepipe.cli import format_status
+
+    sock = short_dir / "api.sock"
+    config = folders_config(tmp_path, sock, 3, epochs=2)
+    with DaemonProcess(config) as daemon, Client("train", sock) as client:
+        first = client.status()["pipelines"]["train"]["pass"]
+        assert first == {"epoch": 0, "index": 0, "epochs": 2, "items": 3, "acknowledged": 0, "complete": False}
+        assert sum(1 for _ in client) == 6
+        status = client.status()["pipelines"]["train"]
+        assert status["pass"] == {"epoch": 2, "index": 0, "epochs": 2, "items": 3, "acknowledged": 6, "complete": True}
+        assert daemon.stop() == 0
+    for restart in ("after SIGTERM", "after kill -9"):
+        with DaemonProcess(config) as daemon, Client("train", sock) as client:
+            ready = daemon.messages[-1]
+            assert "STATUS=train: pass complete, 6 of 6 items acknowledged" in ready, (restart, ready)
+            info = client.status()
+            status = info["pipelines"]["train"]
+            assert status["state"] == "open" and status["stats"]["items_acked"] == 0  # this run's counters
+            assert status["pass"]["complete"] and status["pass"]["acknowledged"] == 6, (restart, status)
+            lines = format_status(info).splitlines()
+            assert lines[2].split()[:2] == ["train", "done"], lines
+            assert lines[-1].startswith("train: the pass is complete (6 of 6 items acknowledged"), lines
+            daemon.proc.kill()  # kill -9: the next start is the second case
+            daemon.proc.wait()

@@ -634,6 +634,7 @@ class Daemon:
                 "leased": leased(stats) if stats else 0,
                 "waiting": self._waiting.get(e.name, 0),
                 "stats": dataclasses.asdict(stats) if stats else None,
+                "pass": pass_progress(e.pipeline) if e.pipeline is not None else None,
             }
         return {
             "version": __version__,
@@ -715,7 +716,42 @@ class Daemon:
                 parts.append(f"{e.name}: down")
                 continue
             s = e.pipeline.stats()
+            progress = pass_progress(e.pipeline)
+            if progress is not None and progress["complete"]:
+                parts.append(f"{e.name}: pass complete, {_acknowledged(progress)}")
+                continue
             parts.append(
                 f"{e.name}: {s.items_ready} ready, {leased(s)} leased, {s.items_acked} acked, {format_size(s.bytes_in_cache)} of {format_size(s.capacity)} cached"  # noqa: E501 - kept whole
             )
         return "; ".join(parts)
+
+
+def pass_progress(pipe: Pipeline) -> dict[str, Any] | None:
+    """Where the pass of ``pipe`` stands, as its journal records it (so across restarts): the
+    position of its first step not yet acknowledged (``epoch``, ``index``), ``epochs`` (None: no
+    end), ``items`` per epoch (None while a streamed listing goes on), ``acknowledged``: the steps
+    acknowledged in the whole pass (None where a share of several ranks or workers makes an epoch
+    shorter than ``items``), and ``complete``: nothing is left to hand out. None if it has no
+    position (it is closing)."""
+    try:
+        state = pipe.state_dict()
+    except RuntimeError:
+        return None
+    epoch, index, epochs, items = state["epoch"], state["index"], state.get("epochs"), state.get("n_items")
+    whole = state.get("world_size", 1) * state.get("num_workers", 1) == 1
+    return {
+        "epoch": epoch,
+        "index": index,
+        "epochs": epochs,
+        "items": items,
+        "acknowledged": epoch * items + index if whole and items is not None else None,
+        "complete": epochs is not None and epoch >= epochs,
+    }
+
+
+def _acknowledged(progress: dict[str, Any]) -> str:
+    """``"N of M items acknowledged"`` (or the epochs, where the items cannot be counted)."""
+    done, items, epochs = progress["acknowledged"], progress["items"], progress["epochs"]
+    if done is None or items is None:
+        return f"{progress['epoch']} of {epochs} epochs"
+    return f"{done} of {items * epochs} items acknowledged"
