@@ -12,8 +12,10 @@ import http.client
 import json
 import signal
 import socket
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -303,3 +305,42 @@ def test_status_says_a_pass_is_complete_with_its_counts_before_and_after_a_resta
             assert lines[-1].startswith("train: the pass is complete (6 of 6 items acknowledged"), lines
             daemon.proc.kill()  # kill -9: the next start is the second case
             daemon.proc.wait()
+
+
+@pytest.fixture
+def small_filesystem(tmp_path) -> Iterator[Path]:
+    """A folder on a filesystem of 256 KiB of its own (a tmpfs: mounting takes root)."""
+    path = tmp_path / "small"
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)], capture_output=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_full_disk_is_counted_in_the_metrics(tmp_path, short_dir, small_filesystem):
+    # The pipeline's disk errors (a full disk: each write retried, the pipeline up and healthy)
+    # and its pauses for min_free were in its stats but not in /metrics: nothing to alert on.
+    sock = short_dir / "api.sock"
+    src = tmp_path / "src"
+    for i in range(10):
+        (src / f"item{i}").mkdir(parents=True)
+        (src / f"item{i}" / "a.bin").write_bytes(bytes(50_000))
+    train = {"source": f"{src}/", "cache_dir": str(small_filesystem / "cache"), "capacity": "1MiB", "items": "folders"}
+    config = tmp_path / "cachepipe.yaml"
+    config.write_text(yaml.safe_dump({"socket": str(sock), "pipelines": {"train": train}}))
+    with DaemonProcess(config), Client("train", sock) as client:
+
+        def disk_errors() -> float:
+            for line in client.metrics().splitlines():
+                if line.startswith('cachepipe_disk_errors_total{pipeline="train"}'):
+                    return float(line.split()[-1])
+            return 0.0
+
+        wait_until(disk_errors, 30, "a disk error counted in the metrics")
+        stats = client.status()["pipelines"]["train"]["stats"]
+        assert stats["disk_errors"] >= disk_errors() > 0
+        assert 'cachepipe_disk_pauses_total{pipeline="train"} 0.0' in client.metrics()
