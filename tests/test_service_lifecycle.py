@@ -344,3 +344,24 @@ def test_a_full_disk_is_counted_in_the_metrics(tmp_path, short_dir, small_filesy
         stats = client.status()["pipelines"]["train"]["stats"]
         assert stats["disk_errors"] >= disk_errors() > 0
         assert 'cachepipe_disk_pauses_total{pipeline="train"} 0.0' in client.metrics()
+
+
+def test_a_reload_to_a_source_that_lists_nothing_keeps_the_pipeline_running_and_its_leases(tmp_path, short_dir):
+    # A reload whose new source listed nothing (a typo in the prefix) closed the pipeline, failed
+    # to open the new one, and reopened it with the old settings: every lease ended (the held
+    # item's ack answered 409, its item delivered again: a duplicate in training), and systemd's
+    # status said nothing of the failure.
+    sock = short_dir / "api.sock"
+    config = folders_config(tmp_path, sock, 3)
+    (tmp_path / "empty").mkdir()
+    with DaemonProcess(config) as daemon, Client("train", sock, auto_ack=False) as client:
+        held = client.get(timeout=30)
+        data = yaml.safe_load(config.read_text())
+        data["pipelines"]["train"]["source"] = f"{tmp_path / 'empty'}/"
+        config.write_text(yaml.safe_dump(data))
+        ready = daemon.reload()
+        assert "STATUS=reload failed in part (see the log); train: " in ready, ready
+        assert f"the new source '{tmp_path / 'empty'}/' lists no objects" in daemon.log()
+        client.ack(held)  # UnknownItemError before: the reload had ended the lease
+        assert client.status()["pipelines"]["train"]["source"] == f"{tmp_path / 'src'}/"
+        assert [item.name for item in client.get_many(2, timeout=30)] == ["item1", "item2"]

@@ -28,6 +28,7 @@ from ..config import PipelineConfig, format_size, with_unit
 from ..errors import CachePipeError, CacheRemovedError, ConfigError, UnknownItemError
 from ..pipeline import CachedItem, Pipeline, Stats
 from ..plan import Cursor
+from ..stores import open_store
 from .api import ApiServer, Deadlines
 from .closing import Closer
 from .config import ServiceConfig, pipeline_options
@@ -270,6 +271,19 @@ class Daemon:
             markers.stop()
 
     def _rebuild(self, name: str, cfg: PipelineConfig, old: _Served | None) -> str:
+        if (
+            old is not None
+            and old.pipeline is not None
+            and (cfg.source, cfg.storage_options)
+            != (
+                old.config.source,
+                old.config.storage_options,
+            )
+        ):
+            why = _lists_nothing(cfg)  # asked before the running pipeline closes: closing it ends its leases
+            if why:
+                log.error("reload: pipeline %s keeps running with its old settings: the new source %s", name, why)
+                return f"failed {name}"
         if old is not None:
             self._close(old)
         self._closer.wait(name)  # one taken down: it finishes closing before its cache opens again
@@ -755,3 +769,18 @@ def _acknowledged(progress: dict[str, Any]) -> str:
     if done is None or items is None:
         return f"{progress['epoch']} of {epochs} epochs"
     return f"{done} of {items * epochs} items acknowledged"
+
+
+def _lists_nothing(cfg: PipelineConfig) -> str:
+    """Why the ``source`` of ``cfg`` cannot feed a pipeline, asked of its store (the first object
+    of its listing; nothing is downloaded): it lists no object (a wrong bucket or prefix), or the
+    store refuses the listing (no such bucket, no permission, unreachable). "" when it lists one."""
+    try:
+        store = open_store(cfg.source, cfg.storage_options)
+        try:
+            first = next(iter(store.list()), None)
+        finally:
+            store.close()
+    except (CachePipeError, OSError, ValueError, ImportError) as exc:
+        return f"{cfg.source!r} cannot be listed: {type(exc).__name__}: {exc}"
+    return "" if first is not None else f"{cfg.source!r} lists no objects; check the bucket and the prefix"

@@ -213,7 +213,8 @@ def _reload(daemon: Daemon, config_path: Path, notifier: Notifier) -> None:
     failed = any(c.startswith("failed") for c in changes)
     daemon.metrics.reloads.labels("partial" if failed else "ok").inc()
     log.info("reloaded %s: %s", config_path, ", ".join(changes) or "nothing changed")
-    notifier.send("READY=1", "STATUS=" + " ".join(daemon.status_line().split()))
+    said = "reload failed in part (see the log); " if failed else ""
+    notifier.send("READY=1", "STATUS=" + said + " ".join(daemon.status_line().split()))
 
 
 def _install(handler: Any) -> dict[int, Any]:
