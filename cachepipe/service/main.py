@@ -63,11 +63,11 @@ def check(config_path: str | os.PathLike[str]) -> int:
         return EX_CONFIG
     names = ", ".join(f"{n} ({c.source} -> {c.cache_dir})" for n, c in config.pipelines.items()) or "none"
     jobs = "" if config.jobs is None else f"; jobs under {config.jobs.root}, capacity {config.jobs.capacity}"
-    print(f"{config_path}: valid; socket {config.socket}; pipelines: {names}{jobs}")
     print(
         "checked on this host: the socket's folder and each cache_dir take a new folder and file (made and removed "
         "at once); not checked: the sources (nothing is listed or sent)"
     )
+    print(f"{config_path}: valid; socket {config.socket}; pipelines: {names}{jobs}")  # last: what scripts read
     return 0
 
 
