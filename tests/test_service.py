@@ -546,6 +546,30 @@ def test_a_cache_directory_removed_under_the_daemon_takes_its_pipeline_down_unti
         assert "Traceback" not in daemon.log(), daemon.log()
 
 
+def test_an_item_deleted_after_the_downloads_found_the_cache_removed_is_not_acknowledged_with_a_traceback(
+    s3_source, s3_endpoint, tmp_path, short_dir
+):
+    """The deletion of a handed-out item is its acknowledgement (markers on). Once the downloads
+    have found the cache's state folder gone, an ack raises CacheRemovedError, and one by a
+    deletion raised it in the marker thread, which logged a traceback (seen once in the suite, as
+    the test above). It is ignored now: the periodic check of the cache directories takes the
+    pipeline down, as it does for a removal no item shows."""
+    s3_source.folders(3, {"a.bin": 400 * KIB})  # two fit in the cache, the third waits for room
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}}, status_interval=3600)
+    with DaemonProcess(config) as daemon, Client("train", sock, auto_ack=False) as client:
+        first, second = client.get(timeout=30), client.get(timeout=30)
+        remove_tree(tmp_path / "cache-train" / ".cachepipe")
+        remove_tree(first.path)  # acknowledged: the third item's download finds the state folder gone
+        wait_until(lambda: "downloads stopped: " in daemon.log(), 30, "the downloads to stop")
+        remove_tree(second.path)  # acknowledged too, after that
+        time.sleep(1)  # the deletion's event is judged; nothing checks the cache directory meanwhile
+        assert "Traceback" not in daemon.log(), daemon.log()
+        health = client.health()["pipelines"]["train"]
+        assert health.startswith("down: CacheRemovedError"), health
+        assert daemon.stop() == 0
+
+
 def test_the_temporary_sockets_of_daemons_killed_while_starting_are_removed(s3_source, s3_endpoint, tmp_path, short_dir):
     """A daemon listens under ``.<socket>.<pid>.starting`` until it is ready; one killed before
     left it behind, and each later daemon removed only its own pid's (they piled up)."""

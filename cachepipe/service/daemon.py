@@ -501,6 +501,11 @@ class Daemon:
             # a look (no event) finds an item's own or an earlier .done at each hand-out held that long
             (log.info if how == "marker" and not looked else log.debug)("%s: %s of %s ignored: %s", name, how, item, why or exc)
             return
+        except CacheRemovedError as exc:
+            # the downloads found the cache directory gone: nothing is deleted, and the pipeline is
+            # taken down by the next check (each request, and every status_interval), not from here
+            log.info("%s: %s of %s ignored: %s", name, how, item, exc)
+            return
         except RuntimeError:
             return  # the pipeline closed meanwhile (reload or stop)
         self._ended([(item, lease)])
