@@ -526,7 +526,7 @@ class Cache:
         False: the cache closed meanwhile. None: ``withdrawn()`` was true before anything was
         reserved, when it was about to wait, or once woken (:meth:`wake`), or once room was
         freed: nothing is reserved, claimed or dropped for it (a node plans a waiting lane's
-        step first, see :meth:`.node.LaneQueues.withdraw`; a lane that consumes asks for the
+        step first, see :meth:`.lanequeues.LaneQueues.withdraw`; a lane that consumes asks for the
         download back before it frees the room, which the download must not take then).
 
         Without retention this waits for any earlier copy of the item to be gone (:meth:`claim`)
@@ -633,7 +633,7 @@ class Cache:
     def shortfall(self) -> int:
         """Bytes that a download waiting for room lacks beyond the free space and the deletions
         under way (0: none waits, or it will fit). A hint for a caller that can free space some
-        other way (a node gives back steps planned ahead, see :meth:`.node.LaneQueues.give_back`)."""
+        other way (a node gives back steps planned ahead, see :meth:`.lanequeues.LaneQueues.give_back`)."""
         with self._cond:
             if not self._wanting:
                 return 0
@@ -861,7 +861,7 @@ class Cache:
 
     def give_up(self, name: str, epoch: int = 0, tick: int = 0) -> None:
         """A published item, not handed out, whose step will be planned again later (a node's
-        lane gave its room back to a lane that waits, see :meth:`.node.LaneQueues.give_back`):
+        lane gave its room back to a lane that waits, see :meth:`.lanequeues.LaneQueues.give_back`):
         without retention it is dropped (downloaded again when its step comes); with retention
         it is acknowledged as of ``tick`` and the policy decides whether to keep it.
 
