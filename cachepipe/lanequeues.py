@@ -27,9 +27,9 @@ from typing import Any
 
 from .broker import Broker, Closed, Failed, FailureKind
 from .catalog import Item
+from .delivered import _Held, _held
 from .fetcher import Planned
 from .lanes import LaneSchedule
-from .pipeline import _Held, _held
 from .plan import Cursor, Step
 
 __all__ = ["SHARED_RUN", "LaneQueues", "let_others_run"]
