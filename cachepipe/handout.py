@@ -3,9 +3,10 @@ the broker's next items with the stall warning (``stall_warning``), an item fail
 (skipped or raised, as ``on_error``/``on_oversize`` say), and which lease a consumer names by an
 item or its path, with the error when the broker refuses it.
 
-:class:`_Handout` is a base class of :class:`~cachepipe.pipeline.Pipeline` (not used alone), as
-:class:`~cachepipe.passes._Pass` is, whose state it reads: the public methods that use it
-(``get``, ``ack``, ``release``, ``renew``) stay on the pipeline, the documented front-end, and
+:class:`_Handout` is the base class of :class:`~cachepipe.pipeline.Pipeline` (not used alone)
+and a subclass of :class:`~cachepipe.passes._Pass`, whose declared state it reads and whose
+counters it counts skipped items in. The public methods that use it (``get``, ``ack``,
+``release``, ``renew``) stay on the pipeline, the documented front-end;
 :class:`~cachepipe.node.NodePipeline` uses it for its lanes' hand-outs too.
 """
 
