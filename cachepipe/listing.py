@@ -1,12 +1,19 @@
-"""A listing that streams: items are listed by a thread while the first ones download.
+"""Listing a store into items: whole, with retries, or streamed while the first ones download.
 
-Used by :class:`~cachepipe.pipeline.Pipeline` for a plain pass (one epoch, listing order, one
-rank and worker, nothing to resume): the first download waits for the first page of the
-listing, not for the whole of it, and the catalog is never held in memory as a whole: listed
-items wait in a queue of at most :data:`QUEUE_ITEMS` until the producer takes them, and the
-listing pauses while the queue is full. While the producer has :data:`ADMIT_AHEAD` items queued,
-the listing admits the items it lists in runs (one round of the cache's lock and of the queue's
-for a run, not for each item).
+- :func:`list_source`: list a store into a catalog, retrying transient errors (the one listing
+  with retries, for a pipeline and for ``cachepipe index``);
+- :func:`empty_source`: the error of a listing that found nothing to deliver, saying why (for
+  a listing that streams, :func:`list_source` and ``cachepipe index``);
+- :class:`StreamingListing`: a listing that streams: items are listed by a thread while the
+  first ones download.
+
+:class:`StreamingListing` is used by :class:`~cachepipe.pipeline.Pipeline` for a plain pass (one
+epoch, listing order, one rank and worker, nothing to resume): the first download waits for the
+first page of the listing, not for the whole of it, and the catalog is never held in memory as a
+whole: listed items wait in a queue of at most :data:`QUEUE_ITEMS` until the producer takes
+them, and the listing pauses while the queue is full. While the producer has
+:data:`ADMIT_AHEAD` items queued, the listing admits the items it lists in runs (one round of
+the cache's lock and of the queue's for a run, not for each item).
 """
 
 from __future__ import annotations
@@ -14,15 +21,16 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Literal
 
-from .catalog import Item, group_items
-from .errors import is_transient
+from .catalog import Catalog, Item, group_items
+from .errors import EmptySourceError, is_transient
+from .fetcher import backoff_delay
 from .stores import Store
 from .stores.base import FIRST_PAGE_KEYS, ObjectInfo
 
-__all__ = ["FIRST_PAGE_OBJECTS", "QUEUE_ITEMS", "StreamingListing"]
+__all__ = ["FIRST_PAGE_OBJECTS", "QUEUE_ITEMS", "StreamingListing", "empty_source", "list_source"]
 
 log = logging.getLogger("cachepipe")
 
@@ -223,3 +231,72 @@ def _position(item: Item) -> str:
     ``name/``, so folders come in the order of ``name + "/"``, not of their names: ``a-b/f`` is
     listed before ``a/f`` although ``"a" < "a-b"``. A single-file item's name is its key."""
     return item.name if item.is_file else f"{item.name}/"
+
+
+def empty_source(source: str, items: str, objects: int, listed: int = 0) -> EmptySourceError:
+    """The error of a listing of ``source`` that ended without an item to deliver, saying why:
+    every one of the ``listed`` items was larger than the capacity, the prefix lists nothing
+    (``objects`` 0: a wrong bucket or prefix), or its objects lie directly under it while
+    ``items="folders"`` makes items of folders only."""
+    what = f"no items under {source!r}: found no {items}"
+    if listed:
+        return EmptySourceError(f"{what} smaller than the capacity")
+    if not objects:
+        return EmptySourceError(
+            f"{what} with objects: the source lists no objects; check the bucket and the prefix (keys are case-sensitive)"
+        )
+    return EmptySourceError(
+        f"{what} with objects: the {objects} object{'s' if objects > 1 else ''} it lists {'lie' if objects > 1 else 'lies'} "
+        "directly under it, none in a folder; "
+        "items='folders' (the default) makes an item of each folder below the prefix: pass items='files' for an item "
+        "per object, or give the prefix above their folder"
+    )
+
+
+def list_source(
+    store: Store,
+    items: Literal["folders", "files"],
+    retries: int = 12,
+    backoff: float = 0.2,
+    backoff_max: float = 10.0,
+    source: str = "",
+    stop: threading.Event | None = None,
+) -> Catalog:
+    """List ``store`` into a catalog, retrying transient store errors as downloads are (the whole
+    listing again: a catalog is built in one pass). ``source`` names it in the log. ``stop``: once
+    set (a pipeline closing while it opens), an error is not retried and a backoff ends at once.
+
+    Raises:
+        EmptySourceError: no items (:func:`empty_source` says why).
+        OSError, UnsafeKeyError, ...: a permanent error, or a transient one after ``retries``
+            (or once ``stop`` is set).
+    """
+    stop = stop or threading.Event()
+    for attempt in range(retries + 1):
+        objects = _Counted(store.list())
+        try:
+            catalog = Catalog.from_listing(objects, items)
+        except Exception as exc:
+            if not is_transient(exc) or attempt == retries or stop.is_set():
+                raise
+            delay = backoff_delay(attempt, backoff, backoff_max)
+            log.warning("listing %s failed, retry %d/%d in %.2fs: %s", source or store.url, attempt + 1, retries, delay, exc)
+            if stop.wait(delay):  # a backoff in the opening thread; Ctrl-C interrupts it, and so does a close
+                raise
+        else:
+            if not catalog:
+                raise empty_source(source or store.url, items, objects.n)
+            return catalog
+    raise AssertionError("unreachable")
+
+
+class _Counted:
+    """The objects of a listing, counted as they pass (``n``)."""
+
+    def __init__(self, objects: Iterable[ObjectInfo]) -> None:
+        self._objects, self.n = objects, 0
+
+    def __iter__(self) -> Iterator[ObjectInfo]:
+        for obj in self._objects:
+            self.n += 1
+            yield obj

@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from .catalog import Catalog
 from .errors import ConfigError
+from .listing import list_source
 from .state import StateCorrupt, atomic_write, catalog_header, read_catalog_header, read_catalog_items, write_catalog
 from .stores import Store, open_store
 
@@ -204,8 +205,6 @@ def index(
     where = os.fspath(location)
     if not _is_url(where) and not Path(where).parent.is_dir():  # said before the listing, naming the folder
         raise FileNotFoundError(errno.ENOENT, f"manifest {where!r}: no such folder {str(Path(where).parent)!r}")
-    from .sourcing import list_source  # sourcing reads manifests: imported here, not at the top
-
     own = store is None
     src = open_store(source, storage_options) if store is None else store
     try:

@@ -109,7 +109,7 @@ __all__ = [
 STATE_VERSION = 1
 EPOCHS_CACHED = 5
 """Epochs whose shares a plan keeps computed. A node computes the epoch after next as soon as a
-lane enters an epoch (:class:`cachepipe.node.LaneQueues`): with lanes two epochs apart, five
+lane enters an epoch (:class:`cachepipe.lanequeues.LaneQueues`): with lanes two epochs apart, five
 are read at once (fewer slots made the lagging lane's epoch be computed again and again)."""
 _SHIFT = 32  # a tick is epoch << 32 | index
 _MASK = (1 << _SHIFT) - 1

@@ -389,7 +389,7 @@ def test_an_item_retried_in_a_run_does_not_hold_the_items_before_it(tmp_path, er
 
 
 def test_a_plan_given_in_runs_gives_the_steps_before_an_error_then_the_error():
-    from cachepipe.pipeline import _in_runs
+    from cachepipe.passes import _in_runs
 
     def steps():
         yield from range(5)

@@ -53,8 +53,10 @@ def test_no_import_circle_in_the_service_package():
 
 
 def test_the_daemon_imports_the_node_code_with_its_first_job():
-    """``cachepipe.node`` and ``cachepipe.lanes`` (1,300 lines, compiled at every start where no
-    bytecode is cached) serve only jobs: the daemon imports them when the first job registers."""
-    code = "import sys, cachepipe.service.main; print([m for m in ('cachepipe.node', 'cachepipe.lanes') if m in sys.modules])"
+    """``cachepipe.node``, ``cachepipe.lanequeues`` and ``cachepipe.lanes`` (1,300 lines, compiled
+    at every start where no bytecode is cached) serve only jobs: the daemon imports them when the
+    first job registers."""
+    node_code = ("cachepipe.node", "cachepipe.lanequeues", "cachepipe.lanes")
+    code = f"import sys, cachepipe.service.main; print([m for m in {node_code!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60).stdout
     assert out.strip() == "[]"

@@ -7,7 +7,11 @@ The parts, each owning one invariant (see their module docstrings):
 - :mod:`.staging`: staging areas and the checks before the atomic publish;
 - :mod:`.eviction`: the only code that deletes items (moved aside first, then deleted);
 - :mod:`.lock`: one owner per directory;
-- :mod:`.core`: :class:`Cache`, the facade the fetcher and the pipeline use.
+- :mod:`.recovery`: what of an earlier owner's items is reused (policy, no writes);
+- :mod:`.core`: :class:`Cache`, the facade the fetcher and the pipeline use: its lifecycle (open,
+  recovery, close), over base classes that each add one concern under its lock:
+  :mod:`.reservation` (room and claims), :mod:`.publishing` (staging and the atomic publish)
+  and :mod:`.acks` (acks, drops, retention's hooks).
 """
 
 from ..removal import tree_bytes

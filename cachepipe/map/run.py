@@ -31,8 +31,8 @@ from ..cache.lock import unusable_dir
 from ..config import Share, check_cache_dir, check_source, with_unit
 from ..errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError, is_transient
 from ..fetcher import backoff_delay
+from ..listing import empty_source
 from ..pipeline import Pipeline
-from ..sourcing import empty_source
 from ..stores import Store, open_store
 from ..stores.base import WritableStore
 from .child import Watcher, kill_leftovers

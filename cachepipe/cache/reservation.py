@@ -1,0 +1,313 @@
+"""Reservation: room under the capacity, and claims on names (one copy of an item at a time).
+
+A download's bytes are reserved (from its listed size) before it starts, waiting for room
+(acks) while they do not fit, and never beyond :attr:`~.core.Cache.limit` (an item that would
+never fit is refused as oversize, not waited for). A recovered (or shelved) item that would
+otherwise never leave a waiting download room is dropped for it; with retention, the policy
+picks retained items to evict. A download may be asked back while it waits (``withdrawn``):
+then nothing is reserved, claimed or dropped for it.
+
+:class:`_Reservation` is a base class of :class:`~.core.Cache` (see :mod:`.acks` for why the
+cache is built of parts): it works under the cache's lock on the ledger, the claims and the
+recovered items, and drops or deletes through :class:`~.acks._Acks` below it.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from ..catalog import Item
+from ..config import Share
+from ..errors import ConfigError, OversizeError
+from ..retention import RetentionPolicy
+from .acks import _Acks
+
+__all__: list[str] = []
+
+log = logging.getLogger("cachepipe.cache")
+
+
+def _never() -> bool:
+    return False
+
+
+def _capacity_bytes(capacity: int | Share, free: int, total: int) -> int:
+    """``capacity`` in bytes on a filesystem of ``free`` and ``total`` bytes: a share of its free
+    space, or the bytes given, held to its size (no item larger can ever fit)."""
+    return int(free * capacity.fraction) if isinstance(capacity, Share) else min(capacity, total)
+
+
+class _Reservation(_Acks):
+    """Room and claims (see the module notes): a base of :class:`~.core.Cache`."""
+
+    def set_capacity(self, capacity: int | Share, at_least: int = 0) -> int:
+        """Change the capacity now; returns it in bytes. Shrinking deletes nothing: downloads
+        wait until acknowledgements bring the cache under the new cap.
+
+        Raises:
+            ConfigError: the new capacity leaves no room beside foreign files and the state
+                budget, or less than ``at_least`` bytes (the largest item still to be fetched,
+                which would fail).
+        """
+        usage = shutil.disk_usage(self.root)
+        new = _capacity_bytes(capacity, usage.free, usage.total)
+        beside = self.foreign + self.overhead
+        if beside >= new:
+            raise ConfigError(f"capacity {new} bytes leaves no room beside {beside} bytes of other files and state")
+        if new - beside < at_least:
+            raise ConfigError(
+                f"capacity {new} bytes leaves {new - beside} bytes for items beside {beside} bytes of other files and "
+                f"state, less than the largest item planned ({at_least} bytes), which would fail (on_oversize='raise'): "
+                f"give at least {at_least + beside} bytes, or on_oversize='skip' to skip such items"
+            )
+        with self._cond:
+            self.ledger.capacity = new
+            self._cond.notify_all()
+        return new
+
+    def reserve(self, size: int, name: str = "") -> bool:
+        """Block until ``size`` bytes fit under the capacity and reserve them.
+
+        Returns False (reserving nothing) if the cache is closed meanwhile.
+
+        Raises:
+            OversizeError: ``size`` is over :attr:`limit`, now or while it waits (the state budget
+                of a streamed listing grows as names are listed, or the capacity was lowered):
+                it would never fit, so it is not waited for. ``name`` names it in the error.
+        """
+        got = self._reserve(size, name, leftovers=False)
+        return bool(got)
+
+    def _reserve(self, size: int, name: str, leftovers: bool, withdrawn: Callable[[], bool] = _never) -> bool | str | None:
+        """:meth:`reserve`; with ``leftovers``, the wait ends too when a recovered (or shelved)
+        item is in the way (:meth:`_in_the_way`): its name is returned, to drop. None:
+        ``withdrawn()`` was true before it reserved (nothing reserved)."""
+        ledger = self.ledger
+        with self._cond:
+            try:
+                while not self._closed and not ledger.fits(size):
+                    if size > ledger.limit:
+                        raise OversizeError(name, size, ledger.capacity, ledger.foreign + ledger.overhead)
+                    if withdrawn():  # before dropping anything for it
+                        return None
+                    if leftovers:  # the waiter that force_room() means (a plain reserve leaves it be)
+                        leftover = self._in_the_way(size)
+                        self._forced = False
+                        if leftover is not None:
+                            return leftover
+                    self._wanting = size
+                    self._cond.wait()
+            finally:
+                self._wanting = 0
+            if self._closed:
+                return False
+            if withdrawn():  # asked back when the room it now fits in was freed (see acquire)
+                return None
+            ledger.reserve(size)
+            return True
+
+    def unreserve(self, size: int, name: str | None = None, left: int = 0) -> None:
+        """Release a reservation (and the claim on ``name``) of an item that will not be published;
+        ``left`` bytes of it could not be deleted and count as foreign until the next open."""
+        number = self._number(name) if name is not None and self._policy is not None else None
+        with self._cond:
+            self.ledger.release(size)
+            self.ledger.foreign += left
+            if name is not None:
+                self._claimed.discard(name)
+                if self._policy is not None and number is not None:
+                    self._policy.forget(number)
+            self._cond.notify_all()
+
+    def claim(self, name: str) -> bool:
+        """Block until no copy of ``name`` is on disk or on its way (an earlier epoch's copy was
+        acked and deleted), then claim it for a download. False if the cache closed meanwhile.
+
+        The claim ends when the item is evicted, dropped or discarded.
+        """
+        with self._cond:
+            while not self._closed and name in self._claimed:
+                self._cond.wait()
+            if self._closed:
+                return False
+            self._claimed.add(name)
+            return True
+
+    def _claim_or_adopt(self, name: str, withdrawn: Callable[[], bool] = _never) -> Path | bool | None:
+        """:meth:`claim`, except that an earlier copy that is :meth:`shelve` d while we wait is
+        handed over instead (its path): it is the copy this step wants. None: ``withdrawn()``
+        was true when it would wait."""
+        with self._cond:
+            while not self._closed and name in self._claimed:
+                recovered = self._recovered.pop(name, None)
+                if recovered is not None:
+                    return recovered
+                if withdrawn():
+                    return None
+                self._cond.wait()
+            if self._closed:
+                return False
+            self._claimed.add(name)
+            return True
+
+    def acquire(
+        self,
+        item: Item,
+        tick: int = 0,
+        starving: Callable[[], bool] = _never,
+        extra: int = 0,
+        withdrawn: Callable[[], bool] = _never,
+    ) -> Path | bool | None:
+        """Make room for the step at ``tick`` reading ``item``.
+
+        Returns the item's path if it is on disk already (recovered at open, or retained): hand
+        it out, no download. True: its space is reserved (and its name claimed): download it.
+        False: the cache closed meanwhile. None: ``withdrawn()`` was true before anything was
+        reserved, when it was about to wait, or once woken (:meth:`wake`), or once room was
+        freed: nothing is reserved, claimed or dropped for it (a node plans a waiting lane's
+        step first, see :meth:`.lanequeues.LaneQueues.withdraw`; a lane that consumes asks for the
+        download back before it frees the room, which the download must not take then).
+
+        Without retention this waits for any earlier copy of the item to be gone (:meth:`claim`)
+        and for space (:meth:`reserve`), after dropping recovered items that would otherwise
+        never leave it room (:meth:`_in_the_way`). With retention, the policy picks
+        retained items to evict; when it prefers to wait for an ack instead, the wait is
+        re-checked every 0.25 s against ``starving()`` (a consumer blocked on this very step),
+        the one case of a timed wait here. ``extra``: bytes reserved beside the item's own (the
+        ``prepare`` hook's output).
+        """
+        with self._cond:
+            recovered = self._recovered.pop(item.name, None)
+        if recovered is not None:
+            return recovered
+        policy = self._policy
+        if policy is None:
+            claimed = self._claim_or_adopt(item.name, withdrawn)
+            if claimed is not True:
+                return claimed  # the earlier copy was shelved meanwhile (a path), the cache closed, or withdrawn
+            try:
+                while isinstance(got := self._reserve(item.size + extra, item.name, True, withdrawn), str):
+                    log.info("dropping %s, an earlier owner's item not due yet, to make room for %s", got, item.name)
+                    self.drop(got)
+            except BaseException:
+                self.unreserve(0, item.name)  # the claim
+                raise
+            if got is None:
+                self.unreserve(0, item.name)  # withdrawn: the claim
+            return got
+        return self._acquire_retained(policy, item, tick, starving, withdrawn)
+
+    def acquire_many(self, items: Sequence[tuple[Item, int]], withdrawn: Callable[[], bool] = _never) -> int:
+        """:meth:`acquire` ``(item, extra)`` in order, for as many as need no wait, in one lock
+        round: each fits now, no copy of it is on disk or on its way, and no retention policy or
+        recovered item is involved. Returns how many were reserved and claimed (0: call
+        :meth:`acquire` for the next, which waits or decides; so too if ``withdrawn()``, the
+        first item asked back, as :meth:`acquire`'s)."""
+        if self._policy is not None:
+            return 0
+        ledger, claimed = self.ledger, self._claimed
+        with self._cond:
+            if self._closed or self._recovered or withdrawn():
+                return 0
+            for count, (item, extra) in enumerate(items):
+                if item.name in claimed or not ledger.fits(item.size + extra):
+                    return count
+                claimed.add(item.name)
+                ledger.reserve(item.size + extra)
+            return len(items)
+
+    def _acquire_retained(
+        self, policy: RetentionPolicy, item: Item, tick: int, starving: Callable[[], bool], withdrawn: Callable[[], bool]
+    ) -> Path | bool | None:
+        ledger = self.ledger
+        idx = self._number(item.name)
+        if idx is None:
+            raise KeyError(f"item {item.name!r} is not in the plan given to use_retention()")
+        while True:
+            victims: list[tuple[str, int]] = []
+            with self._cond:
+                while not victims:
+                    if self._closed:
+                        return False
+                    if item.size > ledger.limit:  # it would never fit: not waited for (as in _reserve)
+                        raise OversizeError(item.name, item.size, ledger.capacity, ledger.foreign + ledger.overhead)
+                    if policy.is_pinned(idx):  # an earlier step's copy is still out: one copy at a time
+                        if withdrawn():
+                            return None
+                        self._cond.wait()
+                        continue
+                    if policy.on_fetch(idx, tick):
+                        return self.item_path(item)  # retained: still reserved and claimed
+                    if item.name in self._claimed:  # its earlier copy is being deleted (acked, not kept): wait
+                        if withdrawn():
+                            return None
+                        self._cond.wait()
+                        continue
+                    if withdrawn():  # before reserving or evicting anything for it (see acquire)
+                        return None
+                    free = ledger.free
+                    if free >= item.size:
+                        ledger.reserve(item.size)
+                        self._claimed.add(item.name)
+                        policy.on_admit(idx, tick)
+                        return True
+                    if free + ledger.reaping >= item.size:  # victims being deleted make room: no more
+                        self._cond.wait()
+                        continue
+                    forced, self._forced = self._forced, False
+                    chosen = policy.choose_victims(item.size - free - ledger.reaping, idx, tick, urgent=starving(), forced=forced)
+                    if chosen is None:
+                        self._wanting = item.size
+                        try:
+                            self._cond.wait(0.25)
+                        finally:
+                            self._wanting = 0
+                        continue
+                    for victim in chosen:
+                        name = self._names[victim]
+                        victims.append((name, self.record.dropping(name)))
+            for name, size in victims:
+                self._delete(name, size, dropped=True)
+
+    def shortfall(self) -> int:
+        """Bytes that a download waiting for room lacks beyond the free space and the deletions
+        under way (0: none waits, or it will fit). A hint for a caller that can free space some
+        other way (a node gives back steps planned ahead, see :meth:`.lanequeues.LaneQueues.give_back`)."""
+        with self._cond:
+            if not self._wanting:
+                return 0
+            return max(0, self._wanting - self.ledger.free - self.ledger.reaping)
+
+    def wake(self) -> None:
+        """Wake the downloads that wait in :meth:`acquire`, to check their ``withdrawn()`` again."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def force_room(self) -> None:
+        """Let the download that waits for room make it without waiting for acks, once: a node's
+        lane has waited for it and no other room can be made (its consumers do not follow the
+        plan's order, and may wait for this download). With retention, it evicts retained items
+        that the policy would keep for an earlier step (``choose_victims(forced=True)``);
+        without, it drops a recovered (or shelved) item even if acks would make room later."""
+        with self._cond:
+            self._forced = True
+            self._cond.notify_all()
+
+    def _in_the_way(self, size: int) -> str | None:
+        """A recovered item (reused from an earlier owner, or shelved by a node's lane that moved
+        away, not handed out yet) to drop so that ``size`` bytes can ever fit, or None; under
+        the lock. Recovered items are handed out only when the plan reaches them, after the step
+        that waits for room: if the room that every other reservation will free is not enough,
+        waiting would never end, or after :meth:`force_room`. It is checked while that step
+        waits (a lane shelves its items after the planner, woken by the lane's move, reached the
+        step). The last recovered name goes first (names are recovered in sorted order: for a
+        listing-ordered plan, the one needed last)."""
+        if not self._recovered:
+            return None
+        held = sum(self.record.published[name] for name in self._recovered)
+        if self.ledger.room_beside(held) >= size and not self._forced:
+            return None
+        return next(reversed(self._recovered))
