@@ -1048,6 +1048,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     link = proxy = server = None
     link_pid: int | None = None
+    tmp: Path | None = None
     forks: dict[Callable[[Sequence[str]], list[str]], ForkServer] = {}  # --fork-children: one per place a child runs
 
     def forked(where: Client) -> Client:
@@ -1060,7 +1061,9 @@ def main(argv: list[str] | None = None) -> int:
         # a dead run's namespace first (that kills its server), then its temp dir
         for stale in ([] if args.no_link else remove_stale()) + remove_stale_tmp():
             progress(f"removed {stale}, left over by an earlier run that is gone")
-        with tempfile.TemporaryDirectory(prefix=f"{TMP_PREFIX}{os.getpid()}-") as tmp_name:
+        # the server writes under it until stopped (below): its removal here may race with that,
+        # so it is removed again, strictly, once the server is stopped
+        with tempfile.TemporaryDirectory(prefix=f"{TMP_PREFIX}{os.getpid()}-", ignore_cleanup_errors=True) as tmp_name:
             tmp = Path(tmp_name)
             if not args.no_link:
                 link = Link()
@@ -1147,6 +1150,8 @@ def main(argv: list[str] | None = None) -> int:
             proxy.stop()
         if server is not None:
             server.stop()
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp)
         if link is not None:
             link.close()
     report["settings"] = {

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import os
 import threading
 import time
@@ -66,6 +67,15 @@ class Lease(Generic[T]):
     deadline: float | None = None
 
 
+OUTPACED = 1.0
+"""A consumer outpaces the items when it waits for its next item longer than this many times
+the time it took to come back for it after its last one (see :meth:`Broker.outpaced`): one
+that needs ``c`` seconds per item, where the items come every ``T``, waits ``T - c``, so at 1,
+a consumer more than twice as fast as the items. A consumer slower than the items waits only
+while the first ones come, and less than that (bench_link's slow consumer, 0.25 s per item:
+its longest wait after the first item 10-120 ms)."""
+
+
 class Broker(Generic[T]):
     """Ready queue and leases for one pipeline.
 
@@ -95,6 +105,11 @@ class Broker(Generic[T]):
         self._closed = False
         self.wait_seconds = 0.0  # total time consumers spent blocked in take()
         self._waiting = 0  # consumers blocked in take() right now
+        # for outpaced(): the last hand-out (monotonic s), the wait going on (the first waiter's: when
+        # it began, and how long after the last hand-out), and what the last wait that ended showed
+        self._handed_at: float | None = None
+        self._wait_began, self._wait_gap = 0.0, math.inf
+        self._outpaced = False
 
     # ---- producer side ---------------------------------------------------------------
     def begin(self) -> int:
@@ -190,6 +205,8 @@ class Broker(Generic[T]):
         """
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
+        began: float | None = None  # when this call began to wait, and how long after the last hand-out
+        gap = math.inf
         with self._cond:
             try:
                 while True:
@@ -199,6 +216,9 @@ class Broker(Generic[T]):
                     next_expiry = self._expire(now)
                     got = self._pop(now)
                     if got is not None:
+                        if began is not None:
+                            self._outpaced = now - began > OUTPACED * gap
+                        self._handed_at = now
                         self._cond.notify_all()
                         return got
                     if self._finished and self._pending == 0 and not self._ready and next_expiry is None:
@@ -207,6 +227,10 @@ class Broker(Generic[T]):
                     wait = min(waits) if waits else None
                     if deadline is not None and deadline - now <= 0:
                         raise TimeoutError(f"no item became ready within {timeout} s")
+                    if began is None:
+                        began, gap = now, (math.inf if self._handed_at is None else now - self._handed_at)
+                        if not self._waiting:
+                            self._wait_began, self._wait_gap = began, gap
                     self._waiting += 1
                     try:
                         self._cond.wait(max(wait, 0.0) if wait is not None else None)
@@ -343,6 +367,22 @@ class Broker(Generic[T]):
         if lease_id is not None and lease.id != lease_id:
             raise KeyError(name, "another lease")
         return lease
+
+    def outpaced(self) -> bool:
+        """Whether the consumers come back for items faster than the items come: the wait in
+        :meth:`take` going on (the first consumer's), or else the last one that ended, lasted
+        longer than :data:`OUTPACED` times the time its consumer took to come back after the
+        item handed out before (a consumer that reads fast comes back at once and waits; one
+        slower than the items waits little, if at all). False until a consumer has waited after
+        a hand-out. Read without the lock: a hint for the fetcher (see
+        :func:`cachepipe.fetcher.items_ahead`)."""
+        if self._waiting and time.monotonic() - self._wait_began > OUTPACED * self._wait_gap:
+            return True
+        return self._outpaced
+
+    def fresh(self) -> int:
+        """Items ready and never handed out (read without the lock: a hint for the fetcher)."""
+        return self._fresh
 
     def starving(self) -> bool:
         """A consumer is blocked in :meth:`take` with nothing ready (read without the lock: a hint)."""

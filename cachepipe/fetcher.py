@@ -7,9 +7,9 @@ queues its bytes for a pool of ``max_concurrency`` download threads, of which
 their requests). The items of a run that need no wait are started together, a round or two of
 each lock for all of them (:meth:`Fetcher._start_without_waiting`). Each thread takes the next
 part from the earliest started item with bytes not yet requested, and cuts it when it takes it:
-a ranged GET of :func:`item_part_size` for the items then ahead of that item (up to
-``part_size``, :func:`auto_part_size`), so that the item the consumers wait for is fetched over
-every thread.
+a ranged GET of :func:`item_part_size` for the items then ahead of that item that count
+(:func:`items_ahead`, by the consumers' pace) (up to ``part_size``, :func:`auto_part_size`), so
+that the item the consumers wait for is fetched over every thread.
 The requests of items with a file over :data:`HEAD_MIN_PART` (one cut into parts) are at most
 ``max_large_requests``; an item of smaller files only is short requests, each mostly round trip,
 so more of them (up to ``max_concurrency``) keep the link busy.
@@ -62,7 +62,7 @@ from .removal import rmtree
 from .stores.base import Store, takes_etag
 from .unpack import DEFAULT_MAX_MEMBERS, split_volume, unpack_in_place
 
-__all__ = ["Fetcher", "PartQueue", "Planned", "auto_part_size", "backoff_delay", "item_part_size"]
+__all__ = ["Fetcher", "PartQueue", "Planned", "auto_part_size", "backoff_delay", "item_part_size", "items_ahead"]
 
 log = logging.getLogger("cachepipe.fetcher")
 
@@ -98,6 +98,21 @@ def item_part_size(size: int, part_size: int, concurrency: int, ahead: int) -> i
     ones behind it. At least :data:`HEAD_MIN_PART` (requests have a cost) and at most
     ``part_size`` (which it is once the consumers have enough ahead of them)."""
     return min(part_size, max(HEAD_MIN_PART, -(-size * (ahead + 1) // concurrency)))
+
+
+def items_ahead(ahead: int, fresh: int | None) -> int:
+    """The items ahead of an item that count when its next part is cut (:func:`item_part_size`),
+    of ``ahead`` (fetching, or ready and never handed out): all of them while the consumers come
+    back for items faster than the items come (``fresh`` None,
+    :meth:`cachepipe.broker.Broker.outpaced`): the link is the limit, and an item still coming
+    holds the consumers as long as a ready one. Otherwise (a consumer slower than the items,
+    or none seen yet) the items ready and never handed out (``fresh``) less one: an item still
+    coming gives a consumer no time, and the one ready next may be taken at any moment, so the
+    items are fetched one after the other over every thread until two or more are ready ahead
+    (the slow consumer of ``benchmarks/bench_link.py``: stall after its first item about 1%
+    against 3%)."""
+    ahead = max(0, ahead)
+    return ahead if fresh is None else max(0, min(ahead, fresh) - 1)
 
 
 PACE_WINDOW = 32
@@ -177,10 +192,14 @@ class PartQueue(Generic[J]):
         """The earliest started item with bytes not yet requested, or None."""
         return self._started[0] if self._started else None
 
-    def take(self, served: int, part_size: int, large: bool = True) -> tuple[Started[J], FileEntry, str, int, int] | None:
+    def take(
+        self, served: int, part_size: int, large: bool = True, fresh: int | None = None
+    ) -> tuple[Started[J], FileEntry, str, int, int] | None:
         """The next part: from the earliest started item with bytes not yet requested, of
-        :func:`item_part_size` for the items ahead of it now (``served``: see
-        :meth:`cachepipe.broker.Broker.served`) and at most ``part_size`` bytes; None if every
+        :func:`item_part_size` for the items ahead of it now that count (:func:`items_ahead`;
+        ``served``: see :meth:`cachepipe.broker.Broker.served`; ``fresh``: the items ready and
+        never handed out, or None while the consumers outpace the items) and at most
+        ``part_size`` bytes; None if every
         byte is requested, or if ``large`` is False and the next part is of an item with a file
         over :data:`HEAD_MIN_PART` (it waits for its turn: nothing later is taken before it)."""
         while self._started:
@@ -194,7 +213,8 @@ class PartQueue(Generic[J]):
             if started.small and f.size - start <= part_size:  # item_part_size would give at least the rest
                 end = f.size
             else:
-                part = item_part_size(started.size, part_size, self.concurrency, max(0, started.turn - served))
+                ahead = items_ahead(started.turn - served, fresh)
+                part = item_part_size(started.size, part_size, self.concurrency, ahead)
                 end = min(f.size, start + part)
             if end == f.size:
                 started.todo.popleft()
@@ -554,7 +574,8 @@ class Fetcher:
                 parts = []
                 if not self._stop.is_set() and self._takers <= self.threads:  # else leave: another thread takes it
                     served, part_size = self._broker.served(), self._part_size()
-                    part = self._parts.take(served, part_size, large_free)
+                    fresh = None if self._broker.outpaced() else self._broker.fresh()
+                    part = self._parts.take(served, part_size, large_free, fresh)
                     while part is not None:
                         parts.append(part)
                         if not (self._cheap and part[0].small) or len(parts) == PART_RUN:

@@ -148,10 +148,19 @@ class StreamingListing:
     def _run(self) -> None:
         last: str | None = None  # position of the last item listed (see _position): a restart skips up to it
         attempt = 0
+        run: list[Item] = []  # listed, not admitted yet
+
+        def admit_run() -> bool:
+            """Admit and queue the run, taken out first (an error in its admission must not admit
+            it again); False if stopped meanwhile."""
+            nonlocal run, last
+            admitting, run, last = run, [], _position(run[-1])
+            return self._queue_run(admitting)
+
         try:
             while not self._stop.is_set():
                 self._objects = 0  # a restarted listing counts its first page again
-                run: list[Item] = []  # listed, not admitted yet
+                run = []
                 skip = last  # a restarted listing skips what was admitted before (keys come in order)
                 try:
                     for item in group_items(self._count(self._store.list()), self._mode):
@@ -163,20 +172,16 @@ class StreamingListing:
                         run.append(item)
                         if len(run) < ADMIT_RUN and self._first_page and len(self._queue) >= ADMIT_AHEAD:
                             continue  # the producer has work queued: gather a run (not in the first page: open raises its errors)
-                        admitting, run, last = run, [], _position(item)
-                        if not self._queue_run(admitting):
+                        if not admit_run():
                             return
-                    if run:  # the last run; taken out first, as above: an error in it must not admit it again
-                        admitting, run, last = run, [], _position(run[-1])
-                        if not self._queue_run(admitting):
-                            return
+                    if run and not admit_run():  # the last run
+                        return
                     self._complete()
                     return
                 except Exception as exc:
-                    if run:  # listed before the error: theirs is the turn before it, and a restart skips them
-                        admitting, run, last = run, [], _position(run[-1])
-                        if not self._queue_run(admitting):
-                            return
+                    # listed before the error: theirs is the turn before it, and a restart skips them
+                    if run and not admit_run():
+                        return
                     if not is_transient(exc) or attempt >= self._retries or self._stop.is_set():
                         raise
                     delay = self._backoff(attempt)

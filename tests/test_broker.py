@@ -1,4 +1,5 @@
 import threading
+import time
 
 import pytest
 
@@ -202,3 +203,31 @@ def test_a_planning_failure_at_a_skipped_step_comes_in_the_turn_of_the_next_step
     assert [b.take(0).name, b.take(0).name] == ["a", "b"]
     failed = b.take(0)
     assert isinstance(failed, Failed) and failed.seq == 3 and failed.kind == "stream"
+
+
+def test_a_consumer_back_at_once_that_waits_outpaces_the_items_and_a_slower_one_does_not():
+    b = Broker()
+    for _ in range(3):
+        b.begin()
+    assert not b.outpaced()  # nothing known
+    b.put(0, "a", "A")
+    assert b.take(0).name == "a" and not b.outpaced()  # no wait
+    # a slow consumer: back 0.5 s after its item, which comes 0.05 s later
+    time.sleep(0.5)
+    timer = threading.Timer(0.05, b.put, (1, "b", "B"))
+    timer.start()
+    assert b.take(10).name == "b"
+    timer.join()
+    assert not b.outpaced()  # it waited far less than the time it took to come back
+    # a fast consumer: back at once, and waits 0.4 s
+    timer = threading.Timer(0.4, b.put, (2, "c", "C"))
+    seen: list[bool] = []
+    watcher = threading.Thread(target=lambda: (time.sleep(0.2), seen.append(b.outpaced())))
+    timer.start()
+    watcher.start()
+    assert b.take(10).name == "c"
+    timer.join()
+    watcher.join()
+    assert seen == [True]  # while it waited
+    assert b.outpaced()  # and after
+    assert b.fresh() == 0

@@ -1,7 +1,15 @@
 from pathlib import Path
 
 from cachepipe.catalog import FileEntry, Item
-from cachepipe.fetcher import HEAD_MIN_PART, PartQueue, auto_part_size, backoff_delay, download_threads, item_part_size
+from cachepipe.fetcher import (
+    HEAD_MIN_PART,
+    PartQueue,
+    auto_part_size,
+    backoff_delay,
+    download_threads,
+    item_part_size,
+    items_ahead,
+)
 
 MIB = 1024 * 1024
 
@@ -64,6 +72,32 @@ def test_parts_are_cut_when_taken_for_the_items_ahead_then():
     assert queue.take(0, part_size)[3:] == (0, MIB)  # "b", one item ahead: parts of 1 MiB
     part = queue.take(1, part_size)  # "a" handed out: "b" is next, 512 KiB parts
     assert (part[0].job, part[3], part[4]) == ("b", MIB, MIB + MIB // 2)
+
+
+def test_items_still_coming_count_as_ahead_only_while_the_consumers_outpace_the_items():
+    assert items_ahead(3, None) == 3  # the consumers wait for every item: the link is the limit
+    assert items_ahead(-1, None) == 0
+    # a consumer slower than the items (or none seen yet): the items ready ahead, less the next one
+    assert [items_ahead(3, fresh) for fresh in range(5)] == [0, 0, 1, 2, 2]
+    assert items_ahead(1, 4) == 0  # the next item is ready, and this one comes after it
+
+
+def test_for_a_consumer_slower_than_the_items_each_item_goes_over_every_thread_until_two_are_ready():
+    """The slow consumer of bench_link's link: its first item is handed out, the second is
+    ready; the third and fourth are cut over every thread, in turn, as the next item is, where
+    counting the items still coming as ahead shared the link between them."""
+    queue, part_size = PartQueue(concurrency=4), 2 * MIB
+    for turn, name in enumerate("abcd"):
+        _queue(queue, name, turn, _item(name, 2 * MIB))
+    for _ in range(6):  # "a" (4 parts of 512 KiB, the next item) and "b" (2 of 1 MiB, one ahead)
+        queue.take(0, part_size)
+    # "a" handed out, "b" ready (fresh 1), "c" and "d" still coming
+    assert queue.take(1, part_size, fresh=1)[3:] == (0, MIB // 2)  # "c": as the next item
+    assert queue.take(1, part_size)[3:] == (MIB // 2, 3 * MIB // 2)  # consumers outpacing: "b" ahead counts
+    assert queue.take(1, part_size, fresh=1)[3:] == (3 * MIB // 2, 2 * MIB)
+    assert queue.take(1, part_size, fresh=1)[3:] == (0, MIB // 2)  # "d": "c", still coming, does not count
+    assert queue.take(1, part_size, fresh=2)[3:] == (MIB // 2, 3 * MIB // 2)  # "b" and "c" ready: one counts
+    assert queue.take(1, part_size)[3:] == (3 * MIB // 2, 2 * MIB)
 
 
 def test_parts_follow_the_order_items_started_file_by_file():
