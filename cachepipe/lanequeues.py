@@ -355,6 +355,12 @@ class LaneQueues(Broker[str]):
     def starving(self) -> bool:
         return self._waiting > 0 and self._fresh == 0
 
+    def outpaced(self) -> bool:
+        """True: the lanes' pace is not followed (their takes are not :meth:`Broker.take`), so
+        every item ahead counts when a part is cut, as before the pace was (see
+        :func:`cachepipe.fetcher.items_ahead`)."""
+        return True
+
     # ---- lane side -------------------------------------------------------------------
     def move(self, lane_no: int, cursor: Cursor) -> tuple[list[_Planned], list[_Planned], int]:
         """Lane ``lane_no`` asks for ``cursor`` (normalised): returns ``(consumed, stale,

@@ -288,6 +288,7 @@ def test_a_download_that_arrives_after_its_lane_moved_past_it_is_shelved_with_it
     assert queues.move(0, Cursor(0, 2)) == ([], [], 0)  # the lane moved past both while they downloaded
     queues.put_many([(seq, item.name, f"/cache/{item.name}") for seq, item, _tick in downloads])
     assert [(planned.name, planned.value) for planned in stale] == [("item0", "/cache/item0"), ("item1", "/cache/item1")]
+    assert queues.outpaced()  # the lanes' pace is not followed: parts are cut for every item ahead
     queues.close()
     steps.close()
 
