@@ -32,7 +32,6 @@ import hashlib
 import logging
 import math
 import os
-import random
 import shutil
 import threading
 import time
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Generic, TypeVar
 
+from .backoff import backoff_delay
 from .broker import Broker
 from .cache import Cache, tree_bytes
 from .catalog import FileEntry, Item
@@ -62,6 +62,7 @@ from .removal import rmtree
 from .stores.base import Store, takes_etag
 from .unpack import DEFAULT_MAX_MEMBERS, split_volume, unpack_in_place
 
+# backoff_delay: importable from here, as before
 __all__ = ["Fetcher", "PartQueue", "Planned", "auto_part_size", "backoff_delay", "item_part_size", "items_ahead"]
 
 log = logging.getLogger("cachepipe.fetcher")
@@ -233,14 +234,6 @@ class PartQueue(Generic[J]):
         if give_up:
             started.todo.clear()
         return started.running == 0 and not started.todo
-
-
-def backoff_delay(attempt: int, base: float, cap: float, rand: Callable[[], float] = random.random) -> float:
-    """Seconds to wait before retry number ``attempt`` (0-based), with "equal jitter": between half
-    and all of ``min(cap, base * 2**attempt)``, so that retries spread out but the budget of a
-    given number of retries still covers a predictable outage."""
-    delay = min(cap, base * 2.0**attempt)
-    return delay / 2 + rand() * delay / 2
 
 
 _DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..backoff import backoff_delay
 from ..cache import journal_budget_of
 from ..cache.lock import unusable_dir
 from ..config import Share, check_cache_dir, check_source, with_unit
 from ..errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError, is_transient
-from ..fetcher import backoff_delay
 from ..listing import empty_source
 from ..pipeline import Pipeline
 from ..stores import Store, open_store
