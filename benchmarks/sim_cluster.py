@@ -57,7 +57,7 @@ from common import command_line, format_table, print_report
 from cachepipe.backoff import backoff_delay
 from cachepipe.catalog import Catalog
 from cachepipe.config import PipelineConfig
-from cachepipe.fetcher import MAX_PART
+from cachepipe.fetch_policy import MAX_PART
 from cachepipe.plan import Plan, permutation, split
 from cachepipe.retention import PlanFuture, run
 from cachepipe.state import save_catalog

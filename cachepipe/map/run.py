@@ -554,7 +554,7 @@ def map_items(
             request, as downloads), ``storage_options``, ``dest_options`` (default: the same),
             ``upload_concurrency`` (8), ``upload_part_size`` (16 MiB), ``max_concurrency`` (64),
             ``max_large_requests`` (16), ``part_size`` (default: a pipeline's, by the cache's capacity, see
-            :func:`~cachepipe.fetcher.auto_part_size`), ``watch_interval`` (0.05 s), ``kill_grace``
+            :func:`~cachepipe.fetch_policy.auto_part_size`), ``watch_interval`` (0.05 s), ``kill_grace``
             (5 s), ``max_members``, ``dry_run``, ``progress``.
 
     Returns:
