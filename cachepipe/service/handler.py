@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from .. import __version__
-from ..client import MAX_BATCH
+from ..batching import MAX_BATCH
 from .http import MAX_HEADER, DeadlineReader, HeaderBudget, Late, Service, TcpServer, UnixServer
 from .metrics import CONTENT_TYPE
 from .routes import BadRequest, _check_keys, _error_for, _lane, _match, _taken_json, item_json
