@@ -219,7 +219,7 @@ def run_one_thread(n: int, where: str, shape: str, batch: int) -> dict[str, Any]
     from cachepipe.cache import Cache
     from cachepipe.catalog import Catalog
     from cachepipe.downloads import get_part
-    from cachepipe.fetcher import HEAD_MIN_PART
+    from cachepipe.fetch_policy import HEAD_MIN_PART
     from cachepipe.stores import open_store
 
     with memory_source(n, shape) as url, tempfile.TemporaryDirectory(dir=where) as d:

@@ -24,7 +24,7 @@ Four sections, each saying what is computed, measured, sampled or scaled:
    items, shares from :mod:`cachepipe.plan` (checked against :class:`~cachepipe.plan.Plan`),
    replayed through :func:`cachepipe.retention.run` with Belady (``retain="auto"``, next uses
    from the plan), on a sample of nodes; plus the full-scale rate in closed form.
-4. SlowDown: the retry schedule of :func:`cachepipe.fetcher.backoff_delay` with the default
+4. SlowDown: the retry schedule of :func:`cachepipe.backoff.backoff_delay` with the default
    ``retries``/``retry_backoff``/``retry_backoff_max``, and a Monte-Carlo (seeded, *sampled*)
    of every node's in-flight requests throttled at the same instant, retried with equal jitter
    against the same schedule without jitter: retries per 100 ms window.
@@ -54,9 +54,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import command_line, format_table, print_report
 
+from cachepipe.backoff import backoff_delay
 from cachepipe.catalog import Catalog
 from cachepipe.config import PipelineConfig
-from cachepipe.fetcher import MAX_PART, backoff_delay
+from cachepipe.fetch_policy import MAX_PART
 from cachepipe.plan import Plan, permutation, split
 from cachepipe.retention import PlanFuture, run
 from cachepipe.state import save_catalog
@@ -451,7 +452,7 @@ def render(rep: dict[str, Any]) -> str:
     out += [
         "",
         (
-            f"4. SlowDown: fetcher.backoff_delay schedule (retries={DEFAULTS['retries']}, "
+            f"4. SlowDown: backoff.backoff_delay schedule (retries={DEFAULTS['retries']}, "
             f"retry_backoff={DEFAULTS['retry_backoff']}, retry_backoff_max={DEFAULTS['retry_backoff_max']}) [computed]"
         ),
     ]

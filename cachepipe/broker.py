@@ -375,7 +375,7 @@ class Broker(Generic[T]):
         item handed out before (a consumer that reads fast comes back at once and waits; one
         slower than the items waits little, if at all). False until a consumer has waited after
         a hand-out. Read without the lock: a hint for the fetcher (see
-        :func:`cachepipe.fetcher.items_ahead`)."""
+        :func:`cachepipe.fetch_policy.items_ahead`)."""
         if self._waiting and time.monotonic() - self._wait_began > OUTPACED * self._wait_gap:
             return True
         return self._outpaced

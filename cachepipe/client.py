@@ -25,6 +25,11 @@ A daemon that is starting or restarting is waited for, up to ``startup_timeout``
 10): its socket appears only once it is ready, so "no socket" or "refused" means "not yet", and
 a ``next`` answered "stopping" is asked again of the next daemon. :meth:`Client.wait_ready`
 (``cachepipe wait``) waits for a daemon explicitly.
+
+This module holds :class:`Client`'s lifecycle, its iterator and its operations, and
+:class:`ServedItem`. The connection, its retries and the error answers are the base class
+``_Connection`` (:mod:`cachepipe.daemonconn`); how many items the iterator takes at once is
+:mod:`cachepipe.batching`.
 """
 
 from __future__ import annotations
@@ -33,107 +38,47 @@ import http.client
 import json
 import logging
 import os
-import re
-import select
-import socket as _socket
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
-from .errors import CachePipeError, UnknownItemError
+from .batching import ACK_AT_ONCE, HOLD, ITER_MOST, ITER_WINDOW, MAX_BATCH, LoopPace, iter_batch
+from .daemonconn import DEFAULT_OUTAGE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT, ServiceError, _code, _Connection, _info, _Outage
+from .errors import UnknownItemError
 from .items import PathItem
 
-__all__ = ["DEFAULT_SOCKET", "DEFAULT_STARTUP_TIMEOUT", "Client", "ServedItem", "ServiceError", "default_socket"]
+# the batching policy's names and DEFAULT_OUTAGE_TIMEOUT: importable from here, as before
+__all__ = [
+    "ACK_AT_ONCE",
+    "DEFAULT_OUTAGE_TIMEOUT",
+    "DEFAULT_SOCKET",
+    "DEFAULT_STARTUP_TIMEOUT",
+    "HOLD",
+    "ITER_MOST",
+    "ITER_WINDOW",
+    "MAX_BATCH",
+    "Client",
+    "LoopPace",
+    "ServedItem",
+    "ServiceError",
+    "default_socket",
+    "iter_batch",
+]
 
 log = logging.getLogger("cachepipe.client")
 
 DEFAULT_SOCKET = "/run/cachepipe/cachepipe.sock"
 _SLICE = 60.0  # longest single wait per request; longer waits are several requests
 _MARGIN = 30.0  # socket timeout beyond the wait the daemon was asked for
-DEFAULT_STARTUP_TIMEOUT = 10.0  # covers a restart: stop (close the caches) and start (open them)
-DEFAULT_OUTAGE_TIMEOUT = 300.0  # a registered lane (JobClient): a crash, systemd's RestartSec=5s, and opening big caches
-_POLL = (0.02, 0.05, 0.1, 0.2, 0.25)  # pauses between attempts to reach a starting daemon, then the last
 
 
 def default_socket() -> str:
     """``$CACHEPIPE_SOCKET`` (the daemon reads the same variable), else the default path."""
     return os.environ.get("CACHEPIPE_SOCKET") or DEFAULT_SOCKET
-
-
-class ServiceError(CachePipeError):
-    """The daemon answered with an error.
-
-    Attributes:
-        status: the HTTP status (e.g. 404 no such pipeline, 502 the item failed to download,
-            503 the daemon is stopping or the pipeline is down).
-        code: the daemon's error code (``"not_found"``, ``"item_failed"``, ``"unavailable"``...).
-    """
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(f"{message} (HTTP {status} {code})")
-        self.status = status
-        self.code = code
-
-
-MAX_BATCH = 1024
-"""The most items one request takes or acknowledges (the daemon refuses more)."""
-
-
-ITER_WINDOW = 0.005
-"""Seconds of the loop body's work that one batch of ``for item in Client(...)`` covers (see
-:func:`iter_batch`)."""
-
-ITER_MOST = 64
-"""The most items ``for item in Client(...)`` takes in one request."""
-
-ACK_AT_ONCE = 1024 * 1024
-"""The iterator acknowledges an item of this many bytes or more as soon as the loop moves on, not
-with the next batch: its space goes back to the producer at once."""
-
-
-def iter_batch(body_seconds: float | None, window: float = ITER_WINDOW, most: int = ITER_MOST) -> int:
-    """How many items ``for item in Client(...)`` takes in one request, for a loop whose body
-    spends ``body_seconds`` per item (a moving average; None before the first item): as many as
-    it gets through in ``window`` seconds, from 1 to ``most``. A loop that reads a large item or
-    trains on it takes one at a time; one that only lists paths takes up to ``most``, paying a
-    request (and the daemon's lock rounds and journal write) once per batch instead of once per
-    item."""
-    if body_seconds is None:
-        return 1
-    if body_seconds <= 0:
-        return most
-    return max(1, min(most, int(window / body_seconds)))
-
-
-HOLD = 4 * ITER_WINDOW
-"""Seconds the iterator keeps a batch: one not used up by then (the loop's body slowed down) is
-ended when the loop next moves on, its items moved past acknowledged and the others given back."""
-
-
-class LoopPace:
-    """The iterator's measure of its loop's body: :meth:`started` as it yields an item,
-    :meth:`ended` when the loop asks for the next; :meth:`batch` is :func:`iter_batch` for the
-    moving average (a weight of 1/4 for the newest) of the seconds the body spent per item."""
-
-    __slots__ = ("_at", "seconds")
-
-    def __init__(self) -> None:
-        self.seconds: float | None = None
-        self._at = 0.0
-
-    def started(self) -> None:
-        self._at = time.monotonic()
-
-    def ended(self) -> None:
-        spent = time.monotonic() - self._at
-        self.seconds = spent if self.seconds is None else self.seconds + (spent - self.seconds) / 4
-
-    def batch(self) -> int:
-        return iter_batch(self.seconds)
 
 
 def _ack_bodies(items: Sequence[str | os.PathLike[str]]) -> list[dict[str, Any]]:
@@ -200,26 +145,10 @@ class ServedItem(PathItem):
         return hash(self.path)
 
 
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float | None) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-
-    def connect(self) -> None:
-        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
-        try:
-            sock.settimeout(self.timeout)
-            sock.connect(self._path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
-
-
 _UNOPENED, _OPEN, _CLOSED = "unopened", "open", "closed"
 
 
-class Client:
+class Client(_Connection):
     """A consumer of one pipeline of a ``cachepipe serve`` daemon.
 
     Args:
@@ -642,162 +571,3 @@ class Client:
             self.open()
             return
         raise RuntimeError(f"{self!r} is closed: create a new Client")
-
-    def _connection(self, timeout: float) -> tuple[http.client.HTTPConnection, bool]:
-        conn = self._conn
-        if conn is not None and conn.sock is not None and _ended(conn.sock):
-            self._drop()  # the daemon closed it while idle (idle_timeout), or went away: nothing was sent on it
-            conn = None
-        if conn is not None:
-            conn.timeout = timeout
-            if conn.sock is not None:
-                conn.sock.settimeout(timeout)
-            return conn, False
-        if self.address.startswith(("http://", "https://")):
-            url = urlsplit(self.address)
-            cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
-            conn = cls(url.hostname or "127.0.0.1", url.port, timeout=timeout)
-        else:
-            conn = _UnixConnection(self.address, timeout)
-        self._conn = conn
-        return conn, True
-
-    def _request(
-        self,
-        method: str,
-        path: str,
-        body: dict[str, Any] | None,
-        timeout: float,
-        *,
-        retry: bool | None = None,
-        patience: float | None = None,
-        raw: bytes | None = None,
-    ) -> tuple[int, bytes]:
-        """One request and its answer, reconnecting as needed.
-
-        A connection that cannot be made because nothing listens (no socket file, or refused:
-        a daemon starting or restarting) is tried again for up to ``startup_timeout``: such a
-        request never reached a daemon. So is one whose connection ended before the whole
-        request was sent (the daemon cannot have acted on it), and one the daemon closed before
-        answering when ``retry`` (default: GET requests) says asking again changes nothing;
-        otherwise (the daemon went away with the request, which it may have carried out: an ack
-        must not be sent again to its successor) ``ConnectionError``. ``patience`` replaces
-        ``startup_timeout`` for this request. ``raw``: bytes to send instead of ``body``.
-        """
-        payload = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if payload is not None else {}
-        if raw is not None:  # a manifest upload
-            payload, headers = raw, {"Content-Type": "application/gzip"}
-        if retry is None:
-            retry = method == "GET"
-        outage = _Outage(self.startup_timeout if patience is None else patience, self.address)
-        with self._lock:
-            kept = True  # the first attempt may be on a kept-alive connection the daemon closed meanwhile
-            while True:
-                conn, fresh = self._connection(timeout)
-                sent = False  # until the whole request is sent, the daemon cannot have acted on it
-                try:
-                    conn.request(method, path, body=payload, headers=headers)
-                    sent = True
-                    response = conn.getresponse()
-                    data = response.read()
-                except TimeoutError as exc:
-                    self._drop()
-                    raise TimeoutError(
-                        f"the cachepipe daemon at {self.address} did not answer {method} {path} within {timeout:g} s"
-                    ) from exc
-                except (FileNotFoundError, ConnectionRefusedError) as exc:
-                    self._drop()
-                    if outage.pause():
-                        continue  # nothing listens yet: a daemon starting or restarting
-                    tcp = isinstance(exc, FileNotFoundError) and re.fullmatch(r"[\w.-]+:\d+|\[[0-9a-fA-F:]+\]:\d+", self.address)
-                    hint = f"; a socket path, not a TCP address: write http://{self.address} for TCP" if tcp else ""
-                    raise ConnectionError(
-                        f"cannot reach the cachepipe daemon at {self.address}: {exc}{outage.waited()} (is `cachepipe serve` "
-                        f"running? `cachepipe wait` waits for it to be ready){hint}"
-                    ) from exc
-                except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
-                    self._drop()
-                    again = retry or not sent  # a request that may have been carried out is not sent twice
-                    if again and not fresh and kept:
-                        kept = False
-                        continue  # a kept-alive connection the daemon had closed (it restarted): once more, fresh
-                    if again and outage.pause():
-                        continue  # the daemon went away before answering (it is stopping)
-                    raise ConnectionError(
-                        f"the cachepipe daemon at {self.address} closed the connection: {exc}{outage.waited()}"
-                    ) from exc
-                except (OSError, http.client.HTTPException) as exc:
-                    self._drop()
-                    raise ConnectionError(
-                        f"cannot reach the cachepipe daemon at {self.address}: {exc} (is `cachepipe serve` running, "
-                        "and may this user use its socket?)"
-                    ) from exc
-                if response.will_close:
-                    self._drop()
-                return response.status, data
-
-    def _drop(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
-
-    def _raise_for(self, status: int, data: bytes) -> None:
-        info = _info(data)
-        message = str(info.get("message") or data[:200].decode(errors="replace") or f"HTTP {status}")
-        if status == 409:
-            raise UnknownItemError(message)
-        if status == 408:
-            raise TimeoutError(message)
-        raise ServiceError(status, str(info.get("error", "")), message)
-
-
-def _ended(sock: _socket.socket) -> bool:
-    """Whether a kept-alive connection, idle between two requests, has ended: the daemon closed
-    it (``idle_timeout``, a stop) or reset it. Nothing else can be waiting to be read on it."""
-    poller = select.poll()
-    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
-    return bool(poller.poll(0))
-
-
-def _info(data: bytes) -> dict[str, Any]:
-    try:
-        info = json.loads(data) if data else {}
-    except ValueError:
-        return {}
-    return info if isinstance(info, dict) else {}
-
-
-def _code(data: bytes) -> str:
-    """The ``error`` code of an error answer ("" if none)."""
-    return str(_info(data).get("error", ""))
-
-
-class _Outage:
-    """How long we have been waiting for a daemon at ``address`` to be there; the pauses between
-    attempts. A wait that may last longer than a start's (``DEFAULT_STARTUP_TIMEOUT``, e.g. a
-    registered lane waiting out a restart) is logged as it begins: it is not silent."""
-
-    def __init__(self, limit: float, address: str) -> None:
-        self.limit = limit
-        self.address = address
-        self._since: float | None = None
-        self._pauses = 0
-
-    def pause(self) -> bool:
-        """Wait a little before the next attempt; False (at once) once ``limit`` has passed."""
-        now = time.monotonic()
-        if self._since is None:
-            self._since = now
-            if self.limit > DEFAULT_STARTUP_TIMEOUT:
-                log.warning("the cachepipe daemon at %s is not answering yet: trying for up to %g s", self.address, self.limit)
-        left = self._since + self.limit - now
-        if left <= 0:
-            return False
-        time.sleep(min(_POLL[min(self._pauses, len(_POLL) - 1)], left))
-        self._pauses += 1
-        return True
-
-    def waited(self) -> str:
-        """For an error message: how long we kept trying."""
-        return f" (tried for {self.limit:g} s)" if self._since is not None and self.limit > 0 else ""

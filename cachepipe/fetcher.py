@@ -23,116 +23,62 @@ Transient errors are retried with exponential backoff and equal jitter, sleeping
 event so that :meth:`Fetcher.stop` is immediate. With ``download_processes``, each
 GET is made by a worker process (:mod:`cachepipe.downloads`) while the download thread waits
 for it: the threads keep the bookkeeping, the workers the request path.
+
+The parts are the fetcher's own, each in a module: the sizes and thread counts are pure policy
+(:mod:`cachepipe.fetch_policy`), the bytes not yet requested are :class:`PartQueue`
+(:mod:`cachepipe.partqueue`), the retry schedule is :func:`~cachepipe.backoff.backoff_delay`
+(:mod:`cachepipe.backoff`), and what happens to an item once its last part is in (checked,
+prepared, published, restarted or reported) is the base class ``_Finishing``
+(:mod:`cachepipe.finishing`). This module keeps the planner thread and the download threads.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
-import math
 import os
-import random
 import shutil
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Generic, TypeVar
 
+from .backoff import backoff_delay
 from .broker import Broker
-from .cache import Cache, tree_bytes
+from .cache import Cache
 from .catalog import FileEntry, Item
 from .config import PipelineConfig, Share
 from .downloads import DownloadWorkers, LocalWriteError, get_part
-from .errors import (
-    ArchiveError,
-    CacheRemovedError,
-    ItemFailedError,
-    OversizeError,
-    PrepareOverflowError,
-    UnsafeKeyError,
-    VerificationError,
-    is_transient,
+from .errors import ArchiveError, CacheRemovedError, OversizeError, UnsafeKeyError, VerificationError, is_transient
+from .fetch_policy import (
+    HEAD_MIN_PART,
+    MAX_PART,
+    PACE_WINDOW,
+    auto_part_size,
+    download_threads,
+    item_part_size,
+    items_ahead,
 )
-from .removal import rmtree
+from .finishing import _DISK_ERRNOS, FetchCounters, _Finishing, _Job
+from .partqueue import PartQueue, Started
 from .stores.base import Store, takes_etag
-from .unpack import DEFAULT_MAX_MEMBERS, split_volume, unpack_in_place
+from .unpack import split_volume
 
-__all__ = ["Fetcher", "PartQueue", "Planned", "auto_part_size", "backoff_delay", "item_part_size", "items_ahead"]
+# the policy's names, PartQueue and backoff_delay: importable from here, as before
+__all__ = [
+    "HEAD_MIN_PART",
+    "MAX_PART",
+    "Fetcher",
+    "PartQueue",
+    "Planned",
+    "auto_part_size",
+    "backoff_delay",
+    "download_threads",
+    "item_part_size",
+    "items_ahead",
+]
 
 log = logging.getLogger("cachepipe.fetcher")
-
-
-MIN_PART, MAX_PART = 1024 * 1024, 8 * 1024 * 1024
-"""The bounds of :func:`auto_part_size`, bytes."""
-
-
-def auto_part_size(capacity: int, concurrency: int) -> int:
-    """The default ``part_size``: ``capacity / (2 * concurrency)`` bytes, between
-    :data:`MIN_PART` and :data:`MAX_PART`. Space is reserved an item at a time, so a cache that
-    holds few items can keep few requests busy: with parts this small, each of the
-    ``concurrency`` requests has a part to fetch while half the cache holds items waiting for
-    the consumer (the video case of ``benchmarks/bench_link.py``, a 400 Mbit/s, 16 ms link, 64 MiB,
-    16 requests: 0.97 of the link with 2 MiB parts, 0.91 with 8 MiB)."""
-    return min(MAX_PART, max(MIN_PART, capacity // (2 * concurrency)))
-
-
-HEAD_MIN_PART = 256 * 1024
-"""The smallest part :func:`item_part_size` splits the consumers' next item into, bytes. A file
-of at most this size is fetched whole by one request; the requests of an item with a larger
-file count against ``max_large_requests``."""
-
-
-def item_part_size(size: int, part_size: int, concurrency: int, ahead: int) -> int:
-    """The size of the next ranged GET of an item of ``size`` bytes with ``ahead`` items ahead of
-    it (fetching, or ready and never handed out), chosen when a download thread takes it.
-
-    ``concurrency`` parts of this size hold at most ``ahead + 1`` items' worth of bytes, so a part
-    taken now arrives in about the time the link takes to deliver the items ahead and this one:
-    the item the consumers wait for next (``ahead == 0``) is split over every thread and comes at
-    the whole link's speed, and each item after it comes in turn, not in a convoy with the
-    ones behind it. At least :data:`HEAD_MIN_PART` (requests have a cost) and at most
-    ``part_size`` (which it is once the consumers have enough ahead of them)."""
-    return min(part_size, max(HEAD_MIN_PART, -(-size * (ahead + 1) // concurrency)))
-
-
-def items_ahead(ahead: int, fresh: int | None) -> int:
-    """The items ahead of an item that count when its next part is cut (:func:`item_part_size`),
-    of ``ahead`` (fetching, or ready and never handed out): all of them while the consumers come
-    back for items faster than the items come (``fresh`` None,
-    :meth:`cachepipe.broker.Broker.outpaced`): the link is the limit, and an item still coming
-    holds the consumers as long as a ready one. Otherwise (a consumer slower than the items,
-    or none seen yet) the items ready and never handed out (``fresh``) less one: an item still
-    coming gives a consumer no time, and the one ready next may be taken at any moment, so the
-    items are fetched one after the other over every thread until two or more are ready ahead
-    (the slow consumer of ``benchmarks/bench_link.py``: stall after its first item about 1%
-    against 3%)."""
-    ahead = max(0, ahead)
-    return ahead if fresh is None else max(0, min(ahead, fresh) - 1)
-
-
-PACE_WINDOW = 32
-"""Parts between two choices of :func:`download_threads` (and the parts each choice looks at)."""
-
-
-def download_threads(request_s: float, work_s: float, limit: int) -> int:
-    """How many download threads to run: ``1 + request_s / work_s`` (rounded up), at least 1
-    and at most ``limit``.
-
-    Little's law: while one thread does a part's own work in Python (``work_s`` seconds of its
-    CPU: the part's bookkeeping, writing it, publishing), the others wait for their requests
-    (``request_s`` seconds each, wall). That many threads keep one always working, and the
-    requests' round trips hidden behind it. More only take turns at the interpreter's lock:
-    where a request costs about nothing (a ``memory://`` or local source), each handing over
-    of the lock at a system call costs a context switch. ``work_s`` of 0 or less (nothing
-    measured yet): ``limit``."""
-    if work_s <= 0:
-        return limit
-    return max(1, min(limit, math.ceil(1 + request_s / work_s)))
 
 
 Planned = tuple[int, Item, int]
@@ -142,156 +88,11 @@ PART_RUN = 16
 """The most parts of small items a download thread takes at once, while requests cost less than
 twice the work around them (a memory or local source: ``Fetcher._take_and_fetch``)."""
 
-J = TypeVar("J")
-
-
-@dataclass(eq=False)
-class Started(Generic[J]):
-    """An item in a :class:`PartQueue`: its bytes not yet requested, and its parts running."""
-
-    job: J
-    size: int  # the item's bytes
-    turn: int  # its place in hand-out order: turn - served items are ahead of it
-    todo: deque[tuple[FileEntry, str, int]]  # files (or their rest) not yet requested: entry, local path, next offset
-    small: bool  # every file of at most HEAD_MIN_PART: its requests do not count against max_large_requests
-    running: int = 0
-
-
-class PartQueue(Generic[J]):
-    """The bytes of started items not yet requested, cut into ranged GETs as download threads
-    take them. Not thread-safe: the fetcher holds one lock around every call.
-
-    Args:
-        concurrency: download threads.
-    """
-
-    def __init__(self, concurrency: int) -> None:
-        self.concurrency = concurrency
-        self._started: deque[Started[J]] = deque()  # with bytes not yet requested, in the order they started
-
-    def add(self, job: J, size: int, turn: int, files: Iterable[tuple[FileEntry, str]]) -> Started[J] | None:
-        """Queue an item's files (those of 0 bytes need no request) in its turn: after the items
-        of earlier turns, before those of later ones (an item restarted after a disk error or an
-        ETag mismatch keeps its place). None if nothing is to fetch."""
-        todo: deque[tuple[FileEntry, str, int]] = deque()
-        small = True
-        for f, local in files:
-            if f.size:
-                todo.append((f, local, 0))
-                small = small and f.size <= HEAD_MIN_PART
-        if not todo:
-            return None
-        started = Started(job, size, turn, todo, small)
-        place = len(self._started)
-        while place and self._started[place - 1].turn > turn:
-            place -= 1
-        self._started.insert(place, started)
-        return started
-
-    def head(self) -> Started[J] | None:
-        """The earliest started item with bytes not yet requested, or None."""
-        return self._started[0] if self._started else None
-
-    def take(
-        self, served: int, part_size: int, large: bool = True, fresh: int | None = None
-    ) -> tuple[Started[J], FileEntry, str, int, int] | None:
-        """The next part: from the earliest started item with bytes not yet requested, of
-        :func:`item_part_size` for the items ahead of it now that count (:func:`items_ahead`;
-        ``served``: see :meth:`cachepipe.broker.Broker.served`; ``fresh``: the items ready and
-        never handed out, or None while the consumers outpace the items) and at most
-        ``part_size`` bytes; None if every
-        byte is requested, or if ``large`` is False and the next part is of an item with a file
-        over :data:`HEAD_MIN_PART` (it waits for its turn: nothing later is taken before it)."""
-        while self._started:
-            started = self._started[0]
-            if not started.todo:  # given up (see done)
-                self._started.popleft()
-                continue
-            if not large and not started.small:
-                return None
-            f, local, start = started.todo[0]
-            if started.small and f.size - start <= part_size:  # item_part_size would give at least the rest
-                end = f.size
-            else:
-                ahead = items_ahead(started.turn - served, fresh)
-                part = item_part_size(started.size, part_size, self.concurrency, ahead)
-                end = min(f.size, start + part)
-            if end == f.size:
-                started.todo.popleft()
-                if not started.todo:
-                    self._started.popleft()
-            else:
-                started.todo[0] = (f, local, end)
-            started.running += 1
-            return started, f, local, start, end
-        return None
-
-    def done(self, started: Started[J], give_up: bool = False) -> bool:
-        """A part of ``started`` ended (``give_up``: request no more of it, it failed). True if
-        it was the item's last: nothing is running and nothing more will be requested."""
-        started.running -= 1
-        if give_up:
-            started.todo.clear()
-        return started.running == 0 and not started.todo
-
-
-def backoff_delay(attempt: int, base: float, cap: float, rand: Callable[[], float] = random.random) -> float:
-    """Seconds to wait before retry number ``attempt`` (0-based), with "equal jitter": between half
-    and all of ``min(cap, base * 2**attempt)``, so that retries spread out but the budget of a
-    given number of retries still covers a predictable outage."""
-    delay = min(cap, base * 2.0**attempt)
-    return delay / 2 + rand() * delay / 2
-
-
-_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
-
-
-@dataclass(slots=True)
-class _Job:
-    seq: int
-    item: Item
-    staged: str  # its staging path (a folder, or a file for single-object items)
-    turn: int  # its place in hand-out order (see PartQueue)
-    extra: int = 0  # bytes reserved beside the item's own for unpack/prepare (fixed when reserved)
-    error: BaseException | None = None
-    error_key: str = ""
-    disk_error: OSError | None = None  # a local write failed: free staging, back off, restart the item
-    attempt: int = 0
-
-
 _Part = tuple[Started[_Job], FileEntry, str, int, int]
 """A part taken from the queue (:meth:`PartQueue.take`): its item, file, local path and range."""
 
 
-class FetchCounters:
-    """Producer-side counters, read by :meth:`cachepipe.Pipeline.stats`."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.bytes_downloaded = 0
-        self.requests = 0
-        self.retries = 0
-        self.items_fetched = 0
-        self.items_adopted = 0
-        self.items_failed = 0
-        self.disk_errors = 0
-        self.disk_pauses = 0
-        self.producer_wait_seconds = 0.0
-
-    def add(self, **deltas: float) -> None:
-        with self.lock:
-            for name, delta in deltas.items():
-                setattr(self, name, getattr(self, name) + delta)
-
-    def answered(self, got: int) -> None:
-        """One request answered, with ``got`` bytes of body: :meth:`add` without its keywords
-        (once per part, the most frequent count)."""
-        with self.lock:
-            self.requests += 1
-            self.bytes_downloaded += got
-
-
-class Fetcher:
+class Fetcher(_Finishing):
     """Downloads planned items into the cache and hands them to the broker.
 
     Args:
@@ -761,87 +562,6 @@ class Fetcher:
                 if self._stop.wait(delay):
                     return
 
-    def _finish_or_report(self, job: _Job) -> None:
-        """:meth:`_finish`, guarded: a pool thread's unexpected error must not lose the item silently."""
-        try:
-            self._finish(job)
-        except Exception as exc:
-            if self._stop.is_set():
-                return
-            log.exception("finishing %s failed", job.item.name)
-            self._discard_and_report(job, job.item.name, exc)
-
-    def _discard_and_report(self, job: _Job, key: str, error: BaseException) -> None:
-        """Delete the item's staging, release its reservation, report its failure."""
-        self._cache.discard(job.staged, job.item.size + job.extra, job.item.name)
-        self._report_failure(job.seq, job.item, key, error)
-
-    def _finish(self, job: _Job) -> None:
-        """Publish a completed item, or discard it and report the failure."""
-        if self._stop.is_set():
-            return  # closing: the cache removes staging wholesale
-        if job.error is None and job.disk_error is not None:
-            self._retry_disk_error(job, job.disk_error)
-            return
-        if job.error is None and self._cfg.verify == "etag":
-            mismatch = _etag_mismatch(job)
-            if mismatch is not None:
-                self.counters.add(retries=1)
-                job.disk_error = mismatch
-                self._retry_disk_error(job, mismatch)
-                return
-        if job.error is None and self._prepare_pool is not None:
-            self._prepare_pool.submit(self._prepare_and_publish, job)
-            return
-        if job.error is None:
-            self._publish_in_turn([job])
-            return
-        self._discard_and_report(job, job.error_key, job.error)
-
-    def _publish_in_turn(self, jobs: list[_Job]) -> None:
-        """Queue verified items to publish (every part wrote its whole range, as counted by
-        get_part). The first thread to queue some publishes every item queued until none is left,
-        a run at a time (:meth:`_publish_run`); the others go back to downloading at once, never
-        waiting for the cache's lock."""
-        with self._publish_lock:
-            self._to_publish.extend(jobs)
-            if self._publishing:
-                return
-            self._publishing = True
-        while True:
-            with self._publish_lock:
-                jobs, self._to_publish = self._to_publish, []
-                if not jobs:
-                    self._publishing = False
-                    return
-            try:
-                self._publish_run(jobs)
-            except Exception as exc:  # a defect: every item of the run is reported, none lost
-                log.exception("publishing %d items failed unexpectedly", len(jobs))
-                for lost in jobs:
-                    if not self._stop.is_set():
-                        self._discard_and_report(lost, lost.item.name, exc)
-
-    def _publish_run(self, jobs: list[_Job]) -> None:
-        """Publish verified items by one journal write, then hand them to the broker at once."""
-        if self._stop.is_set():
-            return  # closing: the cache removes staging wholesale
-        try:
-            got = self._cache.publish_many([(job.staged, job.item, job.item.size) for job in jobs])
-        except OSError as exc:  # the journal write failed (a full disk): nothing published
-            got = [exc] * len(jobs)
-        ready = []
-        for job, path in zip(jobs, got, strict=True):
-            if not isinstance(path, OSError):
-                ready.append((job.seq, job.item.name, path))
-            elif path.errno in _DISK_ERRNOS:  # backs off, then restarts the item: not on this thread
-                self._pool.submit(self._retry_disk_error, job, path)
-            else:
-                self._discard_and_report(job, job.item.name, path)
-        if ready:
-            self.counters.add(items_fetched=len(ready))
-            self._broker.put_many(ready)
-
     def _extra(self, item: Item) -> int:
         """Bytes to reserve beside ``item`` for what unpack and the prepare hook write: as the
         config asks, but at most what the cache leaves beside the item (more would wait forever)."""
@@ -862,97 +582,3 @@ class Fetcher:
                 "(or `cachepipe map --items files --unpack`, which groups them)"
             )
         return None
-
-    def _prepare_and_publish(self, job: _Job) -> None:
-        """Unpack and/or run the prepare hook on a verified staged item, measure it, publish it
-        (prepare pool). The extraction may add at most ``job.extra`` bytes beside the archives."""
-        item, reserved, staged = job.item, job.item.size + job.extra, Path(job.staged)
-        try:
-            if self._cfg.unpack:
-                unpack_in_place(
-                    staged,
-                    name=item.name,
-                    limit_bytes=job.extra,
-                    max_members=DEFAULT_MAX_MEMBERS,
-                    stop=self._stop,
-                    advice=self._cfg.unpack_advice(item.size, job.extra),
-                )
-                if self._stop.is_set():
-                    return  # closing: the cache removes staging wholesale; the hook is not run
-            if self._cfg.prepare is not None:
-                self._cfg.prepare(staged)
-            used = tree_bytes(staged) if staged.is_dir() else staged.stat().st_size
-            if used > reserved:
-                raise PrepareOverflowError(
-                    f"prepare wrote item {item.name!r} up to {used} bytes, more than the {reserved} reserved "
-                    f"({item.size} listed + prepare_reserve/prepare_ratio)"
-                )
-            if self._stop.is_set():
-                return
-            path = self._cache.publish(staged, item, reserved=used, verified=True)
-            self._cache.unreserve(reserved - used)
-        except Exception as exc:  # noqa: BLE001 - unpack, the prepare hook (user code) or publish failed: the item's failure
-            if self._stop.is_set():
-                return
-            self._discard_and_report(job, item.name, exc)
-            return
-        self.counters.add(items_fetched=1)
-        self._broker.put(job.seq, item.name, path)
-
-    def _retry_disk_error(self, job: _Job, error: OSError) -> None:
-        """A local write failed (or the content did not match its ETag): free the item's staging
-        files now, back off, restart the item.
-
-        The reservation is kept, so the cap holds and the item keeps its place in line.
-        """
-        if not isinstance(error, VerificationError):
-            self.counters.add(disk_errors=1)
-        _rmtree_quiet(job.staged)
-        if job.attempt >= self._cfg.retries:
-            self._fail_reserved(job.seq, job.item, job.extra, error)
-            return
-        delay = backoff_delay(job.attempt, self._cfg.retry_backoff, self._cfg.retry_backoff_max)
-        what = "verification failed" if isinstance(error, VerificationError) else "local disk error"
-        log.warning("%s on %s (%s): staging freed, retrying the item in %.2fs", what, job.item.name, error, delay)
-        if self._stop.wait(delay):
-            return
-        self._start(job.seq, job.item, job.extra, job.turn, job.attempt + 1)
-
-    def _fail_reserved(self, seq: int, item: Item, extra: int, error: BaseException) -> None:
-        """Give back the space reserved for ``item`` (its size and ``extra``) and report its failure."""
-        self._cache.unreserve(item.size + extra, item.name)
-        self._report_failure(seq, item, item.name, error)
-
-    def _report_failure(self, seq: int, item: Item, key: str, error: BaseException) -> None:
-        self.counters.add(items_failed=1)
-        failure = ItemFailedError(item.name, f"{self._store.url.rstrip('/')}/{key}", error)
-        failure.__cause__ = error
-        log.error("%s", failure)
-        self._broker.fail(seq, item.name, failure)
-
-
-def _rmtree_quiet(path: str) -> None:
-    """Remove a staging path (:func:`~cachepipe.removal.rmtree`: a folder, a file, or nothing);
-    a failure is logged (the next open removes staging anyway)."""
-    try:
-        rmtree(path)
-    except OSError as exc:
-        log.warning("could not remove staging %s: %s", path, exc)
-
-
-def _etag_mismatch(job: _Job) -> VerificationError | None:
-    """Compare each staged file's MD5 with its ETag where the ETag is a plain MD5.
-
-    Multipart ETags (``<md5>-<parts>``) and missing ones are not content hashes: skipped.
-    """
-    for f in job.item.files:
-        etag = (f.etag or "").lower()
-        if len(etag) != 32 or any(c not in "0123456789abcdef" for c in etag):
-            continue
-        digest = hashlib.md5(usedforsecurity=False)
-        with open(f"{job.staged}/{f.rel}" if f.rel else job.staged, "rb") as fh:
-            while chunk := fh.read(1 << 20):
-                digest.update(chunk)
-        if digest.hexdigest() != etag:
-            return VerificationError(f"{f.key}: MD5 {digest.hexdigest()} does not match ETag {etag}")
-    return None

@@ -25,7 +25,8 @@ import time
 from typing import Any
 from urllib.parse import quote
 
-from .client import DEFAULT_OUTAGE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT, Client, ServiceError, _code, _info
+from .client import DEFAULT_OUTAGE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT, Client, ServiceError
+from .daemonconn import _code, _info
 from .errors import LaneConflictError
 from .items import PathItem
 from .plan import Cursor

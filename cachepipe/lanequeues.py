@@ -358,7 +358,7 @@ class LaneQueues(Broker[str]):
     def outpaced(self) -> bool:
         """True: the lanes' pace is not followed (their takes are not :meth:`Broker.take`), so
         every item ahead counts when a part is cut, as before the pace was (see
-        :func:`cachepipe.fetcher.items_ahead`)."""
+        :func:`cachepipe.fetch_policy.items_ahead`)."""
         return True
 
     # ---- lane side -------------------------------------------------------------------

@@ -24,9 +24,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Literal
 
+from .backoff import backoff_delay
 from .catalog import Catalog, Item, group_items
 from .errors import EmptySourceError, is_transient
-from .fetcher import backoff_delay
 from .stores import Store
 from .stores.base import FIRST_PAGE_KEYS, ObjectInfo
 

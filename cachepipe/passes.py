@@ -29,13 +29,14 @@ from array import array
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from .backoff import backoff_delay
 from .broker import Broker
 from .cache import Cache
 from .catalog import Catalog, Item, Names
 from .config import PipelineConfig
 from .delivered import _Held, _held
 from .errors import ConfigError, EmptySourceError, OversizeError, UnsafeKeyError
-from .fetcher import Planned, backoff_delay
+from .fetcher import Planned
 from .listing import StreamingListing, empty_source
 from .plan import Cursor, Frontier, GrowingPlan, Plan, Step, default_rank_world
 from .plan import tick as plan_tick

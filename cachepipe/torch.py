@@ -41,66 +41,45 @@ The same lifetime holds in the main process (``num_workers=0``, no ``transform``
 several paths (``batch_size > 1`` with the default collate) holds deleted paths but the last:
 read items in ``transform``, or use ``batch_size=1``/``None``. Using an acknowledged
 ``CachedItem`` as a path raises ``FileNotFoundError``; a ``str`` of it cannot be tracked.
+
+This module holds the dataset's front (its options, ``__iter__``, ``state_dict``) and the
+per-process mode. The node mode is the base class ``_NodeMode`` (:mod:`cachepipe.torchnode`),
+the state and lane of either mode ``_DatasetState`` (:mod:`cachepipe.torchstate`), and the
+listing shared by the ranks of ``torch.distributed`` is :mod:`cachepipe.torchdist`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import socket
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar, cast
+from typing import Any
 
 import torch.utils.data
 
 from .cache.lock import UNKNOWN_OWNER
-from .client import DEFAULT_OUTAGE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT
 from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_capacity, small_capacity, with_unit
 from .errors import CacheLockedError, OversizeError
-from .jobclient import JobClient, LaneItem, LaneSkip
-from .manifest import index
 from .pipeline import CachedItem, Pipeline, Skipped
-from .plan import Cursor, default_rank_world
-from .repeats import Repeats
-from .state import atomic_write
+from .plan import Cursor
+from .torchdist import _distributed, _from_rank0, _manifest_bytes, _save_manifest, local_ranks
+from .torchnode import _JOB_OPTIONS, NODE_BATCH, NODE_BATCH_BYTES, _NodeMode
+from .torchstate import _repeats
 
-__all__ = ["CachePipeDataset", "local_ranks"]
+# NODE_BATCH, NODE_BATCH_BYTES: importable from here, as before
+__all__ = ["NODE_BATCH", "NODE_BATCH_BYTES", "CachePipeDataset", "local_ranks"]
 
 log = logging.getLogger("cachepipe")
 
-T = TypeVar("T")
-
 
 SIBLING_WAIT = 60.0  #: per-process mode: most seconds a worker waits for a folder another worker of its DataLoader holds
-NODE_BATCH = 16  #: node mode: most items a worker takes per request (the next ones already on disk)
-NODE_BATCH_BYTES = 64 * 2**20  #: node mode: most bytes a worker takes per request (the first item always)
-
-# the options of a job's spec (the rest of a node's settings is the daemon's jobs section)
-_JOB_OPTIONS = frozenset(
-    {
-        "items",
-        "manifest",
-        "catalog",
-        "epochs",
-        "shuffle",
-        "seed",
-        "balance",
-        "partition",
-        "equal_steps",
-        "retain",
-        "on_error",
-        "on_oversize",
-    }
-)
 
 
-class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, type-arg, unused-ignore]  # torch: an optional extra (Any when absent)
+class CachePipeDataset(_NodeMode, torch.utils.data.IterableDataset):  # type: ignore[misc, type-arg, unused-ignore]  # torch: an optional extra (Any when absent)
     """Stream a source through a size-capped cache into a DataLoader.
 
     Args:
@@ -237,56 +216,6 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         rank, data = _from_rank0(lambda: _manifest_bytes(self.source, self._items(), self.options), self.source)
         return _save_manifest(self.cache_dir, rank, data, self.source, self._items())
 
-    def _items(self) -> Literal["folders", "files"]:
-        """The items mode (the ``items`` option, default ``"folders"``; checked where the
-        pipeline's options are, or by the daemon)."""
-        return cast(Literal["folders", "files"], str(self.options.get("items", "folders")))
-
-    def _node_catalog(self) -> str | None:
-        """Node mode under an initialised ``torch.distributed`` of several ranks: rank 0's node
-        daemon lists the source once; rank 0 broadcasts the manifest's bytes; the first rank of
-        every other node uploads them to its daemon, which checks their digest; all ranks then
-        register the job with that catalog (so every node plans from one listing). Returns the
-        digest, or None (not distributed: the node daemon lists)."""
-        dist = _distributed()
-        if dist is None:
-            return None
-        items = self._items()
-        with JobClient("manifests", {}, dist.get_rank(), 0, self.node) as daemon:
-
-            def listed() -> tuple[str, bytes]:
-                digest = daemon.index(self.source, items)
-                return digest, daemon.manifest_bytes(digest)
-
-            rank, (digest, data) = _from_rank0(listed, self.source)
-            ranks = self.node_ranks if self.node_ranks is not None else local_ranks(rank)
-            if rank != 0 and rank == min(ranks) and 0 not in ranks:
-                got = daemon.upload_manifest(data)
-                if got != digest:
-                    raise RuntimeError(f"the manifest rank 0 listed has digest {digest}, this node's daemon read {got}")
-        dist.barrier()  # every node has the manifest before any rank registers the job
-        return str(digest)
-
-    def _worker(self) -> tuple[int, int]:
-        info = torch.utils.data.get_worker_info()
-        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        if info is not None and self.transform is None:
-            raise ValueError(
-                f"transform=None with DataLoader num_workers={num_workers}: a path yielded by a worker process would be "
-                "evicted before the main process reads it; pass transform=fn(path) to read items in the worker"
-            )
-        return worker, num_workers
-
-    def _rank_world(self) -> tuple[int, int]:
-        rank, world = self.options.get("rank"), self.options.get("world_size")
-        if rank is None and world is None:
-            return default_rank_world()
-        if rank is None or world is None:
-            raise ValueError(f"rank {rank!r}, world_size {world!r}: give both or neither")
-        if not 0 <= int(rank) < int(world):
-            raise ValueError(f"rank {rank} with world_size {world}: expected 0 <= rank < world_size")
-        return int(rank), int(world)
-
     def set_epoch(self, epoch: int) -> None:
         """Make each later pass read epoch ``epoch`` of the plan alone (counted from 0), in that
         epoch's order (with ``shuffle``: its own permutation), as ``DistributedSampler.set_epoch``
@@ -324,11 +253,6 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             self.options["manifest"] = _save_manifest(self.cache_dir, rank, data, self.source, self._items())
         self._epoch.fill_(epoch)
 
-    def _first_epoch(self) -> int | None:
-        """The epoch set by :meth:`set_epoch`, or None (never called)."""
-        epoch = int(self._epoch.item())
-        return None if epoch < 0 else epoch
-
     def pipeline(self) -> Pipeline:
         """The pipeline this process (a DataLoader worker, or the main process) iterates
         (per-process mode): over every epoch of the plan, or the one :meth:`set_epoch` set."""
@@ -361,31 +285,6 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             options["resume"] = resume
         return Pipeline(self.source, self.cache_dir / f"rank{rank}-worker{worker}", share, **options)
 
-    def job_spec(self, num_workers: int) -> dict[str, Any]:
-        """Node mode: the spec this dataset registers (the same in every rank of the node)."""
-        rank, world = self._rank_world()
-        ranks = self.node_ranks if self.node_ranks is not None else local_ranks(rank)
-        spec: dict[str, Any] = {
-            "source": self.source,
-            # equal_steps=None as the spec of a job registered before the option existed (same name)
-            **{k: v for k, v in self.options.items() if k in _JOB_OPTIONS and not (k == "equal_steps" and v is None)},
-            "world_size": world,
-            "ranks": sorted(ranks),
-            "num_workers": num_workers,
-        }
-        if isinstance(self.capacity, int):
-            spec["capacity"] = self.capacity
-        elif isinstance(self.capacity, Share):
-            spec["capacity"] = f"{self.capacity.fraction * 100:g}%"
-        return spec
-
-    def job_name(self, spec: dict[str, Any]) -> str:
-        """Node mode: the job's name (``job``, or one derived from ``spec``)."""
-        if self.job is not None:
-            return self.job
-        digest = hashlib.blake2b(json.dumps(spec, sort_keys=True).encode(), digest_size=6).hexdigest()
-        return f"torch-{digest}"
-
     def __iter__(self) -> Iterator[Any]:
         """A pass: over the share from the state loaded, if any, else from the start.
 
@@ -415,23 +314,6 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             start = {"start_epoch": first} if self.node is None else {"epoch": first, "index": 0, "end_epoch": first + 1}
             self._start = start
         return self._iter_node(start, token) if self.node is not None else self._iter_local(start, token)
-
-    def _not_started(self, start: dict[str, Any] | None, token: object) -> None:
-        """The pass failed before it began: the next iteration starts where this one would have."""
-        if self._pass is token and self._state is None:
-            self._state = start
-
-    def _ended(self, token: object) -> None:
-        """The pass ran to its end: in the main process, a state taken now is the next pass's
-        start; in a DataLoader worker, it stays this pass's end (kept without the closed pipeline)."""
-        if self._pass is not token:
-            return
-        self._passes[0] += 1
-        self._owed = None
-        if torch.utils.data.get_worker_info() is None:
-            self._start, self._pipe, self._cursor = None, None, None
-        elif self._pipe is not None:
-            self._start, self._pipe = self._local_state(self._pipe), None
 
     @contextlib.contextmanager
     def _in_share(self) -> Iterator[None]:
@@ -498,40 +380,6 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
             pipe.close()
         self._ended(token)
 
-    def _iter_node(self, start: dict[str, Any] | None, token: object) -> Iterator[Any]:
-        try:
-            lane, cursor = self._open_lane(start)
-        except BaseException:
-            self._not_started(start, token)
-            raise
-        with lane:
-            if self._pass is token:
-                self._cursor = cursor
-            end = self._end
-            if self.transform is None:
-                while not _past(cursor, end) and (item := lane.take(cursor)) is not None and not _past(item.cursor, end):
-                    cursor = item.next
-                    if self._pass is token:
-                        self._cursor = cursor
-                    yield item  # released when the loop asks for the next
-            elif self._equal:
-                yield from self._equal_node(lane, cursor, start, token)
-            else:
-                transform = self.transform
-                while not _past(cursor, end) and (batch := lane.take_many(cursor, NODE_BATCH, NODE_BATCH_BYTES)):
-                    # several small items per request; a batch's items are consumed together once read
-                    batch = [item for item in batch if not _past(item.cursor, end)]  # the next epoch's: the next pass's
-                    if not batch:
-                        break
-                    samples = [transform(item) for item in batch]
-                    cursor = batch[-1].next
-                    lane.consume(cursor)  # read: their space is free while the samples travel on
-                    for sample, item in zip(samples, batch, strict=True):
-                        if self._pass is token:
-                            self._cursor = item.next
-                        yield sample
-        self._ended(token)
-
     def _equal_local(self, pipe: Pipeline, start: dict[str, Any] | None, end: int | None, token: object) -> Iterator[Any]:
         """Per-process mode, ``equal_steps`` over several ranks: one sample per planned step (up
         to epoch ``end``, as :func:`_next`), a skipped item's step taken by a repeat
@@ -554,71 +402,6 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
                         self._owed = (at, repeats.due, repeats.since)
                     yield repeats.previous
         repeats.end()
-
-    def _equal_node(self, lane: JobClient, cursor: Cursor, start: dict[str, Any] | None, token: object) -> Iterator[Any]:
-        """Node mode, ``equal_steps`` over several ranks: as :meth:`_equal_local`, the daemon
-        reporting each skipped step in its turn (``report_skips``)."""
-        transform, end = self.transform, self._end
-        if transform is None:
-            raise ValueError("equal steps with transform=None: refused when the dataset is made")
-        repeats = _repeats(self._where(), start)
-        at = cursor
-        while not _past(cursor, end) and (batch := lane.take_many(cursor, NODE_BATCH, NODE_BATCH_BYTES, report_skips=True)):
-            batch = [step for step in batch if not _past(step.cursor, end)]  # the next epoch's: the next pass's
-            if not batch:
-                break
-            samples = [transform(step) if isinstance(step, LaneItem) else None for step in batch]
-            cursor = batch[-1].next
-            lane.consume(cursor)  # read: their space is free while the samples travel on
-            for read, step in zip(samples, batch, strict=True):
-                if isinstance(step, LaneSkip):
-                    times = repeats.skipped(step.name, step.reason)
-                else:
-                    times, at = repeats.sample(step.name, read), step.cursor
-                for _ in range(times):
-                    if repeats.deliver():
-                        if self._pass is token:
-                            self._cursor, self._owed = step.next, (at, repeats.due, repeats.since)
-                        yield repeats.previous
-        repeats.end()
-
-    def _where(self) -> str:
-        """This process's lane, for messages: ``"rank R worker K"``."""
-        worker, _ = self._worker()
-        rank, _ = self._rank_world()
-        return f"rank {rank} worker {worker}"
-
-    def _open_lane(self, start: dict[str, Any] | None) -> tuple[JobClient, Cursor]:
-        """Node mode: this process's lane, registered, and the position its pass starts at."""
-        worker, num_workers = self._worker()
-        rank, _ = self._rank_world()
-        spec = self.job_spec(num_workers)
-        name = self.job_name(spec)
-        cursor, self._end = Cursor(0, 0), None  # no state: the plan from its start (a set_epoch pass has one)
-        digest = None
-        if start:  # {}: the start
-            if (start.get("job"), start.get("rank"), start.get("worker")) not in ((name, rank, worker), (None, None, None)):
-                raise ValueError(
-                    f"state of job {start.get('job')!r} lane {start.get('rank')}.{start.get('worker')}: this is job "
-                    f"{name!r} lane {rank}.{worker} (same settings, world size and DataLoader workers to resume)"
-                )
-            cursor, digest = Cursor(int(start["epoch"]), int(start["index"])), start.get("catalog_digest")
-            self._end = start.get("end_epoch")  # the pass it was saved in: its end
-        # registered in an earlier pass of this process: the daemon was here, a restart is waited out
-        patience = DEFAULT_OUTAGE_TIMEOUT if self._lane_info is not None else DEFAULT_STARTUP_TIMEOUT
-        lane = JobClient(name, spec, rank, worker, self.node, startup_timeout=patience)
-        try:
-            info = lane.register()
-            if digest is not None and digest != info.get("catalog_digest"):
-                raise ValueError(
-                    f"state was saved with catalog_digest={digest!r}, job {name!r} has "
-                    f"catalog_digest={info.get('catalog_digest')!r}: cannot resume over other data"
-                )
-        except BaseException:
-            lane.close()
-            raise
-        self._lane_info = (name, rank, worker, info.get("catalog_digest"))
-        return lane, cursor
 
     def state_dict(self) -> dict[str, Any]:
         """Where to resume: valid in every DataLoader worker (``StatefulDataLoader`` saves
@@ -661,21 +444,6 @@ class CachePipeDataset(torch.utils.data.IterableDataset):  # type: ignore[misc, 
         if start is not None:
             return dict(start)
         return {}  # the start: of the plan, or of the epoch set_epoch sets before the pass
-
-    def _owed_counts(self) -> dict[str, int]:
-        """``equal_steps`` with skips, in a state at the last sample read (:attr:`_owed`): its
-        step's yields due (``"repeat"``) and the yields made from it on (``"yielded"``); {} else."""
-        if self._owed is None:
-            return {}
-        return {"repeat": self._owed[1], "yielded": self._owed[2]}
-
-    def _local_state(self, pipe: Pipeline) -> dict[str, Any]:
-        """Per-process mode: ``pipe``'s state, with the epoch its pass ends before if it stops
-        before the plan's end (``end_epoch``)."""
-        state = pipe.state_dict()
-        if self._end is not None:
-            state["end_epoch"] = self._end
-        return state
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (for a DataLoader worker started by spawn or forkserver) keeps this process's
@@ -741,14 +509,6 @@ def _sibling(owner: str) -> bool:
     return len(fields) > 1 and fields[1] == str(os.getppid())
 
 
-def _repeats(where: str, start: Mapping[str, Any] | None) -> Repeats:
-    """The substitutions of a pass started from ``start``: at a state's last sample, its step's
-    yields due (``"repeat"``, default 1) and those made before (``"yielded"``, default 0: a
-    state saved without them, which is after its last sample)."""
-    start = start or {}
-    return Repeats(where, int(start.get("repeat", 1)), int(start.get("yielded", 0)))
-
-
 def _finished(state: Mapping[str, Any]) -> bool:
     """True if a per-process pipeline ``state`` is at the end of its pass: of its (finite) plan,
     or the epoch its pass ends before (``end_epoch``)."""
@@ -774,78 +534,3 @@ def _next_step(pipe: Pipeline, end: int | None) -> CachedItem | Skipped | None:
     if end is not None and pipe.state_dict()["epoch"] >= end:
         return None
     return pipe.get_or_skipped()
-
-
-def _past(cursor: Cursor, end: int | None) -> bool:
-    """True if ``cursor`` is at or after the start of epoch ``end`` (None: never)."""
-    return end is not None and cursor.epoch >= end
-
-
-def _distributed() -> Any:
-    """``torch.distributed`` if its process group is initialised with several ranks, else None."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist
-    return None
-
-
-def _from_rank0(make: Callable[[], T], source: str) -> tuple[int, T]:
-    """``(this rank, what rank 0's make() returned)``, broadcast to every rank. If rank 0's
-    ``make`` raises, every rank learns it: rank 0 raises its error, the others a RuntimeError
-    naming it (none waits forever for a broadcast that never comes)."""
-    dist = torch.distributed
-    rank = dist.get_rank()
-    payload: list[Any] = [None]
-    if rank == 0:
-        try:
-            payload[0] = ("ok", make())
-        except Exception as exc:
-            payload[0] = ("error", f"{type(exc).__name__}: {exc}")
-            dist.broadcast_object_list(payload, src=0)
-            raise
-    dist.broadcast_object_list(payload, src=0)
-    kind, value = payload[0]
-    if kind != "ok":
-        raise RuntimeError(f"rank 0 could not list {source!r} for this job: {value}")
-    return rank, value
-
-
-def _save_manifest(cache_dir: Path, rank: int, data: bytes, source: str, items: str) -> str:
-    """Write manifest ``data`` (of ``source`` listed as ``items``) as rank ``rank``'s under
-    ``cache_dir``; its path. The name holds a digest of the source and items mode, so that
-    datasets of other sources over one ``cache_dir`` (training and validation) keep theirs."""
-    of = hashlib.blake2b(f"{items} {source}".encode(), digest_size=4).hexdigest()
-    path = cache_dir / f"manifest-rank{rank}-{of}.json.gz"
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, data)
-    return str(path)
-
-
-def _manifest_bytes(source: str, items: Literal["folders", "files"], options: dict[str, Any]) -> bytes:
-    """List ``source`` as ``items`` (with the dataset's ``storage_options``) into manifest bytes."""
-    with tempfile.TemporaryDirectory(prefix="cachepipe-list-") as tmp:
-        path = Path(tmp) / "manifest.json.gz"
-        index(source, path, items, options.get("storage_options"))
-        return path.read_bytes()
-
-
-def local_ranks(rank: int, environ: Mapping[str, str] | None = None) -> list[int]:
-    """The ranks on this node: from torchrun's ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (ranks
-    ``rank - LOCAL_RANK`` onwards, contiguous, as torchrun assigns them), else ``[rank]``.
-
-    Raises:
-        ValueError: a malformed or inconsistent value, named.
-    """
-    env = os.environ if environ is None else environ
-    if "LOCAL_RANK" not in env or "LOCAL_WORLD_SIZE" not in env:
-        return [rank]
-    try:
-        local, size = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
-    except ValueError:
-        raise ValueError(
-            f"LOCAL_RANK={env['LOCAL_RANK']!r}, LOCAL_WORLD_SIZE={env['LOCAL_WORLD_SIZE']!r}: expected integers"
-        ) from None
-    if not 0 <= local < size or local > rank:
-        raise ValueError(f"LOCAL_RANK={local}, LOCAL_WORLD_SIZE={size} with rank {rank}: expected 0 <= LOCAL_RANK < size")
-    first = rank - local
-    return list(range(first, first + size))

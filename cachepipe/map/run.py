@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..backoff import backoff_delay
 from ..cache import journal_budget_of
 from ..cache.lock import unusable_dir
 from ..config import Share, check_cache_dir, check_source, with_unit
 from ..errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError, is_transient
-from ..fetcher import backoff_delay
 from ..listing import empty_source
 from ..pipeline import Pipeline
 from ..stores import Store, open_store
@@ -554,7 +554,7 @@ def map_items(
             request, as downloads), ``storage_options``, ``dest_options`` (default: the same),
             ``upload_concurrency`` (8), ``upload_part_size`` (16 MiB), ``max_concurrency`` (64),
             ``max_large_requests`` (16), ``part_size`` (default: a pipeline's, by the cache's capacity, see
-            :func:`~cachepipe.fetcher.auto_part_size`), ``watch_interval`` (0.05 s), ``kill_grace``
+            :func:`~cachepipe.fetch_policy.auto_part_size`), ``watch_interval`` (0.05 s), ``kill_grace``
             (5 s), ``max_members``, ``dry_run``, ``progress``.
 
     Returns:

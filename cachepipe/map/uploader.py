@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..backoff import backoff_delay
 from ..catalog import check_key
 from ..errors import CachePipeError, UnsafeKeyError, is_transient
-from ..fetcher import backoff_delay
 from ..stores.base import TEMP_SUFFIX, WritableStore
 
 __all__ = [

@@ -10,65 +10,46 @@ Lifecycle: UNOPENED -> :meth:`Daemon.start` (bind the API socket under a tempora
 for markers, open every pipeline, serve, then rename the socket into place) -> RUNNING ->
 :meth:`Daemon.stop` (remove the socket, stop accepting, close the pipelines keeping published
 items per ``keep_on_close``, end every connection) -> CLOSED.
+
+This module holds the lifecycle, reload and the operations on named pipelines. The state the
+parts share is declared in :mod:`cachepipe.service.served`; the jobs' operations are the base
+class ``_JobDesk`` (:mod:`cachepipe.service.jobdesk`), status, health, the metrics' snapshots
+and the check of the caches the base class ``_Views`` (:mod:`cachepipe.service.views`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any
 
 from .. import __version__
 from ..cache.lock import unusable_dir
-from ..config import PipelineConfig, format_size, with_unit
+from ..config import PipelineConfig, with_unit
 from ..errors import CachePipeError, CacheRemovedError, ConfigError, UnknownItemError
-from ..pipeline import CachedItem, Pipeline, Stats
-from ..plan import Cursor
+from ..pipeline import CachedItem, Pipeline
 from ..stores import open_store
 from .api import ApiServer, Deadlines
 from .closing import Closer
 from .config import ServiceConfig, pipeline_options
 from .errors import StoppingError, UnavailableError, UnknownPipelineError
+from .jobdesk import _JobDesk
 from .jobs import Jobs
 from .logs import set_level
 from .markers import HandOuts, MarkerWatcher
-from .metrics import Metrics, Snapshot, leased
+from .metrics import Metrics
+from .served import _CLOSED, _RUNNING, _STOPPING, _UNOPENED, _Served
+from .views import _Views, pass_progress
 
-if TYPE_CHECKING:
-    from ..node import NodePipeline, SkippedStep, Taken
-
-__all__ = ["Daemon", "UnavailableError", "UnknownPipelineError"]  # the errors live in .errors; re-exported
+# the errors live in .errors, pass_progress in .views; re-exported
+__all__ = ["Daemon", "UnavailableError", "UnknownPipelineError", "pass_progress"]
 
 log = logging.getLogger("cachepipe.service")
 
 
-@dataclasses.dataclass
-class _Served:
-    name: str
-    config: PipelineConfig
-    pipeline: Pipeline | None = None  # None: it failed to open (see error)
-    error: str = ""
-    rebuilt_at: float | None = None  # monotonic time a reload rebuilt it, ending older leases
-    root: Path = dataclasses.field(init=False)
-    prefix: str = dataclasses.field(init=False)  # str(root) + "/": what every item path starts with
-
-    def __post_init__(self) -> None:
-        self.root = Path(os.path.abspath(self.config.cache_dir))
-        self.prefix = str(self.root).rstrip("/") + "/"
-
-    def name_of(self, path: str) -> str:
-        """The item name of ``path``, an absolute path under :attr:`root` (see :meth:`Daemon._owner`)."""
-        return path[len(self.prefix) :]
-
-
-_UNOPENED, _RUNNING, _STOPPING, _CLOSED = "unopened", "running", "stopping", "closed"
-
-
-class Daemon:
+class Daemon(_JobDesk, _Views):
     """Serve the pipelines of ``config`` over the socket API.
 
     Args:
@@ -408,10 +389,6 @@ class Daemon:
             for path in gone:
                 markers.unfollow(path)
 
-    def _count_waiting(self, name: str, delta: int) -> None:
-        with self._cond:
-            self._waiting[name] = self._waiting.get(name, 0) + delta
-
     def finish(self, verb: str, path: Any, lease: Any = None) -> tuple[str, str]:
         """``ack``, ``release`` or ``renew`` the item at ``path``; returns (pipeline name, item name).
 
@@ -549,231 +526,6 @@ class Daemon:
                 if path.startswith(served.prefix):
                     return served
         raise UnknownItemError(f"cannot act on {path!r}: not in the cache directory of any pipeline of this daemon")
-
-    # ---- jobs (see .jobs) -------------------------------------------------------------
-    def _job_registry(self) -> Jobs:
-        if self._state != _RUNNING:
-            raise StoppingError(f"{self!r} is not serving")
-        if self._jobs is None:
-            raise UnknownPipelineError("this daemon takes no jobs: its configuration has no jobs section")
-        return self._jobs
-
-    def register_job(self, name: str, spec: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
-        """Register job ``name`` (see :meth:`.jobs.Jobs.register`); ``(created, description)``."""
-        return self._job_registry().register(name, spec)
-
-    def delete_job(self, name: str) -> None:
-        """End job ``name`` and delete its items (see :meth:`.jobs.Jobs.delete`)."""
-        self._job_registry().delete(name)
-
-    def take_lane(
-        self,
-        name: str,
-        rank: int,
-        worker: int,
-        cursor: Cursor,
-        timeout: float | None,
-        count: int = 1,
-        max_bytes: int | None = None,
-        report_skips: bool = False,
-    ) -> list[Taken] | list[SkippedStep]:
-        """The item at ``cursor`` of lane ``(rank, worker)`` of job ``name`` and up to ``count - 1``
-        more already on disk (see :meth:`cachepipe.node.NodePipeline.take_many`, and its
-        ``report_skips``); blocks up to ``timeout`` seconds for the first, capped by
-        ``max_wait``. Empty: the lane's share ended."""
-        limit = self.config.max_wait if timeout is None else min(timeout, self.config.max_wait)
-        key = f"job/{name}"
-        self._count_waiting(key, +1)
-        try:
-            return self._job_registry().take(name, rank, worker, cursor, limit, count, max_bytes, report_skips)
-        except RuntimeError as exc:
-            raise self._stopped_under(exc, f"take from lane {rank}.{worker} of job {name!r}") from exc
-        finally:
-            self._count_waiting(key, -1)
-
-    def consume_lane(self, name: str, rank: int, worker: int, cursor: Cursor) -> None:
-        """Lane ``(rank, worker)`` of job ``name`` is done with every step before ``cursor``."""
-        try:
-            self._job_registry().consume(name, rank, worker, cursor)
-        except RuntimeError as exc:
-            raise self._stopped_under(exc, f"consume on lane {rank}.{worker} of job {name!r}") from exc
-
-    def _stopped_under(self, exc: RuntimeError, what: str) -> Exception:
-        """``exc`` from a job's node pipeline, or, if it closed under the request because the
-        daemon stops (not a cachepipe error of its own), a StoppingError (503 ``stopping``: the
-        lane asks the next daemon; before, 500 ``internal``, and the lane gave up)."""
-        with self._cond:
-            stopping = self._state != _RUNNING
-        if stopping and not isinstance(exc, CachePipeError):
-            return StoppingError(f"cannot {what}: the daemon is shutting down (the lane asks again after it restarts)")
-        return exc
-
-    def manifest_limit(self) -> int:
-        """The largest manifest a job may upload, in bytes (``jobs.max_manifest``)."""
-        return self._job_registry().config.max_manifest
-
-    def upload_manifest(self, body: BinaryIO, length: int) -> dict[str, Any]:
-        """Keep an uploaded manifest for jobs to plan from (see :meth:`.jobs.Jobs.upload_manifest`)."""
-        return self._job_registry().upload_manifest(body, length)
-
-    def index_source(self, source: str, items: str) -> dict[str, Any]:
-        """List ``source`` into a manifest for jobs (see :meth:`.jobs.Jobs.index_source`)."""
-        return self._job_registry().index_source(source, items)
-
-    def manifest_bytes(self, digest: str) -> bytes:
-        """The bytes of the manifest ``digest`` (uploaded or listed here)."""
-        return self._job_registry().manifest_bytes(digest)
-
-    def _job_entries(self) -> list[tuple[str, NodePipeline, dict[str, Any]]]:
-        return [(f"job/{name}", pipe, info) for name, pipe, info in self._jobs.entries()] if self._jobs else []
-
-    # ---- views -----------------------------------------------------------------------
-    def _entries(self) -> list[_Served]:
-        with self._cond:
-            return list(self._served.values())
-
-    def _snapshots(self) -> list[Snapshot]:
-        return [
-            Snapshot(e.name, e.pipeline is not None, e.pipeline.stats() if e.pipeline else None, self._waiting.get(e.name, 0))
-            for e in self._entries()
-        ] + [Snapshot(name, True, pipe.stats(), self._waiting.get(name, 0)) for name, pipe, _ in self._job_entries()]
-
-    def status(self) -> dict[str, Any]:
-        """Everything ``cachepipe status`` shows (the ``GET /v1/status`` body)."""
-        pipelines = {}
-        for e in self._entries():
-            stats: Stats | None = e.pipeline.stats() if e.pipeline is not None else None
-            pipelines[e.name] = {
-                "state": "open" if e.pipeline is not None else "down",
-                "error": e.error or None,
-                "source": e.config.source,
-                "cache_dir": str(e.root),
-                "items": e.config.items,
-                "lease_timeout": e.config.lease_timeout,
-                "leased": leased(stats) if stats else 0,
-                "waiting": self._waiting.get(e.name, 0),
-                "stats": dataclasses.asdict(stats) if stats else None,
-                "pass": pass_progress(e.pipeline) if e.pipeline is not None else None,
-            }
-        return {
-            "version": __version__,
-            "pid": os.getpid(),
-            "state": self._state,
-            "uptime_seconds": round(time.monotonic() - self._started, 3),
-            "config": self.config_path,
-            "socket": str(self.config.socket),
-            "pipelines": pipelines,
-            "jobs": {
-                name: {
-                    **info,
-                    "lanes_done": pipe.lanes_done(),
-                    "waiting": self._waiting.get(name, 0),
-                    "stats": dataclasses.asdict(pipe.stats()),
-                }
-                for name, pipe, info in self._job_entries()
-            },
-        }
-
-    def check_caches(self) -> None:
-        """Take down each pipeline whose cache directory was removed or replaced (see
-        :meth:`cachepipe.Pipeline.check_cache`), and drop each such job (see
-        :meth:`~cachepipe.service.jobs.Jobs.take`): called by :meth:`health` and every
-        ``status_interval`` seconds, besides each ``next`` and each lane's request."""
-        for served in self._entries():
-            pipe = served.pipeline
-            if pipe is None:
-                continue
-            try:
-                pipe.check_cache()
-            except CacheRemovedError as exc:
-                self._take_down(served, pipe, exc)
-            except RuntimeError:
-                pass  # closed meanwhile (a reload, or the daemon stopping)
-        if self._jobs is not None:
-            self._jobs.check_caches()
-
-    def _take_down(self, served: _Served, pipe: Pipeline, exc: CacheRemovedError) -> UnavailableError:
-        """The cache directory of ``served`` (running ``pipe``) is gone: close the pipeline and
-        mark it down (health 503, and 503 to its consumers) until a reload reopens it, which
-        starts over in a fresh directory. Returns the error to answer its consumers with."""
-        with self._cond:
-            # once: the first thread to find it closes it (served.error is empty while it runs)
-            current = self._served.get(served.name) is served and served.pipeline is pipe and not served.error
-            if current:
-                served.error = f"{type(exc).__name__}: {exc}"
-        if current:
-            log.error("pipeline %s is down until a reload reopens it: %s", served.name, exc)
-            if self._markers is not None:
-                self._markers.unwatch(served.name)
-            self._handouts.forget_under(served.root)
-            with self._cond:
-                served.pipeline = None
-                self._cond.notify_all()
-            # Closed in the background: closing waits for the downloads in flight, as long as a
-            # store that stopped answering takes, and the caller answers a request (or sends
-            # systemd's heartbeats).
-            self._closer.close(served.name, pipe)
-        return UnavailableError(f"pipeline {served.name!r} is down: {served.error}")
-
-    def health(self) -> tuple[bool, dict[str, Any]]:
-        """(healthy, body of ``GET /v1/health``): healthy when running and every pipeline is open."""
-        self.check_caches()
-        entries = self._entries()
-        down = {e.name: e.error for e in entries if e.pipeline is None}
-        ok = self._state == _RUNNING and not down
-        status = "ok" if ok else ("degraded" if self._state == _RUNNING else self._state)
-        return ok, {
-            "status": status,
-            "pipelines": {e.name: "down: " + down[e.name] if e.name in down else "open" for e in entries},
-        }
-
-    def status_line(self) -> str:
-        """One line for systemd's STATUS=: items ready, leased and bytes cached per pipeline."""
-        parts = []
-        for e in self._entries():
-            if e.pipeline is None:
-                parts.append(f"{e.name}: down")
-                continue
-            s = e.pipeline.stats()
-            progress = pass_progress(e.pipeline)
-            if progress is not None and progress["complete"]:
-                parts.append(f"{e.name}: pass complete, {_acknowledged(progress)}")
-                continue
-            parts.append(
-                f"{e.name}: {s.items_ready} ready, {leased(s)} leased, {s.items_acked} acked, {format_size(s.bytes_in_cache)} of {format_size(s.capacity)} cached"  # noqa: E501 - kept whole
-            )
-        return "; ".join(parts)
-
-
-def pass_progress(pipe: Pipeline) -> dict[str, Any] | None:
-    """Where the pass of ``pipe`` stands, as its journal records it (so across restarts): the
-    position of its first step not yet acknowledged (``epoch``, ``index``), ``epochs`` (None: no
-    end), ``items`` per epoch (None while a streamed listing goes on), ``acknowledged``: the steps
-    acknowledged in the whole pass (None where a share of several ranks or workers makes an epoch
-    shorter than ``items``), and ``complete``: nothing is left to hand out. None if it has no
-    position (it is closing)."""
-    try:
-        state = pipe.state_dict()
-    except RuntimeError:
-        return None
-    epoch, index, epochs, items = state["epoch"], state["index"], state.get("epochs"), state.get("n_items")
-    whole = state.get("world_size", 1) * state.get("num_workers", 1) == 1
-    return {
-        "epoch": epoch,
-        "index": index,
-        "epochs": epochs,
-        "items": items,
-        "acknowledged": epoch * items + index if whole and items is not None else None,
-        "complete": epochs is not None and epoch >= epochs,
-    }
-
-
-def _acknowledged(progress: dict[str, Any]) -> str:
-    """``"N of M items acknowledged"`` (or the epochs, where the items cannot be counted)."""
-    done, items, epochs = progress["acknowledged"], progress["items"], progress["epochs"]
-    if done is None or items is None:
-        return f"{progress['epoch']} of {epochs} epochs"
-    return f"{done} of {items * epochs} items acknowledged"
 
 
 def _lists_nothing(cfg: PipelineConfig) -> str:
