@@ -73,7 +73,7 @@ the time it took to come back for it after its last one (see :meth:`Broker.outpa
 that needs ``c`` seconds per item, where the items come every ``T``, waits ``T - c``, so at 1,
 a consumer more than twice as fast as the items. A consumer slower than the items waits only
 while the first ones come, and less than that (bench_link's slow consumer, 0.25 s per item:
-its longest wait after the first item 10-120 ms)."""
+its longest wait after the first item under 120 ms in 6 of 8 quiet runs, 313 ms in one)."""
 
 
 class Broker(Generic[T]):
