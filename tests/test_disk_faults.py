@@ -337,3 +337,28 @@ def test_serve_check_says_a_cache_dir_is_on_a_read_only_filesystem(tmp_path):
             )
             expected = "expected a directory on a writable filesystem"
             assert host_problems(config) == [f"pipelines.a.cache_dir '{given}': {why}; {expected}"]
+
+
+def test_serve_check_lets_a_full_cache_disk_pass_with_a_warning(tmp_path, caplog):
+    """A cache_dir on a full filesystem (here out of inodes: no new folder) is no problem of the
+    configuration: its pipeline waits for room (min_free) and goes on. The probe of the host check
+    refused it as "not a filesystem that stores files", so serve exited 78, which systemd never
+    restarts, and every reload was refused while the disk was full."""
+    with tmpfs(tmp_path / "disk", "1m", ",nr_inodes=4") as disk:
+        (disk / "cache").mkdir()
+        with contextlib.suppress(OSError):
+            for n in range(4):
+                (disk / "cache" / f"tenant-{n}").write_bytes(b"")
+        with pytest.raises(OSError, match="No space left on device"):
+            (disk / "cache" / "more").mkdir()  # the filesystem is full
+        config = ServiceConfig.model_validate(
+            {
+                "socket": str(tmp_path / "api.sock"),
+                "pipelines": {
+                    "a": {"source": "memory://cachepipe-test-none/", "cache_dir": str(disk / "cache"), "capacity": "1MiB"}
+                },
+            }
+        )
+        assert host_problems(config) == []
+        assert f"'{disk / 'cache'}' is full now (No space left on device)" in caplog.text
+        assert not [n for n in os.listdir(disk / "cache") if not n.startswith("tenant-")]  # nothing of the probe's left

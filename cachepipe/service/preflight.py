@@ -18,6 +18,7 @@ configuration, each named with its field, its value and what would do.
 
 from __future__ import annotations
 
+import errno
 import grp
 import logging
 import os
@@ -173,12 +174,16 @@ def _probe_problems(label: str, folder: Path, itself: bool) -> list[str]:
     try:
         probe = tempfile.mkdtemp(prefix=PROBE_PREFIX, dir=folder)
     except OSError as exc:
+        if exc.errno in FULL_ERRNOS:
+            return _full(label, folder, exc)
         return [f"{label}: {where}refuses a new folder (tried to create one: {exc.strerror}); {expected}"]
     file = os.path.join(probe, "probe")
     try:
         try:
             os.close(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
         except OSError as exc:
+            if exc.errno in FULL_ERRNOS:
+                return _full(label, folder, exc)
             return [f"{label}: {where}refuses a new file (tried to create one: {exc.strerror}); {expected}"]
         os.unlink(file)
     except OSError as exc:
@@ -190,6 +195,18 @@ def _probe_problems(label: str, folder: Path, itself: bool) -> list[str]:
             pass
         except OSError as exc:
             log.error("%s: cannot remove the probe folder %r: %s; remove it by hand", label, probe, exc.strerror)
+    return []
+
+
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""Errors of a filesystem that stores files but is full now (or the user's quota): no problem of
+the configuration. The pipeline waits for the room (``min_free``) and goes on, so ``serve``
+starts (a refusal, exit 78, is never restarted by systemd) and a reload is applied."""
+
+
+def _full(label: str, folder: Path, exc: OSError) -> list[str]:
+    """The probe found ``folder``'s filesystem full: a warning, not a problem (see :data:`FULL_ERRNOS`)."""
+    log.warning("%s: %r is full now (%s): its pipeline waits for room before it downloads", label, str(folder), exc.strerror)
     return []
 
 
