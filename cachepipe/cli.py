@@ -352,7 +352,8 @@ def _complete(name: str, progress: dict[str, Any]) -> str:
     """The note under the table on a pipeline whose pass is complete: the counters above count
     since the daemon started, and are zero after a restart over a finished pass."""
     done, items, epochs = progress.get("acknowledged"), progress.get("items"), progress.get("epochs")
-    what = f"{done} of {items * epochs} items acknowledged" if done is not None and items else f"{epochs} epoch(s)"
+    read = epochs - progress.get("start_epoch", 0)  # epochs start_epoch to epochs - 1 (absent: a daemon before it was said)
+    what = f"{done} of {items * read} items acknowledged" if done is not None and items else f"{epochs} epoch(s)"
     return (
         f"{name}: the pass is complete ({what}, as its cache_dir records it; the counters above count since the "
         "daemon started): nothing more is handed out; `resume: false` or a new cache_dir starts a new pass"

@@ -287,10 +287,11 @@ def test_status_says_a_pass_is_complete_with_its_counts_before_and_after_a_resta
     config = folders_config(tmp_path, sock, 3, epochs=2)
     with DaemonProcess(config) as daemon, Client("train", sock) as client:
         first = client.status()["pipelines"]["train"]["pass"]
-        assert first == {"epoch": 0, "index": 0, "epochs": 2, "items": 3, "acknowledged": 0, "complete": False}
+        assert first == {"epoch": 0, "index": 0, "epochs": 2, "start_epoch": 0, "items": 3, "acknowledged": 0, "complete": False}
         assert sum(1 for _ in client) == 6
         status = client.status()["pipelines"]["train"]
-        assert status["pass"] == {"epoch": 2, "index": 0, "epochs": 2, "items": 3, "acknowledged": 6, "complete": True}
+        done = {"epoch": 2, "index": 0, "epochs": 2, "start_epoch": 0, "items": 3, "acknowledged": 6, "complete": True}
+        assert status["pass"] == done
         assert daemon.stop() == 0
     for restart in ("after SIGTERM", "after kill -9"):
         with DaemonProcess(config) as daemon, Client("train", sock) as client:
@@ -305,6 +306,27 @@ def test_status_says_a_pass_is_complete_with_its_counts_before_and_after_a_resta
             assert lines[-1].startswith("train: the pass is complete (6 of 6 items acknowledged"), lines
             daemon.proc.kill()  # kill -9: the next start is the second case
             daemon.proc.wait()
+
+
+def test_a_pass_from_a_start_epoch_counts_the_items_it_read(tmp_path, short_dir):
+    # start_epoch=2, epochs=3 reads epoch 2 only (3 items), yet the pass counted the epochs
+    # before start_epoch as acknowledged: "pass complete, 9 of 9 items acknowledged".
+    from cachepipe.cli import format_status
+
+    sock = short_dir / "api.sock"
+    config = folders_config(tmp_path, sock, 3, epochs=3, start_epoch=2)
+    with DaemonProcess(config) as daemon, Client("train", sock) as client:
+        first = client.status()["pipelines"]["train"]["pass"]
+        assert (first["epoch"], first["acknowledged"], first["complete"]) == (2, 0, False), first
+        assert first["start_epoch"] == 2
+        assert sum(1 for _ in client) == 3
+        info = client.status()
+        status = info["pipelines"]["train"]["pass"]
+        assert (status["acknowledged"], status["complete"]) == (3, True), status
+        assert format_status(info).splitlines()[-1].startswith("train: the pass is complete (3 of 3 items acknowledged")
+        assert daemon.stop() == 0
+    with DaemonProcess(config) as daemon:
+        assert "STATUS=train: pass complete, 3 of 3 items acknowledged" in daemon.messages[-1], daemon.messages
 
 
 @pytest.fixture

@@ -147,22 +147,25 @@ class _Views(_DaemonState):
 def pass_progress(pipe: Pipeline) -> dict[str, Any] | None:
     """Where the pass of ``pipe`` stands, as its journal records it (so across restarts): the
     position of its first step not yet acknowledged (``epoch``, ``index``), ``epochs`` (None: no
-    end), ``items`` per epoch (None while a streamed listing goes on), ``acknowledged``: the steps
-    acknowledged in the whole pass (None where a share of several ranks or workers makes an epoch
-    shorter than ``items``), and ``complete``: nothing is left to hand out. None if it has no
-    position (it is closing)."""
+    end), ``start_epoch`` (the pass reads epochs ``start_epoch`` to ``epochs - 1``), ``items``
+    per epoch (None while a streamed listing goes on), ``acknowledged``: the steps acknowledged
+    in the whole pass from ``start_epoch`` on (None where a share of several ranks or workers
+    makes an epoch shorter than ``items``), and ``complete``: nothing is left to hand out. None
+    if it has no position (it is closing)."""
     try:
         state = pipe.state_dict()
     except RuntimeError:
         return None
     epoch, index, epochs, items = state["epoch"], state["index"], state.get("epochs"), state.get("n_items")
     whole = state.get("world_size", 1) * state.get("num_workers", 1) == 1
+    start = min(pipe.config.start_epoch, epoch)  # the pass reads epochs start_epoch to epochs - 1
     return {
         "epoch": epoch,
         "index": index,
         "epochs": epochs,
+        "start_epoch": start,
         "items": items,
-        "acknowledged": epoch * items + index if whole and items is not None else None,
+        "acknowledged": (epoch - start) * items + index if whole and items is not None else None,
         "complete": epochs is not None and epoch >= epochs,
     }
 
@@ -172,4 +175,4 @@ def _acknowledged(progress: dict[str, Any]) -> str:
     done, items, epochs = progress["acknowledged"], progress["items"], progress["epochs"]
     if done is None or items is None:
         return f"{progress['epoch']} of {epochs} epochs"
-    return f"{done} of {items * epochs} items acknowledged"
+    return f"{done} of {items * (epochs - progress['start_epoch'])} items acknowledged"
