@@ -15,7 +15,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
@@ -83,9 +83,14 @@ class Broker(Generic[T]):
         ordered: hand out in sequence order (True) or as items become ready (False).
         lease_timeout: seconds after which an unacknowledged lease expires and its item is
             handed out again (at least once delivery for consumers that die); None: never.
+        clock: the time, in seconds, for leases, waits and :meth:`outpaced` (default
+            :func:`time.monotonic`; tests pass their own). Waits themselves sleep in real time.
     """
 
-    def __init__(self, ordered: bool = True, lease_timeout: float | None = None) -> None:
+    def __init__(
+        self, ordered: bool = True, lease_timeout: float | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._clock = clock
         self.ordered = ordered
         self.lease_timeout = lease_timeout
         self.redelivered = 0  # leases that expired and were handed out again
@@ -203,7 +208,7 @@ class Broker(Generic[T]):
             TimeoutError: nothing became available within ``timeout`` seconds.
             Closed: the broker was closed.
         """
-        start = time.monotonic()
+        start = self._clock()
         deadline = None if timeout is None else start + timeout
         began: float | None = None  # when this call began to wait, and how long after the last hand-out
         gap = math.inf
@@ -212,7 +217,7 @@ class Broker(Generic[T]):
                 while True:
                     if self._closed:
                         raise Closed
-                    now = time.monotonic()
+                    now = self._clock()
                     next_expiry = self._expire(now)
                     got = self._pop(now)
                     if got is not None:
@@ -237,7 +242,7 @@ class Broker(Generic[T]):
                     finally:
                         self._waiting -= 1
             finally:
-                self.wait_seconds += time.monotonic() - start
+                self.wait_seconds += self._clock() - start
 
     def take_many(self, count: int, timeout: float | None = None) -> list[Lease[T]] | Failed | None:
         """Up to ``count`` items: the next one as :meth:`take` (blocking), then those ready after
@@ -252,7 +257,7 @@ class Broker(Generic[T]):
             return first
         taken = [first]
         with self._cond:
-            now = time.monotonic()
+            now = self._clock()
             while len(taken) < count and self._ready and not isinstance(self._ready[0][2], Failed):
                 got = self._pop(now)
                 if not isinstance(got, Lease):  # None: not its turn yet (a Failed is never next here)
@@ -310,7 +315,7 @@ class Broker(Generic[T]):
                 ``"twice"``); no lease was ended.
         """
         with self._cond:
-            self._expire(time.monotonic())
+            self._expire(self._clock())
             leases: list[Lease[T]] = []
             seen: set[str] = set()
             for name, lease_id in names:
@@ -343,14 +348,14 @@ class Broker(Generic[T]):
     def renew(self, name: str, lease_id: str | None = None) -> Lease[T]:
         """Extend a live lease by ``lease_timeout`` from now (a consumer still working). Raises like :meth:`ack`."""
         with self._cond:
-            self._expire(time.monotonic())
+            self._expire(self._clock())
             lease = self._live(name, lease_id)
             if self.lease_timeout is not None:
-                lease.deadline = time.monotonic() + self.lease_timeout
+                lease.deadline = self._clock() + self.lease_timeout
             return lease
 
     def _pop_lease(self, name: str, lease_id: str | None) -> Lease[T]:
-        self._expire(time.monotonic())
+        self._expire(self._clock())
         lease = self._live(name, lease_id)
         del self._leases[name]
         return lease
@@ -370,13 +375,16 @@ class Broker(Generic[T]):
 
     def outpaced(self) -> bool:
         """Whether the consumers come back for items faster than the items come: the wait in
-        :meth:`take` going on (the first consumer's), or else the last one that ended, lasted
-        longer than :data:`OUTPACED` times the time its consumer took to come back after the
-        item handed out before (a consumer that reads fast comes back at once and waits; one
-        slower than the items waits little, if at all). False until a consumer has waited after
-        a hand-out. Read without the lock: a hint for the fetcher (see
+        :meth:`take` going on, or else the last one that ended, lasted longer than
+        :data:`OUTPACED` times the time its consumer took to come back after the item handed
+        out before (a consumer that reads fast comes back at once and waits; one slower than
+        the items waits little, if at all). False until a consumer has waited after a hand-out.
+        With several consumers, the wait going on is timed from the first of them to wait; if
+        that one is served while others still wait, the wait is still timed from then, so it
+        soon says True (every item ahead counts: the rule for a link that is the limit).
+        Read without the lock: a hint for the fetcher (see
         :func:`cachepipe.fetch_policy.items_ahead`)."""
-        if self._waiting and time.monotonic() - self._wait_began > OUTPACED * self._wait_gap:
+        if self._waiting and self._clock() - self._wait_began > OUTPACED * self._wait_gap:
             return True
         return self._outpaced
 

@@ -381,7 +381,7 @@ class Fetcher(_Finishing):
                         parts.append(part)
                         if not (self._cheap and part[0].small) or len(parts) == PART_RUN:
                             break
-                        part = self._parts.take(served, part_size, large=False)
+                        part = self._parts.take(served, part_size, large=False, fresh=fresh)
                 if not parts:
                     self._takers -= 1
                     return

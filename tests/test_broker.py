@@ -1,7 +1,8 @@
 import threading
-import time
+from collections.abc import Callable
 
 import pytest
+from waiting import wait_until
 
 from cachepipe.broker import Broker, Closed, Failed
 
@@ -206,28 +207,32 @@ def test_a_planning_failure_at_a_skipped_step_comes_in_the_turn_of_the_next_step
 
 
 def test_a_consumer_back_at_once_that_waits_outpaces_the_items_and_a_slower_one_does_not():
-    b = Broker()
+    now = [0.0]  # the broker's clock, moved by the test: no result depends on real time
+    b = Broker(clock=lambda: now[0])
     for _ in range(3):
         b.begin()
     assert not b.outpaced()  # nothing known
     b.put(0, "a", "A")
     assert b.take(0).name == "a" and not b.outpaced()  # no wait
+
+    def take_while(advance: float, then: Callable[[], object]) -> str:
+        """take() in a thread; once it waits, move the clock by ``advance`` and call ``then``."""
+        got: list[str] = []
+        consumer = threading.Thread(target=lambda: got.append(b.take(10).name))
+        consumer.start()
+        wait_until(lambda: b._waiting == 1, what="the consumer to wait")
+        now[0] += advance
+        then()
+        consumer.join()
+        return got[0]
+
     # a slow consumer: back 0.5 s after its item, which comes 0.05 s later
-    time.sleep(0.5)
-    timer = threading.Timer(0.05, b.put, (1, "b", "B"))
-    timer.start()
-    assert b.take(10).name == "b"
-    timer.join()
-    assert not b.outpaced()  # it waited far less than the time it took to come back
-    # a fast consumer: back at once, and waits 0.4 s
-    timer = threading.Timer(0.4, b.put, (2, "c", "C"))
+    now[0] += 0.5
+    assert take_while(0.05, lambda: b.put(1, "b", "B")) == "b"
+    assert not b.outpaced()  # it waited less than the time it took to come back
+    # a fast consumer: back at once, and waits 0.2 s
     seen: list[bool] = []
-    watcher = threading.Thread(target=lambda: (time.sleep(0.2), seen.append(b.outpaced())))
-    timer.start()
-    watcher.start()
-    assert b.take(10).name == "c"
-    timer.join()
-    watcher.join()
+    assert take_while(0.2, lambda: (seen.append(b.outpaced()), b.put(2, "c", "C"))) == "c"
     assert seen == [True]  # while it waited
     assert b.outpaced()  # and after
     assert b.fresh() == 0
