@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import grp
 import os
+import pwd
 import subprocess
 import sys
 import threading
@@ -338,7 +339,8 @@ def test_check_accepts_a_config_this_host_can_run(tmp_path):
         [*CLI, "serve", "--check", "--config", str(path)], capture_output=True, text=True, timeout=60, check=False
     )
     assert proc.returncode == 0 and "valid" in proc.stdout, proc.stderr
-    assert "checked on this host: the socket's folder and each cache_dir take a new folder and file" in proc.stdout
+    user = f"{pwd.getpwuid(os.geteuid()).pw_name} (uid {os.geteuid()})"  # whose rights were checked
+    assert f"checked on this host, as {user}: the socket's folder and each cache_dir take a new folder" in proc.stdout
     assert not (tmp_path / "new").exists() and not (tmp_path / "run").exists()  # --check changes nothing
     assert sorted(os.listdir(tmp_path)) == ["cachepipe.yaml"]  # its probes are gone
 

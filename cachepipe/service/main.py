@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import queue
 import signal
 import sys
@@ -54,6 +55,16 @@ class _Interrupted(BaseException):
     """SIGTERM/SIGINT while starting: unwinds the start like KeyboardInterrupt would."""
 
 
+def _user() -> str:
+    """This process's user, ``name (uid N)``: whose rights ``--check`` checked."""
+    uid = os.geteuid()
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:  # no entry (a container's arbitrary uid)
+        return f"uid {uid}"
+    return f"{name} (uid {uid})"
+
+
 def check(config_path: str | os.PathLike[str]) -> int:
     """Validate the config file, and it against this host, as ``serve`` would before opening
     anything; print a summary (``cachepipe serve --check``)."""
@@ -64,8 +75,9 @@ def check(config_path: str | os.PathLike[str]) -> int:
     names = ", ".join(f"{n} ({c.source} -> {c.cache_dir})" for n, c in config.pipelines.items()) or "none"
     jobs = "" if config.jobs is None else f"; jobs under {config.jobs.root}, capacity {config.jobs.capacity}"
     print(
-        "checked on this host: the socket's folder and each cache_dir take a new folder and file (made and removed "
-        "at once); not checked: the sources (nothing is listed or sent)"
+        f"checked on this host, as {_user()}: the socket's folder and each cache_dir take a new folder and file "
+        "(made and removed at once; run --check as the service's User= to check its rights); not checked: the "
+        "sources (nothing is listed or sent)"
     )
     print(f"{config_path}: valid; socket {config.socket}; pipelines: {names}{jobs}")  # last: what scripts read
     return 0
