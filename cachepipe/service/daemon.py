@@ -252,15 +252,8 @@ class Daemon(_JobDesk, _Views):
             markers.stop()
 
     def _rebuild(self, name: str, cfg: PipelineConfig, old: _Served | None) -> str:
-        if (
-            old is not None
-            and old.pipeline is not None
-            and (cfg.source, cfg.storage_options)
-            != (
-                old.config.source,
-                old.config.storage_options,
-            )
-        ):
+        was = None if old is None or old.pipeline is None else (old.config.source, old.config.storage_options)
+        if was is not None and was != (cfg.source, cfg.storage_options):
             why = _lists_nothing(cfg)  # asked before the running pipeline closes: closing it ends its leases
             if why:
                 log.error("reload: pipeline %s keeps running with its old settings: the new source %s", name, why)
