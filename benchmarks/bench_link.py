@@ -325,6 +325,8 @@ def cachepipe_items(spec: dict[str, Any], work: Path) -> Items:
     ) as pipe:
         for item in pipe:
             yield item.path, item.files
+        stats = pipe.stats()
+        spec["store_counts"] = {"requests": stats.requests, "retries": stats.retries, "hedges": stats.hedges}
 
 
 def original_items(spec: dict[str, Any], work: Path) -> Items:
@@ -479,6 +481,7 @@ def child_main(spec: dict[str, Any]) -> None:
             result["first_item_s"] = time.perf_counter() - t0
         else:
             consume(ITEMS[spec["method"]](spec, work), spec, t0, result)
+            result.update(spec.get("store_counts", {}))  # cachepipe's: requests, retries, hedged parts
         signal.setitimer(signal.ITIMER_REAL, 0)
     except ChildTimeout:
         result["timed_out"] = True
@@ -645,6 +648,7 @@ def summarise(scn: Scenario, method: str, runs: list[dict[str, Any]], link_mb_s:
         "cpu_s": _median([r["cpu_s"] for r in finished]),
         "server_cpu_s": _median([r["server_cpu_s"] for r in finished]),
         "link_cpu_s": _median([r["link_cpu_s"] for r in finished]),
+        "hedges": _median([r["hedges"] for r in finished if "hedges" in r]),
         "x_original": None,
         "x_copy_all": None,
         "errors": [r["error"] for r in runs if "error" in r],

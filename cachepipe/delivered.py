@@ -132,6 +132,7 @@ class Stats:
     capacity: int
     requests: int
     retries: int
+    hedges: int  # parts requested a second time because their first request ran late (see fetch_policy.hedge_in)
     disk_errors: int
     disk_pauses: int
     consumer_wait_seconds: float

@@ -43,6 +43,7 @@ from typing import Any
 
 from .errors import CachePipeError
 from .fscalls import RELEASING, FileCalls
+from .hedging import Racer
 
 __all__ = ["DownloadWorkers", "LocalWriteError", "StagingFile", "WorkerLostError", "get_part"]
 
@@ -313,7 +314,15 @@ _CREATE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
 
 
 def get_part(
-    store: Any, key: str, path: str, start: int, end: int, create: bool, calls: FileCalls = RELEASING, etag: str | None = None
+    store: Any,
+    key: str,
+    path: str,
+    start: int,
+    end: int,
+    create: bool,
+    calls: FileCalls = RELEASING,
+    etag: str | None = None,
+    racer: Racer | None = None,
 ) -> int:
     """Bytes ``[start, end)`` of ``key`` into the staging file ``path`` at the same offsets
     (``create``: the part is the whole file, created here), by a request conditional on ``etag``
@@ -324,9 +333,13 @@ def get_part(
     as :class:`LocalWriteError` whatever the store made of it. Three system calls for a small
     file (open, write, close): no buffering layer, no seek; made by ``calls`` (the cache's
     :attr:`~cachepipe.cache.Cache.file_calls`; a download worker process uses :mod:`os`'s, the
-    default)."""
+    default). ``racer``: the part is raced by a second request (:mod:`cachepipe.hedging`): each
+    write is made only while the other has not won, else :class:`~cachepipe.hedging.Superseded`
+    ends this request."""
     fd = calls.open(path, _CREATE if create else os.O_WRONLY | os.O_CLOEXEC, 0o666)
-    out = StagingFile(fd, start, calls.pwrite)
+    out = StagingFile(fd, start, calls.pwrite if racer is None else racer.guard(calls.pwrite))
+    if racer is not None:
+        racer.watch(out, fd)
     try:
         if etag is None:
             store.get(key, out, start, end)
@@ -338,7 +351,10 @@ def get_part(
             raise LocalWriteError(out.error.errno or errno.EIO, f"{path}: {out.error.strerror or out.error}") from None
         raise
     finally:
-        calls.close(fd)
+        if racer is None:
+            calls.close(fd)
+        else:
+            racer.close(calls.close)
 
 
 def serve_fd(fd: int) -> None:

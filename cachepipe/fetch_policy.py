@@ -11,14 +11,20 @@ unit-tested in ``tests/test_fetch_policy.py`` and ``tests/test_download_threads.
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Sequence
 
 __all__ = [
     "HEAD_MIN_PART",
+    "HEDGE_AFTER",
+    "HEDGE_AHEAD",
+    "HEDGE_MIN_S",
     "MAX_PART",
     "MIN_PART",
     "PACE_WINDOW",
     "auto_part_size",
     "download_threads",
+    "hedge_in",
     "item_part_size",
     "items_ahead",
 ]
@@ -70,6 +76,39 @@ def items_ahead(ahead: int, fresh: int | None) -> int:
     3.8%, medians on a quiet machine)."""
     ahead = max(0, ahead)
     return ahead if fresh is None else max(0, min(ahead, fresh) - 1)
+
+
+HEDGE_AFTER = 2.0
+"""A part of an item the consumers want next is requested a second time (hedged) once it has run
+this many times as long as the median of that item's parts that came (:func:`hedge_in`)."""
+
+HEDGE_MIN_S = 0.05
+"""Seconds a part runs at least before it is hedged: where requests take milliseconds (a local
+or nearby store) a late one costs the consumers less than a second request costs the store."""
+
+HEDGE_AHEAD = 1
+"""An item with more than this many items ahead of it (fetching, or ready and never handed out)
+is not hedged: the consumers have those to read while its late part comes."""
+
+
+def hedge_in(running_s: float, came_s: Sequence[float], ahead: int) -> float | None:
+    """Seconds until a part that has run ``running_s`` seconds is to be requested again, from
+    the bytes it has not written yet on, by a second request (the first to end wins, the other
+    stops writing at once): 0 or less, now. None, never (for now): its item has more than
+    :data:`HEDGE_AHEAD` items ahead of it (fetching, or ready and never handed out), or fewer
+    than two of its other parts came (``came_s``, their seconds each). Else it is due once it
+    has run :data:`HEDGE_AFTER` times their median, and at least :data:`HEDGE_MIN_S`.
+
+    Why: a few parts in a hundred take several times as long as the others of their item (a
+    lost packet at the end of a response waits for TCP's retransmission timeout, 0.2 s or more;
+    a lost connection request, 1 s), and an item is ready only when its last part is. Asking
+    again on another connection bounds that wait, at the cost of a part's bytes twice, for the
+    items the consumers are about to take only (the slow consumer of
+    ``benchmarks/bench_link.py``: see ``benchmarks/README.md``). Amazon's S3 guidelines give the
+    same advice: retry the slow requests of a latency-sensitive application."""
+    if ahead > HEDGE_AHEAD or len(came_s) < 2:
+        return None
+    return max(HEDGE_MIN_S, HEDGE_AFTER * statistics.median(came_s)) - running_s
 
 
 PACE_WINDOW = 32

@@ -40,7 +40,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from .backoff import backoff_delay
@@ -56,10 +56,12 @@ from .fetch_policy import (
     PACE_WINDOW,
     auto_part_size,
     download_threads,
+    hedge_in,
     item_part_size,
     items_ahead,
 )
 from .finishing import _DISK_ERRNOS, FetchCounters, _Finishing, _Job
+from .hedging import Flight, Racer
 from .partqueue import PartQueue, Started
 from .stores.base import Store, takes_etag
 from .unpack import split_volume
@@ -118,9 +120,12 @@ class Fetcher(_Finishing):
         self._min_part = min(config.part_size or HEAD_MIN_PART, HEAD_MIN_PART)  # the smallest part item_part_size gives
         self._pool = ThreadPoolExecutor(config.max_concurrency, thread_name_prefix="cachepipe-fetch")
         self._parts: PartQueue[_Job] = PartQueue(config.large_requests)
-        self._parts_lock = threading.Lock()  # _parts, _takers and _large
+        self._parts_lock = threading.Lock()  # _parts, _takers, _large, _flights and _watching
+        self._parts_changed = threading.Condition(self._parts_lock)  # parts queued, or stopping: wakes a watching thread
         self._takers = 0  # download threads taking parts
         self._large = 0  # requests in flight of items with a file over HEAD_MIN_PART
+        self._flights: dict[int, Flight] = {}  # parts of files cut in several, in flight, by id(part): hedged when late
+        self._watching = False  # a download thread with no part to take waits for a flight's hedge to be due
         self.threads = config.max_concurrency  # download threads wanted now (download_threads)
         self._paces: list[tuple[float, float]] = []  # (request wall s, thread CPU s) of parts since the last choice
         self._cheap = False  # the last choice found requests shorter than twice the work around them
@@ -150,14 +155,14 @@ class Fetcher(_Finishing):
         no backoff slept from now on, and an item whose request fails meanwhile is not reported
         (staging is the cache's to remove at close). Download worker processes abort their
         stores' requests. Then the pipeline aborts its own store, and :meth:`stop` joins."""
-        self._stop.set()
+        self._stop_taking()
         if self._workers is not None:
             self._workers.abort()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop planning and downloading; wait for the threads (in-flight requests finish their
         chunk, or fail at once if the store was aborted after :meth:`interrupt`)."""
-        self._stop.set()
+        self._stop_taking()
         if self._thread.is_alive():
             self._thread.join(timeout)
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -165,6 +170,12 @@ class Fetcher(_Finishing):
             self._workers.close()
         if self._prepare_pool is not None:
             self._prepare_pool.shutdown(wait=True, cancel_futures=True)
+
+    def _stop_taking(self) -> None:
+        """Set the stop event, and wake a download thread waiting for a part to be late."""
+        with self._parts_lock:
+            self._stop.set()
+            self._parts_changed.notify_all()
 
     def halt(self, seq: int, name: str, error: CacheRemovedError) -> None:
         """Stop for good because the cache directory is gone (``error``, found at item ``seq``
@@ -175,6 +186,7 @@ class Fetcher(_Finishing):
                 return
             self.removed = error
             self._stop.set()
+            self._parts_changed.notify_all()
         log.error("downloads stopped: %s", error)
         self._cache.interrupt()
         # in the turn of the first step not resolved: steps before the one that found it may never come now
@@ -348,6 +360,8 @@ class Fetcher(_Finishing):
                     room = min(room, sum(-(-f.size // self._min_part) for f in item.files))
                 more += room
                 self._takers += room
+            if jobs:
+                self._parts_changed.notify()
         for job in empty:
             self._finish_or_report(job)
         for _ in range(more):
@@ -373,23 +387,42 @@ class Fetcher(_Finishing):
                 # a large part waits while max_large_requests are in flight: their threads take it next
                 large_free = self._large < self._cfg.large_requests
                 parts = []
+                hedge = None
                 if not self._stop.is_set() and self._takers <= self.threads:  # else leave: another thread takes it
                     served, part_size = self._broker.served(), self._part_size()
+                    # a late part's second request may exceed max_large_requests: the late one holds one of them
+                    hedge = self._late_part(served) if self._flights else None
                     fresh = None if self._broker.outpaced() else self._broker.fresh()
-                    part = self._parts.take(served, part_size, large_free, fresh)
+                    part = None if hedge is not None else self._parts.take(served, part_size, large_free, fresh)
                     while part is not None:
                         parts.append(part)
                         if not (self._cheap and part[0].small) or len(parts) == PART_RUN:
                             break
                         part = self._parts.take(served, part_size, large=False, fresh=fresh)
-                if not parts:
+                    if len(parts) == 1 and self._workers is None and not self._whole(parts[0]):
+                        self._flights[id(parts[0])] = Flight(parts[0], time.perf_counter())
+                if not parts and hedge is None:
+                    for _ in range(more):  # counted as takers: started whatever this thread does
+                        self._pool.submit(self._take_and_fetch)
+                    watch = None
+                    if not self._stop.is_set() and self._takers <= self.threads and not self._watching:
+                        watch = self._hedge_wait(self._broker.served())
                     self._takers -= 1
-                    return
-                large = not parts[0][0].small
+                    if watch is None:
+                        return
+                    # one thread, not counted as a taker meanwhile, waits for a part in flight to
+                    # be late: the threads may all be done with their parts before (or new parts come)
+                    self._watching = True
+                    self._parts_changed.wait(watch)
+                    self._watching = False
+                    self._takers += 1
+                    large, paces = False, []
+                    continue
+                large = hedge is not None or not parts[0][0].small
                 self._large += large
             for _ in range(more):
                 self._pool.submit(self._take_and_fetch)
-            paces = self._fetch_timed(parts)
+            paces = self._fetch_timed(parts) if hedge is None else self._hedge(hedge)
 
     def _fetch_timed(self, parts: list[_Part]) -> list[tuple[float, float]]:
         """:meth:`_fetch_parts`, with this thread's CPU seconds per part requested: the paces
@@ -404,6 +437,61 @@ class Fetcher(_Finishing):
             return []
         work = (time.thread_time() - cpu) / len(requests)
         return [(request_s, work) for request_s in requests]
+
+    @staticmethod
+    def _whole(part: _Part) -> bool:
+        """The part is its file, whole (created by its request, so never raced: a second request
+        would truncate what the first wrote)."""
+        return part[3] == 0 and part[4] == part[1].size
+
+    def _hedges(self, served: int) -> Iterator[tuple[float, Flight]]:
+        """Each part in flight that may be hedged: its item's bytes all requested and no error,
+        not hedged yet; with the seconds until :func:`hedge_in` says to (0 or less: now). Under
+        the parts lock. ``served``: see :meth:`cachepipe.broker.Broker.served`."""
+        now = time.perf_counter()
+        for flight in self._flights.values():
+            started = flight.part[0]
+            if flight.hedge is not None or flight.over or started.todo or started.job.error is not None:
+                continue
+            due = hedge_in(now - flight.began, started.came, started.turn - served)
+            if due is not None:
+                yield due, flight
+
+    def _late_part(self, served: int) -> Flight | None:
+        """A part in flight due to be requested again (:meth:`_hedges`), marked as hedged; or None."""
+        for due, flight in self._hedges(served):
+            if due <= 0:
+                flight.race()
+                return flight
+        return None
+
+    def _hedge_wait(self, served: int) -> float | None:
+        """Seconds until the first part in flight is due to be hedged (:meth:`_hedges`), or None."""
+        return min((max(due, 0.001) for due, _flight in self._hedges(served)), default=None)
+
+    def _hedge(self, flight: Flight) -> list[tuple[float, float]]:
+        """Request a late part again, from the bytes its first request has not written yet on
+        (:mod:`cachepipe.hedging`); if this request ends first, count the part done. An error
+        here is the first request's to meet, if it is real: it goes on alone. Returns no
+        paces (the request is not a part's usual one)."""
+        started, f, local, _start, end = flight.part
+        racer = flight.hedge
+        assert racer is not None  # noqa: S101 - _late_part started the race
+        begin = flight.part[3] + flight.written()
+        if begin >= end or self._stop.is_set() or started.job.disk_error is not None:
+            return []
+        self.counters.add(hedges=1)
+        etag = f.etag if self._conditional else None
+        try:
+            got = get_part(self._store, f.key, local, begin, end, False, self._cache.file_calls, etag, racer)
+        except Exception as exc:  # noqa: BLE001 - lost the race, or failed: the first request goes on
+            log.debug("the second request of %s bytes %d-%d ended: %r", f.key, begin, end, exc)
+            return []
+        self.counters.answered(got)
+        if got == end - begin and racer.claim():
+            log.debug("the second request of %s bytes %d-%d came first", f.key, begin, end)
+            self._parts_done([flight.part])
+        return []
 
     def _note_paces(self, parts: list[tuple[float, float]]) -> int:
         """Count parts' request times and work (under the parts lock); every
@@ -452,9 +540,13 @@ class Fetcher(_Finishing):
         backoff, the parts fetched so far are counted done (their items published) and the parts
         after it go to another download thread."""
         requests: list[float] = []
+        done = list(parts)  # counted done here: all but a part whose second request came first
         for index, (started, f, local, start, end) in enumerate(parts):
             job = started.job
+            flight = self._flights.get(id(parts[index]))  # registered by the thread that took it, removed once done
             if job.error is not None or job.disk_error is not None or self._stop.is_set():
+                if flight is not None and not flight.first.claim():
+                    done.remove(parts[index])
                 continue
             handed: list[bool] = []  # the rest of the run handed to another thread (before a backoff)
 
@@ -466,19 +558,26 @@ class Fetcher(_Finishing):
                 handed.append(True)
 
             began = time.perf_counter()
+            racer = None if flight is None else flight.first
             try:
-                self._get_with_retries(job, f, local, start, end, hand_off if len(parts) > 1 else None)
+                self._get_with_retries(job, f, local, start, end, hand_off if len(parts) > 1 else None, racer)
             except Exception as exc:  # a defect, not the store's error: the item fails (reported), never half-published
-                log.exception("a download thread's part of %s failed unexpectedly", job.item.name)
-                with self._job_errors:
-                    if job.error is None:
-                        job.error, job.error_key = exc, f.key
+                if racer is None or not racer.lost():
+                    log.exception("a download thread's part of %s failed unexpectedly", job.item.name)
+                    with self._job_errors:
+                        if job.error is None:
+                            job.error, job.error_key = exc, f.key
             else:
                 requests.append(time.perf_counter() - began)
+            if flight is not None:
+                if flight.first.claim():
+                    flight.took = time.perf_counter() - began
+                else:  # its second request came first, and counted it done
+                    done.remove(parts[index])
             if handed:
                 self._parts_done([parts[index]])
                 return requests
-        self._parts_done(parts)
+        self._parts_done(done)
         return requests
 
     def _start_taker(self, parts: list[_Part]) -> bool:
@@ -504,6 +603,10 @@ class Fetcher(_Finishing):
         if not parts:
             return
         with self._parts_lock:  # after an error nothing more is requested: the item fails or restarts
+            for part in parts:
+                flight = self._flights.pop(id(part), None)
+                if flight is not None and flight.took is not None:
+                    part[0].came.append(flight.took)
             last = [
                 part[0].job
                 for part in parts
@@ -520,27 +623,39 @@ class Fetcher(_Finishing):
             self._finish_or_report(job)
 
     def _get_with_retries(
-        self, job: _Job, f: FileEntry, local: str, start: int, end: int, before_backoff: Callable[[], None] | None = None
+        self,
+        job: _Job,
+        f: FileEntry,
+        local: str,
+        start: int,
+        end: int,
+        before_backoff: Callable[[], None] | None = None,
+        racer: Racer | None = None,
     ) -> None:
         """Request one part, retrying transient errors with backoff (``before_backoff`` is called
         once, before the first); an error is recorded on the job (``error``, or ``disk_error``
-        for the local disk), not raised."""
+        for the local disk), not raised. ``racer``: the part may be raced by a second request
+        (:meth:`_hedge`); once that one has won, this one ends, recording nothing."""
         cfg = self._cfg
         for attempt in range(cfg.retries + 1):
             if attempt and (job.error is not None or job.disk_error is not None):
                 return  # another part failed during the backoff: the item fails or restarts without this one
+            if racer is not None and racer.lost():
+                return  # its second request came first during the backoff
             try:
                 whole = start == 0 and end == f.size  # one part: the file is created here, not by stage()
                 if self._workers is not None:  # whose stores are cachepipe's own, which take etag
                     got = self._workers.get(f.key, local, start, end, whole, f.etag)
                 else:
                     etag = f.etag if self._conditional else None
-                    got = get_part(self._store, f.key, local, start, end, whole, self._cache.file_calls, etag)
+                    got = get_part(self._store, f.key, local, start, end, whole, self._cache.file_calls, etag, racer)
                 self.counters.answered(got)
                 if got != end - start:
                     raise VerificationError(f"{f.key}: short body, {got} of {end - start} bytes at offset {start}")
                 return
             except Exception as exc:  # noqa: BLE001 - sorted below: a local disk error, a transient one retried, else the item's failure
+                if racer is not None and racer.lost():
+                    return  # the second request came first (this one's error may be only its write refused)
                 local_error = (
                     exc if isinstance(exc, LocalWriteError) or (isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS) else None
                 )

@@ -61,6 +61,7 @@ class FetchCounters:
         self.bytes_downloaded = 0
         self.requests = 0
         self.retries = 0
+        self.hedges = 0
         self.items_fetched = 0
         self.items_adopted = 0
         self.items_failed = 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from .catalog import FileEntry
@@ -32,6 +32,7 @@ class Started(Generic[J]):
     todo: deque[tuple[FileEntry, str, int]]  # files (or their rest) not yet requested: entry, local path, next offset
     small: bool  # every file of at most HEAD_MIN_PART: its requests do not count against max_large_requests
     running: int = 0
+    came: list[float] = field(default_factory=list)  # seconds each of its parts that came took (the fetcher's hedge_in)
 
 
 class PartQueue(Generic[J]):

@@ -583,6 +583,7 @@ class Pipeline(_Handout):
             capacity=self._cache.capacity,
             requests=c.requests,
             retries=c.retries,
+            hedges=c.hedges,
             disk_errors=c.disk_errors,
             disk_pauses=c.disk_pauses,
             consumer_wait_seconds=self._broker.wait_seconds,

@@ -12,7 +12,8 @@ flipped body bytes (same length), ``"trickle"`` relays the response in pieces of
 connection open (a stream that stops mid-body). ``proxy.drop_all()`` closes live (pooled)
 connections so faults take effect. Clients see TCP segments of an Ethernet link (``SEGMENT``), not loopback's.
 ``proxy.requests`` holds the head of every request (request line and headers) in arrival
-order; it assumes requests without a body (GET, HEAD), which is all that tests send through
+order, and ``proxy.ended`` those of each connection that ended (the client or the server
+closed it); it assumes requests without a body (GET, HEAD), which is all that tests send through
 the proxy. ``proxy.hold(match, gate)`` holds each request whose head ``match`` accepts until
 ``gate`` is set (``limit``, 30 s by default, at most; :attr:`hold_timeouts` counts the waits
 that ran out). :func:`silent` is an endpoint that takes requests and never answers.
@@ -55,6 +56,7 @@ class FaultProxy:
         self.injected: dict[str, int] = {"cut": 0, "stall": 0, "refuse": 0, "corrupt": 0, "trickle": 0} | dict.fromkeys(CANNED, 0)
         self.connections = 0
         self.requests: list[str] = []
+        self.ended: list[str] = []
         self._hold: tuple[Callable[[str], bool], threading.Event, float] | None = None
         self.hold_timeouts = 0
         self._writers: set[asyncio.StreamWriter] = set()
@@ -127,6 +129,7 @@ class FaultProxy:
                     self.faults.popleft()
                 self.injected[fault] += 1
         self._writers.add(writer)
+        heads: list[str] = []  # this connection's requests
         try:
             if fault == "refuse":
                 writer.transport.abort()
@@ -140,12 +143,14 @@ class FaultProxy:
                 return
             up_reader, up_writer = await asyncio.open_connection(*self.target)
             self._writers.add(up_writer)
-            await asyncio.gather(self._pipe(reader, up_writer, record=True), self._pipe(up_reader, writer, fault))
+            await asyncio.gather(self._pipe(reader, up_writer, record=heads), self._pipe(up_reader, writer, fault))
         except (ConnectionError, asyncio.IncompleteReadError, OSError):
             pass  # a client or upstream went away: that is what this proxy is for
         finally:
             self._writers.discard(writer)
             writer.transport.abort()
+            with self._lock:
+                self.ended.extend(heads)
 
     def _record(self, heads: bytes) -> tuple[list[str], bytes]:
         """Append the complete request heads in ``heads`` to :attr:`requests`; return them and the rest."""
@@ -168,16 +173,18 @@ class FaultProxy:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         fault: str | None = None,
-        record: bool = False,
+        record: list[str] | None = None,
     ) -> None:
-        """Relay ``reader`` to ``writer`` (a response with ``fault`` applied; ``record``: requests)."""
+        """Relay ``reader`` to ``writer`` (a response with ``fault`` applied; ``record``: requests,
+        whose heads are appended to it too)."""
         limit = self.cut_after if fault in ("cut", "stall") else None
         sent = 0
         pending = b""
         try:
             while data := await reader.read(65536):
-                if record:
+                if record is not None:
                     heads, pending = self._record(pending + data)
+                    record.extend(heads)
                     await self._held(heads)
                 if fault == "corrupt" and sent + len(data) > 4096:  # past the headers: flip one body byte per chunk
                     data = data[:-1] + bytes([data[-1] ^ 0xFF])

@@ -404,3 +404,44 @@ def test_close_from_another_thread_ends_an_open_whose_listing_gets_no_answer(rem
     assert "closed while it opened" in str(raised[0])
     staging = tmp_path / "c" / ".cachepipe" / "staging"
     assert not staging.exists() or not any(staging.iterdir())
+
+
+def test_a_late_part_of_the_item_the_consumer_waits_for_is_requested_again(remote_source, fault_proxy, tmp_path):
+    """Hedged requests (``fetch_policy.hedge_in``): a part of the next item whose answer does not
+    come (its request held by the network) is requested a second time once it ran twice as long
+    as the item's other parts. The item comes whole while the first request is still held, and
+    that request's bytes, let through afterwards, change nothing."""
+    proxy, endpoint = fault_proxy
+    data = remote_source.folders(2, {"f": MIB})
+    first = min(data)
+    manifest = listed(remote_source, tmp_path)
+    held: list[str] = []
+
+    def late(head: str) -> bool:  # the first GET of the first item's second part (of 4 x 256 KiB)
+        if not held and head.startswith("GET") and f"{first}/f" in head and "range: bytes=262144-" in head.lower():
+            held.append(head)
+            return True
+        return False
+
+    gate = threading.Event()
+    proxy.hold(late, gate)
+    options = via(remote_source, endpoint)
+    try:
+        with Pipeline(
+            remote_source.url, tmp_path / "c", "8MiB", storage_options=options, manifest=manifest, max_concurrency=4
+        ) as pipe:
+            item = pipe.get(timeout=10)  # without a second request: TimeoutError, the part held until the gate
+            assert item is not None and item.name == first and held and not gate.is_set()
+            assert (item / "f").read_bytes() == data[first]["f"]
+            gate.set()  # the first request's answer comes now: its first write finds the part done
+            wait_until(lambda: held[0] in proxy.ended, what="the first request's connection dropped")
+            assert (item / "f").read_bytes() == data[first]["f"]
+            rest = pipe.get(timeout=10)
+            assert rest is not None and (rest / "f").read_bytes() == data[rest.name]["f"]
+            assert pipe.stats().hedges == 1
+            pipe.ack(item)
+            pipe.ack(rest)
+            assert pipe.get(timeout=10) is None
+    finally:
+        gate.set()
+    assert proxy.hold_timeouts == 0

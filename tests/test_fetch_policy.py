@@ -1,6 +1,11 @@
+import os
 from pathlib import Path
 
+import pytest
+
 from cachepipe.catalog import FileEntry, Item
+from cachepipe.downloads import StagingFile
+from cachepipe.fetch_policy import HEDGE_MIN_S, hedge_in
 from cachepipe.fetcher import (
     HEAD_MIN_PART,
     PartQueue,
@@ -10,6 +15,7 @@ from cachepipe.fetcher import (
     item_part_size,
     items_ahead,
 )
+from cachepipe.hedging import Flight, Superseded
 
 MIB = 1024 * 1024
 
@@ -150,3 +156,41 @@ def test_download_threads_keep_one_working_while_the_others_wait_for_requests():
     assert download_threads(16e-3, 100e-6, 64) == 64  # a remote link: the limit
     assert download_threads(1e-3, 100e-6, 4) == 4
     assert download_threads(1e-3, 100e-6, 1) == 1
+
+
+def test_a_part_of_an_item_the_consumers_take_next_is_hedged_once_it_ran_twice_its_siblings_median():
+    came = [0.2, 0.25, 0.1]  # the item's other parts: median 0.2 s
+    assert hedge_in(0.1, came, ahead=0) == pytest.approx(0.3)  # due in 0.3 s: at 0.4 s
+    assert hedge_in(0.4, came, ahead=0) == pytest.approx(0.0)
+    assert hedge_in(1.0, came, ahead=1) == pytest.approx(-0.6)  # one item ahead: still hedged
+    assert hedge_in(1.0, came, ahead=2) is None  # the consumers have two items to read meanwhile
+    assert hedge_in(1.0, [0.2], ahead=0) is None  # one part that came says nothing of the link
+    assert hedge_in(0.0, [0.001, 0.002], ahead=0) == pytest.approx(HEDGE_MIN_S)  # a nearby store: never sooner
+
+
+def test_of_two_requests_racing_for_a_part_the_first_to_end_wins_and_the_other_writes_nothing_more(tmp_path):
+    path = tmp_path / "staged"
+    path.write_bytes(bytes(8))
+    flight = Flight(part=None, began=0.0)
+    first, second = flight.first, flight.race()
+    with pytest.raises(RuntimeError, match="hedged once"):
+        flight.race()
+    late_fd, hedge_fd = os.open(path, os.O_WRONLY), os.open(path, os.O_WRONLY)
+    late = StagingFile(late_fd, 0, first.guard(os.pwrite))
+    first.watch(late, late_fd)
+    late.write(b"ab")  # the first request is under way: a hedge starts from its third byte
+    assert flight.written() == 2 and not flight.over
+    hedge = StagingFile(hedge_fd, 2, second.guard(os.pwrite))
+    second.watch(hedge, hedge_fd)
+    hedge.write(b"cdefgh")
+    second.close(os.close)
+    assert second.claim() and flight.over and first.lost() and not second.lost()
+    # the late request no longer holds the file open: a deleted item's space is freed at once
+    assert os.readlink(f"/proc/self/fd/{late_fd}") == os.devnull
+    with pytest.raises(Superseded):
+        late.write(b"XX")  # its next bytes: refused, not written
+    first.close(os.close)
+    assert not first.claim()  # it ended too: the part was counted by the other
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        os.fstat(late_fd)  # closed once, by its owner
+    assert path.read_bytes() == b"abcdefgh"

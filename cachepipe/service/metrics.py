@@ -38,6 +38,7 @@ _STATS: dict[str, tuple[str, str, str]] = {
     "capacity": ("cachepipe_cache_capacity_bytes", "gauge", "Hard cap on bytes under the cache directory."),
     "requests": ("cachepipe_store_requests", "counter", "Requests sent to the store."),
     "retries": ("cachepipe_store_retries", "counter", "Store requests retried after a transient error."),
+    "hedges": ("cachepipe_store_hedges", "counter", "Parts requested a second time because their first request ran late."),
     "disk_errors": ("cachepipe_disk_errors", "counter", "Local disk errors (a full disk, EIO) writing items; each is retried."),
     "disk_pauses": ("cachepipe_disk_pauses", "counter", "Pauses of the downloads while the disk is short of min_free."),
     "consumer_wait_seconds": ("cachepipe_consumer_wait_seconds", "counter", "Seconds consumers waited for an item."),
