@@ -390,9 +390,10 @@ class Fetcher(_Finishing):
                 hedge = None
                 if not self._stop.is_set() and self._takers <= self.threads:  # else leave: another thread takes it
                     served, part_size = self._broker.served(), self._part_size()
-                    # a late part's second request may exceed max_large_requests: the late one holds one of them
-                    hedge = self._late_part(served) if self._flights else None
                     fresh = None if self._broker.outpaced() else self._broker.fresh()
+                    # while the consumers outpace the items the link is the limit: a second request would
+                    # take its bytes from the others. It may exceed max_large_requests (the late one holds one)
+                    hedge = self._late_part(served) if self._flights and fresh is not None else None
                     part = None if hedge is not None else self._parts.take(served, part_size, large_free, fresh)
                     while part is not None:
                         parts.append(part)
@@ -405,7 +406,7 @@ class Fetcher(_Finishing):
                     for _ in range(more):  # counted as takers: started whatever this thread does
                         self._pool.submit(self._take_and_fetch)
                     watch = None
-                    if not self._stop.is_set() and self._takers <= self.threads and not self._watching:
+                    if not (self._stop.is_set() or self._takers > self.threads or self._watching or self._broker.outpaced()):
                         watch = self._hedge_wait(self._broker.served())
                     self._takers -= 1
                     if watch is None:
