@@ -212,6 +212,13 @@ class PipelineConfig(BaseModel):
             consumers, or many small items. Each worker opens the source with
             ``storage_options``, so a ``store=`` object or a ``memory://`` source (private to
             this process) cannot be used with it.
+        hedge: request the last part of an item the consumers take next a second time when it
+            runs late (twice as long as the item's other parts, and at least 0.2 s; the first
+            request to end wins), while the consumers are slower than the link (default True).
+            Bounds a lost packet's or connection's wait (TCP's retransmission timeouts, 0.2-1 s
+            or more) at the cost of that part's bytes twice (``stats().hedges`` counts them;
+            ``bytes_downloaded`` counts both requests' bytes). False: each byte is requested
+            once. Not with ``download_processes``.
         ordered: hand items out in listing order (default True); False: whichever is ready first.
         auto_ack: when the loop asks for the next item, the previous one is acknowledged and
             evicted (default True). False: call ``ack``/``release`` yourself.
@@ -329,6 +336,7 @@ class PipelineConfig(BaseModel):
     max_large_requests: int = Field(default=16, ge=1, le=1024)
     part_size: Annotated[int | None, BeforeValidator(lambda v: None if v is None else parse_size(v, "part_size"))] = None
     download_processes: int = Field(default=0, ge=0, le=256)
+    hedge: bool = True
     ordered: bool = True
     auto_ack: bool = True
     on_oversize: Literal["raise", "skip"] = "raise"

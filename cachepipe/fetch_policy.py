@@ -82,9 +82,10 @@ HEDGE_AFTER = 2.0
 """A part of an item the consumers want next is requested a second time (hedged) once it has run
 this many times as long as the median of that item's parts that came (:func:`hedge_in`)."""
 
-HEDGE_MIN_S = 0.05
-"""Seconds a part runs at least before it is hedged: where requests take milliseconds (a local
-or nearby store) a late one costs the consumers less than a second request costs the store."""
+HEDGE_MIN_S = 0.2
+"""Seconds a part runs at least before it is hedged: Linux's least TCP retransmission timeout.
+A part late by less was not held by a lost packet, but by a busy CPU or a busy store, which a
+second request would only make busier."""
 
 HEDGE_AHEAD = 1
 """An item with more than this many items ahead of it (fetching, or ready and never handed out)

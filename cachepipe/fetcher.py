@@ -400,7 +400,7 @@ class Fetcher(_Finishing):
                         if not (self._cheap and part[0].small) or len(parts) == PART_RUN:
                             break
                         part = self._parts.take(served, part_size, large=False, fresh=fresh)
-                    if len(parts) == 1 and self._workers is None and not self._whole(parts[0]):
+                    if len(parts) == 1 and self._cfg.hedge and self._workers is None and not self._whole(parts[0]):
                         self._flights[id(parts[0])] = Flight(parts[0], time.perf_counter())
                 if not parts and hedge is None:
                     for _ in range(more):  # counted as takers: started whatever this thread does
@@ -446,13 +446,14 @@ class Fetcher(_Finishing):
         return part[3] == 0 and part[4] == part[1].size
 
     def _hedges(self, served: int) -> Iterator[tuple[float, Flight]]:
-        """Each part in flight that may be hedged: its item's bytes all requested and no error,
-        not hedged yet; with the seconds until :func:`hedge_in` says to (0 or less: now). Under
-        the parts lock. ``served``: see :meth:`cachepipe.broker.Broker.served`."""
+        """Each part in flight that may be hedged: the last of its item (every other part came,
+        nothing more to request, no error), not hedged yet; with the seconds until
+        :func:`hedge_in` says to (0 or less: now). Under the parts lock. ``served``: see
+        :meth:`cachepipe.broker.Broker.served`."""
         now = time.perf_counter()
         for flight in self._flights.values():
             started = flight.part[0]
-            if flight.hedge is not None or flight.over or started.todo or started.job.error is not None:
+            if flight.hedge is not None or flight.over or started.todo or started.running > 1 or started.job.error is not None:
                 continue
             due = hedge_in(now - flight.began, started.came, started.turn - served)
             if due is not None:

@@ -55,7 +55,9 @@ def test_the_first_items_are_fetched_by_every_download_thread(remote_source, fau
     proxy, endpoint = fault_proxy
     data = remote_source.folders(2, {"f": 1024 * KIB})
     options = via(remote_source, endpoint)
-    with Pipeline(remote_source.url, tmp_path / "c", "8MiB", storage_options=options, max_concurrency=4) as pipe:
+    with Pipeline(  # hedge=False: a part late on a loaded machine is not requested twice
+        remote_source.url, tmp_path / "c", "8MiB", storage_options=options, max_concurrency=4, hedge=False
+    ) as pipe:
         got = {p.name: (p / "f").read_bytes() for p in pipe}
     assert got == {name: files["f"] for name, files in data.items()}
     parts = _object_gets(proxy, 1024 * KIB)
@@ -72,7 +74,7 @@ def test_the_default_part_size_follows_a_capacity_changed_live(remote_source, fa
     proxy, endpoint = fault_proxy
     data = remote_source.folders(2, {"f": 3 * MIB})
     options = via(remote_source, endpoint)
-    with Pipeline(remote_source.url, tmp_path / "c", "4MiB", storage_options=options, max_concurrency=1) as pipe:
+    with Pipeline(remote_source.url, tmp_path / "c", "4MiB", storage_options=options, max_concurrency=1, hedge=False) as pipe:
         it = iter(pipe)
         first = next(it)  # 4 MiB / 2: parts of 2 MiB; the second item does not fit beside it
         got = {first.name: (first / "f").read_bytes()}
@@ -445,3 +447,25 @@ def test_a_late_part_of_the_item_the_consumer_waits_for_is_requested_again(remot
     finally:
         gate.set()
     assert proxy.hold_timeouts == 0
+
+
+def test_with_hedge_false_a_late_part_is_waited_for(s3_source, fault_proxy, tmp_path):
+    """``hedge=False``: each byte is requested once, so the item waits for its held part."""
+    proxy, endpoint = fault_proxy
+    data = s3_source.folders(1, {"f": MIB})
+    manifest = listed(s3_source, tmp_path)
+    gate = threading.Event()
+    proxy.hold(lambda head: "range: bytes=262144-" in head.lower(), gate)
+    options = via(s3_source, endpoint)
+    try:
+        with Pipeline(
+            s3_source.url, tmp_path / "c", "8MiB", storage_options=options, manifest=manifest, max_concurrency=4, hedge=False
+        ) as pipe:
+            with pytest.raises(TimeoutError):
+                pipe.get(timeout=1)  # with hedges: the item in about 0.2 s
+            gate.set()
+            item = pipe.get(timeout=10)
+            assert item is not None and (item / "f").read_bytes() == data[item.name]["f"]
+            assert pipe.stats().hedges == 0
+    finally:
+        gate.set()
