@@ -13,6 +13,7 @@ import json
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -305,6 +306,38 @@ def test_a_request_still_being_answered_when_the_stop_ends_the_connections_gets_
                 if conn is not None:
                     conn.close()
         assert daemon.proc.wait(30) == 0
+
+
+@pytest.mark.parametrize(
+    ("how", "said"),
+    [
+        (signal.SIGTERM, "shut down while this next waited (HTTP 503 stopping), and none has answered since: "),
+        (signal.SIGKILL, "closed the connection before answering POST /v1/pipelines/train/next ("),
+    ],
+    ids=["stopped", "killed"],
+)
+def test_a_next_whose_daemon_goes_away_while_it_waits_says_so(s3_source, s3_endpoint, tmp_path, short_dir, how, said):
+    # A `cachepipe next` that waited while its daemon went away, and found none after it for
+    # --startup-timeout, said "cannot reach the cachepipe daemon ... (is `cachepipe serve`
+    # running?)", as if it had never reached one: a stop's 503 "stopping", or the connection a
+    # killed daemon ended with the request, was not said.
+    s3_source.folders(1, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint)
+    with DaemonProcess(config) as daemon:
+        with Client("train", sock, auto_ack=False) as client:
+            client.get(timeout=30)  # the only item: a next waits
+            command = [sys.executable, "-m", "cachepipe.cli", "next", "--socket", str(sock), "--timeout", "60"]
+            waiting = subprocess.Popen(
+                [*command, "--startup-timeout", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+            wait_until(lambda: client.status()["pipelines"]["train"]["waiting"] == 1, 30, "the next to wait")
+        daemon.signal(how)
+        daemon.proc.wait(30)
+        _out, err = waiting.communicate(timeout=60)
+    assert waiting.returncode == 1, err  # an error, as documented
+    assert f"the cachepipe daemon at {sock} {said}" in err, err
+    assert "tried for 1 s" in err and "is `cachepipe serve` running?" not in err, err
 
 
 # ---- a pass that ends, and the restarts after it ----------------------------------------------
