@@ -423,6 +423,7 @@ class Client(_Connection):
         route = f"/v1/pipelines/{quote(str(self.pipeline), safe='')}/next"
         outage = _Outage(self.startup_timeout, self.address)
         acking = extra is not None and bool(extra.get("ack") or extra.get("acks"))
+        stopped = False  # answered "stopping": asking the next daemon
         while True:
             wait = _SLICE if deadline is None else min(max(deadline - time.monotonic(), 0.0), _SLICE)
             body: dict[str, Any] = {"timeout": wait, **(extra or {}), **({} if markers else {"markers": False})}
@@ -431,6 +432,12 @@ class Client(_Connection):
             try:
                 status, data = self._request("POST", route, body, wait + _MARGIN, retry=not acking)
             except ConnectionError as exc:
+                if stopped:  # not "is it running?": it was, and said it was stopping
+                    raise ConnectionError(
+                        f"the cachepipe daemon at {self.address} shut down while this next waited (HTTP 503 stopping), "
+                        f"and none has answered since: {exc.__cause__ or exc} (tried for {self.startup_timeout:g} s; "
+                        "`cachepipe wait` waits for a daemon to be ready)"
+                    ) from exc
                 if not (acking and isinstance(exc.__cause__, (ConnectionResetError, BrokenPipeError))):
                     raise
                 # The daemon went away with the request (killed, crashed): its acks were journaled
@@ -451,6 +458,7 @@ class Client(_Connection):
                 continue  # the daemon capped this wait (max_wait); ours goes on
             if status == 503 and _code(data) == "stopping" and outage.pause():
                 self._drop()
+                stopped = True
                 continue  # the daemon is going away (a restart?): ask its successor
             self._raise_for(status, data)
 

@@ -124,6 +124,7 @@ class _Connection:
         outage = _Outage(self.startup_timeout if patience is None else patience, self.address)
         with self._lock:
             kept = True  # the first attempt may be on a kept-alive connection the daemon closed meanwhile
+            cut: BaseException | None = None  # why a connection carrying this request ended unanswered
             while True:
                 conn, fresh = self._connection(timeout)
                 sent = False  # until the whole request is sent, the daemon cannot have acted on it
@@ -141,6 +142,12 @@ class _Connection:
                     self._drop()
                     if outage.pause():
                         continue  # nothing listens yet: a daemon starting or restarting
+                    if cut is not None:  # it was there, and went away with the request: not "is it running?"
+                        raise ConnectionError(
+                            f"the cachepipe daemon at {self.address} closed the connection before answering {method} "
+                            f"{path} ({cut}), and cannot be reached now: {exc}{outage.waited()}: it stopped, or is "
+                            "restarting (`cachepipe wait` waits for it to be ready)"
+                        ) from exc
                     tcp = isinstance(exc, FileNotFoundError) and re.fullmatch(r"[\w.-]+:\d+|\[[0-9a-fA-F:]+\]:\d+", self.address)
                     hint = f"; a socket path, not a TCP address: write http://{self.address} for TCP" if tcp else ""
                     raise ConnectionError(
@@ -151,9 +158,10 @@ class _Connection:
                     self._drop()
                     again = retry or not sent  # a request that may have been carried out is not sent twice
                     if again and not fresh and kept:
-                        kept = False
+                        kept, cut = False, exc
                         continue  # a kept-alive connection the daemon had closed (it restarted): once more, fresh
                     if again and outage.pause():
+                        cut = exc
                         continue  # the daemon went away before answering (it is stopping)
                     raise ConnectionError(
                         f"the cachepipe daemon at {self.address} closed the connection: {exc}{outage.waited()}"

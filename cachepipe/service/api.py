@@ -118,6 +118,7 @@ class ApiServer:
         self._socket_id: tuple[int, int] | None = None
         self._unopened: list[UnixServer | TcpServer] = []  # bound, not yet listening
         self._path: Path | None = None  # where our Unix socket is now (temporary name, then the configured one)
+        self._stopped = False  # stop_accepting was called: every answer from now on closes its connection
         self.tcp_address: tuple[str, int] | None = None
 
     @property
@@ -132,7 +133,7 @@ class ApiServer:
         return self._thread is not None and self._thread.is_alive()
 
     def _stopping(self) -> bool:
-        return not self._daemon.running and self._thread is not None
+        return self._stopped or (not self._daemon.running and self._thread is not None)
 
     def bind(self) -> None:
         """Create the sockets; the Unix one listens under a temporary name (see :meth:`publish`).
@@ -260,6 +261,7 @@ class ApiServer:
         ``stopping``), and the listening sockets close: a TCP client connecting from now on is
         refused at once (and waits for the next daemon), not queued until the stop has ended.
         """
+        self._stopped = True
         self._unlink()
         if self._thread is not None:
             os.write(self._wake_w, b"x")
@@ -268,7 +270,9 @@ class ApiServer:
                 server.accept_queued()
 
     def close(self) -> None:
-        """End every connection, join their threads, close and remove the socket. Idempotent."""
+        """End every connection (one whose request is being answered once its answer is
+        written: see :meth:`~cachepipe.service.http.Server.disconnect_all`), join their threads,
+        close and remove the socket. Idempotent."""
         if self._wake_r < 0:
             return
         self.stop_accepting()

@@ -5,7 +5,8 @@ asyncio server is in its docstring).
 Invariants: a request is read under deadlines, not per-read timeouts (a client that trickles
 bytes does not extend them); its request line and headers never exceed ``MAX_HEADER`` bytes;
 at most ``max_clients`` connections are open, and a full server ends the connection that has
-waited longest for its client before refusing a new one.
+waited longest for its client before refusing a new one; a server that closes ends a
+connection only while it waits for its client, never one whose request is being answered.
 """
 
 from __future__ import annotations
@@ -184,11 +185,15 @@ class Server(socketserver.ThreadingMixIn):
         # live connection -> since when it waits for its client (None: busy answering a request)
         self._live: dict[socket.socket, float | None] = {}
         self._live_lock = threading.Lock()
+        self._closing = False  # disconnect_all was called: a connection ends as soon as it waits
 
     def set_waiting(self, request: socket.socket, waiting: bool) -> None:
         with self._live_lock:
-            if request in self._live:
-                self._live[request] = time.monotonic() if waiting else None
+            if request not in self._live:
+                return
+            self._live[request] = time.monotonic() if waiting else None
+            if waiting and self._closing:
+                end(request)  # answered while the server closes: its thread reads EOF next and finishes
 
     def get_request(self) -> tuple[socket.socket, Any]:
         request, address = super().get_request()  # type: ignore[misc]
@@ -250,11 +255,16 @@ class Server(socketserver.ThreadingMixIn):
         super().shutdown_request(request)  # type: ignore[misc]
 
     def disconnect_all(self) -> None:
-        """End every connection: idle keep-alive readers see EOF and their threads finish."""
-        with self._live_lock:
-            live = list(self._live)
-        for request in live:
-            end(request)
+        """End every connection waiting for its client (idle between requests, or still sending
+        one): its thread sees EOF and finishes. A connection whose request is being answered is
+        left to write its answer (a consumer's ``next`` woken by the stop gets its 503
+        ``stopping``, not a closed connection), and ends when it next waits (:meth:`set_waiting`):
+        ``server_close`` joins its thread. Idempotent."""
+        with self._live_lock:  # atomic with set_waiting: a request read meanwhile is answered
+            self._closing = True
+            for request, since in self._live.items():
+                if since is not None:
+                    end(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         exc = sys.exc_info()[1]
