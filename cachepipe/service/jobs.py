@@ -76,8 +76,9 @@ class JobsConfig(BaseModel):
 
     Attributes:
         root: absolute directory; job ``NAME`` caches under ``root/NAME``.
-        capacity: the most all jobs together may hold (a size, or a share of the free space
-            of ``root`` like ``"80%"`` resolved when a job registers).
+        capacity: the most all jobs together may hold (a size, or a share of the disk
+            space of ``root`` like ``"80%"`` resolved when a job registers: of its free space and
+            what the registered jobs and the one registering hold in their folders).
         sources: URL prefixes a job's ``source`` and ``manifest`` must start with (empty: any).
         max_jobs: most jobs registered at once (default 4).
         max_manifest: largest manifest a job may upload, in bytes (default 1 GiB; a manifest
