@@ -3,8 +3,8 @@
 Sizes accept an int of bytes or a string: ``"50GiB"``, ``"1.5GB"``, ``"512M"``, ``"1g"``.
 Units: ``KiB/MiB/GiB/TiB`` are powers of 1024, ``KB/MB/GB/TB`` powers of 1000, and the
 single letters ``k/m/g/t`` (any case, as the original tool accepted) powers of 1024.
-A capacity may also be a share of the cache filesystem's free space, ``"80%"``, resolved
-once when the cache opens.
+A capacity may also be a share of the cache filesystem's free space (and of what the cache
+folder holds already), ``"80%"``, resolved once when the cache opens.
 
 Pure and light (no pydantic): the ``cachepipe status`` command formats sizes with it without
 importing the configuration model. :mod:`cachepipe.config` re-exports every name.

@@ -362,3 +362,22 @@ def test_serve_check_lets_a_full_cache_disk_pass_with_a_warning(tmp_path, caplog
         assert host_problems(config) == []
         assert f"'{disk / 'cache'}' is full now (No space left on device)" in caplog.text
         assert not [n for n in os.listdir(disk / "cache") if not n.startswith("tenant-")]  # nothing of the probe's left
+
+
+def test_a_share_of_the_disk_keeps_its_size_when_the_cache_opens_again_over_its_items(s3_source, tmp_path):
+    """Found in review (a team's first week): ``capacity="90%"`` was resolved at each open
+    against the free space, of which the cache's own items had taken their part: a pipeline
+    opened again over the items it kept (a daemon restarted, a ``set_epoch`` pass with
+    ``retain="auto"``, ``resume=True``) got 90% of what they left, dropped most of them and
+    downloaded them again."""
+    s3_source.folders(16, {"f": 32 * KIB})
+    options = {"storage_options": s3_source.options, "keep_on_close": True, "resume": True}
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        with Pipeline(s3_source.url, disk / "cache", "90%", **options) as pipe:
+            wait_until(lambda: pipe.stats().items_ready == 16)  # all fetched ahead, none handed out
+            first = pipe.stats().capacity
+        with Pipeline(s3_source.url, disk / "cache", "90%", **options) as pipe:
+            assert len(list(pipe)) == 16
+            stats = pipe.stats()
+    assert stats.capacity == pytest.approx(first, rel=0.02)
+    assert stats.items_reused == 16 and stats.bytes_downloaded == 0

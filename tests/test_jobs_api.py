@@ -451,3 +451,38 @@ def test_a_reload_that_changes_the_jobs_section_says_it_takes_a_restart(s3_sourc
         assert "reload: the jobs section changed; this takes a restart" in daemon.log()
         assert "the-new-secret" not in daemon.log()
         assert daemon.stop() == 0
+
+
+def test_a_job_registered_again_after_a_restart_keeps_its_share_of_the_disk_and_its_items(s3_source, tmp_path, short_dir):
+    """Found in review (a team's first week on a node): a share of the disk as ``jobs.capacity``
+    was resolved against the free space at each registration, of which the jobs' own cached items
+    had taken their part. After a daemon restart (a DaemonSet's rolling update) a job registered
+    again got a fraction of its capacity (90% of 1 MiB, then 90% of what its 512 KiB left), dropped
+    the items it kept (``retain="auto"``) and downloaded them again."""
+    from test_disk_faults import tmpfs
+
+    s3_source.folders(16, {"f": 32 * KIB})
+    sock = short_dir / "api.sock"
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        jobs = {"root": str(disk / "jobs"), "capacity": "90%", "sources": [s3_source.url]}
+        jobs["options"] = {"storage_options": s3_source.options}
+        config = write_config(tmp_path, sock, jobs)
+        job = {"source": s3_source.url, "world_size": 1, "ranks": [0], "num_workers": 1, "epochs": 2, "retain": "auto"}
+
+        def read_epoch(lane: JobClient, epoch: int) -> dict:
+            cursor: tuple[int, int] = (epoch, 0)
+            while cursor[0] == epoch:
+                cursor = lane.take(cursor, timeout=30).next
+            lane.consume(cursor)
+            with Client(socket=sock) as client:
+                return client.status()["jobs"]["job/train"]["stats"]
+
+        with DaemonProcess(config), JobClient("train", job, 0, socket=sock) as lane:
+            lane.register()
+            first = read_epoch(lane, 0)
+        assert first["bytes_downloaded"] == 16 * 32 * KIB
+        with DaemonProcess(config), JobClient("train", job, 0, socket=sock) as lane:
+            lane.register()
+            second = read_epoch(lane, 1)
+    assert second["capacity"] == pytest.approx(first["capacity"], rel=0.02)
+    assert second["bytes_downloaded"] == 0  # every item kept across the restart, none downloaded again

@@ -101,3 +101,22 @@ def test_the_training_pod_mounts_the_same_host_paths_at_the_same_places(example)
     env = {e["name"]: e["value"] for e in trainer["env"]}
     assert env["CACHEPIPE_SOCKET"] == str(cfg.socket)
     assert cfg.socket_group is not None and int(cfg.socket_group) in job["securityContext"]["supplementalGroups"]
+
+
+def test_the_caches_on_one_host_disk_are_given_at_most_all_of_it(example):
+    """Found in review: the example gave the pipeline 80% of the node's SSD and the jobs 60% of
+    it, each resolved on its own: together 140% of the disk. Once the pipeline's items (kept
+    with ``retain: auto`` over endless epochs) filled its 80%, the jobs had 15% of the disk left
+    before ``min_free`` paused their downloads, not the 60% the config said."""
+    from cachepipe.config import Share
+
+    _, pod, container, cfg = example
+    mounts = host_mounts(pod, container)
+    shares: dict[str, float] = {}
+    caps = [(p.cache_dir, p.capacity) for p in cfg.pipelines.values()]
+    caps += [(cfg.jobs.root, cfg.jobs.capacity)] if cfg.jobs else []
+    for path, capacity in caps:
+        assert isinstance(capacity, Share), f"{path}: the example sizes its caches as shares of the node's disk"
+        disk = mounts[under(PurePosixPath(path), mounts)]
+        shares[disk] = shares.get(disk, 0) + capacity.fraction
+    assert all(total <= 1 for total in shares.values()), shares

@@ -65,8 +65,8 @@ class Cache(_Publishing):
 
     Args:
         root: the cache directory (created if missing).
-        capacity: bytes, or a :class:`~cachepipe.config.Share` of the filesystem's free space,
-            resolved by :meth:`open`.
+        capacity: bytes, or a :class:`~cachepipe.config.Share` of the filesystem's free space
+            and of what ``root`` holds, resolved by :meth:`open`.
     """
 
     def __init__(self, root: Path, capacity: int | Share) -> None:
@@ -135,7 +135,7 @@ class Cache(_Publishing):
             # calls that keep the interpreter's lock only where no lookup waits for a server on the way
             self.file_calls = file_calls_for(fstype) if lookups_stay_local(self._root) else RELEASING
             usage = shutil.disk_usage(self.root)
-            self.ledger.capacity = _capacity_bytes(self._capacity_spec, usage.free, usage.total)
+            self.ledger.capacity = _capacity_bytes(self._capacity_spec, self.root)
             if not isinstance(self._capacity_spec, Share):
                 if self._capacity_spec > usage.total:  # no item larger than the filesystem can ever fit: said at once
                     log.warning(

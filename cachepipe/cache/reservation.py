@@ -22,6 +22,7 @@ from pathlib import Path
 from ..catalog import Item
 from ..config import Share
 from ..errors import ConfigError, OversizeError
+from ..removal import tree_bytes
 from ..retention import RetentionPolicy
 from .acks import _Acks
 
@@ -34,10 +35,15 @@ def _never() -> bool:
     return False
 
 
-def _capacity_bytes(capacity: int | Share, free: int, total: int) -> int:
-    """``capacity`` in bytes on a filesystem of ``free`` and ``total`` bytes: a share of its free
-    space, or the bytes given, held to its size (no item larger can ever fit)."""
-    return int(free * capacity.fraction) if isinstance(capacity, Share) else min(capacity, total)
+def _capacity_bytes(capacity: int | Share, root: Path) -> int:
+    """``capacity`` in bytes for a cache at ``root``: a share of the space free on its filesystem
+    and held under ``root`` (the cache's own items are its room, not taken from it: a cache
+    opened again over the items it kept has the size it had), or the bytes given, held to the
+    filesystem's size (no item larger can ever fit)."""
+    usage = shutil.disk_usage(root)
+    if isinstance(capacity, Share):
+        return int((usage.free + tree_bytes(root)) * capacity.fraction)
+    return min(capacity, usage.total)
 
 
 class _Reservation(_Acks):
@@ -52,8 +58,7 @@ class _Reservation(_Acks):
                 budget, or less than ``at_least`` bytes (the largest item still to be fetched,
                 which would fail).
         """
-        usage = shutil.disk_usage(self.root)
-        new = _capacity_bytes(capacity, usage.free, usage.total)
+        new = _capacity_bytes(capacity, self.root)
         beside = self.foreign + self.overhead
         if beside >= new:
             raise ConfigError(f"capacity {new} bytes leaves no room beside {beside} bytes of other files and state")

@@ -39,6 +39,7 @@ from ..config import Capacity, PipelineConfig, Share, check_absolute_source, che
 from ..errors import CacheRemovedError, ConfigError
 from ..manifest import index, read_manifest
 from ..plan import Cursor
+from ..removal import tree_bytes
 from ..stores import preload
 from .closing import Closer
 from .errors import StoppingError, UnknownPipelineError
@@ -75,8 +76,9 @@ class JobsConfig(BaseModel):
 
     Attributes:
         root: absolute directory; job ``NAME`` caches under ``root/NAME``.
-        capacity: the most all jobs together may hold (a size, or a share of the free space
-            of ``root`` like ``"80%"`` resolved when a job registers).
+        capacity: the most all jobs together may hold (a size, or a share of the disk
+            space of ``root`` like ``"80%"`` resolved when a job registers: of its free space and
+            what the registered jobs and the one registering hold in their folders).
         sources: URL prefixes a job's ``source`` and ``manifest`` must start with (empty: any).
         max_jobs: most jobs registered at once (default 4).
         max_manifest: largest manifest a job may upload, in bytes (default 1 GiB; a manifest
@@ -367,19 +369,20 @@ class Jobs:
         registered jobs leave that much."""
         root = self.config.root
         root.mkdir(parents=True, exist_ok=True)
-        total = self._bytes(self.config.capacity, root)
+        room = self._room(name) if Share in (type(self.config.capacity), type(spec.capacity)) else 0
+        total = self._bytes(self.config.capacity, room)
         taken = sum(job.pipeline.config.capacity for job in self._jobs.values() if isinstance(job.pipeline.config.capacity, int))
-        want = total - taken if spec.capacity is None else self._bytes(spec.capacity, root)
+        want = total - taken if spec.capacity is None else self._bytes(spec.capacity, room)
         if want <= 0 or taken + want > total:
             free = max(total - taken, 0)
             if spec.capacity is None:
                 asked = "the rest of jobs.capacity (its spec gives no capacity)"
             elif isinstance(spec.capacity, Share):
-                asked = f"capacity {spec.capacity} of the free disk space ({want} bytes)"
+                asked = f"capacity {spec.capacity} of the disk space free or held by jobs ({want} bytes)"
             else:
                 asked = f"capacity {want} bytes"
             size = (
-                f"{self.config.capacity} of the free disk space, {total} bytes"
+                f"{self.config.capacity} of the disk space free or held by jobs, {total} bytes"
                 if isinstance(self.config.capacity, Share)
                 else f"{total} bytes"
             )
@@ -395,10 +398,19 @@ class Jobs:
             )
         return want
 
+    def _room(self, name: str) -> int:
+        """The bytes a share of the disk is of: the free space under root and what the registered
+        jobs and job ``name`` hold in their folders. Their items are room of ``jobs.capacity``, not
+        taken from it: a job registered again after a restart finds the size it had, though its
+        items (kept for it) have taken their part of the free space. The folders of other jobs not
+        registered now stay taken."""
+        root = self.config.root
+        return shutil.disk_usage(root).free + sum(tree_bytes(root / job) for job in {*self._jobs, name})
+
     @staticmethod
-    def _bytes(capacity: int | Share, root: Path) -> int:
+    def _bytes(capacity: int | Share, room: int) -> int:
         if isinstance(capacity, Share):
-            return int(shutil.disk_usage(root).free * capacity.fraction)
+            return int(room * capacity.fraction)
         return capacity
 
     def _job(self, name: str) -> _Job:
