@@ -1,286 +1,38 @@
-"""From a listing to items: grouping, sizes and safe local names (pure code, no I/O).
+"""A whole listing held as a :class:`Catalog` (pure code, no I/O): columns of names, sizes and
+entity tags in a few flat buffers (about 60-70 bytes per one-file item, against about 400 for a
+list of :class:`Item` objects), from which an :class:`Item` is made when one is asked for.
 
-An item is either a first-level folder under the prefix (every object under ``<name>/``,
-recursively) or, with ``items="files"``, a single object. Each object key is checked here,
-once, before anything touches the disk: a key that could escape the cache directory or
-collide with another after mapping makes its item unsafe: the item is kept, in its place, with
-the :class:`~cachepipe.errors.UnsafeKeyError` that names the key and the reason
-(:attr:`Item.unsafe`), and is never written (the fetcher refuses it in its turn; a pipeline
-with ``on_error="raise"`` refuses the listing). One bad key costs its item only, and every
-process that plans from the same listing sees the same items in the same places.
-
-A whole listing is held as a :class:`Catalog`: columns of names, sizes and entity tags in a
-few flat buffers (about 60-70 bytes per one-file item, against about 400 for a list of
-:class:`Item` objects), from which an :class:`Item` is made when one is asked for.
+What an item is and how a listing is grouped into items is :mod:`cachepipe.grouping`; which
+keys are safe as local names, :mod:`cachepipe.keys`. Their public names are importable from
+here too.
 """
 
 from __future__ import annotations
 
 import hashlib
-import heapq
-import logging
-import re
 import sys
 from array import array
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal, overload
 
 from .errors import UnsafeKeyError
-from .stores.base import ObjectInfo, slot_setters
+from .grouping import (
+    FileEntry,
+    Item,
+    _Entry,
+    _grouped,
+    group_items,
+    version_of,  # noqa: F401 - importable from here, as before
+)
+from .keys import RESERVED_NAMES, _TreeCheck, check_key
+from .stores.base import ObjectInfo
 
+# the items, their grouping and the keys' check: importable from here, as before
 __all__ = ["RESERVED_NAMES", "Catalog", "FileEntry", "Item", "Names", "check_key", "group_items"]
 
-log = logging.getLogger("cachepipe")
 
-#: top-level names cachepipe keeps for itself inside the cache directory
-RESERVED_NAMES = frozenset({".cachepipe"})
-_MAX_SEGMENT_BYTES = 255
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-
-
-@dataclass(frozen=True, slots=True, init=False)
-class FileEntry:
-    """One object of an item.
-
-    Attributes:
-        key: the object key relative to the source prefix.
-        rel: the local path relative to the item (``""`` for a single-file item).
-        size: bytes.
-        etag: the store's entity tag, or None.
-    """
-
-    key: str
-    rel: str
-    size: int
-    etag: str | None = None
-
-    def __init__(self, key: str, rel: str, size: int, etag: str | None = None) -> None:
-        set_key, set_rel, set_size, set_etag = _FILE_ENTRY_SETTERS  # see slot_setters
-        set_key(self, key)
-        set_rel(self, rel)
-        set_size(self, size)
-        set_etag(self, etag)
-
-
-_FILE_ENTRY_SETTERS = slot_setters(FileEntry, "key", "rel", "size", "etag")
-
-
-@dataclass(frozen=True, slots=True, init=False)
-class Item:
-    """One unit of delivery: a folder of files, or a single file.
-
-    Attributes:
-        name: the item's name, also its path relative to the cache directory.
-        files: its objects, in key order.
-        size: total bytes of its files.
-        is_file: True for a single-object item (``items="files"``).
-        unsafe: why the item cannot be stored in the cache (a key of it that is unsafe, or that
-            collides, see :func:`check_key`), or None. An unsafe item is never written.
-    """
-
-    name: str
-    files: tuple[FileEntry, ...]
-    size: int
-    is_file: bool = False
-    unsafe: UnsafeKeyError | None = field(default=None, compare=False)
-
-    def __init__(
-        self, name: str, files: tuple[FileEntry, ...], size: int, is_file: bool = False, unsafe: UnsafeKeyError | None = None
-    ) -> None:
-        set_name, set_files, set_size, set_is_file, set_unsafe = _ITEM_SETTERS  # see slot_setters
-        set_name(self, name)
-        set_files(self, files)
-        set_size(self, size)
-        set_is_file(self, is_file)
-        set_unsafe(self, unsafe)
-
-    @property
-    def version(self) -> str | None:
-        """Which version of the item the listing names: 16 hex digits of a digest of its files'
-        paths, sizes and entity tags, or None if no file has a tag (local files, ``memory://``).
-        The journal records it with each publish, so that recovery reuses an item left on disk
-        only while the store still lists that version (an object rewritten at the same size has
-        another tag)."""
-        return version_of([(f.rel, f.size, f.etag) for f in self.files]) if self.tagged else None
-
-    @property
-    def tagged(self) -> bool:
-        """Whether any of its files has an entity tag: then it has a :attr:`version`."""
-        return any(f.etag is not None for f in self.files)
-
-
-_ITEM_SETTERS = slot_setters(Item, "name", "files", "size", "is_file", "unsafe")
-
-
-def version_of(files: Sequence[tuple[str, int, str | None]]) -> str | None:
-    """16 hex digits of a digest of ``(path, size, etag)`` of each of an item's files, in order;
-    None if no file has an entity tag (see :attr:`Item.version`)."""
-    if all(etag is None for _rel, _size, etag in files):
-        return None
-    digest = hashlib.blake2b(digest_size=8)
-    for rel, size, etag in files:
-        digest.update(f"{rel}\0{size}\0{etag or ''}\0".encode("utf-8", "surrogateescape"))
-    return digest.hexdigest()
-
-
-def check_key(key: str) -> list[str]:
-    """Return the ``/``-separated segments of ``key``, or raise :class:`UnsafeKeyError`.
-
-    Rejected: empty keys, absolute keys, backslashes, NUL and other control characters,
-    empty, ``.`` or ``..`` segments, segments over 255 bytes, and the reserved top-level name
-    ``.cachepipe``.
-    """
-    if not key:
-        raise UnsafeKeyError(key, "empty key")
-    if key.startswith("/"):
-        raise UnsafeKeyError(key, "absolute path")
-    if "\\" in key:
-        raise UnsafeKeyError(key, "contains a backslash")
-    if _CONTROL.search(key):
-        raise UnsafeKeyError(key, "contains NUL or a control character")
-    segments = key.split("/")
-    # The common case in one pass at C speed (a segment of at most 63 characters is at most
-    # 252 bytes); the loop below names the first bad segment.
-    if "" in segments or "." in segments or ".." in segments or max(map(len, segments)) * 4 > _MAX_SEGMENT_BYTES:
-        for seg in segments:
-            if seg == "":
-                raise UnsafeKeyError(key, "empty path segment ('//' or a trailing '/')")
-            if seg in (".", ".."):
-                raise UnsafeKeyError(key, f"'{seg}' path segment")
-            if len(seg.encode("utf-8", "surrogateescape")) > _MAX_SEGMENT_BYTES:
-                raise UnsafeKeyError(key, f"a path segment is longer than {_MAX_SEGMENT_BYTES} bytes")
-    if segments[0] in RESERVED_NAMES:
-        raise UnsafeKeyError(key, f"'{segments[0]}' is reserved for cachepipe's own state")
-    return segments
-
-
-class _TreeCheck:
-    """Detects keys that collide after mapping: a file that is also a folder of another key.
-
-    Keys are added in strictly increasing order (a listing's), so a file comes before every key
-    under it, and those come before any key at or after ``file + "0"`` ("0" follows "/"). A file
-    is remembered only until the keys pass that point: memory for the few files whose names
-    prefix the keys that follow, not for every key listed (a listing of millions of single
-    files)."""
-
-    def __init__(self) -> None:
-        self._open: set[str] = set()  # files that a later key may still be under
-        self._ends: list[tuple[str, str]] = []  # heap of (file + "0", file): past it, the file is closed
-
-    def add(self, key: str, segments: list[str]) -> None:
-        """Add the file ``key`` at the path ``segments`` (relative to what is checked)."""
-        path, ends, open_ = "/".join(segments), self._ends, self._open
-        while ends and ends[0][0] <= path:
-            open_.discard(heapq.heappop(ends)[1])
-        if open_:
-            for i in range(1, len(segments)):
-                parent = "/".join(segments[:i])
-                if parent in open_:
-                    raise UnsafeKeyError(key, f"collides with the file {parent!r} (a file and a folder of the same name)")
-        open_.add(path)
-        heapq.heappush(ends, (path + "0", path))
-
-
-def group_items(objects: Iterable[ObjectInfo], mode: Literal["folders", "files"] = "folders") -> Iterator[Item]:
-    """Group a listing into items, streaming: each item is yielded once its last object is seen.
-
-    ``objects`` must be in strictly increasing key order (every store lists that way); then all
-    objects of a folder are contiguous. Zero-byte directory markers are skipped. Objects directly
-    under the prefix (no folder) are ignored in ``"folders"`` mode. An item with a key that is
-    unsafe or collides (see :func:`check_key`) is yielded in its place with :attr:`Item.unsafe`
-    set to the first such key's error (a folder's name is its key's first segment, whatever
-    that is): it must not be written.
-
-    Raises:
-        ValueError: the listing is not in key order.
-    """
-    is_file = mode == "files"
-    for name, size, files, unsafe in _grouped(objects, mode):
-        if is_file:  # one file, whose key is the name
-            entries: tuple[FileEntry, ...] = (FileEntry(name, "", size, files[0][2]),)
-        else:
-            entries = tuple([FileEntry(f"{name}/{rel}", rel, file_size, etag) for rel, file_size, etag in files])
-        yield Item(name, entries, size, is_file=is_file, unsafe=unsafe)
-
-
-_Files = list[tuple[str, int, str | None]]  # (rel, size, etag) of an item's files
-_Entry = tuple[str, int | None, _Files, UnsafeKeyError | None]  # (name, size or None: the sum, files, why unsafe)
-
-
-def _grouped(
-    objects: Iterable[ObjectInfo], mode: Literal["folders", "files"]
-) -> Iterator[tuple[str, int, _Files, UnsafeKeyError | None]]:
-    """:func:`group_items` as ``(name, size, [(rel, size, etag), ...], unsafe)``, making no objects
-    per item (what :meth:`Catalog.from_listing` stores). A file's key is ``name/rel``, or ``name``
-    in ``"files"`` mode, where ``rel`` is empty."""
-    last_key: str | None = None
-    current: str | None = None
-    files: _Files = []
-    size = 0
-    unsafe: UnsafeKeyError | None = None  # of the current folder
-    first: tuple[str, list[str]] = ("", [])  # the folder's first key and its segments under the folder
-    tree: _TreeCheck | None = None  # made at a folder's second file: one file cannot collide
-    everything = _TreeCheck() if mode == "files" else None
-    loose = ""  # the first object beside the folders
-    skipped = 0  # how many
-    for obj in objects:
-        key = obj.key
-        if last_key is not None and key <= last_key:
-            raise ValueError(f"listing out of order: {key!r} after {last_key!r}")
-        last_key = key
-        if key.endswith("/") and obj.size == 0:
-            continue  # a directory marker
-        error: UnsafeKeyError | None = None
-        try:
-            segments = check_key(key)
-        except UnsafeKeyError as exc:
-            segments, error = key.split("/"), exc  # grouped as listed, never written
-        if everything is not None:
-            if error is None:
-                try:
-                    everything.add(key, segments)
-                except UnsafeKeyError as exc:
-                    error = exc
-            yield key, obj.size, [("", obj.size, obj.etag)], error
-            continue
-        if len(segments) < 2:
-            skipped += 1  # a loose object beside the folders: not part of any item
-            loose = loose or key
-            continue
-        name, inside = segments[0], segments[1:]
-        if name != current:
-            if files:
-                yield current, size, files, unsafe  # type: ignore[misc]
-            current, files, size, tree, first, unsafe = name, [], 0, None, (key, inside), error
-        elif unsafe is not None:
-            pass  # an unsafe folder is not checked further: its first bad key names it
-        elif error is not None:
-            unsafe = error
-        else:
-            try:
-                if tree is None:
-                    tree = _TreeCheck()
-                    tree.add(*first)
-                tree.add(key, inside)
-            except UnsafeKeyError as exc:
-                unsafe = exc
-        files.append((key[len(name) + 1 :], obj.size, obj.etag))
-        size += obj.size
-    if files:
-        yield current, size, files, unsafe  # type: ignore[misc]
-    if skipped and current is not None:  # with no folder at all, the listing is refused, saying so
-        log.warning(
-            "%d object(s) lie directly under the prefix, beside its folders, and are part of no item "
-            "(items='folders' makes an item of each folder; the first: %r)",
-            skipped,
-            loose,
-        )
-
-
-# ---- the columnar catalog ------------------------------------------------------------------
 _UTF8_ERRORS = "surrogatepass"  # any str round-trips, even one with lone surrogates
 _ETAG_NONE, _ETAG_MD5, _ETAG_TEXT = 0, 1, 2
 _DIGEST = 16  # bytes per file in the digest column

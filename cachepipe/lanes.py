@@ -28,8 +28,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 from .catalog import Item
-from .plan import EPOCHS_CACHED, RUN, STATE_VERSION, Cursor, Plan, Step, deal, equalise, permutation, split_all
+from .plan import EPOCHS_CACHED, STATE_VERSION, Cursor, Plan, Step, deal, equalise, permutation, split_all
 from .plan import tick as plan_tick
+from .plan_split import RUN
 
 __all__ = ["Lane", "LaneSchedule", "LaneStep", "NodePlan"]
 

@@ -10,57 +10,10 @@ Nothing here does I/O or starts threads. Memory is a few arrays of C ints: for 1
 about 8 MB of sizes plus 4 MB per cached epoch (at most :data:`EPOCHS_CACHED` epochs).
 Computing one epoch walks every item in Python (about 1-3 s per million items).
 
-Splitting by bytes, and its bound
----------------------------------
-``balance="bytes"`` (default) walks the epoch's permutation and gives each item to the part
-(rank, or worker inside a rank) with the fewest bytes so far; ties go to the part with fewer
-items, then to the lower part number. Every part runs the same walk, so the parts are disjoint
-and together cover the epoch exactly once.
-
-Claim: after every step, for any two parts ``a`` and ``b``, ``bytes(a) - bytes(b) <= s_max``,
-the size of the largest item walked so far. Proof by induction: it holds at the start (all 0).
-A step gives an item of size ``s <= s_max`` to a part ``m`` with the fewest bytes. Pairs
-without ``m`` are unchanged. For any other part ``r``: ``(B_m + s) - B_r <= s <= s_max``
-because ``B_m <= B_r``; and ``B_r - (B_m + s) <= B_r - B_m <= s_max`` by induction. QED.
-
-Counts are not balanced by bytes: one rank may get one large item while another gets many
-small ones, so ranks can run different numbers of steps in an epoch (a DDP collective then
-hangs: see ``equal_steps`` below, or use ``Join``). With equal sizes the tie-break makes the
-walk a round-robin, and counts differ by at most one; with any sizes the first ``parts`` items go to distinct parts, so when
-there are at least as many items as parts, every rank gets at least one item per epoch.
-``balance="count"`` deals the permutation out round-robin instead: counts differ by at most
-one, bytes are not bounded.
-
-Equal steps per rank, and their bound
--------------------------------------
-DDP needs every rank to run the same number of steps in an epoch. ``equal_steps="pad"`` (like
-torch's ``DistributedSampler``) extends the epoch's permutation with its first items again
-until its length is a multiple of ``world_size``; ``equal_steps="drop"`` (like its
-``drop_last=True``) leaves its last ``n % world_size`` items out of the epoch. The adjusted
-permutation is then *dealt* (:func:`deal`) in rounds of ``world_size`` consecutive items, one
-item per rank per round: with ``balance="count"`` round-robin, with ``balance="bytes"`` the
-round's largest item to the rank with the fewest bytes so far, its second largest to the rank
-with the second fewest, and so on (ties: earlier item in the walk; lower rank). Every rank gets
-exactly ``len / world_size`` items. ``equal_steps=None`` (default) is the walk above, unchanged.
-
-Claim: after every round, for any two ranks ``a`` and ``b``, ``bytes(a) - bytes(b) <= s_max``,
-the size of the largest item dealt so far. Proof by induction: it holds at the start (all 0).
-In a round, number the ranks by bytes before it, ``B_1 <= ... <= B_w``, and the round's items by
-size, ``s_1 >= ... >= s_w``: rank ``i`` gets ``s_i``. For ``i < j``: ``(B_i + s_i) - (B_j + s_j)
-<= s_i - s_j <= s_max`` because ``B_i <= B_j``; and ``(B_j + s_j) - (B_i + s_i) <= B_j - B_i <=
-s_max`` because ``s_j <= s_i``, by induction. QED. A last round of fewer items than parts
-(inside a rank, below) is the same round with items of size 0 for the rest.
-
-Inside a rank, the DataLoader workers' split is dealt the same way (rounds of ``num_workers``
-items, the last one possibly short) when ``equal_steps`` is set: then every rank's workers get
-the same counts (``m // k`` or one more, the same number of each on every rank, for a rank's
-``m`` items and ``k`` workers), so a DataLoader that batches each worker's items (``batch_size``
-> 1) makes the same number of batches on every rank. The greedy walk does not: two ranks of 10
-items each could split them 5 + 5 and 6 + 4, which with batches of 4 are 4 and 3 batches.
-
-With ``"pad"``, an item may be read twice in an epoch (by two ranks, or, by bytes, by one);
-with ``"drop"``, up to ``world_size - 1`` items are not read in that epoch (each epoch others,
-with ``shuffle`` and ``partition="epoch"``).
+How an epoch's order is made and split into shares (by bytes or by count, with ``equal_steps``
+or without), with the bounds of each split, is in :mod:`cachepipe.plan_split` (pure functions);
+where rank, world size and worker come from when they are not given, in
+:mod:`cachepipe.plan_ranks`. Both are re-exported here.
 
 ``partition="epoch"`` (default) re-splits every epoch, like torch's ``DistributedSampler``.
 ``partition="fixed"`` splits once (by bytes or count, over the permutation of epoch ``-1``)
@@ -76,10 +29,6 @@ epoch (a share that holds an item twice reads it twice in a row).
 from __future__ import annotations
 
 import hashlib
-import heapq
-import os
-import random
-import sys
 import threading
 from array import array
 from collections import OrderedDict
@@ -88,7 +37,17 @@ from itertools import islice
 from typing import Any, Literal, NamedTuple
 
 from .catalog import Item
+from .plan_ranks import _check_rank, default_rank_world, default_worker
+from .plan_split import (
+    RUN,  # noqa: F401 - importable from here, as before
+    deal,
+    equalise,
+    permutation,
+    split,
+    split_all,
+)
 
+# the split's functions and the ranks' defaults: importable from here, as before
 __all__ = [
     "EPOCHS_CACHED",
     "Cursor",
@@ -142,177 +101,6 @@ def tick(epoch: int, index: int) -> int:
     return (epoch << _SHIFT) | index
 
 
-def _derive(*parts: object) -> int:
-    """A stable 64-bit seed from ``parts`` (Python's ``hash()`` is salted per process)."""
-    text = ":".join(str(p) for p in ("cachepipe.plan", *parts)).encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big")
-
-
-RUN = 256
-"""Iterations of :func:`permutation` and :func:`split_all` between two calls of their ``pause``."""
-
-
-def permutation(n: int, seed: int, epoch: int, pause: Callable[[], None] | None = None) -> array[int]:
-    """The permutation of ``range(n)`` for ``epoch``: a Fisher-Yates shuffle driven by
-    ``random.Random(derived seed).random()``, whose output Python guarantees across versions
-    (``Random.shuffle`` is not guaranteed). Same ``(n, seed, epoch)``, same permutation.
-    ``pause`` is called after every :data:`RUN` swaps (a thread computing in the background
-    lets the interpreter's lock go to the threads that wait for it: ``time.sleep(0)``)."""
-    order = array("I", range(n))
-    rand = random.Random(_derive(seed, epoch)).random  # noqa: S311 - a shuffle order, not a secret
-    for top in range(n - 1, 0, -RUN):
-        for i in range(top, max(top - RUN, 0), -1):
-            j = int(rand() * (i + 1))
-            order[i], order[j] = order[j], order[i]
-        if pause is not None:
-            pause()
-    return order
-
-
-def split(
-    order: Sequence[int], sizes: Sequence[int], parts: int, part: int, balance: Literal["bytes", "count"] = "bytes"
-) -> array[int]:
-    """The subsequence of ``order`` that belongs to ``part`` of ``parts`` (see the module notes)."""
-    if parts == 1:
-        return array("I", order)
-    if balance == "count":
-        return array("I", order[part::parts])
-    mine = array("I")
-    keep = mine.append
-    heap = [(0, 0, p) for p in range(parts)]  # (bytes, items, part): min bytes, then count, then part
-    replace = heapq.heapreplace
-    for x in order:
-        b, c, p = heap[0]
-        if p == part:
-            keep(x)
-        replace(heap, (b + sizes[x], c + 1, p))
-    return mine
-
-
-def split_all(
-    order: Sequence[int],
-    sizes: Sequence[int],
-    parts: int,
-    balance: Literal["bytes", "count"] = "bytes",
-    pause: Callable[[], None] | None = None,
-) -> list[array[int]]:
-    """Every part's subsequence of ``order`` in one walk: ``split_all(...)[p] == split(..., p)``;
-    ``pause`` as for :func:`permutation`."""
-    if parts == 1:
-        return [array("I", order)]
-    if balance == "count":
-        return [array("I", order[p::parts]) for p in range(parts)]
-    out = [array("I") for _ in range(parts)]
-    keep = [a.append for a in out]
-    heap = [(0, 0, p) for p in range(parts)]
-    replace = heapq.heapreplace
-    for start in range(0, len(order), RUN):
-        for x in order[start : start + RUN]:
-            b, c, p = heap[0]
-            keep[p](x)
-            replace(heap, (b + sizes[x], c + 1, p))
-        if pause is not None:
-            pause()
-    return out
-
-
-def equalise(order: Sequence[int], parts: int, equal_steps: Literal["pad", "drop"] | None) -> Sequence[int]:
-    """``order`` made a multiple of ``parts`` long (see the module notes): ``"pad"`` extends it
-    with its first items again (cycling, if it is shorter than the padding), ``"drop"`` leaves
-    out its last ``len(order) % parts`` items; None, or already a multiple: ``order`` itself."""
-    n = len(order)
-    if equal_steps is None or n % parts == 0 or n == 0:
-        return order
-    if equal_steps == "drop":
-        return order[: n - n % parts]
-    out = array("I", order)
-    need = parts - n % parts
-    while need:
-        run = order[:need]
-        out.extend(run)
-        need -= len(run)
-    return out
-
-
-def deal(
-    order: Sequence[int],
-    sizes: Sequence[int],
-    parts: int,
-    balance: Literal["bytes", "count"] = "bytes",
-    pause: Callable[[], None] | None = None,
-) -> list[array[int]]:
-    """Every part's subsequence of ``order``, dealt in rounds of ``parts`` items, one item to each
-    part per round (the last round may be short): counts differ by at most one, and not at all
-    when ``len(order)`` is a multiple of ``parts``. ``"count"``: round-robin; ``"bytes"``: the
-    round's items by size, largest first, to the parts by bytes so far, fewest first (see the
-    module notes). ``pause`` as for :func:`permutation`."""
-    if parts == 1:
-        return [array("I", order)]
-    if balance == "count":
-        return [array("I", order[p::parts]) for p in range(parts)]
-    out = [array("I") for _ in range(parts)]
-    keep = [a.append for a in out]
-    total = [0] * parts
-    ranked = list(range(parts))  # parts by (bytes, part), fewest first
-    size = sizes.__getitem__
-    for rounds, start in enumerate(range(0, len(order), parts), 1):
-        ranked.sort(key=lambda p: (total[p], p))
-        # a stable sort: items of one size keep their order in the walk (reverse=True keeps it too)
-        for x, p in zip(sorted(order[start : start + parts], key=size, reverse=True), ranked, strict=False):
-            keep[p](x)
-            total[p] += sizes[x]
-        if pause is not None and rounds % RUN == 0:
-            pause()
-    return out
-
-
-def _env_int(environ: Mapping[str, str], name: str) -> int:
-    text = environ[name]
-    try:
-        return int(text.strip())
-    except ValueError:
-        raise ValueError(f"{name}={text!r}: expected a non-negative integer") from None
-
-
-def _check_rank(rank: int, world_size: int, source: str, names: tuple[str, str] = ("rank", "world_size")) -> tuple[int, int]:
-    if world_size < 1:
-        raise ValueError(f"{names[1]} {world_size} ({source}): expected an integer >= 1")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"{names[0]} {rank} ({source}): expected 0 <= {names[0]} < {names[1]} = {world_size}")
-    return rank, world_size
-
-
-def default_rank_world(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
-    """``(rank, world_size)`` of this process: from ``torch.distributed`` if torch is already
-    imported and the process group is initialised, else from the ``RANK`` and ``WORLD_SIZE``
-    variables (torchrun), else ``(0, 1)``. Torch is never imported here.
-
-    Raises:
-        ValueError: a malformed or inconsistent value, named (``RANK='x'``, rank >= world size,
-            only one of the two variables set).
-    """
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return _check_rank(int(dist.get_rank()), int(dist.get_world_size()), "torch.distributed")
-    env = os.environ if environ is None else environ
-    has_rank, has_world = "RANK" in env, "WORLD_SIZE" in env
-    if not has_rank and not has_world:
-        return 0, 1
-    if has_rank != has_world:
-        missing, present = ("WORLD_SIZE", "RANK") if has_rank else ("RANK", "WORLD_SIZE")
-        raise ValueError(f"{present}={env[present]!r} is set but {missing} is not: set both (torchrun does) or neither")
-    rank, world = _env_int(env, "RANK"), _env_int(env, "WORLD_SIZE")
-    return _check_rank(rank, world, "from RANK and WORLD_SIZE", ("RANK", "WORLD_SIZE"))
-
-
-def default_worker() -> tuple[int, int]:
-    """``(worker, num_workers)`` inside a torch DataLoader worker (if torch is already
-    imported), else ``(0, 1)``."""
-    data = sys.modules.get("torch.utils.data")
-    info = data.get_worker_info() if data is not None else None
-    return (0, 1) if info is None else (int(info.id), int(info.num_workers))
-
-
 def _check_int(name: str, value: object, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} {value!r}: expected an integer >= {low}")
@@ -331,10 +119,10 @@ class Plan:
         seed: with ``epoch``, the only input of the permutation.
         rank, world_size: this process's share; both None (default): :func:`default_rank_world`.
         worker, num_workers: this DataLoader worker's share of the rank's share.
-        balance: ``"bytes"`` (default) or ``"count"`` (see the module notes).
+        balance: ``"bytes"`` (default) or ``"count"`` (see :mod:`cachepipe.plan_split`).
         partition: ``"epoch"`` (default) or ``"fixed"`` (see the module notes).
         equal_steps: None (default: shares as the walk gives them), ``"pad"`` or ``"drop"``:
-            every rank the same number of steps per epoch (see the module notes).
+            every rank the same number of steps per epoch (see :mod:`cachepipe.plan_split`).
         start: the first position to yield (usually from :meth:`load_state_dict`).
 
     Raises:
@@ -459,7 +247,7 @@ class Plan:
         return self._split(order)
 
     def _split(self, order: Sequence[int]) -> array[int]:
-        """This (rank, worker)'s part of ``order``, a whole epoch's (see the module notes)."""
+        """This (rank, worker)'s part of ``order``, a whole epoch's (see :mod:`cachepipe.plan_split`)."""
         if self.equal_steps is None:
             if self.world_size > 1:
                 order = split(order, self.sizes, self.world_size, self.rank, self.balance)

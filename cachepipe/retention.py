@@ -51,8 +51,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from .plan import RUN
 from .plan import tick as plan_tick
+from .plan_split import RUN
 
 __all__ = [
     "LRU",

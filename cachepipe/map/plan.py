@@ -18,9 +18,10 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
-from ..catalog import check_key, group_items, version_of
+from ..catalog import check_key, group_items
 from ..config import UNPACK_RATIO, Capacity, parse_size
 from ..errors import ConfigError, UnsafeKeyError
+from ..grouping import version_of
 from ..stores import Store
 from ..stores.base import ObjectInfo, abort_store, takes_etag
 from ..unpack import DEFAULT_MAX_MEMBERS, is_checksum_file, split_volume

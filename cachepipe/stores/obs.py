@@ -55,38 +55,29 @@ themselves, and only the later ones are refused.
 
 from __future__ import annotations
 
-import inspect
 import os
 import socket
 import threading
-import traceback
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from http.client import HTTPException
-from typing import Any, BinaryIO, TypeVar
-from urllib.parse import urlsplit
+from typing import Any, BinaryIO
 
-from cachepipe.errors import (
-    ConfigError,
-    ObjectChangedError,
-    StoreClosedError,
-    StoreUnavailableError,
-    StoreUnreachableError,
-    store_code,
-)
-from cachepipe.stores.base import (
-    CHANGED,
-    CREDENTIAL_CODES,
-    DROPPED,
-    FIRST_PAGE_KEYS,
-    NO_REPLY,
-    THROTTLE_CODES,
-    ObjectInfo,
-    listed_etag,
+from cachepipe.errors import ConfigError
+from cachepipe.stores.base import FIRST_PAGE_KEYS, ObjectInfo, listed_etag
+from cachepipe.stores.obs_errors import ObsServiceError, _ObsSeam
+from cachepipe.stores.obs_settings import (
+    _CREDENTIAL_KEYS,
+    _ENDPOINT_KEYS,
+    _client_arguments,
+    _parse_url,
+    _resolve_settings,
+    _Settings,
+    _shown,
 )
 
+# ObsServiceError: importable from here, as before
 __all__ = ["CHUNK_SIZE", "MAX_PAGE_SIZE", "ObsServiceError", "ObsStore"]
 
 CHUNK_SIZE = 1 << 20
@@ -95,189 +86,8 @@ CHUNK_SIZE = 1 << 20
 MAX_PAGE_SIZE = 1000
 """The largest page OBS returns for one ``ListObjects`` request (objects)."""
 
-_ENDPOINT_KEYS = ("server", "endpoint", "endpoint_url")
-_CREDENTIAL_KEYS = ("access_key_id", "secret_access_key", "security_token")
-_SECRET_KEYS = ("secret_access_key", "security_token", "proxy_password")
-_ENV_KEYS = {
-    "access_key_id": "OBS_ACCESS_KEY_ID",
-    "secret_access_key": "OBS_SECRET_ACCESS_KEY",
-    "security_token": "OBS_SECURITY_TOKEN",
-}
-_ENV_ENDPOINT = "OBS_ENDPOINT"
-
-# ObsClient arguments this backend cannot honour: the streaming read and the error seam rely on
-# http.client responses and exceptions, which these modes replace (use_http_conns even wraps
-# every network error into a bare Exception).
-_UNSUPPORTED = {
-    "use_http_conns": "the requests-based transport hides network errors in a bare Exception",
-    "use_http2": "the HTTP/2 transport is not supported by the streaming read",
-    "client_mode": "only the default 'obs' mode is supported",
-    "pool_size": "it only applies to use_http_conns, which is not supported",
-    "trust_env": "it only applies to use_http_conns, which is not supported",
-}
-# ObsClient pops this one from **kwargs itself, so the signature does not show it.
-_EXTRA_CLIENT_ARGS = ("id_token_credentials_provider",)
-# Our defaults for the SDK, each overridable through storage_options:
-# - max_retry_count=0: the core retries transient errors with backoff; the SDK's own loop
-#   (sleeping 0.2, 0.4, 0.8 s) would multiply the attempts and hide the failure from the core.
-# - long_conn_mode=True: keep-alive connections in the client's pool (the SDK default opens a
-#   new TCP/TLS connection per request); ObsStore.close() closes them.
-_CLIENT_DEFAULTS: dict[str, Any] = {"max_retry_count": 0, "long_conn_mode": True}
-
 
 _SDK_SSL_WARNINGS = (r"ssl\.PROTOCOL_TLS is deprecated", r"ssl\.OP_NO_SSL\*/ssl\.OP_NO_TLS\* options are deprecated")
-
-_DOING = {"list": "listing", "get": "reading", "head": "checking"}
-
-_T = TypeVar("_T")
-
-
-def _in_connect(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised while connecting (in :func:`socket.create_connection`, which the
-    SDK's connections call): the SDK has one ``timeout`` for connects and reads, and raises the
-    socket's own error, so where it was raised tells a connect that timed out (no answer at all:
-    packets dropped) from a response that did not come in time (a silent server)."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    return any(frame.name == "create_connection" and frame.filename.endswith("socket.py") for frame in frames)
-
-
-class ObsServiceError(Exception):
-    """An error result returned (not raised) by the OBS SDK; the ``__cause__`` of translated errors.
-
-    Attributes:
-        status: the HTTP status, or None when the SDK returned no response.
-        code: the OBS error code (``NoSuchKey``, ``AccessDenied``...), or None (e.g. on HEAD).
-        message: the server's message, or None.
-        request_id: the OBS request id for support tickets, or None.
-    """
-
-    def __init__(self, status: int | None, code: str | None, message: str | None, request_id: str | None) -> None:
-        text = f"HTTP {status} {code or '(no error code)'}: {message or '(no message)'}"
-        super().__init__(f"{text} (request id {request_id})" if request_id else text)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.request_id = request_id
-
-
-@dataclass(frozen=True)
-class _Settings:
-    """Connection settings resolved from storage_options, the environment and the SDK defaults."""
-
-    endpoint: str
-    credential_source: str  # "explicit", "env" or "provider"
-    client_kwargs: dict[str, Any] = field(repr=False)
-
-    @property
-    def secrets(self) -> tuple[str, ...]:
-        """The values that messages must not show (the secret key, the token, a proxy password)."""
-        return tuple(str(self.client_kwargs[k]) for k in _SECRET_KEYS if self.client_kwargs.get(k))
-
-
-def _client_arguments(client_cls: type) -> frozenset[str]:
-    """Names of the keyword arguments ``client_cls`` (``obs.ObsClient``) accepts."""
-    names: set[str] = set(_EXTRA_CLIENT_ARGS)
-    for cls in client_cls.__mro__:
-        if cls is object:
-            continue
-        for param in inspect.signature(cls.__init__).parameters.values():  # type: ignore[misc]  # a class from the MRO, not an instance
-            if param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY) and param.name != "self":
-                names.add(param.name)
-    return frozenset(names)
-
-
-def _normalize_endpoint(value: object, origin: str, is_secure: object) -> str:
-    """``value`` as ``scheme://host[:port]``; ``https`` unless a scheme or ``is_secure=False`` says otherwise."""
-    expected = (
-        f"{origin}: expected an endpoint like 'https://obs.cn-north-4.myhuaweicloud.com' or "
-        "'http://127.0.0.1:9000' (scheme, host and optional port only)"
-    )
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{expected}, got {value!r}")
-    value = value.strip().rstrip("/")
-    if "://" not in value:
-        value = ("http://" if is_secure is False else "https://") + value
-    parts = urlsplit(value)
-    if "@" in parts.netloc:  # do not echo it: the part before '@' may be a key pair
-        raise ConfigError(f"{expected}; credentials in the endpoint are not supported")
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path or parts.query:
-        raise ConfigError(f"{expected}, got {value!r}")
-    try:
-        parts.port  # noqa: B018 - read for its ValueError: the SDK takes a port it cannot read for none (port 80 or 443)
-    except ValueError:
-        raise ConfigError(f"{expected}; its port is not a number from 0 to 65535, got {value!r}") from None
-    return value
-
-
-def _resolve_settings(storage_options: Mapping[str, Any], environ: Mapping[str, str], accepted: frozenset[str]) -> _Settings:
-    """Resolve endpoint and credentials: explicit storage_options, then ``OBS_*`` env, then SDK providers.
-
-    Pure: reads only its arguments. Raises ConfigError (a ValueError) for an unknown or
-    unsupported key, half-given credentials, or no endpoint at all.
-    """
-    options = dict(storage_options)
-    ours = set(_ENDPOINT_KEYS) | set(_CREDENTIAL_KEYS)
-    for key in options:
-        if key in ours:
-            continue
-        if key in _UNSUPPORTED:
-            raise ConfigError(f"storage_options[{key!r}] is not supported by the obs:// backend: {_UNSUPPORTED[key]}")
-        if key not in accepted:
-            passthrough = sorted(accepted - ours - set(_UNSUPPORTED))
-            raise ConfigError(
-                f"storage_options[{key!r}] is not a setting of the obs:// backend; accepted: "
-                f"server (aliases endpoint, endpoint_url), access_key_id, secret_access_key, security_token, "
-                f"or an obs.ObsClient argument: {', '.join(passthrough)}"
-            )
-
-    given = [k for k in _ENDPOINT_KEYS if options.get(k) is not None]
-    if len(given) > 1:
-        raise ConfigError(f"storage_options sets the endpoint twice ({' and '.join(given)}); keep one of them")
-    if given:
-        endpoint = _normalize_endpoint(options[given[0]], f"storage_options[{given[0]!r}]", options.get("is_secure"))
-    elif environ.get(_ENV_ENDPOINT):
-        endpoint = _normalize_endpoint(environ[_ENV_ENDPOINT], _ENV_ENDPOINT, options.get("is_secure"))
-    else:
-        raise ConfigError(
-            "no OBS endpoint: pass storage_options['server'] (e.g. 'https://obs.cn-north-4.myhuaweicloud.com') "
-            f"or set the environment variable {_ENV_ENDPOINT}"
-        )
-
-    kwargs: dict[str, Any] = dict(_CLIENT_DEFAULTS)
-    kwargs.update({k: v for k, v in options.items() if k not in ours})
-    kwargs["server"] = endpoint
-
-    explicit = {k: options[k] for k in _CREDENTIAL_KEYS if options.get(k) is not None}
-    from_env = {k: environ[name] for k, name in _ENV_KEYS.items() if environ.get(name)}
-    if explicit:
-        source, creds, names = "explicit", explicit, {k: f"storage_options[{k!r}]" for k in _CREDENTIAL_KEYS}
-    elif "access_key_id" in from_env or "secret_access_key" in from_env:
-        source, creds, names = "env", from_env, {k: f"${name}" for k, name in _ENV_KEYS.items()}
-    else:
-        source, creds, names = "provider", {}, {}
-        kwargs.setdefault("security_provider_policy", "OBS_DEFAULT")
-    for key in ("access_key_id", "secret_access_key") if creds else ():
-        if not isinstance(creds.get(key), str) or not creds[key].strip():
-            have = ", ".join(names[k] for k in creds)
-            raise ConfigError(f"OBS credentials are incomplete: {have} given but {names[key]} is missing or empty")
-    kwargs.update(creds)
-    return _Settings(endpoint=endpoint, credential_source=source, client_kwargs=kwargs)
-
-
-def _parse_url(url: str) -> tuple[str, str]:
-    """``obs://bucket/prefix`` -> ``(bucket, 'prefix/')``; an empty prefix stays empty."""
-    parts = urlsplit(url)
-    if parts.scheme != "obs" or not parts.netloc:
-        raise ConfigError(f"expected a URL like 'obs://bucket/prefix/', got {url!r}")
-    if "@" in parts.netloc or ":" in parts.netloc:
-        # Do not echo it: the part before '@' may be a key pair.
-        raise ConfigError("an obs:// URL must not carry credentials or a port; use storage_options or OBS_* variables")
-    if parts.query or parts.fragment:
-        raise ConfigError(f"an obs:// URL takes no query or fragment, got {url!r}")
-    prefix = parts.path.lstrip("/")
-    if prefix and not prefix.endswith("/"):
-        prefix += "/"
-    return parts.netloc, prefix
 
 
 def load_sdk(url: str) -> Any:
@@ -332,16 +142,6 @@ def _new_client(url: str, storage_options: Mapping[str, Any] | None) -> tuple[An
     return sdk, settings, client
 
 
-def _shown(key: str, value: object) -> str:
-    """``value`` of the storage option ``key`` as a message shows it: a secret as ``'***'``, a
-    number, a flag or a string as itself, anything else by its type (a dict may hold an ID token)."""
-    if key in _SECRET_KEYS:
-        return "'***'"
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return repr(value)
-    return f"<{type(value).__name__}>"
-
-
 def check_options(url: str, storage_options: Mapping[str, Any] | None) -> None:
     """Refuse what :class:`ObsStore` refuses of ``url`` and ``storage_options`` before it sends
     anything (a malformed URL, an unknown option, no endpoint, half-given credentials, arguments
@@ -357,7 +157,7 @@ def check_options(url: str, storage_options: Mapping[str, Any] | None) -> None:
     client.close()
 
 
-class ObsStore:
+class ObsStore(_ObsSeam):
     """The objects under ``obs://bucket/prefix/``, read through ``esdk-obs-python``.
 
     Args:
@@ -436,9 +236,6 @@ class ObsStore:
 
         return connected
 
-    def _aborted_error(self) -> StoreClosedError:
-        return StoreClosedError(f"request to {self.url} at {self.endpoint} aborted: the store was closed")
-
     def abort(self) -> None:
         """Cut the requests in flight and refuse later ones, with
         :class:`~cachepipe.errors.StoreClosedError` (see the module's docstring, "Aborting", for
@@ -452,16 +249,6 @@ class ObsStore:
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass  # closed meanwhile, or not connected any more: nothing to wake
-
-    @property
-    def endpoint(self) -> str:
-        """The resolved endpoint, ``scheme://host[:port]``."""
-        return self._settings.endpoint
-
-    @property
-    def credential_source(self) -> str:
-        """``"explicit"``, ``"env"`` or ``"provider"``: where the credentials came from."""
-        return self._settings.credential_source
 
     def __repr__(self) -> str:
         return f"ObsStore(url={self.url!r}, endpoint={self.endpoint!r})"
@@ -665,9 +452,6 @@ class ObsStore:
             raise RuntimeError(f"{self!r} is closed")
         return self._client
 
-    def _object_url(self, key: str | None) -> str:
-        return self.url if key is None else f"obs://{self.bucket}/{self.prefix}{key}"
-
     def _copy_body(self, key: str, body: Any, out: BinaryIO, length: int) -> int:
         """Copy at most ``length`` bytes of the HTTP ``body`` to ``out`` in chunks; return the count."""
         buf = memoryview(bytearray(min(CHUNK_SIZE, length)))
@@ -687,103 +471,3 @@ class ObsStore:
         if written < length and self._aborted:  # a body cut by abort: not a short body to verify
             raise self._aborted_error()
         return written
-
-    def _call(self, what: str, key: str | None, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-        """Run one SDK request; translate a raised network error or a returned error result."""
-        try:
-            resp = fn(*args, **kwargs)
-        except (OSError, HTTPException) as exc:
-            raise self._unreachable(exc, what, key) from exc
-        if isinstance(getattr(resp, "status", None), int):
-            self._answered = True
-        self._check(resp, what, key)
-        return resp
-
-    def _redact(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
-
-    def _check(self, resp: Any, what: str, key: str | None) -> None:
-        """Raise the builtin error for an SDK result whose status is not 2xx; return if it is.
-
-        ``what`` is ``"list"``, ``"get"`` or ``"head"``; ``key`` is relative to the root, or
-        None for the listing. The raised error is chained to an :class:`ObsServiceError`.
-        """
-        status = getattr(resp, "status", None)
-        if isinstance(status, int) and status < 300:
-            return
-        if self._aborted:  # the SDK turned the cut connection into an error result
-            raise self._aborted_error()
-        code = getattr(resp, "errorCode", None) or None
-        message = getattr(resp, "errorMessage", None)
-        message = self._redact(message) if message else None
-        cause = ObsServiceError(status, code, message, getattr(resp, "requestId", None))
-        target = self._object_url(key)
-        detail = f"({code + ', ' if code else ''}HTTP {status}{': ' + message if message else ''})"
-        raise store_code(self._error_for(status, code, what, detail, target), code, self.endpoint) from cause
-
-    def _error_for(self, status: int | None, code: str | None, what: str, detail: str, target: str) -> OSError:
-        """The builtin error for an error result (chained by the caller)."""
-        doing = _DOING.get(what, what)
-        if status == 404 and (code == "NoSuchBucket" or what == "list"):
-            return FileNotFoundError(f"OBS bucket {self.bucket!r} does not exist at {self.endpoint} {detail}, {doing} {target}")
-        if status == 404:
-            hint = "" if code == "NoSuchKey" else " (or no such bucket)"
-            return FileNotFoundError(f"no such object {target}{hint} {detail}")
-        if status == 412:  # only a conditional GET (If-Match: the listed ETag) is answered so
-            return ObjectChangedError(f"{target} at {self.endpoint} {CHANGED} {detail}")
-        if status == 401 or code in CREDENTIAL_CODES:  # some (ExpiredToken, InvalidToken) come as 400
-            return PermissionError(
-                f"OBS at {self.endpoint} rejected the credentials {detail} {doing} {target}; "
-                f"check the access key pair and token (credentials from: {self._credential_hint()})"
-            )
-        if status == 403:
-            return PermissionError(
-                f"access denied to {target} {detail}: the credentials (from: {self._credential_hint()}) were "
-                "accepted but lack permission for this bucket or object"
-            )
-        if status == 429 or code in THROTTLE_CODES or (isinstance(status, int) and status >= 500):
-            return StoreUnavailableError(f"OBS at {self.endpoint} is unavailable or throttling {detail}, {doing} {target}")
-        if status is None:
-            return StoreUnavailableError(f"cannot reach OBS endpoint {self.endpoint}: no response, {doing} {target}")
-        return OSError(f"OBS at {self.endpoint} refused {doing} {target} {detail}")
-
-    def _credential_hint(self) -> str:
-        return {
-            "explicit": "storage_options",
-            "env": "OBS_ACCESS_KEY_ID/OBS_SECRET_ACCESS_KEY",
-            "provider": "the SDK providers (environment, ECS metadata, OIDC), none given explicitly",
-        }[self.credential_source]
-
-    def _unreachable(self, exc: BaseException, what: str, key: str | None) -> OSError:
-        """The builtin error for a network exception raised by the SDK or the body read."""
-        if isinstance(exc, StoreClosedError):
-            return exc
-        if self._aborted:  # a socket that abort shut down
-            return self._aborted_error()
-        doing = _DOING.get(what, what)
-        target = self._object_url(key)
-        check = f"check storage_options['server'] or {_ENV_ENDPOINT}"
-        error: OSError
-        # a connect, or the first request's reply, that timed out: unreachable at a first contact (a
-        # listing, a check); a GET or an upload comes after one, or from a worker process whose
-        # store saw no answer: retried
-        if isinstance(exc, TimeoutError) and not self._answered and what in ("list", "head"):
-            if _in_connect(exc):
-                reason = f"no answer within {self._timeout} s before it ever answered ({DROPPED})"
-            else:
-                reason = f"{NO_REPLY} ({self._timeout} s)"
-            error = StoreUnreachableError(f"cannot reach OBS endpoint {self.endpoint}: {reason}; {check} ({doing} {target})")
-        elif isinstance(exc, TimeoutError):
-            error = TimeoutError(f"timed out after {self._timeout} s talking to OBS endpoint {self.endpoint}, {doing} {target}")
-        elif isinstance(exc, socket.gaierror):
-            reason = f"its host name does not resolve ({exc.strerror}); {check}"
-            error = StoreUnreachableError(f"cannot reach OBS endpoint {self.endpoint}: {reason} ({doing} {target})")
-        elif isinstance(exc, ConnectionRefusedError) and not self._answered:
-            reason = f"connection refused before it ever answered; {check}"
-            error = StoreUnreachableError(f"cannot reach OBS endpoint {self.endpoint}: {reason} ({doing} {target})")
-        else:
-            reason = self._redact(f"{type(exc).__name__}: {exc}")
-            error = StoreUnavailableError(f"cannot reach OBS endpoint {self.endpoint}: {reason} ({doing} {target})")
-        return store_code(error, None, self.endpoint)

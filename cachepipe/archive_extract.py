@@ -1,0 +1,292 @@
+"""One item's extraction into its folder: each member checked, then written, never past its budget.
+
+:class:`_Extraction` writes the members of a tar stream or a zip file into ``out_dir``: each is
+checked first (:mod:`cachepipe.archive_members`: name, link, budget; a file another archive of
+the item wrote is refused), tar members then go through ``tarfile``'s ``data`` filter, zip members
+are written here, each target checked with ``realpath`` to stay inside ``out_dir``. A member whose
+path the file system cannot make is refused as an :class:`~cachepipe.errors.ArchiveError` that
+says why (:meth:`_Extraction.unwritable`). What was written is counted in an :class:`UnpackResult`.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import stat
+import tarfile
+import threading
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Literal, cast
+
+from .archive_members import _Budget, _check_link, _check_name
+from .archive_volumes import _CHUNK, _check_stop
+from .errors import ArchiveError, ArchiveTooLargeError, UnsafeMemberError
+
+__all__ = ["UnpackResult"]
+
+_PROBE = 8 << 20
+"""Most bytes of a tar member refused for its size that are read (and dropped) to tell an archive
+cut short inside that member (refused as truncated) from one that is too large: about 0.03 s of
+gzip. An archive cut further into the member is refused as too large, as before: reading more
+would make every bomb slower to refuse (a GiB of zeros took 3.5 s as gzip, 21 s as xz and
+minutes as bzip2, whose reader copies what is left of its buffer at every read)."""
+_TarMode = Literal["r|", "r|gz", "r|bz2", "r|xz"]
+_TAR_MODES: dict[str, _TarMode] = {"tar": "r|", "tar.gz": "r|gz", "tar.bz2": "r|bz2", "tar.xz": "r|xz"}
+
+
+@dataclass
+class UnpackResult:
+    """What :func:`unpack_item` did.
+
+    Attributes:
+        archives: the archives extracted, each named by its first volume (relative to the item).
+        members: files, links and folders written.
+        bytes: bytes of regular files written.
+        verified: volumes whose MD5 was checked (and matched).
+        other: files of the item that are neither archives nor checksum files (left alone).
+    """
+
+    archives: list[str] = field(default_factory=list)
+    members: int = 0
+    bytes: int = 0
+    verified: list[str] = field(default_factory=list)
+    other: list[str] = field(default_factory=list)
+
+
+def _inside(root: Path, path: Path) -> bool:
+    real_root = os.path.realpath(root)
+    return os.path.commonpath([os.path.realpath(path), real_root]) == real_root
+
+
+class _Extraction:
+    def __init__(
+        self, out_dir: Path, budget: _Budget, result: UnpackResult, stop: threading.Event | None = None, item: str = ""
+    ) -> None:
+        self.out = out_dir
+        self.item = item  # the item's name as listed, for error messages
+        self.stop = stop  # checked before each member and each read (a member's data may be buffered)
+        self.budget = budget
+        self.result = result
+        self.written: dict[str, str] = {}  # rel path -> archive that wrote it
+        self.sizes: dict[str, int] = {}  # rel path -> size, for hard links
+
+    def claim(self, archive: str, name: str, rel: str) -> None:
+        owner = self.written.get(rel)
+        if owner is not None and owner != archive:
+            raise UnsafeMemberError(archive, name, f"collides with {rel!r} extracted from {owner!r}")
+        self.written[rel] = archive
+
+    def unwritable(self, archive: str, name: str, is_dir: bool, exc: OSError) -> ArchiveError | None:
+        """The :class:`ArchiveError` that ``exc``, raised writing member ``name`` (a folder if
+        ``is_dir``), stands for when the member's path cannot be made: a file where the member
+        needs a folder or the reverse (names of the archive that clash), a name or path over the
+        file system's limits. None for any other error (a full disk...), which stays as it is."""
+        rel = _check_name(archive, name)  # checked before: only normalised here
+        where = f"archive {archive!r} of item {self.item!r}: member {_abridged(name)}"
+        if exc.errno == errno.ENAMETOOLONG:
+            return ArchiveError(f"{where} cannot be extracted: {_too_long(self.out, rel)}")
+        if exc.errno not in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
+            return None
+        parts = rel.split("/")
+        for depth in range(1, len(parts)):
+            folder = "/".join(parts[:depth])
+            if os.path.lexists(self.out / folder) and not (self.out / folder).is_dir():
+                return ArchiveError(
+                    f"{where} needs a folder {folder!r}, but {folder!r} is a file{self._origin(archive, folder)}; "
+                    "rename one of the two"
+                )
+        target = self.out / rel
+        if not is_dir and target.is_dir() and not target.is_symlink():
+            return ArchiveError(
+                f"{where} is a file, but {rel!r} is a folder of members extracted before it; rename one of the two"
+            )
+        if is_dir and os.path.lexists(target) and not target.is_dir():
+            return ArchiveError(f"{where} is a folder, but {rel!r} is a file{self._origin(archive, rel)}; rename one of the two")
+        return None
+
+    def _origin(self, archive: str, rel: str) -> str:
+        """Where the file ``rel`` came from, when another archive of the item wrote it."""
+        owner = self.written.get(rel, archive)
+        return "" if owner == archive else f" extracted from {owner!r}"
+
+    def tar(self, archive: str, stream: io.RawIOBase, fmt: str) -> None:
+        # a binary file at run time; typeshed does not declare RawIOBase an IO[bytes] (its read may return None)
+        binary = cast("IO[bytes]", stream)
+        mode: _TarMode
+        if fmt == "tar.zst":
+            try:
+                import zstandard
+            except ImportError as exc:
+                raise ArchiveError(f"{archive}: a zstd archive needs the 'zstandard' package (pip install zstandard)") from exc
+            source: IO[bytes] = zstandard.ZstdDecompressor().stream_reader(binary, read_across_frames=True, closefd=False)
+            mode = "r|"
+        else:
+            source, mode = binary, _TAR_MODES[fmt]
+        # tarfile's own buffer size: its stream inflates a whole compressed read at once and copies
+        # what is left after each member read; a 1 MiB read of zeros is ~1 GB in memory.
+        with tarfile.open(fileobj=source, mode=mode) as tar:
+            for member in tar:
+                self._tar_member(archive, tar, member)
+
+    def _tar_member(self, archive: str, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+        _check_stop(self.stop)
+        name = member.name
+        rel = _check_name(archive, name)
+        if not (member.isreg() or member.isdir() or member.issym() or member.islnk()):
+            kind = "device file" if (member.ischr() or member.isblk()) else "FIFO" if member.isfifo() else "special file"
+            raise UnsafeMemberError(archive, name, f"{kind}: only files, folders and links inside the item are extracted")
+        if not rel:
+            return  # the archive's root folder entry ('./')
+        size = member.size if member.isreg() else 0
+        if member.issym() or member.islnk():
+            target = _check_link(archive, name, rel, member.linkname, hard=member.islnk())
+            if member.islnk():
+                if target not in self.sizes:
+                    raise UnsafeMemberError(
+                        archive, name, f"hard link to {member.linkname!r}, which is not a file extracted before it"
+                    )
+                size = self.sizes[target]
+        if not member.isdir():
+            self.claim(archive, name, rel)
+        if member.isreg() and not self.budget.fits(size):
+            _read_data(tar, member, self.stop)  # an archive that ends just inside it: truncated, not too large
+        self.budget.add(archive, name, size)
+        try:
+            tar.extract(member, self.out, filter="data")
+        except tarfile.FilterError as exc:
+            raise UnsafeMemberError(archive, name, f"refused by tarfile's data filter: {exc}") from exc
+        except OSError as exc:
+            error = self.unwritable(archive, name, member.isdir(), exc)
+            if error is None:
+                raise
+            raise error from exc
+        if member.isreg() or member.islnk():
+            self.sizes[rel] = size
+            self.result.bytes += size
+        self.result.members += 1
+
+    def zip(self, archive: str, stream: io.RawIOBase) -> None:
+        with zipfile.ZipFile(io.BufferedReader(stream, _CHUNK)) as zf:
+            infos = zf.infolist()
+            seen: set[str] = set()
+            planned = _Budget(self.budget.limit_bytes, self.budget.max_members - self.budget.members, self.budget.advice)
+            planned.bytes = self.budget.bytes
+            total = self.budget.bytes + sum(0 if i.is_dir() else i.file_size for i in infos)
+            for info in infos:  # refuse a bomb from the central directory, before writing anything
+                rel = _check_name(archive, info.filename)
+                if rel in seen and not info.is_dir():
+                    raise UnsafeMemberError(archive, info.filename, "a second entry with the same name")
+                seen.add(rel)
+                size = 0 if info.is_dir() else info.file_size
+                if planned.bytes + size > planned.limit_bytes:
+                    raise planned.over(archive, info.filename, size, total)
+                planned.add(archive, info.filename, size)
+            for info in infos:
+                try:
+                    self._zip_member(archive, zf, info)
+                except OSError as exc:
+                    error = self.unwritable(archive, info.filename, info.is_dir(), exc)
+                    if error is None:
+                        raise
+                    raise error from exc
+
+    def _zip_member(self, archive: str, zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> None:
+        _check_stop(self.stop)
+        name = info.filename
+        rel = _check_name(archive, name)
+        mode = info.external_attr >> 16
+        kind = (stat.S_IFMT(mode) if info.create_system == 3 else 0) or stat.S_IFREG
+        if info.is_dir():
+            kind = stat.S_IFDIR
+        if kind not in (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK):
+            what = {stat.S_IFCHR: "device file", stat.S_IFBLK: "device file", stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket"}.get(
+                kind, "special file"
+            )
+            raise UnsafeMemberError(archive, name, f"{what}: only files, folders and links inside the item are extracted")
+        if not rel:
+            return
+        target = self.out / rel
+        if not _inside(self.out, target.parent if kind != stat.S_IFDIR else target):
+            raise UnsafeMemberError(archive, name, "its folder resolves outside the item (through a link)")
+        if kind == stat.S_IFDIR:
+            self.budget.add(archive, name, 0)
+            target.mkdir(parents=True, exist_ok=True)
+            self.result.members += 1
+            return
+        self.claim(archive, name, rel)
+        if kind == stat.S_IFLNK:
+            if info.file_size > 4096:
+                raise UnsafeMemberError(archive, name, "symbolic link with a target longer than 4096 bytes")
+            link = zf.read(info).decode("utf-8", "surrogateescape")
+            _check_link(archive, name, rel, link, hard=False)
+            self.budget.add(archive, name, 0)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if os.path.lexists(target):
+                os.unlink(target)
+            os.symlink(link, target)
+            self.result.members += 1
+            return
+        self.budget.add(archive, name, info.file_size)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if os.path.lexists(target):
+            os.unlink(target)  # never write through an existing link
+        written = 0
+        with zf.open(info) as src, open(target, "xb") as dst:
+            while chunk := src.read(_CHUNK):
+                written += len(chunk)
+                if written > info.file_size:
+                    raise ArchiveTooLargeError(archive, name, f"inflates beyond its declared {info.file_size} bytes")
+                dst.write(chunk)
+        self.sizes[rel] = written
+        self.result.bytes += written
+        self.result.members += 1
+
+
+def _abridged(name: str, most: int = 120) -> str:
+    """``name`` quoted, with its middle left out when it is longer than ``most`` characters."""
+    if len(name) <= most:
+        return repr(name)
+    return f"{name[: most // 2] + '...' + name[-most // 2 :]!r} ({len(os.fsencode(name))} bytes)"
+
+
+def _too_long(out: Path, rel: str) -> str:
+    """Which limit of the file system the path of member ``rel`` under ``out`` passes (ENAMETOOLONG)."""
+    longest = max(len(os.fsencode(part)) for part in rel.split("/"))
+    path = len(os.fsencode(out / rel))
+    name_max: int | None = None
+    path_max: int | None = None
+    try:
+        name_max, path_max = os.pathconf(out, "PC_NAME_MAX"), os.pathconf(out, "PC_PATH_MAX")
+    except (OSError, ValueError):  # limits unknown (not POSIX, or not told)
+        pass
+    if name_max is not None and longest > name_max:
+        return (
+            f"a name in its path is {longest} bytes; a name may be at most {name_max} bytes on the cache's file system: "
+            "shorten it in the archive"
+        )
+    if path_max is not None and path >= path_max:
+        return (
+            f"its path in the cache would be {path} bytes; a path must be shorter than {path_max} bytes on the cache's "
+            "file system: shorten its names in the archive, or the cache directory's path"
+        )
+    return "its path is too long for the cache's file system; shorten its names in the archive"
+
+
+def _read_data(tar: tarfile.TarFile, member: tarfile.TarInfo, stop: threading.Event | None) -> None:
+    """Read the data of the regular file ``member`` (the current one of a stream), at most
+    :data:`_PROBE` bytes, and drop it; :class:`tarfile.ReadError` where the archive ends early.
+    Read from the archive's stream itself, ``stop`` checked before each read: tarfile's
+    ``extractfile`` wraps it in a buffered reader, which retries a stop's
+    :class:`InterruptedError` for ever. The tar object is not used after this (the member is
+    refused), so its idea of the stream's position does not matter."""
+    stream = tar.fileobj
+    left = min(member.size, _PROBE)
+    while left > 0:
+        _check_stop(stop)
+        chunk = stream.read(min(left, _CHUNK))
+        if not chunk:
+            raise tarfile.ReadError("unexpected end of data")
+        left -= len(chunk)
