@@ -609,6 +609,8 @@ class Fetcher(_Finishing):
                 flight = self._flights.pop(id(part), None)
                 if flight is not None and flight.took is not None:
                     part[0].came.append(flight.took)
+            if self._watching:  # a part came: another may be its item's last now, due sooner
+                self._parts_changed.notify()
             last = [
                 part[0].job
                 for part in parts
