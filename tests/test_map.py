@@ -159,7 +159,7 @@ def test_video_shards_split_into_clips_and_rerun_skips_them(remote_source, s3_cl
 
     again = cli(*command)  # idempotent: every item is complete in DST, nothing is downloaded or run
     assert again.returncode == 0, again.stderr
-    assert "0 done, 0 failed, 4 already done; 0.0 MB in" in again.stderr
+    assert "0 done, 0 failed, 4 already done; 0 B in, 0 B out" in again.stderr
     assert len(runs(log)) == 4
 
 
@@ -1231,12 +1231,25 @@ def test_a_cache_dir_whose_filesystem_makes_no_folders_is_named_as_a_pipeline_s_
         map_items(["true"], str(tmp_path / "src"), str(tmp_path / "dst"), cache_dir=cache, capacity="1MiB")
 
 
+def test_a_capacity_with_no_room_for_downloads_is_told_the_least_that_runs(tmp_path):
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "f").write_bytes(b"x" * 1000)
+    options = {"cache_dir": tmp_path / "cache", "jobs": 4, "out_reserve": "60KiB"}
+    with pytest.raises(ConfigError, match="leaves no room for downloads") as refused:
+        map_items(["true"], str(tmp_path / "src"), str(tmp_path / "dst"), capacity="100KiB", **options)
+    least = int(re.search(r"raise capacity to at least (\d+) bytes", str(refused.value))[1])
+    below = map_items(["true"], str(tmp_path / "src"), str(tmp_path / "dst"), capacity=least - 1, **options)
+    assert below.items_failed == 1  # one byte less: the item does not fit beside the jobs' reserves and the state
+    assert map_items(["true"], str(tmp_path / "src"), str(tmp_path / "dst"), capacity=least, **options).items_done == 1
+
+
 def test_refusals_before_anything_runs(tmp_path):
     src, dst, cache = tmp_path / "src", str(tmp_path / "dst"), tmp_path / "cache"
     (src / "a").mkdir(parents=True)
     (src / "a" / "f").write_bytes(b"x" * 1000)
-    with pytest.raises(ConfigError, match="leaves no room for downloads after setting aside 1 jobs x"):
+    with pytest.raises(ConfigError, match="leaves no room for downloads after setting aside 1 jobs x") as refused:
         map_items(["true"], str(src), dst, cache_dir=cache, capacity="100KiB", jobs=4, out_reserve="60KiB")
+    assert "raise capacity to at least" in str(refused.value)
     with pytest.raises(ValueError, match="out_reserve or out_ratio, not both"):
         map_items(["true"], str(src), dst, cache_dir=cache, capacity="1MiB", out_reserve="1KiB", out_ratio=2)
     with pytest.raises(TypeError, match="define it at module level"):

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..sizes import format_size
+
 __all__ = ["MapFailure", "MapResult", "Tally", "format_plan", "format_share", "format_summary"]
 
 log = logging.getLogger("cachepipe.map")
@@ -179,11 +181,11 @@ def format_plan(result: MapResult, dest: str) -> str:
 
 
 def format_summary(result: MapResult) -> str:
-    """The closing summary: counts, megabytes, failed items with their stderr tails."""
+    """The closing summary: counts, sizes (format_size), failed items with their stderr tails."""
     lines = [
         (
             f"cachepipe map: {result.items_done} done, {result.items_failed} failed, {result.items_skipped} already done; "
-            f"{result.bytes_in / 1e6:.1f} MB in, {result.bytes_out / 1e6:.1f} MB out ({result.files_out} files) "
+            f"{format_size(result.bytes_in)} in, {format_size(result.bytes_out)} out ({result.files_out} files) "
             f"in {result.seconds:.1f} s; peak job {result.peak_job_bytes} of {result.reserve} bytes reserved"
         )
     ]

@@ -173,11 +173,12 @@ class _MapRun:
         r = self._result
         r.capacity, r.reserve, r.margin, r.download_capacity = capacity, reserve, margin, sizing.downloads
         if sizing.largest <= 0:
+            least = sizing.least_for(max(mi.size for mi in todo))
             raise ConfigError(
                 f"capacity {capacity} bytes leaves no room for downloads after setting aside {sizing.jobs} jobs x "
                 f"({reserve} bytes reserve + {margin} bytes margin) for {_FOR[cfg.unpack]} and {state} bytes for the "
-                f"state of a run over {len(todo)} items; raise capacity, or lower jobs, "
-                f"{'unpack_ratio, ' if cfg.unpack else ''}out_reserve/out_ratio or out_margin"
+                f"state of a run over {len(todo)} items; raise capacity to at least {least} bytes (the largest item "
+                f"beside those), or lower jobs, {'unpack_ratio, ' if cfg.unpack else ''}out_reserve/out_ratio or out_margin"
             )
         return sizing
 

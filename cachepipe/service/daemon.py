@@ -101,7 +101,8 @@ class Daemon(_JobDesk, _Views):
         self._api.serve()
         self._state = _RUNNING
         self._api.publish()  # the socket appears now, ready: a client never finds one that refuses it
-        log.info("cachepipe %s serving %s on %s", __version__, ", ".join(self._served), self._api.address)
+        names = ", ".join(self._served) or "no pipeline (jobs only)"
+        log.info("cachepipe %s serving %s on %s", __version__, names, self._api.address)
 
     def stop(self) -> None:
         """Stop serving; close the pipelines (published items stay with ``keep_on_close``). Idempotent."""
