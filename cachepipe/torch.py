@@ -53,6 +53,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import shutil
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -66,6 +68,7 @@ from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_
 from .errors import CacheLockedError, OversizeError
 from .pipeline import CachedItem, Pipeline, Skipped
 from .plan import Cursor
+from .removal import tree_bytes
 from .torchdist import _distributed, _from_rank0, _manifest_bytes, _save_manifest, local_ranks
 from .torchnode import _JOB_OPTIONS, NODE_BATCH, NODE_BATCH_BYTES, _NodeMode
 from .torchstate import _repeats
@@ -87,8 +90,10 @@ class CachePipeDataset(_NodeMode, torch.utils.data.IterableDataset):  # type: ig
         cache_dir: per-process mode: a folder under which each (rank, worker) gets its own
             cache. Not with ``node`` (the daemon's ``jobs.root`` decides).
         capacity: per-process mode: the total for this rank; each worker gets
-            ``capacity / num_workers``. With ``node``: the job's share of the daemon's
-            ``jobs.capacity`` (default: all of it).
+            ``capacity / num_workers``; a share of the disk (``"80%"``) is of its free space
+            and of what the workers of every rank hold in ``cache_dir`` (resolved as each
+            worker's cache opens, so it keeps its size over the items they kept). With ``node``:
+            the job's share of the daemon's ``jobs.capacity`` (default: all of it).
         transform: ``fn(path) -> sample``, run in the worker while the item is on disk.
             Required with ``num_workers > 0``. None: yield the item itself (only with
             ``num_workers=0``).
@@ -144,6 +149,9 @@ class CachePipeDataset(_NodeMode, torch.utils.data.IterableDataset):  # type: ig
         # equal_steps with skips: (the state at the last sample read, its step's yields due, the
         # yields made from its step on): a state resumes there, reading it again (see _equal_local)
         self._owed: tuple[Any, int, int] | None = None
+        # per-process mode, a capacity given as a share: the bytes it was of at the latest
+        # pipeline made here (see _room), named by an OversizeError over a worker's share
+        self._room: int | None = None
         # set_epoch's value (-1: never called), in shared memory: persistent DataLoader workers read
         # what the main process set after they started
         self._epoch = torch.full((), -1, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call, unused-ignore]
@@ -255,7 +263,8 @@ class CachePipeDataset(_NodeMode, torch.utils.data.IterableDataset):  # type: ig
 
     def pipeline(self) -> Pipeline:
         """The pipeline this process (a DataLoader worker, or the main process) iterates
-        (per-process mode): over every epoch of the plan, or the one :meth:`set_epoch` set."""
+        (per-process mode): over every epoch of the plan, or the one :meth:`set_epoch` set. A
+        capacity given as a share of the disk is worked out in bytes here, not when it opens."""
         return self._pipeline(self._first_epoch())
 
     def _pipeline(
@@ -265,13 +274,19 @@ class CachePipeDataset(_NodeMode, torch.utils.data.IterableDataset):  # type: ig
         the end a loaded state was saved with instead); ``resume`` instead of the option's.
         ``end``: a pass that stops before epoch ``end`` (a set_epoch pass with retention) over
         a pipeline of the plan's epochs from ``first``, which keeps its items on close for the
-        next pass unless ``end`` is the plan's end."""
+        next pass unless ``end`` is the plan's end. A capacity given as a share of the disk is
+        resolved here, in bytes (:func:`_room`)."""
         if self.cache_dir is None or self.capacity is None:
             raise ValueError("pipeline(): a node-mode dataset has no pipeline of its own (it reads from the daemon)")
         worker, num_workers = self._worker()
         rank, world = self._rank_world()
         capacity = self.capacity
-        share = with_unit(Share(capacity.fraction / num_workers) if isinstance(capacity, Share) else capacity // num_workers)
+        if isinstance(capacity, Share):
+            # of the room the rank's cache folders have together, not each of its own: a worker's
+            # own items are room to it, its siblings' used space, which shrank every share on reopen
+            self._room = _room(self.cache_dir, world, num_workers)
+            capacity = int(self._room * capacity.fraction)
+        share = with_unit(capacity // num_workers)
         options = {**self.options, "rank": rank, "world_size": world, "worker": worker, "num_workers": num_workers}
         if epochs is not None:
             options["epochs"] = epochs
@@ -318,14 +333,18 @@ class CachePipeDataset(_NodeMode, torch.utils.data.IterableDataset):  # type: ig
     @contextlib.contextmanager
     def _in_share(self) -> Iterator[None]:
         """An :class:`OversizeError` raised inside, in a DataLoader worker, whose pipeline has
-        ``capacity / num_workers``, says that this is the capacity it names."""
+        ``capacity / num_workers``, says that this is the capacity it names (a share of the disk
+        with the bytes it was of: see :func:`_room`)."""
         try:
             yield
         except OversizeError as exc:
             info = torch.utils.data.get_worker_info()
             if info is None or info.num_workers == 1:
                 raise
-            of = f"this DataLoader worker's share of the cache (capacity {self.capacity} / num_workers {info.num_workers})"
+            capacity = str(self.capacity)
+            if self._room is not None:  # a share of the disk: of what, in bytes
+                capacity += f" of {self._room} bytes free or cached in cache_dir"
+            of = f"this DataLoader worker's share of the cache (capacity {capacity} / num_workers {info.num_workers})"
             raise OversizeError(exc.item, exc.size, exc.capacity, exc.occupied, of) from None
 
     def _iter_local(self, start: dict[str, Any] | None, token: object) -> Iterator[Any]:
@@ -468,6 +487,27 @@ class CachePipeDataset(_NodeMode, torch.utils.data.IterableDataset):  # type: ig
         """Start the next iteration at ``state`` (from :meth:`state_dict`, same settings and data);
         the iterations after it start from the beginning, as without a state."""
         self._state = dict(state)
+
+
+_FOLDER = re.compile(r"rank(\d+)-worker(\d+)")
+
+
+def _room(cache_dir: Path, world: int, num_workers: int) -> int:
+    """What a capacity given as a share of the disk is of, per-process: the space free on
+    ``cache_dir``'s filesystem and what the cache folders of every rank's workers hold under
+    it (``rank<r>-worker<k>``, ``r < world``, ``k < num_workers``). Each worker is one
+    :class:`~cachepipe.Pipeline`, whose own share would count its items as room and its
+    siblings' as used: each worker, and each rank on the disk, then got less on every reopen
+    over the items they kept. Folders of a run with more workers or ranks are no one's: used."""
+    probe = cache_dir.absolute()
+    while not probe.exists():  # made when the first worker's cache opens
+        probe = probe.parent
+    held = 0
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # none yet
+        for entry in os.scandir(cache_dir):
+            if (match := _FOLDER.fullmatch(entry.name)) and int(match[1]) < world and int(match[2]) < num_workers:
+                held += tree_bytes(entry.path)
+    return shutil.disk_usage(probe).free + held
 
 
 def _open(make: Callable[[], Pipeline]) -> Pipeline:
