@@ -217,8 +217,9 @@ class PipelineConfig(BaseModel):
             request to end wins), while the consumers are slower than the link (default True).
             Bounds a lost packet's or connection's wait (TCP's retransmission timeouts, 0.2-1 s
             or more) at the cost of that part's bytes twice (``stats().hedges`` counts them;
-            ``bytes_downloaded`` counts both requests' bytes). False: each byte is requested
-            once. Not with ``download_processes``.
+            ``bytes_downloaded`` counts the bytes of each request that ran to its end: a hedge that
+            won, not the request it beat). False: each byte is requested once. Not with
+            ``download_processes``, nor in node mode (its lanes count as outpacing the items).
         ordered: hand items out in listing order (default True); False: whichever is ready first.
         auto_ack: when the loop asks for the next item, the previous one is acknowledged and
             evicted (default True). False: call ``ack``/``release`` yourself.

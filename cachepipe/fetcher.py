@@ -480,7 +480,7 @@ class Fetcher(_Finishing):
         racer = flight.hedge
         assert racer is not None  # noqa: S101 - _late_part started the race
         begin = flight.part[3] + flight.written()
-        if begin >= end or self._stop.is_set() or started.job.disk_error is not None:
+        if begin >= end or flight.over or self._stop.is_set() or started.job.disk_error is not None:
             return []
         self.counters.add(hedges=1)
         etag = f.etag if self._conditional else None

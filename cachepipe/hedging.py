@@ -53,10 +53,14 @@ class Racer:
     def watch(self, out: StagingFile, fd: int) -> None:
         """``out`` is this request's staging writer now, through ``fd`` (a request retried writes
         anew): the first request's tells a hedge where to start (:meth:`Flight.written`). Close
-        ``fd`` with :meth:`close`, not directly."""
+        ``fd`` with :meth:`close`, not directly. If the other request has won already (this one
+        opened the file after it ended: the item may be published meanwhile), ``fd`` names
+        ``/dev/null`` at once, as :meth:`claim` would have made it."""
         with self._flight.lock:
             self._flight.watched[self] = out
             self._fd = fd
+            if self.lost():
+                self.let_go()
 
     def close(self, close: Callable[[int], None]) -> None:
         """Close the descriptor given to :meth:`watch` by ``close`` (under the flight's lock, so

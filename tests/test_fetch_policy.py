@@ -194,3 +194,22 @@ def test_of_two_requests_racing_for_a_part_the_first_to_end_wins_and_the_other_w
     with pytest.raises(OSError, match="Bad file descriptor"):
         os.fstat(late_fd)  # closed once, by its owner
     assert path.read_bytes() == b"abcdefgh"
+
+
+def test_a_request_that_opens_the_file_after_the_other_won_holds_it_open_no_longer(tmp_path):
+    """A hedge (or a first request's retry) may open the staging file after the other request
+    has ended: the part is counted, the item may be published and acknowledged, and a request
+    that gets no answer would keep its space taken until it times out."""
+    path = tmp_path / "staged"
+    path.write_bytes(bytes(4))
+    flight = Flight(part=None, began=0.0)
+    first, second = flight.first, flight.race()
+    assert first.claim()  # the first request ended before the second opened the file
+    fd = os.open(path, os.O_WRONLY)
+    out = StagingFile(fd, 0, second.guard(os.pwrite))
+    second.watch(out, fd)
+    assert os.readlink(f"/proc/self/fd/{fd}") == os.devnull
+    with pytest.raises(Superseded):
+        out.write(b"XX")
+    second.close(os.close)
+    assert path.read_bytes() == bytes(4)
