@@ -29,7 +29,10 @@ The parts are the fetcher's own, each in a module: the sizes and thread counts a
 (:mod:`cachepipe.partqueue`), the retry schedule is :func:`~cachepipe.backoff.backoff_delay`
 (:mod:`cachepipe.backoff`), and what happens to an item once its last part is in (checked,
 prepared, published, restarted or reported) is the base class ``_Finishing``
-(:mod:`cachepipe.finishing`). This module keeps the planner thread and the download threads.
+(:mod:`cachepipe.finishing`), and which part in flight is late and its second request (a hedge)
+the base class above it, ``_LateParts`` (:mod:`cachepipe.lateparts`; the race of the two
+requests is :mod:`cachepipe.hedging`). This module keeps the planner thread and the download
+threads.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from .backoff import backoff_delay
@@ -56,12 +59,12 @@ from .fetch_policy import (
     PACE_WINDOW,
     auto_part_size,
     download_threads,
-    hedge_in,
     item_part_size,
     items_ahead,
 )
-from .finishing import _DISK_ERRNOS, FetchCounters, _Finishing, _Job
+from .finishing import _DISK_ERRNOS, FetchCounters, _Job
 from .hedging import Flight, Racer
+from .lateparts import _LateParts, _Part
 from .partqueue import PartQueue, Started
 from .stores.base import Store, takes_etag
 from .unpack import split_volume
@@ -90,11 +93,8 @@ PART_RUN = 16
 """The most parts of small items a download thread takes at once, while requests cost less than
 twice the work around them (a memory or local source: ``Fetcher._take_and_fetch``)."""
 
-_Part = tuple[Started[_Job], FileEntry, str, int, int]
-"""A part taken from the queue (:meth:`PartQueue.take`): its item, file, local path and range."""
 
-
-class Fetcher(_Finishing):
+class Fetcher(_LateParts):
     """Downloads planned items into the cache and hands them to the broker.
 
     Args:
@@ -438,62 +438,6 @@ class Fetcher(_Finishing):
             return []
         work = (time.thread_time() - cpu) / len(requests)
         return [(request_s, work) for request_s in requests]
-
-    @staticmethod
-    def _whole(part: _Part) -> bool:
-        """The part is its file, whole (created by its request, so never raced: a second request
-        would truncate what the first wrote)."""
-        return part[3] == 0 and part[4] == part[1].size
-
-    def _hedges(self, served: int) -> Iterator[tuple[float, Flight]]:
-        """Each part in flight that may be hedged: the last of its item (every other part came,
-        nothing more to request, no error), not hedged yet; with the seconds until
-        :func:`hedge_in` says to (0 or less: now). Under the parts lock. ``served``: see
-        :meth:`cachepipe.broker.Broker.served`."""
-        now = time.perf_counter()
-        for flight in self._flights.values():
-            started = flight.part[0]
-            if flight.hedge is not None or flight.over or started.todo or started.running > 1 or started.job.error is not None:
-                continue
-            due = hedge_in(now - flight.began, started.came, started.turn - served)
-            if due is not None:
-                yield due, flight
-
-    def _late_part(self, served: int) -> Flight | None:
-        """A part in flight due to be requested again (:meth:`_hedges`), marked as hedged; or None."""
-        for due, flight in self._hedges(served):
-            if due <= 0:
-                flight.race()
-                return flight
-        return None
-
-    def _hedge_wait(self, served: int) -> float | None:
-        """Seconds until the first part in flight is due to be hedged (:meth:`_hedges`), or None."""
-        return min((max(due, 0.001) for due, _flight in self._hedges(served)), default=None)
-
-    def _hedge(self, flight: Flight) -> list[tuple[float, float]]:
-        """Request a late part again, from the bytes its first request has not written yet on
-        (:mod:`cachepipe.hedging`); if this request ends first, count the part done. An error
-        here is the first request's to meet, if it is real: it goes on alone. Returns no
-        paces (the request is not a part's usual one)."""
-        started, f, local, _start, end = flight.part
-        racer = flight.hedge
-        assert racer is not None  # noqa: S101 - _late_part started the race
-        begin = flight.part[3] + flight.written()
-        if begin >= end or flight.over or self._stop.is_set() or started.job.disk_error is not None:
-            return []
-        self.counters.add(hedges=1)
-        etag = f.etag if self._conditional else None
-        try:
-            got = get_part(self._store, f.key, local, begin, end, False, self._cache.file_calls, etag, racer)
-        except Exception as exc:  # noqa: BLE001 - lost the race, or failed: the first request goes on
-            log.debug("the second request of %s bytes %d-%d ended: %r", f.key, begin, end, exc)
-            return []
-        self.counters.answered(got)
-        if got == end - begin and racer.claim():
-            log.debug("the second request of %s bytes %d-%d came first", f.key, begin, end)
-            self._parts_done([flight.part])
-        return []
 
     def _note_paces(self, parts: list[tuple[float, float]]) -> int:
         """Count parts' request times and work (under the parts lock); every

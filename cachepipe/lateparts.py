@@ -1,0 +1,95 @@
+"""Late parts: which part in flight is requested a second time, and that second request (a
+hedge). The fetcher's side of hedged requests: when is :func:`~cachepipe.fetch_policy.hedge_in`
+(pure); the race of the two requests, in which no write of the one that lost reaches the file
+after the other won, is :mod:`cachepipe.hedging`. Bookkeeping under the fetcher's parts lock,
+and one request; :class:`~cachepipe.fetcher.Fetcher` decides which thread makes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+from .catalog import FileEntry
+from .downloads import get_part
+from .fetch_policy import hedge_in
+from .finishing import _Finishing, _Job
+from .hedging import Flight
+from .partqueue import Started
+
+__all__: list[str] = []
+
+log = logging.getLogger("cachepipe.fetcher")  # the fetcher's, as before the move
+
+_Part = tuple[Started[_Job], FileEntry, str, int, int]
+"""A part taken from the queue (:meth:`PartQueue.take`): its item, file, local path and range."""
+
+
+class _LateParts(_Finishing):
+    """Parts in flight that may run late, and their second requests:
+    :class:`~cachepipe.fetcher.Fetcher`'s base (above :class:`~cachepipe.finishing._Finishing`)."""
+
+    # set by Fetcher.__init__, which says what each holds
+    _flights: dict[int, Flight]
+    _conditional: bool
+
+    def _parts_done(self, parts: list[_Part]) -> None:
+        """Count parts done (:meth:`cachepipe.fetcher.Fetcher._parts_done`)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _whole(part: _Part) -> bool:
+        """The part is its file, whole (created by its request, so never raced: a second request
+        would truncate what the first wrote)."""
+        return part[3] == 0 and part[4] == part[1].size
+
+    def _hedges(self, served: int) -> Iterator[tuple[float, Flight]]:
+        """Each part in flight that may be hedged: the last of its item (every other part came,
+        nothing more to request, no error), not hedged yet; with the seconds until
+        :func:`hedge_in` says to (0 or less: now). Under the parts lock. ``served``: see
+        :meth:`cachepipe.broker.Broker.served`."""
+        now = time.perf_counter()
+        for flight in self._flights.values():
+            started = flight.part[0]
+            if flight.hedge is not None or flight.over or started.todo or started.running > 1 or started.job.error is not None:
+                continue
+            due = hedge_in(now - flight.began, started.came, started.turn - served)
+            if due is not None:
+                yield due, flight
+
+    def _late_part(self, served: int) -> Flight | None:
+        """A part in flight due to be requested again (:meth:`_hedges`), marked as hedged; or None."""
+        for due, flight in self._hedges(served):
+            if due <= 0:
+                flight.race()
+                return flight
+        return None
+
+    def _hedge_wait(self, served: int) -> float | None:
+        """Seconds until the first part in flight is due to be hedged (:meth:`_hedges`), or None."""
+        return min((max(due, 0.001) for due, _flight in self._hedges(served)), default=None)
+
+    def _hedge(self, flight: Flight) -> list[tuple[float, float]]:
+        """Request a late part again, from the bytes its first request has not written yet on
+        (:mod:`cachepipe.hedging`); if this request ends first, count the part done. An error
+        here is the first request's to meet, if it is real: it goes on alone. Returns no
+        paces (the request is not a part's usual one)."""
+        started, f, local, _start, end = flight.part
+        racer = flight.hedge
+        assert racer is not None  # noqa: S101 - _late_part started the race
+        begin = flight.part[3] + flight.written()
+        if begin >= end or flight.over or self._stop.is_set() or started.job.disk_error is not None:
+            return []
+        self.counters.add(hedges=1)
+        etag = f.etag if self._conditional else None
+        try:
+            got = get_part(self._store, f.key, local, begin, end, False, self._cache.file_calls, etag, racer)
+        except Exception as exc:  # noqa: BLE001 - lost the race, or failed: the first request goes on
+            log.debug("the second request of %s bytes %d-%d ended: %r", f.key, begin, end, exc)
+            return []
+        self.counters.answered(got)
+        if got == end - begin and racer.claim():
+            log.debug("the second request of %s bytes %d-%d came first", f.key, begin, end)
+            self._parts_done([flight.part])
+        return []
