@@ -15,12 +15,19 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .downloads import StagingFile
 
-__all__ = ["Flight", "Racer", "Superseded"]
+class Written(Protocol):
+    """A request's staging writer, as a race reads it (:class:`~cachepipe.downloads.StagingFile`)."""
+
+    @property
+    def written(self) -> int:
+        """Bytes written so far from the part's start on."""
+        ...
+
+
+__all__ = ["Flight", "Racer", "Superseded", "Written"]
 
 PWrite = Callable[[int, "bytes | memoryview", int], int]
 
@@ -50,7 +57,7 @@ class Racer:
 
         return guarded
 
-    def watch(self, out: StagingFile, fd: int) -> None:
+    def watch(self, out: Written, fd: int) -> None:
         """``out`` is this request's staging writer now, through ``fd`` (a request retried writes
         anew): the first request's tells a hedge where to start (:meth:`Flight.written`). Close
         ``fd`` with :meth:`close`, not directly. If the other request has won already (this one
@@ -117,7 +124,7 @@ class Flight:
         self.began = began
         self.lock = threading.Lock()  # a write of either request, and the claim
         self.winner: Racer | None = None
-        self.watched: dict[Racer, StagingFile] = {}
+        self.watched: dict[Racer, Written] = {}
         self.first = Racer(self)
         self.hedge: Racer | None = None  # the second request, once started
         self.took: float | None = None  # seconds the first request took, if it won
