@@ -3,11 +3,12 @@
 Invariant: once a :class:`Flight` is won, no write of the request that lost reaches the staging
 file, so the part is counted done once (by the winner) and the file never changes after it is
 published; and the request that lost holds the file open no longer (its descriptor now names
-``/dev/null`` until it closes it), so an item acknowledged meanwhile frees its space at once, even
-while that request waits for bytes that do not come. Both requests write the same bytes of the same object version (each GET is
-conditional on the listed ETag where the store takes one) at the same offsets, so either may
-win, and their writes may interleave before that. The fetcher decides when to hedge
-(:func:`~cachepipe.fetch_policy.hedge_in`); this module only keeps the race fair.
+``/dev/null`` until it closes it), so an item acknowledged meanwhile frees its space at once,
+even while that request waits for bytes that do not come. Both requests write the same bytes of
+the same object version (each GET is conditional on the listed ETag where the store takes one)
+at the same offsets, so either may win, and their writes may interleave before that. The
+fetcher decides when to hedge (:func:`~cachepipe.fetch_policy.hedge_in`,
+:mod:`cachepipe.lateparts`); this module only keeps the race fair.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+__all__ = ["Flight", "Racer", "Superseded", "Written"]
+
+PWrite = Callable[[int, "bytes | memoryview", int], int]
+
 
 class Written(Protocol):
     """A request's staging writer, as a race reads it (:class:`~cachepipe.downloads.StagingFile`)."""
@@ -25,11 +30,6 @@ class Written(Protocol):
     def written(self) -> int:
         """Bytes written so far from the part's start on."""
         ...
-
-
-__all__ = ["Flight", "Racer", "Superseded", "Written"]
-
-PWrite = Callable[[int, "bytes | memoryview", int], int]
 
 
 class Superseded(Exception):
@@ -106,7 +106,7 @@ def _let_go(fd: int) -> None:
     open by it, while the number stays its owner's until that closes it."""
     null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
     try:
-        os.dup2(null, fd)
+        os.dup2(null, fd, inheritable=False)  # as the file it named was opened: O_CLOEXEC
     finally:
         os.close(null)
 

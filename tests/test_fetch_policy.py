@@ -187,6 +187,7 @@ def test_of_two_requests_racing_for_a_part_the_first_to_end_wins_and_the_other_w
     assert second.claim() and flight.over and first.lost() and not second.lost()
     # the late request no longer holds the file open: a deleted item's space is freed at once
     assert os.readlink(f"/proc/self/fd/{late_fd}") == os.devnull
+    assert not os.get_inheritable(late_fd)  # as the staging file was opened (O_CLOEXEC): no child process gets it
     with pytest.raises(Superseded):
         late.write(b"XX")  # its next bytes: refused, not written
     first.close(os.close)
