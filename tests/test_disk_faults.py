@@ -384,6 +384,24 @@ def test_a_share_of_the_disk_keeps_its_size_when_the_cache_opens_again_over_its_
     assert stats.items_reused == 16 and stats.bytes_downloaded == 0
 
 
+def test_a_map_run_over_what_a_killed_run_left_gets_its_share_of_the_disk(tmp_path):
+    """``cachepipe map --capacity 90%`` was resolved against the free space alone: a rerun
+    after a killed run, whose downloads and outputs were still in the cache folder, got 90% of
+    what they left. They are this run's room, as a pipeline's own items are its own."""
+    from cachepipe.map import map_items
+
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "f").write_bytes(b"x" * 1000)
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        empty = map_items(["true"], str(tmp_path / "src"), str(tmp_path / "dst1"), cache_dir=disk / "c1", capacity="90%")
+        left = disk / "c2" / "left-by-a-killed-run"
+        left.parent.mkdir()
+        left.write_bytes(b"x" * (400 * 1024))  # what a run killed mid-way left in its cache folder
+        rerun = map_items(["true"], str(tmp_path / "src"), str(tmp_path / "dst2"), cache_dir=disk / "c2", capacity="90%")
+    assert empty.items_done == rerun.items_done == 1
+    assert rerun.capacity == pytest.approx(empty.capacity, rel=0.02)
+
+
 def item_name(path):
     return path.name
 

@@ -33,6 +33,7 @@ from ..config import Share, check_cache_dir, check_source, with_unit
 from ..errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError, is_transient
 from ..listing import empty_source
 from ..pipeline import Pipeline
+from ..removal import tree_bytes
 from ..stores import Store, open_store
 from ..stores.base import WritableStore
 from .child import Watcher, kill_leftovers
@@ -387,12 +388,16 @@ def _refusals(todo: Sequence[MapItem], sizing: _Sizing) -> list[tuple[str, str]]
 
 
 def _resolve_capacity(capacity: int | Share, cache_dir: Path) -> int:
+    """``capacity`` in bytes: a share of the free space on ``cache_dir``'s filesystem and of what
+    ``cache_dir`` holds (a killed run's downloads and outputs are this run's room, as a
+    pipeline's own items are its own: :class:`~cachepipe.cache.Cache`), or the bytes given."""
     if not isinstance(capacity, Share):
         return capacity
     probe = cache_dir.absolute()
     while not probe.exists():
         probe = probe.parent
-    return int(shutil.disk_usage(probe).free * capacity.fraction)
+    held = tree_bytes(cache_dir) if cache_dir.is_dir() else 0
+    return int((shutil.disk_usage(probe).free + held) * capacity.fraction)
 
 
 def _take_lock(work: Path, cache_dir: Path) -> int:
