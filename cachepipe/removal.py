@@ -17,9 +17,9 @@ import queue
 import shutil
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
-__all__ = ["Reaper", "delete_tree", "rmtree", "tree_bytes"]
+__all__ = ["Reaper", "delete_tree", "rmtree", "room_at", "tree_bytes"]
 
 log = logging.getLogger("cachepipe.cache")
 
@@ -49,6 +49,17 @@ def tree_bytes(root: str | os.PathLike[str]) -> int:
             if not os.path.islink(path):
                 total += st.st_size
     return total
+
+
+def room_at(path: str | os.PathLike[str], held: Iterable[str | os.PathLike[str]]) -> int:
+    """What a capacity given as a share of the disk is of, in bytes: the space free on the
+    filesystem of ``path`` (or of its nearest existing parent, before it is made) and what the
+    folders ``held`` hold (:func:`tree_bytes`; 0 for one not there). A cache's own files are its
+    room, not taken from it: one opened again over what it kept has the size it had."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    return shutil.disk_usage(probe).free + sum(tree_bytes(folder) for folder in held)
 
 
 def rmtree(path: str | os.PathLike[str], names: Sequence[str] = ()) -> None:

@@ -54,7 +54,6 @@ import contextlib
 import logging
 import os
 import re
-import shutil
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -68,7 +67,7 @@ from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_
 from .errors import CacheLockedError, OversizeError
 from .pipeline import CachedItem, Pipeline, Skipped
 from .plan import Cursor
-from .removal import tree_bytes
+from .removal import room_at
 from .torchdist import _distributed, _from_rank0, _manifest_bytes, _save_manifest, local_ranks
 from .torchnode import _JOB_OPTIONS, NODE_BATCH, NODE_BATCH_BYTES, _NodeMode
 from .torchstate import _repeats
@@ -499,15 +498,14 @@ def _room(cache_dir: Path, world: int, num_workers: int) -> int:
     :class:`~cachepipe.Pipeline`, whose own share would count its items as room and its
     siblings' as used: each worker, and each rank on the disk, then got less on every reopen
     over the items they kept. Folders of a run with more workers or ranks are no one's: used."""
-    probe = cache_dir.absolute()
-    while not probe.exists():  # made when the first worker's cache opens
-        probe = probe.parent
-    held = 0
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # none yet
-        for entry in os.scandir(cache_dir):
-            if (match := _FOLDER.fullmatch(entry.name)) and int(match[1]) < world and int(match[2]) < num_workers:
-                held += tree_bytes(entry.path)
-    return shutil.disk_usage(probe).free + held
+    held: list[str] = []
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # none yet: made when the first worker's cache opens
+        held = [
+            entry.path
+            for entry in os.scandir(cache_dir)
+            if (match := _FOLDER.fullmatch(entry.name)) and int(match[1]) < world and int(match[2]) < num_workers
+        ]
+    return room_at(cache_dir, held)
 
 
 def _open(make: Callable[[], Pipeline]) -> Pipeline:

@@ -22,7 +22,7 @@ from pathlib import Path
 from ..catalog import Item
 from ..config import Share
 from ..errors import ConfigError, OversizeError
-from ..removal import tree_bytes
+from ..removal import room_at
 from ..retention import RetentionPolicy
 from .acks import _Acks
 
@@ -40,10 +40,9 @@ def _capacity_bytes(capacity: int | Share, root: Path) -> int:
     and held under ``root`` (the cache's own items are its room, not taken from it: a cache
     opened again over the items it kept has the size it had), or the bytes given, held to the
     filesystem's size (no item larger can ever fit)."""
-    usage = shutil.disk_usage(root)
     if isinstance(capacity, Share):
-        return int((usage.free + tree_bytes(root)) * capacity.fraction)
-    return min(capacity, usage.total)
+        return int(room_at(root, [root]) * capacity.fraction)
+    return min(capacity, shutil.disk_usage(root).total)
 
 
 class _Reservation(_Acks):

@@ -33,7 +33,7 @@ from ..config import Share, check_cache_dir, check_source, with_unit
 from ..errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError, is_transient
 from ..listing import empty_source
 from ..pipeline import Pipeline
-from ..removal import tree_bytes
+from ..removal import room_at
 from ..stores import Store, open_store
 from ..stores.base import WritableStore
 from .child import Watcher, kill_leftovers
@@ -393,11 +393,7 @@ def _resolve_capacity(capacity: int | Share, cache_dir: Path) -> int:
     pipeline's own items are its own: :class:`~cachepipe.cache.Cache`), or the bytes given."""
     if not isinstance(capacity, Share):
         return capacity
-    probe = cache_dir.absolute()
-    while not probe.exists():
-        probe = probe.parent
-    held = tree_bytes(cache_dir) if cache_dir.is_dir() else 0
-    return int((shutil.disk_usage(probe).free + held) * capacity.fraction)
+    return int(room_at(cache_dir, [cache_dir]) * capacity.fraction)
 
 
 def _take_lock(work: Path, cache_dir: Path) -> int:

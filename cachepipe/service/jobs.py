@@ -27,7 +27,6 @@ import contextlib
 import logging
 import os
 import re
-import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -39,7 +38,7 @@ from ..config import Capacity, PipelineConfig, Share, check_absolute_source, che
 from ..errors import CacheRemovedError, ConfigError
 from ..manifest import index, read_manifest
 from ..plan import Cursor
-from ..removal import tree_bytes
+from ..removal import room_at
 from ..stores import preload
 from .closing import Closer
 from .errors import StoppingError, UnknownPipelineError
@@ -405,7 +404,7 @@ class Jobs:
         items (kept for it) have taken their part of the free space. The folders of other jobs not
         registered now stay taken."""
         root = self.config.root
-        return shutil.disk_usage(root).free + sum(tree_bytes(root / job) for job in {*self._jobs, name})
+        return room_at(root, [root / job for job in {*self._jobs, name}])
 
     @staticmethod
     def _bytes(capacity: int | Share, room: int) -> int:
