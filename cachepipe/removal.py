@@ -17,9 +17,9 @@ import queue
 import shutil
 import sys
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Sequence
 
-__all__ = ["Reaper", "delete_tree", "rmtree", "room_at", "tree_bytes"]
+__all__ = ["Reaper", "delete_tree", "rmtree", "tree_bytes"]
 
 log = logging.getLogger("cachepipe.cache")
 
@@ -36,30 +36,32 @@ def delete_tree(path: str | os.PathLike[str]) -> int:
     return 0
 
 
-def tree_bytes(root: str | os.PathLike[str]) -> int:
-    """Total size in bytes of the regular files under ``root`` (symlinks not followed)."""
+def tree_bytes(root: str | os.PathLike[str], skip: Container[str] = ()) -> int:
+    """Total size in bytes of the files under ``root`` (symlinks counted as nothing, never
+    followed; a folder that cannot be listed, or an entry removed while this walks, as
+    nothing), except the entries whose path relative to ``root`` (``/``-separated) is in
+    ``skip``: a cache's items already measured, say. One ``lstat`` per file counted and none
+    per folder (``os.scandir`` tells folders and links apart from the directory itself)."""
     total = 0
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            path = os.path.join(dirpath, name)
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue  # removed while we walked
-            if not os.path.islink(path):
-                total += st.st_size
+    folders = [(os.fspath(root), "")]
+    while folders:
+        folder, rel = folders.pop()
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    name = f"{rel}{entry.name}"
+                    if name in skip:
+                        continue
+                    try:
+                        if entry.is_dir(follow_symlinks=False):
+                            folders.append((entry.path, f"{name}/"))
+                        elif not entry.is_symlink():
+                            total += entry.stat(follow_symlinks=False).st_size
+                    except FileNotFoundError:
+                        continue  # removed while we walked
+        except OSError:
+            continue  # removed while we walked, or not a folder (a file: as os.walk, nothing)
     return total
-
-
-def room_at(path: str | os.PathLike[str], held: Iterable[str | os.PathLike[str]]) -> int:
-    """What a capacity given as a share of the disk is of, in bytes: the space free on the
-    filesystem of ``path`` (or of its nearest existing parent, before it is made) and what the
-    folders ``held`` hold (:func:`tree_bytes`; 0 for one not there). A cache's own files are its
-    room, not taken from it: one opened again over what it kept has the size it had."""
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    return shutil.disk_usage(probe).free + sum(tree_bytes(folder) for folder in held)
 
 
 def rmtree(path: str | os.PathLike[str], names: Sequence[str] = ()) -> None:

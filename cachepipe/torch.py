@@ -63,11 +63,11 @@ from typing import Any
 import torch.utils.data
 
 from .cache.lock import UNKNOWN_OWNER
+from .cache.room import room_at
 from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_capacity, small_capacity, with_unit
 from .errors import CacheLockedError, OversizeError
 from .pipeline import CachedItem, Pipeline, Skipped
 from .plan import Cursor
-from .removal import room_at
 from .torchdist import _distributed, _from_rank0, _manifest_bytes, _save_manifest, local_ranks
 from .torchnode import _JOB_OPTIONS, NODE_BATCH, NODE_BATCH_BYTES, _NodeMode
 from .torchstate import _repeats
@@ -505,7 +505,7 @@ def _room(cache_dir: Path, world: int, num_workers: int) -> int:
             for entry in os.scandir(cache_dir)
             if (match := _FOLDER.fullmatch(entry.name)) and int(match[1]) < world and int(match[2]) < num_workers
         ]
-    return room_at(cache_dir, held)
+    return room_at(cache_dir, held, caches=True)
 
 
 def _open(make: Callable[[], Pipeline]) -> Pipeline:

@@ -29,7 +29,7 @@ def test_unsafe_key_rejected_before_any_write(remote_source, tmp_path, key, reas
         Pipeline(remote_source.url, cache, "1MiB", storage_options=remote_source.options).open()
     assert repr(key) in str(info.value) and reason in str(info.value)
     assert set(os.listdir(tmp_path)) - before == {"cache"}
-    assert os.listdir(cache) == [".cachepipe"] and set(os.listdir(cache / ".cachepipe")) <= {"lock", "journal"}
+    assert os.listdir(cache) == [".cachepipe"] and set(os.listdir(cache / ".cachepipe")) <= {"lock", "journal", "held"}
 
 
 def test_file_and_folder_of_the_same_name_collide(remote_source, tmp_path):

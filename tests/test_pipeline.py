@@ -68,7 +68,7 @@ def test_delivers_every_item_complete_and_in_order(source, tmp_path):
     assert stats.bytes_downloaded == stats.bytes_listed
     assert stats.items_failed == 0
     assert os.listdir(cache) == [".cachepipe"]
-    assert set(os.listdir(cache / ".cachepipe")) <= {"lock", "journal"}
+    assert set(os.listdir(cache / ".cachepipe")) <= {"lock", "journal", "held"}
 
 
 # Items of 1 MiB or more are deleted by the reaper thread after an ack (cache.REAP_MIN_BYTES).
@@ -212,7 +212,7 @@ def test_oversize_item_is_an_error_before_any_download(s3_source, tmp_path):
     with pytest.raises(OversizeError) as info:
         Pipeline(s3_source.url, tmp_path / "c", capacity=4000, storage_options=s3_source.options).open()
     assert "'big'" in str(info.value) and "5000 bytes" in str(info.value) and "capacity of 4000 bytes" in str(info.value)
-    assert set(os.listdir(tmp_path / "c" / ".cachepipe")) <= {"lock", "journal"}  # nothing downloaded, unlocked
+    assert set(os.listdir(tmp_path / "c" / ".cachepipe")) <= {"lock", "journal", "held"}  # nothing downloaded, unlocked
     with Pipeline(s3_source.url, tmp_path / "c", capacity=4000, storage_options=s3_source.options, on_oversize="skip") as pipe:
         assert [p.name for p in pipe] == ["item000", "item001"]
         assert pipe.stats().items_skipped == 1
@@ -436,7 +436,7 @@ def test_leaving_the_loop_stops_threads_and_cleans_up(s3_source, tmp_path, how):
                         raise exc()
                     break
     assert os.listdir(cache) == [".cachepipe"]
-    assert set(os.listdir(cache / ".cachepipe")) <= {"lock", "journal"}
+    assert set(os.listdir(cache / ".cachepipe")) <= {"lock", "journal", "held"}
     assert not [t for t in threading.enumerate() if t.name.startswith("cachepipe")]
     with pytest.raises(RuntimeError, match="closed"):
         pipe.open()
@@ -477,6 +477,23 @@ def test_keep_on_close_items_are_reused_by_the_next_owner(s3_source, tmp_path):
         assert [p.name for p in pipe] == sorted(data)
         assert pipe.stats().items_reused == 3 and pipe.stats().bytes_downloaded == 0
     assert os.listdir(cache) == [".cachepipe"]
+
+
+def test_an_item_left_with_a_link_in_it_is_downloaded_again_and_the_link_never_followed(s3_source, tmp_path):
+    # No download makes a link: an item holding one was changed by someone else, so it is not
+    # reused as it stands (its files matched the listing's names and sizes without the link).
+    data = s3_source.folders(3, {"f": 1000})
+    cache, elsewhere = tmp_path / "c", tmp_path / "elsewhere"
+    _leave_items(s3_source, cache)
+    elsewhere.mkdir()
+    (elsewhere / "kept").write_bytes(b"x" * 10)
+    first = sorted(data)[0]
+    (cache / first / "link").symlink_to(elsewhere, target_is_directory=True)
+    with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options) as pipe:
+        got = {p.name: sorted(os.listdir(p)) for p in pipe}
+        assert pipe.stats().items_reused == 2 and pipe.stats().bytes_downloaded == 1000
+    assert got == {name: ["f"] for name in data}
+    assert (elsewhere / "kept").read_bytes() == b"x" * 10
 
 
 def test_only_an_items_first_hand_out_since_its_download_is_marked_first(s3_source, tmp_path):

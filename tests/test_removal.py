@@ -13,7 +13,7 @@ import pytest
 
 from cachepipe.cache.eviction import deleters_for
 from cachepipe.fscalls import filesystem_at, filesystem_type
-from cachepipe.removal import Reaper, rmtree
+from cachepipe.removal import Reaper, rmtree, tree_bytes
 
 
 def _item(root, name: str, size: int) -> str:
@@ -45,6 +45,23 @@ def test_reaper_refuses_work_once_stopped_and_starts_no_thread_for_nothing(tmp_p
     assert os.path.exists(tmp_path / "late")
     assert not any(t.name == "cachepipe-reaper" for t in threading.enumerate())
     reaper.stop()  # idempotent
+
+
+def test_tree_bytes_counts_each_file_once_never_follows_a_link_and_leaves_out_what_it_is_told(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "a" / "b").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "big").write_bytes(b"x" * 1000)
+    (root / "top").write_bytes(b"x" * 1)
+    (root / "a" / "f").write_bytes(b"x" * 10)
+    (root / "a" / "b" / "g").write_bytes(b"x" * 100)
+    (root / "a" / "to-dir").symlink_to(outside, target_is_directory=True)
+    (root / "to-file").symlink_to(outside / "big")
+    assert tree_bytes(root) == 111
+    assert tree_bytes(root, skip={"a/b"}) == 11
+    assert tree_bytes(root, skip={"a", "top"}) == 0
+    assert tree_bytes(root / "top") == 0  # a file is no tree (as os.walk had it)
+    assert tree_bytes(tmp_path / "missing") == 0
 
 
 def test_rmtree_of_a_missing_path_is_a_no_op(tmp_path):

@@ -49,6 +49,7 @@ from .publishing import _Publishing
 from .record import Record
 from .recovery import check_resume, of_same_data, sort_leftovers
 from .reservation import _capacity_bytes
+from .room import JOURNAL, LOCK, held_in, write_note
 from .staging import Staging
 
 __all__ = ["STATE_DIR", "Cache"]
@@ -80,14 +81,14 @@ class Cache(_Publishing):
         self.prefix = self._root.rstrip("/") + "/"  # what every item's path starts with
         self._capacity_spec = capacity
         self.ledger = Ledger()
-        self.record = Record(self.state_dir / "journal")
+        self.record = Record(self.state_dir / JOURNAL)
         self._staging = Staging(self.staging_root)
         self._eviction = Eviction(self.root, self._staging, self._reaped)
         # the calls that write and publish items (:func:`~cachepipe.fscalls.file_calls_for`
         # the file system that holds the cache, chosen by open; :data:`~cachepipe.fscalls.RELEASING`
         # where a lookup of the cache's path passes a file system not known to be local)
         self.file_calls = RELEASING
-        self._lock = OwnerLock(self.state_dir / "lock", self.root)
+        self._lock = OwnerLock(self.state_dir / LOCK, self.root)
         self.rebuilt = False  # the journal was unreadable and state was rebuilt from disk
         self._replay = state.Replay()
         self._recovered = {}  # published items found at open, not yet handed out
@@ -147,7 +148,7 @@ class Cache(_Publishing):
                         usage.total,
                     )
                 # the tree walked only where it can matter: a capacity over the free space
-                elif self.capacity > usage.free and self.capacity > (room := usage.free + tree_bytes(self.root)):
+                elif self.capacity > usage.free and self.capacity > (room := usage.free + held_in(self.root)):
                     log.warning(
                         "capacity %d bytes exceeds the space available to %s (%d bytes): downloads will meet a full "
                         "disk, and in-order delivery can wait on space held by later items; lower the capacity or "
@@ -240,7 +241,7 @@ class Cache(_Publishing):
         state_files = tree_bytes(self.state_dir)
         record.budget = self.journal_budget(items)
         ledger.overhead = state_files + record.budget
-        ledger.foreign = tree_bytes(self.root) - ledger.reserved - state_files
+        ledger.foreign = tree_bytes(self.root, skip={*reuse, STATE_DIR})  # the reused items matched their sizes
         ledger.check_room(self._root)
         self._replay = state.Replay()
         while self._recovered and ledger.over_capacity():
@@ -352,6 +353,7 @@ class Cache(_Publishing):
             self.record.close()
             self._lock.release()
             return
+        noted = False
         try:
             if not keep and self.record.journal.is_open:  # else recovery never finished: the next open decides
                 for name in list(self.record.published):
@@ -362,9 +364,14 @@ class Cache(_Publishing):
                 pass
             except OSError as exc:  # not fatal: the next open removes staging leftovers
                 log.warning("could not remove staging %s: %s", self.staging_root, exc)
+            noted = self.record.journal.is_open  # else recovery never finished: nothing known to note
         finally:
             self.record.close()
-            self._lock.release()
+            try:
+                if noted:  # what the folder holds, for a share of the disk measured before the next owner's recovery
+                    write_note(self.root, self.record.published)
+            finally:
+                self._lock.release()
 
 
 def journal_budget_of(name_bytes: int, count: int, versions: bool = True) -> int:

@@ -105,17 +105,18 @@ def sort_leftovers(
         ours = live = {name for name in items.names if name not in unsafe and os.path.lexists(root / name)}
     reuse: dict[str, int] = {}
     stale: list[str] = []
+    base = f"{root}/"
     for name in sorted(ours):
-        path = root / name
-        if not os.path.lexists(path):
-            continue
-        found = items.find(name)  # only names on disk are looked up: no index of the whole catalog
-        item = items[found] if found >= 0 else None
-        if name in live and item is not None and item.unsafe is None and matches(path, item):
-            if replay.versions.get(name) == item.version:
-                reuse[name] = item.size
-            else:  # ours (journaled, or matching the listing), of another version or of one not known
-                stale.append(name)
-        elif not rebuilt:
+        path = f"{base}{name}"
+        if name in live:  # published: looked up (no index of the whole catalog), and its files matched
+            found = items.find(name)
+            item = items[found] if found >= 0 else None
+            if item is not None and item.unsafe is None and matches(path, item):
+                if replay.versions.get(name) == item.version:
+                    reuse[name] = item.size
+                else:  # ours (journaled, or matching the listing), of another version or of one not known
+                    stale.append(name)
+                continue
+        if not rebuilt and os.path.lexists(path):
             stale.append(name)
     return reuse, stale

@@ -22,9 +22,9 @@ from pathlib import Path
 from ..catalog import Item
 from ..config import Share
 from ..errors import ConfigError, OversizeError
-from ..removal import room_at
 from ..retention import RetentionPolicy
 from .acks import _Acks
+from .room import room_at
 
 __all__: list[str] = []
 
@@ -41,7 +41,7 @@ def _capacity_bytes(capacity: int | Share, root: Path) -> int:
     opened again over the items it kept has the size it had), or the bytes given, held to the
     filesystem's size (no item larger can ever fit)."""
     if isinstance(capacity, Share):
-        return int(room_at(root, [root]) * capacity.fraction)
+        return int(room_at(root, [root], caches=True) * capacity.fraction)
     return min(capacity, shutil.disk_usage(root).total)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import stat
 from pathlib import Path
 
 from ..catalog import Item
@@ -85,17 +86,26 @@ def verify(staged: str | Path, item: Item) -> None:
             raise VerificationError(errno.EIO, f"{f.key}: got {actual} bytes, listing says {f.size}")
 
 
-def matches(path: Path, item: Item) -> bool:
-    """True when ``path`` holds exactly the item's files with the listed sizes."""
+def matches(path: str | os.PathLike[str], item: Item) -> bool:
+    """True when ``path`` holds exactly the item's files with the listed sizes (a symbolic link
+    anywhere under it, which no download makes, is no match). One ``lstat`` per file."""
     try:
         if item.is_file:
-            return path.is_file() and not path.is_symlink() and path.stat().st_size == item.size
+            st = os.lstat(path)
+            return stat.S_ISREG(st.st_mode) and st.st_size == item.size
         expected = {f.rel: f.size for f in item.files}
-        found = {}
-        for dirpath, _dirs, files in os.walk(path):
-            for name in files:
-                p = Path(dirpath, name)
-                found[p.relative_to(path).as_posix()] = p.lstat().st_size
-        return found == expected
+        found = 0
+        folders = [(os.fspath(path), "")]
+        while folders:
+            folder, rel = folders.pop()
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        folders.append((entry.path, f"{rel}{entry.name}/"))
+                    elif entry.is_symlink() or expected.get(f"{rel}{entry.name}") != entry.stat(follow_symlinks=False).st_size:
+                        return False
+                    else:
+                        found += 1
+        return found == len(expected)
     except OSError:
         return False

@@ -29,11 +29,11 @@ from typing import Any
 from ..backoff import backoff_delay
 from ..cache import journal_budget_of
 from ..cache.lock import unusable_dir
+from ..cache.room import room_at
 from ..config import Share, check_cache_dir, check_source, with_unit
 from ..errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError, is_transient
 from ..listing import empty_source
 from ..pipeline import Pipeline
-from ..removal import room_at
 from ..stores import Store, open_store
 from ..stores.base import WritableStore
 from .child import Watcher, kill_leftovers

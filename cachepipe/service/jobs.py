@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Annotated, Any, BinaryIO, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from ..cache.room import room_at
 from ..config import Capacity, PipelineConfig, Share, check_absolute_source, check_manifest_location, parse_size, with_unit
 from ..errors import CacheRemovedError, ConfigError
 from ..manifest import index, read_manifest
 from ..plan import Cursor
-from ..removal import room_at
 from ..stores import preload
 from .closing import Closer
 from .errors import StoppingError, UnknownPipelineError

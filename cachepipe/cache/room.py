@@ -1,0 +1,95 @@
+"""What a capacity given as a share of the disk is of, and the note of its size a cache leaves
+when it closes.
+
+A share (``"80%"``) is of the space free on the cache's filesystem and of what the cache
+folders concerned hold already (a cache's own items are its room, not taken from it). What a
+folder holds is a walk of its files, one ``lstat`` each: seconds for a million small files, in
+every DataLoader worker at every pass, each of which measures the folders of all its siblings.
+So a cache that closes writes down what its folder holds (``<folder>/.cachepipe/held``, with
+the identity of its journal and the folder's change time then), and a measure of a cache
+folder trusts the note while both are as it says: the next owner rewrites the journal when its
+recovery ends, and from then on the folder is walked again. A note that cannot be read, or a
+folder without one (its owner is running, or was killed), is walked. Only cache folders are
+measured so (a cache's own, a DataLoader worker's siblings'): files written deeper into a
+folder after its cache closed change neither the journal nor the folder's change time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from ..removal import tree_bytes
+from .lock import STATE_DIR
+
+__all__ = ["held_in", "room_at", "write_note"]
+
+log = logging.getLogger("cachepipe.cache")
+
+NOTE = "held"  # in the state folder: "<bytes> <journal's st_ino> <st_size> <st_mtime_ns>"
+JOURNAL = "journal"
+LOCK = "lock"  # the owner's lock file (:class:`~.lock.OwnerLock`)
+
+
+def room_at(path: str | os.PathLike[str], held: Iterable[str | os.PathLike[str]], caches: bool = False) -> int:
+    """What a capacity given as a share of the disk is of, in bytes: the space free on the
+    filesystem of ``path`` (or of its nearest existing parent, before it is made) and what the
+    folders ``held`` hold (walked; with ``caches``, folders each of one cache: :func:`held_in`;
+    0 for one not there). A cache's own files are its room, not taken from it: one opened again
+    over what it kept has the size it had."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    measure = held_in if caches else tree_bytes
+    return shutil.disk_usage(probe).free + sum(measure(folder) for folder in held)
+
+
+def held_in(folder: str | os.PathLike[str]) -> int:
+    """The bytes of the files under the cache folder ``folder``: as its cache noted when it
+    closed, if its journal and the folder's change time are still as noted; else walked
+    (:func:`~cachepipe.removal.tree_bytes`)."""
+    noted = _read_note(Path(folder))
+    return tree_bytes(folder) if noted is None else noted
+
+
+def write_note(root: Path, kept: Mapping[str, int]) -> None:
+    """Note what the cache folder ``root`` holds now that its journal is written for the last
+    time (at its close): the items ``kept`` (name -> bytes, each at its listed size) and the rest
+    of its files, walked, but for its lock (empty once released) and the note. Not fatal if it
+    fails: the folder is walked instead."""
+    state_dir = root / STATE_DIR
+    path, spare = state_dir / NOTE, state_dir / f"{NOTE}.new"
+    try:
+        state = tree_bytes(state_dir, skip={LOCK, NOTE, spare.name})
+        held = sum(kept.values()) + tree_bytes(root, skip={*kept, STATE_DIR}) + state
+        spare.write_text(f"{held} {_marks(root)}\n")
+        os.replace(spare, path)
+    except OSError as exc:
+        log.debug("could not note the size of %s (%s): it is walked when measured", root, exc)
+        with contextlib.suppress(OSError):
+            os.unlink(spare)
+
+
+def _marks(root: Path) -> str:
+    """What changes when a later owner (of any version) or anyone else changes the cache folder
+    ``root`` at its top or its journal: the journal's inode, size and change time, and the
+    folder's change time (nanoseconds)."""
+    journal, folder = os.stat(root / STATE_DIR / JOURNAL), os.stat(root)
+    return f"{journal.st_ino} {journal.st_size} {journal.st_mtime_ns} {folder.st_mtime_ns}"
+
+
+def _read_note(root: Path) -> int | None:
+    """The bytes noted for the cache folder ``root``, or None: no note, one not readable, or one
+    whose marks (:func:`_marks`) have changed since."""
+    try:
+        note = (root / STATE_DIR / NOTE).read_text()
+        held, _, marks = note.strip().partition(" ")
+        if marks != _marks(root) or int(held) < 0:
+            return None
+        return int(held) + len(note)  # the note holds only ASCII: one byte a character
+    except (OSError, ValueError):
+        return None

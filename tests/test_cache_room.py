@@ -1,0 +1,73 @@
+"""The note of its size a cache leaves when it closes (cachepipe.cache.room): a share of the
+disk measured before the next owner's recovery reads it instead of walking the folder."""
+
+from __future__ import annotations
+
+import os
+
+from waiting import wait_until
+
+from cachepipe import Pipeline
+from cachepipe.cache import tree_bytes
+from cachepipe.cache.room import held_in
+
+
+def _keep(s3_source, cache, n: int = 3) -> None:
+    options = {"storage_options": s3_source.options, "keep_on_close": True, "auto_ack": False, "resume": True}
+    with Pipeline(s3_source.url, cache, "1MiB", **options) as pipe:
+        wait_until(lambda: pipe.stats().items_ready >= n)
+
+
+def test_a_cache_that_closes_notes_what_its_folder_holds_and_the_note_stands_until_the_folder_changes(s3_source, tmp_path):
+    data = s3_source.folders(3, {"a": 1000, "b": 2000})
+    cache = tmp_path / "c"
+    cache.mkdir()
+    (cache / "foreign").write_bytes(b"x" * 500)  # not the cache's: counted as held, as a walk counts it
+    _keep(s3_source, cache)
+    assert (cache / ".cachepipe" / "held").is_file()
+    walked = tree_bytes(cache)
+    assert held_in(cache) == walked >= 3 * 3000 + 500
+    # what the note stands for: a change deep in an item, which neither the journal nor the
+    # folder's change time shows, is not seen (a folder is measured so only when it is a cache's)
+    (cache / min(data) / "a").write_bytes(b"x" * 3000)
+    assert held_in(cache) == walked != tree_bytes(cache)
+    # a file added at the top of the folder changes its change time: walked again
+    (cache / "more").write_bytes(b"x" * 7)
+    assert held_in(cache) == tree_bytes(cache) == walked + 2000 + 7
+
+
+def test_the_note_is_not_trusted_once_the_journal_changes_or_when_it_cannot_be_read(s3_source, tmp_path):
+    s3_source.folders(3, {"a": 1000})
+    cache = tmp_path / "c"
+    _keep(s3_source, cache)
+    note = cache / ".cachepipe" / "held"
+    walked = tree_bytes(cache)
+    held, _, marks = note.read_text().partition(" ")
+    note.write_text(f"{int(held) + 1} {marks}")  # a note that lies, while its marks hold: trusted
+    assert held_in(cache) == walked + 1
+    with open(cache / ".cachepipe" / "journal", "a") as journal:  # an owner of an older version, say
+        journal.write("")
+        os.utime(journal.fileno())
+    assert held_in(cache) == tree_bytes(cache) == walked
+    note.write_text("garbage\n")
+    assert held_in(cache) == tree_bytes(cache)
+    note.unlink()
+    assert held_in(cache) == tree_bytes(cache)
+
+
+def test_an_open_cache_has_no_note_to_trust_and_notes_again_when_it_closes(s3_source, tmp_path):
+    # The next owner rewrites the journal when its recovery ends: from then on it is walked,
+    # so a killed owner's folder is never measured by a note older than its downloads.
+    data = s3_source.folders(4, {"a": 1000})
+    cache = tmp_path / "c"
+    _keep(s3_source, cache, 2)
+    options = {"storage_options": s3_source.options, "keep_on_close": True, "auto_ack": False, "resume": True}
+    with Pipeline(s3_source.url, cache, "1MiB", **options) as pipe:
+        wait_until(lambda: pipe.stats().items_ready == 4)
+        (cache / "foreign").write_bytes(b"x" * 300)  # changes the folder; the journal was rewritten anyway
+        assert held_in(cache) == tree_bytes(cache)
+        (cache / min(data) / "deep").write_bytes(b"x" * 11)
+        assert held_in(cache) == tree_bytes(cache)
+    # noted at its close: each kept item at its listed size (a consumer's file left in one is not
+    # counted; the next owner's recovery finds that item changed and deletes it)
+    assert held_in(cache) == tree_bytes(cache) - 11
