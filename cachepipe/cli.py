@@ -1,7 +1,7 @@
 """The ``cachepipe`` command::
 
     cachepipe serve --config /etc/cachepipe/cachepipe.yaml [--check]
-    cachepipe next    [--pipeline NAME] [--timeout S] [--json]    prints the item's local path
+    cachepipe next    [--pipeline NAME] [--timeout S] [--json | --with-lease]  prints the item's local path
     cachepipe ack     PATH [--lease ID]                            evict a finished item
     cachepipe release PATH [--lease ID]                            give it back to the queue
     cachepipe renew   PATH [--lease ID]                            extend its lease
@@ -85,7 +85,13 @@ def _parser() -> argparse.ArgumentParser:
     nxt = sub.add_parser("next", parents=[client], help="take the next item and print its local path")
     nxt.add_argument("--pipeline", "-p", default=None, help="pipeline name (default: the daemon's only one)")
     nxt.add_argument("--timeout", "-t", type=_seconds, default=None, help="seconds to wait for an item (default: no limit)")
-    nxt.add_argument("--json", action="store_true", help="print the item as JSON (name, path, lease, size, files)")
+    shown = nxt.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help="print the item as JSON (name, path, lease, size, files)")
+    shown.add_argument(
+        "--with-lease",
+        action="store_true",
+        help="print 'LEASE PATH': the lease id (no spaces in it), one space, the path (for a .done holding the lease)",
+    )
 
     for verb, text in (
         ("ack", "acknowledge an item: the daemon deletes it"),
@@ -170,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if item is None:
                     print("cachepipe: every item was delivered", file=sys.stderr)
                     return EXIT_END
-                print(json.dumps(item.to_json()) if args.json else item.path)
+                print(json.dumps(item.to_json()) if args.json else f"{item.lease} {item.path}" if args.with_lease else item.path)
             elif args.command in ("ack", "release", "renew"):
                 getattr(client, args.command)(args.path, args.lease)
             elif args.command == "delete-job":

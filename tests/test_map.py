@@ -608,6 +608,31 @@ def test_an_item_with_an_unsafe_key_is_refused_and_the_others_are_done(s3_source
     assert not bucket(s3_client, "out/item001/")
 
 
+def test_a_grouped_item_holding_a_file_and_a_folder_of_one_name_is_refused_and_the_others_are_done(
+    s3_source, s3_client, tmp_path
+):
+    # --items files --unpack groups volumes with their checksum files: e/md5sums (a file) and
+    # e/md5sums/bad.tar.gz.001.md5 (under a folder of that name) in one item cannot both be
+    # stored in its folder. The pipeline found it when the listing reached that item, and the
+    # whole run stopped (UnsafeKeyError, raised by map_items), the items before it included.
+    for folder, stem in (("d", "good"), ("e", "bad")):
+        data = tar_bytes({f"{stem}.bin": os.urandom(3000)}, "w:gz")  # incompressible: within --unpack-ratio
+        for name, part in volumes(data, [f"{stem}.tar.gz.{i:03d}" for i in range(1, 3)]).items():
+            s3_source.put(f"{folder}/{name}", part)
+    s3_source.put("e/md5sums", b"")
+    s3_source.put("e/md5sums/bad.tar.gz.001.md5", b"0" * 32 + b"  bad.tar.gz.001\n")
+    args = ([sys.executable, "-c", "pass"], s3_source.url, "s3://data/out/")
+    options = {"cache_dir": tmp_path / "cache", "capacity": "1MiB", "items": "files", "unpack": True}
+    result = map_items(*args, **options, storage_options=s3_source.options)
+    assert result.items_done == 1
+    (failure,) = result.failed
+    assert failure.name == "e/bad.tar.gz" and "'e/md5sums/bad.tar.gz.001.md5': collides with the file" in failure.error
+    assert list(bucket(s3_client, "out/")) == [f"d/good.tar.gz/{DONE_MARKER}"]
+    assert_cache_clean(tmp_path / "cache")
+    dry = map_items(*args, **options, dry_run=True, storage_options=s3_source.options)  # planned refused, as unsafe keys
+    assert list(dry.refused) == ["e/bad.tar.gz"] and "collides with the file 'e/md5sums'" in dry.refused["e/bad.tar.gz"]
+
+
 def test_a_failed_upload_is_retried_without_running_the_command_again(s3_source, s3_client, tmp_path, capsys):
     data = s3_source.folders(2, {"a.bin": 300})
     log = tmp_path / "runs.log"

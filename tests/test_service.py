@@ -1078,11 +1078,11 @@ def test_marker_provenance_policy(tmp_path):
     (item / ".done").touch()  # left by an earlier consumer (or unpacked with the item)
     handouts, path = HandOuts(), str(item)
     assert handouts.record([(path, "L2", ("a.bin",), True, True)]) == []
-    assert handouts.lease_for(path, "marker") == (None, "this .done was there before the item was handed out")
-    assert handouts.lease_for(path, "deleted") == ("L2", "")
+    assert handouts.lease_for(path, "marker") == (None, "this .done was there before the item was handed out", None)
+    assert handouts.lease_for(path, "deleted") == ("L2", "", None)
     (item / "new").write_bytes(b"")
     os.replace(item / "new", item / ".done")  # this consumer's own marker (a new file, made while the old one existed)
-    assert handouts.lease_for(path, "marker") == ("L2", "")
+    assert handouts.lease_for(path, "marker") == ("L2", "", None)
     assert handouts.record([(path, "L3", ("a.bin", ".done"), True, False)]) == [path]  # L2 expired: replaced
     assert handouts.lease_for(path, "marker")[0] is None
     assert handouts.forget([(path, "L2")]) == []  # an older lease: the current hand-out stays
@@ -1091,7 +1091,7 @@ def test_marker_provenance_policy(tmp_path):
     assert under[0] == path and under[1].lease == "L3" and under[1].markers is False
     assert handouts.under(tmp_path / "item") == {}  # a sibling folder whose name starts the same is not under it
     handouts.forget_under(tmp_path)
-    assert handouts.lease_for(path, "deleted") == (None, "not handed out")
+    assert handouts.lease_for(path, "deleted") == (None, "not handed out", None)
     handouts.record([(path, "L4", ("a.bin",), False, True), (f"{path}x", "L5", ("a.bin",), False, True)])
     assert handouts.forget([(path, None), (f"{path}x", "L4"), ("/elsewhere", None)]) == [path]  # lease L5 stays
     assert len(handouts) == 1

@@ -22,6 +22,7 @@ from ..catalog import check_key, group_items
 from ..config import UNPACK_RATIO, Capacity, parse_size
 from ..errors import ConfigError, UnsafeKeyError
 from ..grouping import version_of
+from ..keys import _TreeCheck
 from ..stores import Store
 from ..stores.base import ObjectInfo, abort_store, takes_etag
 from ..unpack import DEFAULT_MAX_MEMBERS, is_checksum_file, split_volume
@@ -250,10 +251,23 @@ def _plan_grouped(objects: list[ObjectInfo]) -> list[MapItem]:
         local = quote(name, safe="")
         members = sorted(groups[name], key=lambda o: o.key)
         listed = tuple(ObjectInfo(f"{local}/{o.key}", o.size, o.etag) for o in members)
-        why = next((unsafe[o.key] for o in members if o.key in unsafe), None)
+        why = next((unsafe[o.key] for o in members if o.key in unsafe), None) or _collision(members)
         keys = {f"{local}/{o.key}": o.key for o in members}
         planned.append(MapItem(name, local, listed, keys, sum(o.size for o in members), why))
     return planned
+
+
+def _collision(members: list[ObjectInfo]) -> str | None:
+    """Why the objects of one grouped item (in key order) cannot all be stored in its folder: a
+    file that is also the folder of another (``md5sums`` and ``md5sums/x.md5``), or None. Such
+    an item is refused by itself; found by the pipeline instead, it stopped the run."""
+    tree = _TreeCheck()
+    try:
+        for obj in members:
+            tree.add(obj.key, obj.key.split("/"))
+    except UnsafeKeyError as exc:
+        return str(exc)
+    return None
 
 
 class PlannedSource:

@@ -149,8 +149,8 @@ class ServiceConfig(BaseSettings):
         tcp_port: also serve the API on TCP at ``tcp_host:tcp_port`` (no authentication:
             anyone who can connect can take and evict items); None (default): no TCP listener.
         tcp_host: address of the TCP listener (default ``127.0.0.1``).
-        markers: acknowledge an item when a consumer creates ``<item>/.done`` or deletes the
-            item (watched through inotify; default True).
+        markers: acknowledge an item when a consumer writes its lease into ``<item>/.done``
+            (or creates it empty) or deletes the item (watched through inotify; default True).
         log_level: ``debug``, ``info`` (default), ``warning`` or ``error``.
         status_interval: seconds between two ``STATUS=`` updates to systemd (default 10).
         max_wait: longest a ``next`` request blocks before answering 408 (default 300 s).

@@ -462,7 +462,17 @@ class Daemon(_JobDesk, _Views):
         if served is None or served.pipeline is None:
             return
         # Judged by provenance, not by what is true now: only the hand-out the marker was made for.
-        lease, why = self._handouts.lease_for(item, how)
+        lease, why, held = self._handouts.lease_for(item, how)
+        if held is not None:
+            self.metrics.markers_refused.labels(name).inc()
+            log.warning(
+                "%s: the .done in %s holds %r, not the lease the item is handed out under now (a lease from before a "
+                "restart or a reload, or one that expired): it acknowledges nothing and is left in place",
+                name,
+                item,
+                held[:80],
+            )
+            return
         try:
             if lease is None:
                 raise UnknownItemError(why)

@@ -1,7 +1,7 @@
 """File-marker acks: consumers that do not speak HTTP acknowledge an item on disk.
 
-- Folder items (``items: folders``): create ``<item>/.done`` (an empty file: 0 bytes under the
-  cap), or delete the item folder.
+- Folder items (``items: folders``): write the item's lease into ``<item>/.done`` (or create it
+  empty), or delete the item folder.
 - Single-file items (``items: files``): delete the file. There is no marker file: a
   ``<file>.done`` beside it could collide with another object's name and would be left behind.
 
@@ -11,16 +11,23 @@ the item's path, usually well within a second. The calls that add a watch (under
 a local file system) and remove one keep the interpreter's lock
 (:func:`keep_the_lock_for_watch_calls`).
 
-Provenance: an event is processed some time after it happened (inotify, watchdog's queue), so
-"a ``.done`` exists and the item is handed out now" does not prove a consumer made it. A marker
-acknowledges only the hand-out it was made for: at each hand-out the daemon records the lease
-and what ``<item>/.done`` was then (:class:`HandOuts`); a marker event acknowledges that lease
-(never a later one) and only if the ``.done`` is not one that was there at hand-out. So a
-``.done`` that is one of the item's own files (a dataset that ships one, listed in the catalog
-or present when the item was published) never acknowledges it: ack such an item over the API
-or by deleting it. A marker left by a consumer whose lease expired does not acknowledge the
-next consumer's hand-out either. Deleting an item acknowledges the lease recorded at its
-hand-out too.
+A marker is judged once it is complete: when its writer closes it, when it is moved into place,
+or when it is touched (an item folder's watch does not ask for its creation, when a writer may
+not have written it yet). What it holds (:func:`read_marker`) says whose it is: a lease
+acknowledges only the hand-out with that lease, and a ``.done`` holding anything else (an
+earlier daemon's lease, after a restart or a rebuild; an expired one) acknowledges nothing, is
+logged and counted, and stays. An empty one acknowledges the item's holder, as markers always did.
+
+Provenance of an empty marker: an event is processed some time after it happened (inotify,
+watchdog's queue), so "a ``.done`` exists and the item is handed out now" does not prove a
+consumer made it. It acknowledges only the hand-out it was made for: at each hand-out the
+daemon records the lease and what ``<item>/.done`` was then (:class:`HandOuts`); a marker event
+acknowledges that lease (never a later one) and only if the ``.done`` is not one that was there
+at hand-out. So a ``.done`` that is one of the item's own files (a dataset that ships one,
+listed in the catalog or present when the item was published) never acknowledges it: ack such
+an item over the API or by deleting it. A marker left by a consumer whose lease expired does
+not acknowledge the next consumer's hand-out either. Deleting an item acknowledges the lease
+recorded at its hand-out too.
 
 :func:`acked_by` is the pure policy (which event acknowledges which item), :func:`marker_counts`
 the pure provenance rule; :class:`HandOuts` records hand-outs; :class:`MarkerWatcher` does the
@@ -36,6 +43,7 @@ import functools
 import itertools
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -55,11 +63,13 @@ __all__ = [
     "HandOut",
     "HandOuts",
     "MarkerWatcher",
+    "Verdict",
     "acked_by",
     "hold_under",
     "keep_the_lock_for_watch_calls",
     "marker_counts",
     "marker_identity",
+    "read_marker",
 ]
 
 log = logging.getLogger("cachepipe.service.markers")
@@ -68,14 +78,15 @@ MARKER = ".done"
 STATE_DIR = ".cachepipe"  # the cache's own state folder: never an item
 Kind = Literal["created", "deleted"]
 # What each watch asks the kernel for: a cache directory and a single-file item's folder, a
-# child deleted or moved away; a handed-out item folder, a file made in it (created, closed
-# after writing, moved in, or touched: Python's Path.touch() of a file that exists is a utime
-# alone, an IN_ATTRIB). The kernel's constants (<sys/inotify.h>), a stable ABI.
+# child deleted or moved away; a handed-out item folder, a file complete in it (closed after
+# writing, moved in, or touched: Python's Path.touch() of a file that exists is a utime alone, an
+# IN_ATTRIB), not a file created: its writer may not have written its lease yet. The kernel's
+# constants (<sys/inotify.h>), a stable ABI.
 _IN_ATTRIB, _IN_CLOSE_WRITE, _IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x4, 0x8, 0x40, 0x80, 0x100, 0x200
 _IN_ONLYDIR = 0x01000000
 _GONE = _IN_DELETE | _IN_MOVED_FROM | _IN_ONLYDIR
 _MADE = _IN_CREATE | _IN_CLOSE_WRITE | _IN_MOVED_TO | _IN_ATTRIB
-_MARKER = _MADE | _IN_ONLYDIR
+_MARKER = _IN_CLOSE_WRITE | _IN_MOVED_TO | _IN_ATTRIB | _IN_ONLYDIR
 _ANY = _IN_DELETE | _IN_MOVED_FROM | _MADE
 
 READ_EVERY = 0.05
@@ -135,6 +146,32 @@ def marker_identity(item: str | os.PathLike[str]) -> MarkerId | None:
     return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
+MARKER_BYTES = 256
+"""The most a ``.done`` holding a lease can hold (a lease id is about 20 characters)."""
+
+
+def read_marker(item: str | os.PathLike[str]) -> tuple[MarkerId | None, str]:
+    """Which ``<item>/.done`` exists now (:func:`marker_identity`) and the lease it holds: its
+    content without surrounding white space (``echo`` adds a newline), "" if it is empty, or not a
+    regular file (a link is not followed, a pipe is not waited on). Reads at most
+    :data:`MARKER_BYTES` + 1 bytes: more cannot be a lease."""
+    path = f"{os.fspath(item)}/{MARKER}"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None, ""
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:  # unreadable (EACCES): judged as an empty marker, by its identity
+            log.debug("cannot read %s: %s", path, exc)
+        return marker_identity(item), ""
+    try:
+        st = os.fstat(fd)
+        data = os.read(fd, MARKER_BYTES + 1) if stat.S_ISREG(st.st_mode) else b""
+    finally:
+        os.close(fd)
+    return (st.st_dev, st.st_ino, st.st_ctime_ns), data.strip().decode("utf-8", "backslashreplace")
+
+
 class HandOut(NamedTuple):
     """What the daemon knew when it handed an item out.
 
@@ -152,11 +189,29 @@ class HandOut(NamedTuple):
     markers: bool = True
 
 
-def marker_counts(handout: HandOut | None, now: MarkerId | None) -> bool:
-    """Whether the marker ``now`` (the ``.done`` seen when its event is processed) is a
-    consumer's acknowledgement of ``handout``: it exists, the item does not ship a ``.done`` of
-    its own, and it is not the one that existed when the item was handed out."""
-    return handout is not None and now is not None and not handout.shipped and now != handout.before
+def marker_counts(handout: HandOut | None, now: MarkerId | None, holds: str = "") -> bool:
+    """Whether the marker ``now`` (the ``.done`` seen when its event is processed), which holds
+    ``holds`` (:func:`read_marker`), is a consumer's acknowledgement of ``handout``: it exists,
+    the item does not ship a ``.done`` of its own, and it holds that hand-out's lease, or holds
+    nothing and is not the one that existed when the item was handed out."""
+    if handout is None or now is None or handout.shipped:
+        return False
+    return holds == handout.lease if holds else now != handout.before
+
+
+class Verdict(NamedTuple):
+    """What an event acknowledges (:meth:`HandOuts.lease_for`).
+
+    Attributes:
+        lease: the lease it acknowledges, or None.
+        why: why none, for the log.
+        held: the lease (or whatever else) a refused ``.done`` holds when it is not the item's: an
+            earlier daemon's, a rebuilt pipeline's or an expired lease, warned of and counted.
+    """
+
+    lease: str | None
+    why: str = ""
+    held: str | None = None
 
 
 class HandOuts:
@@ -224,23 +279,29 @@ class HandOuts:
         prefix = str(root).rstrip("/") + "/"
         return [p for p in self._by_path if p.startswith(prefix)]
 
-    def lease_for(self, item: str, how: str) -> tuple[str | None, str]:
-        """(the lease an event acknowledges, or None; why not, for the log).
+    def lease_for(self, item: str, how: str) -> Verdict:
+        """What an event at ``item`` acknowledges.
 
-        ``how`` is ``"marker"`` (judged by :func:`marker_counts` on the ``.done`` there now) or
-        ``"deleted"`` (the item is gone: it acknowledges the lease recorded at its hand-out).
+        ``how`` is ``"marker"`` (judged by :func:`marker_counts` on the ``.done`` there now and
+        what it holds) or ``"deleted"`` (the item is gone: it acknowledges the lease recorded at
+        its hand-out).
         """
         with self._lock:
             handout = self._by_path.get(item)
         if handout is None:
-            return None, "not handed out"
+            return Verdict(None, "not handed out")
         if how != "marker":
-            return handout.lease, ""
+            return Verdict(handout.lease)
         if handout.shipped:
-            return None, f"{MARKER} is one of the item's own files (ack it over the API or by deleting it)"
-        if marker_counts(handout, marker_identity(item)):
-            return handout.lease, ""
-        return None, f"this {MARKER} was there before the item was handed out"
+            return Verdict(None, f"{MARKER} is one of the item's own files (ack it over the API or by deleting it)")
+        now, holds = read_marker(item)
+        if marker_counts(handout, now, holds):
+            return Verdict(handout.lease)
+        if now is None:
+            return Verdict(None, f"the {MARKER} is gone")
+        if now == handout.before:
+            return Verdict(None, f"this {MARKER} was there before the item was handed out")
+        return Verdict(None, f"its {MARKER} holds another lease than the one the item is handed out under", holds)
 
 
 def keep_the_lock_for_watch_calls() -> bool:

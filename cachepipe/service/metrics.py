@@ -115,6 +115,13 @@ class Metrics:
             ["pipeline", "kind"],
             registry=self.registry,
         )
+        self.markers_refused = Counter(
+            "cachepipe_markers_refused",
+            "Item .done markers that held another lease than the item's (from before a restart or a reload, or expired); "
+            "they acknowledged nothing.",
+            ["pipeline"],
+            registry=self.registry,
+        )
         self.reloads = Counter(
             "cachepipe_reloads", "Configuration reloads (SIGHUP), by result.", ["result"], registry=self.registry
         )
