@@ -52,7 +52,9 @@ Job's ``JOB_COMPLETION_INDEX`` with ``CACHEPIPE_WORLD_SIZE``, a Slurm array's
 share of it, the same on every rerun (:mod:`~cachepipe.map.share`).
 
 The code, one noun a module: :mod:`~cachepipe.map.plan` (options, work items; pure),
-:mod:`~cachepipe.map.run` (:func:`map_items`: one run), :mod:`~cachepipe.map.job` (one job's
+:mod:`~cachepipe.map.run` (:func:`map_items`: one run; its parts :mod:`~cachepipe.map.runnable`,
+the checks of ``fn`` or the command, :mod:`~cachepipe.map.sizing`, the capacity's split, pure, and
+:mod:`~cachepipe.map.remote`, the run's requests to ``SRC`` and ``DST``), :mod:`~cachepipe.map.job` (one job's
 attempts at an item), :mod:`~cachepipe.map.child` (the child process and the reserve watcher),
 :mod:`~cachepipe.map.result` (counters, progress, summary), :mod:`~cachepipe.map.share` (rank and
 world size from flags or the scheduler's environment, each rank's share of the listing; pure), :mod:`~cachepipe.map.uploader`

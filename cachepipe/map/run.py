@@ -4,14 +4,17 @@ The run lists ``SRC``, skips the items whose marker is in ``DST``, splits the ca
 downloads and the jobs' output slots, takes the work folder's lock, and feeds the items of a
 :class:`~cachepipe.Pipeline` to ``jobs`` threads, each a :class:`~cachepipe.map.job.Job`. Ctrl-C
 (or a crashed job) stops the commands and the downloads, and propagates.
+
+Its parts: the checks of ``fn`` or the command before anything is downloaded
+(:mod:`~cachepipe.map.runnable`), how the capacity is split between downloads and the jobs' slots
+(:mod:`~cachepipe.map.sizing`, pure), and the run's own requests to ``SRC`` and ``DST``, retried,
+with the markers of the items already done (:mod:`~cachepipe.map.remote`: ``_MapRun``'s base
+class).
 """
 
 from __future__ import annotations
 
-import ast
 import fcntl
-import inspect
-import io
 import logging
 import multiprocessing
 import os
@@ -21,17 +24,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..backoff import backoff_delay
 from ..cache import journal_budget_of
 from ..cache.lock import unusable_dir
 from ..cache.room import room_at
 from ..config import Share, check_cache_dir, check_source, with_unit
-from ..errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError, is_transient
+from ..errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError
 from ..listing import empty_source
 from ..pipeline import Pipeline
 from ..stores import Store, open_store
@@ -39,9 +39,12 @@ from ..stores.base import WritableStore
 from .child import Watcher, kill_leftovers
 from .job import Job, Slot
 from .plan import WORK_DIR, MapConfig, MapItem, PlannedSource, inside_prefix, item_reserve, plan_items
+from .remote import _Remote
 from .result import MapResult, Tally
+from .runnable import UNGUARDED, _check_command, _from_fileless_main, _importing, _unguarded_line
 from .share import resolve_rank, take_share
-from .uploader import MARKER_LIMIT, DestinationFullError, Uploader, marker_key, marker_version
+from .sizing import _FOR, _refusals, _Sizing
+from .uploader import DestinationFullError, Uploader
 
 __all__ = ["map_items"]
 
@@ -54,31 +57,7 @@ header, the lock): counted against its capacity with the journal's budget."""
 _MIB = 1024**2
 
 
-@dataclass(frozen=True)
-class _Sizing:
-    capacity: int
-    reserve: int
-    margin: int
-    jobs: int
-    state: int  # what the downloads' pipeline reserves for its journal, inside the downloads' share
-
-    @property
-    def downloads(self) -> int:
-        """The capacity of the downloads' pipeline: what the jobs' slots leave."""
-        return self.capacity - self.jobs * (self.reserve + self.margin)
-
-    @property
-    def largest(self) -> int:
-        """The largest item the downloads' pipeline can hold beside its state."""
-        return self.downloads - self.state
-
-    def least_for(self, size: int) -> int:
-        """The least capacity whose :attr:`largest` holds an item of ``size`` bytes, all else kept
-        (the jobs' reserves and margins and the state do not grow with the capacity)."""
-        return self.capacity + size - self.largest
-
-
-class _MapRun:
+class _MapRun(_Remote):
     def __init__(
         self, cfg: MapConfig, fn: Callable[[str, str], Any] | None, store: Store | None, dest_store: Store | None
     ) -> None:
@@ -318,74 +297,6 @@ class _MapRun:
             self._watcher.kill_all()
             self._pipe.close()
 
-    # -- DST and SRC requests ---------------------------------------------------------------------------
-    def _retrying(self, what: str, call: Callable[[], Any]) -> Any:
-        cfg = self.cfg
-        for attempt in range(cfg.request_retries + 1):
-            try:
-                return call()
-            except Exception as exc:
-                if not is_transient(exc) or attempt == cfg.request_retries:
-                    raise
-                delay = backoff_delay(attempt, cfg.retry_backoff, cfg.retry_backoff_max)
-                log.warning("%s failed, retry %d/%d in %.2fs: %s", what, attempt + 1, cfg.request_retries, delay, exc)
-                if self._stop.wait(delay):  # before any job starts; the stop of a failed check wakes it (Ctrl-C too)
-                    raise InterruptedError(f"stopped while retrying {what}") from exc
-        raise AssertionError("unreachable")
-
-    def _done(self, dst: WritableStore, planned: list[MapItem]) -> set[str]:
-        """Names of the items whose marker is in DST, for the version of their input listed now
-        (checked concurrently: one HEAD per item without a version, one GET of its marker per
-        item with one). A marker of another version is of an input rewritten since: the item is
-        done again. A marker that records no version (written by an earlier cachepipe) counts."""
-        if not planned:
-            return set()
-
-        def done(mi: MapItem) -> bool:
-            key, version = marker_key(mi.name), mi.version
-            if version is None:
-                return bool(dst.exists(key))
-            body = io.BytesIO()
-            try:
-                dst.get(key, body, 0, MARKER_LIMIT)
-            except FileNotFoundError:
-                return False
-            recorded = marker_version(body.getvalue())
-            if recorded not in (None, version):
-                log.info("%s: input changed since it was done (version %s, now %s): doing it again", mi.name, recorded, version)
-                return False
-            return True
-
-        pool = ThreadPoolExecutor(min(16, len(planned)), thread_name_prefix="cachepipe-map-check")
-        try:
-            flags = list(pool.map(lambda mi: self._retrying(f"checking {mi.name}", lambda: done(mi)), planned))
-        except BaseException:  # a check failed for good, or Ctrl-C: the checks in flight stop retrying
-            self._stop.set()
-            raise
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-        return {mi.name for mi, flag in zip(planned, flags, strict=True) if flag}
-
-
-_FOR = {False: "outputs", True: "extracted files and outputs"}
-
-
-def _refusals(todo: Sequence[MapItem], sizing: _Sizing) -> list[tuple[str, str]]:
-    """The items a run of this sizing refuses before downloading them, each with the reason
-    (shared by the run and ``dry_run``, so that a dry run predicts the refusals)."""
-    return [
-        (
-            mi.name,
-            (
-                f"item is {mi.size} bytes, more than the {sizing.largest} bytes the capacity leaves for "
-                f"downloads beside the jobs' reserves and the run's state ({sizing.state} bytes); give capacity "
-                f"(--capacity) at least {sizing.least_for(mi.size)} bytes, or lower jobs/out_reserve"
-            ),
-        )
-        for mi in todo
-        if mi.size > sizing.largest
-    ]
-
 
 def _resolve_capacity(capacity: int | Share, cache_dir: Path) -> int:
     """``capacity`` in bytes: a share of the free space on ``cache_dir``'s filesystem and of what
@@ -405,107 +316,6 @@ def _take_lock(work: Path, cache_dir: Path) -> int:
         os.close(fd)
         raise CacheLockedError(str(cache_dir), "another cachepipe map run") from None
     return fd
-
-
-def _check_command(program: str) -> None:
-    """Refuse, before anything is downloaded, a program that cannot run: a bare name not on
-    ``PATH``, or a path that is not an executable file. Not checked: a name with a placeholder
-    (``{}``...), and a relative path with a ``/`` (it is resolved in the item's folder, the
-    command's working directory, which exists only later).
-
-    Raises:
-        ConfigError: naming the program and what is accepted.
-    """
-    if "{" in program:
-        return
-    if "/" not in program:
-        if shutil.which(program) is None:
-            raise ConfigError(
-                f"command {program!r}: not found on PATH; expected a program on PATH or a path to an executable file"
-            )
-        return
-    if os.path.isabs(program) and not (os.path.isfile(program) and os.access(program, os.X_OK)):
-        why = "is not a file" if os.path.exists(program) else "does not exist"
-        if os.path.isfile(program):
-            why = "is not executable"
-        raise ConfigError(f"command {program!r}: {why}; expected a program on PATH or a path to an executable file")
-
-
-def _from_fileless_main(fn: Any) -> bool:
-    """Whether ``fn`` (a function, a ``functools.partial`` of one, or a callable object) is
-    pickled by reference to a ``__main__`` that a spawned child cannot import: the child runs
-    the parent's main module again (as multiprocessing's spawn does, by its ``__spec__`` name,
-    else its file) to find such names, and there is none in a session without a script file
-    (``python -c``, a REPL, a notebook), nor for a package's ``__main__`` (``python -m pkg``)."""
-    if not any(getattr(x, "__module__", None) == "__main__" for x in (fn, getattr(fn, "func", None), type(fn))):
-        return False
-    main = sys.modules.get("__main__")
-    name = getattr(getattr(main, "__spec__", None), "name", None)
-    if name is not None:
-        return bool(name == "__main__" or name.endswith(".__main__"))
-    return not getattr(main, "__file__", None)
-
-
-UNGUARDED = (
-    "a child process that runs fn starts by running the main script again (multiprocessing's spawn), "
-    'and this call to map_items is not under the script\'s `if __name__ == "__main__":` guard, so each child '
-    "would run map_items again instead of fn: put the call (or the call of the function that makes it) under the guard"
-)
-
-
-def _importing(fn: Any) -> str | None:
-    """The name of the module that defines ``fn`` (a function, a ``functools.partial`` of one, or
-    a callable object) if it is still being imported, i.e. ``map_items`` runs from its top level:
-    a child would import it to find ``fn``, so run that top level, this call included, again, and
-    the run's threads that look ``fn`` up would wait for that import to end, which waits for them."""
-    for x in (fn, getattr(fn, "func", None), type(fn)):
-        name = getattr(x, "__module__", None)
-        module = sys.modules.get(name) if isinstance(name, str) else None
-        if getattr(getattr(module, "__spec__", None), "_initializing", False):
-            return name
-    return None
-
-
-def _unguarded_line() -> int | None:
-    """The line of the main script's top-level statement running now (the one that led to this
-    call) if it runs unconditionally, so that a spawned child, which runs the script again by
-    its file or module name (as multiprocessing's spawn does), would run it too. None where any
-    ``if`` stands on the way: one that tests ``__name__`` (at the top level, or in a function of
-    the script between it and this call), or any other at the top level (``if IS_MAIN:``), which
-    may be a guard; and None where there is no script for spawn to run or for us to read."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    name = getattr(getattr(main, "__spec__", None), "name", None)
-    if main is None or not path or (name is not None and (name == "__main__" or name.endswith(".__main__"))):
-        return None  # spawn does not run such a main again (and a fn from it is refused on its own)
-    lines, frame = [], inspect.currentframe()  # the lines running in the script's frames, its top level's last
-    while frame is not None:
-        if frame.f_globals is vars(main):
-            lines.append((frame.f_lineno, frame.f_code.co_name == "<module>"))
-        frame = frame.f_back
-    if not lines or not lines[-1][1]:
-        return None
-    try:
-        tree = ast.parse(Path(path).read_bytes(), path)
-    except (OSError, SyntaxError, ValueError):
-        return None
-    ifs = [
-        (n, any(isinstance(x, ast.Name) and x.id == "__name__" for x in ast.walk(n.test)))
-        for n in ast.walk(tree)
-        if isinstance(n, ast.If)
-    ]
-    for line, top in lines:
-        for node, tests_name in ifs:
-            if (tests_name or top) and any(_holds(s, line) for s in node.body + node.orelse):
-                return None
-    line = lines[-1][0]
-    return line if any(_holds(s, line) for s in tree.body) else None  # else the file changed since it ran
-
-
-def _holds(stmt: ast.stmt, line: int) -> bool:
-    """Whether ``line`` is in ``stmt``, its decorators included."""
-    first: int = min([stmt.lineno] + [d.lineno for d in getattr(stmt, "decorator_list", [])])
-    return first <= line <= (stmt.end_lineno or stmt.lineno)
 
 
 def map_items(

@@ -2,7 +2,8 @@
 
 All errors from fsspec, s3fs, botocore and aiohttp, and from the direct S3 requests of
 :mod:`cachepipe.stores.s3direct` (GETs and listing pages, for plain s3fs options), are translated in
-:func:`_translate`, the one seam of this backend (see :mod:`cachepipe.stores.base` for the contract).
+:func:`~cachepipe.stores.fsspec_errors._translate`, the one seam of this backend (see
+:mod:`cachepipe.stores.base` for the contract).
 
 :meth:`FsspecStore.abort` cuts the requests in flight: the direct path's (their sockets shut
 down), and the GETs and listing pages this store sends through an async filesystem's event loop
@@ -11,6 +12,10 @@ filesystem (local files, memory) are not cut (they do not wait on a network); a 
 filesystem other than S3 (one ``find``) and uploads (``put``, ``exists``, ``check_bucket``:
 ``cachepipe map``'s) are not either, and take as long as they take. Every later request is refused
 with :class:`~cachepipe.errors.StoreClosedError`.
+
+The storage options are checked (and the S3 endpoint found) in :mod:`cachepipe.stores.fsspec_options`
+before the store is made. The public functions of both modules, ``_translate`` and
+``_filesystem_class`` are importable from here, as before.
 """
 
 from __future__ import annotations
@@ -21,269 +26,42 @@ import concurrent.futures
 import contextlib
 import errno
 import fcntl
-import inspect
 import os
 import shutil
-import socket
-import ssl
 import threading
 import uuid
 from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO, NoReturn
-from urllib.parse import urlsplit
 
 import fsspec
 import fsspec.asyn
 
-from ..errors import ConfigError, StoreClosedError, StoreUnavailableError, closest, store_code
+from ..errors import ConfigError, StoreClosedError
 from .base import (
     CONNECT_TIMEOUT,
     FIRST_PAGE_KEYS,
-    NO_ANSWER,
-    NO_REPLY,
     TEMP_SUFFIX,
     ObjectInfo,
-    check_mappings,
-    http_status_error,
     listed_etag,
-    unreachable_error,
+)
+from .fsspec_errors import _s3_error, _translate
+from .fsspec_options import (
+    _filesystem_class as _filesystem_class,  # noqa: PLC0414 - re-exported: preload() imports it from here, loading this module
+)
+from .fsspec_options import (
+    _protocols,
+    environment_endpoint,  # noqa: F401 - importable from here, as before
+    s3_endpoint,
+)
+from .fsspec_options import (
+    check_options as check_options,  # noqa: PLC0414 - re-exported: check_store() imports it from here, as before
 )
 
 __all__ = ["FsspecStore"]
 
 _CHUNK = 8 * 1024 * 1024  # bytes per request when streaming a range
 _UPLOAD_PART = 16 * 1024 * 1024  # multipart part size of uploads (s3fs: files from twice this size)
-
-
-_CONNECTION_NAMES = frozenset(
-    {
-        "EndpointConnectionError",
-        "ConnectionClosedError",
-        "ClientConnectorError",
-        "ServerDisconnectedError",
-        "ClientPayloadError",
-        "ClientOSError",
-        "HTTPClientError",
-        "ProxyConnectionError",
-        "IncompleteRead",
-        "ResponseStreamingError",
-    }
-)
-# Options every fsspec filesystem takes (the instance cache, the listings cache, the event loop)
-_FSSPEC_OPTIONS = frozenset(
-    {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths", "asynchronous", "loop", "batch_size"}
-)
-# Filesystems whose accepted options are known in full: the signatures of their classes, plus, for
-# s3fs, those of the aiobotocore session it passes its other keyword arguments to. (Others may
-# read options from **kwargs themselves, so theirs are not checked.)
-_CHECKED_PROTOCOLS = frozenset({"s3", "s3a", "file", "local", "memory"})
-
-
-def _chain(exc: BaseException) -> Iterator[BaseException]:
-    """``exc`` and what it wraps: causes, contexts, botocore's ``error`` and aiohttp's ``os_error``."""
-    seen: set[int] = set()
-    todo = [exc]
-    while todo:
-        err = todo.pop(0)
-        if id(err) in seen:
-            continue
-        seen.add(id(err))
-        yield err
-        kwargs = getattr(err, "kwargs", None)
-        wrapped = [err.__cause__, err.__context__, getattr(err, "os_error", None)]
-        wrapped.append(kwargs.get("error") if isinstance(kwargs, dict) else None)
-        todo.extend(e for e in wrapped if isinstance(e, BaseException))
-
-
-def _s3_error(exc: BaseException) -> tuple[int | None, str | None, str | None]:
-    """HTTP status, S3 error code and message of a botocore ClientError behind ``exc`` (s3fs
-    chains it; :class:`~cachepipe.stores.s3direct.HTTPStatusError` is shaped like it)."""
-    for err in _chain(exc):
-        response = getattr(err, "response", None)
-        if isinstance(response, dict):
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            error = response.get("Error") or {}
-            if isinstance(status, int):
-                return status, error.get("Code") or None, error.get("Message") or None
-    return None, None, None
-
-
-def _translate(exc: Exception, where: str, endpoint: str, answered: bool, first: bool = True) -> BaseException:
-    """Map an exception raised by fsspec or a backend SDK to the store error contract.
-
-    ``endpoint`` names the server (or the local filesystem) in messages; ``answered`` says whether
-    it has answered a request before (a refused connection is then an outage, retried, and
-    otherwise a wrong endpoint, not retried). ``first``: the request may be the run's first
-    contact with the endpoint (a listing, a check); only then is a connect that timed out
-    before any answer taken for an unreachable endpoint (GETs and uploads come after a listing,
-    or from many processes at once, whose stores have not seen the answers: a server too busy
-    to accept them all is retried).
-    """
-    if isinstance(exc, StoreClosedError):
-        return exc  # aborted (see FsspecStore.abort): its message says so, nothing to map
-    status, code, message = _s3_error(exc)
-    name = type(exc).__name__
-    at = f"at {endpoint}"
-    if status is not None:
-        return http_status_error(status, code, message, where, endpoint)
-    if isinstance(exc, TypeError):  # s3fs passes unknown options on to aiobotocore, which raises this
-        return ConfigError(f"{where}: storage_options rejected by the filesystem: {exc}")
-    if isinstance(exc, (FileNotFoundError, PermissionError)):
-        if isinstance(exc, FileNotFoundError):
-            return store_code(FileNotFoundError(exc.errno, f"not found: {where} ({exc})"), None, endpoint)
-        return store_code(PermissionError(exc.errno, f"access denied to {where} {at}: {exc}"), None, endpoint)
-    if name in ("NoCredentialsError", "PartialCredentialsError", "NoAuthTokenError"):
-        return store_code(PermissionError(errno.EACCES, f"no usable credentials for {where} {at}: {exc}"), None, endpoint)
-    chain = list(_chain(exc))
-    if any(isinstance(err, socket.gaierror) for err in chain):
-        reason = next(str(err) for err in chain if isinstance(err, socket.gaierror))
-        return unreachable_error(endpoint, where, f"its host name does not resolve ({reason})")
-    tls = next((err for err in chain if isinstance(err, ssl.SSLError)), None)
-    if tls is not None and not answered:  # an https:// endpoint that serves plain HTTP, or a CA this host lacks
-        return unreachable_error(
-            endpoint,
-            where,
-            f"the TLS handshake failed ({tls}): if the endpoint serves plain HTTP, write it http://; if its "
-            "certificate is signed by a CA this host does not trust, give the CA (AWS_CA_BUNDLE, or "
-            "storage_options client_kwargs={'verify': '/path/to/ca.pem'})",
-        )
-    refused = any(isinstance(err, ConnectionRefusedError) for err in chain)
-    if refused and not answered:
-        return unreachable_error(endpoint, where, "connection refused before it ever answered")
-    if first and not answered and (url := _timed_out(chain, connecting=True)) is not None:
-        if not _credentials_host(url):
-            return unreachable_error(endpoint, where, NO_ANSWER)
-        return store_code(TimeoutError(f"no answer to a connection to {url} (for {where}): {exc}"), None, endpoint)
-    if first and not answered and (url := _timed_out(chain)) is not None and not _credentials_host(url):
-        return unreachable_error(endpoint, where, NO_REPLY)
-    if isinstance(exc, OSError) and exc.errno == errno.EBUSY:  # s3fs: SlowDown, ServiceUnavailable
-        return store_code(StoreUnavailableError(f"store {at} throttled or unavailable for {where}: {exc}"), None, endpoint)
-    if isinstance(exc, TimeoutError) or "Timeout" in name:
-        return store_code(TimeoutError(f"timed out talking to {endpoint} for {where}: {exc}"), None, endpoint)
-    if refused or isinstance(exc, ConnectionError) or name in _CONNECTION_NAMES:
-        return store_code(ConnectionError(f"connection to {endpoint} failed for {where}: {name}: {exc}"), None, endpoint)
-    if isinstance(exc, OSError):
-        return exc
-    return store_code(OSError(f"{where} {at}: {name}: {exc}"), None, endpoint)  # no errno: permanent
-
-
-def _timed_out(chain: list[BaseException], connecting: bool = False) -> str | None:
-    """The endpoint URL of a request that timed out in ``chain`` (botocore's error names it; ""
-    if it does not: the direct path's is the store's endpoint), connecting or reading, or only
-    connecting (``connecting``); None if none did."""
-    for err in chain:
-        name = type(err).__name__
-        if "ConnectTimeout" in name if connecting else isinstance(err, TimeoutError) or "Timeout" in name:
-            kwargs = getattr(err, "kwargs", None)  # botocore's ConnectTimeoutError and ReadTimeoutError, s3direct's
-            return str(kwargs.get("endpoint_url") or "") if isinstance(kwargs, dict) else ""
-    return None
-
-
-_CREDENTIAL_HOSTS = ("169.254.169.254", "169.254.170.2", "fd00:ec2::254")  # EC2 instance metadata, ECS task role
-
-
-def _credentials_host(url: str) -> bool:
-    """Whether ``url`` is on a host that serves credentials (STS, SSO, OIDC, instance or task
-    metadata), not the store: botocore connects to them too, inside a store's request. Every
-    other host is taken for the store's own (a custom endpoint, a bucket's virtual host, one
-    set by ``AWS_ENDPOINT_URL``, any AWS partition)."""
-    host = (urlsplit(url).hostname or "").lower()
-    return host in _CREDENTIAL_HOSTS or host.startswith(("sts.", "sts-", "oidc.", "portal.sso.", "sso."))
-
-
-def environment_endpoint() -> str | None:
-    """The S3 endpoint botocore takes from the environment when no ``endpoint_url`` is given
-    (``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, unless
-    ``AWS_IGNORE_CONFIGURED_ENDPOINT_URLS``), or None."""
-    if os.environ.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").strip().lower() != "true":
-        for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
-            if value := os.environ.get(name, "").strip():
-                return value
-    return None
-
-
-def s3_endpoint(options: dict[str, Any]) -> str | None:
-    """The S3 endpoint that storage ``options`` name (``endpoint_url``, else ``client_kwargs``'),
-    else the environment's (:func:`environment_endpoint`), or None: where botocore sends."""
-    client_kwargs = options.get("client_kwargs") or {}
-    return options.get("endpoint_url") or client_kwargs.get("endpoint_url") or environment_endpoint()
-
-
-def check_options(url: str, options: dict[str, Any] | None) -> type | None:
-    """The fsspec filesystem class serving ``url``, with ``options`` checked against it (what
-    :class:`FsspecStore` refuses before it sends anything); None for a chained URL (``a::b``),
-    whose options are per layer and left to fsspec.
-
-    Raises:
-        ConfigError: no filesystem serves the scheme, or an option it would ignore or fail on.
-    """
-    if "::" in url:
-        return None
-    fs_cls = _filesystem_class(url)
-    _check_options(url, fs_cls, options or {})
-    return fs_cls
-
-
-def _check_options(url: str, fs_cls: Any, options: dict[str, Any]) -> None:
-    """Raise ConfigError for a storage option that ``fs_cls`` would ignore or fail on later."""
-    protocols = _protocols(fs_cls)
-    if not _CHECKED_PROTOCOLS.intersection(protocols):
-        return
-    accepted = set(_FSSPEC_OPTIONS)
-    classes: builtins.list[Any] = [c for c in fs_cls.__mro__ if c is not object]
-    if "s3" in protocols:
-        check_mappings(url, options)
-        import aiobotocore.session  # type: ignore[import-untyped]
-
-        classes.append(aiobotocore.session.AioSession)
-    for cls in classes:
-        for param in inspect.signature(cls.__init__).parameters.values():
-            if param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY) and param.name != "self":
-                accepted.add(param.name)
-    endpoints = (
-        ("endpoint_url", options.get("endpoint_url")),
-        ("client_kwargs['endpoint_url']", (options.get("client_kwargs") or {}).get("endpoint_url")),
-    )
-    for where, endpoint in endpoints:
-        if endpoint is not None and "s3" in protocols:
-            _check_endpoint(url, where, endpoint)
-    for key in options:
-        if key not in accepted:
-            hint = f"did you mean {close!r}? " if (close := closest(key, accepted)) else ""
-            raise ConfigError(
-                f"storage_options[{key!r}] is not an option of {protocols[0]}:// ({fs_cls.__module__}.{fs_cls.__name__}) "
-                f"for {url!r}; {hint}accepted: {', '.join(sorted(accepted))}"
-            )
-
-
-def _check_endpoint(url: str, where: str, endpoint: Any) -> None:
-    """Refuse an S3 endpoint that is not an ``http(s)://host[:port]`` URL (a port of 0-65535),
-    which s3fs and obstore take as it is and fail on at the first request."""
-    expected = "expected a URL like 'http://10.0.0.5:9000' or 'https://s3.example.com'"
-    if not isinstance(endpoint, str):
-        raise ConfigError(f"storage_options {where} {endpoint!r} for {url!r} is not text: {expected}")
-    scheme, sep, rest = endpoint.partition("://") if "://" in endpoint else ("", "", endpoint)
-    netloc, slash, path = rest.partition("/")
-    if "@" in netloc:  # credentials in it (user:secret@host) are not shown
-        endpoint = f"{scheme}{sep}***@{netloc.rpartition('@')[2]}{slash}{path}"
-    if not endpoint.startswith(("http://", "https://")):
-        raise ConfigError(
-            f"storage_options {where} {endpoint!r} for {url!r} has no scheme: write it http://{endpoint} "
-            "(or https://, as the server serves it)"
-        )
-    try:
-        parts = urlsplit(endpoint)
-    except ValueError as exc:  # an unclosed '[' of an IPv6 address
-        raise ConfigError(f"storage_options {where} {endpoint!r} for {url!r} is not a valid URL ({exc}); {expected}") from None
-    try:
-        parts.port  # noqa: B018 - parsed on access
-    except ValueError as exc:
-        raise ConfigError(
-            f"storage_options {where} {endpoint!r} for {url!r}: its port is not a number of 0 to 65535 ({exc}); {expected}"
-        ) from None
-    if not parts.hostname:
-        raise ConfigError(f"storage_options {where} {endpoint!r} for {url!r} names no host; {expected}")
 
 
 def _put_local(local: str, path: str) -> None:
@@ -327,24 +105,6 @@ def _put_local(local: str, path: str) -> None:
         raise
     finally:
         os.close(fd)
-
-
-def _protocols(fs: Any) -> tuple[str, ...]:
-    """The protocols of an fsspec filesystem (class or instance): its ``protocol``, a name or several."""
-    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-
-
-def _filesystem_class(url: str) -> type:
-    """The fsspec filesystem class serving ``url``; ConfigError naming the known schemes if none does."""
-    protocol = fsspec.core.split_protocol(url)[0] or "file"
-    try:
-        return fsspec.get_filesystem_class(protocol)  # type: ignore[no-any-return]  # fsspec is untyped
-    except ValueError as exc:
-        known = sorted({"obs", *fsspec.available_protocols()})
-        raise ConfigError(
-            f"unknown URL scheme {protocol + '://'!r} in {url!r}; cachepipe serves s3://, obs://, file:// "
-            f"(or a plain path) and memory://, and fsspec also knows: {', '.join(known)}"
-        ) from exc
 
 
 class FsspecStore:

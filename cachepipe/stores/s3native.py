@@ -85,8 +85,9 @@ from obstore.store import S3Store
 
 from ..errors import ConfigError, ObjectChangedError, StoreClosedError, store_code
 from .base import CHANGED, ObjectInfo, check_mappings, http_status_error, unreachable_error
-from .fsspec import FsspecStore, s3_endpoint
-from .fsspec import check_options as check_fsspec
+from .fsspec import FsspecStore
+from .fsspec_options import check_options as check_fsspec
+from .fsspec_options import s3_endpoint
 
 if TYPE_CHECKING:
     from obstore import GetOptions  # types only: not importable at run time
@@ -233,7 +234,7 @@ def _check_names(url: str, options: dict[str, Any]) -> None:
 def check_options(url: str, options: dict[str, Any]) -> None:
     """Refuse what :class:`NativeS3Store` refuses before it sends anything, with the same errors
     and in the same order: an option this engine would not honour, the fsspec backend's checks
-    (:func:`~cachepipe.stores.fsspec.check_options`: the backend that lists), then what obstore's
+    (:func:`~cachepipe.stores.fsspec_options.check_options`: the backend that lists), then what obstore's
     ``S3Store`` refuses when it is made (made, as the store makes it, and dropped: it sends
     nothing). :func:`~cachepipe.stores.check_store` calls it for ``engine='obstore'``.
 
