@@ -102,13 +102,24 @@ def nested_owner(root: Path) -> tuple[Path, str, bool] | None:
         who = _held(parent / STATE_DIR / "lock")
         if who is not None:
             return parent, who, True
-    for dirpath, dirnames, _files in os.walk(real):
-        if STATE_DIR in dirnames:
-            dirnames.remove(STATE_DIR)
-            if dirpath != str(real):
-                who = _held(Path(dirpath, STATE_DIR, "lock"))
-                if who is not None:
-                    return Path(dirpath), who, False
+    top = str(real)
+    folders = [top]
+    while folders:  # os.scandir alone (os.walk also sorts every file of every item folder)
+        folder = folders.pop()
+        try:
+            entries = os.scandir(folder)
+        except OSError:
+            continue  # removed meanwhile, or not ours to list: as os.walk
+        with entries:
+            for entry in entries:
+                try:
+                    if entry.name == STATE_DIR:
+                        if folder != top and entry.is_dir() and (who := _held(Path(entry.path, "lock"))) is not None:
+                            return Path(folder), who, False
+                    elif entry.is_dir(follow_symlinks=False):
+                        folders.append(entry.path)
+                except OSError:
+                    continue
     return None
 
 
