@@ -464,3 +464,31 @@ def test_a_reload_to_a_source_that_lists_nothing_keeps_the_pipeline_running_and_
         client.ack(held)  # UnknownItemError before: the reload had ended the lease
         assert client.status()["pipelines"]["train"]["source"] == f"{tmp_path / 'src'}/"
         assert [item.name for item in client.get_many(2, timeout=30)] == ["item1", "item2"]
+
+
+def test_the_watchdog_keeps_beating_while_a_reload_opens_a_pipeline(s3_source, fault_proxy, tmp_path, short_dir):
+    # A reload opens the pipelines it adds, which lists their buckets (minutes for a large one),
+    # in the loop that sent the heartbeats: systemd, which does not pause a service's watchdog
+    # while it reloads, killed the daemon after WatchdogSec (60 s in our units) of silence.
+    proxy, endpoint = fault_proxy
+    s3_source.folders(2, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, endpoint)
+    gate = threading.Event()
+    try:
+        with DaemonProcess(config, env={"WATCHDOG_USEC": "400000"}) as daemon:  # a beat every 0.2 s
+            data = yaml.safe_load(config.read_text())
+            data["pipelines"]["val"] = {**data["pipelines"]["train"], "cache_dir": str(tmp_path / "val")}
+            config.write_text(yaml.safe_dump(data))
+            proxy.hold(lambda head: head.startswith("GET "), gate, limit=60)  # val's listing, held
+            daemon.signal(signal.SIGHUP)
+            daemon.wait_for("RELOADING=1")
+            wait_until(lambda: proxy.requests, 30, "val's first request")
+            daemon.wait_for("WATCHDOG=1", timeout=10)  # before: none until the reload ended
+            daemon.wait_for("WATCHDOG=1", timeout=10)
+            gate.set()
+            assert "val" in daemon.wait_for("READY=1")
+            with Client("val", sock) as client:
+                assert client.get(timeout=30) is not None
+    finally:
+        gate.set()

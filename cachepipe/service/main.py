@@ -25,6 +25,7 @@ restarting would not help).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pwd
@@ -33,6 +34,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -186,7 +188,8 @@ def _loop(daemon: Daemon, config_path: Path, notifier: Notifier, events: queue.S
             log.info("stopping (signal)")
             return 0
         if event == "reload":
-            _reload(daemon, config_path, notifier)
+            with _beating(daemon, notifier):
+                _reload(daemon, config_path, notifier)
             last_status = ""
         if not daemon.running:
             log.critical("the API thread stopped unexpectedly; exiting so that systemd restarts the service")
@@ -202,6 +205,32 @@ def _loop(daemon: Daemon, config_path: Path, notifier: Notifier, events: queue.S
                 notifier.status(line)
                 last_status = line
             next_status = now + daemon.config.status_interval
+
+
+@contextlib.contextmanager
+def _beating(daemon: Daemon, notifier: Notifier) -> Iterator[None]:
+    """``WATCHDOG=1`` every half ``WatchdogSec`` from a thread of its own (``cachepipe-beat``)
+    while the body runs, as long as the API thread is alive: a reload opens the pipelines it adds
+    or rebuilds, which lists their sources (minutes for a large bucket), while the API serves
+    on; systemd does not pause a service's watchdog while it reloads."""
+    beat = notifier.watchdog_interval
+    if not beat:
+        yield
+        return
+    done = threading.Event()
+
+    def run() -> None:
+        while not done.wait(beat):
+            if daemon.running:
+                notifier.watchdog()
+
+    thread = threading.Thread(target=run, name="cachepipe-beat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _reload(daemon: Daemon, config_path: Path, notifier: Notifier) -> None:
