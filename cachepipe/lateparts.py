@@ -8,6 +8,7 @@ and one request; :class:`~cachepipe.fetcher.Fetcher` decides which thread makes 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
 
@@ -44,31 +45,38 @@ class _LateParts(_Finishing):
         would truncate what the first wrote)."""
         return part[3] == 0 and part[4] == part[1].size
 
-    def _hedges(self, served: int) -> Iterator[tuple[float, Flight]]:
+    def _hedges(self, served: int) -> Iterator[tuple[float | None, Flight]]:
         """Each part in flight that may be hedged: the last of its item (every other part came,
-        nothing more to request, no error), not hedged yet; with the seconds until
-        :func:`hedge_in` says to (0 or less: now). Under the parts lock. ``served``: see
-        :meth:`cachepipe.broker.Broker.served`."""
+        nothing more to request, no error), not hedged yet, and of an item two or more of whose
+        other parts came; with the seconds until :func:`hedge_in` says to where the consumers
+        are now (0 or less: now), or None while its item has too many ahead of it. Under the
+        parts lock. ``served``: see :meth:`cachepipe.broker.Broker.served`."""
         now = time.perf_counter()
         for flight in self._flights.values():
             started = flight.part[0]
             if flight.hedge is not None or flight.over or started.todo or started.running > 1 or started.job.error is not None:
                 continue
-            due = hedge_in(now - flight.began, started.came, started.turn - served)
-            if due is not None:
-                yield due, flight
+            running = now - flight.began
+            if hedge_in(running, started.came, 0) is None:
+                continue  # too few of its other parts came to say when: the next that comes says
+            yield hedge_in(running, started.came, started.turn - served), flight
 
     def _late_part(self, served: int) -> Flight | None:
         """A part in flight due to be requested again (:meth:`_hedges`), marked as hedged; or None."""
         for due, flight in self._hedges(served):
-            if due <= 0:
+            if due is not None and due <= 0:
                 flight.race()
                 return flight
         return None
 
-    def _hedge_wait(self, served: int) -> float | None:
-        """Seconds until the first part in flight is due to be hedged (:meth:`_hedges`), or None."""
-        return min((max(due, 0.001) for due, _flight in self._hedges(served)), default=None)
+    def _hedge_wait(self, served: int, outpaced: bool) -> float | None:
+        """Seconds until the first part in flight is due to be hedged (:meth:`_hedges`); ``math.inf``
+        if none is due where the consumers are now, or while they outpace the items (``outpaced``:
+        none is hedged then), but one may be once they move on: a hand-out wakes the waiting thread
+        (:meth:`~cachepipe.fetcher.Fetcher._consumers_moved`); None if none may be before
+        another part comes."""
+        waits = (math.inf if outpaced or due is None else max(due, 0.001) for due, _flight in self._hedges(served))
+        return min(waits, default=None)
 
     def _hedge(self, flight: Flight) -> list[tuple[float, float]]:
         """Request a late part again, from the bytes its first request has not written yet on
