@@ -52,7 +52,7 @@ from .broker import Broker
 from .cache import Cache
 from .catalog import FileEntry, Item
 from .config import PipelineConfig, Share
-from .downloads import DownloadWorkers, LocalWriteError, get_part
+from .downloads import DownloadWorkers, get_part
 from .errors import ArchiveError, CacheRemovedError, OversizeError, UnsafeKeyError, VerificationError, is_transient
 from .fetch_policy import (
     HEAD_MIN_PART,
@@ -63,7 +63,7 @@ from .fetch_policy import (
     item_part_size,
     items_ahead,
 )
-from .finishing import _DISK_ERRNOS, FetchCounters, _Job
+from .finishing import FetchCounters, _Job, _local_error
 from .hedging import Flight, Racer
 from .lateparts import _LateParts, _Part
 from .partqueue import PartQueue, Started
@@ -617,9 +617,7 @@ class Fetcher(_LateParts):
             except Exception as exc:  # noqa: BLE001 - sorted below: a local disk error, a transient one retried, else the item's failure
                 if racer is not None and racer.lost():
                     return  # the second request came first (this one's error may be only its write refused)
-                local_error = (
-                    exc if isinstance(exc, LocalWriteError) or (isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS) else None
-                )
+                local_error = _local_error(exc)
                 if local_error is not None:
                     with self._job_errors:  # the disk, not the store: the whole item restarts from scratch
                         job.disk_error = job.disk_error or local_error

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Iterator
 
 from .catalog import FileEntry
 from .downloads import get_part
+from .errors import is_transient
 from .fetch_policy import hedge_in
-from .finishing import _Finishing, _Job
+from .finishing import _Finishing, _Job, _local_error
 from .hedging import Flight
 from .partqueue import Started
 
@@ -34,6 +36,7 @@ class _LateParts(_Finishing):
     # set by Fetcher.__init__, which says what each holds
     _flights: dict[int, Flight]
     _conditional: bool
+    _job_errors: threading.Lock
 
     def _parts_done(self, parts: list[_Part]) -> None:
         """Count parts done (:meth:`cachepipe.fetcher.Fetcher._parts_done`)."""
@@ -80,21 +83,36 @@ class _LateParts(_Finishing):
 
     def _hedge(self, flight: Flight) -> list[tuple[float, float]]:
         """Request a late part again, from the bytes its first request has not written yet on
-        (:mod:`cachepipe.hedging`); if this request ends first, count the part done. An error
-        here is the first request's to meet, if it is real: it goes on alone. Returns no
-        paces (the request is not a part's usual one)."""
+        (:mod:`cachepipe.hedging`); if this request ends first, count the part done. Returns no
+        paces (the request is not a part's usual one).
+
+        Its error is sorted as any request's (:meth:`~cachepipe.fetcher.Fetcher._get_with_retries`).
+        A transient one (a retry may get past it) or the local disk's is the first request's to
+        meet, if it is real: that one goes on alone. Any other is the store's answer about the
+        object itself (changed since it was listed, gone, denied), which a retry of the first
+        request would get too: the item's error, and it fails now (this request ends first, so
+        the part is counted done and the first one's writes are refused), not once the first
+        request, late, ends."""
         started, f, local, _start, end = flight.part
+        job = started.job
         racer = flight.hedge
         assert racer is not None  # noqa: S101 - _late_part started the race
         begin = flight.part[3] + flight.written()
-        if begin >= end or flight.over or self._stop.is_set() or started.job.disk_error is not None:
+        if begin >= end or flight.over or self._stop.is_set() or job.disk_error is not None:
             return []
         self.counters.add(hedges=1)
         etag = f.etag if self._conditional else None
         try:
             got = get_part(self._store, f.key, local, begin, end, False, self._cache.file_calls, etag, racer)
-        except Exception as exc:  # noqa: BLE001 - lost the race, or failed: the first request goes on
-            log.debug("the second request of %s bytes %d-%d ended: %r", f.key, begin, end, exc)
+        except Exception as exc:  # noqa: BLE001 - sorted below: lost the race, the first request's to meet, or the item's
+            if racer.lost() or self._stop.is_set() or is_transient(exc) or _local_error(exc) is not None:
+                log.debug("the second request of %s bytes %d-%d ended: %r", f.key, begin, end, exc)
+                return []
+            with self._job_errors:
+                if job.error is None:
+                    job.error, job.error_key = exc, f.key
+            if racer.claim():
+                self._parts_done([flight.part])
             return []
         self.counters.answered(got)
         if got == end - begin and racer.claim():

@@ -11,7 +11,7 @@ import pytest
 from conftest import listed, via
 from waiting import wait_until
 
-from cachepipe import ItemFailedError, Pipeline, StoreUnavailableError
+from cachepipe import ItemFailedError, ObjectChangedError, Pipeline, StoreUnavailableError
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -492,6 +492,45 @@ def test_a_late_part_is_requested_again_once_the_consumer_moves_on_with_nothing_
             pipe.ack(first)
             gate.set()
             assert pipe.get(timeout=10) is None
+    finally:
+        gate.set()
+    assert proxy.hold_timeouts == 0
+
+
+def test_a_second_request_refused_as_changed_fails_the_item_at_once(remote_source, fault_proxy, tmp_path):
+    """The object is rewritten while a late part's first request is held: its second request is
+    refused (HTTP 412, conditional on the listed ETag), an error of the store like any request's,
+    so the item fails with ``ObjectChangedError`` now (before: the refusal was only logged, and
+    the item waited for the held request)."""
+    proxy, endpoint = fault_proxy
+    data = remote_source.folders(2, {"f": MIB})
+    first = min(data)
+    manifest = listed(remote_source, tmp_path)
+    held: list[str] = []
+
+    def late(head: str) -> bool:  # the first item's second part (of 4 x 256 KiB): its first GET held
+        if not (head.startswith("GET") and f"{first}/f" in head and "range: bytes=262144-" in head.lower()):
+            return False
+        if held:  # its second request: the object changes before it reaches the store
+            remote_source.put(f"{first}/f", bytes(MIB))
+            return False
+        held.append(head)
+        return True
+
+    gate = threading.Event()
+    proxy.hold(late, gate)
+    options = via(remote_source, endpoint)
+    try:
+        with Pipeline(
+            remote_source.url, tmp_path / "c", "8MiB", storage_options=options, manifest=manifest, max_concurrency=4
+        ) as pipe:
+            with pytest.raises(ItemFailedError) as info:
+                pipe.get(timeout=10)  # before: TimeoutError, the item waited for the held request
+            assert isinstance(info.value.__cause__, ObjectChangedError), info.value
+            assert f"{first}/f" in str(info.value) and not gate.is_set()
+            assert pipe.stats().hedges == 1
+            gate.set()  # the first request's answer (a 412 too now) changes nothing
+            wait_until(lambda: held[0] in proxy.ended, what="the first request's connection dropped")
     finally:
         gate.set()
     assert proxy.hold_timeouts == 0
