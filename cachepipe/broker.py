@@ -115,6 +115,9 @@ class Broker(Generic[T]):
         self._handed_at: float | None = None
         self._wait_began, self._wait_gap = 0.0, math.inf
         self._outpaced = False
+        # called after each hand-out (a lease or a failure taken), outside the lock: the consumers moved
+        # on, so an item may have fewer ahead of it now (served()); the fetcher's wake for its hedges
+        self.on_hand_out: Callable[[], None] | None = None
 
     # ---- producer side ---------------------------------------------------------------
     def begin(self) -> int:
@@ -208,6 +211,13 @@ class Broker(Generic[T]):
             TimeoutError: nothing became available within ``timeout`` seconds.
             Closed: the broker was closed.
         """
+        got = self._take(timeout)
+        if got is not None and self.on_hand_out is not None:
+            self.on_hand_out()
+        return got
+
+    def _take(self, timeout: float | None) -> Lease[T] | Failed | None:
+        """:meth:`take`, under the lock (without :attr:`on_hand_out`)."""
         start = self._clock()
         deadline = None if timeout is None else start + timeout
         began: float | None = None  # when this call began to wait, and how long after the last hand-out
@@ -264,6 +274,8 @@ class Broker(Generic[T]):
                     break
                 taken.append(got)
             self._cond.notify_all()
+        if len(taken) > 1 and self.on_hand_out is not None:
+            self.on_hand_out()
         return taken
 
     def _pop(self, now: float) -> Lease[T] | Failed | None:

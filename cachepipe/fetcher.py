@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import shutil
 import threading
@@ -51,7 +52,7 @@ from .broker import Broker
 from .cache import Cache
 from .catalog import FileEntry, Item
 from .config import PipelineConfig, Share
-from .downloads import DownloadWorkers, LocalWriteError, get_part
+from .downloads import DownloadWorkers, get_part
 from .errors import ArchiveError, CacheRemovedError, OversizeError, UnsafeKeyError, VerificationError, is_transient
 from .fetch_policy import (
     HEAD_MIN_PART,
@@ -62,7 +63,7 @@ from .fetch_policy import (
     item_part_size,
     items_ahead,
 )
-from .finishing import _DISK_ERRNOS, FetchCounters, _Job
+from .finishing import FetchCounters, _Job, _local_error
 from .hedging import Flight, Racer
 from .lateparts import _LateParts, _Part
 from .partqueue import PartQueue, Started
@@ -126,6 +127,7 @@ class Fetcher(_LateParts):
         self._large = 0  # requests in flight of items with a file over HEAD_MIN_PART
         self._flights: dict[int, Flight] = {}  # parts of files cut in several, in flight, by id(part): hedged when late
         self._watching = False  # a download thread with no part to take waits for a flight's hedge to be due
+        broker.on_hand_out = self._consumers_moved
         self.threads = config.max_concurrency  # download threads wanted now (download_threads)
         self._paces: list[tuple[float, float]] = []  # (request wall s, thread CPU s) of parts since the last choice
         self._cheap = False  # the last choice found requests shorter than twice the work around them
@@ -406,15 +408,18 @@ class Fetcher(_LateParts):
                     for _ in range(more):  # counted as takers: started whatever this thread does
                         self._pool.submit(self._take_and_fetch)
                     watch = None
-                    if not (self._stop.is_set() or self._takers > self.threads or self._watching or self._broker.outpaced()):
-                        watch = self._hedge_wait(self._broker.served())
+                    if not (self._stop.is_set() or self._takers > self.threads or self._watching):
+                        # set before the consumers' place is read: a hand-out from now on wakes this thread
+                        self._watching = True
+                        watch = self._hedge_wait(self._broker.served(), self._broker.outpaced())
+                        self._watching = watch is not None
                     self._takers -= 1
                     if watch is None:
                         return
                     # one thread, not counted as a taker meanwhile, waits for a part in flight to
-                    # be late: the threads may all be done with their parts before (or new parts come)
-                    self._watching = True
-                    self._parts_changed.wait(watch)
+                    # be late: the threads may all be done with their parts before (or new parts
+                    # come, or the consumers move on: _consumers_moved)
+                    self._parts_changed.wait(None if math.isinf(watch) else watch)
                     self._watching = False
                     self._takers += 1
                     large, paces = False, []
@@ -424,6 +429,14 @@ class Fetcher(_LateParts):
             for _ in range(more):
                 self._pool.submit(self._take_and_fetch)
             paces = self._fetch_timed(parts) if hedge is None else self._hedge(hedge)
+
+    def _consumers_moved(self) -> None:
+        """An item was handed out (:attr:`Broker.on_hand_out`): the items behind it have one fewer
+        ahead, so a part in flight may be due to be hedged now; wake the thread waiting for one,
+        if one waits (read without the lock first: one attribute per item handed out)."""
+        if self._watching:
+            with self._parts_lock:
+                self._parts_changed.notify()
 
     def _fetch_timed(self, parts: list[_Part]) -> list[tuple[float, float]]:
         """:meth:`_fetch_parts`, with this thread's CPU seconds per part requested: the paces
@@ -604,9 +617,7 @@ class Fetcher(_LateParts):
             except Exception as exc:  # noqa: BLE001 - sorted below: a local disk error, a transient one retried, else the item's failure
                 if racer is not None and racer.lost():
                     return  # the second request came first (this one's error may be only its write refused)
-                local_error = (
-                    exc if isinstance(exc, LocalWriteError) or (isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS) else None
-                )
+                local_error = _local_error(exc)
                 if local_error is not None:
                     with self._job_errors:  # the disk, not the store: the whole item restarts from scratch
                         job.disk_error = job.disk_error or local_error

@@ -27,6 +27,7 @@ from .broker import Broker
 from .cache import Cache, tree_bytes
 from .catalog import Item
 from .config import PipelineConfig
+from .downloads import LocalWriteError
 from .errors import ItemFailedError, PrepareOverflowError, VerificationError
 from .removal import rmtree
 from .stores.base import Store
@@ -38,6 +39,14 @@ log = logging.getLogger("cachepipe.fetcher")
 
 
 _DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
+
+
+def _local_error(exc: BaseException) -> OSError | None:
+    """``exc`` if it is the local disk's (a staging write failed, or the disk is full or
+    failing), not the store's: the item restarts from scratch (:meth:`_Finishing._retry_disk_error`); else None."""
+    if isinstance(exc, LocalWriteError) or (isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS):
+        return exc
+    return None
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ import pytest
 from conftest import listed, via
 from waiting import wait_until
 
-from cachepipe import ItemFailedError, Pipeline, StoreUnavailableError
+from cachepipe import ItemFailedError, ObjectChangedError, Pipeline, StoreUnavailableError
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -408,6 +408,22 @@ def test_close_from_another_thread_ends_an_open_whose_listing_gets_no_answer(rem
     assert not staging.exists() or not any(staging.iterdir())
 
 
+def _hold_second_part(proxy, key: str) -> tuple[list[str], threading.Event]:
+    """Hold the first GET of ``key``'s second part (bytes 262144 on: of 4 x 256 KiB) at the
+    proxy until the returned gate is set; the list gets its head."""
+    held: list[str] = []
+
+    def late(head: str) -> bool:
+        if not held and head.startswith("GET") and key in head and "range: bytes=262144-" in head.lower():
+            held.append(head)
+            return True
+        return False
+
+    gate = threading.Event()
+    proxy.hold(late, gate)
+    return held, gate
+
+
 def test_a_late_part_of_the_item_the_consumer_waits_for_is_requested_again(remote_source, fault_proxy, tmp_path):
     """Hedged requests (``fetch_policy.hedge_in``): a part of the next item whose answer does not
     come (its request held by the network) is requested a second time once it ran twice as long
@@ -417,16 +433,7 @@ def test_a_late_part_of_the_item_the_consumer_waits_for_is_requested_again(remot
     data = remote_source.folders(2, {"f": MIB})
     first = min(data)
     manifest = listed(remote_source, tmp_path)
-    held: list[str] = []
-
-    def late(head: str) -> bool:  # the first GET of the first item's second part (of 4 x 256 KiB)
-        if not held and head.startswith("GET") and f"{first}/f" in head and "range: bytes=262144-" in head.lower():
-            held.append(head)
-            return True
-        return False
-
-    gate = threading.Event()
-    proxy.hold(late, gate)
+    held, gate = _hold_second_part(proxy, f"{first}/f")
     options = via(remote_source, endpoint)
     try:
         with Pipeline(
@@ -444,6 +451,86 @@ def test_a_late_part_of_the_item_the_consumer_waits_for_is_requested_again(remot
             pipe.ack(item)
             pipe.ack(rest)
             assert pipe.get(timeout=10) is None
+    finally:
+        gate.set()
+    assert proxy.hold_timeouts == 0
+
+
+def test_a_late_part_is_requested_again_once_the_consumer_moves_on_with_nothing_else_to_fetch(
+    remote_source, fault_proxy, tmp_path
+):
+    """A late part of an item two ahead of the consumer is not hedged (``HEDGE_AHEAD``); once the
+    consumer takes an item it is one ahead, and the hand-out wakes a download thread to hedge it,
+    though nothing else is left to fetch and no part comes (before: its wait ended only with the
+    held request, here never, until the gate)."""
+    proxy, endpoint = fault_proxy
+    data = remote_source.folders(3, {"f": MIB})
+    last = max(data)
+    manifest = listed(remote_source, tmp_path)
+    held, gate = _hold_second_part(proxy, f"{last}/f")
+    options = via(remote_source, endpoint)
+    try:
+        with Pipeline(
+            remote_source.url,
+            tmp_path / "c",
+            "8MiB",
+            storage_options=options,
+            manifest=manifest,
+            max_concurrency=4,
+            part_size="256KiB",
+        ) as pipe:
+            wait_until(lambda: pipe.stats().requests == 11, what="every part but the held one")  # nothing more comes
+            first = pipe.get(timeout=10)  # the last item is one ahead now
+            assert first is not None and first.name == "item000"
+            wait_until(lambda: pipe.stats().hedges == 1, what="the held part requested again")
+            assert held and not gate.is_set()
+            for expected in ("item001", last):
+                item = pipe.get(timeout=10)
+                assert item is not None and item.name == expected
+                assert (item / "f").read_bytes() == data[expected]["f"]
+                pipe.ack(item)
+            pipe.ack(first)
+            gate.set()
+            assert pipe.get(timeout=10) is None
+    finally:
+        gate.set()
+    assert proxy.hold_timeouts == 0
+
+
+def test_a_second_request_refused_as_changed_fails_the_item_at_once(remote_source, fault_proxy, tmp_path):
+    """The object is rewritten while a late part's first request is held: its second request is
+    refused (HTTP 412, conditional on the listed ETag), an error of the store like any request's,
+    so the item fails with ``ObjectChangedError`` now (before: the refusal was only logged, and
+    the item waited for the held request)."""
+    proxy, endpoint = fault_proxy
+    data = remote_source.folders(2, {"f": MIB})
+    first = min(data)
+    manifest = listed(remote_source, tmp_path)
+    held: list[str] = []
+
+    def late(head: str) -> bool:  # the first item's second part (of 4 x 256 KiB): its first GET held
+        if not (head.startswith("GET") and f"{first}/f" in head and "range: bytes=262144-" in head.lower()):
+            return False
+        if held:  # its second request: the object changes before it reaches the store
+            remote_source.put(f"{first}/f", bytes(MIB))
+            return False
+        held.append(head)
+        return True
+
+    gate = threading.Event()
+    proxy.hold(late, gate)
+    options = via(remote_source, endpoint)
+    try:
+        with Pipeline(
+            remote_source.url, tmp_path / "c", "8MiB", storage_options=options, manifest=manifest, max_concurrency=4
+        ) as pipe:
+            with pytest.raises(ItemFailedError) as info:
+                pipe.get(timeout=10)  # before: TimeoutError, the item waited for the held request
+            assert isinstance(info.value.__cause__, ObjectChangedError), info.value
+            assert f"{first}/f" in str(info.value) and not gate.is_set()
+            assert pipe.stats().hedges == 1
+            gate.set()  # the first request's answer (a 412 too now) changes nothing
+            wait_until(lambda: held[0] in proxy.ended, what="the first request's connection dropped")
     finally:
         gate.set()
     assert proxy.hold_timeouts == 0
