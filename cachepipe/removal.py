@@ -36,12 +36,14 @@ def delete_tree(path: str | os.PathLike[str]) -> int:
     return 0
 
 
-def tree_bytes(root: str | os.PathLike[str], skip: Container[str] = ()) -> int:
+def tree_bytes(root: str | os.PathLike[str], skip: Container[str] = (), allocated: bool = False) -> int:
     """Total size in bytes of the files under ``root`` (symlinks counted as nothing, never
     followed; a folder that cannot be listed, or an entry removed while this walks, as
     nothing), except the entries whose path relative to ``root`` (``/``-separated) is in
-    ``skip``: a cache's items already measured, say. One ``lstat`` per file counted and none
-    per folder (``os.scandir`` tells folders and links apart from the directory itself)."""
+    ``skip``: a cache's items already measured, say. With ``allocated``, a file with holes (a
+    download whose parts came out of order) counts the bytes the disk gave it (``st_blocks``),
+    if fewer and not none: what it takes from the free space. One ``lstat`` per file counted and none per
+    folder (``os.scandir`` tells folders and links apart from the directory itself)."""
     total = 0
     folders = [(os.fspath(root), "")]
     while folders:
@@ -56,7 +58,9 @@ def tree_bytes(root: str | os.PathLike[str], skip: Container[str] = ()) -> int:
                         if entry.is_dir(follow_symlinks=False):
                             folders.append((entry.path, f"{name}/"))
                         elif not entry.is_symlink():
-                            total += entry.stat(follow_symlinks=False).st_size
+                            st = entry.stat(follow_symlinks=False)
+                            given = st.st_blocks * 512  # 0 on file systems that do not say (or keep small files inline)
+                            total += given if allocated and 0 < given < st.st_size else st.st_size
                     except FileNotFoundError:
                         continue  # removed while we walked
         except OSError:

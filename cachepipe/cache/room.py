@@ -17,6 +17,7 @@ folder after its cache closed change neither the journal nor the folder's change
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -44,16 +45,16 @@ def room_at(path: str | os.PathLike[str], held: Iterable[str | os.PathLike[str]]
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
-    measure = held_in if caches else tree_bytes
+    measure = held_in if caches else functools.partial(tree_bytes, allocated=True)
     return shutil.disk_usage(probe).free + sum(measure(folder) for folder in held)
 
 
 def held_in(folder: str | os.PathLike[str]) -> int:
     """The bytes of the files under the cache folder ``folder``: as its cache noted when it
     closed, if its journal and the folder's change time are still as noted; else walked
-    (:func:`~cachepipe.removal.tree_bytes`)."""
+    (:func:`~cachepipe.removal.tree_bytes`, a file with holes at the bytes the disk gave it)."""
     noted = _read_note(Path(folder))
-    return tree_bytes(folder) if noted is None else noted
+    return tree_bytes(folder, allocated=True) if noted is None else noted
 
 
 def write_note(root: Path, kept: Mapping[str, int]) -> None:
