@@ -492,3 +492,28 @@ def test_the_watchdog_keeps_beating_while_a_reload_opens_a_pipeline(s3_source, f
                 assert client.get(timeout=30) is not None
     finally:
         gate.set()
+
+
+def test_sigterm_while_a_reload_opens_a_pipeline_stops_the_daemon_promptly(s3_source, fault_proxy, tmp_path, short_dir):
+    # The stop waited for the reload to end, which lists the added pipeline's bucket (minutes
+    # for a large one): systemd then killed the daemon after TimeoutStopSec (30 s in our units).
+    proxy, endpoint = fault_proxy
+    s3_source.folders(2, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, endpoint)
+    gate = threading.Event()
+    try:
+        with DaemonProcess(config) as daemon:
+            data = yaml.safe_load(config.read_text())
+            data["pipelines"]["val"] = {**data["pipelines"]["train"], "cache_dir": str(tmp_path / "val")}
+            config.write_text(yaml.safe_dump(data))
+            proxy.hold(lambda head: head.startswith("GET "), gate, limit=60)  # val's listing, held
+            daemon.signal(signal.SIGHUP)
+            daemon.wait_for("RELOADING=1")
+            wait_until(lambda: proxy.requests, 30, "val's first request")
+            daemon.signal(signal.SIGTERM)
+            assert daemon.proc.wait(20) == 0  # before: still reloading when the listing was let through
+            assert not gate.is_set()
+            assert "interrupted while reloading" in daemon.log()
+    finally:
+        gate.set()

@@ -4,9 +4,11 @@ The main thread owns the signals and the conversation with systemd:
 
 - READY=1 once every cache is open and the socket listens; STATUS= lines (items ready, leased,
   bytes cached) every ``status_interval`` seconds when they change;
-- WATCHDOG=1 every half ``WatchdogSec`` (``$WATCHDOG_USEC``) while the API thread is alive;
+- WATCHDOG=1 every half ``WatchdogSec`` (``$WATCHDOG_USEC``) while the API thread is alive,
+  during a reload too (a thread of its own);
 - SIGTERM / SIGINT: STOPPING=1, stop fetching, close the pipelines (published items stay for the
-  next start with ``keep_on_close``), exit 0. During start-up the signal interrupts the start.
+  next start with ``keep_on_close``), exit 0. During start-up or a reload the signal interrupts it (either
+  can list a bucket for minutes; systemd's ``TimeoutStopSec`` is 30 s in our units).
 - SIGHUP: RELOADING=1, read and validate the config file again; invalid: log why and keep the
   running configuration; valid: apply it (:meth:`Daemon.reload`); then READY=1.
 
@@ -54,7 +56,8 @@ EX_CONFIG = 78
 
 
 class _Interrupted(BaseException):
-    """SIGTERM/SIGINT while starting: unwinds the start like KeyboardInterrupt would."""
+    """SIGTERM/SIGINT while starting or reloading: unwinds the start or the reload like
+    KeyboardInterrupt would (either can list a bucket for minutes)."""
 
 
 def _user() -> str:
@@ -133,7 +136,7 @@ def _run(config_path: Path, config: Any, notifier: Notifier) -> int:
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         if signum == signal.SIGHUP:
             events.put("reload")
-        elif phase[0] == "starting":
+        elif phase[0] in ("starting", "reloading"):
             phase[0] = "stopping"
             raise _Interrupted
         else:
@@ -161,7 +164,7 @@ def _run(config_path: Path, config: Any, notifier: Notifier) -> int:
         notifier.ready(daemon.status_line())
         if notifier.watchdog_interval:
             log.info("systemd watchdog: heartbeat every %.1f s", notifier.watchdog_interval)
-        code = _loop(daemon, config_path, notifier, events)
+        code = _loop(daemon, config_path, notifier, events, phase)
         notifier.stopping()
         daemon.stop()
         return code
@@ -172,7 +175,7 @@ def _run(config_path: Path, config: Any, notifier: Notifier) -> int:
         _restore(previous)
 
 
-def _loop(daemon: Daemon, config_path: Path, notifier: Notifier, events: queue.SimpleQueue[str]) -> int:
+def _loop(daemon: Daemon, config_path: Path, notifier: Notifier, events: queue.SimpleQueue[str], phase: list[str]) -> int:
     beat = notifier.watchdog_interval
     now = time.monotonic()
     next_beat = now if beat else float("inf")
@@ -188,8 +191,14 @@ def _loop(daemon: Daemon, config_path: Path, notifier: Notifier, events: queue.S
             log.info("stopping (signal)")
             return 0
         if event == "reload":
-            with _beating(daemon, notifier):
-                _reload(daemon, config_path, notifier)
+            try:
+                with _beating(daemon, notifier):
+                    phase[0] = "reloading"  # a SIGTERM now interrupts the reload (see on_signal)
+                    _reload(daemon, config_path, notifier)
+                    phase[0] = "running"
+            except _Interrupted:
+                log.info("stopping (signal): interrupted while reloading")
+                return 0
             last_status = ""
         if not daemon.running:
             log.critical("the API thread stopped unexpectedly; exiting so that systemd restarts the service")
