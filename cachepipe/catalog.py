@@ -184,6 +184,15 @@ class Catalog(Sequence[Item]):
         """
         self._extend([(name, None, list(files), None)])
 
+    def add_many(self, items: Iterable[tuple[str, list[tuple[str, int, str | None]]]]) -> None:
+        """:meth:`add` each ``(name, files)`` of ``items``, in one loop (a catalog read from a
+        file: a million items). On an error, the items before the bad one stay added.
+
+        Raises:
+            TypeError, ValueError: as :meth:`add`.
+        """
+        self._extend((name, None, files, None) for name, files in items)
+
     def _extend(self, entries: Iterable[_Entry]) -> None:
         """Append ``(name, size or None for the files' sum, files, unsafe)`` entries: one loop, with
         the columns in local names (a listing of a million items spends most of its time here)."""
