@@ -157,7 +157,6 @@ class Cache(_Publishing):
                         self.root,
                         room,
                     )
-            drop_note(self.root)  # measured: from now on this owner changes what it says
             try:
                 self._replay = state.load(self.record.journal.path)
             except state.StateCorrupt as exc:
@@ -223,6 +222,7 @@ class Cache(_Publishing):
         """
         replay = self._replay
         check_resume(replay, resume, plan, self._root)
+        drop_note(self.root)  # this owner changes the folder from now on: before the journal says so, below
         record, ledger = self.record, self.ledger
         reuse, stale = sort_leftovers(self.root, replay, self.rebuilt, items, of_same_data(replay.plan, plan))
         for name in stale:

@@ -7,9 +7,9 @@ folder holds is a walk of its files, one ``lstat`` each: seconds for a million s
 every DataLoader worker at every pass, each of which measures the folders of all its siblings.
 So a cache that closes writes down what its folder holds (``<folder>/.cachepipe/held``, with
 the identity of its journal and the folder's change time then), and a measure of a cache
-folder trusts the note while both are as it says. The next owner removes the note once its
-open measured the folder, before it changes anything (and rewrites the journal when its
-recovery ends; an owner of an earlier version, which leaves the note, does that too). A note
+folder trusts the note while both are as it says. The next owner removes the note when its
+recovery begins, before it changes anything (and rewrites the journal when it ends; an owner of
+an earlier version, which leaves the note, does that too). A note
 that cannot be read, or a folder without one (its owner is running, or was killed), is walked.
 Only cache folders are measured so (a cache's own, a DataLoader worker's siblings'): files
 written or deleted deeper into a folder after its cache closed change neither the journal nor
@@ -85,9 +85,9 @@ def write_note(root: Path, kept: Mapping[str, int]) -> None:
 
 
 def drop_note(root: Path) -> None:
-    """Remove the note of the cache folder ``root`` (its new owner, once it measured it, before
-    it changes anything): a note must not outlive the state it describes, also where the
-    journal is not rewritten after the folder changed (an owner killed between deleting stale
+    """Remove the note of the cache folder ``root`` (its new owner, when its recovery begins,
+    before it changes anything): a note must not outlive the state it describes, also where the
+    journal is not rewritten after the folder changed (an owner stopped between deleting stale
     items at recovery and rewriting the journal). Not fatal if it fails: the marks remain."""
     try:
         os.unlink(root / STATE_DIR / NOTE)
