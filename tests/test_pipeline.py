@@ -496,6 +496,22 @@ def test_an_item_left_with_a_link_in_it_is_downloaded_again_and_the_link_never_f
     assert (elsewhere / "kept").read_bytes() == b"x" * 10
 
 
+def test_an_item_whose_folder_was_replaced_by_a_link_is_downloaded_again_and_the_link_never_followed(s3_source, tmp_path):
+    # The item's own path a link to a folder of the same files: scandir follows a link it is
+    # given, so its files matched the listing and the link was handed out as the item.
+    data = s3_source.folders(3, {"f": 1000})
+    cache, elsewhere = tmp_path / "c", tmp_path / "elsewhere"
+    _leave_items(s3_source, cache)
+    first = min(data)
+    shutil.move(cache / first, elsewhere)
+    (cache / first).symlink_to(elsewhere, target_is_directory=True)
+    with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options) as pipe:
+        got = {p.name: (os.path.islink(p), sorted(os.listdir(p))) for p in pipe}
+        assert pipe.stats().items_reused == 2 and pipe.stats().bytes_downloaded == 1000
+    assert got == {name: (False, ["f"]) for name in data}
+    assert (elsewhere / "f").stat().st_size == 1000
+
+
 def test_only_an_items_first_hand_out_since_its_download_is_marked_first(s3_source, tmp_path):
     # The daemon's marker watch skips the look for a stale .done only on such a hand-out
     # (Cache.first_hand_out): a released, redelivered or recovered item may hold a consumer's marker.

@@ -49,7 +49,7 @@ from .publishing import _Publishing
 from .record import Record
 from .recovery import check_resume, of_same_data, sort_leftovers
 from .reservation import _capacity_bytes
-from .room import JOURNAL, LOCK, held_in, write_note
+from .room import JOURNAL, LOCK, STAGING, drop_note, held_in, write_note
 from .staging import Staging
 
 __all__ = ["STATE_DIR", "Cache"]
@@ -75,7 +75,7 @@ class Cache(_Publishing):
         # absolute and normal (".." taken lexically, as the daemon names the paths acked to it)
         self.root = Path(os.path.abspath(root))
         self.state_dir = self.root / STATE_DIR
-        self.staging_root = self.state_dir / "staging"
+        self.staging_root = self.state_dir / STAGING
         self.catalog_path = self.state_dir / "catalog"
         self._root = str(self.root)
         self.prefix = self._root.rstrip("/") + "/"  # what every item's path starts with
@@ -222,6 +222,7 @@ class Cache(_Publishing):
         """
         replay = self._replay
         check_resume(replay, resume, plan, self._root)
+        drop_note(self.root)  # this owner changes the folder from now on: before the journal says so, below
         record, ledger = self.record, self.ledger
         reuse, stale = sort_leftovers(self.root, replay, self.rebuilt, items, of_same_data(replay.plan, plan))
         for name in stale:

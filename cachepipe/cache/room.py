@@ -7,11 +7,14 @@ folder holds is a walk of its files, one ``lstat`` each: seconds for a million s
 every DataLoader worker at every pass, each of which measures the folders of all its siblings.
 So a cache that closes writes down what its folder holds (``<folder>/.cachepipe/held``, with
 the identity of its journal and the folder's change time then), and a measure of a cache
-folder trusts the note while both are as it says: the next owner rewrites the journal when its
-recovery ends, and from then on the folder is walked again. A note that cannot be read, or a
-folder without one (its owner is running, or was killed), is walked. Only cache folders are
-measured so (a cache's own, a DataLoader worker's siblings'): files written deeper into a
-folder after its cache closed change neither the journal nor the folder's change time.
+folder trusts the note while both are as it says. The next owner removes the note when its
+recovery begins, before it changes anything (and rewrites the journal when it ends; an owner of
+an earlier version, which leaves the note, does that too). A note
+that cannot be read, or a folder without one (its owner is running, or was killed), is walked.
+Only cache folders are measured so (a cache's own, a DataLoader worker's siblings'): files
+written or deleted deeper into a folder after its cache closed change neither the journal nor
+the folder's change time, so the note does not see them (one deleted so is counted as held and
+as free both: a share that much larger).
 """
 
 from __future__ import annotations
@@ -21,19 +24,21 @@ import functools
 import logging
 import os
 import shutil
+import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from ..removal import tree_bytes
 from .lock import STATE_DIR
 
-__all__ = ["held_in", "room_at", "write_note"]
+__all__ = ["drop_note", "held_in", "room_at", "write_note"]
 
 log = logging.getLogger("cachepipe.cache")
 
-NOTE = "held"  # in the state folder: "<bytes> <journal's st_ino> <st_size> <st_mtime_ns>"
+NOTE = "held"  # in the state folder: "<bytes> <journal's st_ino> <st_size> <st_mtime_ns> <folder's st_mtime_ns>"
 JOURNAL = "journal"
 LOCK = "lock"  # the owner's lock file (:class:`~.lock.OwnerLock`)
+STAGING = "staging"  # downloads under way; what a close could not remove, the next open does first
 
 
 def room_at(path: str | os.PathLike[str], held: Iterable[str | os.PathLike[str]], caches: bool = False) -> int:
@@ -59,20 +64,50 @@ def held_in(folder: str | os.PathLike[str]) -> int:
 
 def write_note(root: Path, kept: Mapping[str, int]) -> None:
     """Note what the cache folder ``root`` holds now that its journal is written for the last
-    time (at its close): the items ``kept`` (name -> bytes, each at its listed size) and the rest
-    of its files, walked, but for its lock (empty once released) and the note. Not fatal if it
-    fails: the folder is walked instead."""
+    time (at its close): the items ``kept`` (name -> bytes; a folder at its listed size, a file
+    at its own, one no longer there or a link as nothing: a consumer may have deleted it) and
+    the rest of its files, walked, but for its lock (empty once released), the note and staging
+    (removed by the next open before it measures the folder, when its close could not). The
+    marks are taken first: a change while this measures makes the note one not trusted. Not
+    fatal if it fails: the folder is walked instead."""
     state_dir = root / STATE_DIR
     path, spare = state_dir / NOTE, state_dir / f"{NOTE}.new"
     try:
-        state = tree_bytes(state_dir, skip={LOCK, NOTE, spare.name})
-        held = sum(kept.values()) + tree_bytes(root, skip={*kept, STATE_DIR}) + state
-        spare.write_text(f"{held} {_marks(root)}\n")
+        marks = _marks(root)
+        state = tree_bytes(state_dir, skip={LOCK, NOTE, spare.name, STAGING})
+        held = sum(_kept_bytes(f"{root}/{name}", size) for name, size in kept.items())
+        held += tree_bytes(root, skip={*kept, STATE_DIR}) + state
+        spare.write_text(f"{held} {marks}\n")
         os.replace(spare, path)
     except OSError as exc:
         log.debug("could not note the size of %s (%s): it is walked when measured", root, exc)
         with contextlib.suppress(OSError):
             os.unlink(spare)
+
+
+def drop_note(root: Path) -> None:
+    """Remove the note of the cache folder ``root`` (its new owner, when its recovery begins,
+    before it changes anything): a note must not outlive the state it describes, also where the
+    journal is not rewritten after the folder changed (an owner stopped between deleting stale
+    items at recovery and rewriting the journal). Not fatal if it fails: the marks remain."""
+    try:
+        os.unlink(root / STATE_DIR / NOTE)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.debug("could not remove the note of the size of %s (%s): its marks still say when it stands", root, exc)
+
+
+def _kept_bytes(path: str, listed: int) -> int:
+    """The bytes of a kept item at ``path``: ``listed`` for a folder (its files are not walked),
+    a regular file's own size, 0 for anything else or nothing (deleted since it was kept)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return 0
+    if stat.S_ISDIR(st.st_mode):
+        return listed
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
 def _marks(root: Path) -> str:

@@ -88,11 +88,14 @@ def verify(staged: str | Path, item: Item) -> None:
 
 def matches(path: str | os.PathLike[str], item: Item) -> bool:
     """True when ``path`` holds exactly the item's files with the listed sizes (a symbolic link
-    anywhere under it, which no download makes, is no match). One ``lstat`` per file."""
+    anywhere under it, or at ``path`` itself, which no download makes, is no match). One
+    ``lstat`` per file, and one of a folder item's own path."""
     try:
+        st = os.lstat(path)
         if item.is_file:
-            st = os.lstat(path)
             return stat.S_ISREG(st.st_mode) and st.st_size == item.size
+        if not stat.S_ISDIR(st.st_mode):  # a link to a folder: scandir would follow it
+            return False
         expected = {f.rel: f.size for f in item.files}
         found = 0
         folders = [(os.fspath(path), "")]
