@@ -100,6 +100,23 @@ def test_a_marker_is_judged_when_its_writer_closes_it(s3_source, s3_endpoint, tm
         assert not item.path.exists() and refused(client) == 0
 
 
+def test_a_marker_made_as_a_link_is_judged_when_it_is_made(s3_source, s3_endpoint, tmp_path, short_dir):
+    # A link (symbolic or hard) is complete when it is made: no writer closes it, so the watch
+    # must see its creation (a .done created as a regular file waits for its writer's close).
+    s3_source.folders(2, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, s3_endpoint, {"train": {}})
+    with DaemonProcess(config) as daemon, Client("train", sock, auto_ack=False) as client:
+        first, second = client.get(timeout=30), client.get(timeout=30)
+        wait_until(lambda: inotify_watches(daemon.pid) == 3, what="the items' own watches (LOOK_AFTER on)")
+        os.symlink("/nonexistent", first.path / ".done")  # ln -s: a link counts as empty
+        wait_until(lambda: not first.path.exists(), what="the symbolic link's marker to ack")
+        (tmp_path / "made-elsewhere").write_text("")
+        os.link(tmp_path / "made-elsewhere", second.path / ".done")  # ln: complete when made
+        wait_until(lambda: not second.path.exists(), what="the hard link's marker to ack")
+        assert stats(client)["items_acked"] == 2 and refused(client) == 0
+
+
 def test_what_a_marker_holds_decides_whose_it_is(tmp_path):
     item = tmp_path / "item1"
     item.mkdir()

@@ -12,8 +12,8 @@ a local file system) and remove one keep the interpreter's lock
 (:func:`keep_the_lock_for_watch_calls`).
 
 A marker is judged once it is complete: when its writer closes it, when it is moved into place,
-or when it is touched (an item folder's watch does not ask for its creation, when a writer may
-not have written it yet). What it holds (:func:`read_marker`) says whose it is: a lease
+when it is touched, or when it is made as a link (a regular file just created is not judged
+then: its writer may not have written it yet). What it holds (:func:`read_marker`) says whose it is: a lease
 acknowledges only the hand-out with that lease, and a ``.done`` holding anything else (an
 earlier daemon's lease, after a restart or a rebuild; an expired one) acknowledges nothing, is
 logged and counted, and stays. An empty one acknowledges the item's holder, as markers always did.
@@ -80,13 +80,14 @@ Kind = Literal["created", "deleted"]
 # What each watch asks the kernel for: a cache directory and a single-file item's folder, a
 # child deleted or moved away; a handed-out item folder, a file complete in it (closed after
 # writing, moved in, or touched: Python's Path.touch() of a file that exists is a utime alone, an
-# IN_ATTRIB), not a file created: its writer may not have written its lease yet. The kernel's
+# IN_ATTRIB), or created: a link is complete when made, a regular file is judged when its
+# writer closes it (it may not have written its lease yet: _Events.on_event). The kernel's
 # constants (<sys/inotify.h>), a stable ABI.
 _IN_ATTRIB, _IN_CLOSE_WRITE, _IN_MOVED_FROM, _IN_MOVED_TO, _IN_CREATE, _IN_DELETE = 0x4, 0x8, 0x40, 0x80, 0x100, 0x200
 _IN_ONLYDIR = 0x01000000
 _GONE = _IN_DELETE | _IN_MOVED_FROM | _IN_ONLYDIR
 _MADE = _IN_CREATE | _IN_CLOSE_WRITE | _IN_MOVED_TO | _IN_ATTRIB
-_MARKER = _IN_CLOSE_WRITE | _IN_MOVED_TO | _IN_ATTRIB | _IN_ONLYDIR
+_MARKER = _MADE | _IN_ONLYDIR
 _ANY = _IN_DELETE | _IN_MOVED_FROM | _MADE
 
 READ_EVERY = 0.05
@@ -391,14 +392,29 @@ class _Events:
     def on_event(self, event: InotifyEvent) -> None:
         if not event.name or not event.mask & _ANY:
             return
+        name = os.fsdecode(event.name)
+        path = self.directory + name
+        if event.mask & _ANY == _IN_CREATE and (name != MARKER or _being_written(path)):
+            return  # a file a consumer writes: judged once closed (IN_CLOSE_WRITE), if it is a marker
         kind: Kind = "created" if event.mask & _MADE else "deleted"
-        self.watcher.judge(self.served, self.directory + os.fsdecode(event.name), kind, event.is_directory)
+        self.watcher.judge(self.served, path, kind, event.is_directory)
 
     def on_watch_deleted(self, wd: WatchDescriptor) -> None:
         """The watched folder is gone (deleted, or its file system unmounted): nothing to do."""
 
     def on_queue_overflow(self) -> None:
         self.watcher.overflowed()
+
+
+def _being_written(path: str) -> bool:
+    """Whether a file just created at ``path`` is one a writer may still be writing (a regular
+    file of one name: it is judged when closed); a link, a hard link to a file made before, or a
+    folder is complete when made (or ``path`` is gone: nothing to judge)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return True
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
 
 
 def _own_folder(served: _Watched, item: str) -> str:
