@@ -255,7 +255,7 @@ def journal_error(cache: Path, names: dict[str, str]) -> str | None:
 def check_clean_end(cache: Path, digests: dict[str, str]) -> None:
     """After a clean close (keep_on_close=False): only the state files are left."""
     left = sorted(snapshot(cache))
-    allowed = {".cachepipe/lock", ".cachepipe/journal", ".cachepipe/catalog"}
+    allowed = {".cachepipe/lock", ".cachepipe/journal", ".cachepipe/catalog", ".cachepipe/held"}
     assert [p for p in left if p not in allowed] == [], f"left in the cache after a clean close: {left[:10]}"
     assert not (cache / ".cachepipe" / "staging").exists() or not any((cache / ".cachepipe" / "staging").iterdir())
     items = [p.name for p in cache.iterdir() if p.name in digests]
