@@ -17,7 +17,7 @@ import queue
 import shutil
 import sys
 import threading
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 
 __all__ = ["Reaper", "delete_tree", "rmtree", "tree_bytes"]
 
@@ -43,29 +43,45 @@ def tree_bytes(root: str | os.PathLike[str], skip: Container[str] = (), allocate
     ``skip``: a cache's items already measured, say. With ``allocated``, a file with holes (a
     download whose parts came out of order) counts the bytes the disk gave it (``st_blocks``),
     if fewer and not none: what it takes from the free space. One ``lstat`` per file counted and none per
-    folder (``os.scandir`` tells folders and links apart from the directory itself)."""
+    folder (``os.scandir`` tells folders and links apart from the directory itself).
+
+    Raises:
+        OSError: a file listed that cannot be measured (but for one removed meanwhile), as the
+            walk with ``os.walk`` and ``lstat`` before it did.
+    """
     total = 0
     folders = [(os.fspath(root), "")]
     while folders:
         folder, rel = folders.pop()
         try:
-            with os.scandir(folder) as entries:
-                for entry in entries:
-                    name = f"{rel}{entry.name}"
-                    if name in skip:
-                        continue
-                    try:
-                        if entry.is_dir(follow_symlinks=False):
-                            folders.append((entry.path, f"{name}/"))
-                        elif not entry.is_symlink():
-                            st = entry.stat(follow_symlinks=False)
-                            given = st.st_blocks * 512  # 0 on file systems that do not say (or keep small files inline)
-                            total += given if allocated and 0 < given < st.st_size else st.st_size
-                    except FileNotFoundError:
-                        continue  # removed while we walked
+            entries = os.scandir(folder)
         except OSError:
             continue  # removed while we walked, or not a folder (a file: as os.walk, nothing)
+        with entries:
+            for entry in _listed(entries):
+                name = f"{rel}{entry.name}"
+                if name in skip:
+                    continue
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        folders.append((entry.path, f"{name}/"))
+                    elif not entry.is_symlink():
+                        st = entry.stat(follow_symlinks=False)
+                        given = st.st_blocks * 512  # 0 on file systems that do not say (or keep small files inline)
+                        total += given if allocated and 0 < given < st.st_size else st.st_size
+                except FileNotFoundError:
+                    continue  # removed while we walked (any other error is raised: the total would be wrong)
     return total
+
+
+def _listed(entries: Iterator[os.DirEntry[str]]) -> Iterator[os.DirEntry[str]]:
+    """The entries of a folder being listed; the rest of them left out if its listing fails
+    part way (as ``os.walk`` does)."""
+    while True:
+        try:
+            yield next(entries)
+        except (StopIteration, OSError):
+            return
 
 
 def rmtree(path: str | os.PathLike[str], names: Sequence[str] = ()) -> None:
