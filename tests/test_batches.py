@@ -234,7 +234,8 @@ def test_runs_of_cheap_requests_lose_nothing_when_one_of_their_items_fails(tmp_p
         assert names == [f"{i:05d}" for i in range(400) if i != 150]  # in order, each once
         assert (stats.items_failed, stats.items_skipped, stats.retries) == (1, 1, 1)
         left = sorted(path.relative_to(tmp_path / "c").as_posix() for path in (tmp_path / "c").rglob("*"))
-        assert left == [STATE_DIR, f"{STATE_DIR}/held", f"{STATE_DIR}/journal", f"{STATE_DIR}/lock"]  # no staging or item left behind
+        # no staging or item left behind
+        assert left == [STATE_DIR, f"{STATE_DIR}/held", f"{STATE_DIR}/journal", f"{STATE_DIR}/lock"]
     finally:
         fs.store.clear()
         fs.pseudo_dirs[:] = [""]

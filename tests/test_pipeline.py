@@ -277,7 +277,9 @@ def test_an_object_shorter_than_listed_fails_its_item_naming_the_bytes(source, t
 
 
 @pytest.mark.parametrize("processes", [0, 1], ids=["threads", "worker-process"])
-def test_an_object_rewritten_since_listing_fails_its_item_at_once_even_at_the_same_size(remote_source, tmp_path, processes):
+def test_an_object_rewritten_since_listing_fails_its_item_at_once_even_at_the_same_size(
+    remote_source, tmp_path, processes, caplog
+):
     """Every GET is conditional on the listed ETag (If-Match): an object rewritten to the same
     size, which the size check cannot see, fails its item as changed, not retried, and nothing
     of it is published; the items around it are delivered."""
@@ -293,7 +295,11 @@ def test_an_object_rewritten_since_listing_fails_its_item_at_once_even_at_the_sa
         rest = {p.name: (p / "f").read_bytes() for p in it}
         stats = pipe.stats()
     assert "item002" not in rest and rest.get("item001", data["item001"]["f"]) == data["item001"]["f"]
-    assert stats.items_failed == 3 - 1 - len(rest) and stats.retries == 0
+    assert stats.items_failed == 3 - 1 - len(rest)
+    # no retry for the 412; moto answers a GET that races the rewrite of its object with a 500
+    # now and then (its file closed under the read: item001 may be in flight), retried as any 500
+    retried = [r.getMessage() for r in caplog.records if r.getMessage().startswith("retry ")]
+    assert stats.retries == len(retried) and all("item001/f" in m and "HTTP 500" in m for m in retried), retried
     assert not (tmp_path / "c" / "item002").exists()
 
 
