@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import command_line, file_system_of, format_table, machine_info, progress
+from common import command_line, file_system_of, format_table, machine_info, progress, source_trees
 
 CAPACITIES = ("10GiB", "50%")
 
@@ -70,10 +70,7 @@ def main() -> None:
     for name in ("items", "files", "size", "runs"):
         if getattr(args, name) < 1:
             p.error(f"--{name} {getattr(args, name)}: expected at least 1")
-    trees = [str(Path(t).resolve()) for t in args.trees]
-    for tree in trees:
-        if not (Path(tree) / "cachepipe" / "__init__.py").is_file():
-            p.error(f"--trees {tree!r}: not a cachepipe source tree (no cachepipe/__init__.py)")
+    trees = source_trees(p, args.trees)
     with tempfile.TemporaryDirectory(prefix="cachepipe-reopen-", dir=args.dir) as tmp:
         work = Path(tmp)
         source = _source(work / "data", args.items, args.files, args.size)

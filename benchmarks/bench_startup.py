@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import command_line, format_table, machine_info, progress
+from common import command_line, format_table, machine_info, progress, source_trees
 
 from cachepipe.service.testing import DaemonProcess
 
@@ -44,10 +44,7 @@ def main() -> None:
     args = p.parse_args()
     if args.runs < 1:
         p.error(f"--runs {args.runs}: expected at least 1")
-    trees = [str(Path(t).resolve()) for t in args.trees]
-    for tree in trees:
-        if not (Path(tree) / "cachepipe" / "__init__.py").is_file():
-            p.error(f"--trees {tree!r}: not a cachepipe source tree (no cachepipe/__init__.py)")
+    trees = source_trees(p, args.trees)
     modes = ["off", "on"] if args.bytecode == "both" else [args.bytecode]
     with tempfile.TemporaryDirectory(prefix="cachepipe-startup-") as tmp:
         work = Path(tmp)

@@ -307,6 +307,16 @@ def check_positive(p: argparse.ArgumentParser, args: argparse.Namespace, names: 
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected a positive integer")
 
 
+def source_trees(p: argparse.ArgumentParser, given: Sequence[str]) -> list[str]:
+    """``--trees``, resolved; exit with a usage error naming one that is not a cachepipe source
+    tree (no ``cachepipe/__init__.py``)."""
+    trees = [str(Path(t).resolve()) for t in given]
+    for tree in trees:
+        if not (Path(tree) / "cachepipe" / "__init__.py").is_file():
+            p.error(f"--trees {tree!r}: not a cachepipe source tree (no cachepipe/__init__.py)")
+    return trees
+
+
 def parse_capacity(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Check ``--capacity`` and ``--part-size`` (usage error if invalid); return the capacity in bytes."""
     from cachepipe import parse_size

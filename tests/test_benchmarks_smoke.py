@@ -185,6 +185,26 @@ def test_startup_benchmark_times_each_start_of_a_tree():
     assert [(r[0], r[1], r[-1]) for r in rows] == [(kind, "none", "1.00") for kind in ("help", "status", "serve")]
 
 
+def test_epoch_start_benchmark_passes_reuse_the_kept_items():
+    """benchmarks/bench_epoch_start.py on 20 items, 2 DataLoader workers, one round with a share
+    of the disk: a pass after the first, of every item with nothing downloaded again (the script
+    raises otherwise). No timing is asserted."""
+    pytest.importorskip("torch", reason="the torch extra is not installed")
+    root = Path(__file__).resolve().parents[1]
+    sizes = ("--items", "20", "--files", "2", "--workers", "2", "--batch", "4", "--runs", "1", "--capacities", "50%")
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "bench_epoch_start.py"), "--trees", str(root), *sizes, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    firsts = json.loads(proc.stdout)["first_batch_seconds"]
+    assert list(firsts) == [f"{root} DataLoader 50%"]
+    assert len(firsts[f"{root} DataLoader 50%"]) == 1 and firsts[f"{root} DataLoader 50%"][0] > 0, firsts
+
+
 def test_node_epochs_benchmark_crosses_an_epoch_in_each_run():
     script = Path(__file__).parent.parent / "benchmarks" / "bench_node_epochs.py"
     proc = subprocess.run(
