@@ -111,6 +111,7 @@ class _LaneState:
     floor: Cursor = field(default_factory=lambda: Cursor(0, 0))  # every step of the lane before it is consumed
     held: dict[Cursor, _Planned] = field(default_factory=dict)  # planned in this generation, not consumed
     waiting: int = 0
+    asked: int = 0  # the node's count of lane restarts as of this lane's last move (see LaneQueues.give_back)
 
 
 class LaneQueues(Broker[str]):
@@ -164,6 +165,7 @@ class LaneQueues(Broker[str]):
         self._next_seq = 0
         self._started = 0  # downloads the fetcher began or withdrew (in turn: every seq below it)
         self._asking = -1  # the download asked back from the fetcher (see withdraw), or -1
+        self._restarts = 0  # lanes moved outside what was planned for them (restarted consumers), see give_back
         self._handed_count = 0
         self._error: BaseException | None = None
 
@@ -380,6 +382,8 @@ class LaneQueues(Broker[str]):
                 lane.generation = self.schedule.reset(lane_no, cursor)
                 lane.floor = self.schedule.cursors[lane_no]
                 moved = True
+                self._restarts += 1  # its consumer restarted: the others' may have too (see give_back)
+            lane.asked = self._restarts
             on_disk, acked = [], 0
             for planned in gone:
                 del lane.held[planned.key]
@@ -403,13 +407,20 @@ class LaneQueues(Broker[str]):
             self._cond.notify_all()
         return ([], on_disk, 0) if moved else (on_disk, [], acked)
 
-    def give_back(self, needed: int, lane_no: int, cursor: Cursor) -> list[_Planned] | None:
+    def give_back(self, needed: int, lane_no: int, cursor: Cursor, unasked_only: bool = False) -> list[_Planned] | None:
         """Make about ``needed`` bytes of room for a download that a waiting lane is held up
         behind: steps on disk that were planned ahead for lanes whose consumers are not waiting
         now, and not handed out, are unplanned, the one needed last first (the latest tick of a
         lane's last step). Their lanes plan them again (each lane moves back to such a step).
         Without this, a lane that stops asking (a DDP rank waiting for another rank) could hold
         the room that the lane it waits for needs, for ever.
+
+        ``unasked_only``: only from lanes that have not asked (moved) since a lane last moved
+        outside what was planned for it (its consumer restarted elsewhere: a checkpoint, a
+        resumed loader, a daemon that forgot the job). The caller gives back from those at once,
+        from the others only once the lane has waited a while (ordinary back-pressure): when a
+        whole job restarts, the lanes whose consumers are not back yet hold what was fetched
+        ahead for positions their consumers will move away from.
 
         Lane ``lane_no`` waits for its step at ``cursor``: room helps it only if that step is
         not planned yet, or its download has not begun (it waits for room, or is queued behind
@@ -428,7 +439,7 @@ class LaneQueues(Broker[str]):
             while freed < needed:
                 last: _Planned | None = None
                 for lane in self._lanes:
-                    if lane.waiting or not lane.held:
+                    if lane.waiting or not lane.held or (unasked_only and lane.asked == self._restarts):
                         continue
                     step = lane.held[next(reversed(lane.held))]  # held in plan order: the lane's last
                     if not step.handed and isinstance(step.value, str) and (last is None or step.tick > last.tick):

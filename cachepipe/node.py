@@ -33,9 +33,11 @@ copy on disk (see :class:`~cachepipe.lanequeues.LaneQueues`, the bookkeeping of 
 steps): no lane waits for another to move on. A lane that waits for an item with no room gets
 the room of items fetched ahead for lanes that are not waiting (see
 :meth:`~cachepipe.lanequeues.LaneQueues.give_back`): a lane that stops asking (a rank waiting
-for another in an all-reduce) never holds the room of the lane it waits for. What consumers
-hold (handed out, not consumed) cannot be given back: size the node's capacity for what the
-lanes hold at once.
+for another in an all-reduce) never holds the room of the lane it waits for. It gets it once it
+has waited ``give_back_after`` (a shorter wait is ordinary back-pressure), or at once from lanes
+that have not asked since a lane restarted elsewhere (a job restarted from its checkpoints, its
+ranks back one after the other). What consumers hold (handed out, not consumed) cannot be given
+back: size the node's capacity for what the lanes hold at once.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ before items planned ahead for other lanes are given back to make room for it. S
 ordinary back-pressure: a lane that computes for a while per item consumes soon, and giving its
 next item back would download it again (two lanes taking 0.5 s and 3 s per item, with room for
 two items, downloaded 1.21x the data and took 49 s instead of 38 s when lanes gave back after
-1 s)."""
+1 s). Items planned ahead for lanes that have not asked since a lane of the node restarted
+elsewhere are given back at the first check (see :meth:`NodePipeline._wait`)."""
 
 HELD_WARNING = 30.0
 """Seconds a lane waits, with no room made for it, before the node logs that its consumers hold
@@ -119,7 +122,9 @@ class NodePipeline(Pipeline):
         give_back_after: seconds a lane waits for an item with no room before items planned
             ahead for lanes that are not asking are given back to make room for it (default
             :data:`GIVE_BACK_AFTER`, 5 s; shorter waits are ordinary back-pressure; checked
-            every :data:`ROOM_CHECK` seconds, so 0 gives back at the first check).
+            every :data:`ROOM_CHECK` seconds, so 0 gives back at the first check). Items
+            planned ahead for lanes that have not asked since a lane restarted elsewhere are
+            given back at the first check, whatever its value.
         **options: other :class:`~cachepipe.config.PipelineConfig` options (``epochs``,
             ``shuffle``, ``seed``, ``partition``, ``balance``, ``equal_steps``, ``manifest``, ``retain``...);
             ``rank``, ``worker``, ``resume``, ``start_epoch`` and ``auto_ack`` do not apply (a
@@ -356,16 +361,23 @@ class NodePipeline(Pipeline):
         return LaneConflictError(message)
 
     def _wait(self, lane: int, at: Cursor, timeout: float | None, deadline: float | None) -> _Planned | None:
-        """:meth:`LaneQueues.wait` in turns of :data:`ROOM_CHECK` seconds; after each, once the
-        lane has waited ``give_back_after`` seconds (see the class), if a download has no room
-        (:meth:`Cache.shortfall`) and the lane's step waits for that room (not planned yet, or
-        its download not begun), steps planned ahead for lanes whose
+        """:meth:`LaneQueues.wait` in turns of :data:`ROOM_CHECK` seconds; after each, if a
+        download has no room (:meth:`Cache.shortfall`) and the lane's step waits for that room
+        (not planned yet, or its download not begun), steps planned ahead for lanes whose
         consumers are not waiting are given back (:meth:`LaneQueues.give_back`) and their copies
-        given up (:meth:`Cache.give_up`). If none can be, every item in the cache is held by a
-        consumer: after :data:`HELD_WARNING` seconds this is logged, once per wait. A step
-        that downloads already gives nothing back (room would not bring it sooner; each turn
-        gave back an item that was then downloaded again). ``deadline``: the monotonic time
-        at which it raises TimeoutError (None: never); ``timeout``, the seconds it names."""
+        given up (:meth:`Cache.give_up`): those of lanes that have not asked since a lane moved
+        outside what was planned for it at once (``unasked_only``), the others once the lane
+        has waited ``give_back_after`` seconds (see the class). A lane that moves so has a
+        consumer restarted elsewhere, and the others may have too: in a job restarted from its
+        checkpoints, the lanes not back yet hold what was fetched ahead for positions their
+        consumers will move away from, and the lanes back already, waiting at their first
+        all-reduce for the last rank, what they read ahead (before, each rank back waited for
+        the give-back, and every first step with it). If nothing can be given back once the
+        lane has waited ``give_back_after``, every item in the cache is held by a consumer:
+        after :data:`HELD_WARNING` seconds this is logged, once per wait. A step that downloads
+        already gives nothing back (room would not bring it sooner; each turn gave back an item
+        that was then downloaded again). ``deadline``: the monotonic time at which it raises
+        TimeoutError (None: never); ``timeout``, the seconds it names."""
         queues, start = self._queues, time.monotonic()
         rank, worker = self.node_plan.lanes[lane]
         warned = False
@@ -376,19 +388,26 @@ class NodePipeline(Pipeline):
             except TimeoutError:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"no item became ready within {timeout} s") from None
-            if time.monotonic() - start < self.give_back_after:
-                continue  # ordinary back-pressure: a slower lane consumes soon
+            grace = time.monotonic() - start < self.give_back_after  # ordinary back-pressure: a slower lane consumes soon
             needed = self._cache.shortfall()
             if not needed:
                 continue
             with self._moves:
-                gone = queues.give_back(needed, lane, at)
+                gone = queues.give_back(needed, lane, at, unasked_only=grace)  # in the grace: lanes not back since a restart
                 for planned in gone or ():
                     self._cache.give_up(planned.name, planned.step.epoch, planned.tick)
             if gone is None:
                 continue  # its item downloads (or is ready): room would not bring it sooner
             if gone:
-                log.info("lane %s.%s waits for room: gave back %d items planned ahead for other lanes", rank, worker, len(gone))
+                log.info(
+                    "lane %s.%s waits for room: gave back %d items planned ahead for other lanes%s",
+                    rank,
+                    worker,
+                    len(gone),
+                    " (that have not asked since a lane restarted)" if grace else "",
+                )
+                continue
+            if grace:
                 continue
             self._cache.force_room()  # with retention: evict retained items, however soon they are used
             if not warned and time.monotonic() - start >= HELD_WARNING:

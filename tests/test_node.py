@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from sampling import Sampler
@@ -51,6 +52,16 @@ def read_lanes(pipe: NodePipeline, lanes: list[tuple[int, int]], out: dict) -> N
 def expected(names, sizes, rank, worker, world, workers, **kw):
     plan = Plan(sizes, rank=rank, world_size=world, worker=worker, num_workers=workers, **kw)
     return [(s.epoch, names[s.item]) for s in plan]
+
+
+def numbered_items(source: Path, count: int) -> list[str]:
+    """``count`` items of 16 KiB in the folder ``source`` (``item000/a.bin``..., item i's bytes
+    all i); their names."""
+    names = [f"item{i:03d}" for i in range(count)]
+    for i, name in enumerate(names):
+        (source / name).mkdir(parents=True)
+        (source / name / "a.bin").write_bytes(bytes([i]) * 16 * KIB)
+    return names
 
 
 def test_each_lane_gets_exactly_its_share_under_one_cap(s3_source, tmp_path):
@@ -615,6 +626,52 @@ def test_a_restarted_lane_is_not_held_up_behind_a_download_planned_ahead_for_a_l
         assert stats.bytes_downloaded == (sum(sizes) + sizes[1] + sizes[3]) * KIB, store.gets
 
 
+def test_a_job_restarted_from_its_checkpoints_gets_the_room_of_lanes_that_have_not_asked_since(tmp_path, caplog):
+    """A whole job restarted from its checkpoints while the node runs on (torchrun restarts
+    every rank; the daemon stays), its ranks back one after the other. Before the restart,
+    ranks 0 and 1 (16 KiB items, room for four and a half) read three items each, and the node
+    fetched ahead for both: the cache is full. Rank 0 is back first, from its checkpoint after
+    one item: its lane moves back and its step there (consumed, deleted) has no room, which
+    what was fetched ahead for rank 1, not back yet, holds. Rank 0 reads three items, to its
+    first all-reduce, where it waits for rank 1; the node fetches ahead again. Rank 1 is back:
+    its first step has no room, which what was fetched ahead for rank 0, waiting for it, holds.
+    Before, each waited for the give-back (``give_back_after``: 5 s by default, 600 s here, so
+    the take timed out), and in DDP every rank's first step with them. Now each restart (a lane
+    moved outside what was planned for it) leaves the lanes that have not asked since out of
+    the give-back's grace, which is for consumers that ask at their pace: each gets the room of
+    the other's last item at the first check. Both then read their shares to the end from
+    their checkpoints, under the cap. The take's timeout only bounds the stall it was."""
+    import logging
+
+    source = tmp_path / "source"
+    names = numbered_items(source, 16)  # balance="count", no shuffle: rank 0 the even items, rank 1 the odd
+    cache = tmp_path / "node"
+    pipe = NodePipeline(
+        str(source), cache, "72KiB", ranks=[0, 1], world_size=2, balance="count", shuffle=False, give_back_after=600.0
+    )
+
+    def full(items: int) -> bool:  # that many downloads, and the next waits for room
+        return pipe.stats().bytes_downloaded == items * 16 * KIB and bool(pipe._cache.shortfall())
+
+    with Sampler(cache) as sampler, pipe, caplog.at_level(logging.INFO, logger="cachepipe.node"):
+        for rank in (0, 1):  # the job before the restart
+            read_lane(pipe, rank, 0, limit=3)
+        wait_until(lambda: full(10), what="a full cache")  # six read, four ahead
+        got = {0: [n for _e, n in read_lane(pipe, 0, 0, (0, 1), limit=3)[0]]}  # rank 0 is back (600 s each before)
+        # its two read again, rank 1's item given back fetched again, one more ahead for rank 0
+        wait_until(lambda: full(14), what="a full cache again")
+        got[1] = [n for _e, n in read_lane(pipe, 1, 0, (0, 1), limit=1)[0]]  # rank 1 is back (600 s before)
+        gave = [r.getMessage() for r in caplog.records if "gave back" in r.getMessage()]
+        assert len(gave) == 2 and [m[:9] for m in gave] == ["lane 0.0 ", "lane 1.0 "], gave
+        assert all(m.endswith("(that have not asked since a lane restarted)") for m in gave), gave
+        got[0] += [n for _e, n in read_lane(pipe, 0, 0, (0, 4))[0]]
+        got[1] += [n for _e, n in read_lane(pipe, 1, 0, (0, 2))[0]]
+        stats = pipe.stats()
+    assert sampler.peak <= 72 * KIB
+    assert got == {0: names[2::2], 1: names[3::2]}
+    assert stats.items_acked == 6 + 14
+
+
 def test_a_lane_that_asks_at_its_pace_keeps_what_was_planned_for_it(s3_source, tmp_path):
     """Two lanes that consume each item once read, at different paces: rank 1 reads an item
     every 1.5 s, rank 0 at once. Rank 0 waits for room that rank 1's next item holds until rank
@@ -853,10 +910,7 @@ def test_a_lane_beside_a_rank_that_holds_its_item_gets_the_room_it_frees_at_each
     back unbegun, as a lane waiting for a step not planned yet does, and rank 1's step has the
     room at once. The take's timeout only bounds the stall it was."""
     source = tmp_path / "source"
-    for i in range(10):  # balance="count", no shuffle: rank 0 the even items, rank 1 the odd
-        (source / f"item{i:03d}").mkdir(parents=True)
-        (source / f"item{i:03d}" / "a.bin").write_bytes(bytes([i]) * 16 * KIB)
-    names = [f"item{i:03d}" for i in range(10)]
+    names = numbered_items(source, 10)  # balance="count", no shuffle: rank 0 the even items, rank 1 the odd
     cache = tmp_path / "node"
     pipe = NodePipeline(
         str(source), cache, "40KiB", ranks=[0, 1], world_size=2, balance="count", shuffle=False, retain=retain,
