@@ -466,6 +466,18 @@ def test_a_reload_to_a_source_that_lists_nothing_keeps_the_pipeline_running_and_
         assert [item.name for item in client.get_many(2, timeout=30)] == ["item1", "item2"]
 
 
+def reload_adding_a_held_pipeline(daemon: DaemonProcess, config: Path, proxy, gate: threading.Event) -> None:
+    """Add a pipeline "val" (``train``'s settings, its own cache) to ``config`` and reload: its
+    listing is held at ``proxy`` until ``gate``; returns once the reload waits for it."""
+    data = yaml.safe_load(config.read_text())
+    data["pipelines"]["val"] = {**data["pipelines"]["train"], "cache_dir": str(config.parent / "val")}
+    config.write_text(yaml.safe_dump(data))
+    proxy.hold(lambda head: head.startswith("GET "), gate, limit=60)
+    daemon.signal(signal.SIGHUP)
+    daemon.wait_for("RELOADING=1")
+    wait_until(lambda: proxy.requests, 30, "val's first request")
+
+
 def test_the_watchdog_keeps_beating_while_a_reload_opens_a_pipeline(s3_source, fault_proxy, tmp_path, short_dir):
     # A reload opens the pipelines it adds, which lists their buckets (minutes for a large one),
     # in the loop that sent the heartbeats: systemd, which does not pause a service's watchdog
@@ -477,13 +489,7 @@ def test_the_watchdog_keeps_beating_while_a_reload_opens_a_pipeline(s3_source, f
     gate = threading.Event()
     try:
         with DaemonProcess(config, env={"WATCHDOG_USEC": "400000"}) as daemon:  # a beat every 0.2 s
-            data = yaml.safe_load(config.read_text())
-            data["pipelines"]["val"] = {**data["pipelines"]["train"], "cache_dir": str(tmp_path / "val")}
-            config.write_text(yaml.safe_dump(data))
-            proxy.hold(lambda head: head.startswith("GET "), gate, limit=60)  # val's listing, held
-            daemon.signal(signal.SIGHUP)
-            daemon.wait_for("RELOADING=1")
-            wait_until(lambda: proxy.requests, 30, "val's first request")
+            reload_adding_a_held_pipeline(daemon, config, proxy, gate)
             daemon.wait_for("WATCHDOG=1", timeout=10)  # before: none until the reload ended
             daemon.wait_for("WATCHDOG=1", timeout=10)
             gate.set()
@@ -504,13 +510,7 @@ def test_sigterm_while_a_reload_opens_a_pipeline_stops_the_daemon_promptly(s3_so
     gate = threading.Event()
     try:
         with DaemonProcess(config) as daemon:
-            data = yaml.safe_load(config.read_text())
-            data["pipelines"]["val"] = {**data["pipelines"]["train"], "cache_dir": str(tmp_path / "val")}
-            config.write_text(yaml.safe_dump(data))
-            proxy.hold(lambda head: head.startswith("GET "), gate, limit=60)  # val's listing, held
-            daemon.signal(signal.SIGHUP)
-            daemon.wait_for("RELOADING=1")
-            wait_until(lambda: proxy.requests, 30, "val's first request")
+            reload_adding_a_held_pipeline(daemon, config, proxy, gate)
             daemon.signal(signal.SIGTERM)
             assert daemon.proc.wait(20) == 0  # before: still reloading when the listing was let through
             assert not gate.is_set()
