@@ -485,7 +485,9 @@ def test_a_late_part_is_requested_again_once_the_consumer_moves_on_with_nothing_
             wait_until(lambda: pipe.stats().hedges == 1, what="the held part requested again")
             assert held and not gate.is_set()
             for expected in ("item001", last):
-                item = pipe.get(timeout=10)
+                # 30 s: once in a full run on a loaded machine the second request took over 10 s
+                # (obs; not reproduced in 60 runs alone or beside the faults tests under load)
+                item = pipe.get(timeout=30)
                 assert item is not None and item.name == expected
                 assert (item / "f").read_bytes() == data[expected]["f"]
                 pipe.ack(item)
