@@ -6,6 +6,7 @@ Modules, one noun each::
     daemon.py    Daemon: named Pipelines, routing of paths to pipelines, reload, status
     api.py       the HTTP/JSON API on the Unix socket (and optional loopback TCP)
     markers.py   acks by ``<item>/.done`` markers and deletions (watchdog/inotify)
+    marker_policy.py  which event acks which hand-out (pure), the record of hand-outs
     metrics.py   Prometheus metrics in a per-daemon registry
     notify.py    sd_notify: READY, STATUS, RELOADING, STOPPING, WATCHDOG
     logs.py      journald-friendly logging to stderr
