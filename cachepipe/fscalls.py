@@ -27,7 +27,8 @@ the lock looks its path up from ``/``.
 
 A nested item's publish (a name with a ``/``) renames through :data:`RELEASING` on every file
 system: its target's parent folders may be anything a user put under the cache directory (a
-mount, a link), and a lookup there may wait for a server.
+mount), and a lookup there may wait for a server. (A symbolic link in place of one is refused:
+:func:`cachepipe.cache.staging.make_folders`.)
 
 The deletion of an acknowledged item keeps using :mod:`os` on every file system: on tmpfs,
 holding the lock through a batch of deletions was slower in the same benchmark (while the

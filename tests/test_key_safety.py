@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
 from cachepipe import Pipeline, UnsafeKeyError
+from cachepipe.delivered import Skipped
 
 
 @pytest.mark.parametrize(
@@ -250,3 +252,60 @@ def test_a_daemon_on_a_source_with_an_unsafe_key_exits_78_or_skips_it(s3_source,
     assert "'f001/b//c.txt'" in proc.stderr and "on_error='skip'" in proc.stderr, proc.stderr
     with DaemonProcess(config(on_error="skip")), Client("train", sock, startup_timeout=60) as client:
         assert [item.name for item in client] == [n for n in names if n != "f001"]
+
+
+# ---- a nested item's folder in the cache replaced by a link -------------------------------------
+def nested_source(tmp_path, sizes: dict[str, int]) -> str:
+    """A ``file://`` source holding ``key -> size`` bytes of the key's first letter; its URL."""
+    for key, size in sizes.items():
+        (tmp_path / "src" / key).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "src" / key).write_bytes(key[0].encode() * size)
+    return f"file://{tmp_path / 'src'}"
+
+
+def test_a_nested_item_is_never_published_through_a_link_planted_in_the_cache(tmp_path):
+    url, cache, outside = nested_source(tmp_path, {"a/b.bin": 10, "z.bin": 5}), tmp_path / "c", tmp_path / "outside"
+    outside.mkdir()
+    cache.mkdir()
+    os.symlink(outside, cache / "a")  # planted before the first download of a/b.bin
+    with Pipeline(url, cache, "1MiB", items="files", on_error="skip", auto_ack=False) as pipe:
+        failed = pipe.get_or_skipped(timeout=30)
+        assert isinstance(failed, Skipped) and failed.name == "a/b.bin"
+        assert f"{cache / 'a'} is not a folder" in failed.reason
+        got = pipe.get_or_skipped(timeout=30)
+        assert not isinstance(got, Skipped) and got.name == "z.bin" and got.path.read_bytes() == b"z" * 5
+    assert os.listdir(outside) == [] and os.readlink(cache / "a") == str(outside)  # the link left as it was
+
+
+@pytest.mark.parametrize("size", [10, 11], ids=["matching", "other-size"])
+def test_a_reopen_neither_reuses_nor_deletes_through_a_link_that_replaced_a_nested_items_folder(tmp_path, size):
+    url, cache, outside = nested_source(tmp_path, {"a/b.bin": 10}), tmp_path / "c", tmp_path / "outside"
+    with Pipeline(url, cache, "1MiB", items="files", keep_on_close=True, auto_ack=False) as pipe:
+        assert pipe.get(timeout=30).path.read_bytes() == b"a" * 10  # published, kept at close
+    outside.mkdir()
+    (outside / "b.bin").write_bytes(b"o" * size)  # another's file at the item's name
+    shutil.rmtree(cache / "a")
+    os.symlink(outside, cache / "a")
+    with Pipeline(url, cache, "1MiB", items="files", on_error="skip", auto_ack=False) as pipe:
+        got = pipe.get_or_skipped(timeout=30)
+        assert isinstance(got, Skipped), f"{got} delivered through the link"
+        assert got.name == "a/b.bin" and f"{cache / 'a'} is not a folder" in got.reason
+    assert os.listdir(outside) == ["b.bin"] and (outside / "b.bin").read_bytes() == b"o" * size
+
+
+def test_an_ack_never_deletes_through_a_link_that_replaced_a_nested_items_folder(tmp_path, caplog):
+    sizes = {"a/b.bin": 10, "a/c.bin": 2 * 1024 * 1024}  # deleted in place; moved aside, then deleted
+    url, cache, outside = nested_source(tmp_path, sizes), tmp_path / "c", tmp_path / "outside"
+    outside.mkdir()
+    with Pipeline(url, cache, "8MiB", items="files", auto_ack=False) as pipe:
+        first, second = pipe.get(timeout=30), pipe.get(timeout=30)
+        os.rename(cache / "a", outside / "a")  # the items' folder moved away, a link in its place
+        os.symlink(outside / "a", cache / "a")
+        pipe.ack(first)
+        pipe.ack(second)
+    assert sorted(os.listdir(outside / "a")) == ["b.bin", "c.bin"]
+    assert (outside / "a" / "b.bin").read_bytes() == b"a" * 10
+    assert {r.getMessage().partition(":")[0] for r in caplog.records if r.levelname == "WARNING"} == {
+        "not deleting a/b.bin",
+        "not deleting a/c.bin",
+    }

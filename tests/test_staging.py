@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from cachepipe import fscalls
+from cachepipe.cache.staging import in_folders, make_folders
 
 RENAMES = {
     "renameat2": fscalls.rename_new,
@@ -52,3 +55,22 @@ def test_a_publish_rename_moves_a_staged_item_into_a_free_place(tmp_path, monkey
     with pytest.raises(FileNotFoundError) as info:
         rename(str(tmp_path / "staged"), str(tmp_path / "other"))
     assert info.value.filename == str(tmp_path / "staged")
+
+
+@pytest.mark.parametrize("in_the_way", ["link", "file"])
+def test_a_nested_items_folders_are_made_real_and_never_passed_through_a_link_or_a_file(tmp_path, in_the_way):
+    root, outside = tmp_path / "c", tmp_path / "outside"
+    (root / "a").mkdir(parents=True)
+    outside.mkdir()
+    make_folders(str(root), "a/b/c/item.bin")
+    assert (root / "a" / "b" / "c").is_dir() and in_folders(str(root), "a/b/c/item.bin")
+    if in_the_way == "link":
+        os.symlink(outside, root / "x")
+    else:
+        (root / "x").write_bytes(b"not ours")
+    with pytest.raises(FileExistsError) as err:
+        make_folders(str(root), "x/y/item.bin")
+    assert err.value.strerror == f"{root / 'x'} is not a folder (a symbolic link or a file)"
+    assert (err.value.filename, err.value.filename2) == (str(root / "x"), None)  # as the publish reads it
+    assert not in_folders(str(root), "x/y/item.bin") and not in_folders(str(root), "missing/item.bin")
+    assert in_folders(str(root), "flat.bin") and os.listdir(outside) == []

@@ -12,6 +12,11 @@ leaves a partial folder that the next open finds acked, or not matching the list
 removes (``tests/test_crash_points.py`` crashes at every file-system call of it). Space is
 released (``release(size, left)``) only once the files are gone; bytes that could not be
 deleted are reported as ``left``.
+
+A nested item (a name with a ``/``) is deleted only while every folder above it is a real folder
+(:func:`.staging.in_folders`, one ``lstat`` each): a symbolic link put in place of one leads out
+of the cache directory, and nothing is renamed, unlinked or removed through it (the item counts
+as gone; its bytes, wherever they are now, are not ours).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from pathlib import Path
 
 from ..fscalls import MEMORY_FILESYSTEMS
 from ..removal import Reaper, delete_tree, rmtree, tree_bytes
-from .staging import Staging
+from .staging import Staging, in_folders
 
 __all__ = ["REAP_MIN_BYTES", "Eviction", "deleters_for"]
 
@@ -79,6 +84,8 @@ class Eviction:
         under its path if an in-place deletion failed (logged, not raised: the caller has
         already recorded the ack or drop).
         """
+        if not self._reachable(name):
+            return "", 0
         aside = self._staging.path("x")
         try:
             os.rename(f"{self._root}/{name}", aside)
@@ -102,6 +109,8 @@ class Eviction:
         item (``files`` None) by one unlink (atomic, as the rename is), a folder by :func:`rmtree`
         (``files``: the names of its files directly under it, unlinked without listing it). False
         if it could not be (the caller moves what is left away instead)."""
+        if "/" in name and not in_folders(self._root, name):
+            return False  # move_away says why
         try:
             if files is None:
                 os.unlink(f"{self._root}/{name}")
@@ -126,8 +135,18 @@ class Eviction:
 
     def remove(self, name: str) -> None:
         """Delete item ``name`` where it is (a stale leftover at open, or a failed rename)."""
+        if not self._reachable(name):
+            return
         rmtree(f"{self._root}/{name}")
         self.remove_parents(name)
+
+    def _reachable(self, name: str) -> bool:
+        """Whether item ``name``'s path passes only real folders of the cache (see the module
+        notes); if not, logged: it is not deleted."""
+        if "/" not in name or in_folders(self._root, name):
+            return True
+        log.warning("not deleting %s: a folder above it in %s is not a folder (a symbolic link or a file)", name, self._root)
+        return False
 
     def remove_parents(self, name: str) -> None:
         """Nested single-file items: drop the folders that publish made for ``name``, if now empty."""

@@ -22,7 +22,7 @@ from ..fscalls import rename_new
 from ..removal import delete_tree
 from .eviction import REAP_MIN_BYTES
 from .reservation import _Reservation
-from .staging import verify
+from .staging import make_folders, verify
 
 __all__: list[str] = []
 
@@ -48,7 +48,8 @@ class _Publishing(_Reservation):
 
         Raises:
             VerificationError: a file's size differs from the listing.
-            FileExistsError: something not managed by this cache is in the way.
+            FileExistsError: something not managed by this cache is in the way (at the item's
+                path, or a link or a file where a folder above a nested item's path goes).
             OSError: the intent could not be journaled (a full disk), or the rename failed:
                 nothing was published.
         """
@@ -64,7 +65,8 @@ class _Publishing(_Reservation):
         verified, under one lock round, the intents journaled by one write.
 
         Returns, for each in order, its published path or why it was not published
-        (``FileExistsError``: something not managed by this cache is in the way; another
+        (``FileExistsError``: something not managed by this cache is in the way, as for
+        :meth:`publish`; another
         ``OSError``: the rename failed).
 
         Raises:
@@ -77,18 +79,19 @@ class _Publishing(_Reservation):
             for path, item, size in staged:
                 final = f"{self._root}/{item.name}"
                 try:
-                    if "/" in item.name:  # a nested single-file item: its folders; the lookup may leave
-                        os.makedirs(final.rpartition("/")[0], exist_ok=True)  # this file system: let the lock go
+                    if "/" in item.name:  # a nested single-file item: its folders (never through a link); the
+                        make_folders(self._root, item.name)  # lookup may leave this file system: let the lock go
                         rename_new(os.fspath(path), final)
                     else:
                         self.file_calls.rename_new(os.fspath(path), final)  # never over anything in the way
                 except FileExistsError as exc:
                     self.record.dropped(item.name)  # its intent withdrawn: what is in the way is not ours
+                    # make_folders' error names the folder and what it is; rename_new's, the path that exists
+                    in_way = exc.strerror if exc.filename2 is None else f"{exc.filename2} exists"
                     got.append(
                         FileExistsError(
                             errno.EEXIST,
-                            f"cannot publish item {item.name!r}: {exc.filename2 or exc.filename} exists "
-                            "and is not managed by cachepipe",
+                            f"cannot publish item {item.name!r}: {in_way} and is not managed by cachepipe",
                         )
                     )
                     continue

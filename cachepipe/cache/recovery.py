@@ -22,7 +22,7 @@ from typing import Any
 from .. import state
 from ..catalog import Catalog
 from ..errors import ConfigError
-from .staging import matches
+from .staging import in_folders, matches
 
 __all__ = ["check_resume", "of_same_data", "plan_differences", "sort_leftovers"]
 
@@ -96,7 +96,9 @@ def sort_leftovers(
     is downloaded again. An item whose version the journal does not hold (an unreadable journal,
     or one written before versions were recorded) is reused only if the catalog gives none;
     after an unreadable journal, a name on disk whose files do not match is left alone (it may
-    not be ours)."""
+    not be ours). A nested name whose folders in ``root`` are not all real folders (a symbolic
+    link in place of one: :func:`.staging.in_folders`) is neither: what its path leads to is not
+    in the cache directory, and is never looked into or deleted."""
     named = replay.published | replay.publishing
     live = named if reusable else set()
     ours = named | {name for _epoch, name in replay.acked}
@@ -108,6 +110,8 @@ def sort_leftovers(
     base = f"{root}/"
     for name in sorted(ours):
         path = f"{base}{name}"
+        if "/" in name and not in_folders(os.fspath(root), name):
+            continue
         if name in live:  # published: looked up (no index of the whole catalog), and its files matched
             found = items.find(name)
             item = items[found] if found >= 0 else None

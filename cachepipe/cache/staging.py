@@ -21,7 +21,7 @@ from ..errors import VerificationError
 from ..fscalls import RELEASING, FileCalls, rename_new
 from ..removal import rmtree
 
-__all__ = ["Staging", "matches", "rename_new", "verify"]
+__all__ = ["Staging", "in_folders", "make_folders", "matches", "rename_new", "verify"]
 
 
 class Staging:
@@ -86,10 +86,52 @@ def verify(staged: str | Path, item: Item) -> None:
             raise VerificationError(errno.EIO, f"{f.key}: got {actual} bytes, listing says {f.size}")
 
 
+def make_folders(root: str, name: str) -> None:
+    """Make the folders above the nested item ``name`` (a name with a ``/``) under ``root``,
+    each a real folder: one ``lstat`` per folder, and a ``mkdir`` for each missing one.
+
+    Raises:
+        FileExistsError: one of them is not a folder (a symbolic link, which no download
+            makes, or a file): the item would be published through it, outside the cache
+            directory. Its message names it (its ``filename`` too; ``filename2`` is None).
+            Nothing under or beyond it is made or touched.
+        OSError: a folder could not be made.
+    """
+    path = root
+    for part in name.split("/")[:-1]:
+        path = f"{path}/{part}"
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            try:
+                os.mkdir(path)
+                continue
+            except FileExistsError:  # made meanwhile, by another (a cache has one owner): what is it?
+                st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            raise FileExistsError(errno.EEXIST, f"{path} is not a folder (a symbolic link or a file)", path)
+
+
+def in_folders(root: str, name: str) -> bool:
+    """True when every folder above item ``name`` under ``root`` is a real folder (always for a
+    name without a ``/``): its path passes no symbolic link, so what is found or deleted there
+    is in the cache directory. One ``lstat`` per folder above it."""
+    path = root
+    for part in name.split("/")[:-1]:
+        path = f"{path}/{part}"
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                return False
+        except OSError:  # missing, or cannot be looked at: nothing of the item is there
+            return False
+    return True
+
+
 def matches(path: str | os.PathLike[str], item: Item) -> bool:
     """True when ``path`` holds exactly the item's files with the listed sizes (a symbolic link
-    anywhere under it, or at ``path`` itself, which no download makes, is no match). One
-    ``lstat`` per file, and one of a folder item's own path."""
+    anywhere under it, or at ``path`` itself, which no download makes, is no match; the folders
+    above a nested item's path are the caller's to check, :func:`in_folders`). One ``lstat`` per
+    file, and one of a folder item's own path."""
     try:
         st = os.lstat(path)
         if item.is_file:
