@@ -44,12 +44,12 @@ from ..fscalls import RELEASING, file_calls_for, filesystem_at, lookups_stay_loc
 from ..removal import tree_bytes
 from .eviction import Eviction
 from .ledger import Ledger
-from .lock import STATE_DIR, OwnerLock, unusable_dir
+from .lock import LOCK, STATE_DIR, OwnerLock, unusable_dir
 from .publishing import _Publishing
 from .record import Record
 from .recovery import check_resume, of_same_data, sort_leftovers
 from .reservation import _capacity_bytes
-from .room import JOURNAL, LOCK, STAGING, drop_note, held_in, write_note
+from .room import JOURNAL, STAGING, drop_note, held_in, write_note
 from .staging import Staging
 
 __all__ = ["STATE_DIR", "Cache"]

@@ -29,7 +29,8 @@ from pathlib import Path
 
 from ..errors import CacheLockedError
 
-STATE_DIR = ".cachepipe"  # the cache's state folder; its "lock" file is the one locked here
+STATE_DIR = ".cachepipe"  # the cache's state folder
+LOCK = "lock"  # the file in STATE_DIR that the owner locks
 UNKNOWN_OWNER = "another process"  # a lock whose owner has not written its pid yet (or wrote something else)
 
 __all__ = ["UNKNOWN_OWNER", "OwnerLock", "unusable_dir"]
@@ -99,7 +100,7 @@ def nested_owner(root: Path) -> tuple[Path, str, bool] | None:
     every folder under it (a walk of its folders, no symlinks followed, no state folders entered)."""
     real = Path(os.path.realpath(root))
     for parent in real.parents:
-        who = _held(parent / STATE_DIR / "lock")
+        who = _held(parent / STATE_DIR / LOCK)
         if who is not None:
             return parent, who, True
     top = str(real)
@@ -114,7 +115,7 @@ def nested_owner(root: Path) -> tuple[Path, str, bool] | None:
             for entry in entries:
                 try:
                     if entry.name == STATE_DIR:
-                        if folder != top and entry.is_dir() and (who := _held(Path(entry.path, "lock"))) is not None:
+                        if folder != top and entry.is_dir() and (who := _held(Path(entry.path, LOCK))) is not None:
                             return Path(folder), who, False
                     elif entry.is_dir(follow_symlinks=False):
                         folders.append(entry.path)

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from ..removal import tree_bytes
-from .lock import STATE_DIR
+from .lock import LOCK, STATE_DIR
 
 __all__ = ["drop_note", "held_in", "room_at", "write_note"]
 
@@ -37,7 +37,6 @@ log = logging.getLogger("cachepipe.cache")
 
 NOTE = "held"  # in the state folder: "<bytes> <journal's st_ino> <st_size> <st_mtime_ns> <folder's st_mtime_ns>"
 JOURNAL = "journal"
-LOCK = "lock"  # the owner's lock file (:class:`~.lock.OwnerLock`)
 STAGING = "staging"  # downloads under way; what a close could not remove, the next open does first
 
 
