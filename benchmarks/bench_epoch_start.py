@@ -17,7 +17,9 @@ Each tree in ``--trees`` fills its own ``cache_dir`` with a first pass (epoch 0,
 then every round runs one pass per capacity and loader on each tree, each in a fresh process
 with ``PYTHONPATH=TREE``, the order of the trees flipped every round; each pass runs to its end
 (so that the next one opens over a pass closed cleanly, as in training); medians, and each
-tree's over the first's. The files are in the page cache (warm)::
+tree's over the first's. Beside them, ``made ms``: making the dataset and calling
+``set_epoch``, which a training run does once, not per pass (where the dataset reads the
+manifest that its forked workers plan from). The files are in the page cache (warm)::
 
     git worktree add --detach /tmp/before 99cbac3
     python benchmarks/bench_epoch_start.py --trees /tmp/before . --runs 7 --loaders DataLoader StatefulDataLoader
@@ -53,8 +55,10 @@ if __name__ == "__main__":
     options = dict(epochs=None, shuffle=True, seed=0, partition="fixed", retain="auto", rank=0, world_size=1)
     if manifest != "-":
         options["manifest"] = manifest  # what set_epoch listed in the first pass, not listed again
+    making = time.perf_counter()
     dataset = CachePipeDataset(source, cache, capacity, transform=seen, **options)
     dataset.set_epoch(int(epoch))
+    made = time.perf_counter() - making  # once per training run, not per pass: it reads the manifest
     if loader == "StatefulDataLoader":
         from torchdata.stateful_dataloader import StatefulDataLoader as Loader
     else:
@@ -69,7 +73,7 @@ if __name__ == "__main__":
         downloaded[int(ids[0])] = max(downloaded.get(int(ids[0]), 0), int(got.max()))
         samples += len(ids)
     took = time.perf_counter() - start
-    report = {"first": first, "pass": took, "downloaded": sum(downloaded.values()), "samples": samples}
+    report = {"first": first, "pass": took, "made": made, "downloaded": sum(downloaded.values()), "samples": samples}
     print(json.dumps({**report, "manifest": dataset.options["manifest"]}))
 """
 
@@ -132,9 +136,11 @@ def _report(args: argparse.Namespace, trees: list[str], times: Times, fs: str) -
     if args.json:
         first = {f"{tree} {loader} {capacity}": [t["first"] for t in got] for (tree, loader, capacity), got in times.items()}
         whole = {f"{tree} {loader} {capacity}": [t["pass"] for t in got] for (tree, loader, capacity), got in times.items()}
+        made = {f"{tree} {loader} {capacity}": [t["made"] for t in got] for (tree, loader, capacity), got in times.items()}
         report = {"command": command_line(), "machine": machine_info(), "file_system": fs, "items": args.items}
         sizes = {"files": args.items * args.files, "workers": args.workers, "batch": args.batch, "runs": args.runs}
-        print(json.dumps({**report, **sizes, "first_batch_seconds": first, "pass_seconds": whole}, indent=2))
+        times_of = {"first_batch_seconds": first, "pass_seconds": whole, "dataset_made_seconds": made}
+        print(json.dumps({**report, **sizes, **times_of}, indent=2))
         return
     rows = []
     for loader in args.loaders:
@@ -143,10 +149,15 @@ def _report(args: argparse.Namespace, trees: list[str], times: Times, fs: str) -
             for tree in trees:
                 first = statistics.median(t["first"] for t in times[(tree, loader, capacity)])
                 whole = statistics.median(t["pass"] for t in times[(tree, loader, capacity)])
-                rows.append([loader, capacity, tree, f"{first * 1000:.0f}", f"{first / base:.2f}", f"{whole:.1f}"])
+                made = statistics.median(t["made"] for t in times[(tree, loader, capacity)])
+                rows.append(
+                    [loader, capacity, tree, f"{first * 1000:.0f}", f"{first / base:.2f}", f"{whole:.1f}", f"{made * 1000:.0f}"]
+                )
     over = f"{args.items} kept folders ({args.items * args.files} files), {args.workers} workers"
     print(f"first batch of a set_epoch pass over {over}, on {fs} (warm):")
-    print("\n".join(format_table(["loader", "capacity", "tree", "first batch ms", "vs first", "pass s"], rows, left=3)))
+    print(
+        "\n".join(format_table(["loader", "capacity", "tree", "first batch ms", "vs first", "pass s", "made ms"], rows, left=3))
+    )
     m = machine_info()
     print(f"command: {command_line()}")
     print(f"machine: {m['cpus']} cores, {m['platform']}, Python {m['python']}; {args.runs} interleaved rounds", flush=True)

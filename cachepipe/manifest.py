@@ -14,6 +14,11 @@ lines, a header line, then one line per item ``[name, [[rel, size, etag], ...]]`
 ``digest`` is :meth:`cachepipe.catalog.Catalog.digest`, over the content only (not the time),
 so two listings of the same data give the same digest; it is checked when the manifest is read
 (with ``count`` and gzip's own CRC), and a pipeline's ``state_dict`` records it.
+
+A local manifest read while another read of the same file is held (:func:`read_manifest`) is
+not read again: a DataLoader's dataset holds the one it plans from, so its workers, forked from
+it, plan from the catalog they inherit (its buffers shared, copy-on-write) instead of each
+reading the whole file at every pass.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -65,6 +71,13 @@ class Manifest:
     @property
     def count(self) -> int:
         return len(self.catalog)
+
+
+# Local manifests read in this process and still held by someone, by the identity of the file
+# read: (device, inode, size, modification and change times in ns). A file written again (by
+# atomic_write: another inode) or changed in place (another mtime or ctime) is read anew.
+# (No lock of ours around it: one held by another thread at a fork would stay held in the child.)
+_HELD: weakref.WeakValueDictionary[tuple[int, ...], Manifest] = weakref.WeakValueDictionary()
 
 
 def _is_url(location: str) -> bool:
@@ -120,6 +133,11 @@ def write_manifest(
 def read_manifest(location: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Manifest:
     """Read and check the manifest at ``location`` (a local path or an object URL).
 
+    A local file is not read again while a :class:`Manifest` read from it (the same file,
+    unchanged: its device, inode, size, mtime and ctime) is held in this process or in the one
+    it was forked from: the same catalog is returned (never modified; shared by the pipelines
+    that plan from it).
+
     Raises:
         FileNotFoundError: there is none (named).
         ConfigError: it is not a manifest, or it is truncated or altered (its item count or
@@ -129,7 +147,14 @@ def read_manifest(location: str | os.PathLike[str], storage_options: dict[str, A
     where = os.fspath(location)
     if not _is_url(where):
         with open(where, "rb") as fh:
-            return _parse(fh, where)
+            st = os.fstat(fh.fileno())
+            identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            held = _HELD.get(identity)
+            if held is not None:  # this file, read in this process (or the one it was forked from)
+                return held if held.location == where else replace(held, location=where)
+            manifest = _parse(fh, where)
+        _HELD[identity] = manifest  # while the caller holds it
+        return manifest
     root, key = _split_url(where)
     store = open_store(root, storage_options)
     try:

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import os
 import re
 import socket
@@ -66,6 +67,7 @@ from .cache.lock import UNKNOWN_OWNER
 from .cache.room import room_at
 from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_capacity, small_capacity, with_unit
 from .errors import CacheLockedError, OversizeError
+from .manifest import Manifest, read_manifest
 from .pipeline import CachedItem, Pipeline, Skipped
 from .plan import Cursor
 from .torchdist import _distributed, _from_rank0, _manifest_bytes, _save_manifest, local_ranks
@@ -151,6 +153,8 @@ class CachePipeDataset(_NodeMode, torch.utils.data.IterableDataset):  # type: ig
         # per-process mode, a capacity given as a share: the bytes it was of at the latest
         # pipeline made here (see _room), named by an OversizeError over a worker's share
         self._room: int | None = None
+        # per-process mode, the manifest planned from, read here (see _hold_manifest)
+        self._manifest: Manifest | None = None
         # set_epoch's value (-1: never called), in shared memory: persistent DataLoader workers read
         # what the main process set after they started
         self._epoch = torch.full((), -1, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call, unused-ignore]
@@ -198,6 +202,7 @@ class CachePipeDataset(_NodeMode, torch.utils.data.IterableDataset):  # type: ig
                 shared = self._list_once()
                 if shared is not None:
                     self.options["manifest"] = shared
+            self._hold_manifest()
         else:
             if cache_dir is not None:
                 raise ValueError(f"cache_dir={str(cache_dir)!r} with node=: the daemon's jobs.root decides where a job caches")
@@ -222,6 +227,19 @@ class CachePipeDataset(_NodeMode, torch.utils.data.IterableDataset):  # type: ig
             return None
         rank, data = _from_rank0(lambda: _manifest_bytes(self.source, self._items(), self.options), self.source)
         return _save_manifest(self.cache_dir, rank, data, self.source, self._items())
+
+    def _hold_manifest(self) -> None:
+        """Per-process mode, a local manifest to plan from, when DataLoader workers are forked
+        (the default start method): read it here, once, and hold it. Each worker's pipeline
+        then plans from the catalog it inherits (:func:`~cachepipe.manifest.read_manifest`
+        returns a held manifest without reading it), where every worker of every pass read the
+        whole file: seconds per worker for a million items. Workers started by spawn or
+        forkserver read it themselves; so does a manifest given as an object URL."""
+        location = self.options.get("manifest")
+        if location is None or "://" in os.fspath(location) or _start_method() != "fork":
+            self._manifest = None
+            return
+        self._manifest = read_manifest(location, self.options.get("storage_options"))
 
     def set_epoch(self, epoch: int) -> None:
         """Make each later pass read epoch ``epoch`` of the plan alone (counted from 0), in that
@@ -258,6 +276,7 @@ class CachePipeDataset(_NodeMode, torch.utils.data.IterableDataset):  # type: ig
             rank, _ = self._rank_world()
             data = _manifest_bytes(self.source, self._items(), self.options)
             self.options["manifest"] = _save_manifest(self.cache_dir, rank, data, self.source, self._items())
+            self._hold_manifest()
         self._epoch.fill_(epoch)
 
     def pipeline(self) -> Pipeline:
@@ -470,6 +489,7 @@ class CachePipeDataset(_NodeMode, torch.utils.data.IterableDataset):  # type: ig
         if self._pipe is not None:
             state["_start"] = self._local_state(self._pipe) if self._owed is None else {**self._owed[0], **self._owed_counts()}
         state["_pipe"], state["_pass"] = None, None
+        state["_manifest"] = None  # the copy reads the file (a worker started by spawn: from its path)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -545,6 +565,12 @@ def _sibling(owner: str) -> bool:
         return False
     fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
     return len(fields) > 1 and fields[1] == str(os.getppid())
+
+
+def _start_method() -> str:
+    """How DataLoader workers are started by default: the multiprocessing start method set, else
+    the platform's default (``"fork"`` on Linux before Python 3.14), without fixing it."""
+    return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
 
 
 def _finished(state: Mapping[str, Any]) -> bool:

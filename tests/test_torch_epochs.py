@@ -5,9 +5,12 @@ and those after it, as tests/test_review_epochs.py."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import ctypes
 import hashlib
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -284,6 +287,51 @@ def test_set_epoch_passes_list_the_source_once_for_every_pass_and_worker(s3_sour
         shares = per_worker_expected(names, epoch, 2, epochs=3, **PLAN)
         assert split_by_worker(names_of(loader), shares) == shares, epoch
     assert listings(proxy) == 1
+
+
+@contextlib.contextmanager
+def reads_of(path):
+    """Count the reads of the file ``path`` by any process while inside (inotify's IN_ACCESS):
+    yields a function giving the count so far (events of one kind in a row may merge: > 0 is
+    what counts)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_NONBLOCK)
+    assert fd >= 0, os.strerror(ctypes.get_errno())
+    seen = 0
+
+    def count():
+        nonlocal seen
+        while True:
+            try:
+                seen += len(os.read(fd, 4096)) // 16  # a file's own watch: 16 bytes an event, no name
+            except BlockingIOError:
+                return seen
+
+    try:
+        assert libc.inotify_add_watch(fd, os.fsencode(path), 0x1) >= 0, os.strerror(ctypes.get_errno())  # IN_ACCESS
+        yield count
+    finally:
+        os.close(fd)
+
+
+def test_forked_workers_and_later_passes_plan_from_the_manifest_the_dataset_read(s3_source, tmp_path):
+    """Every DataLoader worker of every set_epoch pass read the whole manifest (seconds each for
+    a million items); forked from the dataset's process, they plan from the one it read, and so
+    do its own passes (num_workers=0). Seen at the file: nobody reads it during the passes."""
+    names = sorted(s3_source.folders(6, {"f": 500}))
+    dataset = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", epochs=3, **opts(s3_source))
+    dataset.set_epoch(0)  # lists the source into the manifest, read here once
+    with reads_of(dataset.options["manifest"]) as reads:
+        loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2)  # forked: the default here
+        for epoch in range(3):
+            dataset.set_epoch(epoch)
+            shares = per_worker_expected(names, epoch, 2, epochs=3, **PLAN)
+            assert split_by_worker(names_of(loader), shares) == shares, epoch
+            assert names_of(dataset) == plan_names(names, epoch, epochs=3, **PLAN), epoch  # in this process
+        assert reads() == 0
+        with open(dataset.options["manifest"], "rb") as fh:  # the watch sees a read
+            fh.read(1)
+        assert reads() > 0
 
 
 def test_two_datasets_of_other_sources_over_one_cache_dir_keep_their_own_listings(s3_source, s3_client, tmp_path):
