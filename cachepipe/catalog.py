@@ -10,6 +10,8 @@ here too.
 from __future__ import annotations
 
 import hashlib
+import operator
+import re
 import sys
 from array import array
 from bisect import bisect_left
@@ -26,7 +28,7 @@ from .grouping import (
     group_items,
     version_of,  # noqa: F401 - importable from here, as before
 )
-from .keys import RESERVED_NAMES, _TreeCheck, check_key
+from .keys import _MAX_SEGMENT_BYTES, RESERVED_NAMES, _TreeCheck, check_key
 from .stores.base import ObjectInfo
 
 # the items, their grouping and the keys' check: importable from here, as before
@@ -38,6 +40,7 @@ _ETAG_NONE, _ETAG_MD5, _ETAG_TEXT = 0, 1, 2
 _DIGEST = 16  # bytes per file in the digest column
 _NO_DIGEST = bytes(_DIGEST)
 _MAX_SIZE = (1 << 63) - 1  # bytes: what array('q') holds
+_CONTROL_BYTES = re.compile(rb"[\x00-\x1f\x7f]")  # keys._CONTROL's characters, as UTF-8 bytes
 
 
 def _md5_digest(etag: str | None) -> bytes | None:
@@ -50,6 +53,26 @@ def _md5_digest(etag: str | None) -> bytes | None:
     except ValueError:
         return None
     return digest if len(digest) == _DIGEST and digest.hex() == etag else None
+
+
+def _plain_segments(strings: _Strings, reserved: bool) -> bool:
+    """Whether every string of ``strings`` is one path segment that :func:`check_key` takes
+    whatever else is in the key: no ``/``, backslash or control character, 1 to 255 bytes, not
+    ``.`` or ``..`` (and, with ``reserved``, none of :data:`RESERVED_NAMES` may occur at all).
+    At C speed over the buffer: a byte below 0x80 is never part of a longer UTF-8 sequence, so
+    a search of the bytes finds exactly the characters. False says "check one by one", not
+    "unsafe"."""
+    data, offsets = strings.data, strings.offsets
+    if b"/" in data or b"\\" in data or _CONTROL_BYTES.search(data):
+        return False
+    if reserved and any(name.encode() in data for name in RESERVED_NAMES):
+        return False
+    lengths = list(map(operator.sub, offsets[1:], offsets[:-1]))
+    if not lengths:
+        return True
+    if min(lengths) == 0 or max(lengths) > _MAX_SEGMENT_BYTES:
+        return False
+    return all(data[offsets[i] : offsets[i + 1]] not in (b".", b"..") for i, n in enumerate(lengths) if n <= 2)
 
 
 class _Strings:
@@ -267,9 +290,12 @@ class Catalog(Sequence[Item]):
         """Check every item's keys as :meth:`from_listing` does, for items added by :meth:`add`
         (in any order): an item with a key that is unsafe, collides or is listed twice is marked
         in :attr:`unsafe`, and so, in ``"folders"`` mode, is one whose name is not one folder
-        (its keys would not all be under one first-level folder of the cache)."""
+        (its keys would not all be under one first-level folder of the cache).
+
+        A catalog of folders whose names and relative paths are all one plain segment (the
+        common one) is checked over its buffers at C speed, and item by item only where an
+        item lists a path twice (the one way such an item can be unsafe)."""
         found: dict[int, UnsafeKeyError] = {}
-        rels, first = self._rels, self._first_file
         if self.mode == "files":  # one key per item, its name; collisions are across items
             everything, last = _TreeCheck(), None
             order = range(len(self)) if self._sorted else sorted(range(len(self)), key=self.name)
@@ -283,26 +309,42 @@ class Catalog(Sequence[Item]):
                     found[i] = exc
                 last = key
         else:
-            for i in range(len(self)):
-                name = self.name(i)
-                paths = [rels[j] for j in range(first[i], first[i + 1])]
-                try:
-                    for rel in paths:
-                        check_key(f"{name}/{rel}")
-                        if "/" in name:
-                            raise UnsafeKeyError(f"{name}/{rel}", f"its item's name {name!r} is not one folder")
-                    if len(paths) > 1:  # (the common flat item, one file or many, needs no tree)
-                        paths.sort()
-                        nested = any("/" in rel for rel in paths)
-                        tree = _TreeCheck() if nested else None
-                        for k, rel in enumerate(paths):
-                            if k and rel == paths[k - 1]:
-                                raise UnsafeKeyError(f"{name}/{rel}", "listed twice")
-                            if tree is not None:
-                                tree.add(f"{name}/{rel}", rel.split("/"))
-                except UnsafeKeyError as exc:
-                    found[i] = exc
+            plain = _plain_segments(self._names, reserved=True) and _plain_segments(self._rels, reserved=False)
+            for i in self._repeated_paths() if plain else range(len(self)):
+                if (error := self._folder_error(i)) is not None:
+                    found[i] = error
         self._unsafe = dict(sorted(found.items()))
+
+    def _repeated_paths(self) -> Iterator[int]:
+        """The items with a relative path listed twice."""
+        data, offsets, first = bytes(self._rels.data), self._rels.offsets, self._first_file  # bytes: slices hash
+        for i in range(len(self)):
+            start, end = first[i], first[i + 1]
+            if end - start > 1 and len({data[offsets[j] : offsets[j + 1]] for j in range(start, end)}) < end - start:
+                yield i
+
+    def _folder_error(self, i: int) -> UnsafeKeyError | None:
+        """What is wrong with the keys of folder item ``i`` (``name/rel`` each), or None."""
+        rels, first = self._rels, self._first_file
+        name = self.name(i)
+        paths = [rels[j] for j in range(first[i], first[i + 1])]
+        try:
+            for rel in paths:
+                check_key(f"{name}/{rel}")
+                if "/" in name:
+                    raise UnsafeKeyError(f"{name}/{rel}", f"its item's name {name!r} is not one folder")
+            if len(paths) > 1:  # (the common flat item, one file or many, needs no tree)
+                paths.sort()
+                nested = any("/" in rel for rel in paths)
+                tree = _TreeCheck() if nested else None
+                for k, rel in enumerate(paths):
+                    if k and rel == paths[k - 1]:
+                        raise UnsafeKeyError(f"{name}/{rel}", "listed twice")
+                    if tree is not None:
+                        tree.add(f"{name}/{rel}", rel.split("/"))
+        except UnsafeKeyError as exc:
+            return exc
+        return None
 
     # ---- reading -----------------------------------------------------------------------
     def __len__(self) -> int:

@@ -140,7 +140,7 @@ import gzip  # noqa: E402
 import json  # noqa: E402
 from array import array  # noqa: E402
 
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from cachepipe import state  # noqa: E402
@@ -317,3 +317,58 @@ def test_check_keys_marks_what_a_listing_would_in_items_added_in_any_order():
     files.check_keys()
     assert {i: e.reason for i, e in files.unsafe.items()}.keys() == {1, 3, 4}
     assert "collides with the file 's/a'" in files.unsafe[1].reason and files.unsafe[3].reason == "listed twice"
+
+
+_PLAIN = ["a", "b", "c.txt", "video.mp4", "é", "日本", "x.cachepipe", "...", "x" * 255, "é" * 127, "\udc80" * 85]
+_ODD = [".", "..", "", ".cachepipe", "a\\b", "a\x01", "\x7f", "a/b", "a//b", "/a", "a/", "x" * 256, "é" * 128, "\udc80" * 86]
+
+
+_SEGMENT = st.one_of(st.sampled_from(_PLAIN), st.text(alphabet="abé-", min_size=1, max_size=3))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.tuples(_SEGMENT, st.lists(_SEGMENT, min_size=1, max_size=4)), min_size=1, max_size=8),
+    st.one_of(st.none(), st.sampled_from(_ODD)),
+    st.booleans(),
+    st.integers(0, 7),
+    st.integers(0, 3),
+)
+def test_check_keys_over_the_buffers_marks_what_the_check_item_by_item_does(items, odd, as_name, i, k):
+    # The check of plain catalogs at C speed (names and paths of one plain segment; only items
+    # whose paths are out of order looked at one by one) against the check of every item; at
+    # most one odd name or path (one makes the catalog not plain: the rest must still pass).
+    if odd is not None:
+        name, rels = items[i % len(items)]
+        items[i % len(items)] = (odd, rels) if as_name else (name, [*rels[: k % len(rels)], odd, *rels[k % len(rels) + 1 :]])
+    catalog = Catalog()
+    for name, rels in items:
+        catalog.add(name, [(rel, 1, None) for rel in rels])
+    catalog.check_keys()
+    everyone = {i: e for i in range(len(catalog)) if (e := catalog._folder_error(i)) is not None}
+    assert {i: (e.key, e.reason) for i, e in catalog.unsafe.items()} == {i: (e.key, e.reason) for i, e in everyone.items()}
+
+
+@pytest.mark.parametrize("odd", _ODD)
+@pytest.mark.parametrize("as_name", [True, False])
+def test_one_odd_key_in_a_plain_catalog_is_checked_as_item_by_item(odd, as_name):
+    catalog = Catalog()
+    catalog.add("a", [("f", 1, None), ("g", 1, None)])
+    catalog.add(odd if as_name else "b", [("f", 1, None), ("h" if as_name else odd, 1, None)])
+    catalog.add("c", [("video.mp4", 1, None)])
+    catalog.check_keys()
+    expected = catalog._folder_error(1)
+    assert catalog._folder_error(0) is None and catalog._folder_error(2) is None
+    assert {i: (e.key, e.reason) for i, e in catalog.unsafe.items()} == (
+        {} if expected is None else {1: (expected.key, expected.reason)}
+    )
+
+
+def test_check_keys_over_the_buffers_finds_a_path_listed_twice_and_each_kind_of_plain_key():
+    catalog = Catalog()
+    catalog.add("a", [("f", 1, None), ("g", 1, None)])  # in order: never looked at alone
+    catalog.add("b", [("g", 1, None), ("f", 1, None), ("g", 1, None)])  # out of order: listed twice
+    catalog.add("é" * 127, [("x" * 255, 1, None)])  # 254 and 255 bytes: plain
+    catalog.add("..", [("f", 1, None)])  # not plain: the whole catalog is checked item by item
+    catalog.check_keys()
+    assert {catalog.name(i): e.reason for i, e in catalog.unsafe.items()} == {"b": "listed twice", "..": "'..' path segment"}
