@@ -72,7 +72,7 @@ def _plain_segments(strings: _Strings, reserved: bool) -> bool:
         return True
     if min(lengths) == 0 or max(lengths) > _MAX_SEGMENT_BYTES:
         return False
-    return all(data[offsets[i] : offsets[i + 1]] not in (b".", b"..") for i, n in enumerate(lengths) if n <= 2)
+    return all(bytes(data[offsets[i] : offsets[i + 1]]) not in (b".", b"..") for i, n in enumerate(lengths) if n <= 2)
 
 
 class _Strings:
