@@ -467,6 +467,33 @@ class Catalog(Sequence[Item]):
                 hi = mid
         return lo if lo < len(self) and names.raw(lo) + suffix == key else -1
 
+    def find_many(self, names: Sequence[str]) -> list[int]:
+        """:meth:`find` of each of ``names`` (the position, or -1), in their order. Sorted first,
+        each searched from where the one before it was found, by steps that double then halve:
+        the kept items of a cache (a quarter of the catalog, or all of it) cost a few steps each,
+        where :meth:`find` takes about 17 for 100,000 items."""
+        if not self._sorted:
+            return [self.find(name) for name in names]
+        suffix, n = self._suffix, len(self)
+        data, offsets = self._names.data, self._names.offsets
+        keys = [name.encode("utf-8", _UTF8_ERRORS) + suffix for name in names]
+        found = [-1] * len(keys)
+        lo = 0  # every position below lo holds a smaller key than the one searched
+        for q in sorted(range(len(keys)), key=keys.__getitem__):
+            key, step, hi = keys[q], 1, lo
+            while hi < n and data[offsets[hi] : offsets[hi + 1]] + suffix < key:
+                lo, hi, step = hi + 1, hi + 1 + step, step * 2
+            hi = min(hi, n)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if data[offsets[mid] : offsets[mid + 1]] + suffix < key:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            if lo < n and data[offsets[lo] : offsets[lo + 1]] + suffix == key:
+                found[q] = lo
+        return found
+
     def _position(self, i: int) -> int:
         n = len(self._sizes)
         if type(i) is int and 0 <= i < n:
@@ -537,6 +564,18 @@ class Names(Sequence[str]):
         if j not in range(*slice(start, stop).indices(len(self))):
             raise ValueError(f"{name!r} is not in the catalog")
         return j
+
+    def find_many(self, names: Sequence[str]) -> list[int]:
+        """The position here of each of ``names``, or -1 (see :meth:`Catalog.find_many`)."""
+        found = self._catalog.find_many(names)
+        if self._indices is None:
+            return found
+        indices = self._indices
+        for k, i in enumerate(found):
+            if i >= 0:
+                j = bisect_left(indices, i)
+                found[k] = j if j < len(indices) and indices[j] == i else -1
+        return found
 
     def _find(self, name: str) -> int:
         i = self._catalog.find(name)

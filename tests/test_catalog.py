@@ -372,3 +372,27 @@ def test_check_keys_over_the_buffers_finds_a_path_listed_twice_and_each_kind_of_
     catalog.add("..", [("f", 1, None)])  # not plain: the whole catalog is checked item by item
     catalog.check_keys()
     assert {catalog.name(i): e.reason for i, e in catalog.unsafe.items()} == {"b": "listed twice", "..": "'..' path segment"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sets(st.text(alphabet="ab/-.é", min_size=1, max_size=4), max_size=40),
+    st.lists(st.text(alphabet="ab/-.é", min_size=1, max_size=4), max_size=40),
+    st.sampled_from(["folders", "files"]),
+    st.booleans(),
+)
+def test_find_many_finds_what_find_finds_in_any_order(names, queries, mode, view):
+    # "a" sorts after "a-b" with the folders' "/" after it: the catalog's order, not the names'
+    suffix = "/" if mode == "folders" else ""
+    catalog = Catalog(mode=mode)
+    for name in sorted(names, key=lambda n: (n + suffix).encode()):
+        catalog.add(name, [("" if mode == "files" else "f", 1, None)])
+    asked = [*queries, *list(names)[::2]]
+    assert catalog.find_many(asked) == [catalog.find(q) for q in asked]
+    if view:  # every other item: positions in the view
+        seen = Names(catalog, range(0, len(catalog), 2))
+        assert seen.find_many(asked) == [seen.index(q) if q in seen else -1 for q in asked]
+    unsorted = Catalog(mode=mode)
+    for name in sorted(names, reverse=True):
+        unsorted.add(name, [("" if mode == "files" else "f", 1, None)])
+    assert unsorted.find_many(asked) == [unsorted.find(q) for q in asked]

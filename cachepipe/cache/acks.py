@@ -20,7 +20,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..catalog import Item
+from ..catalog import Item, Names
 from ..fscalls import FileCalls
 from ..retention import RetentionPolicy
 from .eviction import Eviction
@@ -251,13 +251,18 @@ class _Acks:
         first one not consumed), so one that this step reads is kept too; the policy drops
         the others it would not keep.
 
-        ``names`` is searched with ``names.index(name)`` for each item fetched or acknowledged:
-        a :class:`~cachepipe.catalog.Names` view does that by binary search, with no index of
-        the whole catalog in memory."""
+        ``names`` is searched with ``names.index(name)`` for each item fetched or acknowledged,
+        by binary search, with no index of the whole catalog in memory; the recovered items
+        with one :meth:`~cachepipe.catalog.Names.find_many` when it is a
+        :class:`~cachepipe.catalog.Names` view."""
         self._policy, self._names = policy, names
         tick -= 1  # a next use is one strictly after the tick: the step at ``tick`` is one
         with self._cond:
-            numbered = [(name, self._number(name)) for name in self._recovered]
+            asked = list(self._recovered)
+            if isinstance(names, Names):  # in one sweep
+                numbered = zip(asked, [None if j < 0 else j for j in names.find_many(asked)], strict=True)
+            else:
+                numbered = zip(asked, map(self._number, asked), strict=True)
             recovered = [(name, number) for name, number in numbered if number is not None]
             for name, number in recovered:
                 del self._recovered[name]

@@ -108,12 +108,15 @@ def sort_leftovers(
     reuse: dict[str, int] = {}
     stale: list[str] = []
     base = f"{root}/"
-    for name in sorted(ours):
+    names = sorted(ours)
+    looked_up = [name for name in names if name in live]  # published: looked up in one sweep (no index of it all)
+    positions = dict(zip(looked_up, items.find_many(looked_up), strict=True))
+    for name in names:
         path = f"{base}{name}"
         if "/" in name and not in_folders(os.fspath(root), name):
             continue
-        if name in live:  # published: looked up (no index of the whole catalog), and its files matched
-            found = items.find(name)
+        if name in live:  # published: its files matched
+            found = positions[name]
             item = items[found] if found >= 0 else None
             if item is not None and item.unsafe is None and matches(path, item):
                 if replay.versions.get(name) == item.version:
