@@ -40,7 +40,9 @@ _ETAG_NONE, _ETAG_MD5, _ETAG_TEXT = 0, 1, 2
 _DIGEST = 16  # bytes per file in the digest column
 _NO_DIGEST = bytes(_DIGEST)
 _MAX_SIZE = (1 << 63) - 1  # bytes: what array('q') holds
-_CONTROL_BYTES = re.compile(rb"[\x00-\x1f\x7f]")  # keys._CONTROL's characters, as UTF-8 bytes
+# keys._CONTROL's characters as UTF-8 bytes, and a lone surrogate that check_key refuses (stored
+# with "surrogatepass": U+D800-U+DFFF is ED A0-BF xx; U+DC80-U+DCFF, ED B2 xx and ED B3 xx, pass)
+_NOT_PLAIN_BYTES = re.compile(rb"[\x00-\x1f\x7f]|\xed[\xa0-\xb1\xb4-\xbf]")
 
 
 def _md5_digest(etag: str | None) -> bytes | None:
@@ -57,13 +59,14 @@ def _md5_digest(etag: str | None) -> bytes | None:
 
 def _plain_segments(strings: _Strings, reserved: bool) -> bool:
     """Whether every string of ``strings`` is one path segment that :func:`check_key` takes
-    whatever else is in the key: no ``/``, backslash or control character, 1 to 255 bytes, not
-    ``.`` or ``..`` (and, with ``reserved``, none of :data:`RESERVED_NAMES` may occur at all).
+    whatever else is in the key: no ``/``, backslash, control character or lone surrogate, 1 to
+    255 bytes, not ``.`` or ``..`` (and, with ``reserved``, none of :data:`RESERVED_NAMES` may
+    occur at all).
     At C speed over the buffer: a byte below 0x80 is never part of a longer UTF-8 sequence, so
     a search of the bytes finds exactly the characters. False says "check one by one", not
     "unsafe"."""
     data, offsets = strings.data, strings.offsets
-    if b"/" in data or b"\\" in data or _CONTROL_BYTES.search(data):
+    if b"/" in data or b"\\" in data or _NOT_PLAIN_BYTES.search(data):
         return False
     if reserved and any(name.encode() in data for name in RESERVED_NAMES):
         return False

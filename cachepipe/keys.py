@@ -26,7 +26,8 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 def check_key(key: str) -> list[str]:
     """Return the ``/``-separated segments of ``key``, or raise :class:`UnsafeKeyError`.
 
-    Rejected: empty keys, absolute keys, backslashes, NUL and other control characters,
+    Rejected: empty keys, absolute keys, backslashes, NUL and other control characters, lone
+    surrogates (but those of undecodable bytes, U+DC80 to U+DCFF, as ``os.fsdecode`` makes them),
     empty, ``.`` or ``..`` segments, segments over 255 bytes, and the reserved top-level name
     ``.cachepipe``.
     """
@@ -38,6 +39,10 @@ def check_key(key: str) -> list[str]:
         raise UnsafeKeyError(key, "contains a backslash")
     if _CONTROL.search(key):
         raise UnsafeKeyError(key, "contains NUL or a control character")
+    try:
+        key.encode("utf-8", "surrogateescape")  # what os.fsencode makes of a path here
+    except UnicodeEncodeError:
+        raise UnsafeKeyError(key, "contains a lone surrogate: no file name can hold it") from None
     segments = key.split("/")
     # The common case in one pass at C speed (a segment of at most 63 characters is at most
     # 252 bytes); the loop below names the first bad segment.

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from cachepipe.catalog import check_key, group_items
@@ -23,6 +25,8 @@ def objs(*keys, size=1):
         ("a/./b", "'.'"),
         ("a/" + "x" * 256, "longer than 255"),
         (".cachepipe/x", "reserved"),
+        ("a/\ud800", "lone surrogate"),  # (a manifest's JSON can hold one; no file name can)
+        ("a/" + "\udfff" * 70, "lone surrogate"),  # a long segment: its length was measured by encoding it, which raised
     ],
 )
 def test_unsafe_keys_rejected_with_key_named(key, reason):
@@ -320,7 +324,24 @@ def test_check_keys_marks_what_a_listing_would_in_items_added_in_any_order():
 
 
 _PLAIN = ["a", "b", "c.txt", "video.mp4", "é", "日本", "x.cachepipe", "...", "x" * 255, "é" * 127, "\udc80" * 85]
-_ODD = [".", "..", "", ".cachepipe", "a\\b", "a\x01", "\x7f", "a/b", "a//b", "/a", "a/", "x" * 256, "é" * 128, "\udc80" * 86]
+_ODD = [
+    ".",
+    "..",
+    "",
+    ".cachepipe",
+    "a\\b",
+    "a\x01",
+    "\x7f",
+    "a/b",
+    "a//b",
+    "/a",
+    "a/",
+    "x" * 256,
+    "é" * 128,
+    "\udc80" * 86,
+    "\ud800",
+    "\udfff" * 70,
+]
 
 
 _SEGMENT = st.one_of(st.sampled_from(_PLAIN), st.text(alphabet="abé-", min_size=1, max_size=3))
@@ -362,6 +383,14 @@ def test_one_odd_key_in_a_plain_catalog_is_checked_as_item_by_item(odd, as_name)
     assert {i: (e.key, e.reason) for i, e in catalog.unsafe.items()} == (
         {} if expected is None else {1: (expected.key, expected.reason)}
     )
+
+
+def test_a_key_of_undecodable_bytes_is_a_file_name_and_one_with_a_lone_surrogate_is_not(tmp_path):
+    name = os.fsdecode(b"caf\xe9")  # Latin-1 bytes, as os.listdir names them: U+DCE9
+    assert check_key(f"a/{name}") == ["a", name]
+    (tmp_path / name).write_bytes(b"x")
+    with pytest.raises(UnicodeEncodeError):
+        (tmp_path / "\ud800").write_bytes(b"x")
 
 
 def test_check_keys_over_the_buffers_finds_a_path_listed_twice_and_each_kind_of_plain_key():
