@@ -24,13 +24,15 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Final, Literal
 
 from .plan_split import deal, equalise, permutation, split
 
 __all__ = ["EPOCHS_CACHED"]
 
-EPOCHS_CACHED = 5
+# Final, not a setting: lanes (NodePlan) reads it under its own name, as plan re-exports it, so a value
+# set on one module would not be the others'
+EPOCHS_CACHED: Final = 5
 """Epochs whose shares a plan keeps computed. A node computes the epoch after next as soon as a
 lane enters an epoch (:class:`cachepipe.lanequeues.LaneQueues`): with lanes two epochs apart, five
 are read at once (fewer slots made the lagging lane's epoch be computed again and again)."""
