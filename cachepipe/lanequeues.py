@@ -9,7 +9,8 @@ position, or restart it elsewhere), give back the room of steps planned ahead fo
 not asking, and ask a download not begun back for a lane that waits (see :class:`LaneQueues`).
 
 Bookkeeping only, under one condition variable: what leaves a lane is returned to the node
-pipeline, which does the cache's part (evict, shelve, give up) outside the queues' lock.
+pipeline, which does the cache's part (evict, shelve, give up) outside the queues' lock. The
+records kept, one per planned step and one per lane, are in :mod:`cachepipe.lanesteps`.
 
 Invariant: a step is held by its lane (``held``) from planning until the lane consumes it or
 moves away from it, and the one copy of an item (``got``) lasts while a step holds it
@@ -22,15 +23,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from .broker import Broker, Closed, Failed, FailureKind
 from .catalog import Item
-from .delivered import _Held, _held
+from .delivered import _held
 from .fetcher import Planned
 from .lanes import LaneSchedule
-from .plan import Cursor, Step
+from .lanesteps import _LaneState, _MovedAway, _Planned
+from .plan import Cursor
 
 __all__ = ["SHARED_RUN", "LaneQueues", "let_others_run"]
 
@@ -49,69 +50,8 @@ class _PreparingStopped(Exception):
     """Raised by :meth:`LaneQueues.pause` in the plan-ahead thread once the queues are closed."""
 
 
-class _MovedAway(Exception):
-    """Raised by :meth:`LaneQueues.wait` when another consumer of the lane moved it away from
-    the position waited for (two consumers read one lane)."""
-
-    def __init__(self, floor: Cursor) -> None:
-        super().__init__(floor)
-        self.floor = floor
-
-
 SHARED_RUN = 256
 """Most steps that share a copy the planner plans in one hold of the queues' lock."""
-
-
-@dataclass(slots=True, eq=False)
-class _Planned:
-    """A step of a lane, from planning until the lane consumes it.
-
-    The step that downloads an item also keeps the record of that one copy of it (``got``,
-    ``holders``), which later steps of the item share while it is held (see
-    :class:`LaneQueues`). One object per step: the node may hold millions.
-    """
-
-    seq: int  # the download's turn; -1: the step shares the copy of ``source``
-    lane: int
-    generation: int
-    step: Step
-    tick: int
-    kept: _Held  # what a hand-out needs of the item (not the Item: the collector stops tracking it)
-    source: _Planned | None = None  # the step whose copy this one shares; None: its own download
-    got: str | Failed | None = None  # the copy's: None while downloading; its path once on disk, or its failure
-    holders: int = 1  # the copy's: steps planned and not consumed that hold it
-    handed: bool = False
-
-    @property
-    def copy(self) -> _Planned:
-        """The step that keeps this step's copy (itself, unless it shares one)."""
-        return self if self.source is None else self.source
-
-    @property
-    def value(self) -> str | Failed | None:
-        """The item's path once on disk, or its failure; None while it downloads."""
-        return self.copy.got
-
-    @property
-    def key(self) -> Cursor:
-        return Cursor(self.step.epoch, self.step.index)
-
-    @property
-    def name(self) -> str:
-        return self.kept[0]
-
-    @property
-    def size(self) -> int:
-        return self.kept[1]
-
-
-@dataclass(slots=True)
-class _LaneState:
-    generation: int = 0
-    floor: Cursor = field(default_factory=lambda: Cursor(0, 0))  # every step of the lane before it is consumed
-    held: dict[Cursor, _Planned] = field(default_factory=dict)  # planned in this generation, not consumed
-    waiting: int = 0
-    asked: int = 0  # the node's count of lane restarts as of this lane's last move (see LaneQueues.give_back)
 
 
 class LaneQueues(Broker[str]):

@@ -56,8 +56,9 @@ from .catalog import Item, Names
 from .config import Share
 from .errors import LaneConflictError
 from .fetcher import Planned
-from .lanequeues import LaneQueues, _MovedAway, _Planned
+from .lanequeues import LaneQueues
 from .lanes import LaneSchedule, NodePlan
+from .lanesteps import _MovedAway, _Planned
 from .pipeline import CachedItem, Pipeline, Skipped
 from .plan import Cursor
 from .retention import PlanFuture, make_policy

@@ -13,17 +13,9 @@ Computing one epoch walks every item in Python (about 1-3 s per million items).
 How an epoch's order is made and split into shares (by bytes or by count, with ``equal_steps``
 or without), with the bounds of each split, is in :mod:`cachepipe.plan_split` (pure functions);
 where rank, world size and worker come from when they are not given, in
-:mod:`cachepipe.plan_ranks`. Both are re-exported here.
-
-``partition="epoch"`` (default) re-splits every epoch, like torch's ``DistributedSampler``.
-``partition="fixed"`` splits once (by bytes or count, over the permutation of epoch ``-1``)
-and then each rank reads its own items in the order of each epoch's global permutation: a
-rank sees the same items every epoch, which is what lets a per-node cache retain them
-across epochs. Its workers are split once in the same way (each DataLoader worker has a cache
-of its own), so an item stays with one (rank, worker) for the whole run. ``equal_steps``
-applies to that one split: ``"drop"`` leaves the same items out of every epoch (the last
-``n % world_size`` of epoch ``-1``'s permutation), ``"pad"`` gives the same items twice every
-epoch (a share that holds an item twice reads it twice in a row).
+:mod:`cachepipe.plan_ranks`. Both are re-exported here. A plan's share of each epoch, with
+``partition="epoch"`` or ``"fixed"`` (the notes on both), is computed and kept by its base class,
+in :mod:`cachepipe.plan_shares`; this module keeps the positions in a plan and its resume state.
 """
 
 from __future__ import annotations
@@ -32,12 +24,13 @@ import hashlib
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from itertools import islice
 from typing import Any, Literal, NamedTuple
 
 from .catalog import Item
 from .plan_ranks import _check_rank, default_rank_world, default_worker
+from .plan_shares import EPOCHS_CACHED, _Shares
 from .plan_split import (
     RUN,  # noqa: F401 - importable from here, as before
     deal,
@@ -47,7 +40,7 @@ from .plan_split import (
     split_all,
 )
 
-# the split's functions and the ranks' defaults: importable from here, as before
+# the split's functions, the ranks' defaults and EPOCHS_CACHED: importable from here, as before
 __all__ = [
     "EPOCHS_CACHED",
     "Cursor",
@@ -66,10 +59,6 @@ __all__ = [
 ]
 
 STATE_VERSION = 1
-EPOCHS_CACHED = 5
-"""Epochs whose shares a plan keeps computed. A node computes the epoch after next as soon as a
-lane enters an epoch (:class:`cachepipe.lanequeues.LaneQueues`): with lanes two epochs apart, five
-are read at once (fewer slots made the lagging lane's epoch be computed again and again)."""
 _SHIFT = 32  # a tick is epoch << 32 | index
 _MASK = (1 << _SHIFT) - 1
 _MAX_ITEMS = 1 << 32
@@ -107,7 +96,7 @@ def _check_int(name: str, value: object, low: int) -> int:
     return value
 
 
-class Plan:
+class Plan(_Shares):
     """The item order of one consumer: epochs, seeded shuffle, rank and worker shares, resume.
 
     Args:
@@ -120,7 +109,7 @@ class Plan:
         rank, world_size: this process's share; both None (default): :func:`default_rank_world`.
         worker, num_workers: this DataLoader worker's share of the rank's share.
         balance: ``"bytes"`` (default) or ``"count"`` (see :mod:`cachepipe.plan_split`).
-        partition: ``"epoch"`` (default) or ``"fixed"`` (see the module notes).
+        partition: ``"epoch"`` (default) or ``"fixed"`` (see :mod:`cachepipe.plan_shares`).
         equal_steps: None (default: shares as the walk gives them), ``"pad"`` or ``"drop"``:
             every rank the same number of steps per epoch (see :mod:`cachepipe.plan_split`).
         start: the first position to yield (usually from :meth:`load_state_dict`).
@@ -200,61 +189,6 @@ class Plan:
             f"Plan({self.n_items} items, epochs={self.epochs}, shuffle={self.shuffle}, seed={self.seed}, "
             f"rank={self.rank}/{self.world_size}, worker={self.worker}/{self.num_workers})"
         )
-
-    # ---- one epoch -------------------------------------------------------------------
-    def order(self, epoch: int, pause: Callable[[], None] | None = None) -> array[int]:
-        """The whole epoch's order (all ranks), before splitting (``pause``: see :func:`permutation`)."""
-        if self.shuffle:
-            return permutation(self.n_items, self.seed, epoch, pause)
-        return array("I", range(self.n_items))
-
-    def share(self, epoch: int) -> array[int]:
-        """The catalog indices this (rank, worker) reads in ``epoch``, in order (cached)."""
-        with self._lock:
-            got = self._shares.get(epoch)
-            if got is not None:
-                self._shares.move_to_end(epoch)
-                return got
-            got = self._compute_share(epoch)
-            self._shares[epoch] = got
-            if len(self._shares) > EPOCHS_CACHED:
-                self._shares.popitem(last=False)
-            return got
-
-    def prime(self, epoch: int, share: array[int]) -> None:
-        """Cache ``share`` as this plan's share of ``epoch``: the one :meth:`share` would compute,
-        computed elsewhere for several plans at once (:class:`cachepipe.lanes.NodePlan`)."""
-        with self._lock:
-            self._shares[epoch] = share
-            self._shares.move_to_end(epoch)
-            if len(self._shares) > EPOCHS_CACHED:
-                self._shares.popitem(last=False)
-
-    def _compute_share(self, epoch: int) -> array[int]:
-        order = self.order(epoch)
-        if self.partition == "fixed" and self.world_size * self.num_workers > 1:
-            if self._mine is None:
-                base = permutation(self.n_items, self.seed, -1) if self.shuffle else order
-                mine = bytearray(self.n_items)
-                for x in self._split(base):
-                    mine[x] += 1  # at most 2: "pad" repeats fewer items than the epoch has, or gives one per rank
-                self._mine = mine
-                self._twice = self.equal_steps == "pad" and max(mine, default=0) > 1
-            mine = self._mine
-            if self._twice:  # an item this share holds twice is read twice in a row
-                return array("I", (x for x in order for _ in range(mine[x])))
-            return array("I", (x for x in order if mine[x]))
-        return self._split(order)
-
-    def _split(self, order: Sequence[int]) -> array[int]:
-        """This (rank, worker)'s part of ``order``, a whole epoch's (see :mod:`cachepipe.plan_split`)."""
-        if self.equal_steps is None:
-            if self.world_size > 1:
-                order = split(order, self.sizes, self.world_size, self.rank, self.balance)
-            return split(order, self.sizes, self.num_workers, self.worker, self.balance)
-        if self.world_size > 1:
-            order = deal(equalise(order, self.world_size, self.equal_steps), self.sizes, self.world_size, self.balance)[self.rank]
-        return deal(order, self.sizes, self.num_workers, self.balance)[self.worker]
 
     # ---- positions -------------------------------------------------------------------
     def done(self, epoch: int) -> bool:

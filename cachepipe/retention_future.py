@@ -11,14 +11,16 @@ import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Final, Protocol
 
 from .plan import tick as plan_tick
 from .plan_split import RUN
 
 __all__ = ["NEVER", "EpochShares", "NextUse", "PlanFuture", "SequenceFuture", "is_placeholder"]
 
-NEVER = (1 << 63) - 1  #: the next use of an item that is not read again
+# Final, not a setting: the ticks' encoding fixes it (after every epoch << 32 | index), and retention_policies and
+# retention compare with it under their own names, so a value set on one module would not be the others'
+NEVER: Final = (1 << 63) - 1  #: the next use of an item that is not read again
 _ITEM_BITS = 32
 _ITEM_MASK = (1 << _ITEM_BITS) - 1
 

@@ -41,9 +41,9 @@ from .job import Job, Slot
 from .plan import WORK_DIR, MapConfig, MapItem, PlannedSource, inside_prefix, item_reserve, plan_items
 from .remote import _Remote
 from .result import MapResult, Tally
-from .runnable import UNGUARDED, _check_command, _from_fileless_main, _importing, _unguarded_line
+from .runnable import _check_command, _from_fileless_main, _importing, _unguarded_line
 from .share import resolve_rank, take_share
-from .sizing import _FOR, _refusals, _Sizing
+from .sizing import _refusals, _Sizing
 from .uploader import DestinationFullError, Uploader
 
 __all__ = ["map_items"]
@@ -55,6 +55,14 @@ _STATE_FILES = 4096
 header, the lock): counted against its capacity with the journal's budget."""
 
 _MIB = 1024**2
+
+_FOR = {False: "outputs", True: "extracted files and outputs"}  # what the jobs' slots hold, by cfg.unpack
+
+UNGUARDED = (
+    "a child process that runs fn starts by running the main script again (multiprocessing's spawn), "
+    'and this call to map_items is not under the script\'s `if __name__ == "__main__":` guard, so each child '
+    "would run map_items again instead of fn: put the call (or the call of the function that makes it) under the guard"
+)
 
 
 class _MapRun(_Remote):

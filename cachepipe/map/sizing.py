@@ -38,9 +38,6 @@ class _Sizing:
         return self.capacity + size - self.largest
 
 
-_FOR = {False: "outputs", True: "extracted files and outputs"}
-
-
 def _refusals(todo: Sequence[MapItem], sizing: _Sizing) -> list[tuple[str, str]]:
     """The items a run of this sizing refuses before downloading them, each with the reason
     (shared by the run and ``dry_run``, so that a dry run predicts the refusals)."""
