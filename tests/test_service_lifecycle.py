@@ -308,6 +308,35 @@ def test_a_request_still_being_answered_when_the_stop_ends_the_connections_gets_
         assert daemon.proc.wait(30) == 0
 
 
+def test_a_stop_ends_promptly_when_a_client_does_not_read_its_answer(tmp_path, short_dir):
+    # A stop let a connection being answered write its answer before it ended (so that a `next`
+    # woken by the stop gets its 503), and so waited for a client that never reads its answer:
+    # until the write timed out (header_timeout), and as long again for the 408 then written on
+    # top of the half-written answer. Here header_timeout is 60 s: the stop took 120 s.
+    sock = short_dir / "api.sock"
+    root = tmp_path / "jobs"
+    config = tmp_path / "cachepipe.yaml"
+    jobs = {"root": str(root), "capacity": "1MiB"}
+    config.write_text(yaml.safe_dump({"socket": str(sock), "header_timeout": 60, "jobs": jobs}))
+    digest = "0123456789abcdef" * 2
+    size = 8 * 2**20  # far more than the socket's buffers hold: the write waits for the client
+    (root / ".manifests").mkdir(parents=True)
+    (root / ".manifests" / f"{digest}.json.gz").write_bytes(bytes(size))  # served as it is
+    with DaemonProcess(config) as daemon, socket.socket(socket.AF_UNIX) as client:
+        client.connect(str(sock))
+        client.sendall(f"GET /v1/manifests/{digest} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        # the answer's first bytes are here: its one write is under way, and cannot end unread
+        wait_until(lambda: client.recv(1, socket.MSG_PEEK), 30, "the answer's first bytes")
+        daemon.signal(signal.SIGTERM)
+        assert daemon.proc.wait(30) == 0  # TimeoutExpired before: 2 x header_timeout
+        assert "did not take its answer within 2 s of the stop" in daemon.log(), daemon.log()
+        client.settimeout(30)
+        got = b""
+        while chunk := client.recv(1 << 20):  # the connection was ended: what was written, then EOF
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n") and len(got) < size, got[:200]
+
+
 @pytest.mark.parametrize(
     ("how", "said"),
     [
