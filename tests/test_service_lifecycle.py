@@ -369,6 +369,75 @@ def test_a_next_whose_daemon_goes_away_while_it_waits_says_so(s3_source, s3_endp
     assert "tried for 1 s" in err and "is `cachepipe serve` running?" not in err, err
 
 
+def test_a_loop_that_ends_while_its_daemon_is_away_waits_for_it_once_not_per_request(tmp_path, short_dir):
+    # A loop ending while its daemon was away (stopped, restarting) acknowledged the items it
+    # had moved past, then gave back those it held: two requests, each trying startup_timeout
+    # for a daemon to come back, so the loop's error came after twice startup_timeout.
+    wait = 5
+    sock = short_dir / "api.sock"
+    config = folders_config(tmp_path, sock, 10)
+    with DaemonProcess(config) as daemon, Client("train", sock, startup_timeout=wait) as client:
+        wait_until(lambda: client.status()["pipelines"]["train"]["stats"]["items_ready"] == 10, 30, "the items")
+        loop = iter(client)
+        next(loop)
+        next(loop)  # the second request takes every item ready: the loop holds the others
+        assert daemon.stop() == 0  # longer than the loop keeps a batch (HOLD): it acks, then gives back
+        started = time.monotonic()
+        with pytest.raises(ConnectionError, match=rf"No such file or directory \(tried for {wait} s\)"):
+            next(loop)
+        waited = time.monotonic() - started
+    assert wait <= waited < 1.5 * wait, waited  # 2 x startup_timeout before (10.0 s)
+
+
+def test_a_next_waiting_through_two_restarts_waits_for_the_daemon_after_each(s3_source, fault_proxy, tmp_path, short_dir):
+    # A next (Client.get) kept one clock for the daemon's 503 "stopping" answers for as long as
+    # it waited, also while a restarted daemon served it (answering 408 each max_wait): when that
+    # daemon stopped too, more than startup_timeout after the first stop, the get raised the 503
+    # at once instead of waiting for the next daemon.
+    proxy, endpoint = fault_proxy
+    s3_source.folders(2, FILES)
+    gate = threading.Event()
+    proxy.hold(is_item("item001"), gate, limit=600)  # not ready under any daemon until the gate opens
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, endpoint)
+    config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "max_wait": 1}))
+    wait = 8  # room for a daemon's start after each stop
+    got: list = []
+    daemon = DaemonProcess(config).start()
+    try:
+        with Client("train", sock, startup_timeout=wait) as client:
+            client.ack(client.get(timeout=30))
+
+            def take() -> None:
+                try:
+                    got.append(client.get(timeout=120))
+                except Exception as exc:  # noqa: BLE001 - the test reports it
+                    got.append(exc)
+
+            waiting = threading.Thread(target=take)
+            waiting.start()
+            try:
+                with Client("train", sock) as probe:
+                    wait_until(lambda: probe.status()["pipelines"]["train"]["waiting"] == 1, 30, "the get to wait")
+                first_stop = time.monotonic()
+                assert daemon.stop() == 0  # the get is answered 503 stopping, and waits for the next daemon
+                daemon.close()
+                daemon = DaemonProcess(config).start()
+                with Client("train", sock) as probe:
+                    wait_until(lambda: probe.status()["pipelines"]["train"]["waiting"] == 1, 30, "the get to wait again")
+                threading.Event().wait(max(first_stop + wait + 1 - time.monotonic(), 0))  # past the first stop's wait
+                assert daemon.stop() == 0  # ServiceError 503 stopping at once, before
+                daemon.close()
+                daemon = DaemonProcess(config).start()
+                gate.set()
+            finally:
+                gate.set()
+                waiting.join(60)
+    finally:
+        daemon.close()
+    assert [getattr(item, "name", item) for item in got] == ["item001"], got
+
+
 # ---- a pass that ends, and the restarts after it ----------------------------------------------
 def folders_config(tmp_path: Path, sock: Path, count: int, **pipeline) -> Path:
     """A daemon's config over a local source of ``count`` one-file folders."""
