@@ -175,7 +175,10 @@ class Client(_Connection):
             change nothing are tried again (``next`` without an ack, status, health, metrics);
             a ``next`` that carried acks and whose daemon went away with it (stopping, killed) is
             asked again without them (they were applied, or are lost and their items come
-            again); the wait is at most this long per outage, never forever.
+            again); the wait is at most this long per outage (from the first attempt that finds
+            no daemon, or one stopping, to an answer), never forever, however many requests an
+            operation makes: a loop that ends while the daemon is away acknowledges the items
+            it moved past and gives back the others within one such wait.
     """
 
     def __init__(
@@ -258,6 +261,9 @@ class Client(_Connection):
         done: list[ServedItem] = []  # the loop moved past them: acknowledged with the next request
         last: ServedItem | None = None
         pace, taken = LoopPace(), 0.0
+        # the wait for a daemon that is not there, shared by the loop's acks and releases: one
+        # outage, at most startup_timeout in all (its end acks, then releases: not twice that)
+        outage = _Outage(self.startup_timeout, self.address)
         watched = self.markers and not self.auto_ack  # with auto_ack the loop acknowledges every item itself
         try:
             while True:
@@ -266,10 +272,10 @@ class Client(_Connection):
                     last = None
                 if held and done and (time.monotonic() - taken > HOLD or done[-1].size >= ACK_AT_ONCE):
                     acks, done = done, []
-                    self._ack_each(acks)
+                    self._ack_each(acks, outage)
                     if time.monotonic() - taken > HOLD:
                         back, held = list(held), deque()
-                        self._give_back(back)
+                        self._give_back(back, outage)
                 if not held:
                     acks, done = done, []  # sent with the next request: attempted exactly once
                     try:
@@ -277,7 +283,7 @@ class Client(_Connection):
                     except UnknownItemError:
                         if len(acks) < 2:
                             raise
-                        self._ack_each(acks)  # nothing was taken: ack the others, raise the refusal
+                        self._ack_each(acks, outage)  # nothing was taken: ack the others, raise the refusal
                         batch = self._take_many(pace.batch(), self.timeout, [], watched)
                     if not batch:
                         return
@@ -290,25 +296,26 @@ class Client(_Connection):
         finally:
             if self._state == _OPEN:
                 try:
-                    self._ack_each(done)
+                    self._ack_each(done, outage)
                 except UnknownItemError as exc:  # the others were acknowledged
                     log.warning("an item the loop moved past could not be acknowledged: %s", exc)
                 except (ConnectionError, ServiceError) as exc:
                     log.warning("could not acknowledge the items the loop moved past (they come again): %s", exc)
                 try:  # the loop stopped inside ``last``: give it back, not evict; and those not yet yielded
-                    self._give_back(([last] if last is not None and self.auto_ack else []) + list(held))
+                    self._give_back(([last] if last is not None and self.auto_ack else []) + list(held), outage)
                 except (ConnectionError, ServiceError) as exc:
                     log.warning("could not release the loop's items (they come back after their lease_timeout): %s", exc)
             if owner:
                 self.close()
 
-    def _ack_each(self, items: list[ServedItem]) -> None:
+    def _ack_each(self, items: list[ServedItem], outage: _Outage) -> None:
         """Acknowledge ``items`` by one request; if one is refused, the others one by one, then
-        raise the (first) refusal."""
+        raise the (first) refusal. ``outage``: the wait for a daemon these requests share."""
         if not items:
             return
+        self._require_open()
         try:
-            self.ack_many(items)
+            self._finish_many("ack", items, outage)
             return
         except UnknownItemError:
             if len(items) == 1:
@@ -316,21 +323,21 @@ class Client(_Connection):
         refused: UnknownItemError | None = None
         for item in items:
             try:
-                self.ack(item)
+                self._finish("ack", item, None, outage)
             except UnknownItemError as exc:
                 refused = refused or exc
         if refused is not None:
             raise refused
 
-    def _give_back(self, items: list[ServedItem]) -> None:
+    def _give_back(self, items: list[ServedItem], outage: _Outage) -> None:
         """Release ``items``, by one request; if one's lease expired meanwhile (it went back to
-        the queue anyway), the others one by one."""
+        the queue anyway), the others one by one. ``outage``: as :meth:`_ack_each`."""
         try:
-            self._finish_many("release", items)
+            self._finish_many("release", items, outage)
         except UnknownItemError:
             for item in items:
                 try:
-                    self.release(item)
+                    self._finish("release", item, None, outage)
                 except UnknownItemError:
                     log.info("%s went back to the queue before it was released (its lease expired)", item.path)
 
@@ -392,12 +399,13 @@ class Client(_Connection):
         self._require_open()
         self._finish_many("ack", items)
 
-    def _finish_many(self, verb: str, items: Sequence[str | os.PathLike[str]]) -> None:
-        """``POST /v1/ack`` or ``/v1/release`` of ``items`` in one request (raises as :meth:`ack_many`)."""
+    def _finish_many(self, verb: str, items: Sequence[str | os.PathLike[str]], outage: _Outage | None = None) -> None:
+        """``POST /v1/ack`` or ``/v1/release`` of ``items`` in one request (raises as :meth:`ack_many`);
+        ``outage``: the wait for a daemon it shares with other requests (default: its own)."""
         bodies = _ack_bodies(items)
         if not bodies:
             return
-        status, data = self._request("POST", f"/v1/{verb}", {"items": bodies}, self.request_timeout)
+        status, data = self._request("POST", f"/v1/{verb}", {"items": bodies}, self.request_timeout, outage=outage)
         if status != 200:
             self._raise_for(status, data)
 
@@ -449,6 +457,9 @@ class Client(_Connection):
                 acking = False
             if status == 0:
                 continue
+            if status != 503:  # a daemon serves: a later stop is another outage, with a wait of its own
+                outage.answered()
+                stopped = False
             if status == 200:
                 reply: dict[str, Any] = json.loads(data)
                 return reply
@@ -483,12 +494,12 @@ class Client(_Connection):
         """Extend an item's lease by the pipeline's ``lease_timeout``. Raises like :meth:`ack`."""
         self._finish("renew", item, lease)
 
-    def _finish(self, verb: str, item: str | os.PathLike[str], lease: str | None) -> None:
+    def _finish(self, verb: str, item: str | os.PathLike[str], lease: str | None, outage: _Outage | None = None) -> None:
         self._require_open()
         if isinstance(item, ServedItem):
             lease = lease or item.lease
         body = {"path": os.path.abspath(os.fspath(item)), "lease": lease}
-        status, data = self._request("POST", f"/v1/{verb}", body, self.request_timeout)
+        status, data = self._request("POST", f"/v1/{verb}", body, self.request_timeout, outage=outage)
         if status != 200:
             self._raise_for(status, data)
 
@@ -542,13 +553,10 @@ class Client(_Connection):
         limit = self.startup_timeout if timeout is None else timeout
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 0:
             raise ValueError(f"timeout {timeout!r}: expected a number of seconds >= 0")
-        outage = _Outage(limit, self.address)
-        deadline = time.monotonic() + limit
+        outage = _Outage(limit, self.address)  # one wait: for no socket and for "stopping" alike
         while True:
             try:
-                status, data = self._request(
-                    "GET", "/v1/health", None, self.request_timeout, patience=max(deadline - time.monotonic(), 0.0)
-                )
+                status, data = self._request("GET", "/v1/health", None, self.request_timeout, outage=outage)
             except ConnectionError as exc:
                 if isinstance(exc.__cause__, (FileNotFoundError, ConnectionRefusedError, ConnectionResetError)):
                     raise TimeoutError(f"the cachepipe daemon at {self.address} was not ready within {limit:g} s: {exc}") from exc

@@ -5,7 +5,9 @@ that is starting or restarting (:class:`_Outage`), and error answers raised as e
 
 Invariant: a request the daemon may have carried out (it went away with it, and asking again
 would change something: an ack) is never sent twice; one that never reached a daemon, or that
-changes nothing, is tried again for up to ``startup_timeout``. :class:`_Connection` is the base
+changes nothing, is tried again for up to ``startup_timeout``: once per outage (an
+:class:`_Outage` shared by the requests of one operation, such as a loop's acks and releases
+as it ends), not once per request. :class:`_Connection` is the base
 class of :class:`~cachepipe.client.Client` (not used alone); its attributes are set by
 ``Client.__init__``.
 """
@@ -101,7 +103,7 @@ class _Connection:
         timeout: float,
         *,
         retry: bool | None = None,
-        patience: float | None = None,
+        outage: _Outage | None = None,
         raw: bytes | None = None,
     ) -> tuple[int, bytes]:
         """One request and its answer, reconnecting as needed.
@@ -112,8 +114,9 @@ class _Connection:
         request was sent (the daemon cannot have acted on it), and one the daemon closed before
         answering when ``retry`` (default: GET requests) says asking again changes nothing;
         otherwise (the daemon went away with the request, which it may have carried out: an ack
-        must not be sent again to its successor) ``ConnectionError``. ``patience`` replaces
-        ``startup_timeout`` for this request. ``raw``: bytes to send instead of ``body``.
+        must not be sent again to its successor) ``ConnectionError``. ``outage``: the wait of the
+        operation this request is part of (default: one of ``startup_timeout`` for this request),
+        ended by an answer other than a 503. ``raw``: bytes to send instead of ``body``.
         """
         payload = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"} if payload is not None else {}
@@ -121,7 +124,8 @@ class _Connection:
             payload, headers = raw, {"Content-Type": "application/gzip"}
         if retry is None:
             retry = method == "GET"
-        outage = _Outage(self.startup_timeout if patience is None else patience, self.address)
+        if outage is None:
+            outage = _Outage(self.startup_timeout, self.address)
         with self._lock:
             kept = True  # the first attempt may be on a kept-alive connection the daemon closed meanwhile
             cut: BaseException | None = None  # why a connection carrying this request ended unanswered
@@ -174,6 +178,8 @@ class _Connection:
                     ) from exc
                 if response.will_close:
                     self._drop()
+                if response.status != 503:  # a daemon that serves (503: it is stopping, or cannot serve this)
+                    outage.answered()
                 return response.status, data
 
     def _drop(self) -> None:
@@ -214,8 +220,11 @@ def _code(data: bytes) -> str:
 
 class _Outage:
     """How long we have been waiting for a daemon at ``address`` to be there; the pauses between
-    attempts. A wait that may last longer than a start's (``DEFAULT_STARTUP_TIMEOUT``, e.g. a
-    registered lane waiting out a restart) is logged as it begins: it is not silent."""
+    attempts. One clock for an operation, however many requests it makes: it starts at the
+    first attempt that finds no daemon (or one that is stopping) and ends when a daemon answers
+    (:meth:`answered`); within one outage the wait is at most ``limit`` in all. A wait that may
+    last longer than a start's (``DEFAULT_STARTUP_TIMEOUT``, e.g. a registered lane waiting out
+    a restart) is logged as it begins: it is not silent."""
 
     def __init__(self, limit: float, address: str) -> None:
         self.limit = limit
@@ -236,6 +245,11 @@ class _Outage:
         time.sleep(min(_POLL[min(self._pauses, len(_POLL) - 1)], left))
         self._pauses += 1
         return True
+
+    def answered(self) -> None:
+        """A daemon answered: the outage (if any) has ended, and the next one waits ``limit`` again."""
+        self._since = None
+        self._pauses = 0
 
     def waited(self) -> str:
         """For an error message: how long we kept trying."""

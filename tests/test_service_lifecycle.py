@@ -308,6 +308,35 @@ def test_a_request_still_being_answered_when_the_stop_ends_the_connections_gets_
         assert daemon.proc.wait(30) == 0
 
 
+def test_a_stop_ends_promptly_when_a_client_does_not_read_its_answer(tmp_path, short_dir):
+    # A stop let a connection being answered write its answer before it ended (so that a `next`
+    # woken by the stop gets its 503), and so waited for a client that never reads its answer:
+    # until the write timed out (header_timeout), and as long again for the 408 then written on
+    # top of the half-written answer. Here header_timeout is 60 s: the stop took 120 s.
+    sock = short_dir / "api.sock"
+    root = tmp_path / "jobs"
+    config = tmp_path / "cachepipe.yaml"
+    jobs = {"root": str(root), "capacity": "1MiB"}
+    config.write_text(yaml.safe_dump({"socket": str(sock), "header_timeout": 60, "jobs": jobs}))
+    digest = "0123456789abcdef" * 2
+    size = 8 * 2**20  # far more than the socket's buffers hold: the write waits for the client
+    (root / ".manifests").mkdir(parents=True)
+    (root / ".manifests" / f"{digest}.json.gz").write_bytes(bytes(size))  # served as it is
+    with DaemonProcess(config) as daemon, socket.socket(socket.AF_UNIX) as client:
+        client.connect(str(sock))
+        client.sendall(f"GET /v1/manifests/{digest} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        # the answer's first bytes are here: its one write is under way, and cannot end unread
+        wait_until(lambda: client.recv(1, socket.MSG_PEEK), 30, "the answer's first bytes")
+        daemon.signal(signal.SIGTERM)
+        assert daemon.proc.wait(30) == 0  # TimeoutExpired before: 2 x header_timeout
+        assert "did not take its answer within 2 s of the stop" in daemon.log(), daemon.log()
+        client.settimeout(30)
+        got = b""
+        while chunk := client.recv(1 << 20):  # the connection was ended: what was written, then EOF
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n") and len(got) < size, got[:200]
+
+
 @pytest.mark.parametrize(
     ("how", "said"),
     [
@@ -338,6 +367,75 @@ def test_a_next_whose_daemon_goes_away_while_it_waits_says_so(s3_source, s3_endp
     assert waiting.returncode == 1, err  # an error, as documented
     assert f"the cachepipe daemon at {sock} {said}" in err, err
     assert "tried for 1 s" in err and "is `cachepipe serve` running?" not in err, err
+
+
+def test_a_loop_that_ends_while_its_daemon_is_away_waits_for_it_once_not_per_request(tmp_path, short_dir):
+    # A loop ending while its daemon was away (stopped, restarting) acknowledged the items it
+    # had moved past, then gave back those it held: two requests, each trying startup_timeout
+    # for a daemon to come back, so the loop's error came after twice startup_timeout.
+    wait = 5
+    sock = short_dir / "api.sock"
+    config = folders_config(tmp_path, sock, 10)
+    with DaemonProcess(config) as daemon, Client("train", sock, startup_timeout=wait) as client:
+        wait_until(lambda: client.status()["pipelines"]["train"]["stats"]["items_ready"] == 10, 30, "the items")
+        loop = iter(client)
+        next(loop)
+        next(loop)  # the second request takes every item ready: the loop holds the others
+        assert daemon.stop() == 0  # longer than the loop keeps a batch (HOLD): it acks, then gives back
+        started = time.monotonic()
+        with pytest.raises(ConnectionError, match=rf"No such file or directory \(tried for {wait} s\)"):
+            next(loop)
+        waited = time.monotonic() - started
+    assert wait <= waited < 1.5 * wait, waited  # 2 x startup_timeout before (10.0 s)
+
+
+def test_a_next_waiting_through_two_restarts_waits_for_the_daemon_after_each(s3_source, fault_proxy, tmp_path, short_dir):
+    # A next (Client.get) kept one clock for the daemon's 503 "stopping" answers for as long as
+    # it waited, also while a restarted daemon served it (answering 408 each max_wait): when that
+    # daemon stopped too, more than startup_timeout after the first stop, the get raised the 503
+    # at once instead of waiting for the next daemon.
+    proxy, endpoint = fault_proxy
+    s3_source.folders(2, FILES)
+    gate = threading.Event()
+    proxy.hold(is_item("item001"), gate, limit=600)  # not ready under any daemon until the gate opens
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, endpoint)
+    config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "max_wait": 1}))
+    wait = 8  # room for a daemon's start after each stop
+    got: list = []
+    daemon = DaemonProcess(config).start()
+    try:
+        with Client("train", sock, startup_timeout=wait) as client:
+            client.ack(client.get(timeout=30))
+
+            def take() -> None:
+                try:
+                    got.append(client.get(timeout=120))
+                except Exception as exc:  # noqa: BLE001 - the test reports it
+                    got.append(exc)
+
+            waiting = threading.Thread(target=take)
+            waiting.start()
+            try:
+                with Client("train", sock) as probe:
+                    wait_until(lambda: probe.status()["pipelines"]["train"]["waiting"] == 1, 30, "the get to wait")
+                first_stop = time.monotonic()
+                assert daemon.stop() == 0  # the get is answered 503 stopping, and waits for the next daemon
+                daemon.close()
+                daemon = DaemonProcess(config).start()
+                with Client("train", sock) as probe:
+                    wait_until(lambda: probe.status()["pipelines"]["train"]["waiting"] == 1, 30, "the get to wait again")
+                threading.Event().wait(max(first_stop + wait + 1 - time.monotonic(), 0))  # past the first stop's wait
+                assert daemon.stop() == 0  # ServiceError 503 stopping at once, before
+                daemon.close()
+                daemon = DaemonProcess(config).start()
+                gate.set()
+            finally:
+                gate.set()
+                waiting.join(60)
+    finally:
+        daemon.close()
+    assert [getattr(item, "name", item) for item in got] == ["item001"], got
 
 
 # ---- a pass that ends, and the restarts after it ----------------------------------------------

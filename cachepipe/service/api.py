@@ -51,7 +51,9 @@ disconnects before it received its item gets it released at once.
 Slow and malformed clients. A request has deadlines, not per-read timeouts (a client that
 trickles one byte at a time does not extend them): ``header_timeout`` from its first byte to the
 end of its headers, ``body_timeout`` for its body, ``idle_timeout`` for a connection waiting for
-its next request; a late request is answered 408 and its connection closed. Request line and
+its next request; a late request is answered 408 and its connection closed. An answer has
+``header_timeout`` to be taken by its client, and ``STOP_GRACE`` (2 s) once the daemon stops;
+then its connection is closed, with nothing more written on it. Request line and
 headers are capped at ``MAX_HEADER`` bytes in all (431), the body at ``MAX_BODY`` (413); a body
 that is not JSON, or nested too deeply to parse, is a 400, and so is a ``Content-Length`` that is
 given twice or is not a plain number. When ``max_clients`` connections are open, a new one ends
@@ -86,12 +88,13 @@ import selectors
 import socket
 import stat
 import threading
+import time
 from pathlib import Path
 
 from ..errors import ConfigError
 from .config import SOCKET_PATH_MAX, ServiceConfig
 from .handler import MAX_BODY, _Handler, _TcpHandler
-from .http import Deadlines, Service, Tcp6Server, TcpServer, UnixServer
+from .http import STOP_GRACE, Deadlines, Service, Tcp6Server, TcpServer, UnixServer
 from .routes import item_json
 
 # MAX_BODY: importable from here, as before
@@ -271,14 +274,17 @@ class ApiServer:
 
     def close(self) -> None:
         """End every connection (one whose request is being answered once its answer is
-        written: see :meth:`~cachepipe.service.http.Server.disconnect_all`), join their threads,
-        close and remove the socket. Idempotent."""
+        written, within ``STOP_GRACE``: see :meth:`~cachepipe.service.http.Server.disconnect_all`),
+        join their threads, close and remove the socket. Idempotent."""
         if self._wake_r < 0:
             return
         self.stop_accepting()
         self._thread = None
         for server in self._servers:
             server.disconnect_all()
+        grace = time.monotonic() + STOP_GRACE  # one grace for the Unix and the TCP listener's answers
+        for server in self._servers:
+            server.end_stalled(grace)
         for server in self._servers:
             server.server_close()  # joins the connection threads
         self._servers.clear()

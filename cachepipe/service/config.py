@@ -159,7 +159,9 @@ class ServiceConfig(BaseSettings):
             requests, or still sending one); if every connection is busy (a request being
             answered, a ``next`` waiting for an item), the new one is answered 503.
         header_timeout: seconds a client has, from the first byte of a request, to send its
-            request line and headers (default 10); then 408 and the connection is closed.
+            request line and headers (default 10); then 408 and the connection is closed. Also
+            the time it has to take an answer (then the connection is closed), and at most 2 s
+            once the daemon stops (``STOP_GRACE``).
         body_timeout: seconds a client has, after the headers, to send the body (default 10).
         idle_timeout: longest a kept-alive connection may wait for its next request, and a new
             one for its first (default 300 s); then it is closed (``Client`` reconnects).

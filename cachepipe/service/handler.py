@@ -24,7 +24,7 @@ from typing import Any
 
 from .. import __version__
 from ..batching import MAX_BATCH
-from .http import MAX_HEADER, DeadlineReader, HeaderBudget, Late, Service, TcpServer, UnixServer
+from .http import MAX_HEADER, DeadlineReader, HeaderBudget, Late, Service, TcpServer, UnixServer, Unread
 from .metrics import CONTENT_TYPE
 from .routes import BadRequest, _check_keys, _error_for, _lane, _match, _taken_json, item_json
 
@@ -150,9 +150,9 @@ class _Handler(BaseHTTPRequestHandler):
                 raise BadRequest(f"{method} {path}: expected {' or '.join(allowed)}", 405)
             _check_keys(method, path, route, body)
             status = getattr(self, "_" + route)(daemon, arg, body)
-        except (BrokenPipeError, ConnectionResetError):
+        except (BrokenPipeError, ConnectionResetError, Unread):
             self.close_connection = True
-            status = 499  # the client went away
+            status = 499  # the client went away, or does not take its answer: nothing more is written
         except Exception as exc:  # every failure becomes an HTTP error; unexpected ones are logged in full
             status, code = _error_for(exc)
             if status == 500:
@@ -345,7 +345,6 @@ class _Handler(BaseHTTPRequestHandler):
     ) -> int:
         if payload is not None:
             raw = json.dumps(payload).encode() + b"\n"
-        self.connection.settimeout(self.server.deadlines.header)  # a client that does not read its answer
         lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", f"Server: {self.server_version}"]
         if status != 204:
             lines += [f"Content-Type: {content_type}", f"Content-Length: {len(raw)}"]
@@ -354,7 +353,16 @@ class _Handler(BaseHTTPRequestHandler):
         if self.close_connection:
             lines.append("Connection: close")
         lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
-        self.wfile.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (raw if status != 204 else b""))
+        answer = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (raw if status != 204 else b"")
+        with self.server.answering(self.connection) as limit:  # a client that does not read its answer
+            self.connection.settimeout(limit)
+            try:
+                self.wfile.write(answer)
+            except OSError as exc:  # part of it may be written: never another answer on this connection
+                self.close_connection = True
+                if isinstance(exc, TimeoutError):
+                    log.info("%s: the client did not take its %d answer within %g s", self.address_string(), status, limit)
+                raise Unread(f"the {status} answer was not taken by the client: {exc}") from exc
         return status
 
 

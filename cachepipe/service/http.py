@@ -6,11 +6,16 @@ Invariants: a request is read under deadlines, not per-read timeouts (a client t
 bytes does not extend them); its request line and headers never exceed ``MAX_HEADER`` bytes;
 at most ``max_clients`` connections are open, and a full server ends the connection that has
 waited longest for its client before refusing a new one; a server that closes ends a
-connection only while it waits for its client, never one whose request is being answered.
+connection while it waits for its client, and one whose request is being answered once its
+answer is written (a consumer's ``next`` woken by the stop gets its 503). An answer is written
+under a deadline too: ``header_timeout`` for a client to take it, and no more than
+``STOP_GRACE`` once the server closes; an answer not taken in time ends its connection, with
+nothing more written on it (:class:`Unread`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import http.client
@@ -21,7 +26,7 @@ import socketserver
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from ..pipeline import CachedItem
@@ -34,6 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_HEADER",
+    "STOP_GRACE",
     "DeadlineReader",
     "Deadlines",
     "HeaderBudget",
@@ -44,12 +50,16 @@ __all__ = [
     "Tcp6Server",
     "TcpServer",
     "UnixServer",
+    "Unread",
     "end",
 ]
 
 log = logging.getLogger("cachepipe.service.api")
 
 MAX_HEADER = 64 * 1024  # request line and headers, in all
+# Seconds an answer has to be taken by its client once the server closes (the daemon stops):
+# enough for any client that reads, where header_timeout would hold the stop for one that does not.
+STOP_GRACE = 2.0
 
 
 class Service(Protocol):
@@ -105,6 +115,11 @@ class Service(Protocol):
 
 class Late(TimeoutError):
     """A deadline of the request passed (HTTP 408)."""
+
+
+class Unread(ConnectionError):
+    """An answer that could not be written whole: its client did not take it in time (see
+    :meth:`Server.answering`), or went away. Its connection ends, with nothing more written on it."""
 
 
 class HeadersTooLarge(http.client.HTTPException):
@@ -186,6 +201,10 @@ class Server(socketserver.ThreadingMixIn):
         self._live: dict[socket.socket, float | None] = {}
         self._live_lock = threading.Lock()
         self._closing = False  # disconnect_all was called: a connection ends as soon as it waits
+        self._closed_at = 0.0  # when disconnect_all was called (time.monotonic())
+        # connection -> since when its answer is being written; notified as each write ends
+        self._writing: dict[socket.socket, float] = {}
+        self._written = threading.Condition(self._live_lock)
 
     def set_waiting(self, request: socket.socket, waiting: bool) -> None:
         with self._live_lock:
@@ -194,6 +213,21 @@ class Server(socketserver.ThreadingMixIn):
             self._live[request] = time.monotonic() if waiting else None
             if waiting and self._closing:
                 end(request)  # answered while the server closes: its thread reads EOF next and finishes
+
+    @contextlib.contextmanager
+    def answering(self, request: socket.socket) -> Iterator[float]:
+        """Around the write of an answer on ``request``; yields the seconds its client has to
+        take it: ``header_timeout``, and at most ``STOP_GRACE`` once the server closes (a write
+        under way then is given ``STOP_GRACE`` from then on, see :meth:`end_stalled`)."""
+        with self._live_lock:
+            self._writing[request] = time.monotonic()
+            limit = min(self.deadlines.header, STOP_GRACE) if self._closing else self.deadlines.header
+        try:
+            yield limit
+        finally:
+            with self._live_lock:
+                del self._writing[request]
+                self._written.notify_all()
 
     def get_request(self) -> tuple[socket.socket, Any]:
         request, address = super().get_request()  # type: ignore[misc]
@@ -258,13 +292,31 @@ class Server(socketserver.ThreadingMixIn):
         """End every connection waiting for its client (idle between requests, or still sending
         one): its thread sees EOF and finishes. A connection whose request is being answered is
         left to write its answer (a consumer's ``next`` woken by the stop gets its 503
-        ``stopping``, not a closed connection), and ends when it next waits (:meth:`set_waiting`):
+        ``stopping``, not a closed connection), within ``STOP_GRACE`` (:meth:`answering`,
+        :meth:`end_stalled`), and ends when it next waits (:meth:`set_waiting`):
         ``server_close`` joins its thread. Idempotent."""
         with self._live_lock:  # atomic with set_waiting: a request read meanwhile is answered
-            self._closing = True
+            if not self._closing:
+                self._closing, self._closed_at = True, time.monotonic()
             for request, since in self._live.items():
                 if since is not None:
                     end(request)
+
+    def end_stalled(self, deadline: float) -> None:
+        """After :meth:`disconnect_all`: wait until ``deadline`` (a ``time.monotonic()`` value)
+        at most for the answers being written when it was called, then end the connections of
+        those not written yet: their clients do not take them (an answer begun later has
+        ``STOP_GRACE`` of its own). A client that reads has its answer long before."""
+        with self._live_lock:
+            while (left := deadline - time.monotonic()) > 0 and any(since <= self._closed_at for since in self._writing.values()):
+                self._written.wait(left)
+            stalled = [request for request, since in self._writing.items() if since <= self._closed_at]
+            for request in stalled:  # under the lock: its thread cannot have closed it meanwhile
+                end(request)  # the write fails at once, and its thread finishes
+        if stalled:
+            log.info(
+                "ended %d connection(s) whose client did not take its answer within %g s of the stop", len(stalled), STOP_GRACE
+            )
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         exc = sys.exc_info()[1]
