@@ -18,7 +18,10 @@ so two listings of the same data give the same digest; it is checked when the ma
 A local manifest read while another read of the same file is held (:func:`read_manifest`) is
 not read again: a DataLoader's dataset holds the one it plans from, so its workers, forked from
 it, plan from the catalog they inherit (its buffers shared, copy-on-write) instead of each
-reading the whole file at every pass.
+reading the whole file at every pass. The same file is the same inode, size and times, and the
+same gzip trailer (the CRC-32 and length of its content, its last 8 bytes: read each time), so
+a file changed in place within its times' granularity (a second on some file systems) is read
+again.
 """
 
 from __future__ import annotations
@@ -74,10 +77,12 @@ class Manifest:
 
 
 # Local manifests read in this process and still held by someone, by the identity of the file
-# read: (device, inode, size, modification and change times in ns). A file written again (by
-# atomic_write: another inode) or changed in place (another mtime or ctime) is read anew.
+# read: (device, inode, size, modification and change times in ns, gzip trailer). A file written
+# again (by atomic_write: another inode) or changed in place (another mtime or ctime) is read
+# anew; so is one changed in place within its times' granularity (1 s on ext4 with 128-byte
+# inodes, 2 s on FAT; an inode number reused as fast), whose content's CRC-32 differs.
 # (No lock of ours around it: one held by another thread at a fork would stay held in the child.)
-_HELD: weakref.WeakValueDictionary[tuple[int, ...], Manifest] = weakref.WeakValueDictionary()
+_HELD: weakref.WeakValueDictionary[tuple[int | bytes, ...], Manifest] = weakref.WeakValueDictionary()
 
 
 def _is_url(location: str) -> bool:
@@ -134,9 +139,9 @@ def read_manifest(location: str | os.PathLike[str], storage_options: dict[str, A
     """Read and check the manifest at ``location`` (a local path or an object URL).
 
     A local file is not read again while a :class:`Manifest` read from it (the same file,
-    unchanged: its device, inode, size, mtime and ctime) is held in this process or in the one
-    it was forked from: the same catalog is returned (never modified; shared by the pipelines
-    that plan from it).
+    unchanged: its device, inode, size, mtime and ctime, and its gzip trailer, the CRC-32 of its
+    content) is held in this process or in the one it was forked from: the same catalog is
+    returned (never modified; shared by the pipelines that plan from it).
 
     Raises:
         FileNotFoundError: there is none (named).
@@ -148,7 +153,9 @@ def read_manifest(location: str | os.PathLike[str], storage_options: dict[str, A
     if not _is_url(where):
         with open(where, "rb") as fh:
             st = os.fstat(fh.fileno())
-            identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            # gzip's trailer, the CRC-32 and length of the content: 8 bytes, not the file
+            trailer = os.pread(fh.fileno(), 8, st.st_size - 8) if st.st_size >= 8 else b""
+            identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, trailer)
             held = _HELD.get(identity)
             if held is not None:  # this file, read in this process (or the one it was forked from)
                 return held if held.location == where else replace(held, location=where)

@@ -258,3 +258,66 @@ def test_cli_index_of_an_empty_source_says_why_as_a_pipeline_does(tmp_path, s3_s
     assert "the 2 objects it lists lie directly under it, none in a folder; items='folders'" in loose[0]
     assert loose[0] == loose[1] == loose[2]
     assert not (tmp_path / "m.gz").exists()
+
+
+@pytest.fixture
+def second_timestamps(tmp_path):
+    """A small real ext4 with 128-byte inodes, whose file times have a granularity of 1 s (as
+    ext3's, HFS+'s, or FAT's 2 s), loop-mounted at tmp_path / "disk" (root only, as CI runs)."""
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a loop file system needs root (CI runs as root)")
+    image, disk = tmp_path / "disk.img", tmp_path / "disk"
+    image.write_bytes(b"")
+    os.truncate(image, 8 << 20)
+    disk.mkdir()
+    for cmd in (["mkfs.ext4", "-q", "-F", "-I", "128", str(image)], ["mount", "-o", "loop", str(image), str(disk)]):
+        try:
+            result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        except FileNotFoundError as exc:
+            pytest.skip(f"no {cmd[0]} here: {exc}")
+        if result.returncode != 0:
+            pytest.skip(f"cannot {cmd[0]} here: {result.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_manifest_copied_over_a_held_one_within_a_second_is_read_again(second_timestamps):
+    # The held read of a file was found by (device, inode, size, mtime, ctime): a manifest of
+    # another source copied over it (cp: the same inode) in the same second, at the same size,
+    # kept all five, so a pipeline of that source got the held one and was refused ("lists
+    # source .../x"), and one of the same source would have planned from the old catalog.
+    import os
+    import shutil
+
+    disk = second_timestamps
+    for src in ("x", "y"):
+        for name in ("s0", "s1"):
+            (disk / src / name).mkdir(parents=True)
+            (disk / src / name / "a.txt").write_text(f"{src} {name}")
+    index((disk / "x").as_uri(), disk / "x.gz")
+    listed = index((disk / "y").as_uri(), disk / "y.gz").catalog
+    for second in range(60):  # the same size as x's: y's written at another listed_at until it is
+        if os.path.getsize(disk / "x.gz") == os.path.getsize(disk / "y.gz"):
+            break
+        write_manifest(disk / "y.gz", (disk / "y").as_uri(), "folders", listed, listed_at=f"2026-01-01T00:00:{second:02d}Z")
+    assert os.path.getsize(disk / "x.gz") == os.path.getsize(disk / "y.gz")
+    for _ in range(5):  # until both copies land in one second (the first try, but at a second's edge)
+        shutil.copyfile(disk / "x.gz", disk / "m.gz")
+        held = read_manifest(disk / "m.gz")  # as a DataLoader's dataset holds it
+        before = os.stat(disk / "m.gz")
+        shutil.copyfile(disk / "y.gz", disk / "m.gz")
+        after = os.stat(disk / "m.gz")
+        keys = ("st_ino", "st_size", "st_mtime_ns", "st_ctime_ns")
+        if all(getattr(before, k) == getattr(after, k) for k in keys):
+            break
+    else:
+        pytest.fail("no copy landed in the same second as the one before it")
+    assert held.source == (disk / "x").as_uri()
+    assert read_manifest(disk / "m.gz").source == (disk / "y").as_uri()
+    with Pipeline((disk / "y").as_uri(), disk / "c", "1MiB", manifest=disk / "m.gz") as pipe:
+        assert {item.name: (item / "a.txt").read_text() for item in pipe} == {"s0": "y s0", "s1": "y s1"}
