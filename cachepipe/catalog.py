@@ -40,9 +40,10 @@ _ETAG_NONE, _ETAG_MD5, _ETAG_TEXT = 0, 1, 2
 _DIGEST = 16  # bytes per file in the digest column
 _NO_DIGEST = bytes(_DIGEST)
 _MAX_SIZE = (1 << 63) - 1  # bytes: what array('q') holds
-# keys._CONTROL's characters as UTF-8 bytes, and a lone surrogate that check_key refuses (stored
-# with "surrogatepass": U+D800-U+DFFF is ED A0-BF xx; U+DC80-U+DCFF, ED B2 xx and ED B3 xx, pass)
-_NOT_PLAIN_BYTES = re.compile(rb"[\x00-\x1f\x7f]|\xed[\xa0-\xb1\xb4-\xbf]")
+# keys._CONTROL's characters as UTF-8 bytes, and any lone surrogate (stored with "surrogatepass":
+# U+D800-U+DFFF is ED A0-BF xx): check_key refuses most, and one of undecodable bytes (U+DC80-U+DCFF)
+# where the bytes of its segment spell UTF-8, so a key with any is checked by check_key itself
+_NOT_PLAIN_BYTES = re.compile(rb"[\x00-\x1f\x7f]|\xed[\xa0-\xbf]")
 
 
 def _md5_digest(etag: str | None) -> bytes | None:

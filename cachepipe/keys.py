@@ -27,7 +27,8 @@ def check_key(key: str) -> list[str]:
     """Return the ``/``-separated segments of ``key``, or raise :class:`UnsafeKeyError`.
 
     Rejected: empty keys, absolute keys, backslashes, NUL and other control characters, lone
-    surrogates (but those of undecodable bytes, U+DC80 to U+DCFF, as ``os.fsdecode`` makes them),
+    surrogates (but those of undecodable bytes, U+DC80 to U+DCFF, as ``os.fsdecode`` makes them,
+    and only where ``os.fsdecode`` would: never bytes that spell UTF-8, another key's name),
     empty, ``.`` or ``..`` segments, segments over 255 bytes, and the reserved top-level name
     ``.cachepipe``.
     """
@@ -39,10 +40,13 @@ def check_key(key: str) -> list[str]:
         raise UnsafeKeyError(key, "contains a backslash")
     if _CONTROL.search(key):
         raise UnsafeKeyError(key, "contains NUL or a control character")
-    try:
-        key.encode("utf-8", "surrogateescape")  # what os.fsencode makes of a path here
-    except UnicodeEncodeError:
-        raise UnsafeKeyError(key, "contains a lone surrogate: no file name can hold it") from None
+    if not key.isascii():
+        try:
+            encoded = key.encode("utf-8", "surrogateescape")  # what os.fsencode makes of a path here
+        except UnicodeEncodeError:
+            raise UnsafeKeyError(key, "contains a lone surrogate: no file name can hold it") from None
+        if encoded.decode("utf-8", "surrogateescape") != key:  # "\udcc3\udca9" is the bytes of "é"
+            raise UnsafeKeyError(key, "its undecodable bytes (U+DC80-U+DCFF) spell UTF-8: its file name is another key's")
     segments = key.split("/")
     # The common case in one pass at C speed (a segment of at most 63 characters is at most
     # 252 bytes); the loop below names the first bad segment.

@@ -309,3 +309,26 @@ def test_an_ack_never_deletes_through_a_link_that_replaced_a_nested_items_folder
         "not deleting a/b.bin",
         "not deleting a/c.bin",
     }
+
+
+def test_undecodable_bytes_that_spell_another_keys_name_are_unsafe(tmp_path):
+    # "\udcc3\udca9" (the surrogates os.fsdecode makes of the bytes C3 A9 when they do not decode)
+    # is written as the bytes C3 A9: the file name of "é". Both were taken, and two items shared
+    # one folder: the second failed at its publication (FileExistsError, "not managed by
+    # cachepipe") when the first was still held, or was published into the first's folder.
+    import fsspec
+
+    root, fs = "memory://spelled/data", fsspec.filesystem("memory")
+    fs.pipe(f"{root}/é/f", b"A" * 10)
+    fs.pipe(f"{root}/\udcc3\udca9/f", b"B" * 10)
+    with Pipeline(root, tmp_path / "c", "1MiB", auto_ack=False, on_error="skip") as pipe:
+        delivered, skipped = {}, {}
+        while (got := pipe.get_or_skipped(timeout=60)) is not None:
+            if isinstance(got, Skipped):
+                skipped[got.name] = got.reason
+            else:
+                delivered[got.name] = (got / "f").read_bytes()  # all held: acknowledged at the end
+        assert delivered == {"é": b"A" * 10}
+        assert list(skipped) == ["\udcc3\udca9"] and "spell UTF-8" in skipped["\udcc3\udca9"]
+    with pytest.raises(UnsafeKeyError, match="spell UTF-8"):
+        Pipeline(root, tmp_path / "c2", "1MiB").open()
