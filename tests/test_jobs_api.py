@@ -484,6 +484,30 @@ def test_a_take_waiting_through_two_restarts_waits_for_the_daemon_after_each(s3_
     assert got["item"].name == first
 
 
+def test_a_store_connection_reset_while_the_daemon_lists_for_a_job_is_answered_as_a_store_error(
+    s3_source, fault_proxy, tmp_path, short_dir
+):
+    """Registering a job (and ``POST /v1/manifests``) lists the source in the request's thread.
+    The request handler takes a BrokenPipeError or ConnectionResetError out of a route for its
+    client gone (the connection is closed, no answer): a store's reset raised as such would reach
+    the lane as a dropped connection. It does not: the store's seam raises a reset as a plain
+    ConnectionError naming the endpoint (stores/fsspec_errors.py), and the lane gets the error
+    answer of any store failure. Passed before (written to check the suspicion)."""
+    proxy, endpoint = fault_proxy
+    s3_source.folders(2, {"a.bin": KIB})
+    sock = short_dir / "api.sock"
+    # retries 0: the first reset fails the listing
+    config, one = one_rank_job(s3_source, tmp_path, sock, storage_options=via(s3_source, endpoint), retries=0)
+    with DaemonProcess(config) as daemon, JobClient("train", one, 0, socket=sock) as lane:
+        proxy.inject("refuse", 100)  # each connection to the store is accepted, then reset
+        with pytest.raises(ServiceError, match=rf"connection to {endpoint} failed for {s3_source.url}: ") as err:
+            lane.register()  # a ServiceError: answered; a dropped connection would be a ConnectionError
+        assert err.value.status == 500  # as a store's other failures (no mapping to a status of their own)
+        assert "ConnectionResetError" in daemon.log() or "RemoteDisconnected" in daemon.log()
+        proxy.clear()
+        assert lane.register()["items"] == 2  # the same daemon lists it once the store answers
+
+
 def test_a_reload_that_changes_the_jobs_section_says_it_takes_a_restart(s3_source, tmp_path, short_dir):
     """First-hour review: a reload ignored a new jobs.capacity or jobs.sources and logged
     "nothing changed"; a job asking for the new source was then refused by the old section."""
