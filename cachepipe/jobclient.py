@@ -26,7 +26,7 @@ from typing import Any
 from urllib.parse import quote
 
 from .client import DEFAULT_OUTAGE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT, Client, ServiceError
-from .daemonconn import _code, _info
+from .daemonconn import _code, _info, _Outage
 from .errors import LaneConflictError
 from .items import PathItem
 from .plan import Cursor
@@ -107,7 +107,8 @@ class JobClient:
             is registered (default 10: a wrong socket fails fast).
         outage_timeout: seconds to keep trying while the daemon is not there, once the job is
             registered (default 300: a crash, systemd's ``RestartSec=5s``, then opening the
-            caches); each such wait is logged as it begins.
+            caches), per outage: a request that a restarted daemon served has it all again when
+            that daemon goes away in turn; each such wait is logged as it begins.
 
     Raises:
         ValueError: ``outage_timeout`` not a number of seconds >= 0.
@@ -277,25 +278,26 @@ class JobClient:
     ) -> tuple[int, bytes]:
         """Send (again while the daemon restarts: every request here is idempotent); 408 is
         returned to a caller that waits (``may_wait``); a job the daemon does not know (it
-        restarted) is registered again, once per call."""
+        restarted) is registered again, once per daemon (again after each outage, not twice in a
+        row). One wait for an absent or stopping daemon per outage (an :class:`_Outage`, ended by
+        any answer but a 503), so a request served by a restarted daemon waits in full again
+        when that one stops too."""
         client = self._client
-        outage_since: float | None = None
-        registered = False
+        outage = _Outage(client.startup_timeout, client.address)
+        registered: int | None = None  # the outage count when this call registered the job
         while True:
-            status, data = client._request(method, route, body, timeout, retry=True, raw=raw)  # noqa: SLF001 - the same daemon connection
+            status, data = client._request(method, route, body, timeout, retry=True, raw=raw, outage=outage)  # noqa: SLF001 - the same daemon connection
             if status in (200, 204) or (status == 408 and may_wait):
                 return status, data
             code = _code(data)
-            if status == 404 and method == "POST" and not registered:
+            if status == 404 and method == "POST" and registered != outage.begun:
                 self.register()  # the daemon restarted and forgot the job
-                registered = True
+                registered = outage.begun
+                outage.limit = client.startup_timeout  # registered: outage_timeout from now on
                 continue
-            if status == 503 and code == "stopping":
-                outage_since = outage_since or time.monotonic()
-                if time.monotonic() - outage_since < client.startup_timeout:
-                    client._drop()  # noqa: SLF001 - ask the daemon's successor
-                    time.sleep(0.1)
-                    continue
+            if status == 503 and code == "stopping" and outage.pause():
+                client._drop()  # noqa: SLF001 - ask the daemon's successor
+                continue
             if status == 409 and code == "lane_conflict":  # another consumer moved the lane while this one waited
                 raise LaneConflictError(str(_info(data).get("message", "")))
             if status == 409:  # a job registered under this name with another spec, or no room
