@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from mounts import mounted
 from waiting import wait_until
 
 from cachepipe import OversizeError, Pipeline
@@ -20,20 +21,8 @@ from cachepipe.service.preflight import host_problems
 KIB = 1024
 
 
-@contextlib.contextmanager
 def tmpfs(path, size: str, options: str = ""):
-    path.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}{options}", "tmpfs", str(path)], capture_output=True, text=True, check=False
-    )
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
+    return mounted(path, ["mount", "-t", "tmpfs", "-o", f"size={size}{options}", "tmpfs", str(path)])
 
 
 @pytest.mark.parametrize("download_processes", [0, 2], ids=["threads", "worker-processes"])

@@ -408,6 +408,17 @@ def test_a_take_left_waiting_by_a_consumer_that_went_away_does_not_move_the_lane
     assert "lane 0.0: another consumer moved the lane to (0, 0) while this one waited for (0, 5)" in log
 
 
+def a_job_whose_first_item_is_held(s3_source, fault_proxy, tmp_path, sock, folders, **hold):
+    """A one-rank job over ``folders`` folders read through the fault proxy, whose first item's
+    download the proxy holds until the gate returned is set: ``(config, job, first, gate)``."""
+    proxy, endpoint = fault_proxy
+    first = min(s3_source.folders(folders, {"a.bin": KIB}))
+    config, one = one_rank_job(s3_source, tmp_path, sock, storage_options=via(s3_source, endpoint))
+    gate = threading.Event()
+    proxy.hold(lambda head: f"{first}/a.bin" in head, gate, **hold)
+    return config, one, first, gate
+
+
 def test_a_take_waiting_when_the_daemon_stops_is_answered_stopping_and_asks_the_next_daemon(
     s3_source, fault_proxy, tmp_path, short_dir
 ):
@@ -416,13 +427,8 @@ def test_a_take_waiting_when_the_daemon_stops_is_answered_stopping_and_asks_the_
     was answered 500 "internal" (RuntimeError: closed), and JobClient raised ServiceError: the
     DataLoader worker died on a restart it is meant to wait out (found in review). Now it is 503
     "stopping", and the lane asks the next daemon, which hands it the item."""
-    proxy, endpoint = fault_proxy
-    data = s3_source.folders(4, {"a.bin": KIB})
     sock = short_dir / "api.sock"
-    config, one = one_rank_job(s3_source, tmp_path, sock, storage_options=via(s3_source, endpoint))
-    first = min(data)
-    gate = threading.Event()
-    proxy.hold(lambda head: f"{first}/a.bin" in head, gate)
+    config, one, first, gate = a_job_whose_first_item_is_held(s3_source, fault_proxy, tmp_path, sock, 4)
     try:
         with JobClient("train", one, 0, socket=sock) as lane:
             with DaemonProcess(config) as daemon, Client(socket=sock) as admin:
@@ -447,13 +453,9 @@ def test_a_take_waiting_through_two_restarts_waits_for_the_daemon_after_each(s3_
     the take raised the 503 at once instead of waiting for the next daemon. And it registered the
     job again once per request: within its wait, the third daemon's 404 was raised (ServiceError
     "no job 'train'")."""
-    proxy, endpoint = fault_proxy
-    data = s3_source.folders(2, {"a.bin": KIB})
     sock = short_dir / "api.sock"
-    config, one = one_rank_job(s3_source, tmp_path, sock, storage_options=via(s3_source, endpoint))
-    first = min(data)
-    gate = threading.Event()
-    proxy.hold(lambda head: f"{first}/a.bin" in head, gate, limit=600)  # not ready under any daemon until the gate opens
+    # (limit: not ready under any daemon until the gate opens)
+    config, one, first, gate = a_job_whose_first_item_is_held(s3_source, fault_proxy, tmp_path, sock, 2, limit=600)
     wait = 8  # outage_timeout: room for a daemon's start after each stop
 
     def waiting() -> bool:

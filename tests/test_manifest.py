@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from pathlib import Path
 
 import pytest
+from mounts import mounted
 
 from cachepipe import ConfigError, EmptySourceError, Pipeline
 from cachepipe.catalog import Catalog
@@ -264,26 +266,11 @@ def test_cli_index_of_an_empty_source_says_why_as_a_pipeline_does(tmp_path, s3_s
 def second_timestamps(tmp_path):
     """A small real ext4 with 128-byte inodes, whose file times have a granularity of 1 s (as
     ext3's, HFS+'s, or FAT's 2 s), loop-mounted at tmp_path / "disk" (root only, as CI runs)."""
-    import os
-    import subprocess
-
-    if os.geteuid() != 0:
-        pytest.skip("mounting a loop file system needs root (CI runs as root)")
     image, disk = tmp_path / "disk.img", tmp_path / "disk"
     image.write_bytes(b"")
     os.truncate(image, 8 << 20)
-    disk.mkdir()
-    for cmd in (["mkfs.ext4", "-q", "-F", "-I", "128", str(image)], ["mount", "-o", "loop", str(image), str(disk)]):
-        try:
-            result = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        except FileNotFoundError as exc:
-            pytest.skip(f"no {cmd[0]} here: {exc}")
-        if result.returncode != 0:
-            pytest.skip(f"cannot {cmd[0]} here: {result.stderr.strip()}")
-    try:
+    with mounted(disk, ["mkfs.ext4", "-q", "-F", "-I", "128", str(image)], ["mount", "-o", "loop", str(image), str(disk)]):
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def test_a_manifest_copied_over_a_held_one_within_a_second_is_read_again(second_timestamps):
