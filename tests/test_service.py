@@ -63,6 +63,14 @@ def stats(client: Client, name: str = "train") -> dict:
     return client.status()["pipelines"][name]["stats"]
 
 
+def marker_acks(client: Client, kind: str, name: str = "train") -> float:
+    """The daemon's count of items of pipeline ``name`` acknowledged by ``kind`` ("marker" or
+    "deleted"), from its metrics (0 before the first)."""
+    sample = f'cachepipe_marker_acks_total{{kind="{kind}",pipeline="{name}"}} '
+    lines = [line for line in client.metrics().splitlines() if line.startswith(sample)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
 CONSUMER = r"""
 import json, os, sys
 from cachepipe.client import Client
@@ -185,10 +193,10 @@ def test_done_markers_and_deletions_ack(s3_source, s3_endpoint, tmp_path, short_
         shard.path.unlink()
         wait_until(lambda: stats(shards, "shards")["items_acked"] == 1, what="the file deletion to ack")
 
-        text = train.metrics()
-        assert 'cachepipe_marker_acks_total{kind="marker",pipeline="train"} 1.0' in text
-        assert 'cachepipe_marker_acks_total{kind="deleted",pipeline="train"} 1.0' in text
-        assert 'cachepipe_marker_acks_total{kind="deleted",pipeline="shards"} 1.0' in text
+        # the pipeline counts an ack, then the daemon counts its kind: wait for the daemon's counts too
+        kinds = [("marker", "train"), ("deleted", "train"), ("deleted", "shards")]
+        wait_until(lambda: all(marker_acks(train, *kind) for kind in kinds), what="the marker acks' metrics")
+        assert [marker_acks(train, *kind) for kind in kinds] == [1, 1, 1], train.metrics()
 
 
 def inotify_watches(pid: int) -> int:
