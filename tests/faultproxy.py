@@ -22,6 +22,7 @@ that ran out). :func:`silent` is an endpoint that takes requests and never answe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 from collections import deque
@@ -180,6 +181,7 @@ class FaultProxy:
         limit = self.cut_after if fault in ("cut", "stall") else None
         sent = 0
         pending = b""
+        ended = False  # at the sender's end of file
         try:
             while data := await reader.read(65536):
                 if record is not None:
@@ -203,9 +205,20 @@ class FaultProxy:
                     writer.write(data)
                 sent += len(data)
                 await writer.drain()
+            else:
+                ended = True
         finally:
-            self._writers.discard(writer)
-            writer.transport.abort()
+            try:
+                if ended:
+                    # what was relayed reaches the other end before this side closes: an abort
+                    # dropped what drain() had left buffered (up to 64 KiB), and the moto server
+                    # closes after each response, so a client slower than it got a short body
+                    with contextlib.suppress(OSError):  # the other end went away meanwhile
+                        writer.close()
+                        await writer.wait_closed()
+            finally:
+                self._writers.discard(writer)
+                writer.transport.abort()
 
 
 @contextmanager
