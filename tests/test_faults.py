@@ -420,7 +420,7 @@ def _hold_second_part(proxy, key: str) -> tuple[list[str], threading.Event]:
         return False
 
     gate = threading.Event()
-    proxy.hold(late, gate)
+    proxy.hold(late, gate, limit=600)  # held past any wait of the test: only a second request brings the part
     return held, gate
 
 
@@ -439,7 +439,9 @@ def test_a_late_part_of_the_item_the_consumer_waits_for_is_requested_again(remot
         with Pipeline(
             remote_source.url, tmp_path / "c", "8MiB", storage_options=options, manifest=manifest, max_concurrency=4
         ) as pipe:
-            item = pipe.get(timeout=10)  # without a second request: TimeoutError, the part held until the gate
+            # without a second request: TimeoutError, the part held until the gate; 30 s: the second
+            # request waits for twice the other parts' time (the test below passed 10 s under load)
+            item = pipe.get(timeout=30)
             assert item is not None and item.name == first and held and not gate.is_set()
             assert (item / "f").read_bytes() == data[first]["f"]
             gate.set()  # the first request's answer comes now: its first write finds the part done
@@ -520,14 +522,16 @@ def test_a_second_request_refused_as_changed_fails_the_item_at_once(remote_sourc
         return True
 
     gate = threading.Event()
-    proxy.hold(late, gate)
+    proxy.hold(late, gate, limit=600)  # held past any wait of the test: only the second request ends the item
     options = via(remote_source, endpoint)
     try:
         with Pipeline(
             remote_source.url, tmp_path / "c", "8MiB", storage_options=options, manifest=manifest, max_concurrency=4
         ) as pipe:
             with pytest.raises(ItemFailedError) as info:
-                pipe.get(timeout=10)  # before: TimeoutError, the item waited for the held request
+                # before: TimeoutError, the item waited for the held request; 30 s: the second request
+                # waits for twice the other parts' time (a loaded run passed 10 s, 1 of 20 runs)
+                pipe.get(timeout=30)
             assert isinstance(info.value.__cause__, ObjectChangedError), info.value
             assert f"{first}/f" in str(info.value) and not gate.is_set()
             assert pipe.stats().hedges == 1
