@@ -489,11 +489,16 @@ def test_a_late_part_is_requested_again_once_the_consumer_moves_on_with_nothing_
             max_concurrency=4,
             part_size="256KiB",
         ) as pipe:
-            wait_until(lambda: pipe.stats().requests == 11, what="every part but the held one")  # nothing more comes
+            # every part but the held one (a loaded machine may hedge one of them too: count the held part's)
+            wait_until(lambda: pipe.stats().requests >= 11, what="every part but the held one")
+            assert sum(_second_part(f"{last}/f", head) for head in proxy.requests) == 1  # two ahead: not hedged
             first = pipe.get(timeout=10)  # the last item is one ahead now
             assert first is not None and first.name == "item000"
-            wait_until(lambda: pipe.stats().hedges == 1, what="the held part requested again")
-            assert held and not gate.is_set()
+            wait_until(
+                lambda: sum(_second_part(f"{last}/f", head) for head in proxy.requests) == 2,
+                what="the held part requested again",
+            )
+            assert held and not gate.is_set() and pipe.stats().hedges >= 1
             for expected in ("item001", last):
                 # 30 s: once in a full run on a loaded machine the second request took over 10 s
                 # (obs; not reproduced in 60 runs alone or beside the faults tests under load)
