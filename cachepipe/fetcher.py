@@ -286,8 +286,8 @@ class Fetcher(_PartRequests):
             return True
         if got is not True:  # on disk already: recovered at open, or retained
             self._begin(seq)
+            self.counters.add(items_adopted=1)  # counted before a consumer can take it, as a download is
             self._broker.put(seq, item.name, os.fspath(got))
-            self.counters.add(items_adopted=1)
             return True
         self.counters.add(producer_wait_seconds=time.monotonic() - waited)
         if self._stop.is_set():

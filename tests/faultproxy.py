@@ -22,11 +22,13 @@ that ran out). :func:`silent` is an endpoint that takes requests and never answe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 SEGMENT = 1448  # bytes: the TCP segments of an Ethernet link (MTU 1,500), not loopback's 64 KiB
 SLOWDOWN = b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
@@ -102,12 +104,22 @@ class FaultProxy:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, SEGMENT)  # advertised to clients
         listener.bind(("127.0.0.1", 0))
-        server = self._loop.run_until_complete(asyncio.start_server(self._handle, sock=listener))
+        accepted: set[asyncio.BaseTransport] = set()  # the clients' connections, until each is lost
+
+        def protocol() -> asyncio.StreamReaderProtocol:  # asyncio.start_server's, kept in ``accepted``
+            return _Kept(accepted, asyncio.StreamReader(loop=self._loop), self._handle, loop=self._loop)
+
+        server = self._loop.run_until_complete(self._loop.create_server(protocol, sock=listener))
         self.port = server.sockets[0].getsockname()[1]
         self._ready.set()
         try:
             self._loop.run_forever()
         finally:
+            # A connection accepted as the proxy stops was left open (its ResourceWarning failed the
+            # test running then): its transport is made in a later turn of the loop, which failed
+            # once the server was closed; its handler, cancelled before it began, never closed it.
+            self._loop.remove_reader(listener.fileno())  # no more accepts
+            self._loop.run_until_complete(asyncio.sleep(0))  # those under way make their transports
             server.close()
             for w in list(self._writers):
                 w.transport.abort()
@@ -116,6 +128,9 @@ class FaultProxy:
             for task in pending:
                 task.cancel()
             self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            for transport in list(accepted):  # their handlers never began
+                transport.abort()
+            self._loop.run_until_complete(asyncio.sleep(0))  # an abort closes its socket in a later turn
             self._loop.close()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -130,6 +145,7 @@ class FaultProxy:
                 self.injected[fault] += 1
         self._writers.add(writer)
         heads: list[str] = []  # this connection's requests
+        upstream: asyncio.StreamWriter | None = None
         try:
             if fault == "refuse":
                 writer.transport.abort()
@@ -141,14 +157,16 @@ class FaultProxy:
                 await writer.drain()
                 writer.close()
                 return
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
-            self._writers.add(up_writer)
-            await asyncio.gather(self._pipe(reader, up_writer, record=heads), self._pipe(up_reader, writer, fault))
+            up_reader, upstream = await asyncio.open_connection(*self.target)
+            self._writers.add(upstream)
+            await asyncio.gather(self._pipe(reader, upstream, record=heads), self._pipe(up_reader, writer, fault))
         except (ConnectionError, asyncio.IncompleteReadError, OSError):
             pass  # a client or upstream went away: that is what this proxy is for
         finally:
-            self._writers.discard(writer)
-            writer.transport.abort()
+            for end in (writer, upstream):  # the pipes close them, unless cancelled before they began
+                if end is not None:
+                    self._writers.discard(end)
+                    end.transport.abort()
             with self._lock:
                 self.ended.extend(heads)
 
@@ -180,6 +198,7 @@ class FaultProxy:
         limit = self.cut_after if fault in ("cut", "stall") else None
         sent = 0
         pending = b""
+        ended = False  # at the sender's end of file
         try:
             while data := await reader.read(65536):
                 if record is not None:
@@ -203,9 +222,40 @@ class FaultProxy:
                     writer.write(data)
                 sent += len(data)
                 await writer.drain()
+            else:
+                ended = True
         finally:
-            self._writers.discard(writer)
-            writer.transport.abort()
+            try:
+                if ended:
+                    # what was relayed reaches the other end before this side closes: an abort
+                    # dropped what drain() had left buffered (up to 64 KiB), and the moto server
+                    # closes after each response, so a client slower than it got a short body
+                    with contextlib.suppress(OSError):  # the other end went away meanwhile
+                        writer.close()
+                        await writer.wait_closed()
+            finally:
+                self._writers.discard(writer)
+                writer.transport.abort()
+
+
+class _Kept(asyncio.StreamReaderProtocol):
+    """The protocol of :func:`asyncio.start_server`, which keeps its connection in ``accepted``
+    until the connection is lost."""
+
+    def __init__(self, accepted: set[asyncio.BaseTransport], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._accepted = accepted
+        self._connection: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._connection = transport
+        self._accepted.add(transport)
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._connection is not None:
+            self._accepted.discard(self._connection)
+        super().connection_lost(exc)
 
 
 @contextmanager

@@ -382,13 +382,17 @@ def test_a_take_left_waiting_by_a_consumer_that_went_away_does_not_move_the_lane
         with DaemonProcess(write_config(tmp_path, sock, jobs)) as daemon, JobClient("train", one, 0, socket=sock) as lane:
             lane.register()
             body = json.dumps({"rank": 0, "worker": 0, "epoch": 0, "index": 5, "timeout": 60}).encode()
-            with socket.socket(socket.AF_UNIX) as gone:
+            with socket.socket(socket.AF_UNIX) as gone, Client(socket=sock) as probe:
                 gone.connect(str(sock))
                 gone.sendall(
                     b"POST /v1/jobs/train/take HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
                 )
                 wait_until(lambda: any(f"{fifth}/a.bin" in head for head in proxy.requests), 30, "the download of (0, 5)")
+                # The register planned every item at once: (0, 5)'s download says nothing of the take.
+                # Its request thread counts it waiting, then moves the lane to (0, 5): a loaded machine
+                # answered the new consumer's take of (0, 0) first, and the late move consumed (0, 0).
+                wait_until(lambda: probe.status()["jobs"]["job/train"]["waiting"] == 1, 30, "the take of (0, 5) to wait")
             threading.Timer(4.0, gate.set).start()  # the item arrives later, for nobody
             cursor, names, failed = (0, 0), [], []
             while (item := lane.take(cursor, timeout=60)) is not None:

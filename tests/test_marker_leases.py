@@ -10,7 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
-from test_service import FILES, inotify_watches, stats, write_config
+from test_service import FILES, inotify_watches, marker_acks, stats, write_config
 from waiting import wait_until
 
 from cachepipe.client import Client
@@ -65,13 +65,17 @@ def test_a_marker_holding_a_lease_from_before_a_restart_does_not_ack_the_items_n
         wait_until(lambda: stats(probe)["items_acked"] or refused(probe), what="the daemon to judge the old consumer's .done")
         assert path.is_dir() and (path / "a.bin").exists(), "the old lease's .done acknowledged the new holder's item"
         assert stats(probe)["items_acked"] == 0 and refused(probe) == 1
+        # the refusal is counted, then logged: wait for its line
+        wait_until(lambda: "acknowledges nothing" in daemon.log(), what="the refused .done's warning")
         warning = [line for line in daemon.log().splitlines() if "acknowledges nothing" in line]
         assert len(warning) == 1 and str(path) in warning[0] and old_lease in warning[0], warning
         probe.renew(path, lease)  # still leased to its new holder
         mark(path, lease)  # the new holder's own marker: the same file, written again
         wait_until(lambda: stats(probe)["items_acked"] == 1, what="the new holder's .done to ack")
         assert not path.exists()
-        assert 'cachepipe_marker_acks_total{kind="marker",pipeline="train"} 1.0' in probe.metrics()
+        # the pipeline counts the ack, then the daemon counts it as a marker's: wait for that count too
+        wait_until(lambda: marker_acks(probe, "marker"), what="the marker ack's metric")
+        assert marker_acks(probe, "marker") == 1 and stats(probe)["items_acked"] == 1
 
 
 def test_a_marker_is_judged_when_its_writer_closes_it(s3_source, s3_endpoint, tmp_path, short_dir):

@@ -485,6 +485,28 @@ def test_keep_on_close_items_are_reused_by_the_next_owner(s3_source, tmp_path):
     assert os.listdir(cache) == [".cachepipe"]
 
 
+def test_an_item_reused_from_disk_is_counted_before_a_consumer_can_take_it(s3_source, tmp_path, monkeypatch):
+    # A downloaded item is counted before it is ready; one found on disk was counted after: a
+    # consumer that took it (or a test that saw it ready) could read items_reused one short.
+    from cachepipe.broker import Broker
+
+    data = s3_source.folders(3, {"f": 1000})
+    cache = tmp_path / "c"
+    _leave_items(s3_source, cache)
+    pipe = Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options)
+    seen: list[tuple[int, int]] = []  # (items_reused as each item becomes ready, items ready by then)
+    put_many = Broker.put_many
+
+    def counted_put_many(self, ready):
+        seen.append((pipe.stats().items_reused, len(ready) + (seen[-1][1] if seen else 0)))
+        put_many(self, ready)
+
+    monkeypatch.setattr(Broker, "put_many", counted_put_many)
+    with pipe:
+        assert [p.name for p in pipe] == sorted(data)
+    assert seen == [(1, 1), (2, 2), (3, 3)]
+
+
 def test_an_item_left_with_a_link_in_it_is_downloaded_again_and_the_link_never_followed(s3_source, tmp_path):
     # No download makes a link: an item holding one was changed by someone else, so it is not
     # reused as it stands (its files matched the listing's names and sizes without the link).

@@ -505,12 +505,14 @@ def test_a_connection_serves_the_next_request_whichever_thread_makes_it(range_se
     got: list[bytes] = []
 
     def one(i: int) -> None:
-        turns[i].wait(5)
+        # each waits for the one before, however long it takes: a loaded run's first GET (the
+        # store's session made) took over the 5 s waited here, and the second went first
+        turns[i].wait(60)
         out = io.BytesIO()
         store.get("obj", out, i, i + 1000)
         got.append(out.getvalue())
         turns[i + 1].set()
-        turns[4].wait(5)  # alive until the last has its answer
+        turns[4].wait(60)  # alive until the last has its answer
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
     try:
@@ -518,7 +520,7 @@ def test_a_connection_serves_the_next_request_whichever_thread_makes_it(range_se
             thread.start()
         turns[0].set()
         for thread in threads:
-            thread.join(10)
+            thread.join(120)
     finally:
         store.close()
     assert got == [body[i : i + 1000] for i in range(4)]
