@@ -534,8 +534,7 @@ def test_each_store_failure_of_a_listing_for_jobs_is_answered_with_its_status_an
     with DaemonProcess(config) as daemon:
         for fault, source, status, code, message in cases:
             with JobClient("train", {**one, "source": source}, 0, socket=sock) as lane:
-                requests = [lane.register] if status == 503 else [lane.register, lambda: lane.index(source)]  # noqa: B023
-                for request in requests:  # a manifest's listing retried 12 times, whatever jobs.options said
+                for request in (lane.register, lambda: lane.index(source)):  # noqa: B023 - called in this turn
                     proxy.clear()
                     if fault is not None:
                         proxy.inject(fault, 100)
@@ -546,12 +545,30 @@ def test_each_store_failure_of_a_listing_for_jobs_is_answered_with_its_status_an
         log = daemon.log()
         assert "Traceback" not in log and "internal" not in log
         answered = [line for line in log.splitlines() if line.startswith("WARNING cachepipe.service.api: ")]
-        assert len(answered) == 2 * len(cases) - 1, log  # one line per answer
+        assert len(answered) == 2 * len(cases), log  # one line per answer
         assert "PUT /v1/jobs/train: 502 store_error: [Errno 13] access denied to " in answered[0]
         proxy.clear()
         s3_source.folders(2, {"a.bin": KIB})
         with JobClient("train", one, 0, socket=sock) as lane:
             assert lane.register()["items"] == 2  # the same daemon lists it once the store answers
+
+
+def test_a_manifest_listed_by_the_daemon_is_retried_as_jobs_options_say(s3_source, fault_proxy, tmp_path, short_dir):
+    """``POST /v1/manifests`` lists for jobs, with ``jobs.options``' credentials: it takes their
+    retries too, as a job's own listing does. It listed with the default 12 retries whatever they
+    said (against a store resetting every connection, about 55 s before its answer). Failed
+    before: the SlowDown was retried, and the listing answered 200."""
+    proxy, endpoint = fault_proxy
+    s3_source.folders(2, {"a.bin": KIB})
+    sock = short_dir / "api.sock"
+    config, one = one_rank_job(s3_source, tmp_path, sock, storage_options=via(s3_source, endpoint), retries=0)
+    with DaemonProcess(config) as daemon, JobClient("train", one, 0, socket=sock) as lane:
+        proxy.inject("503", 1)  # one SlowDown: the first listing's first request
+        with pytest.raises(StoreError, match=r"SlowDown") as err:
+            lane.index(s3_source.url)
+        assert (err.value.status, err.value.code) == (503, "store_unavailable")
+        assert "retry 1/" not in daemon.log()
+        assert len(lane.index(s3_source.url)) == 32  # the next listing: the store answers
 
 
 def test_a_store_endpoint_that_never_answers_is_answered_as_a_store_error(s3_source, tmp_path, short_dir):
