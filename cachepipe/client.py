@@ -19,6 +19,8 @@ not thread-safe: use one ``Client`` per thread or process.
 Errors: :class:`~cachepipe.UnknownItemError` for an ack/release the daemon rejects (not handed
 out, or the lease expired and the item went to another consumer: HTTP 409), ``TimeoutError``
 when no item became ready in time, ``ConnectionError`` when the daemon cannot be reached, and
+:class:`StoreError` (a :class:`ServiceError`) when the daemon's store failed (its ``code`` says how:
+``store_unavailable``, ``store_error``, ``empty_source``, ``source_not_found``), and
 :class:`ServiceError` for any other error answer.
 
 A daemon that is starting or restarting is waited for, up to ``startup_timeout`` seconds (default
@@ -47,7 +49,16 @@ from typing import Any
 from urllib.parse import quote
 
 from .batching import ACK_AT_ONCE, HOLD, ITER_MOST, ITER_WINDOW, MAX_BATCH, LoopPace, iter_batch
-from .daemonconn import DEFAULT_OUTAGE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT, ServiceError, _code, _Connection, _info, _Outage
+from .daemonconn import (
+    DEFAULT_OUTAGE_TIMEOUT,
+    DEFAULT_STARTUP_TIMEOUT,
+    ServiceError,
+    StoreError,
+    _code,
+    _Connection,
+    _info,
+    _Outage,
+)
 from .errors import UnknownItemError
 from .items import PathItem
 
@@ -65,6 +76,7 @@ __all__ = [
     "LoopPace",
     "ServedItem",
     "ServiceError",
+    "StoreError",
     "default_socket",
     "iter_batch",
 ]
@@ -352,6 +364,7 @@ class Client(_Connection):
             TimeoutError: no item became ready in time.
             ServiceError: the item failed to download (502), no such pipeline (404), the daemon
                 is stopping (503).
+            StoreError: the pipeline's listing, streamed while it serves, failed (see :class:`StoreError`).
             ConnectionError: the daemon cannot be reached.
         """
         return self._take(timeout, None)

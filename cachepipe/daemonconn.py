@@ -1,7 +1,8 @@
 """A client's one keep-alive connection to a ``cachepipe serve`` daemon (its Unix socket, or
 ``http://HOST:PORT``): a request and its answer, reconnecting as needed, the waits for a daemon
 that is starting or restarting (:class:`_Outage`), and error answers raised as exceptions
-(:class:`ServiceError`, ``UnknownItemError`` for 409, ``TimeoutError`` for 408).
+(:class:`ServiceError`, :class:`StoreError` for the daemon's store failing, ``UnknownItemError``
+for 409, ``TimeoutError`` for 408).
 
 Invariant: a request the daemon may have carried out (it went away with it, and asking again
 would change something: an ack) is never sent twice; one that never reached a daemon, or that
@@ -27,7 +28,7 @@ from urllib.parse import urlsplit
 
 from .errors import CachePipeError, UnknownItemError
 
-__all__ = ["DEFAULT_OUTAGE_TIMEOUT", "DEFAULT_STARTUP_TIMEOUT", "ServiceError"]
+__all__ = ["DEFAULT_OUTAGE_TIMEOUT", "DEFAULT_STARTUP_TIMEOUT", "ServiceError", "StoreError"]
 
 log = logging.getLogger("cachepipe.client")
 
@@ -49,6 +50,29 @@ class ServiceError(CachePipeError):
         super().__init__(f"{message} (HTTP {status} {code})")
         self.status = status
         self.code = code
+
+
+class StoreError(ServiceError):
+    """The daemon answered that its store failed what the request needed (the listing of a job's
+    source or of ``POST /v1/manifests``, or of a pipeline whose listing streams). ``code`` says how:
+
+    - ``"store_unavailable"`` (503): a timeout, reset, 5xx or throttling, left after the daemon's
+      retries (``retryable`` is True): the same request may succeed later;
+    - ``"empty_source"``, ``"source_not_found"`` (422): the source lists no item, or its bucket
+      (or a spec's manifest) does not exist: fix the request;
+    - ``"store_error"`` (502): the store refused (denied, rejected credentials) or its endpoint
+      never answered: the daemon's settings or the store's.
+
+    The message names the store and the cause.
+    """
+
+    @property
+    def retryable(self) -> bool:
+        """Whether asking again later may succeed (503 ``store_unavailable``)."""
+        return self.status == 503
+
+
+_STORE_CODES = frozenset({"store_unavailable", "store_error", "empty_source", "source_not_found"})
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -194,7 +218,8 @@ class _Connection:
             raise UnknownItemError(message)
         if status == 408:
             raise TimeoutError(message)
-        raise ServiceError(status, str(info.get("error", "")), message)
+        code = str(info.get("error", ""))
+        raise (StoreError if code in _STORE_CODES else ServiceError)(status, code, message)
 
 
 def _ended(sock: _socket.socket) -> bool:

@@ -154,7 +154,10 @@ class JobClient:
 
         Raises:
             ServiceError: a bad spec (400), another spec under this name or no room (409), the
-                daemon takes no jobs (404), the job's source cannot be listed (5xx).
+                daemon takes no jobs (404).
+            StoreError: the job's source cannot be listed (:class:`~cachepipe.client.StoreError`,
+                a ServiceError; its ``code``: ``store_unavailable`` 503, ``store_error`` 502,
+                ``empty_source`` or ``source_not_found`` 422).
             ConnectionError: the daemon cannot be reached.
             RuntimeError: registered again (the daemon restarted and forgot the job), the job
                 now plans from another catalog than this lane's positions refer to (its source
@@ -192,7 +195,8 @@ class JobClient:
         returns the manifest's digest (a spec's ``"catalog"``).
 
         Raises:
-            ServiceError: a source the daemon's jobs may not read (400), the listing failed (5xx).
+            ServiceError: a source the daemon's jobs may not read (400).
+            StoreError: the listing failed (as :meth:`register`).
             ConnectionError: the daemon cannot be reached.
         """
         _, answer = self._request("POST", "/v1/manifests", {"source": source, "items": items}, self.register_timeout)

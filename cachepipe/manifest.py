@@ -216,12 +216,17 @@ def index(
     *,
     store: Store | None = None,
     dest_options: dict[str, Any] | None = None,
+    retries: int = 12,
+    retry_backoff: float = 0.2,
+    retry_backoff_max: float = 10.0,
 ) -> Manifest:
     """List ``source`` once and write its manifest to ``location``; return it.
 
     Args:
         store: the store to list (default: opened from ``source`` with ``storage_options``).
         dest_options: storage options for ``location`` when it is a URL (default ``storage_options``).
+        retries, retry_backoff, retry_backoff_max: how a transient store error of the listing is
+            retried (the whole listing again), as a pipeline's options of these names say.
 
     Raises:
         EmptySourceError: nothing to list (saying whether the source lists no objects, or only
@@ -240,7 +245,8 @@ def index(
     own = store is None
     src = open_store(source, storage_options) if store is None else store
     try:
-        catalog = list_source(src, items, source=source)  # transient store errors are retried, as a pipeline's listing
+        # transient store errors are retried, as a pipeline's listing
+        catalog = list_source(src, items, retries, retry_backoff, retry_backoff_max, source=source)
     finally:
         if own:
             src.close()

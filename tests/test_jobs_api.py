@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from conftest import via
 from removing import remove_tree
 from waiting import wait_until
 
-from cachepipe.client import Client, ServiceError
+from cachepipe.client import Client, ServiceError, StoreError
 from cachepipe.errors import ConfigError
 from cachepipe.jobclient import JobClient
 from cachepipe.manifest import index
@@ -508,10 +509,89 @@ def test_a_store_connection_reset_while_the_daemon_lists_for_a_job_is_answered_a
         proxy.inject("refuse", 100)  # each connection to the store is accepted, then reset
         with pytest.raises(ServiceError, match=rf"connection to {endpoint} failed for {s3_source.url}: ") as err:
             lane.register()  # a ServiceError: answered; a dropped connection would be a ConnectionError
-        assert err.value.status == 500  # as a store's other failures (no mapping to a status of their own)
+        assert (err.value.status, err.value.code) == (503, "store_unavailable")  # transient: ask again later
         assert "ConnectionResetError" in daemon.log() or "RemoteDisconnected" in daemon.log()
         proxy.clear()
         assert lane.register()["items"] == 2  # the same daemon lists it once the store answers
+
+
+def test_each_store_failure_of_a_listing_for_jobs_is_answered_with_its_status_and_code_and_logged_in_a_line(
+    s3_source, fault_proxy, tmp_path, short_dir
+):
+    """Every store failure of the daemon's listing (``PUT /v1/jobs/JOB``, ``POST /v1/manifests``)
+    was answered 500 ``internal`` and logged with a stack trace, as a bug of ours: a client could
+    not tell a store that may answer later from one that refuses, or a source that names nothing.
+    Each is answered with its own status and code (a :class:`StoreError`), the message naming the
+    store and the cause, and logged as one warning line. Failed before: 500 ``internal``."""
+    proxy, endpoint = fault_proxy
+    sock = short_dir / "api.sock"
+    missing = "s3://no-such-bucket/train/"
+    config, one = one_rank_job(s3_source, tmp_path, sock, storage_options=via(s3_source, endpoint), retries=0)
+    jobs = yaml.safe_load(config.read_text())
+    jobs["jobs"]["sources"].append(missing)
+    config.write_text(yaml.safe_dump(jobs))
+    cases = [  # (fault, source, status, code, message)
+        ("403", s3_source.url, 502, "store_error", rf"access denied to {s3_source.url}"),
+        ("InvalidAccessKeyId", s3_source.url, 502, "store_error", rf"{endpoint} rejected the credentials"),
+        ("503", s3_source.url, 503, "store_unavailable", r"unavailable .*SlowDown"),
+        (None, missing, 422, "source_not_found", r"no such bucket .*NoSuchBucket"),
+        (None, s3_source.url, 422, "empty_source", r"the source lists no objects"),
+    ]
+    with DaemonProcess(config) as daemon:
+        for fault, source, status, code, message in cases:
+            with JobClient("train", {**one, "source": source}, 0, socket=sock) as lane:
+                for request in (lane.register, lambda: lane.index(source)):  # noqa: B023 - called in this turn
+                    proxy.clear()
+                    if fault is not None:
+                        proxy.inject(fault, 100)
+                    with pytest.raises(StoreError, match=message) as err:
+                        request()
+                    assert (err.value.status, err.value.code) == (status, code), err.value
+                    assert err.value.retryable == (status == 503)
+        log = daemon.log()
+        assert "Traceback" not in log and "internal" not in log
+        answered = [line for line in log.splitlines() if line.startswith("WARNING cachepipe.service.api: ")]
+        assert len(answered) == 2 * len(cases), log  # one line per answer
+        assert "PUT /v1/jobs/train: 502 store_error: [Errno 13] access denied to " in answered[0]
+        proxy.clear()
+        s3_source.folders(2, {"a.bin": KIB})
+        with JobClient("train", one, 0, socket=sock) as lane:
+            assert lane.register()["items"] == 2  # the same daemon lists it once the store answers
+
+
+def test_a_manifest_listed_by_the_daemon_is_retried_as_jobs_options_say(s3_source, fault_proxy, tmp_path, short_dir):
+    """``POST /v1/manifests`` lists for jobs, with ``jobs.options``' credentials: it takes their
+    retries too, as a job's own listing does. It listed with the default 12 retries whatever they
+    said (against a store resetting every connection, about 55 s before its answer). Failed
+    before: the SlowDown was retried, and the listing answered 200."""
+    proxy, endpoint = fault_proxy
+    s3_source.folders(2, {"a.bin": KIB})
+    sock = short_dir / "api.sock"
+    config, one = one_rank_job(s3_source, tmp_path, sock, storage_options=via(s3_source, endpoint), retries=0)
+    with DaemonProcess(config) as daemon, JobClient("train", one, 0, socket=sock) as lane:
+        proxy.inject("503", 1)  # one SlowDown: the first listing's first request
+        with pytest.raises(StoreError, match=r"SlowDown") as err:
+            lane.index(s3_source.url)
+        assert (err.value.status, err.value.code) == (503, "store_unavailable")
+        assert "retry 1/" not in daemon.log()
+        assert len(lane.index(s3_source.url)) == 32  # the next listing: the store answers
+
+
+def test_a_store_endpoint_that_never_answers_is_answered_as_a_store_error(s3_source, tmp_path, short_dir):
+    """An endpoint that refuses the daemon's first connection (a wrong ``endpoint_url``) is not
+    retried by the daemon, nor worth retrying by a client: 502 ``store_error``, not 503. Failed
+    before: 500 ``internal``."""
+    with socket.socket() as free:  # a port nobody listens on: refused
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    sock = short_dir / "api.sock"
+    config, one = one_rank_job(s3_source, tmp_path, sock, storage_options=via(s3_source, f"http://127.0.0.1:{port}"))
+    with DaemonProcess(config) as daemon, JobClient("train", one, 0, socket=sock) as lane:
+        with pytest.raises(StoreError, match=rf"cannot reach http://127.0.0.1:{port} for {s3_source.url}: ") as err:
+            lane.register()
+        assert (err.value.status, err.value.code) == (502, "store_error")
+        assert not err.value.retryable
+        assert "Traceback" not in daemon.log()
 
 
 def test_a_reload_that_changes_the_jobs_section_says_it_takes_a_restart(s3_source, tmp_path, short_dir):

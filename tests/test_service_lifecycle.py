@@ -389,18 +389,46 @@ def test_a_loop_that_ends_while_its_daemon_is_away_waits_for_it_once_not_per_req
     assert wait <= waited < 1.5 * wait, waited  # 2 x startup_timeout before (10.0 s)
 
 
+def timed_out_nexts(probe: Client) -> float:
+    """``next`` requests the daemon answered 408 (its ``max_wait`` ran out), from its metrics."""
+    lines = probe.metrics().splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if 'route="next"' in line and 'code="408"' in line)
+
+
+def stop_while_it_waits(daemon: DaemonProcess, sock: Path, after: float = 0.0) -> float:
+    """Stop ``daemon`` (not before the monotonic time ``after``) while the one ``next`` it serves
+    is waiting inside a request that has just begun, so that the stop answers it 503 "stopping".
+    A get whose daemon answers 408 each ``max_wait`` asks again at once: a stop landing between
+    its requests is no 503 to it, but a connection that ends or a socket that is gone. Returns
+    the time the stop returned (the 503 was answered before it)."""
+    with Client("train", sock) as probe:
+        threading.Event().wait(max(after - time.monotonic(), 0))
+        answered = timed_out_nexts(probe)
+        wait_until(
+            lambda: timed_out_nexts(probe) > answered and probe.status()["pipelines"]["train"]["waiting"] == 1,
+            30,
+            "the get to ask again",
+        )  # a request begun: max_wait (3 s) before its 408
+    assert daemon.stop() == 0
+    return time.monotonic()
+
+
 def test_a_next_waiting_through_two_restarts_waits_for_the_daemon_after_each(s3_source, fault_proxy, tmp_path, short_dir):
     # A next (Client.get) kept one clock for the daemon's 503 "stopping" answers for as long as
     # it waited, also while a restarted daemon served it (answering 408 each max_wait): when that
     # daemon stopped too, more than startup_timeout after the first stop, the get raised the 503
-    # at once instead of waiting for the next daemon.
+    # at once instead of waiting for the next daemon. Each stop lands inside one of the get's
+    # requests (stop_while_it_waits), and the second one more than startup_timeout after the
+    # first stop returned. With the 503 clock never ended (224776b's fix of _next put back), the
+    # test passed anyway in 2 of 11 runs when it stopped each daemon at a time of its own: the
+    # stop came between the get's requests (max_wait 1), and no 503 reached the get.
     proxy, endpoint = fault_proxy
     s3_source.folders(2, FILES)
     gate = threading.Event()
     proxy.hold(is_item("item001"), gate, limit=600)  # not ready under any daemon until the gate opens
     sock = short_dir / "api.sock"
     config = write_config(tmp_path, sock, endpoint)
-    config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "max_wait": 1}))
+    config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "max_wait": 3}))
     wait = 8  # room for a daemon's start after each stop
     got: list = []
     daemon = DaemonProcess(config).start()
@@ -417,16 +445,12 @@ def test_a_next_waiting_through_two_restarts_waits_for_the_daemon_after_each(s3_
             waiting = threading.Thread(target=take)
             waiting.start()
             try:
-                with Client("train", sock) as probe:
-                    wait_until(lambda: probe.status()["pipelines"]["train"]["waiting"] == 1, 30, "the get to wait")
-                first_stop = time.monotonic()
-                assert daemon.stop() == 0  # the get is answered 503 stopping, and waits for the next daemon
+                # the get is answered 503 stopping, and waits for the next daemon: its clock for
+                # 503s begins before the stop returns
+                first_stop = stop_while_it_waits(daemon, sock)
                 daemon.close()
-                daemon = DaemonProcess(config).start()
-                with Client("train", sock) as probe:
-                    wait_until(lambda: probe.status()["pipelines"]["train"]["waiting"] == 1, 30, "the get to wait again")
-                threading.Event().wait(max(first_stop + wait + 1 - time.monotonic(), 0))  # past the first stop's wait
-                assert daemon.stop() == 0  # ServiceError 503 stopping at once, before
+                daemon = DaemonProcess(config).start()  # it answers the get 408 (max_wait) in turn
+                stop_while_it_waits(daemon, sock, after=first_stop + wait + 1)  # ServiceError 503 stopping at once, before
                 daemon.close()
                 daemon = DaemonProcess(config).start()
                 gate.set()

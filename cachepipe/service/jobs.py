@@ -52,6 +52,7 @@ log = logging.getLogger("cachepipe.service")
 
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _JOB_FIELDS = ("source", "items", "manifest", "epochs", "shuffle", "seed", "balance", "partition", "equal_steps", "retain")
+_RETRY_OPTIONS = ("retries", "retry_backoff", "retry_backoff_max")  # jobs.options a manifest's listing takes too
 _NODE_SETS = {
     "cache_dir",
     "capacity",
@@ -301,8 +302,8 @@ class Jobs:
         return {"catalog": manifest.digest, "source": manifest.source, "items": manifest.items, "count": len(manifest.catalog)}
 
     def index_source(self, source: str, items: str) -> dict[str, Any]:
-        """List ``source`` (under ``jobs.sources``, with ``jobs.options``' storage options) once,
-        into a manifest kept like an uploaded one.
+        """List ``source`` (under ``jobs.sources``, with ``jobs.options``' storage options and
+        retries, as a job's listing) once, into a manifest kept like an uploaded one.
 
         Raises:
             ValueError: a source this daemon's jobs may not read, or bad ``items``.
@@ -316,7 +317,9 @@ class Jobs:
         fd, tmp = tempfile.mkstemp(prefix=".index-", suffix=".json.gz", dir=folder)
         os.close(fd)
         try:
-            manifest = index(source, tmp, items, self.config.options.get("storage_options"))  # type: ignore[arg-type]
+            options = self.config.options
+            retry = {k: options.get(k, PipelineConfig.model_fields[k].default) for k in _RETRY_OPTIONS}
+            manifest = index(source, tmp, items, options.get("storage_options"), **retry)  # type: ignore[arg-type]
             os.replace(tmp, folder / f"{manifest.digest}.json.gz")
         except BaseException:
             with contextlib.suppress(FileNotFoundError):

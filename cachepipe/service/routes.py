@@ -12,7 +12,16 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
-from ..errors import ItemFailedError, LaneConflictError, UnknownItemError
+from ..errors import (
+    EmptySourceError,
+    ItemFailedError,
+    LaneConflictError,
+    StoreClosedError,
+    StoreUnavailableError,
+    StoreUnreachableError,
+    UnknownItemError,
+    is_transient,
+)
 from ..pipeline import CachedItem
 from ..plan import Cursor
 from .errors import StoppingError, UnavailableError, UnknownPipelineError
@@ -22,6 +31,10 @@ if TYPE_CHECKING:
     from ..node import SkippedStep, Taken
 
 __all__ = ["BadRequest", "item_json"]
+
+#: the codes of a store's failure (see :func:`_store_answer`): answered with a warning line in the
+#: log, not a stack trace
+STORE_CODES = frozenset({"store_unavailable", "store_error", "empty_source", "source_not_found"})
 
 
 _NEXT_RE = re.compile(r"^/v1/pipelines/([^/]+)/next$")
@@ -48,9 +61,42 @@ def item_json(pipeline: str, item: CachedItem) -> dict[str, Any]:
     }
 
 
+def _store_answer(exc: BaseException) -> tuple[int, str] | None:
+    """The status and code of a store's failure, classified as the stores' seam classified it
+    (:func:`cachepipe.errors.is_transient`); None for any other exception. A store failure is an
+    error the seam marked with its ``endpoint`` (:func:`cachepipe.errors.store_code`), or one of
+    the store classes; a listing that found nothing is one too:
+
+    - 503 ``store_unavailable``: transient (a timeout, a reset, 5xx, throttling), left after the
+      daemon's own retries: the same request may succeed later;
+    - 422 ``empty_source``: the source lists no item; ``source_not_found``: no such bucket or key
+      (a source, or a spec's manifest): the request names nothing to read, so fix the request.
+      Not 404, which says the route, pipeline or job is unknown (and makes a lane register again);
+    - 502 ``store_error``: the store refused (denied, rejected credentials) or never answered (an
+      endpoint that does not resolve or refuses): the daemon's settings or the store's, not
+      retried by the daemon either.
+
+    A request refused because the daemon's store was aborted (``StoreClosedError``, its owner
+    closing) is not the store's failure: not classified here."""
+    if isinstance(exc, EmptySourceError):
+        return 422, "empty_source"
+    if isinstance(exc, StoreClosedError):
+        return None
+    if not hasattr(exc, "endpoint") and not isinstance(exc, (StoreUnavailableError, StoreUnreachableError)):
+        return None
+    if is_transient(exc):
+        return 503, "store_unavailable"
+    if isinstance(exc, FileNotFoundError):
+        return 422, "source_not_found"
+    return 502, "store_error"
+
+
 def _error_for(exc: BaseException) -> tuple[int, str]:
     if isinstance(exc, BadRequest):
         return exc.status, "bad_request" if exc.status == 400 else HTTPStatus(exc.status).phrase.lower().replace(" ", "_")
+    store = _store_answer(exc)  # before TimeoutError: a store's timeout is not a wait that ran out (408)
+    if store is not None:
+        return store
     for kind, status, code in (
         (UnknownPipelineError, 404, "not_found"),
         (UnknownItemError, 409, "lease_conflict"),
