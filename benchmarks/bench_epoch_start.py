@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench_reopen import _child, _source
+from bench_reopen import _child, _source, kept_options
 from common import check_positive, command_line, file_system_of, format_table, machine_info, progress, source_trees
 
 CAPACITIES = ("10GiB", "50%")
@@ -80,17 +80,11 @@ if __name__ == "__main__":
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trees", nargs="+", default=["."], help="source trees to compare, the first the baseline")
-    p.add_argument("--items", type=int, default=20_000, help="folders in the source (default 20000)")
-    p.add_argument("--files", type=int, default=5, help="files per folder (default 5)")
-    p.add_argument("--size", type=int, default=100, help="bytes per file (default 100)")
+    kept_options(p, "folders in the source (default 20000)")
     p.add_argument("--workers", type=int, default=4, help="DataLoader workers (default 4)")
     p.add_argument("--batch", type=int, default=16, help="batch size (default 16)")
     p.add_argument("--loaders", nargs="+", choices=LOADERS, default=["DataLoader"], help="loaders (default DataLoader)")
     p.add_argument("--capacities", nargs="+", default=list(CAPACITIES), help="capacities (default: 10GiB 50%%)")
-    p.add_argument("--runs", type=int, default=5, help="interleaved rounds (default 5)")
-    p.add_argument("--dir", default=None, help="where the source and the caches go (default: a temporary folder)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args()
     check_positive(p, args, ("items", "files", "size", "workers", "batch", "runs"))
     trees = source_trees(p, args.trees)

@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import command_line, file_system_of, format_table, machine_info, progress, source_trees
+from common import check_positive, command_line, file_system_of, format_table, machine_info, progress, source_trees
 
 CAPACITIES = ("10GiB", "50%")
 
@@ -59,17 +59,9 @@ print(json.dumps({"seconds": took, "downloaded": stats.bytes_downloaded}))
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trees", nargs="+", default=["."], help="source trees to compare, the first the baseline")
-    p.add_argument("--items", type=int, default=20_000, help="folders kept in the cache (default 20000)")
-    p.add_argument("--files", type=int, default=5, help="files per folder (default 5)")
-    p.add_argument("--size", type=int, default=100, help="bytes per file (default 100)")
-    p.add_argument("--runs", type=int, default=5, help="interleaved rounds (default 5)")
-    p.add_argument("--dir", default=None, help="where the source and the caches go (default: a temporary folder)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    kept_options(p, "folders kept in the cache (default 20000)")
     args = p.parse_args()
-    for name in ("items", "files", "size", "runs"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} {getattr(args, name)}: expected at least 1")
+    check_positive(p, args, ("items", "files", "size", "runs"))
     trees = source_trees(p, args.trees)
     with tempfile.TemporaryDirectory(prefix="cachepipe-reopen-", dir=args.dir) as tmp:
         work = Path(tmp)
@@ -109,6 +101,19 @@ def _report(args: argparse.Namespace, trees: list[str], times: dict[tuple[str, s
     m = machine_info()
     print(f"command: {command_line()}")
     print(f"machine: {m['cpus']} cores, {m['platform']}, Python {m['python']}; {args.runs} interleaved rounds", flush=True)
+
+
+def kept_options(p: argparse.ArgumentParser, items: str) -> None:
+    """The options of a comparison of trees over a ``file://`` source of folders kept in their
+    caches (this script's and ``bench_epoch_start.py``'s): ``--trees``, ``--items`` (its help
+    ``items``), ``--files``, ``--size``, ``--runs``, ``--dir``, ``--json``."""
+    p.add_argument("--trees", nargs="+", default=["."], help="source trees to compare, the first the baseline")
+    p.add_argument("--items", type=int, default=20_000, help=items)
+    p.add_argument("--files", type=int, default=5, help="files per folder (default 5)")
+    p.add_argument("--size", type=int, default=100, help="bytes per file (default 100)")
+    p.add_argument("--runs", type=int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--dir", default=None, help="where the source and the caches go (default: a temporary folder)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
 def _source(root: Path, items: int, files: int, size: int) -> str:
