@@ -67,7 +67,7 @@ from .cache.lock import UNKNOWN_OWNER
 from .cache.room import room_at
 from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_capacity, small_capacity, with_unit
 from .errors import CacheLockedError, OversizeError
-from .manifest import Manifest, read_manifest
+from .manifest import Manifest, _is_url, read_manifest
 from .pipeline import CachedItem, Pipeline, Skipped
 from .plan import Cursor
 from .torchdist import _distributed, _from_rank0, _manifest_bytes, _save_manifest, local_ranks
@@ -236,7 +236,7 @@ class CachePipeDataset(_NodeMode, torch.utils.data.IterableDataset):  # type: ig
         whole file: seconds per worker for a million items. Workers started by spawn or
         forkserver read it themselves; so does a manifest given as an object URL."""
         location = self.options.get("manifest")
-        if location is None or "://" in os.fspath(location) or _start_method() != "fork":
+        if location is None or _is_url(os.fspath(location)) or _start_method() != "fork":
             self._manifest = None
             return
         self._manifest = read_manifest(location, self.options.get("storage_options"))
