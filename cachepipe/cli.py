@@ -144,6 +144,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``cachepipe`` console script; returns the exit status."""
     args = _parser().parse_args(argv)
+    _print_names_as_bytes()
     if args.command == "serve":
         try:
             from .service.main import check, serve
@@ -194,6 +195,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cachepipe: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _print_names_as_bytes() -> None:
+    """Print a path as the bytes of its name: one of undecodable bytes (a Latin-1 ``café``, which
+    Python holds as ``"caf\\udce9"``) is written as those bytes, which a shell consumer can open,
+    under any locale; a strict stdout (``en_US.UTF-8``'s) refused it after ``next`` took the item."""
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(errors="surrogateescape")
 
 
 def _delete_job(client: Client, name: str, force: bool) -> int:

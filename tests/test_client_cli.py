@@ -356,3 +356,33 @@ def test_format_status_puts_the_jobs_below_the_pipelines():
     assert lines[1].split()[0] == "PIPELINE" and lines[2].split()[:3] == ["val", "open", "2"] and lines[3] == ""
     assert lines[4].split()[:3] == ["JOB", "STATE", "LANES"]
     assert lines[5].split() == ["train", "open", "2", "1", "1", "1", "4", "3", "0", "1", "1.0", "KiB", "2.0", "KiB", "s3://b/j/"]
+
+
+def test_cli_next_prints_a_name_that_is_not_utf8_as_its_bytes_and_acks_it(tmp_path, short_dir):
+    """A file name of Latin-1 bytes is handed out as those bytes, under a locale whose stdout is
+    strict (en_US.UTF-8's: ``PYTHONIOENCODING=utf-8`` stands in for it). Before, ``next`` took
+    the item and then failed to print it: the consumer never got the path it now holds."""
+    src = os.fsencode(tmp_path / "src")
+    os.makedirs(src + b"/caf\xe9")
+    with open(src + b"/caf\xe9/f", "wb") as fh:
+        fh.write(b"x" * 10)
+    sock = short_dir / "api.sock"
+    train = {"source": f"file://{tmp_path / 'src'}", "cache_dir": str(tmp_path / "cache"), "capacity": "1MiB"}
+    config = {"socket": str(sock), "pipelines": {"train": train}}
+    path = tmp_path / "cachepipe.yaml"
+    path.write_text(yaml.safe_dump(config))
+    strict = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    with DaemonProcess(path):
+        for args in (["next"], ["next", "--with-lease"]):
+            taken = subprocess.run([*CLI, *args, "--socket", str(sock)], capture_output=True, env=strict, timeout=60, check=False)
+            assert taken.returncode == 0, taken.stderr.decode(errors="replace")
+            printed = taken.stdout.rstrip(b"\n").split(b" ")[-1]
+            assert printed == os.fsencode(tmp_path / "cache") + b"/caf\xe9"
+            with open(printed + b"/f", "rb") as fh:
+                assert fh.read() == b"x" * 10
+            lease = ["--lease", taken.stdout.split(b" ")[0].decode()] if "--with-lease" in args else []
+            verb = "ack" if lease else "release"
+            argv = [*CLI, verb, printed, *lease, "--socket", str(sock)]
+            done = subprocess.run(argv, capture_output=True, env=strict, timeout=60, check=False)
+            assert done.returncode == 0, done.stderr.decode(errors="replace")
+        assert not os.path.exists(printed)
