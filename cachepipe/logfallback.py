@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["FallbackHandler", "RateLimit"]
+__all__ = ["FallbackHandler", "PrintableText", "RateLimit"]
 
 
 class RateLimit:
@@ -85,12 +85,56 @@ class FallbackHandler(logging.Handler):
             self.handleError(record)  # logging's own policy: report on stderr, never raise into the caller
 
     def _others(self, name: str) -> bool:
-        """True when a handler other than this one is on the way ``name``'s records propagate."""
+        """True when a handler other than this one (and one that writes) is on the way ``name``'s records propagate."""
         logger: logging.Logger | None = logging.getLogger(name)
         while logger is not None:
-            if any(h is not self for h in logger.handlers):
+            if any(h is not self and not isinstance(h, PrintableText) for h in logger.handlers):
                 return True
             if not logger.propagate:
                 return False
             logger = logger.parent
         return False
+
+
+class PrintableText(logging.Handler):
+    """Make a record of the library writable by any UTF-8 handler: a message (or an exception's
+    text) that holds surrogates, as a name of undecodable bytes does (``"caf\\udce9"``), is
+    rewritten in place with them escaped (``caf\\udce9``, as Python's stderr writes them); any
+    other record is left as it is. It writes nothing itself.
+
+    On the ``cachepipe`` logger, before any other handler: a logger's handlers see a record
+    before its ancestors' do, so the user's handlers (the root's) get the rewritten record. A
+    handler with a strict encoding (``logging.FileHandler(path, encoding="utf-8")``) failed such
+    a line ("--- Logging error ---" on stderr) and lost it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.NOTSET)
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a bad format string: the handler that writes it reports it
+            return False
+        if not _encodes(message):
+            record.msg, record.args = _escaped(message), None
+        if record.exc_info and not record.exc_text:
+            text = logging.Formatter().formatException(record.exc_info)
+            if not _encodes(text):
+                record.exc_text = _escaped(text)  # formatters use it as it is, once set
+        return False
+
+    def emit(self, record: logging.LogRecord) -> None:  # pragma: no cover - handle() writes nothing
+        pass
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _escaped(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

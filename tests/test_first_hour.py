@@ -412,3 +412,49 @@ def test_an_https_endpoint_that_speaks_http_is_unreachable_naming_it(s3_endpoint
         with pytest.raises(StoreUnreachableError, match=f"cannot reach {wrong} for s3://bucket/video/: .*TLS") as raised:
             Pipeline("s3://bucket/video/", tmp_path / "c", "10MiB", storage_options=options).open()
         assert "http://" in str(raised.value).split("TLS", 1)[1]  # the likely fix, named
+
+
+def test_a_name_of_undecodable_bytes_is_logged_by_a_strict_file_handler(tmp_path: Path) -> None:
+    """A user's log file opened with a strict encoding (``logging.FileHandler(path, encoding="utf-8")``)
+    gets the line of an item whose name holds surrogates, escaped as stderr writes them. Before,
+    the line was lost and logging printed "--- Logging error ---" with a traceback instead."""
+    script = textwrap.dedent(
+        """
+        import logging, sys
+        import fsspec
+        from cachepipe import Pipeline
+        handler = logging.FileHandler(sys.argv[1], encoding="utf-8")  # errors: strict (basicConfig's escape)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logging.getLogger().addHandler(handler)
+        root, fs = "memory://spelled/data", fsspec.filesystem("memory")
+        fs.pipe(f"{root}/\\udcc3\\udca9/f", b"B" * 10)  # spells the UTF-8 of "é": unsafe, skipped
+        fs.pipe(f"{root}/ok/f", b"A" * 10)
+        with Pipeline(root, sys.argv[2], "1MiB", on_error="skip") as pipe:
+            print(",".join(item.name for item in pipe))
+        """
+    )
+    log = tmp_path / "train.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-c", script, str(log), str(tmp_path / "c")]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    assert "Logging error" not in done.stderr, done.stderr
+    assert "\\udcc3\\udca9" in log.read_text(encoding="utf-8")
+
+
+def test_printable_text_escapes_surrogates_in_a_message_and_a_traceback_and_leaves_the_rest() -> None:
+    from cachepipe.logfallback import PrintableText
+
+    plain = logging.LogRecord("cachepipe.x", logging.WARNING, __file__, 1, "item %s: %d", ("café", 3), None)
+    PrintableText().handle(plain)
+    assert (plain.msg, plain.args, plain.exc_text) == ("item %s: %d", ("café", 3), None)  # its template kept
+    try:
+        raise OSError(f"cannot open {os.fsdecode(b'caf' + bytes([0xE9]))}")
+    except OSError:
+        exc_info = sys.exc_info()
+    odd = logging.LogRecord("cachepipe.x", logging.ERROR, __file__, 1, "item %s failed", ("caf\udce9",), exc_info)
+    PrintableText().handle(odd)
+    assert odd.getMessage() == "item caf\\udce9 failed"
+    text = logging.Formatter().format(odd)
+    text.encode("utf-8")  # strict: no surrogate left
+    assert text.endswith("OSError: cannot open caf\\udce9")
