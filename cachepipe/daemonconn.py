@@ -26,7 +26,7 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-from .errors import CachePipeError, UnknownItemError
+from .errors import DAEMON_STORE_CODES, CachePipeError, UnknownItemError
 
 __all__ = ["DEFAULT_OUTAGE_TIMEOUT", "DEFAULT_STARTUP_TIMEOUT", "ServiceError", "StoreError"]
 
@@ -70,9 +70,6 @@ class StoreError(ServiceError):
     def retryable(self) -> bool:
         """Whether asking again later may succeed (503 ``store_unavailable``)."""
         return self.status == 503
-
-
-_STORE_CODES = frozenset({"store_unavailable", "store_error", "empty_source", "source_not_found"})
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -219,7 +216,7 @@ class _Connection:
         if status == 408:
             raise TimeoutError(message)
         code = str(info.get("error", ""))
-        raise (StoreError if code in _STORE_CODES else ServiceError)(status, code, message)
+        raise (StoreError if code in DAEMON_STORE_CODES else ServiceError)(status, code, message)
 
 
 def _ended(sock: _socket.socket) -> bool:

@@ -72,9 +72,13 @@ __all__ = [
 import difflib
 import errno
 from collections.abc import Iterable
-from typing import TypeVar
+from typing import Final, TypeVar
 
 _E = TypeVar("_E", bound=BaseException)
+
+#: The ``error`` codes the daemon answers a store's failure with (``cachepipe.service.routes``),
+#: for which its Python clients raise ``StoreError``: one set for both sides of the socket.
+DAEMON_STORE_CODES: Final = frozenset({"store_unavailable", "store_error", "empty_source", "source_not_found"})
 
 
 class CachePipeError(Exception):

@@ -24,9 +24,10 @@ from typing import Any
 
 from .. import __version__
 from ..batching import MAX_BATCH
+from ..errors import DAEMON_STORE_CODES
 from .http import MAX_HEADER, DeadlineReader, HeaderBudget, Late, Service, TcpServer, UnixServer, Unread
 from .metrics import CONTENT_TYPE
-from .routes import STORE_CODES, BadRequest, _check_keys, _error_for, _lane, _match, _taken_json, item_json
+from .routes import BadRequest, _check_keys, _error_for, _lane, _match, _taken_json, item_json
 
 __all__: list[str] = []
 
@@ -157,7 +158,7 @@ class _Handler(BaseHTTPRequestHandler):
             status, code = _error_for(exc)
             if status == 500:
                 log.exception("%s %s failed", method, path)
-            elif code in STORE_CODES:  # the store's failure, not ours: its message names the store and the cause
+            elif code in DAEMON_STORE_CODES:  # the store's failure, not ours: its message names the store and the cause
                 log.warning("%s %s: %d %s: %s", method, path, status, code, exc)
             extra = {"Allow": ", ".join(allowed)} if status == 405 else {}
             try:

@@ -32,11 +32,6 @@ if TYPE_CHECKING:
 
 __all__ = ["BadRequest", "item_json"]
 
-#: the codes of a store's failure (see :func:`_store_answer`): answered with a warning line in the
-#: log, not a stack trace
-STORE_CODES = frozenset({"store_unavailable", "store_error", "empty_source", "source_not_found"})
-
-
 _NEXT_RE = re.compile(r"^/v1/pipelines/([^/]+)/next$")
 _JOB_RE = re.compile(r"^/v1/jobs/([^/]+)(/take|/consume)?$")
 
