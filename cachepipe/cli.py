@@ -35,6 +35,7 @@ failed (nothing to list, denied, unreachable...). ``map``: 0 when every item suc
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 from collections.abc import Sequence
@@ -200,10 +201,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _print_names_as_bytes() -> None:
     """Print a path as the bytes of its name: one of undecodable bytes (a Latin-1 ``café``, which
     Python holds as ``"caf\\udce9"``) is written as those bytes, which a shell consumer can open,
-    under any locale; a strict stdout (``en_US.UTF-8``'s) refused it after ``next`` took the item."""
-    reconfigure = getattr(sys.stdout, "reconfigure", None)
-    if reconfigure is not None:
-        reconfigure(errors="surrogateescape")
+    under any locale; a strict stdout (``en_US.UTF-8``'s) refused it after ``next`` took the item.
+    (``python -m cachepipe.map``, the other entry point, does the same.)"""
+    if isinstance(sys.stdout, io.TextIOWrapper):  # not a stream a caller put in its place
+        sys.stdout.reconfigure(errors="surrogateescape")
 
 
 def _delete_job(client: Client, name: str, force: bool) -> int:

@@ -1611,3 +1611,28 @@ def test_a_full_destination_stops_the_run_and_a_rerun_with_space_finishes_it(tmp
         result = map_items(["cp", "f", "{out}/g"], str(src), str(dst / "out"), **options)
         assert result.ok and (result.items_done, result.items_skipped) == (3, 1), result.failed
     assert_cache_clean(tmp_path / "cache")
+
+
+def test_a_name_that_is_not_utf8_is_mapped_and_printed_as_its_bytes(tmp_path):
+    """A Latin-1 name of a local source is run and its outputs written under the same bytes; and
+    under a strict stdout (en_US.UTF-8's; ``PYTHONIOENCODING=utf-8`` stands in) both entry points'
+    dry runs print it as its bytes. Before, every run failed as it sized the cache ("'utf-8'
+    codec can't encode"), and the dry run's listing failed to print once that was fixed."""
+    src = os.fsencode(tmp_path / "src")
+    os.makedirs(src + b"/caf\xe9")
+    with open(src + b"/caf\xe9/a.bin", "wb") as fh:
+        fh.write(b"a" * 10)
+    args = [str(tmp_path / "src"), str(tmp_path / "out"), "--cache", str(tmp_path / "cache"), "--capacity", "1MiB"]
+    strict = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    for entry in (["cachepipe.map"], ["cachepipe", "map"]):
+        argv = [sys.executable, "-m", *entry, *args, "--no-progress", "--dry-run", "--", "true"]
+        done = subprocess.run(argv, capture_output=True, env=strict, timeout=60, check=False)
+        assert done.returncode == 0, done.stderr.decode(errors="replace")
+        assert done.stdout.splitlines()[0] == b"would run: caf\xe9 -> " + os.fsencode(tmp_path / "out") + b"/caf\xe9/"
+    command = ["--", "sh", "-c", 'cp a.bin "$CACHEPIPE_OUT/" && printf %s "$CACHEPIPE_NAME" > "$CACHEPIPE_OUT/name"']
+    argv = [sys.executable, "-m", "cachepipe.map", *args, "--out-reserve", "1KiB", "--no-progress", *command]
+    done = subprocess.run(argv, capture_output=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    out = os.fsencode(tmp_path / "out") + b"/caf\xe9"
+    with open(out + b"/name", "rb") as fh, open(out + b"/a.bin", "rb") as data:
+        assert (fh.read(), data.read()) == (b"caf\xe9", b"a" * 10)

@@ -4,6 +4,7 @@ options, and :func:`run_map_command`, which runs :func:`~cachepipe.map.run.map_i
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import signal
@@ -289,7 +290,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="cachepipe map", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     _add_arguments(parser)
-    return run_map_command(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    if isinstance(sys.stdout, io.TextIOWrapper):  # a name of undecodable bytes printed as its bytes, as cachepipe's main does
+        sys.stdout.reconfigure(errors="surrogateescape")
+    return run_map_command(args)
 
 
 if __name__ == "__main__":

@@ -156,7 +156,7 @@ class _MapRun(_Remote):
         reserve = max(item_reserve(cfg, mi, runs).total for mi in todo)
         margin = cfg.out_margin if cfg.out_margin is not None else min(reserve, 64 * _MIB)
         # the pipeline's journal budget (Cache.journal_budget), and the state files an open finds
-        state = journal_budget_of(sum(len(mi.local.encode()) for mi in todo), len(todo)) + _STATE_FILES
+        state = journal_budget_of(sum(len(mi.local.encode("utf-8", "surrogateescape")) for mi in todo), len(todo)) + _STATE_FILES
         sizing = _Sizing(capacity, reserve, margin, min(cfg.jobs, len(todo)), state)
         r = self._result
         r.capacity, r.reserve, r.margin, r.download_capacity = capacity, reserve, margin, sizing.downloads
