@@ -85,6 +85,26 @@ _SCHEME = r"[A-Za-z][A-Za-z0-9+.-]+"
 """A URL scheme's name, as a regular expression (before its ``:``)."""
 
 
+def utf8_location(value: Any) -> Any:
+    """A source's or destination's own path or URL, as text (a path-like as its string), refused
+    if it is not UTF-8: the names *below* it may be any bytes (held with ``surrogateescape``),
+    but it is itself a setting, saved and compared as text. For a pydantic ``BeforeValidator``.
+    """
+    value = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(value, str) or value.isascii():
+        return value
+    odd = [part for part in value.split("/") if any(0xD800 <= ord(c) <= 0xDFFF for c in part)]  # surrogates: not UTF-8
+    if odd:
+        raw = bytes(ord(c) - 0xDC00 for c in odd[0] if 0xDC80 <= ord(c) <= 0xDCFF)  # surrogateescape's bytes
+        shown = ", ".join(f"0x{b:02X}" for b in raw) or "a lone surrogate"
+        raise ValueError(
+            f"its part {odd[0]!r} holds the byte{'s' if len(raw) > 1 else ''} {shown}, which is not UTF-8 "
+            "(a Latin-1 name?); the names below a source may be any bytes, but the source's own path, and a "
+            "destination's, are read as text: link to it from a UTF-8 path (ln -s) or rename it"
+        )
+    return value
+
+
 def check_source(source: str) -> None:
     """Refuse a source with no scheme that is not an existing local path: ``bucket/video/`` is
     an S3 prefix written without ``s3://`` far more often than a local folder yet to be made,
@@ -327,7 +347,7 @@ class PipelineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True, allow_inf_nan=False)
 
-    source: Annotated[str, BeforeValidator(lambda v: os.fspath(v) if isinstance(v, os.PathLike) else v)] = Field(min_length=1)
+    source: Annotated[str, BeforeValidator(utf8_location)] = Field(min_length=1)
     cache_dir: Annotated[Path, BeforeValidator(check_cache_dir)]
     capacity: Capacity
     items: Literal["folders", "files"] = "folders"

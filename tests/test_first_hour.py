@@ -458,3 +458,20 @@ def test_printable_text_escapes_surrogates_in_a_message_and_a_traceback_and_leav
     text = logging.Formatter().format(odd)
     text.encode("utf-8")  # strict: no surrogate left
     assert text.endswith("OSError: cannot open caf\\udce9")
+
+
+def test_a_source_or_destination_whose_own_name_is_not_utf8_is_refused_saying_what_to_do(tmp_path: Path) -> None:
+    """Names below a source may be any bytes; the source's own path (and map's destination) is
+    text. Before, pydantic's "unable to parse raw data as a unicode string" was all a user got."""
+    odd = os.fsencode(tmp_path) + b"/caf\xe9"
+    os.makedirs(odd + b"/item")
+    with open(odd + b"/item/f", "wb") as fh:
+        fh.write(b"x")
+    path = os.fsdecode(odd)
+    want = r"its part 'caf\\udce9' holds the byte 0xE9, which is not UTF-8.*ln -s"
+    with pytest.raises(ValueError, match=want):
+        Pipeline(path, tmp_path / "c", "1MiB")
+    with pytest.raises(ValueError, match=want):
+        map_items(["true"], path, str(tmp_path / "out"), cache_dir=tmp_path / "c2", capacity="1MiB")
+    with pytest.raises(ValueError, match=want):
+        map_items(["true"], str(tmp_path / "src"), path + "/out", cache_dir=tmp_path / "c3", capacity="1MiB")

@@ -19,7 +19,7 @@ from urllib.parse import quote
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from ..catalog import check_key, group_items
-from ..config import UNPACK_RATIO, Capacity, parse_size
+from ..config import UNPACK_RATIO, Capacity, parse_size, utf8_location
 from ..errors import ConfigError, UnsafeKeyError
 from ..grouping import version_of
 from ..keys import _TreeCheck
@@ -54,8 +54,8 @@ class MapConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    source: str = Field(min_length=1)
-    dest: str = Field(min_length=1)
+    source: Annotated[str, BeforeValidator(utf8_location)] = Field(min_length=1)
+    dest: Annotated[str, BeforeValidator(utf8_location)] = Field(min_length=1)
     cache_dir: Path
     capacity: Capacity
     command: tuple[str, ...] | None = None
