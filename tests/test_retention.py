@@ -458,7 +458,7 @@ def test_a_fetch_waits_while_the_items_earlier_copy_is_deleted(tmp_path):
     cache.open()
     try:
         cache.recover(catalog, resume=False)
-        cache.use_retention(make_policy("auto", [a.size, b.size], _NeverAgain()), ["a", "b"], 0)
+        cache.use_retention(make_policy("auto", [a.size, b.size], _NeverAgain()), catalog.names, 0)
         for step, item in enumerate((a, b)):
             assert cache.acquire(item, step) is True
             staged = Path(cache.stage(item))

@@ -245,7 +245,7 @@ class _Acks:
             self._cond.notify_all()  # wakes reserve()
 
     # ---- retention -------------------------------------------------------------------
-    def use_retention(self, policy: RetentionPolicy, names: Sequence[str], tick: int) -> None:
+    def use_retention(self, policy: RetentionPolicy, names: Names, tick: int) -> None:
         """Keep acknowledged items by ``policy`` (its item ``i`` is ``names[i]``). Items recovered
         at open become retained items as if acknowledged just before the step at ``tick`` (the
         first one not consumed), so one that this step reads is kept too; the policy drops
@@ -253,17 +253,13 @@ class _Acks:
 
         ``names`` is searched with ``names.index(name)`` for each item fetched or acknowledged,
         by binary search, with no index of the whole catalog in memory; the recovered items
-        with one :meth:`~cachepipe.catalog.Names.find_many` when it is a
-        :class:`~cachepipe.catalog.Names` view."""
+        with one :meth:`~cachepipe.catalog.Names.find_many`."""
         self._policy, self._names = policy, names
         tick -= 1  # a next use is one strictly after the tick: the step at ``tick`` is one
         with self._cond:
             asked = list(self._recovered)
-            if isinstance(names, Names):  # in one sweep
-                numbered = zip(asked, [None if j < 0 else j for j in names.find_many(asked)], strict=True)
-            else:
-                numbered = zip(asked, map(self._number, asked), strict=True)
-            recovered = [(name, number) for name, number in numbered if number is not None]
+            numbered = zip(asked, names.find_many(asked), strict=True)  # in one sweep
+            recovered = [(name, number) for name, number in numbered if number >= 0]
             for name, number in recovered:
                 del self._recovered[name]
                 policy.on_admit(number, tick)
