@@ -8,6 +8,7 @@ is asserted, only that the report is complete and consistent.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -146,6 +147,21 @@ def test_epoch_start_benchmark_passes_reuse_the_kept_items():
     firsts = run_json("bench_epoch_start.py", "--trees", str(ROOT), *sizes)["first_batch_seconds"]
     assert list(firsts) == [f"{ROOT} DataLoader 50%"]
     assert len(firsts[f"{ROOT} DataLoader 50%"]) == 1 and firsts[f"{ROOT} DataLoader 50%"][0] > 0, firsts
+
+
+def test_reopen_benchmark_times_each_open_of_a_kept_cache(tmp_path):
+    """benchmarks/bench_reopen.py on 3 kept folders of 2 files, one round, its source and cache
+    under tmp_path: the table has a row per capacity, each open timed (the script raises if an
+    open downloaded anything). No timing is asserted beyond its being measured."""
+    proc = run_script(
+        "bench_reopen.py", "--trees", str(ROOT), "--items", "3", "--files", "2", "--runs", "1", "--dir", str(tmp_path)
+    )
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("open() over 3 kept folders, 6 files, on "), lines
+    rows = [line.split() for line in lines if line.split()[:1] in (["10GiB"], ["50%"])]
+    assert [(r[0], r[1], r[3]) for r in rows] == [("10GiB", str(ROOT), "1.00"), ("50%", str(ROOT), "1.00")], lines
+    assert all(int(r[2]) > 0 for r in rows), lines  # median ms: an open reads the saved listing, tens of ms
+    assert f"deleting {tmp_path}{os.sep}cachepipe-reopen-" in proc.stderr and not any(tmp_path.iterdir())
 
 
 def test_node_epochs_benchmark_crosses_an_epoch_in_each_run():
