@@ -145,8 +145,9 @@ def test_epoch_start_benchmark_passes_reuse_the_kept_items():
     pytest.importorskip("torch", reason="the torch extra is not installed")
     sizes = ("--items", "20", "--files", "2", "--workers", "2", "--batch", "4", "--runs", "1", "--capacities", "50%")
     firsts = run_json("bench_epoch_start.py", "--trees", str(ROOT), *sizes)["first_batch_seconds"]
-    assert list(firsts) == [f"{ROOT} DataLoader 50%"]
-    assert len(firsts[f"{ROOT} DataLoader 50%"]) == 1 and firsts[f"{ROOT} DataLoader 50%"][0] > 0, firsts
+    key = f"{ROOT} DataLoader 50%"
+    assert list(firsts) == [key]
+    assert len(firsts[key]) == 1 and firsts[key][0] > 0, firsts
 
 
 def test_reopen_benchmark_times_each_open_of_a_kept_cache(tmp_path):
