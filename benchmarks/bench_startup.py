@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import command_line, format_table, machine_info, progress, source_trees
+from common import check_positive, command_line, format_table, machine_info, progress, source_trees
 
 from cachepipe.service.testing import DaemonProcess
 
@@ -42,8 +42,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=9, help="interleaved rounds (default 9)")
     p.add_argument("--bytecode", choices=["off", "on", "both"], default="both", help="cached bytecode (default both)")
     args = p.parse_args()
-    if args.runs < 1:
-        p.error(f"--runs {args.runs}: expected at least 1")
+    check_positive(p, args, ("runs",))
     trees = source_trees(p, args.trees)
     modes = ["off", "on"] if args.bytecode == "both" else [args.bytecode]
     with tempfile.TemporaryDirectory(prefix="cachepipe-startup-") as tmp:

@@ -1,38 +1,47 @@
-"""The benchmark script runs end to end on a tiny dataset and reports every case and method.
+"""Each benchmark script runs end to end on a tiny dataset and reports every case and method.
 
-It runs as a subprocess: its moto server, s3fs sessions and threads live and die there, outside
-this test session's warning filters and thread-leak guard. No timing is asserted, only that the
-report is complete and consistent.
+A script runs as a subprocess (:func:`run_script`): its moto server, s3fs sessions and threads
+live and die there, outside this test session's warning filters and thread-leak guard. No timing
+is asserted, only that the report is complete and consistent.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cachepipe import fscalls
 from cachepipe.stores.base import FIRST_PAGE_KEYS
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_pipeline.py"
+ROOT = Path(__file__).resolve().parents[1]  # the source tree under test, as the scripts' --trees resolve it
+BENCHMARKS = ROOT / "benchmarks"
 CASES = {"video", "small-files"}
 METHODS = {"cachepipe", "sequential", "original"}
 
 
-def test_quick_benchmark_reports_every_case_and_method(tmp_path):
+def run_script(script: str | Path, *args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` (a file name in benchmarks/, or a path) with ``args`` in a fresh interpreter,
+    its output captured; fail the test, with the end of its stderr, unless it exits 0."""
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--repeats", "1", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        check=False,
+        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, check=False
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout)
+    return proc
+
+
+def run_json(script: str, *args: str, timeout: float = 120, cwd: Path | None = None) -> dict[str, Any]:
+    """The report that ``script`` prints with ``args`` and ``--json`` (see :func:`run_script`)."""
+    return json.loads(run_script(script, *args, "--json", timeout=timeout, cwd=cwd).stdout)
+
+
+def test_quick_benchmark_reports_every_case_and_method(tmp_path):
+    report = run_json("bench_pipeline.py", "--quick", "--repeats", "1", cwd=tmp_path)
 
     results = {(r["case"], r["method"]): r for r in report["results"]}
     assert set(results) == {(c, m) for c in CASES for m in METHODS}
@@ -54,36 +63,16 @@ def test_quick_benchmark_reports_every_case_and_method(tmp_path):
 
 
 def test_retention_through_the_pipeline_benchmark_runs():
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).parent.parent / "benchmarks" / "bench_retain_pipeline.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--items", "20", "--epochs", "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "auto" in proc.stdout and "MIN" in proc.stdout
+    out = run_script("bench_retain_pipeline.py", "--items", "20", "--epochs", "2").stdout
+    assert "auto" in out and "MIN" in out
 
 
 def test_core_benchmark_reports_handoff_and_catalog(tmp_path):
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_core.py"
-    proc = subprocess.run(
-        [
-            *(sys.executable, str(script), "--quick", "--split", "--switch-interval", "0.02"),
-            *("--disk", str(tmp_path), "--no-tmpfs", "--json"),  # tmpfs: the same code, twice the runs
-        ],
-        capture_output=True,
-        text=True,
+    report = run_json(
+        *("bench_core.py", "--quick", "--split", "--switch-interval", "0.02"),
+        *("--disk", str(tmp_path), "--no-tmpfs"),  # tmpfs: the same code, twice the runs
         timeout=180,
-        check=False,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout)
     assert report["places"]["disk"]["path"] == str(tmp_path)
     assert report["places"]["disk"]["file_system"].split(",")[0] in fscalls.LOCAL_FILESYSTEMS  # as the cache chose its calls
     assert {(r["cache_on"], r["shape"], r["batch"]) for r in report["handoff"].values()} >= {
@@ -105,16 +94,7 @@ def test_core_benchmark_reports_handoff_and_catalog(tmp_path):
 def test_first_page_probe_runs_on_tiny_folders():
     """benchmarks/probe_first_page.py end to end on 20 and 200 folders (SeaweedFS from the test
     extra); no timing is asserted, only that both first pages were listed and timed."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "probe_first_page.py"
-    out = subprocess.run(
-        [sys.executable, str(script), "--small", "20", "--large", "200", "--repeats", "2", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    report = json.loads(out.stdout)
+    report = run_json("probe_first_page.py", "--small", "20", "--large", "200", "--repeats", "2", timeout=300)
     assert report["max_keys"] == FIRST_PAGE_KEYS  # by default, the first page that cachepipe asks for
     assert report["keys"] == {"small": 20, "large": min(200, FIRST_PAGE_KEYS)}
     assert all(len(v) == 2 and all(t > 0 for t in v) for v in report["seconds"].values())
@@ -123,17 +103,8 @@ def test_first_page_probe_runs_on_tiny_folders():
 def test_cluster_simulation_reports_every_section():
     """benchmarks/sim_cluster.py on a tiny job (pure, no network): every section is reported, and
     a node that keeps its items with room for its whole share hits every read after epoch 1."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "sim_cluster.py"
     tiny = ["--nodes", "4", "--ranks", "2", "--workers", "2", "--items", "2000", "--sim-nodes", "2", "--sim-items", "512"]
-    proc = subprocess.run(
-        [sys.executable, str(script), *tiny, "--manifest-sample", "100", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout)
+    report = run_json("sim_cluster.py", *tiny, "--manifest-sample", "100")
     # 16 consumers x 3 pages of 2,000 keys: the first of FIRST_PAGE_KEYS (100), then 1,000 and 900
     assert FIRST_PAGE_KEYS == 100 and report["listing"]["per_process"]["list_requests"] == 16 * 3
     assert report["listing"]["node"]["list_requests"] == 3
@@ -147,24 +118,14 @@ def test_cluster_simulation_reports_every_section():
 
 
 def test_partition_benchmark_runs_and_fixed_downloads_a_fitting_share_once():
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_partition.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--items", "200", "--json"], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert proc.returncode == 0, proc.stderr
-    rows = {(r["data"], r["capacity"], r["partition"]): r for r in json.loads(proc.stdout)["rows"]}
+    rows = {(r["data"], r["capacity"], r["partition"]): r for r in run_json("bench_partition.py", "--items", "200")["rows"]}
     for data in ("equal sizes", "variable sizes"):
         assert rows[data, 1.0, "fixed"]["x_data"] == 1.0  # a deterministic simulation, not a timing
         assert rows[data, 1.0, "epoch"]["x_data"] > 1.5
 
 
 def test_manifest_benchmark_reports_every_phase():
-    script = Path(__file__).parent.parent / "benchmarks" / "bench_manifest.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--items", "500", "--json"], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout)
+    report = run_json("bench_manifest.py", "--items", "500")
     assert report["items"] == 500 and report["manifest_bytes"] > 0
     assert set(report["phases"]) == {"digest", "write", "read", "plan", "group"}
     assert report["phases"]["group"]["items"] == report["items"]
@@ -172,16 +133,8 @@ def test_manifest_benchmark_reports_every_phase():
 
 
 def test_startup_benchmark_times_each_start_of_a_tree():
-    root = Path(__file__).parent.parent
-    proc = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "bench_startup.py"), "--trees", str(root), "--runs", "1", "--bytecode", "off"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [line.split() for line in proc.stdout.splitlines() if line.split()[:1] in (["help"], ["status"], ["serve"])]
+    out = run_script("bench_startup.py", "--trees", str(ROOT), "--runs", "1", "--bytecode", "off").stdout
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["help"], ["status"], ["serve"])]
     assert [(r[0], r[1], r[-1]) for r in rows] == [(kind, "none", "1.00") for kind in ("help", "status", "serve")]
 
 
@@ -190,28 +143,30 @@ def test_epoch_start_benchmark_passes_reuse_the_kept_items():
     of the disk: a pass after the first, of every item with nothing downloaded again (the script
     raises otherwise). No timing is asserted."""
     pytest.importorskip("torch", reason="the torch extra is not installed")
-    root = Path(__file__).resolve().parents[1]
     sizes = ("--items", "20", "--files", "2", "--workers", "2", "--batch", "4", "--runs", "1", "--capacities", "50%")
-    proc = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "bench_epoch_start.py"), "--trees", str(root), *sizes, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    firsts = run_json("bench_epoch_start.py", "--trees", str(ROOT), *sizes)["first_batch_seconds"]
+    key = f"{ROOT} DataLoader 50%"
+    assert list(firsts) == [key]
+    assert len(firsts[key]) == 1 and firsts[key][0] > 0, firsts
+
+
+def test_reopen_benchmark_times_each_open_of_a_kept_cache(tmp_path):
+    """benchmarks/bench_reopen.py on 3 kept folders of 2 files, one round, its source and cache
+    under tmp_path: the table has a row per capacity, each open timed (the script raises if an
+    open downloaded anything). No timing is asserted beyond its being measured."""
+    proc = run_script(
+        "bench_reopen.py", "--trees", str(ROOT), "--items", "3", "--files", "2", "--runs", "1", "--dir", str(tmp_path)
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    firsts = json.loads(proc.stdout)["first_batch_seconds"]
-    assert list(firsts) == [f"{root} DataLoader 50%"]
-    assert len(firsts[f"{root} DataLoader 50%"]) == 1 and firsts[f"{root} DataLoader 50%"][0] > 0, firsts
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("open() over 3 kept folders, 6 files, on "), lines
+    rows = [line.split() for line in lines if line.split()[:1] in (["10GiB"], ["50%"])]
+    assert [(r[0], r[1], r[3]) for r in rows] == [("10GiB", str(ROOT), "1.00"), ("50%", str(ROOT), "1.00")], lines
+    assert all(int(r[2]) > 0 for r in rows), lines  # median ms: an open reads the saved listing, tens of ms
+    assert f"deleting {tmp_path}{os.sep}cachepipe-reopen-" in proc.stderr and not any(tmp_path.iterdir())
 
 
 def test_node_epochs_benchmark_crosses_an_epoch_in_each_run():
-    script = Path(__file__).parent.parent / "benchmarks" / "bench_node_epochs.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--quick", "--json"], capture_output=True, text=True, timeout=300, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    runs = json.loads(proc.stdout)["runs"]
+    runs = run_json("bench_node_epochs.py", "--quick", timeout=300)["runs"]
     assert [r["retain"] for r in runs] == ["none", "auto"]
     for r in runs:
         assert r["taken"] >= 8 * 300 and r["crossed_after_s"] is not None  # every lane took its items, across the epoch's end
@@ -222,17 +177,8 @@ def test_node_benchmark_reports_both_parts():
     """benchmarks/bench_node.py --quick end to end (SeaweedFS from the test extra, moto without it):
     every method of both parts is reported, the node lists once where 8 pipelines list 8 times,
     and a node-local shuffle whose share fits downloads it once. No timing is asserted."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_node.py"
     # 43 s alone at load 10; a full run beside others passed --quick's own limit (110 s) once
-    proc = subprocess.run(
-        [sys.executable, str(script), "--quick", "--json", "--time-limit", "280"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout)
+    report = run_json("bench_node.py", "--quick", "--time-limit", "280", timeout=300)
     a = report["part_a"]
     rows = {(r["capacity_share"], r["method"]): r for r in a["rows"]}
     assert set(rows) == {(s, m) for s in (0.5, 1.0) for m in ("per-process", "node", "node-fixed")}
@@ -273,10 +219,7 @@ def test_the_benchmarks_moto_server_child_keeps_stdout_for_the_report(tmp_path):
     diagnostics (the OBS SDK's V2 signatures trigger one now and then) must not land in them."""
     script = tmp_path / "moto_child.py"
     script.write_text(MOTO_CHILD)
-    proc = subprocess.run(
-        [sys.executable, str(script), str(SCRIPT.parent)], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run_script(script, str(BENCHMARKS))
     assert proc.stdout == ""
     assert "Unable to find appropriate backend" in proc.stderr  # the request did reach moto's dispatcher
 
@@ -285,16 +228,7 @@ def test_the_benchmarks_moto_server_child_keeps_stdout_for_the_report(tmp_path):
 def test_node_stress_runs_its_seeds_with_no_hang_wrong_item_or_overshoot(mode):
     """benchmarks/stress_node.py, 3 seeds of a mode: the report's counts (its hazard mode hung
     on 45 of 60 seeds before the node withdrew a download planned ahead for a lane not asking)."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "stress_node.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--mode", mode, "--seeds", "0", "3", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    summary = json.loads(proc.stdout)["summary"]
+    summary = run_json("stress_node.py", "--mode", mode, "--seeds", "0", "3", timeout=180)["summary"]
     assert summary["seeds"] == 3 and summary["steps"] > 0
     assert {k: summary[k] for k in ("hung", "wrong", "over_capacity", "errors")} == dict.fromkeys(
         ("hung", "wrong", "over_capacity", "errors"), 0
