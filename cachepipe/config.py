@@ -96,9 +96,9 @@ def utf8_location(value: Any) -> Any:
     odd = [part for part in value.split("/") if any(0xD800 <= ord(c) <= 0xDFFF for c in part)]  # surrogates: not UTF-8
     if odd:
         raw = bytes(ord(c) - 0xDC00 for c in odd[0] if 0xDC80 <= ord(c) <= 0xDCFF)  # surrogateescape's bytes
-        shown = ", ".join(f"0x{b:02X}" for b in raw) or "a lone surrogate"
+        held = f"the byte{'s' if len(raw) > 1 else ''} {', '.join(f'0x{b:02X}' for b in raw)}" if raw else "a lone surrogate"
         raise ValueError(
-            f"its part {odd[0]!r} holds the byte{'s' if len(raw) > 1 else ''} {shown}, which is not UTF-8 "
+            f"its part {odd[0]!r} holds {held}, which is not UTF-8 "
             "(a Latin-1 name?); the names below a source may be any bytes, but the source's own path, and a "
             "destination's, are read as text: link to it from a UTF-8 path (ln -s) or rename it"
         )

@@ -98,9 +98,10 @@ class FallbackHandler(logging.Handler):
 
 class PrintableText(logging.Handler):
     """Make a record of the library writable by any UTF-8 handler: a message (or an exception's
-    text) that holds surrogates, as a name of undecodable bytes does (``"caf\\udce9"``), is
-    rewritten in place with them escaped (``caf\\udce9``, as Python's stderr writes them); any
-    other record is left as it is. It writes nothing itself.
+    text) that holds surrogates, as a name of undecodable bytes does (the Latin-1 byte E9 is the
+    character U+DCE9), is rewritten in place with each escaped as text (the six characters
+    ``\\udce9``, as Python's stderr writes it); any other record is left as it is. It writes
+    nothing itself.
 
     On the ``cachepipe`` logger, before any other handler: a logger's handlers see a record
     before its ancestors' do, so the user's handlers (the root's) get the rewritten record. A
