@@ -461,7 +461,7 @@ def test_a_take_waiting_through_two_restarts_waits_for_the_daemon_after_each(s3_
     sock = short_dir / "api.sock"
     # (limit: not ready under any daemon until the gate opens)
     config, one, first, gate = a_job_whose_first_item_is_held(s3_source, fault_proxy, tmp_path, sock, 2, limit=600)
-    wait = 8  # outage_timeout: room for a daemon's start after each stop
+    wait = 15  # outage_timeout: room for a daemon's start after each stop (more than 8 s at a load of 20)
 
     def waiting() -> bool:
         with Client(socket=sock) as admin:

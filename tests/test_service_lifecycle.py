@@ -429,7 +429,7 @@ def test_a_next_waiting_through_two_restarts_waits_for_the_daemon_after_each(s3_
     sock = short_dir / "api.sock"
     config = write_config(tmp_path, sock, endpoint)
     config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "max_wait": 3}))
-    wait = 8  # room for a daemon's start after each stop
+    wait = 15  # room for a daemon's start after each stop (more than 8 s at a load of 20)
     got: list = []
     daemon = DaemonProcess(config).start()
     try:
