@@ -1611,3 +1611,16 @@ def test_a_full_destination_stops_the_run_and_a_rerun_with_space_finishes_it(tmp
         result = map_items(["cp", "f", "{out}/g"], str(src), str(dst / "out"), **options)
         assert result.ok and (result.items_done, result.items_skipped) == (3, 1), result.failed
     assert_cache_clean(tmp_path / "cache")
+
+
+def test_an_infinite_ratio_or_timeout_is_a_usage_error_naming_the_option(tmp_path, capsys):
+    """Before: ``--out-ratio inf`` crashed the command with an OverflowError traceback, and
+    ``--timeout inf`` ran every item's command and failed each with an OverflowError."""
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "in.txt").write_text("a")
+    sized = [str(src), str(tmp_path / "dst"), "--cache", str(tmp_path / "cache"), "--capacity", "1MiB"]
+    for flag in ("--out-ratio", "--timeout", "--unpack-ratio"):
+        assert main([*sized, flag, "inf", "--", "true"]) == 2
+        assert f"{flag} inf: Input should be a finite number" in capsys.readouterr().err
+    assert not (tmp_path / "dst").exists()
