@@ -1624,3 +1624,26 @@ def test_an_infinite_ratio_or_timeout_is_a_usage_error_naming_the_option(tmp_pat
         assert main([*sized, flag, "inf", "--", "true"]) == 2
         assert f"{flag} inf: Input should be a finite number" in capsys.readouterr().err
     assert not (tmp_path / "dst").exists()
+
+
+def test_a_timeout_longer_than_a_wait_can_take_is_kept_and_its_command_is_waited_for(tmp_path):
+    """A timeout past what one wait of the kernel can take (``epoll``: 24.8 days) failed every
+    item with ``OverflowError: timeout is too large``, and left its command running while the
+    item's next attempt started beside it (the command was never waited for)."""
+    src = tmp_path / "src"
+    for name in ("a", "b"):
+        (src / name).mkdir(parents=True)
+        (src / name / "a.bin").write_bytes(os.urandom(300))
+    log = tmp_path / "runs.log"
+    result = map_items(
+        [sys.executable, "-c", "import time; time.sleep(0.5); " + COPY, str(log)],
+        str(src),
+        str(tmp_path / "dst"),
+        cache_dir=tmp_path / "cache",
+        capacity="1MiB",
+        timeout=30 * 86400.0,  # a month
+    )
+    assert result.ok and result.items_done == 2, result.failed
+    assert sorted(runs(log)) == ["a", "b"]  # each command ran once, to its end
+    assert (tmp_path / "dst" / "a" / "out.bin").read_bytes() == (src / "a" / "a.bin").read_bytes()
+    assert_cache_clean(tmp_path / "cache")

@@ -195,6 +195,9 @@ class Job:
         self._watcher.add(watch)
         try:
             code, tail, timed_out = run.wait(cfg.timeout, cfg.kill_grace)
+        except BaseException:
+            run.kill()  # a wait that failed must not leave the command running beside the item's next attempt
+            raise
         finally:
             self._watcher.remove(watch)
         used = watch.measure()
