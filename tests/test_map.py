@@ -1647,3 +1647,47 @@ def test_a_timeout_longer_than_a_wait_can_take_is_kept_and_its_command_is_waited
     assert sorted(runs(log)) == ["a", "b"]  # each command ran once, to its end
     assert (tmp_path / "dst" / "a" / "out.bin").read_bytes() == (src / "a" / "a.bin").read_bytes()
     assert_cache_clean(tmp_path / "cache")
+
+
+class MeasuringDest(FsspecStore):
+    """A local destination that measures the jobs' slots as each completion marker is uploaded."""
+
+    def __init__(self, url: str, work: Path) -> None:
+        super().__init__(url, {})
+        self.work = work
+        self.at_marker: list[int] = []
+
+    def put(self, local_path, key):
+        if key.endswith(DONE_MARKER):
+            self.at_marker.append(tree_bytes(self.work))
+        super().put(local_path, key)
+
+
+def test_the_completion_marker_takes_no_room_in_the_cache(tmp_path):
+    """Outputs may fill their job's slot (reserve + margin) to the last byte. The marker, which
+    lists every output, was written into the slot beside them: 600 output files made it ~13 KB
+    where the margin was 1 KiB, and the cache passed its capacity by that much."""
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "in.bin").write_bytes(os.urandom(1000))
+    many = (
+        "import os; out = os.environ['CACHEPIPE_OUT']; open(os.path.join(out, 'all.bin'), 'wb').write(os.urandom(4096))\n"
+        "for i in range(600): open(os.path.join(out, f'frame_{i:06d}.jpg'), 'wb').close()"
+    )
+    cache = tmp_path / "cache"
+    dest = MeasuringDest(str(tmp_path / "dst"), cache / WORK_DIR)
+    result = map_items(
+        [sys.executable, "-c", many],
+        str(src),
+        str(tmp_path / "dst"),
+        cache_dir=cache,
+        capacity="1MiB",
+        out_reserve="4KiB",
+        out_margin="1KiB",
+        dest_store=dest,
+    )
+    assert result.ok and result.items_done == 1, result.failed
+    marker = (tmp_path / "dst" / "a" / DONE_MARKER).read_bytes()
+    assert len(marker) > 10 * KIB and len(json.loads(marker)["files"]) == 601
+    assert dest.at_marker == [4096]  # the outputs alone: the marker is not in the slot of 5 KiB
+    assert_cache_clean(cache)
