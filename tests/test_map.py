@@ -39,6 +39,7 @@ from cachepipe.map.run import _take_lock
 from cachepipe.map.uploader import (
     DONE_MARKER,
     MARKER_LIMIT,
+    DestinationDeniedError,
     DestinationFullError,
     OutputError,
     Uploader,
@@ -1691,3 +1692,33 @@ def test_the_completion_marker_takes_no_room_in_the_cache(tmp_path):
     assert len(marker) > 10 * KIB and len(json.loads(marker)["files"]) == 601
     assert dest.at_marker == [4096]  # the outputs alone: the marker is not in the slot of 5 KiB
     assert_cache_clean(cache)
+
+
+class ReadOnlyDest(FsspecStore):
+    """A destination whose credentials may read but not write: every upload is refused (403)."""
+
+    def put(self, local_path, key):
+        raise PermissionError(f"access denied to {key} (AccessDenied)")
+
+
+def test_a_destination_that_refuses_writes_stops_the_run_at_its_first_refusal(tmp_path):
+    """Credentials that may not write to DST (or that expired) pass the bucket's check: every
+    item was downloaded, its command run and its upload refused, three times an item, through
+    the whole dataset. The first refusal now stops the run, saying what to do."""
+    src = tmp_path / "src"
+    for i in range(4):
+        (src / f"item{i}").mkdir(parents=True)
+        (src / f"item{i}" / "a.bin").write_bytes(os.urandom(300))
+    log = tmp_path / "runs.log"
+    with pytest.raises(DestinationDeniedError, match=r"the destination refused .*item0/out.bin.*the run stops") as caught:
+        map_items(
+            [sys.executable, "-c", COPY, str(log)],
+            str(src),
+            str(tmp_path / "dst"),
+            cache_dir=tmp_path / "cache",
+            capacity="1MiB",
+            dest_store=ReadOnlyDest(str(tmp_path / "dst"), {}),
+        )
+    assert isinstance(caught.value, PermissionError)
+    assert runs(log) == ["item0"]  # one command run, once
+    assert_cache_clean(tmp_path / "cache")

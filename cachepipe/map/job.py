@@ -24,7 +24,7 @@ from ..unpack import ArchiveError, ChecksumError, adopt_others, unpack_item
 from .child import CommandRun, FunctionRun, Watch, Watcher
 from .plan import MapConfig, MapItem, item_reserve, out_reserve
 from .result import Tally
-from .uploader import DestinationFullError, Uploader
+from .uploader import DestinationError, Uploader
 
 __all__ = ["CommandError", "Job", "OutputTooLargeError", "Slot", "UnsafeArgumentError", "script_arguments"]
 
@@ -135,7 +135,7 @@ class Job:
                 break  # the same input would fail the same way
             except CommandError as exc:
                 error, tail, produced = exc, exc.tail, None
-            except DestinationFullError:
+            except DestinationError:
                 raise  # the run stops (see Run._worker)
             except Exception as exc:  # noqa: BLE001 - an upload or local I/O error: the item is retried, then reported
                 if self._stop.is_set():

@@ -44,7 +44,7 @@ from .result import MapResult, Tally
 from .runnable import _check_command, _from_fileless_main, _importing, _unguarded_line
 from .share import resolve_rank, take_share
 from .sizing import _refusals, _Sizing
-from .uploader import DestinationFullError, Uploader
+from .uploader import DestinationError, Uploader
 
 __all__ = ["map_items"]
 
@@ -294,8 +294,8 @@ class _MapRun(_Remote):
                         self._pipe.ack(cached)
                     except (RuntimeError, UnknownItemError):
                         pass  # closed while this item ran: closing removes it anyway
-        except BaseException as exc:  # a bug, or a full destination: stop the run and raise it from map_items
-            if isinstance(exc, DestinationFullError):
+        except BaseException as exc:  # a bug, or a destination full or refusing: stop the run and raise it from map_items
+            if isinstance(exc, DestinationError):
                 log.error("%s", exc)
             else:
                 log.exception("map job crashed")

@@ -34,6 +34,8 @@ from ..stores.base import TEMP_SUFFIX, WritableStore
 __all__ = [
     "DONE_MARKER",
     "MARKER_LIMIT",
+    "DestinationDeniedError",
+    "DestinationError",
     "DestinationFullError",
     "OutputError",
     "Uploader",
@@ -66,9 +68,25 @@ def marker_version(head: bytes) -> str | None:
     return found.group(1).decode() if found else None
 
 
-class DestinationFullError(CachePipeError, OSError):
+class DestinationError(CachePipeError, OSError):
+    """The destination refuses uploads in a way every later item would meet too: the run stops
+    (items done are kept). Its two kinds::
+
+        DestinationError
+        ├── DestinationFullError    full (ENOSPC, EDQUOT) after the upload's retries
+        └── DestinationDeniedError  writing refused (403 AccessDenied, expired credentials, EACCES)
+    """
+
+
+class DestinationFullError(DestinationError):
     """An upload still found the destination full (``ENOSPC``, ``EDQUOT``) after its retries: every
     later item would wait for it and fail the same way, so the run stops."""
+
+
+class DestinationDeniedError(DestinationError, PermissionError):
+    """An upload was refused (credentials that may read but not write ``DST``, or that expired:
+    they pass the bucket's check): every later item's would be too, after its download and its
+    command, so the run stops."""
 
 
 class OutputError(UnsafeKeyError):
@@ -213,6 +231,11 @@ class Uploader:
                         raise DestinationFullError(
                             f"uploading {key}: the destination is full after {attempt + 1} attempt(s) ({exc}); the run stops: "
                             "free space there and run it again (items done are kept)"
+                        ) from exc
+                    if isinstance(exc, PermissionError):
+                        raise DestinationDeniedError(
+                            f"uploading {key}: the destination refused it ({exc}); the run stops: give credentials "
+                            "that may write there (s3:PutObject) and run it again (items done are kept)"
                         ) from exc
                     raise
                 delay = backoff_delay(attempt, self._backoff, self._backoff_max)
