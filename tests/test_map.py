@@ -1722,3 +1722,42 @@ def test_a_destination_that_refuses_writes_stops_the_run_at_its_first_refusal(tm
     assert isinstance(caught.value, PermissionError)
     assert runs(log) == ["item0"]  # one command run, once
     assert_cache_clean(tmp_path / "cache")
+
+
+READ_ONLY_OUTPUTS = r"""
+import json, os, sys
+from cachepipe.map import map_items
+src, dst, cache = sys.argv[1:4]
+script = 'mkdir "$CACHEPIPE_OUT/ro" && cp f "$CACHEPIPE_OUT/ro/g" && chmod 555 "$CACHEPIPE_OUT/ro" "$CACHEPIPE_OUT"'
+command = ["sh", "-c", script]
+result = map_items(command, src, dst, cache_dir=cache, capacity="1MiB", out_reserve="4KiB")
+print(json.dumps([result.items_done, [f.error for f in result.failed]]))
+"""
+
+
+def test_a_read_only_folder_among_the_outputs_is_removed_with_its_slot(tmp_path):
+    """A command that leaves a folder it cannot write in its output (``chmod 555``; ``cp -r`` or
+    ``tar x`` of a read-only tree) crashed the run after its first item (PermissionError
+    clearing the slot), and every later run on that cache at its start (clearing the slot
+    left). Run without the capabilities that let root write anywhere, as a user runs it."""
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: read-only folders are writable to this test")
+        drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--"]
+    else:
+        drop = []
+    src = tmp_path / "src"
+    for name in ("a", "b", "c"):
+        (src / name).mkdir(parents=True)
+        (src / name / "f").write_bytes(os.urandom(100))
+    argv = [*drop, sys.executable, "-c", READ_ONLY_OUTPUTS, str(src), str(tmp_path / "dst"), str(tmp_path / "cache")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = []
+    for _run in range(2):  # the second finds nothing to do
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, check=False)
+        assert proc.returncode == 0, proc.stderr
+        done.append(json.loads(proc.stdout))
+    assert done == [[3, []], [0, []]]
+    for name in ("a", "b", "c"):
+        assert (tmp_path / "dst" / name / "ro" / "g").read_bytes() == (src / name / "f").read_bytes()
+    assert_cache_clean(tmp_path / "cache")

@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,7 +27,7 @@ from .plan import MapConfig, MapItem, item_reserve, out_reserve
 from .result import Tally
 from .uploader import DestinationError, Uploader
 
-__all__ = ["CommandError", "Job", "OutputTooLargeError", "Slot", "UnsafeArgumentError", "script_arguments"]
+__all__ = ["CommandError", "Job", "OutputTooLargeError", "Slot", "UnsafeArgumentError", "remove_slot", "script_arguments"]
 
 log = logging.getLogger("cachepipe.map")
 
@@ -66,6 +67,25 @@ class CommandError(CachePipeError, RuntimeError):
         self.tail = tail
 
 
+def remove_slot(path: Path) -> None:
+    """Delete a slot (or what a killed run left in the work folder): ``shutil.rmtree``, and if
+    that is refused, again once every folder under ``path`` is writable by its owner. A command
+    may leave a folder it cannot write among its outputs (``chmod 555``; ``cp -r`` or ``tar x``
+    of a read-only tree), whose files no one but root could then delete. Links are never
+    followed: only real folders under ``path`` are changed."""
+    try:
+        shutil.rmtree(path)
+    except PermissionError:
+        folders = [path]
+        while folders:  # each made writable (and listable) before it is listed
+            folder = folders.pop()
+            mode = os.lstat(folder).st_mode
+            os.chmod(folder, mode | stat.S_IRWXU)
+            with os.scandir(folder) as entries:
+                folders += [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
+        shutil.rmtree(path)
+
+
 class Slot:
     """One job's work folder under ``cache_dir/.cachepipe-map/<n>/``: ``in`` (extracted files),
     ``out`` (outputs), ``cwd`` (working directory for single-file items); ``size`` is the bytes set
@@ -80,7 +100,7 @@ class Slot:
 
     def reset(self) -> None:
         if self.root.exists():
-            shutil.rmtree(self.root)
+            remove_slot(self.root)
         for path in (self.inp, self.out, self.cwd):
             path.mkdir(parents=True)
 

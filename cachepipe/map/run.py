@@ -19,7 +19,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import shutil
 import sys
 import threading
 import time
@@ -37,7 +36,7 @@ from ..pipeline import Pipeline
 from ..stores import Store, open_store
 from ..stores.base import WritableStore
 from .child import Watcher, kill_leftovers
-from .job import Job, Slot
+from .job import Job, Slot, remove_slot
 from .plan import WORK_DIR, MapConfig, MapItem, PlannedSource, inside_prefix, item_reserve, plan_items
 from .remote import _Remote
 from .result import MapResult, Tally
@@ -195,7 +194,7 @@ class _MapRun(_Remote):
                 )
             for entry in work.iterdir():  # slots left by a run that died
                 if entry.name != "lock":
-                    shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+                    remove_slot(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
             refused = dict(_refusals(todo, sizing))
             fits = [mi for mi in todo if mi.name not in refused]
             for name, why in refused.items():
@@ -268,7 +267,7 @@ class _MapRun(_Remote):
             for n in range(len(workers)):
                 slot_root = work / str(n)
                 if slot_root.exists():
-                    shutil.rmtree(slot_root)
+                    remove_slot(slot_root)
 
     def _worker(self, job: Job) -> None:
         """A job's thread: take items from the pipeline until none is left; ack each after processing."""
