@@ -1761,3 +1761,40 @@ def test_a_read_only_folder_among_the_outputs_is_removed_with_its_slot(tmp_path)
     for name in ("a", "b", "c"):
         assert (tmp_path / "dst" / name / "ro" / "g").read_bytes() == (src / name / "f").read_bytes()
     assert_cache_clean(tmp_path / "cache")
+
+
+READ_ONLY_INPUT = r"""
+import json, os, sys
+from cachepipe.map import map_items
+src, dst, cache = sys.argv[1:4]
+command = ["sh", "-c", 'cp f "$CACHEPIPE_OUT/g" && mkdir sub && chmod 555 sub .']  # its input folder made read-only
+result = map_items(command, src, dst, cache_dir=cache, capacity="1MiB", out_reserve="4KiB")
+print(json.dumps([result.items_done, [f.error for f in result.failed]]))
+"""
+
+
+def test_an_input_folder_its_command_made_read_only_is_still_removed_from_the_cache(tmp_path):
+    """A command that makes its working directory (the item's folder in the cache) read-only
+    left the item there for good, run by a user other than root: its ack could not delete it
+    ('could not delete b ... counted as foreign'), and a later run on the cache failed the item
+    ('exists and is not managed by cachepipe')."""
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: read-only folders are writable to this test")
+        drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--"]
+    else:
+        drop = []
+    src = tmp_path / "src"
+    for name in ("a", "b", "c"):
+        (src / name).mkdir(parents=True)
+        (src / name / "f").write_bytes(os.urandom(100))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = []
+    for dst in ("dst1", "dst2"):  # the second, to another destination, downloads every item again
+        argv = [*drop, sys.executable, "-c", READ_ONLY_INPUT, str(src), str(tmp_path / dst), str(tmp_path / "cache")]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, check=False)
+        assert proc.returncode == 0, proc.stderr
+        assert "could not delete" not in proc.stderr, proc.stderr
+        done.append(json.loads(proc.stdout))
+    assert done == [[3, []], [3, []]]
+    assert_cache_clean(tmp_path / "cache")

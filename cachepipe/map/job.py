@@ -27,7 +27,16 @@ from .plan import MapConfig, MapItem, item_reserve, out_reserve
 from .result import Tally
 from .uploader import DestinationError, Uploader
 
-__all__ = ["CommandError", "Job", "OutputTooLargeError", "Slot", "UnsafeArgumentError", "remove_slot", "script_arguments"]
+__all__ = [
+    "CommandError",
+    "Job",
+    "OutputTooLargeError",
+    "Slot",
+    "UnsafeArgumentError",
+    "make_writable",
+    "remove_slot",
+    "script_arguments",
+]
 
 log = logging.getLogger("cachepipe.map")
 
@@ -76,14 +85,21 @@ def remove_slot(path: Path) -> None:
     try:
         shutil.rmtree(path)
     except PermissionError:
-        folders = [path]
-        while folders:  # each made writable (and listable) before it is listed
-            folder = folders.pop()
-            mode = os.lstat(folder).st_mode
-            os.chmod(folder, mode | stat.S_IRWXU)
-            with os.scandir(folder) as entries:
-                folders += [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
+        make_writable(path)
         shutil.rmtree(path)
+
+
+def make_writable(path: Path) -> None:
+    """Give the owner back write (and list) permission on ``path`` and every real folder under
+    it that lacks it, so that its files can be deleted; links are never followed."""
+    folders = [path]
+    while folders:  # each made writable (and listable) before it is listed
+        folder = folders.pop()
+        mode = os.lstat(folder).st_mode
+        if mode & stat.S_IRWXU != stat.S_IRWXU:
+            os.chmod(folder, mode | stat.S_IRWXU)
+        with os.scandir(folder) as entries:
+            folders += [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
 
 
 class Slot:
@@ -220,6 +236,8 @@ class Job:
             raise
         finally:
             self._watcher.remove(watch)
+        if watch.grown is not None:  # CMD ran in its input: what it made read-only there (chmod -R a-w .) is
+            make_writable(item_path)  # made deletable again, or the cache could not remove the item after it
         used = watch.measure()
         self._tally.measured(watch.peak)
         if watch.over or used > limit:
