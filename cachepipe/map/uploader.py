@@ -137,9 +137,15 @@ def _marker_file(body: bytes, folder: Path) -> Iterator[Path]:
     """A file holding ``body``, to upload as a completion marker: in memory (a ``memfd``, Linux),
     since the marker lists every output (tens of bytes each) and the outputs may fill their job's
     slot to its last byte, so a marker written beside them passed the cache's capacity; elsewhere
-    ``folder/marker.json``, removed after."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("cachepipe-done", os.MFD_CLOEXEC)
+    (or where ``memfd_create`` is refused, or ``/proc`` is not mounted) ``folder/marker.json``,
+    removed after."""
+    fd = -1
+    if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
+        try:
+            fd = os.memfd_create("cachepipe-done", os.MFD_CLOEXEC)
+        except OSError:  # a sandbox's seccomp filter: ENOSYS, EPERM
+            fd = -1
+    if fd >= 0:
         try:
             with open(fd, "wb", closefd=False) as fh:
                 fh.write(body)
