@@ -1798,3 +1798,18 @@ def test_an_input_folder_its_command_made_read_only_is_still_removed_from_the_ca
         done.append(json.loads(proc.stdout))
     assert done == [[3, []], [3, []]]
     assert_cache_clean(tmp_path / "cache")
+
+
+def test_a_command_that_deletes_its_input_folder_is_done(tmp_path):
+    """Its folder's permissions, restored after the command (a read-only input, above), are
+    looked for in a folder that may be gone."""
+    src = tmp_path / "src"
+    for name in ("a", "b"):
+        (src / name).mkdir(parents=True)
+        (src / name / "f").write_bytes(os.urandom(100))
+    command = ["sh", "-c", 'cp f "$CACHEPIPE_OUT/g" && rm -rf "$CACHEPIPE_ITEM"']
+    options = {"cache_dir": tmp_path / "cache", "capacity": "1MiB", "out_reserve": "4KiB"}
+    result = map_items(command, str(src), str(tmp_path / "dst"), **options)
+    assert result.ok and result.items_done == 2 and result.items_retried == 0, result.failed
+    assert (tmp_path / "dst" / "b" / "g").read_bytes() == (src / "b" / "f").read_bytes()
+    assert_cache_clean(tmp_path / "cache")

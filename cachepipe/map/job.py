@@ -95,11 +95,16 @@ def make_writable(path: Path) -> None:
     folders = [path]
     while folders:  # each made writable (and listable) before it is listed
         folder = folders.pop()
-        mode = os.lstat(folder).st_mode
-        if mode & stat.S_IRWXU != stat.S_IRWXU:
-            os.chmod(folder, mode | stat.S_IRWXU)
-        with os.scandir(folder) as entries:
-            folders += [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
+        try:
+            mode = os.lstat(folder).st_mode
+            if not stat.S_ISDIR(mode):
+                continue  # a link, or a file now in the folder's place
+            if mode & stat.S_IRWXU != stat.S_IRWXU:
+                os.chmod(folder, mode | stat.S_IRWXU)
+            with os.scandir(folder) as entries:
+                folders += [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            continue  # removed (a command may delete its input): nothing to make deletable
 
 
 class Slot:
