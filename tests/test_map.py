@@ -39,6 +39,7 @@ from cachepipe.map.run import _take_lock
 from cachepipe.map.uploader import (
     DONE_MARKER,
     MARKER_LIMIT,
+    DestinationDeniedError,
     DestinationFullError,
     OutputError,
     Uploader,
@@ -1636,3 +1637,204 @@ def test_a_name_that_is_not_utf8_is_mapped_and_printed_as_its_bytes(tmp_path):
     out = os.fsencode(tmp_path / "out") + b"/caf\xe9"
     with open(out + b"/name", "rb") as fh, open(out + b"/a.bin", "rb") as data:
         assert (fh.read(), data.read()) == (b"caf\xe9", b"a" * 10)
+
+
+def test_an_infinite_ratio_or_timeout_is_a_usage_error_naming_the_option(tmp_path, capsys):
+    """Before: ``--out-ratio inf`` crashed the command with an OverflowError traceback, and
+    ``--timeout inf`` ran every item's command and failed each with an OverflowError."""
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "in.txt").write_text("a")
+    sized = [str(src), str(tmp_path / "dst"), "--cache", str(tmp_path / "cache"), "--capacity", "1MiB"]
+    for flag in ("--out-ratio", "--timeout", "--unpack-ratio"):
+        assert main([*sized, flag, "inf", "--", "true"]) == 2
+        assert f"{flag} inf: Input should be a finite number" in capsys.readouterr().err
+    assert not (tmp_path / "dst").exists()
+
+
+def test_a_timeout_longer_than_a_wait_can_take_is_kept_and_its_command_is_waited_for(tmp_path):
+    """A timeout past what one wait of the kernel can take (``epoll``: 24.8 days) failed every
+    item with ``OverflowError: timeout is too large``, and left its command running while the
+    item's next attempt started beside it (the command was never waited for)."""
+    src = tmp_path / "src"
+    for name in ("a", "b"):
+        (src / name).mkdir(parents=True)
+        (src / name / "a.bin").write_bytes(os.urandom(300))
+    log = tmp_path / "runs.log"
+    result = map_items(
+        [sys.executable, "-c", "import time; time.sleep(0.5); " + COPY, str(log)],
+        str(src),
+        str(tmp_path / "dst"),
+        cache_dir=tmp_path / "cache",
+        capacity="1MiB",
+        timeout=30 * 86400.0,  # a month
+    )
+    assert result.ok and result.items_done == 2, result.failed
+    assert sorted(runs(log)) == ["a", "b"]  # each command ran once, to its end
+    assert (tmp_path / "dst" / "a" / "out.bin").read_bytes() == (src / "a" / "a.bin").read_bytes()
+    assert_cache_clean(tmp_path / "cache")
+
+
+class MeasuringDest(FsspecStore):
+    """A local destination that measures the jobs' slots as each completion marker is uploaded."""
+
+    def __init__(self, url: str, work: Path) -> None:
+        super().__init__(url, {})
+        self.work = work
+        self.at_marker: list[int] = []
+
+    def put(self, local_path, key):
+        if key.endswith(DONE_MARKER):
+            self.at_marker.append(tree_bytes(self.work))
+        super().put(local_path, key)
+
+
+def test_the_completion_marker_takes_no_room_in_the_cache(tmp_path):
+    """Outputs may fill their job's slot (reserve + margin) to the last byte. The marker, which
+    lists every output, was written into the slot beside them: 600 output files made it ~13 KB
+    where the margin was 1 KiB, and the cache passed its capacity by that much."""
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "in.bin").write_bytes(os.urandom(1000))
+    many = (
+        "import os; out = os.environ['CACHEPIPE_OUT']; open(os.path.join(out, 'all.bin'), 'wb').write(os.urandom(4096))\n"
+        "for i in range(600): open(os.path.join(out, f'frame_{i:06d}.jpg'), 'wb').close()"
+    )
+    cache = tmp_path / "cache"
+    dest = MeasuringDest(str(tmp_path / "dst"), cache / WORK_DIR)
+    result = map_items(
+        [sys.executable, "-c", many],
+        str(src),
+        str(tmp_path / "dst"),
+        cache_dir=cache,
+        capacity="1MiB",
+        out_reserve="4KiB",
+        out_margin="1KiB",
+        dest_store=dest,
+    )
+    assert result.ok and result.items_done == 1, result.failed
+    marker = (tmp_path / "dst" / "a" / DONE_MARKER).read_bytes()
+    assert len(marker) > 10 * KIB and len(json.loads(marker)["files"]) == 601
+    assert dest.at_marker == [4096]  # the outputs alone: the marker is not in the slot of 5 KiB
+    assert_cache_clean(cache)
+
+
+class ReadOnlyDest(FsspecStore):
+    """A destination whose credentials may read but not write: every upload is refused (403)."""
+
+    def put(self, local_path, key):
+        raise PermissionError(f"access denied to {key} (AccessDenied)")
+
+
+def test_a_destination_that_refuses_writes_stops_the_run_at_its_first_refusal(tmp_path):
+    """Credentials that may not write to DST (or that expired) pass the bucket's check: every
+    item was downloaded, its command run and its upload refused, three times an item, through
+    the whole dataset. The first refusal now stops the run, saying what to do."""
+    src = tmp_path / "src"
+    for i in range(4):
+        (src / f"item{i}").mkdir(parents=True)
+        (src / f"item{i}" / "a.bin").write_bytes(os.urandom(300))
+    log = tmp_path / "runs.log"
+    with pytest.raises(DestinationDeniedError, match=r"the destination refused .*item0/out.bin.*the run stops") as caught:
+        map_items(
+            [sys.executable, "-c", COPY, str(log)],
+            str(src),
+            str(tmp_path / "dst"),
+            cache_dir=tmp_path / "cache",
+            capacity="1MiB",
+            dest_store=ReadOnlyDest(str(tmp_path / "dst"), {}),
+        )
+    assert isinstance(caught.value, PermissionError)
+    assert runs(log) == ["item0"]  # one command run, once
+    assert_cache_clean(tmp_path / "cache")
+
+
+READ_ONLY_OUTPUTS = r"""
+import json, os, sys
+from cachepipe.map import map_items
+src, dst, cache = sys.argv[1:4]
+script = 'mkdir "$CACHEPIPE_OUT/ro" && cp f "$CACHEPIPE_OUT/ro/g" && chmod 555 "$CACHEPIPE_OUT/ro" "$CACHEPIPE_OUT"'
+command = ["sh", "-c", script]
+result = map_items(command, src, dst, cache_dir=cache, capacity="1MiB", out_reserve="4KiB")
+print(json.dumps([result.items_done, [f.error for f in result.failed]]))
+"""
+
+
+def test_a_read_only_folder_among_the_outputs_is_removed_with_its_slot(tmp_path):
+    """A command that leaves a folder it cannot write in its output (``chmod 555``; ``cp -r`` or
+    ``tar x`` of a read-only tree) crashed the run after its first item (PermissionError
+    clearing the slot), and every later run on that cache at its start (clearing the slot
+    left). Run without the capabilities that let root write anywhere, as a user runs it."""
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: read-only folders are writable to this test")
+        drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--"]
+    else:
+        drop = []
+    src = tmp_path / "src"
+    for name in ("a", "b", "c"):
+        (src / name).mkdir(parents=True)
+        (src / name / "f").write_bytes(os.urandom(100))
+    argv = [*drop, sys.executable, "-c", READ_ONLY_OUTPUTS, str(src), str(tmp_path / "dst"), str(tmp_path / "cache")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = []
+    for _run in range(2):  # the second finds nothing to do
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, check=False)
+        assert proc.returncode == 0, proc.stderr
+        done.append(json.loads(proc.stdout))
+    assert done == [[3, []], [0, []]]
+    for name in ("a", "b", "c"):
+        assert (tmp_path / "dst" / name / "ro" / "g").read_bytes() == (src / name / "f").read_bytes()
+    assert_cache_clean(tmp_path / "cache")
+
+
+READ_ONLY_INPUT = r"""
+import json, os, sys
+from cachepipe.map import map_items
+src, dst, cache = sys.argv[1:4]
+command = ["sh", "-c", 'cp f "$CACHEPIPE_OUT/g" && mkdir sub && chmod 555 sub .']  # its input folder made read-only
+result = map_items(command, src, dst, cache_dir=cache, capacity="1MiB", out_reserve="4KiB")
+print(json.dumps([result.items_done, [f.error for f in result.failed]]))
+"""
+
+
+def test_an_input_folder_its_command_made_read_only_is_still_removed_from_the_cache(tmp_path):
+    """A command that makes its working directory (the item's folder in the cache) read-only
+    left the item there for good, run by a user other than root: its ack could not delete it
+    ('could not delete b ... counted as foreign'), and a later run on the cache failed the item
+    ('exists and is not managed by cachepipe')."""
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: read-only folders are writable to this test")
+        drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--"]
+    else:
+        drop = []
+    src = tmp_path / "src"
+    for name in ("a", "b", "c"):
+        (src / name).mkdir(parents=True)
+        (src / name / "f").write_bytes(os.urandom(100))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = []
+    for dst in ("dst1", "dst2"):  # the second, to another destination, downloads every item again
+        argv = [*drop, sys.executable, "-c", READ_ONLY_INPUT, str(src), str(tmp_path / dst), str(tmp_path / "cache")]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, check=False)
+        assert proc.returncode == 0, proc.stderr
+        assert "could not delete" not in proc.stderr, proc.stderr
+        done.append(json.loads(proc.stdout))
+    assert done == [[3, []], [3, []]]
+    assert_cache_clean(tmp_path / "cache")
+
+
+def test_a_command_that_deletes_its_input_folder_is_done(tmp_path):
+    """Its folder's permissions, restored after the command (a read-only input, above), are
+    looked for in a folder that may be gone."""
+    src = tmp_path / "src"
+    for name in ("a", "b"):
+        (src / name).mkdir(parents=True)
+        (src / name / "f").write_bytes(os.urandom(100))
+    command = ["sh", "-c", 'cp f "$CACHEPIPE_OUT/g" && rm -rf "$CACHEPIPE_ITEM"']
+    options = {"cache_dir": tmp_path / "cache", "capacity": "1MiB", "out_reserve": "4KiB"}
+    result = map_items(command, str(src), str(tmp_path / "dst"), **options)
+    assert result.ok and result.items_done == 2 and result.items_retried == 0, result.failed
+    assert (tmp_path / "dst" / "b" / "g").read_bytes() == (src / "b" / "f").read_bytes()
+    assert_cache_clean(tmp_path / "cache")

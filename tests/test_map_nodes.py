@@ -294,3 +294,23 @@ def test_kubernetes_index_without_a_count_is_refused_by_the_command(tmp_path):
 def test_map_items_names_a_rank_out_of_range(tmp_path):
     with pytest.raises(ConfigError, match=r"rank 3 \(from --rank/--world-size\): expected 0 <= rank < world size 3"):
         map_items(["true"], "s3://data/video/", "s3://data/out/", cache_dir=tmp_path, capacity="1MiB", rank=3, world_size=3)
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--rank", "3", "--world-size", "3"], r"rank 3 \(from --rank/--world-size\): expected 0 <= rank < world size 3"),
+        (["--rank", "-1", "--world-size", "3"], r"rank -1 \(from --rank/--world-size\)"),
+        (["--rank", "0", "--world-size", "0"], r"world size 0 \(from --rank/--world-size\): expected an integer >= 1"),
+        (["--rank", "1"], "rank 1 is given without the number of processes: give --world-size"),
+    ],
+)
+def test_a_rank_or_world_size_flag_the_run_refuses_is_a_usage_error(tmp_path, capsys, monkeypatch, flags, said):
+    """A value an option refuses exits 2, naming it (as --jobs 0 does); these exited 1."""
+    for name in SCHEDULER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    from cachepipe.map.cli import main
+
+    sized = ["--cache", str(tmp_path / "cache"), "--capacity", "1MiB"]
+    assert main(["s3://data/video/", "s3://data/out/", *sized, *flags, "--", "true"]) == 2
+    assert re.search(said, capsys.readouterr().err)

@@ -43,6 +43,10 @@ STDERR_DRAIN = 1.0
 """Seconds a command's stderr may stay open after the command exited and its group was killed:
 what still holds it then left the group (``setsid``, ``start_new_session=True``, a daemon)."""
 
+LONGEST_WAIT = 86400.0
+"""Seconds one wait for a child blocks at most before it looks at the deadline again: a wait of
+the kernel takes no more than 24.8 days (``epoll``'s milliseconds in an int), a timeout may."""
+
 _PR_SET_PDEATHSIG = 1
 _libc: Any = None
 if sys.platform.startswith("linux"):
@@ -207,7 +211,7 @@ class CommandRun(_Child):
                         if not self._escalate():
                             break
                         continue
-                    for key, _events in sel.select(remaining):
+                    for key, _events in sel.select(None if remaining is None else min(remaining, LONGEST_WAIT)):
                         if key.fd == exit_fd:
                             sel.unregister(exit_fd)
                             self._end()  # a leftover in its group holding stderr dies too: the EOF comes
@@ -225,7 +229,7 @@ class CommandRun(_Child):
         while True:  # CMD may have closed its stderr and run on (without a pidfd, its exit is seen here)
             remaining = self._remaining()
             try:
-                code = self.proc.wait(None if remaining is None else max(remaining, 0))
+                code = self.proc.wait(None if remaining is None else min(max(remaining, 0), LONGEST_WAIT))
                 break
             except subprocess.TimeoutExpired:
                 self._escalate()
@@ -296,7 +300,11 @@ class FunctionRun(_Child):
 
     def wait(self, timeout: float | None, grace: float) -> tuple[int, str, bool]:
         """As :meth:`CommandRun.wait`; the tail is the traceback ``fn`` raised, if any."""
-        timed_out = not multiprocessing.connection.wait([self.proc.sentinel], timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not (exited := multiprocessing.connection.wait([self.proc.sentinel], _left(deadline))):
+            if deadline is not None and deadline <= time.monotonic():
+                break
+        timed_out = not exited
         if timed_out:
             _signal_group(self.pid, signal.SIGTERM)
             if not multiprocessing.connection.wait([self.proc.sentinel], grace):
@@ -314,6 +322,11 @@ class FunctionRun(_Child):
         self._conn.close()
         self.proc.close()
         return code, tail, timed_out
+
+
+def _left(deadline: float | None) -> float:
+    """Seconds to wait for a child whose deadline is ``deadline`` (None: none), at most :data:`LONGEST_WAIT`."""
+    return LONGEST_WAIT if deadline is None else min(max(deadline - time.monotonic(), 0), LONGEST_WAIT)
 
 
 @dataclass(eq=False)

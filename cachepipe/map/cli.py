@@ -7,6 +7,7 @@ import argparse
 import io
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -234,6 +235,13 @@ def _run_map_command(args: argparse.Namespace) -> int:
             setattr(args, key, value)
         if not args.cache or not args.capacity:
             raise _UsageError("--cache and --capacity are required")
+        if args.rank is not None or args.world_size is not None:  # a flag refused: usage, as --jobs 0 is
+            from .share import resolve_rank
+
+            try:
+                resolve_rank(os.environ, args.rank, args.world_size)
+            except ConfigError as exc:
+                raise _UsageError(str(exc)) from exc
         if args.verbose:
             logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
             logging.getLogger("cachepipe").setLevel(logging.DEBUG if args.verbose > 1 else logging.INFO)

@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,9 +25,18 @@ from ..unpack import ArchiveError, ChecksumError, adopt_others, unpack_item
 from .child import CommandRun, FunctionRun, Watch, Watcher
 from .plan import MapConfig, MapItem, item_reserve, out_reserve
 from .result import Tally
-from .uploader import DestinationFullError, Uploader
+from .uploader import DestinationError, Uploader
 
-__all__ = ["CommandError", "Job", "OutputTooLargeError", "Slot", "UnsafeArgumentError", "script_arguments"]
+__all__ = [
+    "CommandError",
+    "Job",
+    "OutputTooLargeError",
+    "Slot",
+    "UnsafeArgumentError",
+    "make_writable",
+    "remove_slot",
+    "script_arguments",
+]
 
 log = logging.getLogger("cachepipe.map")
 
@@ -66,6 +76,37 @@ class CommandError(CachePipeError, RuntimeError):
         self.tail = tail
 
 
+def remove_slot(path: Path) -> None:
+    """Delete a slot (or what a killed run left in the work folder): ``shutil.rmtree``, and if
+    that is refused, again once every folder under ``path`` is writable by its owner. A command
+    may leave a folder it cannot write among its outputs (``chmod 555``; ``cp -r`` or ``tar x``
+    of a read-only tree), whose files no one but root could then delete. Links are never
+    followed: only real folders under ``path`` are changed."""
+    try:
+        shutil.rmtree(path)
+    except PermissionError:
+        make_writable(path)
+        shutil.rmtree(path)
+
+
+def make_writable(path: Path) -> None:
+    """Give the owner back write (and list) permission on ``path`` and every real folder under
+    it that lacks it, so that its files can be deleted; links are never followed."""
+    folders = [path]
+    while folders:  # each made writable (and listable) before it is listed
+        folder = folders.pop()
+        try:
+            mode = os.lstat(folder).st_mode
+            if not stat.S_ISDIR(mode):
+                continue  # a link, or a file now in the folder's place
+            if mode & stat.S_IRWXU != stat.S_IRWXU:
+                os.chmod(folder, mode | stat.S_IRWXU)
+            with os.scandir(folder) as entries:
+                folders += [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            continue  # removed (a command may delete its input): nothing to make deletable
+
+
 class Slot:
     """One job's work folder under ``cache_dir/.cachepipe-map/<n>/``: ``in`` (extracted files),
     ``out`` (outputs), ``cwd`` (working directory for single-file items); ``size`` is the bytes set
@@ -80,7 +121,7 @@ class Slot:
 
     def reset(self) -> None:
         if self.root.exists():
-            shutil.rmtree(self.root)
+            remove_slot(self.root)
         for path in (self.inp, self.out, self.cwd):
             path.mkdir(parents=True)
 
@@ -135,7 +176,7 @@ class Job:
                 break  # the same input would fail the same way
             except CommandError as exc:
                 error, tail, produced = exc, exc.tail, None
-            except DestinationFullError:
+            except DestinationError:
                 raise  # the run stops (see Run._worker)
             except Exception as exc:  # noqa: BLE001 - an upload or local I/O error: the item is retried, then reported
                 if self._stop.is_set():
@@ -195,8 +236,13 @@ class Job:
         self._watcher.add(watch)
         try:
             code, tail, timed_out = run.wait(cfg.timeout, cfg.kill_grace)
+        except BaseException:
+            run.kill()  # a wait that failed must not leave the command running beside the item's next attempt
+            raise
         finally:
             self._watcher.remove(watch)
+        if watch.grown is not None:  # CMD ran in its input: what it made read-only there (chmod -R a-w .) is
+            make_writable(item_path)  # made deletable again, or the cache could not remove the item after it
         used = watch.measure()
         self._tally.measured(watch.peak)
         if watch.over or used > limit:

@@ -52,7 +52,7 @@ def _optional_size(what: str) -> Any:
 class MapConfig(BaseModel):
     """Every option of a map run, validated (sizes in bytes). See :func:`map_items` for each."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # as PipelineConfig: inf/nan named
 
     source: Annotated[str, BeforeValidator(utf8_location)] = Field(min_length=1)
     dest: Annotated[str, BeforeValidator(utf8_location)] = Field(min_length=1)

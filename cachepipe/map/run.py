@@ -19,7 +19,6 @@ import logging
 import multiprocessing
 import os
 import pickle
-import shutil
 import sys
 import threading
 import time
@@ -37,14 +36,14 @@ from ..pipeline import Pipeline
 from ..stores import Store, open_store
 from ..stores.base import WritableStore
 from .child import Watcher, kill_leftovers
-from .job import Job, Slot
+from .job import Job, Slot, remove_slot
 from .plan import WORK_DIR, MapConfig, MapItem, PlannedSource, inside_prefix, item_reserve, plan_items
 from .remote import _Remote
 from .result import MapResult, Tally
 from .runnable import _check_command, _from_fileless_main, _importing, _unguarded_line
 from .share import resolve_rank, take_share
 from .sizing import _refusals, _Sizing
-from .uploader import DestinationFullError, Uploader
+from .uploader import DestinationError, Uploader
 
 __all__ = ["map_items"]
 
@@ -195,7 +194,7 @@ class _MapRun(_Remote):
                 )
             for entry in work.iterdir():  # slots left by a run that died
                 if entry.name != "lock":
-                    shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+                    remove_slot(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
             refused = dict(_refusals(todo, sizing))
             fits = [mi for mi in todo if mi.name not in refused]
             for name, why in refused.items():
@@ -268,7 +267,7 @@ class _MapRun(_Remote):
             for n in range(len(workers)):
                 slot_root = work / str(n)
                 if slot_root.exists():
-                    shutil.rmtree(slot_root)
+                    remove_slot(slot_root)
 
     def _worker(self, job: Job) -> None:
         """A job's thread: take items from the pipeline until none is left; ack each after processing."""
@@ -294,8 +293,8 @@ class _MapRun(_Remote):
                         self._pipe.ack(cached)
                     except (RuntimeError, UnknownItemError):
                         pass  # closed while this item ran: closing removes it anyway
-        except BaseException as exc:  # a bug, or a full destination: stop the run and raise it from map_items
-            if isinstance(exc, DestinationFullError):
+        except BaseException as exc:  # a bug, or a destination full or refusing: stop the run and raise it from map_items
+            if isinstance(exc, DestinationError):
                 log.error("%s", exc)
             else:
                 log.exception("map job crashed")

@@ -19,7 +19,9 @@ import os
 import re
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,8 @@ from ..stores.base import TEMP_SUFFIX, WritableStore
 __all__ = [
     "DONE_MARKER",
     "MARKER_LIMIT",
+    "DestinationDeniedError",
+    "DestinationError",
     "DestinationFullError",
     "OutputError",
     "Uploader",
@@ -64,9 +68,25 @@ def marker_version(head: bytes) -> str | None:
     return found.group(1).decode() if found else None
 
 
-class DestinationFullError(CachePipeError, OSError):
+class DestinationError(CachePipeError, OSError):
+    """The destination refuses uploads in a way every later item would meet too: the run stops
+    (items done are kept). Its two kinds::
+
+        DestinationError
+        ├── DestinationFullError    full (ENOSPC, EDQUOT) after the upload's retries
+        └── DestinationDeniedError  writing refused (403 AccessDenied, expired credentials, EACCES)
+    """
+
+
+class DestinationFullError(DestinationError):
     """An upload still found the destination full (``ENOSPC``, ``EDQUOT``) after its retries: every
     later item would wait for it and fail the same way, so the run stops."""
+
+
+class DestinationDeniedError(DestinationError, PermissionError):
+    """An upload was refused (credentials that may read but not write ``DST``, or that expired:
+    they pass the bucket's check): every later item's would be too, after its download and its
+    command, so the run stops."""
 
 
 class OutputError(UnsafeKeyError):
@@ -112,6 +132,35 @@ def collect_outputs(root: Path) -> list[tuple[str, Path]]:
     return found
 
 
+@contextmanager
+def _marker_file(body: bytes, folder: Path) -> Iterator[Path]:
+    """A file holding ``body``, to upload as a completion marker: in memory (a ``memfd``, Linux),
+    since the marker lists every output (tens of bytes each) and the outputs may fill their job's
+    slot to its last byte, so a marker written beside them passed the cache's capacity; elsewhere
+    (or where ``memfd_create`` is refused, or ``/proc`` is not mounted) ``folder/marker.json``,
+    removed after."""
+    fd = -1
+    if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
+        try:
+            fd = os.memfd_create("cachepipe-done", os.MFD_CLOEXEC)
+        except OSError:  # a sandbox's seccomp filter: ENOSYS, EPERM
+            fd = -1
+    if fd >= 0:
+        try:
+            with open(fd, "wb", closefd=False) as fh:
+                fh.write(body)
+            yield Path(f"/proc/self/fd/{fd}")  # opened anew by the store, from its start
+        finally:
+            os.close(fd)
+        return
+    path = folder / "marker.json"
+    try:
+        path.write_bytes(body)
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
 @dataclass
 class UploadCounters:
     """Bytes and files uploaded, requests retried."""
@@ -149,8 +198,8 @@ class Uploader:
     def upload_item(self, name: str, root: Path, marker_dir: Path, version: str | None = None) -> dict[str, int]:
         """Upload every output under ``root`` to ``DST/<name>/``, then the marker; return the manifest.
 
-        The marker file is written in ``marker_dir`` (beside the outputs, so that its bytes are
-        in the job's space), uploaded and removed. ``version``: the input's (see
+        The marker is uploaded from memory where it can be (:func:`_marker_file`; else from a
+        file in ``marker_dir``, removed after). ``version``: the input's (see
         :func:`marker_version`), recorded in the marker.
 
         Raises:
@@ -170,14 +219,10 @@ class Uploader:
                 raise future.exception()  # type: ignore[misc]
         if self._stop.is_set():
             raise InterruptedError(f"stopped while uploading {name}")
-        marker = marker_dir / "marker.json"
         record: dict[str, Any] = {} if version is None else {"version": version}  # first: read from a marker's head
         record |= {"item": name, "bytes": sum(manifest.values()), "finished": time.time(), "files": manifest}
-        marker.write_text(json.dumps(record, indent=0))
-        try:
+        with _marker_file(json.dumps(record, indent=0).encode(), marker_dir) as marker:
             self._put(marker, marker_key(name), count=False)
-        finally:
-            marker.unlink(missing_ok=True)
         return manifest
 
     def _put(self, path: Path, key: str, count: bool = True) -> None:
@@ -192,6 +237,11 @@ class Uploader:
                         raise DestinationFullError(
                             f"uploading {key}: the destination is full after {attempt + 1} attempt(s) ({exc}); the run stops: "
                             "free space there and run it again (items done are kept)"
+                        ) from exc
+                    if isinstance(exc, PermissionError):
+                        raise DestinationDeniedError(
+                            f"uploading {key}: the destination refused it ({exc}); the run stops: give credentials "
+                            "that may write there (s3:PutObject) and run it again (items done are kept)"
                         ) from exc
                     raise
                 delay = backoff_delay(attempt, self._backoff, self._backoff_max)
