@@ -19,7 +19,11 @@ with ``PYTHONPATH=TREE``, the order of the trees flipped every round; each pass 
 (so that the next one opens over a pass closed cleanly, as in training); medians, and each
 tree's over the first's. Beside them, ``made ms``: making the dataset and calling
 ``set_epoch``, which a training run does once, not per pass (where the dataset reads the
-manifest that its forked workers plan from). The files are in the page cache (warm)::
+manifest that its forked workers plan from). ``--start-method`` starts the workers by
+``spawn`` or ``forkserver`` instead of ``fork`` (set as the default start method, as Python
+3.14 does with ``forkserver``, and given as the loader's ``multiprocessing_context``; the pass
+then runs from a script file, so that its ``transform`` can be pickled to the workers). The
+files are in the page cache (warm)::
 
     git worktree add --detach /tmp/before 99cbac3
     python benchmarks/bench_epoch_start.py --trees /tmp/before . --runs 7 --loaders DataLoader StatefulDataLoader
@@ -39,19 +43,21 @@ from common import check_positive, command_line, file_system_of, format_table, m
 
 CAPACITIES = ("10GiB", "50%")
 LOADERS = ("DataLoader", "StatefulDataLoader")
+START_METHODS = ("fork", "spawn", "forkserver")
 Times = dict[tuple[str, str, str], list[dict[str, Any]]]  # (tree, loader, capacity): each pass's report
 
 _PASS = """
-import json, sys, time
+import json, multiprocessing, sys, time
 import torch
 from cachepipe.torch import CachePipeDataset
-source, cache, capacity, epoch, workers, batch, loader, manifest = sys.argv[1:]
+source, cache, capacity, epoch, workers, batch, loader, manifest, method = sys.argv[1:]
 
 def seen(path):  # in the worker: (worker, bytes its pipeline downloaded so far); the pipeline is private
     info = torch.utils.data.get_worker_info()
     return info.id, info.dataset._pipe.stats().bytes_downloaded
 
 if __name__ == "__main__":
+    multiprocessing.set_start_method(method, force=True)  # the default, which the dataset sees
     options = dict(epochs=None, shuffle=True, seed=0, partition="fixed", retain="auto", rank=0, world_size=1)
     if manifest != "-":
         options["manifest"] = manifest  # what set_epoch listed in the first pass, not listed again
@@ -63,7 +69,9 @@ if __name__ == "__main__":
         from torchdata.stateful_dataloader import StatefulDataLoader as Loader
     else:
         Loader = torch.utils.data.DataLoader
-    loader = Loader(dataset, batch_size=int(batch), num_workers=int(workers), persistent_workers=False)
+    loader = Loader(
+        dataset, batch_size=int(batch), num_workers=int(workers), persistent_workers=False, multiprocessing_context=method
+    )
     start = time.perf_counter()
     batches = iter(loader)
     ids, got = next(batches)
@@ -85,6 +93,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16, help="batch size (default 16)")
     p.add_argument("--loaders", nargs="+", choices=LOADERS, default=["DataLoader"], help="loaders (default DataLoader)")
     p.add_argument("--capacities", nargs="+", default=list(CAPACITIES), help="capacities (default: 10GiB 50%%)")
+    p.add_argument("--start-method", choices=START_METHODS, default="fork", help="how workers are started (default fork)")
     args = p.parse_args()
     check_positive(p, args, ("items", "files", "size", "workers", "batch", "runs"))
     trees = source_trees(p, args.trees)
@@ -118,8 +127,10 @@ def main() -> None:
 def _pass(args: argparse.Namespace, tree: str, *where: str, epoch: int, loader: str, manifest: str) -> dict[str, Any]:
     """One set_epoch pass in a fresh process on ``tree`` (``where``: the source, the cache folder
     and the capacity): its times, what it downloaded and read, the manifest it planned from."""
-    argv = (*where, str(epoch), str(args.workers), str(args.batch), loader, manifest)
-    got: dict[str, Any] = json.loads(_child(tree, _PASS, *argv))
+    argv = (*where, str(epoch), str(args.workers), str(args.batch), loader, manifest, args.start_method)
+    script = Path(where[1]).with_name("pass.py")  # a file: spawned workers import their transform from it
+    script.write_text(_PASS)
+    got: dict[str, Any] = json.loads(_child(tree, _PASS, *argv, script=script))
     if got["samples"] != args.items:
         raise RuntimeError(f"{tree}: epoch {epoch} read {got['samples']} samples, not the {args.items} items")
     return got
@@ -133,6 +144,7 @@ def _report(args: argparse.Namespace, trees: list[str], times: Times, fs: str) -
         made = {f"{tree} {loader} {capacity}": [t["made"] for t in got] for (tree, loader, capacity), got in times.items()}
         report = {"command": command_line(), "machine": machine_info(), "file_system": fs, "items": args.items}
         sizes = {"files": args.items * args.files, "workers": args.workers, "batch": args.batch, "runs": args.runs}
+        sizes["start_method"] = args.start_method
         times_of = {"first_batch_seconds": first, "pass_seconds": whole, "dataset_made_seconds": made}
         print(json.dumps({**report, **sizes, **times_of}, indent=2))
         return
@@ -147,7 +159,7 @@ def _report(args: argparse.Namespace, trees: list[str], times: Times, fs: str) -
                 rows.append(
                     [loader, capacity, tree, f"{first * 1000:.0f}", f"{first / base:.2f}", f"{whole:.1f}", f"{made * 1000:.0f}"]
                 )
-    over = f"{args.items} kept folders ({args.items * args.files} files), {args.workers} workers"
+    over = f"{args.items} kept folders ({args.items * args.files} files), {args.workers} workers ({args.start_method})"
     print(f"first batch of a set_epoch pass over {over}, on {fs} (warm):")
     print(
         "\n".join(format_table(["loader", "capacity", "tree", "first batch ms", "vs first", "pass s", "made ms"], rows, left=3))

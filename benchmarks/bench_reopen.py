@@ -127,10 +127,12 @@ def _source(root: Path, items: int, files: int, size: int) -> str:
     return f"file://{root}/"
 
 
-def _child(tree: str, code: str, *argv: str) -> str:
-    """Run ``code`` in a fresh interpreter on ``tree``'s cachepipe; its standard output."""
+def _child(tree: str, code: str, *argv: str, script: Path | None = None) -> str:
+    """Run ``code`` in a fresh interpreter on ``tree``'s cachepipe; its standard output. With
+    ``script``, the file that holds ``code`` is run (its functions can be pickled by name)."""
     env = {**os.environ, "PYTHONPATH": tree, "PYTHONSAFEPATH": "1"}
-    done = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, check=False)
+    run = [sys.executable, "-c", code] if script is None else [sys.executable, str(script)]
+    done = subprocess.run([*run, *argv], env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{tree}: child exited {done.returncode}: {done.stderr[-2000:]}")
     return done.stdout

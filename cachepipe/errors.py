@@ -97,6 +97,10 @@ class UnsafeKeyError(CachePipeError, ValueError):
         super().__init__(f"unsafe object key {key!r}: {reason}" + (f"; {advice}" if advice else ""))
         self.key = key
         self.reason = reason
+        self.advice = advice
+
+    def __reduce__(self) -> tuple[type[UnsafeKeyError], tuple[str, str, str]]:
+        return type(self), (self.key, self.reason, self.advice)  # a catalog's, to a worker started by spawn
 
 
 class OversizeError(CachePipeError, ValueError):

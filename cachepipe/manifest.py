@@ -34,6 +34,7 @@ import os
 import tempfile
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -83,6 +84,24 @@ class Manifest:
 # inodes, 2 s on FAT; an inode number reused as fast), whose content's CRC-32 differs.
 # (No lock of ours around it: one held by another thread at a fork would stay held in the child.)
 _HELD: weakref.WeakValueDictionary[tuple[int | bytes, ...], Manifest] = weakref.WeakValueDictionary()
+
+
+def held_identity(manifest: Manifest) -> tuple[int | bytes, ...] | None:
+    """The identity of the file under which :func:`read_manifest` holds the read ``manifest``
+    came from in this process (the held read or a copy of it at another path), or None."""
+    return next((identity for identity, held in _HELD.items() if held.catalog is manifest.catalog), None)
+
+
+def hold(identity: tuple[int | bytes, ...], make: Callable[[], Manifest]) -> Manifest:
+    """The read of the file of ``identity`` held in this process, else ``make()``, held as that
+    read from now on (``identity`` from :func:`held_identity` in the process that read it: a
+    process started by spawn gets the read with it). :func:`read_manifest` returns it while that
+    file is unchanged (checked at each call, as for a read of this process)."""
+    held = _HELD.get(identity)
+    if held is None:
+        held = make()
+        _HELD[identity] = held
+    return held
 
 
 def _is_url(location: str) -> bool:

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import os
 import re
 import socket
@@ -72,6 +71,7 @@ from .pipeline import CachedItem, Pipeline, Skipped
 from .plan import Cursor
 from .torchdist import _distributed, _from_rank0, _manifest_bytes, _save_manifest, local_ranks
 from .torchnode import _JOB_OPTIONS, NODE_BATCH, NODE_BATCH_BYTES, _NodeMode
+from .torchshare import SharedManifest
 from .torchstate import _repeats
 
 # NODE_BATCH, NODE_BATCH_BYTES: importable from here, as before
@@ -153,8 +153,10 @@ class CachePipeDataset(_NodeMode, torch.utils.data.IterableDataset):  # type: ig
         # per-process mode, a capacity given as a share: the bytes it was of at the latest
         # pipeline made here (see _room), named by an OversizeError over a worker's share
         self._room: int | None = None
-        # per-process mode, the manifest planned from, read here (see _hold_manifest)
+        # per-process mode, the manifest planned from, read here (see _hold_manifest), and its
+        # copy in shared memory for workers started by spawn or forkserver, once one is
         self._manifest: Manifest | None = None
+        self._shared: SharedManifest | None = None
         # set_epoch's value (-1: never called), in shared memory: persistent DataLoader workers read
         # what the main process set after they started
         self._epoch = torch.full((), -1, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call, unused-ignore]
@@ -229,17 +231,17 @@ class CachePipeDataset(_NodeMode, torch.utils.data.IterableDataset):  # type: ig
         return _save_manifest(self.cache_dir, rank, data, self.source, self._items())
 
     def _hold_manifest(self) -> None:
-        """Per-process mode, a local manifest to plan from, when DataLoader workers are forked
-        (the default start method): read it here, once, and hold it. Each worker's pipeline
-        then plans from the catalog it inherits (:func:`~cachepipe.manifest.read_manifest`
-        returns a held manifest without reading it), where every worker of every pass read the
-        whole file: seconds per worker for a million items. Workers started by spawn or
-        forkserver read it themselves; so does a manifest given as an object URL."""
+        """Per-process mode, a local manifest to plan from: read it here, once, and hold it.
+        Each DataLoader worker's pipeline then plans from that read
+        (:func:`~cachepipe.manifest.read_manifest` returns a held manifest without reading it,
+        while the file is unchanged), where every worker of every pass read the whole file:
+        seconds per worker for a million items. A worker forked from this process inherits it;
+        one started by spawn or forkserver gets a copy of it in shared memory
+        (:mod:`cachepipe.torchshare`). A manifest given as an object URL is read by each worker."""
         location = self.options.get("manifest")
-        if location is None or _is_url(os.fspath(location)) or _start_method() != "fork":
-            self._manifest = None
-            return
-        self._manifest = read_manifest(location, self.options.get("storage_options"))
+        self._manifest = self._shared = None
+        if location is not None and not _is_url(os.fspath(location)):
+            self._manifest = read_manifest(location, self.options.get("storage_options"))
 
     def set_epoch(self, epoch: int) -> None:
         """Make each later pass read epoch ``epoch`` of the plan alone (counted from 0), in that
@@ -489,7 +491,11 @@ class CachePipeDataset(_NodeMode, torch.utils.data.IterableDataset):  # type: ig
         if self._pipe is not None:
             state["_start"] = self._local_state(self._pipe) if self._owed is None else {**self._owed[0], **self._owed_counts()}
         state["_pipe"], state["_pass"] = None, None
-        state["_manifest"] = None  # the copy reads the file (a worker started by spawn: from its path)
+        if self._manifest is not None:  # to a worker started by spawn: the held read, in shared memory
+            if self._shared is None or self._shared.manifest is not self._manifest:
+                self._shared = SharedManifest.of(self._manifest)  # once per manifest read, not per worker
+            state["_manifest"] = self._shared  # None: not held, the copy reads the file
+        state["_shared"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -565,12 +571,6 @@ def _sibling(owner: str) -> bool:
         return False
     fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
     return len(fields) > 1 and fields[1] == str(os.getppid())
-
-
-def _start_method() -> str:
-    """How DataLoader workers are started by default: the multiprocessing start method set, else
-    the platform's default (``"fork"`` on Linux before Python 3.14), without fixing it."""
-    return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
 
 
 def _finished(state: Mapping[str, Any]) -> bool:

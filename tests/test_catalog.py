@@ -230,6 +230,42 @@ def test_catalog_rejects_what_it_could_not_give_back():
         catalog["0"]  # type: ignore[call-overload]
 
 
+@pytest.mark.parametrize("copier", ["columns", "pickle"])
+def test_a_catalog_copied_by_its_columns_or_pickled_is_the_same_catalog(copier):
+    """What a DataLoader worker started by spawn gets of the dataset's manifest (its columns,
+    through shared memory), and a catalog pickled whole: the same items, unsafe items with
+    their errors (an UnsafeKeyError could not be unpickled: its arguments were not its
+    message's), order (a binary search, or a scan) and digest; appending to the copy goes on
+    as to the original."""
+    import pickle
+
+    more = [ObjectInfo("c/../x", 1), ObjectInfo("d/f", 1), ObjectInfo("d/f/g", 1)]  # unsafe: '..', a file and a folder
+    unsafe = sorted([*mixed_listing(), *more], key=lambda o: o.key)
+    catalogs = [
+        Catalog.from_listing(unsafe),
+        Catalog.from_listing([ObjectInfo(k, 5, e) for k, e in [("000.tar", MD5), ("001.tar", "abc-2"), ("s/2", None)]], "files"),
+        Catalog([Item(n, (FileEntry(f"{n}/f", "f", 1),), 1) for n in ["m", "b", "z"]]),  # out of order
+        Catalog(),
+    ]
+    assert [len(c.unsafe) for c in catalogs] == [2, 0, 0, 0]
+    for catalog in catalogs:
+        if copier == "columns":
+            state, columns = catalog.columns()
+            copy = Catalog.from_columns(state, [bytes(memoryview(c).cast("B")) for c in columns])
+        else:
+            copy = pickle.loads(pickle.dumps(catalog))  # noqa: S301 - bytes made here
+        assert list(copy) == list(catalog) and copy.mode == catalog.mode and copy.digest() == catalog.digest()
+        assert {i: (e.key, e.reason, str(e)) for i, e in copy.unsafe.items()} == {
+            i: (e.key, e.reason, str(e)) for i, e in catalog.unsafe.items()
+        }
+        assert [copy.find(n) for n in [*catalog.names, "q"]] == [*range(len(catalog)), -1]
+        assert copy.nbytes == catalog.nbytes
+        if catalog.mode == "folders":
+            copy.add("zz", [("f", 1, None)])
+            catalog.add("zz", [("f", 1, None)])
+            assert copy.digest() == catalog.digest() and copy.find("zz") == len(catalog) - 1
+
+
 def test_catalog_is_compact():
     catalog = Catalog.from_listing(ObjectInfo(f"s{i:07d}/f", 1, MD5) for i in range(10_000))
     assert catalog.nbytes == (57 + 8 + 1) * 10_000 + 4 * 8  # fixed columns, the name, the rel; four offset arrays start at 0

@@ -346,6 +346,37 @@ def test_forked_workers_and_later_passes_plan_from_the_manifest_the_dataset_read
         assert resident()[0] == 0
 
 
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_spawned_workers_plan_from_the_manifest_the_dataset_read_until_it_is_replaced(s3_source, tmp_path, context):
+    """Workers started by spawn or forkserver (Python 3.14's default on Linux) each read the
+    whole manifest at every pass; now they get the dataset's read through shared memory and
+    plan from it: during a pass nobody reads any page of the file but its last (its gzip
+    trailer, which tells whether it changed). A manifest written again at its path (another
+    file) is read by the workers, though the dataset still holds the old one."""
+    from cachepipe.manifest import index
+
+    rng = random.Random(5)  # 25 files of long random names: a manifest of several pages
+    files = {"f": 100} | {rng.randbytes(100).hex(): 16 for _ in range(25)}
+    names = sorted(s3_source.folders(4, files))
+    manifest = tmp_path / "m.gz"
+    index(s3_source.url, manifest, storage_options=s3_source.options)
+    dataset = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", epochs=3, manifest=str(manifest), **opts(s3_source))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context=context)
+    pages = -(-os.path.getsize(manifest) // os.sysconf("SC_PAGE_SIZE"))
+    assert pages >= 2
+    with pages_read(manifest) as resident:
+        for epoch in range(2):
+            dataset.set_epoch(epoch)
+            shares = per_worker_expected(names, epoch, 2, epochs=3, **PLAN)
+            assert split_by_worker(names_of(loader), shares) == shares, epoch
+        assert resident() == [pages - 1], pages  # before: every page, read by each worker
+    more = sorted(s3_source.folders(6, files))
+    index(s3_source.url, manifest, storage_options=s3_source.options)  # atomically: another file at the path
+    dataset.set_epoch(2)
+    shares = per_worker_expected(more, 2, 2, epochs=3, **PLAN)
+    assert split_by_worker(names_of(loader), shares) == shares
+
+
 def test_two_datasets_of_other_sources_over_one_cache_dir_keep_their_own_listings(s3_source, s3_client, tmp_path):
     """Training and validation over one cache_dir, in turns: each set_epoch loop plans from its
     own source's manifest (one name for both: the second overwrote the first's, which then
