@@ -1749,6 +1749,16 @@ def test_a_destination_that_refuses_writes_stops_the_run_at_its_first_refusal(tm
     assert_cache_clean(tmp_path / "cache")
 
 
+def as_a_user() -> list[str]:
+    """The command prefix that runs a child as a user other than root runs it: without the
+    capabilities that let root read and write any file (setpriv), so that permissions apply."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("root without setpriv: files without permissions are readable and writable to this test")
+    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--"]
+
+
 READ_ONLY_OUTPUTS = r"""
 import json, os, sys
 from cachepipe.map import map_items
@@ -1765,12 +1775,7 @@ def test_a_read_only_folder_among_the_outputs_is_removed_with_its_slot(tmp_path)
     ``tar x`` of a read-only tree) crashed the run after its first item (PermissionError
     clearing the slot), and every later run on that cache at its start (clearing the slot
     left). Run without the capabilities that let root write anywhere, as a user runs it."""
-    if os.geteuid() == 0:
-        if shutil.which("setpriv") is None:
-            pytest.skip("root without setpriv: read-only folders are writable to this test")
-        drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--"]
-    else:
-        drop = []
+    drop = as_a_user()
     src = tmp_path / "src"
     for name in ("a", "b", "c"):
         (src / name).mkdir(parents=True)
@@ -1803,12 +1808,7 @@ def test_an_input_folder_its_command_made_read_only_is_still_removed_from_the_ca
     left the item there for good, run by a user other than root: its ack could not delete it
     ('could not delete b ... counted as foreign'), and a later run on the cache failed the item
     ('exists and is not managed by cachepipe')."""
-    if os.geteuid() == 0:
-        if shutil.which("setpriv") is None:
-            pytest.skip("root without setpriv: read-only folders are writable to this test")
-        drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--"]
-    else:
-        drop = []
+    drop = as_a_user()
     src = tmp_path / "src"
     for name in ("a", "b", "c"):
         (src / name).mkdir(parents=True)
@@ -1838,3 +1838,30 @@ def test_a_command_that_deletes_its_input_folder_is_done(tmp_path):
     assert result.ok and result.items_done == 2 and result.items_retried == 0, result.failed
     assert (tmp_path / "dst" / "b" / "g").read_bytes() == (src / "b" / "f").read_bytes()
     assert_cache_clean(tmp_path / "cache")
+
+
+UNREADABLE_OUTPUT = r"""
+import json, os, sys
+from cachepipe.map import map_items
+src, dst, cache = sys.argv[1:4]
+script = 'cp f "$CACHEPIPE_OUT/g" && if [ "$CACHEPIPE_NAME" = b ]; then chmod 000 "$CACHEPIPE_OUT/g"; fi'
+result = map_items(["sh", "-c", script], src, dst, cache_dir=cache, capacity="1MiB", out_reserve="4KiB", retries=0)
+print(json.dumps([result.items_done, [(f.name, f.error) for f in result.failed]]))
+"""
+
+
+def test_an_output_its_command_made_unreadable_fails_its_item_not_the_run(tmp_path):
+    """An upload refused for reading the local output (``chmod 000`` by the command, run by a
+    user) is the item's failure. It was taken for the destination refusing writes
+    (``DestinationDeniedError``), which stops the whole run."""
+    src = tmp_path / "src"
+    for name in ("a", "b", "c"):
+        (src / name).mkdir(parents=True)
+        (src / name / "f").write_bytes(os.urandom(100))
+    argv = [*as_a_user(), sys.executable, "-c", UNREADABLE_OUTPUT, str(src), str(tmp_path / "dst"), str(tmp_path / "cache")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr
+    done, failed = json.loads(proc.stdout)
+    assert done == 2 and [name for name, _ in failed] == ["b"] and "Permission denied" in failed[0][1], failed
+    assert not (tmp_path / "dst" / "b" / DONE_MARKER).exists() and (tmp_path / "dst" / "c" / DONE_MARKER).exists()
