@@ -44,7 +44,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from ..config import PipelineConfig, check_absolute_source, small_capacity, with_unit
 from ..errors import ConfigError, closest
-from .jobs import JobsConfig
+from .jobspec import JobsConfig
 
 log = logging.getLogger("cachepipe.service")
 
@@ -167,7 +167,7 @@ class ServiceConfig(BaseSettings):
             one for its first (default 300 s); then it is closed (``Client`` reconnects).
         pipelines: the served datasets by name (lowercase letters, digits, ``-``, ``_``).
         jobs: what training jobs may register through the API (see
-            :class:`~cachepipe.service.jobs.JobsConfig`); None (default): no jobs. A
+            :class:`~cachepipe.service.jobspec.JobsConfig`); None (default): no jobs. A
             configuration needs ``pipelines``, ``jobs`` or both.
     """
 

@@ -32,7 +32,7 @@ from ..errors import ConfigError
 from ..fscalls import filesystem_at
 from ..stores import check_store, preload
 from .config import ServiceConfig
-from .jobs import JobsConfig
+from .jobspec import JobsConfig
 
 __all__ = ["host_problems"]
 
