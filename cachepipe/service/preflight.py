@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..config import PipelineConfig, check_source
 from ..errors import ConfigError
-from ..fscalls import filesystem_at
+from ..filesystems import filesystem_at
 from ..stores import check_store, preload
 from .config import ServiceConfig
 from .jobspec import JobsConfig
