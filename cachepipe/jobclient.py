@@ -94,7 +94,7 @@ class JobClient:
 
     Args:
         job: the job's name (letters, digits, ``.``, ``_``, ``-``; at most 64).
-        spec: the job's spec (:class:`cachepipe.service.jobs.JobSpec` fields: ``source``,
+        spec: the job's spec (:class:`cachepipe.service.jobspec.JobSpec` fields: ``source``,
             ``world_size``, ``ranks``, ``num_workers``, ``epochs``, ``shuffle``, ``seed``...);
             every lane of the job sends the same.
         rank: this lane's rank.

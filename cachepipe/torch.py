@@ -42,37 +42,35 @@ several paths (``batch_size > 1`` with the default collate) holds deleted paths 
 read items in ``transform``, or use ``batch_size=1``/``None``. Using an acknowledged
 ``CachedItem`` as a path raises ``FileNotFoundError``; a ``str`` of it cannot be tracked.
 
-This module holds the dataset's front (its options, ``__iter__``, ``state_dict``) and the
-per-process mode. The node mode is the base class ``_NodeMode`` (:mod:`cachepipe.torchnode`),
-the state and lane of either mode ``_DatasetState`` (:mod:`cachepipe.torchstate`), and the
-listing shared by the ranks of ``torch.distributed`` is :mod:`cachepipe.torchdist`.
+This module holds the dataset's front (its options, ``__iter__``, ``state_dict``). The
+per-process mode is the base class ``_LocalMode`` (:mod:`cachepipe.torchlocal`), the node mode
+the base class ``_NodeMode`` (:mod:`cachepipe.torchnode`), the state and lane of either mode
+``_DatasetState`` (:mod:`cachepipe.torchstate`), and the listing shared by the ranks of
+``torch.distributed`` is :mod:`cachepipe.torchdist`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import re
-import socket
-import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch.utils.data
 
-from .cache.lock import UNKNOWN_OWNER
-from .cache.room import room_at
-from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_capacity, small_capacity, with_unit
-from .errors import CacheLockedError, OversizeError
-from .manifest import Manifest, _is_url, read_manifest
-from .pipeline import CachedItem, Pipeline, Skipped
+from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_capacity, small_capacity
+from .manifest import Manifest
+from .pipeline import Pipeline
 from .plan import Cursor
-from .torchdist import _distributed, _from_rank0, _manifest_bytes, _save_manifest, local_ranks
+from .torchdist import _manifest_bytes, _save_manifest, local_ranks
+from .torchlocal import (
+    SIBLING_WAIT,  # noqa: F401 - importable from here, as before
+    _LocalMode,
+    _sibling,  # noqa: F401 - importable from here, as before
+)
 from .torchnode import _JOB_OPTIONS, NODE_BATCH, NODE_BATCH_BYTES, _NodeMode
 from .torchshare import SharedManifest
-from .torchstate import _repeats
 
 # NODE_BATCH, NODE_BATCH_BYTES: importable from here, as before
 __all__ = ["NODE_BATCH", "NODE_BATCH_BYTES", "CachePipeDataset", "local_ranks"]
@@ -80,10 +78,7 @@ __all__ = ["NODE_BATCH", "NODE_BATCH_BYTES", "CachePipeDataset", "local_ranks"]
 log = logging.getLogger("cachepipe")
 
 
-SIBLING_WAIT = 60.0  #: per-process mode: most seconds a worker waits for a folder another worker of its DataLoader holds
-
-
-class CachePipeDataset(_NodeMode, torch.utils.data.IterableDataset):  # type: ignore[misc, type-arg, unused-ignore]  # torch: an optional extra (Any when absent)
+class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):  # type: ignore[misc, type-arg, unused-ignore]  # torch: an optional extra (Any when absent)
     """Stream a source through a size-capped cache into a DataLoader.
 
     Args:
@@ -220,29 +215,6 @@ class CachePipeDataset(_NodeMode, torch.utils.data.IterableDataset):  # type: ig
                 if digest is not None:
                     self.options["catalog"] = digest
 
-    def _list_once(self) -> str | None:
-        """Under an initialised ``torch.distributed`` of several ranks: rank 0 lists the source
-        and broadcasts its manifest; every rank writes it under ``cache_dir`` and plans from it
-        (its digest is checked when it is read), so all ranks plan over one catalog with one
-        listing. Returns the manifest's path, or None (not distributed: each process lists)."""
-        if self.cache_dir is None or _distributed() is None:
-            return None
-        rank, data = _from_rank0(lambda: _manifest_bytes(self.source, self._items(), self.options), self.source)
-        return _save_manifest(self.cache_dir, rank, data, self.source, self._items())
-
-    def _hold_manifest(self) -> None:
-        """Per-process mode, a local manifest to plan from: read it here, once, and hold it.
-        Each DataLoader worker's pipeline then plans from that read
-        (:func:`~cachepipe.manifest.read_manifest` returns a held manifest without reading it,
-        while the file is unchanged), where every worker of every pass read the whole file:
-        seconds per worker for a million items. A worker forked from this process inherits it;
-        one started by spawn or forkserver gets a copy of it in shared memory
-        (:mod:`cachepipe.torchshare`). A manifest given as an object URL is read by each worker."""
-        location = self.options.get("manifest")
-        self._manifest = self._shared = None
-        if location is not None and not _is_url(os.fspath(location)):
-            self._manifest = read_manifest(location, self.options.get("storage_options"))
-
     def set_epoch(self, epoch: int) -> None:
         """Make each later pass read epoch ``epoch`` of the plan alone (counted from 0), in that
         epoch's order (with ``shuffle``: its own permutation), as ``DistributedSampler.set_epoch``
@@ -287,39 +259,6 @@ class CachePipeDataset(_NodeMode, torch.utils.data.IterableDataset):  # type: ig
         capacity given as a share of the disk is worked out in bytes here, not when it opens."""
         return self._pipeline(self._first_epoch())
 
-    def _pipeline(
-        self, first: int | None, epochs: int | None = None, resume: bool | None = None, end: int | None = None
-    ) -> Pipeline:
-        """This process's pipeline: epoch ``first`` alone, or the plan's epochs (``epochs``:
-        the end a loaded state was saved with instead); ``resume`` instead of the option's.
-        ``end``: a pass that stops before epoch ``end`` (a set_epoch pass with retention) over
-        a pipeline of the plan's epochs from ``first``, which keeps its items on close for the
-        next pass unless ``end`` is the plan's end. A capacity given as a share of the disk is
-        resolved here, in bytes (:func:`_room`)."""
-        if self.cache_dir is None or self.capacity is None:
-            raise ValueError("pipeline(): a node-mode dataset has no pipeline of its own (it reads from the daemon)")
-        worker, num_workers = self._worker()
-        rank, world = self._rank_world()
-        capacity = self.capacity
-        if isinstance(capacity, Share):
-            # of the room the rank's cache folders have together, not each of its own: a worker's
-            # own items are room to it, its siblings' used space, which shrank every share on reopen
-            self._room = _room(self.cache_dir, world, num_workers)
-            capacity = int(self._room * capacity.fraction)
-        share = with_unit(capacity // num_workers)
-        options = {**self.options, "rank": rank, "world_size": world, "worker": worker, "num_workers": num_workers}
-        if epochs is not None:
-            options["epochs"] = epochs
-        elif first is not None:
-            options["start_epoch"] = first
-            if end is None:
-                options["epochs"] = first + 1
-        if end is not None and (options.get("epochs", 1) is None or end < options.get("epochs", 1)):
-            options["keep_on_close"] = True  # the next pass adopts what this one retained or fetched ahead
-        if resume is not None:
-            options["resume"] = resume
-        return Pipeline(self.source, self.cache_dir / f"rank{rank}-worker{worker}", share, **options)
-
     def __iter__(self) -> Iterator[Any]:
         """A pass: over the share from the state loaded, if any, else from the start.
 
@@ -349,98 +288,6 @@ class CachePipeDataset(_NodeMode, torch.utils.data.IterableDataset):  # type: ig
             start = {"start_epoch": first} if self.node is None else {"epoch": first, "index": 0, "end_epoch": first + 1}
             self._start = start
         return self._iter_node(start, token) if self.node is not None else self._iter_local(start, token)
-
-    @contextlib.contextmanager
-    def _in_share(self) -> Iterator[None]:
-        """An :class:`OversizeError` raised inside, in a DataLoader worker, whose pipeline has
-        ``capacity / num_workers``, says that this is the capacity it names (a share of the disk
-        with the bytes it was of: see :func:`_room`)."""
-        try:
-            yield
-        except OversizeError as exc:
-            info = torch.utils.data.get_worker_info()
-            if info is None or info.num_workers == 1:
-                raise
-            capacity = str(self.capacity)
-            if self._room is not None:  # a share of the disk: of what, in bytes
-                capacity += f" of {self._room} bytes free or cached in cache_dir"
-            of = f"this DataLoader worker's share of the cache (capacity {capacity} / num_workers {info.num_workers})"
-            raise OversizeError(exc.item, exc.size, exc.capacity, exc.occupied, of) from None
-
-    def _iter_local(self, start: dict[str, Any] | None, token: object) -> Iterator[Any]:
-        if start and _finished(start):
-            # loaded at the end of its share (a worker's, saved once it had ended): nothing to read,
-            # and no cache to take: StatefulDataLoader, resuming a finished pass, starts workers that
-            # run such a pass while the next pass's workers open the same folders
-            self._ended(token)
-            return
-
-        end = start.get("end_epoch") if start else None  # a set_epoch pass's end, saved in its state
-        if start and set(start) == {"start_epoch"} and self.options.get("retain", "none") != "none":
-            # over the plan's epochs, stopped here: what it retains (or fetches ahead) stays for the next pass
-            end = int(start["start_epoch"]) + 1
-
-        def make() -> Pipeline:
-            if start and set(start) == {"start_epoch"}:  # a set_epoch pass from its start
-                return self._pipeline(int(start["start_epoch"]), end=end)
-            if start:  # {}: the start
-                pipe = self._pipeline(None, start.get("epochs"), end=end)  # the pass it was saved in: its epochs
-                pipe.load_state_dict(start)
-                return pipe
-            return self._pipeline(None)
-
-        try:
-            with self._in_share():
-                pipe = _open(make)
-                if not start and self.options.get("resume") and _finished(pipe.state_dict()):
-                    # resume=True continues a pass this folder's journal holds; one that ended (this
-                    # process's last pass, or a run that finished) has nothing left: this pass is new
-                    pipe.close()
-                    pipe = _open(lambda: self._pipeline(None, resume=False))
-        except BaseException:
-            self._not_started(start, token)
-            raise
-        if self._pass is token:
-            self._pipe, self._end = pipe, end
-        try:
-            with self._in_share():  # an item over the worker's share, in its turn
-                if self._equal and self.transform is not None:
-                    yield from self._equal_local(pipe, start, end, token)
-                else:
-                    while (item := _next(pipe, end)) is not None:
-                        if self.transform is None:
-                            yield item
-                            pipe.ack(item)  # when the loop asks for the next
-                        else:
-                            sample = self.transform(item)
-                            pipe.ack(item)  # read: its space is free while the sample travels on, and the state is past it
-                            yield sample
-        finally:
-            pipe.close()
-        self._ended(token)
-
-    def _equal_local(self, pipe: Pipeline, start: dict[str, Any] | None, end: int | None, token: object) -> Iterator[Any]:
-        """Per-process mode, ``equal_steps`` over several ranks: one sample per planned step (up
-        to epoch ``end``, as :func:`_next`), a skipped item's step taken by a repeat
-        (:class:`~cachepipe.repeats.Repeats`)."""
-        transform = self.transform
-        if transform is None:
-            raise ValueError("equal steps with transform=None: refused when the dataset is made")
-        repeats = _repeats(self._where(), start)
-        at: dict[str, Any] = {}
-        while (got := _next_step(pipe, end)) is not None:
-            if isinstance(got, Skipped):
-                times = repeats.skipped(got.name, got.reason)
-            else:
-                times = repeats.sample(got.name, transform(got))
-                at = self._local_state(pipe)  # at this item: a resume reads it again, to repeat it
-                pipe.ack(got)
-            for _ in range(times):
-                if repeats.deliver():
-                    if self._pass is token:
-                        self._owed = (at, repeats.due, repeats.since)
-                    yield repeats.previous
-        repeats.end()
 
     def state_dict(self) -> dict[str, Any]:
         """Where to resume: valid in every DataLoader worker (``StatefulDataLoader`` saves
@@ -512,89 +359,3 @@ class CachePipeDataset(_NodeMode, torch.utils.data.IterableDataset):  # type: ig
         """Start the next iteration at ``state`` (from :meth:`state_dict`, same settings and data);
         the iterations after it start from the beginning, as without a state."""
         self._state = dict(state)
-
-
-_FOLDER = re.compile(r"rank(\d+)-worker(\d+)")
-
-
-def _room(cache_dir: Path, world: int, num_workers: int) -> int:
-    """What a capacity given as a share of the disk is of, per-process: the space free on
-    ``cache_dir``'s filesystem and what the cache folders of every rank's workers hold under
-    it (``rank<r>-worker<k>``, ``r < world``, ``k < num_workers``). Each worker is one
-    :class:`~cachepipe.Pipeline`, whose own share would count its items as room and its
-    siblings' as used: each worker, and each rank on the disk, then got less on every reopen
-    over the items they kept. Folders of a run with more workers or ranks are no one's: used."""
-    held: list[str] = []
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # none yet: made when the first worker's cache opens
-        held = [
-            entry.path
-            for entry in os.scandir(cache_dir)
-            if (match := _FOLDER.fullmatch(entry.name)) and int(match[1]) < world and int(match[2]) < num_workers
-        ]
-    return room_at(cache_dir, held, caches=True)
-
-
-def _open(make: Callable[[], Pipeline]) -> Pipeline:
-    """``make()``, opened. In a DataLoader worker, a cache folder held by another worker of the
-    same DataLoader (same parent process) is waited for, up to :data:`SIBLING_WAIT` seconds:
-    ``StatefulDataLoader``, resuming a checkpoint taken after a pass, starts the saved pass's
-    workers, then the next pass's while the first ones still stop (a worker whose state is
-    before an item ``drop_last`` dropped still has it to read, in its folder)."""
-    deadline = time.monotonic() + SIBLING_WAIT
-    while True:
-        pipe = make()
-        try:
-            return pipe.open()
-        except CacheLockedError as exc:
-            if torch.utils.data.get_worker_info() is None or not _sibling(exc.owner) or time.monotonic() >= deadline:
-                raise
-            log.info("%s is held by %s, a worker of this DataLoader that stops: waiting for it", exc.cache_dir, exc.owner)
-        time.sleep(0.1)  # another process's lock: polled (flock has no timed wait)
-
-
-def _sibling(owner: str) -> bool:
-    """True if a :class:`CacheLockedError`'s owner (``"pid PID HOST"``) is a process on this host
-    with this process's parent (read from ``/proc``: Linux; elsewhere False), or may be one: the
-    owner not yet written (``"another process"``: the lock file is written just after its
-    ``flock`` is taken), or a pid that is gone (the file still names the last owner while the
-    next writes its own). The next try reads the owner that holds it."""
-    if owner == UNKNOWN_OWNER:
-        return True
-    parts = owner.split()
-    if len(parts) != 3 or parts[0] != "pid" or not parts[1].isdigit() or parts[2] != socket.gethostname():
-        return False
-    try:
-        stat = Path(f"/proc/{parts[1]}/stat").read_text()
-    except FileNotFoundError:
-        return Path("/proc/self/stat").exists()  # gone (where /proc tells)
-    except OSError:
-        return False
-    fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
-    return len(fields) > 1 and fields[1] == str(os.getppid())
-
-
-def _finished(state: Mapping[str, Any]) -> bool:
-    """True if a per-process pipeline ``state`` is at the end of its pass: of its (finite) plan,
-    or the epoch its pass ends before (``end_epoch``)."""
-    end = state.get("end_epoch")
-    if end is None:
-        end = state.get("epochs")
-    return end is not None and state.get("epoch", 0) >= end
-
-
-def _next(pipe: Pipeline, end: int | None) -> CachedItem | None:
-    """``pipe``'s next item; None once all are delivered, or (``end``) once the next step is of
-    epoch ``end`` or later. Skipped items are passed over (as :meth:`Pipeline.get` does)."""
-    while isinstance(got := _next_step(pipe, end), Skipped):
-        pass
-    return got
-
-
-def _next_step(pipe: Pipeline, end: int | None) -> CachedItem | Skipped | None:
-    """``pipe``'s next step: its item, or the item skipped in its turn
-    (:meth:`Pipeline.get_or_skipped`); None once all are delivered, or (``end``) once the next
-    step is of epoch ``end`` or later. The caller acknowledges each item before it asks again,
-    so the next step is the first unconsumed one, whose epoch the state names."""
-    if end is not None and pipe.state_dict()["epoch"] >= end:
-        return None
-    return pipe.get_or_skipped()

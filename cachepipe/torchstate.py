@@ -5,8 +5,8 @@ and a pass's bookkeeping: whether it began or ran to its end, and the state a pa
 Invariant: only the latest pass of this dataset in a process (its token, ``_pass``) records a
 position here; in a DataLoader worker a pass that ended keeps its end as the state, in the main
 process the next pass starts from the beginning. :class:`_DatasetState` is the lowest base class
-of ``CachePipeDataset`` (``torch.CachePipeDataset`` <- ``torchnode._NodeMode`` <-
-``torchstate._DatasetState``), not used alone.
+of ``CachePipeDataset`` (``torch.CachePipeDataset`` <- ``torchlocal._LocalMode`` and
+``torchnode._NodeMode``, each <- ``torchstate._DatasetState``), not used alone.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ from .. import state
 from ..catalog import Catalog
 from ..config import Share
 from ..errors import CacheRemovedError
-from ..fscalls import RELEASING, file_calls_for, filesystem_at, lookups_stay_local
+from ..filesystems import filesystem_at, lookups_stay_local
+from ..fscalls import RELEASING, file_calls_for
 from ..removal import tree_bytes
 from .eviction import Eviction
 from .ledger import Ledger

@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ..fscalls import MEMORY_FILESYSTEMS
+from ..filesystems import MEMORY_FILESYSTEMS
 from ..removal import Reaper, delete_tree, rmtree, tree_bytes
 from .staging import Staging, in_folders
 
@@ -73,7 +73,7 @@ class Eviction:
 
     def open_deleters(self, fstype: str) -> None:
         """Let as many threads delete at once as suit the file system that holds the cache (its
-        type, as :func:`~cachepipe.fscalls.filesystem_at` gives it; :func:`deleters_for`);
+        type, as :func:`~cachepipe.filesystems.filesystem_at` gives it; :func:`deleters_for`);
         called by the cache's open, before any item is handed out."""
         self.deleters = threading.BoundedSemaphore(deleters_for(fstype))
 

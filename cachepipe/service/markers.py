@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any, cast
 from watchdog.utils import platform  # imported with this module: without the service extra, `serve` says so at once
 
 from ..errors import ConfigError
-from ..fscalls import LOCAL_FILESYSTEMS, filesystem_at, holding_function, lookups_stay_local
+from ..filesystems import LOCAL_FILESYSTEMS, filesystem_at, lookups_stay_local
+from ..fscalls import holding_function
 from .marker_policy import (
     MARKER,
     MARKER_BYTES,  # noqa: F401 - importable from here, as before
@@ -116,9 +117,9 @@ def keep_the_lock_for_watch_calls() -> bool:
     Removing a watch is in memory. Adding one looks its path up, which waits for a server on a
     network or FUSE file system, and would stop every thread of the daemon meanwhile: so a watch is
     added keeping the lock only under a cache directory on a local file system
-    (:data:`~cachepipe.fscalls.LOCAL_FILESYSTEMS`, registered by :func:`hold_under`) whose
+    (:data:`~cachepipe.filesystems.LOCAL_FILESYSTEMS`, registered by :func:`hold_under`) whose
     lookups pass no other kind of file system above it
-    (:func:`~cachepipe.fscalls.lookups_stay_local`), where the item just handed out is in the
+    (:func:`~cachepipe.filesystems.lookups_stay_local`), where the item just handed out is in the
     kernel's cache; elsewhere by watchdog's own binding.
 
     This replaces two module attributes of ``watchdog.observers.inotify_c`` for the whole

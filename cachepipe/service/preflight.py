@@ -29,10 +29,10 @@ from pathlib import Path
 
 from ..config import PipelineConfig, check_source
 from ..errors import ConfigError
-from ..fscalls import filesystem_at
+from ..filesystems import filesystem_at
 from ..stores import check_store, preload
 from .config import ServiceConfig
-from .jobs import JobsConfig
+from .jobspec import JobsConfig
 
 __all__ = ["host_problems"]
 

@@ -4,8 +4,9 @@ down, its cache directory), its lifecycle state, the requests waiting per pipeli
 
 Invariant: ``_served`` changes only under the condition ``_cond``, which is notified whenever a
 pipeline is replaced or taken down (requests waiting for it wake). :class:`_DaemonState` is the
-lowest base class of ``Daemon`` (``daemon.Daemon`` <- ``jobdesk._JobDesk``, ``views._Views`` <-
-``served._DaemonState``), not used alone; the attributes are set by
+lowest base class of ``Daemon`` (``daemon.Daemon`` <- ``jobdesk._JobDesk`` <-
+``served._DaemonState``; ``daemon.Daemon`` <- ``pipelinedesk._PipelineDesk`` <- ``views._Views``
+<- ``served._DaemonState``), not used alone; the attributes are set by
 :meth:`~cachepipe.service.daemon.Daemon.__init__`.
 """
 

@@ -4,7 +4,8 @@ check that takes down a pipeline whose cache directory was removed (:meth:`_View
 
 Invariant: a pipeline whose cache directory is gone is taken down once (marked down, closed in
 the background), and is reported down (health 503) until a reload reopens it.
-:class:`_Views` is a base class of :class:`~cachepipe.service.daemon.Daemon`, not used alone.
+:class:`_Views` is a base class of :class:`~cachepipe.service.daemon.Daemon` (under
+:class:`~cachepipe.service.pipelinedesk._PipelineDesk`), not used alone.
 """
 
 from __future__ import annotations

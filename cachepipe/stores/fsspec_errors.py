@@ -51,7 +51,7 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
 
 def _s3_error(exc: BaseException) -> tuple[int | None, str | None, str | None]:
     """HTTP status, S3 error code and message of a botocore ClientError behind ``exc`` (s3fs
-    chains it; :class:`~cachepipe.stores.s3direct.HTTPStatusError` is shaped like it)."""
+    chains it; :class:`~cachepipe.stores.s3direct_replies.HTTPStatusError` is shaped like it)."""
     for err in _chain(exc):
         response = getattr(err, "response", None)
         if isinstance(response, dict):

@@ -25,13 +25,9 @@ that they need it (checked before every request), and the copy is taken again at
 :attr:`DirectGet.RETAKE_AFTER` seconds in case s3fs's client refreshed them meanwhile. A 403
 takes a new probe and a new copy and tries once more.
 
-Reading a body: over a network, whose packets come one at a time, a read woke for each (on
-the 400 Mbit/s link of ``benchmarks/bench_link.py``, shared by 16 requests, a few KiB per
-wake-up, each a poll, a recv and two hand-overs of the interpreter's lock: half the client's
-CPU on large items). On Linux the kernel is asked to gather up to :data:`LOW_WATER` bytes
-before it wakes the reader (``SO_RCVLOWAT``), never more than a quarter of the connection's
-receive buffer and never more than is still to come (:func:`body_read`; Linux 5.8 or later,
-:data:`LOW_WATER_KERNEL`). The connection's timeout (:attr:`DirectGet.TIMEOUT`) then runs
+Reading a body: on Linux 5.8 or later the kernel is asked to gather up to :data:`LOW_WATER`
+bytes before it wakes the reader (``SO_RCVLOWAT``; :mod:`cachepipe.stores.s3direct_marks` says why,
+and how much for each read). The connection's timeout (:attr:`DirectGet.TIMEOUT`) then runs
 until that many bytes came, not one: a stream slower than 256 KiB a minute times out and is
 retried as any stalled one.
 
@@ -55,18 +51,14 @@ import dataclasses
 import http.client
 import logging
 import os
-import platform
-import re
 import socket
 import ssl
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any, BinaryIO, TypeVar
-from urllib.parse import quote, unquote_plus, urlsplit
-from xml.etree import ElementTree  # noqa: ICN001 - ElementTree spelled out
+from urllib.parse import quote, urlsplit
 
 import botocore
 import fsspec.asyn
@@ -75,7 +67,19 @@ from botocore.awsrequest import AWSRequest
 from botocore.exceptions import NoCredentialsError
 
 from ..errors import StoreClosedError
-from .base import CONNECT_TIMEOUT, listed_etag
+from .base import CONNECT_TIMEOUT
+from .s3direct_marks import (
+    BODY_AHEAD,  # noqa: F401 - importable from here, as before
+    LOW_WATER,  # noqa: F401 - importable from here, as before
+    MIN_MARK,  # noqa: F401 - importable from here, as before
+    _marks_help,
+    _receive_buffer,
+    _set_low_water,
+    body_read,
+    kernel_at_least,  # noqa: F401 - importable from here, as before
+)
+from .s3direct_replies import HTTPStatusError, _Page, _parse_listing
+from .s3direct_route import _DEFAULT_PORTS, _PROBE_EVENT, _SIGV4, _Probed, _Route
 
 __all__ = ["ConnectTimeoutError", "DirectGet"]
 
@@ -88,148 +92,7 @@ class ConnectTimeoutError(TimeoutError):
 log = logging.getLogger("cachepipe.stores.s3direct")
 
 _READ = 1024 * 1024  # bytes per read of a response body
-LOW_WATER = 256 * 1024
-"""The most bytes of a response body the kernel gathers before waking the thread reading
-it (``SO_RCVLOWAT``; Linux 5.8 or later; less for a small receive buffer and towards the body's end,
-:func:`body_read`)."""
-BODY_AHEAD = 64 * 1024
-"""Bytes of a body that may have left the socket without being read by the response:
-http.client's buffer (8 KiB) and, over TLS, a record (16 KiB) with its framing; the margin
-:func:`body_read` keeps."""
-MIN_MARK = 8 * 1024
-"""The smallest low-water mark :func:`body_read` sets above the kernel's default of 1 byte."""
-NETWORK_SEGMENT = 9000
-"""The largest TCP segment (``TCP_MAXSEG``, bytes; jumbo frames included) of a connection whose
-body reads get a low-water mark. Over loopback a segment is 64 KiB, so a wake-up brings that
-much without a mark."""
-LOW_WATER_KERNEL = (5, 8)
-"""The oldest Linux release whose marks are used: before it, a receive buffer filled by packets'
-overhead before the mark's bytes came could leave the reader asleep until the timeout (fixed by
-"tcp: fix SO_RCVLOWAT possible hangs under high mem pressure", Linux 5.8)."""
-
-
-def kernel_at_least(release: str, wanted: tuple[int, int]) -> bool:
-    """Whether a Linux release string (``platform.release()``, e.g. ``"6.8.0-45-generic"``) is
-    ``wanted`` (major, minor) or later; False if it does not start with a version."""
-    found = re.match(r"(\d+)\.(\d+)", release)
-    return found is not None and (int(found[1]), int(found[2])) >= wanted
-
-
-# socket(7): poll and recv honour the mark for TCP
-_LOW_WATER_ON = sys.platform.startswith("linux") and kernel_at_least(platform.release(), LOW_WATER_KERNEL)
-_SIGV4 = ("s3v4", "v4")  # botocore's names of plain SigV4 header signing
-_PROBE_EVENT = "before-sign.s3.GetObject"
-_DEFAULT_PORTS = {"http": 80, "https": 443}
-
-
 _T = TypeVar("_T")
-_Page = tuple[list[tuple[str, int, str | None]], str | None]  # (key, size, etag)s, continuation token
-
-
-def _parse_listing(body: bytes) -> _Page:
-    """Keys, sizes and ETags (unquoted) of a ListObjectsV2 result, and its continuation token."""
-    root = ElementTree.fromstring(body)  # noqa: S314 - replies from the configured endpoint; expat does not fetch external entities
-    ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
-    url_encoded = root.findtext(f"{ns}EncodingType") == "url"
-    entries = []
-    for entry in root.iterfind(f"{ns}Contents"):
-        key, size, etag = (entry.findtext(f"{ns}{tag}") for tag in ("Key", "Size", "ETag"))
-        if key is None or size is None:
-            raise ValueError(f"a ListObjectsV2 entry without Key or Size: {ElementTree.tostring(entry)[:200]!r}")
-        entries.append((unquote_plus(key) if url_encoded else key, int(size), listed_etag(etag)))
-    truncated = root.findtext(f"{ns}IsTruncated") == "true"
-    return entries, root.findtext(f"{ns}NextContinuationToken") if truncated else None
-
-
-def _error_body(body: bytes) -> tuple[str | None, str | None]:
-    """S3's error ``Code`` and ``Message`` from an error response body, (None, None) if it has none."""
-    try:
-        root = ElementTree.fromstring(body)  # noqa: S314 - as in _parse_listing
-    except ElementTree.ParseError:
-        return None, None
-    ns = root.tag[: root.tag.index("}") + 1] if root.tag.startswith("{") else ""
-    return root.findtext(f"{ns}Code") or None, root.findtext(f"{ns}Message") or None
-
-
-def body_read(left: int | None, most: int, receive_buffer: int, low_water: int = LOW_WATER) -> tuple[int, int]:
-    """The next read of a response body with ``left`` bytes not yet read by the response (None:
-    not known): ``(mark, size)``, the low-water mark to set on the connection and the bytes to
-    ask for, at most ``most``.
-
-    A read waits in the kernel until ``mark`` bytes are there (or the connection ends), so it
-    must never wait for bytes that will not come: a read under a mark above 1 byte leaves at
-    least that mark and :data:`BODY_AHEAD` bytes of the body after it. Towards the end the mark
-    halves with what is left, down to :data:`MIN_MARK`; the last ``BODY_AHEAD`` bytes or so
-    (and a body of unknown length) are read under 1 byte, the kernel's default. The mark is at
-    most a quarter of the connection's ``receive_buffer`` (``SO_RCVBUF``, bytes; the kernel
-    grows it as the connection speeds up): the window the sender sees is about half of it, so
-    the sender goes on sending while the reader sleeps. With a mark above half the buffer the
-    kernel sizes the window to the mark, and the sender stops until the reader wakes (a fixed
-    256 KiB slowed 40 x 8 MiB on loopback by a sixth, ``benchmarks/README.md``).
-    """
-    room = -1 if left is None else left - BODY_AHEAD  # bytes of the body surely still in or to the socket
-    if room >= 2 * MIN_MARK and receive_buffer >= 4 * MIN_MARK:
-        mark = min(low_water, receive_buffer // 4, room // 2)
-        return mark, min(most, room - mark)
-    return 1, most if left is None else min(most, left)
-
-
-def _marks_help(sock: socket.socket | None, left: int | None) -> bool:
-    """Whether a body of ``left`` bytes (None: not known) on ``sock`` is read under low-water
-    marks: on Linux 5.8 or later, a body long enough for one (:func:`body_read`), over a connection whose
-    segments are a network's (:data:`NETWORK_SEGMENT`). Small bodies cost no system call here."""
-    if not _LOW_WATER_ON or sock is None or left is None or left - BODY_AHEAD < 2 * MIN_MARK:
-        return False
-    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG) <= NETWORK_SEGMENT
-
-
-def _receive_buffer(sock: socket.socket) -> int:
-    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
-
-
-def _set_low_water(sock: socket.socket, mark: int) -> None:
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, mark)
-
-
-class HTTPStatusError(OSError):
-    """A non-success status of a direct request, shaped like botocore's errors (a ``response`` with
-    ``ResponseMetadata.HTTPStatusCode`` and ``Error.Code``/``Error.Message`` from S3's error body)
-    so that the backend's seam maps it the same way."""
-
-    def __init__(self, status: int, reason: str, body: bytes = b"") -> None:
-        code, message = _error_body(body) if body else (None, None)
-        super().__init__(f"HTTP {status} {code or reason}: {message}" if message else f"HTTP {status} {code or reason}")
-        self.response: dict[str, Any] = {"ResponseMetadata": {"HTTPStatusCode": status}}
-        if code or message:
-            self.response["Error"] = {"Code": code, "Message": message}
-
-
-class _Probed(Exception):
-    """Raised in the probe's ``before-sign`` hook: stops botocore before it signs or sends."""
-
-    def __init__(self, url: str, signature_version: Any, signing_name: str, region: str, own_identity: bool) -> None:
-        super().__init__(url)
-        self.url, self.signature_version = url, signature_version
-        self.signing_name, self.region, self.own_identity = signing_name, region, own_identity
-
-
-@dataclasses.dataclass(frozen=True)
-class _Route:
-    """How s3fs's client sends a GetObject to one bucket, as probed at one time."""
-
-    scheme: str
-    netloc: str
-    host: str  # the Host header: netloc without a default port, as botocore signs it
-    prefix: str  # URL path before the quoted key: "/bucket/" (path style) or "/" (virtual host)
-    region: str  # the signing region
-    signer: S3SigV4Auth | None  # None: the client sends unsigned requests (anon)
-    refresh_needed: Callable[[], bool] | None  # the credentials' own check, if refreshable
-    credentials: Any  # the client's botocore credentials object (None when unsigned)
-    taken: float  # time.monotonic() of the probe, seconds
-
-    @property
-    def origin(self) -> str:
-        return f"{self.scheme}://{self.netloc}"
 
 
 class DirectGet:
