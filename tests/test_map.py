@@ -32,6 +32,7 @@ from cachepipe.errors import (
     StoreUnavailableError,
 )
 from cachepipe.map import WORK_DIR, map_items, plan_items
+from cachepipe.map import child as map_child
 from cachepipe.map import job as map_job
 from cachepipe.map.child import Watcher
 from cachepipe.map.cli import main
@@ -1671,6 +1672,31 @@ def test_a_timeout_longer_than_a_wait_can_take_is_kept_and_its_command_is_waited
     )
     assert result.ok and result.items_done == 2, result.failed
     assert sorted(runs(log)) == ["a", "b"]  # each command ran once, to its end
+    assert (tmp_path / "dst" / "a" / "out.bin").read_bytes() == (src / "a" / "a.bin").read_bytes()
+    assert_cache_clean(tmp_path / "cache")
+
+
+def test_a_command_that_closed_its_stderr_is_not_stopped_when_one_wait_ends_before_its_timeout(tmp_path, monkeypatch):
+    """Without a pidfd (Linux before 5.3, or refused by a seccomp filter), a command that
+    closed its stderr and ran on is waited for by its process alone, a wait of at most
+    LONGEST_WAIT (a day) at a time. Each wait that ended was taken for the deadline: the
+    command got SIGTERM a day in, whatever its timeout (a month), and its item failed as timed
+    out. (LONGEST_WAIT made 0.2 s here, the command's run 1.5 s, its timeout 60 s.)"""
+    monkeypatch.setattr(map_child, "LONGEST_WAIT", 0.2)
+    monkeypatch.setattr(map_child, "_exit_fd", lambda _pid: None)
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "a.bin").write_bytes(os.urandom(300))
+    result = map_items(
+        ["sh", "-c", 'exec 2>&-; sleep 1.5; cp a.bin "$CACHEPIPE_OUT/out.bin"'],
+        str(src),
+        str(tmp_path / "dst"),
+        cache_dir=tmp_path / "cache",
+        capacity="1MiB",
+        timeout=60.0,
+        retries=0,
+    )
+    assert result.ok and result.items_done == 1, result.failed
     assert (tmp_path / "dst" / "a" / "out.bin").read_bytes() == (src / "a" / "a.bin").read_bytes()
     assert_cache_clean(tmp_path / "cache")
 

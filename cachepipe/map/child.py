@@ -232,7 +232,8 @@ class CommandRun(_Child):
                 code = self.proc.wait(None if remaining is None else min(max(remaining, 0), LONGEST_WAIT))
                 break
             except subprocess.TimeoutExpired:
-                self._escalate()
+                if (left := self._remaining()) is not None and left <= 0:  # not a wait cut at LONGEST_WAIT
+                    self._escalate()
         with self._lock:
             self._ended = True  # reaped: its pid may now name another process
         stderr.close()
