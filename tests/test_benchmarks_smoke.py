@@ -26,10 +26,18 @@ METHODS = {"cachepipe", "sequential", "original"}
 
 
 def run_script(script: str | Path, *args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``script`` (a file name in benchmarks/, or a path) with ``args`` in a fresh interpreter,
+    """Run ``script`` (a file name in benchmarks/, or a path) with ``args`` in a fresh interpreter
+    that imports this tree's cachepipe (``PYTHONPATH``: not an installed one, another checkout's),
     its output captured; fail the test, with the end of its stderr, unless it exits 0."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, check=False
+        [sys.executable, str(BENCHMARKS / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": path},
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -38,6 +46,14 @@ def run_script(script: str | Path, *args: str, timeout: float = 120, cwd: Path |
 def run_json(script: str, *args: str, timeout: float = 120, cwd: Path | None = None) -> dict[str, Any]:
     """The report that ``script`` prints with ``args`` and ``--json`` (see :func:`run_script`)."""
     return json.loads(run_script(script, *args, "--json", timeout=timeout, cwd=cwd).stdout)
+
+
+def test_a_script_run_imports_the_tree_under_test(tmp_path):
+    """The scripts test this tree's cachepipe, not the one installed (an editable install of
+    another checkout, as a worktree's shared venv has): run_script put nothing on the path."""
+    script = tmp_path / "which.py"
+    script.write_text("import cachepipe; print(cachepipe.__file__)\n")
+    assert Path(run_script(script, cwd=tmp_path).stdout.strip()).parents[1] == ROOT
 
 
 def test_quick_benchmark_reports_every_case_and_method(tmp_path):
