@@ -69,11 +69,10 @@ def _rebuild(
     already, if any: this process's own read of that file)."""
 
     def copy() -> Manifest:
-        raw = bytearray(len(blob))
-        torch.frombuffer(raw, dtype=torch.uint8).copy_(blob)  # one copy, out of shared memory
+        raw = blob.numpy().data  # a view of the shared memory itself: from_columns makes the one copy
         columns, at = [], 0
         for n in lengths:
-            columns.append(memoryview(raw)[at : at + n])
+            columns.append(raw[at : at + n])
             at += n
         catalog = Catalog.from_columns(state, columns)
         if catalog.digest() != fields.digest:
