@@ -1775,6 +1775,41 @@ def test_a_destination_that_refuses_writes_stops_the_run_at_its_first_refusal(tm
     assert_cache_clean(tmp_path / "cache")
 
 
+READ_ONLY_DEST = r"""
+import sys
+from cachepipe.map import map_items
+from cachepipe.map.uploader import DestinationDeniedError
+src, dst, cache = sys.argv[1:4]
+try:
+    map_items(["sh", "-c", 'cp f "$CACHEPIPE_OUT/g"'], src, dst, cache_dir=cache, capacity="1MiB", out_reserve="4KiB")
+except DestinationDeniedError as exc:
+    print(exc)
+"""
+
+
+def test_a_local_destination_that_refuses_writes_is_named_with_what_to_do_for_it(tmp_path):
+    """A local DST its user may not write (chmod 555) stops the run as S3's AccessDenied does;
+    what to do is write permission on its folders. The message named only S3's permission
+    (s3:PutObject), which a local destination has no use for."""
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "f").write_bytes(os.urandom(100))
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst").chmod(0o555)
+    argv = [
+        *as_a_user(),
+        sys.executable,
+        "-c",
+        READ_ONLY_DEST,
+        str(tmp_path / "src"),
+        str(tmp_path / "dst"),
+        str(tmp_path / "cache"),
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "the destination refused" in proc.stdout and "write permission on its folders" in proc.stdout, proc.stdout
+
+
 def as_a_user() -> list[str]:
     """The command prefix that runs a child as a user other than root runs it: without the
     capabilities that let root read and write any file (setpriv), so that permissions apply."""

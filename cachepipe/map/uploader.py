@@ -251,7 +251,8 @@ class Uploader:
                     if isinstance(exc, PermissionError) and _readable(path):  # not our output refused to us
                         raise DestinationDeniedError(
                             f"uploading {key}: the destination refused it ({exc}); the run stops: give credentials "
-                            "that may write there (s3:PutObject) and run it again (items done are kept)"
+                            "that may write there (s3:PutObject; a local or mounted DST: write permission on its "
+                            "folders) and run it again (items done are kept)"
                         ) from exc
                     raise
                 delay = backoff_delay(attempt, self._backoff, self._backoff_max)
