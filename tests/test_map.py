@@ -1653,6 +1653,42 @@ def test_an_infinite_ratio_or_timeout_is_a_usage_error_naming_the_option(tmp_pat
     assert not (tmp_path / "dst").exists()
 
 
+KILLED_RUN = r"""
+import sys
+from cachepipe.map import map_items
+src, dst, cache = sys.argv[1:4]
+map_items(["sh", "-c", "kill -9 $PPID"], src, dst, cache_dir=cache, capacity="256KiB", out_reserve=1024, out_margin=1024, jobs=1)
+"""
+
+
+def test_names_of_undecodable_bytes_are_sized_as_the_cache_budgets_them_on_a_rerun(tmp_path):
+    """A rerun after a killed run reopens the cache over the whole catalog, whose journal budget
+    counts a name's undecodable byte as its surrogate's three UTF-8 bytes (Catalog.name_bytes);
+    the run's sizing counted one. An item the sizing let through as fitting beside its state
+    then crashed the rerun (OversizeError out of map_items): 20 names of 50 such bytes, 16,000
+    bytes more budget than sized. Now the sizing counts as the cache does: the item is refused
+    before anything is downloaded, and the rest are done."""
+    from cachepipe.cache.core import journal_budget_of
+
+    src = os.fsencode(tmp_path / "src")
+    names = [b"\xe9" * 50 + b"%02d" % i for i in range(20)]
+    downloads = 256 * 1024 - 2 * 1024  # the capacity less one job's reserve and margin
+    sized = downloads - (journal_budget_of(sum(map(len, names)), len(names)) + 4096)  # the largest, one byte a byte
+    for i, name in enumerate(names):
+        os.makedirs(src + b"/" + name)
+        with open(src + b"/" + name + b"/a.bin", "wb") as fh:
+            fh.write(b"a" * (sized if i == len(names) - 1 else 100))
+    argv = [sys.executable, "-c", KILLED_RUN, str(tmp_path / "src"), str(tmp_path / "dst"), str(tmp_path / "cache")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    killed = subprocess.run(argv, capture_output=True, timeout=120, env=env, check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode(errors="replace")
+    options = {"cache_dir": tmp_path / "cache", "capacity": "256KiB", "out_reserve": 1024, "out_margin": 1024, "jobs": 1}
+    result = map_items(["true"], str(tmp_path / "src"), str(tmp_path / "dst"), **options)
+    assert [(f.name, f.attempts) for f in result.failed] == [(os.fsdecode(names[-1]), 0)], result.failed  # refused
+    assert "give capacity (--capacity) at least" in result.failed[0].error and result.items_done == len(names) - 1
+    assert_cache_clean(tmp_path / "cache")
+
+
 def test_a_timeout_longer_than_a_wait_can_take_is_kept_and_its_command_is_waited_for(tmp_path):
     """A timeout past what one wait of the kernel can take (``epoll``: 24.8 days) failed every
     item with ``OverflowError: timeout is too large``, and left its command running while the

@@ -154,8 +154,10 @@ class _MapRun(_Remote):
         runs = cfg.command is not None or self._fn is not None
         reserve = max(item_reserve(cfg, mi, runs).total for mi in todo)
         margin = cfg.out_margin if cfg.out_margin is not None else min(reserve, 64 * _MIB)
-        # the pipeline's journal budget (Cache.journal_budget), and the state files an open finds
-        state = journal_budget_of(sum(len(mi.local.encode("utf-8", "surrogateescape")) for mi in todo), len(todo)) + _STATE_FILES
+        # the pipeline's journal budget (Cache.journal_budget, from Catalog.name_bytes: a name's
+        # undecodable byte as its surrogate's 3 UTF-8 bytes), and the state files an open finds
+        names = sum(len(mi.local.encode("utf-8", "surrogatepass")) for mi in todo)
+        state = journal_budget_of(names, len(todo)) + _STATE_FILES
         sizing = _Sizing(capacity, reserve, margin, min(cfg.jobs, len(todo)), state)
         r = self._result
         r.capacity, r.reserve, r.margin, r.download_capacity = capacity, reserve, margin, sizing.downloads
