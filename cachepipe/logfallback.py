@@ -25,6 +25,11 @@ from collections.abc import Callable
 __all__ = ["FallbackHandler", "PrintableText", "RateLimit"]
 
 
+_TEMPLATE = "cachepipe_template"
+"""The attribute in which :class:`PrintableText` keeps a record's message template (``record.msg``)
+when it writes the message out escaped in its place: what kind of line the record is."""
+
+
 class RateLimit:
     """Admit at most ``burst`` events of one kind per ``period`` seconds (pure bookkeeping).
 
@@ -75,7 +80,8 @@ class FallbackHandler(logging.Handler):
         return super().handle(record)
 
     def emit(self, record: logging.LogRecord) -> None:
-        suffix = self.limit.admit((record.name, record.levelno, str(record.msg)))
+        kind = getattr(record, _TEMPLATE, record.msg)  # the template, also of a record PrintableText rewrote
+        suffix = self.limit.admit((record.name, record.levelno, str(kind)))
         if suffix is None:
             return
         try:
@@ -100,8 +106,9 @@ class PrintableText(logging.Handler):
     """Make a record of the library writable by any UTF-8 handler: a message (or an exception's
     text) that holds surrogates, as a name of undecodable bytes does (the Latin-1 byte E9 is the
     character U+DCE9), is rewritten in place with each escaped as text (the six characters
-    ``\\udce9``, as Python's stderr writes it); any other record is left as it is. It writes
-    nothing itself.
+    ``\\udce9``, as Python's stderr writes it; its template kept in the record's
+    ``cachepipe_template``, the kind :class:`FallbackHandler` counts it as); any other record is
+    left as it is. It writes nothing itself.
 
     On the ``cachepipe`` logger, before any other handler: a logger's handlers see a record
     before its ancestors' do, so the user's handlers (the root's) get the rewritten record. A
@@ -118,6 +125,7 @@ class PrintableText(logging.Handler):
         except Exception:  # noqa: BLE001 - a bad format string: the handler that writes it reports it
             return False
         if not _encodes(message):
+            setattr(record, _TEMPLATE, record.msg)  # its kind, for FallbackHandler's rate limit
             record.msg, record.args = _escaped(message), None
         if record.exc_info and not record.exc_text:
             text = logging.Formatter().formatException(record.exc_info)
