@@ -410,7 +410,7 @@ class Catalog(Sequence[Item]):
 
     @property
     def name_bytes(self) -> int:
-        """Total length of the names in UTF-8, in bytes."""
+        """Total length of the names in UTF-8, in bytes (as stored: an undecodable byte, held as a surrogate, counts 3)."""
         return len(self._names.data)
 
     @property

@@ -7,6 +7,7 @@ not ended; S3 listings are read page by page from the moto server.
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from collections.abc import Iterator
@@ -672,3 +673,29 @@ def test_a_download_asked_back_takes_no_room_freed_after_it_was_asked(tmp_path):
         cache.close()
         if download.ident is not None:
             download.join(10)
+
+
+def test_a_listed_name_of_undecodable_bytes_is_budgeted_as_a_reopen_budgets_it(tmp_path):
+    """A streamed listing budgets each name as it comes; a reopen budgets the same names from
+    the catalog (:meth:`Cache.journal_budget`). An undecodable byte counted 1 byte in the first
+    and 3 in the second, so an item that fitted beside the first budget could be refused as
+    too large by the second after a restart. Both count it as the catalog does."""
+    from cachepipe.cache import Cache
+    from cachepipe.catalog import Catalog
+
+    names = [os.fsdecode(b"caf\xe9" * 10 + b"%d" % i) for i in range(3)]
+    catalog = Catalog(mode="folders")
+    for name in names:
+        catalog.add(name, [("f", 1, "etag")])
+    budgets = []
+    for streamed in (True, False):
+        cache = Cache(tmp_path / f"c{streamed}", 1 << 20)
+        cache.open()
+        try:
+            cache.recover(Catalog(mode="folders") if streamed else catalog, resume=False)
+            if streamed:
+                cache.note_listed(names)
+            budgets.append(cache.limit)
+        finally:
+            cache.close()
+    assert budgets[0] == budgets[1]

@@ -291,7 +291,8 @@ class Cache(_Publishing):
         ledger = self.ledger
         step, versioned = state.EVENT_OVERHEAD, state.EVENT_OVERHEAD + state.VERSION_OVERHEAD
         grows = [
-            2 * (4 * len(name.encode("utf-8", "surrogateescape")) + (step if i < len(plain) and plain[i] else versioned))
+            # each name's bytes as Catalog.name_bytes counts them (an undecodable byte: 3), as a reopen budgets it
+            2 * (4 * len(name.encode("utf-8", "surrogatepass")) + (step if i < len(plain) and plain[i] else versioned))
             for i, name in enumerate(names)
         ]
         limits: list[int] = []
