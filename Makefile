@@ -1,11 +1,21 @@
 # Fresh clone: `make demo` or `make test` creates .venv and installs what it needs.
+# Another Python in a virtualenv of its own: `make test PYTHON=python3.13 VENV=.venv-3.13`
+# (docs/development.md); a VENV made by another Python than PYTHON is refused, not reused.
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
 PY     := $(VENV)/bin/python
 SUM    := $(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # One stamp per extra installed, for this pyproject.toml: an edit reinstalls.
 DEMO   := $(VENV)/.demo-$(SUM)
 TEST   := $(VENV)/.test-$(SUM)
+PYVER  = import sys; print(*sys.version_info[:2], sep='.')
+ifeq ($(filter clean,$(MAKECMDGOALS)),)
+ifneq ($(wildcard $(PY)),)
+ifneq ($(shell $(PY) -c "$(PYVER)"),$(shell $(PYTHON) -c "$(PYVER)"))
+$(error $(VENV) is Python $(shell $(PY) -c "$(PYVER)"), PYTHON is $(shell $(PYTHON) -c "$(PYVER)"): `make clean`, or give another Python its own VENV=.venv-X.Y)
+endif
+endif
+endif
 
 .PHONY: demo test lint bench clean
 
