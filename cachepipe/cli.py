@@ -142,6 +142,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _old_watchdog() -> str | None:
+    """The version of the installed watchdog where it has not the inotify layer the daemon's marker
+    watch is built on (``InotifyFD``, from 7.1; service/markers.py), else None. Python 3.10 has at
+    most watchdog 6.0 (7.x needs 3.11), which another package (mkdocs) may have brought."""
+    from watchdog.observers import inotify_c
+
+    if hasattr(inotify_c, "InotifyFD"):
+        return None
+    from importlib.metadata import version
+
+    return version("watchdog")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``cachepipe`` console script; returns the exit status."""
     args = _parser().parse_args(argv)
@@ -155,6 +168,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"cachepipe serve: the Python module {exc.name!r} is not installed; it comes with the service extra: "
                 "pip install 'cachepipe[service]'",
+                file=sys.stderr,
+            )
+            return EXIT_CONFIG
+        old = _old_watchdog()
+        if old is not None:
+            print(
+                f"cachepipe serve: watchdog {old} is installed; the daemon needs watchdog 7.1 or newer, below 8 (the service "
+                f"extra: pip install 'cachepipe[service]'), which needs Python 3.11 or newer (this is {sys.version.split()[0]})",
                 file=sys.stderr,
             )
             return EXIT_CONFIG

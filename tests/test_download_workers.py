@@ -20,7 +20,11 @@ def worker_pids() -> list[int]:
     """This process's children that are download workers."""
     pids = []
     for task in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
-        for pid in task.read_text().split():
+        try:
+            children = task.read_text().split()
+        except FileNotFoundError:  # the thread ended after the listing (seen under load on 3.12)
+            continue
+        for pid in children:
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
