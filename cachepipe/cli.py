@@ -146,8 +146,10 @@ def _old_watchdog() -> str | None:
     """The version of the installed watchdog where it has not the inotify layer the daemon's marker
     watch is built on (``InotifyFD``, from 7.1; service/markers.py), else None. Python 3.10 has at
     most watchdog 6.0 (7.x needs 3.11), which another package (mkdocs) may have brought."""
-    from watchdog.observers import inotify_c
-
+    try:
+        from watchdog.observers import inotify_c
+    except (ImportError, OSError):  # no inotify here (not Linux): the daemon's own check names that
+        return None
     if hasattr(inotify_c, "InotifyFD"):
         return None
     from importlib.metadata import version
