@@ -361,21 +361,28 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
-@pytest.mark.parametrize("module", ["watchdog", "prometheus_client"])
-def test_serve_without_the_service_extra_is_one_line_naming_module_and_install(tmp_path, module):
+def serve_and_check(tmp_path: Path, *child: str) -> list[str]:
+    """``cachepipe serve`` and ``serve --check`` of a small config, run by ``python -c *child``:
+    each one's stderr, checked to be one line and exit 78 (a configuration the host cannot run)."""
     data = {
         "socket": str(tmp_path / "s.sock"),
         "pipelines": {"train": {"source": "s3://b/p/", "cache_dir": str(tmp_path / "c"), "capacity": "1GiB"}},
     }
     path = tmp_path / "cachepipe.yaml"
     path.write_text(yaml.safe_dump(data))
+    errors = []
     for args in (["serve", "--config", str(path)], ["serve", "--check", "--config", str(path)]):
-        proc = subprocess.run(
-            [sys.executable, "-c", HIDE, module, *args], capture_output=True, text=True, timeout=60, check=False
-        )
+        proc = subprocess.run([sys.executable, "-c", *child, *args], capture_output=True, text=True, timeout=60, check=False)
         assert proc.returncode == 78, proc.stderr
         assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-        assert f"'{module}'" in proc.stderr and "pip install 'cachepipe[service]'" in proc.stderr
+        errors.append(proc.stderr)
+    return errors
+
+
+@pytest.mark.parametrize("module", ["watchdog", "prometheus_client"])
+def test_serve_without_the_service_extra_is_one_line_naming_module_and_install(tmp_path, module):
+    for error in serve_and_check(tmp_path, HIDE, module):
+        assert f"'{module}'" in error and "pip install 'cachepipe[service]'" in error
 
 
 OLD_WATCHDOG = r"""
@@ -391,16 +398,5 @@ sys.exit(main(sys.argv[1:]))
 def test_serve_with_a_watchdog_older_than_7_1_is_one_line_naming_what_it_needs(tmp_path):
     # Python 3.10 has at most watchdog 6.0 (7.x needs 3.11), which mkdocs brings: the daemon
     # exited at start with a traceback of markers.py's `from watchdog.observers.inotify_c import InotifyFD`
-    data = {
-        "socket": str(tmp_path / "s.sock"),
-        "pipelines": {"train": {"source": "s3://b/p/", "cache_dir": str(tmp_path / "c"), "capacity": "1GiB"}},
-    }
-    path = tmp_path / "cachepipe.yaml"
-    path.write_text(yaml.safe_dump(data))
-    for args in (["serve", "--config", str(path)], ["serve", "--check", "--config", str(path)]):
-        proc = subprocess.run(
-            [sys.executable, "-c", OLD_WATCHDOG, *args], capture_output=True, text=True, timeout=60, check=False
-        )
-        assert proc.returncode == 78, proc.stderr
-        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-        assert "the daemon needs watchdog 7.1 or newer" in proc.stderr and "Python 3.11 or newer" in proc.stderr, proc.stderr
+    for error in serve_and_check(tmp_path, OLD_WATCHDOG):
+        assert "the daemon needs watchdog 7.1 or newer" in error and "Python 3.11 or newer" in error, error
