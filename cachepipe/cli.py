@@ -54,7 +54,7 @@ EXIT_END = 3
 EXIT_TIMEOUT = 4
 EXIT_REFUSED = 5
 EXIT_CONFIG = 78  # serve: invalid configuration, or this host cannot run it (the systemd unit does not restart)
-_SERVICE_MODULES = frozenset({"watchdog", "prometheus_client"})  # the `service` extra: what `serve` needs beyond the core
+_SERVICE_MODULES = frozenset({"prometheus_client"})  # the `service` extra: what `serve` needs beyond the core
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -142,21 +142,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _old_watchdog() -> str | None:
-    """The version of the installed watchdog where it has not the inotify layer the daemon's marker
-    watch is built on (``InotifyFD``, from 7.1; service/markers.py), else None. Python 3.10 has at
-    most watchdog 6.0 (7.x needs 3.11), which another package (mkdocs) may have brought."""
-    try:
-        from watchdog.observers import inotify_c
-    except (ImportError, OSError):  # no inotify here (not Linux): the daemon's own check names that
-        return None
-    if hasattr(inotify_c, "InotifyFD"):
-        return None
-    from importlib.metadata import version
-
-    return version("watchdog")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``cachepipe`` console script; returns the exit status."""
     args = _parser().parse_args(argv)
@@ -170,14 +155,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"cachepipe serve: the Python module {exc.name!r} is not installed; it comes with the service extra: "
                 "pip install 'cachepipe[service]'",
-                file=sys.stderr,
-            )
-            return EXIT_CONFIG
-        old = _old_watchdog()
-        if old is not None:
-            print(
-                f"cachepipe serve: watchdog {old} is installed; the daemon needs watchdog 7.1 or newer, below 8 (the service "
-                f"extra: pip install 'cachepipe[service]'), which needs Python 3.11 or newer (this is {sys.version.split()[0]})",
                 file=sys.stderr,
             )
             return EXIT_CONFIG

@@ -1017,18 +1017,20 @@ def test_a_marker_shipped_in_an_item_is_not_logged_at_each_hand_out(s3_source, s
 
 @pytest.mark.parametrize("fstype", ["ext4", "nfs4"])
 def test_the_marker_watch_adds_and_removes_watches_keeping_the_interpreters_lock(tmp_path, monkeypatch, caplog, fstype):
-    """watchdog's watches go through the C functions bound by ``ctypes.PyDLL`` (measured in
-    benchmarks/README.md): its removals always, its additions under a cache directory on a local
-    file system only (on NFS or FUSE a path lookup can wait for a server); a watch that cannot be
-    added still says why (its errno comes through)."""
+    """The marker watch's watches go through the C functions bound by ``ctypes.PyDLL`` (measured
+    in benchmarks/README.md): its removals always, its additions under a cache directory on a
+    local file system only (on NFS or FUSE a path lookup can wait for a server); a watch that
+    cannot be added still says why (its errno comes through)."""
     import ctypes
     from collections import Counter
+    from types import SimpleNamespace
 
-    from cachepipe.service import markers
+    from cachepipe.service import inotify, markers
 
     counts: Counter[str] = Counter()
-    held_add, held_remove = markers._watch_calls()
-    assert all(call._flags_ & ctypes._FUNCFLAG_PYTHONAPI for call in (held_add, held_remove))  # PyDLL: the lock is kept
+    calls = inotify._calls()
+    assert all(call._flags_ & ctypes._FUNCFLAG_PYTHONAPI for call in (calls.held_add, calls.held_rm))  # PyDLL: the lock is kept
+    assert not calls.add._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # CDLL: it lets the lock go
 
     def counted(name, call):
         def counting(*args):
@@ -1037,7 +1039,13 @@ def test_the_marker_watch_adds_and_removes_watches_keeping_the_interpreters_lock
 
         return counting
 
-    monkeypatch.setattr(markers, "_watch_calls", lambda: (counted("held add", held_add), counted("held remove", held_remove)))
+    counting = SimpleNamespace(
+        init1=calls.init1,
+        add=counted("add", calls.add),
+        held_add=counted("held add", calls.held_add),
+        held_rm=counted("held remove", calls.held_rm),
+    )
+    monkeypatch.setattr(inotify, "_calls", lambda: counting)
     monkeypatch.setattr(markers, "filesystem_at", lambda _path: fstype)  # as /proc/self/mountinfo would say
     monkeypatch.setattr(markers, "LOOK_AFTER", 0.01)  # an item's own watch is added 10 ms after its hand-out
     watcher = markers.MarkerWatcher(lambda *_: None)
@@ -1049,19 +1057,21 @@ def test_the_marker_watch_adds_and_removes_watches_keeping_the_interpreters_lock
         wait_until(lambda: inotify_watches(os.getpid()) == 2, what="the item's own watch")
         watcher.unfollow(str(tmp_path / "c" / "item"))
         local = fstype == "ext4"
-        assert counts == Counter({"held add": 2 if local else 0, "held remove": 1})  # the root's watch, the item's
+        assert counts == Counter({"held add" if local else "add": 2, "held remove": 1})  # the root's, the item's
         (tmp_path / "c" / "sub" / "item").mkdir(parents=True)  # a nested item: its folder may be a link or a mount
         watcher.follow("p", str(tmp_path / "c" / "sub" / "item"), at_once=True)
         assert inotify_watches(os.getpid()) == 2  # the root's, the nested item's
         watcher.unfollow(str(tmp_path / "c" / "sub" / "item"))
-        assert counts == Counter({"held add": 2 if local else 0, "held remove": 2})  # added by watchdog's own binding
+        assert counts["held add"] == (2 if local else 0) and counts["add"] == (1 if local else 3)  # the nested item's lets it go
+        assert counts["held remove"] == 2
         (tmp_path / "d" / "sub").mkdir(parents=True)  # a single-file item in a subfolder: the same
         (tmp_path / "d" / "sub" / "f").write_bytes(b"")
         watcher.watch("q", tmp_path / "d", "files")
         watcher.follow("q", str(tmp_path / "d" / "sub" / "f"), at_once=True)
         watcher.unfollow(str(tmp_path / "d" / "sub" / "f"))
         watcher.unwatch("q")
-        assert counts == Counter({"held add": 3 if local else 0, "held remove": 4})  # d's own watch kept it
+        assert counts["held add"] == (3 if local else 0) and counts["add"] == (2 if local else 5)  # d's own watch kept it
+        assert counts["held remove"] == 4  # sub's watch with its item, then d's
         (tmp_path / "c" / "a-file").write_bytes(b"")  # handed out as a folder item: its watch fails (ENOTDIR)
         with caplog.at_level("WARNING", logger="cachepipe.service.markers"):
             watcher.follow("p", str(tmp_path / "c" / "a-file"))

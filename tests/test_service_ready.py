@@ -379,24 +379,6 @@ def serve_and_check(tmp_path: Path, *child: str) -> list[str]:
     return errors
 
 
-@pytest.mark.parametrize("module", ["watchdog", "prometheus_client"])
-def test_serve_without_the_service_extra_is_one_line_naming_module_and_install(tmp_path, module):
-    for error in serve_and_check(tmp_path, HIDE, module):
-        assert f"'{module}'" in error and "pip install 'cachepipe[service]'" in error
-
-
-OLD_WATCHDOG = r"""
-import sys
-from watchdog.observers import inotify_c
-
-vars(inotify_c).pop("InotifyFD", None)  # as in watchdog 6.0 (the one Python 3.10 has)
-from cachepipe.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-def test_serve_with_a_watchdog_older_than_7_1_is_one_line_naming_what_it_needs(tmp_path):
-    # Python 3.10 has at most watchdog 6.0 (7.x needs 3.11), which mkdocs brings: the daemon
-    # exited at start with a traceback of markers.py's `from watchdog.observers.inotify_c import InotifyFD`
-    for error in serve_and_check(tmp_path, OLD_WATCHDOG):
-        assert "the daemon needs watchdog 7.1 or newer" in error and "Python 3.11 or newer" in error, error
+def test_serve_without_the_service_extra_is_one_line_naming_module_and_install(tmp_path):
+    for error in serve_and_check(tmp_path, HIDE, "prometheus_client"):
+        assert "'prometheus_client'" in error and "pip install 'cachepipe[service]'" in error

@@ -5,7 +5,7 @@ Modules, one noun each::
     config.py    ServiceConfig: the YAML/TOML file + CACHEPIPE_* environment, validated
     daemon.py    Daemon: named Pipelines, routing of paths to pipelines, reload, status
     api.py       the HTTP/JSON API on the Unix socket (and optional loopback TCP)
-    markers.py   acks by ``<item>/.done`` markers and deletions (watchdog/inotify)
+    markers.py   acks by ``<item>/.done`` markers and deletions (inotify: inotify.py)
     marker_policy.py  which event acks which hand-out (pure), the record of hand-outs
     metrics.py   Prometheus metrics in a per-daemon registry
     notify.py    sd_notify: READY, STATUS, RELOADING, STOPPING, WATCHDOG

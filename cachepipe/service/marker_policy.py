@@ -7,7 +7,7 @@ earlier daemon's lease, after a restart or a rebuild; an expired one) acknowledg
 logged and counted, and stays. An empty one acknowledges the item's holder, as markers always did.
 
 Provenance of an empty marker: an event is processed some time after it happened (inotify,
-watchdog's queue), so "a ``.done`` exists and the item is handed out now" does not prove a
+the watcher's batched reads), so "a ``.done`` exists and the item is handed out now" does not prove a
 consumer made it. It acknowledges only the hand-out it was made for: at each hand-out the
 daemon records the lease and what ``<item>/.done`` was then (:class:`HandOuts`); a marker event
 acknowledges that lease (never a later one) and only if the ``.done`` is not one that was there

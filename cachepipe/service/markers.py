@@ -5,11 +5,10 @@
 - Single-file items (``items: files``): delete the file. There is no marker file: a
   ``<file>.done`` beside it could collide with another object's name and would be left behind.
 
-The daemon watches, through inotify (watchdog's inotify layer), each cache directory and each
-item it has handed out (:class:`MarkerWatcher`), and calls :meth:`cachepipe.Pipeline.ack` with
-the item's path, usually well within a second. The calls that add a watch (under a cache directory on
-a local file system) and remove one keep the interpreter's lock
-(:func:`keep_the_lock_for_watch_calls`).
+The daemon watches, through inotify (:mod:`cachepipe.service.inotify`), each cache directory and
+each item it has handed out (:class:`MarkerWatcher`), and calls :meth:`cachepipe.Pipeline.ack`
+with the item's path, usually well within a second. The calls that add a watch (under a cache
+directory on a local file system: :func:`hold_under`) and remove one keep the interpreter's lock.
 
 A marker is judged once it is complete: when its writer closes it, when it is moved into place,
 when it is touched, or when it is made as a link (a regular file just created is not judged
@@ -22,24 +21,20 @@ pure policy, :func:`acked_by` (which event acknowledges which item) and the reco
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import errno
-import functools
 import itertools
 import logging
 import os
 import stat
+import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
-
-from watchdog.utils import platform  # imported with this module: without the service extra, `serve` says so at once
 
 from ..errors import ConfigError
 from ..filesystems import LOCAL_FILESYSTEMS, filesystem_at, lookups_stay_local
-from ..fscalls import holding_function
+from .inotify import IN_Q_OVERFLOW, Event, Inotify
 from .marker_policy import (
     MARKER,
     MARKER_BYTES,  # noqa: F401 - importable from here, as before
@@ -55,9 +50,6 @@ from .marker_policy import (
     read_marker,
 )
 
-if TYPE_CHECKING:
-    from watchdog.observers.inotify_c import CallbackId, InotifyEvent, InotifyFD, Mask, WatchDescriptor
-
 __all__ = [
     "MARKER",
     "HandOut",
@@ -66,7 +58,6 @@ __all__ = [
     "Verdict",
     "acked_by",
     "hold_under",
-    "keep_the_lock_for_watch_calls",
     "marker_counts",
     "marker_identity",
     "read_marker",
@@ -99,82 +90,31 @@ items (a batch acked with the next) costs no watch; a marker made (or an item de
 the watch is added is found by a look right after adding it."""
 
 
-def keep_the_lock_for_watch_calls() -> bool:
-    """Make watchdog's inotify layer add watches under :func:`hold_under` cache directories, and
-    remove any, without letting the interpreter's lock go. True if it does (every call), False if
-    watchdog no longer has the two bindings this replaces (nothing is changed then).
-
-    :class:`~watchdog.observers.inotify_c.InotifyFD` calls ``inotify_add_watch`` and
-    ``inotify_rm_watch`` through :mod:`ctypes`, with its own lock held, and :mod:`ctypes` lets the
-    interpreter's lock go for each call. The daemon adds a watch at each hand-out and removes it at
-    each ack, from its request threads: each call then handed the interpreter's lock to another
-    thread, which soon waited for watchdog's lock, held by the first thread while it waited to get
-    the interpreter's lock back. So both are bound again here, the same C functions with the same
-    signatures and ``errno`` handling, through :class:`ctypes.PyDLL`, which keeps the lock. Both
-    must be: either one alone changed nothing (the daemon's batched hand-out,
-    ``benchmarks/README.md``, "The marker watch's calls keep the interpreter's lock").
-
-    Removing a watch is in memory. Adding one looks its path up, which waits for a server on a
-    network or FUSE file system, and would stop every thread of the daemon meanwhile: so a watch is
-    added keeping the lock only under a cache directory on a local file system
-    (:data:`~cachepipe.filesystems.LOCAL_FILESYSTEMS`, registered by :func:`hold_under`) whose
-    lookups pass no other kind of file system above it
-    (:func:`~cachepipe.filesystems.lookups_stay_local`), where the item just handed out is in the
-    kernel's cache; elsewhere by watchdog's own binding.
-
-    This replaces two module attributes of ``watchdog.observers.inotify_c`` for the whole
-    process; the ``watchdog`` version is pinned below 8 in ``pyproject.toml``, and the tests check
-    that watchdog's watches go through them."""
-    from watchdog.observers import inotify_c
-
-    if not (hasattr(inotify_c, "inotify_add_watch") and hasattr(inotify_c, "inotify_rm_watch")):
-        log.warning("watchdog has no inotify_add_watch/inotify_rm_watch bindings to replace: marker watches cost more")
-        return False
-    if inotify_c.inotify_add_watch is not _add_watch:
-        _released_add.append(inotify_c.inotify_add_watch)
-    inotify_c.inotify_add_watch, inotify_c.inotify_rm_watch = _add_watch, _remove_watch
-    return True
-
-
-_released_add: list[Any] = []  # watchdog's own inotify_add_watch (which lets the lock go), once replaced
 _held_under: dict[str, tuple[bytes, bytes | None]] = {}  # cache directory -> (it, it + "/" or None), encoded: see hold_under
 
 
 def hold_under(root: str, fstype: str | None, items: str = "folders") -> None:
     """Add watches on the cache directory ``root`` (absolute and normal), and on the folder items
     right in it (``items`` "folders"), keeping the interpreter's lock if its file system (type
-    ``fstype``, as ``/proc/self/mountinfo`` names it) is local; ``fstype`` None: no longer
-    watched. Any other folder under ``root`` (a nested item's, a single-file item's subfolder)
-    may be anything a user put there (a link, a mount), as in :mod:`cachepipe.fscalls`: its
-    watch is added by watchdog's own binding, which lets the lock go."""
+    ``fstype``, as ``/proc/self/mountinfo`` names it) is local, and its lookups pass no other kind
+    of file system above it (the caller's check, :func:`~cachepipe.filesystems.lookups_stay_local`):
+    there the item just handed out is in the kernel's cache. ``fstype`` None: no longer watched.
+    Any other folder under ``root`` (a nested item's, a single-file item's subfolder) may be
+    anything a user put there (a link, a mount), as in :mod:`cachepipe.fscalls`: its watch is
+    added by a call that lets the lock go, since its lookup may wait for a server (NFS, FUSE)
+    and would stop every thread of the daemon meanwhile."""
     if fstype in LOCAL_FILESYSTEMS:
         _held_under[root] = (os.fsencode(root), os.fsencode(root.rstrip("/") + "/") if items == "folders" else None)
     else:
         _held_under.pop(root, None)
 
 
-def _add_watch(fd: int, path: bytes, mask: int) -> WatchDescriptor:
-    """``inotify_add_watch`` keeping the interpreter's lock on a :func:`hold_under` directory or
-    a folder item right in it; else by watchdog's own binding."""
+def _holds(path: bytes) -> bool:
+    """Whether the watch of ``path`` is added keeping the interpreter's lock (:func:`hold_under`)."""
     for top, prefix in list(_held_under.values()):  # a copy: another thread may register one
         if path == top or (prefix is not None and path.startswith(prefix) and b"/" not in path[len(prefix) :]):
-            return cast("WatchDescriptor", _watch_calls()[0](fd, path, mask))
-    return cast("WatchDescriptor", _released_add[0](fd, path, mask))
-
-
-def _remove_watch(fd: int, wd: WatchDescriptor) -> int:
-    """``inotify_rm_watch`` keeping the interpreter's lock."""
-    return int(_watch_calls()[1](fd, wd))
-
-
-@functools.cache
-def _watch_calls() -> tuple[Any, Any]:
-    """``(inotify_add_watch, inotify_rm_watch)`` of the C library through :class:`ctypes.PyDLL`
-    (:func:`~cachepipe.fscalls.holding_function`; made once)."""
-    return (
-        holding_function("inotify_add_watch", [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32], ctypes.c_int),
-        holding_function("inotify_rm_watch", [ctypes.c_int, ctypes.c_uint32], ctypes.c_int),
-    )
+            return True
+    return False
 
 
 class _Events:
@@ -183,7 +123,7 @@ class _Events:
     def __init__(self, watcher: MarkerWatcher, served: _Watched, directory: str) -> None:
         self.watcher, self.served, self.directory = watcher, served, directory.rstrip("/") + "/"
 
-    def on_event(self, event: InotifyEvent) -> None:
+    def on_event(self, event: Event) -> None:
         if not event.name or not event.mask & _ANY:
             return
         name = os.fsdecode(event.name)
@@ -192,12 +132,6 @@ class _Events:
             return  # a file a consumer writes: judged once closed (IN_CLOSE_WRITE), if it is a marker
         kind: Kind = "created" if event.mask & _MADE else "deleted"
         self.watcher.judge(self.served, path, kind, event.is_directory)
-
-    def on_watch_deleted(self, wd: WatchDescriptor) -> None:
-        """The watched folder is gone (deleted, or its file system unmounted): nothing to do."""
-
-    def on_queue_overflow(self) -> None:
-        self.watcher.overflowed()
 
 
 def _being_written(path: str) -> bool:
@@ -224,13 +158,13 @@ class _Watched:
     name: str
     root: str  # absolute and normal
     items: str
-    wd: WatchDescriptor
-    id: CallbackId
+    wd: int
+    id: int
 
 
 class MarkerWatcher:
-    """Watches what can acknowledge an item, through one inotify instance (watchdog's
-    :class:`~watchdog.observers.inotify_c.InotifyFD`) read by one thread in batches
+    """Watches what can acknowledge an item, through one inotify instance
+    (:class:`~cachepipe.service.inotify.Inotify`) read by one thread in batches
     (:data:`READ_EVERY`): each cache directory (an item folder, or a top-level file item,
     deleted or moved away) and, from :data:`LOOK_AFTER` after its hand-out (:meth:`follow`;
     added by a second thread, with a look for what came before) to its end (:meth:`unfollow`),
@@ -248,15 +182,15 @@ class MarkerWatcher:
 
     def __init__(self, on_ack: Callable[[str, str, str, bool], None]) -> None:
         self._on_ack = on_ack
-        self._inotify: InotifyFD | None = None
-        self._lock = threading.Lock()  # _served, _followed; taken before InotifyFD's own lock, never after
+        self._inotify: Inotify | None = None
+        self._lock = threading.Lock()  # _served, _followed; taken before Inotify's own lock, never after
         self._ids = itertools.count(1)
         self._served: dict[str, _Watched] = {}  # by pipeline name
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         # item path (a string, as every path here: making and hashing a Path for each follow,
         # unfollow and event was a quarter of the daemon's CPU per item) -> pipeline, its watch
-        self._followed: dict[str, tuple[str, WatchDescriptor | None, CallbackId]] = {}
+        self._followed: dict[str, tuple[str, int | None, int]] = {}
         self._due: dict[str, float] = {}  # followed items whose own watch is not added yet -> when it is due (in that order)
         self._due_added = threading.Condition(self._lock)  # _due gained its first item: the due thread may sleep untimed
         self._due_thread: threading.Thread | None = None
@@ -267,15 +201,12 @@ class MarkerWatcher:
         Raises:
             ConfigError: this system has no inotify (it is Linux's): marker acks are unavailable.
         """
-        if not platform.is_linux():
+        if not sys.platform.startswith("linux"):
             raise ConfigError(
-                f"markers: true needs Linux's inotify, and this system is {platform.get_platform_name()}; set "
+                f"markers: true needs Linux's inotify, and this system is {sys.platform!r}; set "
                 "markers: false and acknowledge items over the API"
             )
-        from watchdog.observers.inotify_c import InotifyFD  # Linux only: imported here
-
-        keep_the_lock_for_watch_calls()
-        inotify = InotifyFD()  # its own thread is not started: ours reads it in batches
+        inotify = Inotify()
         self._inotify = inotify
         self._stopping.clear()
         self._thread = threading.Thread(target=self._read, args=(inotify,), name="cachepipe-markers", daemon=True)
@@ -283,7 +214,7 @@ class MarkerWatcher:
         self._due_thread = threading.Thread(target=self._add_when_due, name="cachepipe-markers-due", daemon=True)
         self._due_thread.start()
 
-    def _read(self, inotify: InotifyFD) -> None:
+    def _read(self, inotify: Inotify) -> None:
         """The watcher's thread: read the events queued, dispatch them, then let the next ones
         gather for :data:`READ_EVERY` seconds (unless this read was long: more are waiting): a
         thread woken for each event takes the interpreter's lock from the request threads each
@@ -291,13 +222,16 @@ class MarkerWatcher:
         An event whose handling fails is logged and the watch goes on."""
         while not self._stopping.is_set():
             try:
-                events = inotify.read_events()
+                events = inotify.read()
             except OSError as exc:
                 log.error("the marker watch stopped: %s; items are acknowledged over the API or by their lease", exc)
                 return
             for event in events:
                 try:
-                    inotify.handle_event(event)
+                    if event.mask & IN_Q_OVERFLOW:
+                        self.overflowed()
+                    else:
+                        inotify.handle(event)
                 except Exception:  # a defect: logged, the other events still count
                     log.exception("handling the marker event %r failed", event)
             if len(events) < _LONG_READ:
@@ -349,7 +283,7 @@ class MarkerWatcher:
                 log.exception("looking for an acknowledgement of %s failed", item)
         return wait
 
-    def _require(self) -> InotifyFD:
+    def _require(self) -> Inotify:
         if self._inotify is None:
             raise RuntimeError("MarkerWatcher used before start() or after stop()")
         return self._inotify
@@ -365,9 +299,10 @@ class MarkerWatcher:
         top = os.path.abspath(root)
         hold_under(top, filesystem_at(top) if lookups_stay_local(top) else "", items)
         with self._lock:
-            id_ = cast("CallbackId", next(self._ids))
-            served = _Watched(name, top, items, cast("WatchDescriptor", -1), id_)
-            served.wd = inotify.add_callback(os.fsencode(top), cast("Mask", _GONE), _Events(self, served, top), id_)
+            id_ = next(self._ids)
+            served = _Watched(name, top, items, -1, id_)
+            path = os.fsencode(top)
+            served.wd = inotify.add(path, _GONE, _Events(self, served, top).on_event, id_, hold=_holds(path))
             self._served[name] = served
 
     def unwatch(self, name: str) -> None:
@@ -381,7 +316,7 @@ class MarkerWatcher:
             ended = [(wd, id_) for path, (owner, wd, id_) in self._followed.items() if owner == name and wd is not None]
             self._followed = {path: got for path, got in self._followed.items() if got[0] != name}
             self._due = {path: due for path, due in self._due.items() if path in self._followed}
-            self._inotify.remove_callbacks([(served.wd, served.id), *ended])
+            self._inotify.remove([(served.wd, served.id), *ended])
 
     def follow(self, name: str, item: str, markers: bool = True, at_once: bool = False) -> None:
         """Item ``item`` (its absolute, normal path) of pipeline ``name`` was just handed out:
@@ -398,7 +333,7 @@ class MarkerWatcher:
             served = self._served.get(name)
             if served is None or item in self._followed or self._inotify is None:
                 return
-            self._followed[item] = (name, None, cast("CallbackId", 0))
+            self._followed[item] = (name, None, 0)
             if _own_folder(served, item) == served.root or (not markers and served.items == "folders"):
                 return  # the root's watch sees it go
             if at_once:
@@ -408,17 +343,18 @@ class MarkerWatcher:
                 self._due_added.notify()
             self._due[item] = time.monotonic() + LOOK_AFTER
 
-    def _add_watch(self, inotify: InotifyFD, served: _Watched, item: str) -> bool:
+    def _add_watch(self, inotify: Inotify, served: _Watched, item: str) -> bool:
         """Add the own watch of followed item ``item`` of ``served`` (under :attr:`_lock`): its
         folder for a folder item (a ``.done`` made), else the subfolder it is in (it deleted).
         False if it cannot be added: the item stays followed without one (the cache directory's
         watch still sees a folder item or a top-level file deleted); logged unless its folder is
         gone (ENOENT: the item was deleted, which acknowledges it)."""
         folder = _own_folder(served, item)
-        id_ = cast("CallbackId", next(self._ids))
-        mask = cast("Mask", _MARKER if served.items == "folders" else _GONE)
+        id_ = next(self._ids)
+        mask = _MARKER if served.items == "folders" else _GONE
+        path = os.fsencode(folder)
         try:
-            wd = inotify.add_callback(os.fsencode(folder), mask, _Events(self, served, folder), id_)
+            wd = inotify.add(path, mask, _Events(self, served, folder).on_event, id_, hold=_holds(path))
         except OSError as exc:
             if exc.errno != errno.ENOENT:
                 what, how = (
@@ -437,7 +373,7 @@ class MarkerWatcher:
             got = self._followed.pop(item, None)
             self._due.pop(item, None)
             if got is not None and got[1] is not None and self._inotify is not None:
-                self._inotify.remove_callbacks([(got[1], got[2])])
+                self._inotify.remove([(got[1], got[2])])
 
     def judge(self, served: _Watched, path: str, kind: Kind, is_directory: bool, looked: bool = False) -> None:
         """An event at ``path`` in a watched folder of ``served`` (``looked``: what a look
@@ -474,8 +410,10 @@ class MarkerWatcher:
             self._stopping.set()
             self._due_added.notify_all()  # wakes the due thread
         if inotify is not None:
-            inotify.close()  # wakes the watcher's thread if it waits for events; else it sees _stopping
+            inotify.wake()  # the watcher's thread, if it waits for events; else it sees _stopping
         for thread in (self._thread, self._due_thread):
             if thread is not None:
                 thread.join()
         self._thread = self._due_thread = None
+        if inotify is not None:
+            inotify.close()  # no thread reads it now
