@@ -132,7 +132,7 @@ def test_an_empty_marker_made_by_hand_counts_as_done(s3_source, s3_client, tmp_p
     assert result.ok and (result.items_done, result.items_skipped) == (1, 1), result.failed
 
 
-def test_dry_run_says_which_items_another_command_did(s3_source, s3_client, tmp_path, capsys):
+def test_dry_run_says_which_items_another_command_did(s3_source, s3_client, tmp_path, capsys, caplog):
     s3_source.folders(3, {"f": 100})
     options = {
         "cache_dir": tmp_path / "cache",
@@ -165,6 +165,7 @@ def test_dry_run_says_which_items_another_command_did(s3_source, s3_client, tmp_
         "3 items to run (2 done before by another command, first: item000), 0 already done, of 3 listed",
     ]
     assert bucket(s3_client, "out/") == before  # nothing written
+    assert "2 item(s) were done by another command (first: item000): a run would do them again" in caplog.text
     assert main([*args, *storage_args(s3_source.options), "--", *A]) == 0  # the command the items were done with
     assert capsys.readouterr().out.splitlines()[:2] == [
         "would run: item002 -> s3://data/out/item002/",

@@ -118,9 +118,10 @@ class _Remote:
                 checked.command_changed.append(mi.name)
         if checked.command_changed:
             log.warning(
-                "%d item(s) were done by another command (first: %s): running them again, their outputs "
-                "overwritten; to keep what they hold, run the command (and --unpack) they were done with",
+                "%d item(s) were done by another command (first: %s): %s, their outputs overwritten; to keep "
+                "what they hold, run the command (and --unpack) they were done with",
                 len(checked.command_changed),
                 checked.command_changed[0],
+                "a run would do them again" if self.cfg.dry_run else "running them again",
             )
         return checked
