@@ -36,9 +36,12 @@ while outputs wait for upload. When CMD exits, whatever it left running in its p
 killed (Linux), so nothing it started writes into the cache after it; a process started outside
 the group that still holds CMD's stderr a second later is killed too (by its ``CACHEPIPE_OUT``).
 
-**Resumable.** Items whose marker exists in ``DST`` are skipped before anything is downloaded.
-The marker is written last and lists the item's outputs; a run killed mid-upload leaves no
-marker, and the next run does that item again.
+**Resumable.** Items whose marker exists in ``DST`` are skipped before anything is downloaded,
+if it records the same input version and command (:func:`~cachepipe.map.plan.command_digest`:
+CMD's arguments or ``fn``'s name, and ``unpack``; a marker of an earlier cachepipe, which records
+no command, counts). An item done by another command is run again, and the summary and
+``--dry-run`` say how many. The marker is written last and lists the item's outputs; a run
+killed mid-upload leaves no marker, and the next run does that item again.
 
 **Failures.** A non-zero exit, a timeout or a failed upload retries the item (``--retries``,
 re-using the downloaded input; an upload failure re-uploads without running CMD again); then

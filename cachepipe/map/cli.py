@@ -23,9 +23,12 @@ Run CMD once per item of SRC (a first-level folder, or an object with --items fi
 item's local path as {} and an empty output folder as {out}; upload what CMD writes to
 DST/<item>/, then the marker DST/<item>/.cachepipe-done; delete input and output. Bytes under
 --cache never exceed --capacity: each of --jobs jobs keeps a reserve for its outputs
-(--out-reserve or --out-ratio), downloads get the rest. Items already done in DST are skipped.
-Across nodes, W processes given --rank 0..W-1 --world-size W (or run by torchrun, a Kubernetes
-Indexed Job or a Slurm array) each take a disjoint, byte-balanced share of SRC."""
+(--out-reserve or --out-ratio), downloads get the rest. Items already done in DST by the same
+command (CMD ARGS compared as text, and --unpack) are skipped; an item done by another command,
+or whose input changed, is run again and its outputs overwritten (the summary and --dry-run say
+how many): to keep them, rerun the exact command that made them. Across nodes, W processes
+given --rank 0..W-1 --world-size W (or run by torchrun, a Kubernetes Indexed Job or a Slurm
+array) each take a disjoint, byte-balanced share of SRC."""
 
 _EPILOG = """\
 examples:
@@ -83,7 +86,12 @@ def _add_options(parser: argparse.ArgumentParser | Any, suppress: bool) -> None:
     )
     parser.add_argument("--timeout", type=float, default=d(None), metavar="S", help="seconds per attempt of CMD")
     parser.add_argument("--retries", type=int, default=d(2), help="more attempts of a failed item (default 2)")
-    parser.add_argument("--dry-run", action="store_true", default=d(False), help="list what would run and exit")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        default=d(False),
+        help="list what would run (marking the items another command did, to run again) and exit",
+    )
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=d(True), help="no progress bar")
     parser.add_argument(
         "--storage-option",

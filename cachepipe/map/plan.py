@@ -1,6 +1,7 @@
 """What a ``cachepipe map`` run will do: its options and its work items.
 
-:class:`MapConfig` validates every option of a run; :func:`plan_items` groups a listing into
+:class:`MapConfig` validates every option of a run; :func:`command_digest` names what makes an
+item's outputs (recorded in its completion marker); :func:`plan_items` groups a listing into
 work items, :class:`MapItem` (folders, objects, or split archive volumes with their checksum files);
 :class:`PlannedSource` shows the pipeline only the items to do, under their cache names. Pure (no
 disk, no network) but for the reads :class:`PlannedSource` forwards to the real store.
@@ -8,6 +9,9 @@ disk, no network) but for the reads :class:`PlannedSource` forwards to the real 
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -33,6 +37,8 @@ __all__ = [
     "MapItem",
     "PlannedSource",
     "Reserve",
+    "command_digest",
+    "function_name",
     "inside_prefix",
     "item_reserve",
     "out_reserve",
@@ -111,6 +117,34 @@ class MapConfig(BaseModel):
         if rank is not None and rank >= value:
             raise ValueError(f"rank {rank}: expected 0 <= rank < world_size {value}")
         return value
+
+
+def function_name(fn: Any) -> str:
+    """What names ``fn`` for :func:`command_digest`: ``module.qualname`` of a function or method,
+    of the function a ``functools.partial`` wraps (its bound arguments left out: their text
+    can differ between two runs of the same code, as an object's address does), or of the class
+    of a callable object. The name is how the child process finds ``fn`` (by reference, as
+    pickle does), so it is what the run can tell apart; fn's body is not part of it."""
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    if not hasattr(target, "__qualname__"):
+        target = type(target)
+    return f"{getattr(target, '__module__', None)}.{target.__qualname__}"
+
+
+def command_digest(command: Sequence[str] | None, function: str | None, unpack: bool) -> str:
+    """16 hex digits of a digest of what makes an item's outputs from its input: the command's
+    arguments as given (placeholders such as ``{}`` not yet replaced; the CLI's ``-- CMD ARGS``
+    and a list given to :func:`~cachepipe.map.run.map_items` alike), or ``fn``'s
+    :func:`function_name`, and ``unpack`` (the command sees the extracted files; without a
+    command, they are the outputs). Recorded in each item's completion marker: a rerun does
+    again an item whose marker records another digest.
+
+    Left out, since they do not change what an item's outputs are: the sizes, ratios, timeouts,
+    retries, concurrency and storage options (and ``items``, which changes the items and their
+    names: the input's version tells an item's input apart). Not seen: the content of a script
+    the command runs (``python split.py``) and the body of ``fn``."""
+    what = {"command": None if command is None else list(command), "function": function, "unpack": unpack}
+    return hashlib.blake2b(json.dumps(what, sort_keys=True).encode(), digest_size=8).hexdigest()  # ASCII: \u escapes
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The requests one ``cachepipe map`` run sends itself, besides its pipeline's downloads and its
 uploads: the check of DST's bucket and the listing of SRC, retried as downloads are
 (:meth:`_Remote._retrying`), and which items DST already marks done, for the version of their
-input listed now (:meth:`_Remote._done`: their markers, checked concurrently).
+input listed now and the command run now (:meth:`_Remote._done`: the head of each marker, read
+concurrently; :func:`verdict` decides).
 
 :class:`_Remote` is the base class of :class:`~cachepipe.map.run._MapRun` (not used alone), whose
 options (``cfg``) and stop event it reads.
@@ -14,17 +15,44 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from ..backoff import backoff_delay
 from ..errors import is_transient
 from ..stores.base import WritableStore
 from .plan import MapConfig, MapItem
-from .uploader import MARKER_LIMIT, marker_key, marker_version
+from .uploader import MARKER_LIMIT, marker_command, marker_key, marker_version
 
-__all__: list[str] = []
+__all__ = ["Checked", "verdict"]
 
 log = logging.getLogger("cachepipe.map")
+
+Verdict = Literal["done", "missing", "input", "command"]
+
+
+def verdict(head: bytes | None, version: str | None, command: str) -> Verdict:
+    """Whether an item is done, from the first bytes of its marker (``head``; None: no marker)
+    and the version of its input and the command's digest now: ``"done"``; ``"missing"`` (no
+    marker); ``"command"``, done by another command (or with another ``unpack``): run again;
+    ``"input"``, done from another version of its input (rewritten since): run again. A marker
+    that records no version or no command (an earlier cachepipe's) counts as done for it."""
+    if head is None:
+        return "missing"
+    if marker_command(head) not in (None, command):
+        return "command"
+    if version is not None and marker_version(head) not in (None, version):
+        return "input"
+    return "done"
+
+
+@dataclass
+class Checked:
+    """What :meth:`_Remote._done` found: the names of the items done, and of those done by another
+    command (to run again, in plan order)."""
+
+    done: set[str] = field(default_factory=set)
+    command_changed: list[str] = field(default_factory=list)
 
 
 class _Remote:
@@ -48,35 +76,52 @@ class _Remote:
                     raise InterruptedError(f"stopped while retrying {what}") from exc
         raise AssertionError("unreachable")
 
-    def _done(self, dst: WritableStore, planned: list[MapItem]) -> set[str]:
-        """Names of the items whose marker is in DST, for the version of their input listed now
-        (checked concurrently: one HEAD per item without a version, one GET of its marker per
-        item with one). A marker of another version is of an input rewritten since: the item is
-        done again. A marker that records no version (written by an earlier cachepipe) counts."""
+    def _done(self, dst: WritableStore, planned: list[MapItem], command: str) -> Checked:
+        """Which items DST marks done, for the version of their input listed now and for
+        ``command`` (:func:`~cachepipe.map.plan.command_digest`): one GET of the first
+        :data:`~cachepipe.map.uploader.MARKER_LIMIT` bytes of each item's marker (a small body:
+        about a HEAD's cost), concurrently; :func:`verdict` decides."""
+        checked = Checked()
         if not planned:
-            return set()
+            return checked
 
-        def done(mi: MapItem) -> bool:
-            key, version = marker_key(mi.name), mi.version
-            if version is None:
-                return bool(dst.exists(key))
+        def check(mi: MapItem) -> Verdict:
             body = io.BytesIO()
             try:
-                dst.get(key, body, 0, MARKER_LIMIT)
+                dst.get(marker_key(mi.name), body, 0, MARKER_LIMIT)
             except FileNotFoundError:
-                return False
-            recorded = marker_version(body.getvalue())
-            if recorded not in (None, version):
-                log.info("%s: input changed since it was done (version %s, now %s): doing it again", mi.name, recorded, version)
-                return False
-            return True
+                return verdict(None, mi.version, command)
+            except OSError as exc:  # an empty marker (made by hand): S3 and OBS refuse any range of it
+                if getattr(exc, "code", None) != "InvalidRange":  # the store's code (errors.store_code)
+                    raise
+            found = verdict(body.getvalue(), mi.version, command)
+            if found == "input":
+                was = marker_version(body.getvalue())
+                log.info("%s: input changed since it was done (version %s, now %s): doing it again", mi.name, was, mi.version)
+            elif found == "command":
+                recorded = marker_command(body.getvalue())
+                log.debug("%s: done by another command (digest %s, now %s): doing it again", mi.name, recorded, command)
+            return found
 
         pool = ThreadPoolExecutor(min(16, len(planned)), thread_name_prefix="cachepipe-map-check")
         try:
-            flags = list(pool.map(lambda mi: self._retrying(f"checking {mi.name}", lambda: done(mi)), planned))
+            found = list(pool.map(lambda mi: self._retrying(f"checking {mi.name}", lambda: check(mi)), planned))
         except BaseException:  # a check failed for good, or Ctrl-C: the checks in flight stop retrying
             self._stop.set()
             raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-        return {mi.name for mi, flag in zip(planned, flags, strict=True) if flag}
+        for mi, what in zip(planned, found, strict=True):
+            if what == "done":
+                checked.done.add(mi.name)
+            elif what == "command":
+                checked.command_changed.append(mi.name)
+        if checked.command_changed:
+            log.warning(
+                "%d item(s) were done by another command (first: %s): %s, their outputs overwritten; to keep "
+                "what they hold, run the command (and --unpack) they were done with",
+                len(checked.command_changed),
+                checked.command_changed[0],
+                "a run would do them again" if self.cfg.dry_run else "running them again",
+            )
+        return checked

@@ -35,11 +35,15 @@ class MapResult:
 
     Attributes:
         items_listed: items under ``SRC`` (all of them, over every rank).
-        items_skipped: items of this share already complete in ``DST`` (marker found): not run.
+        items_skipped: items of this share already complete in ``DST`` (marker found, for the same
+            input and command): not run.
         items_done: items completed by this run.
         items_failed: items recorded as failed (see :attr:`failed`).
         items_retried: attempts beyond the first, over all items.
         planned: names of the items to do (with ``dry_run``: what would run).
+        command_changed: names of the items whose marker records another command (or another
+            ``unpack``; see :func:`~cachepipe.map.plan.command_digest`), in plan order: done
+            before, run again (their outputs overwritten); with ``dry_run``, would be.
         refused: with ``dry_run``, the items the run would refuse before downloading them, with
             the reason (the run records them in :attr:`failed`).
         bytes_in: bytes downloaded.
@@ -66,6 +70,7 @@ class MapResult:
     items_failed: int = 0
     items_retried: int = 0
     planned: list[str] = field(default_factory=list)
+    command_changed: list[str] = field(default_factory=list)
     refused: dict[str, str] = field(default_factory=dict)
     bytes_in: int = 0
     bytes_out: int = 0
@@ -165,11 +170,15 @@ def format_share(result: MapResult) -> str:
 def format_plan(result: MapResult, dest: str) -> str:
     """The ``--dry-run`` listing."""
     lines = [format_share(result)] if result.world_size > 1 else []
-    lines += [f"would run: {name} -> {dest.rstrip('/')}/{name}/" for name in result.planned]
+    changed, first = set(result.command_changed), result.command_changed[:1]
+    again = " (done before by another command: its outputs would be overwritten)"
+    lines += [f"would run: {name} -> {dest.rstrip('/')}/{name}/{again if name in changed else ''}" for name in result.planned]
     lines += [f"would refuse: {name}: {why}" for name, why in result.refused.items()]
     refused = f", {len(result.refused)} would be refused" if result.refused else ""
     lines.append(
-        f"{len(result.planned)} items to run{refused}, {result.items_skipped} already done, of "
+        f"{len(result.planned)} items to run"
+        + (f" ({len(changed)} done before by another command, first: {first[0]})" if first else "")
+        + f"{refused}, {result.items_skipped} already done, of "
         + (f"{result.share_items} in this share" if result.world_size > 1 else f"{result.items_listed} listed")
     )
     if result.planned or result.refused:
@@ -181,11 +190,14 @@ def format_plan(result: MapResult, dest: str) -> str:
 
 
 def format_summary(result: MapResult) -> str:
-    """The closing summary: counts, sizes (format_size), failed items with their stderr tails."""
+    """The closing summary: counts (and how many items were run again because another command
+    had done them, naming the first), sizes (format_size), failed items with their stderr tails."""
+    changed = result.command_changed
+    again = f"{len(changed)} run again, done before by another command (first: {changed[0]}); " if changed else ""
     lines = [
         (
             f"cachepipe map: {result.items_done} done, {result.items_failed} failed, {result.items_skipped} already done; "
-            f"{format_size(result.bytes_in)} in, {format_size(result.bytes_out)} out ({result.files_out} files) "
+            f"{again}{format_size(result.bytes_in)} in, {format_size(result.bytes_out)} out ({result.files_out} files) "
             f"in {result.seconds:.1f} s; peak job {result.peak_job_bytes} of {result.reserve} bytes reserved"
         )
     ]

@@ -1,7 +1,8 @@
 """One ``cachepipe map`` run: :func:`map_items` (exported as ``cachepipe.map``) and what it drives.
 
-The run lists ``SRC``, skips the items whose marker is in ``DST``, splits the capacity between
-downloads and the jobs' output slots, takes the work folder's lock, and feeds the items of a
+The run lists ``SRC``, skips the items whose marker is in ``DST`` (for the same input and the same
+command), splits the capacity between downloads and the jobs' output slots, takes the work
+folder's lock, and feeds the items of a
 :class:`~cachepipe.Pipeline` to ``jobs`` threads, each a :class:`~cachepipe.map.job.Job`. Ctrl-C
 (or a crashed job) stops the commands and the downloads, and propagates.
 
@@ -37,7 +38,17 @@ from ..stores import Store, open_store
 from ..stores.base import WritableStore
 from .child import Watcher, kill_leftovers
 from .job import Job, Slot, remove_slot
-from .plan import WORK_DIR, MapConfig, MapItem, PlannedSource, inside_prefix, item_reserve, plan_items
+from .plan import (
+    WORK_DIR,
+    MapConfig,
+    MapItem,
+    PlannedSource,
+    command_digest,
+    function_name,
+    inside_prefix,
+    item_reserve,
+    plan_items,
+)
 from .remote import _Remote
 from .result import MapResult, Tally
 from .runnable import _check_command, _from_fileless_main, _importing, _unguarded_line
@@ -78,6 +89,7 @@ class _MapRun(_Remote):
         self._tally = Tally(self._result)
         self._by_local: dict[str, MapItem] = {}
         self._crash: BaseException | None = None
+        self._command = command_digest(cfg.command, None if fn is None else function_name(fn), cfg.unpack)
 
     # -- orchestration ---------------------------------------------------------------------------------
     def run(self) -> MapResult:
@@ -110,9 +122,10 @@ class _MapRun(_Remote):
                 # an item whose keys cannot be stored is refused, whatever DST holds: never downloaded
                 unsafe = {mi.name: mi.unsafe for mi in planned if mi.unsafe is not None}
                 safe = [mi for mi in planned if mi.unsafe is None]
-                done = self._done(dst, safe)
-                todo = [mi for mi in safe if mi.name not in done]
-                result.items_skipped = len(done)
+                checked = self._done(dst, safe, self._command)
+                todo = [mi for mi in safe if mi.name not in checked.done]
+                result.items_skipped = len(checked.done)
+                result.command_changed = checked.command_changed
                 result.planned = [mi.name for mi in todo]
                 if not cfg.dry_run:
                     for name, why in unsafe.items():
@@ -228,7 +241,13 @@ class _MapRun(_Remote):
             part_size=cfg.part_size,
         )
         uploader = Uploader(
-            dst, cfg.upload_concurrency, cfg.request_retries, cfg.retry_backoff, cfg.retry_backoff_max, self._stop
+            dst,
+            cfg.upload_concurrency,
+            cfg.request_retries,
+            cfg.retry_backoff,
+            cfg.retry_backoff_max,
+            self._stop,
+            command=self._command,
         )
         self._watcher = Watcher(cfg.watch_interval)
         if cfg.progress:

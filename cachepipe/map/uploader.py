@@ -1,11 +1,13 @@
 """Writing results back: upload an item's output folder, then its completion marker.
 
 An item is complete in the destination when ``DST/<item>/.cachepipe-done`` exists, for the
-version of its input objects that the marker records, if it records one. The marker is written
-last, after every output of the item was uploaded, and lists them (relative path and size, JSON)
-with the input's version (:attr:`cachepipe.map.plan.MapItem.version`, when the source gives
-ETags); a run that dies in the middle of an upload leaves outputs without a marker, and the next
-run does the item again (overwriting them), as it does an item whose input was rewritten since.
+version of its input objects and the command that the marker records, if it records them. The
+marker is written last, after every output of the item was uploaded, and lists them (relative
+path and size, JSON) after the input's version (:attr:`cachepipe.map.plan.MapItem.version`, when
+the source gives ETags) and the command's digest (:func:`cachepipe.map.plan.command_digest`: what
+made the outputs); a run that dies in the middle of an upload leaves outputs without a marker, and
+the next run does the item again (overwriting them), as it does an item whose input was rewritten
+since or that was done by another command.
 Uploads retry transient store errors with the same exponential backoff as downloads, sleeping on
 the stop event.
 """
@@ -40,6 +42,8 @@ __all__ = [
     "OutputError",
     "Uploader",
     "collect_outputs",
+    "marker_body",
+    "marker_command",
     "marker_key",
     "marker_version",
 ]
@@ -51,9 +55,12 @@ DONE_MARKER = ".cachepipe-done"
 
 
 MARKER_LIMIT = 4096
-"""Bytes read from the start of a completion marker to find its version, which it holds first
-(the outputs it lists after it can make it megabytes long)."""
-_VERSION = re.compile(rb'\{\s*"version":\s*"([0-9a-f]{1,64})"')
+"""Bytes read from the start of a completion marker to find its version and command, which it
+holds first (the outputs it lists after them can make it megabytes long)."""
+_HEAD = re.compile(
+    rb'\{\s*(?:"version":\s*"(?P<version>[0-9a-f]{1,64})"\s*,?\s*)?(?:"command":\s*"(?P<command>[0-9a-f]{1,64})")?'
+)
+"""A marker's head: ``{"version": V, "command": C, ...``, each field there only if recorded."""
 
 
 def marker_key(name: str) -> str:
@@ -61,11 +68,34 @@ def marker_key(name: str) -> str:
     return f"{name}/{DONE_MARKER}"
 
 
+def marker_body(name: str, manifest: dict[str, int], version: str | None, command: str | None) -> bytes:
+    """A completion marker: JSON, the input's ``version`` and the ``command`` digest first (when
+    given; read back from the first :data:`MARKER_LIMIT` bytes), then the item's name, its
+    outputs' total bytes, when it finished and ``files``, the outputs' relative paths and sizes."""
+    record: dict[str, Any] = {} if version is None else {"version": version}
+    if command is not None:
+        record["command"] = command
+    record |= {"item": name, "bytes": sum(manifest.values()), "finished": time.time(), "files": manifest}
+    return json.dumps(record, indent=0).encode()
+
+
+def _head_field(head: bytes, field: str) -> str | None:
+    found = _HEAD.match(head)
+    value = found.group(field) if found else None
+    return value.decode() if value else None
+
+
 def marker_version(head: bytes) -> str | None:
     """The input version that a completion marker starting with the bytes ``head`` records;
     None if it records none (written without ETags, or by an earlier cachepipe)."""
-    found = _VERSION.match(head)
-    return found.group(1).decode() if found else None
+    return _head_field(head, "version")
+
+
+def marker_command(head: bytes) -> str | None:
+    """The digest of the command (:func:`cachepipe.map.plan.command_digest`) that a completion
+    marker starting with the bytes ``head`` records; None if it records none (written by an
+    earlier cachepipe, which did not record it)."""
+    return _head_field(head, "command")
 
 
 class DestinationError(CachePipeError, OSError):
@@ -188,12 +218,22 @@ class Uploader:
         concurrency: files in flight across all items.
         retries, backoff, backoff_max: per-file retries of transient errors (as for downloads).
         stop: set to abandon uploads (backoff sleeps wake at once).
+        command: the digest of what makes the outputs (:func:`cachepipe.map.plan.command_digest`),
+            recorded in every marker (see :func:`marker_command`); None records none.
     """
 
     def __init__(
-        self, dest: WritableStore, concurrency: int, retries: int, backoff: float, backoff_max: float, stop: threading.Event
+        self,
+        dest: WritableStore,
+        concurrency: int,
+        retries: int,
+        backoff: float,
+        backoff_max: float,
+        stop: threading.Event,
+        command: str | None = None,
     ) -> None:
         self.dest = dest
+        self.command = command
         self._retries = retries
         self._backoff = backoff
         self._backoff_max = backoff_max
@@ -210,7 +250,7 @@ class Uploader:
 
         The marker is uploaded from memory where it can be (:func:`_marker_file`; else from a
         file in ``marker_dir``, removed after). ``version``: the input's (see
-        :func:`marker_version`), recorded in the marker.
+        :func:`marker_version`), recorded in the marker with :attr:`command`.
 
         Raises:
             OutputError: an output that cannot be uploaded (nothing is uploaded then).
@@ -229,9 +269,7 @@ class Uploader:
                 raise future.exception()  # type: ignore[misc]
         if self._stop.is_set():
             raise InterruptedError(f"stopped while uploading {name}")
-        record: dict[str, Any] = {} if version is None else {"version": version}  # first: read from a marker's head
-        record |= {"item": name, "bytes": sum(manifest.values()), "finished": time.time(), "files": manifest}
-        with _marker_file(json.dumps(record, indent=0).encode(), marker_dir) as marker:
+        with _marker_file(marker_body(name, manifest, version, self.command), marker_dir) as marker:
             self._put(marker, marker_key(name), count=False)
         return manifest
 
