@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from .errors import ConfigError, closest
 from .sizes import (
@@ -103,6 +103,23 @@ def utf8_location(value: Any) -> Any:
             "destination's, are read as text: link to it from a UTF-8 path (ln -s) or rename it"
         )
     return value
+
+
+def filtered_tar(unpack: bool) -> bool:
+    """``unpack``, refused at once where Python's ``tarfile`` has no extraction filters (Python
+    3.10.12, 3.11.4 and newer have them; a distribution may have added them to an older one): the
+    ``data`` filter is the second line of defence against an archive's links and paths out of its
+    folder, and without it every tar member would fail. For a pydantic ``AfterValidator``."""
+    if unpack:
+        import platform
+        import tarfile
+
+        if not hasattr(tarfile, "data_filter"):
+            raise ValueError(
+                f"needs tarfile's extraction filters, which Python {platform.python_version()} has not: "
+                "upgrade to Python 3.10.12, 3.11.4 or newer"
+            )
+    return unpack
 
 
 def check_source(source: str) -> None:
@@ -386,7 +403,7 @@ class PipelineConfig(BaseModel):
     prepare_reserve: Annotated[int, BeforeValidator(lambda v: 0 if v in (0, "0") else parse_size(v, "prepare_reserve"))] = 0
     prepare_ratio: float = Field(default=0.0, ge=0)
     prepare_workers: int = Field(default=2, ge=1, le=256)
-    unpack: bool = False
+    unpack: Annotated[bool, AfterValidator(filtered_tar)] = False
     unpack_ratio: float = Field(default=UNPACK_RATIO, gt=0, le=1_000_000)
     keep_on_close: bool = False
     resume: bool = False

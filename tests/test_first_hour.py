@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -497,3 +498,35 @@ def test_lines_naming_undecodable_bytes_are_held_back_as_any_of_their_kind() -> 
     lines = done.stderr.splitlines()
     assert len(lines) == 3 and lines[0].endswith("item caf\\udce90 skipped"), lines
     assert "similar messages are held back" in lines[-1], lines
+
+
+def test_unpack_on_a_python_without_tarfiles_filters_is_refused_at_once_naming_the_version(tmp_path: Path) -> None:
+    """Python before 3.10.12 (and 3.11.4) has no ``tarfile`` extraction filters, which unpack
+    needs: every tar member then failed with "extract() got an unexpected keyword argument
+    'filter'", item by item. Checked in a fresh interpreter whose tarfile has them removed, as
+    such a Python's has not; ``cachepipe map --unpack`` is a usage error (exit 2) there."""
+    (tmp_path / "src" / "item").mkdir(parents=True)
+    (tmp_path / "src" / "item" / "f").write_bytes(b"x")
+    script = textwrap.dedent(
+        """
+        import sys, tarfile
+        del tarfile.data_filter  # as in Python 3.10.11
+        from cachepipe import Pipeline
+        src, cache = sys.argv[1], sys.argv[2]
+        Pipeline(src, cache + "/a", "1MiB").close()  # without unpack: as before
+        try:
+            Pipeline(src, cache + "/b", "1MiB", unpack=True)
+        except ValueError as exc:  # pydantic's ValidationError, as for every bad option
+            print(exc)
+        from cachepipe.cli import main
+        sys.exit(main(["map", src, cache + "/out", "--cache", cache + "/m", "--capacity", "1MiB", "--unpack", "--", "true"]))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-c", script, str(tmp_path / "src"), str(tmp_path)]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
+    version = platform.python_version()
+    want = f"needs tarfile's extraction filters, which Python {version} has not: upgrade to Python 3.10.12, 3.11.4 or newer"
+    assert want in done.stdout and "unpack" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 2 and want in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
