@@ -21,6 +21,7 @@ Every error is a builtin subclass as well, so callers that catch ``ValueError`` 
      |    +-- ChecksumError                         an archive volume does not match its MD5 file
      +-- ObjectChangedError     (OSError)           the object was rewritten since it was listed: not retried
      +-- StoreClosedError       (OSError)           a request cut short or refused because its store was aborted: not retried
+     +-- LocalFileError         (OSError)           a local file given to a store's upload could not be opened or read
      +-- ArchiveError           (ValueError)        an item that cannot be unpacked (no archive, corrupt, gaps)
           +-- UnsafeMemberError                     a member that would leave the item, or a device file
           +-- ArchiveTooLargeError                  extraction past its byte or member limit (a bomb)
@@ -32,7 +33,8 @@ Store backends translate their own errors at one seam (``stores/*.py``) into bui
 scheme; permanent), chained to the original with ``raise ... from``. Each names the URL and the
 endpoint, and carries the store's own error code (``InvalidAccessKeyId``, ``NoSuchBucket``...)
 in its message and as the attribute ``code`` (None when the store sent none), the endpoint as
-``endpoint`` (see :func:`store_code`).
+``endpoint`` (see :func:`store_code`). An upload's own local file that cannot be opened or read is
+not the store's error: it is a :class:`LocalFileError` naming the file.
 
 Only transient errors are retried (:func:`is_transient`): timeouts, resets, 5xx, throttling,
 short or corrupt bodies, a refused connection once the endpoint has answered. A bad setting, a
@@ -53,6 +55,7 @@ __all__ = [
     "EmptySourceError",
     "ItemFailedError",
     "LaneConflictError",
+    "LocalFileError",
     "NothingToRepeatError",
     "ObjectChangedError",
     "OversizeError",
@@ -195,6 +198,14 @@ class StoreClosedError(CachePipeError, OSError):
     """A store request cut short, or refused before it was sent, because the store was aborted
     (``abort()``: its owner is closing). Not retried: every later request of the store is refused
     too. A closing pipeline reports no item failure for it."""
+
+
+class LocalFileError(CachePipeError, OSError):
+    """The local file that a store was given to upload could not be opened or read (``chmod 000``,
+    gone, a failing disk): this machine's error, not the store's, whatever the store would have
+    said. Keeps the local error's ``errno`` (so :func:`is_transient` judges it as that error) and
+    names the file as ``filename``; not a :class:`PermissionError` even for ``EACCES``, which in
+    an upload's error means that the store refused it."""
 
 
 class ArchiveError(CachePipeError, ValueError):

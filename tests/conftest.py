@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -108,6 +109,72 @@ def no_thread_leaks() -> Iterator[None]:
             break
         leaked[0].join(timeout=0.05)
     assert not leaked, f"threads leaked by this test: {[t.name for t in leaked]}"
+
+
+def _post(url: str, data: bytes) -> None:
+    request = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "text/plain"})  # noqa: S310 - a local http:// URL built here
+    urllib.request.urlopen(request).close()  # noqa: S310 - a local http:// URL built here
+
+
+class MotoIAM:
+    """An IAM user allowed everything, with two access keys; :meth:`enforce` makes the moto server
+    check the signature of every request from then on (until the test ends)."""
+
+    def __init__(self, endpoint: str) -> None:
+        import boto3
+
+        self.endpoint = endpoint
+        iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1")
+        iam.create_user(UserName="reader")
+        policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+        iam.put_user_policy(UserName="reader", PolicyName="all", PolicyDocument=json.dumps(policy))
+        made = [iam.create_access_key(UserName="reader")["AccessKey"] for _ in range(2)]
+        self.keys = [(k["AccessKeyId"], k["SecretAccessKey"]) for k in made]
+
+    def user(self, name: str, actions: list[str]) -> tuple[str, str]:
+        """A new IAM user allowed only ``actions`` (``["s3:GetObject"]``...): its access key pair."""
+        import boto3
+
+        iam = boto3.client("iam", endpoint_url=self.endpoint, region_name="us-east-1")
+        iam.create_user(UserName=name)
+        policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": actions, "Resource": "*"}]}
+        iam.put_user_policy(UserName=name, PolicyName="only", PolicyDocument=json.dumps(policy))
+        made = iam.create_access_key(UserName=name)["AccessKey"]
+        return made["AccessKeyId"], made["SecretAccessKey"]
+
+    def enforce(self) -> None:
+        _post(f"{self.endpoint}/moto-api/reset-auth", b"0")
+
+    def delete_key(self, access_key: str, signed_with: tuple[str, str]) -> None:
+        import boto3
+
+        iam = boto3.client(
+            "iam",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=signed_with[0],
+            aws_secret_access_key=signed_with[1],
+        )
+        iam.delete_access_key(UserName="reader", AccessKeyId=access_key)
+
+
+@pytest.fixture
+def moto_iam(s3_endpoint):
+    """The moto server's IAM (:class:`MotoIAM`); signatures and permissions are checked from
+    :meth:`MotoIAM.enforce` to the end of the test."""
+    iam = MotoIAM(s3_endpoint)
+    yield iam
+    _post(f"{s3_endpoint}/moto-api/reset-auth", b"inf")  # the server is shared: no checks again
+
+
+def as_a_user() -> list[str]:
+    """The command prefix that runs a child as a user other than root runs it: without the
+    capabilities that let root read and write any file (setpriv), so that permissions apply."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("root without setpriv: files without permissions are readable and writable to this test")
+    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--"]
 
 
 class Source:

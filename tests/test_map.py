@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import as_a_user
 from sampling import Sampler
 from test_unpack import archive_bytes, md5_sidecar, media_clip, tar_bytes, volumes
 from waiting import wait_until
@@ -1850,16 +1851,6 @@ def test_a_local_destination_that_refuses_writes_is_named_with_what_to_do_for_it
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "the destination refused" in proc.stdout and "write permission on its folders" in proc.stdout, proc.stdout
-
-
-def as_a_user() -> list[str]:
-    """The command prefix that runs a child as a user other than root runs it: without the
-    capabilities that let root read and write any file (setpriv), so that permissions apply."""
-    if os.geteuid() != 0:
-        return []
-    if shutil.which("setpriv") is None:
-        pytest.skip("root without setpriv: files without permissions are readable and writable to this test")
-    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--"]
 
 
 READ_ONLY_OUTPUTS = r"""

@@ -5,11 +5,9 @@ and the addresses s3fs's client resolves."""
 from __future__ import annotations
 
 import io
-import json
 import re
 import socket
 import threading
-import urllib.request
 from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -21,49 +19,6 @@ from cachepipe.stores.s3direct import BODY_AHEAD, LOW_WATER, MIN_MARK, body_read
 
 BODY = bytes(range(256)) * 300  # 76,800 bytes
 ODD_KEY = "c d/ü+x~=(1).bin"
-
-
-def _post(url: str, data: bytes) -> None:
-    request = urllib.request.Request(url, data=data, method="POST", headers={"Content-Type": "text/plain"})  # noqa: S310 - a local http:// URL built here
-    urllib.request.urlopen(request).close()  # noqa: S310 - a local http:// URL built here
-
-
-class MotoIAM:
-    """An IAM user allowed everything, with two access keys; :meth:`enforce` makes the moto server
-    check the signature of every request from then on (until the test ends)."""
-
-    def __init__(self, endpoint: str) -> None:
-        import boto3
-
-        self.endpoint = endpoint
-        iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1")
-        iam.create_user(UserName="reader")
-        policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
-        iam.put_user_policy(UserName="reader", PolicyName="all", PolicyDocument=json.dumps(policy))
-        made = [iam.create_access_key(UserName="reader")["AccessKey"] for _ in range(2)]
-        self.keys = [(k["AccessKeyId"], k["SecretAccessKey"]) for k in made]
-
-    def enforce(self) -> None:
-        _post(f"{self.endpoint}/moto-api/reset-auth", b"0")
-
-    def delete_key(self, access_key: str, signed_with: tuple[str, str]) -> None:
-        import boto3
-
-        iam = boto3.client(
-            "iam",
-            endpoint_url=self.endpoint,
-            region_name="us-east-1",
-            aws_access_key_id=signed_with[0],
-            aws_secret_access_key=signed_with[1],
-        )
-        iam.delete_access_key(UserName="reader", AccessKeyId=access_key)
-
-
-@pytest.fixture
-def moto_iam(s3_endpoint):
-    iam = MotoIAM(s3_endpoint)
-    yield iam
-    _post(f"{s3_endpoint}/moto-api/reset-auth", b"inf")  # the server is shared: no checks again
 
 
 def _get(store: FsspecStore, key: str, start: int = 0, end: int | None = None) -> bytes:

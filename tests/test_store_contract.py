@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import http.client
 import io
+import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
-from conftest import via
+from conftest import as_a_user, via
 from faultproxy import blackhole
 
 from cachepipe import ConfigError, ObjectChangedError, Pipeline, StoreUnreachableError
-from cachepipe.errors import is_transient
+from cachepipe.errors import LocalFileError, is_transient
 from cachepipe.stores import open_store
 from cachepipe.stores.base import CONNECT_TIMEOUT, listed_etag, takes_etag
 
@@ -407,3 +412,79 @@ def test_missing_bucket_names_the_store_code_and_the_endpoint(remote_source):
     assert info.value.code == "NoSuchBucket" and info.value.endpoint == endpoint
     assert "NoSuchBucket" in str(info.value) and endpoint in str(info.value) and "no-such-bucket" in str(info.value)
     assert not is_transient(info.value)
+
+
+UPLOAD = r"""
+import json, sys
+from cachepipe.errors import is_transient
+from cachepipe.stores import open_store
+url, options, local = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+store = open_store(url, options)
+try:
+    store.put(local, "out/f.bin")
+    print(json.dumps(None))
+except OSError as exc:
+    print(json.dumps([type(exc).__name__, isinstance(exc, PermissionError), is_transient(exc), exc.filename, str(exc)]))
+finally:
+    store.close()
+"""
+
+
+def _upload_as_a_user(url: str, options: dict, local: Path) -> list | None:
+    """What ``put(local, "out/f.bin")`` raises in a child run as a user (not root, which reads
+    and writes any file): ``[class name, a PermissionError, transient, filename, message]``;
+    None if it uploaded."""
+    argv = [*as_a_user(), sys.executable, "-c", UPLOAD, url, json.dumps(options), str(local)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)  # type: ignore[no-any-return]
+
+
+def test_an_upload_of_a_local_file_it_cannot_read_is_a_local_error_naming_the_file(source, tmp_path):
+    """A local file that the uploading user may not read (``chmod 000``) was the store's refusal:
+    ``PermissionError('access denied to s3://...')``, which ``cachepipe map`` takes for the
+    destination refusing writes (the run stops); through OBS, an endpoint it could not reach
+    (retried). It is the machine's error, naming the file, and nothing is sent."""
+    local = tmp_path / "f.bin"
+    local.write_bytes(b"x" * 100)
+    local.chmod(0)
+    name, denied, transient, filename, message = _upload_as_a_user(source.url, source.options, local)
+    assert name == "LocalFileError" and not denied and not transient, message
+    assert filename == str(local) and "Permission denied" in message and "out/f.bin" in message, message
+    if source.kind != "memory":  # the child's memory filesystem is its own
+        store = open_store(source.url, source.options)
+        try:
+            assert not store.exists("out/f.bin")
+        finally:
+            store.close()
+
+
+def test_an_upload_a_local_destination_refuses_is_its_permission_error(tmp_path):
+    """A local destination that its user may not write (``chmod 555``) refuses with a
+    ``PermissionError`` as S3's AccessDenied does, not a ``LocalFileError``: both are EACCES."""
+    local = tmp_path / "f.bin"
+    local.write_bytes(b"x" * 100)
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst").chmod(0o555)
+    name, denied, transient, filename, message = _upload_as_a_user(str(tmp_path / "dst"), {}, local)
+    assert name == "PermissionError" and denied and not transient, message
+    assert filename != str(local) and str(tmp_path / "dst" / "out") in message, message
+
+
+def test_an_upload_s3_refuses_is_its_permission_error(s3_source, moto_iam, tmp_path):
+    """Credentials that may read but not write the bucket (no ``s3:PutObject``): the store's
+    ``AccessDenied``, a ``PermissionError``, not the local file's error."""
+    key, secret = moto_iam.user("reader-only", ["s3:GetObject", "s3:ListBucket"])
+    local = tmp_path / "f.bin"
+    local.write_bytes(b"x" * 100)
+    moto_iam.enforce()
+    store = open_store(s3_source.url, {**s3_source.options, "key": key, "secret": secret})
+    try:
+        assert list(store.list()) == []  # it may read
+        with pytest.raises(PermissionError) as info:
+            store.put(local, "out/f.bin")
+    finally:
+        store.close()
+    assert not isinstance(info.value, LocalFileError) and info.value.code == "AccessDenied"
+    assert "s3://data/video/out/f.bin" in str(info.value) and str(local) not in str(info.value)

@@ -8,13 +8,14 @@ the slot is emptied after every item.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
 import shutil
 import stat
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,20 +92,86 @@ def remove_slot(path: Path) -> None:
 
 def make_writable(path: Path) -> None:
     """Give the owner back write (and list) permission on ``path`` and every real folder under
-    it that lacks it, so that its files can be deleted; links are never followed."""
-    folders = [path]
-    while folders:  # each made writable (and listable) before it is listed
-        folder = folders.pop()
+    it that lacks it, so that its files can be deleted; links are never followed.
+
+    The walk goes by file descriptor: each folder is opened relative to its parent's descriptor
+    without following a link, then changed and listed through its own (:func:`_writable_folder`),
+    so that a folder swapped for a link meanwhile (by a command's process still running) is
+    neither changed nor entered. It holds one descriptor per level of the tree."""
+    root = _writable_folder(os.fspath(path), None, os.fspath(path))
+    if root is None:
+        return
+    stack = [(root, _subfolders(root), os.fspath(path))]
+    try:
+        while stack:
+            fd, names, shown = stack[-1]
+            name = next(names, None)
+            if name is None:
+                stack.pop()
+                os.close(fd)
+            elif (child := _writable_folder(name, fd, os.path.join(shown, name))) is not None:
+                stack.append((child, _subfolders(child), os.path.join(shown, name)))
+    finally:
+        for fd, _names, _shown in stack:
+            os.close(fd)
+
+
+_FOLDER = os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+"""Open a real folder only: a link or a file in its place fails (ELOOP, ENOTDIR)."""
+
+
+def _writable_folder(name: str, parent: int | None, shown: str) -> int | None:
+    """A descriptor open for reading on the folder ``name`` (relative to the folder open as
+    ``parent``, if given), made ``rwx`` for its owner if it lacked that; None if ``name`` is gone
+    (a command may delete its input) or not a real folder (a link, a file). ``shown``: its path,
+    which an error names."""
+    try:
         try:
-            mode = os.lstat(folder).st_mode
-            if not stat.S_ISDIR(mode):
-                continue  # a link, or a file now in the folder's place
+            fd = os.open(name, os.O_RDONLY | _FOLDER, dir_fd=parent)
+        except PermissionError:  # its owner may not read it
+            return _readable_again(name, parent)
+        try:
+            mode = os.fstat(fd).st_mode
             if mode & stat.S_IRWXU != stat.S_IRWXU:
-                os.chmod(folder, mode | stat.S_IRWXU)
-            with os.scandir(folder) as entries:
-                folders += [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
-        except FileNotFoundError:
-            continue  # removed (a command may delete its input): nothing to make deletable
+                os.fchmod(fd, mode | stat.S_IRWXU)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None
+        exc.filename = shown  # not the name relative to its parent, nor /proc/self/fd/N
+        raise
+
+
+def _readable_again(name: str, parent: int | None) -> int | None:
+    """:func:`_writable_folder` for a folder its owner may not read, which cannot be opened for
+    reading: opened as a path (``O_PATH``, Linux), changed through ``/proc/self/fd`` (which is
+    that folder itself, not a name looked up again; ``fchmod`` refuses an ``O_PATH``
+    descriptor), then opened for reading through it. Without ``O_PATH`` or ``/proc``: checked
+    by name (not a link) relative to ``parent`` and changed by name at once, which a swap
+    between the two calls would still mislead."""
+    if not hasattr(os, "O_PATH") or not os.path.isdir("/proc/self/fd"):
+        mode = os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode
+        if not stat.S_ISDIR(mode):
+            return None
+        os.chmod(name, mode | stat.S_IRWXU, dir_fd=parent)
+        return os.open(name, os.O_RDONLY | _FOLDER, dir_fd=parent)
+    path_fd = os.open(name, os.O_PATH | _FOLDER, dir_fd=parent)
+    try:
+        os.chmod(f"/proc/self/fd/{path_fd}", os.fstat(path_fd).st_mode | stat.S_IRWXU)
+        return os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=path_fd)
+    finally:
+        os.close(path_fd)
+
+
+def _subfolders(fd: int) -> Iterator[str]:
+    """The names of the real folders in the folder open as ``fd`` (listed at once)."""
+    with os.scandir(fd) as entries:
+        return iter([entry.name for entry in entries if entry.is_dir(follow_symlinks=False)])
 
 
 class Slot:

@@ -162,16 +162,6 @@ def collect_outputs(root: Path) -> list[tuple[str, Path]]:
     return found
 
 
-def _readable(path: Path) -> bool:
-    """Whether this process may read ``path``: an upload refused for reading its own output
-    (``chmod 000`` by the command) is the item's failure, not the destination's refusal."""
-    try:
-        with open(path, "rb"):
-            return True
-    except OSError:
-        return False
-
-
 @contextmanager
 def _marker_file(body: bytes, folder: Path) -> Iterator[Path]:
     """A file holding ``body``, to upload as a completion marker: in memory (a ``memfd``, Linux),
@@ -286,7 +276,7 @@ class Uploader:
                             f"uploading {key}: the destination is full after {attempt + 1} attempt(s) ({exc}); the run stops: "
                             "free space there and run it again (items done are kept)"
                         ) from exc
-                    if isinstance(exc, PermissionError) and _readable(path):  # not our output refused to us
+                    if isinstance(exc, PermissionError):  # the store's refusal (an output it cannot read: LocalFileError)
                         raise DestinationDeniedError(
                             f"uploading {key}: the destination refused it ({exc}); the run stops: give credentials "
                             "that may write there (s3:PutObject; a local or mounted DST: write permission on its "

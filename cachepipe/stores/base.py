@@ -38,7 +38,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol, runtime_checkable
 
-from ..errors import ConfigError, ObjectChangedError, StoreUnavailableError, StoreUnreachableError, store_code
+from ..errors import ConfigError, LocalFileError, ObjectChangedError, StoreUnavailableError, StoreUnreachableError, store_code
 
 __all__ = ["FIRST_PAGE_KEYS", "TEMP_SUFFIX", "ObjectInfo", "Store", "WritableStore", "abort_store", "listed_etag", "takes_etag"]
 
@@ -158,6 +158,32 @@ retried like any timeout. ``storage_options["config_kwargs"]["connect_timeout"]`
 TEMP_SUFFIX = ".cachepipe.tmp"
 """A local destination's file is written as ``<path>.cachepipe.tmp`` and renamed to ``<path>``
 (:meth:`WritableStore.put`); ``cachepipe map`` refuses outputs named so."""
+
+
+def open_local(local: str, where: str) -> BinaryIO:
+    """The local file ``local`` that an upload sends to ``where``, opened for reading (unbuffered).
+
+    The backends' ``put`` opens it before any request, outside their error seam: an error here
+    is the machine's, a :class:`~cachepipe.errors.LocalFileError` naming the file, never the
+    store's refusal (a ``PermissionError`` from ``put`` means the store refused the write)."""
+    try:
+        return open(local, "rb", buffering=0)  # the caller closes it
+    except OSError as exc:
+        raise _local_error(exc, local, where) from exc
+
+
+def read_local(src: BinaryIO, where: str, size: int = 1024 * 1024) -> bytes:
+    """Up to ``size`` bytes from ``src`` (from :func:`open_local`); its read errors are
+    :class:`~cachepipe.errors.LocalFileError` too."""
+    try:
+        return src.read(size)
+    except OSError as exc:
+        raise _local_error(exc, str(src.name), where) from exc
+
+
+def _local_error(exc: OSError, local: str, where: str) -> LocalFileError:
+    return LocalFileError(exc.errno, f"cannot read the local file to upload as {where}: {exc.strerror or exc}", local)
+
 
 DROPPED = "packets dropped: a firewall, or a wrong host"
 """What an endpoint that never accepts a connection most likely is (both S3 and OBS seams say it)."""

@@ -27,7 +27,6 @@ import contextlib
 import errno
 import fcntl
 import os
-import shutil
 import threading
 import uuid
 from collections.abc import Callable, Coroutine, Iterator
@@ -44,6 +43,8 @@ from .base import (
     TEMP_SUFFIX,
     ObjectInfo,
     listed_etag,
+    open_local,
+    read_local,
 )
 from .fsspec_errors import _s3_error, _translate
 from .fsspec_options import (
@@ -64,8 +65,9 @@ _CHUNK = 8 * 1024 * 1024  # bytes per request when streaming a range
 _UPLOAD_PART = 16 * 1024 * 1024  # multipart part size of uploads (s3fs: files from twice this size)
 
 
-def _put_local(local: str, path: str) -> None:
-    """Copy the file ``local`` to ``path`` on a local filesystem: to ``<path>.cachepipe.tmp``
+def _put_local(src: BinaryIO, path: str, where: str) -> None:
+    """Copy the file ``src`` (from :func:`~cachepipe.stores.base.open_local`, its read errors
+    :class:`~cachepipe.errors.LocalFileError`) to ``path`` (``where``) on a local filesystem: to ``<path>.cachepipe.tmp``
     beside it, ``fsync``-ed and renamed over it once whole, so that a reader never sees part of it.
 
     The temporary file's name is the same at every put of ``path``, so one that a killed upload
@@ -95,8 +97,9 @@ def _put_local(local: str, path: str) -> None:
         os.close(fd)
     try:
         os.ftruncate(fd, 0)  # what a killed upload wrote
-        with open(local, "rb") as src, open(fd, "wb", closefd=False) as dst:
-            shutil.copyfileobj(src, dst, 1024 * 1024)
+        with open(fd, "wb", closefd=False) as dst:
+            while chunk := read_local(src, where):
+                dst.write(chunk)
         os.fsync(fd)  # its bytes on disk before its name: after a power cut the name holds all of them
         os.replace(temp, path)
     except BaseException:
@@ -365,15 +368,18 @@ class FsspecStore:
     def put(self, local_path: str | os.PathLike[str], key: str) -> None:
         """Upload ``local_path`` as ``key``: s3fs streams it, multipart from ``2 * upload_part_size``;
         on a local filesystem it is copied to a temporary name beside the target and renamed
-        (:func:`_put_local`: one left by a killed upload is overwritten by the next put of the key)."""
+        (:func:`_put_local`: one left by a killed upload is overwritten by the next put of the key).
+        ``local_path`` is opened first: if it cannot be (or, on a local filesystem, read), the
+        error is a :class:`~cachepipe.errors.LocalFileError` naming it, not the store's."""
         local = os.fspath(local_path)
         path = self._path(key)
-        with self._errors(self._where(key), first=False):
+        where = self._where(key)
+        with open_local(local, where) as src, self._errors(where, first=False):  # src: LocalFileError, not the store's
             protocols = _protocols(self.fs)
             if "file" in protocols or "local" in protocols:
                 self.fs.makedirs(self.fs._parent(path), exist_ok=True)  # noqa: SLF001 - fsspec's own parent rule for this filesystem
-                _put_local(local, path)
-            elif "s3" in protocols or "s3a" in protocols:
+                _put_local(src, path, where)
+            elif "s3" in protocols or "s3a" in protocols:  # s3fs opens the file again: it was readable a moment ago
                 self.fs.put_file(local, path, chunksize=self.upload_part_size)
             else:
                 self.fs.put_file(local, path)

@@ -12,7 +12,7 @@ import ssl
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
-from ..errors import ConfigError, StoreClosedError, StoreUnavailableError, store_code
+from ..errors import ConfigError, LocalFileError, StoreClosedError, StoreUnavailableError, store_code
 from .base import NO_ANSWER, NO_REPLY, http_status_error, unreachable_error
 
 __all__: list[str] = []  # the seam's functions are the backend's own: FsspecStore calls them
@@ -73,8 +73,8 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool, first:
     or from many processes at once, whose stores have not seen the answers: a server too busy
     to accept them all is retried).
     """
-    if isinstance(exc, StoreClosedError):
-        return exc  # aborted (see FsspecStore.abort): its message says so, nothing to map
+    if isinstance(exc, (StoreClosedError, LocalFileError)):
+        return exc  # aborted (see FsspecStore.abort), or an upload's local file: not the store's, nothing to map
     status, code, message = _s3_error(exc)
     name = type(exc).__name__
     at = f"at {endpoint}"

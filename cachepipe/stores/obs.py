@@ -65,7 +65,7 @@ from http.client import HTTPException
 from typing import Any, BinaryIO
 
 from cachepipe.errors import ConfigError
-from cachepipe.stores.base import FIRST_PAGE_KEYS, ObjectInfo, listed_etag
+from cachepipe.stores.base import FIRST_PAGE_KEYS, ObjectInfo, listed_etag, open_local
 from cachepipe.stores.obs_errors import ObsServiceError, _ObsSeam
 from cachepipe.stores.obs_settings import (
     _CREDENTIAL_KEYS,
@@ -359,11 +359,15 @@ class ObsStore(_ObsSeam):
 
         Up to :attr:`upload_part_size` bytes: one ``PutObject``. Larger: a multipart upload,
         one part at a time, aborted if any step fails (so no orphaned parts are left to bill).
-        Errors are translated at :meth:`_check` and :meth:`_unreachable` like reads.
+        Errors are translated at :meth:`_check` and :meth:`_unreachable` like reads; ``local_path``
+        is opened first, and if it cannot be, the error is a
+        :class:`~cachepipe.errors.LocalFileError` naming it (the SDK would report a file it
+        cannot read as an endpoint it cannot reach).
         """
         client = self._open()
         local = os.fspath(local_path)
-        size = os.path.getsize(local)
+        with open_local(local, self._object_url(key)) as src:  # the SDK opens it again: it was readable a moment ago
+            size = os.fstat(src.fileno()).st_size
         object_key = self.prefix + key
         if size <= self.upload_part_size:
             self._call("uploading", key, client.putFile, self.bucket, object_key, local)
