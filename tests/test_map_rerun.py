@@ -23,7 +23,14 @@ from cachepipe.map import map_items, plan_items
 from cachepipe.map.cli import main
 from cachepipe.map.plan import command_digest, function_name
 from cachepipe.map.remote import held_by_item, verdict
-from cachepipe.map.uploader import DONE_MARKER, MARKER_LIMIT, marker_body, marker_command, marker_version
+from cachepipe.map.uploader import (
+    DONE_MARKER,
+    MARKER_LIMIT,
+    DestinationDeniedError,
+    marker_body,
+    marker_command,
+    marker_version,
+)
 from cachepipe.stores import open_store
 from cachepipe.stores.fsspec import FsspecStore
 
@@ -271,6 +278,44 @@ def test_a_local_destination_keeps_only_the_outputs_and_no_empty_folder(tmp_path
     assert rerun.returncode == 0 and "2 run again" in rerun.stderr, rerun.stderr
     assert tree() == produced("B", "ab") | {"keep/me"}
     assert (dst / "a" / "p" / "B.bin").read_bytes() == b"a" * 10
+
+
+def test_a_source_under_the_destination_is_never_deleted_from(tmp_path):
+    """SRC ``dst/in/`` holds an item named ``in``: its file is ``dst/in/in/f``, under the
+    item's folder ``dst/in/`` in DST's listing. The source is not the item's to delete."""
+    dst = tmp_path / "dst"
+    (dst / "in" / "in").mkdir(parents=True)
+    (dst / "in" / "in" / "f").write_bytes(b"the dataset")
+    options = {"cache_dir": tmp_path / "cache", "capacity": "1MiB", "progress": False, "out_ratio": 3}
+    result = map_items(named("A"), str(dst / "in"), str(dst), **options)
+    assert result.ok and result.items_done == 1, result.failed
+    assert (dst / "in" / "in" / "f").read_bytes() == b"the dataset"
+
+
+class DeleteDeniedDest(FsspecStore):
+    """A destination whose credentials may write but not delete (no ``s3:DeleteObject``)."""
+
+    def delete(self, keys, within=""):
+        raise PermissionError(f"access denied to {keys[0]} (AccessDenied)")
+
+
+def test_a_destination_that_refuses_deletes_stops_the_run_naming_the_permission(tmp_path):
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "f").write_bytes(b"x")
+    dst = tmp_path / "dst"
+    leave(str(dst), {}, tmp_path, ["a/left.bin"])
+    with pytest.raises(DestinationDeniedError, match=r"deleting a/left.bin, what an earlier attempt left.*s3:DeleteObject"):
+        map_items(
+            named("A"),
+            str(tmp_path / "src"),
+            str(dst),
+            cache_dir=tmp_path / "cache",
+            capacity="1MiB",
+            out_ratio=3,
+            progress=False,
+            dest_store=DeleteDeniedDest(str(dst), {}),
+        )
+    assert not (dst / "a" / DONE_MARKER).exists()
 
 
 class CountingDest(FsspecStore):

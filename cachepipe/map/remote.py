@@ -23,7 +23,7 @@ from typing import Any, Literal
 from ..backoff import backoff_delay
 from ..errors import is_transient
 from ..stores.base import WritableStore
-from .plan import MapConfig, MapItem
+from .plan import MapConfig, MapItem, inside_prefix
 from .uploader import MARKER_LIMIT, marker_command, marker_key, marker_version
 
 __all__ = ["Checked", "verdict"]
@@ -105,11 +105,15 @@ class _Remote:
         have a marker; for each of those, one GET of the first
         :data:`~cachepipe.map.uploader.MARKER_LIMIT` bytes of its marker (a small body: about a
         HEAD's cost), concurrently; :func:`verdict` decides. ``names``: every item listed in SRC
-        (of every rank; see :func:`held_by_item`)."""
+        (of every rank; see :func:`held_by_item`). A SRC under DST is no item's to delete from:
+        its keys are left out."""
         checked = Checked()
         if not planned:
             return checked
         keys = self._retrying(f"listing {self.cfg.dest}", lambda: self._dst_keys(dst))
+        source = inside_prefix(self.cfg.dest, self.cfg.source)  # SRC under DST: an item named as its folder holds it
+        if source is not None:
+            keys = [key for key in keys if not key.startswith(source)]
         held = held_by_item(keys, names, {mi.name for mi in planned})
         marked = [mi for mi in planned if marker_key(mi.name) in held.get(mi.name, ())]
 
