@@ -110,11 +110,8 @@ class _Remote:
         checked = Checked()
         if not planned:
             return checked
-        keys = self._retrying(f"listing {self.cfg.dest}", lambda: self._dst_keys(dst))
-        source = inside_prefix(self.cfg.dest, self.cfg.source)  # SRC under DST: an item named as its folder holds it
-        if source is not None:
-            keys = [key for key in keys if not key.startswith(source)]
-        held = held_by_item(keys, names, {mi.name for mi in planned})
+        wanted = {mi.name for mi in planned}
+        held = self._retrying(f"listing {self.cfg.dest}", lambda: self._held_in(dst, names, wanted))
         marked = [mi for mi in planned if marker_key(mi.name) in held.get(mi.name, ())]
 
         def check(mi: MapItem) -> Verdict:
@@ -165,10 +162,14 @@ class _Remote:
             )
         return checked
 
-    @staticmethod
-    def _dst_keys(dst: WritableStore) -> list[str]:
-        """The keys under DST, listed (a local DST not made yet holds none)."""
+    def _held_in(self, dst: WritableStore, names: Collection[str], wanted: Collection[str]) -> dict[str, list[str]]:
+        """:func:`held_by_item` of DST's listing, streamed (only the keys of ``wanted`` are kept);
+        a local DST not made yet holds none."""
+        keys: Iterable[str] = (o.key for o in dst.list())
+        source = inside_prefix(self.cfg.dest, self.cfg.source)  # SRC under DST: an item named as its folder holds it
+        if source is not None:
+            keys = (key for key in keys if not key.startswith(source))
         try:
-            return [o.key for o in dst.list()]
+            return held_by_item(keys, names, wanted)
         except FileNotFoundError:
-            return []
+            return {}
