@@ -479,6 +479,32 @@ def test_a_crash_at_any_step_leaves_no_marker_that_lists_what_is_not_there(tmp_p
         assert [p.name for p in (dst / "it").iterdir() if p.is_dir()] == ["p"]
 
 
+def test_on_a_local_destination_the_marker_is_published_after_its_outputs_are_on_disk(tmp_path, monkeypatch):
+    """The renames that publish the outputs reach the disk with their folders' ``fsync``: each
+    output's folder is synced before the marker's rename, and the marker's folder after it, so
+    that after a power cut a marker there means that its outputs are there too."""
+    calls: list[tuple[str, str]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def synced(fd):
+        calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return fsync(fd)
+
+    def renamed(src, dst, **kwargs):
+        calls.append(("rename", os.fspath(dst)))
+        return replace(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", synced)
+    monkeypatch.setattr(os, "replace", renamed)
+    dst = tmp_path / "dst"
+    attempt(CrashingDest(str(dst), None), tmp_path, {"p/q/B.bin": b"b", "A.txt": b"a", "p/C.bin": b"c"}, "b" * 16)
+    folders = {str(dst / "it"), str(dst / "it" / "p"), str(dst / "it" / "p" / "q")}
+    marker = calls.index(("rename", str(dst / "it" / DONE_MARKER)))
+    assert {path for call, path in calls[:marker] if call == "fsync"} >= folders
+    assert ("fsync", str(dst / "it")) in calls[marker:]
+    assert [path for call, path in calls[:marker] if call == "fsync" and path in folders].count(str(dst / "it" / "p")) == 1
+
+
 # ---- the pure parts --------------------------------------------------------------------------------------------
 def test_a_key_of_dst_is_the_item_s_whose_folder_is_the_longest_that_holds_it():
     names = {"a", "a/b", "c.tar", "d"}

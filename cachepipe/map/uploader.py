@@ -24,8 +24,9 @@ What ``DST/<item>/`` holds is known without a request per item: the run lists ``
 start (:meth:`cachepipe.map.remote._Remote._done`) and hands the keys under each item to run to
 the :class:`Uploader` (``held``), which adds the keys each attempt uploads (a retry of the item
 deletes what the failed attempt left). An item with nothing in ``DST`` costs no delete. On a local
-``DST`` each step is on disk before the next begins: a put ``fsync``-s the output's folder after
-its rename, a delete the folders it changed.
+``DST`` each step is on disk before the next begins: a delete ``fsync``-s the folders it changed,
+and the outputs' folders are ``fsync``-ed (the store's ``sync``, once per folder) before the
+marker is put, the marker's after.
 
 Uploads and deletes retry transient store errors with the same exponential backoff as downloads,
 sleeping on the stop event.
@@ -300,13 +301,21 @@ class Uploader:
                 raise future.exception()  # type: ignore[misc]
         if self._stop.is_set():
             raise InterruptedError(f"stopped while uploading {name}")
+        self._sync(keys)  # the outputs on disk before the marker (a local DST)
         with self._lock:
             self._held[name].add(marker_key(name))  # a put that fails may have written it all the same
         with _marker_file(marker_body(name, manifest, version, self.command), marker_dir) as marker:
             self._put(marker, marker_key(name), count=False)
+        self._sync([marker_key(name)])
         with self._lock:
             del self._held[name]  # done: not to run again in this run
         return manifest
+
+    def _sync(self, keys: Sequence[str]) -> None:
+        """The store's ``sync`` of ``keys``, where it has one (a local DST: their folders ``fsync``-ed)."""
+        sync = getattr(self.dest, "sync", None)
+        if sync is not None:
+            sync(keys)
 
     def _clear(self, name: str, keys: Sequence[str]) -> None:
         """Delete what ``DST/<name>/`` holds that is not one of ``keys`` (this attempt's outputs):

@@ -15,7 +15,10 @@ results through them; a store that is only read need not have them), described b
 for large files), ``exists(key)`` tells whether an object exists and ``delete(keys)`` deletes
 objects (batched: S3's and OBS's DeleteObjects take 1,000 keys a request). All follow the same
 error contract; ``exists`` returns False only for "no such object", never for a failure, and
-``delete`` of an object that does not exist is no error.
+``delete`` of an object that does not exist is no error. A writable store may also have
+``sync(keys)``, which makes the puts of ``keys`` durable (a local filesystem ``fsync``-s their
+folders; an object store has nothing to do): ``cachepipe map`` calls it, where it is, on an item's
+outputs before it puts the marker.
 
 Error contract (the one seam where a backend translates its SDK's errors):
 

@@ -69,10 +69,8 @@ _UPLOAD_PART = 16 * 1024 * 1024  # multipart part size of uploads (s3fs: files f
 
 def _put_local(local: str, path: str) -> None:
     """Copy the file ``local`` to ``path`` on a local filesystem: to ``<path>.cachepipe.tmp``
-    beside it, ``fsync``-ed and renamed over it once whole, so that a reader never sees part of it;
-    then its folder is ``fsync``-ed, so that the name is on disk when it returns (``cachepipe map``
-    puts an item's completion marker after its outputs: after a power cut, a marker there means
-    its outputs are there too).
+    beside it, ``fsync``-ed and renamed over it once whole, so that a reader never sees part of it.
+    The rename reaches the disk with its folder's next ``fsync`` (:meth:`FsspecStore.sync`).
 
     The temporary file's name is the same at every put of ``path``, so one that a killed upload
     left (a SIGKILL leaves it; an exception removes it) is overwritten by the next put of that
@@ -105,7 +103,6 @@ def _put_local(local: str, path: str) -> None:
             shutil.copyfileobj(src, dst, 1024 * 1024)
         os.fsync(fd)  # its bytes on disk before its name: after a power cut the name holds all of them
         os.replace(temp, path)
-        sync_folder(os.path.dirname(path))  # its name on disk before put returns: puts are durable in their order
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
@@ -449,6 +446,21 @@ class FsspecStore:
             except FileNotFoundError:
                 return False
         return bool(info.get("type", "file") == "file")
+
+    def sync(self, keys: Sequence[str]) -> None:
+        """Make the puts of ``keys`` durable: on a local filesystem, ``fsync`` each folder that
+        holds one (a put's rename is on disk after it; one call per folder, however many files
+        it holds); elsewhere nothing (an object store's PUT is durable once answered).
+        ``cachepipe map`` syncs an item's outputs before it puts the marker, and the marker after:
+        after a power cut, a marker there means its outputs are there too."""
+        if not keys:
+            return
+        protocols = _protocols(self.fs)
+        if "file" not in protocols and "local" not in protocols:
+            return
+        with self._errors(self._where(keys[0]), first=False):
+            for folder in sorted({os.path.dirname(self._path(key)) for key in keys}):
+                sync_folder(folder)
 
     def delete(self, keys: Sequence[str], within: str = "") -> None:
         """Delete the objects ``keys``; one that does not exist is no error. S3: one DeleteObjects
