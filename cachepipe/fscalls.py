@@ -93,6 +93,7 @@ __all__ = [
     "lookups_stay_local",
     "paths_walked",
     "rename_new",
+    "sync_folder",
 ]
 
 log = logging.getLogger(__name__)
@@ -215,6 +216,25 @@ def rename_new(src: str, dst: str) -> None:
         OSError: the rename failed.
     """
     _rename_by(_renameat2, src, dst)
+
+
+def sync_folder(path: str) -> None:
+    """``fsync`` the folder ``path``: the names created, renamed or removed in it are on disk when
+    it returns (a file's own ``fsync`` makes its bytes durable, not its name). A file system that
+    cannot sync a folder (``EINVAL``: some FUSE and network ones) is let be: it gives no such
+    promise to keep.
+
+    Raises:
+        OSError: ``path`` cannot be opened, or its sync failed (``EIO``).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
 
 
 def _open(path: str, flags: int, mode: int = 0o777) -> int:

@@ -1029,6 +1029,10 @@ class DeniedDest(FsspecStore):
         self.changed = threading.Condition()
         self.denied_all = False  # set by the test once it gave up on the run: end the retries at once
 
+    def list(self):  # every item has a marker, so that each is checked
+        for n in range(48):
+            yield ObjectInfo(f"item{n:02d}/{DONE_MARKER}", 100)
+
     def exists(self, key):
         return self._check(key)
 

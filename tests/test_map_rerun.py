@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import shutil
+import threading
 
 import pytest
 from test_map import bucket, cli, storage_args
@@ -19,9 +22,17 @@ from test_map import bucket, cli, storage_args
 from cachepipe.map import map_items, plan_items
 from cachepipe.map.cli import main
 from cachepipe.map.plan import command_digest, function_name
-from cachepipe.map.remote import verdict
-from cachepipe.map.uploader import DONE_MARKER, MARKER_LIMIT, marker_body, marker_command, marker_version
+from cachepipe.map.remote import held_by_item, verdict
+from cachepipe.map.uploader import (
+    DONE_MARKER,
+    MARKER_LIMIT,
+    DestinationDeniedError,
+    marker_body,
+    marker_command,
+    marker_version,
+)
 from cachepipe.stores import open_store
+from cachepipe.stores.fsspec import FsspecStore
 
 
 def writes(text: str) -> list[str]:
@@ -189,7 +200,323 @@ def test_a_source_without_etags_reruns_an_item_done_by_another_command_too(tmp_p
     assert map_items(B, src, dst, **options).items_skipped == 2
 
 
+# ---- what an earlier attempt left: DST/<item>/ holds exactly this attempt's outputs and marker ----------------
+def named(tag: str) -> list[str]:
+    """A command whose outputs are named by ``tag``: ``p/<tag>.bin`` (the input's ``f``) and ``<tag>.txt``."""
+    out = '"$CACHEPIPE_OUT"'
+    return ["sh", "-c", f"mkdir -p {out}/p && cat f > {out}/p/{tag}.bin && printf {tag} > {out}/{tag}.txt"]
+
+
+def produced(tag: str, names) -> set[str]:
+    """The keys under DST that a run of ``named(tag)`` leaves for the items ``names``: outputs and marker."""
+    return {f"{n}/{rel}" for n in names for rel in (f"p/{tag}.bin", f"{tag}.txt", DONE_MARKER)}
+
+
+def leave(dst: str, options: dict, tmp_path, keys) -> None:
+    """Put ``keys`` under ``dst`` through the store, as an attempt killed mid-upload leaves them (no marker)."""
+    local = tmp_path / "left.bin"
+    local.write_bytes(b"left by a killed attempt")
+    store = open_store(dst, options)
+    try:
+        for key in keys:
+            store.put(local, key)
+    finally:
+        store.close()
+
+
+def test_a_rerun_with_a_command_that_writes_other_names_leaves_only_its_outputs(s3_source, s3_client, tmp_path):
+    """Before, DST/<item>/ held the first command's outputs beside the second's, and the second's
+    marker: a consumer that lists the prefix (most do) read both."""
+    data = s3_source.folders(3, {"f": 100})
+    base = [s3_source.url, "s3://data/out/", "--cache", str(tmp_path / "cache"), "--capacity", "1MiB", "--out-ratio", "3"]
+    base += ["--no-progress", *storage_args(s3_source.options)]
+    assert cli(*base, "--", *named("A")).returncode == 0
+    assert set(bucket(s3_client, "out/")) == produced("A", data)
+    rerun = cli(*base, "--", *named("B"))
+    assert rerun.returncode == 0 and "3 done, 0 failed, 0 already done; 3 run again" in rerun.stderr, rerun.stderr
+    held = bucket(s3_client, "out/")
+    assert set(held) == produced("B", data)
+    assert {n: set(m["files"]) for n, m in markers(s3_client, "out/").items()} == {n: {"p/B.bin", "B.txt"} for n in data}
+    assert all(held[f"{n}/p/B.bin"] == data[n]["f"] for n in data)
+
+
+def test_what_an_attempt_killed_mid_upload_left_is_deleted_and_nothing_beside_the_items(s3_source, s3_client, tmp_path):
+    """An attempt killed mid-upload left outputs under names the next attempt does not write (a
+    split at random points, a timestamp in a name), and no marker. The next run deletes them;
+    what is under no item of SRC (a file beside the items, an item gone from SRC) is kept."""
+    data = s3_source.folders(2, {"f": 100})
+    dst = "s3://data/out/"
+    killed = ["item000/p/1732969.bin", "item000/part-3.txt", "item000/p/A.bin", "item001/x/y/z.bin"]
+    leave(dst, s3_source.options, tmp_path, [*killed, "README", "item0000/gone.bin", "item001x"])
+    base = [s3_source.url, dst, "--cache", str(tmp_path / "cache"), "--capacity", "1MiB", "--out-ratio", "3"]
+    run = cli(*base, "--no-progress", *storage_args(s3_source.options), "--", *named("A"))
+    assert run.returncode == 0 and "2 done, 0 failed, 0 already done" in run.stderr, run.stderr
+    held = bucket(s3_client, "out/")
+    assert set(held) == produced("A", data) | {"README", "item0000/gone.bin", "item001x"}
+    assert held["item000/p/A.bin"] == data["item000"]["f"]  # rewritten by this attempt, not deleted
+
+
+def test_a_local_destination_keeps_only_the_outputs_and_no_empty_folder(tmp_path):
+    """The same on a local DST: a killed attempt's files (a temporary file of an upload among
+    them), then another command's, are deleted, and the folders that held only them too."""
+    for name in ("a", "b"):
+        (tmp_path / "src" / name).mkdir(parents=True)
+        (tmp_path / "src" / name / "f").write_bytes(name.encode() * 10)
+    src, dst = str(tmp_path / "src"), tmp_path / "dst"
+    leave(str(dst), {}, tmp_path, ["a/old/deeper/x.bin", "a/p/7.bin", "a/p/A.bin.cachepipe.tmp", "b/A.txt", "keep/me"])
+    base = [src, str(dst), "--cache", str(tmp_path / "cache"), "--capacity", "1MiB", "--out-ratio", "3", "--no-progress"]
+
+    def tree() -> set[str]:
+        for folder, dirs, files in os.walk(dst):
+            assert dirs or files, f"{folder} was left empty"
+        return {p.relative_to(dst).as_posix() for p in dst.rglob("*") if p.is_file()}
+
+    first = cli(*base, "--", *named("A"))
+    assert first.returncode == 0, first.stderr
+    assert tree() == produced("A", "ab") | {"keep/me"}
+    rerun = cli(*base, "--", *named("B"))
+    assert rerun.returncode == 0 and "2 run again" in rerun.stderr, rerun.stderr
+    assert tree() == produced("B", "ab") | {"keep/me"}
+    assert (dst / "a" / "p" / "B.bin").read_bytes() == b"a" * 10
+
+
+def test_a_source_under_the_destination_is_never_deleted_from(tmp_path):
+    """SRC ``dst/in/`` holds an item named ``in``: its file is ``dst/in/in/f``, under the
+    item's folder ``dst/in/`` in DST's listing. The source is not the item's to delete."""
+    dst = tmp_path / "dst"
+    (dst / "in" / "in").mkdir(parents=True)
+    (dst / "in" / "in" / "f").write_bytes(b"the dataset")
+    options = {"cache_dir": tmp_path / "cache", "capacity": "1MiB", "progress": False, "out_ratio": 3}
+    result = map_items(named("A"), str(dst / "in"), str(dst), **options)
+    assert result.ok and result.items_done == 1, result.failed
+    assert (dst / "in" / "in" / "f").read_bytes() == b"the dataset"
+
+
+class DeleteDeniedDest(FsspecStore):
+    """A destination whose credentials may write but not delete (no ``s3:DeleteObject``)."""
+
+    def delete(self, keys, within=""):
+        raise PermissionError(f"access denied to {keys[0]} (AccessDenied)")
+
+
+def test_a_destination_that_refuses_deletes_stops_the_run_naming_the_permission(tmp_path):
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "f").write_bytes(b"x")
+    dst = tmp_path / "dst"
+    leave(str(dst), {}, tmp_path, ["a/left.bin"])
+    with pytest.raises(DestinationDeniedError, match=r"deleting a/left.bin, what an earlier attempt left.*s3:DeleteObject"):
+        map_items(
+            named("A"),
+            str(tmp_path / "src"),
+            str(dst),
+            cache_dir=tmp_path / "cache",
+            capacity="1MiB",
+            out_ratio=3,
+            progress=False,
+            dest_store=DeleteDeniedDest(str(dst), {}),
+        )
+    assert not (dst / "a" / DONE_MARKER).exists()
+
+
+class CountingDest(FsspecStore):
+    """An S3 destination that records its requests: listing pages, GETs, deletes, puts."""
+
+    def __init__(self, url: str, options: dict) -> None:
+        super().__init__(url, options)
+        self.calls: list[tuple[str, object]] = []
+        self._calls_lock = threading.Lock()
+
+    def _note(self, call: str, what: object) -> None:
+        with self._calls_lock:
+            self.calls.append((call, what))
+
+    def _list_s3_page(self, bucket, prefix, token, keys):
+        self._note("list", prefix)
+        return super()._list_s3_page(bucket, prefix, token, keys)
+
+    def get(self, key, out, start, end, *, etag=None):
+        self._note("get", key)
+        return super().get(key, out, start, end, etag=etag)
+
+    def put(self, local_path, key):
+        self._note("put", key)
+        super().put(local_path, key)
+
+    def delete(self, keys, within=""):
+        self._note("delete", tuple(keys))
+        super().delete(keys, within)
+
+    def take(self) -> dict[str, list]:
+        with self._calls_lock:
+            calls, self.calls = self.calls, []
+        by: dict[str, list] = {"list": [], "get": [], "put": [], "delete": []}
+        for call, what in calls:
+            by[call].append(what)
+        return by
+
+
+def test_an_item_done_is_left_alone_and_a_fresh_destination_costs_one_listing(s3_source, s3_client, tmp_path):
+    """The requests to DST per run: one listing of DST (a page per 1,000 keys); a GET of each
+    marker it lists (none on a fresh DST, where it was one per item); deletes only for an item
+    that runs and holds what it does not write. An item skipped as done is neither read beyond
+    its marker's head nor deleted from."""
+    data = s3_source.folders(3, {"f": 100})
+    dest = CountingDest("s3://data/out/", s3_source.options)
+    options = {
+        "cache_dir": tmp_path / "cache",
+        "capacity": "1MiB",
+        "storage_options": s3_source.options,
+        "progress": False,
+        "out_ratio": 3,
+        "dest_store": dest,
+    }
+    try:
+        assert map_items(named("A"), s3_source.url, "s3://data/out/", **options).items_done == 3
+        fresh = dest.take()
+        assert (fresh["list"], fresh["get"], fresh["delete"]) == (["out/"], [], [])  # no GET per item
+        assert set(fresh["put"]) == produced("A", data)
+
+        again = map_items(named("A"), s3_source.url, "s3://data/out/", **options)
+        assert (again.items_done, again.items_skipped) == (0, 3)
+        skipped = dest.take()
+        assert skipped == {"list": ["out/"], "get": sorted(f"{n}/{DONE_MARKER}" for n in data), "put": [], "delete": []}
+
+        s3_client.delete_object(Bucket="data", Key=f"out/item002/{DONE_MARKER}")  # as if killed before its marker
+        s3_client.put_object(Bucket="data", Key="out/item002/p/left.bin", Body=b"left")
+        resumed = map_items(named("A"), s3_source.url, "s3://data/out/", **options)
+        assert (resumed.items_done, resumed.items_skipped) == (1, 2)
+        calls = dest.take()
+        assert sorted(calls["get"]) == [f"item000/{DONE_MARKER}", f"item001/{DONE_MARKER}"]
+        assert calls["delete"] == [("item002/p/left.bin",)]  # one request; the outputs it writes again are not deleted
+        assert set(calls["put"]) == produced("A", ["item002"])
+    finally:
+        dest.close()
+    assert set(bucket(s3_client, "out/")) == produced("A", data)
+
+
+class Crashed(BaseException):
+    """The simulated process died (a BaseException: no handler of the uploader's takes it)."""
+
+
+class CrashingDest(FsspecStore):
+    """A local destination whose process dies before its step ``at``: each put, and the delete of
+    each key (a batch delete is not atomic: S3 may have done part of it), is one step."""
+
+    def __init__(self, url: str, at: int | None) -> None:
+        super().__init__(url, {})
+        self.at, self.steps = at, 0
+
+    def _step(self) -> None:
+        if self.steps == self.at:
+            raise Crashed(f"killed before step {self.at}")
+        self.steps += 1
+
+    def put(self, local_path, key):
+        self._step()
+        super().put(local_path, key)
+
+    def delete(self, keys, within=""):
+        for key in keys:
+            self._step()
+            super().delete([key], within)
+
+
+def attempt(dest, work, outputs: dict[str, bytes], version: str) -> None:
+    """One attempt of item ``it``: its outputs ``outputs`` uploaded by an :class:`Uploader` told
+    what ``DST`` holds as a run's listing tells it."""
+    from cachepipe.map.uploader import Uploader
+
+    out = work / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    for rel, body in outputs.items():
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(body)
+    held = held_by_item([o.key for o in dest.list()], {"it"}, {"it"})
+    uploader = Uploader(dest, 1, 0, 0.0, 0.0, threading.Event(), command="c" * 16, held=held)
+    try:
+        uploader.upload_item("it", out, work, version=version)
+    finally:
+        uploader.close()
+
+
+def test_a_crash_at_any_step_leaves_no_marker_that_lists_what_is_not_there(tmp_path):
+    """The item was done by another attempt (its marker lists ``p/A.bin`` and ``A.txt``), and a
+    killed attempt left ``p/9.bin``. The new attempt writes ``p/B.bin`` and ``A.txt`` (other
+    bytes). Killed before each of its steps in turn: a marker there is the old one, listing the
+    old attempt's files as they were, or the new one, listing exactly what ``DST/it/`` holds;
+    the next attempt then leaves exactly its outputs and marker."""
+    old = {"p/A.bin": b"old A", "A.txt": b"old text"}
+    new = {"p/B.bin": b"new B, longer", "A.txt": b"new text, longer"}
+    dst = tmp_path / "dst"
+
+    def arrange() -> None:
+        shutil.rmtree(dst, ignore_errors=True)
+        for rel, body in {**old, "p/9.bin": b"killed"}.items():
+            (dst / "it" / rel).parent.mkdir(parents=True, exist_ok=True)
+            (dst / "it" / rel).write_bytes(body)
+        (dst / "it" / DONE_MARKER).write_bytes(marker_body("it", {k: len(v) for k, v in old.items()}, "a" * 16, "c" * 16))
+
+    def held() -> dict[str, bytes]:
+        return {p.relative_to(dst / "it").as_posix(): p.read_bytes() for p in (dst / "it").rglob("*") if p.is_file()}
+
+    arrange()
+    counted = CrashingDest(str(dst), None)
+    attempt(counted, tmp_path, new, "b" * 16)
+    assert held() == {**new, DONE_MARKER: held()[DONE_MARKER]}
+    for at in range(counted.steps):
+        arrange()
+        with pytest.raises(Crashed):
+            attempt(CrashingDest(str(dst), at), tmp_path, new, "b" * 16)
+        found = held()
+        if DONE_MARKER in found:
+            marker = json.loads(found.pop(DONE_MARKER))
+            made = {"a" * 16: old, "b" * 16: new}[marker["version"]]  # the attempt that wrote it
+            assert {rel: found.get(rel) for rel in marker["files"]} == made, f"killed before step {at}: {found}"
+        attempt(CrashingDest(str(dst), None), tmp_path, new, "b" * 16)  # the rerun
+        found = held()
+        assert json.loads(found.pop(DONE_MARKER))["files"] == {k: len(v) for k, v in new.items()}
+        assert found == new, f"killed before step {at}"
+        assert [p.name for p in (dst / "it").iterdir() if p.is_dir()] == ["p"]
+
+
+def test_on_a_local_destination_the_marker_is_published_after_its_outputs_are_on_disk(tmp_path, monkeypatch):
+    """The renames that publish the outputs reach the disk with their folders' ``fsync``: each
+    output's folder is synced before the marker's rename, and the marker's folder after it, so
+    that after a power cut a marker there means that its outputs are there too."""
+    calls: list[tuple[str, str]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def synced(fd):
+        calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return fsync(fd)
+
+    def renamed(src, dst, **kwargs):
+        calls.append(("rename", os.fspath(dst)))
+        return replace(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", synced)
+    monkeypatch.setattr(os, "replace", renamed)
+    dst = tmp_path / "dst"
+    attempt(CrashingDest(str(dst), None), tmp_path, {"p/q/B.bin": b"b", "A.txt": b"a", "p/C.bin": b"c"}, "b" * 16)
+    folders = {str(dst / "it"), str(dst / "it" / "p"), str(dst / "it" / "p" / "q")}
+    marker = calls.index(("rename", str(dst / "it" / DONE_MARKER)))
+    assert {path for call, path in calls[:marker] if call == "fsync"} >= folders
+    assert ("fsync", str(dst / "it")) in calls[marker:]
+    assert [path for call, path in calls[:marker] if call == "fsync" and path in folders].count(str(dst / "it" / "p")) == 1
+
+
 # ---- the pure parts --------------------------------------------------------------------------------------------
+def test_a_key_of_dst_is_the_item_s_whose_folder_is_the_longest_that_holds_it():
+    names = {"a", "a/b", "c.tar", "d"}
+    keys = ["a/x", "a/b/y", "a/b", "a/bz/w", "c.tar/out/1", "c.tarx/2", "README", "e/f", "d/g"]
+    assert held_by_item(keys, names, {"a", "a/b", "c.tar"}) == {
+        "a": ["a/x", "a/b", "a/bz/w"],  # "a/b" the object, not the folder: a's (an output named b)
+        "a/b": ["a/b/y"],
+        "c.tar": ["c.tar/out/1"],
+    }
+    assert held_by_item(keys, names, {"a"}) == {"a": ["a/x", "a/b", "a/bz/w"]}  # never another item's, run or not
+
+
 def test_the_command_digest_changes_with_the_command_and_unpack_only():
     digest = command_digest(A, None, False)
     assert digest == command_digest(tuple(A), None, False) and len(digest) == 16

@@ -40,6 +40,21 @@ def test_lists_every_object_recursively_in_key_order_relative_to_the_root(source
     assert {o.key: o.size for o in listed} == {k: len(v) for k, v in bodies.items()}
 
 
+def test_delete_removes_the_keys_and_a_missing_one_is_no_error(source, store, tmp_path):
+    """Every writable backend deletes (``cachepipe map`` deletes what an earlier attempt left in
+    ``DST/<item>/``): a batch of keys, one of them absent, the others kept; on a local
+    filesystem, the folders left empty up to ``within`` are removed too."""
+    for key in ("i/keep", "i/old", "i/deep/er/x", "i/deep/y", "j/other"):
+        source.put(key, b"x")
+    store.delete(["i/old", "i/deep/er/x", "i/deep/y", "i/absent"], within="i")
+    assert [o.key for o in store.list()] == ["i/keep", "j/other"]
+    store.delete([], within="i")  # nothing to do: no request
+    if source.kind == "file":
+        assert sorted(p.name for p in (tmp_path / "src" / "i").iterdir()) == ["keep"]  # deep/ and deep/er/ removed
+        store.delete(["i/keep"], within="i")
+        assert (tmp_path / "src" / "i").is_dir()  # ``within`` is kept, emptied
+
+
 def test_ranged_get_streams_exactly_the_range(source, store):
     body = bytes(range(256)) * 40
     source.put("f/obj", body)

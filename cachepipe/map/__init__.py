@@ -41,7 +41,10 @@ if it records the same input version and command (:func:`~cachepipe.map.plan.com
 CMD's arguments or ``fn``'s name, and ``unpack``; a marker of an earlier cachepipe, which records
 no command, counts). An item done by another command is run again, and the summary and
 ``--dry-run`` say how many. The marker is written last and lists the item's outputs; a run
-killed mid-upload leaves no marker, and the next run does that item again.
+killed mid-upload leaves no marker, and the next run does that item again. An item that runs
+leaves ``DST/<item>/`` holding its outputs and marker only: what an earlier attempt left there
+under other names is deleted first (:mod:`~cachepipe.map.uploader`), known from one listing of
+``DST`` at the start.
 
 **Failures.** A non-zero exit, a timeout or a failed upload retries the item (``--retries``,
 re-using the downloaded input; an upload failure re-uploads without running CMD again); then

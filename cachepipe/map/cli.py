@@ -25,7 +25,7 @@ DST/<item>/, then the marker DST/<item>/.cachepipe-done; delete input and output
 --cache never exceed --capacity: each of --jobs jobs keeps a reserve for its outputs
 (--out-reserve or --out-ratio), downloads get the rest. Items already done in DST by the same
 command (CMD ARGS compared as text, and --unpack) are skipped; an item done by another command,
-or whose input changed, is run again and its outputs overwritten (the summary and --dry-run say
+or whose input changed, is run again and its outputs replaced (the summary and --dry-run say
 how many): to keep them, rerun the exact command that made them. Across nodes, W processes
 given --rank 0..W-1 --world-size W (or run by torchrun, a Kubernetes Indexed Job or a Slurm
 array) each take a disjoint, byte-balanced share of SRC."""

@@ -1,8 +1,10 @@
 """The requests one ``cachepipe map`` run sends itself, besides its pipeline's downloads and its
-uploads: the check of DST's bucket and the listing of SRC, retried as downloads are
+uploads: the check of DST's bucket and the listings of SRC and of DST, retried as downloads are
 (:meth:`_Remote._retrying`), and which items DST already marks done, for the version of their
-input listed now and the command run now (:meth:`_Remote._done`: the head of each marker, read
-concurrently; :func:`verdict` decides).
+input listed now and the command run now (:meth:`_Remote._done`: DST's listing tells which items
+have a marker, and the head of each marker listed is read, concurrently; :func:`verdict`
+decides). The listing of DST also tells what each item to run holds there already, which its
+upload deletes unless it writes it again (:mod:`cachepipe.map.uploader`).
 
 :class:`_Remote` is the base class of :class:`~cachepipe.map.run._MapRun` (not used alone), whose
 options (``cfg``) and stop event it reads.
@@ -13,7 +15,7 @@ from __future__ import annotations
 import io
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -21,7 +23,7 @@ from typing import Any, Literal
 from ..backoff import backoff_delay
 from ..errors import is_transient
 from ..stores.base import WritableStore
-from .plan import MapConfig, MapItem
+from .plan import MapConfig, MapItem, inside_prefix
 from .uploader import MARKER_LIMIT, marker_command, marker_key, marker_version
 
 __all__ = ["Checked", "verdict"]
@@ -48,11 +50,31 @@ def verdict(head: bytes | None, version: str | None, command: str) -> Verdict:
 
 @dataclass
 class Checked:
-    """What :meth:`_Remote._done` found: the names of the items done, and of those done by another
-    command (to run again, in plan order)."""
+    """What :meth:`_Remote._done` found: the names of the items done, of those done by another
+    command (to run again, in plan order), and the keys DST holds under each item to run that
+    holds any (relative to DST)."""
 
     done: set[str] = field(default_factory=set)
     command_changed: list[str] = field(default_factory=list)
+    held: dict[str, list[str]] = field(default_factory=dict)
+
+
+def held_by_item(keys: Iterable[str], names: Collection[str], wanted: Collection[str]) -> dict[str, list[str]]:
+    """The ``keys`` of a listing of DST under each item of ``wanted``: a key is under the item of
+    ``names`` (every item listed in SRC, of every rank) whose folder is the longest that holds it
+    (items named ``a`` and ``a/b``: ``a/b/x`` is ``a/b``'s, never ``a``'s to delete). A key
+    under no item (beside the items, or an item no longer in SRC) is no item's."""
+    held: dict[str, list[str]] = {}
+    for key in keys:
+        end = key.rfind("/")
+        while end > 0:
+            name = key[:end]
+            if name in names:
+                if name in wanted:
+                    held.setdefault(name, []).append(key)
+                break
+            end = key.rfind("/", 0, end)
+    return held
 
 
 class _Remote:
@@ -76,14 +98,21 @@ class _Remote:
                     raise InterruptedError(f"stopped while retrying {what}") from exc
         raise AssertionError("unreachable")
 
-    def _done(self, dst: WritableStore, planned: list[MapItem], command: str) -> Checked:
+    def _done(self, dst: WritableStore, planned: list[MapItem], command: str, names: Collection[str]) -> Checked:
         """Which items DST marks done, for the version of their input listed now and for
-        ``command`` (:func:`~cachepipe.map.plan.command_digest`): one GET of the first
-        :data:`~cachepipe.map.uploader.MARKER_LIMIT` bytes of each item's marker (a small body:
-        about a HEAD's cost), concurrently; :func:`verdict` decides."""
+        ``command`` (:func:`~cachepipe.map.plan.command_digest`), and what DST holds under each
+        item to run. One listing of DST (a request per 1,000 keys), which tells the items that
+        have a marker; for each of those, one GET of the first
+        :data:`~cachepipe.map.uploader.MARKER_LIMIT` bytes of its marker (a small body: about a
+        HEAD's cost), concurrently; :func:`verdict` decides. ``names``: every item listed in SRC
+        (of every rank; see :func:`held_by_item`). A SRC under DST is no item's to delete from:
+        its keys are left out."""
         checked = Checked()
         if not planned:
             return checked
+        wanted = {mi.name for mi in planned}
+        held = self._retrying(f"listing {self.cfg.dest}", lambda: self._held_in(dst, names, wanted))
+        marked = [mi for mi in planned if marker_key(mi.name) in held.get(mi.name, ())]
 
         def check(mi: MapItem) -> Verdict:
             body = io.BytesIO()
@@ -103,19 +132,26 @@ class _Remote:
                 log.debug("%s: done by another command (digest %s, now %s): doing it again", mi.name, recorded, command)
             return found
 
-        pool = ThreadPoolExecutor(min(16, len(planned)), thread_name_prefix="cachepipe-map-check")
-        try:
-            found = list(pool.map(lambda mi: self._retrying(f"checking {mi.name}", lambda: check(mi)), planned))
-        except BaseException:  # a check failed for good, or Ctrl-C: the checks in flight stop retrying
-            self._stop.set()
-            raise
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-        for mi, what in zip(planned, found, strict=True):
+        found: dict[str, Verdict] = {}
+        if marked:
+            pool = ThreadPoolExecutor(min(16, len(marked)), thread_name_prefix="cachepipe-map-check")
+            try:
+                verdicts = list(pool.map(lambda mi: self._retrying(f"checking {mi.name}", lambda: check(mi)), marked))
+            except BaseException:  # a check failed for good, or Ctrl-C: the checks in flight stop retrying
+                self._stop.set()
+                raise
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
+            found = {mi.name: what for mi, what in zip(marked, verdicts, strict=True)}
+        for mi in planned:
+            what = found.get(mi.name, "missing")
             if what == "done":
                 checked.done.add(mi.name)
-            elif what == "command":
-                checked.command_changed.append(mi.name)
+            else:
+                if what == "command":
+                    checked.command_changed.append(mi.name)
+                if mi.name in held:
+                    checked.held[mi.name] = held[mi.name]
         if checked.command_changed:
             log.warning(
                 "%d item(s) were done by another command (first: %s): %s, their outputs overwritten; to keep "
@@ -125,3 +161,15 @@ class _Remote:
                 "a run would do them again" if self.cfg.dry_run else "running them again",
             )
         return checked
+
+    def _held_in(self, dst: WritableStore, names: Collection[str], wanted: Collection[str]) -> dict[str, list[str]]:
+        """:func:`held_by_item` of DST's listing, streamed (only the keys of ``wanted`` are kept);
+        a local DST not made yet holds none."""
+        keys: Iterable[str] = (o.key for o in dst.list())
+        source = inside_prefix(self.cfg.dest, self.cfg.source)  # SRC under DST: an item named as its folder holds it
+        if source is not None:
+            keys = (key for key in keys if not key.startswith(source))
+        try:
+            return held_by_item(keys, names, wanted)
+        except FileNotFoundError:
+            return {}

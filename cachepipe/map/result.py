@@ -43,7 +43,8 @@ class MapResult:
         planned: names of the items to do (with ``dry_run``: what would run).
         command_changed: names of the items whose marker records another command (or another
             ``unpack``; see :func:`~cachepipe.map.plan.command_digest`), in plan order: done
-            before, run again (their outputs overwritten); with ``dry_run``, would be.
+            before, run again (their outputs replaced, those it does not write again deleted); with
+            ``dry_run``, would be.
         refused: with ``dry_run``, the items the run would refuse before downloading them, with
             the reason (the run records them in :attr:`failed`).
         bytes_in: bytes downloaded.

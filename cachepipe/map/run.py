@@ -1,9 +1,10 @@
 """One ``cachepipe map`` run: :func:`map_items` (exported as ``cachepipe.map``) and what it drives.
 
-The run lists ``SRC``, skips the items whose marker is in ``DST`` (for the same input and the same
-command), splits the capacity between downloads and the jobs' output slots, takes the work
-folder's lock, and feeds the items of a
-:class:`~cachepipe.Pipeline` to ``jobs`` threads, each a :class:`~cachepipe.map.job.Job`. Ctrl-C
+The run lists ``SRC`` and ``DST``, skips the items whose marker is in ``DST`` (for the same input and
+the same command), hands what ``DST`` holds under each other item to the uploader (which deletes
+what an attempt does not write again: :mod:`~cachepipe.map.uploader`), splits the capacity
+between downloads and the jobs' output slots, takes the work folder's lock, and feeds the items
+of a :class:`~cachepipe.Pipeline` to ``jobs`` threads, each a :class:`~cachepipe.map.job.Job`. Ctrl-C
 (or a crashed job) stops the commands and the downloads, and propagates.
 
 Its parts: the checks of ``fn`` or the command before anything is downloaded
@@ -89,6 +90,7 @@ class _MapRun(_Remote):
         self._tally = Tally(self._result)
         self._by_local: dict[str, MapItem] = {}
         self._crash: BaseException | None = None
+        self._held: dict[str, list[str]] = {}  # what DST holds under each item to run (remote.Checked.held)
         self._command = command_digest(cfg.command, None if fn is None else function_name(fn), cfg.unpack)
 
     # -- orchestration ---------------------------------------------------------------------------------
@@ -101,7 +103,7 @@ class _MapRun(_Remote):
             try:
                 if not isinstance(dst, WritableStore):
                     raise ConfigError(
-                        f"destination {cfg.dest!r}: {type(dst).__name__} cannot be written to (it has no put/exists)"
+                        f"destination {cfg.dest!r}: {type(dst).__name__} cannot be written to (it has no put/exists/delete)"
                     )
                 if hasattr(dst, "upload_part_size"):
                     dst.upload_part_size = cfg.upload_part_size
@@ -116,13 +118,15 @@ class _MapRun(_Remote):
                 if not planned:  # a mistyped prefix lists nothing: said, not "0 done" and exit 0
                     raise empty_source(cfg.source, cfg.items, len(listing))
                 result.items_listed = len(planned)
+                names = {mi.name for mi in planned}  # every rank's: whose DST/<name>/ holds a key (held_by_item)
                 if cfg.world_size > 1:  # this process's share, from the listing alone (never from what is done)
                     planned = take_share(planned, cfg.rank, cfg.world_size)
                 self._record_share(planned)
                 # an item whose keys cannot be stored is refused, whatever DST holds: never downloaded
                 unsafe = {mi.name: mi.unsafe for mi in planned if mi.unsafe is not None}
                 safe = [mi for mi in planned if mi.unsafe is None]
-                checked = self._done(dst, safe, self._command)
+                checked = self._done(dst, safe, self._command, names)
+                self._held = checked.held
                 todo = [mi for mi in safe if mi.name not in checked.done]
                 result.items_skipped = len(checked.done)
                 result.command_changed = checked.command_changed
@@ -248,6 +252,7 @@ class _MapRun(_Remote):
             cfg.retry_backoff_max,
             self._stop,
             command=self._command,
+            held=self._held,
         )
         self._watcher = Watcher(cfg.watch_interval)
         if cfg.progress:

@@ -6,10 +6,30 @@ marker is written last, after every output of the item was uploaded, and lists t
 path and size, JSON) after the input's version (:attr:`cachepipe.map.plan.MapItem.version`, when
 the source gives ETags) and the command's digest (:func:`cachepipe.map.plan.command_digest`: what
 made the outputs); a run that dies in the middle of an upload leaves outputs without a marker, and
-the next run does the item again (overwriting them), as it does an item whose input was rewritten
-since or that was done by another command.
-Uploads retry transient store errors with the same exponential backoff as downloads, sleeping on
-the stop event.
+the next run does the item again, as it does an item whose input was rewritten since or that was
+done by another command.
+
+An attempt leaves ``DST/<item>/`` holding its outputs and its marker, nothing else: what an earlier
+attempt left there under other names (a killed one's, another command's, one of this run that
+failed) is deleted. The order of :meth:`Uploader.upload_item`, so that a crash at any point
+leaves no marker that lists an object that is not there, or that another attempt wrote:
+
+1. the old marker, if ``DST/<item>/`` holds one, is deleted alone, first: from here on, the item
+   has no marker and a rerun does it again (and cleans it as this attempt does);
+2. the other objects there that are not outputs of this attempt are deleted (a batch per 1,000);
+3. the outputs are uploaded (over the objects of the same names);
+4. the marker is uploaded, listing them.
+
+What ``DST/<item>/`` holds is known without a request per item: the run lists ``DST`` once at its
+start (:meth:`cachepipe.map.remote._Remote._done`) and hands the keys under each item to run to
+the :class:`Uploader` (``held``), which adds the keys each attempt uploads (a retry of the item
+deletes what the failed attempt left). An item with nothing in ``DST`` costs no delete. On a local
+``DST`` each step is on disk before the next begins: a delete ``fsync``-s the folders it changed,
+and the outputs' folders are ``fsync``-ed (the store's ``sync``, once per folder) before the
+marker is put, the marker's after.
+
+Uploads and deletes retry transient store errors with the same exponential backoff as downloads,
+sleeping on the stop event.
 """
 
 from __future__ import annotations
@@ -21,7 +41,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -210,6 +230,9 @@ class Uploader:
         stop: set to abandon uploads (backoff sleeps wake at once).
         command: the digest of what makes the outputs (:func:`cachepipe.map.plan.command_digest`),
             recorded in every marker (see :func:`marker_command`); None records none.
+        held: the keys ``DST`` holds under each item to run (relative to ``DST``, as the run's
+            listing found them; an item with none need not be there): what an attempt deletes
+            unless it writes them again (see the module's notes).
     """
 
     def __init__(
@@ -221,9 +244,11 @@ class Uploader:
         backoff_max: float,
         stop: threading.Event,
         command: str | None = None,
+        held: Mapping[str, Collection[str]] | None = None,
     ) -> None:
         self.dest = dest
         self.command = command
+        self._held = {name: set(keys) for name, keys in (held or {}).items() if keys}  # under the lock
         self._retries = retries
         self._backoff = backoff
         self._backoff_max = backoff_max
@@ -238,17 +263,24 @@ class Uploader:
     def upload_item(self, name: str, root: Path, marker_dir: Path, version: str | None = None) -> dict[str, int]:
         """Upload every output under ``root`` to ``DST/<name>/``, then the marker; return the manifest.
 
-        The marker is uploaded from memory where it can be (:func:`_marker_file`; else from a
-        file in ``marker_dir``, removed after). ``version``: the input's (see
-        :func:`marker_version`), recorded in the marker with :attr:`command`.
+        Before the uploads, deletes what ``DST/<name>/`` holds that is not an output of this
+        attempt, the old marker first and alone (the order and why: the module's notes). The
+        marker is uploaded from memory where it can be (:func:`_marker_file`; else from a file in
+        ``marker_dir``, removed after). ``version``: the input's (see :func:`marker_version`),
+        recorded in the marker with :attr:`command`.
 
         Raises:
-            OutputError: an output that cannot be uploaded (nothing is uploaded then).
-            OSError: an upload failed after its retries (no marker is written).
+            OutputError: an output that cannot be uploaded (nothing is uploaded or deleted then).
+            DestinationDeniedError: the destination refused a delete or an upload.
+            OSError: a delete or an upload failed after its retries (no marker is written).
             InterruptedError: stopped.
         """
         outputs = collect_outputs(root)
         manifest = {rel: path.stat().st_size for rel, path in outputs}
+        keys = [f"{name}/{rel}" for rel, _ in outputs]
+        self._clear(name, keys)
+        with self._lock:
+            self._held.setdefault(name, set()).update(keys)  # a retry of the item deletes those it does not write again
         futures: list[Future[None]] = [self._pool.submit(self._put, path, f"{name}/{rel}") for rel, path in outputs]
         _done, pending = wait(futures, return_when=FIRST_EXCEPTION)
         for future in pending:
@@ -259,9 +291,64 @@ class Uploader:
                 raise future.exception()  # type: ignore[misc]
         if self._stop.is_set():
             raise InterruptedError(f"stopped while uploading {name}")
+        self._sync(keys)  # the outputs on disk before the marker (a local DST)
+        with self._lock:
+            self._held[name].add(marker_key(name))  # a put that fails may have written it all the same
         with _marker_file(marker_body(name, manifest, version, self.command), marker_dir) as marker:
             self._put(marker, marker_key(name), count=False)
+        self._sync([marker_key(name)])
+        with self._lock:
+            del self._held[name]  # done: not to run again in this run
         return manifest
+
+    def _sync(self, keys: Sequence[str]) -> None:
+        """The store's ``sync`` of ``keys``, where it has one (a local DST: their folders ``fsync``-ed)."""
+        sync = getattr(self.dest, "sync", None)
+        if sync is not None:
+            sync(keys)
+
+    def _clear(self, name: str, keys: Sequence[str]) -> None:
+        """Delete what ``DST/<name>/`` holds that is not one of ``keys`` (this attempt's outputs):
+        its marker first, alone, so that a crash between the two requests leaves no marker beside
+        objects it lists that were deleted; then the rest, in one batch per 1,000 keys."""
+        with self._lock:
+            stale = self._held.get(name, set()).difference(keys)
+        if not stale:
+            return
+        marker = marker_key(name)
+        if marker in stale:
+            self._delete(name, [marker])
+        rest = sorted(stale - {marker})
+        if rest:
+            self._delete(name, rest)
+        log.debug("%s: deleted %d object(s) that an earlier attempt left in the destination", name, len(stale))
+        with self._lock:
+            self._held[name] -= stale
+
+    def _delete(self, name: str, keys: list[str]) -> None:
+        for attempt in range(self._retries + 1):
+            if self._stop.is_set():
+                raise InterruptedError(f"stopped before deleting what an earlier attempt left in {name}/")
+            try:
+                self.dest.delete(keys, within=name)
+            except Exception as exc:
+                if not is_transient(exc) or attempt == self._retries:
+                    if isinstance(exc, PermissionError):
+                        raise DestinationDeniedError(
+                            f"deleting {keys[0]}{f' and {len(keys) - 1} more' if len(keys) > 1 else ''}, what an earlier "
+                            f"attempt left in {name}/ under names this one does not write: the destination refused it "
+                            f"({exc}); the run stops: give credentials that may delete there (s3:DeleteObject; a local or "
+                            "mounted DST: write permission on its folders) and run it again (items done are kept)"
+                        ) from exc
+                    raise
+                delay = backoff_delay(attempt, self._backoff, self._backoff_max)
+                log.warning("delete retry %d/%d in %s/ in %.2fs: %s", attempt + 1, self._retries, name, delay, exc)
+                with self._lock:
+                    self.counters.retries += 1
+                if self._stop.wait(delay):
+                    raise InterruptedError(f"stopped before deleting what an earlier attempt left in {name}/") from exc
+            else:
+                return
 
     def _put(self, path: Path, key: str, count: bool = True) -> None:
         for attempt in range(self._retries + 1):

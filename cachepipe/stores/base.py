@@ -12,8 +12,13 @@ threads, then ``close()``. A store without it is waited for.
 Two more primitives are optional, for stores that are written to (``cachepipe map`` uploads
 results through them; a store that is only read need not have them), described by
 :class:`WritableStore`: ``put(local_path, key)`` uploads one local file (streamed, multipart
-for large files) and ``exists(key)`` tells whether an object exists. Both follow the same error
-contract; ``exists`` returns False only for "no such object", never for a failure.
+for large files), ``exists(key)`` tells whether an object exists and ``delete(keys)`` deletes
+objects (batched: S3's and OBS's DeleteObjects take 1,000 keys a request). All follow the same
+error contract; ``exists`` returns False only for "no such object", never for a failure, and
+``delete`` of an object that does not exist is no error. A writable store may also have
+``sync(keys)``, which makes the puts of ``keys`` durable (a local filesystem ``fsync``-s their
+folders; an object store has nothing to do): ``cachepipe map`` calls it, where it is, on an item's
+outputs before it puts the marker.
 
 Error contract (the one seam where a backend translates its SDK's errors):
 
@@ -34,7 +39,7 @@ from __future__ import annotations
 import errno
 import inspect
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol, runtime_checkable
 
@@ -86,6 +91,25 @@ def http_status_error(status: int, code: str | None, message: str | None, where:
     if status >= 500 or status in (408, 429) or code in THROTTLE_CODES:
         return store_code(StoreUnavailableError(f"store {at} unavailable for {where} ({detail})"), code, endpoint)
     return store_code(OSError(f"{endpoint} refused {where} ({detail})"), code, endpoint)
+
+
+def delete_error(code: str | None, message: str | None, where: str, endpoint: str) -> OSError:
+    """The contract's error for a key that a batch delete (S3's and OBS's DeleteObjects) could not
+    delete: the batch's answer is a success (HTTP 200) that lists such keys with an S3 error
+    ``code`` and ``message`` each, and no status; read as :func:`http_status_error` reads the
+    status that the code goes with (a 403 for a refusal, a 503 for throttling or an internal
+    error, else a 400: permanent). Shared by the backends' seams."""
+    if code == "AccessDenied" or code in CREDENTIAL_CODES:
+        status = 403
+    elif code in THROTTLE_CODES or code == "InternalError":
+        status = 503
+    else:
+        status = 400
+    return http_status_error(status, code, message, f"deleting {where}", endpoint)
+
+
+DELETE_BATCH = 1000
+"""Keys per DeleteObjects request (S3's and OBS's maximum)."""
 
 
 CHANGED = (
@@ -287,7 +311,7 @@ class Store(Protocol):
 class WritableStore(Store, Protocol):
     """A :class:`Store` that can also be written to: the destination of ``cachepipe map``.
 
-    The two methods are optional for stores that are only read, which is why they live in this
+    The three methods are optional for stores that are only read, which is why they live in this
     sub-protocol and not in :class:`Store` (an ``isinstance(x, Store)`` check keeps accepting
     read-only stores).
     """
@@ -306,5 +330,16 @@ class WritableStore(Store, Protocol):
         """True if object ``key`` exists; False only when the store says it does not.
 
         Other failures (denied, unreachable) raise as in the error contract.
+        """
+        ...
+
+    def delete(self, keys: Sequence[str], within: str = "") -> None:
+        """Delete the objects ``keys`` (relative to the root); one that does not exist is no error.
+
+        Object stores send a batch delete per :data:`DELETE_BATCH` keys. A local filesystem
+        removes each file, then the folders that this leaves empty, up to ``within`` (a folder
+        relative to the root, kept; default: the root), and ``fsync``-s each folder it changed,
+        so that the deletions are on disk when it returns. A key that could not be deleted
+        raises as in the error contract (a ``PermissionError`` for a refusal).
         """
         ...

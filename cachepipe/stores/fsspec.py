@@ -29,7 +29,7 @@ import fcntl
 import os
 import threading
 import uuid
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, BinaryIO, NoReturn
 
@@ -37,11 +37,14 @@ import fsspec
 import fsspec.asyn
 
 from ..errors import ConfigError, StoreClosedError
+from ..fscalls import sync_folder
 from .base import (
     CONNECT_TIMEOUT,
+    DELETE_BATCH,
     FIRST_PAGE_KEYS,
     TEMP_SUFFIX,
     ObjectInfo,
+    delete_error,
     listed_etag,
     open_local,
     read_local,
@@ -69,6 +72,7 @@ def _put_local(src: BinaryIO, path: str, where: str) -> None:
     """Copy the file ``src`` (from :func:`~cachepipe.stores.base.open_local`, its read errors
     :class:`~cachepipe.errors.LocalFileError`) to ``path`` (``where``) on a local filesystem: to ``<path>.cachepipe.tmp``
     beside it, ``fsync``-ed and renamed over it once whole, so that a reader never sees part of it.
+    The rename reaches the disk with its folder's next ``fsync`` (:meth:`FsspecStore.sync`).
 
     The temporary file's name is the same at every put of ``path``, so one that a killed upload
     left (a SIGKILL leaves it; an exception removes it) is overwritten by the next put of that
@@ -108,6 +112,37 @@ def _put_local(src: BinaryIO, path: str, where: str) -> None:
         raise
     finally:
         os.close(fd)
+
+
+def _delete_local(root: str, keys: Sequence[str], within: str) -> None:
+    """Remove the files ``keys`` under the folder ``root`` (one already gone is no error), then
+    the folders this leaves empty, deepest first, up to ``root/within`` (kept), then ``fsync``
+    each folder whose entries changed (:func:`~cachepipe.fscalls.sync_folder`)."""
+    stop = os.path.join(root, within).rstrip("/") if within else root
+    emptied: set[str] = set()
+    for key in keys:
+        path = os.path.join(root, key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        emptied.add(os.path.dirname(path))
+    changed = set(emptied)
+    for deepest in sorted(emptied, key=len, reverse=True):  # deepest first: a parent empties after its children
+        folder = deepest
+        while folder != stop and folder.startswith(stop + "/"):
+            try:
+                os.rmdir(folder)
+            except OSError as exc:
+                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):  # still holds files; removed already
+                    break
+                raise
+            changed.discard(folder)
+            folder = os.path.dirname(folder)
+            changed.add(folder)
+    for folder in sorted(changed):
+        if os.path.isdir(folder):
+            sync_folder(folder)
 
 
 class FsspecStore:
@@ -417,3 +452,56 @@ class FsspecStore:
             except FileNotFoundError:
                 return False
         return bool(info.get("type", "file") == "file")
+
+    def sync(self, keys: Sequence[str]) -> None:
+        """Make the puts of ``keys`` durable: on a local filesystem, ``fsync`` each folder that
+        holds one (a put's rename is on disk after it; one call per folder, however many files
+        it holds); elsewhere nothing (an object store's PUT is durable once answered).
+        ``cachepipe map`` syncs an item's outputs before it puts the marker, and the marker after:
+        after a power cut, a marker there means its outputs are there too."""
+        if not keys:
+            return
+        protocols = _protocols(self.fs)
+        if "file" not in protocols and "local" not in protocols:
+            return
+        with self._errors(self._where(keys[0]), first=False):
+            for folder in sorted({os.path.dirname(self._path(key)) for key in keys}):
+                sync_folder(folder)
+
+    def delete(self, keys: Sequence[str], within: str = "") -> None:
+        """Delete the objects ``keys``; one that does not exist is no error. S3: one DeleteObjects
+        per :data:`~cachepipe.stores.base.DELETE_BATCH` keys; a local filesystem: each file
+        removed, then the folders left empty up to ``within`` (kept), each changed folder
+        ``fsync``-ed (:func:`_delete_local`); other filesystems: fsspec's ``rm_file`` per key.
+
+        Raises:
+            PermissionError: a key the store refused to delete; other failures as in the error contract.
+        """
+        if not keys:
+            return
+        where = self._where(keys[0]) + (f" and {len(keys) - 1} more" if len(keys) > 1 else "")
+        refused: builtins.list[tuple[str, str | None, str | None]] = []  # (key, code, message)
+        with self._errors(where, first=False):
+            protocols = _protocols(self.fs)
+            if "file" in protocols or "local" in protocols:
+                _delete_local(self.root, keys, within)
+            elif self._s3:
+                for at in range(0, len(keys), DELETE_BATCH):
+                    batch = [{"Key": self._key_prefix + key} for key in keys[at : at + DELETE_BATCH]]
+                    answer = self._await(  # s3fs's rm would look each key up first
+                        self.fs._call_s3,  # noqa: SLF001 - s3fs has no public call for one DeleteObjects
+                        "delete_objects",
+                        Bucket=self._bucket,
+                        Delete={"Objects": batch, "Quiet": True},
+                        **self.fs.req_kw,
+                    )
+                    refused += [(e.get("Key", ""), e.get("Code"), e.get("Message")) for e in answer.get("Errors", ())]
+                    if refused:
+                        break
+            else:
+                for key in keys:
+                    with contextlib.suppress(FileNotFoundError):
+                        self.fs.rm_file(self._path(key))
+        if refused:
+            key, code, message = refused[0]
+            raise delete_error(code, message, f"{self.url.rstrip('/')}/{key[len(self._key_prefix) :]}", self.endpoint)

@@ -60,12 +60,12 @@ import socket
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from http.client import HTTPException
 from typing import Any, BinaryIO
 
 from cachepipe.errors import ConfigError
-from cachepipe.stores.base import FIRST_PAGE_KEYS, ObjectInfo, listed_etag, open_local
+from cachepipe.stores.base import DELETE_BATCH, FIRST_PAGE_KEYS, ObjectInfo, delete_error, listed_etag, open_local
 from cachepipe.stores.obs_errors import ObsServiceError, _ObsSeam
 from cachepipe.stores.obs_settings import (
     _CREDENTIAL_KEYS,
@@ -446,6 +446,27 @@ class ObsStore(_ObsSeam):
             return False
         self._check(resp, "head", key)
         return True
+
+    def delete(self, keys: Sequence[str], within: str = "") -> None:
+        """Delete ``keys`` (relative to the root): one DeleteObjects per
+        :data:`~cachepipe.stores.base.DELETE_BATCH` keys (quiet: OBS answers with the keys it could
+        not delete only). A key that does not exist is no error; ``within`` is for local
+        filesystems (an object store has no folders to remove).
+
+        Raises:
+            PermissionError: a key OBS refused to delete; other failures as in the error contract.
+        """
+        from obs import DeleteObjectsRequest, Object
+
+        for at in range(0, len(keys), DELETE_BATCH):
+            batch = keys[at : at + DELETE_BATCH]
+            request = DeleteObjectsRequest(quiet=True, objects=[Object(key=self.prefix + key) for key in batch])
+            resp = self._call("deleting", batch[0], self._open().deleteObjects, self.bucket, request)
+            refused = getattr(resp.body, "error", None) or []
+            if refused:
+                first = refused[0]
+                where = f"obs://{self.bucket}/{first.key}"
+                raise delete_error(first.code, first.message and self._redact(first.message), where, self.endpoint)
 
     # -- helpers ------------------------------------------------------------------------------
 
