@@ -19,6 +19,7 @@ import threading
 import pytest
 from test_map import bucket, cli, storage_args
 
+from cachepipe.errors import ConfigError
 from cachepipe.map import map_items, plan_items
 from cachepipe.map.cli import main
 from cachepipe.map.plan import command_digest, function_name
@@ -571,3 +572,17 @@ def test_a_marker_s_head_holds_its_version_then_its_command():
         "cc01",
     )
     assert marker_command(marker_body("x", {}, "00aa", None)) is None
+
+
+def test_a_destination_that_is_the_source_through_a_link_is_refused_and_the_dataset_kept(tmp_path):
+    """DST spelled as a link to SRC (or SRC as a link to DST) is SRC itself: its listing is the
+    dataset's, every input file under an item to run would be "left by an earlier attempt" and
+    deleted before the upload. Refused, as DST spelled as SRC is."""
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "f").write_bytes(b"the dataset")
+    (tmp_path / "link").symlink_to(tmp_path / "src")
+    options = {"cache_dir": tmp_path / "cache", "capacity": "1MiB", "progress": False, "out_ratio": 3}
+    for src, dst in ((tmp_path / "src", tmp_path / "link"), (tmp_path / "link", tmp_path / "src")):
+        with pytest.raises(ConfigError, match="is the source itself"):
+            map_items(named("A"), str(src), str(dst), **options)
+        assert (tmp_path / "src" / "a" / "f").read_bytes() == b"the dataset"
