@@ -104,3 +104,25 @@ def test_wake_ends_a_read_that_waits_and_close_releases_every_descriptor(tmp_pat
     inotify.close()
     inotify.close()  # twice: nothing more
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_an_instance_closed_refuses_every_call_and_never_reaches_the_next_instance_s_descriptor(tmp_path):
+    """Before, a call after close() went to the closed descriptor's number, which the next
+    instance (a restarted watch) is usually given: add() put a watch into that instance, with its
+    callback kept by the closed one (the watch's events were never handled, and the watch was
+    never removed), and wake() wrote into whatever file held the wake pipe's number."""
+    old = Inotify()
+    old.close()
+    new = Inotify()
+    try:
+        for call in (
+            lambda: old.add(bytes(tmp_path), IN_CREATE, print, 1),
+            old.read,
+            old.wake,
+            lambda: old.remove([(1, 1)]),
+        ):
+            with pytest.raises(RuntimeError, match=r"used after close\(\)"):
+                call()
+        assert inotify_watches(os.getpid()) == 0  # nothing reached the new instance
+    finally:
+        new.close()
