@@ -169,7 +169,7 @@ def test_dry_run_says_which_items_another_command_did(s3_source, s3_client, tmp_
     ]
     assert main([*args, *storage_args(s3_source.options), "--", *B]) == 0
     out = capsys.readouterr().out.splitlines()
-    note = " (done before by another command: its outputs would be overwritten)"
+    note = " (done before by another command: its outputs would be replaced, those not written again deleted)"
     assert out[:4] == [
         f"would run: item000 -> s3://data/out/item000/{note}",
         f"would run: item001 -> s3://data/out/item001/{note}",
