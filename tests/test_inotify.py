@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import select
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -126,3 +127,25 @@ def test_an_instance_closed_refuses_every_call_and_never_reaches_the_next_instan
         assert inotify_watches(os.getpid()) == 0  # nothing reached the new instance
     finally:
         new.close()
+
+
+OUT_OF_DESCRIPTORS = r"""
+import os, resource
+from cachepipe.service.inotify import Inotify
+before = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (max(before) + 2, hard))  # the instance's descriptor fits, its wake pipe not
+try:
+    Inotify()
+except OSError as exc:
+    print("raised", exc.errno)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+print(sorted(int(fd) for fd in os.listdir("/proc/self/fd")) == before)
+"""
+
+
+def test_an_instance_that_cannot_be_made_whole_leaves_no_descriptor_open():
+    """Before, a wake pipe that could not be made (EMFILE) left the inotify descriptor open."""
+    run = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS], capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["raised", str(errno.EMFILE), "True"], run.stdout

@@ -107,7 +107,11 @@ class Inotify:
         if fd < 0:
             raise _error("inotify_init1")
         self.fd = fd
-        self._wake_r, self._wake_w = os.pipe()  # not inherited by children (PEP 446)
+        try:
+            self._wake_r, self._wake_w = os.pipe()  # not inherited by children (PEP 446)
+        except BaseException:
+            os.close(fd)
+            raise
         self._poll = select.poll()
         self._poll.register(self.fd, select.POLLIN)
         self._poll.register(self._wake_r, select.POLLIN)
