@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import select
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -104,3 +105,47 @@ def test_wake_ends_a_read_that_waits_and_close_releases_every_descriptor(tmp_pat
     inotify.close()
     inotify.close()  # twice: nothing more
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_an_instance_closed_refuses_every_call_and_never_reaches_the_next_instance_s_descriptor(tmp_path):
+    """Before, a call after close() went to the closed descriptor's number, which the next
+    instance (a restarted watch) is usually given: add() put a watch into that instance, with its
+    callback kept by the closed one (the watch's events were never handled, and the watch was
+    never removed), and wake() wrote into whatever file held the wake pipe's number."""
+    old = Inotify()
+    old.close()
+    new = Inotify()
+    try:
+        for call in (
+            lambda: old.add(bytes(tmp_path), IN_CREATE, print, 1),
+            old.read,
+            old.wake,
+            lambda: old.remove([(1, 1)]),
+        ):
+            with pytest.raises(RuntimeError, match=r"used after close\(\)"):
+                call()
+        assert inotify_watches(os.getpid()) == 0  # nothing reached the new instance
+    finally:
+        new.close()
+
+
+OUT_OF_DESCRIPTORS = r"""
+import os, resource
+from cachepipe.service.inotify import Inotify
+before = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (max(before) + 2, hard))  # the instance's descriptor fits, its wake pipe not
+try:
+    Inotify()
+except OSError as exc:
+    print("raised", exc.errno)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+print(sorted(int(fd) for fd in os.listdir("/proc/self/fd")) == before)
+"""
+
+
+def test_an_instance_that_cannot_be_made_whole_leaves_no_descriptor_open():
+    """Before, a wake pipe that could not be made (EMFILE) left the inotify descriptor open."""
+    run = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS], capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["raised", str(errno.EMFILE), "True"], run.stdout

@@ -110,3 +110,36 @@ def test_a_link_in_place_of_the_folder_or_under_it_is_not_followed(tmp_path):
     make_writable(tmp_path / "top")
     make_writable(tmp_path / "gone")  # removed meanwhile: nothing to do
     assert stat.S_IMODE(outside.stat().st_mode) == 0o500
+
+
+OUT_OF_DESCRIPTORS = r"""
+import os, resource, sys
+from cachepipe.map import job
+root = sys.argv[1]
+os.makedirs(os.path.join(root, "a", "b"))
+before = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+# the root's descriptor and its listing's fit; the first subfolder's listing (scandir dup()s) does not
+resource.setrlimit(resource.RLIMIT_NOFILE, (max(before) + 3, hard))
+try:
+    job.make_writable(root)
+except OSError as exc:
+    print("raised", exc.errno)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+print(sorted(int(fd) for fd in os.listdir("/proc/self/fd")) == before)
+"""
+
+
+def test_a_folder_that_cannot_be_listed_closes_its_descriptor(tmp_path):
+    """Before, a subfolder opened and then not listed (EMFILE from scandir's dup, EIO) was left
+    open: make_writable raised without closing it (one descriptor leaked per call)."""
+    (tmp_path / "root").mkdir()
+    run = subprocess.run(
+        [sys.executable, "-c", OUT_OF_DESCRIPTORS, str(tmp_path / "root")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["raised", "24", "True"], run.stdout

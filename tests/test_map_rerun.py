@@ -19,6 +19,7 @@ import threading
 import pytest
 from test_map import bucket, cli, storage_args
 
+from cachepipe.errors import ConfigError
 from cachepipe.map import map_items, plan_items
 from cachepipe.map.cli import main
 from cachepipe.map.plan import command_digest, function_name
@@ -168,7 +169,7 @@ def test_dry_run_says_which_items_another_command_did(s3_source, s3_client, tmp_
     ]
     assert main([*args, *storage_args(s3_source.options), "--", *B]) == 0
     out = capsys.readouterr().out.splitlines()
-    note = " (done before by another command: its outputs would be overwritten)"
+    note = " (done before by another command: its outputs would be replaced, those not written again deleted)"
     assert out[:4] == [
         f"would run: item000 -> s3://data/out/item000/{note}",
         f"would run: item001 -> s3://data/out/item001/{note}",
@@ -571,3 +572,17 @@ def test_a_marker_s_head_holds_its_version_then_its_command():
         "cc01",
     )
     assert marker_command(marker_body("x", {}, "00aa", None)) is None
+
+
+def test_a_destination_that_is_the_source_through_a_link_is_refused_and_the_dataset_kept(tmp_path):
+    """DST spelled as a link to SRC (or SRC as a link to DST) is SRC itself: its listing is the
+    dataset's, every input file under an item to run would be "left by an earlier attempt" and
+    deleted before the upload. Refused, as DST spelled as SRC is."""
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "f").write_bytes(b"the dataset")
+    (tmp_path / "link").symlink_to(tmp_path / "src")
+    options = {"cache_dir": tmp_path / "cache", "capacity": "1MiB", "progress": False, "out_ratio": 3}
+    for src, dst in ((tmp_path / "src", tmp_path / "link"), (tmp_path / "link", tmp_path / "src")):
+        with pytest.raises(ConfigError, match="is the source itself"):
+            map_items(named("A"), str(src), str(dst), **options)
+        assert (tmp_path / "src" / "a" / "f").read_bytes() == b"the dataset"

@@ -101,7 +101,7 @@ def make_writable(path: Path) -> None:
     root = _writable_folder(os.fspath(path), None, os.fspath(path))
     if root is None:
         return
-    stack = [(root, _subfolders(root), os.fspath(path))]
+    stack = [(root, _subfolders_or_close(root), os.fspath(path))]
     try:
         while stack:
             fd, names, shown = stack[-1]
@@ -110,10 +110,20 @@ def make_writable(path: Path) -> None:
                 stack.pop()
                 os.close(fd)
             elif (child := _writable_folder(name, fd, os.path.join(shown, name))) is not None:
-                stack.append((child, _subfolders(child), os.path.join(shown, name)))
+                stack.append((child, _subfolders_or_close(child), os.path.join(shown, name)))
     finally:
         for fd, _names, _shown in stack:
             os.close(fd)
+
+
+def _subfolders_or_close(fd: int) -> Iterator[str]:
+    """:func:`_subfolders` of ``fd``, which is closed if they cannot be listed (EMFILE, EIO):
+    it is not on the walk's stack yet."""
+    try:
+        return _subfolders(fd)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 _FOLDER = os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -333,24 +333,33 @@ class PlannedSource:
             abort_store(self._store)
 
 
-def _location(url: str) -> str:
+def _location(url: str, resolve: bool = False) -> str:
     """``url`` spelled one way, ending in ``/``: a local path (no scheme, or ``file://``) made
     absolute and normalised (``data``, ``./data/`` and ``file:///home/me/data`` are one place;
-    symbolic links are not resolved), any other URL as it is."""
+    symbolic links resolved only if ``resolve``), any other URL as it is."""
     path = url.removeprefix("file://") if url.startswith("file://") else None if "://" in url else url
     if path is None:
         return url.rstrip("/") + "/"
-    return "file://" + os.path.abspath(os.path.expanduser(path)).rstrip("/") + "/"
+    path = os.path.expanduser(path)
+    return "file://" + (os.path.realpath(path) if resolve else os.path.abspath(path)).rstrip("/") + "/"
 
 
 def inside_prefix(source: str, dest: str) -> str | None:
     """``dest`` relative to ``source`` when it lies under it (``s3://b/d/`` and ``s3://b/d/out/`` -> ``out/``;
-    ``data`` and ``./data/out`` -> ``out/``: local paths are compared as absolute paths).
+    ``data`` and ``./data/out`` -> ``out/``: local paths are compared as absolute paths, then,
+    if that finds neither under the other, with their links resolved: a link to a folder is
+    that folder).
 
     Raises:
-        ConfigError: ``dest`` is ``source`` itself.
+        ConfigError: ``dest`` is ``source`` itself, as spelled or through a link (its listing
+            would be the dataset's, whose files a run would delete as left by an earlier attempt).
     """
-    src, dst = _location(source), _location(dest)
-    if dst == src:
-        raise ConfigError(f"dest {dest!r} is the source itself ({source!r}); give a folder beside it or under it")
-    return dst[len(src) :] if dst.startswith(src) else None
+    spellings = [(_location(source, resolve), _location(dest, resolve)) for resolve in (False, True)]
+    for resolved, (src, dst) in enumerate(spellings):
+        if dst == src:
+            how = f" through a link ({src.removeprefix('file://')})" if resolved else ""
+            raise ConfigError(f"dest {dest!r} is the source itself ({source!r}){how}; give a folder beside it or under it")
+    for src, dst in spellings:
+        if dst.startswith(src):
+            return dst[len(src) :]
+    return None

@@ -154,8 +154,8 @@ class _Remote:
                     checked.held[mi.name] = held[mi.name]
         if checked.command_changed:
             log.warning(
-                "%d item(s) were done by another command (first: %s): %s, their outputs overwritten; to keep "
-                "what they hold, run the command (and --unpack) they were done with",
+                "%d item(s) were done by another command (first: %s): %s, their outputs replaced (those not written again "
+                "deleted); to keep what they hold, run the command (and --unpack) they were done with",
                 len(checked.command_changed),
                 checked.command_changed[0],
                 "a run would do them again" if self.cfg.dry_run else "running them again",

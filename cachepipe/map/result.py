@@ -172,7 +172,7 @@ def format_plan(result: MapResult, dest: str) -> str:
     """The ``--dry-run`` listing."""
     lines = [format_share(result)] if result.world_size > 1 else []
     changed, first = set(result.command_changed), result.command_changed[:1]
-    again = " (done before by another command: its outputs would be overwritten)"
+    again = " (done before by another command: its outputs would be replaced, those not written again deleted)"
     lines += [f"would run: {name} -> {dest.rstrip('/')}/{name}/{again if name in changed else ''}" for name in result.planned]
     lines += [f"would refuse: {name}: {why}" for name, why in result.refused.items()]
     refused = f", {len(result.refused)} would be refused" if result.refused else ""

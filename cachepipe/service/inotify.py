@@ -94,7 +94,9 @@ class Inotify:
 
     :meth:`add` and :meth:`remove` may be called from any thread; :meth:`read` and
     :meth:`handle` from one thread, which :meth:`wake` ends; :meth:`close` once that thread has
-    stopped.
+    stopped. After :meth:`close`, :meth:`add`, :meth:`remove`, :meth:`read` and :meth:`wake`
+    raise :class:`RuntimeError` (its descriptors' numbers may be another file's by then, or the
+    next instance's).
 
     Raises:
         OSError: the instance cannot be made (``fs.inotify.max_user_instances`` reached).
@@ -105,7 +107,11 @@ class Inotify:
         if fd < 0:
             raise _error("inotify_init1")
         self.fd = fd
-        self._wake_r, self._wake_w = os.pipe()  # not inherited by children (PEP 446)
+        try:
+            self._wake_r, self._wake_w = os.pipe()  # not inherited by children (PEP 446)
+        except BaseException:
+            os.close(fd)
+            raise
         self._poll = select.poll()
         self._poll.register(self.fd, select.POLLIN)
         self._poll.register(self._wake_r, select.POLLIN)
@@ -126,6 +132,7 @@ class Inotify:
         """
         call = _calls().held_add if hold else _calls().add
         with self._lock:  # a removal of the same watch cannot come between the kernel's and ours
+            self._check_open()
             wd = call(self.fd, path, mask | _IN_MASK_ADD)
             if wd < 0:
                 raise _error("inotify_add_watch", path)
@@ -138,6 +145,7 @@ class Inotify:
         folder deleted) or a callback removed before is passed over."""
         rm = _calls().held_rm
         with self._lock:
+            self._check_open()
             for wd, id_ in callbacks:
                 on_it = self._watches.get(wd)
                 if on_it is None or on_it.pop(id_, None) is None or on_it:
@@ -150,6 +158,7 @@ class Inotify:
         """Wait for events and return those queued (at most :data:`READ_SIZE` bytes of them);
         ``[]`` once :meth:`wake` was called. An overflow of the kernel's queue is an event with
         ``IN_Q_OVERFLOW`` in its mask."""
+        self._check_open()
         ready = self._poll.poll()
         if any(fd == self._wake_r for fd, _ in ready):
             return []
@@ -180,7 +189,13 @@ class Inotify:
 
     def wake(self) -> None:
         """Make the thread waiting in :meth:`read`, or its next call, return ``[]``."""
-        os.write(self._wake_w, b"!")
+        with self._lock:  # not after close: its number may be another file's
+            self._check_open()
+            os.write(self._wake_w, b"!")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("inotify instance used after close()")
 
     def close(self) -> None:
         """Close the instance (the kernel removes its watches); call once no thread reads it."""
