@@ -134,9 +134,10 @@ def test_an_item_whose_requests_turn_slow_gets_its_threads_back(tmp_path):
 
 def test_small_items_whose_requests_turn_slow_are_fetched_over_every_thread_again(files, tmp_path):
     # While requests cost nothing, a download thread takes parts of small items in runs; once
-    # they turn slow (20 ms), one part per thread again, over every thread the limit allows.
+    # they turn slow (100 ms), one part per thread again, over every thread the limit allows.
+    # (20 ms, on a loaded machine, left threads too little time to be in flight together: 17.)
     files(600)
-    store = TimedStore(delay=0.02, delay_after=300)
+    store = TimedStore(delay=0.1, delay_after=300)
     with Pipeline(ROOT, tmp_path / "cache", "64MiB", items="files", store=store, max_concurrency=32) as pipe:
         names = [item.name for item in pipe]
     assert names == [f"{i:05d}" for i in range(600)]
