@@ -241,10 +241,13 @@ def test_a_rerun_with_a_command_that_writes_other_names_leaves_only_its_outputs(
     assert all(held[f"{n}/p/B.bin"] == data[n]["f"] for n in data)
 
 
-def test_what_an_attempt_killed_mid_upload_left_is_deleted_and_nothing_beside_the_items(s3_source, s3_client, tmp_path):
-    """An attempt killed mid-upload left outputs under names the next attempt does not write (a
-    split at random points, a timestamp in a name), and no marker. The next run deletes them;
-    what is under no item of SRC (a file beside the items, an item gone from SRC) is kept."""
+def test_objects_of_an_attempt_without_a_marker_are_kept_where_not_written_again(s3_source, s3_client, tmp_path):
+    """Objects under an item and no marker: an attempt killed mid-upload (under names the next
+    attempt does not write: a split at random points, a timestamp in a name), or one running now
+    in another process (a second run onto the same DST; ranks whose shares overlap). Deleting
+    them, as the first version of this change did, deleted the outputs that the other process's
+    marker then listed. They are kept; those written again are replaced; what is under no item
+    of SRC (a file beside the items, an item gone from SRC) is kept too."""
     data = s3_source.folders(2, {"f": 100})
     dst = "s3://data/out/"
     killed = ["item000/p/1732969.bin", "item000/part-3.txt", "item000/p/A.bin", "item001/x/y/z.bin"]
@@ -253,13 +256,15 @@ def test_what_an_attempt_killed_mid_upload_left_is_deleted_and_nothing_beside_th
     run = cli(*base, "--no-progress", *storage_args(s3_source.options), "--", *named("A"))
     assert run.returncode == 0 and "2 done, 0 failed, 0 already done" in run.stderr, run.stderr
     held = bucket(s3_client, "out/")
-    assert set(held) == produced("A", data) | {"README", "item0000/gone.bin", "item001x"}
-    assert held["item000/p/A.bin"] == data["item000"]["f"]  # rewritten by this attempt, not deleted
+    assert set(held) == produced("A", data) | {"README", "item0000/gone.bin", "item001x"} | set(killed)
+    assert held["item000/p/A.bin"] == data["item000"]["f"]  # rewritten by this attempt
 
 
 def test_a_local_destination_keeps_only_the_outputs_and_no_empty_folder(tmp_path):
-    """The same on a local DST: a killed attempt's files (a temporary file of an upload among
-    them), then another command's, are deleted, and the folders that held only them too."""
+    """On a local DST: a killed attempt's files are kept (no marker: see above), but for the
+    temporary file of an upload that this attempt writes again; once the item has a marker,
+    a rerun by another command deletes what the item holds that it does not write, and the
+    folders that held only that."""
     for name in ("a", "b"):
         (tmp_path / "src" / name).mkdir(parents=True)
         (tmp_path / "src" / name / "f").write_bytes(name.encode() * 10)
@@ -274,7 +279,7 @@ def test_a_local_destination_keeps_only_the_outputs_and_no_empty_folder(tmp_path
 
     first = cli(*base, "--", *named("A"))
     assert first.returncode == 0, first.stderr
-    assert tree() == produced("A", "ab") | {"keep/me"}
+    assert tree() == produced("A", "ab") | {"keep/me", "a/old/deeper/x.bin", "a/p/7.bin"}
     rerun = cli(*base, "--", *named("B"))
     assert rerun.returncode == 0 and "2 run again" in rerun.stderr, rerun.stderr
     assert tree() == produced("B", "ab") | {"keep/me"}
@@ -305,7 +310,8 @@ def test_a_destination_that_refuses_deletes_stops_the_run_naming_the_permission(
     (tmp_path / "src" / "a" / "f").write_bytes(b"x")
     dst = tmp_path / "dst"
     leave(str(dst), {}, tmp_path, ["a/left.bin"])
-    with pytest.raises(DestinationDeniedError, match=r"deleting a/left.bin, what an earlier attempt left.*s3:DeleteObject"):
+    (dst / "a" / DONE_MARKER).write_bytes(marker_body("a", {"left.bin": 24}, None, "0" * 16))  # another command's
+    with pytest.raises(DestinationDeniedError, match=rf"deleting a/{DONE_MARKER}, what an earlier attempt left.*s3:DeleteObject"):
         map_items(
             named("A"),
             str(tmp_path / "src"),
@@ -316,7 +322,7 @@ def test_a_destination_that_refuses_deletes_stops_the_run_naming_the_permission(
             progress=False,
             dest_store=DeleteDeniedDest(str(dst), {}),
         )
-    assert not (dst / "a" / DONE_MARKER).exists()
+    assert marker_command((dst / "a" / DONE_MARKER).read_bytes()) == "0" * 16  # the old marker: nothing written
 
 
 class CountingDest(FsspecStore):
@@ -359,8 +365,8 @@ class CountingDest(FsspecStore):
 def test_an_item_done_is_left_alone_and_a_fresh_destination_costs_one_listing(s3_source, s3_client, tmp_path):
     """The requests to DST per run: one listing of DST (a page per 1,000 keys); a GET of each
     marker it lists (none on a fresh DST, where it was one per item); deletes only for an item
-    that runs and holds what it does not write. An item skipped as done is neither read beyond
-    its marker's head nor deleted from."""
+    that runs, has a marker and holds what it does not write. An item skipped as done is neither
+    read beyond its marker's head nor deleted from; one without a marker is not deleted from."""
     data = s3_source.folders(3, {"f": 100})
     dest = CountingDest("s3://data/out/", s3_source.options)
     options = {
@@ -388,11 +394,20 @@ def test_an_item_done_is_left_alone_and_a_fresh_destination_costs_one_listing(s3
         assert (resumed.items_done, resumed.items_skipped) == (1, 2)
         calls = dest.take()
         assert sorted(calls["get"]) == [f"item000/{DONE_MARKER}", f"item001/{DONE_MARKER}"]
-        assert calls["delete"] == [("item002/p/left.bin",)]  # one request; the outputs it writes again are not deleted
+        assert calls["delete"] == []  # no marker: what it holds may be another process's, being written
         assert set(calls["put"]) == produced("A", ["item002"])
+
+        rerun = map_items(named("B"), s3_source.url, "s3://data/out/", **options)  # every item has A's marker
+        assert rerun.items_done == 3
+        deletes = dest.take()["delete"]
+        assert sorted(deletes) == sorted(  # per item: the old marker alone, then the rest in one request
+            [(f"{n}/{DONE_MARKER}",) for n in data]
+            + [(f"{n}/A.txt", f"{n}/p/A.bin") for n in ["item000", "item001"]]
+            + [("item002/A.txt", "item002/p/A.bin", "item002/p/left.bin")]
+        )
     finally:
         dest.close()
-    assert set(bucket(s3_client, "out/")) == produced("A", data)
+    assert set(bucket(s3_client, "out/")) == produced("B", data)
 
 
 class Crashed(BaseException):

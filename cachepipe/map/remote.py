@@ -3,8 +3,10 @@ uploads: the check of DST's bucket and the listings of SRC and of DST, retried a
 (:meth:`_Remote._retrying`), and which items DST already marks done, for the version of their
 input listed now and the command run now (:meth:`_Remote._done`: DST's listing tells which items
 have a marker, and the head of each marker listed is read, concurrently; :func:`verdict`
-decides). The listing of DST also tells what each item to run holds there already, which its
-upload deletes unless it writes it again (:mod:`cachepipe.map.uploader`).
+decides). The listing of DST also tells what each item to run holds there already: for an item
+whose marker is there (of another command, or of its earlier input), its upload deletes what it
+does not write again (:mod:`cachepipe.map.uploader`); for one without a marker, nothing is
+deleted (see :meth:`_Remote._done`).
 
 :class:`_Remote` is the base class of :class:`~cachepipe.map.run._MapRun` (not used alone), whose
 options (``cfg``) and stop event it reads.
@@ -51,12 +53,14 @@ def verdict(head: bytes | None, version: str | None, command: str) -> Verdict:
 @dataclass
 class Checked:
     """What :meth:`_Remote._done` found: the names of the items done, of those done by another
-    command (to run again, in plan order), and the keys DST holds under each item to run that
-    holds any (relative to DST)."""
+    command (to run again, in plan order), the keys DST holds under each item to run that has a
+    marker there (relative to DST: its upload deletes those it does not write again), and the
+    items to run that hold objects but no marker (kept)."""
 
     done: set[str] = field(default_factory=set)
     command_changed: list[str] = field(default_factory=list)
     held: dict[str, list[str]] = field(default_factory=dict)
+    unfinished: list[str] = field(default_factory=list)
 
 
 def held_by_item(keys: Iterable[str], names: Collection[str], wanted: Collection[str]) -> dict[str, list[str]]:
@@ -106,7 +110,14 @@ class _Remote:
         :data:`~cachepipe.map.uploader.MARKER_LIMIT` bytes of its marker (a small body: about a
         HEAD's cost), concurrently; :func:`verdict` decides. ``names``: every item listed in SRC
         (of every rank; see :func:`held_by_item`). A SRC under DST is no item's to delete from:
-        its keys are left out."""
+        its keys are left out.
+
+        Only an item whose marker is there (a finished attempt's, of another command or input)
+        has its objects handed to the upload to delete. Objects without a marker are an attempt
+        that did not finish, or one that is running now in another process (a second run onto
+        the same DST; ranks whose shares overlap after SRC changed between their listings):
+        deleting them could delete outputs that the other's marker is about to list. They are
+        kept; those this attempt writes again are replaced."""
         checked = Checked()
         if not planned:
             return checked
@@ -150,8 +161,17 @@ class _Remote:
             else:
                 if what == "command":
                     checked.command_changed.append(mi.name)
-                if mi.name in held:
+                if what in ("command", "input"):
                     checked.held[mi.name] = held[mi.name]
+                elif mi.name in held:
+                    checked.unfinished.append(mi.name)
+        if checked.unfinished:
+            log.info(
+                "%d item(s) to run hold objects in DST but no marker (an attempt that did not finish, or one running now "
+                "elsewhere; first: %s): those written again are replaced, the others kept; an item's marker lists its outputs",
+                len(checked.unfinished),
+                checked.unfinished[0],
+            )
         if checked.command_changed:
             log.warning(
                 "%d item(s) were done by another command (first: %s): %s, their outputs replaced (those not written again "

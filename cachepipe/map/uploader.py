@@ -9,20 +9,23 @@ made the outputs); a run that dies in the middle of an upload leaves outputs wit
 the next run does the item again, as it does an item whose input was rewritten since or that was
 done by another command.
 
-An attempt leaves ``DST/<item>/`` holding its outputs and its marker, nothing else: what an earlier
-attempt left there under other names (a killed one's, another command's, one of this run that
-failed) is deleted. The order of :meth:`Uploader.upload_item`, so that a crash at any point
-leaves no marker that lists an object that is not there, or that another attempt wrote:
+An attempt is told what ``DST/<item>/`` holds that it may delete (``held``): the objects of an
+item that has a marker (a finished attempt's, of another command or input: the run's listing
+decides, :meth:`cachepipe.map.remote._Remote._done`), and what a failed attempt of this run
+uploaded; it leaves ``DST/<item>/`` holding its outputs and marker, and nothing else of those.
+The order of :meth:`Uploader.upload_item`, so that a crash at any point leaves no marker that
+lists an object that is not there, or that another attempt wrote:
 
 1. the old marker, if ``DST/<item>/`` holds one, is deleted alone, first: from here on, the item
-   has no marker and a rerun does it again (and cleans it as this attempt does);
+   has no marker and a rerun does it again (keeping, as for any item without a marker, what it
+   does not write again);
 2. the other objects there that are not outputs of this attempt are deleted (a batch per 1,000);
 3. the outputs are uploaded (over the objects of the same names);
 4. the marker is uploaded, listing them.
 
 What ``DST/<item>/`` holds is known without a request per item: the run lists ``DST`` once at its
-start (:meth:`cachepipe.map.remote._Remote._done`) and hands the keys under each item to run to
-the :class:`Uploader` (``held``), which adds the keys each attempt uploads (a retry of the item
+start (:meth:`cachepipe.map.remote._Remote._done`) and hands the keys under each item to run
+that has a marker to the :class:`Uploader` (``held``), which adds the keys each attempt uploads (a retry of the item
 deletes what the failed attempt left). An item with nothing in ``DST`` costs no delete. On a local
 ``DST`` each step is on disk before the next begins: a delete ``fsync``-s the folders it changed,
 and the outputs' folders are ``fsync``-ed (the store's ``sync``, once per folder) before the
