@@ -44,6 +44,17 @@ def writes(text: str) -> list[str]:
 A, B = writes("A"), writes("B")
 
 
+def s3_options(tmp_path, s3_source) -> dict:
+    """``map_items``' options for a run over the moto source into a 1 MiB cache."""
+    return {
+        "cache_dir": tmp_path / "cache",
+        "capacity": "1MiB",
+        "storage_options": s3_source.options,
+        "progress": False,
+        "out_ratio": 2,
+    }
+
+
 def outputs(s3_client, prefix: str) -> dict[str, bytes]:
     return {k: v for k, v in bucket(s3_client, prefix).items() if not k.endswith(DONE_MARKER)}
 
@@ -80,13 +91,7 @@ def test_a_rerun_with_another_command_runs_every_item_again_and_says_so(s3_sourc
 
 def test_a_rerun_with_the_same_command_skips_every_item_and_the_marker_records_it(s3_source, s3_client, tmp_path):
     s3_source.folders(2, {"f": 100})
-    options = {
-        "cache_dir": tmp_path / "cache",
-        "capacity": "1MiB",
-        "storage_options": s3_source.options,
-        "progress": False,
-        "out_ratio": 2,
-    }
+    options = s3_options(tmp_path, s3_source)
     assert map_items(A, s3_source.url, "s3://data/out/", **options).items_done == 2
     again = map_items(list(A), s3_source.url, "s3://data/out/", **options)  # the same arguments, in a new list
     assert (again.items_done, again.items_skipped) == (0, 2)
@@ -111,13 +116,7 @@ def test_a_marker_of_an_earlier_cachepipe_counts_as_done_and_one_of_another_comm
     s3_client.put_object(Bucket="data", Key="out/item001/g", Body=b"A")
     body = marker_body("item001", {"g": 1}, None, command_digest(A, None, False))
     s3_client.put_object(Bucket="data", Key=f"out/item001/{DONE_MARKER}", Body=body)
-    options = {
-        "cache_dir": tmp_path / "cache",
-        "capacity": "1MiB",
-        "storage_options": s3_source.options,
-        "progress": False,
-        "out_ratio": 2,
-    }
+    options = s3_options(tmp_path, s3_source)
     result = map_items(B, s3_source.url, "s3://data/out/", **options)
     assert result.ok and (result.items_done, result.items_skipped) == (2, 1), result.failed
     assert result.command_changed == ["item001"]
@@ -133,26 +132,14 @@ def test_an_empty_marker_made_by_hand_counts_as_done(s3_source, s3_client, tmp_p
     empty, it records nothing, and it counts as done, as one an earlier cachepipe wrote."""
     s3_source.folders(2, {"f": 100})
     s3_client.put_object(Bucket="data", Key=f"out/item000/{DONE_MARKER}", Body=b"")
-    options = {
-        "cache_dir": tmp_path / "cache",
-        "capacity": "1MiB",
-        "storage_options": s3_source.options,
-        "progress": False,
-        "out_ratio": 2,
-    }
+    options = s3_options(tmp_path, s3_source)
     result = map_items(A, s3_source.url, "s3://data/out/", **options)
     assert result.ok and (result.items_done, result.items_skipped) == (1, 1), result.failed
 
 
 def test_dry_run_says_which_items_another_command_did(s3_source, s3_client, tmp_path, capsys, caplog):
     s3_source.folders(3, {"f": 100})
-    options = {
-        "cache_dir": tmp_path / "cache",
-        "capacity": "1MiB",
-        "storage_options": s3_source.options,
-        "progress": False,
-        "out_ratio": 2,
-    }
+    options = s3_options(tmp_path, s3_source)
     assert map_items(A, s3_source.url, "s3://data/out/", **options).items_done == 2 + 1
     s3_client.delete_object(Bucket="data", Key=f"out/item002/{DONE_MARKER}")  # not done: runs, without the note
     before = bucket(s3_client, "out/")
@@ -369,14 +356,7 @@ def test_an_item_done_is_left_alone_and_a_fresh_destination_costs_one_listing(s3
     read beyond its marker's head nor deleted from; one without a marker is not deleted from."""
     data = s3_source.folders(3, {"f": 100})
     dest = CountingDest("s3://data/out/", s3_source.options)
-    options = {
-        "cache_dir": tmp_path / "cache",
-        "capacity": "1MiB",
-        "storage_options": s3_source.options,
-        "progress": False,
-        "out_ratio": 3,
-        "dest_store": dest,
-    }
+    options = {**s3_options(tmp_path, s3_source), "out_ratio": 3, "dest_store": dest}
     try:
         assert map_items(named("A"), s3_source.url, "s3://data/out/", **options).items_done == 3
         fresh = dest.take()

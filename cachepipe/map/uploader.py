@@ -44,7 +44,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -329,61 +329,63 @@ class Uploader:
             self._held[name] -= stale
 
     def _delete(self, name: str, keys: list[str]) -> None:
-        for attempt in range(self._retries + 1):
-            if self._stop.is_set():
-                raise InterruptedError(f"stopped before deleting what an earlier attempt left in {name}/")
-            try:
-                self.dest.delete(keys, within=name)
-            except Exception as exc:
-                if not is_transient(exc) or attempt == self._retries:
-                    if isinstance(exc, PermissionError):
-                        raise DestinationDeniedError(
-                            f"deleting {keys[0]}{f' and {len(keys) - 1} more' if len(keys) > 1 else ''}, what an earlier "
-                            f"attempt left in {name}/ under names this one does not write: the destination refused it "
-                            f"({exc}); the run stops: give credentials that may delete there (s3:DeleteObject; a local or "
-                            "mounted DST: write permission on its folders) and run it again (items done are kept)"
-                        ) from exc
-                    raise
-                delay = backoff_delay(attempt, self._backoff, self._backoff_max)
-                log.warning("delete retry %d/%d in %s/ in %.2fs: %s", attempt + 1, self._retries, name, delay, exc)
-                with self._lock:
-                    self.counters.retries += 1
-                if self._stop.wait(delay):
-                    raise InterruptedError(f"stopped before deleting what an earlier attempt left in {name}/") from exc
-            else:
-                return
+        def refused(exc: Exception, _attempts: int) -> Exception | None:
+            if not isinstance(exc, PermissionError):
+                return None
+            more = f" and {len(keys) - 1} more" if len(keys) > 1 else ""
+            return DestinationDeniedError(
+                f"deleting {keys[0]}{more}, what an earlier attempt left in {name}/ under names this one does not write: the "
+                f"destination refused it ({exc}); the run stops: give credentials that may delete there (s3:DeleteObject; "
+                "a local or mounted DST: write permission on its folders) and run it again (items done are kept)"
+            )
+
+        what = f"deleting what an earlier attempt left in {name}/"
+        self._retrying(lambda: self.dest.delete(keys, within=name), what, refused)
 
     def _put(self, path: Path, key: str, count: bool = True) -> None:
+        def refused(exc: Exception, attempts: int) -> Exception | None:
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                return DestinationFullError(
+                    f"uploading {key}: the destination is full after {attempts} attempt(s) ({exc}); the run stops: "
+                    "free space there and run it again (items done are kept)"
+                )
+            if isinstance(exc, PermissionError):  # the store's refusal (an output it cannot read: LocalFileError)
+                return DestinationDeniedError(
+                    f"uploading {key}: the destination refused it ({exc}); the run stops: give credentials "
+                    "that may write there (s3:PutObject; a local or mounted DST: write permission on its "
+                    "folders) and run it again (items done are kept)"
+                )
+            return None
+
+        self._retrying(lambda: self.dest.put(path, key), f"uploading {key}", refused)
+        log.debug("uploaded %s", key)
+        if count:
+            size = path.stat().st_size
+            with self._lock:
+                self.counters.bytes += size
+                self.counters.files += 1
+
+    def _retrying(self, call: Callable[[], None], what: str, refused: Callable[[Exception, int], Exception | None]) -> None:
+        """Run ``call`` (``what`` it does, for the log and the stop's message) until it succeeds,
+        retrying a transient error up to the uploader's ``retries`` with backoff, sleeping on the
+        stop event. An error for good raises as ``refused(error, attempts)`` makes it (the
+        destination full or refusing: the run stops), else as it came."""
         for attempt in range(self._retries + 1):
             if self._stop.is_set():
-                raise InterruptedError(f"stopped before uploading {key}")
+                raise InterruptedError(f"stopped before {what}")
             try:
-                self.dest.put(path, key)
+                call()
             except Exception as exc:
                 if not is_transient(exc) or attempt == self._retries:
-                    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                        raise DestinationFullError(
-                            f"uploading {key}: the destination is full after {attempt + 1} attempt(s) ({exc}); the run stops: "
-                            "free space there and run it again (items done are kept)"
-                        ) from exc
-                    if isinstance(exc, PermissionError):  # the store's refusal (an output it cannot read: LocalFileError)
-                        raise DestinationDeniedError(
-                            f"uploading {key}: the destination refused it ({exc}); the run stops: give credentials "
-                            "that may write there (s3:PutObject; a local or mounted DST: write permission on its "
-                            "folders) and run it again (items done are kept)"
-                        ) from exc
+                    translated = refused(exc, attempt + 1)
+                    if translated is not None:
+                        raise translated from exc
                     raise
                 delay = backoff_delay(attempt, self._backoff, self._backoff_max)
-                log.warning("upload retry %d/%d of %s in %.2fs: %s", attempt + 1, self._retries, key, delay, exc)
+                log.warning("retry %d/%d of %s in %.2fs: %s", attempt + 1, self._retries, what, delay, exc)
                 with self._lock:
                     self.counters.retries += 1
                 if self._stop.wait(delay):
-                    raise InterruptedError(f"stopped before uploading {key}") from exc
+                    raise InterruptedError(f"stopped before {what}") from exc
             else:
-                log.debug("uploaded %s", key)
-                if count:
-                    size = path.stat().st_size
-                    with self._lock:
-                        self.counters.bytes += size
-                        self.counters.files += 1
                 return
