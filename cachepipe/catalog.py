@@ -26,7 +26,7 @@ from .grouping import (
     _Entry,
     _grouped,
     group_items,
-    version_of,  # noqa: F401 - importable from here, as before
+    version_of,
 )
 from .keys import _MAX_SEGMENT_BYTES, RESERVED_NAMES, _TreeCheck, check_key
 from .stores.base import ObjectInfo
@@ -392,6 +392,24 @@ class Catalog(Sequence[Item]):
     def name(self, i: int) -> str:
         """The name of item ``i``, without making the item."""
         return self._names[self._position(i)]
+
+    def file_sizes(self, i: int) -> dict[str, int]:
+        """The files of item ``i`` as ``{rel: size}`` (what ``{f.rel: f.size for f in item.files}``
+        gives), without making the item: a cache's kept items are checked against it at open."""
+        i = self._position(i)
+        data, offsets, sizes = self._rels.data, self._rels.offsets, self._file_sizes
+        files = range(self._first_file[i], self._first_file[i + 1])
+        return {data[offsets[j] : offsets[j + 1]].decode("utf-8", _UTF8_ERRORS): sizes[j] for j in files}
+
+    def version(self, i: int) -> str | None:
+        """:attr:`Item.version` of item ``i``, without making the item; None, found in its entity
+        tags' kinds alone, when none of its files has a tag."""
+        i = self._position(i)
+        start, end = self._first_file[i], self._first_file[i + 1]
+        if self._etag_kinds.count(_ETAG_NONE, start, end) == end - start:
+            return None
+        rels, sizes = self._rels, self._file_sizes
+        return version_of([(rels[j], sizes[j], self._etag(j)) for j in range(start, end)])
 
     @property
     def names(self) -> Names:

@@ -174,6 +174,22 @@ def test_catalog_round_trips_names_keys_sizes_and_etags():
     assert list(catalog.entries()) == [(i.name, [(f.rel, f.size, f.etag) for f in i.files]) for i in items]
 
 
+def test_an_items_file_sizes_and_version_from_the_columns_are_the_items():
+    # Catalog.file_sizes and Catalog.version stand in for an Item at a cache's open
+    # (recovery.sort_leftovers): every kind of entity tag, nested and non-ASCII paths, both modes.
+    files_listing = [ObjectInfo(k, 5, e) for k, e in [("000.tar", MD5), ("001.tar", "abc-2"), ("sub/002.tar", None)]]
+    for catalog in (Catalog.from_listing(mixed_listing()), Catalog.from_listing(files_listing, "files")):
+        for i, item in enumerate(catalog):
+            assert catalog.file_sizes(i) == {f.rel: f.size for f in item.files}
+            assert catalog.version(i) == item.version
+            assert catalog.version(i - len(catalog)) == item.version
+    mixed = Catalog.from_listing(mixed_listing())
+    assert {mixed.version(i) is None for i in range(len(mixed))} == {True, False}  # tagged items and one not
+    untagged = Catalog(mode="folders")
+    untagged.add("x", [("a", 1, None), ("b/c", 2, None)])
+    assert untagged.version(0) is None and untagged.file_sizes(0) == {"a": 1, "b/c": 2}
+
+
 def test_catalog_of_files_mode():
     listing = [ObjectInfo(k, 5, e) for k, e in [("000.tar", MD5), ("001.tar", "abc-2"), ("sub/002.tar", None)]]
     items = list(group_items(listing, "files"))

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 
-from cachepipe import fscalls
+from cachepipe import fscalls, state
+from cachepipe.cache.recovery import sort_leftovers
 from cachepipe.cache.staging import in_folders, make_folders
+from cachepipe.catalog import Catalog
+from cachepipe.stores.base import ObjectInfo
 
 RENAMES = {
     "renameat2": fscalls.rename_new,
@@ -74,3 +79,109 @@ def test_a_nested_items_folders_are_made_real_and_never_passed_through_a_link_or
     assert (err.value.filename, err.value.filename2) == (str(root / "x"), None)  # as the publish reads it
     assert not in_folders(str(root), "x/y/item.bin") and not in_folders(str(root), "missing/item.bin")
     assert in_folders(str(root), "flat.bin") and os.listdir(outside) == []
+
+
+def _damage(item: Path, damage: str, outside: Path) -> None:
+    """Change the kept folder ``item`` (files ``a``, 3 bytes, and ``sub/b``, 5) as ``damage`` says."""
+    if damage == "a file missing":
+        (item / "sub" / "b").unlink()
+    elif damage == "a file of another size":
+        (item / "a").write_bytes(b"xxxx")
+    elif damage == "an extra file":
+        (item / "c").write_bytes(b"")
+    elif damage == "an extra file in a subfolder":
+        (item / "sub" / "c").write_bytes(b"")
+    elif damage == "a file under another name":
+        (item / "a").rename(item / "A")
+    elif damage == "a link in place of a file":
+        (outside / "a").write_bytes(b"xxx")
+        (item / "a").unlink()
+        (item / "a").symlink_to(outside / "a")
+    elif damage == "a link to a folder added":
+        (item / "link").symlink_to(outside, target_is_directory=True)
+    elif damage == "the folder a link":
+        shutil.move(item, outside / "moved")
+        item.symlink_to(outside / "moved", target_is_directory=True)
+    elif damage == "the folder a file":
+        shutil.rmtree(item)
+        item.write_bytes(b"x" * 8)
+    elif damage == "the folder gone":
+        shutil.rmtree(item)
+
+
+DAMAGES = [
+    "a file missing",
+    "a file of another size",
+    "an extra file",
+    "an extra file in a subfolder",
+    "a file under another name",
+    "a link in place of a file",
+    "a link to a folder added",
+    "the folder a link",
+    "the folder a file",
+    "the folder gone",
+]
+
+
+@pytest.mark.parametrize("rebuilt", [False, True], ids=["journal", "journal unreadable"])
+@pytest.mark.parametrize("damage", ["none", *DAMAGES])
+def test_a_kept_folder_is_reused_only_while_its_files_match_the_catalogs_columns_exactly(tmp_path, damage, rebuilt):
+    # sort_leftovers checks a kept item against the catalog's columns (Catalog.file_sizes), not
+    # an Item: every way the folder can differ from the listing still makes it no match.
+    root, outside = tmp_path / "c", tmp_path / "outside"
+    outside.mkdir()
+    catalog = Catalog(mode="folders")
+    catalog.add("item0", [("a", 3, None), ("sub/b", 5, None)])
+    catalog.add("item1", [("c", 2, None)])
+    (root / "item0" / "sub").mkdir(parents=True)
+    (root / "item0" / "a").write_bytes(b"xxx")
+    (root / "item0" / "sub" / "b").write_bytes(b"xxxxx")
+    (root / "item1").mkdir()
+    (root / "item1" / "c").write_bytes(b"xx")
+    _damage(root / "item0", damage, outside)
+    replay = state.Replay(published={"item0", "item1"})
+    reuse, stale = sort_leftovers(root, replay, rebuilt, catalog)
+    if damage == "none":
+        assert (reuse, stale) == ({"item0": 8, "item1": 2}, [])
+    elif rebuilt or damage == "the folder gone":  # not ours to remove (unreadable journal), or nothing there
+        assert (reuse, stale) == ({"item1": 2}, [])
+    else:
+        assert (reuse, stale) == ({"item1": 2}, ["item0"])
+    assert sorted(os.listdir(outside)) == {"a link in place of a file": ["a"], "the folder a link": ["moved"]}.get(damage, [])
+
+
+@pytest.mark.parametrize("kept", ["same", "another size", "a folder", "a link", "missing"])
+def test_a_kept_single_file_item_is_reused_only_as_a_regular_file_of_its_listed_size(tmp_path, kept):
+    root = tmp_path / "c"
+    (root / "sub").mkdir(parents=True)
+    catalog = Catalog.from_listing([ObjectInfo("sub/x.tar", 4), ObjectInfo("y.tar", 2)], "files")
+    (root / "y.tar").write_bytes(b"yy")
+    if kept == "same":
+        (root / "sub" / "x.tar").write_bytes(b"xxxx")
+    elif kept == "another size":
+        (root / "sub" / "x.tar").write_bytes(b"xxx")
+    elif kept == "a folder":
+        (root / "sub" / "x.tar").mkdir()
+    elif kept == "a link":
+        (root / "elsewhere").write_bytes(b"xxxx")
+        (root / "sub" / "x.tar").symlink_to(root / "elsewhere")
+    reuse, stale = sort_leftovers(root, state.Replay(published={"sub/x.tar", "y.tar"}), False, catalog)
+    assert reuse == ({"sub/x.tar": 4, "y.tar": 2} if kept == "same" else {"y.tar": 2})
+    assert stale == ([] if kept in ("same", "missing") else ["sub/x.tar"])
+
+
+def test_a_kept_item_is_reused_only_at_the_version_the_journal_recorded_and_never_if_unsafe(tmp_path):
+    root = tmp_path / "c"
+    listing = [ObjectInfo("a/f", 1, "e1"), ObjectInfo("b/f", 1, "e2"), ObjectInfo("c/f", 1, None), ObjectInfo("d/f", 1, "e4")]
+    catalog = Catalog.from_listing(listing)
+    catalog.add("e", [("f", 1, None), ("f", 1, None)])  # a path listed twice: unsafe, never reused
+    catalog.check_keys()
+    for name in "abcde":
+        (root / name).mkdir(parents=True)
+        (root / name / "f").write_bytes(b"x")
+    versions = {"a": catalog[0].version, "b": "0123456789abcdef", "d": None}
+    assert versions["a"] is not None and catalog[3].version is not None and 4 in catalog.unsafe
+    replay = state.Replay(published=set("abcde"), versions={k: v for k, v in versions.items() if v is not None})
+    reuse, stale = sort_leftovers(root, replay, False, catalog)
+    # a: the version recorded; b: another; c: no tags, none recorded; d: tagged, none recorded
+    assert (reuse, stale) == ({"a": 1, "c": 1}, ["b", "d", "e"])

@@ -22,7 +22,7 @@ from typing import Any
 from .. import state
 from ..catalog import Catalog
 from ..errors import ConfigError
-from .staging import in_folders, matches
+from .staging import in_folders, matches_sizes
 
 __all__ = ["check_resume", "of_same_data", "plan_differences", "sort_leftovers"]
 
@@ -111,16 +111,22 @@ def sort_leftovers(
     names = sorted(ours)
     looked_up = [name for name in names if name in live]  # published: looked up in one sweep (no index of it all)
     positions = dict(zip(looked_up, items.find_many(looked_up), strict=True))
+    files_mode, sizes, unsafe_at = items.mode == "files", items.sizes, items.unsafe
     for name in names:
         path = f"{base}{name}"
         if "/" in name and not in_folders(os.fspath(root), name):
             continue
         if name in live:  # published: its files matched
+            # From the catalog's columns, no Item made: what items[found] gives as its size,
+            # unsafe, files' sizes and version (Catalog.file_sizes, Catalog.version).
             found = positions[name]
-            item = items[found] if found >= 0 else None
-            if item is not None and item.unsafe is None and matches(path, item):
-                if replay.versions.get(name) == item.version:
-                    reuse[name] = item.size
+            if (
+                found >= 0
+                and found not in unsafe_at
+                and matches_sizes(path, sizes[found] if files_mode else items.file_sizes(found))
+            ):
+                if replay.versions.get(name) == items.version(found):
+                    reuse[name] = sizes[found]
                 else:  # ours (journaled, or matching the listing), of another version or of one not known
                     stale.append(name)
                 continue

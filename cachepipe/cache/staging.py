@@ -14,6 +14,7 @@ import errno
 import itertools
 import os
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 
 from ..catalog import Item
@@ -21,7 +22,7 @@ from ..errors import VerificationError
 from ..fscalls import RELEASING, FileCalls, rename_new
 from ..removal import rmtree
 
-__all__ = ["Staging", "in_folders", "make_folders", "matches", "rename_new", "verify"]
+__all__ = ["Staging", "in_folders", "make_folders", "matches", "matches_sizes", "rename_new", "verify"]
 
 
 class Staging:
@@ -128,17 +129,24 @@ def in_folders(root: str, name: str) -> bool:
 
 
 def matches(path: str | os.PathLike[str], item: Item) -> bool:
-    """True when ``path`` holds exactly the item's files with the listed sizes (a symbolic link
-    anywhere under it, or at ``path`` itself, which no download makes, is no match; the folders
-    above a nested item's path are the caller's to check, :func:`in_folders`). One ``lstat`` per
-    file, and one of a folder item's own path."""
+    """True when ``path`` holds exactly the item's files with the listed sizes: see
+    :func:`matches_sizes`."""
+    return matches_sizes(path, item.size if item.is_file else {f.rel: f.size for f in item.files})
+
+
+def matches_sizes(path: str | os.PathLike[str], expected: int | Mapping[str, int]) -> bool:
+    """True when ``path`` holds exactly what ``expected`` says: a regular file of that many bytes
+    (an int: a single-file item), or a folder of exactly these files, ``{rel: size}`` (a folder
+    item, :meth:`cachepipe.catalog.Catalog.file_sizes`). A symbolic link anywhere under it, or at
+    ``path`` itself, which no download makes, is no match; the folders above a nested item's path
+    are the caller's to check, :func:`in_folders`. One ``lstat`` per file, and one of a folder
+    item's own path."""
     try:
         st = os.lstat(path)
-        if item.is_file:
-            return stat.S_ISREG(st.st_mode) and st.st_size == item.size
+        if isinstance(expected, int):
+            return stat.S_ISREG(st.st_mode) and st.st_size == expected
         if not stat.S_ISDIR(st.st_mode):  # a link to a folder: scandir would follow it
             return False
-        expected = {f.rel: f.size for f in item.files}
         found = 0
         folders = [(os.fspath(path), "")]
         while folders:
