@@ -149,3 +149,20 @@ def test_an_instance_that_cannot_be_made_whole_leaves_no_descriptor_open():
     run = subprocess.run([sys.executable, "-c", OUT_OF_DESCRIPTORS], capture_output=True, text=True, timeout=60, check=False)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["raised", str(errno.EMFILE), "True"], run.stdout
+
+
+def test_a_callback_that_raises_does_not_keep_the_event_from_the_others_on_its_watch(inotify, tmp_path):
+    """Before, the first callback's error skipped the rest of the watch's callbacks for that
+    event: an item whose folder another pipeline's callback shared could miss its marker."""
+    seen = []
+
+    def broken(event: Event) -> None:
+        raise ValueError("a defect in one callback")
+
+    inotify.add(bytes(tmp_path), IN_CREATE, broken, 1)
+    inotify.add(bytes(tmp_path), IN_CREATE, seen.append, 2)
+    (tmp_path / "f").write_bytes(b"")
+    [event] = [e for e in read_all(inotify) if e.mask & IN_CREATE]
+    with pytest.raises(ValueError, match="a defect in one callback"):
+        inotify.handle(event)
+    assert [e.name for e in seen] == [b"f"]

@@ -177,15 +177,22 @@ class Inotify:
     def handle(self, event: Event) -> None:
         """Call each callback of ``event``'s watch whose mask has one of its events; the kernel's
         end of a watch (``IN_IGNORED``) forgets it. The callbacks run outside the lock (they may
-        add or remove watches)."""
+        add or remove watches). A callback that raises does not keep the others from the event:
+        the first error is raised once all have run."""
         with self._lock:
             if event.mask & IN_IGNORED:
                 self._watches.pop(event.wd, None)
                 return
             on_it = list(self._watches.get(event.wd, {}).values())
+        failed: Exception | None = None
         for mask, callback in on_it:
             if event.mask & mask & _EVENTS:
-                callback(event)
+                try:
+                    callback(event)
+                except Exception as exc:  # noqa: BLE001 - raised after the others ran; the caller logs it
+                    failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def wake(self) -> None:
         """Make the thread waiting in :meth:`read`, or its next call, return ``[]``."""
