@@ -53,14 +53,12 @@ def verdict(head: bytes | None, version: str | None, command: str) -> Verdict:
 @dataclass
 class Checked:
     """What :meth:`_Remote._done` found: the names of the items done, of those done by another
-    command (to run again, in plan order), the keys DST holds under each item to run that has a
-    marker there (relative to DST: its upload deletes those it does not write again), and the
-    items to run that hold objects but no marker (kept)."""
+    command (to run again, in plan order), and the keys DST holds under each item to run that
+    has a marker there (relative to DST: its upload deletes those it does not write again)."""
 
     done: set[str] = field(default_factory=set)
     command_changed: list[str] = field(default_factory=list)
     held: dict[str, list[str]] = field(default_factory=dict)
-    unfinished: list[str] = field(default_factory=list)
 
 
 def held_by_item(keys: Iterable[str], names: Collection[str], wanted: Collection[str]) -> dict[str, list[str]]:
@@ -154,6 +152,7 @@ class _Remote:
             finally:
                 pool.shutdown(wait=True, cancel_futures=True)
             found = {mi.name: what for mi, what in zip(marked, verdicts, strict=True)}
+        unfinished = []  # items to run that hold objects but no marker: kept
         for mi in planned:
             what = found.get(mi.name, "missing")
             if what == "done":
@@ -164,13 +163,13 @@ class _Remote:
                 if what in ("command", "input"):
                     checked.held[mi.name] = held[mi.name]
                 elif mi.name in held:
-                    checked.unfinished.append(mi.name)
-        if checked.unfinished:
+                    unfinished.append(mi.name)
+        if unfinished:
             log.info(
                 "%d item(s) to run hold objects in DST but no marker (an attempt that did not finish, or one running now "
                 "elsewhere; first: %s): those written again are replaced, the others kept; an item's marker lists its outputs",
-                len(checked.unfinished),
-                checked.unfinished[0],
+                len(unfinished),
+                unfinished[0],
             )
         if checked.command_changed:
             log.warning(
