@@ -314,3 +314,107 @@ def test_a_rank_or_world_size_flag_the_run_refuses_is_a_usage_error(tmp_path, ca
     sized = ["--cache", str(tmp_path / "cache"), "--capacity", "1MiB"]
     assert main(["s3://data/video/", "s3://data/out/", *sized, *flags, "--", "true"]) == 2
     assert re.search(said, capsys.readouterr().err)
+
+
+# ---- a manifest: every rank plans from one listing ------------------------------------------------------
+MARK = ["sh", "-c", 'echo "$CACHEPIPE_ITEM" > "$CACHEPIPE_OUT/name.txt"']
+
+
+def _marked(s3_client, prefix: str) -> list[str]:
+    """The items DST holds a completion marker of, in order."""
+    pages = s3_client.get_paginator("list_objects_v2").paginate(Bucket="data", Prefix=prefix)
+    keys = [o["Key"] for page in pages for o in page.get("Contents", [])]
+    return sorted(k[len(prefix) :].split("/")[0] for k in keys if k.endswith(f"/{DONE_MARKER}"))
+
+
+@pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "listing"])
+def test_ranks_that_plan_from_one_manifest_do_each_item_once_while_src_grows(s3_source, s3_client, tmp_path, manifest):
+    """Rank 0 runs, objects are added to SRC, then rank 1 runs (pods scheduled minutes apart):
+    with each rank's own listing, the shares come from two listings and an item falls to no rank
+    (what docs/map.md warns of); with one manifest, each item of it is done by exactly one rank."""
+    from cachepipe.manifest import index
+
+    for i in range(6):
+        s3_source.put(f"item{i:02d}/in.bin", b"x" * 1000)
+    where = "s3://data/manifests/video.gz"
+    index(s3_source.url, where, storage_options=s3_source.options)
+    common = {"storage_options": s3_source.options, "world_size": 2, "progress": False}
+    if manifest:
+        common["manifest"] = where
+
+    first = map_items(MARK, s3_source.url, "s3://data/out/", cache_dir=tmp_path / "c0", capacity="1MiB", rank=0, **common)
+    s3_source.put("early/in.bin", b"y" * 1000)  # written after rank 0 listed; first in order, it shifts rank 1's share
+    second = map_items(MARK, s3_source.url, "s3://data/out/", cache_dir=tmp_path / "c1", capacity="1MiB", rank=1, **common)
+
+    done = _marked(s3_client, "out/")
+    if manifest:
+        assert (first.items_listed, second.items_listed) == (6, 6)
+        assert (first.items_done, second.items_done) == (3, 3)
+        assert done == [f"item{i:02d}" for i in range(6)]  # every item of the manifest, once; the new one not
+    else:  # the hazard the manifest removes: shares of two listings, some items twice and some by no rank
+        assert (first.items_listed, second.items_listed) == (6, 7)
+        assert "item01" not in done
+
+
+def test_a_manifest_of_another_source_or_items_mode_is_refused_before_anything_runs(s3_source, tmp_path):
+    from cachepipe.manifest import index
+
+    s3_source.put("a/in.bin", b"x")
+    s3_source.put("b.bin", b"x")
+    local = tmp_path / "files.gz"
+    index(s3_source.url, local, items="files", storage_options=s3_source.options)
+    run = {"cache_dir": tmp_path / "c", "capacity": "1MiB", "storage_options": s3_source.options, "manifest": local}
+    with pytest.raises(ConfigError, match=r"lists items='files', this pipeline has items='folders': use items='files'"):
+        map_items(MARK, s3_source.url, "s3://data/out/", **run)
+    with pytest.raises(ConfigError, match=r"lists source 's3://data/video/', this pipeline's source is 's3://data/other/'"):
+        map_items(MARK, "s3://data/other/", "s3://data/out/", items="files", **run)
+    with pytest.raises(FileNotFoundError):
+        map_items(MARK, s3_source.url, "s3://data/out/", **{**run, "manifest": tmp_path / "none.gz"})
+    assert not (tmp_path / "c").exists()  # refused before the cache was touched
+
+
+def test_the_command_plans_from_a_manifest_given_by_flag(s3_source, s3_client, tmp_path):
+    from cachepipe.manifest import index
+
+    for name in ("a", "b", "c"):
+        s3_source.put(f"{name}/in.bin", b"x" * 100)
+    local = tmp_path / "m.gz"
+    index(s3_source.url, local, storage_options=s3_source.options)
+    s3_source.put("d/in.bin", b"x" * 100)  # not in the manifest
+    options = [a for k, v in s3_source.options.items() for a in ("-o", f"{k}={v}")]
+    flags = ["--cache", str(tmp_path / "c"), "--capacity", "1MiB", "--no-progress", "--manifest", str(local), "-v"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "cachepipe.map", s3_source.url, "s3://data/out/", *flags, *options, "--", *MARK],
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"planning from manifest {local}: 3 items of s3://data/video/ listed at " in proc.stderr
+    assert _marked(s3_client, "out/") == ["a", "b", "c"]
+
+
+def test_an_object_rewritten_after_the_manifest_fails_its_item_and_the_others_are_done(s3_source, s3_client, tmp_path):
+    from cachepipe.manifest import index
+
+    for name in ("a", "b", "c"):
+        s3_source.put(f"{name}/in.bin", b"x" * 100)
+    local = tmp_path / "m.gz"
+    index(s3_source.url, local, storage_options=s3_source.options)
+    s3_source.put("b/in.bin", b"y" * 100)  # the same size, another ETag
+    result = map_items(
+        MARK,
+        s3_source.url,
+        "s3://data/out/",
+        cache_dir=tmp_path / "c",
+        capacity="1MiB",
+        storage_options=s3_source.options,
+        manifest=local,
+        progress=False,
+    )
+    assert result.items_done == 2
+    assert [f.name for f in result.failed] == ["b"]
+    assert "changed since it was listed" in result.failed[0].error and "a manifest indexed again" in result.failed[0].error
+    assert _marked(s3_client, "out/") == ["a", "c"]

@@ -67,6 +67,12 @@ def _add_options(parser: argparse.ArgumentParser | Any, suppress: bool) -> None:
         help="an item is a first-level folder (default) or an object",
     )
     parser.add_argument(
+        "--manifest",
+        default=d(None),
+        metavar="FILE|URL",
+        help="plan from this listing of SRC (written by `cachepipe index`) instead of listing SRC: give every rank the same one",
+    )
+    parser.add_argument(
         "--unpack",
         action="store_true",
         default=d(False),
@@ -258,6 +264,7 @@ def _run_map_command(args: argparse.Namespace) -> int:
         options_map: dict[str, Any] = {
             "jobs": args.jobs,
             "items": args.items,
+            "manifest": args.manifest,
             "unpack": args.unpack,
             "timeout": args.timeout,
             "retries": args.retries,

@@ -23,7 +23,7 @@ from urllib.parse import quote
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from ..catalog import check_key, group_items
-from ..config import UNPACK_RATIO, Capacity, filtered_tar, parse_size, utf8_location
+from ..config import UNPACK_RATIO, Capacity, check_manifest_location, filtered_tar, parse_size, utf8_location
 from ..errors import ConfigError, UnsafeKeyError
 from ..grouping import version_of
 from ..keys import _TreeCheck
@@ -70,6 +70,7 @@ class MapConfig(BaseModel):
     out_ratio: float | None = Field(default=None, gt=0)
     out_margin: Annotated[int | None, _optional_size("out_margin")] = None
     items: Literal["folders", "files"] = "folders"
+    manifest: Annotated[str | None, BeforeValidator(check_manifest_location)] = None
     unpack: Annotated[bool, AfterValidator(filtered_tar)] = False
     unpack_ratio: float = Field(default=UNPACK_RATIO, gt=0, le=1_000_000)
     timeout: float | None = Field(default=None, gt=0)

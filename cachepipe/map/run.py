@@ -34,9 +34,10 @@ from ..cache.room import room_at
 from ..config import Share, check_cache_dir, check_source, with_unit
 from ..errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError
 from ..listing import empty_source
+from ..manifest import check_manifest, read_manifest
 from ..pipeline import Pipeline
 from ..stores import Store, open_store
-from ..stores.base import WritableStore
+from ..stores.base import ObjectInfo, WritableStore
 from .child import Watcher, kill_leftovers
 from .job import Job, Slot, remove_slot
 from .plan import (
@@ -111,7 +112,7 @@ class _MapRun(_Remote):
                 if check_bucket is not None:
                     self._retrying(f"checking {cfg.dest}", check_bucket)
                 inside = inside_prefix(cfg.source, cfg.dest)
-                listing = self._retrying(f"listing {cfg.source}", lambda: list(src.list()))
+                listing = self._listing(src)
                 if inside is not None:  # DST under SRC: its results are not items
                     listing = [o for o in listing if not o.key.startswith(inside)]
                 planned = plan_items(listing, cfg.items, cfg.unpack)
@@ -151,6 +152,28 @@ class _MapRun(_Remote):
                 src.close()
         result.seconds = time.monotonic() - started
         return result
+
+    def _listing(self, src: Store) -> list[ObjectInfo]:
+        """SRC's objects: listed, or read from the manifest given (every rank then plans from the
+        same items, and none lists SRC). A manifest of another source or ``items`` is refused."""
+        cfg = self.cfg
+        if cfg.manifest is None:
+            listed: list[ObjectInfo] = self._retrying(f"listing {cfg.source}", lambda: list(src.list()))
+            return listed
+        location = cfg.manifest
+        manifest = self._retrying(f"reading manifest {location}", lambda: read_manifest(location, cfg.storage_options))
+        check_manifest(manifest, cfg.source, cfg.items)
+        log.info(
+            "planning from manifest %s: %d items of %s listed at %s (SRC not listed)",
+            manifest.location,
+            manifest.count,
+            manifest.source,
+            manifest.listed_at,
+        )
+        entries = manifest.catalog.entries()
+        if manifest.items == "files":  # an item is an object, named by its key
+            return [ObjectInfo(name, size, etag) for name, files in entries for _, size, etag in files]
+        return [ObjectInfo(f"{name}/{rel}", size, etag) for name, files in entries for rel, size, etag in files]
 
     def _record_share(self, share: list[MapItem]) -> None:
         cfg, r = self.cfg, self._result
@@ -393,8 +416,11 @@ def map_items(
         **options: the other fields of :class:`MapConfig`: ``jobs`` (1), ``out_reserve``
             (a size per item) or ``out_ratio`` (times the command's input: the item, or with
             ``unpack`` its extracted files; default 1.0), ``out_margin``, ``items``
-            (``"folders"``/``"files"``), ``unpack``, ``unpack_ratio`` (room for the extracted
-            files, in times the item's size; default 1.25, see :data:`~cachepipe.config.UNPACK_RATIO`), ``timeout``
+            (``"folders"``/``"files"``), ``manifest`` (a listing of ``source`` written by
+            :func:`cachepipe.index`, a path or an object URL read with ``storage_options``: the run
+            plans from it and does not list ``source``; give every rank the same one), ``unpack``,
+            ``unpack_ratio`` (room for the extracted files, in times the item's size; default
+            1.25, see :data:`~cachepipe.config.UNPACK_RATIO`), ``timeout``
             (seconds per attempt), ``retries`` (2, per item), ``request_retries`` (12, per
             request, as downloads), ``storage_options``, ``dest_options`` (default: the same),
             ``upload_concurrency`` (8), ``upload_part_size`` (16 MiB), ``max_concurrency`` (64),
