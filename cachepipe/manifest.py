@@ -170,7 +170,13 @@ def read_manifest(location: str | os.PathLike[str], storage_options: dict[str, A
     """
     where = os.fspath(location)
     if not _is_url(where):
-        with open(where, "rb") as fh:
+        try:
+            local = open(where, "rb")  # noqa: SIM115 - closed by the with below; only the open's error is named
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(
+                errno.ENOENT, f"manifest {where!r}: no such file; write it with `cachepipe index SRC -o {where}`"
+            ) from exc
+        with local as fh:
             st = os.fstat(fh.fileno())
             # gzip's trailer, the CRC-32 and length of the content: 8 bytes, not the file
             trailer = os.pread(fh.fileno(), 8, st.st_size - 8) if st.st_size >= 8 else b""
@@ -209,20 +215,21 @@ def same_source(a: str, b: str) -> bool:
     return a.rstrip("/") == b.rstrip("/")
 
 
-def check_manifest(manifest: Manifest, source: str, items: str) -> None:
-    """Refuse ``manifest`` for a pipeline of ``source`` and ``items`` mode when it lists another.
+def check_manifest(manifest: Manifest, source: str, items: str, user: str = "pipeline") -> None:
+    """Refuse ``manifest`` for a pipeline (or another ``user``: ``"map run"``) of ``source`` and
+    ``items`` mode when it lists another.
 
     Raises:
         ConfigError: naming both sources, or both modes.
     """
     if not same_source(manifest.source, source):
         raise ConfigError(
-            f"manifest {manifest.location!r} lists source {manifest.source!r}, this pipeline's source is {source!r}: "
+            f"manifest {manifest.location!r} lists source {manifest.source!r}, this {user}'s source is {source!r}: "
             "use the same source, or index this one with `cachepipe index`"
         )
     if manifest.items != items:
         raise ConfigError(
-            f"manifest {manifest.location!r} lists items={manifest.items!r}, this pipeline has items={items!r}: "
+            f"manifest {manifest.location!r} lists items={manifest.items!r}, this {user} has items={items!r}: "
             f"use items={manifest.items!r}, or index again with --items {items}"
         )
 

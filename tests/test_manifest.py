@@ -123,9 +123,9 @@ def test_corrupt_or_truncated_manifest_is_refused(tmp_path, damage):
         Pipeline(source, tmp_path / "c", "1MiB", manifest=path).open()
 
 
-def test_missing_manifest_is_file_not_found(tmp_path):
+def test_missing_manifest_is_file_not_found_saying_how_to_write_it(tmp_path):
     source = _dataset(tmp_path / "src", ["s0"])
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match=r"manifest '.*none.gz': no such file; write it with `cachepipe index SRC -o "):
         Pipeline(source, tmp_path / "c", "1MiB", manifest=tmp_path / "none.gz").open()
 
 

@@ -364,12 +364,14 @@ def test_a_manifest_of_another_source_or_items_mode_is_refused_before_anything_r
     local = tmp_path / "files.gz"
     index(s3_source.url, local, items="files", storage_options=s3_source.options)
     run = {"cache_dir": tmp_path / "c", "capacity": "1MiB", "storage_options": s3_source.options, "manifest": local}
-    with pytest.raises(ConfigError, match=r"lists items='files', this pipeline has items='folders': use items='files'"):
+    with pytest.raises(ConfigError, match=r"lists items='files', this map run has items='folders': use items='files'"):
         map_items(MARK, s3_source.url, "s3://data/out/", **run)
-    with pytest.raises(ConfigError, match=r"lists source 's3://data/video/', this pipeline's source is 's3://data/other/'"):
+    with pytest.raises(ConfigError, match=r"lists source 's3://data/video/', this map run's source is 's3://data/other/'"):
         map_items(MARK, "s3://data/other/", "s3://data/out/", items="files", **run)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match=r"none.gz': no such file; write it with `cachepipe index SRC -o "):
         map_items(MARK, s3_source.url, "s3://data/out/", **{**run, "manifest": tmp_path / "none.gz"})
+    with pytest.raises(FileNotFoundError, match=r"s3://data/manifests/none.gz"):
+        map_items(MARK, s3_source.url, "s3://data/out/", **{**run, "manifest": "s3://data/manifests/none.gz"})
     assert not (tmp_path / "c").exists()  # refused before the cache was touched
 
 

@@ -162,7 +162,7 @@ class _MapRun(_Remote):
             return listed
         location = cfg.manifest
         manifest = self._retrying(f"reading manifest {location}", lambda: read_manifest(location, cfg.storage_options))
-        check_manifest(manifest, cfg.source, cfg.items)
+        check_manifest(manifest, cfg.source, cfg.items, "map run")
         log.info(
             "planning from manifest %s: %d items of %s listed at %s (SRC not listed)",
             manifest.location,
