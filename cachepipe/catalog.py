@@ -4,21 +4,24 @@ list of :class:`Item` objects), from which an :class:`Item` is made when one is 
 
 What an item is and how a listing is grouped into items is :mod:`cachepipe.grouping`; which
 keys are safe as local names, :mod:`cachepipe.keys`. Their public names are importable from
-here too.
+here too. The buffers the columns are held in are :mod:`cachepipe.catalog_columns`; the check
+of a catalog's keys (:meth:`Catalog.check_keys`), :mod:`cachepipe.catalog_keys` (the base class
+of :class:`Catalog`); the sequence of its names, :class:`Names`, :mod:`cachepipe.catalog_names`
+(importable from here too).
 """
 
 from __future__ import annotations
 
 import hashlib
-import operator
-import re
 import sys
 from array import array
-from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
 from types import MappingProxyType
 from typing import Literal, overload
 
+from .catalog_columns import _DIGEST, _ETAG_MD5, _ETAG_NONE, _ETAG_TEXT, _NO_DIGEST, _UTF8_ERRORS, _md5_digest, _Strings
+from .catalog_keys import _KeyCheck
+from .catalog_names import Names
 from .errors import UnsafeKeyError
 from .grouping import (
     FileEntry,
@@ -28,55 +31,14 @@ from .grouping import (
     group_items,
     version_of,
 )
-from .keys import _MAX_SEGMENT_BYTES, RESERVED_NAMES, _TreeCheck, check_key
+from .keys import RESERVED_NAMES, _TreeCheck, check_key  # noqa: F401 - _TreeCheck: importable from here, as before
 from .stores.base import ObjectInfo
 
-# the items, their grouping and the keys' check: importable from here, as before
+# the items, their grouping, the keys' check and the names: importable from here, as before
 __all__ = ["RESERVED_NAMES", "Catalog", "FileEntry", "Item", "Names", "check_key", "group_items"]
 
 
-_UTF8_ERRORS = "surrogatepass"  # any str round-trips, even one with lone surrogates
-_ETAG_NONE, _ETAG_MD5, _ETAG_TEXT = 0, 1, 2
-_DIGEST = 16  # bytes per file in the digest column
-_NO_DIGEST = bytes(_DIGEST)
 _MAX_SIZE = (1 << 63) - 1  # bytes: what array('q') holds
-# keys._CONTROL's characters as UTF-8 bytes, and any lone surrogate (stored with "surrogatepass":
-# U+D800-U+DFFF is ED A0-BF xx): check_key refuses most, and one of undecodable bytes (U+DC80-U+DCFF)
-# where the bytes of its segment spell UTF-8, so a key with any is checked by check_key itself
-_NOT_PLAIN_BYTES = re.compile(rb"[\x00-\x1f\x7f]|\xed[\xa0-\xbf]")
-
-
-def _md5_digest(etag: str | None) -> bytes | None:
-    """The 16 bytes of an entity tag that is an MD5 in 32 lowercase hex digits (so that
-    ``digest.hex()`` gives it back exactly), else None."""
-    if etag is None or len(etag) != 32:
-        return None
-    try:
-        digest = bytes.fromhex(etag)
-    except ValueError:
-        return None
-    return digest if len(digest) == _DIGEST and digest.hex() == etag else None
-
-
-def _plain_segments(strings: _Strings, reserved: bool) -> bool:
-    """Whether every string of ``strings`` is one path segment that :func:`check_key` takes
-    whatever else is in the key: no ``/``, backslash, control character or lone surrogate, 1 to
-    255 bytes, not ``.`` or ``..`` (and, with ``reserved``, none of :data:`RESERVED_NAMES` may
-    occur at all).
-    At C speed over the buffer: a byte below 0x80 is never part of a longer UTF-8 sequence, so
-    a search of the bytes finds exactly the characters. False says "check one by one", not
-    "unsafe"."""
-    data, offsets = strings.data, strings.offsets
-    if b"/" in data or b"\\" in data or _NOT_PLAIN_BYTES.search(data):
-        return False
-    if reserved and any(name.encode() in data for name in RESERVED_NAMES):
-        return False
-    lengths = list(map(operator.sub, offsets[1:], offsets[:-1]))
-    if not lengths:
-        return True
-    if min(lengths) == 0 or max(lengths) > _MAX_SEGMENT_BYTES:
-        return False
-    return all(bytes(data[offsets[i] : offsets[i + 1]]) not in (b".", b"..") for i, n in enumerate(lengths) if n <= 2)
 
 
 ColumnsState = tuple[Literal["folders", "files"], bool, bytes, dict[int, UnsafeKeyError]]
@@ -84,31 +46,7 @@ ColumnsState = tuple[Literal["folders", "files"], bool, bytes, dict[int, UnsafeK
 listing order, the last name's key, the unsafe items' errors by position."""
 
 
-class _Strings:
-    """Many short strings in one UTF-8 buffer: string ``i`` is ``data[offsets[i]:offsets[i + 1]]``."""
-
-    __slots__ = ("data", "offsets")
-
-    def __init__(self) -> None:
-        self.data = bytearray()
-        self.offsets = array("q", [0])
-
-    def append(self, text: str) -> None:
-        self.data += text.encode("utf-8", _UTF8_ERRORS)
-        self.offsets.append(len(self.data))
-
-    def raw(self, i: int) -> bytearray:
-        return self.data[self.offsets[i] : self.offsets[i + 1]]
-
-    def __getitem__(self, i: int) -> str:
-        return self.data[self.offsets[i] : self.offsets[i + 1]].decode("utf-8", _UTF8_ERRORS)
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.data) + self.offsets.itemsize * len(self.offsets)
-
-
-class Catalog(Sequence[Item]):
+class Catalog(_KeyCheck, Sequence[Item]):
     """A whole listing, in listing order, stored by columns; ``catalog[i]`` makes an :class:`Item`.
 
     Names and relative paths are kept as UTF-8 in one buffer each, with ``array('q')`` offsets;
@@ -146,9 +84,8 @@ class Catalog(Sequence[Item]):
         "_sizes",
         "_sorted",
         "_suffix",
-        "_unsafe",
         "mode",
-    )
+    )  # and _KeyCheck's _unsafe
 
     def __init__(self, items: Iterable[Item] = (), mode: Literal["folders", "files"] = "folders") -> None:
         if mode not in ("folders", "files"):
@@ -294,66 +231,6 @@ class Catalog(Sequence[Item]):
                 first_file.append(len(file_sizes))
         finally:
             self._last_key, self._sorted = last_key, ordered
-
-    def check_keys(self) -> None:
-        """Check every item's keys as :meth:`from_listing` does, for items added by :meth:`add`
-        (in any order): an item with a key that is unsafe, collides or is listed twice is marked
-        in :attr:`unsafe`, and so, in ``"folders"`` mode, is one whose name is not one folder
-        (its keys would not all be under one first-level folder of the cache).
-
-        A catalog of folders whose names and relative paths are all one plain segment (the
-        common one) is checked over its buffers at C speed, and item by item only where an
-        item lists a path twice (the one way such an item can be unsafe)."""
-        found: dict[int, UnsafeKeyError] = {}
-        if self.mode == "files":  # one key per item, its name; collisions are across items
-            everything, last = _TreeCheck(), None
-            order = range(len(self)) if self._sorted else sorted(range(len(self)), key=self.name)
-            for i in order:
-                key = self.name(i)
-                try:
-                    if key == last:
-                        raise UnsafeKeyError(key, "listed twice")
-                    everything.add(key, check_key(key))
-                except UnsafeKeyError as exc:
-                    found[i] = exc
-                last = key
-        else:
-            plain = _plain_segments(self._names, reserved=True) and _plain_segments(self._rels, reserved=False)
-            for i in self._repeated_paths() if plain else range(len(self)):
-                if (error := self._folder_error(i)) is not None:
-                    found[i] = error
-        self._unsafe = dict(sorted(found.items()))
-
-    def _repeated_paths(self) -> Iterator[int]:
-        """The items with a relative path listed twice."""
-        data, offsets, first = bytes(self._rels.data), self._rels.offsets, self._first_file  # bytes: slices hash
-        for i in range(len(self)):
-            start, end = first[i], first[i + 1]
-            if end - start > 1 and len({data[offsets[j] : offsets[j + 1]] for j in range(start, end)}) < end - start:
-                yield i
-
-    def _folder_error(self, i: int) -> UnsafeKeyError | None:
-        """What is wrong with the keys of folder item ``i`` (``name/rel`` each), or None."""
-        rels, first = self._rels, self._first_file
-        name = self.name(i)
-        paths = [rels[j] for j in range(first[i], first[i + 1])]
-        try:
-            for rel in paths:
-                check_key(f"{name}/{rel}")
-                if "/" in name:
-                    raise UnsafeKeyError(f"{name}/{rel}", f"its item's name {name!r} is not one folder")
-            if len(paths) > 1:  # (the common flat item, one file or many, needs no tree)
-                paths.sort()
-                nested = any("/" in rel for rel in paths)
-                tree = _TreeCheck() if nested else None
-                for k, rel in enumerate(paths):
-                    if k and rel == paths[k - 1]:
-                        raise UnsafeKeyError(f"{name}/{rel}", "listed twice")
-                    if tree is not None:
-                        tree.add(f"{name}/{rel}", rel.split("/"))
-        except UnsafeKeyError as exc:
-            return exc
-        return None
 
     # ---- reading -----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -572,74 +449,3 @@ class Catalog(Sequence[Item]):
         if kind == _ETAG_MD5:
             return digest.hex()
         return self._etag_texts[int.from_bytes(digest, "little")]
-
-
-class Names(Sequence[str]):
-    """The names of a catalog's items, or of the items at ``indices`` (increasing positions), by
-    position; :meth:`index` finds a name by binary search (see :meth:`Catalog.find`).
-
-    Raises:
-        ValueError: ``indices`` are not increasing positions of ``catalog``.
-    """
-
-    __slots__ = ("_catalog", "_indices")
-
-    def __init__(self, catalog: Catalog, indices: Sequence[int] | None = None) -> None:
-        if indices is not None:
-            for k, i in enumerate(indices):
-                if not 0 <= i < len(catalog) or (k and i <= indices[k - 1]):
-                    raise ValueError(f"indices[{k}] = {i}: expected increasing positions below {len(catalog)}")
-        self._catalog, self._indices = catalog, indices
-
-    def __len__(self) -> int:
-        return len(self._catalog) if self._indices is None else len(self._indices)
-
-    @overload
-    def __getitem__(self, i: int) -> str: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> list[str]: ...
-
-    def __getitem__(self, i: int | slice) -> str | list[str]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if self._indices is None:
-            return self._catalog.name(i)
-        return self._catalog.name(self._indices[i])
-
-    def __iter__(self) -> Iterator[str]:
-        for i in range(len(self)):
-            yield self[i]
-
-    def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and self._find(name) >= 0
-
-    def index(self, name: str, start: int = 0, stop: int | None = None) -> int:
-        """The position of ``name``.
-
-        Raises:
-            ValueError: ``name`` is not one of these names (or not within ``start:stop``).
-        """
-        j = self._find(name) if isinstance(name, str) else -1
-        if j not in range(*slice(start, stop).indices(len(self))):
-            raise ValueError(f"{name!r} is not in the catalog")
-        return j
-
-    def find_many(self, names: Sequence[str]) -> list[int]:
-        """The position here of each of ``names``, or -1 (see :meth:`Catalog.find_many`)."""
-        found = self._catalog.find_many(names)
-        if self._indices is None:
-            return found
-        indices = self._indices
-        for k, i in enumerate(found):
-            if i >= 0:
-                j = bisect_left(indices, i)
-                found[k] = j if j < len(indices) and indices[j] == i else -1
-        return found
-
-    def _find(self, name: str) -> int:
-        i = self._catalog.find(name)
-        if i < 0 or self._indices is None:
-            return i
-        j = bisect_left(self._indices, i)
-        return j if j < len(self._indices) and self._indices[j] == i else -1

@@ -28,9 +28,11 @@ A daemon that is starting or restarting is waited for, up to ``startup_timeout``
 a ``next`` answered "stopping" is asked again of the next daemon. :meth:`Client.wait_ready`
 (``cachepipe wait``) waits for a daemon explicitly.
 
-This module holds :class:`Client`'s lifecycle, its iterator and its operations, and
-:class:`ServedItem`. The connection, its retries and the error answers are the base class
-``_Connection`` (:mod:`cachepipe.daemonconn`); how many items the iterator takes at once is
+This module holds :class:`Client`'s lifecycle, its iterator and its operations. The requests
+below them that take items and finish them, and :class:`ServedItem`, are the base class
+``_ItemRequests`` (:mod:`cachepipe.daemonitems`; ``ServedItem`` is importable from here too); the
+connection, its retries and the error answers, its base class ``_Connection``
+(:mod:`cachepipe.daemonconn`); how many items the iterator takes at once is
 :mod:`cachepipe.batching`.
 """
 
@@ -44,7 +46,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -55,14 +56,13 @@ from .daemonconn import (
     ServiceError,
     StoreError,
     _code,
-    _Connection,
     _info,
     _Outage,
 )
+from .daemonitems import ServedItem, _ItemRequests
 from .errors import UnknownItemError
-from .items import PathItem
 
-# the batching policy's names and DEFAULT_OUTAGE_TIMEOUT: importable from here, as before
+# the batching policy's names, DEFAULT_OUTAGE_TIMEOUT and ServedItem: importable from here, as before
 __all__ = [
     "ACK_AT_ONCE",
     "DEFAULT_OUTAGE_TIMEOUT",
@@ -84,8 +84,6 @@ __all__ = [
 log = logging.getLogger("cachepipe.client")
 
 DEFAULT_SOCKET = "/run/cachepipe/cachepipe.sock"
-_SLICE = 60.0  # longest single wait per request; longer waits are several requests
-_MARGIN = 30.0  # socket timeout beyond the wait the daemon was asked for
 
 
 def default_socket() -> str:
@@ -93,74 +91,10 @@ def default_socket() -> str:
     return os.environ.get("CACHEPIPE_SOCKET") or DEFAULT_SOCKET
 
 
-def _ack_bodies(items: Sequence[str | os.PathLike[str]]) -> list[dict[str, Any]]:
-    """The ``{"path", "lease"}`` objects acknowledging ``items`` (leases of :class:`ServedItem` s)."""
-    if len(items) > MAX_BATCH:
-        raise ValueError(f"{len(items)} items to acknowledge at once: at most {MAX_BATCH} per request")
-    return [
-        {"path": os.path.abspath(os.fspath(item)), "lease": item.lease if isinstance(item, ServedItem) else None}
-        for item in items
-    ]
-
-
-class ServedItem(PathItem):
-    """An item handed out by the daemon: usable wherever a path is, like :class:`~cachepipe.CachedItem`.
-
-    Attributes:
-        path: local path (a folder, or a file for single-object items).
-        name: the item's name (relative to the source prefix and to the cache dir).
-        size: total bytes.
-        files: relative paths of its files.
-        lease: the lease id; ack/release send it, so a late ack of an expired lease is refused.
-        pipeline: the name of the pipeline it came from.
-    """
-
-    __slots__ = ("files", "lease", "name", "pipeline", "size")
-
-    def __init__(
-        self, path: str | os.PathLike[str], name: str, lease: str, size: int = 0, files: tuple[str, ...] = (), pipeline: str = ""
-    ) -> None:
-        super().__init__(path)
-        self.name = name
-        self.lease = lease
-        self.size = size
-        self.files = tuple(files)
-        self.pipeline = pipeline
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> ServedItem:
-        return cls(
-            data["path"], data["name"], data["lease"], data.get("size", 0), tuple(data.get("files", ())), data.get("pipeline", "")
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "pipeline": self.pipeline,
-            "name": self.name,
-            "path": self._local,
-            "lease": self.lease,
-            "size": self.size,
-            "files": list(self.files),
-        }
-
-    def __repr__(self) -> str:
-        return f"ServedItem({self._local!r}, lease={self.lease!r})"
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, ServedItem):
-            return self.path == other.path and self.lease == other.lease
-        if isinstance(other, (str, os.PathLike)):
-            return self.path == Path(other)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(self.path)
-
-
 _UNOPENED, _OPEN, _CLOSED = "unopened", "open", "closed"
 
 
-class Client(_Connection):
+class Client(_ItemRequests):
     """A consumer of one pipeline of a ``cachepipe serve`` daemon.
 
     Args:
@@ -320,39 +254,6 @@ class Client(_Connection):
             if owner:
                 self.close()
 
-    def _ack_each(self, items: list[ServedItem], outage: _Outage) -> None:
-        """Acknowledge ``items`` by one request; if one is refused, the others one by one, then
-        raise the (first) refusal. ``outage``: the wait for a daemon these requests share."""
-        if not items:
-            return
-        self._require_open()
-        try:
-            self._finish_many("ack", items, outage)
-            return
-        except UnknownItemError:
-            if len(items) == 1:
-                raise
-        refused: UnknownItemError | None = None
-        for item in items:
-            try:
-                self._finish("ack", item, None, outage)
-            except UnknownItemError as exc:
-                refused = refused or exc
-        if refused is not None:
-            raise refused
-
-    def _give_back(self, items: list[ServedItem], outage: _Outage) -> None:
-        """Release ``items``, by one request; if one's lease expired meanwhile (it went back to
-        the queue anyway), the others one by one. ``outage``: as :meth:`_ack_each`."""
-        try:
-            self._finish_many("release", items, outage)
-        except UnknownItemError:
-            for item in items:
-                try:
-                    self._finish("release", item, None, outage)
-                except UnknownItemError:
-                    log.info("%s went back to the queue before it was released (its lease expired)", item.path)
-
     def get(self, timeout: float | None = None) -> ServedItem | None:
         """Take the next item (leased until :meth:`ack`/:meth:`release` or ``lease_timeout``);
         None when every item was delivered.
@@ -389,14 +290,6 @@ class Client(_Connection):
             raise ValueError(f"count {count!r}: expected an integer from 1 to {MAX_BATCH}")
         return self._take_many(count, timeout, ack, self.markers)
 
-    def _take_many(
-        self, count: int, timeout: float | None, ack: Sequence[str | os.PathLike[str]], markers: bool
-    ) -> list[ServedItem]:
-        """:meth:`get_many`; ``markers``: whether the daemon watches these items for a ``.done``."""
-        acks = _ack_bodies(ack)
-        reply = self._next(timeout, {"count": count, **({"acks": acks} if acks else {})}, markers)
-        return [] if reply is None else [ServedItem.from_json(item) for item in reply["items"]]
-
     def ack_many(self, items: Sequence[str | os.PathLike[str]]) -> None:
         """Acknowledge several items of one pipeline in one request, all or none.
 
@@ -411,80 +304,6 @@ class Client(_Connection):
         """
         self._require_open()
         self._finish_many("ack", items)
-
-    def _finish_many(self, verb: str, items: Sequence[str | os.PathLike[str]], outage: _Outage | None = None) -> None:
-        """``POST /v1/ack`` or ``/v1/release`` of ``items`` in one request (raises as :meth:`ack_many`);
-        ``outage``: the wait for a daemon it shares with other requests (default: its own)."""
-        bodies = _ack_bodies(items)
-        if not bodies:
-            return
-        status, data = self._request("POST", f"/v1/{verb}", {"items": bodies}, self.request_timeout, outage=outage)
-        if status != 200:
-            self._raise_for(status, data)
-
-    def _take(self, timeout: float | None, ack: ServedItem | None) -> ServedItem | None:
-        acks = None if ack is None else {"ack": {"path": str(ack), "lease": ack.lease}}
-        reply = self._next(timeout, acks, self.markers)
-        return None if reply is None else ServedItem.from_json(reply)
-
-    def _next(self, timeout: float | None, extra: dict[str, Any] | None, markers: bool) -> dict[str, Any] | None:
-        """``POST .../next`` with ``extra`` in the body, waiting up to ``timeout``; the reply, or
-        None once every item was delivered. ``markers`` False: the daemon does not watch the
-        items taken for a ``.done``."""
-        self._require_open()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self.pipeline is None:
-            names = sorted(self.status()["pipelines"])
-            if len(names) != 1:
-                raise ValueError(
-                    f"the daemon at {self.address} serves the pipelines {', '.join(names)}: "
-                    "name one (Client(pipeline=NAME); cachepipe next --pipeline NAME)"
-                )
-            self.pipeline = names[0]
-        route = f"/v1/pipelines/{quote(str(self.pipeline), safe='')}/next"
-        outage = _Outage(self.startup_timeout, self.address)
-        acking = extra is not None and bool(extra.get("ack") or extra.get("acks"))
-        stopped = False  # answered "stopping": asking the next daemon
-        while True:
-            wait = _SLICE if deadline is None else min(max(deadline - time.monotonic(), 0.0), _SLICE)
-            body: dict[str, Any] = {"timeout": wait, **(extra or {}), **({} if markers else {"markers": False})}
-            # A next carrying an ack is sent once: were it sent again, the ack could be refused
-            # (or apply twice); without one, asking again changes nothing.
-            try:
-                status, data = self._request("POST", route, body, wait + _MARGIN, retry=not acking)
-            except ConnectionError as exc:
-                if stopped:  # not "is it running?": it was, and said it was stopping
-                    raise ConnectionError(
-                        f"the cachepipe daemon at {self.address} shut down while this next waited (HTTP 503 stopping), "
-                        f"and none has answered since: {exc.__cause__ or exc} (tried for {self.startup_timeout:g} s; "
-                        "`cachepipe wait` waits for a daemon to be ready)"
-                    ) from exc
-                if not (acking and isinstance(exc.__cause__, (ConnectionResetError, BrokenPipeError))):
-                    raise
-                # The daemon went away with the request (killed, crashed): its acks were journaled
-                # or are lost (those items come again); ask its successor, without them.
-                log.warning("the cachepipe daemon at %s went away during a next: asking again (%s)", self.address, exc)
-                status, data = 0, b""
-            if acking and extra is not None:
-                extra = {k: v for k, v in extra.items() if k not in ("ack", "acks")}
-                acking = False
-            if status == 0:
-                continue
-            if status != 503:  # a daemon serves: a later stop is another outage, with a wait of its own
-                outage.answered()
-                stopped = False
-            if status == 200:
-                reply: dict[str, Any] = json.loads(data)
-                return reply
-            if status == 204:
-                return None
-            if status == 408 and (deadline is None or deadline - time.monotonic() > 0):
-                continue  # the daemon capped this wait (max_wait); ours goes on
-            if status == 503 and _code(data) == "stopping" and outage.pause():
-                self._drop()
-                stopped = True
-                continue  # the daemon is going away (a restart?): ask its successor
-            self._raise_for(status, data)
 
     def ack(self, item: str | os.PathLike[str], lease: str | None = None) -> None:
         """Acknowledge an item: the daemon deletes it and frees its space.
@@ -506,15 +325,6 @@ class Client(_Connection):
     def renew(self, item: str | os.PathLike[str], lease: str | None = None) -> None:
         """Extend an item's lease by the pipeline's ``lease_timeout``. Raises like :meth:`ack`."""
         self._finish("renew", item, lease)
-
-    def _finish(self, verb: str, item: str | os.PathLike[str], lease: str | None, outage: _Outage | None = None) -> None:
-        self._require_open()
-        if isinstance(item, ServedItem):
-            lease = lease or item.lease
-        body = {"path": os.path.abspath(os.fspath(item)), "lease": lease}
-        status, data = self._request("POST", f"/v1/{verb}", body, self.request_timeout, outage=outage)
-        if status != 200:
-            self._raise_for(status, data)
 
     # ---- visibility ------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

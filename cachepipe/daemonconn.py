@@ -8,9 +8,9 @@ Invariant: a request the daemon may have carried out (it went away with it, and 
 would change something: an ack) is never sent twice; one that never reached a daemon, or that
 changes nothing, is tried again for up to ``startup_timeout``: once per outage (an
 :class:`_Outage` shared by the requests of one operation, such as a loop's acks and releases
-as it ends), not once per request. :class:`_Connection` is the base
-class of :class:`~cachepipe.client.Client` (not used alone); its attributes are set by
-``Client.__init__``.
+as it ends), not once per request. :class:`_Connection` is a base
+class of :class:`~cachepipe.client.Client` (not used alone), under its item requests
+(:class:`~cachepipe.daemonitems._ItemRequests`); its attributes are set by ``Client.__init__``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,16 @@
 """The consumer's side of a :class:`~cachepipe.pipeline.Pipeline`, below its public methods:
 the broker's next items with the stall warning (``stall_warning``), an item failed in its turn
-(skipped or raised, as ``on_error``/``on_oversize`` say), and which lease a consumer names by an
-item or its path, with the error when the broker refuses it.
+(skipped or raised, as ``on_error``/``on_oversize`` say), the items taken made into
+:class:`~cachepipe.delivered.CachedItem` objects and counted, the check that the cache directory
+is still there (at most every :data:`CACHE_CHECK_SECONDS`), which lease a consumer names by an
+item or its path, with the error when the broker refuses it, and the acks: the items evicted at
+their steps, the steps consumed.
 
 :class:`_Handout` is the base class of :class:`~cachepipe.pipeline.Pipeline` (not used alone)
-and a subclass of :class:`~cachepipe.passes._Pass`, whose declared state it reads and whose
-counters it counts skipped items in. The public methods that use it (``get``, ``ack``,
-``release``, ``renew``) stay on the pipeline, the documented front-end;
+and a subclass of :class:`~cachepipe.lifecycle._Lifecycle` (over
+:class:`~cachepipe.passes._Pass`), whose declared state it reads and whose counters it counts
+items in. The public methods that use it (``get``, ``get_many``, ``ack``, ``ack_many``,
+``release``, ``renew``, ``check_cache``) stay on the pipeline, the documented front-end;
 :class:`~cachepipe.node.NodePipeline` uses it for its lanes' hand-outs too.
 """
 
@@ -15,20 +19,119 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
-from .broker import Failed
-from .delivered import CachedItem
+from .broker import Closed, Failed, Lease
+from .delivered import CachedItem, Skipped
 from .errors import OversizeError, UnknownItemError
-from .passes import _log_oversize_skipped, _Pass
+from .lifecycle import _Lifecycle
+from .passes import _log_oversize_skipped
 
-__all__: list[str] = []
+__all__ = ["CACHE_CHECK_SECONDS"]
 
 log = logging.getLogger("cachepipe")
 
+CACHE_CHECK_SECONDS = 1.0
+"""How often, at most, :meth:`Pipeline.get_many` checks that the cache directory is still there
+(two ``stat`` calls; see :meth:`Pipeline.check_cache`)."""
 
-class _Handout(_Pass):
+
+class _Handout(_Lifecycle):
     """The consumer's side of a pipeline (see the module notes): :class:`~cachepipe.pipeline.Pipeline`'s base."""
+
+    _cache_checked: float  # set by Pipeline.__init__, which says what it holds
+
+    def check_cache(self) -> None:
+        """Raise if the cache directory was removed or replaced (:meth:`cachepipe.pipeline.Pipeline.check_cache`)."""
+        raise NotImplementedError
+
+    def _get_many(self, count: int, timeout: float | None, report: bool) -> list[CachedItem] | Skipped:
+        """:meth:`get_many`; ``report``: an item skipped in its turn is returned as a :class:`Skipped`."""
+        if count < 1:
+            raise ValueError(f"count must be at least 1, got {count!r}")
+        self._require_open()
+        self._check_cache_due()
+        while True:
+            try:
+                got = self._take(count, timeout)
+            except Closed:
+                raise RuntimeError(f"{self!r} is closed") from None
+            if got is None:
+                return []
+            if isinstance(got, Failed):
+                self.check_cache()  # an item failed: because the cache directory is gone?
+                if got.kind == "stream":
+                    raise got.error  # listing or planning stopped: not an item to skip, the rest is unknown
+                if got.seq >= 0:
+                    self._consume([got.seq])  # reported: the resume point moves past it
+                # "oversize": judged when its space was reserved (see Cache.reserve)
+                self._skip_or_raise(got)
+                if report:
+                    return Skipped(got.name, got.reason)
+                continue
+            first_hand_out, inflight = self._cache.first_hand_out, self._inflight
+            items = [
+                CachedItem._of(lease.value, inflight[lease.seq], lease.id, first_hand_out(lease.name))  # noqa: SLF001 - from what the pipeline kept
+                for lease in got
+            ]
+            with self._counts_lock:
+                self._counts["handed"] += len(items)
+                for item in items:
+                    self._handed[item.lease] = item
+            if self._bar is not None:
+                self._bar.update(len(items))
+                self._bar.set_postfix(
+                    cache=f"{self._cache.used / 2**20:.0f}/{self._cache.capacity / 2**20:.0f}MiB", refresh=False
+                )
+            return items
+
+    def _check_cache_due(self) -> None:
+        """:meth:`check_cache`, if the last was :data:`CACHE_CHECK_SECONDS` ago or the fetcher found the cache gone."""
+        now = time.monotonic()
+        if self._fetcher.removed is not None or now - self._cache_checked >= CACHE_CHECK_SECONDS:
+            self._cache_checked = now
+            self.check_cache()
+
+    def _lease(self, path: str | os.PathLike[str], verb: str, lease: str | None) -> Lease[str]:
+        self._require_open()
+        name, lease, _path = self._lease_key(path, lease)
+        action = {"release": self._broker.release, "renew": self._broker.renew}[verb]
+        try:
+            return action(name, lease)
+        except KeyError as exc:
+            raise self._not_handed_out(verb, path, exc.args[1]) from None
+
+    def _ack_many(self, items: Iterable[str | os.PathLike[str] | tuple[str | os.PathLike[str], str]]) -> None:
+        """:meth:`~cachepipe.pipeline.Pipeline.ack_many`: the leases taken back from the broker,
+        the items evicted at their steps (given back to the broker if that fails), their steps
+        consumed and their objects ended."""
+        self._require_open()
+        if self._fetcher.removed is not None:  # a path may now name another owner's item: nothing is deleted
+            raise self._fetcher.removed
+        wanted = [self._lease_key(*item) if isinstance(item, tuple) else self._lease_key(item, None) for item in items]
+        if not wanted:
+            return
+        try:
+            taken = self._broker.ack_many([(name, lease) for name, lease, _path in wanted])
+        except KeyError as exc:
+            name, why = exc.args
+            path = next(path for named, _lease, path in wanted if named == name)
+            raise self._not_handed_out("ack", path, why) from None
+        with self._plan_lock:
+            steps = self._frontier.epoch_ticks([lease.seq for lease in taken])
+        try:
+            self._cache.evict_many([(lease.name, epoch, tick) for lease, (epoch, tick) in zip(taken, steps, strict=True)])
+        except BaseException:
+            self._broker.restore(taken)  # not recorded: the consumer still holds the items, and may ack again
+            raise
+        self._consume([lease.seq for lease in taken])
+        with self._counts_lock:
+            self._counts["acked"] += len(taken)
+            handed = [self._handed.pop(lease.id, None) for lease in taken]
+        for item in handed:
+            if item is not None:
+                item._gone = "acknowledged"  # noqa: SLF001 - the pipeline ends its items' lives
 
     def _skip_or_raise(self, failed: Failed) -> None:
         """A failed item in its turn: raise its error (``on_error``/``on_oversize="raise"``), or

@@ -3,9 +3,10 @@
 Its lifecycle (unopened, open, closed: :meth:`Pipeline.open`, :meth:`Pipeline.close`), the
 consumer's side (``for item in pipe``, :meth:`Pipeline.get`, :meth:`Pipeline.ack`, leases) and
 the checkpoint (:meth:`Pipeline.state_dict`). The pass it reads (catalog, plan, fetch order,
-resume point) is :mod:`cachepipe.passes`, the consumer's side below its public methods
-:mod:`cachepipe.handout` (both base classes of :class:`Pipeline`, whose attributes they declare),
-and what it hands out :mod:`cachepipe.delivered`.
+resume point) is :mod:`cachepipe.passes`, the core's parts started at open and stopped at close
+:mod:`cachepipe.lifecycle`, the consumer's side below its public methods :mod:`cachepipe.handout`
+(all three base classes of :class:`Pipeline`, whose attributes they declare), and what it hands
+out :mod:`cachepipe.delivered`.
 """
 
 from __future__ import annotations
@@ -13,32 +14,25 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .broker import Broker, Closed, Failed, Lease
+from .broker import Broker
 from .cache import Cache
 from .config import PipelineConfig, Share, check_cache_dir, check_option_names, check_source, parse_capacity, small_capacity
 from .delivered import CachedItem, Skipped, Stats
 from .errors import ConfigError, UnknownItemError
-from .fetcher import Fetcher
-from .handout import _Handout
+from .handout import CACHE_CHECK_SECONDS, _Handout
+from .lifecycle import _CLOSED, _OPEN, _UNOPENED
 from .passes import PLAN_RUN
 from .stores import Store, open_store
 from .stores.base import abort_store
 
-__all__ = ["PLAN_RUN", "CachedItem", "Pipeline", "Skipped", "Stats"]  # PLAN_RUN: importable from here, as before
+# PLAN_RUN and CACHE_CHECK_SECONDS: importable from here, as before
+__all__ = ["CACHE_CHECK_SECONDS", "PLAN_RUN", "CachedItem", "Pipeline", "Skipped", "Stats"]
 
 log = logging.getLogger("cachepipe")
-
-CACHE_CHECK_SECONDS = 1.0
-"""How often, at most, :meth:`Pipeline.get_many` checks that the cache directory is still there
-(two ``stat`` calls; see :meth:`Pipeline.check_cache`)."""
-
-
-_UNOPENED, _OPEN, _CLOSED = "unopened", "open", "closed"
 
 
 class Pipeline(_Handout):
@@ -134,43 +128,8 @@ class Pipeline(_Handout):
                 self._opening = store
             cache = Cache(cfg.cache_dir, cfg.capacity)
             broker: Broker[str] = Broker(ordered=cfg.ordered, lease_timeout=cfg.lease_timeout)
-            fetcher: Fetcher | None = None
             try:
-                cache.open()
-                try:
-                    self._broker, self._cache = broker, cache
-                    steps = self._catalog(store, cache)
-                    broker = self._broker  # a node pipeline's catalog step replaces it by its lanes' queues
-                    fetcher = Fetcher(store, cache, broker, steps, cfg)
-                    if cfg.progress:
-                        from tqdm.auto import tqdm
-
-                        self._bar = tqdm(total=self._total_steps, unit="item", desc="cachepipe", dynamic_ncols=True)
-                        if self._bar.total != self._total_steps:  # a streamed listing ended while the bar was made
-                            self._bar.total = self._total_steps
-                            self._bar.refresh()
-                    self._store, self._fetcher = store, fetcher
-                    with self._abort_lock:
-                        if self._closing.is_set():
-                            raise RuntimeError(f"{self!r} was closed while it opened")
-                        self._opening = None  # open: a close() from now on takes the lock and stops it in order
-                    fetcher.start()
-                    self._state = _OPEN
-                except BaseException:
-                    # wakers first, then the store's requests in flight cut, then the joins (as close())
-                    if self._listing is not None:
-                        self._listing.interrupt()
-                    if fetcher is not None:
-                        broker.close()
-                        cache.interrupt()
-                        fetcher.interrupt()
-                    abort_store(store)
-                    if self._listing is not None:
-                        self._listing.stop()
-                    if fetcher is not None:
-                        fetcher.stop()
-                    cache.close()
-                    raise
+                self._start(store, cache, broker)
             except BaseException as exc:
                 with self._abort_lock:
                     self._opening = None
@@ -295,24 +254,7 @@ class Pipeline(_Handout):
             return
         if os.getpid() != self._pid:
             return  # a forked copy: the threads, the lock and the files are the parent's to close
-        self._broker.close()
-        self._cache.interrupt()
-        if self._listing is not None:
-            self._listing.interrupt()
-        self._fetcher.interrupt()  # before the abort: a request it cuts is neither retried nor reported
-        abort_store(self._store)
-        if self._listing is not None:
-            self._listing.stop()
-        self._fetcher.stop()
-        self._cache.close(keep=self.config.keep_on_close)
-        if not self.config.keep_on_close:
-            with self._counts_lock:
-                held, self._handed = list(self._handed.values()), {}
-            for item in held:
-                item._gone = "deleted when its pipeline closed"  # noqa: SLF001 - the pipeline ends its items' lives
-        self._store.close()
-        if self._bar is not None:
-            self._bar.close()
+        self._stop()
         log.info("closed %s", self.config.source)
 
     def __enter__(self) -> Pipeline:
@@ -403,53 +345,6 @@ class Pipeline(_Handout):
             return got
         return got[0] if got else None
 
-    def _get_many(self, count: int, timeout: float | None, report: bool) -> list[CachedItem] | Skipped:
-        """:meth:`get_many`; ``report``: an item skipped in its turn is returned as a :class:`Skipped`."""
-        if count < 1:
-            raise ValueError(f"count must be at least 1, got {count!r}")
-        self._require_open()
-        self._check_cache_due()
-        while True:
-            try:
-                got = self._take(count, timeout)
-            except Closed:
-                raise RuntimeError(f"{self!r} is closed") from None
-            if got is None:
-                return []
-            if isinstance(got, Failed):
-                self.check_cache()  # an item failed: because the cache directory is gone?
-                if got.kind == "stream":
-                    raise got.error  # listing or planning stopped: not an item to skip, the rest is unknown
-                if got.seq >= 0:
-                    self._consume([got.seq])  # reported: the resume point moves past it
-                # "oversize": judged when its space was reserved (see Cache.reserve)
-                self._skip_or_raise(got)
-                if report:
-                    return Skipped(got.name, got.reason)
-                continue
-            first_hand_out, inflight = self._cache.first_hand_out, self._inflight
-            items = [
-                CachedItem._of(lease.value, inflight[lease.seq], lease.id, first_hand_out(lease.name))  # noqa: SLF001 - from what the pipeline kept
-                for lease in got
-            ]
-            with self._counts_lock:
-                self._counts["handed"] += len(items)
-                for item in items:
-                    self._handed[item.lease] = item
-            if self._bar is not None:
-                self._bar.update(len(items))
-                self._bar.set_postfix(
-                    cache=f"{self._cache.used / 2**20:.0f}/{self._cache.capacity / 2**20:.0f}MiB", refresh=False
-                )
-            return items
-
-    def _check_cache_due(self) -> None:
-        """:meth:`check_cache`, if the last was :data:`CACHE_CHECK_SECONDS` ago or the fetcher found the cache gone."""
-        now = time.monotonic()
-        if self._fetcher.removed is not None or now - self._cache_checked >= CACHE_CHECK_SECONDS:
-            self._cache_checked = now
-            self.check_cache()
-
     def check_cache(self) -> None:
         """Check that the cache directory, and the state directory in it, are the ones
         :meth:`open` took. :meth:`get` and :meth:`get_many` check at most once every
@@ -504,32 +399,7 @@ class Pipeline(_Handout):
                 :meth:`check_cache`): its paths may name another owner's items, so nothing is deleted.
             OSError: the acks could not be journaled (a full disk): nothing changed.
         """
-        self._require_open()
-        if self._fetcher.removed is not None:  # a path may now name another owner's item: nothing is deleted
-            raise self._fetcher.removed
-        wanted = [self._lease_key(*item) if isinstance(item, tuple) else self._lease_key(item, None) for item in items]
-        if not wanted:
-            return
-        try:
-            taken = self._broker.ack_many([(name, lease) for name, lease, _path in wanted])
-        except KeyError as exc:
-            name, why = exc.args
-            path = next(path for named, _lease, path in wanted if named == name)
-            raise self._not_handed_out("ack", path, why) from None
-        with self._plan_lock:
-            steps = self._frontier.epoch_ticks([lease.seq for lease in taken])
-        try:
-            self._cache.evict_many([(lease.name, epoch, tick) for lease, (epoch, tick) in zip(taken, steps, strict=True)])
-        except BaseException:
-            self._broker.restore(taken)  # not recorded: the consumer still holds the items, and may ack again
-            raise
-        self._consume([lease.seq for lease in taken])
-        with self._counts_lock:
-            self._counts["acked"] += len(taken)
-            handed = [self._handed.pop(lease.id, None) for lease in taken]
-        for item in handed:
-            if item is not None:
-                item._gone = "acknowledged"  # noqa: SLF001 - the pipeline ends its items' lives
+        self._ack_many(items)
 
     def release(self, path: str | os.PathLike[str], lease: str | None = None) -> None:
         """Give a delivered item back: it is handed out again, before any other.
@@ -549,15 +419,6 @@ class Pipeline(_Handout):
             UnknownItemError: ``path`` is not an item currently handed out (see :meth:`ack`).
         """
         self._lease(path, "renew", lease)
-
-    def _lease(self, path: str | os.PathLike[str], verb: str, lease: str | None) -> Lease[str]:
-        self._require_open()
-        name, lease, _path = self._lease_key(path, lease)
-        action = {"release": self._broker.release, "renew": self._broker.renew}[verb]
-        try:
-            return action(name, lease)
-        except KeyError as exc:
-            raise self._not_handed_out(verb, path, exc.args[1]) from None
 
     # ---- visibility ------------------------------------------------------------------
     def stats(self) -> Stats:
@@ -589,18 +450,4 @@ class Pipeline(_Handout):
             consumer_wait_seconds=self._broker.wait_seconds,
             producer_wait_seconds=c.producer_wait_seconds,
             download_threads=self._fetcher.threads,
-        )
-
-    def _require_open(self, allow_closed: bool = False) -> None:
-        if os.getpid() != self._pid and self._state == _OPEN:
-            raise RuntimeError(
-                f"{self!r} was opened in process {self._pid} and cannot be used in process {os.getpid()} "
-                "(a fork: its threads did not survive it, and the parent owns its items); "
-                "open a new Pipeline in this process"
-            )
-        if self._state == _OPEN or (allow_closed and self._state == _CLOSED):
-            return
-        raise RuntimeError(
-            f"{self!r} is {self._state}: "
-            + ("use it inside 'with' or call open()" if self._state == _UNOPENED else "create a new Pipeline")
         )
