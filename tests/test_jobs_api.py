@@ -495,11 +495,13 @@ def test_a_store_connection_reset_while_the_daemon_lists_for_a_job_is_answered_a
     s3_source, fault_proxy, tmp_path, short_dir
 ):
     """Registering a job (and ``POST /v1/manifests``) lists the source in the request's thread.
-    The request handler takes a BrokenPipeError or ConnectionResetError out of a route for its
-    client gone (the connection is closed, no answer): a store's reset raised as such would reach
-    the lane as a dropped connection. It does not: the store's seam raises a reset as a plain
-    ConnectionError naming the endpoint (stores/fsspec_errors.py), and the lane gets the error
-    answer of any store failure. Passed before (written to check the suspicion)."""
+    The request handler took a BrokenPipeError or ConnectionResetError out of a route for its
+    client gone (the connection closed, no answer): a store's reset raised as such would have
+    reached the lane as a dropped connection. It did not: the store's seam raises a reset as a
+    plain ConnectionError naming the endpoint (stores/fsspec_errors.py), and the lane gets the
+    error answer of any store failure. Passed before (written to check the suspicion). Since, the
+    handler takes only its client's socket failing for the client gone (ClientGone; any other
+    such error is a 500: tests/test_service_client_gone.py)."""
     proxy, endpoint = fault_proxy
     s3_source.folders(2, {"a.bin": KIB})
     sock = short_dir / "api.sock"
