@@ -27,6 +27,7 @@ from cachepipe.errors import ConfigError
 from cachepipe.jobclient import JobClient
 from cachepipe.manifest import index
 from cachepipe.service.config import load_config
+from cachepipe.service.daemon import _changed_keys
 from cachepipe.service.testing import DaemonProcess
 
 KIB = 1024
@@ -598,7 +599,9 @@ def test_a_store_endpoint_that_never_answers_is_answered_as_a_store_error(s3_sou
 
 def test_a_reload_that_changes_the_jobs_section_says_it_takes_a_restart(s3_source, tmp_path, short_dir):
     """First-hour review: a reload ignored a new jobs.capacity or jobs.sources and logged
-    "nothing changed"; a job asking for the new source was then refused by the old section."""
+    "nothing changed"; a job asking for the new source was then refused by the old section.
+    Then it said "the jobs section changed", not which keys: each key not applied is named now
+    (its value not: jobs.options may hold credentials)."""
     s3_source.folders(2, {"a.bin": KIB})
     sock = short_dir / "api.sock"
     config, _ = one_rank_job(s3_source, tmp_path, sock)
@@ -608,9 +611,25 @@ def test_a_reload_that_changes_the_jobs_section_says_it_takes_a_restart(s3_sourc
         data["jobs"]["options"]["storage_options"]["secret"] = "the-new-secret"
         config.write_text(yaml.safe_dump(data))
         daemon.reload()
-        assert "reload: the jobs section changed; this takes a restart" in daemon.log()
+        said = "reload: jobs.capacity and jobs.options.storage_options.secret changed (values not shown): not applied"
+        assert said in daemon.log()  # before: "the jobs section changed", which key unsaid
+        assert "this takes a restart" in daemon.log()
         assert "the-new-secret" not in daemon.log()
         assert daemon.stop() == 0
+
+
+def test_the_keys_a_reload_of_the_jobs_section_names():
+    """What the reload's warning names (pure): each key changed, added or removed, nested keys
+    dotted; a section added or removed as itself; never a value."""
+    old = {"capacity": "1MiB", "sources": ["s3://a/"], "options": {"storage_options": {"secret": "s1"}}}
+    new = {"capacity": "1MiB", "sources": ["s3://b/"], "options": {"storage_options": {"secret": "s2", "key": "k"}}}
+    assert _changed_keys(old, new, "jobs") == [
+        "jobs.options.storage_options.key",
+        "jobs.options.storage_options.secret",
+        "jobs.sources",
+    ]
+    assert _changed_keys(None, new, "jobs") == _changed_keys(old, None, "jobs") == ["jobs"]
+    assert _changed_keys(old, dict(old), "jobs") == []
 
 
 def test_a_job_registered_again_after_a_restart_keeps_its_share_of_the_disk_and_its_items(s3_source, tmp_path, short_dir):
