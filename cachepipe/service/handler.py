@@ -4,7 +4,11 @@ routed (:mod:`cachepipe.service.routes`) to the handler of each route, which cal
 
 Invariant: every request is answered (an error as ``{"error": CODE, "message": TEXT}``) or its
 connection closed; a request late past its deadline is answered 408 and its connection closed,
-and an item whose consumer went away before it received it is released at once.
+and an item whose consumer went away before it received it is released at once. A request goes
+unanswered only when its client's own socket fails (:class:`~cachepipe.service.errors.ClientGone`,
+raised by the reads of the request and the write of its answer); a ``BrokenPipeError`` or
+``ConnectionResetError`` from a route's work (a pipe, a store's connection) is answered 500 and
+logged like any other failure.
 :class:`~cachepipe.service.api.ApiServer` runs one such handler per connection.
 """
 
