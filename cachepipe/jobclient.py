@@ -282,21 +282,24 @@ class JobClient:
     ) -> tuple[int, bytes]:
         """Send (again while the daemon restarts: every request here is idempotent); 408 is
         returned to a caller that waits (``may_wait``); a job the daemon does not know (it
-        restarted) is registered again, once per daemon (again after each outage, not twice in a
-        row). One wait for an absent or stopping daemon per outage (an :class:`_Outage`, ended by
-        any answer but a 503), so a request served by a restarted daemon waits in full again
-        when that one stops too."""
+        restarted) is registered again, with each daemon that answers so: the 404 is raised only
+        when it comes from the daemon that registered the job in this call, over the connection
+        that carried that registration's answer (a connection never spans two daemons). A daemon
+        killed and back before the next attempt shows no outage, only a new connection. One wait
+        for an absent or stopping daemon per outage (an :class:`_Outage`, ended by any answer but
+        a 503), so a request served by a restarted daemon waits in full again when that one stops
+        too."""
         client = self._client
         outage = _Outage(client.startup_timeout, client.address)
-        registered: int | None = None  # the outage count when this call registered the job
+        registered_on: object = None  # the connection that carried this call's last registration's answer (None: none kept)
         while True:
             status, data = client._request(method, route, body, timeout, retry=True, raw=raw, outage=outage)  # noqa: SLF001 - the same daemon connection
             if status in (200, 204) or (status == 408 and may_wait):
                 return status, data
             code = _code(data)
-            if status == 404 and method == "POST" and registered != outage.begun:
+            if status == 404 and method == "POST" and (registered_on is None or client._conn is not registered_on):  # noqa: SLF001 - which daemon answered
                 self.register()  # the daemon restarted and forgot the job
-                registered = outage.begun
+                registered_on = client._conn  # noqa: SLF001 - as above
                 outage.limit = client.startup_timeout  # registered: outage_timeout from now on
                 continue
             if status == 503 and code == "stopping" and outage.pause():

@@ -27,6 +27,7 @@ from cachepipe.errors import ConfigError
 from cachepipe.jobclient import JobClient
 from cachepipe.manifest import index
 from cachepipe.service.config import load_config
+from cachepipe.service.daemon import _changed_keys
 from cachepipe.service.testing import DaemonProcess
 
 KIB = 1024
@@ -495,11 +496,13 @@ def test_a_store_connection_reset_while_the_daemon_lists_for_a_job_is_answered_a
     s3_source, fault_proxy, tmp_path, short_dir
 ):
     """Registering a job (and ``POST /v1/manifests``) lists the source in the request's thread.
-    The request handler takes a BrokenPipeError or ConnectionResetError out of a route for its
-    client gone (the connection is closed, no answer): a store's reset raised as such would reach
-    the lane as a dropped connection. It does not: the store's seam raises a reset as a plain
-    ConnectionError naming the endpoint (stores/fsspec_errors.py), and the lane gets the error
-    answer of any store failure. Passed before (written to check the suspicion)."""
+    The request handler took a BrokenPipeError or ConnectionResetError out of a route for its
+    client gone (the connection closed, no answer): a store's reset raised as such would have
+    reached the lane as a dropped connection. It did not: the store's seam raises a reset as a
+    plain ConnectionError naming the endpoint (stores/fsspec_errors.py), and the lane gets the
+    error answer of any store failure. Passed before (written to check the suspicion). Since, the
+    handler takes only its client's socket failing for the client gone (ClientGone; any other
+    such error is a 500: tests/test_service_client_gone.py)."""
     proxy, endpoint = fault_proxy
     s3_source.folders(2, {"a.bin": KIB})
     sock = short_dir / "api.sock"
@@ -596,7 +599,9 @@ def test_a_store_endpoint_that_never_answers_is_answered_as_a_store_error(s3_sou
 
 def test_a_reload_that_changes_the_jobs_section_says_it_takes_a_restart(s3_source, tmp_path, short_dir):
     """First-hour review: a reload ignored a new jobs.capacity or jobs.sources and logged
-    "nothing changed"; a job asking for the new source was then refused by the old section."""
+    "nothing changed"; a job asking for the new source was then refused by the old section.
+    Then it said "the jobs section changed", not which keys: each key not applied is named now
+    (its value not: jobs.options may hold credentials)."""
     s3_source.folders(2, {"a.bin": KIB})
     sock = short_dir / "api.sock"
     config, _ = one_rank_job(s3_source, tmp_path, sock)
@@ -606,9 +611,25 @@ def test_a_reload_that_changes_the_jobs_section_says_it_takes_a_restart(s3_sourc
         data["jobs"]["options"]["storage_options"]["secret"] = "the-new-secret"
         config.write_text(yaml.safe_dump(data))
         daemon.reload()
-        assert "reload: the jobs section changed; this takes a restart" in daemon.log()
+        said = "reload: jobs.capacity and jobs.options.storage_options.secret changed (values not shown): not applied"
+        assert said in daemon.log()  # before: "the jobs section changed", which key unsaid
+        assert "this takes a restart" in daemon.log()
         assert "the-new-secret" not in daemon.log()
         assert daemon.stop() == 0
+
+
+def test_the_keys_a_reload_of_the_jobs_section_names():
+    """What the reload's warning names (pure): each key changed, added or removed, nested keys
+    dotted; a section added or removed as itself; never a value."""
+    old = {"capacity": "1MiB", "sources": ["s3://a/"], "options": {"storage_options": {"secret": "s1"}}}
+    new = {"capacity": "1MiB", "sources": ["s3://b/"], "options": {"storage_options": {"secret": "s2", "key": "k"}}}
+    assert _changed_keys(old, new, "jobs") == [
+        "jobs.options.storage_options.key",
+        "jobs.options.storage_options.secret",
+        "jobs.sources",
+    ]
+    assert _changed_keys(None, new, "jobs") == _changed_keys(old, None, "jobs") == ["jobs"]
+    assert _changed_keys(old, dict(old), "jobs") == []
 
 
 def test_a_job_registered_again_after_a_restart_keeps_its_share_of_the_disk_and_its_items(s3_source, tmp_path, short_dir):

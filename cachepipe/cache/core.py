@@ -137,27 +137,23 @@ class Cache(_Publishing):
             # calls that keep the interpreter's lock only where no lookup waits for a server on the way
             self.file_calls = file_calls_for(fstype) if lookups_stay_local(self._root) else RELEASING
             usage = shutil.disk_usage(self.root)
-            self.ledger.capacity = _capacity_bytes(self._capacity_spec, self.root)
-            if not isinstance(self._capacity_spec, Share):
-                if self._capacity_spec > usage.total:  # no item larger than the filesystem can ever fit: said at once
-                    log.warning(
-                        "capacity %d bytes exceeds the size of the filesystem of %s (%d bytes): the cache holds at most "
-                        "that, and an item larger than it is refused as oversize; lower the capacity or give it as a "
-                        "share like '80%%'",
-                        self._capacity_spec,
-                        self.root,
-                        usage.total,
-                    )
-                # the tree walked only where it can matter: a capacity over the free space
-                elif self.capacity > usage.free and self.capacity > (room := usage.free + held_in(self.root)):
-                    log.warning(
-                        "capacity %d bytes exceeds the space available to %s (%d bytes): downloads will meet a full "
-                        "disk, and in-order delivery can wait on space held by later items; lower the capacity or "
-                        "give it as a share like '80%%'",
-                        self.capacity,
-                        self.root,
-                        room,
-                    )
+            self.ledger.capacity = _capacity_bytes(self._capacity_spec, self.root)  # beyond the filesystem: held, logged
+            spec = self._capacity_spec
+            # within the filesystem's size, kept as given (the space others hold may come back), but said when over
+            # the room there now: the tree walked only where it can matter, a capacity over the free space
+            if (
+                not isinstance(spec, Share)
+                and usage.free < spec <= usage.total
+                and spec > (room := usage.free + held_in(self.root))
+            ):
+                log.warning(
+                    "capacity %d bytes exceeds the space available to %s (%d bytes): downloads will meet a full "
+                    "disk, and in-order delivery can wait on space held by later items; lower the capacity or "
+                    "give it as a share like '80%%'",
+                    self.capacity,
+                    self.root,
+                    room,
+                )
             try:
                 self._replay = state.load(self.record.journal.path)
             except state.StateCorrupt as exc:

@@ -24,7 +24,7 @@ from ..config import Share
 from ..errors import ConfigError, OversizeError
 from ..retention import RetentionPolicy
 from .acks import _Acks
-from .room import room_at
+from .room import held_in, room_at
 
 __all__: list[str] = []
 
@@ -38,11 +38,29 @@ def _never() -> bool:
 def _capacity_bytes(capacity: int | Share, root: Path) -> int:
     """``capacity`` in bytes for a cache at ``root``: a share of the space free on its filesystem
     and held under ``root`` (the cache's own items are its room, not taken from it: a cache
-    opened again over the items it kept has the size it had), or the bytes given, held to the
-    filesystem's size (no item larger can ever fit)."""
+    opened again over the items it kept has the size it had), or the bytes given. Bytes beyond
+    the filesystem's size are held to the room there, the space free and what ``root`` holds
+    (logged, naming both): not to the filesystem's size, which what else lives there (another
+    tenant's files, blocks kept for root) makes a cap reached only by filling the disk. A
+    capacity within the filesystem's size is kept as given: the space others hold may come back."""
     if isinstance(capacity, Share):
         return int(room_at(root, [root], caches=True) * capacity.fraction)
-    return min(capacity, shutil.disk_usage(root).total)
+    usage = shutil.disk_usage(root)
+    if capacity <= usage.total:
+        return capacity
+    held = held_in(root)
+    log.warning(
+        "capacity %d bytes exceeds the size of the filesystem of %s (%d bytes): held to the room there, %d bytes: "
+        "%d bytes free and %d bytes that it holds (taken again at each open); an item larger than what that leaves "
+        "for items is refused as oversize; lower the capacity or give it as a share like '80%%'",
+        capacity,
+        root,
+        usage.total,
+        usage.free + held,
+        usage.free,
+        held,
+    )
+    return min(capacity, usage.free + held)
 
 
 class _Reservation(_Acks):

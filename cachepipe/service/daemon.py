@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 import time
+from typing import Any
 
 from .. import __version__
 from ..cache.lock import unusable_dir
@@ -184,10 +185,12 @@ class Daemon(_JobDesk, _PipelineDesk):
                 log.warning(
                     "reload: %s changed from %r to %r; this takes a restart", field, getattr(old, field), getattr(new, field)
                 )
-            if new.jobs != old.jobs:  # its values unsaid: jobs.options may hold credentials
+            if new.jobs != old.jobs:  # its keys named, their values unsaid: jobs.options may hold credentials
+                before, after = (None if c.jobs is None else c.jobs.model_dump(mode="json") for c in (old, new))
                 log.warning(
-                    "reload: the jobs section changed; this takes a restart (the jobs registered, and those to come, "
-                    "keep the section the daemon started with)"
+                    "reload: %s changed (values not shown): not applied, this takes a restart (the jobs registered, "
+                    "and those to come, keep the section the daemon started with)",
+                    " and ".join(_changed_keys(before, after, "jobs") or ["jobs"]),
                 )
                 fixed["jobs"] = old.jobs
             if fixed:
@@ -300,3 +303,13 @@ def _lists_nothing(cfg: PipelineConfig) -> str:
     except (CachePipeError, OSError, ValueError, ImportError) as exc:
         return f"{cfg.source!r} cannot be listed: {type(exc).__name__}: {exc}"
     return "" if first is not None else f"{cfg.source!r} lists no objects; check the bucket and the prefix"
+
+
+def _changed_keys(old: Any, new: Any, prefix: str) -> list[str]:
+    """The dotted names of the keys that differ between ``old`` and ``new`` (nested dicts, such
+    as a section's ``model_dump``), under ``prefix``; a key added or removed is named as it is,
+    a section added or removed (None) as ``prefix``. Names only: no value (credentials)."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return [] if old == new else [prefix]
+    keys = sorted({*old, *new}, key=str)
+    return [name for key in keys for name in _changed_keys(old.get(key), new.get(key), f"{prefix}.{key}")]

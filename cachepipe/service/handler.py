@@ -4,13 +4,16 @@ routed (:mod:`cachepipe.service.routes`) to the handler of each route, which cal
 
 Invariant: every request is answered (an error as ``{"error": CODE, "message": TEXT}``) or its
 connection closed; a request late past its deadline is answered 408 and its connection closed,
-and an item whose consumer went away before it received it is released at once.
+and an item whose consumer went away before it received it is released at once. A request goes
+unanswered only when its client's own socket fails (:class:`~cachepipe.service.errors.ClientGone`,
+raised by the reads of the request and the write of its answer); a ``BrokenPipeError`` or
+``ConnectionResetError`` from a route's work (a pipe, a store's connection) is answered 500 and
+logged like any other failure.
 :class:`~cachepipe.service.api.ApiServer` runs one such handler per connection.
 """
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import logging
@@ -25,6 +28,7 @@ from typing import Any
 from .. import __version__
 from ..batching import MAX_BATCH
 from ..errors import DAEMON_STORE_CODES
+from .errors import ClientGone
 from .http import MAX_HEADER, DeadlineReader, HeaderBudget, Late, Service, TcpServer, UnixServer, Unread
 from .metrics import CONTENT_TYPE
 from .routes import BadRequest, _check_keys, _error_for, _lane, _match, _taken_json, item_json
@@ -151,7 +155,7 @@ class _Handler(BaseHTTPRequestHandler):
                 raise BadRequest(f"{method} {path}: expected {' or '.join(allowed)}", 405)
             _check_keys(method, path, route, body)
             status = getattr(self, "_" + route)(daemon, arg, body)
-        except (BrokenPipeError, ConnectionResetError, Unread):
+        except ClientGone:  # raised for the client's own socket only: a route's BrokenPipeError is its failure
             self.close_connection = True
             status = 499  # the client went away, or does not take its answer: nothing more is written
         except Exception as exc:  # every failure becomes an HTTP error; unexpected ones are logged in full
@@ -202,11 +206,11 @@ class _Handler(BaseHTTPRequestHandler):
             return self._reply(204)
         try:
             if self._peer_closed():  # over TCP the reply's write would still succeed
-                raise ConnectionResetError(errno.ECONNRESET, "the consumer closed its connection while its request waited")
+                raise ClientGone("the consumer closed its connection while its request waited")
             if count is None:
                 return self._reply(200, item_json(name, items[0]))
             return self._reply(200, {"pipeline": name, "items": [item_json(name, item) for item in items]})
-        except OSError:
+        except ClientGone:
             log.info("%s: consumer went away before receiving %s; released", name, ", ".join(i.name for i in items))
             for item in items:
                 daemon.finish("release", str(item), item.lease)
@@ -323,7 +327,7 @@ class _Handler(BaseHTTPRequestHandler):
             ) from None
         if len(raw) < length:
             self.close_connection = True
-            raise ConnectionResetError(f"the client closed the connection after {len(raw)} of {length} body bytes")
+            raise ClientGone(f"the client closed the connection after {len(raw)} of {length} body bytes")
         self.server.set_waiting(self.connection, False)  # the request is in: this connection is busy now
         if not raw.strip():
             return {}

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from ..pipeline import CachedItem
+from .errors import ClientGone
 from .metrics import Metrics
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ class Late(TimeoutError):
     """A deadline of the request passed (HTTP 408)."""
 
 
-class Unread(ConnectionError):
+class Unread(ClientGone):
     """An answer that could not be written whole: its client did not take it in time (see
     :meth:`Server.answering`), or went away. Its connection ends, with nothing more written on it."""
 
@@ -151,6 +152,8 @@ class DeadlineReader(io.RawIOBase):
             return self._sock.recv_into(buffer)
         except TimeoutError:
             raise Late(self.phase) from None
+        except OSError as exc:  # the client's connection failed (reset): not an error of the request's work
+            raise ClientGone(f"the client's connection failed while its request {self.phase} arrived: {exc}") from exc
 
 
 class HeaderBudget:

@@ -38,7 +38,7 @@ from ..errors import CacheRemovedError, ConfigError
 from ..manifest import index, read_manifest
 from ..plan import Cursor
 from .closing import Closer
-from .errors import StoppingError, UnknownPipelineError
+from .errors import ClientGone, StoppingError, UnknownPipelineError
 from .jobspec import _JOB_FIELDS, JobsConfig, JobSpec
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ class Jobs:
 
         Raises:
             ValueError: not a manifest, or one of a source this daemon's jobs may not read.
-            ConnectionResetError: the client sent fewer than ``length`` bytes.
+            ClientGone: the client sent fewer than ``length`` bytes.
         """
         folder = self.config.root / ".manifests"
         folder.mkdir(parents=True, exist_ok=True)
@@ -165,7 +165,7 @@ class Jobs:
                 while left:
                     chunk = body.read(min(left, 1 << 20))
                     if not chunk:
-                        raise ConnectionResetError(f"the client closed the connection after {length - left} of {length} bytes")
+                        raise ClientGone(f"the client closed the connection after {length - left} of {length} bytes")
                     out.write(chunk)
                     left -= len(chunk)
             try:
