@@ -253,14 +253,12 @@ class _Outage:
         self.address = address
         self._since: float | None = None
         self._pauses = 0
-        self.begun = 0  # outages begun so far: a daemon answering after a change here may be another one
 
     def pause(self) -> bool:
         """Wait a little before the next attempt; False (at once) once ``limit`` has passed."""
         now = time.monotonic()
         if self._since is None:
             self._since = now
-            self.begun += 1
             if self.limit > DEFAULT_STARTUP_TIMEOUT:
                 log.warning("the cachepipe daemon at %s is not answering yet: trying for up to %g s", self.address, self.limit)
         left = self._since + self.limit - now
