@@ -90,7 +90,7 @@ def _add_options(parser: argparse.ArgumentParser | Any, suppress: bool) -> None:
         "--dry-run",
         action="store_true",
         default=d(False),
-        help="list what would run (marking the items another command did, to run again) and exit",
+        help="list what would run (marking the items done before, to run again) and what it could delete, and exit",
     )
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=d(True), help="no progress bar")
     parser.add_argument(

@@ -130,6 +130,7 @@ class _MapRun(_Remote):
                 todo = [mi for mi in safe if mi.name not in checked.done]
                 result.items_skipped = len(checked.done)
                 result.command_changed = checked.command_changed
+                result.held = checked.held
                 result.planned = [mi.name for mi in todo]
                 if not cfg.dry_run:
                     for name, why in unsafe.items():
@@ -143,6 +144,7 @@ class _MapRun(_Remote):
                         refused |= dict(_refusals(todo, sizing))
                     result.planned = [mi.name for mi in todo if mi.name not in refused]
                     result.refused = refused
+                    result.held = {name: keys for name, keys in checked.held.items() if name not in refused}
             finally:
                 if self._dest is None:
                     dst.close()
