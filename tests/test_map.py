@@ -1965,3 +1965,22 @@ def test_an_output_its_command_made_unreadable_fails_its_item_not_the_run(tmp_pa
     done, failed = json.loads(proc.stdout)
     assert done == 2 and [name for name, _ in failed] == ["b"] and "Permission denied" in failed[0][1], failed
     assert not (tmp_path / "dst" / "b" / DONE_MARKER).exists() and (tmp_path / "dst" / "c" / DONE_MARKER).exists()
+
+
+def test_a_destination_that_refuses_writes_is_told_once_on_the_command_line(s3_source, s3_endpoint, moto_iam, tmp_path):
+    """Credentials that may read the bucket but not write it, against the moto server with its
+    IAM checks on: the run stops at the first upload. The error was printed twice without -v,
+    logged by the job that met it (the library's fallback handler writes warnings and errors to
+    stderr) and then by the command line."""
+    s3_source.folders(2, {"f": 100})
+    key, secret = moto_iam.user("reads-only", ["s3:GetObject", "s3:ListBucket"])
+    moto_iam.enforce()
+    options = {"endpoint_url": s3_endpoint, "key": key, "secret": secret}
+    proc = cli(
+        s3_source.url, "s3://data/out/", "--cache", str(tmp_path / "cache"), "--capacity", "1MiB", "--no-progress",
+        *storage_args(options), "--", "sh", "-c", 'cp f "$CACHEPIPE_OUT/g"',
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cachepipe map: uploading item000/g: the destination refused it"), proc.stderr
+    assert "give credentials that may write there (s3:PutObject" in lines[0]

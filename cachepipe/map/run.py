@@ -322,9 +322,7 @@ class _MapRun(_Remote):
                     except (RuntimeError, UnknownItemError):
                         pass  # closed while this item ran: closing removes it anyway
         except BaseException as exc:  # a bug, or a destination full or refusing: stop the run and raise it from map_items
-            if isinstance(exc, DestinationError):
-                log.error("%s", exc)
-            else:
+            if not isinstance(exc, DestinationError):  # that one is the run's error, which its caller reports: not logged too
                 log.exception("map job crashed")
             with self._crash_lock:
                 self._crash = self._crash or exc
