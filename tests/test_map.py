@@ -1984,3 +1984,48 @@ def test_a_destination_that_refuses_writes_is_told_once_on_the_command_line(s3_s
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("cachepipe map: uploading item000/g: the destination refused it"), proc.stderr
     assert "give credentials that may write there (s3:PutObject" in lines[0]
+
+
+def test_a_second_sigterm_while_the_run_stops_does_not_cut_the_stop_short(s3_client, fault_proxy, tmp_path):
+    """SIGTERM stops the run as Ctrl-C does (exit 143). A second one that came while it stopped
+    (a supervisor or a user sending it again) raised into the stop itself: the joins of the
+    jobs, the uploads' end, the slots' removal were cut short, and the run ended with an error
+    of what was half closed, or died by the signal (exit -15) once the handler was put back.
+    Here item ``a``'s upload is held at the proxy, so the stop waits for it; item ``b``'s command
+    sleeps, and its death tells the stop has begun. The second SIGTERM is then sent, and the
+    upload let go. Now it is ignored, noted once (the note shows it came while the run stopped)."""
+    s3_client.create_bucket(Bucket="data")
+    proxy, endpoint = fault_proxy
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    for name in ("a", "b"):
+        (src / name).mkdir(parents=True)
+        (src / name / "f").write_text(name)
+    gate = threading.Event()
+    proxy.hold(lambda head: head.startswith("PUT "), gate)
+    script = 'echo $$ > "$0/$CACHEPIPE_NAME.pid"; cp f "$CACHEPIPE_OUT/g"; [ "$CACHEPIPE_NAME" = a ] || exec sleep 60'
+    argv = [sys.executable, "-m", "cachepipe.map", str(src), "s3://data/out/", "--cache", str(cache), "--capacity", "1MiB"]
+    argv += ["--jobs", "2", "--no-progress", "--retries", "0"]
+    argv += [arg for opt in (f"endpoint_url={endpoint}", "key=k", "secret=s") for arg in ("--dest-option", opt)]
+    proc = subprocess.Popen([*argv, "--", "sh", "-c", script, str(tmp_path)], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: any(h.startswith("PUT ") for h in proxy.requests) or proc.poll() is not None, what="a's upload held")
+        assert proc.poll() is None, proc.communicate()[1]
+        sleeper = int(wait_until(lambda: (tmp_path / "b.pid").exists() and (tmp_path / "b.pid").read_text().strip()))
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: not alive(sleeper), what="b's command killed by the stop")
+        proc.send_signal(signal.SIGTERM)  # the run is stopping: waiting for a's upload
+        gate.set()
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        gate.set()
+        proc.kill()
+    assert proc.returncode == 143, stderr
+    assert stderr.splitlines()[-2:] == [
+        (
+            "cachepipe map: already stopping (commands killed, uploads in flight ending); SIGKILL stops at once, and the next "
+            "run resumes"
+        ),
+        "cachepipe map: terminated (SIGTERM); run the same command again to resume",
+    ], stderr
+    assert sorted(os.listdir(cache / WORK_DIR)) == ["lock"]  # the slots removed: the stop ran to its end
+    assert bucket(s3_client, "out/").get(f"a/{DONE_MARKER}") is None  # stopped: a is not marked done
