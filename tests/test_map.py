@@ -2029,3 +2029,20 @@ def test_a_second_sigterm_while_the_run_stops_does_not_cut_the_stop_short(s3_cli
     ], stderr
     assert sorted(os.listdir(cache / WORK_DIR)) == ["lock"]  # the slots removed: the stop ran to its end
     assert bucket(s3_client, "out/").get(f"a/{DONE_MARKER}") is None  # stopped: a is not marked done
+
+
+def test_the_completion_marker_is_stored_as_json(remote_source, s3_client, tmp_path):
+    """The marker is uploaded from memory (``/proc/self/fd/N``), whose name tells no media type:
+    S3 (s3fs) and OBS (its SDK) stored it as binary/octet-stream, where it had been
+    application/json, guessed from the name of the file it was uploaded from. Its type is now
+    given; the outputs keep the stores' own guess by their names."""
+    remote_source.folders(1, {"f": 100})
+    dst = remote_source.url.replace("/video/", "/out/")
+    command = ["sh", "-c", 'cp f "$CACHEPIPE_OUT/g.json"']
+    result = map_items(
+        command, remote_source.url, dst, cache_dir=tmp_path / "cache", capacity="1MiB", storage_options=remote_source.options
+    )
+    assert result.ok and result.items_done == 1, result.failed
+    marker = s3_client.head_object(Bucket="data", Key=f"out/item000/{DONE_MARKER}")
+    assert marker["ContentType"] == "application/json"
+    assert s3_client.head_object(Bucket="data", Key="out/item000/g.json")["ContentType"] == "application/json"
