@@ -2046,3 +2046,26 @@ def test_the_completion_marker_is_stored_as_json(remote_source, s3_client, tmp_p
     marker = s3_client.head_object(Bucket="data", Key=f"out/item000/{DONE_MARKER}")
     assert marker["ContentType"] == "application/json"
     assert s3_client.head_object(Bucket="data", Key="out/item000/g.json")["ContentType"] == "application/json"
+
+
+def test_an_item_whose_results_folder_lies_in_another_s_is_refused_with_it(s3_source, s3_client, tmp_path, capsys):
+    """S3 holds an object ``a.tar`` and one under ``a.tar/``: with ``--items files --unpack``
+    both were items, with their results in ``DST/a.tar/`` and ``DST/a.tar/b.tar/``. ``a.tar``'s
+    outputs named ``b.tar/...`` then landed among ``a.tar/b.tar``'s, whose objects a rerun
+    deletes (the listing gives a key to the item of the longest folder holding it), leaving
+    ``a.tar``'s marker listing what was gone. Both are refused now, each naming the other
+    (the dry run first); the others run."""
+    for key in ("a.tar", "a.tar/b.tar", "x.tar"):
+        s3_source.put(key, tar_bytes({"b.tar/f": b"from " + key.encode()}))
+    dst = "s3://data/out/"
+    options = {"cache_dir": tmp_path / "cache", "capacity": "1MiB", "storage_options": s3_source.options, "items": "files"}
+    args = [s3_source.url, dst, "--cache", str(tmp_path / "cache"), "--capacity", "1MiB", "--items", "files", "--unpack"]
+    assert main([*args, "--dry-run", *storage_args(s3_source.options)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "would run: x.tar -> s3://data/out/x.tar/", out
+    assert out[1].startswith("would refuse: a.tar: item 'a.tar' has its results in DST/a.tar/, which holds the folder of ")
+    assert out[2].startswith("would refuse: a.tar/b.tar: item 'a.tar/b.tar' has its results in DST/a.tar/b.tar/, inside ")
+    result = map_items(None, s3_source.url, dst, unpack=True, **options)
+    assert result.items_done == 1 and sorted(f.name for f in result.failed) == ["a.tar", "a.tar/b.tar"], result.failed
+    assert "rename or move one of them in SRC" in result.failed[0].error
+    assert set(bucket(s3_client, "out/")) == {"x.tar/b.tar/f", f"x.tar/{DONE_MARKER}"}
