@@ -10,10 +10,11 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from ..sizes import format_size
-from .uploader import DONE_MARKER
+from .uploader import DONE_MARKER, marker_key
 
 __all__ = ["MapFailure", "MapResult", "Tally", "format_deletes", "format_plan", "format_share", "format_summary"]
 
@@ -217,11 +218,12 @@ def format_deletes(result: MapResult, dest: str) -> str:
     if not result.held:
         return ""
     root = dest.rstrip("/")
-    keys = [key for keys in result.held.values() for key in keys]
-    shown = sorted(keys, key=lambda key: key.endswith(f"/{DONE_MARKER}"))[:_SHOWN]  # stable: listing order kept
-    more = ", ..." if len(keys) > _SHOWN else ""
+    count = sum(map(len, result.held.values()))
+    keys = list(islice((key for keys in result.held.values() for key in keys if not key.endswith(f"/{DONE_MARKER}")), _SHOWN))
+    shown = (keys + [marker_key(name) for name in result.held])[:_SHOWN]  # outputs in listing order, then markers
+    more = ", ..." if count > _SHOWN else ""
     return (
-        f"{len(result.held)} items would have earlier outputs replaced: up to {len(keys)} objects in DST "
+        f"{len(result.held)} items would have earlier outputs replaced: up to {count} objects in DST "
         f"deleted (their markers included), those the run does not write again (first: "
         f"{', '.join(f'{root}/{key}' for key in shown)}{more})"
     )
