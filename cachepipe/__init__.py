@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from . import map as _map_package  # noqa: F401 - loaded now so that `map` below stays the function (see the end)
 from ._lazy import attach
 from .logfallback import FallbackHandler as _FallbackHandler
-from .logfallback import PrintableText as _PrintableText
+from .logfallback import printable_records as _printable_records
 
 if TYPE_CHECKING:
     from .client import Client
@@ -114,5 +114,5 @@ del TYPE_CHECKING, attach  # not public names
 # Warnings reach a user who configured no logging, a few lines per kind; configured handlers
 # take over entirely (see cachepipe.logfallback for why not a NullHandler). First, before every
 # handler: names of undecodable bytes escaped, so that a strict handler can write their lines.
-logging.getLogger("cachepipe").addHandler(_PrintableText())
+_printable_records("cachepipe")
 logging.getLogger("cachepipe").addHandler(_FallbackHandler())

@@ -12,6 +12,10 @@ filter against that must sit on every module's logger, since logger filters do n
 records of child loggers; a handler on ``cachepipe`` sees every record of the library. The
 ``NullHandler`` also hid the warnings completely (a handler was found, so ``lastResort``
 never ran).
+
+And what any handler gets: :func:`printable_records` makes each record of the library
+writable in UTF-8 (a name of undecodable bytes escaped) as it is made, before any handler,
+the user's on a module's logger too, sees it.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["FallbackHandler", "PrintableText", "RateLimit"]
+__all__ = ["FallbackHandler", "RateLimit", "printable", "printable_records"]
 
 
 _TEMPLATE = "cachepipe_template"
-"""The attribute in which :class:`PrintableText` keeps a record's message template (``record.msg``)
+"""The attribute in which :func:`printable` keeps a record's message template (``record.msg``)
 when it writes the message out escaped in its place: what kind of line the record is."""
 
 
@@ -80,7 +85,7 @@ class FallbackHandler(logging.Handler):
         return super().handle(record)
 
     def emit(self, record: logging.LogRecord) -> None:
-        kind = getattr(record, _TEMPLATE, record.msg)  # the template, also of a record PrintableText rewrote
+        kind = getattr(record, _TEMPLATE, record.msg)  # the template, also of a record printable() rewrote
         suffix = self.limit.admit((record.name, record.levelno, str(kind)))
         if suffix is None:
             return
@@ -94,7 +99,7 @@ class FallbackHandler(logging.Handler):
         """True when a handler other than this one (and one that writes) is on the way ``name``'s records propagate."""
         logger: logging.Logger | None = logging.getLogger(name)
         while logger is not None:
-            if any(h is not self and not isinstance(h, PrintableText) for h in logger.handlers):
+            if any(h is not self for h in logger.handlers):
                 return True
             if not logger.propagate:
                 return False
@@ -102,39 +107,54 @@ class FallbackHandler(logging.Handler):
         return False
 
 
-class PrintableText(logging.Handler):
-    """Make a record of the library writable by any UTF-8 handler: a message (or an exception's
-    text) that holds surrogates, as a name of undecodable bytes does (the Latin-1 byte E9 is the
-    character U+DCE9), is rewritten in place with each escaped as text (the six characters
-    ``\\udce9``, as Python's stderr writes it; its template kept in the record's
-    ``cachepipe_template``, the kind :class:`FallbackHandler` counts it as); any other record is
-    left as it is. It writes nothing itself.
+def printable(record: logging.LogRecord) -> None:
+    """Make ``record`` writable by any UTF-8 handler: a message (or an exception's text) that
+    holds surrogates, as a name of undecodable bytes does (the Latin-1 byte E9 is the character
+    U+DCE9), is rewritten in place with each escaped as text (the six characters ``\\udce9``, as
+    Python's stderr writes it; its template kept in the record's ``cachepipe_template``, the kind
+    :class:`FallbackHandler` counts it as); any other record is left as it is."""
+    try:
+        message = record.getMessage()
+    except Exception:  # noqa: BLE001 - a bad format string: the handler that writes it reports it
+        return
+    if not _encodes(message):
+        setattr(record, _TEMPLATE, record.msg)  # its kind, for FallbackHandler's rate limit
+        record.msg, record.args = _escaped(message), None
+    if record.exc_info and not record.exc_text:
+        text = logging.Formatter().formatException(record.exc_info)
+        if not _encodes(text):
+            record.exc_text = _escaped(text)  # formatters use it as it is, once set
 
-    On the ``cachepipe`` logger, before any other handler: a logger's handlers see a record
-    before its ancestors' do, so the user's handlers (the root's) get the rewritten record. A
-    handler with a strict encoding (``logging.FileHandler(path, encoding="utf-8")``) failed such
-    a line ("--- Logging error ---" on stderr) and lost it.
+
+def printable_records(prefix: str) -> None:
+    """Make every record of the logger ``prefix`` and of its children :func:`printable` as it is
+    made, before any handler sees it: a record factory (:func:`logging.setLogRecordFactory`)
+    wrapping the one in place, which it calls first; the records of other loggers are left as
+    they are. Once per ``prefix``: a second call (a module imported again) adds nothing.
+
+    Not a handler on ``prefix``'s logger, which it was: a logger's handlers see a record before
+    its ancestors' do, so one the user put on a child logger (``cachepipe.map``) got it first,
+    and a strict one (``logging.FileHandler(path, encoding="utf-8")``) failed such a line
+    ("--- Logging error ---" on stderr) and lost it. A logger's filter would see the record
+    first, but only on the logger that made it (one per module), not on its ancestors.
     """
+    previous = logging.getLogRecordFactory()
+    if getattr(previous, _PREFIX, None) == prefix:
+        return
+    child = prefix + "."
 
-    def __init__(self) -> None:
-        super().__init__(logging.NOTSET)
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = previous(*args, **kwargs)
+        if record.name == prefix or record.name.startswith(child):
+            printable(record)
+        return record
 
-    def handle(self, record: logging.LogRecord) -> bool:
-        try:
-            message = record.getMessage()
-        except Exception:  # noqa: BLE001 - a bad format string: the handler that writes it reports it
-            return False
-        if not _encodes(message):
-            setattr(record, _TEMPLATE, record.msg)  # its kind, for FallbackHandler's rate limit
-            record.msg, record.args = _escaped(message), None
-        if record.exc_info and not record.exc_text:
-            text = logging.Formatter().formatException(record.exc_info)
-            if not _encodes(text):
-                record.exc_text = _escaped(text)  # formatters use it as it is, once set
-        return False
+    setattr(factory, _PREFIX, prefix)
+    logging.setLogRecordFactory(factory)
 
-    def emit(self, record: logging.LogRecord) -> None:  # pragma: no cover - handle() writes nothing
-        pass
+
+_PREFIX = "cachepipe_prefix"
+"""The attribute of the record factory of :func:`printable_records` that names its loggers."""
 
 
 def _encodes(text: str) -> bool:

@@ -443,22 +443,65 @@ def test_a_name_of_undecodable_bytes_is_logged_by_a_strict_file_handler(tmp_path
     assert "\\udcc3\\udca9" in log.read_text(encoding="utf-8")
 
 
-def test_printable_text_escapes_surrogates_in_a_message_and_a_traceback_and_leaves_the_rest() -> None:
-    from cachepipe.logfallback import PrintableText
+def test_a_strict_file_handler_on_a_module_s_logger_gets_a_name_of_undecodable_bytes(tmp_path: Path) -> None:
+    """The same, with the handler on a child logger of the library's (``cachepipe.map``), whose
+    handlers see a record before those of ``cachepipe``: the escaping, a handler there, came
+    too late for it ("--- Logging error ---", and the line lost). Map fails an item named by the
+    Latin-1 bytes ``caf\\xe9`` (its command exits 1), which ``cachepipe.map`` logs."""
+    src = os.fsencode(tmp_path / "src")
+    os.makedirs(src + b"/caf\xe9")
+    with open(src + b"/caf\xe9/f", "wb") as fh:
+        fh.write(b"x")
+    script = textwrap.dedent(
+        """
+        import logging, sys
+        from cachepipe.map import map_items
+        handler = logging.FileHandler(sys.argv[1], encoding="utf-8")  # errors: strict
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logging.getLogger("cachepipe.map").addHandler(handler)
+        result = map_items(["false"], sys.argv[2], sys.argv[3], cache_dir=sys.argv[4], capacity="1MiB", retries=0)
+        print(result.items_failed)
+        """
+    )
+    log = tmp_path / "map.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-c", script, str(log), str(tmp_path / "src"), str(tmp_path / "out"), str(tmp_path / "c")]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr
+    assert "Logging error" not in done.stderr, done.stderr
+    assert "item caf\\udce9 failed after 1 attempt(s)" in log.read_text(encoding="utf-8")
+
+
+def test_printable_escapes_surrogates_in_a_message_and_a_traceback_and_leaves_the_rest() -> None:
+    from cachepipe.logfallback import printable
 
     plain = logging.LogRecord("cachepipe.x", logging.WARNING, __file__, 1, "item %s: %d", ("café", 3), None)
-    PrintableText().handle(plain)
+    printable(plain)
     assert (plain.msg, plain.args, plain.exc_text) == ("item %s: %d", ("café", 3), None)  # its template kept
     try:
         raise OSError(f"cannot open {os.fsdecode(b'caf' + bytes([0xE9]))}")
     except OSError:
         exc_info = sys.exc_info()
     odd = logging.LogRecord("cachepipe.x", logging.ERROR, __file__, 1, "item %s failed", ("caf\udce9",), exc_info)
-    PrintableText().handle(odd)
+    printable(odd)
     assert odd.getMessage() == "item caf\\udce9 failed"
     text = logging.Formatter().format(odd)
     text.encode("utf-8")  # strict: no surrogate left
     assert text.endswith("OSError: cannot open caf\\udce9")
+
+
+def test_records_of_the_library_alone_are_made_printable_and_the_factory_is_installed_once() -> None:
+    import cachepipe  # noqa: F401 - installs the record factory
+    from cachepipe.logfallback import printable_records
+
+    factory = logging.getLogRecordFactory()
+    printable_records("cachepipe")  # as a module imported again would
+    assert logging.getLogRecordFactory() is factory
+    ours = factory("cachepipe.map", logging.WARNING, __file__, 1, "item %s", ("caf\udce9",), None)
+    near = factory("cachepipex", logging.WARNING, __file__, 1, "item %s", ("caf\udce9",), None)
+    theirs = factory("other", logging.WARNING, __file__, 1, "item %s", ("caf\udce9",), None)
+    assert ours.getMessage() == "item caf\\udce9"
+    assert near.getMessage() == theirs.getMessage() == "item caf\udce9"  # a user's records are theirs
 
 
 def test_a_source_or_destination_whose_own_name_is_not_utf8_is_refused_saying_what_to_do(tmp_path: Path) -> None:
@@ -481,7 +524,7 @@ def test_a_source_or_destination_whose_own_name_is_not_utf8_is_refused_saying_wh
 def test_lines_naming_undecodable_bytes_are_held_back_as_any_of_their_kind() -> None:
     """With no logging configured, a storm of one kind of warning is cut to a few lines. A line
     naming an item of undecodable bytes had its message escaped in place of its template
-    (PrintableText), which made each such line a kind of its own: all of them were printed
+    (logfallback.printable), which made each such line a kind of its own: all of them were printed
     (ten of ten here; a dataset of Latin-1 names failing: a line per item). Checked in a fresh
     interpreter: the handlers cachepipe puts on its logger at import, and nothing configured."""
     script = textwrap.dedent(

@@ -320,7 +320,7 @@ def test_undecodable_bytes_that_spell_another_keys_name_are_unsafe(tmp_path, cap
     import fsspec
 
     # the item's failure is logged with its name's surrogates escaped (cachepipe.logfallback.
-    # PrintableText): captured as they were, they crashed the pytest-xdist worker sending them
+    # printable_records): captured as they were, they crashed the pytest-xdist worker sending them
     caplog.set_level(logging.WARNING, logger="cachepipe")
 
     root, fs = "memory://spelled/data", fsspec.filesystem("memory")

@@ -1965,3 +1965,107 @@ def test_an_output_its_command_made_unreadable_fails_its_item_not_the_run(tmp_pa
     done, failed = json.loads(proc.stdout)
     assert done == 2 and [name for name, _ in failed] == ["b"] and "Permission denied" in failed[0][1], failed
     assert not (tmp_path / "dst" / "b" / DONE_MARKER).exists() and (tmp_path / "dst" / "c" / DONE_MARKER).exists()
+
+
+def test_a_destination_that_refuses_writes_is_told_once_on_the_command_line(s3_source, s3_endpoint, moto_iam, tmp_path):
+    """Credentials that may read the bucket but not write it, against the moto server with its
+    IAM checks on: the run stops at the first upload. The error was printed twice without -v,
+    logged by the job that met it (the library's fallback handler writes warnings and errors to
+    stderr) and then by the command line."""
+    s3_source.folders(2, {"f": 100})
+    key, secret = moto_iam.user("reads-only", ["s3:GetObject", "s3:ListBucket"])
+    moto_iam.enforce()
+    options = {"endpoint_url": s3_endpoint, "key": key, "secret": secret}
+    proc = cli(
+        s3_source.url, "s3://data/out/", "--cache", str(tmp_path / "cache"), "--capacity", "1MiB", "--no-progress",
+        *storage_args(options), "--", "sh", "-c", 'cp f "$CACHEPIPE_OUT/g"',
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cachepipe map: uploading item000/g: the destination refused it"), proc.stderr
+    assert "give credentials that may write there (s3:PutObject" in lines[0]
+
+
+def test_a_second_sigterm_while_the_run_stops_does_not_cut_the_stop_short(s3_client, fault_proxy, tmp_path):
+    """SIGTERM stops the run as Ctrl-C does (exit 143). A second one that came while it stopped
+    (a supervisor or a user sending it again) raised into the stop itself: the joins of the
+    jobs, the uploads' end, the slots' removal were cut short, and the run ended with an error
+    of what was half closed, or died by the signal (exit -15) once the handler was put back.
+    Here item ``a``'s upload is held at the proxy, so the stop waits for it; item ``b``'s command
+    sleeps, and its death tells the stop has begun. The second SIGTERM is then sent, and the
+    upload let go. Now it is ignored, noted once (the note shows it came while the run stopped)."""
+    s3_client.create_bucket(Bucket="data")
+    proxy, endpoint = fault_proxy
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    for name in ("a", "b"):
+        (src / name).mkdir(parents=True)
+        (src / name / "f").write_text(name)
+    gate = threading.Event()
+    proxy.hold(lambda head: head.startswith("PUT "), gate)
+    script = 'echo $$ > "$0/$CACHEPIPE_NAME.pid"; cp f "$CACHEPIPE_OUT/g"; [ "$CACHEPIPE_NAME" = a ] || exec sleep 60'
+    argv = [sys.executable, "-m", "cachepipe.map", str(src), "s3://data/out/", "--cache", str(cache), "--capacity", "1MiB"]
+    argv += ["--jobs", "2", "--no-progress", "--retries", "0"]
+    argv += [arg for opt in (f"endpoint_url={endpoint}", "key=k", "secret=s") for arg in ("--dest-option", opt)]
+    proc = subprocess.Popen([*argv, "--", "sh", "-c", script, str(tmp_path)], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: any(h.startswith("PUT ") for h in proxy.requests) or proc.poll() is not None, what="a's upload held")
+        assert proc.poll() is None, proc.communicate()[1]
+        sleeper = int(wait_until(lambda: (tmp_path / "b.pid").exists() and (tmp_path / "b.pid").read_text().strip()))
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: not alive(sleeper), what="b's command killed by the stop")
+        proc.send_signal(signal.SIGTERM)  # the run is stopping: waiting for a's upload
+        gate.set()
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        gate.set()
+        proc.kill()
+    assert proc.returncode == 143, stderr
+    assert stderr.splitlines()[-2:] == [
+        (
+            "cachepipe map: already stopping (commands killed, uploads in flight ending); SIGKILL stops at once, and the next "
+            "run resumes"
+        ),
+        "cachepipe map: terminated (SIGTERM); run the same command again to resume",
+    ], stderr
+    assert sorted(os.listdir(cache / WORK_DIR)) == ["lock"]  # the slots removed: the stop ran to its end
+    assert bucket(s3_client, "out/").get(f"a/{DONE_MARKER}") is None  # stopped: a is not marked done
+
+
+def test_the_completion_marker_is_stored_as_json(remote_source, s3_client, tmp_path):
+    """The marker is uploaded from memory (``/proc/self/fd/N``), whose name tells no media type:
+    S3 (s3fs) and OBS (its SDK) stored it as binary/octet-stream, where it had been
+    application/json, guessed from the name of the file it was uploaded from. Its type is now
+    given; the outputs keep the stores' own guess by their names."""
+    remote_source.folders(1, {"f": 100})
+    dst = remote_source.url.replace("/video/", "/out/")
+    command = ["sh", "-c", 'cp f "$CACHEPIPE_OUT/g.json"']
+    result = map_items(
+        command, remote_source.url, dst, cache_dir=tmp_path / "cache", capacity="1MiB", storage_options=remote_source.options
+    )
+    assert result.ok and result.items_done == 1, result.failed
+    marker = s3_client.head_object(Bucket="data", Key=f"out/item000/{DONE_MARKER}")
+    assert marker["ContentType"] == "application/json"
+    assert s3_client.head_object(Bucket="data", Key="out/item000/g.json")["ContentType"] == "application/json"
+
+
+def test_an_item_whose_results_folder_lies_in_another_s_is_refused_with_it(s3_source, s3_client, tmp_path, capsys):
+    """S3 holds an object ``a.tar`` and one under ``a.tar/``: with ``--items files --unpack``
+    both were items, with their results in ``DST/a.tar/`` and ``DST/a.tar/b.tar/``. ``a.tar``'s
+    outputs named ``b.tar/...`` then landed among ``a.tar/b.tar``'s, whose objects a rerun
+    deletes (the listing gives a key to the item of the longest folder holding it), leaving
+    ``a.tar``'s marker listing what was gone. Both are refused now, each naming the other
+    (the dry run first); the others run."""
+    for key in ("a.tar", "a.tar/b.tar", "x.tar"):
+        s3_source.put(key, tar_bytes({"b.tar/f": b"from " + key.encode()}))
+    dst = "s3://data/out/"
+    options = {"cache_dir": tmp_path / "cache", "capacity": "1MiB", "storage_options": s3_source.options, "items": "files"}
+    args = [s3_source.url, dst, "--cache", str(tmp_path / "cache"), "--capacity", "1MiB", "--items", "files", "--unpack"]
+    assert main([*args, "--dry-run", *storage_args(s3_source.options)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "would run: x.tar -> s3://data/out/x.tar/", out
+    assert out[1].startswith("would refuse: a.tar: item 'a.tar' has its results in DST/a.tar/, which holds the folder of ")
+    assert out[2].startswith("would refuse: a.tar/b.tar: item 'a.tar/b.tar' has its results in DST/a.tar/b.tar/, inside ")
+    result = map_items(None, s3_source.url, dst, unpack=True, **options)
+    assert result.items_done == 1 and sorted(f.name for f in result.failed) == ["a.tar", "a.tar/b.tar"], result.failed
+    assert "rename or move one of them in SRC" in result.failed[0].error
+    assert set(bucket(s3_client, "out/")) == {"x.tar/b.tar/f", f"x.tar/{DONE_MARKER}"}

@@ -172,6 +172,50 @@ def test_dry_run_says_which_items_another_command_did(s3_source, s3_client, tmp_
     ]
 
 
+def test_dry_run_says_what_a_run_would_delete(s3_source, s3_client, tmp_path, capsys):
+    """An item to run again whose marker is in DST has, at its upload, what it does not write
+    again deleted. Before, the dry run named the items done by another command but not one whose
+    input changed, nor how many objects, nor which: a user could not see that a run may delete.
+    item000 is done by A, item001 has objects but no marker (kept: not counted), item002 is done
+    by A from an input rewritten since."""
+    s3_source.folders(3, {"f": 100})
+    options = {**s3_options(tmp_path, s3_source), "out_ratio": 3}
+    assert map_items(named("A"), s3_source.url, "s3://data/out/", **options).items_done == 3
+    s3_client.delete_object(Bucket="data", Key=f"out/item001/{DONE_MARKER}")
+    s3_source.put("item002/f", b"rewritten")
+    before = bucket(s3_client, "out/")
+    args = [s3_source.url, "s3://data/out/", "--cache", str(tmp_path / "cache"), "--capacity", "1MiB", "--out-ratio", "3"]
+    args += ["--dry-run", *storage_args(s3_source.options)]
+    replaced = " its outputs would be replaced, those not written again deleted)"
+
+    assert main([*args, "--", *named("A")]) == 0  # the same command: item002 only, for its input
+    assert capsys.readouterr().out.splitlines()[:4] == [
+        "would run: item001 -> s3://data/out/item001/",
+        f"would run: item002 -> s3://data/out/item002/ (done before from another version of its input:{replaced}",
+        "2 items to run, 1 already done, of 3 listed",
+        (
+            "1 items would have earlier outputs replaced: up to 3 objects in DST deleted (their markers included), those the "
+            "run does not write again (first: s3://data/out/item002/A.txt, s3://data/out/item002/p/A.bin, "
+            f"s3://data/out/item002/{DONE_MARKER})"
+        ),
+    ]
+
+    assert main([*args, "--", *named("B")]) == 0  # another command: item000 and item002
+    assert capsys.readouterr().out.splitlines()[4] == (
+        "2 items would have earlier outputs replaced: up to 6 objects in DST deleted (their markers included), those the "
+        "run does not write again (first: s3://data/out/item000/A.txt, s3://data/out/item000/p/A.bin, "
+        "s3://data/out/item002/A.txt, ...)"
+    )
+    plan = map_items(named("B"), s3_source.url, "s3://data/out/", dry_run=True, **options)
+    assert plan.held == {n: sorted(k for k in before if k.startswith(f"{n}/")) for n in ("item000", "item002")}
+    assert bucket(s3_client, "out/") == before  # nothing written or deleted
+
+    run = map_items(named("B"), s3_source.url, "s3://data/out/", **options)
+    assert run.items_done == 3 and run.held == plan.held
+    gone = set(before) - set(bucket(s3_client, "out/"))
+    assert gone == {f"{n}/{rel}" for n in ("item000", "item002") for rel in ("A.txt", "p/A.bin")}  # of those it named
+
+
 def test_a_source_without_etags_reruns_an_item_done_by_another_command_too(tmp_path):
     """Items of a local source have no version: their markers were checked with a HEAD alone,
     which cannot tell the command; each is read now."""

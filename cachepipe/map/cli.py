@@ -37,7 +37,8 @@ examples:
   cachepipe map s3://b/ss/ s3://b/ss-video/ --items files --unpack --cache /tmp/c --capacity 50GiB
 
 exit status: 0 every item done (or already done); 1 an item failed (--dry-run: would be refused) or an error;
-2 usage; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM: stopped as Ctrl-C stops it)
+2 usage; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM: stopped as Ctrl-C stops it; a second signal
+while it stops is ignored, SIGKILL ends it at once)
 """
 
 
@@ -96,7 +97,7 @@ def _add_options(parser: argparse.ArgumentParser | Any, suppress: bool) -> None:
         "--dry-run",
         action="store_true",
         default=d(False),
-        help="list what would run (marking the items another command did, to run again) and exit",
+        help="list what would run (marking the items done before, to run again) and what it could delete, and exit",
     )
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=d(True), help="no progress bar")
     parser.add_argument(
@@ -205,23 +206,70 @@ class _Terminated(KeyboardInterrupt):
     commands' process groups are killed and the slots cleared; exit status 143."""
 
 
-def _terminate(_signum: int, _frame: Any) -> None:
-    raise _Terminated
+_ALREADY = (
+    b"cachepipe map: already stopping (commands killed, uploads in flight ending); "
+    b"SIGKILL stops at once, and the next run resumes\n"
+)
+
+
+class _StopSignals:
+    """SIGTERM and Ctrl-C (SIGINT) during a run: the first raises in the main thread
+    (:class:`_Terminated`, or ``KeyboardInterrupt`` as Python's own handler does), and the run
+    stops; each one after it is ignored, noted once on stderr, until the process exits. Raised
+    into the stop, a second one cut it short (the jobs not joined, the slots left, an error of
+    what was half closed), and one that came once the handlers were put back killed the process
+    (exit -15, not 143). So the handlers are put back only if no signal came; after a stop both
+    signals stay ignored, as the process is to exit (SIGKILL still ends it at once; the next run
+    resumes). SIGINT is taken only from Python's own handler (one that ignores it, as in a
+    background job, is kept)."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self._noted = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            if sig == signal.SIGTERM or signal.getsignal(sig) is signal.default_int_handler:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        for sig, previous in self._previous.items():
+            # after a stop, ignored at the system's level: the interpreter's exit puts back the
+            # default action of a signal whose handler is a Python function (not of one ignored)
+            signal.signal(sig, signal.SIG_IGN if self.stopping else previous)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        if self.stopping:
+            if not self._noted:
+                self._noted = True
+                os.write(2, _ALREADY)  # not print: the main thread may be inside a print to stderr
+            return
+        self.stopping = True
+        raise _Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
 
 def run_map_command(args: argparse.Namespace) -> int:
     """Run ``cachepipe map`` from parsed arguments; print the summary; return the exit status.
-    SIGTERM stops the run as Ctrl-C does (exit status 143)."""
+    SIGTERM stops the run as Ctrl-C does (exit status 143); a signal after the first, while
+    the run stops, is ignored (see :class:`_StopSignals`)."""
     if threading.current_thread() is not threading.main_thread():
         return _run_map_command(args)  # signal handlers belong to the main thread
-    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        return _run_map_command(args)
-    except _Terminated:  # between the command's own handling and the restore: still a clean stop
-        print("cachepipe map: terminated (SIGTERM); run the same command again to resume", file=sys.stderr)
-        return 143
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+        with _StopSignals():
+            return _run_map_command(args)
+    except KeyboardInterrupt as exc:  # between the command's own handling and the handlers' end: still a clean stop
+        return _stopped(exc)
+
+
+def _stopped(exc: KeyboardInterrupt) -> int:
+    """Say that a signal stopped the run (one write: a note of a later signal's comes whole
+    before or after it); return the exit status, 143 for SIGTERM, 130 for Ctrl-C."""
+    how, status = ("terminated (SIGTERM)", 143) if isinstance(exc, _Terminated) else ("interrupted", 130)
+    sys.stderr.write(f"cachepipe map: {how}; run the same command again to resume\n")
+    sys.stderr.flush()
+    return status
 
 
 def _run_map_command(args: argparse.Namespace) -> int:
@@ -284,9 +332,7 @@ def _run_map_command(args: argparse.Namespace) -> int:
                 options_map[key] = getattr(args, key)
         result = map_items(command or None, args.source, args.dest, cache_dir=args.cache, capacity=args.capacity, **options_map)
     except KeyboardInterrupt as exc:
-        how, status = ("terminated (SIGTERM)", 143) if isinstance(exc, _Terminated) else ("interrupted", 130)
-        print(f"cachepipe map: {how}; run the same command again to resume", file=sys.stderr)
-        return status
+        return _stopped(exc)
     except _UsageError as exc:
         print(f"cachepipe map: {exc}; see cachepipe map --help", file=sys.stderr)
         return 2

@@ -227,7 +227,8 @@ def plan_items(objects: Iterable[ObjectInfo], items: Literal["folders", "files"]
     ``md5sums`` file to every item with a volume in its folder. Checksum files are not items.
 
     An item with an unsafe key, or named like the work folder ``.cachepipe-map``, is planned
-    with :attr:`MapItem.unsafe` set: in its place, so that every rank takes the same share.
+    with :attr:`MapItem.unsafe` set: in its place, so that every rank takes the same share. So
+    are two items whose results' folders in DST lie one in the other (:func:`_nested`).
     """
     objects = [o for o in objects if not (o.key.endswith("/") and o.size == 0)]
     if items == "folders" or not unpack:
@@ -248,7 +249,39 @@ def plan_items(objects: Iterable[ObjectInfo], items: Literal["folders", "files"]
         if mi.unsafe is None and mi.local.split("/", 1)[0] == WORK_DIR:
             reserved = UnsafeKeyError(mi.objects[0].key, f"'{WORK_DIR}' is reserved for cachepipe map's work folder")
             planned[k] = replace(mi, unsafe=str(reserved))
-    return planned
+    nested = _nested(mi.name for mi in planned if mi.unsafe is None)
+    return [mi if mi.name not in nested else replace(mi, unsafe=nested[mi.name]) for mi in planned]
+
+
+def _nested(names: Iterable[str]) -> dict[str, str]:
+    """Why each item of ``names`` whose folder in DST lies in another's, or holds another's, is
+    refused: objects ``a`` and ``a/b`` (S3 holds both; with ``--items files --unpack`` both are
+    items) have their results in ``DST/a/`` and ``DST/a/b/``, so ``a``'s outputs named ``b/...``
+    mix with ``a/b``'s, and a rerun of ``a/b`` (whose objects are those under ``DST/a/b/``) could
+    delete them, leaving ``a``'s marker listing what is not there. Both are refused, each naming
+    the other; the others run."""
+    names = set(names)
+    outer: dict[str, str] = {}  # an item -> the nearest item whose folder holds its folder
+    for name in names:
+        end = name.rfind("/")
+        while end > 0 and name[:end] not in names:
+            end = name.rfind("/", 0, end)
+        if end > 0:
+            outer[name] = name[:end]
+    why = {}
+    for name in sorted(outer):
+        held_by = outer[name]
+        why[name] = (
+            f"item {name!r} has its results in DST/{name}/, inside the folder of item {held_by!r} (DST/{held_by}/): "
+            "their outputs would mix, and a rerun of one could delete the other's; rename or move one of them in SRC"
+        )
+        why.setdefault(
+            held_by,
+            f"item {held_by!r} has its results in DST/{held_by}/, which holds the folder of item {name!r} "
+            f"(DST/{name}/): their outputs would mix, and a rerun of one could delete the other's; rename or move "
+            "one of them in SRC",
+        )
+    return why
 
 
 def _plan_grouped(objects: list[ObjectInfo]) -> list[MapItem]:

@@ -10,11 +10,13 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from ..sizes import format_size
+from .uploader import DONE_MARKER, marker_key
 
-__all__ = ["MapFailure", "MapResult", "Tally", "format_plan", "format_share", "format_summary"]
+__all__ = ["MapFailure", "MapResult", "Tally", "format_deletes", "format_plan", "format_share", "format_summary"]
 
 log = logging.getLogger("cachepipe.map")
 
@@ -45,6 +47,11 @@ class MapResult:
             ``unpack``; see :func:`~cachepipe.map.plan.command_digest`), in plan order: done
             before, run again (their outputs replaced, those it does not write again deleted); with
             ``dry_run``, would be.
+        held: what ``DST`` held under each item to run whose marker was there (done before by
+            another command, or from another version of its input): its keys, relative to
+            ``DST``, markers included, in plan order. The run deletes those that the item's
+            attempt does not write again (see :mod:`~cachepipe.map.uploader`); with ``dry_run``,
+            the most a run could delete (which of them it writes again, only the command can tell).
         refused: with ``dry_run``, the items the run would refuse before downloading them, with
             the reason (the run records them in :attr:`failed`).
         bytes_in: bytes downloaded.
@@ -72,6 +79,7 @@ class MapResult:
     items_retried: int = 0
     planned: list[str] = field(default_factory=list)
     command_changed: list[str] = field(default_factory=list)
+    held: dict[str, list[str]] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)
     bytes_in: int = 0
     bytes_out: int = 0
@@ -169,11 +177,16 @@ def format_share(result: MapResult) -> str:
 
 
 def format_plan(result: MapResult, dest: str) -> str:
-    """The ``--dry-run`` listing."""
+    """The ``--dry-run`` listing: each item that would run (marking those done before, whose
+    outputs would be replaced), each that would be refused, the counts, and what the run could
+    delete in ``dest`` (:func:`format_deletes`)."""
+    root = dest.rstrip("/")
     lines = [format_share(result)] if result.world_size > 1 else []
     changed, first = set(result.command_changed), result.command_changed[:1]
-    again = " (done before by another command: its outputs would be replaced, those not written again deleted)"
-    lines += [f"would run: {name} -> {dest.rstrip('/')}/{name}/{again if name in changed else ''}" for name in result.planned]
+    replaced = " its outputs would be replaced, those not written again deleted)"
+    again = dict.fromkeys(changed, f" (done before by another command:{replaced}")
+    again |= {name: f" (done before from another version of its input:{replaced}" for name in result.held if name not in changed}
+    lines += [f"would run: {name} -> {root}/{name}/{again.get(name, '')}" for name in result.planned]
     lines += [f"would refuse: {name}: {why}" for name, why in result.refused.items()]
     refused = f", {len(result.refused)} would be refused" if result.refused else ""
     lines.append(
@@ -182,12 +195,38 @@ def format_plan(result: MapResult, dest: str) -> str:
         + f"{refused}, {result.items_skipped} already done, of "
         + (f"{result.share_items} in this share" if result.world_size > 1 else f"{result.items_listed} listed")
     )
+    deletes = format_deletes(result, dest)
+    if deletes:
+        lines.append(deletes)
     if result.planned or result.refused:
         lines.append(
             f"capacity {result.capacity} bytes: {result.download_capacity} for downloads, "
             f"{result.reserve} + {result.margin} margin per job for outputs (and extracted files)"
         )
     return "\n".join(lines)
+
+
+_SHOWN = 3
+"""How many of the keys a run could delete :func:`format_deletes` names."""
+
+
+def format_deletes(result: MapResult, dest: str) -> str:
+    """What a run may delete in ``dest`` (:attr:`MapResult.held`): how many items would have
+    earlier outputs replaced, how many objects at most (each of them is deleted unless the
+    item's attempt writes it again), and the first few keys (outputs before markers, which are
+    always replaced); empty when it deletes nothing."""
+    if not result.held:
+        return ""
+    root = dest.rstrip("/")
+    count = sum(map(len, result.held.values()))
+    keys = list(islice((key for keys in result.held.values() for key in keys if not key.endswith(f"/{DONE_MARKER}")), _SHOWN))
+    shown = (keys + [marker_key(name) for name in result.held])[:_SHOWN]  # outputs in listing order, then markers
+    more = ", ..." if count > _SHOWN else ""
+    return (
+        f"{len(result.held)} items would have earlier outputs replaced: up to {count} objects in DST "
+        f"deleted (their markers included), those the run does not write again (first: "
+        f"{', '.join(f'{root}/{key}' for key in shown)}{more})"
+    )
 
 
 def format_summary(result: MapResult) -> str:

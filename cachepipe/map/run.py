@@ -131,6 +131,7 @@ class _MapRun(_Remote):
                 todo = [mi for mi in safe if mi.name not in checked.done]
                 result.items_skipped = len(checked.done)
                 result.command_changed = checked.command_changed
+                result.held = checked.held
                 result.planned = [mi.name for mi in todo]
                 if not cfg.dry_run:
                     for name, why in unsafe.items():
@@ -144,6 +145,7 @@ class _MapRun(_Remote):
                         refused |= dict(_refusals(todo, sizing))
                     result.planned = [mi.name for mi in todo if mi.name not in refused]
                     result.refused = refused
+                    result.held = {name: keys for name, keys in checked.held.items() if name not in refused}
             finally:
                 if self._dest is None:
                     dst.close()
@@ -343,9 +345,7 @@ class _MapRun(_Remote):
                     except (RuntimeError, UnknownItemError):
                         pass  # closed while this item ran: closing removes it anyway
         except BaseException as exc:  # a bug, or a destination full or refusing: stop the run and raise it from map_items
-            if isinstance(exc, DestinationError):
-                log.error("%s", exc)
-            else:
+            if not isinstance(exc, DestinationError):  # that one is the run's error, which its caller reports: not logged too
                 log.exception("map job crashed")
             with self._crash_lock:
                 self._crash = self._crash or exc

@@ -54,11 +54,12 @@ from typing import Any
 from ..backoff import backoff_delay
 from ..catalog import check_key
 from ..errors import CachePipeError, UnsafeKeyError, is_transient
-from ..stores.base import TEMP_SUFFIX, WritableStore
+from ..stores.base import TEMP_SUFFIX, WritableStore, takes_content_type
 
 __all__ = [
     "DONE_MARKER",
     "MARKER_LIMIT",
+    "MARKER_TYPE",
     "DestinationDeniedError",
     "DestinationError",
     "DestinationFullError",
@@ -76,6 +77,10 @@ log = logging.getLogger("cachepipe.map")
 DONE_MARKER = ".cachepipe-done"
 """The object written last under ``DST/<item>/``: the item's results are complete."""
 
+
+MARKER_TYPE = "application/json"
+"""The media type of a completion marker, given where the store records one (S3, OBS): it is
+uploaded from memory (``/proc/self/fd/N``), a name that the store could not guess it by."""
 
 MARKER_LIMIT = 4096
 """Bytes read from the start of a completion marker to find its version and command, which it
@@ -251,6 +256,7 @@ class Uploader:
     ) -> None:
         self.dest = dest
         self.command = command
+        self._typed = takes_content_type(dest)  # a put that records the marker's media type
         self._held = {name: set(keys) for name, keys in (held or {}).items() if keys}  # under the lock
         self._retries = retries
         self._backoff = backoff
@@ -298,7 +304,7 @@ class Uploader:
         with self._lock:
             self._held[name].add(marker_key(name))  # a put that fails may have written it all the same
         with _marker_file(marker_body(name, manifest, version, self.command), marker_dir) as marker:
-            self._put(marker, marker_key(name), count=False)
+            self._put(marker, marker_key(name), count=False, content_type=MARKER_TYPE)
         self._sync([marker_key(name)])
         with self._lock:
             del self._held[name]  # done: not to run again in this run
@@ -342,7 +348,7 @@ class Uploader:
         what = f"deleting what an earlier attempt left in {name}/"
         self._retrying(lambda: self.dest.delete(keys, within=name), what, refused)
 
-    def _put(self, path: Path, key: str, count: bool = True) -> None:
+    def _put(self, path: Path, key: str, count: bool = True, content_type: str | None = None) -> None:
         def refused(exc: Exception, attempts: int) -> Exception | None:
             if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 return DestinationFullError(
@@ -357,7 +363,8 @@ class Uploader:
                 )
             return None
 
-        self._retrying(lambda: self.dest.put(path, key), f"uploading {key}", refused)
+        typed = {"content_type": content_type} if content_type is not None and self._typed else {}
+        self._retrying(lambda: self.dest.put(path, key, **typed), f"uploading {key}", refused)
         log.debug("uploaded %s", key)
         if count:
             size = path.stat().st_size

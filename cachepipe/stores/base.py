@@ -45,7 +45,17 @@ from typing import Any, BinaryIO, Protocol, runtime_checkable
 
 from ..errors import ConfigError, LocalFileError, ObjectChangedError, StoreUnavailableError, StoreUnreachableError, store_code
 
-__all__ = ["FIRST_PAGE_KEYS", "TEMP_SUFFIX", "ObjectInfo", "Store", "WritableStore", "abort_store", "listed_etag", "takes_etag"]
+__all__ = [
+    "FIRST_PAGE_KEYS",
+    "TEMP_SUFFIX",
+    "ObjectInfo",
+    "Store",
+    "WritableStore",
+    "abort_store",
+    "listed_etag",
+    "takes_content_type",
+    "takes_etag",
+]
 
 FIRST_PAGE_KEYS = 100
 """Keys a paginated store asks for in its first listing request; each later request asks for the
@@ -156,12 +166,23 @@ def takes_etag(store: Any) -> bool:
     store written for an older cachepipe and passed as ``store=`` may not): the core passes the
     listed ETag only to a ``get`` that names it. A ``**kwargs`` does not count: such a ``get``
     may hand its keywords on to a call that takes no ``etag``."""
+    return _names(getattr(store, "get", None), "etag")
+
+
+def takes_content_type(store: Any) -> bool:
+    """Whether ``store.put`` names a keyword ``content_type`` (the object's media type, where the
+    store records one: S3, OBS), as :func:`takes_etag` tells of ``get``: ``cachepipe map`` gives a
+    completion marker its type only through a ``put`` that names it."""
+    return _names(getattr(store, "put", None), "content_type")
+
+
+def _names(method: Any, name: str) -> bool:
     try:
-        params = inspect.signature(store.get).parameters
-    except (TypeError, ValueError):  # a callable with no signature to read (a C function)
+        params = inspect.signature(method).parameters
+    except (TypeError, ValueError):  # a callable with no signature to read (a C function), or none
         return False
-    etag = params.get("etag")
-    return etag is not None and etag.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    param = params.get(name)
+    return param is not None and param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
 def abort_store(store: Any) -> None:
@@ -323,6 +344,11 @@ class WritableStore(Store, Protocol):
         backend's part size go up as a multipart upload, aborted on failure. The object
         appears whole or not at all (on object stores; local filesystems write a temporary
         file and rename it).
+
+        A store may also take a keyword ``content_type`` (the object's media type, e.g.
+        ``"application/json"``; None: the store's own guess, by the file's name), not part of
+        this signature so that a store without it still matches; cachepipe passes it only to a
+        ``put`` that names it (:func:`takes_content_type`).
         """
         ...
 

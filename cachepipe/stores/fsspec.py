@@ -400,12 +400,14 @@ class FsspecStore:
     """Part size of multipart uploads to S3 (s3fs uploads files of at least twice this size
     in parts, several in flight; at least 5 MiB). Set it on the instance to change it."""
 
-    def put(self, local_path: str | os.PathLike[str], key: str) -> None:
+    def put(self, local_path: str | os.PathLike[str], key: str, *, content_type: str | None = None) -> None:
         """Upload ``local_path`` as ``key``: s3fs streams it, multipart from ``2 * upload_part_size``;
         on a local filesystem it is copied to a temporary name beside the target and renamed
         (:func:`_put_local`: one left by a killed upload is overwritten by the next put of the key).
         ``local_path`` is opened first: if it cannot be (or, on a local filesystem, read), the
-        error is a :class:`~cachepipe.errors.LocalFileError` naming it, not the store's."""
+        error is a :class:`~cachepipe.errors.LocalFileError` naming it, not the store's.
+        ``content_type``: the object's media type on S3 (None: s3fs's guess by the file's name);
+        other filesystems record none."""
         local = os.fspath(local_path)
         path = self._path(key)
         where = self._where(key)
@@ -415,7 +417,8 @@ class FsspecStore:
                 self.fs.makedirs(self.fs._parent(path), exist_ok=True)  # noqa: SLF001 - fsspec's own parent rule for this filesystem
                 _put_local(src, path, where)
             elif "s3" in protocols or "s3a" in protocols:  # s3fs opens the file again: it was readable a moment ago
-                self.fs.put_file(local, path, chunksize=self.upload_part_size)
+                typed = {} if content_type is None else {"ContentType": content_type}
+                self.fs.put_file(local, path, chunksize=self.upload_part_size, **typed)
             else:
                 self.fs.put_file(local, path)
 

@@ -354,8 +354,9 @@ class ObsStore(_ObsSeam):
     """Files larger than this are uploaded in parts of this size (OBS: 100 KiB to 5 GiB). Set it
     on the instance to change it."""
 
-    def put(self, local_path: str | os.PathLike[str], key: str) -> None:
-        """Upload the file ``local_path`` as ``key`` (relative to the root), streamed from disk.
+    def put(self, local_path: str | os.PathLike[str], key: str, *, content_type: str | None = None) -> None:
+        """Upload the file ``local_path`` as ``key`` (relative to the root), streamed from disk,
+        as an object of the media type ``content_type`` (None: the SDK's guess by the key's suffix).
 
         Up to :attr:`upload_part_size` bytes: one ``PutObject``. Larger: a multipart upload,
         one part at a time, aborted if any step fails (so no orphaned parts are left to bill).
@@ -370,11 +371,14 @@ class ObsStore(_ObsSeam):
             size = os.fstat(src.fileno()).st_size
         object_key = self.prefix + key
         if size <= self.upload_part_size:
-            self._call("uploading", key, client.putFile, self.bucket, object_key, local)
+            from obs import PutObjectHeader
+
+            headers = PutObjectHeader(contentType=content_type)
+            self._call("uploading", key, client.putFile, self.bucket, object_key, local, headers=headers)
             return
         from obs import CompleteMultipartUploadRequest, CompletePart
 
-        resp = self._call("uploading", key, client.initiateMultipartUpload, self.bucket, object_key)
+        resp = self._call("uploading", key, client.initiateMultipartUpload, self.bucket, object_key, contentType=content_type)
         upload_id = resp.body.uploadId
         try:
             parts = []
