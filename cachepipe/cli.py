@@ -29,7 +29,8 @@ on its socket...). ``serve``: 78 invalid configuration, or one this host cannot 
 reports), or the ``service`` extra is not installed (one line naming the module and
 ``pip install 'cachepipe[service]'``); 1 the daemon could not start (store unreachable...).
 ``index``: 0 written (it prints the count, bytes and digest), 1 the source or destination
-failed (nothing to list, denied, unreachable...). ``map``: 0 when every item succeeded, 1 if any failed, 130 when interrupted.
+failed (nothing to list, denied, unreachable...), 2 usage (a ``--storage-option`` not KEY=VALUE).
+``map``: 0 when every item succeeded, 1 if any failed, 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -227,13 +228,18 @@ def _delete_job(client: Client, name: str, force: bool) -> int:
 
 def _index(args: argparse.Namespace) -> int:
     """``cachepipe index``: list, write the manifest, print what it holds."""
-    from .config import check_source, format_size
+    from .config import check_destination, check_source, format_size
     from .manifest import index
 
     try:
-        check_source(args.source)  # `bucket/video/` is `s3://bucket/video/`, as for Pipeline
         options = dict(_storage_option(o) for o in args.storage_option)
         dest_options = {**options, **dict(_storage_option(o) for o in args.dest_option)}
+    except ValueError as exc:  # a usage error, as argparse's own: exit 2
+        print(f"cachepipe index: {exc}; see cachepipe index --help", file=sys.stderr)
+        return 2
+    try:
+        check_source(args.source)  # `bucket/video/` is `s3://bucket/video/`, as for Pipeline
+        check_destination(args.output, "manifest")  # `s3:/bucket/m.gz` would be a local folder 's3:'
         manifest = index(args.source, args.output, args.items, options, dest_options=dest_options)
     except (OSError, ValueError) as exc:
         print(f"cachepipe index: {exc}", file=sys.stderr)

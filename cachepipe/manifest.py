@@ -260,7 +260,8 @@ def index(
         raise ConfigError(f"items {items!r}: expected 'folders' or 'files'")
     where = os.fspath(location)
     if not _is_url(where) and not Path(where).parent.is_dir():  # said before the listing, naming the folder
-        raise FileNotFoundError(errno.ENOENT, f"manifest {where!r}: no such folder {str(Path(where).parent)!r}")
+        url = "" if os.path.isabs(where) else f" (an object URL needs its scheme: 's3://{where}')"  # bucket/m.gz
+        raise FileNotFoundError(errno.ENOENT, f"manifest {where!r}: no such folder {str(Path(where).parent)!r}{url}")
     own = store is None
     src = open_store(source, storage_options) if store is None else store
     try:

@@ -258,6 +258,43 @@ def test_index_refuses_a_source_without_scheme_as_the_pipeline_does(
     assert not (tmp_path / "m.gz").exists()
 
 
+def test_index_refuses_a_destination_a_slash_short_of_its_url(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cachepipe.cli import main
+
+    src = _source(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert main(["index", str(src), "-o", "s3:/bucket/m.gz"]) == 1
+    err = capsys.readouterr().err
+    assert "manifest 's3:/bucket/m.gz': a scheme without its '//'; expected a URL like 's3://bucket/m.gz'" in err
+    (tmp_path / "s3:" / "bucket").mkdir(parents=True)  # as a `cachepipe map SRC s3:/bucket/out/` makes it
+    assert main(["index", str(src), "-o", "s3:/bucket/m.gz"]) == 1
+    assert "a scheme without its '//'" in capsys.readouterr().err
+    assert not (tmp_path / "s3:" / "bucket" / "m.gz").exists()
+
+
+def test_index_names_the_url_a_destination_without_scheme_may_be(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cachepipe.cli import main
+
+    src = _source(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert main(["index", str(src), "-o", "bucket/m.gz"]) == 1
+    err = capsys.readouterr().err
+    assert "no such folder 'bucket' (an object URL needs its scheme: 's3://bucket/m.gz')" in err
+
+
+def test_index_with_a_storage_option_not_key_value_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cachepipe.cli import main
+
+    src = _source(tmp_path)
+    assert main(["index", str(src), "-o", str(tmp_path / "m.gz"), "--storage-option", "anon"]) == 2  # as `map -o anon`
+    assert "storage option 'anon': expected KEY=VALUE" in capsys.readouterr().err
+    assert not (tmp_path / "m.gz").exists()
+
+
 def test_a_skipped_oversize_item_is_logged_as_skipped_not_advised_to_be(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = _source(tmp_path)
     (src / "big").mkdir()
