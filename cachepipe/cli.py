@@ -241,7 +241,7 @@ def _index(args: argparse.Namespace) -> int:
         check_source(args.source)  # `bucket/video/` is `s3://bucket/video/`, as for Pipeline
         check_destination(args.output, "manifest")  # `s3:/bucket/m.gz` would be a local folder 's3:'
         manifest = index(args.source, args.output, args.items, options, dest_options=dest_options)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, ImportError) as exc:  # ImportError: the scheme's backend is not installed (gs://)
         print(f"cachepipe index: {exc}", file=sys.stderr)
         return 1
     total = sum(manifest.catalog.sizes)

@@ -295,6 +295,39 @@ def test_index_with_a_storage_option_not_key_value_is_a_usage_error(tmp_path: Pa
     assert not (tmp_path / "m.gz").exists()
 
 
+def test_index_refuses_a_folder_or_nothing_as_its_destination_before_listing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cachepipe.cli import main
+
+    src = _source(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["index", str(src), "-o", str(out)]) == 1
+    assert f"manifest '{out}': is a folder; expected a file path, such as '{out / 'manifest.gz'}'" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["out", "src"]  # no temp file beside it
+    assert main(["index", str(src), "-o", ""]) == 1
+    assert "manifest '': expected a file path or an object URL" in capsys.readouterr().err
+
+
+def test_index_of_a_scheme_whose_backend_is_not_installed_is_one_line(tmp_path: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here")
+    done = subprocess.run(
+        [sys.executable, "-m", "cachepipe", "index", "gs://my-bucket/videos/", "-o", str(tmp_path / "m.gz")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert done.stderr.startswith("cachepipe index: ") and "gcsfs" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_a_skipped_oversize_item_is_logged_as_skipped_not_advised_to_be(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = _source(tmp_path)
     (src / "big").mkdir()
