@@ -328,6 +328,35 @@ def test_index_of_a_scheme_whose_backend_is_not_installed_is_one_line(tmp_path: 
     assert "Traceback" not in done.stderr
 
 
+def test_s3_without_the_s3_extra_names_the_extra_to_install(tmp_path: Path) -> None:
+    shadow = tmp_path / "site" / "s3fs"  # an environment where `import s3fs` fails, as without cachepipe[s3]
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 's3fs'\", name='s3fs')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(tmp_path / "site"), str(ROOT)))}
+    script = "from cachepipe import Pipeline\nPipeline('s3://my-bucket/videos/', sys.argv[1], '1GiB').open()"
+    done = subprocess.run(
+        [sys.executable, "-c", f"import sys\n{script}", str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert "ImportError: s3:// needs s3fs, which is not installed: pip install 'cachepipe[s3]'" in done.stderr, done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "cachepipe", "index", "s3://my-bucket/videos/", "-o", str(tmp_path / "m.gz")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert (done.returncode, done.stderr) == (
+        1,
+        "cachepipe index: s3:// needs s3fs, which is not installed: pip install 'cachepipe[s3]'\n",
+    )
+
+
 def test_a_skipped_oversize_item_is_logged_as_skipped_not_advised_to_be(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = _source(tmp_path)
     (src / "big").mkdir()
