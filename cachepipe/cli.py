@@ -65,8 +65,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"cachepipe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="run the daemon in the foreground (systemd: Type=notify)")
-    serve.add_argument("--config", "-c", required=True, help="config file (YAML, or TOML by its .toml suffix)")
+    serve = sub.add_parser(
+        "serve", usage="cachepipe serve --config FILE [--check]", help="run the daemon in the foreground (systemd: Type=notify)"
+    )
+    serve.add_argument(  # not required=True: its absence is explained (below), not only named
+        "--config",
+        "-c",
+        metavar="FILE",
+        help="config file (YAML, or TOML by its .toml suffix); `cachepipe print-config` prints an example",
+    )
     serve.add_argument("--check", action="store_true", help="validate the config and exit")
 
     client = argparse.ArgumentParser(add_help=False)
@@ -148,6 +155,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _print_names_as_bytes()
     if args.command == "serve":
+        if args.config is None:
+            print(
+                "cachepipe serve: --config FILE is required: the daemon's socket and pipelines (or jobs section), "
+                "in YAML or TOML. `cachepipe print-config > cachepipe.yaml` writes an example with every field "
+                "documented; then `cachepipe serve --check --config cachepipe.yaml`",
+                file=sys.stderr,
+            )
+            return 2
         try:
             from .service.main import check, serve
         except ModuleNotFoundError as exc:

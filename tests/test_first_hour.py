@@ -357,6 +357,14 @@ def test_s3_without_the_s3_extra_names_the_extra_to_install(tmp_path: Path) -> N
     )
 
 
+def test_serve_without_config_says_where_one_comes_from(capsys: pytest.CaptureFixture[str]) -> None:
+    from cachepipe.cli import main
+
+    assert main(["serve"]) == 2  # usage, as argparse's errors
+    err = capsys.readouterr().err
+    assert err.startswith("cachepipe serve: --config FILE is required") and "cachepipe print-config > cachepipe.yaml" in err
+
+
 def test_a_skipped_oversize_item_is_logged_as_skipped_not_advised_to_be(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = _source(tmp_path)
     (src / "big").mkdir()
