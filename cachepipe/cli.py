@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import re
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -125,7 +126,9 @@ def _parser() -> argparse.ArgumentParser:
 
     idx = sub.add_parser("index", help="list a source once and write its manifest (Pipeline(manifest=...))")
     idx.add_argument("source", metavar="SRC", help="dataset URL (s3://, obs://, file://, ...)")
-    idx.add_argument("--output", "-o", required=True, metavar="DEST", help="manifest path or object URL (s3://b/p/m.gz)")
+    idx.add_argument(
+        "--output", "-o", required=True, action=_OneOutput, metavar="DEST", help="manifest path or object URL (s3://b/p/m.gz)"
+    )
     idx.add_argument("--items", choices=("folders", "files"), default="folders", help="item mode (default folders)")
     idx.add_argument(
         "--storage-option",
@@ -265,6 +268,25 @@ def _index(args: argparse.Namespace) -> int:
         f"digest {manifest.digest}"
     )
     return 0
+
+
+class _OneOutput(argparse.Action):
+    """``index -o DEST``, given once, and not a ``KEY=VALUE``: ``map``'s ``-o`` is a storage
+    option, and carried over to ``index`` it would be taken as the manifest's path (a second
+    ``-o`` replacing the first, the manifest written to a file named ``anon=true``)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: Any, option: str | None = None
+    ) -> None:
+        earlier = getattr(namespace, self.dest, None)
+        if earlier is not None:
+            parser.error(f"{option} given twice ({earlier!r}, then {value!r}): index writes one manifest{_OPTION_HINT}")
+        if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=[^/]*", value):
+            parser.error(f"{option} {value!r}: expected the manifest's path or object URL, not KEY=VALUE{_OPTION_HINT}")
+        setattr(namespace, self.dest, value)
+
+
+_OPTION_HINT = "; a storage option is --storage-option KEY=VALUE (in map, -o is that; in index, -o is --output)"
 
 
 def _storage_option(text: str) -> tuple[str, Any]:

@@ -365,6 +365,25 @@ def test_serve_without_config_says_where_one_comes_from(capsys: pytest.CaptureFi
     assert err.startswith("cachepipe serve: --config FILE is required") and "cachepipe print-config > cachepipe.yaml" in err
 
 
+def test_index_takes_no_storage_option_as_its_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cachepipe.cli import main
+
+    src = _source(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    for argv, said in (
+        (["-o", "m.gz", "-o", "anon=true"], "-o given twice ('m.gz', then 'anon=true')"),  # map's -o carried over
+        (["-o", "anon=true"], "-o 'anon=true': expected the manifest's path or object URL, not KEY=VALUE"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            main(["index", str(src), *argv])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert said in err and "--storage-option KEY=VALUE" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["src"]  # no manifest named 'anon=true', nor m.gz
+
+
 def test_a_skipped_oversize_item_is_logged_as_skipped_not_advised_to_be(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = _source(tmp_path)
     (src / "big").mkdir()
