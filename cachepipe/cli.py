@@ -28,6 +28,7 @@ on its socket...). ``serve``: 78 invalid configuration, or one this host cannot 
 ``socket_group`` that does not exist, a directory it cannot create or write: what ``--check``
 reports), or the ``service`` extra is not installed (one line naming the module and
 ``pip install 'cachepipe[service]'``); 1 the daemon could not start (store unreachable...).
+Every command: 130 interrupted (Ctrl-C), one line, no traceback.
 ``index``: 0 written (it prints the count, bytes and digest), 1 the source or destination
 failed (nothing to list, denied, unreachable...), 2 usage (a ``--storage-option`` not KEY=VALUE).
 ``map``: 0 when every item succeeded, 1 if any failed, 130 when interrupted.
@@ -50,11 +51,12 @@ from .errors import UnknownItemError
 if TYPE_CHECKING:
     from .client import Client
 
-__all__ = ["EXIT_CONFIG", "EXIT_END", "EXIT_REFUSED", "EXIT_TIMEOUT", "main"]
+__all__ = ["EXIT_CONFIG", "EXIT_END", "EXIT_INTERRUPTED", "EXIT_REFUSED", "EXIT_TIMEOUT", "main"]
 
 EXIT_END = 3
 EXIT_TIMEOUT = 4
 EXIT_REFUSED = 5
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command that Ctrl-C ended
 EXIT_CONFIG = 78  # serve: invalid configuration, or this host cannot run it (the systemd unit does not restart)
 _SERVICE_MODULES = frozenset({"prometheus_client"})  # the `service` extra: what `serve` needs beyond the core
 
@@ -157,6 +159,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``cachepipe`` console script; returns the exit status."""
     args = _parser().parse_args(argv)
     _print_names_as_bytes()
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # Ctrl-C on a `next` waiting for its item or its daemon, a long `index`: no traceback
+        print(f"cachepipe {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command ``args`` names; its exit status."""
     if args.command == "serve":
         if args.config is None:
             print(

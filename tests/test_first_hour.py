@@ -384,6 +384,31 @@ def test_index_takes_no_storage_option_as_its_output(
     assert sorted(os.listdir(tmp_path)) == ["src"]  # no manifest named 'anon=true', nor m.gz
 
 
+def test_ctrl_c_on_a_waiting_next_is_one_line_and_exit_130(tmp_path: Path) -> None:
+    import signal
+    import socket
+
+    path = tmp_path / "d.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:  # a daemon that takes the request, never answers
+        server.bind(str(path))
+        server.listen(1)
+        server.settimeout(60)
+        child = subprocess.Popen(
+            [sys.executable, "-m", "cachepipe", "next", "--socket", str(path), "--startup-timeout", "0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509 - a child of this test alone
+        )
+        conn, _ = server.accept()
+        with conn:
+            assert conn.recv(4096)  # its first request is sent: next waits for the answer
+            child.send_signal(signal.SIGINT)
+            out, err = child.communicate(timeout=60)
+    assert (child.returncode, out, err) == (130, "", "cachepipe next: interrupted\n")
+
+
 def test_a_skipped_oversize_item_is_logged_as_skipped_not_advised_to_be(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = _source(tmp_path)
     (src / "big").mkdir()
