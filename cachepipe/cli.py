@@ -293,7 +293,10 @@ class _OneOutput(argparse.Action):
         if earlier is not None:
             parser.error(f"{option} given twice ({earlier!r}, then {value!r}): index writes one manifest{_OPTION_HINT}")
         if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=[^/]*", value):
-            parser.error(f"{option} {value!r}: expected the manifest's path or object URL, not KEY=VALUE{_OPTION_HINT}")
+            parser.error(
+                f"{option} {value!r}: expected the manifest's path or object URL, not KEY=VALUE (a file so named: "
+                f"./{value}){_OPTION_HINT}"
+            )
         setattr(namespace, self.dest, value)
 
 
