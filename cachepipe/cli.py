@@ -28,8 +28,10 @@ on its socket...). ``serve``: 78 invalid configuration, or one this host cannot 
 ``socket_group`` that does not exist, a directory it cannot create or write: what ``--check``
 reports), or the ``service`` extra is not installed (one line naming the module and
 ``pip install 'cachepipe[service]'``); 1 the daemon could not start (store unreachable...).
+Every command: 130 interrupted (Ctrl-C), one line, no traceback.
 ``index``: 0 written (it prints the count, bytes and digest), 1 the source or destination
-failed (nothing to list, denied, unreachable...). ``map``: 0 when every item succeeded, 1 if any failed, 130 when interrupted.
+failed (nothing to list, denied, unreachable...), 2 usage (a ``--storage-option`` not KEY=VALUE).
+``map``: 0 when every item succeeded, 1 if any failed, 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import re
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -48,11 +51,12 @@ from .errors import UnknownItemError
 if TYPE_CHECKING:
     from .client import Client
 
-__all__ = ["EXIT_CONFIG", "EXIT_END", "EXIT_REFUSED", "EXIT_TIMEOUT", "main"]
+__all__ = ["EXIT_CONFIG", "EXIT_END", "EXIT_INTERRUPTED", "EXIT_REFUSED", "EXIT_TIMEOUT", "main"]
 
 EXIT_END = 3
 EXIT_TIMEOUT = 4
 EXIT_REFUSED = 5
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command that Ctrl-C ended
 EXIT_CONFIG = 78  # serve: invalid configuration, or this host cannot run it (the systemd unit does not restart)
 _SERVICE_MODULES = frozenset({"prometheus_client"})  # the `service` extra: what `serve` needs beyond the core
 
@@ -64,8 +68,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"cachepipe {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="run the daemon in the foreground (systemd: Type=notify)")
-    serve.add_argument("--config", "-c", required=True, help="config file (YAML, or TOML by its .toml suffix)")
+    serve = sub.add_parser(
+        "serve", usage="cachepipe serve --config FILE [--check]", help="run the daemon in the foreground (systemd: Type=notify)"
+    )
+    serve.add_argument(  # not required=True: its absence is explained (below), not only named
+        "--config",
+        "-c",
+        metavar="FILE",
+        help="config file (YAML, or TOML by its .toml suffix); `cachepipe print-config` prints an example",
+    )
     serve.add_argument("--check", action="store_true", help="validate the config and exit")
 
     client = argparse.ArgumentParser(add_help=False)
@@ -117,7 +128,9 @@ def _parser() -> argparse.ArgumentParser:
 
     idx = sub.add_parser("index", help="list a source once and write its manifest (Pipeline(manifest=...))")
     idx.add_argument("source", metavar="SRC", help="dataset URL (s3://, obs://, file://, ...)")
-    idx.add_argument("--output", "-o", required=True, metavar="DEST", help="manifest path or object URL (s3://b/p/m.gz)")
+    idx.add_argument(
+        "--output", "-o", required=True, action=_OneOutput, metavar="DEST", help="manifest path or object URL (s3://b/p/m.gz)"
+    )
     idx.add_argument("--items", choices=("folders", "files"), default="folders", help="item mode (default folders)")
     idx.add_argument(
         "--storage-option",
@@ -146,7 +159,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``cachepipe`` console script; returns the exit status."""
     args = _parser().parse_args(argv)
     _print_names_as_bytes()
+    try:
+        return _run(args)
+    except KeyboardInterrupt:  # Ctrl-C on a `next` waiting for its item or its daemon, a long `index`: no traceback
+        print(f"cachepipe {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The command ``args`` names; its exit status."""
     if args.command == "serve":
+        if args.config is None:
+            print(
+                "cachepipe serve: --config FILE is required: the daemon's socket and pipelines (or jobs section), "
+                "in YAML or TOML. `cachepipe print-config > cachepipe.yaml` writes an example with every field "
+                "documented; then `cachepipe serve --check --config cachepipe.yaml`",
+                file=sys.stderr,
+            )
+            return 2
         try:
             from .service.main import check, serve
         except ModuleNotFoundError as exc:
@@ -227,15 +257,20 @@ def _delete_job(client: Client, name: str, force: bool) -> int:
 
 def _index(args: argparse.Namespace) -> int:
     """``cachepipe index``: list, write the manifest, print what it holds."""
-    from .config import check_source, format_size
+    from .config import check_destination, check_source, format_size
     from .manifest import index
 
     try:
-        check_source(args.source)  # `bucket/video/` is `s3://bucket/video/`, as for Pipeline
         options = dict(_storage_option(o) for o in args.storage_option)
         dest_options = {**options, **dict(_storage_option(o) for o in args.dest_option)}
+    except ValueError as exc:  # a usage error, as argparse's own: exit 2
+        print(f"cachepipe index: {exc}; see cachepipe index --help", file=sys.stderr)
+        return 2
+    try:
+        check_source(args.source)  # `bucket/video/` is `s3://bucket/video/`, as for Pipeline
+        check_destination(args.output, "manifest")  # `s3:/bucket/m.gz` would be a local folder 's3:'
         manifest = index(args.source, args.output, args.items, options, dest_options=dest_options)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, ImportError) as exc:  # ImportError: the scheme's backend is not installed (gs://)
         print(f"cachepipe index: {exc}", file=sys.stderr)
         return 1
     total = sum(manifest.catalog.sizes)
@@ -244,6 +279,28 @@ def _index(args: argparse.Namespace) -> int:
         f"digest {manifest.digest}"
     )
     return 0
+
+
+class _OneOutput(argparse.Action):
+    """``index -o DEST``, given once, and not a ``KEY=VALUE``: ``map``'s ``-o`` is a storage
+    option, and carried over to ``index`` it would be taken as the manifest's path (a second
+    ``-o`` replacing the first, the manifest written to a file named ``anon=true``)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: Any, option: str | None = None
+    ) -> None:
+        earlier = getattr(namespace, self.dest, None)
+        if earlier is not None:
+            parser.error(f"{option} given twice ({earlier!r}, then {value!r}): index writes one manifest{_OPTION_HINT}")
+        if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=[^/]*", value):
+            parser.error(
+                f"{option} {value!r}: expected the manifest's path or object URL, not KEY=VALUE (a file so named: "
+                f"./{value}){_OPTION_HINT}"
+            )
+        setattr(namespace, self.dest, value)
+
+
+_OPTION_HINT = "; a storage option is --storage-option KEY=VALUE (in map, -o is that; in index, -o is --output)"
 
 
 def _storage_option(text: str) -> tuple[str, Any]:

@@ -38,6 +38,7 @@ __all__ = [
     "Share",
     "check_absolute_source",
     "check_cache_dir",
+    "check_destination",
     "check_option_names",
     "check_source",
     "format_size",
@@ -132,17 +133,42 @@ def check_source(source: str) -> None:
     """
     if "://" in source or os.path.exists(source):
         return
-    import fsspec
-
-    scheme = re.match(rf"({_SCHEME}):/?(?!/)", source)  # s3:/bucket/ or s3:bucket/: a slash short
-    if scheme and scheme.group(1).lower() not in {"obs", *fsspec.available_protocols()}:
-        scheme = None  # not a scheme: a colon in a name
-    meant = f"{scheme.group(1).lower()}://{source[scheme.end() :]}" if scheme else f"s3://{source.lstrip('/')}"
-    what = "a scheme without its '//'" if scheme else "no scheme"
+    meant = _short_of_slashes(source)
+    what = "a scheme without its '//'" if meant else "no scheme"
+    meant = meant or f"s3://{source.lstrip('/')}"
     raise ConfigError(
         f"source {source!r}: no such local path, and {what}; expected a URL like {meant!r} "
         f"(schemes: {SCHEMES}), or an existing local path (or 'file://' + an absolute path)"
     )
+
+
+def check_destination(dest: str, field: str) -> None:
+    """Refuse a destination written as a URL a slash short (``s3:/bucket/out/``, ``s3:bucket/``)
+    that is not an existing local path: as a local path it would be written, without a word, to
+    a folder named ``s3:`` under the current directory.
+
+    Raises:
+        ConfigError: naming ``field``, the value and the URL meant.
+    """
+    if "://" in dest or os.path.exists(dest):
+        return
+    meant = _short_of_slashes(dest)
+    if meant:
+        raise ConfigError(
+            f"{field} {dest!r}: a scheme without its '//'; expected a URL like {meant!r} "
+            f"(schemes: {SCHEMES}), or a local path (or 'file://' + an absolute path)"
+        )
+
+
+def _short_of_slashes(location: str) -> str | None:
+    """The URL meant by ``location`` when it is one with a known scheme short of its ``//``
+    (``s3:/bucket/`` or ``s3:bucket/``: ``s3://bucket/``), else None (a colon in a name)."""
+    import fsspec
+
+    scheme = re.match(rf"({_SCHEME}):/?(?!/)", location)
+    if scheme is None or scheme.group(1).lower() not in {"obs", *fsspec.available_protocols()}:
+        return None
+    return f"{scheme.group(1).lower()}://{location[scheme.end() :]}"
 
 
 def check_absolute_source(source: str, field: str = "source") -> None:

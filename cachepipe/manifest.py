@@ -266,8 +266,15 @@ def index(
     if items not in ("folders", "files"):
         raise ConfigError(f"items {items!r}: expected 'folders' or 'files'")
     where = os.fspath(location)
+    if not where.strip():
+        raise ConfigError(f"manifest {where!r}: expected a file path or an object URL like 's3://bucket/prefix/manifest.gz'")
+    if not _is_url(where) and os.path.isdir(where):  # said before the listing: it would end in renaming onto it
+        raise IsADirectoryError(
+            errno.EISDIR, f"manifest {where!r}: is a folder; expected a file path, such as {os.path.join(where, 'manifest.gz')!r}"
+        )
     if not _is_url(where) and not Path(where).parent.is_dir():  # said before the listing, naming the folder
-        raise FileNotFoundError(errno.ENOENT, f"manifest {where!r}: no such folder {str(Path(where).parent)!r}")
+        url = "" if os.path.isabs(where) else f" (an object URL needs its scheme: 's3://{where}')"  # bucket/m.gz
+        raise FileNotFoundError(errno.ENOENT, f"manifest {where!r}: no such folder {str(Path(where).parent)!r}{url}")
     own = store is None
     src = open_store(source, storage_options) if store is None else store
     try:

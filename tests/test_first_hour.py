@@ -258,6 +258,157 @@ def test_index_refuses_a_source_without_scheme_as_the_pipeline_does(
     assert not (tmp_path / "m.gz").exists()
 
 
+def test_index_refuses_a_destination_a_slash_short_of_its_url(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cachepipe.cli import main
+
+    src = _source(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert main(["index", str(src), "-o", "s3:/bucket/m.gz"]) == 1
+    err = capsys.readouterr().err
+    assert "manifest 's3:/bucket/m.gz': a scheme without its '//'; expected a URL like 's3://bucket/m.gz'" in err
+    (tmp_path / "s3:" / "bucket").mkdir(parents=True)  # as a `cachepipe map SRC s3:/bucket/out/` makes it
+    assert main(["index", str(src), "-o", "s3:/bucket/m.gz"]) == 1
+    assert "a scheme without its '//'" in capsys.readouterr().err
+    assert not (tmp_path / "s3:" / "bucket" / "m.gz").exists()
+
+
+def test_index_names_the_url_a_destination_without_scheme_may_be(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cachepipe.cli import main
+
+    src = _source(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert main(["index", str(src), "-o", "bucket/m.gz"]) == 1
+    err = capsys.readouterr().err
+    assert "no such folder 'bucket' (an object URL needs its scheme: 's3://bucket/m.gz')" in err
+
+
+def test_index_with_a_storage_option_not_key_value_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cachepipe.cli import main
+
+    src = _source(tmp_path)
+    assert main(["index", str(src), "-o", str(tmp_path / "m.gz"), "--storage-option", "anon"]) == 2  # as `map -o anon`
+    assert "storage option 'anon': expected KEY=VALUE" in capsys.readouterr().err
+    assert not (tmp_path / "m.gz").exists()
+
+
+def test_index_refuses_a_folder_or_nothing_as_its_destination_before_listing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cachepipe.cli import main
+
+    src = _source(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["index", str(src), "-o", str(out)]) == 1
+    assert f"manifest '{out}': is a folder; expected a file path, such as '{out / 'manifest.gz'}'" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["out", "src"]  # no temp file beside it
+    assert main(["index", str(src), "-o", ""]) == 1
+    assert "manifest '': expected a file path or an object URL" in capsys.readouterr().err
+
+
+def test_index_of_a_scheme_whose_backend_is_not_installed_is_one_line(tmp_path: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here")
+    done = subprocess.run(
+        [sys.executable, "-m", "cachepipe", "index", "gs://my-bucket/videos/", "-o", str(tmp_path / "m.gz")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert done.stderr.startswith("cachepipe index: ") and "gcsfs" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_s3_without_the_s3_extra_names_the_extra_to_install(tmp_path: Path) -> None:
+    shadow = tmp_path / "site" / "s3fs"  # an environment where `import s3fs` fails, as without cachepipe[s3]
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 's3fs'\", name='s3fs')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(tmp_path / "site"), str(ROOT)))}
+    script = "from cachepipe import Pipeline\nPipeline('s3://my-bucket/videos/', sys.argv[1], '1GiB').open()"
+    done = subprocess.run(
+        [sys.executable, "-c", f"import sys\n{script}", str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert "ImportError: s3:// needs s3fs, which is not installed: pip install 'cachepipe[s3]'" in done.stderr, done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "cachepipe", "index", "s3://my-bucket/videos/", "-o", str(tmp_path / "m.gz")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert (done.returncode, done.stderr) == (
+        1,
+        "cachepipe index: s3:// needs s3fs, which is not installed: pip install 'cachepipe[s3]'\n",
+    )
+
+
+def test_serve_without_config_says_where_one_comes_from(capsys: pytest.CaptureFixture[str]) -> None:
+    from cachepipe.cli import main
+
+    assert main(["serve"]) == 2  # usage, as argparse's errors
+    err = capsys.readouterr().err
+    assert err.startswith("cachepipe serve: --config FILE is required") and "cachepipe print-config > cachepipe.yaml" in err
+
+
+def test_index_takes_no_storage_option_as_its_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cachepipe.cli import main
+
+    src = _source(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    for argv, said in (
+        (["-o", "m.gz", "-o", "anon=true"], "-o given twice ('m.gz', then 'anon=true')"),  # map's -o carried over
+        (["-o", "anon=true"], "-o 'anon=true': expected the manifest's path or object URL, not KEY=VALUE"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            main(["index", str(src), *argv])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert said in err and "--storage-option KEY=VALUE" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["src"]  # no manifest named 'anon=true', nor m.gz
+
+
+def test_ctrl_c_on_a_waiting_next_is_one_line_and_exit_130(tmp_path: Path) -> None:
+    import signal
+    import socket
+
+    path = tmp_path / "d.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:  # a daemon that takes the request, never answers
+        server.bind(str(path))
+        server.listen(1)
+        server.settimeout(60)
+        child = subprocess.Popen(
+            [sys.executable, "-m", "cachepipe", "next", "--socket", str(path), "--startup-timeout", "0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509 - a child of this test alone
+        )
+        conn, _ = server.accept()
+        with conn:
+            assert conn.recv(4096)  # its first request is sent: next waits for the answer
+            child.send_signal(signal.SIGINT)
+            out, err = child.communicate(timeout=60)
+    assert (child.returncode, out, err) == (130, "", "cachepipe next: interrupted\n")
+
+
 def test_a_skipped_oversize_item_is_logged_as_skipped_not_advised_to_be(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     src = _source(tmp_path)
     (src / "big").mkdir()

@@ -131,10 +131,15 @@ def _protocols(fs: Any) -> tuple[str, ...]:
 
 
 def _filesystem_class(url: str) -> type:
-    """The fsspec filesystem class serving ``url``; ConfigError naming the known schemes if none does."""
+    """The fsspec filesystem class serving ``url``; ConfigError naming the known schemes if none
+    does; ImportError naming what to install if its backend is not installed (``cachepipe[s3]``
+    for ``s3://``, fsspec's own advice for the others)."""
     protocol = fsspec.core.split_protocol(url)[0] or "file"
     try:
         return fsspec.get_filesystem_class(protocol)  # type: ignore[no-any-return]  # fsspec is untyped
+    except ImportError as exc:
+        what = "s3fs, which is not installed: pip install 'cachepipe[s3]'" if protocol in ("s3", "s3a") else f"a backend: {exc}"
+        raise ImportError(f"{protocol}:// needs {what}", name=exc.name) from exc  # the caller names the URL
     except ValueError as exc:
         known = sorted({"obs", *fsspec.available_protocols()})
         raise ConfigError(
