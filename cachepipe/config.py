@@ -142,10 +142,14 @@ def check_source(source: str) -> None:
     )
 
 
-def check_destination(dest: str, field: str) -> None:
+def check_destination(dest: str, field: str, folder: bool = False) -> None:
     """Refuse a destination written as a URL a slash short (``s3:/bucket/out/``, ``s3:bucket/``)
     that is not an existing local path: as a local path it would be written, without a word, to
-    a folder named ``s3:`` under the current directory.
+    a folder named ``s3:`` under the current directory. With ``folder`` (a folder of results,
+    made if missing), also a relative path without a scheme whose parent folder does not exist:
+    ``bucket/out/`` is an S3 prefix written without ``s3://`` far more often than local folders
+    yet to be made (an absolute path, or one in an existing folder: ``out``, ``./data/out``, is
+    taken as local).
 
     Raises:
         ConfigError: naming ``field``, the value and the URL meant.
@@ -157,6 +161,12 @@ def check_destination(dest: str, field: str) -> None:
         raise ConfigError(
             f"{field} {dest!r}: a scheme without its '//'; expected a URL like {meant!r} "
             f"(schemes: {SCHEMES}), or a local path (or 'file://' + an absolute path)"
+        )
+    parent = os.path.dirname(dest.rstrip("/"))
+    if folder and not os.path.isabs(dest) and parent and not os.path.isdir(parent):
+        raise ConfigError(
+            f"{field} {dest!r}: no scheme, and no local folder {parent!r} to make it in; expected a URL like "
+            f"'s3://{dest}' (schemes: {SCHEMES}), or a local path in an existing folder (or 'file://' + an absolute path)"
         )
 
 

@@ -479,6 +479,60 @@ def test_map_refuses_a_missing_command_before_downloading(tmp_path: Path, capsys
     assert not cache.exists()  # nothing was downloaded
 
 
+@pytest.mark.parametrize(
+    ("dest", "said"),
+    [
+        ("s3:/my-bucket/out/", "dest 's3:/my-bucket/out/': a scheme without its '//'; expected a URL like 's3://my-bucket/out/'"),
+        (
+            "my-bucket/out/",
+            "dest 'my-bucket/out/': no scheme, and no local folder 'my-bucket' to make it in; expected a URL like "
+            "'s3://my-bucket/out/'",
+        ),
+    ],
+)
+def test_map_refuses_a_destination_that_would_be_a_local_folder_made_by_mistake(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], dest: str, said: str
+) -> None:
+    src = _source(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    status = map_main([str(src), dest, "--cache", str(tmp_path / "cache"), "--capacity", "10MiB", "--", "true"])
+    assert status == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"cachepipe map: {said}"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no folder 's3:' or 'my-bucket', no cache
+    # local: a relative path in an existing folder, as an absolute path is
+    assert map_main([str(src), "out", "--cache", str(tmp_path / "cache"), "--capacity", "10MiB", "--", "true"]) == 0
+    assert (tmp_path / "out").is_dir()
+
+
+@pytest.mark.parametrize("command", [["cp", "-r", "{}", "{out}"], ["true"]])
+def test_map_without_its_destination_says_dst_is_missing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    status = map_main([str(_source(tmp_path)), "--cache", str(tmp_path / "cache"), "--capacity", "10MiB", "--", *command])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cachepipe map: DST '{command[0]}' is a command: give DST before the options and '--'"), err
+
+
+def test_map_over_a_scheme_whose_backend_is_not_installed_is_one_line(tmp_path: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here")
+    flags = ["--cache", str(tmp_path / "c"), "--capacity", "1MiB"]
+    done = subprocess.run(
+        [sys.executable, "-m", "cachepipe.map", "gs://b/x/", str(tmp_path / "out"), *flags, "--", "true"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+        check=False,
+    )
+    assert (done.returncode, done.stderr.count("\n")) == (1, 1), done.stderr
+    assert done.stderr.startswith("cachepipe map: gs:// needs a backend: ") and "gcsfs" in done.stderr, done.stderr
+
+
 # ---- paths that outlive their item -----------------------------------------------------
 def test_an_acknowledged_item_refuses_to_be_a_path(tmp_path: Path) -> None:
     src = _source(tmp_path)

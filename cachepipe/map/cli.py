@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -272,6 +273,18 @@ def _stopped(exc: KeyboardInterrupt) -> int:
     return status
 
 
+def _check_dest_given(dest: str) -> None:
+    """Refuse as a usage error a DST that is the command's first word: DST left out
+    (``cachepipe map SRC --cache C --capacity N -- cp -r {} {out}``), argparse takes the word
+    after ``--`` as DST. Said when DST names a program on ``PATH`` and is neither a URL nor a
+    path (no ``/``) nor an existing file or folder."""
+    if "://" not in dest and "/" not in dest and not os.path.exists(dest) and shutil.which(dest):
+        raise _UsageError(
+            f"DST {dest!r} is a command: give DST before the options and '--' "
+            "(cachepipe map SRC DST --cache DIR --capacity SIZE -- CMD ARGS)"
+        )
+
+
 def _run_map_command(args: argparse.Namespace) -> int:
     from .result import format_plan, format_summary
     from .run import map_items  # the pipeline: imported by the command that runs it, not by `cachepipe --help`
@@ -287,6 +300,7 @@ def _run_map_command(args: argparse.Namespace) -> int:
     late = argparse.ArgumentParser(prog="cachepipe map", add_help=False)
     _add_options(late, suppress=True)
     try:
+        _check_dest_given(args.dest)
         parsed, unknown = late.parse_known_args(options)
         if unknown:
             flags = [a for a in late._option_string_actions if a.startswith("--")]  # noqa: SLF001 - argparse's own table
@@ -343,7 +357,7 @@ def _run_map_command(args: argparse.Namespace) -> int:
             return 1
         print(f"cachepipe map: {usage}", file=sys.stderr)
         return 2
-    except (TypeError, OSError, CachePipeError) as exc:
+    except (TypeError, OSError, CachePipeError, ImportError) as exc:  # ImportError: a scheme's backend not installed (gs://)
         print(f"cachepipe map: {exc}", file=sys.stderr)
         return 1
     if args.dry_run:

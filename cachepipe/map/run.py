@@ -31,7 +31,7 @@ from typing import Any
 from ..cache import journal_budget_of
 from ..cache.lock import unusable_dir
 from ..cache.room import room_at
-from ..config import Share, check_cache_dir, check_source, with_unit
+from ..config import Share, check_cache_dir, check_destination, check_source, with_unit
 from ..errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError
 from ..listing import empty_source
 from ..manifest import check_manifest, read_manifest
@@ -489,6 +489,8 @@ def map_items(
     )
     if store is None:
         check_source(source)
+    if dest_store is None:
+        check_destination(dest, "dest", folder=True)  # `s3:/b/out/` or `b/out/`: not a local folder made in silence
     if command is None and func is None and not cfg.unpack:
         raise ConfigError(
             "nothing to do: give a command (on the command line after --: cachepipe map SRC DST -- CMD {}), "
