@@ -350,6 +350,22 @@ def test_serve_check_says_a_cache_dir_is_on_a_read_only_filesystem(tmp_path):
             assert host_problems(config) == [f"pipelines.a.cache_dir '{given}': {why}; {expected}"]
 
 
+def test_serve_check_says_jobs_root_is_on_a_read_only_filesystem(tmp_path):
+    """jobs.root was not checked: on a read-only filesystem (a path outside a systemd unit's
+    ReadWritePaths) the daemon started, `serve --check` passed, and every job's registration
+    failed with HTTP 500 "Read-only file system"."""
+    with tmpfs(tmp_path / "disk", "64k", ",ro") as disk:
+        config = ServiceConfig.model_validate(
+            {"socket": str(tmp_path / "api.sock"), "jobs": {"root": str(disk / "jobs"), "capacity": "1MiB"}}
+        )
+        assert host_problems(config) == [
+            (
+                f"jobs.root '{disk}/jobs': cannot be created: '{disk}' is on a read-only filesystem; "
+                "expected a directory on a writable filesystem"
+            )
+        ]
+
+
 def test_serve_check_lets_a_full_cache_disk_pass_with_a_warning(tmp_path, caplog):
     """A cache_dir on a full filesystem (here out of inodes: no new folder) is no problem of the
     configuration: its pipeline waits for room (min_free) and goes on. The probe of the host check

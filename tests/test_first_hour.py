@@ -485,8 +485,10 @@ def test_map_refuses_a_missing_command_before_downloading(tmp_path: Path, capsys
         ("s3:/my-bucket/out/", "dest 's3:/my-bucket/out/': a scheme without its '//'; expected a URL like 's3://my-bucket/out/'"),
         (
             "my-bucket/out/",
-            "dest 'my-bucket/out/': no scheme, and no local folder 'my-bucket' to make it in; expected a URL like "
-            "'s3://my-bucket/out/'",
+            (
+                "dest 'my-bucket/out/': no scheme, and no local folder 'my-bucket' to make it in; expected a URL like "
+                "'s3://my-bucket/out/'"
+            ),
         ),
     ],
 )

@@ -192,7 +192,13 @@ def host_cases(tmp_path: Path) -> dict:
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     return {
-        "group": ({"socket_group": "cachepipe-no-such-group"}, "socket_group 'cachepipe-no-such-group': no such group"),
+        "group": (
+            {"socket_group": "cachepipe-no-such-group"},
+            (
+                "socket_group 'cachepipe-no-such-group': no such group on this system; expected an existing group name or "
+                "number (create it: groupadd --system cachepipe-no-such-group; or leave socket_group out"
+            ),
+        ),
         "cache under a file": (
             {"pipelines": {"train": {"cache_dir": str(blocker / "cache")}}},
             f"pipelines.train.cache_dir '{blocker}/cache': '{blocker}' on its path is not a directory",

@@ -3,7 +3,7 @@
 :func:`load_config` checks the file on its own terms (types, ranges, absolute paths, caches not
 nested in each other, capacities parseable); :func:`host_problems` checks it against this host
 and this user, leaving nothing behind: the ``socket_group`` exists (and this user may give
-the socket to it), the socket's directory and every ``cache_dir`` exist as writable directories
+the socket to it), the socket's directory, every ``cache_dir`` and ``jobs.root`` exist as writable directories
 or can be created, on a filesystem that stores files (not ``/proc`` or ``/sys``, where
 ``access(2)`` lets root pass): a folder holding a file is created there and removed at once,
 nothing that is not a socket sits at the socket path, ``tcp_host`` (with a
@@ -57,12 +57,14 @@ def host_problems(config: ServiceConfig) -> list[str]:
 
 
 def _jobs_problems(jobs: JobsConfig) -> list[str]:
-    """``jobs.options.storage_options`` pass the checks of :func:`~cachepipe.stores.check_store`
+    """``jobs.root`` is a writable directory or can be created (as a pipeline's ``cache_dir``:
+    on a read-only filesystem, such as a path outside a systemd unit's ``ReadWritePaths``, every
+    job's registration would fail), and ``jobs.options.storage_options`` pass the checks of :func:`~cachepipe.stores.check_store`
     for each of ``jobs.sources``, as a job's pipeline will check them against its source when it
     registers. With no ``sources`` (any source may register) no backend is known to check them
     against: a job's registration does (HTTP 400)."""
     options = jobs.options.get("storage_options")
-    problems = []
+    problems = _dir_problems(f"jobs.root {str(jobs.root)!r}", jobs.root)  # every job's cache goes under it
     for prefix in jobs.sources if options else []:
         try:
             check_store(prefix, options)
@@ -115,7 +117,12 @@ def _group_problems(group: str) -> list[str]:
     try:
         gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
     except KeyError:
-        return [f"socket_group {group!r}: no such group on this system; expected an existing group name or number"]
+        return [
+            (
+                f"socket_group {group!r}: no such group on this system; expected an existing group name or number "
+                f"(create it: groupadd --system {group}; or leave socket_group out: the socket is then this user's alone)"
+            )
+        ]
     if os.geteuid() != 0 and gid != os.getegid() and gid not in os.getgroups():
         why = f"this user (uid {os.geteuid()}) is not a member of it, so it cannot give the socket to it"
         return [f"socket_group {group!r}: {why}; expected one of this user's groups (or run the daemon as root)"]
