@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -197,8 +198,15 @@ def _run(args: argparse.Namespace) -> int:
         return run_map_command(args)
     if args.command in ("print-unit", "print-config"):
         return _print_shipped(args.name if args.command == "print-unit" else None)
-    from .client import Client, ServiceError
+    from .client import Client, ServiceError, default_socket
 
+    address = args.socket or default_socket()
+    if args.startup_timeout > 0 and not address.startswith(("http://", "https://")) and not os.path.exists(address):
+        print(  # else it waits the whole startup timeout in silence before its error
+            f"cachepipe {args.command}: no daemon socket at {address} yet; waiting up to {args.startup_timeout:g} s for "
+            "a daemon to start there (--startup-timeout; --socket or $CACHEPIPE_SOCKET for another one)",
+            file=sys.stderr,
+        )
     try:
         with Client(getattr(args, "pipeline", None), args.socket, auto_ack=False, startup_timeout=args.startup_timeout) as client:
             if args.command == "wait":

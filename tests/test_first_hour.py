@@ -384,6 +384,25 @@ def test_index_takes_no_storage_option_as_its_output(
     assert sorted(os.listdir(tmp_path)) == ["src"]  # no manifest named 'anon=true', nor m.gz
 
 
+@pytest.mark.parametrize("startup", ["0.3", "0"])
+def test_next_without_a_daemon_says_at_once_that_it_waits_for_one(tmp_path: Path, startup: str) -> None:
+    """Before, `cachepipe next` with no daemon said nothing for its whole startup timeout (10 s by default)."""
+    sock = tmp_path / "none.sock"
+    done = subprocess.run(
+        [sys.executable, "-m", "cachepipe", "next", "--socket", str(sock), "--startup-timeout", startup],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=60,
+        check=False,
+    )
+    lines = done.stderr.splitlines()
+    assert done.returncode == 1
+    assert lines[-1].startswith(f"cachepipe: cannot reach the cachepipe daemon at {sock}: "), done.stderr
+    waiting = f"cachepipe next: no daemon socket at {sock} yet; waiting up to {startup} s for a daemon to start there"
+    assert [line.startswith(waiting) for line in lines[:-1]] == ([True] if startup != "0" else [])
+
+
 def test_ctrl_c_on_a_waiting_next_is_one_line_and_exit_130(tmp_path: Path) -> None:
     import signal
     import socket
