@@ -195,7 +195,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "map":
         from .map.cli import run_map_command
 
-        return run_map_command(args)
+        return run_map_command(args, exits=argv is None)  # the console script's run exits after it
     if args.command in ("print-unit", "print-config"):
         return _print_shipped(args.name if args.command == "print-unit" else None)
     from .client import Client, ServiceError, default_socket

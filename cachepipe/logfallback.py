@@ -15,7 +15,9 @@ never ran).
 
 And what any handler gets: :func:`printable_records` makes each record of the library
 writable in UTF-8 (a name of undecodable bytes escaped) as it is made, before any handler,
-the user's on a module's logger too, sees it.
+the user's on a module's logger too, sees it; and, should a record factory installed later
+not call it, a handler first on ``cachepipe`` (:class:`_Unprinted`) still does before the
+handlers of ``cachepipe`` and of its ancestors (the root's) see the record.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ from typing import Any
 
 __all__ = ["FallbackHandler", "RateLimit", "printable", "printable_records"]
 
+
+_DONE = "cachepipe_printable"
+"""The attribute the record factory of :func:`printable_records` sets on each record it made
+:func:`printable`: :class:`_Unprinted` leaves such a record as it is."""
 
 _TEMPLATE = "cachepipe_template"
 """The attribute in which :func:`printable` keeps a record's message template (``record.msg``)
@@ -99,7 +105,7 @@ class FallbackHandler(logging.Handler):
         """True when a handler other than this one (and one that writes) is on the way ``name``'s records propagate."""
         logger: logging.Logger | None = logging.getLogger(name)
         while logger is not None:
-            if any(h is not self for h in logger.handlers):
+            if any(h is not self and not isinstance(h, _Unprinted) for h in logger.handlers):
                 return True
             if not logger.propagate:
                 return False
@@ -137,7 +143,16 @@ def printable_records(prefix: str) -> None:
     and a strict one (``logging.FileHandler(path, encoding="utf-8")``) failed such a line
     ("--- Logging error ---" on stderr) and lost it. A logger's filter would see the record
     first, but only on the logger that made it (one per module), not on its ancestors.
+
+    The factory is the process's: a user's installed after it that does not call the one it
+    replaces (``logging.setLogRecordFactory(MyRecord)``) ends it. So :class:`_Unprinted`, first
+    on ``prefix``'s logger, makes printable a record that the factory did not: the handlers of
+    ``prefix`` and of its ancestors (the root's) get it escaped, as before the factory (a
+    handler on a child logger does not, then).
     """
+    logger = logging.getLogger(prefix)
+    if not any(isinstance(h, _Unprinted) for h in logger.handlers):
+        logger.handlers.insert(0, _Unprinted())  # first: before a handler a user put there before this import
     previous = logging.getLogRecordFactory()
     if getattr(previous, _PREFIX, None) == prefix:
         return
@@ -147,10 +162,28 @@ def printable_records(prefix: str) -> None:
         record = previous(*args, **kwargs)
         if record.name == prefix or record.name.startswith(child):
             printable(record)
+            record.__dict__[_DONE] = True
         return record
 
     setattr(factory, _PREFIX, prefix)
     logging.setLogRecordFactory(factory)
+
+
+class _Unprinted(logging.Handler):
+    """Makes :func:`printable` a record that the record factory of :func:`printable_records`
+    did not make (one installed after it replaced it); writes nothing. First on the library's
+    logger, so that its other handlers and its ancestors' see the record escaped."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.NOTSET)
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        if not record.__dict__.get(_DONE):
+            printable(record)
+        return False
+
+    def emit(self, record: logging.LogRecord) -> None:  # pragma: no cover - handle() writes nothing
+        pass
 
 
 _PREFIX = "cachepipe_prefix"

@@ -2069,3 +2069,35 @@ def test_an_item_whose_results_folder_lies_in_another_s_is_refused_with_it(s3_so
     assert result.items_done == 1 and sorted(f.name for f in result.failed) == ["a.tar", "a.tar/b.tar"], result.failed
     assert "rename or move one of them in SRC" in result.failed[0].error
     assert set(bucket(s3_client, "out/")) == {"x.tar/b.tar/f", f"x.tar/{DONE_MARKER}"}
+
+
+def test_a_stop_by_sigterm_in_a_call_from_python_gives_the_caller_its_signal_handlers_back(tmp_path):
+    """``cachepipe.map.cli.main([...])`` called from a Python program and stopped by SIGTERM (or
+    Ctrl-C) returned 143 (130) as it should, but left both signals ignored (SIG_IGN) in the
+    caller for good, meant for the command line's process, which exits: the program could no
+    longer be stopped by Ctrl-C or a supervisor's SIGTERM. The caller's handlers are put back."""
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "f").write_text("a")
+    argv = [str(src), str(tmp_path / "dst"), "--cache", str(tmp_path / "cache"), "--capacity", "1MiB", "--no-progress"]
+    argv += ["--", "sh", "-c", 'echo $$ > "$0/pid"; exec sleep 60', str(tmp_path)]
+    program = (
+        "import signal, sys\n"
+        "from cachepipe.map.cli import main\n"
+        f"code = main({argv!r})\n"
+        "print(code, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "
+        "signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: (tmp_path / "pid").exists() or proc.poll() is not None, what="the command started")
+        assert proc.poll() is None, proc.communicate()
+        sleeper = int(wait_until(lambda: (tmp_path / "pid").read_text().strip(), what="the command's pid written"))
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert not alive(sleeper)
+    assert proc.returncode == 0, err
+    assert "cachepipe map: terminated (SIGTERM); run the same command again to resume" in err
+    assert out.split() == ["143", "True", "True"], (out, err)  # before: "143 False False" (both SIG_IGN)

@@ -420,3 +420,55 @@ def test_an_object_rewritten_after_the_manifest_fails_its_item_and_the_others_ar
     assert [f.name for f in result.failed] == ["b"]
     assert "changed since it was listed" in result.failed[0].error and "a manifest indexed again" in result.failed[0].error
     assert _marked(s3_client, "out/") == ["a", "c"]
+
+
+@pytest.mark.parametrize("items", ["folders", "files"])
+def test_a_manifest_whose_entries_are_not_in_key_order_plans_as_a_listing_of_src_would(s3_source, s3_client, tmp_path, items):
+    """A manifest holds a catalog's items in the order they were added: write_manifest of a
+    Catalog built with add (as benchmarks/bench_manifest.py writes one: video.mp4 before
+    text.txt), which a Pipeline plans from. map planned from its entries in that order, and the
+    grouping of a listing refused them: "listing out of order", the manifest not named, nothing
+    done. They are planned in key order, as a listing of SRC gives them."""
+    from cachepipe import Pipeline
+    from cachepipe.catalog import Catalog
+    from cachepipe.manifest import write_manifest
+
+    names = ["b", "a"] if items == "folders" else ["b/video.mp4", "a/video.mp4", "a/text.txt"]
+    catalog = Catalog(mode=items)
+    for name in names:
+        rels = ["video.mp4", "text.txt"] if items == "folders" else [""]
+        for rel in rels:
+            s3_source.put(f"{name}/{rel}" if rel else name, b"x" * 1000)
+        catalog.add(name, [(rel, 1000, None) for rel in rels])
+    local = tmp_path / "m.gz"
+    write_manifest(local, s3_source.url, items, catalog)
+    with Pipeline(s3_source.url, tmp_path / "p", "1MiB", items=items, manifest=local, storage_options=s3_source.options) as pipe:
+        assert sorted(c.name for c in pipe) == sorted(names)  # a manifest a pipeline plans from
+
+    result = map_items(
+        MARK,
+        s3_source.url,
+        "s3://data/out/",
+        cache_dir=tmp_path / "c",
+        capacity="1MiB",
+        storage_options=s3_source.options,
+        items=items,
+        manifest=local,
+        progress=False,
+    )
+    assert result.items_done == len(names), result.failed  # before: ValueError: listing out of order
+    assert result.planned == sorted(names)
+
+
+def test_a_manifest_that_lists_an_object_twice_is_refused_naming_it(s3_source, tmp_path):
+    from cachepipe.catalog import Catalog
+    from cachepipe.manifest import write_manifest
+
+    s3_source.put("a/x", b"x")
+    catalog = Catalog(mode="folders")
+    catalog.add("a", [("x", 1, None), ("x", 1, None)])
+    local = tmp_path / "m.gz"
+    write_manifest(local, s3_source.url, "folders", catalog)
+    run = {"cache_dir": tmp_path / "c", "capacity": "1MiB", "storage_options": s3_source.options, "manifest": local}
+    with pytest.raises(ConfigError, match=r"m.gz' lists the object 'a/x' twice: write it again with `cachepipe index`"):
+        map_items(MARK, s3_source.url, "s3://data/out/", **run)  # before: ValueError: listing out of order: 'a/x' after 'a/x'

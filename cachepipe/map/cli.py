@@ -219,12 +219,15 @@ class _StopSignals:
     stops; each one after it is ignored, noted once on stderr, until the process exits. Raised
     into the stop, a second one cut it short (the jobs not joined, the slots left, an error of
     what was half closed), and one that came once the handlers were put back killed the process
-    (exit -15, not 143). So the handlers are put back only if no signal came; after a stop both
-    signals stay ignored, as the process is to exit (SIGKILL still ends it at once; the next run
-    resumes). SIGINT is taken only from Python's own handler (one that ignores it, as in a
-    background job, is kept)."""
+    (exit -15, not 143). So in a process that ends with the run (``exits``: the command line's
+    own), the handlers are put back only if no signal came; after a stop both signals stay
+    ignored until it exits (SIGKILL still ends it at once; the next run resumes). Called from
+    Python (``exits`` false), the caller's handlers are put back whatever came: ignored, its
+    Ctrl-C and SIGTERM would be lost for as long as it runs. SIGINT is taken only from Python's
+    own handler (one that ignores it, as in a background job, is kept)."""
 
-    def __init__(self) -> None:
+    def __init__(self, exits: bool) -> None:
+        self._exits = exits
         self.stopping = False
         self._noted = False
         self._previous: dict[int, Any] = {}
@@ -237,9 +240,9 @@ class _StopSignals:
 
     def __exit__(self, *_exc: object) -> None:
         for sig, previous in self._previous.items():
-            # after a stop, ignored at the system's level: the interpreter's exit puts back the
-            # default action of a signal whose handler is a Python function (not of one ignored)
-            signal.signal(sig, signal.SIG_IGN if self.stopping else previous)
+            # after a stop in a process that exits, ignored at the system's level: the interpreter's exit
+            # puts back the default action of a signal whose handler is a Python function (not of one ignored)
+            signal.signal(sig, signal.SIG_IGN if self.stopping and self._exits else previous)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         if self.stopping:
@@ -251,14 +254,16 @@ class _StopSignals:
         raise _Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
 
-def run_map_command(args: argparse.Namespace) -> int:
+def run_map_command(args: argparse.Namespace, exits: bool = False) -> int:
     """Run ``cachepipe map`` from parsed arguments; print the summary; return the exit status.
     SIGTERM stops the run as Ctrl-C does (exit status 143); a signal after the first, while
-    the run stops, is ignored (see :class:`_StopSignals`)."""
+    the run stops, is ignored (see :class:`_StopSignals`). ``exits``: the process exits once
+    this returns (the command line's own run): after a stop, both signals stay ignored until
+    then; else the caller's handlers are put back."""
     if threading.current_thread() is not threading.main_thread():
         return _run_map_command(args)  # signal handlers belong to the main thread
     try:
-        with _StopSignals():
+        with _StopSignals(exits):
             return _run_map_command(args)
     except KeyboardInterrupt as exc:  # between the command's own handling and the handlers' end: still a clean stop
         return _stopped(exc)
@@ -368,7 +373,9 @@ def _run_map_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m cachepipe.map SRC DST ...``: the ``map`` subcommand on its own."""
+    """``python -m cachepipe.map SRC DST ...``: the ``map`` subcommand on its own. Given ``argv``
+    (a call from Python), the caller's signal handlers are put back after a stop (see
+    :func:`run_map_command`)."""
     parser = argparse.ArgumentParser(
         prog="cachepipe map", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -376,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if isinstance(sys.stdout, io.TextIOWrapper):  # a name of undecodable bytes printed as its bytes, as cachepipe's main does
         sys.stdout.reconfigure(errors="surrogateescape")
-    return run_map_command(args)
+    return run_map_command(args, exits=argv is None)  # no argv: this process's own command line, which exits after it
 
 
 if __name__ == "__main__":

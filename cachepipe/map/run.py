@@ -25,6 +25,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from itertools import pairwise
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -174,8 +176,18 @@ class _MapRun(_Remote):
         )
         entries = manifest.catalog.entries()
         if manifest.items == "files":  # an item is an object, named by its key
-            return [ObjectInfo(name, size, etag) for name, files in entries for _, size, etag in files]
-        return [ObjectInfo(f"{name}/{rel}", size, etag) for name, files in entries for rel, size, etag in files]
+            objects = [ObjectInfo(name, size, etag) for name, files in entries for _, size, etag in files]
+        else:
+            objects = [ObjectInfo(f"{name}/{rel}", size, etag) for name, files in entries for rel, size, etag in files]
+        # in key order, as a listing gives them (and plan_items takes them): a manifest holds items, and an item its
+        # files, in the order they were added (write_manifest of a Catalog built with add); one listed is in order already
+        objects.sort(key=attrgetter("key"))
+        twice = next((a.key for a, b in pairwise(objects) if a.key == b.key), None)
+        if twice is not None:
+            raise ConfigError(
+                f"manifest {manifest.location!r} lists the object {twice!r} twice: write it again with `cachepipe index`"
+            )
+        return objects
 
     def _record_share(self, share: list[MapItem]) -> None:
         cfg, r = self.cfg, self._result
