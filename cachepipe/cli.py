@@ -161,14 +161,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _print_names_as_bytes()
     try:
-        return _run(args)
+        return _run(args, exits=argv is None)
     except KeyboardInterrupt:  # Ctrl-C on a `next` waiting for its item or its daemon, a long `index`: no traceback
         print(f"cachepipe {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
-def _run(args: argparse.Namespace) -> int:
-    """The command ``args`` names; its exit status."""
+def _run(args: argparse.Namespace, exits: bool) -> int:
+    """The command ``args`` names; its exit status. ``exits``: the process exits after it (the
+    console script's run, not a call of :func:`main` with arguments)."""
     if args.command == "serve":
         if args.config is None:
             print(
@@ -195,7 +196,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "map":
         from .map.cli import run_map_command
 
-        return run_map_command(args, exits=argv is None)  # the console script's run exits after it
+        return run_map_command(args, exits=exits)
     if args.command in ("print-unit", "print-config"):
         return _print_shipped(args.name if args.command == "print-unit" else None)
     from .client import Client, ServiceError, default_socket
