@@ -2022,13 +2022,57 @@ def test_a_second_sigterm_while_the_run_stops_does_not_cut_the_stop_short(s3_cli
     assert proc.returncode == 143, stderr
     assert stderr.splitlines()[-2:] == [
         (
-            "cachepipe map: already stopping (commands killed, uploads in flight ending); SIGKILL stops at once, and the next "
-            "run resumes"
+            "cachepipe map: already stopping (commands killed, uploads in flight ending); a third signal (or SIGKILL) ends it "
+            "at once, and the next run resumes"
         ),
         "cachepipe map: terminated (SIGTERM); run the same command again to resume",
     ], stderr
     assert sorted(os.listdir(cache / WORK_DIR)) == ["lock"]  # the slots removed: the stop ran to its end
     assert bucket(s3_client, "out/").get(f"a/{DONE_MARKER}") is None  # stopped: a is not marked done
+
+
+def test_a_third_signal_ends_a_stop_held_by_an_upload_at_once(s3_client, fault_proxy, tmp_path):
+    """A stop waits for the uploads in flight, and a second signal is ignored so that it runs to
+    its end; an upload that hangs (``a``'s, held at the proxy here and never let go) held the stop
+    until the store's timeouts, minutes, and only SIGKILL ended it. A third signal ends it at
+    once, with the first one's status (Ctrl-C: 130). ``b``'s command sleeps: its death tells the
+    stop has begun."""
+    s3_client.create_bucket(Bucket="data")
+    proxy, endpoint = fault_proxy
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    for name in ("a", "b"):
+        (src / name).mkdir(parents=True)
+        (src / name / "f").write_text(name)
+    gate = threading.Event()
+    proxy.hold(lambda head: head.startswith("PUT "), gate)
+    script = 'echo $$ > "$0/$CACHEPIPE_NAME.pid"; cp f "$CACHEPIPE_OUT/g"; [ "$CACHEPIPE_NAME" = a ] || exec sleep 60'
+    argv = [sys.executable, "-m", "cachepipe.map", str(src), "s3://data/out/", "--cache", str(cache), "--capacity", "1MiB"]
+    argv += ["--jobs", "2", "--no-progress", "--retries", "0"]
+    argv += [arg for opt in (f"endpoint_url={endpoint}", "key=k", "secret=s") for arg in ("--dest-option", opt)]
+    err = tmp_path / "stderr"
+    with err.open("w") as sink:
+        proc = subprocess.Popen([*argv, "--", "sh", "-c", script, str(tmp_path)], stderr=sink)
+    try:
+        wait_until(lambda: any(h.startswith("PUT ") for h in proxy.requests) or proc.poll() is not None, what="a's upload held")
+        assert proc.poll() is None, err.read_text()
+        sleeper = int(wait_until(lambda: (tmp_path / "b.pid").exists() and (tmp_path / "b.pid").read_text().strip()))
+        proc.send_signal(signal.SIGINT)
+        wait_until(lambda: not alive(sleeper), what="b's command killed by the stop")
+        proc.send_signal(signal.SIGINT)
+        wait_until(lambda: "already stopping" in err.read_text() or proc.poll() is not None, what="the second noted")
+        assert proc.poll() is None, err.read_text()  # the stop waits for a's held upload
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        gate.set()
+        proc.kill()
+        proc.wait()
+    stderr = err.read_text()
+    assert proc.returncode == 130, stderr
+    assert stderr.splitlines()[-1] == (
+        "cachepipe map: ended at once by a third signal, uploads in flight cut short; the next run resumes"
+    ), stderr
+    assert bucket(s3_client, "out/").get(f"a/{DONE_MARKER}") is None
 
 
 def test_the_completion_marker_is_stored_as_json(remote_source, s3_client, tmp_path):

@@ -39,7 +39,7 @@ examples:
 
 exit status: 0 every item done (or already done); 1 an item failed (--dry-run: would be refused) or an error;
 2 usage; 130 interrupted (Ctrl-C); 143 terminated (SIGTERM: stopped as Ctrl-C stops it; a second signal
-while it stops is ignored, SIGKILL ends it at once)
+while it stops is ignored, a third, or SIGKILL, ends it at once)
 """
 
 
@@ -209,8 +209,9 @@ class _Terminated(KeyboardInterrupt):
 
 _ALREADY = (
     b"cachepipe map: already stopping (commands killed, uploads in flight ending); "
-    b"SIGKILL stops at once, and the next run resumes\n"
+    b"a third signal (or SIGKILL) ends it at once, and the next run resumes\n"
 )
+_FORCED = b"cachepipe map: ended at once by a third signal, uploads in flight cut short; the next run resumes\n"
 
 
 class _StopSignals:
@@ -224,12 +225,19 @@ class _StopSignals:
     ignored until it exits (SIGKILL still ends it at once; the next run resumes). Called from
     Python (``exits`` false), the caller's handlers are put back whatever came: ignored, its
     Ctrl-C and SIGTERM would be lost for as long as it runs. SIGINT is taken only from Python's
-    own handler (one that ignores it, as in a background job, is kept)."""
+    own handler (one that ignores it, as in a background job, is kept).
+
+    A third signal during the stop ends the process at once (``os._exit``, with the first
+    signal's status, 143 or 130), as SIGKILL would, in a process that ends with the run: a stop
+    held by an upload that hangs can take minutes (the store's timeouts and retries), and a user
+    who pressed Ctrl-C twice should not need to find the process's pid. What it leaves (a
+    command's slot, a download, an upload without its marker) is what the next run clears."""
 
     def __init__(self, exits: bool) -> None:
         self._exits = exits
         self.stopping = False
-        self._noted = False
+        self._later = 0  # signals after the first
+        self._status = 130
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> _StopSignals:
@@ -246,11 +254,15 @@ class _StopSignals:
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         if self.stopping:
-            if not self._noted:
-                self._noted = True
+            self._later += 1
+            if self._later == 1:
                 os.write(2, _ALREADY)  # not print: the main thread may be inside a print to stderr
+            elif self._exits:
+                os.write(2, _FORCED)
+                os._exit(self._status)
             return
         self.stopping = True
+        self._status = 143 if signum == signal.SIGTERM else 130
         raise _Terminated if signum == signal.SIGTERM else KeyboardInterrupt
 
 
