@@ -202,7 +202,7 @@ def _run(args: argparse.Namespace, exits: bool) -> int:
     from .client import Client, ServiceError, default_socket
 
     address = args.socket or default_socket()
-    if args.startup_timeout > 0 and not address.startswith(("http://", "https://")) and not os.path.exists(address):
+    if args.startup_timeout > 0 and "://" not in address and not os.path.exists(address):
         print(  # else it waits the whole startup timeout in silence before its error
             f"cachepipe {args.command}: no daemon socket at {address} yet; waiting up to {args.startup_timeout:g} s for "
             "a daemon to start there (--startup-timeout; --socket or $CACHEPIPE_SOCKET for another one)",

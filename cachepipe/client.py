@@ -58,6 +58,7 @@ from .daemonconn import (
     _code,
     _info,
     _Outage,
+    check_address,
 )
 from .daemonitems import ServedItem, _ItemRequests
 from .errors import UnknownItemError
@@ -145,7 +146,7 @@ class Client(_ItemRequests):
             raise ValueError(f"startup_timeout {startup_timeout!r}: expected a number of seconds >= 0 (0: do not wait)")
         self.startup_timeout = float(startup_timeout)
         self.pipeline = pipeline
-        self.address = os.fspath(socket) if socket is not None else default_socket()
+        self.address = check_address(os.fspath(socket) if socket is not None else default_socket())
         self.timeout = timeout
         self.auto_ack = auto_ack
         self.request_timeout = request_timeout

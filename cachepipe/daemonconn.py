@@ -28,13 +28,36 @@ from urllib.parse import urlsplit
 
 from .errors import DAEMON_STORE_CODES, CachePipeError, UnknownItemError
 
-__all__ = ["DEFAULT_OUTAGE_TIMEOUT", "DEFAULT_STARTUP_TIMEOUT", "ServiceError", "StoreError"]
+__all__ = ["DEFAULT_OUTAGE_TIMEOUT", "DEFAULT_STARTUP_TIMEOUT", "ServiceError", "StoreError", "check_address"]
 
 log = logging.getLogger("cachepipe.client")
 
 DEFAULT_STARTUP_TIMEOUT = 10.0  # covers a restart: stop (close the caches) and start (open them)
 DEFAULT_OUTAGE_TIMEOUT = 300.0  # a registered lane (JobClient): a crash, systemd's RestartSec=5s, and opening big caches
 _POLL = (0.02, 0.05, 0.1, 0.2, 0.25)  # pauses between attempts to reach a starting daemon, then the last
+
+
+def check_address(address: str) -> str:
+    """``address`` if it is a daemon's address: a Unix socket path, or ``http://HOST:PORT``
+    (``https://`` too) for a daemon's TCP listener (``tcp_port``).
+
+    Raises:
+        ValueError: a URL of another scheme (``ftp://x`` was taken as a socket path), or one
+            without its host or with a port that is not a number, naming the value.
+    """
+    if "://" not in address:
+        return address
+    url = urlsplit(address)
+    expected = "expected a Unix socket path, or http://HOST:PORT for a daemon's TCP listener (tcp_port)"
+    if url.scheme not in ("http", "https"):
+        raise ValueError(f"socket {address!r}: a URL of scheme {url.scheme!r}; {expected}")
+    try:
+        port = url.port
+    except ValueError:
+        raise ValueError(f"socket {address!r}: its port is not a number from 0 to 65535; {expected}") from None
+    if not url.hostname or port is None:
+        raise ValueError(f"socket {address!r}: {'no port' if url.hostname else 'no host'}; {expected}")
+    return address
 
 
 class ServiceError(CachePipeError):

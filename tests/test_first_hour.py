@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import re
 import subprocess
 import sys
 import textwrap
@@ -401,6 +402,30 @@ def test_next_without_a_daemon_says_at_once_that_it_waits_for_one(tmp_path: Path
     assert lines[-1].startswith(f"cachepipe: cannot reach the cachepipe daemon at {sock}: "), done.stderr
     waiting = f"cachepipe next: no daemon socket at {sock} yet; waiting up to {startup} s for a daemon to start there"
     assert [line.startswith(waiting) for line in lines[:-1]] == ([True] if startup != "0" else [])
+
+
+@pytest.mark.parametrize(
+    ("socket", "said"),
+    [
+        ("http://127.0.0.1:notaport", "its port is not a number from 0 to 65535"),
+        ("ftp://host/x", "a URL of scheme 'ftp'"),
+        ("http://host", "no port"),
+        ("http://:7480", "no host"),
+    ],
+)
+def test_a_daemon_address_that_is_neither_a_path_nor_http_host_port_is_refused_naming_it(
+    socket: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: Python's "Port could not be cast to integer value as 'notaport'", naming neither
+    --socket nor what it takes; ftp://host/x was tried as a socket path for 10 s."""
+    from cachepipe import Client
+    from cachepipe.cli import main
+
+    expected = f"socket {socket!r}: {said}; expected a Unix socket path, or http://HOST:PORT for a daemon's TCP listener"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        Client(socket=socket)
+    assert main(["next", "--socket", socket]) == 1
+    assert capsys.readouterr().err.startswith(f"cachepipe: {expected}")
 
 
 def test_ctrl_c_on_a_waiting_next_is_one_line_and_exit_130(tmp_path: Path) -> None:
