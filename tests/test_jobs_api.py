@@ -155,7 +155,7 @@ def test_a_job_refused_for_want_of_room_is_told_what_it_asked_and_what_is_availa
         assert str(err.value).startswith(
             "job 'b' asks for capacity 524288 bytes, and 262144 bytes are available: jobs.capacity is 1048576 bytes and "
             "the registered jobs hold 786432 ('a' 786432): give the job a capacity of at most 262144 bytes, "
-            "or DELETE a job that ended ("
+            "or delete a job that ended (`cachepipe delete-job NAME`, or DELETE /v1/jobs/NAME) ("
         ), err.value
         register(sock, "c", job)  # no capacity: the rest
         with pytest.raises(ServiceError) as err:
@@ -163,7 +163,7 @@ def test_a_job_refused_for_want_of_room_is_told_what_it_asked_and_what_is_availa
         assert str(err.value).startswith(
             "job 'd' asks for the rest of jobs.capacity (its spec gives no capacity), and 0 bytes are available: "
             "jobs.capacity is 1048576 bytes and the registered jobs hold 1048576 ('a' 786432, 'c' 262144): "
-            "DELETE a job that ended ("
+            "delete a job that ended (`cachepipe delete-job NAME`, or DELETE /v1/jobs/NAME) ("
         ), err.value
 
 

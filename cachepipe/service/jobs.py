@@ -69,6 +69,9 @@ class _Job:
         self.name, self.spec, self.pipeline = name, spec, pipeline
 
 
+_DELETE = "`cachepipe delete-job NAME`, or DELETE /v1/jobs/NAME"
+
+
 class Jobs:
     """The registered jobs of a daemon (thread-safe).
 
@@ -111,7 +114,8 @@ class Jobs:
             if len(self._jobs) >= self.config.max_jobs:
                 raise JobConflictError(
                     f"job {name!r}: {len(self._jobs)} jobs are registered, jobs.max_jobs is {self.config.max_jobs}; "
-                    f"DELETE /v1/jobs/NAME of one that ended ({', '.join(sorted(self._jobs))})"
+                    f"delete one that ended (`cachepipe delete-job NAME`, or DELETE /v1/jobs/NAME; jobs: "
+                    f"{', '.join(sorted(self._jobs))})"
                 )
             uploaded = None if spec.catalog is None else str(self._uploaded(spec.catalog))
             capacity = self._capacity(name, spec)
@@ -246,7 +250,8 @@ class Jobs:
             if theirs[key] != value and not (key == "capacity" and theirs[key] is None):
                 raise JobConflictError(
                     f"job {job.name!r} is registered with {key}={value!r}, this registration asks for "
-                    f"{key}={theirs[key]!r}: every lane of a job must register the same spec (or DELETE the job first)"
+                    f"{key}={theirs[key]!r}: every lane of a job must register the same spec (or delete the job first: "
+                    f"`cachepipe delete-job {job.name}`)"
                 )
 
     def _capacity(self, name: str, spec: JobSpec) -> int:
@@ -273,9 +278,9 @@ class Jobs:
             )
             held = ", ".join(f"{other!r} {job.pipeline.config.capacity}" for other, job in sorted(self._jobs.items()))
             fix = (
-                f"give the job a capacity of at most {free} bytes, or DELETE a job that ended"
+                f"give the job a capacity of at most {free} bytes, or delete a job that ended ({_DELETE})"
                 if free
-                else "DELETE a job that ended"
+                else f"delete a job that ended ({_DELETE})"
             )
             raise JobConflictError(
                 f"job {name!r} asks for {asked}, and {free} bytes are available: jobs.capacity is {size} and the "
