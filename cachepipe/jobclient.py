@@ -89,6 +89,11 @@ def _lane_step(data: dict[str, Any]) -> LaneItem | LaneSkip:
     return LaneSkip(data) if data.get("skipped") else LaneItem(data)
 
 
+MAX_REGISTRATIONS = 8
+"""Registrations of the job again within one :class:`JobClient` request, each after a 404 from
+another connection than the last registration's (a daemon that restarted, once per restart)."""
+
+
 class JobClient:
     """Lane ``(rank, worker)`` of job ``job`` on the node daemon at ``socket``.
 
@@ -285,20 +290,30 @@ class JobClient:
         restarted) is registered again, with each daemon that answers so: the 404 is raised only
         when it comes from the daemon that registered the job in this call, over the connection
         that carried that registration's answer (a connection never spans two daemons). A daemon
-        killed and back before the next attempt shows no outage, only a new connection. One wait
+        killed and back before the next attempt shows no outage, only a new connection; at most
+        :data:`MAX_REGISTRATIONS` times in one call (a server that closes every connection and
+        forgets the job at once, such as a proxy before a daemon that drops it, is not asked
+        forever: its 404 is raised). One wait
         for an absent or stopping daemon per outage (an :class:`_Outage`, ended by any answer but
         a 503), so a request served by a restarted daemon waits in full again when that one stops
         too."""
         client = self._client
         outage = _Outage(client.startup_timeout, client.address)
         registered_on: object = None  # the connection that carried this call's last registration's answer (None: none kept)
+        registrations = 0
         while True:
             status, data = client._request(method, route, body, timeout, retry=True, raw=raw, outage=outage)  # noqa: SLF001 - the same daemon connection
             if status in (200, 204) or (status == 408 and may_wait):
                 return status, data
             code = _code(data)
-            if status == 404 and method == "POST" and (registered_on is None or client._conn is not registered_on):  # noqa: SLF001 - which daemon answered
+            if (
+                status == 404
+                and method == "POST"
+                and (registered_on is None or client._conn is not registered_on)  # noqa: SLF001 - which daemon answered
+                and registrations < MAX_REGISTRATIONS
+            ):
                 self.register()  # the daemon restarted and forgot the job
+                registrations += 1
                 registered_on = client._conn  # noqa: SLF001 - as above
                 outage.limit = client.startup_timeout  # registered: outage_timeout from now on
                 continue

@@ -98,3 +98,70 @@ def test_a_take_through_two_restarts_that_the_lane_sees_no_outage_of_registers_t
             lane.wait()
         daemon.close()
     assert json.loads(out) == {"item": first}  # before: {"error": "ServiceError: no job 'train' ... (HTTP 404 not_found)"}
+
+
+def test_a_server_that_forgets_the_job_at_every_answer_is_not_asked_forever(short_dir):
+    """A lane registers the job again when a 404 comes over another connection than the last
+    registration's (another daemon). A server that closes the connection after every answer
+    and never knows the job (a proxy that sends ``Connection: close``, before a daemon that
+    drops the job) made that loop forever, registering and asking with no pause. Now at most
+    ``MAX_REGISTRATIONS`` times in one call; then its 404 is raised. Here a stand-in daemon on a
+    real Unix socket answers every registration 200 and every take 404, closing each connection;
+    past 50 registrations it answers 500, which ends the loop of the code before the fix."""
+    import http.server
+    import socketserver
+    from collections import Counter
+
+    from cachepipe.client import ServiceError
+    from cachepipe.jobclient import MAX_REGISTRATIONS, JobClient
+
+    counts: Counter[str] = Counter()
+
+    class Forgetful(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _answer(self, status: int, body: dict) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+            self.close_connection = True
+
+        def do_PUT(self) -> None:
+            counts["PUT"] += 1
+            if counts["PUT"] > 50:
+                self._answer(500, {"error": "internal", "message": "registered too often"})
+            else:
+                self._answer(200, {"lanes": 1, "items": 1, "catalog_digest": "d"})
+
+        def do_POST(self) -> None:
+            counts["POST"] += 1
+            self._answer(404, {"error": "not_found", "message": "no job 'train'"})
+
+        def log_message(self, *_args: object) -> None:
+            pass
+
+    class Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+        daemon_threads = True
+
+    sock = str(short_dir / "forgetful.sock")
+    server = Server(sock, Forgetful)
+    thread = threading.Thread(target=server.serve_forever, name="forgetful-daemon")
+    thread.start()
+    try:
+        with JobClient("train", {"source": "s3://data/video/"}, 0, socket=sock, startup_timeout=0) as lane:
+            lane.register()
+            try:
+                lane.take((0, 0), timeout=5)
+            except ServiceError as exc:
+                error = exc
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert (error.status, error.code) == (404, "not_found"), error
+    assert counts == {"PUT": 1 + MAX_REGISTRATIONS, "POST": 1 + MAX_REGISTRATIONS}
