@@ -1,7 +1,8 @@
 """The requests one ``cachepipe map`` run sends itself, besides its pipeline's downloads and its
-uploads: the check of DST's bucket and the listings of SRC and of DST, retried as downloads are
-(:meth:`_Remote._retrying`), and which items DST already marks done, for the version of their
-input listed now and the command run now (:meth:`_Remote._done`: DST's listing tells which items
+uploads: the check of DST's bucket and the listings of SRC (or the read of its manifest:
+:meth:`_Remote._listing`) and of DST, retried as downloads are (:meth:`_Remote._retrying`),
+and which items DST already marks done, for the version of their input listed now and the
+command run now (:meth:`_Remote._done`: DST's listing tells which items
 have a marker, and the head of each marker listed is read, concurrently; :func:`verdict`
 decides). The listing of DST also tells what each item to run holds there already: for an item
 whose marker is there (of another command, or of its earlier input), its upload deletes what it
@@ -20,11 +21,15 @@ import threading
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import pairwise
+from operator import attrgetter
 from typing import Any, Literal
 
 from ..backoff import backoff_delay
-from ..errors import is_transient
-from ..stores.base import WritableStore
+from ..errors import ConfigError, is_transient
+from ..manifest import check_manifest, read_manifest
+from ..stores import Store
+from ..stores.base import ObjectInfo, WritableStore
 from .plan import MapConfig, MapItem, inside_prefix
 from .uploader import MARKER_LIMIT, marker_command, marker_key, marker_version
 
@@ -99,6 +104,38 @@ class _Remote:
                 if self._stop.wait(delay):  # before any job starts; the stop of a failed check wakes it (Ctrl-C too)
                     raise InterruptedError(f"stopped while retrying {what}") from exc
         raise AssertionError("unreachable")
+
+    def _listing(self, src: Store) -> list[ObjectInfo]:
+        """SRC's objects: listed, or read from the manifest given (every rank then plans from the
+        same items, and none lists SRC). A manifest of another source or ``items`` is refused."""
+        cfg = self.cfg
+        if cfg.manifest is None:
+            listed: list[ObjectInfo] = self._retrying(f"listing {cfg.source}", lambda: list(src.list()))
+            return listed
+        location = cfg.manifest
+        manifest = self._retrying(f"reading manifest {location}", lambda: read_manifest(location, cfg.storage_options))
+        check_manifest(manifest, cfg.source, cfg.items, "map run")
+        log.info(
+            "planning from manifest %s: %d items of %s listed at %s (SRC not listed)",
+            manifest.location,
+            manifest.count,
+            manifest.source,
+            manifest.listed_at,
+        )
+        entries = manifest.catalog.entries()
+        if manifest.items == "files":  # an item is an object, named by its key
+            objects = [ObjectInfo(name, size, etag) for name, files in entries for _, size, etag in files]
+        else:
+            objects = [ObjectInfo(f"{name}/{rel}", size, etag) for name, files in entries for rel, size, etag in files]
+        # in key order, as a listing gives them (and plan_items takes them): a manifest holds items, and an item its
+        # files, in the order they were added (write_manifest of a Catalog built with add); one listed is in order already
+        objects.sort(key=attrgetter("key"))
+        twice = next((a.key for a, b in pairwise(objects) if a.key == b.key), None)
+        if twice is not None:
+            raise ConfigError(
+                f"manifest {manifest.location!r} lists the object {twice!r} twice: write it again with `cachepipe index`"
+            )
+        return objects
 
     def _done(self, dst: WritableStore, planned: list[MapItem], command: str, names: Collection[str]) -> Checked:
         """Which items DST marks done, for the version of their input listed now and for

@@ -1,6 +1,6 @@
 """One ``cachepipe map`` run: :func:`map_items` (exported as ``cachepipe.map``) and what it drives.
 
-The run lists ``SRC`` and ``DST``, skips the items whose marker is in ``DST`` (for the same input and
+The run lists ``SRC`` (or reads its manifest) and ``DST``, skips the items whose marker is in ``DST`` (for the same input and
 the same command), hands what ``DST`` holds under each other item to the uploader (which deletes
 what an attempt does not write again: :mod:`~cachepipe.map.uploader`), splits the capacity
 between downloads and the jobs' output slots, takes the work folder's lock, and feeds the items
@@ -25,8 +25,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from itertools import pairwise
-from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +34,9 @@ from ..cache.room import room_at
 from ..config import Share, check_cache_dir, check_destination, check_source, with_unit
 from ..errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError
 from ..listing import empty_source
-from ..manifest import check_manifest, read_manifest
 from ..pipeline import Pipeline
 from ..stores import Store, open_store
-from ..stores.base import ObjectInfo, WritableStore
+from ..stores.base import WritableStore
 from .child import Watcher, kill_leftovers
 from .job import Job, Slot, remove_slot
 from .plan import (
@@ -156,38 +153,6 @@ class _MapRun(_Remote):
                 src.close()
         result.seconds = time.monotonic() - started
         return result
-
-    def _listing(self, src: Store) -> list[ObjectInfo]:
-        """SRC's objects: listed, or read from the manifest given (every rank then plans from the
-        same items, and none lists SRC). A manifest of another source or ``items`` is refused."""
-        cfg = self.cfg
-        if cfg.manifest is None:
-            listed: list[ObjectInfo] = self._retrying(f"listing {cfg.source}", lambda: list(src.list()))
-            return listed
-        location = cfg.manifest
-        manifest = self._retrying(f"reading manifest {location}", lambda: read_manifest(location, cfg.storage_options))
-        check_manifest(manifest, cfg.source, cfg.items, "map run")
-        log.info(
-            "planning from manifest %s: %d items of %s listed at %s (SRC not listed)",
-            manifest.location,
-            manifest.count,
-            manifest.source,
-            manifest.listed_at,
-        )
-        entries = manifest.catalog.entries()
-        if manifest.items == "files":  # an item is an object, named by its key
-            objects = [ObjectInfo(name, size, etag) for name, files in entries for _, size, etag in files]
-        else:
-            objects = [ObjectInfo(f"{name}/{rel}", size, etag) for name, files in entries for rel, size, etag in files]
-        # in key order, as a listing gives them (and plan_items takes them): a manifest holds items, and an item its
-        # files, in the order they were added (write_manifest of a Catalog built with add); one listed is in order already
-        objects.sort(key=attrgetter("key"))
-        twice = next((a.key for a, b in pairwise(objects) if a.key == b.key), None)
-        if twice is not None:
-            raise ConfigError(
-                f"manifest {manifest.location!r} lists the object {twice!r} twice: write it again with `cachepipe index`"
-            )
-        return objects
 
     def _record_share(self, share: list[MapItem]) -> None:
         cfg, r = self.cfg, self._result
