@@ -55,7 +55,7 @@ def check_store(url: str, storage_options: dict[str, Any] | None = None) -> None
     """
     engine, options = _engine(url, storage_options)
     if url.startswith("obs://"):
-        from .obs import check_options as check_obs
+        from .obs_client import check_options as check_obs
 
         check_obs(url, options)
         return
@@ -93,7 +93,7 @@ def preload(url: str) -> None:
         ImportError: the backend is not installed (naming the extra to install).
     """
     if url.startswith("obs://"):
-        from .obs import load_sdk
+        from .obs_client import load_sdk
 
         load_sdk(url)
         return

@@ -24,11 +24,8 @@ import asyncio
 import builtins
 import concurrent.futures
 import contextlib
-import errno
-import fcntl
 import os
 import threading
-import uuid
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, BinaryIO, NoReturn
@@ -42,12 +39,10 @@ from .base import (
     CONNECT_TIMEOUT,
     DELETE_BATCH,
     FIRST_PAGE_KEYS,
-    TEMP_SUFFIX,
     ObjectInfo,
     delete_error,
     listed_etag,
     open_local,
-    read_local,
 )
 from .fsspec_errors import _s3_error, _translate
 from .fsspec_options import (
@@ -61,88 +56,12 @@ from .fsspec_options import (
 from .fsspec_options import (
     check_options as check_options,  # noqa: PLC0414 - re-exported: check_store() imports it from here, as before
 )
+from .localwrites import delete_local, put_local
 
 __all__ = ["FsspecStore"]
 
 _CHUNK = 8 * 1024 * 1024  # bytes per request when streaming a range
 _UPLOAD_PART = 16 * 1024 * 1024  # multipart part size of uploads (s3fs: files from twice this size)
-
-
-def _put_local(src: BinaryIO, path: str, where: str) -> None:
-    """Copy the file ``src`` (from :func:`~cachepipe.stores.base.open_local`, its read errors
-    :class:`~cachepipe.errors.LocalFileError`) to ``path`` (``where``) on a local filesystem: to ``<path>.cachepipe.tmp``
-    beside it, ``fsync``-ed and renamed over it once whole, so that a reader never sees part of it.
-    The rename reaches the disk with its folder's next ``fsync`` (:meth:`FsspecStore.sync`).
-
-    The temporary file's name is the same at every put of ``path``, so one that a killed upload
-    left (a SIGKILL leaves it; an exception removes it) is overwritten by the next put of that
-    path, not left for good. It is locked (``flock``) while it is written: a second put of the
-    same path at the same time waits for the first. On a filesystem without locks (``ENOLCK``) the
-    name is made unique instead (``<path>.cachepipe-<id>.tmp``), and a killed upload leaves it."""
-    temp = path + TEMP_SUFFIX
-    while True:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if os.path.samestat(os.fstat(fd), os.stat(temp, follow_symlinks=False)):
-                break  # locked, and still the file of that name (a put before may have renamed or removed it)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno != errno.ENOLCK:
-                raise
-            temp = f"{path}.cachepipe-{uuid.uuid4().hex[:12]}.tmp"  # no locks on this filesystem
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-            break
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
-    try:
-        os.ftruncate(fd, 0)  # what a killed upload wrote
-        with open(fd, "wb", closefd=False) as dst:
-            while chunk := read_local(src, where):
-                dst.write(chunk)
-        os.fsync(fd)  # its bytes on disk before its name: after a power cut the name holds all of them
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-        raise
-    finally:
-        os.close(fd)
-
-
-def _delete_local(root: str, keys: Sequence[str], within: str) -> None:
-    """Remove the files ``keys`` under the folder ``root`` (one already gone is no error), then
-    the folders this leaves empty, deepest first, up to ``root/within`` (kept), then ``fsync``
-    each folder whose entries changed (:func:`~cachepipe.fscalls.sync_folder`)."""
-    stop = os.path.join(root, within).rstrip("/") if within else root
-    emptied: set[str] = set()
-    for key in keys:
-        path = os.path.join(root, key)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            continue
-        emptied.add(os.path.dirname(path))
-    changed = set(emptied)
-    for deepest in sorted(emptied, key=len, reverse=True):  # deepest first: a parent empties after its children
-        folder = deepest
-        while folder != stop and folder.startswith(stop + "/"):
-            try:
-                os.rmdir(folder)
-            except OSError as exc:
-                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):  # still holds files; removed already
-                    break
-                raise
-            changed.discard(folder)
-            folder = os.path.dirname(folder)
-            changed.add(folder)
-    for folder in sorted(changed):
-        if os.path.isdir(folder):
-            sync_folder(folder)
 
 
 class FsspecStore:
@@ -403,7 +322,7 @@ class FsspecStore:
     def put(self, local_path: str | os.PathLike[str], key: str, *, content_type: str | None = None) -> None:
         """Upload ``local_path`` as ``key``: s3fs streams it, multipart from ``2 * upload_part_size``;
         on a local filesystem it is copied to a temporary name beside the target and renamed
-        (:func:`_put_local`: one left by a killed upload is overwritten by the next put of the key).
+        (:func:`~cachepipe.stores.localwrites.put_local`: one left by a killed upload is overwritten by the next put of the key).
         ``local_path`` is opened first: if it cannot be (or, on a local filesystem, read), the
         error is a :class:`~cachepipe.errors.LocalFileError` naming it, not the store's.
         ``content_type``: the object's media type on S3 (None: s3fs's guess by the file's name);
@@ -415,7 +334,7 @@ class FsspecStore:
             protocols = _protocols(self.fs)
             if "file" in protocols or "local" in protocols:
                 self.fs.makedirs(self.fs._parent(path), exist_ok=True)  # noqa: SLF001 - fsspec's own parent rule for this filesystem
-                _put_local(src, path, where)
+                put_local(src, path, where)
             elif "s3" in protocols or "s3a" in protocols:  # s3fs opens the file again: it was readable a moment ago
                 typed = {} if content_type is None else {"ContentType": content_type}
                 self.fs.put_file(local, path, chunksize=self.upload_part_size, **typed)
@@ -475,7 +394,7 @@ class FsspecStore:
         """Delete the objects ``keys``; one that does not exist is no error. S3: one DeleteObjects
         per :data:`~cachepipe.stores.base.DELETE_BATCH` keys; a local filesystem: each file
         removed, then the folders left empty up to ``within`` (kept), each changed folder
-        ``fsync``-ed (:func:`_delete_local`); other filesystems: fsspec's ``rm_file`` per key.
+        ``fsync``-ed (:func:`~cachepipe.stores.localwrites.delete_local`); other filesystems: fsspec's ``rm_file`` per key.
 
         Raises:
             PermissionError: a key the store refused to delete; other failures as in the error contract.
@@ -487,7 +406,7 @@ class FsspecStore:
         with self._errors(where, first=False):
             protocols = _protocols(self.fs)
             if "file" in protocols or "local" in protocols:
-                _delete_local(self.root, keys, within)
+                delete_local(self.root, keys, within)
             elif self._s3:
                 for at in range(0, len(keys), DELETE_BATCH):
                     batch = [{"Key": self._key_prefix + key} for key in keys[at : at + DELETE_BATCH]]

@@ -1,0 +1,97 @@
+"""The writes of a destination on the local filesystem (``file://`` or a plain path, through the
+fsspec backend's :meth:`~cachepipe.stores.fsspec.FsspecStore.put` and ``delete``), which fsspec's
+own ``put`` and ``rm`` do not make safe: a file appears whole or not at all, and what a delete
+empties is removed and made durable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import uuid
+from collections.abc import Sequence
+from typing import BinaryIO
+
+from ..fscalls import sync_folder
+from .base import TEMP_SUFFIX, read_local
+
+__all__ = ["delete_local", "put_local"]
+
+
+def put_local(src: BinaryIO, path: str, where: str) -> None:
+    """Copy the file ``src`` (from :func:`~cachepipe.stores.base.open_local`, its read errors
+    :class:`~cachepipe.errors.LocalFileError`) to ``path`` (``where``) on a local filesystem: to ``<path>.cachepipe.tmp``
+    beside it, ``fsync``-ed and renamed over it once whole, so that a reader never sees part of it.
+    The rename reaches the disk with its folder's next ``fsync`` (:meth:`~cachepipe.stores.fsspec.FsspecStore.sync`).
+
+    The temporary file's name is the same at every put of ``path``, so one that a killed upload
+    left (a SIGKILL leaves it; an exception removes it) is overwritten by the next put of that
+    path, not left for good. It is locked (``flock``) while it is written: a second put of the
+    same path at the same time waits for the first. On a filesystem without locks (``ENOLCK``) the
+    name is made unique instead (``<path>.cachepipe-<id>.tmp``), and a killed upload leaves it."""
+    temp = path + TEMP_SUFFIX
+    while True:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.path.samestat(os.fstat(fd), os.stat(temp, follow_symlinks=False)):
+                break  # locked, and still the file of that name (a put before may have renamed or removed it)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno != errno.ENOLCK:
+                raise
+            temp = f"{path}.cachepipe-{uuid.uuid4().hex[:12]}.tmp"  # no locks on this filesystem
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)  # what a killed upload wrote
+        with open(fd, "wb", closefd=False) as dst:
+            while chunk := read_local(src, where):
+                dst.write(chunk)
+        os.fsync(fd)  # its bytes on disk before its name: after a power cut the name holds all of them
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
+    finally:
+        os.close(fd)
+
+
+def delete_local(root: str, keys: Sequence[str], within: str) -> None:
+    """Remove the files ``keys`` under the folder ``root`` (one already gone is no error), then
+    the folders this leaves empty, deepest first, up to ``root/within`` (kept), then ``fsync``
+    each folder whose entries changed (:func:`~cachepipe.fscalls.sync_folder`)."""
+    stop = os.path.join(root, within).rstrip("/") if within else root
+    emptied: set[str] = set()
+    for key in keys:
+        path = os.path.join(root, key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        emptied.add(os.path.dirname(path))
+    changed = set(emptied)
+    for deepest in sorted(emptied, key=len, reverse=True):  # deepest first: a parent empties after its children
+        folder = deepest
+        while folder != stop and folder.startswith(stop + "/"):
+            try:
+                os.rmdir(folder)
+            except OSError as exc:
+                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):  # still holds files; removed already
+                    break
+                raise
+            changed.discard(folder)
+            folder = os.path.dirname(folder)
+            changed.add(folder)
+    for folder in sorted(changed):
+        if os.path.isdir(folder):
+            sync_folder(folder)

@@ -1,0 +1,94 @@
+"""The OBS backend's client: the Huawei OBS SDK (``esdk-obs-python``) imported when a store is
+built (:func:`load_sdk`, so that ``import cachepipe`` works without it), and an ``obs.ObsClient``
+made from the settings that :mod:`cachepipe.stores.obs_settings` resolves (:func:`_new_client`),
+as :class:`~cachepipe.stores.obs.ObsStore` opens it and :func:`check_options` checks it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from cachepipe.errors import ConfigError
+from cachepipe.stores.obs_settings import (
+    _CREDENTIAL_KEYS,
+    _ENDPOINT_KEYS,
+    _client_arguments,
+    _parse_url,
+    _resolve_settings,
+    _Settings,
+    _shown,
+)
+
+__all__ = ["check_options", "load_sdk"]
+
+_SDK_SSL_WARNINGS = (r"ssl\.PROTOCOL_TLS is deprecated", r"ssl\.OP_NO_SSL\*/ssl\.OP_NO_TLS\* options are deprecated")
+
+
+def load_sdk(url: str) -> Any:
+    """The Huawei OBS SDK's module (``obs``), imported.
+
+    Raises:
+        ImportError: it is not installed (naming the extra that installs it, for ``url``).
+    """
+    try:
+        import obs
+    except ImportError as exc:
+        raise ImportError(
+            f"{url}: the obs:// backend needs the Huawei OBS SDK; install it with pip install 'cachepipe[obs]'"
+        ) from exc
+    return obs
+
+
+def _new_client(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, _Settings, Any]:
+    """The OBS SDK's module, the settings resolved from ``storage_options`` and the environment,
+    and a new ``obs.ObsClient`` made with them, for ``url`` (named in messages): what
+    :class:`ObsStore` opens and :func:`check_options` checks. Making a client sends nothing (the
+    SDK connects at the first request; it reads local files it is given: certificates, an ID
+    token's configuration).
+
+    Raises:
+        ImportError: the OBS SDK is not installed.
+        ConfigError: (a ValueError) an unknown option, no endpoint, half-given credentials, or
+            arguments that ``obs.ObsClient`` refuses (naming the ones given to it).
+    """
+    options = storage_options or {}
+    sdk = load_sdk(url)
+    settings = _resolve_settings(options, os.environ, _client_arguments(sdk.ObsClient))
+    try:
+        with warnings.catch_warnings():
+            # For an https endpoint the SDK builds ssl.SSLContext(ssl.PROTOCOL_SSLv23), which
+            # warns "ssl.PROTOCOL_TLS is deprecated" on every client: nothing we pass avoids
+            # it. Ignored here only, by message and module; catch_warnings touches the global
+            # filter list, but only for this one constructor call.
+            for message in _SDK_SSL_WARNINGS:
+                warnings.filterwarnings("ignore", message=message, category=DeprecationWarning, module=r"obs\.")
+            client = sdk.ObsClient(**settings.client_kwargs)
+    except Exception as exc:  # the SDK validates its arguments with bare Exception (and ssl's, open's errors)
+        reason = f"{type(exc).__name__}: {exc}"
+        for secret in settings.secrets:
+            reason = reason.replace(secret, "***")
+        given = [f"server={settings.endpoint!r}"]
+        given += [f"{k}={_shown(k, v)}" for k, v in options.items() if k not in _ENDPOINT_KEYS + _CREDENTIAL_KEYS]
+        raise ConfigError(
+            f"{url}: obs.ObsClient refused the storage options it was given ({', '.join(given)}): {reason}; "
+            "expected values it takes (see esdk-obs-python's ObsClient arguments)"
+        ) from exc
+    return sdk, settings, client
+
+
+def check_options(url: str, storage_options: Mapping[str, Any] | None) -> None:
+    """Refuse what :class:`ObsStore` refuses of ``url`` and ``storage_options`` before it sends
+    anything (a malformed URL, an unknown option, no endpoint, half-given credentials, arguments
+    that ``obs.ObsClient`` refuses when it is made): the client is made as the store makes it,
+    then closed; nothing is sent.
+
+    Raises:
+        ImportError: the OBS SDK is not installed.
+        ConfigError: naming the value and what would do.
+    """
+    _parse_url(url)
+    _, _, client = _new_client(url, storage_options)
+    client.close()
