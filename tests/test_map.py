@@ -1986,14 +1986,11 @@ def test_a_destination_that_refuses_writes_is_told_once_on_the_command_line(s3_s
     assert "give credentials that may write there (s3:PutObject" in lines[0]
 
 
-def test_a_second_sigterm_while_the_run_stops_does_not_cut_the_stop_short(s3_client, fault_proxy, tmp_path):
-    """SIGTERM stops the run as Ctrl-C does (exit 143). A second one that came while it stopped
-    (a supervisor or a user sending it again) raised into the stop itself: the joins of the
-    jobs, the uploads' end, the slots' removal were cut short, and the run ended with an error
-    of what was half closed, or died by the signal (exit -15) once the handler was put back.
-    Here item ``a``'s upload is held at the proxy, so the stop waits for it; item ``b``'s command
-    sleeps, and its death tells the stop has begun. The second SIGTERM is then sent, and the
-    upload let go. Now it is ignored, noted once (the note shows it came while the run stopped)."""
+def _held_upload_run(s3_client, fault_proxy, tmp_path) -> tuple[list[str], threading.Event]:
+    """The command line of a map run of items ``a`` and ``b`` into s3://data/out/ through the
+    fault proxy, which holds every upload (``a``'s) until the returned gate is set; ``b``'s
+    command writes its pid to ``tmp_path/b.pid`` and sleeps, so that its death tells a stop has
+    begun. The cache is ``tmp_path/cache``."""
     s3_client.create_bucket(Bucket="data")
     proxy, endpoint = fault_proxy
     src, cache = tmp_path / "src", tmp_path / "cache"
@@ -2006,19 +2003,38 @@ def test_a_second_sigterm_while_the_run_stops_does_not_cut_the_stop_short(s3_cli
     argv = [sys.executable, "-m", "cachepipe.map", str(src), "s3://data/out/", "--cache", str(cache), "--capacity", "1MiB"]
     argv += ["--jobs", "2", "--no-progress", "--retries", "0"]
     argv += [arg for opt in (f"endpoint_url={endpoint}", "key=k", "secret=s") for arg in ("--dest-option", opt)]
-    proc = subprocess.Popen([*argv, "--", "sh", "-c", script, str(tmp_path)], stderr=subprocess.PIPE, text=True)
+    return [*argv, "--", "sh", "-c", script, str(tmp_path)], gate
+
+
+def _stop_begun(proc: subprocess.Popen, proxy, tmp_path, sig: int, stderr) -> None:
+    """Wait for ``a``'s upload held and ``b``'s command started, send ``sig``, wait for ``b``'s
+    command killed by the stop (``stderr()``: what the run wrote, for a failure's message)."""
+    wait_until(lambda: any(h.startswith("PUT ") for h in proxy.requests) or proc.poll() is not None, what="a's upload held")
+    assert proc.poll() is None, stderr()
+    sleeper = int(wait_until(lambda: (tmp_path / "b.pid").exists() and (tmp_path / "b.pid").read_text().strip()))
+    proc.send_signal(sig)
+    wait_until(lambda: not alive(sleeper), what="b's command killed by the stop")
+
+
+def test_a_second_sigterm_while_the_run_stops_does_not_cut_the_stop_short(s3_client, fault_proxy, tmp_path):
+    """SIGTERM stops the run as Ctrl-C does (exit 143). A second one that came while it stopped
+    (a supervisor or a user sending it again) raised into the stop itself: the joins of the
+    jobs, the uploads' end, the slots' removal were cut short, and the run ended with an error
+    of what was half closed, or died by the signal (exit -15) once the handler was put back.
+    Here item ``a``'s upload is held at the proxy, so the stop waits for it; item ``b``'s command
+    sleeps, and its death tells the stop has begun. The second SIGTERM is then sent, and the
+    upload let go. Now it is ignored, noted once (the note shows it came while the run stopped)."""
+    argv, gate = _held_upload_run(s3_client, fault_proxy, tmp_path)
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
     try:
-        wait_until(lambda: any(h.startswith("PUT ") for h in proxy.requests) or proc.poll() is not None, what="a's upload held")
-        assert proc.poll() is None, proc.communicate()[1]
-        sleeper = int(wait_until(lambda: (tmp_path / "b.pid").exists() and (tmp_path / "b.pid").read_text().strip()))
-        proc.send_signal(signal.SIGTERM)
-        wait_until(lambda: not alive(sleeper), what="b's command killed by the stop")
+        _stop_begun(proc, fault_proxy[0], tmp_path, signal.SIGTERM, lambda: proc.communicate()[1])
         proc.send_signal(signal.SIGTERM)  # the run is stopping: waiting for a's upload
         gate.set()
         _, stderr = proc.communicate(timeout=60)
     finally:
         gate.set()
         proc.kill()
+    cache = tmp_path / "cache"
     assert proc.returncode == 143, stderr
     assert stderr.splitlines()[-2:] == [
         (
@@ -2037,27 +2053,12 @@ def test_a_third_signal_ends_a_stop_held_by_an_upload_at_once(s3_client, fault_p
     until the store's timeouts, minutes, and only SIGKILL ended it. A third signal ends it at
     once, with the first one's status (Ctrl-C: 130). ``b``'s command sleeps: its death tells the
     stop has begun."""
-    s3_client.create_bucket(Bucket="data")
-    proxy, endpoint = fault_proxy
-    src, cache = tmp_path / "src", tmp_path / "cache"
-    for name in ("a", "b"):
-        (src / name).mkdir(parents=True)
-        (src / name / "f").write_text(name)
-    gate = threading.Event()
-    proxy.hold(lambda head: head.startswith("PUT "), gate)
-    script = 'echo $$ > "$0/$CACHEPIPE_NAME.pid"; cp f "$CACHEPIPE_OUT/g"; [ "$CACHEPIPE_NAME" = a ] || exec sleep 60'
-    argv = [sys.executable, "-m", "cachepipe.map", str(src), "s3://data/out/", "--cache", str(cache), "--capacity", "1MiB"]
-    argv += ["--jobs", "2", "--no-progress", "--retries", "0"]
-    argv += [arg for opt in (f"endpoint_url={endpoint}", "key=k", "secret=s") for arg in ("--dest-option", opt)]
+    argv, gate = _held_upload_run(s3_client, fault_proxy, tmp_path)
     err = tmp_path / "stderr"
     with err.open("w") as sink:
-        proc = subprocess.Popen([*argv, "--", "sh", "-c", script, str(tmp_path)], stderr=sink)
+        proc = subprocess.Popen(argv, stderr=sink)
     try:
-        wait_until(lambda: any(h.startswith("PUT ") for h in proxy.requests) or proc.poll() is not None, what="a's upload held")
-        assert proc.poll() is None, err.read_text()
-        sleeper = int(wait_until(lambda: (tmp_path / "b.pid").exists() and (tmp_path / "b.pid").read_text().strip()))
-        proc.send_signal(signal.SIGINT)
-        wait_until(lambda: not alive(sleeper), what="b's command killed by the stop")
+        _stop_begun(proc, fault_proxy[0], tmp_path, signal.SIGINT, err.read_text)
         proc.send_signal(signal.SIGINT)
         wait_until(lambda: "already stopping" in err.read_text() or proc.poll() is not None, what="the second noted")
         assert proc.poll() is None, err.read_text()  # the stop waits for a's held upload

@@ -398,6 +398,21 @@ def test_the_command_plans_from_a_manifest_given_by_flag(s3_source, s3_client, t
     assert _marked(s3_client, "out/") == ["a", "b", "c"]
 
 
+def _map_from(manifest, source, tmp_path, **options):
+    """``MARK`` mapped over ``source`` into s3://data/out/, planned from ``manifest``."""
+    return map_items(
+        MARK,
+        source.url,
+        "s3://data/out/",
+        cache_dir=tmp_path / "c",
+        capacity="1MiB",
+        storage_options=source.options,
+        manifest=manifest,
+        progress=False,
+        **options,
+    )
+
+
 def test_an_object_rewritten_after_the_manifest_fails_its_item_and_the_others_are_done(s3_source, s3_client, tmp_path):
     from cachepipe.manifest import index
 
@@ -406,16 +421,7 @@ def test_an_object_rewritten_after_the_manifest_fails_its_item_and_the_others_ar
     local = tmp_path / "m.gz"
     index(s3_source.url, local, storage_options=s3_source.options)
     s3_source.put("b/in.bin", b"y" * 100)  # the same size, another ETag
-    result = map_items(
-        MARK,
-        s3_source.url,
-        "s3://data/out/",
-        cache_dir=tmp_path / "c",
-        capacity="1MiB",
-        storage_options=s3_source.options,
-        manifest=local,
-        progress=False,
-    )
+    result = _map_from(local, s3_source, tmp_path)
     assert result.items_done == 2
     assert [f.name for f in result.failed] == ["b"]
     assert "changed since it was listed" in result.failed[0].error and "a manifest indexed again" in result.failed[0].error
@@ -445,17 +451,7 @@ def test_a_manifest_whose_entries_are_not_in_key_order_plans_as_a_listing_of_src
     with Pipeline(s3_source.url, tmp_path / "p", "1MiB", items=items, manifest=local, storage_options=s3_source.options) as pipe:
         assert sorted(c.name for c in pipe) == sorted(names)  # a manifest a pipeline plans from
 
-    result = map_items(
-        MARK,
-        s3_source.url,
-        "s3://data/out/",
-        cache_dir=tmp_path / "c",
-        capacity="1MiB",
-        storage_options=s3_source.options,
-        items=items,
-        manifest=local,
-        progress=False,
-    )
+    result = _map_from(local, s3_source, tmp_path, items=items)
     assert result.items_done == len(names), result.failed  # before: ValueError: listing out of order
     assert result.planned == sorted(names)
 
