@@ -14,7 +14,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -253,6 +253,18 @@ def plan_items(objects: Iterable[ObjectInfo], items: Literal["folders", "files"]
     return [mi if mi.name not in nested else replace(mi, unsafe=nested[mi.name]) for mi in planned]
 
 
+def holder(path: str, names: Collection[str]) -> str | None:
+    """The item of ``names`` whose folder is the nearest one holding ``path`` (a key, or another
+    item's name): of ``a`` and ``a/b``, ``a/b`` holds ``a/b/x`` and ``a`` holds ``a/b``; None if
+    no item's folder holds it."""
+    end = path.rfind("/")
+    while end > 0:
+        if path[:end] in names:
+            return path[:end]
+        end = path.rfind("/", 0, end)
+    return None
+
+
 def _nested(names: Iterable[str]) -> dict[str, str]:
     """Why each item of ``names`` whose folder in DST lies in another's, or holds another's, is
     refused: objects ``a`` and ``a/b`` (S3 holds both; with ``--items files --unpack`` both are
@@ -261,13 +273,7 @@ def _nested(names: Iterable[str]) -> dict[str, str]:
     delete them, leaving ``a``'s marker listing what is not there. Both are refused, each naming
     the other; the others run."""
     names = set(names)
-    outer: dict[str, str] = {}  # an item -> the nearest item whose folder holds its folder
-    for name in names:
-        end = name.rfind("/")
-        while end > 0 and name[:end] not in names:
-            end = name.rfind("/", 0, end)
-        if end > 0:
-            outer[name] = name[:end]
+    outer = {name: held_by for name in names if (held_by := holder(name, names)) is not None}  # the nearest item around
     why = {}
     for name in sorted(outer):
         held_by = outer[name]

@@ -30,7 +30,7 @@ from ..errors import ConfigError, is_transient
 from ..manifest import check_manifest, read_manifest
 from ..stores import Store
 from ..stores.base import ObjectInfo, WritableStore
-from .plan import MapConfig, MapItem, inside_prefix
+from .plan import MapConfig, MapItem, holder, inside_prefix
 from .uploader import MARKER_LIMIT, marker_command, marker_key, marker_version
 
 __all__ = ["Checked", "verdict"]
@@ -73,14 +73,9 @@ def held_by_item(keys: Iterable[str], names: Collection[str], wanted: Collection
     under no item (beside the items, or an item no longer in SRC) is no item's."""
     held: dict[str, list[str]] = {}
     for key in keys:
-        end = key.rfind("/")
-        while end > 0:
-            name = key[:end]
-            if name in names:
-                if name in wanted:
-                    held.setdefault(name, []).append(key)
-                break
-            end = key.rfind("/", 0, end)
+        name = holder(key, names)
+        if name is not None and name in wanted:
+            held.setdefault(name, []).append(key)
     return held
 
 
