@@ -3,6 +3,7 @@ input refused at once with its value named, and paths that outlive their item fa
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import platform
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -824,3 +826,83 @@ def test_unpack_on_a_python_without_tarfiles_filters_is_refused_at_once_naming_t
     assert want in done.stdout and "unpack" in done.stdout, done.stdout + done.stderr
     assert done.returncode == 2 and want in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
+
+
+# ---- an endpoint that is another server (a storage system's web console, one port off) -----------
+class _WebPage(BaseHTTPRequestHandler):
+    """Any request answered with an HTML page, at the server's ``status``."""
+
+    def _page(self) -> None:
+        body = b"<!doctype html><html><body>console</body></html>"
+        self.send_response(self.server.status)  # type: ignore[attr-defined]
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    do_GET = do_HEAD = do_PUT = do_POST = _page  # noqa: N815 - http.server's names
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - http.server's name
+        pass
+
+
+@pytest.mark.parametrize("status", [200, 404, 403])
+@pytest.mark.parametrize("scheme", ["s3", "obs"])
+def test_an_endpoint_that_is_a_web_page_is_named_as_perhaps_not_the_stores_api(
+    scheme: str, status: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A listing answered by a web server (MinIO's console is one port off its API) said "not
+    found at ...: s3://bucket/data/", "OBS bucket 'bucket' does not exist" or "ParseError":
+    each read as a wrong prefix or bucket. Each now says the answer is not the store's."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _WebPage)
+    server.status = status  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, name="web-page")
+    thread.start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    for name in ("OBS_ENDPOINT", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    if scheme == "s3":
+        options = {"endpoint_url": endpoint, "key": "k", "secret": "s", "skip_instance_cache": True}
+    else:
+        options = {"server": endpoint, "access_key_id": "k", "secret_access_key": "s"}
+    service = scheme.upper()
+    try:
+        with pytest.raises(
+            OSError, match=re.escape(f"not an {service} answer: is {endpoint} the store's {service} API endpoint")
+        ) as raised:
+            Pipeline(f"{scheme}://bucket/data/", tmp_path / "c", "10MiB", storage_options=options).open()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert "does not exist" not in str(raised.value)
+
+
+def test_a_missing_bucket_or_object_of_a_real_store_is_not_said_to_be_another_server(s3_endpoint: str, s3_client) -> None:
+    """The hint above is for answers without the store's error code: a real store's 404s and
+    HEADs (which have no body, but a code from the SDK) do not get it."""
+    from cachepipe.stores.obs import ObsStore
+
+    s3_client.create_bucket(Bucket="real")
+    for url, options in (
+        ("s3://nobucket/data/", {"endpoint_url": s3_endpoint, "skip_instance_cache": True}),
+        ("obs://nobucket/data/", {"server": s3_endpoint, "access_key_id": "k", "secret_access_key": "s"}),
+    ):
+        store = ObsStore(url, options) if url.startswith("obs") else open_store(url, options)
+        try:
+            with pytest.raises(FileNotFoundError) as raised:
+                list(store.list())
+            assert "answer: is" not in str(raised.value)
+            with pytest.raises(FileNotFoundError) as raised:
+                store.get("missing", io.BytesIO(), 0, 1)
+            assert "answer: is" not in str(raised.value)
+        finally:
+            store.close()
+        real = url.replace("nobucket", "real")
+        store = ObsStore(real, options) if url.startswith("obs") else open_store(real, options)
+        try:
+            assert store.exists("missing") is False
+            store.check_bucket()
+        finally:
+            store.close()

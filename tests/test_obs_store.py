@@ -389,7 +389,7 @@ def test_context_manager_closes(options: dict, bucket: str) -> None:
         (404, "NoSuchKey", "get", FileNotFoundError, "no such object obs://"),
         (404, None, "head", FileNotFoundError, "or no such bucket"),
         (404, "NoSuchBucket", "get", FileNotFoundError, "does not exist"),
-        (404, None, "list", FileNotFoundError, "does not exist"),
+        (404, None, "list", FileNotFoundError, "not an OBS answer"),  # OBS names NoSuchBucket
         (500, "InternalError", "get", StoreUnavailableError, "unavailable"),
         (503, "SlowDown", "list", StoreUnavailableError, "throttling"),
         (503, "ServiceUnavailable", "get", StoreUnavailableError, "unavailable"),

@@ -86,6 +86,8 @@ def http_status_error(status: int, code: str | None, message: str | None, where:
     by the S3 backends' error seams, so that each status reads and classifies the same."""
     at = f"at {endpoint}"
     detail = f"{code or 'HTTP ' + str(status)}: {message}" if message else f"{code or 'no error code'}, HTTP {status}"
+    if code is None and status < 500 and status not in (408, 429):  # an S3 server's error body names its code
+        detail += f"; {not_the_api(endpoint)}"
     if code in CREDENTIAL_CODES or status == 401:
         return store_code(
             PermissionError(errno.EACCES, f"{endpoint} rejected the credentials for {where} ({detail})"), code, endpoint
@@ -235,6 +237,15 @@ DROPPED = "packets dropped: a firewall, or a wrong host"
 
 NO_ANSWER = f"no answer to a connection before it ever answered ({DROPPED})"
 """Why an endpoint is unreachable when its first connection timed out (see :data:`CONNECT_TIMEOUT`)."""
+
+
+def not_the_api(endpoint: str, service: str = "S3") -> str:
+    """What an error answer without the ``service``'s error code (or a listing that is not its XML)
+    most likely means: an endpoint that is another server, such as a storage system's web console
+    on the port beside its API's. (A HEAD answer has no body, but botocore and the OBS seam give
+    it a code or read it apart.)"""
+    return f"not an {service} answer: is {endpoint} the store's {service} API endpoint, not a web console or another service?"
+
 
 NO_REPLY = (
     "it took the connection but sent no reply to the first request before the read timed out "

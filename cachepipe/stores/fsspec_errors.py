@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError, LocalFileError, StoreClosedError, StoreUnavailableError, store_code
-from .base import NO_ANSWER, NO_REPLY, http_status_error, unreachable_error
+from .base import NO_ANSWER, NO_REPLY, http_status_error, not_the_api, unreachable_error
 
 __all__: list[str] = []  # the seam's functions are the backend's own: FsspecStore calls them
 
@@ -31,6 +31,7 @@ _CONNECTION_NAMES = frozenset(
         "ResponseStreamingError",
     }
 )
+_UNPARSED = ("ParseError", "ResponseParserError")  # ElementTree's (the direct path, s3fs's listing), botocore's
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
@@ -118,6 +119,8 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool, first:
         return store_code(ConnectionError(f"connection to {endpoint} failed for {where}: {name}: {exc}"), None, endpoint)
     if isinstance(exc, OSError):
         return exc
+    if any(type(err).__name__ in _UNPARSED for err in chain):  # a 2xx answer that is not S3's XML: a web page
+        return store_code(OSError(f"{where} {at}: {name}: {exc}; {not_the_api(endpoint)}"), None, endpoint)
     return store_code(OSError(f"{where} {at}: {name}: {exc}"), None, endpoint)  # no errno: permanent
 
 

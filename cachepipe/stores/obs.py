@@ -64,7 +64,7 @@ from http.client import HTTPException
 from typing import Any, BinaryIO
 
 from cachepipe.errors import ConfigError
-from cachepipe.stores.base import DELETE_BATCH, FIRST_PAGE_KEYS, ObjectInfo, delete_error, listed_etag, open_local
+from cachepipe.stores.base import DELETE_BATCH, FIRST_PAGE_KEYS, ObjectInfo, delete_error, listed_etag, not_the_api, open_local
 from cachepipe.stores.obs_client import _new_client
 from cachepipe.stores.obs_errors import ObsServiceError, _ObsSeam
 from cachepipe.stores.obs_settings import (
@@ -217,7 +217,8 @@ class ObsStore(_ObsSeam):
             keys = self._page_size
             page = resp.body
             if page is None:
-                raise OSError(f"{self.url}: OBS sent a listing that could not be parsed (HTTP {resp.status})")
+                hint = not_the_api(self.endpoint, "OBS")
+                raise OSError(f"{self.url}: a listing that could not be parsed (HTTP {resp.status}), {hint}")
             contents = page.contents or []
             for entry in contents:
                 key = entry.key

@@ -17,7 +17,7 @@ from http.client import HTTPException
 from typing import Any, TypeVar
 
 from cachepipe.errors import ObjectChangedError, StoreClosedError, StoreUnavailableError, StoreUnreachableError, store_code
-from cachepipe.stores.base import CHANGED, CREDENTIAL_CODES, DROPPED, NO_REPLY, THROTTLE_CODES
+from cachepipe.stores.base import CHANGED, CREDENTIAL_CODES, DROPPED, NO_REPLY, THROTTLE_CODES, not_the_api
 from cachepipe.stores.obs_settings import _ENV_ENDPOINT, _Settings
 
 __all__ = ["ObsServiceError"]
@@ -115,12 +115,17 @@ class _ObsSeam:
         message = self._redact(message) if message else None
         cause = ObsServiceError(status, code, message, getattr(resp, "requestId", None))
         target = self._object_url(key)
-        detail = f"({code + ', ' if code else ''}HTTP {status}{': ' + message if message else ''})"
+        hint = ""
+        if code is None and what != "head" and isinstance(status, int) and status < 500 and status not in (408, 429):
+            hint = f"; {not_the_api(self.endpoint, 'OBS')}"  # OBS's error bodies name their code; a HEAD's has no body
+        detail = f"({code + ', ' if code else ''}HTTP {status}{': ' + message if message else ''}{hint})"
         raise store_code(self._error_for(status, code, what, detail, target), code, self.endpoint) from cause
 
     def _error_for(self, status: int | None, code: str | None, what: str, detail: str, target: str) -> OSError:
         """The builtin error for an error result (chained by the caller)."""
         doing = _DOING.get(what, what)
+        if status == 404 and code is None and what != "head":  # OBS names what is missing: another server answered
+            return FileNotFoundError(f"{doing} {target}: nothing there {detail}")
         if status == 404 and (code == "NoSuchBucket" or what == "list"):
             return FileNotFoundError(f"OBS bucket {self.bucket!r} does not exist at {self.endpoint} {detail}, {doing} {target}")
         if status == 404:
