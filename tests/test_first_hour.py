@@ -876,6 +876,7 @@ def test_an_endpoint_that_is_a_web_page_is_named_as_perhaps_not_the_stores_api(
         server.shutdown()
         server.server_close()
         thread.join()
+    assert "does not exist" not in str(raised.value)  # the bucket is not said to be missing
     assert "does not exist" not in str(raised.value)
 
 
