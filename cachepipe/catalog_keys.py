@@ -101,6 +101,44 @@ class _KeyCheck:
                     found[i] = error
         self._unsafe = dict(sorted(found.items()))
 
+    def misfit(self) -> tuple[int, str] | None:
+        """The first item (by position) of a form no listing is grouped into, as ``(position,
+        what is wrong)``, or None: in ``"folders"`` mode, a name holding ``/`` (an item is one
+        first-level folder), an item without a file, or one listing a file twice; in either mode,
+        a name given to two items. Only a catalog built with :meth:`add` can hold one (a
+        hand-built manifest): its items would be planned differently by a pipeline and by
+        ``cachepipe map`` (which groups the keys again), so a manifest holding one is refused
+        whole (:func:`cachepipe.manifest.read_manifest`). Keys that cannot be stored (``..``,
+        an empty name: a listing of S3 can hold those) are not misfits but unsafe items
+        (:meth:`check_keys`), refused or skipped each in its turn. Call after :meth:`check_keys`."""
+        found: list[tuple[int, str]] = []
+        first = self._first_file
+        if self.mode == "folders":
+            if b"/" in self._names.data:
+                i = next(i for i in range(len(self)) if "/" in self.name(i))
+                top, _, rest = self.name(i).partition("/")
+                why = (
+                    "has a name holding '/': an item of folders is one first-level folder of the source, named without "
+                    f"'/' (its deeper path goes in its files' paths: item {top!r}, files {rest + '/...'!r})"
+                )
+                found.append((i, why))
+            if any(map(operator.eq, first[:-1], first[1:])):
+                found.append(
+                    (next(i for i in range(len(self)) if first[i] == first[i + 1]), "has no file: an item lists one or more")
+                )
+            twice = next((i for i, error in self._unsafe.items() if error.reason == "listed twice"), None)
+            if twice is not None:
+                found.append((twice, f"lists a file twice ({self._unsafe[twice].key!r}): each file once"))
+        if not self._sorted:  # (names in increasing order are each given once)
+            seen: dict[str, int] = {}
+            for b in range(len(self)):
+                a = seen.setdefault(self.name(b), b)
+                if a != b:
+                    whole = ", all its files in one entry" if self.mode == "folders" else ""
+                    found.append((b, f"is given to two items (entries {a + 1} and {b + 1}): each item once{whole}"))
+                    break
+        return min(found, default=None)
+
     def _repeated_paths(self) -> Iterator[int]:
         """The items with a relative path listed twice."""
         data, offsets, first = bytes(self._rels.data), self._rels.offsets, self._first_file  # bytes: slices hash

@@ -116,6 +116,25 @@ def _split_url(location: str) -> tuple[str, str]:
     return root + "/", key
 
 
+def check_entries(catalog: Catalog, where: str) -> None:
+    """Refuse a manifest's ``catalog`` (at ``where``) that holds an item no listing is grouped
+    into (:meth:`Catalog.misfit`: a hand-built one): a pipeline and ``cachepipe map`` would plan
+    it differently. Its keys that cannot be stored are not refused here: each such item is
+    refused or skipped in its turn, as from a listing.
+
+    Raises:
+        ConfigError: naming the item, its entry, what is wrong and what a manifest holds.
+    """
+    misfit = catalog.misfit()
+    if misfit is not None:
+        i, why = misfit
+        raise ConfigError(
+            f"manifest {where!r}: item {catalog.name(i)!r} (entry {i + 1}) {why}; a manifest holds a listing of the "
+            "source as `cachepipe index` writes it: write it with `cachepipe index SRC -o ...` (or write_manifest of "
+            "Catalog.from_listing)"
+        )
+
+
 def write_manifest(
     location: str | os.PathLike[str],
     source: str,
@@ -207,6 +226,7 @@ def _parse(raw: io.BufferedIOBase | Any, where: str) -> Manifest:
             raise StateCorrupt(f"{where}: a catalog without the source and digest of a manifest")
     except StateCorrupt as exc:
         raise ConfigError(f"manifest {where!r} is corrupt or truncated ({exc}): write it again with `cachepipe index`") from exc
+    check_entries(catalog, where)
     return Manifest(where, header["source"], header["items"], str(header.get("listed_at", "")), header["digest"], catalog)
 
 

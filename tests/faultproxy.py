@@ -16,7 +16,9 @@ order, and ``proxy.ended`` those of each connection that ended (the client or th
 closed it); it assumes requests without a body (GET, HEAD), which is all that tests send through
 the proxy. ``proxy.hold(match, gate)`` holds each request whose head ``match`` accepts until
 ``gate`` is set (``limit``, 30 s by default, at most; :attr:`hold_timeouts` counts the waits
-that ran out). :func:`silent` is an endpoint that takes requests and never answers.
+that ran out); given ``answer`` (a canned fault: ``"403"``...), a held request is then answered
+with it, not relayed (a request the store refuses once it is under way). :func:`silent` is an
+endpoint that takes requests and never answers.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class FaultProxy:
         self.connections = 0
         self.requests: list[str] = []
         self.ended: list[str] = []
-        self._hold: tuple[Callable[[str], bool], threading.Event, float] | None = None
+        self._hold: tuple[Callable[[str], bool], threading.Event, float, str | None] | None = None
         self.hold_timeouts = 0
         self._writers: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
@@ -81,10 +83,13 @@ class FaultProxy:
             self.faults.append([kind, count])
         self.drop_all()
 
-    def hold(self, match: Callable[[str], bool], gate: threading.Event, limit: float = 30.0) -> None:
+    def hold(self, match: Callable[[str], bool], gate: threading.Event, limit: float = 30.0, answer: str | None = None) -> None:
         """Hold each request whose head (request line and headers) ``match`` accepts until
-        ``gate`` is set, ``limit`` seconds at most (set ``gate`` before the proxy stops)."""
-        self._hold = (match, gate, limit)
+        ``gate`` is set, ``limit`` seconds at most (set ``gate`` before the proxy stops); then
+        relay it, or answer it with ``answer`` (a key of ``CANNED``) and close the connection."""
+        if answer is not None and answer not in CANNED:
+            raise ValueError(f"answer {answer!r}: expected one of {sorted(CANNED)}")
+        self._hold = (match, gate, limit, answer)
 
     def clear(self) -> None:
         """No more faults: pass everything through."""
@@ -159,7 +164,7 @@ class FaultProxy:
                 return
             up_reader, upstream = await asyncio.open_connection(*self.target)
             self._writers.add(upstream)
-            await asyncio.gather(self._pipe(reader, upstream, record=heads), self._pipe(up_reader, writer, fault))
+            await asyncio.gather(self._pipe(reader, upstream, record=heads, client=writer), self._pipe(up_reader, writer, fault))
         except (ConnectionError, asyncio.IncompleteReadError, OSError):
             pass  # a client or upstream went away: that is what this proxy is for
         finally:
@@ -178,13 +183,15 @@ class FaultProxy:
             self.requests.extend(got)
         return got, rest
 
-    async def _held(self, heads: list[str]) -> None:
-        """Wait for the gate of :meth:`hold` if one of ``heads`` is to be held."""
+    async def _held(self, heads: list[str]) -> str | None:
+        """Wait for the gate of :meth:`hold` if one of ``heads`` is to be held; return the
+        canned answer to give instead of relaying it, if the hold has one."""
         hold = self._hold
         if hold is None or not any(hold[0](head) for head in heads):
-            return
+            return None
         if not await self._loop.run_in_executor(None, hold[1].wait, hold[2]):
             self.hold_timeouts += 1
+        return hold[3]
 
     async def _pipe(
         self,
@@ -192,9 +199,11 @@ class FaultProxy:
         writer: asyncio.StreamWriter,
         fault: str | None = None,
         record: list[str] | None = None,
+        client: asyncio.StreamWriter | None = None,
     ) -> None:
         """Relay ``reader`` to ``writer`` (a response with ``fault`` applied; ``record``: requests,
-        whose heads are appended to it too)."""
+        whose heads are appended to it too, and a held one answered to ``client`` when the hold
+        says so, the connection then closed)."""
         limit = self.cut_after if fault in ("cut", "stall") else None
         sent = 0
         pending = b""
@@ -204,7 +213,15 @@ class FaultProxy:
                 if record is not None:
                     heads, pending = self._record(pending + data)
                     record.extend(heads)
-                    await self._held(heads)
+                    answer = await self._held(heads)
+                    if answer is not None and client is not None:  # answered here, not relayed: the client's end closes
+                        head, body = CANNED[answer]
+                        client.write(head % len(body) + body)
+                        with contextlib.suppress(OSError):
+                            await client.drain()
+                            client.close()
+                            await client.wait_closed()
+                        break
                 if fault == "corrupt" and sent + len(data) > 4096:  # past the headers: flip one body byte per chunk
                     data = data[:-1] + bytes([data[-1] ^ 0xFF])
                 if limit is not None and sent + len(data) >= limit:

@@ -466,5 +466,5 @@ def test_a_manifest_that_lists_an_object_twice_is_refused_naming_it(s3_source, t
     local = tmp_path / "m.gz"
     write_manifest(local, s3_source.url, "folders", catalog)
     run = {"cache_dir": tmp_path / "c", "capacity": "1MiB", "storage_options": s3_source.options, "manifest": local}
-    with pytest.raises(ConfigError, match=r"m.gz' lists the object 'a/x' twice: write it again with `cachepipe index`"):
+    with pytest.raises(ConfigError, match=r"m.gz': item 'a' \(entry 1\) lists a file twice \('a/x'\): each file once; "):
         map_items(MARK, s3_source.url, "s3://data/out/", **run)  # before: ValueError: listing out of order: 'a/x' after 'a/x'

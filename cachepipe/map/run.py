@@ -223,6 +223,10 @@ class _MapRun(_Remote):
             if fits:
                 self._by_local = {mi.local: mi for mi in fits}
                 self._pump(src, dst, fits, sizing, work)
+        except BaseException as exc:  # a stop (Ctrl-C, SIGTERM) is raised instead of the jobs' crash: say the crash
+            if isinstance(self._crash, DestinationError) and self._crash is not exc:
+                log.error("%s", self._crash)  # the others were logged where they came (_worker)
+            raise
         finally:
             os.close(lock_fd)
         if self._crash is not None:
@@ -322,10 +326,13 @@ class _MapRun(_Remote):
                     except (RuntimeError, UnknownItemError):
                         pass  # closed while this item ran: closing removes it anyway
         except BaseException as exc:  # a bug, or a destination full or refusing: stop the run and raise it from map_items
-            if not isinstance(exc, DestinationError):  # that one is the run's error, which its caller reports: not logged too
-                log.exception("map job crashed")
             with self._crash_lock:
+                first = self._crash is None
                 self._crash = self._crash or exc
+            if not isinstance(exc, DestinationError):
+                log.exception("map job crashed")
+            elif not first:  # not the one raised: said here, once (the one raised its caller reports; _execute)
+                log.error("%s", exc)
             self._stop.set()
             self._watcher.kill_all()
             self._pipe.close()
