@@ -155,9 +155,10 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
         # set_epoch's value (-1: never called), in shared memory: persistent DataLoader workers read
         # what the main process set after they started
         self._epoch = torch.full((), -1, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call, unused-ignore]
-        # passes run to their end by this dataset or its DataLoader workers, and whether a replay
-        # was logged: shared too, as a pass's workers are new processes unless persistent
-        self._passes = torch.zeros(2, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call, unused-ignore]
+        # passes run to their end by this dataset or its DataLoader workers, whether a replay was
+        # logged, and whether a pass began from the start before set_epoch's first call (it reads
+        # every epoch: that call says so): shared too, as a pass's workers are new processes unless persistent
+        self._passes = torch.zeros(3, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call, unused-ignore]
         for key in ("worker", "num_workers"):
             if key in options:
                 raise ValueError(f"{key}={options[key]!r}: set by the DataLoader, not by the dataset")
@@ -251,7 +252,19 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
             data = _manifest_bytes(self.source, self._items(), self.options)
             self.options["manifest"] = _save_manifest(self.cache_dir, rank, data, self.source, self._items())
             self._hold_manifest()
+        first = self._first_epoch() is None
         self._epoch.fill_(epoch)
+        if first and int(self._passes[2]) and epochs != 1:
+            # a pass began before (set_epoch after the loop, or after iter(loader) whose workers began):
+            # flagged before that pass read the epoch, checked after it is set, so not missed in a race
+            log.warning(
+                "%s: set_epoch(%d), its first call, came after a pass of this dataset began without it: that pass "
+                "reads every epoch of the plan (epochs=%s), not one; call set_epoch(epoch) before each pass, before "
+                "iter(loader) or the for loop over it (as DistributedSampler.set_epoch)",
+                self.source,
+                epoch,
+                epochs,
+            )
 
     def pipeline(self) -> Pipeline:
         """The pipeline this process (a DataLoader worker, or the main process) iterates
@@ -274,7 +287,9 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
         token = self._pass = object()
         self._start, self._pipe, self._cursor = start, None, None
         self._owed = None
-        ended, logged = (int(x) for x in self._passes.tolist())
+        if not start:
+            self._passes[2] = 1  # before the epoch is read: set_epoch's first call warns of this pass (see there)
+        ended, logged, _ = (int(x) for x in self._passes.tolist())
         if not start and ended and not logged and self._first_epoch() is None and self.options.get("shuffle"):
             self._passes[1] = 1  # once (two workers starting at once may both log it)
             log.warning(
