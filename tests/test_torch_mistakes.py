@@ -50,3 +50,29 @@ def test_set_epoch_first_called_after_a_pass_began_says_that_pass_read_every_epo
         if order == "after-the-loop":
             assert len(first) == 9  # every epoch, as documented without set_epoch: now said so
         assert first_call_warnings(caplog) == ["WARNING"]  # (after iter: a worker not begun yet reads epoch 0)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_training_and_validation_over_one_cache_dir_read_at_once_are_refused_saying_so(
+    s3_source, s3_client, tmp_path, monkeypatch, num_workers
+):
+    """Evaluation inside the training loop, both datasets over one cache_dir: the validation
+    loader's folders are the training loader's (cache_dir/rank0-worker<k>), which it holds. Before:
+    "in use by pid N; close it first", naming neither cause nor fix (with workers after a
+    minute's wait for a sibling worker to stop)."""
+    import cachepipe.torchlocal
+
+    monkeypatch.setattr(cachepipe.torchlocal, "SIBLING_WAIT", 1.0)  # forked workers inherit it: the refusal in a second
+    s3_source.folders(4, {"f": 100})
+    s3_client.put_object(Bucket="data", Key="val/v0/f", Body=b"v" * 100)
+    options = {"transform": read, "storage_options": s3_source.options}
+    train = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", **options)
+    val = CachePipeDataset("s3://data/val/", tmp_path / "c", "1MiB", **options)
+
+    def evaluate_in_the_loop() -> None:
+        for _ in torch.utils.data.DataLoader(train, batch_size=None, num_workers=num_workers):
+            list(torch.utils.data.DataLoader(val, batch_size=None, num_workers=num_workers))
+
+    # a CacheLockedError (a RuntimeError), which a DataLoader re-raises from its worker as a RuntimeError
+    with pytest.raises(RuntimeError, match=r"two datasets over one cache_dir \(training and validation\).*own cache_dir"):
+        evaluate_in_the_loop()
