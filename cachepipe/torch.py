@@ -136,6 +136,7 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
     ) -> None:
         super().__init__()
         self._state: dict[str, Any] | None = None  # loaded (load_state_dict), for the next iter() to take
+        self._calls = 0  # set_epoch's calls when the latest pass here began (see _ended)
         self._pass: object | None = None  # the latest iter()'s token: only its pass records a position here
         self._start: dict[str, Any] | None = None  # the state the latest pass started from (None: the start)
         self._pipe: Pipeline | None = None  # the latest pass's open pipeline (per-process mode)
@@ -156,9 +157,10 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
         # what the main process set after they started
         self._epoch = torch.full((), -1, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call, unused-ignore]
         # passes run to their end by this dataset or its DataLoader workers, whether a replay was
-        # logged, and whether a pass began from the start before set_epoch's first call (it reads
-        # every epoch: that call says so): shared too, as a pass's workers are new processes unless persistent
-        self._passes = torch.zeros(3, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call, unused-ignore]
+        # logged, whether a pass began from the start before set_epoch's first call (it reads
+        # every epoch: that call says so), and set_epoch's calls (a pass that ends after one made
+        # while it ran says so): shared too, as a pass's workers are new processes unless persistent
+        self._passes = torch.zeros(4, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call, unused-ignore]
         for key in ("worker", "num_workers"):
             if key in options:
                 raise ValueError(f"{key}={options[key]!r}: set by the DataLoader, not by the dataset")
@@ -254,6 +256,7 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
             self._hold_manifest()
         first = self._first_epoch() is None
         self._epoch.fill_(epoch)
+        self._passes[3] += 1  # after the epoch: a pass that read this call's count reads its epoch
         if first and int(self._passes[2]) and epochs != 1:
             # a pass began before (set_epoch after the loop, or after iter(loader) whose workers began):
             # flagged before that pass read the epoch, checked after it is set, so not missed in a race
@@ -289,7 +292,8 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
         self._owed = None
         if not start:
             self._passes[2] = 1  # before the epoch is read: set_epoch's first call warns of this pass (see there)
-        ended, logged, _ = (int(x) for x in self._passes.tolist())
+        self._calls = int(self._passes[3])  # before the epoch is read: see _ended
+        ended, logged, _, _ = (int(x) for x in self._passes.tolist())
         if not start and ended and not logged and self._first_epoch() is None and self.options.get("shuffle"):
             self._passes[1] = 1  # once (two workers starting at once may both log it)
             log.warning(

@@ -5,6 +5,9 @@ DataLoader workers)."""
 from __future__ import annotations
 
 import hashlib
+import json
+import subprocess
+import sys
 
 import pytest
 
@@ -76,3 +79,34 @@ def test_training_and_validation_over_one_cache_dir_read_at_once_are_refused_say
     # a CacheLockedError (a RuntimeError), which a DataLoader re-raises from its worker as a RuntimeError
     with pytest.raises(RuntimeError, match=r"two datasets over one cache_dir \(training and validation\).*own cache_dir"):
         evaluate_in_the_loop()
+
+
+LATE = r"""
+import json, logging, sys, torch
+from cachepipe.torch import CachePipeDataset
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+cfg = json.loads(sys.argv[1])
+dataset = CachePipeDataset(cfg["url"], cfg["cache"], "1MiB", transform=lambda path: path.name, storage_options=cfg["options"],
+                           epochs=3, shuffle=True)
+loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2)
+dataset.set_epoch(0)
+first = list(loader)  # set_epoch before the pass: no warning
+it = iter(loader)
+second = [next(it)]  # worker 0 began its pass: with epoch 0
+dataset.set_epoch(1)
+second += list(it)
+print(json.dumps([len(first), len(second)]), flush=True)
+"""
+
+
+def test_set_epoch_called_while_a_pass_of_workers_runs_is_said_by_the_workers_that_began_before_it(s3_source, tmp_path):
+    """set_epoch(e) after iter(loader), once the workers began: they read the epoch before to
+    its end (as documented: a pass keeps its epochs), silently before; now each such worker says so."""
+    s3_source.folders(4, {"f": 100})
+    cfg = {"url": s3_source.url, "cache": str(tmp_path / "c"), "options": s3_source.options}
+    run = subprocess.run([sys.executable, "-c", LATE, json.dumps(cfg)], check=False, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.splitlines()[-1]) == [4, 4]
+    said = [line for line in run.stderr.splitlines() if "was called while this pass" in line]
+    assert 1 <= len(said) <= 2, run.stderr  # worker 0, and worker 1 if it began before the call
+    assert all(line.startswith("WARNING") and "set_epoch(1)" in line for line in said), said
