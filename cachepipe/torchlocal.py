@@ -255,8 +255,8 @@ def _read_at_once(exc: CacheLockedError, worker: bool) -> CacheLockedError:
     held = CacheLockedError(
         exc.cache_dir,
         f"{exc.owner} ({who}): two datasets over one cache_dir (training and validation), or two DataLoaders or "
-        "iterators of one dataset, read at the same time use the same folders, cache_dir/rank<r>-worker<k>; give each "
-        "dataset its own cache_dir",
+        "iterators of one dataset (a pass broken off holds its folders while its iterator or persistent workers live), "
+        "read at the same time use the same folders, cache_dir/rank<r>-worker<k>; give each dataset its own cache_dir",
     )
     held.owner = exc.owner
     return held
