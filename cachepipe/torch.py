@@ -101,7 +101,8 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
         node_ranks: node mode: the ranks on this node (default: from torchrun's ``RANK``,
             ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``, else this rank alone).
         **options: :class:`~cachepipe.config.PipelineConfig` options (``epochs``, ``shuffle``,
-            ``seed``, ``rank``/``world_size``, ``storage_options``...); with ``node``, only
+            ``seed``, ``rank``/``world_size`` (default: an initialised ``torch.distributed``'s, else
+            ``RANK``/``WORLD_SIZE``, read here, for every DataLoader worker), ``storage_options``...); with ``node``, only
             the plan's (``items``, ``manifest``, ``epochs``, ``shuffle``, ``seed``, ``balance``,
             ``partition``, ``equal_steps``, ``retain``, ``on_error``, ``on_oversize``) and
             ``rank``/``world_size``. ``worker`` and ``num_workers`` are set from the DataLoader.
@@ -171,7 +172,11 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
         self.source, self.transform, self.options = source, transform, options
         self.node = None if node is None else os.fspath(node)
         self.job, self.node_ranks = job, node_ranks
-        _, world = self._rank_world()  # both or neither, and in range: here, not first in every DataLoader worker
+        rank, world = self._rank_world()  # both or neither, and in range: here, not first in every DataLoader worker
+        if "rank" not in options:
+            # resolved here, once: a DataLoader worker has no torch.distributed of its own (not initialised
+            # there), so under a launcher that sets no RANK/WORLD_SIZE (mp.spawn) each rank's workers were rank 0 of 1
+            options["rank"], options["world_size"] = rank, world
         if world > 1 and "equal_steps" not in options:
             # DDP-safe by default; set here, so every worker's pipeline, or the job's spec, carries it
             options["equal_steps"] = "pad"

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
+from zygote import Zygote
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 
@@ -110,3 +113,34 @@ def test_set_epoch_called_while_a_pass_of_workers_runs_is_said_by_the_workers_th
     said = [line for line in run.stderr.splitlines() if "was called while this pass" in line]
     assert 1 <= len(said) <= 2, run.stderr  # worker 0, and worker 1 if it began before the call
     assert all(line.startswith("WARNING") and "set_epoch(1)" in line for line in said), said
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[Zygote]:
+    """A fork server of ranks (tests/torch_rank_child.py), as test_torch.py's."""
+    with Zygote("torch_rank_child", "s3://data/video/") as zygote:
+        yield zygote
+
+
+def test_ranks_whose_launcher_sets_no_rank_variables_read_their_own_shares(s3_source, ranks, tmp_path):
+    """mp.spawn, or a launcher of its own, gives init_process_group the rank and world size and
+    sets no RANK/WORLD_SIZE. The dataset, made after it, took them from torch.distributed, but
+    each DataLoader worker started by spawn (mp.spawn's ranks start theirs so) or forkserver
+    (Python 3.14's default), which has no process group, took rank 0 of 1 again: every rank read
+    every item (here: its workers' folders were rank 0's, which rank 0's workers held)."""
+    from test_torch import fork_ranks
+
+    from cachepipe.plan import permutation
+
+    data = s3_source.folders(13, {"f": 500})
+    cfg = {"url": s3_source.url, "cache": str(tmp_path / "cache"), "options": s3_source.options}
+    cfg |= {"dist": "explicit", "context": "forkserver"}  # (spawn: the same, slower to start)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outputs = fork_ranks(ranks, cfg, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    # two ranks, two epochs, equal_steps="pad": 14 items an epoch, the first of its permutation twice
+    firsts = [sorted(data)[permutation(13, 5, epoch)[0]] for epoch in (0, 1)]
+    assert sorted(name for out in outputs for name, _ in out) == sorted(list(data) * 2 + firsts)
+    assert [len(out) for out in outputs] == [14, 14]
+    assert sorted(p.name for p in (tmp_path / "cache").glob("rank*")) == [f"rank{r}-worker{w}" for r in (0, 1) for w in (0, 1)]

@@ -14,8 +14,10 @@ them) come in ``cfg["env"]``. ``cfg["kind"]``:
 - ``"node-dist"``: under ``torch.distributed`` (gloo), ``node_ranks=[rank]``, a plain
   DataLoader; prints each sample ``[worker, epoch, name, ""]`` as a JSON line.
 - ``"direct"``: ``CachePipeDataset(url, cache, "1MiB", storage_options=options, epochs=2,
-  shuffle=True, seed=5, **extra)``, under ``torch.distributed`` if ``dist``; prints the JSON
-  list of its samples ``[name, md5]``.
+  shuffle=True, seed=5, **extra)``, under ``torch.distributed`` if ``dist`` (``"explicit"``: the
+  rank and world size given to ``init_process_group``, not in the environment, as ``mp.spawn``),
+  its DataLoader workers started by ``context`` (default: fork); prints the JSON list of its
+  samples ``[name, md5]``.
 - ``"equal"``: ``CachePipeDataset(url, cache, "1MiB", **extra)`` in a ``StatefulDataLoader`` of
   ``batch_size``; prints the JSON list of its batches of ``[worker, name]``.
 """
@@ -77,7 +79,10 @@ def node_dist(cfg: dict[str, Any]) -> None:
 
 
 def direct(cfg: dict[str, Any]) -> None:
-    if cfg.get("dist"):
+    if cfg.get("dist") == "explicit":  # as mp.spawn: the rank given to init_process_group, no RANK/WORLD_SIZE
+        rank, world = int(os.environ.pop("RANK")), int(os.environ.pop("WORLD_SIZE"))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    elif cfg.get("dist"):
         dist.init_process_group("gloo")
     ds = CachePipeDataset(
         cfg["url"],
@@ -90,7 +95,7 @@ def direct(cfg: dict[str, Any]) -> None:
         seed=5,
         **cfg.get("extra", {}),
     )
-    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=cfg.get("context"))
     print(json.dumps([list(x) for x in loader]), flush=True)
     if cfg.get("dist"):
         dist.destroy_process_group()
