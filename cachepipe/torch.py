@@ -173,7 +173,8 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
         self.node = None if node is None else os.fspath(node)
         self.job, self.node_ranks = job, node_ranks
         rank, world = self._rank_world()  # both or neither, and in range: here, not first in every DataLoader worker
-        if "rank" not in options:
+        self._defaulted = "rank" not in options  # see _check_ranks
+        if self._defaulted:
             # resolved here, once: a DataLoader worker has no torch.distributed of its own (not initialised
             # there), so under a launcher that sets no RANK/WORLD_SIZE (mp.spawn) each rank's workers were rank 0 of 1
             options["rank"], options["world_size"] = rank, world
@@ -291,6 +292,7 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
         the main process it is the start of the next pass. Only the latest iterator of this
         dataset in a process records its position here. Without a loaded state, the pass reads
         the epoch :meth:`set_epoch` set, else every epoch of the plan."""
+        self._check_ranks()
         start, self._state = self._state, None
         token = self._pass = object()
         self._start, self._pipe, self._cursor = start, None, None
@@ -312,6 +314,20 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
             start = {"start_epoch": first} if self.node is None else {"epoch": first, "index": 0, "end_epoch": first + 1}
             self._start = start
         return self._iter_node(start, token) if self.node is not None else self._iter_local(start, token)
+
+    def _check_ranks(self) -> None:
+        """A rank and world size taken when the dataset was made (not given) that an initialised
+        ``torch.distributed`` contradicts now: the dataset was made before ``init_process_group``."""
+        dist = torch.distributed
+        if not self._defaulted or not dist.is_available() or not dist.is_initialized():
+            return
+        made, now = (self.options["rank"], self.options["world_size"]), (dist.get_rank(), dist.get_world_size())
+        if made != now:
+            raise ValueError(
+                f"this dataset was made as rank {made[0]} of {made[1]} (torch.distributed not initialised then, nor "
+                f"RANK/WORLD_SIZE set), and torch.distributed is rank {now[0]} of {now[1]}: make the dataset after "
+                "init_process_group, or give it rank= and world_size="
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """Where to resume: valid in every DataLoader worker (``StatefulDataLoader`` saves

@@ -51,6 +51,7 @@ class _DatasetState:
     _equal: bool
     _epoch: Any  # a torch tensor in shared memory
     _calls: int
+    _defaulted: bool
     _passes: Any  # a torch tensor in shared memory
 
     def _items(self) -> Literal["folders", "files"]:

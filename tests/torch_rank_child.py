@@ -17,7 +17,8 @@ them) come in ``cfg["env"]``. ``cfg["kind"]``:
   shuffle=True, seed=5, **extra)``, under ``torch.distributed`` if ``dist`` (``"explicit"``: the
   rank and world size given to ``init_process_group``, not in the environment, as ``mp.spawn``),
   its DataLoader workers started by ``context`` (default: fork); prints the JSON list of its
-  samples ``[name, md5]``.
+  samples ``[name, md5]``. ``made_before``: a dataset made before ``init_process_group``
+  (``CachePipeDataset(url, cache, "1MiB")``), read after it; prints the last line of its error.
 - ``"equal"``: ``CachePipeDataset(url, cache, "1MiB", **extra)`` in a ``StatefulDataLoader`` of
   ``batch_size``; prints the JSON list of its batches of ``[worker, name]``.
 """
@@ -81,9 +82,20 @@ def node_dist(cfg: dict[str, Any]) -> None:
 def direct(cfg: dict[str, Any]) -> None:
     if cfg.get("dist") == "explicit":  # as mp.spawn: the rank given to init_process_group, no RANK/WORLD_SIZE
         rank, world = int(os.environ.pop("RANK")), int(os.environ.pop("WORLD_SIZE"))
+    made = None
+    if cfg.get("made_before"):  # the dataset made before init_process_group: its pass's error printed
+        made = CachePipeDataset(cfg["url"], cfg["cache"], "1MiB", transform=read_direct, storage_options=cfg["options"])
+    if cfg.get("dist") == "explicit":
         dist.init_process_group("gloo", rank=rank, world_size=world)
     elif cfg.get("dist"):
         dist.init_process_group("gloo")
+    if made is not None:
+        try:
+            list(torch.utils.data.DataLoader(made, batch_size=None, num_workers=2))
+        except Exception as exc:  # noqa: BLE001 - printed for the test to read
+            print(json.dumps(str(exc).strip().splitlines()[-1]), flush=True)
+        dist.destroy_process_group()
+        return
     ds = CachePipeDataset(
         cfg["url"],
         cfg["cache"],
