@@ -101,7 +101,8 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
         node_ranks: node mode: the ranks on this node (default: from torchrun's ``RANK``,
             ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``, else this rank alone).
         **options: :class:`~cachepipe.config.PipelineConfig` options (``epochs``, ``shuffle``,
-            ``seed``, ``rank``/``world_size``, ``storage_options``...); with ``node``, only
+            ``seed``, ``rank``/``world_size`` (default: an initialised ``torch.distributed``'s, else
+            ``RANK``/``WORLD_SIZE``, read here, for every DataLoader worker), ``storage_options``...); with ``node``, only
             the plan's (``items``, ``manifest``, ``epochs``, ``shuffle``, ``seed``, ``balance``,
             ``partition``, ``equal_steps``, ``retain``, ``on_error``, ``on_oversize``) and
             ``rank``/``world_size``. ``worker`` and ``num_workers`` are set from the DataLoader.
@@ -136,6 +137,7 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
     ) -> None:
         super().__init__()
         self._state: dict[str, Any] | None = None  # loaded (load_state_dict), for the next iter() to take
+        self._calls = 0  # set_epoch's calls when the latest pass here began (see _ended)
         self._pass: object | None = None  # the latest iter()'s token: only its pass records a position here
         self._start: dict[str, Any] | None = None  # the state the latest pass started from (None: the start)
         self._pipe: Pipeline | None = None  # the latest pass's open pipeline (per-process mode)
@@ -155,9 +157,11 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
         # set_epoch's value (-1: never called), in shared memory: persistent DataLoader workers read
         # what the main process set after they started
         self._epoch = torch.full((), -1, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call, unused-ignore]
-        # passes run to their end by this dataset or its DataLoader workers, and whether a replay
-        # was logged: shared too, as a pass's workers are new processes unless persistent
-        self._passes = torch.zeros(2, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call, unused-ignore]
+        # passes run to their end by this dataset or its DataLoader workers, whether a replay was
+        # logged, whether a pass began from the start before set_epoch's first call (it reads
+        # every epoch: that call says so), and set_epoch's calls (a pass that ends after one made
+        # while it ran says so): shared too, as a pass's workers are new processes unless persistent
+        self._passes = torch.zeros(4, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call, unused-ignore]
         for key in ("worker", "num_workers"):
             if key in options:
                 raise ValueError(f"{key}={options[key]!r}: set by the DataLoader, not by the dataset")
@@ -168,7 +172,12 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
         self.source, self.transform, self.options = source, transform, options
         self.node = None if node is None else os.fspath(node)
         self.job, self.node_ranks = job, node_ranks
-        _, world = self._rank_world()  # both or neither, and in range: here, not first in every DataLoader worker
+        rank, world = self._rank_world()  # both or neither, and in range: here, not first in every DataLoader worker
+        self._defaulted = "rank" not in options  # see _check_ranks
+        if self._defaulted:
+            # resolved here, once: a DataLoader worker has no torch.distributed of its own (not initialised
+            # there), so under a launcher that sets no RANK/WORLD_SIZE (mp.spawn) each rank's workers were rank 0 of 1
+            options["rank"], options["world_size"] = rank, world
         if world > 1 and "equal_steps" not in options:
             # DDP-safe by default; set here, so every worker's pipeline, or the job's spec, carries it
             options["equal_steps"] = "pad"
@@ -251,7 +260,20 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
             data = _manifest_bytes(self.source, self._items(), self.options)
             self.options["manifest"] = _save_manifest(self.cache_dir, rank, data, self.source, self._items())
             self._hold_manifest()
+        first = self._first_epoch() is None
         self._epoch.fill_(epoch)
+        self._passes[3] += 1  # after the epoch: a pass that read this call's count reads its epoch
+        if first and int(self._passes[2]) and epochs != 1:
+            # a pass began before (set_epoch after the loop, or after iter(loader) whose workers began):
+            # flagged before that pass read the epoch, checked after it is set, so not missed in a race
+            log.warning(
+                "%s: set_epoch(%d), its first call, came after a pass of this dataset began without it: that pass "
+                "reads every epoch of the plan (epochs=%s), not one; call set_epoch(epoch) before each pass, before "
+                "iter(loader) or the for loop over it (as DistributedSampler.set_epoch)",
+                self.source,
+                epoch,
+                epochs,
+            )
 
     def pipeline(self) -> Pipeline:
         """The pipeline this process (a DataLoader worker, or the main process) iterates
@@ -270,11 +292,15 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
         the main process it is the start of the next pass. Only the latest iterator of this
         dataset in a process records its position here. Without a loaded state, the pass reads
         the epoch :meth:`set_epoch` set, else every epoch of the plan."""
+        self._check_ranks()
         start, self._state = self._state, None
         token = self._pass = object()
         self._start, self._pipe, self._cursor = start, None, None
         self._owed = None
-        ended, logged = (int(x) for x in self._passes.tolist())
+        if not start:
+            self._passes[2] = 1  # before the epoch is read: set_epoch's first call warns of this pass (see there)
+        self._calls = int(self._passes[3])  # before the epoch is read: see _ended
+        ended, logged, _, _ = (int(x) for x in self._passes.tolist())
         if not start and ended and not logged and self._first_epoch() is None and self.options.get("shuffle"):
             self._passes[1] = 1  # once (two workers starting at once may both log it)
             log.warning(
@@ -288,6 +314,20 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
             start = {"start_epoch": first} if self.node is None else {"epoch": first, "index": 0, "end_epoch": first + 1}
             self._start = start
         return self._iter_node(start, token) if self.node is not None else self._iter_local(start, token)
+
+    def _check_ranks(self) -> None:
+        """A rank and world size taken when the dataset was made (not given) that an initialised
+        ``torch.distributed`` contradicts now: the dataset was made before ``init_process_group``."""
+        dist = torch.distributed
+        if not self._defaulted or not dist.is_available() or not dist.is_initialized():
+            return
+        made, now = (self.options["rank"], self.options["world_size"]), (dist.get_rank(), dist.get_world_size())
+        if made != now:
+            raise ValueError(
+                f"this dataset was made as rank {made[0]} of {made[1]} (torch.distributed not initialised then, nor "
+                f"RANK/WORLD_SIZE set), and torch.distributed is rank {now[0]} of {now[1]}: make the dataset after "
+                "init_process_group, or give it rank= and world_size="
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """Where to resume: valid in every DataLoader worker (``StatefulDataLoader`` saves

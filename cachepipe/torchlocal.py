@@ -233,10 +233,33 @@ def _open(make: Callable[[], Pipeline]) -> Pipeline:
         try:
             return pipe.open()
         except CacheLockedError as exc:
-            if torch.utils.data.get_worker_info() is None or not _sibling(exc.owner) or time.monotonic() >= deadline:
+            worker = torch.utils.data.get_worker_info() is not None
+            if _own(exc.owner) or (worker and _sibling(exc.owner) and time.monotonic() >= deadline):
+                raise _read_at_once(exc, worker) from None
+            if not worker or not _sibling(exc.owner):
                 raise
             log.info("%s is held by %s, a worker of this DataLoader that stops: waiting for it", exc.cache_dir, exc.owner)
         time.sleep(0.1)  # another process's lock: polled (flock has no timed wait)
+
+
+def _own(owner: str) -> bool:
+    """True if a :class:`CacheLockedError`'s owner (``"pid PID HOST"``) is this process."""
+    return owner == f"pid {os.getpid()} {socket.gethostname()}"
+
+
+def _read_at_once(exc: CacheLockedError, worker: bool) -> CacheLockedError:
+    """``exc``, for a cache folder that this process (``worker`` False) or a DataLoader worker of
+    its parent (for :data:`SIBLING_WAIT` seconds) holds, saying why that is: datasets over one
+    ``cache_dir``, or loaders of one dataset, read at the same time."""
+    who = f"a DataLoader worker of this process, for {SIBLING_WAIT:g} s" if worker else "this process"
+    held = CacheLockedError(
+        exc.cache_dir,
+        f"{exc.owner} ({who}): two datasets over one cache_dir (training and validation), or two DataLoaders or "
+        "iterators of one dataset (a pass broken off holds its folders while its iterator or persistent workers live), "
+        "read at the same time use the same folders, cache_dir/rank<r>-worker<k>; give each dataset its own cache_dir",
+    )
+    held.owner = exc.owner
+    return held
 
 
 def _sibling(owner: str) -> bool:

@@ -11,6 +11,7 @@ of ``CachePipeDataset`` (``torch.CachePipeDataset`` <- ``torchlocal._LocalMode``
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -23,6 +24,8 @@ from .plan import Cursor, default_rank_world
 from .repeats import Repeats
 
 __all__: list[str] = []
+
+log = logging.getLogger("cachepipe")
 
 
 class _DatasetState:
@@ -47,6 +50,8 @@ class _DatasetState:
     _owed: tuple[Any, int, int] | None
     _equal: bool
     _epoch: Any  # a torch tensor in shared memory
+    _calls: int
+    _defaulted: bool
     _passes: Any  # a torch tensor in shared memory
 
     def _items(self) -> Literal["folders", "files"]:
@@ -90,6 +95,15 @@ class _DatasetState:
         if self._pass is not token:
             return
         self._passes[0] += 1
+        if int(self._passes[3]) != self._calls:
+            # set_epoch while the pass ran: called after iter(loader), whose workers began with the epoch before
+            log.warning(
+                "%s: set_epoch(%d) was called while this pass (%s) ran: it read the epochs it began with to its "
+                "end, not that one; call set_epoch(epoch) before iter(loader) or the for loop over it",
+                self.source,
+                int(self._epoch.item()),
+                self._where(),
+            )
         self._owed = None
         if torch.utils.data.get_worker_info() is None:
             self._start, self._pipe, self._cursor = None, None, None

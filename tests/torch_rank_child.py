@@ -14,8 +14,11 @@ them) come in ``cfg["env"]``. ``cfg["kind"]``:
 - ``"node-dist"``: under ``torch.distributed`` (gloo), ``node_ranks=[rank]``, a plain
   DataLoader; prints each sample ``[worker, epoch, name, ""]`` as a JSON line.
 - ``"direct"``: ``CachePipeDataset(url, cache, "1MiB", storage_options=options, epochs=2,
-  shuffle=True, seed=5, **extra)``, under ``torch.distributed`` if ``dist``; prints the JSON
-  list of its samples ``[name, md5]``.
+  shuffle=True, seed=5, **extra)``, under ``torch.distributed`` if ``dist`` (``"explicit"``: the
+  rank and world size given to ``init_process_group``, not in the environment, as ``mp.spawn``),
+  its DataLoader workers started by ``context`` (default: fork); prints the JSON list of its
+  samples ``[name, md5]``. ``made_before``: a dataset made before ``init_process_group``
+  (``CachePipeDataset(url, cache, "1MiB")``), read after it; prints the last line of its error.
 - ``"equal"``: ``CachePipeDataset(url, cache, "1MiB", **extra)`` in a ``StatefulDataLoader`` of
   ``batch_size``; prints the JSON list of its batches of ``[worker, name]``.
 """
@@ -77,8 +80,22 @@ def node_dist(cfg: dict[str, Any]) -> None:
 
 
 def direct(cfg: dict[str, Any]) -> None:
-    if cfg.get("dist"):
+    if cfg.get("dist") == "explicit":  # as mp.spawn: the rank given to init_process_group, no RANK/WORLD_SIZE
+        rank, world = int(os.environ.pop("RANK")), int(os.environ.pop("WORLD_SIZE"))
+    made = None
+    if cfg.get("made_before"):  # the dataset made before init_process_group: its pass's error printed
+        made = CachePipeDataset(cfg["url"], cfg["cache"], "1MiB", transform=read_direct, storage_options=cfg["options"])
+    if cfg.get("dist") == "explicit":
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    elif cfg.get("dist"):
         dist.init_process_group("gloo")
+    if made is not None:
+        try:
+            list(torch.utils.data.DataLoader(made, batch_size=None, num_workers=2))
+        except Exception as exc:  # noqa: BLE001 - printed for the test to read
+            print(json.dumps(str(exc).strip().splitlines()[-1]), flush=True)
+        dist.destroy_process_group()
+        return
     ds = CachePipeDataset(
         cfg["url"],
         cfg["cache"],
@@ -90,7 +107,7 @@ def direct(cfg: dict[str, Any]) -> None:
         seed=5,
         **cfg.get("extra", {}),
     )
-    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=cfg.get("context"))
     print(json.dumps([list(x) for x in loader]), flush=True)
     if cfg.get("dist"):
         dist.destroy_process_group()

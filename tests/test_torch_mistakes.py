@@ -1,0 +1,165 @@
+"""CachePipeDataset: the mistakes of a first hour with it, each said so rather than a silent
+wrong result or a stall (found playing a training engineer's week against it, with real
+DataLoader workers)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from zygote import Zygote
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+
+from cachepipe.torch import CachePipeDataset  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+def read(path):
+    return path.name, hashlib.md5((path / "f").read_bytes()).hexdigest()
+
+
+def first_call_warnings(caplog) -> list[str]:
+    return [r.levelname for r in caplog.records if "its first call, came after a pass" in r.getMessage()]
+
+
+@pytest.mark.parametrize("order", ["after-the-loop", "after-iter", "before"])
+def test_set_epoch_first_called_after_a_pass_began_says_that_pass_read_every_epoch(s3_source, tmp_path, caplog, order):
+    """Before, ``for epoch: for batch in loader: ...; set_epoch(epoch + 1)`` (or set_epoch after
+    iter(loader), whose workers began their pass) made the first pass read every epoch of the
+    plan, silently: here 3 epochs in the first "epoch"."""
+    s3_source.folders(3, {"f": 100})
+    dataset = CachePipeDataset(
+        s3_source.url, tmp_path / "c", "1MiB", transform=read, storage_options=s3_source.options, epochs=3, shuffle=True
+    )
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2)
+    if order == "after-the-loop":
+        first = list(loader)
+        dataset.set_epoch(1)
+    elif order == "after-iter":
+        it = iter(loader)
+        first = [next(it)]  # its workers' pass began
+        dataset.set_epoch(0)
+        first += list(it)
+    else:
+        dataset.set_epoch(0)
+        first = list(loader)
+    if order == "before":
+        assert len(first) == 3 and not first_call_warnings(caplog)
+    else:
+        if order == "after-the-loop":
+            assert len(first) == 9  # every epoch, as documented without set_epoch: now said so
+        assert first_call_warnings(caplog) == ["WARNING"]  # (after iter: a worker not begun yet reads epoch 0)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_training_and_validation_over_one_cache_dir_read_at_once_are_refused_saying_so(
+    s3_source, s3_client, tmp_path, monkeypatch, num_workers
+):
+    """Evaluation inside the training loop, both datasets over one cache_dir: the validation
+    loader's folders are the training loader's (cache_dir/rank0-worker<k>), which it holds. Before:
+    "in use by pid N; close it first", naming neither cause nor fix (with workers after a
+    minute's wait for a sibling worker to stop)."""
+    import cachepipe.torchlocal
+
+    monkeypatch.setattr(cachepipe.torchlocal, "SIBLING_WAIT", 1.0)  # forked workers inherit it: the refusal in a second
+    s3_source.folders(4, {"f": 100})
+    s3_client.put_object(Bucket="data", Key="val/v0/f", Body=b"v" * 100)
+    options = {"transform": read, "storage_options": s3_source.options}
+    train = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", **options)
+    val = CachePipeDataset("s3://data/val/", tmp_path / "c", "1MiB", **options)
+
+    def evaluate_in_the_loop() -> None:
+        for _ in torch.utils.data.DataLoader(train, batch_size=None, num_workers=num_workers):
+            list(torch.utils.data.DataLoader(val, batch_size=None, num_workers=num_workers))
+
+    # a CacheLockedError (a RuntimeError), which a DataLoader re-raises from its worker as a RuntimeError
+    with pytest.raises(RuntimeError, match=r"two datasets over one cache_dir \(training and validation\).*own cache_dir"):
+        evaluate_in_the_loop()
+
+
+LATE = r"""
+import json, logging, sys, torch
+from cachepipe.torch import CachePipeDataset
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+cfg = json.loads(sys.argv[1])
+dataset = CachePipeDataset(cfg["url"], cfg["cache"], "1MiB", transform=lambda path: path.name, storage_options=cfg["options"],
+                           epochs=3, shuffle=True)
+loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2)
+dataset.set_epoch(0)
+first = list(loader)  # set_epoch before the pass: no warning
+it = iter(loader)
+second = [next(it)]  # worker 0 began its pass: with epoch 0
+dataset.set_epoch(1)
+second += list(it)
+print(json.dumps([len(first), len(second)]), flush=True)
+"""
+
+
+def test_set_epoch_called_while_a_pass_of_workers_runs_is_said_by_the_workers_that_began_before_it(s3_source, tmp_path):
+    """set_epoch(e) after iter(loader), once the workers began: they read the epoch before to
+    its end (as documented: a pass keeps its epochs), silently before; now each such worker says so."""
+    s3_source.folders(4, {"f": 100})
+    cfg = {"url": s3_source.url, "cache": str(tmp_path / "c"), "options": s3_source.options}
+    run = subprocess.run([sys.executable, "-c", LATE, json.dumps(cfg)], check=False, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.splitlines()[-1]) == [4, 4]
+    said = [line for line in run.stderr.splitlines() if "was called while this pass" in line]
+    assert 1 <= len(said) <= 2, run.stderr  # worker 0, and worker 1 if it began before the call
+    assert all(line.startswith("WARNING") and "set_epoch(1)" in line for line in said), said
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[Zygote]:
+    """A fork server of ranks (tests/torch_rank_child.py), as test_torch.py's."""
+    with Zygote("torch_rank_child", "s3://data/video/") as zygote:
+        yield zygote
+
+
+def test_ranks_whose_launcher_sets_no_rank_variables_read_their_own_shares(s3_source, ranks, tmp_path):
+    """mp.spawn, or a launcher of its own, gives init_process_group the rank and world size and
+    sets no RANK/WORLD_SIZE. The dataset, made after it, took them from torch.distributed, but
+    each DataLoader worker started by spawn (mp.spawn's ranks start theirs so) or forkserver
+    (Python 3.14's default), which has no process group, took rank 0 of 1 again: every rank read
+    every item (here: its workers' folders were rank 0's, which rank 0's workers held)."""
+    from test_torch import fork_ranks
+
+    from cachepipe.plan import permutation
+
+    data = s3_source.folders(13, {"f": 500})
+    cfg = {"url": s3_source.url, "cache": str(tmp_path / "cache"), "options": s3_source.options}
+    cfg |= {"dist": "explicit", "context": "forkserver"}  # (spawn: the same, slower to start)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outputs = fork_ranks(ranks, cfg, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    # two ranks, two epochs, equal_steps="pad": 14 items an epoch, the first of its permutation twice
+    firsts = [sorted(data)[permutation(13, 5, epoch)[0]] for epoch in (0, 1)]
+    assert sorted(name for out in outputs for name, _ in out) == sorted(list(data) * 2 + firsts)
+    assert [len(out) for out in outputs] == [14, 14]
+    assert sorted(p.name for p in (tmp_path / "cache").glob("rank*")) == [f"rank{r}-worker{w}" for r in (0, 1) for w in (0, 1)]
+
+
+def test_a_dataset_made_before_init_process_group_is_refused_when_read(s3_source, ranks, tmp_path):
+    """Made before init_process_group under a launcher that sets no RANK/WORLD_SIZE, a dataset is
+    rank 0 of 1 (taken when it is made, for its workers): every rank would read every item."""
+    from test_torch import fork_ranks
+
+    s3_source.folders(3, {"f": 100})
+    cfg = {"url": s3_source.url, "cache": str(tmp_path / "cache"), "options": s3_source.options}
+    cfg |= {"dist": "explicit", "made_before": True}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    errors = fork_ranks(ranks, cfg, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    assert errors == [
+        "ValueError: this dataset was made as rank 0 of 1 (torch.distributed not initialised then, nor RANK/WORLD_SIZE set), "
+        f"and torch.distributed is rank {rank} of 2: make the dataset after init_process_group, or give it rank= and world_size="
+        for rank in (0, 1)
+    ]
