@@ -373,7 +373,10 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (for a DataLoader worker started by spawn or forkserver) keeps this process's
-        position, not its pipeline (threads, locks, files: this process's alone)."""
+        position, not its pipeline (threads, locks, files: this process's alone). A rank taken
+        when the dataset was made is checked here too: such a worker has no ``torch.distributed``
+        of its own to check it against (:meth:`_check_ranks`)."""
+        self._check_ranks()
         state = dict(self.__dict__)
         if self._pipe is not None:
             state["_start"] = self._local_state(self._pipe) if self._owed is None else {**self._owed[0], **self._owed_counts()}

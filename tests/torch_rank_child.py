@@ -91,7 +91,7 @@ def direct(cfg: dict[str, Any]) -> None:
         dist.init_process_group("gloo")
     if made is not None:
         try:
-            list(torch.utils.data.DataLoader(made, batch_size=None, num_workers=2))
+            list(torch.utils.data.DataLoader(made, batch_size=None, num_workers=2, multiprocessing_context=cfg.get("context")))
         except Exception as exc:  # noqa: BLE001 - printed for the test to read
             print(json.dumps(str(exc).strip().splitlines()[-1]), flush=True)
         dist.destroy_process_group()
