@@ -1,0 +1,144 @@
+"""The files cachepipe writes outside its cache's journal: a manifest (``cachepipe index -o``,
+the copies under a DataLoader's ``cache_dir``), the daemon's ``jobs.root/.manifests``.
+
+Each is killed (SIGKILL, at a point the test holds), run out of disk (a real small tmpfs) and
+written by two processes at once; the file at the final name is whole or absent, never half
+(``state.atomic_write``: a locked temporary file beside it, renamed once whole).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from mounts import mounted
+from waiting import wait_until
+
+from cachepipe.cli import main
+from cachepipe.manifest import index, read_manifest
+
+KIB = 1024
+
+
+def _dataset(root: Path, names: list[str]) -> str:
+    for name in names:
+        (root / name).mkdir(parents=True)
+        (root / name / "a.txt").write_text(f"{name} a")
+    return root.as_uri() + "/"
+
+
+def _cli(*args: str, **kw) -> subprocess.Popen:
+    """``cachepipe ARGS`` as a subprocess (the cachepipe this process imported: PYTHONPATH passed on)."""
+    return subprocess.Popen([sys.executable, "-m", "cachepipe.cli", *args], stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _waits_on_a_lock(pid: int) -> bool:
+    """Whether process ``pid`` is blocked waiting for a ``flock`` (a ``->`` line of /proc/locks)."""
+    with open("/proc/locks") as fh:
+        return any("->" in line and line.split()[5] == str(pid) for line in fh)
+
+
+def test_two_index_runs_to_one_path_leave_the_second_s_manifest_whole(tmp_path):
+    """Two ``cachepipe index -o`` to one path at once: both wrote the same temporary name
+    (``.NAME.tmp``), opened with ``O_TRUNC``: the second truncated the file the first was
+    writing and wrote its own into it; the first renamed the mix to the final name (and its
+    later writes went into that file). Now the temporary file is locked while written: the
+    second waits for the first, then writes its own whole."""
+    first_src = _dataset(tmp_path / "first", ["a", "b"])
+    second_src = _dataset(tmp_path / "second", ["c", "d", "e"])
+    path = tmp_path / "m.json.gz"
+    index(first_src, tmp_path / "first.json.gz")
+    first_bytes = (tmp_path / "first.json.gz").read_bytes()
+    temp = tmp_path / ".m.json.gz.tmp"
+    with open(temp, "wb", buffering=0) as fh:  # the first run, under way: its temporary file half written
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        fh.write(first_bytes[: len(first_bytes) // 2])
+        second = _cli("index", second_src, "-o", str(path))
+        wait_until(lambda: second.poll() is not None or _waits_on_a_lock(second.pid), 60, "the second run waiting or done")
+        os.pwrite(fh.fileno(), first_bytes, 0)  # the first run's writes...
+        os.ftruncate(fh.fileno(), len(first_bytes))
+        with contextlib.suppress(FileNotFoundError):  # (before: the second renamed the file away)
+            os.replace(temp, path)  # ...and its rename; its lock goes with the close
+    assert second.wait(60) == 0, second.stderr.read() if second.stderr else ""
+    second.stderr.close()
+    manifest = read_manifest(path)  # before: refused, the gzip stream a mix of both runs'
+    assert manifest.source == second_src and manifest.count == 3
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporary file left
+
+
+_HELD_WRITER = textwrap.dedent(
+    """
+    import os, sys
+    from cachepipe.manifest import index
+
+    calls = []
+
+    def hold(frame, event, arg):  # the second os.write (the first began the gzip header): say so, then wait
+        if event == "c_call" and arg is os.write:
+            calls.append(arg)
+            if len(calls) == 2:
+                sys.setprofile(None)
+                print("held", os.path.getsize(sys.argv[3]), flush=True)
+                sys.stdin.readline()
+
+    sys.setprofile(hold)
+    index(*sys.argv[1:3])
+    """
+)
+
+
+def test_an_index_run_killed_while_writing_leaves_the_earlier_manifest_and_the_next_run_cleans_up(tmp_path):
+    """SIGKILL while ``index -o`` writes: the final name keeps the earlier manifest, whole; the
+    temporary file it left is reused (and renamed) by the next run, not left beside it."""
+    source = _dataset(tmp_path / "src", ["a", "b"])
+    path = tmp_path / "m.json.gz"
+    earlier = index(_dataset(tmp_path / "old", ["z"]), path)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HELD_WRITER, source, str(path), str(tmp_path / ".m.json.gz.tmp")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        held, size = child.stdout.readline().split()
+        assert held == "held" and int(size) > 0  # part of the gzip header written
+        child.send_signal(signal.SIGKILL)
+        child.wait(60)
+    finally:
+        child.kill()
+        child.wait()
+        for stream in (child.stdin, child.stdout):
+            if stream is not None:
+                stream.close()
+    assert (tmp_path / ".m.json.gz.tmp").exists()  # the killed run's
+    assert read_manifest(path).digest == earlier.digest
+    assert main(["index", source, "-o", str(path)]) == 0
+    assert read_manifest(path).count == 2
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["m.json.gz"]
+
+
+def _filled(disk: Path) -> None:
+    with open(disk / "filler.bin", "wb", buffering=0) as fh, contextlib.suppress(OSError):
+        while True:
+            fh.write(b"x" * 4096)
+
+
+def test_an_index_run_on_a_full_disk_names_the_manifest_and_leaves_the_earlier_one(tmp_path, capsys):
+    """A full disk under ``index -o`` said a bare "[Errno 28] No space left on device"; it now
+    names the manifest, the earlier one stays whole and nothing partial is left."""
+    source = _dataset(tmp_path / "src", [f"item{i:04d}" for i in range(300)])
+    with mounted(tmp_path / "disk", ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tmp_path / "disk")]) as disk:
+        earlier = index(_dataset(tmp_path / "old", ["z"]), disk / "m.json.gz")
+        _filled(disk)
+        assert main(["index", source, "-o", str(disk / "m.json.gz")]) == 1
+        err = capsys.readouterr().err
+        assert f"No space left on device: cannot write {str(disk / 'm.json.gz')!r}" in err, err
+        assert read_manifest(disk / "m.json.gz").digest == earlier.digest
+        assert sorted(p.name for p in disk.iterdir()) == ["filler.bin", "m.json.gz"]
