@@ -12,16 +12,22 @@ import contextlib
 import fcntl
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+import yaml
 from mounts import mounted
 from waiting import wait_until
 
 from cachepipe.cli import main
+from cachepipe.client import ServiceError
+from cachepipe.jobclient import JobClient
 from cachepipe.manifest import index, read_manifest
+from cachepipe.service.testing import DaemonProcess
 
 KIB = 1024
 
@@ -142,3 +148,90 @@ def test_an_index_run_on_a_full_disk_names_the_manifest_and_leaves_the_earlier_o
         assert f"No space left on device: cannot write {str(disk / 'm.json.gz')!r}" in err, err
         assert read_manifest(disk / "m.json.gz").digest == earlier.digest
         assert sorted(p.name for p in disk.iterdir()) == ["filler.bin", "m.json.gz"]
+
+
+def _jobs_config(tmp_path: Path, sock: Path, root: Path, source) -> Path:
+    path = tmp_path / "cachepipe.yaml"
+    jobs = {"root": str(root), "capacity": "1MiB", "sources": [source.url], "options": {"storage_options": source.options}}
+    path.write_text(yaml.safe_dump({"socket": str(sock), "jobs": jobs}))
+    return path
+
+
+def _upload_held(sock: Path, body: bytes) -> socket.socket:
+    """``PUT /v1/manifests`` of ``body`` on ``sock`` with all but its last byte sent: the daemon
+    waits for the rest (the caller closes the connection)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(str(sock))
+    head = (
+        f"PUT /v1/manifests HTTP/1.1\r\nHost: cachepipe\r\nContent-Type: application/gzip\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    conn.sendall(head.encode() + body[:-1])
+    return conn
+
+
+def test_a_daemon_killed_during_a_manifest_upload_leaves_nothing_for_good(s3_source, tmp_path, short_dir):
+    """A daemon killed while a manifest was uploaded to it left its temporary file
+    (``jobs.root/.manifests/.upload-XXXX.json.gz``) for good, one more at each such kill. The next
+    manifest written there removes those of writers that are gone (no daemon writes one: the
+    folder's lock), before writing its own."""
+    s3_source.folders(3, {"a.bin": KIB})
+    sock, root = short_dir / "api.sock", tmp_path / "jobs"
+    config = _jobs_config(tmp_path, sock, root, s3_source)
+    mine = index(s3_source.url, tmp_path / "m.json.gz", storage_options=s3_source.options)
+    body = (tmp_path / "m.json.gz").read_bytes()
+    with DaemonProcess(config) as daemon, contextlib.closing(_upload_held(sock, body)):
+        folder = root / ".manifests"
+        wait_until(lambda: folder.is_dir() and list(folder.glob(".upload-*")), 60, "the upload's temporary file")
+        daemon.signal(signal.SIGKILL)
+        assert daemon.proc is not None and daemon.proc.wait(60) == -signal.SIGKILL
+    assert [p.name.startswith(".upload-") for p in folder.iterdir()] == [True]  # what the killed daemon left
+    with (
+        DaemonProcess(config),
+        JobClient("train", {"source": s3_source.url, "world_size": 1, "ranks": [0]}, 0, socket=sock) as lane,
+    ):
+        assert lane.upload_manifest(body) == mine.digest
+    assert sorted(p.name for p in folder.iterdir()) == [f"{mine.digest}.json.gz"]
+
+
+def test_a_manifest_upload_to_a_full_disk_is_refused_naming_the_folder_and_leaves_nothing(s3_source, tmp_path, short_dir):
+    s3_source.folders(3, {"a.bin": KIB})
+    sock = short_dir / "api.sock"
+    mine = index(s3_source.url, tmp_path / "m.json.gz", storage_options=s3_source.options)
+    body = (tmp_path / "m.json.gz").read_bytes()
+    job = {"source": s3_source.url, "world_size": 1, "ranks": [0]}
+    with mounted(tmp_path / "disk", ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tmp_path / "disk")]) as disk:
+        config = _jobs_config(tmp_path, sock, disk / "jobs", s3_source)
+        (disk / "jobs" / ".manifests").mkdir(parents=True)
+        _filled(disk)
+        with DaemonProcess(config), JobClient("train", job, 0, socket=sock) as lane:
+            with pytest.raises(ServiceError) as err:
+                lane.upload_manifest(body)
+            assert err.value.status == 507 and err.value.code == "insufficient_storage"  # before: 500 internal
+            assert f"No space left on device: cannot keep the uploaded manifest in {str(disk / 'jobs' / '.manifests')!r}" in str(
+                err.value
+            )
+            assert sorted(p.name for p in (disk / "jobs" / ".manifests").iterdir()) == []
+            (disk / "filler.bin").unlink()
+            assert lane.upload_manifest(body) == mine.digest
+
+
+def test_two_daemons_on_one_jobs_root_never_remove_each_other_s_upload_under_way(s3_source, tmp_path, short_dir):
+    """The removal of what killed writers left in ``.manifests`` is skipped while another writer
+    is under way (here a second daemon's upload, held for its last byte): it completes."""
+    s3_source.folders(3, {"a.bin": KIB})
+    root = tmp_path / "jobs"
+    mine = index(s3_source.url, tmp_path / "m.json.gz", storage_options=s3_source.options)
+    body = (tmp_path / "m.json.gz").read_bytes()
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = _jobs_config(tmp_path / "one", short_dir / "one.sock", root, s3_source)
+    two = _jobs_config(tmp_path / "two", short_dir / "two.sock", root, s3_source)
+    job = {"source": s3_source.url, "world_size": 1, "ranks": [0]}
+    with DaemonProcess(one), DaemonProcess(two), contextlib.closing(_upload_held(short_dir / "one.sock", body)) as held:
+        wait_until(lambda: list((root / ".manifests").glob(".upload-*")), 60, "the held upload's temporary file")
+        with JobClient("train", job, 0, socket=short_dir / "two.sock") as lane:
+            assert lane.upload_manifest(body) == mine.digest
+        held.sendall(body[-1:])
+        held.settimeout(60)
+        assert held.recv(4096).startswith(b"HTTP/1.1 200 ")
+    assert sorted(p.name for p in (root / ".manifests").iterdir()) == [f"{mine.digest}.json.gz"]
