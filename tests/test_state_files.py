@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -235,3 +236,19 @@ def test_two_daemons_on_one_jobs_root_never_remove_each_other_s_upload_under_way
         held.settimeout(60)
         assert held.recv(4096).startswith(b"HTTP/1.1 200 ")
     assert sorted(p.name for p in (root / ".manifests").iterdir()) == [f"{mine.digest}.json.gz"]
+
+
+def test_an_index_run_to_a_url_whose_temporary_folder_is_full_names_it(tmp_path):
+    """``index -o URL`` writes the manifest to a temporary folder, then uploads it; a full
+    temporary folder said a bare "[Errno 28] No space left on device" (which disk?)."""
+    source = _dataset(tmp_path / "src", [f"item{i:05d}" for i in range(3000)])
+    with mounted(tmp_path / "disk", ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tmp_path / "disk")]) as disk:
+        (disk / "room").write_bytes(b"x" * 4096)
+        _filled(disk)
+        (disk / "room").unlink()  # a page free: Python takes TMPDIR as its temporary folder (it writes a probe file)
+        run = _cli("index", source, "-o", "memory://manifests/m.json.gz", env={**os.environ, "TMPDIR": str(disk)})
+        _, err = run.communicate(timeout=120)
+        assert run.returncode == 1, err
+        copy = rf"'{re.escape(str(disk))}/cachepipe-index-\w+/m.json.gz'"
+        assert re.search(rf"No space left on device: cannot write {copy}, the copy of memory://manifests/m.json.gz", err), err
+        assert sorted(p.name for p in disk.iterdir()) == ["filler.bin"]
