@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -28,6 +29,8 @@ from cachepipe.cli import main
 from cachepipe.client import ServiceError
 from cachepipe.jobclient import JobClient
 from cachepipe.manifest import index, read_manifest
+from cachepipe.service.api import ApiServer
+from cachepipe.service.config import ServiceConfig
 from cachepipe.service.testing import DaemonProcess
 
 KIB = 1024
@@ -252,3 +255,37 @@ def test_an_index_run_to_a_url_whose_temporary_folder_is_full_names_it(tmp_path)
         copy = rf"'{re.escape(str(disk))}/cachepipe-index-\w+/m.json.gz'"
         assert re.search(rf"No space left on device: cannot write {copy}, the copy of memory://manifests/m.json.gz", err), err
         assert sorted(p.name for p in disk.iterdir()) == ["filler.bin"]
+
+
+def test_a_daemon_never_replaces_the_socket_another_published_since_its_check(short_dir, tmp_path):
+    """A daemon checks that no live daemon serves on its socket path, then gives its socket that
+    name. It did so by a rename, which replaced a socket another daemon (started at the same
+    moment) published in between: that one served on, unreachable. Now the name is a link,
+    which fails on an existing one: the second to publish is refused, the first stays."""
+    sock = short_dir / "api.sock"
+    pipeline = {"source": str(tmp_path / "src"), "cache_dir": str(tmp_path / "cache"), "capacity": "1MiB"}
+    api = ApiServer(SimpleNamespace(running=True), ServiceConfig(socket=sock, pipelines={"p": pipeline}, markers=False))
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    published: list[int] = []
+
+    def the_other_publishes(frame, event, arg) -> None:  # at the call that names our socket: in between
+        if event == "c_call" and arg in (os.rename, os.link):
+            sys.setprofile(None)
+            other.bind(str(sock))
+            other.listen()
+            published.append(os.stat(sock).st_ino)
+
+    try:
+        api.bind()
+        api.serve()
+        sys.setprofile(the_other_publishes)
+        try:
+            with pytest.raises(OSError, match=r"is in use: another cachepipe daemon started serving on it"):
+                api.publish()
+        finally:
+            sys.setprofile(None)
+        assert [os.stat(sock).st_ino] == published  # the other's socket, still at the path
+    finally:
+        api.close()
+        other.close()
+    assert os.path.exists(sock) and sorted(p.name for p in short_dir.iterdir()) == ["api.sock"]  # ours removed
