@@ -493,19 +493,3 @@ def test_an_item_over_a_worker_s_share_of_the_disk_is_said_to_be_over_that_share
     room, share = int(said[1]), int(said[2])
     assert 1024 * KIB - 64 * KIB < room <= 1024 * KIB  # the disk, less a few pages of state at most
     assert share == int(room * 0.9) // 2
-
-
-def test_an_upload_to_a_full_local_destination_names_the_file_and_leaves_no_temporary_file(tmp_path):
-    """A local destination (``cachepipe map``'s DST, ``index -o``'s via a store) that filled up
-    under an upload raised a bare "[Errno 28] No space left on device", naming no file: which
-    DST, which output? Now the error names it; the file being written is removed."""
-    from cachepipe.stores.fsspec import FsspecStore
-
-    local = tmp_path / "out.bin"
-    local.write_bytes(os.urandom(200 * KIB))
-    with tmpfs(tmp_path / "disk", "64k") as disk:
-        store = FsspecStore(str(disk / "dst"))
-        with pytest.raises(OSError, match=rf"No space left on device: {re.escape(str(disk))}/dst/item/out.bin") as err:
-            store.put(local, "item/out.bin")
-        assert err.value.errno == errno.ENOSPC
-        assert list((disk / "dst" / "item").iterdir()) == []  # no out.bin.cachepipe.tmp left

@@ -9,6 +9,7 @@ written by two processes at once; the file at the final name is whole or absent,
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
@@ -32,6 +33,7 @@ from cachepipe.manifest import index, read_manifest
 from cachepipe.service.api import ApiServer
 from cachepipe.service.config import ServiceConfig
 from cachepipe.service.testing import DaemonProcess
+from cachepipe.stores.fsspec import FsspecStore
 
 KIB = 1024
 
@@ -289,3 +291,17 @@ def test_a_daemon_never_replaces_the_socket_another_published_since_its_check(sh
         api.close()
         other.close()
     assert os.path.exists(sock) and sorted(p.name for p in short_dir.iterdir()) == ["api.sock"]  # ours removed
+
+
+def test_an_upload_to_a_full_local_destination_names_the_file_and_leaves_no_temporary_file(tmp_path):
+    """A local destination (``cachepipe map``'s DST, ``index -o``'s via a store) that filled up
+    under an upload raised a bare "[Errno 28] No space left on device", naming no file: which
+    DST, which output? Now the error names it; the file being written is removed."""
+    local = tmp_path / "out.bin"
+    local.write_bytes(os.urandom(200 * KIB))
+    with mounted(tmp_path / "disk", ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tmp_path / "disk")]) as disk:
+        store = FsspecStore(str(disk / "dst"))
+        with pytest.raises(OSError, match=rf"No space left on device: {re.escape(str(disk))}/dst/item/out.bin") as err:
+            store.put(local, "item/out.bin")
+        assert err.value.errno == errno.ENOSPC
+        assert list((disk / "dst" / "item").iterdir()) == []  # no out.bin.cachepipe.tmp left
