@@ -19,7 +19,9 @@ retries them) and is replaced at the next request.
 Each worker is a fresh interpreter (``python -m cachepipe.downloads FD``), not a fork (the
 parent runs threads: a fork would copy held locks) nor multiprocessing's spawn (which imports
 the caller's ``__main__`` again). :meth:`DownloadWorkers.close` stops them; none outlives it, and
-a worker exits by itself when its parent dies (its end of the pipe closes).
+a worker exits by itself when its parent dies (its end of the pipe closes): it drops the requests
+it had queued and aborts those under way, since a killed pipeline's staging paths may be the next
+owner's by then (it would open them by name and write into them).
 :meth:`DownloadWorkers.abort` (a closing pipeline) has each worker abort its store: its requests
 in flight fail at once as the store's ``abort`` cuts them, so that the close after it is prompt.
 """
@@ -257,12 +259,14 @@ def _serve(conn: Connection) -> None:
                 pass  # the parent is gone
 
     pool = ThreadPoolExecutor(threads, thread_name_prefix="cachepipe-get")
+    orphaned = False
     try:
         while True:
             try:
                 request = conn.recv()
             except (EOFError, OSError):
-                break  # the parent is gone
+                orphaned = True  # the parent is gone (killed): what it asked for is wanted no more
+                break
             if request is None:
                 break
             if request == "abort":
@@ -270,7 +274,11 @@ def _serve(conn: Connection) -> None:
                 continue
             pool.submit(handle, *request)
     finally:
-        pool.shutdown(wait=True)
+        if orphaned:
+            # Its staging paths may be the next owner's by now: a queued request would open one
+            # by name and write into it. Those queued are dropped, those under way aborted.
+            abort_store(store)
+        pool.shutdown(wait=True, cancel_futures=orphaned)
         store.close()
         conn.close()
 

@@ -165,8 +165,15 @@ def write_manifest(
                 raise ConfigError(f"manifest {where!r}: the store of {root!r} cannot be written to; write it to a local path")
             with tempfile.TemporaryDirectory(prefix="cachepipe-index-") as tmp:
                 local = Path(tmp, key)
-                with local.open("wb") as fh:
-                    write_catalog(fh, header, catalog)
+                try:
+                    with local.open("wb") as fh:
+                        write_catalog(fh, header, catalog)
+                except OSError as exc:  # a full temporary folder: said with the path, not as a bare errno
+                    if type(exc) is not OSError or exc.filename is not None:
+                        raise
+                    raise OSError(
+                        exc.errno, f"{exc.strerror}: cannot write {str(local)!r}, the copy of {where} to upload"
+                    ) from exc
                 put(local, key)
         finally:
             store.close()

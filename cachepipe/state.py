@@ -27,12 +27,15 @@ cut back to the last whole line (:meth:`Journal.append`). Any other damage makes
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import gzip
 import io
 import json
 import os
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -365,27 +368,64 @@ def load_catalog(path: Path, source: str, mode: str) -> Catalog | None:
         return None
 
 
-def atomic_write(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same folder, ``fsync`` and
-    ``os.replace``; the temporary file is removed on any error. ``data`` is the bytes, or a
-    function that writes them to the open file. Every write is an ``os.write`` call (a full
-    disk raises at the call that met it)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+def open_temp(temp: str, unique: Callable[[], str], mode: int = 0o666) -> tuple[int, str]:
+    """Open the temporary file ``temp`` (beside the file it will be renamed to) for writing,
+    locked (``flock``): its descriptor and its name. The caller truncates it (it may hold what a
+    killed writer wrote), writes, renames it over its target and then closes it.
+
+    The name is the same at every write of a target, so the file a killed writer left (a SIGKILL
+    leaves it; an exception removes it) is reused by the next write, not left for good; a second
+    writer of the same target at the same time waits for the first, instead of truncating and
+    writing into the file the first one is about to rename. On a filesystem without locks
+    (``ENOLCK``) a file of the name ``unique()`` is created instead, which a killed writer leaves."""
+    while True:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         try:
-            out = _FdWriter(fd)
-            if callable(data):
-                data(out)  # type: ignore[arg-type]
-            else:
-                out.write(data)
-            os.fsync(fd)
-        finally:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.path.samestat(os.fstat(fd), os.stat(temp, follow_symlinks=False)):
+                return fd, temp  # locked, and still the file of that name (a writer before may have renamed or removed it)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
             os.close(fd)
+            if exc.errno != errno.ENOLCK:
+                raise
+            temp = unique()  # no locks on this filesystem
+            return os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode), temp
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same folder (``.NAME.tmp``, locked
+    while written: :func:`open_temp`), ``fsync`` and ``os.replace``; the temporary file is removed
+    on any error. ``data`` is the bytes, or a function that writes them to the open file. Every
+    write is an ``os.write`` call (a full disk raises at the call that met it, as an
+    :class:`OSError` naming ``path``)."""
+
+    def unique() -> str:
+        return str(path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"))
+
+    fd, tmp = open_temp(str(path.with_name(f".{path.name}.tmp")), unique, 0o644)
+    try:
+        os.ftruncate(fd, 0)  # what a killed writer wrote
+        out = _FdWriter(fd)
+        if callable(data):
+            data(out)  # type: ignore[arg-type]
+        else:
+            out.write(data)
+        os.fsync(fd)
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as exc:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if type(exc) is OSError and exc.filename is None:  # a write's or fsync's: a full disk, said with the path
+            raise OSError(exc.errno, f"{exc.strerror or exc}: cannot write {str(path)!r}") from exc
         raise
+    finally:
+        os.close(fd)
 
 
 class _FdWriter(io.RawIOBase):

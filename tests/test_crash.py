@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
+import select
+import signal
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+from conftest import via
 from sampling import Sampler
+from waiting import wait_until
 from zygote import Zygote
 
 from cachepipe import ConfigError, Pipeline
@@ -241,3 +246,63 @@ def test_resume_skips_acked_items_without_relisting(s3_source, tmp_path):
         Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options, resume=True, relist=True).open()
     with Pipeline(s3_source.url, cache, "1MiB", storage_options=s3_source.options) as pipe:
         assert len(list(pipe)) == 5  # without resume: a new pass over the new listing
+
+
+_ORPHANED_WORKERS = """
+import json, sys, threading
+from cachepipe.downloads import DownloadWorkers
+
+url, options, size, a, b = json.loads(sys.argv[1])
+workers = DownloadWorkers(url, options, processes=1, threads=1)
+threading.Thread(target=workers.get, args=("a.bin", a, 0, size, True), daemon=True).start()
+sys.stdin.readline()  # the test saw the GET of a.bin held at the proxy
+threading.Thread(target=workers.get, args=("b.bin", b, 0, size, True), daemon=True).start()
+worker = workers._workers[0]  # read, not changed: when b.bin's request is sent too (queued there: one thread)
+while len(worker.pending) < 2:
+    threading.Event().wait(0.005)
+with worker.lock:  # taken by the send of b.bin's request until it is written to the worker's pipe
+    pass
+print(worker.process.pid, flush=True)
+threading.Event().wait()
+"""
+
+
+def test_a_download_worker_whose_parent_was_killed_writes_nothing_more(s3_source, fault_proxy, tmp_path):
+    """A download worker (``download_processes``) whose pipeline process was killed ran the
+    requests it had queued: each opened its staging path by name and wrote an object's bytes
+    there, after the next owner of the cache may have made that path its own staging file (it
+    counts the bytes it writes, so bytes written over them were not noticed). The worker now
+    drops its queued requests when its parent is gone and aborts those under way."""
+    proxy, endpoint = fault_proxy
+    size = 64 * KIB
+    s3_source.put("a.bin", random.Random(1).randbytes(size))
+    s3_source.put("b.bin", random.Random(2).randbytes(size))
+    gate = threading.Event()
+    proxy.hold(lambda head: "a.bin" in head.split("\r\n", 1)[0], gate)
+    args = [s3_source.url, via(s3_source, endpoint), size, str(tmp_path / "a"), str(tmp_path / "b")]
+    child = subprocess.Popen(
+        [sys.executable, "-c", _ORPHANED_WORKERS, json.dumps(args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    pidfd = -1
+    try:
+        assert child.stdin is not None and child.stdout is not None
+        wait_until(lambda: any("a.bin" in head.split("\r\n", 1)[0] for head in proxy.requests), 60, "the GET of a.bin")
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        worker = int(child.stdout.readline())
+        pidfd = os.pidfd_open(worker)
+        child.send_signal(signal.SIGKILL)
+        child.wait(60)
+        gate.set()  # a.bin's GET goes on, if the worker still waits for it
+        assert select.select([pidfd], [], [], 60)[0], "the orphaned worker did not exit"
+    finally:
+        gate.set()
+        child.kill()
+        child.wait()
+        for stream in (child.stdin, child.stdout):
+            if stream is not None:
+                stream.close()
+        if pidfd >= 0:
+            os.close(pidfd)
+    assert not (tmp_path / "b").exists()  # before: the queued request created and wrote it
+    assert not any("b.bin" in head.split("\r\n", 1)[0] for head in proxy.requests)

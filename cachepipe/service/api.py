@@ -232,7 +232,9 @@ class ApiServer:
 
         Until then it listened under a temporary name in the same directory, so the socket
         file never exists without a daemon ready to answer on it (a client finds either no
-        socket, or one that serves). The rename is atomic and keeps the mode and group.
+        socket, or one that serves). The new name is a hard link made atomically, then the
+        temporary one is removed: the socket keeps its mode and group, and a socket another
+        daemon published meanwhile is not replaced (the link fails).
 
         Raises:
             OSError: a live daemon started serving on the path meanwhile.
@@ -241,7 +243,13 @@ class ApiServer:
         if self._path is None or self._path == path:
             return
         _clear_stale(path)
-        os.rename(self._path, path)
+        try:  # not a rename: that would replace a socket another daemon put there since the check
+            os.link(self._path, path)
+        except FileExistsError:
+            raise OSError(
+                errno.EADDRINUSE, f"socket {str(path)!r} is in use: another cachepipe daemon started serving on it"
+            ) from None
+        os.unlink(self._path)  # a daemon killed before this leaves it: removed at the next start (bind)
         self._path = path
 
     def _loop(self) -> None:

@@ -162,7 +162,7 @@ class _Handler(BaseHTTPRequestHandler):
             status, code = _error_for(exc)
             if status == 500:
                 log.exception("%s %s failed", method, path)
-            elif code in DAEMON_STORE_CODES:  # the store's failure, not ours: its message names the store and the cause
+            elif code in DAEMON_STORE_CODES or status == 507:  # the store's failure or a full disk: the message names it
                 log.warning("%s %s: %d %s: %s", method, path, status, code, exc)
             extra = {"Allow": ", ".join(allowed)} if status == 405 else {}
             try:

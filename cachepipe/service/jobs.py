@@ -18,17 +18,21 @@ source: at different moments, so possibly over different objects. Instead the jo
 lists it once and every rank uploads that manifest to its node's daemon (``PUT
 /v1/manifests``, kept under ``root/.manifests/DIGEST.json.gz``, its digest checked against its
 content); the spec then names it by digest (``"catalog": DIGEST``), and every node plans from
-the same catalog.
+the same catalog. Each is written to a temporary name there (``.upload-*``, ``.index-*``) and
+renamed once checked; those of a daemon killed meanwhile are removed by the next write there
+when no other is under way, also of another daemon on the same root (:meth:`Jobs._manifests`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import re
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -160,18 +164,25 @@ class Jobs:
             ValueError: not a manifest, or one of a source this daemon's jobs may not read.
             ClientGone: the client sent fewer than ``length`` bytes.
         """
-        folder = self.config.root / ".manifests"
-        folder.mkdir(parents=True, exist_ok=True)
+        with self._manifests() as folder:
+            return self._upload(folder, body, length)
+
+    def _upload(self, folder: Path, body: BinaryIO, length: int) -> dict[str, Any]:
         fd, tmp = tempfile.mkstemp(prefix=".upload-", suffix=".json.gz", dir=folder)
         try:
-            with os.fdopen(fd, "wb") as out:
-                left = length
-                while left:
-                    chunk = body.read(min(left, 1 << 20))
-                    if not chunk:
-                        raise ClientGone(f"the client closed the connection after {length - left} of {length} bytes")
-                    out.write(chunk)
-                    left -= len(chunk)
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    left = length
+                    while left:
+                        chunk = body.read(min(left, 1 << 20))
+                        if not chunk:
+                            raise ClientGone(f"the client closed the connection after {length - left} of {length} bytes")
+                        out.write(chunk)
+                        left -= len(chunk)
+            except OSError as exc:
+                if type(exc) is not OSError or exc.filename is not None:
+                    raise
+                raise OSError(exc.errno, f"{exc.strerror}: cannot keep the uploaded manifest in {str(folder)!r}") from exc
             try:
                 manifest = read_manifest(tmp)
             except ConfigError as exc:
@@ -199,21 +210,47 @@ class Jobs:
         if items not in ("folders", "files"):
             raise ValueError(f"items {items!r}: expected 'folders' or 'files'")
         self._check_sources(JobSpec(source=source, world_size=1, ranks=[0]))
-        folder = self.config.root / ".manifests"
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".index-", suffix=".json.gz", dir=folder)
-        os.close(fd)
-        try:
-            options = self.config.options
-            retry = {k: options.get(k, PipelineConfig.model_fields[k].default) for k in _RETRY_OPTIONS}
-            manifest = index(source, tmp, items, options.get("storage_options"), **retry)  # type: ignore[arg-type]
-            os.replace(tmp, folder / f"{manifest.digest}.json.gz")
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        with self._manifests() as folder:
+            fd, tmp = tempfile.mkstemp(prefix=".index-", suffix=".json.gz", dir=folder)
+            os.close(fd)
+            try:
+                options = self.config.options
+                retry = {k: options.get(k, PipelineConfig.model_fields[k].default) for k in _RETRY_OPTIONS}
+                manifest = index(source, tmp, items, options.get("storage_options"), **retry)  # type: ignore[arg-type]
+                os.replace(tmp, folder / f"{manifest.digest}.json.gz")
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
         log.info("listed %s for jobs: manifest %s, %d items", source, manifest.digest, len(manifest.catalog))
         return {"catalog": manifest.digest, "source": manifest.source, "items": manifest.items, "count": len(manifest.catalog)}
+
+    @contextlib.contextmanager
+    def _manifests(self) -> Iterator[Path]:
+        """``root/.manifests``, made if need be, to write a manifest into: its temporary files
+        (``.upload-*``, ``.index-*``: every name there that begins with a dot) are this writer's
+        while it holds the folder's lock (``flock``, shared). Before it takes it, those of writers
+        that are gone (a daemon killed during an upload or a listing) are removed, if no other
+        writer, of this daemon or of another on the same root, is under way: that takes the lock
+        exclusively, and is skipped while it cannot (a later write removes them)."""
+        folder = self.config.root / ".manifests"
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pass  # another writer is under way
+            else:
+                for entry in os.scandir(folder):
+                    if entry.name.startswith(".") and entry.is_file(follow_symlinks=False):
+                        log.info("removing %s, left in %s by a daemon that was killed while writing it", entry.name, folder)
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(entry.path)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            yield folder
+        finally:
+            os.close(fd)
 
     def manifest_bytes(self, digest: str) -> bytes:
         """The bytes of manifest ``digest``.

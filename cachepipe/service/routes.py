@@ -7,6 +7,7 @@ in :mod:`cachepipe.service.api`, and served by :mod:`cachepipe.service.handler`.
 
 from __future__ import annotations
 
+import errno
 import re
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
@@ -92,6 +93,8 @@ def _error_for(exc: BaseException) -> tuple[int, str]:
     store = _store_answer(exc)  # before TimeoutError: a store's timeout is not a wait that ran out (408)
     if store is not None:
         return store
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the daemon's disk is full: not its fault
+        return 507, "insufficient_storage"
     for kind, status, code in (
         (UnknownPipelineError, 404, "not_found"),
         (UnknownItemError, 409, "lease_conflict"),

@@ -117,6 +117,8 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool, first:
         return store_code(TimeoutError(f"timed out talking to {endpoint} for {where}: {exc}"), None, endpoint)
     if refused or isinstance(exc, ConnectionError) or name in _CONNECTION_NAMES:
         return store_code(ConnectionError(f"connection to {endpoint} failed for {where}: {name}: {exc}"), None, endpoint)
+    if type(exc) is OSError and exc.errno is not None and exc.filename is None:  # a local write's: a full disk, named
+        return OSError(exc.errno, f"{exc.strerror}: {where}")
     if isinstance(exc, OSError):
         return exc
     if any(type(err).__name__ in _UNPARSED for err in chain):  # a 2xx answer that is not S3's XML: a web page

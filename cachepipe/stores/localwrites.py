@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import uuid
 from collections.abc import Sequence
 from typing import BinaryIO
 
 from ..fscalls import sync_folder
+from ..state import open_temp
 from .base import TEMP_SUFFIX, read_local
 
 __all__ = ["delete_local", "put_local"]
@@ -30,27 +30,9 @@ def put_local(src: BinaryIO, path: str, where: str) -> None:
     left (a SIGKILL leaves it; an exception removes it) is overwritten by the next put of that
     path, not left for good. It is locked (``flock``) while it is written: a second put of the
     same path at the same time waits for the first. On a filesystem without locks (``ENOLCK``) the
-    name is made unique instead (``<path>.cachepipe-<id>.tmp``), and a killed upload leaves it."""
-    temp = path + TEMP_SUFFIX
-    while True:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if os.path.samestat(os.fstat(fd), os.stat(temp, follow_symlinks=False)):
-                break  # locked, and still the file of that name (a put before may have renamed or removed it)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno != errno.ENOLCK:
-                raise
-            temp = f"{path}.cachepipe-{uuid.uuid4().hex[:12]}.tmp"  # no locks on this filesystem
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-            break
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
+    name is made unique instead (``<path>.cachepipe-<id>.tmp``), and a killed upload leaves it
+    (:func:`~cachepipe.state.open_temp`)."""
+    fd, temp = open_temp(path + TEMP_SUFFIX, lambda: f"{path}.cachepipe-{uuid.uuid4().hex[:12]}.tmp")
     try:
         os.ftruncate(fd, 0)  # what a killed upload wrote
         with open(fd, "wb", closefd=False) as dst:

@@ -1,0 +1,307 @@
+"""The files cachepipe writes outside its cache's journal: a manifest (``cachepipe index -o``,
+the copies under a DataLoader's ``cache_dir``), the daemon's ``jobs.root/.manifests``.
+
+Each is killed (SIGKILL, at a point the test holds), run out of disk (a real small tmpfs) and
+written by two processes at once; the file at the final name is whole or absent, never half
+(``state.atomic_write``: a locked temporary file beside it, renamed once whole).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from mounts import mounted
+from waiting import wait_until
+
+from cachepipe.cli import main
+from cachepipe.client import ServiceError
+from cachepipe.jobclient import JobClient
+from cachepipe.manifest import index, read_manifest
+from cachepipe.service.api import ApiServer
+from cachepipe.service.config import ServiceConfig
+from cachepipe.service.testing import DaemonProcess
+from cachepipe.stores.fsspec import FsspecStore
+
+KIB = 1024
+
+
+def _dataset(root: Path, names: list[str]) -> str:
+    for name in names:
+        (root / name).mkdir(parents=True)
+        (root / name / "a.txt").write_text(f"{name} a")
+    return root.as_uri() + "/"
+
+
+def _cli(*args: str, **kw) -> subprocess.Popen:
+    """``cachepipe ARGS`` as a subprocess (the cachepipe this process imported: PYTHONPATH passed on)."""
+    return subprocess.Popen([sys.executable, "-m", "cachepipe.cli", *args], stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _waits_on_a_lock(pid: int) -> bool:
+    """Whether process ``pid`` is blocked waiting for a ``flock`` (a ``->`` line of /proc/locks)."""
+    with open("/proc/locks") as fh:
+        return any("->" in line and line.split()[5] == str(pid) for line in fh)
+
+
+def test_two_index_runs_to_one_path_leave_the_second_s_manifest_whole(tmp_path):
+    """Two ``cachepipe index -o`` to one path at once: both wrote the same temporary name
+    (``.NAME.tmp``), opened with ``O_TRUNC``: the second truncated the file the first was
+    writing and wrote its own into it; the first renamed the mix to the final name (and its
+    later writes went into that file). Now the temporary file is locked while written: the
+    second waits for the first, then writes its own whole."""
+    first_src = _dataset(tmp_path / "first", ["a", "b"])
+    second_src = _dataset(tmp_path / "second", ["c", "d", "e"])
+    path = tmp_path / "m.json.gz"
+    index(first_src, tmp_path / "first.json.gz")
+    first_bytes = (tmp_path / "first.json.gz").read_bytes()
+    temp = tmp_path / ".m.json.gz.tmp"
+    with open(temp, "wb", buffering=0) as fh:  # the first run, under way: its temporary file half written
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        fh.write(first_bytes[: len(first_bytes) // 2])
+        second = _cli("index", second_src, "-o", str(path))
+        wait_until(lambda: second.poll() is not None or _waits_on_a_lock(second.pid), 60, "the second run waiting or done")
+        os.pwrite(fh.fileno(), first_bytes, 0)  # the first run's writes...
+        os.ftruncate(fh.fileno(), len(first_bytes))
+        with contextlib.suppress(FileNotFoundError):  # (before: the second renamed the file away)
+            os.replace(temp, path)  # ...and its rename; its lock goes with the close
+    assert second.wait(60) == 0, second.stderr.read() if second.stderr else ""
+    second.stderr.close()
+    manifest = read_manifest(path)  # before: refused, the gzip stream a mix of both runs'
+    assert manifest.source == second_src and manifest.count == 3
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporary file left
+
+
+_HELD_WRITER = textwrap.dedent(
+    """
+    import os, sys
+    from cachepipe.manifest import index
+
+    calls = []
+
+    def hold(frame, event, arg):  # the second os.write (the first began the gzip header): say so, then wait
+        if event == "c_call" and arg is os.write:
+            calls.append(arg)
+            if len(calls) == 2:
+                sys.setprofile(None)
+                print("held", os.path.getsize(sys.argv[3]), flush=True)
+                sys.stdin.readline()
+
+    sys.setprofile(hold)
+    index(*sys.argv[1:3])
+    """
+)
+
+
+def test_an_index_run_killed_while_writing_leaves_the_earlier_manifest_and_the_next_run_cleans_up(tmp_path):
+    """SIGKILL while ``index -o`` writes: the final name keeps the earlier manifest, whole; the
+    temporary file it left is reused (and renamed) by the next run, not left beside it."""
+    source = _dataset(tmp_path / "src", ["a", "b"])
+    path = tmp_path / "m.json.gz"
+    earlier = index(_dataset(tmp_path / "old", ["z"]), path)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HELD_WRITER, source, str(path), str(tmp_path / ".m.json.gz.tmp")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        held, size = child.stdout.readline().split()
+        assert held == "held" and int(size) > 0  # part of the gzip header written
+        child.send_signal(signal.SIGKILL)
+        child.wait(60)
+    finally:
+        child.kill()
+        child.wait()
+        for stream in (child.stdin, child.stdout):
+            if stream is not None:
+                stream.close()
+    assert (tmp_path / ".m.json.gz.tmp").exists()  # the killed run's
+    assert read_manifest(path).digest == earlier.digest
+    assert main(["index", source, "-o", str(path)]) == 0
+    assert read_manifest(path).count == 2
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["m.json.gz"]
+
+
+def _filled(disk: Path) -> None:
+    with open(disk / "filler.bin", "wb", buffering=0) as fh, contextlib.suppress(OSError):
+        while True:
+            fh.write(b"x" * 4096)
+
+
+def test_an_index_run_on_a_full_disk_names_the_manifest_and_leaves_the_earlier_one(tmp_path, capsys):
+    """A full disk under ``index -o`` said a bare "[Errno 28] No space left on device"; it now
+    names the manifest, the earlier one stays whole and nothing partial is left."""
+    source = _dataset(tmp_path / "src", [f"item{i:04d}" for i in range(300)])
+    with mounted(tmp_path / "disk", ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tmp_path / "disk")]) as disk:
+        earlier = index(_dataset(tmp_path / "old", ["z"]), disk / "m.json.gz")
+        _filled(disk)
+        assert main(["index", source, "-o", str(disk / "m.json.gz")]) == 1
+        err = capsys.readouterr().err
+        assert f"No space left on device: cannot write {str(disk / 'm.json.gz')!r}" in err, err
+        assert read_manifest(disk / "m.json.gz").digest == earlier.digest
+        assert sorted(p.name for p in disk.iterdir()) == ["filler.bin", "m.json.gz"]
+
+
+def _jobs_config(tmp_path: Path, sock: Path, root: Path, source) -> Path:
+    path = tmp_path / "cachepipe.yaml"
+    jobs = {"root": str(root), "capacity": "1MiB", "sources": [source.url], "options": {"storage_options": source.options}}
+    path.write_text(yaml.safe_dump({"socket": str(sock), "jobs": jobs}))
+    return path
+
+
+def _upload_held(sock: Path, body: bytes) -> socket.socket:
+    """``PUT /v1/manifests`` of ``body`` on ``sock`` with all but its last byte sent: the daemon
+    waits for the rest (the caller closes the connection)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(str(sock))
+    head = (
+        f"PUT /v1/manifests HTTP/1.1\r\nHost: cachepipe\r\nContent-Type: application/gzip\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    conn.sendall(head.encode() + body[:-1])
+    return conn
+
+
+def test_a_daemon_killed_during_a_manifest_upload_leaves_nothing_for_good(s3_source, tmp_path, short_dir):
+    """A daemon killed while a manifest was uploaded to it left its temporary file
+    (``jobs.root/.manifests/.upload-XXXX.json.gz``) for good, one more at each such kill. The next
+    manifest written there removes those of writers that are gone (no daemon writes one: the
+    folder's lock), before writing its own."""
+    s3_source.folders(3, {"a.bin": KIB})
+    sock, root = short_dir / "api.sock", tmp_path / "jobs"
+    config = _jobs_config(tmp_path, sock, root, s3_source)
+    mine = index(s3_source.url, tmp_path / "m.json.gz", storage_options=s3_source.options)
+    body = (tmp_path / "m.json.gz").read_bytes()
+    with DaemonProcess(config) as daemon, contextlib.closing(_upload_held(sock, body)):
+        folder = root / ".manifests"
+        wait_until(lambda: folder.is_dir() and list(folder.glob(".upload-*")), 60, "the upload's temporary file")
+        daemon.signal(signal.SIGKILL)
+        assert daemon.proc is not None and daemon.proc.wait(60) == -signal.SIGKILL
+    assert [p.name.startswith(".upload-") for p in folder.iterdir()] == [True]  # what the killed daemon left
+    with (
+        DaemonProcess(config),
+        JobClient("train", {"source": s3_source.url, "world_size": 1, "ranks": [0]}, 0, socket=sock) as lane,
+    ):
+        assert lane.upload_manifest(body) == mine.digest
+    assert sorted(p.name for p in folder.iterdir()) == [f"{mine.digest}.json.gz"]
+
+
+def test_a_manifest_upload_to_a_full_disk_is_refused_naming_the_folder_and_leaves_nothing(s3_source, tmp_path, short_dir):
+    s3_source.folders(3, {"a.bin": KIB})
+    sock = short_dir / "api.sock"
+    mine = index(s3_source.url, tmp_path / "m.json.gz", storage_options=s3_source.options)
+    body = (tmp_path / "m.json.gz").read_bytes()
+    job = {"source": s3_source.url, "world_size": 1, "ranks": [0]}
+    with mounted(tmp_path / "disk", ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tmp_path / "disk")]) as disk:
+        config = _jobs_config(tmp_path, sock, disk / "jobs", s3_source)
+        (disk / "jobs" / ".manifests").mkdir(parents=True)
+        _filled(disk)
+        with DaemonProcess(config), JobClient("train", job, 0, socket=sock) as lane:
+            with pytest.raises(ServiceError) as err:
+                lane.upload_manifest(body)
+            assert err.value.status == 507 and err.value.code == "insufficient_storage"  # before: 500 internal
+            assert f"No space left on device: cannot keep the uploaded manifest in {str(disk / 'jobs' / '.manifests')!r}" in str(
+                err.value
+            )
+            assert sorted(p.name for p in (disk / "jobs" / ".manifests").iterdir()) == []
+            (disk / "filler.bin").unlink()
+            assert lane.upload_manifest(body) == mine.digest
+
+
+def test_two_daemons_on_one_jobs_root_never_remove_each_other_s_upload_under_way(s3_source, tmp_path, short_dir):
+    """The removal of what killed writers left in ``.manifests`` is skipped while another writer
+    is under way (here a second daemon's upload, held for its last byte): it completes."""
+    s3_source.folders(3, {"a.bin": KIB})
+    root = tmp_path / "jobs"
+    mine = index(s3_source.url, tmp_path / "m.json.gz", storage_options=s3_source.options)
+    body = (tmp_path / "m.json.gz").read_bytes()
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = _jobs_config(tmp_path / "one", short_dir / "one.sock", root, s3_source)
+    two = _jobs_config(tmp_path / "two", short_dir / "two.sock", root, s3_source)
+    job = {"source": s3_source.url, "world_size": 1, "ranks": [0]}
+    with DaemonProcess(one), DaemonProcess(two), contextlib.closing(_upload_held(short_dir / "one.sock", body)) as held:
+        wait_until(lambda: list((root / ".manifests").glob(".upload-*")), 60, "the held upload's temporary file")
+        with JobClient("train", job, 0, socket=short_dir / "two.sock") as lane:
+            assert lane.upload_manifest(body) == mine.digest
+        held.sendall(body[-1:])
+        held.settimeout(60)
+        assert held.recv(4096).startswith(b"HTTP/1.1 200 ")
+    assert sorted(p.name for p in (root / ".manifests").iterdir()) == [f"{mine.digest}.json.gz"]
+
+
+def test_an_index_run_to_a_url_whose_temporary_folder_is_full_names_it(tmp_path):
+    """``index -o URL`` writes the manifest to a temporary folder, then uploads it; a full
+    temporary folder said a bare "[Errno 28] No space left on device" (which disk?)."""
+    source = _dataset(tmp_path / "src", [f"item{i:05d}" for i in range(3000)])
+    with mounted(tmp_path / "disk", ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tmp_path / "disk")]) as disk:
+        (disk / "room").write_bytes(b"x" * 4096)
+        _filled(disk)
+        (disk / "room").unlink()  # a page free: Python takes TMPDIR as its temporary folder (it writes a probe file)
+        run = _cli("index", source, "-o", "memory://manifests/m.json.gz", env={**os.environ, "TMPDIR": str(disk)})
+        _, err = run.communicate(timeout=120)
+        assert run.returncode == 1, err
+        copy = rf"'{re.escape(str(disk))}/cachepipe-index-\w+/m.json.gz'"
+        assert re.search(rf"No space left on device: cannot write {copy}, the copy of memory://manifests/m.json.gz", err), err
+        assert sorted(p.name for p in disk.iterdir()) == ["filler.bin"]
+
+
+def test_a_daemon_never_replaces_the_socket_another_published_since_its_check(short_dir, tmp_path):
+    """A daemon checks that no live daemon serves on its socket path, then gives its socket that
+    name. It did so by a rename, which replaced a socket another daemon (started at the same
+    moment) published in between: that one served on, unreachable. Now the name is a link,
+    which fails on an existing one: the second to publish is refused, the first stays."""
+    sock = short_dir / "api.sock"
+    pipeline = {"source": str(tmp_path / "src"), "cache_dir": str(tmp_path / "cache"), "capacity": "1MiB"}
+    api = ApiServer(SimpleNamespace(running=True), ServiceConfig(socket=sock, pipelines={"p": pipeline}, markers=False))
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    published: list[int] = []
+
+    def the_other_publishes(frame, event, arg) -> None:  # at the call that names our socket: in between
+        if event == "c_call" and arg in (os.rename, os.link):
+            sys.setprofile(None)
+            other.bind(str(sock))
+            other.listen()
+            published.append(os.stat(sock).st_ino)
+
+    try:
+        api.bind()
+        api.serve()
+        sys.setprofile(the_other_publishes)
+        try:
+            with pytest.raises(OSError, match=r"is in use: another cachepipe daemon started serving on it"):
+                api.publish()
+        finally:
+            sys.setprofile(None)
+        assert [os.stat(sock).st_ino] == published  # the other's socket, still at the path
+    finally:
+        api.close()
+        other.close()
+    assert os.path.exists(sock) and sorted(p.name for p in short_dir.iterdir()) == ["api.sock"]  # ours removed
+
+
+def test_an_upload_to_a_full_local_destination_names_the_file_and_leaves_no_temporary_file(tmp_path):
+    """A local destination (``cachepipe map``'s DST, ``index -o``'s via a store) that filled up
+    under an upload raised a bare "[Errno 28] No space left on device", naming no file: which
+    DST, which output? Now the error names it; the file being written is removed."""
+    local = tmp_path / "out.bin"
+    local.write_bytes(os.urandom(200 * KIB))
+    with mounted(tmp_path / "disk", ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tmp_path / "disk")]) as disk:
+        store = FsspecStore(str(disk / "dst"))
+        with pytest.raises(OSError, match=rf"No space left on device: {re.escape(str(disk))}/dst/item/out.bin") as err:
+            store.put(local, "item/out.bin")
+        assert err.value.errno == errno.ENOSPC
+        assert list((disk / "dst" / "item").iterdir()) == []  # no out.bin.cachepipe.tmp left
