@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import gzip
 import io
 import json
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import IO, Any, BinaryIO
 
 from .catalog import Catalog
+from .fscalls import open_temp
 
 __all__ = [
     "EVENT_OVERHEAD",
@@ -366,36 +366,6 @@ def load_catalog(path: Path, source: str, mode: str) -> Catalog | None:
             return read_catalog_items(fh, header, where)
     except FileNotFoundError:
         return None
-
-
-def open_temp(temp: str, unique: Callable[[], str], mode: int = 0o666) -> tuple[int, str]:
-    """Open the temporary file ``temp`` (beside the file it will be renamed to) for writing,
-    locked (``flock``): its descriptor and its name. The caller truncates it (it may hold what a
-    killed writer wrote), writes, renames it over its target and then closes it.
-
-    The name is the same at every write of a target, so the file a killed writer left (a SIGKILL
-    leaves it; an exception removes it) is reused by the next write, not left for good; a second
-    writer of the same target at the same time waits for the first, instead of truncating and
-    writing into the file the first one is about to rename. On a filesystem without locks
-    (``ENOLCK``) a file of the name ``unique()`` is created instead, which a killed writer leaves."""
-    while True:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if os.path.samestat(os.fstat(fd), os.stat(temp, follow_symlinks=False)):
-                return fd, temp  # locked, and still the file of that name (a writer before may have renamed or removed it)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno != errno.ENOLCK:
-                raise
-            temp = unique()  # no locks on this filesystem
-            return os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode), temp
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
 
 
 def atomic_write(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:
