@@ -35,7 +35,10 @@ class _JobDesk(_DaemonState):
 
     def register_job(self, name: str, spec: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
         """Register job ``name`` (see :meth:`.jobs.Jobs.register`); ``(created, description)``."""
-        return self._job_registry().register(name, spec)
+        try:
+            return self._job_registry().register(name, spec)
+        except RuntimeError as exc:  # its pipeline closed while it opened: the daemon stops
+            raise self._stopped_under(exc, f"register job {name!r}") from exc
 
     def delete_job(self, name: str) -> None:
         """End job ``name`` and delete its items (see :meth:`.jobs.Jobs.delete`)."""

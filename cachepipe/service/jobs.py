@@ -87,6 +87,10 @@ class Jobs:
         self._lock = threading.Lock()  # guards _jobs; registration opens a pipeline under it
         self._jobs: dict[str, _Job] = {}
         self._closed = False
+        # The pipeline register() opens (under _lock, which close() waits for): close() closes it
+        # first, which aborts its listing, so a stop does not wait for a store that stopped answering.
+        self._opening: NodePipeline | None = None
+        self._opening_lock = threading.Lock()
 
     def register(self, name: str, body: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
         """Create job ``name`` from ``body`` (a :class:`JobSpec`), or check it against the
@@ -137,7 +141,15 @@ class Jobs:
                 num_workers=spec.num_workers,
                 **options,
             )
-            pipeline.open()
+            with self._opening_lock:
+                if self._closed:
+                    raise StoppingError("the daemon is stopping")
+                self._opening = pipeline
+            try:
+                pipeline.open()  # raises RuntimeError if close() closed it meanwhile
+            finally:
+                with self._opening_lock:
+                    self._opening = None
             job = _Job(name, spec, pipeline)
             self._jobs[name] = job
             log.info("job %s registered: %s, ranks %s of %d", name, spec.source, spec.ranks, spec.world_size)
@@ -382,6 +394,10 @@ class Jobs:
 
     def close(self) -> None:
         """Close every job, keeping its items for a later registration. Idempotent."""
+        with self._opening_lock:
+            self._closed, opening = True, self._opening
+        if opening is not None:
+            opening.close()  # its open() raises, and register() lets go of _lock
         with self._lock:
             self._closed = True
             jobs, self._jobs = list(self._jobs.values()), {}
