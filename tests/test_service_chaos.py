@@ -13,6 +13,7 @@ from test_jobs_api import one_rank_job
 from test_service import raw_request
 from waiting import wait_until
 
+from cachepipe.client import Client
 from cachepipe.service.testing import DaemonProcess
 
 
@@ -29,7 +30,7 @@ def test_a_stop_ends_a_job_registration_whose_listing_gets_no_answer(s3_source, 
     with silent() as (endpoint, asked):
         config, spec = one_rank_job(s3_source, tmp_path, sock, storage_options=via(s3_source, endpoint))
         body = json.dumps(spec).encode()
-        with DaemonProcess(config) as daemon:
+        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon:
 
             def register() -> None:
                 put = b"PUT /v1/jobs/train HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
@@ -46,3 +47,35 @@ def test_a_stop_ends_a_job_registration_whose_listing_gets_no_answer(s3_source, 
     status, answer = answers[0]
     assert status == 503 and answer.get("error") == "stopping", answers
     assert "Traceback" not in daemon.log()
+
+
+def test_a_job_registration_listing_holds_neither_the_status_nor_the_stop(s3_source, tmp_path, short_dir):
+    # A job's registration held the jobs' lock while it listed its source, and every other use
+    # of the jobs waited for it: `cachepipe status`, the other jobs' lanes, and the daemon's
+    # main loop, which checks the jobs' caches every status_interval, so that it did not even
+    # see a SIGTERM until the listing's read timeout (a chaos run: no "stopping (signal)" for
+    # 40 s, under a stalled store). The registration now lists without that lock.
+    s3_source.folders(2, {"a.bin": 100})
+    sock = short_dir / "api.sock"
+    answers: list[tuple[int, dict]] = []
+    with silent() as (endpoint, asked):
+        config, spec = one_rank_job(s3_source, tmp_path, sock, storage_options=via(s3_source, endpoint))
+        config.write_text(config.read_text() + "status_interval: 0.1\n")  # the main loop checks the jobs' caches often
+        body = json.dumps(spec).encode()
+        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon:
+
+            def register() -> None:
+                put = b"PUT /v1/jobs/train HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+                answers.append(raw_request(sock, put, timeout=120))
+
+            registering = threading.Thread(target=register)
+            registering.start()
+            try:
+                wait_until(asked.is_set, what="the job's listing request")
+                with Client(socket=str(sock), request_timeout=20) as admin:
+                    assert admin.status()["jobs"] == {}  # before: no answer until the listing timed out
+                assert daemon.stop(timeout=20) == 0
+            finally:
+                registering.join()
+    assert [status for status, _ in answers] == [503], answers
+    assert "stopping (signal)" in daemon.log() and "Traceback" not in daemon.log()
