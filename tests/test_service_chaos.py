@@ -4,16 +4,20 @@ subprocess over the moto server, faults at the network (the fault proxy, a silen
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 
+import pytest
+import yaml
 from conftest import via
 from faultproxy import silent
-from test_jobs_api import one_rank_job
+from mounts import mounted
+from test_jobs_api import one_rank_job, register
 from test_service import raw_request
 from waiting import wait_until
 
-from cachepipe.client import Client
+from cachepipe.client import Client, ServiceError
 from cachepipe.service.testing import DaemonProcess
 
 
@@ -79,3 +83,31 @@ def test_a_job_registration_listing_holds_neither_the_status_nor_the_stop(s3_sou
                 registering.join()
     assert [status for status, _ in answers] == [503], answers
     assert "stopping (signal)" in daemon.log() and "Traceback" not in daemon.log()
+
+
+def test_a_job_registered_while_its_disk_is_full_is_answered_503_and_registers_once_there_is_room(s3_source, tmp_path, short_dir):
+    # Another writer filled the disk of jobs.root: the job's pipeline could not write its state
+    # when it opened (ENOSPC), and the registration was answered 500 internal with a traceback
+    # in the log (a chaos run). It is answered 503 unavailable, saying the disk is full; the lane
+    # registers once there is room.
+    s3_source.folders(2, {"a.bin": 100})
+    sock = short_dir / "api.sock"
+    with mounted(tmp_path / "disk", ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(tmp_path / "disk")]) as disk:
+        config, spec = one_rank_job(s3_source, tmp_path, sock)
+        jobs = yaml.safe_load(config.read_text())
+        jobs["jobs"]["root"], jobs["jobs"]["capacity"] = str(disk / "jobs"), "128KiB"
+        config.write_text(yaml.safe_dump(jobs))
+        filler = disk / "other-writer.bin"
+        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon:
+            # the disk full, as another writer leaves it
+            with open(filler, "wb", buffering=0) as out, contextlib.suppress(OSError):
+                while True:
+                    out.write(b"\0" * 4096)
+            with pytest.raises(ServiceError) as refused:
+                register(sock, "train", spec)
+            assert refused.value.status == 503 and refused.value.code == "unavailable", refused.value
+            assert "No space left on device" in str(refused.value) and "full" in str(refused.value)
+            filler.unlink()
+            assert register(sock, "train", spec)["job"] == "train"
+            assert daemon.stop() == 0
+    assert "Traceback" not in daemon.log()
