@@ -3,17 +3,19 @@ and delete a job, take and consume a lane's steps, and the manifests jobs plan f
 
 Invariant: every job operation fails with ``StoppingError`` (503 ``stopping``: the lane asks
 the next daemon) once the daemon is not serving, and with ``UnknownPipelineError`` when it has
-no ``jobs`` section; a lane's wait is capped by ``max_wait``. :class:`_JobDesk` is a base class
+no ``jobs`` section; a lane's wait is capped by ``max_wait``; a registration that meets a full
+disk (``ENOSPC``, ``EDQUOT``) fails with ``UnavailableError`` (503 ``unavailable``), not 500. :class:`_JobDesk` is a base class
 of :class:`~cachepipe.service.daemon.Daemon`, not used alone.
 """
 
 from __future__ import annotations
 
+import errno
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..errors import CachePipeError
 from ..plan import Cursor
-from .errors import StoppingError, UnknownPipelineError
+from .errors import StoppingError, UnavailableError, UnknownPipelineError
 from .jobs import Jobs
 from .served import _RUNNING, _DaemonState
 
@@ -35,7 +37,19 @@ class _JobDesk(_DaemonState):
 
     def register_job(self, name: str, spec: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
         """Register job ``name`` (see :meth:`.jobs.Jobs.register`); ``(created, description)``."""
-        return self._job_registry().register(name, spec)
+        registry = self._job_registry()
+        try:
+            return registry.register(name, spec)
+        except RuntimeError as exc:  # its pipeline closed while it opened: the daemon stops
+            raise self._stopped_under(exc, f"register job {name!r}") from exc
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            # another writer filled the disk: not the daemon's failure (500), and room may come back
+            raise UnavailableError(
+                f"job {name!r} cannot open its cache under {registry.config.root}: {exc}: the disk is full "
+                "(or the quota reached); register again once there is room"
+            ) from exc
 
     def delete_job(self, name: str) -> None:
         """End job ``name`` and delete its items (see :meth:`.jobs.Jobs.delete`)."""

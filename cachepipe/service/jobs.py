@@ -88,9 +88,11 @@ class Jobs:
     def __init__(self, config: JobsConfig, closer: Closer | None = None) -> None:
         self.config = config
         self._closer = closer or Closer()
-        self._lock = threading.Lock()  # guards _jobs; registration opens a pipeline under it
+        self._lock = threading.Lock()  # guards _jobs, _closed and _opening; never held while a pipeline opens
+        self._registering = threading.Lock()  # one registration at a time, held while its pipeline opens (lists)
         self._jobs: dict[str, _Job] = {}
         self._closed = False
+        self._opening: NodePipeline | None = None  # the pipeline register() opens: close() closes it, aborting its listing
 
     def register(self, name: str, body: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
         """Create job ``name`` from ``body`` (a :class:`JobSpec`), or check it against the
@@ -108,7 +110,7 @@ class Jobs:
         spec = JobSpec.model_validate(body)
         self._check_sources(spec)
         self._closer.wait(f"job/{name}")  # a job of this name dropped: its close ends before it opens again
-        with self._lock:
+        with self._registering, self._lock:
             if self._closed:
                 raise StoppingError("the daemon is stopping")
             job = self._jobs.get(name)
@@ -141,11 +143,24 @@ class Jobs:
                 num_workers=spec.num_workers,
                 **options,
             )
-            pipeline.open()
+            self._opening = pipeline
+            self._lock.release()  # the listing may take minutes: lanes, status and close() go on meanwhile
+            try:
+                pipeline.open()  # raises RuntimeError if close() closed it meanwhile
+            finally:
+                self._lock.acquire()
+                self._opening = None
+            if self._stopped():  # close() came after the open: its jobs did not include this one
+                pipeline.close()
+                raise StoppingError("the daemon is stopping")
             job = _Job(name, spec, pipeline)
             self._jobs[name] = job
             log.info("job %s registered: %s, ranks %s of %d", name, spec.source, spec.ranks, spec.world_size)
             return True, self._describe(job)
+
+    def _stopped(self) -> bool:
+        """Whether close() was called (read again after the lock was let go, see register())."""
+        return self._closed
 
     def _uploaded(self, digest: str) -> Path:
         path = self.config.root / ".manifests" / f"{digest}.json.gz"
@@ -420,8 +435,10 @@ class Jobs:
     def close(self) -> None:
         """Close every job, keeping its items for a later registration. Idempotent."""
         with self._lock:
-            self._closed = True
+            self._closed, opening = True, self._opening
             jobs, self._jobs = list(self._jobs.values()), {}
+        if opening is not None:
+            opening.close()  # its open() raises: register() answers 503 stopping
         for job in jobs:
             job.pipeline.close()
         self._closer.wait_all()
