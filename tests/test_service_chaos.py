@@ -85,10 +85,11 @@ def test_a_job_registration_listing_holds_neither_the_status_nor_the_stop(s3_sou
     assert "stopping (signal)" in daemon.log() and "Traceback" not in daemon.log()
 
 
-def test_a_job_registered_while_its_disk_is_full_is_answered_503_and_registers_once_there_is_room(s3_source, tmp_path, short_dir):
+def test_a_job_registered_while_its_disk_is_full_is_answered_507_and_registers_once_there_is_room(s3_source, tmp_path, short_dir):
     # Another writer filled the disk of jobs.root: the job's pipeline could not write its state
     # when it opened (ENOSPC), and the registration was answered 500 internal with a traceback
-    # in the log (a chaos run). It is answered 503 unavailable, saying the disk is full; the lane
+    # in the log (a chaos run). It is answered 507 insufficient_storage, as every write of the daemon
+    # that meets a full disk, saying the disk is full; the lane
     # registers once there is room.
     s3_source.folders(2, {"a.bin": 100})
     sock = short_dir / "api.sock"
@@ -105,7 +106,7 @@ def test_a_job_registered_while_its_disk_is_full_is_answered_503_and_registers_o
                     out.write(b"\0" * 4096)
             with pytest.raises(ServiceError) as refused:
                 register(sock, "train", spec)
-            assert refused.value.status == 503 and refused.value.code == "unavailable", refused.value
+            assert refused.value.status == 507 and refused.value.code == "insufficient_storage", refused.value
             assert "No space left on device" in str(refused.value) and "full" in str(refused.value)
             filler.unlink()
             assert register(sock, "train", spec)["job"] == "train"

@@ -4,8 +4,9 @@ and delete a job, take and consume a lane's steps, and the manifests jobs plan f
 Invariant: every job operation fails with ``StoppingError`` (503 ``stopping``: the lane asks
 the next daemon) once the daemon is not serving, and with ``UnknownPipelineError`` when it has
 no ``jobs`` section; a lane's wait is capped by ``max_wait``; a registration that meets a full
-disk (``ENOSPC``, ``EDQUOT``) fails with ``UnavailableError`` (503 ``unavailable``), not 500. :class:`_JobDesk` is a base class
-of :class:`~cachepipe.service.daemon.Daemon`, not used alone.
+disk (``ENOSPC``, ``EDQUOT``) fails with an ``OSError`` of that errno naming the job (507
+``insufficient_storage``), not 500. :class:`_JobDesk` is a base class of
+:class:`~cachepipe.service.daemon.Daemon`, not used alone.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..errors import CachePipeError
 from ..plan import Cursor
-from .errors import StoppingError, UnavailableError, UnknownPipelineError
+from .errors import StoppingError, UnknownPipelineError
 from .jobs import Jobs
 from .served import _RUNNING, _DaemonState
 
@@ -45,10 +46,11 @@ class _JobDesk(_DaemonState):
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            # another writer filled the disk: not the daemon's failure (500), and room may come back
-            raise UnavailableError(
+            # another writer filled the disk: not the daemon's failure (500), and room may come back (507)
+            raise OSError(
+                exc.errno,
                 f"job {name!r} cannot open its cache under {registry.config.root}: {exc}: the disk is full "
-                "(or the quota reached); register again once there is room"
+                "(or the quota reached); register again once there is room",
             ) from exc
 
     def delete_job(self, name: str) -> None:
