@@ -340,3 +340,20 @@ def test_an_upload_to_a_full_local_destination_names_the_file_and_leaves_no_temp
             store.put(local, "item/out.bin")
         assert err.value.errno == errno.ENOSPC
         assert list((disk / "dst" / "item").iterdir()) == []  # no out.bin.cachepipe.tmp left
+
+
+def test_writes_on_a_file_system_without_locks_leave_only_their_files(tmp_path, monkeypatch):
+    """Where ``flock`` is refused (``ENOLCK``) a write takes a temporary name of its own; the
+    shared one it had opened to lock was left, empty, beside every file written: a manifest's
+    ``.m.json.gz.tmp``, ``ITEM.cachepipe.tmp`` beside each object put to a local destination."""
+    source = _dataset(tmp_path / "src", ["a", "b"])
+    (tmp_path / "out").mkdir()
+    local = tmp_path / "f.bin"
+    local.write_bytes(b"x" * KIB)
+    monkeypatch.setattr(fcntl, "flock", _flock_as_on("nolock"))
+    index(source, tmp_path / "out" / "m.json.gz")
+    index(source, tmp_path / "out" / "m.json.gz")  # a second write over the first
+    store = FsspecStore(str(tmp_path / "dst"))
+    store.put(local, "item/f.bin")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["m.json.gz"]
+    assert sorted(p.name for p in (tmp_path / "dst" / "item").iterdir()) == ["f.bin"]
