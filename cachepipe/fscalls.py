@@ -46,6 +46,7 @@ memory limit, tmpfs pages swapped out), when the process's other threads would b
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -465,7 +466,8 @@ def open_temp(temp: str, unique: Callable[[], str], mode: int = 0o666) -> tuple[
     leaves it; an exception removes it) is reused by the next write, not left for good; a second
     writer of the same target at the same time waits for the first, instead of truncating and
     writing into the file the first one is about to rename. On a filesystem without locks
-    (``ENOLCK``) a file of the name ``unique()`` is created instead, which a killed writer leaves."""
+    (``ENOLCK``) a file of the name ``unique()`` is created instead, which a killed writer leaves
+    (and ``temp``, opened to be locked, is removed: no writer there uses it)."""
     while True:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         try:
@@ -478,6 +480,8 @@ def open_temp(temp: str, unique: Callable[[], str], mode: int = 0o666) -> tuple[
             os.close(fd)
             if exc.errno != errno.ENOLCK:
                 raise
+            with contextlib.suppress(FileNotFoundError):  # opened to lock (made, if need be): no writer's here
+                os.unlink(temp)
             temp = unique()  # no locks on this filesystem
             return os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode), temp
         except BaseException:

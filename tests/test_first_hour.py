@@ -898,6 +898,9 @@ def test_a_missing_bucket_or_object_of_a_real_store_is_not_said_to_be_another_se
             with pytest.raises(FileNotFoundError) as raised:
                 store.get("missing", io.BytesIO(), 0, 1)
             assert "answer: is" not in str(raised.value)
+            with pytest.raises(FileNotFoundError, match=r"no such bucket|does not exist") as raised:
+                store.check_bucket()  # a HEAD: no body, its code the SDK's
+            assert "answer: is" not in str(raised.value)
         finally:
             store.close()
         real = url.replace("nobucket", "real")

@@ -1,16 +1,22 @@
 """A destination that refuses uploads (``DestinationError``) while the run is already stopping:
-each refusal reaches the user once, whether or not it is the error the run raises."""
+each refusal reaches the user once, whether or not it is the error the run raises. A destination
+endpoint that is not the store's API (a web page) is said to be so."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
 import threading
+from http.server import ThreadingHTTPServer
 
 import pytest
+from test_first_hour import _WebPage
 from test_map import alive
 from waiting import wait_until
+
+from cachepipe.stores import open_store
 
 PUT = "PUT "
 
@@ -113,3 +119,27 @@ def test_refusals_of_the_uploads_a_stop_waits_for_are_told(s3_client, fault_prox
     assert sorted(told) == ["a/g", "b/g"], stderr
     assert all(len(lines) == 1 and lines[0].startswith("cachepipe.map ERROR: uploading") for lines in told.values()), stderr
     assert stderr.splitlines()[-1] == f"cachepipe map: {how}; run the same command again to resume", stderr
+
+
+@pytest.mark.parametrize("status", [404, 403])
+def test_an_upload_to_an_endpoint_that_is_a_web_page_is_named_as_perhaps_not_the_stores_api(tmp_path, status):
+    """An upload (``cachepipe map``'s, to DST) answered by a web server (a console one port off
+    the API) said "not found (404: Not Found)" or "access denied (403: Forbidden)": botocore gives
+    an answer that is not S3's XML its status as a code, so the web-page hint of a listing or a
+    GET was not given (a HEAD's answer has no body to tell: not hinted)."""
+    local = tmp_path / "f"
+    local.write_text("x")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _WebPage)
+    server.status = status  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, name="web-page")
+    thread.start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    store = open_store("s3://bucket/out/", {"endpoint_url": endpoint, "key": "k", "secret": "s", "skip_instance_cache": True})
+    try:
+        with pytest.raises(OSError, match=re.escape(f"not an S3 answer: is {endpoint} the store's S3 API endpoint")):
+            store.put(local, "item/f")
+    finally:
+        store.close()
+        server.shutdown()
+        server.server_close()
+        thread.join()

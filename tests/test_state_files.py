@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import io
 import os
 import re
 import signal
@@ -243,6 +244,40 @@ def test_two_daemons_on_one_jobs_root_never_remove_each_other_s_upload_under_way
     assert sorted(p.name for p in (root / ".manifests").iterdir()) == [f"{mine.digest}.json.gz"]
 
 
+def _flock_as_on(kind: str, real=fcntl.flock):
+    """``fcntl.flock`` as a file system without ``flock`` of its own has it: NFS emulates it with
+    byte-range locks, so an exclusive one needs a descriptor open for writing (EBADF on a folder's,
+    flock(2)); a mount without a lock daemon refuses every lock (ENOLCK)."""
+
+    def flock(fd: int, operation: int) -> None:
+        read_only = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+        if kind == "nolock" or (operation & fcntl.LOCK_EX and read_only):
+            code = errno.ENOLCK if kind == "nolock" else errno.EBADF
+            raise OSError(code, os.strerror(code))
+        real(fd, operation)
+
+    return flock
+
+
+@pytest.mark.parametrize("kind", ["nfs", "nolock"])
+def test_a_manifest_upload_to_a_jobs_root_without_folder_locks_is_kept(s3_source, tmp_path, monkeypatch, kind):
+    """The removal of what killed writers left in ``.manifests`` takes the folder's lock; on NFS
+    (no exclusive lock on a folder) or without locks, every upload failed on it (a daemon's 500)."""
+    from cachepipe.service.jobs import Jobs, JobsConfig
+
+    s3_source.folders(3, {"a.bin": KIB})
+    mine = index(s3_source.url, tmp_path / "m.json.gz", storage_options=s3_source.options)
+    body = (tmp_path / "m.json.gz").read_bytes()
+    root = tmp_path / "jobs"
+    (root / ".manifests").mkdir(parents=True)
+    (root / ".manifests" / ".upload-left.json.gz").write_bytes(b"a killed upload's")
+    jobs = Jobs(JobsConfig(root=root, capacity="1MiB", sources=[s3_source.url], options={"storage_options": s3_source.options}))
+    monkeypatch.setattr(fcntl, "flock", _flock_as_on(kind))
+    assert jobs.upload_manifest(io.BytesIO(body), len(body))["catalog"] == mine.digest
+    # whether another writer is under way cannot be known there: nothing is removed
+    assert sorted(p.name for p in (root / ".manifests").iterdir()) == [".upload-left.json.gz", f"{mine.digest}.json.gz"]
+
+
 def test_an_index_run_to_a_url_whose_temporary_folder_is_full_names_it(tmp_path):
     """``index -o URL`` writes the manifest to a temporary folder, then uploads it; a full
     temporary folder said a bare "[Errno 28] No space left on device" (which disk?)."""
@@ -305,3 +340,20 @@ def test_an_upload_to_a_full_local_destination_names_the_file_and_leaves_no_temp
             store.put(local, "item/out.bin")
         assert err.value.errno == errno.ENOSPC
         assert list((disk / "dst" / "item").iterdir()) == []  # no out.bin.cachepipe.tmp left
+
+
+def test_writes_on_a_file_system_without_locks_leave_only_their_files(tmp_path, monkeypatch):
+    """Where ``flock`` is refused (``ENOLCK``) a write takes a temporary name of its own; the
+    shared one it had opened to lock was left, empty, beside every file written: a manifest's
+    ``.m.json.gz.tmp``, ``ITEM.cachepipe.tmp`` beside each object put to a local destination."""
+    source = _dataset(tmp_path / "src", ["a", "b"])
+    (tmp_path / "out").mkdir()
+    local = tmp_path / "f.bin"
+    local.write_bytes(b"x" * KIB)
+    monkeypatch.setattr(fcntl, "flock", _flock_as_on("nolock"))
+    index(source, tmp_path / "out" / "m.json.gz")
+    index(source, tmp_path / "out" / "m.json.gz")  # a second write over the first
+    store = FsspecStore(str(tmp_path / "dst"))
+    store.put(local, "item/f.bin")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["m.json.gz"]
+    assert sorted(p.name for p in (tmp_path / "dst" / "item").iterdir()) == ["f.bin"]

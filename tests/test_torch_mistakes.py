@@ -167,3 +167,22 @@ def test_a_dataset_made_before_init_process_group_is_refused_when_read(s3_source
         f"and torch.distributed is rank {rank} of 2: make the dataset after init_process_group, or give it rank= and world_size="
         for rank in (0, 1)
     ]
+
+
+@pytest.mark.parametrize("context", [None, "spawn"])
+def test_a_dataset_made_before_init_process_group_under_torchrun_reads_its_own_share(s3_source, ranks, tmp_path, context):
+    """Under torchrun (RANK and WORLD_SIZE set) a dataset made before init_process_group takes its
+    rank from them, which torch.distributed agrees with when it is read: each rank reads its own
+    share, in forked and spawned workers alike (the refusal above is for a launcher that sets
+    none)."""
+    from test_torch import fork_ranks
+
+    data = s3_source.folders(4, {"f": 100})
+    cfg = {"url": s3_source.url, "cache": str(tmp_path / "cache"), "options": s3_source.options}
+    cfg |= {"dist": True, "made_before": True, "context": context}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outputs = fork_ranks(ranks, cfg, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    assert [len(out) for out in outputs] == [2, 2], outputs  # 4 items, one epoch: 2 a rank
+    assert sorted(name for out in outputs for name, _ in out) == sorted(data)

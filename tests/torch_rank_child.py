@@ -18,7 +18,8 @@ them) come in ``cfg["env"]``. ``cfg["kind"]``:
   rank and world size given to ``init_process_group``, not in the environment, as ``mp.spawn``),
   its DataLoader workers started by ``context`` (default: fork); prints the JSON list of its
   samples ``[name, md5]``. ``made_before``: a dataset made before ``init_process_group``
-  (``CachePipeDataset(url, cache, "1MiB")``), read after it; prints the last line of its error.
+  (``CachePipeDataset(url, cache, "1MiB")``), read after it; prints the last line of its error,
+  or the JSON list of its samples.
 - ``"equal"``: ``CachePipeDataset(url, cache, "1MiB", **extra)`` in a ``StatefulDataLoader`` of
   ``batch_size``; prints the JSON list of its batches of ``[worker, name]``.
 """
@@ -91,9 +92,12 @@ def direct(cfg: dict[str, Any]) -> None:
         dist.init_process_group("gloo")
     if made is not None:
         try:
-            list(torch.utils.data.DataLoader(made, batch_size=None, num_workers=2, multiprocessing_context=cfg.get("context")))
+            loader = torch.utils.data.DataLoader(made, batch_size=None, num_workers=2, multiprocessing_context=cfg.get("context"))
+            read = list(loader)
         except Exception as exc:  # noqa: BLE001 - printed for the test to read
             print(json.dumps(str(exc).strip().splitlines()[-1]), flush=True)
+        else:
+            print(json.dumps([list(x) for x in read]), flush=True)
         dist.destroy_process_group()
         return
     ds = CachePipeDataset(

@@ -20,12 +20,14 @@ lists it once and every rank uploads that manifest to its node's daemon (``PUT
 content); the spec then names it by digest (``"catalog": DIGEST``), and every node plans from
 the same catalog. Each is written to a temporary name there (``.upload-*``, ``.index-*``) and
 renamed once checked; those of a daemon killed meanwhile are removed by the next write there
-when no other is under way, also of another daemon on the same root (:meth:`Jobs._manifests`).
+when no other is under way, also of another daemon on the same root (:meth:`Jobs._manifests`;
+not on NFS, which cannot lock a folder so: left there).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -247,22 +249,31 @@ class Jobs:
         while it holds the folder's lock (``flock``, shared). Before it takes it, those of writers
         that are gone (a daemon killed during an upload or a listing) are removed, if no other
         writer, of this daemon or of another on the same root, is under way: that takes the lock
-        exclusively, and is skipped while it cannot (a later write removes them)."""
+        exclusively, and is skipped while it cannot (a later write removes them), and where the
+        folder cannot be locked so (NFS, a mount without locks: a write then leaves them)."""
         folder = self.config.root / ".manifests"
         folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
+            locks = True
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 pass  # another writer is under way
+            except OSError as exc:
+                if exc.errno not in (errno.EBADF, errno.ENOLCK):
+                    raise
+                # NFS locks a folder's descriptor (read-only) shared only (EBADF), a mount without a lock
+                # daemon nothing (ENOLCK): whether another writer is under way cannot be known, so nothing is removed
+                locks = False
             else:
                 for entry in os.scandir(folder):
                     if entry.name.startswith(".") and entry.is_file(follow_symlinks=False):
                         log.info("removing %s, left in %s by a daemon that was killed while writing it", entry.name, folder)
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(entry.path)
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            if locks:
+                fcntl.flock(fd, fcntl.LOCK_SH)
             yield folder
         finally:
             os.close(fd)

@@ -59,7 +59,12 @@ def _s3_error(exc: BaseException) -> tuple[int | None, str | None, str | None]:
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             error = response.get("Error") or {}
             if isinstance(status, int):
-                return status, error.get("Code") or None, error.get("Message") or None
+                code = error.get("Code") or None
+                headers = response["ResponseMetadata"].get("HTTPHeaders") or {}
+                html = str(headers.get("content-type", "")).startswith("text/html")
+                if code == str(status) and html and not str(getattr(err, "operation_name", "")).startswith("Head"):
+                    code = None  # botocore's stand-in for a body that is not S3's XML (a web page; a HEAD has none)
+                return status, code, error.get("Message") or None
     return None, None, None
 
 
