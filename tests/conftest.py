@@ -73,12 +73,19 @@ def s3_endpoint(moto_server: str) -> Iterator[str]:
     return moto_server
 
 
-@pytest.fixture
-def s3_client(s3_endpoint: str):
-    """A boto3 S3 client on the moto server, for arranging test data."""
+@pytest.fixture(scope="session")
+def _session_s3_client(moto_server: str):
     import boto3
 
-    return boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    return boto3.client("s3", endpoint_url=moto_server, region_name="us-east-1")
+
+
+@pytest.fixture
+def s3_client(s3_endpoint: str, _session_s3_client):
+    """A boto3 S3 client on the moto server, for arranging test data. One for the session (its
+    credentials are the suite's dummy keys, set before it is made; no test changes it): a new
+    client for each test cost 20-30 ms of CPU."""
+    return _session_s3_client
 
 
 @pytest.fixture
@@ -187,6 +194,20 @@ class Source:
     def put(self, key: str, data: bytes) -> None:
         self._put(key, data)
 
+    def put_many(self, objects: dict[str, bytes]) -> None:
+        """Put each of ``objects`` {key: data}; all are there when it returns. To the moto server
+        (s3, obs) several at a time: one put at a time waits on each round trip between this
+        process's threads (about 9 ms a put where 5 are CPU; 4 ms with 8 at a time)."""
+        if self.kind not in ("s3", "obs") or len(objects) < 2:
+            for key, data in objects.items():
+                self.put(key, data)
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(8, len(objects)), thread_name_prefix="test-put") as pool:
+            for done in [pool.submit(self.put, key, data) for key, data in objects.items()]:
+                done.result()  # a failed put fails the test
+
     def delete(self, key: str) -> None:
         self._delete(key)
 
@@ -198,11 +219,8 @@ class Source:
         data: dict[str, dict[str, bytes]] = {}
         for i in range(n):
             name = f"item{i:03d}"
-            data[name] = {}
-            for rel, size in files.items():
-                body = rng.randbytes(size)
-                self.put(f"{name}/{rel}", body)
-                data[name][rel] = body
+            data[name] = {rel: rng.randbytes(size) for rel, size in files.items()}
+        self.put_many({f"{name}/{rel}": body for name, item in data.items() for rel, body in item.items()})
         return data
 
 

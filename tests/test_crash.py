@@ -80,12 +80,12 @@ class Child:
 def test_kill_soak(s3_source, tmp_path):
     rng = random.Random(1234)
     n_items, kills = 300, 22
-    data = {}
+    data, objects = {}, {}
     for i in range(n_items):
         files = {"a.bin": rng.randbytes(rng.randint(1, 9) * KIB), "sub/b.txt": rng.randbytes(rng.randint(10, 900))}
-        for rel, body in files.items():
-            s3_source.put(f"s{i:04d}/{rel}", body)
+        objects |= {f"s{i:04d}/{rel}": body for rel, body in files.items()}
         data[f"s{i:04d}"] = hashlib.md5(b"".join(files[rel] for rel in sorted(files))).hexdigest()
+    s3_source.put_many(objects)
     capacity = 128 * KIB  # a dozen items beside the saved listing and the journal budget (~40 KiB)
     cache = tmp_path / "cache"
     cfg = {"url": s3_source.url, "cache": str(cache), "capacity": capacity, "options": s3_source.options, "work_seconds": 0.004}
