@@ -357,3 +357,28 @@ def test_writes_on_a_file_system_without_locks_leave_only_their_files(tmp_path, 
     store.put(local, "item/f.bin")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["m.json.gz"]
     assert sorted(p.name for p in (tmp_path / "dst" / "item").iterdir()) == ["f.bin"]
+
+
+@pytest.mark.parametrize("refusal", [errno.EPERM, errno.EOPNOTSUPP])
+def test_a_daemon_publishes_its_socket_where_hard_links_are_refused(short_dir, tmp_path, monkeypatch, refusal):
+    """The socket is published by a hard link (above); a filesystem or security module that
+    refuses links (AppArmor without the ``l`` permission) would keep the daemon from starting:
+    there it is renamed into place, as before. The refusal is the system call's (``os.link``)."""
+    sock = short_dir / "api.sock"
+    pipeline = {"source": str(tmp_path / "src"), "cache_dir": str(tmp_path / "cache"), "capacity": "1MiB"}
+    api = ApiServer(SimpleNamespace(running=True), ServiceConfig(socket=sock, pipelines={"p": pipeline}, markers=False))
+
+    def refused(src, dst, *args, **kwargs):
+        raise OSError(refusal, os.strerror(refusal), src)
+
+    try:
+        api.bind()
+        api.serve()
+        monkeypatch.setattr(os, "link", refused)
+        api.publish()
+        monkeypatch.undo()
+        assert sorted(p.name for p in short_dir.iterdir()) == ["api.sock"]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(str(sock))  # ours, serving
+    finally:
+        api.close()

@@ -103,6 +103,12 @@ __all__ = ["MAX_BODY", "ApiServer", "Deadlines", "Service", "item_json"]
 log = logging.getLogger("cachepipe.service.api")
 
 
+_NO_LINKS = (errno.EPERM, errno.EACCES, errno.EOPNOTSUPP, errno.EMLINK)
+"""Errors of a hard link that the filesystem or a security module (AppArmor without ``l``)
+refuses: the socket is then renamed into place, which cannot tell a socket another daemon
+published since the check (it replaces it)."""
+
+
 class ApiServer:
     """The listening sockets and the thread that accepts connections.
 
@@ -249,7 +255,12 @@ class ApiServer:
             raise OSError(
                 errno.EADDRINUSE, f"socket {str(path)!r} is in use: another cachepipe daemon started serving on it"
             ) from None
-        os.unlink(self._path)  # a daemon killed before this leaves it: removed at the next start (bind)
+        except OSError as exc:
+            if exc.errno not in _NO_LINKS:
+                raise
+            os.rename(self._path, path)  # links refused there (a security module, a filesystem): renamed, as before
+        else:
+            os.unlink(self._path)  # a daemon killed before this leaves it: removed at the next start (bind)
         self._path = path
 
     def _loop(self) -> None:
