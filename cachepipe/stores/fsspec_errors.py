@@ -31,6 +31,7 @@ _CONNECTION_NAMES = frozenset(
         "ResponseStreamingError",
     }
 )
+_LOCAL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # a local destination's errors (not a socket's), named
 _UNPARSED = ("ParseError", "ResponseParserError")  # ElementTree's (the direct path, s3fs's listing), botocore's
 
 
@@ -122,7 +123,7 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool, first:
         return store_code(TimeoutError(f"timed out talking to {endpoint} for {where}: {exc}"), None, endpoint)
     if refused or isinstance(exc, ConnectionError) or name in _CONNECTION_NAMES:
         return store_code(ConnectionError(f"connection to {endpoint} failed for {where}: {name}: {exc}"), None, endpoint)
-    if type(exc) is OSError and exc.errno is not None and exc.filename is None:  # a local write's: a full disk, named
+    if type(exc) is OSError and exc.errno in _LOCAL_DISK and exc.filename is None:  # a local write's: a full disk, named
         return OSError(exc.errno, f"{exc.strerror}: {where}")
     if isinstance(exc, OSError):
         return exc
