@@ -4,11 +4,13 @@ endpoint that is not the store's API (a web page) is said to be so."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from http.server import ThreadingHTTPServer
 
 import pytest
@@ -51,6 +53,23 @@ def _puts_held(proxy, proc: subprocess.Popen, count: int, stderr) -> None:
     assert proc.poll() is None, stderr()
 
 
+@contextlib.contextmanager
+def _running(argv: list[str], gate: threading.Event, tmp_path) -> Iterator[tuple[subprocess.Popen, Callable[[], str]]]:
+    """The map run ``argv`` started, with its stderr's text as a function; at the end of the
+    block the held uploads are let go (answered) and the run waited for, killed if it fails."""
+    err = tmp_path / "stderr"
+    with err.open("w") as sink:
+        proc = subprocess.Popen(argv, stderr=sink)
+    try:
+        yield proc, err.read_text
+        gate.set()
+        proc.wait(timeout=60)
+    finally:
+        gate.set()
+        proc.kill()
+        proc.wait()
+
+
 def _refusals(stderr: str) -> dict[str, list[str]]:
     """The lines of ``stderr`` that tell an upload's refusal, by the item's output they name."""
     told: dict[str, list[str]] = {}
@@ -67,18 +86,9 @@ def test_a_second_refusal_after_the_first_stopped_the_run_is_told_too(s3_client,
     came from a job once the run had a crash, and was neither raised nor logged. Now it is
     logged, once; the one raised is not logged as well."""
     argv, gate = _denied_uploads_run(s3_client, fault_proxy, tmp_path, ("a", "b"))
-    err = tmp_path / "stderr"
-    with err.open("w") as sink:
-        proc = subprocess.Popen(argv, stderr=sink)
-    try:
-        _puts_held(fault_proxy[0], proc, 2, err.read_text)
-        gate.set()
-        proc.wait(timeout=60)
-    finally:
-        gate.set()
-        proc.kill()
-        proc.wait()
-    stderr = err.read_text()
+    with _running(argv, gate, tmp_path) as (proc, read):
+        _puts_held(fault_proxy[0], proc, 2, read)
+    stderr = read()
     assert proc.returncode == 1, stderr
     told = _refusals(stderr)
     assert sorted(told) == ["a/g", "b/g"] and all(len(lines) == 1 for lines in told.values()), stderr
@@ -98,22 +108,13 @@ def test_refusals_of_the_uploads_a_stop_waits_for_are_told(s3_client, fault_prox
     "terminated", never that the destination refuses writes. Now each refusal is logged, once,
     before the stop's own line. ``sleeper``'s command sleeps: its death tells the stop has begun."""
     argv, gate = _denied_uploads_run(s3_client, fault_proxy, tmp_path, ("a", "b", "sleeper"))
-    err = tmp_path / "stderr"
-    with err.open("w") as sink:
-        proc = subprocess.Popen(argv, stderr=sink)
-    try:
-        _puts_held(fault_proxy[0], proc, 2, err.read_text)
+    with _running(argv, gate, tmp_path) as (proc, read):
+        _puts_held(fault_proxy[0], proc, 2, read)
         pid = tmp_path / "sleeper.pid"
         sleeper = int(wait_until(lambda: pid.exists() and pid.read_text().strip(), what="the sleeper started"))
         proc.send_signal(sig)
         wait_until(lambda: not alive(sleeper), what="the sleeper's command killed by the stop")
-        gate.set()
-        proc.wait(timeout=60)
-    finally:
-        gate.set()
-        proc.kill()
-        proc.wait()
-    stderr = err.read_text()
+    stderr = read()
     assert proc.returncode == status, stderr
     told = _refusals(stderr)
     assert sorted(told) == ["a/g", "b/g"], stderr
