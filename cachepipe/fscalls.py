@@ -46,10 +46,8 @@ memory limit, tmpfs pages swapped out), when the process's other threads would b
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
-import fcntl
 import functools
 import logging
 import math
@@ -93,7 +91,6 @@ __all__ = [
     "filesystems_walked",
     "holding_function",
     "lookups_stay_local",
-    "open_temp",
     "paths_walked",
     "rename_new",
     "sync_folder",
@@ -455,36 +452,3 @@ def file_calls_for(fstype: str) -> FileCalls:
     if HOLDING is None or fstype not in LOCAL_FILESYSTEMS:
         return RELEASING
     return HOLDING if fstype in MEMORY_FILESYSTEMS else WhileQuick(HOLDING).calls
-
-
-def open_temp(temp: str, unique: Callable[[], str], mode: int = 0o666) -> tuple[int, str]:
-    """Open the temporary file ``temp`` (beside the file it will be renamed to) for writing,
-    locked (``flock``): its descriptor and its name. The caller truncates it (it may hold what a
-    killed writer wrote), writes, renames it over its target and then closes it.
-
-    The name is the same at every write of a target, so the file a killed writer left (a SIGKILL
-    leaves it; an exception removes it) is reused by the next write, not left for good; a second
-    writer of the same target at the same time waits for the first, instead of truncating and
-    writing into the file the first one is about to rename. On a filesystem without locks
-    (``ENOLCK``) a file of the name ``unique()`` is created instead, which a killed writer leaves
-    (and ``temp``, opened to be locked, is removed: no writer there uses it)."""
-    while True:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if os.path.samestat(os.fstat(fd), os.stat(temp, follow_symlinks=False)):
-                return fd, temp  # locked, and still the file of that name (a writer before may have renamed or removed it)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno != errno.ENOLCK:
-                raise
-            with contextlib.suppress(FileNotFoundError):  # opened to lock (made, if need be): no writer's here
-                os.unlink(temp)
-            temp = unique()  # no locks on this filesystem
-            return os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode), temp
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)

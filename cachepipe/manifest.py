@@ -44,6 +44,7 @@ from .errors import ConfigError
 from .listing import list_source
 from .state import StateCorrupt, atomic_write, catalog_header, read_catalog_header, read_catalog_items, write_catalog
 from .stores import Store, open_store
+from .wholefiles import naming
 
 __all__ = ["Manifest", "check_manifest", "index", "read_manifest", "write_manifest"]
 
@@ -165,15 +166,9 @@ def write_manifest(
                 raise ConfigError(f"manifest {where!r}: the store of {root!r} cannot be written to; write it to a local path")
             with tempfile.TemporaryDirectory(prefix="cachepipe-index-") as tmp:
                 local = Path(tmp, key)
-                try:
-                    with local.open("wb") as fh:
-                        write_catalog(fh, header, catalog)
-                except OSError as exc:  # a full temporary folder: said with the path, not as a bare errno
-                    if type(exc) is not OSError or exc.filename is not None:
-                        raise
-                    raise OSError(
-                        exc.errno, f"{exc.strerror}: cannot write {str(local)!r}, the copy of {where} to upload"
-                    ) from exc
+                # a full temporary folder: said with the path, not as a bare errno
+                with naming(f"cannot write {str(local)!r}, the copy of {where} to upload"), local.open("wb") as fh:
+                    write_catalog(fh, header, catalog)
                 put(local, key)
         finally:
             store.close()

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import IO, Any, BinaryIO
 
 from .catalog import Catalog
-from .fscalls import open_temp
+from .wholefiles import naming, open_temp
 
 __all__ = [
     "EVENT_OVERHEAD",
@@ -380,19 +380,18 @@ def atomic_write(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:
 
     fd, tmp = open_temp(str(path.with_name(f".{path.name}.tmp")), unique, 0o644)
     try:
-        os.ftruncate(fd, 0)  # what a killed writer wrote
-        out = _FdWriter(fd)
-        if callable(data):
-            data(out)  # type: ignore[arg-type]
-        else:
-            out.write(data)
-        os.fsync(fd)
-        os.replace(tmp, path)
-    except BaseException as exc:
+        with naming(f"cannot write {str(path)!r}"):  # a write's or fsync's: a full disk, said with the path
+            os.ftruncate(fd, 0)  # what a killed writer wrote
+            out = _FdWriter(fd)
+            if callable(data):
+                data(out)  # type: ignore[arg-type]
+            else:
+                out.write(data)
+            os.fsync(fd)
+            os.replace(tmp, path)
+    except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        if type(exc) is OSError and exc.filename is None:  # a write's or fsync's: a full disk, said with the path
-            raise OSError(exc.errno, f"{exc.strerror or exc}: cannot write {str(path)!r}") from exc
         raise
     finally:
         os.close(fd)

@@ -43,6 +43,7 @@ from ..config import PipelineConfig, Share, check_absolute_source, with_unit
 from ..errors import CacheRemovedError, ConfigError
 from ..manifest import index, read_manifest
 from ..plan import Cursor
+from ..wholefiles import naming
 from .closing import Closer
 from .errors import ClientGone, StoppingError, UnknownPipelineError
 from .jobspec import _JOB_FIELDS, JobsConfig, JobSpec
@@ -187,19 +188,14 @@ class Jobs:
     def _upload(self, folder: Path, body: BinaryIO, length: int) -> dict[str, Any]:
         fd, tmp = tempfile.mkstemp(prefix=".upload-", suffix=".json.gz", dir=folder)
         try:
-            try:
-                with os.fdopen(fd, "wb") as out:
-                    left = length
-                    while left:
-                        chunk = body.read(min(left, 1 << 20))
-                        if not chunk:
-                            raise ClientGone(f"the client closed the connection after {length - left} of {length} bytes")
-                        out.write(chunk)
-                        left -= len(chunk)
-            except OSError as exc:
-                if type(exc) is not OSError or exc.filename is not None:
-                    raise
-                raise OSError(exc.errno, f"{exc.strerror}: cannot keep the uploaded manifest in {str(folder)!r}") from exc
+            with naming(f"cannot keep the uploaded manifest in {str(folder)!r}"), os.fdopen(fd, "wb") as out:
+                left = length
+                while left:
+                    chunk = body.read(min(left, 1 << 20))
+                    if not chunk:
+                        raise ClientGone(f"the client closed the connection after {length - left} of {length} bytes")
+                    out.write(chunk)
+                    left -= len(chunk)
             try:
                 manifest = read_manifest(tmp)
             except ConfigError as exc:

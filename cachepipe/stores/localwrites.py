@@ -13,7 +13,8 @@ import uuid
 from collections.abc import Sequence
 from typing import BinaryIO
 
-from ..fscalls import open_temp, sync_folder
+from ..fscalls import sync_folder
+from ..wholefiles import open_temp
 from .base import TEMP_SUFFIX, read_local
 
 __all__ = ["delete_local", "put_local"]
@@ -30,7 +31,7 @@ def put_local(src: BinaryIO, path: str, where: str) -> None:
     path, not left for good. It is locked (``flock``) while it is written: a second put of the
     same path at the same time waits for the first. On a filesystem without locks (``ENOLCK``) the
     name is made unique instead (``<path>.cachepipe-<id>.tmp``), and a killed upload leaves it
-    (:func:`~cachepipe.fscalls.open_temp`)."""
+    (:func:`~cachepipe.wholefiles.open_temp`)."""
     fd, temp = open_temp(path + TEMP_SUFFIX, lambda: f"{path}.cachepipe-{uuid.uuid4().hex[:12]}.tmp")
     try:
         os.ftruncate(fd, 0)  # what a killed upload wrote
