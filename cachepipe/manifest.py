@@ -26,6 +26,7 @@ again.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gzip
 import io
@@ -44,13 +45,14 @@ from .errors import ConfigError
 from .listing import list_source
 from .state import StateCorrupt, atomic_write, catalog_header, read_catalog_header, read_catalog_items, write_catalog
 from .stores import Store, open_store
-from .wholefiles import naming
+from .wholefiles import naming, open_unique_temp, remove_unlocked
 
 __all__ = ["Manifest", "check_manifest", "index", "read_manifest", "write_manifest"]
 
 log = logging.getLogger("cachepipe")
 
 _WHOLE = 1 << 62  # the end of a GET range that reads an object of any size to its end
+_COPY = "cachepipe-index-copy-"  # the prefix of a manifest's local copy, written to be uploaded, in the temporary folder
 
 
 @dataclass(frozen=True)
@@ -164,15 +166,39 @@ def write_manifest(
             put = getattr(store, "put", None)
             if put is None:
                 raise ConfigError(f"manifest {where!r}: the store of {root!r} cannot be written to; write it to a local path")
-            with tempfile.TemporaryDirectory(prefix="cachepipe-index-") as tmp:
-                local = Path(tmp, key)
-                # a full temporary folder: said with the path, not as a bare errno
-                with naming(f"cannot write {str(local)!r}, the copy of {where} to upload"), local.open("wb") as fh:
-                    write_catalog(fh, header, catalog)
-                put(local, key)
+            _upload(put, key, where, lambda fh: write_catalog(fh, header, catalog))
         finally:
             store.close()
     return Manifest(where, source, items, when, header["digest"], catalog)
+
+
+def _upload(put: Callable[[str, str], None], key: str, where: str, write: Callable[[Any], None]) -> None:
+    """Write a manifest (``write(fh)``) to a local copy in the temporary folder (``$TMPDIR``) and
+    ``put`` it as ``key`` (of ``where``); the copy is removed.
+
+    The copy is locked while it is written and uploaded (:func:`~cachepipe.wholefiles.open_unique_temp`),
+    and copies that writers killed before they removed theirs left are removed first (their lock
+    is free), so a killed ``cachepipe index -o URL`` leaves its copy only until the next one runs.
+    The copy's name ends with ``key``: a store that guesses an object's media type by the local
+    file's name guesses it from the key's suffix."""
+    folder = tempfile.gettempdir()
+    with os.scandir(folder) as entries:
+        stale = [e.path for e in entries if e.name.startswith(_COPY)]
+    for path in stale:
+        if remove_unlocked(path):
+            log.info("removed %s, the copy of a manifest that a killed `cachepipe index` left", path)
+    fd, local, _ = open_unique_temp(folder, _COPY, "-" + key[-64:])
+    try:
+        # a full temporary folder: said with the path, not as a bare errno
+        with naming(f"cannot write {local!r}, the copy of {where} to upload"), open(fd, "wb", closefd=False) as fh:
+            write(fh)
+        put(local, key)  # the lock held meanwhile: a later index does not take it for a dead writer's
+    finally:
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(local)
+        finally:
+            os.close(fd)
 
 
 def read_manifest(location: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Manifest:

@@ -1,6 +1,8 @@
 """Files written whole: the temporary file a writer fills beside its target, locked while it is
 written (:func:`open_temp`: a second writer of the same target waits, a killed writer's file is
-reused), and a full disk's bare error given the name of what was written (:func:`naming`).
+reused), a locked temporary file of a unique name (:func:`open_unique_temp`), the removal of one
+that a killed writer left (:func:`remove_unlocked`: its lock is free), and a full disk's bare
+error given the name of what was written (:func:`naming`).
 :func:`cachepipe.state.atomic_write` (state files, local manifests) and a local destination's
 ``put`` (:mod:`cachepipe.stores.localwrites`) write through them."""
 
@@ -10,9 +12,11 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
+import tempfile
 from collections.abc import Callable, Iterator
 
-__all__ = ["naming", "open_temp"]
+__all__ = ["naming", "open_temp", "open_unique_temp", "remove_unlocked"]
 
 
 def open_temp(temp: str, unique: Callable[[], str], mode: int = 0o666) -> tuple[int, str]:
@@ -45,6 +49,75 @@ def open_temp(temp: str, unique: Callable[[], str], mode: int = 0o666) -> tuple[
         except BaseException:
             os.close(fd)
             raise
+        os.close(fd)
+
+
+def open_unique_temp(folder: str, prefix: str, suffix: str = "") -> tuple[int, str, bool]:
+    """Create a file of a unique name ``<prefix><random><suffix>`` in ``folder`` (mode 0o600), for
+    writing, locked (``flock``) while the caller holds its descriptor: its descriptor, its name,
+    and whether it is locked (False on a filesystem without locks, ``ENOLCK``). The caller
+    removes it, then closes the descriptor.
+
+    A writer killed before it removed the file leaves it locked by no one:
+    :func:`remove_unlocked` of its name, run by a later writer, removes it. The file is locked
+    before it is returned, and it is still the file of that name then (one that such a removal
+    took between its creation and its lock is made again), so a live writer's file is never
+    removed."""
+    while True:
+        fd, path = tempfile.mkstemp(suffix, prefix, folder)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
+                return fd, path, True
+        except FileNotFoundError:
+            pass  # removed between its creation and its lock, as a dead writer's: made again
+        except OSError as exc:
+            if exc.errno == errno.ENOLCK:
+                return fd, path, False
+            os.close(fd)
+            raise
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def remove_unlocked(path: str) -> bool:
+    """Remove the regular file ``path`` if no process holds its ``flock`` (the temporary file of a
+    writer that was killed, from :func:`open_temp` or :func:`open_unique_temp`): whether it was
+    removed. A file a live writer holds locked is left, and so is one gone already, one this
+    process may not open or remove (another user's, in a shared folder), a symbolic link or
+    another kind of file, and any file on a filesystem without locks (``ENOLCK``: no writer can
+    be told from a dead one).
+
+    Raises:
+        OSError: another error of the ``open``, ``flock`` or ``unlink`` (an I/O error).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, PermissionError):
+        return False
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a symbolic link: not a file a writer made
+            return False
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.ENOLCK):  # a live writer's; no locks here
+                return False
+            raise
+        try:  # locked by this process: a writer that locks it now finds it gone (or renamed) and makes another
+            if not os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
+                return False  # renamed into place, or replaced by a new writer's, since it was opened
+            os.unlink(path)
+        except (FileNotFoundError, PermissionError):
+            return False
+        return True
+    finally:
         os.close(fd)
 
 

@@ -289,7 +289,7 @@ def test_an_index_run_to_a_url_whose_temporary_folder_is_full_names_it(tmp_path)
         run = _cli("index", source, "-o", "memory://manifests/m.json.gz", env={**os.environ, "TMPDIR": str(disk)})
         _, err = run.communicate(timeout=120)
         assert run.returncode == 1, err
-        copy = rf"'{re.escape(str(disk))}/cachepipe-index-\w+/m.json.gz'"
+        copy = rf"'{re.escape(str(disk))}/cachepipe-index-copy-\w+-m.json.gz'"
         assert re.search(rf"No space left on device: cannot write {copy}, the copy of memory://manifests/m.json.gz", err), err
         assert sorted(p.name for p in disk.iterdir()) == ["filler.bin"]
 
