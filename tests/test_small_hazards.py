@@ -12,7 +12,10 @@ import tempfile
 import threading
 from pathlib import Path
 
+from waiting import wait_until
+
 from cachepipe.manifest import index, read_manifest
+from cachepipe.map import map_items
 
 CLI = [sys.executable, "-m", "cachepipe.cli"]
 
@@ -65,3 +68,59 @@ def test_a_killed_index_to_a_url_leaves_its_copy_only_until_the_next_index(
     index(source, "s3://out/m.gz", dest_options=s3_options)
     assert os.listdir(tmp) == []  # the next index removed it
     assert read_manifest("s3://out/m.gz", s3_options).count == 2
+
+
+_PUT = "import sys; from cachepipe.stores.fsspec import FsspecStore; FsspecStore(sys.argv[1]).put(sys.argv[2], sys.argv[3])"
+
+
+def _put_under_way(dst: Path, key: str, fifo: Path) -> tuple[subprocess.Popen, object]:
+    """A subprocess putting ``key`` to the local destination ``dst`` from the FIFO ``fifo``: its
+    first bytes (16 KiB at least) copied to ``<key>.cachepipe.tmp``, then it waits for more (the
+    FIFO, open for writing, is returned with it)."""
+    os.mkfifo(fifo)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", _PUT, str(dst), str(fifo), key], env=env)
+    writer = open(fifo, "wb", buffering=0)  # noqa: SIM115 - closed by the caller
+    try:
+        writer.write(FIRST)  # past the copy's 8 KiB buffer: at least 16 KiB of it reach the file
+        temp = dst / f"{key}.cachepipe.tmp"
+        wait_until(lambda: temp.exists() and temp.stat().st_size >= 16384, what=f"{temp} written")
+    except BaseException:
+        writer.close()
+        proc.kill()
+        proc.wait(30)
+        raise
+    return proc, writer
+
+
+FIRST = b"x" * 32768
+
+
+def test_a_map_run_removes_the_temporary_files_killed_uploads_left_in_a_local_destination(tmp_path):
+    """A local DST's ``<name>.cachepipe.tmp`` left by a killed put stayed for good under an item
+    done since (only a put of the same key would overwrite it), and a listing of DST (a pipeline
+    or an index over it) took it for an object. A map run now removes those whose lock is free,
+    never a live upload's, and listings leave them out."""
+    for name in ("a", "b"):
+        (tmp_path / "src" / name).mkdir(parents=True)
+        (tmp_path / "src" / name / "f").write_bytes(name.encode() * 10)
+    src, dst = str(tmp_path / "src"), tmp_path / "dst"
+    options = {"cache_dir": tmp_path / "cache", "capacity": "1MiB"}
+    command = ["sh", "-c", 'cp f "$CACHEPIPE_OUT/g"']
+    assert map_items(command, src, str(dst), **options).items_done == 2
+    killed, killed_fifo = _put_under_way(dst, "a/g", tmp_path / "killed")
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(30)
+    killed_fifo.close()
+    live, live_fifo = _put_under_way(dst, "b/h", tmp_path / "live")
+    try:
+        listed = index(dst.as_uri(), tmp_path / "m.gz", "files").catalog
+        assert [n for n in listed.names if n.endswith(".tmp")] == []
+        result = map_items(command, src, str(dst), **options)
+        assert result.items_skipped == 2, result.failed
+        assert not (dst / "a" / "g.cachepipe.tmp").exists()  # a killed upload's: removed
+        assert (dst / "b" / "h.cachepipe.tmp").exists()  # a live one's: kept
+    finally:
+        live_fifo.close()
+        assert live.wait(30) == 0
+    assert (dst / "b" / "h").read_bytes() == FIRST and not (dst / "b" / "h.cachepipe.tmp").exists()

@@ -213,6 +213,17 @@ class _Remote:
             )
         return checked
 
+    def _remove_stale(self, dst: WritableStore) -> None:
+        """Remove the temporary files that killed uploads left in DST (a local one's
+        ``*.cachepipe.tmp``: its optional ``remove_stale_temps``; never a live upload's), which
+        an upload of the same key would only overwrite: under an item done since, left for good."""
+        remove: Callable[[], list[str]] | None = getattr(dst, "remove_stale_temps", None)
+        if remove is None:
+            return
+        removed = self._retrying(f"removing stale temporary files in {self.cfg.dest}", remove)
+        if removed:
+            log.info("removed %d temporary file(s) that killed uploads left in DST (first: %s)", len(removed), removed[0])
+
     def _held_in(self, dst: WritableStore, names: Collection[str], wanted: Collection[str]) -> dict[str, list[str]]:
         """:func:`held_by_item` of DST's listing, streamed (only the keys of ``wanted`` are kept);
         a local DST not made yet holds none."""

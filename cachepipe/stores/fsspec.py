@@ -39,6 +39,7 @@ from .base import (
     CONNECT_TIMEOUT,
     DELETE_BATCH,
     FIRST_PAGE_KEYS,
+    TEMP_SUFFIX,
     ObjectInfo,
     delete_error,
     listed_etag,
@@ -56,7 +57,7 @@ from .fsspec_options import (
 from .fsspec_options import (
     check_options as check_options,  # noqa: PLC0414 - re-exported: check_store() imports it from here, as before
 )
-from .localwrites import delete_local, put_local
+from .localwrites import delete_local, put_local, remove_stale_temps
 
 __all__ = ["FsspecStore"]
 
@@ -171,7 +172,9 @@ class FsspecStore:
 
     def list(self) -> Iterator[ObjectInfo]:
         """Yield every object under the root in key order. On S3, one page at a time: each page
-        is yielded before the next is requested (a plain fsspec ``find`` lists everything first)."""
+        is yielded before the next is requested (a plain fsspec ``find`` lists everything first).
+        On a local filesystem, the temporary files of uploads (``*.cachepipe.tmp``: being written,
+        or left by a killed one) are not objects, and are not yielded."""
         if getattr(self.fs, "protocol", None) in (("s3", "s3a"), "s3") and not getattr(self.fs, "version_aware", False):
             yield from self._list_s3()
             return
@@ -179,9 +182,12 @@ class FsspecStore:
             self.fs.invalidate_cache(self.root)  # a relisting must see the store as it is now
             entries = self.fs.find(self.root, detail=True, withdirs=False)
         prefix = f"{self.root}/" if self.root else ""
+        local = bool({"file", "local"} & set(_protocols(self.fs)))
         for path in sorted(entries):
             info = entries[path]
             if info.get("type", "file") != "file" or not path.startswith(prefix):
+                continue
+            if local and path.endswith(TEMP_SUFFIX):  # put_local's, being written or left by a killed upload
                 continue
             etag = info.get("ETag") or info.get("etag")
             yield ObjectInfo(path[len(prefix) :], int(info["size"]), listed_etag(etag))
@@ -389,6 +395,22 @@ class FsspecStore:
         with self._errors(self._where(keys[0]), first=False):
             for folder in sorted({os.path.dirname(self._path(key)) for key in keys}):
                 sync_folder(folder)
+
+    def remove_stale_temps(self) -> builtins.list[str]:
+        """On a local filesystem, remove the temporary files that killed uploads left under the
+        root (:func:`~cachepipe.stores.localwrites.remove_stale_temps`: never a live upload's)
+        and return their keys; elsewhere nothing (an object store's upload leaves no object
+        until it completes). ``cachepipe map`` calls it before it reads what its destination
+        holds.
+
+        Raises:
+            OSError: as in the error contract (a folder that cannot be read: ``PermissionError``).
+        """
+        protocols = _protocols(self.fs)
+        if "file" not in protocols and "local" not in protocols:
+            return []
+        with self._errors(self.url, first=False):
+            return remove_stale_temps(self.root)
 
     def delete(self, keys: Sequence[str], within: str = "") -> None:
         """Delete the objects ``keys``; one that does not exist is no error. S3: one DeleteObjects

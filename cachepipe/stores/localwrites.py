@@ -1,7 +1,8 @@
 """The writes of a destination on the local filesystem (``file://`` or a plain path, through the
 fsspec backend's :meth:`~cachepipe.stores.fsspec.FsspecStore.put` and ``delete``), which fsspec's
 own ``put`` and ``rm`` do not make safe: a file appears whole or not at all, and what a delete
-empties is removed and made durable.
+empties is removed and made durable; the temporary files that killed uploads left are removed
+(:func:`remove_stale_temps`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from collections.abc import Sequence
 from typing import BinaryIO
 
 from ..fscalls import sync_folder
-from ..wholefiles import open_temp
+from ..wholefiles import open_temp, remove_unlocked
 from .base import TEMP_SUFFIX, read_local
 
-__all__ = ["delete_local", "put_local"]
+__all__ = ["delete_local", "put_local", "remove_stale_temps"]
 
 
 def put_local(src: BinaryIO, path: str, where: str) -> None:
@@ -28,7 +29,8 @@ def put_local(src: BinaryIO, path: str, where: str) -> None:
 
     The temporary file's name is the same at every put of ``path``, so one that a killed upload
     left (a SIGKILL leaves it; an exception removes it) is overwritten by the next put of that
-    path, not left for good. It is locked (``flock``) while it is written: a second put of the
+    path, or removed by the next ``cachepipe map`` over the destination (:func:`remove_stale_temps`),
+    not left for good. It is locked (``flock``) while it is written: a second put of the
     same path at the same time waits for the first. On a filesystem without locks (``ENOLCK``) the
     name is made unique instead (``<path>.cachepipe-<id>.tmp``), and a killed upload leaves it
     (:func:`~cachepipe.wholefiles.open_temp`)."""
@@ -77,3 +79,25 @@ def delete_local(root: str, keys: Sequence[str], within: str) -> None:
     for folder in sorted(changed):
         if os.path.isdir(folder):
             sync_folder(folder)
+
+
+def remove_stale_temps(root: str) -> list[str]:
+    """Remove the temporary files (``*.cachepipe.tmp``) under the folder ``root`` that no
+    :func:`put_local` holds locked: those that killed uploads left. Return their paths relative
+    to ``root``. A file that a live upload writes (its ``flock`` is held) is kept; so is every
+    one on a filesystem without locks (``ENOLCK``: no writer can be told from a dead one, see
+    :func:`~cachepipe.wholefiles.remove_unlocked`). A ``root`` not made yet holds none.
+
+    Raises:
+        OSError: a folder under ``root`` that cannot be read, or another error of the removal.
+    """
+
+    def failed(exc: OSError) -> None:
+        if not isinstance(exc, FileNotFoundError):  # a folder removed meanwhile holds none
+            raise exc
+
+    removed: list[str] = []
+    for folder, _, files in os.walk(root, onerror=failed):
+        temps = [os.path.join(folder, name) for name in files if name.endswith(TEMP_SUFFIX)]
+        removed.extend(os.path.relpath(path, root) for path in temps if remove_unlocked(path))
+    return removed
