@@ -4,20 +4,29 @@ and the redaction of a one-character secret."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import select
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 from pathlib import Path
 
+import pytest
+from conftest import listed, via
+from mounts import mounted
 from waiting import wait_until
 
+from cachepipe import Pipeline
+from cachepipe.cache.room import room_at
 from cachepipe.manifest import index, read_manifest
 from cachepipe.map import map_items
 
 CLI = [sys.executable, "-m", "cachepipe.cli"]
+MIB = 1 << 20
 
 
 def _dataset(root: Path, names: list[str]) -> str:
@@ -124,3 +133,97 @@ def test_a_map_run_removes_the_temporary_files_killed_uploads_left_in_a_local_de
         live_fifo.close()
         assert live.wait(30) == 0
     assert (dst / "b" / "h").read_bytes() == FIRST and not (dst / "b" / "h.cachepipe.tmp").exists()
+
+
+class _OpenGate:
+    """fanotify permission events on opens of one folder (root, as CI runs): the first open of
+    it by the thread of id ``tid`` (set before that thread opens it) waits until :meth:`allow`;
+    every other open goes on at once. The walk of a folder begins with that open: a test runs
+    what it wants between a reading taken before the walk and the walk itself."""
+
+    FAN_CLOEXEC, FAN_CLASS_CONTENT, FAN_REPORT_TID = 0x1, 0x4, 0x100
+    FAN_MARK_ADD, FAN_OPEN_PERM, FAN_ONDIR, FAN_ALLOW = 0x1, 0x10000, 0x40000000, 0x1
+    EVENT = struct.Struct("=IBBHQii")  # struct fanotify_event_metadata
+    RESPONSE = struct.Struct("=iI")  # struct fanotify_response
+
+    def __init__(self, folder: Path) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fanotify_mark.argtypes = [ctypes.c_int, ctypes.c_uint, ctypes.c_uint64, ctypes.c_int, ctypes.c_char_p]
+        flags = self.FAN_CLOEXEC | self.FAN_CLASS_CONTENT | self.FAN_REPORT_TID
+        self.fd = libc.fanotify_init(flags, os.O_RDONLY | os.O_LARGEFILE | os.O_CLOEXEC)
+        if self.fd < 0:
+            pytest.skip(f"no fanotify permission events here: {os.strerror(ctypes.get_errno())}")
+        if libc.fanotify_mark(self.fd, self.FAN_MARK_ADD, self.FAN_OPEN_PERM | self.FAN_ONDIR, -100, bytes(folder)) < 0:
+            os.close(self.fd)
+            pytest.skip(f"cannot watch opens of {folder}: {os.strerror(ctypes.get_errno())}")
+        self.tid = -1
+        self.opened = threading.Event()  # the thread tid's open waits
+        self._held: int | None = None
+        self._stop_r, self._stop_w = os.pipe()
+        self._thread = threading.Thread(target=self._serve, name="test-open-gate")
+        self._thread.start()
+
+    def _answer(self, fd: int) -> None:
+        os.write(self.fd, self.RESPONSE.pack(fd, self.FAN_ALLOW))
+        os.close(fd)
+
+    def _serve(self) -> None:
+        while self._stop_r not in select.select([self.fd, self._stop_r], [], [])[0]:
+            data = os.read(self.fd, 4096)
+            for at in range(0, len(data), self.EVENT.size):
+                _, _, _, _, _, fd, tid = self.EVENT.unpack_from(data, at)
+                if tid == self.tid and not self.opened.is_set():
+                    self._held = fd
+                    self.opened.set()
+                else:
+                    self._answer(fd)
+
+    def allow(self) -> None:
+        if self._held is not None:
+            self._answer(self._held)
+            self._held = None
+
+    def close(self) -> None:
+        os.write(self._stop_w, b"x")
+        self._thread.join(10)
+        self.allow()
+        os.close(self.fd)  # any open still waiting goes on
+        os.close(self._stop_r)
+        os.close(self._stop_w)
+
+
+def test_a_live_share_capacity_counts_the_bytes_a_download_writes_during_its_measure_once(s3_source, fault_proxy, tmp_path):
+    """A live set_capacity of a share read the free space, then walked the cache folder: the
+    bytes a download wrote in between were counted as free and as held, a capacity larger by
+    the share of them. It now walks first, then reads the free space. Here the walk's first
+    open waits (fanotify) while a 4 MiB download is written."""
+    proxy, endpoint = fault_proxy
+    s3_source.folders(1, {"f": 4 * MIB})
+    manifest = listed(s3_source, tmp_path)
+    gate = threading.Event()
+    proxy.hold(lambda head: head.startswith("GET ") and "item000/f" in head, gate)
+    with mounted(tmp_path / "disk", ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(tmp_path / "disk")]) as disk:
+        root = disk / "c"
+        options = via(s3_source, endpoint)
+        pipe = Pipeline(s3_source.url, root, "50%", storage_options=options, manifest=manifest, max_concurrency=1)
+        pipe.open()
+        opens = _OpenGate(root)
+        go = threading.Event()
+        changing = threading.Thread(target=lambda: (go.wait(30), pipe.set_capacity("50%")), name="test-set-capacity")
+        try:
+            changing.start()
+            opens.tid = changing.native_id
+            go.set()
+            assert opens.opened.wait(30)  # its walk begins: its free space read already, before this change
+            gate.set()  # the download: 4 MiB written
+            wait_until((root / "item000" / "f").exists, what="the item published")
+            opens.allow()
+            changing.join(30)
+            expected = room_at(root, [root], caches=True) // 2
+            assert abs(pipe._cache.capacity - expected) < 64 * 1024, (pipe._cache.capacity, expected)
+        finally:
+            gate.set()
+            go.set()
+            opens.close()
+            changing.join(30)
+            pipe.close()

@@ -45,12 +45,21 @@ def room_at(path: str | os.PathLike[str], held: Iterable[str | os.PathLike[str]]
     filesystem of ``path`` (or of its nearest existing parent, before it is made) and what the
     folders ``held`` hold (walked; with ``caches``, folders each of one cache: :func:`held_in`;
     0 for one not there). A cache's own files are its room, not taken from it: one opened again
-    over what it kept has the size it had."""
+    over what it kept has the size it had.
+
+    The folders are walked first, then the free space is read: bytes that a download writes
+    meanwhile (a live :meth:`~cachepipe.cache.Cache.set_capacity`, a sibling cache measured
+    while it runs) are not free space then, so they count once (as held) or, written after the
+    walk passed their file, not at all (a room smaller by them, never larger). Read the other
+    way round, they counted as free and as held both: a share of the disk larger by their share.
+    (Bytes deleted while the walk runs, after it counted them, still count as held and as free:
+    the items a cache evicts during a live change of its capacity, at most.)"""
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
     measure = held_in if caches else functools.partial(tree_bytes, allocated=True)
-    return shutil.disk_usage(probe).free + sum(measure(folder) for folder in held)
+    walked = sum(measure(folder) for folder in held)
+    return shutil.disk_usage(probe).free + walked
 
 
 def held_in(folder: str | os.PathLike[str]) -> int:
