@@ -136,8 +136,8 @@ class Cache(_Publishing):
             self._eviction.open_deleters(fstype)
             # calls that keep the interpreter's lock only where no lookup waits for a server on the way
             self.file_calls = file_calls_for(fstype) if lookups_stay_local(self._root) else RELEASING
-            usage = shutil.disk_usage(self.root)
-            self.ledger.capacity = _capacity_bytes(self._capacity_spec, self.root)  # beyond the filesystem: held, logged
+            usage = shutil.disk_usage(self.root)  # the one statvfs of an open (nothing of this cache writes yet)
+            self.ledger.capacity = _capacity_bytes(self._capacity_spec, self.root, usage)  # beyond the filesystem: held, logged
             spec = self._capacity_spec
             # within the filesystem's size, kept as given (the space others hold may come back), but said when over
             # the room there now: the tree walked only where it can matter, a capacity over the free space

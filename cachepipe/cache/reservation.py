@@ -18,6 +18,7 @@ import logging
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..catalog import Item
 from ..config import Share
@@ -25,6 +26,9 @@ from ..errors import ConfigError, OversizeError
 from ..retention import RetentionPolicy
 from .acks import _Acks
 from .room import held_in, room_at
+
+if TYPE_CHECKING:
+    from shutil import _ntuple_diskusage as DiskUsage  # noqa: N812 - shutil.disk_usage's result
 
 __all__: list[str] = []
 
@@ -35,17 +39,20 @@ def _never() -> bool:
     return False
 
 
-def _capacity_bytes(capacity: int | Share, root: Path) -> int:
+def _capacity_bytes(capacity: int | Share, root: Path, usage: DiskUsage | None = None) -> int:
     """``capacity`` in bytes for a cache at ``root``: a share of the space free on its filesystem
     and held under ``root`` (the cache's own items are its room, not taken from it: a cache
     opened again over the items it kept has the size it had), or the bytes given. Bytes beyond
     the filesystem's size are held to the room there, the space free and what ``root`` holds
     (logged, naming both): not to the filesystem's size, which what else lives there (another
     tenant's files, blocks kept for root) makes a cap reached only by filling the disk. A
-    capacity within the filesystem's size is kept as given: the space others hold may come back."""
+    capacity within the filesystem's size is kept as given: the space others hold may come back.
+    ``usage``: ``shutil.disk_usage(root)``, read already by :meth:`~.core.Cache.open` (None: read
+    here; for a share, after the walk of ``root``: see :func:`~.room.room_at`)."""
     if isinstance(capacity, Share):
-        return int(room_at(root, [root], caches=True) * capacity.fraction)
-    usage = shutil.disk_usage(root)
+        return int(room_at(root, [root], caches=True, free=None if usage is None else usage.free) * capacity.fraction)
+    if usage is None:
+        usage = shutil.disk_usage(root)
     if capacity <= usage.total:
         return capacity
     held = held_in(root)

@@ -40,7 +40,9 @@ JOURNAL = "journal"
 STAGING = "staging"  # downloads under way; what a close could not remove, the next open does first
 
 
-def room_at(path: str | os.PathLike[str], held: Iterable[str | os.PathLike[str]], caches: bool = False) -> int:
+def room_at(
+    path: str | os.PathLike[str], held: Iterable[str | os.PathLike[str]], caches: bool = False, free: int | None = None
+) -> int:
     """What a capacity given as a share of the disk is of, in bytes: the space free on the
     filesystem of ``path`` (or of its nearest existing parent, before it is made) and what the
     folders ``held`` hold (walked; with ``caches``, folders each of one cache: :func:`held_in`;
@@ -53,13 +55,15 @@ def room_at(path: str | os.PathLike[str], held: Iterable[str | os.PathLike[str]]
     walk passed their file, not at all (a room smaller by them, never larger). Read the other
     way round, they counted as free and as held both: a share of the disk larger by their share.
     (Bytes deleted while the walk runs, after it counted them, still count as held and as free:
-    the items a cache evicts during a live change of its capacity, at most.)"""
+    the items a cache evicts during a live change of its capacity, at most.) ``free``: the free
+    space, read already by a caller for whom nothing writes in the folders meanwhile (a cache
+    at its open); None: read here, after the walk."""
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
     measure = held_in if caches else functools.partial(tree_bytes, allocated=True)
     walked = sum(measure(folder) for folder in held)
-    return shutil.disk_usage(probe).free + walked
+    return (shutil.disk_usage(probe).free if free is None else free) + walked
 
 
 def held_in(folder: str | os.PathLike[str]) -> int:
