@@ -5,6 +5,7 @@ and the redaction of a one-character secret."""
 from __future__ import annotations
 
 import ctypes
+import io
 import os
 import select
 import signal
@@ -227,3 +228,24 @@ def test_a_live_share_capacity_counts_the_bytes_a_download_writes_during_its_mea
             opens.close()
             changing.join(30)
             pipe.close()
+
+
+def test_an_obs_secret_too_short_to_be_one_is_not_replaced_in_messages(s3_client, s3_endpoint):
+    """The OBS seam replaced every secret in its messages by ``***``: a one-character secret key
+    (``e``) mangled every word holding that letter (``Th*** sp***cifi***d k***y``). Secrets shorter
+    than 6 characters are now left (longer ones are still replaced: test_obs_store's
+    test_check_mapping_table)."""
+    from cachepipe.stores.obs import ObsStore
+
+    s3_client.create_bucket(Bucket="obs-short")
+    long_token = "tok-Long-Enough-0123456789"
+    store = ObsStore(
+        "obs://obs-short/", {"server": s3_endpoint, "access_key_id": "AK", "secret_access_key": "e", "security_token": long_token}
+    )
+    try:
+        with pytest.raises(FileNotFoundError) as info:
+            store.get("missing-key", io.BytesIO(), 0, 5)
+        message = str(info.value)
+        assert "The specified key does not exist" in message and "***" not in message, message
+    finally:
+        store.close()

@@ -20,6 +20,7 @@ from cachepipe.stores.obs_settings import (
     _resolve_settings,
     _Settings,
     _shown,
+    redact,
 )
 
 __all__ = ["check_options", "load_sdk"]
@@ -67,9 +68,7 @@ def _new_client(url: str, storage_options: Mapping[str, Any] | None) -> tuple[An
                 warnings.filterwarnings("ignore", message=message, category=DeprecationWarning, module=r"obs\.")
             client = sdk.ObsClient(**settings.client_kwargs)
     except Exception as exc:  # the SDK validates its arguments with bare Exception (and ssl's, open's errors)
-        reason = f"{type(exc).__name__}: {exc}"
-        for secret in settings.secrets:
-            reason = reason.replace(secret, "***")
+        reason = redact(f"{type(exc).__name__}: {exc}", settings.secrets)
         given = [f"server={settings.endpoint!r}"]
         given += [f"{k}={_shown(k, v)}" for k, v in options.items() if k not in _ENDPOINT_KEYS + _CREDENTIAL_KEYS]
         raise ConfigError(

@@ -4,7 +4,8 @@ exception or to an :class:`ObsServiceError` (the table is in :mod:`cachepipe.sto
 
 :class:`_ObsSeam` is the base class of :class:`~cachepipe.stores.obs.ObsStore` (not used
 alone): it declares the store's attributes it reads. Messages never show a secret (the secret
-key, the security token, a proxy password); once the store is aborted, every error is its
+key, the security token, a proxy password) of 6 characters or more (a shorter one is left:
+:func:`~cachepipe.stores.obs_settings.redact`); once the store is aborted, every error is its
 :class:`~cachepipe.errors.StoreClosedError`.
 """
 
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 
 from cachepipe.errors import ObjectChangedError, StoreClosedError, StoreUnavailableError, StoreUnreachableError, store_code
 from cachepipe.stores.base import CHANGED, CREDENTIAL_CODES, DROPPED, NO_REPLY, THROTTLE_CODES, not_the_api
-from cachepipe.stores.obs_settings import _ENV_ENDPOINT, _Settings
+from cachepipe.stores.obs_settings import _ENV_ENDPOINT, _Settings, redact
 
 __all__ = ["ObsServiceError"]
 
@@ -95,9 +96,7 @@ class _ObsSeam:
         return resp
 
     def _redact(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+        return redact(text, self._secrets)
 
     def _check(self, resp: Any, what: str, key: str | None) -> None:
         """Raise the builtin error for an SDK result whose status is not 2xx; return if it is.

@@ -18,6 +18,11 @@ from cachepipe.errors import ConfigError
 _ENDPOINT_KEYS = ("server", "endpoint", "endpoint_url")
 _CREDENTIAL_KEYS = ("access_key_id", "secret_access_key", "security_token")
 _SECRET_KEYS = ("secret_access_key", "security_token", "proxy_password")
+REDACTED_FROM = 6
+"""Characters a secret has at least for :func:`redact` to replace it in a message. A shorter one
+(a one-letter test key, a short proxy password) would be found inside ordinary words, and
+replacing it there made the message unreadable (``"The specified key..."`` with the secret
+``e``: ``"Th*** sp***cifi***d k***y..."``); a secret that short is no secret from a guess."""
 _ENV_KEYS = {
     "access_key_id": "OBS_ACCESS_KEY_ID",
     "secret_access_key": "OBS_SECRET_ACCESS_KEY",
@@ -57,6 +62,15 @@ class _Settings:
     def secrets(self) -> tuple[str, ...]:
         """The values that messages must not show (the secret key, the token, a proxy password)."""
         return tuple(str(self.client_kwargs[k]) for k in _SECRET_KEYS if self.client_kwargs.get(k))
+
+
+def redact(text: str, secrets: tuple[str, ...]) -> str:
+    """``text`` with each of ``secrets`` of :data:`REDACTED_FROM` characters or more replaced by
+    ``***``, the longest first (one that holds another is replaced whole); shorter ones are left."""
+    for secret in sorted(secrets, key=len, reverse=True):
+        if len(secret) >= REDACTED_FROM:
+            text = text.replace(secret, "***")
+    return text
 
 
 def _client_arguments(client_cls: type) -> frozenset[str]:
