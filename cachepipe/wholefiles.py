@@ -86,9 +86,9 @@ def remove_unlocked(path: str) -> bool:
     """Remove the regular file ``path`` if no process holds its ``flock`` (the temporary file of a
     writer that was killed, from :func:`open_temp` or :func:`open_unique_temp`): whether it was
     removed. A file a live writer holds locked is left, and so is one gone already, one this
-    process may not open or remove (another user's, in a shared folder), a symbolic link or
-    another kind of file, and any file on a filesystem without locks (``ENOLCK``: no writer can
-    be told from a dead one).
+    process may not open or remove (another user's, in a shared folder; a read-only
+    filesystem's), a symbolic link or another kind of file, and any file on a filesystem
+    without locks (``ENOLCK``: no writer can be told from a dead one).
 
     Raises:
         OSError: another error of the ``open``, ``flock`` or ``unlink`` (an I/O error).
@@ -116,6 +116,10 @@ def remove_unlocked(path: str) -> bool:
             os.unlink(path)
         except (FileNotFoundError, PermissionError):
             return False
+        except OSError as exc:
+            if exc.errno == errno.EROFS:  # a read-only filesystem: nothing is written there either
+                return False
+            raise
         return True
     finally:
         os.close(fd)

@@ -404,7 +404,7 @@ class FsspecStore:
         holds.
 
         Raises:
-            OSError: as in the error contract (a folder that cannot be read: ``PermissionError``).
+            OSError: as in the error contract (a file that cannot be removed).
         """
         protocols = _protocols(self.fs)
         if "file" not in protocols and "local" not in protocols:

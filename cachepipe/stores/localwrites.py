@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import uuid
 from collections.abc import Sequence
@@ -19,6 +20,8 @@ from ..wholefiles import open_temp, remove_unlocked
 from .base import TEMP_SUFFIX, read_local
 
 __all__ = ["delete_local", "put_local", "remove_stale_temps"]
+
+log = logging.getLogger("cachepipe.stores.localwrites")
 
 
 def put_local(src: BinaryIO, path: str, where: str) -> None:
@@ -86,15 +89,17 @@ def remove_stale_temps(root: str) -> list[str]:
     :func:`put_local` holds locked: those that killed uploads left. Return their paths relative
     to ``root``. A file that a live upload writes (its ``flock`` is held) is kept; so is every
     one on a filesystem without locks (``ENOLCK``: no writer can be told from a dead one, see
-    :func:`~cachepipe.wholefiles.remove_unlocked`). A ``root`` not made yet holds none.
+    :func:`~cachepipe.wholefiles.remove_unlocked`). A ``root`` not made yet holds none; a folder
+    under it that cannot be listed (another user's) is passed over, with a warning: this is
+    housekeeping, which a folder the destination's writes never use must not fail.
 
     Raises:
-        OSError: a folder under ``root`` that cannot be read, or another error of the removal.
+        OSError: an error of the removal of a file (an I/O error).
     """
 
     def failed(exc: OSError) -> None:
         if not isinstance(exc, FileNotFoundError):  # a folder removed meanwhile holds none
-            raise exc
+            log.warning("not looking for temporary files that killed uploads left in %s: %s", exc.filename, exc)
 
     removed: list[str] = []
     for folder, _, files in os.walk(root, onerror=failed):
