@@ -45,14 +45,16 @@ read items in ``transform``, or use ``batch_size=1``/``None``. Using an acknowle
 This module holds the dataset's front (its options, ``__iter__``, ``state_dict``). The
 per-process mode is the base class ``_LocalMode`` (:mod:`cachepipe.torchlocal`), the node mode
 the base class ``_NodeMode`` (:mod:`cachepipe.torchnode`), the state and lane of either mode
-``_DatasetState`` (:mod:`cachepipe.torchstate`), and the listing shared by the ranks of
-``torch.distributed`` is :mod:`cachepipe.torchdist`.
+``_DatasetState`` (:mod:`cachepipe.torchstate`), the listing shared by the ranks of
+``torch.distributed`` is :mod:`cachepipe.torchdist`, and the note saying which dataset reads a
+worker's cache folder is :mod:`cachepipe.torchreader`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -154,6 +156,11 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
         # copy in shared memory for workers started by spawn or forkserver, once one is
         self._manifest: Manifest | None = None
         self._shared: SharedManifest | None = None
+        # this dataset object's identity, the same in its DataLoader workers (forked, or a copy
+        # unpickled by spawn): a worker that finds its cache folder held by a worker of another
+        # dataset object over this cache_dir is refused within seconds, not after SIBLING_WAIT
+        # (see torchlocal._open)
+        self._identity = uuid.uuid4().hex
         # set_epoch's value (-1: never called), in shared memory: persistent DataLoader workers read
         # what the main process set after they started
         self._epoch = torch.full((), -1, dtype=torch.int64).share_memory_()  # type: ignore[no-untyped-call, unused-ignore]

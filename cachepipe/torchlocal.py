@@ -4,7 +4,9 @@ with ``capacity / num_workers`` and its own cache folder ``cache_dir/rank<r>-wor
 manifest listed once under ``torch.distributed`` (or by the first :meth:`set_epoch`), held
 before the workers fork; a pass over the worker's pipeline, to its end or to the epoch it stops
 before; a capacity given as a share of the disk resolved over every worker's folder; and a
-folder that another worker of the same DataLoader still holds, waited for.
+folder that another worker still holds, waited for while that one may be stopping (of the same
+dataset, or of another that makes its sample in hand: :mod:`cachepipe.torchreader` notes which),
+refused otherwise.
 
 Invariant: a worker's pipeline is its own (its folder, its share of the capacity); an item is
 acknowledged once its sample is made (with a ``transform``) or once the loop asks for the next.
@@ -34,14 +36,22 @@ from .errors import CacheLockedError, OversizeError
 from .manifest import Manifest, _is_url, read_manifest
 from .pipeline import CachedItem, Pipeline, Skipped
 from .torchdist import _distributed, _from_rank0, _manifest_bytes, _save_manifest
+from .torchreader import ReaderNote, owner_pid, proc_stat, reader
 from .torchshare import SharedManifest
 from .torchstate import _DatasetState, _repeats
 
-__all__ = ["SIBLING_WAIT"]
+__all__ = ["DATASET_WAIT", "IDLE_WAIT", "SIBLING_WAIT"]
 
 log = logging.getLogger("cachepipe")
 
-SIBLING_WAIT = 60.0  #: per-process mode: most seconds a worker waits for a folder another worker of its DataLoader holds
+SIBLING_WAIT = 60.0  #: per-process mode: most seconds a worker waits for a folder another worker of its dataset holds
+#: per-process mode: most seconds a worker waits for a folder that a worker of another dataset of its process holds
+#: while that one makes a sample (a DataLoader iterator dropped after the next was made stops its workers then: it
+#: waits 5 s for each, then ends it)
+DATASET_WAIT = 6.0
+#: per-process mode: seconds a worker waits for a folder that a worker of another dataset of its process holds while
+#: that one waits to be asked for a sample (one whose iterator was dropped lets go at once), before it is refused
+IDLE_WAIT = 1.0
 
 
 class _LocalMode(_DatasetState):
@@ -51,6 +61,7 @@ class _LocalMode(_DatasetState):
     _room: int | None
     _manifest: Manifest | None
     _shared: SharedManifest | None
+    _identity: str
 
     def _list_once(self) -> str | None:
         """Under an initialised ``torch.distributed`` of several ranks: rank 0 lists the source
@@ -149,33 +160,52 @@ class _LocalMode(_DatasetState):
 
         try:
             with self._in_share():
-                pipe = _open(make)
+                pipe = _open(make, self._identity)
                 if not start and self.options.get("resume") and _finished(pipe.state_dict()):
                     # resume=True continues a pass this folder's journal holds; one that ended (this
                     # process's last pass, or a run that finished) has nothing left: this pass is new
                     pipe.close()
-                    pipe = _open(lambda: self._pipeline(None, resume=False))
+                    pipe = _open(lambda: self._pipeline(None, resume=False), self._identity)
         except BaseException:
             self._not_started(start, token)
             raise
         if self._pass is token:
             self._pipe, self._end = pipe, end
+        # in a DataLoader worker: which dataset reads the folder, and whether it makes a sample now
+        note = ReaderNote(pipe.config.cache_dir, self._identity) if torch.utils.data.get_worker_info() else None
         try:
             with self._in_share():  # an item over the worker's share, in its turn
                 if self._equal and self.transform is not None:
-                    yield from self._equal_local(pipe, start, end, token)
+                    samples = self._equal_local(pipe, start, end, token)
                 else:
-                    while (item := _next(pipe, end)) is not None:
-                        if self.transform is None:
-                            yield item
-                            pipe.ack(item)  # when the loop asks for the next
-                        else:
-                            sample = self.transform(item)
-                            pipe.ack(item)  # read: its space is free while the sample travels on, and the state is past it
-                            yield sample
+                    samples = self._samples(pipe, end)
+                for sample in samples:
+                    if note is not None:
+                        note.idle()
+                    yield sample
+                    if note is not None:
+                        note.busy()
         finally:
-            pipe.close()
+            if note is not None:
+                note.closing()
+            try:
+                pipe.close()
+            finally:
+                if note is not None:
+                    note.close()
         self._ended(token)
+
+    def _samples(self, pipe: Pipeline, end: int | None) -> Iterator[Any]:
+        """Per-process mode: ``pipe``'s samples up to epoch ``end`` (as :func:`_next`): its items
+        (each acknowledged when the next is asked for), or what ``transform`` makes of them."""
+        while (item := _next(pipe, end)) is not None:
+            if self.transform is None:
+                yield item
+                pipe.ack(item)  # when the loop asks for the next
+            else:
+                sample = self.transform(item)
+                pipe.ack(item)  # read: its space is free while the sample travels on, and the state is past it
+                yield sample
 
     def _equal_local(self, pipe: Pipeline, start: dict[str, Any] | None, end: int | None, token: object) -> Iterator[Any]:
         """Per-process mode, ``equal_steps`` over several ranks: one sample per planned step (up
@@ -221,25 +251,52 @@ def _room(cache_dir: Path, world: int, num_workers: int) -> int:
     return room_at(cache_dir, held, caches=True)
 
 
-def _open(make: Callable[[], Pipeline]) -> Pipeline:
-    """``make()``, opened. In a DataLoader worker, a cache folder held by another worker of the
-    same DataLoader (same parent process) is waited for, up to :data:`SIBLING_WAIT` seconds:
-    ``StatefulDataLoader``, resuming a checkpoint taken after a pass, starts the saved pass's
-    workers, then the next pass's while the first ones still stop (a worker whose state is
-    before an item ``drop_last`` dropped still has it to read, in its folder)."""
-    deadline = time.monotonic() + SIBLING_WAIT
+def _open(make: Callable[[], Pipeline], dataset: str) -> Pipeline:
+    """``make()``, opened, for the dataset object whose identity is ``dataset`` (made with it,
+    the same in its DataLoader workers). In a DataLoader worker, a cache folder held by another
+    worker of the same dataset and parent process is waited for, up to :data:`SIBLING_WAIT`
+    seconds: ``StatefulDataLoader``, resuming a checkpoint taken after a pass, starts the saved
+    pass's workers, then the next pass's while the first ones still stop (a worker whose state is
+    before an item ``drop_last`` dropped still has it to read, in its folder); so does
+    ``it = iter(loader)`` over an iterator broken off (its workers stop once it is dropped, after
+    the new one started them). A worker of another dataset object (as its note says:
+    :mod:`cachepipe.torchreader`) may be stopping so too, with a dataset made for each pass: it
+    is waited for while it makes a sample, up to :data:`DATASET_WAIT` seconds, and while it
+    waits for its DataLoader, :data:`IDLE_WAIT` seconds; then refused (while it closes, as one
+    of this dataset). A DataLoader
+    stops its workers, and they let go, before a pass's loop ends and when its broken-off
+    iterator is dropped: what still holds a folder then reads at the same time, two datasets
+    over one ``cache_dir`` (training and validation). A folder held by this process, or by its
+    parent or child process, is refused at once."""
+    start = time.monotonic()
+    idle: tuple[int, float] | None = None  # another dataset's idle holder: (samples it handed, since when)
     while True:
         pipe = make()
         try:
-            return pipe.open()
+            pipe.open()
         except CacheLockedError as exc:
             worker = torch.utils.data.get_worker_info() is not None
-            if _own(exc.owner) or (worker and _sibling(exc.owner) and time.monotonic() >= deadline):
-                raise _read_at_once(exc, worker) from None
+            if _own(exc.owner):
+                raise _read_at_once(exc, "this process") from None
+            if (relation := _family(exc.owner)) is not None:
+                raise _read_at_once(exc, relation) from None
             if not worker or not _sibling(exc.owner):
                 raise
-            log.info("%s is held by %s, a worker of this DataLoader that stops: waiting for it", exc.cache_dir, exc.owner)
-        time.sleep(0.1)  # another process's lock: polled (flock has no timed wait)
+            now, held = time.monotonic(), reader(Path(exc.cache_dir), exc.owner)
+            if held is not None and held.dataset != dataset and held.state != "close":  # (closing: it lets go)
+                if held.state != "idle":
+                    idle = None
+                elif idle is None or idle[0] != held.handed:
+                    idle = (held.handed, now)
+                if now - start >= DATASET_WAIT or (idle is not None and now - idle[1] >= IDLE_WAIT):
+                    raise _read_at_once(exc, "a DataLoader worker of another dataset of this process") from None
+            elif now - start >= SIBLING_WAIT:
+                raise _read_at_once(exc, f"a DataLoader worker of this process, for {SIBLING_WAIT:g} s") from None
+            whose = "this dataset's" if held is None or held.dataset == dataset else "another dataset's"
+            log.info("%s is held by %s, %s DataLoader worker: waiting for it to stop", exc.cache_dir, exc.owner, whose)
+            time.sleep(0.1)  # another process's lock: polled (flock has no timed wait)
+            continue
+        return pipe
 
 
 def _own(owner: str) -> bool:
@@ -247,11 +304,10 @@ def _own(owner: str) -> bool:
     return owner == f"pid {os.getpid()} {socket.gethostname()}"
 
 
-def _read_at_once(exc: CacheLockedError, worker: bool) -> CacheLockedError:
-    """``exc``, for a cache folder that this process (``worker`` False) or a DataLoader worker of
-    its parent (for :data:`SIBLING_WAIT` seconds) holds, saying why that is: datasets over one
-    ``cache_dir``, or loaders of one dataset, read at the same time."""
-    who = f"a DataLoader worker of this process, for {SIBLING_WAIT:g} s" if worker else "this process"
+def _read_at_once(exc: CacheLockedError, who: str) -> CacheLockedError:
+    """``exc``, for a cache folder that ``who`` holds (this process, a DataLoader worker of it or
+    of another dataset), saying why that is: datasets over one ``cache_dir``, or loaders of one
+    dataset, read at the same time."""
     held = CacheLockedError(
         exc.cache_dir,
         f"{exc.owner} ({who}): two datasets over one cache_dir (training and validation), or two DataLoaders or "
@@ -270,17 +326,28 @@ def _sibling(owner: str) -> bool:
     next writes its own). The next try reads the owner that holds it."""
     if owner == UNKNOWN_OWNER:
         return True
-    parts = owner.split()
-    if len(parts) != 3 or parts[0] != "pid" or not parts[1].isdigit() or parts[2] != socket.gethostname():
+    pid = owner_pid(owner)
+    if pid is None:
         return False
-    try:
-        stat = Path(f"/proc/{parts[1]}/stat").read_text()
-    except FileNotFoundError:
-        return Path("/proc/self/stat").exists()  # gone (where /proc tells)
-    except OSError:
-        return False
-    fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
+    fields = proc_stat(pid)
+    if fields is None:
+        return Path("/proc/self/stat").exists() and not Path(f"/proc/{pid}").exists()  # gone (where /proc tells)
     return len(fields) > 1 and fields[1] == str(os.getppid())
+
+
+def _family(owner: str) -> str | None:
+    """Who a :class:`CacheLockedError`'s owner (``"pid PID HOST"``) is, if it is this process's
+    parent (this is a DataLoader worker of the process that reads the folder itself) or a child
+    of it (a DataLoader worker of this process); else None."""
+    pid = owner_pid(owner)
+    if pid is None:
+        return None
+    if pid == os.getppid() and torch.utils.data.get_worker_info() is not None:
+        return "the process this DataLoader worker is of"
+    fields = proc_stat(pid)
+    if fields is not None and len(fields) > 1 and fields[1] == str(os.getpid()):
+        return "a DataLoader worker of this process"
+    return None
 
 
 def _finished(state: Mapping[str, Any]) -> bool:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -58,30 +60,99 @@ def test_set_epoch_first_called_after_a_pass_began_says_that_pass_read_every_epo
         assert first_call_warnings(caplog) == ["WARNING"]  # (after iter: a worker not begun yet reads epoch 0)
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_training_and_validation_over_one_cache_dir_read_at_once_are_refused_saying_so(
-    s3_source, s3_client, tmp_path, monkeypatch, num_workers
+@pytest.mark.parametrize(("train_workers", "val_workers"), [(0, 0), (2, 2), (2, 0), (0, 2)])
+def test_training_and_validation_over_one_cache_dir_read_at_once_are_refused_without_a_minute_s_wait_saying_so(
+    s3_source, s3_client, tmp_path, monkeypatch, train_workers, val_workers
 ):
     """Evaluation inside the training loop, both datasets over one cache_dir: the validation
     loader's folders are the training loader's (cache_dir/rank0-worker<k>), which it holds. Before:
-    "in use by pid N; close it first", naming neither cause nor fix (with workers after a
-    minute's wait for a sibling worker to stop)."""
+    "in use by pid N; close it first", naming neither cause nor fix; with workers on both sides,
+    said after a minute's wait (SIBLING_WAIT) for a worker of the same DataLoader to stop. Now
+    refused once the training worker holding the folder, of another dataset (its note beside the
+    folder says), has waited for its DataLoader for IDLE_WAIT (1 s); at once where the holder is
+    the main process or its worker. The waits for a worker of the same dataset and for one of
+    another that makes a sample set to an hour (forked workers inherit them), and the validation
+    DataLoader's timeout (20 s) bounds the old wait: there, a timeout, not this refusal."""
     import cachepipe.torchlocal
 
-    monkeypatch.setattr(cachepipe.torchlocal, "SIBLING_WAIT", 1.0)  # forked workers inherit it: the refusal in a second
-    s3_source.folders(4, {"f": 100})
+    monkeypatch.setattr(cachepipe.torchlocal, "SIBLING_WAIT", 3600.0)  # the refusal does not come from these waits
+    monkeypatch.setattr(cachepipe.torchlocal, "DATASET_WAIT", 3600.0)
+    s3_source.folders(20, {"f": 100})  # 10 a training worker: it holds its folder past its first samples
     s3_client.put_object(Bucket="data", Key="val/v0/f", Body=b"v" * 100)
     options = {"transform": read, "storage_options": s3_source.options}
     train = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", **options)
     val = CachePipeDataset("s3://data/val/", tmp_path / "c", "1MiB", **options)
 
     def evaluate_in_the_loop() -> None:
-        for _ in torch.utils.data.DataLoader(train, batch_size=None, num_workers=num_workers):
-            list(torch.utils.data.DataLoader(val, batch_size=None, num_workers=num_workers))
+        for _ in torch.utils.data.DataLoader(train, batch_size=None, num_workers=train_workers):
+            list(torch.utils.data.DataLoader(val, batch_size=None, num_workers=val_workers, timeout=20 if val_workers else 0))
 
     # a CacheLockedError (a RuntimeError), which a DataLoader re-raises from its worker as a RuntimeError
     with pytest.raises(RuntimeError, match=r"two datasets over one cache_dir \(training and validation\).*own cache_dir"):
         evaluate_in_the_loop()
+
+
+def test_a_dataset_made_for_each_pass_over_one_cache_dir_waits_for_the_last_pass_s_workers_to_stop(tmp_path, monkeypatch):
+    """A dataset made for each pass over one cache_dir, each pass's iterator assigned over the
+    last one broken off: the DataLoader makes the new iterator's workers, then drops the old one,
+    whose workers stop once their sample in hand is made (here a slow transform's, 0.5 s). The new
+    workers, finding their folders held by another dataset's workers, wait while those make a
+    sample (their notes say so), not refused as the training and validation datasets read at
+    once are (IDLE_WAIT shortened below the transform's time: a wait that did not tell a worker
+    making a sample from one waiting for its DataLoader would refuse)."""
+    import cachepipe.torchlocal
+
+    monkeypatch.setattr(cachepipe.torchlocal, "IDLE_WAIT", 0.2)
+    src = tmp_path / "src"
+    for n in range(6):
+        (src / f"i{n}").mkdir(parents=True)
+        (src / f"i{n}" / "f").write_bytes(b"x" * 100)
+
+    def slow(path):
+        time.sleep(0.5)  # the old workers are each in a transform when their iterator is dropped
+        return path.name
+
+    names = []
+    for _ in range(2):
+        dataset = CachePipeDataset(str(src), tmp_path / "c", "1MiB", transform=slow, rank=0, world_size=1)
+        it = iter(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, timeout=30))
+        names.append([next(it), next(it)])  # the second pass's workers wait for the first's (refused, with no wait)
+    del it
+    assert names == [["i0", "i1"]] * 2, names  # (rank 0 of 1: worker 0 reads i0, i2..., worker 1 i1, i3...)
+
+
+def test_a_note_on_a_worker_folder_describes_its_live_holder_alone(tmp_path):
+    """The note beside a worker's folder (which dataset reads it, making a sample or not) is of
+    the live process it names: once that process is killed (SIGKILL, its note left as it was),
+    or for another holder of the folder, it says nothing, and the folder's holder is waited for
+    as a worker of the same dataset."""
+    from cachepipe.torchreader import Reader, reader
+
+    folder = tmp_path / "rank0-worker0"
+    child = subprocess.Popen([sys.executable, "-c", NOTE, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "noted\n"
+        owner = f"pid {child.pid} {socket.gethostname()}"
+        assert reader(folder, owner) == Reader("another", "idle", 1)
+        assert reader(folder, f"pid {os.getpid()} {socket.gethostname()}") is None  # another holder: not its note
+    finally:
+        child.kill()
+        child.wait()
+        child.stdin.close()
+        child.stdout.close()
+    assert (tmp_path / ".rank0-worker0.reader").exists()  # left as it was
+    assert reader(folder, owner) is None
+
+
+NOTE = r"""
+import sys
+from pathlib import Path
+from cachepipe.torchreader import ReaderNote
+note = ReaderNote(Path(sys.argv[1]), "another")
+note.idle()
+print("noted", flush=True)
+sys.stdin.read()  # until killed
+"""
 
 
 LATE = r"""
