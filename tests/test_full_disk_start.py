@@ -8,16 +8,20 @@ import contextlib
 import errno
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from mounts import mounted
+from test_unpack import archive_bytes
 from waiting import wait_until
 
-from cachepipe import Pipeline
+from cachepipe import ItemFailedError, Pipeline
 from cachepipe.client import Client
 from cachepipe.service.testing import DaemonProcess
+from cachepipe.unpack import unpack_in_place
 
 
 def tmpfs(path: Path, size: str = "256k"):
@@ -140,3 +144,81 @@ def test_a_full_disk_met_by_the_journal_at_open_names_the_disk_and_what_holds_it
         assert re.search(r"; the cache holds (39|40)\.\d KiB of it, other files 21\d\.\d KiB; ", message), message  # its items
         assert message.endswith("free space there, or give a cache_dir on another filesystem")
         filler.unlink()
+
+
+# ---- a full disk while an archive is extracted ----------------------------------------------
+@pytest.mark.parametrize("fmt", ["tar.gz", "zip"])
+def test_a_full_disk_during_an_extraction_names_the_member_s_file_and_leaves_the_item_as_it_was(tmp_path, fmt):
+    # The item failed with a bare "[Errno 28] No space left on device": no file, no member.
+    frames = {"meta.json": b"{}", "frames/all.bin": bytes(400_000)}  # 400 KB of zeros: a small archive
+    with tmpfs(tmp_path / "disk") as disk:
+        (disk / "item").mkdir()
+        (disk / "item" / f"clip.{fmt}").write_bytes(archive_bytes(frames, fmt))
+        with pytest.raises(OSError, match="No space left on device") as err:
+            unpack_in_place(disk / "item", name="clips/item7", limit_bytes=10 << 20)
+        assert err.value.errno == errno.ENOSPC
+        assert str(err.value) == (
+            f"[Errno 28] No space left on device: cannot write '{disk}/item.unpacked/frames/all.bin', member "
+            f"'frames/all.bin' of archive 'clip.{fmt}' of item 'clips/item7'"
+        )
+        assert sorted(os.listdir(disk)) == ["item"]  # the extraction removed: nothing left behind
+        assert os.listdir(disk / "item") == [f"clip.{fmt}"]
+
+
+def test_an_item_whose_extraction_meets_a_full_disk_fails_naming_the_file_and_leaves_nothing_in_staging(tmp_path):
+    # A pipeline with unpack=True: the item failed by its name with a bare "[Errno 28]"; what its
+    # extraction wrote is removed with the failure, and the cache serves on.
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "clip.tar.gz").write_bytes(archive_bytes({"frames/all.bin": bytes(300_000)}, "tar.gz"))
+    with tmpfs(tmp_path / "disk", "512k") as disk:
+        filler = disk / "other-writer.bin"
+        filler.write_bytes(bytes(300_000))  # the extraction's reserve fits the capacity, not the disk
+        with Pipeline(f"{src}/", disk / "cache", "400KiB", items="folders", unpack=True, unpack_ratio=1000) as pipe:
+            with pytest.raises(ItemFailedError) as failed:
+                pipe.get(timeout=60)  # a guard against a hang, not a timing assertion
+            assert failed.value.item == "a"
+            cause = failed.value.__cause__
+            assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC
+            assert re.fullmatch(
+                rf"\[Errno 28\] No space left on device: cannot write '{disk}/cache/\.cachepipe/staging/\d+\.unpacked/"
+                r"frames/all\.bin', member 'frames/all\.bin' of archive 'clip\.tar\.gz' of item 'a'",
+                str(cause),
+            ), cause
+            staging = disk / "cache" / ".cachepipe" / "staging"
+            assert [p for p in staging.iterdir() if not p.name.startswith("x")] == []  # nothing left behind
+            assert pipe.get(timeout=60) is None
+
+
+def test_a_full_disk_under_the_completion_marker_s_file_names_the_file(tmp_path):
+    # `cachepipe map` writes an item's completion marker into its slot where it cannot keep it in
+    # memory (no /proc, or memfd_create refused); on a full disk that failed with a bare
+    # "[Errno 28] No space left on device". Here /proc is hidden (a mount namespace of the
+    # child's own), so the marker takes that way.
+    child = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from cachepipe.map.uploader import _marker_file\n"
+        "try:\n"
+        "    with _marker_file(b'{}' * 5000, Path(sys.argv[1])):\n"
+        "        print('written')\n"
+        "except OSError as exc:\n"
+        "    print(exc)\n"
+    )
+    with tmpfs(tmp_path / "disk") as disk:
+        fill(disk)
+        hide_proc = f'mount -t tmpfs -o size=4k none /proc && exec {sys.executable} -c "$0" "$1"'
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        run = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", hide_proc, child, str(disk)],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
+        if run.returncode != 0 and "unshare" in run.stderr:
+            pytest.skip(f"no mount namespace here: {run.stderr.strip()}")
+        assert run.stdout.strip() == (
+            f"[Errno 28] No space left on device: cannot write the completion marker's file '{disk}/marker.json'"
+        ), run.stdout + run.stderr
+        assert not (disk / "marker.json").exists()
