@@ -105,6 +105,25 @@ def test_a_stop_while_a_pipeline_waits_for_room_ends_the_daemon_at_once(tmp_path
     assert "stopping (signal)" in daemon.log() and "Traceback" not in daemon.log()
 
 
+def test_a_reload_that_moves_a_waiting_pipeline_to_a_disk_with_room_opens_it(tmp_path, short_dir):
+    # What the warning advises ("give a cache_dir on another filesystem"), applied by a reload: the
+    # wait on the full disk ends, and the pipeline opens in its new cache directory.
+    sock = short_dir / "api.sock"
+    with tmpfs(tmp_path / "disk") as disk:
+        config = daemon_config(tmp_path, sock, disk / "cache")
+        fill(disk)
+        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon, Client("train", sock) as client:
+            assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
+            settings = yaml.safe_load(config.read_text())
+            settings["pipelines"]["train"]["cache_dir"] = str(tmp_path / "elsewhere")
+            config.write_text(yaml.safe_dump(settings))
+            daemon.reload()
+            assert client.status()["pipelines"]["train"]["state"] == "open"
+            assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
+            assert daemon.stop() == 0
+    assert "reloaded" in daemon.log() and "reopened train" in daemon.log() and "Traceback" not in daemon.log()
+
+
 def test_a_cache_whose_own_kept_items_fill_its_disk_opens_and_makes_room_by_its_recovery(tmp_path):
     # Items kept by the last owner (keep_on_close) and another writer's file filled the disk;
     # the data changed at the source since, so the next open's recovery removes those items.
