@@ -137,11 +137,11 @@ def test_a_cache_whose_own_kept_items_fill_its_disk_opens_and_makes_room_by_its_
             kept = [pipe.get(timeout=20) for _ in range(3)]  # published, never acknowledged: kept at close
         assert all(item is not None for item in kept)
         filler = fill(disk)
-        for i in range(3):  # the data rewritten at the source: the kept items are stale
-            (src / f"item{i}" / "a.bin").write_bytes(b"y" * 30_000)
+        for i in range(3):  # the data rewritten at the source (smaller: all of it fits the room freed): stale
+            (src / f"item{i}" / "a.bin").write_bytes(b"y" * 10_000)
         with Pipeline(f"{src}/", disk / "cache", "200KiB", **{**options, "keep_on_close": False}) as pipe:
             item = pipe.get(timeout=20)
-            assert item is not None and (item.path / "a.bin").read_bytes() == b"y" * 30_000
+            assert item is not None and (item.path / "a.bin").read_bytes() == b"y" * 10_000
         filler.unlink()
 
 
