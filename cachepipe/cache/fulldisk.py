@@ -29,9 +29,10 @@ FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 class Room(NamedTuple):
-    """What the filesystem of a path has free for this process: ``bytes`` (the blocks root may
-    take, reserved ones included, for root; the others' for any other user) and ``inodes`` (-1:
-    the filesystem does not count them), of ``total`` bytes."""
+    """What the filesystem of a path has free: ``bytes`` and ``inodes`` (-1: the filesystem does
+    not count them) as ``df`` shows them available (``f_bavail``, ``f_favail``: not the blocks
+    reserved for root, which ext4 does not all give even to root), of ``total`` bytes in blocks of
+    ``block`` bytes. The same measure as the capacity's share of the disk (``shutil.disk_usage``)."""
 
     bytes: int
     inodes: int
@@ -42,9 +43,7 @@ class Room(NamedTuple):
 def room_now(path: str | os.PathLike[str]) -> Room:
     """:class:`Room` of the filesystem that holds ``path`` (one ``statvfs``)."""
     st = os.statvfs(path)
-    blocks = st.f_bfree if os.geteuid() == 0 else st.f_bavail
-    inodes = (st.f_ffree if os.geteuid() == 0 else st.f_favail) if st.f_files else -1
-    return Room(blocks * st.f_frsize, inodes, st.f_blocks * st.f_frsize, st.f_frsize)
+    return Room(st.f_bavail * st.f_frsize, st.f_favail if st.f_files else -1, st.f_blocks * st.f_frsize, st.f_frsize)
 
 
 def no_room(path: str | os.PathLike[str]) -> bool:
