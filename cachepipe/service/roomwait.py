@@ -5,9 +5,12 @@ a library's caller decides); the daemon instead starts, serves the others, answe
 health (``waiting for room``), and opens that pipeline once another writer frees room, as a
 running cache waits for room for its items. :class:`RoomWait` is that wait: one thread
 (``cachepipe-room-NAME``) that looks at the filesystem's free space every :data:`LOOK_EVERY`
-seconds and tries the open again when the room there has grown since the last try (a try lists
-the source: not once per look), quietly (the daemon said once that it waits); a stop ends it at
-once, closing a pipeline it is opening (which aborts that open's listing).
+seconds and tries the open again once the disk is no longer full, and after a try that still
+found too little room, only when the room has grown since (a try may list the source: not once
+per look), quietly (the daemon said once that it waits); a stop ends it at once, closing a
+pipeline it is opening (which aborts that open's listing). An open that fails otherwise (the
+store refuses the listing...) leaves the pipeline down until a reload, as a reload's failed open
+does.
 """
 
 from __future__ import annotations
