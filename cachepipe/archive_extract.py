@@ -107,6 +107,17 @@ class _Extraction:
             return ArchiveError(f"{where} is a folder, but {rel!r} is a file{self._origin(archive, rel)}; rename one of the two")
         return None
 
+    def no_room(self, archive: str, name: str, exc: OSError) -> OSError | None:
+        """The error that ``exc``, raised writing member ``name``, stands for when it is a full
+        disk's (``ENOSPC``, ``EDQUOT``) that names no file (a write's, or a close's flush): the same
+        errno, naming the file and the member, as :func:`~cachepipe.wholefiles.naming` does. None
+        for any other error, which stays as it is (one of reading the archive is not a write)."""
+        if type(exc) is not OSError or exc.filename is not None or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return None
+        target = self.out / _check_name(archive, name)
+        what = f"cannot write {str(target)!r}, member {_abridged(name)} of archive {archive!r} of item {self.item!r}"
+        return OSError(exc.errno, f"{exc.strerror or exc}: {what}")
+
     def _origin(self, archive: str, rel: str) -> str:
         """Where the file ``rel`` came from, when another archive of the item wrote it."""
         owner = self.written.get(rel, archive)
@@ -159,7 +170,7 @@ class _Extraction:
         except tarfile.FilterError as exc:
             raise UnsafeMemberError(archive, name, f"refused by tarfile's data filter: {exc}") from exc
         except OSError as exc:
-            error = self.unwritable(archive, name, member.isdir(), exc)
+            error = self.unwritable(archive, name, member.isdir(), exc) or self.no_room(archive, name, exc)
             if error is None:
                 raise
             raise error from exc
@@ -188,7 +199,8 @@ class _Extraction:
                 try:
                     self._zip_member(archive, zf, info)
                 except OSError as exc:
-                    error = self.unwritable(archive, info.filename, info.is_dir(), exc)
+                    name = info.filename
+                    error = self.unwritable(archive, name, info.is_dir(), exc) or self.no_room(archive, name, exc)
                     if error is None:
                         raise
                     raise error from exc

@@ -117,6 +117,9 @@ class Pipeline(_Handout):
             OversizeError: an item is larger than the capacity (``on_oversize="raise"``).
             UnsafeKeyError: an object key cannot be mapped safely into the cache
                 (``on_error="raise"``; with ``"skip"``, its item is skipped in its turn).
+            OSError: ``cache_dir`` cannot be created or written; or its disk is full (``ENOSPC``,
+                ``EDQUOT``), at once, naming the disk, what holds it and what to do (a running
+                pipeline waits for room for its items instead; ``cachepipe serve`` waits to open).
         """
         with self._lock:
             if self._state != _UNOPENED:

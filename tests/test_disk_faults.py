@@ -274,7 +274,9 @@ def test_an_auto_ack_that_could_not_be_journaled_gives_the_item_back(tmp_path):
 
 def test_a_full_disk_at_open_names_the_cache(s3_source, tmp_path):
     """A disk already full when the pipeline opens failed with a bare "[Errno 28] No space left
-    on device", raised from the lock file's write, naming no path."""
+    on device", raised from the lock file's write, naming no path; then with the lock file's
+    path, which said neither which disk nor what fills it. It names cache_dir, the disk, what
+    holds it and what to do (and is raised before the listing)."""
     s3_source.folders(1, {"f": KIB})
     with tmpfs(tmp_path / "disk", "64k") as disk:
         (disk / "cache").mkdir()
@@ -282,9 +284,15 @@ def test_a_full_disk_at_open_names_the_cache(s3_source, tmp_path):
         with open(filler, "wb", buffering=0) as fh, contextlib.suppress(OSError):
             while True:
                 fh.write(b"x" * 4096)
-        with pytest.raises(OSError, match=r"No space left on device: cannot write the cache's lock file .*disk/cache/") as err:
+        with pytest.raises(OSError, match="its disk is full") as err:
             Pipeline(s3_source.url, disk / "cache", "32KiB", storage_options=s3_source.options).open()
         assert err.value.errno == errno.ENOSPC
+        assert str(err.value) == (
+            f"[Errno 28] cache_dir '{disk}/cache': its disk is full (No space left on device): "
+            f"the filesystem mounted at '{disk}' has 0 B free "
+            "of 64.0 KiB; the cache holds 0 B of it, other files 64.0 KiB; free space there, or give a cache_dir on "
+            "another filesystem"
+        )
 
 
 def test_a_cache_dir_on_a_read_only_filesystem_is_named_with_the_reason(tmp_path):

@@ -44,6 +44,7 @@ from ..filesystems import filesystem_at, lookups_stay_local
 from ..fscalls import RELEASING, file_calls_for
 from ..removal import tree_bytes
 from .eviction import Eviction
+from .fulldisk import full_disk, no_room, said_full
 from .ledger import Ledger
 from .lock import LOCK, STATE_DIR, OwnerLock, unusable_dir
 from .publishing import _Publishing
@@ -117,20 +118,32 @@ class Cache(_Publishing):
         Raises:
             CacheLockedError: another live process owns the directory.
             OSError: the directory cannot be created or taken (:func:`~.lock.unusable_dir`: a
-                read-only filesystem, permission denied, a file on its path), naming ``cache_dir``.
+                read-only filesystem, permission denied, a file on its path), naming ``cache_dir``;
+                or its disk is full (``ENOSPC``, ``EDQUOT``: :func:`~.fulldisk.full_disk`, which
+                names the disk and what holds it), also checked before the listing when the
+                journal names no item of an earlier owner (recovery might free room).
         """
         try:
             self.state_dir.mkdir(parents=True, exist_ok=True)
             self._lock.acquire()
         except OSError as exc:
-            error = unusable_dir(self._given, exc)
+            error = unusable_dir(self._given, exc) or full_disk(self._given, self.root, exc)
             if error is None:
                 raise
             raise error from exc
+        full: OSError | None = None
         try:
             if self.staging_root.exists():
                 shutil.rmtree(self.staging_root)
             self.staging_root.mkdir()
+            try:
+                self._replay = state.load(self.record.journal.path)
+            except state.StateCorrupt as exc:
+                log.warning("%s; rebuilding the cache state from the files on disk", exc)
+                self._replay, self.rebuilt = state.Replay(), True
+            # before the listing, which may take minutes; not where recovery may free room (leftovers)
+            if not self.has_leftovers() and no_room(self._root) and (full := full_disk(self._given, self.root)):
+                raise full
             self._identity = tuple(_identity(path) for path in (self._root, str(self.state_dir)))
             fstype = filesystem_at(self._root)
             self._eviction.open_deleters(fstype)
@@ -154,11 +167,12 @@ class Cache(_Publishing):
                     self.root,
                     room,
                 )
-            try:
-                self._replay = state.load(self.record.journal.path)
-            except state.StateCorrupt as exc:
-                log.warning("%s; rebuilding the cache state from the files on disk", exc)
-                self._replay, self.rebuilt = state.Replay(), True
+        except OSError as exc:
+            self._lock.release()
+            error = None if exc is full else full_disk(self._given, self.root, exc)
+            if error is None:
+                raise
+            raise error from exc
         except BaseException:
             self._lock.release()
             raise
@@ -195,7 +209,8 @@ class Cache(_Publishing):
             return None
 
     def save_catalog(self, source: str, mode: str, catalog: Catalog) -> None:
-        state.save_catalog(self.catalog_path, source, mode, catalog)
+        with said_full(self._given, self.root):
+            state.save_catalog(self.catalog_path, source, mode, catalog)
 
     def recover(self, items: Catalog, resume: bool, plan: str = "") -> tuple[tuple[int, int], set[tuple[int, str]]]:
         """Reconcile the disk with the journal and the catalog.
@@ -216,6 +231,7 @@ class Cache(_Publishing):
             ConfigError: ``resume`` with a different plan, or after a streamed pass that stopped
                 before its listing ended (its plan is unknown), or foreign files and the state
                 budget leave no room under the capacity.
+            OSError: the disk is full when the journal is rewritten for the pass (:func:`~.fulldisk.full_disk`).
         """
         replay = self._replay
         check_resume(replay, resume, plan, self._root)
@@ -231,10 +247,11 @@ class Cache(_Publishing):
                 record.versions[name] = replay.versions[name]
             self._recovered[name] = self.root / name
             self._claimed.add(name)
-        if resume:
-            record.start(replay.pass_no, replay.cursor, replay.acked, plan)
-        else:
-            record.start(replay.pass_no + 1, (0, 0), set(), plan)
+        with said_full(self._given, self.root):  # the journal's rewrite
+            if resume:
+                record.start(replay.pass_no, replay.cursor, replay.acked, plan)
+            else:
+                record.start(replay.pass_no + 1, (0, 0), set(), plan)
         ledger.reserved = sum(record.published.values())
         state_files = tree_bytes(self.state_dir)
         record.budget = self.journal_budget(items)

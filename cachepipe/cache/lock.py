@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import socket
 import stat
@@ -35,9 +36,12 @@ UNKNOWN_OWNER = "another process"  # a lock whose owner has not written its pid 
 
 __all__ = ["UNKNOWN_OWNER", "OwnerLock", "unusable_dir"]
 
+log = logging.getLogger("cachepipe.cache")
+
 
 class OwnerLock:
-    """``flock`` on ``path``, which holds ``"pid host"`` of the owner while held.
+    """``flock`` on ``path``, which holds ``"pid host"`` of the owner while held (nothing but
+    blanks after a release, or where a full disk kept a new cache's owner from writing it).
 
     Args:
         path: the lock file (created if missing).
@@ -72,24 +76,38 @@ class OwnerLock:
             other, who, around = nested
             relation = "contains it" if around else "lies inside it"
             raise CacheLockedError(str(self.root), f"{who}, which owns the cache directory {str(other)!r} that {relation}")
+        line = f"{os.getpid()} {socket.gethostname()}\n".encode()
         try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
-        except OSError as exc:  # a full disk: said with the path, not as a bare errno
-            self.release()
-            raise OSError(exc.errno, f"{exc.strerror}: cannot write the cache's lock file {str(self.path)!r}") from exc
+            # over the line an earlier owner left (blanked by its release), then cut to length: a
+            # full disk gives no new block, and the file keeps the one it had
+            os.pwrite(fd, line, 0)
+            os.ftruncate(fd, len(line))
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                self.release()
+                raise OSError(exc.errno, f"{exc.strerror}: cannot write the cache's lock file {str(self.path)!r}") from exc
+            # the file had no line (a new cache, or one an earlier version released): the lock is
+            # held all the same; only another process refused it is told "another process"
+            log.info("%s: the disk is full: the lock is held without this owner's pid in it (%s)", self.path, exc.strerror)
 
     @property
     def held(self) -> bool:
         return self._fd is not None
 
     def release(self) -> None:
-        """Clear the owner line and release the lock (idempotent)."""
+        """Blank the owner line and release the lock (idempotent). The line is overwritten with
+        spaces, not cut: the file keeps its block, so that the next owner writes its own line
+        over it even on a full disk (where a filesystem writes no block in place, copy on write,
+        and refuses that, the file is emptied instead)."""
         fd, self._fd = self._fd, None
         if fd is None:
             return
         try:
-            os.ftruncate(fd, 0)
+            size = os.fstat(fd).st_size
+            try:
+                os.pwrite(fd, b" " * size, 0)
+            except OSError:
+                os.ftruncate(fd, 0)
         finally:
             os.close(fd)  # closing releases the flock
 

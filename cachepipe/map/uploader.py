@@ -55,6 +55,7 @@ from ..backoff import backoff_delay
 from ..catalog import check_key
 from ..errors import CachePipeError, UnsafeKeyError, is_transient
 from ..stores.base import TEMP_SUFFIX, WritableStore, takes_content_type
+from ..wholefiles import naming
 
 __all__ = [
     "DONE_MARKER",
@@ -213,7 +214,8 @@ def _marker_file(body: bytes, folder: Path) -> Iterator[Path]:
         return
     path = folder / "marker.json"
     try:
-        path.write_bytes(body)
+        with naming(f"cannot write the completion marker's file {str(path)!r}"):  # a full disk's error names no file
+            path.write_bytes(body)
         yield path
     finally:
         path.unlink(missing_ok=True)

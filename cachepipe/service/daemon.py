@@ -43,6 +43,7 @@ from .logs import set_level
 from .markers import HandOuts, MarkerWatcher
 from .metrics import Metrics
 from .pipelinedesk import _PipelineDesk
+from .roomwait import RoomWait, is_full_disk
 from .served import _CLOSED, _RUNNING, _STOPPING, _UNOPENED, _Served
 from .views import pass_progress
 
@@ -98,7 +99,7 @@ class Daemon(_JobDesk, _PipelineDesk):
             self._markers.start()
         for name, cfg in self.config.pipelines.items():
             served = _Served(name, cfg)
-            served.pipeline = self._open(served)  # raises: the caller stops us
+            self._open_or_wait(served)  # raises: the caller stops us
             with self._cond:
                 self._served[name] = served
         self._api.serve()
@@ -135,8 +136,44 @@ class Daemon(_JobDesk, _PipelineDesk):
         """True while serving and the API thread is alive (what the systemd watchdog checks)."""
         return self._state == _RUNNING and self._api is not None and self._api.alive
 
-    def _open(self, served: _Served) -> Pipeline:
-        pipe = Pipeline(**pipeline_options(served.config))
+    def _open_or_wait(self, served: _Served) -> None:
+        """Open the pipeline of ``served``; where its cache's disk is full, wait for room instead
+        (in the background: :class:`~.roomwait.RoomWait`) and say so once. Raises any other error."""
+        try:
+            served.pipeline = self._open(served)
+        except OSError as exc:
+            if not is_full_disk(exc):
+                raise
+            served.waiting = exc.strerror or str(exc)
+            log.warning("pipeline %s waits for room, and opens once there is: %s", served.name, served.waiting)
+            served.room = RoomWait(
+                served.name,
+                served.root,
+                lambda: Pipeline(**pipeline_options(served.config)),
+                lambda pipe: self._open(served, pipe),
+                lambda pipe: self._room_found(served, pipe),
+                lambda error: self._room_failed(served, error),
+            )
+            served.room.start()
+
+    def _room_found(self, served: _Served, pipe: Pipeline) -> bool:
+        """The pipeline of ``served``, waiting for room, opened (in its wait's thread)."""
+        with self._cond:
+            served.pipeline, served.waiting, served.room = pipe, "", None
+            self._cond.notify_all()
+        log.info("pipeline %s: its disk has room now: opened", served.name)
+        return True
+
+    def _room_failed(self, served: _Served, exc: BaseException) -> None:
+        """The pipeline of ``served``, waiting for room, failed to open for another reason: down."""
+        log.error("pipeline %s is down until a reload reopens it: %s: %s", served.name, type(exc).__name__, exc)
+        with self._cond:
+            served.waiting, served.error, served.room = "", f"{type(exc).__name__}: {exc}", None
+            self._cond.notify_all()
+
+    def _open(self, served: _Served, pipe: Pipeline | None = None) -> Pipeline:
+        """Watch the markers of ``served`` and open its pipeline (``pipe``, or a new one)."""
+        pipe = pipe or Pipeline(**pipeline_options(served.config))
         if self._markers is not None:
             try:
                 served.root.mkdir(parents=True, exist_ok=True)
@@ -157,6 +194,10 @@ class Daemon(_JobDesk, _PipelineDesk):
         return pipe
 
     def _close(self, served: _Served) -> None:
+        room = served.room
+        if room is not None:  # its wait ends (a pipeline it opens is closed) before the rest
+            room.stop()
+            served.room = None
         if self._markers is not None:
             self._markers.unwatch(served.name)
         if served.pipeline is not None:
@@ -225,8 +266,8 @@ class Daemon(_JobDesk, _PipelineDesk):
             self._set_markers(new.markers)
             for name, cfg in new.pipelines.items():
                 entry = current.get(name)
-                if entry is not None and entry.config == cfg and entry.pipeline is not None:
-                    continue
+                if entry is not None and entry.config == cfg and (entry.pipeline is not None or entry.room is not None):
+                    continue  # running, or waiting for room as it was
                 if (
                     entry is not None
                     and entry.pipeline is not None
@@ -269,9 +310,9 @@ class Daemon(_JobDesk, _PipelineDesk):
         self._closer.wait(name)  # one taken down: it finishes closing before its cache opens again
         fresh = _Served(name, cfg, rebuilt_at=None if old is None else time.monotonic())
         try:
-            fresh.pipeline = self._open(fresh)
+            self._open_or_wait(fresh)
             verb = "added" if old is None else ("reopened" if old.pipeline is None else "rebuilt")
-            result = f"{verb} {name}"
+            result = f"{verb} {name}" + (" (waiting for room on its disk)" if fresh.waiting else "")
         except Exception as exc:  # noqa: BLE001 - any failure to open: report it and fall back, never crash the daemon
             log.error("reload: pipeline %s cannot open with the new settings: %s", name, exc)
             fresh.error = f"{type(exc).__name__}: {exc}"

@@ -47,11 +47,13 @@ class _JobDesk(_DaemonState):
             if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
             # another writer filled the disk: not the daemon's failure (500), and room may come back (507)
-            raise OSError(
-                exc.errno,
-                f"job {name!r} cannot open its cache under {registry.config.root}: {exc}: the disk is full "
-                "(or the quota reached); register again once there is room",
-            ) from exc
+            if exc.filename is None and exc.strerror and exc.strerror.startswith("cache_dir "):  # the cache's open: said all
+                why = exc.strerror
+            else:
+                why = f"{exc}: the disk is full (or the quota reached)"
+            root = registry.config.root
+            message = f"job {name!r} cannot open its cache under {root}: {why}; register again once there is room"
+            raise OSError(exc.errno, message) from exc
 
     def delete_job(self, name: str) -> None:
         """End job ``name`` and delete its items (see :meth:`.jobs.Jobs.delete`)."""

@@ -2,8 +2,9 @@
 
 The main thread owns the signals and the conversation with systemd:
 
-- READY=1 once every cache is open and the socket listens; STATUS= lines (items ready, leased,
-  bytes cached) every ``status_interval`` seconds when they change;
+- READY=1 once every cache is open (or waits for room on a full disk: :mod:`.roomwait`) and the
+  socket listens; STATUS= lines (items ready, leased, bytes cached) every ``status_interval``
+  seconds when they change;
 - WATCHDOG=1 every half ``WatchdogSec`` (``$WATCHDOG_USEC``) while the API thread is alive,
   during a reload too (a thread of its own);
 - SIGTERM / SIGINT: STOPPING=1, stop fetching, close the pipelines (published items stay for the

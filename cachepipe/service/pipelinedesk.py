@@ -52,7 +52,7 @@ class _PipelineDesk(_Views):
         if acks:
             self.finish_many("ack", acks, pipeline=name)
         while True:
-            served, pipe = self._pipeline(name)
+            served, pipe = self._pipeline(name, deadline)
             self._count_waiting(name, +1)
             try:
                 try:
@@ -167,6 +167,8 @@ class _PipelineDesk(_Views):
     @staticmethod
     def _live(served: _Served) -> Pipeline:
         if served.pipeline is None:
+            if served.waiting:
+                raise UnavailableError(f"pipeline {served.name!r} waits for room on its disk: {served.waiting}")
             raise UnavailableError(f"pipeline {served.name!r} is down: {served.error}")
         return served.pipeline
 
@@ -241,16 +243,25 @@ class _PipelineDesk(_Views):
         self.metrics.marker_acks.labels(name, how).inc()
         log.debug("%s: acknowledged %s (%s)", name, item, how)
 
-    def _pipeline(self, name: str) -> tuple[_Served, Pipeline]:
-        """The served pipeline ``name`` and its live :class:`Pipeline`.
+    def _pipeline(self, name: str, deadline: float) -> tuple[_Served, Pipeline]:
+        """The served pipeline ``name`` and its live :class:`Pipeline`; one waiting for room on
+        its disk is waited for until ``deadline`` (``time.monotonic()``), as items are.
 
         Raises:
-            StoppingError, UnknownPipelineError, UnavailableError.
+            StoppingError, UnknownPipelineError, UnavailableError; TimeoutError: it still waits
+            for room at ``deadline``.
         """
         with self._cond:
-            if self._state != _RUNNING:
-                raise StoppingError("the daemon is shutting down" if self._state != _UNOPENED else "the daemon is starting")
-            served = self._served.get(name)
+            while True:
+                if self._state != _RUNNING:
+                    raise StoppingError("the daemon is shutting down" if self._state != _UNOPENED else "the daemon is starting")
+                served = self._served.get(name)
+                if served is None or not served.waiting:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"pipeline {name!r} waits for room on its disk: {served.waiting}")
+                self._cond.wait(remaining)
         if served is None:
             raise UnknownPipelineError(f"no pipeline named {name!r}; this daemon serves: {', '.join(sorted(self._served))}")
         if served.pipeline is None:

@@ -29,6 +29,7 @@ from .metrics import Metrics
 if TYPE_CHECKING:
     from ..node import NodePipeline
     from .api import ApiServer
+    from .roomwait import RoomWait
 
 __all__: list[str] = []
 
@@ -37,8 +38,10 @@ __all__: list[str] = []
 class _Served:
     name: str
     config: PipelineConfig
-    pipeline: Pipeline | None = None  # None: it failed to open (see error)
+    pipeline: Pipeline | None = None  # None: it failed to open (see error), or waits for room (see waiting)
     error: str = ""
+    waiting: str = ""  # why it waits for room to open (its cache's disk is full), while room waits
+    room: RoomWait | None = None  # the wait for room, while one runs (stopped by the daemon's close of it)
     rebuilt_at: float | None = None  # monotonic time a reload rebuilt it, ending older leases
     root: Path = dataclasses.field(init=False)
     prefix: str = dataclasses.field(init=False)  # str(root) + "/": what every item path starts with

@@ -44,8 +44,8 @@ class _Views(_DaemonState):
         for e in self._entries():
             stats: Stats | None = e.pipeline.stats() if e.pipeline is not None else None
             pipelines[e.name] = {
-                "state": "open" if e.pipeline is not None else "down",
-                "error": e.error or None,
+                "state": "open" if e.pipeline is not None else ("waiting for room" if e.waiting else "down"),
+                "error": e.waiting or e.error or None,
                 "source": e.config.source,
                 "cache_dir": str(e.root),
                 "items": e.config.items,
@@ -116,15 +116,18 @@ class _Views(_DaemonState):
         return UnavailableError(f"pipeline {served.name!r} is down: {served.error}")
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        """(healthy, body of ``GET /v1/health``): healthy when running and every pipeline is open."""
+        """(healthy, body of ``GET /v1/health``): healthy when running and every pipeline is open
+        (one waiting for room on its disk is not: ``"waiting for room: <why>"``)."""
         self.check_caches()
         entries = self._entries()
-        down = {e.name: e.error for e in entries if e.pipeline is None}
+        down = {
+            e.name: f"waiting for room: {e.waiting}" if e.waiting else f"down: {e.error}" for e in entries if e.pipeline is None
+        }
         ok = self._state == _RUNNING and not down
         status = "ok" if ok else ("degraded" if self._state == _RUNNING else self._state)
         return ok, {
             "status": status,
-            "pipelines": {e.name: "down: " + down[e.name] if e.name in down else "open" for e in entries},
+            "pipelines": {e.name: down.get(e.name, "open") for e in entries},
         }
 
     def status_line(self) -> str:
@@ -132,7 +135,7 @@ class _Views(_DaemonState):
         parts = []
         for e in self._entries():
             if e.pipeline is None:
-                parts.append(f"{e.name}: down")
+                parts.append(f"{e.name}: {'waiting for room on its disk' if e.waiting else 'down'}")
                 continue
             s = e.pipeline.stats()
             progress = pass_progress(e.pipeline)

@@ -1,0 +1,131 @@
+"""A served pipeline whose cache's disk was full when it opened: it waits for room, and opens then.
+
+:class:`~cachepipe.Pipeline` ``open`` fails at once on a full disk (:func:`cachepipe.cache.fulldisk.full_disk`:
+a library's caller decides); the daemon instead starts, serves the others, answers status and
+health (``waiting for room``), and opens that pipeline once another writer frees room, as a
+running cache waits for room for its items. :class:`RoomWait` is that wait: one thread
+(``cachepipe-room-NAME``) that looks at the filesystem's free space every :data:`LOOK_EVERY`
+seconds and tries the open again once the disk is no longer full, and after a try that still
+found too little room, only when the room has grown since (a try may list the source: not once
+per look), quietly (the daemon said once that it waits); a stop ends it at once, closing a
+pipeline it is opening (which aborts that open's listing). An open that fails otherwise (the
+store refuses the listing...) leaves the pipeline down until a reload, as a reload's failed open
+does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+from ..cache.fulldisk import FULL_ERRNOS, Room, room_now
+from ..pipeline import Pipeline
+
+__all__ = ["LOOK_EVERY", "RoomWait", "is_full_disk"]
+
+log = logging.getLogger("cachepipe.service")
+
+LOOK_EVERY = 0.5
+"""Seconds between two looks at the free space of a full cache's filesystem (one ``statvfs``)."""
+
+
+def is_full_disk(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a pipeline's open, is its cache's disk (or quota) full."""
+    return isinstance(exc, OSError) and exc.errno in FULL_ERRNOS
+
+
+class RoomWait:
+    """Open a pipeline once the filesystem of ``root`` has room.
+
+    Args:
+        name: the pipeline's name (the thread's name, the log).
+        root: its cache directory (or, before it is made, a folder above it).
+        make: a new, unopened :class:`Pipeline` for each try.
+        open_: opens it (the daemon's open: its marker watch, then ``Pipeline.open``).
+        opened: called with the open pipeline, in the thread; returns False if it was not taken
+            (the daemon stops): then it is closed here.
+        failed: called with an error other than a full disk (the pipeline stays down).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        root: str | os.PathLike[str],
+        make: Callable[[], Pipeline],
+        open_: Callable[[Pipeline], object],
+        opened: Callable[[Pipeline], bool],
+        failed: Callable[[BaseException], None],
+    ) -> None:
+        self.name, self.root = name, os.fspath(root)
+        self._make, self._open, self._opened, self._failed = make, open_, opened, failed
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # guards _opening and the stop's close of it
+        self._opening: Pipeline | None = None
+        self._thread = threading.Thread(target=self._run, name=f"cachepipe-room-{name}", daemon=True)
+        self._last: Room | None = None  # the room when the last try failed (None: no try since the wait began)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the wait at once: a pipeline being opened is closed (its listing aborted); joins
+        the thread. Idempotent."""
+        with self._lock:
+            self._stop.set()
+            opening = self._opening
+        if opening is not None:
+            opening.close()  # returns once its open has failed
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _room(self) -> Room | None:
+        probe = self.root
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        try:
+            return room_now(probe)
+        except OSError:
+            return None
+
+    def _grew(self, now: Room | None) -> bool:
+        """Whether to try the open again: the disk is no longer full, the first time (room freed
+        since the open failed, even before this wait began, is not missed); then whenever the room
+        is more than at the last failed try (in bytes, or in inodes where none was left)."""
+        last = self._last
+        if now is None:
+            return False  # not to be looked at now: looked at again next time
+        if last is None:
+            return now.bytes >= now.block and now.inodes != 0
+        return now.bytes > last.bytes or (last.inodes == 0 and now.inodes > 0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(LOOK_EVERY):
+            now = self._room()
+            if not self._grew(now):
+                continue
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                pipe = self._opening = self._make()
+            try:
+                self._open(pipe)
+            except BaseException as exc:  # noqa: BLE001 - any failure: a full disk waits on, the others are said
+                with self._lock:
+                    self._opening = None
+                    stopped = self._stop.is_set()
+                if stopped:
+                    return  # closed by stop() while it opened
+                if is_full_disk(exc):
+                    self._last = self._room()
+                    log.debug("%s: still no room to open on: %s", self.name, exc)
+                    continue
+                self._failed(exc)
+                return
+            with self._lock:
+                self._opening = None
+                keep = not self._stop.is_set() and self._opened(pipe)
+            if not keep:
+                pipe.close()
+            return

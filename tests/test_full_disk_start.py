@@ -1,0 +1,247 @@
+"""A cache whose disk another writer filled before it opened: the daemon starts and waits for
+room, a pipeline opened in Python says at once which disk is full and what holds it, and the
+cache's own kept items there are no full disk to it (a real tmpfs, filled and then freed)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from mounts import mounted
+from test_unpack import archive_bytes
+from waiting import wait_until
+
+from cachepipe import ItemFailedError, Pipeline
+from cachepipe.client import Client
+from cachepipe.service.testing import DaemonProcess
+from cachepipe.unpack import unpack_in_place
+
+
+def tmpfs(path: Path, size: str = "256k"):
+    return mounted(path, ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)])
+
+
+def fill(disk: Path) -> Path:
+    """Another writer's file that takes every block left on ``disk``; returns its path."""
+    filler = disk / "other-writer.bin"
+    with open(filler, "wb", buffering=0) as out, contextlib.suppress(OSError):
+        while True:
+            out.write(b"\0" * 4096)
+    return filler
+
+
+def local_source(tmp_path: Path, count: int, size: int = 100) -> Path:
+    src = tmp_path / "src"
+    for i in range(count):
+        (src / f"item{i}").mkdir(parents=True, exist_ok=True)
+        (src / f"item{i}" / "a.bin").write_bytes(b"x" * size)
+    return src
+
+
+def daemon_config(tmp_path: Path, sock: Path, cache: Path, **daemon) -> Path:
+    train = {"source": f"{local_source(tmp_path, 3)}/", "cache_dir": str(cache), "capacity": "64KiB", "items": "folders"}
+    path = tmp_path / "cachepipe.yaml"
+    path.write_text(yaml.safe_dump({"socket": str(sock), "pipelines": {"train": train}, **daemon}))
+    return path
+
+
+def test_serve_on_a_full_cache_disk_starts_says_so_once_and_opens_once_there_is_room(tmp_path, short_dir):
+    # A chaos run: another writer filled the cache's disk, and `cachepipe serve` exited 1 with
+    # "[Errno 28] No space left on device: cannot write the cache's lock file", restarted by
+    # systemd every 5 s, answering neither status nor health. It starts, answers, says once why
+    # the pipeline waits (the disk, what holds it), a next waits as for items, and the pipeline
+    # opens once the other writer frees its room.
+    sock = short_dir / "api.sock"
+    with tmpfs(tmp_path / "disk") as disk:
+        config = daemon_config(tmp_path, sock, disk / "cache", log_level="debug")
+        filler = fill(disk)
+        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon, Client("train", sock) as client:
+            status = client.status()["pipelines"]["train"]
+            said = (
+                f"cache_dir '{disk}/cache': its disk is full (No space left on device): "
+                f"the filesystem mounted at '{disk}' has 0 B free of 256.0 KiB; "
+                "the cache holds 0 B of it, other files 256.0 KiB; free space there, or give a cache_dir on another filesystem"
+            )
+            assert (status["state"], status["error"]) == ("waiting for room", said)
+            health = client.health()
+            assert health == {"status": "degraded", "pipelines": {"train": f"waiting for room: {said}"}}
+            with pytest.raises(TimeoutError):
+                client.get(timeout=0.2)  # a next waits for it as for an item, then times out (408)
+            assert "STATUS=train: waiting for room on its disk" in daemon.messages[-1]
+            # a page freed: room for the listing's saved copy, not for the journal after it; tried again, quietly
+            os.truncate(filler, filler.stat().st_size - 4096)
+            wait_until(lambda: "still no room to open on" in daemon.log(), what="a try that found too little room")
+            assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
+            filler.unlink()
+            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", what="the pipeline opened")
+            assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
+            assert daemon.stop() == 0
+    log = daemon.log()
+    assert log.count("waits for room") == 1, log  # once, not once per look at the disk
+    assert f"WARNING cachepipe.service: pipeline train waits for room, and opens once there is: {said}" in log
+    assert "its disk has room now: opened" in log and "Traceback" not in log
+
+
+def test_a_stop_while_a_pipeline_waits_for_room_ends_the_daemon_at_once(tmp_path, short_dir):
+    # The wait for room runs on a thread of its own: a SIGTERM ends it (systemd's TimeoutStopSec
+    # is 30 s), the exit status is 0, and nothing of the cache is left locked or staged.
+    sock = short_dir / "api.sock"
+    with tmpfs(tmp_path / "disk") as disk:
+        config = daemon_config(tmp_path, sock, disk / "cache")
+        fill(disk)
+        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon:
+            with Client("train", sock) as client:
+                assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
+            assert daemon.stop(timeout=20) == 0
+        assert sorted(os.listdir(disk / "cache" / ".cachepipe")) == ["lock", "staging"]
+        assert (disk / "cache" / ".cachepipe" / "lock").read_text().strip() == ""  # released
+    assert "stopping (signal)" in daemon.log() and "Traceback" not in daemon.log()
+
+
+def test_a_reload_that_moves_a_waiting_pipeline_to_a_disk_with_room_opens_it(tmp_path, short_dir):
+    # What the warning advises ("give a cache_dir on another filesystem"), applied by a reload: the
+    # wait on the full disk ends, and the pipeline opens in its new cache directory.
+    sock = short_dir / "api.sock"
+    with tmpfs(tmp_path / "disk") as disk:
+        config = daemon_config(tmp_path, sock, disk / "cache")
+        fill(disk)
+        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon, Client("train", sock) as client:
+            assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
+            settings = yaml.safe_load(config.read_text())
+            settings["pipelines"]["train"]["cache_dir"] = str(tmp_path / "elsewhere")
+            config.write_text(yaml.safe_dump(settings))
+            daemon.reload()
+            assert client.status()["pipelines"]["train"]["state"] == "open"
+            assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
+            assert daemon.stop() == 0
+    assert "reloaded" in daemon.log() and "reopened train" in daemon.log() and "Traceback" not in daemon.log()
+
+
+def test_a_cache_whose_own_kept_items_fill_its_disk_opens_and_makes_room_by_its_recovery(tmp_path):
+    # Items kept by the last owner (keep_on_close) and another writer's file filled the disk;
+    # the data changed at the source since, so the next open's recovery removes those items.
+    # It never got there: its lock file, emptied by the last release, took a new block for the
+    # owner's line, and the open failed with ENOSPC. The line is written over the old one's
+    # bytes now (a release blanks it, and keeps its block), and the open goes on to the recovery.
+    src = local_source(tmp_path, 3, size=20_000)
+    with tmpfs(tmp_path / "disk") as disk:
+        options = {"items": "folders", "keep_on_close": True}
+        with Pipeline(f"{src}/", disk / "cache", "200KiB", **options) as pipe:
+            kept = [pipe.get(timeout=20) for _ in range(3)]  # published, never acknowledged: kept at close
+        assert all(item is not None for item in kept)
+        filler = fill(disk)
+        for i in range(3):  # the data rewritten at the source (smaller: all of it fits the room freed): stale
+            (src / f"item{i}" / "a.bin").write_bytes(b"y" * 10_000)
+        with Pipeline(f"{src}/", disk / "cache", "200KiB", **{**options, "keep_on_close": False}) as pipe:
+            item = pipe.get(timeout=20)
+            assert item is not None and (item.path / "a.bin").read_bytes() == b"y" * 10_000
+        filler.unlink()
+
+
+def test_a_full_disk_met_by_the_journal_at_open_names_the_disk_and_what_holds_it(tmp_path):
+    # The disk has room for the lock, not for the journal's rewrite at recovery (its items kept,
+    # the same data: reused, nothing freed): the open failed with "No space left on device" and
+    # the journal's temporary file. It names the cache, the disk, what holds it, what to do.
+    src = local_source(tmp_path, 2, size=20_000)
+    with tmpfs(tmp_path / "disk") as disk:
+        options = {"items": "folders", "keep_on_close": True, "resume": True}
+        with Pipeline(f"{src}/", disk / "cache", "200KiB", **options) as pipe:
+            assert pipe.get(timeout=20) is not None and pipe.get(timeout=20) is not None
+        (disk / "cache" / ".cachepipe" / "held").unlink()  # the note of its size: its removal at open frees a page
+        filler = fill(disk)
+        with pytest.raises(OSError, match="its disk is full") as err:
+            Pipeline(f"{src}/", disk / "cache", "200KiB", **options).open()
+        assert err.value.errno == errno.ENOSPC
+        message = str(err.value)
+        assert message.startswith(
+            f"[Errno 28] cache_dir '{disk}/cache': its disk is full (No space left on device): the filesystem mounted at '{disk}'"
+        )
+        assert f"cannot write '{disk}/cache/.cachepipe/journal'" in message, message
+        assert re.search(r"; the cache holds (39|40)\.\d KiB of it, other files 21\d\.\d KiB; ", message), message  # its items
+        assert message.endswith("free space there, or give a cache_dir on another filesystem")
+        filler.unlink()
+
+
+# ---- a full disk while an archive is extracted ----------------------------------------------
+@pytest.mark.parametrize("fmt", ["tar.gz", "zip"])
+def test_a_full_disk_during_an_extraction_names_the_member_s_file_and_leaves_the_item_as_it_was(tmp_path, fmt):
+    # The item failed with a bare "[Errno 28] No space left on device": no file, no member.
+    frames = {"meta.json": b"{}", "frames/all.bin": bytes(400_000)}  # 400 KB of zeros: a small archive
+    with tmpfs(tmp_path / "disk") as disk:
+        (disk / "item").mkdir()
+        (disk / "item" / f"clip.{fmt}").write_bytes(archive_bytes(frames, fmt))
+        with pytest.raises(OSError, match="No space left on device") as err:
+            unpack_in_place(disk / "item", name="clips/item7", limit_bytes=10 << 20)
+        assert err.value.errno == errno.ENOSPC
+        assert str(err.value) == (
+            f"[Errno 28] No space left on device: cannot write '{disk}/item.unpacked/frames/all.bin', member "
+            f"'frames/all.bin' of archive 'clip.{fmt}' of item 'clips/item7'"
+        )
+        assert sorted(os.listdir(disk)) == ["item"]  # the extraction removed: nothing left behind
+        assert os.listdir(disk / "item") == [f"clip.{fmt}"]
+
+
+def test_an_item_whose_extraction_meets_a_full_disk_fails_naming_the_file_and_leaves_nothing_in_staging(tmp_path):
+    # A pipeline with unpack=True: the item failed by its name with a bare "[Errno 28]"; what its
+    # extraction wrote is removed with the failure, and the cache serves on.
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "clip.tar.gz").write_bytes(archive_bytes({"frames/all.bin": bytes(300_000)}, "tar.gz"))
+    with tmpfs(tmp_path / "disk", "512k") as disk:
+        filler = disk / "other-writer.bin"
+        filler.write_bytes(bytes(300_000))  # the extraction's reserve fits the capacity, not the disk
+        with Pipeline(f"{src}/", disk / "cache", "400KiB", items="folders", unpack=True, unpack_ratio=1000) as pipe:
+            with pytest.raises(ItemFailedError) as failed:
+                pipe.get(timeout=60)  # a guard against a hang, not a timing assertion
+            assert failed.value.item == "a"
+            cause = failed.value.__cause__
+            assert isinstance(cause, OSError) and cause.errno == errno.ENOSPC
+            assert re.fullmatch(
+                rf"\[Errno 28\] No space left on device: cannot write '{disk}/cache/\.cachepipe/staging/\d+\.unpacked/"
+                r"frames/all\.bin', member 'frames/all\.bin' of archive 'clip\.tar\.gz' of item 'a'",
+                str(cause),
+            ), cause
+            staging = disk / "cache" / ".cachepipe" / "staging"
+            assert [p for p in staging.iterdir() if not p.name.startswith("x")] == []  # nothing left behind
+            assert pipe.get(timeout=60) is None
+
+
+def test_a_full_disk_under_the_completion_marker_s_file_names_the_file(tmp_path):
+    # `cachepipe map` writes an item's completion marker into its slot where it cannot keep it in
+    # memory (no /proc, or memfd_create refused); on a full disk that failed with a bare
+    # "[Errno 28] No space left on device". Here /proc is hidden (a mount namespace of the
+    # child's own), so the marker takes that way.
+    child = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from cachepipe.map.uploader import _marker_file\n"
+        "try:\n"
+        "    with _marker_file(b'{}' * 5000, Path(sys.argv[1])):\n"
+        "        print('written')\n"
+        "except OSError as exc:\n"
+        "    print(exc)\n"
+    )
+    with tmpfs(tmp_path / "disk") as disk:
+        fill(disk)
+        hide_proc = f'mount -t tmpfs -o size=4k none /proc && exec {sys.executable} -c "$0" "$1"'
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        run = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", hide_proc, child, str(disk)],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
+        if run.returncode != 0 and "unshare" in run.stderr:
+            pytest.skip(f"no mount namespace here: {run.stderr.strip()}")
+        assert run.stdout.strip() == (
+            f"[Errno 28] No space left on device: cannot write the completion marker's file '{disk}/marker.json'"
+        ), run.stdout + run.stderr
+        assert not (disk / "marker.json").exists()
