@@ -20,6 +20,7 @@ from waiting import wait_until
 
 from cachepipe import ItemFailedError, Pipeline
 from cachepipe.client import Client
+from cachepipe.service.roomwait import RETRY_AFTER
 from cachepipe.service.testing import DaemonProcess
 from cachepipe.unpack import unpack_in_place
 
@@ -122,6 +123,55 @@ def test_a_reload_that_moves_a_waiting_pipeline_to_a_disk_with_room_opens_it(tmp
             assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
             assert daemon.stop() == 0
     assert "reloaded" in daemon.log() and "reopened train" in daemon.log() and "Traceback" not in daemon.log()
+
+
+def test_a_waiting_pipeline_whose_open_then_fails_otherwise_tries_again_as_systemd_would_restart(tmp_path, short_dir):
+    # The disk had room again, but the open failed for another reason (the source empty for a
+    # while, a store not answering after a reboot): the thread that waited for room died with a
+    # traceback, the pipeline "waiting for room" for good, where a start failing so exits 1 and
+    # systemd starts it again (every 5 s). It is tried again every RETRY_AFTER seconds, down
+    # meanwhile with the error, and opens once the source is back; an error of the settings
+    # stays down (a start exits 78 for it: not started again).
+    sock = short_dir / "api.sock"
+    with tmpfs(tmp_path / "disk") as disk:
+        config = daemon_config(tmp_path, sock, disk / "cache")
+        filler = fill(disk)
+        src, away = tmp_path / "src", tmp_path / "away"
+        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon, Client("train", sock) as client:
+            assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
+            src.rename(away)
+            src.mkdir()  # the source empty
+            filler.unlink()
+            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "down", what="the failed open said")
+            error = client.status()["pipelines"]["train"]["error"]
+            assert error.startswith("EmptySourceError: ") and error.endswith(f"(tried again every {RETRY_AFTER:g} s)"), error
+            src.rmdir()
+            away.rename(src)
+            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", timeout=30, what="opened")
+            assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
+            assert daemon.stop() == 0
+    log = daemon.log()
+    assert "its open failed, tried again every" in log and "its disk has room now: opened" in log
+    assert "Traceback" not in log
+
+
+def test_a_waiting_pipeline_whose_settings_are_refused_once_there_is_room_is_down_with_the_reason(tmp_path, short_dir):
+    # The source's local folder gone when room came: the settings' check raised in the wait's
+    # thread, outside its handling; the thread died with a traceback and the pipeline stayed
+    # "waiting for room" for good. It is down, with the reason (as a start exits 78 for it).
+    sock = short_dir / "api.sock"
+    with tmpfs(tmp_path / "disk") as disk:
+        config = daemon_config(tmp_path, sock, disk / "cache")
+        filler = fill(disk)
+        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon, Client("train", sock) as client:
+            assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
+            (tmp_path / "src").rename(tmp_path / "away")
+            filler.unlink()
+            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "down", what="the refusal said")
+            error = client.status()["pipelines"]["train"]["error"]
+            assert error.startswith(f"ConfigError: source '{tmp_path}/src/': no such local path"), error
+            assert daemon.stop() == 0
+    assert "is down until a reload reopens it: ConfigError" in daemon.log() and "Traceback" not in daemon.log()
 
 
 def test_a_cache_whose_own_kept_items_fill_its_disk_opens_and_makes_room_by_its_recovery(tmp_path):

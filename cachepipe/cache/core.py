@@ -44,7 +44,7 @@ from ..filesystems import filesystem_at, lookups_stay_local
 from ..fscalls import RELEASING, file_calls_for
 from ..removal import tree_bytes
 from .eviction import Eviction
-from .fulldisk import full_disk, no_room, said_full
+from .fulldisk import full_disk, no_room, room_now, said_full
 from .ledger import Ledger
 from .lock import LOCK, STATE_DIR, OwnerLock, unusable_dir
 from .publishing import _Publishing
@@ -141,23 +141,23 @@ class Cache(_Publishing):
             except state.StateCorrupt as exc:
                 log.warning("%s; rebuilding the cache state from the files on disk", exc)
                 self._replay, self.rebuilt = state.Replay(), True
+            usage = room_now(self._root)  # the one statvfs of an open (nothing of this cache writes yet)
             # before the listing, which may take minutes; not where recovery may free room (leftovers)
-            if not self.has_leftovers() and no_room(self._root) and (full := full_disk(self._given, self.root)):
+            if not self.has_leftovers() and no_room(usage) and (full := full_disk(self._given, self.root)):
                 raise full
             self._identity = tuple(_identity(path) for path in (self._root, str(self.state_dir)))
             fstype = filesystem_at(self._root)
             self._eviction.open_deleters(fstype)
             # calls that keep the interpreter's lock only where no lookup waits for a server on the way
             self.file_calls = file_calls_for(fstype) if lookups_stay_local(self._root) else RELEASING
-            usage = shutil.disk_usage(self.root)  # the one statvfs of an open (nothing of this cache writes yet)
             self.ledger.capacity = _capacity_bytes(self._capacity_spec, self.root, usage)  # beyond the filesystem: held, logged
             spec = self._capacity_spec
             # within the filesystem's size, kept as given (the space others hold may come back), but said when over
             # the room there now: the tree walked only where it can matter, a capacity over the free space
             if (
                 not isinstance(spec, Share)
-                and usage.free < spec <= usage.total
-                and spec > (room := usage.free + held_in(self.root))
+                and usage.bytes < spec <= usage.total
+                and spec > (room := usage.bytes + held_in(self.root))
             ):
                 log.warning(
                     "capacity %d bytes exceeds the space available to %s (%d bytes): downloads will meet a full "

@@ -46,10 +46,9 @@ def room_now(path: str | os.PathLike[str]) -> Room:
     return Room(st.f_bavail * st.f_frsize, st.f_favail if st.f_files else -1, st.f_blocks * st.f_frsize, st.f_frsize)
 
 
-def no_room(path: str | os.PathLike[str]) -> bool:
-    """Whether the filesystem of ``path`` is full for this process: less than one block free,
-    or no inode (a state file's rewrite needs both)."""
-    room = room_now(path)
+def no_room(room: Room) -> bool:
+    """Whether a filesystem with ``room`` (:func:`room_now`) is full for this process: less
+    than one block free, or no inode (a state file's rewrite needs both)."""
     return room.bytes < room.block or room.inodes == 0
 
 

@@ -15,20 +15,16 @@ recovered items, and drops or deletes through :class:`~.acks._Acks` below it.
 from __future__ import annotations
 
 import logging
-import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..catalog import Item
 from ..config import Share
 from ..errors import ConfigError, OversizeError
 from ..retention import RetentionPolicy
 from .acks import _Acks
+from .fulldisk import Room, room_now
 from .room import held_in, room_at
-
-if TYPE_CHECKING:
-    from shutil import _ntuple_diskusage as DiskUsage  # noqa: N812 - shutil.disk_usage's result
 
 __all__: list[str] = []
 
@@ -39,7 +35,7 @@ def _never() -> bool:
     return False
 
 
-def _capacity_bytes(capacity: int | Share, root: Path, usage: DiskUsage | None = None) -> int:
+def _capacity_bytes(capacity: int | Share, root: Path, usage: Room | None = None) -> int:
     """``capacity`` in bytes for a cache at ``root``: a share of the space free on its filesystem
     and held under ``root`` (the cache's own items are its room, not taken from it: a cache
     opened again over the items it kept has the size it had), or the bytes given. Bytes beyond
@@ -47,12 +43,12 @@ def _capacity_bytes(capacity: int | Share, root: Path, usage: DiskUsage | None =
     (logged, naming both): not to the filesystem's size, which what else lives there (another
     tenant's files, blocks kept for root) makes a cap reached only by filling the disk. A
     capacity within the filesystem's size is kept as given: the space others hold may come back.
-    ``usage``: ``shutil.disk_usage(root)``, read already by :meth:`~.core.Cache.open` (None: read
-    here; for a share, after the walk of ``root``: see :func:`~.room.room_at`)."""
+    ``usage``: :func:`~.fulldisk.room_now` of ``root``, read already by :meth:`~.core.Cache.open`
+    (None: read here; for a share, after the walk of ``root``: see :func:`~.room.room_at`)."""
     if isinstance(capacity, Share):
-        return int(room_at(root, [root], caches=True, free=None if usage is None else usage.free) * capacity.fraction)
+        return int(room_at(root, [root], caches=True, free=None if usage is None else usage.bytes) * capacity.fraction)
     if usage is None:
-        usage = shutil.disk_usage(root)
+        usage = room_now(root)
     if capacity <= usage.total:
         return capacity
     held = held_in(root)
@@ -63,11 +59,11 @@ def _capacity_bytes(capacity: int | Share, root: Path, usage: DiskUsage | None =
         capacity,
         root,
         usage.total,
-        usage.free + held,
-        usage.free,
+        usage.bytes + held,
+        usage.bytes,
         held,
     )
-    return min(capacity, usage.free + held)
+    return min(capacity, usage.bytes + held)
 
 
 class _Reservation(_Acks):

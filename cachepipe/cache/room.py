@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from ..removal import tree_bytes
-from .lock import LOCK, STATE_DIR
+from .lock import STATE_DIR
 
 __all__ = ["drop_note", "held_in", "room_at", "write_note"]
 
@@ -78,15 +78,16 @@ def write_note(root: Path, kept: Mapping[str, int]) -> None:
     """Note what the cache folder ``root`` holds now that its journal is written for the last
     time (at its close): the items ``kept`` (name -> bytes; a folder at its listed size, a file
     at its own, one no longer there or a link as nothing: a consumer may have deleted it) and
-    the rest of its files, walked, but for its lock (empty once released), the note and staging
-    (removed by the next open before it measures the folder, when its close could not). The
+    the rest of its files, walked, but for the note and staging (removed by the next open before
+    it measures the folder, when its close could not); its lock with its owner's line, which a
+    release blanks and does not cut (:meth:`~.lock.OwnerLock.release`), the size it keeps. The
     marks are taken first: a change while this measures makes the note one not trusted. Not
     fatal if it fails: the folder is walked instead."""
     state_dir = root / STATE_DIR
     path, spare = state_dir / NOTE, state_dir / f"{NOTE}.new"
     try:
         marks = _marks(root)
-        state = tree_bytes(state_dir, skip={LOCK, NOTE, spare.name, STAGING})
+        state = tree_bytes(state_dir, skip={NOTE, spare.name, STAGING})
         held = sum(_kept_bytes(f"{root}/{name}", size) for name, size in kept.items())
         held += tree_bytes(root, skip={*kept, STATE_DIR}) + state
         spare.write_text(f"{held} {marks}\n")

@@ -43,7 +43,7 @@ from .logs import set_level
 from .markers import HandOuts, MarkerWatcher
 from .metrics import Metrics
 from .pipelinedesk import _PipelineDesk
-from .roomwait import RoomWait, is_full_disk
+from .roomwait import RETRY_AFTER, RoomWait, is_full_disk
 from .served import _CLOSED, _RUNNING, _STOPPING, _UNOPENED, _Served
 from .views import pass_progress
 
@@ -153,13 +153,14 @@ class Daemon(_JobDesk, _PipelineDesk):
                 lambda pipe: self._open(served, pipe),
                 lambda pipe: self._room_found(served, pipe),
                 lambda error: self._room_failed(served, error),
+                lambda error: self._room_retrying(served, error),
             )
             served.room.start()
 
     def _room_found(self, served: _Served, pipe: Pipeline) -> bool:
         """The pipeline of ``served``, waiting for room, opened (in its wait's thread)."""
         with self._cond:
-            served.pipeline, served.waiting, served.room = pipe, "", None
+            served.pipeline, served.waiting, served.error, served.room = pipe, "", "", None
             self._cond.notify_all()
         log.info("pipeline %s: its disk has room now: opened", served.name)
         return True
@@ -169,6 +170,13 @@ class Daemon(_JobDesk, _PipelineDesk):
         log.error("pipeline %s is down until a reload reopens it: %s: %s", served.name, type(exc).__name__, exc)
         with self._cond:
             served.waiting, served.error, served.room = "", f"{type(exc).__name__}: {exc}", None
+            self._cond.notify_all()
+
+    def _room_retrying(self, served: _Served, exc: BaseException) -> None:
+        """The pipeline of ``served``, waiting for room, failed to open otherwise: down, with its
+        error, until the wait's next try (:data:`~.roomwait.RETRY_AFTER`)."""
+        with self._cond:
+            served.waiting, served.error = "", f"{type(exc).__name__}: {exc} (tried again every {RETRY_AFTER:g} s)"
             self._cond.notify_all()
 
     def _open(self, served: _Served, pipe: Pipeline | None = None) -> Pipeline:

@@ -8,9 +8,11 @@ running cache waits for room for its items. :class:`RoomWait` is that wait: one 
 seconds and tries the open again once the disk is no longer full, and after a try that still
 found too little room, only when the room has grown since (a try may list the source: not once
 per look), quietly (the daemon said once that it waits); a stop ends it at once, closing a
-pipeline it is opening (which aborts that open's listing). An open that fails otherwise (the
-store refuses the listing...) leaves the pipeline down until a reload, as a reload's failed open
-does.
+pipeline it is opening (which aborts that open's listing). An open that fails otherwise is
+tried again every :data:`RETRY_AFTER` seconds (the store not answering, the source empty:
+what a start failing so exits 1 for, and systemd starts again), the pipeline down meanwhile;
+one refused by its settings or its data as listed (what a start exits 78 for) stays down until
+a reload, as a reload's failed open does.
 """
 
 from __future__ import annotations
@@ -21,14 +23,24 @@ import threading
 from collections.abc import Callable
 
 from ..cache.fulldisk import FULL_ERRNOS, Room, room_now
+from ..errors import ConfigError, OversizeError, UnsafeKeyError
 from ..pipeline import Pipeline
 
-__all__ = ["LOOK_EVERY", "RoomWait", "is_full_disk"]
+__all__ = ["LOOK_EVERY", "RETRY_AFTER", "RoomWait", "is_full_disk"]
 
 log = logging.getLogger("cachepipe.service")
 
 LOOK_EVERY = 0.5
 """Seconds between two looks at the free space of a full cache's filesystem (one ``statvfs``)."""
+
+RETRY_AFTER = 5.0
+"""Seconds before an open that failed otherwise than for room is tried again (systemd's
+``RestartSec`` in the unit: what a start failing so would have waited)."""
+
+
+_PERMANENT = (ConfigError, UnsafeKeyError, OversizeError)
+"""Failures of an open that a start exits 78 for (``cachepipe.service.main``: systemd does not
+start it again): the pipeline stays down until a reload. Any other is tried again."""
 
 
 def is_full_disk(exc: BaseException) -> bool:
@@ -46,7 +58,10 @@ class RoomWait:
         open_: opens it (the daemon's open: its marker watch, then ``Pipeline.open``).
         opened: called with the open pipeline, in the thread; returns False if it was not taken
             (the daemon stops): then it is closed here.
-        failed: called with an error other than a full disk (the pipeline stays down).
+        failed: called with an error of the settings or the data as listed (:data:`_PERMANENT`):
+            the pipeline stays down.
+        retrying: called with another error (the store not answering, the source empty for a
+            while...), in the thread; the open is tried again after :data:`RETRY_AFTER` seconds.
     """
 
     def __init__(
@@ -57,9 +72,11 @@ class RoomWait:
         open_: Callable[[Pipeline], object],
         opened: Callable[[Pipeline], bool],
         failed: Callable[[BaseException], None],
+        retrying: Callable[[BaseException], None],
     ) -> None:
         self.name, self.root = name, os.fspath(root)
         self._make, self._open, self._opened, self._failed = make, open_, opened, failed
+        self._retrying = retrying
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards _opening and the stop's close of it
         self._opening: Pipeline | None = None
@@ -101,15 +118,16 @@ class RoomWait:
         return now.bytes > last.bytes or (last.inodes == 0 and now.inodes > 0)
 
     def _run(self) -> None:
+        said = ""  # the last failure other than for room, as logged
         while not self._stop.wait(LOOK_EVERY):
             now = self._room()
             if not self._grew(now):
                 continue
-            with self._lock:
-                if self._stop.is_set():
-                    return
-                pipe = self._opening = self._make()
             try:
+                with self._lock:
+                    if self._stop.is_set():
+                        return
+                    pipe = self._opening = self._make()  # its checks of the settings raise here
                 self._open(pipe)
             except BaseException as exc:  # noqa: BLE001 - any failure: a full disk waits on, the others are said
                 with self._lock:
@@ -121,8 +139,19 @@ class RoomWait:
                     self._last = self._room()
                     log.debug("%s: still no room to open on: %s", self.name, exc)
                     continue
-                self._failed(exc)
-                return
+                if isinstance(exc, _PERMANENT) or not isinstance(exc, Exception):
+                    self._failed(exc)
+                    return
+                # what a start failing so exits 1 for, and systemd starts again: tried again
+                error = f"{type(exc).__name__}: {exc}"
+                (log.debug if error == said else log.warning)(
+                    "pipeline %s: its open failed, tried again every %g s: %s", self.name, RETRY_AFTER, error
+                )
+                said, self._last = error, None
+                self._retrying(exc)
+                if self._stop.wait(RETRY_AFTER):
+                    return
+                continue
             with self._lock:
                 self._opening = None
                 keep = not self._stop.is_set() and self._opened(pipe)
