@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from waiting import wait_until
 from zygote import Zygote
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
@@ -121,6 +122,50 @@ def test_a_dataset_made_for_each_pass_over_one_cache_dir_waits_for_the_last_pass
     assert names == [["i0", "i1"]] * 2, names  # (rank 0 of 1: worker 0 reads i0, i2..., worker 1 i1, i3...)
 
 
+def test_a_dataset_made_for_each_pass_waits_as_long_as_torch_lets_the_last_pass_s_workers_stop(tmp_path, monkeypatch):
+    """Each pass's iterator assigned over the last one broken off, whose workers are each in a
+    sample that does not end: torch joins the dropped iterator's workers one after the other,
+    each for MP_STATUS_CHECK_INTERVAL (5 s), and terminates those still alive after the last
+    join, so a worker may hold its folder num_workers times that long. The new workers waited
+    DATASET_WAIT (6 s) in all for a worker of another dataset making a sample, and were refused
+    ("two datasets over one cache_dir") while torch still stopped the old ones (with 2 workers, up
+    to 10 s). Here the interval is 1 s and DATASET_WAIT 1 s (forked workers inherit both): the old
+    workers are ended about 2 s after the drop."""
+    import threading
+
+    import torch.utils.data._utils
+
+    import cachepipe.torchlocal
+
+    monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 1.0)
+    monkeypatch.setattr(cachepipe.torchlocal, "DATASET_WAIT", 1.0)
+    src = tmp_path / "src"
+    for n in range(6):
+        (src / f"i{n}").mkdir(parents=True)
+        (src / f"i{n}" / "f").write_bytes(b"x" * 100)
+    made = tmp_path / "made"
+    made.mkdir()
+
+    def first_only(path):
+        if any(made.glob(f"{os.getpid()}-*")):  # this worker's second sample: one that never ends
+            (made / f"{os.getpid()}-blocked").touch()
+            threading.Event().wait()
+        (made / f"{os.getpid()}-first").touch()
+        return path.name
+
+    def name(path):
+        return path.name
+
+    old = CachePipeDataset(str(src), tmp_path / "c", "1MiB", transform=first_only, rank=0, world_size=1)
+    it = iter(torch.utils.data.DataLoader(old, batch_size=None, num_workers=2, timeout=30))
+    assert next(it) == "i0"
+    wait_until(lambda: len(list(made.glob("*-blocked"))) == 2, what="both old workers in a sample that does not end")
+    new = CachePipeDataset(str(src), tmp_path / "c", "1MiB", transform=name, rank=0, world_size=1)
+    it = iter(torch.utils.data.DataLoader(new, batch_size=None, num_workers=2, timeout=30))  # the old one dropped
+    assert [next(it), next(it)] == ["i0", "i1"]
+    del it
+
+
 def test_a_note_on_a_worker_folder_describes_its_live_holder_alone(tmp_path):
     """The note beside a worker's folder (which dataset reads it, making a sample or not) is of
     the live process it names: once that process is killed (SIGKILL, its note left as it was),
@@ -133,7 +178,7 @@ def test_a_note_on_a_worker_folder_describes_its_live_holder_alone(tmp_path):
     try:
         assert child.stdout.readline() == "noted\n"
         owner = f"pid {child.pid} {socket.gethostname()}"
-        assert reader(folder, owner) == Reader("another", "idle", 1)
+        assert reader(folder, owner) == Reader("another", 3, "idle", 1)
         assert reader(folder, f"pid {os.getpid()} {socket.gethostname()}") is None  # another holder: not its note
     finally:
         child.kill()
@@ -148,7 +193,7 @@ NOTE = r"""
 import sys
 from pathlib import Path
 from cachepipe.torchreader import ReaderNote
-note = ReaderNote(Path(sys.argv[1]), "another")
+note = ReaderNote(Path(sys.argv[1]), "another", 3)
 note.idle()
 print("noted", flush=True)
 sys.stdin.read()  # until killed
