@@ -85,7 +85,9 @@ class ReaderNote:
         head = f"{os.getpid()} {fields[19]} {dataset} {workers} ".encode()
         fd = None
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            with contextlib.suppress(FileNotFoundError):  # a killed holder's, or a symbolic link: not followed
+                os.unlink(tmp)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             os.write(fd, head + self._tail("busy"))
             os.replace(tmp, path)
         except OSError as exc:  # a full disk, a read-only cache_dir: the pass goes on, not noted

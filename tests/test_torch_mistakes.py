@@ -189,6 +189,24 @@ def test_a_note_on_a_worker_folder_describes_its_live_holder_alone(tmp_path):
     assert reader(folder, owner) is None
 
 
+def test_a_note_written_where_a_symbolic_link_lies_replaces_the_link_not_its_target(tmp_path):
+    """The note is written to ``.rank<r>-worker<k>.reader.tmp``, then renamed into place. A
+    symbolic link of that name (planted in a cache_dir others may write, or any left there) was
+    followed: the file it pointed to was truncated and overwritten with the note. The link is
+    now replaced; what it points to is left."""
+    from cachepipe.torchreader import ReaderNote, reader
+
+    folder, victim = tmp_path / "rank0-worker0", tmp_path / "victim"
+    victim.write_text("not the note's\n")
+    (tmp_path / ".rank0-worker0.reader.tmp").symlink_to(victim)
+    note = ReaderNote(folder, "d", 2)
+    try:
+        assert victim.read_text() == "not the note's\n"
+        assert reader(folder, f"pid {os.getpid()} {socket.gethostname()}") is not None  # noted all the same
+    finally:
+        note.close()
+
+
 NOTE = r"""
 import sys
 from pathlib import Path
