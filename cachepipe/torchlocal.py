@@ -36,7 +36,7 @@ from .errors import CacheLockedError, OversizeError
 from .manifest import Manifest, _is_url, read_manifest
 from .pipeline import CachedItem, Pipeline, Skipped
 from .torchdist import _distributed, _from_rank0, _manifest_bytes, _save_manifest
-from .torchreader import ReaderNote, owner_pid, proc_stat, reader
+from .torchreader import ReaderNote, main_thread_ticks, owner_pid, proc_stat, reader
 from .torchshare import SharedManifest
 from .torchstate import _DatasetState, _repeats
 
@@ -52,7 +52,8 @@ SIBLING_WAIT = 60.0  #: per-process mode: most seconds a worker waits for a fold
 #: its folder 5 s times its DataLoader's ``num_workers``, which its note gives)
 DATASET_WAIT = 1.0
 #: per-process mode: seconds a worker waits for a folder that a worker of another dataset of its process holds while
-#: that one waits to be asked for a sample (one whose iterator was dropped lets go at once), before it is refused
+#: that one waits to be asked for a sample (one whose iterator was dropped lets go at once), before it is refused:
+#: seconds in which it hands no sample and its main thread runs nothing (one collating or sending a batch runs)
 IDLE_WAIT = 1.0
 
 
@@ -266,14 +267,16 @@ def _open(make: Callable[[], Pipeline], dataset: str) -> Pipeline:
     :mod:`cachepipe.torchreader`) may be stopping so too, with a dataset made for each pass: it
     is waited for while it makes a sample, as long as torch lets it stop (5 s times its
     DataLoader's ``num_workers``) and :data:`DATASET_WAIT` seconds more, and while it waits for
-    its DataLoader, :data:`IDLE_WAIT` seconds; then refused (while it closes, as one
+    its DataLoader (no sample handed, its main thread running nothing: not collating or sending
+    a batch), :data:`IDLE_WAIT` seconds; then refused (while it closes, as one
     of this dataset). A DataLoader
     stops its workers, and they let go, before a pass's loop ends and when its broken-off
     iterator is dropped: what still holds a folder then reads at the same time, two datasets
     over one ``cache_dir`` (training and validation). A folder held by this process, or by its
     parent or child process, is refused at once."""
     start = time.monotonic()
-    idle: tuple[int, float] | None = None  # another dataset's idle holder: (samples it handed, since when)
+    # another dataset's idle holder: ((samples it handed, its main thread's CPU ticks), since when)
+    idle: tuple[tuple[int, int | None], float] | None = None
     while True:
         pipe = make()
         try:
@@ -288,10 +291,13 @@ def _open(make: Callable[[], Pipeline], dataset: str) -> Pipeline:
                 raise
             now, held = time.monotonic(), reader(Path(exc.cache_dir), exc.owner)
             if held is not None and held.dataset != dataset and held.state != "close":  # (closing: it lets go)
+                # idle: nothing handed and nothing run since (a worker that collates or sends a batch runs)
+                pid = owner_pid(exc.owner)
+                seen = (held.handed, None if pid is None else main_thread_ticks(pid))
                 if held.state != "idle":
                     idle = None
-                elif idle is None or idle[0] != held.handed:
-                    idle = (held.handed, now)
+                elif idle is None or idle[0] != seen:
+                    idle = (seen, now)
                 if now - start >= _stopping(held.workers) + DATASET_WAIT or (idle is not None and now - idle[1] >= IDLE_WAIT):
                     raise _read_at_once(exc, "a DataLoader worker of another dataset of this process") from None
             elif now - start >= SIBLING_WAIT:

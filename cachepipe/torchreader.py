@@ -8,7 +8,8 @@ hand, then lets go) from one of another dataset that reads at the same time (ref
 The note is one line, ``"PID START DATASET WORKERS STATE HANDED"``: the holder's pid and start
 time (clock ticks after boot, from ``/proc``), the identity of the dataset object it reads for,
 the ``num_workers`` of its DataLoader (which stops them one after the other), ``busy`` (making
-a sample), ``idle`` (waiting for its DataLoader to ask for the next) or ``close`` (closing its
+a sample), ``idle`` (its sample handed: collating and sending its batch, then waiting for its
+DataLoader to ask for the next; :func:`main_thread_ticks` tells which) or ``close`` (closing its
 pipeline), and the samples it handed, the last two rewritten in place (fixed width). Written
 only where ``/proc`` is (Linux): elsewhere a held folder is not waited for.
 
@@ -52,6 +53,19 @@ def proc_stat(pid: int | str) -> list[str] | None:
         return None
     fields = stat.rsplit(")", 1)[-1].split()
     return fields if len(fields) > 19 else None
+
+
+def main_thread_ticks(pid: int) -> int | None:
+    """The CPU time (clock ticks, user and system) the main thread of the process ``pid`` has
+    run; None if it is gone or ``/proc`` cannot tell. A DataLoader worker's main thread makes its
+    samples, collates and sends its batches, and runs nothing while it waits for its DataLoader
+    (its pipeline's downloads are other threads)."""
+    try:
+        stat = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()  # [state, ppid, ...]: utime at 11, stime at 12
+    return int(fields[11]) + int(fields[12]) if len(fields) > 12 else None
 
 
 def owner_pid(owner: str) -> int | None:

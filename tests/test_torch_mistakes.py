@@ -166,6 +166,45 @@ def test_a_dataset_made_for_each_pass_waits_as_long_as_torch_lets_the_last_pass_
     del it
 
 
+def test_a_dataset_made_for_each_pass_waits_for_the_last_pass_s_workers_still_collating_a_batch(tmp_path, monkeypatch):
+    """A worker hands a batch's last sample, then collates the batch (collate_fn) and sends it:
+    its note says it waits for its DataLoader meanwhile. A dropped iterator's workers, each in a
+    collate_fn that takes long, were taken for workers of another dataset reading at the same
+    time and the new pass's workers refused after IDLE_WAIT (1 s), while torch still stopped them
+    (here: 1 s per worker, interval patched; forked workers inherit it). The main thread of a
+    worker that waits for its DataLoader runs nothing; one that collates does: waited for."""
+    import torch.utils.data._utils
+
+    monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 1.0)
+    src = tmp_path / "src"
+    for n in range(8):
+        (src / f"i{n}").mkdir(parents=True)
+        (src / f"i{n}" / "f").write_bytes(b"x" * 100)
+    made = tmp_path / "made"
+    made.mkdir()
+
+    def first_only(batch):
+        if any(made.glob(f"{os.getpid()}-*")):  # this worker's second batch: a collate that runs on
+            (made / f"{os.getpid()}-collating").touch()
+            while True:
+                pass
+        (made / f"{os.getpid()}-first").touch()
+        return batch
+
+    def name(path):
+        return path.name
+
+    old = CachePipeDataset(str(src), tmp_path / "c", "1MiB", transform=name, rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(old, batch_size=2, num_workers=2, collate_fn=first_only, timeout=30)
+    it = iter(loader)
+    assert next(it) == ["i0", "i2"]
+    wait_until(lambda: len(list(made.glob("*-collating"))) == 2, what="both old workers collating their second batch")
+    new = CachePipeDataset(str(src), tmp_path / "c", "1MiB", transform=name, rank=0, world_size=1)
+    it = iter(torch.utils.data.DataLoader(new, batch_size=None, num_workers=2, timeout=30))  # the old one dropped
+    assert [next(it), next(it)] == ["i0", "i1"]
+    del it
+
+
 def test_a_note_on_a_worker_folder_describes_its_live_holder_alone(tmp_path):
     """The note beside a worker's folder (which dataset reads it, making a sample or not) is of
     the live process it names: once that process is killed (SIGKILL, its note left as it was),
