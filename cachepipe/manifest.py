@@ -178,12 +178,17 @@ def _upload(put: Callable[[str, str], None], key: str, where: str, write: Callab
 
     The copy is locked while it is written and uploaded (:func:`~cachepipe.wholefiles.open_unique_temp`),
     and copies that writers killed before they removed theirs left are removed first (their lock
-    is free), so a killed ``cachepipe index -o URL`` leaves its copy only until the next one runs.
+    is free), so a killed ``cachepipe index -o URL`` leaves its copy only until the next one runs
+    (a temporary folder that cannot be listed, mode 1733, is not searched: a warning).
     The copy's name ends with ``key``: a store that guesses an object's media type by the local
     file's name guesses it from the key's suffix."""
     folder = tempfile.gettempdir()
-    with os.scandir(folder) as entries:
-        stale = [e.path for e in entries if e.name.startswith(_COPY)]
+    try:
+        with os.scandir(folder) as entries:
+            stale = [e.path for e in entries if e.name.startswith(_COPY)]
+    except OSError as exc:  # a folder that may be written, not listed (mode 1733): housekeeping, not the upload's
+        log.warning("not looking for copies of manifests that killed runs left in %s: %s", folder, exc)
+        stale = []
     for path in stale:
         if remove_unlocked(path):
             log.info("removed %s, the copy of a manifest that a killed `cachepipe index` left", path)

@@ -36,7 +36,7 @@ from .errors import CacheLockedError, OversizeError
 from .manifest import Manifest, _is_url, read_manifest
 from .pipeline import CachedItem, Pipeline, Skipped
 from .torchdist import _distributed, _from_rank0, _manifest_bytes, _save_manifest
-from .torchreader import ReaderNote, owner_pid, proc_stat, reader
+from .torchreader import ReaderNote, main_thread_ticks, owner_pid, proc_stat, reader
 from .torchshare import SharedManifest
 from .torchstate import _DatasetState, _repeats
 
@@ -45,12 +45,15 @@ __all__ = ["DATASET_WAIT", "IDLE_WAIT", "SIBLING_WAIT"]
 log = logging.getLogger("cachepipe")
 
 SIBLING_WAIT = 60.0  #: per-process mode: most seconds a worker waits for a folder another worker of its dataset holds
-#: per-process mode: most seconds a worker waits for a folder that a worker of another dataset of its process holds
-#: while that one makes a sample (a DataLoader iterator dropped after the next was made stops its workers then: it
-#: waits 5 s for each, then ends it)
-DATASET_WAIT = 6.0
 #: per-process mode: seconds a worker waits for a folder that a worker of another dataset of its process holds while
-#: that one waits to be asked for a sample (one whose iterator was dropped lets go at once), before it is refused
+#: that one makes a sample, beyond what torch gives it to stop (a DataLoader iterator dropped after the next was made
+#: stops its workers once their sample in hand is made: it joins them one after the other, each for
+#: ``torch.utils.data._utils.MP_STATUS_CHECK_INTERVAL``, 5 s, then terminates those still alive; so one may hold
+#: its folder 5 s times its DataLoader's ``num_workers``, which its note gives)
+DATASET_WAIT = 1.0
+#: per-process mode: seconds a worker waits for a folder that a worker of another dataset of its process holds while
+#: that one waits to be asked for a sample (one whose iterator was dropped lets go at once), before it is refused:
+#: seconds in which it hands no sample and its main thread runs nothing (one collating or sending a batch runs)
 IDLE_WAIT = 1.0
 
 
@@ -172,7 +175,8 @@ class _LocalMode(_DatasetState):
         if self._pass is token:
             self._pipe, self._end = pipe, end
         # in a DataLoader worker: which dataset reads the folder, and whether it makes a sample now
-        note = ReaderNote(pipe.config.cache_dir, self._identity) if torch.utils.data.get_worker_info() else None
+        info = torch.utils.data.get_worker_info()
+        note = None if info is None else ReaderNote(pipe.config.cache_dir, self._identity, info.num_workers)
         try:
             with self._in_share():  # an item over the worker's share, in its turn
                 if self._equal and self.transform is not None:
@@ -261,15 +265,18 @@ def _open(make: Callable[[], Pipeline], dataset: str) -> Pipeline:
     ``it = iter(loader)`` over an iterator broken off (its workers stop once it is dropped, after
     the new one started them). A worker of another dataset object (as its note says:
     :mod:`cachepipe.torchreader`) may be stopping so too, with a dataset made for each pass: it
-    is waited for while it makes a sample, up to :data:`DATASET_WAIT` seconds, and while it
-    waits for its DataLoader, :data:`IDLE_WAIT` seconds; then refused (while it closes, as one
+    is waited for while it makes a sample, as long as torch lets it stop (5 s times its
+    DataLoader's ``num_workers``) and :data:`DATASET_WAIT` seconds more, and while it waits for
+    its DataLoader (no sample handed, its main thread running nothing: not collating or sending
+    a batch), :data:`IDLE_WAIT` seconds; then refused (while it closes, as one
     of this dataset). A DataLoader
     stops its workers, and they let go, before a pass's loop ends and when its broken-off
     iterator is dropped: what still holds a folder then reads at the same time, two datasets
     over one ``cache_dir`` (training and validation). A folder held by this process, or by its
     parent or child process, is refused at once."""
     start = time.monotonic()
-    idle: tuple[int, float] | None = None  # another dataset's idle holder: (samples it handed, since when)
+    # another dataset's idle holder: ((samples it handed, its main thread's CPU ticks), since when)
+    idle: tuple[tuple[int, int | None], float] | None = None
     while True:
         pipe = make()
         try:
@@ -284,11 +291,14 @@ def _open(make: Callable[[], Pipeline], dataset: str) -> Pipeline:
                 raise
             now, held = time.monotonic(), reader(Path(exc.cache_dir), exc.owner)
             if held is not None and held.dataset != dataset and held.state != "close":  # (closing: it lets go)
+                # idle: nothing handed and nothing run since (a worker that collates or sends a batch runs)
+                pid = owner_pid(exc.owner)
+                seen = (held.handed, None if pid is None else main_thread_ticks(pid))
                 if held.state != "idle":
                     idle = None
-                elif idle is None or idle[0] != held.handed:
-                    idle = (held.handed, now)
-                if now - start >= DATASET_WAIT or (idle is not None and now - idle[1] >= IDLE_WAIT):
+                elif idle is None or idle[0] != seen:
+                    idle = (seen, now)
+                if now - start >= _stopping(held.workers) + DATASET_WAIT or (idle is not None and now - idle[1] >= IDLE_WAIT):
                     raise _read_at_once(exc, "a DataLoader worker of another dataset of this process") from None
             elif now - start >= SIBLING_WAIT:
                 raise _read_at_once(exc, f"a DataLoader worker of this process, for {SIBLING_WAIT:g} s") from None
@@ -297,6 +307,15 @@ def _open(make: Callable[[], Pipeline], dataset: str) -> Pipeline:
             time.sleep(0.1)  # another process's lock: polled (flock has no timed wait)
             continue
         return pipe
+
+
+def _stopping(workers: int) -> float:
+    """Most seconds a DataLoader of ``workers`` workers, its iterator dropped, lets a worker of it
+    live: it joins them one after the other, each for ``MP_STATUS_CHECK_INTERVAL`` (5 s), then
+    terminates those still alive (``_MultiProcessingDataLoaderIter._shutdown_workers``)."""
+    utils = torch.utils.data._utils  # noqa: SLF001 - torch's shutdown reads its interval there
+    interval = getattr(utils, "MP_STATUS_CHECK_INTERVAL", 5.0)
+    return float(interval) * max(workers, 1)
 
 
 def _own(owner: str) -> bool:

@@ -5,11 +5,13 @@ worker holding the folder writes, for a worker that finds the folder held
 that stops) and one of another dataset that stops (its iterator dropped: it makes the sample in
 hand, then lets go) from one of another dataset that reads at the same time (refused).
 
-The note is one line, ``"PID START DATASET STATE HANDED"``: the holder's pid and start time
-(clock ticks after boot, from ``/proc``), the identity of the dataset object it reads for,
-``busy`` (making a sample), ``idle`` (waiting for its DataLoader to ask for the next) or
-``close`` (closing its pipeline), and the samples it handed, the last two rewritten in place
-(fixed width). Written only where ``/proc`` is (Linux): elsewhere a held folder is not waited for.
+The note is one line, ``"PID START DATASET WORKERS STATE HANDED"``: the holder's pid and start
+time (clock ticks after boot, from ``/proc``), the identity of the dataset object it reads for,
+the ``num_workers`` of its DataLoader (which stops them one after the other), ``busy`` (making
+a sample), ``idle`` (its sample handed: collating and sending its batch, then waiting for its
+DataLoader to ask for the next; :func:`main_thread_ticks` tells which) or ``close`` (closing its
+pipeline), and the samples it handed, the last two rewritten in place (fixed width). Written
+only where ``/proc`` is (Linux): elsewhere a held folder is not waited for.
 
 Invariant: the folder's lock is the truth; a note only describes the live holder its pid and
 start time name (a worker killed with its folder leaves a note that names no live holder, and
@@ -53,6 +55,19 @@ def proc_stat(pid: int | str) -> list[str] | None:
     return fields if len(fields) > 19 else None
 
 
+def main_thread_ticks(pid: int) -> int | None:
+    """The CPU time (clock ticks, user and system) the main thread of the process ``pid`` has
+    run; None if it is gone or ``/proc`` cannot tell. A DataLoader worker's main thread makes its
+    samples, collates and sends its batches, and runs nothing while it waits for its DataLoader
+    (its pipeline's downloads are other threads)."""
+    try:
+        stat = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()  # [state, ppid, ...]: utime at 11, stime at 12
+    return int(fields[11]) + int(fields[12]) if len(fields) > 12 else None
+
+
 def owner_pid(owner: str) -> int | None:
     """The pid of a :class:`~cachepipe.errors.CacheLockedError`'s owner (``"pid PID HOST"``) on
     this host, else None."""
@@ -63,7 +78,8 @@ def owner_pid(owner: str) -> int | None:
 
 
 class ReaderNote:
-    """The note of this process on the worker folder ``folder`` it holds, for dataset ``dataset``.
+    """The note of this process on the worker folder ``folder`` it holds, for dataset ``dataset``,
+    as one of the ``workers`` of its DataLoader.
 
     Starts ``busy`` with 0 samples handed; :meth:`idle` as the worker hands a sample, :meth:`busy`
     as it is asked for the next, :meth:`closing` before its pipeline closes, :meth:`close` after
@@ -72,7 +88,7 @@ class ReaderNote:
     its own (up to ``SIBLING_WAIT``) before it is refused.
     """
 
-    def __init__(self, folder: Path, dataset: str) -> None:
+    def __init__(self, folder: Path, dataset: str, workers: int) -> None:
         self._fd: int | None = None
         self._handed = 0
         fields = proc_stat("self")
@@ -80,10 +96,12 @@ class ReaderNote:
             return  # no /proc: a worker that finds the folder held cannot tell its holder's parent either
         path = note_path(folder)
         tmp = path.with_name(f"{path.name}.tmp")  # one writer at a time: the folder's lock holder
-        head = f"{os.getpid()} {fields[19]} {dataset} ".encode()
+        head = f"{os.getpid()} {fields[19]} {dataset} {workers} ".encode()
         fd = None
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            with contextlib.suppress(FileNotFoundError):  # a killed holder's, or a symbolic link: not followed
+                os.unlink(tmp)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             os.write(fd, head + self._tail("busy"))
             os.replace(tmp, path)
         except OSError as exc:  # a full disk, a read-only cache_dir: the pass goes on, not noted
@@ -132,6 +150,7 @@ class Reader:
     """What the note on a held worker folder says of its live holder."""
 
     dataset: str  #: the identity of the dataset object the holder reads for
+    workers: int  #: the ``num_workers`` of the holder's DataLoader
     state: State  #: making a sample (``busy``), waiting to be asked (``idle``), closing (``close``)
     handed: int  #: samples handed in this pass
 
@@ -148,6 +167,8 @@ def reader(folder: Path, owner: str) -> Reader | None:
         said = note_path(folder).read_text().split()
     except (FileNotFoundError, NotADirectoryError):
         return None
-    if len(said) != 5 or said[:2] != [str(pid), fields[19]] or said[3] not in _STATES or not said[4].isdigit():
+    if len(said) != 6 or said[:2] != [str(pid), fields[19]] or not said[3].isdigit() or said[4] not in _STATES:
         return None
-    return Reader(said[2], cast(State, said[3]), int(said[4]))
+    if not said[5].isdigit():
+        return None
+    return Reader(said[2], int(said[3]), cast(State, said[4]), int(said[5]))

@@ -8,6 +8,8 @@ import ctypes
 import io
 import os
 import select
+import shlex
+import shutil
 import signal
 import struct
 import subprocess
@@ -249,3 +251,28 @@ def test_an_obs_secret_too_short_to_be_one_is_not_replaced_in_messages(s3_client
         assert "The specified key does not exist" in message and "***" not in message, message
     finally:
         store.close()
+
+
+def test_an_index_to_a_url_writes_its_copy_in_a_temporary_folder_it_may_not_list(tmp_path):
+    """A $TMPDIR that may be written but not listed (mode 1733, as a shared /tmp is made where
+    users must not see each other's files): ``index -o URL`` wrote its copy there before it
+    looked for the copies killed runs left, and failed with ``[Errno 13] Permission denied:
+    '$TMPDIR'`` (exit 1, nothing written). That search is housekeeping: it is passed over, with
+    a warning. (Root lists any folder: the CLI runs without CAP_DAC_OVERRIDE/READ_SEARCH.)"""
+    capsh = shutil.which("capsh")
+    if os.geteuid() != 0 or capsh is None:
+        pytest.skip("needs root and capsh to run a process that permissions bind")
+    source = _dataset(tmp_path / "src", ["s0"])
+    tmp, out = tmp_path / "tmp", tmp_path / "out"
+    tmp.mkdir(mode=0o300)
+    tmp.chmod(0o300)  # (mkdir's mode is masked by the umask)
+    out.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": os.pathsep.join(sys.path)}
+    argv = [*CLI, "index", source, "-o", (out / "m.gz").as_uri()]
+    drop = [capsh, "--drop=cap_dac_override,cap_dac_read_search", "--", "-c", shlex.join(argv)]
+    done = subprocess.run(drop, check=False, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"not looking for copies of manifests that killed runs left in {tmp}" in done.stderr
+    assert read_manifest((out / "m.gz").as_uri()).count == 1
+    tmp.chmod(0o700)
+    assert os.listdir(tmp) == []

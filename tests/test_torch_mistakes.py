@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from waiting import wait_until
 from zygote import Zygote
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
@@ -121,6 +122,89 @@ def test_a_dataset_made_for_each_pass_over_one_cache_dir_waits_for_the_last_pass
     assert names == [["i0", "i1"]] * 2, names  # (rank 0 of 1: worker 0 reads i0, i2..., worker 1 i1, i3...)
 
 
+def test_a_dataset_made_for_each_pass_waits_as_long_as_torch_lets_the_last_pass_s_workers_stop(tmp_path, monkeypatch):
+    """Each pass's iterator assigned over the last one broken off, whose workers are each in a
+    sample that does not end: torch joins the dropped iterator's workers one after the other,
+    each for MP_STATUS_CHECK_INTERVAL (5 s), and terminates those still alive after the last
+    join, so a worker may hold its folder num_workers times that long. The new workers waited
+    DATASET_WAIT (6 s) in all for a worker of another dataset making a sample, and were refused
+    ("two datasets over one cache_dir") while torch still stopped the old ones (with 2 workers, up
+    to 10 s). Here the interval is 1 s and DATASET_WAIT 1 s (forked workers inherit both): the old
+    workers are ended about 2 s after the drop."""
+    import threading
+
+    import torch.utils.data._utils
+
+    import cachepipe.torchlocal
+
+    monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 1.0)
+    monkeypatch.setattr(cachepipe.torchlocal, "DATASET_WAIT", 1.0)
+    src = tmp_path / "src"
+    for n in range(6):
+        (src / f"i{n}").mkdir(parents=True)
+        (src / f"i{n}" / "f").write_bytes(b"x" * 100)
+    made = tmp_path / "made"
+    made.mkdir()
+
+    def first_only(path):
+        if any(made.glob(f"{os.getpid()}-*")):  # this worker's second sample: one that never ends
+            (made / f"{os.getpid()}-blocked").touch()
+            threading.Event().wait()
+        (made / f"{os.getpid()}-first").touch()
+        return path.name
+
+    def name(path):
+        return path.name
+
+    old = CachePipeDataset(str(src), tmp_path / "c", "1MiB", transform=first_only, rank=0, world_size=1)
+    it = iter(torch.utils.data.DataLoader(old, batch_size=None, num_workers=2, timeout=30))
+    assert next(it) == "i0"
+    wait_until(lambda: len(list(made.glob("*-blocked"))) == 2, what="both old workers in a sample that does not end")
+    new = CachePipeDataset(str(src), tmp_path / "c", "1MiB", transform=name, rank=0, world_size=1)
+    it = iter(torch.utils.data.DataLoader(new, batch_size=None, num_workers=2, timeout=30))  # the old one dropped
+    assert [next(it), next(it)] == ["i0", "i1"]
+    del it
+
+
+def test_a_dataset_made_for_each_pass_waits_for_the_last_pass_s_workers_still_collating_a_batch(tmp_path, monkeypatch):
+    """A worker hands a batch's last sample, then collates the batch (collate_fn) and sends it:
+    its note says it waits for its DataLoader meanwhile. A dropped iterator's workers, each in a
+    collate_fn that takes long, were taken for workers of another dataset reading at the same
+    time and the new pass's workers refused after IDLE_WAIT (1 s), while torch still stopped them
+    (here: 1 s per worker, interval patched; forked workers inherit it). The main thread of a
+    worker that waits for its DataLoader runs nothing; one that collates does: waited for."""
+    import torch.utils.data._utils
+
+    monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 1.0)
+    src = tmp_path / "src"
+    for n in range(8):
+        (src / f"i{n}").mkdir(parents=True)
+        (src / f"i{n}" / "f").write_bytes(b"x" * 100)
+    made = tmp_path / "made"
+    made.mkdir()
+
+    def first_only(batch):
+        if any(made.glob(f"{os.getpid()}-*")):  # this worker's second batch: a collate that runs on
+            (made / f"{os.getpid()}-collating").touch()
+            while True:
+                pass
+        (made / f"{os.getpid()}-first").touch()
+        return batch
+
+    def name(path):
+        return path.name
+
+    old = CachePipeDataset(str(src), tmp_path / "c", "1MiB", transform=name, rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(old, batch_size=2, num_workers=2, collate_fn=first_only, timeout=30)
+    it = iter(loader)
+    assert next(it) == ["i0", "i2"]
+    wait_until(lambda: len(list(made.glob("*-collating"))) == 2, what="both old workers collating their second batch")
+    new = CachePipeDataset(str(src), tmp_path / "c", "1MiB", transform=name, rank=0, world_size=1)
+    it = iter(torch.utils.data.DataLoader(new, batch_size=None, num_workers=2, timeout=30))  # the old one dropped
+    assert [next(it), next(it)] == ["i0", "i1"]
+    del it
+
+
 def test_a_note_on_a_worker_folder_describes_its_live_holder_alone(tmp_path):
     """The note beside a worker's folder (which dataset reads it, making a sample or not) is of
     the live process it names: once that process is killed (SIGKILL, its note left as it was),
@@ -133,7 +217,7 @@ def test_a_note_on_a_worker_folder_describes_its_live_holder_alone(tmp_path):
     try:
         assert child.stdout.readline() == "noted\n"
         owner = f"pid {child.pid} {socket.gethostname()}"
-        assert reader(folder, owner) == Reader("another", "idle", 1)
+        assert reader(folder, owner) == Reader("another", 3, "idle", 1)
         assert reader(folder, f"pid {os.getpid()} {socket.gethostname()}") is None  # another holder: not its note
     finally:
         child.kill()
@@ -144,11 +228,29 @@ def test_a_note_on_a_worker_folder_describes_its_live_holder_alone(tmp_path):
     assert reader(folder, owner) is None
 
 
+def test_a_note_written_where_a_symbolic_link_lies_replaces_the_link_not_its_target(tmp_path):
+    """The note is written to ``.rank<r>-worker<k>.reader.tmp``, then renamed into place. A
+    symbolic link of that name (planted in a cache_dir others may write, or any left there) was
+    followed: the file it pointed to was truncated and overwritten with the note. The link is
+    now replaced; what it points to is left."""
+    from cachepipe.torchreader import ReaderNote, reader
+
+    folder, victim = tmp_path / "rank0-worker0", tmp_path / "victim"
+    victim.write_text("not the note's\n")
+    (tmp_path / ".rank0-worker0.reader.tmp").symlink_to(victim)
+    note = ReaderNote(folder, "d", 2)
+    try:
+        assert victim.read_text() == "not the note's\n"
+        assert reader(folder, f"pid {os.getpid()} {socket.gethostname()}") is not None  # noted all the same
+    finally:
+        note.close()
+
+
 NOTE = r"""
 import sys
 from pathlib import Path
 from cachepipe.torchreader import ReaderNote
-note = ReaderNote(Path(sys.argv[1]), "another")
+note = ReaderNote(Path(sys.argv[1]), "another", 3)
 note.idle()
 print("noted", flush=True)
 sys.stdin.read()  # until killed
