@@ -195,11 +195,15 @@ class _OpenGate:
         os.close(self._stop_w)
 
 
-def test_a_live_share_capacity_counts_the_bytes_a_download_writes_during_its_measure_once(s3_source, fault_proxy, tmp_path):
-    """A live set_capacity of a share read the free space, then walked the cache folder: the
-    bytes a download wrote in between were counted as free and as held, a capacity larger by
-    the share of them. It now walks first, then reads the free space. Here the walk's first
-    open waits (fanotify) while a 4 MiB download is written."""
+@pytest.mark.parametrize(("spec", "share"), [("50%", 2), ("1GiB", 1)], ids=["share", "bytes-over-the-filesystem"])
+def test_a_live_capacity_counts_the_bytes_a_download_writes_during_its_measure_once(
+    s3_source, fault_proxy, tmp_path, spec, share
+):
+    """A live set_capacity of a share (or of bytes over the filesystem's size, held to the room
+    there) read the free space, then walked the cache folder: the bytes a download wrote in
+    between were counted as free and as held, a capacity larger by (the share of) them. It now
+    walks first, then reads the free space. Here the walk's first open waits (fanotify) while a
+    4 MiB download is written."""
     proxy, endpoint = fault_proxy
     s3_source.folders(1, {"f": 4 * MIB})
     manifest = listed(s3_source, tmp_path)
@@ -212,7 +216,7 @@ def test_a_live_share_capacity_counts_the_bytes_a_download_writes_during_its_mea
         pipe.open()
         opens = _OpenGate(root)
         go = threading.Event()
-        changing = threading.Thread(target=lambda: (go.wait(30), pipe.set_capacity("50%")), name="test-set-capacity")
+        changing = threading.Thread(target=lambda: (go.wait(30), pipe.set_capacity(spec)), name="test-set-capacity")
         try:
             changing.start()
             opens.tid = changing.native_id
@@ -222,7 +226,7 @@ def test_a_live_share_capacity_counts_the_bytes_a_download_writes_during_its_mea
             wait_until((root / "item000" / "f").exists, what="the item published")
             opens.allow()
             changing.join(30)
-            expected = room_at(root, [root], caches=True) // 2
+            expected = room_at(root, [root], caches=True) // share
             assert abs(pipe._cache.capacity - expected) < 64 * 1024, (pipe._cache.capacity, expected)
         finally:
             gate.set()

@@ -44,14 +44,17 @@ def _capacity_bytes(capacity: int | Share, root: Path, usage: Room | None = None
     tenant's files, blocks kept for root) makes a cap reached only by filling the disk. A
     capacity within the filesystem's size is kept as given: the space others hold may come back.
     ``usage``: :func:`~.fulldisk.room_now` of ``root``, read already by :meth:`~.core.Cache.open`
-    (None: read here; for a share, after the walk of ``root``: see :func:`~.room.room_at`)."""
+    (None: read here, the free space after the walk of ``root``: see :func:`~.room.room_at`)."""
     if isinstance(capacity, Share):
         return int(room_at(root, [root], caches=True, free=None if usage is None else usage.bytes) * capacity.fraction)
+    live = usage is None
     if usage is None:
         usage = room_now(root)
     if capacity <= usage.total:
         return capacity
     held = held_in(root)
+    if live:  # the free space read after the walk, as for a share: bytes written meanwhile count once
+        usage = room_now(root)
     log.warning(
         "capacity %d bytes exceeds the size of the filesystem of %s (%d bytes): held to the room there, %d bytes: "
         "%d bytes free and %d bytes that it holds (taken again at each open); an item larger than what that leaves "
