@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import logging
 import os
 import select
 import shlex
@@ -108,7 +109,7 @@ def _put_under_way(dst: Path, key: str, fifo: Path) -> tuple[subprocess.Popen, o
 FIRST = b"x" * 32768
 
 
-def test_a_map_run_removes_the_temporary_files_killed_uploads_left_in_a_local_destination(tmp_path):
+def test_a_map_run_removes_the_temporary_files_killed_uploads_left_in_a_local_destination(tmp_path, caplog):
     """A local DST's ``<name>.cachepipe.tmp`` left by a killed put stayed for good under an item
     done since (only a put of the same key would overwrite it), and a listing of DST (a pipeline
     or an index over it) took it for an object. A map run now removes those whose lock is free,
@@ -126,8 +127,13 @@ def test_a_map_run_removes_the_temporary_files_killed_uploads_left_in_a_local_de
     killed_fifo.close()
     live, live_fifo = _put_under_way(dst, "b/h", tmp_path / "live")
     try:
-        listed = index(dst.as_uri(), tmp_path / "m.gz", "files").catalog
+        with caplog.at_level(logging.INFO, logger="cachepipe.stores.fsspec"):
+            listed = index(dst.as_uri(), tmp_path / "m.gz", "files").catalog
         assert [n for n in listed.names if n.endswith(".tmp")] == []
+        said = [r.getMessage() for r in caplog.records if "upload temporary file" in r.getMessage()]
+        assert said == [
+            f"{dst.as_uri()}: left out 2 upload temporary file(s) (*.cachepipe.tmp), first '{dst}/a/g.cachepipe.tmp'"
+        ], said
         result = map_items(command, src, str(dst), **options)
         assert result.items_skipped == 2, result.failed
         assert not (dst / "a" / "g.cachepipe.tmp").exists()  # a killed upload's: removed

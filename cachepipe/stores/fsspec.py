@@ -24,6 +24,7 @@ import asyncio
 import builtins
 import concurrent.futures
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -60,6 +61,8 @@ from .fsspec_options import (
 from .localwrites import delete_local, put_local, remove_stale_temps
 
 __all__ = ["FsspecStore"]
+
+log = logging.getLogger("cachepipe.stores.fsspec")
 
 _CHUNK = 8 * 1024 * 1024  # bytes per request when streaming a range
 _UPLOAD_PART = 16 * 1024 * 1024  # multipart part size of uploads (s3fs: files from twice this size)
@@ -174,7 +177,7 @@ class FsspecStore:
         """Yield every object under the root in key order. On S3, one page at a time: each page
         is yielded before the next is requested (a plain fsspec ``find`` lists everything first).
         On a local filesystem, the temporary files of uploads (``*.cachepipe.tmp``: being written,
-        or left by a killed one) are not objects, and are not yielded."""
+        or left by a killed one) are not objects, and are not yielded (their count is logged)."""
         if getattr(self.fs, "protocol", None) in (("s3", "s3a"), "s3") and not getattr(self.fs, "version_aware", False):
             yield from self._list_s3()
             return
@@ -183,14 +186,18 @@ class FsspecStore:
             entries = self.fs.find(self.root, detail=True, withdirs=False)
         prefix = f"{self.root}/" if self.root else ""
         local = bool({"file", "local"} & set(_protocols(self.fs)))
+        temps: list[str] = []
         for path in sorted(entries):
             info = entries[path]
             if info.get("type", "file") != "file" or not path.startswith(prefix):
                 continue
             if local and path.endswith(TEMP_SUFFIX):  # put_local's, being written or left by a killed upload
+                temps.append(path)
                 continue
             etag = info.get("ETag") or info.get("etag")
             yield ObjectInfo(path[len(prefix) :], int(info["size"]), listed_etag(etag))
+        if temps:  # said, not passed over in silence: a file of the user's could bear the name
+            log.info("%s: left out %d upload temporary file(s) (*%s), first %r", self.url, len(temps), TEMP_SUFFIX, temps[0])
 
     def _list_s3(self) -> Iterator[ObjectInfo]:
         bucket, key, _ = self.fs.split_path(self.root)
