@@ -263,6 +263,17 @@ def test_an_obs_secret_too_short_to_be_one_is_not_replaced_in_messages(s3_client
         store.close()
 
 
+def test_a_short_secret_is_replaced_where_it_stands_alone_and_a_long_one_wherever_it_is():
+    # secrets under 6 characters were left in every message, a short proxy password shown where
+    # a message quoted it; they are replaced where no letter or digit stands beside them
+    from cachepipe.stores.obs_settings import redact
+
+    secrets = ("e", "pw12", "Long-Secret-0123")
+    said = "The specified key e does not exist; proxy 'user:pw12@host' (pw123); token=Long-Secret-0123x"
+    assert redact(said, secrets) == "The specified key *** does not exist; proxy 'user:***@host' (pw123); token=***x"
+    assert redact("e", ("",)) == "e"  # an empty secret (unset) replaces nothing
+
+
 def test_an_index_to_a_url_writes_its_copy_in_a_temporary_folder_it_may_not_list(tmp_path):
     """A $TMPDIR that may be written but not listed (mode 1733, as a shared /tmp is made where
     users must not see each other's files): ``index -o URL`` wrote its copy there before it

@@ -4,7 +4,7 @@ exception or to an :class:`ObsServiceError` (the table is in :mod:`cachepipe.sto
 
 :class:`_ObsSeam` is the base class of :class:`~cachepipe.stores.obs.ObsStore` (not used
 alone): it declares the store's attributes it reads. Messages never show a secret (the secret
-key, the security token, a proxy password) of 6 characters or more (a shorter one is left:
+key, the security token, a proxy password; one under 6 characters only where it stands alone:
 :func:`~cachepipe.stores.obs_settings.redact`); once the store is aborted, every error is its
 :class:`~cachepipe.errors.StoreClosedError`.
 """

@@ -8,6 +8,7 @@ options that are secrets, which no message shows. What each setting means is in
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,10 +20,11 @@ _ENDPOINT_KEYS = ("server", "endpoint", "endpoint_url")
 _CREDENTIAL_KEYS = ("access_key_id", "secret_access_key", "security_token")
 _SECRET_KEYS = ("secret_access_key", "security_token", "proxy_password")
 REDACTED_FROM = 6
-"""Characters a secret has at least for :func:`redact` to replace it in a message. A shorter one
-(a one-letter test key, a short proxy password) would be found inside ordinary words, and
-replacing it there made the message unreadable (``"The specified key..."`` with the secret
-``e``: ``"Th*** sp***cifi***d k***y..."``); a secret that short is no secret from a guess."""
+"""Characters a secret has at least for :func:`redact` to replace it wherever a message holds it.
+A shorter one (a one-letter test key, a short proxy password) would be found inside ordinary
+words, and replacing it there made the message unreadable (``"The specified key..."`` with the
+secret ``e``: ``"Th*** sp***cifi***d k***y..."``): it is replaced only where it stands alone,
+not inside a word or a longer value (no letter or digit beside it)."""
 _ENV_KEYS = {
     "access_key_id": "OBS_ACCESS_KEY_ID",
     "secret_access_key": "OBS_SECRET_ACCESS_KEY",
@@ -65,11 +67,14 @@ class _Settings:
 
 
 def redact(text: str, secrets: tuple[str, ...]) -> str:
-    """``text`` with each of ``secrets`` of :data:`REDACTED_FROM` characters or more replaced by
-    ``***``, the longest first (one that holds another is replaced whole); shorter ones are left."""
-    for secret in sorted(secrets, key=len, reverse=True):
+    """``text`` with each of ``secrets`` replaced by ``***``, the longest first (one that holds
+    another is replaced whole): one of :data:`REDACTED_FROM` characters or more wherever it is, a
+    shorter one only where it stands alone (no letter or digit beside it)."""
+    for secret in sorted(filter(None, secrets), key=len, reverse=True):
         if len(secret) >= REDACTED_FROM:
             text = text.replace(secret, "***")
+        else:
+            text = re.sub(rf"(?<![^\W_]){re.escape(secret)}(?![^\W_])", "***", text)
     return text
 
 
