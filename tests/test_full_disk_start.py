@@ -295,3 +295,34 @@ def test_a_full_disk_under_the_completion_marker_s_file_names_the_file(tmp_path)
             f"[Errno 28] No space left on device: cannot write the completion marker's file '{disk}/marker.json'"
         ), run.stdout + run.stderr
         assert not (disk / "marker.json").exists()
+
+
+def test_serve_on_a_disk_out_of_inodes_names_the_disk_where_the_cache_dir_is_not_made_yet(tmp_path, short_dir):
+    # A fresh cache_dir on a disk with no inode left (or, on ext4, no block for a folder): the
+    # daemon makes the folder to watch its markers before the pipeline opens, and that mkdir's
+    # ENOSPC was said bare ("pipelines.train.cache_dir: cannot create it: [Errno 28] No space left
+    # on device: '.../cache'"): neither the disk nor what holds it, as the pipeline's open says.
+    sock = short_dir / "api.sock"
+    with mounted(
+        tmp_path / "disk", ["mount", "-t", "tmpfs", "-o", "size=256k,nr_inodes=8", "tmpfs", str(tmp_path / "disk")]
+    ) as disk:
+        config = daemon_config(tmp_path, sock, disk / "cache")
+        others = []
+        with contextlib.suppress(OSError):
+            while True:  # another writer's empty files, until no inode is left
+                (path := disk / f"other-{len(others)}").touch()
+                others.append(path)
+        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon, Client("train", sock) as client:
+            status = client.status()["pipelines"]["train"]
+            assert status["state"] == "waiting for room", status
+            assert status["error"] == (
+                f"cache_dir '{disk}/cache': its disk is full (No space left on device): the filesystem mounted at "
+                f"'{disk}' has 256.0 KiB free of 256.0 KiB, and no inode; could not write '{disk}/cache'; the cache holds 0 B "
+                "of it, other files 0 B; "
+                "free space there, or give a cache_dir on another filesystem"
+            ), status
+            for path in others:  # the inodes freed: the folder is made, and the pipeline opens
+                path.unlink()
+            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", what="the pipeline opened")
+            assert daemon.stop() == 0
+    assert "Traceback" not in daemon.log()

@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 from .. import __version__
+from ..cache.fulldisk import full_disk
 from ..cache.lock import unusable_dir
 from ..config import PipelineConfig, with_unit
 from ..errors import CachePipeError, ConfigError
@@ -187,7 +188,8 @@ class Daemon(_JobDesk, _PipelineDesk):
                 served.root.mkdir(parents=True, exist_ok=True)
             except OSError as exc:  # what the start's host check cannot foresee (a /proc path, a full disk)
                 field = f"pipelines.{served.name}.cache_dir"
-                error = unusable_dir(served.config.cache_dir, exc, field)
+                # a full disk said as the pipeline's open says it (the disk, what holds it): the wait's reason
+                error = unusable_dir(served.config.cache_dir, exc, field) or full_disk(served.config.cache_dir, served.root, exc)
                 raise (error or type(exc)(exc.errno, f"{field}: cannot create it: {exc}")) from exc
             try:
                 self._markers.watch(served.name, served.root, served.config.items)
