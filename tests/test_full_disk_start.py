@@ -326,3 +326,16 @@ def test_serve_on_a_disk_out_of_inodes_names_the_disk_where_the_cache_dir_is_not
             wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", what="the pipeline opened")
             assert daemon.stop() == 0
     assert "Traceback" not in daemon.log()
+
+
+def test_a_filesystem_that_reports_no_size_is_no_full_disk(tmp_path):
+    # ramfs (and a FUSE filesystem that answers no statfs) reports 0 blocks, 0 free and 0 inodes:
+    # it counts no room, it is not out of it. The open failed at once, "its disk is full ... has
+    # 0 B free of 0 B" (the daemon waited for room for good); and a capacity in bytes was held to
+    # the room there, nothing but what the cache held.
+    src = local_source(tmp_path, 2)
+    with mounted(tmp_path / "disk", ["mount", "-t", "ramfs", "ramfs", str(tmp_path / "disk")]) as disk:
+        assert os.statvfs(disk).f_blocks == 0
+        with Pipeline(f"{src}/", disk / "cache", "1MiB", items="folders") as pipe:
+            assert pipe.stats().capacity == 1 << 20
+            assert sorted(item.path.name for item in pipe) == ["item0", "item1"]

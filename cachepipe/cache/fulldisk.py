@@ -41,15 +41,18 @@ class Room(NamedTuple):
 
 
 def room_now(path: str | os.PathLike[str]) -> Room:
-    """:class:`Room` of the filesystem that holds ``path`` (one ``statvfs``)."""
+    """:class:`Room` of the filesystem that holds ``path`` (one ``statvfs``); ``total`` 0 where
+    the filesystem reports no size (:func:`no_room`)."""
     st = os.statvfs(path)
     return Room(st.f_bavail * st.f_frsize, st.f_favail if st.f_files else -1, st.f_blocks * st.f_frsize, st.f_frsize)
 
 
 def no_room(room: Room) -> bool:
     """Whether a filesystem with ``room`` (:func:`room_now`) is full for this process: less
-    than one block free, or no inode (a state file's rewrite needs both)."""
-    return room.bytes < room.block or room.inodes == 0
+    than one block free, or no inode (a state file's rewrite needs both). Never one that
+    reports no size (``total`` 0: ramfs, a FUSE filesystem that answers no ``statfs``), which
+    counts no room rather than having none: its writes say when it is full."""
+    return room.total > 0 and (room.bytes < room.block or room.inodes == 0)
 
 
 def mount_point(path: str | os.PathLike[str]) -> str:

@@ -22,7 +22,7 @@ import os
 import threading
 from collections.abc import Callable
 
-from ..cache.fulldisk import FULL_ERRNOS, Room, room_now
+from ..cache.fulldisk import FULL_ERRNOS, Room, no_room, room_now
 from ..errors import ConfigError, OversizeError, UnsafeKeyError
 from ..pipeline import Pipeline
 
@@ -114,7 +114,7 @@ class RoomWait:
         if now is None:
             return False  # not to be looked at now: looked at again next time
         if last is None:
-            return now.bytes >= now.block and now.inodes != 0
+            return not no_room(now)
         return now.bytes > last.bytes or (last.inodes == 0 and now.inodes > 0)
 
     def _run(self) -> None:
