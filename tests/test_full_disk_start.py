@@ -145,6 +145,14 @@ def test_a_waiting_pipeline_whose_open_then_fails_otherwise_tries_again_as_syste
             wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "down", what="the failed open said")
             error = client.status()["pipelines"]["train"]["error"]
             assert error.startswith("EmptySourceError: ") and error.endswith(f"(tried again every {RETRY_AFTER:g} s)"), error
+            # another writer fills the disk again meanwhile: the pipeline stayed "down" with the
+            # EmptySourceError for good, and was not tried again until the disk had room; the
+            # next try finds the disk full, and it waits for room again, saying why
+            filler = fill(disk)
+            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "waiting for room", timeout=30, what="waits")
+            error = client.status()["pipelines"]["train"]["error"]
+            assert error.startswith(f"cache_dir '{disk}/cache': its disk is full (No space left on device)"), error
+            filler.unlink()
             src.rmdir()
             away.rename(src)
             wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", timeout=30, what="opened")
@@ -152,6 +160,7 @@ def test_a_waiting_pipeline_whose_open_then_fails_otherwise_tries_again_as_syste
             assert daemon.stop() == 0
     log = daemon.log()
     assert "its open failed, tried again every" in log and "its disk has room now: opened" in log
+    assert log.count("waits for room again") == 1, log
     assert "Traceback" not in log
 
 

@@ -155,6 +155,7 @@ class Daemon(_JobDesk, _PipelineDesk):
                 lambda pipe: self._room_found(served, pipe),
                 lambda error: self._room_failed(served, error),
                 lambda error: self._room_retrying(served, error),
+                lambda error: self._room_full(served, error),
             )
             served.room.start()
 
@@ -179,6 +180,16 @@ class Daemon(_JobDesk, _PipelineDesk):
         with self._cond:
             served.waiting, served.error = "", f"{type(exc).__name__}: {exc} (tried again every {RETRY_AFTER:g} s)"
             self._cond.notify_all()
+
+    def _room_full(self, served: _Served, exc: OSError) -> None:
+        """A try of the wait of ``served`` found its disk full: it waits for room (said once
+        more where it was down with another error meanwhile), with the try's reason."""
+        with self._cond:
+            again = not served.waiting
+            served.waiting, served.error = exc.strerror or str(exc), ""
+            self._cond.notify_all()
+        if again:
+            log.warning("pipeline %s waits for room again, and opens once there is: %s", served.name, served.waiting)
 
     def _open(self, served: _Served, pipe: Pipeline | None = None) -> Pipeline:
         """Watch the markers of ``served`` and open its pipeline (``pipe``, or a new one)."""
