@@ -10,11 +10,13 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import yaml
 from mounts import mounted
+from test_service import inotify_watches, write_config
 from test_unpack import archive_bytes
 from waiting import wait_until
 
@@ -348,3 +350,38 @@ def test_a_filesystem_that_reports_no_size_is_no_full_disk(tmp_path):
         with Pipeline(f"{src}/", disk / "cache", "1MiB", items="folders") as pipe:
             assert pipe.stats().capacity == 1 << 20
             assert sorted(item.path.name for item in pipe) == ["item0", "item1"]
+
+
+def test_a_reload_that_turns_markers_on_while_the_wait_opens_the_pipeline_watches_it(s3_source, fault_proxy, tmp_path, short_dir):
+    # The wait opens the pipeline in its own thread, outside the reload's lock: a reload that
+    # turned markers on while that open listed (a large bucket: minutes) watched the pipelines
+    # open then, not the one the wait opened next; its cache directory and items were never
+    # watched, and a consumer's .done acknowledged nothing until another reload.
+    proxy, endpoint = fault_proxy
+    s3_source.folders(1, {"a.bin": 100})
+    sock = short_dir / "api.sock"
+    listing = lambda head: "list-type=2" in head.split("\r\n", 1)[0]  # noqa: E731 - a one-line match
+    gate = threading.Event()
+    with tmpfs(tmp_path / "disk") as disk:
+        train = {"cache_dir": str(disk / "cache"), "capacity": "64KiB"}
+        config = write_config(tmp_path, sock, endpoint, {"train": train}, markers=False)
+        filler = fill(disk)
+        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon, Client("train", sock, auto_ack=False) as client:
+            try:
+                assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
+                proxy.hold(listing, gate)
+                filler.unlink()  # room: the wait opens the pipeline, whose listing the proxy holds
+                wait_until(lambda: any(listing(head) for head in proxy.requests), what="the wait's listing")
+                settings = yaml.safe_load(config.read_text())
+                settings["markers"] = True
+                config.write_text(yaml.safe_dump(settings))
+                daemon.reload()
+            finally:
+                gate.set()
+            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", what="the pipeline opened")
+            assert inotify_watches(daemon.pid) == 1  # its cache directory
+            item = client.get(timeout=30)
+            (item.path / ".done").touch()
+            wait_until(lambda: client.status()["pipelines"]["train"]["stats"]["items_acked"] == 1, what="the .done's ack")
+            assert daemon.stop() == 0
+    assert "Traceback" not in daemon.log()
