@@ -24,6 +24,7 @@ from cachepipe import ItemFailedError, Pipeline
 from cachepipe.client import Client
 from cachepipe.service.roomwait import RETRY_AFTER
 from cachepipe.service.testing import DaemonProcess
+from cachepipe.sizes import format_size
 from cachepipe.unpack import unpack_in_place
 
 
@@ -385,3 +386,31 @@ def test_a_reload_that_turns_markers_on_while_the_wait_opens_the_pipeline_watche
             wait_until(lambda: client.status()["pipelines"]["train"]["stats"]["items_acked"] == 1, what="the .done's ack")
             assert daemon.stop() == 0
     assert "Traceback" not in daemon.log()
+
+
+def test_a_full_disk_s_blocks_reserved_for_root_are_not_said_to_be_other_files(tmp_path):
+    # ext4 keeps 5% of its blocks for root by default (mkfs.ext4 -m), which df shows as used and
+    # not available: the message counted them among "other files" (50 GiB of a 1 TiB disk that
+    # nobody wrote), and a user looked for files that are not there. They are said as what
+    # they are. Here 10% of a small ext4, filled by another user (nobody) up to what it may use.
+    src = local_source(tmp_path, 1)
+    image, disk = tmp_path / "disk.img", tmp_path / "disk"
+    image.write_bytes(b"")
+    os.truncate(image, 8 << 20)
+    with mounted(disk, ["mkfs.ext4", "-q", "-F", "-m", "10", str(image)], ["mount", "-o", "loop", str(image), str(disk)]):
+        # the file opened here, written by a child that is nobody (the reserve is kept from the writer, not the owner)
+        filler = "import contextlib, os, sys\nwith contextlib.suppress(OSError):\n"
+        filler += "    while True: os.write(int(sys.argv[1]), bytes(4096))\n"
+        with open(disk / "other-writer.bin", "wb") as out:
+            setpriv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+            subprocess.run([*setpriv, sys.executable, "-c", filler, str(out.fileno())], check=True, pass_fds=(out.fileno(),))
+        assert os.statvfs(disk).f_bavail == 0
+        with pytest.raises(OSError, match="its disk is full") as err:
+            Pipeline(f"{src}/", disk / "cache", "1MiB", items="folders").open()
+        st = os.statvfs(disk)  # as the message saw it (root's open took a few blocks of the reserve)
+        reserved, used = (st.f_bfree - st.f_bavail) * st.f_frsize, (st.f_blocks - st.f_bfree) * st.f_frsize
+        assert reserved > 0
+        message = str(err.value)
+        held = int(re.search(r"the cache holds (\d+) B of it", message)[1])  # its lock's line, a few bytes
+        assert f"the cache holds {held} B of it, other files {format_size(used - held)}, " in message, message
+        assert f"and {format_size(reserved)} is reserved for root (not free to other users); " in message, message
