@@ -8,6 +8,7 @@ import contextlib
 import errno
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -414,3 +415,44 @@ def test_a_full_disk_s_blocks_reserved_for_root_are_not_said_to_be_other_files(t
         held = int(re.search(r"the cache holds (\d+) B of it", message)[1])  # its lock's line, a few bytes
         assert f"the cache holds {held} B of it, other files {format_size(used - held)}, " in message, message
         assert f"and {format_size(reserved)} is reserved for root (not free to other users); " in message, message
+
+
+def test_a_pipeline_the_wait_opens_while_the_daemon_stops_is_closed(s3_source, fault_proxy, tmp_path, short_dir):
+    # A stop closes the pipelines one by one after the marker watcher stopped; a wait for room
+    # whose open ended meanwhile (another pipeline's close held by a download the store does
+    # not abort) handed its pipeline over to a watcher already stopped: its thread died with a
+    # traceback, and the pipeline stayed open, its cache locked, until the process ended.
+    proxy, endpoint = fault_proxy
+    s3_source.folders(1, {"a.bin": 1024})
+    sock = short_dir / "api.sock"
+    listing = lambda head: "list-type=2" in head.split("\r\n", 1)[0]  # noqa: E731 - a one-line match
+    download = lambda head: head.startswith("GET ") and "/item000/" in head.split("\r\n", 1)[0]  # noqa: E731
+    got, listed = threading.Event(), threading.Event()
+    proxy.hold(download, got)  # the first pipeline's download, which its close waits for (obstore's GET)
+    with tmpfs(tmp_path / "disk") as disk:
+        pipelines = {
+            "first": {"storage_options": {"endpoint_url": endpoint, "engine": "obstore"}},
+            "train": {"cache_dir": str(disk / "cache"), "capacity": "64KiB"},
+        }
+        config = write_config(tmp_path, sock, endpoint, pipelines)
+        filler = fill(disk)
+        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon:
+            try:
+                with Client("train", sock) as client:
+                    assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
+                wait_until(lambda: any(download(head) for head in proxy.requests), what="the first pipeline's download")
+                before = sum(listing(head) for head in proxy.requests)
+                proxy.hold(listing, listed)
+                filler.unlink()  # room: the wait opens its pipeline, whose listing the proxy holds
+                wait_until(lambda: sum(listing(head) for head in proxy.requests) > before, what="the wait's listing")
+                daemon.signal(signal.SIGTERM)
+                wait_until(lambda: inotify_watches(daemon.pid) == 0, what="the marker watcher stopped")
+                listed.set()  # the wait's open ends while the stop waits for the first pipeline's close
+                wait_until(lambda: "its disk has room now" in daemon.log() or "Traceback" in daemon.log(), what="opened")
+            finally:
+                listed.set()
+                got.set()
+            assert daemon.proc.wait(30) == 0
+    log = daemon.log()
+    assert "Traceback" not in log, log
+    assert log.count("closed s3://data/video/") == 2, log  # both pipelines, the one the wait opened too

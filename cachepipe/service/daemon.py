@@ -120,8 +120,10 @@ class Daemon(_JobDesk, _PipelineDesk):
             self._cond.notify_all()
         if self._api is not None:
             self._api.stop_accepting()
-        if self._markers is not None:
-            self._markers.stop()
+        with self._markers_lock:  # none from here: a wait for room that opens a pipeline meanwhile watches nothing
+            markers, self._markers = self._markers, None
+        if markers is not None:
+            markers.stop()
         if self._jobs is not None:
             self._jobs.close()
         with self._cond:
