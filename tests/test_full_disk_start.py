@@ -8,13 +8,16 @@ import contextlib
 import errno
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import yaml
 from mounts import mounted
+from test_service import inotify_watches, write_config
 from test_unpack import archive_bytes
 from waiting import wait_until
 
@@ -22,6 +25,7 @@ from cachepipe import ItemFailedError, Pipeline
 from cachepipe.client import Client
 from cachepipe.service.roomwait import RETRY_AFTER
 from cachepipe.service.testing import DaemonProcess
+from cachepipe.sizes import format_size
 from cachepipe.unpack import unpack_in_place
 
 
@@ -145,6 +149,14 @@ def test_a_waiting_pipeline_whose_open_then_fails_otherwise_tries_again_as_syste
             wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "down", what="the failed open said")
             error = client.status()["pipelines"]["train"]["error"]
             assert error.startswith("EmptySourceError: ") and error.endswith(f"(tried again every {RETRY_AFTER:g} s)"), error
+            # another writer fills the disk again meanwhile: the pipeline stayed "down" with the
+            # EmptySourceError for good, and was not tried again until the disk had room; the
+            # next try finds the disk full, and it waits for room again, saying why
+            filler = fill(disk)
+            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "waiting for room", timeout=30, what="waits")
+            error = client.status()["pipelines"]["train"]["error"]
+            assert error.startswith(f"cache_dir '{disk}/cache': its disk is full (No space left on device)"), error
+            filler.unlink()
             src.rmdir()
             away.rename(src)
             wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", timeout=30, what="opened")
@@ -152,6 +164,7 @@ def test_a_waiting_pipeline_whose_open_then_fails_otherwise_tries_again_as_syste
             assert daemon.stop() == 0
     log = daemon.log()
     assert "its open failed, tried again every" in log and "its disk has room now: opened" in log
+    assert log.count("waits for room again") == 1, log
     assert "Traceback" not in log
 
 
@@ -295,3 +308,151 @@ def test_a_full_disk_under_the_completion_marker_s_file_names_the_file(tmp_path)
             f"[Errno 28] No space left on device: cannot write the completion marker's file '{disk}/marker.json'"
         ), run.stdout + run.stderr
         assert not (disk / "marker.json").exists()
+
+
+def test_serve_on_a_disk_out_of_inodes_names_the_disk_where_the_cache_dir_is_not_made_yet(tmp_path, short_dir):
+    # A fresh cache_dir on a disk with no inode left (or, on ext4, no block for a folder): the
+    # daemon makes the folder to watch its markers before the pipeline opens, and that mkdir's
+    # ENOSPC was said bare ("pipelines.train.cache_dir: cannot create it: [Errno 28] No space left
+    # on device: '.../cache'"): neither the disk nor what holds it, as the pipeline's open says.
+    sock = short_dir / "api.sock"
+    with mounted(
+        tmp_path / "disk", ["mount", "-t", "tmpfs", "-o", "size=256k,nr_inodes=8", "tmpfs", str(tmp_path / "disk")]
+    ) as disk:
+        config = daemon_config(tmp_path, sock, disk / "cache")
+        others = []
+        with contextlib.suppress(OSError):
+            while True:  # another writer's empty files, until no inode is left
+                (path := disk / f"other-{len(others)}").touch()
+                others.append(path)
+        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon, Client("train", sock) as client:
+            status = client.status()["pipelines"]["train"]
+            assert status["state"] == "waiting for room", status
+            assert status["error"] == (
+                f"cache_dir '{disk}/cache': its disk is full (No space left on device): the filesystem mounted at "
+                f"'{disk}' has 256.0 KiB free of 256.0 KiB, and no inode; could not write '{disk}/cache'; the cache holds 0 B "
+                "of it, other files 0 B; "
+                "free space there, or give a cache_dir on another filesystem"
+            ), status
+            for path in others:  # the inodes freed: the folder is made, and the pipeline opens
+                path.unlink()
+            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", what="the pipeline opened")
+            assert daemon.stop() == 0
+    assert "Traceback" not in daemon.log()
+
+
+def test_a_filesystem_that_reports_no_size_is_no_full_disk(tmp_path):
+    # ramfs (and a FUSE filesystem that answers no statfs) reports 0 blocks, 0 free and 0 inodes:
+    # it counts no room, it is not out of it. The open failed at once, "its disk is full ... has
+    # 0 B free of 0 B" (the daemon waited for room for good); and a capacity in bytes was held to
+    # the room there, nothing but what the cache held.
+    src = local_source(tmp_path, 2)
+    with mounted(tmp_path / "disk", ["mount", "-t", "ramfs", "ramfs", str(tmp_path / "disk")]) as disk:
+        assert os.statvfs(disk).f_blocks == 0
+        with Pipeline(f"{src}/", disk / "cache", "1MiB", items="folders") as pipe:
+            assert pipe.stats().capacity == 1 << 20
+            assert sorted(item.path.name for item in pipe) == ["item0", "item1"]
+
+
+def test_a_reload_that_turns_markers_on_while_the_wait_opens_the_pipeline_watches_it(s3_source, fault_proxy, tmp_path, short_dir):
+    # The wait opens the pipeline in its own thread, outside the reload's lock: a reload that
+    # turned markers on while that open listed (a large bucket: minutes) watched the pipelines
+    # open then, not the one the wait opened next; its cache directory and items were never
+    # watched, and a consumer's .done acknowledged nothing until another reload.
+    proxy, endpoint = fault_proxy
+    s3_source.folders(1, {"a.bin": 100})
+    sock = short_dir / "api.sock"
+    listing = lambda head: "list-type=2" in head.split("\r\n", 1)[0]  # noqa: E731 - a one-line match
+    gate = threading.Event()
+    with tmpfs(tmp_path / "disk") as disk:
+        train = {"cache_dir": str(disk / "cache"), "capacity": "64KiB"}
+        config = write_config(tmp_path, sock, endpoint, {"train": train}, markers=False)
+        filler = fill(disk)
+        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon, Client("train", sock, auto_ack=False) as client:
+            try:
+                assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
+                proxy.hold(listing, gate)
+                filler.unlink()  # room: the wait opens the pipeline, whose listing the proxy holds
+                wait_until(lambda: any(listing(head) for head in proxy.requests), what="the wait's listing")
+                settings = yaml.safe_load(config.read_text())
+                settings["markers"] = True
+                config.write_text(yaml.safe_dump(settings))
+                daemon.reload()
+            finally:
+                gate.set()
+            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", what="the pipeline opened")
+            assert inotify_watches(daemon.pid) == 1  # its cache directory
+            item = client.get(timeout=30)
+            (item.path / ".done").touch()
+            wait_until(lambda: client.status()["pipelines"]["train"]["stats"]["items_acked"] == 1, what="the .done's ack")
+            assert daemon.stop() == 0
+    assert "Traceback" not in daemon.log()
+
+
+def test_a_full_disk_s_blocks_reserved_for_root_are_not_said_to_be_other_files(tmp_path):
+    # ext4 keeps 5% of its blocks for root by default (mkfs.ext4 -m), which df shows as used and
+    # not available: the message counted them among "other files" (50 GiB of a 1 TiB disk that
+    # nobody wrote), and a user looked for files that are not there. They are said as what
+    # they are. Here 10% of a small ext4, filled by another user (nobody) up to what it may use.
+    src = local_source(tmp_path, 1)
+    image, disk = tmp_path / "disk.img", tmp_path / "disk"
+    image.write_bytes(b"")
+    os.truncate(image, 8 << 20)
+    with mounted(disk, ["mkfs.ext4", "-q", "-F", "-m", "10", str(image)], ["mount", "-o", "loop", str(image), str(disk)]):
+        # the file opened here, written by a child that is nobody (the reserve is kept from the writer, not the owner)
+        filler = "import contextlib, os, sys\nwith contextlib.suppress(OSError):\n"
+        filler += "    while True: os.write(int(sys.argv[1]), bytes(4096))\n"
+        with open(disk / "other-writer.bin", "wb") as out:
+            setpriv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+            subprocess.run([*setpriv, sys.executable, "-c", filler, str(out.fileno())], check=True, pass_fds=(out.fileno(),))
+        assert os.statvfs(disk).f_bavail == 0
+        with pytest.raises(OSError, match="its disk is full") as err:
+            Pipeline(f"{src}/", disk / "cache", "1MiB", items="folders").open()
+        st = os.statvfs(disk)  # as the message saw it (root's open took a few blocks of the reserve)
+        reserved, used = (st.f_bfree - st.f_bavail) * st.f_frsize, (st.f_blocks - st.f_bfree) * st.f_frsize
+        assert reserved > 0
+        message = str(err.value)
+        held = int(re.search(r"the cache holds (\d+) B of it", message)[1])  # its lock's line, a few bytes
+        assert f"the cache holds {held} B of it, other files {format_size(used - held)}, " in message, message
+        assert f"and {format_size(reserved)} is reserved for root (not free to other users); " in message, message
+
+
+def test_a_pipeline_the_wait_opens_while_the_daemon_stops_is_closed(s3_source, fault_proxy, tmp_path, short_dir):
+    # A stop closes the pipelines one by one after the marker watcher stopped; a wait for room
+    # whose open ended meanwhile (another pipeline's close held by a download the store does
+    # not abort) handed its pipeline over to a watcher already stopped: its thread died with a
+    # traceback, and the pipeline stayed open, its cache locked, until the process ended.
+    proxy, endpoint = fault_proxy
+    s3_source.folders(1, {"a.bin": 1024})
+    sock = short_dir / "api.sock"
+    listing = lambda head: "list-type=2" in head.split("\r\n", 1)[0]  # noqa: E731 - a one-line match
+    download = lambda head: head.startswith("GET ") and "/item000/" in head.split("\r\n", 1)[0]  # noqa: E731
+    got, listed = threading.Event(), threading.Event()
+    proxy.hold(download, got)  # the first pipeline's download, which its close waits for (obstore's GET)
+    with tmpfs(tmp_path / "disk") as disk:
+        pipelines = {
+            "first": {"storage_options": {"endpoint_url": endpoint, "engine": "obstore"}},
+            "train": {"cache_dir": str(disk / "cache"), "capacity": "64KiB"},
+        }
+        config = write_config(tmp_path, sock, endpoint, pipelines)
+        filler = fill(disk)
+        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon:
+            try:
+                with Client("train", sock) as client:
+                    assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
+                wait_until(lambda: any(download(head) for head in proxy.requests), what="the first pipeline's download")
+                before = sum(listing(head) for head in proxy.requests)
+                proxy.hold(listing, listed)
+                filler.unlink()  # room: the wait opens its pipeline, whose listing the proxy holds
+                wait_until(lambda: sum(listing(head) for head in proxy.requests) > before, what="the wait's listing")
+                daemon.signal(signal.SIGTERM)
+                wait_until(lambda: inotify_watches(daemon.pid) == 0, what="the marker watcher stopped")
+                listed.set()  # the wait's open ends while the stop waits for the first pipeline's close
+                wait_until(lambda: "its disk has room now" in daemon.log() or "Traceback" in daemon.log(), what="opened")
+            finally:
+                listed.set()
+                got.set()
+            assert daemon.proc.wait(30) == 0
+    log = daemon.log()
+    assert "Traceback" not in log, log
+    assert log.count("closed s3://data/video/") == 2, log  # both pipelines, the one the wait opened too

@@ -32,24 +32,32 @@ class Room(NamedTuple):
     """What the filesystem of a path has free: ``bytes`` and ``inodes`` (-1: the filesystem does
     not count them) as ``df`` shows them available (``f_bavail``, ``f_favail``: not the blocks
     reserved for root, which ext4 does not all give even to root), of ``total`` bytes in blocks of
-    ``block`` bytes. The same measure as the capacity's share of the disk (``shutil.disk_usage``)."""
+    ``block`` bytes. The same measure as the capacity's share of the disk (``shutil.disk_usage``).
+    ``reserved``: bytes free but kept for root (``f_bfree - f_bavail``: ext4's reserved blocks,
+    5% by default), neither available nor any file's."""
 
     bytes: int
     inodes: int
     total: int
     block: int
+    reserved: int = 0
 
 
 def room_now(path: str | os.PathLike[str]) -> Room:
-    """:class:`Room` of the filesystem that holds ``path`` (one ``statvfs``)."""
+    """:class:`Room` of the filesystem that holds ``path`` (one ``statvfs``); ``total`` 0 where
+    the filesystem reports no size (:func:`no_room`)."""
     st = os.statvfs(path)
-    return Room(st.f_bavail * st.f_frsize, st.f_favail if st.f_files else -1, st.f_blocks * st.f_frsize, st.f_frsize)
+    inodes = st.f_favail if st.f_files else -1
+    reserved = max(st.f_bfree - st.f_bavail, 0) * st.f_frsize
+    return Room(st.f_bavail * st.f_frsize, inodes, st.f_blocks * st.f_frsize, st.f_frsize, reserved)
 
 
 def no_room(room: Room) -> bool:
     """Whether a filesystem with ``room`` (:func:`room_now`) is full for this process: less
-    than one block free, or no inode (a state file's rewrite needs both)."""
-    return room.bytes < room.block or room.inodes == 0
+    than one block free, or no inode (a state file's rewrite needs both). Never one that
+    reports no size (``total`` 0: ramfs, a FUSE filesystem that answers no ``statfs``), which
+    counts no room rather than having none: its writes say when it is full."""
+    return room.total > 0 and (room.bytes < room.block or room.inodes == 0)
 
 
 def mount_point(path: str | os.PathLike[str]) -> str:
@@ -88,8 +96,10 @@ def full_disk(given: str | os.PathLike[str], root: str | os.PathLike[str], exc: 
         failed = f"; could not write {exc.filename!r}"
     elif exc is not None and exc.strerror and exc.strerror != said:  # named by wholefiles.naming, or another text
         failed = f"; {exc.strerror.removeprefix(said + ': ')}"
-    others = max(room.total - room.bytes - held, 0)
+    others = max(room.total - room.bytes - room.reserved - held, 0)  # the blocks kept for root are no file's
     holds = f"the cache holds {format_size(held)} of it, other files {format_size(others)}"
+    if room.reserved:
+        holds += f", and {format_size(room.reserved)} is reserved for root (not free to other users)"
     if code == errno.EDQUOT:
         why = f"this user's disk quota on the filesystem mounted at {point!r} is used up ({said}){failed}; {holds}"
         todo = "free some of this user's files there, raise the quota, or give a cache_dir on another filesystem"

@@ -42,7 +42,8 @@ def _capacity_bytes(capacity: int | Share, root: Path, usage: Room | None = None
     the filesystem's size are held to the room there, the space free and what ``root`` holds
     (logged, naming both): not to the filesystem's size, which what else lives there (another
     tenant's files, blocks kept for root) makes a cap reached only by filling the disk. A
-    capacity within the filesystem's size is kept as given: the space others hold may come back.
+    capacity within the filesystem's size is kept as given: the space others hold may come back;
+    so is any on a filesystem that reports no size (ramfs: :func:`~.fulldisk.no_room`).
     ``usage``: :func:`~.fulldisk.room_now` of ``root``, read already by :meth:`~.core.Cache.open`
     (None: read here, the free space after the walk of ``root``: see :func:`~.room.room_at`)."""
     if isinstance(capacity, Share):
@@ -50,7 +51,7 @@ def _capacity_bytes(capacity: int | Share, root: Path, usage: Room | None = None
     live = usage is None
     if usage is None:
         usage = room_now(root)
-    if capacity <= usage.total:
+    if capacity <= usage.total or usage.total == 0:  # 0: a filesystem that reports no size (ramfs): nothing to hold it to
         return capacity
     held = held_in(root)
     if live:  # the free space read after the walk, as for a share: bytes written meanwhile count once

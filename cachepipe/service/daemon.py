@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 from .. import __version__
+from ..cache.fulldisk import full_disk
 from ..cache.lock import unusable_dir
 from ..config import PipelineConfig, with_unit
 from ..errors import CachePipeError, ConfigError
@@ -73,6 +74,8 @@ class Daemon(_JobDesk, _PipelineDesk):
         self.metrics = Metrics(self._snapshots)
         self._reload_lock = threading.Lock()
         self._markers: MarkerWatcher | None = None
+        # which watcher is self._markers: a reload changes it while a wait for room opens a pipeline
+        self._markers_lock = threading.Lock()
         self._handouts = HandOuts()  # what each hand-out was: a marker acknowledges only its own
         self._api: ApiServer | None = None
         self._started = time.monotonic()
@@ -117,8 +120,10 @@ class Daemon(_JobDesk, _PipelineDesk):
             self._cond.notify_all()
         if self._api is not None:
             self._api.stop_accepting()
-        if self._markers is not None:
-            self._markers.stop()
+        with self._markers_lock:  # none from here: a wait for room that opens a pipeline meanwhile watches nothing
+            markers, self._markers = self._markers, None
+        if markers is not None:
+            markers.stop()
         if self._jobs is not None:
             self._jobs.close()
         with self._cond:
@@ -154,14 +159,24 @@ class Daemon(_JobDesk, _PipelineDesk):
                 lambda pipe: self._room_found(served, pipe),
                 lambda error: self._room_failed(served, error),
                 lambda error: self._room_retrying(served, error),
+                lambda error: self._room_full(served, error),
             )
             served.room.start()
 
     def _room_found(self, served: _Served, pipe: Pipeline) -> bool:
-        """The pipeline of ``served``, waiting for room, opened (in its wait's thread)."""
-        with self._cond:
-            served.pipeline, served.waiting, served.error, served.room = pipe, "", "", None
-            self._cond.notify_all()
+        """The pipeline of ``served``, waiting for room, opened (in its wait's thread): watched
+        by the marker watcher there is now, then served. A reload may have turned markers on
+        while it opened (after its open looked, before a reload's watches, which take only the
+        pipelines open then); its watch is added again here, before anything is handed out."""
+        with self._markers_lock:
+            if self._markers is not None:
+                try:
+                    self._watch(self._markers, served)  # its folder is there: the open made it
+                except OSError as exc:  # removed since (the cache check takes it down): served, without markers
+                    log.error("%s: marker acks are off for this pipeline: %s", served.name, exc)
+            with self._cond:
+                served.pipeline, served.waiting, served.error, served.room = pipe, "", "", None
+                self._cond.notify_all()
         log.info("pipeline %s: its disk has room now: opened", served.name)
         return True
 
@@ -179,27 +194,45 @@ class Daemon(_JobDesk, _PipelineDesk):
             served.waiting, served.error = "", f"{type(exc).__name__}: {exc} (tried again every {RETRY_AFTER:g} s)"
             self._cond.notify_all()
 
+    def _room_full(self, served: _Served, exc: OSError) -> None:
+        """A try of the wait of ``served`` found its disk full: it waits for room (said once
+        more where it was down with another error meanwhile), with the try's reason."""
+        with self._cond:
+            again = not served.waiting
+            served.waiting, served.error = exc.strerror or str(exc), ""
+            self._cond.notify_all()
+        if again:
+            log.warning("pipeline %s waits for room again, and opens once there is: %s", served.name, served.waiting)
+
     def _open(self, served: _Served, pipe: Pipeline | None = None) -> Pipeline:
         """Watch the markers of ``served`` and open its pipeline (``pipe``, or a new one)."""
         pipe = pipe or Pipeline(**pipeline_options(served.config))
-        if self._markers is not None:
-            try:
-                served.root.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:  # what the start's host check cannot foresee (a /proc path, a full disk)
-                field = f"pipelines.{served.name}.cache_dir"
-                error = unusable_dir(served.config.cache_dir, exc, field)
-                raise (error or type(exc)(exc.errno, f"{field}: cannot create it: {exc}")) from exc
-            try:
-                self._markers.watch(served.name, served.root, served.config.items)
-            except OSError as exc:  # e.g. fs.inotify.max_user_watches reached: serve without markers
-                log.error("%s: marker acks are off for this pipeline: cannot watch %s: %s", served.name, served.root, exc)
+        with self._markers_lock:  # the watcher as it is now, kept running meanwhile (a wait's open runs beside a reload)
+            markers = self._markers
+            if markers is not None:
+                self._watch(markers, served)
         try:
             pipe.open()
         except BaseException:
-            if self._markers is not None:
-                self._markers.unwatch(served.name)
+            if markers is not None:
+                markers.unwatch(served.name)
             raise
         return pipe
+
+    @staticmethod
+    def _watch(markers: MarkerWatcher, served: _Served) -> None:
+        """Make the cache directory of ``served`` and watch it with ``markers``."""
+        try:
+            served.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # what the start's host check cannot foresee (a /proc path, a full disk)
+            field = f"pipelines.{served.name}.cache_dir"
+            # a full disk said as the pipeline's open says it (the disk, what holds it): the wait's reason
+            error = unusable_dir(served.config.cache_dir, exc, field) or full_disk(served.config.cache_dir, served.root, exc)
+            raise (error or type(exc)(exc.errno, f"{field}: cannot create it: {exc}")) from exc
+        try:
+            markers.watch(served.name, served.root, served.config.items)
+        except OSError as exc:  # e.g. fs.inotify.max_user_watches reached: serve without markers
+            log.error("%s: marker acks are off for this pipeline: cannot watch %s: %s", served.name, served.root, exc)
 
     def _close(self, served: _Served) -> None:
         room = served.room
@@ -294,6 +327,10 @@ class Daemon(_JobDesk, _PipelineDesk):
             return changes
 
     def _set_markers(self, enabled: bool) -> None:
+        with self._markers_lock:  # against a wait for room that opens a pipeline meanwhile (_room_found)
+            self._switch_markers(enabled)
+
+    def _switch_markers(self, enabled: bool) -> None:
         if enabled and self._markers is None:
             self._markers = MarkerWatcher(self._marker_ack)
             self._markers.start()

@@ -10,7 +10,8 @@ found too little room, only when the room has grown since (a try may list the so
 per look), quietly (the daemon said once that it waits); a stop ends it at once, closing a
 pipeline it is opening (which aborts that open's listing). An open that fails otherwise is
 tried again every :data:`RETRY_AFTER` seconds (the store not answering, the source empty:
-what a start failing so exits 1 for, and systemd starts again), the pipeline down meanwhile;
+what a start failing so exits 1 for, and systemd starts again), the pipeline down meanwhile
+(a try that finds the disk full again makes it wait for room again);
 one refused by its settings or its data as listed (what a start exits 78 for) stays down until
 a reload, as a reload's failed open does.
 """
@@ -22,7 +23,7 @@ import os
 import threading
 from collections.abc import Callable
 
-from ..cache.fulldisk import FULL_ERRNOS, Room, room_now
+from ..cache.fulldisk import FULL_ERRNOS, Room, no_room, room_now
 from ..errors import ConfigError, OversizeError, UnsafeKeyError
 from ..pipeline import Pipeline
 
@@ -61,7 +62,10 @@ class RoomWait:
         failed: called with an error of the settings or the data as listed (:data:`_PERMANENT`):
             the pipeline stays down.
         retrying: called with another error (the store not answering, the source empty for a
-            while...), in the thread; the open is tried again after :data:`RETRY_AFTER` seconds.
+            while...), in the thread; the open is tried again after :data:`RETRY_AFTER` seconds,
+            whatever the room then.
+        full: called with the error of a try that found the disk full (:func:`is_full_disk`),
+            in the thread: the pipeline waits for room (again, after a ``retrying``).
     """
 
     def __init__(
@@ -73,10 +77,11 @@ class RoomWait:
         opened: Callable[[Pipeline], bool],
         failed: Callable[[BaseException], None],
         retrying: Callable[[BaseException], None],
+        full: Callable[[OSError], None],
     ) -> None:
         self.name, self.root = name, os.fspath(root)
         self._make, self._open, self._opened, self._failed = make, open_, opened, failed
-        self._retrying = retrying
+        self._retrying, self._full = retrying, full
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards _opening and the stop's close of it
         self._opening: Pipeline | None = None
@@ -114,15 +119,17 @@ class RoomWait:
         if now is None:
             return False  # not to be looked at now: looked at again next time
         if last is None:
-            return now.bytes >= now.block and now.inodes != 0
+            return not no_room(now)
         return now.bytes > last.bytes or (last.inodes == 0 and now.inodes > 0)
 
     def _run(self) -> None:
         said = ""  # the last failure other than for room, as logged
+        again = False  # an open that failed otherwise: tried again after RETRY_AFTER, whatever the room
         while not self._stop.wait(LOOK_EVERY):
             now = self._room()
-            if not self._grew(now):
+            if not (again or self._grew(now)):
                 continue
+            again = False
             try:
                 with self._lock:
                     if self._stop.is_set():
@@ -135,9 +142,10 @@ class RoomWait:
                     stopped = self._stop.is_set()
                 if stopped:
                     return  # closed by stop() while it opened
-                if is_full_disk(exc):
+                if isinstance(exc, OSError) and is_full_disk(exc):
                     self._last = self._room()
                     log.debug("%s: still no room to open on: %s", self.name, exc)
+                    self._full(exc)
                     continue
                 if isinstance(exc, _PERMANENT) or not isinstance(exc, Exception):
                     self._failed(exc)
@@ -147,7 +155,7 @@ class RoomWait:
                 (log.debug if error == said else log.warning)(
                     "pipeline %s: its open failed, tried again every %g s: %s", self.name, RETRY_AFTER, error
                 )
-                said, self._last = error, None
+                said, self._last, again = error, None, True
                 self._retrying(exc)
                 if self._stop.wait(RETRY_AFTER):
                     return
