@@ -6,8 +6,11 @@ health (``waiting for room``), and opens that pipeline once another writer frees
 running cache waits for room for its items. :class:`RoomWait` is that wait: one thread
 (``cachepipe-room-NAME``) that looks at the filesystem's free space every :data:`LOOK_EVERY`
 seconds and tries the open again once the disk is no longer full, and after a try that still
-found too little room, only when the room has grown since (a try may list the source: not once
-per look), quietly (the daemon said once that it waits); a stop ends it at once, closing a
+found too little room, only when the room has grown since and no sooner than :data:`RETRY_AFTER`
+seconds after it, doubled after each such try up to :data:`MOST_APART` (a try may list the
+source: not once per look, nor once per file another writer frees; a quota used up, which the
+free space does not show, is tried so too), quietly (the daemon said once that it waits); a
+stop ends it at once, closing a
 pipeline it is opening (which aborts that open's listing). An open that fails otherwise is
 tried again every :data:`RETRY_AFTER` seconds (the store not answering, the source empty:
 what a start failing so exits 1 for, and systemd starts again), the pipeline down meanwhile
@@ -21,13 +24,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 
 from ..cache.fulldisk import FULL_ERRNOS, Room, no_room, room_now
 from ..errors import ConfigError, OversizeError, UnsafeKeyError
 from ..pipeline import Pipeline
 
-__all__ = ["LOOK_EVERY", "RETRY_AFTER", "RoomWait", "is_full_disk"]
+__all__ = ["LOOK_EVERY", "MOST_APART", "RETRY_AFTER", "RoomWait", "is_full_disk"]
 
 log = logging.getLogger("cachepipe.service")
 
@@ -36,7 +40,12 @@ LOOK_EVERY = 0.5
 
 RETRY_AFTER = 5.0
 """Seconds before an open that failed otherwise than for room is tried again (systemd's
-``RestartSec`` in the unit: what a start failing so would have waited)."""
+``RestartSec`` in the unit: what a start failing so would have waited); and the least time
+between two tries that found the disk full."""
+
+MOST_APART = 60.0
+"""Seconds between two tries that found the disk full, at most: the time after such a try
+doubles from :data:`RETRY_AFTER` to this."""
 
 
 _PERMANENT = (ConfigError, UnsafeKeyError, OversizeError)
@@ -87,6 +96,8 @@ class RoomWait:
         self._opening: Pipeline | None = None
         self._thread = threading.Thread(target=self._run, name=f"cachepipe-room-{name}", daemon=True)
         self._last: Room | None = None  # the room when the last try failed (None: no try since the wait began)
+        self._apart = RETRY_AFTER  # seconds after a try that found the disk full before the next (doubles)
+        self._not_before = 0.0  # monotonic time before which no try is made after one that found the disk full
 
     def start(self) -> None:
         self._thread.start()
@@ -114,13 +125,15 @@ class RoomWait:
     def _grew(self, now: Room | None) -> bool:
         """Whether to try the open again: the disk is no longer full, the first time (room freed
         since the open failed, even before this wait began, is not missed); then whenever the room
-        is more than at the last failed try (in bytes, or in inodes where none was left)."""
+        is more than at the last failed try (in bytes, or in inodes where none was left) and its
+        time apart from that try has passed."""
         last = self._last
         if now is None:
             return False  # not to be looked at now: looked at again next time
         if last is None:
             return not no_room(now)
-        return now.bytes > last.bytes or (last.inodes == 0 and now.inodes > 0)
+        grew = now.bytes > last.bytes or (last.inodes == 0 and now.inodes > 0)
+        return grew and time.monotonic() >= self._not_before
 
     def _run(self) -> None:
         said = ""  # the last failure other than for room, as logged
@@ -144,7 +157,9 @@ class RoomWait:
                     return  # closed by stop() while it opened
                 if isinstance(exc, OSError) and is_full_disk(exc):
                     self._last = self._room()
-                    log.debug("%s: still no room to open on: %s", self.name, exc)
+                    self._not_before = time.monotonic() + self._apart
+                    log.debug("%s: still no room to open on, tried again in %g s at the soonest: %s", self.name, self._apart, exc)
+                    self._apart = min(self._apart * 2, MOST_APART)
                     self._full(exc)
                     continue
                 if isinstance(exc, _PERMANENT) or not isinstance(exc, Exception):
