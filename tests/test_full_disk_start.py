@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from waiting import wait_until
 
 from cachepipe import ItemFailedError, Pipeline
 from cachepipe.client import Client
-from cachepipe.service.roomwait import RETRY_AFTER
+from cachepipe.service.roomwait import LOOK_EVERY, RETRY_AFTER
 from cachepipe.service.testing import DaemonProcess
 from cachepipe.sizes import format_size
 from cachepipe.unpack import unpack_in_place
@@ -94,6 +95,34 @@ def test_serve_on_a_full_cache_disk_starts_says_so_once_and_opens_once_there_is_
     assert "its disk has room now: opened" in log and "Traceback" not in log
 
 
+def test_a_waiting_pipeline_is_not_tried_again_for_each_page_another_writer_frees(tmp_path, short_dir):
+    # A try may list the source. After one that found too little room, the wait tried again at
+    # each look (every 0.5 s) that saw the free space grown by any amount: a disk freed a file at
+    # a time, or a quota used up (which the free space does not show) on a filesystem others
+    # write to, listed the source twice a second. The next try is RETRY_AFTER seconds later at
+    # the soonest, doubled after each such try.
+    sock = short_dir / "api.sock"
+    with tmpfs(tmp_path / "disk") as disk:
+        config = daemon_config(tmp_path, sock, disk / "cache", log_level="debug")
+        filler = fill(disk)
+        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon, Client("train", sock) as client:
+            assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
+            os.truncate(filler, filler.stat().st_size - 4096)  # a page: too little for the open
+            wait_until(lambda: "still no room to open on" in daemon.log(), what="a try that found too little room")
+            deadline = time.monotonic() + RETRY_AFTER / 2
+            while time.monotonic() < deadline:  # the other writer frees a page, then takes it again
+                os.truncate(filler, filler.stat().st_size - 4096)
+                time.sleep(LOOK_EVERY)
+                with open(filler, "ab") as out, contextlib.suppress(OSError):
+                    out.write(b"\0" * 4096)
+                time.sleep(LOOK_EVERY)
+            assert daemon.log().count("still no room to open on") == 1, daemon.log()
+            filler.unlink()
+            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", what="the pipeline opened")
+            assert daemon.stop() == 0
+    assert f"still no room to open on, tried again in {RETRY_AFTER:g} s at the soonest" in daemon.log()
+
+
 def test_a_stop_while_a_pipeline_waits_for_room_ends_the_daemon_at_once(tmp_path, short_dir):
     # The wait for room runs on a thread of its own: a SIGTERM ends it (systemd's TimeoutStopSec
     # is 30 s), the exit status is 0, and nothing of the cache is left locked or staged.
@@ -127,6 +156,34 @@ def test_a_reload_that_moves_a_waiting_pipeline_to_a_disk_with_room_opens_it(tmp
             assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
             assert daemon.stop() == 0
     assert "reloaded" in daemon.log() and "reopened train" in daemon.log() and "Traceback" not in daemon.log()
+
+
+def test_a_reload_whose_new_settings_fail_while_the_disk_is_full_waits_for_room_with_the_old(tmp_path, short_dir):
+    # A reload's new settings failed to open, and the old ones, reopened as its fallback, met
+    # the disk another writer had filled since the start: the pipeline was down until the next
+    # reload, where a start on that disk waits for room. The fallback waits for room too.
+    sock = short_dir / "api.sock"
+    with tmpfs(tmp_path / "disk") as disk:
+        config = daemon_config(tmp_path, sock, disk / "cache")
+        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon, Client("train", sock) as client:
+            assert client.status()["pipelines"]["train"]["state"] == "open"
+            filler = fill(disk)
+            settings = yaml.safe_load(config.read_text())
+            settings["pipelines"]["train"]["cache_dir"] = str(tmp_path / "busy")  # another process's cache
+            config.write_text(yaml.safe_dump(settings))
+            with Pipeline(f"{tmp_path / 'src'}/", tmp_path / "busy", "64KiB", items="folders"):
+                daemon.reload()
+                wait_until(lambda: "failed train" in daemon.log(), what="the reload done")
+            status = client.status()["pipelines"]["train"]
+            assert status["state"] == "waiting for room", status
+            assert status["error"].startswith(f"cache_dir '{disk}/cache': its disk is full"), status
+            filler.unlink()
+            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", timeout=30, what="opened")
+            assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
+            assert daemon.stop() == 0
+    log = daemon.log()
+    assert "reload: pipeline train waits for room with its old settings" in log, log
+    assert "cannot reopen with its old settings" not in log and "Traceback" not in log
 
 
 def test_a_waiting_pipeline_whose_open_then_fails_otherwise_tries_again_as_systemd_would_restart(tmp_path, short_dir):

@@ -364,9 +364,12 @@ class Daemon(_JobDesk, _PipelineDesk):
             if old is not None and old.pipeline is not None:
                 fallback = _Served(name, old.config, rebuilt_at=time.monotonic())
                 try:
-                    fallback.pipeline = self._open(fallback)
+                    self._open_or_wait(fallback)  # its disk filled meanwhile: it waits for room, as at a start
                     fresh = fallback
-                    log.warning("reload: pipeline %s runs on with its old settings", name)
+                    if fallback.waiting:
+                        log.warning("reload: pipeline %s waits for room with its old settings", name)
+                    else:
+                        log.warning("reload: pipeline %s runs on with its old settings", name)
                 except Exception as again:  # noqa: BLE001 - the old settings no longer open either: the pipeline is down
                     log.error("reload: pipeline %s cannot reopen with its old settings either: %s", name, again)
             result = f"failed {name}"
