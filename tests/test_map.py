@@ -756,7 +756,7 @@ def alive(pid: int) -> bool:
     """``pid`` runs (a zombie waiting for its reaper does not)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or reaped between the open and the read
         return False
 
 
