@@ -339,10 +339,11 @@ def _read_at_once(exc: CacheLockedError, who: str) -> CacheLockedError:
 
 def _sibling(owner: str) -> bool:
     """True if a :class:`CacheLockedError`'s owner (``"pid PID HOST"``) is a process on this host
-    with this process's parent (read from ``/proc``: Linux; elsewhere False), or may be one: the
-    owner not yet written (``"another process"``: the lock file is written just after its
-    ``flock`` is taken), or a pid that is gone (the file still names the last owner while the
-    next writes its own). The next try reads the owner that holds it."""
+    with this process's parent (read from ``/proc``: Linux; elsewhere False), or may be one: an
+    owner neither its lock file nor the kernel's list of locks names (``"another process"``:
+    another OS, or a pid namespace that does not see it), or a pid that is gone (the file still
+    names the last owner while the next writes its own). The next try reads the owner that
+    holds it."""
     if owner == UNKNOWN_OWNER:
         return True
     pid = owner_pid(owner)

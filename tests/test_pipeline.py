@@ -6,6 +6,7 @@ import hashlib
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -423,6 +424,37 @@ def test_lock_held_by_another_process(tmp_path):
         assert proc.stdout.readline().strip() == "ready"
         with pytest.raises(CacheLockedError, match=f"pid {proc.pid}"):
             Pipeline(str(tmp_path / "src"), tmp_path / "c", "1MiB").open()
+    finally:
+        proc.stdin.close()
+        proc.wait(10)
+        proc.stdout.close()
+
+
+def test_a_lock_held_without_its_owner_s_line_names_the_pid_the_kernel_lists(tmp_path):
+    # An owner writes its line just after its flock, or never where its disk is full: a process
+    # refused meanwhile was told "in use by another process", and a DataLoader worker took such an
+    # owner for a worker of its own DataLoader (it may be one) and waited 60 s for it. The pid
+    # holding the lock is read from the kernel's list of locks (/proc/locks), as is the owner of
+    # a cache directory around another.
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "f").write_bytes(b"1")
+    lock = tmp_path / "c" / ".cachepipe" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text(" " * 20)  # blanked by an earlier owner's release
+    code = (
+        "import fcntl, os, sys\n"
+        f"fd = os.open({str(lock)!r}, os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('ready', flush=True); sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        owner = f"pid {proc.pid} {socket.gethostname()}"
+        with pytest.raises(CacheLockedError) as held:
+            Pipeline(str(tmp_path / "src"), tmp_path / "c", "1MiB").open()
+        assert held.value.owner == owner
+        with pytest.raises(CacheLockedError, match=f"in use by {owner}, which owns the cache directory"):
+            Pipeline(str(tmp_path / "src"), tmp_path / "c" / "inner", "1MiB").open()
     finally:
         proc.stdin.close()
         proc.wait(10)

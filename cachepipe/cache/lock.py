@@ -32,7 +32,7 @@ from ..errors import CacheLockedError
 
 STATE_DIR = ".cachepipe"  # the cache's state folder
 LOCK = "lock"  # the file in STATE_DIR that the owner locks
-UNKNOWN_OWNER = "another process"  # a lock whose owner has not written its pid yet (or wrote something else)
+UNKNOWN_OWNER = "another process"  # a lock whose owner's pid neither its line nor the kernel's list of locks tells
 
 __all__ = ["UNKNOWN_OWNER", "OwnerLock", "unusable_dir"]
 
@@ -62,9 +62,9 @@ class OwnerLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            owner = os.pread(fd, 256, 0).decode(errors="replace").strip() or UNKNOWN_OWNER
+            owner = _owner(fd)
             os.close(fd)
-            raise CacheLockedError(str(self.root), f"pid {owner}" if owner[:1].isdigit() else owner) from None
+            raise CacheLockedError(str(self.root), owner) from None
         self._fd = fd  # held from here: release() closes it whatever happens next
         try:
             nested = nested_owner(self.root)
@@ -154,12 +154,42 @@ def _held(lock: Path) -> str | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            owner = os.pread(fd, 256, 0).decode(errors="replace").strip()
-            return f"pid {owner}" if owner[:1].isdigit() else UNKNOWN_OWNER
+            return _owner(fd)
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     finally:
         os.close(fd)
+
+
+def _owner(fd: int) -> str:
+    """Who holds the ``flock`` of the lock file open as ``fd`` (held by another process):
+    ``"pid N host"`` as its line says; where it has none (taken a moment ago, its line not yet
+    written, or never: its disk was full), the pid the kernel lists for the lock
+    (:func:`_locker`) on this host; else :data:`UNKNOWN_OWNER`."""
+    line = os.pread(fd, 256, 0).decode(errors="replace").strip()
+    if line[:1].isdigit():
+        return f"pid {line}"
+    pid = _locker(fd)
+    return UNKNOWN_OWNER if pid is None else f"pid {pid} {socket.gethostname()}"
+
+
+def _locker(fd: int) -> int | None:
+    """The pid that holds an exclusive ``flock`` on the file open as ``fd``, as ``/proc/locks``
+    lists it (``1: FLOCK  ADVISORY  WRITE PID MAJ:MIN:INODE 0 EOF``: Linux, this host's locks);
+    None where it is not listed (another OS, a filesystem whose files' device differs from
+    their superblock's, as btrfs subvolumes) or its pid is not seen from here (0: another pid
+    namespace), or the lock was let go meanwhile."""
+    st = os.fstat(fd)
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as listed:
+            for entry in listed:
+                fields = entry.split()  # a process waiting for a lock is listed with "->" after the number
+                if fields[1:4] == ["FLOCK", "ADVISORY", "WRITE"] and len(fields) > 5 and fields[5] == key:
+                    return int(fields[4]) or None
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 _UNUSABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EEXIST}
