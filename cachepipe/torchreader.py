@@ -22,9 +22,11 @@ reader finds the last holder's note, this one's, or none.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, cast
@@ -155,6 +157,25 @@ class Reader:
     handed: int  #: samples handed in this pass
 
 
+def _read_note(path: Path) -> list[str] | None:
+    """The words of the note at ``path``; None if there is none, or something else is there
+    (a symbolic link, not followed; a named pipe, whose open would wait for a writer)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, 4096).decode(errors="replace").split()
+    finally:
+        os.close(fd)
+
+
 def reader(folder: Path, owner: str) -> Reader | None:
     """What the note on ``folder`` says, if it is the note of the live ``owner`` (``"pid PID
     HOST"``, its start time too, from ``/proc``); else None (not written yet, left by an earlier
@@ -163,9 +184,8 @@ def reader(folder: Path, owner: str) -> Reader | None:
     fields = None if pid is None else proc_stat(pid)
     if fields is None:
         return None
-    try:
-        said = note_path(folder).read_text().split()
-    except (FileNotFoundError, NotADirectoryError):
+    said = _read_note(note_path(folder))
+    if said is None:
         return None
     if len(said) != 6 or said[:2] != [str(pid), fields[19]] or not said[3].isdigit() or said[4] not in _STATES:
         return None

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -226,6 +227,40 @@ def test_a_note_on_a_worker_folder_describes_its_live_holder_alone(tmp_path):
         child.stdout.close()
     assert (tmp_path / ".rank0-worker0.reader").exists()  # left as it was
     assert reader(folder, owner) is None
+
+
+def test_a_note_that_is_a_named_pipe_or_a_link_is_no_note(tmp_path):
+    """A worker that finds its folder held reads the note beside it: a named pipe there (planted
+    in a cache_dir others may write) made the read wait for a writer, for ever, and the worker
+    with it; a symbolic link was followed to whatever it names. Neither is a note."""
+    from cachepipe.torchreader import reader
+
+    folder, note = tmp_path / "rank0-worker0", tmp_path / ".rank0-worker0.reader"
+    owner = f"pid {os.getpid()} {socket.gethostname()}"
+    os.mkfifo(note)
+    read: list[object] = []
+    thread = threading.Thread(target=lambda: read.append(reader(folder, owner)))
+    thread.start()
+    thread.join(10)
+    waited = thread.is_alive()
+    if waited:  # the read waits for a writer: given one, so that the thread ends
+        with open(note, "w"):
+            pass
+        thread.join()
+    assert not waited and read == [None]
+    note.unlink()
+    start = proc_stat_start(os.getpid())
+    (tmp_path / "elsewhere").write_text(f"{os.getpid()} {start} d 2 idle {0:020d}\n")
+    note.symlink_to(tmp_path / "elsewhere")
+    assert reader(folder, owner) is None
+
+
+def proc_stat_start(pid: int) -> str:
+    from cachepipe.torchreader import proc_stat
+
+    fields = proc_stat(pid)
+    assert fields is not None
+    return fields[19]
 
 
 def test_a_note_written_where_a_symbolic_link_lies_replaces_the_link_not_its_target(tmp_path):
