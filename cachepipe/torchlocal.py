@@ -36,7 +36,7 @@ from .errors import CacheLockedError, OversizeError
 from .manifest import Manifest, _is_url, read_manifest
 from .pipeline import CachedItem, Pipeline, Skipped
 from .torchdist import _distributed, _from_rank0, _manifest_bytes, _save_manifest
-from .torchreader import ReaderNote, main_thread_ticks, owner_pid, proc_stat, reader
+from .torchreader import Reader, ReaderNote, main_thread_ticks, owner_pid, proc_stat, reader
 from .torchshare import SharedManifest
 from .torchstate import _DatasetState, _repeats
 
@@ -44,7 +44,9 @@ __all__ = ["DATASET_WAIT", "IDLE_WAIT", "SIBLING_WAIT"]
 
 log = logging.getLogger("cachepipe")
 
-SIBLING_WAIT = 60.0  #: per-process mode: most seconds a worker waits for a folder another worker of its dataset holds
+#: per-process mode: most seconds a worker waits for a folder another worker of its dataset holds (longer where its
+#: DataLoader has more than 11 workers: as long as torch may take to stop them, see ``_sibling_wait``)
+SIBLING_WAIT = 60.0
 #: per-process mode: seconds a worker waits for a folder that a worker of another dataset of its process holds while
 #: that one makes a sample, beyond what torch gives it to stop (a DataLoader iterator dropped after the next was made
 #: stops its workers once their sample in hand is made: it joins them one after the other, each for
@@ -259,8 +261,9 @@ def _open(make: Callable[[], Pipeline], dataset: str) -> Pipeline:
     """``make()``, opened, for the dataset object whose identity is ``dataset`` (made with it,
     the same in its DataLoader workers). In a DataLoader worker, a cache folder held by another
     worker of the same dataset and parent process is waited for, up to :data:`SIBLING_WAIT`
-    seconds: ``StatefulDataLoader``, resuming a checkpoint taken after a pass, starts the saved
-    pass's workers, then the next pass's while the first ones still stop (a worker whose state is
+    seconds (or as long as torch may take to stop its DataLoader's workers, where longer:
+    :func:`_sibling_wait`): ``StatefulDataLoader``, resuming a checkpoint taken after a pass,
+    starts the saved pass's workers, then the next pass's while the first ones still stop (a worker whose state is
     before an item ``drop_last`` dropped still has it to read, in its folder); so does
     ``it = iter(loader)`` over an iterator broken off (its workers stop once it is dropped, after
     the new one started them). A worker of another dataset object (as its note says:
@@ -300,13 +303,23 @@ def _open(make: Callable[[], Pipeline], dataset: str) -> Pipeline:
                     idle = (seen, now)
                 if now - start >= _stopping(held.workers) + DATASET_WAIT or (idle is not None and now - idle[1] >= IDLE_WAIT):
                     raise _read_at_once(exc, "a DataLoader worker of another dataset of this process") from None
-            elif now - start >= SIBLING_WAIT:
-                raise _read_at_once(exc, f"a DataLoader worker of this process, for {SIBLING_WAIT:g} s") from None
+            elif now - start >= (limit := _sibling_wait(held)):
+                raise _read_at_once(exc, f"a DataLoader worker of this process, for {limit:g} s") from None
             whose = "this dataset's" if held is None or held.dataset == dataset else "another dataset's"
             log.info("%s is held by %s, %s DataLoader worker: waiting for it to stop", exc.cache_dir, exc.owner, whose)
             time.sleep(0.1)  # another process's lock: polled (flock has no timed wait)
             continue
         return pipe
+
+
+def _sibling_wait(held: Reader | None) -> float:
+    """Most seconds a worker waits for its folder held by a worker of its own dataset (``held``:
+    what that one's note says; None: no note): :data:`SIBLING_WAIT`, or as long as torch lets a
+    worker of the holder's DataLoader stop (:func:`_stopping`) and :data:`DATASET_WAIT` more,
+    where that is longer (a DataLoader of more than 11 workers)."""
+    if held is None:
+        return SIBLING_WAIT
+    return max(SIBLING_WAIT, _stopping(held.workers) + DATASET_WAIT)
 
 
 def _stopping(workers: int) -> float:

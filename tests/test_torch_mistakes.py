@@ -167,6 +167,48 @@ def test_a_dataset_made_for_each_pass_waits_as_long_as_torch_lets_the_last_pass_
     del it
 
 
+def test_a_new_iterator_of_one_dataset_waits_as_long_as_torch_lets_the_broken_off_one_s_workers_stop(tmp_path, monkeypatch):
+    """``it = iter(loader)`` over an iterator broken off, whose workers are each in a sample that
+    does not end: the new workers wait for the old ones, of the same dataset, up to SIBLING_WAIT
+    (60 s), while torch may take 5 s per worker to stop them: with more than 11 workers, the new
+    ones were refused while torch still stopped the old. They wait as long as that, and
+    DATASET_WAIT more. Here the interval is 1 s, DATASET_WAIT 1 s and SIBLING_WAIT 0.5 s (forked
+    workers inherit them): the old workers are ended about 2 s after the drop."""
+    import threading
+
+    import torch.utils.data._utils
+
+    import cachepipe.torchlocal
+
+    monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 1.0)
+    monkeypatch.setattr(cachepipe.torchlocal, "DATASET_WAIT", 1.0)
+    monkeypatch.setattr(cachepipe.torchlocal, "SIBLING_WAIT", 0.5)
+    src = tmp_path / "src"
+    for n in range(6):
+        (src / f"i{n}").mkdir(parents=True)
+        (src / f"i{n}" / "f").write_bytes(b"x" * 100)
+    made, blocking = tmp_path / "made", tmp_path / "blocking"
+    made.mkdir()
+    blocking.touch()
+
+    def first_only(path):
+        if blocking.exists() and any(made.glob(f"{os.getpid()}-*")):  # this old worker's second sample: never ends
+            (made / f"{os.getpid()}-blocked").touch()
+            threading.Event().wait()
+        (made / f"{os.getpid()}-first").touch()
+        return path.name
+
+    dataset = CachePipeDataset(str(src), tmp_path / "c", "1MiB", transform=first_only, rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, timeout=30)
+    it = iter(loader)
+    assert next(it) == "i0"
+    wait_until(lambda: len(list(made.glob("*-blocked"))) == 2, what="both old workers in a sample that does not end")
+    blocking.unlink()  # the new workers' samples end
+    it = iter(loader)  # the old one dropped
+    assert [next(it), next(it)] == ["i0", "i1"]
+    del it
+
+
 def test_a_dataset_made_for_each_pass_waits_for_the_last_pass_s_workers_still_collating_a_batch(tmp_path, monkeypatch):
     """A worker hands a batch's last sample, then collates the batch (collate_fn) and sends it:
     its note says it waits for its DataLoader meanwhile. A dropped iterator's workers, each in a
