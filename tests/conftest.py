@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -22,6 +23,13 @@ os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
 os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.pop("AWS_PROFILE", None)
+
+# A suite started with SIGINT ignored (`make test &` from a script, nohup) passes that on to every
+# process it starts, and the tests that stop a `cachepipe map` or a daemon with Ctrl-C (SIGINT)
+# found it ignored (as it should be, there: cachepipe keeps an ignored SIGINT). The processes the
+# tests start get the default action back (an exec resets a handled signal, not an ignored one).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
