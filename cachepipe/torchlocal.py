@@ -258,25 +258,24 @@ def _room(cache_dir: Path, world: int, num_workers: int) -> int:
 
 
 def _open(make: Callable[[], Pipeline], dataset: str) -> Pipeline:
-    """``make()``, opened, for the dataset object whose identity is ``dataset`` (made with it,
-    the same in its DataLoader workers). In a DataLoader worker, a cache folder held by another
-    worker of the same dataset and parent process is waited for, up to :data:`SIBLING_WAIT`
-    seconds (or as long as torch may take to stop its DataLoader's workers, where longer:
-    :func:`_sibling_wait`): ``StatefulDataLoader``, resuming a checkpoint taken after a pass,
-    starts the saved pass's workers, then the next pass's while the first ones still stop (a worker whose state is
-    before an item ``drop_last`` dropped still has it to read, in its folder); so does
-    ``it = iter(loader)`` over an iterator broken off (its workers stop once it is dropped, after
-    the new one started them). A worker of another dataset object (as its note says:
-    :mod:`cachepipe.torchreader`) may be stopping so too, with a dataset made for each pass: it
-    is waited for while it makes a sample, as long as torch lets it stop (5 s times its
-    DataLoader's ``num_workers``) and :data:`DATASET_WAIT` seconds more, and while it waits for
-    its DataLoader (no sample handed, its main thread running nothing: not collating or sending
-    a batch), :data:`IDLE_WAIT` seconds; then refused (while it closes, as one
-    of this dataset). A DataLoader
-    stops its workers, and they let go, before a pass's loop ends and when its broken-off
-    iterator is dropped: what still holds a folder then reads at the same time, two datasets
-    over one ``cache_dir`` (training and validation). A folder held by this process, or by its
-    parent or child process, is refused at once."""
+    """``make()``, opened, for the dataset object whose identity is ``dataset`` (made with it, the
+    same in its DataLoader workers). In a DataLoader worker, a cache folder held by another worker
+    of the same dataset and parent process is waited for, up to :data:`SIBLING_WAIT` seconds (or as
+    long as torch may take to stop its DataLoader's workers, where longer: :func:`_sibling_wait`):
+    ``StatefulDataLoader``, resuming a checkpoint taken after a pass, starts the saved pass's
+    workers, then the next pass's while the first ones still stop (a worker whose state is before an
+    item ``drop_last`` dropped still has it to read, in its folder); so does ``it = iter(loader)``
+    over an iterator broken off (its workers stop once it is dropped, after the new one started
+    them). A worker of another dataset object (as its note says: :mod:`cachepipe.torchreader`) may
+    be stopping so too, with a dataset made for each pass: it is waited for while it makes a sample,
+    as long as torch lets it stop (5 s times its DataLoader's ``num_workers``) and
+    :data:`DATASET_WAIT` seconds more, and while it waits for its DataLoader (no sample handed, its
+    main thread running nothing: not collating or sending a batch), :data:`IDLE_WAIT` seconds; then
+    refused (while it closes, as one of this dataset). A DataLoader stops its workers, and they let
+    go, before a pass's loop ends and when its broken-off iterator is dropped: what still holds a
+    folder then reads at the same time, two datasets over one ``cache_dir`` (training and
+    validation). A folder held by this process, or by its parent or child process, is refused at
+    once."""
     start = time.monotonic()
     # another dataset's idle holder: ((samples it handed, its main thread's CPU ticks), since when)
     idle: tuple[tuple[int, int | None], float] | None = None
