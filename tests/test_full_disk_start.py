@@ -188,6 +188,35 @@ def test_a_reload_whose_new_settings_fail_while_the_disk_is_full_waits_for_room_
     assert "cannot reopen with its old settings" not in log and "Traceback" not in log
 
 
+def test_a_reload_whose_new_settings_fail_while_a_pipeline_waits_for_room_waits_on_with_the_old(tmp_path, short_dir):
+    # A pipeline waiting for room (since the start, or since a reload's fallback), given settings
+    # that fail to open (another process's cache_dir): its wait was ended and the pipeline was
+    # down until the next reload, where one open went back to its old settings, and where a
+    # first reload's fallback waited for room a second reload of the same file took it down.
+    sock = short_dir / "api.sock"
+    with tmpfs(tmp_path / "disk") as disk:
+        config = daemon_config(tmp_path, sock, disk / "cache")
+        filler = fill(disk)
+        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon, Client("train", sock) as client:
+            assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
+            settings = yaml.safe_load(config.read_text())
+            settings["pipelines"]["train"]["cache_dir"] = str(tmp_path / "busy")  # another process's cache
+            config.write_text(yaml.safe_dump(settings))
+            with Pipeline(f"{tmp_path / 'src'}/", tmp_path / "busy", "64KiB", items="folders"):
+                for _ in range(2):  # the same file, reloaded twice
+                    assert "reload failed in part" in daemon.reload()
+                    status = client.status()["pipelines"]["train"]
+                    assert status["state"] == "waiting for room", status
+                    assert status["error"].startswith(f"cache_dir '{disk}/cache': its disk is full"), status
+            filler.unlink()
+            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", timeout=30, what="opened")
+            assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
+            assert daemon.stop() == 0
+    log = daemon.log()
+    assert log.count("reload: pipeline train waits for room with its old settings") == 2, log
+    assert "Traceback" not in log
+
+
 def test_a_waiting_pipeline_whose_open_then_fails_otherwise_tries_again_as_systemd_would_restart(tmp_path, short_dir):
     # The disk had room again, but the open failed for another reason (the source empty for a
     # while, a store not answering after a reboot): the thread that waited for room died with a
