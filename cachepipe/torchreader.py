@@ -159,13 +159,14 @@ class Reader:
 
 def _read_note(path: Path) -> list[str] | None:
     """The words of the note at ``path``; None if there is none, or something else is there
-    (a symbolic link, not followed; a named pipe, whose open would wait for a writer)."""
+    (a symbolic link, not followed; a named pipe, whose open would wait for a writer; a socket,
+    which no open takes)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:
-        if exc.errno == errno.ELOOP:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # a link (not followed), a socket
             return None
         raise
     try:

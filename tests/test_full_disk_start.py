@@ -23,8 +23,10 @@ from test_unpack import archive_bytes
 from waiting import wait_until
 
 from cachepipe import ItemFailedError, Pipeline
+from cachepipe.cache.fulldisk import Room
 from cachepipe.client import Client
-from cachepipe.service.roomwait import LOOK_EVERY, RETRY_AFTER
+from cachepipe.service import roomwait
+from cachepipe.service.roomwait import LOOK_EVERY, RETRY_AFTER, RoomWait
 from cachepipe.service.testing import DaemonProcess
 from cachepipe.sizes import format_size
 from cachepipe.unpack import unpack_in_place
@@ -186,6 +188,35 @@ def test_a_reload_whose_new_settings_fail_while_the_disk_is_full_waits_for_room_
     assert "cannot reopen with its old settings" not in log and "Traceback" not in log
 
 
+def test_a_reload_whose_new_settings_fail_while_a_pipeline_waits_for_room_waits_on_with_the_old(tmp_path, short_dir):
+    # A pipeline waiting for room (since the start, or since a reload's fallback), given settings
+    # that fail to open (another process's cache_dir): its wait was ended and the pipeline was
+    # down until the next reload, where one open went back to its old settings, and where a
+    # first reload's fallback waited for room a second reload of the same file took it down.
+    sock = short_dir / "api.sock"
+    with tmpfs(tmp_path / "disk") as disk:
+        config = daemon_config(tmp_path, sock, disk / "cache")
+        filler = fill(disk)
+        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon, Client("train", sock) as client:
+            assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
+            settings = yaml.safe_load(config.read_text())
+            settings["pipelines"]["train"]["cache_dir"] = str(tmp_path / "busy")  # another process's cache
+            config.write_text(yaml.safe_dump(settings))
+            with Pipeline(f"{tmp_path / 'src'}/", tmp_path / "busy", "64KiB", items="folders"):
+                for _ in range(2):  # the same file, reloaded twice
+                    assert "reload failed in part" in daemon.reload()
+                    status = client.status()["pipelines"]["train"]
+                    assert status["state"] == "waiting for room", status
+                    assert status["error"].startswith(f"cache_dir '{disk}/cache': its disk is full"), status
+            filler.unlink()
+            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", timeout=30, what="opened")
+            assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
+            assert daemon.stop() == 0
+    log = daemon.log()
+    assert log.count("reload: pipeline train waits for room with its old settings") == 2, log
+    assert "Traceback" not in log
+
+
 def test_a_waiting_pipeline_whose_open_then_fails_otherwise_tries_again_as_systemd_would_restart(tmp_path, short_dir):
     # The disk had room again, but the open failed for another reason (the source empty for a
     # while, a store not answering after a reboot): the thread that waited for room died with a
@@ -242,6 +273,75 @@ def test_a_waiting_pipeline_whose_settings_are_refused_once_there_is_room_is_dow
             assert error.startswith(f"ConfigError: source '{tmp_path}/src/': no such local path"), error
             assert daemon.stop() == 0
     assert "is down until a reload reopens it: ConfigError" in daemon.log() and "Traceback" not in daemon.log()
+
+
+class _Unopened:
+    """What a wait's ``make`` gives where its ``open_`` is a test's own."""
+
+    def close(self) -> None:
+        pass
+
+
+def _wait(monkeypatch, tmp_path: Path, free: list[int], open_) -> tuple[RoomWait, threading.Event]:
+    """A wait whose looks see ``free[0]`` bytes free (of 1 GiB, inodes to spare) and whose tries
+    call ``open_``, its times cut to a hundredth; and the event its open sets."""
+    monkeypatch.setattr(roomwait, "LOOK_EVERY", 0.01)
+    monkeypatch.setattr(roomwait, "RETRY_AFTER", 0.05)
+    monkeypatch.setattr(roomwait, "MOST_APART", 0.2)
+    monkeypatch.setattr(roomwait, "room_now", lambda _path: Room(free[0], 1000, 1 << 30, 4096))
+    opened = threading.Event()
+
+    def taken(_pipe: object) -> bool:
+        opened.set()
+        return True
+
+    def said(_exc: BaseException) -> None:  # what the daemon says of a try: nothing here
+        pass
+
+    return RoomWait("train", tmp_path, _Unopened, open_, taken, said, said, said), opened
+
+
+def test_a_wait_that_met_a_quota_used_up_tries_again_though_the_free_space_does_not_grow(monkeypatch, tmp_path):
+    # A quota used up does not show in the free space, nor does one raised since (what the
+    # message advises): after a try that met EDQUOT, the next was made only once the free space
+    # grew, never on a filesystem no one else writes to. It is made at the times apart the wait
+    # keeps (RETRY_AFTER, doubled up to MOST_APART) while the disk is not full.
+    tries: list[int] = []
+
+    def open_(pipe: object) -> None:
+        tries.append(1)
+        if len(tries) == 1:
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))  # the quota is raised after this try
+
+    wait, opened = _wait(monkeypatch, tmp_path, [1 << 20], open_)
+    wait.start()
+    try:
+        assert opened.wait(10), tries
+    finally:
+        wait.stop()
+    assert len(tries) == 2
+
+
+def test_a_wait_whose_try_ended_after_another_writer_freed_room_tries_again(monkeypatch, tmp_path):
+    # The room of a try that met a full disk was read after it ended (an open's listing retries
+    # its writes for tens of seconds): room another writer freed meanwhile counted as room that
+    # try had seen, and the next try waited for more than that, for good on a disk no one else
+    # writes to. The room a try began with is kept where it was less.
+    free, tries = [8192], []
+
+    def open_(pipe: object) -> None:
+        tries.append(1)
+        if len(tries) == 1:
+            free[0] = 1 << 20  # freed by another writer while this try, which met the disk full, ended
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    wait, opened = _wait(monkeypatch, tmp_path, free, open_)
+    wait.start()
+    try:
+        assert opened.wait(10), tries
+    finally:
+        wait.stop()
+    assert len(tries) == 2
 
 
 def test_a_cache_whose_own_kept_items_fill_its_disk_opens_and_makes_room_by_its_recovery(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from mounts import mounted
 from removing import remove_tree, replace_tree
 from sampling import Sampler
 from waiting import wait_until
@@ -459,6 +461,76 @@ def test_a_lock_held_without_its_owner_s_line_names_the_pid_the_kernel_lists(tmp
         proc.stdin.close()
         proc.wait(10)
         proc.stdout.close()
+
+
+@contextlib.contextmanager
+def _holding(lock: Path):
+    """A child process that holds the flock of ``lock`` (an existing file, its line blanked); yields its pid."""
+    code = (
+        "import fcntl, os, sys\n"
+        f"fd = os.open({str(lock)!r}, os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('ready', flush=True); sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        yield proc.pid
+    finally:
+        proc.stdin.close()
+        proc.wait(10)
+        proc.stdout.close()
+
+
+def _blank_lock(cache: Path) -> Path:
+    lock = cache / ".cachepipe" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text(" " * 20)  # blanked by an earlier owner's release
+    return lock
+
+
+@pytest.mark.parametrize("fs", ["overlay", "btrfs"])
+def test_a_lock_held_without_its_owner_s_line_is_named_where_its_file_s_device_is_not_its_filesystem_s(tmp_path, fs):
+    # /proc/locks lists a lock under its filesystem's device; stat gives every file of btrfs the
+    # device of its subvolume, and a file of an overlayfs whose layers are on other filesystems
+    # that of its layer: the pid was never found there, the owner was "another process", and a
+    # DataLoader worker waited 60 s for it as for one of its own DataLoader. The device of the
+    # mount the file was opened through is looked for too; on btrfs two subvolumes' files of
+    # the same number share it, and the holder of the other one is never named.
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "f").write_bytes(b"1")
+    with contextlib.ExitStack() as stack:
+        if fs == "overlay":
+            upper = stack.enter_context(mounted(tmp_path / "upper", ["mount", "-t", "tmpfs", "tmpfs", str(tmp_path / "upper")]))
+            (upper / "u").mkdir()
+            (upper / "w").mkdir()
+            (tmp_path / "lower").mkdir()
+            layers = f"lowerdir={tmp_path / 'lower'},upperdir={upper / 'u'},workdir={upper / 'w'}"
+            overlay = ["mount", "-t", "overlay", "overlay", "-o", layers, str(tmp_path / "m")]
+            disk = stack.enter_context(mounted(tmp_path / "m", overlay))
+            caches = [disk / "c"]
+        else:
+            image = tmp_path / "disk.img"
+            image.write_bytes(b"")
+            os.truncate(image, 128 << 20)
+            mkfs = ["mkfs.btrfs", "-q", "-f", str(image)]
+            disk = stack.enter_context(mounted(tmp_path / "m", mkfs, ["mount", "-o", "loop", str(image), str(tmp_path / "m")]))
+            for sub in ("one", "two"):
+                made = subprocess.run(["btrfs", "subvolume", "create", str(disk / sub)], capture_output=True, check=False)
+                if made.returncode != 0:
+                    pytest.skip(f"cannot make a btrfs subvolume here: {made.stderr!r}")
+            caches = [disk / "one" / "c", disk / "two" / "c"]  # the same files made in the same order: the same numbers
+        locks = [_blank_lock(cache) for cache in caches]
+        pid = stack.enter_context(_holding(locks[0]))
+        with pytest.raises(CacheLockedError) as held:
+            Pipeline(str(tmp_path / "src"), caches[0], "1MiB").open()
+        assert held.value.owner == f"pid {pid} {socket.gethostname()}"
+        if len(locks) > 1:
+            assert os.stat(locks[0]).st_ino == os.stat(locks[1]).st_ino
+            other = stack.enter_context(_holding(locks[1]))
+            with pytest.raises(CacheLockedError) as held:
+                Pipeline(str(tmp_path / "src"), caches[0], "1MiB").open()
+            assert held.value.owner in (f"pid {pid} {socket.gethostname()}", "another process")
+            assert str(other) not in held.value.owner
 
 
 @pytest.mark.parametrize("how", ["break", "exception", "keyboardinterrupt"])

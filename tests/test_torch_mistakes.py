@@ -297,6 +297,20 @@ def test_a_note_that_is_a_named_pipe_or_a_link_is_no_note(tmp_path):
     assert reader(folder, owner) is None
 
 
+def test_a_note_that_is_a_socket_is_no_note(tmp_path):
+    """A UNIX socket where the note is (bound by a program that took the name): its open fails
+    with ENXIO, which went up through the worker's open of its pipeline and failed the worker,
+    where a named pipe or a link there is no note."""
+    from cachepipe.torchreader import reader
+
+    folder, note = tmp_path / "rank0-worker0", tmp_path / ".rank0-worker0.reader"
+    if len(str(note)) > 100:
+        pytest.skip("the path is too long for a UNIX socket's address")
+    with socket.socket(socket.AF_UNIX) as bound:
+        bound.bind(str(note))
+        assert reader(folder, f"pid {os.getpid()} {socket.gethostname()}") is None
+
+
 def proc_stat_start(pid: int) -> str:
     from cachepipe.torchreader import proc_stat
 

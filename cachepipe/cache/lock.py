@@ -176,20 +176,47 @@ def _owner(fd: int) -> str:
 def _locker(fd: int) -> int | None:
     """The pid that holds an exclusive ``flock`` on the file open as ``fd``, as ``/proc/locks``
     lists it (``1: FLOCK  ADVISORY  WRITE PID MAJ:MIN:INODE 0 EOF``: Linux, this host's locks);
-    None where it is not listed (another OS, a filesystem whose files' device differs from
-    their superblock's, as btrfs subvolumes) or its pid is not seen from here (0: another pid
-    namespace), or the lock was let go meanwhile."""
+    None where it is not listed (another OS) or its pid is not seen from here (0, or the lock
+    left out: another pid namespace), or the lock was let go meanwhile, or where two holders
+    are listed for it (two files of one number on one device: btrfs subvolumes). The device there is
+    the filesystem's (its superblock's), which its files' own may not be (every file of btrfs,
+    a file of an overlayfs whose layers are on other filesystems): that of the mount the file
+    was opened through (:func:`_mount_device`) is looked for too."""
     st = os.fstat(fd)
-    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    devices = {f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", _mount_device(fd)}
+    keys = {f"{device}:{st.st_ino}" for device in devices if device}
+    holders: set[int] = set()
     try:
         with open("/proc/locks", encoding="ascii", errors="replace") as listed:
             for entry in listed:
                 fields = entry.split()  # a process waiting for a lock is listed with "->" after the number
-                if fields[1:4] == ["FLOCK", "ADVISORY", "WRITE"] and len(fields) > 5 and fields[5] == key:
-                    return int(fields[4]) or None
+                if fields[1:4] == ["FLOCK", "ADVISORY", "WRITE"] and len(fields) > 5 and fields[5] in keys:
+                    holders.add(int(fields[4]))
     except (OSError, ValueError):
         return None
-    return None
+    # two holders: one is another file's (a btrfs subvolume's file of the same number, under the same device)
+    pid = holders.pop() if len(holders) == 1 else 0
+    return pid if pid > 0 else None
+
+
+def _mount_device(fd: int) -> str:
+    """``MAJ:MIN`` (hexadecimal, as ``/proc/locks`` writes it) of the filesystem of the mount
+    the file open as ``fd`` was opened through (its ``mnt_id`` in ``/proc/self/fdinfo``, its
+    device in ``/proc/self/mountinfo``); "" where ``/proc`` does not tell."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", encoding="ascii", errors="replace") as info:
+            mount = next((line.split()[1] for line in info if line.startswith("mnt_id:")), None)
+        if mount is None:
+            return ""
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as mounts:
+            for line in mounts:
+                fields = line.split(maxsplit=3)
+                if len(fields) > 2 and fields[0] == mount:
+                    major, minor = (int(n) for n in fields[2].split(":"))
+                    return f"{major:02x}:{minor:02x}"
+    except (OSError, ValueError, IndexError):
+        return ""
+    return ""
 
 
 _UNUSABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EEXIST}

@@ -252,7 +252,8 @@ class Daemon(_JobDesk, _PipelineDesk):
         Pipelines removed are closed, added ones opened, changed ones rebuilt (closed, keeping
         published items per ``keep_on_close``, then opened with the new settings: their leases
         end and unacknowledged items are delivered again). A rebuilt pipeline that fails to
-        open is reopened with its old settings; if that fails too it stays down (health 503)
+        open is reopened with its old settings (one that waited for room waits again; one whose
+        disk filled meanwhile waits for room); if that fails too it stays down (health 503)
         until the next reload. Socket path, TCP settings and the ``jobs`` section need a restart
         (a change is logged, and the running ones kept); socket permissions and every other
         daemon setting apply at once.
@@ -350,6 +351,10 @@ class Daemon(_JobDesk, _PipelineDesk):
             if why:
                 log.error("reload: pipeline %s keeps running with its old settings: the new source %s", name, why)
                 return f"failed {name}"
+        # open, or waiting for room: what a failed open of the new settings takes again (read before the close
+        # ends the wait; under the lock its opening takes to say so)
+        with self._cond:
+            kept = old is not None and (old.pipeline is not None or old.room is not None)
         if old is not None:
             self._close(old)
         self._closer.wait(name)  # one taken down: it finishes closing before its cache opens again
@@ -361,7 +366,7 @@ class Daemon(_JobDesk, _PipelineDesk):
         except Exception as exc:  # noqa: BLE001 - any failure to open: report it and fall back, never crash the daemon
             log.error("reload: pipeline %s cannot open with the new settings: %s", name, exc)
             fresh.error = f"{type(exc).__name__}: {exc}"
-            if old is not None and old.pipeline is not None:
+            if old is not None and kept:
                 fallback = _Served(name, old.config, rebuilt_at=time.monotonic())
                 try:
                     self._open_or_wait(fallback)  # its disk filled meanwhile: it waits for room, as at a start

@@ -6,11 +6,13 @@ health (``waiting for room``), and opens that pipeline once another writer frees
 running cache waits for room for its items. :class:`RoomWait` is that wait: one thread
 (``cachepipe-room-NAME``) that looks at the filesystem's free space every :data:`LOOK_EVERY`
 seconds and tries the open again once the disk is no longer full, and after a try that still
-found too little room, only when the room has grown since and no sooner than :data:`RETRY_AFTER`
-seconds after it, doubled after each such try up to :data:`MOST_APART` (a try may list the
-source: not once per look, nor once per file another writer frees; a quota used up, which the
-free space does not show, is tried so too), quietly (the daemon said once that it waits); a
-stop ends it at once, closing a
+found too little room, only when the room has grown since (above the less of what that try
+began with and what it left: room another writer freed while it ran is not taken for room it
+saw) and no sooner than :data:`RETRY_AFTER` seconds after it, doubled after each such try up to
+:data:`MOST_APART` (a try may list the source: not once per look, nor once per file another
+writer frees); after a try that met a quota used up (``EDQUOT``), which the free space does not
+show (nor a quota raised since), at those times whatever the room, while the disk is not full;
+quietly (the daemon said once that it waits); a stop ends it at once, closing a
 pipeline it is opening (which aborts that open's listing). An open that fails otherwise is
 tried again every :data:`RETRY_AFTER` seconds (the store not answering, the source empty:
 what a start failing so exits 1 for, and systemd starts again), the pipeline down meanwhile
@@ -21,6 +23,7 @@ a reload, as a reload's failed open does.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -95,7 +98,10 @@ class RoomWait:
         self._lock = threading.Lock()  # guards _opening and the stop's close of it
         self._opening: Pipeline | None = None
         self._thread = threading.Thread(target=self._run, name=f"cachepipe-room-{name}", daemon=True)
-        self._last: Room | None = None  # the room when the last try failed (None: no try since the wait began)
+        # the room of the last try that found too little (None: no try since the wait began): the less of
+        # what it began with and what was left after it (room another writer freed meanwhile is no room it saw)
+        self._last: Room | None = None
+        self._quota = False  # the last such try met a quota used up (EDQUOT), which the free space does not show
         self._apart = RETRY_AFTER  # seconds after a try that found the disk full before the next (doubles)
         self._not_before = 0.0  # monotonic time before which no try is made after one that found the disk full
 
@@ -124,16 +130,16 @@ class RoomWait:
 
     def _grew(self, now: Room | None) -> bool:
         """Whether to try the open again: the disk is no longer full, the first time (room freed
-        since the open failed, even before this wait began, is not missed); then whenever the room
-        is more than at the last failed try (in bytes, or in inodes where none was left) and its
-        time apart from that try has passed."""
+        since the open failed, even before this wait began, is not missed); then, once the time
+        apart from the last failed try has passed, whenever the room is more than that try had (in
+        bytes, or in inodes where none was left), or, where that try met a quota used up (which
+        the free space does not show: a quota raised shows nowhere), whenever the disk is not full."""
         last = self._last
-        if now is None:
+        if now is None or time.monotonic() < self._not_before:
             return False  # not to be looked at now: looked at again next time
-        if last is None:
+        if last is None or self._quota:
             return not no_room(now)
-        grew = now.bytes > last.bytes or (last.inodes == 0 and now.inodes > 0)
-        return grew and time.monotonic() >= self._not_before
+        return now.bytes > last.bytes or (last.inodes == 0 and now.inodes > 0)
 
     def _run(self) -> None:
         said = ""  # the last failure other than for room, as logged
@@ -142,7 +148,7 @@ class RoomWait:
             now = self._room()
             if not (again or self._grew(now)):
                 continue
-            again = False
+            again, before = False, now  # the room this try begins with
             try:
                 with self._lock:
                     if self._stop.is_set():
@@ -156,7 +162,7 @@ class RoomWait:
                 if stopped:
                     return  # closed by stop() while it opened
                 if isinstance(exc, OSError) and is_full_disk(exc):
-                    self._last = self._room()
+                    self._last, self._quota = _less(before, self._room()), exc.errno == errno.EDQUOT
                     self._not_before = time.monotonic() + self._apart
                     log.debug("%s: still no room to open on, tried again in %g s at the soonest: %s", self.name, self._apart, exc)
                     self._apart = min(self._apart * 2, MOST_APART)
@@ -181,3 +187,10 @@ class RoomWait:
             if not keep:
                 pipe.close()
             return
+
+
+def _less(one: Room | None, other: Room | None) -> Room | None:
+    """The lesser of two measures of the same filesystem's room (either may be None: not read)."""
+    if one is None or other is None:
+        return other if one is None else one
+    return other._replace(bytes=min(one.bytes, other.bytes), inodes=min(one.inodes, other.inodes))
