@@ -440,27 +440,13 @@ def test_a_lock_held_without_its_owner_s_line_names_the_pid_the_kernel_lists(tmp
     # a cache directory around another.
     (tmp_path / "src" / "a").mkdir(parents=True)
     (tmp_path / "src" / "a" / "f").write_bytes(b"1")
-    lock = tmp_path / "c" / ".cachepipe" / "lock"
-    lock.parent.mkdir(parents=True)
-    lock.write_text(" " * 20)  # blanked by an earlier owner's release
-    code = (
-        "import fcntl, os, sys\n"
-        f"fd = os.open({str(lock)!r}, os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX)\n"
-        "print('ready', flush=True); sys.stdin.read()\n"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        owner = f"pid {proc.pid} {socket.gethostname()}"
+    with _holding(_blank_lock(tmp_path / "c")) as pid:
+        owner = f"pid {pid} {socket.gethostname()}"
         with pytest.raises(CacheLockedError) as held:
             Pipeline(str(tmp_path / "src"), tmp_path / "c", "1MiB").open()
         assert held.value.owner == owner
         with pytest.raises(CacheLockedError, match=f"in use by {owner}, which owns the cache directory"):
             Pipeline(str(tmp_path / "src"), tmp_path / "c" / "inner", "1MiB").open()
-    finally:
-        proc.stdin.close()
-        proc.wait(10)
-        proc.stdout.close()
 
 
 @contextlib.contextmanager
