@@ -304,6 +304,15 @@ def _opens(monkeypatch, disk: Path, open_) -> None:
         wait.stop()
 
 
+def test_a_wait_for_room_under_a_relative_path_not_made_yet_looks_at_the_working_folder_s_disk(tmp_path, monkeypatch):
+    # The nearest existing folder of "cache/new" was looked for by cutting its last part: "" after
+    # "cache", whose dirname is "" again, for ever (the daemon gives absolute paths; a caller may not).
+    monkeypatch.chdir(tmp_path)
+    wait = RoomWait("train", "cache/new", _Unopened, print, bool, print, print, print)
+    room = wait._room()
+    assert room is not None and room.total > 0
+
+
 def test_a_wait_that_met_a_quota_used_up_tries_again_though_the_free_space_does_not_grow(monkeypatch, tmp_path):
     # A quota used up does not show in the free space, nor does one raised since (what the
     # message advises): after a try that met EDQUOT, the next was made only once the free space

@@ -91,7 +91,7 @@ class RoomWait:
         retrying: Callable[[BaseException], None],
         full: Callable[[OSError], None],
     ) -> None:
-        self.name, self.root = name, os.fspath(root)
+        self.name, self.root = name, os.path.abspath(root)  # its nearest existing folder is looked at: one there is
         self._make, self._open, self._opened, self._failed = make, open_, opened, failed
         self._retrying, self._full = retrying, full
         self._stop = threading.Event()
