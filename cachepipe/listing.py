@@ -176,8 +176,6 @@ class StreamingListing:
                             return
                     if run and not admit_run():  # the last run
                         return
-                    self._complete()
-                    return
                 except Exception as exc:
                     # listed before the error: theirs is the turn before it, and a restart skips them
                     if run and not admit_run():
@@ -191,6 +189,9 @@ class StreamingListing:
                     )
                     if self._stop.wait(delay):
                         return
+                    continue
+                self._finish()
+                return
         except BaseException as exc:  # noqa: BLE001 - stored and raised again to the consumer
             with self._cond:
                 self.error, self._early_error = exc, not self._first_page
@@ -198,6 +199,31 @@ class StreamingListing:
             with self._cond:
                 self.done = True
                 self._cond.notify_all()
+
+    def _finish(self) -> None:
+        """Run ``complete`` once the source is listed whole. Its error (the plan's journaling) is
+        no listing's, which is not done again for it. Before the first page was handed (the open
+        waits for it) it is raised there, as an open raises a full disk at once; after, a
+        transient one (a full disk another writer may empty) is tried again after a backoff, as
+        downloads wait for room, until it succeeds or the listing is stopped."""
+        attempt = 0
+        while True:
+            try:
+                self._complete()
+                return
+            except Exception as exc:
+                if not self._first_page or not is_transient(exc) or self._stop.is_set():
+                    raise
+                delay = self._backoff(min(attempt, self._retries))
+                attempt += 1
+                (log.warning if attempt == 1 else log.debug)(
+                    "listing %s: listed whole, but its plan could not be recorded (tried again in %.2fs, and until it is): %s",
+                    self._store.url,
+                    delay,
+                    exc,
+                )
+                if self._stop.wait(delay):
+                    return
 
     def _queue_run(self, run: list[Item]) -> bool:
         """Admit ``run`` and queue the items kept, pausing while the queue is full; False if

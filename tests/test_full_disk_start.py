@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import via
 from mounts import mounted
 from test_service import inotify_watches, write_config
 from test_unpack import archive_bytes
@@ -371,6 +372,66 @@ def test_a_cache_whose_own_kept_items_fill_its_disk_opens_and_makes_room_by_its_
             item = pipe.get(timeout=20)
             assert item is not None and (item.path / "a.bin").read_bytes() == b"y" * 10_000
         filler.unlink()
+
+
+def test_a_disk_out_of_inodes_at_the_plan_s_journaling_fails_the_open_at_once_naming_the_disk(tmp_path, caplog):
+    # Three inodes left: the check before the listing passes (there are some), the journal's
+    # rewrite at the recovery takes one and gives it back, and so does the one that records the
+    # plan once the listing ends, whose temporary file then found none. That write ran inside the
+    # listing's retries: the whole listing was done again 12 times over about 50 s, and the open
+    # failed with the bare "[Errno 28] No space left on device: '.../.journal.tmp'". It fails at
+    # once, as a full disk at open: naming the disk, its inodes, what to do.
+    src = local_source(tmp_path, 3)
+    with tmpfs(tmp_path / "disk", "1m,nr_inodes=64") as disk:
+        (disk / "cache" / ".cachepipe").mkdir(parents=True)
+        others = []
+        with contextlib.suppress(OSError):
+            while True:  # another writer's empty files, one per inode
+                others.append(disk / f"other{len(others)}")
+                others[-1].touch()
+        for other in others[:3]:
+            other.unlink(missing_ok=True)
+        with pytest.raises(OSError, match="its disk is full") as err:
+            Pipeline(f"{src}/", disk / "cache", "64KiB", items="folders").open()
+        assert err.value.errno == errno.ENOSPC
+        assert f", and no inode; could not write '{disk}/cache/.cachepipe/.journal.tmp'" in str(err.value), err.value
+        assert not [r for r in caplog.records if "failed, retry" in r.getMessage()], caplog.text
+
+
+def test_a_running_pipeline_whose_plan_meets_a_disk_out_of_inodes_waits_for_room_without_listing_again(
+    s3_source, fault_proxy, tmp_path, caplog
+):
+    # The listing ends after the open (past its first page): recording the plan then met a disk
+    # another writer had taken every inode of. Inside the listing's retries, the whole listing was
+    # done again (12 times, then the pass failed). It is the plan's write alone that is tried
+    # again, as downloads wait for room, and the pass goes on once there is.
+    proxy, endpoint = fault_proxy
+    s3_source.folders(150, {"f": 10})  # the first page (100 keys) at the open, the rest after it
+    gate = threading.Event()
+    proxy.hold(lambda head: "continuation-token" in head.split("\r\n", 1)[0], gate)
+    with tmpfs(tmp_path / "disk", "1m,nr_inodes=400") as disk:
+        pipe = Pipeline(s3_source.url, disk / "cache", "64KiB", items="folders", storage_options=via(s3_source, endpoint))
+        with pipe:
+            # the first page's items downloaded: no download under way takes or gives back an inode meanwhile
+            # (99: the 100th key's folder may go on in the next page)
+            wait_until(lambda: pipe.stats().items_ready == 99, what="the first page's items ready")
+            others = []
+            with contextlib.suppress(OSError):
+                while True:  # another writer's empty files, one per inode
+                    others.append(disk / f"other{len(others)}")
+                    others[-1].touch()
+            gate.set()  # the rest is listed; the plan's journaling finds no inode
+            wait_until(lambda: ".journal.tmp" in caplog.text, what="the plan's write failed")  # logged, then or now
+            for other in others:
+                other.unlink(missing_ok=True)
+            got = []
+            while (item := pipe.get(timeout=30)) is not None:
+                got.append(item.name)
+                pipe.ack(item)
+        assert sorted(got) == [f"item{i:03d}" for i in range(150)]
+        gate.set()
+    assert not [r for r in caplog.records if "failed, retry" in r.getMessage()], caplog.text
+    assert "listed whole, but its plan could not be recorded (tried again in" in caplog.text
 
 
 def test_a_full_disk_met_by_the_journal_at_open_names_the_disk_and_what_holds_it(tmp_path):

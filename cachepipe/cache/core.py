@@ -333,8 +333,13 @@ class Cache(_Publishing):
         return limits
 
     def set_plan(self, plan: str) -> None:
-        """Record the plan (its configuration as JSON) once it is known, for a later ``resume``."""
-        with self._cond:
+        """Record the plan (its configuration as JSON) once it is known, for a later ``resume``.
+
+        Raises:
+            OSError: the journal's rewrite failed; a full disk as :func:`~.fulldisk.full_disk`
+                says it (the disk, what holds it, what to do).
+        """
+        with self._cond, said_full(self._given, self.root):
             self.record.set_plan(plan)
 
     def advance(self, epoch: int, index: int) -> None:
