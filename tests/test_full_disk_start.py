@@ -13,7 +13,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import yaml
@@ -60,37 +62,54 @@ def daemon_config(tmp_path: Path, sock: Path, cache: Path, **daemon) -> Path:
     return path
 
 
+class Waiting(NamedTuple):
+    disk: Path  # the tmpfs the cache is on
+    config: Path  # the daemon's configuration file
+    filler: Path  # the other writer's file that fills the disk
+    daemon: DaemonProcess
+    client: Client  # of pipeline "train"
+
+
+@contextlib.contextmanager
+def waiting_daemon(tmp_path: Path, short_dir: Path, **settings) -> Iterator[Waiting]:
+    """A daemon (``settings``: its own) serving pipeline "train" of 3 items, whose cache is on a
+    tmpfs that another writer filled before it started: the pipeline waits for room."""
+    sock = short_dir / "api.sock"
+    with tmpfs(tmp_path / "disk") as disk:
+        config = daemon_config(tmp_path, sock, disk / "cache", **settings)
+        filler = fill(disk)
+        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon, Client("train", sock) as client:
+            assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
+            yield Waiting(disk, config, filler, daemon, client)
+
+
 def test_serve_on_a_full_cache_disk_starts_says_so_once_and_opens_once_there_is_room(tmp_path, short_dir):
     # A chaos run: another writer filled the cache's disk, and `cachepipe serve` exited 1 with
     # "[Errno 28] No space left on device: cannot write the cache's lock file", restarted by
     # systemd every 5 s, answering neither status nor health. It starts, answers, says once why
     # the pipeline waits (the disk, what holds it), a next waits as for items, and the pipeline
     # opens once the other writer frees its room.
-    sock = short_dir / "api.sock"
-    with tmpfs(tmp_path / "disk") as disk:
-        config = daemon_config(tmp_path, sock, disk / "cache", log_level="debug")
-        filler = fill(disk)
-        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon, Client("train", sock) as client:
-            status = client.status()["pipelines"]["train"]
-            said = (
-                f"cache_dir '{disk}/cache': its disk is full (No space left on device): "
-                f"the filesystem mounted at '{disk}' has 0 B free of 256.0 KiB; "
-                "the cache holds 0 B of it, other files 256.0 KiB; free space there, or give a cache_dir on another filesystem"
-            )
-            assert (status["state"], status["error"]) == ("waiting for room", said)
-            health = client.health()
-            assert health == {"status": "degraded", "pipelines": {"train": f"waiting for room: {said}"}}
-            with pytest.raises(TimeoutError):
-                client.get(timeout=0.2)  # a next waits for it as for an item, then times out (408)
-            assert "STATUS=train: waiting for room on its disk" in daemon.messages[-1]
-            # a page freed: room for the listing's saved copy, not for the journal after it; tried again, quietly
-            os.truncate(filler, filler.stat().st_size - 4096)
-            wait_until(lambda: "still no room to open on" in daemon.log(), what="a try that found too little room")
-            assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
-            filler.unlink()
-            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", what="the pipeline opened")
-            assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
-            assert daemon.stop() == 0
+    with waiting_daemon(tmp_path, short_dir, log_level="debug") as (disk, _config, filler, daemon, client):
+        status = client.status()["pipelines"]["train"]
+        said = (
+            f"cache_dir '{disk}/cache': its disk is full (No space left on device): "
+            f"the filesystem mounted at '{disk}' has 0 B free of 256.0 KiB; "
+            "the cache holds 0 B of it, other files 256.0 KiB; free space there, or give a cache_dir on another filesystem"
+        )
+        assert (status["state"], status["error"]) == ("waiting for room", said)
+        health = client.health()
+        assert health == {"status": "degraded", "pipelines": {"train": f"waiting for room: {said}"}}
+        with pytest.raises(TimeoutError):
+            client.get(timeout=0.2)  # a next waits for it as for an item, then times out (408)
+        assert "STATUS=train: waiting for room on its disk" in daemon.messages[-1]
+        # a page freed: room for the listing's saved copy, not for the journal after it; tried again, quietly
+        os.truncate(filler, filler.stat().st_size - 4096)
+        wait_until(lambda: "still no room to open on" in daemon.log(), what="a try that found too little room")
+        assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
+        filler.unlink()
+        wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", what="the pipeline opened")
+        assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
+        assert daemon.stop() == 0
     log = daemon.log()
     assert log.count("waits for room") == 1, log  # once, not once per look at the disk
     assert f"WARNING cachepipe.service: pipeline train waits for room, and opens once there is: {said}" in log
@@ -103,25 +122,20 @@ def test_a_waiting_pipeline_is_not_tried_again_for_each_page_another_writer_free
     # a time, or a quota used up (which the free space does not show) on a filesystem others
     # write to, listed the source twice a second. The next try is RETRY_AFTER seconds later at
     # the soonest, doubled after each such try.
-    sock = short_dir / "api.sock"
-    with tmpfs(tmp_path / "disk") as disk:
-        config = daemon_config(tmp_path, sock, disk / "cache", log_level="debug")
-        filler = fill(disk)
-        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon, Client("train", sock) as client:
-            assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
-            os.truncate(filler, filler.stat().st_size - 4096)  # a page: too little for the open
-            wait_until(lambda: "still no room to open on" in daemon.log(), what="a try that found too little room")
-            deadline = time.monotonic() + RETRY_AFTER / 2
-            while time.monotonic() < deadline:  # the other writer frees a page, then takes it again
-                os.truncate(filler, filler.stat().st_size - 4096)
-                time.sleep(LOOK_EVERY)
-                with open(filler, "ab") as out, contextlib.suppress(OSError):
-                    out.write(b"\0" * 4096)
-                time.sleep(LOOK_EVERY)
-            assert daemon.log().count("still no room to open on") == 1, daemon.log()
-            filler.unlink()
-            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", what="the pipeline opened")
-            assert daemon.stop() == 0
+    with waiting_daemon(tmp_path, short_dir, log_level="debug") as (_disk, _config, filler, daemon, client):
+        os.truncate(filler, filler.stat().st_size - 4096)  # a page: too little for the open
+        wait_until(lambda: "still no room to open on" in daemon.log(), what="a try that found too little room")
+        deadline = time.monotonic() + RETRY_AFTER / 2
+        while time.monotonic() < deadline:  # the other writer frees a page, then takes it again
+            os.truncate(filler, filler.stat().st_size - 4096)
+            time.sleep(LOOK_EVERY)
+            with open(filler, "ab") as out, contextlib.suppress(OSError):
+                out.write(b"\0" * 4096)
+            time.sleep(LOOK_EVERY)
+        assert daemon.log().count("still no room to open on") == 1, daemon.log()
+        filler.unlink()
+        wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", what="the pipeline opened")
+        assert daemon.stop() == 0
     assert f"still no room to open on, tried again in {RETRY_AFTER:g} s at the soonest" in daemon.log()
 
 
@@ -144,19 +158,14 @@ def test_a_stop_while_a_pipeline_waits_for_room_ends_the_daemon_at_once(tmp_path
 def test_a_reload_that_moves_a_waiting_pipeline_to_a_disk_with_room_opens_it(tmp_path, short_dir):
     # What the warning advises ("give a cache_dir on another filesystem"), applied by a reload: the
     # wait on the full disk ends, and the pipeline opens in its new cache directory.
-    sock = short_dir / "api.sock"
-    with tmpfs(tmp_path / "disk") as disk:
-        config = daemon_config(tmp_path, sock, disk / "cache")
-        fill(disk)
-        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon, Client("train", sock) as client:
-            assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
-            settings = yaml.safe_load(config.read_text())
-            settings["pipelines"]["train"]["cache_dir"] = str(tmp_path / "elsewhere")
-            config.write_text(yaml.safe_dump(settings))
-            daemon.reload()
-            assert client.status()["pipelines"]["train"]["state"] == "open"
-            assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
-            assert daemon.stop() == 0
+    with waiting_daemon(tmp_path, short_dir) as (_disk, config, _filler, daemon, client):
+        settings = yaml.safe_load(config.read_text())
+        settings["pipelines"]["train"]["cache_dir"] = str(tmp_path / "elsewhere")
+        config.write_text(yaml.safe_dump(settings))
+        daemon.reload()
+        assert client.status()["pipelines"]["train"]["state"] == "open"
+        assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
+        assert daemon.stop() == 0
     assert "reloaded" in daemon.log() and "reopened train" in daemon.log() and "Traceback" not in daemon.log()
 
 
@@ -193,25 +202,20 @@ def test_a_reload_whose_new_settings_fail_while_a_pipeline_waits_for_room_waits_
     # that fail to open (another process's cache_dir): its wait was ended and the pipeline was
     # down until the next reload, where one open went back to its old settings, and where a
     # first reload's fallback waited for room a second reload of the same file took it down.
-    sock = short_dir / "api.sock"
-    with tmpfs(tmp_path / "disk") as disk:
-        config = daemon_config(tmp_path, sock, disk / "cache")
-        filler = fill(disk)
-        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon, Client("train", sock) as client:
-            assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
-            settings = yaml.safe_load(config.read_text())
-            settings["pipelines"]["train"]["cache_dir"] = str(tmp_path / "busy")  # another process's cache
-            config.write_text(yaml.safe_dump(settings))
-            with Pipeline(f"{tmp_path / 'src'}/", tmp_path / "busy", "64KiB", items="folders"):
-                for _ in range(2):  # the same file, reloaded twice
-                    assert "reload failed in part" in daemon.reload()
-                    status = client.status()["pipelines"]["train"]
-                    assert status["state"] == "waiting for room", status
-                    assert status["error"].startswith(f"cache_dir '{disk}/cache': its disk is full"), status
-            filler.unlink()
-            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", timeout=30, what="opened")
-            assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
-            assert daemon.stop() == 0
+    with waiting_daemon(tmp_path, short_dir) as (disk, config, filler, daemon, client):
+        settings = yaml.safe_load(config.read_text())
+        settings["pipelines"]["train"]["cache_dir"] = str(tmp_path / "busy")  # another process's cache
+        config.write_text(yaml.safe_dump(settings))
+        with Pipeline(f"{tmp_path / 'src'}/", tmp_path / "busy", "64KiB", items="folders"):
+            for _ in range(2):  # the same file, reloaded twice
+                assert "reload failed in part" in daemon.reload()
+                status = client.status()["pipelines"]["train"]
+                assert status["state"] == "waiting for room", status
+                assert status["error"].startswith(f"cache_dir '{disk}/cache': its disk is full"), status
+        filler.unlink()
+        wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", timeout=30, what="opened")
+        assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
+        assert daemon.stop() == 0
     log = daemon.log()
     assert log.count("reload: pipeline train waits for room with its old settings") == 2, log
     assert "Traceback" not in log
@@ -224,32 +228,27 @@ def test_a_waiting_pipeline_whose_open_then_fails_otherwise_tries_again_as_syste
     # systemd starts it again (every 5 s). It is tried again every RETRY_AFTER seconds, down
     # meanwhile with the error, and opens once the source is back; an error of the settings
     # stays down (a start exits 78 for it: not started again).
-    sock = short_dir / "api.sock"
-    with tmpfs(tmp_path / "disk") as disk:
-        config = daemon_config(tmp_path, sock, disk / "cache")
-        filler = fill(disk)
-        src, away = tmp_path / "src", tmp_path / "away"
-        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon, Client("train", sock) as client:
-            assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
-            src.rename(away)
-            src.mkdir()  # the source empty
-            filler.unlink()
-            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "down", what="the failed open said")
-            error = client.status()["pipelines"]["train"]["error"]
-            assert error.startswith("EmptySourceError: ") and error.endswith(f"(tried again every {RETRY_AFTER:g} s)"), error
-            # another writer fills the disk again meanwhile: the pipeline stayed "down" with the
-            # EmptySourceError for good, and was not tried again until the disk had room; the
-            # next try finds the disk full, and it waits for room again, saying why
-            filler = fill(disk)
-            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "waiting for room", timeout=30, what="waits")
-            error = client.status()["pipelines"]["train"]["error"]
-            assert error.startswith(f"cache_dir '{disk}/cache': its disk is full (No space left on device)"), error
-            filler.unlink()
-            src.rmdir()
-            away.rename(src)
-            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", timeout=30, what="opened")
-            assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
-            assert daemon.stop() == 0
+    src, away = tmp_path / "src", tmp_path / "away"
+    with waiting_daemon(tmp_path, short_dir) as (disk, _config, filler, daemon, client):
+        src.rename(away)
+        src.mkdir()  # the source empty
+        filler.unlink()
+        wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "down", what="the failed open said")
+        error = client.status()["pipelines"]["train"]["error"]
+        assert error.startswith("EmptySourceError: ") and error.endswith(f"(tried again every {RETRY_AFTER:g} s)"), error
+        # another writer fills the disk again meanwhile: the pipeline stayed "down" with the
+        # EmptySourceError for good, and was not tried again until the disk had room; the
+        # next try finds the disk full, and it waits for room again, saying why
+        fill(disk)  # at the same path as before
+        wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "waiting for room", timeout=30, what="waits")
+        error = client.status()["pipelines"]["train"]["error"]
+        assert error.startswith(f"cache_dir '{disk}/cache': its disk is full (No space left on device)"), error
+        filler.unlink()
+        src.rmdir()
+        away.rename(src)
+        wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", timeout=30, what="opened")
+        assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
+        assert daemon.stop() == 0
     log = daemon.log()
     assert "its open failed, tried again every" in log and "its disk has room now: opened" in log
     assert log.count("waits for room again") == 1, log
@@ -260,18 +259,13 @@ def test_a_waiting_pipeline_whose_settings_are_refused_once_there_is_room_is_dow
     # The source's local folder gone when room came: the settings' check raised in the wait's
     # thread, outside its handling; the thread died with a traceback and the pipeline stayed
     # "waiting for room" for good. It is down, with the reason (as a start exits 78 for it).
-    sock = short_dir / "api.sock"
-    with tmpfs(tmp_path / "disk") as disk:
-        config = daemon_config(tmp_path, sock, disk / "cache")
-        filler = fill(disk)
-        with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon, Client("train", sock) as client:
-            assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
-            (tmp_path / "src").rename(tmp_path / "away")
-            filler.unlink()
-            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "down", what="the refusal said")
-            error = client.status()["pipelines"]["train"]["error"]
-            assert error.startswith(f"ConfigError: source '{tmp_path}/src/': no such local path"), error
-            assert daemon.stop() == 0
+    with waiting_daemon(tmp_path, short_dir) as (_disk, _config, filler, daemon, client):
+        (tmp_path / "src").rename(tmp_path / "away")
+        filler.unlink()
+        wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "down", what="the refusal said")
+        error = client.status()["pipelines"]["train"]["error"]
+        assert error.startswith(f"ConfigError: source '{tmp_path}/src/': no such local path"), error
+        assert daemon.stop() == 0
     assert "is down until a reload reopens it: ConfigError" in daemon.log() and "Traceback" not in daemon.log()
 
 
