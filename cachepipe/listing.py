@@ -204,21 +204,24 @@ class StreamingListing:
         """Run ``complete`` once the source is listed whole. Its error (the plan's journaling) is
         no listing's, which is not done again for it. Before the first page was handed (the open
         waits for it) it is raised there, as an open raises a full disk at once; after, a
-        transient one (a full disk another writer may empty) is tried again after a backoff, as
-        downloads wait for room, until it succeeds or the listing is stopped."""
+        transient one (a full disk another writer may empty) is tried again after a backoff, up
+        to the listing's ``retries``, as a download's local disk error is; then raised (the pass
+        fails with it)."""
         attempt = 0
         while True:
             try:
                 self._complete()
                 return
             except Exception as exc:
-                if not self._first_page or not is_transient(exc) or self._stop.is_set():
+                if not self._first_page or not is_transient(exc) or attempt >= self._retries or self._stop.is_set():
                     raise
-                delay = self._backoff(min(attempt, self._retries))
+                delay = self._backoff(attempt)
                 attempt += 1
-                (log.warning if attempt == 1 else log.debug)(
-                    "listing %s: listed whole, but its plan could not be recorded (tried again in %.2fs, and until it is): %s",
+                log.warning(
+                    "listing %s: listed whole, but its plan could not be recorded, retry %d/%d in %.2fs: %s",
                     self._store.url,
+                    attempt,
+                    self._retries,
                     delay,
                     exc,
                 )

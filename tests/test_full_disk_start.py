@@ -425,7 +425,7 @@ def test_a_running_pipeline_whose_plan_meets_a_disk_out_of_inodes_waits_for_room
         assert sorted(got) == [f"item{i:03d}" for i in range(150)]
         gate.set()
     assert not [r for r in caplog.records if "failed, retry" in r.getMessage()], caplog.text
-    assert "listed whole, but its plan could not be recorded (tried again in" in caplog.text
+    assert "listed whole, but its plan could not be recorded, retry 1/" in caplog.text
 
 
 def test_a_full_disk_met_by_the_journal_at_open_names_the_disk_and_what_holds_it(tmp_path):
