@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import re
 import signal
@@ -426,6 +427,39 @@ def test_a_running_pipeline_whose_plan_meets_a_disk_out_of_inodes_waits_for_room
         gate.set()
     assert not [r for r in caplog.records if "failed, retry" in r.getMessage()], caplog.text
     assert "listed whole, but its plan could not be recorded, retry 1/" in caplog.text
+
+
+def test_a_running_pipeline_whose_plan_meets_a_disk_out_of_inodes_for_good_fails_after_its_retries(
+    s3_source, fault_proxy, tmp_path, caplog
+):
+    # The plan's write is tried again as a download's local disk error is, `retries` times: a
+    # disk that stays out of inodes then fails the pass, said as a full disk, in its turn after
+    # the items listed before it, instead of leaving the consumer waiting for an end of the
+    # listing that never comes. (Nothing is consumed until the listing thread gave up: an
+    # acknowledged item gives its inodes back.)
+    proxy, endpoint = fault_proxy
+    s3_source.folders(150, {"f": 10})
+    gate = threading.Event()
+    proxy.hold(lambda head: "continuation-token" in head.split("\r\n", 1)[0], gate)
+    options = {"items": "folders", "retries": 2, "on_error": "skip", "storage_options": via(s3_source, endpoint)}
+    with tmpfs(tmp_path / "disk", "1m,nr_inodes=400") as disk:
+        with Pipeline(s3_source.url, disk / "cache", "64KiB", **options) as pipe:
+            wait_until(lambda: pipe.stats().items_ready == 99, what="the first page's items ready")
+            with contextlib.suppress(OSError):
+                for n in itertools.count():  # another writer's empty files, one per inode, left there
+                    (disk / f"other{n}").touch()
+            gate.set()
+
+            def listing_ended() -> bool:
+                return not any(t.name == "cachepipe-listing" for t in threading.enumerate())
+
+            wait_until(listing_ended, what="the listing thread's end")
+            assert "its plan could not be recorded, retry 2/2" in caplog.text
+            with pytest.raises(OSError, match="its disk is full") as err:
+                for _item in pipe:  # the items listed before, then the listing's error
+                    pass
+        assert f"could not write '{disk}/cache/.cachepipe/.journal.tmp'" in str(err.value), err.value
+    assert not [r for r in caplog.records if "failed, retry" in r.getMessage()], caplog.text
 
 
 def test_a_full_disk_met_by_the_journal_at_open_names_the_disk_and_what_holds_it(tmp_path):
