@@ -84,6 +84,31 @@ def waiting_daemon(tmp_path: Path, short_dir: Path, **settings) -> Iterator[Wait
             yield Waiting(disk, config, filler, daemon, client)
 
 
+@contextlib.contextmanager
+def to_a_busy_cache(config: Path, tmp_path: Path) -> Iterator[None]:
+    """The daemon's configuration gives pipeline "train" a cache_dir that another process (this
+    one, meanwhile) holds: a reload's new settings that fail to open."""
+    settings = yaml.safe_load(config.read_text())
+    settings["pipelines"]["train"]["cache_dir"] = str(tmp_path / "busy")
+    config.write_text(yaml.safe_dump(settings))
+    with Pipeline(f"{tmp_path / 'src'}/", tmp_path / "busy", "64KiB", items="folders"):
+        yield
+
+
+def waits_for_room_on(disk: Path, client: Client) -> None:
+    """Pipeline "train" waits for room, its cache's disk ``disk`` full."""
+    status = client.status()["pipelines"]["train"]
+    assert status["state"] == "waiting for room", status
+    assert status["error"].startswith(f"cache_dir '{disk}/cache': its disk is full"), status
+
+
+def opens_and_serves(client: Client, daemon: DaemonProcess) -> None:
+    """The waiting pipeline opens (within 30 s), hands its three items, and the daemon stops with 0."""
+    wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", timeout=30, what="the pipeline opened")
+    assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
+    assert daemon.stop() == 0
+
+
 def test_serve_on_a_full_cache_disk_starts_says_so_once_and_opens_once_there_is_room(tmp_path, short_dir):
     # A chaos run: another writer filled the cache's disk, and `cachepipe serve` exited 1 with
     # "[Errno 28] No space left on device: cannot write the cache's lock file", restarted by
@@ -108,9 +133,7 @@ def test_serve_on_a_full_cache_disk_starts_says_so_once_and_opens_once_there_is_
         wait_until(lambda: "still no room to open on" in daemon.log(), what="a try that found too little room")
         assert client.status()["pipelines"]["train"]["state"] == "waiting for room"
         filler.unlink()
-        wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", what="the pipeline opened")
-        assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
-        assert daemon.stop() == 0
+        opens_and_serves(client, daemon)
     log = daemon.log()
     assert log.count("waits for room") == 1, log  # once, not once per look at the disk
     assert f"WARNING cachepipe.service: pipeline train waits for room, and opens once there is: {said}" in log
@@ -180,19 +203,12 @@ def test_a_reload_whose_new_settings_fail_while_the_disk_is_full_waits_for_room_
         with DaemonProcess(config, log_path=tmp_path / "daemon.log") as daemon, Client("train", sock) as client:
             assert client.status()["pipelines"]["train"]["state"] == "open"
             filler = fill(disk)
-            settings = yaml.safe_load(config.read_text())
-            settings["pipelines"]["train"]["cache_dir"] = str(tmp_path / "busy")  # another process's cache
-            config.write_text(yaml.safe_dump(settings))
-            with Pipeline(f"{tmp_path / 'src'}/", tmp_path / "busy", "64KiB", items="folders"):
+            with to_a_busy_cache(config, tmp_path):
                 daemon.reload()
                 wait_until(lambda: "failed train" in daemon.log(), what="the reload done")
-            status = client.status()["pipelines"]["train"]
-            assert status["state"] == "waiting for room", status
-            assert status["error"].startswith(f"cache_dir '{disk}/cache': its disk is full"), status
+            waits_for_room_on(disk, client)
             filler.unlink()
-            wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", timeout=30, what="opened")
-            assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
-            assert daemon.stop() == 0
+            opens_and_serves(client, daemon)
     log = daemon.log()
     assert "reload: pipeline train waits for room with its old settings" in log, log
     assert "cannot reopen with its old settings" not in log and "Traceback" not in log
@@ -204,19 +220,12 @@ def test_a_reload_whose_new_settings_fail_while_a_pipeline_waits_for_room_waits_
     # down until the next reload, where one open went back to its old settings, and where a
     # first reload's fallback waited for room a second reload of the same file took it down.
     with waiting_daemon(tmp_path, short_dir) as (disk, config, filler, daemon, client):
-        settings = yaml.safe_load(config.read_text())
-        settings["pipelines"]["train"]["cache_dir"] = str(tmp_path / "busy")  # another process's cache
-        config.write_text(yaml.safe_dump(settings))
-        with Pipeline(f"{tmp_path / 'src'}/", tmp_path / "busy", "64KiB", items="folders"):
+        with to_a_busy_cache(config, tmp_path):
             for _ in range(2):  # the same file, reloaded twice
                 assert "reload failed in part" in daemon.reload()
-                status = client.status()["pipelines"]["train"]
-                assert status["state"] == "waiting for room", status
-                assert status["error"].startswith(f"cache_dir '{disk}/cache': its disk is full"), status
+                waits_for_room_on(disk, client)
         filler.unlink()
-        wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", timeout=30, what="opened")
-        assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
-        assert daemon.stop() == 0
+        opens_and_serves(client, daemon)
     log = daemon.log()
     assert log.count("reload: pipeline train waits for room with its old settings") == 2, log
     assert "Traceback" not in log
@@ -247,9 +256,7 @@ def test_a_waiting_pipeline_whose_open_then_fails_otherwise_tries_again_as_syste
         filler.unlink()
         src.rmdir()
         away.rename(src)
-        wait_until(lambda: client.status()["pipelines"]["train"]["state"] == "open", timeout=30, what="opened")
-        assert sorted(Path(item.path).name for item in client) == ["item0", "item1", "item2"]
-        assert daemon.stop() == 0
+        opens_and_serves(client, daemon)
     log = daemon.log()
     assert "its open failed, tried again every" in log and "its disk has room now: opened" in log
     assert log.count("waits for room again") == 1, log

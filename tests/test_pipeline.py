@@ -417,19 +417,12 @@ def test_lock_held_by_another_process(tmp_path):
     (tmp_path / "src" / "a").mkdir(parents=True)
     (tmp_path / "src" / "a" / "f").write_bytes(b"1")
     code = (
-        "import sys; from cachepipe import Pipeline\n"
+        "from cachepipe import Pipeline\n"
         f"p = Pipeline({str(tmp_path / 'src')!r}, {str(tmp_path / 'c')!r}, '1MiB', auto_ack=False).open()\n"
-        "p.get(); print('ready', flush=True); sys.stdin.read()\n"
+        "p.get()\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        with pytest.raises(CacheLockedError, match=f"pid {proc.pid}"):
-            Pipeline(str(tmp_path / "src"), tmp_path / "c", "1MiB").open()
-    finally:
-        proc.stdin.close()
-        proc.wait(10)
-        proc.stdout.close()
+    with _ready_child(code) as pid, pytest.raises(CacheLockedError, match=f"pid {pid}"):
+        Pipeline(str(tmp_path / "src"), tmp_path / "c", "1MiB").open()
 
 
 def test_a_lock_held_without_its_owner_s_line_names_the_pid_the_kernel_lists(tmp_path):
@@ -452,11 +445,14 @@ def test_a_lock_held_without_its_owner_s_line_names_the_pid_the_kernel_lists(tmp
 @contextlib.contextmanager
 def _holding(lock: Path):
     """A child process that holds the flock of ``lock`` (an existing file, its line blanked); yields its pid."""
-    code = (
-        "import fcntl, os, sys\n"
-        f"fd = os.open({str(lock)!r}, os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX)\n"
-        "print('ready', flush=True); sys.stdin.read()\n"
-    )
+    with _ready_child(f"import fcntl, os\nfd = os.open({str(lock)!r}, os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX)\n") as pid:
+        yield pid
+
+
+@contextlib.contextmanager
+def _ready_child(code: str):
+    """A child Python process that runs ``code``, then waits until this ends; yields its pid once ``code`` ran."""
+    code += "import sys\nprint('ready', flush=True)\nsys.stdin.read()\n"
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from waiting import wait_until
@@ -94,6 +95,15 @@ def test_training_and_validation_over_one_cache_dir_read_at_once_are_refused_wit
         evaluate_in_the_loop()
 
 
+def _folders(tmp_path: Path, count: int) -> Path:
+    """A local source of ``count`` items ``i0``, ``i1``... (folders of one 100-byte file)."""
+    src = tmp_path / "src"
+    for n in range(count):
+        (src / f"i{n}").mkdir(parents=True)
+        (src / f"i{n}" / "f").write_bytes(b"x" * 100)
+    return src
+
+
 def test_a_dataset_made_for_each_pass_over_one_cache_dir_waits_for_the_last_pass_s_workers_to_stop(tmp_path, monkeypatch):
     """A dataset made for each pass over one cache_dir, each pass's iterator assigned over the
     last one broken off: the DataLoader makes the new iterator's workers, then drops the old one,
@@ -105,10 +115,7 @@ def test_a_dataset_made_for_each_pass_over_one_cache_dir_waits_for_the_last_pass
     import cachepipe.torchlocal
 
     monkeypatch.setattr(cachepipe.torchlocal, "IDLE_WAIT", 0.2)
-    src = tmp_path / "src"
-    for n in range(6):
-        (src / f"i{n}").mkdir(parents=True)
-        (src / f"i{n}" / "f").write_bytes(b"x" * 100)
+    src = _folders(tmp_path, 6)
 
     def slow(path):
         time.sleep(0.5)  # the old workers are each in a transform when their iterator is dropped
@@ -140,10 +147,7 @@ def test_a_dataset_made_for_each_pass_waits_as_long_as_torch_lets_the_last_pass_
 
     monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 1.0)
     monkeypatch.setattr(cachepipe.torchlocal, "DATASET_WAIT", 1.0)
-    src = tmp_path / "src"
-    for n in range(6):
-        (src / f"i{n}").mkdir(parents=True)
-        (src / f"i{n}" / "f").write_bytes(b"x" * 100)
+    src = _folders(tmp_path, 6)
     made = tmp_path / "made"
     made.mkdir()
 
@@ -183,10 +187,7 @@ def test_a_new_iterator_of_one_dataset_waits_as_long_as_torch_lets_the_broken_of
     monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 1.0)
     monkeypatch.setattr(cachepipe.torchlocal, "DATASET_WAIT", 1.0)
     monkeypatch.setattr(cachepipe.torchlocal, "SIBLING_WAIT", 0.5)
-    src = tmp_path / "src"
-    for n in range(6):
-        (src / f"i{n}").mkdir(parents=True)
-        (src / f"i{n}" / "f").write_bytes(b"x" * 100)
+    src = _folders(tmp_path, 6)
     made, blocking = tmp_path / "made", tmp_path / "blocking"
     made.mkdir()
     blocking.touch()
@@ -219,10 +220,7 @@ def test_a_dataset_made_for_each_pass_waits_for_the_last_pass_s_workers_still_co
     import torch.utils.data._utils
 
     monkeypatch.setattr(torch.utils.data._utils, "MP_STATUS_CHECK_INTERVAL", 1.0)
-    src = tmp_path / "src"
-    for n in range(8):
-        (src / f"i{n}").mkdir(parents=True)
-        (src / f"i{n}" / "f").write_bytes(b"x" * 100)
+    src = _folders(tmp_path, 8)
     made = tmp_path / "made"
     made.mkdir()
 
