@@ -25,6 +25,8 @@ __all__ = [
     "filesystem_type",
     "filesystems_walked",
     "lookups_stay_local",
+    "mount_at",
+    "mount_of",
     "paths_walked",
 ]
 
@@ -58,17 +60,26 @@ def _up(path: str) -> Iterator[str]:
         path = parent
 
 
-def filesystem_type(path: str, mountinfo: str, device: str = "") -> str:
-    """The type of the file system that holds ``path`` (absolute, links resolved), from the text
-    of ``/proc/self/mountinfo``: the mount of ``device`` (``"major:minor"`` of the path's
-    ``st_dev``) if one is listed, else the longest mount point that holds the path (the last
-    mounted of equals); "" if none does."""
-    points: dict[str, str] = {}
+def mount_of(path: str, mountinfo: str, device: str = "") -> tuple[str, str]:
+    """``(mount point, type)`` of the mount that holds ``path`` (absolute, links resolved), from
+    the text of ``/proc/self/mountinfo``: of the mounts at ``path`` or a folder above it, the
+    longest whose device is ``device`` (``"major:minor"`` of the path's ``st_dev``), else the
+    longest of any device (the last mounted of equals); ``("", "")`` if none holds it. Where a
+    mount hides a longer one (mounted later on a folder above it), only the device tells them
+    apart; a btrfs subvolume's own device is listed nowhere, so its mount's point is the longest."""
+    points: dict[str, tuple[str, str]] = {}
     for dev, point, fstype in _mounts(mountinfo):
+        points[point] = (dev, fstype)  # the last mounted on a point
+    held = [(folder, *points[folder]) for folder in _up(path) if folder in points]  # longest first
+    for folder, dev, fstype in held:
         if device and dev == device:
-            return fstype
-        points[point] = fstype  # the last mounted on a point
-    return next((points[folder] for folder in _up(path) if folder in points), "")
+            return folder, fstype
+    return (held[0][0], held[0][2]) if held else ("", "")
+
+
+def filesystem_type(path: str, mountinfo: str, device: str = "") -> str:
+    """The type of the file system that holds ``path``: :func:`mount_of`'s; "" if none does."""
+    return mount_of(path, mountinfo, device)[1]
 
 
 def filesystems_walked(walked: Iterable[str], mountinfo: str) -> frozenset[str]:
@@ -95,15 +106,21 @@ def _mountinfo() -> str:
         return f.read()
 
 
-def filesystem_at(root: str) -> str:
-    """:func:`filesystem_type` of the folder ``root``, from this process's mounts ("" where they
+def mount_at(root: str) -> tuple[str, str]:
+    """:func:`mount_of` the folder ``root``, from this process's mounts (``("", "")`` where they
     cannot be read)."""
     try:
         mountinfo = _mountinfo()
         dev = os.stat(root).st_dev
     except OSError:
-        return ""
-    return filesystem_type(os.path.realpath(root), mountinfo, f"{os.major(dev)}:{os.minor(dev)}")
+        return "", ""
+    return mount_of(os.path.realpath(root), mountinfo, f"{os.major(dev)}:{os.minor(dev)}")
+
+
+def filesystem_at(root: str) -> str:
+    """The type of the file system of the folder ``root`` (:func:`mount_at`; "" where the mounts
+    cannot be read)."""
+    return mount_at(root)[1]
 
 
 LINK_HOPS = 40

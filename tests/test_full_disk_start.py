@@ -493,6 +493,22 @@ def test_a_full_disk_met_by_the_journal_at_open_names_the_disk_and_what_holds_it
         filler.unlink()
 
 
+def test_a_full_disk_under_a_bind_mount_is_named_by_that_mount_s_point(tmp_path):
+    # The message named the highest folder on the disk's device: for a cache under a bind mount
+    # of a folder of the same filesystem (as a container's volume is), the folder mounted over,
+    # not the mount the user gave. It names the point /proc/self/mountinfo lists.
+    src = local_source(tmp_path, 1)
+    with tmpfs(tmp_path / "disk") as disk:
+        (disk / "data").mkdir()
+        bind = ["mount", "--bind", str(disk / "data"), str(disk / "volume")]
+        with mounted(disk / "volume", bind) as volume:
+            filler = fill(disk)
+            with pytest.raises(OSError, match="its disk is full") as err:
+                Pipeline(f"{src}/", volume / "cache", "64KiB", items="folders").open()
+            assert f"the filesystem mounted at '{volume}' has 0 B free of 256.0 KiB" in str(err.value)
+            filler.unlink()
+
+
 # ---- a full disk while an archive is extracted ----------------------------------------------
 @pytest.mark.parametrize("fmt", ["tar.gz", "zip"])
 def test_a_full_disk_during_an_extraction_names_the_member_s_file_and_leaves_the_item_as_it_was(tmp_path, fmt):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from cachepipe.cache.eviction import deleters_for
+from cachepipe.filesystems import mount_of
 from cachepipe.fscalls import filesystem_at, filesystem_type
 from cachepipe.removal import Reaper, rmtree, tree_bytes
 
@@ -159,6 +160,17 @@ def test_the_file_system_of_a_path_is_its_devices_mount_where_it_is_listed():
     assert filesystem_type("/mnt/over/fast/c", MOUNTINFO, "0:35") == "xfs"
     assert filesystem_type("/mnt/over/fast/c", MOUNTINFO) == "tmpfs"  # by the mount point alone
     assert filesystem_type("/mnt/data/c", MOUNTINFO, "9:99") == "xfs"  # a device not listed: by the mount point
+
+
+def test_the_mount_of_a_path_is_named_by_its_point():
+    """A bind mount of a folder of the root filesystem (254:0) on /srv/vol is listed with the
+    root's device: the longest point of that device holds the path. A btrfs subvolume's files
+    have a device listed nowhere: the longest mount point holds them."""
+    binds = MOUNTINFO + "40 22 254:0 /srv/x /srv/vol rw - ext4 /dev/vda rw\n41 22 0:50 / /mnt/b rw - btrfs /dev/vdb rw\n"
+    assert mount_of("/srv/vol/cache", binds, "254:0") == ("/srv/vol", "ext4")
+    assert mount_of("/mnt/b/subvol/cache", binds, "0:51") == ("/mnt/b", "btrfs")
+    assert mount_of("/mnt/over/fast/c", binds, "0:35") == ("/mnt/over", "xfs")  # the later mount, hiding the longer
+    assert mount_of("/x", "") == ("", "")
 
 
 def test_two_deleters_on_memory_file_systems_and_four_elsewhere():

@@ -19,6 +19,7 @@ import os
 from collections.abc import Iterator
 from typing import NamedTuple
 
+from ..filesystems import mount_at
 from ..sizes import format_size
 from .room import held_in
 
@@ -61,8 +62,13 @@ def no_room(room: Room) -> bool:
 
 
 def mount_point(path: str | os.PathLike[str]) -> str:
-    """The folder the filesystem holding ``path`` (an existing one) is mounted at: the highest
-    folder above it, links resolved, on the same device."""
+    """The folder the filesystem holding ``path`` (an existing one) is mounted at, as this
+    process's mounts list it (:func:`~cachepipe.filesystems.mount_at`: a bind mount's own point,
+    a btrfs subvolume's mount); where they cannot be read, the highest folder above it, links
+    resolved, on the same device."""
+    point = mount_at(os.fspath(path))[0]
+    if point:
+        return point
     path = os.path.realpath(path)
     device = os.stat(path).st_dev
     while True:
