@@ -12,8 +12,10 @@ pytest.importorskip("torch", reason="PyTorch is not installed")
 from cachepipe.client import Client
 from cachepipe.service.testing import DaemonProcess
 
+ELASTIC = ({"world_size": 2, "node_ranks": [0]}, {"world_size": 1})  # saved by rank 0 of 2, resumed as rank 0 of 1
 
-@pytest.mark.parametrize(("saved", "resumed"), [({"world_size": 2, "node_ranks": [0]}, {"world_size": 1}), ({"seed": 3}, {"seed": 4})])
+
+@pytest.mark.parametrize(("saved", "resumed"), [ELASTIC, ({"seed": 3}, {"seed": 4})])
 def test_a_state_resumed_under_another_plan_of_a_job_of_the_same_name_is_refused(s3_source, tmp_path, short_dir, saved, resumed):
     """Before, a state saved by rank 0 of 2 and loaded into rank 0 of 1 (an elastic restart on
     fewer GPUs) of a job named with ``job=``, once the daemon had forgotten the job (restarted, or
@@ -36,7 +38,8 @@ def test_a_state_resumed_under_another_plan_of_a_job_of_the_same_name_is_refused
         again = CachePipeDataset(s3_source.url, **{"world_size": 1, "seed": 3, **resumed}, **base)
         again.load_state_dict(state)
         key = next(iter(resumed))
-        with pytest.raises(ValueError, match=f"saved with {key}={saved.get(key, 3)!r}, job 'train' plans with {key}={resumed[key]!r}"):
+        refused = f"saved with {key}={saved.get(key, 3)!r}, job 'train' plans with {key}={resumed[key]!r}"
+        with pytest.raises(ValueError, match=refused):
             list(again)
         same = CachePipeDataset(s3_source.url, **{"world_size": 1, "seed": 3, **saved}, **base)  # as saved: resumes
         with Client(socket=sock) as client:

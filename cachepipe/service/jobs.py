@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..cache.room import room_at
 from ..config import PipelineConfig, Share, check_absolute_source, with_unit
-from ..errors import CacheRemovedError, CachePipeError, ConfigError
+from ..errors import CachePipeError, CacheRemovedError, ConfigError
 from ..manifest import index, read_manifest
 from ..plan import Cursor
 from ..wholefiles import naming
@@ -92,7 +92,8 @@ class Jobs:
         self.config = config
         self._closer = closer or Closer()
         self._lock = threading.Lock()  # guards _jobs, _closed and _opening; never held while a pipeline opens
-        self._registering = threading.Lock()  # one registration at a time, held while its pipeline opens (lists) or a deleted one closes
+        # one registration at a time, held while its pipeline opens (lists) or a deleted job's closes
+        self._registering = threading.Lock()
         self._jobs: dict[str, _Job] = {}
         self._closed = False
         self._opening: NodePipeline | None = None  # the pipeline register() opens: close() closes it, aborting its listing
@@ -404,7 +405,7 @@ class Jobs:
         with self._lock:
             gone = not self._closed and self._jobs.get(job.name) is not job
         if gone and not isinstance(exc, CachePipeError):
-            return UnknownPipelineError(f"job {job.name!r} was deleted while this request waited: register it again to start over")
+            return UnknownPipelineError(f"job {job.name!r} was deleted while this request waited: register it again")
         return exc
 
     def check_caches(self) -> None:
