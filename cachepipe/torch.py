@@ -144,7 +144,8 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
         self._start: dict[str, Any] | None = None  # the state the latest pass started from (None: the start)
         self._pipe: Pipeline | None = None  # the latest pass's open pipeline (per-process mode)
         self._cursor: Cursor | None = None  # node mode: the position after the last item yielded here
-        self._lane_info: tuple[str, int, int, Any] | None = None  # node mode: the lane, once registered here
+        # node mode: the lane (job, rank, worker, catalog digest, the spec's fields of _LANE_PLAN), once registered here
+        self._lane_info: tuple[str, int, int, Any, dict[str, Any]] | None = None
         self._end: int | None = None  # the epoch the latest pass ends before (None: the plan's end)
         # equal_steps with skips: (the state at the last sample read, its step's yields due, the
         # yields made from its step on): a state resumes there, reading it again (see _equal_local)
@@ -341,7 +342,9 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
         each worker's) and in the main process.
 
         Node mode: the position after the last sample this process (worker) yielded, with the
-        job, lane and catalog digest, and the epoch the pass ends before (``end_epoch``: None
+        job, lane and catalog digest, the job's plan layout (``plan``: world size, DataLoader
+        workers, shuffle, seed, balance, partition, equal_steps; a resume under another is
+        refused, naming the field), and the epoch the pass ends before (``end_epoch``: None
         for the plan's end; one past the epoch :meth:`set_epoch` set). Either mode, with
         ``equal_steps`` over several ranks and a skip option (node mode: whatever the job's
         options), once the pass yielded: the position of the last sample read (a resume reads
@@ -357,7 +360,7 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
         """
         if self._state is None:  # no state loaded since this process's last pass began
             if self.node is not None and self._cursor is not None and self._lane_info is not None:
-                name, rank, worker, digest = self._lane_info
+                name, rank, worker, digest, plan = self._lane_info
                 cursor = self._cursor if self._owed is None else self._owed[0]
                 return {
                     "job": name,
@@ -366,6 +369,7 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
                     "epoch": cursor.epoch,
                     "index": cursor.index,
                     "catalog_digest": digest,
+                    "plan": plan,
                     "end_epoch": self._end,
                     **self._owed_counts(),
                 }

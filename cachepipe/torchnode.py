@@ -27,6 +27,9 @@ __all__ = ["NODE_BATCH", "NODE_BATCH_BYTES"]
 NODE_BATCH = 16  #: node mode: most items a worker takes per request (the next ones already on disk)
 NODE_BATCH_BYTES = 64 * 2**20  #: node mode: most bytes a worker takes per request (the first item always)
 
+# the fields of a registered job's spec that decide, with its catalog, which item each position of a lane names
+_LANE_PLAN = ("world_size", "num_workers", "shuffle", "seed", "balance", "partition", "equal_steps")
+
 # the options of a job's spec (the rest of a node's settings is the daemon's jobs section)
 _JOB_OPTIONS = frozenset(
     {
@@ -125,10 +128,19 @@ class _NodeMode(_DatasetState):
                     f"state was saved with catalog_digest={digest!r}, job {name!r} has "
                     f"catalog_digest={info.get('catalog_digest')!r}: cannot resume over other data"
                 )
+            plan = {key: info["spec"][key] for key in _LANE_PLAN}
+            saved = (start or {}).get("plan")
+            if saved is not None and saved != plan:
+                key = next(k for k in _LANE_PLAN if saved.get(k) != plan[k])
+                raise ValueError(
+                    f"state of lane {rank}.{worker} was saved with {key}={saved.get(key)!r}, job {name!r} plans with "
+                    f"{key}={plan[key]!r}: its position would name other items (some read twice, some never); "
+                    f"resume with the {', '.join(_LANE_PLAN)} it was saved with, or start the run over"
+                )
         except BaseException:
             lane.close()
             raise
-        self._lane_info = (name, rank, worker, info.get("catalog_digest"))
+        self._lane_info = (name, rank, worker, info.get("catalog_digest"), plan)
         return lane, cursor
 
     def _iter_node(self, start: dict[str, Any] | None, token: object) -> Iterator[Any]:

@@ -45,7 +45,7 @@ class _DatasetState:
     _start: dict[str, Any] | None
     _pipe: Pipeline | None
     _cursor: Cursor | None
-    _lane_info: tuple[str, int, int, Any] | None
+    _lane_info: tuple[str, int, int, Any, dict[str, Any]] | None
     _end: int | None
     _owed: tuple[Any, int, int] | None
     _equal: bool

@@ -665,3 +665,29 @@ def test_a_job_registered_again_after_a_restart_keeps_its_share_of_the_disk_and_
             second = read_epoch(lane, 1)
     assert second["capacity"] == pytest.approx(first["capacity"], rel=0.02)
     assert second["bytes_downloaded"] == 0  # every item kept across the restart, none downloaded again
+
+
+def test_a_take_waiting_when_its_job_is_deleted_registers_it_again_as_a_take_after_the_delete_does(
+    s3_source, fault_proxy, tmp_path, short_dir
+):
+    """A lane's take waits for an item whose download is slow when the job is deleted (`cachepipe
+    delete-job --force` on a run thought stopped). A take that comes after the delete registers
+    the job again and starts over (docs/reference/http-api.md); before, one waiting at the delete
+    was answered 500 "internal" (RuntimeError: the node pipeline closed under it), and JobClient
+    raised ServiceError: the DataLoader worker died with an error that said nothing of the delete.
+    Now it is 404, as after the delete, and the lane registers the job again and gets its item."""
+    sock = short_dir / "api.sock"
+    config, one, first, gate = a_job_whose_first_item_is_held(s3_source, fault_proxy, tmp_path, sock, 4)
+    try:
+        with DaemonProcess(config), Client(socket=sock) as admin, JobClient("train", one, 0, socket=sock) as lane:
+            lane.register()
+            waiter, got = taking(lane, 60)
+            wait_until(lambda: admin.status()["jobs"]["job/train"]["waiting"], what="the take waiting in the daemon")
+            admin.delete_job("train")
+            gate.set()
+            waiter.join(60)
+            registered = list(admin.status()["jobs"])
+    finally:
+        gate.set()
+    assert "error" not in got, got  # before: ServiceError 500 internal "... is closed"
+    assert got["item"].name == first and registered == ["job/train"]

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..cache.room import room_at
 from ..config import PipelineConfig, Share, check_absolute_source, with_unit
-from ..errors import CacheRemovedError, ConfigError
+from ..errors import CachePipeError, CacheRemovedError, ConfigError
 from ..manifest import index, read_manifest
 from ..plan import Cursor
 from ..wholefiles import naming
@@ -92,7 +92,8 @@ class Jobs:
         self.config = config
         self._closer = closer or Closer()
         self._lock = threading.Lock()  # guards _jobs, _closed and _opening; never held while a pipeline opens
-        self._registering = threading.Lock()  # one registration at a time, held while its pipeline opens (lists)
+        # one registration at a time, held while its pipeline opens (lists) or a deleted job's closes
+        self._registering = threading.Lock()
         self._jobs: dict[str, _Job] = {}
         self._closed = False
         self._opening: NodePipeline | None = None  # the pipeline register() opens: close() closes it, aborting its listing
@@ -385,13 +386,27 @@ class Jobs:
         Raises:
             UnknownPipelineError: the job's cache directory was removed: the job is dropped, and
                 a new registration opens it again in a fresh directory (a lane's
-                :class:`~cachepipe.jobclient.JobClient` registers again and goes on).
+                :class:`~cachepipe.jobclient.JobClient` registers again and goes on); or the job
+                was deleted while the take waited (as a take after the delete: see :meth:`_gone`).
         """
         job = self._job(name)
         try:
             return job.pipeline.take_many(rank, worker, cursor, count, max_bytes, timeout, report_skips)
         except CacheRemovedError as exc:
             raise self._drop(job, exc) from None
+        except RuntimeError as exc:
+            raise self._gone(job, exc) from exc
+
+    def _gone(self, job: _Job, exc: RuntimeError) -> Exception:
+        """``exc`` from ``job``'s pipeline; or, if it closed under the request because the job was
+        deleted (or dropped) meanwhile, not because the daemon stops, the 404 of a request that
+        comes after the delete, so that the lane registers the job again and starts over as that
+        one does (before, 500 ``internal``: "closed", and the lane gave up)."""
+        with self._lock:
+            gone = not self._closed and self._jobs.get(job.name) is not job
+        if gone and not isinstance(exc, CachePipeError):
+            return UnknownPipelineError(f"job {job.name!r} was deleted while this request waited: register it again")
+        return exc
 
     def check_caches(self) -> None:
         """Drop every job whose cache directory was removed (see :meth:`take`)."""
@@ -419,24 +434,32 @@ class Jobs:
             return list(self._jobs.values())
 
     def consume(self, name: str, rank: int, worker: int, cursor: Cursor) -> None:
-        """:meth:`NodePipeline.consume` of job ``name``."""
-        self._job(name).pipeline.consume(rank, worker, cursor)
+        """:meth:`NodePipeline.consume` of job ``name`` (a job deleted meanwhile: see :meth:`_gone`)."""
+        job = self._job(name)
+        try:
+            job.pipeline.consume(rank, worker, cursor)
+        except RuntimeError as exc:
+            raise self._gone(job, exc) from exc
 
     def delete(self, name: str) -> None:
-        """End job ``name``: stop its downloads and delete its cached items.
+        """End job ``name``: stop its downloads and delete its cached items. Registrations wait
+        for it: a lane still reading registers the job again at once (its next request is
+        answered 404), and the new pipeline opens the cache directory once this one has let it go
+        (before, it was refused as "in use" by the daemon's own pid, 500 ``internal``).
 
         Raises:
             UnknownPipelineError: no such job.
         """
-        with self._lock:
-            job = self._jobs.pop(name, None)
-            known = sorted(self._jobs)
-        if job is None:
-            registered = f"the jobs registered are {', '.join(map(repr, known))}" if known else "no job is registered"
-            raise UnknownPipelineError(f"no job {name!r} on this daemon: {registered}")
-        pipe = job.pipeline
-        pipe.config = pipe.config.model_copy(update={"keep_on_close": False})
-        pipe.close()
+        with self._registering:
+            with self._lock:
+                job = self._jobs.pop(name, None)
+                known = sorted(self._jobs)
+            if job is None:
+                registered = f"the jobs registered are {', '.join(map(repr, known))}" if known else "no job is registered"
+                raise UnknownPipelineError(f"no job {name!r} on this daemon: {registered}")
+            pipe = job.pipeline
+            pipe.config = pipe.config.model_copy(update={"keep_on_close": False})
+            pipe.close()
         log.info("job %s deleted", name)
 
     def close(self) -> None:
