@@ -128,7 +128,7 @@ class _NodeMode(_DatasetState):
                     f"state was saved with catalog_digest={digest!r}, job {name!r} has "
                     f"catalog_digest={info.get('catalog_digest')!r}: cannot resume over other data"
                 )
-            plan = {key: info["spec"][key] for key in _LANE_PLAN}
+            plan = {key: info.get("spec", {}).get(key) for key in _LANE_PLAN}  # None: a daemon that does not say
             saved = (start or {}).get("plan")
             if saved is not None and saved != plan:
                 key = next(k for k in _LANE_PLAN if saved.get(k) != plan[k])

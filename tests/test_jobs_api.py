@@ -691,3 +691,36 @@ def test_a_take_waiting_when_its_job_is_deleted_registers_it_again_as_a_take_aft
         gate.set()
     assert "error" not in got, got  # before: ServiceError 500 internal "... is closed"
     assert got["item"].name == first and registered == ["job/train"]
+
+
+def test_a_delete_does_not_wait_for_another_job_s_registration_to_list(s3_source, fault_proxy, tmp_path, short_dir):
+    """A registration holds the daemon's one registration at a time while its source lists (for
+    minutes on a large bucket); a delete of another job answers meanwhile. (A first fix of the
+    test above held that lock through a delete's close: `cachepipe delete-job` waited for every
+    listing under way.) A registration of the deleted name waits for its close alone."""
+    proxy, endpoint = fault_proxy
+    s3_source.folders(4, {"a.bin": KIB})
+    sock = short_dir / "api.sock"
+    config, one = one_rank_job(s3_source, tmp_path, sock, storage_options=via(s3_source, endpoint))
+    gate, done = threading.Event(), threading.Event()
+    try:
+        with DaemonProcess(config), Client(socket=sock) as admin:
+            register(sock, "first", {**one, "capacity": "256KiB"})
+            proxy.hold(lambda head: "list-type=2" in head, gate, limit=120)  # the next listing waits for the gate
+            second = threading.Thread(target=lambda: register(sock, "second", {**one, "capacity": "256KiB"}))
+            second.start()
+            wait_until(lambda: sum("list-type=2" in head for head in proxy.requests) >= 2, 30, "the second job's listing")
+
+            def delete() -> None:
+                admin.delete_job("first")
+                done.set()
+
+            deleting = threading.Thread(target=delete)
+            deleting.start()
+            wait_until(done.is_set, 30, "the delete to answer while the second job lists")
+            gate.set()
+            second.join(60)
+            deleting.join(60)
+            assert sorted(admin.status()["jobs"]) == ["job/second"]
+    finally:
+        gate.set()

@@ -91,9 +91,10 @@ class Jobs:
     def __init__(self, config: JobsConfig, closer: Closer | None = None) -> None:
         self.config = config
         self._closer = closer or Closer()
-        self._lock = threading.Lock()  # guards _jobs, _closed and _opening; never held while a pipeline opens
-        # one registration at a time, held while its pipeline opens (lists) or a deleted job's closes
-        self._registering = threading.Lock()
+        self._lock = threading.Lock()  # guards _jobs, _closed, _opening and _deleting; never held while a pipeline opens
+        self._deleted = threading.Condition(self._lock)  # a delete's close ended (_deleting)
+        self._registering = threading.Lock()  # one registration at a time, held while its pipeline opens (lists)
+        self._deleting: set[str] = set()  # the jobs whose delete closes their pipeline now
         self._jobs: dict[str, _Job] = {}
         self._closed = False
         self._opening: NodePipeline | None = None  # the pipeline register() opens: close() closes it, aborting its listing
@@ -115,6 +116,8 @@ class Jobs:
         self._check_sources(spec)
         self._closer.wait(f"job/{name}")  # a job of this name dropped: its close ends before it opens again
         with self._registering, self._lock:
+            # a job of this name deleted: its pipeline lets the cache directory go before it opens again
+            self._deleted.wait_for(lambda: name not in self._deleting)
             if self._closed:
                 raise StoppingError("the daemon is stopping")
             job = self._jobs.get(name)
@@ -442,24 +445,31 @@ class Jobs:
             raise self._gone(job, exc) from exc
 
     def delete(self, name: str) -> None:
-        """End job ``name``: stop its downloads and delete its cached items. Registrations wait
-        for it: a lane still reading registers the job again at once (its next request is
-        answered 404), and the new pipeline opens the cache directory once this one has let it go
-        (before, it was refused as "in use" by the daemon's own pid, 500 ``internal``).
+        """End job ``name``: stop its downloads and delete its cached items. A lane still reading
+        registers the job again at once (its next request is answered 404), and the new pipeline
+        opens the cache directory once this one has let it go (before, it was refused as "in use"
+        by the daemon's own pid, 500 ``internal``). Only a registration of this name waits for the
+        delete; the delete waits for no registration (another job's may list for minutes).
 
         Raises:
             UnknownPipelineError: no such job.
         """
-        with self._registering:
-            with self._lock:
-                job = self._jobs.pop(name, None)
-                known = sorted(self._jobs)
-            if job is None:
-                registered = f"the jobs registered are {', '.join(map(repr, known))}" if known else "no job is registered"
-                raise UnknownPipelineError(f"no job {name!r} on this daemon: {registered}")
+        with self._lock:
+            job = self._jobs.pop(name, None)
+            known = sorted(self._jobs)
+            if job is not None:
+                self._deleting.add(name)
+        if job is None:
+            registered = f"the jobs registered are {', '.join(map(repr, known))}" if known else "no job is registered"
+            raise UnknownPipelineError(f"no job {name!r} on this daemon: {registered}")
+        try:
             pipe = job.pipeline
             pipe.config = pipe.config.model_copy(update={"keep_on_close": False})
             pipe.close()
+        finally:
+            with self._lock:
+                self._deleting.discard(name)
+                self._deleted.notify_all()
         log.info("job %s deleted", name)
 
     def close(self) -> None:
