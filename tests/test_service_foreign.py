@@ -14,6 +14,7 @@ import socket
 from pathlib import Path
 
 import yaml
+from waiting import wait_until
 
 from cachepipe.service.testing import DaemonProcess
 
@@ -64,6 +65,36 @@ def ask(sock: Path, method: str, route: str, body: dict | None = None) -> tuple[
     with connect(sock) as conn:
         send(conn, method, route, body)
         return answer(conn)
+
+
+def test_consumers_killed_while_their_next_waits_do_not_hold_the_connection_slots(tmp_path, short_dir):
+    # A consumer killed while its `next` waited (no item ready: all leased) held its connection
+    # slot, and a thread, for the whole wait (up to max_wait, 300 s by default): a Go client
+    # whose own timeout is shorter than the daemon's wait leaves one behind at each retry, and
+    # once they filled max_clients every other consumer was refused 503 until their waits ended.
+    sock = short_dir / "api.sock"
+    config = folders_config(tmp_path, sock, 1, max_clients=3, tcp_port=0)  # TCP: slots of its own, to watch
+    with DaemonProcess(config) as daemon:
+        port = int(re.search(r" and http://127\.0\.0\.1:(\d+)", daemon.log()).group(1))
+        status, held = ask(sock, "POST", "/v1/pipelines/train/next", {"timeout": 30})
+        assert status == 200, held
+        ghosts = [connect(sock) for _ in range(3)]
+        try:
+            for ghost in ghosts:
+                send(ghost, "POST", "/v1/pipelines/train/next", {"timeout": 60})
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as tcp:
+                waiting = lambda: send(tcp, "GET", "/v1/status") or answer(tcp)[1]["pipelines"]["train"]["waiting"] == 3  # noqa: E731
+                wait_until(waiting, 30, "three consumers waiting")
+        finally:
+            for ghost in ghosts:
+                ghost.close()  # the consumers die while their requests wait
+        with connect(sock) as consumer:
+            send(consumer, "POST", "/v1/pipelines/train/next", {"timeout": 30})  # was refused 503 (max_clients)
+            status, body = ask(sock, "POST", "/v1/release", {"path": held["path"], "lease": held["lease"]})
+            assert status == 200, body
+            status, got = answer(consumer)  # the item given back reaches the live consumer, not a dead one
+            assert status == 200 and got["name"] == held["name"], got
+        assert "ending the one whose client went away while its request was answered" in daemon.log(), daemon.log()
 
 
 def test_a_request_line_over_the_limit_is_answered_431_naming_it(tmp_path, short_dir):
