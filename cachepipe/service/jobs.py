@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..cache.room import room_at
 from ..config import PipelineConfig, Share, check_absolute_source, with_unit
-from ..errors import CacheRemovedError, ConfigError
+from ..errors import CachePipeError, CacheRemovedError, ConfigError
 from ..manifest import index, read_manifest
 from ..plan import Cursor
 from ..wholefiles import naming
@@ -392,6 +392,22 @@ class Jobs:
             return job.pipeline.take_many(rank, worker, cursor, count, max_bytes, timeout, report_skips)
         except CacheRemovedError as exc:
             raise self._drop(job, exc) from None
+        except (RuntimeError, KeyError) as exc:
+            raise self._deleted_under(job, exc) from exc
+
+    def _deleted_under(self, job: _Job, exc: Exception) -> Exception:
+        """``exc`` from ``job``'s pipeline, or, where :meth:`delete` closed it under the request
+        (its pipeline closed, or its items deleted while the request moved the lane), the 404 that
+        makes a lane register the job again (before: 500 ``internal``, and the lane gave up).
+        One closed by the daemon's stop is left to the caller (503 ``stopping``)."""
+        with self._lock:
+            deleted = not self._closed and self._jobs.get(job.name) is not job
+        if not deleted or isinstance(exc, CachePipeError):
+            return exc
+        return UnknownPipelineError(
+            f"job {job.name!r} was deleted while this request was served; register it again (PUT /v1/jobs/{job.name}) "
+            "to start over"
+        )
 
     def check_caches(self) -> None:
         """Drop every job whose cache directory was removed (see :meth:`take`)."""
@@ -420,7 +436,11 @@ class Jobs:
 
     def consume(self, name: str, rank: int, worker: int, cursor: Cursor) -> None:
         """:meth:`NodePipeline.consume` of job ``name``."""
-        self._job(name).pipeline.consume(rank, worker, cursor)
+        job = self._job(name)
+        try:
+            job.pipeline.consume(rank, worker, cursor)
+        except (RuntimeError, KeyError) as exc:
+            raise self._deleted_under(job, exc) from exc
 
     def delete(self, name: str) -> None:
         """End job ``name``: stop its downloads and delete its cached items.
