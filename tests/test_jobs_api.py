@@ -452,6 +452,36 @@ def test_a_take_waiting_when_the_daemon_stops_is_answered_stopping_and_asks_the_
     assert got["item"].name == first
 
 
+def test_a_take_waiting_when_its_job_is_deleted_is_answered_404_to_register_again(s3_source, fault_proxy, tmp_path, short_dir):
+    """A lane's take waits for an item whose download is slow when its job is deleted (`cachepipe
+    delete-job --force`, or another node's script). The delete closed the job's node pipeline
+    under the request, which was answered 500 "internal" (RuntimeError: closed): a consumer in
+    any language gave up where the docs say a lane still reading registers the job again. Now
+    it is 404, as for a job not registered."""
+    sock = short_dir / "api.sock"
+    config, one, _first, gate = a_job_whose_first_item_is_held(s3_source, fault_proxy, tmp_path, sock, 2)
+    body = json.dumps({"rank": 0, "worker": 0, "epoch": 0, "index": 0, "timeout": 60}).encode()
+    try:
+        with DaemonProcess(config), Client(socket=sock) as admin, socket.socket(socket.AF_UNIX) as waiting:
+            register(sock, "train", one)
+            waiting.settimeout(30)  # a bound on the test's own wait
+            waiting.connect(str(sock))
+            waiting.sendall(b"POST /v1/jobs/train/take HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            wait_until(lambda: admin.status()["jobs"]["job/train"]["waiting"], what="the take waiting in the daemon")
+            admin.delete_job("train")
+            answer = b""
+            while not answer.endswith(b"}\n") and (chunk := waiting.recv(65536)):
+                answer += chunk
+    finally:
+        gate.set()
+    head, _, text = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 404 "), answer  # before: 500 internal "NodePipeline(...) is closed"
+    assert json.loads(text) == {
+        "error": "not_found",
+        "message": "job 'train' was deleted while this request was served; register it again (PUT /v1/jobs/train) to start over",
+    }
+
+
 def test_a_take_waiting_through_two_restarts_waits_for_the_daemon_after_each(s3_source, fault_proxy, tmp_path, short_dir):
     """A lane's take waits for an item whose download is held through two daemon restarts
     (`systemctl restart`, twice). JobClient kept one clock for 503 "stopping" answers for the

@@ -57,7 +57,9 @@ then its connection is closed, with nothing more written on it. Request line and
 headers are capped at ``MAX_HEADER`` bytes in all (431), the body at ``MAX_BODY`` (413); a body
 that is not JSON, or nested too deeply to parse, is a 400, and so is a ``Content-Length`` that is
 given twice or is not a plain number. When ``max_clients`` connections are open, a new one ends
-the connection that has waited longest for its client (idle, or still sending a request), so
+one whose client went away while its request was answered (a ``next`` waiting for a consumer
+killed since), else the connection that has waited longest for its client (idle, or still
+sending a request), so
 connections that send nothing useful cannot lock consumers out; only when every connection is
 busy being answered is the new one refused (503).
 

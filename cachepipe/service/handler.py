@@ -29,7 +29,7 @@ from .. import __version__
 from ..batching import MAX_BATCH
 from ..errors import DAEMON_STORE_CODES
 from .errors import ClientGone
-from .http import MAX_HEADER, DeadlineReader, HeaderBudget, Late, Service, TcpServer, UnixServer, Unread
+from .http import MAX_HEADER, DeadlineReader, HeaderBudget, HeadersTooLarge, Late, Service, TcpServer, UnixServer, Unread
 from .metrics import CONTENT_TYPE
 from .routes import BadRequest, _check_keys, _error_for, _lane, _match, _taken_json, item_json
 
@@ -68,9 +68,10 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             reader.deadline, reader.phase = time.monotonic() + server.deadlines.header, "headers"
             budget = HeaderBudget(self.rfile, MAX_HEADER)
-            self.raw_requestline = budget.readline(65537)
-            if len(self.raw_requestline) > 65536:
-                self.send_error(414, explain="request line over 65536 bytes")
+            try:
+                self.raw_requestline = budget.readline()
+            except HeadersTooLarge:
+                self.send_error(431, explain=f"request line over {MAX_HEADER} bytes: expected a method, a path and HTTP/1.1")
                 return
             self.rfile, real = budget, self.rfile  # type: ignore[assignment]  # parse_request reads the headers
             try:

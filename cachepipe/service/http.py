@@ -4,8 +4,8 @@ asyncio server is in its docstring).
 
 Invariants: a request is read under deadlines, not per-read timeouts (a client that trickles
 bytes does not extend them); its request line and headers never exceed ``MAX_HEADER`` bytes;
-at most ``max_clients`` connections are open, and a full server ends the connection that has
-waited longest for its client before refusing a new one; a server that closes ends a
+at most ``max_clients`` connections are open, and a full server ends one whose client has
+gone, else the connection that has waited longest for its client, before refusing a new one; a server that closes ends a
 connection while it waits for its client, and one whose request is being answered once its
 answer is written (a consumer's ``next`` woken by the stop gets its 503). An answer is written
 under a deadline too: ``header_timeout`` for a client to take it, and no more than
@@ -21,6 +21,7 @@ import errno
 import http.client
 import io
 import logging
+import select
 import socket
 import socketserver
 import sys
@@ -238,19 +239,24 @@ class Server(socketserver.ThreadingMixIn):
         return request, address
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        victim = None
+        victim, why = None, "idle or slow the longest"
         with self._live_lock:
             full = len(self._live) >= self.max_clients
             if full:
+                # first one being answered whose client has gone (a `next` waiting for a consumer killed since)
+                victim = _gone([sock for sock, since in self._live.items() if since is None])
                 waiting = [(since, n, sock) for n, (sock, since) in enumerate(self._live.items()) if since is not None]
-                if waiting:
+                if victim is not None:
+                    why = "whose client went away while its request was answered"
+                elif waiting:
                     victim = min(waiting)[2]  # the one that has waited longest for its client
+                if victim is not None:
                     del self._live[victim]
                     full = False
             if not full:
                 self._live[request] = time.monotonic()
         if victim is not None:
-            log.info("max_clients (%d) connections open: ending the one idle or slow the longest to make room", self.max_clients)
+            log.info("max_clients (%d) connections open: ending the one %s to make room", self.max_clients, why)
             end(victim)
         if full:
             log.warning("refusing a connection: %d clients already connected (max_clients)", self.max_clients)
@@ -327,6 +333,27 @@ class Server(socketserver.ThreadingMixIn):
             log.info("a client connection ended abruptly: %s", exc)
         else:
             log.exception("error while serving a connection")  # noqa: LOG004 - socketserver calls handle_error from inside its except block
+
+
+def _gone(requests: list[socket.socket]) -> socket.socket | None:
+    """One of ``requests`` whose client has closed (or reset) its connection, if any: readable at
+    its end of file. A connection being answered is readable otherwise only with the next request
+    of a client that sends it before its answer came (alive). Does not block."""
+    poller = select.poll()
+    for request in requests:
+        poller.register(request, select.POLLIN | select.POLLRDHUP)
+    by_fd = {request.fileno(): request for request in requests}
+    for fd, events in poller.poll(0):
+        if events & (select.POLLHUP | select.POLLERR):
+            return by_fd[fd]
+        try:
+            if not by_fd[fd].recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                return by_fd[fd]
+        except BlockingIOError:
+            continue
+        except OSError:
+            return by_fd[fd]
+    return None
 
 
 def end(request: socket.socket) -> None:

@@ -390,26 +390,29 @@ class Jobs:
             UnknownPipelineError: the job's cache directory was removed: the job is dropped, and
                 a new registration opens it again in a fresh directory (a lane's
                 :class:`~cachepipe.jobclient.JobClient` registers again and goes on); or the job
-                was deleted while the take waited (as a take after the delete: see :meth:`_gone`).
+                was deleted while the take waited (as a take after the delete: see :meth:`_deleted_under`).
         """
         job = self._job(name)
         try:
             return job.pipeline.take_many(rank, worker, cursor, count, max_bytes, timeout, report_skips)
         except CacheRemovedError as exc:
             raise self._drop(job, exc) from None
-        except RuntimeError as exc:
-            raise self._gone(job, exc) from exc
+        except (RuntimeError, KeyError) as exc:
+            raise self._deleted_under(job, exc) from exc
 
-    def _gone(self, job: _Job, exc: RuntimeError) -> Exception:
-        """``exc`` from ``job``'s pipeline; or, if it closed under the request because the job was
-        deleted (or dropped) meanwhile, not because the daemon stops, the 404 of a request that
-        comes after the delete, so that the lane registers the job again and starts over as that
-        one does (before, 500 ``internal``: "closed", and the lane gave up)."""
+    def _deleted_under(self, job: _Job, exc: Exception) -> Exception:
+        """``exc`` from ``job``'s pipeline, or, where :meth:`delete` closed it under the request
+        (its pipeline closed, or its items deleted while the request moved the lane), the 404 that
+        makes a lane register the job again (before: 500 ``internal``, and the lane gave up).
+        One closed by the daemon's stop is left to the caller (503 ``stopping``)."""
         with self._lock:
-            gone = not self._closed and self._jobs.get(job.name) is not job
-        if gone and not isinstance(exc, CachePipeError):
-            return UnknownPipelineError(f"job {job.name!r} was deleted while this request waited: register it again")
-        return exc
+            deleted = not self._closed and self._jobs.get(job.name) is not job
+        if not deleted or isinstance(exc, CachePipeError):
+            return exc
+        return UnknownPipelineError(
+            f"job {job.name!r} was deleted while this request was served; register it again (PUT /v1/jobs/{job.name}) "
+            "to start over"
+        )
 
     def check_caches(self) -> None:
         """Drop every job whose cache directory was removed (see :meth:`take`)."""
@@ -437,12 +440,12 @@ class Jobs:
             return list(self._jobs.values())
 
     def consume(self, name: str, rank: int, worker: int, cursor: Cursor) -> None:
-        """:meth:`NodePipeline.consume` of job ``name`` (a job deleted meanwhile: see :meth:`_gone`)."""
+        """:meth:`NodePipeline.consume` of job ``name``."""
         job = self._job(name)
         try:
             job.pipeline.consume(rank, worker, cursor)
-        except RuntimeError as exc:
-            raise self._gone(job, exc) from exc
+        except (RuntimeError, KeyError) as exc:
+            raise self._deleted_under(job, exc) from exc
 
     def delete(self, name: str) -> None:
         """End job ``name``: stop its downloads and delete its cached items. A lane still reading

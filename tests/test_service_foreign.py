@@ -1,0 +1,114 @@
+"""The daemon as a consumer in another language meets it: raw HTTP over its Unix socket, not
+cachepipe's own client (a Go or C++ trainer, curl in a shell script), with the mistakes and the
+deaths such clients have.
+
+The daemon runs as a real subprocess over a local source; waits are on events (an answer, a
+refusal, a process exit) with deadlines.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from pathlib import Path
+
+import yaml
+from waiting import wait_until
+
+from cachepipe.service.testing import DaemonProcess
+
+
+def folders_config(tmp_path: Path, sock: Path, count: int, **top) -> Path:
+    """A daemon's config over a local source of ``count`` one-file folders."""
+    src = tmp_path / "src"
+    for i in range(count):
+        (src / f"item{i}").mkdir(parents=True)
+        (src / f"item{i}" / "a.bin").write_bytes(bytes(100))
+    train = {"source": f"{src}/", "cache_dir": str(tmp_path / "cache"), "capacity": "1MiB"}
+    path = tmp_path / "cachepipe.yaml"
+    path.write_text(yaml.safe_dump({"socket": str(sock), **top, "pipelines": {"train": train}}))
+    return path
+
+
+def connect(sock: Path) -> socket.socket:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(30)  # a bound on the test's own waits, not a timed assertion
+    conn.connect(str(sock))
+    return conn
+
+
+def send(conn: socket.socket, method: str, route: str, body: dict | None = None) -> None:
+    data = b"" if body is None else json.dumps(body).encode()
+    head = b"%s %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (method.encode(), route.encode(), len(data))
+    conn.sendall(head + data)
+
+
+def answer(conn: socket.socket) -> tuple[int, dict]:
+    """Read one answer: (status, JSON body); (0, {}) if the connection ended without one."""
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return (0, {}) if not got else (-1, {"unparsed": got.decode("latin-1")})
+        got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    length = re.search(rb"\r\nContent-Length: (\d+)", head)
+    while length and len(body) < int(length.group(1)):
+        chunk = conn.recv(65536)
+        assert chunk, got
+        body += chunk
+    return int(head.split()[1]), json.loads(body) if body else {}
+
+
+def ask(sock: Path, method: str, route: str, body: dict | None = None) -> tuple[int, dict]:
+    with connect(sock) as conn:
+        send(conn, method, route, body)
+        return answer(conn)
+
+
+def test_consumers_killed_while_their_next_waits_do_not_hold_the_connection_slots(tmp_path, short_dir):
+    # A consumer killed while its `next` waited (no item ready: all leased) held its connection
+    # slot, and a thread, for the whole wait (up to max_wait, 300 s by default): a Go client
+    # whose own timeout is shorter than the daemon's wait leaves one behind at each retry, and
+    # once they filled max_clients every other consumer was refused 503 until their waits ended.
+    sock = short_dir / "api.sock"
+    config = folders_config(tmp_path, sock, 1, max_clients=3, tcp_port=0)  # TCP: slots of its own, to watch
+    with DaemonProcess(config) as daemon:
+        port = int(re.search(r" and http://127\.0\.0\.1:(\d+)", daemon.log()).group(1))
+        status, held = ask(sock, "POST", "/v1/pipelines/train/next", {"timeout": 30})
+        assert status == 200, held
+        ghosts = [connect(sock) for _ in range(3)]
+        try:
+            for ghost in ghosts:
+                send(ghost, "POST", "/v1/pipelines/train/next", {"timeout": 60})
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as tcp:
+                waiting = lambda: send(tcp, "GET", "/v1/status") or answer(tcp)[1]["pipelines"]["train"]["waiting"] == 3  # noqa: E731
+                wait_until(waiting, 30, "three consumers waiting")
+        finally:
+            for ghost in ghosts:
+                ghost.close()  # the consumers die while their requests wait
+        with connect(sock) as consumer:
+            send(consumer, "POST", "/v1/pipelines/train/next", {"timeout": 30})  # was refused 503 (max_clients)
+            status, body = ask(sock, "POST", "/v1/release", {"path": held["path"], "lease": held["lease"]})
+            assert status == 200, body
+            status, got = answer(consumer)  # the item given back reaches the live consumer, not a dead one
+            assert status == 200 and got["name"] == held["name"], got
+        assert "ending the one whose client went away while its request was answered" in daemon.log(), daemon.log()
+
+
+def test_a_request_line_over_the_limit_is_answered_431_naming_it(tmp_path, short_dir):
+    # A request line over 64 KiB raised out of the connection's handler: the client got its
+    # connection closed without an answer, and the daemon logged an ERROR with a traceback.
+    sock = short_dir / "api.sock"
+    config = folders_config(tmp_path, sock, 1)
+    with DaemonProcess(config) as daemon, connect(sock) as conn:
+        conn.sendall(b"GET /v1/" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, body = answer(conn)
+        assert status == 431, (status, body)
+        assert body == {
+            "error": "request_header_fields_too_large",
+            "message": "request line over 65536 bytes: expected a method, a path and HTTP/1.1",
+        }
+        assert ask(sock, "GET", "/v1/health")[0] == 200
+        assert "Traceback" not in daemon.log(), daemon.log()
