@@ -1,0 +1,52 @@
+"""What a ModelArts user reading ``obs://`` meets, beyond tests/test_obs_store.py: URLs with odd
+characters, the repr of a pipeline's settings, the messages of a wrong region and of missing
+credentials. Against the moto server, through the OBS SDK; faults from tests/faultproxy.py."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("obs")
+
+from cachepipe.errors import ConfigError
+from cachepipe.stores.obs import ObsStore
+
+BUCKET = "obs-week"
+SECRET = "sk-Week-Secret-0123456789"
+
+
+@pytest.fixture(autouse=True)
+def clean_obs_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No OBS_* variable from the developer's shell leaks into a test."""
+    for name in ("OBS_ACCESS_KEY_ID", "OBS_SECRET_ACCESS_KEY", "OBS_SECURITY_TOKEN", "OBS_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def options(s3_endpoint: str) -> dict:
+    return {"server": s3_endpoint, "access_key_id": "AKWEEK", "secret_access_key": SECRET}
+
+
+@pytest.fixture
+def bucket(s3_client) -> str:
+    s3_client.create_bucket(Bucket=BUCKET)
+    return BUCKET
+
+
+@pytest.mark.parametrize("bucket_name", ["my bucket", "my\tbucket", "my%20bucket", "bücket"])
+def test_a_bucket_name_no_bucket_can_have_is_refused_at_once_naming_it(options: dict, bucket_name: str) -> None:
+    # a space reached the request line unquoted: http.client refused it, and the listing was
+    # retried as an endpoint it could not reach; a tab was dropped (the bucket 'mybucket' read)
+    with pytest.raises(ConfigError, match="bucket name") as info:
+        ObsStore(f"obs://{bucket_name}/video/", options)
+    assert repr(bucket_name) in str(info.value)
+
+
+def test_a_prefix_holding_a_tab_lists_its_own_objects_not_those_of_the_prefix_without_it(
+    options: dict, s3_client, bucket: str
+) -> None:
+    s3_client.put_object(Bucket=bucket, Key="video/tab\tx/f", Body=b"mine")
+    s3_client.put_object(Bucket=bucket, Key="video/tabx/g", Body=b"not mine")
+    with ObsStore(f"obs://{bucket}/video/tab\tx/", options) as store:
+        assert store.prefix == "video/tab\tx/"
+        assert [info.key for info in store.list()] == ["f"]
