@@ -50,3 +50,18 @@ def test_a_prefix_holding_a_tab_lists_its_own_objects_not_those_of_the_prefix_wi
     with ObsStore(f"obs://{bucket}/video/tab\tx/", options) as store:
         assert store.prefix == "video/tab\tx/"
         assert [info.key for info in store.list()] == ["f"]
+
+
+def test_a_pipeline_s_settings_shown_in_a_notebook_hold_no_credentials(tmp_path) -> None:
+    # a notebook shows the value of a cell's last expression: `pipe.config` showed storage_options whole
+    from cachepipe import PipelineConfig
+
+    obs = {"server": "https://obs.example", "access_key_id": "AKWEEK", "secret_access_key": SECRET}
+    obs |= {"security_token": "tok-Week-Secret-abcdef", "proxy_password": "proxy-Week-Secret"}
+    s3 = {"endpoint_url": "http://127.0.0.1:9", "key": "AKWEEK", "secret": SECRET, "token": "tok-Week-Secret-abcdef"}
+    for source, options in (("obs://b/video/", obs), ("s3://b/video/", s3)):
+        cfg = PipelineConfig(source=source, cache_dir=tmp_path, capacity="1MB", storage_options=options)
+        for shown in (repr(cfg), str(cfg)):
+            assert "Week-Secret" not in shown
+            assert source in shown  # the rest is shown as before
+        assert cfg.storage_options == options  # kept whole for the store
