@@ -65,3 +65,22 @@ def test_a_pipeline_s_settings_shown_in_a_notebook_hold_no_credentials(tmp_path)
             assert "Week-Secret" not in shown
             assert source in shown  # the rest is shown as before
         assert cfg.storage_options == options  # kept whole for the store
+
+
+@pytest.fixture
+def proxied(fault_proxy, s3_client, bucket: str) -> tuple:
+    """The fault proxy before the moto server, and storage options with explicit keys through it."""
+    s3_client.put_object(Bucket=bucket, Key="video/item/f", Body=b"data")
+    proxy, endpoint = fault_proxy
+    return proxy, {"server": endpoint, "access_key_id": "AKWEEK", "secret_access_key": SECRET}
+
+
+def test_a_bucket_in_another_region_says_to_set_the_endpoint_of_its_region(proxied, bucket: str) -> None:
+    # OBS answers 301 PermanentRedirect for a bucket of another region (the SDK follows a Location
+    # header where there is one): the message was the permanent 'refused listing' and the code alone
+    proxy, options = proxied
+    proxy.inject("redirect", 1)
+    with ObsStore(f"obs://{bucket}/video/", options) as store, pytest.raises(OSError, match="another region") as info:
+        list(store.list())
+    assert "OBS_ENDPOINT" in str(info.value) and "PermanentRedirect" in str(info.value)
+    assert not isinstance(info.value, ConnectionError)  # not retried

@@ -146,6 +146,12 @@ class _ObsSeam:
             return StoreUnavailableError(f"OBS at {self.endpoint} is unavailable or throttling {detail}, {doing} {target}")
         if status is None:
             return StoreUnavailableError(f"cannot reach OBS endpoint {self.endpoint}: no response, {doing} {target}")
+        if status in (301, 307) or code in ("PermanentRedirect", "TemporaryRedirect"):  # a Location the SDK follows
+            return OSError(
+                f"OBS at {self.endpoint} redirected {doing} {target} {detail} without saying where: the bucket "
+                f"{self.bucket!r} is most likely in another region; set storage_options['server'] or {_ENV_ENDPOINT} "
+                "to the endpoint of the bucket's region"
+            )
         return OSError(f"OBS at {self.endpoint} refused {doing} {target} {detail}")
 
     def _credential_hint(self) -> str:
