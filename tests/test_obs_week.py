@@ -84,3 +84,25 @@ def test_a_bucket_in_another_region_says_to_set_the_endpoint_of_its_region(proxi
         list(store.list())
     assert "OBS_ENDPOINT" in str(info.value) and "PermanentRedirect" in str(info.value)
     assert not isinstance(info.value, ConnectionError)  # not retried
+
+
+class _NoCredentials:
+    """An SDK credential provider that has none (as the ECS metadata provider off ModelArts)."""
+
+    @staticmethod
+    def search() -> dict:
+        raise LookupError("no credentials here")
+
+
+def test_access_denied_with_no_keys_given_says_the_providers_may_have_found_none(proxied, bucket: str) -> None:
+    # with no keys given, the SDK asks its providers on each request and, when none has any, sends
+    # the request unsigned: OBS's AccessDenied then was reported as credentials 'accepted but lack
+    # permission', with nothing on how to give keys off ModelArts
+    proxy, options = proxied
+    proxy.inject("403", 1)
+    found_none = {"server": options["server"], "security_providers": [_NoCredentials]}  # not ECS metadata: no request to it
+    with ObsStore(f"obs://{bucket}/video/", found_none) as store:
+        assert store.credential_source == "provider"
+        with pytest.raises(PermissionError, match="found none") as info:
+            list(store.list())
+    assert "OBS_ACCESS_KEY_ID" in str(info.value) and "accepted" not in str(info.value)
