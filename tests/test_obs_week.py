@@ -106,3 +106,31 @@ def test_access_denied_with_no_keys_given_says_the_providers_may_have_found_none
         with pytest.raises(PermissionError, match="found none") as info:
             list(store.list())
     assert "OBS_ACCESS_KEY_ID" in str(info.value) and "accepted" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("where", "key", "value"),
+    [
+        ("options", "access_key_id", "AK\u2013WEEK"),  # an en dash, pasted from a web page
+        ("options", "security_token", "tok-Week-Secret\u00a0abc"),  # a no-break space
+        ("env", "secret_access_key", "sk-Week-Secret-0123\r"),  # a .env file with CRLF line ends
+    ],
+)
+def test_a_credential_holding_a_character_no_key_has_is_refused_naming_where_it_came_from(
+    s3_endpoint: str, monkeypatch: pytest.MonkeyPatch, where: str, key: str, value: str
+) -> None:
+    # a non-Latin-1 character failed at the first request as a bare UnicodeEncodeError ("'latin-1'
+    # codec can't encode character '\u2013' in position 6"); a CR was sent into the signature
+    creds = {"access_key_id": "AKWEEK", "secret_access_key": SECRET} | {key: value}
+    options = {"server": s3_endpoint}
+    if where == "options":
+        options |= creds
+        named = f"storage_options[{key!r}]"
+    else:
+        for name, env in (("access_key_id", "OBS_ACCESS_KEY_ID"), ("secret_access_key", "OBS_SECRET_ACCESS_KEY")):
+            monkeypatch.setenv(env, creds[name])
+        named = "$OBS_SECRET_ACCESS_KEY"
+    with pytest.raises(ConfigError) as info:
+        ObsStore("obs://b/video/", options)
+    assert named in str(info.value) and "ASCII" in str(info.value)
+    assert value not in str(info.value) and "Week-Secret" not in str(info.value)

@@ -164,6 +164,14 @@ def _resolve_settings(storage_options: Mapping[str, Any], environ: Mapping[str, 
         if not isinstance(creds.get(key), str) or not creds[key].strip():
             have = ", ".join(names[k] for k in creds)
             raise ConfigError(f"OBS credentials are incomplete: {have} given but {names[key]} is missing or empty")
+    for key, value in creds.items():
+        if isinstance(value, str) and not (value.isascii() and value.isprintable() and not any(c.isspace() for c in value)):
+            # the SDK sends the key and the token in headers (Latin-1): a dash or a space pasted with
+            # them failed as a bare UnicodeEncodeError, or as a signature OBS does not match
+            raise ConfigError(
+                f"{names[key]} holds a space, a control character or a character outside ASCII (pasted with it?); "
+                "OBS access keys, secret keys and security tokens are ASCII letters, digits and signs only"
+            )
     kwargs.update(creds)
     return _Settings(endpoint=endpoint, credential_source=source, client_kwargs=kwargs)
 
