@@ -148,7 +148,8 @@ class PipelineConfig(BaseModel):
             1 MiB is allowed with a warning: ``"100"`` is 100 bytes.
         items: ``"folders"``: each first-level folder under the prefix is one item (default);
             ``"files"``: each object is one item.
-        storage_options: passed to the store (s3fs/fsspec options, or OBS settings).
+        storage_options: passed to the store (s3fs/fsspec options, or OBS settings); not shown in
+            the config's repr (they hold credentials).
         prefetch: most items downloaded ahead of the consumer (staging + ready); None (default):
             as many as the capacity allows.
         max_concurrency: requests in flight across all items and files at most (default 64).
@@ -293,7 +294,9 @@ class PipelineConfig(BaseModel):
     cache_dir: Annotated[Path, BeforeValidator(check_cache_dir)]
     capacity: Capacity
     items: Literal["folders", "files"] = "folders"
-    storage_options: dict[str, Any] = Field(default_factory=dict)
+    # not in the repr: a notebook shows `pipe.config`, and these hold the credentials (a backend's
+    # secret may be under any name, nested: client_kwargs, an Azure connection string, a GCS token)
+    storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
     prefetch: int | None = Field(default=None, ge=1)
     max_concurrency: int = Field(default=64, ge=1, le=1024)
     max_large_requests: int = Field(default=16, ge=1, le=1024)

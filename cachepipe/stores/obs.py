@@ -30,6 +30,8 @@ Error seam: the SDK does not raise for HTTP errors, it returns a result with ``s
         a connect or a reply timed out at a listing
         or a check before OBS ever answered             StoreUnreachableError "cannot reach OBS endpoint" (not retried)
     refused once OBS answered, reset, TLS, broken HTTP  StoreUnavailableError "cannot reach OBS endpoint"
+    HTTP 301/307 the SDK could not follow (no Location:
+        a bucket of another region)                     OSError            "... another region; set ... the endpoint"
     anything else (400, 416...)                         OSError            permanent
 
 Messages carry the OBS error code and message; the code is also the attribute ``code`` of the

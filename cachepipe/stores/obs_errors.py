@@ -137,6 +137,13 @@ class _ObsSeam:
                 f"OBS at {self.endpoint} rejected the credentials {detail} {doing} {target}; "
                 f"check the access key pair and token (credentials from: {self._credential_hint()})"
             )
+        if status == 403 and self.credential_source == "provider":  # the SDK sends unsigned when no provider has any
+            return PermissionError(
+                f"access denied to {target} {detail}: no keys were given, and the credentials of the SDK's providers "
+                "(ECS metadata, OIDC) lack permission for this bucket or object, or they found none and the request "
+                "went unsigned; off ModelArts, pass access_key_id and secret_access_key in storage_options or set "
+                "OBS_ACCESS_KEY_ID and OBS_SECRET_ACCESS_KEY"
+            )
         if status == 403:
             return PermissionError(
                 f"access denied to {target} {detail}: the credentials (from: {self._credential_hint()}) were "
@@ -146,6 +153,12 @@ class _ObsSeam:
             return StoreUnavailableError(f"OBS at {self.endpoint} is unavailable or throttling {detail}, {doing} {target}")
         if status is None:
             return StoreUnavailableError(f"cannot reach OBS endpoint {self.endpoint}: no response, {doing} {target}")
+        if status in (301, 307) or code in ("PermanentRedirect", "TemporaryRedirect"):  # a Location the SDK follows
+            return OSError(
+                f"OBS at {self.endpoint} redirected {doing} {target} {detail} without saying where: the bucket "
+                f"{self.bucket!r} is most likely in another region; set storage_options['server'] or {_ENV_ENDPOINT} "
+                "to the endpoint of the bucket's region"
+            )
         return OSError(f"OBS at {self.endpoint} refused {doing} {target} {detail}")
 
     def _credential_hint(self) -> str:

@@ -164,24 +164,48 @@ def _resolve_settings(storage_options: Mapping[str, Any], environ: Mapping[str, 
         if not isinstance(creds.get(key), str) or not creds[key].strip():
             have = ", ".join(names[k] for k in creds)
             raise ConfigError(f"OBS credentials are incomplete: {have} given but {names[key]} is missing or empty")
+    for key, value in creds.items():
+        if isinstance(value, str) and not (value.isascii() and value.isprintable() and not any(c.isspace() for c in value)):
+            # the SDK sends the key and the token in headers (Latin-1): a dash or a space pasted with
+            # them failed as a bare UnicodeEncodeError, or as a signature OBS does not match
+            raise ConfigError(
+                f"{names[key]} holds a space, a control character or a character outside ASCII (pasted with it?); "
+                "OBS access keys, secret keys and security tokens are ASCII letters, digits and signs only"
+            )
     kwargs.update(creds)
     return _Settings(endpoint=endpoint, credential_source=source, client_kwargs=kwargs)
 
 
+_BUCKET = re.compile(r"[A-Za-z0-9._-]+")
+"""The characters a bucket name may hold (OBS's own names: lowercase letters, digits, ``-`` and
+``.``; upper case and ``_`` as botocore allows them for S3): any other (a space, a control
+character, ``%``) the SDK would put in the request line unquoted."""
+
+
 def _parse_url(url: str) -> tuple[str, str]:
-    """``obs://bucket/prefix`` -> ``(bucket, 'prefix/')``; an empty prefix stays empty."""
-    parts = urlsplit(url)
-    if parts.scheme != "obs" or not parts.netloc:
+    """``obs://bucket/prefix`` -> ``(bucket, 'prefix/')``; an empty prefix stays empty.
+
+    Split by hand, not by :func:`urllib.parse.urlsplit`, which removes every tab, CR and LF from
+    a URL: ``obs://b/a\tb/`` would list the prefix ``ab/``, and ``obs://b\tc/`` the bucket ``bc``.
+    """
+    scheme, sep, rest = url.partition("://")
+    bucket, _, path = rest.partition("/")
+    if scheme.lower() != "obs" or not sep or not bucket:
         raise ConfigError(f"expected a URL like 'obs://bucket/prefix/', got {url!r}")
-    if "@" in parts.netloc or ":" in parts.netloc:
+    if "@" in bucket or ":" in bucket:
         # Do not echo it: the part before '@' may be a key pair.
         raise ConfigError("an obs:// URL must not carry credentials or a port; use storage_options or OBS_* variables")
-    if parts.query or parts.fragment:
+    if "?" in rest or "#" in rest:
         raise ConfigError(f"an obs:// URL takes no query or fragment, got {url!r}")
-    prefix = parts.path.lstrip("/")
+    if not _BUCKET.fullmatch(bucket):
+        raise ConfigError(
+            f"{url!r}: the bucket name {bucket!r} holds a character no bucket name has; expected lowercase letters, "
+            "digits, '-' and '.' (OBS's bucket names), the bucket first and the prefix after its '/'"
+        )
+    prefix = path.lstrip("/")
     if prefix and not prefix.endswith("/"):
         prefix += "/"
-    return parts.netloc, prefix
+    return bucket, prefix
 
 
 def _shown(key: str, value: object) -> str:
