@@ -179,6 +179,17 @@ def test_two_deleters_on_memory_file_systems_and_four_elsewhere():
     assert filesystem_at(SHM) == "tmpfs"  # read from this machine's mounts, where /dev/shm is tmpfs
 
 
+def publish_all(cache, catalog) -> None:
+    """Recover ``cache`` (opened) over ``catalog`` from nothing, and publish each item (a file
+    ``f`` of 10 bytes), in catalog order."""
+    cache.recover(catalog, resume=False)
+    for step, item in enumerate(catalog):
+        assert cache.acquire(item, step) is True
+        staged = Path(cache.stage(item))
+        (staged / "f").write_bytes(b"x" * 10)
+        cache.publish(staged, item)
+
+
 @pytest.mark.parametrize("where", ["tmp_path", SHM])
 def test_only_a_few_threads_delete_acknowledged_items_at_once(where, tmp_path):
     """Eight threads acknowledge an item each at once, as the daemon's request threads do, and
@@ -218,12 +229,7 @@ def test_only_a_few_threads_delete_acknowledged_items_at_once(where, tmp_path):
                     inside -= 1
 
         try:
-            cache.recover(catalog, resume=False)
-            for step, item in enumerate(catalog):
-                assert cache.acquire(item, step) is True
-                staged = Path(cache.stage(item))
-                (staged / "f").write_bytes(b"x" * 10)
-                cache.publish(staged, item)
+            publish_all(cache, catalog)
             start = threading.Barrier(8, timeout=30)
 
             def ack(step: int) -> None:
@@ -294,3 +300,62 @@ def test_close_waits_for_the_deletion_of_items_acknowledged_before(tmp_path):
             closer.join(30)
     assert not acker.is_alive() and not closer.is_alive()
     assert not (root / "i0").exists()
+
+
+def test_an_item_acknowledged_while_close_deletes_the_rest_is_not_deleted_twice(tmp_path):
+    """A job deleted while a lane consumes (`cachepipe delete-job --force`; a daemon's pipeline
+    closed without keep_on_close while a client acks): close deletes the published items it
+    listed, and one of them acknowledged meanwhile was looked up again (KeyError): the close
+    failed half done, the other items left on disk, the store not closed. And the ack's own
+    deletion must end before close lets the cache go. Profile hooks hold close in the deletion
+    of its first item while another thread acknowledges the last, then hold that ack's deletion."""
+    from cachepipe.cache import Cache
+    from cachepipe.catalog import Catalog
+
+    catalog = Catalog(mode="folders")
+    for name in ("i0", "i1", "i2"):
+        catalog.add(name, [("f", 10, None)])
+    root = tmp_path / "c"
+    cache = Cache(root, 1 << 20)
+    cache.open()
+    publish_all(cache, catalog)
+    failed: list[BaseException] = []
+
+    def held_in_rmdir(target, held: threading.Event, go: threading.Event) -> threading.Thread:
+        """``target`` in a thread whose first ``rmdir`` waits for ``go`` (``held`` set then)."""
+
+        def hook(_frame, event, arg) -> None:
+            if event == "c_call" and getattr(arg, "__name__", None) == "rmdir" and not held.is_set():
+                held.set()
+                go.wait(30)
+
+        def run() -> None:
+            sys.setprofile(hook)
+            try:
+                target()
+            except Exception as exc:  # noqa: BLE001 - what it raised, checked below
+                failed.append(exc)
+            finally:
+                sys.setprofile(None)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    (closing, close_go), (acking, ack_go) = (threading.Event(), threading.Event()), (threading.Event(), threading.Event())
+    closer = held_in_rmdir(cache.close, closing, close_go)
+    try:
+        assert closing.wait(30)  # close holds the list of items it deletes, and deletes the first
+        acker = held_in_rmdir(lambda: cache.evict_many([("i2", 0, 2)]), acking, ack_go)
+        assert acking.wait(30)  # i2 acknowledged, its files being deleted
+        close_go.set()
+        closer.join(0.3)
+        assert closer.is_alive()  # waiting for the ack's deletion
+    finally:
+        close_go.set()
+        ack_go.set()
+        closer.join(30)
+        acker.join(30)
+    assert not closer.is_alive() and not acker.is_alive() and failed == []
+    assert sorted(os.listdir(root)) == [".cachepipe"]  # every item gone
+    assert not cache._lock.held  # released: the next owner can open it

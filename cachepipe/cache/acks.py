@@ -199,10 +199,14 @@ class _Acks:
         else:
             self.drop(name)
 
-    def drop(self, name: str) -> None:
+    def drop(self, name: str, gone_ok: bool = False) -> None:
         """Delete a published item that was not acknowledged (closing, a leftover in the way, or a
-        retention victim): its files go first, then the journal records it (see :meth:`_delete`)."""
+        retention victim): its files go first, then the journal records it (see :meth:`_delete`).
+        ``gone_ok``: an item no longer published (acknowledged or dropped by another thread since
+        the caller listed it) is left as it is, not a ``KeyError``."""
         with self._cond:
+            if gone_ok and name not in self.record.published:
+                return
             size = self.record.dropping(name)
             self._recovered.pop(name, None)
         self._delete(name, size, dropped=True)

@@ -378,7 +378,9 @@ class Cache(_Publishing):
         try:
             if not keep and self.record.journal.is_open:  # else recovery never finished: the next open decides
                 for name in list(self.record.published):
-                    self.drop(name)
+                    self.drop(name, gone_ok=True)  # a consumer may ack meanwhile (a job deleted under its lanes)
+            with self._cond:  # and the files of its acks go while the cache is still ours
+                self._cond.wait_for(lambda: not self._acks_deleting)
             try:
                 shutil.rmtree(self.staging_root)
             except FileNotFoundError:
