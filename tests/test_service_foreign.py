@@ -112,3 +112,13 @@ def test_a_request_line_over_the_limit_is_answered_431_naming_it(tmp_path, short
         }
         assert ask(sock, "GET", "/v1/health")[0] == 200
         assert "Traceback" not in daemon.log(), daemon.log()
+
+
+def test_a_next_that_finds_nothing_in_time_names_the_wait_it_asked_for(tmp_path, short_dir):
+    # A 408 said what was left of the wait at the pipeline's last try, to the nanosecond: "no
+    # item became ready within 0.29999712598510087 s" for a request of 0.3 s.
+    sock = short_dir / "api.sock"
+    with DaemonProcess(folders_config(tmp_path, sock, 1)):
+        assert ask(sock, "POST", "/v1/pipelines/train/next", {"timeout": 30})[0] == 200  # the only item, leased
+        status, body = ask(sock, "POST", "/v1/pipelines/train/next", {"timeout": 0.3})
+    assert (status, body) == (408, {"error": "timeout", "message": "no item became ready within 0.3 s"})
