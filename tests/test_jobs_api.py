@@ -358,6 +358,26 @@ def test_jobs_section_is_checked(tmp_path):
     assert "overlaps jobs.root '/data/jobs'" in error_of(overlap)
 
 
+def test_the_daemon_s_settings_shown_hold_no_credentials(tmp_path):
+    """The repr of the daemon's settings (a log line, a debugger, an error's context) printed the
+    jobs section's storage options whole, secret key included; as a pipeline's settings, not now."""
+    path = tmp_path / "c.yaml"
+    secret = {"key": "AKIDEXAMPLE", "secret": "s3cr3t-value", "client_kwargs": {"aws_session_token": "t0ken-value"}}
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "socket": "/run/x.sock",
+                "jobs": {"root": "/j", "capacity": "1GiB", "options": {"storage_options": secret}},
+                "pipelines": {"train": {"source": "s3://b/", "cache_dir": "/c", "capacity": "1GiB", "storage_options": secret}},
+            }
+        )
+    )
+    config = load_config(path)
+    assert config.jobs.options["storage_options"] == secret  # kept for the jobs' stores
+    for shown in (repr(config), str(config), repr(config.jobs)):
+        assert "s3cr3t-value" not in shown and "t0ken-value" not in shown, shown
+
+
 def test_a_take_left_waiting_by_a_consumer_that_went_away_does_not_move_the_lane_of_the_next(
     s3_source, fault_proxy, tmp_path, short_dir
 ):

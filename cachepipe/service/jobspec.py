@@ -49,7 +49,8 @@ class JobsConfig(BaseModel):
         max_manifest: largest manifest a job may upload, in bytes (default 1 GiB; a manifest
             takes about 30 bytes per item of a folder of two files).
         options: :class:`~cachepipe.PipelineConfig` options for every job (``storage_options``,
-            ``max_concurrency``, ``part_size``...); not the ones a job gives or the node decides.
+            ``max_concurrency``, ``part_size``...); not the ones a job gives or the node decides. Not
+            in the repr: its ``storage_options`` hold credentials.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -59,7 +60,7 @@ class JobsConfig(BaseModel):
     sources: list[str] = Field(default_factory=list)
     max_jobs: int = Field(default=4, ge=1, le=1024)
     max_manifest: Annotated[int, BeforeValidator(lambda v: parse_size(v, "jobs.max_manifest"))] = 2**30
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: dict[str, Any] = Field(default_factory=dict, repr=False)  # its storage_options hold credentials
 
     @model_validator(mode="after")
     def _check(self) -> JobsConfig:
