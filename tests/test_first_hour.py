@@ -910,3 +910,10 @@ def test_a_missing_bucket_or_object_of_a_real_store_is_not_said_to_be_another_se
             store.check_bucket()
         finally:
             store.close()
+
+
+@pytest.mark.parametrize(("given", "meant"), [("OBS://bucket/videos/", "obs://bucket/videos/"), ("S3://b/p/", "s3://b/p/")])
+def test_a_scheme_in_capitals_says_schemes_are_lower_case(tmp_path: Path, given: str, meant: str) -> None:
+    # It listed every protocol fsspec knows, obs and s3 among them, as if the scheme were unknown.
+    with pytest.raises(ConfigError, match=re.escape(f"in {given!r}: schemes are lower case; expected {meant!r}")):
+        Pipeline(given, tmp_path / "cache", "1MiB").open()

@@ -142,6 +142,11 @@ def _filesystem_class(url: str) -> type:
         raise ImportError(f"{protocol}:// needs {what}", name=exc.name) from exc  # the caller names the URL
     except ValueError as exc:
         known = sorted({"obs", *fsspec.available_protocols()})
+        if protocol.lower() in known:  # 'S3://', 'OBS://': what a hand or a spreadsheet writes
+            lower = protocol.lower() + url[len(protocol) :]
+            raise ConfigError(
+                f"unknown URL scheme {protocol + '://'!r} in {url!r}: schemes are lower case; expected {lower!r}"
+            ) from exc
         raise ConfigError(
             f"unknown URL scheme {protocol + '://'!r} in {url!r}; cachepipe serves s3://, obs://, file:// "
             f"(or a plain path) and memory://, and fsspec also knows: {', '.join(known)}"
