@@ -122,3 +122,24 @@ def test_a_next_that_finds_nothing_in_time_names_the_wait_it_asked_for(tmp_path,
         assert ask(sock, "POST", "/v1/pipelines/train/next", {"timeout": 30})[0] == 200  # the only item, leased
         status, body = ask(sock, "POST", "/v1/pipelines/train/next", {"timeout": 0.3})
     assert (status, body) == (408, {"error": "timeout", "message": "no item became ready within 0.3 s"})
+
+
+def test_the_codes_of_malformed_requests_are_the_same_on_every_python():
+    # They were made from the standard library's reason phrases: a body too large was
+    # "request_entity_too_large" up to Python 3.12 and "content_too_large" from 3.13, and a 414
+    # "request-uri_too_long". A client in another language matches on them.
+    from http import HTTPStatus
+
+    from cachepipe.service.routes import malformed_code
+
+    assert [malformed_code(s) for s in (400, 404, 405, 408, 411, 413, 414, 431)] == [
+        "bad_request",
+        "not_found",
+        "method_not_allowed",
+        "request_timeout",
+        "length_required",
+        "request_entity_too_large",
+        "request_uri_too_long",
+        "request_header_fields_too_large",
+    ]
+    assert all(re.fullmatch(r"[a-z_]+", malformed_code(status)) for status in HTTPStatus if status >= 400)

@@ -31,7 +31,7 @@ from ..errors import DAEMON_STORE_CODES
 from .errors import ClientGone
 from .http import MAX_HEADER, DeadlineReader, HeaderBudget, HeadersTooLarge, Late, Service, TcpServer, UnixServer, Unread
 from .metrics import CONTENT_TYPE
-from .routes import BadRequest, _check_keys, _error_for, _lane, _match, _taken_json, item_json
+from .routes import BadRequest, _check_keys, _error_for, _lane, _match, _taken_json, item_json, malformed_code
 
 __all__: list[str] = []
 
@@ -117,7 +117,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self._reply(
                 code,
-                {"error": "bad_request" if code == 400 else HTTPStatus(code).phrase.lower().replace(" ", "_"), "message": text},
+                {"error": malformed_code(code), "message": text},
             )
         except OSError:
             pass  # the client went away

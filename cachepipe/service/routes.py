@@ -87,9 +87,32 @@ def _store_answer(exc: BaseException) -> tuple[int, str] | None:
     return 502, "store_error"
 
 
+# The "error" of the answers a malformed request gets, by status: fixed here, not made from the
+# standard library's reason phrases, which change between Python versions (413 is "Content Too
+# Large" from 3.13, "Request Entity Too Large" before) and hold a '-' ("Request-URI Too Long").
+_MALFORMED = {
+    400: "bad_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    411: "length_required",
+    413: "request_entity_too_large",
+    414: "request_uri_too_long",
+    431: "request_header_fields_too_large",
+    501: "not_implemented",
+    505: "http_version_not_supported",
+}
+
+
+def malformed_code(status: int) -> str:
+    """The ``error`` code of an answer to a malformed request of HTTP ``status``: the same on
+    every Python version, letters and ``_`` only."""
+    return _MALFORMED.get(status) or re.sub(r"[^a-z]+", "_", HTTPStatus(status).phrase.lower())
+
+
 def _error_for(exc: BaseException) -> tuple[int, str]:
     if isinstance(exc, BadRequest):
-        return exc.status, "bad_request" if exc.status == 400 else HTTPStatus(exc.status).phrase.lower().replace(" ", "_")
+        return exc.status, malformed_code(exc.status)
     store = _store_answer(exc)  # before TimeoutError: a store's timeout is not a wait that ran out (408)
     if store is not None:
         return store
