@@ -143,3 +143,21 @@ def test_the_codes_of_malformed_requests_are_the_same_on_every_python():
         "request_header_fields_too_large",
     ]
     assert all(re.fullmatch(r"[a-z_]+", malformed_code(status)) for status in HTTPStatus if status >= 400)
+
+
+def test_connections_ended_at_max_clients_are_logged_a_few_lines_at_a_time(tmp_path, short_dir):
+    # Each connection ended to make room was a line of the log: 1,744 for 2,000 connections of a
+    # client that opens one per request. Three lines, then a count of those held back.
+    sock = short_dir / "api.sock"
+    with DaemonProcess(folders_config(tmp_path, sock, 1, max_clients=2)) as daemon:
+        opened = []
+        try:
+            opened.extend(connect(sock) for _ in range(20))  # each new one ends the one idle the longest
+            send(opened[-1], "GET", "/v1/health")
+            assert answer(opened[-1])[0] == 200
+        finally:
+            for conn in opened:
+                conn.close()
+        lines = [line for line in daemon.log().splitlines() if "max_clients (2) connections open: ending" in line]
+    assert len(lines) == 3, lines  # before: 18 or more
+    assert lines[-1].endswith("to make room (similar messages are held back for 30 s)"), lines

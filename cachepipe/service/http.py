@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
+from ..logfallback import RateLimit
 from ..pipeline import CachedItem
 from .errors import ClientGone
 from .metrics import Metrics
@@ -209,6 +210,7 @@ class Server(socketserver.ThreadingMixIn):
         # connection -> since when its answer is being written; notified as each write ends
         self._writing: dict[socket.socket, float] = {}
         self._written = threading.Condition(self._live_lock)
+        self._said = RateLimit()  # the lines of connections ended or refused at max_clients: 3 of a kind per 30 s, then a count
 
     def set_waiting(self, request: socket.socket, waiting: bool) -> None:
         with self._live_lock:
@@ -256,10 +258,14 @@ class Server(socketserver.ThreadingMixIn):
             if not full:
                 self._live[request] = time.monotonic()
         if victim is not None:
-            log.info("max_clients (%d) connections open: ending the one %s to make room", self.max_clients, why)
+            said = self._said.admit(why)  # one line per connection ended: thousands under a storm of connections
+            if said is not None:
+                log.info("max_clients (%d) connections open: ending the one %s to make room%s", self.max_clients, why, said)
             end(victim)
         if full:
-            log.warning("refusing a connection: %d clients already connected (max_clients)", self.max_clients)
+            said = self._said.admit("refused")
+            if said is not None:
+                log.warning("refusing a connection: %d clients already connected (max_clients)%s", self.max_clients, said)
             body = b'{"error": "unavailable", "message": "too many connections (max_clients)"}\n'
             try:
                 request.sendall(
