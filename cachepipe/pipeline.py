@@ -310,7 +310,8 @@ class Pipeline(_Handout):
             ItemFailedError: the next item failed (``on_error="raise"``); the cause is chained.
             OSError, OversizeError, UnsafeKeyError, EmptySourceError: a listing that streams stopped
                 after :meth:`open` (whatever ``on_error``; an unsafe key stops it with
-                ``on_error="raise"`` only), raised once the items listed before it.
+                ``on_error="raise"`` only), raised once the items listed before it are delivered,
+                and by every later call (never None after it: the rest of the source is unknown).
             RuntimeError: the pipeline is not open.
         """
         got = self.get_many(1, timeout)

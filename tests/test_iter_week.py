@@ -6,11 +6,13 @@ from __future__ import annotations
 import io
 import os
 import tarfile
+import traceback
 from pathlib import Path
 
 import pytest
 
-from cachepipe import Pipeline
+from cachepipe import Pipeline, UnsafeKeyError
+from cachepipe.listing import FIRST_PAGE_OBJECTS
 
 
 def _clips(src: Path, n: int) -> list[str]:
@@ -51,4 +53,31 @@ def test_items_kept_on_close_are_not_handed_to_a_pipeline_that_unpacks_or_prepar
         assert pipe.stats().items_reused == 0
     expected = ["frame.bin", "text.txt"] if how == "unpack" else ["prepared", "text.txt", "video.tar"]
     assert seen == dict.fromkeys(names, expected)
+
+
+def test_a_listing_stopped_after_open_is_raised_by_every_later_get_not_taken_for_the_end(tmp_path):
+    # Beyond the first listing page, an item with a key that cannot be stored stops the streamed
+    # listing (on_error="raise"): raised once the items before it are delivered. A get after it
+    # returned None, as at the end of a complete pass, and a second loop ended without a word: a
+    # consumer thread that came later, or a loop run again, took a pass cut short for a whole one.
+    src = tmp_path / "src"
+    for i in range(FIRST_PAGE_OBJECTS + 20):
+        (src / f"item{i:04d}").mkdir(parents=True)
+        (src / f"item{i:04d}" / "f").write_bytes(b"x")
+    bad = src / f"item{FIRST_PAGE_OBJECTS + 10:04d}"
+    (bad / "f").rename(bad / "a\\b")  # a backslash: refused as a key
+    with Pipeline(src, tmp_path / "cache", "1MiB") as pipe:
+        delivered = []
+        with pytest.raises(UnsafeKeyError, match="contains a backslash"):  # noqa: PT012 - raised by the loop, in its turn
+            for item in pipe:
+                delivered.append(item.name)  # noqa: PERF401 - the loop is what is tested
+        assert len(delivered) == FIRST_PAGE_OBJECTS + 10
+        frames = []
+        for _ in range(2):
+            with pytest.raises(UnsafeKeyError, match="contains a backslash") as raised:
+                pipe.get(timeout=30)
+            frames.append(len(traceback.extract_tb(raised.value.__traceback__)))
+        assert frames[0] == frames[1]  # raised from where it was reported each time, its traceback not grown
+        with pytest.raises(UnsafeKeyError, match="contains a backslash"):
+            next(iter(pipe))
 
