@@ -81,3 +81,19 @@ def test_a_listing_stopped_after_open_is_raised_by_every_later_get_not_taken_for
         with pytest.raises(UnsafeKeyError, match="contains a backslash"):
             next(iter(pipe))
 
+
+def test_a_loop_over_a_pipeline_its_first_loop_closed_raises_instead_of_ending_at_once(tmp_path):
+    # Iterated without `with`, a loop opens the pipeline and closes it when it ends, by a break
+    # too. A second loop over it ended at once, without an error, as if every item had been
+    # delivered; it raises, as get() does on a closed pipeline.
+    src = tmp_path / "src"
+    for i in range(4):
+        (src / f"item{i}").mkdir(parents=True)
+        (src / f"item{i}" / "f").write_bytes(b"x")
+    pipe = Pipeline(src, tmp_path / "cache", "1MiB")
+    for _item in pipe:
+        break
+    with pytest.raises(RuntimeError, match="is closed: create a new Pipeline"):
+        next(iter(pipe))
+    with pytest.raises(RuntimeError, match="is closed"):
+        pipe.get()
