@@ -148,7 +148,17 @@ class _Pass:
                     f"state was saved with catalog_digest={saved!r}, this pipeline's catalog has "
                     f"catalog_digest={self._catalog_digest!r}: cannot resume over other data"
                 )
-            plan.load_state_dict(self._start_state)  # an explicit position wins over the journal's
+            try:
+                plan.load_state_dict(self._start_state)  # an explicit position wins over the journal's
+            except ValueError as exc:
+                if eligible is None or self._start_state.get("n_items") != len(catalog):
+                    raise
+                largest = max(catalog.sizes[i] for i in set(range(len(catalog))) - set(eligible))
+                raise ConfigError(
+                    f"{exc}: {len(catalog) - len(eligible)} item(s) of the state's plan (the largest {largest} bytes) "
+                    f"do not fit this cache's capacity of {cache.capacity} bytes and were left out of this one "
+                    "(on_oversize='skip'); resume with a capacity that holds them"
+                ) from exc
             cursor, acked = plan.start, set()
         elif cfg.start_epoch and tuple(cursor) == (0, 0) and not acked:  # nothing resumed
             cursor = plan.start = plan.normalise(Cursor(cfg.start_epoch, 0))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cachepipe import Pipeline, UnsafeKeyError
+from cachepipe import ConfigError, Pipeline, UnsafeKeyError
 from cachepipe.listing import FIRST_PAGE_OBJECTS
 
 
@@ -97,3 +97,22 @@ def test_a_loop_over_a_pipeline_its_first_loop_closed_raises_instead_of_ending_a
         next(iter(pipe))
     with pytest.raises(RuntimeError, match="is closed"):
         pipe.get()
+
+
+def test_a_state_loaded_where_a_smaller_capacity_leaves_an_item_out_says_so(tmp_path):
+    # A state loads into a pipeline of another capacity; but one whose capacity leaves an item
+    # out of its plan (on_oversize="skip", planning alone) has a plan of fewer items, and the
+    # refusal said only "n_items=4, this plan has n_items=3", not why nor what to do.
+    src = tmp_path / "src"
+    for i in range(4):
+        (src / f"item{i}").mkdir(parents=True)
+        (src / f"item{i}" / "f").write_bytes(bytes(9000 if i == 2 else 100))
+    options = {"epochs": 2, "shuffle": True, "seed": 5, "rank": 0, "world_size": 1}
+    with Pipeline(src, tmp_path / "a", "1MiB", auto_ack=False, **options) as pipe:
+        pipe.ack(pipe.get(timeout=30))
+        state = pipe.state_dict()
+    again = Pipeline(src, tmp_path / "b", 8000, on_oversize="skip", **options)
+    again.load_state_dict(state)
+    with pytest.raises(ConfigError, match=r"n_items=3: cannot resume: 1 item\(s\) of the state's plan \(the largest 9000 bytes\) "
+                       r"do not fit this cache's capacity of 8000 bytes .*resume with a capacity that holds them"):
+        again.open()
