@@ -140,7 +140,7 @@ class _Pass:
         # with a manifest, a resume must also be of the same manifest
         key = _plan_key(plan, cfg, self._catalog_digest if from_manifest else None)
         # an item on disk as listed has not been through prepare/unpack: downloaded again (those that have never match)
-        cursor, acked = cache.recover(catalog, resume=cfg.resume, plan=key, reuse=not cfg.prepares)
+        cursor, acked = cache.recover(catalog, resume=cfg.resume, plan=key, reusable=not cfg.prepares)
         if self._start_state is not None:
             saved = self._start_state.get("catalog_digest")
             if saved is not None and saved != self._catalog_digest:

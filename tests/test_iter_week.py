@@ -113,6 +113,9 @@ def test_a_state_loaded_where_a_smaller_capacity_leaves_an_item_out_says_so(tmp_
         state = pipe.state_dict()
     again = Pipeline(src, tmp_path / "b", 8000, on_oversize="skip", **options)
     again.load_state_dict(state)
-    with pytest.raises(ConfigError, match=r"n_items=3: cannot resume: 1 item\(s\) of the state's plan \(the largest 9000 bytes\) "
-                       r"do not fit this cache's capacity of 8000 bytes .*resume with a capacity that holds them"):
+    with pytest.raises(
+        ConfigError,
+        match=r"n_items=3: cannot resume: 1 item\(s\) of the state's plan \(the largest 9000 bytes\) "
+        r"do not fit this cache's capacity of 8000 bytes .*resume with a capacity that holds them",
+    ):
         again.open()
