@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Generic, Literal, TypeVar
 
 __all__ = ["Broker", "Closed", "Failed", "FailureKind", "Lease"]
@@ -36,13 +37,16 @@ class Failed:
 
     ``kind`` says which policy applies: ``"item"`` (this item failed: ``on_error``),
     ``"oversize"`` (it can never fit: ``on_oversize``) or ``"stream"`` (listing or planning
-    stopped here: nothing after it is known, so it is always raised).
+    stopped here: nothing after it is known, so it is always raised, and taken again by every
+    later take). ``trace``: the traceback ``error`` had when it was reported, to raise it again
+    from (each raise adds the raiser's frames to the error's own).
     """
 
     seq: int
     name: str
     error: BaseException
     kind: FailureKind = "item"
+    trace: TracebackType | None = None
 
     @property
     def reason(self) -> str:
@@ -107,6 +111,7 @@ class Broker(Generic[T]):
         self._pending = 0  # begun (downloading) but not yet ready
         self._fresh = 0  # entries in _ready never handed out (not released ones)
         self._finished = False  # no more items will be planned
+        self._stopped: Failed | None = None  # planning stopped (its failure taken): the stream ends with it, not None
         self._closed = False
         self.wait_seconds = 0.0  # total time consumers spent blocked in take()
         self._waiting = 0  # consumers blocked in take() right now
@@ -164,7 +169,7 @@ class Broker(Generic[T]):
                 while seq in self._resolved:
                     seq += 1
             self._fresh += 1
-            heapq.heappush(self._ready, (seq, name, Failed(seq, name, error, kind)))
+            heapq.heappush(self._ready, (seq, name, Failed(seq, name, error, kind, error.__traceback__)))
             self._cond.notify_all()
 
     def skip(self, seq: int) -> None:
@@ -205,7 +210,8 @@ class Broker(Generic[T]):
 
     # ---- consumer side ---------------------------------------------------------------
     def take(self, timeout: float | None = None) -> Lease[T] | Failed | None:
-        """Next item (a :class:`Lease`) or :class:`Failed`; None at the end of the stream.
+        """Next item (a :class:`Lease`) or :class:`Failed`; None at the end of the stream (or, once
+        a ``"stream"`` failure was taken, that failure again: the rest of the stream is unknown).
 
         Raises:
             TimeoutError: nothing became available within ``timeout`` seconds.
@@ -237,7 +243,9 @@ class Broker(Generic[T]):
                         self._cond.notify_all()
                         return got
                     if self._finished and self._pending == 0 and not self._ready and next_expiry is None:
-                        return None  # outstanding leases without expiry do not hold the end
+                        # outstanding leases without expiry do not hold the end; a stream that stopped
+                        # ends with its failure, for every later take: not as if every item was delivered
+                        return self._stopped
                     waits = [t - now for t in (deadline, next_expiry) if t is not None]
                     wait = min(waits) if waits else None
                     if deadline is not None and deadline - now <= 0:
@@ -287,6 +295,8 @@ class Broker(Generic[T]):
             self._fresh -= 1
         self._resolve(seq)
         if isinstance(value, Failed):
+            if value.kind == "stream":
+                self._stopped = value
             return value
         expires = None if self.lease_timeout is None else now + self.lease_timeout
         lease = Lease(seq, name, value, f"{self._tag}-{next(self._ids):x}-{seq}", expires)

@@ -61,8 +61,8 @@ class _Handout(_Lifecycle):
                 return []
             if isinstance(got, Failed):
                 self.check_cache()  # an item failed: because the cache directory is gone?
-                if got.kind == "stream":
-                    raise got.error  # listing or planning stopped: not an item to skip, the rest is unknown
+                if got.kind == "stream":  # listing or planning stopped: not an item to skip, the rest is unknown
+                    raise got.error.with_traceback(got.trace)  # by every later get too: as reported, not grown
                 if got.seq >= 0:
                     self._consume([got.seq])  # reported: the resume point moves past it
                 # "oversize": judged when its space was reserved (see Cache.reserve)

@@ -200,7 +200,7 @@ class NodePipeline(Pipeline):
             partition=cfg.partition,
             equal_steps=cfg.equal_steps,
         )
-        cache.recover(catalog, resume=False)
+        cache.recover(catalog, resume=False, reusable=not cfg.prepares)  # as a pipeline's (see _Pass._catalog)
         largest = self._check_limit(plan.sizes, catalog, eligible, cache)
         self.node_plan = plan
         future = PlanFuture(plan, horizon=2) if cfg.retain == "auto" else None

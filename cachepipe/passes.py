@@ -139,7 +139,8 @@ class _Pass:
         plan = make_plan(cfg, sizes)
         # with a manifest, a resume must also be of the same manifest
         key = _plan_key(plan, cfg, self._catalog_digest if from_manifest else None)
-        cursor, acked = cache.recover(catalog, resume=cfg.resume, plan=key)
+        # an item on disk as listed has not been through prepare/unpack: downloaded again (those that have never match)
+        cursor, acked = cache.recover(catalog, resume=cfg.resume, plan=key, reusable=not cfg.prepares)
         if self._start_state is not None:
             saved = self._start_state.get("catalog_digest")
             if saved is not None and saved != self._catalog_digest:
@@ -147,7 +148,17 @@ class _Pass:
                     f"state was saved with catalog_digest={saved!r}, this pipeline's catalog has "
                     f"catalog_digest={self._catalog_digest!r}: cannot resume over other data"
                 )
-            plan.load_state_dict(self._start_state)  # an explicit position wins over the journal's
+            try:
+                plan.load_state_dict(self._start_state)  # an explicit position wins over the journal's
+            except ValueError as exc:
+                if eligible is None or self._start_state.get("n_items") != len(catalog):
+                    raise
+                largest = max(catalog.sizes[i] for i in set(range(len(catalog))) - set(eligible))
+                raise ConfigError(
+                    f"{exc}: {len(catalog) - len(eligible)} item(s) of the state's plan (the largest {largest} bytes) "
+                    f"do not fit this cache's capacity of {cache.capacity} bytes and were left out of this one "
+                    "(on_oversize='skip'); resume with a capacity that holds them"
+                ) from exc
             cursor, acked = plan.start, set()
         elif cfg.start_epoch and tuple(cursor) == (0, 0) and not acked:  # nothing resumed
             cursor = plan.start = plan.normalise(Cursor(cfg.start_epoch, 0))

@@ -269,10 +269,18 @@ class Pipeline(_Handout):
     # ---- consuming -------------------------------------------------------------------
     def __iter__(self) -> Iterator[CachedItem]:
         """Yield items until all are delivered. Opens the pipeline if needed, and then closes it
-        when the loop ends (prefer ``with`` so that ``break`` and errors close it at once)."""
+        when the loop ends (prefer ``with`` so that ``break`` and errors close it at once).
+
+        Raises:
+            RuntimeError: the pipeline is closed (a loop that opened it closed it when it ended,
+                by a ``break`` too: iterate inside ``with`` to loop again). Closed from another
+                thread while the loop runs, the loop ends.
+        """
         owner = self._state == _UNOPENED
         if owner:
             self.open()
+        else:
+            self._require_open()  # a loop over a closed pipeline raises, as get does: it has not delivered everything
         last: CachedItem | None = None
         try:
             while True:
@@ -310,7 +318,8 @@ class Pipeline(_Handout):
             ItemFailedError: the next item failed (``on_error="raise"``); the cause is chained.
             OSError, OversizeError, UnsafeKeyError, EmptySourceError: a listing that streams stopped
                 after :meth:`open` (whatever ``on_error``; an unsafe key stops it with
-                ``on_error="raise"`` only), raised once the items listed before it.
+                ``on_error="raise"`` only), raised once the items listed before it are delivered,
+                and by every later call (never None after it: the rest of the source is unknown).
             RuntimeError: the pipeline is not open.
         """
         got = self.get_many(1, timeout)

@@ -75,13 +75,18 @@ def _put(fs, n: int, size: int = 10, start: int = 0) -> None:
 
 def _take_all(pipe: Pipeline) -> tuple[list[str], list[str]]:
     """Take every item in turn, acking each: their names, ``"<oversize>"`` for an item refused
-    as oversize in its turn; and the messages of those refusals."""
+    as oversize in its turn; and the messages of those refusals. An error raised again by the
+    next get stopped the listing (every later get raises it): the end of what is known."""
     names: list[str] = []
     errors: list[str] = []
+    last: OversizeError | None = None
     while True:
         try:
             item = pipe.get(timeout=30)  # a guard against a hang, not a timing assertion
         except OversizeError as exc:
+            if exc is last:
+                return names, errors
+            last = exc
             names.append("<oversize>")
             errors.append(str(exc))
             continue

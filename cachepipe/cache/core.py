@@ -212,11 +212,15 @@ class Cache(_Publishing):
         with said_full(self._given, self.root):
             state.save_catalog(self.catalog_path, source, mode, catalog)
 
-    def recover(self, items: Catalog, resume: bool, plan: str = "") -> tuple[tuple[int, int], set[tuple[int, str]]]:
+    def recover(
+        self, items: Catalog, resume: bool, plan: str = "", reusable: bool = True
+    ) -> tuple[tuple[int, int], set[tuple[int, str]]]:
         """Reconcile the disk with the journal and the catalog.
 
         Items the journal says are published (or were being published) and whose files match the
-        catalog are reused; other leftovers of ours are deleted. With ``resume``, the position in
+        catalog are reused (unless ``reusable`` is False: this owner transforms its items before
+        hand-out, ``prepare`` or ``unpack``, and one found as listed has not been through that);
+        other leftovers of ours are deleted. With ``resume``, the position in
         the plan and the acks beyond it are kept (those steps are not delivered again), provided
         the plan (``plan``: its configuration as JSON) is the one they refer to; otherwise a new
         pass starts. If the journal was unreadable, items whose folder matches the catalog exactly
@@ -237,7 +241,7 @@ class Cache(_Publishing):
         check_resume(replay, resume, plan, self._root)
         drop_note(self.root)  # this owner changes the folder from now on: before the journal says so, below
         record, ledger = self.record, self.ledger
-        reuse, stale = sort_leftovers(self.root, replay, self.rebuilt, items, of_same_data(replay.plan, plan))
+        reuse, stale = sort_leftovers(self.root, replay, self.rebuilt, items, reusable and of_same_data(replay.plan, plan))
         for name in stale:
             log.info("removing stale cached item %s", name)
             self._eviction.remove(name)

@@ -90,7 +90,8 @@ def sort_leftovers(
 ) -> tuple[dict[str, int], list[str]]:
     """The items on disk under ``root`` to reuse (name -> size, in name order) and the names to
     remove, from the journal's ``replay`` (or, if it was unreadable, ``rebuilt``) and the catalog;
-    ``reusable`` False: none is reused (see :func:`of_same_data`). An item is reused when its
+    ``reusable`` False: none is reused, and those of ours are removed (another source, see
+    :func:`of_same_data`, or an owner that transforms items before hand-out). An item is reused when its
     files match the catalog's sizes and the journal recorded the version the catalog names
     (:attr:`cachepipe.catalog.Item.version`): an object rewritten since, even at the same size,
     is downloaded again. An item whose version the journal does not hold (an unreadable journal,
@@ -100,7 +101,7 @@ def sort_leftovers(
     link in place of one: :func:`.staging.in_folders`) is neither: what its path leads to is not
     in the cache directory, and is never looked into or deleted."""
     named = replay.published | replay.publishing
-    live = named if reusable else set()
+    live = named
     ours = named | {name for _epoch, name in replay.acked}
     if rebuilt:
         unsafe = {items.name(i) for i in items.unsafe}  # never written: such a name is no path of ours
@@ -125,9 +126,9 @@ def sort_leftovers(
                 and found not in unsafe_at
                 and matches_sizes(path, sizes[found] if files_mode else items.file_sizes(found))
             ):
-                if replay.versions.get(name) == items.version(found):
+                if reusable and replay.versions.get(name) == items.version(found):
                     reuse[name] = sizes[found]
-                else:  # ours (journaled, or matching the listing), of another version or of one not known
+                else:  # ours (journaled, or matching the listing), not to reuse, or of another version or one not known
                     stale.append(name)
                 continue
         if not rebuilt and os.path.lexists(path):
