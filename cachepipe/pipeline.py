@@ -152,10 +152,12 @@ class Pipeline(_Handout):
                 self._share_text(),
             )
             if self._resumed_complete:
+                loaded = self._start_state is not None
                 log.warning(
-                    "%s: the pass resumed is complete (%s): nothing to hand out; resume=False reads it again",
+                    "%s: the pass resumed is complete (%s): nothing to hand out; %s reads it again",
                     cfg.source,
-                    "from the state loaded" if self._start_state is not None else f"as recorded in {cache.root}",
+                    "from the state loaded" if loaded else f"as recorded in {cache.root}",
+                    "a pipeline without that state" if loaded else "resume=False",
                 )
         return self
 

@@ -974,6 +974,23 @@ def test_resuming_a_complete_pass_says_there_is_nothing_to_hand_out(s3_source, t
     assert "nothing to hand out; resume=False reads it again" in complete[0]
 
 
+def test_a_state_of_a_complete_pass_says_a_pipeline_without_it_reads_it_again(tmp_path, caplog):
+    # It advised "resume=False reads it again", which the pipeline given the state already had.
+    (tmp_path / "src" / "i0").mkdir(parents=True)
+    (tmp_path / "src" / "i0" / "f").write_text("x")
+    with Pipeline(tmp_path / "src", tmp_path / "c", "1MiB") as pipe:
+        assert len(list(pipe)) == 1
+        state = pipe.state_dict()
+    again = Pipeline(tmp_path / "src", tmp_path / "c", "1MiB")
+    again.load_state_dict(state)
+    with caplog.at_level(logging.WARNING, logger="cachepipe"), again:
+        assert list(again) == []
+    said = [r.getMessage() for r in caplog.records if "the pass resumed is complete" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith(
+        "(from the state loaded): nothing to hand out; a pipeline without that state reads it again"
+    ), said
+
+
 def test_resuming_a_complete_pass_of_a_process_killed_before_it_closed_says_so_too(tmp_path, caplog):
     """First-hour review 2: a daemon killed (kill -9) after its consumers had acknowledged every
     item restarted serving nothing, with nothing said: the last acks were journaled beyond the
