@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 import sys
@@ -352,16 +351,16 @@ def test_an_item_acknowledged_while_close_deletes_the_rest_is_not_deleted_twice(
     cache.open()
     publish_all(cache, catalog)
     failed: list[BaseException] = []
-    held_in_rmdir = functools.partial(held_in_first_rmdir, failed=failed)
-    (closing, close_go), (acking, ack_go) = (threading.Event(), threading.Event()), (threading.Event(), threading.Event())
-    closer = held_in_rmdir(cache.close, closing, close_go)
+    (closing, close_go, close_waits), (acking, ack_go) = (threading.Event() for _ in range(3)), (threading.Event() for _ in range(2))
+    closer = held_in_first_rmdir(cache.close, closing, close_go, failed, close_waits)
     try:
         assert closing.wait(30)  # close holds the list of items it deletes, and deletes the first
-        acker = held_in_rmdir(lambda: cache.evict_many([("i2", 0, 2)]), acking, ack_go)
+        close_waits.clear()  # (its first wait, for acks begun before it, is behind it)
+        acker = held_in_first_rmdir(lambda: cache.evict_many([("i2", 0, 2)]), acking, ack_go, failed)
         assert acking.wait(30)  # i2 acknowledged, its files being deleted
         close_go.set()
-        closer.join(0.3)
-        assert closer.is_alive()  # waiting for the ack's deletion
+        wait_until(lambda: not closer.is_alive() or close_waits.is_set(), what="close to end or to wait")
+        assert closer.is_alive() and cache._lock.held  # waiting for the ack's deletion
     finally:
         close_go.set()
         ack_go.set()
