@@ -351,7 +351,7 @@ def test_an_item_acknowledged_while_close_deletes_the_rest_is_not_deleted_twice(
     cache.open()
     publish_all(cache, catalog)
     failed: list[BaseException] = []
-    (closing, close_go, close_waits), (acking, ack_go) = (threading.Event() for _ in range(3)), (threading.Event() for _ in range(2))
+    closing, close_go, close_waits, acking, ack_go = (threading.Event() for _ in range(5))
     closer = held_in_first_rmdir(cache.close, closing, close_go, failed, close_waits)
     try:
         assert closing.wait(30)  # close holds the list of items it deletes, and deletes the first
@@ -390,7 +390,7 @@ def test_an_item_dropped_while_close_deletes_the_rest_is_deleted_before_close_le
     cache.open()
     publish_all(cache, catalog)
     failed: list[BaseException] = []
-    (closing, close_go, close_waits), (dropping, drop_go) = (threading.Event() for _ in range(3)), (threading.Event() for _ in range(2))
+    closing, close_go, close_waits, dropping, drop_go = (threading.Event() for _ in range(5))
     closer = held_in_first_rmdir(cache.close, closing, close_go, failed, close_waits)
     try:
         assert closing.wait(30)  # close holds the list of items it deletes, and deletes the first
