@@ -129,9 +129,10 @@ class _NodeMode(_DatasetState):
                     f"catalog_digest={info.get('catalog_digest')!r}: cannot resume over other data"
                 )
             plan = {key: info.get("spec", {}).get(key) for key in _LANE_PLAN}  # None: a daemon that does not say
-            saved = (start or {}).get("plan")
-            if saved is not None and saved != plan:
-                key = next(k for k in _LANE_PLAN if saved.get(k) != plan[k])
+            saved = (start or {}).get("plan") or {}  # a state of a version before it names none
+            differ = [k for k in _LANE_PLAN if k in saved and saved[k] != plan[k]]  # not a field of a later version
+            if differ:
+                key = differ[0]
                 raise ValueError(
                     f"state of lane {rank}.{worker} was saved with {key}={saved.get(key)!r}, job {name!r} plans with "
                     f"{key}={plan[key]!r}: its position would name other items (some read twice, some never); "

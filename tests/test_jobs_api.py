@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -779,3 +780,66 @@ def test_a_delete_does_not_wait_for_another_job_s_registration_to_list(s3_source
             assert sorted(admin.status()["jobs"]) == ["job/second"]
     finally:
         gate.set()
+
+
+def test_a_registration_waiting_for_its_job_s_delete_holds_no_other_job_s_registration(s3_source, tmp_path):
+    """A job deleted while its lanes read (`cachepipe delete-job --force`): its lanes register it
+    again at once, and that registration waits for the delete's close, which deletes every item
+    of the job's cache (minutes for a large one). It waited holding the daemon's one registration
+    at a time: every other job's registration (another job's ranks starting) waited for the
+    delete too. In this process (a profile hook holds the delete's close in a deletion), over the
+    moto server."""
+    from cachepipe.plan import Cursor
+    from cachepipe.service.jobs import Jobs, JobsConfig
+
+    s3_source.folders(4, {"a.bin": KIB})
+    config = JobsConfig(
+        root=tmp_path / "jobs", capacity="1MiB", sources=[s3_source.url], options={"storage_options": s3_source.options}
+    )
+    one = {"source": s3_source.url, "world_size": 1, "ranks": [0], "capacity": "256KiB"}
+    jobs = Jobs(config)
+    held, go, waits = threading.Event(), threading.Event(), threading.Event()
+    done: dict[str, object] = {}
+
+    def hook(frame, event, arg) -> None:
+        if event != "c_call":
+            return
+        name = getattr(arg, "__name__", None)
+        if name == "rmdir" and not held.is_set():
+            held.set()  # the delete's close deletes an item
+            go.wait(30)
+        elif name == "acquire" and frame.f_code.co_name == "wait":
+            waits.set()  # the registration of the deleted job blocks, waiting for the delete
+
+    def run(what: str, target, hooked: bool = False) -> threading.Thread:
+        def body() -> None:
+            if hooked:
+                sys.setprofile(hook)
+            try:
+                done[what] = target()
+            except Exception as exc:  # noqa: BLE001 - checked below
+                done[what] = exc
+            finally:
+                sys.setprofile(None)
+
+        thread = threading.Thread(target=body)
+        thread.start()
+        return thread
+
+    threads = []
+    try:
+        jobs.register("a", one)
+        assert jobs.take("a", 0, 0, Cursor(0, 0), 30)  # an item on disk: the delete deletes it
+        threads.append(run("delete", lambda: jobs.delete("a"), hooked=True))
+        assert held.wait(30)
+        threads.append(run("again", lambda: jobs.register("a", one), hooked=True))
+        assert waits.wait(30)  # the lane registering the job again waits for the delete's close
+        threads.append(run("other", lambda: jobs.register("b", one)))
+        wait_until(lambda: "other" in done, 30, "another job's registration while the delete deletes")
+        assert done["other"][0] is True, done  # created; before: waited for the delete's close
+    finally:
+        go.set()
+        for thread in threads:
+            thread.join(60)
+        jobs.close()
+    assert done["delete"] is None and done["again"][0] is True, done

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
 
 from cachepipe.cache.eviction import deleters_for
 from cachepipe.filesystems import mount_of
@@ -302,6 +303,36 @@ def test_close_waits_for_the_deletion_of_items_acknowledged_before(tmp_path):
     assert not (root / "i0").exists()
 
 
+def held_in_first_rmdir(
+    target, held: threading.Event, go: threading.Event, failed: list[BaseException], waiting: threading.Event | None = None
+) -> threading.Thread:
+    """``target`` in a thread whose first ``rmdir`` waits for ``go`` (``held`` set then); what it
+    raises is put in ``failed``. ``waiting``: set when the thread blocks in a condition's wait."""
+
+    def hook(frame, event, arg) -> None:
+        if event != "c_call":
+            return
+        name = getattr(arg, "__name__", None)
+        if name == "rmdir" and not held.is_set():
+            held.set()
+            go.wait(30)
+        elif waiting is not None and name == "acquire" and frame.f_code.co_name == "wait":
+            waiting.set()  # Condition.wait, about to block
+
+    def run() -> None:
+        sys.setprofile(hook)
+        try:
+            target()
+        except Exception as exc:  # noqa: BLE001 - what it raised, checked by the caller
+            failed.append(exc)
+        finally:
+            sys.setprofile(None)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
 def test_an_item_acknowledged_while_close_deletes_the_rest_is_not_deleted_twice(tmp_path):
     """A job deleted while a lane consumes (`cachepipe delete-job --force`; a daemon's pipeline
     closed without keep_on_close while a client acks): close deletes the published items it
@@ -320,42 +351,60 @@ def test_an_item_acknowledged_while_close_deletes_the_rest_is_not_deleted_twice(
     cache.open()
     publish_all(cache, catalog)
     failed: list[BaseException] = []
-
-    def held_in_rmdir(target, held: threading.Event, go: threading.Event) -> threading.Thread:
-        """``target`` in a thread whose first ``rmdir`` waits for ``go`` (``held`` set then)."""
-
-        def hook(_frame, event, arg) -> None:
-            if event == "c_call" and getattr(arg, "__name__", None) == "rmdir" and not held.is_set():
-                held.set()
-                go.wait(30)
-
-        def run() -> None:
-            sys.setprofile(hook)
-            try:
-                target()
-            except Exception as exc:  # noqa: BLE001 - what it raised, checked below
-                failed.append(exc)
-            finally:
-                sys.setprofile(None)
-
-        thread = threading.Thread(target=run)
-        thread.start()
-        return thread
-
-    (closing, close_go), (acking, ack_go) = (threading.Event(), threading.Event()), (threading.Event(), threading.Event())
-    closer = held_in_rmdir(cache.close, closing, close_go)
+    closing, close_go, close_waits, acking, ack_go = (threading.Event() for _ in range(5))
+    closer = held_in_first_rmdir(cache.close, closing, close_go, failed, close_waits)
     try:
         assert closing.wait(30)  # close holds the list of items it deletes, and deletes the first
-        acker = held_in_rmdir(lambda: cache.evict_many([("i2", 0, 2)]), acking, ack_go)
+        close_waits.clear()  # (its first wait, for acks begun before it, is behind it)
+        acker = held_in_first_rmdir(lambda: cache.evict_many([("i2", 0, 2)]), acking, ack_go, failed)
         assert acking.wait(30)  # i2 acknowledged, its files being deleted
         close_go.set()
-        closer.join(0.3)
-        assert closer.is_alive()  # waiting for the ack's deletion
+        wait_until(lambda: not closer.is_alive() or close_waits.is_set(), what="close to end or to wait")
+        assert closer.is_alive() and cache._lock.held  # waiting for the ack's deletion
     finally:
         close_go.set()
         ack_go.set()
         closer.join(30)
         acker.join(30)
     assert not closer.is_alive() and not acker.is_alive() and failed == []
+    assert sorted(os.listdir(root)) == [".cachepipe"]  # every item gone
+    assert not cache._lock.held  # released: the next owner can open it
+
+
+def test_an_item_dropped_while_close_deletes_the_rest_is_deleted_before_close_lets_the_cache_go(tmp_path):
+    """A node's lane that waits for room gives back an item planned ahead for another lane
+    (``Cache.give_up``: a drop, without retention) while the job is deleted (close without
+    keep). close waited for the deletions of acks made meanwhile, not for such a drop: it let the
+    cache go (the journal closed, the folder's lock released: the job registered again opens it)
+    while the drop still deleted, whose journal record then failed on the closed journal.
+    Profile hooks hold close in its first deletion while another thread drops the last item,
+    hold that drop's deletion, and let it go once close has ended or waits."""
+    from cachepipe.cache import Cache
+    from cachepipe.catalog import Catalog
+
+    catalog = Catalog(mode="folders")
+    for name in ("i0", "i1", "i2"):
+        catalog.add(name, [("f", 10, None)])
+    root = tmp_path / "c"
+    cache = Cache(root, 1 << 20)
+    cache.open()
+    publish_all(cache, catalog)
+    failed: list[BaseException] = []
+    closing, close_go, close_waits, dropping, drop_go = (threading.Event() for _ in range(5))
+    closer = held_in_first_rmdir(cache.close, closing, close_go, failed, close_waits)
+    try:
+        assert closing.wait(30)  # close holds the list of items it deletes, and deletes the first
+        close_waits.clear()  # (its first wait, for acks begun before it, is behind it)
+        dropper = held_in_first_rmdir(lambda: cache.give_up("i2"), dropping, drop_go, failed)
+        assert dropping.wait(30)  # i2 dropped, its files being deleted
+        close_go.set()
+        wait_until(lambda: not closer.is_alive() or close_waits.is_set(), what="close to end or to wait")
+        assert closer.is_alive() and cache._lock.held  # before: close ended, and let the cache go
+    finally:
+        close_go.set()
+        drop_go.set()
+        closer.join(30)
+        dropper.join(30)
+    assert not closer.is_alive() and not dropper.is_alive() and failed == []
     assert sorted(os.listdir(root)) == [".cachepipe"]  # every item gone
     assert not cache._lock.held  # released: the next owner can open it

@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import re
 import socket
+import threading
 from pathlib import Path
 
 import yaml
+from conftest import via
 from waiting import wait_until
 
+from cachepipe.listing import FIRST_PAGE_OBJECTS
 from cachepipe.service.testing import DaemonProcess
 
 
@@ -161,3 +164,35 @@ def test_connections_ended_at_max_clients_are_logged_a_few_lines_at_a_time(tmp_p
         lines = [line for line in daemon.log().splitlines() if "max_clients (2) connections open: ending" in line]
     assert len(lines) == 3, lines  # before: 18 or more
     assert lines[-1].endswith("to make room (similar messages are held back for 30 s)"), lines
+
+
+def test_a_listing_that_timed_out_is_answered_as_the_store_s_failure_not_as_a_wait_that_ran_out(
+    s3_source, fault_proxy, tmp_path, short_dir
+):
+    # The 408 above said the request's wait for every TimeoutError the pipeline raised, also a
+    # store's: a listing whose second page timed out (its read timeout, retries spent) was answered
+    # 408 "no item became ready within 30 s" at once, as if nothing were ready yet (a client asks
+    # again, forever), where it is 503 store_unavailable naming the store's endpoint.
+    proxy, endpoint = fault_proxy
+    s3_source.folders(FIRST_PAGE_OBJECTS + 1, {"a.bin": 10})
+    options = via(s3_source, endpoint)
+    options["config_kwargs"] = {**options["config_kwargs"], "read_timeout": 1}
+    train = {"source": s3_source.url, "cache_dir": str(tmp_path / "cache"), "capacity": "1MiB"}
+    train |= {"storage_options": options, "retries": 0, "resume": False}  # a plain pass: the listing streams
+    sock = short_dir / "api.sock"
+    config = tmp_path / "cachepipe.yaml"
+    config.write_text(yaml.safe_dump({"socket": str(sock), "pipelines": {"train": train}}))
+    gate = threading.Event()
+    proxy.hold(lambda head: "max-keys=1000" in head.split("\r\n")[0], gate, limit=60)  # the second page: no answer
+    try:
+        with DaemonProcess(config):
+            taken = 0
+            while True:  # the items of the first page, then the listing's failure in its turn
+                status, body = ask(sock, "POST", "/v1/pipelines/train/next", {"timeout": 30, "count": FIRST_PAGE_OBJECTS})
+                if status != 200:
+                    break
+                taken += len(body["items"])
+    finally:
+        gate.set()
+    assert (status, body["error"]) == (503, "store_unavailable"), body  # before: 408 timeout
+    assert f"timed out talking to {endpoint}" in body["message"] and taken <= FIRST_PAGE_OBJECTS, body

@@ -209,7 +209,14 @@ class _Acks:
                 return
             size = self.record.dropping(name)
             self._recovered.pop(name, None)
-        self._delete(name, size, dropped=True)
+            self._acks_deleting += 1  # close waits for it too (a node's lane giving room back while its job is deleted)
+        try:
+            self._delete(name, size, dropped=True)
+        finally:
+            with self._cond:
+                self._acks_deleting -= 1
+                if self._closed and not self._acks_deleting:
+                    self._cond.notify_all()  # wakes close()
 
     def _delete(self, name: str, size: int, dropped: bool = False) -> None:
         """Move the item's files away (:meth:`.eviction.Eviction.move_away`); then, for a drop,

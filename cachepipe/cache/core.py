@@ -106,7 +106,7 @@ class Cache(_Publishing):
         self._names = ()  # the policy's item i is _names[i]; found by _names.index()
         self._cond = threading.Condition()
         self._closed = False
-        self._acks_deleting = 0  # calls of evict_many deleting (or waiting to): close waits for them
+        self._acks_deleting = 0  # calls of evict_many and drop deleting (or waiting to): close waits for them
         self._wanting = 0  # bytes the latest download waiting for room asks for (0: none waits)
         self._forced = False  # force_room(): the next choice of retention victims waives the policy's rules
         self._identity: tuple[tuple[int, int], ...] = ()  # (st_dev, st_ino) of root and state_dir, taken by open
@@ -383,7 +383,7 @@ class Cache(_Publishing):
             if not keep and self.record.journal.is_open:  # else recovery never finished: the next open decides
                 for name in list(self.record.published):
                     self.drop(name, gone_ok=True)  # a consumer may ack meanwhile (a job deleted under its lanes)
-            with self._cond:  # and the files of its acks go while the cache is still ours
+            with self._cond:  # and the files of its acks and drops go while the cache is still ours
                 self._cond.wait_for(lambda: not self._acks_deleting)
             try:
                 shutil.rmtree(self.staging_root)

@@ -115,9 +115,7 @@ class Jobs:
         spec = JobSpec.model_validate(body)
         self._check_sources(spec)
         self._closer.wait(f"job/{name}")  # a job of this name dropped: its close ends before it opens again
-        with self._registering, self._lock:
-            # a job of this name deleted: its pipeline lets the cache directory go before it opens again
-            self._deleted.wait_for(lambda: name not in self._deleting)
+        with self._registration(name):
             if self._closed:
                 raise StoppingError("the daemon is stopping")
             job = self._jobs.get(name)
@@ -164,6 +162,27 @@ class Jobs:
             self._jobs[name] = job
             log.info("job %s registered: %s, ranks %s of %d", name, spec.source, spec.ranks, spec.world_size)
             return True, self._describe(job)
+
+    @contextlib.contextmanager
+    def _registration(self, name: str) -> Iterator[None]:
+        """Hold the one registration at a time and the jobs' lock, once no delete of job ``name``
+        closes its pipeline (it lets the cache directory go before the job opens again). That
+        delete is waited for holding neither: its close deletes every item of the job's cache
+        (minutes for a large one), and the registrations of other jobs go on meanwhile."""
+        while True:
+            with self._lock:
+                self._deleted.wait_for(lambda: name not in self._deleting)
+            self._registering.acquire()
+            self._lock.acquire()
+            if name not in self._deleting:  # else deleted again while this one waited for the registration lock
+                break
+            self._lock.release()
+            self._registering.release()
+        try:
+            yield
+        finally:
+            self._lock.release()
+            self._registering.release()
 
     def _stopped(self) -> bool:
         """Whether close() was called (read again after the lock was let go, see register())."""
@@ -452,7 +471,8 @@ class Jobs:
         registers the job again at once (its next request is answered 404), and the new pipeline
         opens the cache directory once this one has let it go (before, it was refused as "in use"
         by the daemon's own pid, 500 ``internal``). Only a registration of this name waits for the
-        delete; the delete waits for no registration (another job's may list for minutes).
+        delete, holding no lock meanwhile (see :meth:`_registration`); the delete waits for no
+        registration (another job's may list for minutes).
 
         Raises:
             UnknownPipelineError: no such job.

@@ -59,7 +59,9 @@ class _PipelineDesk(_Views):
                     items = pipe.get_many(count, timeout=max(deadline - time.monotonic(), 0.0))
                 except CacheRemovedError as exc:
                     raise self._take_down(served, pipe, exc) from None
-                except TimeoutError:  # said with the request's wait, not what was left of it at this try
+                except TimeoutError as exc:  # said with the request's wait, not what was left of it at this try
+                    if hasattr(exc, "endpoint"):  # a store's (a listing that timed out): answered as its failure
+                        raise
                     raise TimeoutError(f"no item became ready within {limit:g} s") from None
                 watcher = self._markers  # None: no marker watch (markers: false)
                 judged = watcher is not None and markers  # else no marker to judge: none looked up at hand-out
