@@ -70,6 +70,12 @@ def ask(sock: Path, method: str, route: str, body: dict | None = None) -> tuple[
         return answer(conn)
 
 
+def waiting(tcp: socket.socket) -> int:
+    """How many ``next`` requests of pipeline "train" wait in the daemon, asked over ``tcp``."""
+    send(tcp, "GET", "/v1/status")
+    return answer(tcp)[1]["pipelines"]["train"]["waiting"]
+
+
 def test_consumers_killed_while_their_next_waits_do_not_hold_the_connection_slots(tmp_path, short_dir):
     # A consumer killed while its `next` waited (no item ready: all leased) held its connection
     # slot, and a thread, for the whole wait (up to max_wait, 300 s by default): a Go client
@@ -86,8 +92,7 @@ def test_consumers_killed_while_their_next_waits_do_not_hold_the_connection_slot
             for ghost in ghosts:
                 send(ghost, "POST", "/v1/pipelines/train/next", {"timeout": 60})
             with socket.create_connection(("127.0.0.1", port), timeout=30) as tcp:
-                waiting = lambda: send(tcp, "GET", "/v1/status") or answer(tcp)[1]["pipelines"]["train"]["waiting"] == 3  # noqa: E731
-                wait_until(waiting, 30, "three consumers waiting")
+                wait_until(lambda: waiting(tcp) == 3, 30, "three consumers waiting")
         finally:
             for ghost in ghosts:
                 ghost.close()  # the consumers die while their requests wait
@@ -98,6 +103,31 @@ def test_consumers_killed_while_their_next_waits_do_not_hold_the_connection_slot
             status, got = answer(consumer)  # the item given back reaches the live consumer, not a dead one
             assert status == 200 and got["name"] == held["name"], got
         assert "ending the one whose client went away while its request was answered" in daemon.log(), daemon.log()
+
+
+def test_connections_ended_while_answered_are_bounded_by_max_clients(tmp_path, short_dir):
+    # A connection ended because its client went away still waits in its thread (and holds its
+    # descriptor) until its `next`'s wait ends: ended at each new connection, 30 dead consumers
+    # took a daemon of max_clients 3 from 5 threads to 35 (review). No more than max_clients such
+    # are ended; then a new connection is refused 503, as a full server refuses one.
+    sock = short_dir / "api.sock"
+    config = folders_config(tmp_path, sock, 1, max_clients=2, tcp_port=0)  # TCP: slots of its own, to watch
+    with DaemonProcess(config) as daemon:
+        port = int(re.search(r" and http://127\.0\.0\.1:(\d+)", daemon.log()).group(1))
+        assert ask(sock, "POST", "/v1/pipelines/train/next", {"timeout": 30})[0] == 200  # the only item, held
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as tcp:
+            for dead in (2, 4):  # two dead consumers, then two more, each ending one of the first two
+                ghosts = [connect(sock) for _ in range(2)]
+                try:
+                    for ghost in ghosts:
+                        send(ghost, "POST", "/v1/pipelines/train/next", {"timeout": 60})
+                    wait_until(lambda n=dead: waiting(tcp) == n, 30, f"{dead} consumers waiting")
+                finally:
+                    for ghost in ghosts:
+                        ghost.close()
+        with connect(sock) as late:
+            late.settimeout(10)  # refused at once; before, accepted (a third ended connection), and no answer came
+            assert answer(late) == (503, {"error": "unavailable", "message": "too many connections (max_clients)"})
 
 
 def test_a_request_line_over_the_limit_is_answered_431_naming_it(tmp_path, short_dir):

@@ -58,10 +58,10 @@ headers are capped at ``MAX_HEADER`` bytes in all (431), the body at ``MAX_BODY`
 that is not JSON, or nested too deeply to parse, is a 400, and so is a ``Content-Length`` that is
 given twice or is not a plain number. When ``max_clients`` connections are open, a new one ends
 one whose client went away while its request was answered (a ``next`` waiting for a consumer
-killed since), else the connection that has waited longest for its client (idle, or still
-sending a request), so
-connections that send nothing useful cannot lock consumers out; only when every connection is
-busy being answered is the new one refused (503).
+killed since; at most ``max_clients`` such at a time, whose threads run until their waits end),
+else the connection that has waited longest for its client (idle, or still sending a request),
+so connections that send nothing useful cannot lock consumers out; only when every connection
+is busy being answered is the new one refused (503).
 
 Why the standard library's ``http.server`` and not uvicorn (h11/httptools) or aiohttp, both of
 which serve a Unix socket: what this API needs from a server is small (one JSON request per

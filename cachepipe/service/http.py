@@ -210,6 +210,7 @@ class Server(socketserver.ThreadingMixIn):
         # connection -> since when its answer is being written; notified as each write ends
         self._writing: dict[socket.socket, float] = {}
         self._written = threading.Condition(self._live_lock)
+        self._ended: set[socket.socket] = set()  # ended while answered (client gone): their threads still run
         self._said = RateLimit()  # the lines of connections ended or refused at max_clients: 3 of a kind per 30 s, then a count
 
     def set_waiting(self, request: socket.socket, waiting: bool) -> None:
@@ -245,11 +246,15 @@ class Server(socketserver.ThreadingMixIn):
         with self._live_lock:
             full = len(self._live) >= self.max_clients
             if full:
-                # first one being answered whose client has gone (a `next` waiting for a consumer killed since)
-                victim = _gone([sock for sock, since in self._live.items() if since is None])
+                # first one being answered whose client has gone (a `next` waiting for a consumer killed since):
+                # its request goes on in its thread until its wait ends, so no more than max_clients such
+                # (threads and descriptors at most twice max_clients, whatever the clients do)
+                answered = [sock for sock, since in self._live.items() if since is None]
+                victim = _gone(answered) if len(self._ended) < self.max_clients else None
                 waiting = [(since, n, sock) for n, (sock, since) in enumerate(self._live.items()) if since is not None]
                 if victim is not None:
                     why = "whose client went away while its request was answered"
+                    self._ended.add(victim)
                 elif waiting:
                     victim = min(waiting)[2]  # the one that has waited longest for its client
                 if victim is not None:
@@ -301,6 +306,7 @@ class Server(socketserver.ThreadingMixIn):
     def shutdown_request(self, request: Any) -> None:
         with self._live_lock:
             self._live.pop(request, None)
+            self._ended.discard(request)
         super().shutdown_request(request)  # type: ignore[misc]
 
     def disconnect_all(self) -> None:
