@@ -499,7 +499,8 @@ def test_a_take_waiting_when_its_job_is_deleted_is_answered_404_to_register_agai
     assert head.startswith(b"HTTP/1.1 404 "), answer  # before: 500 internal "NodePipeline(...) is closed"
     assert json.loads(text) == {
         "error": "not_found",
-        "message": "job 'train' was deleted while this request was served; register it again (PUT /v1/jobs/train) to start over",
+        "message": "job 'train' was deleted (or dropped, its cache directory removed) while this request was served; "
+        "register it again (PUT /v1/jobs/train) to start over",
     }
 
 

@@ -420,7 +420,7 @@ class Jobs:
             raise self._deleted_under(job, exc) from exc
 
     def _deleted_under(self, job: _Job, exc: Exception) -> Exception:
-        """``exc`` from ``job``'s pipeline, or, where :meth:`delete` closed it under the request
+        """``exc`` from ``job``'s pipeline, or, where :meth:`delete` (or a drop) closed it under the request
         (its pipeline closed, or its items deleted while the request moved the lane), the 404 that
         makes a lane register the job again (before: 500 ``internal``, and the lane gave up).
         One closed by the daemon's stop is left to the caller (503 ``stopping``)."""
@@ -429,8 +429,8 @@ class Jobs:
         if not deleted or isinstance(exc, CachePipeError):
             return exc
         return UnknownPipelineError(
-            f"job {job.name!r} was deleted while this request was served; register it again (PUT /v1/jobs/{job.name}) "
-            "to start over"
+            f"job {job.name!r} was deleted (or dropped, its cache directory removed) while this request was served; "
+            f"register it again (PUT /v1/jobs/{job.name}) to start over"
         )
 
     def check_caches(self) -> None:
