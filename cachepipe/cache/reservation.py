@@ -220,7 +220,7 @@ class _Reservation(_Acks):
             try:
                 while isinstance(got := self._reserve(item.size + extra, item.name, True, withdrawn), str):
                     log.info("dropping %s, an earlier owner's item not due yet, to make room for %s", got, item.name)
-                    self.drop(got)
+                    self.drop(got, gone_ok=True)  # another download waiting for room may have dropped it meanwhile
             except BaseException:
                 self.unreserve(0, item.name)  # the claim
                 raise
