@@ -8,18 +8,13 @@ import pytest
 
 pytest.importorskip("obs")
 
+from test_obs_store import clean_obs_env  # noqa: F401 - autouse: no OBS_* variable of the shell in a test
+
 from cachepipe.errors import ConfigError
 from cachepipe.stores.obs import ObsStore
 
 BUCKET = "obs-week"
 SECRET = "sk-Week-Secret-0123456789"
-
-
-@pytest.fixture(autouse=True)
-def clean_obs_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No OBS_* variable from the developer's shell leaks into a test."""
-    for name in ("OBS_ACCESS_KEY_ID", "OBS_SECRET_ACCESS_KEY", "OBS_SECURITY_TOKEN", "OBS_ENDPOINT"):
-        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture

@@ -333,13 +333,18 @@ def held_in_first_rmdir(
     return thread
 
 
-def test_an_item_acknowledged_while_close_deletes_the_rest_is_not_deleted_twice(tmp_path):
+@pytest.mark.parametrize("ends", ["ack", "drop"])
+def test_an_item_ended_while_close_deletes_the_rest_is_deleted_once_before_close_lets_the_cache_go(tmp_path, ends):
     """A job deleted while a lane consumes (`cachepipe delete-job --force`; a daemon's pipeline
     closed without keep_on_close while a client acks): close deletes the published items it
     listed, and one of them acknowledged meanwhile was looked up again (KeyError): the close
     failed half done, the other items left on disk, the store not closed. And the ack's own
-    deletion must end before close lets the cache go. Profile hooks hold close in the deletion
-    of its first item while another thread acknowledges the last, then hold that ack's deletion."""
+    deletion must end before close lets the cache go; so must a drop's, a node's lane that
+    waits for room giving back an item planned ahead for another lane (``Cache.give_up``: close
+    let the cache go, the journal closed and the folder's lock released for the job registered
+    again, while the drop still deleted, whose journal record then failed). Profile hooks hold
+    close in the deletion of its first item while another thread ends the last, hold that
+    deletion, and let it go once close has ended or waits."""
     from cachepipe.cache import Cache
     from cachepipe.catalog import Catalog
 
@@ -350,61 +355,23 @@ def test_an_item_acknowledged_while_close_deletes_the_rest_is_not_deleted_twice(
     cache = Cache(root, 1 << 20)
     cache.open()
     publish_all(cache, catalog)
+    end = (lambda: cache.evict_many([("i2", 0, 2)])) if ends == "ack" else (lambda: cache.give_up("i2"))
     failed: list[BaseException] = []
-    closing, close_go, close_waits, acking, ack_go = (threading.Event() for _ in range(5))
+    closing, close_go, close_waits, ending, end_go = (threading.Event() for _ in range(5))
     closer = held_in_first_rmdir(cache.close, closing, close_go, failed, close_waits)
     try:
         assert closing.wait(30)  # close holds the list of items it deletes, and deletes the first
         close_waits.clear()  # (its first wait, for acks begun before it, is behind it)
-        acker = held_in_first_rmdir(lambda: cache.evict_many([("i2", 0, 2)]), acking, ack_go, failed)
-        assert acking.wait(30)  # i2 acknowledged, its files being deleted
+        ender = held_in_first_rmdir(end, ending, end_go, failed)
+        assert ending.wait(30)  # i2 acknowledged or dropped, its files being deleted
         close_go.set()
         wait_until(lambda: not closer.is_alive() or close_waits.is_set(), what="close to end or to wait")
-        assert closer.is_alive() and cache._lock.held  # waiting for the ack's deletion
+        assert closer.is_alive() and cache._lock.held  # waiting for that deletion
     finally:
         close_go.set()
-        ack_go.set()
+        end_go.set()
         closer.join(30)
-        acker.join(30)
-    assert not closer.is_alive() and not acker.is_alive() and failed == []
-    assert sorted(os.listdir(root)) == [".cachepipe"]  # every item gone
-    assert not cache._lock.held  # released: the next owner can open it
-
-
-def test_an_item_dropped_while_close_deletes_the_rest_is_deleted_before_close_lets_the_cache_go(tmp_path):
-    """A node's lane that waits for room gives back an item planned ahead for another lane
-    (``Cache.give_up``: a drop, without retention) while the job is deleted (close without
-    keep). close waited for the deletions of acks made meanwhile, not for such a drop: it let the
-    cache go (the journal closed, the folder's lock released: the job registered again opens it)
-    while the drop still deleted, whose journal record then failed on the closed journal.
-    Profile hooks hold close in its first deletion while another thread drops the last item,
-    hold that drop's deletion, and let it go once close has ended or waits."""
-    from cachepipe.cache import Cache
-    from cachepipe.catalog import Catalog
-
-    catalog = Catalog(mode="folders")
-    for name in ("i0", "i1", "i2"):
-        catalog.add(name, [("f", 10, None)])
-    root = tmp_path / "c"
-    cache = Cache(root, 1 << 20)
-    cache.open()
-    publish_all(cache, catalog)
-    failed: list[BaseException] = []
-    closing, close_go, close_waits, dropping, drop_go = (threading.Event() for _ in range(5))
-    closer = held_in_first_rmdir(cache.close, closing, close_go, failed, close_waits)
-    try:
-        assert closing.wait(30)  # close holds the list of items it deletes, and deletes the first
-        close_waits.clear()  # (its first wait, for acks begun before it, is behind it)
-        dropper = held_in_first_rmdir(lambda: cache.give_up("i2"), dropping, drop_go, failed)
-        assert dropping.wait(30)  # i2 dropped, its files being deleted
-        close_go.set()
-        wait_until(lambda: not closer.is_alive() or close_waits.is_set(), what="close to end or to wait")
-        assert closer.is_alive() and cache._lock.held  # before: close ended, and let the cache go
-    finally:
-        close_go.set()
-        drop_go.set()
-        closer.join(30)
-        dropper.join(30)
-    assert not closer.is_alive() and not dropper.is_alive() and failed == []
+        ender.join(30)
+    assert not closer.is_alive() and not ender.is_alive() and failed == []
     assert sorted(os.listdir(root)) == [".cachepipe"]  # every item gone
     assert not cache._lock.held  # released: the next owner can open it
