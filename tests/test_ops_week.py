@@ -1,0 +1,49 @@
+"""An operator's week with the daemon: reloads, signals, probes and the commands an SRE runs,
+against a real ``cachepipe serve`` subprocess (and its config file), with faults at the network
+(the fault proxy) where a test must hold a listing."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import yaml
+from test_service_lifecycle import FILES, write_config
+from waiting import wait_until
+
+from cachepipe.client import Client
+from cachepipe.service.testing import DaemonProcess
+
+
+def test_a_pipeline_a_reload_rebuilds_is_reported_reloading_not_open_while_it_lists(
+    s3_source, fault_proxy, tmp_path, short_dir
+):
+    # A reload that rebuilds a pipeline (here a new cache_dir) closes it and lists its source
+    # again, minutes for a large bucket, while its consumers wait. Meanwhile `cachepipe status`
+    # said "open", /v1/health "ok" and cachepipe_pipeline_up 1, for a pipeline that served nothing.
+    proxy, endpoint = fault_proxy
+    s3_source.folders(2, FILES)
+    sock = short_dir / "api.sock"
+    config = write_config(tmp_path, sock, endpoint)
+    gate = threading.Event()
+    try:
+        with DaemonProcess(config) as daemon, Client("train", sock) as client:
+            data = yaml.safe_load(config.read_text())
+            wait_until(lambda: client.status()["pipelines"]["train"]["stats"]["items_ready"] == 2, 30, "the items")
+            data["pipelines"]["train"]["cache_dir"] = str(tmp_path / "moved")  # a new cache: listed anew
+            config.write_text(yaml.safe_dump(data))
+            proxy.hold(lambda head: head.startswith("GET "), gate, limit=60)
+            before = len(proxy.requests)  # the start's
+            daemon.signal(signal.SIGHUP)
+            daemon.wait_for("RELOADING=1")
+            wait_until(lambda: len(proxy.requests) > before, 30, "the rebuilt pipeline's listing")
+            assert client.status()["pipelines"]["train"]["state"] == "reloading"
+            assert client.health() == {"status": "degraded", "pipelines": {"train": "reloading"}}
+            assert 'cachepipe_pipeline_up{pipeline="train"} 0.0' in client.metrics()
+            gate.set()
+            assert "train: " in daemon.wait_for("READY=1")
+            assert client.status()["pipelines"]["train"]["state"] == "open"
+            assert client.health() == {"status": "ok", "pipelines": {"train": "open"}}
+            assert 'cachepipe_pipeline_up{pipeline="train"} 1.0' in client.metrics()
+    finally:
+        gate.set()
