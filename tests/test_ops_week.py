@@ -12,6 +12,7 @@ from test_service_lifecycle import FILES, write_config
 from waiting import wait_until
 
 from cachepipe.client import Client
+from cachepipe.service.config import load_config
 from cachepipe.service.testing import DaemonProcess
 
 
@@ -47,3 +48,25 @@ def test_a_pipeline_a_reload_rebuilds_is_reported_reloading_not_open_while_it_li
             assert 'cachepipe_pipeline_up{pipeline="train"} 1.0' in client.metrics()
     finally:
         gate.set()
+
+
+def test_an_environment_override_of_null_sets_the_field_to_null_as_the_file_does(tmp_path, monkeypatch):
+    # `epochs: null` (endless), `lease_timeout: null` (never) and `tcp_port: null` (no listener)
+    # are documented values of the file, and every field can be overridden by a CACHEPIPE_*
+    # variable; but CACHEPIPE_PIPELINES__TRAIN__EPOCHS=null was refused (exit 78: "unable to
+    # parse string as an integer"): no variable could set a field back to null.
+    config = tmp_path / "cachepipe.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "socket": str(tmp_path / "api.sock"),
+                "tcp_port": 9464,
+                "pipelines": {"train": {"source": "s3://bucket/p/", "cache_dir": str(tmp_path / "c"), "capacity": "1MiB"}},
+            }
+        )
+    )
+    monkeypatch.setenv("CACHEPIPE_PIPELINES__TRAIN__EPOCHS", "null")
+    monkeypatch.setenv("CACHEPIPE_PIPELINES__TRAIN__LEASE_TIMEOUT", "null")
+    monkeypatch.setenv("CACHEPIPE_TCP_PORT", "null")
+    loaded = load_config(config)
+    assert (loaded.pipelines["train"].epochs, loaded.pipelines["train"].lease_timeout, loaded.tcp_port) == (None, None, None)
