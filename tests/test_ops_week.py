@@ -4,13 +4,18 @@ against a real ``cachepipe serve`` subprocess (and its config file), with faults
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import yaml
 from test_service_lifecycle import FILES, write_config
 from waiting import wait_until
 
+import cachepipe
 from cachepipe.client import Client
 from cachepipe.service.config import load_config
 from cachepipe.service.testing import DaemonProcess
@@ -70,3 +75,23 @@ def test_an_environment_override_of_null_sets_the_field_to_null_as_the_file_does
     monkeypatch.setenv("CACHEPIPE_TCP_PORT", "null")
     loaded = load_config(config)
     assert (loaded.pipelines["train"].epochs, loaded.pipelines["train"].lease_timeout, loaded.tcp_port) == (None, None, None)
+
+
+def test_wait_with_no_socket_yet_says_it_waits_its_timeout_not_the_startup_timeout(short_dir):
+    # The Kubernetes probes run `cachepipe wait --timeout 5`; with no socket yet it said "waiting
+    # up to 10 s for a daemon to start there (--startup-timeout ...)" and gave up after 5 s, and
+    # with --startup-timeout 0 it said nothing at all while it waited its --timeout.
+    sock = short_dir / "none.sock"
+    for extra in ([], ["--startup-timeout", "0"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "cachepipe", "wait", "--socket", str(sock), "--timeout", "0.5", *extra],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(Path(cachepipe.__file__).parents[1])},
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 4, done.stderr
+        first = done.stderr.splitlines()[0]
+        assert first.startswith(f"cachepipe wait: no daemon socket at {sock} yet; waiting up to 0.5 s for a daemon"), first
+        assert "(--timeout;" in first, first
