@@ -11,6 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 import yaml
 from test_service_lifecycle import FILES, write_config
 from waiting import wait_until
@@ -95,3 +96,26 @@ def test_wait_with_no_socket_yet_says_it_waits_its_timeout_not_the_startup_timeo
         first = done.stderr.splitlines()[0]
         assert first.startswith(f"cachepipe wait: no daemon socket at {sock} yet; waiting up to 0.5 s for a daemon"), first
         assert "(--timeout;" in first, first
+
+
+@pytest.mark.parametrize("engine", ["s3fs", "obstore"])
+def test_a_password_in_the_endpoint_url_is_not_written_to_the_log(tmp_path, short_dir, engine):
+    # The check of the options hides the credentials of an endpoint_url (user:secret@host) in its
+    # messages, but the store's own errors named the endpoint whole: a start that could not
+    # reach it wrote the password to the journal.
+    config = tmp_path / "cachepipe.yaml"
+    options = {"endpoint_url": "http://user:Pa55word@127.0.0.1:1", "key": "AKIAEXAMPLE", "secret": "s3cret", "engine": engine}
+    pipeline = {"source": "s3://bucket/p/", "cache_dir": str(tmp_path / "c"), "capacity": "1MiB", "storage_options": options}
+    config.write_text(yaml.safe_dump({"socket": str(short_dir / "api.sock"), "pipelines": {"train": pipeline}}))
+    done = subprocess.run(
+        [sys.executable, "-m", "cachepipe", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(cachepipe.__file__).parents[1])},
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "cannot reach http://***@127.0.0.1:1 for s3://bucket/p/" in done.stderr, done.stderr
+    assert "Pa55word" not in done.stderr + done.stdout
+    assert "s3cret" not in done.stderr + done.stdout
