@@ -18,8 +18,10 @@ from waiting import wait_until
 
 import cachepipe
 from cachepipe.client import Client
+from cachepipe.errors import ConfigError
 from cachepipe.service.config import load_config
 from cachepipe.service.testing import DaemonProcess
+from cachepipe.stores import check_store
 
 
 def test_a_pipeline_a_reload_rebuilds_is_reported_reloading_not_open_while_it_lists(
@@ -119,3 +121,18 @@ def test_a_password_in_the_endpoint_url_is_not_written_to_the_log(tmp_path, shor
     assert "cannot reach http://***@127.0.0.1:1 for s3://bucket/p/" in done.stderr, done.stderr
     assert "Pa55word" not in done.stderr + done.stdout
     assert "s3cret" not in done.stderr + done.stdout
+
+
+def test_an_endpoint_url_with_its_scheme_in_capitals_runs_and_another_scheme_is_named(
+    s3_source, s3_endpoint, tmp_path, short_dir
+):
+    # botocore reads HTTP://host as http://host, but the check refused it (exit 78, "has no
+    # scheme: write it http://HTTP://..."), as it said of ftp://host that it had no scheme.
+    s3_source.folders(1, FILES)
+    sock = short_dir / "api.sock"
+    upper = "HTTP://" + s3_endpoint.removeprefix("http://")
+    with DaemonProcess(write_config(tmp_path, sock, upper)), Client("train", sock) as client:
+        assert client.get(timeout=30) is not None
+    config = write_config(tmp_path, sock, "ftp://" + s3_endpoint.removeprefix("http://"))
+    with pytest.raises(ConfigError, match="its scheme 'ftp' is not http or https; expected a URL like"):
+        check_store("s3://data/video/", yaml.safe_load(config.read_text())["pipelines"]["train"]["storage_options"])

@@ -112,8 +112,11 @@ def _check_endpoint(url: str, where: str, endpoint: Any) -> None:
     expected = "expected a URL like 'http://10.0.0.5:9000' or 'https://s3.example.com'"
     if not isinstance(endpoint, str):
         raise ConfigError(f"storage_options {where} {endpoint!r} for {url!r} is not text: {expected}")
+    scheme = endpoint.partition("://")[0].lower() if "://" in endpoint else ""  # HTTPS://host is https:// to botocore
     endpoint = shown_endpoint(endpoint)  # credentials in it (user:secret@host) are not shown
-    if not endpoint.startswith(("http://", "https://")):
+    if scheme and scheme not in ("http", "https"):
+        raise ConfigError(f"storage_options {where} {endpoint!r} for {url!r}: its scheme {scheme!r} is not http or https; {expected}")
+    if not scheme:
         raise ConfigError(
             f"storage_options {where} {endpoint!r} for {url!r} has no scheme: write it http://{endpoint} "
             "(or https://, as the server serves it)"
