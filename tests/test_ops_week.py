@@ -24,9 +24,7 @@ from cachepipe.service.testing import DaemonProcess
 from cachepipe.stores import check_store
 
 
-def test_a_pipeline_a_reload_rebuilds_is_reported_reloading_not_open_while_it_lists(
-    s3_source, fault_proxy, tmp_path, short_dir
-):
+def test_a_pipeline_a_reload_rebuilds_is_reported_reloading_not_open_while_it_lists(s3_source, fault_proxy, tmp_path, short_dir):
     # A reload that rebuilds a pipeline (here a new cache_dir) closes it and lists its source
     # again, minutes for a large bucket, while its consumers wait. Meanwhile `cachepipe status`
     # said "open", /v1/health "ok" and cachepipe_pipeline_up 1, for a pipeline that served nothing.

@@ -115,7 +115,9 @@ def _check_endpoint(url: str, where: str, endpoint: Any) -> None:
     scheme = endpoint.partition("://")[0].lower() if "://" in endpoint else ""  # HTTPS://host is https:// to botocore
     endpoint = shown_endpoint(endpoint)  # credentials in it (user:secret@host) are not shown
     if scheme and scheme not in ("http", "https"):
-        raise ConfigError(f"storage_options {where} {endpoint!r} for {url!r}: its scheme {scheme!r} is not http or https; {expected}")
+        raise ConfigError(
+            f"storage_options {where} {endpoint!r} for {url!r}: its scheme {scheme!r} is not http or https; {expected}"
+        )
     if not scheme:
         raise ConfigError(
             f"storage_options {where} {endpoint!r} for {url!r} has no scheme: write it http://{endpoint} "
