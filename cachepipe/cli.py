@@ -202,10 +202,12 @@ def _run(args: argparse.Namespace, exits: bool) -> int:
     from .client import Client, ServiceError, default_socket
 
     address = args.socket or default_socket()
-    if args.startup_timeout > 0 and "://" not in address and not os.path.exists(address):
+    # `wait` waits its --timeout for a daemon (its --startup-timeout does not apply); the others their --startup-timeout
+    waits, option = (args.timeout, "--timeout") if args.command == "wait" else (args.startup_timeout, "--startup-timeout")
+    if waits > 0 and "://" not in address and not os.path.exists(address):
         print(  # else it waits the whole startup timeout in silence before its error
-            f"cachepipe {args.command}: no daemon socket at {address} yet; waiting up to {args.startup_timeout:g} s for "
-            "a daemon to start there (--startup-timeout; --socket or $CACHEPIPE_SOCKET for another one)",
+            f"cachepipe {args.command}: no daemon socket at {address} yet; waiting up to {waits:g} s for "
+            f"a daemon to start there ({option}; --socket or $CACHEPIPE_SOCKET for another one)",
             file=sys.stderr,
         )
     try:

@@ -1,7 +1,8 @@
 """The daemon's configuration: one file (YAML, or TOML by its ``.toml`` suffix), validated by
 pydantic, every field overridable by a ``CACHEPIPE_...`` environment variable.
 
-Environment variables win over the file. Nested fields are joined with ``__``::
+Environment variables win over the file; the value ``null`` sets a field to null, as in the
+file (``CACHEPIPE_PIPELINES__TRAIN__EPOCHS=null``: endless). Nested fields are joined with ``__``::
 
     CACHEPIPE_SOCKET=/run/cachepipe/train.sock
     CACHEPIPE_PIPELINES__TRAIN__CAPACITY=10GiB
@@ -171,6 +172,7 @@ class ServiceConfig(BaseSettings):
         frozen=True,
         case_sensitive=False,
         allow_inf_nan=False,
+        env_parse_none_str="null",  # CACHEPIPE_PIPELINES__TRAIN__EPOCHS=null: endless, as `epochs: null` in the file
     )
 
     socket: Path = DEFAULT_SOCKET

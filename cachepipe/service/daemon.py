@@ -356,6 +356,8 @@ class Daemon(_JobDesk, _PipelineDesk):
         with self._cond:
             kept = old is not None and (old.pipeline is not None or old.room is not None)
         if old is not None:
+            with self._cond:  # not serving until its replacement is in place: status, health, metrics say so
+                old.reloading = True
             self._close(old)
         self._closer.wait(name)  # one taken down: it finishes closing before its cache opens again
         fresh = _Served(name, cfg, rebuilt_at=None if old is None else time.monotonic())

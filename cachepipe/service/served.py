@@ -43,6 +43,7 @@ class _Served:
     waiting: str = ""  # why it waits for room to open (its cache's disk is full), while room waits
     room: RoomWait | None = None  # the wait for room, while one runs (stopped by the daemon's close of it)
     rebuilt_at: float | None = None  # monotonic time a reload rebuilt it, ending older leases
+    reloading: bool = False  # a reload closed its pipeline and opens its new settings (a listing: minutes)
     root: Path = dataclasses.field(init=False)
     prefix: str = dataclasses.field(init=False)  # str(root) + "/": what every item path starts with
 

@@ -34,7 +34,7 @@ class _Views(_DaemonState):
 
     def _snapshots(self) -> list[Snapshot]:
         return [
-            Snapshot(e.name, e.pipeline is not None, e.pipeline.stats() if e.pipeline else None, self._waiting.get(e.name, 0))
+            Snapshot(e.name, _serving(e), e.pipeline.stats() if e.pipeline else None, self._waiting.get(e.name, 0))
             for e in self._entries()
         ] + [Snapshot(name, True, pipe.stats(), self._waiting.get(name, 0)) for name, pipe, _ in self._job_entries()]
 
@@ -44,7 +44,7 @@ class _Views(_DaemonState):
         for e in self._entries():
             stats: Stats | None = e.pipeline.stats() if e.pipeline is not None else None
             pipelines[e.name] = {
-                "state": "open" if e.pipeline is not None else ("waiting for room" if e.waiting else "down"),
+                "state": _state(e),
                 "error": e.waiting or e.error or None,
                 "source": e.config.source,
                 "cache_dir": str(e.root),
@@ -121,7 +121,9 @@ class _Views(_DaemonState):
         self.check_caches()
         entries = self._entries()
         down = {
-            e.name: f"waiting for room: {e.waiting}" if e.waiting else f"down: {e.error}" for e in entries if e.pipeline is None
+            e.name: "reloading" if e.reloading else f"waiting for room: {e.waiting}" if e.waiting else f"down: {e.error}"
+            for e in entries
+            if not _serving(e)
         }
         ok = self._state == _RUNNING and not down
         status = "ok" if ok else ("degraded" if self._state == _RUNNING else self._state)
@@ -134,8 +136,8 @@ class _Views(_DaemonState):
         """One line for systemd's STATUS=: items ready, leased and bytes cached per pipeline."""
         parts = []
         for e in self._entries():
-            if e.pipeline is None:
-                parts.append(f"{e.name}: {'waiting for room on its disk' if e.waiting else 'down'}")
+            if e.reloading or e.pipeline is None:
+                parts.append(f"{e.name}: {'waiting for room on its disk' if e.waiting else _state(e)}")
                 continue
             s = e.pipeline.stats()
             progress = pass_progress(e.pipeline)
@@ -146,6 +148,19 @@ class _Views(_DaemonState):
                 f"{e.name}: {s.items_ready} ready, {leased(s)} leased, {s.items_acked} acked, {format_size(s.bytes_in_cache)} of {format_size(s.capacity)} cached"  # noqa: E501 - kept whole
             )
         return "; ".join(parts)
+
+
+def _serving(served: _Served) -> bool:
+    """``served`` is open and serving: not down, not waiting for room, not closed by a reload
+    that opens its new settings (which lists its source: minutes for a large bucket)."""
+    return served.pipeline is not None and not served.reloading
+
+
+def _state(served: _Served) -> str:
+    """The state ``cachepipe status`` shows for ``served``."""
+    if served.reloading:
+        return "reloading"
+    return "open" if served.pipeline is not None else ("waiting for room" if served.waiting else "down")
 
 
 def pass_progress(pipe: Pipeline) -> dict[str, Any] | None:

@@ -54,6 +54,7 @@ from .fsspec_options import (
     _protocols,
     environment_endpoint,  # noqa: F401 - importable from here, as before
     s3_endpoint,
+    shown_endpoint,
 )
 from .fsspec_options import (
     check_options as check_options,  # noqa: PLC0414 - re-exported: check_store() imports it from here, as before
@@ -130,7 +131,7 @@ class FsspecStore:
         """The server this store talks to, for messages: the endpoint URL, or what stands for it."""
         protocols = _protocols(self.fs)
         if "s3" in protocols:
-            return str(s3_endpoint(options) or "the AWS S3 endpoint")
+            return shown_endpoint(str(s3_endpoint(options) or "the AWS S3 endpoint"))
         if "file" in protocols or "local" in protocols:
             self.answered = True
             return "the local filesystem"

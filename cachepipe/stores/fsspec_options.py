@@ -49,6 +49,16 @@ def s3_endpoint(options: dict[str, Any]) -> str | None:
     return options.get("endpoint_url") or client_kwargs.get("endpoint_url") or environment_endpoint()
 
 
+def shown_endpoint(endpoint: str) -> str:
+    """``endpoint`` as messages and logs show it: credentials in it (``user:secret@host``) as
+    ``***@host``. An endpoint URL may carry them (a proxy's); the journal must not."""
+    scheme, sep, rest = endpoint.partition("://") if "://" in endpoint else ("", "", endpoint)
+    netloc, slash, path = rest.partition("/")
+    if "@" not in netloc:
+        return endpoint
+    return f"{scheme}{sep}***@{netloc.rpartition('@')[2]}{slash}{path}"
+
+
 def check_options(url: str, options: dict[str, Any] | None) -> type | None:
     """The fsspec filesystem class serving ``url``, with ``options`` checked against it (what
     :class:`FsspecStore` refuses before it sends anything); None for a chained URL (``a::b``),
@@ -102,11 +112,13 @@ def _check_endpoint(url: str, where: str, endpoint: Any) -> None:
     expected = "expected a URL like 'http://10.0.0.5:9000' or 'https://s3.example.com'"
     if not isinstance(endpoint, str):
         raise ConfigError(f"storage_options {where} {endpoint!r} for {url!r} is not text: {expected}")
-    scheme, sep, rest = endpoint.partition("://") if "://" in endpoint else ("", "", endpoint)
-    netloc, slash, path = rest.partition("/")
-    if "@" in netloc:  # credentials in it (user:secret@host) are not shown
-        endpoint = f"{scheme}{sep}***@{netloc.rpartition('@')[2]}{slash}{path}"
-    if not endpoint.startswith(("http://", "https://")):
+    scheme = endpoint.partition("://")[0].lower() if "://" in endpoint else ""  # HTTPS://host is https:// to botocore
+    endpoint = shown_endpoint(endpoint)  # credentials in it (user:secret@host) are not shown
+    if scheme and scheme not in ("http", "https"):
+        raise ConfigError(
+            f"storage_options {where} {endpoint!r} for {url!r}: its scheme {scheme!r} is not http or https; {expected}"
+        )
+    if not scheme:
         raise ConfigError(
             f"storage_options {where} {endpoint!r} for {url!r} has no scheme: write it http://{endpoint} "
             "(or https://, as the server serves it)"

@@ -87,7 +87,7 @@ from ..errors import ConfigError, ObjectChangedError, StoreClosedError, store_co
 from .base import CHANGED, ObjectInfo, check_mappings, http_status_error, unreachable_error
 from .fsspec import FsspecStore
 from .fsspec_options import check_options as check_fsspec
-from .fsspec_options import s3_endpoint
+from .fsspec_options import s3_endpoint, shown_endpoint
 
 if TYPE_CHECKING:
     from obstore import GetOptions  # types only: not importable at run time
@@ -337,7 +337,7 @@ class NativeS3Store:
         _check_names(url, options)
         # the environment's endpoint as botocore reads it (for the listing and large GETs): obstore
         # does not read AWS_ENDPOINT_URL_S3, and its small GETs must go where the others go
-        self.endpoint = str(s3_endpoint(options) or "the AWS S3 endpoint")
+        self.endpoint = shown_endpoint(str(s3_endpoint(options) or "the AWS S3 endpoint"))  # for messages
         self._said_forked = False  # logged that obstore cannot run in this (forked) process
         self._redirected = False  # S3 redirected one of obstore's GETs: the fsspec backend sends them all
         self._aborted = False  # abort(): later GETs are refused
