@@ -134,3 +134,53 @@ def test_an_endpoint_url_with_its_scheme_in_capitals_runs_and_another_scheme_is_
     config = write_config(tmp_path, sock, "ftp://" + s3_endpoint.removeprefix("http://"))
     with pytest.raises(ConfigError, match="its scheme 'ftp' is not http or https; expected a URL like"):
         check_store("s3://data/video/", yaml.safe_load(config.read_text())["pipelines"]["train"]["storage_options"])
+
+
+def test_a_sighup_while_the_configuration_loads_is_a_reload_once_the_daemon_runs(tmp_path, short_dir):
+    # `kill -HUP` (or a config manager's reload) early in a start, before the daemon's handler was
+    # installed, ended the process (exit 129: SIGHUP's default action). The configuration is a
+    # named pipe here, so that the daemon waits in its load until the test writes it.
+    src = tmp_path / "src"
+    (src / "item0").mkdir(parents=True)
+    (src / "item0" / "a.bin").write_bytes(b"x")
+    train = {"source": f"{src}/", "cache_dir": str(tmp_path / "cache"), "capacity": "1MiB"}
+    text = yaml.safe_dump({"socket": str(short_dir / "api.sock"), "pipelines": {"train": train}}).encode()
+    fifo = tmp_path / "cachepipe.yaml"
+    os.mkfifo(fifo)
+
+    def give(config: bytes) -> None:
+        """Write ``config`` to the daemon once it opened the pipe to read it."""
+        fd = wait_until(lambda: _writer(fifo), 30, "the daemon reading its configuration")
+        try:
+            os.write(fd, config)
+        finally:
+            os.close(fd)
+
+    daemon = DaemonProcess(fifo, log_path=tmp_path / "daemon.log")
+    starting = threading.Thread(target=daemon.start)
+    starting.start()
+    try:
+        wait_until(lambda: daemon.proc is not None, 30, "the daemon spawned")
+        fd = wait_until(lambda: _writer(fifo), 30, "the daemon reading its configuration")
+        daemon.signal(signal.SIGHUP)  # while it loads
+        try:
+            os.write(fd, text)
+        finally:
+            os.close(fd)
+        starting.join(60)
+        assert daemon.proc.poll() is None, daemon.log()  # before: exit 129
+        give(text)  # the reload it owes reads the configuration again
+        daemon.wait_for("READY=1", 30)
+        assert any(m.startswith("RELOADING=1") for m in daemon.messages), daemon.messages
+        assert daemon.stop() == 0
+    finally:
+        daemon.close()
+        starting.join(30)
+
+
+def _writer(fifo: Path) -> int | None:
+    """A write end of ``fifo`` once a reader has it open; None before."""
+    try:
+        return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # ENXIO: no reader yet
+        return None

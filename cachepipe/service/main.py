@@ -11,7 +11,9 @@ The main thread owns the signals and the conversation with systemd:
   next start with ``keep_on_close``), exit 0. During start-up or a reload the signal interrupts it (either
   can list a bucket for minutes; systemd's ``TimeoutStopSec`` is 30 s in our units).
 - SIGHUP: RELOADING=1, read and validate the config file again; invalid: log why and keep the
-  running configuration; valid: apply it (:meth:`Daemon.reload`); then READY=1.
+  running configuration; valid: apply it (:meth:`Daemon.reload`); then READY=1. One that comes
+  while the daemon loads its configuration or starts is a reload once it runs (its default action
+  would end the process).
 
 Signal handlers only queue an event (``queue.SimpleQueue.put`` is safe in a signal handler);
 the loop blocks on that queue with a timeout that is the next heartbeat or status update.
@@ -91,14 +93,21 @@ def check(config_path: str | os.PathLike[str]) -> int:
 
 def serve(config_path: str | os.PathLike[str]) -> int:
     """Run the daemon until SIGTERM/SIGINT; returns the exit status."""
-    config, handler = _load(config_path)
+    events: queue.SimpleQueue[str] = queue.SimpleQueue()
+    # a SIGHUP while the configuration loads and is checked (its default action ends the process):
+    # a reload once the daemon runs, as one while it starts
+    early = _install(lambda _signum, _frame: events.put("reload"), (signal.SIGHUP,))
     try:
-        if config is None:
-            return EX_CONFIG
-        with Notifier() as notifier:
-            return _run(Path(config_path).absolute(), config, notifier)  # reloads read the same file
+        config, handler = _load(config_path)
+        try:
+            if config is None:
+                return EX_CONFIG
+            with Notifier() as notifier:
+                return _run(Path(config_path).absolute(), config, notifier, events)  # reloads read the same file
+        finally:
+            logging.getLogger("cachepipe").removeHandler(handler)
     finally:
-        logging.getLogger("cachepipe").removeHandler(handler)
+        _restore(early)
 
 
 def _load(config_path: str | os.PathLike[str]) -> tuple[ServiceConfig | None, logging.Handler]:
@@ -130,8 +139,7 @@ def _load(config_path: str | os.PathLike[str]) -> tuple[ServiceConfig | None, lo
     return config, handler
 
 
-def _run(config_path: Path, config: Any, notifier: Notifier) -> int:
-    events: queue.SimpleQueue[str] = queue.SimpleQueue()
+def _run(config_path: Path, config: Any, notifier: Notifier, events: queue.SimpleQueue[str]) -> int:
     phase = ["starting"]
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -268,11 +276,12 @@ def _reload(daemon: Daemon, config_path: Path, notifier: Notifier) -> None:
     notifier.send("READY=1", "STATUS=" + said + " ".join(daemon.status_line().split()))
 
 
-def _install(handler: Any) -> dict[int, Any]:
-    """Install ``handler`` for SIGTERM, SIGINT and SIGHUP (main thread only); return the old ones."""
+def _install(handler: Any, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)) -> dict[int, Any]:
+    """Install ``handler`` for ``signals`` (default SIGTERM, SIGINT and SIGHUP; main thread
+    only); return the old ones."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    return {sig: signal.signal(sig, handler) for sig in signals}
 
 
 def _restore(previous: dict[int, Any]) -> None:
