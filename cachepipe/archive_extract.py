@@ -119,6 +119,7 @@ class _Extraction:
         self.result = result
         self.written: dict[str, str] = {}  # rel path -> archive that wrote it
         self.sizes: dict[str, int] = {}  # rel path -> size, for hard links
+        self.links: dict[str, tuple[str, str]] = {}  # where a symbolic link was made (its real path) -> (archive, member)
 
     def claim(self, archive: str, name: str, rel: str) -> None:
         owner = self.written.get(rel)
@@ -164,6 +165,27 @@ class _Extraction:
         target = self.out / _check_name(archive, name)
         what = f"cannot write {str(target)!r}, member {_abridged(name)} of archive {archive!r} of item {self.item!r}"
         return OSError(exc.errno, f"{exc.strerror or exc}: {what}")
+
+    def made_link(self, archive: str, name: str, rel: str) -> None:
+        """The member ``name`` made a symbolic link at ``rel``: :meth:`check_links` will follow it."""
+        where = os.path.join(os.path.realpath((self.out / rel).parent), rel.rsplit("/", 1)[-1])
+        self.links[where] = (archive, name)
+
+    def check_links(self) -> None:
+        """Once every archive of the item is extracted: refuse a symbolic link that leaves the item
+        when followed (:func:`_leaves`). Each was checked when it was made, alone: one that goes
+        through a link made after it, or was made through a link, could point out of the item."""
+        if not self.links:
+            return
+        root = os.path.realpath(self.out)
+        for dirpath, dirs, files in os.walk(root):  # links to folders are listed in dirs, not followed
+            for entry in dirs + files:
+                path = os.path.join(dirpath, entry)
+                if os.path.islink(path) and _leaves(root, os.path.relpath(path, root)):
+                    archive, member = self.links.get(path, ("?", os.path.relpath(path, root)))
+                    raise UnsafeMemberError(
+                        archive, member, f"link to {os.readlink(path)!r}, which leads outside the item through other links"
+                    )
 
     def _origin(self, archive: str, rel: str) -> str:
         """Where the file ``rel`` came from, when another archive of the item wrote it."""
@@ -239,6 +261,8 @@ class _Extraction:
             if error is None:
                 raise
             raise error from exc
+        if member.issym():
+            self.made_link(archive, name, rel)
         if member.isreg() or member.islnk():
             self.sizes[rel] = size
             self.result.bytes += size
@@ -304,6 +328,7 @@ class _Extraction:
             if os.path.lexists(target):
                 os.unlink(target)
             os.symlink(link, target)
+            self.made_link(archive, name, rel)
             self.result.members += 1
             return
         self.budget.add(archive, name, info.file_size)
@@ -320,6 +345,41 @@ class _Extraction:
         self.sizes[rel] = written
         self.result.bytes += written
         self.result.members += 1
+
+
+def _leaves(root: str, rel: str) -> bool:
+    """Whether the symbolic link at ``rel`` (its folders real ones) in the folder ``root`` leads
+    outside ``root``: its target followed a segment at a time, as the kernel does, through every
+    link on the way, a ``..`` above ``root`` or an absolute target leaves it. Unlike
+    :func:`os.path.realpath`, a way out and back in by ``root``'s own name leaves it too (the item
+    is renamed after its extraction). A loop (more than 40 links) leads nowhere, not out."""
+    target = os.readlink(os.path.join(root, rel))
+    if target.startswith("/"):
+        return True
+    todo = [*rel.split("/")[:-1], *target.split("/")][::-1]  # the next segment last
+    done: list[str] = []
+    hops = 0
+    while todo:
+        segment = todo.pop()
+        if segment in ("", "."):
+            continue
+        if segment == "..":
+            if not done:
+                return True
+            done.pop()
+            continue
+        here = os.path.join(root, *done, segment)
+        if not os.path.islink(here):
+            done.append(segment)
+            continue
+        hops += 1
+        target = os.readlink(here)
+        if target.startswith("/"):
+            return True
+        if hops > 40:
+            return False
+        todo.extend(target.split("/")[::-1])
+    return False
 
 
 def _abridged(name: str, most: int = 120) -> str:

@@ -195,6 +195,7 @@ def unpack_item(
     try:
         for volumes in sets:
             _unpack_one(root, volumes, checksums, extraction)
+        extraction.check_links()
     except BaseException:
         _clear(out)
         raise

@@ -9,12 +9,14 @@ tarfile/zipfile; the pipeline's side through the moto server.
 from __future__ import annotations
 
 import os
+import stat
+import zipfile
 
 import pytest
 from test_pipeline_unpack import drain, leftovers, unpacking
-from test_unpack import FILES, LIMIT, archive_bytes, read_tree, tar_bytes
+from test_unpack import FILES, LIMIT, archive_bytes, link, read_tree, tar_bytes, zip_bytes
 
-from cachepipe.unpack import ArchiveError, unpack_item
+from cachepipe.unpack import ArchiveError, UnsafeMemberError, unpack_item
 
 MANY = {f"m{i}.bin": os.urandom(3000) for i in range(6)}  # 512 + 3072 bytes each in a tar
 STEP = 512 + 3072
@@ -102,3 +104,57 @@ def test_a_cut_tar_fails_its_item_and_the_pass_goes_on(s3_source, tmp_path):
     assert sorted(delivered) == ["good"] and delivered["good"] == MANY
     stats = pipe.stats()
     assert stats.items_failed == 2, stats
+
+
+# ---- links that leave the item through other links ---------------------------------------------
+def zip_link(name: str, target: str) -> tuple[zipfile.ZipInfo, bytes]:
+    info = zipfile.ZipInfo(name)
+    info.create_system = 3
+    info.external_attr = (stat.S_IFLNK | 0o777) << 16
+    return info, target.encode()
+
+
+ESCAPES = {
+    # 'e' is checked while 'g' is no link yet (inside, lexically and by realpath); then 'g' -> '.'
+    "tar, the link it goes through made after it": (
+        "a.tar",
+        lambda: tar_bytes({}, "w", [link("e", "g/g/../../secret"), link("g", ".")]),
+        "e",
+    ),
+    "zip, the link it goes through made after it": (
+        "a.zip",
+        lambda: zip_bytes([zip_link("e", "g/g/../../secret"), zip_link("g", ".")]),
+        "e",
+    ),
+    # 'd/d/e' is the item's 'e': '../../secret' leaves it; lexically, from 'd/d', it stays inside
+    "zip, made through a link": ("a.zip", lambda: zip_bytes([zip_link("d", "."), zip_link("d/d/e", "../../secret")]), "d/d/e"),
+}
+
+
+@pytest.mark.parametrize("case", list(ESCAPES))
+def test_a_link_that_leaves_the_item_through_other_links_is_refused(tmp_path, case):
+    """Each link's target was checked alone, lexically (and by tarfile's filter with the links
+    made so far): a link through a link made later, or a zip link made through a link, pointed
+    out of the item (here at a file beside the cache), and the item was handed out with it."""
+    filename, build, member = ESCAPES[case]
+    (tmp_path / "secret").write_text("not the item's")
+    box = tmp_path / "cache" / "item"
+    box.mkdir(parents=True)
+    (box / filename).write_bytes(build())
+    with pytest.raises(UnsafeMemberError, match="outside the item") as caught:
+        unpack_item(box / filename, tmp_path / "cache" / "out", limit_bytes=LIMIT)
+    assert caught.value.member == member and caught.value.archive == filename
+    assert list((tmp_path / "cache" / "out").iterdir()) == []
+
+
+def test_links_through_links_inside_the_item_are_kept(tmp_path):
+    """As in a root file system's archive: 'lib' -> 'usr/lib', 'so' -> 'lib/x.so'; and a link
+    that goes out and back in by the item's own name ('../out/...') is refused: the item is
+    renamed after its extraction."""
+    tar = tar_bytes({"usr/lib/x.so": b"elf"}, "w", [link("lib", "usr/lib"), link("so", "lib/x.so"), link("up", "lib/..")])
+    (tmp_path / "a.tar").write_bytes(tar)
+    unpack_item(tmp_path / "a.tar", tmp_path / "out", limit_bytes=LIMIT)
+    assert (tmp_path / "out" / "so").read_bytes() == b"elf" and os.readlink(tmp_path / "out" / "so") == "lib/x.so"
+    (tmp_path / "b.zip").write_bytes(zip_bytes([zip_link("d", "."), zip_link("d/d/e", "../out2/x")]))
+    with pytest.raises(UnsafeMemberError, match="outside the item"):
+        unpack_item(tmp_path / "b.zip", tmp_path / "out2", limit_bytes=LIMIT)
