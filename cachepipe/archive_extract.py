@@ -10,16 +10,21 @@ says why (:meth:`_Extraction.unwritable`). What was written is counted in an :cl
 
 from __future__ import annotations
 
+import bz2
 import errno
+import gzip
 import io
+import lzma
 import os
 import stat
 import tarfile
 import threading
 import zipfile
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Literal, cast
+from typing import IO, cast
 
 from .archive_members import _Budget, _check_link, _check_name
 from .archive_volumes import _CHUNK, _check_stop
@@ -33,8 +38,50 @@ cut short inside that member (refused as truncated) from one that is too large: 
 gzip. An archive cut further into the member is refused as too large, as before: reading more
 would make every bomb slower to refuse (a GiB of zeros took 3.5 s as gzip, 21 s as xz and
 minutes as bzip2, whose reader copies what is left of its buffer at every read)."""
-_TarMode = Literal["r|", "r|gz", "r|bz2", "r|xz"]
-_TAR_MODES: dict[str, _TarMode] = {"tar": "r|", "tar.gz": "r|gz", "tar.bz2": "r|bz2", "tar.xz": "r|xz"}
+_DECODERS: dict[str, Callable[[IO[bytes]], io.BufferedIOBase]] = {
+    "tar.gz": lambda raw: gzip.GzipFile(fileobj=raw, mode="rb"),
+    "tar.bz2": lambda raw: bz2.BZ2File(raw, "rb"),
+    "tar.xz": lambda raw: lzma.LZMAFile(raw, "rb"),  # noqa: SIM115 - closed by _Extraction.tar
+}
+"""Compressed tars are read through these, not tarfile's own stream reader: they check the
+compression's own CRC (gzip's, which tarfile's reader ignores) and raise :class:`EOFError` where
+the compressed data ends early; a read returns at most what is asked for (tarfile's reader
+inflated a whole compressed read at once: a 1 MiB read of zeros is ~1 GB in memory)."""
+
+
+class _Stopped(Exception):
+    """A stop, as a decoder's reads see it (:class:`_Stoppable`)."""
+
+
+class _Stoppable:
+    """The volumes' reader as a decoder reads it: a stop raises :class:`_Stopped`, not the
+    reader's :class:`InterruptedError`, which the decoder's buffered reader retries for ever."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self.raw = raw
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            return self.raw.read(size)
+        except InterruptedError as exc:
+            raise _Stopped from exc
+
+
+class _StrictTarInfo(tarfile.TarInfo):
+    """A tar header as tarfile reads it, but one that is missing, cut short or invalid is
+    a :class:`tarfile.ReadError` wherever it is: tarfile takes one after the first member for
+    the archive's end, so a tar cut at a member's boundary, or with a damaged header, extracted
+    in part without a word. Its end-of-archive block (zeros) still ends it."""
+
+    @classmethod
+    def fromtarfile(cls, tarfile_: tarfile.TarFile) -> _StrictTarInfo:
+        try:
+            return super().fromtarfile(tarfile_)
+        except tarfile.HeaderError as exc:
+            if type(exc) is tarfile.EOFHeaderError:  # type: ignore[attr-defined] # the end-of-archive block
+                raise
+            what = "unexpected end of data" if str(exc) in ("empty header", "truncated header") else "bad header"
+            raise tarfile.ReadError(f"{what} at byte {tarfile_.offset} of the tar: {exc}") from None
 
 
 @dataclass
@@ -72,6 +119,7 @@ class _Extraction:
         self.result = result
         self.written: dict[str, str] = {}  # rel path -> archive that wrote it
         self.sizes: dict[str, int] = {}  # rel path -> size, for hard links
+        self.links: dict[str, tuple[str, str]] = {}  # where a symbolic link was made (its real path) -> (archive, member)
 
     def claim(self, archive: str, name: str, rel: str) -> None:
         owner = self.written.get(rel)
@@ -118,6 +166,27 @@ class _Extraction:
         what = f"cannot write {str(target)!r}, member {_abridged(name)} of archive {archive!r} of item {self.item!r}"
         return OSError(exc.errno, f"{exc.strerror or exc}: {what}")
 
+    def made_link(self, archive: str, name: str, rel: str) -> None:
+        """The member ``name`` made a symbolic link at ``rel``: :meth:`check_links` will follow it."""
+        where = os.path.join(os.path.realpath((self.out / rel).parent), rel.rsplit("/", 1)[-1])
+        self.links[where] = (archive, name)
+
+    def check_links(self) -> None:
+        """Once every archive of the item is extracted: refuse a symbolic link that leaves the item
+        when followed (:func:`_leaves`). Each was checked when it was made, alone: one that goes
+        through a link made after it, or was made through a link, could point out of the item."""
+        if not self.links:
+            return
+        root = os.path.realpath(self.out)
+        for dirpath, dirs, files in os.walk(root):  # links to folders are listed in dirs, not followed
+            for entry in dirs + files:
+                path = os.path.join(dirpath, entry)
+                if os.path.islink(path) and _leaves(root, os.path.relpath(path, root)):
+                    archive, member = self.links.get(path, ("?", os.path.relpath(path, root)))
+                    raise UnsafeMemberError(
+                        archive, member, f"link to {os.readlink(path)!r}, which leads outside the item through other links"
+                    )
+
     def _origin(self, archive: str, rel: str) -> str:
         """Where the file ``rel`` came from, when another archive of the item wrote it."""
         owner = self.written.get(rel, archive)
@@ -126,21 +195,39 @@ class _Extraction:
     def tar(self, archive: str, stream: io.RawIOBase, fmt: str) -> None:
         # a binary file at run time; typeshed does not declare RawIOBase an IO[bytes] (its read may return None)
         binary = cast("IO[bytes]", stream)
-        mode: _TarMode
         if fmt == "tar.zst":
             try:
                 import zstandard
             except ImportError as exc:
                 raise ArchiveError(f"{archive}: a zstd archive needs the 'zstandard' package (pip install zstandard)") from exc
             source: IO[bytes] = zstandard.ZstdDecompressor().stream_reader(binary, read_across_frames=True, closefd=False)
-            mode = "r|"
-        else:
-            source, mode = binary, _TAR_MODES[fmt]
-        # tarfile's own buffer size: its stream inflates a whole compressed read at once and copies
-        # what is left after each member read; a 1 MiB read of zeros is ~1 GB in memory.
-        with tarfile.open(fileobj=source, mode=mode) as tar:
-            for member in tar:
-                self._tar_member(archive, tar, member)
+        else:  # the volumes' reader itself is not closed here: its MD5s are read after
+            source = cast("IO[bytes]", _DECODERS[fmt](cast("IO[bytes]", _Stoppable(binary)))) if fmt in _DECODERS else binary
+        try:
+            with (
+                source if source is not binary else nullcontext(),
+                tarfile.open(fileobj=source, mode="r|", tarinfo=_StrictTarInfo) as tar,
+            ):
+                for member in tar:
+                    self._tar_member(archive, tar, member)
+                self._tar_end(tar)
+        except _Stopped:
+            raise InterruptedError(errno.EINTR, "extraction stopped") from None
+
+    def _tar_end(self, tar: tarfile.TarFile) -> None:
+        """Read what follows the end-of-archive block to the end of the stream (which checks a
+        compressed one's CRC): zeros only, the padding of the last record, and at most
+        :data:`_PROBE` bytes of it. Anything else is a :class:`tarfile.ReadError`: a damaged
+        header read as the end, or another archive appended (tar extracts the first only)."""
+        stream, seen = tar.fileobj, 0
+        while chunk := stream.read(_CHUNK):
+            _check_stop(self.stop)
+            seen += len(chunk)
+            if chunk.count(0) != len(chunk) or seen > _PROBE:
+                raise tarfile.ReadError(
+                    f"{'more than ' + str(_PROBE) + ' bytes' if seen > _PROBE else 'data'} after its end-of-archive blocks, "
+                    "at byte " + str(tar.offset) + ": a header damaged, or another archive appended to it"
+                )
 
     def _tar_member(self, archive: str, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
         _check_stop(self.stop)
@@ -174,6 +261,8 @@ class _Extraction:
             if error is None:
                 raise
             raise error from exc
+        if member.issym():
+            self.made_link(archive, name, rel)
         if member.isreg() or member.islnk():
             self.sizes[rel] = size
             self.result.bytes += size
@@ -239,6 +328,7 @@ class _Extraction:
             if os.path.lexists(target):
                 os.unlink(target)
             os.symlink(link, target)
+            self.made_link(archive, name, rel)
             self.result.members += 1
             return
         self.budget.add(archive, name, info.file_size)
@@ -255,6 +345,41 @@ class _Extraction:
         self.sizes[rel] = written
         self.result.bytes += written
         self.result.members += 1
+
+
+def _leaves(root: str, rel: str) -> bool:
+    """Whether the symbolic link at ``rel`` (its folders real ones) in the folder ``root`` leads
+    outside ``root``: its target followed a segment at a time, as the kernel does, through every
+    link on the way, a ``..`` above ``root`` or an absolute target leaves it. Unlike
+    :func:`os.path.realpath`, a way out and back in by ``root``'s own name leaves it too (the item
+    is renamed after its extraction). A loop (more than 40 links) leads nowhere, not out."""
+    target = os.readlink(os.path.join(root, rel))
+    if target.startswith("/"):
+        return True
+    todo = [*rel.split("/")[:-1], *target.split("/")][::-1]  # the next segment last
+    done: list[str] = []
+    hops = 0
+    while todo:
+        segment = todo.pop()
+        if segment in ("", "."):
+            continue
+        if segment == "..":
+            if not done:
+                return True
+            done.pop()
+            continue
+        here = os.path.join(root, *done, segment)
+        if not os.path.islink(here):
+            done.append(segment)
+            continue
+        hops += 1
+        target = os.readlink(here)
+        if target.startswith("/"):
+            return True
+        if hops > 40:
+            return False
+        todo.extend(target.split("/")[::-1])
+    return False
 
 
 def _abridged(name: str, most: int = 120) -> str:

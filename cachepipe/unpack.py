@@ -37,7 +37,9 @@ target checked with ``realpath`` to stay inside ``out_dir``.
 from __future__ import annotations
 
 import errno
+import gzip
 import logging
+import lzma
 import os
 import shutil
 import tarfile
@@ -193,6 +195,7 @@ def unpack_item(
     try:
         for volumes in sets:
             _unpack_one(root, volumes, checksums, extraction)
+        extraction.check_links()
     except BaseException:
         _clear(out)
         raise
@@ -313,7 +316,7 @@ def _unpack_one(root: Path, volumes: list[str], checksums: dict[str, str], extra
                         pass
                     else:
                         _verify(label, paths, expected, {i: reader.md5s[i].hexdigest() for i in expected}, cause=exc)
-                if isinstance(exc, (tarfile.TarError, EOFError)) or type(exc).__name__ == "ZstdError":
+                if _undecodable(exc):
                     raise _corrupt(extraction.item, label, exc) from exc
                 raise
             if expected:
@@ -322,6 +325,14 @@ def _unpack_one(root: Path, volumes: list[str], checksums: dict[str, str], extra
                 _verify(label, paths, expected, digests)
     extraction.result.archives.append(volumes[0])
     extraction.result.verified.extend(volumes[i] for i in sorted(expected))
+
+
+def _undecodable(exc: BaseException) -> bool:
+    """Whether ``exc``, raised extracting a tar, is its reader's (cut short, or does not decode),
+    not a read or write of a file: tarfile's, a decoder's (bz2's is a bare :class:`OSError`)."""
+    if isinstance(exc, (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile)):
+        return True
+    return type(exc).__name__ == "ZstdError" or (type(exc) is OSError and exc.errno is None and exc.filename is None)
 
 
 def _corrupt(item: str, archive: str, exc: BaseException) -> ArchiveError:
