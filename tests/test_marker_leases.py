@@ -168,3 +168,37 @@ def test_what_a_marker_holds_decides_whose_it_is(tmp_path):
     handouts.record([(path, "L5", ("a.bin", ".done"), False, True)])
     (item / ".done").write_text("L5")
     assert handouts.lease_for(path, "marker").lease is None and handouts.lease_for(path, "marker").held is None
+
+
+def test_a_done_unpacked_from_an_item_s_archive_acknowledges_nothing(tmp_path, short_dir):
+    # A dataset's archive that holds a .done of its own (a folder packed after a consumer marked
+    # it): unpacked, it was on disk at the item's first hand-out, which looks up no marker (the
+    # item's listed files, its archives, hold none), so its watch took it for the consumer's and
+    # acknowledged the item, deleting its files while the consumer read them (h-arch's reading).
+    import io
+    import json
+    import tarfile
+
+    import yaml
+    from test_service_foreign import ask
+
+    for name, members in (("item0", {".done": b"", "a.txt": b"mine"}), ("item1", {"a.txt": b"x"})):
+        (tmp_path / "src" / name).mkdir(parents=True)
+        with tarfile.open(tmp_path / "src" / name / "data.tar", "w") as tar:
+            for member, data in members.items():
+                info = tarfile.TarInfo(member)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    sock = short_dir / "api.sock"
+    train = {"source": f"{tmp_path / 'src'}/", "cache_dir": str(tmp_path / "cache"), "capacity": "1MiB", "unpack": True}
+    config = tmp_path / "cachepipe.yaml"
+    config.write_text(yaml.safe_dump({"socket": str(sock), "pipelines": {"train": train}}))
+    with DaemonProcess(config) as daemon, Client("train", sock, auto_ack=False) as probe:
+        status, first = ask(sock, "POST", "/v1/pipelines/train/next", {"timeout": 30})
+        assert status == 200 and first["name"] == "item0", first
+        wait_until(lambda: inotify_watches(daemon.pid) == 2 or stats(probe)["items_acked"], what="item0's own watch")
+        assert ask(sock, "POST", "/v1/pipelines/train/next", {"timeout": 30})[0] == 200
+        # item1's own watch comes after item0's was looked into (one thread, in the order handed out)
+        wait_until(lambda: inotify_watches(daemon.pid) == 3 or stats(probe)["items_acked"], what="item1's own watch")
+        assert stats(probe)["items_acked"] == 0, json.dumps(stats(probe))  # before: 1, item0 deleted
+        assert (Path(first["path"]) / "a.txt").read_bytes() == b"mine"

@@ -69,10 +69,12 @@ class _PipelineDesk(_Views):
                 # names them by (absolute and normal, see _checked), the cache's prefix and the name
                 paths = [served.prefix + item.name for item in items]
                 # a marker at hand-out is looked up only where one can be: not in an item on its first
-                # hand-out since its download (nobody has had its path), one lstat saved per item
+                # hand-out since its download (nobody has had its path; one lstat saved per item), unless
+                # the pipeline made its files (unpack, prepare): an archive may hold a .done of its own
+                made = pipe.config.prepares
                 replaced = self._handouts.record(
                     [
-                        (path, item.lease, item.files, judged and not item._first, markers)  # noqa: SLF001
+                        (path, item.lease, item.files, judged and (made or not item._first), markers)  # noqa: SLF001
                         for path, item in zip(paths, items, strict=True)
                     ]
                 )
