@@ -29,6 +29,7 @@ from typing import IO, cast
 from .archive_members import _Budget, _check_link, _check_name
 from .archive_volumes import _CHUNK, _check_stop
 from .errors import ArchiveError, ArchiveTooLargeError, UnsafeMemberError
+from .filesystems import LINK_HOPS
 
 __all__ = ["UnpackResult"]
 
@@ -352,7 +353,7 @@ def _leaves(root: str, rel: str) -> bool:
     outside ``root``: its target followed a segment at a time, as the kernel does, through every
     link on the way, a ``..`` above ``root`` or an absolute target leaves it. Unlike
     :func:`os.path.realpath`, a way out and back in by ``root``'s own name leaves it too (the item
-    is renamed after its extraction). A loop (more than 40 links) leads nowhere, not out."""
+    is renamed after its extraction). A loop (more than :data:`~.filesystems.LINK_HOPS` links) leads nowhere, not out."""
     target = os.readlink(os.path.join(root, rel))
     if target.startswith("/"):
         return True
@@ -376,7 +377,7 @@ def _leaves(root: str, rel: str) -> bool:
         target = os.readlink(here)
         if target.startswith("/"):
             return True
-        if hops > 40:
+        if hops > LINK_HOPS:
             return False
         todo.extend(target.split("/")[::-1])
     return False

@@ -78,20 +78,25 @@ def test_an_environment_override_of_null_sets_the_field_to_null_as_the_file_does
     assert (loaded.pipelines["train"].epochs, loaded.pipelines["train"].lease_timeout, loaded.tcp_port) == (None, None, None)
 
 
+def cachepipe_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m cachepipe ARGS`` of the cachepipe this test imported, to its end (120 s at most)."""
+    return subprocess.run(
+        [sys.executable, "-m", "cachepipe", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(cachepipe.__file__).parents[1])},
+        timeout=120,
+        check=False,
+    )
+
+
 def test_wait_with_no_socket_yet_says_it_waits_its_timeout_not_the_startup_timeout(short_dir):
     # The Kubernetes probes run `cachepipe wait --timeout 5`; with no socket yet it said "waiting
     # up to 10 s for a daemon to start there (--startup-timeout ...)" and gave up after 5 s, and
     # with --startup-timeout 0 it said nothing at all while it waited its --timeout.
     sock = short_dir / "none.sock"
     for extra in ([], ["--startup-timeout", "0"]):
-        done = subprocess.run(
-            [sys.executable, "-m", "cachepipe", "wait", "--socket", str(sock), "--timeout", "0.5", *extra],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "PYTHONPATH": str(Path(cachepipe.__file__).parents[1])},
-            timeout=60,
-            check=False,
-        )
+        done = cachepipe_cli("wait", "--socket", str(sock), "--timeout", "0.5", *extra)
         assert done.returncode == 4, done.stderr
         first = done.stderr.splitlines()[0]
         assert first.startswith(f"cachepipe wait: no daemon socket at {sock} yet; waiting up to 0.5 s for a daemon"), first
@@ -107,14 +112,7 @@ def test_a_password_in_the_endpoint_url_is_not_written_to_the_log(tmp_path, shor
     options = {"endpoint_url": "http://user:Pa55word@127.0.0.1:1", "key": "AKIAEXAMPLE", "secret": "s3cret", "engine": engine}
     pipeline = {"source": "s3://bucket/p/", "cache_dir": str(tmp_path / "c"), "capacity": "1MiB", "storage_options": options}
     config.write_text(yaml.safe_dump({"socket": str(short_dir / "api.sock"), "pipelines": {"train": pipeline}}))
-    done = subprocess.run(
-        [sys.executable, "-m", "cachepipe", "serve", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(Path(cachepipe.__file__).parents[1])},
-        timeout=120,
-        check=False,
-    )
+    done = cachepipe_cli("serve", "--config", str(config))
     assert done.returncode == 1, done.stderr
     assert "cannot reach http://***@127.0.0.1:1 for s3://bucket/p/" in done.stderr, done.stderr
     assert "Pa55word" not in done.stderr + done.stdout
