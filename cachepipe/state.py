@@ -13,6 +13,7 @@ Files under ``cache_dir/.cachepipe/``::
                 "C <epoch> <index>"  every step of the plan before this position is consumed
                 "K <json>"  the plan's configuration, for checking a resume against it
                 "N <pass>"  a new pass starts: earlier acks and positions no longer count
+                "V <n>"  the journal's format version (JOURNAL_VERSION); none written yet: see load
     catalog   the listing, written atomically once per listing (only with resume)
 
 Why a journal and not SQLite: every byte under ``cache_dir`` counts against the hard cap, so
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import IO, Any, BinaryIO
 
 from .catalog import Catalog
+from .errors import ConfigError
 from .wholefiles import naming, open_temp
 
 __all__ = [
@@ -59,6 +61,10 @@ __all__ = [
 ]
 
 CATALOG_VERSION = 1
+JOURNAL_VERSION = 1
+"""The journal's format. This version writes no ``V`` line (an earlier cachepipe takes one for
+damage); a later one that changes the format so that this one would misread it writes
+``V <its version>`` first, and :func:`load` refuses a journal whose ``V`` is over this."""
 EVENT_OVERHEAD = 48  # bytes per step besides 4 x the name: kinds, spaces, newlines, epoch and index numbers
 # and, for an item with a version, the version (16 hex digits and a space) on its intent ("J"),
 # or on its compacted publish record ("R")
@@ -83,7 +89,13 @@ class Replay:
 
 
 def load(path: Path) -> Replay:
-    """Replay the journal at ``path`` (missing: an empty state)."""
+    """Replay the journal at ``path`` (missing: an empty state).
+
+    Raises:
+        StateCorrupt: the journal is damaged (its state is then rebuilt from the files).
+        ConfigError: a later cachepipe wrote it (a ``V`` line over :data:`JOURNAL_VERSION`):
+            not damage, and not to be rebuilt over, which would lose that version's state.
+    """
     replay = Replay()
     try:
         data = path.read_bytes()
@@ -131,6 +143,12 @@ def load(path: Path) -> Replay:
             replay.pass_no = _int(arg, path, number)
             replay.acked.clear()
             replay.cursor, replay.plan = (0, 0), ""
+        elif kind == "V":
+            if (version := _int(arg, path, number)) > JOURNAL_VERSION:
+                raise ConfigError(
+                    f"{path}: written by a later cachepipe (journal version {version}; this one reads "
+                    f"{JOURNAL_VERSION}): open its cache directory with that version, or remove the directory to start over"
+                )
         else:
             raise StateCorrupt(f"{path}: line {number}: unknown event {kind!r}")
     return replay

@@ -1,0 +1,40 @@
+"""State left on disk by one version of cachepipe and read by another (an upgrade, a rollback).
+
+Each test writes the state as the other version wrote it, literally (bytes or a dict taken from
+what that version wrote), and opens it with this one: a state of an earlier version is read as
+it meant, one of a later version is refused naming the file and both versions, never misread.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cachepipe import ConfigError, Pipeline
+
+
+def _local_source(root: Path, n: int) -> str:
+    for i in range(n):
+        (root / f"item{i:03d}").mkdir(parents=True)
+        (root / f"item{i:03d}" / "f").write_bytes(b"x" * 100)
+    return str(root)
+
+
+def test_a_journal_of_a_later_version_is_refused_not_rebuilt(tmp_path):
+    """A later cachepipe that changes the journal incompatibly writes ``V 2`` first. Before, this
+    version took the line for damage: it rebuilt the state from the files, rewrote the journal
+    (the later version's position and versions lost) and started the resumed pass over."""
+    src = _local_source(tmp_path / "src", 3)
+    cache = tmp_path / "cache"
+    with Pipeline(src, cache, "1MiB", keep_on_close=True, resume=True, auto_ack=False, prefetch=3) as pipe:
+        pipe.get(timeout=30)
+    journal = cache / ".cachepipe" / "journal"
+    later = b"V 2\n" + journal.read_bytes() + b"X 0 item000\n"  # an event this version does not know
+    journal.write_bytes(later)
+    with pytest.raises(ConfigError, match=rf"{journal}: written by a later cachepipe \(journal version 2; this one reads 1\)"):
+        Pipeline(src, cache, "1MiB", resume=True).open()
+    assert journal.read_bytes() == later
+    assert sorted(p.name for p in cache.iterdir()) == [".cachepipe", "item000", "item001", "item002"]
+    with pytest.raises(ConfigError, match="later cachepipe"):  # the lock was released: refused again, not locked
+        Pipeline(src, cache, "1MiB").open()
