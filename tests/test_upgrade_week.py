@@ -38,3 +38,26 @@ def test_a_journal_of_a_later_version_is_refused_not_rebuilt(tmp_path):
     assert sorted(p.name for p in cache.iterdir()) == [".cachepipe", "item000", "item001", "item002"]
     with pytest.raises(ConfigError, match="later cachepipe"):  # the lock was released: refused again, not locked
         Pipeline(src, cache, "1MiB").open()
+
+
+def test_a_node_state_of_another_version_is_refused(tmp_path):
+    """A node-mode state names its version (a later cachepipe that changes what a position means
+    bumps it); this one refuses another before it asks the daemon for the lane. Before, the state
+    named none and any was resumed (here: a wait for a daemon that is not there, then its error)."""
+    from cachepipe.torch import CachePipeDataset
+
+    saved = {  # a node state as this version writes it (test_node_torch: state_dict() mid-pass), from a later one
+        "version": 2,
+        "job": "train",
+        "rank": 0,
+        "worker": 0,
+        "epoch": 0,
+        "index": 4,
+        "catalog_digest": "0" * 32,
+        "plan": {"world_size": 1, "num_workers": 1, "shuffle": False, "seed": 0, "balance": "bytes"},
+        "end_epoch": None,
+    }
+    dataset = CachePipeDataset("s3://data/video/", node=str(tmp_path / "no-daemon.sock"), job="train", rank=0, world_size=1)
+    dataset.load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"state of lane 0\.0 was saved by another cachepipe \(state version 2; this one reads 1\)"):
+        next(iter(dataset))
