@@ -51,6 +51,7 @@ __all__ = [
     "Journal",
     "Replay",
     "StateCorrupt",
+    "StateTooNew",
     "catalog_header",
     "load",
     "load_catalog",
@@ -73,6 +74,11 @@ VERSION_OVERHEAD = 17
 
 class StateCorrupt(ValueError):
     """A state file is unreadable or was written by something else."""
+
+
+class StateTooNew(StateCorrupt):
+    """A state file of a later format version than this cachepipe reads (not damage: a later
+    cachepipe wrote it)."""
 
 
 @dataclass
@@ -331,6 +337,10 @@ def read_catalog_header(text: IO[str], where: str) -> dict[str, Any]:
         raise StateCorrupt(f"{where}: unreadable catalog: {exc}") from exc
     if not isinstance(header, dict) or header.get("version") != CATALOG_VERSION:
         version = header.get("version") if isinstance(header, dict) else None
+        if isinstance(version, int) and not isinstance(version, bool) and version > CATALOG_VERSION:
+            raise StateTooNew(
+                f"{where}: written by a later cachepipe (catalog version {version}; this one reads {CATALOG_VERSION})"
+            )
         raise StateCorrupt(f"{where}: not a cachepipe catalog of version {CATALOG_VERSION} (version {version!r})")
     if header.get("items") not in ("folders", "files") or not isinstance(header.get("count"), int):
         raise StateCorrupt(f"{where}: catalog header without a valid items mode and count: {header!r}")

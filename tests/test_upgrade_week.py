@@ -7,11 +7,14 @@ it meant, one of a later version is refused naming the file and both versions, n
 
 from __future__ import annotations
 
+import gzip
+import json
 from pathlib import Path
 
 import pytest
 
 from cachepipe import ConfigError, Pipeline
+from cachepipe.manifest import index
 
 
 def _local_source(root: Path, n: int) -> str:
@@ -61,3 +64,17 @@ def test_a_node_state_of_another_version_is_refused(tmp_path):
     dataset.load_state_dict(saved)
     with pytest.raises(ValueError, match=r"state of lane 0\.0 was saved by another cachepipe \(state version 2; this one reads 1\)"):
         next(iter(dataset))
+
+
+def test_a_manifest_of_a_later_version_is_named_so_not_corrupt(tmp_path):
+    """A fleet upgraded node by node: rank 0's later cachepipe writes the manifest, a node not yet
+    upgraded reads it. Before, it was 'corrupt or truncated', which sent the user looking for
+    damage and told them to write it again (the later version would write it again the same)."""
+    src = _local_source(tmp_path / "src", 2)
+    path = tmp_path / "m.json.gz"
+    index(src, path)
+    header, *items = gzip.decompress(path.read_bytes()).decode().splitlines(keepends=True)
+    path.write_bytes(gzip.compress((json.dumps({**json.loads(header), "version": 2}) + "\n" + "".join(items)).encode()))
+    with pytest.raises(ConfigError, match=r"written by a later cachepipe \(catalog version 2; this one reads 1\)") as refused:
+        Pipeline(src, tmp_path / "cache", "1MiB", manifest=path).open()
+    assert "corrupt" not in str(refused.value) and str(path) in str(refused.value)
