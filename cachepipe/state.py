@@ -150,9 +150,9 @@ def load(path: Path) -> Replay:
             replay.acked.clear()
             replay.cursor, replay.plan = (0, 0), ""
         elif kind == "V":
-            if (version := _int(arg, path, number)) > JOURNAL_VERSION:
+            if (written := _int(arg, path, number)) > JOURNAL_VERSION:
                 raise ConfigError(
-                    f"{path}: written by a later cachepipe (journal version {version}; this one reads "
+                    f"{path}: written by a later cachepipe (journal version {written}; this one reads "
                     f"{JOURNAL_VERSION}): open its cache directory with that version, or remove the directory to start over"
                 )
         else:

@@ -62,7 +62,8 @@ def test_a_node_state_of_another_version_is_refused(tmp_path):
     }
     dataset = CachePipeDataset("s3://data/video/", node=str(tmp_path / "no-daemon.sock"), job="train", rank=0, world_size=1)
     dataset.load_state_dict(saved)
-    with pytest.raises(ValueError, match=r"state of lane 0\.0 was saved by another cachepipe \(state version 2; this one reads 1\)"):
+    refused = r"state of lane 0\.0 was saved by another cachepipe \(state version 2; this one reads 1\)"
+    with pytest.raises(ValueError, match=refused):
         next(iter(dataset))
 
 
