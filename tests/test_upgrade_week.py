@@ -79,3 +79,22 @@ def test_a_manifest_of_a_later_version_is_named_so_not_corrupt(tmp_path):
     with pytest.raises(ConfigError, match=r"written by a later cachepipe \(catalog version 2; this one reads 1\)") as refused:
         Pipeline(src, tmp_path / "cache", "1MiB", manifest=path).open()
     assert "corrupt" not in str(refused.value) and str(path) in str(refused.value)
+
+
+@pytest.mark.parametrize("job", ["train", None])  # named, or derived from the spec (which equal_steps changed)
+def test_a_node_state_saved_before_equal_steps_is_not_resumed_under_pad(tmp_path, job):
+    """A node-mode state as cachepipe wrote it before equal_steps existed (2026-11-25, 7fe8a14:
+    no end_epoch, no plan): its job planned every rank's share without padding. Since
+    2026-11-29 a dataset over several ranks plans with equal_steps='pad' unless told otherwise,
+    which deals other items to each lane. Before, a named job's lane resumed that position in
+    the padded plan (some items read twice, some never), and a derived job name (a digest of a
+    spec that now holds equal_steps) refused it as 'another job', though the settings were the
+    same. Now refused naming equal_steps and the fix."""
+    from cachepipe.torch import CachePipeDataset
+
+    name = job or "torch-a5ea6bb87ae2"  # 7fe8a14's derived name for this dataset
+    saved = {"job": name, "rank": 0, "worker": 0, "epoch": 0, "index": 5, "catalog_digest": "3ef65ac9fd8b235c966bd5dba6ffd795"}
+    dataset = CachePipeDataset("s3://data/video/", node=str(tmp_path / "no-daemon.sock"), job=job, rank=0, world_size=2)
+    dataset.load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"before equal_steps.*equal_steps='pad'.*pass equal_steps=None to resume it"):
+        next(iter(dataset))
