@@ -98,3 +98,21 @@ def test_a_node_state_saved_before_equal_steps_is_not_resumed_under_pad(tmp_path
     dataset.load_state_dict(saved)
     with pytest.raises(ValueError, match=r"before equal_steps.*equal_steps='pad'.*pass equal_steps=None to resume it"):
         next(iter(dataset))
+
+
+def test_a_map_marker_of_a_later_format_is_refused_not_taken_for_done(tmp_path):
+    """A later cachepipe that changes the completion marker so that this one would misread it
+    writes ``{"format": N`` first. Before, this version found neither version nor command in
+    its head, which is how it reads an earlier cachepipe's marker: done, for any input and
+    command, so the item was skipped."""
+    from cachepipe.map import map_items
+    from cachepipe.map.uploader import DONE_MARKER
+
+    src, dst = _local_source(tmp_path / "src", 2), tmp_path / "dst"
+    (dst / "item000").mkdir(parents=True)
+    later = {"format": 2, "version": "0123456789abcdef", "item": "item000", "bytes": 0, "finished": 0.0, "files": {}}
+    (dst / "item000" / DONE_MARKER).write_text(json.dumps(later, indent=0))
+    marker = f"{dst}/item000/{DONE_MARKER}"
+    with pytest.raises(ConfigError, match=rf"{marker}: written by a later cachepipe \(marker format 2; this one reads 1\)"):
+        map_items(["true"], src, str(dst), cache_dir=tmp_path / "cache", capacity="1MiB", progress=False)
+    assert not (dst / "item001").exists()  # refused before anything ran
