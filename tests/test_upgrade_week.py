@@ -24,6 +24,41 @@ def _local_source(root: Path, n: int) -> str:
     return str(root)
 
 
+# what cachepipe of 2026-11-25 (7fe8a14) left in cache_dir/.cachepipe/journal: a resume=True pass over
+# _local_source(4), item000 acked, item001 in hand, item002 and item003 fetched ahead, closed with
+# keep_on_close: no versions (J/R), no source or items mode in the plan's line
+JOURNAL_2026_11_25 = b"""N 0
+K {"balance": "bytes", "epochs": 1, "n_items": 4, "num_workers": 1, "partition": "epoch", "rank": 0, "seed": 0, \
+"shuffle": false, "sizes_digest": "855601b7e8203aa45d95edf2a486cee8", "version": 1, "worker": 0, "world_size": 1}
+C 0 0
+I item000
+P item000
+A 0 item000
+I item001
+P item001
+C 0 1
+I item003
+P item003
+I item002
+P item002
+"""
+
+
+def test_an_earlier_version_s_journal_resumes_where_it_stopped_and_reuses_its_items(tmp_path):
+    """The promise of docs/architecture.md for an earlier journal: read as it meant. Its items of
+    a source without ETags are reused (with ETags they are downloaded again: no version known)."""
+    src = _local_source(tmp_path / "src", 4)
+    cache = tmp_path / "cache"
+    for name in ("item001", "item002", "item003"):
+        (cache / name).mkdir(parents=True)
+        (cache / name / "f").write_bytes(b"x" * 100)
+    (cache / ".cachepipe").mkdir()
+    (cache / ".cachepipe" / "journal").write_bytes(JOURNAL_2026_11_25)
+    with Pipeline(src, cache, "1MiB", resume=True) as pipe:
+        assert [p.name for p in pipe] == ["item001", "item002", "item003"]
+        assert (pipe.stats().items_reused, pipe.stats().bytes_downloaded) == (3, 0)
+
+
 def test_a_journal_of_a_later_version_is_refused_not_rebuilt(tmp_path):
     """A later cachepipe that changes the journal incompatibly writes ``V 2`` first. Before, this
     version took the line for damage: it rebuilt the state from the files, rewrote the journal
