@@ -43,7 +43,7 @@ from typing import Any, Literal
 from .catalog import Catalog
 from .errors import ConfigError
 from .listing import list_source
-from .state import StateCorrupt, atomic_write, catalog_header, read_catalog_header, read_catalog_items, write_catalog
+from .state import StateCorrupt, StateTooNew, atomic_write, catalog_header, read_catalog_header, read_catalog_items, write_catalog
 from .stores import Store, open_store
 from .wholefiles import naming, open_unique_temp, remove_unlocked
 
@@ -257,6 +257,11 @@ def _parse(raw: io.BufferedIOBase | Any, where: str) -> Manifest:
             catalog = read_catalog_items(text, header, where)
         if not isinstance(header.get("source"), str) or not isinstance(header.get("digest"), str):
             raise StateCorrupt(f"{where}: a catalog without the source and digest of a manifest")
+    except StateTooNew as exc:
+        raise ConfigError(
+            f"manifest {where!r} cannot be read by this cachepipe ({exc}): read it with that version, or write it "
+            "again with this one's `cachepipe index`"
+        ) from exc
     except StateCorrupt as exc:
         raise ConfigError(f"manifest {where!r} is corrupt or truncated ({exc}): write it again with `cachepipe index`") from exc
     check_entries(catalog, where)

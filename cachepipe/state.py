@@ -13,6 +13,7 @@ Files under ``cache_dir/.cachepipe/``::
                 "C <epoch> <index>"  every step of the plan before this position is consumed
                 "K <json>"  the plan's configuration, for checking a resume against it
                 "N <pass>"  a new pass starts: earlier acks and positions no longer count
+                "V <n>"  the journal's format version (JOURNAL_VERSION); none written yet: see load
     catalog   the listing, written atomically once per listing (only with resume)
 
 Why a journal and not SQLite: every byte under ``cache_dir`` counts against the hard cap, so
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import IO, Any, BinaryIO
 
 from .catalog import Catalog
+from .errors import ConfigError
 from .wholefiles import naming, open_temp
 
 __all__ = [
@@ -49,6 +51,7 @@ __all__ = [
     "Journal",
     "Replay",
     "StateCorrupt",
+    "StateTooNew",
     "catalog_header",
     "load",
     "load_catalog",
@@ -59,6 +62,10 @@ __all__ = [
 ]
 
 CATALOG_VERSION = 1
+JOURNAL_VERSION = 1
+"""The journal's format. This version writes no ``V`` line (an earlier cachepipe takes one for
+damage); a later one that changes the format so that this one would misread it writes
+``V <its version>`` first, and :func:`load` refuses a journal whose ``V`` is over this."""
 EVENT_OVERHEAD = 48  # bytes per step besides 4 x the name: kinds, spaces, newlines, epoch and index numbers
 # and, for an item with a version, the version (16 hex digits and a space) on its intent ("J"),
 # or on its compacted publish record ("R")
@@ -67,6 +74,11 @@ VERSION_OVERHEAD = 17
 
 class StateCorrupt(ValueError):
     """A state file is unreadable or was written by something else."""
+
+
+class StateTooNew(StateCorrupt):
+    """A state file of a later format version than this cachepipe reads (not damage: a later
+    cachepipe wrote it)."""
 
 
 @dataclass
@@ -83,7 +95,13 @@ class Replay:
 
 
 def load(path: Path) -> Replay:
-    """Replay the journal at ``path`` (missing: an empty state)."""
+    """Replay the journal at ``path`` (missing: an empty state).
+
+    Raises:
+        StateCorrupt: the journal is damaged (its state is then rebuilt from the files).
+        ConfigError: a later cachepipe wrote it (a ``V`` line over :data:`JOURNAL_VERSION`):
+            not damage, and not to be rebuilt over, which would lose that version's state.
+    """
     replay = Replay()
     try:
         data = path.read_bytes()
@@ -131,6 +149,12 @@ def load(path: Path) -> Replay:
             replay.pass_no = _int(arg, path, number)
             replay.acked.clear()
             replay.cursor, replay.plan = (0, 0), ""
+        elif kind == "V":
+            if (written := _int(arg, path, number)) > JOURNAL_VERSION:
+                raise ConfigError(
+                    f"{path}: written by a later cachepipe (journal version {written}; this one reads "
+                    f"{JOURNAL_VERSION}): open its cache directory with that version, or remove the directory to start over"
+                )
         else:
             raise StateCorrupt(f"{path}: line {number}: unknown event {kind!r}")
     return replay
@@ -313,6 +337,10 @@ def read_catalog_header(text: IO[str], where: str) -> dict[str, Any]:
         raise StateCorrupt(f"{where}: unreadable catalog: {exc}") from exc
     if not isinstance(header, dict) or header.get("version") != CATALOG_VERSION:
         version = header.get("version") if isinstance(header, dict) else None
+        if isinstance(version, int) and not isinstance(version, bool) and version > CATALOG_VERSION:
+            raise StateTooNew(
+                f"{where}: written by a later cachepipe (catalog version {version}; this one reads {CATALOG_VERSION})"
+            )
         raise StateCorrupt(f"{where}: not a cachepipe catalog of version {CATALOG_VERSION} (version {version!r})")
     if header.get("items") not in ("folders", "files") or not isinstance(header.get("count"), int):
         raise StateCorrupt(f"{where}: catalog header without a valid items mode and count: {header!r}")

@@ -64,7 +64,7 @@ import torch.utils.data
 from .config import PipelineConfig, Share, check_cache_dir, check_source, parse_capacity, small_capacity
 from .manifest import Manifest
 from .pipeline import Pipeline
-from .plan import Cursor
+from .plan import STATE_VERSION, Cursor
 from .torchdist import _manifest_bytes, _save_manifest, local_ranks
 from .torchlocal import (
     SIBLING_WAIT,  # noqa: F401 - importable from here, as before
@@ -342,7 +342,8 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
         each worker's) and in the main process.
 
         Node mode: the position after the last sample this process (worker) yielded, with the
-        job, lane and catalog digest, the job's plan layout (``plan``: world size, DataLoader
+        state's ``version`` (a state of another is refused; one without, of an earlier cachepipe,
+        is read), the job, lane and catalog digest, the job's plan layout (``plan``: world size, DataLoader
         workers, shuffle, seed, balance, partition, equal_steps; a resume under another is
         refused, naming the field), and the epoch the pass ends before (``end_epoch``: None
         for the plan's end; one past the epoch :meth:`set_epoch` set). Either mode, with
@@ -363,6 +364,7 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
                 name, rank, worker, digest, plan = self._lane_info
                 cursor = self._cursor if self._owed is None else self._owed[0]
                 return {
+                    "version": STATE_VERSION,
                     "job": name,
                     "rank": rank,
                     "worker": worker,

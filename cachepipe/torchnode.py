@@ -18,7 +18,7 @@ from typing import Any
 from .client import DEFAULT_OUTAGE_TIMEOUT, DEFAULT_STARTUP_TIMEOUT
 from .config import Share
 from .jobclient import JobClient, LaneItem, LaneSkip
-from .plan import Cursor
+from .plan import STATE_VERSION, Cursor
 from .torchdist import _distributed, _from_rank0, local_ranks
 from .torchstate import _DatasetState, _repeats
 
@@ -111,6 +111,20 @@ class _NodeMode(_DatasetState):
         cursor, self._end = Cursor(0, 0), None  # no state: the plan from its start (a set_epoch pass has one)
         digest = None
         if start:  # {}: the start
+            if (version := start.get("version", STATE_VERSION)) != STATE_VERSION:  # none: an earlier version's state
+                raise ValueError(
+                    f"state of lane {start.get('rank')}.{start.get('worker')} was saved by another cachepipe (state "
+                    f"version {version!r}; this one reads {STATE_VERSION}): resume with that version, or start the run over"
+                )
+            if "job" in start and not {"end_epoch", "plan"} & start.keys() and spec.get("equal_steps") is not None:
+                # a lane's state of a cachepipe before equal_steps (2026-11-29; its states name no end_epoch either):
+                # its job planned without it, and a padded plan deals other items to the lane
+                raise ValueError(
+                    f"state of lane {start.get('rank')}.{start.get('worker')} was saved by a cachepipe before equal_steps, "
+                    f"which planned job {start.get('job')!r} without it; this dataset plans with "
+                    f"equal_steps={spec['equal_steps']!r} (the default over several ranks since): its position would "
+                    "name other items (some read twice, some never); pass equal_steps=None to resume it, or start the run over"
+                )
             if (start.get("job"), start.get("rank"), start.get("worker")) not in ((name, rank, worker), (None, None, None)):
                 raise ValueError(
                     f"state of job {start.get('job')!r} lane {start.get('rank')}.{start.get('worker')}: this is job "

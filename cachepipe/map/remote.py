@@ -31,7 +31,7 @@ from ..manifest import check_manifest, read_manifest
 from ..stores import Store
 from ..stores.base import ObjectInfo, WritableStore
 from .plan import MapConfig, MapItem, holder, inside_prefix
-from .uploader import MARKER_LIMIT, marker_command, marker_key, marker_version
+from .uploader import MARKER_FORMAT, MARKER_LIMIT, marker_command, marker_format, marker_key, marker_version
 
 __all__ = ["Checked", "verdict"]
 
@@ -164,6 +164,12 @@ class _Remote:
             except OSError as exc:  # an empty marker (made by hand): S3 and OBS refuse any range of it
                 if getattr(exc, "code", None) != "InvalidRange":  # the store's code (errors.store_code)
                     raise
+            if (written := marker_format(body.getvalue())) > MARKER_FORMAT:
+                raise ConfigError(
+                    f"{self.cfg.dest.rstrip('/')}/{marker_key(mi.name)}: written by a later cachepipe (marker format "
+                    f"{written}; this one reads {MARKER_FORMAT}): run that version, or delete the markers of the items "
+                    "to run them again with this one"
+                )
             found = verdict(body.getvalue(), mi.version, command)
             if found == "input":
                 was = marker_version(body.getvalue())

@@ -59,6 +59,7 @@ from ..wholefiles import naming
 
 __all__ = [
     "DONE_MARKER",
+    "MARKER_FORMAT",
     "MARKER_LIMIT",
     "MARKER_TYPE",
     "DestinationDeniedError",
@@ -69,6 +70,7 @@ __all__ = [
     "collect_outputs",
     "marker_body",
     "marker_command",
+    "marker_format",
     "marker_key",
     "marker_version",
 ]
@@ -90,6 +92,13 @@ _HEAD = re.compile(
     rb'\{\s*(?:"version":\s*"(?P<version>[0-9a-f]{1,64})"\s*,?\s*)?(?:"command":\s*"(?P<command>[0-9a-f]{1,64})")?'
 )
 """A marker's head: ``{"version": V, "command": C, ...``, each field there only if recorded."""
+
+MARKER_FORMAT = 1
+"""The completion marker's format. This version writes no ``"format"`` key (an earlier cachepipe
+reads a marker whose head records neither version nor command as done); a later one that changes
+the marker so that this one would misread it writes ``{"format": N`` first, and a run here
+refuses it (:func:`marker_format`)."""
+_FORMAT = re.compile(rb'\{\s*"format":\s*(?P<format>[0-9]{1,9})\b')
 
 
 def marker_key(name: str) -> str:
@@ -118,6 +127,13 @@ def marker_version(head: bytes) -> str | None:
     """The input version that a completion marker starting with the bytes ``head`` records;
     None if it records none (written without ETags, or by an earlier cachepipe)."""
     return _head_field(head, "version")
+
+
+def marker_format(head: bytes) -> int:
+    """The format of a completion marker starting with the bytes ``head``: its leading
+    ``"format"``, or :data:`MARKER_FORMAT` if it names none (this version's and earlier ones')."""
+    found = _FORMAT.match(head)
+    return int(found.group("format")) if found else MARKER_FORMAT
 
 
 def marker_command(head: bytes) -> str | None:
