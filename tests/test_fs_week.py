@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,25 @@ def test_a_full_btrfs_says_its_space_kept_back_as_such_not_as_root_s(tmp_path):
         message = str(err.value)
         assert "reserved for root" not in message, message
         assert f", and {kept} is kept back by the filesystem (counted free, given to no file); " in message, message
+
+
+def test_a_filesystem_remounted_read_only_mid_run_fails_the_ack_and_the_close_says_nothing_more(tmp_path, caplog):
+    # ext4 mounted errors=remount-ro goes read-only at its first error (here one triggered through
+    # /sys/fs/ext4/<dev>/trigger_fs_error). The ack's journal write fails with EROFS, as it should;
+    # then the close raised a second "[Errno 30] Read-only file system", naming no file, from
+    # blanking its lock's owner line (which a killed owner leaves too: the lock is the flock,
+    # let go when its file closes), and that error replaced the ack's in a `with` block.
+    src = local_source(tmp_path, 3)
+    disk, commands = loop_image(tmp_path, ["mkfs.ext4", "-q", "-F"], 8 << 20)
+    commands[-1][2] = "loop,errors=remount-ro"
+    with mounted(disk, *commands):
+        pipe = Pipeline(f"{src}/", disk / "cache", "1MiB", items="folders")
+        with pipe:
+            item = pipe.get(timeout=30)
+            assert item is not None
+            device = subprocess.run(["findmnt", "-no", "SOURCE", str(disk)], capture_output=True, text=True, check=True)
+            (Path("/sys/fs/ext4") / Path(device.stdout.strip()).name / "trigger_fs_error").write_text("cachepipe test")
+            with pytest.raises(OSError, match="Read-only file system"):
+                pipe.ack(item.path)
+        # the with block closed it without raising
+        assert "could not blank" in caplog.text
