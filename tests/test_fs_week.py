@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import subprocess
 from pathlib import Path
@@ -77,3 +78,27 @@ def test_a_filesystem_remounted_read_only_mid_run_fails_the_ack_and_the_close_sa
                 pipe.ack(item.path)
         # the with block closed it without raising
         assert "could not blank" in caplog.text
+
+
+@pytest.mark.parametrize("below", [".cachepipe", ".cachepipe/staging"])
+def test_a_state_folder_on_another_mount_is_refused_at_open(tmp_path, below):
+    # A mount inside cache_dir (a volume at its .cachepipe, or a tmpfs at its staging "for
+    # speed"): at .cachepipe every item was downloaded whole, then failed its publish with
+    # EXDEV, "Invalid cross-device link" from staging/1 to cache/item0; at staging the open
+    # failed with a bare "[Errno 16] Device or resource busy" (its rmtree of a mount point).
+    src = local_source(tmp_path, 2)
+    cache = tmp_path / "cache"
+    (cache / below).parent.mkdir(parents=True, exist_ok=True)
+    with mounted(cache / below, ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(cache / below)]):
+        top = subprocess.run(["findmnt", "-no", "TARGET", "-T", str(cache)], capture_output=True, text=True, check=True)
+        pipe = Pipeline(f"{src}/", cache, "1MiB", items="folders")
+        with pytest.raises(OSError, match="is on another mount than cache_dir") as err:
+            pipe.open()
+        assert err.value.errno == errno.EXDEV, err.value
+        assert str(err.value) == (
+            f"[Errno {errno.EXDEV}] cache_dir '{cache}': '{cache / below}' is on another mount than cache_dir "
+            f"('{cache / below}', not '{top.stdout.strip()}'): an item is published by a rename from its staging folder there, "
+            "which cannot cross mounts; mount nothing at or inside cache_dir's .cachepipe folder"
+        )
+        pipe.close()
+    assert not [p for p in cache.iterdir() if p.name != ".cachepipe"]  # nothing downloaded
