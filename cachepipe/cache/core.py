@@ -29,6 +29,7 @@ are never deleted.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -40,7 +41,7 @@ from .. import state
 from ..catalog import Catalog
 from ..config import Share
 from ..errors import CacheRemovedError
-from ..filesystems import filesystem_at, lookups_stay_local
+from ..filesystems import filesystem_at, lookups_stay_local, mount_at
 from ..fscalls import RELEASING, file_calls_for
 from ..removal import tree_bytes
 from .eviction import Eviction
@@ -133,6 +134,8 @@ class Cache(_Publishing):
             raise error from exc
         full: OSError | None = None
         try:
+            if crossed := _off_the_mount(self._given, self._root, self.staging_root):
+                raise crossed
             if self.staging_root.exists():
                 shutil.rmtree(self.staging_root)
             self.staging_root.mkdir()
@@ -407,6 +410,25 @@ def journal_budget_of(name_bytes: int, count: int, versions: bool = True) -> int
     ``versions``: whether their publishes journal a version (items with ETags; default True)."""
     step = state.EVENT_OVERHEAD + (state.VERSION_OVERHEAD if versions else 0)
     return 2 * (4 * name_bytes + step * count) + 256
+
+
+def _off_the_mount(given: str | os.PathLike[str], root: str, staging: Path) -> OSError | None:
+    """The error to raise if ``staging`` (or the state folder it is made in, where it is not
+    there yet) is on another mount than the cache directory ``root`` (``given`` as the user wrote
+    it): a mount at or inside its ``.cachepipe``, of another filesystem or a bind mount of the
+    same one. A publish renames an item from staging into ``root``, which no rename does across
+    mounts (``EXDEV``, after the item's download), and staging at a mount point cannot be
+    removed (``EBUSY``). None where they are on one mount, or the mounts cannot be read."""
+    folder = staging if staging.exists() else staging.parent
+    here, there = mount_at(root)[0], mount_at(str(folder))[0]
+    if here == there:
+        return None
+    return OSError(
+        errno.EXDEV,
+        f"cache_dir {os.fspath(given)!r}: {str(folder)!r} is on another mount than cache_dir ({there!r}, not "
+        f"{here!r}): an item is published by a rename from its staging folder there, which cannot cross mounts; "
+        "mount nothing at or inside cache_dir's .cachepipe folder",
+    )
 
 
 def _identity(path: str) -> tuple[int, int]:

@@ -19,14 +19,19 @@ import os
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from ..filesystems import mount_at
+from ..filesystems import filesystem_at, mount_at
 from ..sizes import format_size
 from .room import held_in
 
-__all__ = ["FULL_ERRNOS", "Room", "full_disk", "mount_point", "no_room", "room_now", "said_full"]
+__all__ = ["FULL_ERRNOS", "ROOT_RESERVES", "Room", "full_disk", "mount_point", "no_room", "room_now", "said_full"]
 
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 """The errors of a write refused for want of room: the disk (or its inodes) full, or a quota."""
+
+ROOT_RESERVES = frozenset({"ext2", "ext3", "ext4"})
+"""File system types whose free blocks not available (``f_bfree - f_bavail``) are kept for root
+(``mkfs.ext4 -m``, 5% by default). Elsewhere they are the file system's own: btrfs counts the
+room of its metadata chunks as free, which no file's data gets, not even root's."""
 
 
 class Room(NamedTuple):
@@ -34,8 +39,9 @@ class Room(NamedTuple):
     not count them) as ``df`` shows them available (``f_bavail``, ``f_favail``: not the blocks
     reserved for root, which ext4 does not all give even to root), of ``total`` bytes in blocks of
     ``block`` bytes. The same measure as the capacity's share of the disk (``shutil.disk_usage``).
-    ``reserved``: bytes free but kept for root (``f_bfree - f_bavail``: ext4's reserved blocks,
-    5% by default), neither available nor any file's."""
+    ``reserved``: bytes free but not available (``f_bfree - f_bavail``: ext4's blocks reserved
+    for root, 5% by default; btrfs's room in its metadata chunks), neither available nor any
+    file's."""
 
     bytes: int
     inodes: int
@@ -102,10 +108,12 @@ def full_disk(given: str | os.PathLike[str], root: str | os.PathLike[str], exc: 
         failed = f"; could not write {exc.filename!r}"
     elif exc is not None and exc.strerror and exc.strerror != said:  # named by wholefiles.naming, or another text
         failed = f"; {exc.strerror.removeprefix(said + ': ')}"
-    others = max(room.total - room.bytes - room.reserved - held, 0)  # the blocks kept for root are no file's
+    others = max(room.total - room.bytes - room.reserved - held, 0)  # blocks kept for root, or by btrfs, are no file's
     holds = f"the cache holds {format_size(held)} of it, other files {format_size(others)}"
-    if room.reserved:
+    if room.reserved and filesystem_at(probe) in ROOT_RESERVES:
         holds += f", and {format_size(room.reserved)} is reserved for root (not free to other users)"
+    elif room.reserved:
+        holds += f", and {format_size(room.reserved)} is kept back by the filesystem (counted free, given to no file)"
     if code == errno.EDQUOT:
         why = f"this user's disk quota on the filesystem mounted at {point!r} is used up ({said}){failed}; {holds}"
         todo = "free some of this user's files there, raise the quota, or give a cache_dir on another filesystem"

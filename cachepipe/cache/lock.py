@@ -98,7 +98,9 @@ class OwnerLock:
         """Blank the owner line and release the lock (idempotent). The line is overwritten with
         spaces, not cut: the file keeps its block, so that the next owner writes its own line
         over it even on a full disk (where a filesystem writes no block in place, copy on write,
-        and refuses that, the file is emptied instead)."""
+        and refuses that, the file is emptied instead). Where neither can be done (a filesystem
+        remounted read-only), the line stays, as a killed owner's does, logged, not raised: the
+        lock is the ``flock``, let go all the same."""
         fd, self._fd = self._fd, None
         if fd is None:
             return
@@ -108,6 +110,8 @@ class OwnerLock:
                 os.pwrite(fd, b" " * size, 0)
             except OSError:
                 os.ftruncate(fd, 0)
+        except OSError as exc:
+            log.warning("%s: could not blank the owner's line (%s); the lock is released all the same", self.path, exc)
         finally:
             os.close(fd)  # closing releases the flock
 
