@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from test_jobs_api import one_rank_job
 
+from cachepipe import Pipeline
 from cachepipe.client import Client
 from cachepipe.jobclient import JobClient
 from cachepipe.service.testing import DaemonProcess
@@ -33,3 +34,24 @@ def test_a_deleted_job_leaves_no_folder_under_the_jobs_root(s3_source, tmp_path,
             assert taken == 3
             admin.delete_job(name)
             assert sorted(p.name for p in root.iterdir()) == [], run  # before: run0 .. run{run} left there
+
+
+def test_a_pipeline_keeps_one_object_per_item_whose_leases_expire_not_one_per_lease(tmp_path):
+    """A consumer that dies holding an item (a daemon's client killed mid-batch, a worker gone)
+    leaves its lease to expire, and the item is handed out again. The pipeline kept the object
+    of every lease handed out until its ack or release, by lease id: an expired lease is never
+    acknowledged, so each stayed for the life of the pipeline (a daemon soak with consumers
+    killed every few seconds: 5, 9, 15, 27 CachedItem objects at 0, 30, 60, 90 s, and on)."""
+    source = tmp_path / "src" / "item0"
+    source.mkdir(parents=True)
+    (source / "a.bin").write_bytes(b"x" * KIB)
+    with Pipeline(str(tmp_path / "src"), tmp_path / "cache", "1MiB", lease_timeout=0.05, auto_ack=False) as pipe:
+        leases = set()
+        for _ in range(5):  # taken and dropped: each get waits for the last lease to expire
+            item = pipe.get(timeout=30)
+            assert item is not None and item.name == "item0"
+            leases.add(item.lease)
+        assert len(leases) == 5
+        assert len(pipe._handed) == 1  # before: 5, one per lease  # noqa: SLF001 - what the pipeline holds
+        pipe.ack(item, item.lease)
+        assert pipe._handed == {}  # noqa: SLF001
