@@ -52,6 +52,6 @@ def test_a_pipeline_keeps_one_object_per_item_whose_leases_expire_not_one_per_le
             assert item is not None and item.name == "item0"
             leases.add(item.lease)
         assert len(leases) == 5
-        assert len(pipe._handed) == 1  # before: 5, one per lease  # noqa: SLF001 - what the pipeline holds
+        assert len(pipe._handed) == 1  # before: 5, one per lease
         pipe.ack(item, item.lease)
-        assert pipe._handed == {}  # noqa: SLF001
+        assert pipe._handed == {}
