@@ -77,8 +77,8 @@ class _Handout(_Lifecycle):
             ]
             with self._counts_lock:
                 self._counts["handed"] += len(items)
-                for item in items:
-                    self._handed[item.lease] = item
+                for lease, item in zip(got, items, strict=True):
+                    self._handed[lease.name] = item  # replaces the object of its expired lease, if any
             if self._bar is not None:
                 self._bar.update(len(items))
                 self._bar.set_postfix(
@@ -128,10 +128,18 @@ class _Handout(_Lifecycle):
         self._consume([lease.seq for lease in taken])
         with self._counts_lock:
             self._counts["acked"] += len(taken)
-            handed = [self._handed.pop(lease.id, None) for lease in taken]
+            handed = [self._handed_end(lease) for lease in taken]
         for item in handed:
             if item is not None:
                 item._gone = "acknowledged"  # noqa: SLF001 - the pipeline ends its items' lives
+
+    def _handed_end(self, lease: Lease[str]) -> CachedItem | None:
+        """The object handed out under ``lease``, no longer held in :attr:`_handed` (None: it is
+        not there; the item was handed out again since). Under ``_counts_lock``."""
+        item = self._handed.get(lease.name)
+        if item is None or item.lease != lease.id:
+            return None
+        return self._handed.pop(lease.name)
 
     def _skip_or_raise(self, failed: Failed) -> None:
         """A failed item in its turn: raise its error (``on_error``/``on_oversize="raise"``), or

@@ -82,7 +82,7 @@ class Pipeline(_Handout):
             log.warning("%s", small)
         self._given_store = store  # None: opened from ``source`` by open()
         self._pid = os.getpid()
-        self._handed: dict[str, CachedItem] = {}  # lease id -> the object handed out, until ack or release
+        self._handed: dict[str, CachedItem] = {}  # name -> the object last handed out, until ack or release
         self._state = _UNOPENED
         self._lock = threading.Lock()
         self._closing = threading.Event()  # close() was called: an open() under way stops listing and raises
@@ -424,7 +424,7 @@ class Pipeline(_Handout):
         taken = self._lease(path, "release", lease)
         self._count("released")
         with self._counts_lock:
-            self._handed.pop(taken.id, None)
+            self._handed_end(taken)
 
     def renew(self, path: str | os.PathLike[str], lease: str | None = None) -> None:
         """Extend the lease of a delivered item by ``lease_timeout`` (a consumer still at work).

@@ -38,11 +38,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from ..cache.lock import STATE_DIR
 from ..cache.room import room_at
 from ..config import PipelineConfig, Share, check_absolute_source, with_unit
 from ..errors import CachePipeError, CacheRemovedError, ConfigError
 from ..manifest import index, read_manifest
 from ..plan import Cursor
+from ..removal import rmtree
 from ..wholefiles import naming
 from .closing import Closer
 from .errors import ClientGone, StoppingError, UnknownPipelineError
@@ -77,6 +79,21 @@ class _Job:
 
 
 _DELETE = "`cachepipe delete-job NAME`, or DELETE /v1/jobs/NAME"
+
+
+def _remove_emptied(cache_dir: Path) -> None:
+    """After a deleted job's pipeline closed (its items deleted): remove what is left of its cache
+    directory, its state (``.cachepipe``: the lock, the journal, the note of what it held) and
+    then the folder, if that left it empty. Each job name run and deleted left its folder and
+    state behind (three files, about 4 KiB with the journal), under ``root`` for good. Files
+    not of the cache (foreign: never deleted) keep the folder; a failure is logged, not raised:
+    the job is deleted either way."""
+    try:
+        rmtree(cache_dir / STATE_DIR)
+        cache_dir.rmdir()
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+            log.warning("job folder %s: not removed after its job was deleted: %s", cache_dir, exc)
 
 
 class Jobs:
@@ -489,6 +506,7 @@ class Jobs:
             pipe = job.pipeline
             pipe.config = pipe.config.model_copy(update={"keep_on_close": False})
             pipe.close()
+            _remove_emptied(Path(pipe.config.cache_dir))
         finally:
             with self._lock:
                 self._deleting.discard(name)
