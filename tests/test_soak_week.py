@@ -34,6 +34,11 @@ def test_a_deleted_job_leaves_no_folder_under_the_jobs_root(s3_source, tmp_path,
             assert taken == 3
             admin.delete_job(name)
             assert sorted(p.name for p in root.iterdir()) == [], run  # before: run0 .. run{run} left there
+        with JobClient("kept", spec, 0, socket=sock) as lane:
+            assert lane.take((0, 0), timeout=30) is not None
+        (root / "kept" / "notes.txt").write_text("a file not of the cache")  # or an item its close could not delete
+        admin.delete_job("kept")
+        assert sorted(p.name for p in (root / "kept").iterdir()) == [".cachepipe", "notes.txt"]  # its journal kept with it
 
 
 def test_a_pipeline_keeps_one_object_per_item_whose_leases_expire_not_one_per_lease(tmp_path):

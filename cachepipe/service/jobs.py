@@ -84,11 +84,15 @@ _DELETE = "`cachepipe delete-job NAME`, or DELETE /v1/jobs/NAME"
 def _remove_emptied(cache_dir: Path) -> None:
     """After a deleted job's pipeline closed (its items deleted): remove what is left of its cache
     directory, its state (``.cachepipe``: the lock, the journal, the note of what it held) and
-    then the folder, if that left it empty. Each job name run and deleted left its folder and
-    state behind (three files, about 4 KiB with the journal), under ``root`` for good. Files
-    not of the cache (foreign: never deleted) keep the folder; a failure is logged, not raised:
-    the job is deleted either way."""
+    then the folder, if nothing else is left in it. Each job name run and deleted left its folder
+    and state behind (three files, about 4 KiB with the journal), under ``root`` for good. Anything
+    else left there keeps both: an item the close could not delete (its journal line is what lets
+    the next owner delete it, not take it for foreign), a foreign file. A failure is logged, not
+    raised: the job is deleted either way."""
     try:
+        with os.scandir(cache_dir) as entries:
+            if any(entry.name != STATE_DIR for entry in entries):
+                return
         rmtree(cache_dir / STATE_DIR)
         cache_dir.rmdir()
     except OSError as exc:
