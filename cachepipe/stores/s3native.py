@@ -37,6 +37,10 @@ other raises :class:`~cachepipe.errors.ConfigError` naming what is accepted): ``
 ``key``, ``secret``, ``token``, ``anon``, ``client_kwargs`` (``endpoint_url``, ``region_name``),
 ``config_kwargs`` (``s3.addressing_style``; ``retries`` and ``max_pool_connections`` are
 accepted and have no use here), and fsspec's cache options, which only the listing uses.
+``addressing_style`` ``"virtual"`` at a custom endpoint addresses the bucket as botocore does:
+in the host (obstore is given the endpoint with the bucket's name before its host), or in the
+path where botocore puts it there (an endpoint that is an IP address, a bucket name that is no
+host name).
 Credentials: without ``key`` and ``secret``, obstore signs with the credentials that the direct
 path signs with, those botocore finds for s3fs's client (the environment, the profiles and SSO
 of ``~/.aws``, web identity, container and instance metadata). Each short GET takes them from
@@ -70,13 +74,14 @@ obstore's version; the tests in ``tests/test_store_native.py`` hold each mapping
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import os
 import re
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, BinaryIO
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import botocore
 import obstore
@@ -255,6 +260,30 @@ _TEXT_OPTIONS = {  # S3Store's config keys that _s3_store fills and that it take
 _SECRET_KEYS = frozenset({"access_key_id", "secret_access_key", "session_token"})
 
 
+_HOST_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?")
+
+
+def _virtual_endpoint(endpoint: str, bucket: str) -> str | None:
+    """The URL to which a virtual-host request for ``bucket`` goes at the custom ``endpoint``, as
+    botocore's rules for S3 make it: the bucket's name before the endpoint's host
+    (``http://s3.example.com:9000`` and ``data``: ``http://data.s3.example.com:9000``). None where
+    those rules address the bucket in the path even with ``addressing_style`` ``"virtual"``: a
+    host that is an IP address, a bucket name that is no host name (3 to 63 characters, lower
+    case letters, digits and hyphens; dotted labels of those over ``http://`` only)."""
+    parts = urlsplit(endpoint)
+    try:
+        ipaddress.ip_address(parts.hostname or "")
+        return None
+    except ValueError:
+        pass
+    labels = bucket.split(".")
+    if not 3 <= len(bucket) <= 63 or (len(labels) > 1 and parts.scheme != "http"):
+        return None
+    if not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        return None
+    return urlunsplit((parts.scheme, f"{bucket}.{parts.netloc}", parts.path, "", ""))
+
+
 def _s3_store(url: str, options: dict[str, Any], credentials: _FromBotocore | None) -> S3Store:
     """obstore's ``S3Store`` for ``url`` and ``options`` (checked by :func:`_check_names`): the
     one place it is made, and the seam for what it refuses when it is made (its own exceptions,
@@ -269,9 +298,13 @@ def _s3_store(url: str, options: dict[str, Any], credentials: _FromBotocore | No
     endpoint = s3_endpoint(options)
     s3 = (options.get("config_kwargs") or {}).get("s3") or {}
     # virtual-host addressing only when asked for: path style works with AWS and custom endpoints alike
-    config: dict[str, Any] = {"virtual_hosted_style_request": s3.get("addressing_style") == "virtual"}
+    virtual = s3.get("addressing_style") == "virtual"
+    config: dict[str, Any] = {"virtual_hosted_style_request": virtual}
     if endpoint:
-        config["endpoint"] = str(endpoint)
+        # obstore sends a virtual-host request to its endpoint as given: it must name the bucket
+        hosted = _virtual_endpoint(str(endpoint), parts.netloc) if virtual else None
+        config["endpoint"] = hosted or str(endpoint)
+        config["virtual_hosted_style_request"] = hosted is not None
     if client_kwargs.get("region_name"):
         config["region"] = client_kwargs["region_name"]
     if options.get("anon"):

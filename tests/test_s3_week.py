@@ -1,0 +1,60 @@
+"""What a real S3 server does that the moto server lets pass: found running the iterator, the
+daemon and ``cachepipe map`` against SeaweedFS's S3 gateway, and shown here on the moto server."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from cachepipe.stores import open_store
+
+KIB = 1024
+
+
+def test_virtual_host_addressing_at_an_ip_endpoint_reads_small_objects_with_the_obstore_engine(s3_source):
+    """``addressing_style: virtual`` at an endpoint that is an IP address: botocore addresses the
+    bucket in the path there (a host name cannot be made of it), and obstore, told to address
+    it in the host, sent its GETs to the endpoint as given, the bucket left out: the bucket
+    read as the key's first folder, and every object under 1 MiB was "not found" (SeaweedFS
+    at 127.0.0.1, and the moto server here), while s3fs read them."""
+    pytest.importorskip("obstore")
+    s3_source.put("a/small.bin", b"s" * KIB)
+    options = {
+        "engine": "obstore",
+        "endpoint_url": s3_source.options["endpoint_url"],
+        "key": "testing",
+        "secret": "testing",
+        "config_kwargs": {"s3": {"addressing_style": "virtual"}},
+    }
+    store = open_store(s3_source.url, options)
+    try:
+        [info] = store.list()
+        out = io.BytesIO()
+        assert store.get(info.key, out, 0, info.size, etag=info.etag) == KIB
+        assert out.getvalue() == b"s" * KIB
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "bucket", "sent_to"),
+    [
+        ("http://s3.example.com:9000", "data", "http://data.s3.example.com:9000"),
+        ("https://s3.example.com/base", "data", "https://data.s3.example.com/base"),
+        ("http://s3.example.com:9000", "my.data", "http://my.data.s3.example.com:9000"),
+        ("https://s3.example.com", "my.data", None),  # a dotted name over TLS: path style, as botocore
+        ("http://10.0.0.5:9000", "data", None),
+        ("http://[::1]:9000", "data", None),
+    ],
+)
+def test_virtual_host_addressing_puts_the_bucket_in_obstores_endpoint_as_botocore_does(endpoint, bucket, sent_to):
+    """obstore sends a virtual-host request to its ``endpoint`` as given (it must name the
+    bucket); where botocore addresses the bucket in the path instead, so does obstore."""
+    pytest.importorskip("obstore")
+    from cachepipe.stores.s3native import _s3_store
+
+    options = {"endpoint_url": endpoint, "key": "k", "secret": "s", "config_kwargs": {"s3": {"addressing_style": "virtual"}}}
+    config = _s3_store(f"s3://{bucket}/p/", options, None).config
+    assert config["endpoint"] == (sent_to or endpoint)
+    assert config["virtual_hosted_style_request"] == ("true" if sent_to else "false")
