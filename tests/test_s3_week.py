@@ -58,3 +58,25 @@ def test_virtual_host_addressing_puts_the_bucket_in_obstores_endpoint_as_botocor
     config = _s3_store(f"s3://{bucket}/p/", options, None).config
     assert config["endpoint"] == (sent_to or endpoint)
     assert config["virtual_hosted_style_request"] == ("true" if sent_to else "false")
+
+
+def test_map_writes_its_destination_with_the_obstore_engine_among_the_shared_options(s3_source, s3_client, tmp_path):
+    """``engine: obstore`` among the options of SRC and DST (``--storage-option engine=obstore``):
+    the run was refused before it began ("destination 's3://...': NativeS3Store cannot be written
+    to"); obstore is an engine of GETs, and the destination is written through s3fs, as its
+    listing is read."""
+    pytest.importorskip("obstore")
+    s3_source.put("item0/a.txt", b"hello")
+    from cachepipe.map import map_items
+
+    result = map_items(
+        ["sh", "-c", 'tr a-z A-Z < a.txt > "$CACHEPIPE_OUT/a.txt"'],
+        s3_source.url,
+        "s3://data/out/",
+        cache_dir=tmp_path / "cache",
+        capacity="1MiB",
+        retries=0,
+        storage_options={**s3_source.options, "engine": "obstore"},
+    )
+    assert result.items_done == 1 and not result.failed
+    assert s3_client.get_object(Bucket="data", Key="out/item0/a.txt")["Body"].read() == b"HELLO"

@@ -24,6 +24,8 @@ What goes where:
 - Listing: through the fsspec backend (s3fs, whose pages :mod:`~cachepipe.stores.s3direct`
   requests). ``object_store`` normalises keys into its own paths: a directory marker ``dir/``
   lists as ``dir``, which would read as a zero-byte file, so its listing is not used.
+- Writing (``cachepipe map``'s destination, when ``engine`` is among the options that SRC and
+  DST share): ``put``, ``exists``, ``delete`` and ``check_bucket`` through the fsspec backend.
 
 Forks: obstore's runtime (tokio's threads, one per process) does not survive a fork, and a GET
 through it in a process forked after obstore ran in the parent waits forever. This module sees
@@ -78,7 +80,7 @@ import ipaddress
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import urlsplit, urlunsplit
@@ -483,6 +485,33 @@ class NativeS3Store:
         except obstore.exceptions.BaseError as exc:  # a body cut short, a read timed out
             raise self._translated(exc, f"{where} (after {written} bytes)") from exc
         return written
+
+    # ---- writing (``cachepipe map``'s destination): through the fsspec backend, as the listing ----
+    @property
+    def upload_part_size(self) -> int:
+        """Part size of multipart uploads (the fsspec backend's :attr:`~cachepipe.stores.fsspec.FsspecStore.upload_part_size`)."""
+        return self._fsspec.upload_part_size
+
+    @upload_part_size.setter
+    def upload_part_size(self, value: int) -> None:
+        self._fsspec.upload_part_size = value
+
+    def put(self, local_path: str | os.PathLike[str], key: str, *, content_type: str | None = None) -> None:
+        """Upload ``local_path`` as ``key`` through the fsspec backend (:meth:`FsspecStore.put
+        <cachepipe.stores.fsspec.FsspecStore.put>`): obstore is an engine of GETs only."""
+        self._fsspec.put(local_path, key, content_type=content_type)
+
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` exists, asked through the fsspec backend."""
+        return self._fsspec.exists(key)
+
+    def delete(self, keys: Sequence[str], within: str = "") -> None:
+        """Delete ``keys`` through the fsspec backend (one DeleteObjects per 1,000 keys)."""
+        self._fsspec.delete(keys, within)
+
+    def check_bucket(self) -> None:
+        """Raise :class:`FileNotFoundError` if the root's bucket does not exist (the fsspec backend's check)."""
+        self._fsspec.check_bucket()
 
     def abort(self) -> None:
         """Cut the fsspec backend's requests in flight, and refuse every later GET, with
