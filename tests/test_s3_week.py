@@ -4,12 +4,14 @@ daemon and ``cachepipe map`` against SeaweedFS's S3 gateway, and shown here on t
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 
 from cachepipe.stores import open_store
 
 KIB = 1024
+MIB = 1024 * KIB
 
 
 def test_virtual_host_addressing_at_an_ip_endpoint_reads_small_objects_with_the_obstore_engine(s3_source):
@@ -80,3 +82,43 @@ def test_map_writes_its_destination_with_the_obstore_engine_among_the_shared_opt
     )
     assert result.items_done == 1 and not result.failed
     assert s3_client.get_object(Bucket="data", Key="out/item0/a.txt")["Body"].read() == b"HELLO"
+
+
+def test_an_upload_that_would_take_more_parts_than_s3_numbers_takes_larger_parts(remote_source, s3_client, tmp_path, monkeypatch):
+    """S3 and OBS number the parts of an upload 1 to 10,000 (SeaweedFS and the moto server refuse
+    part 10,001 too): an output over 10,000 parts of ``upload_part_size`` (156 GiB at the default
+    16 MiB) was refused at its part 10,001, after all that was sent. Shown with the limit lowered
+    to 2 parts (10,000 parts of 5 MiB are 49 GiB): 11 MiB in parts of 5 MiB took 3, now 2 of 5.5 MiB."""
+    from cachepipe.stores import base
+
+    monkeypatch.setattr(base, "MAX_PARTS", 2)
+    local = tmp_path / "out.bin"
+    local.write_bytes(os.urandom(11 * MIB))
+    store = open_store(remote_source.url, remote_source.options)
+    try:
+        store.upload_part_size = 5 * MIB
+        store.put(local, "big.bin")
+    finally:
+        store.close()
+    head = s3_client.head_object(Bucket="data", Key="video/big.bin")
+    assert head["ContentLength"] == 11 * MIB
+    assert head["ETag"].strip('"').endswith("-2")
+
+
+def test_a_part_size_over_what_s3_takes_is_refused_before_the_run(tmp_path):
+    """S3 and OBS take parts (and single PUTs) of at most 5 GiB: ``upload_part_size="6GiB"`` was
+    taken, and every output over 5 GiB was refused (EntityTooLarge) after up to 6 GiB were sent."""
+    from cachepipe.map import map_items
+
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "f").write_text("a")
+    with pytest.raises(ValueError, match="upload_part_size 6442450944: expected at most 5 GiB"):
+        map_items(
+            ["true"],
+            str(tmp_path / "src"),
+            str(tmp_path / "dst"),
+            cache_dir=tmp_path / "cache",
+            capacity="1MiB",
+            upload_part_size="6GiB",
+        )
+    assert not (tmp_path / "dst").exists()
