@@ -167,15 +167,14 @@ def _grouped(
     skipped = 0  # how many
     for obj in objects:
         key = obj.key
-        if last_key is not None:
+        if in_tree_order:  # followed only while the listing may be folder by folder
             by_folder = tree_order(key)
+            in_tree_order = last_key is None or by_folder > last_tree
+            last_tree = by_folder
+        if last_key is not None:
             in_order = in_order and key > last_key
-            in_tree_order = in_tree_order and by_folder > last_tree
             if not (in_order or in_tree_order):
                 raise ValueError(f"listing out of order: {key!r} after {last_key!r} (neither in key order nor folder by folder)")
-            last_tree = by_folder
-        else:
-            last_tree = tree_order(key)
         last_key = key
         if key.endswith("/") and obj.size == 0:
             continue  # a directory marker
