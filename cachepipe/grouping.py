@@ -113,10 +113,18 @@ def version_of(files: Sequence[tuple[str, int, str | None]]) -> str | None:
     return digest.hexdigest()
 
 
+def tree_order(key: str) -> str:
+    """``key`` as it sorts in a listing made folder by folder (SeaweedFS's: a folder's keys before
+    those of the next name, ``a/x`` before ``a b/x`` and ``a-b/x``, where S3 orders the keys
+    themselves, ``" "`` and ``"-"`` before ``"/"``): its ``/`` made the lowest character."""
+    return key.replace("/", "\0")
+
+
 def group_items(objects: Iterable[ObjectInfo], mode: Literal["folders", "files"] = "folders") -> Iterator[Item]:
     """Group a listing into items, streaming: each item is yielded once its last object is seen.
 
-    ``objects`` must be in strictly increasing key order (every store lists that way); then all
+    ``objects`` must be in strictly increasing key order (S3 lists that way), or folder by folder
+    (strictly increasing in :func:`tree_order`: SeaweedFS lists that way); in either, all
     objects of a folder are contiguous. Zero-byte directory markers are skipped. Objects directly
     under the prefix (no folder) are ignored in ``"folders"`` mode. An item with a key that is
     unsafe or collides (see :func:`check_key`) is yielded in its place with :attr:`Item.unsafe`
@@ -124,7 +132,7 @@ def group_items(objects: Iterable[ObjectInfo], mode: Literal["folders", "files"]
     that is): it must not be written.
 
     Raises:
-        ValueError: the listing is not in key order.
+        ValueError: the listing is in neither order.
     """
     is_file = mode == "files"
     for name, size, files, unsafe in _grouped(objects, mode):
@@ -146,6 +154,8 @@ def _grouped(
     per item (what :meth:`Catalog.from_listing` stores). A file's key is ``name/rel``, or ``name``
     in ``"files"`` mode, where ``rel`` is empty."""
     last_key: str | None = None
+    last_tree = ""  # last_key in folder-by-folder order (see tree_order)
+    in_order = in_tree_order = True  # the listing so far is in key order; in folder-by-folder order
     current: str | None = None
     files: _Files = []
     size = 0
@@ -157,8 +167,14 @@ def _grouped(
     skipped = 0  # how many
     for obj in objects:
         key = obj.key
-        if last_key is not None and key <= last_key:
-            raise ValueError(f"listing out of order: {key!r} after {last_key!r}")
+        if in_tree_order:  # followed only while the listing may be folder by folder
+            by_folder = tree_order(key)
+            in_tree_order = last_key is None or by_folder > last_tree
+            last_tree = by_folder
+        if last_key is not None:
+            in_order = in_order and key > last_key
+            if not (in_order or in_tree_order):
+                raise ValueError(f"listing out of order: {key!r} after {last_key!r} (neither in key order nor folder by folder)")
         last_key = key
         if key.endswith("/") and obj.size == 0:
             continue  # a directory marker

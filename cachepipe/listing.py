@@ -27,6 +27,7 @@ from typing import Literal
 from .backoff import backoff_delay
 from .catalog import Catalog, Item, group_items
 from .errors import EmptySourceError, is_transient
+from .grouping import tree_order
 from .stores import Store
 from .stores.base import FIRST_PAGE_KEYS, ObjectInfo
 
@@ -146,7 +147,8 @@ class StreamingListing:
 
     # ---- the listing thread ------------------------------------------------------------
     def _run(self) -> None:
-        last: str | None = None  # position of the last item listed (see _position): a restart skips up to it
+        last: tuple[str, str] | None = None  # positions of the last item listed (see _position): a restart skips up to it
+        orders = [True, True]  # the items came in key order; folder by folder (as the store lists, on every listing)
         attempt = 0
         run: list[Item] = []  # listed, not admitted yet
 
@@ -161,11 +163,17 @@ class StreamingListing:
             while not self._stop.is_set():
                 self._objects = 0  # a restarted listing counts its first page again
                 run = []
-                skip = last  # a restarted listing skips what was admitted before (keys come in order)
+                skip = last  # a restarted listing skips what was admitted before (items come in order)
+                previous: tuple[str, str] | None = None
                 try:
                     for item in group_items(self._count(self._store.list()), self._mode):
+                        at = _position(item)
+                        if previous is not None:  # which of the two orders the store lists in
+                            orders = [ordered and a > b for ordered, a, b in zip(orders, at, previous, strict=True)]
+                        previous = at
                         if skip is not None:
-                            if _position(item) <= skip:
+                            # listed before: at or before the last one in each order the store may list in
+                            if all(a <= b for ordered, a, b in zip(orders, at, skip, strict=True) if ordered):
                                 continue
                             skip = None
                         attempt = 0
@@ -260,11 +268,13 @@ class StreamingListing:
                     self._cond.notify_all()
 
 
-def _position(item: Item) -> str:
-    """Where ``item`` stands in the listing's key order. A folder's keys all start with
-    ``name/``, so folders come in the order of ``name + "/"``, not of their names: ``a-b/f`` is
-    listed before ``a/f`` although ``"a" < "a-b"``. A single-file item's name is its key."""
-    return item.name if item.is_file else f"{item.name}/"
+def _position(item: Item) -> tuple[str, str]:
+    """Where ``item`` stands in a listing in key order, and in one made folder by folder
+    (:func:`~cachepipe.grouping.tree_order`). A folder's keys all start with ``name/``, so in key
+    order folders come in the order of ``name + "/"``, not of their names: ``a-b/f`` is listed
+    before ``a/f`` although ``"a" < "a-b"``; folder by folder, in the order of their names. A
+    single-file item's name is its key."""
+    return (item.name, tree_order(item.name)) if item.is_file else (f"{item.name}/", f"{item.name}\0")
 
 
 def empty_source(source: str, items: str, objects: int, listed: int = 0) -> EmptySourceError:

@@ -147,6 +147,46 @@ def test_a_listing_restarted_anywhere_delivers_each_folder_once(memory_data, tmp
     assert sorted(names) == sorted(NAMES_OUT_OF_NAME_ORDER)
 
 
+def folder_by_folder(key: str) -> str:
+    """``key`` as SeaweedFS orders its listings: folder by folder, its ``/`` before every character."""
+    return key.replace("/", "\0")
+
+
+class FolderByFolderStore(GatedStore):
+    """A :class:`GatedStore` that lists folder by folder, as SeaweedFS does (a folder's keys before
+    those of the next name: ``a/f`` before ``a b/f``), not in key order as S3 does."""
+
+    def list(self) -> Iterator[ObjectInfo]:
+        self.lists += 1
+        for n, obj in enumerate(sorted(FsspecStore.list(self), key=lambda obj: folder_by_folder(obj.key))):
+            if n == self.fail_after and self.lists == 1:
+                raise ConnectionError("listing connection reset (injected)")
+            yield obj
+
+
+@pytest.mark.parametrize("mode", ["folders", "files"])
+@pytest.mark.parametrize("cut_after", range(len(NAMES_OUT_OF_NAME_ORDER)))
+def test_a_listing_folder_by_folder_is_taken_and_restarted_anywhere_delivers_each_item_once(
+    memory_data, tmp_path, mode, cut_after
+):
+    """SeaweedFS lists folder by folder: ``a/f`` before ``a b/f``, where S3 lists ``a b/f``
+    first (``" "`` before ``"/"``). Every listing with two such folder names failed with
+    ``ValueError: listing out of order: 'a b/f' after 'a/g'``; a restart must skip what it
+    listed before in the store's order, not in key order."""
+    for name in NAMES_OUT_OF_NAME_ORDER:
+        memory_data.pipe_file(f"/stream/data/{name}/f", name.encode())
+        memory_data.pipe_file(f"/stream/data/{name}/g", b"2")
+    listed = sorted((f"{name}/{f}" for name in NAMES_OUT_OF_NAME_ORDER for f in "fg"), key=folder_by_folder)
+    store = FolderByFolderStore(gate_after=10**9, fail_after=2 * cut_after + 1)
+    with Pipeline(ROOT, tmp_path / "c", "1MiB", store=store, items=mode, retry_backoff=0) as pipe:
+        names = [p.name for p in pipe]
+    assert store.lists == 2
+    if mode == "folders":
+        assert names == sorted(NAMES_OUT_OF_NAME_ORDER)  # folder by folder: in the order of their names
+    else:
+        assert names == listed
+
+
 def test_oversize_item_after_the_first_page_fails_in_its_turn(memory_data, tmp_path):
     _put(memory_data, FIRST_PAGE_OBJECTS + 5)
     memory_data.pipe_file(f"/stream/data/item{FIRST_PAGE_OBJECTS + 5:05d}/f", b"x" * 300_000)

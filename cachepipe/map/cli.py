@@ -113,7 +113,9 @@ def _add_options(parser: argparse.ArgumentParser | Any, suppress: bool) -> None:
         "--dest-option", action="append", default=d([]), metavar="KEY=VALUE", help="storage option for DST only (repeat)"
     )
     parser.add_argument("--upload-concurrency", type=int, default=d(8), help="files uploaded at once (default 8)")
-    parser.add_argument("--upload-part-size", default=d("16MiB"), metavar="SIZE", help="multipart part size (default 16MiB)")
+    parser.add_argument(
+        "--upload-part-size", default=d("16MiB"), metavar="SIZE", help="multipart part size, 5MiB to 5GiB (default 16MiB)"
+    )
     parser.add_argument("--max-concurrency", type=int, default=d(64), help="download requests in flight (default 64)")
     parser.add_argument(
         "--max-large-requests",

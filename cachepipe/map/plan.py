@@ -109,6 +109,8 @@ class MapConfig(BaseModel):
     def _smallest_part(cls, value: int) -> int:
         if value < 5 * _MIB:
             raise ValueError(f"upload_part_size {value}: expected at least 5 MiB (the smallest S3 part)")
+        if value > 5 * 1024 * _MIB:
+            raise ValueError(f"upload_part_size {value}: expected at most 5 GiB (the largest S3 and OBS part)")
         return value
 
     @field_validator("world_size")

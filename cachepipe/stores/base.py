@@ -53,6 +53,7 @@ __all__ = [
     "WritableStore",
     "abort_store",
     "listed_etag",
+    "part_size_for",
     "takes_content_type",
     "takes_etag",
 ]
@@ -122,6 +123,17 @@ def delete_error(code: str | None, message: str | None, where: str, endpoint: st
 
 DELETE_BATCH = 1000
 """Keys per DeleteObjects request (S3's and OBS's maximum)."""
+
+MAX_PARTS = 10_000
+"""Parts of one multipart upload at most: S3 and OBS number them 1 to 10,000."""
+
+
+def part_size_for(size: int, wanted: int) -> int:
+    """The part size of a multipart upload of ``size`` bytes: ``wanted``, or the least size that
+    makes at most :data:`MAX_PARTS` parts where ``wanted`` would make more (a file of 200 GiB in
+    parts of 16 MiB would take 12,800: S3 and OBS refuse the part numbered 10,001, after 156 GiB
+    were sent)."""
+    return max(wanted, -(-size // MAX_PARTS))
 
 
 CHANGED = (
@@ -309,7 +321,9 @@ class Store(Protocol):
     url: str
 
     def list(self) -> Iterator[ObjectInfo]:
-        """Yield every object under the root, recursively, in lexicographic key order.
+        """Yield every object under the root, recursively, in lexicographic key order (S3's), or
+        folder by folder (a folder's keys before those of the next name, ``a/x`` before
+        ``a b/x``: SeaweedFS's; :func:`~cachepipe.grouping.tree_order`).
 
         Paginated and streamed: the first objects are yielded before the listing ends.
         Zero-byte directory markers (keys ending in ``/``) may be yielded; the catalog skips them.

@@ -45,6 +45,7 @@ from .base import (
     delete_error,
     listed_etag,
     open_local,
+    part_size_for,
 )
 from .fsspec_errors import _s3_error, _translate
 from .fsspec_options import (
@@ -331,7 +332,8 @@ class FsspecStore:
     # ---- writing (optional primitives, see WritableStore) ----------------------------
     upload_part_size: int = _UPLOAD_PART
     """Part size of multipart uploads to S3 (s3fs uploads files of at least twice this size
-    in parts, several in flight; at least 5 MiB). Set it on the instance to change it."""
+    in parts, several in flight; at least 5 MiB; larger for a file that would take more than
+    :data:`~cachepipe.stores.base.MAX_PARTS` parts). Set it on the instance to change it."""
 
     def put(self, local_path: str | os.PathLike[str], key: str, *, content_type: str | None = None) -> None:
         """Upload ``local_path`` as ``key``: s3fs streams it, multipart from ``2 * upload_part_size``;
@@ -351,7 +353,8 @@ class FsspecStore:
                 put_local(src, path, where)
             elif "s3" in protocols or "s3a" in protocols:  # s3fs opens the file again: it was readable a moment ago
                 typed = {} if content_type is None else {"ContentType": content_type}
-                self.fs.put_file(local, path, chunksize=self.upload_part_size, **typed)
+                part = part_size_for(os.fstat(src.fileno()).st_size, self.upload_part_size)
+                self.fs.put_file(local, path, chunksize=part, **typed)
             else:
                 self.fs.put_file(local, path)
 

@@ -66,7 +66,16 @@ from http.client import HTTPException
 from typing import Any, BinaryIO
 
 from cachepipe.errors import ConfigError
-from cachepipe.stores.base import DELETE_BATCH, FIRST_PAGE_KEYS, ObjectInfo, delete_error, listed_etag, not_the_api, open_local
+from cachepipe.stores.base import (
+    DELETE_BATCH,
+    FIRST_PAGE_KEYS,
+    ObjectInfo,
+    delete_error,
+    listed_etag,
+    not_the_api,
+    open_local,
+    part_size_for,
+)
 from cachepipe.stores.obs_client import _new_client
 from cachepipe.stores.obs_errors import ObsServiceError, _ObsSeam
 from cachepipe.stores.obs_settings import (
@@ -278,8 +287,9 @@ class ObsStore(_ObsSeam):
     # -- writing (optional primitives, see WritableStore) ---------------------------------------
 
     upload_part_size: int = 16 * 1024 * 1024
-    """Files larger than this are uploaded in parts of this size (OBS: 100 KiB to 5 GiB). Set it
-    on the instance to change it."""
+    """Files larger than this are uploaded in parts of this size (OBS: 100 KiB to 5 GiB), or of
+    more for a file that would take more than :data:`~cachepipe.stores.base.MAX_PARTS` parts.
+    Set it on the instance to change it."""
 
     def put(self, local_path: str | os.PathLike[str], key: str, *, content_type: str | None = None) -> None:
         """Upload the file ``local_path`` as ``key`` (relative to the root), streamed from disk,
@@ -309,8 +319,9 @@ class ObsStore(_ObsSeam):
         upload_id = resp.body.uploadId
         try:
             parts = []
-            for number, offset in enumerate(range(0, size, self.upload_part_size), start=1):
-                length = min(self.upload_part_size, size - offset)
+            part_size = part_size_for(size, self.upload_part_size)
+            for number, offset in enumerate(range(0, size, part_size), start=1):
+                length = min(part_size, size - offset)
                 part = self._call(
                     "uploading",
                     key,

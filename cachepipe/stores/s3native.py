@@ -24,6 +24,8 @@ What goes where:
 - Listing: through the fsspec backend (s3fs, whose pages :mod:`~cachepipe.stores.s3direct`
   requests). ``object_store`` normalises keys into its own paths: a directory marker ``dir/``
   lists as ``dir``, which would read as a zero-byte file, so its listing is not used.
+- Writing (``cachepipe map``'s destination, when ``engine`` is among the options that SRC and
+  DST share): ``put``, ``exists``, ``delete`` and ``check_bucket`` through the fsspec backend.
 
 Forks: obstore's runtime (tokio's threads, one per process) does not survive a fork, and a GET
 through it in a process forked after obstore ran in the parent waits forever. This module sees
@@ -37,6 +39,10 @@ other raises :class:`~cachepipe.errors.ConfigError` naming what is accepted): ``
 ``key``, ``secret``, ``token``, ``anon``, ``client_kwargs`` (``endpoint_url``, ``region_name``),
 ``config_kwargs`` (``s3.addressing_style``; ``retries`` and ``max_pool_connections`` are
 accepted and have no use here), and fsspec's cache options, which only the listing uses.
+``addressing_style`` ``"virtual"`` at a custom endpoint addresses the bucket as botocore does:
+in the host (obstore is given the endpoint with the bucket's name before its host), or in the
+path where botocore puts it there (an endpoint that is an IP address, a bucket name that is no
+host name).
 Credentials: without ``key`` and ``secret``, obstore signs with the credentials that the direct
 path signs with, those botocore finds for s3fs's client (the environment, the profiles and SSO
 of ``~/.aws``, web identity, container and instance metadata). Each short GET takes them from
@@ -70,13 +76,14 @@ obstore's version; the tests in ``tests/test_store_native.py`` hold each mapping
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, BinaryIO
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import botocore
 import obstore
@@ -255,6 +262,30 @@ _TEXT_OPTIONS = {  # S3Store's config keys that _s3_store fills and that it take
 _SECRET_KEYS = frozenset({"access_key_id", "secret_access_key", "session_token"})
 
 
+_HOST_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?")
+
+
+def _virtual_endpoint(endpoint: str, bucket: str) -> str | None:
+    """The URL to which a virtual-host request for ``bucket`` goes at the custom ``endpoint``, as
+    botocore's rules for S3 make it: the bucket's name before the endpoint's host
+    (``http://s3.example.com:9000`` and ``data``: ``http://data.s3.example.com:9000``). None where
+    those rules address the bucket in the path even with ``addressing_style`` ``"virtual"``: a
+    host that is an IP address, a bucket name that is no host name (3 to 63 characters, lower
+    case letters, digits and hyphens; dotted labels of those over ``http://`` only)."""
+    parts = urlsplit(endpoint)
+    try:
+        ipaddress.ip_address(parts.hostname or "")
+        return None
+    except ValueError:
+        pass
+    labels = bucket.split(".")
+    if not 3 <= len(bucket) <= 63 or (len(labels) > 1 and parts.scheme != "http"):
+        return None
+    if not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        return None
+    return urlunsplit((parts.scheme, f"{bucket}.{parts.netloc}", parts.path, "", ""))
+
+
 def _s3_store(url: str, options: dict[str, Any], credentials: _FromBotocore | None) -> S3Store:
     """obstore's ``S3Store`` for ``url`` and ``options`` (checked by :func:`_check_names`): the
     one place it is made, and the seam for what it refuses when it is made (its own exceptions,
@@ -269,9 +300,13 @@ def _s3_store(url: str, options: dict[str, Any], credentials: _FromBotocore | No
     endpoint = s3_endpoint(options)
     s3 = (options.get("config_kwargs") or {}).get("s3") or {}
     # virtual-host addressing only when asked for: path style works with AWS and custom endpoints alike
-    config: dict[str, Any] = {"virtual_hosted_style_request": s3.get("addressing_style") == "virtual"}
+    virtual = s3.get("addressing_style") == "virtual"
+    config: dict[str, Any] = {"virtual_hosted_style_request": virtual}
     if endpoint:
-        config["endpoint"] = str(endpoint)
+        # obstore sends a virtual-host request to its endpoint as given: it must name the bucket
+        hosted = _virtual_endpoint(str(endpoint), parts.netloc) if virtual else None
+        config["endpoint"] = hosted or str(endpoint)
+        config["virtual_hosted_style_request"] = hosted is not None
     if client_kwargs.get("region_name"):
         config["region"] = client_kwargs["region_name"]
     if options.get("anon"):
@@ -450,6 +485,33 @@ class NativeS3Store:
         except obstore.exceptions.BaseError as exc:  # a body cut short, a read timed out
             raise self._translated(exc, f"{where} (after {written} bytes)") from exc
         return written
+
+    # ---- writing (``cachepipe map``'s destination): through the fsspec backend, as the listing ----
+    @property
+    def upload_part_size(self) -> int:
+        """Part size of multipart uploads (the fsspec backend's :attr:`~cachepipe.stores.fsspec.FsspecStore.upload_part_size`)."""
+        return self._fsspec.upload_part_size
+
+    @upload_part_size.setter
+    def upload_part_size(self, value: int) -> None:
+        self._fsspec.upload_part_size = value
+
+    def put(self, local_path: str | os.PathLike[str], key: str, *, content_type: str | None = None) -> None:
+        """Upload ``local_path`` as ``key`` through the fsspec backend (:meth:`FsspecStore.put
+        <cachepipe.stores.fsspec.FsspecStore.put>`): obstore is an engine of GETs only."""
+        self._fsspec.put(local_path, key, content_type=content_type)
+
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` exists, asked through the fsspec backend."""
+        return self._fsspec.exists(key)
+
+    def delete(self, keys: Sequence[str], within: str = "") -> None:
+        """Delete ``keys`` through the fsspec backend (one DeleteObjects per 1,000 keys)."""
+        self._fsspec.delete(keys, within)
+
+    def check_bucket(self) -> None:
+        """Raise :class:`FileNotFoundError` if the root's bucket does not exist (the fsspec backend's check)."""
+        self._fsspec.check_bucket()
 
     def abort(self) -> None:
         """Cut the fsspec backend's requests in flight, and refuse every later GET, with
