@@ -84,7 +84,8 @@ class _StrictTarInfo(tarfile.TarInfo):
             what = "unexpected end of data" if str(exc) in ("empty header", "truncated header") else "bad header"
             raise tarfile.ReadError(f"{what} at byte {tarfile_.offset} of the tar: {exc}") from None
         except ValueError as exc:  # a GNU sparse map or size that is no number: tarfile's int() fails on it
-            after = f"the member after {tarfile_.members[-1].name!r}" if tarfile_.members else "its first member"
+            kept: list[tarfile.TarInfo] = tarfile_.members  # type: ignore[attr-defined] # tarfile's list, untyped by typeshed
+            after = f"the member after {kept[-1].name!r}" if kept else "its first member"
             raise tarfile.ReadError(
                 f"bad header at byte {tarfile_.offset} of the tar ({after}): {type(exc).__name__}: {exc}"
             ) from None
@@ -233,7 +234,7 @@ class _Extraction:
                 while (member := tar.next()) is not None:
                     # tarfile keeps every header it reads (a shard of 50,000 images: 80 MB): all but the
                     # last dropped, which names the place of a bad header (_StrictTarInfo)
-                    del tar.members[:-1]
+                    del tar.members[:-1]  # type: ignore[attr-defined] # tarfile's list, untyped by typeshed
                     self._tar_member(archive, tar, member)
                 self._tar_end(tar)
         except _Stopped:
