@@ -83,6 +83,12 @@ class _StrictTarInfo(tarfile.TarInfo):
                 raise
             what = "unexpected end of data" if str(exc) in ("empty header", "truncated header") else "bad header"
             raise tarfile.ReadError(f"{what} at byte {tarfile_.offset} of the tar: {exc}") from None
+        except ValueError as exc:  # a GNU sparse map or size that is no number: tarfile's int() fails on it
+            kept: list[tarfile.TarInfo] = tarfile_.members  # type: ignore[attr-defined] # tarfile's list, untyped by typeshed
+            after = f"the member after {kept[-1].name!r}" if kept else "its first member"
+            raise tarfile.ReadError(
+                f"bad header at byte {tarfile_.offset} of the tar ({after}): {type(exc).__name__}: {exc}"
+            ) from None
 
 
 @dataclass
@@ -118,15 +124,31 @@ class _Extraction:
         self.stop = stop  # checked before each member and each read (a member's data may be buffered)
         self.budget = budget
         self.result = result
-        self.written: dict[str, str] = {}  # rel path -> archive that wrote it
-        self.sizes: dict[str, int] = {}  # rel path -> size, for hard links
+        # rel path -> archive that wrote it, kept while an archive follows (a later one may not overwrite it):
+        # not for the last archive, so that one archive's memory does not grow with its members
+        self.written: dict[str, str] = {}
+        self.recording = True  # record what this archive writes in ``written``: another one follows
         self.links: dict[str, tuple[str, str]] = {}  # where a symbolic link was made (its real path) -> (archive, member)
 
     def claim(self, archive: str, name: str, rel: str) -> None:
         owner = self.written.get(rel)
         if owner is not None and owner != archive:
             raise UnsafeMemberError(archive, name, f"collides with {rel!r} extracted from {owner!r}")
-        self.written[rel] = archive
+        if self.recording:
+            self.written[rel] = archive
+
+    def linked_size(self, archive: str, name: str, target: str, linkname: str) -> int:
+        """The size of the file that the hard link member ``name`` links to (``target``, its path
+        in the item): a regular file extracted before it, read on disk (no record of every
+        member's size is kept), reached inside the item."""
+        path = self.out / target
+        try:
+            info = os.lstat(path)
+        except OSError:
+            info = None
+        if info is None or not stat.S_ISREG(info.st_mode) or not _inside(self.out, path):
+            raise UnsafeMemberError(archive, name, f"hard link to {linkname!r}, which is not a file extracted before it")
+        return info.st_size
 
     def unwritable(self, archive: str, name: str, is_dir: bool, exc: OSError) -> ArchiveError | None:
         """The :class:`ArchiveError` that ``exc``, raised writing member ``name`` (a folder if
@@ -209,7 +231,10 @@ class _Extraction:
                 source if source is not binary else nullcontext(),
                 tarfile.open(fileobj=source, mode="r|", tarinfo=_StrictTarInfo) as tar,
             ):
-                for member in tar:
+                while (member := tar.next()) is not None:
+                    # tarfile keeps every header it reads (a shard of 50,000 images: 80 MB): all but the
+                    # last dropped, which names the place of a bad header (_StrictTarInfo)
+                    del tar.members[:-1]  # type: ignore[attr-defined] # tarfile's list, untyped by typeshed
                     self._tar_member(archive, tar, member)
                 self._tar_end(tar)
         except _Stopped:
@@ -243,11 +268,7 @@ class _Extraction:
         if member.issym() or member.islnk():
             target = _check_link(archive, name, rel, member.linkname, hard=member.islnk())
             if member.islnk():
-                if target not in self.sizes:
-                    raise UnsafeMemberError(
-                        archive, name, f"hard link to {member.linkname!r}, which is not a file extracted before it"
-                    )
-                size = self.sizes[target]
+                size = self.linked_size(archive, name, target, member.linkname)
         if not member.isdir():
             self.claim(archive, name, rel)
         if member.isreg() and not self.budget.fits(size):
@@ -265,7 +286,6 @@ class _Extraction:
         if member.issym():
             self.made_link(archive, name, rel)
         if member.isreg() or member.islnk():
-            self.sizes[rel] = size
             self.result.bytes += size
         self.result.members += 1
 
@@ -343,7 +363,6 @@ class _Extraction:
                 if written > info.file_size:
                     raise ArchiveTooLargeError(archive, name, f"inflates beyond its declared {info.file_size} bytes")
                 dst.write(chunk)
-        self.sizes[rel] = written
         self.result.bytes += written
         self.result.members += 1
 

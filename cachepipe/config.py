@@ -16,7 +16,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError, PydanticKnownError
 
 from .errors import ConfigError, closest
 from .locations import SCHEMES, check_absolute_source, check_destination, check_source, utf8_location
@@ -43,9 +53,11 @@ __all__ = [
     "check_destination",
     "check_option_names",
     "check_source",
+    "credentials_unsaid",
     "format_size",
     "parse_capacity",
     "parse_size",
+    "secret_input",
     "small_capacity",
     "utf8_location",
     "with_unit",
@@ -133,6 +145,45 @@ def _size_field(what: str) -> BeforeValidator:
 
 
 Capacity = Annotated[int | Share, BeforeValidator(parse_capacity)]
+
+
+CREDENTIAL_FIELDS = frozenset({"storage_options", "dest_options"})
+"""Options that hold a store's credentials (a secret key, a token, a password in a URL): a
+validation error never shows their value."""
+NOT_SHOWN = "(not shown: it may hold credentials)"
+"""The input of a validation error that :func:`secret_input` keeps unsaid, in its ``errors()``."""
+
+
+def secret_input(loc: tuple[Any, ...], value: Any, kind: str = "") -> bool:
+    """True when a validation error at ``loc`` (its path of fields), of pydantic type ``kind``,
+    must not show its input ``value``: one under a :data:`CREDENTIAL_FIELDS` (a list or a string
+    given instead of a mapping holds the key as well), one of the whole model (``loc`` empty: its
+    input is every option), or an unknown key given a mapping or a list (``storage_option:``
+    misspelt)."""
+    if not loc or (isinstance(value, str) and value == NOT_SHOWN) or any(str(part) in CREDENTIAL_FIELDS for part in loc):
+        return True
+    return kind == "extra_forbidden" and isinstance(value, dict | list | tuple)
+
+
+def credentials_unsaid(exc: ValidationError) -> ValidationError:
+    """``exc``, or the same errors without their inputs when one is :func:`secret_input`:
+    pydantic's message shows each input (``input_value=[...]``), and a ``storage_options`` given as
+    a list or a string holds the secret key it shows (every input is hidden then: pydantic hides
+    all or none)."""
+    errors = exc.errors(include_url=False)
+    if not any(secret_input(err["loc"], err["input"], err["type"]) for err in errors):
+        return exc
+    details: list[InitErrorDetails] = []
+    for err in errors:
+        kind: str | PydanticCustomError = err["type"]
+        try:
+            PydanticKnownError(err["type"], err.get("ctx"))  # type: ignore[arg-type]
+        except (KeyError, TypeError):  # a type of our own validators: its message as said
+            kind = PydanticCustomError(err["type"], err["msg"])
+        secret = secret_input(err["loc"], err["input"], err["type"])
+        given = NOT_SHOWN if secret else err["input"]  # nor in errors(): a program may print those
+        details.append({"type": kind, "loc": err["loc"], "input": given, "ctx": err.get("ctx", {})})
+    return ValidationError.from_exception_data(exc.title, details, hide_input=True)
 
 
 class PipelineConfig(BaseModel):
@@ -339,6 +390,12 @@ class PipelineConfig(BaseModel):
     manifest: Annotated[str | None, BeforeValidator(check_manifest_location)] = None
     progress: bool = False
     stall_warning: float | None = Field(default=60.0, gt=0)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:  # the storage options' credentials unsaid (credentials_unsaid)
+            raise credentials_unsaid(exc) from None
 
     # Checks of a field against fields before it, never of the model: an error of a model validator
     # carries every option as its input, which pydantic's message shows (the storage options'

@@ -140,7 +140,12 @@ class _Pass:
         # with a manifest, a resume must also be of the same manifest
         key = _plan_key(plan, cfg, self._catalog_digest if from_manifest else None)
         # an item on disk as listed has not been through prepare/unpack: downloaded again (those that have never match)
-        cursor, acked = cache.recover(catalog, resume=cfg.resume, plan=key, reusable=not cfg.prepares)
+        try:
+            cursor, acked = cache.recover(catalog, resume=cfg.resume, plan=key, reusable=not cfg.prepares)
+        except ConfigError as exc:
+            if eligible is None or len(eligible) == len(catalog):
+                raise
+            raise ConfigError(f"{exc}. {_left_out(catalog, eligible, cache.capacity, 'the listing')}") from exc
         if self._start_state is not None:
             saved = self._start_state.get("catalog_digest")
             if saved is not None and saved != self._catalog_digest:
@@ -153,12 +158,8 @@ class _Pass:
             except ValueError as exc:
                 if eligible is None or self._start_state.get("n_items") != len(catalog):
                     raise
-                largest = max(catalog.sizes[i] for i in set(range(len(catalog))) - set(eligible))
-                raise ConfigError(
-                    f"{exc}: {len(catalog) - len(eligible)} item(s) of the state's plan (the largest {largest} bytes) "
-                    f"do not fit this cache's capacity of {cache.capacity} bytes and were left out of this one "
-                    "(on_oversize='skip'); resume with a capacity that holds them"
-                ) from exc
+                why = _left_out(catalog, eligible, cache.capacity, "the state's plan")
+                raise ConfigError(f"{exc}: {why}") from exc
             cursor, acked = plan.start, set()
         elif cfg.start_epoch and tuple(cursor) == (0, 0) and not acked:  # nothing resumed
             cursor = plan.start = plan.normalise(Cursor(cfg.start_epoch, 0))
@@ -390,3 +391,15 @@ def _steps_before(plan: Plan, cursor: tuple[int, int]) -> int:
     """How many of this share's steps come before ``cursor`` (for the progress bar's total)."""
     epoch, index = cursor
     return sum(len(plan.share(e)) for e in range(epoch)) + index
+
+
+def _left_out(catalog: Catalog, eligible: array[int], capacity: int, whose: str) -> str:
+    """Why a plan of ``eligible`` (the items of ``catalog`` that fit ``capacity``) may not be the
+    plan that a state loaded or a pass kept in the cache continues, and what to do; ``whose``:
+    where the items left out are (the state's plan, or the listing)."""
+    largest = max(catalog.sizes[i] for i in set(range(len(catalog))) - set(eligible))
+    return (
+        f"{len(catalog) - len(eligible)} item(s) of {whose} (the largest {largest} bytes) do not fit this "
+        f"cache's capacity of {capacity} bytes and were left out of this one (on_oversize='skip'); resume with "
+        "a capacity that holds them"
+    )

@@ -193,7 +193,8 @@ def unpack_item(
         log.info("%s: %s is not an archive; not extracted", item, rel)
     extraction = _Extraction(out, _Budget(limit_bytes, max_members, advice), result, stop, name or item.name)
     try:
-        for volumes in sets:
+        for index, volumes in enumerate(sets):
+            extraction.recording = index < len(sets) - 1  # what the last archive writes, no later one meets
             _unpack_one(root, volumes, checksums, extraction)
         extraction.check_links()
     except BaseException:

@@ -8,8 +8,10 @@ tarfile/zipfile; the pipeline's side through the moto server.
 
 from __future__ import annotations
 
+import io
 import os
 import stat
+import tarfile
 import zipfile
 
 import pytest
@@ -43,6 +45,22 @@ def gz_with_damaged_data() -> bytes:
     return damaged(data, len(data) // 2, 0x01)
 
 
+def bad_sparse(headers: dict[str, str], data: bytes = b"x" * 10) -> bytes:
+    """A tar whose second member is a GNU sparse file (PAX headers) with ``headers``: a map or a size
+    that is no number, on which tarfile's ``int()`` raises a bare ValueError."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        first = tarfile.TarInfo("m0.bin")
+        first.size = 2
+        tar.addfile(first, io.BytesIO(b"ok"))
+        info = tarfile.TarInfo("clip.bin")
+        info.size = len(data)
+        info.pax_headers = headers
+        tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+SPARSE_01 = {"GNU.sparse.major": "0", "GNU.sparse.minor": "1", "GNU.sparse.size": "10"}
 BROKEN_TARS = {
     "cut at a member's boundary": lambda: plain()[: 2 * STEP],
     "cut inside a header": lambda: plain()[: 2 * STEP + 100],
@@ -54,6 +72,11 @@ BROKEN_TARS = {
     "tar.gz with damaged data": gz_with_damaged_data,
     "tar.bz2 cut in its trailer": lambda: tar_bytes(MANY, "w:bz2")[:-4],
     "tar.xz cut in its trailer": lambda: tar_bytes(MANY, "w:xz")[:-4],
+    "a GNU sparse map of no numbers": lambda: bad_sparse({**SPARSE_01, "GNU.sparse.map": "a,b"}),
+    "a GNU sparse size of no number": lambda: bad_sparse({**SPARSE_01, "GNU.sparse.map": "0,5", "GNU.sparse.size": "q"}),
+    "a GNU sparse 1.0 map of no numbers": lambda: bad_sparse(
+        {"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.realsize": "10"}, b"1\nzz\n3\n".ljust(512, b"\0")
+    ),
 }
 
 
@@ -68,6 +91,8 @@ def test_a_cut_or_damaged_tar_fails_as_such_and_leaves_nothing(tmp_path, case):
     with pytest.raises(ArchiveError) as caught:
         unpack_item(archive, tmp_path / "out", limit_bytes=LIMIT, name="clip")
     assert str(caught.value).startswith("archive 'all.tar' of item 'clip' is truncated or corrupt: "), str(caught.value)
+    if "sparse" in case:  # was a bare ValueError of tarfile's; now where, and after which member
+        assert "bad header at byte 3072 of the tar (the member after 'm0.bin'): ValueError: " in str(caught.value)
     assert list((tmp_path / "out").iterdir()) == []
 
 
@@ -97,13 +122,14 @@ def test_a_cut_tar_fails_its_item_and_the_pass_goes_on(s3_source, tmp_path):
     s3_source.put("cut/frames.tar", plain()[: 2 * STEP])
     s3_source.put("crc/frames.tar.gz", gz_with_bad_crc())
     s3_source.put("good/frames.tar", plain())
+    s3_source.put("sparse/frames.tar", bad_sparse({**SPARSE_01, "GNU.sparse.map": "a,b"}))  # was a bare ValueError
     cache = tmp_path / "c"
     with unpacking(s3_source, cache, "1MiB", on_error="skip") as pipe:
         delivered, _ = drain(pipe)
         assert leftovers(cache) == []
     assert sorted(delivered) == ["good"] and delivered["good"] == MANY
     stats = pipe.stats()
-    assert stats.items_failed == 2, stats
+    assert stats.items_failed == 3, stats
 
 
 # ---- links that leave the item through other links ---------------------------------------------

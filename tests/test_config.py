@@ -82,6 +82,38 @@ def test_config_rejects_unknown_option(tmp_path):
         PipelineConfig(source="s3://b/p", cache_dir=tmp_path, capacity="1G", capactiy=3)
 
 
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"storage_options": ["key", "AKIAEXAMPLE", "secret", "s3cr3t"]},  # a list instead of a mapping
+        {"storage_options": "key=AKIAEXAMPLE secret=s3cr3t"},  # a string holding the key
+        {"storage_options": {"key": "AKIAEXAMPLE", 5: "s3cr3t"}},  # a key that is no name
+        {"storage_option": {"key": "AKIAEXAMPLE", "secret": "s3cr3t"}},  # misspelt: an unknown key
+        {"storage_options": ("s3cr3t",), "capacity": "10X"},  # with another error, whose value is hidden too
+    ],
+)
+def test_storage_options_of_a_wrong_type_are_not_echoed(tmp_path, given):
+    """pydantic's message shows each error's input: ``storage_options`` given as a list or a
+    string showed the secret key in the exception (in a notebook, in a job's log)."""
+    from cachepipe import Pipeline
+    from cachepipe.map.plan import MapConfig
+
+    options = {"capacity": "1G", **given}
+    with pytest.raises(ValidationError) as info:
+        PipelineConfig(source="s3://b/p", cache_dir=tmp_path, **options)
+    shown = f"{info.value}\n{info.value.errors()}"
+    assert "storage_option" in shown and "s3cr3t" not in shown and "AKIAEXAMPLE" not in shown, shown
+    if "storage_options" in given:
+        with pytest.raises(ValidationError) as info:
+            Pipeline("s3://b/p", tmp_path / "c", **options)
+        assert "storage_options" in str(info.value) and "s3cr3t" not in str(info.value), info.value
+        with pytest.raises(ValidationError) as info:
+            MapConfig(source="s3://b/p", dest="s3://b/q", cache_dir=tmp_path, **options)
+        assert "storage_options" in str(info.value) and "s3cr3t" not in str(info.value), info.value
+    with pytest.raises(ValidationError, match=r"input_value='10X'"):  # other errors keep their value
+        PipelineConfig(source="s3://b/p", cache_dir=tmp_path, capacity="10X", storage_options={"secret": "s3cr3t"})
+
+
 def test_config_defaults(tmp_path):
     cfg = PipelineConfig(source="s3://b/p", cache_dir=tmp_path, capacity="1g")
     assert cfg.capacity == 1024**3 and cfg.items == "folders" and cfg.ordered and cfg.auto_ack

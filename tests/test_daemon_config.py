@@ -346,6 +346,39 @@ def test_a_refused_combination_never_echoes_the_storage_options(tmp_path, data, 
         assert "s3cr3t" not in str(info.value), info.value
 
 
+@pytest.mark.parametrize(
+    ("where", "value", "fragment"),
+    [
+        ("pipeline", "key=AKIAEXAMPLE secret=s3cr3t", "pipelines.train.storage_options: Input should be a valid dictionary"),
+        ("pipeline", ["AKIAEXAMPLE", "s3cr3t"], "pipelines.train.storage_options: Input should be a valid dictionary"),
+        ("pipeline", {"key": "AKIAEXAMPLE", 5: "s3cr3t"}, "pipelines.train.storage_options.5: Input should be a valid string"),
+        ("misspelt", {"key": "AKIAEXAMPLE", "secret": "s3cr3t"}, "pipelines.train.storage_option: unknown key; did you mean"),
+        ("section", "storage_options: {secret: s3cr3t}", "pipelines.train: Input should be a valid dictionary"),
+        ("jobs", "storage_options=AKIAEXAMPLE:s3cr3t", "jobs.options: Input should be a valid dictionary"),
+        ("jobs", {"storage_options": ["AKIAEXAMPLE", "s3cr3t"]}, "jobs.options.storage_options: Input should be a valid"),
+        ("environment", '["AKIAEXAMPLE", "s3cr3t"]', "storage_options: Input should be a valid dictionary (set by the"),
+    ],
+)
+def test_storage_options_of_a_wrong_type_are_not_echoed(tmp_path, monkeypatch, where, value, fragment):
+    """A refused value was shown (``pipelines.train.storage_options = 'key=... secret=...': Input
+    should be a valid dictionary``) by ``serve --check``, ``serve`` and a reload's log line:
+    ``storage_options`` or ``jobs.options`` given as a string or a list held the secret key."""
+    config = minimal(tmp_path)
+    if where == "pipeline":
+        config["pipelines"]["train"]["storage_options"] = value
+    elif where == "misspelt":
+        config["pipelines"]["train"]["storage_option"] = value
+    elif where == "section":
+        config["pipelines"]["train"] = value
+    elif where == "jobs":
+        config = {"jobs": {"root": str(tmp_path / "jobs"), "capacity": "1GiB", "options": value}}
+    else:
+        monkeypatch.setenv("CACHEPIPE_PIPELINES__TRAIN__STORAGE_OPTIONS", value)
+    message = error_of(tmp_path, config)
+    assert fragment in message, message
+    assert "s3cr3t" not in message and "AKIAEXAMPLE" not in message, message
+
+
 # ---- what the environment does to the file, said by serve --check and serve ----------------
 def serve_cli(path: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """``cachepipe serve [args] --config path``, with ``env`` added to this (CACHEPIPE_-free) environment."""

@@ -119,3 +119,22 @@ def test_a_state_loaded_where_a_smaller_capacity_leaves_an_item_out_says_so(tmp_
         r"do not fit this cache's capacity of 8000 bytes .*resume with a capacity that holds them",
     ):
         again.open()
+
+
+def test_a_pass_resumed_where_a_smaller_capacity_leaves_an_item_out_says_so(tmp_path):
+    # resume=True over a cache kept by a pass of 4 items, reopened with a capacity that leaves
+    # one out (on_oversize="skip"): the refusal said only "n_items 4 there, 3 here; sizes_digest
+    # ... differ", not that an item was left out for the capacity, nor what to do.
+    src = tmp_path / "src"
+    for i in range(4):
+        (src / f"item{i}").mkdir(parents=True)
+        (src / f"item{i}" / "f").write_bytes(bytes(9000 if i == 2 else 100))
+    options = {"epochs": 2, "shuffle": True, "seed": 5}
+    with Pipeline(src, tmp_path / "a", "1MiB", auto_ack=False, keep_on_close=True, **options) as pipe:
+        pipe.ack(pipe.get(timeout=30))
+    with pytest.raises(
+        ConfigError,
+        match=r"n_items 4 there, 3 here.* 1 item\(s\) of the listing \(the largest 9000 bytes\) do not fit this "
+        r"cache's capacity of 8000 bytes and were left out of this one \(on_oversize='skip'\); resume with a capacity",
+    ):
+        Pipeline(src, tmp_path / "a", 8000, on_oversize="skip", resume=True, **options).open()

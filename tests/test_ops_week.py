@@ -44,7 +44,10 @@ def test_a_pipeline_a_reload_rebuilds_is_reported_reloading_not_open_while_it_li
             daemon.signal(signal.SIGHUP)
             daemon.wait_for("RELOADING=1")
             wait_until(lambda: len(proxy.requests) > before, 30, "the rebuilt pipeline's listing")
-            assert client.status()["pipelines"]["train"]["state"] == "reloading"
+            reloading = client.status()["pipelines"]["train"]
+            assert reloading["state"] == "reloading"
+            # before: the closed pipeline's counters (items_ready 2), which the rebuilt one does not go on from
+            assert (reloading["stats"], reloading["pass"], reloading["leased"]) == (None, None, 0), reloading
             assert client.health() == {"status": "degraded", "pipelines": {"train": "reloading"}}
             assert 'cachepipe_pipeline_up{pipeline="train"} 0.0' in client.metrics()
             gate.set()

@@ -246,6 +246,26 @@ def test_a_malformed_s3_endpoint_is_refused_by_the_check_as_by_open(engine, endp
 
 
 @pytest.mark.parametrize(
+    "engine", ["s3fs", pytest.param("obstore", marks=pytest.mark.skipif(not _obstore_importable(), reason="no obstore"))]
+)
+@pytest.mark.parametrize("endpoint", ["http://AK:s3cr3t@127.0.0.1:9000", "https://s3cr3t@s3.example.com"])
+def test_credentials_in_an_s3_endpoint_are_refused_by_the_check_as_by_open(engine, endpoint):
+    """Such an endpoint passed check_store (serve --check said valid), then the first request
+    failed: botocore took ``AK:s3cr3t@127.0.0.1`` for the host name (serve exited 1, "its host
+    name does not resolve")."""
+    from cachepipe.stores import check_store
+
+    options = {"engine": engine, "endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+    for call in (check_store, open_store):
+        with pytest.raises(ConfigError) as info:
+            call("s3://b/p/", options)
+        message = str(info.value)
+        assert "storage_options endpoint_url '" in message and "***@" in message, message
+        assert "holds credentials (before its '@'), which the S3 client does not take from the URL" in message, message
+        assert "s3cr3t" not in message, message
+
+
+@pytest.mark.parametrize(
     ("endpoint", "shown"),
     [
         ("http://AK:s3cr3t@h:99999", "'http://***@h:99999'"),

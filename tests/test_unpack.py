@@ -509,3 +509,34 @@ def test_a_set_stop_event_interrupts_an_extraction_in_place_and_leaves_the_item_
         unpack_in_place(shard, name="a.tar", limit_bytes=LIMIT, stop=stop)
     assert shard.read_bytes() == archive
     assert sorted(p.name for p in tmp_path.iterdir()) == ["7"]
+
+
+def test_a_tars_memory_does_not_grow_with_its_members(tmp_path):
+    """tarfile keeps the header of every member it reads, and the extraction kept each member's
+    name and size: a webdataset shard of tens of thousands of small files took tens of MB while
+    it was unpacked (2,000 members peaked at 1.3 MB, 20,000 at 12 MB, under tracemalloc; 500 and
+    5,000 here)."""
+    import tracemalloc
+
+    def peak(members: int, run: str) -> int:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for i in range(members):
+                info = tarfile.TarInfo(f"d{i // 1000}/{i:06d}.jpg")
+                info.size = 1
+                tar.addfile(info, io.BytesIO(b"x"))
+        shard = tmp_path / f"{members}.tar"
+        shard.write_bytes(buf.getvalue())
+        del buf
+        tracemalloc.start()
+        try:
+            result = unpack_item(shard, tmp_path / run, limit_bytes=LIMIT, max_members=members)
+            most = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert result.members == members
+        return most
+
+    peak(500, "warm")  # imports and caches, once
+    few, many = peak(500, "few"), peak(5_000, "many")
+    assert many < 2 * few, (few, many)

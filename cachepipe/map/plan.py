@@ -20,10 +20,19 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from ..catalog import check_key, group_items
-from ..config import UNPACK_RATIO, Capacity, check_manifest_location, filtered_tar, parse_size, utf8_location
+from ..config import UNPACK_RATIO, Capacity, check_manifest_location, credentials_unsaid, filtered_tar, parse_size, utf8_location
 from ..errors import ConfigError, UnsafeKeyError
 from ..grouping import version_of
 from ..keys import _TreeCheck
@@ -83,8 +92,8 @@ class MapConfig(BaseModel):
     part_size: Annotated[int | None, _optional_size("part_size")] = None  # None: a pipeline's default, by the capacity
     upload_concurrency: int = Field(default=8, ge=1, le=1024)
     upload_part_size: Annotated[int, BeforeValidator(lambda v: parse_size(v, "upload_part_size"))] = 16 * _MIB
-    storage_options: dict[str, Any] = Field(default_factory=dict)
-    dest_options: dict[str, Any] | None = None
+    storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)  # credentials: not in the repr
+    dest_options: dict[str, Any] | None = Field(default=None, repr=False)
     watch_interval: float = Field(default=0.05, gt=0, le=10)
     kill_grace: float = Field(default=5.0, ge=0, le=600)
     max_members: int = Field(default=DEFAULT_MAX_MEMBERS, ge=1)
@@ -93,6 +102,12 @@ class MapConfig(BaseModel):
     rank: int = Field(default=0, ge=0)
     world_size: int = Field(default=1, ge=1)
     rank_source: str = "default"
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:  # the storage options' credentials unsaid, as PipelineConfig's
+            raise credentials_unsaid(exc) from None
 
     # Checks of one field against those before it, not of the model: an error of a model validator
     # carries every option as its input, which pydantic's message and the command line would show

@@ -36,7 +36,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
-from ..config import PipelineConfig, check_absolute_source, small_capacity, with_unit
+from ..config import PipelineConfig, check_absolute_source, secret_input, small_capacity, with_unit
 from ..errors import ConfigError, closest
 from .configfile import _MODE_RE, read_config_file
 from .jobspec import JobsConfig
@@ -403,18 +403,18 @@ def format_errors(exc: ValidationError, source: str, environ: Any = None, given:
         for prefix in ("Value error, ", "Assertion failed, "):
             msg = msg.removeprefix(prefix)
         kind = err["type"]
+        shown = "" if _secret(loc, err["input"], kind) else f" = {_short(err['input'])}"
         if kind == "extra_forbidden":
             keys = _keys(loc[:-1])
             hint = f"did you mean {close!r}? " if loc and (close := closest(loc[-1], keys)) else ""
             expected = f"expected one of: {', '.join(keys)}" if keys else "expected none here"
-            line = f"{where} = {_short(err['input'])}: unknown key; {hint}{expected}"
+            line = f"{where}{shown}: unknown key; {hint}{expected}"
         elif kind == "missing":
             line = f"{where}: required, not set"
-        elif kind == "value_error" and (not loc or isinstance(err["input"], dict)):
-            # a check of a whole section: its input is every option in it, credentials included
-            line = f"{where}: {msg}" if loc else msg
+        elif not loc:
+            line = msg
         else:
-            line = f"{where} = {_short(err['input'])}: {msg}"
+            line = f"{where}{shown}: {msg}"
         env_name = ENV_PREFIX + "__".join(loc).upper()
         if loc and env_name in upper_env:
             line += f" (set by the environment variable {env_name})"
@@ -443,6 +443,17 @@ def _made_by_environment(loc: tuple[str, ...], given: Any, upper_env: set[str]) 
         made = f"the environment variable{'s' if len(names) > 1 else ''} {', '.join(names)}"
         return f" ({section} is made by {made}: the file has no {section}{hint})"
     return ""
+
+
+def _secret(loc: tuple[str, ...], value: Any, kind: str) -> bool:
+    """True when the error at ``loc`` must not show its input ``value``: :func:`secret_input`'s
+    (under ``storage_options``), or a section that holds storage options (``pipelines``, a
+    pipeline, ``jobs``, ``jobs.options``): its input is every option in it, or whatever was written
+    in its place (a string holding the key)."""
+    sections = loc[:1] in (("pipelines",), ("jobs",)) and len(loc) == 1
+    pipeline = loc[:1] == ("pipelines",) and len(loc) == 2
+    whole = kind == "value_error" and isinstance(value, dict)  # a check of a section: every option its input
+    return secret_input(loc, value, kind) or sections or pipeline or loc[:2] == ("jobs", "options") or whole
 
 
 def _short(value: Any) -> str:

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from ..config import Capacity, PipelineConfig, check_absolute_source, check_manifest_location, parse_size
+from ..config import Capacity, PipelineConfig, check_absolute_source, check_manifest_location, parse_size, secret_input
 from ..errors import ConfigError
 from ..stores import preload
 
@@ -91,7 +91,7 @@ class JobsConfig(BaseModel):
             lines = []
             for err in exc.errors(include_url=False):
                 where = ".".join(str(p) for p in err["loc"])
-                shown = "" if where.startswith("storage_options") else f" = {err['input']!r}"  # credentials stay unsaid
+                shown = "" if secret_input(err["loc"], err["input"], err["type"]) else f" = {err['input']!r}"
                 lines.append(f"jobs.options.{where}{shown}: {err['msg'].removeprefix('Value error, ')}")
             raise ValueError("; ".join(lines)) from None
 

@@ -42,7 +42,10 @@ class _Views(_DaemonState):
         """Everything ``cachepipe status`` shows (the ``GET /v1/status`` body)."""
         pipelines = {}
         for e in self._entries():
-            stats: Stats | None = e.pipeline.stats() if e.pipeline is not None else None
+            # a reload's rebuild: the pipeline shown is the closed one, whose counters the new one does not
+            # go on from (it starts at zero): none shown until it is open
+            live = None if e.reloading else e.pipeline
+            stats: Stats | None = live.stats() if live is not None else None
             pipelines[e.name] = {
                 "state": _state(e),
                 "error": e.waiting or e.error or None,
@@ -53,7 +56,7 @@ class _Views(_DaemonState):
                 "leased": leased(stats) if stats else 0,
                 "waiting": self._waiting.get(e.name, 0),
                 "stats": dataclasses.asdict(stats) if stats else None,
-                "pass": pass_progress(e.pipeline) if e.pipeline is not None else None,
+                "pass": pass_progress(live) if live is not None else None,
             }
         return {
             "version": __version__,

@@ -108,7 +108,8 @@ def _check_options(url: str, fs_cls: Any, options: dict[str, Any]) -> None:
 
 def _check_endpoint(url: str, where: str, endpoint: Any) -> None:
     """Refuse an S3 endpoint that is not an ``http(s)://host[:port]`` URL (a port of 0-65535),
-    which s3fs and obstore take as it is and fail on at the first request."""
+    or that holds credentials (``user:secret@host``), which s3fs and obstore take as it is and
+    fail on at the first request."""
     expected = "expected a URL like 'http://10.0.0.5:9000' or 'https://s3.example.com'"
     if not isinstance(endpoint, str):
         raise ConfigError(f"storage_options {where} {endpoint!r} for {url!r} is not text: {expected}")
@@ -135,6 +136,12 @@ def _check_endpoint(url: str, where: str, endpoint: Any) -> None:
         ) from None
     if not parts.hostname:
         raise ConfigError(f"storage_options {where} {endpoint!r} for {url!r} names no host; {expected}")
+    if "@" in parts.netloc:  # botocore takes 'user:secret@host' whole for the host name, which does not resolve
+        raise ConfigError(
+            f"storage_options {where} {endpoint!r} for {url!r} holds credentials (before its '@'), which the S3 "
+            "client does not take from the URL: give them as storage_options key and secret, and the endpoint "
+            "without them"
+        )
 
 
 def _protocols(fs: Any) -> tuple[str, ...]:
