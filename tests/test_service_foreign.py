@@ -143,6 +143,10 @@ def test_a_request_line_over_the_limit_is_answered_431_naming_it(tmp_path, short
             "error": "request_header_fields_too_large",
             "message": "request line over 65536 bytes: expected a method, a path and HTTP/1.1",
         }
+        with connect(sock) as long:  # a client's bug: megabytes of line. Its write failed (EPIPE) before it
+            long.settimeout(30)  # could read the answer: the daemon closed with the rest unread
+            long.sendall(b"GET /v1/" + b"a" * (8 << 20) + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert answer(long)[0] == 431
         assert ask(sock, "GET", "/v1/health")[0] == 200
         assert "Traceback" not in daemon.log(), daemon.log()
 

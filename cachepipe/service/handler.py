@@ -37,6 +37,10 @@ __all__: list[str] = []
 
 log = logging.getLogger("cachepipe.service.api")
 
+LINGER_BYTES = 64 << 20
+"""The most a connection reads and drops after answering a malformed request (see
+:meth:`_Handler._linger`): a client sending more gets its write failed (EPIPE) at that point."""
+
 
 MAX_BODY = 1024 * 1024
 _DIGITS = re.compile(r"^[0-9]+$")
@@ -120,7 +124,22 @@ class _Handler(BaseHTTPRequestHandler):
                 {"error": malformed_code(code), "message": text},
             )
         except OSError:
-            pass  # the client went away
+            return  # the client went away
+        self._linger()
+
+    def _linger(self) -> None:
+        """After the answer to a malformed request, whose client may still be sending it (a
+        request line of megabytes): say the answer's end (shutdown for writing), then read and
+        drop what comes, up to :data:`LINGER_BYTES`, until the client closes or the request's
+        ``header_timeout`` passes. Closing at once, with its input unread, failed the client's
+        write (EPIPE) before it could read the answer."""
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            left = LINGER_BYTES
+            while left > 0 and (dropped := self.rfile.read1(min(left, 1 << 16))):
+                left -= len(dropped)
+        except OSError:  # gone, or the deadline passed (Late): the connection ends either way
+            pass
 
     def address_string(self) -> str:
         return self.client_address[0] if isinstance(self.client_address, tuple) else "unix"
