@@ -554,6 +554,7 @@ def measure(
         "binary": args.peer_binaries.get(method),
     }
     argv = where.exec_argv([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)])
+    os.sync()  # the writes of the run before (a copy-all's hundreds of MB) flushed now, not during this one
     server_cpu = server.cpu_seconds()
     link_cpu = cpu_seconds(link_pid) if link_pid else None
     proc = None
@@ -837,7 +838,8 @@ def render(report: dict[str, Any]) -> str:
         ),
         (
             f"median of {s['repeats']} run(s) per method (first-item: original and copy-all once), methods interleaved, "
-            f"their order rotating every repeat; every measurement in a fresh child process, limited to {s['limit_s']:g} s"
+            "their order rotating every repeat; every measurement in a fresh child process, after a sync, "
+            f"limited to {s['limit_s']:g} s"
         ),
         *(f"{peer}: {' '.join(cmd)}" for peer, cmd in s.get("peer_commands", {}).items()),
         (
