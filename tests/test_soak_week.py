@@ -5,6 +5,11 @@ The soaks that found these ran for minutes (their figures are in the commit mess
 
 from __future__ import annotations
 
+import fcntl
+import os
+import shutil
+
+import yaml
 from test_jobs_api import one_rank_job
 
 from cachepipe import Pipeline
@@ -22,6 +27,8 @@ def test_a_deleted_job_leaves_no_folder_under_the_jobs_root(s3_source, tmp_path,
     s3_source.folders(3, {"a.bin": KIB})
     sock = short_dir / "api.sock"
     config, spec = one_rank_job(s3_source, tmp_path, sock)
+    # no periodic cache check meanwhile: the job whose folder is replaced below is deleted, not dropped first
+    config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "status_interval": 3600}))
     root = tmp_path / "jobs"
     with DaemonProcess(config), Client(socket=sock) as admin:
         for run in range(3):
@@ -39,6 +46,20 @@ def test_a_deleted_job_leaves_no_folder_under_the_jobs_root(s3_source, tmp_path,
         (root / "kept" / "notes.txt").write_text("a file not of the cache")  # or an item its close could not delete
         admin.delete_job("kept")
         assert sorted(p.name for p in (root / "kept").iterdir()) == [".cachepipe", "notes.txt"]  # its journal kept with it
+        # A job's folder removed and made again under it, by another owner (a pipeline of the same
+        # cache_dir, holding the lock): the close touches nothing of it ("closing without deleting
+        # anything"), and the removal after it deleted that owner's lock and journal under it.
+        with JobClient("moved", spec, 0, socket=sock) as lane:
+            assert lane.take((0, 0), timeout=30) is not None
+        shutil.rmtree(root / "moved")
+        (root / "moved" / ".cachepipe").mkdir(parents=True)
+        fd = os.open(root / "moved" / ".cachepipe" / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            admin.delete_job("moved")
+            assert sorted(p.name for p in (root / "moved" / ".cachepipe").iterdir()) == ["lock"]  # before: removed
+        finally:
+            os.close(fd)
 
 
 def test_a_pipeline_keeps_one_object_per_item_whose_leases_expire_not_one_per_lease(tmp_path):

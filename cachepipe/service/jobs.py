@@ -87,8 +87,10 @@ def _remove_emptied(cache_dir: Path) -> None:
     then the folder, if nothing else is left in it. Each job name run and deleted left its folder
     and state behind (three files, about 4 KiB with the journal), under ``root`` for good. Anything
     else left there keeps both: an item the close could not delete (its journal line is what lets
-    the next owner delete it, not take it for foreign), a foreign file. A failure is logged, not
-    raised: the job is deleted either way."""
+    the next owner delete it, not take it for foreign), a foreign file. Not called where the
+    folder was removed or replaced since the job opened it (another owner's now, maybe: its
+    close touched nothing there either). A failure is logged, not raised: the job is deleted
+    either way."""
     try:
         with os.scandir(cache_dir) as entries:
             if any(entry.name != STATE_DIR for entry in entries):
@@ -508,9 +510,15 @@ class Jobs:
             raise UnknownPipelineError(f"no job {name!r} on this daemon: {registered}")
         try:
             pipe = job.pipeline
+            try:
+                pipe.check_cache()
+                mine = True
+            except (CacheRemovedError, RuntimeError):  # removed or replaced: its close touches nothing there, nor this
+                mine = False
             pipe.config = pipe.config.model_copy(update={"keep_on_close": False})
             pipe.close()
-            _remove_emptied(Path(pipe.config.cache_dir))
+            if mine:
+                _remove_emptied(Path(pipe.config.cache_dir))
         finally:
             with self._lock:
                 self._deleting.discard(name)
