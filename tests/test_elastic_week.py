@@ -4,9 +4,13 @@ dataset, resumes. Real DataLoader worker processes; ranks as processes, as torch
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from waiting import wait_until
+from zygote import Zygote
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 
@@ -22,6 +26,22 @@ def _folders(tmp_path: Path, count: int) -> Path:
         (src / f"i{n}").mkdir(parents=True)
         (src / f"i{n}" / "f").write_bytes(b"x" * 100)
     return src
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[Zygote]:
+    """A fork server of ranks (tests/torch_rank_child.py): torch and the adapter imported once."""
+    with Zygote("torch_rank_child") as zygote:
+        yield zygote
+
+
+def _running(pid: int) -> bool:
+    """True if process ``pid`` runs (not gone, not a zombie left unreaped by a container's init)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def name(path):
@@ -50,3 +70,37 @@ def test_two_dataloaders_of_one_dataset_read_at_once_are_refused_within_seconds_
     with pytest.raises(RuntimeError, match=r"this dataset of this process.*one DataLoader of a dataset at a time"):
         next(iter(other))
     del first
+
+
+def test_a_killed_rank_s_dataloader_workers_exit_with_it_and_free_its_cache_folders_for_the_restart(ranks, tmp_path):
+    """torchrun --max-restarts, a rank SIGKILLed (OOM, a node's watchdog) while its DataLoader
+    workers make samples: the workers are not killed with it. Before, each went on with the
+    batch in hand (torch's own check that its parent lives comes between batches: here a
+    transform that waits, as a slow decode or download does), holding its cache folder,
+    cache_dir/rank<r>-worker<k>, and the restarted rank's workers, not their siblings, were
+    refused it at once ("in use by pid N; close it first"): every restart failed while they lived
+    (seen under torchrun: 4 restarts used up in 80 s, a batch of 2 samples of 40 s each). Now a
+    worker whose parent is gone kills itself within half a second."""
+    src = _folders(tmp_path, 8)
+    hold = tmp_path / "hold"
+    hold.touch()
+    cfg = {"kind": "orphans", "src": str(src), "cache": str(tmp_path / "c"), "hold": str(hold), "env": {}}
+    rank = ranks.spawn(cfg)
+    try:
+        assert rank.stdout is not None
+        workers = json.loads(rank.stdout.readline())
+        wait_until(lambda: all(Path(f"{hold}-{pid}").exists() for pid in workers), what="both workers in a sample that waits")
+        rank.kill()
+        rank.wait(30)
+        wait_until(lambda: not any(_running(pid) for pid in workers), timeout=30, what="the killed rank's workers gone")
+    finally:
+        hold.unlink()
+        rank.kill()
+        rank.wait(30)
+        for pipe in (rank.stdin, rank.stdout, rank.stderr):
+            if pipe is not None:
+                pipe.close()
+    again = ranks.spawn({**cfg, "all": True})  # the restart, same rank and cache_dir
+    out, err = again.communicate(timeout=120)
+    assert again.returncode == 0, err
+    assert sorted(json.loads(out)) == sorted(p.name for p in src.iterdir())
