@@ -4,9 +4,8 @@ with ``capacity / num_workers`` and its own cache folder ``cache_dir/rank<r>-wor
 manifest listed once under ``torch.distributed`` (or by the first :meth:`set_epoch`), held
 before the workers fork; a pass over the worker's pipeline, to its end or to the epoch it stops
 before; a capacity given as a share of the disk resolved over every worker's folder; and a
-folder that another worker still holds, waited for while that one may be stopping (of the same
-dataset, or of another that makes its sample in hand: :mod:`cachepipe.torchreader` notes which),
-refused otherwise.
+folder that another worker still holds, waited for while that one may be stopping (it makes its
+sample in hand, or closes: :mod:`cachepipe.torchreader` notes which), refused otherwise.
 
 Invariant: a worker's pipeline is its own (its folder, its share of the capacity); an item is
 acknowledged once its sample is made (with a ``transform``) or once the loop asks for the next.
@@ -44,16 +43,16 @@ __all__ = ["DATASET_WAIT", "IDLE_WAIT", "SIBLING_WAIT"]
 
 log = logging.getLogger("cachepipe")
 
-#: per-process mode: most seconds a worker waits for a folder another worker of its dataset holds (longer where its
-#: DataLoader has more than 11 workers: as long as torch may take to stop them, see ``_sibling_wait``)
+#: per-process mode: most seconds a worker waits for a folder another worker of its process holds that closes or left no
+#: note (longer where its DataLoader has more than 11 workers: as long as torch may take to stop them, see ``_sibling_wait``)
 SIBLING_WAIT = 60.0
-#: per-process mode: seconds a worker waits for a folder that a worker of another dataset of its process holds while
+#: per-process mode: seconds a worker waits for a folder that another worker of its process holds while
 #: that one makes a sample, beyond what torch gives it to stop (a DataLoader iterator dropped after the next was made
 #: stops its workers once their sample in hand is made: it joins them one after the other, each for
 #: ``torch.utils.data._utils.MP_STATUS_CHECK_INTERVAL``, 5 s, then terminates those still alive; so one may hold
 #: its folder 5 s times its DataLoader's ``num_workers``, which its note gives)
 DATASET_WAIT = 1.0
-#: per-process mode: seconds a worker waits for a folder that a worker of another dataset of its process holds while
+#: per-process mode: seconds a worker waits for a folder that another worker of its process holds while
 #: that one waits to be asked for a sample (one whose iterator was dropped lets go at once), before it is refused:
 #: seconds in which it hands no sample and its main thread runs nothing (one collating or sending a batch runs)
 IDLE_WAIT = 1.0
@@ -260,22 +259,22 @@ def _room(cache_dir: Path, world: int, num_workers: int) -> int:
 def _open(make: Callable[[], Pipeline], dataset: str) -> Pipeline:
     """``make()``, opened, for the dataset object whose identity is ``dataset`` (made with it, the
     same in its DataLoader workers). In a DataLoader worker, a cache folder held by another worker
-    of the same dataset and parent process is waited for, up to :data:`SIBLING_WAIT` seconds (or as
-    long as torch may take to stop its DataLoader's workers, where longer: :func:`_sibling_wait`):
-    ``StatefulDataLoader``, resuming a checkpoint taken after a pass, starts the saved pass's
-    workers, then the next pass's while the first ones still stop (a worker whose state is before an
-    item ``drop_last`` dropped still has it to read, in its folder); so does ``it = iter(loader)``
-    over an iterator broken off (its workers stop once it is dropped, after the new one started
-    them). A worker of another dataset object (as its note says: :mod:`cachepipe.torchreader`) may
-    be stopping so too, with a dataset made for each pass: it is waited for while it makes a sample,
-    as long as torch lets it stop (5 s times its DataLoader's ``num_workers``) and
-    :data:`DATASET_WAIT` seconds more, and while it waits for its DataLoader (no sample handed, its
-    main thread running nothing: not collating or sending a batch), :data:`IDLE_WAIT` seconds; then
-    refused (while it closes, as one of this dataset). A DataLoader stops its workers, and they let
-    go, before a pass's loop ends and when its broken-off iterator is dropped: what still holds a
-    folder then reads at the same time, two datasets over one ``cache_dir`` (training and
-    validation). A folder held by this process, or by its parent or child process, is refused at
-    once."""
+    of the same parent process may be held by one that stops: ``StatefulDataLoader``, resuming a
+    checkpoint taken after a pass, starts the saved pass's workers, then the next pass's while the
+    first ones still stop (a worker whose state is before an item ``drop_last`` dropped still has
+    it to read, in its folder); so does ``it = iter(loader)`` over an iterator broken off (its
+    workers stop once it is dropped, after the new one started them), and a dataset made for each
+    pass. As the holder's note says (:mod:`cachepipe.torchreader`), whichever dataset it reads
+    for, it is waited for while it makes a sample, as long as torch lets it stop (5 s times its
+    DataLoader's ``num_workers``) and :data:`DATASET_WAIT` seconds more, and while it waits for
+    its DataLoader (no sample handed, its main thread running nothing: not collating or sending a
+    batch), :data:`IDLE_WAIT` seconds; then refused. A holder that closes, or left no note, is
+    waited for up to :data:`SIBLING_WAIT` seconds (or as long as torch may take to stop its
+    DataLoader's workers, where longer: :func:`_sibling_wait`). A DataLoader stops its workers,
+    and they let go, before a pass's loop ends and when its broken-off iterator is dropped: what
+    still holds a folder then reads at the same time, two datasets over one ``cache_dir``
+    (training and validation), or two DataLoaders (or iterators) of one dataset. A folder held
+    by this process, or by its parent or child process, is refused at once."""
     start = time.monotonic()
     # another dataset's idle holder: ((samples it handed, its main thread's CPU ticks), since when)
     idle: tuple[tuple[int, int | None], float] | None = None
@@ -292,7 +291,10 @@ def _open(make: Callable[[], Pipeline], dataset: str) -> Pipeline:
             if not worker or not _sibling(exc.owner):
                 raise
             now, held = time.monotonic(), reader(Path(exc.cache_dir), exc.owner)
-            if held is not None and held.dataset != dataset and held.state != "close":  # (closing: it lets go)
+            if held is not None and held.state != "close":  # (closing: it lets go)
+                # of this dataset or another alike: a worker of a pass that stops (an iterator dropped)
+                # makes its sample in hand and lets go, one that waits for its DataLoader is of a
+                # loader that reads at the same time (two DataLoaders or iterators of this dataset)
                 # idle: nothing handed and nothing run since (a worker that collates or sends a batch runs)
                 pid = owner_pid(exc.owner)
                 seen = (held.handed, None if pid is None else main_thread_ticks(pid))
@@ -301,7 +303,8 @@ def _open(make: Callable[[], Pipeline], dataset: str) -> Pipeline:
                 elif idle is None or idle[0] != seen:
                     idle = (seen, now)
                 if now - start >= _stopping(held.workers) + DATASET_WAIT or (idle is not None and now - idle[1] >= IDLE_WAIT):
-                    raise _read_at_once(exc, "a DataLoader worker of another dataset of this process") from None
+                    whose = "this dataset" if held.dataset == dataset else "another dataset"
+                    raise _read_at_once(exc, f"a DataLoader worker of {whose} of this process") from None
             elif now - start >= (limit := _sibling_wait(held)):
                 raise _read_at_once(exc, f"a DataLoader worker of this process, for {limit:g} s") from None
             whose = "this dataset's" if held is None or held.dataset == dataset else "another dataset's"
@@ -312,7 +315,7 @@ def _open(make: Callable[[], Pipeline], dataset: str) -> Pipeline:
 
 
 def _sibling_wait(held: Reader | None) -> float:
-    """Most seconds a worker waits for its folder held by a worker of its own dataset (``held``:
+    """Most seconds a worker waits for its folder held by a worker that closes or left no note (``held``:
     what that one's note says; None: no note): :data:`SIBLING_WAIT`, or as long as torch lets a
     worker of the holder's DataLoader stop (:func:`_stopping`) and :data:`DATASET_WAIT` more,
     where that is longer (a DataLoader of more than 11 workers)."""
@@ -343,7 +346,9 @@ def _read_at_once(exc: CacheLockedError, who: str) -> CacheLockedError:
         exc.cache_dir,
         f"{exc.owner} ({who}): two datasets over one cache_dir (training and validation), or two DataLoaders or "
         "iterators of one dataset (a pass broken off holds its folders while its iterator or persistent workers live), "
-        "read at the same time use the same folders, cache_dir/rank<r>-worker<k>; give each dataset its own cache_dir",
+        "read at the same time use the same folders, cache_dir/rank<r>-worker<k>; give each dataset its own cache_dir, and "
+        "read one DataLoader of a dataset at a time (end or delete the other's iterator first), or make the second "
+        "loader's dataset anew with a cache_dir of its own",
     )
     held.owner = exc.owner
     return held

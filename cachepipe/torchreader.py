@@ -1,9 +1,9 @@
 """Which dataset reads a DataLoader worker's cache folder (per-process mode), and whether it is
 making a sample: a note beside the folder, ``cache_dir/.rank<r>-worker<k>.reader``, that the
 worker holding the folder writes, for a worker that finds the folder held
-(:func:`cachepipe.torchlocal._open`) to tell a worker of its own dataset (waited for: a pass
-that stops) and one of another dataset that stops (its iterator dropped: it makes the sample in
-hand, then lets go) from one of another dataset that reads at the same time (refused).
+(:func:`cachepipe.torchlocal._open`) to tell a worker that stops (its iterator dropped: it makes
+the sample in hand, then lets go) from one of a DataLoader that reads at the same time (refused):
+of another dataset, or of the same one (two DataLoaders of one dataset).
 
 The note is one line, ``"PID START DATASET WORKERS STATE HANDED"``: the holder's pid and start
 time (clock ticks after boot, from ``/proc``), the identity of the dataset object it reads for,
@@ -86,8 +86,8 @@ class ReaderNote:
     Starts ``busy`` with 0 samples handed; :meth:`idle` as the worker hands a sample, :meth:`busy`
     as it is asked for the next, :meth:`closing` before its pipeline closes, :meth:`close` after
     (the note stays: it names a holder that is gone). A note that cannot be written is logged
-    once and not written: a worker of another dataset then waits for the folder as for one of
-    its own (up to ``SIBLING_WAIT``) before it is refused.
+    once and not written: a worker that finds the folder held then waits for it up to
+    ``SIBLING_WAIT`` before it is refused.
     """
 
     def __init__(self, folder: Path, dataset: str, workers: int) -> None:

@@ -22,6 +22,7 @@ from .config import Share
 from .pipeline import Pipeline
 from .plan import Cursor, default_rank_world
 from .repeats import Repeats
+from .torchparent import exit_with_parent
 
 __all__: list[str] = []
 
@@ -62,6 +63,8 @@ class _DatasetState:
     def _worker(self) -> tuple[int, int]:
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if info is not None:
+            exit_with_parent()  # an orphan (its rank killed) would hold its cache folder or lane from the restart
         if info is not None and self.transform is None:
             raise ValueError(
                 f"transform=None with DataLoader num_workers={num_workers}: a path yielded by a worker process would be "

@@ -20,17 +20,26 @@ them) come in ``cfg["env"]``. ``cfg["kind"]``:
   samples ``[name, md5]``. ``made_before``: a dataset made before ``init_process_group``
   (``CachePipeDataset(url, cache, "1MiB")``), read after it; prints the last line of its error,
   or the JSON list of its samples.
+- ``"orphans"``: per-process, ``CachePipeDataset(src, cache, "1MiB")`` over a local source, rank 0
+  of 1, in a DataLoader of two workers; ``all``: prints the JSON list of its samples (names);
+  else prints the JSON list of its workers' pids after the first sample, and waits to be killed,
+  each worker's samples after its first made while the file ``hold`` exists (up to 120 s), each
+  such worker touching ``hold + "-PID"`` as it begins to wait.
 - ``"equal"``: ``CachePipeDataset(url, cache, "1MiB", **extra)`` in a ``StatefulDataLoader`` of
   ``batch_size``; prints the JSON list of its batches of ``[worker, name]``.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import pickle
 import signal
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -135,7 +144,32 @@ def equal(cfg: dict[str, Any]) -> None:
     print(json.dumps(list(loader)), flush=True)
 
 
+def read_held(hold: str, path: Any) -> str:
+    """orphans()'s transform: while the file ``hold`` exists, a worker's samples after its first wait."""
+    marker = f"{hold}-{os.getpid()}"
+    if os.path.exists(marker + "-first"):  # a later sample: waits while the hold file is there
+        Path(marker).touch()
+        deadline = time.monotonic() + 120
+        while os.path.exists(hold) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    Path(marker + "-first").touch()
+    return str(path.name)
+
+
+def orphans(cfg: dict[str, Any]) -> None:
+    ds = CachePipeDataset(cfg["src"], cfg["cache"], "1MiB", transform=functools.partial(read_held, cfg["hold"]))
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    if cfg.get("all"):
+        print(json.dumps(list(loader)), flush=True)
+        return
+    it = iter(loader)
+    next(it)
+    print(json.dumps([w.pid for w in it._workers]), flush=True)  # type: ignore[attr-defined]
+    threading.Event().wait()  # until killed
+
+
 def main(cfg: dict[str, Any]) -> int:
     os.environ.update(cfg["env"])
-    {"node": node, "node-dist": node_dist, "direct": direct, "equal": equal}[cfg["kind"]](cfg)
+    kinds = {"node": node, "node-dist": node_dist, "direct": direct, "equal": equal, "orphans": orphans}
+    kinds[cfg["kind"]](cfg)
     return 0
