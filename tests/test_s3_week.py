@@ -184,3 +184,18 @@ def test_a_listing_in_neither_order_is_refused_before_a_folder_comes_twice():
         ValueError, match="listing out of order: 'a b/y' after 'a/x' \\(neither in key order nor folder by folder\\)"
     ):
         list(group_items(listing))
+
+
+def test_a_key_with_nul_does_not_make_a_listing_in_neither_order_pass_for_folder_by_folder():
+    """``tree_order`` made ``/`` a NUL: ``a\\0c/f`` (an unsafe key, but listed) sorted as ``a/c/f``,
+    between ``a/b`` and ``a/z``, and this listing, in neither order, was taken for one folder by
+    folder: the folder ``a`` came twice. Listed folder by folder (``a`` before ``a\\0c``), it
+    is taken."""
+    from cachepipe.catalog import group_items
+    from cachepipe.stores.base import ObjectInfo
+
+    listing = [ObjectInfo(key, 1) for key in ("a/b", "a\0c/f", "a/z")]
+    with pytest.raises(ValueError, match="listing out of order: 'a/z' after 'a\\\\x00c/f'"):
+        list(group_items(listing))
+    by_folder = [ObjectInfo(key, 1) for key in ("a/b", "a/z", "a\0c/f")]
+    assert [(item.name, item.unsafe is None) for item in group_items(by_folder)] == [("a", True), ("a\0c", False)]
