@@ -50,6 +50,7 @@ def test_virtual_host_addressing_at_an_ip_endpoint_reads_small_objects_with_the_
         ("https://s3.example.com/base", "data", "https://data.s3.example.com/base"),
         ("http://s3.example.com:9000", "my.data", "http://my.data.s3.example.com:9000"),
         ("https://s3.example.com", "my.data", None),  # a dotted name over TLS: path style, as botocore
+        ("http://s3.example.com:9000", "192.168.5.4", None),  # a name written as an IPv4 address: path style, as botocore
         ("http://10.0.0.5:9000", "data", None),
         ("http://[::1]:9000", "data", None),
     ],
