@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -114,8 +115,10 @@ def filtered_tar(unpack: bool) -> bool:
 
 def check_option_names(options: dict[str, Any], positional: tuple[str, ...] = ("source", "cache_dir", "capacity")) -> None:
     """Refuse a keyword that is not an option of :class:`PipelineConfig` (``max_concurency=4``),
-    naming it, its value, the option it most resembles and every accepted one; ``positional``:
-    the options given as arguments of their own, not among ``options``.
+    naming it, its value (not for a name of a credential, :func:`_credential_name`:
+    ``secret="..."`` is no option, and its value stays unsaid), the option it most resembles and
+    every accepted one; ``positional``: the options given as arguments of their own, not among
+    ``options``.
 
     Raises:
         ConfigError: for the first unknown name.
@@ -124,7 +127,8 @@ def check_option_names(options: dict[str, Any], positional: tuple[str, ...] = ("
     for name, value in options.items():
         if name not in accepted:
             hint = f"did you mean {close!r}? " if (close := closest(name, accepted)) else ""
-            raise ConfigError(f"{name}={value!r} is not an option of Pipeline; {hint}accepted: {', '.join(accepted)}")
+            given = f"{name} (its value not shown)" if _credential_name(name) else f"{name}={value!r}"
+            raise ConfigError(f"{given} is not an option of Pipeline; {hint}accepted: {', '.join(accepted)}")
 
 
 def check_manifest_location(value: Any) -> Any:
@@ -159,10 +163,21 @@ def secret_input(loc: tuple[Any, ...], value: Any, kind: str = "") -> bool:
     must not show its input ``value``: one under a :data:`CREDENTIAL_FIELDS` (a list or a string
     given instead of a mapping holds the key as well), one of the whole model (``loc`` empty: its
     input is every option), or an unknown key given a mapping or a list (``storage_option:``
-    misspelt)."""
+    misspelt) or named as a credential (:func:`_credential_name`: ``secret="..."``)."""
     if not loc or (isinstance(value, str) and value == NOT_SHOWN) or any(str(part) in CREDENTIAL_FIELDS for part in loc):
         return True
-    return kind == "extra_forbidden" and isinstance(value, dict | list | tuple)
+    return kind == "extra_forbidden" and (isinstance(value, dict | list | tuple) or _credential_name(str(loc[-1])))
+
+
+_CREDENTIAL = re.compile(r"key|secret|token|passw|credential|option|^[as]k$", re.IGNORECASE)
+
+
+def _credential_name(name: str) -> bool:
+    """Whether an unknown option's ``name`` is one that holds a credential elsewhere (s3fs's
+    ``key``, ``secret``, ``token``; botocore's ``aws_secret_access_key``; OBS's ``ak``, ``sk``;
+    ``storage_option``, misspelt): given beside the storage options instead of in them, its value
+    is never shown. Any other unknown option's value is (``colour = 'red'``)."""
+    return _CREDENTIAL.search(name) is not None
 
 
 def credentials_unsaid(exc: ValidationError) -> ValidationError:

@@ -116,8 +116,13 @@ def version_of(files: Sequence[tuple[str, int, str | None]]) -> str | None:
 def tree_order(key: str) -> str:
     """``key`` as it sorts in a listing made folder by folder (SeaweedFS's: a folder's keys before
     those of the next name, ``a/x`` before ``a b/x`` and ``a-b/x``, where S3 orders the keys
-    themselves, ``" "`` and ``"-"`` before ``"/"``): its ``/`` made the lowest character."""
-    return key.replace("/", "\0")
+    themselves, ``" "`` and ``"-"`` before ``"/"``): its ``/`` made the lowest character. A NUL
+    in a key (unsafe, but listed) is kept above it (``"\\0"`` becomes ``"\\0\\1"``, ``/``
+    ``"\\0\\0"``): mapped onto ``/``, ``a\\0c/f`` would sort between ``a/b`` and ``a/z`` and
+    the folder ``a`` come twice."""
+    if "\0" in key:
+        key = key.replace("\0", "\0\1")
+    return key.replace("/", "\0\0")
 
 
 def group_items(objects: Iterable[ObjectInfo], mode: Literal["folders", "files"] = "folders") -> Iterator[Item]:

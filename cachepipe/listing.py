@@ -274,7 +274,8 @@ def _position(item: Item) -> tuple[str, str]:
     order folders come in the order of ``name + "/"``, not of their names: ``a-b/f`` is listed
     before ``a/f`` although ``"a" < "a-b"``; folder by folder, in the order of their names. A
     single-file item's name is its key."""
-    return (item.name, tree_order(item.name)) if item.is_file else (f"{item.name}/", f"{item.name}\0")
+    key = item.name if item.is_file else f"{item.name}/"
+    return key, tree_order(key)
 
 
 def empty_source(source: str, items: str, objects: int, listed: int = 0) -> EmptySourceError:

@@ -114,6 +114,28 @@ def test_storage_options_of_a_wrong_type_are_not_echoed(tmp_path, given):
         PipelineConfig(source="s3://b/p", cache_dir=tmp_path, capacity="10X", storage_options={"secret": "s3cr3t"})
 
 
+@pytest.mark.parametrize("name", ["secret", "aws_secret_access_key", "storage_option"])
+def test_a_credential_given_beside_the_options_is_not_echoed(tmp_path, name):
+    """s3fs takes ``key=`` and ``secret=``; given to ``Pipeline`` (or to the torch dataset, or
+    to ``MapConfig``) where only ``storage_options`` takes them, the unknown option's error
+    showed the secret: ``secret='s3cr3t' is not an option of Pipeline``. An unknown option's
+    number keeps being shown."""
+    from cachepipe import Pipeline
+    from cachepipe.errors import ConfigError
+    from cachepipe.map.plan import MapConfig
+
+    with pytest.raises(ConfigError, match=rf"^{name} \(its value not shown\) is not an option of Pipeline") as info:
+        Pipeline("s3://b/p", tmp_path / "c", "1G", **{name: "s3cr3t"})
+    shown = [str(info.value)]
+    for make, where in ((PipelineConfig, {}), (MapConfig, {"dest": "s3://b/q"})):
+        with pytest.raises(ValidationError, match=name) as caught:
+            make(source="s3://b/p", cache_dir=tmp_path, capacity="1G", **where, **{name: "s3cr3t"})
+        shown.append(f"{caught.value}\n{caught.value.errors()}")
+    assert not [text for text in shown if "s3cr3t" in text], shown
+    with pytest.raises(ConfigError, match="max_concurency=4 is not an option of Pipeline; did you mean 'max_concurrency'"):
+        Pipeline("s3://b/p", tmp_path / "c", "1G", max_concurency=4)
+
+
 def test_config_defaults(tmp_path):
     cfg = PipelineConfig(source="s3://b/p", cache_dir=tmp_path, capacity="1g")
     assert cfg.capacity == 1024**3 and cfg.items == "folders" and cfg.ordered and cfg.auto_ack

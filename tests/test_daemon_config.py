@@ -353,6 +353,7 @@ def test_a_refused_combination_never_echoes_the_storage_options(tmp_path, data, 
         ("pipeline", ["AKIAEXAMPLE", "s3cr3t"], "pipelines.train.storage_options: Input should be a valid dictionary"),
         ("pipeline", {"key": "AKIAEXAMPLE", 5: "s3cr3t"}, "pipelines.train.storage_options.5: Input should be a valid string"),
         ("misspelt", {"key": "AKIAEXAMPLE", "secret": "s3cr3t"}, "pipelines.train.storage_option: unknown key; did you mean"),
+        ("beside", "s3cr3t", "pipelines.train.secret: unknown key; did you mean 'seed'?"),  # s3fs's name, beside the options
         ("section", "storage_options: {secret: s3cr3t}", "pipelines.train: Input should be a valid dictionary"),
         ("jobs", "storage_options=AKIAEXAMPLE:s3cr3t", "jobs.options: Input should be a valid dictionary"),
         ("jobs", {"storage_options": ["AKIAEXAMPLE", "s3cr3t"]}, "jobs.options.storage_options: Input should be a valid"),
@@ -368,6 +369,8 @@ def test_storage_options_of_a_wrong_type_are_not_echoed(tmp_path, monkeypatch, w
         config["pipelines"]["train"]["storage_options"] = value
     elif where == "misspelt":
         config["pipelines"]["train"]["storage_option"] = value
+    elif where == "beside":
+        config["pipelines"]["train"]["secret"] = value
     elif where == "section":
         config["pipelines"]["train"] = value
     elif where == "jobs":

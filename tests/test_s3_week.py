@@ -50,6 +50,7 @@ def test_virtual_host_addressing_at_an_ip_endpoint_reads_small_objects_with_the_
         ("https://s3.example.com/base", "data", "https://data.s3.example.com/base"),
         ("http://s3.example.com:9000", "my.data", "http://my.data.s3.example.com:9000"),
         ("https://s3.example.com", "my.data", None),  # a dotted name over TLS: path style, as botocore
+        ("http://s3.example.com:9000", "192.168.5.4", None),  # a name written as an IPv4 address: path style, as botocore
         ("http://10.0.0.5:9000", "data", None),
         ("http://[::1]:9000", "data", None),
     ],
@@ -184,3 +185,18 @@ def test_a_listing_in_neither_order_is_refused_before_a_folder_comes_twice():
         ValueError, match="listing out of order: 'a b/y' after 'a/x' \\(neither in key order nor folder by folder\\)"
     ):
         list(group_items(listing))
+
+
+def test_a_key_with_nul_does_not_make_a_listing_in_neither_order_pass_for_folder_by_folder():
+    """``tree_order`` made ``/`` a NUL: ``a\\0c/f`` (an unsafe key, but listed) sorted as ``a/c/f``,
+    between ``a/b`` and ``a/z``, and this listing, in neither order, was taken for one folder by
+    folder: the folder ``a`` came twice. Listed folder by folder (``a`` before ``a\\0c``), it
+    is taken."""
+    from cachepipe.catalog import group_items
+    from cachepipe.stores.base import ObjectInfo
+
+    listing = [ObjectInfo(key, 1) for key in ("a/b", "a\0c/f", "a/z")]
+    with pytest.raises(ValueError, match="listing out of order: 'a/z' after 'a\\\\x00c/f'"):
+        list(group_items(listing))
+    by_folder = [ObjectInfo(key, 1) for key in ("a/b", "a/z", "a\0c/f")]
+    assert [(item.name, item.unsafe is None) for item in group_items(by_folder)] == [("a", True), ("a\0c", False)]

@@ -263,6 +263,7 @@ _SECRET_KEYS = frozenset({"access_key_id", "secret_access_key", "session_token"}
 
 
 _HOST_LABEL = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?")
+_IPV4 = re.compile(r"(?:[0-9]{1,3}\.){3}[0-9]{1,3}")  # a bucket named as an IPv4 address (botocore's IPV4_RE)
 
 
 def _virtual_endpoint(endpoint: str, bucket: str) -> str | None:
@@ -271,7 +272,8 @@ def _virtual_endpoint(endpoint: str, bucket: str) -> str | None:
     (``http://s3.example.com:9000`` and ``data``: ``http://data.s3.example.com:9000``). None where
     those rules address the bucket in the path even with ``addressing_style`` ``"virtual"``: a
     host that is an IP address, a bucket name that is no host name (3 to 63 characters, lower
-    case letters, digits and hyphens; dotted labels of those over ``http://`` only)."""
+    case letters, digits and hyphens; dotted labels of those over ``http://`` only) or that is
+    written as an IPv4 address (``192.168.5.4``)."""
     parts = urlsplit(endpoint)
     try:
         ipaddress.ip_address(parts.hostname or "")
@@ -279,7 +281,7 @@ def _virtual_endpoint(endpoint: str, bucket: str) -> str | None:
     except ValueError:
         pass
     labels = bucket.split(".")
-    if not 3 <= len(bucket) <= 63 or (len(labels) > 1 and parts.scheme != "http"):
+    if not 3 <= len(bucket) <= 63 or (len(labels) > 1 and parts.scheme != "http") or _IPV4.fullmatch(bucket):
         return None
     if not all(_HOST_LABEL.fullmatch(label) for label in labels):
         return None
