@@ -29,7 +29,7 @@ from .catalog import Catalog, Item, group_items
 from .errors import EmptySourceError, is_transient
 from .grouping import tree_order
 from .stores import Store
-from .stores.base import FIRST_PAGE_KEYS, ObjectInfo
+from .stores.base import FIRST_PAGE_KEYS, ObjectInfo, takes_start_after
 
 __all__ = ["FIRST_PAGE_OBJECTS", "QUEUE_ITEMS", "StreamingListing", "empty_source", "list_source"]
 
@@ -68,8 +68,14 @@ class StreamingListing:
             reaches the consumer in the item's turn). The rest of the run is given again.
         complete: called in the listing thread when the whole source is listed.
         retries, backoff: a transient listing error restarts the listing after
-            ``backoff(attempt)`` seconds, skipping the items already listed (items come in
-            increasing key order, see :func:`_position`), up to ``retries`` times in a row.
+            ``backoff(attempt)`` seconds, up to ``retries`` times in a row (counted again once
+            an item is listed). A restarted listing continues after the last key of the last
+            item admitted (``store.list(start_after=...)``, see
+            :meth:`Store.list <cachepipe.stores.base.Store.list>`), where the store takes it and
+            every key so far came in key order (S3, OBS); else it lists from the start again
+            (a store listing folder by folder: SeaweedFS). Either way it skips the items listed
+            before (at or before the last one in the store's order, see :func:`_position`): an
+            item is never admitted twice, even if a store's answer overlaps.
     """
 
     def __init__(
@@ -87,6 +93,8 @@ class StreamingListing:
         self._queue: deque[Item] = deque()
         self._stop = threading.Event()
         self._objects = 0
+        self._resumes = takes_start_after(store)  # store.list(start_after=...) lists the keys after one
+        self._in_key_order = True  # every key listed so far (by every listing) came after the one before it
         self._first_page = False
         self.listed = 0  # items listed (admitted or skipped)
         self.listed_bytes = 0
@@ -148,6 +156,8 @@ class StreamingListing:
     # ---- the listing thread ------------------------------------------------------------
     def _run(self) -> None:
         last: tuple[str, str] | None = None  # positions of the last item listed (see _position): a restart skips up to it
+        after: str | None = None  # the last key of the last item listed: a restart may list the keys after it
+        admitted = 0  # objects in the items listed (files: a folder's marker or a loose object is in none)
         orders = [True, True]  # the items came in key order; folder by folder (as the store lists, on every listing)
         attempt = 0
         run: list[Item] = []  # listed, not admitted yet
@@ -155,18 +165,26 @@ class StreamingListing:
         def admit_run() -> bool:
             """Admit and queue the run, taken out first (an error in its admission must not admit
             it again); False if stopped meanwhile."""
-            nonlocal run, last
-            admitting, run, last = run, [], _position(run[-1])
+            nonlocal run, last, after, admitted
+            admitting, run, last, after = run, [], _position(run[-1]), run[-1].files[-1].key
+            admitted += sum(len(item.files) for item in admitting)
             return self._queue_run(admitting)
 
         try:
             while not self._stop.is_set():
-                self._objects = 0  # a restarted listing counts its first page again
                 run = []
                 skip = last  # a restarted listing skips what was admitted before (items come in order)
                 previous: tuple[str, str] | None = None
+                if after is not None and self._resumes and self._in_key_order:
+                    # after the last item admitted (a folder listed in part is listed again from its
+                    # first key), counting the first page from where the listing was
+                    self._objects = admitted
+                    objects = self._store.list(start_after=after)  # type: ignore[call-arg]  # takes_start_after said so
+                else:
+                    self._objects = 0  # a listing from the start counts its first page again
+                    objects = self._store.list()
                 try:
-                    for item in group_items(self._count(self._store.list()), self._mode):
+                    for item in group_items(self._count(objects), self._mode):
                         at = _position(item)
                         if previous is not None:  # which of the two orders the store lists in
                             orders = [ordered and a > b for ordered, a, b in zip(orders, at, previous, strict=True)]
@@ -255,14 +273,22 @@ class StreamingListing:
 
     @property
     def objects(self) -> int:
-        """Objects the listing has read so far (since its last restart), in items or not."""
+        """Objects the listing has read so far, in items or not: since its last restart from the
+        start; a restart after a key counts from the objects of the items listed before it."""
         return self._objects
 
     def _count(self, objects: Iterator[ObjectInfo]) -> Iterator[ObjectInfo]:
+        """``objects``, counted (the first page), and followed: whether each key came after the
+        one before it (a restart lists after a key only while they all did)."""
+        previous: str | None = None
         for obj in objects:
             yield obj
+            key = obj.key
+            if previous is not None and key <= previous:
+                self._in_key_order = False
+            previous = key
             self._objects += 1
-            if self._objects == FIRST_PAGE_OBJECTS:
+            if self._objects >= FIRST_PAGE_OBJECTS and not self._first_page:
                 with self._cond:
                     self._first_page = True
                     self._cond.notify_all()

@@ -21,7 +21,7 @@ from faultproxy import blackhole
 from cachepipe import ConfigError, ObjectChangedError, Pipeline, StoreUnreachableError
 from cachepipe.errors import LocalFileError, is_transient
 from cachepipe.stores import open_store
-from cachepipe.stores.base import CONNECT_TIMEOUT, listed_etag, takes_etag
+from cachepipe.stores.base import CONNECT_TIMEOUT, listed_etag, takes_etag, takes_start_after
 
 
 @pytest.fixture
@@ -38,6 +38,18 @@ def test_lists_every_object_recursively_in_key_order_relative_to_the_root(source
     listed = list(store.list())
     assert [o.key for o in listed] == sorted(bodies)
     assert {o.key: o.size for o in listed} == {k: len(v) for k, v in bodies.items()}
+
+
+def test_a_listing_after_a_key_lists_the_keys_after_it_in_key_order(source, store):
+    """What a listing restarted after a transient error asks for (S3's StartAfter, OBS's marker,
+    local and memory skip): the keys after one, whether or not it is listed itself."""
+    keys = sorted(["a/1", "a b/1", "a/x/2", "a-b/3", "c"])  # "a b/1" and "a-b/3" before "a/1"
+    for key in keys:
+        source.put(key, b"x")
+    assert takes_start_after(store)
+    for at, key in enumerate(keys):
+        assert [o.key for o in store.list(start_after=key)] == keys[at + 1 :], key
+    assert [o.key for o in store.list(start_after="a/")] == ["a/1", "a/x/2", "c"]  # not a key of it
 
 
 def test_delete_removes_the_keys_and_a_missing_one_is_no_error(source, store, tmp_path):

@@ -12,6 +12,7 @@ import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import fsspec
 import pytest
@@ -154,11 +155,16 @@ def folder_by_folder(key: str) -> str:
 
 class FolderByFolderStore(GatedStore):
     """A :class:`GatedStore` that lists folder by folder, as SeaweedFS does (a folder's keys before
-    those of the next name: ``a/f`` before ``a b/f``), not in key order as S3 does."""
+    those of the next name: ``a/f`` before ``a b/f``), not in key order as S3 does; after a key,
+    in that order too, as SeaweedFS 4.48 does with ``StartAfter`` (``after``: those it was given)."""
 
-    def list(self) -> Iterator[ObjectInfo]:
+    def list(self, start_after: str | None = None) -> Iterator[ObjectInfo]:  # type: ignore[override]
         self.lists += 1
-        for n, obj in enumerate(sorted(FsspecStore.list(self), key=lambda obj: folder_by_folder(obj.key))):
+        self.after = [*getattr(self, "after", []), start_after]
+        listed = sorted(FsspecStore.list(self), key=lambda obj: folder_by_folder(obj.key))
+        if start_after is not None:
+            listed = [obj for obj in listed if folder_by_folder(obj.key) > folder_by_folder(start_after)]
+        for n, obj in enumerate(listed):
             if n == self.fail_after and self.lists == 1:
                 raise ConnectionError("listing connection reset (injected)")
             yield obj
@@ -181,6 +187,11 @@ def test_a_listing_folder_by_folder_is_taken_and_restarted_anywhere_delivers_eac
     with Pipeline(ROOT, tmp_path / "c", "1MiB", store=store, items=mode, retry_backoff=0) as pipe:
         names = [p.name for p in pipe]
     assert store.lists == 2
+    before = listed[: store.fail_after]  # listed before the failure
+    if before != sorted(before):  # seen out of key order: listed from the start again
+        assert store.after == [None, None]
+    elif mode == "files":  # every key seen came in key order: after the last one
+        assert store.after == [None, before[-1]]
     if mode == "folders":
         assert names == sorted(NAMES_OUT_OF_NAME_ORDER)  # folder by folder: in the order of their names
     else:
@@ -360,6 +371,77 @@ def test_s3_listing_is_read_page_by_page(s3_source, tmp_path):
     assert got == {name: (files["a"], files["b/c"]) for name, files in data.items()}
 
 
+def _listing_request(head: str) -> bool:
+    """Whether ``head`` is a listing page's request (S3's ListObjectsV2, OBS's ListObjects)."""
+    line = head.split("\r\n", 1)[0]
+    return line.startswith("GET ") and "max-keys=" in line
+
+
+def _paged_store(request: pytest.FixtureRequest, backend: str, endpoint: str, page: int) -> tuple[Any, Any]:
+    """A store of ``backend`` ("s3": s3fs, "obs", "obstore": the native engine) on an empty prefix
+    of the moto server, through ``endpoint``, listing ``page`` keys a request; and its source."""
+    from conftest import _obs_source, _s3_source
+
+    from cachepipe.stores import open_store
+
+    s3_client = request.getfixturevalue("s3_client")
+    if backend == "obs":
+        from cachepipe.stores.obs import ObsStore
+
+        obs = _obs_source(s3_client, request.getfixturevalue("s3_endpoint"))
+        return ObsStore(obs.url, via(obs, endpoint), page_size=page), obs
+    s3 = _s3_source(s3_client, request.getfixturevalue("s3_options"))
+    store = open_store(s3.url, {**via(s3, endpoint), **({"engine": "obstore"} if backend == "obstore" else {})})
+    getattr(store, "_fsspec", store).list_page_size = page  # the native engine lists through its fsspec store
+    return store, s3
+
+
+@pytest.mark.parametrize(
+    ("backend", "mode"), [("s3", "folders"), ("s3", "files"), ("obs", "folders"), ("obs", "files"), ("obstore", "folders")]
+)
+def test_a_listing_whose_page_n_fails_lists_again_from_there_not_from_its_first_page(
+    request, fault_proxy, tmp_path, backend, mode
+):
+    """A transient error on a listing page restarted the listing from its first page (skipping
+    what it had admitted): a failure at page N cost N more requests, and a listing of millions of
+    keys under SlowDowns grew with the square of its length. It continues after the last key of
+    the last item admitted: a folder listed in part (page 20 starts in the middle of item031) is
+    listed again from its first key; every item once, in order."""
+    if backend == "obstore":
+        pytest.importorskip("obstore")
+    proxy, endpoint = fault_proxy
+    page, failing, folder = 5, 20, 3  # keys a request; the listing request that fails once; keys a folder
+    keys = [f"item{i // folder:03d}/{'abc'[i % folder]}" for i in range(150)]  # in key order
+    store, source = _paged_store(request, backend, endpoint, page)
+    source.put_many({key: key.encode() for key in keys})
+    listed = 0
+
+    def the_failing_page(head: str) -> bool:
+        nonlocal listed
+        listed += _listing_request(head)
+        return _listing_request(head) and listed == failing
+
+    answer = threading.Event()
+    answer.set()  # not held: answered with a 503 SlowDown at once
+    proxy.hold(the_failing_page, answer, answer="503")
+    try:
+        with Pipeline(source.url, tmp_path / "c", "1MiB", store=store, items=mode, retry_backoff=0) as pipe:
+            got = [(p.name, [(rel, Path(p, rel).read_bytes()) for rel in p.files]) for p in pipe]
+    finally:
+        store.close()
+    if mode == "folders":
+        names = sorted({key.split("/")[0] for key in keys})
+        assert got == [(name, [(k[-1], k.encode()) for k in keys if k.startswith(f"{name}/")]) for name in names]
+    else:
+        assert got == [(key, [("", key.encode())]) for key in keys]
+    seen = (failing - 1) * page  # keys listed before the failing page
+    assert seen % folder != 0  # it fails in the middle of a folder
+    again = seen if mode == "files" else (seen - 1) // folder * folder  # the folder listed in part from its first key
+    requests = sum(_listing_request(head) for head in proxy.requests)
+    assert proxy.injected["503"] == 0 and listed == requests  # the fault was the hold's, once
+    assert requests == failing + -(-(len(keys) - again) // page), (requests, failing + -(-len(keys) // page))
+
+
 def test_the_progress_bar_gets_its_total_when_the_listing_ends_while_the_bar_is_made(memory_data, tmp_path, monkeypatch):
     _put(memory_data, FIRST_PAGE_OBJECTS + 5)
     store = GatedStore(gate_after=FIRST_PAGE_OBJECTS + 1)
@@ -512,6 +594,38 @@ def test_a_listing_that_fails_at_the_same_place_gives_up_after_its_retries_with_
         assert store.lists == 4  # the first listing and 3 retries: no progress, no more
         assert listing.listed == objects  # each once, all before the error
         assert [listing.take().name for _ in range(objects)] == [f"k{i:06d}" for i in range(objects)]
+    finally:
+        listing.stop()
+
+
+class _Overlapping:
+    """A store of 300 keys in 100 folders that fails once, after 200 keys; listed after a key, it
+    answers from ten keys before it (a store whose answer overlaps what was listed)."""
+
+    url = "test://overlapping"
+
+    def __init__(self) -> None:
+        self.keys = [f"d{i // 3:03d}/{i % 3}" for i in range(300)]
+        self.after: list[str | None] = []
+
+    def list(self, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        self.after.append(start_after)
+        at = 0 if start_after is None else max(0, self.keys.index(start_after) - 10)
+        for n, key in enumerate(self.keys[at:], at):
+            if n == 200 and len(self.after) == 1:
+                raise ConnectionError("the listing fails here (injected)")
+            yield ObjectInfo(key, 1)
+
+
+def test_a_listing_continued_after_a_key_admits_no_item_twice_where_the_store_answers_from_before_it():
+    store = _Overlapping()
+    listing = StreamingListing(store, "folders", lambda run: [True] * len(run), lambda: None, retries=1, backoff=lambda _: 0.0)
+    listing.start()
+    try:
+        wait_until(lambda: listing.done, what="the listing's end")
+        assert listing.error is None and listing.listed == 100
+        assert store.after == [None, "d065/2"]  # d066 was listed in part (keys 198 and 199): again from its first key
+        assert [item.name for item in listing.take_many(200)] == [f"d{i:03d}" for i in range(100)]
     finally:
         listing.stop()
 

@@ -56,6 +56,7 @@ __all__ = [
     "part_size_for",
     "takes_content_type",
     "takes_etag",
+    "takes_start_after",
 ]
 
 FIRST_PAGE_KEYS = 100
@@ -188,6 +189,14 @@ def takes_content_type(store: Any) -> bool:
     store records one: S3, OBS), as :func:`takes_etag` tells of ``get``: ``cachepipe map`` gives a
     completion marker its type only through a ``put`` that names it."""
     return _names(getattr(store, "put", None), "content_type")
+
+
+def takes_start_after(store: Any) -> bool:
+    """Whether ``store.list`` names a parameter ``start_after`` (every backend of cachepipe's
+    does), as :func:`takes_etag` tells of ``get``: a listing restarted after a transient error
+    continues after the last key it delivered only through a ``list`` that names it; another
+    store is listed again from its start."""
+    return _names(getattr(store, "list", None), "start_after")
 
 
 def _names(method: Any, name: str) -> bool:
@@ -327,6 +336,17 @@ class Store(Protocol):
 
         Paginated and streamed: the first objects are yielded before the listing ends.
         Zero-byte directory markers (keys ending in ``/``) may be yielded; the catalog skips them.
+
+        Optional: a parameter ``start_after: str | None = None`` (every backend of cachepipe has
+        it; the protocol leaves it out so that stores written without it still match): given a
+        key (relative to the root), only the objects listed after it, in the store's order, are
+        yielded: S3's ListObjectsV2 ``StartAfter``, OBS's ``marker``; local files and
+        ``memory://`` skip the keys up to it. A listing restarted after a transient error passes
+        the last key of the last item it delivered, while every key it was given came in key
+        order (:class:`~cachepipe.listing.StreamingListing`): a store that lists folder by
+        folder (SeaweedFS) is listed again from its start, since what it makes of
+        ``StartAfter`` is its own. A ``list`` without a parameter named ``start_after`` is
+        always listed from its start (see :func:`takes_start_after`).
         """
         ...
 

@@ -175,13 +175,15 @@ class FsspecStore:
     """Keys per listing request to S3 (S3's maximum and default is 1,000); the first request asks
     for :data:`~cachepipe.stores.base.FIRST_PAGE_KEYS` if that is fewer."""
 
-    def list(self) -> Iterator[ObjectInfo]:
-        """Yield every object under the root in key order. On S3, one page at a time: each page
-        is yielded before the next is requested (a plain fsspec ``find`` lists everything first).
-        On a local filesystem, the temporary files of uploads (``*.cachepipe.tmp``: being written,
-        or left by a killed one) are not objects, and are not yielded (their count is logged)."""
+    def list(self, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        """Yield every object under the root in key order (after the key ``start_after``, if
+        given: on S3 ListObjectsV2's ``StartAfter``, elsewhere the keys up to it are skipped). On
+        S3, one page at a time: each page is yielded before the next is requested (a plain fsspec
+        ``find`` lists everything first). On a local filesystem, the temporary files of uploads
+        (``*.cachepipe.tmp``: being written, or left by a killed one) are not objects, and are
+        not yielded (their count is logged)."""
         if getattr(self.fs, "protocol", None) in (("s3", "s3a"), "s3") and not getattr(self.fs, "version_aware", False):
-            yield from self._list_s3()
+            yield from self._list_s3(start_after)
             return
         with self._errors(self.url):
             self.fs.invalidate_cache(self.root)  # a relisting must see the store as it is now
@@ -193,6 +195,8 @@ class FsspecStore:
             info = entries[path]
             if info.get("type", "file") != "file" or not path.startswith(prefix):
                 continue
+            if start_after is not None and path[len(prefix) :] <= start_after:
+                continue
             if local and path.endswith(TEMP_SUFFIX):  # put_local's, being written or left by a killed upload
                 temps.append(path)
                 continue
@@ -201,14 +205,15 @@ class FsspecStore:
         if temps:  # said, not passed over in silence: a file of the user's could bear the name
             log.info("%s: left out %d upload temporary file(s) (*%s), first %r", self.url, len(temps), TEMP_SUFFIX, temps[0])
 
-    def _list_s3(self) -> Iterator[ObjectInfo]:
+    def _list_s3(self, start_after: str | None) -> Iterator[ObjectInfo]:
         bucket, key, _ = self.fs.split_path(self.root)
         prefix = f"{key}/" if key else ""
         token = None
         keys = min(FIRST_PAGE_KEYS, self.list_page_size)
+        after = prefix + start_after if start_after is not None else prefix
         while True:
             with self._errors(self.url):
-                entries, token = self._list_s3_page(bucket, prefix, token, keys)
+                entries, token = self._list_s3_page(bucket, prefix, token, keys, after)
             keys = self.list_page_size
             for name, size, etag in entries:
                 if name == prefix:
@@ -218,14 +223,15 @@ class FsspecStore:
                 return
 
     def _list_s3_page(
-        self, bucket: str, prefix: str, token: str | None, keys: int
+        self, bucket: str, prefix: str, token: str | None, keys: int, after: str
     ) -> tuple[builtins.list[tuple[str, int, str | None]], str | None]:  # `list` is also this class's method
         """One ListObjectsV2 page of up to ``keys`` keys: ``([(key, size, etag), ...], next
-        continuation token or None)``. The first (no ``token``) starts after ``prefix`` itself: a
-        folder marker of the prefix (what a console's "Create folder" makes) would take a key of
-        the first page, which :func:`~cachepipe.listing.StreamingListing.wait_first_page` counts
-        in objects."""
-        start_after = prefix if token is None and prefix else None
+        continuation token or None)``. The first (no ``token``) starts after the whole key
+        ``after``: ``prefix`` itself, or the key a restarted listing continues after. Not the
+        prefix's first key: a folder marker of the prefix (what a console's "Create folder"
+        makes) would take a key of the first page, which
+        :func:`~cachepipe.listing.StreamingListing.wait_first_page` counts in objects."""
+        start_after = after if token is None and after else None
         if self._direct is not None:
             page = self._direct.list_page(bucket, prefix, keys, token, start_after)
             if page is not None:

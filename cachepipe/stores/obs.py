@@ -202,8 +202,9 @@ class ObsStore(_ObsSeam):
 
     # -- the three primitives ---------------------------------------------------------------
 
-    def list(self) -> Iterator[ObjectInfo]:
-        """Yield every object under the root in lexicographic key order, one page at a time.
+    def list(self, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        """Yield every object under the root in lexicographic key order, one page at a time
+        (after the key ``start_after``, if given: the first page's ``marker``).
 
         Keys are relative to :attr:`prefix`; etags lose their quotes. Each page holds up to
         ``page_size`` objects (the first up to :data:`~cachepipe.stores.base.FIRST_PAGE_KEYS`)
@@ -211,7 +212,7 @@ class ObsStore(_ObsSeam):
         """
         # after the prefix's own folder marker (see FsspecStore._list_s3_page): the first page's
         # keys are all objects
-        marker: str | None = self.prefix or None
+        marker: str | None = self.prefix + start_after if start_after is not None else self.prefix or None
         last = ""
         keys = min(FIRST_PAGE_KEYS, self._page_size)
         while True:

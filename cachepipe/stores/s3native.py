@@ -436,9 +436,10 @@ class NativeS3Store:
             self._answered = True
         return _translate(exc, where, self.endpoint, self._answered)
 
-    def list(self) -> Iterator[ObjectInfo]:
-        """Every object under the root in key order, listed by the fsspec backend (see the module's docstring)."""
-        return self._fsspec.list()
+    def list(self, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        """Every object under the root in key order (after the key ``start_after``, if given),
+        listed by the fsspec backend (see the module's docstring)."""
+        return self._fsspec.list(start_after)
 
     def get(self, key: str, out: BinaryIO, start: int, end: int, *, etag: str | None = None) -> int:
         """Write bytes ``[start, end)`` of ``key`` to ``out`` as they arrive; return how many were written.
