@@ -188,6 +188,12 @@ class StreamingListing:
                         at = _position(item)
                         if previous is not None:  # which of the two orders the store lists in
                             orders = [ordered and a > b for ordered, a, b in zip(orders, at, previous, strict=True)]
+                            if not any(orders):  # each listing in one order, but not all in the same
+                                raise ValueError(
+                                    f"{self._store.url}: listed in neither order across its listings (in key order "
+                                    f"once, folder by folder another time): {at[0]!r} after {previous[0]!r}; "
+                                    "what was listed before cannot be told from what was not"
+                                )
                         previous = at
                         if skip is not None:
                             # listed before: at or before the last one in each order the store may list in
