@@ -21,7 +21,7 @@ import tarfile
 import threading
 import zipfile
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, cast
@@ -150,6 +150,20 @@ class _Extraction:
             raise UnsafeMemberError(archive, name, f"hard link to {linkname!r}, which is not a file extracted before it")
         return info.st_size
 
+    @staticmethod
+    def _hard_link(target: Path, path: Path) -> None:
+        """Make ``path`` a hard link to the file ``target`` (both checked inside the item), in place
+        of what a member before it wrote there, as GNU tar does. Not by ``TarFile.extract``: where
+        ``os.link`` fails (a path written before, EEXIST; a full disk), tarfile looks for the target
+        among the archive's headers (reading the rest of a stream), which the unpack does not keep,
+        and drops the error it then raises (``errorlevel`` 1): the link and the members after it
+        were missing, or a whole archive said corrupt (``seeking backwards``)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with suppress(FileNotFoundError):
+            if not stat.S_ISDIR(os.lstat(path).st_mode):  # a folder stays: the link fails on it (EEXIST)
+                path.unlink()
+        os.link(target, path)
+
     def unwritable(self, archive: str, name: str, is_dir: bool, exc: OSError) -> ArchiveError | None:
         """The :class:`ArchiveError` that ``exc``, raised writing member ``name`` (a folder if
         ``is_dir``), stands for when the member's path cannot be made: a file where the member
@@ -275,7 +289,11 @@ class _Extraction:
             _read_data(tar, member, self.stop)  # an archive that ends just inside it: truncated, not too large
         self.budget.add(archive, name, size)
         try:
-            tar.extract(member, self.out, filter="data")
+            if member.islnk():
+                tarfile.data_filter(member, str(self.out))  # the checks of extract's filter (FilterError)
+                self._hard_link(self.out / target, self.out / rel)
+            else:
+                tar.extract(member, self.out, filter="data")
         except tarfile.FilterError as exc:
             raise UnsafeMemberError(archive, name, f"refused by tarfile's data filter: {exc}") from exc
         except OSError as exc:
