@@ -368,9 +368,9 @@ class CountingDest(FsspecStore):
         with self._calls_lock:
             self.calls.append((call, what))
 
-    def _list_s3_page(self, bucket, prefix, token, keys):
+    def _list_s3_page(self, bucket, prefix, token, keys, after):
         self._note("list", prefix)
-        return super()._list_s3_page(bucket, prefix, token, keys)
+        return super()._list_s3_page(bucket, prefix, token, keys, after)
 
     def get(self, key, out, start, end, *, etag=None):
         self._note("get", key)
