@@ -14,18 +14,11 @@ from zygote import Zygote
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed")
 
+from test_torch_mistakes import _folders  # noqa: E402
+
 from cachepipe.torch import CachePipeDataset  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
-
-
-def _folders(tmp_path: Path, count: int) -> Path:
-    """A local source of ``count`` items ``i0``, ``i1``... (folders of one 100-byte file)."""
-    src = tmp_path / "src"
-    for n in range(count):
-        (src / f"i{n}").mkdir(parents=True)
-        (src / f"i{n}" / "f").write_bytes(b"x" * 100)
-    return src
 
 
 @pytest.fixture(scope="module")
