@@ -99,14 +99,20 @@ def test_a_loop_over_a_pipeline_its_first_loop_closed_raises_instead_of_ending_a
         pipe.get()
 
 
-def test_a_state_loaded_where_a_smaller_capacity_leaves_an_item_out_says_so(tmp_path):
-    # A state loads into a pipeline of another capacity; but one whose capacity leaves an item
-    # out of its plan (on_oversize="skip", planning alone) has a plan of fewer items, and the
-    # refusal said only "n_items=4, this plan has n_items=3", not why nor what to do.
+def _one_large_of_four(tmp_path: Path) -> Path:
+    """A local source of four items of 100 bytes but ``item2``, of 9,000."""
     src = tmp_path / "src"
     for i in range(4):
         (src / f"item{i}").mkdir(parents=True)
         (src / f"item{i}" / "f").write_bytes(bytes(9000 if i == 2 else 100))
+    return src
+
+
+def test_a_state_loaded_where_a_smaller_capacity_leaves_an_item_out_says_so(tmp_path):
+    # A state loads into a pipeline of another capacity; but one whose capacity leaves an item
+    # out of its plan (on_oversize="skip", planning alone) has a plan of fewer items, and the
+    # refusal said only "n_items=4, this plan has n_items=3", not why nor what to do.
+    src = _one_large_of_four(tmp_path)
     options = {"epochs": 2, "shuffle": True, "seed": 5, "rank": 0, "world_size": 1}
     with Pipeline(src, tmp_path / "a", "1MiB", auto_ack=False, **options) as pipe:
         pipe.ack(pipe.get(timeout=30))
@@ -125,10 +131,7 @@ def test_a_pass_resumed_where_a_smaller_capacity_leaves_an_item_out_says_so(tmp_
     # resume=True over a cache kept by a pass of 4 items, reopened with a capacity that leaves
     # one out (on_oversize="skip"): the refusal said only "n_items 4 there, 3 here; sizes_digest
     # ... differ", not that an item was left out for the capacity, nor what to do.
-    src = tmp_path / "src"
-    for i in range(4):
-        (src / f"item{i}").mkdir(parents=True)
-        (src / f"item{i}" / "f").write_bytes(bytes(9000 if i == 2 else 100))
+    src = _one_large_of_four(tmp_path)
     options = {"epochs": 2, "shuffle": True, "seed": 5}
     with Pipeline(src, tmp_path / "a", "1MiB", auto_ack=False, keep_on_close=True, **options) as pipe:
         pipe.ack(pipe.get(timeout=30))

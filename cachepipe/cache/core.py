@@ -41,7 +41,7 @@ from .. import state
 from ..catalog import Catalog
 from ..config import Share
 from ..errors import CacheRemovedError
-from ..filesystems import filesystem_at, lookups_stay_local, mount_at
+from ..filesystems import lookups_stay_local, mount_at
 from ..fscalls import RELEASING, file_calls_for
 from ..removal import tree_bytes
 from .eviction import Eviction
@@ -134,7 +134,8 @@ class Cache(_Publishing):
             raise error from exc
         full: OSError | None = None
         try:
-            if crossed := _off_the_mount(self._given, self._root, self.staging_root):
+            here, fstype = mount_at(self._root)  # its mount point and filesystem type, from one read of the mounts
+            if crossed := _off_the_mount(self._given, here, self.staging_root):
                 raise crossed
             if self.staging_root.exists():
                 shutil.rmtree(self.staging_root)
@@ -149,7 +150,6 @@ class Cache(_Publishing):
             if not self.has_leftovers() and no_room(usage) and (full := full_disk(self._given, self.root)):
                 raise full
             self._identity = tuple(_identity(path) for path in (self._root, str(self.state_dir)))
-            fstype = filesystem_at(self._root)
             self._eviction.open_deleters(fstype)
             # calls that keep the interpreter's lock only where no lookup waits for a server on the way
             self.file_calls = file_calls_for(fstype) if lookups_stay_local(self._root) else RELEASING
@@ -412,15 +412,15 @@ def journal_budget_of(name_bytes: int, count: int, versions: bool = True) -> int
     return 2 * (4 * name_bytes + step * count) + 256
 
 
-def _off_the_mount(given: str | os.PathLike[str], root: str, staging: Path) -> OSError | None:
+def _off_the_mount(given: str | os.PathLike[str], here: str, staging: Path) -> OSError | None:
     """The error to raise if ``staging`` (or the state folder it is made in, where it is not
-    there yet) is on another mount than the cache directory ``root`` (``given`` as the user wrote
-    it): a mount at or inside its ``.cachepipe``, of another filesystem or a bind mount of the
-    same one. A publish renames an item from staging into ``root``, which no rename does across
-    mounts (``EXDEV``, after the item's download), and staging at a mount point cannot be
-    removed (``EBUSY``). None where they are on one mount, or the mounts cannot be read."""
+    there yet) is on another mount than the cache directory, whose mount point is ``here``
+    (``given`` as the user wrote it): a mount at or inside its ``.cachepipe``, of another
+    filesystem or a bind mount of the same one. A publish renames an item from staging into the
+    cache directory, which no rename does across mounts (``EXDEV``, after the item's download),
+    and staging at a mount point cannot be removed (``EBUSY``). None where they are on one mount, or the mounts cannot be read."""
     folder = staging if staging.exists() else staging.parent
-    here, there = mount_at(root)[0], mount_at(str(folder))[0]
+    there = mount_at(str(folder))[0]
     if here == there:
         return None
     return OSError(
