@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .backoff import backoff_delay
+from .blocks import round_up
 from .broker import Broker
 from .cache import Cache
 from .catalog import Catalog, Item, Names
@@ -211,8 +212,8 @@ class _Pass:
         self._listed = len(catalog)
         self._listed_bytes = sum(sizes)
         # recover() reserves the journal's budget too (and measures the state files: checked after it)
-        occupied = cache.foreign + cache.journal_budget(catalog)
-        eligible, too_large = fitting_items(catalog, cache.capacity, occupied)
+        occupied = cache.foreign + round_up(cache.journal_budget(catalog), cache.block) + cache.block  # + the state folder
+        eligible, too_large = fitting_items(catalog, cache.capacity, occupied, cache.block)
         if too_large and cfg.on_oversize == "raise":
             raise too_large[0]
         if eligible is not None and not eligible:
@@ -226,15 +227,20 @@ class _Pass:
 
     def _check_limit(self, sizes: array[int], catalog: Catalog, eligible: array[int] | None, cache: Cache) -> int:
         """The largest of ``sizes``; with ``on_oversize="raise"``, raises :class:`OversizeError`
-        for the first item above what the cache can hold once recovered (state files and foreign
-        files counted). With ``"skip"``, such an item (left in by :meth:`_fitting`'s estimate,
-        made before the state files were measured) is skipped in its turn, when its room is
-        reserved (:meth:`Cache.acquire` raises for it)."""
+        for the first item that takes more than the cache can hold once recovered (state files
+        and foreign files counted; each item charged its files in whole blocks and its folders,
+        :meth:`Cache.charge`). With ``"skip"``, such an item (left in by :meth:`_fitting`'s
+        estimate, made before the state files were measured) is skipped in its turn, when its
+        room is reserved (:meth:`Cache.acquire` raises for it)."""
         largest = max(sizes)
-        if largest > cache.limit and self.config.on_oversize == "raise":
-            i = next(i for i, size in enumerate(sizes) if size > cache.limit)
-            item = catalog[i if eligible is None else eligible[i]]
-            raise OversizeError(item.name, item.size, cache.capacity, cache.capacity - cache.limit)
+        if self.config.on_oversize == "raise":
+            planned = range(len(catalog)) if eligible is None else eligible  # _fitting raised for the others
+            for i, charge in catalog.over_limit(cache.limit, cache.block):
+                if i in planned:
+                    item = catalog[i]
+                    raise OversizeError(
+                        item.name, item.size, cache.capacity, cache.capacity - cache.limit, taken=charge, block=cache.block
+                    )
         return largest
 
     def _steps(self, plan: Plan, cursor: Cursor, acked: set[tuple[int, str]]) -> Iterator[list[Planned]]:
@@ -291,16 +297,19 @@ class _Pass:
                 if bad is not None:
                     run = run[:bad]  # the unsafe item comes first in the next call (the rest is given again)
             keeps: list[bool] = []
-            names, sizes = [item.name for item in run], [item.size for item in run]
-            limits = cache.note_listed(names, sizes, [not item.tagged for item in run]) or [cache.limit]  # none: closed
-            for item, limit in zip(run, limits, strict=False):  # the first len(limits) items
-                if item.size > limit:
-                    error = OversizeError(item.name, item.size, cache.capacity, cache.capacity - limit)
+            # each item's charge: what it takes on the disk, as the cache reserves it (Cache.charge)
+            names, charges = [item.name for item in run], [cache.charge(item) for item in run]
+            limits = cache.note_listed(names, charges, [not item.tagged for item in run]) or [cache.limit]  # none: closed
+            for item, charge, limit in zip(run, charges, limits, strict=False):  # the first len(limits) items
+                if charge > limit:
+                    error = OversizeError(
+                        item.name, item.size, cache.capacity, cache.capacity - limit, taken=charge, block=cache.block
+                    )
                     if cfg.on_oversize == "raise":
                         raise error  # the first item of the run: note_listed stops before an oversize one
                     _log_oversize_skipped(error)
                     self._count("skipped")
-                keeps.append(item.size <= limit)
+                keeps.append(charge <= limit)
             with self._plan_lock:
                 plan.extend([item.size for item, keep in zip(run, keeps, strict=False) if keep])
             return keeps

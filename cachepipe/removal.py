@@ -24,26 +24,30 @@ __all__ = ["Reaper", "delete_tree", "rmtree", "tree_bytes"]
 log = logging.getLogger("cachepipe.cache")
 
 
-def delete_tree(path: str | os.PathLike[str]) -> int:
+def delete_tree(path: str | os.PathLike[str], block: int = 0) -> int:
     """:func:`rmtree` ``path``; if that fails, log it and return the bytes left under it (0 if
-    it is gone). The caller counts them as foreign until the next open clears staging."""
+    it is gone; with ``block``, in whole blocks: see :func:`tree_bytes`). The caller counts them
+    as foreign until the next open clears staging."""
     try:
         rmtree(path)
     except OSError as exc:
-        left = tree_bytes(path)
+        left = tree_bytes(path, block=block)
         log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", path, left, exc)
         return left
     return 0
 
 
-def tree_bytes(root: str | os.PathLike[str], skip: Container[str] = (), allocated: bool = False) -> int:
+def tree_bytes(root: str | os.PathLike[str], skip: Container[str] = (), allocated: bool = False, block: int = 0) -> int:
     """Total size in bytes of the files under ``root`` (symlinks counted as nothing, never
     followed; a folder that cannot be listed, or an entry removed while this walks, as
     nothing), except the entries whose path relative to ``root`` (``/``-separated) is in
     ``skip``: a cache's items already measured, say. With ``allocated``, a file with holes (a
     download whose parts came out of order) counts the bytes the disk gave it (``st_blocks``),
-    if fewer and not none: what it takes from the free space. One ``lstat`` per file counted and none per
-    folder (``os.scandir`` tells folders and links apart from the directory itself).
+    if fewer and not none: what it takes from the free space. With ``block`` (bytes, above 0), what
+    the files take in whole blocks of it, and a block for each folder under ``root`` (not ``root``
+    itself), as the cache's ledger charges its items (:func:`~cachepipe.blocks.footprint`). One
+    ``lstat`` per file counted and none per folder (``os.scandir`` tells folders and links apart
+    from the directory itself).
 
     Raises:
         OSError: a file listed that cannot be measured (but for one removed meanwhile), as the
@@ -65,10 +69,12 @@ def tree_bytes(root: str | os.PathLike[str], skip: Container[str] = (), allocate
                 try:
                     if entry.is_dir(follow_symlinks=False):
                         folders.append((entry.path, f"{name}/"))
+                        total += block
                     elif not entry.is_symlink():
                         st = entry.stat(follow_symlinks=False)
                         given = st.st_blocks * 512  # 0 on file systems that do not say (or keep small files inline)
-                        total += given if allocated and 0 < given < st.st_size else st.st_size
+                        size = given if allocated and 0 < given < st.st_size else st.st_size
+                        total += -(-size // block) * block if block > 0 else size
                 except FileNotFoundError:
                     continue  # removed while we walked (any other error is raised: the total would be wrong)
     return total

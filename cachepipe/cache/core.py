@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .. import state
+from ..blocks import BLOCK_MIN, clamp_block, round_up
 from ..catalog import Catalog
 from ..config import Share
 from ..errors import CacheRemovedError
@@ -84,6 +85,9 @@ class Cache(_Publishing):
         self.prefix = self._root.rstrip("/") + "/"  # what every item's path starts with
         self._capacity_spec = capacity
         self.ledger = Ledger()
+        # the filesystem's allocation block (read by open): every item is charged its files in
+        # whole blocks of it, and a block per folder (:meth:`charge`)
+        self.block = BLOCK_MIN
         self.record = Record(self.state_dir / JOURNAL)
         self._staging = Staging(self.staging_root)
         self._eviction = Eviction(self.root, self._staging, self._reaped)
@@ -146,6 +150,7 @@ class Cache(_Publishing):
                 log.warning("%s; rebuilding the cache state from the files on disk", exc)
                 self._replay, self.rebuilt = state.Replay(), True
             usage = room_now(self._root)  # the one statvfs of an open (nothing of this cache writes yet)
+            self.block = self._eviction.block = clamp_block(usage.block)
             # before the listing, which may take minutes; not where recovery may free room (leftovers)
             if not self.has_leftovers() and no_room(usage) and (full := full_disk(self._given, self.root)):
                 raise full
@@ -244,7 +249,9 @@ class Cache(_Publishing):
         check_resume(replay, resume, plan, self._root)
         drop_note(self.root)  # this owner changes the folder from now on: before the journal says so, below
         record, ledger = self.record, self.ledger
-        reuse, stale = sort_leftovers(self.root, replay, self.rebuilt, items, reusable and of_same_data(replay.plan, plan))
+        reuse, stale = sort_leftovers(
+            self.root, replay, self.rebuilt, items, reusable and of_same_data(replay.plan, plan), self.block
+        )
         for name in stale:
             log.info("removing stale cached item %s", name)
             self._eviction.remove(name)
@@ -260,10 +267,14 @@ class Cache(_Publishing):
             else:
                 record.start(replay.pass_no + 1, (0, 0), set(), plan)
         ledger.reserved = sum(record.published.values())
-        state_files = tree_bytes(self.state_dir)
-        record.budget = self.journal_budget(items)
+        block = self.block
+        # in whole blocks, as the items are charged: the state folder itself, its files and folders,
+        # and the journal's budget (the journal grows into it)
+        state_files = block + tree_bytes(self.state_dir, block=block)
+        record.budget = round_up(self.journal_budget(items), block)
         ledger.overhead = state_files + record.budget
-        ledger.foreign = tree_bytes(self.root, skip={*reuse, STATE_DIR})  # the reused items matched their sizes
+        # the reused items matched their sizes: their charge is reserved
+        ledger.foreign = tree_bytes(self.root, skip={*reuse, STATE_DIR}, block=block)
         ledger.check_room(self._root)
         self._replay = state.Replay()
         while self._recovered and ledger.over_capacity():
@@ -399,7 +410,7 @@ class Cache(_Publishing):
             self.record.close()
             try:
                 if noted:  # what the folder holds, for a share of the disk measured before the next owner's recovery
-                    write_note(self.root, self.record.published)
+                    write_note(self.root, self.record.published, self.block)
             finally:
                 self._lock.release()
 

@@ -110,16 +110,19 @@ class _Reservation(_Acks):
         got = self._reserve(size, name, leftovers=False)
         return bool(got)
 
-    def _reserve(self, size: int, name: str, leftovers: bool, withdrawn: Callable[[], bool] = _never) -> bool | str | None:
+    def _reserve(
+        self, size: int, name: str, leftovers: bool, withdrawn: Callable[[], bool] = _never, listed: int | None = None
+    ) -> bool | str | None:
         """:meth:`reserve`; with ``leftovers``, the wait ends too when a recovered (or shelved)
         item is in the way (:meth:`_in_the_way`): its name is returned, to drop. None:
-        ``withdrawn()`` was true before it reserved (nothing reserved)."""
+        ``withdrawn()`` was true before it reserved (nothing reserved). ``listed``: the item's
+        listed size, where ``size`` is its charge (:meth:`charge`), for the oversize error."""
         ledger = self.ledger
         with self._cond:
             try:
                 while not self._closed and not ledger.fits(size):
                     if size > ledger.limit:
-                        raise OversizeError(name, size, ledger.capacity, ledger.foreign + ledger.overhead)
+                        raise self._oversize(name, size if listed is None else listed, size)
                     if withdrawn():  # before dropping anything for it
                         return None
                     if leftovers:  # the waiter that force_room() means (a plain reserve leaves it be)
@@ -218,7 +221,8 @@ class _Reservation(_Acks):
             if claimed is not True:
                 return claimed  # the earlier copy was shelved meanwhile (a path), the cache closed, or withdrawn
             try:
-                while isinstance(got := self._reserve(item.size + extra, item.name, True, withdrawn), str):
+                charge = self.charge(item, extra)
+                while isinstance(got := self._reserve(charge, item.name, True, withdrawn, item.size), str):
                     log.info("dropping %s, an earlier owner's item not due yet, to make room for %s", got, item.name)
                     self.drop(got, gone_ok=True)  # another download waiting for room may have dropped it meanwhile
             except BaseException:
@@ -242,16 +246,18 @@ class _Reservation(_Acks):
             if self._closed or self._recovered or withdrawn():
                 return 0
             for count, (item, extra) in enumerate(items):
-                if item.name in claimed or not ledger.fits(item.size + extra):
+                charge = self.charge(item, extra)
+                if item.name in claimed or not ledger.fits(charge):
                     return count
                 claimed.add(item.name)
-                ledger.reserve(item.size + extra)
+                ledger.reserve(charge)
             return len(items)
 
     def _acquire_retained(
         self, policy: RetentionPolicy, item: Item, tick: int, starving: Callable[[], bool], withdrawn: Callable[[], bool]
     ) -> Path | bool | None:
         ledger = self.ledger
+        charge = self.charge(item)  # no extra: retain='auto' takes no unpack or prepare (config)
         idx = self._number(item.name)
         if idx is None:
             raise KeyError(f"item {item.name!r} is not in the plan given to use_retention()")
@@ -261,8 +267,8 @@ class _Reservation(_Acks):
                 while not victims:
                     if self._closed:
                         return False
-                    if item.size > ledger.limit:  # it would never fit: not waited for (as in _reserve)
-                        raise OversizeError(item.name, item.size, ledger.capacity, ledger.foreign + ledger.overhead)
+                    if charge > ledger.limit:  # it would never fit: not waited for (as in _reserve)
+                        raise self._oversize(item.name, item.size, charge)
                     if policy.is_pinned(idx):  # an earlier step's copy is still out: one copy at a time
                         if withdrawn():
                             return None
@@ -278,18 +284,18 @@ class _Reservation(_Acks):
                     if withdrawn():  # before reserving or evicting anything for it (see acquire)
                         return None
                     free = ledger.free
-                    if free >= item.size:
-                        ledger.reserve(item.size)
+                    if free >= charge:
+                        ledger.reserve(charge)
                         self._claimed.add(item.name)
                         policy.on_admit(idx, tick)
                         return True
-                    if free + ledger.reaping >= item.size:  # victims being deleted make room: no more
+                    if free + ledger.reaping >= charge:  # victims being deleted make room: no more
                         self._cond.wait()
                         continue
                     forced, self._forced = self._forced, False
-                    chosen = policy.choose_victims(item.size - free - ledger.reaping, idx, tick, urgent=starving(), forced=forced)
+                    chosen = policy.choose_victims(charge - free - ledger.reaping, idx, tick, urgent=starving(), forced=forced)
                     if chosen is None:
-                        self._wanting = item.size
+                        self._wanting = charge
                         try:
                             self._cond.wait(0.25)
                         finally:
@@ -300,6 +306,11 @@ class _Reservation(_Acks):
                         victims.append((name, self.record.dropping(name)))
             for name, size in victims:
                 self._delete(name, size, dropped=True)
+
+    def _oversize(self, name: str, listed: int, charge: int) -> OversizeError:
+        """The error for item ``name`` of ``listed`` bytes that takes ``charge`` (beyond :attr:`limit`)."""
+        ledger = self.ledger
+        return OversizeError(name, listed, ledger.capacity, ledger.foreign + ledger.overhead, taken=charge, block=self.block)
 
     def shortfall(self) -> int:
         """Bytes that a download waiting for room lacks beyond the free space and the deletions

@@ -28,6 +28,7 @@ import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from ..blocks import clamp_block, round_up
 from ..removal import tree_bytes
 from .lock import STATE_DIR
 
@@ -67,17 +68,21 @@ def room_at(
 
 
 def held_in(folder: str | os.PathLike[str]) -> int:
-    """The bytes of the files under the cache folder ``folder``: as its cache noted when it
-    closed, if its journal and the folder's change time are still as noted; else walked
-    (:func:`~cachepipe.removal.tree_bytes`, a file with holes at the bytes the disk gave it)."""
-    noted = _read_note(Path(folder))
-    return tree_bytes(folder, allocated=True) if noted is None else noted
+    """The bytes the files and folders under the cache folder ``folder`` take, in whole blocks of
+    its filesystem (:func:`~cachepipe.blocks.clamp_block` of its ``f_frsize``), as the cache's
+    ledger counts them: as its cache noted when it closed, if its journal and the folder's change
+    time are still as noted; else walked (:func:`~cachepipe.removal.tree_bytes`, a file with
+    holes at the bytes the disk gave it)."""
+    block = clamp_block(os.statvfs(folder).f_frsize)
+    noted = _read_note(Path(folder), block)
+    return tree_bytes(folder, allocated=True, block=block) if noted is None else noted
 
 
-def write_note(root: Path, kept: Mapping[str, int]) -> None:
+def write_note(root: Path, kept: Mapping[str, int], block: int) -> None:
     """Note what the cache folder ``root`` holds now that its journal is written for the last
-    time (at its close): the items ``kept`` (name -> bytes; a folder at its listed size, a file
-    at its own, one no longer there or a link as nothing: a consumer may have deleted it) and
+    time (at its close), in whole blocks of ``block`` bytes (:func:`held_in`): the items ``kept``
+    (name -> bytes; a folder at what the ledger charged it, a file at its own size in blocks, one
+    no longer there or a link as nothing: a consumer may have deleted it) and
     the rest of its files, walked, but for the note and staging (removed by the next open before
     it measures the folder, when its close could not); its lock with its owner's line, which a
     release blanks and does not cut (:meth:`~.lock.OwnerLock.release`), the size it keeps. The
@@ -87,9 +92,9 @@ def write_note(root: Path, kept: Mapping[str, int]) -> None:
     path, spare = state_dir / NOTE, state_dir / f"{NOTE}.new"
     try:
         marks = _marks(root)
-        state = tree_bytes(state_dir, skip={NOTE, spare.name, STAGING})
-        held = sum(_kept_bytes(f"{root}/{name}", size) for name, size in kept.items())
-        held += tree_bytes(root, skip={*kept, STATE_DIR}) + state
+        state = block + tree_bytes(state_dir, skip={NOTE, spare.name, STAGING}, block=block)  # with its own folder
+        held = sum(_kept_bytes(f"{root}/{name}", size, block) for name, size in kept.items())
+        held += tree_bytes(root, skip={*kept, STATE_DIR}, block=block) + state
         spare.write_text(f"{held} {marks}\n")
         os.replace(spare, path)
     except OSError as exc:
@@ -111,16 +116,17 @@ def drop_note(root: Path) -> None:
         log.debug("could not remove the note of the size of %s (%s): its marks still say when it stands", root, exc)
 
 
-def _kept_bytes(path: str, listed: int) -> int:
-    """The bytes of a kept item at ``path``: ``listed`` for a folder (its files are not walked),
-    a regular file's own size, 0 for anything else or nothing (deleted since it was kept)."""
+def _kept_bytes(path: str, listed: int, block: int) -> int:
+    """The bytes of a kept item at ``path``: ``listed`` (its charge) for a folder (its files are
+    not walked), a regular file's own size in whole blocks, 0 for anything else or nothing
+    (deleted since it was kept)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return 0
     if stat.S_ISDIR(st.st_mode):
         return listed
-    return st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return round_up(st.st_size, block) if stat.S_ISREG(st.st_mode) else 0
 
 
 def _marks(root: Path) -> str:
@@ -131,14 +137,15 @@ def _marks(root: Path) -> str:
     return f"{journal.st_ino} {journal.st_size} {journal.st_mtime_ns} {folder.st_mtime_ns}"
 
 
-def _read_note(root: Path) -> int | None:
-    """The bytes noted for the cache folder ``root``, or None: no note, one not readable, or one
-    whose marks (:func:`_marks`) have changed since."""
+def _read_note(root: Path, block: int) -> int | None:
+    """The bytes noted for the cache folder ``root`` (and the note's own, in ``block`` -byte
+    blocks), or None: no note, one not readable, or one whose marks (:func:`_marks`) have
+    changed since."""
     try:
         note = (root / STATE_DIR / NOTE).read_text()
         held, _, marks = note.strip().partition(" ")
         if marks != _marks(root) or int(held) < 0:
             return None
-        return int(held) + len(note)  # the note holds only ASCII: one byte a character
+        return int(held) + round_up(len(note), block)  # the note holds only ASCII: one byte a character
     except (OSError, ValueError):
         return None
