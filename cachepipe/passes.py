@@ -93,6 +93,8 @@ class _Pass:
     _frontier: Frontier
     _catalog_items: Catalog
     _eligible: array[int] | None
+    _largest: tuple[int, int] | None = None  # see _largest_planned
+    _largest_streamed: list[int] = [0, 0]  # noqa: RUF012 - replaced, never changed, by _stream (see there)
     _total_steps: int | None
     _listed: int
     _listed_bytes: int
@@ -168,6 +170,7 @@ class _Pass:
         self._plan = plan
         self._frontier = Frontier(plan, Cursor(*cursor))
         self._catalog_items, self._eligible = catalog, eligible
+        self._largest = None
         if cfg.retain == "auto":
             self._future = PlanFuture(plan, horizon=2)
             reserve = min(cache.limit // 4, max(2 * cfg.large_requests, 16) * largest)
@@ -243,6 +246,20 @@ class _Pass:
                     )
         return largest
 
+    def _largest_planned(self) -> tuple[int, int]:
+        """``(charge, listed size)`` of the planned item that takes the most room in the cache
+        (:meth:`Cache.charge`), measured once a pass: a walk of every item's files. A streamed
+        listing's plan keeps no catalog: the largest it admitted so far."""
+        catalog: Catalog | None = getattr(self, "_catalog_items", None)
+        if catalog is None:
+            charge, size = self._largest_streamed
+            return charge, size
+        if self._largest is None:
+            block, sizes = self._cache.block, catalog.sizes
+            planned = range(len(catalog)) if self._eligible is None else self._eligible
+            self._largest = max(((catalog.charge(i, block), sizes[i]) for i in planned), default=(0, 0))
+        return self._largest
+
     def _steps(self, plan: Plan, cursor: Cursor, acked: set[tuple[int, str]]) -> Iterator[list[Planned]]:
         """The fetch order, run in the producer thread, in runs of up to :data:`PLAN_RUN` steps
         (issued in one round of the plan's lock): each step gets the next sequence number.
@@ -289,6 +306,9 @@ class _Pass:
         self._plan, self._frontier = plan, Frontier(plan)
         self._total_steps = None
 
+        largest = [0, 0]  # the planned item that takes the most room: its charge and listed size
+        self._largest_streamed = largest
+
         def admit(run: list[Item]) -> list[bool]:  # in the listing thread, in listing order
             if cfg.on_error == "raise":
                 bad = next((k for k, item in enumerate(run) if item.unsafe is not None), None)
@@ -310,6 +330,8 @@ class _Pass:
                     _log_oversize_skipped(error)
                     self._count("skipped")
                 keeps.append(charge <= limit)
+                if charge <= limit and charge > largest[0]:
+                    largest[:] = charge, item.size
             with self._plan_lock:
                 plan.extend([item.size for item, keep in zip(run, keeps, strict=False) if keep])
             return keeps

@@ -101,3 +101,21 @@ class Sampler:
             wrong = {rel: size for rel, size in found.items() if expected.get(rel) != size}
             if wrong:
                 self.partial.append(f"{name}: {wrong}")
+
+
+def block_of(path: str | os.PathLike[str]) -> int:
+    """The block a cache at ``path`` (or its nearest existing folder) charges its items in."""
+    from cachepipe.blocks import clamp_block
+
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    return clamp_block(os.statvfs(probe).f_frsize)
+
+
+def charge(path: str | os.PathLike[str], file_sizes: list[int], folders: int) -> int:
+    """What an item of files of ``file_sizes`` making ``folders`` folders takes in a cache at
+    ``path``: as the ledger charges it (:func:`cachepipe.blocks.footprint`)."""
+    from cachepipe.blocks import footprint
+
+    return footprint(file_sizes, folders, block_of(path))

@@ -11,8 +11,15 @@ from test_disk_faults import immutable
 from waiting import wait_until
 
 from cachepipe import Pipeline
+from cachepipe.blocks import clamp_block
 from cachepipe.cache import tree_bytes
 from cachepipe.cache.room import held_in
+
+
+def _walked(cache) -> int:
+    """What a walk of ``cache`` finds its files and folders take, as the ledger counts them: in
+    whole blocks of its filesystem."""
+    return tree_bytes(cache, allocated=True, block=clamp_block(os.statvfs(cache).f_frsize))
 
 
 def _keep(s3_source, cache, n: int = 3) -> None:
@@ -28,15 +35,16 @@ def test_a_cache_that_closes_notes_what_its_folder_holds_and_the_note_stands_unt
     (cache / "foreign").write_bytes(b"x" * 500)  # not the cache's: counted as held, as a walk counts it
     _keep(s3_source, cache)
     assert (cache / ".cachepipe" / "held").is_file()
-    walked = tree_bytes(cache)
+    walked = _walked(cache)
     assert held_in(cache) == walked >= 3 * 3000 + 500
     # what the note stands for: a change deep in an item, which neither the journal nor the
     # folder's change time shows, is not seen (a folder is measured so only when it is a cache's)
-    (cache / min(data) / "a").write_bytes(b"x" * 3000)
-    assert held_in(cache) == walked != tree_bytes(cache)
+    (cache / min(data) / "a").write_bytes(b"x" * 9000)  # of 1000 bytes: in more blocks
+    grown = _walked(cache)
+    assert held_in(cache) == walked < grown
     # a file added at the top of the folder changes its change time: walked again
     (cache / "more").write_bytes(b"x" * 7)
-    assert held_in(cache) == tree_bytes(cache) == walked + 2000 + 7
+    assert held_in(cache) == _walked(cache) > grown
 
 
 def test_the_note_is_not_trusted_once_the_journal_changes_or_when_it_cannot_be_read(s3_source, tmp_path):
@@ -44,18 +52,18 @@ def test_the_note_is_not_trusted_once_the_journal_changes_or_when_it_cannot_be_r
     cache = tmp_path / "c"
     _keep(s3_source, cache)
     note = cache / ".cachepipe" / "held"
-    walked = tree_bytes(cache)
+    walked = _walked(cache)
     held, _, marks = note.read_text().partition(" ")
     note.write_text(f"{int(held) + 1} {marks}")  # a note that lies, while its marks hold: trusted
     assert held_in(cache) == walked + 1
     with open(cache / ".cachepipe" / "journal", "a") as journal:  # an owner of an older version, say
         journal.write("")
         os.utime(journal.fileno())
-    assert held_in(cache) == tree_bytes(cache) == walked
+    assert held_in(cache) == _walked(cache) == walked
     note.write_text("garbage\n")
-    assert held_in(cache) == tree_bytes(cache)
+    assert held_in(cache) == _walked(cache)
     note.unlink()
-    assert held_in(cache) == tree_bytes(cache)
+    assert held_in(cache) == _walked(cache)
 
 
 def test_an_open_cache_has_no_note_to_trust_and_notes_again_when_it_closes(s3_source, tmp_path):
@@ -68,12 +76,12 @@ def test_an_open_cache_has_no_note_to_trust_and_notes_again_when_it_closes(s3_so
     with Pipeline(s3_source.url, cache, "1MiB", **options) as pipe:
         wait_until(lambda: pipe.stats().items_ready == 4)
         (cache / "foreign").write_bytes(b"x" * 300)  # changes the folder; the journal was rewritten anyway
-        assert held_in(cache) == tree_bytes(cache)
+        assert held_in(cache) == _walked(cache)
         (cache / min(data) / "deep").write_bytes(b"x" * 11)
-        assert held_in(cache) == tree_bytes(cache)
-    # noted at its close: each kept item at its listed size (a consumer's file left in one is not
-    # counted; the next owner's recovery finds that item changed and deletes it)
-    assert held_in(cache) == tree_bytes(cache) - 11
+        assert held_in(cache) == _walked(cache)
+    # noted at its close: each kept item at what it was charged (a consumer's file left in one is
+    # not counted: its 11 bytes take a block; the next owner's recovery finds that item changed and deletes it)
+    assert held_in(cache) == _walked(cache) - clamp_block(os.statvfs(cache).f_frsize)
 
 
 def test_a_kept_item_deleted_before_the_close_is_not_noted_as_held(s3_source, tmp_path):
@@ -87,7 +95,7 @@ def test_a_kept_item_deleted_before_the_close_is_not_noted_as_held(s3_source, tm
         wait_until(lambda: pipe.stats().items_ready >= 3)
         shutil.rmtree(cache / min(data))
     assert (cache / ".cachepipe" / "held").is_file()
-    assert held_in(cache) == tree_bytes(cache)
+    assert held_in(cache) == _walked(cache)
 
 
 def test_an_owner_that_changed_the_folder_without_rewriting_the_journal_leaves_no_note_to_trust(s3_source, tmp_path):
@@ -100,13 +108,13 @@ def test_an_owner_that_changed_the_folder_without_rewriting_the_journal_leaves_n
     options = {"storage_options": s3_source.options, "keep_on_close": True, "auto_ack": False, "items": "files"}
     with Pipeline(s3_source.url, cache, "1MiB", **options) as pipe:
         wait_until(lambda: pipe.stats().items_ready >= 3)
-    assert held_in(cache) == tree_bytes(cache)
+    assert held_in(cache) == _walked(cache)
     s3_source.put("d/x0.bin", b"z" * 1000)  # rewritten at the same size: the kept copy is stale
     (cache / ".cachepipe" / ".journal.tmp").mkdir()  # where the journal's rewrite writes: it fails
     with pytest.raises(IsADirectoryError):
         Pipeline(s3_source.url, cache, "1MiB", **options).open()
     assert not (cache / "d" / "x0.bin").exists()  # deleted as stale
-    assert held_in(cache) == tree_bytes(cache)
+    assert held_in(cache) == _walked(cache)
 
 
 def test_staging_a_close_could_not_remove_is_not_noted_as_held(s3_source, tmp_path):
@@ -123,4 +131,4 @@ def test_staging_a_close_could_not_remove_is_not_noted_as_held(s3_source, tmp_pa
             pipe.close()
     assert (cache / ".cachepipe" / "held").is_file() and stuck.is_dir()
     shutil.rmtree(cache / ".cachepipe" / "staging")  # what the next open does first
-    assert held_in(cache) == tree_bytes(cache)
+    assert held_in(cache) == _walked(cache)

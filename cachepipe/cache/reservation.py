@@ -73,23 +73,24 @@ def _capacity_bytes(capacity: int | Share, root: Path, usage: Room | None = None
 class _Reservation(_Acks):
     """Room and claims (see the module notes): a base of :class:`~.core.Cache`."""
 
-    def set_capacity(self, capacity: int | Share, at_least: int = 0) -> int:
+    def set_capacity(self, capacity: int | Share, at_least: int = 0, listed: int | None = None) -> int:
         """Change the capacity now; returns it in bytes. Shrinking deletes nothing: downloads
         wait until acknowledgements bring the cache under the new cap.
 
         Raises:
             ConfigError: the new capacity leaves no room beside foreign files and the state
-                budget, or less than ``at_least`` bytes (the largest item still to be fetched,
-                which would fail).
+                budget, or less than ``at_least`` bytes (what the largest item still to be
+                fetched takes, :meth:`charge`, which would fail; ``listed``: its listed size).
         """
         new = _capacity_bytes(capacity, self.root)
         beside = self.foreign + self.overhead
         if beside >= new:
             raise ConfigError(f"capacity {new} bytes leaves no room beside {beside} bytes of other files and state")
         if new - beside < at_least:
+            size = f"{at_least} bytes" if listed in (None, at_least) else f"{listed} bytes listed, {at_least} in whole blocks"
             raise ConfigError(
                 f"capacity {new} bytes leaves {new - beside} bytes for items beside {beside} bytes of other files and "
-                f"state, less than the largest item planned ({at_least} bytes), which would fail (on_oversize='raise'): "
+                f"state, less than the largest item planned ({size}), which would fail (on_oversize='raise'): "
                 f"give at least {at_least + beside} bytes, or on_oversize='skip' to skip such items"
             )
         with self._cond:
