@@ -210,8 +210,11 @@ class PipelineConfig(BaseModel):
             source with no scheme that does not exist locally (see :func:`check_source`).
         cache_dir: local directory the cache owns; created if missing. Not empty, and neither
             inside nor around the cache of another open pipeline (refused at open).
-        capacity: hard cap on bytes under ``cache_dir`` (a size or a share of free space). Under
-            1 MiB is allowed with a warning: ``"100"`` is 100 bytes.
+        capacity: hard cap on bytes under ``cache_dir`` (a size or a share of free space), in
+            what the files take on the disk: each file's size rounded up to the filesystem's
+            block (``f_frsize``, held to 512 B..64 KiB) and a block per folder, so an item of
+            eight 512 B files counts 36 KiB on a filesystem of 4 KiB blocks. Under 1 MiB is
+            allowed with a warning: ``"100"`` is 100 bytes.
         items: ``"folders"``: each first-level folder under the prefix is one item (default);
             ``"files"``: each object is one item.
         storage_options: passed to the store (s3fs/fsspec options, or OBS settings); not shown in

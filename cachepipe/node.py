@@ -59,6 +59,7 @@ from .fetcher import Planned
 from .lanequeues import LaneQueues
 from .lanes import LaneSchedule, NodePlan
 from .lanesteps import _MovedAway, _Planned
+from .passes import _charges
 from .pipeline import CachedItem, Pipeline, Skipped
 from .plan import Cursor
 from .retention import PlanFuture, make_policy
@@ -216,7 +217,8 @@ class NodePipeline(Pipeline):
         self._catalog_items, self._eligible_items = catalog, eligible
         if future is not None:
             reserve = min(cache.limit // 4, max(2 * cfg.large_requests, 16) * largest)
-            cache.use_retention(make_policy("auto", plan.sizes, future, reserve=reserve), Names(catalog, eligible), 0)
+            policy = make_policy("auto", _charges(catalog, eligible, cache.block), future, reserve=reserve)
+            cache.use_retention(policy, Names(catalog, eligible), 0)
         self._total_steps = None
         return queues.steps(self._item)
 

@@ -174,7 +174,7 @@ class _Pass:
         if cfg.retain == "auto":
             self._future = PlanFuture(plan, horizon=2)
             reserve = min(cache.limit // 4, max(2 * cfg.large_requests, 16) * largest)
-            policy = make_policy("auto", plan.sizes, self._future, reserve=reserve)
+            policy = make_policy("auto", _charges(catalog, eligible, cache.block), self._future, reserve=reserve)
             cache.use_retention(policy, Names(catalog, eligible), plan_tick(*cursor))
         before = _steps_before(plan, cursor)
         self._total_steps = None if cfg.epochs is None else sum(len(plan.share(e)) for e in range(cfg.epochs)) - before
@@ -387,6 +387,14 @@ class _Pass:
     def _count(self, name: str) -> None:
         with self._counts_lock:
             self._counts[name] += 1
+
+
+def _charges(catalog: Catalog, eligible: array[int] | None, block: int) -> array[int]:
+    """What each planned item takes in the cache (:meth:`Cache.charge`), by plan position: the
+    retention policy's sizes, in the ledger's bytes (its victims must free what a download
+    waits for). A walk of every item's files (``retain="auto"`` only)."""
+    planned = range(len(catalog)) if eligible is None else eligible
+    return array("q", (catalog.charge(i, block) for i in planned))
 
 
 def _in_runs(steps: Iterator[Step], size: int) -> Iterator[list[Step]]:

@@ -805,7 +805,7 @@ def test_a_capacity_below_the_largest_item_is_refused_where_such_items_would_fai
         first = pipe.get(timeout=30)
         if on_oversize == "raise":
             taken = charge(tmp_path, [20_000], 1)
-            planned = r"less than the largest item planned \(20000 bytes listed, %d in whole blocks\).*give at least" % taken
+            planned = rf"less than the largest item planned \(20000 bytes listed, {taken} in whole blocks\).*give at least"
             with pytest.raises(ConfigError, match=planned):
                 pipe.set_capacity("40KiB")  # room beside the state, but not for such an item
             assert pipe.stats().capacity == 1024**2
