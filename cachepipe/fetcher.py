@@ -449,7 +449,8 @@ class Fetcher(_PartRequests):
             return 0
         cache = self._cache
         beside = cache.limit - cache.charge(item)
-        return max(0, min(self._cfg.prepare_extra(item.size), beside - beside % cache.block))
+        wanted = self._cfg.prepare_extra(item.size, cache.block, item.is_file)
+        return max(0, min(wanted, beside - beside % cache.block))
 
     def _refusal(self, item: Item) -> ArchiveError | UnsafeKeyError | None:
         """Why ``item`` cannot be delivered as configured, known before downloading it; or None.

@@ -198,22 +198,25 @@ class _Finishing:
         """Unpack and/or run the prepare hook on a verified staged item, measure it, publish it
         (prepare pool). The extraction may add at most ``job.extra`` bytes beside the archives."""
         item, reserved, staged = job.item, self._cache.charge(job.item, job.extra), Path(job.staged)
+        block = self._cache.block
         try:
             if self._cfg.unpack:
+                # the extraction in whole blocks and its folders, as the item is measured below: it
+                # takes at most the extra reserved beside the item (rounded up to whole blocks)
                 unpack_in_place(
                     staged,
                     name=item.name,
-                    limit_bytes=job.extra,
+                    limit_bytes=round_up(job.extra, block),
+                    block=block,
                     max_members=DEFAULT_MAX_MEMBERS,
                     stop=self._stop,
-                    advice=self._cfg.unpack_advice(item.size, job.extra),
+                    advice=self._cfg.unpack_advice(item.size, job.extra, block, item.is_file),
                 )
                 if self._stop.is_set():
                     return  # closing: the cache removes staging wholesale; the hook is not run
             if self._cfg.prepare is not None:
                 self._cfg.prepare(staged)
             # what it takes, as the ledger charges items: its files in whole blocks, a block per folder
-            block = self._cache.block
             used = block + tree_bytes(staged, block=block) if staged.is_dir() else round_up(staged.stat().st_size, block)
             if used > reserved:
                 raise PrepareOverflowError(

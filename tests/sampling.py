@@ -24,8 +24,11 @@ class Sampler:
     the walk reaches it; one moved out of staging after it was walked is not in the listing.
     """
 
-    def __init__(self, root: Path, expected: dict[str, dict[str, int]] | None = None, interval: float = 0.002) -> None:
+    def __init__(
+        self, root: Path, expected: dict[str, dict[str, int]] | None = None, interval: float = 0.002, block: int = 0
+    ) -> None:
         self.root = Path(root)
+        self.block = block  # above 0: bytes counted as the cache's ledger counts them (files in whole blocks, folders)
         self.expected = expected
         self.interval = interval
         self.peak = 0
@@ -63,10 +66,11 @@ class Sampler:
                 st = path.lstat()
             except FileNotFoundError:
                 continue
+            block = self.block
             if stat.S_ISDIR(st.st_mode):
-                total += tree_bytes(path)
+                total += block + tree_bytes(path, block=block)  # with its own folder
             elif stat.S_ISREG(st.st_mode):
-                total += st.st_size
+                total += -(-st.st_size // block) * block if block else st.st_size
         return total
 
     def _check_complete(self) -> None:
