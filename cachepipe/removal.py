@@ -15,11 +15,12 @@ import logging
 import os
 import queue
 import shutil
+import stat
 import sys
 import threading
 from collections.abc import Callable, Container, Iterator, Sequence
 
-__all__ = ["Reaper", "delete_tree", "rmtree", "tree_bytes"]
+__all__ = ["Reaper", "delete_tree", "rmtree", "taken", "tree_bytes"]
 
 log = logging.getLogger("cachepipe.cache")
 
@@ -37,7 +38,9 @@ def delete_tree(path: str | os.PathLike[str], block: int = 0) -> int:
     return 0
 
 
-def tree_bytes(root: str | os.PathLike[str], skip: Container[str] = (), allocated: bool = False, block: int = 0) -> int:
+def tree_bytes(
+    root: str | os.PathLike[str], skip: Container[str] = (), allocated: bool = False, block: int = 0, disk: bool = False
+) -> int:
     """Total size in bytes of the files under ``root`` (symlinks counted as nothing, never
     followed; a folder that cannot be listed, or an entry removed while this walks, as
     nothing), except the entries whose path relative to ``root`` (``/``-separated) is in
@@ -47,7 +50,10 @@ def tree_bytes(root: str | os.PathLike[str], skip: Container[str] = (), allocate
     the files take in whole blocks of it, and a block for each folder under ``root`` (not ``root``
     itself), as the cache's ledger charges its items (:func:`~cachepipe.blocks.footprint`). One
     ``lstat`` per file counted and none per folder (``os.scandir`` tells folders and links apart
-    from the directory itself).
+    from the directory itself). With ``disk``, instead, what the files and folders take from the
+    disk (:func:`taken`: each at the bytes the disk gave it; a folder takes none on tmpfs, a
+    block or more on ext4), one ``lstat`` per folder too: what deleting them would free, for a
+    share of the disk.
 
     Raises:
         OSError: a file listed that cannot be measured (but for one removed meanwhile), as the
@@ -69,15 +75,27 @@ def tree_bytes(root: str | os.PathLike[str], skip: Container[str] = (), allocate
                 try:
                     if entry.is_dir(follow_symlinks=False):
                         folders.append((entry.path, f"{name}/"))
-                        total += block
+                        total += taken(entry.stat(follow_symlinks=False), 0) if disk else block
                     elif not entry.is_symlink():
                         st = entry.stat(follow_symlinks=False)
+                        if disk:
+                            total += taken(st, block)
+                            continue
                         given = st.st_blocks * 512  # 0 on file systems that do not say (or keep small files inline)
                         size = given if allocated and 0 < given < st.st_size else st.st_size
                         total += -(-size // block) * block if block > 0 else size
                 except FileNotFoundError:
                     continue  # removed while we walked (any other error is raised: the total would be wrong)
     return total
+
+
+def taken(st: os.stat_result, block: int) -> int:
+    """What the file or folder of ``st`` takes from the disk: the bytes it was given
+    (``st_blocks``); where none are reported for a file that has bytes (a filesystem that does
+    not say, or keeps small files inline), its size in whole ``block`` s (0: its size)."""
+    if st.st_blocks or not st.st_size or stat.S_ISDIR(st.st_mode):
+        return st.st_blocks * 512
+    return -(-st.st_size // block) * block if block > 0 else st.st_size
 
 
 def _listed(entries: Iterator[os.DirEntry[str]]) -> Iterator[os.DirEntry[str]]:

@@ -7,7 +7,7 @@ import os
 import shutil
 
 import pytest
-from test_disk_faults import immutable
+from test_disk_faults import immutable, tmpfs
 from waiting import wait_until
 
 from cachepipe import Pipeline
@@ -17,9 +17,8 @@ from cachepipe.cache.room import held_in
 
 
 def _walked(cache) -> int:
-    """What a walk of ``cache`` finds its files and folders take, as the ledger counts them: in
-    whole blocks of its filesystem."""
-    return tree_bytes(cache, allocated=True, block=clamp_block(os.statvfs(cache).f_frsize))
+    """What a walk of ``cache`` finds its files and folders take from the disk (``st_blocks``)."""
+    return tree_bytes(cache, disk=True, block=clamp_block(os.statvfs(cache).f_frsize))
 
 
 def _keep(s3_source, cache, n: int = 3) -> None:
@@ -79,9 +78,9 @@ def test_an_open_cache_has_no_note_to_trust_and_notes_again_when_it_closes(s3_so
         assert held_in(cache) == _walked(cache)
         (cache / min(data) / "deep").write_bytes(b"x" * 11)
         assert held_in(cache) == _walked(cache)
-    # noted at its close: each kept item at what it was charged (a consumer's file left in one is
-    # not counted: its 11 bytes take a block; the next owner's recovery finds that item changed and deletes it)
-    assert held_in(cache) == _walked(cache) - clamp_block(os.statvfs(cache).f_frsize)
+    # noted at its close, walked then: a consumer's file left in an item too (the next owner's
+    # recovery finds that item changed and deletes it: what it frees)
+    assert held_in(cache) == _walked(cache)
 
 
 def test_a_kept_item_deleted_before_the_close_is_not_noted_as_held(s3_source, tmp_path):
@@ -132,3 +131,22 @@ def test_staging_a_close_could_not_remove_is_not_noted_as_held(s3_source, tmp_pa
     assert (cache / ".cachepipe" / "held").is_file() and stuck.is_dir()
     shutil.rmtree(cache / ".cachepipe" / "staging")  # what the next open does first
     assert held_in(cache) == _walked(cache)
+
+
+def test_what_a_closed_cache_is_noted_to_hold_is_what_deleting_it_frees(s3_source, tmp_path):
+    """The note held each kept item at its charge in the ledger, a block for each of its folders:
+    on tmpfs, where a folder takes no page, a cache of folder items was noted larger than it was,
+    and a share of the disk measured on reopen counted room that was not there. The note and the
+    walk measure what the files and folders take now: what deleting them frees, to the byte."""
+    s3_source.folders(4, {"a": 100, "d/e/b": 5000})
+    with tmpfs(tmp_path / "disk", "4m") as disk:
+        cache = disk / "c"
+        _keep(s3_source, cache, 4)
+        assert (cache / ".cachepipe" / "held").is_file()
+        noted, walked = held_in(cache), tree_bytes(cache, disk=True, block=4096)
+        st = os.statvfs(disk)
+        before = st.f_bfree * st.f_frsize
+        for entry in os.scandir(cache):
+            (shutil.rmtree if entry.is_dir(follow_symlinks=False) else os.unlink)(entry.path)
+        st = os.statvfs(disk)
+        assert noted == walked == st.f_bfree * st.f_frsize - before

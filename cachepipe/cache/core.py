@@ -410,7 +410,7 @@ class Cache(_Publishing):
             self.record.close()
             try:
                 if noted:  # what the folder holds, for a share of the disk measured before the next owner's recovery
-                    write_note(self.root, self.record.published, self.block)
+                    write_note(self.root, self.block)
             finally:
                 self._lock.release()
 
