@@ -13,7 +13,7 @@ import threading
 
 import pytest
 from mounts import mounted
-from sampling import charge
+from sampling import block_of, charge
 from waiting import wait_until
 
 from cachepipe import OversizeError, Pipeline
@@ -140,10 +140,11 @@ def test_an_item_that_cannot_be_deleted_stays_counted_and_the_rest_flows(s3_sour
     size = 1024 * KIB  # reaped after an ack (cache.REAP_MIN_BYTES); smaller items are deleted in place
     data = s3_source.folders(6, {"f": size})
     cache = tmp_path / "cache"
-    capacity = 3 * size + 16 * KIB  # three items and the state budget
+    # three items and the state (its folders, lock, journal and budget), in whole blocks
+    capacity = 3 * charge(tmp_path, [size], 1) + 8 * block_of(tmp_path)
     got = []
     with (
-        Sampler(cache) as sampler,
+        Sampler(cache, block=block_of(tmp_path)) as sampler,
         Pipeline(s3_source.url, cache, capacity, storage_options=s3_source.options, auto_ack=False) as pipe,
     ):
         first = pipe.get(timeout=30)
@@ -456,7 +457,8 @@ def test_dataloader_workers_keep_their_share_of_the_disk_when_they_open_again_ov
     from cachepipe.torch import CachePipeDataset
 
     proxy, endpoint = fault_proxy
-    names = sorted(s3_source.folders(20, {"f": 40 * KIB}))  # 800 KiB: each worker's share nearly full
+    # 800 KiB in whole blocks (a 36 KiB file and its folder, 4 KiB pages): each worker's share nearly full
+    names = sorted(s3_source.folders(20, {"f": 36 * KIB}))
     options = {"storage_options": {**s3_source.options, "endpoint_url": endpoint}, "world_size": ranks}
     plan = {"epochs": 3, "retain": "auto", "partition": "fixed", "shuffle": True, "seed": 1}
     with tmpfs(tmp_path / "disk", "1m") as disk:
@@ -495,7 +497,8 @@ def test_an_item_over_a_worker_s_share_of_the_disk_is_said_to_be_over_that_share
         finally:
             it._shutdown_workers()  # the worker error leaves the loader's queue threads to its shutdown
     said = re.search(
-        r"item 'a' is 600000 bytes, larger than this DataLoader worker's share of the cache \(capacity 90% of "
+        r"item 'a' is 600000 bytes listed, \d+ bytes in the filesystem's blocks of 4096 bytes \([^)]*\), larger than this "
+        r"DataLoader worker's share of the cache \(capacity 90% of "
         r"(\d+) bytes free or cached in cache_dir / num_workers 2\) of (\d+) bytes",
         str(failed.value),
     )
