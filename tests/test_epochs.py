@@ -127,14 +127,15 @@ def test_retain_auto_downloads_nothing_after_epoch_one_when_the_data_fits(s3_sou
 
 
 def test_retain_auto_beats_none_at_half_capacity_and_keeps_the_cap(s3_source, tmp_path):
-    from sampling import Sampler
+    from sampling import Sampler, block_of, charge
 
     s3_source.folders(20, {"f": 2000})
-    capacity = 10 * 2000 + 8 * 1024  # half the data, plus the state budget
+    block = block_of(tmp_path)
+    capacity = 10 * charge(tmp_path, [2000], 1) + 8 * block  # half the data in whole blocks, plus the state
     downloaded = {}
     for retain in ("none", "auto"):
         cache = tmp_path / retain
-        with Sampler(cache) as sampler:
+        with Sampler(cache, block=block) as sampler:
             with Pipeline(
                 s3_source.url,
                 cache,
@@ -161,12 +162,15 @@ def _probe(path):
 
 
 def test_prepare_runs_before_hand_out_and_counts_against_the_cap(s3_source, tmp_path):
-    from sampling import Sampler
+    from sampling import Sampler, block_of, charge
 
     data = s3_source.folders(8, {"f": 1000})
     s3_source.put("item008/f", b"x" * 999)  # the hook fails on this one
-    capacity = 3 * 1100 + 4096
-    with Sampler(tmp_path / "c") as sampler:
+    block = block_of(tmp_path)
+    # three items prepared (f, meta.json and their folder, in whole blocks: the item's charge and
+    # prepare_reserve rounded up to a block), and the state
+    capacity = 3 * charge(tmp_path, [1000, 13], 1) + 8 * block
+    with Sampler(tmp_path / "c", block=block) as sampler:
         with Pipeline(
             s3_source.url,
             tmp_path / "c",
@@ -186,9 +190,12 @@ def test_prepare_runs_before_hand_out_and_counts_against_the_cap(s3_source, tmp_
 
 
 def test_prepare_that_outgrows_its_reserve_fails_the_item(s3_source, tmp_path):
+    from sampling import charge
+
     s3_source.folders(1, {"f": 1000})
+    reserved = charge(tmp_path, [1000], 1)  # the item's file and folder in whole blocks; meta.json takes one more
     with Pipeline(s3_source.url, tmp_path / "c", "1MiB", storage_options=s3_source.options, prepare=_probe) as pipe:
-        with pytest.raises(Exception, match="more than the 1000 reserved"):
+        with pytest.raises(Exception, match=rf"more than the {reserved} reserved \(1000 listed"):
             list(pipe)
     with pytest.raises(ValueError, match="retain"):
         Pipeline(s3_source.url, tmp_path / "d", "1MiB", prepare=_probe, retain="auto")
