@@ -88,6 +88,9 @@ class Cache(_Publishing):
         # the filesystem's allocation block (read by open): every item is charged its files in
         # whole blocks of it, and a block per folder (:meth:`charge`)
         self.block = BLOCK_MIN
+        # the journal's budget in bytes, which the ledger counts rounded up to whole blocks (the
+        # journal is one file): a streamed listing's names grow it (note_listed)
+        self._budget_bytes = 0
         self.record = Record(self.state_dir / JOURNAL)
         self._staging = Staging(self.staging_root)
         self._eviction = Eviction(self.root, self._staging, self._reaped)
@@ -271,7 +274,8 @@ class Cache(_Publishing):
         # in whole blocks, as the items are charged: the state folder itself, its files and folders,
         # and the journal's budget (the journal grows into it)
         state_files = block + tree_bytes(self.state_dir, block=block)
-        record.budget = round_up(self.journal_budget(items), block)
+        self._budget_bytes = self.journal_budget(items)
+        record.budget = round_up(self._budget_bytes, block)
         ledger.overhead = state_files + record.budget
         # the reused items matched their sizes: their charge is reserved
         ledger.foreign = tree_bytes(self.root, skip={*reuse, STATE_DIR}, block=block)
@@ -321,11 +325,17 @@ class Cache(_Publishing):
             raise TypeError(f"note_listed takes a sequence of item names, not one name: {names!r}")
         ledger = self.ledger
         step, versioned = state.EVENT_OVERHEAD, state.EVENT_OVERHEAD + state.VERSION_OVERHEAD
-        grows = [
-            # each name's bytes as Catalog.name_bytes counts them (an undecodable byte: 3), as a reopen budgets it
+        # each name's bytes as Catalog.name_bytes counts them (an undecodable byte: 3), as a reopen
+        # budgets it; counted in the ledger as what they add to the budget in whole blocks, so that
+        # the budget is the one a reopen over the same names reserves (round_up of the total)
+        raw = [
             2 * (4 * len(name.encode("utf-8", "surrogatepass")) + (step if i < len(plain) and plain[i] else versioned))
             for i, name in enumerate(names)
         ]
+        block, grows, total = self.block, [], self._budget_bytes
+        for grow in raw:
+            grows.append(round_up(total + grow, block) - round_up(total, block))
+            total += grow
         limits: list[int] = []
         with self._cond:
             if grows:
@@ -345,6 +355,7 @@ class Cache(_Publishing):
                     limit, free = limit - grow, free - grow
                     limits.append(limit)
                 counted = sum(grows[: len(limits)])
+                self._budget_bytes += sum(raw[: len(limits)])
                 self.record.budget += counted
                 ledger.overhead += counted
             self._cond.notify_all()
