@@ -350,9 +350,9 @@ def test_state_budget_outgrowing_the_capacity_is_a_config_error(memory_data, tmp
 
 
 def test_all_items_skipped_as_oversize_is_an_empty_source(memory_data, tmp_path):
-    memory_data.pipe_file("/stream/data/a/f", b"x" * 5000)
+    memory_data.pipe_file("/stream/data/a/f", b"x" * 50_000)
     with pytest.raises(EmptySourceError, match="smaller than the capacity"):
-        Pipeline(ROOT, tmp_path / "c", 4000, on_oversize="skip").open()
+        Pipeline(ROOT, tmp_path / "c", 40_960, on_oversize="skip").open()  # room for the state in whole blocks
 
 
 def test_state_saved_mid_listing_resumes_on_the_whole_catalog(memory_data, tmp_path):
