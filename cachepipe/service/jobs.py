@@ -143,7 +143,12 @@ class Jobs:
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise
-            log.warning("jobs.root %s: cannot be locked for this daemon (%s): a second daemon on it would not be refused", self.config.root, exc)
+            log.warning(
+                "jobs.root %s: cannot be locked for this daemon (%s): a second daemon on it would not be refused, "
+                "and its jobs cannot register",
+                self.config.root,
+                exc,
+            )
             return
         self._root_lock = lock
         self._sweep("no job folder under jobs.root names it (the daemon's start)")
@@ -336,7 +341,9 @@ class Jobs:
                         grace,
                     )
         except BlockingIOError:
-            log.info("manifests in %s: none removed now: a manifest is being written there (the next delete removes them)", folder)
+            log.info(
+                "manifests in %s: none removed now: a manifest is being written there (the next delete removes them)", folder
+            )
         except OSError as exc:
             if exc.errno in (errno.EBADF, errno.ENOLCK):  # as _manifests: NFS, a mount without locks
                 log.warning("manifests in %s: none removed: the folder cannot be locked (%s)", folder, exc.strerror)
