@@ -6,6 +6,7 @@ raw HTTP on the socket.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import logging
@@ -22,6 +23,7 @@ import yaml
 from conftest import via
 from removing import remove_tree
 from test_service_lifecycle import NextDaemon
+from test_state_files import _upload_held
 from waiting import wait_until
 
 from cachepipe.client import Client, ServiceError, StoreError
@@ -904,6 +906,17 @@ def test_the_manifests_no_job_names_are_removed_after_the_grace_when_a_job_is_de
         for digest in (dropped, fresh):
             assert f"manifest {digest} removed: no job folder under jobs.root names it (the daemon's start)" in log, log
         assert register(sock, "kept", spec(s3_source, catalog=kept, capacity=64 * KIB))["catalog_digest"] == kept
+        # a removal waits for no write: while an upload is under way (held for its last byte), none is removed
+        with Client(socket=sock) as admin, JobClient("kept", spec(s3_source), 0, socket=sock) as lane:
+            body = lane.manifest_bytes(kept)
+            with contextlib.closing(_upload_held(sock, body)) as held:
+                wait_until(lambda: list(folder.glob(".upload-*")), 60, "the held upload's temporary file")
+                admin.delete_job("kept")
+                assert (folder / f"{kept}.json.gz").exists()
+                assert f"manifests in {folder}: none removed now: a manifest is being written there" in daemon.log()
+                held.sendall(body[-1:])
+                held.settimeout(60)
+                assert held.recv(4096).startswith(b"HTTP/1.1 200 ")
 
 
 def test_a_second_daemon_on_a_jobs_root_another_serves_is_refused_naming_it(s3_source, tmp_path, short_dir):

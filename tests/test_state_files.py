@@ -381,3 +381,26 @@ def test_a_daemon_publishes_its_socket_where_hard_links_are_refused(short_dir, t
             client.connect(str(sock))  # ours, serving
     finally:
         api.close()
+
+
+@pytest.mark.parametrize("kind", ["nfs", "nolock"])
+def test_one_daemon_per_jobs_root_where_flock_is_nfs_s_or_none(tmp_path, monkeypatch, caplog, kind):
+    """The daemon's lock on jobs.root is a file open for writing: NFS locks it (its locks are the
+    server's), and a second daemon is refused; a mount without locks (ENOLCK) cannot, and the
+    daemon starts all the same, saying that a second one would not be refused."""
+    from cachepipe.service.jobs import Jobs, JobsConfig
+
+    config = JobsConfig(root=tmp_path / "jobs", capacity="1MiB")
+    monkeypatch.setattr(fcntl, "flock", _flock_as_on(kind))
+    first, second = Jobs(config), Jobs(config)
+    try:
+        first.start("/run/one.sock")
+        if kind == "nfs":
+            with pytest.raises(OSError, match=r"is in use by another cachepipe daemon \(pid \d+ on .*, socket /run/one.sock\)"):
+                second.start("/run/two.sock")
+        else:
+            second.start("/run/two.sock")
+            assert "cannot be locked (No locks available; an NFS mount without a lock daemon?)" in caplog.text
+    finally:
+        first.close()
+        second.close()
