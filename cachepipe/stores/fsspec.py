@@ -39,10 +39,10 @@ from ..fscalls import sync_folder
 from .base import (
     CONNECT_TIMEOUT,
     DELETE_BATCH,
-    FIRST_PAGE_KEYS,
     TEMP_SUFFIX,
     ObjectInfo,
     delete_error,
+    first_page_keys,
     listed_etag,
     open_local,
     part_size_for,
@@ -173,7 +173,8 @@ class FsspecStore:
 
     list_page_size: int = 1000
     """Keys per listing request to S3 (S3's maximum and default is 1,000); the first request asks
-    for :data:`~cachepipe.stores.base.FIRST_PAGE_KEYS` if that is fewer."""
+    for :data:`~cachepipe.stores.base.FIRST_PAGE_KEYS` if that is fewer, but after a key (see
+    :func:`~cachepipe.stores.base.first_page_keys`)."""
 
     def list(self, start_after: str | None = None) -> Iterator[ObjectInfo]:
         """Yield every object under the root in key order (after the key ``start_after``, if
@@ -209,7 +210,7 @@ class FsspecStore:
         bucket, key, _ = self.fs.split_path(self.root)
         prefix = f"{key}/" if key else ""
         token = None
-        keys = min(FIRST_PAGE_KEYS, self.list_page_size)
+        keys = first_page_keys(self.list_page_size, start_after)
         after = prefix + start_after if start_after is not None else prefix
         while True:
             with self._errors(self.url):

@@ -68,9 +68,9 @@ from typing import Any, BinaryIO
 from cachepipe.errors import ConfigError
 from cachepipe.stores.base import (
     DELETE_BATCH,
-    FIRST_PAGE_KEYS,
     ObjectInfo,
     delete_error,
+    first_page_keys,
     listed_etag,
     not_the_api,
     open_local,
@@ -207,14 +207,14 @@ class ObsStore(_ObsSeam):
         (after the key ``start_after``, if given: the first page's ``marker``).
 
         Keys are relative to :attr:`prefix`; etags lose their quotes. Each page holds up to
-        ``page_size`` objects (the first up to :data:`~cachepipe.stores.base.FIRST_PAGE_KEYS`)
-        and is yielded before the next one is requested.
+        ``page_size`` objects (the first up to :data:`~cachepipe.stores.base.FIRST_PAGE_KEYS`
+        but after a key, see :func:`~cachepipe.stores.base.first_page_keys`) and is yielded before the next one is requested.
         """
         # after the prefix's own folder marker (see FsspecStore._list_s3_page): the first page's
         # keys are all objects
         marker: str | None = self.prefix + start_after if start_after is not None else self.prefix or None
         last = ""
-        keys = min(FIRST_PAGE_KEYS, self._page_size)
+        keys = first_page_keys(self._page_size, start_after)
         while True:
             resp = self._call(
                 "list",
