@@ -28,6 +28,7 @@ from .backoff import backoff_delay
 from .catalog import Catalog, Item, group_items
 from .errors import EmptySourceError, is_transient
 from .grouping import tree_order
+from .keys import _TreeCheck
 from .stores import Store
 from .stores.base import FIRST_PAGE_KEYS, ObjectInfo, takes_start_after
 
@@ -74,8 +75,10 @@ class StreamingListing:
             :meth:`Store.list <cachepipe.stores.base.Store.list>`), where the store takes it and
             every key so far came in key order (S3, OBS); else it lists from the start again
             (a store listing folder by folder: SeaweedFS). Either way it skips the items listed
-            before (at or before the last one in the store's order, see :func:`_position`): an
-            item is never admitted twice, even if a store's answer overlaps.
+            before (at or before the last one in the store's order, see :class:`_Restart`): an
+            item is never admitted twice, even if a store's answer overlaps. In ``"files"``
+            mode, a listing continued after a key checks its keys against those listed before
+            (a file ``a`` listed before the cut, ``a/b`` after it: unsafe, as in one listing).
     """
 
     def __init__(
@@ -154,6 +157,7 @@ class StreamingListing:
     # ---- the listing thread ------------------------------------------------------------
     def _run(self) -> None:
         restart = _Restart(self._store, self._mode)  # where a restart lists again, and what it skips
+        seen = _TreeCheck()  # files: the keys listed, against which a listing continued after a key checks its own
         admitted = 0  # objects in the items listed (files: a folder's marker or a loose object is in none)
         attempt = 0
         run: list[Item] = []  # listed, not admitted yet
@@ -173,8 +177,10 @@ class StreamingListing:
                 objects = restart.listing()
                 # after a key, the first page counted from where the listing was; from the start, again
                 self._objects = admitted if restart.after_key else 0
+                if not restart.after_key:
+                    seen = _TreeCheck()  # a listing from the start sees every key again
                 try:
-                    for item in group_items(self._count(objects), self._mode):
+                    for item in group_items(self._count(objects), self._mode, seen):
                         if restart.before(_unit(item.files[0].key, self._mode)):
                             continue
                         attempt = 0

@@ -936,6 +936,7 @@ def test_a_second_daemon_on_a_jobs_root_another_serves_is_refused_naming_it(s3_s
                 second.start()
         finally:
             second.close()
+        assert not (short_dir / "two.sock").exists()  # the refused daemon's socket is not left behind
         message = f"jobs.root {str(root)!r} is in use by another cachepipe daemon (pid {first.pid} on {socket.gethostname()}, "
         assert message in str(err.value) and f"socket {short_dir / 'one.sock'})" in str(err.value), str(err.value)
         first.signal(signal.SIGTERM)

@@ -546,6 +546,33 @@ def test_a_whole_listing_whose_page_n_fails_lists_again_from_there_not_from_its_
     assert requests == _requests_resumed(keys, mode, page, failing), (requests, failing + -(-len(keys) // page))
 
 
+def test_a_streamed_listing_continued_after_a_key_checks_its_keys_against_those_before_the_cut(request, fault_proxy):
+    """items='files': the file ``item031`` listed before a page failed, ``item031/a`` ... after
+    the restart, which lists after the last key admitted: checked only against the keys of the
+    listing after the cut, ``item031/b`` and ``item031/c`` passed as safe (and would be written
+    under a file). They are unsafe, as in one listing (list_source's catalog says so)."""
+    proxy, endpoint = fault_proxy
+    page, failing = 5, 20
+    keys = sorted([f"item{i // 3:03d}/{'abc'[i % 3]}" for i in range(150)] + ["item031"])
+    assert keys[(failing - 1) * page - 2 : (failing - 1) * page + 1] == ["item031", "item031/a", "item031/b"]
+    store, source = _paged_store(request, "s3", endpoint, page)
+    source.put_many({key: key.encode() for key in keys})
+    _fail_once(proxy, {"": failing})
+    listing = StreamingListing(store, "files", lambda run: [True] * len(run), lambda: None, retries=1, backoff=lambda _: 0.0)
+    listing.start()
+    try:
+        got = list(iter(listing.take, None))
+        requests = sum(_listing_request(head) for head in proxy.requests)
+        clean = Catalog.from_listing(store.list(), "files")
+    finally:
+        listing.stop()
+        store.close()
+    assert [item.name for item in got] == keys and requests == _requests_resumed(keys, "files", page, failing) == 32
+    unsafe = {clean.names[at]: str(why) for at, why in clean.unsafe.items()}
+    assert {item.name: str(item.unsafe) for item in got if item.unsafe} == unsafe
+    assert sorted(unsafe) == ["item031/a", "item031/b", "item031/c"]
+
+
 @pytest.mark.parametrize("backend", ["s3", "obs"])
 def test_a_listing_continued_after_a_key_asks_full_pages(request, fault_proxy, backend):
     """A listing asks 100 keys first (FIRST_PAGE_KEYS: the first item comes sooner), then full
