@@ -943,3 +943,37 @@ def test_a_second_daemon_on_a_jobs_root_another_serves_is_refused_naming_it(s3_s
         assert first.proc.wait(60) == 0
     with DaemonProcess(configs[1]), Client(socket=short_dir / "two.sock") as client:
         assert client.status()["pid"]
+
+
+def test_a_job_folder_without_a_note_keeps_the_manifests_at_start(s3_source, tmp_path, short_dir):
+    """A job folder whose note is missing (left by a cachepipe before the notes, 2026-12-01, or
+    whose note could not be written): the start removed every manifest older than the grace,
+    the one that job plans from too, and its lanes, registering it again after the restart (an
+    upgrade), were refused: 409 ``no manifest of that digest was uploaded``. Such a folder
+    keeps them all now, said in the log, until its job registers again (which notes it); a
+    job registered without a catalog notes so, and keeps none."""
+    s3_source.folders(2, {"a.bin": KIB})
+    sock, root = short_dir / "api.sock", tmp_path / "jobs"
+    jobs = {"root": str(root), "capacity": "1MiB", "sources": [s3_source.url], "manifest_grace": 60}
+    jobs["options"] = {"storage_options": s3_source.options}
+    config = write_config(tmp_path, sock, jobs)
+    folder = root / ".manifests"
+    with DaemonProcess(config) as daemon:
+        with JobClient("lister", spec(s3_source), 0, socket=sock) as lane:
+            planned = lane.index(s3_source.url)
+            s3_source.put("grown/a.bin", b"x")
+            orphan = lane.index(s3_source.url)
+        register(sock, "old", spec(s3_source, catalog=planned, capacity=64 * KIB))
+        register(sock, "plain", spec(s3_source, capacity=64 * KIB))  # lists the source: no catalog
+        daemon.signal(signal.SIGTERM)
+        assert daemon.proc.wait(60) == 0
+    (folder / "jobs" / "old").unlink()  # as a version before the notes left it
+    for digest in (planned, orphan):
+        _aged(folder / f"{digest}.json.gz")
+    with DaemonProcess(config) as daemon, Client(socket=sock) as admin:
+        assert register(sock, "old", spec(s3_source, catalog=planned, capacity=64 * KIB))["catalog_digest"] == planned
+        assert f"{orphan}.json.gz" in {p.name for p in folder.glob("*.json.gz")}  # kept by the start
+        assert f"manifests in {folder}: none removed: the job folder 'old' names none" in daemon.log(), daemon.log()
+        register(sock, "plain", spec(s3_source, capacity=64 * KIB))
+        admin.delete_job("plain")  # every job folder is noted now: the orphan goes
+        assert sorted(p.name for p in folder.glob("*.json.gz")) == [f"{planned}.json.gz"]

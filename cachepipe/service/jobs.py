@@ -262,16 +262,13 @@ class Jobs:
         return path
 
     def _note(self, name: str, digest: str | None) -> None:
-        """Note that job ``name`` plans from manifest ``digest`` (None: from none), in
-        ``root/.manifests/jobs/NAME``: kept while its job folder is (see :mod:`.jobsroot`). A
-        failure is logged: that manifest is then kept, after a restart, only for the grace."""
+        """Note that job ``name`` plans from manifest ``digest`` (None: from none, an empty note),
+        in ``root/.manifests/jobs/NAME``: kept while its job folder is (see :mod:`.jobsroot`). A
+        failure is logged: its folder then has no note, and keeps every manifest (:meth:`_unnoted`)."""
         path = self.config.root / ".manifests" / "jobs" / name
         try:
-            if digest is None:
-                path.unlink(missing_ok=True)
-            else:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write(path, f"{digest}\n".encode())
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, b"" if digest is None else f"{digest}\n".encode())
         except OSError as exc:
             log.warning("job %s: could not note in %s that it plans from manifest %s: %s", name, path, digest, exc)
 
@@ -301,8 +298,26 @@ class Jobs:
                 continue
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.path)
-            log.info("job %s: its folder is gone, so its manifest %s is no longer kept for it", name, digest)
+            if digest:  # an empty note named none
+                log.info("job %s: its folder is gone, so its manifest %s is no longer kept for it", name, digest)
         return named
+
+    def _unnoted(self) -> list[str]:
+        """The job folders under ``root`` without a note (called holding the jobs' lock), but a
+        registered job's (its catalog is named) and the one a registration opens: left by a
+        cachepipe before the notes (2026-12-01), or whose note could not be written. The manifest
+        each plans from is not known, so none is removed while there is one (:meth:`_sweep`)."""
+        notes = self.config.root / ".manifests" / "jobs"
+        opening = None if self._opening is None else Path(self._opening.config.cache_dir).name
+        return sorted(
+            entry.name
+            for entry in os.scandir(self.config.root)
+            if _JOB_NAME.match(entry.name)
+            and entry.name not in self._jobs
+            and entry.name != opening
+            and entry.is_dir(follow_symlinks=False)
+            and not (notes / entry.name).exists()
+        )
 
     def _sweep(self, why: str, deleted: _Job | None = None) -> None:
         """Remove the manifests no job names (:meth:`_named`) written ``jobs.manifest_grace``
@@ -329,7 +344,19 @@ class Jobs:
                 for entry in os.scandir(folder):
                     if (found := MANIFEST_NAME.fullmatch(entry.name)) and entry.is_file(follow_symlinks=False):
                         written[found[1]] = entry.stat(follow_symlinks=False).st_mtime
-                for digest in unneeded(written, self._named(now), now, grace):
+                named, unnoted = self._named(now), self._unnoted()
+                if unnoted and written:
+                    log.info(
+                        "manifests in %s: none removed: the job folder%s %s name%s none (left by a cachepipe before "
+                        "2026-12-01, or the note could not be written): the manifest a job there plans from is not "
+                        "known, so all are kept until it registers again (or its folder is removed)",
+                        folder,
+                        "s" if len(unnoted) > 1 else "",
+                        ", ".join(map(repr, unnoted)),
+                        "" if len(unnoted) > 1 else "s",
+                    )
+                    return
+                for digest in unneeded(written, named, now, grace):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(folder / f"{digest}.json.gz")
                     last = deleted is not None and deleted.spec.catalog == digest
@@ -656,7 +683,11 @@ class Jobs:
             pipe.close()
             if mine:
                 _remove_emptied(Path(pipe.config.cache_dir))
-            self._note(name, None)
+            if (self.config.root / name).is_dir():  # kept (a file not of the cache in it): noted as planning from none
+                self._note(name, None)
+            else:
+                with contextlib.suppress(OSError):
+                    (self.config.root / ".manifests" / "jobs" / name).unlink()
         finally:
             with self._lock:
                 self._deleting.discard(name)

@@ -21,9 +21,11 @@ job registered again after a restart names its manifest by digest and would be r
 without it (409). The others are removed (:func:`unneeded`) once they are older than
 ``jobs.manifest_grace`` (default 600 s: a node's ranks upload or list, then register a moment
 later), when a job is deleted and at the daemon's start; each removal is logged at INFO with
-the digest and why. A note whose job folder is gone (removed by hand) names nothing once it
-is older than the grace too (a dropped job's lanes register it again at once: its drop
-renews the note).
+the digest and why. A job folder without a note (of a cachepipe before the notes, 2026-12-01,
+or one that could not be written; a job registered without a catalog notes an empty one) may
+plan from any of them: while there is one, none is removed. A note whose job folder is gone
+(removed by hand) names nothing once it is older than the grace too (a dropped job's lanes
+register it again at once: its drop renews the note).
 """
 
 from __future__ import annotations
