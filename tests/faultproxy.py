@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import threading
 from collections import deque
@@ -204,6 +205,19 @@ class FaultProxy:
             self.hold_timeouts += 1
         return hold[3]
 
+    @staticmethod
+    async def _drain_body(reader: asyncio.StreamReader, head: str, had: int) -> None:
+        """Read the rest of the body of the request ``head`` (``had`` bytes of it read), unless
+        the client waits for the answer before it sends the body (``Expect: 100-continue``): a
+        client that sends all of it before it reads the answer (http.client, the OBS SDK's) met a
+        reset connection, not the answer, when the proxy answered and closed in the middle."""
+        found = re.search(r"\r\ncontent-length:\s*(\d+)", head, re.IGNORECASE)
+        if found is None or re.search(r"\r\nexpect:\s*100-continue", head, re.IGNORECASE):
+            return  # botocore's: the body waits for the answer
+        left = int(found.group(1)) - had
+        while left > 0 and (data := await reader.read(min(left, 65536))):
+            left -= len(data)
+
     async def _pipe(
         self,
         reader: asyncio.StreamReader,
@@ -226,6 +240,7 @@ class FaultProxy:
                     record.extend(heads)
                     answer = await self._held(heads)
                     if answer is not None and client is not None:  # answered here, not relayed: the client's end closes
+                        await self._drain_body(reader, heads[-1], len(pending))
                         head, body = CANNED[answer]
                         client.write(head % len(body) + body)
                         with contextlib.suppress(OSError):

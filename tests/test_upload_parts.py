@@ -33,18 +33,19 @@ def _abort(head: str) -> bool:
     return head.startswith("DELETE ") and "uploadId=" in head.split("\r\n", maxsplit=1)[0]
 
 
-@pytest.fixture
-def through_proxy(s3_client, fault_proxy, tmp_path):
-    """(store on s3://data/out/ through the fault proxy, its parts of 5 MiB; proxy; an 11 MiB file: parts of 5, 5 and 1 MiB)."""
+@pytest.fixture(params=["s3", "obs"])
+def through_proxy(request, s3_client, fault_proxy, tmp_path):
+    """(store on ``data/out/`` through the fault proxy, s3fs's (s3://) or the OBS SDK's (obs://),
+    its parts of 5 MiB; the proxy; an 11 MiB file: parts of 5, 5 and 1 MiB)."""
+    if request.param == "obs":
+        pytest.importorskip("obs")
     s3_client.create_bucket(Bucket="data")
     proxy, endpoint = fault_proxy
-    options = {
-        "endpoint_url": endpoint,
-        "key": "k",
-        "secret": "s",
-        "config_kwargs": {"retries": {"max_attempts": 1, "mode": "standard"}},
-    }
-    store = open_store("s3://data/out/", options)
+    if request.param == "s3":
+        retries = {"retries": {"max_attempts": 1, "mode": "standard"}}  # one botocore attempt per s3fs attempt
+        store = open_store("s3://data/out/", {"endpoint_url": endpoint, "key": "k", "secret": "s", "config_kwargs": retries})
+    else:
+        store = open_store("obs://data/out/", {"server": endpoint, "access_key_id": "k", "secret_access_key": "s"})
     store.upload_part_size = PART
     local = tmp_path / "out.bin"
     local.write_bytes(os.urandom(2 * PART + MIB))
@@ -55,12 +56,12 @@ def through_proxy(s3_client, fault_proxy, tmp_path):
 
 
 def test_a_refused_part_is_the_error_raised_when_the_abort_fails_too(through_proxy, s3_client, caplog):
-    """A part refused (403) and then the abort of the upload refused too (503 after s3fs's
-    retries): the abort's error was raised in place of the upload's, a store "unavailable" (a
-    transient error, retried by ``cachepipe map``) where the destination had refused the
-    upload for good, and the upload left behind (billed, unseen by a listing) was not named.
-    Now the refusal is raised and the abort's failure logged, naming the upload and the
-    lifecycle rule that removes it."""
+    """A part refused (403) and then the abort of the upload refused too (503 after the client's
+    retries). On S3 (s3fs) the abort's error was raised in place of the upload's, a store
+    "unavailable" (a transient error, retried by ``cachepipe map``) where the destination had
+    refused the upload for good; on OBS the abort's failure passed in silence. Neither named the
+    upload left behind (billed, unseen by a listing). Now the refusal is raised and the abort's
+    failure logged, naming the upload and the lifecycle rule that removes it."""
     store, proxy, local = through_proxy
     done = threading.Event()
     done.set()
@@ -68,13 +69,13 @@ def test_a_refused_part_is_the_error_raised_when_the_abort_fails_too(through_pro
     proxy.hold(_abort, done, answer="503", keep=True)
     with (
         caplog.at_level(logging.WARNING, "cachepipe"),
-        pytest.raises(PermissionError, match=r"access denied to s3://data/out/big\.bin"),
+        pytest.raises(PermissionError, match=r"access denied to (s3|obs)://data/out/big\.bin"),
     ):
         store.put(local, "big.bin")
     assert _uploads(s3_client) == ["out/big.bin"]  # the abort failed: it is still there
     [record] = [r for r in caplog.records if "multipart upload" in r.getMessage()]
     assert record.levelno == logging.WARNING
-    assert "s3://data/out/big.bin" in record.getMessage() and "AbortIncompleteMultipartUpload" in record.getMessage()
+    assert "://data/out/big.bin" in record.getMessage() and "AbortIncompleteMultipartUpload" in record.getMessage()
 
 
 def test_a_refused_part_leaves_no_upload_and_no_part_is_sent_after_the_abort(through_proxy, s3_client):
