@@ -19,13 +19,14 @@ way, or while a job folder under ``root`` was last registered with it: the daemo
 (``root/.manifests/jobs/NAME`` holds the digest, written when the job registers), since the
 job registered again after a restart names its manifest by digest and would be refused
 without it (409). The others are removed (:func:`unneeded`) once they are older than
-``jobs.manifest_grace`` (default a day: a node's ranks list or upload one when their dataset
-is made, and register the job at its first iteration, after the model is set up), when a job is deleted and at the daemon's start; each removal is logged at INFO with
-the digest and why. A job folder without a note (of a cachepipe before the notes, 2026-12-01,
-or one that could not be written; a job registered without a catalog notes an empty one) may
-plan from any of them: while there is one, none is removed. A note whose job folder is gone
-(removed by hand) names nothing once it is older than the grace too (a dropped job's lanes
-register it again at once: its drop renews the note).
+``jobs.manifest_grace`` (default a day: a node's ranks list or upload one when their dataset is
+made, and register the job at its first iteration, after the model is set up), when a job is
+deleted and at the daemon's start; each removal is logged at INFO with the digest and why. A job
+folder without a note (of a cachepipe before the notes, 2026-12-01, or one that could not be
+written; a job registered without a catalog notes an empty one) may plan from any of them: while
+there is one, none is removed. A note whose job folder is gone (removed by hand) names nothing
+once it is older than the grace too (a dropped job's lanes register it again at once: its drop
+renews the note).
 """
 
 from __future__ import annotations
