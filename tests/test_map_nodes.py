@@ -11,9 +11,14 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachepipe.errors import ConfigError
+from cachepipe.grouping import tree_order
 from cachepipe.map import MapItem, map_items
+from cachepipe.map.dstrange import bounded, dst_range
+from cachepipe.map.remote import held_by_item
 from cachepipe.map.share import Rank, resolve_rank, take_share
 from cachepipe.map.uploader import DONE_MARKER
 
@@ -468,3 +473,77 @@ def test_a_manifest_that_lists_an_object_twice_is_refused_naming_it(s3_source, t
     run = {"cache_dir": tmp_path / "c", "capacity": "1MiB", "storage_options": s3_source.options, "manifest": local}
     with pytest.raises(ConfigError, match=r"m.gz': item 'a' \(entry 1\) lists a file twice \('a/x'\): each file once; "):
         map_items(MARK, s3_source.url, "s3://data/out/", **run)  # before: ValueError: listing out of order: 'a/x' after 'a/x'
+
+
+# ---- the part of DST a rank lists: pure --------------------------------------------------------------------------
+_SEGMENT = st.text(alphabet=" -.0a", min_size=1, max_size=3)
+_NAME = st.lists(_SEGMENT, min_size=1, max_size=3).map("/".join)  # nested names, as files mode makes: a, a/b
+
+
+def _after_in_key_order(keys: list[str], start_after: str | None) -> list[str]:
+    """A store listing in key order (S3, OBS, moto), after ``start_after`` (ListObjectsV2's ``StartAfter``)."""
+    return sorted(k for k in keys if start_after is None or k > start_after)
+
+
+def _after_folder_by_folder(keys: list[str], start_after: str | None) -> list[str]:
+    """A store listing folder by folder, after ``start_after`` as SeaweedFS 4.48 reads it (measured by
+    test_s3_week's test_seaweedfs_start_after_is_after_in_its_order_passing_a_folder_named_whole): the
+    keys after it in its order, and none under ``start_after/`` (a folder of that name is passed whole)."""
+    listed = sorted(keys, key=tree_order)
+    if start_after is None:
+        return listed
+    return [k for k in listed if tree_order(k) > tree_order(start_after) and not k.startswith(start_after + "/")]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    names=st.lists(_NAME, min_size=1, max_size=8, unique=True),
+    picks=st.lists(st.booleans(), min_size=8, max_size=8),
+    under=st.lists(st.tuples(st.integers(0, 7), st.lists(_SEGMENT, min_size=0, max_size=2)), max_size=12),
+    loose=st.lists(_NAME, max_size=6),
+)
+def test_a_rank_lists_every_key_of_its_items_in_either_order_a_store_lists_in(names, picks, under, loose):
+    """A rank lists DST after ``dst_range``'s key and stops past its items' keys: in key order
+    (after the key as S3 reads it) and folder by folder (as SeaweedFS reads it), with names that
+    sort around ``/`` and nested ones, every key under a wanted item's folder is listed (a
+    brute-force filter), and the keys each item holds (held_by_item, among every name) are a full
+    listing's. From the start (a store without ``start_after``) too."""
+    wanted = [name for name, pick in zip(names, picks, strict=False) if pick] or names[:1]
+    keys = {f"{names[i % len(names)]}/{'/'.join(rel)}" for i, rel in under} | {f"{n}/{DONE_MARKER}" for n in wanted}
+    keys |= set(loose)  # beside the items (in no folder of theirs, or one of an item no longer in SRC)
+    within = dst_range(wanted)
+    theirs = {k for k in keys if any(k.startswith(n + "/") for n in wanted)}  # brute force
+    for order in (_after_in_key_order, _after_folder_by_folder):
+        full = order(list(keys), None)
+        for start_after in (within.start_after, None):
+            listed = list(bounded(order(list(keys), start_after), within))
+            assert theirs <= set(listed), (order.__name__, start_after, theirs - set(listed))
+            assert held_by_item(listed, names, wanted) == held_by_item(full, names, wanted)
+
+
+@pytest.mark.parametrize(
+    ("wanted", "start_after"),
+    [
+        (["item20", "item21", "item39"], "item2"),  # item20's own prefix: the folder item2 holds none of them
+        (["x/item5", "x/item6"], "x/item"),
+        (["a", "a b"], None),  # a b first in key order, a folder by folder: a is an item, and no prefix of a is below a b/
+        (["a b", "b"], "a "),
+        (["a/b", "a/b c"], "a/"),  # a holds them: never a
+    ],
+)
+def test_a_rank_lists_after_a_key_below_its_items_in_both_orders_and_no_folder_of_theirs(wanted, start_after):
+    assert dst_range(wanted).start_after == start_after
+
+
+def test_a_listing_stops_at_the_first_key_past_the_items_in_every_order_it_may_be_in():
+    within = dst_range(["item1", "item2"])
+    keys = ["item1/a", "item2/.d", "item2/b", "item3/a", "item4/a"]
+    assert list(bounded(iter(keys), within)) == keys[:3]
+    # folder by folder, "item2 x/a" comes after item2's keys ("/" below every character): past
+    # them, and it shows the listing is not in key order
+    assert list(bounded(iter(["item2/a", "item2/b", "item2 x/a", "item3/a"]), within)) == ["item2/a", "item2/b"]
+    # in key order it comes before them: past them folder by folder, not in key order, and both
+    # orders are possible still (item1/a, item2 x/a is in both): listed on, until a key past both
+    assert list(bounded(iter(["item1/a", "item2 x/a", "item2/b", "item3/a"]), within)) == ["item1/a", "item2 x/a", "item2/b"]
+    # a listing in neither order is read to its end
+    assert list(bounded(iter(["item1/a", "item0/b", "item3/a", "item2/c"]), within)) == ["item1/a", "item0/b", "item3/a", "item2/c"]
