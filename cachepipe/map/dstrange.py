@@ -35,11 +35,13 @@ names the folder ``s``, which it passes whole). ``s`` gives a superset of the ra
 both readings when (1) ``s`` is below ``min(n + "/")`` in key order, (2) ``T(s)`` is below
 ``min(T(n) + "\\0\\0")``, and (3) no key of the rank starts with ``s + "/"``: ``s`` is neither
 an item of ``W`` nor a folder holding one. (A key starting with ``s/`` that is no rank's is
-passed over harmlessly.) :func:`dst_range` tries the prefixes of the lowest item in either order,
-longest first, and keeps the highest (in key order) that meets all three; a key that meets them
+passed over harmlessly.) :func:`dst_range` tries, for the lowest item in either order, its
+name with its last character one lower and its proper prefixes, and keeps the highest (in key
+order) that meets all three; a key that meets them
 is also safe for a store that lists folder by folder but compares ``StartAfter`` by key, or the
 reverse. None meets them (e.g. items ``a`` and ``a b``, whose lowest names are one another's
-prefix in the two orders): the listing starts at DST's first key.
+prefix in the two orders, and whose last characters are lowest): the listing starts at DST's
+first key.
 """
 
 from __future__ import annotations
@@ -85,16 +87,24 @@ def dst_range(wanted: Collection[str]) -> DstRange:
             cut = name.find("/", cut + 1)
     start: str | None = None
     for lowest in (key_first, tree_first):
-        for end in range(len(lowest) - 1, 0, -1):
-            after = lowest[:end]
+        for after in _below(lowest):
             if after < key_low and tree_order(after) < tree_low and after not in folders:
                 start = after if start is None else max(start, after)
-                break
     return DstRange(
         start,
         max(n + "0" for n in wanted),
         max(tree_order(n) + "\0\1" for n in wanted),
     )
+
+
+def _below(name: str) -> Iterator[str]:
+    """Keys just below ``name``'s in both orders, to check: ``name`` with its last character one
+    lower (a plain one: not ``/``, a control character or a surrogate), and its proper prefixes."""
+    low = chr(ord(name[-1]) - 1)
+    if low >= " " and low != "/" and not "\ud800" <= low <= "\udfff":
+        yield name[:-1] + low
+    for end in range(len(name) - 1, 0, -1):
+        yield name[:end]
 
 
 def bounded(keys: Iterable[str], within: DstRange) -> Iterator[str]:

@@ -1,16 +1,16 @@
 """The requests one ``cachepipe map`` run sends itself, besides its pipeline's downloads and its
 uploads: the check of DST's bucket and the listings of SRC (or the read of its manifest:
 :meth:`_Remote._listing`) and of DST, retried as downloads are (:meth:`_Remote._retrying`; a
-listing continues where a transient error cut it, :meth:`_Remote._listed`),
-and which items DST already marks done, for the version of their input listed now and the
-command run now (:meth:`_Remote._done`: DST's listing tells which items
-have a marker, and the head of each marker listed is read, concurrently; :func:`verdict`
-decides). A rank lists only the part of DST where its share's keys can be
-(:mod:`~cachepipe.map.dstrange`: after a key below its first item's, up to the first key past
-its last one's, in either order a store lists in), not the whole of it. The listing of DST also tells what each item to run holds there already: for an item
-whose marker is there (of another command, or of its earlier input), its upload deletes what it
-does not write again (:mod:`cachepipe.map.uploader`); for one without a marker, nothing is
-deleted (see :meth:`_Remote._done`).
+listing continues where a transient error cut it, :meth:`_Remote._listed`), and which items DST
+already marks done, for the version of their input listed now and the command run now
+(:meth:`_Remote._done`: DST's listing tells which items have a marker, and the head of each
+marker listed is read, concurrently; :func:`verdict` decides). A rank lists only the part of DST
+where its share's keys can be (:mod:`~cachepipe.map.dstrange`: after a key below its first
+item's, up to the first key past its last one's, in either order a store lists in), not the
+whole of it. The listing of DST also tells what each item to run holds there already: for an
+item whose marker is there (of another command, or of its earlier input), its upload deletes
+what it does not write again (:mod:`cachepipe.map.uploader`); for one without a marker, nothing
+is deleted (see :meth:`_Remote._done`).
 
 :class:`_Remote` is the base class of :class:`~cachepipe.map.run._MapRun` (not used alone), whose
 options (``cfg``) and stop event it reads.
@@ -21,7 +21,7 @@ from __future__ import annotations
 import io
 import logging
 import threading
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Generator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -107,7 +107,7 @@ class _Remote:
 
     def _listed(
         self, store: Store, url: str, mode: Literal["folders", "files"], start_after: str | None = None
-    ) -> Iterator[ObjectInfo]:
+    ) -> Generator[ObjectInfo, None, None]:
         """``store``'s objects, listed through transient errors as a download is retried: a
         listing cut by one continues after the last item (of ``mode``) it read whole
         (:func:`~cachepipe.listing.resumed_listing`), not from its first page. ``start_after``:
