@@ -295,10 +295,15 @@ class _Restart:
     :func:`~cachepipe.grouping.tree_order`): taken already, never twice, even where a store's
     answer overlaps. A unit read in part when the listing failed was not taken: it is listed
     again from its first key.
+
+    ``start_after``: a key before every key wanted in both orders, and no folder of theirs (see
+    :mod:`cachepipe.map.dstrange`): a listing that would list from the start lists after it where
+    the store takes ``start_after``, whatever order the store lists in (the keys passed over are
+    none of those wanted, in either store's reading of it).
     """
 
-    def __init__(self, store: Store, mode: Literal["folders", "files"]) -> None:
-        self._store, self._mode = store, mode
+    def __init__(self, store: Store, mode: Literal["folders", "files"], start_after: str | None = None) -> None:
+        self._store, self._mode, self._floor = store, mode, start_after
         self._takes = takes_start_after(store)  # store.list(start_after=...) lists the keys after one
         self._in_key_order = True  # every key listed so far (by every listing) came after the one before it
         self._by_key = self._by_tree = True  # the units came in key order; folder by folder (on every listing)
@@ -316,6 +321,8 @@ class _Restart:
         self.after_key = after is not None and self._takes and self._in_key_order
         if self.after_key:
             return self._follow(self._store.list(start_after=after))  # type: ignore[call-arg]  # takes_start_after said so
+        if self._floor is not None and self._takes:
+            return self._follow(self._store.list(start_after=self._floor))  # type: ignore[call-arg]
         return self._follow(self._store.list())
 
     def _follow(self, objects: Iterable[ObjectInfo]) -> Iterator[ObjectInfo]:
@@ -377,6 +384,7 @@ def resumed_listing(
     backoff: Callable[[int], float],
     stop: threading.Event,
     url: str = "",
+    start_after: str | None = None,
 ) -> Iterator[ObjectInfo]:
     """``store``'s objects as one listing gives them, through transient errors: a listing cut by
     one lists again after the last key of the last item (see :func:`_unit`) read whole, or from
@@ -385,12 +393,14 @@ def resumed_listing(
     of a folder are yielded once it is read whole (the next one started, or the listing ended):
     those of a folder read in part when the listing failed are listed again, not yielded twice.
     For a whole listing (:func:`list_source`, ``cachepipe map``'s): its pages are not asked again.
+    ``start_after``: as :class:`_Restart`'s (a rank's listing of DST: only the part where its
+    items' keys can be, :mod:`cachepipe.map.dstrange`); None: every key.
 
     Raises:
         the error of the store, if not transient, after ``retries``, or once ``stop`` is set (it
         ends a backoff at once); ValueError as :meth:`_Restart.before`.
     """
-    restart, files = _Restart(store, mode), mode == "files"
+    restart, files = _Restart(store, mode, start_after), mode == "files"
     attempt = 0
     while True:
         held: list[ObjectInfo] = []  # the objects of the unit being read
