@@ -354,10 +354,13 @@ class Store(Protocol):
         :func:`first_page_keys`). A listing restarted after a transient error passes the last
         key of the last item it delivered, while every key it was given came in key order
         (:class:`~cachepipe.listing.StreamingListing`, :func:`~cachepipe.listing.resumed_listing`
-        for a whole listing): a store that lists folder by
-        folder (SeaweedFS) is listed again from its start, since what it makes of
-        ``StartAfter`` is its own. A ``list`` without a parameter named ``start_after`` is
-        always listed from its start (see :func:`takes_start_after`).
+        for a whole listing): a store that lists folder by folder (SeaweedFS) is listed again
+        from its start. SeaweedFS 4.48 answers ``StartAfter=s`` with the keys after ``s`` in its
+        own order, folder by folder, and past everything under ``s/`` where ``s`` is a folder
+        (measured, tests/test_s3_week.py): a rank of ``cachepipe map`` lists DST after a key
+        chosen to be below its keys in either reading (:mod:`cachepipe.map.dstrange`). A
+        ``list`` without a parameter named ``start_after`` is always listed from its start (see
+        :func:`takes_start_after`).
         """
         ...
 
