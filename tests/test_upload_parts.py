@@ -132,3 +132,29 @@ def test_an_upload_holds_a_few_parts_in_memory_not_ten(s3_client, s3_endpoint, t
     assert head["ContentLength"] == 12 * PART and head["ETag"].strip('"').endswith("-12")
     assert head["ContentType"] == "video/mp4"  # s3fs's guess by the local file's name, as before
     assert peak < (2 * PARTS_IN_FLIGHT + 2) * PART, f"{peak / MIB:.1f} MiB"
+
+
+def test_an_output_over_the_largest_single_put_is_uploaded_in_parts_whatever_the_part_size(s3_client, s3_endpoint, tmp_path):
+    """An output under twice ``--upload-part-size`` went to s3fs's ``put_file`` as one PutObject,
+    but s3fs makes a multipart upload of its own from 5 GiB (S3's largest PutObject): with a part
+    size over 2.5 GiB, an output of 5 GiB and more was uploaded by s3fs's multipart (the abort's
+    error in place of the upload's, parts sent on after it). It goes through cachepipe's. Shown
+    at a smaller scale, the 5 GiB limit (``stores.base.MAX_PUT``, a constant) lowered to 6 MiB:
+    a 7 MiB output in parts of 5 MiB is two parts."""
+    from cachepipe.stores import base
+
+    s3_client.create_bucket(Bucket="data")
+    local = tmp_path / "out.bin"
+    local.write_bytes(os.urandom(7 * MIB))
+    store = open_store("s3://data/out/", {"endpoint_url": s3_endpoint, "key": "k", "secret": "s"})
+    store.upload_part_size = PART
+    try:
+        base.MAX_PUT, limit = 6 * MIB, base.MAX_PUT
+        try:
+            store.put(local, "big.bin")
+        finally:
+            base.MAX_PUT = limit
+    finally:
+        store.close()
+    head = s3_client.head_object(Bucket="data", Key="out/big.bin")
+    assert head["ContentLength"] == 7 * MIB and head["ETag"].strip('"').endswith("-2"), head["ETag"]

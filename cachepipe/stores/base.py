@@ -138,6 +138,17 @@ MAX_PARTS = 10_000
 """Parts of one multipart upload at most: S3 and OBS number them 1 to 10,000."""
 
 
+MAX_PUT = 5 * 1024**3
+"""The largest object one PutObject sends (S3's and OBS's limit, 5 GiB): s3fs's ``put_file``
+makes a multipart upload of its own from there."""
+
+
+def one_request(size: int, part: int) -> bool:
+    """Whether an upload of ``size`` bytes in parts of ``part`` is one PutObject: under two parts,
+    and under :data:`MAX_PUT`."""
+    return size < min(2 * part, MAX_PUT)
+
+
 def part_size_for(size: int, wanted: int) -> int:
     """The part size of a multipart upload of ``size`` bytes: ``wanted``, or the least size that
     makes at most :data:`MAX_PARTS` parts where ``wanted`` would make more (a file of 200 GiB in

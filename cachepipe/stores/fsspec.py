@@ -47,6 +47,7 @@ from .base import (
     delete_error,
     first_page_keys,
     listed_etag,
+    one_request,
     open_local,
     part_size_for,
 )
@@ -349,7 +350,7 @@ class FsspecStore:
     more than :data:`~cachepipe.stores.base.MAX_PARTS` parts). Set it on the instance to change it."""
 
     def put(self, local_path: str | os.PathLike[str], key: str, *, content_type: str | None = None) -> None:
-        """Upload ``local_path`` as ``key``: on S3, one PutObject (s3fs's) under ``2 * upload_part_size``,
+        """Upload ``local_path`` as ``key``: on S3, one PutObject (s3fs's) under ``2 * upload_part_size`` and 5 GiB,
         else a multipart upload (:meth:`_put_parts`: at most :data:`PARTS_IN_FLIGHT` parts in memory,
         aborted if it fails); on a local filesystem it is copied to a temporary name beside the target and renamed
         (:func:`~cachepipe.stores.localwrites.put_local`: one left by a killed upload is overwritten by the next put of the key).
@@ -369,7 +370,7 @@ class FsspecStore:
                 typed = {} if content_type is None else {"ContentType": content_type}
                 size = os.fstat(src.fileno()).st_size
                 part = part_size_for(size, self.upload_part_size)
-                if size < 2 * part:  # one PutObject (s3fs opens the file again: it was readable a moment ago)
+                if one_request(size, part):  # one PutObject (s3fs opens the file again: it was readable a moment ago)
                     self.fs.put_file(local, path, chunksize=part, **typed)
                 else:
                     guessed = mimetypes.guess_type(local)[0]  # s3fs's guess, as its put_file makes it
