@@ -124,3 +124,46 @@ def test_staging_a_close_could_not_remove_is_not_noted_as_held(s3_source, tmp_pa
     assert (cache / ".cachepipe" / "held").is_file() and stuck.is_dir()
     shutil.rmtree(cache / ".cachepipe" / "staging")  # what the next open does first
     assert held_in(cache) == tree_bytes(cache)
+
+
+def _folders_of(root, count: int, files: int, size: int) -> str:
+    """A local source of ``count`` folders of ``files`` files of ``size`` bytes: its URL."""
+    for i in range(count):
+        (root / f"item{i:02d}").mkdir(parents=True)
+        for k in range(files):
+            (root / f"item{i:02d}" / f"f{k}").write_bytes(b"x" * size)
+    return f"{root}/"
+
+
+@pytest.mark.parametrize(("files", "size", "warned"), [(4, 512, True), (1, 64 * 1024, False)])
+def test_items_that_take_much_more_of_the_disk_in_blocks_than_their_size_are_said_once(tmp_path, caplog, files, size, warned):
+    """The cap counts file sizes; the filesystem gives each file whole blocks. Items of four
+    512 B files (2 KiB listed) take 20 KiB on 4 KiB blocks (four files and their folder): a cache
+    under its capacity filled the disk up to ten times the capacity, and nothing said so. The
+    cache says it once, from its first items, with the capacity that keeps the disk within the
+    one given; items of one 64 KiB file (1.06 times) are not said."""
+    import logging
+
+    block = os.statvfs(tmp_path).f_frsize  # what the cache reads at its open
+    source = _folders_of(tmp_path / "src", 12, files, size)
+    with caplog.at_level(logging.WARNING, "cachepipe"), Pipeline(source, tmp_path / "c", "1MiB") as pipe:
+        assert len(list(pipe)) == 12
+    said = [r.getMessage() for r in caplog.records if "blocks of" in r.getMessage()]
+    ratio = (files * -(-size // block) + 1) * block / (files * size)
+    assert ratio >= 1.25 if warned else ratio < 1.25
+    if not warned:
+        assert said == []
+        return
+    [message] = said  # once
+    assert "times their size" in message and f"{ratio:.1f} times its capacity of 1.0 MiB" in message, message
+    assert f"blocks of {block} bytes" in message and str(tmp_path / "c") in message
+
+
+def test_in_blocks_rounds_each_file_up_and_counts_a_block_a_folder():
+    from cachepipe.cache.blockhint import in_blocks
+
+    assert in_blocks([], 0, 4096) == 0
+    assert in_blocks([0], 0, 4096) == 0  # an empty file takes no block
+    assert in_blocks([1, 4096, 4097], 0, 4096) == (1 + 1 + 2) * 4096
+    assert in_blocks([512] * 4, 1, 4096) == 5 * 4096
+    assert in_blocks([1000], 0, 512) == 1024

@@ -23,6 +23,7 @@ from pathlib import Path
 from ..catalog import Item, Names
 from ..fscalls import FileCalls
 from ..retention import RetentionPolicy
+from .blockhint import BlockSample
 from .eviction import Eviction
 from .ledger import Ledger
 from .record import Record
@@ -52,6 +53,7 @@ class _Acks:
     _small: dict[str, tuple[str, ...] | None]
     _fresh: set[str]
     _policy: RetentionPolicy | None
+    _blocks: BlockSample
     _names: Sequence[str]
     _cond: threading.Condition
     _closed: bool

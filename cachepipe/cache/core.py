@@ -44,6 +44,7 @@ from ..errors import CacheRemovedError
 from ..filesystems import lookups_stay_local, mount_at
 from ..fscalls import RELEASING, file_calls_for
 from ..removal import tree_bytes
+from .blockhint import BlockSample
 from .eviction import Eviction
 from .fulldisk import full_disk, no_room, room_now, said_full
 from .ledger import Ledger
@@ -104,6 +105,7 @@ class Cache(_Publishing):
         # path, so no consumer can have left a marker in them (see first_hand_out)
         self._fresh = set()
         self._policy = None  # retain="auto": which acked items stay
+        self._blocks = BlockSample(self._root, 0)  # the first items reserved in blocks (made at open)
         self._names = ()  # the policy's item i is _names[i]; found by _names.index()
         self._cond = threading.Condition()
         self._closed = False
@@ -154,6 +156,7 @@ class Cache(_Publishing):
             # calls that keep the interpreter's lock only where no lookup waits for a server on the way
             self.file_calls = file_calls_for(fstype) if lookups_stay_local(self._root) else RELEASING
             self.ledger.capacity = _capacity_bytes(self._capacity_spec, self.root, usage)  # beyond the filesystem: held, logged
+            self._blocks = BlockSample(self._root, usage.block)
             spec = self._capacity_spec
             # within the filesystem's size, kept as given (the space others hold may come back), but said when over
             # the room there now: the tree walked only where it can matter, a capacity over the free space

@@ -212,6 +212,8 @@ class _Reservation(_Acks):
             recovered = self._recovered.pop(item.name, None)
         if recovered is not None:
             return recovered
+        if self._blocks.sampling:  # the first items: what they take in blocks (see .blockhint)
+            self._blocks.add(item, self.ledger.capacity)
         policy = self._policy
         if policy is None:
             claimed = self._claim_or_adopt(item.name, withdrawn)
@@ -241,12 +243,17 @@ class _Reservation(_Acks):
         with self._cond:
             if self._closed or self._recovered or withdrawn():
                 return 0
-            for count, (item, extra) in enumerate(items):
+            count = 0
+            for item, extra in items:
                 if item.name in claimed or not ledger.fits(item.size + extra):
-                    return count
+                    break
                 claimed.add(item.name)
                 ledger.reserve(item.size + extra)
-            return len(items)
+                count += 1
+        if self._blocks.sampling:  # the first items: what they take in blocks (see .blockhint)
+            for item, _extra in items[:count]:
+                self._blocks.add(item, ledger.capacity)
+        return count
 
     def _acquire_retained(
         self, policy: RetentionPolicy, item: Item, tick: int, starving: Callable[[], bool], withdrawn: Callable[[], bool]
