@@ -86,6 +86,26 @@ class _Job:
 _DELETE = "`cachepipe delete-job NAME`, or DELETE /v1/jobs/NAME"
 
 
+def _alone(fd: int) -> bool | None:
+    """Try to lock the folder open as ``fd`` (``root/.manifests``) exclusively, without waiting:
+    True if taken (no other writer, of this daemon or another on the root, is under way), False if
+    one is. None where it cannot be locked so: NFS locks a folder's descriptor (read-only) shared
+    only (EBADF), a mount without a lock daemon nothing (ENOLCK).
+
+    Raises:
+        OSError: another error of ``flock``.
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        if exc.errno not in (errno.EBADF, errno.ENOLCK):
+            raise
+        return None
+    return True
+
+
 def _remove_emptied(cache_dir: Path) -> None:
     """After a deleted job's pipeline closed (its items deleted): remove what is left of its cache
     directory, its state (``.cachepipe``: the lock, the journal, the note of what it held) and
@@ -337,7 +357,16 @@ class Jobs:
             log.warning("manifests in %s: none removed: %s", folder, exc)
             return
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            alone = _alone(fd)
+            if not alone:
+                if alone is None:
+                    log.warning("manifests in %s: none removed: the folder cannot be locked (NFS, or no locks)", folder)
+                else:
+                    log.info(
+                        "manifests in %s: none removed now: a manifest is being written there (the next delete removes them)",
+                        folder,
+                    )
+                return
             with self._lock:
                 now, grace = time.time(), self.config.manifest_grace
                 written = {}
@@ -367,15 +396,8 @@ class Jobs:
                         now - written[digest],
                         grace,
                     )
-        except BlockingIOError:
-            log.info(
-                "manifests in %s: none removed now: a manifest is being written there (the next delete removes them)", folder
-            )
         except OSError as exc:
-            if exc.errno in (errno.EBADF, errno.ENOLCK):  # as _manifests: NFS, a mount without locks
-                log.warning("manifests in %s: none removed: the folder cannot be locked (%s)", folder, exc.strerror)
-            else:
-                log.warning("manifests in %s: not all removed: %s", folder, exc)
+            log.warning("manifests in %s: not all removed: %s", folder, exc)
         finally:
             os.close(fd)
 
@@ -459,24 +481,14 @@ class Jobs:
         folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            locks = True
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                pass  # another writer is under way
-            except OSError as exc:
-                if exc.errno not in (errno.EBADF, errno.ENOLCK):
-                    raise
-                # NFS locks a folder's descriptor (read-only) shared only (EBADF), a mount without a lock
-                # daemon nothing (ENOLCK): whether another writer is under way cannot be known, so nothing is removed
-                locks = False
-            else:
+            alone = _alone(fd)  # None: whether another writer is under way cannot be known, so nothing is removed
+            if alone:
                 for entry in os.scandir(folder):
                     if entry.name.startswith(".") and entry.is_file(follow_symlinks=False):
                         log.info("removing %s, left in %s by a daemon that was killed while writing it", entry.name, folder)
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(entry.path)
-            if locks:
+            if alone is not None:
                 fcntl.flock(fd, fcntl.LOCK_SH)
             yield folder
         finally:
