@@ -7,7 +7,11 @@ checked (:func:`cachepipe.manifest.read_manifest`: parse, count and digest), and
 (:class:`cachepipe.plan.Plan` with a seeded shuffle, rank 0 of ``--world-size``, and its epoch-0
 share computed). Beside them, ``group``: a listing of as many single objects, generated as it
 is read, grouped into items with ``items="files"`` (:func:`cachepipe.catalog.group_items`, which
-checks every key, and files against the folders of later keys) and counted, not kept.
+checks every key, and files against the folders of later keys) and counted, not kept; and
+``list-files``/``list-folders``: :func:`cachepipe.listing.list_source` (what ``cachepipe index``
+and a pass that is not streamed list with: retries, the catalog kept) over a store that generates
+``--items`` objects as they are listed (``files``), or ``--items`` folders of ``--files`` objects
+(``folders``), with no network: the listing's own CPU.
 
 Each phase is timed once without tracing, then run again under :mod:`tracemalloc` for its peak
 of Python allocations above what was held before it. The process's peak RSS
@@ -37,6 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cachepipe.catalog import Catalog, group_items
+from cachepipe.listing import list_source
 from cachepipe.manifest import read_manifest, write_manifest
 from cachepipe.plan import Plan
 from cachepipe.stores.base import ObjectInfo
@@ -51,6 +56,23 @@ def synthetic(items: int, files: int) -> Catalog:
         etag = hashlib.md5(i.to_bytes(8, "little"), usedforsecurity=False).hexdigest()
         catalog.add(f"folder{i:07d}", [(rel, 1_000_000 + (i * 7919 + k) % 9_000_000, etag) for k, rel in enumerate(rels)])
     return catalog
+
+
+class Generated:
+    """A store whose listing is generated as it is read, in key order: ``keys`` (a function of
+    the index) of ``count`` objects; ``start_after`` honoured, as S3's."""
+
+    url = SOURCE
+
+    def __init__(self, count: int, key: Callable[[int], str]) -> None:
+        self.count, self.key = count, key
+
+    def list(self, start_after: str | None = None) -> Any:
+        key = self.key
+        for i in range(self.count):
+            name = key(i)
+            if start_after is None or name > start_after:
+                yield ObjectInfo(name, 110_000, None)
 
 
 def measure(fn: Callable[[], Any]) -> tuple[float, int, Any]:
@@ -100,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
         return sum(1 for _ in group_items(listing, "files"))
 
     group_s, group_peak, grouped = measure(group)
+    files = Generated(args.items, lambda i: f"train/shard{i // 1000:05d}/sample{i:08d}.jpg")
+    list_files_s, list_files_peak, listed_files = measure(lambda: len(list_source(files, "files")))
+    each = args.files
+    folders = Generated(args.items * each, lambda i: f"folder{i // each:07d}/file{i % each}.bin")
+    list_folders_s, list_folders_peak, listed_folders = measure(lambda: len(list_source(folders, "folders")))
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     report = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
@@ -114,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
             "read": {"seconds": round(read_s, 3), "peak_traced_bytes": read_peak},
             "plan": {"seconds": round(plan_s, 3), "peak_traced_bytes": plan_peak, "share": share},
             "group": {"seconds": round(group_s, 3), "peak_traced_bytes": group_peak, "items": grouped},
+            "list-files": {"seconds": round(list_files_s, 3), "peak_traced_bytes": list_files_peak, "items": listed_files},
+            "list-folders": {
+                "seconds": round(list_folders_s, 3),
+                "peak_traced_bytes": list_folders_peak,
+                "items": listed_folders,
+            },
         },
         "peak_rss_bytes": peak_rss,
     }
@@ -125,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.items:,} items x {args.files} files: catalog {catalog.nbytes / mib:.1f} MiB in memory, "
         f"manifest {size / mib:.1f} MiB"
     )
-    print(f"{'phase':8} {'seconds':>8} {'peak MiB (tracemalloc)':>24}")
+    print(f"{'phase':12} {'seconds':>8} {'peak MiB (tracemalloc)':>24}")
     for name, row in report["phases"].items():
-        print(f"{name:8} {row['seconds']:8.2f} {row['peak_traced_bytes'] / mib:24.1f}")
+        print(f"{name:12} {row['seconds']:8.2f} {row['peak_traced_bytes'] / mib:24.1f}")
     print(f"process peak RSS {peak_rss / mib:.0f} MiB (includes building the synthetic catalog: {build_s:.1f} s)")
     return 0
 

@@ -125,7 +125,9 @@ def tree_order(key: str) -> str:
     return key.replace("/", "\0\0")
 
 
-def group_items(objects: Iterable[ObjectInfo], mode: Literal["folders", "files"] = "folders") -> Iterator[Item]:
+def group_items(
+    objects: Iterable[ObjectInfo], mode: Literal["folders", "files"] = "folders", seen: _TreeCheck | None = None
+) -> Iterator[Item]:
     """Group a listing into items, streaming: each item is yielded once its last object is seen.
 
     ``objects`` must be in strictly increasing key order (S3 lists that way), or folder by folder
@@ -134,13 +136,14 @@ def group_items(objects: Iterable[ObjectInfo], mode: Literal["folders", "files"]
     under the prefix (no folder) are ignored in ``"folders"`` mode. An item with a key that is
     unsafe or collides (see :func:`check_key`) is yielded in its place with :attr:`Item.unsafe`
     set to the first such key's error (a folder's name is its key's first segment, whatever
-    that is): it must not be written.
+    that is): it must not be written. ``seen``: in ``"files"`` mode, the keys of a listing
+    these objects continue (after its last key), checked against theirs; None: none.
 
     Raises:
         ValueError: the listing is in neither order.
     """
     is_file = mode == "files"
-    for name, size, files, unsafe in _grouped(objects, mode):
+    for name, size, files, unsafe in _grouped(objects, mode, seen):
         if is_file:  # one file, whose key is the name
             entries: tuple[FileEntry, ...] = (FileEntry(name, "", size, files[0][2]),)
         else:
@@ -153,11 +156,11 @@ _Entry = tuple[str, int | None, _Files, UnsafeKeyError | None]  # (name, size or
 
 
 def _grouped(
-    objects: Iterable[ObjectInfo], mode: Literal["folders", "files"]
+    objects: Iterable[ObjectInfo], mode: Literal["folders", "files"], seen: _TreeCheck | None = None
 ) -> Iterator[tuple[str, int, _Files, UnsafeKeyError | None]]:
     """:func:`group_items` as ``(name, size, [(rel, size, etag), ...], unsafe)``, making no objects
     per item (what :meth:`Catalog.from_listing` stores). A file's key is ``name/rel``, or ``name``
-    in ``"files"`` mode, where ``rel`` is empty."""
+    in ``"files"`` mode, where ``rel`` is empty; ``seen`` as :func:`group_items`'s (added to)."""
     last_key: str | None = None
     last_tree = ""  # last_key in folder-by-folder order (see tree_order)
     in_order = in_tree_order = True  # the listing so far is in key order; in folder-by-folder order
@@ -167,7 +170,7 @@ def _grouped(
     unsafe: UnsafeKeyError | None = None  # of the current folder
     first: tuple[str, list[str]] = ("", [])  # the folder's first key and its segments under the folder
     tree: _TreeCheck | None = None  # made at a folder's second file: one file cannot collide
-    everything = _TreeCheck() if mode == "files" else None
+    everything = (_TreeCheck() if seen is None else seen) if mode == "files" else None
     loose = ""  # the first object beside the folders
     skipped = 0  # how many
     for obj in objects:

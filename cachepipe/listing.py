@@ -28,10 +28,11 @@ from .backoff import backoff_delay
 from .catalog import Catalog, Item, group_items
 from .errors import EmptySourceError, is_transient
 from .grouping import tree_order
+from .keys import _TreeCheck
 from .stores import Store
 from .stores.base import FIRST_PAGE_KEYS, ObjectInfo, takes_start_after
 
-__all__ = ["FIRST_PAGE_OBJECTS", "QUEUE_ITEMS", "StreamingListing", "empty_source", "list_source"]
+__all__ = ["FIRST_PAGE_OBJECTS", "QUEUE_ITEMS", "StreamingListing", "empty_source", "list_source", "resumed_listing"]
 
 log = logging.getLogger("cachepipe")
 
@@ -74,8 +75,10 @@ class StreamingListing:
             :meth:`Store.list <cachepipe.stores.base.Store.list>`), where the store takes it and
             every key so far came in key order (S3, OBS); else it lists from the start again
             (a store listing folder by folder: SeaweedFS). Either way it skips the items listed
-            before (at or before the last one in the store's order, see :func:`_position`): an
-            item is never admitted twice, even if a store's answer overlaps.
+            before (at or before the last one in the store's order, see :class:`_Restart`): an
+            item is never admitted twice, even if a store's answer overlaps. In ``"files"``
+            mode, a listing continued after a key checks its keys against those listed before
+            (a file ``a`` listed before the cut, ``a/b`` after it: unsafe, as in one listing).
     """
 
     def __init__(
@@ -93,8 +96,6 @@ class StreamingListing:
         self._queue: deque[Item] = deque()
         self._stop = threading.Event()
         self._objects = 0
-        self._resumes = takes_start_after(store)  # store.list(start_after=...) lists the keys after one
-        self._in_key_order = True  # every key listed so far (by every listing) came after the one before it
         self._first_page = False
         self.listed = 0  # items listed (admitted or skipped)
         self.listed_bytes = 0
@@ -155,51 +156,33 @@ class StreamingListing:
 
     # ---- the listing thread ------------------------------------------------------------
     def _run(self) -> None:
-        last: tuple[str, str] | None = None  # positions of the last item listed (see _position): a restart skips up to it
-        after: str | None = None  # the last key of the last item listed: a restart may list the keys after it
+        restart = _Restart(self._store, self._mode)  # where a restart lists again, and what it skips
+        seen = _TreeCheck()  # files: the keys listed, against which a listing continued after a key checks its own
         admitted = 0  # objects in the items listed (files: a folder's marker or a loose object is in none)
-        orders = [True, True]  # the items came in key order; folder by folder (as the store lists, on every listing)
         attempt = 0
         run: list[Item] = []  # listed, not admitted yet
 
         def admit_run() -> bool:
             """Admit and queue the run, taken out first (an error in its admission must not admit
             it again); False if stopped meanwhile."""
-            nonlocal run, last, after, admitted
-            admitting, run, last, after = run, [], _position(run[-1]), run[-1].files[-1].key
+            nonlocal run, admitted
+            admitting, run = run, []
+            restart.listed(admitting[-1].files[-1].key)
             admitted += sum(len(item.files) for item in admitting)
             return self._queue_run(admitting)
 
         try:
             while not self._stop.is_set():
                 run = []
-                skip = last  # a restarted listing skips what was admitted before (items come in order)
-                previous: tuple[str, str] | None = None
-                if after is not None and self._resumes and self._in_key_order:
-                    # after the last item admitted (a folder listed in part is listed again from its
-                    # first key), counting the first page from where the listing was
-                    self._objects = admitted
-                    objects = self._store.list(start_after=after)  # type: ignore[call-arg]  # takes_start_after said so
-                else:
-                    self._objects = 0  # a listing from the start counts its first page again
-                    objects = self._store.list()
+                objects = restart.listing()
+                # after a key, the first page counted from where the listing was; from the start, again
+                self._objects = admitted if restart.after_key else 0
+                if not restart.after_key:
+                    seen = _TreeCheck()  # a listing from the start sees every key again
                 try:
-                    for item in group_items(self._count(objects), self._mode):
-                        at = _position(item)
-                        if previous is not None:  # which of the two orders the store lists in
-                            orders = [ordered and a > b for ordered, a, b in zip(orders, at, previous, strict=True)]
-                            if not any(orders):  # each listing in one order, but not all in the same
-                                raise ValueError(
-                                    f"{self._store.url}: listed in neither order across its listings (in key order "
-                                    f"once, folder by folder another time): {at[0]!r} after {previous[0]!r}; "
-                                    "what was listed before cannot be told from what was not"
-                                )
-                        previous = at
-                        if skip is not None:
-                            # listed before: at or before the last one in each order the store may list in
-                            if all(a <= b for ordered, a, b in zip(orders, at, skip, strict=True) if ordered):
-                                continue
-                            skip = None
+                    for item in group_items(self._count(objects), self._mode, seen):
+                        if restart.before(_unit(item.files[0].key, self._mode)):
+                            continue
                         attempt = 0
                         run.append(item)
                         if len(run) < ADMIT_RUN and self._first_page and len(self._queue) >= ADMIT_AHEAD:
@@ -208,19 +191,13 @@ class StreamingListing:
                             return
                     if run and not admit_run():  # the last run
                         return
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - _backoff raises it unless it is retried
                     # listed before the error: theirs is the turn before it, and a restart skips them
                     if run and not admit_run():
                         return
-                    if not is_transient(exc) or attempt >= self._retries or self._stop.is_set():
-                        raise
-                    delay = self._backoff(attempt)
-                    attempt += 1
-                    log.warning(
-                        "listing %s failed, retry %d/%d in %.2fs: %s", self._store.url, attempt, self._retries, delay, exc
-                    )
-                    if self._stop.wait(delay):
+                    if _backoff(exc, attempt, self._retries, self._backoff(attempt), self._stop, self._store.url):
                         return
+                    attempt += 1
                     continue
                 self._finish()
                 return
@@ -284,15 +261,9 @@ class StreamingListing:
         return self._objects
 
     def _count(self, objects: Iterator[ObjectInfo]) -> Iterator[ObjectInfo]:
-        """``objects``, counted (the first page), and followed: whether each key came after the
-        one before it (a restart lists after a key only while they all did)."""
-        previous: str | None = None
+        """``objects``, counted (the first page)."""
         for obj in objects:
             yield obj
-            key = obj.key
-            if previous is not None and key <= previous:
-                self._in_key_order = False
-            previous = key
             self._objects += 1
             if self._objects >= FIRST_PAGE_OBJECTS and not self._first_page:
                 with self._cond:
@@ -300,14 +271,166 @@ class StreamingListing:
                     self._cond.notify_all()
 
 
-def _position(item: Item) -> tuple[str, str]:
-    """Where ``item`` stands in a listing in key order, and in one made folder by folder
-    (:func:`~cachepipe.grouping.tree_order`). A folder's keys all start with ``name/``, so in key
-    order folders come in the order of ``name + "/"``, not of their names: ``a-b/f`` is listed
-    before ``a/f`` although ``"a" < "a-b"``; folder by folder, in the order of their names. A
-    single-file item's name is its key."""
-    key = item.name if item.is_file else f"{item.name}/"
-    return key, tree_order(key)
+def _unit(key: str, mode: Literal["folders", "files"]) -> str:
+    """The unit of a listing that ``key`` belongs to, which a restart lists whole or not at all:
+    its item's (``name/`` for a folder's key, a single-file item's key itself); a key directly
+    under the prefix in ``"folders"`` mode (in no item) is a unit of its own."""
+    if mode == "files":
+        return key
+    cut = key.find("/")
+    return key if cut < 0 else key[: cut + 1]
+
+
+class _Restart:
+    """Where a listing that a transient error cut lists again, and what it skips there: the rule
+    of every listing with retries (:class:`StreamingListing`'s of items, and
+    :func:`resumed_listing`'s of objects, for whole listings).
+
+    A listing is taken by units (see :func:`_unit`: an item's objects): :meth:`listed` notes the
+    last key of each unit taken whole. Listed again (:meth:`listing`), the store lists after that
+    key where it takes ``start_after`` and every key it listed so far came in key order (S3,
+    OBS); else from its start (a store listing folder by folder, SeaweedFS, whose answer to
+    ``StartAfter`` follows its own order). Either way :meth:`before` tells the units at or before
+    the last one taken, in each order the store may list in (key order; folder by folder, see
+    :func:`~cachepipe.grouping.tree_order`): taken already, never twice, even where a store's
+    answer overlaps. A unit read in part when the listing failed was not taken: it is listed
+    again from its first key.
+
+    ``start_after``: a key before every key wanted in both orders, and no folder of theirs (see
+    :mod:`cachepipe.map.dstrange`): a listing that would list from the start lists after it where
+    the store takes ``start_after``, whatever order the store lists in (the keys passed over are
+    none of those wanted, in either store's reading of it).
+    """
+
+    def __init__(self, store: Store, mode: Literal["folders", "files"], start_after: str | None = None) -> None:
+        self._store, self._mode, self._floor = store, mode, start_after
+        self._takes = takes_start_after(store)  # store.list(start_after=...) lists the keys after one
+        self._in_key_order = True  # every key listed so far (by every listing) came after the one before it
+        self._by_key = self._by_tree = True  # the units came in key order; folder by folder (on every listing)
+        self._after: str | None = None  # the last key of the last unit taken
+        self._skip: tuple[str, str] | None = None  # this listing skips up to this unit, in both orders
+        self._previous: tuple[str, str] | None = None  # the unit before, in this listing: in both orders
+        self.after_key = False  # this listing lists after the key of the last unit taken
+
+    def listing(self) -> Iterator[ObjectInfo]:
+        """The store's objects, listed (again): after the last key taken, or from the start."""
+        after, self._previous, self._skip = self._after, None, None
+        if after is not None:
+            unit = _unit(after, self._mode)
+            self._skip = (unit, tree_order(unit))
+        self.after_key = after is not None and self._takes and self._in_key_order
+        if self.after_key:
+            return self._follow(self._store.list(start_after=after))  # type: ignore[call-arg]  # takes_start_after said so
+        if self._floor is not None and self._takes:
+            return self._follow(self._store.list(start_after=self._floor))  # type: ignore[call-arg]
+        return self._follow(self._store.list())
+
+    def _follow(self, objects: Iterable[ObjectInfo]) -> Iterator[ObjectInfo]:
+        """``objects``, followed: whether each key came after the one before it."""
+        previous: str | None = None
+        for obj in objects:
+            key = obj.key
+            if previous is not None and key <= previous:
+                self._in_key_order = False
+            previous = key
+            yield obj
+
+    def before(self, unit: str) -> bool:
+        """Whether ``unit`` (see :func:`_unit`), come next in this listing, was taken before it: at
+        or before the last one taken, in each order the store may list in. Called once a unit.
+
+        Raises:
+            ValueError: the store listed in key order once and folder by folder another time:
+                what was listed before cannot be told from what was not.
+        """
+        by_key, by_tree = self._by_key, self._by_tree
+        tree = tree_order(unit) if by_tree else ""  # followed only while the store may list folder by folder
+        previous, self._previous = self._previous, (unit, tree)
+        if previous is not None:  # which of the two orders the store lists in
+            by_key, by_tree = by_key and unit > previous[0], by_tree and tree > previous[1]
+            if not (by_key or by_tree):  # each listing in one order, but not all in the same
+                raise ValueError(
+                    f"{self._store.url}: listed in neither order across its listings (in key order "
+                    f"once, folder by folder another time): {unit!r} after {previous[0]!r}; "
+                    "what was listed before cannot be told from what was not"
+                )
+            self._by_key, self._by_tree = by_key, by_tree
+        skip = self._skip
+        if skip is not None:
+            if (not by_key or unit <= skip[0]) and (not by_tree or tree <= skip[1]):
+                return True
+            self._skip = None
+        return False
+
+    def listed(self, key: str) -> None:
+        """The unit whose last key is ``key`` is taken whole: a restart lists after it."""
+        self._after = key
+
+
+def _backoff(exc: Exception, attempt: int, retries: int, delay: float, stop: threading.Event, url: str) -> bool:
+    """After a listing's error ``exc`` at its ``attempt`` (counted from 0): raise it if it is not
+    transient, the ``retries`` are spent or ``stop`` is set; else log and wait ``delay`` seconds
+    (on ``stop``): whether ``stop`` was set meanwhile."""
+    if not is_transient(exc) or attempt >= retries or stop.is_set():
+        raise exc
+    log.warning("listing %s failed, retry %d/%d in %.2fs: %s", url, attempt + 1, retries, delay, exc)
+    return stop.wait(delay)
+
+
+def resumed_listing(
+    store: Store,
+    mode: Literal["folders", "files"],
+    retries: int,
+    backoff: Callable[[int], float],
+    stop: threading.Event,
+    url: str = "",
+    start_after: str | None = None,
+) -> Iterator[ObjectInfo]:
+    """``store``'s objects as one listing gives them, through transient errors: a listing cut by
+    one lists again after the last key of the last item (see :func:`_unit`) read whole, or from
+    the start (:class:`_Restart` says which, and what it skips), after ``backoff(attempt)``
+    seconds, up to ``retries`` times in a row (counted again once an item is read). The objects
+    of a folder are yielded once it is read whole (the next one started, or the listing ended):
+    those of a folder read in part when the listing failed are listed again, not yielded twice.
+    For a whole listing (:func:`list_source`, ``cachepipe map``'s): its pages are not asked again.
+    ``start_after``: as :class:`_Restart`'s (a rank's listing of DST: only the part where its
+    items' keys can be, :mod:`cachepipe.map.dstrange`); None: every key.
+
+    Raises:
+        the error of the store, if not transient, after ``retries``, or once ``stop`` is set (it
+        ends a backoff at once); ValueError as :meth:`_Restart.before`.
+    """
+    restart, files = _Restart(store, mode, start_after), mode == "files"
+    attempt = 0
+    while True:
+        held: list[ObjectInfo] = []  # the objects of the unit being read
+        unit: str | None = None
+        skipping = False
+        try:
+            for obj in restart.listing():
+                key = obj.key
+                at = key if files else _unit(key, mode)
+                if at != unit:
+                    if held:  # the folder before is read whole
+                        yield from held
+                        restart.listed(held[-1].key)
+                        held, attempt = [], 0
+                    unit, skipping = at, restart.before(at)
+                if skipping:
+                    continue
+                if at == key and not key.endswith("/"):  # a unit of one object (a file item, a loose one): whole
+                    yield obj
+                    restart.listed(key)
+                    attempt = 0
+                else:
+                    held.append(obj)
+        except Exception as exc:
+            if _backoff(exc, attempt, retries, backoff(attempt), stop, url or store.url):
+                raise
+            attempt += 1
+            continue
+        yield from held
+        return
 
 
 def empty_source(source: str, items: str, objects: int, listed: int = 0) -> EmptySourceError:
@@ -339,32 +462,25 @@ def list_source(
     source: str = "",
     stop: threading.Event | None = None,
 ) -> Catalog:
-    """List ``store`` into a catalog, retrying transient store errors as downloads are (the whole
-    listing again: a catalog is built in one pass). ``source`` names it in the log. ``stop``: once
-    set (a pipeline closing while it opens), an error is not retried and a backoff ends at once.
+    """List ``store`` into a catalog, retrying transient store errors as downloads are: a listing
+    cut by one continues after the last item it read whole (see :func:`resumed_listing`), up to
+    ``retries`` times in a row. ``source`` names it in the log. ``stop``: once set (a pipeline
+    closing while it opens), an error is not retried and a backoff ends at once.
 
     Raises:
         EmptySourceError: no items (:func:`empty_source` says why).
         OSError, UnsafeKeyError, ...: a permanent error, or a transient one after ``retries``
             (or once ``stop`` is set).
     """
-    stop = stop or threading.Event()
-    for attempt in range(retries + 1):
-        objects = _Counted(store.list())
-        try:
-            catalog = Catalog.from_listing(objects, items)
-        except Exception as exc:
-            if not is_transient(exc) or attempt == retries or stop.is_set():
-                raise
-            delay = backoff_delay(attempt, backoff, backoff_max)
-            log.warning("listing %s failed, retry %d/%d in %.2fs: %s", source or store.url, attempt + 1, retries, delay, exc)
-            if stop.wait(delay):  # a backoff in the opening thread; Ctrl-C interrupts it, and so does a close
-                raise
-        else:
-            if not catalog:
-                raise empty_source(source or store.url, items, objects.n)
-            return catalog
-    raise AssertionError("unreachable")
+    objects = _Counted(
+        resumed_listing(
+            store, items, retries, lambda attempt: backoff_delay(attempt, backoff, backoff_max), stop or threading.Event(), source
+        )
+    )
+    catalog = Catalog.from_listing(objects, items)
+    if not catalog:
+        raise empty_source(source or store.url, items, objects.n)
+    return catalog
 
 
 class _Counted:

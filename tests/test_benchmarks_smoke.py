@@ -143,8 +143,9 @@ def test_partition_benchmark_runs_and_fixed_downloads_a_fitting_share_once():
 def test_manifest_benchmark_reports_every_phase():
     report = run_json("bench_manifest.py", "--items", "500")
     assert report["items"] == 500 and report["manifest_bytes"] > 0
-    assert set(report["phases"]) == {"digest", "write", "read", "plan", "group"}
-    assert report["phases"]["group"]["items"] == report["items"]
+    assert set(report["phases"]) == {"digest", "write", "read", "plan", "group", "list-files", "list-folders"}
+    assert report["phases"]["group"]["items"] == report["phases"]["list-files"]["items"] == report["items"]
+    assert report["phases"]["list-folders"]["items"] == report["items"]
     assert report["phases"]["plan"]["share"] > 0
 
 

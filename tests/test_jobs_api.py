@@ -6,6 +6,7 @@ raw HTTP on the socket.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import logging
@@ -22,6 +23,7 @@ import yaml
 from conftest import via
 from removing import remove_tree
 from test_service_lifecycle import NextDaemon
+from test_state_files import _upload_held
 from waiting import wait_until
 
 from cachepipe.client import Client, ServiceError, StoreError
@@ -30,7 +32,7 @@ from cachepipe.jobclient import JobClient
 from cachepipe.manifest import index
 from cachepipe.service.config import load_config
 from cachepipe.service.daemon import _changed_keys
-from cachepipe.service.testing import DaemonProcess
+from cachepipe.service.testing import DaemonExited, DaemonProcess
 
 KIB = 1024
 
@@ -199,7 +201,9 @@ def test_manifests_listed_uploaded_and_checked(s3_source, tmp_path, short_dir):
             with pytest.raises(ServiceError, match=r"no manifest 'f+' on this daemon") as err:
                 lane.manifest_bytes("f" * 32)
             assert err.value.status == 404
-    assert sorted(p.name for p in (root / ".manifests").iterdir()) == [f"{digest}.json.gz"]  # no upload leftovers
+    # no upload leftovers; "jobs": the note that job train plans from it
+    assert sorted(p.name for p in (root / ".manifests").iterdir()) == [f"{digest}.json.gz", "jobs"]
+    assert (root / ".manifests" / "jobs" / "train").read_text() == f"{digest}\n"
 
 
 @pytest.mark.parametrize("grown", [False, True], ids=["same-data", "source-grew"])
@@ -354,6 +358,9 @@ def test_jobs_section_is_checked(tmp_path):
     assert "jobs.sources 'nope://b/': unknown URL scheme 'nope://'" in error_of(
         {"jobs": {"root": "/j", "capacity": "1GiB", "sources": ["s3://ok/", "nope://b/"]}}
     )
+    for grace in (-1, "soon", float("inf")):
+        message = error_of({"jobs": {"root": "/j", "capacity": "1GiB", "manifest_grace": grace}})
+        assert "jobs.manifest_grace" in message, message
     overlap = {"jobs": {"root": "/data/jobs", "capacity": "1GiB"}}
     overlap["pipelines"] = {"train": {"source": "s3://b/", "cache_dir": "/data/jobs/train", "capacity": "1GiB"}}
     assert "overlaps jobs.root '/data/jobs'" in error_of(overlap)
@@ -844,3 +851,129 @@ def test_a_registration_waiting_for_its_job_s_delete_holds_no_other_job_s_regist
             thread.join(60)
         jobs.close()
     assert done["delete"] is None and done["again"][0] is True, done
+
+
+def _aged(path: Path, seconds: float = 3600) -> None:
+    """Make ``path`` look written ``seconds`` ago (its mtime, as the grace reads it)."""
+    then = time.time() - seconds
+    os.utime(path, (then, then))
+
+
+def test_the_manifests_no_job_names_are_removed_after_the_grace_when_a_job_is_deleted_and_at_start(
+    s3_source, tmp_path, short_dir
+):
+    """Every manifest given to the daemon or listed by it (node mode lists at every distributed
+    run: a growing source, a new one each time) was kept under ``jobs.root/.manifests`` for good,
+    outside any capacity, until the disk filled. Now those no job names are removed once older
+    than ``jobs.manifest_grace``, when a job is deleted and at the start; those a registered
+    job, or a job folder (for the job registered again after a restart), names are kept."""
+    s3_source.folders(2, {"a.bin": KIB})
+    sock, root = short_dir / "api.sock", tmp_path / "jobs"
+    jobs = {"root": str(root), "capacity": "1MiB", "sources": [s3_source.url], "manifest_grace": 60, "max_jobs": 5}
+    jobs["options"] = {"storage_options": s3_source.options}
+    config = write_config(tmp_path, sock, jobs)
+    folder = root / ".manifests"
+    digests = []
+    with DaemonProcess(config) as daemon, Client(socket=sock) as admin:
+        with JobClient("lister", spec(s3_source), 0, socket=sock) as lane:
+            for n in range(6):  # the source grows between listings: a manifest each
+                s3_source.put(f"grown{n}/a.bin", b"x")
+                digests.append(lane.index(s3_source.url))
+        kept, gone, dropped, fresh, orphan, shared = digests
+        for name, digest in (("kept", kept), ("gone", gone), ("dropped", dropped), ("one", shared), ("two", shared)):
+            register(sock, name, spec(s3_source, catalog=digest, capacity=64 * KIB))
+        for digest in (kept, gone, orphan, shared):
+            _aged(folder / f"{digest}.json.gz")
+        admin.delete_job("gone")
+        admin.delete_job("one")  # "two" still plans from it
+        names = {p.name for p in folder.glob("*.json.gz")}
+        assert names == {f"{d}.json.gz" for d in (kept, dropped, fresh, shared)}, (names, digests)
+        log = daemon.log()
+        assert f"manifest {gone} removed: its last job, 'gone', was deleted (written 36" in log, log
+        assert f"manifest {orphan} removed: no job names it (written 36" in log, log
+        admin.delete_job("two")
+        assert not (folder / f"{shared}.json.gz").exists()
+        assert f"manifest {shared} removed: its last job, 'two', was deleted" in daemon.log()
+        daemon.signal(signal.SIGTERM)
+        assert daemon.proc.wait(60) == 0
+    remove_tree(root / "dropped")  # its folder removed by hand: nothing will register it again
+    for digest in (kept, dropped, fresh):
+        _aged(folder / f"{digest}.json.gz")
+    _aged(folder / "jobs" / "dropped")
+    with DaemonProcess(config) as daemon:
+        assert sorted(p.name for p in folder.glob("*.json.gz")) == [f"{kept}.json.gz"]  # the folder "kept" names it
+        log = daemon.log()
+        for digest in (dropped, fresh):
+            assert f"manifest {digest} removed: no job folder under jobs.root names it (the daemon's start)" in log, log
+        assert register(sock, "kept", spec(s3_source, catalog=kept, capacity=64 * KIB))["catalog_digest"] == kept
+        # a removal waits for no write: while an upload is under way (held for its last byte), none is removed
+        with Client(socket=sock) as admin, JobClient("kept", spec(s3_source), 0, socket=sock) as lane:
+            body = lane.manifest_bytes(kept)
+            with contextlib.closing(_upload_held(sock, body)) as held:
+                wait_until(lambda: list(folder.glob(".upload-*")), 60, "the held upload's temporary file")
+                admin.delete_job("kept")
+                assert (folder / f"{kept}.json.gz").exists()
+                assert f"manifests in {folder}: none removed now: a manifest is being written there" in daemon.log()
+                held.sendall(body[-1:])
+                held.settimeout(60)
+                assert held.recv(4096).startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_second_daemon_on_a_jobs_root_another_serves_is_refused_naming_it(s3_source, tmp_path, short_dir):
+    """Two daemons on one jobs.root (a second ``cachepipe serve`` with another socket, a new one
+    started while the old one drains) both served: each gave its jobs all of jobs.capacity, and
+    each removed job folders and manifests it thought unused. Now the second is refused at its
+    start, naming the root and the first; it starts once the first stopped."""
+    root = tmp_path / "jobs"
+    configs = []
+    for n in ("one", "two"):
+        (tmp_path / n).mkdir()
+        configs.append(write_config(tmp_path / n, short_dir / f"{n}.sock", {"root": str(root), "capacity": "1MiB"}))
+    with DaemonProcess(configs[0]) as first:
+        second = DaemonProcess(configs[1])
+        try:
+            with pytest.raises(DaemonExited) as err:
+                second.start()
+        finally:
+            second.close()
+        assert not (short_dir / "two.sock").exists()  # the refused daemon's socket is not left behind
+        message = f"jobs.root {str(root)!r} is in use by another cachepipe daemon (pid {first.pid} on {socket.gethostname()}, "
+        assert message in str(err.value) and f"socket {short_dir / 'one.sock'})" in str(err.value), str(err.value)
+        first.signal(signal.SIGTERM)
+        assert first.proc.wait(60) == 0
+    with DaemonProcess(configs[1]), Client(socket=short_dir / "two.sock") as client:
+        assert client.status()["pid"]
+
+
+def test_a_job_folder_without_a_note_keeps_the_manifests_at_start(s3_source, tmp_path, short_dir):
+    """A job folder whose note is missing (left by a cachepipe before the notes, 2026-12-01, or
+    whose note could not be written): the start removed every manifest older than the grace,
+    the one that job plans from too, and its lanes, registering it again after the restart (an
+    upgrade), were refused: 409 ``no manifest of that digest was uploaded``. Such a folder
+    keeps them all now, said in the log, until its job registers again (which notes it); a
+    job registered without a catalog notes so, and keeps none."""
+    s3_source.folders(2, {"a.bin": KIB})
+    sock, root = short_dir / "api.sock", tmp_path / "jobs"
+    jobs = {"root": str(root), "capacity": "1MiB", "sources": [s3_source.url], "manifest_grace": 60}
+    jobs["options"] = {"storage_options": s3_source.options}
+    config = write_config(tmp_path, sock, jobs)
+    folder = root / ".manifests"
+    with DaemonProcess(config) as daemon:
+        with JobClient("lister", spec(s3_source), 0, socket=sock) as lane:
+            planned = lane.index(s3_source.url)
+            s3_source.put("grown/a.bin", b"x")
+            orphan = lane.index(s3_source.url)
+        register(sock, "old", spec(s3_source, catalog=planned, capacity=64 * KIB))
+        register(sock, "plain", spec(s3_source, capacity=64 * KIB))  # lists the source: no catalog
+        daemon.signal(signal.SIGTERM)
+        assert daemon.proc.wait(60) == 0
+    (folder / "jobs" / "old").unlink()  # as a version before the notes left it
+    for digest in (planned, orphan):
+        _aged(folder / f"{digest}.json.gz")
+    with DaemonProcess(config) as daemon, Client(socket=sock) as admin:
+        assert register(sock, "old", spec(s3_source, catalog=planned, capacity=64 * KIB))["catalog_digest"] == planned
+        assert f"{orphan}.json.gz" in {p.name for p in folder.glob("*.json.gz")}  # kept by the start
+        assert f"manifests in {folder}: none removed: the job folder 'old' names none" in daemon.log(), daemon.log()
+        register(sock, "plain", spec(s3_source, capacity=64 * KIB))
+        admin.delete_job("plain")  # every job folder is noted now: the orphan goes
+        assert sorted(p.name for p in folder.glob("*.json.gz")) == [f"{planned}.json.gz"]

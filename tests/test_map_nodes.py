@@ -9,11 +9,17 @@ import random
 import re
 import subprocess
 import sys
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachepipe.errors import ConfigError
+from cachepipe.grouping import tree_order
 from cachepipe.map import MapItem, map_items
+from cachepipe.map.dstrange import bounded, dst_range
+from cachepipe.map.remote import held_by_item
 from cachepipe.map.share import Rank, resolve_rank, take_share
 from cachepipe.map.uploader import DONE_MARKER
 
@@ -133,17 +139,27 @@ def _items(sizes: list[int]) -> list[MapItem]:
     return [MapItem(f"item{i:03d}", f"item{i:03d}", (), {}, size) for i, size in enumerate(sizes)]
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 7])
-def test_shares_are_disjoint_covering_and_byte_balanced(world):
+@pytest.mark.parametrize("world", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("kind", ["mixed", "equal", "empty", "one large"])
+def test_shares_are_runs_of_the_listing_disjoint_covering_and_byte_balanced(world, kind):
+    """Each share is a run of consecutive items (a rank's results lie together in DST, and it
+    lists only that part of DST), the shares in rank order cover the listing, and each holds
+    an equal part of the bytes within the largest item's size."""
     rng = random.Random(world)
-    items = _items([rng.choice([1, 10, 100, 5000]) + rng.randrange(1000) for _ in range(100)])
+    sizes = {
+        "mixed": [rng.choice([0, 1, 10, 100, 5000]) + rng.randrange(1000) for _ in range(100)],
+        "equal": [7] * 100,
+        "empty": [0] * 100,
+        "one large": [1] * 50 + [10_000] + [1] * 49,
+    }[kind]
+    items = _items(sizes)
     shares = [take_share(items, r, world) for r in range(world)]
-    names = [mi.name for share in shares for mi in share]
-    assert sorted(names) == [mi.name for mi in items]  # each item in exactly one share
-    for share in shares:  # in listing order
-        assert [mi.name for mi in share] == sorted(mi.name for mi in share)
+    assert [mi.name for share in shares for mi in share] == [mi.name for mi in items]  # runs, in rank order, covering
     totals = [sum(mi.size for mi in share) for share in shares]
-    assert max(totals) - min(totals) <= max(mi.size for mi in items)
+    largest, total = max(sizes), sum(sizes)
+    assert all(abs(world * got - total) <= world * largest for got in totals), totals
+    if kind in ("equal", "empty"):  # counts differ by at most one
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
 
 
 # ---- three cachepipe map processes over one SRC/DST ------------------------------------------------------------
@@ -253,7 +269,7 @@ def test_three_processes_share_one_source_each_item_once(s3_source, s3_client, t
         assert shares[rank] == (len(mine), sum(sizes[n] for n in mine))
         assert f"{len(mine)} done, 0 failed, 0 already done" in err
     share_bytes = [b for _, b in shares.values()]
-    assert max(share_bytes) - min(share_bytes) <= max(sizes.values())
+    assert max(share_bytes) - min(share_bytes) <= 2 * max(sizes.values())  # runs of the listing, each within an item of a third
 
     keys = [
         o["Key"]
@@ -329,7 +345,7 @@ def _marked(s3_client, prefix: str) -> list[str]:
 
 @pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "listing"])
 def test_ranks_that_plan_from_one_manifest_do_each_item_once_while_src_grows(s3_source, s3_client, tmp_path, manifest):
-    """Rank 0 runs, objects are added to SRC, then rank 1 runs (pods scheduled minutes apart):
+    """Rank 1 runs, objects are added to SRC, then rank 0 runs (pods scheduled minutes apart):
     with each rank's own listing, the shares come from two listings and an item falls to no rank
     (what docs/map.md warns of); with one manifest, each item of it is done by exactly one rank."""
     from cachepipe.manifest import index
@@ -342,9 +358,9 @@ def test_ranks_that_plan_from_one_manifest_do_each_item_once_while_src_grows(s3_
     if manifest:
         common["manifest"] = where
 
-    first = map_items(MARK, s3_source.url, "s3://data/out/", cache_dir=tmp_path / "c0", capacity="1MiB", rank=0, **common)
-    s3_source.put("early/in.bin", b"y" * 1000)  # written after rank 0 listed; first in order, it shifts rank 1's share
-    second = map_items(MARK, s3_source.url, "s3://data/out/", cache_dir=tmp_path / "c1", capacity="1MiB", rank=1, **common)
+    first = map_items(MARK, s3_source.url, "s3://data/out/", cache_dir=tmp_path / "c1", capacity="1MiB", rank=1, **common)
+    s3_source.put("early/in.bin", b"y" * 1000)  # written after rank 1 listed; first in order, it shifts rank 0's share
+    second = map_items(MARK, s3_source.url, "s3://data/out/", cache_dir=tmp_path / "c0", capacity="1MiB", rank=0, **common)
 
     done = _marked(s3_client, "out/")
     if manifest:
@@ -353,7 +369,7 @@ def test_ranks_that_plan_from_one_manifest_do_each_item_once_while_src_grows(s3_
         assert done == [f"item{i:02d}" for i in range(6)]  # every item of the manifest, once; the new one not
     else:  # the hazard the manifest removes: shares of two listings, some items twice and some by no rank
         assert (first.items_listed, second.items_listed) == (6, 7)
-        assert "item01" not in done
+        assert "item02" not in done  # rank 1's listing gave it to rank 0 (items 0-2 of 6), rank 0's to rank 1 (3 of 7)
 
 
 def test_a_manifest_of_another_source_or_items_mode_is_refused_before_anything_runs(s3_source, tmp_path):
@@ -468,3 +484,140 @@ def test_a_manifest_that_lists_an_object_twice_is_refused_naming_it(s3_source, t
     run = {"cache_dir": tmp_path / "c", "capacity": "1MiB", "storage_options": s3_source.options, "manifest": local}
     with pytest.raises(ConfigError, match=r"m.gz': item 'a' \(entry 1\) lists a file twice \('a/x'\): each file once; "):
         map_items(MARK, s3_source.url, "s3://data/out/", **run)  # before: ValueError: listing out of order: 'a/x' after 'a/x'
+
+
+# ---- the part of DST a rank lists: pure --------------------------------------------------------------------------
+_SEGMENT = st.text(alphabet=" -.0a", min_size=1, max_size=3)
+_NAME = st.lists(_SEGMENT, min_size=1, max_size=3).map("/".join)  # nested names, as files mode makes: a, a/b
+
+
+def _after_in_key_order(keys: list[str], start_after: str | None) -> list[str]:
+    """A store listing in key order (S3, OBS, moto), after ``start_after`` (ListObjectsV2's ``StartAfter``)."""
+    return sorted(k for k in keys if start_after is None or k > start_after)
+
+
+def _after_folder_by_folder(keys: list[str], start_after: str | None) -> list[str]:
+    """A store listing folder by folder, after ``start_after`` as SeaweedFS 4.48 reads it (measured by
+    test_s3_week's test_seaweedfs_start_after_is_after_in_its_order_passing_a_folder_named_whole): the
+    keys after it in its order, and none under ``start_after/`` (a folder of that name is passed whole)."""
+    listed = sorted(keys, key=tree_order)
+    if start_after is None:
+        return listed
+    return [k for k in listed if tree_order(k) > tree_order(start_after) and not k.startswith(start_after + "/")]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    names=st.lists(_NAME, min_size=1, max_size=8, unique=True),
+    picks=st.lists(st.booleans(), min_size=8, max_size=8),
+    under=st.lists(st.tuples(st.integers(0, 7), st.lists(_SEGMENT, min_size=0, max_size=2)), max_size=12),
+    loose=st.lists(_NAME, max_size=6),
+)
+def test_a_rank_lists_every_key_of_its_items_in_either_order_a_store_lists_in(names, picks, under, loose):
+    """A rank lists DST after ``dst_range``'s key and stops past its items' keys: in key order
+    (after the key as S3 reads it) and folder by folder (as SeaweedFS reads it), with names that
+    sort around ``/`` and nested ones, every key under a wanted item's folder is listed (a
+    brute-force filter), and the keys each item holds (held_by_item, among every name) are a full
+    listing's. From the start (a store without ``start_after``) too."""
+    wanted = [name for name, pick in zip(names, picks, strict=False) if pick] or names[:1]
+    keys = {f"{names[i % len(names)]}/{'/'.join(rel)}" for i, rel in under} | {f"{n}/{DONE_MARKER}" for n in wanted}
+    keys |= set(loose)  # beside the items (in no folder of theirs, or one of an item no longer in SRC)
+    within = dst_range(wanted)
+    theirs = {k for k in keys if any(k.startswith(n + "/") for n in wanted)}  # brute force
+    for order in (_after_in_key_order, _after_folder_by_folder):
+        full = order(list(keys), None)
+        for start_after in (within.start_after, None):
+            listed = list(bounded(order(list(keys), start_after), within))
+            assert theirs <= set(listed), (order.__name__, start_after, theirs - set(listed))
+            assert held_by_item(listed, names, wanted) == held_by_item(full, names, wanted)
+
+
+@pytest.mark.parametrize(
+    ("wanted", "start_after"),
+    [
+        (["item20", "item21", "item39"], "item2"),  # item20's own prefix (item2/ is no folder of theirs); not item2/
+        (["item21", "item39"], "item20"),  # item20's keys come after it (S3), or are passed with it (SeaweedFS): not the rank's
+        (["x/item5", "x/item6"], "x/item4"),
+        (["a", "a b"], "`"),  # a b first in key order, a folder by folder: no prefix of either is below both, but ` is
+        (["a b", "b"], "a a"),
+        (["a/b", "a/b c"], "a/a"),  # a holds them: never a
+        (["0", "1"], None),  # below 0: / (a folder's separator) or nothing: listed from DST's first key
+    ],
+)
+def test_a_rank_lists_after_a_key_below_its_items_in_both_orders_and_no_folder_of_theirs(wanted, start_after):
+    assert dst_range(wanted).start_after == start_after
+
+
+def test_a_listing_stops_at_the_first_key_past_the_items_in_every_order_it_may_be_in():
+    within = dst_range(["item1", "item2"])
+    keys = ["item1/a", "item2/.d", "item2/b", "item3/a", "item4/a"]
+    assert list(bounded(iter(keys), within)) == keys[:3]
+    # folder by folder, "item2 x/a" comes after item2's keys ("/" below every character): past
+    # them, and it shows the listing is not in key order
+    assert list(bounded(iter(["item2/a", "item2/b", "item2 x/a", "item3/a"]), within)) == ["item2/a", "item2/b"]
+    # in key order it comes before them: past them folder by folder, not in key order, and both
+    # orders are possible still (item1/a, item2 x/a is in both): listed on, until a key past both
+    assert list(bounded(iter(["item1/a", "item2 x/a", "item2/b", "item3/a"]), within)) == ["item1/a", "item2 x/a", "item2/b"]
+    # a listing in neither order is read to its end
+    neither = ["item1/a", "item0/b", "item3/a", "item2/c"]
+    assert list(bounded(iter(neither), within)) == neither
+
+
+# ---- the part of DST a rank lists: on the moto server ------------------------------------------------------------
+def test_each_rank_lists_about_its_share_of_dst_and_decides_as_one_rank_does(fault_proxy, s3_source, s3_client, tmp_path):
+    """Three ranks over 60 items, whose outputs (and most markers) DST holds, listed 5 keys a
+    request: each rank listed the whole of DST (36 requests each, as one rank's). Each lists
+    after a key below its share and stops past it: about a third of the requests, and the
+    decisions of a single rank (done, to run, done by another command with what it holds)."""
+    from conftest import via
+
+    from cachepipe.stores import open_store
+
+    names = [f"item{i:02d}" for i in range(60)]
+    for name in names:
+        s3_source.put(f"{name}/f", b"x")
+    keys = {"out/item5/x": b"", "out/item2 x/y": b""}  # beside the items: item5 and item2 x are none
+    for i, name in enumerate(names):
+        keys |= {f"out/{name}/a": b"", f"out/{name}/b": b""}
+        if i % 10 == 3:  # done by another command: run again, what it holds handed to its upload
+            keys[f"out/{name}/{DONE_MARKER}"] = b'{"command": "00ff"}'
+        elif i % 10 != 7:  # done (an empty marker, made by hand); 7: an attempt that did not finish
+            keys[f"out/{name}/{DONE_MARKER}"] = b""
+    for key, body in keys.items():
+        s3_client.put_object(Bucket="data", Key=key, Body=body)
+    proxy, endpoint = fault_proxy
+
+    def run(rank: int, world_size: int) -> tuple[Any, list[str]]:
+        before = len(proxy.requests)
+        dst = open_store("s3://data/out/", via(s3_source, endpoint))
+        dst.list_page_size = 5  # type: ignore[attr-defined]
+        try:
+            result = map_items(
+                ["true"],
+                s3_source.url,
+                "s3://data/out/",
+                cache_dir=tmp_path / f"cache{rank}",
+                capacity="1MiB",
+                storage_options=s3_source.options,
+                dest_store=dst,
+                rank=rank,
+                world_size=world_size,
+                dry_run=True,
+                progress=False,
+            )
+        finally:
+            dst.close()
+        lines = [head.split("\r\n", 1)[0] for head in proxy.requests[before:]]
+        return result, [line for line in lines if line.startswith("GET ") and "max-keys=" in line]
+
+    one, whole = run(0, 1)
+    assert len(whole) == -(-len(keys) // 5) == 36
+    ranks = [run(rank, 3) for rank in range(3)]
+    for _, listing in ranks:
+        assert len(listing) <= 36 // 3 + 2, "\n".join(listing)  # its share's keys (12 pages), and the page past them
+    assert sum(result.items_skipped for result, _ in ranks) == one.items_skipped == 48
+    assert sorted(n for result, _ in ranks for n in result.planned) == sorted(one.planned)
+    assert sorted(n for result, _ in ranks for n in result.command_changed) == sorted(one.command_changed)
+    held = {name: keys for result, _ in ranks for name, keys in result.held.items()}
+    assert held == one.held and len(held) == 6 and held["item13"] == ["item13/.cachepipe-done", "item13/a", "item13/b"]
+    assert "start-after=item" in ranks[1][1][0].replace("%2F", "/").replace("out/", "")

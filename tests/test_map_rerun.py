@@ -625,3 +625,48 @@ def test_a_destination_that_is_the_source_through_a_link_is_refused_and_the_data
         with pytest.raises(ConfigError, match="is the source itself"):
             map_items(named("A"), str(src), str(dst), **options)
         assert (tmp_path / "src" / "a" / "f").read_bytes() == b"the dataset"
+
+
+def test_the_listings_of_src_and_dst_that_fail_at_page_n_continue_from_there(request, fault_proxy, s3_client, tmp_path, caplog):
+    """``cachepipe map`` listed SRC whole, and DST, again from their first page after a transient
+    error on a page: a failure at page N cost N more requests (a bucket of millions of keys under
+    SlowDowns: the square of its listing). Each continues after the last item it read whole
+    (SRC: item031, read in part when its page 20 failed, listed again from its first key; DST:
+    after the last key read). A dry run: every item planned, the 20 items that hold objects in
+    DST (no marker: an attempt that did not finish) all found."""
+    from conftest import via
+    from test_streaming import _fail_once, _listing_request, _paged_store, _requests_resumed
+
+    proxy, endpoint = fault_proxy
+    src, source = _paged_store(request, "s3", endpoint, 5)
+    src_keys = [f"item{i // 3:03d}/{'abc'[i % 3]}" for i in range(150)]
+    source.put_many(dict.fromkeys(src_keys, b"x"))
+    dst_keys = [f"item{i // 2:03d}/{'xy'[i % 2]}" for i in range(40)]  # under items 0 to 19
+    for key in dst_keys:
+        s3_client.put_object(Bucket="data", Key=f"out/{key}", Body=b"")
+    dst = open_store("s3://data/out/", via(source, endpoint))
+    dst.list_page_size = 5  # type: ignore[attr-defined]
+    listed = _fail_once(proxy, {"prefix=video": 20, "prefix=out": 5})
+    try:
+        with caplog.at_level("INFO", logger="cachepipe.map"):
+            result = map_items(
+                ["true"],
+                source.url,
+                "s3://data/out/",
+                cache_dir=tmp_path / "cache",
+                capacity="1MiB",
+                store=src,
+                dest_store=dst,
+                dry_run=True,
+                progress=False,
+                retry_backoff=0,
+            )
+    finally:
+        src.close()
+        dst.close()
+    assert result.planned == [f"item{i:03d}" for i in range(50)]
+    assert "20 item(s) to run hold objects in DST but no marker" in caplog.text
+    lines = [head.split("\r\n", 1)[0] for head in proxy.requests if _listing_request(head)]
+    assert proxy.injected["503"] == 0 and listed == {"prefix=video": 32, "prefix=out": 9}
+    assert sum("prefix=video" in line for line in lines) == _requests_resumed(src_keys, "folders", 5, 20) == 32
+    assert sum("prefix=out" in line for line in lines) == _requests_resumed(dst_keys, "files", 5, 5) == 9

@@ -7,8 +7,10 @@ import importlib.util
 import io
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -172,6 +174,97 @@ def test_seaweedfs_lists_folder_by_folder_and_every_folder_is_delivered_once(sea
         with Pipeline("s3://data/v/", tmp_path / "c", "1MiB", storage_options={"endpoint_url": seaweedfs, **engine}) as pipe:
             got = [(p.name, (p / "f").read_bytes(), sorted(p.files)) for p in pipe]
         assert got == [(name, name.encode(), ["f", "sub/g"]) for name in names], engine
+
+
+def test_seaweedfs_start_after_is_after_in_its_order_passing_a_folder_named_whole_and_ranks_decide_as_one(seaweedfs, tmp_path):
+    """What SeaweedFS 4.48 lists after ``StartAfter=s`` (the reading cachepipe.map.dstrange
+    relies on, and test_map_nodes's property test models): the keys after ``s`` folder by folder
+    (not in key order: ``a/x`` before ``a b/x``), and none under ``s/`` when ``s`` is a folder
+    (it names the folder, passed whole), whether ``s`` exists or not, on every page. Then three
+    ranks of ``cachepipe map`` (a dry run, DST listed 3 keys a page) over items named around
+    ``/``, each listing only its part of DST, decide as one rank listing the whole of it; and
+    with nested names (``a`` and ``a/b``, as files mode makes), a rank's part holds every key a
+    full listing gives its items."""
+    import boto3
+
+    from cachepipe.grouping import tree_order
+    from cachepipe.listing import resumed_listing
+    from cachepipe.map import map_items
+    from cachepipe.map.dstrange import bounded, dst_range
+    from cachepipe.map.remote import held_by_item
+
+    client = boto3.client("s3", endpoint_url=seaweedfs)
+    names = ["a", "a b", "a-b", "a.c", "a0", "ab", "b", "b c", "b-", "b.", "b0"]
+    nested = ["a/b", "a/b c", "a/b-c", "a/b/c", "a./x", "a-/y"]
+    outputs = (".cachepipe-done", "x", "s/y", " t", "-u")
+    dst = sorted(f"{n}/{f}" for n in names + nested for f in outputs)
+    for key in dst:
+        client.put_object(Bucket="data", Key=f"nest/{key}", Body=b"1")
+
+    def after(start: str, page: int) -> list[str]:
+        got, token = [], None
+        while True:
+            more = {"ContinuationToken": token} if token else {}
+            answer = client.list_objects_v2(Bucket="data", Prefix="nest/", MaxKeys=page, StartAfter=f"nest/{start}", **more)
+            got += [o["Key"].removeprefix("nest/") for o in answer.get("Contents", [])]
+            if not answer.get("IsTruncated"):
+                return got
+            token = answer["NextContinuationToken"]
+
+    in_order = sorted(dst, key=tree_order)
+    assert after("", 1000) == in_order != sorted(dst)  # folder by folder
+    for start in ["a", "a ", "a b", "a.", "a/", "a/b", "a/b ", "a/b/c", "a0", "a-", "a-/y", "b", "b.", "q/r", "zz", "a b/s"]:
+        model = [k for k in in_order if tree_order(k) > tree_order(start) and not k.startswith(f"{start}/")]
+        assert after(start, 1000) == after(start, 2) == model, start
+
+    # a rank's part of DST, nested names among every rank's: every key a full listing gives its items
+    store = open_store("s3://data/nest/", {"endpoint_url": seaweedfs})
+    store.list_page_size = 3  # type: ignore[attr-defined]
+    try:
+        every = names + nested
+        full = held_by_item((o.key for o in store.list()), every, every)
+        for wanted in (["a"], ["a b", "a-b"], ["a/b", "a/b c"], ["a-/y", "a-b"], ["a./x", "a.c", "a0"], ["b", "b c"], ["b0"]):
+            within = dst_range(wanted)
+            listing = resumed_listing(store, "files", 0, lambda _: 0.0, threading.Event(), start_after=within.start_after)
+            keys = list(bounded((o.key for o in listing), within))
+            assert held_by_item(keys, every, wanted) == {n: full[n] for n in wanted}, wanted
+            assert within.start_after is not None and len(keys) < len(dst), wanted  # a part of it
+    finally:
+        store.close()
+
+    # cachepipe map: three ranks decide as one
+    for i, name in enumerate(names):
+        client.put_object(Bucket="data", Key=f"src/{name}/f", Body=b"x" * (100 + i))
+        client.put_object(Bucket="data", Key=f"out/{name}/a", Body=b"a")
+        if i % 4 == 1:  # done by another command
+            client.put_object(Bucket="data", Key=f"out/{name}/.cachepipe-done", Body=b'{"command": "00ff"}')
+        elif i % 4 != 3:  # done; 3: an attempt that did not finish
+            client.put_object(Bucket="data", Key=f"out/{name}/.cachepipe-done", Body=b"{}")
+
+    def run(rank: int, world_size: int) -> Any:
+        out = open_store("s3://data/out/", {"endpoint_url": seaweedfs})
+        out.list_page_size = 3  # type: ignore[attr-defined]
+        try:
+            return map_items(
+                ["true"],
+                "s3://data/src/",
+                "s3://data/out/",
+                cache_dir=tmp_path / f"cache{rank}",
+                capacity="1MiB",
+                storage_options={"endpoint_url": seaweedfs},
+                dest_store=out,
+                rank=rank,
+                world_size=world_size,
+                dry_run=True,
+                progress=False,
+            )
+        finally:
+            out.close()
+
+    one, ranks = run(0, 1), [run(rank, 3) for rank in range(3)]
+    assert sum(r.items_skipped for r in ranks) == one.items_skipped == 6
+    assert sorted(n for r in ranks for n in r.planned) == sorted(one.planned) and len(one.planned) == 5
+    assert {n: keys for r in ranks for n, keys in r.held.items()} == one.held and len(one.held) == 3
 
 
 def test_a_listing_in_neither_order_is_refused_before_a_folder_comes_twice():

@@ -40,12 +40,15 @@ def test_a_deleted_job_leaves_no_folder_under_the_jobs_root(s3_source, tmp_path,
                 lane.consume(cursor)
             assert taken == 3
             admin.delete_job(name)
-            assert sorted(p.name for p in root.iterdir()) == [], run  # before: run0 .. run{run} left there
+            assert sorted(p.name for p in root.iterdir()) == [".daemon", ".manifests"], run  # before: run0 .. run{run} left there
+            assert [p.name for p in (root / ".manifests").rglob("*")] == ["jobs"], run  # the jobs' notes folder, empty
         with JobClient("kept", spec, 0, socket=sock) as lane:
             assert lane.take((0, 0), timeout=30) is not None
         (root / "kept" / "notes.txt").write_text("a file not of the cache")  # or an item its close could not delete
         admin.delete_job("kept")
         assert sorted(p.name for p in (root / "kept").iterdir()) == [".cachepipe", "notes.txt"]  # its journal kept with it
+        # noted as planning from no manifest: a folder without a note keeps every manifest
+        assert (root / ".manifests" / "jobs" / "kept").read_text() == ""
         # A job's folder removed and made again under it, by another owner (a pipeline of the same
         # cache_dir, holding the lock): the close touches nothing of it ("closing without deleting
         # anything"), and the removal after it deleted that owner's lock and journal under it.

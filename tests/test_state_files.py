@@ -222,21 +222,20 @@ def test_a_manifest_upload_to_a_full_disk_is_refused_naming_the_folder_and_leave
             assert lane.upload_manifest(body) == mine.digest
 
 
-def test_two_daemons_on_one_jobs_root_never_remove_each_other_s_upload_under_way(s3_source, tmp_path, short_dir):
+def test_a_manifest_upload_under_way_is_never_removed_by_another_s_removal_of_leftovers(s3_source, tmp_path, short_dir):
     """The removal of what killed writers left in ``.manifests`` is skipped while another writer
-    is under way (here a second daemon's upload, held for its last byte): it completes."""
+    is under way (here another upload, held for its last byte): it completes. (Two daemons on
+    one jobs.root, where this was seen first, are now refused: one daemon per root.)"""
     s3_source.folders(3, {"a.bin": KIB})
     root = tmp_path / "jobs"
     mine = index(s3_source.url, tmp_path / "m.json.gz", storage_options=s3_source.options)
     body = (tmp_path / "m.json.gz").read_bytes()
-    (tmp_path / "one").mkdir()
-    (tmp_path / "two").mkdir()
-    one = _jobs_config(tmp_path / "one", short_dir / "one.sock", root, s3_source)
-    two = _jobs_config(tmp_path / "two", short_dir / "two.sock", root, s3_source)
+    sock = short_dir / "api.sock"
+    config = _jobs_config(tmp_path, sock, root, s3_source)
     job = {"source": s3_source.url, "world_size": 1, "ranks": [0]}
-    with DaemonProcess(one), DaemonProcess(two), contextlib.closing(_upload_held(short_dir / "one.sock", body)) as held:
+    with DaemonProcess(config), contextlib.closing(_upload_held(sock, body)) as held:
         wait_until(lambda: list((root / ".manifests").glob(".upload-*")), 60, "the held upload's temporary file")
-        with JobClient("train", job, 0, socket=short_dir / "two.sock") as lane:
+        with JobClient("train", job, 0, socket=sock) as lane:
             assert lane.upload_manifest(body) == mine.digest
         held.sendall(body[-1:])
         held.settimeout(60)
@@ -382,3 +381,26 @@ def test_a_daemon_publishes_its_socket_where_hard_links_are_refused(short_dir, t
             client.connect(str(sock))  # ours, serving
     finally:
         api.close()
+
+
+@pytest.mark.parametrize("kind", ["nfs", "nolock"])
+def test_one_daemon_per_jobs_root_where_flock_is_nfs_s_or_none(tmp_path, monkeypatch, caplog, kind):
+    """The daemon's lock on jobs.root is a file open for writing: NFS locks it (its locks are the
+    server's), and a second daemon is refused; a mount without locks (ENOLCK) cannot, and the
+    daemon starts all the same, saying that a second one would not be refused."""
+    from cachepipe.service.jobs import Jobs, JobsConfig
+
+    config = JobsConfig(root=tmp_path / "jobs", capacity="1MiB")
+    monkeypatch.setattr(fcntl, "flock", _flock_as_on(kind))
+    first, second = Jobs(config), Jobs(config)
+    try:
+        first.start("/run/one.sock")
+        if kind == "nfs":
+            with pytest.raises(OSError, match=r"is in use by another cachepipe daemon \(pid \d+ on .*, socket /run/one.sock\)"):
+                second.start("/run/two.sock")
+        else:
+            second.start("/run/two.sock")
+            assert "cannot be locked (No locks available; an NFS mount without a lock daemon?)" in caplog.text
+    finally:
+        first.close()
+        second.close()

@@ -23,7 +23,7 @@ from waiting import wait_until
 from cachepipe import ConfigError, EmptySourceError, OversizeError, Pipeline, state
 from cachepipe.cache import Cache
 from cachepipe.catalog import Catalog
-from cachepipe.listing import FIRST_PAGE_OBJECTS, StreamingListing
+from cachepipe.listing import FIRST_PAGE_OBJECTS, StreamingListing, list_source
 from cachepipe.stores.base import ObjectInfo
 from cachepipe.stores.fsspec import FsspecStore
 
@@ -170,6 +170,40 @@ class FolderByFolderStore(GatedStore):
             yield obj
 
 
+def _folder_by_folder_cut(memory_data: fsspec.AbstractFileSystem, cut_after: int) -> tuple[list[str], FolderByFolderStore]:
+    """The folders of :data:`NAMES_OUT_OF_NAME_ORDER`, two files each, and their keys in the
+    order a :class:`FolderByFolderStore` lists them, which fails once in the middle of the
+    folder after ``cut_after`` ones."""
+    for name in NAMES_OUT_OF_NAME_ORDER:
+        memory_data.pipe_file(f"/stream/data/{name}/f", name.encode())
+        memory_data.pipe_file(f"/stream/data/{name}/g", b"2")
+    listed = sorted((f"{name}/{f}" for name in NAMES_OUT_OF_NAME_ORDER for f in "fg"), key=folder_by_folder)
+    return listed, FolderByFolderStore(gate_after=10**9, fail_after=2 * cut_after + 1)
+
+
+def _restarted_as_it_may(store: FolderByFolderStore, listed: list[str], mode: str) -> None:
+    """Listed twice: again from the start once a key came out of key order, else after the last
+    item read whole."""
+    assert store.lists == 2
+    before = listed[: store.fail_after]  # listed before the failure
+    if before != sorted(before):  # seen out of key order: listed from the start again
+        assert store.after == [None, None]
+    elif mode == "files":  # every key seen came in key order: after the last one
+        assert store.after == [None, before[-1]]
+
+
+@pytest.mark.parametrize("mode", ["folders", "files"])
+@pytest.mark.parametrize("cut_after", range(len(NAMES_OUT_OF_NAME_ORDER)))
+def test_a_whole_listing_folder_by_folder_restarted_anywhere_is_a_clean_listing_s_catalog(memory_data, mode, cut_after):
+    """list_source continues by the streamed listing's rule (after the last item read whole,
+    only while the keys came in key order; skipping what it read, in the store's order): its
+    catalog is the one listing gives, each item once, in the store's order."""
+    listed, store = _folder_by_folder_cut(memory_data, cut_after)
+    got = list_source(store, mode, retries=1, backoff=0)
+    _restarted_as_it_may(store, listed, mode)
+    assert list(got.entries()) == list(Catalog.from_listing(FolderByFolderStore(gate_after=10**9).list(), mode).entries())
+
+
 @pytest.mark.parametrize("mode", ["folders", "files"])
 @pytest.mark.parametrize("cut_after", range(len(NAMES_OUT_OF_NAME_ORDER)))
 def test_a_listing_folder_by_folder_is_taken_and_restarted_anywhere_delivers_each_item_once(
@@ -179,19 +213,10 @@ def test_a_listing_folder_by_folder_is_taken_and_restarted_anywhere_delivers_eac
     first (``" "`` before ``"/"``). Every listing with two such folder names failed with
     ``ValueError: listing out of order: 'a b/f' after 'a/g'``; a restart must skip what it
     listed before in the store's order, not in key order."""
-    for name in NAMES_OUT_OF_NAME_ORDER:
-        memory_data.pipe_file(f"/stream/data/{name}/f", name.encode())
-        memory_data.pipe_file(f"/stream/data/{name}/g", b"2")
-    listed = sorted((f"{name}/{f}" for name in NAMES_OUT_OF_NAME_ORDER for f in "fg"), key=folder_by_folder)
-    store = FolderByFolderStore(gate_after=10**9, fail_after=2 * cut_after + 1)
+    listed, store = _folder_by_folder_cut(memory_data, cut_after)
     with Pipeline(ROOT, tmp_path / "c", "1MiB", store=store, items=mode, retry_backoff=0) as pipe:
         names = [p.name for p in pipe]
-    assert store.lists == 2
-    before = listed[: store.fail_after]  # listed before the failure
-    if before != sorted(before):  # seen out of key order: listed from the start again
-        assert store.after == [None, None]
-    elif mode == "files":  # every key seen came in key order: after the last one
-        assert store.after == [None, before[-1]]
+    _restarted_as_it_may(store, listed, mode)
     if mode == "folders":
         assert names == sorted(NAMES_OUT_OF_NAME_ORDER)  # folder by folder: in the order of their names
     else:
@@ -407,6 +432,38 @@ def _listing_request(head: str) -> bool:
     return line.startswith("GET ") and "max-keys=" in line
 
 
+def _fail_once(proxy: Any, failing: dict[str, int]) -> dict[str, int]:
+    """Have the fault proxy answer the ``failing[where]``-th listing request whose request line
+    holds ``where`` (every one: ``""``) with a 503 SlowDown, once, at once. Returns: how many of
+    each it has seen, as they come."""
+    seen = dict.fromkeys(failing, 0)
+
+    def the_failing_page(head: str) -> bool:
+        line, hit = head.split("\r\n", 1)[0], False
+        for where, count in failing.items():
+            if _listing_request(head) and where in line:
+                seen[where] += 1
+                hit = hit or seen[where] == count
+        return hit
+
+    answer = threading.Event()
+    answer.set()  # not held: answered at once
+    proxy.hold(the_failing_page, answer, answer="503")
+    return seen
+
+
+def _requests_resumed(keys: list[str], mode: str, page: int, failing: int) -> int:
+    """The listing requests of a listing of ``keys`` (in key order), ``page`` keys a request,
+    whose ``failing``-th request fails once, continued after the last item read whole: a folder
+    read in part (the last read is never known whole) listed again from its first key."""
+    again = (failing - 1) * page  # keys read before the failing page
+    if mode == "folders" and "/" in keys[again - 1]:
+        folder = keys[again - 1].split("/")[0] + "/"
+        while again and keys[again - 1].startswith(folder):
+            again -= 1
+    return failing + -(-(len(keys) - again) // page)
+
+
 def _paged_store(request: pytest.FixtureRequest, backend: str, endpoint: str, page: int) -> tuple[Any, Any]:
     """A store of ``backend`` ("s3": s3fs, "obs", "obstore": the native engine) on an empty prefix
     of the moto server, through ``endpoint``, listing ``page`` keys a request; and its source."""
@@ -444,16 +501,7 @@ def test_a_listing_whose_page_n_fails_lists_again_from_there_not_from_its_first_
     keys = [f"item{i // folder:03d}/{'abc'[i % folder]}" for i in range(150)]  # in key order
     store, source = _paged_store(request, backend, endpoint, page)
     source.put_many({key: key.encode() for key in keys})
-    listed = 0
-
-    def the_failing_page(head: str) -> bool:
-        nonlocal listed
-        listed += _listing_request(head)
-        return _listing_request(head) and listed == failing
-
-    answer = threading.Event()
-    answer.set()  # not held: answered with a 503 SlowDown at once
-    proxy.hold(the_failing_page, answer, answer="503")
+    listed = _fail_once(proxy, {"": failing})
     try:
         with Pipeline(source.url, tmp_path / "c", "1MiB", store=store, items=mode, retry_backoff=0) as pipe:
             got = [(p.name, [(rel, Path(p, rel).read_bytes()) for rel in p.files]) for p in pipe]
@@ -464,12 +512,84 @@ def test_a_listing_whose_page_n_fails_lists_again_from_there_not_from_its_first_
         assert got == [(name, [(k[-1], k.encode()) for k in keys if k.startswith(f"{name}/")]) for name in names]
     else:
         assert got == [(key, [("", key.encode())]) for key in keys]
-    seen = (failing - 1) * page  # keys listed before the failing page
-    assert seen % folder != 0  # it fails in the middle of a folder
-    again = seen if mode == "files" else (seen - 1) // folder * folder  # the folder listed in part from its first key
+    assert (failing - 1) * page % folder != 0  # it fails in the middle of a folder
     requests = sum(_listing_request(head) for head in proxy.requests)
-    assert proxy.injected["503"] == 0 and listed == requests  # the fault was the hold's, once
-    assert requests == failing + -(-(len(keys) - again) // page), (requests, failing + -(-len(keys) // page))
+    assert proxy.injected["503"] == 0 and listed[""] == requests  # the fault was the hold's, once
+    assert requests == _requests_resumed(keys, mode, page, failing), (requests, failing + -(-len(keys) // page))
+
+
+@pytest.mark.parametrize(("backend", "mode"), [("s3", "folders"), ("s3", "files"), ("obs", "folders"), ("obs", "files")])
+def test_a_whole_listing_whose_page_n_fails_lists_again_from_there_not_from_its_first_page(request, fault_proxy, backend, mode):
+    """list_source (``cachepipe index``, a pass that is not streamed, the daemon's index) listed
+    the whole source again after a transient error on a page: a failure at page N cost N more
+    requests. It continues after the last key of the last item read whole: item031, read in part
+    when page 20 failed, is listed again from its first key. The catalog is a clean listing's,
+    with the file ``item031`` beside the folder (in files mode its keys collide with it: unsafe,
+    though the listing that reads them is not the one that read the file)."""
+    proxy, endpoint = fault_proxy
+    page, failing = 5, 20
+    keys = sorted([f"item{i // 3:03d}/{'abc'[i % 3]}" for i in range(150)] + ["item031"])
+    store, source = _paged_store(request, backend, endpoint, page)
+    source.put_many({key: key.encode() for key in keys})
+    listed = _fail_once(proxy, {"": failing})
+    try:
+        got = list_source(store, mode, retries=1, backoff=0)
+        requests, seen = sum(_listing_request(head) for head in proxy.requests), listed[""]
+        clean = Catalog.from_listing(store.list(), mode)
+    finally:
+        store.close()
+    assert list(got.entries()) == list(clean.entries()) and len(got) == (151 if mode == "files" else 50)
+    assert {at: str(why) for at, why in got.unsafe.items()} == {at: str(why) for at, why in clean.unsafe.items()}
+    assert len(got.unsafe) == (3 if mode == "files" else 0)
+    assert keys[(failing - 1) * page - 1 : (failing - 1) * page + 1] == ["item031/a", "item031/b"]  # failed mid-folder
+    assert proxy.injected["503"] == 0 and seen == requests  # the fault was the hold's, once
+    assert requests == _requests_resumed(keys, mode, page, failing), (requests, failing + -(-len(keys) // page))
+
+
+def test_a_streamed_listing_continued_after_a_key_checks_its_keys_against_those_before_the_cut(request, fault_proxy):
+    """items='files': the file ``item031`` listed before a page failed, ``item031/a`` ... after
+    the restart, which lists after the last key admitted: checked only against the keys of the
+    listing after the cut, ``item031/b`` and ``item031/c`` passed as safe (and would be written
+    under a file). They are unsafe, as in one listing (list_source's catalog says so)."""
+    proxy, endpoint = fault_proxy
+    page, failing = 5, 20
+    keys = sorted([f"item{i // 3:03d}/{'abc'[i % 3]}" for i in range(150)] + ["item031"])
+    assert keys[(failing - 1) * page - 2 : (failing - 1) * page + 1] == ["item031", "item031/a", "item031/b"]
+    store, source = _paged_store(request, "s3", endpoint, page)
+    source.put_many({key: key.encode() for key in keys})
+    _fail_once(proxy, {"": failing})
+    listing = StreamingListing(store, "files", lambda run: [True] * len(run), lambda: None, retries=1, backoff=lambda _: 0.0)
+    listing.start()
+    try:
+        got = list(iter(listing.take, None))
+        requests = sum(_listing_request(head) for head in proxy.requests)
+        clean = Catalog.from_listing(store.list(), "files")
+    finally:
+        listing.stop()
+        store.close()
+    assert [item.name for item in got] == keys and requests == _requests_resumed(keys, "files", page, failing) == 32
+    unsafe = {clean.names[at]: str(why) for at, why in clean.unsafe.items()}
+    assert {item.name: str(item.unsafe) for item in got if item.unsafe} == unsafe
+    assert sorted(unsafe) == ["item031/a", "item031/b", "item031/c"]
+
+
+@pytest.mark.parametrize("backend", ["s3", "obs"])
+def test_a_listing_continued_after_a_key_asks_full_pages(request, fault_proxy, backend):
+    """A listing asks 100 keys first (FIRST_PAGE_KEYS: the first item comes sooner), then full
+    pages of 1,000. Continued after a key (a transient error cut it at its second page), it asked
+    100 again, for a first item handed long before: one request more for each restart. It asks
+    full pages now."""
+    proxy, endpoint = fault_proxy
+    store, source = _paged_store(request, backend, endpoint, 1000)
+    source.put_many({f"k{i:03d}": b"" for i in range(130)})
+    _fail_once(proxy, {"": 2})
+    try:
+        got = list_source(store, "files", retries=1, backoff=0)
+    finally:
+        store.close()
+    assert list(got.names) == [f"k{i:03d}" for i in range(130)]
+    asked = [int(re.search(r"max-keys=(\d+)", head.split("\r\n", 1)[0])[1]) for head in proxy.requests if _listing_request(head)]
+    assert asked == [100, 1000, 1000]  # the first; the one that failed; after k099
 
 
 def test_the_progress_bar_gets_its_total_when_the_listing_ends_while_the_bar_is_made(memory_data, tmp_path, monkeypatch):

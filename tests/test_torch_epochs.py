@@ -346,8 +346,7 @@ def test_forked_workers_and_later_passes_plan_from_the_manifest_the_dataset_read
         assert resident()[0] == 0
 
 
-@pytest.mark.parametrize("context", ["spawn", "forkserver"])
-def test_spawned_workers_plan_from_the_manifest_the_dataset_read_until_it_is_replaced(s3_source, tmp_path, context):
+def test_spawned_workers_plan_from_the_manifest_the_dataset_read_until_it_is_replaced(s3_source, tmp_path):
     """Workers started by spawn or forkserver (Python 3.14's default on Linux) each read the
     whole manifest at every pass; now they get the dataset's read through shared memory and
     plan from it: during a pass nobody reads any page of the file but its last (its gzip
@@ -361,7 +360,9 @@ def test_spawned_workers_plan_from_the_manifest_the_dataset_read_until_it_is_rep
     manifest = tmp_path / "m.gz"
     index(s3_source.url, manifest, storage_options=s3_source.options)
     dataset = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", epochs=3, manifest=str(manifest), **opts(s3_source))
-    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context=context)
+    # forkserver: the shared-memory path of spawn's workers too (the dataset pickled to each), one
+    # torch import in all (spawn: one per worker, tested by test_set_epoch_reaches_persistent_workers_started_by_spawn)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="forkserver")
     pages = -(-os.path.getsize(manifest) // os.sysconf("SC_PAGE_SIZE"))
     assert pages >= 2
     with pages_read(manifest) as resident:

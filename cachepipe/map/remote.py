@@ -1,13 +1,16 @@
 """The requests one ``cachepipe map`` run sends itself, besides its pipeline's downloads and its
 uploads: the check of DST's bucket and the listings of SRC (or the read of its manifest:
-:meth:`_Remote._listing`) and of DST, retried as downloads are (:meth:`_Remote._retrying`),
-and which items DST already marks done, for the version of their input listed now and the
-command run now (:meth:`_Remote._done`: DST's listing tells which items
-have a marker, and the head of each marker listed is read, concurrently; :func:`verdict`
-decides). The listing of DST also tells what each item to run holds there already: for an item
-whose marker is there (of another command, or of its earlier input), its upload deletes what it
-does not write again (:mod:`cachepipe.map.uploader`); for one without a marker, nothing is
-deleted (see :meth:`_Remote._done`).
+:meth:`_Remote._listing`) and of DST, retried as downloads are (:meth:`_Remote._retrying`; a
+listing continues where a transient error cut it, :meth:`_Remote._listed`), and which items DST
+already marks done, for the version of their input listed now and the command run now
+(:meth:`_Remote._done`: DST's listing tells which items have a marker, and the head of each
+marker listed is read, concurrently; :func:`verdict` decides). A rank lists only the part of DST
+where its share's keys can be (:mod:`~cachepipe.map.dstrange`: after a key below its first
+item's, up to the first key past its last one's, in either order a store lists in), not the
+whole of it. The listing of DST also tells what each item to run holds there already: for an
+item whose marker is there (of another command, or of its earlier input), its upload deletes
+what it does not write again (:mod:`cachepipe.map.uploader`); for one without a marker, nothing
+is deleted (see :meth:`_Remote._done`).
 
 :class:`_Remote` is the base class of :class:`~cachepipe.map.run._MapRun` (not used alone), whose
 options (``cfg``) and stop event it reads.
@@ -18,7 +21,7 @@ from __future__ import annotations
 import io
 import logging
 import threading
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Generator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -27,9 +30,11 @@ from typing import Any, Literal
 
 from ..backoff import backoff_delay
 from ..errors import ConfigError, is_transient
+from ..listing import resumed_listing
 from ..manifest import check_manifest, read_manifest
 from ..stores import Store
 from ..stores.base import ObjectInfo, WritableStore
+from .dstrange import bounded, dst_range
 from .plan import MapConfig, MapItem, holder, inside_prefix
 from .uploader import MARKER_FORMAT, MARKER_LIMIT, marker_command, marker_format, marker_key, marker_version
 
@@ -100,13 +105,35 @@ class _Remote:
                     raise InterruptedError(f"stopped while retrying {what}") from exc
         raise AssertionError("unreachable")
 
+    def _listed(
+        self, store: Store, url: str, mode: Literal["folders", "files"], start_after: str | None = None
+    ) -> Generator[ObjectInfo, None, None]:
+        """``store``'s objects, listed through transient errors as a download is retried: a
+        listing cut by one continues after the last item (of ``mode``) it read whole
+        (:func:`~cachepipe.listing.resumed_listing`), not from its first page. ``start_after``:
+        as :func:`~cachepipe.listing.resumed_listing`'s (DST's: :mod:`~cachepipe.map.dstrange`)."""
+        cfg = self.cfg
+        try:
+            yield from resumed_listing(
+                store,
+                mode,
+                cfg.request_retries,
+                lambda attempt: backoff_delay(attempt, cfg.retry_backoff, cfg.retry_backoff_max),
+                self._stop,  # before any job starts; the stop of a failed check wakes it (Ctrl-C too)
+                url,
+                start_after,
+            )
+        except Exception as exc:
+            if is_transient(exc) and self._stop.is_set():
+                raise InterruptedError(f"stopped while retrying listing {url}") from exc
+            raise
+
     def _listing(self, src: Store) -> list[ObjectInfo]:
         """SRC's objects: listed, or read from the manifest given (every rank then plans from the
         same items, and none lists SRC). A manifest of another source or ``items`` is refused."""
         cfg = self.cfg
         if cfg.manifest is None:
-            listed: list[ObjectInfo] = self._retrying(f"listing {cfg.source}", lambda: list(src.list()))
-            return listed
+            return list(self._listed(src, cfg.source, cfg.items))
         location = cfg.manifest
         manifest = self._retrying(f"reading manifest {location}", lambda: read_manifest(location, cfg.storage_options))
         check_manifest(manifest, cfg.source, cfg.items, "map run")
@@ -135,7 +162,8 @@ class _Remote:
     def _done(self, dst: WritableStore, planned: list[MapItem], command: str, names: Collection[str]) -> Checked:
         """Which items DST marks done, for the version of their input listed now and for
         ``command`` (:func:`~cachepipe.map.plan.command_digest`), and what DST holds under each
-        item to run. One listing of DST (a request per 1,000 keys), which tells the items that
+        item to run. One listing of the part of DST where the keys of ``planned`` can be (a
+        request per 1,000 keys; :meth:`_held_in`), which tells the items that
         have a marker; for each of those, one GET of the first
         :data:`~cachepipe.map.uploader.MARKER_LIMIT` bytes of its marker (a small body: about a
         HEAD's cost), concurrently; :func:`verdict` decides. ``names``: every item listed in SRC
@@ -152,7 +180,7 @@ class _Remote:
         if not planned:
             return checked
         wanted = {mi.name for mi in planned}
-        held = self._retrying(f"listing {self.cfg.dest}", lambda: self._held_in(dst, names, wanted))
+        held = self._held_in(dst, names, wanted)
         marked = [mi for mi in planned if marker_key(mi.name) in held.get(mi.name, ())]
 
         def check(mi: MapItem) -> Verdict:
@@ -231,9 +259,14 @@ class _Remote:
             log.info("removed %d temporary file(s) that killed uploads left in DST (first: %s)", len(removed), removed[0])
 
     def _held_in(self, dst: WritableStore, names: Collection[str], wanted: Collection[str]) -> dict[str, list[str]]:
-        """:func:`held_by_item` of DST's listing, streamed (only the keys of ``wanted`` are kept);
-        a local DST not made yet holds none."""
-        keys: Iterable[str] = (o.key for o in dst.list())
+        """:func:`held_by_item` of DST's listing, streamed (only the keys of ``wanted`` are kept;
+        a listing cut by a transient error continues after the last key read, see
+        :meth:`_listed`); a local DST not made yet holds none. Only the part of DST where the
+        keys of ``wanted`` (a rank's share) can be is listed: after a key below them, up to the
+        first key past them, in either order a store lists in (:mod:`~cachepipe.map.dstrange`)."""
+        within = dst_range(wanted)
+        listing = self._listed(dst, self.cfg.dest, "files", within.start_after)
+        keys: Iterable[str] = bounded((o.key for o in listing), within)
         source = inside_prefix(self.cfg.dest, self.cfg.source)  # SRC under DST: an item named as its folder holds it
         if source is not None:
             keys = (key for key in keys if not key.startswith(source))
@@ -241,3 +274,5 @@ class _Remote:
             return held_by_item(keys, names, wanted)
         except FileNotFoundError:
             return {}
+        finally:
+            listing.close()  # stopped past the last item: no more pages

@@ -15,10 +15,13 @@ from, from explicit values or the environment a scheduler sets, in this order:
 5. ``SLURM_PROCID`` and ``SLURM_NTASKS`` (the tasks of ``srun -n N``);
 6. none of them: rank 0 of 1 (this process takes every item).
 
-:func:`take_share` gives each rank its share of the listing with :func:`cachepipe.plan.split`
-over the items in listing order, balanced by bytes: disjoint, covering, and within one item's
-size of each other in bytes. Shares depend only on the listing (never on which items are
-done), so a rerun gives every rank the same share and the done markers keep it idempotent.
+:func:`take_share` gives each rank a run of consecutive items of the listing, balanced by
+bytes: disjoint, covering, each within one item's size of an equal part of the bytes. A run,
+not items dealt across the whole listing (the training plan's :func:`cachepipe.plan.split`,
+which map used until now): a rank's results then lie together in DST, and it lists only that
+part of DST (:mod:`cachepipe.map.dstrange`), not the whole of it. Shares depend only on the
+listing (never on which items are done), so a rerun gives every rank the same share and the
+done markers keep it idempotent.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..plan import split
 from .plan import MapItem
 
 __all__ = ["COUNT_VARIABLE", "Rank", "resolve_rank", "take_share"]
@@ -154,8 +156,21 @@ def resolve_rank(environ: Mapping[str, str], rank: int | None = None, world_size
 
 
 def take_share(items: Sequence[MapItem], rank: int, world_size: int) -> list[MapItem]:
-    """The items of ``rank`` among ``world_size`` processes, in listing order: every process
-    that lists the same items gets a disjoint share; the shares cover ``items``, and their bytes
-    differ by at most the largest item's size (:func:`cachepipe.plan.split`, by bytes)."""
-    chosen = split(range(len(items)), [mi.size for mi in items], world_size, rank)
-    return [items[i] for i in chosen]
+    """The items of ``rank`` among ``world_size`` processes: a run of consecutive items in
+    listing order, so that a rank's keys in DST lie together and it lists only that part of DST
+    (:mod:`~cachepipe.map.dstrange`). Every process that lists the same items gets a disjoint
+    share; the shares cover ``items``, in rank order.
+
+    An item goes to the rank whose part of the bytes, ``[r * total / world_size, (r + 1) *
+    total / world_size)``, holds its middle (integers only). The first item of rank ``r`` then
+    starts within half an item of ``r * total / world_size``, so each share's bytes are within
+    the largest item's size of ``total / world_size``, and two shares differ by at most twice
+    it (an item larger than a part can leave a rank with none). Every item empty: by count."""
+    total, n = sum(mi.size for mi in items), len(items)
+    share, before = [], 0
+    for i, mi in enumerate(items):
+        owner = min((2 * before + mi.size) * world_size // (2 * total), world_size - 1) if total else i * world_size // n
+        if owner == rank:
+            share.append(mi)
+        before += mi.size
+    return share

@@ -89,7 +89,8 @@ class Daemon(_JobDesk, _PipelineDesk):
 
         Raises:
             RuntimeError: already started.
-            OSError: the socket cannot be created (in use by a live daemon, permissions).
+            OSError: the socket cannot be created (in use by a live daemon, permissions), or
+                ``jobs.root`` is served by another live daemon (``EADDRINUSE``).
             CachePipeError: a pipeline cannot open (its error says why); nothing stays open.
         """
         if self._state != _UNOPENED:
@@ -97,6 +98,8 @@ class Daemon(_JobDesk, _PipelineDesk):
         self._state = _STOPPING  # until running, stop() cleans up whatever was started
         self._api = ApiServer(self, self.config)
         self._api.bind()
+        if self._jobs is not None:  # one daemon per jobs.root; then the manifests no job folder names are removed
+            self._jobs.start(str(self.config.socket))
         if self.config.markers:
             self._markers = MarkerWatcher(self._marker_ack)
             self._markers.start()

@@ -21,7 +21,9 @@ content); the spec then names it by digest (``"catalog": DIGEST``), and every no
 the same catalog. Each is written to a temporary name there (``.upload-*``, ``.index-*``) and
 renamed once checked; those of a daemon killed meanwhile are removed by the next write there
 when no other is under way, also of another daemon on the same root (:meth:`Jobs._manifests`;
-not on NFS, which cannot lock a folder so: left there).
+not on NFS, which cannot lock a folder so: left there). The manifests no job names are removed
+once older than ``jobs.manifest_grace`` (when a job is deleted, and at the daemon's start), and
+a second daemon on the same root is refused: :mod:`.jobsroot`.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import os
 import re
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -45,10 +48,12 @@ from ..errors import CachePipeError, CacheRemovedError, ConfigError
 from ..manifest import index, read_manifest
 from ..plan import Cursor
 from ..removal import rmtree
+from ..state import atomic_write
 from ..wholefiles import naming
 from .closing import Closer
 from .errors import ClientGone, StoppingError, UnknownPipelineError
 from .jobspec import _JOB_FIELDS, JobsConfig, JobSpec
+from .jobsroot import MANIFEST_NAME, RootLock, unneeded
 
 if TYPE_CHECKING:
     from ..node import NodePipeline, SkippedStep, Taken
@@ -79,6 +84,26 @@ class _Job:
 
 
 _DELETE = "`cachepipe delete-job NAME`, or DELETE /v1/jobs/NAME"
+
+
+def _alone(fd: int) -> bool | None:
+    """Try to lock the folder open as ``fd`` (``root/.manifests``) exclusively, without waiting:
+    True if taken (no other writer, of this daemon or another on the root, is under way), False if
+    one is. None where it cannot be locked so: NFS locks a folder's descriptor (read-only) shared
+    only (EBADF), a mount without a lock daemon nothing (ENOLCK).
+
+    Raises:
+        OSError: another error of ``flock``.
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        if exc.errno not in (errno.EBADF, errno.ENOLCK):
+            raise
+        return None
+    return True
 
 
 def _remove_emptied(cache_dir: Path) -> None:
@@ -121,6 +146,32 @@ class Jobs:
         self._jobs: dict[str, _Job] = {}
         self._closed = False
         self._opening: NodePipeline | None = None  # the pipeline register() opens: close() closes it, aborting its listing
+        self._pinned: str | None = None  # the manifest (digest) register() opens a job over: named (see _named)
+        self._root_lock: RootLock | None = None
+
+    def start(self, socket_path: str) -> None:
+        """At the daemon's start: lock ``jobs.root`` for this daemon, then remove the manifests
+        no job folder names (see :mod:`.jobsroot`). A root that cannot be made or locked
+        (permissions, no locks there) is said in a warning: its jobs' registrations say why they fail.
+
+        Raises:
+            OSError: ``EADDRINUSE``, another live daemon serves the root (its pid named).
+        """
+        lock = RootLock(self.config.root, socket_path)
+        try:
+            lock.acquire()
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise
+            log.warning(
+                "jobs.root %s: cannot be locked for this daemon (%s): a second daemon on it would not be refused, "
+                "and its jobs cannot register",
+                self.config.root,
+                exc,
+            )
+            return
+        self._root_lock = lock
+        self._sweep("no job folder under jobs.root names it (the daemon's start)")
 
     def register(self, name: str, body: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
         """Create job ``name`` from ``body`` (a :class:`JobSpec`), or check it against the
@@ -151,40 +202,50 @@ class Jobs:
                     f"delete one that ended (`cachepipe delete-job NAME`, or DELETE /v1/jobs/NAME; jobs: "
                     f"{', '.join(sorted(self._jobs))})"
                 )
-            uploaded = None if spec.catalog is None else str(self._uploaded(spec.catalog))
-            capacity = self._capacity(name, spec)
-            options = {
-                **self.config.options,
-                "keep_on_close": True,
-                **spec.model_dump(include={*_JOB_FIELDS, "on_error", "on_oversize"} - {"source"}),
-            }
-            if uploaded is not None:
-                options["manifest"] = uploaded
-            from ..node import NodePipeline  # imported by the first job, not by every daemon's start
-
-            pipeline = NodePipeline(
-                spec.source,
-                self.config.root / name,
-                with_unit(capacity),
-                ranks=spec.ranks,
-                world_size=spec.world_size,
-                num_workers=spec.num_workers,
-                **options,
-            )
-            self._opening = pipeline
-            self._lock.release()  # the listing may take minutes: lanes, status and close() go on meanwhile
+            self._pinned = spec.catalog  # not removed while the job opens over it (one registration at a time)
             try:
-                pipeline.open()  # raises RuntimeError if close() closed it meanwhile
+                return self._create(name, spec)
             finally:
-                self._lock.acquire()
-                self._opening = None
-            if self._stopped():  # close() came after the open: its jobs did not include this one
-                pipeline.close()
-                raise StoppingError("the daemon is stopping")
-            job = _Job(name, spec, pipeline)
-            self._jobs[name] = job
-            log.info("job %s registered: %s, ranks %s of %d", name, spec.source, spec.ranks, spec.world_size)
-            return True, self._describe(job)
+                self._pinned = None
+
+    def _create(self, name: str, spec: JobSpec) -> tuple[bool, dict[str, Any]]:
+        """Open job ``name`` of ``spec`` (see :meth:`register`; called holding the registration
+        and the jobs' lock, which it lets go while the job's pipeline opens)."""
+        uploaded = None if spec.catalog is None else str(self._uploaded(spec.catalog))
+        capacity = self._capacity(name, spec)
+        options = {
+            **self.config.options,
+            "keep_on_close": True,
+            **spec.model_dump(include={*_JOB_FIELDS, "on_error", "on_oversize"} - {"source"}),
+        }
+        if uploaded is not None:
+            options["manifest"] = uploaded
+        from ..node import NodePipeline  # imported by the first job, not by every daemon's start
+
+        pipeline = NodePipeline(
+            spec.source,
+            self.config.root / name,
+            with_unit(capacity),
+            ranks=spec.ranks,
+            world_size=spec.world_size,
+            num_workers=spec.num_workers,
+            **options,
+        )
+        self._opening = pipeline
+        self._lock.release()  # the listing may take minutes: lanes, status and close() go on meanwhile
+        try:
+            pipeline.open()  # raises RuntimeError if close() closed it meanwhile
+        finally:
+            self._lock.acquire()
+            self._opening = None
+        if self._stopped():  # close() came after the open: its jobs did not include this one
+            pipeline.close()
+            raise StoppingError("the daemon is stopping")
+        job = _Job(name, spec, pipeline)
+        self._jobs[name] = job
+        self._note(name, spec.catalog)
+        log.info("job %s registered: %s, ranks %s of %d", name, spec.source, spec.ranks, spec.world_size)
+        return True, self._describe(job)
 
     @contextlib.contextmanager
     def _registration(self, name: str) -> Iterator[None]:
@@ -214,8 +275,131 @@ class Jobs:
     def _uploaded(self, digest: str) -> Path:
         path = self.config.root / ".manifests" / f"{digest}.json.gz"
         if not path.is_file():
-            raise JobConflictError(f"catalog {digest!r}: no manifest of that digest was uploaded (PUT /v1/manifests first)")
+            raise JobConflictError(
+                f"catalog {digest!r}: no manifest of that digest was uploaded (PUT /v1/manifests first; one no job "
+                f"names is removed {self.config.manifest_grace:g} s after it was written, jobs.manifest_grace)"
+            )
         return path
+
+    def _note(self, name: str, digest: str | None) -> None:
+        """Note that job ``name`` plans from manifest ``digest`` (None: from none, an empty note),
+        in ``root/.manifests/jobs/NAME``: kept while its job folder is (see :mod:`.jobsroot`). A
+        failure is logged: its folder then has no note, and keeps every manifest (:meth:`_unnoted`)."""
+        path = self.config.root / ".manifests" / "jobs" / name
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, b"" if digest is None else f"{digest}\n".encode())
+        except OSError as exc:
+            log.warning("job %s: could not note in %s that it plans from manifest %s: %s", name, path, digest, exc)
+
+    def _named(self, now: float) -> set[str]:
+        """The digests of the manifests a job names (called holding the jobs' lock): the
+        registered jobs' catalogs, the one a registration opens over, and those the notes of job
+        folders under ``root`` name. A note whose folder is gone is removed once older than the grace."""
+        named = {job.spec.catalog for job in self._jobs.values() if job.spec.catalog is not None}
+        if self._pinned is not None:
+            named.add(self._pinned)
+        notes = self.config.root / ".manifests" / "jobs"
+        try:
+            entries = list(os.scandir(notes))
+        except FileNotFoundError:
+            return named
+        for entry in entries:
+            name = entry.name
+            if not _JOB_NAME.match(name):  # an atomic_write's temporary file
+                continue
+            try:
+                digest, written = Path(entry.path).read_text().strip(), entry.stat(follow_symlinks=False).st_mtime
+            except FileNotFoundError:
+                continue
+            live = name in self._jobs or name in self._deleting or (self.config.root / name).is_dir()
+            if live or now - written < self.config.manifest_grace:
+                named.add(digest)
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+            if digest:  # an empty note named none
+                log.info("job %s: its folder is gone, so its manifest %s is no longer kept for it", name, digest)
+        return named
+
+    def _unnoted(self) -> list[str]:
+        """The job folders under ``root`` without a note (called holding the jobs' lock), but a
+        registered job's (its catalog is named) and the one a registration opens: left by a
+        cachepipe before the notes (2026-12-01), or whose note could not be written. The manifest
+        each plans from is not known, so none is removed while there is one (:meth:`_sweep`)."""
+        notes = self.config.root / ".manifests" / "jobs"
+        opening = None if self._opening is None else Path(self._opening.config.cache_dir).name
+        return sorted(
+            entry.name
+            for entry in os.scandir(self.config.root)
+            if _JOB_NAME.match(entry.name)
+            and entry.name not in self._jobs
+            and entry.name != opening
+            and entry.is_dir(follow_symlinks=False)
+            and not (notes / entry.name).exists()
+        )
+
+    def _sweep(self, why: str, deleted: _Job | None = None) -> None:
+        """Remove the manifests no job names (:meth:`_named`) written ``jobs.manifest_grace``
+        seconds ago or more (:func:`.jobsroot.unneeded`), each logged at INFO with ``why`` (or,
+        for the catalog of the job ``deleted``, that it was its last). Holds the folder's lock
+        exclusively, so no upload or listing (of this daemon, or of another on the root where it
+        was not refused) writes meanwhile: its ``os.replace`` of the same digest, a moment before
+        the removal, would be undone. Skipped while one is under way (the next delete or start
+        removes them), and where the folder cannot be locked so (NFS): said in the log. Holds the
+        jobs' lock too: no registration takes a manifest meanwhile. A failure is logged, not raised."""
+        folder = self.config.root / ".manifests"
+        try:
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.warning("manifests in %s: none removed: %s", folder, exc)
+            return
+        try:
+            alone = _alone(fd)
+            if not alone:
+                if alone is None:
+                    log.warning("manifests in %s: none removed: the folder cannot be locked (NFS, or no locks)", folder)
+                else:
+                    log.info(
+                        "manifests in %s: none removed now: a manifest is being written there (the next delete removes them)",
+                        folder,
+                    )
+                return
+            with self._lock:
+                now, grace = time.time(), self.config.manifest_grace
+                written = {}
+                for entry in os.scandir(folder):
+                    if (found := MANIFEST_NAME.fullmatch(entry.name)) and entry.is_file(follow_symlinks=False):
+                        written[found[1]] = entry.stat(follow_symlinks=False).st_mtime
+                named, unnoted = self._named(now), self._unnoted()
+                if unnoted and written:
+                    log.info(
+                        "manifests in %s: none removed: the job folder%s %s name%s none (left by a cachepipe before "
+                        "2026-12-01, or the note could not be written): the manifest a job there plans from is not "
+                        "known, so all are kept until it registers again (or its folder is removed)",
+                        folder,
+                        "s" if len(unnoted) > 1 else "",
+                        ", ".join(map(repr, unnoted)),
+                        "" if len(unnoted) > 1 else "s",
+                    )
+                    return
+                for digest in unneeded(written, named, now, grace):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(folder / f"{digest}.json.gz")
+                    last = deleted is not None and deleted.spec.catalog == digest
+                    log.info(
+                        "manifest %s removed: %s (written %.0f s ago; jobs.manifest_grace is %g s)",
+                        digest,
+                        f"its last job, {deleted.name!r}, was deleted" if last and deleted is not None else why,
+                        now - written[digest],
+                        grace,
+                    )
+        except OSError as exc:
+            log.warning("manifests in %s: not all removed: %s", folder, exc)
+        finally:
+            os.close(fd)
 
     def upload_manifest(self, body: BinaryIO, length: int) -> dict[str, Any]:
         """Read a manifest of ``length`` bytes from ``body``, check it (its digest against its
@@ -297,24 +481,14 @@ class Jobs:
         folder.mkdir(parents=True, exist_ok=True)
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            locks = True
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                pass  # another writer is under way
-            except OSError as exc:
-                if exc.errno not in (errno.EBADF, errno.ENOLCK):
-                    raise
-                # NFS locks a folder's descriptor (read-only) shared only (EBADF), a mount without a lock
-                # daemon nothing (ENOLCK): whether another writer is under way cannot be known, so nothing is removed
-                locks = False
-            else:
+            alone = _alone(fd)  # None: whether another writer is under way cannot be known, so nothing is removed
+            if alone:
                 for entry in os.scandir(folder):
                     if entry.name.startswith(".") and entry.is_file(follow_symlinks=False):
                         log.info("removing %s, left in %s by a daemon that was killed while writing it", entry.name, folder)
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(entry.path)
-            if locks:
+            if alone is not None:
                 fcntl.flock(fd, fcntl.LOCK_SH)
             yield folder
         finally:
@@ -474,6 +648,8 @@ class Jobs:
                 del self._jobs[job.name]
         if mine:
             log.error("job %s dropped: %s", job.name, exc)
+            with contextlib.suppress(OSError):  # its lanes register it again at once: its manifest is kept the grace
+                os.utime(self.config.root / ".manifests" / "jobs" / job.name)
             self._closer.close(f"job/{job.name}", job.pipeline)  # in the background: its downloads in flight end first
         return UnknownPipelineError(f"job {job.name!r} was dropped: {exc}; register it again to start over")
 
@@ -519,11 +695,17 @@ class Jobs:
             pipe.close()
             if mine:
                 _remove_emptied(Path(pipe.config.cache_dir))
+            if (self.config.root / name).is_dir():  # kept (a file not of the cache in it): noted as planning from none
+                self._note(name, None)
+            else:
+                with contextlib.suppress(OSError):
+                    (self.config.root / ".manifests" / "jobs" / name).unlink()
         finally:
             with self._lock:
                 self._deleting.discard(name)
                 self._deleted.notify_all()
         log.info("job %s deleted", name)
+        self._sweep("no job names it", job)
 
     def close(self) -> None:
         """Close every job, keeping its items for a later registration. Idempotent."""
@@ -535,6 +717,8 @@ class Jobs:
         for job in jobs:
             job.pipeline.close()
         self._closer.wait_all()
+        if self._root_lock is not None:
+            self._root_lock.release()  # after every job let its folder go: the next daemon may take them
 
     def entries(self) -> list[tuple[str, NodePipeline, dict[str, Any]]]:
         """``(name, pipeline, description)`` of every registered job."""

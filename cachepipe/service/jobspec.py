@@ -48,6 +48,11 @@ class JobsConfig(BaseModel):
         max_jobs: most jobs registered at once (default 4).
         max_manifest: largest manifest a job may upload, in bytes (default 1 GiB; a manifest
             takes about 30 bytes per item of a folder of two files).
+        manifest_grace: seconds a manifest no job names is kept after it was written (uploaded
+            or listed; default 86400, a day): a node's ranks list or upload it when their
+            ``CachePipeDataset`` is made, and register the job that names it at its first
+            iteration, after the model is set up (minutes to hours). Older ones are removed when a job is deleted and at the
+            daemon's start (see :mod:`cachepipe.service.jobsroot`).
         options: :class:`~cachepipe.PipelineConfig` options for every job (``storage_options``,
             ``max_concurrency``, ``part_size``...); not the ones a job gives or the node decides. Not
             in the repr: its ``storage_options`` hold credentials.
@@ -60,6 +65,7 @@ class JobsConfig(BaseModel):
     sources: list[str] = Field(default_factory=list)
     max_jobs: int = Field(default=4, ge=1, le=1024)
     max_manifest: Annotated[int, BeforeValidator(lambda v: parse_size(v, "jobs.max_manifest"))] = 2**30
+    manifest_grace: float = Field(default=86400.0, ge=0, le=30 * 86400)
     options: dict[str, Any] = Field(default_factory=dict, repr=False)  # its storage_options hold credentials
 
     @model_validator(mode="after")

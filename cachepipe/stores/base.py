@@ -52,6 +52,7 @@ __all__ = [
     "Store",
     "WritableStore",
     "abort_store",
+    "first_page_keys",
     "listed_etag",
     "part_size_for",
     "takes_content_type",
@@ -65,6 +66,14 @@ store's page size (1,000 on S3 and OBS). The first download waits for the first 
 store's time to answer a page grows with its keys: SeaweedFS took 185-191 ms for 1,000 keys and
 17-21 ms for 100 (``benchmarks/probe_first_page.py``), and a short page also crosses a new
 connection in fewer round trips. The one request more costs nothing that shows."""
+
+
+def first_page_keys(page_size: int, start_after: str | None) -> int:
+    """Keys to ask for in a listing's first request: :data:`FIRST_PAGE_KEYS` if fewer than
+    ``page_size``, for the first item's sake; a listing after a key (``start_after``: one that a
+    transient error cut, continued) asks full pages, as its first items were handed already."""
+    return page_size if start_after is not None else min(FIRST_PAGE_KEYS, page_size)
+
 
 # Error codes of S3 and OBS (which uses S3's) that mean "these credentials are wrong", not
 # "these credentials may not do this", and "slow down": shared by the backends' error seams.
@@ -127,6 +136,17 @@ DELETE_BATCH = 1000
 
 MAX_PARTS = 10_000
 """Parts of one multipart upload at most: S3 and OBS number them 1 to 10,000."""
+
+
+MAX_PUT = 5 * 1024**3
+"""The largest object one PutObject sends (S3's and OBS's limit, 5 GiB): s3fs's ``put_file``
+makes a multipart upload of its own from there."""
+
+
+def one_request(size: int, part: int) -> bool:
+    """Whether an upload of ``size`` bytes in parts of ``part`` is one PutObject: under two parts,
+    and under :data:`MAX_PUT`."""
+    return size < min(2 * part, MAX_PUT)
 
 
 def part_size_for(size: int, wanted: int) -> int:
@@ -341,12 +361,17 @@ class Store(Protocol):
         it; the protocol leaves it out so that stores written without it still match): given a
         key (relative to the root), only the objects listed after it, in the store's order, are
         yielded: S3's ListObjectsV2 ``StartAfter``, OBS's ``marker``; local files and
-        ``memory://`` skip the keys up to it. A listing restarted after a transient error passes
-        the last key of the last item it delivered, while every key it was given came in key
-        order (:class:`~cachepipe.listing.StreamingListing`): a store that lists folder by
-        folder (SeaweedFS) is listed again from its start, since what it makes of
-        ``StartAfter`` is its own. A ``list`` without a parameter named ``start_after`` is
-        always listed from its start (see :func:`takes_start_after`).
+        ``memory://`` skip the keys up to it; a paginated store asks full pages then (see
+        :func:`first_page_keys`). A listing restarted after a transient error passes the last
+        key of the last item it delivered, while every key it was given came in key order
+        (:class:`~cachepipe.listing.StreamingListing`, :func:`~cachepipe.listing.resumed_listing`
+        for a whole listing): a store that lists folder by folder (SeaweedFS) is listed again
+        from its start. SeaweedFS 4.48 answers ``StartAfter=s`` with the keys after ``s`` in its
+        own order, folder by folder, and past everything under ``s/`` where ``s`` is a folder
+        (measured, tests/test_s3_week.py): a rank of ``cachepipe map`` lists DST after a key
+        chosen to be below its keys in either reading (:mod:`cachepipe.map.dstrange`). A
+        ``list`` without a parameter named ``start_after`` is always listed from its start (see
+        :func:`takes_start_after`).
         """
         ...
 

@@ -24,7 +24,9 @@ import asyncio
 import builtins
 import concurrent.futures
 import contextlib
+import errno
 import logging
+import mimetypes
 import os
 import threading
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -34,16 +36,18 @@ from typing import Any, BinaryIO, NoReturn
 import fsspec
 import fsspec.asyn
 
-from ..errors import ConfigError, StoreClosedError
+from ..errors import ConfigError, LocalFileError, StoreClosedError
 from ..fscalls import sync_folder
 from .base import (
     CONNECT_TIMEOUT,
     DELETE_BATCH,
-    FIRST_PAGE_KEYS,
     TEMP_SUFFIX,
     ObjectInfo,
+    _local_error,
     delete_error,
+    first_page_keys,
     listed_etag,
+    one_request,
     open_local,
     part_size_for,
 )
@@ -67,7 +71,10 @@ __all__ = ["FsspecStore"]
 log = logging.getLogger("cachepipe.stores.fsspec")
 
 _CHUNK = 8 * 1024 * 1024  # bytes per request when streaming a range
-_UPLOAD_PART = 16 * 1024 * 1024  # multipart part size of uploads (s3fs: files from twice this size)
+_UPLOAD_PART = 16 * 1024 * 1024  # multipart part size of uploads (files from twice this size)
+PARTS_IN_FLIGHT = 4
+"""Parts of one multipart upload to S3 read and sent at once: what an upload holds in memory
+(s3fs's own multipart upload holds ten)."""
 
 
 class FsspecStore:
@@ -173,7 +180,8 @@ class FsspecStore:
 
     list_page_size: int = 1000
     """Keys per listing request to S3 (S3's maximum and default is 1,000); the first request asks
-    for :data:`~cachepipe.stores.base.FIRST_PAGE_KEYS` if that is fewer."""
+    for :data:`~cachepipe.stores.base.FIRST_PAGE_KEYS` if that is fewer, but after a key (see
+    :func:`~cachepipe.stores.base.first_page_keys`)."""
 
     def list(self, start_after: str | None = None) -> Iterator[ObjectInfo]:
         """Yield every object under the root in key order (after the key ``start_after``, if
@@ -209,7 +217,7 @@ class FsspecStore:
         bucket, key, _ = self.fs.split_path(self.root)
         prefix = f"{key}/" if key else ""
         token = None
-        keys = min(FIRST_PAGE_KEYS, self.list_page_size)
+        keys = first_page_keys(self.list_page_size, start_after)
         after = prefix + start_after if start_after is not None else prefix
         while True:
             with self._errors(self.url):
@@ -337,13 +345,14 @@ class FsspecStore:
 
     # ---- writing (optional primitives, see WritableStore) ----------------------------
     upload_part_size: int = _UPLOAD_PART
-    """Part size of multipart uploads to S3 (s3fs uploads files of at least twice this size
-    in parts, several in flight; at least 5 MiB; larger for a file that would take more than
-    :data:`~cachepipe.stores.base.MAX_PARTS` parts). Set it on the instance to change it."""
+    """Part size of multipart uploads to S3 (files of at least twice this size are uploaded in
+    parts, :data:`PARTS_IN_FLIGHT` in flight; at least 5 MiB; larger for a file that would take
+    more than :data:`~cachepipe.stores.base.MAX_PARTS` parts). Set it on the instance to change it."""
 
     def put(self, local_path: str | os.PathLike[str], key: str, *, content_type: str | None = None) -> None:
-        """Upload ``local_path`` as ``key``: s3fs streams it, multipart from ``2 * upload_part_size``;
-        on a local filesystem it is copied to a temporary name beside the target and renamed
+        """Upload ``local_path`` as ``key``: on S3, one PutObject (s3fs's) under ``2 * upload_part_size`` and 5 GiB,
+        else a multipart upload (:meth:`_put_parts`: at most :data:`PARTS_IN_FLIGHT` parts in memory,
+        aborted if it fails); on a local filesystem it is copied to a temporary name beside the target and renamed
         (:func:`~cachepipe.stores.localwrites.put_local`: one left by a killed upload is overwritten by the next put of the key).
         ``local_path`` is opened first: if it cannot be (or, on a local filesystem, read), the
         error is a :class:`~cachepipe.errors.LocalFileError` naming it, not the store's.
@@ -357,12 +366,74 @@ class FsspecStore:
             if "file" in protocols or "local" in protocols:
                 self.fs.makedirs(self.fs._parent(path), exist_ok=True)  # noqa: SLF001 - fsspec's own parent rule for this filesystem
                 put_local(src, path, where)
-            elif "s3" in protocols or "s3a" in protocols:  # s3fs opens the file again: it was readable a moment ago
+            elif "s3" in protocols or "s3a" in protocols:
                 typed = {} if content_type is None else {"ContentType": content_type}
-                part = part_size_for(os.fstat(src.fileno()).st_size, self.upload_part_size)
-                self.fs.put_file(local, path, chunksize=part, **typed)
+                size = os.fstat(src.fileno()).st_size
+                part = part_size_for(size, self.upload_part_size)
+                if one_request(size, part):  # one PutObject (s3fs opens the file again: it was readable a moment ago)
+                    self.fs.put_file(local, path, chunksize=part, **typed)
+                else:
+                    guessed = mimetypes.guess_type(local)[0]  # s3fs's guess, as its put_file makes it
+                    typed = typed or ({"ContentType": guessed} if guessed else {})
+                    fsspec.asyn.sync(self.fs.loop, self._put_parts, local, src.fileno(), size, part, where, path, typed)
+                    self.fs.invalidate_cache(path)  # as s3fs's put_file does
             else:
                 self.fs.put_file(local, path)
+
+    async def _put_parts(self, local: str, fd: int, size: int, part: int, where: str, path: str, typed: dict[str, str]) -> None:
+        """Upload ``size`` bytes of ``local``, open as ``fd``, to ``path`` as a multipart upload
+        of parts of ``part`` bytes, :data:`PARTS_IN_FLIGHT` at most read and sent at once (s3fs's
+        own sent ten). On any failure, or cancellation, the parts in flight are cancelled and
+        waited for, then the upload is aborted (s3fs aborted at once and let the other parts run
+        on: a part that reaches S3 as its upload is aborted may be kept, billed). An abort that
+        fails is logged, naming the upload it leaves; the error raised is the upload's own."""
+        bucket, key, _ = self.fs.split_path(path)
+        call = self.fs._call_s3  # noqa: SLF001 - s3fs has no public call for one request (it adds its request options)
+        upload_id = (await call("create_multipart_upload", Bucket=bucket, Key=key, **typed))["UploadId"]
+
+        async def send(number: int, offset: int) -> dict[str, Any]:
+            length = min(part, size - offset)
+            try:
+                body = await asyncio.to_thread(os.pread, fd, length, offset)  # not in the event loop: a slow disk stalls no GET
+            except OSError as exc:
+                raise _local_error(exc, local, where) from exc
+            if len(body) != length:  # the file shrank since its size was taken
+                raise LocalFileError(errno.EIO, f"cannot read the local file to upload as {where}: it shrank", local)
+            answer = await call("upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body)
+            return {"PartNumber": number, "ETag": answer["ETag"]}
+
+        tasks: builtins.list[asyncio.Task[dict[str, Any]]] = []
+        in_flight: set[asyncio.Task[dict[str, Any]]] = set()
+        try:
+            for number, offset in enumerate(range(0, size, part), start=1):
+                if len(in_flight) >= PARTS_IN_FLIGHT:
+                    done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        task.result()  # a failure raises
+                tasks.append(asyncio.create_task(send(number, offset)))
+                in_flight.add(tasks[-1])
+            done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()  # a failure raises (the others are then cancelled, below)
+            parts = [task.result() for task in tasks]  # all done
+            await call("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # ended before the abort; their errors taken
+            try:
+                await call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+            except Exception as exc:  # noqa: BLE001 - logged: the upload's own error is the one raised
+                log.warning(
+                    "%s: the failed upload's multipart upload %s could not be aborted (%s: %s): its parts stay in the "
+                    "bucket, billed and not listed, until aborted (aws s3api abort-multipart-upload) or removed by a "
+                    "lifecycle rule (AbortIncompleteMultipartUpload)",
+                    where,
+                    upload_id,
+                    type(exc).__name__,
+                    exc,
+                )
+            raise
 
     def check_bucket(self) -> None:
         """Raise :class:`FileNotFoundError` if the root's bucket does not exist (one HEAD of the

@@ -57,6 +57,7 @@ themselves, and only the later ones are refused.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -68,9 +69,9 @@ from typing import Any, BinaryIO
 from cachepipe.errors import ConfigError
 from cachepipe.stores.base import (
     DELETE_BATCH,
-    FIRST_PAGE_KEYS,
     ObjectInfo,
     delete_error,
+    first_page_keys,
     listed_etag,
     not_the_api,
     open_local,
@@ -84,6 +85,8 @@ from cachepipe.stores.obs_settings import (
 
 # ObsServiceError: importable from here, as before
 __all__ = ["CHUNK_SIZE", "MAX_PAGE_SIZE", "ObsServiceError", "ObsStore"]
+
+log = logging.getLogger("cachepipe.stores.obs")
 
 CHUNK_SIZE = 1 << 20
 """Bytes read from a response body and written to ``out`` at a time (1 MiB)."""
@@ -207,14 +210,14 @@ class ObsStore(_ObsSeam):
         (after the key ``start_after``, if given: the first page's ``marker``).
 
         Keys are relative to :attr:`prefix`; etags lose their quotes. Each page holds up to
-        ``page_size`` objects (the first up to :data:`~cachepipe.stores.base.FIRST_PAGE_KEYS`)
-        and is yielded before the next one is requested.
+        ``page_size`` objects (the first up to :data:`~cachepipe.stores.base.FIRST_PAGE_KEYS`
+        but after a key, see :func:`~cachepipe.stores.base.first_page_keys`) and is yielded before the next one is requested.
         """
         # after the prefix's own folder marker (see FsspecStore._list_s3_page): the first page's
         # keys are all objects
         marker: str | None = self.prefix + start_after if start_after is not None else self.prefix or None
         last = ""
-        keys = min(FIRST_PAGE_KEYS, self._page_size)
+        keys = first_page_keys(self._page_size, start_after)
         while True:
             resp = self._call(
                 "list",
@@ -297,7 +300,9 @@ class ObsStore(_ObsSeam):
         as an object of the media type ``content_type`` (None: the SDK's guess by the key's suffix).
 
         Up to :attr:`upload_part_size` bytes: one ``PutObject``. Larger: a multipart upload,
-        one part at a time, aborted if any step fails (so no orphaned parts are left to bill).
+        one part at a time (streamed from the file), aborted if any step fails (so no orphaned
+        parts are left to bill); an abort that fails is logged, naming the upload it leaves, and
+        the upload's own error is raised.
         Errors are translated at :meth:`_check` and :meth:`_unreachable` like reads; ``local_path``
         is opened first, and if it cannot be, the error is a
         :class:`~cachepipe.errors.LocalFileError` naming it (the SDK would report a file it
@@ -348,9 +353,17 @@ class ObsStore(_ObsSeam):
             )
         except BaseException:
             try:
-                client.abortMultipartUpload(self.bucket, object_key, upload_id)
-            except (OSError, HTTPException):
-                pass  # the upload's own error is the one to report; OBS expires abandoned parts by lifecycle rules
+                self._call("aborting the upload of", key, client.abortMultipartUpload, self.bucket, object_key, upload_id)
+            except Exception as exc:  # noqa: BLE001 - logged: the upload's own error is the one raised
+                log.warning(
+                    "%s: the failed upload's multipart upload %s could not be aborted (%s: %s): its parts stay in the "
+                    "bucket, billed and not listed, until aborted or removed by a lifecycle rule (OBS: expiration of "
+                    "fragments; S3: AbortIncompleteMultipartUpload)",
+                    self._object_url(key),
+                    upload_id,
+                    type(exc).__name__,
+                    exc,
+                )
             raise
 
     def check_bucket(self) -> None:
