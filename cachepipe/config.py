@@ -492,8 +492,13 @@ class PipelineConfig(BaseModel):
                 f"(unpack_ratio {self.unpack_ratio:g} asks for {wanted}): raise capacity"
             )
         with_prepare = " (with prepare_reserve/prepare_ratio)" if self.prepare_reserve or self.prepare_ratio else ""
+        small = (
+            f", and more where its files are small: each takes whole blocks of {block} bytes on this filesystem"
+            if block > 0
+            else ""
+        )
         return (
             f"unpack_ratio {self.unpack_ratio:g}{with_prepare} reserves {self.prepare_extra(size)} bytes for this item of "
-            f"{size} bytes: "
-            "raise unpack_ratio to the archive's compression ratio"
+            f"{size} bytes: raise unpack_ratio to what the extracted files take over the archive's size (its compression "
+            f"ratio{small})"
         )

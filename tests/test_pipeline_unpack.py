@@ -217,6 +217,7 @@ def test_an_archive_of_small_members_is_refused_at_its_reserve_in_whole_blocks(s
     error = failed["many"]
     assert isinstance(error, ArchiveTooLargeError), repr(error)
     assert f"in whole blocks of {block} bytes" in str(error) and "raise unpack_ratio" in str(error)
+    assert f"more where its files are small: each takes whole blocks of {block} bytes" in str(error)  # not "compressed"
     reserve = -(-math.ceil(ratio * len(packed)) // block) * block + block  # and the extraction's own folder
     assert f"over the limit of {reserve} bytes" in str(error)
     assert sampler.samples > 0
