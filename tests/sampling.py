@@ -7,6 +7,7 @@ import stat
 import threading
 from pathlib import Path
 
+from cachepipe.blocks import clamp_block
 from cachepipe.cache import tree_bytes
 
 
@@ -25,10 +26,13 @@ class Sampler:
     """
 
     def __init__(
-        self, root: Path, expected: dict[str, dict[str, int]] | None = None, interval: float = 0.002, block: int = 0
+        self, root: Path, expected: dict[str, dict[str, int]] | None = None, interval: float = 0.002, block: int | None = None
     ) -> None:
         self.root = Path(root)
-        self.block = block  # above 0: bytes counted as the cache's ledger counts them (files in whole blocks, folders)
+        # bytes counted as the cache's ledger counts them (files in whole blocks of this, a block
+        # per folder): by default the block the cache reads at its open (its filesystem's
+        # f_frsize, held to 512 B..64 KiB), read at the first sample; 0: the files' sizes alone
+        self.block = block
         self.expected = expected
         self.interval = interval
         self.peak = 0
@@ -67,6 +71,8 @@ class Sampler:
             except FileNotFoundError:
                 continue
             block = self.block
+            if block is None:
+                block = self.block = clamp_block(os.statvfs(self.root).f_frsize)
             if stat.S_ISDIR(st.st_mode):
                 total += block + tree_bytes(path, block=block)  # with its own folder
             elif stat.S_ISREG(st.st_mode):
