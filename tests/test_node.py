@@ -482,6 +482,51 @@ def test_a_waiting_lane_gets_the_room_of_an_item_planned_ahead_for_a_lane_that_i
     assert stats.bytes_downloaded == (sum(sizes[:4]) + sizes[2]) * KIB  # rank 0's second item twice
 
 
+def test_a_waiting_lane_is_given_back_what_its_download_lacks_in_the_ledger_s_bytes(s3_source, tmp_path, caplog):
+    """The give-back counts what each item given back frees as the ledger counts it (its file
+    and folder in whole blocks), not its listed size. Items of 20 KiB (24 KiB on the disk on
+    4 KiB blocks), room for five beside the state: ranks 0 and 1 take their first, and the node
+    fetches rank 0's second and third and rank 1's second. Rank 1 reads on to its third (68 KiB
+    listed, 72 on the disk), which lacks one item's room beside what rank 0 holds (its first in
+    hand, its second and third ahead). Rank 0's third, given back, frees exactly that. Before,
+    the give-back counted its 20 KiB listed, not enough for 24 KiB lacking, and gave back rank
+    0's second too: downloaded again for nothing."""
+    import logging
+
+    from cachepipe.stores import open_store
+
+    sizes = [20, 20, 20, 20, 20, 68, 20, 20]  # balance="count": rank 0 the even items, rank 1 the odd
+    for i, size in enumerate(sizes):
+        s3_source.put(f"item{i:03d}/a.bin", bytes(size * KIB))
+    names = [f"item{i:03d}" for i in range(len(sizes))]
+    store = _Gated(open_store(s3_source.url, s3_source.options), "no such key")  # counts the GETs
+    store.gate.set()
+    cache = tmp_path / "node"
+    block, item = block_of(tmp_path), charge(tmp_path, [20 * KIB], 1)
+    capacity = state_of(s3_source.url, tmp_path, storage_options=s3_source.options) + 5 * item
+    pipe = NodePipeline(
+        s3_source.url, cache, capacity, ranks=[0, 1], world_size=2, store=store, balance="count", shuffle=False,
+        give_back_after=0.0,
+    )  # fmt: skip
+    with Sampler(cache, block=block) as sampler, pipe, caplog.at_level(logging.INFO, logger="cachepipe.node"):
+        first = [pipe.take(r, 0, (0, 0), timeout=10) for r in (0, 1)]
+        wait_until(lambda: pipe.stats().bytes_downloaded == 5 * 20 * KIB and pipe._cache.shortfall())  # rank 1's third waits
+        second = pipe.take(1, 0, first[1].after, timeout=10)
+        third = pipe.take(1, 0, second.after, timeout=10)  # rank 1's second consumed: a 20 KiB item's room lacks
+        gave = [r.getMessage() for r in caplog.records if "gave back" in r.getMessage()]
+        got = {0: [first[0].item.name], 1: [t.item.name for t in (first[1], second, third)]}
+        at = first[0].after
+        for _ in range(2):
+            taken = pipe.take(0, 0, at, timeout=10)
+            got[0].append(taken.item.name)
+            at = taken.after
+    assert sampler.peak <= capacity
+    assert got == {0: names[0:6:2], 1: names[1:6:2]}
+    assert gave == ["lane 1.0 waits for room: gave back 1 items planned ahead for other lanes"], gave
+    gets = {name: store.gets.get(f"{name}/a.bin", 0) for name in names[:6]}
+    assert gets == {name: 2 if name == names[4] else 1 for name in names[:6]}, gets  # before, rank 0's second twice too
+
+
 def test_a_lane_waiting_while_consumers_hold_the_whole_cache_is_logged(s3_source, tmp_path, monkeypatch, caplog):
     """Rank 0 holds its first item (30 KiB) while rank 1 waits for its second (60 KiB), with room
     (beside the state) for both but a block, in what they take on the disk (34 and 64 KiB on
@@ -852,9 +897,9 @@ def test_two_consumers_reading_one_lane_to_its_end_one_is_refused_and_the_other_
     an earlier one), each download taking longer than a turn (ROOM_CHECK, shortened here to 0.2
     s; downloads of 0.5 s), with room for three items (in what they take on the disk) beside
     the state. Found by review of the first fix, which moved the lane back after a turn:
-    neither got an item for 20 s while the node downloaded the items again and again. Now the one whose lane the other moved while it waited is refused
-    (LaneConflictError), and the other reads its share from its position to the end, each item
-    whole."""
+    neither got an item for 20 s while the node downloaded the items again and again. Now the
+    one whose lane the other moved while it waited is refused (LaneConflictError), and the
+    other reads its share from its position to the end, each item whole."""
     import cachepipe.node
     from cachepipe.errors import LaneConflictError
     from cachepipe.stores import open_store
