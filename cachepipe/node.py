@@ -396,7 +396,8 @@ class NodePipeline(Pipeline):
             if not needed:
                 continue
             with self._moves:
-                gone = queues.give_back(needed, lane, at, unasked_only=grace)  # in the grace: lanes not back since a restart
+                # in the grace, only from lanes not back since a restart; freed counted as the ledger counts it
+                gone = queues.give_back(needed, lane, at, unasked_only=grace, charge=self._charge)
                 for planned in gone or ():
                     self._cache.give_up(planned.name, planned.step.epoch, planned.tick)
             if gone is None:
@@ -427,6 +428,13 @@ class NodePipeline(Pipeline):
                     tuple(at),
                     self._cache.capacity,
                 )
+
+    def _charge(self, planned: _Planned) -> int:
+        """The room that ``planned`` 's copy frees once given up, as the ledger counts it, for
+        :meth:`LaneQueues.give_back` (whose ``needed`` is the ledger's shortfall): its files in
+        whole blocks and its folders, without what ``prepare`` or ``unpack`` added (so never
+        above what it frees: at worst one more item is given back). No lock of the cache."""
+        return self._cache.charge(self._item(planned.step.item))
 
     def _move(self, lane: int, cursor: Cursor) -> None:
         with self._moves:
