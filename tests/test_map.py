@@ -26,6 +26,7 @@ from sampling import Sampler
 from test_unpack import archive_bytes, md5_sidecar, media_clip, tar_bytes, volumes
 from waiting import wait_until
 
+from cachepipe.blocks import clamp_block, round_up
 from cachepipe.cache import Cache, tree_bytes
 from cachepipe.errors import (
     CacheLockedError,
@@ -119,14 +120,17 @@ def test_video_shards_split_into_clips_and_rerun_skips_them(remote_source, s3_cl
     script, log, cache = tmp_path / "split.py", tmp_path / "runs.log", tmp_path / "cache"
     script.write_text(SPLIT)
     dst = remote_source.url.replace("/video/", "/clips/")
-    capacity = 1 * MIB
+    # counted as the cache counts (files in whole blocks, a block per folder): the two jobs' slots
+    # (extraction, outputs at 2.5x, margin, their folders), a shard and the run's state
+    block = clamp_block(os.statvfs(tmp_path).f_frsize)
+    capacity = 1 * MIB + 32 * block
     command = [
         remote_source.url,
         dst,
         "--cache",
         str(cache),
         "--capacity",
-        "1MiB",
+        str(capacity),
         "--items",
         "files",
         "--unpack",
@@ -144,7 +148,7 @@ def test_video_shards_split_into_clips_and_rerun_skips_them(remote_source, s3_cl
         str(log),
     ]
 
-    with Sampler(cache) as sampler:
+    with Sampler(cache, block=block) as sampler:
         proc = cli(*command)
     assert proc.returncode == 0, proc.stderr
     assert "4 done, 0 failed, 0 already done" in proc.stderr
@@ -196,13 +200,14 @@ def test_split_targz_volumes_with_md5_files_unpacked_and_written_back(s3_source,
 
     # as in the seed, the results go beside compressed/ and md5/, under SRC: they are not listed as items
     s3_source.put("video/earlier-run/x.webm", b"old")
+    block = clamp_block(os.statvfs(tmp_path).f_frsize)  # the capacity counts whole blocks, a block per folder
     proc = cli(
         s3_source.url,
         s3_source.url + "video/",
         "--cache",
         str(tmp_path / "cache"),
         "--capacity",
-        "256KiB",
+        str(256 * KIB + 32 * block),
         "--items",
         "files",
         "--unpack",
@@ -320,8 +325,17 @@ def test_dry_run_predicts_what_the_run_refuses(s3_source, s3_client, tmp_path, c
     command = ["--", "sh", "-c", 'cp a.bin "$CACHEPIPE_OUT/"']
     code = main([*args, "--dry-run", *command])
     out = capsys.readouterr().out.splitlines()
-    state = 2 * (4 * len("big" + "small") + (EVENT_OVERHEAD + VERSION_OVERHEAD) * 2) + 256 + 4096  # journal budget, state files
-    why = f"item is {950 * KIB} bytes, more than the {896 * KIB - state} bytes the capacity leaves for downloads"
+    # in whole blocks, as the downloads' cache counts: the journal's budget, the state's folders and files (the state
+    # folder, its lock, journal and staging folder) and the work folder
+    block = clamp_block(os.statvfs(tmp_path).f_frsize)
+    budget = 2 * (4 * len("big" + "small") + (EVENT_OVERHEAD + VERSION_OVERHEAD) * 2) + 256
+    state = round_up(budget, block) + 5 * block
+    largest = 896 * KIB - state
+    charge = round_up(950 * KIB, block) + block  # the file, and its folder
+    why = (
+        f"item is {950 * KIB} bytes listed, {charge} bytes in the filesystem's blocks of {block} bytes, more than the "
+        f"{largest} bytes the capacity leaves for downloads"
+    )
     assert code == 1
     assert out[0] == "would run: small -> s3://data/out/small/"
     assert (
@@ -885,11 +899,17 @@ def test_the_state_of_the_downloads_pipeline_is_part_of_the_sizing_so_the_dry_ru
         (many / f"f{i:03d}.bin").write_bytes(b"x" * 10)
     (one / "big").mkdir(parents=True)
     (one / "big" / "in.bin").write_bytes(b"x" * 19_900)
-    for src, capacity, said in (
-        (many, "60000", "bytes for the state of a run over 400 items"),
-        (one, "60000", "item is 19900 bytes, more than the"),
+    block = clamp_block(os.statvfs(tmp_path).f_frsize)
+    for src, said in (
+        (many, "bytes for the state of a run over 400 items"),
+        (one, f"item is 19900 bytes listed, {round_up(19_900, block) + block} bytes in the filesystem's blocks of {block} bytes"),
     ):
         items = ["--items", "files"] if src == many else []
+        sized = map_items(["true"], str(src), str(tmp_path / "dst"), cache_dir=tmp_path / "cache", capacity="1GiB",
+                          out_reserve=20000, items="files" if src == many else "folders", dry_run=True)  # fmt: skip
+        # 8 blocks beside the job's slot: room for an item of 10 bytes, not beside the state of 400 of them; for
+        # the state of one item, not beside it
+        capacity = str(sized.reserve + sized.margin + 8 * block)
         args = [str(src), str(tmp_path / "dst"), "--cache", str(tmp_path / "cache"), "--capacity", capacity]
         args += ["--out-reserve", "20000", "--no-progress", *items]
         for dry in (["--dry-run"], []):

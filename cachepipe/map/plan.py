@@ -31,6 +31,7 @@ from pydantic import (
     field_validator,
 )
 
+from ..blocks import folders_made, footprint
 from ..catalog import check_key, group_items
 from ..config import UNPACK_RATIO, Capacity, check_manifest_location, credentials_unsaid, filtered_tar, parse_size, utf8_location
 from ..errors import ConfigError, UnsafeKeyError
@@ -49,6 +50,7 @@ __all__ = [
     "command_digest",
     "function_name",
     "inside_prefix",
+    "item_charge",
     "item_reserve",
     "out_reserve",
     "plan_items",
@@ -218,6 +220,18 @@ def out_reserve(cfg: MapConfig, input_size: int, runs: bool = True) -> int:
     if cfg.out_reserve is not None:
         return cfg.out_reserve
     return max(1, math.ceil((cfg.out_ratio or 1.0) * input_size))
+
+
+def item_charge(cfg: MapConfig, mi: MapItem, block: int = 0) -> int:
+    """What ``mi`` takes in the downloads' cache, as its ledger charges it
+    (:meth:`cachepipe.cache.Cache.charge`): its files in whole blocks and a block per folder it
+    makes; a single-object item (``items="files"`` without ``unpack``) makes none. 0 ``block``:
+    its listed size."""
+    if block <= 0:
+        return mi.size
+    is_file = cfg.items == "files" and not cfg.unpack
+    rels = [o.key[len(mi.local) + 1 :] for o in mi.objects] if not is_file else []
+    return footprint((o.size for o in mi.objects), folders_made(rels, is_file), block)
 
 
 def item_reserve(cfg: MapConfig, mi: MapItem, runs: bool = True) -> Reserve:
