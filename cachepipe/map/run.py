@@ -181,7 +181,7 @@ class _MapRun(_Remote):
         cfg = self.cfg
         runs = cfg.command is not None or self._fn is not None
         block = _block_at(cfg.cache_dir)  # as the downloads' cache reads it at its open
-        reserve = max(item_reserve(cfg, mi, runs).total for mi in todo)
+        reserve = max(item_reserve(cfg, mi, runs, block).total for mi in todo)
         margin = cfg.out_margin if cfg.out_margin is not None else min(reserve, 64 * _MIB)
         # the pipeline's journal budget (Cache.journal_budget, from Catalog.name_bytes: a name's
         # undecodable byte as its surrogate's 3 UTF-8 bytes) in whole blocks, the state's folders
@@ -284,7 +284,7 @@ class _MapRun(_Remote):
                     job = Job(
                         cfg,
                         self._fn,
-                        Slot(work / str(n), sizing.reserve + sizing.margin),
+                        Slot(work / str(n), sizing.reserve + sizing.margin, sizing.block),
                         watcher=self._watcher,
                         uploader=uploader,
                         stop=self._stop,
