@@ -1748,8 +1748,15 @@ def test_names_of_undecodable_bytes_are_sized_as_the_cache_budgets_them_on_a_rer
 
     src = os.fsencode(tmp_path / "src")
     names = [b"\xe9" * 50 + b"%02d" % i for i in range(20)]
-    downloads = 256 * 1024 - 2 * 1024  # the capacity less one job's reserve and margin
-    sized = downloads - (journal_budget_of(sum(map(len, names)), len(names)) + 4096)  # the largest, one byte a byte
+    (tmp_path / "one" / "a").mkdir(parents=True)
+    (tmp_path / "one" / "a" / "a.bin").write_bytes(b"a")
+    options = {"cache_dir": tmp_path / "cache", "capacity": "256KiB", "out_reserve": 1024, "out_margin": 1024, "jobs": 1}
+    slot = map_items(["true"], str(tmp_path / "one"), str(tmp_path / "dst"), dry_run=True, **options)  # a job's share
+    # in whole blocks, as the cache counts: the largest item, its names' undecodable bytes counted one byte a byte
+    # (the journal's budget, the state's 4 blocks and the work folder's; the item's file beside its folder's block)
+    block = clamp_block(os.statvfs(tmp_path).f_frsize)
+    state = round_up(journal_budget_of(sum(map(len, names)), len(names)), block) + 5 * block
+    sized = (256 * KIB - (slot.reserve + slot.margin) - state) // block * block - block
     for i, name in enumerate(names):
         os.makedirs(src + b"/" + name)
         with open(src + b"/" + name + b"/a.bin", "wb") as fh:
@@ -1758,7 +1765,6 @@ def test_names_of_undecodable_bytes_are_sized_as_the_cache_budgets_them_on_a_rer
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     killed = subprocess.run(argv, capture_output=True, timeout=120, env=env, check=False)
     assert killed.returncode == -signal.SIGKILL, killed.stderr.decode(errors="replace")
-    options = {"cache_dir": tmp_path / "cache", "capacity": "256KiB", "out_reserve": 1024, "out_margin": 1024, "jobs": 1}
     result = map_items(["true"], str(tmp_path / "src"), str(tmp_path / "dst"), **options)
     assert [(f.name, f.attempts) for f in result.failed] == [(os.fsdecode(names[-1]), 0)], result.failed  # refused
     assert "give capacity (--capacity) at least" in result.failed[0].error and result.items_done == len(names) - 1
