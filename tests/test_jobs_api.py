@@ -201,8 +201,8 @@ def test_manifests_listed_uploaded_and_checked(s3_source, tmp_path, short_dir):
             with pytest.raises(ServiceError, match=r"no manifest 'f+' on this daemon") as err:
                 lane.manifest_bytes("f" * 32)
             assert err.value.status == 404
-    # no upload leftovers; "jobs": the note that job train plans from it
-    assert sorted(p.name for p in (root / ".manifests").iterdir()) == [f"{digest}.json.gz", "jobs"]
+    # no upload leftovers; ".lock": the writers' lock; "jobs": the note that job train plans from it
+    assert sorted(p.name for p in (root / ".manifests").iterdir()) == [".lock", f"{digest}.json.gz", "jobs"]
     assert (root / ".manifests" / "jobs" / "train").read_text() == f"{digest}\n"
 
 
