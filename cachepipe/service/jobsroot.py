@@ -9,13 +9,14 @@ would each give their jobs all of ``jobs.capacity`` (the disk's cap twice over),
 remove what it thinks no job of its own needs (an emptied job folder the other opens again,
 a manifest the other's job plans from). Where the root cannot be locked so (an NFS mount
 without a lock daemon: ``ENOLCK``; a filesystem without ``flock``: :data:`NO_LOCKS`) the daemon
-starts and says so in a warning: a second daemon there is not refused.
+starts and says so in a warning: a second daemon there is not refused. :func:`held_by` tells
+who holds it, without taking it (``serve --check``).
 
 The lock files are opened for reading and writing: NFS emulates ``flock`` with byte-range
 locks (the server's, so a daemon on another host sees them), and refuses an exclusive one on a
-descriptor open for reading only (``EBADF``, flock(2); a shared one needs only reading). It
-gives each open its own lock, as ``flock`` does (its owner is the open file, not the process):
-two threads' opens exclude each other there too.
+descriptor open for reading only (``EBADF``, flock(2); a shared one, as :func:`held_by`'s, needs
+only reading). It gives each open its own lock, as ``flock`` does (its owner is the open file,
+not the process): two threads' opens exclude each other there too.
 
 Retention. Every manifest given to the daemon (``PUT /v1/manifests``) or listed by it
 (``POST /v1/manifests``, node mode's every distributed run) is ``root/.manifests/DIGEST.json.gz``,
@@ -49,7 +50,7 @@ from pathlib import Path
 
 from ..cache.lock import UNKNOWN_OWNER, _locker
 
-__all__ = ["MANIFEST_NAME", "NO_LOCKS", "ManifestsLock", "RootLock", "unneeded"]
+__all__ = ["MANIFEST_NAME", "NO_LOCKS", "ManifestsLock", "RootLock", "held_by", "unneeded"]
 
 log = logging.getLogger("cachepipe.service")
 
@@ -144,6 +145,28 @@ def _holder(fd: int) -> str:
         return f"pid {fields[0]}{where}" + (f", socket {fields[2].strip()}" if len(fields) > 2 else "")
     pid = _locker(fd)
     return UNKNOWN_OWNER if pid is None else f"pid {pid} on {socket.gethostname()}"
+
+
+def held_by(root: Path) -> str | None:
+    """Who holds the daemon's lock on ``root`` (``"pid N on HOST, socket PATH"``, as a second
+    daemon's error names it), told by a shared lock tried without waiting and let go at once (a
+    descriptor open for reading does for that, on NFS too; nothing is made); None where no live
+    daemon holds it, and where that cannot be told (no lock file, an unreadable one, no locks
+    there). A daemon that starts in the very moment the shared lock is held is refused as by
+    another process (exit 1; systemd starts it again)."""
+    try:
+        fd = os.open(root / LOCK, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder(fd)
+    except OSError:  # NO_LOCKS, or another refusal: a check says nothing it cannot tell
+        return None
+    finally:
+        os.close(fd)  # lets the shared lock go, where it was taken
+    return None
 
 
 class ManifestsLock:
