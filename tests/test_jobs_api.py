@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -201,8 +202,8 @@ def test_manifests_listed_uploaded_and_checked(s3_source, tmp_path, short_dir):
             with pytest.raises(ServiceError, match=r"no manifest 'f+' on this daemon") as err:
                 lane.manifest_bytes("f" * 32)
             assert err.value.status == 404
-    # no upload leftovers; "jobs": the note that job train plans from it
-    assert sorted(p.name for p in (root / ".manifests").iterdir()) == [f"{digest}.json.gz", "jobs"]
+    # no upload leftovers; ".lock": the writers' lock; "jobs": the note that job train plans from it
+    assert sorted(p.name for p in (root / ".manifests").iterdir()) == [".lock", f"{digest}.json.gz", "jobs"]
     assert (root / ".manifests" / "jobs" / "train").read_text() == f"{digest}\n"
 
 
@@ -923,7 +924,8 @@ def test_a_second_daemon_on_a_jobs_root_another_serves_is_refused_naming_it(s3_s
     """Two daemons on one jobs.root (a second ``cachepipe serve`` with another socket, a new one
     started while the old one drains) both served: each gave its jobs all of jobs.capacity, and
     each removed job folders and manifests it thought unused. Now the second is refused at its
-    start, naming the root and the first; it starts once the first stopped."""
+    start, naming the root and the first; it starts once the first stopped. ``serve --check``
+    beside the first says it holds the root, and passes (it is run before a restart of that one)."""
     root = tmp_path / "jobs"
     configs = []
     for n in ("one", "two"):
@@ -939,6 +941,15 @@ def test_a_second_daemon_on_a_jobs_root_another_serves_is_refused_naming_it(s3_s
         assert not (short_dir / "two.sock").exists()  # the refused daemon's socket is not left behind
         message = f"jobs.root {str(root)!r} is in use by another cachepipe daemon (pid {first.pid} on {socket.gethostname()}, "
         assert message in str(err.value) and f"socket {short_dir / 'one.sock'})" in str(err.value), str(err.value)
+        check = [sys.executable, "-m", "cachepipe.cli", "serve", "--check", "--config", str(configs[1])]
+        checked = subprocess.run(check, capture_output=True, text=True, timeout=60, check=False)
+        assert checked.returncode == 0, checked.stderr  # before: the same, without a word of the first daemon
+        held = (
+            f"jobs.root {str(root)!r} is held by a running cachepipe daemon (pid {first.pid} on {socket.gethostname()}, "
+            f"socket {short_dir / 'one.sock'}): a restart or reload of that daemon is fine; a second daemon on this "
+            "jobs.root would exit 1 while that one runs (one daemon per jobs.root)\n"
+        )
+        assert held in checked.stdout, checked.stdout
         first.signal(signal.SIGTERM)
         assert first.proc.wait(60) == 0
     with DaemonProcess(configs[1]), Client(socket=short_dir / "two.sock") as client:

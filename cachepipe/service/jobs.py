@@ -20,8 +20,8 @@ lists it once and every rank uploads that manifest to its node's daemon (``PUT
 content); the spec then names it by digest (``"catalog": DIGEST``), and every node plans from
 the same catalog. Each is written to a temporary name there (``.upload-*``, ``.index-*``) and
 renamed once checked; those of a daemon killed meanwhile are removed by the next write there
-when no other is under way, also of another daemon on the same root (:meth:`Jobs._manifests`;
-not on NFS, which cannot lock a folder so: left there). The manifests no job names are removed
+when no other is under way, also of another daemon on the same root (:meth:`Jobs._manifests`,
+:class:`.jobsroot.ManifestsLock`; not on a mount without locks: left there). The manifests no job names are removed
 once older than ``jobs.manifest_grace`` (when a job is deleted, and at the daemon's start), and
 a second daemon on the same root is refused: :mod:`.jobsroot`.
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import os
 import re
@@ -53,7 +52,7 @@ from ..wholefiles import naming
 from .closing import Closer
 from .errors import ClientGone, StoppingError, UnknownPipelineError
 from .jobspec import _JOB_FIELDS, JobsConfig, JobSpec
-from .jobsroot import MANIFEST_NAME, RootLock, unneeded
+from .jobsroot import MANIFEST_NAME, MANIFESTS_LOCK, ManifestsLock, RootLock, unneeded
 
 if TYPE_CHECKING:
     from ..node import NodePipeline, SkippedStep, Taken
@@ -84,26 +83,6 @@ class _Job:
 
 
 _DELETE = "`cachepipe delete-job NAME`, or DELETE /v1/jobs/NAME"
-
-
-def _alone(fd: int) -> bool | None:
-    """Try to lock the folder open as ``fd`` (``root/.manifests``) exclusively, without waiting:
-    True if taken (no other writer, of this daemon or another on the root, is under way), False if
-    one is. None where it cannot be locked so: NFS locks a folder's descriptor (read-only) shared
-    only (EBADF), a mount without a lock daemon nothing (ENOLCK).
-
-    Raises:
-        OSError: another error of ``flock``.
-    """
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    except OSError as exc:
-        if exc.errno not in (errno.EBADF, errno.ENOLCK):
-            raise
-        return None
-    return True
 
 
 def _remove_emptied(cache_dir: Path) -> None:
@@ -343,24 +322,32 @@ class Jobs:
         """Remove the manifests no job names (:meth:`_named`) written ``jobs.manifest_grace``
         seconds ago or more (:func:`.jobsroot.unneeded`), each logged at INFO with ``why`` (or,
         for the catalog of the job ``deleted``, that it was its last). Holds the folder's lock
-        exclusively, so no upload or listing (of this daemon, or of another on the root where it
-        was not refused) writes meanwhile: its ``os.replace`` of the same digest, a moment before
-        the removal, would be undone. Skipped while one is under way (the next delete or start
-        removes them), and where the folder cannot be locked so (NFS): said in the log. Holds the
-        jobs' lock too: no registration takes a manifest meanwhile. A failure is logged, not raised."""
+        exclusively (:class:`.jobsroot.ManifestsLock`), so no upload or listing (of this daemon, or
+        of another on the root where it was not refused) writes meanwhile: its ``os.replace`` of
+        the same digest, a moment before the removal, would be undone. Skipped while one is under
+        way (the next delete or start removes them), and where the lock cannot be taken (a mount
+        without locks): said in the log. Holds the jobs' lock too: no registration takes a
+        manifest meanwhile. A failure is logged, not raised."""
         folder = self.config.root / ".manifests"
         try:
-            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            lock = ManifestsLock(folder)
         except FileNotFoundError:
             return
         except OSError as exc:
             log.warning("manifests in %s: none removed: %s", folder, exc)
             return
         try:
-            alone = _alone(fd)
+            alone = lock.alone()
             if not alone:
                 if alone is None:
-                    log.warning("manifests in %s: none removed: the folder cannot be locked (NFS, or no locks)", folder)
+                    log.warning(
+                        "manifests in %s: none removed: %s %s",
+                        folder,
+                        MANIFESTS_LOCK,
+                        "cannot be locked (a mount without locks: nolock, ENOLCK)"
+                        if lock.unopened is None
+                        else f"cannot be opened ({lock.unopened.strerror})",
+                    )
                 else:
                     log.info(
                         "manifests in %s: none removed now: a manifest is being written there (the next delete removes them)",
@@ -399,7 +386,7 @@ class Jobs:
         except OSError as exc:
             log.warning("manifests in %s: not all removed: %s", folder, exc)
         finally:
-            os.close(fd)
+            lock.close()
 
     def upload_manifest(self, body: BinaryIO, length: int) -> dict[str, Any]:
         """Read a manifest of ``length`` bytes from ``body``, check it (its digest against its
@@ -471,28 +458,23 @@ class Jobs:
     @contextlib.contextmanager
     def _manifests(self) -> Iterator[Path]:
         """``root/.manifests``, made if need be, to write a manifest into: its temporary files
-        (``.upload-*``, ``.index-*``: every name there that begins with a dot) are this writer's
-        while it holds the folder's lock (``flock``, shared). Before it takes it, those of writers
-        that are gone (a daemon killed during an upload or a listing) are removed, if no other
-        writer, of this daemon or of another on the same root, is under way: that takes the lock
-        exclusively, and is skipped while it cannot (a later write removes them), and where the
-        folder cannot be locked so (NFS, a mount without locks: a write then leaves them)."""
+        (``.upload-*``, ``.index-*``: every name there that begins with a dot, but the lock file) are
+        this writer's while it holds the folder's lock (:class:`.jobsroot.ManifestsLock`, shared).
+        Before it takes it, those of writers that are gone (a daemon killed during an upload or a
+        listing) are removed, if no other writer, of this daemon or of another on the same root, is
+        under way: that takes the lock exclusively, and is skipped while it cannot (a later write
+        removes them), and where it cannot be taken (a mount without locks: a write then leaves them)."""
         folder = self.config.root / ".manifests"
         folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            alone = _alone(fd)  # None: whether another writer is under way cannot be known, so nothing is removed
-            if alone:
+        with ManifestsLock(folder) as lock:
+            if lock.alone():  # None: whether another writer is under way cannot be known, so nothing is removed
                 for entry in os.scandir(folder):
-                    if entry.name.startswith(".") and entry.is_file(follow_symlinks=False):
+                    if entry.name.startswith(".") and entry.name != MANIFESTS_LOCK and entry.is_file(follow_symlinks=False):
                         log.info("removing %s, left in %s by a daemon that was killed while writing it", entry.name, folder)
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(entry.path)
-            if alone is not None:
-                fcntl.flock(fd, fcntl.LOCK_SH)
+            lock.share()
             yield folder
-        finally:
-            os.close(fd)
 
     def manifest_bytes(self, digest: str) -> bytes:
         """The bytes of manifest ``digest``.

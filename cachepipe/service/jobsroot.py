@@ -8,8 +8,15 @@ one still drains) is refused at its start, naming the root and the first. Two da
 would each give their jobs all of ``jobs.capacity`` (the disk's cap twice over), and each
 remove what it thinks no job of its own needs (an emptied job folder the other opens again,
 a manifest the other's job plans from). Where the root cannot be locked so (an NFS mount
-without a lock daemon: ``ENOLCK``; a filesystem without ``flock``) the daemon starts and says
-so in a warning: a second daemon there is not refused.
+without a lock daemon: ``ENOLCK``; a filesystem without ``flock``: :data:`NO_LOCKS`) the daemon
+starts and says so in a warning: a second daemon there is not refused. :func:`held_by` tells
+who holds it, without taking it (``serve --check``).
+
+The lock files are opened for reading and writing: NFS emulates ``flock`` with byte-range
+locks (the server's, so a daemon on another host sees them), and refuses an exclusive one on a
+descriptor open for reading only (``EBADF``, flock(2); a shared one, as :func:`held_by`'s, needs
+only reading). It gives each open its own lock, as ``flock`` does (its owner is the open file,
+not the process): two threads' opens exclude each other there too.
 
 Retention. Every manifest given to the daemon (``PUT /v1/manifests``) or listed by it
 (``POST /v1/manifests``, node mode's every distributed run) is ``root/.manifests/DIGEST.json.gz``,
@@ -21,7 +28,8 @@ job registered again after a restart names its manifest by digest and would be r
 without it (409). The others are removed (:func:`unneeded`) once they are older than
 ``jobs.manifest_grace`` (default a day: a node's ranks list or upload one when their dataset is
 made, and register the job at its first iteration, after the model is set up), when a job is
-deleted and at the daemon's start; each removal is logged at INFO with the digest and why. A job
+deleted and at the daemon's start, holding :class:`ManifestsLock` exclusively (skipped while a
+manifest is written there); each removal is logged at INFO with the digest and why. A job
 folder without a note (of a cachepipe before the notes, 2026-12-01, or one that could not be
 written; a job registered without a catalog notes an empty one) may plan from any of them: while
 there is one, none is removed. A note whose job folder is gone (removed by hand) names nothing
@@ -42,13 +50,17 @@ from pathlib import Path
 
 from ..cache.lock import UNKNOWN_OWNER, _locker
 
-__all__ = ["MANIFEST_NAME", "RootLock", "unneeded"]
+__all__ = ["MANIFEST_NAME", "NO_LOCKS", "ManifestsLock", "RootLock", "held_by", "unneeded"]
 
 log = logging.getLogger("cachepipe.service")
 
 LOCK = ".daemon"  # in jobs.root: the daemon's lock (no job is named so: a job name starts with a letter or digit)
 MANIFEST_NAME = re.compile(r"([0-9a-f]{32})\.json\.gz")  # root/.manifests/DIGEST.json.gz
-_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF)
+MANIFESTS_LOCK = ".lock"  # in root/.manifests: the lock of its writers and of what removes files there; never removed
+# flock's refusals that say the file cannot be locked there, not that another holds it: a mount
+# without a lock daemon (ENOLCK), a filesystem without flock (EOPNOTSUPP, EINVAL), NFS's
+# exclusive lock on a descriptor open for reading only (EBADF: a folder's)
+NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF})
 
 
 def unneeded(written: Mapping[str, float], named: Iterable[str], now: float, grace: float) -> list[str]:
@@ -94,7 +106,7 @@ class RootLock:
             ) from None
         except OSError as exc:
             os.close(fd)
-            if exc.errno not in _NO_LOCKS:
+            if exc.errno not in NO_LOCKS:
                 raise
             log.warning(
                 "jobs.root %s: cannot be locked (%s; an NFS mount without a lock daemon?): a second daemon on it "
@@ -133,3 +145,118 @@ def _holder(fd: int) -> str:
         return f"pid {fields[0]}{where}" + (f", socket {fields[2].strip()}" if len(fields) > 2 else "")
     pid = _locker(fd)
     return UNKNOWN_OWNER if pid is None else f"pid {pid} on {socket.gethostname()}"
+
+
+def held_by(root: Path) -> str | None:
+    """Who holds the daemon's lock on ``root`` (``"pid N on HOST, socket PATH"``, as a second
+    daemon's error names it), told by a shared lock tried without waiting and let go at once (a
+    descriptor open for reading does for that, on NFS too; nothing is made); None where no live
+    daemon holds it, and where that cannot be told (no lock file, an unreadable one, no locks
+    there). A daemon that starts in the very moment the shared lock is held is refused as by
+    another process (exit 1; systemd starts it again)."""
+    try:
+        fd = os.open(root / LOCK, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder(fd)
+    except OSError:  # NO_LOCKS, or another refusal: a check says nothing it cannot tell
+        return None
+    finally:
+        os.close(fd)  # lets the shared lock go, where it was taken
+    return None
+
+
+class ManifestsLock:
+    """The lock of ``root/.manifests`` (an open of it; close it, or use it as a context manager).
+    Its writers (an upload, a listing) hold it shared (:meth:`share`) while their temporary files
+    there are theirs; what removes files there (a killed writer's temporary files, the manifests
+    no job names) takes it exclusively, without waiting (:meth:`alone`).
+
+    It is an ``flock`` on the file :data:`MANIFESTS_LOCK` in the folder (made for it, opened for
+    reading and writing, so NFS locks it exclusively too: see the module notes; never removed),
+    and on the folder itself where that can be locked: a daemon of before 2026-12-01 locks the
+    folder only, and beside this one on a root (where the root's lock does not refuse it: a build
+    before that lock, a root whose ``.daemon`` cannot be opened) it must see this one's writers,
+    and this one its. NFS does not lock a folder exclusively (such a daemon removes nothing there):
+    the file's lock alone then.
+
+    Args:
+        folder: ``root/.manifests`` (it exists).
+
+    Raises:
+        OSError: the folder cannot be opened.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.unopened: OSError | None = None  # why the lock file could not be opened (then it is not locked)
+        self._dir = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._file: int | None = None
+        try:
+            self._file = os.open(folder / MANIFESTS_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:  # another user's file, a full disk: a writer's own error says why, if it fails
+            self.unopened = exc
+        except BaseException:
+            os.close(self._dir)
+            raise
+
+    def alone(self) -> bool | None:
+        """Take the lock exclusively, without waiting: True if taken (no writer, of this daemon or
+        of another on the root, is under way), False if one is (nothing is held then). None where
+        that cannot be known: the lock file cannot be locked (a mount without locks, :data:`NO_LOCKS`)
+        or opened (:attr:`unopened`: another user's file, a full disk).
+
+        Raises:
+            OSError: another error of ``flock``.
+        """
+        if self._file is None:
+            return None
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            if exc.errno not in NO_LOCKS:
+                raise
+            return None
+        try:
+            fcntl.flock(self._dir, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a writer of a daemon that locks the folder only
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            return False
+        except OSError as exc:
+            if exc.errno not in NO_LOCKS:
+                fcntl.flock(self._file, fcntl.LOCK_UN)
+                raise
+        return True
+
+    def share(self) -> None:
+        """Hold the lock shared, as a writer: waits while it is held exclusively. Where the file or
+        the folder cannot be locked (:data:`NO_LOCKS`), that one is not.
+
+        Raises:
+            OSError: another error of ``flock``.
+        """
+        for fd in (self._file, self._dir):
+            if fd is None:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            except OSError as exc:
+                if exc.errno not in NO_LOCKS:
+                    raise
+
+    def close(self) -> None:
+        """Let the lock go (closes both descriptors)."""
+        if self._file is not None:
+            os.close(self._file)
+        os.close(self._dir)
+
+    def __enter__(self) -> ManifestsLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -47,6 +47,7 @@ from typing import Any
 from ..errors import CachePipeError, ConfigError, OversizeError, UnsafeKeyError
 from .config import ServiceConfig, load_config
 from .daemon import Daemon
+from .jobsroot import held_by
 from .logs import HeldRecords, setup_logging
 from .notify import Notifier
 from .preflight import host_problems
@@ -75,7 +76,8 @@ def _user() -> str:
 
 def check(config_path: str | os.PathLike[str]) -> int:
     """Validate the config file, and it against this host, as ``serve`` would before opening
-    anything; print a summary (``cachepipe serve --check``)."""
+    anything; print a summary (``cachepipe serve --check``), with a line naming the daemon that holds
+    ``jobs.root`` if one does (not a failure: a restart of that daemon is what a check is run before)."""
     config, handler = _load(config_path)
     logging.getLogger("cachepipe").removeHandler(handler)
     if config is None:
@@ -87,6 +89,12 @@ def check(config_path: str | os.PathLike[str]) -> int:
         "(made and removed at once; run --check as the service's User= to check its rights); not checked: the "
         "sources (nothing is listed or sent)"
     )
+    if config.jobs is not None and (holder := held_by(config.jobs.root)) is not None:
+        print(
+            f"jobs.root {str(config.jobs.root)!r} is held by a running cachepipe daemon ({holder}): a restart or reload "
+            "of that daemon is fine; a second daemon on this jobs.root would exit 1 while that one runs (one daemon "
+            "per jobs.root)"
+        )
     print(f"{config_path}: valid; socket {config.socket}; pipelines: {names}{jobs}")  # last: what scripts read
     return 0
 
