@@ -253,7 +253,7 @@ class Cache(_Publishing):
         drop_note(self.root)  # this owner changes the folder from now on: before the journal says so, below
         record, ledger = self.record, self.ledger
         reuse, stale = sort_leftovers(
-            self.root, replay, self.rebuilt, items, reusable and of_same_data(replay.plan, plan), self.block
+            self.root, replay, self.rebuilt, items, reusable and of_same_data(replay.plan, plan), block=self.block
         )
         for name in stale:
             log.info("removing stale cached item %s", name)
