@@ -667,9 +667,7 @@ def test_an_oversize_item_in_the_last_run_is_raised_in_its_turn_after_each_item_
 
 @pytest.fixture
 def streamed_cache(tmp_path):
-    """An open 1 MiB cache recovered with no catalog (a streamed pass's), and the journal budget
-    of a 4-byte name."""
-    from cachepipe import state
+    """An open 1 MiB cache recovered with no catalog (a streamed pass's), and its block."""
     from cachepipe.cache import Cache
     from cachepipe.catalog import Catalog
 
@@ -677,39 +675,53 @@ def streamed_cache(tmp_path):
     cache.open()
     try:
         cache.recover(Catalog(mode="folders"), resume=False)
-        yield cache, 2 * (4 * len("n000") + state.EVENT_OVERHEAD + state.VERSION_OVERHEAD)
+        yield cache, cache.block
     finally:
         cache.close()
 
 
+def _block_names(block: int, count: int) -> list[str]:
+    """``count`` names of items without versions whose journal budget is one ``block`` each
+    (2 x (4 x the name + EVENT_OVERHEAD) bytes): listed, each adds a block to the state budget,
+    wherever in its last block the budget stood."""
+    length = (block // 2 - state.EVENT_OVERHEAD) // 4
+    assert 2 * (4 * length + state.EVENT_OVERHEAD) == block
+    return [f"n{i:03d}".ljust(length, "x") for i in range(count)]
+
+
 def test_a_run_of_listed_names_is_budgeted_while_there_is_room_the_rest_in_the_next_call(streamed_cache):
-    cache, grow = streamed_cache
-    limit = cache.limit
-    assert cache.note_listed(["n000", "n001", "n002"]) == [limit - grow, limit - 2 * grow, limit - 3 * grow]
+    # The budget is counted in whole blocks, as a reopen counts it: a short name takes no room
+    # while the budget's last block has room for its lines; these longer names take a block each.
+    cache, block = streamed_cache
+    limit, overhead = cache.limit, cache.ledger.overhead
+    assert cache.note_listed(["s000"]) == [limit] and cache.ledger.overhead == overhead
+    names, plain = _block_names(block, 7), [True] * 7
+    assert cache.note_listed(names[:3], plain=plain) == [limit - block, limit - 2 * block, limit - 3 * block]
     # room now for one more name: the run stops there and nothing waits
-    assert cache.reserve(cache.ledger.free - grow - 1)
-    assert cache.note_listed(["n003", "n004"]) == [limit - 4 * grow]
-    # the next call waits for room for n004, here an item's reservation released
+    assert cache.reserve(cache.ledger.free - block - 1)
+    assert cache.note_listed(names[3:5], plain=plain) == [limit - 4 * block]
+    # the next call waits for room for names[4], here an item's reservation released
     got: list[list[int]] = []
-    waiting = threading.Thread(target=lambda: got.append(cache.note_listed(["n004"])))
+    waiting = threading.Thread(target=lambda: got.append(cache.note_listed(names[4:5], plain=plain)))
     waiting.start()
     waiting.join(0.2)
     assert waiting.is_alive() and not got
-    cache.unreserve(grow)
+    cache.unreserve(block)
     waiting.join(30)
-    assert got == [[limit - 5 * grow]]
+    assert got == [[limit - 5 * block]]
+    assert cache.ledger.overhead == overhead + 5 * block and cache.ledger.free == 1
     # a name that the state budget alone would not leave room beside is left to the next
     # call, which raises for it
     cache.unreserve(cache.ledger.reserved)
-    cache.set_capacity(cache.capacity - cache.limit + grow + grow // 2)
-    assert cache.note_listed(["n005", "n006"]) == [cache.limit]
+    cache.set_capacity(cache.capacity - cache.limit + block + block // 2)
+    assert cache.note_listed(names[5:7], plain=plain) == [cache.limit] == [block // 2]
     with pytest.raises(ConfigError, match="bytes for its state"):
-        cache.note_listed(["n006"])
+        cache.note_listed(names[6:7], plain=plain)
 
 
 def test_one_listed_name_passed_as_a_string_is_refused(streamed_cache):
     # a string is a sequence of names too: each of its characters would be budgeted as a name
-    cache, _grow = streamed_cache
+    cache, _block = streamed_cache
     overhead = cache.ledger.overhead
     with pytest.raises(TypeError, match="not one name: 'n000'"):
         cache.note_listed("n000")
@@ -818,15 +830,16 @@ def test_a_listing_admits_in_runs_once_a_run_of_the_producers_waits():
 
 
 def test_a_run_stops_before_an_item_over_the_limit_its_name_would_leave(streamed_cache):
-    cache, grow = streamed_cache
+    cache, block = streamed_cache
     limit, overhead = cache.limit, cache.ledger.overhead
+    names, plain = _block_names(block, 3), [True] * 3  # a block each
     big = limit  # fits beside the budget now, not once two more names are counted
-    # n001's item would be over the limit: its name is not counted (the caller decides about
+    # names[1]'s item would be over the limit: its name is not counted (the caller decides about
     # it first, in the next call), and so never counted twice
-    assert cache.note_listed(["n000", "n001", "n002"], [1, big, 1]) == [limit - grow]
-    assert cache.ledger.overhead == overhead + grow
-    assert cache.note_listed(["n001", "n002"], [big, 1]) == [limit - 2 * grow, limit - 3 * grow]
-    assert cache.ledger.overhead == overhead + 3 * grow
+    assert cache.note_listed(names, [1, big, 1], plain) == [limit - block]
+    assert cache.ledger.overhead == overhead + block
+    assert cache.note_listed(names[1:], [big, 1], plain) == [limit - 2 * block, limit - 3 * block]
+    assert cache.ledger.overhead == overhead + 3 * block
 
 
 def test_take_many_takes_what_is_queued_up_to_its_count_and_nothing_at_the_end():
