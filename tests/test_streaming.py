@@ -322,6 +322,12 @@ def test_an_item_that_the_growing_state_budget_leaves_no_room_for_is_reported_no
 
 
 def test_the_state_budget_of_a_streamed_listing_waits_for_room_instead_of_overcommitting(memory_data, tmp_path):
+    # In whole blocks: item00000 takes 200,000 bytes and its folder's block (204,800 on 4 KiB
+    # blocks), each other item a block for its file and one for its folder; the budget of 2,001
+    # names (~336 KB) grows a block at a time, beyond the room beside the held item. The rest of
+    # the first page is delivered while the listing waits: the downloads of planned items go
+    # before the budget's growth (it took each block an ack freed, and item00001's download,
+    # wanting two, waited for ever: the gets below timed out).
     capacity = 400_000
     memory_data.pipe_file("/stream/data/item00000/f", b"x" * 200_000)  # held while the listing goes on
     _put(memory_data, 2000, start=1)  # the budget of 2,001 names: ~336 KB, beyond the room beside it
@@ -335,10 +341,13 @@ def test_the_state_budget_of_a_streamed_listing_waits_for_room_instead_of_overco
             pipe.ack(item)
             assert pipe.stats().bytes_in_cache <= capacity
         threading.Event().wait(0.2)  # time to list everything, were there room (a memory store lists 2,001 in ms)
-        assert pipe.stats().items_listed < 2001  # the listing waits for room (about 1,190 names fit)
+        assert pipe.stats().items_listed < 2001  # the listing waits for room
         pipe.ack(held)  # room: the listing goes on
-        rest = [item.name for item in pipe]
-        assert pipe.stats().bytes_in_cache <= capacity
+        rest = []
+        while (item := pipe.get(timeout=30)) is not None:  # each acked: 1,901 items take more than the capacity
+            rest.append(item.name)
+            pipe.ack(item)
+            assert pipe.stats().bytes_in_cache <= capacity
     assert len(rest) == 2001 - FIRST_PAGE_OBJECTS and rest[-1] == "item02000"
 
 
@@ -717,6 +726,30 @@ def test_a_run_of_listed_names_is_budgeted_while_there_is_room_the_rest_in_the_n
     assert cache.note_listed(names[5:7], plain=plain) == [cache.limit] == [block // 2]
     with pytest.raises(ConfigError, match="bytes for its state"):
         cache.note_listed(names[6:7], plain=plain)
+
+
+def test_a_streamed_listing_leaves_the_room_an_ack_frees_to_the_download_waiting_for_it(streamed_cache):
+    # The budget grows a block at a time: waiting for room beside a download that waits too, it
+    # took the block each ack freed, and the download of a planned item of two blocks waited for
+    # ever while its consumer held items (test_the_state_budget_of_a_streamed_listing_waits...).
+    cache, block = streamed_cache
+    names, plain = _block_names(block, 2), [True, True]
+    assert cache.reserve(cache.ledger.free - block)  # a block free: the listing takes it, not the download
+    downloading: list[bool] = []
+    download = threading.Thread(target=lambda: downloading.append(cache.reserve(2 * block)))
+    download.start()
+    wait_until(lambda: cache.shortfall() == block, what="the download waiting for room")
+    listed: list[list[int]] = []
+    listing = threading.Thread(target=lambda: listed.append(cache.note_listed(names, plain=plain)))
+    listing.start()
+    listing.join(0.2)
+    assert listing.is_alive() and not listed  # the free block is the download's
+    cache.unreserve(block)  # an ack: two blocks free, the download's
+    download.join(30)
+    assert downloading == [True] and listing.is_alive() and not listed and cache.ledger.free == 0
+    cache.unreserve(2 * block)  # the download's item acked in its turn: the listing goes on
+    listing.join(30)
+    assert len(listed) == 1 and len(listed[0]) == 2 and cache.ledger.free == 0
 
 
 def test_one_listed_name_passed_as_a_string_is_refused(streamed_cache):
