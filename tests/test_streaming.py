@@ -18,10 +18,13 @@ import fsspec
 import pytest
 import tqdm.auto
 from conftest import via
+from sampling import block_of
 from waiting import wait_until
 
 from cachepipe import ConfigError, EmptySourceError, OversizeError, Pipeline, state
+from cachepipe.blocks import footprint, round_up
 from cachepipe.cache import Cache
+from cachepipe.cache.core import journal_budget_of
 from cachepipe.catalog import Catalog
 from cachepipe.listing import FIRST_PAGE_OBJECTS, StreamingListing, list_source
 from cachepipe.stores.base import ObjectInfo
@@ -305,14 +308,37 @@ def test_a_listing_that_stops_after_the_first_page_is_raised_also_with_on_error_
     assert len(delivered) == {"listing error": FIRST_PAGE_OBJECTS + 9, "oversize": FIRST_PAGE_OBJECTS + 10, "no items": 0}[fault]
 
 
+def _state_files(tmp_path: Path) -> int:
+    """What a cache's state folder takes at a pass's start beside its journal's budget (its
+    folders and files, in whole blocks), measured on a cache opened beside the test's."""
+    cache = Cache(tmp_path / "probe", 1 << 20)
+    cache.open()
+    try:
+        empty = Catalog(mode="folders")
+        cache.recover(empty, resume=False)
+        return cache.ledger.overhead - round_up(Cache.journal_budget(empty), cache.block)
+    finally:
+        cache.close()
+
+
+def _names_budget(count: int, block: int) -> int:
+    """The journal's budget of ``count`` names of 9 bytes without versions (``item00000``: a
+    memory store gives no ETags), in whole blocks: what the ledger counts for it."""
+    return round_up(journal_budget_of(9 * count, count, versions=False), block)
+
+
 @pytest.mark.parametrize("on_oversize", ["raise", "skip"])
 def test_an_item_that_the_growing_state_budget_leaves_no_room_for_is_reported_not_waited_for(memory_data, tmp_path, on_oversize):
-    # Streamed, the journal budget grows with each listed name (168 bytes for these): item00001
-    # fits when it is listed, second, and not beside the budget of the first page (~17 KB).
+    # Streamed, the journal budget grows with each listed name (168 bytes for these, counted in
+    # whole blocks): item00001 fits when it is listed, second, and not beside the budget of the
+    # first page (~17 KB). The capacity: the state, the budget of two names and item00001.
     memory_data.pipe_file("/stream/data/item00000/f", b"x" * 100_000)
     memory_data.pipe_file("/stream/data/item00001/f", b"x" * 390_000)
     _put(memory_data, FIRST_PAGE_OBJECTS + 8, start=2)
-    with Pipeline(ROOT, tmp_path / "c", 400_000, on_oversize=on_oversize, auto_ack=False) as pipe:
+    block = block_of(tmp_path)
+    assert _names_budget(FIRST_PAGE_OBJECTS, block) > _names_budget(2, block)  # the first page's takes more blocks
+    capacity = _state_files(tmp_path) + _names_budget(2, block) + footprint([390_000], 1, block)
+    with Pipeline(ROOT, tmp_path / "c", capacity, on_oversize=on_oversize, auto_ack=False) as pipe:
         names, errors = _take_all(pipe)
         assert pipe.stats().items_skipped == (on_oversize == "skip")
     expected = [f"item{i:05d}" for i in range(FIRST_PAGE_OBJECTS + 10)]
@@ -354,12 +380,24 @@ def test_the_state_budget_of_a_streamed_listing_waits_for_room_instead_of_overco
 @pytest.mark.parametrize("streamed", [True, False])
 def test_the_journal_budget_counts_versions_only_for_items_with_etags(memory_data, tmp_path, streamed):
     """564d744 budgeted a version (17 bytes per journal step) for every item, also for a
-    source without ETags, which journals none: a cache sized close to its state budget (here
-    17,056 bytes for 100 names, 20,456 with versions) was refused."""
-    _put(memory_data, 100, size=100)
+    source without ETags, which journals none: a cache sized close to its state budget (17,056
+    bytes for 100 names, 20,456 with versions) was refused. In whole blocks: as many names as
+    put a block boundary between the two budgets (110 on 4 KiB blocks), and a capacity of the
+    state, the budget without versions and one item: with versions, no item would fit."""
+    block = block_of(tmp_path)
+    count = next(
+        n
+        for n in range(100, 2000)
+        if round_up(journal_budget_of(9 * n, n, False), block) < round_up(journal_budget_of(9 * n, n), block)
+    )
+    _put(memory_data, count, size=100)
+    item = footprint([100], 1, block)
+    state_files = _state_files(tmp_path)
+    capacity = state_files + round_up(journal_budget_of(9 * count, count, versions=False), block) + item
+    assert state_files + round_up(journal_budget_of(9 * count, count, versions=True), block) + item > capacity
     options = {} if streamed else {"shuffle": True}  # shuffle: the whole catalog before the plan
-    with Pipeline(ROOT, tmp_path / "c", 19_000, **options) as pipe:
-        assert len([p.name for p in pipe]) == 100
+    with Pipeline(ROOT, tmp_path / "c", capacity, **options) as pipe:
+        assert len([p.name for p in pipe]) == count
     tagged, plain = Catalog(mode="files"), Catalog(mode="files")
     for i in range(3):
         tagged.add(f"x{i}", [("", 1, "e" * 32)])
@@ -368,10 +406,15 @@ def test_the_journal_budget_counts_versions_only_for_items_with_etags(memory_dat
 
 
 def test_on_oversize_skip_skips_an_item_that_the_state_budget_leaves_no_room_for(memory_data, tmp_path):
-    memory_data.pipe_file("/stream/data/item00000/f", b"x" * 15_000)  # under the capacity, over capacity - budget
+    # In whole blocks: room for three blocks beside the state; item00000 takes four (three for
+    # its file, one for its folder), under the capacity, over capacity - budget; the others two
+    block = block_of(tmp_path)
+    memory_data.pipe_file("/stream/data/item00000/f", b"x" * 3 * block)
     _put(memory_data, 49, start=1)
+    capacity = _state_files(tmp_path) + _names_budget(50, block) + 3 * block
+    assert footprint([3 * block], 1, block) < capacity
     # resume=True: the catalog is listed whole before the plan (not streamed)
-    with Pipeline(ROOT, tmp_path / "c", 20_000, on_oversize="skip", resume=True) as pipe:
+    with Pipeline(ROOT, tmp_path / "c", capacity, on_oversize="skip", resume=True) as pipe:
         names = [p.name for p in pipe]
         assert pipe.stats().items_skipped == 1
     assert names == [f"item{i:05d}" for i in range(1, 50)]
