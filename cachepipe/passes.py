@@ -98,6 +98,7 @@ class _Pass:
     _total_steps: int | None
     _listed: int
     _listed_bytes: int
+    _too_large: list[OversizeError]  # the items _fitting found too large (left out of the plan, planning alone)
 
     def _streams(self, cache: Cache) -> bool:
         """Whether the listing can stream: a plain pass in listing order that needs neither the
@@ -148,7 +149,7 @@ class _Pass:
         except ConfigError as exc:
             if eligible is None or len(eligible) == len(catalog):
                 raise
-            raise ConfigError(f"{exc}. {_left_out(catalog, eligible, cache.capacity, 'the listing')}") from exc
+            raise ConfigError(f"{exc}. {_left_out(self._too_large, 'the listing')}") from exc
         if self._start_state is not None:
             saved = self._start_state.get("catalog_digest")
             if saved is not None and saved != self._catalog_digest:
@@ -161,7 +162,7 @@ class _Pass:
             except ValueError as exc:
                 if eligible is None or self._start_state.get("n_items") != len(catalog):
                     raise
-                why = _left_out(catalog, eligible, cache.capacity, "the state's plan")
+                why = _left_out(self._too_large, "the state's plan")
                 raise ConfigError(f"{exc}: {why}") from exc
             cursor, acked = plan.start, set()
         elif cfg.start_epoch and tuple(cursor) == (0, 0) and not acked:  # nothing resumed
@@ -217,6 +218,7 @@ class _Pass:
         # recover() reserves the journal's budget too (and measures the state files: checked after it)
         occupied = cache.foreign + round_up(cache.journal_budget(catalog), cache.block) + cache.block  # + the state folder
         eligible, too_large = fitting_items(catalog, cache.capacity, occupied, cache.block)
+        self._too_large = too_large
         if too_large and cfg.on_oversize == "raise":
             raise too_large[0]
         if eligible is not None and not eligible:
@@ -432,13 +434,14 @@ def _steps_before(plan: Plan, cursor: tuple[int, int]) -> int:
     return sum(len(plan.share(e)) for e in range(epoch)) + index
 
 
-def _left_out(catalog: Catalog, eligible: array[int], capacity: int, whose: str) -> str:
-    """Why a plan of ``eligible`` (the items of ``catalog`` that fit ``capacity``) may not be the
-    plan that a state loaded or a pass kept in the cache continues, and what to do; ``whose``:
-    where the items left out are (the state's plan, or the listing)."""
-    largest = max(catalog.sizes[i] for i in set(range(len(catalog))) - set(eligible))
+def _left_out(too_large: list[OversizeError], whose: str) -> str:
+    """Why a plan without the items of ``too_large`` (those that do not fit the capacity, as
+    :func:`~.sourcing.fitting_items` found them) may not be the plan that a state loaded or a
+    pass kept in the cache continues, and what to do; ``whose``: where the items left out are
+    (the state's plan, or the listing). Names the one that takes the most room with its size as
+    listed and what it takes in whole blocks, which decided it."""
+    largest = max(too_large, key=lambda error: error.taken)
     return (
-        f"{len(catalog) - len(eligible)} item(s) of {whose} (the largest {largest} bytes) do not fit this "
-        f"cache's capacity of {capacity} bytes and were left out of this one (on_oversize='skip'); resume with "
-        "a capacity that holds them"
+        f"{len(too_large)} item(s) of {whose} do not fit this cache and were left out of this one "
+        f"(on_oversize='skip'): the largest, {largest.item!r}, is {largest.reason}; resume with a capacity that holds them"
     )

@@ -253,7 +253,7 @@ class Cache(_Publishing):
         drop_note(self.root)  # this owner changes the folder from now on: before the journal says so, below
         record, ledger = self.record, self.ledger
         reuse, stale = sort_leftovers(
-            self.root, replay, self.rebuilt, items, reusable and of_same_data(replay.plan, plan), self.block
+            self.root, replay, self.rebuilt, items, reusable and of_same_data(replay.plan, plan), block=self.block
         )
         for name in stale:
             log.info("removing stale cached item %s", name)
@@ -307,7 +307,8 @@ class Cache(_Publishing):
         round of the lock for a run of names. Returns, for each of the first names (at least
         one, unless the cache closed), :attr:`limit` once that name is counted: the largest
         item that fits beside the state budget then. Blocks until the first name's space is
-        free (items are acked), so that the ledger never exceeds the capacity; the names
+        free (items are acked), so that the ledger never exceeds the capacity, beside the room
+        a download waiting for it wants (a planned item goes first); the names
         after it are counted while their space is free now, and the others are left to the
         next call (the caller's items queued meanwhile can be acked). With ``sizes`` (bytes of
         each name's item), a name after the first whose item would not fit the limit is left to
@@ -342,15 +343,20 @@ class Cache(_Publishing):
                 ledger.check_room(self._root, ledger.overhead + grows[0])
                 # Wait for room (acks) rather than count space the reserved items already hold: the
                 # ledger never exceeds the capacity. Reservations waiting for room re-check the limit.
-                while not self._closed and not ledger.fits(grows[0]):
+                # A download waiting for room goes first (its item is planned, and a consumer may
+                # wait for it while holding items): the names take only room beyond what it wants,
+                # else the budget, growing a block at a time, took each block an ack freed, and a
+                # download of an item of more than a block waited for ever.
+                while not self._closed and not ledger.fits(grows[0] + (self._wanting if grows[0] else 0)):
                     self._cond.wait()
             if grows and not self._closed:
-                # the largest item beside the budget, and the room left, with the names so far counted
-                limit, free = ledger.limit - grows[0], ledger.free - grows[0]
+                # the largest item beside the budget, and the room left (beside a waiting
+                # download's), with the names so far counted
+                limit, free = ledger.limit - grows[0], ledger.free - self._wanting - grows[0]
                 limits.append(limit)
                 for i in range(1, len(grows)):
                     grow = grows[i]
-                    if grow > free or limit - grow <= 0 or (i < len(sizes) and sizes[i] > limit - grow):
+                    if grow > max(free, 0) or limit - grow <= 0 or (i < len(sizes) and sizes[i] > limit - grow):
                         break  # for the next call, with that name first: it raises, waits, or refuses the item
                     limit, free = limit - grow, free - grow
                     limits.append(limit)

@@ -86,10 +86,11 @@ def of_same_data(saved: str, new: str) -> bool:
 
 
 def sort_leftovers(
-    root: Path, replay: state.Replay, rebuilt: bool, items: Catalog, reusable: bool = True, block: int = 1
+    root: Path, replay: state.Replay, rebuilt: bool, items: Catalog, reusable: bool = True, *, block: int
 ) -> tuple[dict[str, int], list[str]]:
     """The items on disk under ``root`` to reuse (name -> what it takes in ``block`` -byte blocks,
-    :meth:`.core.Cache.charge`, in name order) and the names to
+    :meth:`.core.Cache.charge`, in name order; ``block`` is the cache's, no default: a charge in
+    any other block would not be what the ledger releases for the item) and the names to
     remove, from the journal's ``replay`` (or, if it was unreadable, ``rebuilt``) and the catalog;
     ``reusable`` False: none is reused, and those of ours are removed (another source, see
     :func:`of_same_data`, or an owner that transforms items before hand-out). An item is reused when its

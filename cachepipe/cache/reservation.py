@@ -134,7 +134,9 @@ class _Reservation(_Acks):
                     self._wanting = size
                     self._cond.wait()
             finally:
-                self._wanting = 0
+                if self._wanting:  # a streamed listing may wait for the room it left to this one
+                    self._wanting = 0
+                    self._cond.notify_all()
             if self._closed:
                 return False
             if withdrawn():  # asked back when the room it now fits in was freed (see acquire)
