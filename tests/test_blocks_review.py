@@ -11,11 +11,12 @@ import tarfile
 import threading
 from pathlib import Path
 
+import pytest
 from sampling import Sampler
 from test_disk_faults import tmpfs
 from waiting import wait_until
 
-from cachepipe import Pipeline
+from cachepipe import ArchiveTooLargeError, Pipeline
 
 KIB = 1024
 
@@ -135,3 +136,19 @@ def test_symbolic_links_an_archive_extracts_are_charged_the_blocks_they_take(tmp
                     pause.wait(0.05)  # a slow consumer: the downloads run ahead, as far as the cap lets them
         assert got == 12
         assert loss.peak <= capacity, f"the disk lost {loss.peak} bytes under a capacity of {capacity}"
+
+
+def test_an_extraction_counts_a_link_too_long_for_its_inode_as_a_block():
+    from cachepipe.archive_members import _Budget
+    from cachepipe.blocks import LINK_INLINE
+
+    budget = _Budget(3 * 4096, 100, block=4096)  # its own folder: a block, from the start
+    budget.add("a.tar", "f", 10)
+    budget.add("a.tar", "short", 0, link=LINK_INLINE)  # kept in the inode: nothing
+    assert budget.bytes == 2 * 4096
+    budget.add("a.tar", "long", 0, link=LINK_INLINE + 1)
+    assert budget.bytes == 3 * 4096
+    with pytest.raises(ArchiveTooLargeError) as refused:
+        budget.add("a.tar", "more", 0, link=201)
+    said = "extracting its symbolic link (a target of 201 bytes: a block of 4096 bytes) would bring the item to 16384 bytes"
+    assert said in str(refused.value)
