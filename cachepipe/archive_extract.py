@@ -287,7 +287,8 @@ class _Extraction:
             self.claim(archive, name, rel)
         if member.isreg() and not self.budget.fits(size, rel):
             _read_data(tar, member, self.stop)  # an archive that ends just inside it: truncated, not too large
-        self.budget.add(archive, name, size, rel, member.isdir())
+        link = len(os.fsencode(member.linkname)) if member.issym() else 0  # its target, as written
+        self.budget.add(archive, name, size, rel, member.isdir(), link)
         try:
             if member.islnk():
                 tarfile.data_filter(member, str(self.out))  # the checks of extract's filter (FilterError)
@@ -363,7 +364,7 @@ class _Extraction:
                 raise UnsafeMemberError(archive, name, "symbolic link with a target longer than 4096 bytes")
             link = zf.read(info).decode("utf-8", "surrogateescape")
             _check_link(archive, name, rel, link, hard=False)
-            self.budget.add(archive, name, 0, rel)
+            self.budget.add(archive, name, 0, rel, link=len(os.fsencode(link)))
             target.parent.mkdir(parents=True, exist_ok=True)
             if os.path.lexists(target):
                 os.unlink(target)

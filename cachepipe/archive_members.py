@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+from .blocks import link_charge
 from .errors import ArchiveTooLargeError, UnsafeMemberError
 
 
@@ -19,8 +20,10 @@ class _Budget:
     """Members and bytes an extraction has written, against its limits. With ``block`` (bytes,
     above 0), bytes are counted as the cache's ledger counts an item
     (:func:`~cachepipe.blocks.footprint`): each file rounded up to whole blocks, a block for
-    each folder the extraction makes (its own, ``out_dir``, counted from the start), links as
-    nothing; else the bytes of the files alone."""
+    each folder the extraction makes (its own, ``out_dir``, counted from the start), a block for
+    a symbolic link whose target is too long to be kept in its inode
+    (:func:`~cachepipe.blocks.link_charge`), hard links as the file they link to; else the
+    bytes of the files alone."""
 
     def __init__(self, limit_bytes: int, max_members: int, advice: str | None = None, block: int = 0) -> None:
         self.limit_bytes = limit_bytes
@@ -37,14 +40,15 @@ class _Budget:
         planned.bytes, planned.folders = self.bytes, set(self.folders)
         return planned
 
-    def charge(self, rel: str, size: int, is_dir: bool = False) -> int:
-        """The bytes member ``rel`` (a folder if ``is_dir``) of ``size`` bytes adds: ``size``, or
-        with :attr:`block`, in whole blocks and a block per folder it makes (its parents not made
-        before, and itself if a folder)."""
+    def charge(self, rel: str, size: int, is_dir: bool = False, link: int = 0) -> int:
+        """The bytes member ``rel`` (a folder if ``is_dir``; a symbolic link whose target is
+        ``link`` bytes, if above 0) of ``size`` bytes adds: ``size``, or with :attr:`block`, in
+        whole blocks, a block per folder it makes (its parents not made before, and itself if a
+        folder), and the link's block if it takes one."""
         block = self.block
         if not block:
             return size
-        return -(-size // block) * block + len(self.new_folders(rel, is_dir)) * block
+        return -(-size // block) * block + len(self.new_folders(rel, is_dir)) * block + link_charge(link, block)
 
     def new_folders(self, rel: str, is_dir: bool) -> list[str]:
         new: list[str] = []
@@ -68,34 +72,40 @@ class _Budget:
         return tally.bytes
 
     def over(
-        self, archive: str, member: str, size: int, total: int | None = None, rel: str | None = None
+        self, archive: str, member: str, size: int, total: int | None = None, rel: str | None = None, link: int = 0
     ) -> ArchiveTooLargeError:
-        """The refusal of ``member`` (``size`` bytes, its path ``rel``); ``total``: the archive's
-        whole extracted size, when known."""
+        """The refusal of ``member`` (``size`` bytes, its path ``rel``; a symbolic link whose
+        target is ``link`` bytes, if above 0); ``total``: the archive's whole extracted size,
+        when known."""
         whole = f" (its files total {total} bytes)" if total is not None else ""
-        charge = self.charge(member if rel is None else rel, size)
-        blocks = f" ({charge} in whole blocks of {self.block} bytes, with the folders it makes)" if charge != size else ""
+        charge = self.charge(member if rel is None else rel, size, link=link)
+        taken = link_charge(link, self.block)  # a link's block: said as such
+        blocks = (
+            f" ({charge} in whole blocks of {self.block} bytes, with the folders it makes)" if charge not in (size, taken) else ""
+        )
         counted = " (in whole blocks, with its folders)" if self.block else ""
+        what = f"its symbolic link (a target of {link} bytes: a block of {taken} bytes)" if taken else f"its {size} bytes"
         return ArchiveTooLargeError(
             archive,
             member,
-            f"extracting its {size} bytes{blocks} would bring the item to {self.bytes + charge} bytes{counted}{whole}, over "
+            f"extracting {what}{blocks} would bring the item to {self.bytes + charge} bytes{counted}{whole}, over "
             f"the limit of {self.limit_bytes} bytes" + (f"; {self.advice}" if self.advice else ""),
         )
 
-    def fits(self, size: int, rel: str = "", is_dir: bool = False) -> bool:
+    def fits(self, size: int, rel: str = "", is_dir: bool = False, link: int = 0) -> bool:
         """Whether member ``rel`` of ``size`` more bytes stays within ``limit_bytes`` (:meth:`charge`)."""
-        return self.bytes + self.charge(rel, size, is_dir) <= self.limit_bytes
+        return self.bytes + self.charge(rel, size, is_dir, link) <= self.limit_bytes
 
-    def add(self, archive: str, member: str, size: int, rel: str | None = None, is_dir: bool = False) -> None:
+    def add(self, archive: str, member: str, size: int, rel: str | None = None, is_dir: bool = False, link: int = 0) -> None:
         """Count member ``member`` (its checked path ``rel``; default ``member``) of ``size``
-        bytes, or refuse it (:class:`ArchiveTooLargeError`)."""
+        bytes (a symbolic link whose target is ``link`` bytes, if above 0), or refuse it
+        (:class:`ArchiveTooLargeError`)."""
         if self.members + 1 > self.max_members:
             raise ArchiveTooLargeError(archive, member, f"more than {self.max_members} members")
         rel = member if rel is None else rel
-        if not self.fits(size, rel, is_dir):
-            raise self.over(archive, member, size, rel=rel)
-        self.bytes += self.charge(rel, size, is_dir)
+        if not self.fits(size, rel, is_dir, link):
+            raise self.over(archive, member, size, rel=rel, link=link)
+        self.bytes += self.charge(rel, size, is_dir, link)
         if self.block:
             self.folders.update(self.new_folders(rel, is_dir))
         self.members += 1

@@ -12,7 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["BLOCK_MAX", "BLOCK_MIN", "clamp_block", "folders_made", "footprint", "round_up"]
+__all__ = [
+    "BLOCK_MAX",
+    "BLOCK_MIN",
+    "LINK_INLINE",
+    "clamp_block",
+    "folders_above",
+    "folders_made",
+    "footprint",
+    "link_charge",
+    "round_up",
+]
 
 BLOCK_MIN = 512
 """The smallest block charged: what ``st_blocks`` counts in, and the smallest any Linux filesystem gives."""
@@ -32,6 +42,19 @@ def clamp_block(frsize: int) -> int:
     return min(max(frsize, BLOCK_MIN), BLOCK_MAX)
 
 
+LINK_INLINE = 59
+"""The longest target (bytes) of a symbolic link that takes no block: ext4 keeps a target of up
+to 59 bytes in the inode (tmpfs up to 127, XFS and btrfs more); a longer one takes a block of
+its own (a page of tmpfs), as a file of that size does."""
+
+
+def link_charge(target: int, block: int) -> int:
+    """What a symbolic link whose target is ``target`` bytes takes on a filesystem of ``block``
+    -byte blocks: a block if the target is longer than :data:`LINK_INLINE`, else nothing (0
+    ``block``: nothing, as for the files' sizes alone)."""
+    return block if block > 0 and target > LINK_INLINE else 0
+
+
 def round_up(size: int, block: int) -> int:
     """``size`` bytes in whole ``block`` s: 0 -> 0, 1 -> block, block -> block, block + 1 -> 2 blocks."""
     return -(-size // block) * block
@@ -44,19 +67,29 @@ def footprint(file_sizes: Iterable[int], folders: int, block: int) -> int:
     return sum(-(-size // block) for size in file_sizes) * block + folders * block
 
 
-def folders_made(rels: Iterable[str], is_file: bool) -> int:
-    """The folders an item makes: none for a single-object item (its file only: the folders of a
-    nested name are shared with other items, and stay when it is deleted), else its own and one
-    for each distinct folder among its files' relative paths (``a/b/x`` makes ``a`` and ``a/b``)."""
+def folders_made(rels: Iterable[str], is_file: bool, name: str = "") -> int:
+    """The folders an item makes: for a single-object item, those of its ``name`` (``a/b/x.bin``
+    makes ``a`` and ``a/b``: publishing it makes them where they are missing, and its eviction
+    removes them once empty), each counted though other items under it share it, since any of
+    them may be the last to hold it (a folder uncounted took a block of the disk beyond the
+    capacity for each such item: twice its capacity for a cache of small files each in its own
+    folder); for a folder item, its own and one for each distinct folder among its files'
+    relative paths (``a/b/x`` makes ``a`` and ``a/b``)."""
     if is_file:
-        return 0
+        return name.count("/")
+    return 1 + folders_above(rels)
+
+
+def folders_above(paths: Iterable[str]) -> int:
+    """The distinct folders among ``paths`` (``/``-separated): ``a/b/x`` and ``a/y`` have ``a``
+    and ``a/b``."""
     seen: set[str] = set()
-    for rel in rels:
-        cut = rel.rfind("/")
+    for path in paths:
+        cut = path.rfind("/")
         while cut > 0:
-            folder = rel[:cut]
+            folder = path[:cut]
             if folder in seen:
                 break  # its parents were counted with it
             seen.add(folder)
             cut = folder.rfind("/")
-    return 1 + len(seen)
+    return len(seen)

@@ -286,8 +286,8 @@ class Catalog(_KeyCheck, Sequence[Item]):
         i = self._position(i)
         files = range(self._first_file[i], self._first_file[i + 1])
         sizes = self._file_sizes
-        if self.mode == "files":
-            return footprint((sizes[j] for j in files), 0, block)
+        if self.mode == "files":  # the folders of its name (folders_made)
+            return footprint((sizes[j] for j in files), folders_made((), True, self._names[i]), block)
         data, offsets = self._rels.data, self._rels.offsets
         folders = folders_made((data[offsets[j] : offsets[j + 1]].decode("utf-8", _UTF8_ERRORS) for j in files), False)
         return footprint((sizes[j] for j in files), folders, block)
@@ -296,7 +296,7 @@ class Catalog(_KeyCheck, Sequence[Item]):
         """``(position, charge)`` of each item whose :meth:`charge` in ``block`` -byte blocks is
         over ``limit``, in order (``block`` 0: its size). Fast where none is: an item takes at most
         its size, a block less one per file, and a block per folder, of which each file makes at
-        most one per character of its path; only the items that bound leaves over ``limit`` are
+        most one per character of its path (its name's, for a single object); only the items that bound leaves over ``limit`` are
         measured (a million items of a cache far larger than they are: two ``max`` over arrays)."""
         sizes = self._sizes
         if not sizes:
@@ -305,6 +305,8 @@ class Catalog(_KeyCheck, Sequence[Item]):
         if block > 0:
             first, offsets = self._first_file, self._rels.offsets
             most = max(map(operator.sub, first[1:], first[:-1]))
+            if self.mode == "files":  # a single object's folders are those of its name
+                offsets = self._names.offsets
             longest = max(map(operator.sub, offsets[1:], offsets[:-1]), default=0)
             slack = (most * (longest + 1) + 1) * block
         if max(sizes) + slack <= limit:

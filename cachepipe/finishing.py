@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .backoff import backoff_delay
-from .blocks import round_up
+from .blocks import folders_made, round_up
 from .broker import Broker
 from .cache import Cache, tree_bytes
 from .catalog import Item
@@ -216,8 +216,11 @@ class _Finishing:
                     return  # closing: the cache removes staging wholesale; the hook is not run
             if self._cfg.prepare is not None:
                 self._cfg.prepare(staged)
-            # what it takes, as the ledger charges items: its files in whole blocks, a block per folder
+            # what it takes, as the ledger charges items: its files in whole blocks, a block per folder,
+            # those of a single object's name among them (made when it is published: folders_made)
             used = block + tree_bytes(staged, block=block) if staged.is_dir() else round_up(staged.stat().st_size, block)
+            if item.is_file:
+                used += folders_made((), True, item.name) * block
             if used > reserved:
                 raise PrepareOverflowError(
                     f"prepare wrote item {item.name!r} up to {used} bytes (its files in whole blocks of {block} "

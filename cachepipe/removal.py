@@ -20,6 +20,8 @@ import sys
 import threading
 from collections.abc import Callable, Container, Iterator, Sequence
 
+from .blocks import link_charge
+
 __all__ = ["Reaper", "delete_tree", "rmtree", "taken", "tree_bytes"]
 
 log = logging.getLogger("cachepipe.cache")
@@ -41,19 +43,21 @@ def delete_tree(path: str | os.PathLike[str], block: int = 0) -> int:
 def tree_bytes(
     root: str | os.PathLike[str], skip: Container[str] = (), allocated: bool = False, block: int = 0, disk: bool = False
 ) -> int:
-    """Total size in bytes of the files under ``root`` (symlinks counted as nothing, never
-    followed; a folder that cannot be listed, or an entry removed while this walks, as
-    nothing), except the entries whose path relative to ``root`` (``/``-separated) is in
-    ``skip``: a cache's items already measured, say. With ``allocated``, a file with holes (a
-    download whose parts came out of order) counts the bytes the disk gave it (``st_blocks``),
-    if fewer and not none: what it takes from the free space. With ``block`` (bytes, above 0), what
-    the files take in whole blocks of it, and a block for each folder under ``root`` (not ``root``
-    itself), as the cache's ledger charges its items (:func:`~cachepipe.blocks.footprint`). One
-    ``lstat`` per file counted and none per folder (``os.scandir`` tells folders and links apart
-    from the directory itself). With ``disk``, instead, what the files and folders take from the
+    """Total size in bytes of the files under ``root`` (symlinks never followed, and counted as
+    nothing but with ``block`` or ``disk``, below; a folder that cannot be listed, or an entry
+    removed while this walks, as nothing), except the entries whose path relative to ``root``
+    (``/``-separated) is in ``skip``: a cache's items already measured, say. With
+    ``allocated``, a file with holes (a download whose parts came out of order) counts the
+    bytes the disk gave it (``st_blocks``), if fewer and not none: what it takes from the free
+    space. With ``block`` (bytes, above 0), what the files take in whole blocks of it, a block
+    for each folder under ``root`` (not ``root`` itself) and for each symbolic link whose target
+    is too long for its inode (:func:`~cachepipe.blocks.link_charge`), as the cache's ledger
+    charges its items (:func:`~cachepipe.blocks.footprint`). One ``lstat`` per file (and link)
+    counted and none per folder (``os.scandir`` tells folders and links apart from the
+    directory itself). With ``disk``, instead, what the files, folders and links take from the
     disk (:func:`taken`: each at the bytes the disk gave it; a folder takes none on tmpfs, a
-    block or more on ext4), one ``lstat`` per folder too: what deleting them would free, for a
-    share of the disk.
+    block or more on ext4; a link its ``st_blocks``), one ``lstat`` per folder too: what
+    deleting them would free, for a share of the disk.
 
     Raises:
         OSError: a file listed that cannot be measured (but for one removed meanwhile), as the
@@ -76,7 +80,11 @@ def tree_bytes(
                     if entry.is_dir(follow_symlinks=False):
                         folders.append((entry.path, f"{name}/"))
                         total += taken(entry.stat(follow_symlinks=False), 0) if disk else block
-                    elif not entry.is_symlink():
+                    elif entry.is_symlink():
+                        if disk or block > 0:  # a target too long for the inode takes a block (link_charge)
+                            st = entry.stat(follow_symlinks=False)
+                            total += st.st_blocks * 512 if disk else link_charge(st.st_size, block)
+                    else:
                         st = entry.stat(follow_symlinks=False)
                         if disk:
                             total += taken(st, block)

@@ -64,6 +64,7 @@ def test_folders_made_counts_the_item_and_each_distinct_folder_below_it():
     from cachepipe.blocks import folders_made
 
     assert folders_made([""], is_file=True) == 0  # a single object: its file only
+    assert folders_made([""], is_file=True, name="a/b/x.bin") == 2  # and the folders of its name
     assert folders_made(["x", "y"], is_file=False) == 1  # its own folder
     assert folders_made(["a/b/x", "a/b/y", "a/z", "c/w"], is_file=False) == 1 + 3  # a, a/b, c
     assert folders_made(["a/b/c/x"], is_file=False) == 4

@@ -95,7 +95,7 @@ class _Acks:
         output) rounded up to whole blocks. Every reservation, release and check of the item's
         room uses this one charge."""
         files = item.files
-        charge = footprint((f.size for f in files), folders_made((f.rel for f in files), item.is_file), self.block)
+        charge = footprint((f.size for f in files), folders_made((f.rel for f in files), item.is_file, item.name), self.block)
         return charge + round_up(extra, self.block) if extra else charge
 
     def item_path(self, item: Item) -> Path:

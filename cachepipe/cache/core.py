@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .. import state
-from ..blocks import BLOCK_MIN, clamp_block, round_up
+from ..blocks import BLOCK_MIN, clamp_block, folders_above, round_up
 from ..catalog import Catalog
 from ..config import Share
 from ..errors import CacheRemovedError
@@ -277,8 +277,10 @@ class Cache(_Publishing):
         self._budget_bytes = self.journal_budget(items)
         record.budget = round_up(self._budget_bytes, block)
         ledger.overhead = state_files + record.budget
-        # the reused items matched their sizes: their charge is reserved
-        ledger.foreign = tree_bytes(self.root, skip={*reuse, STATE_DIR}, block=block)
+        # the reused items matched their sizes: their charge is reserved, with the folders above
+        # a nested single-object item (folders_made), which the walk meets: not foreign as well
+        walked = tree_bytes(self.root, skip={*reuse, STATE_DIR}, block=block)
+        ledger.foreign = max(0, walked - folders_above(reuse) * block)
         ledger.check_room(self._root)
         self._replay = state.Replay()
         while self._recovered and ledger.over_capacity():

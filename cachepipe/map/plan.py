@@ -241,13 +241,13 @@ def out_reserve(cfg: MapConfig, input_size: int, runs: bool = True, block: int =
 def item_charge(cfg: MapConfig, mi: MapItem, block: int = 0) -> int:
     """What ``mi`` takes in the downloads' cache, as its ledger charges it
     (:meth:`cachepipe.cache.Cache.charge`): its files in whole blocks and a block per folder it
-    makes; a single-object item (``items="files"`` without ``unpack``) makes none. 0 ``block``:
-    its listed size."""
+    makes; a single-object item (``items="files"`` without ``unpack``) those of its name in the
+    cache (:func:`~cachepipe.blocks.folders_made`). 0 ``block``: its listed size."""
     if block <= 0:
         return mi.size
     is_file = cfg.items == "files" and not cfg.unpack
     rels = [o.key[len(mi.local) + 1 :] for o in mi.objects] if not is_file else []
-    return footprint((o.size for o in mi.objects), folders_made(rels, is_file), block)
+    return footprint((o.size for o in mi.objects), folders_made(rels, is_file, mi.local), block)
 
 
 def item_reserve(cfg: MapConfig, mi: MapItem, runs: bool = True, block: int = 0) -> Reserve:
