@@ -493,14 +493,8 @@ def test_a_waiting_lane_is_given_back_what_its_download_lacks_in_the_ledger_s_by
     0's second too: downloaded again for nothing."""
     import logging
 
-    from cachepipe.stores import open_store
-
     sizes = [20, 20, 20, 20, 20, 68, 20, 20]  # balance="count": rank 0 the even items, rank 1 the odd
-    for i, size in enumerate(sizes):
-        s3_source.put(f"item{i:03d}/a.bin", bytes(size * KIB))
-    names = [f"item{i:03d}" for i in range(len(sizes))]
-    store = _Gated(open_store(s3_source.url, s3_source.options), "no such key")  # counts the GETs
-    store.gate.set()
+    names, store = _gated_items(s3_source, sizes)
     cache = tmp_path / "node"
     block, item = block_of(tmp_path), charge(tmp_path, [20 * KIB], 1)
     capacity = state_of(s3_source.url, tmp_path, storage_options=s3_source.options) + 5 * item
@@ -580,6 +574,18 @@ class _Gated:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def _gated_items(s3_source, sizes: list[int]) -> tuple[list[str], _Gated]:
+    """Items ``item000``.. of one file of ``sizes[i]`` KiB each, their names, and a store over
+    them that counts the GETs (its gate open)."""
+    from cachepipe.stores import open_store
+
+    for i, size in enumerate(sizes):
+        s3_source.put(f"item{i:03d}/a.bin", bytes(size * KIB))
+    store = _Gated(open_store(s3_source.url, s3_source.options), "no such key")
+    store.gate.set()
+    return [f"item{i:03d}" for i in range(len(sizes))], store
 
 
 @pytest.mark.parametrize("retain", ["none", "auto"])
@@ -664,14 +670,8 @@ def test_a_restarted_lane_is_not_held_up_behind_a_download_planned_ahead_for_a_l
     back or dropped. The timeout of the restarted take only bounds the hang it was."""
     import logging
 
-    from cachepipe.stores import open_store
-
     sizes = [20, 10, 20, 10, 60, 10, 20, 10, 20, 10]  # balance="count": rank 0 the even items, rank 1 the odd
-    for i, size in enumerate(sizes):
-        s3_source.put(f"item{i:03d}/a.bin", bytes(size * KIB))
-    names = [f"item{i:03d}" for i in range(len(sizes))]
-    store = _Gated(open_store(s3_source.url, s3_source.options), "no such key")  # counts the GETs
-    store.gate.set()
+    names, store = _gated_items(s3_source, sizes)
     cache = tmp_path / "node"
     block = block_of(tmp_path)
     room = 2 * charge(tmp_path, [20 * KIB], 1) + charge(tmp_path, [60 * KIB], 1) - 2 * block
