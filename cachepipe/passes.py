@@ -173,10 +173,12 @@ class _Pass:
         self._catalog_items, self._eligible = catalog, eligible
         self._largest = None
         if cfg.retain == "auto":
-            self._future = PlanFuture(plan, horizon=2)
+            names = Names(catalog, eligible)
+            # the steps acknowledged beyond the cursor are skipped (_steps): no item's next use
+            self._future = PlanFuture(plan, horizon=2, unread=_unread(names, acked))
             reserve = min(cache.limit // 4, max(2 * cfg.large_requests, 16) * largest)
             policy = make_policy("auto", _charges(catalog, eligible, cache.block), self._future, reserve=reserve)
-            cache.use_retention(policy, Names(catalog, eligible), plan_tick(*cursor))
+            cache.use_retention(policy, names, plan_tick(*cursor))
         before = _steps_before(plan, cursor)
         self._total_steps = None if cfg.epochs is None else sum(len(plan.share(e)) for e in range(cfg.epochs)) - before
         # every step left acknowledged already: at the end, or short of it where the last acks
@@ -397,6 +399,14 @@ def _charges(catalog: Catalog, eligible: array[int] | None, block: int) -> array
     waits for). A walk of every item's files (``retain="auto"`` only)."""
     planned = range(len(catalog)) if eligible is None else eligible
     return array("q", (catalog.charge(i, block) for i in planned))
+
+
+def _unread(names: Names, acked: set[tuple[int, str]]) -> list[tuple[int, int]]:
+    """The steps acknowledged before a restart, ``(epoch, name)``, as ``(epoch, plan item)``:
+    consumed without a read (see :class:`~cachepipe.retention.PlanFuture`)."""
+    steps = list(acked)
+    found = names.find_many([name for _epoch, name in steps])
+    return [(epoch, item) for (epoch, _name), item in zip(steps, found, strict=True) if item >= 0]
 
 
 def _in_runs(steps: Iterator[Step], size: int) -> Iterator[list[Step]]:
