@@ -173,8 +173,9 @@ def test_a_kept_single_file_item_is_reused_only_as_a_regular_file_of_its_listed_
         (root / "elsewhere").write_bytes(b"xxxx")
         (root / "sub" / "x.tar").symlink_to(root / "elsewhere")
     reuse, stale = sort_leftovers(root, state.Replay(published={"sub/x.tar", "y.tar"}), False, catalog, block=BLOCK)
-    # a single-object item makes no folder: its file in whole blocks
-    assert reuse == ({"sub/x.tar": BLOCK, "y.tar": BLOCK} if kept == "same" else {"y.tar": BLOCK})
+    # a single-object item: its file in whole blocks, and a block for each folder of its name
+    # (sub/x.tar: sub), which its eviction removes once empty
+    assert reuse == ({"sub/x.tar": 2 * BLOCK, "y.tar": BLOCK} if kept == "same" else {"y.tar": BLOCK})
     assert stale == ([] if kept in ("same", "missing") else ["sub/x.tar"])
 
 
