@@ -44,9 +44,11 @@ How it measures:
   (per-process: ``open`` with its listing, ``get``, ``ack``; node: ``take``, which registers the
   job at the first call, and ``consume``); the table gives the slowest consumer's. In part A each
   consumer also sleeps ``--compute-ms`` per item (a training step).
-- Capacities are the room for items: each cache is given that plus its own state budget
-  (journal), measured once by opening a probe pipeline over the same listing; "largest item"
-  is that room (what an item may not exceed).
+- Capacities are the room for items, in what they take on the disk as the cache counts it (an
+  item's files in whole blocks of the caches' filesystem, and its folder: ``Cache.charge``):
+  a share of the node's per-epoch data in those bytes; each cache is given that plus its own
+  state budget (journal), measured once by opening a probe pipeline over the same listing;
+  "largest item" is that room (what an item may not exceed).
 - Bytes downloaded: the bodies of the object GETs counted by the proxy, over the node's
   per-epoch data (the bytes of the node's shares of an epoch, averaged over the epochs), and
   over the offline minimum for the same plan and room (Belady MIN on each cache's access
@@ -523,24 +525,40 @@ def node_epoch_bytes(case: Case, args: argparse.Namespace) -> float:
     return statistics.fmean(sum(sizes[i] for i in plan.share(e)) for e in range(args.epochs))
 
 
-def offline_minimum(case: Case, method: str, room: int, args: argparse.Namespace) -> int:
+def item_charge(case: Case, block: int) -> int:
+    """What one item of ``case`` takes in a cache on a filesystem of ``block`` -byte blocks, as
+    the cache's capacity counts it (:meth:`Cache.charge`: its files in whole blocks, its folder)."""
+    from cachepipe.blocks import folders_made, footprint
+
+    return footprint(case.files.values(), folders_made(case.files, is_file=False), block)
+
+
+def offline_minimum(case: Case, method: str, room: int, charge: int, args: argparse.Namespace) -> int:
     """Belady MIN's bytes for the method's caches: each lane's own plan in ``room // 8`` (per-process),
-    or the node's merged order in ``room``. Items are the folders in listing order (equal sizes)."""
+    or the node's merged order in ``room``. Items are the folders in listing order (equal sizes,
+    each taking ``charge`` of the room, as the capacity counts it; the bytes are their listed sizes)."""
+    # in items: the room holds room // charge of them; MIN's count of loads, in listed bytes
+    return case.folder_bytes * _min_loads(case, method, room // charge, room // len(LANES) // charge, args)
+
+
+def _min_loads(case: Case, method: str, node_items: int, lane_items: int, args: argparse.Namespace) -> int:
+    """Belady MIN's loads (items fetched) of :func:`offline_minimum`: rooms of ``node_items``
+    items for the node, ``lane_items`` for each per-process cache."""
     from cachepipe.lanes import NodePlan
     from cachepipe.plan import Plan
     from cachepipe.retention import belady_min
 
-    sizes = [case.folder_bytes] * case.folders
+    sizes = [1] * case.folders
     options = plan_options(args, "fixed" if method == "node-fixed" else "epoch")
     del options["retain"]
     if method == "per-process":
         total = 0
         for rank, worker in LANES:
             plan = Plan(sizes, rank=rank, world_size=WORLD_A, worker=worker, num_workers=WORKERS, **options)
-            total += belady_min([step.item for step in plan], sizes, room // len(LANES))
+            total += belady_min([step.item for step in plan], sizes, lane_items)
         return total
     node = NodePlan(sizes, ranks=RANKS, world_size=WORLD_A, num_workers=WORKERS, **options)
-    return belady_min([i for e in range(args.epochs) for i in node.share(e)], sizes, room)
+    return belady_min([i for e in range(args.epochs) for i in node.share(e)], sizes, node_items)
 
 
 def state_budget(endpoint: str, case: Case, node: bool, work: Path, args: argparse.Namespace) -> int:
@@ -736,14 +754,21 @@ def _median(runs: list[dict[str, Any]], key: Any) -> Any:
 
 def part_a(bench: Bench, case: Case) -> dict[str, Any]:
     """Part A: every method at every capacity share, interleaved; one row per (share, method)."""
+    from cachepipe.blocks import clamp_block
+
     args = bench.args
     per_epoch = node_epoch_bytes(case, args)
+    charge = item_charge(case, clamp_block(os.statvfs(bench.tmp).f_frsize))  # the caches are under bench.tmp
+    per_epoch_charges = per_epoch / case.folder_bytes * charge  # the same items, as the capacity counts them
     budgets = {node: state_budget(bench.server.endpoint, case, node, bench.tmp, args) for node in (False, True)}
-    progress(f"part A: state budget {budgets[False]} B per per-process cache, {budgets[True]} B for the node's")
+    progress(
+        f"part A: state budget {budgets[False]} B per per-process cache, {budgets[True]} B for the node's; "
+        f"an item of {case.folder_bytes} B takes {charge} B of the capacity"
+    )
     runs: dict[tuple[float, str], list[dict[str, Any]]] = {(s, m): [] for s in args.capacities for m in METHODS_A}
     for rep in range(args.repeats):
         for share in args.capacities:
-            room = int(share * per_epoch)
+            room = int(share * per_epoch_charges)
             k = rep % len(METHODS_A)
             for method in METHODS_A[k:] + METHODS_A[:k]:
                 # the room for items, plus the state budget of each cache
@@ -760,8 +785,8 @@ def part_a(bench: Bench, case: Case) -> dict[str, Any]:
                 )
     rows = []
     for (share, method), measured in runs.items():
-        room = int(share * per_epoch)
-        minimum = offline_minimum(case, method, room, args)
+        room = int(share * per_epoch_charges)
+        minimum = offline_minimum(case, method, room, charge, args)
         downloaded = _median(measured, lambda r: r["proxy"]["body_bytes"].get("GET", 0))
         rows.append(
             {
@@ -791,6 +816,7 @@ def part_a(bench: Bench, case: Case) -> dict[str, Any]:
         "epochs": args.epochs,
         "compute_ms": args.compute_ms,
         "node_epoch_bytes": per_epoch,
+        "item_charge_bytes": charge,
         "state_budget_bytes": {"per-process": budgets[False], "node": budgets[True]},
         "rows": rows,
     }
@@ -909,7 +935,8 @@ def render(report: dict[str, Any]) -> str:
         out += format_table(cols, rows)
         out.append(
             f"data: {a['case']}; node's per-epoch data {a['node_epoch_bytes'] / MIB:.1f} MiB; capacity = share of it "
-            f"(per-process: an eighth each) + each cache's state budget ({a['state_budget_bytes']['per-process']} B "
+            f"in what its items take on the disk ({a['item_charge_bytes']} B an item) (per-process: an eighth each) "
+            f"+ each cache's state budget ({a['state_budget_bytes']['per-process']} B "
             f"per-process, {a['state_budget_bytes']['node']} B node); consumer: {a['compute_ms']:g} ms per item after reading it"
         )
         out.append("")

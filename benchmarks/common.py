@@ -203,12 +203,13 @@ def read_folder(root: Path, rels: Iterable[str]) -> int:
     return total
 
 
-def tree_size(root: str) -> int:
+def tree_size(root: str, block: int = 0) -> int:
     """Bytes of the regular files under ``root``. Each directory is listed completely before the
     walk descends, and cachepipe's state folder (``.cachepipe``, holding staging) is walked
     before the items: so a file that a publish renames from staging into place, or an
     acknowledgement renames from its place into staging, is never counted twice (at worst
-    missed by one sample)."""
+    missed by one sample). ``block`` (above 0): as a cache's capacity counts them, each file in
+    whole blocks of it and a block for each folder under ``root`` (not ``root`` itself)."""
     total = 0
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name != ".cachepipe")
@@ -217,9 +218,10 @@ def tree_size(root: str) -> int:
     for entry in entries:
         try:
             if entry.is_dir(follow_symlinks=False):
-                total += tree_size(entry.path)
+                total += block + tree_size(entry.path, block)
             elif entry.is_file(follow_symlinks=False):
-                total += entry.stat(follow_symlinks=False).st_size
+                size = entry.stat(follow_symlinks=False).st_size
+                total += -(-size // block) * block if block else size
         except FileNotFoundError:
             continue
     return total
@@ -227,11 +229,13 @@ def tree_size(root: str) -> int:
 
 class PeakSampler:
     """A thread that samples the bytes under ``root`` every ``interval`` seconds and keeps the
-    peak (:attr:`peak`, over :attr:`samples` samples); a context manager."""
+    peak (:attr:`peak`, over :attr:`samples` samples); a context manager. ``block``: counted as
+    a cache's capacity counts them (see :func:`tree_size`)."""
 
-    def __init__(self, root: Path, interval: float = SAMPLE_INTERVAL) -> None:
+    def __init__(self, root: Path, interval: float = SAMPLE_INTERVAL, block: int = 0) -> None:
         self.root = str(root)
         self.interval = interval
+        self.block = block
         self.peak = 0
         self.samples = 0
         self._stop = threading.Event()
@@ -247,7 +251,7 @@ class PeakSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, tree_size(self.root))
+            self.peak = max(self.peak, tree_size(self.root, self.block))
             self.samples += 1
 
 

@@ -12,28 +12,31 @@ before (a consumer restarted from a checkpoint). It checks:
 - no take times out (``--timeout``, default 22 s): a take that does is a **hang**; the script then
   closes the pipeline (which ends every waiting take) and goes on with the next seed;
 - the bytes under the cache directory (sampled by a thread every 2 ms, walked as
-  ``tests/sampling.py`` does) never exceed the capacity.
+  ``tests/sampling.py`` does, counted as the capacity counts them: each file in whole blocks of
+  the filesystem, a block per folder) never exceed the capacity.
 
 It reports per mode the seeds run, the seeds that hung, the seeds that **stalled** (a take waited
 more than 4 s without hanging), the store reads (``stats().bytes_downloaded`` over the bytes of
 every step the lanes took; 1.00x is each step's item read once), and the steps taken.
 
-Modes (``--mode``; "largest" is the largest item a lane's plan holds):
+Modes (``--mode``; "largest" is the largest item a lane's plan holds, in what it takes on the
+disk as the capacity counts it: its files in whole blocks, and its folder; "state" is what the
+cache counts for its own state files, measured by opening a probe pipeline over the seed's
+source):
 
-- ``roomy``: 1-8 lanes, capacity 3-6 largest items per lane + 8 KiB;
-- ``tight``: 1-8 lanes, capacity the sum of each lane's largest item + 8 KiB (every lane can hold
+- ``roomy``: 1-8 lanes, capacity 3-6 largest items per lane + state;
+- ``tight``: 1-8 lanes, capacity the sum of each lane's largest item + state (every lane can hold
   its largest item at once, nothing more);
-- ``tiny``: 6-8 lanes, capacity 2 x the node's largest item + 8 KiB (lanes wait for each other;
+- ``tiny``: 6-8 lanes, capacity 2 x the node's largest item + state (lanes wait for each other;
   holds are short, so nothing may hang);
 - ``hazard``: 2 ranks stepping together like DDP: rank 0 has large items (16-64 KiB) and holds
   each one until rank 1 has taken the same step; rank 1 has small items (1-8 KiB), consumes each
   before it waits for rank 0, and restarts from an earlier position up to 4 times (rank 0 keeps
-  holding while rank 1 reads its way back). Capacity: the largest item of each rank + 8 KiB, so
+  holding while rank 1 reads its way back). Capacity: the largest item of each rank + state, so
   rank 0's next item, planned ahead, cannot fit beside the one it holds and rank 1's. No hang is
   legitimate: rank 1's item always has room.
 
-The 8 KiB is the room for the cache's state files (journal budget, saved listing); a seed whose
-pipeline refuses the capacity (an item too large for it) is counted under "errors".
+A seed whose pipeline refuses the capacity (an item too large for it) is counted under "errors".
 
 Run against another tree with ``PYTHONPATH=TREE``::
 
@@ -45,8 +48,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,11 +65,11 @@ from typing import Any
 from common import PeakSampler  # benchmarks/common.py: the cache walk that counts no file twice
 
 import cachepipe
+from cachepipe.blocks import clamp_block, footprint
 from cachepipe.node import NodePipeline
 from cachepipe.plan import Cursor, Plan
 
 KIB = 1024
-SLACK = 8 * KIB  # room for the state files, over what the mode's lanes hold
 STALL = 4.0  # a take that waited longer stalled
 MODES = ("roomy", "tight", "tiny", "hazard")
 
@@ -114,8 +119,9 @@ class Setup:
     sizes: list[int]
     options: dict[str, Any]  # the plan's
     retain: str
-    capacity: int = 0
+    capacity: int = 0  # set by :func:`size_capacity` once the source is made
     lanes: list[tuple[int, int]] = field(default_factory=list)
+    factor: int = 0  # roomy: largest items per lane
 
 
 def plan_of(setup: Setup, rank: int, worker: int) -> Plan:
@@ -142,7 +148,7 @@ def choose(mode: str, rng: random.Random) -> Setup:
             node_ranks = rng.randint(1, max(1, 8 // workers))
         world = rng.randint(node_ranks, node_ranks + 2)
         first = rng.randint(0, world - node_ranks)
-        count = rng.randint(min(2 * world * workers, 40), 40)  # 40 at most: the journal budget stays within SLACK
+        count = rng.randint(min(2 * world * workers, 40), 40)
         sizes = [rng.choice([rng.randint(100, 2 * KIB), rng.randint(2 * KIB, 32 * KIB)]) for _ in range(count)]
         options = {
             "epochs": rng.randint(1, 3),
@@ -153,17 +159,42 @@ def choose(mode: str, rng: random.Random) -> Setup:
         }
         setup = Setup(list(range(first, first + node_ranks)), world, workers, sizes, options, rng.choice(["none", "auto"]))
     setup.lanes = [(r, k) for r in setup.ranks for k in range(setup.num_workers)]
-    largest = {lane: max((sizes[s.item] for s in plan_of(setup, *lane)), default=0) for lane in setup.lanes}
     if mode == "roomy":
-        setup.capacity = rng.randint(3, 6) * max(largest.values()) * len(setup.lanes) + SLACK
-    elif mode == "tiny":
-        setup.capacity = 2 * max(sizes) + SLACK
+        setup.factor = rng.randint(3, 6)
     elif mode == "hazard":
         assert all(sizes[s.item] >= 16 * KIB for s in plan_of(setup, 0, 0)), "rank 0's items are the large ones"
-        setup.capacity = largest[(0, 0)] + largest[(1, 0)] + SLACK
-    else:
-        setup.capacity = sum(largest.values()) + SLACK
     return setup
+
+
+def size_capacity(mode: str, setup: Setup, charges: list[int], state: int) -> None:
+    """Set ``setup.capacity`` for ``mode`` (see the module notes) from what each item takes on the
+    disk as the capacity counts it (``charges``) and what the cache counts for its state."""
+    largest = {lane: max((charges[s.item] for s in plan_of(setup, *lane)), default=0) for lane in setup.lanes}
+    if mode == "roomy":
+        setup.capacity = setup.factor * max(largest.values()) * len(setup.lanes) + state
+    elif mode == "tiny":
+        setup.capacity = 2 * max(charges) + state
+    elif mode == "hazard":
+        setup.capacity = largest[(0, 0)] + largest[(1, 0)] + state
+    else:
+        setup.capacity = sum(largest.values()) + state
+
+
+def charges_of(source: Path, names: list[str], block: int) -> list[int]:
+    """What each item folder under ``source`` takes in a cache of ``block`` -byte blocks, as its
+    capacity counts it (:meth:`Cache.charge`: its files in whole blocks, its folder)."""
+    return [footprint((f.stat().st_size for f in (source / name).iterdir()), 1, block) for name in names]
+
+
+def state_of(source: Path, probe: Path) -> int:
+    """What a node's cache over ``source`` counts for its own state (its state files and the
+    journal's budget; the lock file's ``"pid host"`` is this process's, as the seed's): the
+    capacity less the largest item a probe cache at ``probe`` takes."""
+    capacity = 1 << 30
+    with NodePipeline(str(source), probe, capacity, ranks=[0], world_size=1) as pipe:
+        state = capacity - pipe._cache.limit  # noqa: SLF001 - the limit OversizeError checks; not in Stats
+    shutil.rmtree(probe, ignore_errors=True)
+    return state
 
 
 class Aborted(Exception):
@@ -287,7 +318,10 @@ def run_seed(mode: str, seed: int, timeout: float) -> dict[str, Any]:
     setup = choose(mode, rng)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="stress-node-") as tmp:
-        names = make_source(Path(tmp, "source"), setup.sizes, rng)
+        source = Path(tmp, "source")
+        names = make_source(source, setup.sizes, rng)
+        block = clamp_block(os.statvfs(tmp).f_frsize)  # the cache's filesystem: the caches are under tmp
+        size_capacity(mode, setup, charges_of(source, names, block), state_of(source, Path(tmp, "probe")))
         cache = Path(tmp, "cache")
         shared = Lanes(setup, timeout)
         pipe = NodePipeline(
@@ -295,7 +329,7 @@ def run_seed(mode: str, seed: int, timeout: float) -> dict[str, Any]:
             num_workers=setup.num_workers, retain=setup.retain, **setup.options,
         )  # fmt: skip
         downloaded = 0
-        with PeakSampler(cache, interval=0.002) as peak:
+        with PeakSampler(cache, interval=0.002, block=block) as peak:
             try:
                 pipe.open()
                 threads = [

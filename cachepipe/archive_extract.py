@@ -285,9 +285,10 @@ class _Extraction:
                 size = self.linked_size(archive, name, target, member.linkname)
         if not member.isdir():
             self.claim(archive, name, rel)
-        if member.isreg() and not self.budget.fits(size):
+        if member.isreg() and not self.budget.fits(size, rel):
             _read_data(tar, member, self.stop)  # an archive that ends just inside it: truncated, not too large
-        self.budget.add(archive, name, size)
+        link = len(os.fsencode(member.linkname)) if member.issym() else 0  # its target, as written
+        self.budget.add(archive, name, size, rel, member.isdir(), link)
         try:
             if member.islnk():
                 tarfile.data_filter(member, str(self.out))  # the checks of extract's filter (FilterError)
@@ -311,18 +312,19 @@ class _Extraction:
         with zipfile.ZipFile(io.BufferedReader(stream, _CHUNK)) as zf:
             infos = zf.infolist()
             seen: set[str] = set()
-            planned = _Budget(self.budget.limit_bytes, self.budget.max_members - self.budget.members, self.budget.advice)
-            planned.bytes = self.budget.bytes
-            total = self.budget.bytes + sum(0 if i.is_dir() else i.file_size for i in infos)
+            planned = self.budget.copy(self.budget.max_members - self.budget.members)
+            total = self.budget.total(
+                (_check_name(archive, i.filename), 0 if i.is_dir() else i.file_size, i.is_dir()) for i in infos
+            )
             for info in infos:  # refuse a bomb from the central directory, before writing anything
                 rel = _check_name(archive, info.filename)
                 if rel in seen and not info.is_dir():
                     raise UnsafeMemberError(archive, info.filename, "a second entry with the same name")
                 seen.add(rel)
                 size = 0 if info.is_dir() else info.file_size
-                if planned.bytes + size > planned.limit_bytes:
-                    raise planned.over(archive, info.filename, size, total)
-                planned.add(archive, info.filename, size)
+                if not planned.fits(size, rel, info.is_dir()):
+                    raise planned.over(archive, info.filename, size, total, rel)
+                planned.add(archive, info.filename, size, rel, info.is_dir())
             for info in infos:
                 try:
                     self._zip_member(archive, zf, info)
@@ -352,7 +354,7 @@ class _Extraction:
         if not _inside(self.out, target.parent if kind != stat.S_IFDIR else target):
             raise UnsafeMemberError(archive, name, "its folder resolves outside the item (through a link)")
         if kind == stat.S_IFDIR:
-            self.budget.add(archive, name, 0)
+            self.budget.add(archive, name, 0, rel, is_dir=True)
             target.mkdir(parents=True, exist_ok=True)
             self.result.members += 1
             return
@@ -362,7 +364,7 @@ class _Extraction:
                 raise UnsafeMemberError(archive, name, "symbolic link with a target longer than 4096 bytes")
             link = zf.read(info).decode("utf-8", "surrogateescape")
             _check_link(archive, name, rel, link, hard=False)
-            self.budget.add(archive, name, 0)
+            self.budget.add(archive, name, 0, rel, link=len(os.fsencode(link)))
             target.parent.mkdir(parents=True, exist_ok=True)
             if os.path.lexists(target):
                 os.unlink(target)
@@ -370,7 +372,7 @@ class _Extraction:
             self.made_link(archive, name, rel)
             self.result.members += 1
             return
-        self.budget.add(archive, name, info.file_size)
+        self.budget.add(archive, name, info.file_size, rel)
         target.parent.mkdir(parents=True, exist_ok=True)
         if os.path.lexists(target):
             os.unlink(target)  # never write through an existing link

@@ -10,39 +10,105 @@ that would pass ``max_members`` or ``limit_bytes``, before it is written.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
+from .blocks import link_charge
 from .errors import ArchiveTooLargeError, UnsafeMemberError
 
 
 class _Budget:
-    def __init__(self, limit_bytes: int, max_members: int, advice: str | None = None) -> None:
+    """Members and bytes an extraction has written, against its limits. With ``block`` (bytes,
+    above 0), bytes are counted as the cache's ledger counts an item
+    (:func:`~cachepipe.blocks.footprint`): each file rounded up to whole blocks, a block for
+    each folder the extraction makes (its own, ``out_dir``, counted from the start), a block for
+    a symbolic link whose target is too long to be kept in its inode
+    (:func:`~cachepipe.blocks.link_charge`), hard links as the file they link to; else the
+    bytes of the files alone."""
+
+    def __init__(self, limit_bytes: int, max_members: int, advice: str | None = None, block: int = 0) -> None:
         self.limit_bytes = limit_bytes
         self.max_members = max_members
         self.advice = advice  # what to raise, appended to a refusal for bytes
-        self.bytes = 0
+        self.block = block
+        self.folders: set[str] = set()  # made so far (relative paths), with ``block`` only
+        self.bytes = block  # the extraction's own folder
         self.members = 0
 
-    def over(self, archive: str, member: str, size: int, total: int | None = None) -> ArchiveTooLargeError:
-        """The refusal of ``member`` (``size`` bytes); ``total``: the archive's whole extracted size, when known."""
+    def copy(self, max_members: int) -> _Budget:
+        """A budget of the same limit and advice from what this one holds, of ``max_members``."""
+        planned = _Budget(self.limit_bytes, max_members, self.advice, self.block)
+        planned.bytes, planned.folders = self.bytes, set(self.folders)
+        return planned
+
+    def charge(self, rel: str, size: int, is_dir: bool = False, link: int = 0) -> int:
+        """The bytes member ``rel`` (a folder if ``is_dir``; a symbolic link whose target is
+        ``link`` bytes, if above 0) of ``size`` bytes adds: ``size``, or with :attr:`block`, in
+        whole blocks, a block per folder it makes (its parents not made before, and itself if a
+        folder), and the link's block if it takes one."""
+        block = self.block
+        if not block:
+            return size
+        return -(-size // block) * block + len(self.new_folders(rel, is_dir)) * block + link_charge(link, block)
+
+    def new_folders(self, rel: str, is_dir: bool) -> list[str]:
+        new: list[str] = []
+        cut = len(rel) if is_dir else rel.rfind("/")
+        while cut > 0:
+            folder = rel[:cut]
+            if folder in self.folders:
+                break  # its parents were made with it
+            new.append(folder)
+            cut = folder.rfind("/")
+        return new
+
+    def total(self, members: Iterable[tuple[str, int, bool]]) -> int:
+        """What the item would hold with ``members`` (``(rel, size, is_dir)`` each) added, counted
+        as :meth:`charge` counts (nothing is recorded)."""
+        tally = self.copy(self.max_members)
+        for rel, size, is_dir in members:
+            tally.bytes += tally.charge(rel, size, is_dir)
+            if tally.block:
+                tally.folders.update(tally.new_folders(rel, is_dir))
+        return tally.bytes
+
+    def over(
+        self, archive: str, member: str, size: int, total: int | None = None, rel: str | None = None, link: int = 0
+    ) -> ArchiveTooLargeError:
+        """The refusal of ``member`` (``size`` bytes, its path ``rel``; a symbolic link whose
+        target is ``link`` bytes, if above 0); ``total``: the archive's whole extracted size,
+        when known."""
         whole = f" (its files total {total} bytes)" if total is not None else ""
+        charge = self.charge(member if rel is None else rel, size, link=link)
+        taken = link_charge(link, self.block)  # a link's block: said as such
+        blocks = (
+            f" ({charge} in whole blocks of {self.block} bytes, with the folders it makes)" if charge not in (size, taken) else ""
+        )
+        counted = " (in whole blocks, with its folders)" if self.block else ""
+        what = f"its symbolic link (a target of {link} bytes: a block of {taken} bytes)" if taken else f"its {size} bytes"
         return ArchiveTooLargeError(
             archive,
             member,
-            f"extracting its {size} bytes would bring the item to {self.bytes + size} bytes{whole}, over the limit of "
-            f"{self.limit_bytes} bytes" + (f"; {self.advice}" if self.advice else ""),
+            f"extracting {what}{blocks} would bring the item to {self.bytes + charge} bytes{counted}{whole}, over "
+            f"the limit of {self.limit_bytes} bytes" + (f"; {self.advice}" if self.advice else ""),
         )
 
-    def fits(self, size: int) -> bool:
-        """Whether ``size`` more bytes stay within ``limit_bytes``."""
-        return self.bytes + size <= self.limit_bytes
+    def fits(self, size: int, rel: str = "", is_dir: bool = False, link: int = 0) -> bool:
+        """Whether member ``rel`` of ``size`` more bytes stays within ``limit_bytes`` (:meth:`charge`)."""
+        return self.bytes + self.charge(rel, size, is_dir, link) <= self.limit_bytes
 
-    def add(self, archive: str, member: str, size: int) -> None:
+    def add(self, archive: str, member: str, size: int, rel: str | None = None, is_dir: bool = False, link: int = 0) -> None:
+        """Count member ``member`` (its checked path ``rel``; default ``member``) of ``size``
+        bytes (a symbolic link whose target is ``link`` bytes, if above 0), or refuse it
+        (:class:`ArchiveTooLargeError`)."""
         if self.members + 1 > self.max_members:
             raise ArchiveTooLargeError(archive, member, f"more than {self.max_members} members")
-        if not self.fits(size):
-            raise self.over(archive, member, size)
+        rel = member if rel is None else rel
+        if not self.fits(size, rel, is_dir, link):
+            raise self.over(archive, member, size, rel=rel, link=link)
+        self.bytes += self.charge(rel, size, is_dir, link)
+        if self.block:
+            self.folders.update(self.new_folders(rel, is_dir))
         self.members += 1
-        self.bytes += size
 
 
 def _check_name(archive: str, name: str) -> str:

@@ -13,12 +13,14 @@ of :class:`Catalog`); the sequence of its names, :class:`Names`, :mod:`cachepipe
 from __future__ import annotations
 
 import hashlib
+import operator
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from types import MappingProxyType
 from typing import Literal, overload
 
+from .blocks import folders_made, footprint
 from .catalog_columns import _DIGEST, _ETAG_MD5, _ETAG_NONE, _ETAG_TEXT, _NO_DIGEST, _UTF8_ERRORS, _md5_digest, _Strings
 from .catalog_keys import _KeyCheck
 from .catalog_names import Names
@@ -277,6 +279,41 @@ class Catalog(_KeyCheck, Sequence[Item]):
         data, offsets, sizes = self._rels.data, self._rels.offsets, self._file_sizes
         files = range(self._first_file[i], self._first_file[i + 1])
         return {data[offsets[j] : offsets[j + 1]].decode("utf-8", _UTF8_ERRORS): sizes[j] for j in files}
+
+    def charge(self, i: int, block: int) -> int:
+        """What item ``i`` takes on a filesystem of ``block`` -byte blocks (what
+        :meth:`cachepipe.cache.Cache.charge` gives for ``self[i]``), without making the item."""
+        i = self._position(i)
+        files = range(self._first_file[i], self._first_file[i + 1])
+        sizes = self._file_sizes
+        if self.mode == "files":  # the folders of its name (folders_made)
+            return footprint((sizes[j] for j in files), folders_made((), True, self._names[i]), block)
+        data, offsets = self._rels.data, self._rels.offsets
+        folders = folders_made((data[offsets[j] : offsets[j + 1]].decode("utf-8", _UTF8_ERRORS) for j in files), False)
+        return footprint((sizes[j] for j in files), folders, block)
+
+    def over_limit(self, limit: int, block: int) -> Iterator[tuple[int, int]]:
+        """``(position, charge)`` of each item whose :meth:`charge` in ``block`` -byte blocks is
+        over ``limit``, in order (``block`` 0: its size). Fast where none is: an item takes at most
+        its size, a block less one per file, and a block per folder, of which each file makes at
+        most one per character of its path (its name's, for a single object); only the items that bound leaves over ``limit`` are
+        measured (a million items of a cache far larger than they are: two ``max`` over arrays)."""
+        sizes = self._sizes
+        if not sizes:
+            return
+        slack = 0
+        if block > 0:
+            first, offsets = self._first_file, self._rels.offsets
+            most = max(map(operator.sub, first[1:], first[:-1]))
+            if self.mode == "files":  # a single object's folders are those of its name
+                offsets = self._names.offsets
+            longest = max(map(operator.sub, offsets[1:], offsets[:-1]), default=0)
+            slack = (most * (longest + 1) + 1) * block
+        if max(sizes) + slack <= limit:
+            return
+        for i, size in enumerate(sizes):
+            if size + slack > limit and (charge := self.charge(i, block) if block > 0 else size) > limit:
+                yield i, charge
 
     def version(self, i: int) -> str | None:
         """:attr:`Item.version` of item ``i``, without making the item; None, found in its entity

@@ -210,8 +210,11 @@ class PipelineConfig(BaseModel):
             source with no scheme that does not exist locally (see :func:`check_source`).
         cache_dir: local directory the cache owns; created if missing. Not empty, and neither
             inside nor around the cache of another open pipeline (refused at open).
-        capacity: hard cap on bytes under ``cache_dir`` (a size or a share of free space). Under
-            1 MiB is allowed with a warning: ``"100"`` is 100 bytes.
+        capacity: hard cap on bytes under ``cache_dir`` (a size or a share of free space), in
+            what the files take on the disk: each file's size rounded up to the filesystem's
+            block (``f_frsize``, held to 512 B..64 KiB) and a block per folder, so an item of
+            eight 512 B files counts 36 KiB on a filesystem of 4 KiB blocks. Under 1 MiB is
+            allowed with a warning: ``"100"`` is 100 bytes.
         items: ``"folders"``: each first-level folder under the prefix is one item (default);
             ``"files"``: each object is one item.
         storage_options: passed to the store (s3fs/fsspec options, or OBS settings); not shown in
@@ -462,26 +465,40 @@ class PipelineConfig(BaseModel):
         """True when items pass through a step between download and hand-out (``prepare``, ``unpack``)."""
         return self.prepare is not None or self.unpack
 
-    def prepare_extra(self, size: int) -> int:
+    def prepare_extra(self, size: int, block: int = 0, is_file: bool = False) -> int:
         """Bytes to reserve beside an item of ``size`` bytes for what ``unpack`` and ``prepare``
         write: ``unpack_ratio * size`` with ``unpack``, plus ``prepare_reserve + prepare_ratio *
         size``; 0 without either step. The extraction may use all of it (``prepare`` runs after
-        it, and the item is measured at the end)."""
+        it, and the item is measured at the end). With ``block`` (the cache's, above 0) and
+        ``unpack``: that in whole blocks, and a block for each folder the extraction itself
+        makes beside the item's (its own, and for a single archive file, ``is_file``, the one
+        the archive is moved into): what ``unpack_ratio`` gives is for the members alone."""
         if not self.prepares:
             return 0
         unpacked = math.ceil(self.unpack_ratio * size) if self.unpack else 0
-        return unpacked + self.prepare_reserve + int(self.prepare_ratio * size)
+        extra = unpacked + self.prepare_reserve + int(self.prepare_ratio * size)
+        if block > 0 and self.unpack:
+            return -(-extra // block) * block + (2 if is_file else 1) * block
+        return extra
 
-    def unpack_advice(self, size: int, extra: int) -> str:
+    def unpack_advice(self, size: int, extra: int, block: int = 0, is_file: bool = False) -> str:
         """What to raise when the extraction of an item of ``size`` bytes passes its ``extra``
-        bytes (the reserve :meth:`prepare_extra` asked for, cut to what the capacity leaves)."""
-        if extra < self.prepare_extra(size):
+        bytes (the reserve :meth:`prepare_extra` asked for, with ``block`` and ``is_file``, cut
+        to what the capacity leaves)."""
+        wanted = self.prepare_extra(size, block, is_file)
+        if extra < wanted:
             return (
                 f"the capacity leaves only {extra} bytes beside this item of {size} bytes for its extraction "
-                f"(unpack_ratio {self.unpack_ratio:g} asks for {self.prepare_extra(size)}): raise capacity"
+                f"(unpack_ratio {self.unpack_ratio:g} asks for {wanted}): raise capacity"
             )
         with_prepare = " (with prepare_reserve/prepare_ratio)" if self.prepare_reserve or self.prepare_ratio else ""
+        small = (
+            f", and more where its files are small: each takes whole blocks of {block} bytes on this filesystem"
+            if block > 0
+            else ""
+        )
         return (
-            f"unpack_ratio {self.unpack_ratio:g}{with_prepare} reserves {extra} bytes for this item of {size} bytes: "
-            "raise unpack_ratio to the archive's compression ratio"
+            f"unpack_ratio {self.unpack_ratio:g}{with_prepare} reserves {self.prepare_extra(size)} bytes for this item of "
+            f"{size} bytes: raise unpack_ratio to what the extracted files take over the archive's size (its compression "
+            f"ratio{small})"
         )

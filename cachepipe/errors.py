@@ -109,15 +109,35 @@ class UnsafeKeyError(CachePipeError, ValueError):
 class OversizeError(CachePipeError, ValueError):
     """An item is larger than the whole cache capacity."""
 
-    def __init__(self, item: str, size: int, capacity: int, occupied: int = 0, of: str = "the cache capacity") -> None:
+    def __init__(
+        self,
+        item: str,
+        size: int,
+        capacity: int,
+        occupied: int = 0,
+        of: str = "the cache capacity",
+        taken: int | None = None,
+        block: int = 0,
+    ) -> None:
         room = f" less {occupied} bytes taken by other files and cachepipe's state" if occupied else ""
-        self.reason = f"{size} bytes, larger than {of} of {capacity} bytes{room}"
+        # what the capacity counts: its files in whole blocks of the filesystem, and its folders
+        blocks = (
+            f" listed, {taken} bytes in the filesystem's blocks of {block} bytes (each file rounded up to whole "
+            "blocks, a block per folder),"
+            if taken is not None and taken != size
+            else ","
+        )
+        self.reason = f"{size} bytes{blocks} larger than {of} of {capacity} bytes{room}"
         """Why the item does not fit, without the advice: what a skipped item is logged with."""
         super().__init__(f"item {item!r} is {self.reason}; raise capacity or pass on_oversize='skip'")
         self.item = item
         self.size = size
+        """Its listed size: the sum of its files' sizes."""
         self.capacity = capacity
         self.occupied = occupied
+        self.taken = size if taken is None else taken
+        """What it takes under the capacity: its files in whole blocks, and its folders."""
+        self.block = block
 
 
 class EmptySourceError(CachePipeError, FileNotFoundError):

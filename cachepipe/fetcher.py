@@ -249,7 +249,7 @@ class Fetcher(_PartRequests):
             return 0
         if self._stop.is_set():
             for item, extra in wanted[:count]:
-                self._cache.unreserve(item.size + extra, item.name)
+                self._cache.unreserve(self._cache.charge(item, extra), item.name)
             return None
         turn = self._begin(run[count - 1][0], count)
         self._start_many([(run[i][0], item, extra, turn + i, 0) for i, (item, extra) in enumerate(wanted[:count])])
@@ -269,7 +269,8 @@ class Fetcher(_PartRequests):
         extra = self._extra(item)
         # an item over the cache's limit is refused by acquire (oversize) whatever the disk's free
         # space: waiting for that first would hold every later item up for ever
-        if item.size <= self._cache.limit and not self._wait_for_free_space(item.size):
+        charge = self._cache.charge(item, extra)  # what it takes on the disk, as the ledger counts it
+        if charge <= self._cache.limit and not self._wait_for_free_space(charge):
             return False
         try:
             got = self._cache.acquire(item, tick, self._broker.starving, extra, lambda: self._broker.withdrawn(seq))
@@ -291,7 +292,7 @@ class Fetcher(_PartRequests):
             return True
         self.counters.add(producer_wait_seconds=time.monotonic() - waited)
         if self._stop.is_set():
-            self._cache.unreserve(item.size + extra, item.name)
+            self._cache.unreserve(self._cache.charge(item, extra), item.name)
             return False
         self._start(seq, item, extra, self._begin(seq))
         return True
@@ -343,7 +344,7 @@ class Fetcher(_PartRequests):
                     continue
                 removed = self._cache.removed() if exc.errno == errno.ENOENT else None
                 if removed is not None:  # the cache directory was removed: nothing more can be fetched into it
-                    self._cache.unreserve(item.size + extra, item.name)
+                    self._cache.unreserve(self._cache.charge(item, extra), item.name)
                     self.halt(seq, item.name, removed)
                     continue
                 unstaged = f"{self._cache.staging_root}/unstaged"
@@ -442,10 +443,14 @@ class Fetcher(_PartRequests):
 
     def _extra(self, item: Item) -> int:
         """Bytes to reserve beside ``item`` for what unpack and the prepare hook write: as the
-        config asks, but at most what the cache leaves beside the item (more would wait forever)."""
+        config asks, but at most what the cache leaves beside the item (more would wait forever),
+        in whole blocks (it is reserved rounded up to them: :meth:`~cachepipe.cache.Cache.charge`)."""
         if self._prepare_pool is None:  # neither unpack nor a prepare hook (made for config.prepares)
             return 0
-        return max(0, min(self._cfg.prepare_extra(item.size), self._cache.limit - item.size))
+        cache = self._cache
+        beside = cache.limit - cache.charge(item)
+        wanted = self._cfg.prepare_extra(item.size, cache.block, item.is_file)
+        return max(0, min(wanted, beside - beside % cache.block))
 
     def _refusal(self, item: Item) -> ArchiveError | UnsafeKeyError | None:
         """Why ``item`` cannot be delivered as configured, known before downloading it; or None.

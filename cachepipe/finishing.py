@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .backoff import backoff_delay
+from .blocks import folders_made, round_up
 from .broker import Broker
 from .cache import Cache, tree_bytes
 from .catalog import Item
@@ -123,7 +124,7 @@ class _Finishing:
 
     def _discard_and_report(self, job: _Job, key: str, error: BaseException) -> None:
         """Delete the item's staging, release its reservation, report its failure."""
-        self._cache.discard(job.staged, job.item.size + job.extra, job.item.name)
+        self._cache.discard(job.staged, self._cache.charge(job.item, job.extra), job.item.name)
         self._report_failure(job.seq, job.item, key, error)
 
     def _finish(self, job: _Job) -> None:
@@ -177,7 +178,8 @@ class _Finishing:
         if self._stop.is_set():
             return  # closing: the cache removes staging wholesale
         try:
-            got = self._cache.publish_many([(job.staged, job.item, job.item.size) for job in jobs])
+            cache = self._cache
+            got = cache.publish_many([(job.staged, job.item, cache.charge(job.item)) for job in jobs])
         except OSError as exc:  # the journal write failed (a full disk): nothing published
             got = [exc] * len(jobs)
         ready = []
@@ -195,26 +197,35 @@ class _Finishing:
     def _prepare_and_publish(self, job: _Job) -> None:
         """Unpack and/or run the prepare hook on a verified staged item, measure it, publish it
         (prepare pool). The extraction may add at most ``job.extra`` bytes beside the archives."""
-        item, reserved, staged = job.item, job.item.size + job.extra, Path(job.staged)
+        item, reserved, staged = job.item, self._cache.charge(job.item, job.extra), Path(job.staged)
+        block = self._cache.block
         try:
             if self._cfg.unpack:
+                # the extraction in whole blocks and its folders, as the item is measured below: it
+                # takes at most the extra reserved beside the item (rounded up to whole blocks)
                 unpack_in_place(
                     staged,
                     name=item.name,
-                    limit_bytes=job.extra,
+                    limit_bytes=round_up(job.extra, block),
+                    block=block,
                     max_members=DEFAULT_MAX_MEMBERS,
                     stop=self._stop,
-                    advice=self._cfg.unpack_advice(item.size, job.extra),
+                    advice=self._cfg.unpack_advice(item.size, job.extra, block, item.is_file),
                 )
                 if self._stop.is_set():
                     return  # closing: the cache removes staging wholesale; the hook is not run
             if self._cfg.prepare is not None:
                 self._cfg.prepare(staged)
-            used = tree_bytes(staged) if staged.is_dir() else staged.stat().st_size
+            # what it takes, as the ledger charges items: its files in whole blocks, a block per folder,
+            # those of a single object's name among them (made when it is published: folders_made)
+            used = block + tree_bytes(staged, block=block) if staged.is_dir() else round_up(staged.stat().st_size, block)
+            if item.is_file:
+                used += folders_made((), True, item.name) * block
             if used > reserved:
                 raise PrepareOverflowError(
-                    f"prepare wrote item {item.name!r} up to {used} bytes, more than the {reserved} reserved "
-                    f"({item.size} listed + prepare_reserve/prepare_ratio)"
+                    f"prepare wrote item {item.name!r} up to {used} bytes (its files in whole blocks of {block} "
+                    f"bytes, a block per folder), more than the {reserved} reserved ({item.size} listed, "
+                    f"{self._cache.charge(item)} in blocks, + prepare_reserve/prepare_ratio)"
                 )
             if self._stop.is_set():
                 return
@@ -249,7 +260,7 @@ class _Finishing:
 
     def _fail_reserved(self, seq: int, item: Item, extra: int, error: BaseException) -> None:
         """Give back the space reserved for ``item`` (its size and ``extra``) and report its failure."""
-        self._cache.unreserve(item.size + extra, item.name)
+        self._cache.unreserve(self._cache.charge(item, extra), item.name)
         self._report_failure(seq, item, item.name, error)
 
     def _report_failure(self, seq: int, item: Item, key: str, error: BaseException) -> None:

@@ -347,7 +347,14 @@ class LaneQueues(Broker[str]):
             self._cond.notify_all()
         return ([], on_disk, 0) if moved else (on_disk, [], acked)
 
-    def give_back(self, needed: int, lane_no: int, cursor: Cursor, unasked_only: bool = False) -> list[_Planned] | None:
+    def give_back(
+        self,
+        needed: int,
+        lane_no: int,
+        cursor: Cursor,
+        unasked_only: bool = False,
+        charge: Callable[[_Planned], int] | None = None,
+    ) -> list[_Planned] | None:
         """Make about ``needed`` bytes of room for a download that a waiting lane is held up
         behind: steps on disk that were planned ahead for lanes whose consumers are not waiting
         now, and not handed out, are unplanned, the one needed last first (the latest tick of a
@@ -367,6 +374,12 @@ class LaneQueues(Broker[str]):
         the one that does). None: the step is on disk, failed, or downloading already; nothing
         is given back (room would not bring it sooner, and the items given back would be
         downloaded again).
+
+        ``charge``: the room a step's copy frees once deleted, in the bytes of ``needed`` (the
+        cache's ledger: :meth:`Cache.charge`, its files in whole blocks and its folders); by
+        default its listed size. Called under this object's lock: it must not wait for the
+        cache's. An estimate must not be above what the copy frees: too low gives back more
+        than needed (a step downloaded again), too high too little (the lane waits a turn more).
 
         Returns the steps given back whose copy no other step holds (to delete); they add up to
         ``needed`` bytes or more, unless no more steps qualify."""
@@ -396,7 +409,7 @@ class LaneQueues(Broker[str]):
                     if self._copies.get(copy.step.item) is copy:
                         del self._copies[copy.step.item]
                     gone.append(last)
-                    freed += last.size
+                    freed += last.size if charge is None else charge(last)
             self._cond.notify_all()  # the planner plans those steps again
         return gone
 

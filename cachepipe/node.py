@@ -59,6 +59,7 @@ from .fetcher import Planned
 from .lanequeues import LaneQueues
 from .lanes import LaneSchedule, NodePlan
 from .lanesteps import _MovedAway, _Planned
+from .passes import _charges
 from .pipeline import CachedItem, Pipeline, Skipped
 from .plan import Cursor
 from .retention import PlanFuture, make_policy
@@ -216,7 +217,8 @@ class NodePipeline(Pipeline):
         self._catalog_items, self._eligible_items = catalog, eligible
         if future is not None:
             reserve = min(cache.limit // 4, max(2 * cfg.large_requests, 16) * largest)
-            cache.use_retention(make_policy("auto", plan.sizes, future, reserve=reserve), Names(catalog, eligible), 0)
+            policy = make_policy("auto", _charges(catalog, eligible, cache.block), future, reserve=reserve)
+            cache.use_retention(policy, Names(catalog, eligible), 0)
         self._total_steps = None
         return queues.steps(self._item)
 
@@ -394,7 +396,8 @@ class NodePipeline(Pipeline):
             if not needed:
                 continue
             with self._moves:
-                gone = queues.give_back(needed, lane, at, unasked_only=grace)  # in the grace: lanes not back since a restart
+                # in the grace, only from lanes not back since a restart; freed counted as the ledger counts it
+                gone = queues.give_back(needed, lane, at, unasked_only=grace, charge=self._charge)
                 for planned in gone or ():
                     self._cache.give_up(planned.name, planned.step.epoch, planned.tick)
             if gone is None:
@@ -425,6 +428,13 @@ class NodePipeline(Pipeline):
                     tuple(at),
                     self._cache.capacity,
                 )
+
+    def _charge(self, planned: _Planned) -> int:
+        """The room that ``planned`` 's copy frees once given up, as the ledger counts it, for
+        :meth:`LaneQueues.give_back` (whose ``needed`` is the ledger's shortfall): its files in
+        whole blocks and its folders, without what ``prepare`` or ``unpack`` added (so never
+        above what it frees: at worst one more item is given back). No lock of the cache."""
+        return self._cache.charge(self._item(planned.step.item))
 
     def _move(self, lane: int, cursor: Cursor) -> None:
         with self._moves:

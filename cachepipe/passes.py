@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .backoff import backoff_delay
+from .blocks import round_up
 from .broker import Broker
 from .cache import Cache
 from .catalog import Catalog, Item, Names
@@ -92,9 +93,12 @@ class _Pass:
     _frontier: Frontier
     _catalog_items: Catalog
     _eligible: array[int] | None
+    _largest: tuple[int, int] | None = None  # see _largest_planned
+    _largest_streamed: list[int] = [0, 0]  # noqa: RUF012 - replaced, never changed, by _stream (see there)
     _total_steps: int | None
     _listed: int
     _listed_bytes: int
+    _too_large: list[OversizeError]  # the items _fitting found too large (left out of the plan, planning alone)
 
     def _streams(self, cache: Cache) -> bool:
         """Whether the listing can stream: a plain pass in listing order that needs neither the
@@ -145,7 +149,7 @@ class _Pass:
         except ConfigError as exc:
             if eligible is None or len(eligible) == len(catalog):
                 raise
-            raise ConfigError(f"{exc}. {_left_out(catalog, eligible, cache.capacity, 'the listing')}") from exc
+            raise ConfigError(f"{exc}. {_left_out(self._too_large, 'the listing')}") from exc
         if self._start_state is not None:
             saved = self._start_state.get("catalog_digest")
             if saved is not None and saved != self._catalog_digest:
@@ -158,7 +162,7 @@ class _Pass:
             except ValueError as exc:
                 if eligible is None or self._start_state.get("n_items") != len(catalog):
                     raise
-                why = _left_out(catalog, eligible, cache.capacity, "the state's plan")
+                why = _left_out(self._too_large, "the state's plan")
                 raise ConfigError(f"{exc}: {why}") from exc
             cursor, acked = plan.start, set()
         elif cfg.start_epoch and tuple(cursor) == (0, 0) and not acked:  # nothing resumed
@@ -167,11 +171,14 @@ class _Pass:
         self._plan = plan
         self._frontier = Frontier(plan, Cursor(*cursor))
         self._catalog_items, self._eligible = catalog, eligible
+        self._largest = None
         if cfg.retain == "auto":
-            self._future = PlanFuture(plan, horizon=2)
+            names = Names(catalog, eligible)
+            # the steps acknowledged beyond the cursor are skipped (_steps): no item's next use
+            self._future = PlanFuture(plan, horizon=2, unread=_unread(names, acked))
             reserve = min(cache.limit // 4, max(2 * cfg.large_requests, 16) * largest)
-            policy = make_policy("auto", plan.sizes, self._future, reserve=reserve)
-            cache.use_retention(policy, Names(catalog, eligible), plan_tick(*cursor))
+            policy = make_policy("auto", _charges(catalog, eligible, cache.block), self._future, reserve=reserve)
+            cache.use_retention(policy, names, plan_tick(*cursor))
         before = _steps_before(plan, cursor)
         self._total_steps = None if cfg.epochs is None else sum(len(plan.share(e)) for e in range(cfg.epochs)) - before
         # every step left acknowledged already: at the end, or short of it where the last acks
@@ -211,8 +218,9 @@ class _Pass:
         self._listed = len(catalog)
         self._listed_bytes = sum(sizes)
         # recover() reserves the journal's budget too (and measures the state files: checked after it)
-        occupied = cache.foreign + cache.journal_budget(catalog)
-        eligible, too_large = fitting_items(catalog, cache.capacity, occupied)
+        occupied = cache.foreign + round_up(cache.journal_budget(catalog), cache.block) + cache.block  # + the state folder
+        eligible, too_large = fitting_items(catalog, cache.capacity, occupied, cache.block)
+        self._too_large = too_large
         if too_large and cfg.on_oversize == "raise":
             raise too_large[0]
         if eligible is not None and not eligible:
@@ -226,16 +234,35 @@ class _Pass:
 
     def _check_limit(self, sizes: array[int], catalog: Catalog, eligible: array[int] | None, cache: Cache) -> int:
         """The largest of ``sizes``; with ``on_oversize="raise"``, raises :class:`OversizeError`
-        for the first item above what the cache can hold once recovered (state files and foreign
-        files counted). With ``"skip"``, such an item (left in by :meth:`_fitting`'s estimate,
-        made before the state files were measured) is skipped in its turn, when its room is
-        reserved (:meth:`Cache.acquire` raises for it)."""
+        for the first item that takes more than the cache can hold once recovered (state files
+        and foreign files counted; each item charged its files in whole blocks and its folders,
+        :meth:`Cache.charge`). With ``"skip"``, such an item (left in by :meth:`_fitting`'s
+        estimate, made before the state files were measured) is skipped in its turn, when its
+        room is reserved (:meth:`Cache.acquire` raises for it)."""
         largest = max(sizes)
-        if largest > cache.limit and self.config.on_oversize == "raise":
-            i = next(i for i, size in enumerate(sizes) if size > cache.limit)
-            item = catalog[i if eligible is None else eligible[i]]
-            raise OversizeError(item.name, item.size, cache.capacity, cache.capacity - cache.limit)
+        if self.config.on_oversize == "raise":
+            planned = range(len(catalog)) if eligible is None else eligible  # _fitting raised for the others
+            for i, charge in catalog.over_limit(cache.limit, cache.block):
+                if i in planned:
+                    item = catalog[i]
+                    raise OversizeError(
+                        item.name, item.size, cache.capacity, cache.capacity - cache.limit, taken=charge, block=cache.block
+                    )
         return largest
+
+    def _largest_planned(self) -> tuple[int, int]:
+        """``(charge, listed size)`` of the planned item that takes the most room in the cache
+        (:meth:`Cache.charge`), measured once a pass: a walk of every item's files. A streamed
+        listing's plan keeps no catalog: the largest it admitted so far."""
+        catalog: Catalog | None = getattr(self, "_catalog_items", None)
+        if catalog is None:
+            charge, size = self._largest_streamed
+            return charge, size
+        if self._largest is None:
+            block, sizes = self._cache.block, catalog.sizes
+            planned = range(len(catalog)) if self._eligible is None else self._eligible
+            self._largest = max(((catalog.charge(i, block), sizes[i]) for i in planned), default=(0, 0))
+        return self._largest
 
     def _steps(self, plan: Plan, cursor: Cursor, acked: set[tuple[int, str]]) -> Iterator[list[Planned]]:
         """The fetch order, run in the producer thread, in runs of up to :data:`PLAN_RUN` steps
@@ -283,6 +310,9 @@ class _Pass:
         self._plan, self._frontier = plan, Frontier(plan)
         self._total_steps = None
 
+        largest = [0, 0]  # the planned item that takes the most room: its charge and listed size
+        self._largest_streamed = largest
+
         def admit(run: list[Item]) -> list[bool]:  # in the listing thread, in listing order
             if cfg.on_error == "raise":
                 bad = next((k for k, item in enumerate(run) if item.unsafe is not None), None)
@@ -291,16 +321,21 @@ class _Pass:
                 if bad is not None:
                     run = run[:bad]  # the unsafe item comes first in the next call (the rest is given again)
             keeps: list[bool] = []
-            names, sizes = [item.name for item in run], [item.size for item in run]
-            limits = cache.note_listed(names, sizes, [not item.tagged for item in run]) or [cache.limit]  # none: closed
-            for item, limit in zip(run, limits, strict=False):  # the first len(limits) items
-                if item.size > limit:
-                    error = OversizeError(item.name, item.size, cache.capacity, cache.capacity - limit)
+            # each item's charge: what it takes on the disk, as the cache reserves it (Cache.charge)
+            names, charges = [item.name for item in run], [cache.charge(item) for item in run]
+            limits = cache.note_listed(names, charges, [not item.tagged for item in run]) or [cache.limit]  # none: closed
+            for item, charge, limit in zip(run, charges, limits, strict=False):  # the first len(limits) items
+                if charge > limit:
+                    error = OversizeError(
+                        item.name, item.size, cache.capacity, cache.capacity - limit, taken=charge, block=cache.block
+                    )
                     if cfg.on_oversize == "raise":
                         raise error  # the first item of the run: note_listed stops before an oversize one
                     _log_oversize_skipped(error)
                     self._count("skipped")
-                keeps.append(item.size <= limit)
+                keeps.append(charge <= limit)
+                if charge <= limit and charge > largest[0]:
+                    largest[:] = charge, item.size
             with self._plan_lock:
                 plan.extend([item.size for item, keep in zip(run, keeps, strict=False) if keep])
             return keeps
@@ -358,6 +393,22 @@ class _Pass:
             self._counts[name] += 1
 
 
+def _charges(catalog: Catalog, eligible: array[int] | None, block: int) -> array[int]:
+    """What each planned item takes in the cache (:meth:`Cache.charge`), by plan position: the
+    retention policy's sizes, in the ledger's bytes (its victims must free what a download
+    waits for). A walk of every item's files (``retain="auto"`` only)."""
+    planned = range(len(catalog)) if eligible is None else eligible
+    return array("q", (catalog.charge(i, block) for i in planned))
+
+
+def _unread(names: Names, acked: set[tuple[int, str]]) -> list[tuple[int, int]]:
+    """The steps acknowledged before a restart, ``(epoch, name)``, as ``(epoch, plan item)``:
+    consumed without a read (see :class:`~cachepipe.retention.PlanFuture`)."""
+    steps = list(acked)
+    found = names.find_many([name for _epoch, name in steps])
+    return [(epoch, item) for (epoch, _name), item in zip(steps, found, strict=True) if item >= 0]
+
+
 def _in_runs(steps: Iterator[Step], size: int) -> Iterator[list[Step]]:
     """``steps`` in lists of up to ``size``; if ``steps`` raises, the steps it gave before the
     error first (their items are delivered before it), then the error."""
@@ -393,13 +444,14 @@ def _steps_before(plan: Plan, cursor: tuple[int, int]) -> int:
     return sum(len(plan.share(e)) for e in range(epoch)) + index
 
 
-def _left_out(catalog: Catalog, eligible: array[int], capacity: int, whose: str) -> str:
-    """Why a plan of ``eligible`` (the items of ``catalog`` that fit ``capacity``) may not be the
-    plan that a state loaded or a pass kept in the cache continues, and what to do; ``whose``:
-    where the items left out are (the state's plan, or the listing)."""
-    largest = max(catalog.sizes[i] for i in set(range(len(catalog))) - set(eligible))
+def _left_out(too_large: list[OversizeError], whose: str) -> str:
+    """Why a plan without the items of ``too_large`` (those that do not fit the capacity, as
+    :func:`~.sourcing.fitting_items` found them) may not be the plan that a state loaded or a
+    pass kept in the cache continues, and what to do; ``whose``: where the items left out are
+    (the state's plan, or the listing). Names the one that takes the most room with its size as
+    listed and what it takes in whole blocks, which decided it."""
+    largest = max(too_large, key=lambda error: error.taken)
     return (
-        f"{len(catalog) - len(eligible)} item(s) of {whose} (the largest {largest} bytes) do not fit this "
-        f"cache's capacity of {capacity} bytes and were left out of this one (on_oversize='skip'); resume with "
-        "a capacity that holds them"
+        f"{len(too_large)} item(s) of {whose} do not fit this cache and were left out of this one "
+        f"(on_oversize='skip'): the largest, {largest.item!r}, is {largest.reason}; resume with a capacity that holds them"
     )

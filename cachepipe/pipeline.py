@@ -184,8 +184,8 @@ class Pipeline(_Handout):
         small = small_capacity(capacity, value)
         if small is not None:
             log.warning("%s", small)
-        largest = max(self._plan.sizes, default=0) if self.config.on_oversize == "raise" else 0
-        new = self._cache.set_capacity(value, at_least=largest)
+        largest, listed = self._largest_planned() if self.config.on_oversize == "raise" else (0, 0)
+        new = self._cache.set_capacity(value, at_least=largest, listed=listed)
         self.config = self.config.model_copy(update={"capacity": value})
         log.info("capacity of %s set to %s", self.config.source, capacity)
         if (used := self._cache.used) > new:

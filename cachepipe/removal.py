@@ -15,35 +15,49 @@ import logging
 import os
 import queue
 import shutil
+import stat
 import sys
 import threading
 from collections.abc import Callable, Container, Iterator, Sequence
 
-__all__ = ["Reaper", "delete_tree", "rmtree", "tree_bytes"]
+from .blocks import link_charge
+
+__all__ = ["Reaper", "delete_tree", "rmtree", "taken", "tree_bytes"]
 
 log = logging.getLogger("cachepipe.cache")
 
 
-def delete_tree(path: str | os.PathLike[str]) -> int:
+def delete_tree(path: str | os.PathLike[str], block: int = 0) -> int:
     """:func:`rmtree` ``path``; if that fails, log it and return the bytes left under it (0 if
-    it is gone). The caller counts them as foreign until the next open clears staging."""
+    it is gone; with ``block``, in whole blocks: see :func:`tree_bytes`). The caller counts them
+    as foreign until the next open clears staging."""
     try:
         rmtree(path)
     except OSError as exc:
-        left = tree_bytes(path)
+        left = tree_bytes(path, block=block)
         log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", path, left, exc)
         return left
     return 0
 
 
-def tree_bytes(root: str | os.PathLike[str], skip: Container[str] = (), allocated: bool = False) -> int:
-    """Total size in bytes of the files under ``root`` (symlinks counted as nothing, never
-    followed; a folder that cannot be listed, or an entry removed while this walks, as
-    nothing), except the entries whose path relative to ``root`` (``/``-separated) is in
-    ``skip``: a cache's items already measured, say. With ``allocated``, a file with holes (a
-    download whose parts came out of order) counts the bytes the disk gave it (``st_blocks``),
-    if fewer and not none: what it takes from the free space. One ``lstat`` per file counted and none per
-    folder (``os.scandir`` tells folders and links apart from the directory itself).
+def tree_bytes(
+    root: str | os.PathLike[str], skip: Container[str] = (), allocated: bool = False, block: int = 0, disk: bool = False
+) -> int:
+    """Total size in bytes of the files under ``root`` (symlinks never followed, and counted as
+    nothing but with ``block`` or ``disk``, below; a folder that cannot be listed, or an entry
+    removed while this walks, as nothing), except the entries whose path relative to ``root``
+    (``/``-separated) is in ``skip``: a cache's items already measured, say. With
+    ``allocated``, a file with holes (a download whose parts came out of order) counts the
+    bytes the disk gave it (``st_blocks``), if fewer and not none: what it takes from the free
+    space. With ``block`` (bytes, above 0), what the files take in whole blocks of it, a block
+    for each folder under ``root`` (not ``root`` itself) and for each symbolic link whose target
+    is too long for its inode (:func:`~cachepipe.blocks.link_charge`), as the cache's ledger
+    charges its items (:func:`~cachepipe.blocks.footprint`). One ``lstat`` per file (and link)
+    counted and none per folder (``os.scandir`` tells folders and links apart from the
+    directory itself). With ``disk``, instead, what the files, folders and links take from the
+    disk (:func:`taken`: each at the bytes the disk gave it; a folder takes none on tmpfs, a
+    block or more on ext4; a link its ``st_blocks``), one ``lstat`` per folder too: what
+    deleting them would free, for a share of the disk.
 
     Raises:
         OSError: a file listed that cannot be measured (but for one removed meanwhile), as the
@@ -65,13 +79,31 @@ def tree_bytes(root: str | os.PathLike[str], skip: Container[str] = (), allocate
                 try:
                     if entry.is_dir(follow_symlinks=False):
                         folders.append((entry.path, f"{name}/"))
-                    elif not entry.is_symlink():
+                        total += taken(entry.stat(follow_symlinks=False), 0) if disk else block
+                    elif entry.is_symlink():
+                        if disk or block > 0:  # a target too long for the inode takes a block (link_charge)
+                            st = entry.stat(follow_symlinks=False)
+                            total += st.st_blocks * 512 if disk else link_charge(st.st_size, block)
+                    else:
                         st = entry.stat(follow_symlinks=False)
+                        if disk:
+                            total += taken(st, block)
+                            continue
                         given = st.st_blocks * 512  # 0 on file systems that do not say (or keep small files inline)
-                        total += given if allocated and 0 < given < st.st_size else st.st_size
+                        size = given if allocated and 0 < given < st.st_size else st.st_size
+                        total += -(-size // block) * block if block > 0 else size
                 except FileNotFoundError:
                     continue  # removed while we walked (any other error is raised: the total would be wrong)
     return total
+
+
+def taken(st: os.stat_result, block: int) -> int:
+    """What the file or folder of ``st`` takes from the disk: the bytes it was given
+    (``st_blocks``); where none are reported for a file that has bytes (a filesystem that does
+    not say, or keeps small files inline), its size in whole ``block`` s (0: its size)."""
+    if st.st_blocks or not st.st_size or stat.S_ISDIR(st.st_mode):
+        return st.st_blocks * 512
+    return -(-st.st_size // block) * block if block > 0 else st.st_size
 
 
 def _listed(entries: Iterator[os.DirEntry[str]]) -> Iterator[os.DirEntry[str]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final, Protocol
 
 from .plan import tick as plan_tick
@@ -82,12 +82,18 @@ class PlanFuture:
     for "after epoch ``e+horizon``" (such items are evicted first; :class:`Belady` looks again
     when the placeholder is reached). Keeps ``horizon + 3`` epochs of index arrays (4 bytes
     per catalog item each).
+
+    ``unread``: ``(epoch, item)`` steps that are consumed without a read (acknowledged before a
+    restart: the resumed pass skips them); a next use is never one of them. A retained item
+    whose next use were such a step would keep it as its key once the fetcher passed it, and
+    :class:`Belady` never evicts an item needed before the step it fetches.
     """
 
-    def __init__(self, plan: EpochShares, horizon: int = 2) -> None:
+    def __init__(self, plan: EpochShares, horizon: int = 2, unread: Iterable[tuple[int, int]] = ()) -> None:
         if horizon < 1:
             raise ValueError(f"horizon {horizon!r}: expected at least 1 epoch")
         self.plan, self.horizon = plan, horizon
+        self._unread = frozenset(unread)
         self._where: OrderedDict[int, array[int]] = OrderedDict()
         self._lock = threading.Lock()  # guards _where: prepare() runs outside the cache's lock, lookups under it
 
@@ -122,6 +128,13 @@ class PlanFuture:
             self.where(e, pause)
 
     def next_use(self, item: int, tick: int) -> int:
+        key = self._next_step(item, tick)
+        while self._unread and key != NEVER and not is_placeholder(key) and (key >> _ITEM_BITS, item) in self._unread:
+            key = self._next_step(item, key)
+        return key
+
+    def _next_step(self, item: int, tick: int) -> int:
+        """The tick of the next step that reads ``item`` after ``tick``, unread or not."""
         epoch, index = tick >> 32, tick & _ITEM_MASK
         # index _ITEM_MASK: the end of the epoch (the tick before its next's first step; -1 before epoch 0)
         share = self.plan.share(epoch) if index != _ITEM_MASK and not self.plan.done(epoch) else None

@@ -64,21 +64,23 @@ def obtain_catalog(
     return catalog, digest, from_manifest
 
 
-def fitting_items(catalog: Catalog, capacity: int, occupied: int) -> tuple[array[int] | None, list[OversizeError]]:
+def fitting_items(
+    catalog: Catalog, capacity: int, occupied: int, block: int = 0
+) -> tuple[array[int] | None, list[OversizeError]]:
     """Which items fit beside ``occupied`` bytes (foreign files and the state budget) under
-    ``capacity``: ``(None, [])`` when all do (no second index is kept), else the positions that
-    fit, in order, and an :class:`OversizeError` for each that does not."""
-    sizes: Sequence[int] = catalog.sizes
+    ``capacity``, each charged what it takes on a filesystem of ``block`` -byte blocks
+    (:meth:`~cachepipe.catalog.Catalog.charge`; 0: its size): ``(None, [])`` when all do (no
+    second index is kept), else the positions that fit, in order, and an :class:`OversizeError`
+    for each that does not."""
     limit = capacity - occupied
-    if max(sizes) <= limit:
+    over = dict(catalog.over_limit(limit, block))
+    if not over:
         return None, []
-    fitting: array[int] = array("q")
-    too_large: list[OversizeError] = []
-    for i, size in enumerate(sizes):
-        if size <= limit:
-            fitting.append(i)
-        else:
-            too_large.append(OversizeError(catalog.name(i), size, capacity, occupied))
+    sizes = catalog.sizes
+    fitting = array("q", (i for i in range(len(sizes)) if i not in over))
+    too_large = [
+        OversizeError(catalog.name(i), sizes[i], capacity, occupied, taken=charge, block=block) for i, charge in over.items()
+    ]
     return fitting, too_large
 
 

@@ -138,7 +138,7 @@ class _LocalMode(_DatasetState):
             if self._room is not None:  # a share of the disk: of what, in bytes
                 capacity += f" of {self._room} bytes free or cached in cache_dir"
             of = f"this DataLoader worker's share of the cache (capacity {capacity} / num_workers {info.num_workers})"
-            raise OversizeError(exc.item, exc.size, exc.capacity, exc.occupied, of) from None
+            raise OversizeError(exc.item, exc.size, exc.capacity, exc.occupied, of, exc.taken, exc.block) from None
 
     def _iter_local(self, start: dict[str, Any] | None, token: object) -> Iterator[Any]:
         if start and _finished(start):

@@ -141,6 +141,7 @@ def unpack_item(
     stop: threading.Event | None = None,
     advice: str | None = None,
     name: str | None = None,
+    block: int = 0,
 ) -> UnpackResult:
     """Extract the archive(s) of a downloaded item into ``out_dir``, safely (see the module docstring).
 
@@ -151,6 +152,10 @@ def unpack_item(
         out_dir: where every archive of the item is extracted (created if missing; must be empty).
         limit_bytes: most bytes of files the extraction may write; a member that would pass
             it is refused before it is written.
+        block: with a block size (bytes, above 0), ``limit_bytes`` counts what the extraction
+            takes on the disk as the cache's ledger does (:func:`~cachepipe.blocks.footprint`):
+            each file rounded up to whole blocks, a block for ``out_dir`` and for each folder
+            made under it. 0: the files' bytes alone (``cachepipe map``).
         max_members: most members (files, folders, links) to extract.
         advice: what to raise when the extraction passes ``limit_bytes`` (the option that set
             it), appended to the :class:`ArchiveTooLargeError`, which also names the size the
@@ -191,7 +196,7 @@ def unpack_item(
         )
     for rel in other:
         log.info("%s: %s is not an archive; not extracted", item, rel)
-    extraction = _Extraction(out, _Budget(limit_bytes, max_members, advice), result, stop, name or item.name)
+    extraction = _Extraction(out, _Budget(limit_bytes, max_members, advice, block), result, stop, name or item.name)
     try:
         for index, volumes in enumerate(sets):
             extraction.recording = index < len(sets) - 1  # what the last archive writes, no later one meets
@@ -211,6 +216,7 @@ def unpack_in_place(
     max_members: int = DEFAULT_MAX_MEMBERS,
     stop: threading.Event | None = None,
     advice: str | None = None,
+    block: int = 0,
 ) -> UnpackResult:
     """Replace a downloaded item by its extracted contents: :func:`unpack_item`, then a rename.
 
@@ -219,14 +225,15 @@ def unpack_in_place(
     (:attr:`UnpackResult.other`) are moved into it; the archives, volumes and checksum files
     are deleted, and the extraction is renamed to ``path``. A single archive file becomes a
     folder at ``path``. Files are moved, never copied: at any moment the item takes its own
-    bytes plus at most ``limit_bytes``.
+    bytes plus at most ``limit_bytes`` (with ``block``, in whole blocks: the folder a single
+    archive file is moved into for its extraction counted in them).
 
     Args:
         path: the item: a folder, or one archive file.
         name: the item's name as listed, when ``path`` is stored under another name (a staging
             number): error messages give it, and a single archive file is extracted under its
             last segment (``shards/a.tar`` -> ``a.tar``). Default: the last segment of ``path``.
-        limit_bytes, max_members, stop, advice: as for :func:`unpack_item`.
+        limit_bytes, max_members, stop, advice, block: as for :func:`unpack_item`.
 
     Raises:
         as :func:`unpack_item`; :class:`ArchiveError` also when a file of the item has the path
@@ -242,8 +249,11 @@ def unpack_in_place(
         source = item.with_name(f"{item.name}.archive") / (name or item.name).rsplit("/", 1)[-1]
         source.parent.mkdir()
         os.rename(item, source)
+        limit_bytes -= block  # that folder takes a block while the extraction is written
     try:
-        result = unpack_item(source, out, limit_bytes=limit_bytes, max_members=max_members, stop=stop, advice=advice, name=name)
+        result = unpack_item(
+            source, out, limit_bytes=limit_bytes, max_members=max_members, stop=stop, advice=advice, name=name, block=block
+        )
         adopt_others(item, out, result.other, move=True)
     except BaseException:
         if os.path.lexists(out):

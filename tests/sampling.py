@@ -7,6 +7,7 @@ import stat
 import threading
 from pathlib import Path
 
+from cachepipe.blocks import clamp_block
 from cachepipe.cache import tree_bytes
 
 
@@ -24,8 +25,14 @@ class Sampler:
     the walk reaches it; one moved out of staging after it was walked is not in the listing.
     """
 
-    def __init__(self, root: Path, expected: dict[str, dict[str, int]] | None = None, interval: float = 0.002) -> None:
+    def __init__(
+        self, root: Path, expected: dict[str, dict[str, int]] | None = None, interval: float = 0.002, block: int | None = None
+    ) -> None:
         self.root = Path(root)
+        # bytes counted as the cache's ledger counts them (files in whole blocks of this, a block
+        # per folder): by default the block the cache reads at its open (its filesystem's
+        # f_frsize, held to 512 B..64 KiB), read at the first sample; 0: the files' sizes alone
+        self.block = block
         self.expected = expected
         self.interval = interval
         self.peak = 0
@@ -63,10 +70,13 @@ class Sampler:
                 st = path.lstat()
             except FileNotFoundError:
                 continue
+            block = self.block
+            if block is None:
+                block = self.block = clamp_block(os.statvfs(self.root).f_frsize)
             if stat.S_ISDIR(st.st_mode):
-                total += tree_bytes(path)
+                total += block + tree_bytes(path, block=block)  # with its own folder
             elif stat.S_ISREG(st.st_mode):
-                total += st.st_size
+                total += -(-st.st_size // block) * block if block else st.st_size
         return total
 
     def _check_complete(self) -> None:
@@ -101,3 +111,21 @@ class Sampler:
             wrong = {rel: size for rel, size in found.items() if expected.get(rel) != size}
             if wrong:
                 self.partial.append(f"{name}: {wrong}")
+
+
+def block_of(path: str | os.PathLike[str]) -> int:
+    """The block a cache at ``path`` (or its nearest existing folder) charges its items in."""
+    from cachepipe.blocks import clamp_block
+
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    return clamp_block(os.statvfs(probe).f_frsize)
+
+
+def charge(path: str | os.PathLike[str], file_sizes: list[int], folders: int) -> int:
+    """What an item of files of ``file_sizes`` making ``folders`` folders takes in a cache at
+    ``path``: as the ledger charges it (:func:`cachepipe.blocks.footprint`)."""
+    from cachepipe.blocks import footprint
+
+    return footprint(file_sizes, folders, block_of(path))

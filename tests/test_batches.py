@@ -15,10 +15,13 @@ from typing import BinaryIO
 import fsspec
 import pytest
 from crashfs import CrashFs
+from sampling import block_of
 from waiting import wait_until
 
 from cachepipe import ItemFailedError, Pipeline, UnknownItemError
+from cachepipe.blocks import round_up
 from cachepipe.cache import STATE_DIR, Cache
+from cachepipe.cache.core import journal_budget_of
 from cachepipe.catalog import Catalog
 from cachepipe.client import ITER_MOST, iter_batch
 from cachepipe.node import NodePipeline
@@ -224,7 +227,11 @@ def test_runs_of_cheap_requests_lose_nothing_when_one_of_their_items_fails(tmp_p
     try:
         store = Faulty(root, gone="00150", flaky="00151")
         options = {"items": "files", "store": store, "on_error": "skip", "retry_backoff": 0.001, "auto_ack": False}
-        with Pipeline(root, tmp_path / "c", "64KiB", **options) as pipe:
+        # in whole blocks: the journal's budget of 400 names, the state folder's files (a few
+        # blocks), and two runs of 64 items of a block each (64 KiB held the budget and 10-byte items)
+        block = block_of(tmp_path)
+        capacity = round_up(journal_budget_of(5 * 400, 400, versions=False), block) + 8 * block + 2 * 64 * block
+        with Pipeline(root, tmp_path / "c", capacity, **options) as pipe:
             names = []
             while batch := pipe.get_many(64, timeout=30):
                 assert all(item.path.read_bytes() == bytes([int(item.name) % 256]) * 10 for item in batch)

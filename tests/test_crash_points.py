@@ -33,6 +33,7 @@ import pytest
 from crashfs import KINDS, Crashed, CrashFs, Fault
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from sampling import block_of
 
 from cachepipe import fscalls, state
 from cachepipe.cache import Cache
@@ -63,8 +64,12 @@ PLAN = Plan(CATALOG.sizes, epochs=EPOCHS)  # listing order: step (e, i) reads it
 
 
 def capacity() -> int:
-    # the state budget, the lock file and a compacted journal, and room for about three items
-    return Cache.journal_budget(CATALOG) + 64 + len(PLAN_KEY) + 80 + 3 * max(ITEM_BYTES)
+    # in whole blocks, as the cache counts (its tests' folders, on disk and tmpfs, have one
+    # block): the state budget, the state folders, the lock file and a compacted journal, and
+    # room for about three items (the largest: two files and a subfolder)
+    block = block_of(tempfile.gettempdir())
+    journal = Cache.journal_budget(CATALOG) + 64 + len(PLAN_KEY) + 80
+    return -(-journal // block) * block + 4 * block + 3 * max(CATALOG.charge(i, block) for i in range(N_ITEMS))
 
 
 @dataclass
@@ -92,7 +97,8 @@ class Model:
         if self.retain:
             self.future = PlanFuture(PLAN, horizon=2)
             self.future.prepare(cursor[0])
-            cache.use_retention(make_policy("auto", ITEM_BYTES, self.future), CATALOG.names, tick(*cursor))
+            charges = [CATALOG.charge(i, cache.block) for i in range(N_ITEMS)]  # the ledger's bytes
+            cache.use_retention(make_policy("auto", charges, self.future), CATALOG.names, tick(*cursor))
 
     def abandon(self, fs: CrashFs) -> None:
         """The process died: drop the cache object; the kernel closes its descriptors."""
@@ -119,7 +125,7 @@ class Model:
             self.future.prepare(e)
         if any(STEPS[r][1] == i for r in self.ready + [m for m, _ in self.staged]):
             return False  # an earlier epoch's copy is still out: the pipeline waits (one copy at a time)
-        if not self.retain and cache.used + item.size > cache.capacity and not cache._recovered:
+        if not self.retain and cache.used + cache.charge(item) > cache.capacity and not cache._recovered:
             return False  # no room until an ack: the pipeline would wait here
         try:
             got = cache.acquire(item, tick(e, i))
@@ -137,7 +143,7 @@ class Model:
                 with open(staged / f.rel, "wb") as fh:
                     fh.write(bytes([65 + i]) * f.size)
         except OSError:
-            cache.discard(staged if staged is not None else cache.staging_root / "none", item.size, item.name)
+            cache.discard(staged if staged is not None else cache.staging_root / "none", cache.charge(item), item.name)
             return False
         self.staged.append((n, staged))
         return True
@@ -151,7 +157,7 @@ class Model:
         try:
             self.cache.publish(staged, item)
         except OSError:
-            self.cache.discard(staged, item.size, item.name)
+            self.cache.discard(staged, self.cache.charge(item), item.name)
             return
         self.ready.append(n)
 
@@ -164,13 +170,13 @@ class Model:
         batch, self.staged = self.staged, []
         items = [CATALOG[STEPS[n][1]] for n, _ in batch]
         try:
-            run = [(staged, item, item.size) for (_, staged), item in zip(batch, items, strict=True)]
+            run = [(staged, item, self.cache.charge(item)) for (_, staged), item in zip(batch, items, strict=True)]
             got: list[str | OSError] = self.cache.publish_many(run)
         except OSError as exc:  # the intents were not journaled: nothing was published
             got = [exc] * len(batch)
         for (n, staged), item, path in zip(batch, items, got, strict=True):
             if isinstance(path, OSError):
-                self.cache.discard(staged, item.size, item.name)
+                self.cache.discard(staged, self.cache.charge(item), item.name)
             else:
                 self.ready.append(n)
 
@@ -220,9 +226,11 @@ class Model:
         self.open()
 
     def check_ledger(self) -> None:
-        """Every byte of an item on disk is in the ledger, and every published item is on disk."""
+        """Every byte of an item on disk is in the ledger, and every published item is on disk
+        (in whole blocks, as the ledger charges items: the state folder is one)."""
         cache = self.cache
-        on_disk = tree_bytes(self.root) - tree_bytes(cache.state_dir)
+        block = cache.block
+        on_disk = tree_bytes(self.root, block=block) - block - tree_bytes(cache.state_dir, block=block)
         published = sum(cache.record.published.values())
         assert on_disk == published, f"{on_disk} bytes of items on disk, {published} published in the ledger"
 
@@ -484,7 +492,7 @@ def test_an_item_in_the_way_fails_alone_in_a_run_of_publishes(tmp_path):
     assert model.stage() and model.stage() and model.stage()
     (tmp_path / "i1").mkdir()
     (tmp_path / "i1" / "mine").write_bytes(b"m")
-    staged = [(path, CATALOG[STEPS[n][1]], CATALOG[STEPS[n][1]].size) for n, path in model.staged]
+    staged = [(path, CATALOG[STEPS[n][1]], model.cache.charge(CATALOG[STEPS[n][1]])) for n, path in model.staged]
     got = model.cache.publish_many(staged)
     assert [type(g) for g in got] == [str, FileExistsError, str], got
     assert "i1" in str(got[1]) and "not managed by cachepipe" in str(got[1])
@@ -494,7 +502,7 @@ def test_an_item_in_the_way_fails_alone_in_a_run_of_publishes(tmp_path):
     cache.open()
     try:
         cache.recover(CATALOG, resume=True, plan=PLAN_KEY)
-        assert set(cache.record.published) == {"i0", "i2"} and cache.foreign == 1
+        assert set(cache.record.published) == {"i0", "i2"} and cache.foreign == 2 * cache.block  # i1 and its 1-byte file
     finally:
         cache.close(keep=True)
     assert (tmp_path / "i1" / "mine").read_bytes() == b"m"

@@ -9,9 +9,11 @@ import os
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 from mounts import mounted
+from sampling import block_of, charge
 from waiting import wait_until
 
 from cachepipe import OversizeError, Pipeline
@@ -138,10 +140,11 @@ def test_an_item_that_cannot_be_deleted_stays_counted_and_the_rest_flows(s3_sour
     size = 1024 * KIB  # reaped after an ack (cache.REAP_MIN_BYTES); smaller items are deleted in place
     data = s3_source.folders(6, {"f": size})
     cache = tmp_path / "cache"
-    capacity = 3 * size + 16 * KIB  # three items and the state budget
+    # three items and the state (its folders, lock, journal and budget), in whole blocks
+    capacity = 3 * charge(tmp_path, [size], 1) + 8 * block_of(tmp_path)
     got = []
     with (
-        Sampler(cache) as sampler,
+        Sampler(cache, block=block_of(tmp_path)) as sampler,
         Pipeline(s3_source.url, cache, capacity, storage_options=s3_source.options, auto_ack=False) as pipe,
     ):
         first = pipe.get(timeout=30)
@@ -454,7 +457,8 @@ def test_dataloader_workers_keep_their_share_of_the_disk_when_they_open_again_ov
     from cachepipe.torch import CachePipeDataset
 
     proxy, endpoint = fault_proxy
-    names = sorted(s3_source.folders(20, {"f": 40 * KIB}))  # 800 KiB: each worker's share nearly full
+    # 800 KiB in whole blocks (a 36 KiB file and its folder, 4 KiB pages): each worker's share nearly full
+    names = sorted(s3_source.folders(20, {"f": 36 * KIB}))
     options = {"storage_options": {**s3_source.options, "endpoint_url": endpoint}, "world_size": ranks}
     plan = {"epochs": 3, "retain": "auto", "partition": "fixed", "shuffle": True, "seed": 1}
     with tmpfs(tmp_path / "disk", "1m") as disk:
@@ -493,7 +497,8 @@ def test_an_item_over_a_worker_s_share_of_the_disk_is_said_to_be_over_that_share
         finally:
             it._shutdown_workers()  # the worker error leaves the loader's queue threads to its shutdown
     said = re.search(
-        r"item 'a' is 600000 bytes, larger than this DataLoader worker's share of the cache \(capacity 90% of "
+        r"item 'a' is 600000 bytes listed, \d+ bytes in the filesystem's blocks of 4096 bytes \([^)]*\), larger than this "
+        r"DataLoader worker's share of the cache \(capacity 90% of "
         r"(\d+) bytes free or cached in cache_dir / num_workers 2\) of (\d+) bytes",
         str(failed.value),
     )
@@ -501,3 +506,47 @@ def test_an_item_over_a_worker_s_share_of_the_disk_is_said_to_be_over_that_share
     room, share = int(said[1]), int(said[2])
     assert 1024 * KIB - 64 * KIB < room <= 1024 * KIB  # the disk, less a few pages of state at most
     assert share == int(room * 0.9) // 2
+
+
+def test_a_cache_of_small_files_stays_under_its_capacity_in_the_blocks_they_take(s3_source, tmp_path):
+    """The cap counted the files' sizes: items of eight 512 B files (4 KiB listed) took 36 KiB
+    each on a filesystem of 4 KiB blocks, so a capacity near the disk's size filled the disk
+    (ENOSPC, its free space 0) while the ledger was far under it. Each item is charged its files
+    in whole blocks and its folder now: the disk never holds more than the capacity."""
+    data = s3_source.folders(32, {f"f{i}": 512 for i in range(8)})
+    with tmpfs(tmp_path / "disk", "512k") as disk:
+        capacity = 480 * KIB
+        taken = charge(disk, [512] * 8, 1)  # an item: 36 KiB on 4 KiB pages
+        used = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                st = os.statvfs(disk)
+                used.append((st.f_blocks - st.f_bfree) * st.f_frsize)
+                stop.wait(0.002)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            with Pipeline(s3_source.url, disk / "cache", capacity, storage_options=s3_source.options, auto_ack=False) as pipe:
+                names = []
+                for item in pipe:
+                    # hold it until the cache is full: no room for one more item in the ledger (or,
+                    # counted in sizes, never: until the disk is), or every item is out
+                    wait_until(
+                        lambda: (
+                            (s := pipe.stats()).bytes_in_cache + taken > capacity
+                            or s.disk_errors
+                            or s.items_handed + s.items_ready == len(data)
+                        )
+                    )
+                    names.append(item.name)
+                    pipe.ack(item)
+                stats = pipe.stats()
+        finally:
+            stop.set()
+            sampler.join()
+    assert names == sorted(data) and stats.items_failed == stats.disk_errors == 0, stats
+    assert max(used) <= capacity, f"the disk held {max(used)} bytes, the capacity is {capacity}"
+    assert max(used) > capacity // 2, "the cache never filled: the test did not exercise the cap"

@@ -16,8 +16,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from sampling import block_of
 
 from cachepipe import CacheLockedError, ConfigError, Pipeline
+from cachepipe.blocks import footprint
 from cachepipe.cache.lock import OwnerLock
 from cachepipe.map import map_items
 from cachepipe.map.cli import main as map_main
@@ -462,7 +464,13 @@ def test_a_skipped_oversize_item_is_logged_as_skipped_not_advised_to_be(tmp_path
     with caplog.at_level(logging.WARNING, "cachepipe"):
         with Pipeline(str(src), tmp_path / "c", "2MiB", on_oversize="skip") as pipe:
             assert [item.name for item in pipe] == ["a", "b"]
-    assert "skipping item 'big' (on_oversize='skip'): 3145728 bytes, larger than the cache capacity" in caplog.text
+    # named with both its sizes: as listed, and what it takes in the cache's blocks (its file's, its folder's)
+    block = block_of(tmp_path)
+    assert (
+        f"skipping item 'big' (on_oversize='skip'): 3145728 bytes listed, {footprint([3 * 1024 * 1024], 1, block)} "
+        f"bytes in the filesystem's blocks of {block} bytes (each file rounded up to whole blocks, a block per "
+        "folder), larger than the cache capacity of 2097152 bytes less "
+    ) in caplog.text
     assert "pass on_oversize='skip'" not in caplog.text  # already passed
 
 

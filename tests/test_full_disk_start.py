@@ -27,6 +27,7 @@ from test_unpack import archive_bytes
 from waiting import wait_until
 
 from cachepipe import ItemFailedError, Pipeline
+from cachepipe.cache import tree_bytes
 from cachepipe.client import Client
 from cachepipe.service import roomwait
 from cachepipe.service.roomwait import LOOK_EVERY, RETRY_AFTER, RoomWait
@@ -411,8 +412,9 @@ def test_a_running_pipeline_whose_plan_meets_a_disk_out_of_inodes_waits_for_room
     s3_source.folders(150, {"f": 10})  # the first page (100 keys) at the open, the rest after it
     gate = threading.Event()
     proxy.hold(lambda head: "continuation-token" in head.split("\r\n", 1)[0], gate)
-    with tmpfs(tmp_path / "disk", "1m,nr_inodes=400") as disk:
-        pipe = Pipeline(s3_source.url, disk / "cache", "64KiB", items="folders", storage_options=via(s3_source, endpoint))
+    # room for the first page's 99 items at once: 8 KiB each in whole blocks (a page for its file, one for its folder)
+    with tmpfs(tmp_path / "disk", "2m,nr_inodes=400") as disk:
+        pipe = Pipeline(s3_source.url, disk / "cache", "1MiB", items="folders", storage_options=via(s3_source, endpoint))
         with pipe:
             # the first page's items downloaded: no download under way takes or gives back an inode meanwhile
             # (99: the 100th key's folder may go on in the next page)
@@ -449,8 +451,8 @@ def test_a_running_pipeline_whose_plan_meets_a_disk_out_of_inodes_for_good_fails
     gate = threading.Event()
     proxy.hold(lambda head: "continuation-token" in head.split("\r\n", 1)[0], gate)
     options = {"items": "folders", "retries": 2, "on_error": "skip", "storage_options": via(s3_source, endpoint)}
-    with tmpfs(tmp_path / "disk", "1m,nr_inodes=400") as disk:
-        with Pipeline(s3_source.url, disk / "cache", "64KiB", **options) as pipe:
+    with tmpfs(tmp_path / "disk", "2m,nr_inodes=400") as disk:  # the first page's 99 items at once, 8 KiB each in blocks
+        with Pipeline(s3_source.url, disk / "cache", "1MiB", **options) as pipe:
             wait_until(lambda: pipe.stats().items_ready == 99, what="the first page's items ready")
             with contextlib.suppress(OSError):
                 for n in itertools.count():  # another writer's empty files, one per inode, left there
@@ -488,7 +490,10 @@ def test_a_full_disk_met_by_the_journal_at_open_names_the_disk_and_what_holds_it
             f"[Errno 28] cache_dir '{disk}/cache': its disk is full (No space left on device): the filesystem mounted at '{disk}'"
         )
         assert f"cannot write '{disk}/cache/.cachepipe/journal'" in message, message
-        assert re.search(r"; the cache holds (39|40)\.\d KiB of it, other files 21\d\.\d KiB; ", message), message  # its items
+        # its items and state, in the pages they take (what deleting them frees; a folder takes none on tmpfs)
+        held = tree_bytes(disk / "cache", disk=True)
+        assert 40 * 1024 <= held < 64 * 1024, held  # two items of 20,000 bytes: 5 pages each
+        assert f"; the cache holds {format_size(held)} of it, other files " in message, message
         assert message.endswith("free space there, or give a cache_dir on another filesystem")
         filler.unlink()
 
@@ -689,8 +694,9 @@ def test_a_full_disk_s_blocks_reserved_for_root_are_not_said_to_be_other_files(t
         reserved, used = (st.f_bfree - st.f_bavail) * st.f_frsize, (st.f_blocks - st.f_bfree) * st.f_frsize
         assert reserved > 0
         message = str(err.value)
-        held = int(re.search(r"the cache holds (\d+) B of it", message)[1])  # its lock's line, a few bytes
-        assert f"the cache holds {held} B of it, other files {format_size(used - held)}, " in message, message
+        held = tree_bytes(disk / "cache", disk=True)  # its lock and state folder, in the blocks they take
+        assert 0 < held <= 16 * 1024, held
+        assert f"the cache holds {format_size(held)} of it, other files {format_size(used - held)}, " in message, message
         assert f"and {format_size(reserved)} is reserved for root (not free to other users); " in message, message
 
 

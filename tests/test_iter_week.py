@@ -10,8 +10,12 @@ import traceback
 from pathlib import Path
 
 import pytest
+from sampling import block_of
 
 from cachepipe import ConfigError, Pipeline, UnsafeKeyError
+from cachepipe.blocks import footprint, round_up
+from cachepipe.cache import Cache
+from cachepipe.catalog import Catalog
 from cachepipe.listing import FIRST_PAGE_OBJECTS
 
 
@@ -99,30 +103,58 @@ def test_a_loop_over_a_pipeline_its_first_loop_closed_raises_instead_of_ending_a
         pipe.get()
 
 
-def _one_large_of_four(tmp_path: Path) -> Path:
-    """A local source of four items of 100 bytes but ``item2``, of 9,000."""
+def _one_large_of_four(tmp_path: Path) -> tuple[Path, int, int]:
+    """A local source of four items of 100 bytes but ``item2``, and a capacity that leaves
+    ``item2`` out of a plan made over the listing alone. Returns ``(source, item2's size, the
+    capacity)``. In whole blocks, measured on a cache opened beside the test's over the same
+    items: the capacity holds the state and three blocks (a small item takes two: its file's
+    block and its folder's); the plan is made before the state's files are measured (the
+    journal's budget and the state folder alone), beside which ``item2`` is a block too large."""
+    block = block_of(tmp_path)
+    catalog = Catalog(mode="folders")
+    for i in range(4):
+        catalog.add(f"item{i}", [("f", 100, None)])  # the budget counts names, not sizes
+    probe = Cache(tmp_path / "probe", 1 << 20)
+    probe.open()
+    try:
+        probe.recover(catalog, resume=False)
+        state = probe.capacity - probe.limit
+    finally:
+        probe.close()
+    planned_beside = round_up(Cache.journal_budget(catalog), block) + block
+    capacity = state + 3 * block
+    large = capacity - planned_beside  # its file alone fills the room the plan sees; its folder is over it
     src = tmp_path / "src"
     for i in range(4):
         (src / f"item{i}").mkdir(parents=True)
-        (src / f"item{i}" / "f").write_bytes(bytes(9000 if i == 2 else 100))
-    return src
+        (src / f"item{i}" / "f").write_bytes(bytes(large if i == 2 else 100))
+    return src, large, capacity
+
+
+def _left_out(whose: str, large: int, capacity: int, block: int) -> str:
+    """The refusal's reason: item2 left out, named with both its sizes and the capacity."""
+    return (
+        rf"1 item\(s\) of {whose} do not fit this cache and were left out of this one \(on_oversize='skip'\): the "
+        rf"largest, 'item2', is {large} bytes listed, {footprint([large], 1, block)} bytes in the filesystem's blocks "
+        rf"of {block} bytes .*larger than the cache capacity of {capacity} bytes less \d+ bytes taken by other files "
+        r"and cachepipe's state; resume with a capacity that holds them"
+    )
 
 
 def test_a_state_loaded_where_a_smaller_capacity_leaves_an_item_out_says_so(tmp_path):
     # A state loads into a pipeline of another capacity; but one whose capacity leaves an item
     # out of its plan (on_oversize="skip", planning alone) has a plan of fewer items, and the
-    # refusal said only "n_items=4, this plan has n_items=3", not why nor what to do.
-    src = _one_large_of_four(tmp_path)
+    # refusal said only "n_items=4, this plan has n_items=3", not why nor what to do. It names
+    # the item's size as listed and what it takes in whole blocks, which decided it.
+    src, large, capacity = _one_large_of_four(tmp_path)
     options = {"epochs": 2, "shuffle": True, "seed": 5, "rank": 0, "world_size": 1}
     with Pipeline(src, tmp_path / "a", "1MiB", auto_ack=False, **options) as pipe:
         pipe.ack(pipe.get(timeout=30))
         state = pipe.state_dict()
-    again = Pipeline(src, tmp_path / "b", 8000, on_oversize="skip", **options)
+    again = Pipeline(src, tmp_path / "b", capacity, on_oversize="skip", **options)
     again.load_state_dict(state)
     with pytest.raises(
-        ConfigError,
-        match=r"n_items=3: cannot resume: 1 item\(s\) of the state's plan \(the largest 9000 bytes\) "
-        r"do not fit this cache's capacity of 8000 bytes .*resume with a capacity that holds them",
+        ConfigError, match=r"n_items=3: cannot resume: " + _left_out("the state's plan", large, capacity, block_of(tmp_path))
     ):
         again.open()
 
@@ -131,13 +163,11 @@ def test_a_pass_resumed_where_a_smaller_capacity_leaves_an_item_out_says_so(tmp_
     # resume=True over a cache kept by a pass of 4 items, reopened with a capacity that leaves
     # one out (on_oversize="skip"): the refusal said only "n_items 4 there, 3 here; sizes_digest
     # ... differ", not that an item was left out for the capacity, nor what to do.
-    src = _one_large_of_four(tmp_path)
+    src, large, capacity = _one_large_of_four(tmp_path)
     options = {"epochs": 2, "shuffle": True, "seed": 5}
     with Pipeline(src, tmp_path / "a", "1MiB", auto_ack=False, keep_on_close=True, **options) as pipe:
         pipe.ack(pipe.get(timeout=30))
     with pytest.raises(
-        ConfigError,
-        match=r"n_items 4 there, 3 here.* 1 item\(s\) of the listing \(the largest 9000 bytes\) do not fit this "
-        r"cache's capacity of 8000 bytes and were left out of this one \(on_oversize='skip'\); resume with a capacity",
+        ConfigError, match=r"n_items 4 there, 3 here.*\. " + _left_out("the listing", large, capacity, block_of(tmp_path))
     ):
-        Pipeline(src, tmp_path / "a", 8000, on_oversize="skip", resume=True, **options).open()
+        Pipeline(src, tmp_path / "a", capacity, on_oversize="skip", resume=True, **options).open()

@@ -42,3 +42,56 @@ def test_no_room_for_any_item_is_a_config_error_naming_the_dir():
     ledger.check_room("/c", overhead=39)
     with pytest.raises(ConfigError, match=r"'/c' holds 60 bytes .* needs 40 bytes .* capacity of 100"):
         ledger.check_room("/c", overhead=40)
+
+
+# ---- what an item is charged: its files in whole blocks, a block per folder (cachepipe.blocks)
+
+
+def test_footprint_rounds_each_file_up_to_whole_blocks():
+    from cachepipe.blocks import footprint
+
+    block = 4096  # ext4, XFS, btrfs
+    assert footprint([1], 0, block) == 4096
+    assert footprint([0], 0, block) == 0  # an empty file takes no block
+    assert footprint([4096], 0, block) == 4096
+    assert footprint([4097], 0, block) == 8192
+    assert footprint([], 0, block) == 0
+    assert footprint([512] * 8, 1, block) == 9 * 4096  # eight small files in their folder
+    assert footprint([1, 4097, 0], 3, 512) == 512 + 9 * 512 + 3 * 512
+
+
+def test_folders_made_counts_the_item_and_each_distinct_folder_below_it():
+    from cachepipe.blocks import folders_made
+
+    assert folders_made([""], is_file=True) == 0  # a single object: its file only
+    assert folders_made([""], is_file=True, name="a/b/x.bin") == 2  # and the folders of its name
+    assert folders_made(["x", "y"], is_file=False) == 1  # its own folder
+    assert folders_made(["a/b/x", "a/b/y", "a/z", "c/w"], is_file=False) == 1 + 3  # a, a/b, c
+    assert folders_made(["a/b/c/x"], is_file=False) == 4
+
+
+def test_block_is_held_to_a_sane_range():
+    from cachepipe.blocks import BLOCK_MAX, BLOCK_MIN, clamp_block
+
+    assert clamp_block(4096) == 4096
+    assert clamp_block(0) == BLOCK_MIN == 512  # not reported
+    assert clamp_block(1 << 20) == BLOCK_MAX == 65536  # NFS: the server's I/O size, not a block
+
+
+def test_catalog_charge_is_the_items_and_over_limit_finds_each_item_over_it():
+    from cachepipe.cache import Cache
+    from cachepipe.catalog import Catalog
+
+    catalog = Catalog()
+    catalog.add("small", [("x", 10, None), ("d/y", 10, None)])  # 2 files + 2 folders
+    catalog.add("big", [("x", 9000, None)])  # 3 blocks + 1 folder
+    catalog.add("many", [(f"f{i}", 1, None) for i in range(8)])  # 8 files + 1 folder
+    cache = Cache.__new__(Cache)  # charge() reads the block alone
+    cache.block = 4096
+    assert (
+        [catalog.charge(i, 4096) for i in range(3)] == [cache.charge(item) for item in catalog] == [4 * 4096, 4 * 4096, 9 * 4096]
+    )
+    assert list(catalog.over_limit(9 * 4096, 4096)) == []
+    assert list(catalog.over_limit(8 * 4096, 4096)) == [(2, 9 * 4096)]  # 8 bytes listed: over by its blocks
+    assert list(catalog.over_limit(100, 0)) == [(1, 9000)]  # block 0: the listed sizes
+    assert cache.charge(catalog[0], extra=1) == 5 * 4096  # extra rounded up to a whole block

@@ -26,6 +26,7 @@ from sampling import Sampler
 from test_unpack import archive_bytes, md5_sidecar, media_clip, tar_bytes, volumes
 from waiting import wait_until
 
+from cachepipe.blocks import clamp_block, round_up
 from cachepipe.cache import Cache, tree_bytes
 from cachepipe.errors import (
     CacheLockedError,
@@ -119,14 +120,17 @@ def test_video_shards_split_into_clips_and_rerun_skips_them(remote_source, s3_cl
     script, log, cache = tmp_path / "split.py", tmp_path / "runs.log", tmp_path / "cache"
     script.write_text(SPLIT)
     dst = remote_source.url.replace("/video/", "/clips/")
-    capacity = 1 * MIB
+    # counted as the cache counts (files in whole blocks, a block per folder): the two jobs' slots
+    # (extraction, outputs at 2.5x, margin, their folders), a shard and the run's state
+    block = clamp_block(os.statvfs(tmp_path).f_frsize)
+    capacity = 1 * MIB + 32 * block
     command = [
         remote_source.url,
         dst,
         "--cache",
         str(cache),
         "--capacity",
-        "1MiB",
+        str(capacity),
         "--items",
         "files",
         "--unpack",
@@ -144,7 +148,7 @@ def test_video_shards_split_into_clips_and_rerun_skips_them(remote_source, s3_cl
         str(log),
     ]
 
-    with Sampler(cache) as sampler:
+    with Sampler(cache, block=block) as sampler:
         proc = cli(*command)
     assert proc.returncode == 0, proc.stderr
     assert "4 done, 0 failed, 0 already done" in proc.stderr
@@ -196,13 +200,14 @@ def test_split_targz_volumes_with_md5_files_unpacked_and_written_back(s3_source,
 
     # as in the seed, the results go beside compressed/ and md5/, under SRC: they are not listed as items
     s3_source.put("video/earlier-run/x.webm", b"old")
+    block = clamp_block(os.statvfs(tmp_path).f_frsize)  # the capacity counts whole blocks, a block per folder
     proc = cli(
         s3_source.url,
         s3_source.url + "video/",
         "--cache",
         str(tmp_path / "cache"),
         "--capacity",
-        "256KiB",
+        str(256 * KIB + 32 * block),
         "--items",
         "files",
         "--unpack",
@@ -240,7 +245,8 @@ def test_clip_archives_copied_out_with_the_defaults_and_a_too_small_reserve_name
     captions = tar_bytes({"captions.txt": text}, "w:gz")  # compresses a hundredfold: more than the default reserve
     s3_source.put("shards/captions.tar.gz", captions)
     cache, capacity = tmp_path / "cache", 1 * MIB
-    with Sampler(cache) as sampler:
+    block = clamp_block(os.statvfs(tmp_path).f_frsize)  # the cap, the reserves and the extraction count whole blocks
+    with Sampler(cache, block=block) as sampler:
         proc = cli(
             s3_source.url + "shards/",
             "s3://data/out/",
@@ -260,9 +266,11 @@ def test_clip_archives_copied_out_with_the_defaults_and_a_too_small_reserve_name
     assert {k: v for k, v in results.items() if not k.endswith(DONE_MARKER)} == {
         f"clips.{fmt}/{rel}": data for fmt, files in clips.items() for rel, data in files.items()
     }
-    assert "captions.tar.gz: ArchiveTooLargeError" in proc.stderr and f"would bring the item to {len(text)} bytes" in proc.stderr
+    # the extraction's folder and its one member, in whole blocks
+    reached = block + round_up(len(text), block)
+    assert "captions.tar.gz: ArchiveTooLargeError" in proc.stderr and f"would bring the item to {reached} bytes" in proc.stderr
     assert (
-        f"unpack_ratio (--unpack-ratio) 1.25 reserves {math.ceil(1.25 * len(captions))} bytes "
+        f"unpack_ratio (--unpack-ratio) 1.25 reserves {round_up(math.ceil(1.25 * len(captions)), block)} bytes "
         f"for this item of {len(captions)} bytes" in proc.stderr
     )
     assert sampler.peak <= capacity
@@ -275,7 +283,8 @@ def test_split_targz_volumes_with_md5_sidecars_copied_out_with_the_defaults(s3_s
     rng = __import__("random").Random(15)
     expected = {}
     for item in ("a", "b", "c"):
-        videos = {f"{item}/{n}.webm": rng.randbytes(rng.randint(2000, 6000)) for n in range(4)}
+        # members of 10-30 KB: the default unpack_ratio holds them in whole blocks (4 KiB ones, on most filesystems)
+        videos = {f"{item}/{n}.webm": rng.randbytes(rng.randint(10_000, 30_000)) for n in range(4)}
         names = [f"{item}.tar.gz-{i:02d}" for i in range(3)]
         for name, part in volumes(tar_bytes(videos, "w:gz"), names).items():
             s3_source.put(f"arch/{item}/{name}", part)
@@ -320,8 +329,17 @@ def test_dry_run_predicts_what_the_run_refuses(s3_source, s3_client, tmp_path, c
     command = ["--", "sh", "-c", 'cp a.bin "$CACHEPIPE_OUT/"']
     code = main([*args, "--dry-run", *command])
     out = capsys.readouterr().out.splitlines()
-    state = 2 * (4 * len("big" + "small") + (EVENT_OVERHEAD + VERSION_OVERHEAD) * 2) + 256 + 4096  # journal budget, state files
-    why = f"item is {950 * KIB} bytes, more than the {896 * KIB - state} bytes the capacity leaves for downloads"
+    # in whole blocks, as the downloads' cache counts: the journal's budget, the state's folders and files (the state
+    # folder, its lock, journal and staging folder) and the work folder; the slot's own 4 folders beside its reserve
+    block = clamp_block(os.statvfs(tmp_path).f_frsize)
+    budget = 2 * (4 * len("big" + "small") + (EVENT_OVERHEAD + VERSION_OVERHEAD) * 2) + 256
+    state = round_up(budget, block) + 5 * block
+    largest = 896 * KIB - 4 * block - state
+    charge = round_up(950 * KIB, block) + block  # the file, and its folder
+    why = (
+        f"item is {950 * KIB} bytes listed, {charge} bytes in the filesystem's blocks of {block} bytes, more than the "
+        f"{largest} bytes the capacity leaves for downloads"
+    )
     assert code == 1
     assert out[0] == "would run: small -> s3://data/out/small/"
     assert (
@@ -369,6 +387,7 @@ def test_kill_9_mid_upload_then_rerun_completes_each_item_once(s3_source, s3_cli
     data = s3_source.folders(6, {"in.bin": 2000})
     script, log, cache = tmp_path / "many.py", tmp_path / "runs.log", tmp_path / "cache"
     script.write_text(MANY_OUTPUTS)
+    block = clamp_block(os.statvfs(tmp_path).f_frsize)  # outputs and the cap count whole blocks
     command = [
         sys.executable,
         "-m",
@@ -378,9 +397,9 @@ def test_kill_9_mid_upload_then_rerun_completes_each_item_once(s3_source, s3_cli
         "--cache",
         str(cache),
         "--capacity",
-        "64KiB",
+        str(64 * block),
         "--out-reserve",
-        "8KiB",
+        str(20 * block),  # 20 outputs of 101 bytes: a block each
         "--upload-concurrency",
         "1",
         "--no-progress",
@@ -681,7 +700,8 @@ def test_outputs_over_their_reserve_are_stopped_and_the_cap_holds(s3_source, s3_
     for name in ("grows-input", "hog", "small"):
         s3_source.put(f"{name}/in.bin", os.urandom(1000))
     cache, capacity = tmp_path / "cache", 1536 * KIB
-    with Sampler(cache) as sampler:
+    block = clamp_block(os.statvfs(tmp_path).f_frsize)  # what a job's slot holds is measured in whole blocks, as the cap
+    with Sampler(cache, block=block) as sampler:
         result = map_items(
             [sys.executable, "-c", WRITER],
             s3_source.url,
@@ -694,26 +714,59 @@ def test_outputs_over_their_reserve_are_stopped_and_the_cap_holds(s3_source, s3_
             storage_options=s3_source.options,
         )
     assert result.items_done == 1 and {f.name for f in result.failed} == {"grows-input", "hog"}
+    written = round_up(220_000, block)  # out.bin, in the slot's out or in the input folder
     for failure in result.failed:
         assert (
             failure.attempts == 1
             and "OutputTooLargeError: item" in failure.error
-            and "outputs reached 220000 bytes, over its reserve of 204800 bytes" in failure.error
+            and f"outputs reached {written} bytes, over its reserve of 204800 bytes" in failure.error
             and "slot" not in failure.error
         )
-    assert result.peak_job_bytes == 220_000  # passed the reserve, within the margin
+    assert result.peak_job_bytes == written + 4 * block  # passed the reserve, within the margin (the slot's folders too)
     killed = [
         r.getMessage() for r in caplog.records if r.getMessage().endswith("passed its reserve of 204800 bytes: command killed")
     ]
     assert len(killed) == 2  # by the watcher, not measured after the command ended by itself
-    assert result.download_capacity == capacity - 3 * 328 * KIB
+    assert result.download_capacity == capacity - 3 * (328 * KIB + 4 * block)
     assert sampler.peak <= capacity
     assert sorted(bucket(s3_client, "out/")) == [f"small/{DONE_MARKER}", "small/out.bin"]
     assert_cache_clean(cache)
 
 
+def test_a_job_s_files_are_counted_in_whole_blocks_as_the_cap_counts_them(tmp_path):
+    """A job's slot was measured in the files' bytes while the cap counts what they take on the
+    disk: 64 outputs of one byte (64 bytes, 64 blocks) passed an out_reserve of 16 KiB, and an
+    archive of 64 one-byte members passed its extraction's reserve of 1.25 times its size (in
+    listed bytes: the extraction's budget counted no blocks), each taking 64 blocks in a slot
+    whose share of the capacity was a few: by that much the cap could be passed. Now both are
+    measured as the cache counts (whole blocks, a block per folder): the item fails, naming its
+    reserve and the block."""
+    block = clamp_block(os.statvfs(tmp_path).f_frsize)
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "f").write_bytes(b"x" * 100)
+    many = 'for i in $(seq 64); do printf x > "$CACHEPIPE_OUT/$i"; done'
+    options = {"cache_dir": tmp_path / "cache", "capacity": "1MiB", "retries": 0}
+    result = map_items(["sh", "-c", many], str(tmp_path / "src"), str(tmp_path / "dst"), out_reserve="16KiB", **options)
+    (failure,) = result.failed
+    # stopped by the watcher on the way, or measured once the command ended: a count of whole blocks either way
+    said = rf"outputs reached (\d+) bytes, over its reserve of {round_up(16 * KIB, block)} bytes, counted in the filesystem's"
+    reached = re.search(said + rf" blocks of {block} bytes", failure.error)
+    assert "OutputTooLargeError" in failure.error and reached and int(reached[1]) % block == 0, failure.error
+    (tmp_path / "archives").mkdir()
+    archive = tar_bytes({f"{i}.txt": b"x" for i in range(64)}, "w:gz")
+    (tmp_path / "archives" / "tiny.tar.gz").write_bytes(archive)
+    options["items"] = "files"
+    result = map_items(None, str(tmp_path / "archives"), str(tmp_path / "out"), unpack=True, **options)
+    (failure,) = result.failed
+    assert "ArchiveTooLargeError" in failure.error and f"in whole blocks of {block} bytes" in failure.error, failure.error
+    assert f"reserves {round_up(math.ceil(1.25 * len(archive)), block)} bytes for this item" in failure.error
+    assert not (tmp_path / "out").exists() and not (tmp_path / "dst").exists()
+    assert_cache_clean(tmp_path / "cache")
+
+
 def test_outputs_that_pass_the_margin_say_the_cap_may_have_been_passed(s3_source, tmp_path):
     s3_source.put("burst/in.bin", os.urandom(1000))
+    block = clamp_block(os.statvfs(tmp_path).f_frsize)
     result = map_items(
         [sys.executable, "-c", WRITER],
         s3_source.url,
@@ -725,10 +778,12 @@ def test_outputs_that_pass_the_margin_say_the_cap_may_have_been_passed(s3_source
         storage_options=s3_source.options,
     )
     (failure,) = result.failed
-    assert "outputs reached 400000 bytes, over its reserve of 204800 bytes" in failure.error
+    assert f"outputs reached {round_up(400_000, block)} bytes, over its reserve of 204800 bytes" in failure.error
+    slot = 328 * KIB + 4 * block  # the reserve and the margin, and the slot's own folders
+    over = round_up(400_000, block) + 4 * block - slot
     assert (
-        "passed the job's slot of 335872 bytes (reserve + margin), so the cache may have held up to 64128 bytes more "
-        "than its capacity"
+        f"passed the job's slot of {slot} bytes (reserve + margin + the slot's own folders), so the cache may have held "
+        f"up to {over} bytes more than its capacity"
         in failure.error
         and "raise out_margin (--out-margin)" in failure.error
     )
@@ -885,11 +940,17 @@ def test_the_state_of_the_downloads_pipeline_is_part_of_the_sizing_so_the_dry_ru
         (many / f"f{i:03d}.bin").write_bytes(b"x" * 10)
     (one / "big").mkdir(parents=True)
     (one / "big" / "in.bin").write_bytes(b"x" * 19_900)
-    for src, capacity, said in (
-        (many, "60000", "bytes for the state of a run over 400 items"),
-        (one, "60000", "item is 19900 bytes, more than the"),
+    block = clamp_block(os.statvfs(tmp_path).f_frsize)
+    for src, said in (
+        (many, "bytes for the state of a run over 400 items"),
+        (one, f"item is 19900 bytes listed, {round_up(19_900, block) + block} bytes in the filesystem's blocks of {block} bytes"),
     ):
         items = ["--items", "files"] if src == many else []
+        sized = map_items(["true"], str(src), str(tmp_path / "dst"), cache_dir=tmp_path / "cache", capacity="1GiB",
+                          out_reserve=20000, items="files" if src == many else "folders", dry_run=True)  # fmt: skip
+        # 8 blocks beside the job's slot: room for an item of 10 bytes, not beside the state of 400 of them; for
+        # the state of one item, not beside it
+        capacity = str(sized.reserve + sized.margin + 8 * block)
         args = [str(src), str(tmp_path / "dst"), "--cache", str(tmp_path / "cache"), "--capacity", capacity]
         args += ["--out-reserve", "20000", "--no-progress", *items]
         for dry in (["--dry-run"], []):
@@ -1550,7 +1611,9 @@ def test_unpack_keeps_a_folder_item_s_files_that_are_not_archives(s3_source, s3_
     """A folder item of an archive and a caption arrived as the extraction alone: the caption was
     dropped without a word (``Pipeline(unpack=True)`` keeps it, and docs/archives.md says so). A
     caption at the path of an extracted member fails its item, naming both."""
-    frame = __import__("random").Random(7).randbytes(5000)  # incompressible: within the default unpack reserve
+    # incompressible, and large beside a block: within the default unpack reserve in whole blocks, with x.bin's
+    # rounding up, the folder d and y.txt's block
+    frame = __import__("random").Random(7).randbytes(50_000)
     s3_source.put("clips/a/frames.tar.gz", tar_bytes({"x.bin": frame, "d/y.txt": b"hello"}, "w:gz"))
     s3_source.put("clips/a/text.txt", b"a caption")
     s3_source.put("clips/b/frames.tar", tar_bytes({"text.txt": b"extracted"}, "w"))
@@ -1645,7 +1708,7 @@ def test_a_name_that_is_not_utf8_is_mapped_and_printed_as_its_bytes(tmp_path):
         assert done.returncode == 0, done.stderr.decode(errors="replace")
         assert done.stdout.splitlines()[0] == b"would run: caf\xe9 -> " + os.fsencode(tmp_path / "out") + b"/caf\xe9/"
     command = ["--", "sh", "-c", 'cp a.bin "$CACHEPIPE_OUT/" && printf %s "$CACHEPIPE_NAME" > "$CACHEPIPE_OUT/name"']
-    argv = [sys.executable, "-m", "cachepipe.map", *args, "--out-reserve", "1KiB", "--no-progress", *command]
+    argv = [sys.executable, "-m", "cachepipe.map", *args, "--out-reserve", "64KiB", "--no-progress", *command]  # 2 files
     done = subprocess.run(argv, capture_output=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr.decode(errors="replace")
     out = os.fsencode(tmp_path / "out") + b"/caf\xe9"
@@ -1685,8 +1748,15 @@ def test_names_of_undecodable_bytes_are_sized_as_the_cache_budgets_them_on_a_rer
 
     src = os.fsencode(tmp_path / "src")
     names = [b"\xe9" * 50 + b"%02d" % i for i in range(20)]
-    downloads = 256 * 1024 - 2 * 1024  # the capacity less one job's reserve and margin
-    sized = downloads - (journal_budget_of(sum(map(len, names)), len(names)) + 4096)  # the largest, one byte a byte
+    (tmp_path / "one" / "a").mkdir(parents=True)
+    (tmp_path / "one" / "a" / "a.bin").write_bytes(b"a")
+    options = {"cache_dir": tmp_path / "cache", "capacity": "256KiB", "out_reserve": 1024, "out_margin": 1024, "jobs": 1}
+    slot = map_items(["true"], str(tmp_path / "one"), str(tmp_path / "dst"), dry_run=True, **options)  # a job's share
+    # in whole blocks, as the cache counts: the largest item, its names' undecodable bytes counted one byte a byte
+    # (the journal's budget, the state's 4 blocks and the work folder's; the item's file beside its folder's block)
+    block = clamp_block(os.statvfs(tmp_path).f_frsize)
+    state = round_up(journal_budget_of(sum(map(len, names)), len(names)), block) + 5 * block
+    sized = (256 * KIB - (slot.reserve + slot.margin) - state) // block * block - block
     for i, name in enumerate(names):
         os.makedirs(src + b"/" + name)
         with open(src + b"/" + name + b"/a.bin", "wb") as fh:
@@ -1695,7 +1765,6 @@ def test_names_of_undecodable_bytes_are_sized_as_the_cache_budgets_them_on_a_rer
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     killed = subprocess.run(argv, capture_output=True, timeout=120, env=env, check=False)
     assert killed.returncode == -signal.SIGKILL, killed.stderr.decode(errors="replace")
-    options = {"cache_dir": tmp_path / "cache", "capacity": "256KiB", "out_reserve": 1024, "out_margin": 1024, "jobs": 1}
     result = map_items(["true"], str(tmp_path / "src"), str(tmp_path / "dst"), **options)
     assert [(f.name, f.attempts) for f in result.failed] == [(os.fsdecode(names[-1]), 0)], result.failed  # refused
     assert "give capacity (--capacity) at least" in result.failed[0].error and result.items_done == len(names) - 1
@@ -1865,7 +1934,7 @@ from cachepipe.map import map_items
 src, dst, cache = sys.argv[1:4]
 script = 'mkdir "$CACHEPIPE_OUT/ro" && cp f "$CACHEPIPE_OUT/ro/g" && chmod 555 "$CACHEPIPE_OUT/ro" "$CACHEPIPE_OUT"'
 command = ["sh", "-c", script]
-result = map_items(command, src, dst, cache_dir=cache, capacity="1MiB", out_reserve="4KiB")
+result = map_items(command, src, dst, cache_dir=cache, capacity="1MiB", out_reserve="64KiB")  # a few blocks
 print(json.dumps([result.items_done, [f.error for f in result.failed]]))
 """
 
@@ -1898,7 +1967,7 @@ import json, os, sys
 from cachepipe.map import map_items
 src, dst, cache = sys.argv[1:4]
 command = ["sh", "-c", 'cp f "$CACHEPIPE_OUT/g" && mkdir sub && chmod 555 sub .']  # its input folder made read-only
-result = map_items(command, src, dst, cache_dir=cache, capacity="1MiB", out_reserve="4KiB")
+result = map_items(command, src, dst, cache_dir=cache, capacity="1MiB", out_reserve="64KiB")  # a few blocks
 print(json.dumps([result.items_done, [f.error for f in result.failed]]))
 """
 

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sampling import Sampler
+from sampling import Sampler, block_of, charge
 from waiting import wait_until
 
 from cachepipe.catalog import Item
@@ -52,6 +52,15 @@ def read_lanes(pipe: NodePipeline, lanes: list[tuple[int, int]], out: dict) -> N
 def expected(names, sizes, rank, worker, world, workers, **kw):
     plan = Plan(sizes, rank=rank, world_size=world, worker=worker, num_workers=workers, **kw)
     return [(s.epoch, names[s.item]) for s in plan]
+
+
+def state_of(source: str, tmp_path: Path, **options) -> int:
+    """What a node's cache over ``source`` counts for its own state (``.cachepipe``: its files
+    and the journal's budget, in whole blocks), measured on a cache opened beside the test's: a
+    capacity sized in the items' charges holds this too. ``options``: ``storage_options``."""
+    with NodePipeline(source, tmp_path / "state-probe", "4MiB", ranks=[0], world_size=1, **options) as probe:
+        probe.take(0, 0, (0, 0), timeout=10)
+        return probe._cache.ledger.overhead
 
 
 def numbered_items(source: Path, count: int) -> list[str]:
@@ -434,10 +443,12 @@ def test_a_waiting_lane_gets_the_room_of_an_item_planned_ahead_for_a_lane_that_i
     s3_source, tmp_path, retain, give_back_after
 ):
     """Two ranks that step together, as DDP ranks without DataLoader workers: each holds the
-    item it trains on until the other has its next. Room for 88 KiB: rank 0 holds its first
-    item (20 KiB), and its second (20 KiB) was planned first (the lower lane, at a tie) and
-    fetched while there was room. Rank 1's second item (60 KiB) has no room beside what rank 0,
-    which waits for rank 1, holds, even once rank 1 consumes its first. Before, rank 1 waited
+    item it trains on until the other has its next. Room (beside the state) for an item of
+    20 KiB, one of 60 KiB and two blocks, in what they take on the disk (their file and folder
+    in whole blocks: 24 and 64 KiB on 4 KiB blocks): rank 0 holds its first item (20 KiB), and
+    its second (20 KiB) was planned first (the lower lane, at a tie) and fetched while there was
+    room. Rank 1's second item (60 KiB) has no room beside what rank 0, which waits for rank 1,
+    holds, even once rank 1 consumes its first. Before, rank 1 waited
     for ever; now rank 0's second item, not handed out, is given back (deleted, or left to the
     retention policy, which then evicts it) and planned again. Without retention after the
     default wait (5 s), with retention at the first check (``give_back_after=0``): what is given
@@ -449,12 +460,15 @@ def test_a_waiting_lane_gets_the_room_of_an_item_planned_ahead_for_a_lane_that_i
         s3_source.put(f"item{i:03d}/a.bin", bytes(size * KIB))
     names = [f"item{i:03d}" for i in range(len(sizes))]
     cache = tmp_path / "node"
+    block = block_of(tmp_path)
+    room = charge(tmp_path, [20 * KIB], 1) + charge(tmp_path, [60 * KIB], 1) + 2 * block
+    capacity = state_of(s3_source.url, tmp_path, storage_options=s3_source.options) + room
     setting = {} if give_back_after is None else {"give_back_after": give_back_after}
     pipe = NodePipeline(
-        s3_source.url, cache, "88KiB", ranks=[0, 1], world_size=2, storage_options=s3_source.options, balance="count",
+        s3_source.url, cache, capacity, ranks=[0, 1], world_size=2, storage_options=s3_source.options, balance="count",
         shuffle=False, retain=retain, **setting,
     )  # fmt: skip
-    with Sampler(cache) as sampler, pipe:
+    with Sampler(cache, block=block) as sampler, pipe:
         first = [pipe.take(r, 0, (0, 0), timeout=10) for r in (0, 1)]
         wait_until(lambda: pipe.stats().bytes_downloaded == 60 * KIB and pipe._cache.shortfall())  # rank 1's second waits
         second = pipe.take(1, 0, first[1].after, timeout=30)  # consumes rank 1's first; given back after give_back_after
@@ -463,14 +477,54 @@ def test_a_waiting_lane_gets_the_room_of_an_item_planned_ahead_for_a_lane_that_i
         got[1].append(second.item.name)
         got[0] += [t.item.name for t in [pipe.take(0, 0, first[0].after, timeout=10)]]
         stats = pipe.stats()
-    assert sampler.peak <= 88 * KIB
+    assert sampler.peak <= capacity
     assert got == {0: names[0:4:2], 1: names[1:4:2]}
     assert stats.bytes_downloaded == (sum(sizes[:4]) + sizes[2]) * KIB  # rank 0's second item twice
 
 
+def test_a_waiting_lane_is_given_back_what_its_download_lacks_in_the_ledger_s_bytes(s3_source, tmp_path, caplog):
+    """The give-back counts what each item given back frees as the ledger counts it (its file
+    and folder in whole blocks), not its listed size. Items of 20 KiB (24 KiB on the disk on
+    4 KiB blocks), room for five beside the state: ranks 0 and 1 take their first, and the node
+    fetches rank 0's second and third and rank 1's second. Rank 1 reads on to its third (68 KiB
+    listed, 72 on the disk), which lacks one item's room beside what rank 0 holds (its first in
+    hand, its second and third ahead). Rank 0's third, given back, frees exactly that. Before,
+    the give-back counted its 20 KiB listed, not enough for 24 KiB lacking, and gave back rank
+    0's second too: downloaded again for nothing."""
+    import logging
+
+    sizes = [20, 20, 20, 20, 20, 68, 20, 20]  # balance="count": rank 0 the even items, rank 1 the odd
+    names, store = _gated_items(s3_source, sizes)
+    cache = tmp_path / "node"
+    block, item = block_of(tmp_path), charge(tmp_path, [20 * KIB], 1)
+    capacity = state_of(s3_source.url, tmp_path, storage_options=s3_source.options) + 5 * item
+    pipe = NodePipeline(
+        s3_source.url, cache, capacity, ranks=[0, 1], world_size=2, store=store, balance="count", shuffle=False,
+        give_back_after=0.0,
+    )  # fmt: skip
+    with Sampler(cache, block=block) as sampler, pipe, caplog.at_level(logging.INFO, logger="cachepipe.node"):
+        first = [pipe.take(r, 0, (0, 0), timeout=10) for r in (0, 1)]
+        wait_until(lambda: pipe.stats().bytes_downloaded == 5 * 20 * KIB and pipe._cache.shortfall())  # rank 1's third waits
+        second = pipe.take(1, 0, first[1].after, timeout=10)
+        third = pipe.take(1, 0, second.after, timeout=10)  # rank 1's second consumed: a 20 KiB item's room lacks
+        gave = [r.getMessage() for r in caplog.records if "gave back" in r.getMessage()]
+        got = {0: [first[0].item.name], 1: [t.item.name for t in (first[1], second, third)]}
+        at = first[0].after
+        for _ in range(2):
+            taken = pipe.take(0, 0, at, timeout=10)
+            got[0].append(taken.item.name)
+            at = taken.after
+    assert sampler.peak <= capacity
+    assert got == {0: names[0:6:2], 1: names[1:6:2]}
+    assert gave == ["lane 1.0 waits for room: gave back 1 items planned ahead for other lanes"], gave
+    gets = {name: store.gets.get(f"{name}/a.bin", 0) for name in names[:6]}
+    assert gets == {name: 2 if name == names[4] else 1 for name in names[:6]}, gets  # before, rank 0's second twice too
+
+
 def test_a_lane_waiting_while_consumers_hold_the_whole_cache_is_logged(s3_source, tmp_path, monkeypatch, caplog):
-    """Rank 0 holds its first item (30 KiB) while rank 1 waits for its second (60 KiB) in 88 KiB:
-    no room can be made (what rank 0 holds is in its hand), so the capacity is too small for
+    """Rank 0 holds its first item (30 KiB) while rank 1 waits for its second (60 KiB), with room
+    (beside the state) for both but a block, in what they take on the disk (34 and 64 KiB on
+    4 KiB blocks): no room can be made (what rank 0 holds is in its hand), so the capacity is too small for
     ranks that hold their items while they wait for each other. The node says so once the lane
     has waited ``HELD_WARNING`` seconds (made 0 here), naming the lane and the capacity; once
     rank 0 consumes, rank 1 gets its item."""
@@ -482,10 +536,13 @@ def test_a_lane_waiting_while_consumers_hold_the_whole_cache_is_logged(s3_source
     for i, size in enumerate([30, 30, 30, 60]):  # rank 0: items 0, 2; rank 1: items 1, 3
         s3_source.put(f"item{i:03d}/a.bin", bytes(size * KIB))
     cache = tmp_path / "node"
+    block = block_of(tmp_path)
+    room = charge(tmp_path, [30 * KIB], 1) + charge(tmp_path, [60 * KIB], 1) - block  # two of 30 KiB, not three
+    capacity = state_of(s3_source.url, tmp_path, storage_options=s3_source.options) + room
     pipe = NodePipeline(
-        s3_source.url, cache, "88KiB", ranks=[0, 1], world_size=2, storage_options=s3_source.options, give_back_after=0.0
+        s3_source.url, cache, capacity, ranks=[0, 1], world_size=2, storage_options=s3_source.options, give_back_after=0.0
     )
-    with Sampler(cache) as sampler, pipe:
+    with Sampler(cache, block=block) as sampler, pipe:
         first = [pipe.take(r, 0, (0, 0), timeout=10) for r in (0, 1)]
         with caplog.at_level(logging.WARNING, logger="cachepipe.node"), pytest.raises(TimeoutError):
             pipe.take(1, 0, first[1].after, timeout=2.5)
@@ -494,7 +551,7 @@ def test_a_lane_waiting_while_consumers_hold_the_whole_cache_is_logged(s3_source
         assert "lane 1.0 has waited" in warned[0] and f"capacity {pipe.stats().capacity}" in warned[0]
         pipe.consume(0, 0, first[0].after)
         assert pipe.take(1, 0, first[1].after, timeout=10).item.name == "item003"
-    assert sampler.peak <= 88 * KIB
+    assert sampler.peak <= capacity
 
 
 class _Gated:
@@ -517,6 +574,18 @@ class _Gated:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def _gated_items(s3_source, sizes: list[int]) -> tuple[list[str], _Gated]:
+    """Items ``item000``.. of one file of ``sizes[i]`` KiB each, their names, and a store over
+    them that counts the GETs (its gate open)."""
+    from cachepipe.stores import open_store
+
+    for i, size in enumerate(sizes):
+        s3_source.put(f"item{i:03d}/a.bin", bytes(size * KIB))
+    store = _Gated(open_store(s3_source.url, s3_source.options), "no such key")
+    store.gate.set()
+    return [f"item{i:03d}" for i in range(len(sizes))], store
 
 
 @pytest.mark.parametrize("retain", ["none", "auto"])
@@ -569,15 +638,18 @@ def test_a_lane_whose_item_is_downloading_logs_no_warning(s3_source, tmp_path, m
         s3_source.put(f"item{i:03d}/a.bin", bytes(size * KIB))
     store = _Gated(open_store(s3_source.url, s3_source.options), "item003")
     cache = tmp_path / "node"
-    pipe = NodePipeline(s3_source.url, cache, "88KiB", ranks=[0, 1], world_size=2, store=store, give_back_after=0.0)
-    with Sampler(cache) as sampler, pipe:
+    block = block_of(tmp_path)
+    room = 3 * charge(tmp_path, [30 * KIB], 1) - block  # two items (34 KiB each on 4 KiB blocks), not three
+    capacity = state_of(s3_source.url, tmp_path, storage_options=s3_source.options) + room
+    pipe = NodePipeline(s3_source.url, cache, capacity, ranks=[0, 1], world_size=2, store=store, give_back_after=0.0)
+    with Sampler(cache, block=block) as sampler, pipe:
         first = [pipe.take(r, 0, (0, 0), timeout=10) for r in (0, 1)]
         with caplog.at_level(logging.WARNING, logger="cachepipe.node"):
             threading.Timer(2.5, store.gate.set).start()
             assert pipe.take(1, 0, first[1].after, timeout=10).item.name == "item003"
         warned = [r.getMessage() for r in caplog.records if r.name == "cachepipe.node"]
         assert not warned, warned
-    assert sampler.peak <= 88 * KIB
+    assert sampler.peak <= capacity
 
 
 @pytest.mark.parametrize("retain", ["none", "auto"])
@@ -586,7 +658,8 @@ def test_a_restarted_lane_is_not_held_up_behind_a_download_planned_ahead_for_a_l
 ):
     """Rank 0 holds its first item (20 KiB) and stops asking (a DDP rank at its all-reduce);
     its second (20 KiB) is on disk, and its third (60 KiB) is the download the fetcher waits
-    room for, in 84 KiB: it cannot fit until rank 0 moves on. Rank 1 (10 KiB items) read two
+    room for, with room (beside the state) for the three but two blocks, in what they take on
+    the disk (24, 24 and 64 KiB on 4 KiB blocks): it cannot fit until rank 0 moves on. Rank 1 (10 KiB items) read two
     items and restarts from its first (a DataLoader worker restarted, or resumed from a
     checkpoint), which fits. Before, its step was planned only once rank 0's download had
     room: nothing could be given back for it (rank 0's last step was not on disk), so after
@@ -597,17 +670,14 @@ def test_a_restarted_lane_is_not_held_up_behind_a_download_planned_ahead_for_a_l
     back or dropped. The timeout of the restarted take only bounds the hang it was."""
     import logging
 
-    from cachepipe.stores import open_store
-
     sizes = [20, 10, 20, 10, 60, 10, 20, 10, 20, 10]  # balance="count": rank 0 the even items, rank 1 the odd
-    for i, size in enumerate(sizes):
-        s3_source.put(f"item{i:03d}/a.bin", bytes(size * KIB))
-    names = [f"item{i:03d}" for i in range(len(sizes))]
-    store = _Gated(open_store(s3_source.url, s3_source.options), "no such key")  # counts the GETs
-    store.gate.set()
+    names, store = _gated_items(s3_source, sizes)
     cache = tmp_path / "node"
-    pipe = NodePipeline(s3_source.url, cache, "84KiB", ranks=[0, 1], world_size=2, balance="count", store=store, retain=retain)
-    with Sampler(cache) as sampler, pipe, caplog.at_level(logging.INFO, logger="cachepipe"):
+    block = block_of(tmp_path)
+    room = 2 * charge(tmp_path, [20 * KIB], 1) + charge(tmp_path, [60 * KIB], 1) - 2 * block
+    capacity = state_of(s3_source.url, tmp_path, storage_options=s3_source.options) + room
+    pipe = NodePipeline(s3_source.url, cache, capacity, ranks=[0, 1], world_size=2, balance="count", store=store, retain=retain)
+    with Sampler(cache, block=block) as sampler, pipe, caplog.at_level(logging.INFO, logger="cachepipe"):
         held = pipe.take(0, 0, (0, 0), timeout=10)
         first, _ = read_lane(pipe, 1, 0, limit=2)
         wait_until(pipe._cache.shortfall, what="a download waiting for room")  # rank 0's third item
@@ -620,7 +690,7 @@ def test_a_restarted_lane_is_not_held_up_behind_a_download_planned_ahead_for_a_l
         got[1] += [n for _e, n in read_lane(pipe, 1, 0, again.after)[0]]
         got[0] = [held.item.name] + [n for _e, n in read_lane(pipe, 0, 0, held.after)[0]]
         stats = pipe.stats()
-    assert sampler.peak <= 84 * KIB
+    assert sampler.peak <= capacity
     assert got == {0: names[0::2], 1: names[1::2][:2] + names[1::2]}
     if retain == "none":  # rank 1's first two twice (consumed, then asked for again); the rest once
         assert stats.bytes_downloaded == (sum(sizes) + sizes[1] + sizes[3]) * KIB, store.gets
@@ -629,7 +699,8 @@ def test_a_restarted_lane_is_not_held_up_behind_a_download_planned_ahead_for_a_l
 def test_a_job_restarted_from_its_checkpoints_gets_the_room_of_lanes_that_have_not_asked_since(tmp_path, caplog):
     """A whole job restarted from its checkpoints while the node runs on (torchrun restarts
     every rank; the daemon stays), its ranks back one after the other. Before the restart,
-    ranks 0 and 1 (16 KiB items, room for four and a half) read three items each, and the node
+    ranks 0 and 1 (16 KiB items, room beside the state for four and a half, in what they take on
+    the disk: 20 KiB each on 4 KiB blocks) read three items each, and the node
     fetched ahead for both: the cache is full. Rank 0 is back first, from its checkpoint after
     one item: its lane moves back and its step there (consumed, deleted) has no room, which
     what was fetched ahead for rank 1, not back yet, holds. Rank 0 reads three items, to its
@@ -646,14 +717,16 @@ def test_a_job_restarted_from_its_checkpoints_gets_the_room_of_lanes_that_have_n
     source = tmp_path / "source"
     names = numbered_items(source, 16)  # balance="count", no shuffle: rank 0 the even items, rank 1 the odd
     cache = tmp_path / "node"
+    block, item = block_of(tmp_path), charge(tmp_path, [16 * KIB], 1)
+    capacity = state_of(str(source), tmp_path) + 4 * item + item // 2
     pipe = NodePipeline(
-        str(source), cache, "72KiB", ranks=[0, 1], world_size=2, balance="count", shuffle=False, give_back_after=600.0
+        str(source), cache, capacity, ranks=[0, 1], world_size=2, balance="count", shuffle=False, give_back_after=600.0
     )
 
     def full(items: int) -> bool:  # that many downloads, and the next waits for room
         return pipe.stats().bytes_downloaded == items * 16 * KIB and bool(pipe._cache.shortfall())
 
-    with Sampler(cache) as sampler, pipe, caplog.at_level(logging.INFO, logger="cachepipe.node"):
+    with Sampler(cache, block=block) as sampler, pipe, caplog.at_level(logging.INFO, logger="cachepipe.node"):
         for rank in (0, 1):  # the job before the restart
             read_lane(pipe, rank, 0, limit=3)
         wait_until(lambda: full(10), what="a full cache")  # six read, four ahead
@@ -667,7 +740,7 @@ def test_a_job_restarted_from_its_checkpoints_gets_the_room_of_lanes_that_have_n
         got[0] += [n for _e, n in read_lane(pipe, 0, 0, (0, 4))[0]]
         got[1] += [n for _e, n in read_lane(pipe, 1, 0, (0, 2))[0]]
         stats = pipe.stats()
-    assert sampler.peak <= 72 * KIB
+    assert sampler.peak <= capacity
     assert got == {0: names[2::2], 1: names[3::2]}
     assert stats.items_acked == 6 + 14
 
@@ -822,11 +895,11 @@ class _Slow:
 def test_two_consumers_reading_one_lane_to_its_end_one_is_refused_and_the_other_reads_on_intact(s3_source, tmp_path, monkeypatch):
     """Two consumers of one lane read it to its end from two positions (a loader resumed beside
     an earlier one), each download taking longer than a turn (ROOM_CHECK, shortened here to 0.2
-    s; downloads of 0.5 s), with room for three items. Found by review of the first fix, which
-    moved the lane back after a turn: neither got an item for 20 s while the node downloaded
-    the items again and again. Now the one whose lane the other moved while it waited is refused
-    (LaneConflictError), and the other reads its share from its position to the end, each item
-    whole."""
+    s; downloads of 0.5 s), with room for three items (in what they take on the disk) beside
+    the state. Found by review of the first fix, which moved the lane back after a turn:
+    neither got an item for 20 s while the node downloaded the items again and again. Now the
+    one whose lane the other moved while it waited is refused (LaneConflictError), and the
+    other reads its share from its position to the end, each item whole."""
     import cachepipe.node
     from cachepipe.errors import LaneConflictError
     from cachepipe.stores import open_store
@@ -835,7 +908,8 @@ def test_two_consumers_reading_one_lane_to_its_end_one_is_refused_and_the_other_
     data = s3_source.folders(12, {"a.bin": 8 * KIB})
     mine = [name for _e, name in expected(sorted(data), sizes_of(data), 0, 0, 1, 1)]
     store = _Slow(open_store(s3_source.url, s3_source.options), 0.5)
-    pipe = NodePipeline(s3_source.url, tmp_path / "node", 3 * 8 * KIB + 100, ranks=[0], world_size=1, store=store)
+    capacity = state_of(s3_source.url, tmp_path, storage_options=s3_source.options) + 3 * charge(tmp_path, [8 * KIB], 1) + 100
+    pipe = NodePipeline(s3_source.url, tmp_path / "node", capacity, ranks=[0], world_size=1, store=store)
     out: dict = {}
 
     def reader(start) -> None:
@@ -902,7 +976,8 @@ def test_a_download_that_arrives_for_a_lane_that_moved_away_wakes_the_fetcher_wa
 def test_a_lane_beside_a_rank_that_holds_its_item_gets_the_room_it_frees_at_each_step(tmp_path, retain):
     """Rank 0 takes its first item and holds it without asking (a DDP rank at its all-reduce);
     rank 1 reads its whole lane meanwhile, consuming each item once read. Room for two items
-    and a half (of 16 KiB): what rank 0 holds, and one more. Each item rank 1 consumes frees
+    and a half (of 16 KiB, 20 KiB on the disk with their folder on 4 KiB blocks) beside the
+    state: what rank 0 holds, and one more. Each item rank 1 consumes frees
     the room its next needs. Before, that room went to rank 0's next item, planned ahead (at
     a tie of the lanes' loads, the lower lane) and waiting for room, and rank 1's step, planned
     after it, waited for the give-back (``give_back_after``, 5 s by default, 30 s here) at
@@ -912,11 +987,13 @@ def test_a_lane_beside_a_rank_that_holds_its_item_gets_the_room_it_frees_at_each
     source = tmp_path / "source"
     names = numbered_items(source, 10)  # balance="count", no shuffle: rank 0 the even items, rank 1 the odd
     cache = tmp_path / "node"
+    block, item = block_of(tmp_path), charge(tmp_path, [16 * KIB], 1)
+    capacity = state_of(str(source), tmp_path) + 2 * item + item // 2
     pipe = NodePipeline(
-        str(source), cache, "40KiB", ranks=[0, 1], world_size=2, balance="count", shuffle=False, retain=retain,
+        str(source), cache, capacity, ranks=[0, 1], world_size=2, balance="count", shuffle=False, retain=retain,
         give_back_after=30.0,
     )  # fmt: skip
-    with Sampler(cache) as sampler, pipe:
+    with Sampler(cache, block=block) as sampler, pipe:
         held = pipe.take(0, 0, (0, 0), timeout=10)
         got = {0: [held.item.name], 1: []}
         cursor = Cursor(0, 0)
@@ -927,6 +1004,6 @@ def test_a_lane_beside_a_rank_that_holds_its_item_gets_the_room_it_frees_at_each
             pipe.consume(1, 0, cursor)
         got[0] += [n for _e, n in read_lane(pipe, 0, 0, held.after)[0]]
         stats = pipe.stats()
-    assert sampler.peak <= 40 * KIB
+    assert sampler.peak <= capacity
     assert got == {0: names[0::2], 1: names[1::2]}
     assert stats.bytes_downloaded == 10 * 16 * KIB  # each item once: nothing given back

@@ -40,9 +40,13 @@ def test_epoch_partition_moves_items_between_ranks(s3_source, tmp_path):
 
 @pytest.mark.parametrize("balance", ["bytes", "count"])
 def test_a_cache_holding_its_share_downloads_it_once_with_fixed(s3_source, tmp_path, balance):
+    from sampling import block_of, charge
+
     s3_source.folders(N, {"f": SIZE})
     share = N // WORLD * SIZE
-    capacity = share + 8 * 1024  # the share plus the state budget: half the data
+    # the share in what its items take on the disk (file and folder in whole blocks), plus the
+    # state (5 blocks here, 8 allowed): the share and about an item more, of 20
+    capacity = N // WORLD * charge(tmp_path, [SIZE], 1) + 8 * block_of(tmp_path)
     downloaded = {}
     for partition in ("fixed", "epoch"):
         epochs, stats = run(

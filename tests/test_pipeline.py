@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from mounts import mounted
 from removing import remove_tree, replace_tree
-from sampling import Sampler
+from sampling import Sampler, block_of, charge
 from waiting import wait_until
 
 from cachepipe import (
@@ -80,8 +80,9 @@ def test_delivers_every_item_complete_and_in_order(source, tmp_path):
 )
 def test_hard_cap_and_atomic_publish_sampled_during_run(source, tmp_path, video_kib, folders, part_size):
     data = source.folders(folders, {"video.mp4": video_kib * KIB, "a/b/c.txt": 3 * KIB})
-    item_size = (video_kib + 3) * KIB
-    capacity = 3 * item_size + 16 * KIB  # three items and the state budget (journal)
+    listed = (video_kib + 3) * KIB
+    item_size = charge(tmp_path, [video_kib * KIB, 3 * KIB], 3)  # its files in whole blocks, folders item, a, a/b
+    capacity = 3 * item_size + 8 * block_of(tmp_path)  # three items and the state (folders, lock, journal and its budget)
     cache = tmp_path / "cache"
     delivered = []
     with Sampler(cache, expected=sizes(data)) as sampler:
@@ -97,7 +98,7 @@ def test_hard_cap_and_atomic_publish_sampled_during_run(source, tmp_path, video_
     assert len(delivered) == folders
     assert sampler.samples > 10, "the sampler did not run during the pipeline"
     assert sampler.peak <= capacity, f"cache reached {sampler.peak} bytes, capacity {capacity}"
-    assert sampler.peak > 2.5 * item_size, "the cache never filled: the test did not exercise the cap"
+    assert sampler.peak > 2.5 * listed, "the cache never filled: the test did not exercise the cap"
     assert sampler.partial == []
 
 
@@ -210,15 +211,24 @@ def test_prefetch_limits_items_ahead(s3_source, tmp_path):
 
 
 def test_oversize_item_is_an_error_before_any_download(s3_source, tmp_path):
+    block = block_of(tmp_path)
+    capacity = 12 * block  # room for the state and a few small items
     s3_source.folders(2, {"f": 10})
-    s3_source.put("big/video.mp4", b"x" * 5000)
+    s3_source.put("big/video.mp4", b"x" * (capacity + 1))
+    for i in range(12):  # 12 blocks listed at most, but each file takes a whole block and the folder one more
+        s3_source.put(f"alot/{i}", b"x" * (block // 8))
     with pytest.raises(OversizeError) as info:
-        Pipeline(s3_source.url, tmp_path / "c", capacity=4000, storage_options=s3_source.options).open()
-    assert "'big'" in str(info.value) and "5000 bytes" in str(info.value) and "capacity of 4000 bytes" in str(info.value)
+        Pipeline(s3_source.url, tmp_path / "c", capacity=capacity, storage_options=s3_source.options).open()
+    # an item over the capacity in its files' blocks alone: both its sizes said
+    said = str(info.value)
+    assert f"'alot' is {12 * (block // 8)} bytes listed, {13 * block} bytes in the filesystem's blocks of {block}" in said
+    assert f"capacity of {capacity} bytes" in said
     assert set(os.listdir(tmp_path / "c" / ".cachepipe")) <= {"lock", "journal", "held"}  # nothing downloaded, unlocked
-    with Pipeline(s3_source.url, tmp_path / "c", capacity=4000, storage_options=s3_source.options, on_oversize="skip") as pipe:
+    with Pipeline(
+        s3_source.url, tmp_path / "c", capacity=capacity, storage_options=s3_source.options, on_oversize="skip"
+    ) as pipe:
         assert [p.name for p in pipe] == ["item000", "item001"]
-        assert pipe.stats().items_skipped == 1
+        assert pipe.stats().items_skipped == 2
 
 
 def test_empty_listing_names_the_url(source, tmp_path):
@@ -650,7 +660,8 @@ def test_foreign_files_count_and_are_never_deleted(s3_source, tmp_path):
     (cache / "notes.txt").write_bytes(b"n" * 2500)
     (cache / "item002").mkdir()  # in the way of an item
     (cache / "item002" / "mine").write_bytes(b"m")
-    with Pipeline(s3_source.url, cache, capacity=6000, storage_options=s3_source.options, on_error="skip") as pipe:
+    capacity = 12 * block_of(cache)  # the foreign files and folder, the state, and two items, in whole blocks
+    with Pipeline(s3_source.url, cache, capacity=capacity, storage_options=s3_source.options, on_error="skip") as pipe:
         assert pipe.stats().bytes_in_cache >= 2501
         names = [p.name for p in pipe]
     assert names == ["item000", "item001", "item003", "item004"]
@@ -659,7 +670,7 @@ def test_foreign_files_count_and_are_never_deleted(s3_source, tmp_path):
         Pipeline(s3_source.url, cache, capacity=2000, storage_options=s3_source.options).open()
     # the failed publish withdrew its journaled intent: the next owners took item002 for foreign too
     assert (cache / "item002" / "mine").read_bytes() == b"m"
-    with Pipeline(s3_source.url, cache, capacity=6000, storage_options=s3_source.options, on_error="skip") as pipe:
+    with Pipeline(s3_source.url, cache, capacity=capacity, storage_options=s3_source.options, on_error="skip") as pipe:
         assert [p.name for p in pipe] == ["item000", "item001", "item003", "item004"]
     assert (cache / "item002" / "mine").read_bytes() == b"m"
 
@@ -769,7 +780,8 @@ def test_lease_timeout_redelivers_an_unacked_item(s3_source, tmp_path):
 
 def test_set_capacity_applies_at_once(s3_source, tmp_path):
     s3_source.folders(4, {"f": 1000})
-    with Pipeline(s3_source.url, tmp_path / "c", 1000 + 4096, storage_options=s3_source.options, auto_ack=False) as pipe:
+    capacity = 6 * block_of(tmp_path) + charge(tmp_path, [1000], 1)  # one item beside the state
+    with Pipeline(s3_source.url, tmp_path / "c", capacity, storage_options=s3_source.options, auto_ack=False) as pipe:
         first = pipe.get(timeout=30)
         pipe.set_capacity("1MiB")  # room for the rest now, with the first still held
         wait_until(lambda: pipe.stats().items_ready == 3)
@@ -787,15 +799,18 @@ def test_a_capacity_below_the_largest_item_is_refused_where_such_items_would_fai
     with "skip" such items are skipped in their turn, as asked."""
     s3_source.folders(6, {"f": 20_000})
     options = {"storage_options": s3_source.options, "on_oversize": on_oversize, "auto_ack": False}
-    capacity = "1MiB" if on_oversize == "raise" else "60KiB"  # skip: the fetcher waits for room for the third
+    # skip: the fetcher waits for room for the third (two items of 20000 bytes in whole blocks, and the state)
+    capacity = "1MiB" if on_oversize == "raise" else 2 * charge(tmp_path, [20_000], 1) + 8 * block_of(tmp_path)
     with Pipeline(s3_source.url, tmp_path / "c", capacity, **options) as pipe:
         first = pipe.get(timeout=30)
         if on_oversize == "raise":
-            with pytest.raises(ConfigError, match=r"less than the largest item planned \(20000 bytes\).*give at least"):
-                pipe.set_capacity("10KiB")
+            taken = charge(tmp_path, [20_000], 1)
+            planned = rf"less than the largest item planned \(20000 bytes listed, {taken} in whole blocks\).*give at least"
+            with pytest.raises(ConfigError, match=planned):
+                pipe.set_capacity("40KiB")  # room beside the state, but not for such an item
             assert pipe.stats().capacity == 1024**2
         else:
-            pipe.set_capacity("10KiB")
+            pipe.set_capacity("40KiB")
             wait_until(lambda: pipe.stats().items_failed >= 1, what="the waiting item to be refused")
             pipe.set_capacity("1MiB")
         pipe.ack(first)
@@ -816,8 +831,8 @@ def test_a_capacity_lowered_below_the_bytes_in_the_cache_says_that_nothing_is_de
     with Pipeline(tmp_path / "src", tmp_path / "c", "1MiB", auto_ack=False) as pipe:
         items = [pipe.get(timeout=30) for _ in range(3)]  # all three on disk, none acknowledged
         with caplog.at_level(logging.WARNING, logger="cachepipe"):
-            pipe.set_capacity("30KiB")
-        lowered = [r.getMessage() for r in caplog.records if "lowered to 30720 bytes, below the" in r.getMessage()]
+            pipe.set_capacity("48KiB")  # room for one of the three items beside the state
+        lowered = [r.getMessage() for r in caplog.records if "lowered to 49152 bytes, below the" in r.getMessage()]
         assert lowered and "nothing is deleted for it; downloads wait until acknowledgements" in lowered[0], lowered
         assert all(Path(item).exists() for item in items)
         pipe.ack_many(items)
@@ -947,8 +962,12 @@ def test_an_item_that_fits_the_listing_s_estimate_but_not_beside_the_state_is_sk
     from cachepipe.cache.core import journal_budget_of
 
     names = [f"item{i:03d}" for i in range(4)]
-    capacity = 9000
-    big = capacity - journal_budget_of(sum(len(n) + 2 for n in names), 4) - 64
+    block = block_of(tmp_path)
+    capacity = 16 * block
+    # the listing's estimate counts the journal's budget and the state folder; the state files
+    # (lock, journal, staging) are counted at the recovery: a big item of the room between
+    budget = -(-journal_budget_of(sum(len(n) + 2 for n in names), 4) // block) * block
+    big = capacity - budget - block - block  # its folder takes a block
     for i, name in enumerate(names):
         s3_source.put(f"{name}/f", bytes(big if i == 0 else 300))
     options = {"storage_options": s3_source.options, "on_oversize": "skip", "retain": retain, "epochs": 2}

@@ -13,7 +13,7 @@ import random
 import threading
 
 import pytest
-from sampling import Sampler
+from sampling import Sampler, block_of, charge
 from test_unpack import archive_bytes, link, md5_sidecar, media_clip, read_tree, tar_bytes, volumes, zip_bytes
 
 from cachepipe import (
@@ -25,13 +25,30 @@ from cachepipe import (
     PipelineConfig,
     UnsafeMemberError,
 )
+from cachepipe.config import UNPACK_RATIO
 
 rng = random.Random(8)
 CLIPS = {"clips/a.mp4": rng.randbytes(3000), "clips/b.mp4": rng.randbytes(2000), "meta.json": b'{"fps": 30}'}
 TEXT = b"a person folds a towel"
 
 
+SMALL_MEMBERS_RATIO = 8.0
+"""The unpack_ratio of these tests' archives: their members are a few KB, which in whole blocks
+(4 KiB, and a block per folder, as the cache counts them) take several times the archive's
+size. The default (1.25) is for members far larger than a block, as its own tests check
+(test_archives_of_video_clips_pass_with_the_default_reserve)."""
+
+
+def reserved(tmp_path, file_sizes: list[int], archive: int, folders: int = 1) -> int:
+    """What the cache reserves for an item of ``file_sizes`` (``folders``: its own) whose archive
+    is ``archive`` bytes, with :data:`SMALL_MEMBERS_RATIO`: its files in whole blocks and its
+    folders, the ratio's reserve in whole blocks, and the extraction's own folder."""
+    block = block_of(tmp_path)
+    return charge(tmp_path, file_sizes, folders) + -(-math.ceil(SMALL_MEMBERS_RATIO * archive) // block) * block + block
+
+
 def unpacking(source, cache, capacity, **options) -> Pipeline:
+    options.setdefault("unpack_ratio", SMALL_MEMBERS_RATIO)
     return Pipeline(source.url, cache, capacity, storage_options=source.options, unpack=True, **options)
 
 
@@ -69,8 +86,10 @@ def test_folders_arrive_extracted_with_their_other_files_and_the_cap_holds(remot
         remote_source.put(f"clip{i}/video.tar.gz", tar_bytes(CLIPS, "w:gz"))
         remote_source.put(f"clip{i}/text.txt", TEXT)
     expected = {f"clip{i}": {**CLIPS, "text.txt": TEXT} for i in range(4)}
-    cache, capacity = tmp_path / "c", 30_000
-    with Sampler(cache, expected=sizes(expected)) as sampler:
+    packed = len(tar_bytes(CLIPS, "w:gz"))
+    # room for the state (its folders, lock, journal and budget) and two items at a time, in whole blocks
+    cache, capacity = tmp_path / "c", 8 * block_of(tmp_path) + 2 * reserved(tmp_path, [packed, len(TEXT)], packed)
+    with Sampler(cache, expected=sizes(expected), block=block_of(tmp_path)) as sampler:
         with unpacking(remote_source, cache, capacity) as pipe:
             delivered, failed = drain(pipe)
     assert delivered == expected and not failed  # the archive is gone, text.txt is kept
@@ -166,14 +185,42 @@ def test_a_tar_bomb_fails_before_its_member_is_written_and_the_cap_holds(s3_sour
     assert len(bomb) < 5000
     for i in range(6):
         s3_source.put(f"item{i}/video.tar.gz", bomb if i == 2 else tar_bytes(CLIPS, "w:gz"))
-    cache, capacity = tmp_path / "c", 40_000
-    with Sampler(cache) as sampler:
+    packed = len(tar_bytes(CLIPS, "w:gz"))
+    cache, capacity = tmp_path / "c", 8 * block_of(tmp_path) + 2 * reserved(tmp_path, [packed], packed)  # two items at a time
+    with Sampler(cache, block=block_of(tmp_path)) as sampler:
         with unpacking(s3_source, cache, capacity) as pipe:
             delivered, failed = drain(pipe)
     assert sorted(delivered) == [f"item{i}" for i in range(6) if i != 2]
     error = failed["item2"]
     assert isinstance(error, ArchiveTooLargeError) and error.member == "zeros.bin" and "over the limit" in str(error)
     assert sampler.peak <= capacity and sampler.samples > 0
+
+
+def test_an_archive_of_small_members_is_refused_at_its_reserve_in_whole_blocks(s3_source, tmp_path):
+    """The extraction counted its members' bytes against the reserve, the item was then measured
+    in whole blocks: an archive of many small files extracted under its reserve, took several
+    times it on the disk (past the capacity it was reserved under), and failed after with
+    PrepareOverflowError. Each member is counted in whole blocks, each folder at one: the
+    member that passes the reserve is refused before it is written."""
+    block = block_of(tmp_path)
+    members = {f"labels/{i:02d}.txt": rng.randbytes(100) for i in range(32)}  # 3,200 bytes
+    packed = tar_bytes(members, "w:gz")
+    s3_source.put("many/labels.tar.gz", packed)
+    s3_source.put("one/clip.tar.gz", tar_bytes({"clip.mp4": rng.randbytes(3000)}, "w:gz"))
+    ratio = 2.0
+    assert ratio * len(packed) > 3200  # room for the members' bytes, not their blocks
+    cache = tmp_path / "c"
+    with Sampler(cache, block=block) as sampler:
+        with unpacking(s3_source, cache, "1MiB", unpack_ratio=ratio) as pipe:
+            delivered, failed = drain(pipe)
+    assert list(delivered) == ["one"]
+    error = failed["many"]
+    assert isinstance(error, ArchiveTooLargeError), repr(error)
+    assert f"in whole blocks of {block} bytes" in str(error) and "raise unpack_ratio" in str(error)
+    assert f"more where its files are small: each takes whole blocks of {block} bytes" in str(error)  # not "compressed"
+    reserve = -(-math.ceil(ratio * len(packed)) // block) * block + block  # and the extraction's own folder
+    assert f"over the limit of {reserve} bytes" in str(error)
+    assert sampler.samples > 0
 
 
 def test_an_item_with_no_archive_fails_clearly(s3_source, tmp_path):
@@ -208,7 +255,10 @@ def test_an_item_over_half_the_capacity_gets_what_room_is_left_for_its_extractio
     s3_source.put("one/text.tar.gz", tar_bytes({"text.txt": TEXT}, "w:gz"))
     # item size + its default reserve (ratio 1.25) is more than the capacity: the
     # reserve is cut to what the capacity leaves, instead of waiting forever for the space
-    with unpacking(s3_source, tmp_path / "c", 16_384) as pipe:
+    # (the state: up to 6 blocks; the extraction: its folder and text.txt, 2 blocks)
+    block = block_of(tmp_path)
+    capacity = charge(tmp_path, [9000, len(tar_bytes({"text.txt": TEXT}, "w:gz"))], 1) + 9 * block
+    with unpacking(s3_source, tmp_path / "c", capacity, unpack_ratio=UNPACK_RATIO) as pipe:
         delivered, failed = drain(pipe)
     assert delivered == {"one": {"text.txt": TEXT, "big.bin": big}} and not failed
 
@@ -221,8 +271,8 @@ def test_archives_of_video_clips_pass_with_the_default_reserve(s3_source, tmp_pa
     for item, files in clips.items():
         s3_source.put(f"{item}/clips.{fmt}", archive_bytes(files, fmt))
     cache, capacity = tmp_path / "c", 256 * 1024
-    with Sampler(cache, expected=sizes(clips)) as sampler:
-        with unpacking(s3_source, cache, capacity) as pipe:
+    with Sampler(cache, expected=sizes(clips), block=block_of(tmp_path)) as sampler:
+        with unpacking(s3_source, cache, capacity, unpack_ratio=UNPACK_RATIO) as pipe:
             delivered, failed = drain(pipe)
     assert not failed and delivered == clips
     assert sampler.peak <= capacity and not sampler.partial
@@ -232,21 +282,24 @@ def test_an_archive_that_outgrows_its_reserve_names_the_option_and_the_size(s3_s
     text = b"a person folds a towel\n" * 2000
     packed = tar_bytes({"captions.txt": text}, "w:gz")
     s3_source.put("captions/all.tar.gz", packed)
-    with unpacking(s3_source, tmp_path / "c", "1MiB") as pipe:
+    with unpacking(s3_source, tmp_path / "c", "1MiB", unpack_ratio=UNPACK_RATIO) as pipe:
         delivered, failed = drain(pipe)
     error = failed["captions"]
     assert not delivered and isinstance(error, ArchiveTooLargeError) and error.member == "captions.txt"
     reserve = math.ceil(1.25 * len(packed))
-    assert f"would bring the item to {len(text)} bytes" in str(error)
+    block = block_of(tmp_path)
+    taken = block + -(-len(text) // block) * block  # its file in whole blocks, and the extraction's folder
+    assert f"extracting its {len(text)} bytes" in str(error) and f"would bring the item to {taken} bytes" in str(error)
     assert f"unpack_ratio 1.25 reserves {reserve} bytes for this item of {len(packed)} bytes: raise unpack_ratio" in str(error)
     with unpacking(s3_source, tmp_path / "c2", "1MiB", unpack_ratio=len(text) / len(packed) + 0.1) as pipe:  # as advised
         delivered, failed = drain(pipe)
     assert delivered == {"captions": {"captions.txt": text}} and not failed
-    with unpacking(s3_source, tmp_path / "c3", "8KiB", unpack_ratio=100) as pipe:  # the capacity cuts the reserve
+    capacity = 10 * block + charge(tmp_path, [len(packed)], 1)  # the state, the item, and a few blocks
+    with unpacking(s3_source, tmp_path / "c3", capacity, unpack_ratio=100) as pipe:  # the capacity cuts the reserve
         delivered, failed = drain(pipe)
-    assert "the capacity leaves only" in str(failed["captions"]) and "(unpack_ratio 100 asks for 23700): raise capacity" in str(
-        failed["captions"]
-    )
+    asked = -(-100 * len(packed) // block) * block + block  # in whole blocks, with the extraction's folder
+    said = str(failed["captions"])
+    assert "the capacity leaves only" in said and f"(unpack_ratio 100 asks for {asked}): raise capacity" in said
 
 
 def test_a_truncated_archive_fails_as_truncated_not_as_outgrowing_its_reserve(s3_source, tmp_path):

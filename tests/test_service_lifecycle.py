@@ -611,12 +611,17 @@ def small_filesystem(tmp_path) -> Iterator[Path]:
 def test_a_full_disk_is_counted_in_the_metrics(tmp_path, short_dir, small_filesystem):
     # The pipeline's disk errors (a full disk: each write retried, the pipeline up and healthy)
     # and its pauses for min_free were in its stats but not in /metrics: nothing to alert on.
+    # The disk is full of another tenant's file: the capacity (below the filesystem's size, so
+    # not held to the room there) counts what the items take in whole blocks, and without that
+    # tenant they would fit (the test filled the disk with a capacity of 1 MiB before, which
+    # counted listed sizes: 5 items of 50,000 bytes, 260 KiB in pages, in 256 KiB).
     sock = short_dir / "api.sock"
     src = tmp_path / "src"
     for i in range(10):
         (src / f"item{i}").mkdir(parents=True)
         (src / f"item{i}" / "a.bin").write_bytes(bytes(50_000))
-    train = {"source": f"{src}/", "cache_dir": str(small_filesystem / "cache"), "capacity": "1MiB", "items": "folders"}
+    (small_filesystem / "other-tenant.bin").write_bytes(b"t" * (220 * 1024))  # the shared disk is nearly full
+    train = {"source": f"{src}/", "cache_dir": str(small_filesystem / "cache"), "capacity": "200KiB", "items": "folders"}
     config = tmp_path / "cachepipe.yaml"
     config.write_text(yaml.safe_dump({"socket": str(sock), "pipelines": {"train": train}}))
     with DaemonProcess(config), Client("train", sock) as client:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from cachepipe import fscalls, state
+from cachepipe.blocks import footprint
 from cachepipe.cache.recovery import sort_leftovers
 from cachepipe.cache.staging import in_folders, make_folders
 from cachepipe.catalog import Catalog
@@ -19,6 +20,9 @@ RENAMES = {
     "check-then-rename": fscalls.rename_new,  # a platform without renameat2 (macOS, glibc before 2.28)
     "holding the lock": fscalls.HOLDING.rename_new if fscalls.HOLDING else None,
 }
+
+BLOCK = 4096
+"""The block sort_leftovers is told to charge in (the cache passes its own: no default)."""
 
 
 def rename_new(way, monkeypatch):
@@ -140,13 +144,16 @@ def test_a_kept_folder_is_reused_only_while_its_files_match_the_catalogs_columns
     (root / "item1" / "c").write_bytes(b"xx")
     _damage(root / "item0", damage, outside)
     replay = state.Replay(published={"item0", "item1"})
-    reuse, stale = sort_leftovers(root, replay, rebuilt, catalog)
+    reuse, stale = sort_leftovers(root, replay, rebuilt, catalog, block=BLOCK)
+    # a reused item is charged what it takes: its files in whole blocks and a block per folder it
+    # makes (item0: two files, its folder and sub/; item1: one file and its folder)
+    item0, item1 = footprint([3, 5], 2, BLOCK), footprint([2], 1, BLOCK)
     if damage == "none":
-        assert (reuse, stale) == ({"item0": 8, "item1": 2}, [])
+        assert (reuse, stale) == ({"item0": item0, "item1": item1}, [])
     elif rebuilt or damage == "the folder gone":  # not ours to remove (unreadable journal), or nothing there
-        assert (reuse, stale) == ({"item1": 2}, [])
+        assert (reuse, stale) == ({"item1": item1}, [])
     else:
-        assert (reuse, stale) == ({"item1": 2}, ["item0"])
+        assert (reuse, stale) == ({"item1": item1}, ["item0"])
     assert sorted(os.listdir(outside)) == {"a link in place of a file": ["a"], "the folder a link": ["moved"]}.get(damage, [])
 
 
@@ -165,8 +172,10 @@ def test_a_kept_single_file_item_is_reused_only_as_a_regular_file_of_its_listed_
     elif kept == "a link":
         (root / "elsewhere").write_bytes(b"xxxx")
         (root / "sub" / "x.tar").symlink_to(root / "elsewhere")
-    reuse, stale = sort_leftovers(root, state.Replay(published={"sub/x.tar", "y.tar"}), False, catalog)
-    assert reuse == ({"sub/x.tar": 4, "y.tar": 2} if kept == "same" else {"y.tar": 2})
+    reuse, stale = sort_leftovers(root, state.Replay(published={"sub/x.tar", "y.tar"}), False, catalog, block=BLOCK)
+    # a single-object item: its file in whole blocks, and a block for each folder of its name
+    # (sub/x.tar: sub), which its eviction removes once empty
+    assert reuse == ({"sub/x.tar": 2 * BLOCK, "y.tar": BLOCK} if kept == "same" else {"y.tar": BLOCK})
     assert stale == ([] if kept in ("same", "missing") else ["sub/x.tar"])
 
 
@@ -182,6 +191,7 @@ def test_a_kept_item_is_reused_only_at_the_version_the_journal_recorded_and_neve
     versions = {"a": catalog[0].version, "b": "0123456789abcdef", "d": None}
     assert versions["a"] is not None and catalog[3].version is not None and 4 in catalog.unsafe
     replay = state.Replay(published=set("abcde"), versions={k: v for k, v in versions.items() if v is not None})
-    reuse, stale = sort_leftovers(root, replay, False, catalog)
+    reuse, stale = sort_leftovers(root, replay, False, catalog, block=BLOCK)
     # a: the version recorded; b: another; c: no tags, none recorded; d: tagged, none recorded
-    assert (reuse, stale) == ({"a": 1, "c": 1}, ["b", "d", "e"])
+    # (each reused item: its file's block and its folder's)
+    assert (reuse, stale) == ({"a": 2 * BLOCK, "c": 2 * BLOCK}, ["b", "d", "e"])

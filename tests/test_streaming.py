@@ -18,10 +18,13 @@ import fsspec
 import pytest
 import tqdm.auto
 from conftest import via
+from sampling import block_of
 from waiting import wait_until
 
 from cachepipe import ConfigError, EmptySourceError, OversizeError, Pipeline, state
+from cachepipe.blocks import footprint, round_up
 from cachepipe.cache import Cache
+from cachepipe.cache.core import journal_budget_of
 from cachepipe.catalog import Catalog
 from cachepipe.listing import FIRST_PAGE_OBJECTS, StreamingListing, list_source
 from cachepipe.stores.base import ObjectInfo
@@ -305,14 +308,37 @@ def test_a_listing_that_stops_after_the_first_page_is_raised_also_with_on_error_
     assert len(delivered) == {"listing error": FIRST_PAGE_OBJECTS + 9, "oversize": FIRST_PAGE_OBJECTS + 10, "no items": 0}[fault]
 
 
+def _state_files(tmp_path: Path) -> int:
+    """What a cache's state folder takes at a pass's start beside its journal's budget (its
+    folders and files, in whole blocks), measured on a cache opened beside the test's."""
+    cache = Cache(tmp_path / "probe", 1 << 20)
+    cache.open()
+    try:
+        empty = Catalog(mode="folders")
+        cache.recover(empty, resume=False)
+        return cache.ledger.overhead - round_up(Cache.journal_budget(empty), cache.block)
+    finally:
+        cache.close()
+
+
+def _names_budget(count: int, block: int) -> int:
+    """The journal's budget of ``count`` names of 9 bytes without versions (``item00000``: a
+    memory store gives no ETags), in whole blocks: what the ledger counts for it."""
+    return round_up(journal_budget_of(9 * count, count, versions=False), block)
+
+
 @pytest.mark.parametrize("on_oversize", ["raise", "skip"])
 def test_an_item_that_the_growing_state_budget_leaves_no_room_for_is_reported_not_waited_for(memory_data, tmp_path, on_oversize):
-    # Streamed, the journal budget grows with each listed name (168 bytes for these): item00001
-    # fits when it is listed, second, and not beside the budget of the first page (~17 KB).
+    # Streamed, the journal budget grows with each listed name (168 bytes for these, counted in
+    # whole blocks): item00001 fits when it is listed, second, and not beside the budget of the
+    # first page (~17 KB). The capacity: the state, the budget of two names and item00001.
     memory_data.pipe_file("/stream/data/item00000/f", b"x" * 100_000)
     memory_data.pipe_file("/stream/data/item00001/f", b"x" * 390_000)
     _put(memory_data, FIRST_PAGE_OBJECTS + 8, start=2)
-    with Pipeline(ROOT, tmp_path / "c", 400_000, on_oversize=on_oversize, auto_ack=False) as pipe:
+    block = block_of(tmp_path)
+    assert _names_budget(FIRST_PAGE_OBJECTS, block) > _names_budget(2, block)  # the first page's takes more blocks
+    capacity = _state_files(tmp_path) + _names_budget(2, block) + footprint([390_000], 1, block)
+    with Pipeline(ROOT, tmp_path / "c", capacity, on_oversize=on_oversize, auto_ack=False) as pipe:
         names, errors = _take_all(pipe)
         assert pipe.stats().items_skipped == (on_oversize == "skip")
     expected = [f"item{i:05d}" for i in range(FIRST_PAGE_OBJECTS + 10)]
@@ -322,6 +348,12 @@ def test_an_item_that_the_growing_state_budget_leaves_no_room_for_is_reported_no
 
 
 def test_the_state_budget_of_a_streamed_listing_waits_for_room_instead_of_overcommitting(memory_data, tmp_path):
+    # In whole blocks: item00000 takes 200,000 bytes and its folder's block (204,800 on 4 KiB
+    # blocks), each other item a block for its file and one for its folder; the budget of 2,001
+    # names (~336 KB) grows a block at a time, beyond the room beside the held item. The rest of
+    # the first page is delivered while the listing waits: the downloads of planned items go
+    # before the budget's growth (it took each block an ack freed, and item00001's download,
+    # wanting two, waited for ever: the gets below timed out).
     capacity = 400_000
     memory_data.pipe_file("/stream/data/item00000/f", b"x" * 200_000)  # held while the listing goes on
     _put(memory_data, 2000, start=1)  # the budget of 2,001 names: ~336 KB, beyond the room beside it
@@ -335,22 +367,37 @@ def test_the_state_budget_of_a_streamed_listing_waits_for_room_instead_of_overco
             pipe.ack(item)
             assert pipe.stats().bytes_in_cache <= capacity
         threading.Event().wait(0.2)  # time to list everything, were there room (a memory store lists 2,001 in ms)
-        assert pipe.stats().items_listed < 2001  # the listing waits for room (about 1,190 names fit)
+        assert pipe.stats().items_listed < 2001  # the listing waits for room
         pipe.ack(held)  # room: the listing goes on
-        rest = [item.name for item in pipe]
-        assert pipe.stats().bytes_in_cache <= capacity
+        rest = []
+        while (item := pipe.get(timeout=30)) is not None:  # each acked: 1,901 items take more than the capacity
+            rest.append(item.name)
+            pipe.ack(item)
+            assert pipe.stats().bytes_in_cache <= capacity
     assert len(rest) == 2001 - FIRST_PAGE_OBJECTS and rest[-1] == "item02000"
 
 
 @pytest.mark.parametrize("streamed", [True, False])
 def test_the_journal_budget_counts_versions_only_for_items_with_etags(memory_data, tmp_path, streamed):
     """564d744 budgeted a version (17 bytes per journal step) for every item, also for a
-    source without ETags, which journals none: a cache sized close to its state budget (here
-    17,056 bytes for 100 names, 20,456 with versions) was refused."""
-    _put(memory_data, 100, size=100)
+    source without ETags, which journals none: a cache sized close to its state budget (17,056
+    bytes for 100 names, 20,456 with versions) was refused. In whole blocks: as many names as
+    put a block boundary between the two budgets (110 on 4 KiB blocks), and a capacity of the
+    state, the budget without versions and one item: with versions, no item would fit."""
+    block = block_of(tmp_path)
+    count = next(
+        n
+        for n in range(100, 2000)
+        if round_up(journal_budget_of(9 * n, n, False), block) < round_up(journal_budget_of(9 * n, n), block)
+    )
+    _put(memory_data, count, size=100)
+    item = footprint([100], 1, block)
+    state_files = _state_files(tmp_path)
+    capacity = state_files + round_up(journal_budget_of(9 * count, count, versions=False), block) + item
+    assert state_files + round_up(journal_budget_of(9 * count, count, versions=True), block) + item > capacity
     options = {} if streamed else {"shuffle": True}  # shuffle: the whole catalog before the plan
-    with Pipeline(ROOT, tmp_path / "c", 19_000, **options) as pipe:
-        assert len([p.name for p in pipe]) == 100
+    with Pipeline(ROOT, tmp_path / "c", capacity, **options) as pipe:
+        assert len([p.name for p in pipe]) == count
     tagged, plain = Catalog(mode="files"), Catalog(mode="files")
     for i in range(3):
         tagged.add(f"x{i}", [("", 1, "e" * 32)])
@@ -359,10 +406,15 @@ def test_the_journal_budget_counts_versions_only_for_items_with_etags(memory_dat
 
 
 def test_on_oversize_skip_skips_an_item_that_the_state_budget_leaves_no_room_for(memory_data, tmp_path):
-    memory_data.pipe_file("/stream/data/item00000/f", b"x" * 15_000)  # under the capacity, over capacity - budget
+    # In whole blocks: room for three blocks beside the state; item00000 takes four (three for
+    # its file, one for its folder), under the capacity, over capacity - budget; the others two
+    block = block_of(tmp_path)
+    memory_data.pipe_file("/stream/data/item00000/f", b"x" * 3 * block)
     _put(memory_data, 49, start=1)
+    capacity = _state_files(tmp_path) + _names_budget(50, block) + 3 * block
+    assert footprint([3 * block], 1, block) < capacity
     # resume=True: the catalog is listed whole before the plan (not streamed)
-    with Pipeline(ROOT, tmp_path / "c", 20_000, on_oversize="skip", resume=True) as pipe:
+    with Pipeline(ROOT, tmp_path / "c", capacity, on_oversize="skip", resume=True) as pipe:
         names = [p.name for p in pipe]
         assert pipe.stats().items_skipped == 1
     assert names == [f"item{i:05d}" for i in range(1, 50)]
@@ -375,9 +427,9 @@ def test_state_budget_outgrowing_the_capacity_is_a_config_error(memory_data, tmp
 
 
 def test_all_items_skipped_as_oversize_is_an_empty_source(memory_data, tmp_path):
-    memory_data.pipe_file("/stream/data/a/f", b"x" * 5000)
+    memory_data.pipe_file("/stream/data/a/f", b"x" * 50_000)
     with pytest.raises(EmptySourceError, match="smaller than the capacity"):
-        Pipeline(ROOT, tmp_path / "c", 4000, on_oversize="skip").open()
+        Pipeline(ROOT, tmp_path / "c", 40_960, on_oversize="skip").open()  # room for the state in whole blocks
 
 
 def test_state_saved_mid_listing_resumes_on_the_whole_catalog(memory_data, tmp_path):
@@ -667,9 +719,7 @@ def test_an_oversize_item_in_the_last_run_is_raised_in_its_turn_after_each_item_
 
 @pytest.fixture
 def streamed_cache(tmp_path):
-    """An open 1 MiB cache recovered with no catalog (a streamed pass's), and the journal budget
-    of a 4-byte name."""
-    from cachepipe import state
+    """An open 1 MiB cache recovered with no catalog (a streamed pass's), and its block."""
     from cachepipe.cache import Cache
     from cachepipe.catalog import Catalog
 
@@ -677,39 +727,77 @@ def streamed_cache(tmp_path):
     cache.open()
     try:
         cache.recover(Catalog(mode="folders"), resume=False)
-        yield cache, 2 * (4 * len("n000") + state.EVENT_OVERHEAD + state.VERSION_OVERHEAD)
+        yield cache, cache.block
     finally:
         cache.close()
 
 
+def _block_names(block: int, count: int) -> list[str]:
+    """``count`` names of items without versions whose journal budget is one ``block`` each
+    (2 x (4 x the name + EVENT_OVERHEAD) bytes): listed, each adds a block to the state budget,
+    wherever in its last block the budget stood."""
+    length = (block // 2 - state.EVENT_OVERHEAD) // 4
+    assert 2 * (4 * length + state.EVENT_OVERHEAD) == block
+    return [f"n{i:03d}".ljust(length, "x") for i in range(count)]
+
+
 def test_a_run_of_listed_names_is_budgeted_while_there_is_room_the_rest_in_the_next_call(streamed_cache):
-    cache, grow = streamed_cache
-    limit = cache.limit
-    assert cache.note_listed(["n000", "n001", "n002"]) == [limit - grow, limit - 2 * grow, limit - 3 * grow]
+    # The budget is counted in whole blocks, as a reopen counts it: a short name takes no room
+    # while the budget's last block has room for its lines; these longer names take a block each.
+    cache, block = streamed_cache
+    limit, overhead = cache.limit, cache.ledger.overhead
+    assert cache.note_listed(["s000"]) == [limit] and cache.ledger.overhead == overhead
+    names, plain = _block_names(block, 7), [True] * 7
+    assert cache.note_listed(names[:3], plain=plain) == [limit - block, limit - 2 * block, limit - 3 * block]
     # room now for one more name: the run stops there and nothing waits
-    assert cache.reserve(cache.ledger.free - grow - 1)
-    assert cache.note_listed(["n003", "n004"]) == [limit - 4 * grow]
-    # the next call waits for room for n004, here an item's reservation released
+    assert cache.reserve(cache.ledger.free - block - 1)
+    assert cache.note_listed(names[3:5], plain=plain) == [limit - 4 * block]
+    # the next call waits for room for names[4], here an item's reservation released
     got: list[list[int]] = []
-    waiting = threading.Thread(target=lambda: got.append(cache.note_listed(["n004"])))
+    waiting = threading.Thread(target=lambda: got.append(cache.note_listed(names[4:5], plain=plain)))
     waiting.start()
     waiting.join(0.2)
     assert waiting.is_alive() and not got
-    cache.unreserve(grow)
+    cache.unreserve(block)
     waiting.join(30)
-    assert got == [[limit - 5 * grow]]
+    assert got == [[limit - 5 * block]]
+    assert cache.ledger.overhead == overhead + 5 * block and cache.ledger.free == 1
     # a name that the state budget alone would not leave room beside is left to the next
     # call, which raises for it
     cache.unreserve(cache.ledger.reserved)
-    cache.set_capacity(cache.capacity - cache.limit + grow + grow // 2)
-    assert cache.note_listed(["n005", "n006"]) == [cache.limit]
+    cache.set_capacity(cache.capacity - cache.limit + block + block // 2)
+    assert cache.note_listed(names[5:7], plain=plain) == [cache.limit] == [block // 2]
     with pytest.raises(ConfigError, match="bytes for its state"):
-        cache.note_listed(["n006"])
+        cache.note_listed(names[6:7], plain=plain)
+
+
+def test_a_streamed_listing_leaves_the_room_an_ack_frees_to_the_download_waiting_for_it(streamed_cache):
+    # The budget grows a block at a time: waiting for room beside a download that waits too, it
+    # took the block each ack freed, and the download of a planned item of two blocks waited for
+    # ever while its consumer held items (test_the_state_budget_of_a_streamed_listing_waits...).
+    cache, block = streamed_cache
+    names, plain = _block_names(block, 2), [True, True]
+    assert cache.reserve(cache.ledger.free - block)  # a block free: the listing takes it, not the download
+    downloading: list[bool] = []
+    download = threading.Thread(target=lambda: downloading.append(cache.reserve(2 * block)))
+    download.start()
+    wait_until(lambda: cache.shortfall() == block, what="the download waiting for room")
+    listed: list[list[int]] = []
+    listing = threading.Thread(target=lambda: listed.append(cache.note_listed(names, plain=plain)))
+    listing.start()
+    listing.join(0.2)
+    assert listing.is_alive() and not listed  # the free block is the download's
+    cache.unreserve(block)  # an ack: two blocks free, the download's
+    download.join(30)
+    assert downloading == [True] and listing.is_alive() and not listed and cache.ledger.free == 0
+    cache.unreserve(2 * block)  # the download's item acked in its turn: the listing goes on
+    listing.join(30)
+    assert len(listed) == 1 and len(listed[0]) == 2 and cache.ledger.free == 0
 
 
 def test_one_listed_name_passed_as_a_string_is_refused(streamed_cache):
     # a string is a sequence of names too: each of its characters would be budgeted as a name
-    cache, _grow = streamed_cache
+    cache, _block = streamed_cache
     overhead = cache.ledger.overhead
     with pytest.raises(TypeError, match="not one name: 'n000'"):
         cache.note_listed("n000")
@@ -818,15 +906,16 @@ def test_a_listing_admits_in_runs_once_a_run_of_the_producers_waits():
 
 
 def test_a_run_stops_before_an_item_over_the_limit_its_name_would_leave(streamed_cache):
-    cache, grow = streamed_cache
+    cache, block = streamed_cache
     limit, overhead = cache.limit, cache.ledger.overhead
+    names, plain = _block_names(block, 3), [True] * 3  # a block each
     big = limit  # fits beside the budget now, not once two more names are counted
-    # n001's item would be over the limit: its name is not counted (the caller decides about
+    # names[1]'s item would be over the limit: its name is not counted (the caller decides about
     # it first, in the next call), and so never counted twice
-    assert cache.note_listed(["n000", "n001", "n002"], [1, big, 1]) == [limit - grow]
-    assert cache.ledger.overhead == overhead + grow
-    assert cache.note_listed(["n001", "n002"], [big, 1]) == [limit - 2 * grow, limit - 3 * grow]
-    assert cache.ledger.overhead == overhead + 3 * grow
+    assert cache.note_listed(names, [1, big, 1], plain) == [limit - block]
+    assert cache.ledger.overhead == overhead + block
+    assert cache.note_listed(names[1:], [big, 1], plain) == [limit - 2 * block, limit - 3 * block]
+    assert cache.ledger.overhead == overhead + 3 * block
 
 
 def test_take_many_takes_what_is_queued_up_to_its_count_and_nothing_at_the_end():
@@ -912,7 +1001,7 @@ def _force_room_past_a_plain_reserve(root: Path, catalog) -> None:
         wait_until(lambda: cache.shortfall() > 0)  # the plain reserve waits
         download.start()
         # the download waits too: acks of "held" would make room
-        wait_until(lambda: cache.shortfall() == wanted.size - cache.ledger.free)
+        wait_until(lambda: cache.shortfall() == cache.charge(wanted) - cache.ledger.free)  # in the ledger's bytes
         cache.force_room()
         download.join(10)
         assert got == [True], "the download still waits after force_room()"
@@ -968,14 +1057,14 @@ def test_a_download_asked_back_takes_no_room_freed_after_it_was_asked(tmp_path):
     got: list[object] = []
     download = threading.Thread(target=lambda: got.append(cache.acquire(wanted, withdrawn=asked.is_set)))
     try:
-        reserved = cache.ledger.reserved
+        reserved, consumed = cache.ledger.reserved, cache.record.published["consumed"]  # its charge: file and folder
         download.start()
         wait_until(lambda: cache.shortfall() > 0, what="the download waiting for room")
         asked.set()  # no wake: the eviction's is the download's
         cache.evict("consumed")
         download.join(10)
         assert got == [None]
-        assert cache.ledger.reserved == reserved - 300 * 1024
+        assert cache.ledger.reserved == reserved - consumed
         assert cache.acquire_many([(wanted, 0)], withdrawn=asked.is_set) == 0  # nor the path that needs no wait
         assert cache.acquire(wanted) is True  # no claim was left on its name
     finally:

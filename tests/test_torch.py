@@ -11,12 +11,14 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+from sampling import block_of
 from zygote import Zygote
 
 torch = pytest.importorskip(
     "torch", reason="PyTorch is not installed (make test installs torch==2.13.0 where the CPU wheel is available)"
 )
 
+from cachepipe.blocks import footprint  # noqa: E402
 from cachepipe.torch import CachePipeDataset  # noqa: E402
 
 
@@ -517,7 +519,13 @@ def test_an_item_over_a_worker_s_share_of_the_cache_is_said_to_be_over_that_shar
             list(it)
     finally:
         it._shutdown_workers()  # the worker error leaves the loader's queue threads to its shutdown
-    said = "item 'a' is 600000 bytes, larger than this DataLoader worker's share of the cache (capacity 1048576 / num_workers 2)"
+    # named with both its sizes (as listed, and in the cache's blocks: its file's and its folder's), and over what
+    block = block_of(tmp_path)
+    said = (
+        f"item 'a' is 600000 bytes listed, {footprint([600_000], 1, block)} bytes in the filesystem's blocks of {block} "
+        "bytes (each file rounded up to whole blocks, a block per folder), larger than this DataLoader worker's share "
+        "of the cache (capacity 1048576 / num_workers 2) of 524288 bytes less "
+    )
     assert said in str(failed.value), failed.value
 
 

@@ -338,6 +338,24 @@ def test_tar_bomb_is_refused_before_the_member_is_written(tmp_path):
     assert tree_bytes(tmp_path / "out") == 0
 
 
+@pytest.mark.parametrize("fmt", ["tar", "zip"])
+def test_with_a_block_the_limit_counts_files_in_whole_blocks_and_a_block_per_folder(tmp_path, fmt):
+    # as the cache's ledger measures the item after (footprint): the extraction's own folder,
+    # a and a/b (made for a/b/x, not again for a/y or by a's own entry), two files of a block each
+    files = {"a/b/x": b"1", "a/y": b"22", "a/": b""} if fmt == "zip" else {"a/b/x": b"1", "a/y": b"22"}
+    archive = tmp_path / f"small.{fmt}"
+    archive.write_bytes(zip_bytes(list(files.items())) if fmt == "zip" else tar_bytes(files))
+    unpack_item(archive, tmp_path / "fits", limit_bytes=5 * 512, block=512)
+    assert tree_bytes(tmp_path / "fits", block=512) + 512 == 5 * 512
+    with pytest.raises(ArchiveTooLargeError) as caught:
+        unpack_item(archive, tmp_path / "over", limit_bytes=5 * 512 - 1, block=512)
+    assert "in whole blocks of 512 bytes" in str(caught.value) and "over the limit of 2559 bytes" in str(caught.value)
+    assert list((tmp_path / "over").iterdir()) == []
+    if fmt == "zip":  # the central directory's total, counted the same way
+        assert "its files total 2560 bytes" in str(caught.value)
+    unpack_item(archive, tmp_path / "bytes", limit_bytes=3)  # no block: the files' bytes alone
+
+
 @pytest.mark.parametrize("fmt", ["tar.gz", "zip"])
 def test_a_refusal_names_the_size_it_saw_and_what_to_raise(tmp_path, fmt):
     text = b"a person folds a towel\n" * 2000  # 46,000 bytes that compress a hundredfold

@@ -20,10 +20,10 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..blocks import folders_made, footprint, round_up
 from ..catalog import Item, Names
 from ..fscalls import FileCalls
 from ..retention import RetentionPolicy
-from .blockhint import BlockSample
 from .eviction import Eviction
 from .ledger import Ledger
 from .record import Record
@@ -42,6 +42,7 @@ class _Acks:
     catalog_path: Path
     prefix: str
     ledger: Ledger
+    block: int
     record: Record
     file_calls: FileCalls
     rebuilt: bool
@@ -53,7 +54,6 @@ class _Acks:
     _small: dict[str, tuple[str, ...] | None]
     _fresh: set[str]
     _policy: RetentionPolicy | None
-    _blocks: BlockSample
     _names: Sequence[str]
     _cond: threading.Condition
     _closed: bool
@@ -87,6 +87,16 @@ class _Acks:
     def limit(self) -> int:
         """The largest item that can ever fit: capacity minus foreign bytes and the state budget."""
         return self.ledger.limit
+
+    def charge(self, item: Item, extra: int = 0) -> int:
+        """What ``item`` takes on the cache's filesystem, the bytes the ledger reserves for it
+        (:func:`~cachepipe.blocks.footprint`: its files in whole blocks of :attr:`block`, and a
+        block per folder it makes), with ``extra`` bytes beside it (``unpack``/``prepare``'s
+        output) rounded up to whole blocks. Every reservation, release and check of the item's
+        room uses this one charge."""
+        files = item.files
+        charge = footprint((f.size for f in files), folders_made((f.rel for f in files), item.is_file, item.name), self.block)
+        return charge + round_up(extra, self.block) if extra else charge
 
     def item_path(self, item: Item) -> Path:
         """Where ``item`` is (or will be) published."""

@@ -38,13 +38,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .. import state
+from ..blocks import BLOCK_MIN, clamp_block, folders_above, round_up
 from ..catalog import Catalog
 from ..config import Share
 from ..errors import CacheRemovedError
 from ..filesystems import lookups_stay_local, mount_at
 from ..fscalls import RELEASING, file_calls_for
 from ..removal import tree_bytes
-from .blockhint import BlockSample
 from .eviction import Eviction
 from .fulldisk import full_disk, no_room, room_now, said_full
 from .ledger import Ledger
@@ -85,6 +85,12 @@ class Cache(_Publishing):
         self.prefix = self._root.rstrip("/") + "/"  # what every item's path starts with
         self._capacity_spec = capacity
         self.ledger = Ledger()
+        # the filesystem's allocation block (read by open): every item is charged its files in
+        # whole blocks of it, and a block per folder (:meth:`charge`)
+        self.block = BLOCK_MIN
+        # the journal's budget in bytes, which the ledger counts rounded up to whole blocks (the
+        # journal is one file): a streamed listing's names grow it (note_listed)
+        self._budget_bytes = 0
         self.record = Record(self.state_dir / JOURNAL)
         self._staging = Staging(self.staging_root)
         self._eviction = Eviction(self.root, self._staging, self._reaped)
@@ -105,7 +111,6 @@ class Cache(_Publishing):
         # path, so no consumer can have left a marker in them (see first_hand_out)
         self._fresh = set()
         self._policy = None  # retain="auto": which acked items stay
-        self._blocks = BlockSample(self._root, 0)  # the first items reserved in blocks (made at open)
         self._names = ()  # the policy's item i is _names[i]; found by _names.index()
         self._cond = threading.Condition()
         self._closed = False
@@ -148,6 +153,7 @@ class Cache(_Publishing):
                 log.warning("%s; rebuilding the cache state from the files on disk", exc)
                 self._replay, self.rebuilt = state.Replay(), True
             usage = room_now(self._root)  # the one statvfs of an open (nothing of this cache writes yet)
+            self.block = self._eviction.block = clamp_block(usage.block)
             # before the listing, which may take minutes; not where recovery may free room (leftovers)
             if not self.has_leftovers() and no_room(usage) and (full := full_disk(self._given, self.root)):
                 raise full
@@ -156,7 +162,6 @@ class Cache(_Publishing):
             # calls that keep the interpreter's lock only where no lookup waits for a server on the way
             self.file_calls = file_calls_for(fstype) if lookups_stay_local(self._root) else RELEASING
             self.ledger.capacity = _capacity_bytes(self._capacity_spec, self.root, usage)  # beyond the filesystem: held, logged
-            self._blocks = BlockSample(self._root, usage.block)
             spec = self._capacity_spec
             # within the filesystem's size, kept as given (the space others hold may come back), but said when over
             # the room there now: the tree walked only where it can matter, a capacity over the free space
@@ -247,7 +252,9 @@ class Cache(_Publishing):
         check_resume(replay, resume, plan, self._root)
         drop_note(self.root)  # this owner changes the folder from now on: before the journal says so, below
         record, ledger = self.record, self.ledger
-        reuse, stale = sort_leftovers(self.root, replay, self.rebuilt, items, reusable and of_same_data(replay.plan, plan))
+        reuse, stale = sort_leftovers(
+            self.root, replay, self.rebuilt, items, reusable and of_same_data(replay.plan, plan), block=self.block
+        )
         for name in stale:
             log.info("removing stale cached item %s", name)
             self._eviction.remove(name)
@@ -263,10 +270,17 @@ class Cache(_Publishing):
             else:
                 record.start(replay.pass_no + 1, (0, 0), set(), plan)
         ledger.reserved = sum(record.published.values())
-        state_files = tree_bytes(self.state_dir)
-        record.budget = self.journal_budget(items)
+        block = self.block
+        # in whole blocks, as the items are charged: the state folder itself, its files and folders,
+        # and the journal's budget (the journal grows into it)
+        state_files = block + tree_bytes(self.state_dir, block=block)
+        self._budget_bytes = self.journal_budget(items)
+        record.budget = round_up(self._budget_bytes, block)
         ledger.overhead = state_files + record.budget
-        ledger.foreign = tree_bytes(self.root, skip={*reuse, STATE_DIR})  # the reused items matched their sizes
+        # the reused items matched their sizes: their charge is reserved, with the folders above
+        # a nested single-object item (folders_made), which the walk meets: not foreign as well
+        walked = tree_bytes(self.root, skip={*reuse, STATE_DIR}, block=block)
+        ledger.foreign = max(0, walked - folders_above(reuse) * block)
         ledger.check_room(self._root)
         self._replay = state.Replay()
         while self._recovered and ledger.over_capacity():
@@ -295,7 +309,8 @@ class Cache(_Publishing):
         round of the lock for a run of names. Returns, for each of the first names (at least
         one, unless the cache closed), :attr:`limit` once that name is counted: the largest
         item that fits beside the state budget then. Blocks until the first name's space is
-        free (items are acked), so that the ledger never exceeds the capacity; the names
+        free (items are acked), so that the ledger never exceeds the capacity, beside the room
+        a download waiting for it wants (a planned item goes first); the names
         after it are counted while their space is free now, and the others are left to the
         next call (the caller's items queued meanwhile can be acked). With ``sizes`` (bytes of
         each name's item), a name after the first whose item would not fit the limit is left to
@@ -313,30 +328,42 @@ class Cache(_Publishing):
             raise TypeError(f"note_listed takes a sequence of item names, not one name: {names!r}")
         ledger = self.ledger
         step, versioned = state.EVENT_OVERHEAD, state.EVENT_OVERHEAD + state.VERSION_OVERHEAD
-        grows = [
-            # each name's bytes as Catalog.name_bytes counts them (an undecodable byte: 3), as a reopen budgets it
+        # each name's bytes as Catalog.name_bytes counts them (an undecodable byte: 3), as a reopen
+        # budgets it; counted in the ledger as what they add to the budget in whole blocks, so that
+        # the budget is the one a reopen over the same names reserves (round_up of the total)
+        raw = [
             2 * (4 * len(name.encode("utf-8", "surrogatepass")) + (step if i < len(plain) and plain[i] else versioned))
             for i, name in enumerate(names)
         ]
+        block, grows, total = self.block, [], self._budget_bytes
+        for grow in raw:
+            grows.append(round_up(total + grow, block) - round_up(total, block))
+            total += grow
         limits: list[int] = []
         with self._cond:
             if grows:
                 ledger.check_room(self._root, ledger.overhead + grows[0])
                 # Wait for room (acks) rather than count space the reserved items already hold: the
                 # ledger never exceeds the capacity. Reservations waiting for room re-check the limit.
-                while not self._closed and not ledger.fits(grows[0]):
+                # A download waiting for room goes first (its item is planned, and a consumer may
+                # wait for it while holding items): the names take only room beyond what it wants,
+                # else the budget, growing a block at a time, took each block an ack freed, and a
+                # download of an item of more than a block waited for ever.
+                while not self._closed and not ledger.fits(grows[0] + (self._wanting if grows[0] else 0)):
                     self._cond.wait()
             if grows and not self._closed:
-                # the largest item beside the budget, and the room left, with the names so far counted
-                limit, free = ledger.limit - grows[0], ledger.free - grows[0]
+                # the largest item beside the budget, and the room left (beside a waiting
+                # download's), with the names so far counted
+                limit, free = ledger.limit - grows[0], ledger.free - self._wanting - grows[0]
                 limits.append(limit)
                 for i in range(1, len(grows)):
                     grow = grows[i]
-                    if grow > free or limit - grow <= 0 or (i < len(sizes) and sizes[i] > limit - grow):
+                    if grow > max(free, 0) or limit - grow <= 0 or (i < len(sizes) and sizes[i] > limit - grow):
                         break  # for the next call, with that name first: it raises, waits, or refuses the item
                     limit, free = limit - grow, free - grow
                     limits.append(limit)
                 counted = sum(grows[: len(limits)])
+                self._budget_bytes += sum(raw[: len(limits)])
                 self.record.budget += counted
                 ledger.overhead += counted
             self._cond.notify_all()
@@ -402,7 +429,7 @@ class Cache(_Publishing):
             self.record.close()
             try:
                 if noted:  # what the folder holds, for a share of the disk measured before the next owner's recovery
-                    write_note(self.root, self.record.published)
+                    write_note(self.root, self.block)
             finally:
                 self._lock.release()
 

@@ -67,6 +67,7 @@ class Eviction:
         self._staging = staging
         self._release = release
         self._reaper = Reaper(release)
+        self.block = 0  # the cache's block, set at its open: bytes left by a failed deletion counted in it
         self.folders = threading.Lock()  # parent folders of nested items: made by publish, removed here
         # held while a batch of acks is deleted: sized by open_deleters() for the file system
         self.deleters = threading.BoundedSemaphore(deleters_for(""))
@@ -99,7 +100,7 @@ class Eviction:
             else:
                 self.remove(name)
         except OSError as exc:
-            left = tree_bytes(f"{self._root}/{name}")
+            left = tree_bytes(f"{self._root}/{name}", block=self.block)
             log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", name, left, exc)
             return aside, left
         return aside, 0
@@ -130,7 +131,7 @@ class Eviction:
         if aside and size >= REAP_MIN_BYTES and self._reaper.put(aside, size):
             return
         if aside:
-            left += delete_tree(aside)  # in staging: the next open clears what is left
+            left += delete_tree(aside, self.block)  # in staging: the next open clears what is left
         self._release(size, left)
 
     def remove(self, name: str) -> None:

@@ -41,7 +41,8 @@ class _Publishing(_Reservation):
         the way), journal the result ("P"; an intent that came to nothing, "D").
 
         Args:
-            reserved: the bytes reserved for it, released at eviction (default: its listed size).
+            reserved: the bytes reserved for it, released at eviction (default: :meth:`charge`, what
+                its files take in whole blocks and its folders).
 
         Returns:
             The item's path, a string (as :meth:`stage`'s).
@@ -55,7 +56,7 @@ class _Publishing(_Reservation):
         """
         if not verified:
             verify(staged, item)
-        (got,) = self.publish_many([(staged, item, item.size if reserved is None else reserved)])
+        (got,) = self.publish_many([(staged, item, self.charge(item) if reserved is None else reserved)])
         if isinstance(got, OSError):
             raise got
         return got
@@ -119,10 +120,11 @@ class _Publishing(_Reservation):
         return True
 
     def discard(self, staged: str | Path, size: int, name: str) -> None:
-        """Delete a staging area, release its reservation and the claim on ``name``. Bytes that
+        """Delete a staging area, release its reservation (``size``: what was reserved, the item's
+        :meth:`charge`) and the claim on ``name``. Bytes that
         could not be deleted (logged, not raised) count as foreign until the next open clears
         staging, as for an acknowledged item that could not be deleted."""
-        self.unreserve(size, name, left=delete_tree(staged))  # one lock round: never counted twice
+        self.unreserve(size, name, left=delete_tree(staged, self.block))  # one lock round: never counted twice
 
 
 def _flat_names(item: Item) -> tuple[str, ...]:

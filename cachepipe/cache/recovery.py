@@ -86,9 +86,11 @@ def of_same_data(saved: str, new: str) -> bool:
 
 
 def sort_leftovers(
-    root: Path, replay: state.Replay, rebuilt: bool, items: Catalog, reusable: bool = True
+    root: Path, replay: state.Replay, rebuilt: bool, items: Catalog, reusable: bool = True, *, block: int
 ) -> tuple[dict[str, int], list[str]]:
-    """The items on disk under ``root`` to reuse (name -> size, in name order) and the names to
+    """The items on disk under ``root`` to reuse (name -> what it takes in ``block`` -byte blocks,
+    :meth:`.core.Cache.charge`, in name order; ``block`` is the cache's, no default: a charge in
+    any other block would not be what the ledger releases for the item) and the names to
     remove, from the journal's ``replay`` (or, if it was unreadable, ``rebuilt``) and the catalog;
     ``reusable`` False: none is reused, and those of ours are removed (another source, see
     :func:`of_same_data`, or an owner that transforms items before hand-out). An item is reused when its
@@ -127,7 +129,7 @@ def sort_leftovers(
                 and matches_sizes(path, sizes[found] if files_mode else items.file_sizes(found))
             ):
                 if reusable and replay.versions.get(name) == items.version(found):
-                    reuse[name] = sizes[found]
+                    reuse[name] = items.charge(found, block)
                 else:  # ours (journaled, or matching the listing), not to reuse, or of another version or one not known
                     stale.append(name)
                 continue

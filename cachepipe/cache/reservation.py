@@ -73,23 +73,24 @@ def _capacity_bytes(capacity: int | Share, root: Path, usage: Room | None = None
 class _Reservation(_Acks):
     """Room and claims (see the module notes): a base of :class:`~.core.Cache`."""
 
-    def set_capacity(self, capacity: int | Share, at_least: int = 0) -> int:
+    def set_capacity(self, capacity: int | Share, at_least: int = 0, listed: int | None = None) -> int:
         """Change the capacity now; returns it in bytes. Shrinking deletes nothing: downloads
         wait until acknowledgements bring the cache under the new cap.
 
         Raises:
             ConfigError: the new capacity leaves no room beside foreign files and the state
-                budget, or less than ``at_least`` bytes (the largest item still to be fetched,
-                which would fail).
+                budget, or less than ``at_least`` bytes (what the largest item still to be
+                fetched takes, :meth:`charge`, which would fail; ``listed``: its listed size).
         """
         new = _capacity_bytes(capacity, self.root)
         beside = self.foreign + self.overhead
         if beside >= new:
             raise ConfigError(f"capacity {new} bytes leaves no room beside {beside} bytes of other files and state")
         if new - beside < at_least:
+            size = f"{at_least} bytes" if listed in (None, at_least) else f"{listed} bytes listed, {at_least} in whole blocks"
             raise ConfigError(
                 f"capacity {new} bytes leaves {new - beside} bytes for items beside {beside} bytes of other files and "
-                f"state, less than the largest item planned ({at_least} bytes), which would fail (on_oversize='raise'): "
+                f"state, less than the largest item planned ({size}), which would fail (on_oversize='raise'): "
                 f"give at least {at_least + beside} bytes, or on_oversize='skip' to skip such items"
             )
         with self._cond:
@@ -110,16 +111,19 @@ class _Reservation(_Acks):
         got = self._reserve(size, name, leftovers=False)
         return bool(got)
 
-    def _reserve(self, size: int, name: str, leftovers: bool, withdrawn: Callable[[], bool] = _never) -> bool | str | None:
+    def _reserve(
+        self, size: int, name: str, leftovers: bool, withdrawn: Callable[[], bool] = _never, listed: int | None = None
+    ) -> bool | str | None:
         """:meth:`reserve`; with ``leftovers``, the wait ends too when a recovered (or shelved)
         item is in the way (:meth:`_in_the_way`): its name is returned, to drop. None:
-        ``withdrawn()`` was true before it reserved (nothing reserved)."""
+        ``withdrawn()`` was true before it reserved (nothing reserved). ``listed``: the item's
+        listed size, where ``size`` is its charge (:meth:`charge`), for the oversize error."""
         ledger = self.ledger
         with self._cond:
             try:
                 while not self._closed and not ledger.fits(size):
                     if size > ledger.limit:
-                        raise OversizeError(name, size, ledger.capacity, ledger.foreign + ledger.overhead)
+                        raise self._oversize(name, size if listed is None else listed, size)
                     if withdrawn():  # before dropping anything for it
                         return None
                     if leftovers:  # the waiter that force_room() means (a plain reserve leaves it be)
@@ -130,7 +134,9 @@ class _Reservation(_Acks):
                     self._wanting = size
                     self._cond.wait()
             finally:
-                self._wanting = 0
+                if self._wanting:  # a streamed listing may wait for the room it left to this one
+                    self._wanting = 0
+                    self._cond.notify_all()
             if self._closed:
                 return False
             if withdrawn():  # asked back when the room it now fits in was freed (see acquire)
@@ -212,15 +218,14 @@ class _Reservation(_Acks):
             recovered = self._recovered.pop(item.name, None)
         if recovered is not None:
             return recovered
-        if self._blocks.sampling:  # the first items: what they take in blocks (see .blockhint)
-            self._blocks.add(item, self.ledger.capacity)
         policy = self._policy
         if policy is None:
             claimed = self._claim_or_adopt(item.name, withdrawn)
             if claimed is not True:
                 return claimed  # the earlier copy was shelved meanwhile (a path), the cache closed, or withdrawn
             try:
-                while isinstance(got := self._reserve(item.size + extra, item.name, True, withdrawn), str):
+                charge = self.charge(item, extra)
+                while isinstance(got := self._reserve(charge, item.name, True, withdrawn, item.size), str):
                     log.info("dropping %s, an earlier owner's item not due yet, to make room for %s", got, item.name)
                     self.drop(got, gone_ok=True)  # another download waiting for room may have dropped it meanwhile
             except BaseException:
@@ -243,22 +248,19 @@ class _Reservation(_Acks):
         with self._cond:
             if self._closed or self._recovered or withdrawn():
                 return 0
-            count = 0
-            for item, extra in items:
-                if item.name in claimed or not ledger.fits(item.size + extra):
-                    break
+            for count, (item, extra) in enumerate(items):
+                charge = self.charge(item, extra)
+                if item.name in claimed or not ledger.fits(charge):
+                    return count
                 claimed.add(item.name)
-                ledger.reserve(item.size + extra)
-                count += 1
-        if self._blocks.sampling:  # the first items: what they take in blocks (see .blockhint)
-            for item, _extra in items[:count]:
-                self._blocks.add(item, ledger.capacity)
-        return count
+                ledger.reserve(charge)
+            return len(items)
 
     def _acquire_retained(
         self, policy: RetentionPolicy, item: Item, tick: int, starving: Callable[[], bool], withdrawn: Callable[[], bool]
     ) -> Path | bool | None:
         ledger = self.ledger
+        charge = self.charge(item)  # no extra: retain='auto' takes no unpack or prepare (config)
         idx = self._number(item.name)
         if idx is None:
             raise KeyError(f"item {item.name!r} is not in the plan given to use_retention()")
@@ -268,8 +270,8 @@ class _Reservation(_Acks):
                 while not victims:
                     if self._closed:
                         return False
-                    if item.size > ledger.limit:  # it would never fit: not waited for (as in _reserve)
-                        raise OversizeError(item.name, item.size, ledger.capacity, ledger.foreign + ledger.overhead)
+                    if charge > ledger.limit:  # it would never fit: not waited for (as in _reserve)
+                        raise self._oversize(item.name, item.size, charge)
                     if policy.is_pinned(idx):  # an earlier step's copy is still out: one copy at a time
                         if withdrawn():
                             return None
@@ -285,18 +287,18 @@ class _Reservation(_Acks):
                     if withdrawn():  # before reserving or evicting anything for it (see acquire)
                         return None
                     free = ledger.free
-                    if free >= item.size:
-                        ledger.reserve(item.size)
+                    if free >= charge:
+                        ledger.reserve(charge)
                         self._claimed.add(item.name)
                         policy.on_admit(idx, tick)
                         return True
-                    if free + ledger.reaping >= item.size:  # victims being deleted make room: no more
+                    if free + ledger.reaping >= charge:  # victims being deleted make room: no more
                         self._cond.wait()
                         continue
                     forced, self._forced = self._forced, False
-                    chosen = policy.choose_victims(item.size - free - ledger.reaping, idx, tick, urgent=starving(), forced=forced)
+                    chosen = policy.choose_victims(charge - free - ledger.reaping, idx, tick, urgent=starving(), forced=forced)
                     if chosen is None:
-                        self._wanting = item.size
+                        self._wanting = charge
                         try:
                             self._cond.wait(0.25)
                         finally:
@@ -307,6 +309,11 @@ class _Reservation(_Acks):
                         victims.append((name, self.record.dropping(name)))
             for name, size in victims:
                 self._delete(name, size, dropped=True)
+
+    def _oversize(self, name: str, listed: int, charge: int) -> OversizeError:
+        """The error for item ``name`` of ``listed`` bytes that takes ``charge`` (beyond :attr:`limit`)."""
+        ledger = self.ledger
+        return OversizeError(name, listed, ledger.capacity, ledger.foreign + ledger.overhead, taken=charge, block=self.block)
 
     def shortfall(self) -> int:
         """Bytes that a download waiting for room lacks beyond the free space and the deletions

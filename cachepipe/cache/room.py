@@ -5,7 +5,8 @@ A share (``"80%"``) is of the space free on the cache's filesystem and of what t
 folders concerned hold already (a cache's own items are its room, not taken from it). What a
 folder holds is a walk of its files, one ``lstat`` each: seconds for a million small files, in
 every DataLoader worker at every pass, each of which measures the folders of all its siblings.
-So a cache that closes writes down what its folder holds (``<folder>/.cachepipe/held``, with
+So a cache that closes walks its folder once and writes down what it holds, what deleting its
+files and folders would free (``<folder>/.cachepipe/held``, with
 the identity of its journal and the folder's change time then), and a measure of a cache
 folder trusts the note while both are as it says. The next owner removes the note when its
 recovery begins, before it changes anything (and rewrites the journal when it ends; an owner of
@@ -24,11 +25,11 @@ import functools
 import logging
 import os
 import shutil
-import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 
-from ..removal import tree_bytes
+from ..blocks import clamp_block
+from ..removal import taken, tree_bytes
 from .lock import STATE_DIR
 
 __all__ = ["drop_note", "held_in", "room_at", "write_note"]
@@ -67,29 +68,32 @@ def room_at(
 
 
 def held_in(folder: str | os.PathLike[str]) -> int:
-    """The bytes of the files under the cache folder ``folder``: as its cache noted when it
-    closed, if its journal and the folder's change time are still as noted; else walked
-    (:func:`~cachepipe.removal.tree_bytes`, a file with holes at the bytes the disk gave it)."""
-    noted = _read_note(Path(folder))
-    return tree_bytes(folder, allocated=True) if noted is None else noted
+    """The bytes the files and folders under the cache folder ``folder`` take from the disk
+    (:func:`~cachepipe.removal.tree_bytes` with ``disk``: what deleting them would free; a
+    folder takes nothing on tmpfs): as its cache noted when it closed, if its journal and the
+    folder's change time are still as noted; else walked. Not the ledger's charges, which count
+    a block for each folder whatever the filesystem: a share of the disk of those would count
+    room that is not there."""
+    block = clamp_block(os.statvfs(folder).f_frsize)
+    noted = _read_note(Path(folder), block)
+    return tree_bytes(folder, disk=True, block=block) if noted is None else noted
 
 
-def write_note(root: Path, kept: Mapping[str, int]) -> None:
+def write_note(root: Path, block: int) -> None:
     """Note what the cache folder ``root`` holds now that its journal is written for the last
-    time (at its close): the items ``kept`` (name -> bytes; a folder at its listed size, a file
-    at its own, one no longer there or a link as nothing: a consumer may have deleted it) and
-    the rest of its files, walked, but for the note and staging (removed by the next open before
-    it measures the folder, when its close could not); its lock with its owner's line, which a
-    release blanks and does not cut (:meth:`~.lock.OwnerLock.release`), the size it keeps. The
+    time (at its close), measured as :func:`held_in` walks it (``block``: the cache's, for a
+    file whose blocks are not reported): every file and folder under it but the note and
+    staging (removed by the next open before it measures the folder, when its close could not);
+    its lock with its owner's line, which a release blanks and does not cut
+    (:meth:`~.lock.OwnerLock.release`), the size it keeps. The
     marks are taken first: a change while this measures makes the note one not trusted. Not
     fatal if it fails: the folder is walked instead."""
     state_dir = root / STATE_DIR
     path, spare = state_dir / NOTE, state_dir / f"{NOTE}.new"
     try:
         marks = _marks(root)
-        state = tree_bytes(state_dir, skip={NOTE, spare.name, STAGING})
-        held = sum(_kept_bytes(f"{root}/{name}", size) for name, size in kept.items())
-        held += tree_bytes(root, skip={*kept, STATE_DIR}) + state
+        skip = {f"{STATE_DIR}/{NOTE}", f"{STATE_DIR}/{spare.name}", f"{STATE_DIR}/{STAGING}"}
+        held = tree_bytes(root, skip=skip, disk=True, block=block)
         spare.write_text(f"{held} {marks}\n")
         os.replace(spare, path)
     except OSError as exc:
@@ -111,18 +115,6 @@ def drop_note(root: Path) -> None:
         log.debug("could not remove the note of the size of %s (%s): its marks still say when it stands", root, exc)
 
 
-def _kept_bytes(path: str, listed: int) -> int:
-    """The bytes of a kept item at ``path``: ``listed`` for a folder (its files are not walked),
-    a regular file's own size, 0 for anything else or nothing (deleted since it was kept)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return 0
-    if stat.S_ISDIR(st.st_mode):
-        return listed
-    return st.st_size if stat.S_ISREG(st.st_mode) else 0
-
-
 def _marks(root: Path) -> str:
     """What changes when a later owner (of any version) or anyone else changes the cache folder
     ``root`` at its top or its journal: the journal's inode, size and change time, and the
@@ -131,14 +123,15 @@ def _marks(root: Path) -> str:
     return f"{journal.st_ino} {journal.st_size} {journal.st_mtime_ns} {folder.st_mtime_ns}"
 
 
-def _read_note(root: Path) -> int | None:
-    """The bytes noted for the cache folder ``root``, or None: no note, one not readable, or one
-    whose marks (:func:`_marks`) have changed since."""
+def _read_note(root: Path, block: int) -> int | None:
+    """The bytes noted for the cache folder ``root`` (and what the note itself takes), or None:
+    no note, one not readable, or one whose marks (:func:`_marks`) have changed since."""
     try:
-        note = (root / STATE_DIR / NOTE).read_text()
+        with open(root / STATE_DIR / NOTE) as file:
+            note, own = file.read(), taken(os.fstat(file.fileno()), block)
         held, _, marks = note.strip().partition(" ")
         if marks != _marks(root) or int(held) < 0:
             return None
-        return int(held) + len(note)  # the note holds only ASCII: one byte a character
+        return int(held) + own
     except (OSError, ValueError):
         return None

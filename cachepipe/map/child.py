@@ -337,15 +337,18 @@ class Watch:
     run: Any
     slot: Path
     grown: Path | None  # the input folder when CMD runs in it: what it adds there counts too
-    base: int  # the input's size
+    base: int  # what the input holds, measured as it is below
     limit: int
+    block: int = 0  # files in whole blocks of it, a block per folder (the slot's own among them), as the cache counts
+    folders: int = 0  # what the slot's own folders take: in what is measured and in the limit, not in what is said
     over: bool = False
     peak: int = 0
 
     def measure(self) -> int:
-        used = tree_bytes(self.slot)
+        block = self.block
+        used = block + tree_bytes(self.slot, block=block)
         if self.grown is not None:
-            used += max(0, tree_bytes(self.grown) - self.base)
+            used += max(0, tree_bytes(self.grown, block=block) - self.base)
         self.peak = max(self.peak, used)
         return used
 
@@ -402,6 +405,8 @@ class Watcher:
                     watch.over = True
                     watch.run.kill()
                     log.warning(
-                        "outputs of the job in %s passed its reserve of %d bytes: command killed", watch.slot, watch.limit
+                        "outputs of the job in %s passed its reserve of %d bytes: command killed",
+                        watch.slot,
+                        watch.limit - watch.folders,
                     )
             self._stop.wait(self._interval)

@@ -187,11 +187,14 @@ def _subfolders(fd: int) -> Iterator[str]:
 class Slot:
     """One job's work folder under ``cache_dir/.cachepipe-map/<n>/``: ``in`` (extracted files),
     ``out`` (outputs), ``cwd`` (working directory for single-file items); ``size`` is the bytes set
-    aside for it (the largest item's reserve plus the margin)."""
+    aside for it (the largest item's reserve plus the margin), ``block`` the cache's block, in
+    whose whole blocks (and a block per folder) what it holds is measured, as the cache counts
+    its files (0: the files' bytes alone)."""
 
-    def __init__(self, root: Path, size: int) -> None:
+    def __init__(self, root: Path, size: int, block: int = 0) -> None:
         self.root = root
         self.size = size
+        self.block = block
         self.inp = root / "in"
         self.out = root / "out"
         self.cwd = root / "cwd"
@@ -273,28 +276,38 @@ class Job:
     def _produce(self, cached: CachedItem, mi: MapItem) -> Path:
         """Unpack and/or run CMD on the item; return the folder whose files are the results.
 
-        The slot's limit: with ``unpack``, the extracted bytes (measured) plus the outputs'
-        reserve for that input; else the outputs' reserve for the item."""
+        The slot's limit, counted as the slot is measured (in whole blocks, a block per folder,
+        the slot's own folders among them): with ``unpack``, the extracted files (measured) plus
+        the outputs' reserve for that input; else the outputs' reserve for the item."""
         cfg, slot = self.cfg, self.slot
+        block = slot.block
         runs = cfg.command is not None or self._fn is not None
-        reserve = item_reserve(cfg, mi, runs)
+        reserve = item_reserve(cfg, mi, runs, block)
         item_path = cached.path
         source = item_path
-        limit, extracted = reserve.out, 0
+        limit, extracted = reserve.folders + reserve.out, 0
         if cfg.unpack:
             advice = (
                 f"unpack_ratio (--unpack-ratio) {cfg.unpack_ratio:g} reserves {reserve.unpack} bytes for this item of "
                 f"{mi.size} bytes: raise it to the archive's compression ratio"
             )
+            # the extraction counts its folder (``in``, a block, one of the slot's own) and its
+            # members in whole blocks with the folders they make: the members get reserve.unpack
             result = unpack_item(
-                item_path, slot.inp, limit_bytes=reserve.unpack, max_members=cfg.max_members, advice=advice, name=mi.name
+                item_path,
+                slot.inp,
+                limit_bytes=reserve.unpack + block,
+                max_members=cfg.max_members,
+                advice=advice,
+                name=mi.name,
+                block=block,
             )
             adopt_others(item_path, slot.inp, result.other, move=False)  # a folder item's captions beside its archive
             source = slot.inp
             if not runs:
                 return slot.inp
-            extracted = tree_bytes(slot.inp)
-            limit = extracted + out_reserve(cfg, extracted)
+            extracted = tree_bytes(slot.inp, block=block)
+            limit = reserve.folders + extracted + out_reserve(cfg, extracted, block=block)
         cwd = source if source.is_dir() else slot.cwd
         values = {"{}": str(source), "{out}": str(slot.out), "{name}": mi.name}
         env = {_VARIABLE[placeholder]: value for placeholder, value in values.items()}
@@ -309,7 +322,9 @@ class Job:
                 raise CommandError(f"cannot start {argv[0]!r}: {exc}", "") from exc
         else:  # map_items refuses a run with neither, unless it only unpacks (returned above)
             raise RuntimeError(f"item {mi.name!r}: no fn and no command to run on it")
-        watch = Watch(run, slot.root, item_path if source == item_path and item_path.is_dir() else None, cached.size, limit)
+        grown = item_path if source == item_path and item_path.is_dir() else None
+        base = tree_bytes(grown, block=block) if grown is not None else 0  # what the input holds before CMD runs in it
+        watch = Watch(run, slot.root, grown, base, limit, block, reserve.folders)
         self._watcher.add(watch)
         try:
             code, tail, timed_out = run.wait(cfg.timeout, cfg.kill_grace)
@@ -324,17 +339,23 @@ class Job:
         self._tally.measured(watch.peak)
         if watch.over or used > limit:
             peak = max(used, watch.peak)
-            share = f" ({extracted} extracted + {limit - extracted} for outputs)" if cfg.unpack else ""
+            own = reserve.folders  # the slot's own folders: in what is measured and in the limit, shown in neither
+            share = f" ({extracted} extracted + {limit - own - extracted} for outputs)" if cfg.unpack else ""
+            counted = (
+                f", counted in the filesystem's blocks of {block} bytes (files in whole blocks, a block per folder)"
+                if block
+                else ""
+            )
             message = (
-                f"item {mi.name!r}: outputs reached {peak} bytes, over its reserve of {limit} bytes"
-                f"{share} (the command was stopped); raise out_reserve/out_ratio (--out-reserve/--out-ratio)"
+                f"item {mi.name!r}: outputs reached {peak - own} bytes, over its reserve of {limit - own} bytes"
+                f"{share}{counted} (the command was stopped); raise out_reserve/out_ratio (--out-reserve/--out-ratio)"
             )
             if peak > slot.size:
                 message += (
-                    f"; they also passed the job's slot of {slot.size} bytes (reserve + margin), so the cache may have "
-                    f"held up to {peak - slot.size} bytes more than its capacity: the command wrote more than the margin "
-                    f"between two of the watcher's measurements (every {cfg.watch_interval:g} s); raise out_margin "
-                    "(--out-margin)"
+                    f"; they also passed the job's slot of {slot.size} bytes (reserve + margin + the slot's own folders), "
+                    f"so the cache may have held up to {peak - slot.size} bytes more than its capacity: the command wrote "
+                    f"more than the margin between two of the watcher's measurements (every {cfg.watch_interval:g} s); "
+                    "raise out_margin (--out-margin)"
                 )
             raise OutputTooLargeError(message)
         if self._stop.is_set():

@@ -31,6 +31,7 @@ from pydantic import (
     field_validator,
 )
 
+from ..blocks import folders_made, footprint, round_up
 from ..catalog import check_key, group_items
 from ..config import UNPACK_RATIO, Capacity, check_manifest_location, credentials_unsaid, filtered_tar, parse_size, utf8_location
 from ..errors import ConfigError, UnsafeKeyError
@@ -41,6 +42,7 @@ from ..stores.base import ObjectInfo, abort_store, takes_etag
 from ..unpack import DEFAULT_MAX_MEMBERS, is_checksum_file, split_volume
 
 __all__ = [
+    "SLOT_FOLDERS",
     "WORK_DIR",
     "MapConfig",
     "MapItem",
@@ -48,7 +50,9 @@ __all__ = [
     "Reserve",
     "command_digest",
     "function_name",
+    "in_blocks",
     "inside_prefix",
+    "item_charge",
     "item_reserve",
     "out_reserve",
     "plan_items",
@@ -196,31 +200,57 @@ class MapItem:
         return version_of([(o.key, o.size, o.etag) for o in self.objects])
 
 
+SLOT_FOLDERS = 4
+"""The folders of a job's slot: its own and its ``in``, ``out`` and ``cwd`` (:class:`~cachepipe.map.job.Slot`),
+a block each in what the slot takes."""
+
+
+def in_blocks(size: int, block: int) -> int:
+    """``size`` bytes in whole ``block`` s (0: ``size`` itself, the listed bytes)."""
+    return round_up(size, block) if block > 0 else size
+
+
 @dataclass(frozen=True)
 class Reserve:
-    """The room one item takes in its job's slot, in bytes: ``unpack`` for its extracted files
-    (0 without ``unpack``), ``out`` for its outputs (at most; see :func:`out_reserve`)."""
+    """The room one item takes in its job's slot, in bytes counted as the cache counts its files
+    (in whole blocks of the cache's filesystem, a block per folder; see :mod:`cachepipe.blocks`):
+    ``unpack`` for its extracted files (0 without ``unpack``), ``out`` for its outputs (at most;
+    see :func:`out_reserve`), ``folders`` for the slot's own folders (:data:`SLOT_FOLDERS`)."""
 
     unpack: int
     out: int
+    folders: int = 0
 
     @property
     def total(self) -> int:
-        return self.unpack + self.out
+        return self.unpack + self.out + self.folders
 
 
-def out_reserve(cfg: MapConfig, input_size: int, runs: bool = True) -> int:
+def out_reserve(cfg: MapConfig, input_size: int, runs: bool = True, block: int = 0) -> int:
     """The bytes a run's outputs may take, for an input (what the command gets: the item, or its
     extracted files) of ``input_size`` bytes: ``out_reserve``, or ``out_ratio`` (default 1) times
-    ``input_size``; 0 when nothing runs (``unpack`` alone: the extracted files are the results)."""
+    ``input_size``; 0 when nothing runs (``unpack`` alone: the extracted files are the results).
+    With ``block`` (above 0), in whole blocks of it, as the outputs are measured."""
     if not runs:
         return 0
     if cfg.out_reserve is not None:
-        return cfg.out_reserve
-    return max(1, math.ceil((cfg.out_ratio or 1.0) * input_size))
+        return in_blocks(cfg.out_reserve, block)
+    return in_blocks(max(1, math.ceil((cfg.out_ratio or 1.0) * input_size)), block)
 
 
-def item_reserve(cfg: MapConfig, mi: MapItem, runs: bool = True) -> Reserve:
+def item_charge(cfg: MapConfig, mi: MapItem, block: int = 0) -> int:
+    """What ``mi`` takes in the downloads' cache, as its ledger charges it
+    (:meth:`cachepipe.cache.Cache.charge`): its files in whole blocks and a block per folder it
+    makes; a single-object item (``items="files"`` without ``unpack``) those of its name in the
+    cache (:func:`~cachepipe.blocks.folders_made`). 0 ``block``: its listed size."""
+    if block <= 0:
+        return mi.size
+    is_file = cfg.items == "files" and not cfg.unpack
+    rels = [o.key[len(mi.local) + 1 :] for o in mi.objects] if not is_file else []
+    return footprint((o.size for o in mi.objects), folders_made(rels, is_file, mi.local), block)
+
+
+def item_reserve(cfg: MapConfig, mi: MapItem, runs: bool = True, block: int = 0) -> Reserve:
     """What ``mi`` may take in a slot, planned before it is downloaded.
 
     With ``unpack``, the extraction gets ``unpack_ratio`` times the item's size (refused past it,
@@ -228,9 +258,16 @@ def item_reserve(cfg: MapConfig, mi: MapItem, runs: bool = True) -> Reserve:
     computed from the extracted size measured (:func:`out_reserve`): ``cp -r . $CACHEPIPE_OUT``
     fits with the defaults. Separate shares, so that the extraction and a copy of it never
     compete for one reserve.
+
+    With ``block`` (the cache's, above 0), every share is in whole blocks of it, as the slot is
+    measured and as the cache counts the downloads beside it: the extraction's members in whole
+    blocks and a block per folder they make, the outputs from the input as it takes the disk
+    (the item's charge, or the extraction's share), and :data:`SLOT_FOLDERS` blocks for the slot's
+    own folders. Else in listed bytes, the folders not counted.
     """
-    unpacked = math.ceil(cfg.unpack_ratio * mi.size) if cfg.unpack else 0
-    return Reserve(unpacked, out_reserve(cfg, unpacked if cfg.unpack else mi.size, runs))
+    unpacked = in_blocks(math.ceil(cfg.unpack_ratio * mi.size), block) if cfg.unpack else 0
+    given = unpacked if cfg.unpack else item_charge(cfg, mi, block)
+    return Reserve(unpacked, out_reserve(cfg, given, runs, block), SLOT_FOLDERS * block)
 
 
 def plan_items(objects: Iterable[ObjectInfo], items: Literal["folders", "files"], unpack: bool) -> list[MapItem]:

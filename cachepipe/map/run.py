@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..blocks import clamp_block, round_up
 from ..cache import journal_budget_of
 from ..cache.lock import unusable_dir
 from ..cache.room import room_at
@@ -47,6 +48,7 @@ from .plan import (
     command_digest,
     function_name,
     inside_prefix,
+    item_charge,
     item_reserve,
     plan_items,
 )
@@ -61,9 +63,14 @@ __all__ = ["map_items"]
 
 log = logging.getLogger("cachepipe.map")
 
-_STATE_FILES = 4096
-"""Bytes allowed for the state files an open of the downloads' pipeline finds (the journal's
-header, the lock): counted against its capacity with the journal's budget."""
+_STATE_BLOCKS = 4
+"""What the downloads' cache finds of its state at its open, a block each (its ledger counts them
+so: :meth:`cachepipe.cache.Cache.recover`): the state folder ``.cachepipe``, its lock (a line),
+its journal (the header of a pass) and its staging folder."""
+
+_WORK_BLOCKS = 1
+"""The work folder :data:`~cachepipe.map.plan.WORK_DIR`, there when the downloads' cache opens
+(its lock is an empty file): a block, which that cache counts as not its own (foreign)."""
 
 _MIB = 1024**2
 
@@ -173,22 +180,26 @@ class _MapRun(_Remote):
     def _size(self, todo: Sequence[MapItem], capacity: int) -> _Sizing:
         cfg = self.cfg
         runs = cfg.command is not None or self._fn is not None
-        reserve = max(item_reserve(cfg, mi, runs).total for mi in todo)
+        block = _block_at(cfg.cache_dir)  # as the downloads' cache reads it at its open
+        reserve = max(item_reserve(cfg, mi, runs, block).total for mi in todo)
         margin = cfg.out_margin if cfg.out_margin is not None else min(reserve, 64 * _MIB)
         # the pipeline's journal budget (Cache.journal_budget, from Catalog.name_bytes: a name's
-        # undecodable byte as its surrogate's 3 UTF-8 bytes), and the state files an open finds
+        # undecodable byte as its surrogate's 3 UTF-8 bytes) in whole blocks, the state's folders
+        # and files an open finds, and the work folder, as the cache's ledger counts them
         names = sum(len(mi.local.encode("utf-8", "surrogatepass")) for mi in todo)
-        state = journal_budget_of(names, len(todo)) + _STATE_FILES
-        sizing = _Sizing(capacity, reserve, margin, min(cfg.jobs, len(todo)), state)
+        state = round_up(journal_budget_of(names, len(todo)), block) + (_STATE_BLOCKS + _WORK_BLOCKS) * block
+        charges = {mi.name: item_charge(cfg, mi, block) for mi in todo}
+        sizing = _Sizing(capacity, reserve, margin, min(cfg.jobs, len(todo)), state, block, charges)
         r = self._result
         r.capacity, r.reserve, r.margin, r.download_capacity = capacity, reserve, margin, sizing.downloads
         if sizing.largest <= 0:
-            least = sizing.least_for(max(mi.size for mi in todo))
+            least = sizing.least_for(max(charges.values()))
             raise ConfigError(
                 f"capacity {capacity} bytes leaves no room for downloads after setting aside {sizing.jobs} jobs x "
                 f"({reserve} bytes reserve + {margin} bytes margin) for {_FOR[cfg.unpack]} and {state} bytes for the "
-                f"state of a run over {len(todo)} items; raise capacity to at least {least} bytes (the largest item "
-                f"beside those), or lower jobs, {'unpack_ratio, ' if cfg.unpack else ''}out_reserve/out_ratio or out_margin"
+                f"state of a run over {len(todo)} items (in the filesystem's blocks of {block} bytes); raise capacity "
+                f"to at least {least} bytes (the largest item beside those), or lower jobs, "
+                f"{'unpack_ratio, ' if cfg.unpack else ''}out_reserve/out_ratio or out_margin"
             )
         return sizing
 
@@ -273,7 +284,7 @@ class _MapRun(_Remote):
                     job = Job(
                         cfg,
                         self._fn,
-                        Slot(work / str(n), sizing.reserve + sizing.margin),
+                        Slot(work / str(n), sizing.reserve + sizing.margin, sizing.block),
                         watcher=self._watcher,
                         uploader=uploader,
                         stop=self._stop,
@@ -347,6 +358,16 @@ def _resolve_capacity(capacity: int | Share, cache_dir: Path) -> int:
     if not isinstance(capacity, Share):
         return capacity
     return int(room_at(cache_dir, [cache_dir]) * capacity.fraction)
+
+
+def _block_at(cache_dir: Path) -> int:
+    """The block the cache at ``cache_dir`` will count files in (:func:`~cachepipe.blocks.clamp_block`
+    of its filesystem's ``f_frsize``): read at ``cache_dir``, or before it is made at its nearest
+    existing parent, on whose filesystem it will be."""
+    probe = cache_dir.absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return clamp_block(os.statvfs(probe).f_frsize)
 
 
 def _take_lock(work: Path, cache_dir: Path) -> int:
