@@ -59,7 +59,7 @@ from .fetcher import Planned
 from .lanequeues import LaneQueues
 from .lanes import LaneSchedule, NodePlan
 from .lanesteps import _MovedAway, _Planned
-from .passes import _charges
+from .passes import _charges, _reserve
 from .pipeline import CachedItem, Pipeline, Skipped
 from .plan import Cursor
 from .retention import PlanFuture, make_policy
@@ -202,7 +202,7 @@ class NodePipeline(Pipeline):
             equal_steps=cfg.equal_steps,
         )
         cache.recover(catalog, resume=False, reusable=not cfg.prepares)  # as a pipeline's (see _Pass._catalog)
-        largest = self._check_limit(plan.sizes, catalog, eligible, cache)
+        self._check_limit(catalog, eligible, cache)
         self.node_plan = plan
         future = PlanFuture(plan, horizon=2) if cfg.retain == "auto" else None
 
@@ -216,8 +216,8 @@ class NodePipeline(Pipeline):
         self._queues = queues
         self._catalog_items, self._eligible_items = catalog, eligible
         if future is not None:
-            reserve = min(cache.limit // 4, max(2 * cfg.large_requests, 16) * largest)
-            policy = make_policy("auto", _charges(catalog, eligible, cache.block), future, reserve=reserve)
+            charges = _charges(catalog, eligible, cache.block)
+            policy = make_policy("auto", charges, future, reserve=_reserve(cache, cfg, charges))
             cache.use_retention(policy, Names(catalog, eligible), 0)
         self._total_steps = None
         return queues.steps(self._item)

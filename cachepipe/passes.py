@@ -167,7 +167,7 @@ class _Pass:
             cursor, acked = plan.start, set()
         elif cfg.start_epoch and tuple(cursor) == (0, 0) and not acked:  # nothing resumed
             cursor = plan.start = plan.normalise(Cursor(cfg.start_epoch, 0))
-        largest = self._check_limit(plan.sizes, catalog, eligible, cache)
+        self._check_limit(catalog, eligible, cache)
         self._plan = plan
         self._frontier = Frontier(plan, Cursor(*cursor))
         self._catalog_items, self._eligible = catalog, eligible
@@ -176,8 +176,8 @@ class _Pass:
             names = Names(catalog, eligible)
             # the steps acknowledged beyond the cursor are skipped (_steps): no item's next use
             self._future = PlanFuture(plan, horizon=2, unread=_unread(names, acked))
-            reserve = min(cache.limit // 4, max(2 * cfg.large_requests, 16) * largest)
-            policy = make_policy("auto", _charges(catalog, eligible, cache.block), self._future, reserve=reserve)
+            charges = _charges(catalog, eligible, cache.block)
+            policy = make_policy("auto", charges, self._future, reserve=_reserve(cache, cfg, charges))
             cache.use_retention(policy, names, plan_tick(*cursor))
         before = _steps_before(plan, cursor)
         self._total_steps = None if cfg.epochs is None else sum(len(plan.share(e)) for e in range(cfg.epochs)) - before
@@ -232,14 +232,13 @@ class _Pass:
             self._counts["skipped"] += 1
         return catalog, sizes if eligible is None else array("q", (sizes[i] for i in eligible)), eligible, from_manifest
 
-    def _check_limit(self, sizes: array[int], catalog: Catalog, eligible: array[int] | None, cache: Cache) -> int:
-        """The largest of ``sizes``; with ``on_oversize="raise"``, raises :class:`OversizeError`
+    def _check_limit(self, catalog: Catalog, eligible: array[int] | None, cache: Cache) -> None:
+        """With ``on_oversize="raise"``, raises :class:`OversizeError`
         for the first item that takes more than the cache can hold once recovered (state files
         and foreign files counted; each item charged its files in whole blocks and its folders,
         :meth:`Cache.charge`). With ``"skip"``, such an item (left in by :meth:`_fitting`'s
         estimate, made before the state files were measured) is skipped in its turn, when its
         room is reserved (:meth:`Cache.acquire` raises for it)."""
-        largest = max(sizes)
         if self.config.on_oversize == "raise":
             planned = range(len(catalog)) if eligible is None else eligible  # _fitting raised for the others
             for i, charge in catalog.over_limit(cache.limit, cache.block):
@@ -248,7 +247,6 @@ class _Pass:
                     raise OversizeError(
                         item.name, item.size, cache.capacity, cache.capacity - cache.limit, taken=charge, block=cache.block
                     )
-        return largest
 
     def _largest_planned(self) -> tuple[int, int]:
         """``(charge, listed size)`` of the planned item that takes the most room in the cache
@@ -399,6 +397,15 @@ def _charges(catalog: Catalog, eligible: array[int] | None, block: int) -> array
     waits for). A walk of every item's files (``retain="auto"`` only)."""
     planned = range(len(catalog)) if eligible is None else eligible
     return array("q", (catalog.charge(i, block) for i in planned))
+
+
+def _reserve(cache: Cache, cfg: PipelineConfig, charges: array[int]) -> int:
+    """The bytes ``retain="auto"`` keeps for the downloads ahead (the policy's ``reserve``):
+    room for ``2 * large_requests`` (at least 16) of the largest planned item, a quarter of the
+    cache at most; in the ledger's bytes, as the policy's sizes (``charges``) and the pinned
+    bytes it is held against are (reckoned from the largest listed size, it kept room for a
+    fraction of that many items of small files)."""
+    return min(cache.limit // 4, max(2 * cfg.large_requests, 16) * max(charges, default=0))
 
 
 def _unread(names: Names, acked: set[tuple[int, str]]) -> list[tuple[int, int]]:

@@ -153,6 +153,9 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
         # per-process mode, a capacity given as a share: the bytes it was of at the latest
         # pipeline made here (see _room), named by an OversizeError over a worker's share
         self._room: int | None = None
+        # per-process mode: bytes of each worker's share that its folder and reader note take
+        # beside its cache (two blocks of cache_dir's filesystem), set with _room
+        self._aside = 0
         # per-process mode, the manifest planned from, read here (see _hold_manifest), and its
         # copy in shared memory for workers started by spawn or forkserver, once one is
         self._manifest: Manifest | None = None

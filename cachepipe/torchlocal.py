@@ -28,6 +28,7 @@ from typing import Any
 
 import torch.utils.data
 
+from .blocks import clamp_block
 from .cache.lock import UNKNOWN_OWNER
 from .cache.room import room_at
 from .config import Share, with_unit
@@ -63,6 +64,7 @@ class _LocalMode(_DatasetState):
 
     # set by CachePipeDataset.__init__, which says what each holds
     _room: int | None
+    _aside: int
     _manifest: Manifest | None
     _shared: SharedManifest | None
     _identity: str
@@ -109,7 +111,10 @@ class _LocalMode(_DatasetState):
             # own items are room to it, its siblings' used space, which shrank every share on reopen
             self._room = _room(self.cache_dir, world, num_workers)
             capacity = int(self._room * capacity.fraction)
-        share = with_unit(capacity // num_workers)
+        # each worker's folder and its reader note beside it (see torchreader.note_path), in
+        # cache_dir: a block each that no cache's ledger counts, so the shares leave them room
+        self._aside = 2 * _block_at(self.cache_dir)
+        share = with_unit(max(capacity // num_workers - self._aside, 0))
         options = {**self.options, "rank": rank, "world_size": world, "worker": worker, "num_workers": num_workers}
         if epochs is not None:
             options["epochs"] = epochs
@@ -131,14 +136,16 @@ class _LocalMode(_DatasetState):
         try:
             yield
         except OversizeError as exc:
+            # the worker's folder and its note, set aside from its share: taken as its state is
+            share, occupied = exc.capacity + self._aside, exc.occupied + self._aside
             info = torch.utils.data.get_worker_info()
             if info is None or info.num_workers == 1:
-                raise
+                raise OversizeError(exc.item, exc.size, share, occupied, taken=exc.taken, block=exc.block) from None
             capacity = str(self.capacity)
             if self._room is not None:  # a share of the disk: of what, in bytes
                 capacity += f" of {self._room} bytes free or cached in cache_dir"
             of = f"this DataLoader worker's share of the cache (capacity {capacity} / num_workers {info.num_workers})"
-            raise OversizeError(exc.item, exc.size, exc.capacity, exc.occupied, of, exc.taken, exc.block) from None
+            raise OversizeError(exc.item, exc.size, share, occupied, of, exc.taken, exc.block) from None
 
     def _iter_local(self, start: dict[str, Any] | None, token: object) -> Iterator[Any]:
         if start and _finished(start):
@@ -254,6 +261,15 @@ def _room(cache_dir: Path, world: int, num_workers: int) -> int:
             if (match := _FOLDER.fullmatch(entry.name)) and int(match[1]) < world and int(match[2]) < num_workers
         ]
     return room_at(cache_dir, held, caches=True)
+
+
+def _block_at(path: Path) -> int:
+    """The block the filesystem of ``path`` (or of its nearest existing parent, before it is
+    made) gives a file or a folder, as a cache there charges it (:func:`~cachepipe.blocks.clamp_block`)."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    return clamp_block(os.statvfs(probe).f_frsize)
 
 
 def _open(make: Callable[[], Pipeline], dataset: str) -> Pipeline:

@@ -152,3 +152,29 @@ def test_an_extraction_counts_a_link_too_long_for_its_inode_as_a_block():
         budget.add("a.tar", "more", 0, link=201)
     said = "extracting its symbolic link (a target of 201 bytes: a block of 4096 bytes) would bring the item to 16384 bytes"
     assert said in str(refused.value)
+
+
+@pytest.mark.parametrize("node", [False, True], ids=["pipeline", "node"])
+def test_retention_keeps_room_for_downloads_counted_as_the_ledger_counts_them(tmp_path, node):
+    # retain="auto" keeps room for the downloads ahead, so that retained items do not shrink the
+    # prefetch window to nothing: 2 * large_requests (here 32) of the largest item (a quarter of
+    # the cache at most), held against what the pinned items take in the ledger's bytes (their
+    # files in whole blocks, their folders). It was reckoned from the largest item's listed
+    # size: for items of three 512-byte files (16 KiB on 4 KiB blocks, 1536 bytes listed) it kept
+    # 49152 bytes, room for three downloads where it means 32 (in a Pipeline and a NodePipeline).
+    from cachepipe.blocks import footprint
+    from cachepipe.node import NodePipeline
+
+    src = tmp_path / "src"
+    for i in range(8):
+        for j in range(3):
+            _put(src, f"d{i}/f{j}", bytes([i]) * 512)
+    options = {"retain": "auto", "epochs": 2}
+    if node:
+        pipe = NodePipeline(str(src), tmp_path / "cache", "64MiB", ranks=[0], world_size=1, **options)
+    else:
+        pipe = Pipeline(str(src), tmp_path / "cache", "64MiB", **options)
+    with pipe:
+        cache = pipe._cache
+        largest = footprint([512] * 3, 1, cache.block)
+        assert cache._policy.reserve == min(cache.limit // 4, max(2 * pipe.config.large_requests, 16) * largest)

@@ -988,3 +988,42 @@ def test_a_job_folder_without_a_note_keeps_the_manifests_at_start(s3_source, tmp
         register(sock, "plain", spec(s3_source, capacity=64 * KIB))
         admin.delete_job("plain")  # every job folder is noted now: the orphan goes
         assert sorted(p.name for p in folder.glob("*.json.gz")) == [f"{planned}.json.gz"]
+
+
+def test_a_job_s_folder_stays_with_its_items_under_the_capacity_it_takes(s3_source, tmp_path, short_dir):
+    """Blocks review (a guard, no defect found): a job's node cache has all the capacity the job
+    took of ``jobs.capacity``, and its folder ``jobs.root/NAME`` is a block no cache's ledger
+    counts; what keeps the job under its capacity is its state's charge, which counts the
+    journal as it was at the open and the whole journal's budget besides (a block at least
+    more than the state takes). Measured as the cache counts (the Sampler's walk, in whole
+    blocks), the daemon's lock and the manifests' folder left out (outside jobs.capacity)."""
+    from sampling import Sampler, block_of, charge
+    from test_disk_faults import tmpfs
+    from test_node import state_of
+
+    from cachepipe.cache import tree_bytes
+
+    data = s3_source.folders(12, {"a": 512, "b": 512, "c": 512})
+    sock = short_dir / "api.sock"
+    with tmpfs(tmp_path / "disk", "4m") as disk:
+        block = block_of(disk)
+        # a capacity that holds the job's state and three items exactly
+        capacity = state_of(s3_source.url, disk, storage_options=s3_source.options) + 3 * charge(disk, [512] * 3, 1)
+        root = disk / "jobs"
+        jobs = {"root": str(root), "capacity": f"{capacity}B", "sources": [s3_source.url]}
+        jobs["options"] = {"storage_options": s3_source.options}
+        job = {"source": s3_source.url, "world_size": 1, "ranks": [0], "num_workers": 1}
+        got = []
+        with DaemonProcess(write_config(tmp_path, sock, jobs)), JobClient("train", job, 0, socket=sock) as lane:
+            lane.register()
+            with Sampler(root) as sampler:
+                cursor: tuple[int, int] = (0, 0)
+                while (item := lane.take(cursor, timeout=30)) is not None:
+                    got.append(item.name)
+                    time.sleep(0.05)  # a slow consumer: the downloads run ahead, as far as the cap lets them
+                    cursor = item.next
+                lane.consume(cursor)
+            # beside the jobs: the daemon's lock and the manifests' folder, outside jobs.capacity (docs/multinode.md)
+            outside = block + tree_bytes(root / ".manifests", block=block) + block * (root / ".manifests").is_dir()
+    assert sorted(got) == sorted(data)
+    assert sampler.samples > 0 and sampler.peak - outside <= capacity, f"{sampler.peak - outside} bytes under {capacity}"

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from sampling import block_of
+from sampling import Sampler, block_of
 from zygote import Zygote
 
 torch = pytest.importorskip(
@@ -543,3 +543,41 @@ def test_a_worker_waits_for_a_cache_folder_whose_owner_is_not_written_yet_or_gon
     assert _sibling(f"pid {done.stdout.strip()} {host}")  # gone
     assert not _sibling(f"pid 1 {host}")  # alive, another parent
     assert not _sibling(f"pid {os.getpid()} elsewhere")
+
+
+def _name_slowly(path):
+    """A transform that takes a while (the workers' downloads run ahead, as far as their shares let them)."""
+    import time
+
+    time.sleep(0.03)
+    return path.name
+
+
+def test_the_workers_folders_and_their_notes_stay_under_the_capacity_given(tmp_path):
+    """Blocks review: each DataLoader worker's cache had ``capacity / num_workers``, and its own
+    folder ``cache_dir/rank<r>-worker<k>`` and its reader note beside it (a block each, which no
+    cache's ledger counts) came on top: what ``cache_dir`` held reached the capacity and two
+    blocks per worker (this test's peak was 147456 bytes under 139264)."""
+    from mounts import mounted
+
+    from cachepipe import Pipeline
+
+    src = tmp_path / "src"
+    for i in range(24):  # items of three 512-byte files: 4 blocks each with their folder
+        for j in range(3):
+            (src / f"d{i:02d}").mkdir(parents=True, exist_ok=True)
+            (src / f"d{i:02d}" / f"f{j}").write_bytes(bytes([i]) * 512)
+    disk = tmp_path / "disk"
+    with mounted(disk, ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)]):
+        block = block_of(disk)
+        options = {"rank": 0, "world_size": 1, "worker": 0, "num_workers": 2}
+        with Pipeline(str(src), disk / "probe", "1MiB", **options) as probe:
+            state = probe._cache.ledger.overhead  # what a worker's cache counts for its own state
+        # a capacity whose halves hold a worker's state and three items exactly
+        capacity = 2 * (state + 3 * footprint([512] * 3, 1, block))
+        cache = disk / "cache"
+        dataset = CachePipeDataset(str(src), cache, f"{capacity}B", transform=_name_slowly, rank=0, world_size=1)
+        with Sampler(cache) as sampler:
+            got = sorted(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2))
+        assert got == sorted(p.name for p in src.iterdir())
+        assert sampler.samples > 0 and sampler.peak <= capacity, f"{sampler.peak} bytes under {capacity}"
