@@ -26,6 +26,7 @@ import errno
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,7 +96,10 @@ class Model:
         self.ready = []
         self.staged = []
         if self.retain:
-            self.future = PlanFuture(PLAN, horizon=2)
+            # the steps acked beyond the position are skipped, as a pass tells its PlanFuture
+            # (passes._unread): no retained item's next use
+            unread = [(e, CATALOG.names.index(name)) for e, name in acked]
+            self.future = PlanFuture(PLAN, horizon=2, unread=unread)
             self.future.prepare(cursor[0])
             charges = [CATALOG.charge(i, cache.block) for i in range(N_ITEMS)]  # the ledger's bytes
             cache.use_retention(make_policy("auto", charges, self.future), CATALOG.names, tick(*cursor))
@@ -128,10 +132,10 @@ class Model:
         if not self.retain and cache.used + cache.charge(item) > cache.capacity and not cache._recovered:
             return False  # no room until an ack: the pipeline would wait here
         try:
-            got = cache.acquire(item, tick(e, i))
+            got = cache.acquire(item, tick(e, i), withdrawn=self._waits(n))
         except OSError:
             return False  # a drop or victim deletion met the fault; the fetch is tried again later
-        if got is False:
+        if got is False or got is None:  # None: it would wait for an ack (see _waits)
             return False
         if got is not True:  # recovered or retained: on disk already
             self.ready.append(n)
@@ -179,6 +183,24 @@ class Model:
                 self.cache.discard(staged, self.cache.charge(item), item.name)
             else:
                 self.ready.append(n)
+
+    def _waits(self, n: int) -> Callable[[], bool]:
+        """The ``withdrawn`` of step ``n``'s acquire, asked at each turn of its wait: where it waits
+        a turn with a step out (ready or staged: a pipeline's consumer acks it, or the download
+        ends), it is given up (the model is one thread: it acks later); with none out, no ack can
+        ever come, and the wait is a stall (as the kill soak's was, a7bdd27): failed after a
+        bound, not hung for ever."""
+        turns = 0
+
+        def withdrawn() -> bool:
+            nonlocal turns
+            turns += 1
+            if turns > 1 and (self.ready or self.staged):
+                return True
+            assert turns < 200, f"step {STEPS[n]}: acquire waits for room with no step out to ack (a stall)"
+            return False
+
+        return withdrawn
 
     def ack(self, which: int) -> None:
         if not self.ready:
