@@ -46,6 +46,7 @@ import logging
 import os
 import threading
 import time
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,7 +63,7 @@ from .lanesteps import _MovedAway, _Planned
 from .passes import _charges, _reserve
 from .pipeline import CachedItem, Pipeline, Skipped
 from .plan import Cursor
-from .retention import PlanFuture, make_policy
+from .retention import NEVER, PlanFuture, is_placeholder, make_policy
 from .stores import Store
 
 __all__ = ["NodePipeline", "SkippedStep", "Taken"]
@@ -86,6 +87,12 @@ elsewhere are given back at the first check (see :meth:`NodePipeline._wait`)."""
 HELD_WARNING = 30.0
 """Seconds a lane waits, with no room made for it, before the node logs that its consumers hold
 the whole cache."""
+
+
+def _has(positions: Sequence[int], index: int) -> bool:
+    """Whether ``index`` is in ``positions`` (ascending)."""
+    at = bisect_left(positions, index)
+    return at < len(positions) and positions[at] == index
 
 
 @dataclass(frozen=True)
@@ -205,6 +212,7 @@ class NodePipeline(Pipeline):
         self._check_limit(catalog, eligible, cache)
         self.node_plan = plan
         future = PlanFuture(plan, horizon=2) if cfg.retain == "auto" else None
+        self._future = future  # the acks' next reads (see _next_reads)
 
         def prepare(epoch: int) -> None:  # in the background once a lane enters epoch: see LaneQueues
             plan.prepare(epoch + 2, pause=queues.pause)  # queues.pause: stops when the queues close
@@ -440,13 +448,45 @@ class NodePipeline(Pipeline):
         with self._moves:
             consumed, stale, acked = self._queues.move(lane, cursor)
             if consumed:  # one journal write for the lot
-                self._cache.evict_many([(planned.name, planned.step.epoch, planned.tick) for planned in consumed])
+                acks = [(planned.name, planned.step.epoch, planned.tick) for planned in consumed]
+                self._cache.evict_many(acks, self._next_reads(consumed))
             if acked:
                 with self._counts_lock:
                     self._counts["acked"] += acked
-            for planned in stale:
-                self._stale(planned)
+            for planned, after in zip(stale, self._next_reads(stale), strict=True):
+                self._cache.shelve(planned.name, planned.step.epoch, planned.tick, after)
             self._advance()
+
+    def _next_reads(self, copies: Sequence[_Planned]) -> list[int | None]:
+        """With retention, for each copy about to be acknowledged, the tick after which its item
+        is next read (see :meth:`Cache.evict_many`): just before the first of its steps that the
+        lane reading it has not consumed (the lanes' floors now), from the earliest floor on;
+        None without retention. The copy's pin says the next use after the latest step that
+        shared it (:meth:`_shared`), and a lane that moved back over such a step (its consumer
+        restarted) reads the copy there again: deleted as read for the last time, it was
+        downloaded twice, with room for every item."""
+        future = self._future
+        if future is None or not copies:
+            return [None] * len(copies)
+        plan, schedule = self.node_plan, self._queues.schedule
+        floors = [
+            NEVER if schedule.done(lane, c) else plan.tick(lane, c.epoch, c.index) for lane, c in enumerate(self._queues.floors())
+        ]
+        start = min(floors)  # NEVER: every lane is at its end, and nothing is read after NEVER - 1
+        got: list[int | None] = []
+        for planned in copies:
+            after, item = start - 1, planned.step.item
+            while True:
+                read = future.next_use(item, after)
+                if read == NEVER or is_placeholder(read):
+                    break
+                index, positions = read & 0xFFFFFFFF, plan.positions(read >> 32)
+                if not any(floor > read and _has(positions[lane], index) for lane, floor in enumerate(floors)):
+                    after = read - 1  # its lane has not consumed it: the next read
+                    break
+                after = read  # consumed: look on
+            got.append(after)
+        return got
 
     def _shared(self, planned: _Planned) -> None:
         """A step planned to share a copy on disk or downloading: its retention pin now lasts
@@ -458,7 +498,7 @@ class NodePipeline(Pipeline):
         again (no retention), or acknowledge it (retention decides whether to keep it)."""
         if isinstance(planned.value, Failed) or planned.value is None:
             return
-        self._cache.shelve(planned.name, planned.step.epoch, planned.tick)
+        self._cache.shelve(planned.name, planned.step.epoch, planned.tick, self._next_reads([planned])[0])
 
     def _advance(self) -> None:
         """Journal the node's position: the earliest of the lanes' first unconsumed steps."""

@@ -104,9 +104,14 @@ class RetentionPolicy:
         self.pinned_bytes += self.sizes[item]
         self._pinned(item, tick)
 
-    def on_ack(self, item: int, tick: int) -> bool:
+    def on_ack(self, item: int, tick: int, after: int | None = None) -> bool:
         """The step ``tick`` of ``item`` is acknowledged. True: keep the files (retained, or
         still pinned by a later step); False: delete them now.
+
+        ``after``: the caller knows which steps are still to read the item (a node's lanes, one
+        of which may have moved back over a step that shared its copy): its next use is the first
+        after ``after``, whatever steps pinned or reached the copy (see :meth:`reach`), once no
+        other pin holds it. None: the first after the latest of those steps.
 
         Raises:
             KeyError: ``item`` is not pinned.
@@ -117,7 +122,7 @@ class RetentionPolicy:
         if self._pins[item]:
             return True
         self.pinned_bytes -= self.sizes[item]
-        if self._retain(item, tick):
+        if self._retain(item, tick, after):
             self.retained_bytes += self.sizes[item]
             return True
         return False
@@ -169,7 +174,9 @@ class RetentionPolicy:
     def _reach(self, item: int, tick: int) -> None:
         """A step at ``tick`` shares ``item``'s pinned copy (see :meth:`reach`)."""
 
-    def _retain(self, item: int, tick: int) -> bool:
+    def _retain(self, item: int, tick: int, after: int | None = None) -> bool:
+        """``item``, acknowledged at ``tick``, is no longer pinned: True to keep it (``after``:
+        see :meth:`on_ack`)."""
         raise NotImplementedError
 
     def _release(self, item: int) -> bool:
@@ -188,7 +195,7 @@ class NoRetention(RetentionPolicy):
 
     name = "none"
 
-    def _retain(self, item: int, tick: int) -> bool:
+    def _retain(self, item: int, tick: int, after: int | None = None) -> bool:
         return False
 
     def _release(self, item: int) -> bool:
@@ -210,7 +217,7 @@ class LRU(RetentionPolicy):
         super().__init__(sizes, future, reserve=reserve)
         self._order: OrderedDict[int, None] = OrderedDict()
 
-    def _retain(self, item: int, tick: int) -> bool:
+    def _retain(self, item: int, tick: int, after: int | None = None) -> bool:
         self._order[item] = None
         return True
 
@@ -296,8 +303,8 @@ class Belady(RetentionPolicy):
             self._pkey[item] = key
             self._push(self._pheap, self._pkey, key, item, self._pinned_items)
 
-    def on_ack(self, item: int, tick: int) -> bool:
-        keep = super().on_ack(item, tick)
+    def on_ack(self, item: int, tick: int, after: int | None = None) -> bool:
+        keep = super().on_ack(item, tick, after)
         if not self._pins[item] and self._pkey[item] >= 0:
             self._pkey[item] = -1
             self._pinned_items -= 1
@@ -309,8 +316,11 @@ class Belady(RetentionPolicy):
             self._pkey[item] = -1
             self._pinned_items -= 1
 
-    def _retain(self, item: int, tick: int) -> bool:
-        key = self._pkey[item] if self._pkey[item] >= 0 else self.future.next_use(item, tick)  # type: ignore[union-attr]
+    def _retain(self, item: int, tick: int, after: int | None = None) -> bool:
+        if after is not None:
+            key = self.future.next_use(item, after)  # type: ignore[union-attr]
+        else:
+            key = self._pkey[item] if self._pkey[item] >= 0 else self.future.next_use(item, tick)  # type: ignore[union-attr]
         if key == NEVER:
             return False
         self._rkey[item] = key

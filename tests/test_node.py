@@ -1009,16 +1009,7 @@ def test_a_lane_beside_a_rank_that_holds_its_item_gets_the_room_it_frees_at_each
     assert stats.bytes_downloaded == 10 * 16 * KIB  # each item once: nothing given back
 
 
-_REWOUND_PINS = (
-    "REAL defect, not fixed (blocks review): with retain='auto', a lane that moves back (a consumer restarted "
-    "from its checkpoint) shelves the copies fetched ahead for it, and the other lanes consume copies shared with "
-    "steps it dropped; each is acknowledged against its pin's key, the next use after the latest step that shared "
-    "it (Cache.reach), which may be a step the move dropped: no later use, so it is deleted, and downloaded again "
-    "when the lane comes back to it (here d03, d01, d09: twice, with room for every item)"
-)
-
-
-@pytest.mark.parametrize("retain", ["none", pytest.param("auto", marks=pytest.mark.xfail(strict=True, reason=_REWOUND_PINS))])
+@pytest.mark.parametrize("retain", ["none", "auto"])
 def test_lanes_of_nested_small_files_stay_under_the_cap_in_blocks_and_download_each_once(s3_source, tmp_path, retain):
     """Blocks review: a node of two ranks of two workers, over single-object items of 512 bytes
     in folders of their own (``items="files"``: each takes its file's block and its two
@@ -1028,7 +1019,10 @@ def test_lanes_of_nested_small_files_stay_under_the_cap_in_blocks_and_download_e
     bytes. What the cache holds never exceeds the capacity as the cache counts it (the Sampler's
     walk) nor as the disk lost it (statvfs); every lane gets its share; without retention an
     object is downloaded at most three times (once per epoch, and again for the restarted
-    lane's first steps), with retention and room for all once (see _REWOUND_PINS)."""
+    lane's first steps), with retention and room for all once: a copy shared with a step that
+    the restarted lane dropped is kept for it (its ack's next use is the first read of it that
+    a lane has not consumed; it was the next use after that step, and d03, d01, d09 were
+    downloaded twice); and once every lane is at its end, retention keeps nothing."""
     from test_blocks_review import DiskLoss
     from test_disk_faults import tmpfs
 
@@ -1054,6 +1048,8 @@ def test_lanes_of_nested_small_files_stay_under_the_cap_in_blocks_and_download_e
                 wait_until(lambda: pipe.stats().bytes_downloaded == len(keys) * 512, what="every item downloaded")
             read_lanes(pipe, [(r, k) for r in (0, 1) for k in (0, 1)], out)
             stats = pipe.stats()
+            policy = pipe._cache._policy
+            kept = (0, 0) if policy is None else (policy.retained_bytes, policy.pinned_bytes)
     sizes = [512] * len(keys)
     for r in (0, 1):
         for k in (0, 1):
@@ -1063,4 +1059,5 @@ def test_lanes_of_nested_small_files_stay_under_the_cap_in_blocks_and_download_e
     assert lost.peak <= capacity, f"the disk lost {lost.peak} bytes under {capacity}"
     gets = [store.gets.get(key, 0) for key in keys]
     assert max(gets) <= (1 if retain == "auto" else 3), store.gets  # the restarted lane's first steps: again
+    assert kept == (0, 0), "every lane at its end: no step reads what retention keeps"
     assert stats.items_failed == 0

@@ -490,3 +490,20 @@ def test_a_step_sharing_a_pinned_copy_moves_its_next_use_past_it():
     assert policy.on_ack(0, 2) is True and policy._rkey[0] == 4  # kept for tick 4, the next use after 2
     policy.reach(1, 1)  # not pinned: nothing
     assert not policy.is_pinned(1) and not policy.is_retained(1)
+
+
+def test_an_ack_that_names_the_next_read_overrides_the_shared_copy_s_key():
+    """A node's lane that moved back drops a step that shared a copy, and will read it there
+    again: the node names the tick before the item's first read that no lane has consumed, and
+    the copy is kept by that, not by the next use after the latest step that shared it (none
+    here: it was deleted, and downloaded again for the dropped step). With another pin still on
+    the item, ``after`` changes nothing."""
+    policy = Belady([10, 10, 10], SequenceFuture([0, 0, 1, 2]))
+    policy.on_admit(0, 0)
+    policy.reach(0, 1)  # the step at tick 1 shares the copy: no use after it
+    assert policy.on_ack(0, 0, after=0) is True and policy._rkey[0] == 1  # kept for tick 1, read again
+    assert policy.on_fetch(0, 1) is True and policy.on_ack(0, 1, after=1) is False  # nothing after it: deleted
+    assert policy.retained_bytes == policy.pinned_bytes == 0
+    policy.on_admit(2, 3)
+    policy.on_fetch(2, 3)  # pinned twice
+    assert policy.on_ack(2, 3, after=3) is True and policy.is_pinned(2) and not policy.is_retained(2)

@@ -116,11 +116,14 @@ class _Acks:
         """
         self.evict_many([(name, epoch, tick)])
 
-    def evict_many(self, acks: Sequence[tuple[str, int, int]]) -> None:
+    def evict_many(self, acks: Sequence[tuple[str, int, int]], after: Sequence[int | None] | None = None) -> None:
         """:meth:`evict` for each ``(name, epoch, tick)``, the acks journaled by one write: all
         of them, or (on an error) none. Only a few threads delete their batches at once, as many as
         suit the cache's file system (:func:`.eviction.deleters_for`); the others wait, their
         acks journaled already.
+
+        ``after``: with retention, for each ack the tick after which its item is next read, if
+        the caller knows (see :meth:`.retention.RetentionPolicy.on_ack`), or None.
 
         Raises:
             KeyError: a name is not a published item of this cache, or is given twice; nothing changed.
@@ -137,8 +140,9 @@ class _Acks:
             self.record.ack(acks)
             kept = False
             gone: list[str] = []
-            for (name, _epoch, tick), number in zip(acks, numbers, strict=True):
-                if policy is not None and number is not None and policy.on_ack(number, tick):
+            nexts = [None] * len(acks) if after is None else after
+            for (name, _epoch, tick), number, since in zip(acks, numbers, nexts, strict=True):
+                if policy is not None and number is not None and policy.on_ack(number, tick, since):
                     if self.record.keep(name):  # still on disk, kept for a later step
                         kept = True
                         continue
@@ -177,18 +181,19 @@ class _Acks:
         with self._cond:
             policy.reach(number, tick)
 
-    def shelve(self, name: str, epoch: int = 0, tick: int = 0) -> None:
+    def shelve(self, name: str, epoch: int = 0, tick: int = 0, after: int | None = None) -> None:
         """A published item that its consumer moved away from before reading it, and that a later
         step will ask for again (a node's lane that restarted from an earlier position): without
         retention it stays on disk, to be handed to the :meth:`acquire` that reaches it, like an
         item recovered at open (and dropped like one when its room is needed first); with
-        retention it is acknowledged as of ``tick`` and the policy decides.
+        retention it is acknowledged as of ``tick`` and the policy decides (``after``: as for
+        :meth:`evict_many`).
 
         Raises:
             KeyError: ``name`` is not a published item of this cache.
         """
         if self._policy is not None:
-            self.evict(name, epoch, tick)
+            self.evict_many([(name, epoch, tick)], [after])
             return
         with self._cond:
             if name not in self.record.published:
