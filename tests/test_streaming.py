@@ -7,6 +7,7 @@ not ended; S3 listings are read page by page from the moto server.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -25,7 +26,7 @@ from cachepipe import ConfigError, EmptySourceError, OversizeError, Pipeline, st
 from cachepipe.blocks import footprint, round_up
 from cachepipe.cache import Cache
 from cachepipe.cache.core import journal_budget_of
-from cachepipe.catalog import Catalog
+from cachepipe.catalog import Catalog, group_items
 from cachepipe.listing import FIRST_PAGE_OBJECTS, StreamingListing, list_source
 from cachepipe.stores.base import ObjectInfo
 from cachepipe.stores.fsspec import FsspecStore
@@ -625,6 +626,55 @@ def test_a_streamed_listing_continued_after_a_key_checks_its_keys_against_those_
     assert sorted(unsafe) == ["item031/a", "item031/b", "item031/c"]
 
 
+class _ListsFromTheStart:
+    """A store whose ``list`` takes no ``start_after`` (a store of the user's): a listing cut by a
+    transient error lists it again from the start."""
+
+    def __init__(self, store: Any) -> None:
+        self._store, self.url = store, store.url
+
+    def list(self) -> Iterator[ObjectInfo]:
+        return self._store.list()
+
+
+@pytest.mark.parametrize("restart", ["after a key", "from the start"])
+def test_a_streamed_listing_cut_counts_the_objects_beside_the_folders_as_one_listing(request, fault_proxy, caplog, restart):
+    """items='folders': a warning counts the objects directly under the prefix (in no item) when
+    the listing ends. A streamed listing cut by a transient error and continued after the last
+    key admitted counted only those its last listing met: 4 objects, the first 'item030.txt',
+    where one listing counts 6, the first 'a.txt' (with none after the cut, no warning at all).
+    'item030.txt', read before the cut but after the last folder admitted, is listed again: once
+    in the count. Listed again from the start, the listing counts them all, once."""
+    proxy, endpoint = fault_proxy
+    page, failing = 5, 20
+    loose = ["a.txt", "item010.txt", "item030.txt", "item031.txt", "item040.txt", "z.txt"]
+    keys = sorted([f"item{i // 3:03d}/{'abc'[i % 3]}" for i in range(150)] + ["item005/", "item045/"] + loose)
+    read = (failing - 1) * page  # keys read before the cut: item030.txt and item030/a, after item029/c
+    assert keys[read - 3 : read + 1] == ["item029/c", "item030.txt", "item030/a", "item030/b"]
+    store, source = _paged_store(request, "s3", endpoint, page)
+    source.put_many({key: b"" if key.endswith("/") else key.encode() for key in keys})
+    _fail_once(proxy, {"": failing})
+    listed = store if restart == "after a key" else _ListsFromTheStart(store)
+    listing = StreamingListing(listed, "folders", lambda run: [True] * len(run), lambda: None, retries=1, backoff=lambda _: 0.0)
+    caplog.set_level(logging.WARNING, "cachepipe")
+    listing.start()
+    try:
+        got = list(iter(listing.take, None))
+        said = [r.getMessage() for r in caplog.records if "directly under the prefix" in r.getMessage()]
+        requests = sum(_listing_request(head) for head in proxy.requests)
+        caplog.clear()
+        clean = list(group_items(store.list(), "folders"))
+        one = [r.getMessage() for r in caplog.records if "directly under the prefix" in r.getMessage()]
+    finally:
+        listing.stop()
+        store.close()
+    again = _requests_resumed(keys, "folders", page, failing) if restart == "after a key" else failing + -(-len(keys) // page)
+    assert requests == again
+    assert got == clean and (listing.listed, listing.listed_bytes) == (50, sum(item.size for item in clean))
+    assert len(one) == 1 and one[0].startswith("6 object(s) lie") and one[0].endswith("the first: 'a.txt')")
+    assert said == one
+
+
 @pytest.mark.parametrize("backend", ["s3", "obs"])
 def test_a_listing_continued_after_a_key_asks_full_pages(request, fault_proxy, backend):
     """A listing asks 100 keys first (FIRST_PAGE_KEYS: the first item comes sooner), then full
@@ -837,13 +887,14 @@ def test_a_listing_that_fails_at_the_same_place_gives_up_after_its_retries_with_
 
 
 class _Overlapping:
-    """A store of 300 keys in 100 folders that fails once, after 200 keys; listed after a key, it
-    answers from ten keys before it (a store whose answer overlaps what was listed)."""
+    """A store of 300 keys in 100 folders (and the keys ``beside``) that fails once, after 200
+    keys; listed after a key, it answers from ten keys before it (a store whose answer overlaps
+    what was listed)."""
 
     url = "test://overlapping"
 
-    def __init__(self) -> None:
-        self.keys = [f"d{i // 3:03d}/{i % 3}" for i in range(300)]
+    def __init__(self, beside: tuple[str, ...] = ()) -> None:
+        self.keys = sorted([f"d{i // 3:03d}/{i % 3}" for i in range(300)] + list(beside))
         self.after: list[str | None] = []
 
     def list(self, start_after: str | None = None) -> Iterator[ObjectInfo]:
@@ -866,6 +917,27 @@ def test_a_listing_continued_after_a_key_admits_no_item_twice_where_the_store_an
         assert [item.name for item in listing.take_many(200)] == [f"d{i:03d}" for i in range(100)]
     finally:
         listing.stop()
+
+
+def test_a_listing_continued_after_a_key_from_before_it_counts_the_objects_beside_the_folders_once(caplog):
+    """The objects directly under the prefix that an overlapping answer lists again (d063.txt,
+    d064.txt: before the key it continues after) are counted once, as the folders are admitted
+    once; d065.txt, read before the cut after the last folder admitted, once too."""
+    beside = ("a.txt", "d063.txt", "d064.txt", "d065.txt", "z.txt")
+    store = _Overlapping(beside)
+    caplog.set_level(logging.WARNING, "cachepipe")
+    listing = StreamingListing(store, "folders", lambda run: [True] * len(run), lambda: None, retries=1, backoff=lambda _: 0.0)
+    listing.start()
+    try:
+        wait_until(lambda: listing.done, what="the listing's end")
+        assert listing.error is None and listing.listed == 100
+    finally:
+        listing.stop()
+    keys = store.keys
+    assert store.after == [None, "d064/2"] and keys[200 - 3 : 200] == ["d064/2", "d065.txt", "d065/0"]  # read before the cut
+    assert keys.index("d064/2") - 10 < keys.index("d063.txt")  # listed again
+    said = [r.getMessage() for r in caplog.records if "directly under the prefix" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("5 object(s) lie") and said[0].endswith("the first: 'a.txt')"), said
 
 
 def test_a_listing_admits_in_runs_once_a_run_of_the_producers_waits():
