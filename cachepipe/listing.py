@@ -304,7 +304,9 @@ class _Restart:
     ``start_after``: a key before every key wanted in both orders, and no folder of theirs (see
     :mod:`cachepipe.map.dstrange`): a listing that would list from the start lists after it where
     the store takes ``start_after``, whatever order the store lists in (the keys passed over are
-    none of those wanted, in either store's reading of it).
+    none of those wanted, in either store's reading of it); ``""`` (before every key): a whole
+    listing, which asks full pages from its first request (see
+    :func:`~cachepipe.stores.base.first_page_keys`).
     """
 
     def __init__(self, store: Store, mode: Literal["folders", "files"], start_after: str | None = None) -> None:
@@ -399,15 +401,17 @@ def resumed_listing(
     seconds, up to ``retries`` times in a row (counted again once an item is read). The objects
     of a folder are yielded once it is read whole (the next one started, or the listing ended):
     those of a folder read in part when the listing failed are listed again, not yielded twice.
-    For a whole listing (:func:`list_source`, ``cachepipe map``'s): its pages are not asked again.
-    ``start_after``: as :class:`_Restart`'s (a rank's listing of DST: only the part where its
-    items' keys can be, :mod:`cachepipe.map.dstrange`); None: every key.
+    For a whole listing (:func:`list_source`, ``cachepipe map``'s): its pages are not asked again,
+    and it asks full pages from its first request (no first item waits on it: it lists after
+    ``""``, see :func:`~cachepipe.stores.base.first_page_keys`, where the store takes
+    ``start_after``). ``start_after``: as :class:`_Restart`'s (a rank's listing of DST: only the
+    part where its items' keys can be, :mod:`cachepipe.map.dstrange`); None: every key.
 
     Raises:
         the error of the store, if not transient, after ``retries``, or once ``stop`` is set (it
         ends a backoff at once); ValueError as :meth:`_Restart.before`.
     """
-    restart, files = _Restart(store, mode, start_after), mode == "files"
+    restart, files = _Restart(store, mode, "" if start_after is None else start_after), mode == "files"
     attempt = 0
     while True:
         held: list[ObjectInfo] = []  # the objects of the unit being read

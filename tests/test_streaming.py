@@ -185,15 +185,16 @@ def _folder_by_folder_cut(memory_data: fsspec.AbstractFileSystem, cut_after: int
     return listed, FolderByFolderStore(gate_after=10**9, fail_after=2 * cut_after + 1)
 
 
-def _restarted_as_it_may(store: FolderByFolderStore, listed: list[str], mode: str) -> None:
+def _restarted_as_it_may(store: FolderByFolderStore, listed: list[str], mode: str, start: str | None = None) -> None:
     """Listed twice: again from the start once a key came out of key order, else after the last
-    item read whole."""
+    item read whole. ``start``: what the listing from the start lists after (a whole listing's
+    ``""``: full pages)."""
     assert store.lists == 2
     before = listed[: store.fail_after]  # listed before the failure
     if before != sorted(before):  # seen out of key order: listed from the start again
-        assert store.after == [None, None]
+        assert store.after == [start, start]
     elif mode == "files":  # every key seen came in key order: after the last one
-        assert store.after == [None, before[-1]]
+        assert store.after == [start, before[-1]]
 
 
 @pytest.mark.parametrize("mode", ["folders", "files"])
@@ -204,7 +205,7 @@ def test_a_whole_listing_folder_by_folder_restarted_anywhere_is_a_clean_listing_
     catalog is the one listing gives, each item once, in the store's order."""
     listed, store = _folder_by_folder_cut(memory_data, cut_after)
     got = list_source(store, mode, retries=1, backoff=0)
-    _restarted_as_it_may(store, listed, mode)
+    _restarted_as_it_may(store, listed, mode, start="")
     assert list(got.entries()) == list(Catalog.from_listing(FolderByFolderStore(gate_after=10**9).list(), mode).entries())
 
 
@@ -675,23 +676,58 @@ def test_a_streamed_listing_cut_counts_the_objects_beside_the_folders_as_one_lis
     assert said == one
 
 
+def _asked(proxy: Any, since: int = 0) -> list[int]:
+    """The max-keys of each listing request the fault proxy saw (from its ``since``-th request)."""
+    lines = [head.split("\r\n", 1)[0] for head in proxy.requests[since:] if _listing_request(head)]
+    return [int(re.search(r"max-keys=(\d+)", line)[1]) for line in lines]  # type: ignore[index]
+
+
 @pytest.mark.parametrize("backend", ["s3", "obs"])
 def test_a_listing_continued_after_a_key_asks_full_pages(request, fault_proxy, backend):
-    """A listing asks 100 keys first (FIRST_PAGE_KEYS: the first item comes sooner), then full
-    pages of 1,000. Continued after a key (a transient error cut it at its second page), it asked
-    100 again, for a first item handed long before: one request more for each restart. It asks
-    full pages now."""
+    """A streamed listing asks 100 keys first (FIRST_PAGE_KEYS: the first item comes sooner),
+    then full pages of 1,000. Continued after a key (a transient error cut it at its second
+    page), it asked 100 again, for a first item handed long before: one request more for each
+    restart. It asks full pages now."""
     proxy, endpoint = fault_proxy
     store, source = _paged_store(request, backend, endpoint, 1000)
     source.put_many({f"k{i:03d}": b"" for i in range(130)})
     _fail_once(proxy, {"": 2})
+    listing = StreamingListing(store, "files", lambda run: [True] * len(run), lambda: None, retries=1, backoff=lambda _: 0.0)
+    listing.start()
     try:
-        got = list_source(store, "files", retries=1, backoff=0)
+        got = [item.name for item in iter(listing.take, None)]
+    finally:
+        listing.stop()
+        store.close()
+    assert got == [f"k{i:03d}" for i in range(130)]
+    assert _asked(proxy) == [100, 1000, 1000]  # the first; the one that failed; after k099
+
+
+@pytest.mark.parametrize("backend", ["s3", "obs"])
+def test_a_whole_listing_asks_full_pages_from_its_first_request(request, fault_proxy, tmp_path, backend):
+    """A whole listing (list_source: a pass that is not streamed, the daemon's; ``cachepipe
+    index``; ``cachepipe map``'s listing of SRC) asked a short first page (FIRST_PAGE_KEYS, 100
+    keys: for a streamed pass's first item) where nothing waits for a first item: 130 keys took
+    two requests, [100, 1000]. It asks full pages: one request."""
+    from cachepipe.manifest import index
+    from cachepipe.map import map_items
+
+    proxy, endpoint = fault_proxy
+    store, source = _paged_store(request, backend, endpoint, 1000)
+    source.put_many({f"k{i:03d}/a": b"x" for i in range(130)})
+    try:
+        assert len(list_source(store, "folders")) == 130
     finally:
         store.close()
-    assert list(got.names) == [f"k{i:03d}" for i in range(130)]
-    asked = [int(re.search(r"max-keys=(\d+)", head.split("\r\n", 1)[0])[1]) for head in proxy.requests if _listing_request(head)]
-    assert asked == [100, 1000, 1000]  # the first; the one that failed; after k099
+    assert _asked(proxy) == [1000]
+    if backend == "s3":  # the same listing, through the public entry points
+        since = len(proxy.requests)
+        index(source.url, tmp_path / "listing.gz", storage_options=via(source, endpoint))
+        assert _asked(proxy, since) == [1000]
+        since = len(proxy.requests)
+        options = {"cache_dir": tmp_path / "c", "capacity": "1MiB", "storage_options": via(source, endpoint)}
+        map_items(["true"], source.url, "s3://data/out/", **options, dry_run=True, progress=False)
+        assert _asked(proxy, since) == [1000, 1000]  # SRC, then DST (after a key below its items': full pages already)
 
 
 def test_the_progress_bar_gets_its_total_when_the_listing_ends_while_the_bar_is_made(memory_data, tmp_path, monkeypatch):
