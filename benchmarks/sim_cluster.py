@@ -61,7 +61,6 @@ from cachepipe.fetch_policy import MAX_PART
 from cachepipe.plan import Plan, permutation, split
 from cachepipe.retention import PlanFuture, run
 from cachepipe.state import save_catalog
-from cachepipe.stores.base import FIRST_PAGE_KEYS
 
 MB = 10**6
 LIST_PAGE_KEYS = 1000  # ListObjectsV2 MaxKeys ceiling
@@ -101,7 +100,7 @@ def manifest_bytes_per_item(sample: int, files_per_item: int, item_size: int, se
 
 def listing(args: argparse.Namespace, per_item: float) -> dict[str, Any]:
     keys = args.items * args.files_per_item
-    pages = 1 + math.ceil(max(keys - FIRST_PAGE_KEYS, 0) / LIST_PAGE_KEYS)  # the first page asks for FIRST_PAGE_KEYS
+    pages = max(1, math.ceil(keys / LIST_PAGE_KEYS))  # a whole listing (list_source) asks full pages from its first
     consumers = args.nodes * args.ranks * args.workers
     manifest = per_item * args.items
     manifest_gets = math.ceil(manifest / args.part_size)  # ranged GETs of part_size, as the fetcher splits files

@@ -126,7 +126,10 @@ def tree_order(key: str) -> str:
 
 
 def group_items(
-    objects: Iterable[ObjectInfo], mode: Literal["folders", "files"] = "folders", seen: _TreeCheck | None = None
+    objects: Iterable[ObjectInfo],
+    mode: Literal["folders", "files"] = "folders",
+    seen: _TreeCheck | None = None,
+    loose: _Loose | None = None,
 ) -> Iterator[Item]:
     """Group a listing into items, streaming: each item is yielded once its last object is seen.
 
@@ -137,13 +140,15 @@ def group_items(
     unsafe or collides (see :func:`check_key`) is yielded in its place with :attr:`Item.unsafe`
     set to the first such key's error (a folder's name is its key's first segment, whatever
     that is): it must not be written. ``seen``: in ``"files"`` mode, the keys of a listing
-    these objects continue (after its last key), checked against theirs; None: none.
+    these objects continue (after its last key), checked against theirs; None: none. ``loose``:
+    in ``"folders"`` mode, the objects directly under the prefix that the listing these objects
+    continue met (see :class:`_Loose`), counted on in the warning that counts them; None: none.
 
     Raises:
         ValueError: the listing is in neither order.
     """
     is_file = mode == "files"
-    for name, size, files, unsafe in _grouped(objects, mode, seen):
+    for name, size, files, unsafe in _grouped(objects, mode, seen, loose):
         if is_file:  # one file, whose key is the name
             entries: tuple[FileEntry, ...] = (FileEntry(name, "", size, files[0][2]),)
         else:
@@ -151,16 +156,43 @@ def group_items(
         yield Item(name, entries, size, is_file=is_file, unsafe=unsafe)
 
 
+class _Loose:
+    """The objects directly under the prefix (in no folder) that a listing in ``"folders"`` mode
+    met, across the listings that continue it (see :meth:`continued`): the warning that counts
+    them at the end counts those the listings before a cut listed up to the key it continues
+    after, and does not count again those it lists anew.
+
+    Attributes:
+        n: how many, in the listings so far.
+        first: the first of them ("" if none).
+        upto: how many of them are at or before the last key of the last folder yielded.
+        after: the key the listing continues after (None: it lists from the start): those at or
+            before it were counted.
+    """
+
+    def __init__(self) -> None:
+        self.n, self.first, self.upto = 0, "", 0
+        self.after: str | None = None
+
+    def continued(self, after: str) -> None:
+        """A listing continues after ``after``, the last key of the last folder yielded (every key
+        so far in key order): the loose objects after it are listed again, counted again."""
+        self.n, self.after = self.upto, after
+        if not self.n:  # in key order, the first of them comes before every other
+            self.first = ""
+
+
 _Files = list[tuple[str, int, str | None]]  # (rel, size, etag) of an item's files
 _Entry = tuple[str, int | None, _Files, UnsafeKeyError | None]  # (name, size or None: the sum, files, why unsafe)
 
 
 def _grouped(
-    objects: Iterable[ObjectInfo], mode: Literal["folders", "files"], seen: _TreeCheck | None = None
+    objects: Iterable[ObjectInfo], mode: Literal["folders", "files"], seen: _TreeCheck | None = None, loose: _Loose | None = None
 ) -> Iterator[tuple[str, int, _Files, UnsafeKeyError | None]]:
     """:func:`group_items` as ``(name, size, [(rel, size, etag), ...], unsafe)``, making no objects
     per item (what :meth:`Catalog.from_listing` stores). A file's key is ``name/rel``, or ``name``
-    in ``"files"`` mode, where ``rel`` is empty; ``seen`` as :func:`group_items`'s (added to)."""
+    in ``"files"`` mode, where ``rel`` is empty; ``seen`` and ``loose`` as :func:`group_items`'s
+    (added to)."""
     last_key: str | None = None
     last_tree = ""  # last_key in folder-by-folder order (see tree_order)
     in_order = in_tree_order = True  # the listing so far is in key order; in folder-by-folder order
@@ -171,8 +203,10 @@ def _grouped(
     first: tuple[str, list[str]] = ("", [])  # the folder's first key and its segments under the folder
     tree: _TreeCheck | None = None  # made at a folder's second file: one file cannot collide
     everything = (_TreeCheck() if seen is None else seen) if mode == "files" else None
-    loose = ""  # the first object beside the folders
-    skipped = 0  # how many
+    if loose is None:
+        loose = _Loose()
+    skipped, after = loose.n, loose.after  # the objects beside the folders; counted before the cut up to ``after``
+    at_folder = skipped  # how many of them came before the current folder (none comes inside one, in either order)
     for obj in objects:
         key = obj.key
         if in_tree_order:  # followed only while the listing may be folder by folder
@@ -199,15 +233,20 @@ def _grouped(
                     error = exc
             yield key, obj.size, [("", obj.size, obj.etag)], error
             continue
-        if len(segments) < 2:
-            skipped += 1  # a loose object beside the folders: not part of any item
-            loose = loose or key
+        if len(segments) < 2:  # a loose object beside the folders: not part of any item
+            if after is None or key > after:  # else counted by the listing before the cut
+                skipped += 1
+                loose.n = skipped
+                if not loose.first:
+                    loose.first = key
             continue
         name, inside = segments[0], segments[1:]
         if name != current:
             if files:
+                loose.upto = at_folder  # those before its last key, should the listing be cut after it
                 yield current, size, files, unsafe  # type: ignore[misc]
             current, files, size, tree, first, unsafe = name, [], 0, None, (key, inside), error
+            at_folder = skipped
         elif unsafe is not None:
             pass  # an unsafe folder is not checked further: its first bad key names it
         elif error is not None:
@@ -223,11 +262,12 @@ def _grouped(
         files.append((key[len(name) + 1 :], obj.size, obj.etag))
         size += obj.size
     if files:
+        loose.upto = at_folder
         yield current, size, files, unsafe  # type: ignore[misc]
-    if skipped and current is not None:  # with no folder at all, the listing is refused, saying so
+    if skipped and (current is not None or after is not None):  # with no folder at all, the listing is refused, saying so
         log.warning(
             "%d object(s) lie directly under the prefix, beside its folders, and are part of no item "
             "(items='folders' makes an item of each folder; the first: %r)",
             skipped,
-            loose,
+            loose.first,
         )

@@ -27,7 +27,7 @@ from typing import Literal
 from .backoff import backoff_delay
 from .catalog import Catalog, Item, group_items
 from .errors import EmptySourceError, is_transient
-from .grouping import tree_order
+from .grouping import _Loose, tree_order
 from .keys import _TreeCheck
 from .stores import Store
 from .stores.base import FIRST_PAGE_KEYS, ObjectInfo, takes_start_after
@@ -78,7 +78,9 @@ class StreamingListing:
             before (at or before the last one in the store's order, see :class:`_Restart`): an
             item is never admitted twice, even if a store's answer overlaps. In ``"files"``
             mode, a listing continued after a key checks its keys against those listed before
-            (a file ``a`` listed before the cut, ``a/b`` after it: unsafe, as in one listing).
+            (a file ``a`` listed before the cut, ``a/b`` after it: unsafe, as in one listing); in
+            ``"folders"`` mode, the warning that counts the objects beside the folders counts
+            those listed before the cut, as one listing's does.
     """
 
     def __init__(
@@ -158,6 +160,7 @@ class StreamingListing:
     def _run(self) -> None:
         restart = _Restart(self._store, self._mode)  # where a restart lists again, and what it skips
         seen = _TreeCheck()  # files: the keys listed, against which a listing continued after a key checks its own
+        loose = _Loose()  # folders: the objects beside the folders, counted across a listing continued after a key
         admitted = 0  # objects in the items listed (files: a folder's marker or a loose object is in none)
         attempt = 0
         run: list[Item] = []  # listed, not admitted yet
@@ -177,10 +180,12 @@ class StreamingListing:
                 objects = restart.listing()
                 # after a key, the first page counted from where the listing was; from the start, again
                 self._objects = admitted if restart.after_key else 0
-                if not restart.after_key:
-                    seen = _TreeCheck()  # a listing from the start sees every key again
+                if restart.after_key:
+                    loose.continued(restart.after)
+                else:  # a listing from the start sees every key again
+                    seen, loose = _TreeCheck(), _Loose()
                 try:
-                    for item in group_items(self._count(objects), self._mode, seen):
+                    for item in group_items(self._count(objects), self._mode, seen, loose):
                         if restart.before(_unit(item.files[0].key, self._mode)):
                             continue
                         attempt = 0
@@ -299,7 +304,9 @@ class _Restart:
     ``start_after``: a key before every key wanted in both orders, and no folder of theirs (see
     :mod:`cachepipe.map.dstrange`): a listing that would list from the start lists after it where
     the store takes ``start_after``, whatever order the store lists in (the keys passed over are
-    none of those wanted, in either store's reading of it).
+    none of those wanted, in either store's reading of it); ``""`` (before every key): a whole
+    listing, which asks full pages from its first request (see
+    :func:`~cachepipe.stores.base.first_page_keys`).
     """
 
     def __init__(self, store: Store, mode: Literal["folders", "files"], start_after: str | None = None) -> None:
@@ -308,6 +315,7 @@ class _Restart:
         self._in_key_order = True  # every key listed so far (by every listing) came after the one before it
         self._by_key = self._by_tree = True  # the units came in key order; folder by folder (on every listing)
         self._after: str | None = None  # the last key of the last unit taken
+        self.after = ""  # the key this listing lists after, where after_key
         self._skip: tuple[str, str] | None = None  # this listing skips up to this unit, in both orders
         self._previous: tuple[str, str] | None = None  # the unit before, in this listing: in both orders
         self.after_key = False  # this listing lists after the key of the last unit taken
@@ -319,7 +327,8 @@ class _Restart:
             unit = _unit(after, self._mode)
             self._skip = (unit, tree_order(unit))
         self.after_key = after is not None and self._takes and self._in_key_order
-        if self.after_key:
+        if after is not None and self.after_key:
+            self.after = after
             return self._follow(self._store.list(start_after=after))  # type: ignore[call-arg]  # takes_start_after said so
         if self._floor is not None and self._takes:
             return self._follow(self._store.list(start_after=self._floor))  # type: ignore[call-arg]
@@ -392,15 +401,17 @@ def resumed_listing(
     seconds, up to ``retries`` times in a row (counted again once an item is read). The objects
     of a folder are yielded once it is read whole (the next one started, or the listing ended):
     those of a folder read in part when the listing failed are listed again, not yielded twice.
-    For a whole listing (:func:`list_source`, ``cachepipe map``'s): its pages are not asked again.
-    ``start_after``: as :class:`_Restart`'s (a rank's listing of DST: only the part where its
-    items' keys can be, :mod:`cachepipe.map.dstrange`); None: every key.
+    For a whole listing (:func:`list_source`, ``cachepipe map``'s): its pages are not asked again,
+    and it asks full pages from its first request (no first item waits on it: it lists after
+    ``""``, see :func:`~cachepipe.stores.base.first_page_keys`, where the store takes
+    ``start_after``). ``start_after``: as :class:`_Restart`'s (a rank's listing of DST: only the
+    part where its items' keys can be, :mod:`cachepipe.map.dstrange`); None: every key.
 
     Raises:
         the error of the store, if not transient, after ``retries``, or once ``stop`` is set (it
         ends a backoff at once); ValueError as :meth:`_Restart.before`.
     """
-    restart, files = _Restart(store, mode, start_after), mode == "files"
+    restart, files = _Restart(store, mode, "" if start_after is None else start_after), mode == "files"
     attempt = 0
     while True:
         held: list[ObjectInfo] = []  # the objects of the unit being read

@@ -7,6 +7,7 @@ not ended; S3 listings are read page by page from the moto server.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -25,7 +26,7 @@ from cachepipe import ConfigError, EmptySourceError, OversizeError, Pipeline, st
 from cachepipe.blocks import footprint, round_up
 from cachepipe.cache import Cache
 from cachepipe.cache.core import journal_budget_of
-from cachepipe.catalog import Catalog
+from cachepipe.catalog import Catalog, group_items
 from cachepipe.listing import FIRST_PAGE_OBJECTS, StreamingListing, list_source
 from cachepipe.stores.base import ObjectInfo
 from cachepipe.stores.fsspec import FsspecStore
@@ -184,15 +185,16 @@ def _folder_by_folder_cut(memory_data: fsspec.AbstractFileSystem, cut_after: int
     return listed, FolderByFolderStore(gate_after=10**9, fail_after=2 * cut_after + 1)
 
 
-def _restarted_as_it_may(store: FolderByFolderStore, listed: list[str], mode: str) -> None:
+def _restarted_as_it_may(store: FolderByFolderStore, listed: list[str], mode: str, start: str | None = None) -> None:
     """Listed twice: again from the start once a key came out of key order, else after the last
-    item read whole."""
+    item read whole. ``start``: what the listing from the start lists after (a whole listing's
+    ``""``: full pages)."""
     assert store.lists == 2
     before = listed[: store.fail_after]  # listed before the failure
     if before != sorted(before):  # seen out of key order: listed from the start again
-        assert store.after == [None, None]
+        assert store.after == [start, start]
     elif mode == "files":  # every key seen came in key order: after the last one
-        assert store.after == [None, before[-1]]
+        assert store.after == [start, before[-1]]
 
 
 @pytest.mark.parametrize("mode", ["folders", "files"])
@@ -203,7 +205,7 @@ def test_a_whole_listing_folder_by_folder_restarted_anywhere_is_a_clean_listing_
     catalog is the one listing gives, each item once, in the store's order."""
     listed, store = _folder_by_folder_cut(memory_data, cut_after)
     got = list_source(store, mode, retries=1, backoff=0)
-    _restarted_as_it_may(store, listed, mode)
+    _restarted_as_it_may(store, listed, mode, start="")
     assert list(got.entries()) == list(Catalog.from_listing(FolderByFolderStore(gate_after=10**9).list(), mode).entries())
 
 
@@ -625,23 +627,107 @@ def test_a_streamed_listing_continued_after_a_key_checks_its_keys_against_those_
     assert sorted(unsafe) == ["item031/a", "item031/b", "item031/c"]
 
 
+class _ListsFromTheStart:
+    """A store whose ``list`` takes no ``start_after`` (a store of the user's): a listing cut by a
+    transient error lists it again from the start."""
+
+    def __init__(self, store: Any) -> None:
+        self._store, self.url = store, store.url
+
+    def list(self) -> Iterator[ObjectInfo]:
+        return self._store.list()
+
+
+@pytest.mark.parametrize("restart", ["after a key", "from the start"])
+def test_a_streamed_listing_cut_counts_the_objects_beside_the_folders_as_one_listing(request, fault_proxy, caplog, restart):
+    """items='folders': a warning counts the objects directly under the prefix (in no item) when
+    the listing ends. A streamed listing cut by a transient error and continued after the last
+    key admitted counted only those its last listing met: 4 objects, the first 'item030.txt',
+    where one listing counts 6, the first 'a.txt' (with none after the cut, no warning at all).
+    'item030.txt', read before the cut but after the last folder admitted, is listed again: once
+    in the count. Listed again from the start, the listing counts them all, once."""
+    proxy, endpoint = fault_proxy
+    page, failing = 5, 20
+    loose = ["a.txt", "item010.txt", "item030.txt", "item031.txt", "item040.txt", "z.txt"]
+    keys = sorted([f"item{i // 3:03d}/{'abc'[i % 3]}" for i in range(150)] + ["item005/", "item045/"] + loose)
+    read = (failing - 1) * page  # keys read before the cut: item030.txt and item030/a, after item029/c
+    assert keys[read - 3 : read + 1] == ["item029/c", "item030.txt", "item030/a", "item030/b"]
+    store, source = _paged_store(request, "s3", endpoint, page)
+    source.put_many({key: b"" if key.endswith("/") else key.encode() for key in keys})
+    _fail_once(proxy, {"": failing})
+    listed = store if restart == "after a key" else _ListsFromTheStart(store)
+    listing = StreamingListing(listed, "folders", lambda run: [True] * len(run), lambda: None, retries=1, backoff=lambda _: 0.0)
+    caplog.set_level(logging.WARNING, "cachepipe")
+    listing.start()
+    try:
+        got = list(iter(listing.take, None))
+        said = [r.getMessage() for r in caplog.records if "directly under the prefix" in r.getMessage()]
+        requests = sum(_listing_request(head) for head in proxy.requests)
+        caplog.clear()
+        clean = list(group_items(store.list(), "folders"))
+        one = [r.getMessage() for r in caplog.records if "directly under the prefix" in r.getMessage()]
+    finally:
+        listing.stop()
+        store.close()
+    again = _requests_resumed(keys, "folders", page, failing) if restart == "after a key" else failing + -(-len(keys) // page)
+    assert requests == again
+    assert got == clean and (listing.listed, listing.listed_bytes) == (50, sum(item.size for item in clean))
+    assert len(one) == 1 and one[0].startswith("6 object(s) lie") and one[0].endswith("the first: 'a.txt')")
+    assert said == one
+
+
+def _asked(proxy: Any, since: int = 0) -> list[int]:
+    """The max-keys of each listing request the fault proxy saw (from its ``since``-th request)."""
+    lines = [head.split("\r\n", 1)[0] for head in proxy.requests[since:] if _listing_request(head)]
+    return [int(re.search(r"max-keys=(\d+)", line)[1]) for line in lines]  # type: ignore[index]
+
+
 @pytest.mark.parametrize("backend", ["s3", "obs"])
 def test_a_listing_continued_after_a_key_asks_full_pages(request, fault_proxy, backend):
-    """A listing asks 100 keys first (FIRST_PAGE_KEYS: the first item comes sooner), then full
-    pages of 1,000. Continued after a key (a transient error cut it at its second page), it asked
-    100 again, for a first item handed long before: one request more for each restart. It asks
-    full pages now."""
+    """A streamed listing asks 100 keys first (FIRST_PAGE_KEYS: the first item comes sooner),
+    then full pages of 1,000. Continued after a key (a transient error cut it at its second
+    page), it asked 100 again, for a first item handed long before: one request more for each
+    restart. It asks full pages now."""
     proxy, endpoint = fault_proxy
     store, source = _paged_store(request, backend, endpoint, 1000)
     source.put_many({f"k{i:03d}": b"" for i in range(130)})
     _fail_once(proxy, {"": 2})
+    listing = StreamingListing(store, "files", lambda run: [True] * len(run), lambda: None, retries=1, backoff=lambda _: 0.0)
+    listing.start()
     try:
-        got = list_source(store, "files", retries=1, backoff=0)
+        got = [item.name for item in iter(listing.take, None)]
+    finally:
+        listing.stop()
+        store.close()
+    assert got == [f"k{i:03d}" for i in range(130)]
+    assert _asked(proxy) == [100, 1000, 1000]  # the first; the one that failed; after k099
+
+
+@pytest.mark.parametrize("backend", ["s3", "obs"])
+def test_a_whole_listing_asks_full_pages_from_its_first_request(request, fault_proxy, tmp_path, backend):
+    """A whole listing (list_source: a pass that is not streamed, the daemon's; ``cachepipe
+    index``; ``cachepipe map``'s listing of SRC) asked a short first page (FIRST_PAGE_KEYS, 100
+    keys: for a streamed pass's first item) where nothing waits for a first item: 130 keys took
+    two requests, [100, 1000]. It asks full pages: one request."""
+    from cachepipe.manifest import index
+    from cachepipe.map import map_items
+
+    proxy, endpoint = fault_proxy
+    store, source = _paged_store(request, backend, endpoint, 1000)
+    source.put_many({f"k{i:03d}/a": b"x" for i in range(130)})
+    try:
+        assert len(list_source(store, "folders")) == 130
     finally:
         store.close()
-    assert list(got.names) == [f"k{i:03d}" for i in range(130)]
-    asked = [int(re.search(r"max-keys=(\d+)", head.split("\r\n", 1)[0])[1]) for head in proxy.requests if _listing_request(head)]
-    assert asked == [100, 1000, 1000]  # the first; the one that failed; after k099
+    assert _asked(proxy) == [1000]
+    if backend == "s3":  # the same listing, through the public entry points
+        since = len(proxy.requests)
+        index(source.url, tmp_path / "listing.gz", storage_options=via(source, endpoint))
+        assert _asked(proxy, since) == [1000]
+        since = len(proxy.requests)
+        options = {"cache_dir": tmp_path / "c", "capacity": "1MiB", "storage_options": via(source, endpoint)}
+        map_items(["true"], source.url, "s3://data/out/", **options, dry_run=True, progress=False)
+        assert _asked(proxy, since) == [1000, 1000]  # SRC, then DST (after a key below its items': full pages already)
 
 
 def test_the_progress_bar_gets_its_total_when_the_listing_ends_while_the_bar_is_made(memory_data, tmp_path, monkeypatch):
@@ -837,13 +923,14 @@ def test_a_listing_that_fails_at_the_same_place_gives_up_after_its_retries_with_
 
 
 class _Overlapping:
-    """A store of 300 keys in 100 folders that fails once, after 200 keys; listed after a key, it
-    answers from ten keys before it (a store whose answer overlaps what was listed)."""
+    """A store of 300 keys in 100 folders (and the keys ``beside``) that fails once, after 200
+    keys; listed after a key, it answers from ten keys before it (a store whose answer overlaps
+    what was listed)."""
 
     url = "test://overlapping"
 
-    def __init__(self) -> None:
-        self.keys = [f"d{i // 3:03d}/{i % 3}" for i in range(300)]
+    def __init__(self, beside: tuple[str, ...] = ()) -> None:
+        self.keys = sorted([f"d{i // 3:03d}/{i % 3}" for i in range(300)] + list(beside))
         self.after: list[str | None] = []
 
     def list(self, start_after: str | None = None) -> Iterator[ObjectInfo]:
@@ -866,6 +953,27 @@ def test_a_listing_continued_after_a_key_admits_no_item_twice_where_the_store_an
         assert [item.name for item in listing.take_many(200)] == [f"d{i:03d}" for i in range(100)]
     finally:
         listing.stop()
+
+
+def test_a_listing_continued_after_a_key_from_before_it_counts_the_objects_beside_the_folders_once(caplog):
+    """The objects directly under the prefix that an overlapping answer lists again (d063.txt,
+    d064.txt: before the key it continues after) are counted once, as the folders are admitted
+    once; d065.txt, read before the cut after the last folder admitted, once too."""
+    beside = ("a.txt", "d063.txt", "d064.txt", "d065.txt", "z.txt")
+    store = _Overlapping(beside)
+    caplog.set_level(logging.WARNING, "cachepipe")
+    listing = StreamingListing(store, "folders", lambda run: [True] * len(run), lambda: None, retries=1, backoff=lambda _: 0.0)
+    listing.start()
+    try:
+        wait_until(lambda: listing.done, what="the listing's end")
+        assert listing.error is None and listing.listed == 100
+    finally:
+        listing.stop()
+    keys = store.keys
+    assert store.after == [None, "d064/2"] and keys[200 - 3 : 200] == ["d064/2", "d065.txt", "d065/0"]  # read before the cut
+    assert keys.index("d064/2") - 10 < keys.index("d063.txt")  # listed again
+    said = [r.getMessage() for r in caplog.records if "directly under the prefix" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("5 object(s) lie") and said[0].endswith("the first: 'a.txt')"), said
 
 
 def test_a_listing_admits_in_runs_once_a_run_of_the_producers_waits():

@@ -71,7 +71,10 @@ connection in fewer round trips. The one request more costs nothing that shows."
 def first_page_keys(page_size: int, start_after: str | None) -> int:
     """Keys to ask for in a listing's first request: :data:`FIRST_PAGE_KEYS` if fewer than
     ``page_size``, for the first item's sake; a listing after a key (``start_after``: one that a
-    transient error cut, continued) asks full pages, as its first items were handed already."""
+    transient error cut, continued) asks full pages, as its first items were handed already, and
+    so does a whole listing, which lists after ``""`` (before every key: every object), as
+    nothing waits for its first item (:func:`~cachepipe.listing.resumed_listing`: ``cachepipe
+    index``, a pass that is not streamed, ``cachepipe map``)."""
     return page_size if start_after is not None else min(FIRST_PAGE_KEYS, page_size)
 
 
@@ -362,7 +365,8 @@ class Store(Protocol):
         key (relative to the root), only the objects listed after it, in the store's order, are
         yielded: S3's ListObjectsV2 ``StartAfter``, OBS's ``marker``; local files and
         ``memory://`` skip the keys up to it; a paginated store asks full pages then (see
-        :func:`first_page_keys`). A listing restarted after a transient error passes the last
+        :func:`first_page_keys`), also after ``""`` (before every key: a whole listing, which
+        lists every object). A listing restarted after a transient error passes the last
         key of the last item it delivered, while every key it was given came in key order
         (:class:`~cachepipe.listing.StreamingListing`, :func:`~cachepipe.listing.resumed_listing`
         for a whole listing): a store that lists folder by folder (SeaweedFS) is listed again

@@ -215,7 +215,7 @@ class ObsStore(_ObsSeam):
         """
         # after the prefix's own folder marker (see FsspecStore._list_s3_page): the first page's
         # keys are all objects
-        marker: str | None = self.prefix + start_after if start_after is not None else self.prefix or None
+        marker: str | None = (self.prefix + start_after if start_after is not None else self.prefix) or None
         last = ""
         keys = first_page_keys(self._page_size, start_after)
         while True:
