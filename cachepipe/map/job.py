@@ -309,6 +309,10 @@ class Job:
             extracted = tree_bytes(slot.inp, block=block)
             limit = reserve.folders + extracted + out_reserve(cfg, extracted, block=block)
         cwd = source if source.is_dir() else slot.cwd
+        # what the input holds before the command runs in it: measured before it starts, or what
+        # it writes there at once (under load, before this walk) would count as the input's own
+        grown = item_path if source == item_path and item_path.is_dir() else None
+        base = tree_bytes(grown, block=block) if grown is not None else 0
         values = {"{}": str(source), "{out}": str(slot.out), "{name}": mi.name}
         env = {_VARIABLE[placeholder]: value for placeholder, value in values.items()}
         if self._fn is not None:
@@ -322,8 +326,6 @@ class Job:
                 raise CommandError(f"cannot start {argv[0]!r}: {exc}", "") from exc
         else:  # map_items refuses a run with neither, unless it only unpacks (returned above)
             raise RuntimeError(f"item {mi.name!r}: no fn and no command to run on it")
-        grown = item_path if source == item_path and item_path.is_dir() else None
-        base = tree_bytes(grown, block=block) if grown is not None else 0  # what the input holds before CMD runs in it
         watch = Watch(run, slot.root, grown, base, limit, block, reserve.folders)
         self._watcher.add(watch)
         try:
