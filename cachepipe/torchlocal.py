@@ -28,9 +28,8 @@ from typing import Any
 
 import torch.utils.data
 
-from .blocks import clamp_block
 from .cache.lock import UNKNOWN_OWNER
-from .cache.room import room_at
+from .cache.room import block_at, room_at
 from .config import Share, with_unit
 from .errors import CacheLockedError, OversizeError
 from .manifest import Manifest, _is_url, read_manifest
@@ -113,7 +112,7 @@ class _LocalMode(_DatasetState):
             capacity = int(self._room * capacity.fraction)
         # each worker's folder and its reader note beside it (see torchreader.note_path), in
         # cache_dir: a block each that no cache's ledger counts, so the shares leave them room
-        self._aside = 2 * _block_at(self.cache_dir)
+        self._aside = 2 * block_at(self.cache_dir)
         share = with_unit(max(capacity // num_workers - self._aside, 0))
         options = {**self.options, "rank": rank, "world_size": world, "worker": worker, "num_workers": num_workers}
         if epochs is not None:
@@ -261,15 +260,6 @@ def _room(cache_dir: Path, world: int, num_workers: int) -> int:
             if (match := _FOLDER.fullmatch(entry.name)) and int(match[1]) < world and int(match[2]) < num_workers
         ]
     return room_at(cache_dir, held, caches=True)
-
-
-def _block_at(path: Path) -> int:
-    """The block the filesystem of ``path`` (or of its nearest existing parent, before it is
-    made) gives a file or a folder, as a cache there charges it (:func:`~cachepipe.blocks.clamp_block`)."""
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    return clamp_block(os.statvfs(probe).f_frsize)
 
 
 def _open(make: Callable[[], Pipeline], dataset: str) -> Pipeline:

@@ -32,7 +32,7 @@ from ..blocks import clamp_block
 from ..removal import taken, tree_bytes
 from .lock import STATE_DIR
 
-__all__ = ["drop_note", "held_in", "room_at", "write_note"]
+__all__ = ["block_at", "drop_note", "held_in", "room_at", "write_note"]
 
 log = logging.getLogger("cachepipe.cache")
 
@@ -59,12 +59,25 @@ def room_at(
     the items a cache evicts during a live change of its capacity, at most.) ``free``: the free
     space, read already by a caller for whom nothing writes in the folders meanwhile (a cache
     at its open); None: read here, after the walk."""
-    probe = os.path.abspath(path)
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe)
+    probe = _nearest(path)
     measure = held_in if caches else functools.partial(tree_bytes, allocated=True)
     walked = sum(measure(folder) for folder in held)
     return (shutil.disk_usage(probe).free if free is None else free) + walked
+
+
+def block_at(path: str | os.PathLike[str]) -> int:
+    """The block a cache at ``path`` counts files in (:func:`~cachepipe.blocks.clamp_block` of
+    its filesystem's ``f_frsize``): read at ``path``, or before it is made at its nearest
+    existing parent, on whose filesystem it will be."""
+    return clamp_block(os.statvfs(_nearest(path)).f_frsize)
+
+
+def _nearest(path: str | os.PathLike[str]) -> str:
+    """``path`` (absolute), or its nearest existing parent where it does not exist yet."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    return probe
 
 
 def held_in(folder: str | os.PathLike[str]) -> int:
@@ -74,7 +87,7 @@ def held_in(folder: str | os.PathLike[str]) -> int:
     folder's change time are still as noted; else walked. Not the ledger's charges, which count
     a block for each folder whatever the filesystem: a share of the disk of those would count
     room that is not there."""
-    block = clamp_block(os.statvfs(folder).f_frsize)
+    block = block_at(folder)
     noted = _read_note(Path(folder), block)
     return tree_bytes(folder, disk=True, block=block) if noted is None else noted
 

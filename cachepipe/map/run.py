@@ -28,10 +28,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..blocks import clamp_block, round_up
+from ..blocks import round_up
 from ..cache import journal_budget_of
 from ..cache.lock import unusable_dir
-from ..cache.room import room_at
+from ..cache.room import block_at, room_at
 from ..config import Share, check_cache_dir, check_destination, check_source, with_unit
 from ..errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError
 from ..listing import empty_source
@@ -180,7 +180,7 @@ class _MapRun(_Remote):
     def _size(self, todo: Sequence[MapItem], capacity: int) -> _Sizing:
         cfg = self.cfg
         runs = cfg.command is not None or self._fn is not None
-        block = _block_at(cfg.cache_dir)  # as the downloads' cache reads it at its open
+        block = block_at(cfg.cache_dir)  # as the downloads' cache reads it at its open
         reserve = max(item_reserve(cfg, mi, runs, block).total for mi in todo)
         margin = cfg.out_margin if cfg.out_margin is not None else min(reserve, 64 * _MIB)
         # the pipeline's journal budget (Cache.journal_budget, from Catalog.name_bytes: a name's
@@ -358,16 +358,6 @@ def _resolve_capacity(capacity: int | Share, cache_dir: Path) -> int:
     if not isinstance(capacity, Share):
         return capacity
     return int(room_at(cache_dir, [cache_dir]) * capacity.fraction)
-
-
-def _block_at(cache_dir: Path) -> int:
-    """The block the cache at ``cache_dir`` will count files in (:func:`~cachepipe.blocks.clamp_block`
-    of its filesystem's ``f_frsize``): read at ``cache_dir``, or before it is made at its nearest
-    existing parent, on whose filesystem it will be."""
-    probe = cache_dir.absolute()
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    return clamp_block(os.statvfs(probe).f_frsize)
 
 
 def _take_lock(work: Path, cache_dir: Path) -> int:
