@@ -16,7 +16,13 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterator
 
-__all__ = ["naming", "open_temp", "open_unique_temp", "remove_unlocked"]
+__all__ = ["NO_LOCKS", "naming", "open_temp", "open_unique_temp", "remove_unlocked"]
+
+# flock's refusals that say the file cannot be locked there, not that another holds it: a mount
+# without a lock daemon (ENOLCK), a filesystem without flock (EOPNOTSUPP, EINVAL), NFS's
+# exclusive lock on a descriptor open for reading only (EBADF, flock(2): NFS emulates flock
+# with byte-range locks)
+NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF})
 
 
 def open_temp(temp: str, unique: Callable[[], str], mode: int = 0o666) -> tuple[int, str]:
@@ -28,8 +34,8 @@ def open_temp(temp: str, unique: Callable[[], str], mode: int = 0o666) -> tuple[
     leaves it; an exception removes it) is reused by the next write, not left for good; a second
     writer of the same target at the same time waits for the first, instead of truncating and
     writing into the file the first one is about to rename. On a filesystem without locks
-    (``ENOLCK``) a file of the name ``unique()`` is created instead, which a killed writer leaves
-    (and ``temp``, opened to be locked, is removed: no writer there uses it)."""
+    (:data:`NO_LOCKS`) a file of the name ``unique()`` is created instead, which a killed writer
+    leaves (and ``temp``, opened to be locked, is removed: no writer there uses it)."""
     while True:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         try:
@@ -40,7 +46,7 @@ def open_temp(temp: str, unique: Callable[[], str], mode: int = 0o666) -> tuple[
             pass
         except OSError as exc:
             os.close(fd)
-            if exc.errno != errno.ENOLCK:
+            if exc.errno not in NO_LOCKS:
                 raise
             with contextlib.suppress(FileNotFoundError):  # opened to lock (made, if need be): no writer's here
                 os.unlink(temp)
@@ -55,7 +61,7 @@ def open_temp(temp: str, unique: Callable[[], str], mode: int = 0o666) -> tuple[
 def open_unique_temp(folder: str, prefix: str, suffix: str = "") -> tuple[int, str, bool]:
     """Create a file of a unique name ``<prefix><random><suffix>`` in ``folder`` (mode 0o600), for
     writing, locked (``flock``) while the caller holds its descriptor: its descriptor, its name,
-    and whether it is locked (False on a filesystem without locks, ``ENOLCK``). The caller
+    and whether it is locked (False on a filesystem without locks, :data:`NO_LOCKS`). The caller
     removes it, then closes the descriptor.
 
     A writer killed before it removed the file leaves it locked by no one:
@@ -72,7 +78,7 @@ def open_unique_temp(folder: str, prefix: str, suffix: str = "") -> tuple[int, s
         except FileNotFoundError:
             pass  # removed between its creation and its lock, as a dead writer's: made again
         except OSError as exc:
-            if exc.errno == errno.ENOLCK:
+            if exc.errno in NO_LOCKS:
                 return fd, path, False
             os.close(fd)
             raise
@@ -88,17 +94,22 @@ def remove_unlocked(path: str) -> bool:
     removed. A file a live writer holds locked is left, and so is one gone already, one this
     process may not open or remove (another user's, in a shared folder; a read-only
     filesystem's), a symbolic link or another kind of file, and any file on a filesystem
-    without locks (``ENOLCK``: no writer can be told from a dead one).
+    without locks (:data:`NO_LOCKS`: no writer can be told from a dead one).
+
+    The file is opened for writing (nothing is written): NFS refuses an exclusive lock on a
+    descriptor open for reading only (``EBADF``), and every removal there failed on it.
 
     Raises:
         OSError: another error of the ``open``, ``flock`` or ``unlink`` (an I/O error).
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        if not stat.S_ISREG(os.lstat(path).st_mode):  # a link, a pipe, a device: not a file a writer made
+            return False
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except (FileNotFoundError, PermissionError):
         return False
     except OSError as exc:
-        if exc.errno == errno.ELOOP:  # a symbolic link: not a file a writer made
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EROFS):  # replaced by a link or a pipe; a read-only filesystem
             return False
         raise
     try:
@@ -107,7 +118,7 @@ def remove_unlocked(path: str) -> bool:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.ENOLCK):  # a live writer's; no locks here
+            if exc.errno == errno.EWOULDBLOCK or exc.errno in NO_LOCKS:  # a live writer's; no locks here
                 return False
             raise
         try:  # locked by this process: a writer that locks it now finds it gone (or renamed) and makes another

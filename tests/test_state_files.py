@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -362,6 +363,40 @@ def test_writes_on_a_file_system_without_locks_leave_only_their_files(tmp_path, 
     store.put(local, "item/f.bin")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["m.json.gz"]
     assert sorted(p.name for p in (tmp_path / "dst" / "item").iterdir()) == ["f.bin"]
+
+
+@pytest.mark.parametrize("kind", ["nfs", "nolock"])
+def test_what_killed_writers_left_is_removed_on_nfs_and_kept_where_nothing_locks(tmp_path, monkeypatch, kind):
+    """The temporary files that killed uploads left in a local destination (``*.cachepipe.tmp``,
+    removed before ``cachepipe map`` reads it) and the copies of manifests killed ``index -o URL``
+    runs left in the temporary folder are removed when no writer holds their lock. That check
+    opened them for reading only, where NFS refuses an exclusive lock (EBADF): a map onto an NFS
+    destination where a killed upload had left one failed at its start, and so did an index whose
+    temporary folder is on NFS. Where nothing can be locked, they are kept (no writer can be told
+    from a dead one), without an error."""
+    dst, tmp = tmp_path / "dst", tmp_path / "tmp"
+    (dst / "item").mkdir(parents=True)
+    tmp.mkdir()
+    (dst / "item" / "out.bin.cachepipe.tmp").write_bytes(b"a killed upload's")
+    (tmp / "cachepipe-index-copy-x1-m.json.gz").write_bytes(b"a killed index's")
+    live = os.open(dst / "item" / "b.bin.cachepipe.tmp", os.O_WRONLY | os.O_CREAT, 0o644)
+    source = _dataset(tmp_path / "src", ["a", "b"])
+    try:
+        fcntl.flock(live, fcntl.LOCK_EX)  # an upload under way
+        monkeypatch.setattr(fcntl, "flock", _flock_as_on(kind))
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+        removed = FsspecStore(str(dst)).remove_stale_temps()
+        index(source, f"memory://{tmp_path.name}/m.json.gz")
+    finally:
+        os.close(live)
+    if kind == "nfs":
+        assert removed == ["item/out.bin.cachepipe.tmp"]
+        assert sorted(p.name for p in (dst / "item").iterdir()) == ["b.bin.cachepipe.tmp"]
+        assert list(tmp.iterdir()) == []
+    else:
+        assert removed == []
+        assert sorted(p.name for p in (dst / "item").iterdir()) == ["b.bin.cachepipe.tmp", "out.bin.cachepipe.tmp"]
+        assert [p.name for p in tmp.iterdir()] == ["cachepipe-index-copy-x1-m.json.gz"]
 
 
 @pytest.mark.parametrize("refusal", [errno.EPERM, errno.EOPNOTSUPP])

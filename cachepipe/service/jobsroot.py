@@ -49,6 +49,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from ..cache.lock import UNKNOWN_OWNER, _locker
+from ..wholefiles import NO_LOCKS
 
 __all__ = ["MANIFEST_NAME", "NO_LOCKS", "ManifestsLock", "RootLock", "held_by", "unneeded"]
 
@@ -57,10 +58,6 @@ log = logging.getLogger("cachepipe.service")
 LOCK = ".daemon"  # in jobs.root: the daemon's lock (no job is named so: a job name starts with a letter or digit)
 MANIFEST_NAME = re.compile(r"([0-9a-f]{32})\.json\.gz")  # root/.manifests/DIGEST.json.gz
 MANIFESTS_LOCK = ".lock"  # in root/.manifests: the lock of its writers and of what removes files there; never removed
-# flock's refusals that say the file cannot be locked there, not that another holds it: a mount
-# without a lock daemon (ENOLCK), a filesystem without flock (EOPNOTSUPP, EINVAL), NFS's
-# exclusive lock on a descriptor open for reading only (EBADF: a folder's)
-NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF})
 
 
 def unneeded(written: Mapping[str, float], named: Iterable[str], now: float, grace: float) -> list[str]:

@@ -34,7 +34,7 @@ def put_local(src: BinaryIO, path: str, where: str) -> None:
     left (a SIGKILL leaves it; an exception removes it) is overwritten by the next put of that
     path, or removed by the next ``cachepipe map`` over the destination (:func:`remove_stale_temps`),
     not left for good. It is locked (``flock``) while it is written: a second put of the
-    same path at the same time waits for the first. On a filesystem without locks (``ENOLCK``) the
+    same path at the same time waits for the first. On a filesystem without locks (``NO_LOCKS``) the
     name is made unique instead (``<path>.cachepipe-<id>.tmp``), and a killed upload leaves it
     (:func:`~cachepipe.wholefiles.open_temp`)."""
     fd, temp = open_temp(path + TEMP_SUFFIX, lambda: f"{path}.cachepipe-{uuid.uuid4().hex[:12]}.tmp")
@@ -88,7 +88,7 @@ def remove_stale_temps(root: str) -> list[str]:
     """Remove the temporary files (``*.cachepipe.tmp``) under the folder ``root`` that no
     :func:`put_local` holds locked: those that killed uploads left. Return their paths relative
     to ``root``. A file that a live upload writes (its ``flock`` is held) is kept; so is every
-    one on a filesystem without locks (``ENOLCK``: no writer can be told from a dead one, see
+    one on a filesystem without locks (``NO_LOCKS``: no writer can be told from a dead one, see
     :func:`~cachepipe.wholefiles.remove_unlocked`). A ``root`` not made yet holds none; a folder
     under it that cannot be listed (another user's) is passed over, with a warning: this is
     housekeeping, which a folder the destination's writes never use must not fail.
