@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
-from mounts import mounted
+from mounts import mounted, nfs_like
 from waiting import wait_until
 
 from cachepipe.cli import main
@@ -246,41 +246,28 @@ def test_a_manifest_upload_under_way_is_never_removed_by_another_s_removal_of_le
     assert sorted(p.name for p in (root / ".manifests").iterdir()) == [".lock", f"{mine.digest}.json.gz"]
 
 
-def _flock_as_on(kind: str, real=fcntl.flock):
-    """``fcntl.flock`` as a file system without ``flock`` of its own has it: NFS emulates it with
-    byte-range locks, so an exclusive one needs a descriptor open for writing (EBADF on a folder's,
-    flock(2)); a mount without a lock daemon refuses every lock (ENOLCK)."""
-
-    def flock(fd: int, operation: int) -> None:
-        read_only = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
-        if kind == "nolock" or (operation & fcntl.LOCK_EX and read_only):
-            code = errno.ENOLCK if kind == "nolock" else errno.EBADF
-            raise OSError(code, os.strerror(code))
-        real(fd, operation)
-
-    return flock
-
-
 @pytest.mark.parametrize("kind", ["nfs", "nolock"])
-def test_a_manifest_upload_to_a_jobs_root_without_folder_locks_is_kept(s3_source, tmp_path, monkeypatch, kind):
+def test_a_manifest_upload_to_a_jobs_root_without_folder_locks_is_kept(s3_source, tmp_path, kind):
     """The removal of what killed writers left in ``.manifests`` takes its lock; on NFS (no
     exclusive lock on a descriptor open for reading only, as a folder's) or without locks, every
-    upload failed on it (a daemon's 500). (Whether NFS's lock of the lock file then lets the
-    leftovers be removed is not told by this emulation: it needs an NFS server.)"""
+    upload failed on it (a daemon's 500). On NFS the lock file is locked, and the leftovers are
+    removed. On a FUSE file system whose flock is NFS's (``tests/nfslike.py``)."""
     from cachepipe.service.jobs import Jobs, JobsConfig
 
     s3_source.folders(3, {"a.bin": KIB})
     mine = index(s3_source.url, tmp_path / "m.json.gz", storage_options=s3_source.options)
     body = (tmp_path / "m.json.gz").read_bytes()
-    root = tmp_path / "jobs"
-    (root / ".manifests").mkdir(parents=True)
-    (root / ".manifests" / ".upload-left.json.gz").write_bytes(b"a killed upload's")
-    jobs = Jobs(JobsConfig(root=root, capacity="1MiB", sources=[s3_source.url], options={"storage_options": s3_source.options}))
-    monkeypatch.setattr(fcntl, "flock", _flock_as_on(kind))
-    assert jobs.upload_manifest(io.BytesIO(body), len(body))["catalog"] == mine.digest
-    names = sorted(p.name for p in (root / ".manifests").iterdir())
-    assert f"{mine.digest}.json.gz" in names and ".lock" in names, names
-    if kind == "nolock":  # whether another writer is under way cannot be known there: nothing is removed
+    with nfs_like(tmp_path / "nfs", kind) as nfs:
+        root = nfs / "jobs"
+        (root / ".manifests").mkdir(parents=True)
+        (root / ".manifests" / ".upload-left.json.gz").write_bytes(b"a killed upload's")
+        options = {"storage_options": s3_source.options}
+        jobs = Jobs(JobsConfig(root=root, capacity="1MiB", sources=[s3_source.url], options=options))
+        assert jobs.upload_manifest(io.BytesIO(body), len(body))["catalog"] == mine.digest
+        names = sorted(p.name for p in (root / ".manifests").iterdir())
+    if kind == "nfs":  # the lock file is locked there, as on NFS: the killed upload's copy is removed
+        assert names == [".lock", f"{mine.digest}.json.gz"]
+    else:  # whether another writer is under way cannot be known there: nothing is removed
         assert names == [".lock", ".upload-left.json.gz", f"{mine.digest}.json.gz"]
 
 
@@ -348,21 +335,21 @@ def test_an_upload_to_a_full_local_destination_names_the_file_and_leaves_no_temp
         assert list((disk / "dst" / "item").iterdir()) == []  # no out.bin.cachepipe.tmp left
 
 
-def test_writes_on_a_file_system_without_locks_leave_only_their_files(tmp_path, monkeypatch):
+def test_writes_on_a_file_system_without_locks_leave_only_their_files(tmp_path):
     """Where ``flock`` is refused (``ENOLCK``) a write takes a temporary name of its own; the
     shared one it had opened to lock was left, empty, beside every file written: a manifest's
     ``.m.json.gz.tmp``, ``ITEM.cachepipe.tmp`` beside each object put to a local destination."""
     source = _dataset(tmp_path / "src", ["a", "b"])
-    (tmp_path / "out").mkdir()
     local = tmp_path / "f.bin"
     local.write_bytes(b"x" * KIB)
-    monkeypatch.setattr(fcntl, "flock", _flock_as_on("nolock"))
-    index(source, tmp_path / "out" / "m.json.gz")
-    index(source, tmp_path / "out" / "m.json.gz")  # a second write over the first
-    store = FsspecStore(str(tmp_path / "dst"))
-    store.put(local, "item/f.bin")
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["m.json.gz"]
-    assert sorted(p.name for p in (tmp_path / "dst" / "item").iterdir()) == ["f.bin"]
+    with nfs_like(tmp_path / "nfs", "nolock") as nfs:
+        (nfs / "out").mkdir()
+        index(source, nfs / "out" / "m.json.gz")
+        index(source, nfs / "out" / "m.json.gz")  # a second write over the first
+        store = FsspecStore(str(nfs / "dst"))
+        store.put(local, "item/f.bin")
+        assert sorted(p.name for p in (nfs / "out").iterdir()) == ["m.json.gz"]
+        assert sorted(p.name for p in (nfs / "dst" / "item").iterdir()) == ["f.bin"]
 
 
 @pytest.mark.parametrize("kind", ["nfs", "nolock"])
@@ -373,30 +360,62 @@ def test_what_killed_writers_left_is_removed_on_nfs_and_kept_where_nothing_locks
     opened them for reading only, where NFS refuses an exclusive lock (EBADF): a map onto an NFS
     destination where a killed upload had left one failed at its start, and so did an index whose
     temporary folder is on NFS. Where nothing can be locked, they are kept (no writer can be told
-    from a dead one), without an error."""
-    dst, tmp = tmp_path / "dst", tmp_path / "tmp"
-    (dst / "item").mkdir(parents=True)
-    tmp.mkdir()
-    (dst / "item" / "out.bin.cachepipe.tmp").write_bytes(b"a killed upload's")
-    (tmp / "cachepipe-index-copy-x1-m.json.gz").write_bytes(b"a killed index's")
-    live = os.open(dst / "item" / "b.bin.cachepipe.tmp", os.O_WRONLY | os.O_CREAT, 0o644)
+    from a dead one), without an error. On a FUSE file system whose flock is NFS's."""
     source = _dataset(tmp_path / "src", ["a", "b"])
-    try:
-        fcntl.flock(live, fcntl.LOCK_EX)  # an upload under way
-        monkeypatch.setattr(fcntl, "flock", _flock_as_on(kind))
-        monkeypatch.setattr(tempfile, "tempdir", str(tmp))
-        removed = FsspecStore(str(dst)).remove_stale_temps()
-        index(source, f"memory://{tmp_path.name}/m.json.gz")
-    finally:
-        os.close(live)
+    with nfs_like(tmp_path / "nfs", kind) as nfs:
+        dst, tmp = nfs / "dst", nfs / "tmp"
+        (dst / "item").mkdir(parents=True)
+        tmp.mkdir()
+        (dst / "item" / "out.bin.cachepipe.tmp").write_bytes(b"a killed upload's")
+        (tmp / "cachepipe-index-copy-x1-m.json.gz").write_bytes(b"a killed index's")
+        live = os.open(dst / "item" / "b.bin.cachepipe.tmp", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            if kind == "nfs":
+                fcntl.flock(live, fcntl.LOCK_EX)  # an upload under way
+            monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+            removed = FsspecStore(str(dst)).remove_stale_temps()
+            index(source, f"memory://{tmp_path.name}/m.json.gz")
+        finally:
+            os.close(live)
+        items, copies = sorted(p.name for p in (dst / "item").iterdir()), [p.name for p in tmp.iterdir()]
     if kind == "nfs":
         assert removed == ["item/out.bin.cachepipe.tmp"]
-        assert sorted(p.name for p in (dst / "item").iterdir()) == ["b.bin.cachepipe.tmp"]
-        assert list(tmp.iterdir()) == []
+        assert (items, copies) == (["b.bin.cachepipe.tmp"], [])
     else:
         assert removed == []
-        assert sorted(p.name for p in (dst / "item").iterdir()) == ["b.bin.cachepipe.tmp", "out.bin.cachepipe.tmp"]
-        assert [p.name for p in tmp.iterdir()] == ["cachepipe-index-copy-x1-m.json.gz"]
+        assert (items, copies) == (["b.bin.cachepipe.tmp", "out.bin.cachepipe.tmp"], ["cachepipe-index-copy-x1-m.json.gz"])
+
+
+def test_a_cache_on_nfs_works_and_one_where_nothing_locks_is_refused_naming_it(tmp_path):
+    """A cache directory is one owner's, by an ``flock`` on ``.cachepipe/lock`` (and a map run's
+    by one on its work folder's lock). On NFS, whose flock is emulated, a pipeline and a map run
+    work. Where nothing can be locked (an NFS mount whose lock service does not run) both said
+    a bare "[Errno 37] No locks available": now the ``cache_dir``, why, and what is expected.
+    On FUSE file systems whose flock is NFS's (``tests/nfslike.py``)."""
+    from cachepipe import Pipeline
+    from cachepipe.map import map_items
+
+    source = _dataset(tmp_path / "src", ["a", "b", "c"])
+    with nfs_like(tmp_path / "nfs") as nfs:
+        with Pipeline(source, cache_dir=nfs / "cache", capacity="1MiB") as pipeline:
+            assert sorted(Path(path).name for path in pipeline) == ["a", "b", "c"]
+        result = map_items([sys.executable, "-c", "pass"], source, str(nfs / "out"), cache_dir=nfs / "work", capacity="1MiB")
+        assert result.ok and result.items_done == 3
+    with nfs_like(tmp_path / "nolock", "nolock") as nolock:
+        runs = {
+            "cache": lambda: Pipeline(source, cache_dir=nolock / "cache", capacity="1MiB").open(),
+            "work": lambda: map_items(["true"], source, str(tmp_path / "out"), cache_dir=nolock / "work", capacity="1MiB"),
+        }
+        for name, run in runs.items():
+            why = rf"\[Errno 37\] cache_dir {re.escape(repr(str(nolock / name)))}: its filesystem cannot lock files \(No locks"
+            with pytest.raises(OSError, match=why) as refused:
+                run()
+            assert refused.value.errno == errno.ENOLCK
+            assert str(refused.value).endswith(
+                ": NFS without its lock service?); expected a directory on a filesystem with locks (flock): a local disk, "
+                "or NFS with its lock service"
+            ), refused.value
+        assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("refusal", [errno.EPERM, errno.EOPNOTSUPP])
@@ -425,63 +444,68 @@ def test_a_daemon_publishes_its_socket_where_hard_links_are_refused(short_dir, t
 
 
 @pytest.mark.parametrize("kind", ["nfs", "nolock"])
-def test_one_daemon_per_jobs_root_where_flock_is_nfs_s_or_none(tmp_path, monkeypatch, caplog, kind):
+def test_one_daemon_per_jobs_root_where_flock_is_nfs_s_or_none(tmp_path, caplog, kind):
     """The daemon's lock on jobs.root is a file open for writing: NFS locks it (its locks are the
     server's), and a second daemon is refused; a mount without locks (ENOLCK) cannot, and the
     daemon starts all the same, saying that a second one would not be refused."""
     from cachepipe.service.jobs import Jobs, JobsConfig
 
-    config = JobsConfig(root=tmp_path / "jobs", capacity="1MiB")
-    monkeypatch.setattr(fcntl, "flock", _flock_as_on(kind))
-    first, second = Jobs(config), Jobs(config)
-    try:
-        first.start("/run/one.sock")
-        if kind == "nfs":
-            with pytest.raises(OSError, match=r"is in use by another cachepipe daemon \(pid \d+ on .*, socket /run/one.sock\)"):
+    with nfs_like(tmp_path / "nfs", kind) as nfs:
+        config = JobsConfig(root=nfs / "jobs", capacity="1MiB")
+        first, second = Jobs(config), Jobs(config)
+        try:
+            first.start("/run/one.sock")
+            if kind == "nfs":
+                in_use = r"is in use by another cachepipe daemon \(pid \d+ on .*, socket /run/one.sock\)"
+                with pytest.raises(OSError, match=in_use):
+                    second.start("/run/two.sock")
+            else:
                 second.start("/run/two.sock")
-        else:
-            second.start("/run/two.sock")
-            assert "cannot be locked (No locks available; an NFS mount without a lock daemon?)" in caplog.text
-    finally:
-        first.close()
-        second.close()
+                assert "cannot be locked (No locks available; an NFS mount without a lock daemon?)" in caplog.text
+        finally:
+            first.close()
+            second.close()
 
 
-def test_the_sweep_of_manifests_waits_for_a_writer_holding_the_lock_file_or_the_folder(tmp_path, caplog):
+@pytest.mark.parametrize("where", ["local", "nfs"])
+def test_the_sweep_of_manifests_waits_for_a_writer_holding_the_lock_file_or_the_folder(tmp_path, caplog, where):
     """The removal of the manifests no job names (here at a daemon's start) is skipped while a
     writer is under way. It locked the ``.manifests`` folder's descriptor, open for reading only:
     NFS refuses an exclusive lock there (EBADF), and no manifest was ever removed on NFS. Now the
     lock is a file made for it (``.manifests/.lock``, open for writing); a writer holding it keeps
     the sweep from removing, and so does one holding the folder (a daemon of before this, beside
-    this one during an upgrade). (That the sweep now removes on NFS needs an NFS server: not here.)"""
+    this one during an upgrade). On a local disk, and on a FUSE file system whose flock is NFS's
+    (``tests/nfslike.py``; there a folder's flock is FUSE's local one, which NFS's is not: the sweep
+    locks the folder where it can, and the lock file everywhere)."""
     from cachepipe.service.jobs import Jobs, JobsConfig
 
-    root = tmp_path / "jobs"
-    folder = root / ".manifests"
-    folder.mkdir(parents=True)
-    old = folder / f"{'a' * 32}.json.gz"  # a manifest no job names, written two days ago
-    old.write_bytes(b"gz")
-    then = os.stat(old).st_mtime - 2 * 86400
-    os.utime(old, (then, then))
-    config = JobsConfig(root=root, capacity="1MiB")
-    caplog.set_level(logging.INFO, logger="cachepipe.service")
-    for held, how in ((folder / ".lock", os.O_RDWR | os.O_CREAT), (folder, os.O_RDONLY | os.O_DIRECTORY)):
-        writer = os.open(held, how, 0o644)  # another writer (an upload, a listing) under way: shared
-        try:
-            fcntl.flock(writer, fcntl.LOCK_SH)
-            jobs = Jobs(config)
+    with contextlib.ExitStack() as stack:
+        root = (stack.enter_context(nfs_like(tmp_path / "nfs")) if where == "nfs" else tmp_path) / "jobs"
+        folder = root / ".manifests"
+        folder.mkdir(parents=True)
+        old = folder / f"{'a' * 32}.json.gz"  # a manifest no job names, written two days ago
+        old.write_bytes(b"gz")
+        then = os.stat(old).st_mtime - 2 * 86400
+        os.utime(old, (then, then))
+        config = JobsConfig(root=root, capacity="1MiB")
+        caplog.set_level(logging.INFO, logger="cachepipe.service")
+        for held, how in ((folder / ".lock", os.O_RDWR | os.O_CREAT), (folder, os.O_RDONLY | os.O_DIRECTORY)):
+            writer = os.open(held, how, 0o644)  # another writer (an upload, a listing) under way: shared
             try:
-                caplog.clear()
-                jobs.start("/run/one.sock")  # its start sweeps
+                fcntl.flock(writer, fcntl.LOCK_SH)
+                jobs = Jobs(config)
+                try:
+                    caplog.clear()
+                    jobs.start("/run/one.sock")  # its start sweeps
+                finally:
+                    jobs.close()
+                assert old.exists(), held  # before: removed under the writer that held the lock file
+                assert f"manifests in {folder}: none removed now: a manifest is being written there" in caplog.text
             finally:
-                jobs.close()
-            assert old.exists(), held  # before: removed under the writer that held the lock file
-            assert f"manifests in {folder}: none removed now: a manifest is being written there" in caplog.text
+                os.close(writer)
+        jobs = Jobs(config)
+        try:
+            jobs.start("/run/one.sock")
         finally:
-            os.close(writer)
-    jobs = Jobs(config)
-    try:
-        jobs.start("/run/one.sock")
-    finally:
-        jobs.close()
-    assert sorted(p.name for p in folder.iterdir()) == [".lock"]  # removed once no writer holds it; the lock file stays
+            jobs.close()
+        assert sorted(p.name for p in folder.iterdir()) == [".lock"]  # removed once no writer holds it; the lock file stays

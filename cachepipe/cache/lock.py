@@ -29,12 +29,13 @@ import stat
 from pathlib import Path
 
 from ..errors import CacheLockedError
+from ..wholefiles import NO_LOCKS
 
 STATE_DIR = ".cachepipe"  # the cache's state folder
 LOCK = "lock"  # the file in STATE_DIR that the owner locks
 UNKNOWN_OWNER = "another process"  # a lock whose owner's pid neither its line nor the kernel's list of locks tells
 
-__all__ = ["UNKNOWN_OWNER", "OwnerLock", "unusable_dir"]
+__all__ = ["UNKNOWN_OWNER", "OwnerLock", "lock_file", "unusable_dir"]
 
 log = logging.getLogger("cachepipe.cache")
 
@@ -60,11 +61,14 @@ class OwnerLock:
         """
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            lock_file(fd, str(self.path))
         except BlockingIOError:
             owner = _owner(fd)
             os.close(fd)
             raise CacheLockedError(str(self.root), owner) from None
+        except BaseException:
+            os.close(fd)
+            raise
         self._fd = fd  # held from here: release() closes it whatever happens next
         try:
             nested = nested_owner(self.root)
@@ -116,6 +120,25 @@ class OwnerLock:
             os.close(fd)  # closing releases the flock
 
 
+def lock_file(fd: int, path: str) -> None:
+    """Lock the file open (for writing) as ``fd`` exclusively, without waiting (``flock``).
+
+    Raises:
+        BlockingIOError: another open file holds its lock.
+        OSError: ``ENOLCK`` naming ``path``, where its filesystem cannot lock files
+            (:data:`~cachepipe.wholefiles.NO_LOCKS`: an NFS mount whose lock service does not run);
+            :func:`unusable_dir` says so. Another error as it is.
+    """
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise
+    except OSError as exc:
+        if exc.errno not in NO_LOCKS:
+            raise
+        raise OSError(errno.ENOLCK, f"{exc.strerror} (flock)", path) from exc
+
+
 def nested_owner(root: Path) -> tuple[Path, str, bool] | None:
     """A live owner of a cache directory around ``root`` or inside it: ``(directory, "pid N host",
     around)``, or None. Never blocks. Looks at every ancestor of ``root`` (as resolved) and at
@@ -159,6 +182,10 @@ def _held(lock: Path) -> str | None:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return _owner(fd)
+        except OSError as exc:
+            if exc.errno in NO_LOCKS:  # a filesystem without locks: its owner, if any, cannot be told
+                return None
+            raise
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     finally:
@@ -223,7 +250,7 @@ def _mount_device(fd: int) -> str:
     return ""
 
 
-_UNUSABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EEXIST}
+_UNUSABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EEXIST, errno.ENOLCK}
 
 
 def unusable_dir(given: str | os.PathLike[str], exc: OSError, field: str = "cache_dir") -> OSError | None:
@@ -252,6 +279,9 @@ def unusable_dir(given: str | os.PathLike[str], exc: OSError, field: str = "cach
     elif exc.errno == errno.EROFS:
         why = f"cannot be created: {existing!r} is on" if created else "on"
         why, expected = f"{why} a read-only filesystem", "expected a directory on a writable filesystem"
+    elif exc.errno == errno.ENOLCK:  # lock_file's: the owner's lock, without which a second owner is not kept out
+        why = f"its filesystem cannot lock files ({exc.strerror}, {exc.filename!r}: NFS without its lock service?)"
+        expected = "expected a directory on a filesystem with locks (flock): a local disk, or NFS with its lock service"
     elif exc.errno in (errno.EACCES, errno.EPERM):
         at = f" at {exc.filename!r}" if exc.filename and exc.filename != path and not created else ""
         why = f"cannot be created under {existing!r}: " if created else ""

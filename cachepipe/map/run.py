@@ -16,7 +16,6 @@ class).
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import multiprocessing
 import os
@@ -30,7 +29,7 @@ from typing import Any
 
 from ..blocks import round_up
 from ..cache import journal_budget_of
-from ..cache.lock import unusable_dir
+from ..cache.lock import lock_file, unusable_dir
 from ..cache.room import block_at, room_at
 from ..config import Share, check_cache_dir, check_destination, check_source, with_unit
 from ..errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError
@@ -364,10 +363,16 @@ def _take_lock(work: Path, cache_dir: Path) -> int:
     """flock ``work/lock`` (an empty file, so it adds no bytes) for the whole run."""
     fd = os.open(work / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock_file(fd, str(work / "lock"))
     except BlockingIOError:
         os.close(fd)
         raise CacheLockedError(str(cache_dir), "another cachepipe map run") from None
+    except OSError as exc:
+        os.close(fd)
+        error = unusable_dir(cache_dir, exc)  # a filesystem without locks (ENOLCK), named as cache_dir
+        if error is None:
+            raise
+        raise error from exc
     return fd
 
 
