@@ -14,7 +14,8 @@ The probe holds that lock for a moment; an owner opening that directory in that 
 refused as if it were in use, which is right, since it would nest with this live one.
 
 :func:`unusable_dir` says why a cache directory cannot be created or taken (a read-only
-filesystem, no permission, a file on its path), naming the ``cache_dir`` given rather than the
+filesystem, no permission, a file on its path, a filesystem that cannot lock files: an NFS mount
+whose lock service does not run, :func:`lock_file`), naming the ``cache_dir`` given rather than the
 state folder or lock file the failing call was about.
 """
 
@@ -131,10 +132,8 @@ def lock_file(fd: int, path: str) -> None:
     """
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise
     except OSError as exc:
-        if exc.errno not in NO_LOCKS:
+        if exc.errno not in NO_LOCKS:  # BlockingIOError (EAGAIN) among them
             raise
         raise OSError(errno.ENOLCK, f"{exc.strerror} (flock)", path) from exc
 
