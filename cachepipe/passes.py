@@ -217,8 +217,10 @@ class _Pass:
         sizes = catalog.sizes
         self._listed = len(catalog)
         self._listed_bytes = sum(sizes)
-        # recover() reserves the journal's budget too (and measures the state files: checked after it)
-        occupied = cache.foreign + round_up(cache.journal_budget(catalog), cache.block) + cache.block  # + the state folder
+        # recover() reserves the journal's budget too, and measures the state files: told here as it
+        # will find them (a pass's journal naming no items), not one block for them all (an item in
+        # the three blocks between was planned, then skipped in its turn)
+        occupied = cache.foreign + round_up(cache.journal_budget(catalog), cache.block) + cache.state_before_recover()
         eligible, too_large = fitting_items(catalog, cache.capacity, occupied, cache.block)
         self._too_large = too_large
         if too_large and cfg.on_oversize == "raise":

@@ -154,7 +154,8 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
         # pipeline made here (see _room), named by an OversizeError over a worker's share
         self._room: int | None = None
         # per-process mode: bytes of each worker's share that its folder and reader note take
-        # beside its cache (two blocks of cache_dir's filesystem), set with _room
+        # beside its cache (two blocks of cache_dir's filesystem), and its part of this rank's
+        # manifests in cache_dir (of a capacity in bytes), set with _room
         self._aside = 0
         # per-process mode, the manifest planned from, read here (see _hold_manifest), and its
         # copy in shared memory for workers started by spawn or forkserver, once one is

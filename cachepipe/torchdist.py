@@ -8,6 +8,7 @@ that never comes).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tempfile
@@ -17,10 +18,12 @@ from typing import Any, Literal, TypeVar
 
 import torch.distributed
 
+from .blocks import round_up
 from .manifest import index
+from .removal import taken
 from .state import atomic_write
 
-__all__ = ["local_ranks"]
+__all__ = ["local_ranks", "manifests_taken"]
 
 T = TypeVar("T")
 
@@ -63,6 +66,22 @@ def _save_manifest(cache_dir: Path, rank: int, data: bytes, source: str, items: 
     cache_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(path, data)
     return str(path)
+
+
+def manifests_taken(cache_dir: Path, rank: int, block: int) -> int:
+    """Bytes that rank ``rank``'s manifests under ``cache_dir`` (:func:`_save_manifest`'s, of
+    every source listed there) take on the disk: each file's size in whole ``block`` s, or the
+    blocks it was given where more. Per-process mode reserves them from the rank's capacity
+    before it deals its workers' shares, so that they and the workers' folders stay under it;
+    0 where there are none (or ``cache_dir`` is not there yet)."""
+    prefix, total = f"manifest-rank{rank}-", 0
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for entry in os.scandir(cache_dir):
+            if entry.name.startswith(prefix) and entry.name.endswith(".json.gz"):
+                with contextlib.suppress(FileNotFoundError):  # replaced meanwhile: counted at the next pipeline
+                    st = entry.stat(follow_symlinks=False)
+                    total += max(taken(st, block), round_up(st.st_size, block))
+    return total
 
 
 def _manifest_bytes(source: str, items: Literal["folders", "files"], options: dict[str, Any]) -> bytes:

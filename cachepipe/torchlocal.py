@@ -34,7 +34,7 @@ from .config import Share, with_unit
 from .errors import CacheLockedError, OversizeError
 from .manifest import Manifest, _is_url, read_manifest
 from .pipeline import CachedItem, Pipeline, Skipped
-from .torchdist import _distributed, _from_rank0, _manifest_bytes, _save_manifest
+from .torchdist import _distributed, _from_rank0, _manifest_bytes, _save_manifest, manifests_taken
 from .torchreader import Reader, ReaderNote, main_thread_ticks, owner_pid, proc_stat, reader
 from .torchshare import SharedManifest
 from .torchstate import _DatasetState, _repeats
@@ -111,8 +111,12 @@ class _LocalMode(_DatasetState):
             self._room = _room(self.cache_dir, world, num_workers)
             capacity = int(self._room * capacity.fraction)
         # each worker's folder and its reader note beside it (see torchreader.note_path), in
-        # cache_dir: a block each that no cache's ledger counts, so the shares leave them room
-        self._aside = 2 * block_at(self.cache_dir)
+        # cache_dir: a block each that no cache's ledger counts, so the shares leave them room;
+        # and, of a capacity in bytes, this rank's manifests there (torchdist._save_manifest's),
+        # a part each (a share of the disk is of the space free once they were written)
+        block = block_at(self.cache_dir)
+        manifests = 0 if isinstance(self.capacity, Share) else manifests_taken(self.cache_dir, rank, block)
+        self._aside = 2 * block + -(-manifests // num_workers)
         share = with_unit(max(capacity // num_workers - self._aside, 0))
         options = {**self.options, "rank": rank, "world_size": world, "worker": worker, "num_workers": num_workers}
         if epochs is not None:
@@ -135,7 +139,8 @@ class _LocalMode(_DatasetState):
         try:
             yield
         except OversizeError as exc:
-            # the worker's folder and its note, set aside from its share: taken as its state is
+            # the worker's folder and its note (and its part of the rank's manifests), set aside
+            # from its share: taken as its state is
             share, occupied = exc.capacity + self._aside, exc.occupied + self._aside
             info = torch.utils.data.get_worker_info()
             if info is None or info.num_workers == 1:

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 from mounts import mounted
-from sampling import block_of, charge
+from sampling import Sampler, block_of, charge
 from waiting import wait_until
 
 from cachepipe import OversizeError, Pipeline
@@ -135,7 +135,6 @@ def immutable(path, moved_to, content=None):
 
 
 def test_an_item_that_cannot_be_deleted_stays_counted_and_the_rest_flows(s3_source, tmp_path, caplog):
-    from sampling import Sampler
 
     size = 1024 * KIB  # reaped after an ack (cache.REAP_MIN_BYTES); smaller items are deleted in place
     data = s3_source.folders(6, {"f": size})
@@ -551,3 +550,54 @@ def test_a_cache_of_small_files_stays_under_its_capacity_in_the_blocks_they_take
     assert names == sorted(data) and stats.items_failed == stats.disk_errors == 0, stats
     assert max(used) <= capacity, f"the disk held {max(used)} bytes, the capacity is {capacity}"
     assert max(used) > capacity // 2, "the cache never filled: the test did not exercise the cap"
+
+
+def test_a_rank_s_manifests_are_counted_in_its_capacity(tmp_path):
+    """Found in review: per-process mode writes each rank's manifest into cache_dir
+    (``manifest-rank<r>-*.json.gz``, by the first set_epoch or under torch.distributed) and no
+    capacity counted it: two ranks given half the disk each, their caches full, held the whole
+    disk and the manifests besides. A rank's manifests are now reserved from its capacity before
+    its workers' shares are dealt: everything under cache_dir stays under the capacities."""
+    pytest.importorskip("torch", reason="PyTorch is not installed")
+    from cachepipe.torch import CachePipeDataset
+
+    # items of one 4 KiB file (8 KiB with its folder) and many empty ones with long names: the
+    # manifest lists each (several blocks), the cache charges the item 8 KiB
+    for i in range(160):
+        folder = tmp_path / "src" / f"item{i:03d}"
+        folder.mkdir(parents=True)
+        (folder / "f").write_bytes(b"x" * 4 * KIB)
+        for j in range(12):
+            (folder / f"{j:02d}-{os.urandom(24).hex()}").touch()
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        capacity = 512 * KIB  # each rank's: the two fit the disk
+        datasets = [
+            CachePipeDataset(str(tmp_path / "src"), disk / "cache", capacity, item_name, rank=r, world_size=2, auto_ack=False)
+            for r in range(2)
+        ]
+        for dataset in datasets:
+            dataset.set_epoch(0)  # lists the source into this rank's manifest under cache_dir
+        manifests = sorted(p.name for p in (disk / "cache").glob("manifest-rank*.json.gz"))
+        assert [name[:14] for name in manifests] == ["manifest-rank0", "manifest-rank1"]
+        pipes = [dataset.pipeline() for dataset in datasets]
+        try:
+            for pipe in pipes:
+                pipe.open()
+            for rank, pipe in enumerate(pipes):  # each fetches ahead until its ledger has no room for one
+                # more item, and its downloads are done (reserved when they start)
+                staging = disk / "cache" / f"rank{rank}-worker0" / ".cachepipe" / "staging"
+
+                def full(pipe=pipe, staging=staging):
+                    s = pipe.stats()
+                    done = s.bytes_in_cache + 8 * KIB > s.capacity and not any(staging.iterdir())
+                    return done or s.disk_errors or s.items_ready == 80
+
+                wait_until(full)
+            held = Sampler(disk / "cache")._bytes()  # every file and folder there, counted as the cap counts them
+            stats = [pipe.stats() for pipe in pipes]
+        finally:
+            for pipe in pipes:
+                pipe.close()
+    assert [s.disk_errors for s in stats] == [0, 0]
+    assert all(s.items_ready < 80 for s in stats), "a rank's cache never filled: the test did not exercise the cap"
+    assert held <= 2 * capacity, f"cache_dir held {held} bytes, the ranks' capacities are {2 * capacity}"

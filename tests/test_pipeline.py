@@ -951,32 +951,41 @@ def test_an_item_over_the_limit_in_a_shared_plan_is_skipped_without_waiting_for_
 
 
 @pytest.mark.parametrize("retain", ["none", "auto"])
-def test_an_item_that_fits_the_listing_s_estimate_but_not_beside_the_state_is_skipped_with_on_oversize_skip(
-    s3_source, tmp_path, retain
+def test_an_item_just_over_the_room_beside_the_state_is_left_out_at_open_and_one_at_it_is_read(
+    s3_source, tmp_path, retain, caplog
 ):
     """Found in review: an item just under the capacity, left in by the estimate made before the
     cache is recovered (foreign files and the journal's budget) but over what it holds once the
-    state files are counted too, raised OversizeError at open despite on_oversize="skip". It is
-    skipped in its turn now, like an item that stops fitting later (with retention too, whose
-    wait for room had no limit check: it would have waited for ever)."""
+    state files are counted too, raised OversizeError at open despite on_oversize="skip" (then
+    was skipped in its turn, with retention too, whose wait for room had no limit check). The
+    estimate counted the state folder alone, three blocks under what the recovery finds (its
+    lock, journal and staging): such an item was planned, then skipped in its turn
+    (get_or_skipped gave a Skipped for it each epoch). It is told as the recovery finds it now:
+    the item is left out of the plan at open, and one that takes exactly the room left is read."""
     from cachepipe.cache.core import journal_budget_of
+    from cachepipe.pipeline import Skipped
 
     names = [f"item{i:03d}" for i in range(4)]
     block = block_of(tmp_path)
     capacity = 16 * block
-    # the listing's estimate counts the journal's budget and the state folder; the state files
-    # (lock, journal, staging) are counted at the recovery: a big item of the room between
     budget = -(-journal_budget_of(sum(len(n) + 2 for n in names), 4) // block) * block
-    big = capacity - budget - block - block  # its folder takes a block
+    # the state a pass's recovery finds: its folder, lock, journal (a header) and staging
+    room = capacity - budget - 4 * block
+    over, exact = room, room - block  # their files: each item's folder takes a block more
     for i, name in enumerate(names):
-        s3_source.put(f"{name}/f", bytes(big if i == 0 else 300))
+        s3_source.put(f"{name}/f", bytes(over if i == 0 else exact if i == 1 else 300))
     options = {"storage_options": s3_source.options, "on_oversize": "skip", "retain": retain, "epochs": 2}
-    with Pipeline(s3_source.url, tmp_path / "c", capacity, auto_ack=False, **options) as pipe:
-        got = []
-        while (item := pipe.get(timeout=30)) is not None:
-            got.append(item.name)
-            pipe.ack(item)
-        assert got == names[1:] * 2 and pipe.stats().items_skipped == 2
+    with caplog.at_level(logging.WARNING, logger="cachepipe"):
+        with Pipeline(s3_source.url, tmp_path / "c", capacity, auto_ack=False, **options) as pipe:
+            got = []
+            while (item := pipe.get_or_skipped(timeout=30)) is not None:
+                got.append(f"skipped {item.name}" if isinstance(item, Skipped) else item.name)
+                if not isinstance(item, Skipped):
+                    pipe.ack(item)
+            stats = pipe.stats()
+    assert got == names[1:] * 2  # before: "skipped item000" in its turn in each epoch
+    assert stats.items_skipped == 1  # left out of the plan, once
+    assert "skipping item 'item000'" in caplog.text
 
 
 def test_resuming_a_complete_pass_says_there_is_nothing_to_hand_out(s3_source, tmp_path, caplog):

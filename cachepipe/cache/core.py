@@ -53,7 +53,7 @@ from .publishing import _Publishing
 from .record import Record
 from .recovery import check_resume, of_same_data, sort_leftovers
 from .reservation import _capacity_bytes
-from .room import JOURNAL, STAGING, drop_note, held_in, write_note
+from .room import JOURNAL, NOTE, STAGING, drop_note, held_in, write_note
 from .staging import Staging
 
 __all__ = ["STATE_DIR", "Cache"]
@@ -288,6 +288,19 @@ class Cache(_Publishing):
             log.info("dropping %s, an earlier owner's item: the cache is over its capacity of %d bytes", name, self.capacity)
             self.drop(name)
         return record.cursor, set(record.acked)
+
+    def state_before_recover(self) -> int:
+        """What :meth:`recover` will count of the state files (beside the journal's budget),
+        told before it runs, for the plan's judgement of which items fit: the state folder and
+        what it holds now (the lock, staging, a saved listing) but the journal and the note of
+        the folder's size, which recovery rewrites and removes; and the journal as one block,
+        the header of a pass, which is what a rewritten journal naming no item takes on the
+        usual blocks (recovery finds more where it names items it reuses or, resumed, that were
+        acknowledged: such an item near the limit is skipped in its turn). Not the journal as it
+        is now, which is as large as the last pass left it: what fits, and so a plan a resume
+        must match, would change with it from one open to the next."""
+        block = self.block
+        return block + tree_bytes(self.state_dir, skip={JOURNAL, NOTE}, block=block) + block
 
     @staticmethod
     def journal_budget(items: Catalog) -> int:
