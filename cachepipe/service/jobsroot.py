@@ -117,6 +117,7 @@ class RootLock:
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, line, 0)
+            os.fsync(fd)  # on NFS, to the server now: a daemon on another host reads it there (not at our close)
         except OSError as exc:  # a full disk: held all the same, a second daemon is told of the kernel's pid
             log.info("%s: the lock is held without this daemon's pid in it (%s)", path, exc.strerror)
 
