@@ -745,6 +745,59 @@ def test_a_job_restarted_from_its_checkpoints_gets_the_room_of_lanes_that_have_n
     assert stats.items_acked == 6 + 14
 
 
+def test_a_download_held_up_only_by_retained_items_whose_readers_wait_behind_it_evicts_them(tmp_path):
+    """With retention, a lane's download waits for room that only items retained for other
+    lanes hold, and nothing is pinned: no acknowledgement can free room, and the steps that
+    would read those items cannot be planned before the download (the planner plans one at a
+    time). Before, the policy kept them ("do no harm": their next reads come before the
+    download's step in the plan's order) until the give-back forced room (``give_back_after``:
+    5 s by default, 600 s here, so the take timed out): ``stress_node.py --mode tiny`` stalled
+    so at 6 of seeds 0-29 (a take of 5-6 s, every lane waiting). Rank 0 (items of 16, 16 and
+    32 KiB) waits for its third, which does not fit beside rank 1's second (16 KiB), held;
+    rank 1 then moves back to its first step (a consumer restarted from its checkpoint), and
+    its second is retained for its next read there. Now rank 0's item evicts it at once.
+    Both lanes then read their shares to the end, under the cap. The take's timeout only
+    bounds the stall it was."""
+    source = tmp_path / "source"
+    sizes = [16, 16, 16, 16, 32]  # balance="count", no shuffle: rank 0 items 0, 2, 4; rank 1 items 1, 3
+    names = [f"item{i:03d}" for i in range(len(sizes))]
+    for i, (name, size) in enumerate(zip(names, sizes, strict=True)):
+        (source / name).mkdir(parents=True)
+        (source / name / "a.bin").write_bytes(bytes([i]) * size * KIB)
+    cache = tmp_path / "node"
+    block = block_of(tmp_path)
+    room = charge(tmp_path, [16 * KIB], 1) + charge(tmp_path, [32 * KIB], 1) - block  # two small items, not a small and the large
+    capacity = state_of(str(source), tmp_path) + room
+    pipe = NodePipeline(
+        str(source), cache, capacity, ranks=[0, 1], world_size=2, balance="count", shuffle=False, retain="auto",
+        give_back_after=600.0,
+    )  # fmt: skip
+    got: dict = {}
+    with Sampler(cache, block=block) as sampler, pipe:
+        held = pipe.take(1, 0, pipe.take(1, 0, (0, 0), timeout=10).after, timeout=10)  # rank 1 holds its second item
+        assert held.item.name == names[3]
+        got[0], at = read_lane(pipe, 0, 0, limit=2)
+
+        def rank_0() -> None:  # reads on from its third item
+            try:
+                got[0] += read_lane(pipe, 0, 0, at)[0]
+            except TimeoutError as exc:
+                got["timeout"] = exc
+
+        waiting = threading.Thread(target=rank_0)
+        waiting.start()
+        wait_until(lambda: pipe._queues._lanes[0].waiting and pipe._cache.shortfall(), what="rank 0 waiting for room")
+        pipe.consume(1, 0, (0, 0))  # rank 1 moves back: its second item is retained, for its next read
+        waiting.join(40)  # rank 0's read ends with its item (600 s before, the take timed out at 30 s)
+        assert not waiting.is_alive() and "timeout" not in got, got.get("timeout")
+        got[1] = read_lane(pipe, 1, 0)[0]
+        stats = pipe.stats()
+    assert sampler.peak <= capacity
+    assert [n for _e, n in got[0]] == names[0::2]
+    assert [n for _e, n in got[1]] == names[1::2]
+    assert stats.items_acked == 3 + 1 + 2
+
+
 def test_a_lane_that_asks_at_its_pace_keeps_what_was_planned_for_it(s3_source, tmp_path):
     """Two lanes that consume each item once read, at different paces: rank 1 reads an item
     every 1.5 s, rank 0 at once. Rank 0 waits for room that rank 1's next item holds until rank

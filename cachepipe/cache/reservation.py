@@ -211,7 +211,11 @@ class _Reservation(_Acks):
         never leave it room (:meth:`_in_the_way`). With retention, the policy picks
         retained items to evict; when it prefers to wait for an ack instead, the wait is
         re-checked every 0.25 s against ``starving()`` (a consumer blocked on this very step),
-        the one case of a timed wait here. ``extra``: bytes reserved beside the item's own (the
+        the one case of a timed wait here. While no item is pinned, no ack can come: the
+        policy's rules are waived as :meth:`force_room` waives them (a node's lanes read out of
+        the plan's order, and the steps that would read the retained items first cannot be
+        planned before this one; before, the download waited for a lane's give-back to force
+        room, 5 s by default). ``extra``: bytes reserved beside the item's own (the
         ``prepare`` hook's output).
         """
         with self._cond:
@@ -296,6 +300,10 @@ class _Reservation(_Acks):
                         self._cond.wait()
                         continue
                     forced, self._forced = self._forced, False
+                    # nothing pinned: no ack can free room, so waiting for one ends only when a
+                    # node's lane forces it (the steps that read the retained items first wait
+                    # behind this download): evict as forced now (see the method's notes)
+                    forced = forced or not policy.pinned_bytes
                     chosen = policy.choose_victims(charge - free - ledger.reaping, idx, tick, urgent=starving(), forced=forced)
                     if chosen is None:
                         self._wanting = charge
