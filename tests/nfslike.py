@@ -40,7 +40,7 @@ class Loopback(fuse.Operations):
 
     def getattr(self, path: str, fh: int | None = None) -> dict[str, Any]:
         st = os.lstat(self._path(path)) if fh is None else os.fstat(fh)
-        times = {f"{k}_ns": getattr(st, f"{k}_ns") for k in ("st_atime", "st_mtime", "st_ctime")}
+        times = {k: getattr(st, f"{k}_ns") for k in ("st_atime", "st_mtime", "st_ctime")}  # in ns (use_ns)
         return {k: getattr(st, k) for k in STAT} | times
 
     def readdir(self, path: str, fh: int) -> list[str]:
@@ -52,6 +52,9 @@ class Loopback(fuse.Operations):
 
     def mkdir(self, path: str, mode: int) -> None:
         os.mkdir(self._path(path), mode)
+
+    def mknod(self, path: str, mode: int, dev: int) -> None:
+        os.mknod(self._path(path), mode, dev)
 
     def rmdir(self, path: str) -> None:
         os.rmdir(self._path(path))
