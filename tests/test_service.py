@@ -717,9 +717,11 @@ def test_sd_notify_ready_status_and_watchdog(s3_source, s3_endpoint, tmp_path, s
     with daemon:
         ready = daemon.messages[0]
         assert ready.startswith("READY=1\nSTATUS=train: ") and "cached" in ready
-        daemon.wait_for("WATCHDOG=1", timeout=10)
-        daemon.wait_for("WATCHDOG=1", timeout=10)
+        # the status first: it is sent once, when it changes, and may come before the second beat
+        # (a wait for the beats first passed over it); the beats go on
         daemon.wait_for("STATUS=train: 2 ready", timeout=20)  # updated as the downloads finish
+        daemon.wait_for("WATCHDOG=1", timeout=10)
+        daemon.wait_for("WATCHDOG=1", timeout=10)
         assert daemon.stop() == 0
         daemon.wait_for("STOPPING=1")
 
