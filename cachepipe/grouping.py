@@ -75,7 +75,7 @@ class Item:
     is_file: bool = False
     unsafe: UnsafeKeyError | None = field(default=None, compare=False)
     # (block, footprint(block)) of the last block asked (see footprint); (0, 0): none yet (no block is 0)
-    _footprint: tuple[int, int] = field(default=(0, 0), compare=False, repr=False)
+    _footprint: tuple[int, int] = field(default=(0, 0), init=False, compare=False, repr=False)
 
     def __init__(
         self, name: str, files: tuple[FileEntry, ...], size: int, is_file: bool = False, unsafe: UnsafeKeyError | None = None

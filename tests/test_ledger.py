@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cachepipe.cache.ledger import Ledger
@@ -115,3 +117,5 @@ def test_an_item_charged_in_other_blocks_gets_each_blocks_charge_every_time():
         assert large.charge(item, extra=4097) == (6 + 2) * 4096
     small.block = 4096  # as Cache.open sets the block of its filesystem after an item was charged
     assert small.charge(item) == 6 * 4096
+    fewer = dataclasses.replace(item, files=item.files[:1], size=5000)  # another item: charged anew
+    assert fewer != item and large.charge(fewer) == (2 + 1) * 4096  # its one file and its folder
