@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .blocks import folders_made, footprint
 from .errors import UnsafeKeyError
 from .keys import _TreeCheck, check_key
 from .stores.base import ObjectInfo, slot_setters
@@ -73,16 +74,35 @@ class Item:
     size: int
     is_file: bool = False
     unsafe: UnsafeKeyError | None = field(default=None, compare=False)
+    # (block, footprint(block)) of the last block asked (see footprint); (0, 0): none yet (no block is 0)
+    _footprint: tuple[int, int] = field(default=(0, 0), init=False, compare=False, repr=False)
 
     def __init__(
         self, name: str, files: tuple[FileEntry, ...], size: int, is_file: bool = False, unsafe: UnsafeKeyError | None = None
     ) -> None:
-        set_name, set_files, set_size, set_is_file, set_unsafe = _ITEM_SETTERS  # see slot_setters
+        set_name, set_files, set_size, set_is_file, set_unsafe, set_footprint = _ITEM_SETTERS  # see slot_setters
         set_name(self, name)
         set_files(self, files)
         set_size(self, size)
         set_is_file(self, is_file)
         set_unsafe(self, unsafe)
+        set_footprint(self, _NO_FOOTPRINT)
+
+    def footprint(self, block: int) -> int:
+        """What its files take on a filesystem of ``block`` -byte blocks (``block`` > 0):
+        :func:`~cachepipe.blocks.footprint` of its files' sizes and the folders it makes
+        (:func:`~cachepipe.blocks.folders_made`); :meth:`cachepipe.cache.Cache.charge` is this and
+        the ``extra`` beside it. Computed once for a block, a walk of its files: kept with the
+        block it is of (the item is frozen, so the value is that block's for ever), so that the
+        checks, reservation, publish and release of one item (its charge is asked three or four
+        times on its way) walk its files once, and a cache of another block computes its own."""
+        at, taken = self._footprint  # one read: another thread may store another block's meanwhile
+        if at == block:
+            return taken
+        files = self.files
+        taken = footprint((f.size for f in files), folders_made((f.rel for f in files), self.is_file, self.name), block)
+        _ITEM_SETTERS[5](self, (block, taken))
+        return taken
 
     @property
     def version(self) -> str | None:
@@ -99,7 +119,8 @@ class Item:
         return any(f.etag is not None for f in self.files)
 
 
-_ITEM_SETTERS = slot_setters(Item, "name", "files", "size", "is_file", "unsafe")
+_ITEM_SETTERS = slot_setters(Item, "name", "files", "size", "is_file", "unsafe", "_footprint")
+_NO_FOOTPRINT = (0, 0)
 
 
 def version_of(files: Sequence[tuple[str, int, str | None]]) -> str | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cachepipe.cache.ledger import Ledger
@@ -95,3 +97,25 @@ def test_catalog_charge_is_the_items_and_over_limit_finds_each_item_over_it():
     assert list(catalog.over_limit(8 * 4096, 4096)) == [(2, 9 * 4096)]  # 8 bytes listed: over by its blocks
     assert list(catalog.over_limit(100, 0)) == [(1, 9000)]  # block 0: the listed sizes
     assert cache.charge(catalog[0], extra=1) == 5 * 4096  # extra rounded up to a whole block
+
+
+def test_an_item_charged_in_other_blocks_gets_each_blocks_charge_every_time():
+    """An item's charge is computed once per block (Item.footprint keeps it): a cache of another
+    block (or one whose block its open changed) never reuses it, and ``extra`` is never kept in it."""
+    from cachepipe.cache import Cache
+    from cachepipe.catalog import Catalog
+
+    catalog = Catalog()
+    catalog.add("item", [("x", 5000, None), ("d/e/y", 1, None), ("d/z", 0, None)])  # 3 files + 3 folders
+    item = catalog[0]
+    small, large = Cache.__new__(Cache), Cache.__new__(Cache)  # charge() reads the block alone
+    small.block, large.block = 512, 4096
+    for _ in range(2):  # each asked again after the other
+        assert large.charge(item) == catalog.charge(0, 4096) == (2 + 1 + 3) * 4096  # an empty file: no block
+        assert small.charge(item, extra=1) == catalog.charge(0, 512) + 512 == (10 + 1 + 3 + 1) * 512
+        assert small.charge(item) == (10 + 1 + 3) * 512
+        assert large.charge(item, extra=4097) == (6 + 2) * 4096
+    small.block = 4096  # as Cache.open sets the block of its filesystem after an item was charged
+    assert small.charge(item) == 6 * 4096
+    fewer = dataclasses.replace(item, files=item.files[:1], size=5000)  # another item: charged anew
+    assert fewer != item and large.charge(fewer) == (2 + 1) * 4096  # its one file and its folder

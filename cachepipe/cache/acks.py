@@ -20,7 +20,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..blocks import folders_made, footprint, round_up
+from ..blocks import round_up
 from ..catalog import Item, Names
 from ..fscalls import FileCalls
 from ..retention import RetentionPolicy
@@ -93,10 +93,11 @@ class _Acks:
         (:func:`~cachepipe.blocks.footprint`: its files in whole blocks of :attr:`block`, and a
         block per folder it makes), with ``extra`` bytes beside it (``unpack``/``prepare``'s
         output) rounded up to whole blocks. Every reservation, release and check of the item's
-        room uses this one charge."""
-        files = item.files
-        charge = footprint((f.size for f in files), folders_made((f.rel for f in files), item.is_file, item.name), self.block)
-        return charge + round_up(extra, self.block) if extra else charge
+        room uses this one charge. The files' part is computed once per item and block
+        (:meth:`~cachepipe.catalog.Item.footprint`)."""
+        block = self.block
+        charge = item.footprint(block)
+        return charge + round_up(extra, block) if extra else charge
 
     def item_path(self, item: Item) -> Path:
         """Where ``item`` is (or will be) published."""
