@@ -463,6 +463,8 @@ class LaneQueues(Broker[str]):
                     self._ask_back(lane)
                     lane.waiting += 1
                     self._waiting += 1
+                    if not self._fresh:
+                        self._wake()  # starving() now: a download waiting for room looks again (see Cache.acquire)
                     try:
                         self._cond.wait(remaining)
                     finally:

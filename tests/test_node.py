@@ -798,6 +798,50 @@ def test_a_download_held_up_only_by_retained_items_whose_readers_wait_behind_it_
     assert stats.items_acked == 3 + 1 + 2
 
 
+def test_a_lane_moved_back_beside_a_rank_that_holds_its_item_drops_what_it_shelved_for_its_step(tmp_path):
+    """Without retention, rank 0 holds its first item (32 KiB) until rank 1 has taken the same
+    step (DDP ranks step together); rank 1 (8 KiB items) read its first item and holds its
+    second when its consumer restarts from its first step (a checkpoint). The cache has room
+    for an item of each rank: rank 1's second, shelved on disk for the step that reaches it
+    again, holds the room of its first, which was consumed and must be downloaded again; that
+    download waits for room before rank 1 asks for it. Before, it waited for room that an
+    acknowledgement would free, one of rank 0's held item, which in DDP comes only once rank
+    1 has its item: the give-back forced room after ``give_back_after`` (5 s by default, 600 s
+    here, so the take timed out; ``stress_node.py --mode hazard`` stalled so: each of the 15
+    stalls traced at seeds 0-59, all with ``retain="none"``). Now rank 1 waits with nothing ready, so
+    the download looks again and drops the shelved item for its step at once. Both ranks then
+    read their shares to the end, under the cap. The take's timeout only bounds the stall it
+    was."""
+    source = tmp_path / "source"
+    sizes = [32, 8, 32, 8]  # balance="count", no shuffle: rank 0 items 0 and 2, rank 1 items 1 and 3
+    names = [f"item{i:03d}" for i in range(len(sizes))]
+    for i, (name, size) in enumerate(zip(names, sizes, strict=True)):
+        (source / name).mkdir(parents=True)
+        (source / name / "a.bin").write_bytes(bytes([i]) * size * KIB)
+    cache = tmp_path / "node"
+    block = block_of(tmp_path)
+    small = charge(tmp_path, [8 * KIB], 1)
+    capacity = state_of(str(source), tmp_path) + charge(tmp_path, [32 * KIB], 1) + small
+    pipe = NodePipeline(
+        str(source), cache, capacity, ranks=[0, 1], world_size=2, balance="count", shuffle=False, retain="none",
+        give_back_after=600.0,
+    )  # fmt: skip
+    with Sampler(cache, block=block) as sampler, pipe:
+        first, at = read_lane(pipe, 1, 0, limit=1)
+        second = pipe.take(1, 0, at, timeout=10)  # rank 1 holds its second item
+        held = pipe.take(0, 0, (0, 0), timeout=10)  # rank 0 holds its first, until rank 1 has taken step (0, 0)
+        pipe.consume(1, 0, (0, 0))  # rank 1 restarted from its first step: its second is shelved
+        wait_until(lambda: pipe._cache.shortfall() == small, what="rank 1's first waiting for room")  # before it waits
+        again = pipe.take(1, 0, (0, 0), timeout=20)  # (600 s before)
+        assert [second.item.name, held.item.name, again.item.name] == [names[3], names[0], names[1]]
+        got = {1: [n for _e, n in first] + [n for _e, n in read_lane(pipe, 1, 0, again.cursor)[0]]}
+        got[0] = [held.item.name] + [n for _e, n in read_lane(pipe, 0, 0, held.after)[0]]
+        stats = pipe.stats()
+    assert sampler.peak <= capacity
+    assert got == {0: names[0::2], 1: [names[1], *names[1::2]]}
+    assert stats.bytes_downloaded == (sum(sizes) + 8 + 8) * KIB  # rank 1's first (consumed) and second (dropped) again
+
+
 def test_a_lane_that_asks_at_its_pace_keeps_what_was_planned_for_it(s3_source, tmp_path):
     """Two lanes that consume each item once read, at different paces: rank 1 reads an item
     every 1.5 s, rank 0 at once. Rank 0 waits for room that rank 1's next item holds until rank
