@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 from sampling import Sampler, block_of, charge
 from waiting import wait_until
 
+from cachepipe.broker import Closed
 from cachepipe.catalog import Item
 from cachepipe.lanes import LaneSchedule, NodePlan
 from cachepipe.node import LaneQueues, NodePipeline
@@ -436,6 +438,48 @@ def test_a_lane_that_consumes_asks_for_the_download_of_a_lane_not_asking_back_be
     assert not woken and not queues.withdrawn(fifth[0])
     queues.close()
     steps.close()
+
+
+def test_a_lane_that_consumes_asks_back_the_download_of_a_lane_that_waits_for_an_earlier_step():
+    """The bookkeeping (no disk): lane 0's consumer waits for its first item, which downloads;
+    the fetcher waits for room for lane 0's second, planned at a tie of the lanes' loads. Lane
+    1 consumes its first: lane 0's consumer does not need that download yet, so the move asks
+    for it back, and lane 1's second is the next download. Before, a waiting lane kept every
+    download of its own, and the room lane 1 freed went to lane 0's second; lane 0's consumer
+    then held its first (a DDP rank until rank 1 has taken the same step) while lane 1 waited
+    for the give-back (5 s; ``stress_node.py --mode hazard``, ``retain="auto"``)."""
+    plan = NodePlan([10] * 8, ranks=[0, 1], world_size=2)
+    woken: list[int] = []
+    queues = LaneQueues(LaneSchedule(plan), on_stale=lambda _planned: None, wake=lambda: woken.append(1))
+    steps = queues.steps(lambda i: Item(f"item{i}", (), plan.sizes[i]))
+    downloads = [next(steps)[0] for _ in range(3)]  # lane 0's first, lane 1's first, lane 0's second
+    lanes = [[f"item{i}" for i in plan.lane_share(lane, 0)] for lane in (0, 1)]
+    queues.begin_many(2)  # the third waits for room
+    first, second, third = (seq for seq, _item, _tick in downloads)
+    queues.put_many([(second, lanes[1][0], f"/cache/{lanes[1][0]}")])  # lane 0's first still downloads
+    got: dict = {}
+
+    def lane_0() -> None:
+        with contextlib.suppress(Closed):
+            got[0] = queues.wait(0, Cursor(0, 0), timeout=30)
+
+    waiting = threading.Thread(target=lane_0)
+    waiting.start()
+    try:
+        wait_until(lambda: queues._lanes[0].waiting, what="lane 0 waiting for its first")
+        assert queues.wait(1, Cursor(0, 0), timeout=0).name == lanes[1][0]
+        woken.clear()
+        queues.move(1, Cursor(0, 1))
+        assert woken and queues.withdrawn(third)  # before, not asked back: lane 0 was waiting
+        queues.withdraw(third)
+        assert next(steps)[0][1].name == lanes[1][1]
+        queues.put_many([(first, lanes[0][0], f"/cache/{lanes[0][0]}")])
+        waiting.join(30)
+        assert got[0].name == lanes[0][0]
+    finally:
+        queues.close()
+        waiting.join(30)
+        steps.close()
 
 
 @pytest.mark.parametrize(("retain", "give_back_after"), [("none", None), ("auto", 0.0)], ids=["none", "auto"])
