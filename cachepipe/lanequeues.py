@@ -238,10 +238,14 @@ class LaneQueues(Broker[str]):
     def _ask_back(self, lane: _LaneState, moved: bool = False) -> None:
         """Under the lock, for ``lane`` waiting for a step not planned yet: ask the fetcher for the
         download it has not begun back (:meth:`withdrawn`; ``wake`` wakes it if it waits for
-        room), if no waiting consumer needs it (its lane is not waiting, or moved away from it)
-        and no other step shares its copy. Else the waiting lane's step would be planned only
-        once that download has its room, which may come only from the waiting lane's own
-        consumer, or after :data:`~cachepipe.node.GIVE_BACK_AFTER`.
+        room), if no waiting consumer needs it (its lane is not waiting for that step, or moved
+        away from it) and no other step shares its copy. Else the waiting lane's step would be
+        planned only once that download has its room, which may come only from the waiting
+        lane's own consumer, or after :data:`~cachepipe.node.GIVE_BACK_AFTER`. A lane that
+        waits for an earlier step (its download under way) does not need it yet: before, it kept
+        it, and the room the other lane freed went to it; its consumer then held its item (a DDP
+        rank until the other has taken the same step) while the other lane waited for the
+        give-back (5 s; ``stress_node.py --mode hazard``, ``retain="auto"``).
 
         ``moved``: ``lane`` has just consumed steps or moved away from them (:meth:`move`),
         whatever it has planned. The download was chosen by the lanes' loads from before the
@@ -257,7 +261,8 @@ class LaneQueues(Broker[str]):
             return
         owner = self._lanes[planned.lane]
         held = owner.held.get(planned.key) is planned
-        if planned.holders != held or (held and (owner.waiting or owner is lane)):
+        needed = owner.waiting and owner.floor == planned.key  # its consumer waits for it (a lane waits at its floor)
+        if planned.holders != held or (held and (needed or owner is lane)):
             return
         self._asking = seq
         self._wake()
@@ -463,6 +468,8 @@ class LaneQueues(Broker[str]):
                     self._ask_back(lane)
                     lane.waiting += 1
                     self._waiting += 1
+                    if not self._fresh:
+                        self._wake()  # starving() now: a download waiting for room looks again (see Cache.acquire)
                     try:
                         self._cond.wait(remaining)
                     finally:

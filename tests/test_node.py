@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 from sampling import Sampler, block_of, charge
 from waiting import wait_until
 
+from cachepipe.broker import Closed
 from cachepipe.catalog import Item
 from cachepipe.lanes import LaneSchedule, NodePlan
 from cachepipe.node import LaneQueues, NodePipeline
@@ -438,6 +440,48 @@ def test_a_lane_that_consumes_asks_for_the_download_of_a_lane_not_asking_back_be
     steps.close()
 
 
+def test_a_lane_that_consumes_asks_back_the_download_of_a_lane_that_waits_for_an_earlier_step():
+    """The bookkeeping (no disk): lane 0's consumer waits for its first item, which downloads;
+    the fetcher waits for room for lane 0's second, planned at a tie of the lanes' loads. Lane
+    1 consumes its first: lane 0's consumer does not need that download yet, so the move asks
+    for it back, and lane 1's second is the next download. Before, a waiting lane kept every
+    download of its own, and the room lane 1 freed went to lane 0's second; lane 0's consumer
+    then held its first (a DDP rank until rank 1 has taken the same step) while lane 1 waited
+    for the give-back (5 s; ``stress_node.py --mode hazard``, ``retain="auto"``)."""
+    plan = NodePlan([10] * 8, ranks=[0, 1], world_size=2)
+    woken: list[int] = []
+    queues = LaneQueues(LaneSchedule(plan), on_stale=lambda _planned: None, wake=lambda: woken.append(1))
+    steps = queues.steps(lambda i: Item(f"item{i}", (), plan.sizes[i]))
+    downloads = [next(steps)[0] for _ in range(3)]  # lane 0's first, lane 1's first, lane 0's second
+    lanes = [[f"item{i}" for i in plan.lane_share(lane, 0)] for lane in (0, 1)]
+    queues.begin_many(2)  # the third waits for room
+    first, second, third = (seq for seq, _item, _tick in downloads)
+    queues.put_many([(second, lanes[1][0], f"/cache/{lanes[1][0]}")])  # lane 0's first still downloads
+    got: dict = {}
+
+    def lane_0() -> None:
+        with contextlib.suppress(Closed):
+            got[0] = queues.wait(0, Cursor(0, 0), timeout=30)
+
+    waiting = threading.Thread(target=lane_0)
+    waiting.start()
+    try:
+        wait_until(lambda: queues._lanes[0].waiting, what="lane 0 waiting for its first")
+        assert queues.wait(1, Cursor(0, 0), timeout=0).name == lanes[1][0]
+        woken.clear()
+        queues.move(1, Cursor(0, 1))
+        assert woken and queues.withdrawn(third)  # before, not asked back: lane 0 was waiting
+        queues.withdraw(third)
+        assert next(steps)[0][1].name == lanes[1][1]
+        queues.put_many([(first, lanes[0][0], f"/cache/{lanes[0][0]}")])
+        waiting.join(30)
+        assert got[0].name == lanes[0][0]
+    finally:
+        queues.close()
+        waiting.join(30)
+        steps.close()
+
+
 @pytest.mark.parametrize(("retain", "give_back_after"), [("none", None), ("auto", 0.0)], ids=["none", "auto"])
 def test_a_waiting_lane_gets_the_room_of_an_item_planned_ahead_for_a_lane_that_is_not_asking(
     s3_source, tmp_path, retain, give_back_after
@@ -796,6 +840,50 @@ def test_a_download_held_up_only_by_retained_items_whose_readers_wait_behind_it_
     assert [n for _e, n in got[0]] == names[0::2]
     assert [n for _e, n in got[1]] == names[1::2]
     assert stats.items_acked == 3 + 1 + 2
+
+
+def test_a_lane_moved_back_beside_a_rank_that_holds_its_item_drops_what_it_shelved_for_its_step(tmp_path):
+    """Without retention, rank 0 holds its first item (32 KiB) until rank 1 has taken the same
+    step (DDP ranks step together); rank 1 (8 KiB items) read its first item and holds its
+    second when its consumer restarts from its first step (a checkpoint). The cache has room
+    for an item of each rank: rank 1's second, shelved on disk for the step that reaches it
+    again, holds the room of its first, which was consumed and must be downloaded again; that
+    download waits for room before rank 1 asks for it. Before, it waited for room that an
+    acknowledgement would free, one of rank 0's held item, which in DDP comes only once rank
+    1 has its item: the give-back forced room after ``give_back_after`` (5 s by default, 600 s
+    here, so the take timed out; ``stress_node.py --mode hazard`` stalled so: each of the 15
+    stalls traced at seeds 0-59, all with ``retain="none"``). Now rank 1 waits with nothing ready, so
+    the download looks again and drops the shelved item for its step at once. Both ranks then
+    read their shares to the end, under the cap. The take's timeout only bounds the stall it
+    was."""
+    source = tmp_path / "source"
+    sizes = [32, 8, 32, 8]  # balance="count", no shuffle: rank 0 items 0 and 2, rank 1 items 1 and 3
+    names = [f"item{i:03d}" for i in range(len(sizes))]
+    for i, (name, size) in enumerate(zip(names, sizes, strict=True)):
+        (source / name).mkdir(parents=True)
+        (source / name / "a.bin").write_bytes(bytes([i]) * size * KIB)
+    cache = tmp_path / "node"
+    block = block_of(tmp_path)
+    small = charge(tmp_path, [8 * KIB], 1)
+    capacity = state_of(str(source), tmp_path) + charge(tmp_path, [32 * KIB], 1) + small
+    pipe = NodePipeline(
+        str(source), cache, capacity, ranks=[0, 1], world_size=2, balance="count", shuffle=False, retain="none",
+        give_back_after=600.0,
+    )  # fmt: skip
+    with Sampler(cache, block=block) as sampler, pipe:
+        first, at = read_lane(pipe, 1, 0, limit=1)
+        second = pipe.take(1, 0, at, timeout=10)  # rank 1 holds its second item
+        held = pipe.take(0, 0, (0, 0), timeout=10)  # rank 0 holds its first, until rank 1 has taken step (0, 0)
+        pipe.consume(1, 0, (0, 0))  # rank 1 restarted from its first step: its second is shelved
+        wait_until(lambda: pipe._cache.shortfall() == small, what="rank 1's first waiting for room")  # before it waits
+        again = pipe.take(1, 0, (0, 0), timeout=20)  # (600 s before)
+        assert [second.item.name, held.item.name, again.item.name] == [names[3], names[0], names[1]]
+        got = {1: [n for _e, n in first] + [n for _e, n in read_lane(pipe, 1, 0, again.cursor)[0]]}
+        got[0] = [held.item.name] + [n for _e, n in read_lane(pipe, 0, 0, held.after)[0]]
+        stats = pipe.stats()
+    assert sampler.peak <= capacity
+    assert got == {0: names[0::2], 1: [names[1], *names[1::2]]}
+    assert stats.bytes_downloaded == (sum(sizes) + 8 + 8) * KIB  # rank 1's first (consumed) and second (dropped) again
 
 
 def test_a_lane_that_asks_at_its_pace_keeps_what_was_planned_for_it(s3_source, tmp_path):

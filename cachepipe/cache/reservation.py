@@ -112,12 +112,19 @@ class _Reservation(_Acks):
         return bool(got)
 
     def _reserve(
-        self, size: int, name: str, leftovers: bool, withdrawn: Callable[[], bool] = _never, listed: int | None = None
+        self,
+        size: int,
+        name: str,
+        leftovers: bool,
+        withdrawn: Callable[[], bool] = _never,
+        listed: int | None = None,
+        starving: Callable[[], bool] = _never,
     ) -> bool | str | None:
         """:meth:`reserve`; with ``leftovers``, the wait ends too when a recovered (or shelved)
-        item is in the way (:meth:`_in_the_way`): its name is returned, to drop. None:
-        ``withdrawn()`` was true before it reserved (nothing reserved). ``listed``: the item's
-        listed size, where ``size`` is its charge (:meth:`charge`), for the oversize error."""
+        item is in the way (:meth:`_in_the_way`, ``urgent`` while ``starving()``): its name is
+        returned, to drop. None: ``withdrawn()`` was true before it reserved (nothing reserved).
+        ``listed``: the item's listed size, where ``size`` is its charge (:meth:`charge`), for
+        the oversize error."""
         ledger = self.ledger
         with self._cond:
             try:
@@ -127,7 +134,7 @@ class _Reservation(_Acks):
                     if withdrawn():  # before dropping anything for it
                         return None
                     if leftovers:  # the waiter that force_room() means (a plain reserve leaves it be)
-                        leftover = self._in_the_way(size)
+                        leftover = self._in_the_way(size, starving())
                         self._forced = False
                         if leftover is not None:
                             return leftover
@@ -208,7 +215,8 @@ class _Reservation(_Acks):
 
         Without retention this waits for any earlier copy of the item to be gone (:meth:`claim`)
         and for space (:meth:`reserve`), after dropping recovered items that would otherwise
-        never leave it room (:meth:`_in_the_way`). With retention, the policy picks
+        never leave it room, or while ``starving()`` whose room it needs now (:meth:`_in_the_way`;
+        a node's lane that begins to wait wakes it to look). With retention, the policy picks
         retained items to evict; when it prefers to wait for an ack instead, the wait is
         re-checked every 0.25 s against ``starving()`` (a consumer blocked on this very step),
         the one case of a timed wait here. While no item is pinned, no ack can come: the
@@ -229,7 +237,7 @@ class _Reservation(_Acks):
                 return claimed  # the earlier copy was shelved meanwhile (a path), the cache closed, or withdrawn
             try:
                 charge = self.charge(item, extra)
-                while isinstance(got := self._reserve(charge, item.name, True, withdrawn, item.size), str):
+                while isinstance(got := self._reserve(charge, item.name, True, withdrawn, item.size, starving), str):
                     log.info("dropping %s, an earlier owner's item not due yet, to make room for %s", got, item.name)
                     self.drop(got, gone_ok=True)  # another download waiting for room may have dropped it meanwhile
             except BaseException:
@@ -347,7 +355,7 @@ class _Reservation(_Acks):
             self._forced = True
             self._cond.notify_all()
 
-    def _in_the_way(self, size: int) -> str | None:
+    def _in_the_way(self, size: int, urgent: bool = False) -> str | None:
         """A recovered item (reused from an earlier owner, or shelved by a node's lane that moved
         away, not handed out yet) to drop so that ``size`` bytes can ever fit, or None; under
         the lock. Recovered items are handed out only when the plan reaches them, after the step
@@ -355,10 +363,21 @@ class _Reservation(_Acks):
         waiting would never end, or after :meth:`force_room`. It is checked while that step
         waits (a lane shelves its items after the planner, woken by the lane's move, reached the
         step). The last recovered name goes first (names are recovered in sorted order: for a
-        listing-ordered plan, the one needed last)."""
+        listing-ordered plan, the one needed last).
+
+        ``urgent``: a consumer is blocked with nothing ready (the fetcher's ``starving``): the
+        room the other reservations free is not waited for where dropping recovered items makes
+        it now, as retention evicts for such a step (``choose_victims(urgent=True)``). The items
+        in hand may be held by consumers that wait for this very step (a node's DDP rank holds
+        its item until the other rank has taken its own): before, a node's lane that had moved
+        back (its consumer restarted from a checkpoint) waited beside the items it shelved until
+        the give-back forced room (5 s; ``stress_node.py --mode hazard``)."""
         if not self._recovered:
             return None
         held = sum(self.record.published[name] for name in self._recovered)
-        if self.ledger.room_beside(held) >= size and not self._forced:
+        ledger = self.ledger
+        coming = ledger.free + ledger.reaping  # room without an ack
+        now = urgent and coming < size <= coming + held  # dropping recovered items makes the room now
+        if ledger.room_beside(held) >= size and not self._forced and not now:
             return None
         return next(reversed(self._recovered))
