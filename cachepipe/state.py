@@ -58,6 +58,7 @@ __all__ = [
     "read_catalog_header",
     "read_catalog_items",
     "save_catalog",
+    "temp_name",
     "write_catalog",
 ]
 
@@ -396,6 +397,12 @@ def load_catalog(path: Path, source: str, mode: str) -> Catalog | None:
         return None
 
 
+def temp_name(name: str) -> str:
+    """The name of the temporary file :func:`atomic_write` writes a file of ``name`` through
+    (beside it), which a writer killed before its rename leaves, for the next write to reuse."""
+    return f".{name}.tmp"
+
+
 def atomic_write(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:
     """Write ``data`` to ``path`` via a temporary file in the same folder (``.NAME.tmp``, locked
     while written: :func:`open_temp`), ``fsync`` and ``os.replace``; the temporary file is removed
@@ -406,7 +413,7 @@ def atomic_write(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:
     def unique() -> str:
         return str(path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp"))
 
-    fd, tmp = open_temp(str(path.with_name(f".{path.name}.tmp")), unique, 0o644)
+    fd, tmp = open_temp(str(path.with_name(temp_name(path.name))), unique, 0o644)
     try:
         with naming(f"cannot write {str(path)!r}"):  # a write's or fsync's: a full disk, said with the path
             os.ftruncate(fd, 0)  # what a killed writer wrote

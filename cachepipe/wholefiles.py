@@ -97,7 +97,10 @@ def remove_unlocked(path: str) -> bool:
     without locks (:data:`NO_LOCKS`: no writer can be told from a dead one).
 
     The file is opened for writing (nothing is written): NFS refuses an exclusive lock on a
-    descriptor open for reading only (``EBADF``), and every removal there failed on it.
+    descriptor open for reading only (``EBADF``), and every removal there failed on it. A file
+    on which another process holds a lease (``F_SETLEASE``: Samba's kernel oplocks, the kernel
+    NFS server's delegations, for a client that reads it) refuses that open (``EAGAIN``): it is
+    in use, and kept (the open asks its holder to give the lease up, as any writer's does).
 
     Raises:
         OSError: another error of the ``open``, ``flock`` or ``unlink`` (an I/O error).
@@ -106,7 +109,7 @@ def remove_unlocked(path: str) -> bool:
         if not stat.S_ISREG(os.lstat(path).st_mode):  # a link, a pipe, a device: not a file a writer made
             return False
         fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except (FileNotFoundError, PermissionError):
+    except (FileNotFoundError, PermissionError, BlockingIOError):  # BlockingIOError: another's lease, a reader's
         return False
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EROFS):  # replaced by a link or a pipe; a read-only filesystem

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachepipe.cache.ledger import Ledger
 from cachepipe.errors import ConfigError
@@ -119,3 +122,38 @@ def test_an_item_charged_in_other_blocks_gets_each_blocks_charge_every_time():
     assert small.charge(item) == 6 * 4096
     fewer = dataclasses.replace(item, files=item.files[:1], size=5000)  # another item: charged anew
     assert fewer != item and large.charge(fewer) == (2 + 1) * 4096  # its one file and its folder
+
+
+_SEGMENT = st.sampled_from(["a", "b", "c", "dd", "é"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), mode=st.sampled_from(["folders", "files"]))
+def test_every_item_s_footprint_is_the_catalog_s_charge_of_it_however_it_travels(data, mode):
+    """Item.footprint (kept on the frozen item, per block) against Catalog.charge (from the
+    columns) and blocks.footprint over the item's own files, for listings of nested names in
+    both modes, empty files, several blocks: the same for every item, also for an item that
+    crossed a pickle (a DataLoader worker started by spawn) before or after its footprint was
+    kept, one made by dataclasses.replace, and its equality and hash are unaffected."""
+    from cachepipe.blocks import folders_made, footprint
+    from cachepipe.catalog import Catalog
+    from cachepipe.stores.base import ObjectInfo
+
+    paths = st.lists(_SEGMENT, min_size=2 if mode == "folders" else 1, max_size=4).map("/".join)
+    keys = data.draw(st.lists(paths, min_size=1, max_size=12, unique=True))
+    # no key may be both a file and a folder (the listing refuses such an item: unsafe)
+    keys = sorted(k for k in keys if not any(other.startswith(k + "/") for other in keys))
+    sizes = data.draw(st.lists(st.integers(0, 20000), min_size=len(keys), max_size=len(keys)))
+    catalog = Catalog.from_listing([ObjectInfo(k, s) for k, s in zip(keys, sizes, strict=True)], mode=mode)
+    blocks = data.draw(st.lists(st.sampled_from([512, 1024, 4096, 65536]), min_size=1, max_size=4))
+    for i, item in enumerate(catalog):
+        fresh = pickle.loads(pickle.dumps(item))  # noqa: S301 - its own bytes; before any footprint was kept
+        for block in blocks:
+            files = item.files
+            direct = footprint([f.size for f in files], folders_made([f.rel for f in files], item.is_file, item.name), block)
+            assert item.footprint(block) == catalog.charge(i, block) == direct
+            assert item.footprint(block) == direct  # kept
+            travelled = pickle.loads(pickle.dumps(item))  # noqa: S301 - its own bytes, with what it kept
+            assert travelled == item and hash(travelled) == hash(item) and travelled.footprint(block) == direct
+            assert fresh.footprint(block) == direct
+        assert dataclasses.replace(item, size=item.size).footprint(blocks[0]) == catalog.charge(i, blocks[0])

@@ -1075,3 +1075,40 @@ def test_objects_beside_the_folders_are_said_to_be_in_no_item(tmp_path, caplog):
         "(items='folders' makes an item of each folder; the first: 'readme.txt')"
     )
     assert said == [expected]
+
+
+def test_a_journal_rewrite_cut_by_a_kill_changes_neither_what_fits_nor_the_plan_a_resume_continues(tmp_path):
+    """Found in review: what fits is judged before the recovery (Cache.state_before_recover)
+    from the state folder as it is then, but for the journal and the size note, which the
+    recovery rewrites and removes. The journal's temporary file (``.journal.tmp``) that a
+    process killed during a compaction leaves is reused and renamed by that rewrite too, so the
+    recovery never counts it; the judgement did. An item that takes exactly the room beside the
+    state was left out at the next open: with resume=True the plan then differed from the one
+    the journal recorded (n_items), and the open was refused (ConfigError 'holds a pass of
+    another plan'). Now it is not counted: the pass resumes and reads the item."""
+    from cachepipe.cache.core import journal_budget_of
+
+    names = [f"item{i:03d}" for i in range(4)]
+    block = block_of(tmp_path)
+    capacity = 16 * block
+    budget = -(-journal_budget_of(sum(len(n) + 2 for n in names), 4) // block) * block
+    # the state a resumed pass's recovery finds: its folder, lock, journal (a header), staging
+    # and the saved listing (resume=True)
+    exact = capacity - budget - 5 * block - block  # the item's folder takes a block
+    for i, name in enumerate(names):
+        (tmp_path / "src" / name).mkdir(parents=True)
+        (tmp_path / "src" / name / "f").write_bytes(bytes(exact if i == 0 else 300))
+    options = {"on_oversize": "skip", "resume": True, "auto_ack": False}
+    with Pipeline(tmp_path / "src", tmp_path / "c", capacity, **options) as pipe:
+        first = pipe.get(timeout=30)
+        assert first is not None and first.name == names[0]  # it fits
+        pipe.ack(first)
+    # what a compaction killed before its rename leaves: the journal's temporary file, whole blocks of it
+    (tmp_path / "c" / ".cachepipe" / ".journal.tmp").write_bytes(bytes(3 * block))
+    with Pipeline(tmp_path / "src", tmp_path / "c", capacity, **options) as pipe:  # before: ConfigError
+        got = []
+        while (item := pipe.get(timeout=30)) is not None:
+            got.append(item.name)
+            pipe.ack(item)
+        assert pipe.stats().items_skipped == 0
+    assert got == names[1:]

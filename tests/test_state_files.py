@@ -386,6 +386,42 @@ def test_what_killed_writers_left_is_removed_on_nfs_and_kept_where_nothing_locks
         assert (items, copies) == (["b.bin.cachepipe.tmp", "out.bin.cachepipe.tmp"], ["cachepipe-index-copy-x1-m.json.gz"])
 
 
+def test_what_a_killed_writer_left_that_a_reader_holds_a_lease_on_is_kept_without_an_error(tmp_path):
+    """Found in review: the test of a killed writer's lock opens its file for writing (NFS
+    refuses the lock on a file open for reading only), and an open for writing, without waiting,
+    of a file on which another process holds a read lease (what Samba's kernel oplocks and the
+    kernel's NFS server's delegations take, for a client reading a destination it exports) is
+    refused with EAGAIN: the sweep of a local destination before ``cachepipe map`` reads it
+    raised "[Errno 11] Resource temporarily unavailable" (before the open for writing, the file
+    was removed). A file in use so is kept now, and the sweep goes on to the others."""
+    dst = tmp_path / "dst"
+    (dst / "item").mkdir(parents=True)
+    leased, other = dst / "item" / "a.bin.cachepipe.tmp", dst / "item" / "b.bin.cachepipe.tmp"
+    leased.write_bytes(b"a killed upload's, read by a client")
+    other.write_bytes(b"a killed upload's")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import fcntl, os, signal, sys
+            signal.signal(signal.SIGIO, signal.SIG_IGN)  # the lease's break, asked by an open for writing
+            fd = os.open({str(leased)!r}, os.O_RDONLY)
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+            print("leased", flush=True)
+            sys.stdin.read()
+        """)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    removed = None
+    try:
+        if holder.stdout.readline().strip() == "leased":
+            removed = FsspecStore(str(dst)).remove_stale_temps()  # before: BlockingIOError, [Errno 11]
+    finally:
+        _, refused = holder.communicate(timeout=30)  # its stdin closed: it ends
+    if removed is None:
+        pytest.skip(f"no leases on {tmp_path}: {refused.strip()}")
+    assert removed == ["item/b.bin.cachepipe.tmp"]
+    assert sorted(p.name for p in (dst / "item").iterdir()) == ["a.bin.cachepipe.tmp"]
+
+
 def test_a_cache_on_nfs_works_and_one_where_nothing_locks_is_refused_naming_it(tmp_path):
     """A cache directory is one owner's, by an ``flock`` on ``.cachepipe/lock`` (and a map run's
     by one on its work folder's lock). On NFS, whose flock is emulated, a pipeline and a map run

@@ -293,14 +293,17 @@ class Cache(_Publishing):
         """What :meth:`recover` will count of the state files (beside the journal's budget),
         told before it runs, for the plan's judgement of which items fit: the state folder and
         what it holds now (the lock, staging, a saved listing) but the journal and the note of
-        the folder's size, which recovery rewrites and removes; and the journal as one block,
+        the folder's size, which recovery rewrites and removes, and the journal's temporary file
+        that a process killed while it compacted the journal left (``.journal.tmp``, which the
+        rewrite reuses and renames: counted, it left out an item that fits, and a resume was
+        refused for a plan of other items); and the journal as one block,
         the header of a pass, which is what a rewritten journal naming no item takes on the
         usual blocks (recovery finds more where it names items it reuses or, resumed, that were
         acknowledged: such an item near the limit is skipped in its turn). Not the journal as it
         is now, which is as large as the last pass left it: what fits, and so a plan a resume
         must match, would change with it from one open to the next."""
         block = self.block
-        return block + tree_bytes(self.state_dir, skip={JOURNAL, NOTE}, block=block) + block
+        return block + tree_bytes(self.state_dir, skip={JOURNAL, state.temp_name(JOURNAL), NOTE}, block=block) + block
 
     @staticmethod
     def journal_budget(items: Catalog) -> int:
