@@ -1077,6 +1077,37 @@ def test_objects_beside_the_folders_are_said_to_be_in_no_item(tmp_path, caplog):
     assert said == [expected]
 
 
+def test_a_pass_run_without_resume_is_resumed_when_an_item_takes_all_the_room_beside_the_state(tmp_path):
+    """Found in review: what fits was judged with the saved listing (``.cachepipe/catalog``),
+    which only a pass with ``resume=True`` writes. A pass run without it and then resumed (a
+    crash, and the run started again with resume=True) was planned beside a listing the first
+    did not have: an item that took all the room beside the first's state was left out, the
+    plan differed from the journal's, and the open was refused ("holds a pass of another plan").
+    The listing is not counted in that judgement (it is in the room: such an item, not done yet,
+    is skipped in its turn, as before the state was counted)."""
+    from cachepipe.cache.core import journal_budget_of
+
+    names = [f"item{i:03d}" for i in range(4)]
+    block = block_of(tmp_path)
+    capacity = 16 * block
+    budget = -(-journal_budget_of(sum(len(n) + 2 for n in names), 4) // block) * block
+    exact = capacity - budget - 4 * block - block  # beside the folder, lock, journal and staging; its own folder
+    for i, name in enumerate(names):
+        (tmp_path / "src" / name).mkdir(parents=True)
+        (tmp_path / "src" / name / "f").write_bytes(bytes(exact if i == 0 else 300))
+    options = {"on_oversize": "skip", "auto_ack": False}
+    with Pipeline(tmp_path / "src", tmp_path / "c", capacity, **options) as pipe:
+        first = pipe.get(timeout=30)
+        assert first is not None and first.name == names[0]  # it fits
+        pipe.ack(first)
+    with Pipeline(tmp_path / "src", tmp_path / "c", capacity, resume=True, **options) as pipe:  # before: ConfigError
+        got = []
+        while (item := pipe.get(timeout=30)) is not None:
+            got.append(item.name)
+            pipe.ack(item)
+    assert got == names[1:]
+
+
 def test_a_journal_rewrite_cut_by_a_kill_changes_neither_what_fits_nor_the_plan_a_resume_continues(tmp_path):
     """Found in review: what fits is judged before the recovery (Cache.state_before_recover)
     from the state folder as it is then, but for the journal and the size note, which the

@@ -292,18 +292,23 @@ class Cache(_Publishing):
     def state_before_recover(self) -> int:
         """What :meth:`recover` will count of the state files (beside the journal's budget),
         told before it runs, for the plan's judgement of which items fit: the state folder and
-        what it holds now (the lock, staging, a saved listing) but the journal and the note of
-        the folder's size, which recovery rewrites and removes, and the journal's temporary file
-        that a process killed while it compacted the journal left (``.journal.tmp``, which the
-        rewrite reuses and renames: counted, it left out an item that fits, and a resume was
-        refused for a plan of other items); and the journal as one block,
-        the header of a pass, which is what a rewritten journal naming no item takes on the
-        usual blocks (recovery finds more where it names items it reuses or, resumed, that were
-        acknowledged: such an item near the limit is skipped in its turn). Not the journal as it
-        is now, which is as large as the last pass left it: what fits, and so a plan a resume
-        must match, would change with it from one open to the next."""
+        what it holds now (the lock, staging), and the journal as one block, the header of a
+        pass, which is what a rewritten journal naming no item takes on the usual blocks.
+
+        Left out, so that the plan (which a resume must match) is the same from one open to the
+        next: the journal as it is now (as large as the last pass left it) and its temporary
+        file that a process killed while it compacted the journal left (``.journal.tmp``, which
+        the rewrite reuses and renames), which recovery rewrites; the note of the folder's size,
+        which it removes; and the saved listing (``catalog``), which only a pass with
+        ``resume=True`` writes, so a pass run without it and then resumed would be planned
+        beside a listing it did not have (counted, its item at the limit was left out, and the
+        resume was refused for a plan of other items). Recovery counts more than this where the
+        journal names items it reuses or, resumed, that were acknowledged, and the saved listing:
+        an item near the limit is skipped in its turn."""
         block = self.block
-        return block + tree_bytes(self.state_dir, skip={JOURNAL, state.temp_name(JOURNAL), NOTE}, block=block) + block
+        listing = self.catalog_path.name
+        skip = {JOURNAL, state.temp_name(JOURNAL), NOTE, listing, state.temp_name(listing)}
+        return block + tree_bytes(self.state_dir, skip=skip, block=block) + block
 
     @staticmethod
     def journal_budget(items: Catalog) -> int:
