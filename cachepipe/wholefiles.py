@@ -112,7 +112,7 @@ def remove_unlocked(path: str) -> bool:
     except (FileNotFoundError, PermissionError, BlockingIOError):  # BlockingIOError: another's lease, a reader's
         return False
     except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EROFS):  # replaced by a link or a pipe; a read-only filesystem
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EROFS):  # replaced meanwhile; a read-only filesystem
             return False
         raise
     try:
