@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from mounts import nfs_like
 from waiting import wait_until
 
 from cachepipe.cache.eviction import deleters_for
@@ -375,3 +376,39 @@ def test_an_item_ended_while_close_deletes_the_rest_is_deleted_once_before_close
     assert not closer.is_alive() and not ender.is_alive() and failed == []
     assert sorted(os.listdir(root)) == [".cachepipe"]  # every item gone
     assert not cache._lock.held  # released: the next owner can open it
+
+
+def _folders(root: Path, count: int, size: int) -> str:
+    for i in range(count):
+        (root / f"f{i:02d}").mkdir(parents=True)
+        (root / f"f{i:02d}" / "a.bin").write_bytes(bytes([i]) * size)
+    return root.as_uri() + "/"
+
+
+@pytest.mark.parametrize("size", [20_000, 1 << 20], ids=["in place", "by the reaper"])
+def test_an_item_acknowledged_while_its_file_is_open_on_nfs_frees_its_room_once_closed(tmp_path, size):
+    """On NFS a removed file that is still open stays in its folder (``.nfsXXXX``, whose removal
+    is refused with ``EBUSY``) until it is closed, so the folder of an item acknowledged while
+    its consumer still reads it cannot be deleted then. Each such item was counted as foreign
+    bytes until the next open: a consumer that closes an item's file after taking the next one
+    shrank the cache by an item per item, until the next did not fit and the pipeline raised
+    OversizeError ("larger than the cache capacity less ... taken by other files"). Now the
+    reaper deletes it once the file is closed, and its room comes back. On a FUSE file system
+    that keeps removed open files as NFS does (``tests/nfslike.py``)."""
+    from cachepipe import Pipeline
+
+    source = _folders(tmp_path / "src", 12, size)
+    with nfs_like(tmp_path / "nfs") as nfs, Pipeline(source, nfs / "c", capacity=f"{9 * size}B", auto_ack=False) as pipe:
+        staging = nfs / "c" / ".cachepipe" / "staging"
+        held = None
+        names = []
+        while (item := pipe.get(timeout=60)) is not None:
+            reading = open(Path(item.path) / "a.bin", "rb")  # noqa: SIM115 - held past the ack, closed below
+            pipe.ack(item)  # while its file is open
+            if held is not None:
+                held.close()  # the previous item's, once the next one is taken
+            held = reading
+            names.append(item.name)
+        held.close()
+        assert names == [f"f{i:02d}" for i in range(12)]
+        wait_until(lambda: not os.listdir(staging), 60, "every acknowledged item deleted from staging")

@@ -67,10 +67,18 @@ class Eviction:
         self._staging = staging
         self._release = release
         self._reaper = Reaper(release)
-        self.block = 0  # the cache's block, set at its open: bytes left by a failed deletion counted in it
         self.folders = threading.Lock()  # parent folders of nested items: made by publish, removed here
         # held while a batch of acks is deleted: sized by open_deleters() for the file system
         self.deleters = threading.BoundedSemaphore(deleters_for(""))
+
+    @property
+    def block(self) -> int:
+        """The cache's block, set at its open: bytes left by a failed deletion are counted in it."""
+        return self._reaper.block
+
+    @block.setter
+    def block(self, block: int) -> None:
+        self._reaper.block = block
 
     def open_deleters(self, fstype: str) -> None:
         """Let as many threads delete at once as suit the file system that holds the cache (its
@@ -127,8 +135,9 @@ class Eviction:
 
     def finish(self, aside: str, size: int, left: int) -> None:
         """Delete what :meth:`move_away` moved aside (by the reaper if ``size`` is large and the
-        reaper runs), then ``release(size, left)``."""
-        if aside and size >= REAP_MIN_BYTES and self._reaper.put(aside, size):
+        reaper runs; also if it is small and its deletion here failed: a file of it still open on
+        NFS, which the reaper deletes once closed), then ``release(size, left)``."""
+        if aside and (size >= REAP_MIN_BYTES or not _deleted(aside)) and self._reaper.put(aside, size):
             return
         if aside:
             left += delete_tree(aside, self.block)  # in staging: the next open clears what is left
@@ -167,3 +176,12 @@ class Eviction:
     def stop(self) -> None:
         """Delete everything handed to the reaper, then stop it; later deletions run inline."""
         self._reaper.stop()
+
+
+def _deleted(path: str) -> bool:
+    """Whether :func:`rmtree` deleted ``path`` (False: something is left, for the reaper)."""
+    try:
+        rmtree(path)
+    except OSError:
+        return False
+    return True
