@@ -412,3 +412,28 @@ def test_an_item_acknowledged_while_its_file_is_open_on_nfs_frees_its_room_once_
         held.close()
         assert names == [f"f{i:02d}" for i in range(12)]
         wait_until(lambda: not os.listdir(staging), 60, "every acknowledged item deleted from staging")
+
+
+def test_a_cache_reopened_on_nfs_while_a_file_of_a_deleted_item_is_still_open_opens(tmp_path):
+    """A pipeline closed while its consumer still holds a file of an item open (a notebook's
+    array of it, a DataLoader worker not yet gone): on NFS the item's folder cannot be deleted
+    (``.nfsXXXX``) and stays in the staging folder. The next open of that cache directory
+    (a new Pipeline, the daemon's reload) removed staging first and failed on it with a bare
+    "[Errno 16] Device or resource busy: '.nfs...'". Now what cannot be deleted is set aside
+    beside staging, and a later open deletes it. On ``tests/nfslike.py``."""
+    from cachepipe import Pipeline
+
+    source = _folders(tmp_path / "src", 3, 20_000)
+    with nfs_like(tmp_path / "nfs") as nfs:
+        state = nfs / "c" / ".cachepipe"
+        with Pipeline(source, nfs / "c", capacity="1MiB", auto_ack=False) as pipe:
+            item = pipe.get(timeout=60)
+            reading = open(Path(item.path) / "a.bin", "rb")  # noqa: SIM115 - held past the close, closed below
+        try:
+            with Pipeline(source, nfs / "c", capacity="1MiB") as pipe:
+                assert [item.name for item in pipe] == ["f00", "f01", "f02"]
+        finally:
+            reading.close()
+        with Pipeline(source, nfs / "c", capacity="1MiB") as pipe:
+            assert [item.name for item in pipe] == ["f00", "f01", "f02"]
+        assert not [name for name in os.listdir(state) if name.startswith("staging")]  # all gone at the close
