@@ -202,23 +202,30 @@ RETRY_SECONDS = 1.0
 class Reaper:
     """One thread that deletes paths handed to :meth:`put`, in order, and then calls
     ``release(size, left)``: ``size`` as given to :meth:`put`, ``left`` the bytes still on disk
-    under the path, counted as foreign (0, unless the deletion failed for good: the error is
-    logged, as the caller is gone).
+    under the path, counted as foreign (0, unless the deletion failed and there is no ``hold``,
+    below: the error is logged, as the caller is gone).
 
     A deletion that leaves bytes (a file of the item still open where a removed open file stays
     in its folder until it is closed: NFS's ``.nfsXXXX``, whose removal is refused with
     ``EBUSY``, FUSE's ``.fuse_hidden*``) is tried again every :data:`RETRY_SECONDS` while the
-    reaper runs, its bytes still counted as the item's (reserved, being deleted): the space
-    they free comes back, ``release(freed, 0)``, without a reopen. Only what is still there
-    when :meth:`stop` tried once more counts as foreign: ``release(held, held)``.
+    reaper runs. Its bytes are counted by ``hold(change, left)`` (``change`` more bytes held,
+    still on disk; ``left`` of them foreign from now on), called before the item's ``release``:
+    ``hold(held, 0)`` when they are left, ``hold(-freed, 0)`` as a later try frees them (their
+    room comes back without a reopen), and ``hold(-held, held)`` for what is still there when
+    :meth:`stop` tried once more.
 
     Args:
         release: called in the reaper thread after each deletion.
+        hold: called in the reaper thread for what deletions left, as above (None: what a
+            deletion left counts as foreign at once, ``release(size, left)``, not tried again).
         block: the cache's block (bytes left counted in whole blocks: :func:`tree_bytes`).
     """
 
-    def __init__(self, release: Callable[[int, int], None], block: int = 0) -> None:
+    def __init__(
+        self, release: Callable[[int, int], None], hold: Callable[[int, int], None] | None = None, block: int = 0
+    ) -> None:
         self._release = release
+        self._hold = hold
         self.block = block
         self._queue: queue.SimpleQueue[tuple[str, int] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -268,17 +275,23 @@ class Reaper:
         self._retry()
         for path, held in self._held.items():
             log.error("could not delete %s (%d bytes left, counted as foreign until the next open)", path, held)
-            self._release(held, held)
+            if self._hold is not None:
+                self._hold(-held, held)
         self._held.clear()
 
     def _take(self, path: str, size: int) -> None:
-        """Delete ``path`` and release ``size``, but what is left of it (held, to try again)."""
+        """Delete ``path``, then release ``size``; what is left of it is held, to try again."""
         left, error = self._delete(path)
-        held = min(left, size)
-        if error is not None:  # tried again even with nothing left to count (the file closed meanwhile)
-            self._held[path] = held
+        hold = self._hold
+        if error is not None and hold is None:
+            log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", path, left, error)
+            self._release(size, left)
+            return
+        if error is not None and hold is not None:  # tried again even with nothing left (the file closed meanwhile)
+            held = self._held[path] = min(left, size)
             self._tell(path, held, error)
-        self._release(size - held, 0)
+            hold(held, 0)  # before the release: never counted as free while on disk
+        self._release(size, 0)
 
     def _delete(self, path: str) -> tuple[int, OSError | None]:
         """Delete ``path``: the bytes left under it (0: all gone) and why."""
@@ -297,8 +310,8 @@ class Reaper:
                 del self._held[path]
             else:
                 self._held[path] = left
-            if left < held:
-                self._release(held - left, 0)
+            if left < held and self._hold is not None:
+                self._hold(left - held, 0)
 
     def _tell(self, path: str, held: int, error: OSError) -> None:
         """Log that ``path`` is left to delete later (the first time as a warning)."""

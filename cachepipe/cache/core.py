@@ -96,7 +96,7 @@ class Cache(_Publishing):
         self._budget_bytes = 0
         self.record = Record(self.state_dir / JOURNAL)
         self._staging = Staging(self.staging_root)
-        self._eviction = Eviction(self.root, self._staging, self._reaped)
+        self._eviction = Eviction(self.root, self._staging, self._reaped, self._held)
         # the calls that write and publish items (:func:`~cachepipe.fscalls.file_calls_for`
         # the file system that holds the cache, chosen by open; :data:`~cachepipe.fscalls.RELEASING`
         # where a lookup of the cache's path passes a file system not known to be local)

@@ -59,14 +59,18 @@ class Eviction:
     Args:
         release: ``release(size, left)``, called once an item's deletion ended: ``size`` as given
             to :meth:`finish`, ``left`` the bytes that could not be deleted.
+        hold: ``hold(change, left)``, the bytes of deleted items still on disk that the reaper
+            tries again (:class:`~cachepipe.removal.Reaper`).
     """
 
-    def __init__(self, root: Path, staging: Staging, release: Callable[[int, int], None]) -> None:
+    def __init__(
+        self, root: Path, staging: Staging, release: Callable[[int, int], None], hold: Callable[[int, int], None]
+    ) -> None:
         self.root = root
         self._root = str(root)
         self._staging = staging
         self._release = release
-        self._reaper = Reaper(release)
+        self._reaper = Reaper(release, hold)
         self.folders = threading.Lock()  # parent folders of nested items: made by publish, removed here
         # held while a batch of acks is deleted: sized by open_deleters() for the file system
         self.deleters = threading.BoundedSemaphore(deleters_for(""))
