@@ -148,10 +148,32 @@ class Eviction:
         self._release(size, left)
 
     def remove(self, name: str) -> None:
-        """Delete item ``name`` where it is (a stale leftover at open, or a failed rename)."""
+        """Delete item ``name`` where it is (a stale leftover at open, or a failed rename). What
+        cannot be deleted there, on NFS a file of it still open (a removed open file stays in its
+        folder as ``.nfsXXXX`` until it is closed), is moved aside into staging instead, logged:
+        counted with the state folder, deleted by a later open.
+
+        Raises:
+            OSError: it could be neither deleted nor moved aside (the deletion's error).
+        """
         if not self._reachable(name):
             return
-        rmtree(f"{self._root}/{name}")
+        path = f"{self._root}/{name}"
+        try:
+            rmtree(path)
+        except OSError as exc:
+            aside = self._staging.path("x")
+            try:
+                os.rename(path, aside)
+            except OSError:
+                raise exc from None
+            log.warning(
+                "could not delete %s (%s): moved aside to %s, deleted by a later open (a file of it still open? NFS "
+                "keeps a removed file that is open as .nfsXXXX in its folder until it is closed)",
+                path,
+                exc,
+                aside,
+            )
         self.remove_parents(name)
 
     def _reachable(self, name: str) -> bool:
