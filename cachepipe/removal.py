@@ -23,7 +23,7 @@ from collections.abc import Callable, Container, Iterator, Sequence
 
 from .blocks import link_charge
 
-__all__ = ["Reaper", "delete_tree", "rmtree", "taken", "tree_bytes"]
+__all__ = ["Reaper", "delete_tree", "in_use", "left_after", "rmtree", "taken", "tree_bytes"]
 
 log = logging.getLogger("cachepipe.cache")
 
@@ -35,10 +35,23 @@ def delete_tree(path: str | os.PathLike[str], block: int = 0) -> int:
     try:
         rmtree(path)
     except OSError as exc:
-        left = tree_bytes(path, block=block)
-        log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", path, left, exc)
-        return left
+        return left_after(path, exc, block)
     return 0
+
+
+def left_after(path: str | os.PathLike[str], exc: OSError, block: int = 0) -> int:
+    """The bytes left under ``path`` (as :func:`delete_tree` counts them) after its deletion
+    failed with ``exc``, logged: counted as foreign until the next open clears staging."""
+    left = tree_bytes(path, block=block)
+    log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", path, left, exc)
+    return left
+
+
+def in_use(exc: OSError) -> bool:
+    """Whether a deletion failed as it does on NFS where a file is still open: a removed file
+    that is open stays in its folder as ``.nfsXXXX`` until it is closed, so its folder's
+    removal fails with ``ENOTEMPTY`` and that file's with ``EBUSY`` (worth trying again later)."""
+    return exc.errno in (errno.ENOTEMPTY, errno.EBUSY)
 
 
 def tree_bytes(
@@ -205,9 +218,9 @@ class Reaper:
     under the path, counted as foreign (0, unless the deletion failed and there is no ``hold``,
     below: the error is logged, as the caller is gone).
 
-    A deletion that leaves bytes (a file of the item still open where a removed open file stays
-    in its folder until it is closed: NFS's ``.nfsXXXX``, whose removal is refused with
-    ``EBUSY``, FUSE's ``.fuse_hidden*``) is tried again every :data:`RETRY_SECONDS` while the
+    A deletion that leaves bytes because a file of the item is still open (:func:`in_use`: a
+    removed open file stays in its folder until it is closed, NFS's ``.nfsXXXX``, whose removal
+    is refused with ``EBUSY``, FUSE's ``.fuse_hidden*``) is tried again every :data:`RETRY_SECONDS` while the
     reaper runs. Its bytes are counted by ``hold(change, left)`` (``change`` more bytes held,
     still on disk; ``left`` of them foreign from now on), called before the item's ``release``:
     ``hold(held, 0)`` when they are left, ``hold(-freed, 0)`` as a later try frees them (their
@@ -283,7 +296,7 @@ class Reaper:
         """Delete ``path``, then release ``size``; what is left of it is held, to try again."""
         left, error = self._delete(path)
         hold = self._hold
-        if error is not None and hold is None:
+        if error is not None and (hold is None or not in_use(error)):
             log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", path, left, error)
             self._release(size, left)
             return

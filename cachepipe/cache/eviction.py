@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..filesystems import MEMORY_FILESYSTEMS
-from ..removal import Reaper, delete_tree, rmtree, tree_bytes
+from ..removal import Reaper, in_use, left_after, rmtree, tree_bytes
 from .staging import Staging, in_folders
 
 __all__ = ["REAP_MIN_BYTES", "Eviction", "deleters_for"]
@@ -141,10 +141,15 @@ class Eviction:
         """Delete what :meth:`move_away` moved aside (by the reaper if ``size`` is large and the
         reaper runs; also if it is small and its deletion here failed: a file of it still open on
         NFS, which the reaper deletes once closed), then ``release(size, left)``."""
-        if aside and (size >= REAP_MIN_BYTES or not _deleted(aside)) and self._reaper.put(aside, size):
+        if aside and size >= REAP_MIN_BYTES and self._reaper.put(aside, size):
             return
         if aside:
-            left += delete_tree(aside, self.block)  # in staging: the next open clears what is left
+            try:
+                rmtree(aside)
+            except OSError as exc:
+                if in_use(exc) and self._reaper.put(aside, size):
+                    return
+                left += left_after(aside, exc, self.block)  # in staging: the next open clears what is left
         self._release(size, left)
 
     def remove(self, name: str) -> None:
@@ -162,6 +167,8 @@ class Eviction:
         try:
             rmtree(path)
         except OSError as exc:
+            if not in_use(exc):
+                raise
             aside = self._staging.path("x")
             try:
                 os.rename(path, aside)
@@ -202,12 +209,3 @@ class Eviction:
     def stop(self) -> None:
         """Delete everything handed to the reaper, then stop it; later deletions run inline."""
         self._reaper.stop()
-
-
-def _deleted(path: str) -> bool:
-    """Whether :func:`rmtree` deleted ``path`` (False: something is left, for the reaper)."""
-    try:
-        rmtree(path)
-    except OSError:
-        return False
-    return True

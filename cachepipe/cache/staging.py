@@ -22,7 +22,7 @@ from pathlib import Path
 from ..catalog import Item
 from ..errors import VerificationError
 from ..fscalls import RELEASING, FileCalls, rename_new
-from ..removal import rmtree
+from ..removal import in_use, rmtree
 
 __all__ = ["Staging", "clear", "in_folders", "make_folders", "matches", "matches_sizes", "rename_new", "verify"]
 
@@ -87,7 +87,8 @@ def clear(root: Path) -> None:
     aside to ``<root>.N`` instead, logged: counted with the state folder, deleted by a later open.
 
     Raises:
-        OSError: it could be neither deleted nor renamed aside, or not made.
+        OSError: it could be neither deleted nor renamed aside (or failed otherwise than as a
+            file still open does, :func:`~cachepipe.removal.in_use`), or not made.
     """
     for old in [*root.parent.glob(f"{root.name}.*"), root]:
         try:
@@ -95,6 +96,8 @@ def clear(root: Path) -> None:
         except FileNotFoundError:
             pass
         except OSError as exc:
+            if not in_use(exc):
+                raise
             if old != root:
                 log.debug("could not delete %s yet (%s): a later open tries again", old, exc)
                 continue
