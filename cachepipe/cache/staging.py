@@ -26,6 +26,8 @@ from ..removal import in_use, rmtree
 
 __all__ = ["Staging", "clear", "in_folders", "make_folders", "matches", "matches_sizes", "rename_new", "verify"]
 
+log = logging.getLogger("cachepipe.cache")
+
 
 class Staging:
     """Numbered staging areas under ``root`` (emptied by the cache at open and close)."""
@@ -74,9 +76,6 @@ class Staging:
             rmtree(path)
             raise
         return path
-
-
-log = logging.getLogger("cachepipe.cache")
 
 
 def clear(root: Path) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import CachePipeError, UnsafeKeyError
 from ..pipeline import CachedItem
-from ..removal import tree_bytes
+from ..removal import in_use, tree_bytes
 from ..unpack import ArchiveError, ChecksumError, adopt_others, unpack_item
 from .child import CommandRun, FunctionRun, Watch, Watcher
 from .plan import MapConfig, MapItem, item_reserve, out_reserve
@@ -103,7 +103,7 @@ def remove_slot(path: Path) -> None:
                 shutil.rmtree(path)
             return
         except OSError as exc:
-            if exc.errno not in (errno.ENOTEMPTY, errno.EBUSY) or time.monotonic() > deadline:
+            if not in_use(exc) or time.monotonic() > deadline:
                 raise
         time.sleep(0.05)
 
