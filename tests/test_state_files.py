@@ -419,12 +419,13 @@ def test_a_cache_on_nfs_works_and_one_where_nothing_locks_is_refused_naming_it(t
                 "or NFS with its lock service"
             ), refused.value
         assert not (tmp_path / "out").exists()
+        LOCKS = "a local disk, or NFS with its lock service"  # noqa: N806 - a constant of this test
         # the daemon's check before it opens anything (serve, serve --check, a reload) says so, naming the field
         served = {"source": source, "cache_dir": str(nolock / "served"), "capacity": "1MiB"}
         problems = host_problems(ServiceConfig(socket=tmp_path / "api.sock", pipelines={"train": served}))
-        why = "(tried an flock: No locks available: NFS without its lock service?); expected a directory on a filesystem"
-        field = f"pipelines.train.cache_dir {str(nolock / 'served')!r}: cannot be created: {str(nolock)!r} cannot lock files"
-        assert problems == [f"{field} {why} with locks (flock): a local disk, or NFS with its lock service"]
+        field = f"pipelines.train.cache_dir {str(nolock / 'served')!r}: its filesystem cannot lock files"
+        why = f"(tried an flock in {str(nolock)!r}: No locks available: NFS without its lock service?)"
+        assert problems == [f"{field} {why}; expected a directory on a filesystem with locks (flock): {LOCKS}"]
 
 
 @pytest.mark.parametrize("refusal", [errno.EPERM, errno.EOPNOTSUPP])

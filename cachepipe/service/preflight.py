@@ -200,8 +200,9 @@ def _probe_problems(label: str, folder: Path, itself: bool) -> list[str]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as the cache's owner lock (cache/lock.py)
         except OSError as exc:
             if exc.errno == errno.ENOLCK:  # as the open would say it (cache.lock.unusable_dir)
-                why = f"cannot lock files (tried an flock: {exc.strerror}: NFS without its lock service?)"
-                return [f"{label}: {where}{why}; expected a directory on a filesystem with locks (flock): {_LOCKS}"]
+                tried = f"tried an flock in {str(folder)!r}: {exc.strerror}: NFS without its lock service?"
+                why = f"its filesystem cannot lock files ({tried})"
+                return [f"{label}: {why}; expected a directory on a filesystem with locks (flock): {_LOCKS}"]
         finally:
             os.close(fd)
             os.unlink(file)
