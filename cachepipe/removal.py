@@ -18,11 +18,12 @@ import shutil
 import stat
 import sys
 import threading
+import time
 from collections.abc import Callable, Container, Iterator, Sequence
 
 from .blocks import link_charge
 
-__all__ = ["Reaper", "delete_tree", "rmtree", "taken", "tree_bytes"]
+__all__ = ["Reaper", "delete_tree", "in_use", "left_after", "rmtree", "taken", "tree_bytes"]
 
 log = logging.getLogger("cachepipe.cache")
 
@@ -34,10 +35,23 @@ def delete_tree(path: str | os.PathLike[str], block: int = 0) -> int:
     try:
         rmtree(path)
     except OSError as exc:
-        left = tree_bytes(path, block=block)
-        log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", path, left, exc)
-        return left
+        return left_after(path, exc, block)
     return 0
+
+
+def left_after(path: str | os.PathLike[str], exc: OSError, block: int = 0) -> int:
+    """The bytes left under ``path`` (as :func:`delete_tree` counts them) after its deletion
+    failed with ``exc``, logged: counted as foreign until the next open clears staging."""
+    left = tree_bytes(path, block=block)
+    log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", path, left, exc)
+    return left
+
+
+def in_use(exc: OSError) -> bool:
+    """Whether a deletion failed as it does on NFS where a file is still open: a removed file
+    that is open stays in its folder as ``.nfsXXXX`` until it is closed, so its folder's
+    removal fails with ``ENOTEMPTY`` and that file's with ``EBUSY`` (worth trying again later)."""
+    return exc.errno in (errno.ENOTEMPTY, errno.EBUSY)
 
 
 def tree_bytes(
@@ -194,21 +208,44 @@ def _rmtree_at(dir_fd: int, name: str) -> None:
     os.rmdir(name, dir_fd=dir_fd)
 
 
+RETRY_SECONDS = 1.0
+"""How often the reaper tries again to delete what a deletion left (see :class:`Reaper`)."""
+
+
 class Reaper:
     """One thread that deletes paths handed to :meth:`put`, in order, and then calls
     ``release(size, left)``: ``size`` as given to :meth:`put`, ``left`` the bytes still on disk
-    under the path (0, unless the deletion failed: the error is logged, as the caller is gone).
+    under the path, counted as foreign (0, unless the deletion failed and there is no ``hold``,
+    below: the error is logged, as the caller is gone).
+
+    A deletion that leaves bytes because a file of the item is still open (:func:`in_use`: a
+    removed open file stays in its folder until it is closed, NFS's ``.nfsXXXX``, whose removal
+    is refused with ``EBUSY``, FUSE's ``.fuse_hidden*``) is tried again every :data:`RETRY_SECONDS` while the
+    reaper runs. Its bytes are counted by ``hold(change, left)`` (``change`` more bytes held,
+    still on disk; ``left`` of them foreign from now on), called before the item's ``release``:
+    ``hold(held, 0)`` when they are left, ``hold(-freed, 0)`` as a later try frees them (their
+    room comes back without a reopen), and ``hold(-held, held)`` for what is still there when
+    :meth:`stop` tried once more.
 
     Args:
         release: called in the reaper thread after each deletion.
+        hold: called in the reaper thread for what deletions left, as above (None: what a
+            deletion left counts as foreign at once, ``release(size, left)``, not tried again).
+        block: the cache's block (bytes left counted in whole blocks: :func:`tree_bytes`).
     """
 
-    def __init__(self, release: Callable[[int, int], None]) -> None:
+    def __init__(
+        self, release: Callable[[int, int], None], hold: Callable[[int, int], None] | None = None, block: int = 0
+    ) -> None:
         self._release = release
+        self._hold = hold
+        self.block = block
         self._queue: queue.SimpleQueue[tuple[str, int] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._held: dict[str, int] = {}  # path -> its bytes still counted: deletions to try again (reaper thread only)
+        self._told = False  # the first deletion left for later is logged as a warning, the others at debug
 
     def put(self, path: str, size: int) -> bool:
         """Queue ``path`` for deletion; False (nothing queued) once :meth:`stop` was called."""
@@ -222,7 +259,7 @@ class Reaper:
             return True
 
     def stop(self) -> None:
-        """Delete everything queued, then end the thread (idempotent)."""
+        """Delete everything queued, try once more what was left, then end the thread (idempotent)."""
         with self._lock:
             self._stopped = True
             thread, self._thread = self._thread, None
@@ -232,6 +269,73 @@ class Reaper:
             thread.join()
 
     def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            path, size = job
-            self._release(size, delete_tree(path))
+        retry_at = 0.0
+        while True:
+            wait = max(0.0, retry_at - time.monotonic()) if self._held else None
+            try:
+                job = self._queue.get(timeout=wait)
+            except queue.Empty:  # time to try again what was left
+                pass
+            else:
+                if job is None:
+                    break
+                if not self._held:
+                    retry_at = time.monotonic() + RETRY_SECONDS
+                self._take(*job)
+            if self._held and time.monotonic() >= retry_at:
+                self._retry()
+                retry_at = time.monotonic() + RETRY_SECONDS
+        self._retry()
+        for path, held in self._held.items():
+            log.error("could not delete %s (%d bytes left, counted as foreign until the next open)", path, held)
+            if self._hold is not None:
+                self._hold(-held, held)
+        self._held.clear()
+
+    def _take(self, path: str, size: int) -> None:
+        """Delete ``path``, then release ``size``; what is left of it is held, to try again."""
+        left, error = self._delete(path)
+        hold = self._hold
+        if error is not None and (hold is None or not in_use(error)):
+            log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", path, left, error)
+            self._release(size, left)
+            return
+        if error is not None and hold is not None:  # tried again even with nothing left (the file closed meanwhile)
+            held = self._held[path] = min(left, size)
+            self._tell(path, held, error)
+            hold(held, 0)  # before the release: never counted as free while on disk
+        self._release(size, 0)
+
+    def _delete(self, path: str) -> tuple[int, OSError | None]:
+        """Delete ``path``: the bytes left under it (0: all gone) and why."""
+        try:
+            rmtree(path)
+        except OSError as exc:
+            return tree_bytes(path, block=self.block), exc
+        return 0, None
+
+    def _retry(self) -> None:
+        """Try again to delete each path that a deletion left, releasing what that frees."""
+        for path, held in list(self._held.items()):
+            left, error = self._delete(path)
+            left = min(left, held)
+            if error is None:
+                del self._held[path]
+            else:
+                self._held[path] = left
+            if left < held and self._hold is not None:
+                self._hold(left - held, 0)
+
+    def _tell(self, path: str, held: int, error: OSError) -> None:
+        """Log that ``path`` is left to delete later (the first time as a warning)."""
+        level = logging.DEBUG if self._told else logging.WARNING
+        self._told = True
+        log.log(
+            level,
+            "could not delete %s yet (%d bytes left, still counted; tried again every %g s: a file of it still open? "
+            "NFS keeps a removed file that is open as .nfsXXXX in its folder until it is closed): %s",
+            path,
+            held,
+            RETRY_SECONDS,
+            error,
+        )

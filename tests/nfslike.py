@@ -9,6 +9,10 @@ passed to the folder's own file), run as a process of its own by :func:`mounts.n
 - ``nolock``: an NFSv3 mount whose lock service does not run (no ``rpc.statd``): every
   ``flock`` is refused with ``ENOLCK``.
 
+A removed file that is still open stays in its folder under a hidden name until it is closed
+(FUSE's ``.fuse_hidden*``, as NFS's ``.nfsXXXX``), so the folder cannot be removed meanwhile;
+removing that name is refused with ``EBUSY``, as on NFS (FUSE alone would hide it again).
+
 Usage: ``python tests/nfslike.py FOLDER MOUNTPOINT nfs|nolock`` (in the foreground; unmount with
 ``fusermount3 -u``). Needs libfuse 3 (Debian's ``fuse3``) and ``mfusepy``.
 """
@@ -65,6 +69,8 @@ class Loopback(fuse.Operations):
     def rename(self, old: str, new: str, flags: int = 0) -> None:
         if flags:  # RENAME_NOREPLACE, RENAME_EXCHANGE: not passed on here
             raise fuse.FuseOSError(errno.EINVAL)
+        if all(os.path.basename(p).startswith(".fuse_hidden") for p in (old, new)):
+            raise fuse.FuseOSError(errno.EBUSY)  # FUSE hiding a hidden open file again: NFS refuses its unlink
         os.rename(self._path(old), self._path(new))
 
     def link(self, target: str, source: str) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from conftest import as_a_user
+from mounts import nfs_like
 from sampling import Sampler
 from test_unpack import archive_bytes, md5_sidecar, media_clip, tar_bytes, volumes
 from waiting import wait_until
@@ -2229,3 +2230,25 @@ def test_a_stop_by_sigterm_in_a_call_from_python_gives_the_caller_its_signal_han
     assert proc.returncode == 0, err
     assert "cachepipe map: terminated (SIGTERM); run the same command again to resume" in err
     assert out.split() == ["143", "True", "True"], (out, err)  # before: "143 False False" (both SIG_IGN)
+
+
+def test_a_slot_whose_file_a_dying_process_still_holds_on_nfs_is_removed_once_it_is_closed(tmp_path):
+    """On NFS a file removed while a process holds it open stays in its folder (``.nfsXXXX``,
+    its removal refused with ``EBUSY``) until it is closed. A command's process that map has just
+    killed (at a stop, SIGTERM: or a leftover killed when its command exited) holds its output
+    for a moment more: the slot's removal failed, and a SIGTERM's run ended with "[Errno 39]
+    Directory not empty: 'out'", exit 1, instead of the stop (seen on ``tests/nfslike.py``). Now
+    the removal is tried again while that is what it meets, for a few seconds."""
+    with nfs_like(tmp_path / "nfs") as nfs:
+        slot = nfs / "0"
+        (slot / "out").mkdir(parents=True)
+        (slot / "out" / "part").write_bytes(b"x" * 100)
+        holder = open(slot / "out" / "part", "rb")  # noqa: SIM115 - the dying process's, closed below
+        removing = threading.Thread(target=lambda: map_job.remove_slot(slot))
+        removing.start()  # (a failure is the thread's exception: an error of the test)
+        try:
+            wait_until(lambda: [p for p in os.listdir(slot / "out") if p.startswith(".fuse_hidden")], 30, "the open file hidden")
+        finally:
+            holder.close()
+            removing.join(30)
+        assert not slot.exists()

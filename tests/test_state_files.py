@@ -35,6 +35,7 @@ from cachepipe.jobclient import JobClient
 from cachepipe.manifest import index, read_manifest
 from cachepipe.service.api import ApiServer
 from cachepipe.service.config import ServiceConfig
+from cachepipe.service.preflight import host_problems
 from cachepipe.service.testing import DaemonProcess
 from cachepipe.stores.fsspec import FsspecStore
 
@@ -427,6 +428,8 @@ def test_a_cache_on_nfs_works_and_one_where_nothing_locks_is_refused_naming_it(t
     by one on its work folder's lock). On NFS, whose flock is emulated, a pipeline and a map run
     work. Where nothing can be locked (an NFS mount whose lock service does not run) both said
     a bare "[Errno 37] No locks available": now the ``cache_dir``, why, and what is expected.
+    The daemon's check before it opens anything (``serve --check``) passed such a ``cache_dir``
+    (``serve`` then exited 1): now it locks the file it makes there and says so, naming the field.
     On FUSE file systems whose flock is NFS's (``tests/nfslike.py``)."""
     from cachepipe import Pipeline
     from cachepipe.map import map_items
@@ -452,6 +455,13 @@ def test_a_cache_on_nfs_works_and_one_where_nothing_locks_is_refused_naming_it(t
                 "or NFS with its lock service"
             ), refused.value
         assert not (tmp_path / "out").exists()
+        LOCKS = "a local disk, or NFS with its lock service"  # noqa: N806 - a constant of this test
+        # the daemon's check before it opens anything (serve, serve --check, a reload) says so, naming the field
+        served = {"source": source, "cache_dir": str(nolock / "served"), "capacity": "1MiB"}
+        problems = host_problems(ServiceConfig(socket=tmp_path / "api.sock", pipelines={"train": served}))
+        field = f"pipelines.train.cache_dir {str(nolock / 'served')!r}: its filesystem cannot lock files"
+        why = f"(tried an flock in {str(nolock)!r}: No locks available: NFS without its lock service?)"
+        assert problems == [f"{field} {why}; expected a directory on a filesystem with locks (flock): {LOCKS}"]
 
 
 @pytest.mark.parametrize("refusal", [errno.EPERM, errno.EOPNOTSUPP])

@@ -273,6 +273,14 @@ class _Acks:
             self.ledger.reaped(size, left)
             self._cond.notify_all()  # wakes reserve()
 
+    def _held(self, change: int, left: int) -> None:
+        """Bytes of deleted items still on disk, which the reaper tries again (on NFS, a file a
+        consumer still holds open): ``change`` more of them (fewer, as they go); ``left`` of them
+        count as foreign from now on (see :meth:`.ledger.Ledger.held`)."""
+        with self._cond:
+            self.ledger.held(change, left)
+            self._cond.notify_all()  # wakes reserve()
+
     # ---- retention -------------------------------------------------------------------
     def use_retention(self, policy: RetentionPolicy, names: Names, tick: int) -> None:
         """Keep acknowledged items by ``policy`` (its item ``i`` is ``names[i]``). Items recovered

@@ -8,6 +8,8 @@ Layout::
       .cachepipe/catalog       the saved listing (resume only)                    (state.py)
       .cachepipe/staging/N     downloads in progress (removed on open and close)  (staging.py)
       .cachepipe/staging/xN    items moved aside to be deleted                    (eviction.py)
+      .cachepipe/staging.N     a staging an open could not delete (a file in it still open on
+                               NFS): set aside, deleted by a later open           (staging.py)
       <item>/...               published items
 
 :class:`Cache` holds one condition variable over the parts: the :class:`~.ledger.Ledger`
@@ -55,6 +57,7 @@ from .recovery import check_resume, of_same_data, sort_leftovers
 from .reservation import _capacity_bytes
 from .room import JOURNAL, NOTE, STAGING, drop_note, held_in, write_note
 from .staging import Staging
+from .staging import clear as clear_staging
 
 __all__ = ["STATE_DIR", "Cache"]
 
@@ -93,7 +96,7 @@ class Cache(_Publishing):
         self._budget_bytes = 0
         self.record = Record(self.state_dir / JOURNAL)
         self._staging = Staging(self.staging_root)
-        self._eviction = Eviction(self.root, self._staging, self._reaped)
+        self._eviction = Eviction(self.root, self._staging, self._reaped, self._held)
         # the calls that write and publish items (:func:`~cachepipe.fscalls.file_calls_for`
         # the file system that holds the cache, chosen by open; :data:`~cachepipe.fscalls.RELEASING`
         # where a lookup of the cache's path passes a file system not known to be local)
@@ -144,9 +147,7 @@ class Cache(_Publishing):
             here, fstype = mount_at(self._root)  # its mount point and filesystem type, from one read of the mounts
             if crossed := _off_the_mount(self._given, here, self.staging_root):
                 raise crossed
-            if self.staging_root.exists():
-                shutil.rmtree(self.staging_root)
-            self.staging_root.mkdir()
+            clear_staging(self.staging_root)
             try:
                 self._replay = state.load(self.record.journal.path)
             except state.StateCorrupt as exc:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..filesystems import MEMORY_FILESYSTEMS
-from ..removal import Reaper, delete_tree, rmtree, tree_bytes
+from ..removal import Reaper, in_use, left_after, rmtree, tree_bytes
 from .staging import Staging, in_folders
 
 __all__ = ["REAP_MIN_BYTES", "Eviction", "deleters_for"]
@@ -59,18 +59,30 @@ class Eviction:
     Args:
         release: ``release(size, left)``, called once an item's deletion ended: ``size`` as given
             to :meth:`finish`, ``left`` the bytes that could not be deleted.
+        hold: ``hold(change, left)``, the bytes of deleted items still on disk that the reaper
+            tries again (:class:`~cachepipe.removal.Reaper`).
     """
 
-    def __init__(self, root: Path, staging: Staging, release: Callable[[int, int], None]) -> None:
+    def __init__(
+        self, root: Path, staging: Staging, release: Callable[[int, int], None], hold: Callable[[int, int], None]
+    ) -> None:
         self.root = root
         self._root = str(root)
         self._staging = staging
         self._release = release
-        self._reaper = Reaper(release)
-        self.block = 0  # the cache's block, set at its open: bytes left by a failed deletion counted in it
+        self._reaper = Reaper(release, hold)
         self.folders = threading.Lock()  # parent folders of nested items: made by publish, removed here
         # held while a batch of acks is deleted: sized by open_deleters() for the file system
         self.deleters = threading.BoundedSemaphore(deleters_for(""))
+
+    @property
+    def block(self) -> int:
+        """The cache's block, set at its open: bytes left by a failed deletion are counted in it."""
+        return self._reaper.block
+
+    @block.setter
+    def block(self, block: int) -> None:
+        self._reaper.block = block
 
     def open_deleters(self, fstype: str) -> None:
         """Let as many threads delete at once as suit the file system that holds the cache (its
@@ -127,18 +139,48 @@ class Eviction:
 
     def finish(self, aside: str, size: int, left: int) -> None:
         """Delete what :meth:`move_away` moved aside (by the reaper if ``size`` is large and the
-        reaper runs), then ``release(size, left)``."""
+        reaper runs; also if it is small and its deletion here failed: a file of it still open on
+        NFS, which the reaper deletes once closed), then ``release(size, left)``."""
         if aside and size >= REAP_MIN_BYTES and self._reaper.put(aside, size):
             return
         if aside:
-            left += delete_tree(aside, self.block)  # in staging: the next open clears what is left
+            try:
+                rmtree(aside)
+            except OSError as exc:
+                if in_use(exc) and self._reaper.put(aside, size):
+                    return
+                left += left_after(aside, exc, self.block)  # in staging: the next open clears what is left
         self._release(size, left)
 
     def remove(self, name: str) -> None:
-        """Delete item ``name`` where it is (a stale leftover at open, or a failed rename)."""
+        """Delete item ``name`` where it is (a stale leftover at open, or a failed rename). What
+        cannot be deleted there, on NFS a file of it still open (a removed open file stays in its
+        folder as ``.nfsXXXX`` until it is closed), is moved aside into staging instead, logged:
+        counted with the state folder, deleted by a later open.
+
+        Raises:
+            OSError: it could be neither deleted nor moved aside (the deletion's error).
+        """
         if not self._reachable(name):
             return
-        rmtree(f"{self._root}/{name}")
+        path = f"{self._root}/{name}"
+        try:
+            rmtree(path)
+        except OSError as exc:
+            if not in_use(exc):
+                raise
+            aside = self._staging.path("x")
+            try:
+                os.rename(path, aside)
+            except OSError:
+                raise exc from None
+            log.warning(
+                "could not delete %s (%s): moved aside to %s, deleted by a later open (a file of it still open? NFS "
+                "keeps a removed file that is open as .nfsXXXX in its folder until it is closed)",
+                path,
+                exc,
+                aside,
+            )
         self.remove_parents(name)
 
     def _reachable(self, name: str) -> bool:

@@ -69,6 +69,14 @@ class Ledger:
         self.reaping -= size
         self.foreign += left
 
+    def held(self, change: int, left: int = 0) -> None:
+        """Bytes of deleted items still on disk (a file a consumer holds open on NFS), tried again:
+        ``change`` more of them count as reserved (not as being deleted: a download waits for
+        them, or evicts others, rather than counting on their room; not as foreign: an item is
+        not judged too large for them), fewer as they go; ``left`` of them count as foreign."""
+        self.reserved += change
+        self.foreign += left
+
     def over_capacity(self) -> bool:
         """Whether the ledger, less the items being deleted, is over the capacity (a capacity
         lowered since the items were reserved)."""

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import errno
 import itertools
+import logging
 import os
+import shutil
 import stat
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,9 +22,11 @@ from pathlib import Path
 from ..catalog import Item
 from ..errors import VerificationError
 from ..fscalls import RELEASING, FileCalls, rename_new
-from ..removal import rmtree
+from ..removal import in_use, rmtree
 
-__all__ = ["Staging", "in_folders", "make_folders", "matches", "matches_sizes", "rename_new", "verify"]
+__all__ = ["Staging", "clear", "in_folders", "make_folders", "matches", "matches_sizes", "rename_new", "verify"]
+
+log = logging.getLogger("cachepipe.cache")
 
 
 class Staging:
@@ -72,6 +76,40 @@ class Staging:
             rmtree(path)
             raise
         return path
+
+
+def clear(root: Path) -> None:
+    """Make the staging folder ``root`` anew, empty, deleting what an earlier owner left there
+    (and what an earlier open set aside beside it, ``<root>.N``). A folder that cannot be
+    deleted, on NFS one holding a file still open (a removed open file stays in its folder as
+    ``.nfsXXXX`` until it is closed, and its removal is refused with ``EBUSY``), is renamed
+    aside to ``<root>.N`` instead, logged: counted with the state folder, deleted by a later open.
+
+    Raises:
+        OSError: it could be neither deleted nor renamed aside (or failed otherwise than as a
+            file still open does, :func:`~cachepipe.removal.in_use`), or not made.
+    """
+    for old in [*root.parent.glob(f"{root.name}.*"), root]:
+        try:
+            shutil.rmtree(old)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if not in_use(exc):
+                raise
+            if old != root:
+                log.debug("could not delete %s yet (%s): a later open tries again", old, exc)
+                continue
+            aside = next(path for n in itertools.count(1) if not (path := root.with_name(f"{root.name}.{n}")).exists())
+            os.rename(root, aside)
+            log.warning(
+                "could not delete %s (%s): set aside as %s, deleted by a later open (a file of it still open? NFS keeps "
+                "a removed file that is open as .nfsXXXX in its folder until it is closed)",
+                root,
+                exc,
+                aside,
+            )
+    root.mkdir()
 
 
 def verify(staged: str | Path, item: Item) -> None:

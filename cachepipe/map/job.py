@@ -15,13 +15,14 @@ import re
 import shutil
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..errors import CachePipeError, UnsafeKeyError
 from ..pipeline import CachedItem
-from ..removal import tree_bytes
+from ..removal import in_use, tree_bytes
 from ..unpack import ArchiveError, ChecksumError, adopt_others, unpack_item
 from .child import CommandRun, FunctionRun, Watch, Watcher
 from .plan import MapConfig, MapItem, item_reserve, out_reserve
@@ -77,17 +78,34 @@ class CommandError(CachePipeError, RuntimeError):
         self.tail = tail
 
 
+SLOT_BUSY_SECONDS = 5.0
+"""How long the removal of a slot is tried again while a file in it is still open on NFS."""
+
+
 def remove_slot(path: Path) -> None:
     """Delete a slot (or what a killed run left in the work folder): ``shutil.rmtree``, and if
     that is refused, again once every folder under ``path`` is writable by its owner. A command
     may leave a folder it cannot write among its outputs (``chmod 555``; ``cp -r`` or ``tar x``
     of a read-only tree), whose files no one but root could then delete. Links are never
-    followed: only real folders under ``path`` are changed."""
-    try:
-        shutil.rmtree(path)
-    except PermissionError:
-        make_writable(path)
-        shutil.rmtree(path)
+    followed: only real folders under ``path`` are changed.
+
+    On NFS a file removed while a process holds it open stays in its folder (``.nfsXXXX``, its
+    removal refused with ``EBUSY``) until it is closed, and a command's process that map has
+    just killed holds its files for a moment more: a removal that meets that (``ENOTEMPTY``,
+    ``EBUSY``) is tried again, for up to :data:`SLOT_BUSY_SECONDS`."""
+    deadline = time.monotonic() + SLOT_BUSY_SECONDS
+    while True:
+        try:
+            try:
+                shutil.rmtree(path)
+            except PermissionError:
+                make_writable(path)
+                shutil.rmtree(path)
+            return
+        except OSError as exc:
+            if not in_use(exc) or time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
 
 
 def make_writable(path: Path) -> None:

@@ -5,7 +5,8 @@ nested in each other, capacities parseable); :func:`host_problems` checks it aga
 and this user, leaving nothing behind: the ``socket_group`` exists (and this user may give
 the socket to it), the socket's directory, every ``cache_dir`` and ``jobs.root`` exist as writable directories
 or can be created, on a filesystem that stores files (not ``/proc`` or ``/sys``, where
-``access(2)`` lets root pass): a folder holding a file is created there and removed at once,
+``access(2)`` lets root pass): a folder holding a file is created there, the file locked (a
+filesystem that cannot lock files, NFS without its lock service, is refused), and removed at once,
 nothing that is not a socket sits at the socket path, ``tcp_host`` (with a
 ``tcp_port``) is an address of this machine, a backend serves each pipeline's ``source``
 scheme and is installed, and the ``source`` and its ``storage_options`` pass the checks that
@@ -19,6 +20,7 @@ configuration, each named with its field, its value and what would do.
 from __future__ import annotations
 
 import errno
+import fcntl
 import grp
 import logging
 import os
@@ -168,12 +170,14 @@ PSEUDO_FILESYSTEMS = frozenset(
     {"proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs", "configfs", "bpf", "pstore"}
 )
 _STORES_FILES = "expected a directory on a filesystem that stores files"
+_LOCKS = "a local disk, or NFS with its lock service"
 PROBE_PREFIX = ".cachepipe-check-"  # the folder the probe makes, and removes at once
 
 
 def _probe_problems(label: str, folder: Path, itself: bool) -> list[str]:
     """``folder`` (the directory, or the nearest one above it that exists) takes a new folder
-    holding a new file, as a cache does: both are created, then removed at once (nothing stays).
+    holding a new file that can be locked (``flock``), as a cache does: both are created, the
+    file locked, then removed at once (nothing stays).
     Permission bits and ``access(2)`` do not tell: for root they pass in ``/proc`` and ``/sys``,
     whose filesystems store nothing, and a full or failing filesystem answers only when written."""
     where = "" if itself else f"cannot be created: {str(folder)!r} "
@@ -187,12 +191,21 @@ def _probe_problems(label: str, folder: Path, itself: bool) -> list[str]:
     file = os.path.join(probe, "probe")
     try:
         try:
-            os.close(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+            fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             if exc.errno in FULL_ERRNOS:
                 return _full(label, folder, exc)
             return [f"{label}: {where}refuses a new file (tried to create one: {exc.strerror}); {expected}"]
-        os.unlink(file)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as the cache's owner lock (cache/lock.py)
+        except OSError as exc:
+            if exc.errno == errno.ENOLCK:  # as the open would say it (cache.lock.unusable_dir)
+                tried = f"tried an flock in {str(folder)!r}: {exc.strerror}: NFS without its lock service?"
+                why = f"its filesystem cannot lock files ({tried})"
+                return [f"{label}: {why}; expected a directory on a filesystem with locks (flock): {_LOCKS}"]
+        finally:
+            os.close(fd)
+            os.unlink(file)
     except OSError as exc:
         return [f"{label}: {where}keeps what is made there (cannot remove {file!r}: {exc.strerror}); {expected}"]
     finally:
