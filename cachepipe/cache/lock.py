@@ -35,8 +35,10 @@ from ..wholefiles import NO_LOCKS
 STATE_DIR = ".cachepipe"  # the cache's state folder
 LOCK = "lock"  # the file in STATE_DIR that the owner locks
 UNKNOWN_OWNER = "another process"  # a lock whose owner's pid neither its line nor the kernel's list of locks tells
+# what a cache_dir (or jobs.root) whose filesystem cannot lock files is told to be instead
+EXPECTED_LOCKS = "expected a directory on a filesystem with locks (flock): a local disk, or NFS with its lock service"
 
-__all__ = ["UNKNOWN_OWNER", "OwnerLock", "lock_file", "unusable_dir"]
+__all__ = ["EXPECTED_LOCKS", "UNKNOWN_OWNER", "OwnerLock", "lock_file", "unusable_dir"]
 
 log = logging.getLogger("cachepipe.cache")
 
@@ -280,7 +282,7 @@ def unusable_dir(given: str | os.PathLike[str], exc: OSError, field: str = "cach
         why, expected = f"{why} a read-only filesystem", "expected a directory on a writable filesystem"
     elif exc.errno == errno.ENOLCK:  # lock_file's: the owner's lock, without which a second owner is not kept out
         why = f"its filesystem cannot lock files ({exc.strerror}, {exc.filename!r}: NFS without its lock service?)"
-        expected = "expected a directory on a filesystem with locks (flock): a local disk, or NFS with its lock service"
+        expected = EXPECTED_LOCKS
     elif exc.errno in (errno.EACCES, errno.EPERM):
         at = f" at {exc.filename!r}" if exc.filename and exc.filename != path and not created else ""
         why = f"cannot be created under {existing!r}: " if created else ""

@@ -29,10 +29,12 @@ import stat
 import tempfile
 from pathlib import Path
 
+from ..cache.lock import EXPECTED_LOCKS
 from ..config import PipelineConfig, check_source
 from ..errors import ConfigError
 from ..filesystems import filesystem_at
 from ..stores import check_store, preload
+from ..wholefiles import NO_LOCKS
 from .config import ServiceConfig
 from .jobspec import JobsConfig
 
@@ -170,7 +172,6 @@ PSEUDO_FILESYSTEMS = frozenset(
     {"proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs", "configfs", "bpf", "pstore"}
 )
 _STORES_FILES = "expected a directory on a filesystem that stores files"
-_LOCKS = "a local disk, or NFS with its lock service"
 PROBE_PREFIX = ".cachepipe-check-"  # the folder the probe makes, and removes at once
 
 
@@ -199,10 +200,9 @@ def _probe_problems(label: str, folder: Path, itself: bool) -> list[str]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as the cache's owner lock (cache/lock.py)
         except OSError as exc:
-            if exc.errno == errno.ENOLCK:  # as the open would say it (cache.lock.unusable_dir)
+            if exc.errno in NO_LOCKS:  # as the open would say it (cache.lock.unusable_dir)
                 tried = f"tried an flock in {str(folder)!r}: {exc.strerror}: NFS without its lock service?"
-                why = f"its filesystem cannot lock files ({tried})"
-                return [f"{label}: {why}; expected a directory on a filesystem with locks (flock): {_LOCKS}"]
+                return [f"{label}: its filesystem cannot lock files ({tried}); {EXPECTED_LOCKS}"]
         finally:
             os.close(fd)
             os.unlink(file)
