@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import random
 import statistics
 import tempfile
@@ -82,14 +83,24 @@ class _Step:
             self._cond.notify_all()
 
 
+def taken(size: float, cache: str) -> int:
+    """What an item of one file of ``size`` bytes takes in the cache at ``cache``, as the cap
+    counts it (since 2026-12-01): its file in whole blocks of the filesystem and a block for its
+    folder (the block read as cachepipe reads it, held to 512 B..64 KiB). A tree of before counts
+    ``size``: the same capacity holds a few more of its items."""
+    block = min(max(os.statvfs(cache).f_frsize, 512), 64 * 1024)
+    return -(-int(size) // block) * block + block
+
+
 def lockstep(ranks: int, items: int, size: int, room: float, seed: int, timeout: float, retain: str) -> bool:
     """One run: True if every rank read its whole share (3 shuffled epochs), False if one hung.
-    Items are ``size``..``2*size`` bytes; the capacity is ``room`` items of ``1.5*size``."""
+    Items are ``size``..``2*size`` bytes; the capacity is ``room`` items of ``1.5*size``, as they
+    take the disk (:func:`taken`)."""
     rng = random.Random(seed)
     url = _memory_source("lockstep", [size + rng.randrange(size) for _ in range(items)])
     with tempfile.TemporaryDirectory() as cache:
         pipe = NodePipeline(
-            url, cache, f"{int(room * 1.5 * size)}B", ranks=list(range(ranks)), world_size=ranks,
+            url, cache, f"{int(room * taken(1.5 * size, cache))}B", ranks=list(range(ranks)), world_size=ranks,
             epochs=3, shuffle=True, seed=seed, retain=retain,
         )  # fmt: skip
         step, errors = _Step(ranks, timeout + 5), []
@@ -148,7 +159,13 @@ def pace(
             cachepipe.node.GIVE_BACK_AFTER = give_back_after
     with tempfile.TemporaryDirectory() as cache:
         pipe = NodePipeline(
-            url, cache, f"{room * size}B", ranks=list(range(len(paces))), world_size=len(paces), store=store, **setting
+            url,
+            cache,
+            f"{room * taken(size, cache)}B",
+            ranks=list(range(len(paces))),
+            world_size=len(paces),
+            store=store,
+            **setting,
         )
 
         def lane(r: int) -> None:
