@@ -1,6 +1,6 @@
 """Core overheads without a network: hand-off rate, and memory for a very large catalog.
 
-    .venv/bin/python benchmarks/bench_core.py                 # hand-offs of 10,000 items x 8 cases x 3, 1,000,000-item catalog
+    .venv/bin/python benchmarks/bench_core.py                 # hand-offs of 10,000 items x 16 cases x 3, 1,000,000-item catalog
     .venv/bin/python benchmarks/bench_core.py --quick --json  # what the smoke test runs
     .venv/bin/python benchmarks/bench_core.py --no-handoff    # the catalog measurements only
     .venv/bin/python benchmarks/bench_core.py --split --catalog 1000 --no-full  # where the hand-off's time goes
@@ -10,7 +10,12 @@ Three measurements, each in a fresh child process (so RSS and CPU are its own):
 - ``handoff``: items per second through ``Pipeline`` when downloads cost nothing: a
   ``memory://`` source of 1-byte items, either one-file folders (``items="folders"``) or single
   files (``items="files"``), taken by a consumer one by one (the iterator, which acks each
-  item as it takes the next) or ``--batch`` at a time (``get_many`` and ``ack_many``). Run with
+  item as it takes the next) or ``--batch`` at a time (``get_many`` and ``ack_many``), each with
+  two caches (``--capacity``): one that never fills (**roomy**: twice the items' charge, as the
+  cache counts them in whole blocks, a block per folder), and one that **fills** (half of it:
+  through the run's second half the producer waits for acks, each of which frees one item's
+  room, as with any source larger than its cache; the report's ``producer_wait_s`` says how
+  long it waited). Run with
   the cache on the project disk and on tmpfs (``/dev/shm``; ``--no-tmpfs``: the disk only), beside the **floor**: the same
   file-system calls per item (for folders mkdir, create and write, rename, unlink, rmdir; for
   files create and write, rename, unlink) made by one plain Python loop, no threads. The ratio
@@ -64,6 +69,7 @@ from typing import Any, BinaryIO
 from common import command_line, file_system_of, format_table, machine_info, progress, provenance_lines
 
 from cachepipe import Pipeline
+from cachepipe.blocks import clamp_block, footprint
 from cachepipe.stores.base import ObjectInfo
 
 
@@ -137,19 +143,39 @@ class CollectorTime:
             self._start = None
 
 
-def run_handoff(n: int, where: str, shape: str, batch: int) -> dict[str, Any]:
+def item_charge(where: str, shape: str) -> int:
+    """What the cache charges a 1-byte item of ``shape`` in a folder on ``where``'s file system:
+    its file in whole blocks, and a block for its folder (:func:`cachepipe.blocks.footprint`)."""
+    block = clamp_block(os.statvfs(where).f_frsize)
+    return footprint([1], 1 if shape == "folders" else 0, block)
+
+
+def capacity_for(regime: str, n: int, where: str, shape: str) -> int:
+    """The cache's capacity in bytes for ``n`` items of ``shape`` on ``where``: ``"roomy"``
+    never fills (twice the items' charge, and 64 MiB for the cache's state), ``"fills"`` holds
+    half the items' charge, so the producer waits for acks (each frees one item's room) through
+    the second half of the run: the steady state of a source larger than its cache."""
+    charge = n * item_charge(where, shape)
+    return 2 * charge + 64 * 2**20 if regime == "roomy" else charge // 2
+
+
+def run_handoff(n: int, where: str, shape: str, batch: int, capacity: int) -> dict[str, Any]:
     """Items per second through ``Pipeline`` from a ``memory://`` source of ``n`` 1-byte items
     (``shape`` ``"folders"``: one-file folders; ``"files"``: single files), consumed one by one
     (``batch`` 1: the iterator, which acks each item as it takes the next) or ``batch`` at a time
-    (``get_many`` and ``ack_many``); with the time spent in the garbage collector
-    (:class:`CollectorTime`)."""
+    (``get_many`` and ``ack_many``), with a cache of ``capacity`` bytes (:func:`capacity_for`);
+    with the time spent in the garbage collector (:class:`CollectorTime`) and the producer's
+    waits (``producer_wait_seconds``: for room in the cache, when it fills)."""
     with memory_source(n, shape) as url, tempfile.TemporaryDirectory(dir=where) as d:
         t0, c0, s0 = time.perf_counter(), _cpu(), _switches()
-        with CollectorTime() as collector, Pipeline(url, Path(d) / "c", "64MiB", items=shape) as pipe:
+        with CollectorTime() as collector, Pipeline(url, Path(d) / "c", capacity, items=shape) as pipe:
             count = sum(1 for _ in pipe) if batch == 1 else _drain(pipe, batch)
+            waited = pipe.stats().producer_wait_seconds
         wall, cpu, switches = time.perf_counter() - t0, _cpu() - c0, _switches() - s0
     assert count == n, (count, n)
     return {
+        "capacity_bytes": capacity,
+        "producer_wait_s": waited,
         "items": n,
         "wall_s": wall,
         "items_per_s": n / wall,
@@ -196,10 +222,10 @@ def memory_source(n: int, shape: str) -> Iterator[str]:
 
 def run_consumer_side(n: int, where: str, shape: str, batch: int) -> dict[str, Any]:
     """The consumer's side alone: as :func:`run_handoff` with ``get_many(batch)``, but the clock
-    starts once all ``n`` items are ready (the producer is done), so only taking, acking and
-    deleting is timed."""
+    starts once all ``n`` items are ready (the producer is done; the cache holds them all,
+    :func:`capacity_for` ``"roomy"``), so only taking, acking and deleting is timed."""
     with memory_source(n, shape) as url, tempfile.TemporaryDirectory(dir=where) as d:
-        with Pipeline(url, Path(d) / "c", "64MiB", items=shape) as pipe:
+        with Pipeline(url, Path(d) / "c", capacity_for("roomy", n, where, shape), items=shape) as pipe:
             while pipe.stats().items_ready < n:
                 time.sleep(0.05)
             t0, c0, s0 = time.perf_counter(), _cpu(), _switches()
@@ -225,7 +251,7 @@ def run_one_thread(n: int, where: str, shape: str, batch: int) -> dict[str, Any]
     with memory_source(n, shape) as url, tempfile.TemporaryDirectory(dir=where) as d:
         store = open_store(url)
         items = list(Catalog.from_listing(store.list(), mode=shape))  # type: ignore[arg-type]
-        cache = Cache(Path(d) / "c", 64 * 2**20)
+        cache = Cache(Path(d) / "c", capacity_for("roomy", n, where, shape))
         cache.open()
         cache.recover(Catalog(mode=shape), resume=False)  # type: ignore[arg-type]
         broker: Broker[str] = Broker()
@@ -329,6 +355,12 @@ def in_child(fn: str, *args: Any, limit: float, switch_interval: float | None = 
     return value
 
 
+def handoff_key(label: str, shape: str, batch: int, regime: str) -> str:
+    """The hand-off case's key in the report: ``"tmpfs folders 64"`` with the roomy cache (the
+    keys before the regimes were told apart), ``"tmpfs folders 64 fills"`` with the one that fills."""
+    return f"{label} {shape} {batch}" + (" fills" if regime == "fills" else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--handoff", type=int, default=10_000, help="items in each hand-off measurement (default 10000)")
@@ -360,11 +392,20 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="measure the hand-off with the cache on --disk only, not also on tmpfs (/dev/shm): the same code, half the runs",
     )
+    p.add_argument(
+        "--capacity",
+        choices=("both", "roomy", "fills"),
+        default="both",
+        help="the hand-off's cache: 'roomy' never fills (twice the items' charge), 'fills' holds half of it, so the "
+        "producer waits for acks, as with a source larger than its cache (default: both, each case in each)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.switch_interval is not None and not (math.isfinite(args.switch_interval) and args.switch_interval >= 1e-6):
         p.error(f"--switch-interval must be a finite number of seconds, at least 1e-6, not {args.switch_interval}")
+    if args.split and args.capacity == "fills":
+        p.error("--split compares with the roomy cache's hand-off: give --capacity both or roomy")
     if args.quick:
         args.handoff, args.catalog, args.consume, args.limit, args.repeats = 300, 5_000, 200, 120, 1
     if not os.path.isdir(args.disk) or not os.access(args.disk, os.W_OK):
@@ -387,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         "switch_interval_s": sys.getswitchinterval() if args.switch_interval is None else args.switch_interval,
     }
     cases = [(label, where, shape) for label, where in places for shape in ("folders", "files")]
+    regimes = ("roomy", "fills") if args.capacity == "both" else (args.capacity,)
     runs: dict[str, list[dict[str, Any]]] = {}
     for repeat in range(0 if args.no_handoff else args.repeats):
         for label, where, shape in cases:  # interleaved: every case once per repeat
@@ -395,10 +437,14 @@ def main(argv: list[str] | None = None) -> int:
                 in_child("run_floor", args.handoff, where, shape, limit=args.limit, switch_interval=args.switch_interval)
             )
             for batch in (1, args.batch) if repeat % 2 == 0 else (args.batch, 1):  # order rotates: the disk drifts
-                got = in_child(
-                    "run_handoff", args.handoff, where, shape, batch, limit=args.limit, switch_interval=args.switch_interval
-                )
-                runs.setdefault(f"{label} {shape} {batch}", []).append(got)
+                for regime in regimes if batch == 1 else regimes[::-1]:
+                    capacity = capacity_for(regime, args.handoff, where, shape)
+                    got = in_child(
+                        *("run_handoff", args.handoff, where, shape, batch, capacity),
+                        limit=args.limit,
+                        switch_interval=args.switch_interval,
+                    )
+                    runs.setdefault(handoff_key(label, shape, batch, regime), []).append(got)
             for part in ("run_consumer_side", "run_one_thread") if args.split else ():
                 got = in_child(
                     part, args.handoff, where, shape, args.batch, limit=args.limit, switch_interval=args.switch_interval
@@ -406,13 +452,16 @@ def main(argv: list[str] | None = None) -> int:
                 runs.setdefault(f"{label} {shape} {part}", []).append(got)
     for label, _where, shape in [] if args.no_handoff else cases:
         floor = statistics.median(r["items_per_s"] for r in runs[f"{label} {shape} floor"])
-        for batch in (1, args.batch):
-            got = runs[f"{label} {shape} {batch}"]
+        for batch, regime in [(batch, regime) for batch in (1, args.batch) for regime in regimes]:
+            got = runs[handoff_key(label, shape, batch, regime)]
             rate = statistics.median(r["items_per_s"] for r in got)
-            report["handoff"][f"{label} {shape} {batch}"] = {
+            report["handoff"][handoff_key(label, shape, batch, regime)] = {
                 "cache_on": label,
                 "shape": shape,
                 "batch": batch,
+                "capacity": regime,
+                "capacity_bytes": got[0]["capacity_bytes"],
+                "producer_wait_s": statistics.median(r["producer_wait_s"] for r in got),
                 "items": args.handoff,
                 "items_per_s": rate,
                 "runs_items_per_s": [r["items_per_s"] for r in got],
@@ -425,8 +474,8 @@ def main(argv: list[str] | None = None) -> int:
                 "floor_items_per_s": floor,
                 "of_floor": rate / floor,
             }
-        if args.split:
-            pipeline = report["handoff"][f"{label} {shape} {args.batch}"]
+        if args.split and "roomy" in regimes:
+            pipeline = report["handoff"][handoff_key(label, shape, args.batch, "roomy")]
             report["split"][f"{label} {shape}"] = {
                 "cache_on": label,
                 "shape": shape,
@@ -459,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
             r["cache_on"],
             r["shape"],
             "iterator" if r["batch"] == 1 else f"get_many({r['batch']})",
+            f"{r['capacity']} ({r['capacity_bytes'] / 2**20:,.0f} MiB, {r['producer_wait_s']:.2f} s)",
             f"{r['items_per_s']:,.0f}",
             f"{r['cpu_us_per_item']:,.0f}",
             f"{r['gc_us_per_item']:,.1f} ({r['gc_full_collections']:g}, {r['gc_longest_cpu_ms']:,.1f} ms)",
@@ -477,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += [
             *format_table(
                 [
-                    *("cache on", "items", "consumer", "items/s", "CPU us/item"),
+                    *("cache on", "items", "consumer", "capacity (producer waited)", "items/s", "CPU us/item"),
                     *("GC us/item (full, longest CPU)", "fs floor items/s", "x floor"),
                 ],
                 rows,

@@ -418,6 +418,12 @@ class Broker(Generic[T]):
         """A consumer is blocked in :meth:`take` with nothing ready (read without the lock: a hint)."""
         return self._waiting > 0 and not self._ready
 
+    def patient(self, items: int) -> bool:
+        """Whether the consumers need no new item soon: ``items`` or more are ready and never
+        handed out, and no consumer waits (read without the lock: a hint). Only a hand-out makes
+        it false while a consumer is not waiting already, and each calls :attr:`on_hand_out` after."""
+        return self._fresh >= items and not self._waiting
+
     def leased(self) -> list[Lease[T]]:
         with self._cond:
             return list(self._leases.values())

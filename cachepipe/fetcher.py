@@ -92,6 +92,10 @@ log = logging.getLogger("cachepipe.fetcher")
 Planned = tuple[int, Item, int]
 """A planned step for the fetcher: ``(seq, item, tick)`` (``tick`` orders the plan's steps)."""
 
+ROOM_RUN = 64
+"""Items whose room a download waits for beyond its own in a full cache, while as many are ready
+for the consumers (``Cache.acquire``'s ``run``): acks then start downloads in runs, not one each."""
+
 PART_RUN = 16
 """The most parts of small items a download thread takes at once, while requests cost less than
 twice the work around them (a memory or local source: ``Fetcher._take_and_fetch``)."""
@@ -273,7 +277,11 @@ class Fetcher(_PartRequests):
         if charge <= self._cache.limit and not self._wait_for_free_space(charge):
             return False
         try:
-            got = self._cache.acquire(item, tick, self._broker.starving, extra, lambda: self._broker.withdrawn(seq))
+            got = self._cache.acquire(
+                *(item, tick, self._broker.starving, extra, lambda: self._broker.withdrawn(seq)),
+                run=(ROOM_RUN - 1) * charge,
+                patient=self._patient,
+            )
         except OversizeError as exc:  # no longer fits beside the state budget: this item only
             self._begin(seq)
             self.counters.add(items_failed=1)
@@ -436,10 +444,18 @@ class Fetcher(_PartRequests):
     def _consumers_moved(self) -> None:
         """An item was handed out (:attr:`Broker.on_hand_out`): the items behind it have one fewer
         ahead, so a part in flight may be due to be hedged now; wake the thread waiting for one,
-        if one waits (read without the lock first: one attribute per item handed out)."""
+        if one waits (read without the lock first: one attribute per item handed out). Fewer
+        items are ready: wake the planner if it waits for a run's room (:meth:`_patient`) and
+        the consumers no longer have items enough."""
         if self._watching:
             with self._parts_lock:
                 self._parts_changed.notify()
+        self._cache.wake_run(self._patient)
+
+    def _patient(self) -> bool:
+        """The consumers have :data:`ROOM_RUN` items ready, so a download that fits may wait for
+        room for a run after it (:meth:`Cache.acquire`'s ``patient``)."""
+        return self._broker.patient(ROOM_RUN)
 
     def _extra(self, item: Item) -> int:
         """Bytes to reserve beside ``item`` for what unpack and the prepare hook write: as the

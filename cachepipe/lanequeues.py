@@ -302,6 +302,11 @@ class LaneQueues(Broker[str]):
     def starving(self) -> bool:
         return self._waiting > 0 and self._fresh == 0
 
+    def patient(self, items: int) -> bool:
+        """Never: the lanes take their steps without :meth:`Broker.take` (no :attr:`on_hand_out`
+        to wake a download waiting for a run's room), so each download starts once it fits."""
+        return False
+
     def outpaced(self) -> bool:
         """True: the lanes' pace is not followed (their takes are not :meth:`Broker.take`), so
         every item ahead counts when a part is cut, as before the pace was (see

@@ -91,10 +91,12 @@ def test_core_benchmark_reports_handoff_and_catalog(tmp_path):
     )
     assert report["places"]["disk"]["path"] == str(tmp_path)
     assert report["places"]["disk"]["file_system"].split(",")[0] in fscalls.LOCAL_FILESYSTEMS  # as the cache chose its calls
-    assert {(r["cache_on"], r["shape"], r["batch"]) for r in report["handoff"].values()} >= {
-        ("disk", shape, batch) for shape in ("folders", "files") for batch in (1, 64)
+    assert {(r["cache_on"], r["shape"], r["batch"], r["capacity"]) for r in report["handoff"].values()} >= {
+        ("disk", shape, batch, regime) for shape in ("folders", "files") for batch in (1, 64) for regime in ("roomy", "fills")
     }
-    for r in report["handoff"].values():
+    for key, r in report["handoff"].items():
+        if r["capacity"] == "fills":  # half the items' charge, against twice it and room for the state
+            assert r["capacity_bytes"] < report["handoff"][key.removesuffix(" fills")]["capacity_bytes"] / 4
         assert r["items"] == 300 and r["items_per_s"] > 0 and r["floor_items_per_s"] > 0
         assert r["switch_interval_s"] == 0.02  # as the measuring process ran
         assert r["gc_us_per_item"] > 0  # 300 items allocate far more than the 700 objects of a young collection

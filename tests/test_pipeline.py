@@ -1143,3 +1143,42 @@ def test_a_journal_rewrite_cut_by_a_kill_changes_neither_what_fits_nor_the_plan_
             pipe.ack(item)
         assert pipe.stats().items_skipped == 0
     assert got == names[1:]
+
+
+def test_a_full_cache_starts_downloads_in_runs_and_at_once_when_the_consumer_runs_short(tmp_path):
+    # A full cache frees one item's room per ack. A download started per ack costs its own
+    # wake-ups, request and journal write (1.5x the CPU per item of a cache that never fills);
+    # while the consumer has ROOM_RUN items ready, the producer now waits for a run's room.
+    # Once the consumer has fewer ready (it takes without acking), the item that fits goes at once.
+    from cachepipe.fetcher import ROOM_RUN
+
+    for i in range(1000):
+        (tmp_path / "src" / f"i{i:04d}").mkdir(parents=True)
+        (tmp_path / "src" / f"i{i:04d}" / "f").write_bytes(b"x")
+    c = charge(tmp_path, [1], 1)
+    with Pipeline(str(tmp_path / "src"), tmp_path / "c", capacity=600 * c, auto_ack=False) as pipe:
+
+        def settled():
+            s = pipe.stats()  # every reservation published (1 byte an item), the producer waiting for room
+            return s.items_ready >= 400 and s.bytes_downloaded == s.items_ready and s.capacity - s.bytes_in_cache < ROOM_RUN * c
+
+        wait_until(settled)
+        threading.Event().wait(0.3)  # give a download still on its way the chance to show itself
+        before = pipe.stats()
+        assert before.bytes_downloaded == before.items_ready
+        acks = -(-(ROOM_RUN * c - (before.capacity - before.bytes_in_cache)) // c)  # those that free a run's room
+        for _ in range(acks - 1):
+            pipe.ack(pipe.get(timeout=30))
+        threading.Event().wait(0.3)  # give a download started per ack the chance to show itself
+        assert pipe.stats().bytes_downloaded == before.bytes_downloaded  # before: one download per ack
+        pipe.ack(pipe.get(timeout=30))
+        wait_until(lambda: pipe.stats().bytes_downloaded >= before.bytes_downloaded + ROOM_RUN, what="a run's downloads")
+        # the consumer runs short: it takes the ready items without acking, and the room one ack
+        # freed goes to the next download without waiting for a run's
+        wait_until(lambda: pipe.stats().bytes_downloaded == pipe.stats().items_ready + acks)
+        full = pipe.stats()
+        pipe.ack(pipe.get(timeout=30))
+        held = [pipe.get(timeout=30) for _ in range(full.items_ready - 1)]
+        more = pipe.get(timeout=30)  # downloaded once fewer than ROOM_RUN were ready (hung if not woken)
+        assert pipe.stats().bytes_downloaded > full.bytes_downloaded
+        pipe.ack_many([*held, more])

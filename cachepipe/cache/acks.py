@@ -32,6 +32,23 @@ from .staging import Staging
 __all__: list[str] = []
 
 
+class _Counted(threading.Condition):
+    """A condition that counts the threads in :meth:`wait` (``sleeping``), each from its call
+    until it holds the lock again: read under the lock, it says whether a notify has anyone
+    to wake beside a known waiter (:meth:`_Acks._room_freed`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sleeping = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.sleeping += 1
+        try:
+            return super().wait(timeout)
+        finally:
+            self.sleeping -= 1
+
+
 class _Acks:
     """The cache's state, and what leaves it (see the module notes): :class:`~.core.Cache`'s base."""
 
@@ -55,10 +72,12 @@ class _Acks:
     _fresh: set[str]
     _policy: RetentionPolicy | None
     _names: Sequence[str]
-    _cond: threading.Condition
+    _cond: _Counted
     _closed: bool
     _acks_deleting: int
     _wanting: int
+    _waiting_run: bool
+    _run_wanted: int
     _forced: bool
 
     # ---- the ledger, read ------------------------------------------------------------
@@ -262,7 +281,7 @@ class _Acks:
                 self.record.dropped(name)
             if in_place:
                 self.ledger.reaped(size, 0)
-            self._cond.notify_all()  # wakes claim() and reserve()
+            self._room_freed()  # wakes claim() and reserve()
         if not in_place:
             self._eviction.finish(aside, size, left)
 
@@ -271,7 +290,7 @@ class _Acks:
         and count as foreign (on disk, not ours to reuse) until the staging area is cleared."""
         with self._cond:
             self.ledger.reaped(size, left)
-            self._cond.notify_all()  # wakes reserve()
+            self._room_freed()  # wakes reserve()
 
     def _held(self, change: int, left: int) -> None:
         """Bytes of deleted items still on disk, which the reaper tries again (on NFS, a file a
@@ -279,7 +298,18 @@ class _Acks:
         count as foreign from now on (see :meth:`.ledger.Ledger.held`)."""
         with self._cond:
             self.ledger.held(change, left)
-            self._cond.notify_all()  # wakes reserve()
+            self._room_freed()  # wakes reserve()
+
+    def _room_freed(self) -> None:
+        """Under the lock, after room was freed (or a claim released): wake every waiter, unless
+        the only one is the download waiting for a run's room (:meth:`.reservation._Reservation.acquire`'s
+        ``run``) and the run does not fit yet: then its wait goes on without a wake-up per ack.
+        Exact: while that download waits its flag is set, and a thread counts as waiting from
+        its ``wait`` call until it holds the lock again (:class:`_Counted`), so a waiter woken
+        by another notify is still counted and any other waiter makes this one notify."""
+        if self._waiting_run and self._cond.sleeping == 1 and not self.ledger.fits(self._run_wanted):
+            return
+        self._cond.notify_all()
 
     # ---- retention -------------------------------------------------------------------
     def use_retention(self, policy: RetentionPolicy, names: Names, tick: int) -> None:

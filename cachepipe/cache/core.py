@@ -35,7 +35,6 @@ import errno
 import logging
 import os
 import shutil
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -47,6 +46,7 @@ from ..errors import CacheRemovedError
 from ..filesystems import lookups_stay_local, mount_at
 from ..fscalls import RELEASING, file_calls_for
 from ..removal import tree_bytes
+from .acks import _Counted
 from .eviction import Eviction
 from .fulldisk import full_disk, no_room, room_now, said_full
 from .ledger import Ledger
@@ -115,10 +115,12 @@ class Cache(_Publishing):
         self._fresh = set()
         self._policy = None  # retain="auto": which acked items stay
         self._names = ()  # the policy's item i is _names[i]; found by _names.index()
-        self._cond = threading.Condition()
+        self._cond = _Counted()
         self._closed = False
         self._acks_deleting = 0  # calls of evict_many and drop deleting (or waiting to): close waits for them
         self._wanting = 0  # bytes the latest download waiting for room asks for (0: none waits)
+        self._waiting_run = False  # that download fits, and waits for room for a run after it (acquire's run)
+        self._run_wanted = 0  # the bytes it waits to fit: its own and the run's
         self._forced = False  # force_room(): the next choice of retention victims waives the policy's rules
         self._identity: tuple[tuple[int, int], ...] = ()  # (st_dev, st_ino) of root and state_dir, taken by open
 

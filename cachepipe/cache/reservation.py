@@ -119,28 +119,43 @@ class _Reservation(_Acks):
         withdrawn: Callable[[], bool] = _never,
         listed: int | None = None,
         starving: Callable[[], bool] = _never,
+        run: int = 0,
+        patient: Callable[[], bool] = _never,
     ) -> bool | str | None:
         """:meth:`reserve`; with ``leftovers``, the wait ends too when a recovered (or shelved)
         item is in the way (:meth:`_in_the_way`, ``urgent`` while ``starving()``): its name is
         returned, to drop. None: ``withdrawn()`` was true before it reserved (nothing reserved).
         ``listed``: the item's listed size, where ``size`` is its charge (:meth:`charge`), for
-        the oversize error."""
+        the oversize error.
+
+        ``run``: bytes beyond ``size`` to wait for too (up to an eighth of :attr:`limit`) while
+        ``patient()`` (the consumers have items enough ready), so that a full cache starts its
+        downloads in runs, not one per ack (see :meth:`acquire`). ``patient()`` is read each
+        time the wait is woken; whoever makes it false calls :meth:`wake_run` after."""
         ledger = self.ledger
         with self._cond:
             try:
-                while not self._closed and not ledger.fits(size):
-                    if size > ledger.limit:
+                while not self._closed:
+                    fits = ledger.fits(size)
+                    wanted = size + min(run, ledger.limit // 8)
+                    if fits and (wanted == size or ledger.fits(wanted) or not patient()):
+                        break
+                    if not fits and size > ledger.limit:
                         raise self._oversize(name, size if listed is None else listed, size)
                     if withdrawn():  # before dropping anything for it
                         return None
-                    if leftovers:  # the waiter that force_room() means (a plain reserve leaves it be)
+                    if leftovers and not fits:  # the waiter that force_room() means (a plain reserve leaves it be)
                         leftover = self._in_the_way(size, starving())
                         self._forced = False
                         if leftover is not None:
                             return leftover
                     self._wanting = size
+                    if run:  # the planner's (one thread): a plain reserve waiting beside it leaves its flag be
+                        self._waiting_run, self._run_wanted = fits, wanted
                     self._cond.wait()
             finally:
+                if run:
+                    self._waiting_run = False
                 if self._wanting:  # a streamed listing may wait for the room it left to this one
                     self._wanting = 0
                     self._cond.notify_all()
@@ -202,6 +217,8 @@ class _Reservation(_Acks):
         starving: Callable[[], bool] = _never,
         extra: int = 0,
         withdrawn: Callable[[], bool] = _never,
+        run: int = 0,
+        patient: Callable[[], bool] = _never,
     ) -> Path | bool | None:
         """Make room for the step at ``tick`` reading ``item``.
 
@@ -225,6 +242,12 @@ class _Reservation(_Acks):
         planned before this one; before, the download waited for a lane's give-back to force
         room, 5 s by default). ``extra``: bytes reserved beside the item's own (the
         ``prepare`` hook's output).
+
+        ``run`` (without retention): once the item fits, wait on for ``run`` bytes more while
+        ``patient()`` (the consumers have items enough ready, so the room is not needed now):
+        in a full cache each ack frees one item's room, and a download started per ack costs
+        its wake-ups, its request and its publishing alone, where a run of them shares them
+        (:meth:`acquire_many`). Whoever makes ``patient()`` false calls :meth:`wake_run`.
         """
         with self._cond:
             recovered = self._recovered.pop(item.name, None)
@@ -237,7 +260,9 @@ class _Reservation(_Acks):
                 return claimed  # the earlier copy was shelved meanwhile (a path), the cache closed, or withdrawn
             try:
                 charge = self.charge(item, extra)
-                while isinstance(got := self._reserve(charge, item.name, True, withdrawn, item.size, starving), str):
+                while isinstance(
+                    got := self._reserve(charge, item.name, True, withdrawn, item.size, starving, run, patient), str
+                ):
                     log.info("dropping %s, an earlier owner's item not due yet, to make room for %s", got, item.name)
                     self.drop(got, gone_ok=True)  # another download waiting for room may have dropped it meanwhile
             except BaseException:
@@ -344,6 +369,14 @@ class _Reservation(_Acks):
         """Wake the downloads that wait in :meth:`acquire`, to check their ``withdrawn()`` again."""
         with self._cond:
             self._cond.notify_all()
+
+    def wake_run(self, patient: Callable[[], bool]) -> None:
+        """Wake the download that waits for room for a run beyond its own item (:meth:`acquire`'s
+        ``run``) if ``patient()`` (its own) is false now, to read it again (the flag read without
+        the lock first: called per item handed out)."""
+        if self._waiting_run and not patient():
+            with self._cond:
+                self._cond.notify_all()
 
     def force_room(self) -> None:
         """Let the download that waits for room make it without waiting for acks, once: a node's
