@@ -14,9 +14,7 @@ import errno
 import logging
 import os
 import queue
-import shutil
 import stat
-import sys
 import threading
 import time
 from collections.abc import Callable, Container, Iterator, Sequence
@@ -163,15 +161,7 @@ def rmtree(path: str | os.PathLike[str], names: Sequence[str] = ()) -> None:
             except OSError as exc:
                 if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                     raise
-        with os.scandir(fd) as entries:
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    if sys.version_info >= (3, 11):
-                        shutil.rmtree(entry.name, dir_fd=fd)
-                    else:  # shutil.rmtree has no dir_fd before 3.11
-                        _rmtree_at(fd, entry.name)
-                else:
-                    os.unlink(entry.name, dir_fd=fd)
+        _empty(fd)
     finally:
         os.close(fd)
     os.rmdir(path)
@@ -192,17 +182,29 @@ def _unlink_names(dir_fd: int, names: Sequence[str]) -> bool:
     return True
 
 
-def _rmtree_at(dir_fd: int, name: str) -> None:
-    """``shutil.rmtree(name, dir_fd=dir_fd)`` for Python 3.10, where it has no ``dir_fd``: links
-    are unlinked, never followed, as in :func:`rmtree`."""
-    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    try:
-        with os.scandir(fd) as entries:
-            for entry in entries:
+def _empty(fd: int) -> None:
+    """Delete everything in the folder open as ``fd``: files and links unlinked (never
+    followed), folders with :func:`_rmtree_at`. An entry gone between the listing and its
+    deletion is gone, as wanted, not an error: on NFS a removed file still open stays listed
+    as ``.nfsXXXX`` until its last close, when the client removes it (``shutil.rmtree`` raised
+    ``FileNotFoundError`` for it)."""
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            try:
                 if entry.is_dir(follow_symlinks=False):
                     _rmtree_at(fd, entry.name)
                 else:
                     os.unlink(entry.name, dir_fd=fd)
+            except FileNotFoundError:
+                continue
+
+
+def _rmtree_at(dir_fd: int, name: str) -> None:
+    """``shutil.rmtree(name, dir_fd=dir_fd)``, as :func:`rmtree`: links are unlinked, never
+    followed, and an entry removed meanwhile is no error (:func:`_empty`)."""
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        _empty(fd)
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=dir_fd)

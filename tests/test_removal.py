@@ -114,6 +114,44 @@ def test_rmtree_by_names_deletes_whatever_the_consumer_left_in_the_folder(tmp_pa
     assert (outside / "keep").read_bytes() == b"mine"
 
 
+@pytest.mark.parametrize("where", ["top", "nested"])
+@pytest.mark.parametrize("caller", ["rmtree", "staging.clear", "remove_slot"])
+def test_a_folder_whose_listed_file_is_removed_meanwhile_is_deleted(tmp_path, where, caller):
+    """On NFS a removed file still open stays listed as ``.nfsXXXX`` until its last close, when
+    the client removes it: a deletion that listed it and then unlinks it met ENOENT. The reaper
+    took that for a failed deletion (an ERROR, the folder left in staging until the next open:
+    test_an_item_acknowledged_while_its_file_is_open_on_nfs_frees_its_room_once_closed failed on
+    the FUSE mount, 2 runs of 2), an open clearing staging then failed (FileExistsError at its
+    mkdir), and map's slot removal raised it. A profile hook removes a listed file (``.nfs1``)
+    just before the first unlink, as that last close does."""
+    from cachepipe.cache.staging import clear
+    from cachepipe.map.job import remove_slot
+
+    call = {"rmtree": rmtree, "staging.clear": clear, "remove_slot": remove_slot}[caller]
+    item = tmp_path / "item"
+    folder = item / "sub" if where == "nested" else item
+    folder.mkdir(parents=True)
+    for name in ("a", ".nfs1", "z"):
+        (folder / name).write_bytes(b"x")
+    gone = threading.Event()
+
+    def hook(frame, event: str, arg: object) -> None:
+        if event == "c_call" and getattr(arg, "__name__", None) == "unlink" and not gone.is_set():
+            gone.set()
+            os.unlink(folder / ".nfs1")  # (a profile hook is not called inside itself)
+
+    sys.setprofile(hook)
+    try:
+        call(item)
+    finally:
+        sys.setprofile(None)
+    assert gone.is_set()
+    if caller == "staging.clear":  # made anew, empty
+        assert os.listdir(item) == [] and os.listdir(tmp_path) == ["item"]
+    else:
+        assert not os.path.lexists(item)
+
+
 def test_rmtree_by_names_never_follows_a_link_in_place_of_the_folder(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()

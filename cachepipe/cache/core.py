@@ -34,7 +34,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import shutil
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,7 +45,7 @@ from ..config import Share
 from ..errors import CacheRemovedError
 from ..filesystems import lookups_stay_local, mount_at
 from ..fscalls import RELEASING, file_calls_for
-from ..removal import tree_bytes
+from ..removal import rmtree, tree_bytes
 from .eviction import Eviction
 from .fulldisk import full_disk, no_room, room_now, said_full
 from .ledger import Ledger
@@ -441,9 +440,7 @@ class Cache(_Publishing):
             with self._cond:  # and the files of its acks and drops go while the cache is still ours
                 self._cond.wait_for(lambda: not self._acks_deleting)
             try:
-                shutil.rmtree(self.staging_root)
-            except FileNotFoundError:
-                pass
+                rmtree(self.staging_root)
             except OSError as exc:  # not fatal: the next open removes staging leftovers
                 log.warning("could not remove staging %s: %s", self.staging_root, exc)
             noted = self.record.journal.is_open  # else recovery never finished: nothing known to note
