@@ -21,7 +21,7 @@ from collections.abc import Callable, Container, Iterator, Sequence
 
 from .blocks import link_charge
 
-__all__ = ["Reaper", "delete_tree", "in_use", "left_after", "rmtree", "taken", "tree_bytes"]
+__all__ = ["Reaper", "delete_tree", "in_use", "left_after", "left_at", "rmtree", "taken", "tree_bytes"]
 
 log = logging.getLogger("cachepipe.cache")
 
@@ -38,11 +38,26 @@ def delete_tree(path: str | os.PathLike[str], block: int = 0) -> int:
 
 
 def left_after(path: str | os.PathLike[str], exc: OSError, block: int = 0) -> int:
-    """The bytes left under ``path`` (as :func:`delete_tree` counts them) after its deletion
-    failed with ``exc``, logged: counted as foreign until the next open clears staging."""
-    left = tree_bytes(path, block=block)
+    """The bytes left at ``path`` (:func:`left_at`) after its deletion failed with ``exc``,
+    logged: counted as foreign until the next open clears staging."""
+    left = left_at(path, block)
     log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", path, left, exc)
     return left
+
+
+def left_at(path: str | os.PathLike[str], block: int = 0) -> int:
+    """What is left at ``path`` (a deletion failed) takes, as the ledger charges an item: a
+    folder a block (with ``block``) and what is under it (:func:`tree_bytes`), a file its size
+    (in whole blocks of ``block``), nothing if it is gone."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0
+    if stat.S_ISDIR(st.st_mode):
+        return block + tree_bytes(path, block=block)
+    if stat.S_ISREG(st.st_mode):
+        return -(-st.st_size // block) * block if block > 0 else st.st_size
+    return 0
 
 
 def in_use(exc: OSError) -> bool:
@@ -313,7 +328,7 @@ class Reaper:
         try:
             rmtree(path)
         except OSError as exc:
-            return tree_bytes(path, block=self.block), exc
+            return left_at(path, self.block), exc
         return 0, None
 
     def _retry(self) -> None:

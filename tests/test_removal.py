@@ -498,3 +498,42 @@ def test_a_stale_item_whose_file_is_still_open_on_nfs_does_not_fail_the_next_ope
         finally:
             reading.close()
         assert sorted(got) == ["f00", "f01", "f02"] and got["f00"] == b"changed"
+
+
+def test_the_room_held_for_an_acknowledged_item_whose_file_is_open_on_nfs_is_all_it_takes(tmp_path):
+    """While the reaper tries again an item acknowledged with its file still open (on NFS its
+    folder stays, holding ``.nfsXXXX``), the ledger holds what is left of it: that was counted
+    as the files under the folder but not the folder's own block, which the item's charge and
+    the disk have, so with four such items the cache directory held more than the ledger counted
+    (the hard cap, as ``tests/sampling.py`` measures it). On ``tests/nfslike.py``."""
+    from sampling import Sampler
+
+    from cachepipe.cache import Cache
+    from cachepipe.catalog import Catalog
+
+    catalog = Catalog(mode="folders")
+    for i in range(4):
+        catalog.add(f"i{i}", [("f", 20_000, None)])
+    with nfs_like(tmp_path / "nfs") as nfs:
+        root = nfs / "c"
+        cache = Cache(root, 1 << 30)
+        cache.open()
+        files = []
+        try:
+            cache.recover(catalog, resume=False)
+            for step, item in enumerate(catalog):
+                assert cache.acquire(item, step) is True
+                staged = Path(cache.stage(item))
+                (staged / "f").write_bytes(b"x" * 20_000)
+                cache.publish(staged, item)
+            on_disk = Sampler(root, block=cache.block)._bytes
+            assert on_disk() <= cache.used
+            for item in catalog:
+                files.append(open(root / item.name / "f", "rb"))  # noqa: SIM115 - held past the ack, closed below
+                cache.evict(item.name)
+            wait_until(lambda: cache.ledger.reaping == 0, 60, "the reaper to hold what the deletions left")
+            assert on_disk() <= cache.used  # the folders left in staging are counted too
+        finally:
+            for f in files:
+                f.close()
+            cache.close()

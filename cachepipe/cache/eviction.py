@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..filesystems import MEMORY_FILESYSTEMS
-from ..removal import Reaper, in_use, left_after, rmtree, tree_bytes
+from ..removal import Reaper, in_use, left_after, left_at, rmtree
 from .staging import Staging, in_folders
 
 __all__ = ["REAP_MIN_BYTES", "Eviction", "deleters_for"]
@@ -112,7 +112,7 @@ class Eviction:
             else:
                 self.remove(name)
         except OSError as exc:
-            left = tree_bytes(f"{self._root}/{name}", block=self.block)
+            left = left_at(f"{self._root}/{name}", self.block)
             log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", name, left, exc)
             return aside, left
         return aside, 0
