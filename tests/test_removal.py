@@ -500,20 +500,27 @@ def test_a_stale_item_whose_file_is_still_open_on_nfs_does_not_fail_the_next_ope
         assert sorted(got) == ["f00", "f01", "f02"] and got["f00"] == b"changed"
 
 
-def test_the_room_held_for_an_acknowledged_item_whose_file_is_open_on_nfs_is_all_it_takes(tmp_path):
-    """While the reaper tries again an item acknowledged with its file still open (on NFS its
-    folder stays, holding ``.nfsXXXX``), the ledger holds what is left of it: that was counted
-    as the files under the folder but not the folder's own block, which the item's charge and
-    the disk have, so with four such items the cache directory held more than the ledger counted
-    (the hard cap, as ``tests/sampling.py`` measures it). On ``tests/nfslike.py``."""
+@pytest.mark.parametrize(
+    ("mode", "size"), [("folders", 20_000), ("files", 20_000), ("files", 1 << 20)], ids=["folder", "small file", "large file"]
+)
+def test_the_room_held_for_an_acknowledged_item_whose_file_is_open_on_nfs_is_all_it_takes(tmp_path, mode, size):
+    """While an item acknowledged with its file still open is on disk (on NFS a removed open
+    file stays listed, as ``.nfsXXXX``, until it is closed), the ledger holds what is left of
+    it, and releases it once the file is closed. For a folder item that was counted as the files
+    under the folder but not the folder's own block (four of them: 114688 bytes on disk, 102400
+    counted). A single-file item's unlink succeeds: the file stays as ``.nfsXXXX`` beside where
+    it was (in staging, or in the cache directory for a small one deleted in place), and its room
+    was released at once (four of them: the cache directory held every byte of them beyond what
+    the ledger counted). The hard cap is measured as ``tests/sampling.py`` measures it. On
+    ``tests/nfslike.py``."""
     from sampling import Sampler
 
     from cachepipe.cache import Cache
     from cachepipe.catalog import Catalog
 
-    catalog = Catalog(mode="folders")
+    catalog = Catalog(mode=mode)
     for i in range(4):
-        catalog.add(f"i{i}", [("f", 20_000, None)])
+        catalog.add(f"i{i}", [("f" if mode == "folders" else "", size, None)])
     with nfs_like(tmp_path / "nfs") as nfs:
         root = nfs / "c"
         cache = Cache(root, 1 << 30)
@@ -524,15 +531,20 @@ def test_the_room_held_for_an_acknowledged_item_whose_file_is_open_on_nfs_is_all
             for step, item in enumerate(catalog):
                 assert cache.acquire(item, step) is True
                 staged = Path(cache.stage(item))
-                (staged / "f").write_bytes(b"x" * 20_000)
+                (staged / "f" if mode == "folders" else staged).write_bytes(b"x" * size)
                 cache.publish(staged, item)
             on_disk = Sampler(root, block=cache.block)._bytes
             assert on_disk() <= cache.used
             for item in catalog:
-                files.append(open(root / item.name / "f", "rb"))  # noqa: SIM115 - held past the ack, closed below
+                path = root / item.name
+                files.append(open(path / "f" if mode == "folders" else path, "rb"))  # noqa: SIM115 - closed below
                 cache.evict(item.name)
-            wait_until(lambda: cache.ledger.reaping == 0, 60, "the reaper to hold what the deletions left")
-            assert on_disk() <= cache.used  # the folders left in staging are counted too
+            wait_until(lambda: cache.ledger.reaping == 0, 60, "the deletions to end or be left to the reaper")
+            assert on_disk() <= cache.used  # what is left in staging (or beside it) is counted
+            for f in files:
+                f.close()
+            wait_until(lambda: cache.ledger.reserved == 0, 60, "the room held to be released once the files closed")
+            assert on_disk() <= cache.used
         finally:
             for f in files:
                 f.close()
