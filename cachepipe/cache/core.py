@@ -299,7 +299,8 @@ class Cache(_Publishing):
         next: the journal as it is now (as large as the last pass left it) and its temporary
         file that a process killed while it compacted the journal left (``.journal.tmp``, which
         the rewrite reuses and renames), which recovery rewrites; the note of the folder's size,
-        which it removes; and the saved listing (``catalog``), which only a pass with
+        which it removes; a staging set aside because a file in it was still open (``staging.N``,
+        :func:`.staging.clear`), which a later open deletes; and the saved listing (``catalog``), which only a pass with
         ``resume=True`` writes, so a pass run without it and then resumed would be planned
         beside a listing it did not have (counted, its item at the limit was left out, and the
         resume was refused for a plan of other items). Recovery counts more than this where the
@@ -308,6 +309,7 @@ class Cache(_Publishing):
         block = self.block
         listing = self.catalog_path.name
         skip = {JOURNAL, state.temp_name(JOURNAL), NOTE, listing, state.temp_name(listing)}
+        skip.update(path.name for path in self.state_dir.glob(f"{STAGING}.*"))  # set aside: deleted by a later open
         return block + tree_bytes(self.state_dir, skip=skip, block=block) + block
 
     @staticmethod
