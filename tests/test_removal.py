@@ -577,3 +577,51 @@ def test_a_resume_beside_a_staging_set_aside_on_nfs_is_planned_as_without_it(tmp
                 assert [item.name for item in pipe] == []  # f01 does not fit beside it: skipped in its turn
         finally:
             reading.close()
+
+
+def test_an_item_whose_move_aside_failed_and_that_is_moved_aside_after_all_stays_counted(tmp_path):
+    """An acknowledged item is moved aside into staging to be deleted; if that rename fails it
+    is deleted in place, and where that fails too because a file of it is still open (NFS), it
+    is moved aside after all (``Eviction.remove``). Its room was then released at once, with its
+    bytes still in staging until a later open (the cache directory held more than the ledger
+    counted). Now it is deleted from there as any item moved aside: held until the file is
+    closed. A profile hook makes the first rename fail (a folder with a file where it goes), as a
+    transient failure would. On ``tests/nfslike.py``."""
+    from sampling import Sampler
+
+    from cachepipe.cache import Cache
+    from cachepipe.catalog import Catalog
+
+    catalog = Catalog(mode="folders")
+    catalog.add("i0", [("f", 10, None)])  # publish_all's
+    blocker: list[Path] = []
+
+    def hook(frame, event: str, arg: object) -> None:
+        if event == "c_call" and getattr(arg, "__name__", None) == "rename" and frame.f_code.co_name == "move_away":
+            if not blocker:
+                blocker.append(Path(frame.f_locals["aside"]))
+                (blocker[0] / "in-the-way").mkdir(parents=True)  # renaming a folder onto it fails: ENOTEMPTY
+
+    with nfs_like(tmp_path / "nfs") as nfs:
+        root = nfs / "c"
+        cache = Cache(root, 1 << 30)
+        cache.open()
+        reading = None
+        try:
+            publish_all(cache, catalog)
+            reading = open(root / "i0" / "f", "rb")  # noqa: SIM115 - held past the ack, closed below
+            sys.setprofile(hook)
+            try:
+                cache.evict("i0")
+            finally:
+                sys.setprofile(None)
+            assert blocker
+            rmtree(blocker[0])
+            wait_until(lambda: cache.ledger.reaping == 0, 60, "the deletion to end or be left to the reaper")
+            assert Sampler(root, block=cache.block)._bytes() <= cache.used
+            reading.close()
+            wait_until(lambda: cache.ledger.reserved == 0, 60, "the room released once the file closed")
+        finally:
+            if reading is not None:
+                reading.close()
+            cache.close()

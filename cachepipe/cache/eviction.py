@@ -113,7 +113,7 @@ class Eviction:
             if aside:
                 self.remove_parents(name)
             else:
-                self.remove(name)
+                aside = self.remove(name)  # moved aside after all if a file of it is still open
         except OSError as exc:
             left = left_at(f"{self._root}/{name}", self.block)
             log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", name, left, exc)
@@ -156,17 +156,19 @@ class Eviction:
                 left += left_after(where, error, self.block)  # in staging: the next open clears what is left
         self._release(size, left)
 
-    def remove(self, name: str) -> None:
+    def remove(self, name: str) -> str:
         """Delete item ``name`` where it is (a stale leftover at open, or a failed rename). What
         cannot be deleted there, on NFS a file of it still open (a removed open file stays in its
         folder as ``.nfsXXXX`` until it is closed), is moved aside into staging instead, logged:
-        counted with the state folder, deleted by a later open.
+        at open counted with the state folder and deleted by a later open; after a failed rename
+        deleted by :meth:`finish`. Returns where it was moved (``""``: not moved).
 
         Raises:
             OSError: it could be neither deleted nor moved aside (the deletion's error).
         """
+        aside = ""
         if not self._reachable(name):
-            return
+            return aside
         path = f"{self._root}/{name}"
         try:
             rmtree(path)
@@ -179,13 +181,14 @@ class Eviction:
             except OSError:
                 raise exc from None
             log.warning(
-                "could not delete %s (%s): moved aside to %s, deleted by a later open (a file of it still open? NFS "
+                "could not delete %s (%s): moved aside to %s, deleted later (a file of it still open? NFS "
                 "keeps a removed file that is open as .nfsXXXX in its folder until it is closed)",
                 path,
                 exc,
                 aside,
             )
         self.remove_parents(name)
+        return aside
 
     def _reachable(self, name: str) -> bool:
         """Whether item ``name``'s path passes only real folders of the cache (see the module
