@@ -597,10 +597,10 @@ def test_an_item_whose_move_aside_failed_and_that_is_moved_aside_after_all_stays
     blocker: list[Path] = []
 
     def hook(frame, event: str, arg: object) -> None:
-        if event == "c_call" and getattr(arg, "__name__", None) == "rename" and frame.f_code.co_name == "move_away":
-            if not blocker:
-                blocker.append(Path(frame.f_locals["aside"]))
-                (blocker[0] / "in-the-way").mkdir(parents=True)  # renaming a folder onto it fails: ENOTEMPTY
+        name = getattr(arg, "__name__", None)
+        if event == "c_call" and name == "rename" and frame.f_code.co_name == "move_away" and not blocker:
+            blocker.append(Path(frame.f_locals["aside"]))
+            (blocker[0] / "in-the-way").mkdir(parents=True)  # renaming a folder onto it fails: ENOTEMPTY
 
     with nfs_like(tmp_path / "nfs") as nfs:
         root = nfs / "c"
