@@ -14,16 +14,14 @@ import errno
 import logging
 import os
 import queue
-import shutil
 import stat
-import sys
 import threading
 import time
 from collections.abc import Callable, Container, Iterator, Sequence
 
 from .blocks import link_charge
 
-__all__ = ["Reaper", "delete_tree", "in_use", "left_after", "rmtree", "taken", "tree_bytes"]
+__all__ = ["Reaper", "delete_kept", "delete_tree", "in_use", "left_after", "left_at", "rmtree", "taken", "tree_bytes"]
 
 log = logging.getLogger("cachepipe.cache")
 
@@ -40,11 +38,26 @@ def delete_tree(path: str | os.PathLike[str], block: int = 0) -> int:
 
 
 def left_after(path: str | os.PathLike[str], exc: OSError, block: int = 0) -> int:
-    """The bytes left under ``path`` (as :func:`delete_tree` counts them) after its deletion
-    failed with ``exc``, logged: counted as foreign until the next open clears staging."""
-    left = tree_bytes(path, block=block)
+    """The bytes left at ``path`` (:func:`left_at`) after its deletion failed with ``exc``,
+    logged: counted as foreign until the next open clears staging."""
+    left = left_at(path, block)
     log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", path, left, exc)
     return left
+
+
+def left_at(path: str | os.PathLike[str], block: int = 0) -> int:
+    """What is left at ``path`` (a deletion failed) takes, as the ledger charges an item: a
+    folder a block (with ``block``) and what is under it (:func:`tree_bytes`), a file its size
+    (in whole blocks of ``block``), nothing if it is gone."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0
+    if stat.S_ISDIR(st.st_mode):
+        return block + tree_bytes(path, block=block)
+    if stat.S_ISREG(st.st_mode):
+        return -(-st.st_size // block) * block if block > 0 else st.st_size
+    return 0
 
 
 def in_use(exc: OSError) -> bool:
@@ -163,15 +176,7 @@ def rmtree(path: str | os.PathLike[str], names: Sequence[str] = ()) -> None:
             except OSError as exc:
                 if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                     raise
-        with os.scandir(fd) as entries:
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    if sys.version_info >= (3, 11):
-                        shutil.rmtree(entry.name, dir_fd=fd)
-                    else:  # shutil.rmtree has no dir_fd before 3.11
-                        _rmtree_at(fd, entry.name)
-                else:
-                    os.unlink(entry.name, dir_fd=fd)
+        _empty(fd)
     finally:
         os.close(fd)
     os.rmdir(path)
@@ -192,20 +197,76 @@ def _unlink_names(dir_fd: int, names: Sequence[str]) -> bool:
     return True
 
 
-def _rmtree_at(dir_fd: int, name: str) -> None:
-    """``shutil.rmtree(name, dir_fd=dir_fd)`` for Python 3.10, where it has no ``dir_fd``: links
-    are unlinked, never followed, as in :func:`rmtree`."""
-    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    try:
-        with os.scandir(fd) as entries:
-            for entry in entries:
+def _empty(fd: int) -> None:
+    """Delete everything in the folder open as ``fd``: files and links unlinked (never
+    followed), folders with :func:`_rmtree_at`. An entry gone between the listing and its
+    deletion is gone, as wanted, not an error: on NFS a removed file still open stays listed
+    as ``.nfsXXXX`` until its last close, when the client removes it (``shutil.rmtree`` raised
+    ``FileNotFoundError`` for it)."""
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            try:
                 if entry.is_dir(follow_symlinks=False):
                     _rmtree_at(fd, entry.name)
                 else:
                     os.unlink(entry.name, dir_fd=fd)
+            except FileNotFoundError:
+                continue
+
+
+def _rmtree_at(dir_fd: int, name: str) -> None:
+    """``shutil.rmtree(name, dir_fd=dir_fd)``, as :func:`rmtree`: links are unlinked, never
+    followed, and an entry removed meanwhile is no error (:func:`_empty`)."""
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        _empty(fd)
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=dir_fd)
+
+
+KEPT_PREFIXES = (".nfs", ".fuse_hidden")
+"""How a removed file still open is named while it stays listed in its folder (NFS, FUSE)."""
+
+
+def delete_kept(path: str, block: int = 0, look: bool = False) -> tuple[str, int, OSError | None]:
+    """:func:`rmtree` ``path``: ``(where, left, why)``, ``where`` what is left is (``path``, or
+    the file's new name), ``left`` its bytes (:func:`left_at`; 0: all gone), ``why`` the error
+    (None: all gone). With ``look`` (a file system that may keep a removed open file, not a
+    local one), a regular file's unlink that succeeded is looked after: NFS renames a removed
+    file that a process on this client still holds open to ``.nfsXXXX`` in its folder (FUSE to
+    ``.fuse_hidden*``) until it is closed, so its bytes stay on disk; found (one listing of the
+    folder, by its inode), it is left as a deletion refused as in use (``EBUSY``, :func:`in_use`)."""
+    st = None
+    if look:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            pass
+    try:
+        rmtree(path)
+    except OSError as exc:
+        return path, left_at(path, block), exc
+    if st is not None and stat.S_ISREG(st.st_mode) and (kept := _kept_copy(path, st)) is not None:
+        return kept, left_at(kept, block), OSError(errno.EBUSY, "removed while a process holds it open", kept)
+    return path, 0, None
+
+
+def _kept_copy(path: str, st: os.stat_result) -> str | None:
+    """The path under which the file that was at ``path`` (``st``: its ``lstat`` before its
+    unlink) stays in its folder, still open (:data:`KEPT_PREFIXES`), or None."""
+    try:
+        entries = os.scandir(os.path.dirname(path) or ".")
+    except OSError:  # the folder cannot be listed: nothing found
+        return None
+    with entries:
+        for entry in _listed(entries):
+            try:
+                if entry.name.startswith(KEPT_PREFIXES) and entry.stat(follow_symlinks=False).st_ino == st.st_ino:
+                    return entry.path
+            except OSError:  # gone meanwhile (closed)
+                continue
+    return None
 
 
 RETRY_SECONDS = 1.0
@@ -232,6 +293,9 @@ class Reaper:
         hold: called in the reaper thread for what deletions left, as above (None: what a
             deletion left counts as foreign at once, ``release(size, left)``, not tried again).
         block: the cache's block (bytes left counted in whole blocks: :func:`tree_bytes`).
+
+    Attribute ``kept``: the file system may keep a removed open file listed under another name
+    (NFS, FUSE): a file's unlink is looked after (:func:`delete_kept`), and the file held so.
     """
 
     def __init__(
@@ -240,6 +304,9 @@ class Reaper:
         self._release = release
         self._hold = hold
         self.block = block
+        # the cache's file system may keep a removed open file listed (not a local one: NFS, FUSE):
+        # a file's deletion is looked after (delete_kept)
+        self.kept = False
         self._queue: queue.SimpleQueue[tuple[str, int] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -294,7 +361,7 @@ class Reaper:
 
     def _take(self, path: str, size: int) -> None:
         """Delete ``path``, then release ``size``; what is left of it is held, to try again."""
-        left, error = self._delete(path)
+        path, left, error = delete_kept(path, self.block, self.kept)
         hold = self._hold
         if error is not None and (hold is None or not in_use(error)):
             log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", path, left, error)
@@ -306,23 +373,14 @@ class Reaper:
             hold(held, 0)  # before the release: never counted as free while on disk
         self._release(size, 0)
 
-    def _delete(self, path: str) -> tuple[int, OSError | None]:
-        """Delete ``path``: the bytes left under it (0: all gone) and why."""
-        try:
-            rmtree(path)
-        except OSError as exc:
-            return tree_bytes(path, block=self.block), exc
-        return 0, None
-
     def _retry(self) -> None:
         """Try again to delete each path that a deletion left, releasing what that frees."""
         for path, held in list(self._held.items()):
-            left, error = self._delete(path)
+            where, left, error = delete_kept(path, self.block, self.kept)
             left = min(left, held)
-            if error is None:
-                del self._held[path]
-            else:
-                self._held[path] = left
+            del self._held[path]
+            if error is not None:
+                self._held[where] = left  # where: a file removed again but still open, under its new name
             if left < held and self._hold is not None:
                 self._hold(left - held, 0)
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -45,7 +44,7 @@ from ..config import Share
 from ..errors import CacheRemovedError
 from ..filesystems import lookups_stay_local, mount_at
 from ..fscalls import RELEASING, file_calls_for
-from ..removal import tree_bytes
+from ..removal import rmtree, tree_bytes
 from .acks import _Counted
 from .eviction import Eviction
 from .fulldisk import full_disk, no_room, room_now, said_full
@@ -302,7 +301,8 @@ class Cache(_Publishing):
         next: the journal as it is now (as large as the last pass left it) and its temporary
         file that a process killed while it compacted the journal left (``.journal.tmp``, which
         the rewrite reuses and renames), which recovery rewrites; the note of the folder's size,
-        which it removes; and the saved listing (``catalog``), which only a pass with
+        which it removes; a staging set aside because a file in it was still open (``staging.N``,
+        :func:`.staging.clear`), which a later open deletes; and the saved listing (``catalog``), which only a pass with
         ``resume=True`` writes, so a pass run without it and then resumed would be planned
         beside a listing it did not have (counted, its item at the limit was left out, and the
         resume was refused for a plan of other items). Recovery counts more than this where the
@@ -311,6 +311,7 @@ class Cache(_Publishing):
         block = self.block
         listing = self.catalog_path.name
         skip = {JOURNAL, state.temp_name(JOURNAL), NOTE, listing, state.temp_name(listing)}
+        skip.update(path.name for path in self.state_dir.glob(f"{STAGING}.*"))  # set aside: deleted by a later open
         return block + tree_bytes(self.state_dir, skip=skip, block=block) + block
 
     @staticmethod
@@ -443,9 +444,7 @@ class Cache(_Publishing):
             with self._cond:  # and the files of its acks and drops go while the cache is still ours
                 self._cond.wait_for(lambda: not self._acks_deleting)
             try:
-                shutil.rmtree(self.staging_root)
-            except FileNotFoundError:
-                pass
+                rmtree(self.staging_root)
             except OSError as exc:  # not fatal: the next open removes staging leftovers
                 log.warning("could not remove staging %s: %s", self.staging_root, exc)
             noted = self.record.journal.is_open  # else recovery never finished: nothing known to note

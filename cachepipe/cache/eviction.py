@@ -28,8 +28,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ..filesystems import MEMORY_FILESYSTEMS
-from ..removal import Reaper, in_use, left_after, rmtree, tree_bytes
+from ..filesystems import LOCAL_FILESYSTEMS, MEMORY_FILESYSTEMS
+from ..removal import Reaper, delete_kept, in_use, left_after, left_at, rmtree
 from .staging import Staging, in_folders
 
 __all__ = ["REAP_MIN_BYTES", "Eviction", "deleters_for"]
@@ -89,6 +89,9 @@ class Eviction:
         type, as :func:`~cachepipe.filesystems.filesystem_at` gives it; :func:`deleters_for`);
         called by the cache's open, before any item is handed out."""
         self.deleters = threading.BoundedSemaphore(deleters_for(fstype))
+        # NFS (and FUSE) keep a removed file still open under another name in its folder until it is
+        # closed: a single-file item is deleted in staging, where that name is found and held
+        self._reaper.kept = fstype not in LOCAL_FILESYSTEMS
 
     def move_away(self, name: str) -> tuple[str, int]:
         """Free the path of item ``name``: rename it aside (or, if that fails, delete it in place).
@@ -110,9 +113,9 @@ class Eviction:
             if aside:
                 self.remove_parents(name)
             else:
-                self.remove(name)
+                aside = self.remove(name)  # moved aside after all if a file of it is still open
         except OSError as exc:
-            left = tree_bytes(f"{self._root}/{name}", block=self.block)
+            left = left_at(f"{self._root}/{name}", self.block)
             log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", name, left, exc)
             return aside, left
         return aside, 0
@@ -124,6 +127,8 @@ class Eviction:
         if it could not be (the caller moves what is left away instead)."""
         if "/" in name and not in_folders(self._root, name):
             return False  # move_away says why
+        if files is None and self._reaper.kept:
+            return False  # a file still open would stay beside the items, uncounted (see open_deleters)
         try:
             if files is None:
                 os.unlink(f"{self._root}/{name}")
@@ -144,25 +149,26 @@ class Eviction:
         if aside and size >= REAP_MIN_BYTES and self._reaper.put(aside, size):
             return
         if aside:
-            try:
-                rmtree(aside)
-            except OSError as exc:
-                if in_use(exc) and self._reaper.put(aside, size):
+            where, _left, error = delete_kept(aside, self.block, self._reaper.kept)
+            if error is not None:
+                if in_use(error) and self._reaper.put(where, size):
                     return
-                left += left_after(aside, exc, self.block)  # in staging: the next open clears what is left
+                left += left_after(where, error, self.block)  # in staging: the next open clears what is left
         self._release(size, left)
 
-    def remove(self, name: str) -> None:
+    def remove(self, name: str) -> str:
         """Delete item ``name`` where it is (a stale leftover at open, or a failed rename). What
         cannot be deleted there, on NFS a file of it still open (a removed open file stays in its
         folder as ``.nfsXXXX`` until it is closed), is moved aside into staging instead, logged:
-        counted with the state folder, deleted by a later open.
+        at open counted with the state folder and deleted by a later open; after a failed rename
+        deleted by :meth:`finish`. Returns where it was moved (``""``: not moved).
 
         Raises:
             OSError: it could be neither deleted nor moved aside (the deletion's error).
         """
+        aside = ""
         if not self._reachable(name):
-            return
+            return aside
         path = f"{self._root}/{name}"
         try:
             rmtree(path)
@@ -175,13 +181,14 @@ class Eviction:
             except OSError:
                 raise exc from None
             log.warning(
-                "could not delete %s (%s): moved aside to %s, deleted by a later open (a file of it still open? NFS "
+                "could not delete %s (%s): moved aside to %s, deleted later (a file of it still open? NFS "
                 "keeps a removed file that is open as .nfsXXXX in its folder until it is closed)",
                 path,
                 exc,
                 aside,
             )
         self.remove_parents(name)
+        return aside
 
     def _reachable(self, name: str) -> bool:
         """Whether item ``name``'s path passes only real folders of the cache (see the module

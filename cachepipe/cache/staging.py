@@ -14,7 +14,6 @@ import errno
 import itertools
 import logging
 import os
-import shutil
 import stat
 from collections.abc import Mapping
 from pathlib import Path
@@ -91,9 +90,7 @@ def clear(root: Path) -> None:
     """
     for old in [*root.parent.glob(f"{root.name}.*"), root]:
         try:
-            shutil.rmtree(old)
-        except FileNotFoundError:
-            pass
+            rmtree(old)  # an entry removed meanwhile is no error (NFS's .nfsXXXX at its last close)
         except OSError as exc:
             if not in_use(exc):
                 raise

@@ -12,7 +12,6 @@ import errno
 import logging
 import os
 import re
-import shutil
 import stat
 import threading
 import time
@@ -22,7 +21,7 @@ from typing import Any
 
 from ..errors import CachePipeError, UnsafeKeyError
 from ..pipeline import CachedItem
-from ..removal import in_use, tree_bytes
+from ..removal import in_use, rmtree, tree_bytes
 from ..unpack import ArchiveError, ChecksumError, adopt_others, unpack_item
 from .child import CommandRun, FunctionRun, Watch, Watcher
 from .plan import MapConfig, MapItem, item_reserve, out_reserve
@@ -83,7 +82,8 @@ SLOT_BUSY_SECONDS = 5.0
 
 
 def remove_slot(path: Path) -> None:
-    """Delete a slot (or what a killed run left in the work folder): ``shutil.rmtree``, and if
+    """Delete a slot (or what a killed run left in the work folder): :func:`~cachepipe.removal.rmtree`
+    (an entry removed meanwhile, NFS's ``.nfsXXXX`` at its last close, is no error), and if
     that is refused, again once every folder under ``path`` is writable by its owner. A command
     may leave a folder it cannot write among its outputs (``chmod 555``; ``cp -r`` or ``tar x``
     of a read-only tree), whose files no one but root could then delete. Links are never
@@ -97,10 +97,10 @@ def remove_slot(path: Path) -> None:
     while True:
         try:
             try:
-                shutil.rmtree(path)
+                rmtree(path)
             except PermissionError:
                 make_writable(path)
-                shutil.rmtree(path)
+                rmtree(path)
             return
         except OSError as exc:
             if not in_use(exc) or time.monotonic() > deadline:
