@@ -19,9 +19,20 @@ import threading
 import time
 from collections.abc import Callable, Container, Iterator, Sequence
 
-from .blocks import link_charge
+from .blocks import link_charge, round_up
 
-__all__ = ["Reaper", "delete_kept", "delete_tree", "in_use", "left_after", "left_at", "rmtree", "taken", "tree_bytes"]
+__all__ = [
+    "Reaper",
+    "delete_kept",
+    "delete_tree",
+    "in_use",
+    "left_after",
+    "left_at",
+    "rmtree",
+    "said_left",
+    "taken",
+    "tree_bytes",
+]
 
 log = logging.getLogger("cachepipe.cache")
 
@@ -41,8 +52,15 @@ def left_after(path: str | os.PathLike[str], exc: OSError, block: int = 0) -> in
     """The bytes left at ``path`` (:func:`left_at`) after its deletion failed with ``exc``,
     logged: counted as foreign until the next open clears staging."""
     left = left_at(path, block)
-    log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", path, left, exc)
+    said_left(path, left, exc)
     return left
+
+
+def said_left(path: str | os.PathLike[str], left: int, exc: OSError | None = None) -> None:
+    """Log that ``left`` bytes at ``path`` could not be deleted (``exc``: why), and count as
+    foreign until the next open (an ERROR: the caller that asked for the deletion is gone)."""
+    why = f": {exc}" if exc is not None else ""
+    log.error("could not delete %s (%d bytes left, counted as foreign until the next open)%s", path, left, why)
 
 
 def left_at(path: str | os.PathLike[str], block: int = 0) -> int:
@@ -56,7 +74,7 @@ def left_at(path: str | os.PathLike[str], block: int = 0) -> int:
     if stat.S_ISDIR(st.st_mode):
         return block + tree_bytes(path, block=block)
     if stat.S_ISREG(st.st_mode):
-        return -(-st.st_size // block) * block if block > 0 else st.st_size
+        return round_up(st.st_size, block) if block > 0 else st.st_size
     return 0
 
 
@@ -354,7 +372,7 @@ class Reaper:
                 retry_at = time.monotonic() + RETRY_SECONDS
         self._retry()
         for path, held in self._held.items():
-            log.error("could not delete %s (%d bytes left, counted as foreign until the next open)", path, held)
+            said_left(path, held)
             if self._hold is not None:
                 self._hold(-held, held)
         self._held.clear()
@@ -364,10 +382,10 @@ class Reaper:
         path, left, error = delete_kept(path, self.block, self.kept)
         hold = self._hold
         if error is not None and (hold is None or not in_use(error)):
-            log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", path, left, error)
+            said_left(path, left, error)
             self._release(size, left)
             return
-        if error is not None and hold is not None:  # tried again even with nothing left (the file closed meanwhile)
+        if error is not None and hold is not None:  # in use: tried again even with nothing left (the file closed meanwhile)
             held = self._held[path] = min(left, size)
             self._tell(path, held, error)
             hold(held, 0)  # before the release: never counted as free while on disk

@@ -377,19 +377,26 @@ def test_planning_shared_steps_stops_once_every_lane_holds_its_share_of_the_copi
             planner.join(timeout=10)
 
 
+def _two_lanes_three_downloads():
+    """The queues of a node of two lanes of 4 items of 10 bytes each (no disk, no cache), with
+    the first three downloads planned: lane 0's first, lane 1's first, lane 0's second (a tie of
+    the lanes' loads goes to lane 0). ``(queues, steps, woken, downloads, lanes)``: ``woken``
+    gets an entry at each wake of the fetcher, ``lanes`` each lane's item names in order."""
+    plan = NodePlan([10] * 8, ranks=[0, 1], world_size=2)
+    woken: list[int] = []
+    queues = LaneQueues(LaneSchedule(plan), on_stale=lambda _planned: None, wake=lambda: woken.append(1))
+    steps = queues.steps(lambda i: Item(f"item{i}", (), plan.sizes[i]))
+    downloads = [next(steps)[0] for _ in range(3)]
+    lanes = [[f"item{i}" for i in plan.lane_share(lane, 0)] for lane in (0, 1)]
+    return queues, steps, woken, downloads, lanes
+
+
 def test_a_lane_waiting_for_a_step_not_planned_asks_for_the_download_not_begun_back_and_goes_first():
     """The bookkeeping of a download given back before it begins (no disk): lane 1 waits for its
     second step while the fetcher waits for room for lane 0's second, planned ahead. The waiting
     lane asks for it back (the fetcher is woken); once the fetcher withdraws it, lane 1's step is
     the next download, then lane 0's again (its lane moved back to it)."""
-    from cachepipe.catalog import Item
-
-    plan = NodePlan([10] * 8, ranks=[0, 1], world_size=2)
-    woken: list[int] = []
-    queues = LaneQueues(LaneSchedule(plan), on_stale=lambda _planned: None, wake=lambda: woken.append(1))
-    steps = queues.steps(lambda i: Item(f"item{i}", (), plan.sizes[i]))
-    downloads = [next(steps)[0] for _ in range(3)]  # lane 0's first, lane 1's first, lane 0's second (a tie: lane 0)
-    lanes = [[f"item{i}" for i in plan.lane_share(lane, 0)] for lane in (0, 1)]
+    queues, steps, woken, downloads, lanes = _two_lanes_three_downloads()  # lane 0's first, lane 1's first, lane 0's second
     assert [item.name for _seq, item, _tick in downloads] == [lanes[0][0], lanes[1][0], lanes[0][1]]
     queues.begin_many(2)  # the third waits for room
     queues.put_many([(seq, item.name, f"/cache/{item.name}") for seq, item, _tick in downloads[:2]])
@@ -412,12 +419,7 @@ def test_a_lane_that_consumes_asks_for_the_download_of_a_lane_not_asking_back_be
     consumes its first: its move asks for that download back, before the caller frees the
     room (the fetcher is woken), and once withdrawn, lane 1's second is the next download (its
     load is now the lower), then lane 0's again. Not for a download of the moving lane's own."""
-    plan = NodePlan([10] * 8, ranks=[0, 1], world_size=2)
-    woken: list[int] = []
-    queues = LaneQueues(LaneSchedule(plan), on_stale=lambda _planned: None, wake=lambda: woken.append(1))
-    steps = queues.steps(lambda i: Item(f"item{i}", (), plan.sizes[i]))
-    downloads = [next(steps)[0] for _ in range(3)]  # lane 0's first, lane 1's first, lane 0's second
-    lanes = [[f"item{i}" for i in plan.lane_share(lane, 0)] for lane in (0, 1)]
+    queues, steps, woken, downloads, lanes = _two_lanes_three_downloads()  # lane 0's first, lane 1's first, lane 0's second
     queues.begin_many(2)  # the third waits for room
     queues.put_many([(seq, item.name, f"/cache/{item.name}") for seq, item, _tick in downloads[:2]])
     for lane in (0, 1):
@@ -448,12 +450,7 @@ def test_a_lane_that_consumes_asks_back_the_download_of_a_lane_that_waits_for_an
     download of its own, and the room lane 1 freed went to lane 0's second; lane 0's consumer
     then held its first (a DDP rank until rank 1 has taken the same step) while lane 1 waited
     for the give-back (5 s; ``stress_node.py --mode hazard``, ``retain="auto"``)."""
-    plan = NodePlan([10] * 8, ranks=[0, 1], world_size=2)
-    woken: list[int] = []
-    queues = LaneQueues(LaneSchedule(plan), on_stale=lambda _planned: None, wake=lambda: woken.append(1))
-    steps = queues.steps(lambda i: Item(f"item{i}", (), plan.sizes[i]))
-    downloads = [next(steps)[0] for _ in range(3)]  # lane 0's first, lane 1's first, lane 0's second
-    lanes = [[f"item{i}" for i in plan.lane_share(lane, 0)] for lane in (0, 1)]
+    queues, steps, woken, downloads, lanes = _two_lanes_three_downloads()  # lane 0's first, lane 1's first, lane 0's second
     queues.begin_many(2)  # the third waits for room
     first, second, third = (seq for seq, _item, _tick in downloads)
     queues.put_many([(second, lanes[1][0], f"/cache/{lanes[1][0]}")])  # lane 0's first still downloads

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..filesystems import LOCAL_FILESYSTEMS, MEMORY_FILESYSTEMS
-from ..removal import Reaper, delete_kept, in_use, left_after, left_at, rmtree
+from ..removal import Reaper, delete_kept, in_use, left_after, left_at, rmtree, said_left
 from .staging import Staging, in_folders
 
 __all__ = ["REAP_MIN_BYTES", "Eviction", "deleters_for"]
@@ -116,7 +116,7 @@ class Eviction:
                 aside = self.remove(name)  # moved aside after all if a file of it is still open
         except OSError as exc:
             left = left_at(f"{self._root}/{name}", self.block)
-            log.error("could not delete %s (%d bytes left, counted as foreign until the next open): %s", name, left, exc)
+            said_left(name, left, exc)
             return aside, left
         return aside, 0
 
