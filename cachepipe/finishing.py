@@ -30,7 +30,7 @@ from .catalog import Item
 from .config import PipelineConfig
 from .downloads import LocalWriteError
 from .errors import ItemFailedError, PrepareOverflowError, VerificationError
-from .removal import rmtree
+from .removal import delete_tree
 from .stores.base import Store
 from .unpack import DEFAULT_MAX_MEMBERS, unpack_in_place
 
@@ -243,13 +243,17 @@ class _Finishing:
         """A local write failed (or the content did not match its ETag): free the item's staging
         files now, back off, restart the item.
 
-        The reservation is kept, so the cap holds and the item keeps its place in line.
+        The reservation is kept, so the cap holds and the item keeps its place in line. A
+        staging area that cannot be deleted fails the item instead (its reservation given
+        back, what is left counted as foreign until the next open, as by :meth:`Cache.discard`):
+        a restart would download a second copy beside bytes counted nowhere.
         """
         if not isinstance(error, VerificationError):
             self.counters.add(disk_errors=1)
-        _rmtree_quiet(job.staged)
-        if job.attempt >= self._cfg.retries:
-            self._fail_reserved(job.seq, job.item, job.extra, error)
+        left = delete_tree(job.staged, self._cache.block)  # logged if any
+        if job.attempt >= self._cfg.retries or left:
+            self._cache.unreserve(self._cache.charge(job.item, job.extra), job.item.name, left=left)
+            self._report_failure(job.seq, job.item, job.item.name, error)
             return
         delay = backoff_delay(job.attempt, self._cfg.retry_backoff, self._cfg.retry_backoff_max)
         what = "verification failed" if isinstance(error, VerificationError) else "local disk error"
@@ -269,15 +273,6 @@ class _Finishing:
         failure.__cause__ = error
         log.error("%s", failure)
         self._broker.fail(seq, item.name, failure)
-
-
-def _rmtree_quiet(path: str) -> None:
-    """Remove a staging path (:func:`~cachepipe.removal.rmtree`: a folder, a file, or nothing);
-    a failure is logged (the next open removes staging anyway)."""
-    try:
-        rmtree(path)
-    except OSError as exc:
-        log.warning("could not remove staging %s: %s", path, exc)
 
 
 def _etag_mismatch(job: _Job) -> VerificationError | None:

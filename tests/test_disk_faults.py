@@ -217,6 +217,37 @@ def test_a_staging_area_that_cannot_be_deleted_stays_counted(s3_source, fault_pr
     _staging_that_cannot_be_deleted(s3_source, fault_proxy, tmp_path, caplog, check)
 
 
+def test_a_staging_area_that_cannot_be_deleted_after_a_write_error_fails_its_item_and_stays_counted(
+    s3_source, fault_proxy, tmp_path, caplog
+):
+    """item000's file is made immutable while its body trickles in, so a write into it fails
+    (EPERM, a local write error: the item is restarted) and it cannot be deleted. The item
+    fails, its reservation is given back and what is left counts against the cap. (Before, the
+    item was restarted into a new staging area beside the old one's bytes, counted nowhere.)"""
+    from conftest import via
+
+    proxy, endpoint = fault_proxy
+    proxy.trickle_bytes = 1024  # about 1 MB/s: the 1 MiB body takes a second
+    s3_source.folders(1, {"f": 1024 * KIB})
+    s3_source.put("item001/f", b"x" * (10 * KIB))
+    proxy.inject("trickle", 10**9)
+    staging = tmp_path / "c" / ".cachepipe" / "staging"
+    options = {"max_concurrency": 1, "auto_ack": False, "on_error": "skip", "retries": 3, "retry_backoff": 0.05}
+    with Pipeline(s3_source.url, tmp_path / "c", "4MiB", storage_options=via(s3_source, endpoint), **options) as pipe:
+        wait_until(lambda: any(f.stat().st_size for f in staging.glob("[0-9]*/f")))
+        stuck = next(f for f in staging.glob("[0-9]*/f") if f.stat().st_size)
+        with immutable(stuck, list):
+            got = pipe.get(timeout=30)
+            assert got is not None and got.name == "item001"
+            stats = pipe.stats()
+            assert (stats.items_failed, stats.disk_errors) == (1, 1)  # before: (0, 1), item000 handed out after item001
+            block = block_of(tmp_path)
+            left = -(-stuck.stat().st_size // block) * block + block  # its file and its folder, in whole blocks
+            assert stats.bytes_in_cache >= left
+            assert f"{stuck.parent} ({left} bytes left" in caplog.text
+            pipe.ack(got)
+
+
 def test_an_item_whose_local_path_is_over_the_file_systems_limit_fails_at_once(s3_source, tmp_path):
     """Every segment of the key is under 255 bytes, the whole path over PATH_MAX (4,096): the
     item can never be staged, so it fails at once and is not retried as a disk error (before,
