@@ -184,6 +184,19 @@ def test_reopen_benchmark_times_each_open_of_a_kept_cache(tmp_path):
     assert f"deleting {tmp_path}{os.sep}cachepipe-reopen-" in proc.stderr and not any(tmp_path.iterdir())
 
 
+def test_dst_listing_benchmark_lists_the_whole_and_one_rank_s_part(tmp_path):
+    """benchmarks/bench_dst_listing.py on 64 folders of 2 files, one round: the whole listing
+    has every key, the middle rank of 4 its own items' (16 folders) and those of the item before
+    them (its bound: ``item0000031``, the first item's name less one, sorts before that item's
+    keys), no more."""
+    report = run_json(
+        *("bench_dst_listing.py", "--trees", str(ROOT), "--items", "64", "--files", "2"), "--ranks", "4", "--runs", "1"
+    )
+    runs = report["runs"]
+    assert [r["keys"] for r in runs[f"{ROOT} whole"]] == [128] and [r["keys"] for r in runs[f"{ROOT} rank"]] == [34]
+    assert all(r["seconds"] > 0 and r["peak_mib"] > 0 for values in runs.values() for r in values)
+
+
 def test_node_epochs_benchmark_crosses_an_epoch_in_each_run():
     runs = run_json("bench_node_epochs.py", "--quick", timeout=300)["runs"]
     assert [r["retain"] for r in runs] == ["none", "auto"]

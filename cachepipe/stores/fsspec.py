@@ -193,23 +193,36 @@ class FsspecStore:
         if getattr(self.fs, "protocol", None) in (("s3", "s3a"), "s3") and not getattr(self.fs, "version_aware", False):
             yield from self._list_s3(start_after)
             return
+        if {"file", "local"} & set(_protocols(self.fs)):
+            yield from self._list_local(start_after)
+            return
         with self._errors(self.url):
             self.fs.invalidate_cache(self.root)  # a relisting must see the store as it is now
             entries = self.fs.find(self.root, detail=True, withdirs=False)
         prefix = f"{self.root}/" if self.root else ""
-        local = bool({"file", "local"} & set(_protocols(self.fs)))
-        temps: list[str] = []
         for path in sorted(entries):
             info = entries[path]
             if info.get("type", "file") != "file" or not path.startswith(prefix):
                 continue
             if start_after is not None and path[len(prefix) :] <= start_after:
                 continue
-            if local and path.endswith(TEMP_SUFFIX):  # put_local's, being written or left by a killed upload
-                temps.append(path)
-                continue
             etag = info.get("ETag") or info.get("etag")
             yield ObjectInfo(path[len(prefix) :], int(info["size"]), listed_etag(etag))
+
+    def _list_local(self, start_after: str | None) -> Iterator[ObjectInfo]:
+        """:meth:`list` of a local filesystem: walked as it is yielded (:func:`local_files`), so
+        a listing stopped early (a map rank's part of DST, :mod:`~cachepipe.map.dstrange`) reads
+        no further, and none is held in memory whole. As fsspec's ``find`` lists, links are not
+        followed nor listed, and a root that is missing or not a folder lists nothing; but a
+        folder that cannot be read is an error, not a silent gap. The temporary files of uploads
+        are left out (their count logged)."""
+        temps: list[str] = []
+        with self._errors(self.url):
+            for key, size in local_files(self.root, start_after):
+                if key.endswith(TEMP_SUFFIX):  # put_local's, being written or left by a killed upload
+                    temps.append(key)
+                    continue
+                yield ObjectInfo(key, size, None)
         if temps:  # said, not passed over in silence: a file of the user's could bear the name
             log.info("%s: left out %d upload temporary file(s) (*%s), first %r", self.url, len(temps), TEMP_SUFFIX, temps[0])
 
@@ -537,3 +550,27 @@ class FsspecStore:
         if refused:
             key, code, message = refused[0]
             raise delete_error(code, message, f"{self.url.rstrip('/')}/{key[len(self._key_prefix) :]}", self.endpoint)
+
+
+def local_files(root: str, start_after: str | None = None, prefix: str = "") -> Iterator[tuple[str, int]]:
+    """``(key, size)`` of each regular file under the folder ``root``, keys relative to it, in
+    key order (each folder's entries sorted by name, a folder's as ``name/``: so its files come
+    where their keys sort), after the key ``start_after`` if given (a folder whose keys all sort
+    before it is not entered). Walked as it is read; links are neither followed nor listed; a
+    ``root`` that is missing or not a folder holds nothing (as fsspec's ``find``)."""
+    try:
+        with os.scandir(root) as found:
+            entries = [(e.name + "/", e) if e.is_dir(follow_symlinks=False) else (e.name, e) for e in found]
+    except (FileNotFoundError, NotADirectoryError):  # also a folder removed while it is walked
+        return
+    entries.sort(key=lambda pair: pair[0])
+    for name, entry in entries:
+        key = prefix + name
+        if name.endswith("/"):
+            if start_after is None or key > start_after or start_after.startswith(key):
+                yield from local_files(entry.path, start_after, key)
+        elif (start_after is None or key > start_after) and entry.is_file(follow_symlinks=False):
+            try:
+                yield key, entry.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:  # deleted meanwhile
+                continue

@@ -1,0 +1,78 @@
+"""A local filesystem's listing (``FsspecStore.list`` of ``file://``): walked in key order as it
+is read, the same keys as fsspec's ``find`` sorted (which listed the whole tree into memory
+first, so a map rank's listing of its part of a local DST walked all of it)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import fsspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachepipe.stores import open_store
+from cachepipe.stores.fsspec import local_files
+
+# characters on both sides of "/" in key order, and one beyond ASCII
+NAMES = st.text(alphabet=" -.0_aé", min_size=1, max_size=3).filter(lambda n: n not in (".", ".."))
+TREES = st.lists(st.lists(NAMES, min_size=1, max_size=4), min_size=1, max_size=12)
+
+
+def _make(root: Path, paths: list[list[str]]) -> None:
+    for parts in paths:
+        path = root.joinpath(*parts)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"x" * len(parts))
+        except (FileExistsError, NotADirectoryError, IsADirectoryError):
+            continue  # a file where a folder is wanted, or the reverse: the tree keeps the first
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(paths=TREES, after=st.one_of(st.none(), st.text(alphabet=" -./0_aé", max_size=6)))
+def test_the_walk_lists_what_fsspec_finds_in_key_order_after_any_key(paths, after):
+    root = Path(tempfile.mkdtemp())
+    try:
+        _make(root, paths)
+        found = fsspec.filesystem("file").find(str(root), detail=True)
+        expected = sorted((p[len(str(root)) + 1 :], v["size"]) for p, v in found.items() if v["type"] == "file")
+        if after is not None:
+            expected = [(k, size) for k, size in expected if k > after]
+        assert list(local_files(str(root), after)) == expected
+    finally:
+        shutil.rmtree(root)
+
+
+def test_a_listing_is_walked_as_it_is_read(tmp_path):
+    """A file written after the listing's first object, in a folder it has not reached, is
+    listed; one written where it has been, is not. (Before, the whole tree was found first: the
+    second was not listed either.)"""
+    for name in ("a", "c"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f").write_bytes(b"x")
+    store = open_store(tmp_path.as_uri(), {})
+    try:
+        listing = store.list()
+        assert next(listing).key == "a/f"
+        (tmp_path / "a" / "g").write_bytes(b"x")  # behind the walk
+        (tmp_path / "c" / "g").write_bytes(b"x")  # ahead of it
+        assert [o.key for o in listing] == ["c/f", "c/g"]
+    finally:
+        store.close()
+
+
+def test_links_are_neither_followed_nor_listed_and_a_missing_root_lists_nothing(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "f").write_bytes(b"x")
+    root = tmp_path / "root"
+    (root / "d").mkdir(parents=True)
+    (root / "d" / "f").write_bytes(b"yy")
+    os.symlink(tmp_path / "elsewhere", root / "dir-link")
+    os.symlink(tmp_path / "elsewhere" / "f", root / "file-link")
+    os.mkfifo(root / "fifo")
+    assert list(local_files(str(root))) == [("d/f", 2)]
+    assert list(local_files(str(tmp_path / "missing"))) == []
+    assert list(local_files(str(root / "d" / "f"))) == []  # a file as the root: as fsspec's find, nothing
