@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import fsspec
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -76,3 +79,39 @@ def test_links_are_neither_followed_nor_listed_and_a_missing_root_lists_nothing(
     assert list(local_files(str(root))) == [("d/f", 2)]
     assert list(local_files(str(tmp_path / "missing"))) == []
     assert list(local_files(str(root / "d" / "f"))) == []  # a file as the root: as fsspec's find, nothing
+
+
+UNREADABLE = r"""
+import os, sys
+from cachepipe.stores import open_store
+store = open_store(sys.argv[1], {})  # imported and opened as root: nobody cannot read the interpreter's files here
+os.setgid(65534)
+os.setuid(65534)  # nobody: the folder's mode applies (root reads every folder)
+try:
+    print([o.key for o in store.list()])
+except Exception as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_a_folder_that_cannot_be_read_is_an_error_naming_it_not_a_gap_in_the_listing():
+    """(Before, fsspec's find passed over a folder it could not list: its files were missing
+    from the listing, and nothing said so.)"""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to run the listing as nobody")
+    root = Path(tempfile.mkdtemp(dir="/tmp"))  # nobody must reach it: not under pytest's root-only folder
+    try:
+        root.chmod(0o755)
+        for name in ("a", "b", "c"):
+            (root / name).mkdir(mode=0o755)
+            (root / name / "f").write_bytes(b"x")
+            (root / name / "f").chmod(0o644)
+        (root / "b").chmod(0o000)
+        run = subprocess.run(
+            [sys.executable, "-c", UNREADABLE, root.as_uri()], check=False, capture_output=True, text=True, timeout=60
+        )
+        assert run.returncode == 0, run.stderr
+        assert "Permission denied" in run.stdout and f"{root}/b" in run.stdout, run.stdout
+    finally:
+        (root / "b").chmod(0o755)
+        shutil.rmtree(root)
