@@ -329,8 +329,8 @@ class Reaper:
     is refused with ``EBUSY``, FUSE's ``.fuse_hidden*``) is tried again while the reaper runs:
     first after :data:`RETRY_FIRST`, then twice as long after each try, at most
     :data:`RETRY_SECONDS` (:func:`retry_delay`; each path on its own schedule, and at most
-    :data:`RETRY_SHARE` of the reaper's time in tries again, so that many held paths cost what
-    one round a second did). Its bytes are counted by ``hold(change, left)`` (``change`` more bytes held,
+    :data:`RETRY_SHARE` of the reaper's time in tries again: a round over many held paths is
+    followed by a rest three times its length). Its bytes are counted by ``hold(change, left)`` (``change`` more bytes held,
     still on disk; ``left`` of them foreign from now on), called before the item's ``release``:
     ``hold(held, 0)`` when they are left, ``hold(-freed, 0)`` as a later try frees them (their
     room comes back without a reopen), and ``hold(-held, held)`` for what is still there when
