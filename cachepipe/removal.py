@@ -18,6 +18,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Container, Iterator, Sequence
+from typing import NamedTuple
 
 from .blocks import link_charge, round_up
 
@@ -28,6 +29,7 @@ __all__ = [
     "in_use",
     "left_after",
     "left_at",
+    "retry_delay",
     "rmtree",
     "said_left",
     "taken",
@@ -287,8 +289,33 @@ def _kept_copy(path: str, st: os.stat_result) -> str | None:
     return None
 
 
+RETRY_FIRST = 0.025
+"""Seconds from a deletion that left a path (see :class:`Reaper`) to its first try again."""
+
 RETRY_SECONDS = 1.0
-"""How often the reaper tries again to delete what a deletion left (see :class:`Reaper`)."""
+"""The longest wait between two tries again of a path that a deletion left (see :func:`retry_delay`)."""
+
+RETRY_SHARE = 0.25
+"""At most this share of the reaper's time goes to tries again: after a round of them that took
+``t`` seconds, the next starts ``t / RETRY_SHARE`` seconds after it started, at the earliest."""
+
+
+def retry_delay(tries: int) -> float:
+    """Seconds from a held path's last try (``tries`` tries again so far; 0: the deletion that
+    left it) to its next: :data:`RETRY_FIRST`, doubled at each try, at most :data:`RETRY_SECONDS`.
+    A file closed soon after its item's acknowledgement (a consumer that closes it at its next
+    step) frees its room within a few hundredths of a second; one held open longer is tried once
+    a second."""
+    return min(RETRY_FIRST * 2.0 ** min(tries, 64), RETRY_SECONDS)
+
+
+class _Held(NamedTuple):
+    """A path a deletion left, to try again: its bytes still counted, its tries again so far,
+    and when (``time.monotonic()``) the next is due."""
+
+    left: int
+    tries: int
+    due: float
 
 
 class Reaper:
@@ -299,8 +326,11 @@ class Reaper:
 
     A deletion that leaves bytes because a file of the item is still open (:func:`in_use`: a
     removed open file stays in its folder until it is closed, NFS's ``.nfsXXXX``, whose removal
-    is refused with ``EBUSY``, FUSE's ``.fuse_hidden*``) is tried again every :data:`RETRY_SECONDS` while the
-    reaper runs. Its bytes are counted by ``hold(change, left)`` (``change`` more bytes held,
+    is refused with ``EBUSY``, FUSE's ``.fuse_hidden*``) is tried again while the reaper runs:
+    first after :data:`RETRY_FIRST`, then twice as long after each try, at most
+    :data:`RETRY_SECONDS` (:func:`retry_delay`; each path on its own schedule, and at most
+    :data:`RETRY_SHARE` of the reaper's time in tries again: a round over many held paths is
+    followed by a rest three times its length). Its bytes are counted by ``hold(change, left)`` (``change`` more bytes held,
     still on disk; ``left`` of them foreign from now on), called before the item's ``release``:
     ``hold(held, 0)`` when they are left, ``hold(-freed, 0)`` as a later try frees them (their
     room comes back without a reopen), and ``hold(-held, held)`` for what is still there when
@@ -329,7 +359,7 @@ class Reaper:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopped = False
-        self._held: dict[str, int] = {}  # path -> its bytes still counted: deletions to try again (reaper thread only)
+        self._held: dict[str, _Held] = {}  # path -> its bytes still counted, tries, next: to try again (reaper thread only)
         self._told = False  # the first deletion left for later is logged as a warning, the others at debug
 
     def put(self, path: str, size: int) -> bool:
@@ -354,9 +384,11 @@ class Reaper:
             thread.join()
 
     def _run(self) -> None:
-        retry_at = 0.0
+        rested = 0.0  # no round of tries again before then (RETRY_SHARE)
         while True:
-            wait = max(0.0, retry_at - time.monotonic()) if self._held else None
+            wait = None
+            if self._held:
+                wait = max(0.0, max(rested, min(h.due for h in self._held.values())) - time.monotonic())
             try:
                 job = self._queue.get(timeout=wait)
             except queue.Empty:  # time to try again what was left
@@ -364,17 +396,15 @@ class Reaper:
             else:
                 if job is None:
                     break
-                if not self._held:
-                    retry_at = time.monotonic() + RETRY_SECONDS
                 self._take(*job)
-            if self._held and time.monotonic() >= retry_at:
-                self._retry()
-                retry_at = time.monotonic() + RETRY_SECONDS
+            start = time.monotonic()
+            if self._held and start >= rested and self._retry(start):
+                rested = start + (time.monotonic() - start) / RETRY_SHARE
         self._retry()
         for path, held in self._held.items():
-            said_left(path, held)
+            said_left(path, held.left)
             if self._hold is not None:
-                self._hold(-held, held)
+                self._hold(-held.left, held.left)
         self._held.clear()
 
     def _take(self, path: str, size: int) -> None:
@@ -386,21 +416,34 @@ class Reaper:
             self._release(size, left)
             return
         if error is not None and hold is not None:  # in use: tried again even with nothing left (the file closed meanwhile)
-            held = self._held[path] = min(left, size)
+            held = min(left, size)
+            self._held[path] = _Held(held, 0, time.monotonic() + retry_delay(0))
             self._tell(path, held, error)
             hold(held, 0)  # before the release: never counted as free while on disk
         self._release(size, 0)
 
-    def _retry(self) -> None:
-        """Try again to delete each path that a deletion left, releasing what that frees."""
+    def _retry(self, now: float | None = None) -> bool:
+        """Try again to delete each path that a deletion left whose try is due at ``now`` (None:
+        every one), releasing what that frees; whether one was tried."""
+        tried = False
         for path, held in list(self._held.items()):
+            if now is not None and held.due > now:
+                continue
+            tried = True
             where, left, error = delete_kept(path, self.block, self.kept)
-            left = min(left, held)
+            left = min(left, held.left)
+            tries = held.tries + 1
             del self._held[path]
-            if error is not None:
-                self._held[where] = left  # where: a file removed again but still open, under its new name
-            if left < held and self._hold is not None:
-                self._hold(left - held, 0)
+            waited = retry_delay(held.tries)
+            if error is not None:  # where: a file removed again but still open, under its new name
+                self._held[where] = _Held(left, tries, time.monotonic() + retry_delay(tries))
+                if waited < RETRY_SECONDS:  # while the waits grow: a few lines a path, not one a second
+                    log.debug("could not delete %s at try %d again, %g s after the one before: %s", path, tries, waited, error)
+            else:
+                log.debug("deleted %s at try %d again, %g s after the one before", path, tries, waited)
+            if left < held.left and self._hold is not None:
+                self._hold(left - held.left, 0)
+        return tried
 
     def _tell(self, path: str, held: int, error: OSError) -> None:
         """Log that ``path`` is left to delete later (the first time as a warning)."""
@@ -408,10 +451,12 @@ class Reaper:
         self._told = True
         log.log(
             level,
-            "could not delete %s yet (%d bytes left, still counted; tried again every %g s: a file of it still open? "
-            "NFS keeps a removed file that is open as .nfsXXXX in its folder until it is closed): %s",
+            "could not delete %s yet (%d bytes left, still counted; tried again after %g s, then up to every %g s: "
+            "a file of it still open? NFS keeps a removed file that is open as .nfsXXXX in its folder until it is "
+            "closed): %s",
             path,
             held,
+            RETRY_FIRST,
             RETRY_SECONDS,
             error,
         )

@@ -197,6 +197,20 @@ def test_dst_listing_benchmark_lists_the_whole_and_one_rank_s_part(tmp_path):
     assert all(r["seconds"] > 0 and r["peak_mib"] > 0 for values in runs.values() for r in values)
 
 
+def test_held_retry_benchmark_times_every_take_on_the_nfs_like_mount(tmp_path):
+    """benchmarks/bench_held_retry.py on 6 items, one round, its source and mount under
+    tmp_path: a wait for each take. No timing is asserted."""
+    if os.geteuid() != 0:
+        pytest.skip("the script mounts tests/nfslike.py: root only (CI runs as root)")
+    try:
+        import mfusepy  # noqa: F401  (raises where libfuse cannot be found)
+    except (ImportError, OSError) as exc:
+        pytest.skip(f"no FUSE here (mfusepy, libfuse 3): {exc}")
+    runs = run_json("bench_held_retry.py", "--trees", str(ROOT), "--items", "6", "--runs", "1", "--dir", str(tmp_path))["runs"]
+    assert list(runs) == [str(ROOT)] and len(runs[str(ROOT)]) == 1
+    assert len(runs[str(ROOT)][0]["waits"]) == 6 and not any(tmp_path.iterdir())
+
+
 def test_node_epochs_benchmark_crosses_an_epoch_in_each_run():
     runs = run_json("bench_node_epochs.py", "--quick", timeout=300)["runs"]
     assert [r["retain"] for r in runs] == ["none", "auto"]

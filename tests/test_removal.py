@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import logging
 import os
 import shutil
 import sys
@@ -450,6 +452,54 @@ def test_an_item_acknowledged_while_its_file_is_open_on_nfs_frees_its_room_once_
         held.close()
         assert names == [f"f{i:02d}" for i in range(12)]
         wait_until(lambda: not os.listdir(staging), 60, "every acknowledged item deleted from staging")
+
+
+def test_a_held_path_is_tried_again_soon_then_at_waits_that_double_up_to_retry_seconds():
+    """What a deletion left because a file of it is open (NFS's ``.nfsXXXX``) was tried again
+    once a second, so a download waiting for its room waited up to a second after the file was
+    closed (a consumer that closes each file at its next step: a take in five about 1 s on
+    ``tests/nfslike.py``, ``benchmarks/bench_held_retry.py``). Now each path's first try comes
+    after a few hundredths of a second, and each wait doubles up to ``RETRY_SECONDS``."""
+    from cachepipe.removal import RETRY_SECONDS, retry_delay
+
+    waits = [retry_delay(tries) for tries in range(12)]
+    assert 0 < waits[0] <= 0.05
+    assert all(b == min(2 * a, RETRY_SECONDS) for a, b in itertools.pairwise(waits))
+    assert waits[-1] == RETRY_SECONDS == retry_delay(10**6)  # a path held for days: once a second, no overflow
+
+
+def test_a_deletion_refused_for_a_file_still_open_on_nfs_is_tried_again_soon_then_less_often(tmp_path, caplog):
+    """The reaper tries again what a deletion left because a file of it is still open (on NFS
+    a removed open file stays in its folder as ``.nfsXXXX``) on each path's own schedule
+    (``retry_delay``): tries while the file is open come at waits that double from a few
+    hundredths of a second (they came once a second, the first a second after the deletion), and
+    the held bytes are released by a try after the file is closed. Counted by the tries the
+    reaper logs at debug level. On ``tests/nfslike.py``."""
+    caplog.set_level(logging.DEBUG, logger="cachepipe.cache")
+    holds: list[tuple[int, int]] = []
+
+    def tries(outcome: str) -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.msg.startswith(f"{outcome} %s at try")]
+
+    with nfs_like(tmp_path / "nfs") as nfs:
+        item = _item(nfs, "i", 20_000)
+        reading = open(Path(item) / "sub" / "f", "rb")  # noqa: SIM115 - held past the deletion, closed below
+        reaper = Reaper(lambda size, left: None, hold=lambda change, left: holds.append((change, left)))  # noqa: ARG005
+        try:
+            assert reaper.put(item, 20_000)
+            wait_until(lambda: len(tries("could not delete")) >= 3, 60, "three tries again while the file is open")
+            reading.close()
+            wait_until(lambda: tries("deleted"), 60, "a try again after the file closed")
+        finally:
+            reading.close()
+            reaper.stop()
+        assert not os.path.exists(item)
+    held = holds[0][0]
+    assert held > 0 and holds == [(held, 0), (-held, 0)]  # held, then released (not left as foreign by stop)
+    waited = [r.args[2] for r in tries("could not delete") + tries("deleted")]  # type: ignore[index]
+    first = waited[0]
+    assert 0 < first <= 0.05 and waited[:3] == [first, 2 * first, 4 * first]
+    assert [r.args[1] for r in tries("could not delete")][:3] == [1, 2, 3]  # type: ignore[index]
 
 
 def test_a_cache_reopened_on_nfs_while_a_file_of_a_deleted_item_is_still_open_opens(tmp_path):
