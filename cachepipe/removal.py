@@ -309,6 +309,11 @@ def retry_delay(tries: int) -> float:
     return min(RETRY_FIRST * 2.0 ** min(tries, 64), RETRY_SECONDS)
 
 
+SAID_ONE_BY_ONE = 3
+"""Paths still held when the reaper stops are each logged as an error up to this many; more are
+said in one error line (with the first), each at debug level."""
+
+
 class _Held(NamedTuple):
     """A path a deletion left, to try again: its bytes still counted, its tries again so far,
     and when (``time.monotonic()``) the next is due."""
@@ -402,9 +407,21 @@ class Reaper:
                 rested = start + (time.monotonic() - start) / RETRY_SHARE
         self._retry()
         for path, held in self._held.items():
-            said_left(path, held.left)
+            if len(self._held) <= SAID_ONE_BY_ONE:
+                said_left(path, held.left)
+            else:
+                log.debug("could not delete %s (%d bytes left)", path, held.left)
             if self._hold is not None:
                 self._hold(-held.left, held.left)
+        if len(self._held) > SAID_ONE_BY_ONE:  # one line, not one per path: a consumer may hold hundreds
+            first, left = next(iter(self._held)), sum(h.left for h in self._held.values())
+            log.error(
+                "could not delete %d paths at the reaper's stop (%d bytes left, counted as foreign until the next open; "
+                "files of them still open? first: %s; the others are logged at debug level)",
+                len(self._held),
+                left,
+                first,
+            )
         self._held.clear()
 
     def _take(self, path: str, size: int) -> None:

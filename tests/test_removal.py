@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -675,3 +676,35 @@ def test_an_item_whose_move_aside_failed_and_that_is_moved_aside_after_all_stays
             if reading is not None:
                 reading.close()
             cache.close()
+
+
+def test_many_paths_still_held_when_the_reaper_stops_are_said_in_one_error_line(tmp_path, caplog):
+    """Five deleted items whose files a consumer still holds open when the reaper stops (a
+    pipeline closed under a notebook's arrays): one ERROR line says how many paths, how many
+    bytes and the first; each path at debug level. (Before: an ERROR line per path.) On
+    ``tests/nfslike.py``."""
+    caplog.set_level(logging.DEBUG, logger="cachepipe.cache")
+    holds: list[tuple[int, int]] = []
+    with nfs_like(tmp_path / "nfs") as nfs:
+        items = [_item(nfs, f"i{n}", 20_000) for n in range(5)]
+        reading = [open(Path(item) / "sub" / "f", "rb") for item in items]  # noqa: SIM115 - held past the stop
+        reaper = Reaper(lambda size, left: None, hold=lambda change, left: holds.append((change, left)))  # noqa: ARG005
+        try:
+            for item in items:
+                assert reaper.put(item, 20_000)
+            wait_until(lambda: len(holds) == 5, 60, "five paths held")
+            reaper.stop()
+        finally:
+            for f in reading:
+                f.close()
+            reaper.stop()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    left = -sum(change for change, _ in holds[5:])
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"could not delete 5 paths at the reaper's stop ({left} bytes left, counted as foreign")
+    each = [
+        r
+        for r in caplog.records
+        if r.levelno == logging.DEBUG and re.fullmatch(r"could not delete \S+ \(\d+ bytes left\)", r.getMessage())
+    ]
+    assert len(each) == 5, [r.getMessage() for r in caplog.records]
