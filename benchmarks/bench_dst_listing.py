@@ -9,7 +9,9 @@ map writes them, ``DST/<item>/...``) and times, in a fresh process per tree and 
 
 - ``whole``: the whole listing, drained;
 - ``rank``: what one rank of ``--ranks`` lists, the middle one's share (a contiguous run of the
-  sorted item names, as map's shares are), bounded as map bounds it.
+  sorted item names, as map's shares are), bounded as map bounds it;
+- ``first``: a ``Pipeline`` over the same tree as its ``file://`` source (folders), from its open
+  to its first item (``keys``: 1), in a cache of its own under ``--dir``.
 
 Seconds, and the process's peak resident memory (the interpreter's included), medians of
 ``--runs`` rounds, the trees' order flipped every round; each tree against the first. The
@@ -37,17 +39,26 @@ from cachepipe.stores import open_store
 url, items, ranks, which = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 names = sorted(f"item{i:07d}" for i in range(items))
 share = names[items * (ranks // 2) // ranks : items * (ranks // 2 + 1) // ranks]
-store = open_store(url, {})
-start = time.perf_counter()
-listing = store.list(dst_range(share).start_after) if which == "rank" else store.list()
-keys = [o.key for o in listing] if which == "whole" else list(bounded((o.key for o in listing), dst_range(share)))
-took = time.perf_counter() - start
-listing.close()
+if which == "first":
+    import tempfile
+    from cachepipe import Pipeline
+    with tempfile.TemporaryDirectory(dir=sys.argv[5]) as cache:
+        start = time.perf_counter()
+        with Pipeline(url, cache, "1GiB") as pipe:
+            keys = [next(iter(pipe))]
+            took = time.perf_counter() - start
+else:
+    store = open_store(url, {})
+    start = time.perf_counter()
+    listing = store.list(dst_range(share).start_after) if which == "rank" else store.list()
+    keys = [o.key for o in listing] if which == "whole" else list(bounded((o.key for o in listing), dst_range(share)))
+    took = time.perf_counter() - start
+    listing.close()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # bytes: the process's, interpreter included
 print(json.dumps({"seconds": took, "peak_mib": peak / 2**20, "keys": len(keys)}))
 """
 
-WHICH = ("whole", "rank")
+WHICH = ("whole", "rank", "first")
 
 
 def main() -> None:
@@ -75,7 +86,7 @@ def main() -> None:
             progress(f"round {run + 1} of {args.runs}")
             for tree in trees if run % 2 == 0 else trees[::-1]:
                 for which in WHICH:
-                    out = json.loads(_child(tree, _LIST, dst.as_uri(), str(args.items), str(args.ranks), which))
+                    out = json.loads(_child(tree, _LIST, dst.as_uri(), str(args.items), str(args.ranks), which, tmp))
                     got.setdefault((tree, which), []).append(out)
         _report(args, trees, got, file_system_of(str(dst)))
 
@@ -93,7 +104,8 @@ def _report(args: argparse.Namespace, trees: list[str], got: dict[tuple[str, str
             seconds = statistics.median(r["seconds"] for r in runs)
             peak = statistics.median(r["peak_mib"] for r in runs)
             rows.append([which, tree, str(runs[0]["keys"]), f"{seconds * 1000:.0f}", f"{seconds / base:.2f}", f"{peak:.1f}"])
-    print(f"a local DST of {args.items} folders x {args.files} files on {fs}; rank: the middle of {args.ranks} (warm):")
+    head = f"a local DST of {args.items} folders x {args.files} files on {fs}; rank: the middle of {args.ranks}"
+    print(f"{head}; first: a Pipeline to its first item (warm):")
     print("\n".join(format_table(["listing", "tree", "keys", "median ms", "vs first", "peak MiB"], rows)))
     m = machine_info()
     print(f"command: {command_line()}")

@@ -188,12 +188,13 @@ def test_dst_listing_benchmark_lists_the_whole_and_one_rank_s_part(tmp_path):
     """benchmarks/bench_dst_listing.py on 64 folders of 2 files, one round: the whole listing
     has every key, the middle rank of 4 its own items' (16 folders) and those of the item before
     them (its bound: ``item0000031``, the first item's name less one, sorts before that item's
-    keys), no more."""
+    keys), no more; a Pipeline over it hands out its first item."""
     report = run_json(
         *("bench_dst_listing.py", "--trees", str(ROOT), "--items", "64", "--files", "2"), "--ranks", "4", "--runs", "1"
     )
     runs = report["runs"]
     assert [r["keys"] for r in runs[f"{ROOT} whole"]] == [128] and [r["keys"] for r in runs[f"{ROOT} rank"]] == [34]
+    assert [r["keys"] for r in runs[f"{ROOT} first"]] == [1]  # a Pipeline over the tree, to its first item
     assert all(r["seconds"] > 0 and r["peak_mib"] > 0 for values in runs.values() for r in values)
 
 
