@@ -670,3 +670,22 @@ def test_the_listings_of_src_and_dst_that_fail_at_page_n_continue_from_there(req
     assert proxy.injected["503"] == 0 and listed == {"prefix=video": 32, "prefix=out": 9}
     assert sum("prefix=video" in line for line in lines) == _requests_resumed(src_keys, "folders", 5, 20) == 32
     assert sum("prefix=out" in line for line in lines) == _requests_resumed(dst_keys, "files", 5, 5) == 9
+
+
+def test_only_rank_0_removes_what_killed_uploads_left_in_a_local_destination(tmp_path):
+    """Every rank walked the whole of a local DST for killed uploads' temporary files (on NFS
+    shared by 64 ranks, 64 walks of it at start); rank 0 alone does now, and the others list
+    only their part of it. Rank 1 of 2 leaves a temporary file under rank 0's item (before:
+    removed by it); rank 0 removes it."""
+    for name in ("a", "b"):
+        (tmp_path / "src" / name).mkdir(parents=True)
+        (tmp_path / "src" / name / "f").write_bytes(name.encode() * 10)
+    dst = tmp_path / "dst"
+    leave(str(dst), {}, tmp_path, ["a/stale.bin.cachepipe.tmp"])
+    options = {"capacity": "1MiB", "progress": False, "out_ratio": 3, "world_size": 2}
+    second = map_items(named("A"), str(tmp_path / "src"), str(dst), cache_dir=tmp_path / "c1", rank=1, **options)
+    assert second.ok and second.items_done == 1, second.failed
+    assert (dst / "a" / "stale.bin.cachepipe.tmp").exists()  # rank 0's item: rank 1 neither walks nor lists there
+    first = map_items(named("A"), str(tmp_path / "src"), str(dst), cache_dir=tmp_path / "c0", rank=0, **options)
+    assert first.ok and first.items_done == 1, first.failed
+    assert not (dst / "a" / "stale.bin.cachepipe.tmp").exists()

@@ -250,7 +250,9 @@ class _Remote:
     def _remove_stale(self, dst: WritableStore) -> None:
         """Remove the temporary files that killed uploads left in DST (a local one's
         ``*.cachepipe.tmp``: its optional ``remove_stale_temps``; never a live upload's), which
-        an upload of the same key would only overwrite: under an item done since, left for good."""
+        an upload of the same key would only overwrite: under an item done since, left for good.
+        Called by rank 0 alone: it walks the whole of a local DST, which the other ranks' own
+        listings do not (:meth:`_held_in`)."""
         remove: Callable[[], list[str]] | None = getattr(dst, "remove_stale_temps", None)
         if remove is None:
             return

@@ -131,7 +131,7 @@ class _MapRun(_Remote):
                 # an item whose keys cannot be stored is refused, whatever DST holds: never downloaded
                 unsafe = {mi.name: mi.unsafe for mi in planned if mi.unsafe is not None}
                 safe = [mi for mi in planned if mi.unsafe is None]
-                if not cfg.dry_run:
+                if not cfg.dry_run and cfg.rank == 0:  # one walk of a local DST for the job, not one per rank
                     self._remove_stale(dst)
                 checked = self._done(dst, safe, self._command, names)
                 self._held = checked.held
