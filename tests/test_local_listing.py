@@ -15,6 +15,8 @@ import fsspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mounts import mounted
+from test_fs_week import loop_image
 
 from cachepipe.stores import open_store
 from cachepipe.stores.fsspec import local_files
@@ -84,14 +86,23 @@ def test_links_are_neither_followed_nor_listed_and_a_missing_root_lists_nothing(
 UNREADABLE = r"""
 import os, sys
 from cachepipe.stores import open_store
-store = open_store(sys.argv[1], {})  # imported and opened as root: nobody cannot read the interpreter's files here
+# imported and opened as root: nobody cannot read the interpreter's files here
+stores = [open_store(url, {}) for url in sys.argv[1:]]
 os.setgid(65534)
 os.setuid(65534)  # nobody: the folder's mode applies (root reads every folder)
-try:
-    print([o.key for o in store.list()])
-except Exception as exc:
-    print(type(exc).__name__, exc)
+for store in stores:  # a line each
+    try:
+        print([o.key for o in store.list()])
+    except Exception as exc:
+        print(type(exc).__name__, exc)
 """
+
+
+def _list_as_nobody(*urls: str) -> list[str]:
+    """What :data:`UNREADABLE` prints of each of ``urls``, listed as nobody: a line each."""
+    run = subprocess.run([sys.executable, "-c", UNREADABLE, *urls], check=False, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.splitlines()
 
 
 def test_a_folder_that_cannot_be_read_is_an_error_naming_it_not_a_gap_in_the_listing():
@@ -107,11 +118,34 @@ def test_a_folder_that_cannot_be_read_is_an_error_naming_it_not_a_gap_in_the_lis
             (root / name / "f").write_bytes(b"x")
             (root / name / "f").chmod(0o644)
         (root / "b").chmod(0o000)
-        run = subprocess.run(
-            [sys.executable, "-c", UNREADABLE, root.as_uri()], check=False, capture_output=True, text=True, timeout=60
-        )
-        assert run.returncode == 0, run.stderr
-        assert "Permission denied" in run.stdout and f"{root}/b" in run.stdout, run.stdout
+        (said,) = _list_as_nobody(root.as_uri())
+        assert "Permission denied" in said and f"{root}/b" in said, said
     finally:
         (root / "b").chmod(0o755)
         shutil.rmtree(root)
+
+
+def test_fscks_lost_found_at_the_top_of_a_mounted_file_system_is_passed_over():
+    """A data volume's mount point (ext4: mkfs makes ``lost+found`` there, root's alone) listed
+    by another user: its files, ``lost+found`` passed over, as fsspec's find did (before the
+    fix, the listing failed: ``Permission denied: '.../disk/lost+found'``). A folder so named
+    elsewhere is no fsck's: an error, as any folder that cannot be read."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to mount and to run the listing as nobody")
+    base = Path(tempfile.mkdtemp(dir="/tmp"))  # nobody must reach it: not under pytest's root-only folder
+    try:
+        base.chmod(0o755)
+        disk, commands = loop_image(base, ["mkfs.ext4", "-q", "-F"], 8 << 20)
+        plain = base / "plain"
+        (plain / "lost+found").mkdir(parents=True, mode=0o700)
+        (plain / "f").write_bytes(b"x")
+        with mounted(disk, *commands):
+            assert (disk / "lost+found").stat().st_mode & 0o077 == 0  # mkfs's: root's alone
+            disk.chmod(0o755)
+            (disk / "a").mkdir(mode=0o755)
+            (disk / "a" / "f").write_bytes(b"xy")
+            on_disk, elsewhere = _list_as_nobody(disk.as_uri(), plain.as_uri())
+        assert on_disk == "['a/f']"
+        assert "Permission denied" in elsewhere and f"{plain}/lost+found" in elsewhere, elsewhere
+    finally:
+        shutil.rmtree(base)

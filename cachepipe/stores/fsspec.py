@@ -214,7 +214,7 @@ class FsspecStore:
         a listing stopped early (a map rank's part of DST, :mod:`~cachepipe.map.dstrange`) reads
         no further, and none is held in memory whole. As fsspec's ``find`` lists, links are not
         followed nor listed, and a root that is missing or not a folder lists nothing; but a
-        folder that cannot be read is an error, not a silent gap. The temporary files of uploads
+        folder that cannot be read is an error, not a silent gap (but fsck's :data:`LOST_FOUND`). The temporary files of uploads
         are left out (their count logged)."""
         temps: list[str] = []
         with self._errors(self.url):
@@ -552,16 +552,30 @@ class FsspecStore:
             raise delete_error(code, message, f"{self.url.rstrip('/')}/{key[len(self._key_prefix) :]}", self.endpoint)
 
 
+LOST_FOUND = "lost+found"
+"""The folder that ``mkfs`` makes at the top of an ext2/3/4 file system for fsck, readable by root
+alone: a local listing by another user (of a data volume's mount point) passes over it, unread,
+as fsspec's ``find`` did, instead of failing on it."""
+
+
 def local_files(root: str, start_after: str | None = None, prefix: str = "") -> Iterator[tuple[str, int]]:
     """``(key, size)`` of each regular file under the folder ``root``, keys relative to it, in
     key order (each folder's entries sorted by name, a folder's as ``name/``: so its files come
     where their keys sort), after the key ``start_after`` if given (a folder whose keys all sort
     before it is not entered). Walked as it is read; links are neither followed nor listed; a
-    ``root`` that is missing or not a folder holds nothing (as fsspec's ``find``)."""
+    ``root`` that is missing or not a folder holds nothing (as fsspec's ``find``). A folder that
+    cannot be read raises :class:`PermissionError`, except fsck's :data:`LOST_FOUND` at the top of
+    a mounted file system (logged at debug level)."""
     try:
         with os.scandir(root) as found:
             entries = [(e.name + "/", e) if e.is_dir(follow_symlinks=False) else (e.name, e) for e in found]
     except (FileNotFoundError, NotADirectoryError):  # also a folder removed while it is walked
+        return
+    except PermissionError:
+        parent, name = os.path.split(root)
+        if not (prefix and name == LOST_FOUND and os.path.ismount(parent)):
+            raise
+        log.debug("passed over %s: it cannot be read (fsck's folder of a file system, root's alone)", root)
         return
     entries.sort(key=lambda pair: pair[0])
     for name, entry in entries:
