@@ -30,7 +30,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError, PydanticKnownError
 
 from .errors import ConfigError, closest
-from .locations import SCHEMES, check_absolute_source, check_destination, check_source, utf8_location
+from .locations import SCHEMES, cache_in_source, check_absolute_source, check_destination, check_source, utf8_location
 from .sizes import (
     SIZE_FORMS,
     SMALL_CAPACITY,
@@ -436,6 +436,17 @@ class PipelineConfig(BaseModel):
             raise ValueError(
                 f"download_processes={value} with source {source!r}: a memory:// file system "
                 "is private to this process, worker processes cannot read it; use download_processes=0"
+            )
+        return value
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _outside_the_source(cls, value: Path, info: ValidationInfo) -> Path:
+        source = info.data.get("source")
+        if isinstance(source, str) and cache_in_source(source, value):
+            raise ValueError(
+                f"{str(value)!r} is inside the source {source!r}: the source's listing would hold the cache's own "
+                "files as items of the dataset; give a cache_dir outside the source folder"
             )
         return value
 

@@ -15,7 +15,16 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["SCHEMES", "check_absolute_source", "check_destination", "check_source", "utf8_location"]
+__all__ = [
+    "SCHEMES",
+    "cache_in_source",
+    "check_absolute_source",
+    "check_destination",
+    "check_source",
+    "inside_prefix",
+    "spelled",
+    "utf8_location",
+]
 
 SCHEMES = "s3://, obs://, gs://, az://, file://, memory://, http(s):// or any other fsspec protocol"
 
@@ -130,3 +139,44 @@ def check_absolute_source(source: str, field: str = "source") -> None:
         f"('/' under systemd), not from the folder of its config file or of the shell that checks it: "
         f"expected {meant}"
     )
+
+
+def spelled(url: str, resolve: bool = False) -> str:
+    """``url`` spelled one way, ending in ``/``: a local path (no scheme, or ``file://``) made
+    absolute and normalised (``data``, ``./data/`` and ``file:///home/me/data`` are one place;
+    symbolic links resolved only if ``resolve``), any other URL as it is."""
+    path = url.removeprefix("file://") if url.startswith("file://") else None if "://" in url else url
+    if path is None:
+        return url.rstrip("/") + "/"
+    path = os.path.expanduser(path)
+    return "file://" + (os.path.realpath(path) if resolve else os.path.abspath(path)).rstrip("/") + "/"
+
+
+def inside_prefix(source: str, dest: str) -> str | None:
+    """``dest`` relative to ``source`` when it lies under it (``s3://b/d/`` and ``s3://b/d/out/`` -> ``out/``;
+    ``data`` and ``./data/out`` -> ``out/``: local paths are compared as absolute paths, then,
+    if that finds neither under the other, with their links resolved: a link to a folder is
+    that folder).
+
+    Raises:
+        ConfigError: ``dest`` is ``source`` itself, as spelled or through a link (its listing
+            would be the dataset's, whose files a run would delete as left by an earlier attempt).
+    """
+    spellings = [(spelled(source, resolve), spelled(dest, resolve)) for resolve in (False, True)]
+    for resolved, (src, dst) in enumerate(spellings):
+        if dst == src:
+            how = f" through a link ({src.removeprefix('file://')})" if resolved else ""
+            raise ConfigError(f"dest {dest!r} is the source itself ({source!r}){how}; give a folder beside it or under it")
+    for src, dst in spellings:
+        if dst.startswith(src):
+            return dst[len(src) :]
+    return None
+
+
+def cache_in_source(source: str, cache_dir: str | os.PathLike[str]) -> bool:
+    """Whether the folder ``cache_dir`` is a local ``source`` (no scheme, or ``file://``) or lies
+    under it, as spelled or with links resolved (:func:`spelled`): the source's listing would
+    then hold the cache's own files. False for any other source."""
+    if "://" in source and not source.startswith("file://"):
+        return False
+    return any(spelled(os.fspath(cache_dir), resolve).startswith(spelled(source, resolve)) for resolve in (False, True))

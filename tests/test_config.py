@@ -141,3 +141,21 @@ def test_config_defaults(tmp_path):
     assert cfg.capacity == 1024**3 and cfg.items == "folders" and cfg.ordered and cfg.auto_ack
     assert cfg.part_size is None and cfg.max_concurrency == 64 and cfg.max_large_requests == 16 and cfg.prefetch is None
     assert cfg.large_requests == 16 and cfg.model_copy(update={"max_concurrency": 4}).large_requests == 4
+
+
+def test_a_cache_dir_inside_a_local_source_is_refused_naming_both(tmp_path):
+    """The source's listing held the cache's own folder as an item of the dataset (a
+    ``cache_dir`` of ``src/cache`` handed out ``cache``, its lock and journal copied into
+    itself); refused at once, as spelled or through a link."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "src", target_is_directory=True)
+    inside = [
+        ("file://" + str(tmp_path / "src") + "/", tmp_path / "src" / "cache"),
+        (str(tmp_path / "src"), tmp_path / "src"),
+        (str(tmp_path / "link"), tmp_path / "src" / "deeper" / "cache"),
+    ]
+    for source, cache in inside:
+        with pytest.raises(ValidationError, match=f"{str(cache)!r} is inside the source {source!r}"):
+            PipelineConfig(source=source, cache_dir=cache, capacity="1G")
+    for source, cache in [(str(tmp_path / "src"), tmp_path / "srcx"), ("s3://b/p", tmp_path / "src" / "cache")]:
+        assert PipelineConfig(source=source, cache_dir=cache, capacity="1G").cache_dir == cache

@@ -200,7 +200,8 @@ def _option_errors(exc: ValueError) -> str | None:
             continue
         field = str(err["loc"][0])
         flag = named.get(field) or f"--{field.replace('_', '-')}"
-        lines.append(f"{flag} {err['input']!r}: {message}")
+        given = os.fspath(err["input"]) if isinstance(err["input"], os.PathLike) else err["input"]  # a path as typed
+        lines.append(f"{flag} {given!r}: {message}")
     return "; ".join(lines)
 
 

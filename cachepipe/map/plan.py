@@ -13,7 +13,6 @@ import functools
 import hashlib
 import json
 import math
-import os
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,7 +33,7 @@ from pydantic import (
 from ..blocks import folders_made, footprint, round_up
 from ..catalog import check_key, group_items
 from ..config import UNPACK_RATIO, Capacity, check_manifest_location, credentials_unsaid, filtered_tar, parse_size, utf8_location
-from ..errors import ConfigError, UnsafeKeyError
+from ..errors import UnsafeKeyError
 from ..grouping import version_of
 from ..keys import _TreeCheck
 from ..stores import Store
@@ -51,7 +50,6 @@ __all__ = [
     "command_digest",
     "function_name",
     "in_blocks",
-    "inside_prefix",
     "item_charge",
     "item_reserve",
     "out_reserve",
@@ -425,35 +423,3 @@ class PlannedSource:
         nothing from its source after that), unless it is the destination too."""
         if self._abortable:
             abort_store(self._store)
-
-
-def _location(url: str, resolve: bool = False) -> str:
-    """``url`` spelled one way, ending in ``/``: a local path (no scheme, or ``file://``) made
-    absolute and normalised (``data``, ``./data/`` and ``file:///home/me/data`` are one place;
-    symbolic links resolved only if ``resolve``), any other URL as it is."""
-    path = url.removeprefix("file://") if url.startswith("file://") else None if "://" in url else url
-    if path is None:
-        return url.rstrip("/") + "/"
-    path = os.path.expanduser(path)
-    return "file://" + (os.path.realpath(path) if resolve else os.path.abspath(path)).rstrip("/") + "/"
-
-
-def inside_prefix(source: str, dest: str) -> str | None:
-    """``dest`` relative to ``source`` when it lies under it (``s3://b/d/`` and ``s3://b/d/out/`` -> ``out/``;
-    ``data`` and ``./data/out`` -> ``out/``: local paths are compared as absolute paths, then,
-    if that finds neither under the other, with their links resolved: a link to a folder is
-    that folder).
-
-    Raises:
-        ConfigError: ``dest`` is ``source`` itself, as spelled or through a link (its listing
-            would be the dataset's, whose files a run would delete as left by an earlier attempt).
-    """
-    spellings = [(_location(source, resolve), _location(dest, resolve)) for resolve in (False, True)]
-    for resolved, (src, dst) in enumerate(spellings):
-        if dst == src:
-            how = f" through a link ({src.removeprefix('file://')})" if resolved else ""
-            raise ConfigError(f"dest {dest!r} is the source itself ({source!r}){how}; give a folder beside it or under it")
-    for src, dst in spellings:
-        if dst.startswith(src):
-            return dst[len(src) :]
-    return None

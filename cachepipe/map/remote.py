@@ -31,11 +31,12 @@ from typing import Any, Literal
 from ..backoff import backoff_delay
 from ..errors import ConfigError, is_transient
 from ..listing import resumed_listing
+from ..locations import inside_prefix
 from ..manifest import check_manifest, read_manifest
 from ..stores import Store
 from ..stores.base import ObjectInfo, WritableStore
 from .dstrange import bounded, dst_range
-from .plan import MapConfig, MapItem, holder, inside_prefix
+from .plan import MapConfig, MapItem, holder
 from .uploader import MARKER_FORMAT, MARKER_LIMIT, marker_command, marker_format, marker_key, marker_version
 
 __all__ = ["Checked", "verdict"]

@@ -34,6 +34,7 @@ from ..cache.room import block_at, room_at
 from ..config import Share, check_cache_dir, check_destination, check_source, with_unit
 from ..errors import CacheLockedError, ConfigError, ItemFailedError, UnknownItemError
 from ..listing import empty_source
+from ..locations import inside_prefix
 from ..pipeline import Pipeline
 from ..stores import Store, open_store
 from ..stores.base import WritableStore
@@ -46,7 +47,6 @@ from .plan import (
     PlannedSource,
     command_digest,
     function_name,
-    inside_prefix,
     item_charge,
     item_reserve,
     plan_items,
