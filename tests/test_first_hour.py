@@ -925,3 +925,45 @@ def test_a_scheme_in_capitals_says_schemes_are_lower_case(tmp_path: Path, given:
     # It listed every protocol fsspec knows, obs and s3 among them, as if the scheme were unknown.
     with pytest.raises(ConfigError, match=re.escape(f"in {given!r}: schemes are lower case; expected {meant!r}")):
         Pipeline(given, tmp_path / "cache", "1MiB").open()
+
+
+def test_a_local_folder_that_cannot_be_listed_fails_the_listing_not_leaves_its_items_out(tmp_path: Path) -> None:
+    """fsspec's ``find`` passes over a folder it cannot list (its ``walk`` omits errors): a local
+    source with a folder this user may not read was listed without its items, and read to its
+    end without a word (``index`` wrote 2 of 3 items, exit 0). The listing fails instead, naming
+    the folder. (Root reads any folder: the command runs without CAP_DAC_OVERRIDE/READ_SEARCH.)"""
+    from conftest import as_a_user
+
+    prefix = as_a_user()
+    src = _source(tmp_path, ("a", "b", "c"))
+    (src / "b").chmod(0o000)
+    try:
+        done = subprocess.run(
+            [*prefix, sys.executable, "-m", "cachepipe", "index", str(src), "-o", str(tmp_path / "m.gz")],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            timeout=120,
+            check=False,
+        )
+    finally:
+        (src / "b").chmod(0o755)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.startswith("cachepipe index: ") and str(src / "b") in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "m.gz").exists()
+
+
+def test_an_http_source_whose_server_refuses_is_unreachable_not_empty(tmp_path: Path) -> None:
+    """An ``http://`` source whose server refuses the connection was "no items ...: the source
+    lists no objects; check the bucket and the prefix" (fsspec's ``find`` omits the error)."""
+    import socket
+
+    from cachepipe import EmptySourceError
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(OSError, match=rf"127\.0\.0\.1:{port}") as raised:
+        Pipeline(f"http://127.0.0.1:{port}/videos/", tmp_path / "c", "10MiB", retries=0).open()
+    assert not isinstance(raised.value, EmptySourceError), raised.value

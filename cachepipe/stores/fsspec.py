@@ -77,6 +77,40 @@ PARTS_IN_FLIGHT = 4
 (s3fs's own multipart upload holds ten)."""
 
 
+def _walks(fs: Any) -> bool:
+    """Whether ``fs.find`` walks folder by folder through fsspec's own ``walk`` (local, http,
+    sftp...), which passes over a folder it cannot list (permission denied, an I/O error, a server
+    that refuses) and lists the rest as if it were all: its ``on_error`` reaches the first folder
+    only. s3fs, gcsfs and memory have a ``find`` of their own, one listing of the whole prefix."""
+    cls = type(fs)
+    if cls.find is fsspec.spec.AbstractFileSystem.find:
+        return True
+    return isinstance(fs, fsspec.asyn.AsyncFileSystem) and cls._find is fsspec.asyn.AsyncFileSystem._find
+
+
+def _find_raising(fs: Any, root: str) -> dict[str, dict[str, Any]]:
+    """``fs.find(root, detail=True)`` for a filesystem that :func:`_walks`, one ``ls`` per folder
+    as its ``walk`` makes, but raising a folder's error instead of leaving its objects out. A
+    folder that is gone (removed while the listing runs, or a root that does not exist: no
+    objects) is passed over, as there."""
+    found: dict[str, dict[str, Any]] = {}
+    folders = [root]
+    while folders:
+        folder = folders.pop()
+        try:
+            entries = fs.ls(folder, detail=True)
+        except FileNotFoundError:
+            continue
+        for info in entries:
+            name = info["name"].rstrip("/")
+            if info["type"] == "directory":
+                if name != folder:
+                    folders.append(name)
+            else:
+                found[info["name"]] = info
+    return found
+
+
 class FsspecStore:
     """A :class:`~cachepipe.stores.base.Store` over any fsspec filesystem.
 
@@ -195,7 +229,11 @@ class FsspecStore:
             return
         with self._errors(self.url):
             self.fs.invalidate_cache(self.root)  # a relisting must see the store as it is now
-            entries = self.fs.find(self.root, detail=True, withdirs=False)
+            entries = (
+                _find_raising(self.fs, self.root)
+                if _walks(self.fs)
+                else self.fs.find(self.root, detail=True, withdirs=False)
+            )
         prefix = f"{self.root}/" if self.root else ""
         local = bool({"file", "local"} & set(_protocols(self.fs)))
         temps: list[str] = []
