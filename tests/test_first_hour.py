@@ -967,3 +967,31 @@ def test_an_http_source_whose_server_refuses_is_unreachable_not_empty(tmp_path: 
     with pytest.raises(OSError, match=rf"127\.0\.0\.1:{port}") as raised:
         Pipeline(f"http://127.0.0.1:{port}/videos/", tmp_path / "c", "10MiB", retries=0).open()
     assert not isinstance(raised.value, EmptySourceError), raised.value
+
+
+def test_a_source_that_names_one_object_says_so_not_to_check_the_bucket(tmp_path: Path, s3_endpoint: str, s3_client) -> None:
+    """A source URL that names one object (a tar shard, a local file) lists nothing under it, and
+    was "the source lists no objects; check the bucket and the prefix" though the object is
+    there. It says that the URL names an object, and the prefix to give instead."""
+    from cachepipe import EmptySourceError
+
+    shard = tmp_path / "shards" / "shard-000.tar"
+    shard.parent.mkdir()
+    shard.write_bytes(b"x" * 100)
+    s3_client.create_bucket(Bucket="one-object")
+    s3_client.put_object(Bucket="one-object", Key="shards/shard-000.tar", Body=b"x" * 100)
+    options = {
+        "": {},
+        "s3": {"endpoint_url": s3_endpoint},
+        "obs": {"server": s3_endpoint, "access_key_id": "k", "secret_access_key": "s"},
+    }
+    for source, parent in (
+        (str(shard), f"{shard.parent}/"),
+        ("s3://one-object/shards/shard-000.tar", "s3://one-object/shards/"),
+        ("obs://one-object/shards/shard-000.tar", "obs://one-object/shards/"),
+    ):
+        with pytest.raises(EmptySourceError) as raised:
+            Pipeline(source, tmp_path / "c", "10MiB", items="files", storage_options=options[source.partition("://")[0] if "://" in source else ""]).open()
+        message = str(raised.value)
+        assert "names one object, not a prefix" in message and f"such as {parent!r}" in message, message
+        assert "check the bucket" not in message

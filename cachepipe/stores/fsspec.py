@@ -495,6 +495,12 @@ class FsspecStore:
                 pass
         raise FileNotFoundError(f"no such bucket {self._bucket!r} at {self.endpoint}: {self.url}")
 
+    def names_object(self) -> bool:
+        """True if the root itself is one object (a file), not a prefix: the URL of a tar shard
+        given as a source. One request."""
+        with self._errors(self.url):
+            return bool(self.root) and bool(self.fs.isfile(self.root))
+
     def exists(self, key: str) -> bool:
         """True if ``key`` exists. Asks the store (no cached listing); a missing object is False,
         any other failure raises (fsspec's own ``exists`` would return False for those too)."""
