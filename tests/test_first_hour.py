@@ -995,3 +995,15 @@ def test_a_source_that_names_one_object_says_so_not_to_check_the_bucket(tmp_path
         message = str(raised.value)
         assert "names one object, not a prefix" in message and f"such as {parent!r}" in message, message
         assert "check the bucket" not in message
+
+
+def test_map_without_a_command_or_unpack_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``cachepipe map SRC DST --cache C --capacity N`` with no ``-- CMD`` and no ``--unpack`` is a
+    command line short of what it needs: exit status 2, as ``--help`` and the CLI reference say
+    of usage errors (it was 1, the status of a run that failed)."""
+    src = _source(tmp_path)
+    status = map_main([str(src), str(tmp_path / "out"), "--cache", str(tmp_path / "cache"), "--capacity", "10MiB"])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "nothing to do: give a command" in err and "--unpack" in err, err
+    assert not (tmp_path / "cache").exists()
