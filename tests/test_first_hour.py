@@ -990,8 +990,9 @@ def test_a_source_that_names_one_object_says_so_not_to_check_the_bucket(tmp_path
         ("s3://one-object/shards/shard-000.tar", "s3://one-object/shards/"),
         ("obs://one-object/shards/shard-000.tar", "obs://one-object/shards/"),
     ):
+        scheme = source.partition("://")[0] if "://" in source else ""
         with pytest.raises(EmptySourceError) as raised:
-            Pipeline(source, tmp_path / "c", "10MiB", items="files", storage_options=options[source.partition("://")[0] if "://" in source else ""]).open()
+            Pipeline(source, tmp_path / "c", "10MiB", items="files", storage_options=options[scheme]).open()
         message = str(raised.value)
         assert "names one object, not a prefix" in message and f"such as {parent!r}" in message, message
         assert "check the bucket" not in message

@@ -1981,7 +1981,8 @@ UNREADABLE_OUTPUTS = r"""
 import json, os, sys
 from cachepipe.map import map_items
 src, dst, cache = sys.argv[1:4]
-script = 'mkdir "$CACHEPIPE_OUT/sub" && cp f "$CACHEPIPE_OUT/sub/g" && cp f "$CACHEPIPE_OUT/top" && chmod 000 "$CACHEPIPE_OUT/sub"'
+script = 'mkdir "$CACHEPIPE_OUT/sub" && cp f "$CACHEPIPE_OUT/sub/g" && cp f "$CACHEPIPE_OUT/top"'
+script += ' && chmod 000 "$CACHEPIPE_OUT/sub"'
 result = map_items(["sh", "-c", script], src, dst, cache_dir=cache, capacity="1MiB", out_reserve="64KiB", retries=0)
 print(json.dumps([result.items_done, [f.error for f in result.failed]]))
 """

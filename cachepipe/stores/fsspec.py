@@ -85,7 +85,8 @@ def _walks(fs: Any) -> bool:
     cls = type(fs)
     if cls.find is fsspec.spec.AbstractFileSystem.find:
         return True
-    return isinstance(fs, fsspec.asyn.AsyncFileSystem) and cls._find is fsspec.asyn.AsyncFileSystem._find
+    generic = fsspec.asyn.AsyncFileSystem._find  # noqa: SLF001 - fsspec's own method, compared, not called
+    return isinstance(fs, fsspec.asyn.AsyncFileSystem) and cls._find is generic
 
 
 def _find_raising(fs: Any, root: str) -> dict[str, dict[str, Any]]:
@@ -230,9 +231,7 @@ class FsspecStore:
         with self._errors(self.url):
             self.fs.invalidate_cache(self.root)  # a relisting must see the store as it is now
             entries = (
-                _find_raising(self.fs, self.root)
-                if _walks(self.fs)
-                else self.fs.find(self.root, detail=True, withdirs=False)
+                _find_raising(self.fs, self.root) if _walks(self.fs) else self.fs.find(self.root, detail=True, withdirs=False)
             )
         prefix = f"{self.root}/" if self.root else ""
         local = bool({"file", "local"} & set(_protocols(self.fs)))
