@@ -178,6 +178,11 @@ class _ItemRequests(_Connection):
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.pipeline is None:
             names = sorted(self.status()["pipelines"])
+            if not names:
+                raise ValueError(
+                    f"the daemon at {self.address} serves no pipeline (jobs only): its jobs are read by "
+                    "CachePipeDataset(node=SOCKET) (docs/multinode.md); to take items here, give it a pipelines section"
+                )
             if len(names) != 1:
                 raise ValueError(
                     f"the daemon at {self.address} serves the pipelines {', '.join(names)}: "

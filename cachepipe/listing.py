@@ -444,14 +444,21 @@ def resumed_listing(
         return
 
 
-def empty_source(source: str, items: str, objects: int, listed: int = 0) -> EmptySourceError:
+def empty_source(source: str, items: str, objects: int, listed: int = 0, store: object = None) -> EmptySourceError:
     """The error of a listing of ``source`` that ended without an item to deliver, saying why:
     every one of the ``listed`` items was larger than the capacity, the prefix lists nothing
-    (``objects`` 0: a wrong bucket or prefix), or its objects lie directly under it while
+    (``objects`` 0: a wrong bucket or prefix, or a URL that names one object, asked of ``store``
+    where it can tell, ``names_object``), or its objects lie directly under it while
     ``items="folders"`` makes items of folders only."""
     what = f"no items under {source!r}: found no {items}"
     if listed:
         return EmptySourceError(f"{what} smaller than the capacity")
+    if not objects and _names_object(store):
+        parent = source.rstrip("/").rsplit("/", 1)[0] + "/"
+        return EmptySourceError(
+            f"no items under {source!r}: it names one object, not a prefix; a source is the prefix (folder) its "
+            f"items lie under, such as {parent!r} (with items='files' each object under it is an item)"
+        )
     if not objects:
         return EmptySourceError(
             f"{what} with objects: the source lists no objects; check the bucket and the prefix (keys are case-sensitive)"
@@ -462,6 +469,18 @@ def empty_source(source: str, items: str, objects: int, listed: int = 0) -> Empt
         "items='folders' (the default) makes an item of each folder below the prefix: pass items='files' for an item "
         "per object, or give the prefix above their folder"
     )
+
+
+def _names_object(store: object) -> bool:
+    """Whether ``store``'s URL names one object (a file) rather than a prefix: a hint for an
+    empty listing, one request; False where the store cannot tell, or the request fails."""
+    ask = getattr(store, "names_object", None)
+    if ask is None:
+        return False
+    try:
+        return bool(ask())
+    except Exception:  # noqa: BLE001 - only a hint: the error says what it says without it
+        return False
 
 
 def list_source(
@@ -490,7 +509,7 @@ def list_source(
     )
     catalog = Catalog.from_listing(objects, items)
     if not catalog:
-        raise empty_source(source or store.url, items, objects.n)
+        raise empty_source(source or store.url, items, objects.n, store=store)
     return catalog
 
 

@@ -356,7 +356,7 @@ class _Pass:
         listing.start()
         listing.wait_first_page()
         if listing.done and plan.n_items == 0:
-            raise empty_source(cfg.source, cfg.items, listing.objects, listing.listed)
+            raise empty_source(cfg.source, cfg.items, listing.objects, listing.listed, store)
         return self._stream_steps(listing)
 
     def _stream_steps(self, listing: StreamingListing) -> Iterator[list[Planned]]:

@@ -588,3 +588,11 @@ def test_what_loading_logs_reaches_the_root_logger_once_at_the_level_and_is_writ
         assert logger.propagate is propagate
     finally:
         logger.setLevel(level)
+
+
+def test_a_prepare_hook_in_the_file_says_a_config_cannot_hold_code(tmp_path):
+    """``prepare: mymodule.fn`` (a hook named as text) was refused as pydantic says it, "Input
+    should be callable", which does not say what to write: a file cannot hold a callable."""
+    message = error_of(tmp_path, minimal(tmp_path, prepare="mymodule.fn"))
+    assert "pipelines.train.prepare = 'mymodule.fn': a Python callable, which a config file cannot hold" in message
+    assert "leave it out" in message and "Pipeline(prepare=...)" in message, message

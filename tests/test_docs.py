@@ -287,3 +287,57 @@ def test_code_fences_are_closed(page):
     """An unclosed fence turns the rest of a page into one code block (and hides its snippets)."""
     fences = [n for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1) if line.lstrip().startswith("```")]
     assert len(fences) % 2 == 0, f"{page.name}: a code fence is not closed (fences on lines {fences})"
+
+
+def test_systemd_install_steps_leave_the_config_readable_by_the_service_user():
+    """docs/service/systemd.md's install block is not run (root, systemd), but its steps that make
+    /etc/cachepipe and the config are, in a temporary folder, with a group standing for
+    ``cachepipe``: the service's user (in that group only) must read the config. They made the
+    folder 0750 root:root, so the user could not reach the file (``config file ...: cannot read
+    it: Permission denied``, exit 78, and RestartPreventExitStatus=78 keeps it down)."""
+    import grp
+    import pwd
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run a step as another user")
+    group = next((g for g in ("daemon", "adm", "users") if _has_group(g)), None)
+    if group is None:
+        pytest.skip("no group to stand for cachepipe's")
+    (block,) = [b for b in blocks(ROOT / "docs" / "service" / "systemd.md") if "install -d" in b.code]
+    tmp = tempfile.mkdtemp(prefix="cpsysd-")
+    try:
+        os.chmod(tmp, 0o755)  # noqa: S103 - (mkdtemp makes it 0700) the user reaches what the steps make in it
+        etc = f"{tmp}/etc/cachepipe"
+        os.makedirs(os.path.dirname(etc))
+        steps = [line for line in block.code.splitlines() if "/etc/cachepipe" in line]
+        assert steps and any(line.startswith("install -d") for line in steps), block.code
+        script = "\n".join(steps)
+        script = script.replace("/opt/cachepipe/bin/cachepipe", "cachepipe").replace("/etc/cachepipe", etc)
+        script = re.sub(r"(chgrp|-g) cachepipe\b", rf"\1 {group}", script)
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+        env["PYTHONPATH"] = str(ROOT)
+        made = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script], env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+        assert made.returncode == 0, made.stderr
+        user = pwd.getpwnam("nobody").pw_uid
+        gid = grp.getgrnam(group).gr_gid
+        read = subprocess.run(
+            ["setpriv", f"--reuid={user}", f"--regid={gid}", "--clear-groups", "head", "-c", "10", f"{etc}/cachepipe.yaml"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert read.returncode == 0, f"the service's user cannot read the config the steps made: {read.stderr}\n{script}"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _has_group(name: str) -> bool:
+    import grp
+
+    try:
+        return grp.getgrnam(name).gr_gid != 0
+    except KeyError:
+        return False

@@ -925,3 +925,86 @@ def test_a_scheme_in_capitals_says_schemes_are_lower_case(tmp_path: Path, given:
     # It listed every protocol fsspec knows, obs and s3 among them, as if the scheme were unknown.
     with pytest.raises(ConfigError, match=re.escape(f"in {given!r}: schemes are lower case; expected {meant!r}")):
         Pipeline(given, tmp_path / "cache", "1MiB").open()
+
+
+def test_a_local_folder_that_cannot_be_listed_fails_the_listing_not_leaves_its_items_out(tmp_path: Path) -> None:
+    """fsspec's ``find`` passes over a folder it cannot list (its ``walk`` omits errors): a local
+    source with a folder this user may not read was listed without its items, and read to its
+    end without a word (``index`` wrote 2 of 3 items, exit 0). The listing fails instead, naming
+    the folder. (Root reads any folder: the command runs without CAP_DAC_OVERRIDE/READ_SEARCH.)"""
+    from conftest import as_a_user
+
+    prefix = as_a_user()
+    src = _source(tmp_path, ("a", "b", "c"))
+    (src / "b").chmod(0o000)
+    try:
+        done = subprocess.run(
+            [*prefix, sys.executable, "-m", "cachepipe", "index", str(src), "-o", str(tmp_path / "m.gz")],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            timeout=120,
+            check=False,
+        )
+    finally:
+        (src / "b").chmod(0o755)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.startswith("cachepipe index: ") and str(src / "b") in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "m.gz").exists()
+
+
+def test_an_http_source_whose_server_refuses_is_unreachable_not_empty(tmp_path: Path) -> None:
+    """An ``http://`` source whose server refuses the connection was "no items ...: the source
+    lists no objects; check the bucket and the prefix" (fsspec's ``find`` omits the error)."""
+    import socket
+
+    from cachepipe import EmptySourceError
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(OSError, match=rf"127\.0\.0\.1:{port}") as raised:
+        Pipeline(f"http://127.0.0.1:{port}/videos/", tmp_path / "c", "10MiB", retries=0).open()
+    assert not isinstance(raised.value, EmptySourceError), raised.value
+
+
+def test_a_source_that_names_one_object_says_so_not_to_check_the_bucket(tmp_path: Path, s3_endpoint: str, s3_client) -> None:
+    """A source URL that names one object (a tar shard, a local file) lists nothing under it, and
+    was "the source lists no objects; check the bucket and the prefix" though the object is
+    there. It says that the URL names an object, and the prefix to give instead."""
+    from cachepipe import EmptySourceError
+
+    shard = tmp_path / "shards" / "shard-000.tar"
+    shard.parent.mkdir()
+    shard.write_bytes(b"x" * 100)
+    s3_client.create_bucket(Bucket="one-object")
+    s3_client.put_object(Bucket="one-object", Key="shards/shard-000.tar", Body=b"x" * 100)
+    options = {
+        "": {},
+        "s3": {"endpoint_url": s3_endpoint},
+        "obs": {"server": s3_endpoint, "access_key_id": "k", "secret_access_key": "s"},
+    }
+    for source, parent in (
+        (str(shard), f"{shard.parent}/"),
+        ("s3://one-object/shards/shard-000.tar", "s3://one-object/shards/"),
+        ("obs://one-object/shards/shard-000.tar", "obs://one-object/shards/"),
+    ):
+        scheme = source.partition("://")[0] if "://" in source else ""
+        with pytest.raises(EmptySourceError) as raised:
+            Pipeline(source, tmp_path / "c", "10MiB", items="files", storage_options=options[scheme]).open()
+        message = str(raised.value)
+        assert "names one object, not a prefix" in message and f"such as {parent!r}" in message, message
+        assert "check the bucket" not in message
+
+
+def test_map_without_a_command_or_unpack_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``cachepipe map SRC DST --cache C --capacity N`` with no ``-- CMD`` and no ``--unpack`` is a
+    command line short of what it needs: exit status 2, as ``--help`` and the CLI reference say
+    of usage errors (it was 1, the status of a run that failed)."""
+    src = _source(tmp_path)
+    status = map_main([str(src), str(tmp_path / "out"), "--cache", str(tmp_path / "cache"), "--capacity", "10MiB"])
+    assert status == 2
+    err = capsys.readouterr().err
+    assert "nothing to do: give a command" in err and "--unpack" in err, err
+    assert not (tmp_path / "cache").exists()

@@ -323,6 +323,14 @@ def test_a_relative_local_source_of_a_job_is_refused(tmp_path, short_dir):
                 lane.index(relative)
             assert err.value.status == 400
             assert lane.take((0, 0), timeout=30).name == "a"  # an absolute one registers
+        # (The same jobs-only daemon.) A consumer of pipelines was told "the daemon ... serves the
+        # pipelines : name one", an empty list and advice it cannot follow.
+        from cachepipe.client import Client
+
+        with Client(socket=str(sock), startup_timeout=0) as client:
+            with pytest.raises(ValueError, match=r"serves no pipeline \(jobs only\): its jobs are read by") as err:
+                client.get(timeout=5)
+            assert "name one" not in str(err.value)
     assert not (tmp_path / "jobs" / "train").exists()
 
 

@@ -1977,6 +1977,38 @@ def test_a_read_only_folder_among_the_outputs_is_removed_with_its_slot(tmp_path)
     assert_cache_clean(tmp_path / "cache")
 
 
+UNREADABLE_OUTPUTS = r"""
+import json, os, sys
+from cachepipe.map import map_items
+src, dst, cache = sys.argv[1:4]
+script = 'mkdir "$CACHEPIPE_OUT/sub" && cp f "$CACHEPIPE_OUT/sub/g" && cp f "$CACHEPIPE_OUT/top"'
+script += ' && chmod 000 "$CACHEPIPE_OUT/sub"'
+result = map_items(["sh", "-c", script], src, dst, cache_dir=cache, capacity="1MiB", out_reserve="64KiB", retries=0)
+print(json.dumps([result.items_done, [f.error for f in result.failed]]))
+"""
+
+
+def test_a_folder_of_the_outputs_that_cannot_be_listed_fails_its_item(tmp_path):
+    """A command that leaves a folder of its outputs it cannot list (``chmod 000``): the walk of
+    the outputs passed over it (``os.walk`` omits errors), so its files were not uploaded, the
+    marker was written and the item counted done (3 done, nothing failed). It fails the item
+    now, naming the folder. Run without the capabilities that let root read any folder."""
+    drop = as_a_user()
+    src = tmp_path / "src"
+    for name in ("a", "b", "c"):
+        (src / name).mkdir(parents=True)
+        (src / name / "f").write_bytes(os.urandom(100))
+    argv = [*drop, sys.executable, "-c", UNREADABLE_OUTPUTS, str(src), str(tmp_path / "dst"), str(tmp_path / "cache")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr
+    done, errors = json.loads(proc.stdout)
+    assert done == 0 and len(errors) == 3, proc.stdout
+    assert all("'sub'" in e and "cannot be listed" in e for e in errors), errors
+    assert not any((tmp_path / "dst" / name / ".cachepipe-done").exists() for name in ("a", "b", "c"))
+    assert_cache_clean(tmp_path / "cache")
+
+
 READ_ONLY_INPUT = r"""
 import json, os, sys
 from cachepipe.map import map_items

@@ -535,3 +535,23 @@ def test_an_upload_s3_refuses_is_its_permission_error(s3_source, moto_iam, tmp_p
         store.close()
     assert not isinstance(info.value, LocalFileError) and info.value.code == "AccessDenied"
     assert "s3://data/video/out/f.bin" in str(info.value) and str(local) not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("given", "meant"),
+    [
+        ({"aws_access_key_id": "k", "aws_secret_access_key": "s"}, "s3fs calls it 'key'"),
+        ({"aws_secret_access_key": "s"}, "s3fs calls it 'secret'"),
+        ({"aws_session_token": "t"}, "s3fs calls it 'token'"),
+        ({"region_name": "eu-west-1"}, "client_kwargs={'region_name': ...}"),
+    ],
+)
+def test_s3_options_under_botos_names_say_s3fs_s_name(given, meant):
+    """boto3's names (``aws_access_key_id``... from a boto3 client's arguments or ~/.aws) are the
+    first a user writes; the error listed s3fs's options without saying which one they are."""
+    from cachepipe.stores import check_store
+
+    with pytest.raises(ConfigError) as info:
+        check_store("s3://b/p/", given)
+    assert meant in str(info.value), info.value
+    assert "'s'" not in str(info.value) and "'k'" not in str(info.value)  # values not shown

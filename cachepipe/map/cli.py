@@ -331,6 +331,8 @@ def _run_map_command(args: argparse.Namespace) -> int:
             setattr(args, key, value)
         if not args.cache or not args.capacity:
             raise _UsageError("--cache and --capacity are required")
+        if not command and not args.unpack:  # map_items says the same, as a ValueError: here a usage error
+            raise _UsageError("nothing to do: give a command after '--' (cachepipe map SRC DST ... -- CMD {}), or --unpack")
         if args.rank is not None or args.world_size is not None:  # a flag refused: usage, as --jobs 0 is
             from .share import resolve_rank
 

@@ -122,7 +122,7 @@ class _MapRun(_Remote):
                     listing = [o for o in listing if not o.key.startswith(inside)]
                 planned = plan_items(listing, cfg.items, cfg.unpack)
                 if not planned:  # a mistyped prefix lists nothing: said, not "0 done" and exit 0
-                    raise empty_source(cfg.source, cfg.items, len(listing))
+                    raise empty_source(cfg.source, cfg.items, len(listing), store=src)
                 result.items_listed = len(planned)
                 names = {mi.name for mi in planned}  # every rank's: whose DST/<name>/ holds a key (held_by_item)
                 if cfg.world_size > 1:  # this process's share, from the listing alone (never from what is done)

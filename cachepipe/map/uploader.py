@@ -179,13 +179,21 @@ def collect_outputs(root: Path) -> list[tuple[str, Path]]:
         OutputError: ``root`` itself replaced by a link (to a folder the command does not own:
             never followed), a link that leaves ``root`` or dangles, a FIFO, socket or device, a
             name that is not a safe key, or a file named like the marker or like a file being
-            written to a local destination (``*.cachepipe.tmp``).
+            written to a local destination (``*.cachepipe.tmp``), or a folder that cannot be
+            listed (permission denied, an I/O error: its files would be left out unsaid).
     """
     if os.path.islink(root):
         raise OutputError(".", f"the output folder was replaced by a link to {os.readlink(root)!r}: write the outputs into it")
     real_root = os.path.realpath(root)
     found: list[tuple[str, Path]] = []
-    for dirpath, dirs, files in os.walk(root):
+
+    def unlisted(exc: OSError) -> None:  # os.walk would pass over the folder, its files left out unsaid
+        if isinstance(exc, FileNotFoundError):
+            return  # gone: nothing in it to upload, as before
+        rel = Path(exc.filename or root).relative_to(root).as_posix()
+        raise OutputError(rel, f"a folder of the outputs that cannot be listed ({exc.strerror or exc}): make it readable")
+
+    for dirpath, dirs, files in os.walk(root, onerror=unlisted):
         dirs.sort()
         for name in dirs:
             if os.path.islink(os.path.join(dirpath, name)):

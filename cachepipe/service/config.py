@@ -411,6 +411,11 @@ def format_errors(exc: ValidationError, source: str, environ: Any = None, given:
             line = f"{where}{shown}: unknown key; {hint}{expected}"
         elif kind == "missing":
             line = f"{where}: required, not set"
+        elif kind == "callable_type":  # prepare: a hook, which YAML or TOML cannot give
+            line = (
+                f"{where}{shown}: a Python callable, which a config file cannot hold; leave it out (null), "
+                "or run the hook in your own process (Pipeline(prepare=...))"
+            )
         elif not loc:
             line = msg
         else:

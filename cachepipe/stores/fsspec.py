@@ -77,6 +77,41 @@ PARTS_IN_FLIGHT = 4
 (s3fs's own multipart upload holds ten)."""
 
 
+def _walks(fs: Any) -> bool:
+    """Whether ``fs.find`` walks folder by folder through fsspec's own ``walk`` (http, sftp...;
+    a local filesystem is walked by :func:`local_files` instead), which passes over a folder it cannot list (permission denied, an I/O error, a server
+    that refuses) and lists the rest as if it were all: its ``on_error`` reaches the first folder
+    only. s3fs, gcsfs and memory have a ``find`` of their own, one listing of the whole prefix."""
+    cls = type(fs)
+    if cls.find is fsspec.spec.AbstractFileSystem.find:
+        return True
+    generic = fsspec.asyn.AsyncFileSystem._find  # noqa: SLF001 - fsspec's own method, compared, not called
+    return isinstance(fs, fsspec.asyn.AsyncFileSystem) and cls._find is generic
+
+
+def _find_raising(fs: Any, root: str) -> dict[str, dict[str, Any]]:
+    """``fs.find(root, detail=True)`` for a filesystem that :func:`_walks`, one ``ls`` per folder
+    as its ``walk`` makes, but raising a folder's error instead of leaving its objects out. A
+    folder that is gone (removed while the listing runs, or a root that does not exist: no
+    objects) is passed over, as there."""
+    found: dict[str, dict[str, Any]] = {}
+    folders = [root]
+    while folders:
+        folder = folders.pop()
+        try:
+            entries = fs.ls(folder, detail=True)
+        except FileNotFoundError:
+            continue
+        for info in entries:
+            name = info["name"].rstrip("/")
+            if info["type"] == "directory":
+                if name != folder:
+                    folders.append(name)
+            else:
+                found[info["name"]] = info
+    return found
+
+
 class FsspecStore:
     """A :class:`~cachepipe.stores.base.Store` over any fsspec filesystem.
 
@@ -198,7 +233,9 @@ class FsspecStore:
             return
         with self._errors(self.url):
             self.fs.invalidate_cache(self.root)  # a relisting must see the store as it is now
-            entries = self.fs.find(self.root, detail=True, withdirs=False)
+            entries = (
+                _find_raising(self.fs, self.root) if _walks(self.fs) else self.fs.find(self.root, detail=True, withdirs=False)
+            )
         prefix = f"{self.root}/" if self.root else ""
         for path in sorted(entries):
             info = entries[path]
@@ -469,6 +506,12 @@ class FsspecStore:
             except FileNotFoundError:
                 pass
         raise FileNotFoundError(f"no such bucket {self._bucket!r} at {self.endpoint}: {self.url}")
+
+    def names_object(self) -> bool:
+        """True if the root itself is one object (a file), not a prefix: the URL of a tar shard
+        given as a source. One request."""
+        with self._errors(self.url):
+            return bool(self.root) and bool(self.fs.isfile(self.root))
 
     def exists(self, key: str) -> bool:
         """True if ``key`` exists. Asks the store (no cached listing); a missing object is False,

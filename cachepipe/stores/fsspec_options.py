@@ -74,6 +74,16 @@ def check_options(url: str, options: dict[str, Any] | None) -> type | None:
     return fs_cls
 
 
+_BOTO_NAMES = {
+    **dict.fromkeys(("aws_access_key_id", "access_key_id", "access_key"), "s3fs calls it 'key'"),
+    **dict.fromkeys(("aws_secret_access_key", "secret_access_key", "secret_key"), "s3fs calls it 'secret'"),
+    **dict.fromkeys(("aws_session_token", "session_token"), "s3fs calls it 'token'"),
+    **dict.fromkeys(("region_name", "region"), "a region is given as client_kwargs={'region_name': ...}"),
+}
+"""boto3's names of the S3 settings (a boto3 client's arguments, ~/.aws), which s3fs does not
+take, -> what to write instead: the first names a user coming from boto3 writes."""
+
+
 def _check_options(url: str, fs_cls: Any, options: dict[str, Any]) -> None:
     """Raise ConfigError for a storage option that ``fs_cls`` would ignore or fail on later."""
     protocols = _protocols(fs_cls)
@@ -100,6 +110,8 @@ def _check_options(url: str, fs_cls: Any, options: dict[str, Any]) -> None:
     for key in options:
         if key not in accepted:
             hint = f"did you mean {close!r}? " if (close := closest(key, accepted)) else ""
+            if "s3" in protocols and key.lower() in _BOTO_NAMES:
+                hint = f"{_BOTO_NAMES[key.lower()]}; "
             raise ConfigError(
                 f"storage_options[{key!r}] is not an option of {protocols[0]}:// ({fs_cls.__module__}.{fs_cls.__name__}) "
                 f"for {url!r}; {hint}accepted: {', '.join(sorted(accepted))}"

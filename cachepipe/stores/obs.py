@@ -387,6 +387,15 @@ class ObsStore(_ObsSeam):
             raise self._error_for(404, "NoSuchBucket", "head", "(HTTP 404)", self._object_url(""))
         self._check(resp, "head", "")
 
+    def names_object(self) -> bool:
+        """True if the URL names one object (a tar shard), not a prefix: one HEAD of the
+        prefix without its trailing ``/``."""
+        key = self.prefix.rstrip("/")
+        if not key:
+            return False
+        resp = self._open().headObject(self.bucket, key)
+        return getattr(resp, "status", None) == 200
+
     def exists(self, key: str) -> bool:
         """True if ``key`` (relative to the root) exists: one HEAD. A 404 is False; other failures raise.
 
