@@ -79,9 +79,10 @@ PARTS_IN_FLIGHT = 4
 
 def _walks(fs: Any) -> bool:
     """Whether ``fs.find`` walks folder by folder through fsspec's own ``walk`` (http, sftp...;
-    a local filesystem is walked by :func:`local_files` instead), which passes over a folder it cannot list (permission denied, an I/O error, a server
-    that refuses) and lists the rest as if it were all: its ``on_error`` reaches the first folder
-    only. s3fs, gcsfs and memory have a ``find`` of their own, one listing of the whole prefix."""
+    a local filesystem is walked by :func:`local_files` instead), which passes over a folder it
+    cannot list (permission denied, an I/O error, a server that refuses) and lists the rest as if
+    it were all: its ``on_error`` reaches the first folder only. s3fs, gcsfs and memory have a
+    ``find`` of their own, one listing of the whole prefix."""
     cls = type(fs)
     if cls.find is fsspec.spec.AbstractFileSystem.find:
         return True
