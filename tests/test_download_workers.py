@@ -98,8 +98,8 @@ def test_worker_processes_need_a_source_they_can_open(tmp_path):
         Pipeline("memory://x", tmp_path / "c", "1MiB", download_processes=2)
     from cachepipe.stores import open_store
 
-    store = open_store(f"file://{tmp_path}")
+    store = open_store(f"file://{tmp_path}/src")
     with pytest.raises(ConfigError, match=r"download_processes=1 with store=.*cannot be shared"):
-        Pipeline(f"file://{tmp_path}", tmp_path / "c", "1MiB", store=store, download_processes=1)
+        Pipeline(f"file://{tmp_path}/src", tmp_path / "c", "1MiB", store=store, download_processes=1)
     with pytest.raises(ValueError, match="download_processes"):
         Pipeline("memory://x", tmp_path / "c", "1MiB", download_processes=-1)
