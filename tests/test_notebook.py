@@ -105,7 +105,7 @@ def test_notebook_is_clean_nbformat4_with_the_documented_cells():
         assert cell["cell_type"] in ("markdown", "code") and isinstance(cell["source"], list)
         if cell["cell_type"] == "code":  # committed without outputs
             assert cell["outputs"] == [] and cell["execution_count"] is None
-    assert any("pip install 'cachepipe[obs]'" in md for md in sources("markdown"))
+    assert any("pip install './cachepipe[obs]'" in md for md in sources("markdown"))
     code_cells = sources("code")
     for code in code_cells:  # nothing installs, shells out or needs IPython
         assert "pip install" not in code
