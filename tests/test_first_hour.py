@@ -956,7 +956,8 @@ def test_a_local_folder_that_cannot_be_listed_fails_the_listing_not_leaves_its_i
 
 def test_an_http_source_whose_server_refuses_is_unreachable_not_empty(tmp_path: Path) -> None:
     """An ``http://`` source whose server refuses the connection was "no items ...: the source
-    lists no objects; check the bucket and the prefix" (fsspec's ``find`` omits the error)."""
+    lists no objects; check the bucket and the prefix" (fsspec's ``find`` omits the error). The
+    error says to check the URL, not an ``endpoint_url`` that an http source has not."""
     import socket
 
     from cachepipe import EmptySourceError
@@ -967,6 +968,7 @@ def test_an_http_source_whose_server_refuses_is_unreachable_not_empty(tmp_path: 
     with pytest.raises(OSError, match=rf"127\.0\.0\.1:{port}") as raised:
         Pipeline(f"http://127.0.0.1:{port}/videos/", tmp_path / "c", "10MiB", retries=0).open()
     assert not isinstance(raised.value, EmptySourceError), raised.value
+    assert str(raised.value).endswith("; check the URL"), raised.value  # its host is the URL's: no endpoint_url
 
 
 def test_a_source_that_names_one_object_says_so_not_to_check_the_bucket(tmp_path: Path, s3_endpoint: str, s3_client) -> None:

@@ -304,9 +304,8 @@ def unreachable_error(endpoint: str, where: str, why: str) -> StoreUnreachableEr
     name does not resolve, it refused before it ever answered, or its connections time out
     before it ever answered): not retried, since it points at a wrong ``endpoint_url`` or a
     network that drops its packets. Shared by the S3 backends' error seams."""
-    return store_code(
-        StoreUnreachableError(f"cannot reach {endpoint} for {where}: {why}; check the endpoint_url"), None, endpoint
-    )
+    check = "the URL" if where.startswith(("http://", "https://")) else "the endpoint_url"  # an http source: its own host
+    return store_code(StoreUnreachableError(f"cannot reach {endpoint} for {where}: {why}; check {check}"), None, endpoint)
 
 
 @dataclass(frozen=True, slots=True, init=False)
