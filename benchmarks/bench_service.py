@@ -87,7 +87,8 @@ FILLS_SHARE = 8
 """``--fills``: a cache holds 1/FILLS_SHARE of the items."""
 STATE_SLACK = 16
 """``--fills``: blocks for the cache's state files beside its journal's budget (the state
-folder, its lock, staging; a few blocks in fact, so the share is that many items over)."""
+folder, its lock, staging: 16 blocks on tmpfs with ``--local``, where the cache then holds
+exactly 1/FILLS_SHARE of the items)."""
 
 CONSUMER = r"""
 import json, sys, time
@@ -127,21 +128,27 @@ def item_charge(where: str, size: int) -> int:
     return footprint([size], 1, clamp_block(os.statvfs(where).f_frsize))
 
 
-def fills_capacity(where: str, items: int, size: int) -> int:
+def fills_capacity(where: str, items: int, size: int, versions: bool) -> int:
     """``--fills``: a capacity that holds 1/:data:`FILLS_SHARE` of ``items`` items on ``where``,
-    beside the cache's state (its journal's budget for names ``itemNNNNN/``, and
-    :data:`STATE_SLACK` blocks for its files), so a pass over them fills it and then waits
-    for an ack per item."""
+    beside the cache's state (its journal's budget for names ``itemNNNNN``, with versions for
+    an S3 source, ``versions``, and :data:`STATE_SLACK` blocks for its files), so a pass over
+    them fills it and then waits for an ack per item."""
     block = clamp_block(os.statvfs(where).f_frsize)
-    state = round_up(journal_budget_of(len("item00000/") * items, items), block) + STATE_SLACK * block
+    state = round_up(journal_budget_of(len("item00000") * items, items, versions), block) + STATE_SLACK * block
     return -(-items // FILLS_SHARE) * item_charge(where, size) + state
+
+
+STILL_POLLS = 5
+"""``--fills``: polls (0.1 s apart) that must find a full cache's ready items unchanged before
+the timed part starts: the cache fills by reservations first, their downloads published after."""
 
 
 def settled(stats: dict[str, Any], items: int, size: int, charge: int | None) -> bool:
     """A pipeline's ``stats`` say the timed part may start: every item ready (``charge`` None,
     the roomy regime), or its cache full: the next item (``charge`` bytes) does not fit, and
-    every item reserved is published (the bytes downloaded are the ready items', ``size``
-    each: nothing is taken before the timed part)."""
+    the bytes downloaded are the ready items' (``size`` each: nothing is taken before the timed
+    part). A full cache is counted by its reservations, so an item reserved may still be on its
+    way: :func:`wait_ready` waits for its ready items to stay the same too."""
     if charge is None:
         return stats["items_ready"] >= items
     full = stats["capacity"] - stats["bytes_in_cache"] < charge
@@ -149,12 +156,18 @@ def settled(stats: dict[str, Any], items: int, size: int, charge: int | None) ->
 
 
 def wait_ready(client: Client, items: int, timeout: float, size: int = 0, charge: int | None = None) -> float:
-    """Poll the status until every pipeline is :func:`settled`; returns the seconds waited."""
+    """Poll the status until every pipeline is :func:`settled` (a full cache: at
+    :data:`STILL_POLLS` polls in a row with the same ready items); returns the seconds waited."""
     start = time.monotonic()
+    seen: list[list[int]] = []
     while True:
         pipes = client.status()["pipelines"]
         if all(settled(p["stats"], items, size, charge) for p in pipes.values()):
-            return time.monotonic() - start
+            seen.append([p["stats"]["items_ready"] for p in pipes.values()])
+            if charge is None or seen[-STILL_POLLS:] == [seen[-1]] * STILL_POLLS:
+                return time.monotonic() - start
+        else:
+            seen.clear()
         if time.monotonic() - start > timeout:
             raise TimeoutError(f"items not all ready after {timeout} s: {json.dumps(pipes)[:400]}")
         time.sleep(0.1)
@@ -256,8 +269,12 @@ def in_process(
         lease_timeout=600,
         keep_on_close=True,
     ) as pipe:
-        deadline = time.monotonic() + 600
-        while not settled(asdict(pipe.stats()), items, size, charge):
+        deadline, seen = time.monotonic() + 600, []
+        while True:  # as wait_ready
+            stats = asdict(pipe.stats())
+            seen = [*seen, stats["items_ready"]] if settled(stats, items, size, charge) else []
+            if seen and (charge is None or seen[-STILL_POLLS:] == [seen[-1]] * STILL_POLLS):
+                break
             if time.monotonic() > deadline:
                 raise TimeoutError("in-process pipeline: items not ready after 600 s")
             time.sleep(0.1)
@@ -369,7 +386,7 @@ def measure(args: argparse.Namespace, tmp: str, caches: str, source: dict[str, A
     caches in ``caches``, wait until every item is on disk (``--fills``: until every cache is
     full), then measure; returns (prefetch seconds, latencies, parallel runs)."""
     sock = f"{tmp}/api.sock"
-    capacity: int | str = fills_capacity(caches, args.items, args.size) if args.fills else ROOMY
+    capacity = args.capacity_bytes
     charge = item_charge(caches, args.size) if args.fills else None
     config = {
         "socket": sock,
@@ -466,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         tempfile.TemporaryDirectory(prefix="cp-bench-", dir="/tmp") as tmp,
         tempfile.TemporaryDirectory(prefix="cp-bench-caches-", dir=args.cache_root or tmp) as caches,
     ):
+        args.capacity_bytes = fills_capacity(caches, args.items, args.size, not args.local) if args.fills else ROOMY
         if args.local:
             t0 = time.monotonic()
             write_local(f"{tmp}/data", args.items, args.size)
@@ -505,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefetch_seconds": round(prefetch_s, 1),
         "cache_root": args.cache_root or "/tmp",
         "regime": "fills" if args.fills else "roomy",
-        "capacity_bytes": fills_capacity(args.cache_root or "/tmp", args.items, args.size) if args.fills else ROOMY,
+        "capacity_bytes": args.capacity_bytes,
         "latencies": latencies,
         "parallel": par,
     }
