@@ -155,17 +155,29 @@ def settled(stats: dict[str, Any], items: int, size: int, charge: int | None) ->
     return full and stats["bytes_downloaded"] == stats["items_ready"] * size
 
 
-def wait_ready(client: Client, items: int, timeout: float, size: int = 0, charge: int | None = None) -> float:
+def wait_ready(
+    client: Client, items: int, timeout: float, size: int = 0, charge: int | None = None, pid: int | None = None
+) -> tuple[float, float | None]:
     """Poll the status until every pipeline is :func:`settled` (a full cache: at
-    :data:`STILL_POLLS` polls in a row with the same ready items); returns the seconds waited."""
+    :data:`STILL_POLLS` polls in a row with the same ready items). Returns the seconds waited,
+    and the daemon's (``pid``) CPU microseconds per item downloaded from the first poll that
+    found an item ready to the end (its start and listing left out; None without ``pid``, or if
+    the first such poll found every item ready)."""
     start = time.monotonic()
     seen: list[list[int]] = []
+    first: tuple[float, int] | None = None  # the daemon's CPU s and the ready items at the first poll with one
     while True:
         pipes = client.status()["pipelines"]
+        ready = sum(p["stats"]["items_ready"] for p in pipes.values())
+        if pid is not None and first is None and ready:
+            first = (_daemon_cpu(pid), ready)
         if all(settled(p["stats"], items, size, charge) for p in pipes.values()):
             seen.append([p["stats"]["items_ready"] for p in pipes.values()])
             if charge is None or seen[-STILL_POLLS:] == [seen[-1]] * STILL_POLLS:
-                return time.monotonic() - start
+                waited = time.monotonic() - start
+                if pid is None or first is None or ready == first[1]:
+                    return waited, None
+                return waited, round((_daemon_cpu(pid) - first[0]) / (ready - first[1]) * 1e6, 1)
         else:
             seen.clear()
         if time.monotonic() - start > timeout:
@@ -381,10 +393,13 @@ def deletion_floor(where: str, items: int, size: int, threads: int) -> dict[str,
     return {"threads": threads, "items": items, "seconds": round(seconds, 3), "items_per_s": round(items / seconds, 1)}
 
 
-def measure(args: argparse.Namespace, tmp: str, caches: str, source: dict[str, Any]) -> tuple[float, dict, list]:
+def measure(
+    args: argparse.Namespace, tmp: str, caches: str, source: dict[str, Any]
+) -> tuple[tuple[float, float | None], dict, list]:
     """Start the daemon over ``source`` (``source`` and ``storage_options`` of a pipeline), its
     caches in ``caches``, wait until every item is on disk (``--fills``: until every cache is
-    full), then measure; returns (prefetch seconds, latencies, parallel runs)."""
+    full), then measure; returns ((prefetch seconds, the daemon's CPU µs per item downloaded
+    meanwhile: :func:`wait_ready`), latencies, parallel runs)."""
     sock = f"{tmp}/api.sock"
     capacity = args.capacity_bytes
     charge = item_charge(caches, args.size) if args.fills else None
@@ -401,7 +416,7 @@ def measure(args: argparse.Namespace, tmp: str, caches: str, source: dict[str, A
     latencies: dict[str, dict[str, float]] = {}
     par = []
     with DaemonProcess(Path(tmp, "cachepipe.yaml")) as daemon, Client("batch", sock) as probe:
-        prefetch_s = wait_ready(probe, args.items, 600, args.size, charge)
+        prefetch_s, prefetch_cpu = wait_ready(probe, args.items, 600, args.size, charge, daemon.pid)
         if not args.batched_only:
             shell = shell_round_trips(sock, args.shell)
             latencies = round_trips(sock, args.round_trips)
@@ -419,7 +434,7 @@ def measure(args: argparse.Namespace, tmp: str, caches: str, source: dict[str, A
     batched = par[-1]
     batched["deletion_floor_items_per_s"] = floor["items_per_s"]
     batched["of_floor"] = round(batched["items_per_s"] / floor["items_per_s"], 2)
-    return prefetch_s, latencies, par
+    return (prefetch_s, prefetch_cpu), latencies, par
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -507,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
                 measured = measure(args, tmp, caches, source)
             finally:
                 server.stop()
-    prefetch_s, latencies, par = measured
+    (prefetch_s, prefetch_cpu), latencies, par = measured
 
     command = " ".join(
         shlex.quote(a)
@@ -521,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         "item_bytes": args.size,
         "upload_seconds": round(upload_s, 1),
         "prefetch_seconds": round(prefetch_s, 1),
+        "prefetch_daemon_cpu_us_per_item": prefetch_cpu,
         "cache_root": args.cache_root or "/tmp",
         "regime": "fills" if args.fills else "roomy",
         "capacity_bytes": args.capacity_bytes,
@@ -542,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.items} items of {args.size} B per pipeline, {regime} "
         f"({'written' if args.local else 'upload'} {result['upload_seconds']} s, "
-        f"{'filled' if args.fills else 'prefetch'} {result['prefetch_seconds']} s)"
+        f"{'filled' if args.fills else 'prefetch'} {result['prefetch_seconds']} s, "
+        f"daemon CPU {prefetch_cpu} us per item downloaded)"
     )
     print()
     if latencies:
