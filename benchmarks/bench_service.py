@@ -29,6 +29,14 @@ download time is excluded), it measures:
    what the daemon's own work costs on top (figures: benchmarks/README.md).
    ``--cache-root /dev/shm`` puts the daemon's caches (and the floor's folders) on tmpfs.
 
+``--fills`` measures the steady state of a source larger than its cache instead: each cache
+holds an eighth of the items (their charge in whole blocks, a block per folder, plus the
+cache's state: :func:`fills_capacity`), and the timed part starts once every cache is full (the
+next item does not fit, every reserved item published), so the daemon's pipelines download the
+rest while serving, each ack freeing one item's room. Without it (**roomy**, the default) every
+item is prefetched into a capacity of 4 GiB and the timed part downloads nothing. The report
+says which regime ran. The in-process baseline runs in the same regime.
+
 Usage::
 
     .venv/bin/python benchmarks/bench_service.py               # 2,000 items, 1,000 round trips, 8 consumers
@@ -38,6 +46,7 @@ Usage::
     .venv/bin/python benchmarks/bench_service.py --local --no-markers --items 20000 --cache-root /dev/shm  # caches on tmpfs
     .venv/bin/python benchmarks/bench_service.py --local --no-markers --items 20000 --batched-only  # get_many alone
     .venv/bin/python benchmarks/bench_service.py --local --items 20000 --batched-only --api-acks  # Client(markers=False)
+    .venv/bin/python benchmarks/bench_service.py --local --items 20000 --batched-only --fills  # a cache that fills
 """
 
 from __future__ import annotations
@@ -65,11 +74,21 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 import yaml
 from netlink import cpu_seconds
 
+from cachepipe.blocks import clamp_block, footprint, round_up
+from cachepipe.cache.core import journal_budget_of
 from cachepipe.client import Client
 from cachepipe.service.testing import DaemonProcess
 
 BUCKET = "bench"
 WARMUP = 20
+ROOMY = "4GiB"
+"""The capacity of a cache that every item fits in (the default regime)."""
+FILLS_SHARE = 8
+"""``--fills``: a cache holds 1/FILLS_SHARE of the items."""
+STATE_SLACK = 16
+"""``--fills``: blocks for the cache's state files beside its journal's budget (the state
+folder, its lock, staging: 16 blocks on tmpfs with ``--local``, where the cache then holds
+exactly 1/FILLS_SHARE of the items)."""
 
 CONSUMER = r"""
 import json, sys, time
@@ -103,13 +122,64 @@ def upload(endpoint: str, items: int, size: int) -> None:
         list(pool.map(lambda i: s3.put_object(Bucket=BUCKET, Key=f"tiny/item{i:05d}/data.bin", Body=body), range(items)))
 
 
-def wait_ready(client: Client, items: int, timeout: float) -> float:
-    """Poll the status until every item of every pipeline is downloaded; returns the seconds waited."""
+def item_charge(where: str, size: int) -> int:
+    """What a cache on ``where``'s file system charges one item (a folder of one ``size``-byte
+    file): the file in whole blocks, and a block for its folder (:func:`cachepipe.blocks.footprint`)."""
+    return footprint([size], 1, clamp_block(os.statvfs(where).f_frsize))
+
+
+def fills_capacity(where: str, items: int, size: int, versions: bool) -> int:
+    """``--fills``: a capacity that holds 1/:data:`FILLS_SHARE` of ``items`` items on ``where``,
+    beside the cache's state (its journal's budget for names ``itemNNNNN``, with versions for
+    an S3 source, ``versions``, and :data:`STATE_SLACK` blocks for its files), so a pass over
+    them fills it and then waits for an ack per item."""
+    block = clamp_block(os.statvfs(where).f_frsize)
+    state = round_up(journal_budget_of(len("item00000") * items, items, versions), block) + STATE_SLACK * block
+    return -(-items // FILLS_SHARE) * item_charge(where, size) + state
+
+
+STILL_POLLS = 5
+"""``--fills``: polls (0.1 s apart) that must find a full cache's ready items unchanged before
+the timed part starts: the cache fills by reservations first, their downloads published after."""
+
+
+def settled(stats: dict[str, Any], items: int, size: int, charge: int | None) -> bool:
+    """A pipeline's ``stats`` say the timed part may start: every item ready (``charge`` None,
+    the roomy regime), or its cache full: the next item (``charge`` bytes) does not fit, and
+    the bytes downloaded are the ready items' (``size`` each: nothing is taken before the timed
+    part). A full cache is counted by its reservations, so an item reserved may still be on its
+    way: :func:`wait_ready` waits for its ready items to stay the same too."""
+    if charge is None:
+        return stats["items_ready"] >= items
+    full = stats["capacity"] - stats["bytes_in_cache"] < charge
+    return full and stats["bytes_downloaded"] == stats["items_ready"] * size
+
+
+def wait_ready(
+    client: Client, items: int, timeout: float, size: int = 0, charge: int | None = None, pid: int | None = None
+) -> tuple[float, float | None]:
+    """Poll the status until every pipeline is :func:`settled` (a full cache: at
+    :data:`STILL_POLLS` polls in a row with the same ready items). Returns the seconds waited,
+    and the daemon's (``pid``) CPU microseconds per item downloaded from the first poll that
+    found an item ready to the end (its start and listing left out; None without ``pid``, or if
+    the first such poll found every item ready)."""
     start = time.monotonic()
+    seen: list[list[int]] = []
+    first: tuple[float, int] | None = None  # the daemon's CPU s and the ready items at the first poll with one
     while True:
         pipes = client.status()["pipelines"]
-        if all(p["stats"]["items_ready"] >= items for p in pipes.values()):
-            return time.monotonic() - start
+        ready = sum(p["stats"]["items_ready"] for p in pipes.values())
+        if pid is not None and first is None and ready:
+            first = (_daemon_cpu(pid), ready)
+        if all(settled(p["stats"], items, size, charge) for p in pipes.values()):
+            seen.append([p["stats"]["items_ready"] for p in pipes.values()])
+            if charge is None or seen[-STILL_POLLS:] == [seen[-1]] * STILL_POLLS:
+                waited = time.monotonic() - start
+                if pid is None or first is None or ready == first[1]:
+                    return waited, None
+                return waited, round((_daemon_cpu(pid) - first[0]) / (ready - first[1]) * 1e6, 1)
+        else:
+            seen.clear()
         if time.monotonic() - start > timeout:
             raise TimeoutError(f"items not all ready after {timeout} s: {json.dumps(pipes)[:400]}")
         time.sleep(0.1)
@@ -193,21 +263,30 @@ def write_local(root: str, items: int, size: int) -> None:
             fh.write(body)
 
 
-def in_process(source: dict[str, Any], tmp: str, items: int, count: int) -> dict[str, float]:
-    """Baseline: Pipeline.get + Pipeline.ack in this process, same data, same filesystem."""
+def in_process(
+    source: dict[str, Any], tmp: str, items: int, count: int, capacity: int | str, size: int, charge: int | None
+) -> dict[str, float]:
+    """Baseline: Pipeline.get + Pipeline.ack in this process, same data, same filesystem, same
+    regime (``capacity``; ``charge`` as :func:`settled`: None waits for ``items`` ready)."""
+    from dataclasses import asdict
+
     from cachepipe import Pipeline
 
     samples: list[int] = []
     with Pipeline(
         cache_dir=f"{tmp}/inproc",
-        capacity="4GiB",
+        capacity=capacity,
         **source,
         auto_ack=False,
         lease_timeout=600,
         keep_on_close=True,
     ) as pipe:
-        deadline = time.monotonic() + 600
-        while pipe.stats().items_ready < items:
+        deadline, seen = time.monotonic() + 600, []
+        while True:  # as wait_ready
+            stats = asdict(pipe.stats())
+            seen = [*seen, stats["items_ready"]] if settled(stats, items, size, charge) else []
+            if seen and (charge is None or seen[-STILL_POLLS:] == [seen[-1]] * STILL_POLLS):
+                break
             if time.monotonic() > deadline:
                 raise TimeoutError("in-process pipeline: items not ready after 600 s")
             time.sleep(0.1)
@@ -314,17 +393,22 @@ def deletion_floor(where: str, items: int, size: int, threads: int) -> dict[str,
     return {"threads": threads, "items": items, "seconds": round(seconds, 3), "items_per_s": round(items / seconds, 1)}
 
 
-def measure(args: argparse.Namespace, tmp: str, caches: str, source: dict[str, Any]) -> tuple[float, dict, list]:
+def measure(
+    args: argparse.Namespace, tmp: str, caches: str, source: dict[str, Any]
+) -> tuple[tuple[float, float | None], dict, list]:
     """Start the daemon over ``source`` (``source`` and ``storage_options`` of a pipeline), its
-    caches in ``caches``, wait until every item is on disk, then measure; returns (prefetch
-    seconds, latencies, parallel runs)."""
+    caches in ``caches``, wait until every item is on disk (``--fills``: until every cache is
+    full), then measure; returns ((prefetch seconds, the daemon's CPU µs per item downloaded
+    meanwhile: :func:`wait_ready`), latencies, parallel runs)."""
     sock = f"{tmp}/api.sock"
+    capacity = args.capacity_bytes
+    charge = item_charge(caches, args.size) if args.fills else None
     config = {
         "socket": sock,
         "log_level": "warning",
         "markers": not args.no_markers,
         "pipelines": {
-            name: {**source, "cache_dir": f"{caches}/{name}", "capacity": "4GiB"}
+            name: {**source, "cache_dir": f"{caches}/{name}", "capacity": capacity}
             for name in (("batch",) if args.batched_only else ("rt", "par", "batch"))
         },
     }
@@ -332,7 +416,7 @@ def measure(args: argparse.Namespace, tmp: str, caches: str, source: dict[str, A
     latencies: dict[str, dict[str, float]] = {}
     par = []
     with DaemonProcess(Path(tmp, "cachepipe.yaml")) as daemon, Client("batch", sock) as probe:
-        prefetch_s = wait_ready(probe, args.items, timeout=600)
+        prefetch_s, prefetch_cpu = wait_ready(probe, args.items, 600, args.size, charge, daemon.pid)
         if not args.batched_only:
             shell = shell_round_trips(sock, args.shell)
             latencies = round_trips(sock, args.round_trips)
@@ -343,13 +427,14 @@ def measure(args: argparse.Namespace, tmp: str, caches: str, source: dict[str, A
         if code != 0:
             raise RuntimeError(f"the daemon exited with {code}:\n{daemon.log()}")
     if not args.batched_only:
-        baseline = in_process(source, caches, args.round_trips + WARMUP, args.round_trips)
+        wanted = args.round_trips + WARMUP
+        baseline = in_process(source, caches, wanted, args.round_trips, capacity, args.size, charge)
         latencies["in-process Pipeline.get+ack (baseline)"] = baseline
     floor = deletion_floor(caches, args.items, args.size, args.consumers)
     batched = par[-1]
     batched["deletion_floor_items_per_s"] = floor["items_per_s"]
     batched["of_floor"] = round(batched["items_per_s"] / floor["items_per_s"], 2)
-    return prefetch_s, latencies, par
+    return (prefetch_s, prefetch_cpu), latencies, par
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -391,6 +476,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: 60 items, 30 round trips, 2 consumers, 1 item by the shell's commands"
     )
+    parser.add_argument(
+        "--fills",
+        action="store_true",
+        help=f"a cache that fills: each holds 1/{FILLS_SHARE} of the items (and its state), and the timed part starts "
+        "once it is full, so the pipelines download the rest while serving (default: every item prefetched into "
+        f"{ROOMY}, no download timed)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     if args.quick:
@@ -406,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         tempfile.TemporaryDirectory(prefix="cp-bench-", dir="/tmp") as tmp,
         tempfile.TemporaryDirectory(prefix="cp-bench-caches-", dir=args.cache_root or tmp) as caches,
     ):
+        args.capacity_bytes = fills_capacity(caches, args.items, args.size, not args.local) if args.fills else ROOMY
         if args.local:
             t0 = time.monotonic()
             write_local(f"{tmp}/data", args.items, args.size)
@@ -429,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
                 measured = measure(args, tmp, caches, source)
             finally:
                 server.stop()
-    prefetch_s, latencies, par = measured
+    (prefetch_s, prefetch_cpu), latencies, par = measured
 
     command = " ".join(
         shlex.quote(a)
@@ -443,7 +536,10 @@ def main(argv: list[str] | None = None) -> int:
         "item_bytes": args.size,
         "upload_seconds": round(upload_s, 1),
         "prefetch_seconds": round(prefetch_s, 1),
+        "prefetch_daemon_cpu_us_per_item": prefetch_cpu,
         "cache_root": args.cache_root or "/tmp",
+        "regime": "fills" if args.fills else "roomy",
+        "capacity_bytes": args.capacity_bytes,
         "latencies": latencies,
         "parallel": par,
     }
@@ -452,10 +548,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"cachepipe service benchmark, {result['date']}, {result['machine']}")
     print(f"command: {command}")
+    if args.fills:
+        regime = (
+            f"fills: each cache holds 1/{FILLS_SHARE} of them ({result['capacity_bytes']:,} bytes with its state), "
+            "the timed part from a full cache, downloading the rest"
+        )
+    else:
+        regime = f"roomy: all prefetched into {ROOMY} before timing"
     print(
-        f"{args.items} items of {args.size} B per pipeline, all prefetched before timing "
+        f"{args.items} items of {args.size} B per pipeline, {regime} "
         f"({'written' if args.local else 'upload'} {result['upload_seconds']} s, "
-        f"prefetch {result['prefetch_seconds']} s)"
+        f"{'filled' if args.fills else 'prefetch'} {result['prefetch_seconds']} s, "
+        f"daemon CPU {prefetch_cpu} us per item downloaded)"
     )
     print()
     if latencies:

@@ -1197,10 +1197,11 @@ def test_benchmark_refuses_a_shell_count_below_one(tmp_path):
     assert proc.returncode == 2 and "--shell 0: expected a number of items >= 1" in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("consumers", [(), ("--api-acks",)], ids=["default", "api-acks"])
+@pytest.mark.parametrize("consumers", [(), ("--api-acks",), ("--local", "--fills")], ids=["default", "api-acks", "local-fills"])
 def test_benchmark_batched_only_smoke(tmp_path, consumers):
     report = json.loads(_bench_service(tmp_path, "--quick", "--batched-only", *consumers, "--json"))
     assert report["latencies"] == {} and report["command"].endswith(" ".join(["--batched-only", *consumers, "--json"]))
+    assert report["regime"] == ("fills" if "--fills" in consumers else "roomy")  # fills: 1/8 of the items fit, timed from full
     (row,) = report["parallel"]
     assert row["batch"] == 64 and row["items"] == 60 and row["items_per_s"] > 0
     assert row["deletion_floor_items_per_s"] > 0 and row["of_floor"] > 0
