@@ -28,6 +28,9 @@ download time is excluded), it measures:
    run faster than its items are deleted, so the batched rate's ratio to it (``of_floor``) is
    what the daemon's own work costs on top (figures: benchmarks/README.md).
    ``--cache-root /dev/shm`` puts the daemon's caches (and the floor's folders) on tmpfs.
+   The report names the caches' file system, and for ext4 whether it has a journal: an ext4
+   made without one scans, at every create, past the inodes deleted in the last minutes, which
+   a cache that fills pays twice per item (benchmarks/README.md, "A cache that fills on a disk").
 
 ``--fills`` measures the steady state of a source larger than its cache instead: each cache
 holds an eighth of the items (their charge in whole blocks, a block per folder, plus the
@@ -72,6 +75,7 @@ os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 import yaml
+from common import file_system_of
 from netlink import cpu_seconds
 
 from cachepipe.blocks import clamp_block, footprint, round_up
@@ -499,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         tempfile.TemporaryDirectory(prefix="cp-bench-caches-", dir=args.cache_root or tmp) as caches,
     ):
         args.capacity_bytes = fills_capacity(caches, args.items, args.size, not args.local) if args.fills else ROOMY
+        cache_fs = file_system_of(caches)
         if args.local:
             t0 = time.monotonic()
             write_local(f"{tmp}/data", args.items, args.size)
@@ -538,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefetch_seconds": round(prefetch_s, 1),
         "prefetch_daemon_cpu_us_per_item": prefetch_cpu,
         "cache_root": args.cache_root or "/tmp",
+        "cache_file_system": cache_fs,
         "regime": "fills" if args.fills else "roomy",
         "capacity_bytes": args.capacity_bytes,
         "latencies": latencies,
@@ -559,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.items} items of {args.size} B per pipeline, {regime} "
         f"({'written' if args.local else 'upload'} {result['upload_seconds']} s, "
         f"{'filled' if args.fills else 'prefetch'} {result['prefetch_seconds']} s, "
-        f"daemon CPU {prefetch_cpu} us per item downloaded)"
+        f"daemon CPU {prefetch_cpu} us per item downloaded); caches in {result['cache_root']} ({cache_fs})"
     )
     print()
     if latencies:

@@ -1190,6 +1190,7 @@ def test_benchmark_quick_smoke(tmp_path):
     assert "shell: cachepipe next, cachepipe ack" in out  # a process per call, as a shell loop pays
     assert "the loop (for item in client)" in out and "get_many(64)" in out
     assert "deletion floor (2 plain threads" in out
+    assert "caches in /tmp (" in out  # and their file system
 
 
 def test_benchmark_refuses_a_shell_count_below_one(tmp_path):
@@ -1205,6 +1206,7 @@ def test_benchmark_batched_only_smoke(tmp_path, consumers):
     (row,) = report["parallel"]
     assert row["batch"] == 64 and row["items"] == 60 and row["items_per_s"] > 0
     assert row["deletion_floor_items_per_s"] > 0 and row["of_floor"] > 0
+    assert report["cache_file_system"] not in ("", "?")  # the disk figures depend on it (an ext4's journal)
 
 
 def next_requests(client: Client) -> float:
