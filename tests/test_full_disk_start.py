@@ -681,12 +681,12 @@ def test_a_full_disk_s_blocks_reserved_for_root_are_not_said_to_be_other_files(t
     image.write_bytes(b"")
     os.truncate(image, 8 << 20)
     with mounted(disk, ["mkfs.ext4", "-q", "-F", "-m", "10", str(image)], ["mount", "-o", "loop", str(image), str(disk)]):
-        # the file opened here, written by a child that is nobody (the reserve is kept from the writer, not the owner)
-        filler = "import contextlib, os, sys\nwith contextlib.suppress(OSError):\n"
-        filler += "    while True: os.write(int(sys.argv[1]), bytes(4096))\n"
+        # the file opened here, written by a child that is nobody (the reserve is kept from the writer, not the owner);
+        # started as root, which it then stops being: nobody may not load the interpreter (pyenv's under /root)
+        filler = "import contextlib, os, sys\nos.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
+        filler += "with contextlib.suppress(OSError):\n    while True: os.write(int(sys.argv[1]), bytes(4096))\n"
         with open(disk / "other-writer.bin", "wb") as out:
-            setpriv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-            subprocess.run([*setpriv, sys.executable, "-c", filler, str(out.fileno())], check=True, pass_fds=(out.fileno(),))
+            subprocess.run([sys.executable, "-c", filler, str(out.fileno())], check=True, pass_fds=(out.fileno(),))
         assert os.statvfs(disk).f_bavail == 0
         with pytest.raises(OSError, match="its disk is full") as err:
             Pipeline(f"{src}/", disk / "cache", "1MiB", items="folders").open()

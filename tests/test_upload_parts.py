@@ -90,7 +90,9 @@ def test_a_refused_part_leaves_no_upload_and_no_part_is_sent_after_the_abort(thr
     with pytest.raises(PermissionError, match="access denied"):
         store.put(local, "big.bin")
     assert _uploads(s3_client) == []
-    heads = [h.split("\r\n")[0] for h in proxy.requests]
+    # requests only: the bytes of a body that hold a blank line are a "head" to the proxy too, and
+    # those of a part cancelled as the abort is sent can reach it after the abort's head
+    heads = [line for h in proxy.requests if re.fullmatch(r"[A-Z]+ \S+ HTTP/1\.1", line := h.split("\r\n")[0])]
     aborts = [i for i, h in enumerate(heads) if _abort(h)]
     assert len(aborts) == 1 and aborts[0] == len(heads) - 1, heads  # the abort is the upload's last request
 

@@ -258,7 +258,7 @@ class FsspecStore:
         with self._errors(self.url):
             for key, size in local_files(self.root, start_after):
                 if key.endswith(TEMP_SUFFIX):  # put_local's, being written or left by a killed upload
-                    temps.append(f"{self.root}/{key}")
+                    temps.append(self._path(key))  # named by its path, to be found and removed
                     continue
                 yield ObjectInfo(key, size, None)
         if temps:  # said, not passed over in silence: a file of the user's could bear the name
