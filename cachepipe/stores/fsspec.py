@@ -250,10 +250,11 @@ class FsspecStore:
     def _list_local(self, start_after: str | None) -> Iterator[ObjectInfo]:
         """:meth:`list` of a local filesystem: walked as it is yielded (:func:`local_files`), so
         a listing stopped early (a map rank's part of DST, :mod:`~cachepipe.map.dstrange`) reads
-        no further, and none is held in memory whole. As fsspec's ``find`` lists, links are not
-        followed nor listed, and a root that is missing or not a folder lists nothing; but a
-        folder that cannot be read is an error, not a silent gap (but fsck's :data:`LOST_FOUND`). The temporary files of uploads
-        are left out (their count logged)."""
+        no further, and the tree is never held in memory whole (one folder's entries at a time).
+        As fsspec's ``find`` lists, links are not followed nor listed, and a root that is missing
+        or not a folder lists nothing; but a folder that cannot be read is an error, not a silent
+        gap (except fsck's :data:`LOST_FOUND`). The temporary files of uploads are left out
+        (their count logged, and the first by its path)."""
         temps: list[str] = []
         with self._errors(self.url):
             for key, size in local_files(self.root, start_after):
