@@ -1954,21 +1954,29 @@ print(json.dumps([result.items_done, [f.error for f in result.failed]]))
 """
 
 
+def _map_as_a_user(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` (a map of ``src`` to ``dst`` with ``cache``, from its argv) as a user runs it
+    (:func:`as_a_user`), over ``tmp_path/src`` of three items (made if missing) of a file ``f``."""
+    drop = as_a_user()
+    src = tmp_path / "src"
+    for name in ("a", "b", "c"):
+        if not (src / name).exists():
+            (src / name).mkdir(parents=True)
+            (src / name / "f").write_bytes(os.urandom(100))
+    argv = [*drop, sys.executable, "-c", code, str(src), str(tmp_path / "dst"), str(tmp_path / "cache")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, check=False)
+
+
 def test_a_read_only_folder_among_the_outputs_is_removed_with_its_slot(tmp_path):
     """A command that leaves a folder it cannot write in its output (``chmod 555``; ``cp -r`` or
     ``tar x`` of a read-only tree) crashed the run after its first item (PermissionError
     clearing the slot), and every later run on that cache at its start (clearing the slot
     left). Run without the capabilities that let root write anywhere, as a user runs it."""
-    drop = as_a_user()
     src = tmp_path / "src"
-    for name in ("a", "b", "c"):
-        (src / name).mkdir(parents=True)
-        (src / name / "f").write_bytes(os.urandom(100))
-    argv = [*drop, sys.executable, "-c", READ_ONLY_OUTPUTS, str(src), str(tmp_path / "dst"), str(tmp_path / "cache")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = []
     for _run in range(2):  # the second finds nothing to do
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, check=False)
+        proc = _map_as_a_user(READ_ONLY_OUTPUTS, tmp_path)
         assert proc.returncode == 0, proc.stderr
         done.append(json.loads(proc.stdout))
     assert done == [[3, []], [0, []]]
@@ -1993,14 +2001,7 @@ def test_a_folder_of_the_outputs_that_cannot_be_listed_fails_its_item(tmp_path):
     the outputs passed over it (``os.walk`` omits errors), so its files were not uploaded, the
     marker was written and the item counted done (3 done, nothing failed). It fails the item
     now, naming the folder. Run without the capabilities that let root read any folder."""
-    drop = as_a_user()
-    src = tmp_path / "src"
-    for name in ("a", "b", "c"):
-        (src / name).mkdir(parents=True)
-        (src / name / "f").write_bytes(os.urandom(100))
-    argv = [*drop, sys.executable, "-c", UNREADABLE_OUTPUTS, str(src), str(tmp_path / "dst"), str(tmp_path / "cache")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, check=False)
+    proc = _map_as_a_user(UNREADABLE_OUTPUTS, tmp_path)
     assert proc.returncode == 0, proc.stderr
     done, errors = json.loads(proc.stdout)
     assert done == 0 and len(errors) == 3, proc.stdout
