@@ -46,7 +46,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from .backoff import backoff_delay
@@ -111,12 +111,23 @@ class Fetcher(_PartRequests):
         plan: runs of :data:`Planned` steps ``(seq, item, tick)``, in the order to fetch (``tick``
             orders the plan's steps).
         config: concurrency, part size, retries and prefetch settings.
+        upcoming: the first item of the plan's next run if it is known now, else None (a
+            streamed listing's queue, :meth:`StreamingListing.peek
+            <cachepipe.listing.StreamingListing.peek>`): each reservation tells the cache what
+            the next item takes (:meth:`Cache.expect <cachepipe.cache.Cache.expect>`).
     """
 
     def __init__(
-        self, store: Store, cache: Cache, broker: Broker[str], plan: Iterable[Sequence[Planned]], config: PipelineConfig
+        self,
+        store: Store,
+        cache: Cache,
+        broker: Broker[str],
+        plan: Iterable[Sequence[Planned]],
+        config: PipelineConfig,
+        upcoming: Callable[[], Item | None] = lambda: None,
     ) -> None:
         self._store = store
+        self._upcoming = upcoming  # the first item of the plan's next run, if known now (a streamed listing's)
         self._conditional = takes_etag(store)  # each GET is conditional on the listed ETag (If-Match)
         self._cache = cache
         self._broker = broker
@@ -216,7 +227,7 @@ class Fetcher(_PartRequests):
                     done += started
                     if done < len(run):
                         self._unbegun = run[done][0]  # the run's seqs may skip some (steps acked before a restart)
-                        if not self._plan_one(*run[done]):
+                        if not self._plan_one(*run[done], self._charge_of(run, done + 1)):
                             return
                         done += 1
         except BaseException as exc:  # noqa: BLE001 - planning failed: the consumer sees it in turn, never a hang
@@ -248,7 +259,7 @@ class Fetcher(_PartRequests):
                 break
             wanted.append((item, self._extra(item)))
         first = run[0][0]
-        count = self._cache.acquire_many(wanted, lambda: self._broker.withdrawn(first))
+        count = self._cache.acquire_many(wanted, lambda: self._broker.withdrawn(first), self._charge_of(run, len(wanted)))
         if not count:
             return 0
         if self._stop.is_set():
@@ -259,14 +270,22 @@ class Fetcher(_PartRequests):
         self._start_many([(run[i][0], item, extra, turn + i, 0) for i, (item, extra) in enumerate(wanted[:count])])
         return count
 
-    def _plan_one(self, seq: int, item: Item, tick: int) -> bool:
+    def _charge_of(self, run: Sequence[Planned], index: int) -> int:
+        """What the planned item after ``run[:index]`` takes in the cache (:meth:`Cache.charge`),
+        ``run[index]`` or the next run's first; 0 if that is not known yet (see :meth:`Cache.expect`)."""
+        item = run[index][1] if index < len(run) else self._upcoming()
+        return 0 if item is None else self._cache.charge(item, self._extra(item))
+
+    def _plan_one(self, seq: int, item: Item, tick: int, then: int = 0) -> bool:
         """Start (or refuse, or hand out from disk) one planned item, waiting for room ahead of
-        the consumers, free space and cache space as needed; False if stopped meanwhile."""
+        the consumers, free space and cache space as needed; False if stopped meanwhile.
+        ``then``: what the planned item after it takes (see :meth:`Cache.expect`)."""
         waited = time.monotonic()
         if self._cfg.prefetch is not None and not self._broker.wait_ahead_below(self._cfg.prefetch):
             return False
         refused = self._refusal(item)
         if refused is not None:
+            self._cache.expect(then)
             self._begin(seq)
             self._report_failure(seq, item, refused.key if isinstance(refused, UnsafeKeyError) else item.name, refused)
             return True
@@ -281,14 +300,18 @@ class Fetcher(_PartRequests):
                 *(item, tick, self._broker.starving, extra, lambda: self._broker.withdrawn(seq)),
                 run=(ROOM_RUN - 1) * charge,
                 patient=self._patient,
+                then=then,
             )
         except OversizeError as exc:  # no longer fits beside the state budget: this item only
+            self._cache.expect(then)
             self._begin(seq)
             self.counters.add(items_failed=1)
             self._broker.fail(seq, item.name, exc, kind="oversize")
             return True
         if got is False:
             return False
+        if got is not True:
+            self._cache.expect(then)  # nothing reserved: the next item is next
         if got is None:  # the broker plans another step first (a node's waiting lane): this one is unplanned
             self._broker.withdraw(seq)
             self._unbegun = seq + 1

@@ -55,7 +55,8 @@ class _Lifecycle(_Pass):
             self._broker, self._cache = broker, cache
             steps = self._catalog(store, cache)
             broker = self._broker  # a node pipeline's catalog step replaces it by its lanes' queues
-            fetcher = Fetcher(store, cache, broker, steps, cfg)
+            listing = self._listing
+            fetcher = Fetcher(store, cache, broker, steps, cfg, listing.peek if listing is not None else lambda: None)
             if cfg.progress:
                 from tqdm.auto import tqdm
 

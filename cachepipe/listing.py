@@ -142,6 +142,11 @@ class StreamingListing:
         got = self.take_many(1)
         return got[0] if got else None
 
+    def peek(self) -> Item | None:
+        """The item :meth:`take` would return now, without taking it; None if none is queued."""
+        with self._cond:
+            return self._queue[0] if self._queue else None
+
     def take_many(self, count: int) -> list[Item]:
         """The next item, waiting for it, and those queued after it, up to ``count`` in all;
         empty at the end (or when stopped). Raises the listing's error in turn."""

@@ -379,6 +379,38 @@ def test_the_state_budget_of_a_streamed_listing_waits_for_room_instead_of_overco
     assert len(rest) == 2001 - FIRST_PAGE_OBJECTS and rest[-1] == "item02000"
 
 
+def test_room_freed_while_the_planner_is_between_two_items_goes_to_the_next_item_not_the_budget(memory_data, tmp_path):
+    """A consumer holds every item it takes; with ``prefetch=1`` the planner waits between two
+    reservations until the ready item is taken, while the listing, its budget growing a block
+    at a time, waits for room. Room freed then went to the budget, not to the next item, which
+    wanted two blocks, and waited for room that no ack would free (the hang the test above met
+    by chance under load, 3 runs in 12). Before, it came at once: the room left beside the first
+    item went to the budget while the planner was between the first and the second."""
+    block = block_of(tmp_path)
+    _put(memory_data, 1500)  # each item two blocks: its file's and its folder's
+    # the budget of 1,500 names (no versions: the memory store has no ETags) and three blocks: one
+    # item at a time once every name is counted, but not the two taken below beside a third
+    budget = round_up(journal_budget_of(9 * 1500, 1500, versions=False), block)
+    capacity = _state_files(tmp_path) + budget + 3 * block
+    with Pipeline(ROOT, tmp_path / "c", capacity, prefetch=1, auto_ack=False) as pipe:
+        first = pipe.get(timeout=10)
+        wait_until(lambda: pipe.stats().items_ready >= 1, 10, "the second item is ready")  # the planner waits
+        threading.Event().wait(0.3)  # the listing takes the room left, a block at a time
+        assert pipe.stats().items_listed < 1500  # and waits for more
+        pipe.ack(first)  # room for the third item's two blocks
+        threading.Event().wait(0.3)  # time for the listing to take it, were it allowed to
+        second = pipe.get(timeout=10)  # the ready item: the planner reserves the third
+        third = pipe.get(timeout=10)  # timed out before: the budget took the room that the ack freed
+        pipe.ack(second)
+        pipe.ack(third)
+        rest = 0
+        while (item := pipe.get(timeout=30)) is not None:
+            pipe.ack(item)
+            rest += 1
+            assert pipe.stats().bytes_in_cache <= capacity
+    assert rest == 1500 - 3
+
+
 @pytest.mark.parametrize("streamed", [True, False])
 def test_the_journal_budget_counts_versions_only_for_items_with_etags(memory_data, tmp_path, streamed):
     """564d744 budgeted a version (17 bytes per journal step) for every item, also for a

@@ -76,6 +76,7 @@ class _Acks:
     _closed: bool
     _acks_deleting: int
     _wanting: int
+    _expected: int
     _waiting_run: bool
     _run_wanted: int
     _forced: bool

@@ -118,6 +118,7 @@ class Cache(_Publishing):
         self._closed = False
         self._acks_deleting = 0  # calls of evict_many and drop deleting (or waiting to): close waits for them
         self._wanting = 0  # bytes the latest download waiting for room asks for (0: none waits)
+        self._expected = 0  # the charge of the item the planner reserves next, once known (expect)
         self._waiting_run = False  # that download fits, and waits for room for a run after it (acquire's run)
         self._run_wanted = 0  # the bytes it waits to fit: its own and the run's
         self._forced = False  # force_room(): the next choice of retention victims waives the policy's rules
@@ -335,7 +336,8 @@ class Cache(_Publishing):
         one, unless the cache closed), :attr:`limit` once that name is counted: the largest
         item that fits beside the state budget then. Blocks until the first name's space is
         free (items are acked), so that the ledger never exceeds the capacity, beside the room
-        a download waiting for it wants (a planned item goes first); the names
+        a download waiting for it wants, or the planner's next item (:meth:`expect`): a
+        planned item goes first; the names
         after it are counted while their space is free now, and the others are left to the
         next call (the caller's items queued meanwhile can be acked). With ``sizes`` (bytes of
         each name's item), a name after the first whose item would not fit the limit is left to
@@ -370,16 +372,17 @@ class Cache(_Publishing):
                 ledger.check_room(self._root, ledger.overhead + grows[0])
                 # Wait for room (acks) rather than count space the reserved items already hold: the
                 # ledger never exceeds the capacity. Reservations waiting for room re-check the limit.
-                # A download waiting for room goes first (its item is planned, and a consumer may
-                # wait for it while holding items): the names take only room beyond what it wants,
-                # else the budget, growing a block at a time, took each block an ack freed, and a
-                # download of an item of more than a block waited for ever.
-                while not self._closed and not ledger.fits(grows[0] + (self._wanting if grows[0] else 0)):
+                # A download waiting for room goes first, and so does the planner's next item
+                # (expect), planned and not yet reserved: a consumer may wait for it while holding
+                # items. The names take only room beyond what it wants, else the budget, growing a
+                # block at a time, took each block an ack freed, and a download of an item of more
+                # than a block waited for ever.
+                while not self._closed and not ledger.fits(grows[0] + (self._ahead() if grows[0] else 0)):
                     self._cond.wait()
             if grows and not self._closed:
                 # the largest item beside the budget, and the room left (beside a waiting
                 # download's), with the names so far counted
-                limit, free = ledger.limit - grows[0], ledger.free - self._wanting - grows[0]
+                limit, free = ledger.limit - grows[0], ledger.free - self._ahead() - grows[0]
                 limits.append(limit)
                 for i in range(1, len(grows)):
                     grow = grows[i]

@@ -121,6 +121,7 @@ class _Reservation(_Acks):
         starving: Callable[[], bool] = _never,
         run: int = 0,
         patient: Callable[[], bool] = _never,
+        then: int | None = None,
     ) -> bool | str | None:
         """:meth:`reserve`; with ``leftovers``, the wait ends too when a recovered (or shelved)
         item is in the way (:meth:`_in_the_way`, ``urgent`` while ``starving()``): its name is
@@ -131,7 +132,10 @@ class _Reservation(_Acks):
         ``run``: bytes beyond ``size`` to wait for too (up to an eighth of :attr:`limit`) while
         ``patient()`` (the consumers have items enough ready), so that a full cache starts its
         downloads in runs, not one per ack (see :meth:`acquire`). ``patient()`` is read each
-        time the wait is woken; whoever makes it false calls :meth:`wake_run` after."""
+        time the wait is woken; whoever makes it false calls :meth:`wake_run` after.
+
+        ``then``: the charge of the planner's next item, set as :meth:`expect` does in the lock
+        round that reserves this one (None: left as it is)."""
         ledger = self.ledger
         with self._cond:
             try:
@@ -164,7 +168,32 @@ class _Reservation(_Acks):
             if withdrawn():  # asked back when the room it now fits in was freed (see acquire)
                 return None
             ledger.reserve(size)
+            if then is not None:
+                self._expect(then)
             return True
+
+    def expect(self, size: int) -> None:
+        """Say that the planner's next item takes ``size`` bytes (0: none is known yet): it is
+        planned, and its reservation comes next. A streamed listing's budget
+        (:meth:`~cachepipe.cache.Cache.note_listed`) leaves that room, as it does for a
+        download waiting for room; else an ack that freed room while the planner was between
+        two reservations went to the budget's next block, and the next item, wanting more than
+        the room left, could wait for ever beside a consumer that held the rest. A reservation
+        (:meth:`acquire`, :meth:`acquire_many`) sets it too, in the same round of the lock, to
+        its ``then``."""
+        with self._cond:
+            self._expect(size)
+
+    def _expect(self, size: int) -> None:
+        """:meth:`expect`, the lock held."""
+        lower, self._expected = size < self._expected, size
+        if lower:
+            self._cond.notify_all()
+
+    def _ahead(self) -> int:
+        """The room a growing state budget leaves to planned items: what the download waiting
+        for room wants, or what the planner's next item takes (:meth:`expect`)."""
+        return max(self._wanting, self._expected)
 
     def unreserve(self, size: int, name: str | None = None, left: int = 0) -> None:
         """Release a reservation (and the claim on ``name``) of an item that will not be published;
@@ -219,6 +248,7 @@ class _Reservation(_Acks):
         withdrawn: Callable[[], bool] = _never,
         run: int = 0,
         patient: Callable[[], bool] = _never,
+        then: int | None = None,
     ) -> Path | bool | None:
         """Make room for the step at ``tick`` reading ``item``.
 
@@ -248,6 +278,9 @@ class _Reservation(_Acks):
         in a full cache each ack frees one item's room, and a download started per ack costs
         its wake-ups, its request and its publishing alone, where a run of them shares them
         (:meth:`acquire_many`). Whoever makes ``patient()`` false calls :meth:`wake_run`.
+
+        ``then`` (without retention): the charge of the planner's next item, known once this
+        one's space is reserved, in the same round of the lock (see :meth:`expect`).
         """
         with self._cond:
             recovered = self._recovered.pop(item.name, None)
@@ -261,7 +294,7 @@ class _Reservation(_Acks):
             try:
                 charge = self.charge(item, extra)
                 while isinstance(
-                    got := self._reserve(charge, item.name, True, withdrawn, item.size, starving, run, patient), str
+                    got := self._reserve(charge, item.name, True, withdrawn, item.size, starving, run, patient, then), str
                 ):
                     log.info("dropping %s, an earlier owner's item not due yet, to make room for %s", got, item.name)
                     self.drop(got, gone_ok=True)  # another download waiting for room may have dropped it meanwhile
@@ -273,12 +306,16 @@ class _Reservation(_Acks):
             return got
         return self._acquire_retained(policy, item, tick, starving, withdrawn)
 
-    def acquire_many(self, items: Sequence[tuple[Item, int]], withdrawn: Callable[[], bool] = _never) -> int:
+    def acquire_many(
+        self, items: Sequence[tuple[Item, int]], withdrawn: Callable[[], bool] = _never, then: int | None = None
+    ) -> int:
         """:meth:`acquire` ``(item, extra)`` in order, for as many as need no wait, in one lock
         round: each fits now, no copy of it is on disk or on its way, and no retention policy or
         recovered item is involved. Returns how many were reserved and claimed (0: call
         :meth:`acquire` for the next, which waits or decides; so too if ``withdrawn()``, the
-        first item asked back, as :meth:`acquire`'s)."""
+        first item asked back, as :meth:`acquire`'s). The planner's next item (:meth:`expect`)
+        is then the first one not reserved, or, all of them reserved, one of ``then`` bytes
+        (None: left as it is)."""
         if self._policy is not None:
             return 0
         ledger, claimed = self.ledger, self._claimed
@@ -288,9 +325,12 @@ class _Reservation(_Acks):
             for count, (item, extra) in enumerate(items):
                 charge = self.charge(item, extra)
                 if item.name in claimed or not ledger.fits(charge):
+                    self._expect(charge)
                     return count
                 claimed.add(item.name)
                 ledger.reserve(charge)
+            if then is not None:
+                self._expect(then)
             return len(items)
 
     def _acquire_retained(
