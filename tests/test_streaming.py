@@ -384,8 +384,7 @@ def test_room_freed_while_the_planner_is_between_two_items_goes_to_the_next_item
     reservations until the ready item is taken, while the listing, its budget growing a block
     at a time, waits for room. Room freed then went to the budget, not to the next item, which
     wanted two blocks, and waited for room that no ack would free (the hang the test above met
-    by chance under load, 3 runs in 12). Before, it came at once: the room left beside the first
-    item went to the budget while the planner was between the first and the second."""
+    by chance under load, 3 runs in 12): the third item below timed out."""
     block = block_of(tmp_path)
     _put(memory_data, 1500)  # each item two blocks: its file's and its folder's
     # the budget of 1,500 names (no versions: the memory store has no ETags) and three blocks: one
