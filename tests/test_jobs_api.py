@@ -351,7 +351,7 @@ def test_jobs_section_is_checked(tmp_path):
         return str(err.value)
 
     assert "no pipelines and no jobs section" in error_of({})
-    assert "jobs.root 'rel': expected an absolute path" in error_of({"jobs": {"root": "rel", "capacity": "1GiB"}})
+    assert "jobs.root = 'rel': expected an absolute path" in error_of({"jobs": {"root": "rel", "capacity": "1GiB"}})
     assert "jobs.options.cache_dir: set by the job or by the daemon" in error_of(
         {"jobs": {"root": "/j", "capacity": "1GiB", "options": {"cache_dir": "/x"}}}
     )

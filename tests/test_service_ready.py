@@ -299,7 +299,7 @@ def host_cases(tmp_path: Path) -> dict:
         "no scheme": (  # a relative local path to the daemon, whatever its working directory holds
             {"pipelines": {"train": {"source": "no-such-bucket/videos/"}}},
             (
-                "pipelines.train.source 'no-such-bucket/videos/': a relative local path; the daemon would read it "
+                "pipelines.train.source = 'no-such-bucket/videos/': a relative local path; the daemon would read it "
                 "from its own working directory ('/' under systemd), not from the folder of its config file or of "
                 "the shell that checks it: expected an absolute path (such as /srv/no-such-bucket/videos/), or a URL "
                 "if an object store was meant (s3://no-such-bucket/videos/)"
