@@ -204,7 +204,8 @@ def _run(args: argparse.Namespace, exits: bool) -> int:
     address = args.socket or default_socket()
     # `wait` waits its --timeout for a daemon (its --startup-timeout does not apply); the others their --startup-timeout
     waits, option = (args.timeout, "--timeout") if args.command == "wait" else (args.startup_timeout, "--startup-timeout")
-    if waits > 0 and "://" not in address and not os.path.exists(address):
+    told = waits > 0 and "://" not in address and not os.path.exists(address)
+    if told:
         print(  # else it waits the whole startup timeout in silence before its error
             f"cachepipe {args.command}: no daemon socket at {address} yet; waiting up to {waits:g} s for "
             f"a daemon to start there ({option}; --socket or $CACHEPIPE_SOCKET for another one)",
@@ -212,6 +213,7 @@ def _run(args: argparse.Namespace, exits: bool) -> int:
         )
     try:
         with Client(getattr(args, "pipeline", None), args.socket, auto_ack=False, startup_timeout=args.startup_timeout) as client:
+            client._waits_told = told  # noqa: SLF001 - the wait said above is not logged again by the client
             if args.command == "wait":
                 print(client.wait_ready(args.timeout).get("status", "ok"))
             elif args.command == "next":

@@ -113,7 +113,7 @@ def test_wait_exits_4_when_no_daemon_comes_and_rejects_a_bad_timeout(short_dir):
         timeout=60,
         check=False,
     )
-    assert proc.returncode == 4 and "not ready within 0.3 s" in proc.stderr, proc.stderr
+    assert proc.returncode == 4 and "waited 0.3 s for a cachepipe daemon to serve at" in proc.stderr, proc.stderr
     bad = subprocess.run([*CLI, "wait", "--timeout", "soon"], capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 2 and "'soon': expected a number of seconds >= 0" in bad.stderr
     with pytest.raises(ValueError, match=r"startup_timeout -1: expected a number of seconds >= 0"):
