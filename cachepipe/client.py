@@ -93,7 +93,7 @@ def default_socket() -> str:
 
 
 _UNOPENED, _OPEN, _CLOSED = "unopened", "open", "closed"
-_NOBODY: dict[type[BaseException] | None, str] = {
+_NOBODY: dict[type[BaseException], str] = {
     FileNotFoundError: "no socket there",
     ConnectionRefusedError: "nothing listens there (connection refused: a daemon that ended, or none on that address)",
     ConnectionResetError: "it reset each connection",
@@ -389,7 +389,7 @@ class Client(_ItemRequests):
             try:
                 status, data = self._request("GET", "/v1/health", None, self.request_timeout, outage=outage)
             except ConnectionError as exc:
-                why = _NOBODY.get(type(exc.__cause__))
+                why = None if exc.__cause__ is None else _NOBODY.get(type(exc.__cause__))
                 if why is None:
                     raise
                 raise TimeoutError(  # one message: not the request's own, which says to run `cachepipe wait`

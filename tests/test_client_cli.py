@@ -299,8 +299,10 @@ def test_status_shows_a_row_per_job(jobs_served, capsys):
     sock, spec = jobs_served
     status, out, _ = cli(capsys, "status", "--socket", str(sock))
     assert status == 0 and out.splitlines()[1:] == [
-        "no pipelines: this daemon serves jobs only, and none is registered now (CachePipeDataset(node=SOCKET) "
-        "registers its job at its first iteration, docs/multinode.md; `cachepipe status` then shows a row per job)"
+        (
+            "no pipelines: this daemon serves jobs only, and none is registered now (CachePipeDataset(node=SOCKET) "
+            "registers its job at its first iteration, docs/multinode.md; `cachepipe status` then shows a row per job)"
+        )
     ], out
     with JobClient("train", {**spec, "num_workers": 2}, 0, socket=sock) as lane:
         assert lane.take((0, 0), timeout=30).name == "item0"

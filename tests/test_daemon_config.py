@@ -164,10 +164,14 @@ def test_a_relative_path_is_reported_with_the_other_problems(tmp_path, capsys):
     assert lines[2].startswith("  pipelines.train.source = 'data/train/': a relative local path; the daemon would"), message
     assert [*lines[1:2], *lines[3:]] == [
         "  socket = 'api.sock': expected an absolute path",
-        "  pipelines.train.cache_dir = 'cache': expected an absolute path; the daemon would make it in its own working "
-        "directory ('/' under systemd), not in the folder of its config file or of the shell that checks it",
-        "  pipelines.train.capacity = '10GiBB': capacity '10GiBB': expected a positive number of bytes or a size like "
-        "'50GiB', '1.5GB', '512M', '1g', or a share of free disk space like '80%'",
+        (
+            "  pipelines.train.cache_dir = 'cache': expected an absolute path; the daemon would make it in its own working "
+            "directory ('/' under systemd), not in the folder of its config file or of the shell that checks it"
+        ),
+        (
+            "  pipelines.train.capacity = '10GiBB': capacity '10GiBB': expected a positive number of bytes or a size like "
+            "'50GiB', '1.5GB', '512M', '1g', or a share of free disk space like '80%'"
+        ),
     ], message
     assert main(["serve", "--check", "--config", str(tmp_path / "cachepipe.yaml")]) == 78
     assert capsys.readouterr().err.rstrip("\n").splitlines()[1:] == message.splitlines()[1:]

@@ -108,8 +108,10 @@ def test_wait_with_no_socket_yet_says_it_waits_its_timeout_not_the_startup_timeo
         # cachepipe daemon at ...: [Errno 2] ... (tried for 0.5 s) (is `cachepipe serve` running?
         # `cachepipe wait` waits for it to be ready)"), which told `cachepipe wait` to use itself
         assert rest == [
-            f"cachepipe: waited 0.5 s for a cachepipe daemon to serve at {sock}: no socket there; start one "
-            "(`cachepipe serve --config FILE`), or name the socket one serves (--socket or $CACHEPIPE_SOCKET)"
+            (
+                f"cachepipe: waited 0.5 s for a cachepipe daemon to serve at {sock}: no socket there; start one "
+                "(`cachepipe serve --config FILE`), or name the socket one serves (--socket or $CACHEPIPE_SOCKET)"
+            )
         ], done.stderr
 
 
@@ -122,7 +124,11 @@ def test_wait_for_a_daemon_that_starts_says_once_that_it_waits(tmp_path, short_d
     config.write_text(yaml.safe_dump({"socket": str(sock), "jobs": {"root": str(tmp_path / "jobs"), "capacity": "1MiB"}}))
     env = {**os.environ, "PYTHONPATH": str(Path(cachepipe.__file__).parents[1])}
     with subprocess.Popen(
-        [sys.executable, "-m", "cachepipe", "wait", "--socket", str(sock)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        [sys.executable, "-m", "cachepipe", "wait", "--socket", str(sock)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     ) as waiting:
         assert waiting.stderr is not None and waiting.stdout is not None
         first = waiting.stderr.readline()  # said at once: the wait has begun
