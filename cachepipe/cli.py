@@ -204,7 +204,8 @@ def _run(args: argparse.Namespace, exits: bool) -> int:
     address = args.socket or default_socket()
     # `wait` waits its --timeout for a daemon (its --startup-timeout does not apply); the others their --startup-timeout
     waits, option = (args.timeout, "--timeout") if args.command == "wait" else (args.startup_timeout, "--startup-timeout")
-    if waits > 0 and "://" not in address and not os.path.exists(address):
+    told = waits > 0 and "://" not in address and not os.path.exists(address)
+    if told:
         print(  # else it waits the whole startup timeout in silence before its error
             f"cachepipe {args.command}: no daemon socket at {address} yet; waiting up to {waits:g} s for "
             f"a daemon to start there ({option}; --socket or $CACHEPIPE_SOCKET for another one)",
@@ -212,6 +213,7 @@ def _run(args: argparse.Namespace, exits: bool) -> int:
         )
     try:
         with Client(getattr(args, "pipeline", None), args.socket, auto_ack=False, startup_timeout=args.startup_timeout) as client:
+            client._waits_told = told  # noqa: SLF001 - the wait said above is not logged again by the client
             if args.command == "wait":
                 print(client.wait_ready(args.timeout).get("status", "ok"))
             elif args.command == "next":
@@ -383,8 +385,8 @@ _JOB_HEAD = (
 
 def format_status(info: dict[str, Any]) -> str:
     """The readable text of ``cachepipe status``: a line on the daemon, a table of its pipelines
-    (left out when it has none but jobs), a table of its jobs (when it has some), and the error
-    of each pipeline that is down."""
+    (when it has some; a daemon of jobs alone, none registered, says so in their place), a table
+    of its jobs (when it has some), and the error of each pipeline that is down."""
     from .sizes import format_size  # not on the path of `next` and `ack`
 
     def sizes(stats: dict[str, Any]) -> list[str]:
@@ -409,8 +411,13 @@ def format_status(info: dict[str, Any]) -> str:
         progress = p.get("pass") or {}
         state = "done" if progress.get("complete") else p.get("state", "?")  # a pass complete is served no more
         rows.append((name, state, *counts, *sizes(s), p.get("source", "")))
-    if pipelines or not jobs:
+    if pipelines:
         lines += _table(_PIPELINE_HEAD, rows)
+    elif not jobs:  # a config has pipelines or jobs: no pipelines is a daemon of jobs, none registered yet
+        lines.append(
+            "no pipelines: this daemon serves jobs only, and none is registered now (CachePipeDataset(node=SOCKET) "
+            "registers its job at its first iteration, docs/multinode.md; `cachepipe status` then shows a row per job)"
+        )
     rows = []
     for name, j in jobs:
         s, lanes, done = j.get("stats") or {}, len(j.get("lanes", ())), j.get("lanes_done")

@@ -93,6 +93,12 @@ def default_socket() -> str:
 
 
 _UNOPENED, _OPEN, _CLOSED = "unopened", "open", "closed"
+_NOBODY: dict[type[BaseException], str] = {
+    FileNotFoundError: "no socket there",
+    ConnectionRefusedError: "nothing listens there (connection refused: a daemon that ended, or none on that address)",
+    ConnectionResetError: "it reset each connection",
+}
+"""Why :meth:`Client.wait_ready` found no daemon, by the error that ended its last try."""
 
 
 class Client(_ItemRequests):
@@ -210,7 +216,7 @@ class Client(_ItemRequests):
         pace, taken = LoopPace(), 0.0
         # the wait for a daemon that is not there, shared by the loop's acks and releases: one
         # outage, at most startup_timeout in all (its end acks, then releases: not twice that)
-        outage = _Outage(self.startup_timeout, self.address)
+        outage = _Outage(self.startup_timeout, self.address, told=self._waits_told)
         watched = self.markers and not self.auto_ack  # with auto_ack the loop acknowledges every item itself
         try:
             while True:
@@ -377,22 +383,24 @@ class Client(_ItemRequests):
         limit = self.startup_timeout if timeout is None else timeout
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 0:
             raise ValueError(f"timeout {timeout!r}: expected a number of seconds >= 0")
-        outage = _Outage(limit, self.address)  # one wait: for no socket and for "stopping" alike
+        outage = _Outage(limit, self.address, told=self._waits_told)  # one wait: for no socket and for "stopping" alike
+        waited = f"waited {limit:g} s for a cachepipe daemon to serve at {self.address}"
         while True:
             try:
                 status, data = self._request("GET", "/v1/health", None, self.request_timeout, outage=outage)
             except ConnectionError as exc:
-                if isinstance(exc.__cause__, (FileNotFoundError, ConnectionRefusedError, ConnectionResetError)):
-                    raise TimeoutError(f"the cachepipe daemon at {self.address} was not ready within {limit:g} s: {exc}") from exc
-                raise
+                why = None if exc.__cause__ is None else _NOBODY.get(type(exc.__cause__))
+                if why is None:
+                    raise
+                raise TimeoutError(  # one message: not the request's own, which says to run `cachepipe wait`
+                    f"{waited}: {why}; start one (`cachepipe serve --config FILE`), or name the socket one serves "
+                    "(--socket or $CACHEPIPE_SOCKET)"
+                ) from exc
             info = _info(data)
             if status == 200 or (status == 503 and info.get("status") == "degraded"):
                 return info
             if status != 503 or not outage.pause():
-                raise TimeoutError(
-                    f"the cachepipe daemon at {self.address} was not ready within {limit:g} s: "
-                    f"it answers HTTP {status} {info.get('status') or _code(data)}"
-                )
+                raise TimeoutError(f"{waited}: it answers HTTP {status} {info.get('status') or _code(data)}")
             self._drop()
 
     def metrics(self) -> str:

@@ -27,7 +27,7 @@ from pydantic import (
     ValidationInfo,
     field_validator,
 )
-from pydantic_core import InitErrorDetails, PydanticCustomError, PydanticKnownError
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from .errors import ConfigError, closest
 from .locations import SCHEMES, cache_in_source, check_absolute_source, check_destination, check_source, utf8_location
@@ -54,8 +54,8 @@ __all__ = [
     "check_destination",
     "check_option_names",
     "check_source",
-    "credentials_unsaid",
     "format_size",
+    "in_our_words",
     "parse_capacity",
     "parse_size",
     "secret_input",
@@ -180,25 +180,27 @@ def _credential_name(name: str) -> bool:
     return _CREDENTIAL.search(name) is not None
 
 
-def credentials_unsaid(exc: ValidationError) -> ValidationError:
-    """``exc``, or the same errors without their inputs when one is :func:`secret_input`:
-    pydantic's message shows each input (``input_value=[...]``), and a ``storage_options`` given as
-    a list or a string holds the secret key it shows (every input is hidden then: pydantic hides
-    all or none)."""
+def in_our_words(exc: ValidationError) -> ValidationError:
+    """``exc`` as the user is shown it: the same errors (type, place, message, input, context),
+    without pydantic's "For further information visit https://errors.pydantic.dev/..." line
+    under each (a page on pydantic, not on the option: our messages say what is wrong), and
+    without their inputs when one is :func:`secret_input`: pydantic's message shows each input
+    (``input_value=[...]``), and a ``storage_options`` given as a list or a string holds the
+    secret key it shows (every input is hidden then: pydantic hides all or none).
+
+    Each error is remade as a custom error of its type and message, which pydantic prints with no
+    link (``errors(include_url=False)`` alone leaves ``str(exc)`` as it was)."""
     errors = exc.errors(include_url=False)
-    if not any(secret_input(err["loc"], err["input"], err["type"]) for err in errors):
-        return exc
+    hidden = any(secret_input(err["loc"], err["input"], err["type"]) for err in errors)
     details: list[InitErrorDetails] = []
     for err in errors:
-        kind: str | PydanticCustomError = err["type"]
-        try:
-            PydanticKnownError(err["type"], err.get("ctx"))  # type: ignore[arg-type]
-        except (KeyError, TypeError):  # a type of our own validators: its message as said
-            kind = PydanticCustomError(err["type"], err["msg"])
-        secret = secret_input(err["loc"], err["input"], err["type"])
-        given = NOT_SHOWN if secret else err["input"]  # nor in errors(): a program may print those
-        details.append({"type": kind, "loc": err["loc"], "input": given, "ctx": err.get("ctx", {})})
-    return ValidationError.from_exception_data(exc.title, details, hide_input=True)
+        ctx = err.get("ctx")
+        if ctx and any(f"{{{key}}}" in err["msg"] for key in ctx):
+            ctx = None  # a message holding "{ge}" as written (a value given): pydantic would fill it in again
+        kind = PydanticCustomError(err["type"], err["msg"], ctx)
+        given = NOT_SHOWN if secret_input(err["loc"], err["input"], err["type"]) else err["input"]  # nor in errors()
+        details.append({"type": kind, "loc": err["loc"], "input": given})
+    return ValidationError.from_exception_data(exc.title, details, hide_input=hidden)
 
 
 class PipelineConfig(BaseModel):
@@ -412,8 +414,8 @@ class PipelineConfig(BaseModel):
     def __init__(self, **data: Any) -> None:
         try:
             super().__init__(**data)
-        except ValidationError as exc:  # the storage options' credentials unsaid (credentials_unsaid)
-            raise credentials_unsaid(exc) from None
+        except ValidationError as exc:  # without pydantic's link, the storage options' credentials unsaid
+            raise in_our_words(exc) from None
 
     # Checks of a field against fields before it, never of the model: an error of a model validator
     # carries every option as its input, which pydantic's message shows (the storage options'

@@ -119,6 +119,7 @@ class _Connection:
     startup_timeout: float
     _conn: http.client.HTTPConnection | None
     _lock: threading.Lock
+    _waits_told = False  # the ``cachepipe`` command sets it once it said it waits for a daemon (see _Outage)
 
     def _connection(self, timeout: float) -> tuple[http.client.HTTPConnection, bool]:
         conn = self._conn
@@ -169,7 +170,7 @@ class _Connection:
         if retry is None:
             retry = method == "GET"
         if outage is None:
-            outage = _Outage(self.startup_timeout, self.address)
+            outage = _Outage(self.startup_timeout, self.address, told=self._waits_told)
         with self._lock:
             kept = True  # the first attempt may be on a kept-alive connection the daemon closed meanwhile
             cut: BaseException | None = None  # why a connection carrying this request ended unanswered
@@ -271,9 +272,10 @@ class _Outage:
     last longer than a start's (``DEFAULT_STARTUP_TIMEOUT``, e.g. a registered lane waiting out
     a restart) is logged as it begins: it is not silent."""
 
-    def __init__(self, limit: float, address: str) -> None:
+    def __init__(self, limit: float, address: str, *, told: bool = False) -> None:
         self.limit = limit
         self.address = address
+        self._told = told  # the wait was said already (the ``cachepipe`` command's own line): not logged too
         self._since: float | None = None
         self._pauses = 0
 
@@ -282,7 +284,7 @@ class _Outage:
         now = time.monotonic()
         if self._since is None:
             self._since = now
-            if self.limit > DEFAULT_STARTUP_TIMEOUT:
+            if self.limit > DEFAULT_STARTUP_TIMEOUT and not self._told:
                 log.warning("the cachepipe daemon at %s is not answering yet: trying for up to %g s", self.address, self.limit)
         left = self._since + self.limit - now
         if left <= 0:

@@ -294,8 +294,16 @@ def cli(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def test_status_shows_a_row_per_job(jobs_served, capsys):
-    # A daemon whose only work was jobs showed a header of pipelines and nothing else.
+    # A daemon whose only work was jobs showed a header of pipelines and nothing else; with no
+    # job registered yet it still did (an empty table), now a line saying what it serves.
     sock, spec = jobs_served
+    status, out, _ = cli(capsys, "status", "--socket", str(sock))
+    assert status == 0 and out.splitlines()[1:] == [
+        (
+            "no pipelines: this daemon serves jobs only, and none is registered now (CachePipeDataset(node=SOCKET) "
+            "registers its job at its first iteration, docs/multinode.md; `cachepipe status` then shows a row per job)"
+        )
+    ], out
     with JobClient("train", {**spec, "num_workers": 2}, 0, socket=sock) as lane:
         assert lane.take((0, 0), timeout=30).name == "item0"
         status, out, _ = cli(capsys, "status", "--socket", str(sock))

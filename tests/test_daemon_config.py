@@ -131,7 +131,7 @@ def test_bad_pipeline_values_name_path_value_and_expectation(tmp_path, pipeline,
         ({"log_level": "loud"}, "log_level = 'loud': Input should be 'debug', 'info', 'warning' or 'error'"),
         ({"status_interval": "often"}, "status_interval = 'often'"),
         ({"sockets": "/x"}, "sockets = '/x': unknown key; did you mean 'socket'? expected one of: socket, socket_mode"),
-        ({"socket": "relative.sock"}, "socket 'relative.sock': expected an absolute path"),
+        ({"socket": "relative.sock"}, "socket = 'relative.sock': expected an absolute path"),
         ({"socket": "/" + "s" * 120}, "expected a path of at most 107 bytes"),
         ({"max_wait": float("nan")}, "max_wait = nan: Input should be a finite number"),
     ],
@@ -152,12 +152,39 @@ def test_every_problem_is_reported_at_once(tmp_path):
     assert len(message.splitlines()) == 4  # the heading + three problems
 
 
+def test_a_relative_path_is_reported_with_the_other_problems(tmp_path, capsys):
+    """A relative ``cache_dir``, ``source`` or ``socket`` was checked by the model's own validator,
+    which pydantic runs only once every field is valid: with a bad capacity beside it, ``serve
+    --check`` named the capacity alone, and the relative path only after it was fixed."""
+    from cachepipe.cli import main
+
+    data = {**minimal(tmp_path, source="data/train/", cache_dir="cache", capacity="10GiBB"), "socket": "api.sock"}
+    message = error_of(tmp_path, data)
+    lines = message.splitlines()
+    assert lines[2].startswith("  pipelines.train.source = 'data/train/': a relative local path; the daemon would"), message
+    assert [*lines[1:2], *lines[3:]] == [
+        "  socket = 'api.sock': expected an absolute path",
+        (
+            "  pipelines.train.cache_dir = 'cache': expected an absolute path; the daemon would make it in its own working "
+            "directory ('/' under systemd), not in the folder of its config file or of the shell that checks it"
+        ),
+        (
+            "  pipelines.train.capacity = '10GiBB': capacity '10GiBB': expected a positive number of bytes or a size like "
+            "'50GiB', '1.5GB', '512M', '1g', or a share of free disk space like '80%'"
+        ),
+    ], message
+    assert main(["serve", "--check", "--config", str(tmp_path / "cachepipe.yaml")]) == 78
+    assert capsys.readouterr().err.rstrip("\n").splitlines()[1:] == message.splitlines()[1:]
+    jobs = error_of(tmp_path, {"jobs": {"root": "jobs", "capacity": "lots"}}).splitlines()[1:]
+    assert [line.split(":")[0] for line in jobs] == ["  jobs.root = 'jobs'", "  jobs.capacity = 'lots'"], jobs
+
+
 def test_pipeline_names_and_cache_dirs(tmp_path):
     data = minimal(tmp_path)
     data["pipelines"]["Train"] = data["pipelines"].pop("train")
     assert "pipeline name 'Train': expected 1-63 lowercase letters" in error_of(tmp_path, data)
     rel = minimal(tmp_path, cache_dir="relative/cache")
-    assert "pipelines.train.cache_dir 'relative/cache': expected an absolute path" in error_of(tmp_path, rel)
+    assert "pipelines.train.cache_dir = 'relative/cache': expected an absolute path" in error_of(tmp_path, rel)
     both = minimal(tmp_path)
     both["pipelines"]["val"] = {**both["pipelines"]["train"], "cache_dir": str(tmp_path / "c" / "val")}
     assert "overlaps pipelines.train.cache_dir" in error_of(tmp_path, both)
@@ -514,7 +541,7 @@ def test_a_relative_local_source_is_refused_where_a_pipeline_keeps_it(tmp_path, 
         ("~/data/train", f"expected the path written out (such as {Path.home()}/data/train): '~' is not expanded"),
     ]:
         message = error_of(tmp_path, minimal(tmp_path, source=source))
-        assert f"pipelines.train.source {source!r}: a relative local path; the daemon would read it from" in message
+        assert f"pipelines.train.source = {source!r}: a relative local path; the daemon would read it from" in message
         assert expected in message, message
     jobs = {"root": str(tmp_path / "jobs"), "capacity": "1GiB", "sources": ["data/"]}
     assert "jobs.sources 'data/': a relative local path" in error_of(tmp_path, {"jobs": jobs})

@@ -225,6 +225,40 @@ def test_a_source_without_scheme_that_does_not_exist_is_refused(tmp_path: Path, 
     assert not (tmp_path / "c").exists()
 
 
+def test_a_bad_option_says_what_is_wrong_without_pydantics_link(tmp_path: Path) -> None:
+    """Each error of a ``ValidationError`` ended with pydantic's "For further information visit
+    https://errors.pydantic.dev/..." line: a page on pydantic, not on the option. The message
+    says the rest as before; the exception is still pydantic's, with its errors' types and context."""
+    from pydantic import ValidationError
+
+    src = _source(tmp_path)
+    with pytest.raises(ValidationError) as info:
+        Pipeline(str(src), tmp_path / "c", "10GiBB", epochs=-1)
+    text = str(info.value)
+    assert text.splitlines() == [
+        "2 validation errors for PipelineConfig",
+        "capacity",
+        (
+            "  Value error, capacity '10GiBB': expected a positive number of bytes or a size like '50GiB', '1.5GB', '512M', "
+            "'1g', or a share of free disk space like '80%' [type=value_error, input_value='10GiBB', input_type=str]"
+        ),
+        "epochs",
+        "  Input should be greater than or equal to 1 [type=greater_than_equal, input_value=-1, input_type=int]",
+    ], text
+    errors = info.value.errors()
+    assert [(e["type"], e["loc"], e.get("ctx", {}).get("ge")) for e in errors] == [
+        ("value_error", ("capacity",), None),
+        ("greater_than_equal", ("epochs",), 1),
+    ]
+    with pytest.raises(ValidationError) as info:  # a credential's input hidden, as before, and no link either
+        Pipeline(str(src), tmp_path / "c", "1MiB", storage_options="key=AKIA-SECRET", epochs=0)
+    assert "AKIA-SECRET" not in str(info.value) and "errors.pydantic.dev" not in str(info.value), str(info.value)
+    with pytest.raises(ValidationError) as info:  # map's options, called from Python
+        map_items(["true"], str(src), str(tmp_path / "dst"), cache_dir=tmp_path / "m", capacity="1MiB", jobs=0)
+    assert "jobs\n  Input should be greater than or equal to 1" in str(info.value), str(info.value)
+    assert "errors.pydantic.dev" not in str(info.value), str(info.value)
+
+
 def test_a_misspelt_option_is_refused_naming_the_option_it_resembles(tmp_path: Path) -> None:
     src = _source(tmp_path)
     with pytest.raises(ValueError, match=r"max_concurency=4.*did you mean 'max_concurrency'\?") as raised:

@@ -108,6 +108,8 @@ def test_jobs_register_once_conflict_and_end(s3_source, tmp_path, short_dir):
             with pytest.raises(ServiceError, match=r"num_workers") as err:
                 register(sock, "y", spec(s3_source, num_workers=0), 0)
             assert err.value.status == 400
+            assert "Input should be greater than or equal to 1" in str(err.value)
+            assert "errors.pydantic.dev" not in str(err.value) and "further information" not in str(err.value)
             with pytest.raises(ServiceError, match=r"lease_timeout") as err:
                 register(sock, "y", spec(s3_source, lease_timeout=5), 0)  # not a job's to set
             with (
@@ -351,7 +353,7 @@ def test_jobs_section_is_checked(tmp_path):
         return str(err.value)
 
     assert "no pipelines and no jobs section" in error_of({})
-    assert "jobs.root 'rel': expected an absolute path" in error_of({"jobs": {"root": "rel", "capacity": "1GiB"}})
+    assert "jobs.root = 'rel': expected an absolute path" in error_of({"jobs": {"root": "rel", "capacity": "1GiB"}})
     assert "jobs.options.cache_dir: set by the job or by the daemon" in error_of(
         {"jobs": {"root": "/j", "capacity": "1GiB", "options": {"cache_dir": "/x"}}}
     )

@@ -101,9 +101,42 @@ def test_wait_with_no_socket_yet_says_it_waits_its_timeout_not_the_startup_timeo
     for extra in ([], ["--startup-timeout", "0"]):
         done = cachepipe_cli("wait", "--socket", str(sock), "--timeout", "0.5", *extra)
         assert done.returncode == 4, done.stderr
-        first = done.stderr.splitlines()[0]
+        first, *rest = done.stderr.splitlines()
         assert first.startswith(f"cachepipe wait: no daemon socket at {sock} yet; waiting up to 0.5 s for a daemon"), first
         assert "(--timeout;" in first, first
+        # its end, one message: before, two glued ("... was not ready within 0.5 s: cannot reach the
+        # cachepipe daemon at ...: [Errno 2] ... (tried for 0.5 s) (is `cachepipe serve` running?
+        # `cachepipe wait` waits for it to be ready)"), which told `cachepipe wait` to use itself
+        assert rest == [
+            (
+                f"cachepipe: waited 0.5 s for a cachepipe daemon to serve at {sock}: no socket there; start one "
+                "(`cachepipe serve --config FILE`), or name the socket one serves (--socket or $CACHEPIPE_SOCKET)"
+            )
+        ], done.stderr
+
+
+def test_wait_for_a_daemon_that_starts_says_once_that_it_waits(tmp_path, short_dir):
+    # `cachepipe wait` (its default --timeout, 30 s) on no socket yet said it twice: its own line,
+    # and the client's warning "the cachepipe daemon at ... is not answering yet: trying for up
+    # to 30 s" (a wait longer than a start's). A daemon of jobs alone: nothing to list.
+    sock = short_dir / "api.sock"
+    config = tmp_path / "cachepipe.yaml"
+    config.write_text(yaml.safe_dump({"socket": str(sock), "jobs": {"root": str(tmp_path / "jobs"), "capacity": "1MiB"}}))
+    env = {**os.environ, "PYTHONPATH": str(Path(cachepipe.__file__).parents[1])}
+    with subprocess.Popen(
+        [sys.executable, "-m", "cachepipe", "wait", "--socket", str(sock)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    ) as waiting:
+        assert waiting.stderr is not None and waiting.stdout is not None
+        first = waiting.stderr.readline()  # said at once: the wait has begun
+        with DaemonProcess(config):
+            waiting.wait(timeout=60)
+        out, err = waiting.stdout.read(), waiting.stderr.read()  # not communicate(): readline's buffer holds the rest
+    assert first.startswith(f"cachepipe wait: no daemon socket at {sock} yet; waiting up to 30 s"), first
+    assert (waiting.returncode, out, err) == (0, "ok\n", ""), (first, err)
 
 
 @pytest.mark.parametrize("engine", ["s3fs", "obstore"])

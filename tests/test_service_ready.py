@@ -113,7 +113,7 @@ def test_wait_exits_4_when_no_daemon_comes_and_rejects_a_bad_timeout(short_dir):
         timeout=60,
         check=False,
     )
-    assert proc.returncode == 4 and "not ready within 0.3 s" in proc.stderr, proc.stderr
+    assert proc.returncode == 4 and "waited 0.3 s for a cachepipe daemon to serve at" in proc.stderr, proc.stderr
     bad = subprocess.run([*CLI, "wait", "--timeout", "soon"], capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 2 and "'soon': expected a number of seconds >= 0" in bad.stderr
     with pytest.raises(ValueError, match=r"startup_timeout -1: expected a number of seconds >= 0"):
@@ -299,7 +299,7 @@ def host_cases(tmp_path: Path) -> dict:
         "no scheme": (  # a relative local path to the daemon, whatever its working directory holds
             {"pipelines": {"train": {"source": "no-such-bucket/videos/"}}},
             (
-                "pipelines.train.source 'no-such-bucket/videos/': a relative local path; the daemon would read it "
+                "pipelines.train.source = 'no-such-bucket/videos/': a relative local path; the daemon would read it "
                 "from its own working directory ('/' under systemd), not from the folder of its config file or of "
                 "the shell that checks it: expected an absolute path (such as /srv/no-such-bucket/videos/), or a URL "
                 "if an object store was meant (s3://no-such-bucket/videos/)"

@@ -32,7 +32,7 @@ from pydantic import (
 
 from ..blocks import folders_made, footprint, round_up
 from ..catalog import check_key, group_items
-from ..config import UNPACK_RATIO, Capacity, check_manifest_location, credentials_unsaid, filtered_tar, parse_size, utf8_location
+from ..config import UNPACK_RATIO, Capacity, check_manifest_location, filtered_tar, in_our_words, parse_size, utf8_location
 from ..errors import UnsafeKeyError
 from ..grouping import version_of
 from ..keys import _TreeCheck
@@ -108,8 +108,8 @@ class MapConfig(BaseModel):
     def __init__(self, **data: Any) -> None:
         try:
             super().__init__(**data)
-        except ValidationError as exc:  # the storage options' credentials unsaid, as PipelineConfig's
-            raise credentials_unsaid(exc) from None
+        except ValidationError as exc:  # as PipelineConfig's: without pydantic's link, credentials unsaid
+            raise in_our_words(exc) from None
 
     # Checks of one field against those before it, not of the model: an error of a model validator
     # carries every option as its input, which pydantic's message and the command line would show

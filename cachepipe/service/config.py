@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from ..config import PipelineConfig, check_absolute_source, secret_input, small_capacity, with_unit
@@ -121,6 +121,33 @@ def _number_as_mode(value: int) -> str:
     )
 
 
+class DaemonPipelineConfig(PipelineConfig):
+    """A pipeline of the daemon: a :class:`~cachepipe.PipelineConfig` whose local ``source`` and
+    ``cache_dir`` are absolute paths (``Pipeline(...)`` keeps relative ones, against its
+    process's working directory; the daemon's is ``/`` under systemd). Checked with the other
+    fields, not by a check of the whole config, which pydantic runs only once every field is
+    valid: so ``serve --check`` names a relative path beside a bad capacity, not after it."""
+
+    @field_validator("source")
+    @classmethod
+    def _absolute_source(cls, value: str) -> str:
+        try:
+            check_absolute_source(value)
+        except ConfigError as exc:  # the field path and the value are said by format_errors
+            raise ValueError(str(exc).removeprefix(f"source {value!r}: ")) from None
+        return value
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _absolute_cache_dir(cls, value: Path) -> Path:
+        if not value.is_absolute():
+            raise ValueError(
+                "expected an absolute path; the daemon would make it in its own working directory ('/' under "
+                "systemd), not in the folder of its config file or of the shell that checks it"
+            )
+        return value
+
+
 PipelineName = Annotated[str, AfterValidator(_check_name)]
 SocketMode = Annotated[int, BeforeValidator(_parse_mode)]
 
@@ -188,7 +215,7 @@ class ServiceConfig(BaseSettings):
     header_timeout: float = Field(default=10.0, gt=0, le=3600)
     body_timeout: float = Field(default=10.0, gt=0, le=3600)
     idle_timeout: float = Field(default=300.0, gt=0, le=86400)
-    pipelines: dict[PipelineName, PipelineConfig] = Field(default_factory=dict)
+    pipelines: dict[PipelineName, DaemonPipelineConfig] = Field(default_factory=dict)
     jobs: JobsConfig | None = None
 
     @classmethod
@@ -216,14 +243,18 @@ class ServiceConfig(BaseSettings):
             pipelines[name] = options
         return {**data, "pipelines": pipelines}
 
+    @field_validator("socket")
+    @classmethod
+    def _socket_path(cls, value: Path) -> Path:
+        # a check of the field, not of the model: said beside the other fields' errors (DaemonPipelineConfig)
+        if not value.is_absolute():
+            raise ValueError("expected an absolute path")
+        if len(os.fsencode(value)) > SOCKET_PATH_MAX:
+            raise ValueError(f"expected a path of at most {SOCKET_PATH_MAX} bytes (a Unix socket limit)")
+        return value
+
     @model_validator(mode="after")
     def _check_paths(self) -> ServiceConfig:
-        if not self.socket.is_absolute():
-            raise ValueError(f"socket {str(self.socket)!r}: expected an absolute path")
-        if len(os.fsencode(self.socket)) > SOCKET_PATH_MAX:
-            raise ValueError(
-                f"socket {str(self.socket)!r}: expected a path of at most {SOCKET_PATH_MAX} bytes (a Unix socket limit)"
-            )
         if not self.pipelines and self.jobs is None:
             raise ValueError("no pipelines and no jobs section: expected at least one pipeline, or jobs to register")
         roots: dict[str, Path] = {}
@@ -232,10 +263,7 @@ class ServiceConfig(BaseSettings):
                 raise ValueError(f"socket {str(self.socket)!r} is inside jobs.root: expected a path outside every cache")
             roots["jobs.root"] = Path(os.path.normpath(self.jobs.root))
         for name, cfg in self.pipelines.items():
-            check_absolute_source(cfg.source, f"pipelines.{name}.source")  # not the daemon's working directory's
-            root = Path(os.path.normpath(cfg.cache_dir))
-            if not cfg.cache_dir.is_absolute():
-                raise ValueError(f"pipelines.{name}.cache_dir {str(cfg.cache_dir)!r}: expected an absolute path")
+            root = Path(os.path.normpath(cfg.cache_dir))  # absolute, as its source if local (DaemonPipelineConfig)
             for other, other_root in roots.items():
                 if root == other_root or other_root in root.parents or root in other_root.parents:
                     raise ValueError(

@@ -40,9 +40,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from pydantic import ValidationError
+
 from ..cache.lock import STATE_DIR
 from ..cache.room import room_at
-from ..config import PipelineConfig, Share, check_absolute_source, with_unit
+from ..config import PipelineConfig, Share, check_absolute_source, in_our_words, with_unit
 from ..errors import CachePipeError, CacheRemovedError, ConfigError
 from ..manifest import index, read_manifest
 from ..plan import Cursor
@@ -165,7 +167,10 @@ class Jobs:
         """
         if not _JOB_NAME.match(name):
             raise ValueError(f"job name {name!r}: expected 1-64 letters, digits, '.', '_' or '-', not starting with '.'")
-        spec = JobSpec.model_validate(body)
+        try:
+            spec = JobSpec.model_validate(body)
+        except ValidationError as exc:  # its message is the 400's: without pydantic's link
+            raise in_our_words(exc) from None
         self._check_sources(spec)
         self._closer.wait(f"job/{name}")  # a job of this name dropped: its close ends before it opens again
         with self._registration(name):

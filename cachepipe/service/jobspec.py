@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..config import Capacity, PipelineConfig, check_absolute_source, check_manifest_location, parse_size, secret_input
 from ..errors import ConfigError
@@ -68,10 +68,16 @@ class JobsConfig(BaseModel):
     manifest_grace: float = Field(default=86400.0, ge=0, le=30 * 86400)
     options: dict[str, Any] = Field(default_factory=dict, repr=False)  # its storage_options hold credentials
 
+    @field_validator("root")
+    @classmethod
+    def _absolute_root(cls, value: Path) -> Path:
+        # a check of the field, not of the model (which runs once every field is valid): said with the others
+        if not value.is_absolute():
+            raise ValueError("expected an absolute path")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> JobsConfig:
-        if not self.root.is_absolute():
-            raise ValueError(f"jobs.root {str(self.root)!r}: expected an absolute path")
         for key in self.options:
             if key not in PipelineConfig.model_fields:
                 raise ValueError(f"jobs.options.{key}: not a pipeline option (see cachepipe.PipelineConfig)")
