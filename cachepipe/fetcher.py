@@ -111,10 +111,11 @@ class Fetcher(_PartRequests):
         plan: runs of :data:`Planned` steps ``(seq, item, tick)``, in the order to fetch (``tick``
             orders the plan's steps).
         config: concurrency, part size, retries and prefetch settings.
-        upcoming: the first item of the plan's next run if it is known now, else None (a
-            streamed listing's queue, :meth:`StreamingListing.peek
-            <cachepipe.listing.StreamingListing.peek>`): each reservation tells the cache what
-            the next item takes (:meth:`Cache.expect <cachepipe.cache.Cache.expect>`).
+        upcoming: for a plan whose runs come as a streamed listing queues items (None: the
+            plan is known), a reader of the first item of the plan's next run, made when a
+            run's last item is reserved (:meth:`StreamingListing.upcoming
+            <cachepipe.listing.StreamingListing.upcoming>`): each reservation tells the cache
+            what the next item takes (:meth:`Cache.expect <cachepipe.cache.Cache.expect>`).
     """
 
     def __init__(
@@ -124,10 +125,10 @@ class Fetcher(_PartRequests):
         broker: Broker[str],
         plan: Iterable[Sequence[Planned]],
         config: PipelineConfig,
-        upcoming: Callable[[], Item | None] = lambda: None,
+        upcoming: Callable[[], Callable[[], Item | None]] | None = None,
     ) -> None:
         self._store = store
-        self._upcoming = upcoming  # the first item of the plan's next run, if known now (a streamed listing's)
+        self._upcoming = upcoming  # a reader of the first item of the plan's next run (a streamed listing's)
         self._conditional = takes_etag(store)  # each GET is conditional on the listed ETag (If-Match)
         self._cache = cache
         self._broker = broker
@@ -270,13 +271,26 @@ class Fetcher(_PartRequests):
         self._start_many([(run[i][0], item, extra, turn + i, 0) for i, (item, extra) in enumerate(wanted[:count])])
         return count
 
-    def _charge_of(self, run: Sequence[Planned], index: int) -> int:
-        """What the planned item after ``run[:index]`` takes in the cache (:meth:`Cache.charge`),
-        ``run[index]`` or the next run's first; 0 if that is not known yet (see :meth:`Cache.expect`)."""
-        item = run[index][1] if index < len(run) else self._upcoming()
-        return 0 if item is None else self._cache.charge(item, self._extra(item))
+    def _charge_of(self, run: Sequence[Planned], index: int) -> int | Callable[[], int]:
+        """What the planned item after ``run[:index]`` takes in the cache (:meth:`Cache.charge`):
+        ``run[index]``'s; past the run's end, the next run's first, read each time the cache
+        asks (a streamed listing's, which may queue it only after this reservation, and which
+        the planner may take and wait to reserve: see :meth:`Cache.expect`); 0 if the plan has
+        no next run."""
+        if index < len(run):
+            item = run[index][1]
+            return self._cache.charge(item, self._extra(item))
+        if self._upcoming is None:
+            return 0
+        read = self._upcoming()
 
-    def _plan_one(self, seq: int, item: Item, tick: int, then: int = 0) -> bool:
+        def charge() -> int:
+            item = read()
+            return 0 if item is None else self._cache.charge(item, self._extra(item))
+
+        return charge
+
+    def _plan_one(self, seq: int, item: Item, tick: int, then: int | Callable[[], int] = 0) -> bool:
         """Start (or refuse, or hand out from disk) one planned item, waiting for room ahead of
         the consumers, free space and cache space as needed; False if stopped meanwhile.
         ``then``: what the planned item after it takes (see :meth:`Cache.expect`)."""

@@ -56,7 +56,7 @@ class _Lifecycle(_Pass):
             steps = self._catalog(store, cache)
             broker = self._broker  # a node pipeline's catalog step replaces it by its lanes' queues
             listing = self._listing
-            fetcher = Fetcher(store, cache, broker, steps, cfg, listing.peek if listing is not None else lambda: None)
+            fetcher = Fetcher(store, cache, broker, steps, cfg, listing.upcoming if listing is not None else None)
             if cfg.progress:
                 from tqdm.auto import tqdm
 

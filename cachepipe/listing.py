@@ -96,6 +96,8 @@ class StreamingListing:
         self._retries, self._backoff = retries, backoff
         self._cond = threading.Condition()
         self._queue: deque[Item] = deque()
+        self._takes = 0  # calls of take_many that took items (see upcoming)
+        self._taken_first: Item | None = None  # the first item the latest of them took
         self._stop = threading.Event()
         self._objects = 0
         self._first_page = False
@@ -142,10 +144,22 @@ class StreamingListing:
         got = self.take_many(1)
         return got[0] if got else None
 
-    def peek(self) -> Item | None:
-        """The item :meth:`take` would return now, without taking it; None if none is queued."""
+    def upcoming(self) -> Callable[[], Item | None]:
+        """A reader, made when the planner has planned every item it took, of the first item it
+        takes next: the queue's head until the next :meth:`take_many` that takes items (None
+        while none is queued), then the first item that took. Read from another thread (a
+        streamed listing's state budget, :meth:`Cache.expect <cachepipe.cache.Cache.expect>`),
+        it stays the planner's next item across the take, until the planner says so itself."""
         with self._cond:
-            return self._queue[0] if self._queue else None
+            takes = self._takes
+
+        def read() -> Item | None:
+            with self._cond:
+                if self._takes == takes:
+                    return self._queue[0] if self._queue else None
+                return self._taken_first if self._takes == takes + 1 else None
+
+        return read
 
     def take_many(self, count: int) -> list[Item]:
         """The next item, waiting for it, and those queued after it, up to ``count`` in all;
@@ -156,6 +170,7 @@ class StreamingListing:
             queue = self._queue
             if queue:
                 self._cond.notify_all()  # room for the listing thread
+                self._takes, self._taken_first = self._takes + 1, queue[0]
                 return [queue.popleft() for _ in range(min(count, len(queue)))]
             if self.error is not None:
                 raise self.error

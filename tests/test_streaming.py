@@ -391,9 +391,15 @@ def test_room_freed_while_the_planner_is_between_two_items_goes_to_the_next_item
     # item at a time once every name is counted, but not the two taken below beside a third
     budget = round_up(journal_budget_of(9 * 1500, 1500, versions=False), block)
     capacity = _state_files(tmp_path) + budget + 3 * block
-    with Pipeline(ROOT, tmp_path / "c", capacity, prefetch=1, auto_ack=False) as pipe:
+    # the listing waits at the first page until the first two items are reserved: were it to
+    # run ahead before (the planner starting late under load), it would count names into the
+    # room of the second beside the first, which the consumer holds (the rule leaves room for
+    # the next item alone): the wait below timed out, 1 run in 4 of -n 2 at a load of 10
+    store = GatedStore(gate_after=FIRST_PAGE_OBJECTS + 1)
+    with Pipeline(ROOT, tmp_path / "c", capacity, store=store, prefetch=1, auto_ack=False) as pipe:
         first = pipe.get(timeout=10)
         wait_until(lambda: pipe.stats().items_ready >= 1, 10, "the second item is ready")  # the planner waits
+        store.gate.set()
         threading.Event().wait(0.3)  # the listing takes the room left, a block at a time
         assert pipe.stats().items_listed < 1500  # and waits for more
         pipe.ack(first)  # room for the third item's two blocks
@@ -408,6 +414,78 @@ def test_room_freed_while_the_planner_is_between_two_items_goes_to_the_next_item
             rest += 1
             assert pipe.stats().bytes_in_cache <= capacity
     assert rest == 1500 - 3
+
+
+def _caught_up(memory_data, tmp_path, n: int, bigger: bool = False) -> tuple[GatedStore, int, int]:
+    """``n`` items of two blocks each (``bigger``: the first listed once the gate opens takes
+    three), a capacity for the state, the budget of every name and three blocks (as above), and
+    a store whose listing stops at the first page: the planner catches up with it. Returns the
+    store, the capacity and how many items the first page lists."""
+    first = FIRST_PAGE_OBJECTS - 1  # the items the gate lets through (the next one is pending)
+    block = block_of(tmp_path)
+    _put(memory_data, n)
+    if bigger:
+        memory_data.pipe_file(f"/stream/data/item{first:05d}/f", b"x" * 2 * block)
+    capacity = _state_files(tmp_path) + _names_budget(n, block) + 3 * block
+    return GatedStore(gate_after=FIRST_PAGE_OBJECTS + 1), capacity, first
+
+
+def _held_two_of(pipe: Pipeline, store: GatedStore, first: int) -> Any:
+    """With the gate shut: take and ack the items the first page listed but the last two, and
+    take the first of those (returned); the last is reserved with nothing queued after it."""
+    assert store.blocked.wait(30)
+    assert pipe.stats().items_listed == first
+    for _ in range(first - 2):
+        pipe.ack(pipe.get(timeout=30))
+    return pipe.get(timeout=30)
+
+
+def _rest(pipe: Pipeline, capacity: int) -> int:
+    """Take and ack every item left, one at a time, within the capacity; how many."""
+    rest = 0
+    while (item := pipe.get(timeout=30)) is not None:
+        pipe.ack(item)
+        rest += 1
+        assert pipe.stats().bytes_in_cache <= capacity
+    return rest
+
+
+def test_an_item_queued_after_the_planner_caught_up_with_the_listing_goes_before_the_budget(memory_data, tmp_path):
+    """Found in review of b21b56c: the planner that reserved the last item queued told the cache
+    that no item came next (the queue was empty then); the item the listing queued after it was
+    not the planner's next item to the budget, which took the room it needed while the planner
+    woke to reserve it. The consumer holds two items and takes the third: it timed out before
+    (3 runs of 3), the listing having counted names into every block but one."""
+    store, capacity, first = _caught_up(memory_data, tmp_path, 300)
+    with Pipeline(ROOT, tmp_path / "c", capacity, store=store, auto_ack=False) as pipe:
+        held = [_held_two_of(pipe, store, first), pipe.get(timeout=30)]
+        store.gate.set()  # item00099 is listed and queued, then every name after it
+        held.append(pipe.get(timeout=30))  # timed out before: its two blocks were the budget's
+        assert held[-1].name == f"item{first:05d}"
+        pipe.ack_many(held)
+        assert _rest(pipe, capacity) == 300 - first - 1
+
+
+def test_an_item_the_planner_took_and_waits_to_reserve_goes_before_the_budget(memory_data, tmp_path):
+    """Found in review of b21b56c: with ``prefetch=1`` the planner takes the item the listing
+    queued after it caught up and waits until the ready one is taken; the budget left room only
+    for the item queued after it, of two blocks, and took the room an ack freed meanwhile, so
+    the one taken, of three, waited for room that no ack would free. Before, the consumer, which
+    holds the ready item, timed out on the third (3 runs of 3; and with room left for the queue's
+    head alone, not for the item taken from it, 2 of 2)."""
+    store, capacity, first = _caught_up(memory_data, tmp_path, 300, bigger=True)
+    with Pipeline(ROOT, tmp_path / "c", capacity, store=store, prefetch=1, auto_ack=False) as pipe:
+        held = _held_two_of(pipe, store, first)
+        wait_until(lambda: pipe.stats().items_ready >= 1, 30, "the last item listed is ready")
+        store.gate.set()  # item00099 is queued: the planner takes it and waits for the ready one to be taken
+        threading.Event().wait(0.3)  # the listing takes the room left, a block at a time
+        pipe.ack(held)  # room for item00099's three blocks
+        threading.Event().wait(0.3)  # time for the listing to take it, were it allowed to
+        second = pipe.get(timeout=30)  # the ready item: the planner reserves item00099
+        third = pipe.get(timeout=30)  # timed out before
+        assert third.name == f"item{first:05d}"
+        pipe.ack_many([second, third])
+        assert _rest(pipe, capacity) == 300 - first - 1
 
 
 @pytest.mark.parametrize("streamed", [True, False])

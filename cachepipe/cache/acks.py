@@ -17,7 +17,7 @@ part calls only the parts below it. The attributes are set by :meth:`~.core.Cach
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..blocks import round_up
@@ -76,7 +76,7 @@ class _Acks:
     _closed: bool
     _acks_deleting: int
     _wanting: int
-    _expected: int
+    _expected: int | Callable[[], int]
     _waiting_run: bool
     _run_wanted: int
     _forced: bool

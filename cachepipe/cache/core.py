@@ -118,7 +118,7 @@ class Cache(_Publishing):
         self._closed = False
         self._acks_deleting = 0  # calls of evict_many and drop deleting (or waiting to): close waits for them
         self._wanting = 0  # bytes the latest download waiting for room asks for (0: none waits)
-        self._expected = 0  # the charge of the item the planner reserves next, once known (expect)
+        self._expected = 0  # the charge of the item the planner reserves next, or how to read it (expect)
         self._waiting_run = False  # that download fits, and waits for room for a run after it (acquire's run)
         self._run_wanted = 0  # the bytes it waits to fit: its own and the run's
         self._forced = False  # force_room(): the next choice of retention victims waives the policy's rules

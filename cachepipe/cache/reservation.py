@@ -121,7 +121,7 @@ class _Reservation(_Acks):
         starving: Callable[[], bool] = _never,
         run: int = 0,
         patient: Callable[[], bool] = _never,
-        then: int | None = None,
+        then: int | Callable[[], int] | None = None,
     ) -> bool | str | None:
         """:meth:`reserve`; with ``leftovers``, the wait ends too when a recovered (or shelved)
         item is in the way (:meth:`_in_the_way`, ``urgent`` while ``starving()``): its name is
@@ -172,7 +172,7 @@ class _Reservation(_Acks):
                 self._expect(then)
             return True
 
-    def expect(self, size: int) -> None:
+    def expect(self, size: int | Callable[[], int]) -> None:
         """Say that the planner's next item takes ``size`` bytes (0: none is known yet): it is
         planned, and its reservation comes next. A streamed listing's budget
         (:meth:`~cachepipe.cache.Cache.note_listed`) leaves that room, as it does for a
@@ -180,20 +180,23 @@ class _Reservation(_Acks):
         two reservations went to the budget's next block, and the next item, wanting more than
         the room left, could wait for ever beside a consumer that held the rest. A reservation
         (:meth:`acquire`, :meth:`acquire_many`) sets it too, in the same round of the lock, to
-        its ``then``."""
+        its ``then``. A callable is read, the lock held, each time the listing asks: the next
+        item is one the listing may queue meanwhile (the first of the plan's next run, not
+        queued yet when the run's last item was reserved); it takes no lock but a listing's."""
         with self._cond:
             self._expect(size)
 
-    def _expect(self, size: int) -> None:
+    def _expect(self, size: int | Callable[[], int]) -> None:
         """:meth:`expect`, the lock held."""
-        lower, self._expected = size < self._expected, size
-        if lower:
+        before, self._expected = self._expected, size
+        if callable(size) or callable(before) or size < before:  # a callable may read lower
             self._cond.notify_all()
 
     def _ahead(self) -> int:
         """The room a growing state budget leaves to planned items: what the download waiting
         for room wants, or what the planner's next item takes (:meth:`expect`)."""
-        return max(self._wanting, self._expected)
+        expected = self._expected
+        return max(self._wanting, expected() if callable(expected) else expected)
 
     def unreserve(self, size: int, name: str | None = None, left: int = 0) -> None:
         """Release a reservation (and the claim on ``name``) of an item that will not be published;
@@ -248,7 +251,7 @@ class _Reservation(_Acks):
         withdrawn: Callable[[], bool] = _never,
         run: int = 0,
         patient: Callable[[], bool] = _never,
-        then: int | None = None,
+        then: int | Callable[[], int] | None = None,
     ) -> Path | bool | None:
         """Make room for the step at ``tick`` reading ``item``.
 
@@ -307,7 +310,10 @@ class _Reservation(_Acks):
         return self._acquire_retained(policy, item, tick, starving, withdrawn)
 
     def acquire_many(
-        self, items: Sequence[tuple[Item, int]], withdrawn: Callable[[], bool] = _never, then: int | None = None
+        self,
+        items: Sequence[tuple[Item, int]],
+        withdrawn: Callable[[], bool] = _never,
+        then: int | Callable[[], int] | None = None,
     ) -> int:
         """:meth:`acquire` ``(item, extra)`` in order, for as many as need no wait, in one lock
         round: each fits now, no copy of it is on disk or on its way, and no retention policy or
