@@ -990,6 +990,18 @@ def test_a_streamed_listing_leaves_the_room_an_ack_frees_to_the_download_waiting
     assert len(listed) == 1 and len(listed[0]) == 2 and cache.ledger.free == 0
 
 
+def test_the_names_after_the_first_leave_room_for_its_item_when_no_other_is_next(streamed_cache):
+    # The planner has taken every item listed (nothing expected): the first name's item is the
+    # next to plan, and the names counted after it in the same call left it less than it takes
+    # (a race h-review found and could not make fail in a pipeline; here in one call).
+    cache, block = streamed_cache
+    names, plain = _block_names(block, 3), [True] * 3  # a block each
+    assert cache.reserve(cache.ledger.free - (5 * block - 1))  # room: the three names and two blocks, less a byte
+    limits = cache.note_listed(names, [2 * block, 1, 1], plain)
+    assert len(limits) == 2 and cache.ledger.free >= 2 * block  # the third name waits for the next call
+    assert cache.reserve(2 * block)
+
+
 def test_one_listed_name_passed_as_a_string_is_refused(streamed_cache):
     # a string is a sequence of names too: each of its characters would be budgeted as a name
     cache, _block = streamed_cache

@@ -380,9 +380,12 @@ class Cache(_Publishing):
                 while not self._closed and not ledger.fits(grows[0] + (self._ahead() if grows[0] else 0)):
                     self._cond.wait()
             if grows and not self._closed:
-                # the largest item beside the budget, and the room left (beside a waiting
-                # download's), with the names so far counted
-                limit, free = ledger.limit - grows[0], ledger.free - self._ahead() - grows[0]
+                # the largest item beside the budget, and the room left, with the names so far
+                # counted, beside a waiting download's or the planner's next item's; none known,
+                # the first name's item is the next (the planner has taken every item listed)
+                limit = ledger.limit - grows[0]
+                ahead = self._ahead() or (sizes[0] if sizes and sizes[0] <= limit else 0)
+                free = ledger.free - ahead - grows[0]
                 limits.append(limit)
                 for i in range(1, len(grows)):
                     grow = grows[i]
