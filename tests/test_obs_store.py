@@ -652,6 +652,24 @@ def test_a_get_whose_body_is_not_read_to_its_end_closes_its_socket(make_store, s
     assert half_closed == [], failed.value
 
 
+def test_an_upload_whose_request_cannot_be_sent_closes_its_socket(make_store, bucket: str, fault_proxy, tmp_path) -> None:
+    """A connection reset while the SDK sends a request (an upload's body to an endpoint that
+    resets it, or a send cut by abort): the SDK lost that connection, its socket open, until the
+    garbage collector found it (a descriptor leaked for each such failure, and a ResourceWarning
+    in whatever test ran then; with the store's wrappers on the connection, it waited in a
+    reference cycle)."""
+    proxy, endpoint = fault_proxy
+    local = tmp_path / "out.bin"
+    local.write_bytes(bytes(4 * 2**20))  # more than the socket buffers take before the reset
+    store = make_store(storage_options=_keys(endpoint))
+    proxy.inject("refuse", 1)
+    with pytest.raises(StoreUnavailableError, match="cannot reach OBS endpoint") as failed:  # its traceback keeps the frames
+        store.put(local, "out.bin")
+    store.close()
+    left_open = [sock for sock in store._socks if sock.fileno() != -1]
+    assert left_open == [], failed.value
+
+
 def test_the_sdk_imports_under_the_suite_s_warnings_with_nothing_compiled_yet(tmp_path) -> None:
     """esdk-obs-python's sources have invalid escape sequences: compiled inside a test (a fresh
     clone's empty bytecode prefix) their warning, an error in this suite, failed the import."""
