@@ -165,17 +165,21 @@ class ObsStore(_ObsSeam):
         return noted
 
     def _noting_connect(self, conn: Any) -> Callable[[], None]:
-        """``conn.connect`` that notes the socket it connects (refused once the store is aborted)."""
-        connect = conn.connect
+        """``conn.connect`` that notes the socket it connects (refused once the store is aborted).
+        It refers to ``conn`` weakly, as :meth:`_closing_send` does: set on the connection, a
+        strong reference made a cycle, and every connection the SDK let go of waited for the
+        garbage collector (a dropped one's open socket with it)."""
+        connect, own = type(conn).connect, weakref.ref(conn)
 
         def connected() -> None:
-            connect()
+            live: Any = own()  # alive: its own method is running
+            connect(live)
             with self._abort_lock:
                 aborted = self._aborted
-                if not aborted and conn.sock is not None:
-                    self._socks.add(conn.sock)
+                if not aborted and live.sock is not None:
+                    self._socks.add(live.sock)
             if aborted:
-                conn.close()
+                live.close()
                 raise self._aborted_error()
 
         return connected
@@ -186,13 +190,14 @@ class ObsStore(_ObsSeam):
         closes only a connection its request was sent on), whose socket stayed open until the
         garbage collector found it (a reset or refused upload, or a send cut by :meth:`abort`:
         a descriptor each, and a ResourceWarning)."""
-        send = conn.send
+        send, own = type(conn).send, weakref.ref(conn)
 
         def sending(data: Any) -> None:
+            live: Any = own()  # alive: its own method is running
             try:
-                send(data)
+                send(live, data)
             except BaseException:
-                conn.close()
+                live.close()
                 raise
 
         return sending
