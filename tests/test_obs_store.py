@@ -7,6 +7,7 @@ Only the status/code mapping table of ``ObsStore._check`` is driven with hand-ma
 from __future__ import annotations
 
 import errno
+import gc
 import hashlib
 import io
 import logging
@@ -650,6 +651,42 @@ def test_a_get_whose_body_is_not_read_to_its_end_closes_its_socket(make_store, s
         store.get("big", Full(), 0, 3 * 2**20)
     half_closed = [sock for sock in store._socks if sock._closed and sock.fileno() != -1]
     assert half_closed == [], failed.value
+
+
+def test_an_upload_whose_request_cannot_be_sent_closes_its_socket(make_store, bucket: str, fault_proxy, tmp_path) -> None:
+    """A connection reset while the SDK sends a request (an upload's body to an endpoint that
+    resets it, or a send cut by abort): the SDK lost that connection, its socket open, until the
+    garbage collector found it (a descriptor leaked for each such failure, and a ResourceWarning
+    in whatever test ran then; with the store's wrappers on the connection, it waited in a
+    reference cycle)."""
+    proxy, endpoint = fault_proxy
+    local = tmp_path / "out.bin"
+    local.write_bytes(bytes(4 * 2**20))  # more than the socket buffers take before the reset
+    store = make_store(storage_options=_keys(endpoint))
+    proxy.inject("refuse", 1)
+    with pytest.raises(StoreUnavailableError, match="cannot reach OBS endpoint") as failed:  # its traceback keeps the frames
+        store.put(local, "out.bin")
+    store.close()
+    left_open = [sock for sock in store._socks if sock.fileno() != -1]
+    assert left_open == [], failed.value
+
+
+def test_a_connection_the_sdk_lets_go_of_is_freed_at_once_not_by_the_garbage_collector(make_store, payload: bytes) -> None:
+    """The store's wrappers on each connection the SDK takes referred to it: a reference cycle,
+    so each connection the SDK let go of (the moto server closes every one after its response)
+    waited for the garbage collector, and one the SDK dropped with its socket open (the test
+    above) kept that socket open until then: its ResourceWarning failed whatever test was
+    running at that collection, not the one that left it."""
+    store = make_store()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(3):
+            assert store.get("item/blob.bin", io.BytesIO(), 0, 10) == 10
+        assert list(store._conns) == []
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def test_the_sdk_imports_under_the_suite_s_warnings_with_nothing_compiled_yet(tmp_path) -> None:

@@ -53,6 +53,10 @@ down, with another thread opening a descriptor of the same number between the tw
 that descriptor shut down instead (a window of a system call; ``abort`` runs once, at close).
 An SDK without that method (a version that renamed it) is not cut at all: its requests end by
 themselves, and only the later ones are refused.
+
+The same wrapper closes a connection whose request could not be sent (a send cut by ``abort``, an
+upload's body reset by the endpoint): the SDK loses such a connection without closing it, and
+its socket stayed open until the garbage collector found it.
 """
 
 from __future__ import annotations
@@ -152,6 +156,8 @@ class ObsStore(_ObsSeam):
                 if conn not in self._conns:
                     self._conns.add(conn)
                     conn.connect = self._noting_connect(conn)  # http.client connects in request(), on the SDK's thread
+                    if callable(getattr(conn, "send", None)):
+                        conn.send = self._closing_send(conn)
                 if getattr(conn, "sock", None) is not None:
                     self._socks.add(conn.sock)
             return conn
@@ -159,20 +165,42 @@ class ObsStore(_ObsSeam):
         return noted
 
     def _noting_connect(self, conn: Any) -> Callable[[], None]:
-        """``conn.connect`` that notes the socket it connects (refused once the store is aborted)."""
-        connect = conn.connect
+        """``conn.connect`` that notes the socket it connects (refused once the store is aborted).
+        It refers to ``conn`` weakly, as :meth:`_closing_send` does: set on the connection, a
+        strong reference made a cycle, and every connection the SDK let go of waited for the
+        garbage collector (a dropped one's open socket with it)."""
+        connect, own = type(conn).connect, weakref.ref(conn)
 
         def connected() -> None:
-            connect()
+            live: Any = own()  # alive: its own method is running
+            connect(live)
             with self._abort_lock:
                 aborted = self._aborted
-                if not aborted and conn.sock is not None:
-                    self._socks.add(conn.sock)
+                if not aborted and live.sock is not None:
+                    self._socks.add(live.sock)
             if aborted:
-                conn.close()
+                live.close()
                 raise self._aborted_error()
 
         return connected
+
+    def _closing_send(self, conn: Any) -> Callable[[Any], None]:
+        """``conn.send`` (every byte of a request, its head and its body, goes through it) that
+        closes ``conn`` when a send fails: the SDK then loses the connection (its retry loop
+        closes only a connection its request was sent on), whose socket stayed open until the
+        garbage collector found it (a reset or refused upload, or a send cut by :meth:`abort`:
+        a descriptor each, and a ResourceWarning)."""
+        send, own = type(conn).send, weakref.ref(conn)
+
+        def sending(data: Any) -> None:
+            live: Any = own()  # alive: its own method is running
+            try:
+                send(live, data)
+            except BaseException:
+                live.close()
+                raise
+
+        return sending
 
     def abort(self) -> None:
         """Cut the requests in flight and refuse later ones, with
