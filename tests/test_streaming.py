@@ -406,14 +406,8 @@ def test_room_freed_while_the_planner_is_between_two_items_goes_to_the_next_item
         threading.Event().wait(0.3)  # time for the listing to take it, were it allowed to
         second = pipe.get(timeout=10)  # the ready item: the planner reserves the third
         third = pipe.get(timeout=10)  # timed out before: the budget took the room that the ack freed
-        pipe.ack(second)
-        pipe.ack(third)
-        rest = 0
-        while (item := pipe.get(timeout=30)) is not None:
-            pipe.ack(item)
-            rest += 1
-            assert pipe.stats().bytes_in_cache <= capacity
-    assert rest == 1500 - 3
+        pipe.ack_many([second, third])
+        assert _rest(pipe, capacity) == 1500 - 3
 
 
 def _caught_up(memory_data, tmp_path, n: int, bigger: bool = False) -> tuple[GatedStore, int, int]:
