@@ -79,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
         help="config file (YAML, or TOML by its .toml suffix); `cachepipe print-config` prints an example",
     )
     serve.add_argument("--check", action="store_true", help="validate the config and exit")
+    serve.add_argument("stray", nargs="*", help=argparse.SUPPRESS)  # a config given without --config: said (below)
 
     client = argparse.ArgumentParser(add_help=False)
     client.add_argument(
@@ -171,6 +172,11 @@ def _run(args: argparse.Namespace, exits: bool) -> int:
     """The command ``args`` names; its exit status. ``exits``: the process exits after it (the
     console script's run, not a call of :func:`main` with arguments)."""
     if args.command == "serve":
+        if args.stray:  # argparse would say "unrecognized arguments" under the top-level usage, naming no option
+            stray = args.stray[0]
+            hint = f"give the config file as --config {stray}" if args.config is None else f"the config is --config {args.config}"
+            print(f"cachepipe serve: unexpected argument {stray!r}: {hint}", file=sys.stderr)
+            return 2
         if args.config is None:
             print(
                 "cachepipe serve: --config FILE is required: the daemon's socket and pipelines (or jobs section), "

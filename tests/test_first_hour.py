@@ -404,6 +404,18 @@ def test_serve_without_config_says_where_one_comes_from(capsys: pytest.CaptureFi
     assert err.startswith("cachepipe serve: --config FILE is required") and "cachepipe print-config > cachepipe.yaml" in err
 
 
+def test_serve_with_the_config_as_an_argument_says_to_give_it_as_config(capsys: pytest.CaptureFixture[str]) -> None:
+    # argparse said "unrecognized arguments: conf.yaml" under the top-level usage, naming no option
+    from cachepipe.cli import main
+
+    assert main(["serve", "--check", "conf.yaml"]) == 2
+    assert capsys.readouterr().err == (
+        "cachepipe serve: unexpected argument 'conf.yaml': give the config file as --config conf.yaml\n"
+    )
+    assert main(["serve", "--config", "a.yaml", "b.yaml"]) == 2
+    assert capsys.readouterr().err == "cachepipe serve: unexpected argument 'b.yaml': the config is --config a.yaml\n"
+
+
 def test_index_takes_no_storage_option_as_its_output(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
