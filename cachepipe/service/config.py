@@ -39,7 +39,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from ..config import PipelineConfig, check_absolute_source, secret_input, small_capacity, with_unit
 from ..errors import ConfigError, closest
 from .configfile import _MODE_RE, read_config_file
-from .jobspec import JobsConfig
+from .jobspec import JobsConfig, absolute_path
 
 log = logging.getLogger("cachepipe.service")
 
@@ -246,9 +246,7 @@ class ServiceConfig(BaseSettings):
     @field_validator("socket")
     @classmethod
     def _socket_path(cls, value: Path) -> Path:
-        # a check of the field, not of the model: said beside the other fields' errors (DaemonPipelineConfig)
-        if not value.is_absolute():
-            raise ValueError("expected an absolute path")
+        absolute_path(value)
         if len(os.fsencode(value)) > SOCKET_PATH_MAX:
             raise ValueError(f"expected a path of at most {SOCKET_PATH_MAX} bytes (a Unix socket limit)")
         return value

@@ -19,7 +19,7 @@ from ..config import Capacity, PipelineConfig, check_absolute_source, check_mani
 from ..errors import ConfigError
 from ..stores import preload
 
-__all__ = ["JobSpec", "JobsConfig"]
+__all__ = ["JobSpec", "JobsConfig", "absolute_path"]
 
 _JOB_FIELDS = ("source", "items", "manifest", "epochs", "shuffle", "seed", "balance", "partition", "equal_steps", "retain")
 _NODE_SETS = {
@@ -34,6 +34,15 @@ _NODE_SETS = {
     "world_size",
     "num_workers",
 }
+
+
+def absolute_path(value: Path) -> Path:
+    """``value``, a path of the daemon's config that must be absolute (the daemon's working
+    directory is ``/`` under systemd). A check of a field, not of the model, which pydantic runs
+    only once every field is valid: so it is said beside the other fields' errors."""
+    if not value.is_absolute():
+        raise ValueError("expected an absolute path")
+    return value
 
 
 class JobsConfig(BaseModel):
@@ -71,10 +80,7 @@ class JobsConfig(BaseModel):
     @field_validator("root")
     @classmethod
     def _absolute_root(cls, value: Path) -> Path:
-        # a check of the field, not of the model (which runs once every field is valid): said with the others
-        if not value.is_absolute():
-            raise ValueError("expected an absolute path")
-        return value
+        return absolute_path(value)
 
     @model_validator(mode="after")
     def _check(self) -> JobsConfig:
