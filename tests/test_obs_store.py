@@ -483,6 +483,119 @@ def test_provider_when_no_keys_anywhere(make_store, s3_client, bucket: str, s3_e
     assert _RecordingProvider.calls >= 2  # the SDK asks the provider on each request
 
 
+@pytest.fixture
+def ecs_metadata(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The SDK's ECS provider asks a local server that has no credentials for it (403 to every
+    request, as 169.254.169.254 answers where the suite runs); yields the request lines it got.
+
+    The SDK fixes the metadata address (``obs/loadtoken.py``: ``HTTPConnection('169.254.169.254',
+    timeout=5)`` inside ``ECS.search``): nothing configures it, so its module's ``http.client`` is
+    swapped for one whose ``HTTPConnection`` connects here instead. The rest is the SDK's own
+    lookup (three attempts 0.1 and 0.2 s apart, its lock, its cache)."""
+    import http.client
+    import http.server
+    import threading
+    import types
+
+    from obs import loadtoken
+
+    asked: list[str] = []
+
+    class NoCredentials(http.server.BaseHTTPRequestHandler):
+        def _deny(self) -> None:
+            asked.append(self.requestline)
+            self.send_response(403)
+            self.send_header("Content-Length", "0")
+            self.send_header("Connection", "close")
+            self.end_headers()
+
+        do_GET = do_PUT = _deny  # noqa: N815 - http.server's names
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoCredentials)
+    thread = threading.Thread(target=server.serve_forever, name="ecs-metadata", daemon=True)
+    thread.start()
+
+    class ToTheTestServer(http.client.HTTPConnection):
+        def __init__(self, host: str, port: int | None = None, **kwargs: object) -> None:
+            assert host == "169.254.169.254", host
+            super().__init__("127.0.0.1", server.server_port, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loadtoken, "httplib", types.SimpleNamespace(HTTPConnection=ToTheTestServer))
+    monkeypatch.delenv("HUAWEI_CLOUD_IDP_ID", raising=False)  # the OIDC provider: skipped without it
+    try:
+        yield asked
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_without_keys_the_metadata_service_is_asked_once_not_before_each_request(
+    make_store, s3_client, bucket: str, fault_proxy, ecs_metadata: list[str], monkeypatch
+) -> None:
+    """The SDK asked ECS metadata before every request of a store without keys (it keeps what it
+    finds, not that it found none): three attempts 0.3 s apart each time, under one lock of the
+    SDK, so a public bucket read without keys off an ECS went at about 3 requests a second. Keys
+    set in the environment later are still used at once."""
+    s3_client.put_object(Bucket=bucket, Key="data/f", Body=b"abc", ACL="public-read")
+    proxy, endpoint = fault_proxy
+    store = make_store(storage_options={"server": endpoint})
+    for _ in range(4):
+        assert store.get("f", io.BytesIO(), 0, 3) == 3
+    assert len(ecs_metadata) == 3, ecs_metadata  # one lookup: the SDK's three attempts
+    assert not any("Authorization:" in head for head in proxy.requests)  # none found: unsigned
+
+    monkeypatch.setenv("OBS_ACCESS_KEY_ID", "AK-later")
+    monkeypatch.setenv("OBS_SECRET_ACCESS_KEY", ENV_SECRET)
+    assert store.get("f", io.BytesIO(), 0, 3) == 3
+    assert "Authorization: AWS AK-later:" in proxy.requests[-1]
+    assert len(ecs_metadata) == 3
+
+
+def test_a_provider_that_found_none_is_asked_again_after_a_while() -> None:
+    from obs.loadtoken import ENV, NoneTokenException
+
+    from cachepipe.stores.obs_providers import ASK_AGAIN_AFTER, _Remembered, ask_again, remembering
+
+    assert ask_again(None, 5.0)
+    assert not ask_again(100.0, 100.0 + ASK_AGAIN_AFTER - 1)
+    assert ask_again(100.0, 100.0 + ASK_AGAIN_AFTER)
+
+    class Metadata:
+        """A provider as the SDK's are (a class with a static ``search``): none, then some."""
+
+        asked = 0
+        has = False
+
+        @staticmethod
+        def search() -> dict:
+            Metadata.asked += 1
+            if not Metadata.has:
+                raise NoneTokenException("none")
+            return {"accessKey": "AK", "secretKey": SECRET, "securityToken": None}
+
+    now = [1000.0]
+    provider = _Remembered(Metadata, wait=60.0, clock=lambda: now[0])
+    for _ in range(3):
+        with pytest.raises(NoneTokenException):
+            provider.search()
+    assert Metadata.asked == 1
+    Metadata.has = True
+    now[0] += 59
+    with pytest.raises(NoneTokenException, match="asked again 60 s after"):
+        provider.search()
+    now[0] += 1
+    assert provider.search()["accessKey"] == "AK"
+    assert provider.search()["accessKey"] == "AK"
+    assert Metadata.asked == 3  # found: asked each time, as the SDK asks it (it keeps its credentials)
+    [env, ecs] = remembering([ENV, Metadata])
+    assert env is ENV  # the environment: asked each time (keys set later used at once)
+    assert isinstance(ecs, _Remembered) and ecs.__name__ == "Metadata"
+
+
 def test_missing_endpoint_names_both_ways_to_set_it() -> None:
     with pytest.raises(ValueError, match=r"OBS_ENDPOINT") as info:
         ObsStore("obs://b/", {"access_key_id": "AK", "secret_access_key": SECRET})
@@ -628,7 +741,9 @@ def test_missing_sdk_says_how_to_install(monkeypatch) -> None:
 
 def test_sdk_provider_chain_is_enabled_only_without_keys(make_store, s3_endpoint: str) -> None:
     # No request is made: without a key pair the SDK would ask ECS metadata (169.254.169.254).
-    assert make_store(storage_options={"server": s3_endpoint})._client.security_provider_policy == "OBS_DEFAULT"
+    client = make_store(storage_options={"server": s3_endpoint})._client
+    assert client.security_provider_policy == "OBS_DEFAULT"
+    assert [p.__name__ for p in client.security_providers] == ["ENV", "ECS", "OIDC"]  # as the SDK's
     assert make_store()._client.security_provider_policy is None
 
 

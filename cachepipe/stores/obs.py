@@ -11,7 +11,8 @@ Settings, first found wins:
 2. environment: ``OBS_ENDPOINT``, ``OBS_ACCESS_KEY_ID``, ``OBS_SECRET_ACCESS_KEY``,
    ``OBS_SECURITY_TOKEN``;
 3. the SDK's own credential providers (``security_provider_policy='OBS_DEFAULT'``: environment,
-   then ECS instance metadata, then OIDC), asked by the SDK on each request.
+   then ECS instance metadata, then OIDC), asked by the SDK before each request; one that found
+   none is asked again only a minute later (:mod:`cachepipe.stores.obs_providers`).
 
 Error seam: the SDK does not raise for HTTP errors, it returns a result with ``status`` and
 ``errorCode``; it *does* raise the socket's own exceptions (``ConnectionRefusedError``,
