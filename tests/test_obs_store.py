@@ -12,6 +12,8 @@ import hashlib
 import io
 import logging
 import socket
+import sys
+import threading
 import urllib.request
 from collections.abc import Iterator
 
@@ -20,8 +22,9 @@ import pytest
 pytest.importorskip("obs")
 
 from obs.model import GetResult
+from waiting import wait_until
 
-from cachepipe.errors import ConfigError, StoreUnavailableError, StoreUnreachableError, is_transient
+from cachepipe.errors import ConfigError, StoreClosedError, StoreUnavailableError, StoreUnreachableError, is_transient
 from cachepipe.stores import check_store
 from cachepipe.stores.base import ObjectInfo, Store
 from cachepipe.stores.obs import CHUNK_SIZE, ObsServiceError, ObsStore
@@ -802,6 +805,88 @@ def test_a_connection_the_sdk_lets_go_of_is_freed_at_once_not_by_the_garbage_col
     finally:
         if enabled:
             gc.enable()
+
+
+@pytest.fixture
+def long_listing(s3_client, bucket: str) -> None:
+    """A listing page longer than the fault proxy's ``cut_after`` (2,000 bytes)."""
+    for i in range(20):
+        s3_client.put_object(Bucket=bucket, Key=f"data/item{i:02d}", Body=b"x")
+
+
+@pytest.mark.parametrize("fault", ["cut", "reset"])
+def test_a_listing_whose_body_ends_early_is_an_outage_and_its_socket_is_closed_at_once(
+    make_store, long_listing: None, fault_proxy, fault: str
+) -> None:
+    """``cut``: the connection closed mid-body. http.client reads that as the body's end, and the
+    SDK, which drops what it cannot parse, returned a listing without a body: a permanent
+    OSError "a listing that could not be parsed ... not an OBS answer", not an outage to retry.
+    ``reset``: the read raised, and the SDK closed the connection, not the response, whose file
+    object held the socket (the server said it would close the connection): open until the
+    garbage collector found it."""
+    proxy, endpoint = fault_proxy
+    store = make_store(storage_options=_keys(endpoint))
+    proxy.inject(fault, 1)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(StoreUnavailableError, match="cannot reach OBS endpoint") as failed:
+            list(store.list())
+        left_open = [sock for sock in store._socks if sock.fileno() != -1]
+    finally:
+        if enabled:
+            gc.enable()
+    assert is_transient(failed.value)
+    assert left_open == [], failed.value
+    assert proxy.injected[fault] == 1
+    assert len(list(store.list())) == 20  # the next connection is whole
+
+
+def _in_frame(thread: threading.Thread, name: str) -> bool:
+    """Whether ``thread`` runs the function ``name`` now (somewhere in its stack)."""
+    frame = sys._current_frames().get(thread.ident)  # a thread's stack, read only
+    while frame is not None:
+        if frame.f_code.co_name == name:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@pytest.mark.parametrize("call", ["list", "names_object"])
+def test_abort_cuts_a_listing_mid_body_and_a_check_with_the_store_s_closed_error(
+    make_store, long_listing: None, fault_proxy, call: str
+) -> None:
+    """``list`` cut by abort once its page's body was coming: the SDK took the cut body for the
+    end of a body it could not parse, and the store raised "a listing that could not be parsed"
+    (OSError), not its closed error. ``names_object`` cut by abort: the SDK's raw exception
+    (RemoteDisconnected), not translated at all."""
+    proxy, endpoint = fault_proxy
+    store = make_store(storage_options=_keys(endpoint))
+    gate = threading.Event()
+    if call == "list":
+        proxy.inject("stall", 1)  # 2,000 bytes of the page, then silence
+        where = "_prepare_response_data"  # the SDK reads the body (obs/client.py)
+    else:
+        proxy.hold(lambda head: head.startswith("HEAD"), gate)
+        where = "getresponse"  # the SDK waits for the answer
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            list(store.list()) if call == "list" else store.names_object()
+        except BaseException as exc:  # noqa: BLE001 - the test checks it
+            raised.append(exc)
+
+    asking = threading.Thread(target=run)
+    asking.start()
+    try:
+        wait_until(lambda: _in_frame(asking, where), what=f"the request's thread in {where}")
+        store.abort()
+        asking.join(timeout=20)
+    finally:
+        gate.set()
+        asking.join()
+    assert len(raised) == 1 and isinstance(raised[0], StoreClosedError), raised
 
 
 def test_the_sdk_imports_under_the_suite_s_warnings_with_nothing_compiled_yet(tmp_path) -> None:
