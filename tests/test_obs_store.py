@@ -840,6 +840,7 @@ def test_a_listing_whose_body_ends_early_is_an_outage_and_its_socket_is_closed_a
     assert left_open == [], failed.value
     assert proxy.injected[fault] == 1
     assert len(list(store.list())) == 20  # the next connection is whole
+    store.close()  # its pooled connection, before the proxy stops
 
 
 def _in_frame(thread: threading.Thread, name: str) -> bool:
@@ -886,6 +887,7 @@ def test_abort_cuts_a_listing_mid_body_and_a_check_with_the_store_s_closed_error
     finally:
         gate.set()
         asking.join()
+        store.close()  # its pooled connection, before the proxy stops
     assert len(raised) == 1 and isinstance(raised[0], StoreClosedError), raised
 
 
