@@ -2,9 +2,11 @@
 
 Faults apply to new connections, in order: ``proxy.inject("cut", 3)`` makes the next three
 connections relay the request but only the first ``cut_after`` bytes of the response, then
-close (a connection dropped mid-body). ``"503"`` answers an S3 ``SlowDown`` error, ``"403"`` an
-``AccessDenied``, ``"InvalidAccessKeyId"`` and ``"SignatureDoesNotMatch"`` a 403 with that code
-(rejected credentials: the moto server accepts any), ``"redirect"`` a ``PermanentRedirect`` naming another region in
+close (a connection dropped mid-body); ``"reset"`` the same, but resets the connection (a TCP
+RST: the client's read raises ``ConnectionResetError``, where a close reads as the body's end).
+``"503"`` answers an S3 ``SlowDown`` error, ``"403"`` an ``AccessDenied``, ``"InvalidAccessKeyId"``
+and ``"SignatureDoesNotMatch"`` a 403 with that code (rejected credentials: the moto server
+accepts any), ``"redirect"`` a ``PermanentRedirect`` naming another region in
 ``x-amz-bucket-region``; ``"refuse"`` closes at once, ``"corrupt"`` relays the response with
 flipped body bytes (same length), ``"trickle"`` relays the response in pieces of
 ``trickle_bytes`` a millisecond apart (a body coming in over a slow link, packet by packet).
@@ -29,6 +31,7 @@ import asyncio
 import contextlib
 import re
 import socket
+import struct
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -60,7 +63,8 @@ class FaultProxy:
         self.cut_after = cut_after
         self.trickle_bytes = trickle_bytes
         self.faults: deque[list] = deque()  # [kind, connections left]
-        self.injected: dict[str, int] = {"cut": 0, "stall": 0, "refuse": 0, "corrupt": 0, "trickle": 0} | dict.fromkeys(CANNED, 0)
+        kinds = ("cut", "reset", "stall", "refuse", "corrupt", "trickle", *CANNED)
+        self.injected: dict[str, int] = dict.fromkeys(kinds, 0)
         self.connections = 0
         self.requests: list[str] = []
         self.ended: list[str] = []
@@ -229,7 +233,7 @@ class FaultProxy:
         """Relay ``reader`` to ``writer`` (a response with ``fault`` applied; ``record``: requests,
         whose heads are appended to it too, and a held one answered to ``client`` when the hold
         says so, the connection then closed)."""
-        limit = self.cut_after if fault in ("cut", "stall") else None
+        limit = self.cut_after if fault in ("cut", "reset", "stall") else None
         sent = 0
         pending = b""
         ended = False  # at the sender's end of file
@@ -255,6 +259,9 @@ class FaultProxy:
                     await writer.drain()
                     if fault == "stall":  # open and silent until the client goes or the proxy stops
                         await writer.wait_closed()
+                    if fault == "reset":  # closed with nothing lingering: the kernel sends RST, not FIN
+                        sock = writer.get_extra_info("socket")
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     break
                 if fault == "trickle":
                     for at in range(0, len(data), self.trickle_bytes):

@@ -12,6 +12,8 @@ import hashlib
 import io
 import logging
 import socket
+import sys
+import threading
 import urllib.request
 from collections.abc import Iterator
 
@@ -20,8 +22,9 @@ import pytest
 pytest.importorskip("obs")
 
 from obs.model import GetResult
+from waiting import wait_until
 
-from cachepipe.errors import ConfigError, StoreUnavailableError, StoreUnreachableError, is_transient
+from cachepipe.errors import ConfigError, StoreClosedError, StoreUnavailableError, StoreUnreachableError, is_transient
 from cachepipe.stores import check_store
 from cachepipe.stores.base import ObjectInfo, Store
 from cachepipe.stores.obs import CHUNK_SIZE, ObsServiceError, ObsStore
@@ -483,6 +486,119 @@ def test_provider_when_no_keys_anywhere(make_store, s3_client, bucket: str, s3_e
     assert _RecordingProvider.calls >= 2  # the SDK asks the provider on each request
 
 
+@pytest.fixture
+def ecs_metadata(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The SDK's ECS provider asks a local server that has no credentials for it (403 to every
+    request, as 169.254.169.254 answers where the suite runs); yields the request lines it got.
+
+    The SDK fixes the metadata address (``obs/loadtoken.py``: ``HTTPConnection('169.254.169.254',
+    timeout=5)`` inside ``ECS.search``): nothing configures it, so its module's ``http.client`` is
+    swapped for one whose ``HTTPConnection`` connects here instead. The rest is the SDK's own
+    lookup (three attempts 0.1 and 0.2 s apart, its lock, its cache)."""
+    import http.client
+    import http.server
+    import threading
+    import types
+
+    from obs import loadtoken
+
+    asked: list[str] = []
+
+    class NoCredentials(http.server.BaseHTTPRequestHandler):
+        def _deny(self) -> None:
+            asked.append(self.requestline)
+            self.send_response(403)
+            self.send_header("Content-Length", "0")
+            self.send_header("Connection", "close")
+            self.end_headers()
+
+        do_GET = do_PUT = _deny  # noqa: N815 - http.server's names
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoCredentials)
+    thread = threading.Thread(target=server.serve_forever, name="ecs-metadata", daemon=True)
+    thread.start()
+
+    class ToTheTestServer(http.client.HTTPConnection):
+        def __init__(self, host: str, port: int | None = None, **kwargs: object) -> None:
+            assert host == "169.254.169.254", host
+            super().__init__("127.0.0.1", server.server_port, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(loadtoken, "httplib", types.SimpleNamespace(HTTPConnection=ToTheTestServer))
+    monkeypatch.delenv("HUAWEI_CLOUD_IDP_ID", raising=False)  # the OIDC provider: skipped without it
+    try:
+        yield asked
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_without_keys_the_metadata_service_is_asked_once_not_before_each_request(
+    make_store, s3_client, bucket: str, fault_proxy, ecs_metadata: list[str], monkeypatch
+) -> None:
+    """The SDK asked ECS metadata before every request of a store without keys (it keeps what it
+    finds, not that it found none): three attempts 0.3 s apart each time, under one lock of the
+    SDK, so a public bucket read without keys off an ECS went at about 3 requests a second. Keys
+    set in the environment later are still used at once."""
+    s3_client.put_object(Bucket=bucket, Key="data/f", Body=b"abc", ACL="public-read")
+    proxy, endpoint = fault_proxy
+    store = make_store(storage_options={"server": endpoint})
+    for _ in range(4):
+        assert store.get("f", io.BytesIO(), 0, 3) == 3
+    assert len(ecs_metadata) == 3, ecs_metadata  # one lookup: the SDK's three attempts
+    assert not any("Authorization:" in head for head in proxy.requests)  # none found: unsigned
+
+    monkeypatch.setenv("OBS_ACCESS_KEY_ID", "AK-later")
+    monkeypatch.setenv("OBS_SECRET_ACCESS_KEY", ENV_SECRET)
+    assert store.get("f", io.BytesIO(), 0, 3) == 3
+    assert "Authorization: AWS AK-later:" in proxy.requests[-1]
+    assert len(ecs_metadata) == 3
+
+
+def test_a_provider_that_found_none_is_asked_again_after_a_while() -> None:
+    from obs.loadtoken import ENV, NoneTokenException
+
+    from cachepipe.stores.obs_providers import ASK_AGAIN_AFTER, _Remembered, ask_again, remembering
+
+    assert ask_again(None, 5.0)
+    assert not ask_again(100.0, 100.0 + ASK_AGAIN_AFTER - 1)
+    assert ask_again(100.0, 100.0 + ASK_AGAIN_AFTER)
+
+    class Metadata:
+        """A provider as the SDK's are (a class with a static ``search``): none, then some."""
+
+        asked = 0
+        has = False
+
+        @staticmethod
+        def search() -> dict:
+            Metadata.asked += 1
+            if not Metadata.has:
+                raise NoneTokenException("none")
+            return {"accessKey": "AK", "secretKey": SECRET, "securityToken": None}
+
+    now = [1000.0]
+    provider = _Remembered(Metadata, wait=60.0, clock=lambda: now[0])
+    for _ in range(3):
+        with pytest.raises(NoneTokenException):
+            provider.search()
+    assert Metadata.asked == 1
+    Metadata.has = True
+    now[0] += 59
+    with pytest.raises(NoneTokenException, match="asked again 60 s after"):
+        provider.search()
+    now[0] += 1
+    assert provider.search()["accessKey"] == "AK"
+    assert provider.search()["accessKey"] == "AK"
+    assert Metadata.asked == 3  # found: asked each time, as the SDK asks it (it keeps its credentials)
+    [env, ecs] = remembering([ENV, Metadata])
+    assert env is ENV  # the environment: asked each time (keys set later used at once)
+    assert isinstance(ecs, _Remembered) and ecs.__name__ == "Metadata"
+
+
 def test_missing_endpoint_names_both_ways_to_set_it() -> None:
     with pytest.raises(ValueError, match=r"OBS_ENDPOINT") as info:
         ObsStore("obs://b/", {"access_key_id": "AK", "secret_access_key": SECRET})
@@ -628,7 +744,9 @@ def test_missing_sdk_says_how_to_install(monkeypatch) -> None:
 
 def test_sdk_provider_chain_is_enabled_only_without_keys(make_store, s3_endpoint: str) -> None:
     # No request is made: without a key pair the SDK would ask ECS metadata (169.254.169.254).
-    assert make_store(storage_options={"server": s3_endpoint})._client.security_provider_policy == "OBS_DEFAULT"
+    client = make_store(storage_options={"server": s3_endpoint})._client
+    assert client.security_provider_policy == "OBS_DEFAULT"
+    assert [p.__name__ for p in client.security_providers] == ["ENV", "ECS", "OIDC"]  # as the SDK's
     assert make_store()._client.security_provider_policy is None
 
 
@@ -687,6 +805,90 @@ def test_a_connection_the_sdk_lets_go_of_is_freed_at_once_not_by_the_garbage_col
     finally:
         if enabled:
             gc.enable()
+
+
+@pytest.fixture
+def long_listing(s3_client, bucket: str) -> None:
+    """A listing page longer than the fault proxy's ``cut_after`` (2,000 bytes)."""
+    for i in range(20):
+        s3_client.put_object(Bucket=bucket, Key=f"data/item{i:02d}", Body=b"x")
+
+
+@pytest.mark.parametrize("fault", ["cut", "reset"])
+def test_a_listing_whose_body_ends_early_is_an_outage_and_its_socket_is_closed_at_once(
+    make_store, long_listing: None, fault_proxy, fault: str
+) -> None:
+    """``cut``: the connection closed mid-body. http.client reads that as the body's end, and the
+    SDK, which drops what it cannot parse, returned a listing without a body: a permanent
+    OSError "a listing that could not be parsed ... not an OBS answer", not an outage to retry.
+    ``reset``: the read raised, and the SDK closed the connection, not the response, whose file
+    object held the socket (the server said it would close the connection): open until the
+    garbage collector found it."""
+    proxy, endpoint = fault_proxy
+    store = make_store(storage_options=_keys(endpoint))
+    proxy.inject(fault, 1)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(StoreUnavailableError, match="cannot reach OBS endpoint") as failed:
+            list(store.list())
+        left_open = [sock for sock in store._socks if sock.fileno() != -1]
+    finally:
+        if enabled:
+            gc.enable()
+    assert is_transient(failed.value)
+    assert left_open == [], failed.value
+    assert proxy.injected[fault] == 1
+    assert len(list(store.list())) == 20  # the next connection is whole
+    store.close()  # its pooled connection, before the proxy stops
+
+
+def _in_frame(thread: threading.Thread, name: str) -> bool:
+    """Whether ``thread`` runs the function ``name`` now (somewhere in its stack)."""
+    frame = sys._current_frames().get(thread.ident)  # a thread's stack, read only
+    while frame is not None:
+        if frame.f_code.co_name == name:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@pytest.mark.parametrize("call", ["list", "names_object"])
+def test_abort_cuts_a_listing_mid_body_and_a_check_with_the_store_s_closed_error(
+    make_store, long_listing: None, fault_proxy, call: str
+) -> None:
+    """``list`` cut by abort once its page's body was coming: the SDK took the cut body for the
+    end of a body it could not parse, and the store raised "a listing that could not be parsed"
+    (OSError), not its closed error. ``names_object`` cut by abort: the SDK's raw exception
+    (RemoteDisconnected), not translated at all."""
+    proxy, endpoint = fault_proxy
+    store = make_store(storage_options=_keys(endpoint))
+    gate = threading.Event()
+    if call == "list":
+        proxy.inject("stall", 1)  # 2,000 bytes of the page, then silence
+        where = "_prepare_response_data"  # the SDK reads the body (obs/client.py)
+    else:
+        proxy.hold(lambda head: head.startswith("HEAD"), gate)
+        where = "getresponse"  # the SDK waits for the answer
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            list(store.list()) if call == "list" else store.names_object()
+        except BaseException as exc:  # noqa: BLE001 - the test checks it
+            raised.append(exc)
+
+    asking = threading.Thread(target=run)
+    asking.start()
+    try:
+        wait_until(lambda: _in_frame(asking, where), what=f"the request's thread in {where}")
+        store.abort()
+        asking.join(timeout=20)
+    finally:
+        gate.set()
+        asking.join()
+        store.close()  # its pooled connection, before the proxy stops
+    assert len(raised) == 1 and isinstance(raised[0], StoreClosedError), raised
 
 
 def test_the_sdk_imports_under_the_suite_s_warnings_with_nothing_compiled_yet(tmp_path) -> None:

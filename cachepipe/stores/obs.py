@@ -11,7 +11,8 @@ Settings, first found wins:
 2. environment: ``OBS_ENDPOINT``, ``OBS_ACCESS_KEY_ID``, ``OBS_SECRET_ACCESS_KEY``,
    ``OBS_SECURITY_TOKEN``;
 3. the SDK's own credential providers (``security_provider_policy='OBS_DEFAULT'``: environment,
-   then ECS instance metadata, then OIDC), asked by the SDK on each request.
+   then ECS instance metadata, then OIDC), asked by the SDK before each request; one that found
+   none is asked again only a minute later (:mod:`cachepipe.stores.obs_providers`).
 
 Error seam: the SDK does not raise for HTTP errors, it returns a result with ``status`` and
 ``errorCode``; it *does* raise the socket's own exceptions (``ConnectionRefusedError``,
@@ -29,7 +30,8 @@ Error seam: the SDK does not raise for HTTP errors, it returns a result with ``s
     DNS failure; refused before OBS ever answered;
         a connect or a reply timed out at a listing
         or a check before OBS ever answered             StoreUnreachableError "cannot reach OBS endpoint" (not retried)
-    refused once OBS answered, reset, TLS, broken HTTP  StoreUnavailableError "cannot reach OBS endpoint"
+    refused once OBS answered, reset, TLS, broken HTTP,
+        a body that ended before its Content-Length      StoreUnavailableError "cannot reach OBS endpoint"
     HTTP 301/307 the SDK could not follow (no Location:
         a bucket of another region)                     OSError            "... another region; set ... the endpoint"
     anything else (400, 416...)                         OSError            permanent
@@ -54,6 +56,10 @@ that descriptor shut down instead (a window of a system call; ``abort`` runs onc
 An SDK without that method (a version that renamed it) is not cut at all: its requests end by
 themselves, and only the later ones are refused.
 
+The same wrapper makes each connection's responses :class:`_WholeBody`: a body the SDK reads
+(a listing's, an error's) that ends before its ``Content-Length`` raises (the SDK took it for a
+body it could not parse), and one whose read raises is closed at once.
+
 The same wrapper closes a connection whose request could not be sent (a send cut by ``abort``, an
 upload's body reset by the endpoint): the SDK loses such a connection without closing it, and
 its socket stayed open until the garbage collector found it.
@@ -67,7 +73,7 @@ import socket
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from http.client import HTTPException
+from http.client import HTTPException, HTTPResponse, IncompleteRead
 from typing import Any, BinaryIO
 
 from cachepipe.errors import ConfigError
@@ -97,6 +103,44 @@ CHUNK_SIZE = 1 << 20
 
 MAX_PAGE_SIZE = 1000
 """The largest page OBS returns for one ``ListObjects`` request (objects)."""
+
+
+class IncompleteBody(IncompleteRead):
+    """A response body that ended (its connection closed: by the server, by the network, by
+    :meth:`ObsStore.abort`) before its ``Content-Length``."""
+
+    def __init__(self, expected: int) -> None:
+        super().__init__(b"", expected)
+
+    def __str__(self) -> str:
+        return f"the connection ended {self.expected} bytes before the end of the response body"
+
+    __repr__ = __str__
+
+
+class _WholeBody(HTTPResponse):
+    """The responses of the connections the SDK takes (:meth:`ObsStore._noting` makes them
+    read so), as the SDK reads their bodies (``read``; a GET's body the store reads itself):
+
+    - a body that ends before its ``Content-Length`` raises :class:`IncompleteBody`:
+      http.client returns ``b""`` as at its end, and the SDK, which parses what it read and
+      drops what it cannot parse, returned a listing without a body (``a listing that could not
+      be parsed (HTTP 200), not an OBS answer``: a permanent error for a dropped connection, and
+      for a listing cut by :meth:`ObsStore.abort`);
+    - a read that raises (a reset) closes the response: the SDK closes the connection only, and
+      the response of one the server said it would close holds its socket, open until the
+      garbage collector found it (a descriptor, and a ResourceWarning in some later test).
+    """
+
+    def read(self, amt: int | None = None) -> bytes:
+        try:
+            data = super().read(amt)
+        except BaseException:
+            self.close()
+            raise
+        if amt and not data and self.length:  # http.client closed it, with bytes to come
+            raise IncompleteBody(self.length)
+        return data
 
 
 class ObsStore(_ObsSeam):
@@ -156,6 +200,8 @@ class ObsStore(_ObsSeam):
                 if conn not in self._conns:
                     self._conns.add(conn)
                     conn.connect = self._noting_connect(conn)  # http.client connects in request(), on the SDK's thread
+                    if getattr(conn, "response_class", None) is HTTPResponse:
+                        conn.response_class = _WholeBody
                     if callable(getattr(conn, "send", None)):
                         conn.send = self._closing_send(conn)
                 if getattr(conn, "sock", None) is not None:
@@ -417,11 +463,16 @@ class ObsStore(_ObsSeam):
 
     def names_object(self) -> bool:
         """True if the URL names one object (a tar shard), not a prefix: one HEAD of the
-        prefix without its trailing ``/``."""
+        prefix without its trailing ``/``. A network error raises as in the error contract (once
+        the store is aborted, its :class:`~cachepipe.errors.StoreClosedError`); any answer but
+        200 is False."""
         key = self.prefix.rstrip("/")
         if not key:
             return False
-        resp = self._open().headObject(self.bucket, key)
+        try:
+            resp = self._open().headObject(self.bucket, key)
+        except (OSError, HTTPException) as exc:
+            raise self._unreachable(exc, "head", "") from exc
         return getattr(resp, "status", None) == 200
 
     def exists(self, key: str) -> bool:

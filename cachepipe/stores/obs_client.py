@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cachepipe.errors import ConfigError
+from cachepipe.stores.obs_providers import remembering
 from cachepipe.stores.obs_settings import (
     _CREDENTIAL_KEYS,
     _ENDPOINT_KEYS,
@@ -48,7 +49,8 @@ def _new_client(url: str, storage_options: Mapping[str, Any] | None) -> tuple[An
     and a new ``obs.ObsClient`` made with them, for ``url`` (named in messages): what
     :class:`ObsStore` opens and :func:`check_options` checks. Making a client sends nothing (the
     SDK connects at the first request; it reads local files it is given: certificates, an ID
-    token's configuration).
+    token's configuration). Without keys, the SDK's own providers remember for a while that they
+    found none (:mod:`cachepipe.stores.obs_providers`).
 
     Raises:
         ImportError: the OBS SDK is not installed.
@@ -75,6 +77,9 @@ def _new_client(url: str, storage_options: Mapping[str, Any] | None) -> tuple[An
             f"{url}: obs.ObsClient refused the storage options it was given ({', '.join(given)}): {reason}; "
             "expected values it takes (see esdk-obs-python's ObsClient arguments)"
         ) from exc
+    if settings.credential_source == "provider" and not options.keys() & {"security_providers", "id_token_credentials_provider"}:
+        # the SDK's default chain, which it asks before each request: see cachepipe.stores.obs_providers
+        client.security_providers = remembering(client.security_providers)
     return sdk, settings, client
 
 
