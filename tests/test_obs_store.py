@@ -856,18 +856,22 @@ def long_listing(s3_client, bucket: str) -> None:
         s3_client.put_object(Bucket=bucket, Key=f"data/item{i:02d}", Body=b"x")
 
 
-@pytest.mark.parametrize("fault", ["cut", "reset"])
+@pytest.mark.parametrize(("fault", "cut_after"), [("cut", 2000), ("reset", 2000), ("cut", 60)], ids=["cut", "reset", "cut-head"])
 def test_a_listing_whose_body_ends_early_is_an_outage_and_its_socket_is_closed_at_once(
-    make_store, long_listing: None, fault_proxy, fault: str
+    make_store, long_listing: None, fault_proxy, fault: str, cut_after: int
 ) -> None:
     """``cut``: the connection closed mid-body. http.client reads that as the body's end, and the
     SDK, which drops what it cannot parse, returned a listing without a body: a permanent
     OSError "a listing that could not be parsed ... not an OBS answer", not an outage to retry.
     ``reset``: the read raised, and the SDK closed the connection, not the response, whose file
     object held the socket (the server said it would close the connection): open until the
-    garbage collector found it."""
+    garbage collector found it. ``cut-head``: closed inside the response's headers, before its
+    Content-Length (60 bytes: the status line and the Server header the moto server sends
+    first): http.client ends the headers at the connection's end, and the rest read as a whole
+    response with an empty body, the same permanent OSError."""
     proxy, endpoint = fault_proxy
     store = make_store(storage_options=_keys(endpoint))
+    proxy.cut_after = cut_after
     proxy.inject(fault, 1)
     enabled = gc.isenabled()
     gc.disable()
