@@ -156,7 +156,8 @@ class _WholeBody(HTTPResponse):
 
     def begin(self) -> None:
         fp = self.fp
-        head = self.fp = _HeadLines(fp)
+        head: Any = _HeadLines(fp)  # a file object to http.client
+        self.fp = head
         try:
             super().begin()
         finally:

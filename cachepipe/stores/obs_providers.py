@@ -80,8 +80,6 @@ class _Remembered:
         if not self._lock.acquire(blocking=not self._asked):
             raise self._none()
         try:
-            if self._found:
-                return self._provider.search()  # found by the thread this one waited for
             if self._asked and not ask_again(self._found_none_at, self._clock(), self._wait):
                 raise self._none()  # asked by the thread this one waited for
             return self._ask()
