@@ -58,7 +58,7 @@ class _Remembered:
         self._wait = wait
         self._clock = clock
         self._lock = threading.Lock()  # one lookup at a time
-        self._found_none_at: float | None = None  # when it last found none; None: never asked
+        self._found_none_at: float | None = None  # when it last found none; None: it never did
         self._asked = False
         self._found = False  # it found credentials once: asked at every request from then on
         self.search: Callable[[], Any] = self._searcher()
