@@ -10,6 +10,7 @@ import errno
 import gc
 import hashlib
 import io
+import json
 import logging
 import socket
 import sys
@@ -486,10 +487,20 @@ def test_provider_when_no_keys_anywhere(make_store, s3_client, bucket: str, s3_e
     assert _RecordingProvider.calls >= 2  # the SDK asks the provider on each request
 
 
+class _Metadata:
+    """What the local ECS metadata service of :func:`ecs_metadata` got and answers."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []  # the request lines it got
+        self.serving: str | None = None  # an access key it hands out; None: 403 to every request
+        self.expires_at = "2000-01-01T00:00:00.000000Z"  # of what it hands out (as OBS writes it)
+
+
 @pytest.fixture
-def ecs_metadata(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+def ecs_metadata(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Metadata]:
     """The SDK's ECS provider asks a local server that has no credentials for it (403 to every
-    request, as 169.254.169.254 answers where the suite runs); yields the request lines it got.
+    request, as 169.254.169.254 answers where the suite runs), or has some (``serving``); yields
+    its :class:`_Metadata`.
 
     The SDK fixes the metadata address (``obs/loadtoken.py``: ``HTTPConnection('169.254.169.254',
     timeout=5)`` inside ``ECS.search``): nothing configures it, so its module's ``http.client`` is
@@ -502,22 +513,29 @@ def ecs_metadata(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 
     from obs import loadtoken
 
-    asked: list[str] = []
+    metadata = _Metadata()
 
-    class NoCredentials(http.server.BaseHTTPRequestHandler):
-        def _deny(self) -> None:
-            asked.append(self.requestline)
-            self.send_response(403)
-            self.send_header("Content-Length", "0")
+    class Credentials(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            metadata.asked.append(self.requestline)
+            body = b""
+            if metadata.serving is not None and self.command == "PUT":  # the v2 API's session token
+                body = b"session-token"
+            elif metadata.serving is not None:
+                keys = {"access": metadata.serving, "secret": SECRET, "securitytoken": TOKEN, "expires_at": metadata.expires_at}
+                body = json.dumps({"credential": keys}).encode()
+            self.send_response(200 if body else 403)
+            self.send_header("Content-Length", str(len(body)))
             self.send_header("Connection", "close")
             self.end_headers()
+            self.wfile.write(body)
 
-        do_GET = do_PUT = _deny  # noqa: N815 - http.server's names
+        do_GET = do_PUT = _answer  # noqa: N815 - http.server's names
 
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoCredentials)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Credentials)
     thread = threading.Thread(target=server.serve_forever, name="ecs-metadata", daemon=True)
     thread.start()
 
@@ -528,8 +546,10 @@ def ecs_metadata(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 
     monkeypatch.setattr(loadtoken, "httplib", types.SimpleNamespace(HTTPConnection=ToTheTestServer))
     monkeypatch.delenv("HUAWEI_CLOUD_IDP_ID", raising=False)  # the OIDC provider: skipped without it
+    for kept in ("ak", "sk", "token", "expires"):  # what the SDK's ECS keeps (class attributes): none
+        monkeypatch.setattr(loadtoken.ECS, kept, None)
     try:
-        yield asked
+        yield metadata
     finally:
         server.shutdown()
         server.server_close()
@@ -537,7 +557,7 @@ def ecs_metadata(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 
 
 def test_without_keys_the_metadata_service_is_asked_once_not_before_each_request(
-    make_store, s3_client, bucket: str, fault_proxy, ecs_metadata: list[str], monkeypatch
+    make_store, s3_client, bucket: str, fault_proxy, ecs_metadata: _Metadata, monkeypatch
 ) -> None:
     """The SDK asked ECS metadata before every request of a store without keys (it keeps what it
     finds, not that it found none): three attempts 0.3 s apart each time, under one lock of the
@@ -548,14 +568,36 @@ def test_without_keys_the_metadata_service_is_asked_once_not_before_each_request
     store = make_store(storage_options={"server": endpoint})
     for _ in range(4):
         assert store.get("f", io.BytesIO(), 0, 3) == 3
-    assert len(ecs_metadata) == 3, ecs_metadata  # one lookup: the SDK's three attempts
+    assert len(ecs_metadata.asked) == 3, ecs_metadata.asked  # one lookup: the SDK's three attempts
     assert not any("Authorization:" in head for head in proxy.requests)  # none found: unsigned
 
     monkeypatch.setenv("OBS_ACCESS_KEY_ID", "AK-later")
     monkeypatch.setenv("OBS_SECRET_ACCESS_KEY", ENV_SECRET)
     assert store.get("f", io.BytesIO(), 0, 3) == 3
     assert "Authorization: AWS AK-later:" in proxy.requests[-1]
-    assert len(ecs_metadata) == 3
+    assert len(ecs_metadata.asked) == 3
+
+
+def test_once_the_metadata_service_had_credentials_a_failed_lookup_is_not_remembered(
+    make_store, s3_client, bucket: str, fault_proxy, ecs_metadata: _Metadata
+) -> None:
+    """On an ECS whose metadata service failed as its credentials expired (down across their
+    expiry: the SDK keeps unexpired ones through a failure), the next request looks again: a
+    store that had found credentials went unsigned for a minute after the service was back (a
+    PermissionError for a private bucket: a failed epoch), as if off an ECS."""
+    s3_client.put_object(Bucket=bucket, Key="data/f", Body=b"abc")  # private: an unsigned GET is denied
+    proxy, endpoint = fault_proxy
+    store = make_store(storage_options={"server": endpoint})
+    ecs_metadata.serving = "AK-ecs"  # expired already: looked up again at each request
+    assert store.get("f", io.BytesIO(), 0, 3) == 3
+    assert "Authorization: AWS AK-ecs:" in proxy.requests[-1]
+
+    ecs_metadata.serving = None  # the service fails (403), the credentials it gave have expired
+    with pytest.raises(PermissionError, match="went unsigned"):
+        store.get("f", io.BytesIO(), 0, 3)
+    ecs_metadata.serving = "AK-ecs-renewed"  # back
+    assert store.get("f", io.BytesIO(), 0, 3) == 3
+    assert "Authorization: AWS AK-ecs-renewed:" in proxy.requests[-1]
 
 
 def test_a_provider_that_found_none_is_asked_again_after_a_while() -> None:
@@ -814,18 +856,22 @@ def long_listing(s3_client, bucket: str) -> None:
         s3_client.put_object(Bucket=bucket, Key=f"data/item{i:02d}", Body=b"x")
 
 
-@pytest.mark.parametrize("fault", ["cut", "reset"])
+@pytest.mark.parametrize(("fault", "cut_after"), [("cut", 2000), ("reset", 2000), ("cut", 60)], ids=["cut", "reset", "cut-head"])
 def test_a_listing_whose_body_ends_early_is_an_outage_and_its_socket_is_closed_at_once(
-    make_store, long_listing: None, fault_proxy, fault: str
+    make_store, long_listing: None, fault_proxy, fault: str, cut_after: int
 ) -> None:
     """``cut``: the connection closed mid-body. http.client reads that as the body's end, and the
     SDK, which drops what it cannot parse, returned a listing without a body: a permanent
     OSError "a listing that could not be parsed ... not an OBS answer", not an outage to retry.
     ``reset``: the read raised, and the SDK closed the connection, not the response, whose file
     object held the socket (the server said it would close the connection): open until the
-    garbage collector found it."""
+    garbage collector found it. ``cut-head``: closed inside the response's headers, before its
+    Content-Length (60 bytes: the status line and the Server header the moto server sends
+    first): http.client ends the headers at the connection's end, and the rest read as a whole
+    response with an empty body, the same permanent OSError."""
     proxy, endpoint = fault_proxy
     store = make_store(storage_options=_keys(endpoint))
+    proxy.cut_after = cut_after
     proxy.inject(fault, 1)
     enabled = gc.isenabled()
     gc.disable()

@@ -31,7 +31,8 @@ Error seam: the SDK does not raise for HTTP errors, it returns a result with ``s
         a connect or a reply timed out at a listing
         or a check before OBS ever answered             StoreUnreachableError "cannot reach OBS endpoint" (not retried)
     refused once OBS answered, reset, TLS, broken HTTP,
-        a body that ended before its Content-Length      StoreUnavailableError "cannot reach OBS endpoint"
+        a body that ended before its Content-Length,
+        an answer that ended inside its headers         StoreUnavailableError "cannot reach OBS endpoint"
     HTTP 301/307 the SDK could not follow (no Location:
         a bucket of another region)                     OSError            "... another region; set ... the endpoint"
     anything else (400, 416...)                         OSError            permanent
@@ -57,8 +58,9 @@ An SDK without that method (a version that renamed it) is not cut at all: its re
 themselves, and only the later ones are refused.
 
 The same wrapper makes each connection's responses :class:`_WholeBody`: a body the SDK reads
-(a listing's, an error's) that ends before its ``Content-Length`` raises (the SDK took it for a
-body it could not parse), and one whose read raises is closed at once.
+(a listing's, an error's) that ends before its ``Content-Length``, or an answer that ends inside
+its headers, raises (the SDK took it for a body it could not parse, or an empty one), and one whose
+read raises is closed at once.
 
 The same wrapper closes a connection whose request could not be sent (a send cut by ``abort``, an
 upload's body reset by the endpoint): the SDK loses such a connection without closing it, and
@@ -73,7 +75,7 @@ import socket
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from http.client import HTTPException, HTTPResponse, IncompleteRead
+from http.client import HTTPException, HTTPResponse, IncompleteRead, RemoteDisconnected
 from typing import Any, BinaryIO
 
 from cachepipe.errors import ConfigError
@@ -118,10 +120,30 @@ class IncompleteBody(IncompleteRead):
     __repr__ = __str__
 
 
+class _HeadLines:
+    """A response's file object as http.client reads the response's head from it (``readline``),
+    keeping the last line read: the head ended at its blank line, or at the connection's end."""
+
+    def __init__(self, fp: Any) -> None:
+        self._fp = fp
+        self.last = b""
+
+    def readline(self, limit: int = -1) -> bytes:
+        self.last = self._fp.readline(limit)
+        return self.last
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fp, name)
+
+
 class _WholeBody(HTTPResponse):
     """The responses of the connections the SDK takes (:meth:`ObsStore._noting` makes them
     read so), as the SDK reads their bodies (``read``; a GET's body the store reads itself):
 
+    - a head (status line and headers) that the connection's end cut raises
+      :class:`~http.client.RemoteDisconnected`: http.client ends the headers there, and one cut
+      before its ``Content-Length`` read as a whole response with an empty body (a listing
+      "that could not be parsed", a DeleteObjects answer without the keys OBS refused);
     - a body that ends before its ``Content-Length`` raises :class:`IncompleteBody`:
       http.client returns ``b""`` as at its end, and the SDK, which parses what it read and
       drops what it cannot parse, returned a listing without a body (``a listing that could not
@@ -131,6 +153,18 @@ class _WholeBody(HTTPResponse):
       the response of one the server said it would close holds its socket, open until the
       garbage collector found it (a descriptor, and a ResourceWarning in some later test).
     """
+
+    def begin(self) -> None:
+        fp = self.fp
+        head: Any = _HeadLines(fp)  # a file object to http.client
+        self.fp = head
+        try:
+            super().begin()
+        finally:
+            if self.fp is head:
+                self.fp = fp
+        if head.last not in (b"\r\n", b"\n"):  # http.client.getresponse closes this response and its connection
+            raise RemoteDisconnected("the connection ended inside the response's head (its status line and headers)")
 
     def read(self, amt: int | None = None) -> bytes:
         try:

@@ -14,9 +14,11 @@ a lookup), and each lookup could wait three 5 s timeouts where its packets are d
 Now each provider but the environment is asked again only :data:`ASK_AGAIN_AFTER` seconds after
 it found none; the requests meanwhile go as the SDK sends them when no provider has credentials
 (unsigned). When it is due, one request asks it while the others go on with its last answer. A
-provider that found credentials is asked at every request, as the SDK asks it (it keeps them
-itself, and fetches new ones before they expire). Keys set in the ``OBS_*`` environment later
-are used from the next request on.
+provider that found credentials once is asked at every request from then on, as the SDK asks it
+(it keeps them itself, and fetches new ones before they expire): the host has them, and a lookup
+that fails later (the metadata service down as they expired, OIDC's identity service failing as
+they are renewed) is an outage there, not "none here", whose next request looks again. Keys set
+in the ``OBS_*`` environment later are used from the next request on.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ class _Remembered:
         self._wait = wait
         self._clock = clock
         self._lock = threading.Lock()  # one lookup at a time
-        self._found_none_at: float | None = None  # when it last found none; None: it found some, or was never asked
+        self._found_none_at: float | None = None  # when it last found none; None: it never did
         self._asked = False
+        self._found = False  # it found credentials once: asked at every request from then on
         self.search: Callable[[], Any] = self._searcher()
 
     def _searcher(self) -> Callable[[], Any]:
@@ -67,8 +70,10 @@ class _Remembered:
         return search
 
     def _search(self) -> Any:
-        if self._asked and self._found_none_at is None:
-            return self._ask()  # it found some: asked each time, as the SDK does (it keeps them)
+        if self._found:
+            # it found some once: asked each time, as the SDK asks it (it keeps them); a failure
+            # later is not remembered (an outage of the host's provider, looked at again next time)
+            return self._provider.search()
         if not ask_again(self._found_none_at, self._clock(), self._wait):
             raise self._none()
         # the first lookup waits for one in flight; a later one goes on with the last answer
@@ -89,7 +94,7 @@ class _Remembered:
             raise
         finally:
             self._asked = True
-        self._found_none_at = None
+        self._found = True
         return found
 
     def _none(self) -> Exception:
