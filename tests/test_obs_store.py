@@ -566,16 +566,20 @@ def test_without_keys_the_metadata_service_is_asked_once_not_before_each_request
     s3_client.put_object(Bucket=bucket, Key="data/f", Body=b"abc", ACL="public-read")
     proxy, endpoint = fault_proxy
     store = make_store(storage_options={"server": endpoint})
-    for _ in range(4):
+    for _ in range(10):
         assert store.get("f", io.BytesIO(), 0, 3) == 3
-    assert len(ecs_metadata.asked) == 3, ecs_metadata.asked  # one lookup: the SDK's three attempts
+    # two lookups (the SDK's three attempts each: a lookup that finds none once is made again),
+    # then 0.5 s without one, then 1 s...: 2 or 3 lookups at most in the seconds 10 GETs take
+    # here, where before each GET made one (30)
+    lookups = len(ecs_metadata.asked)
+    assert lookups in (6, 9), ecs_metadata.asked
     assert not any("Authorization:" in head for head in proxy.requests)  # none found: unsigned
 
     monkeypatch.setenv("OBS_ACCESS_KEY_ID", "AK-later")
     monkeypatch.setenv("OBS_SECRET_ACCESS_KEY", ENV_SECRET)
     assert store.get("f", io.BytesIO(), 0, 3) == 3
     assert "Authorization: AWS AK-later:" in proxy.requests[-1]
-    assert len(ecs_metadata.asked) == 3
+    assert len(ecs_metadata.asked) == lookups
 
 
 def test_once_the_metadata_service_had_credentials_a_failed_lookup_is_not_remembered(
@@ -600,14 +604,33 @@ def test_once_the_metadata_service_had_credentials_a_failed_lookup_is_not_rememb
     assert "Authorization: AWS AK-ecs-renewed:" in proxy.requests[-1]
 
 
-def test_a_provider_that_found_none_is_asked_again_after_a_while() -> None:
+def test_a_metadata_lookup_that_fails_once_at_the_start_is_made_again_at_the_next_request(
+    make_store, s3_client, bucket: str, fault_proxy, ecs_metadata: _Metadata
+) -> None:
+    """On an ECS whose metadata service failed the first lookup (a blip; a service that limits
+    the rate as a job's many workers start), the store went unsigned for 60 s (a PermissionError
+    for a private bucket: every item of that minute failed), as if off an ECS."""
+    s3_client.put_object(Bucket=bucket, Key="data/f", Body=b"abc")  # private: an unsigned GET is denied
+    proxy, endpoint = fault_proxy
+    store = make_store(storage_options={"server": endpoint})
+    with pytest.raises(PermissionError, match="went unsigned"):
+        store.get("f", io.BytesIO(), 0, 3)
+    ecs_metadata.serving = "AK-ecs"  # the service answers again
+    assert store.get("f", io.BytesIO(), 0, 3) == 3
+    assert "Authorization: AWS AK-ecs:" in proxy.requests[-1]
+
+
+def test_a_provider_that_found_none_is_asked_again_after_a_quiet_time_that_grows() -> None:
     from obs.loadtoken import ENV, NoneTokenException
 
-    from cachepipe.stores.obs_providers import ASK_AGAIN_AFTER, _Remembered, ask_again, remembering
+    from cachepipe.stores.obs_providers import ASK_AGAIN_AFTER, _Remembered, ask_again, quiet_after, remembering
 
-    assert ask_again(None, 5.0)
-    assert not ask_again(100.0, 100.0 + ASK_AGAIN_AFTER - 1)
-    assert ask_again(100.0, 100.0 + ASK_AGAIN_AFTER)
+    assert [quiet_after(n) for n in range(10)] == [0, 0, 0.5, 1, 2, 4, 8, 16, 32, ASK_AGAIN_AFTER]
+    assert quiet_after(10**6) == ASK_AGAIN_AFTER
+    assert ask_again(None, 0, 5.0)
+    assert ask_again(100.0, 1, 100.0)  # one lookup found none: the next asks again (a blip costs no more)
+    assert not ask_again(100.0, 9, 100.0 + ASK_AGAIN_AFTER - 1)
+    assert ask_again(100.0, 9, 100.0 + ASK_AGAIN_AFTER)
 
     class Metadata:
         """A provider as the SDK's are (a class with a static ``search``): none, then some."""
@@ -624,18 +647,26 @@ def test_a_provider_that_found_none_is_asked_again_after_a_while() -> None:
 
     now = [1000.0]
     provider = _Remembered(Metadata, wait=60.0, clock=lambda: now[0])
-    for _ in range(3):
+    for _ in range(2):  # the first none is asked again at once; the second is remembered
         with pytest.raises(NoneTokenException):
             provider.search()
-    assert Metadata.asked == 1
+    for _ in range(3):
+        with pytest.raises(NoneTokenException, match=r"asked again 0\.5 s after the last"):
+            provider.search()
+    assert Metadata.asked == 2
+    for quiet in (0.5, 1, 2, 4, 8, 16, 32, 60, 60):  # each lookup that finds none doubles the quiet time
+        now[0] += quiet
+        with pytest.raises(NoneTokenException):
+            provider.search()
+    assert Metadata.asked == 11
     Metadata.has = True
     now[0] += 59
-    with pytest.raises(NoneTokenException, match="asked again 60 s after"):
+    with pytest.raises(NoneTokenException, match="asked again 60 s after the last"):
         provider.search()
     now[0] += 1
     assert provider.search()["accessKey"] == "AK"
     assert provider.search()["accessKey"] == "AK"
-    assert Metadata.asked == 3  # found: asked each time, as the SDK asks it (it keeps its credentials)
+    assert Metadata.asked == 13  # found: asked each time, as the SDK asks it (it keeps its credentials)
     [env, ecs] = remembering([ENV, Metadata])
     assert env is ENV  # the environment: asked each time (keys set later used at once)
     assert isinstance(ecs, _Remembered) and ecs.__name__ == "Metadata"

@@ -12,7 +12,8 @@ Settings, first found wins:
    ``OBS_SECURITY_TOKEN``;
 3. the SDK's own credential providers (``security_provider_policy='OBS_DEFAULT'``: environment,
    then ECS instance metadata, then OIDC), asked by the SDK before each request; one that found
-   none is asked again only a minute later (:mod:`cachepipe.stores.obs_providers`).
+   none twice in a row is asked again only after a quiet time, from 0.5 s doubling to a minute
+   (:mod:`cachepipe.stores.obs_providers`).
 
 Error seam: the SDK does not raise for HTTP errors, it returns a result with ``status`` and
 ``errorCode``; it *does* raise the socket's own exceptions (``ConnectionRefusedError``,

@@ -1,6 +1,7 @@
 """The OBS SDK's credential providers as a store without keys asks them (:func:`remembering`):
 the environment at every request, the others (ECS instance metadata, OIDC) with their "found
-none" remembered for :data:`ASK_AGAIN_AFTER` seconds.
+none" remembered for a while (:func:`quiet_after`: none after the first, then from half a second
+doubling to :data:`ASK_AGAIN_AFTER`).
 
 Why: with no keys given, the SDK asks its providers before each request
 (``security_provider_policy='OBS_DEFAULT'``: ``ENV``, then ``ECS``, then ``OIDC``, in
@@ -11,8 +12,12 @@ each request (the address, and a timeout of 5 s, are fixed in the SDK), three at
 bucket without keys made about 3 requests a second where that address answers at once (0.3 s
 a lookup), and each lookup could wait three 5 s timeouts where its packets are dropped.
 
-Now each provider but the environment is asked again only :data:`ASK_AGAIN_AFTER` seconds after
-it found none; the requests meanwhile go as the SDK sends them when no provider has credentials
+Now each provider but the environment that found none is asked again only after a quiet time
+that grows with the lookups that found none in a row (:func:`quiet_after`): at once after the
+first (a lookup that failed once on an ECS, a blip or a metadata service that limits the rate
+as many workers start, costs no more than it did), then 0.5 s, doubling up to
+:data:`ASK_AGAIN_AFTER` (off an ECS, about ten lookups in the first two minutes, then one a
+minute). The requests meanwhile go as the SDK sends them when no provider has credentials
 (unsigned). When it is due, one request asks it while the others go on with its last answer. A
 provider that found credentials once is asked at every request from then on, as the SDK asks it
 (it keeps them itself, and fetches new ones before they expire): the host has them, and a lookup
@@ -28,29 +33,43 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["ASK_AGAIN_AFTER", "ask_again", "remembering"]
+__all__ = ["ASK_AGAIN_AFTER", "FIRST_QUIET", "ask_again", "quiet_after", "remembering"]
 
 ASK_AGAIN_AFTER = 60.0
-"""Seconds a provider that found no credentials (ECS metadata, OIDC) is not asked again: what a
-store without keys waits at most for credentials that appear later there (a metadata service
-that starts answering, an OIDC token file written later). Off an ECS, one lookup a minute of
-0.3 s (up to three 5 s timeouts where the address drops packets) instead of one per request."""
+"""The longest a provider that found no credentials (ECS metadata, OIDC) is not asked again, in
+seconds: what a store without keys waits at most for credentials that appear later there (a
+metadata service that starts answering, an OIDC token file written later). Off an ECS, one
+lookup a minute of 0.3 s (up to three 5 s timeouts where the address drops packets) instead of
+one per request."""
+
+FIRST_QUIET = 0.5
+"""The quiet time after the second lookup in a row that found none, in seconds (doubled after
+each further one, up to :data:`ASK_AGAIN_AFTER`)."""
 
 _ASKED_AT_EACH_REQUEST = ("ENV",)
 """The providers that are cheap to ask (the environment, read at each request), by name."""
 
 
-def ask_again(found_none_at: float | None, now: float, wait: float = ASK_AGAIN_AFTER) -> bool:
-    """Whether a provider that last found no credentials at ``found_none_at`` (a clock's
-    seconds; None: it did not, or was never asked) is to be asked again at ``now``."""
-    return found_none_at is None or now - found_none_at >= wait
+def quiet_after(nones: int, most: float = ASK_AGAIN_AFTER) -> float:
+    """Seconds a provider is not asked after ``nones`` lookups in a row that found no
+    credentials: 0 after none or one, then :data:`FIRST_QUIET` doubling, at most ``most``."""
+    if nones <= 1:
+        return 0.0
+    return min(most, FIRST_QUIET * 2.0 ** min(nones - 2, 64))
+
+
+def ask_again(found_none_at: float | None, nones: int, now: float, most: float = ASK_AGAIN_AFTER) -> bool:
+    """Whether a provider whose last ``nones`` lookups in a row found no credentials, the last at
+    ``found_none_at`` (a clock's seconds; None: it never found none), is to be asked at ``now``."""
+    return found_none_at is None or now - found_none_at >= quiet_after(nones, most)
 
 
 class _Remembered:
     """One of the SDK's providers (a class with a static ``search``) whose "found none" is
-    remembered for ``wait`` seconds. The SDK takes it for a provider: it has the ``__name__``
-    the SDK finds a provider by, and a ``search`` that is a function, not a method (the SDK
-    checks ``inspect.isfunction(provider.search)``, and refuses every provider otherwise)."""
+    remembered for :func:`quiet_after` (at most ``wait``) seconds. The SDK takes it for a
+    provider: it has the ``__name__`` the SDK finds a provider by, and a ``search`` that is a
+    function, not a method (the SDK checks ``inspect.isfunction(provider.search)``, and refuses
+    every provider otherwise)."""
 
     def __init__(self, provider: Any, wait: float = ASK_AGAIN_AFTER, clock: Callable[[], float] = time.monotonic) -> None:
         self.__name__: str = provider.__name__
@@ -59,6 +78,7 @@ class _Remembered:
         self._clock = clock
         self._lock = threading.Lock()  # one lookup at a time
         self._found_none_at: float | None = None  # when it last found none; None: it never did
+        self._nones = 0  # the lookups in a row that found none
         self._asked = False
         self._found = False  # it found credentials once: asked at every request from then on
         self.search: Callable[[], Any] = self._searcher()
@@ -74,13 +94,13 @@ class _Remembered:
             # it found some once: asked each time, as the SDK asks it (it keeps them); a failure
             # later is not remembered (an outage of the host's provider, looked at again next time)
             return self._provider.search()
-        if not ask_again(self._found_none_at, self._clock(), self._wait):
+        if not ask_again(self._found_none_at, self._nones, self._clock(), self._wait):
             raise self._none()
         # the first lookup waits for one in flight; a later one goes on with the last answer
         if not self._lock.acquire(blocking=not self._asked):
             raise self._none()
         try:
-            if self._asked and not ask_again(self._found_none_at, self._clock(), self._wait):
+            if self._asked and not ask_again(self._found_none_at, self._nones, self._clock(), self._wait):
                 raise self._none()  # asked by the thread this one waited for
             return self._ask()
         finally:
@@ -91,6 +111,7 @@ class _Remembered:
             found = self._provider.search()
         except Exception:
             self._found_none_at = self._clock()
+            self._nones += 1
             raise
         finally:
             self._asked = True
@@ -100,11 +121,15 @@ class _Remembered:
     def _none(self) -> Exception:
         from obs.loadtoken import NoneTokenException  # what the SDK's providers raise for "none"
 
-        none: Exception = NoneTokenException(f"{self.__name__}: found no credentials; asked again {self._wait:g} s after")
+        quiet = quiet_after(self._nones, self._wait)
+        none: Exception = NoneTokenException(
+            f"{self.__name__}: found no credentials in {self._nones} lookups in a row; asked again {quiet:g} s after the last"
+        )
         return none
 
 
 def remembering(providers: Sequence[Any], wait: float = ASK_AGAIN_AFTER) -> list[Any]:
     """``providers`` (the SDK's default chain) with each one but the environment's wrapped to
-    remember for ``wait`` seconds that it found no credentials."""
+    remember for a while (:func:`quiet_after`, at most ``wait`` seconds) that it found no
+    credentials."""
     return [p if getattr(p, "__name__", None) in _ASKED_AT_EACH_REQUEST else _Remembered(p, wait) for p in providers]
