@@ -569,10 +569,10 @@ def test_without_keys_the_metadata_service_is_asked_once_not_before_each_request
     for _ in range(10):
         assert store.get("f", io.BytesIO(), 0, 3) == 3
     # two lookups (the SDK's three attempts each: a lookup that finds none once is made again),
-    # then 0.5 s without one, then 1 s...: 2 or 3 lookups at most in the seconds 10 GETs take
-    # here, where before each GET made one (30)
+    # then 0.5 s without one, then 1 s, 2 s...: 2 to 4 lookups in the seconds 10 GETs take even
+    # on a busy machine, where before each GET made one (30)
     lookups = len(ecs_metadata.asked)
-    assert lookups in (6, 9), ecs_metadata.asked
+    assert lookups in (6, 9, 12), ecs_metadata.asked
     assert not any("Authorization:" in head for head in proxy.requests)  # none found: unsigned
 
     monkeypatch.setenv("OBS_ACCESS_KEY_ID", "AK-later")
