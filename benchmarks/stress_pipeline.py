@@ -15,10 +15,10 @@ The consumer (one thread) takes every item with ``get(timeout=...)`` (``auto_ack
 the iterator (``auto_ack=True``), checks each item's name (the listing's order) and bytes, and:
 
 - ``auto_ack=False``: holds up to ``k`` items (a random number of them, 0..k, before each take;
-  ``k`` such that the capacity holds ``k`` items, the next and the whole listing's state budget:
+  ``k`` such that the capacity holds any ``k`` items, the next and the whole listing's state budget:
   the limit that docs/guide/guarantees.md states for a consumer that holds items), acks them in
   random order (one by one or several at once, ``ack_many``), and gives some back (``release``:
-  it must come again next);
+  it must come again next), and pauses now and then (0-5 ms) before a take;
 - may stop mid-pass (closing the pipeline with items held) and resume it in a new pipeline:
   from ``state_dict()`` (``load_state_dict``) or, once the listing ended, with ``resume=True``
   (the journal's acks beyond the position kept): the items after the position (all of them, or
@@ -44,9 +44,15 @@ in whole blocks and its folders; "state" is what the cache counts for its own st
 whole listing's journal budget, read from a probe pipeline over the source whose listing does
 not stream):
 
-- ``tight``: capacity ``state + (k + 1) x largest``: the least the docs promise to serve;
+- ``tight``: capacity ``state +`` the ``k + 1`` largest items: the least the docs promise to
+  serve a consumer that holds ``k`` items (any of those it took) and takes the next;
 - ``paged``: as ``tight``, the listing through the pausing store;
-- ``roomy``: capacity 2-6 times that of ``tight``, the listing through the pausing store.
+- ``roomy``: capacity 2-6 times that of ``tight``, the listing through the pausing store;
+- ``beyond``: a consumer the docs say cannot be served: it holds up to ``k`` (1-4) items, the
+  capacity (as ``tight``'s, the listing through the pausing store) serves fewer, ``j < k``. It
+  may wait for room that only its own acks would free: a hang here is expected, but must be
+  told: the stall warning (``stall_warning``, a quarter of ``--timeout`` here) must say that
+  items handed out hold their space (a hang not told so is counted apart).
 
 Run against another tree with ``PYTHONPATH=TREE`` (``TMPDIR=/dev/shm``: scratch on tmpfs)::
 
@@ -85,7 +91,22 @@ from cachepipe.stores.fsspec import FsspecStore
 
 KIB = 1024
 STALL = 4.0  # a take that waited longer stalled
-MODES = ("tight", "paged", "roomy")
+MODES = ("tight", "paged", "roomy", "beyond")
+HELD_HINT = "items handed out and not acknowledged hold their space"  # the stall warning's, when acks would free room
+
+
+class Warnings(logging.Handler):
+    """Keeps cachepipe's warnings (the stall warning says what a waiting take waits for)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+WARNINGS = Warnings()
 
 
 # ---- the source ----------------------------------------------------------------------
@@ -96,15 +117,18 @@ def content(name: str, rel: str, size: int) -> bytes:
 
 
 def make_source(root: Path, count: int, rng: random.Random) -> tuple[list[str], dict[str, dict[str, int]]]:
-    """``count`` item folders ``i00000``... under ``root``: one file, or two or three, one of
-    them in a subfolder; a few items (about one in 200, at least one) 8-32 times larger. Returns
+    """``count`` item folders ``i00000``... under ``root``: one file, or two, the second maybe in
+    a subfolder; a few items (about one in 200, at least one) 8-32 times larger, or (two seeds in
+    five) every item of one size (1 byte, 4 or 6 KiB: then each ack frees just what the next
+    item takes, and the room a growing budget leaves it is all there is). Returns
     the names (in listing order) and each item's files with their sizes."""
     names, files = [], {}
     big = {rng.randrange(count) for _ in range(max(1, count // 200))}
+    uniform = rng.choice([0, 0, 1, 4 * KIB, 6 * KIB])  # every item of this size (0: random sizes)
     for i in range(count):
         name = f"i{i:05d}"
-        size = rng.randint(1, 6 * KIB)
-        if i in big:
+        size = uniform or rng.randint(1, 6 * KIB)
+        if i in big and not uniform:
             size *= rng.randint(8, 32)
         shape = rng.choice(["one", "one", "two", "sub"])
         if shape == "one" or size < 3:
@@ -176,6 +200,8 @@ class Setup:
     stop_after: int | None = None  # close after this many takes, then resume
     resume_by: str = ""  # "state" (load_state_dict) or "journal" (resume=True, once listed whole)
     factor: int = 1  # roomy: the capacity over tight's
+    pauses: float = 0.0  # how often the consumer pauses (0-5 ms) before a take
+    served: int = 0  # the capacity serves a consumer holding this many (beyond: fewer than ``hold``)
     capacity: int = 0
 
 
@@ -186,11 +212,17 @@ def choose(mode: str, rng: random.Random) -> Setup:
     setup = Setup(count, auto_ack, 0 if auto_ack else rng.randint(0, 4), options)
     if mode in ("paged", "roomy"):
         setup.page, setup.pause = rng.choice([1, 5, 20, 100, 500]), rng.choice([0.0005, 0.002, 0.01])
+    setup.pauses = rng.choice([0.0, 0.0, 0.05, 0.3])
     if rng.random() < 0.3:
         setup.stop_after = rng.randint(0, count)
         setup.resume_by = rng.choice(["state", "journal"])
     if mode == "roomy":
         setup.factor = rng.randint(2, 6)
+    if mode == "beyond":  # holds more than the capacity serves: k of 1-4, room for fewer beside the budget
+        setup.auto_ack, setup.hold = False, rng.randint(1, 4)
+        setup.served = rng.randint(0, setup.hold - 1)
+    else:
+        setup.served = setup.hold
     return setup
 
 
@@ -205,6 +237,7 @@ class Run:
     timeout: float
     log: TextIO
     hung: list[str] = field(default_factory=list)
+    told: list[bool] = field(default_factory=list)  # per hang: the stall warning said to ack or release
     wrong: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     leaks: list[str] = field(default_factory=list)
@@ -222,7 +255,10 @@ def watched(pipe: Pipeline, run: Run, progress: list[float], done: threading.Eve
     def watch() -> None:
         while not done.wait(0.1):
             if time.monotonic() - progress[0] > run.timeout:
-                run.hung.append(f"{what}: no item within {run.timeout:g} s ({progress[1]})")
+                told = [m for m in WARNINGS.messages if m.startswith("no item ready")]
+                run.told.append(bool(told) and HELD_HINT in told[-1])
+                said = f"; warned: {told[-1]!r}" if told else "; no warning"
+                run.hung.append(f"{what}: no item within {run.timeout:g} s ({progress[1]}){said}")
                 print(f"---- {what}: hung ({progress[1]}); every thread's stack:", file=run.log, flush=True)
                 faulthandler.dump_traceback(run.log, all_threads=True)
                 run.log.flush()
@@ -297,6 +333,8 @@ def consume(pipe: Pipeline, setup: Setup, run: Run, expected: list[str], files: 
                 if stop_after is not None and taken >= stop_after:
                     return acked  # the last one is not acked: closed in hand
                 acked.append(item.name)  # acked by the loop when it asks for the next
+                if rng.random() < setup.pauses:
+                    time.sleep(rng.uniform(0, 0.005))
                 started = time.monotonic()
             if run.hung:  # the loop ends when the watchdog closes the pipeline
                 raise Hang
@@ -319,6 +357,8 @@ def consume(pipe: Pipeline, setup: Setup, run: Run, expected: list[str], files: 
                 del held[:n]
             if stop_after is not None and taken >= stop_after:
                 return acked
+            if rng.random() < setup.pauses:
+                time.sleep(rng.uniform(0, 0.005))  # holding its items while the listing and the downloads go on
             started = time.monotonic()
             progress[:] = [started, f"taking item {delivered} with {len(held)} held"]
             try:
@@ -365,9 +405,11 @@ def one_pipeline(source: Path, cache: Path, setup: Setup, run: Run, expected: li
     """Open a pipeline over ``source``, consume it, close it and look for leaks; returns the
     names acked and the state at the close (None: the pass ended, or failed)."""
     before = fds()
+    WARNINGS.messages.clear()
     store = PagedStore(str(source), setup.page, setup.pause) if setup.page else None
     state = extra.pop("state", None)
-    pipe = Pipeline(str(source), cache, setup.capacity, store=store, auto_ack=setup.auto_ack, **setup.options, **extra)
+    pipe = Pipeline(str(source), cache, setup.capacity, store=store, auto_ack=setup.auto_ack, stall_warning=run.timeout / 4,
+                    **setup.options, **extra)  # fmt: skip
     if state is not None:
         pipe.load_state_dict(state)
     acked: list[str] = []
@@ -412,9 +454,11 @@ def run_seed(mode: str, seed: int, timeout: float, log: TextIO) -> dict[str, Any
         source = Path(tmp, "source")
         names, files = make_source(source, setup.count, rng)
         block = clamp_block(os.statvfs(tmp).f_frsize)  # the cache's filesystem: the caches are under tmp
-        largest = max(charge_of(files[n], block) for n in names)
+        charges = sorted((charge_of(files[n], block) for n in names), reverse=True)
+        largest = charges[0]
         state = state_of(source, Path(tmp, "probe"))
-        setup.capacity = setup.factor * ((setup.hold + 1) * largest + state)
+        # the least that serves a consumer holding k items and taking the next: the k + 1 largest
+        setup.capacity = setup.factor * (sum(charges[: setup.served + 1]) + state)
         cache = Path(tmp, "cache")
         with PeakSampler(cache, interval=0.002, block=block) as peak:
             acked, saved = one_pipeline(source, cache, setup, run, names, files, rng, setup.stop_after, "pass")
@@ -450,6 +494,8 @@ def run_seed(mode: str, seed: int, timeout: float, log: TextIO) -> dict[str, Any
         "samples": peak.samples,
         "over_capacity": peak.peak > setup.capacity,
         "hung": run.hung,
+        "hung_told": all(run.told) if run.hung else None,
+        "served": setup.served,
         "stalled": not run.hung and run.longest > STALL,
         "longest_take_s": round(run.longest, 3),
         "wrong": run.wrong,
@@ -491,6 +537,7 @@ def summary(mode: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "resumed": sum(r["resumed"] for r in rows),
         "longest_take_s": max((r["longest_take_s"] for r in rows), default=0.0),
         "hung_seeds": [r["seed"] for r in rows if r["hung"]],
+        "hung_silent_seeds": [r["seed"] for r in rows if r["hung"] and not r["hung_told"]],
         "stalled_seeds": [r["seed"] for r in rows if r["stalled"]],
         "failed_seeds": [r["seed"] for r in rows if r["wrong"] or r["errors"] or r["leaks"] or r["over_capacity"]],
         "seconds": round(sum(r["seconds"] for r in rows), 1),
@@ -508,7 +555,7 @@ def render(report: dict[str, Any]) -> str:
         "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)),
         "  ".join("-" * w for w in widths),
         "  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)),
-        f"hung seeds: {s['hung_seeds'] or '-'}; stalled seeds (a take waited > {STALL:g} s): {s['stalled_seeds'] or '-'}; "
+        f"hung seeds: {s['hung_seeds'] or '-'} (of them, not told to ack or release: {s['hung_silent_seeds'] or '-'}); stalled seeds (a take waited > {STALL:g} s): {s['stalled_seeds'] or '-'}; "
         f"failed seeds: {s['failed_seeds'] or '-'}",
     ]
     for r in report["runs"]:
@@ -533,7 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.seeds[0] >= args.seeds[1]:
         p.error(f"--seeds {args.seeds[0]} {args.seeds[1]}: expected FROM < TO")
-    logging.getLogger("cachepipe").setLevel(logging.ERROR)  # the small capacities' warnings: by design here
+    logger = logging.getLogger("cachepipe")  # its warnings kept, not printed (the small capacities' are by design)
+    logger.addHandler(WARNINGS)
+    logger.propagate = False
     log = open(args.log, "a") if args.log else sys.stderr  # noqa: SIM115 - open for the whole run
     rows = []
     try:
