@@ -48,6 +48,9 @@ not stream):
   serve a consumer that holds ``k`` items (any of those it took) and takes the next;
 - ``paged``: as ``tight``, the listing through the pausing store;
 - ``roomy``: capacity 2-6 times that of ``tight``, the listing through the pausing store;
+- ``s3``: as ``tight``, the items (up to 300) put into a moto S3 server (a process of its own,
+  started once) and read from it: listed in pages of 1-50 keys (``list_page_size``; the first
+  request asks for 100 at most), with ETags (the journal budgets a version per name), over HTTP;
 - ``beyond``: a consumer the docs say cannot be served: it holds up to ``k`` (1-4) items, the
   capacity (as ``tight``'s, the listing through the pausing store) serves fewer, ``j < k``. It
   may wait for room that only its own acks would free: a hang here is expected, but must be
@@ -76,22 +79,24 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 from typing import Any, TextIO
 
-from common import PeakSampler  # benchmarks/common.py: the cache walk that counts no file twice
+from common import BUCKET, CREDENTIALS, PeakSampler, Server  # benchmarks/common.py
 
 import cachepipe
 from cachepipe import Pipeline
 from cachepipe.blocks import clamp_block, footprint
+from cachepipe.stores import Store, open_store
 from cachepipe.stores.base import ObjectInfo
 from cachepipe.stores.fsspec import FsspecStore
 
 KIB = 1024
 STALL = 4.0  # a take that waited longer stalled
-MODES = ("tight", "paged", "roomy", "beyond")
+MODES = ("tight", "paged", "roomy", "beyond", "s3")
 HELD_HINT = "items handed out and not acknowledged hold their space"  # the stall warning's, when acks would free room
 
 
@@ -166,7 +171,39 @@ class PagedStore(FsspecStore):
             yield obj
 
 
-def state_of(source: Path, probe: Path, cache: Path | None = None, **options: Any) -> int:
+class Source:
+    """Where a seed's items are read from: the local folder (``server`` None; listed in pages
+    with pauses if ``page``), or its copy in the moto server's bucket under ``prefix``, listed
+    ``page`` keys a request."""
+
+    def __init__(self, folder: Path, page: int, pause: float, server: Server | None = None, prefix: str = "") -> None:
+        self.folder, self.page, self.pause, self.server = folder, page, pause, server
+        self.url = f"s3://{BUCKET}/{prefix}" if server is not None else str(folder)
+        self.options = {"endpoint_url": server.endpoint, "skip_instance_cache": True} if server is not None else {}
+
+    def upload(self) -> None:
+        """Put every file of the folder into the bucket (the server's)."""
+        import boto3
+
+        assert self.server is not None
+        s3 = boto3.client("s3", endpoint_url=self.server.endpoint, region_name="us-east-1",
+                          aws_access_key_id=CREDENTIALS, aws_secret_access_key=CREDENTIALS)  # fmt: skip
+        prefix = self.url.split("/", 3)[3]
+        files = [p for p in sorted(self.folder.rglob("*")) if p.is_file()]
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda f: s3.put_object(Bucket=BUCKET, Key=f"{prefix}/{f.relative_to(self.folder).as_posix()}",
+                                                  Body=f.read_bytes()), files))  # fmt: skip
+
+    def store(self) -> Store | None:
+        """A new store for a pipeline (None: the pipeline opens the folder itself)."""
+        if self.server is not None:
+            store = open_store(self.url, self.options)
+            store.list_page_size = self.page  # type: ignore[attr-defined]  # the fsspec store's
+            return store
+        return PagedStore(self.url, self.page, self.pause) if self.page else None
+
+
+def state_of(source: Source, probe: Path, cache: Path | None = None, **options: Any) -> int:
     """What a cache over ``source`` counts for its own state with the whole listing's journal
     budget: the capacity less the limit of a probe pipeline whose listing does not stream. With
     ``cache``: that of a pass resumed there with ``options`` (its open counts the journal left
@@ -179,7 +216,8 @@ def state_of(source: Path, probe: Path, cache: Path | None = None, **options: An
     else:
         shutil.copytree(cache / ".cachepipe", probe / ".cachepipe")
         (probe / ".cachepipe" / "lock").unlink(missing_ok=True)
-    pipe = Pipeline(str(source), probe, capacity, prefetch=1, max_concurrency=1, **options)
+    pipe = Pipeline(source.url, probe, capacity, store=source.store(), storage_options=source.options, prefetch=1,
+                    max_concurrency=1, **options)  # fmt: skip
     if saved is not None:
         pipe.load_state_dict(saved)
     with pipe:
@@ -207,11 +245,15 @@ class Setup:
 
 def choose(mode: str, rng: random.Random) -> Setup:
     count = rng.choice([rng.randint(5, 99), rng.randint(100, 600), rng.randint(600, 3000)])
+    if mode == "s3":  # each object a PUT to the server first: a few hundred at most
+        count = rng.choice([rng.randint(5, 99), rng.randint(100, 300)])
     auto_ack = rng.random() < 0.25
     options = {"prefetch": rng.choice([None, 1, 2, rng.randint(3, 64)]), "max_concurrency": rng.choice([1, 2, 4, 8, 64])}
     setup = Setup(count, auto_ack, 0 if auto_ack else rng.randint(0, 4), options)
-    if mode in ("paged", "roomy"):
+    if mode in ("paged", "roomy", "beyond"):
         setup.page, setup.pause = rng.choice([1, 5, 20, 100, 500]), rng.choice([0.0005, 0.002, 0.01])
+    elif mode == "s3":
+        setup.page = rng.choice([1, 3, 10, 50])  # keys a listing request; the first asks for 100 at most
     setup.pauses = rng.choice([0.0, 0.0, 0.05, 0.3])
     if rng.random() < 0.3:
         setup.stop_after = rng.randint(0, count)
@@ -400,15 +442,14 @@ def fds() -> dict[str, str]:
     return found
 
 
-def one_pipeline(source: Path, cache: Path, setup: Setup, run: Run, expected: list[str], files: dict[str, dict[str, int]],
+def one_pipeline(source: Source, cache: Path, setup: Setup, run: Run, expected: list[str], files: dict[str, dict[str, int]],
                  rng: random.Random, stop_after: int | None, what: str, **extra: Any) -> tuple[list[str], dict[str, Any] | None]:  # fmt: skip
     """Open a pipeline over ``source``, consume it, close it and look for leaks; returns the
     names acked and the state at the close (None: the pass ended, or failed)."""
     before = fds()
     WARNINGS.messages.clear()
-    store = PagedStore(str(source), setup.page, setup.pause) if setup.page else None
     state = extra.pop("state", None)
-    pipe = Pipeline(str(source), cache, setup.capacity, store=store, auto_ack=setup.auto_ack, stall_warning=run.timeout / 4,
+    pipe = Pipeline(source.url, cache, setup.capacity, store=source.store(), storage_options=source.options, auto_ack=setup.auto_ack, stall_warning=run.timeout / 4,
                     **setup.options, **extra)  # fmt: skip
     if state is not None:
         pipe.load_state_dict(state)
@@ -444,15 +485,17 @@ def one_pipeline(source: Path, cache: Path, setup: Setup, run: Run, expected: li
     return acked, saved
 
 
-def run_seed(mode: str, seed: int, timeout: float, log: TextIO) -> dict[str, Any]:
+def run_seed(mode: str, seed: int, timeout: float, log: TextIO, server: Server | None = None) -> dict[str, Any]:
     rng = random.Random(f"{mode}/{seed}")
     setup = choose(mode, rng)
     started = time.monotonic()
     run = Run(timeout, log)
     resumed_capacity = 0
     with tempfile.TemporaryDirectory(prefix="stress-pipeline-") as tmp:
-        source = Path(tmp, "source")
-        names, files = make_source(source, setup.count, rng)
+        source = Source(Path(tmp, "source"), setup.page, setup.pause, server, f"{mode}-{seed}-{os.getpid()}")
+        names, files = make_source(source.folder, setup.count, rng)
+        if server is not None:
+            source.upload()
         block = clamp_block(os.statvfs(tmp).f_frsize)  # the cache's filesystem: the caches are under tmp
         charges = sorted((charge_of(files[n], block) for n in names), reverse=True)
         largest = charges[0]
@@ -585,9 +628,19 @@ def main(argv: list[str] | None = None) -> int:
     logger.propagate = False
     log = open(args.log, "a") if args.log else sys.stderr  # noqa: SIM115 - open for the whole run
     rows = []
+    server = None
+    if args.mode == "s3":
+        for key, value in (("AWS_ACCESS_KEY_ID", CREDENTIALS), ("AWS_SECRET_ACCESS_KEY", CREDENTIALS),
+                           ("AWS_DEFAULT_REGION", "us-east-1")):  # fmt: skip
+            os.environ[key] = value
+        os.environ.pop("AWS_PROFILE", None)
+        server = Server("subprocess")
+        import boto3
+
+        boto3.client("s3", endpoint_url=server.endpoint).create_bucket(Bucket=BUCKET)
     try:
         for seed in range(*args.seeds):
-            row = run_seed(args.mode, seed, args.timeout, log)
+            row = run_seed(args.mode, seed, args.timeout, log, server)
             state = "HUNG" if row["hung"] else "stalled" if row["stalled"] else "ok"
             if row["wrong"] or row["errors"] or row["over_capacity"] or row["leaks"]:
                 state += " FAILED"
@@ -601,6 +654,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if log is not sys.stderr:
             log.close()
+        if server is not None:
+            server.stop()
     report = {
         "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
         "tree": tree(),
