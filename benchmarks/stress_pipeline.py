@@ -243,10 +243,11 @@ class Setup:
     capacity: int = 0
 
 
-def choose(mode: str, rng: random.Random) -> Setup:
+def choose(mode: str, rng: random.Random, max_items: int | None = None) -> Setup:
     count = rng.choice([rng.randint(5, 99), rng.randint(100, 600), rng.randint(600, 3000)])
     if mode == "s3":  # each object a PUT to the server first: a few hundred at most
         count = rng.choice([rng.randint(5, 99), rng.randint(100, 300)])
+    count = count if max_items is None else min(count, max_items)  # the rest drawn as without it
     auto_ack = rng.random() < 0.25
     options = {"prefetch": rng.choice([None, 1, 2, rng.randint(3, 64)]), "max_concurrency": rng.choice([1, 2, 4, 8, 64])}
     setup = Setup(count, auto_ack, 0 if auto_ack else rng.randint(0, 4), options)
@@ -362,16 +363,14 @@ def consume(pipe: Pipeline, setup: Setup, run: Run, expected: list[str], files: 
 
     try:
         if setup.auto_ack:
-            taken = 0
             started = time.monotonic()
-            for item in pipe:
+            for taken, item in enumerate(pipe, 1):
                 waited = time.monotonic() - started
                 run.longest = max(run.longest, waited)
                 run.takes += 1
                 progress[:] = [time.monotonic(), f"after {item.name}"]
                 if not check(item):
                     return acked
-                taken += 1
                 if stop_after is not None and taken >= stop_after:
                     return acked  # the last one is not acked: closed in hand
                 acked.append(item.name)  # acked by the loop when it asks for the next
@@ -443,14 +442,15 @@ def fds() -> dict[str, str]:
 
 
 def one_pipeline(source: Source, cache: Path, setup: Setup, run: Run, expected: list[str], files: dict[str, dict[str, int]],
-                 rng: random.Random, stop_after: int | None, what: str, **extra: Any) -> tuple[list[str], dict[str, Any] | None]:  # fmt: skip
+                 rng: random.Random, stop_after: int | None, what: str,
+                 **extra: Any) -> tuple[list[str], dict[str, Any] | None]:  # fmt: skip
     """Open a pipeline over ``source``, consume it, close it and look for leaks; returns the
     names acked and the state at the close (None: the pass ended, or failed)."""
     before = fds()
     WARNINGS.messages.clear()
     state = extra.pop("state", None)
-    pipe = Pipeline(source.url, cache, setup.capacity, store=source.store(), storage_options=source.options, auto_ack=setup.auto_ack, stall_warning=run.timeout / 4,
-                    **setup.options, **extra)  # fmt: skip
+    pipe = Pipeline(source.url, cache, setup.capacity, store=source.store(), storage_options=source.options,
+                    auto_ack=setup.auto_ack, stall_warning=run.timeout / 4, **setup.options, **extra)  # fmt: skip
     if state is not None:
         pipe.load_state_dict(state)
     acked: list[str] = []
@@ -485,9 +485,11 @@ def one_pipeline(source: Source, cache: Path, setup: Setup, run: Run, expected: 
     return acked, saved
 
 
-def run_seed(mode: str, seed: int, timeout: float, log: TextIO, server: Server | None = None) -> dict[str, Any]:
+def run_seed(
+    mode: str, seed: int, timeout: float, log: TextIO, server: Server | None = None, max_items: int | None = None
+) -> dict[str, Any]:
     rng = random.Random(f"{mode}/{seed}")
-    setup = choose(mode, rng)
+    setup = choose(mode, rng, max_items)
     started = time.monotonic()
     run = Run(timeout, log)
     resumed_capacity = 0
@@ -598,8 +600,8 @@ def render(report: dict[str, Any]) -> str:
         "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)),
         "  ".join("-" * w for w in widths),
         "  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)),
-        f"hung seeds: {s['hung_seeds'] or '-'} (of them, not told to ack or release: {s['hung_silent_seeds'] or '-'}); stalled seeds (a take waited > {STALL:g} s): {s['stalled_seeds'] or '-'}; "
-        f"failed seeds: {s['failed_seeds'] or '-'}",
+        f"hung seeds: {s['hung_seeds'] or '-'} (not told to ack or release: {s['hung_silent_seeds'] or '-'})",
+        f"stalled seeds (a take waited > {STALL:g} s): {s['stalled_seeds'] or '-'}; failed seeds: {s['failed_seeds'] or '-'}",
     ]
     for r in report["runs"]:
         for key in ("hung", "wrong", "errors", "leaks"):
@@ -618,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", choices=MODES, default="paged", help="the scenario (default paged; see the module notes)")
     p.add_argument("--seeds", type=int, nargs=2, default=[0, 30], metavar=("FROM", "TO"), help="seeds FROM..TO-1 (default 0 30)")
     p.add_argument("--timeout", type=float, default=20.0, help="no item for this long is a hang (default 20 s)")
+    p.add_argument("--max-items", type=int, help="at most this many items a seed (default: up to 3,000; s3 300)")
     p.add_argument("--log", type=Path, help="where a hang's thread stacks go (default stderr)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
@@ -640,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         boto3.client("s3", endpoint_url=server.endpoint).create_bucket(Bucket=BUCKET)
     try:
         for seed in range(*args.seeds):
-            row = run_seed(args.mode, seed, args.timeout, log, server)
+            row = run_seed(args.mode, seed, args.timeout, log, server, args.max_items)
             state = "HUNG" if row["hung"] else "stalled" if row["stalled"] else "ok"
             if row["wrong"] or row["errors"] or row["over_capacity"] or row["leaks"]:
                 state += " FAILED"
