@@ -18,7 +18,8 @@ the iterator (``auto_ack=True``), checks each item's name (the listing's order) 
   ``k`` such that the capacity holds any ``k`` items, the next and the whole listing's state budget:
   the limit that docs/guide/guarantees.md states for a consumer that holds items), acks them in
   random order (one by one or several at once, ``ack_many``), and gives some back (``release``:
-  it must come again next), and pauses now and then (0-5 ms) before a take;
+  it must come again next), takes a batch now and then (``get_many``, no more than the capacity
+  serves beside those it holds), and pauses now and then (0-5 ms) before a take;
 - may stop mid-pass (closing the pipeline with items held, half the time with
   ``keep_on_close=True``: the resumed pass reuses the items left) and resume it in a new pipeline:
   from ``state_dict()`` (``load_state_dict``) or, once the listing ended, with ``resume=True``
@@ -404,25 +405,28 @@ def consume(pipe: Pipeline, setup: Setup, run: Run, expected: list[str], files: 
                 time.sleep(rng.uniform(0, 0.005))  # holding its items while the listing and the downloads go on
             started = time.monotonic()
             progress[:] = [started, f"taking item {delivered} with {len(held)} held"]
+            # a batch, at times: the next item and those ready after it, no more than the capacity serves
+            count = rng.randint(1, setup.served + 1 - len(held)) if len(held) <= setup.served and rng.random() < 0.2 else 1
             try:
-                item = pipe.get(timeout=run.timeout + 10)
+                items = pipe.get_many(count, timeout=run.timeout + 10)
             except RuntimeError:
                 if run.hung:
                     raise Hang from None
                 raise
             run.longest = max(run.longest, time.monotonic() - started)
             progress[:] = [time.monotonic(), "after a take"]
-            if item is None:
+            if not items:
                 if released or delivered < len(expected):
                     run.wrong.append(f"{what}: ended after {delivered} of {len(expected)} items")
                 ack(held)
                 held.clear()
                 return acked
-            run.takes += 1
-            taken += 1
-            if not check(item):
-                return acked
-            held.append(item)
+            for item in items:
+                run.takes += 1
+                taken += 1
+                if not check(item):
+                    return acked
+                held.append(item)
     finally:
         done.set()
         watchdog.join()
