@@ -641,6 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.propagate = False
     log = open(args.log, "a") if args.log else sys.stderr  # noqa: SIM115 - open for the whole run
     rows = []
+    measured = tree()  # at the start: the commit may move while the seeds run
     server = None
     if args.mode == "s3":
         for key, value in (("AWS_ACCESS_KEY_ID", CREDENTIALS), ("AWS_SECRET_ACCESS_KEY", CREDENTIALS),
@@ -671,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     report = {
         "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
-        "tree": tree(),
+        "tree": measured,
         "date": date.today().isoformat(),
         "timeout": args.timeout,
         "summary": summary(args.mode, rows),
