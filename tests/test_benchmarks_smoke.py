@@ -292,3 +292,26 @@ def test_node_stress_runs_its_seeds_with_no_hang_wrong_item_or_overshoot(mode):
     assert {k: summary[k] for k in ("hung", "wrong", "over_capacity", "errors")} == dict.fromkeys(
         ("hung", "wrong", "over_capacity", "errors"), 0
     ), summary
+
+
+def test_pipeline_stress_runs_its_seeds_with_no_hang_wrong_item_overshoot_or_leak():
+    """benchmarks/stress_pipeline.py, 3 small seeds of its paged mode (a streamed listing that
+    pauses between pages, the least capacity that serves the consumer's held items): the
+    report's counts."""
+    summary = run_json("stress_pipeline.py", "--mode", "paged", "--seeds", "0", "3", "--max-items", "200", timeout=180)["summary"]
+    assert summary["seeds"] == 3 and summary["takes"] > 0
+    assert {k: summary[k] for k in ("hung", "wrong", "over_capacity", "leaks", "errors")} == dict.fromkeys(
+        ("hung", "wrong", "over_capacity", "leaks", "errors"), 0
+    ), summary
+
+
+def test_pipeline_stress_reports_a_hang_with_the_threads_stacks_and_the_warning_that_told_it():
+    """Its beyond mode's seed 0 holds more items than the capacity serves and waits for ever
+    (as docs/guide/guarantees.md says it may): the script reports the hang, dumps every
+    thread's stack, and finds that the stall warning said why; the pipeline closed, nothing leaks."""
+    proc = run_script("stress_pipeline.py", "--mode", "beyond", "--seeds", "0", "1", "--max-items", "60", "--timeout", "3",
+                      "--json", timeout=120)  # fmt: skip
+    summary = json.loads(proc.stdout)["summary"]
+    assert summary["hung_seeds"] == [0] and summary["hung_silent_seeds"] == [], summary
+    assert summary["leaks"] == summary["errors"] == summary["wrong"] == 0, summary
+    assert "hung" in proc.stderr and "most recent call first" in proc.stderr
