@@ -27,6 +27,7 @@ from .delivered import CachedItem, Skipped
 from .errors import OversizeError, UnknownItemError
 from .lifecycle import _Lifecycle
 from .passes import _log_oversize_skipped
+from .sizes import format_size
 
 __all__ = ["CACHE_CHECK_SECONDS"]
 
@@ -167,11 +168,15 @@ class _Handout(_Lifecycle):
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"no item became ready within {timeout} s") from None
             counts = self._broker.counts()
-            held = (
-                "; items handed out and not acknowledged hold their space: ack or release them"
-                if counts["handed"] and not counts["pending"]
-                else ""
-            )
+            held = ""
+            if counts["handed"] and not counts["pending"]:
+                short = self._cache.shortfall()
+                held = (
+                    (f"; the next item waits for {format_size(short)} more room" if short else "")
+                    + "; items handed out and not acknowledged hold their space: ack or release them, or, for a "
+                    "consumer that keeps items while it asks for more, give a capacity that holds the items you "
+                    "keep, the next one and the cache's state"
+                )
             log.warning(
                 "no item ready for %.0f s from %s: %d downloading, %d handed out, cache %d of %d bytes used%s",
                 time.monotonic() - start,

@@ -156,6 +156,36 @@ def test_a_stalled_producer_is_warned_about(tmp_path: Path, caplog: pytest.LogCa
     assert stalls and "1 downloading" in stalls[0]
 
 
+def test_a_consumer_that_holds_the_room_of_the_next_item_is_told_what_it_needs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A consumer that keeps items (auto_ack=False) and asks for one more than the capacity
+    # serves beside them waits for room only its own acks can free. The warning said "items
+    # handed out ... hold their space" without the room the next item waits for, or what
+    # capacity would serve such a consumer.
+    src = tmp_path / "src"
+    for name in ("a", "b", "c"):
+        (src / name).mkdir(parents=True)
+        (src / name / "data.bin").write_bytes(b"x" * (64 << 10))
+    seen = _SetOn("no item ready")
+    logging.getLogger("cachepipe").addHandler(seen)
+    try:
+        with caplog.at_level(logging.WARNING, "cachepipe"):
+            with Pipeline(str(src), tmp_path / "c", "180KiB", auto_ack=False, stall_warning=0.05) as pipe:
+                held = [pipe.get(timeout=30), pipe.get(timeout=30)]
+                with pytest.raises(TimeoutError):
+                    pipe.get(timeout=1)
+                assert seen.event.is_set()
+                pipe.ack_many(held)
+                assert [item.name for item in [pipe.get(timeout=30)]] == ["c"]
+    finally:
+        logging.getLogger("cachepipe").removeHandler(seen)
+    stall = next(r.getMessage() for r in caplog.records if "no item ready" in r.getMessage())
+    assert "0 downloading, 2 handed out" in stall, stall
+    assert re.search(r"; the next item waits for \d+\.\d KiB more room", stall), stall  # 64 KiB + its folder, less what is free
+    assert "ack or release them" in stall and "a capacity that holds the items you keep, the next one" in stall, stall
+
+
 # ---- refuse what is wrong, at once -----------------------------------------------------
 def test_an_empty_cache_dir_is_refused(tmp_path: Path) -> None:
     src = _source(tmp_path)
