@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import as_a_user
+from conftest import as_a_user, listed, via
 from mounts import nfs_like
 from sampling import Sampler
 from test_unpack import archive_bytes, md5_sidecar, media_clip, tar_bytes, volumes
@@ -605,6 +605,33 @@ def test_an_object_rewritten_after_the_listing_fails_its_item_and_the_others_are
     assert failure.name == "item001" and "ObjectChangedError" in failure.error and "changed since it was listed" in failure.error
     assert sorted(runs(log)) == ["item000", "item002"]
     assert bucket(s3_client, "out/item002/")["out.bin"] == data["item002"]["a.bin"]
+
+
+def test_verify_etag_refetches_an_input_whose_bytes_arrived_wrong(s3_source, s3_client, fault_proxy, tmp_path):
+    """A body corrupted on its way with its length intact went into the command and its
+    outputs: map had no ``verify``. With ``verify="etag"`` (``--verify etag``) each input file's
+    MD5 is checked against its ETag before the command runs, and a mismatch is fetched again."""
+    proxy, endpoint = fault_proxy
+    data = s3_source.folders(3, {"a.bin": 30 << 10})
+    manifest = listed(s3_source, tmp_path)  # the run plans from it: only the items' GETs go through the proxy
+    proxy.inject("corrupt", 2)
+    result = map_items(
+        [sys.executable, "-c", COPY, str(tmp_path / "runs.log")],
+        s3_source.url,
+        "s3://data/out/",
+        cache_dir=tmp_path / "cache",
+        capacity="1MiB",
+        out_reserve="64KiB",
+        manifest=manifest,
+        verify="etag",
+        max_concurrency=1,
+        storage_options=via(s3_source, endpoint),
+        dest_options=s3_source.options,  # uploads straight to the server, not through the proxy
+    )
+    assert (result.items_done, result.failed) == (3, [])
+    assert proxy.injected["corrupt"] == 2
+    for name, files in data.items():
+        assert bucket(s3_client, f"out/{name}/")["out.bin"] == files["a.bin"]
 
 
 @pytest.mark.parametrize("unpack", [False, True])

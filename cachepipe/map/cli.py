@@ -124,6 +124,12 @@ def _add_options(parser: argparse.ArgumentParser | Any, suppress: bool) -> None:
         help="of those, most for items with a file over 256 KiB (default 16)",
     )
     parser.add_argument(
+        "--verify",
+        choices=("size", "etag"),
+        default=d("size"),
+        help="check each input file's size (default), or also its MD5 against its ETag where that is an MD5 (else fetched again)",
+    )
+    parser.add_argument(
         "--rank",
         type=int,
         default=d(None),
@@ -360,6 +366,7 @@ def _run_map_command(args: argparse.Namespace) -> int:
             "upload_part_size": args.upload_part_size,
             "max_concurrency": args.max_concurrency,
             "max_large_requests": args.max_large_requests,
+            "verify": args.verify,
             "rank": args.rank,
             "world_size": args.world_size,
         }

@@ -92,6 +92,7 @@ class MapConfig(BaseModel):
     max_concurrency: int = Field(default=64, ge=1, le=1024)
     max_large_requests: int = Field(default=16, ge=1, le=1024)
     part_size: Annotated[int | None, _optional_size("part_size")] = None  # None: a pipeline's default, by the capacity
+    verify: Literal["size", "etag"] = "size"  # as a pipeline's: "etag" checks each input file's MD5 before the command
     upload_concurrency: int = Field(default=8, ge=1, le=1024)
     upload_part_size: Annotated[int, BeforeValidator(lambda v: parse_size(v, "upload_part_size"))] = 16 * _MIB
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)  # credentials: not in the repr

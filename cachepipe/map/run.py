@@ -261,6 +261,7 @@ class _MapRun(_Remote):
             max_concurrency=cfg.max_concurrency,
             max_large_requests=cfg.max_large_requests,
             part_size=cfg.part_size,
+            verify=cfg.verify,
         )
         uploader = Uploader(
             dst,
@@ -427,7 +428,9 @@ def map_items(
             request, as downloads), ``storage_options``, ``dest_options`` (default: the same),
             ``upload_concurrency`` (8), ``upload_part_size`` (16 MiB), ``max_concurrency`` (64),
             ``max_large_requests`` (16), ``part_size`` (default: a pipeline's, by the cache's capacity, see
-            :func:`~cachepipe.fetch_policy.auto_part_size`), ``watch_interval`` (0.05 s), ``kill_grace``
+            :func:`~cachepipe.fetch_policy.auto_part_size`), ``verify`` (``"size"``; ``"etag"``: each
+            input file's MD5 checked against its ETag where that is an MD5, a mismatch fetched
+            again, as a pipeline's), ``watch_interval`` (0.05 s), ``kill_grace``
             (5 s), ``max_members``, ``dry_run``, ``progress``.
 
     Returns:
