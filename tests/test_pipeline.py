@@ -1155,29 +1155,71 @@ def test_a_full_cache_starts_downloads_in_runs_and_at_once_when_the_consumer_run
     for i in range(1000):
         (tmp_path / "src" / f"i{i:04d}").mkdir(parents=True)
         (tmp_path / "src" / f"i{i:04d}" / "f").write_bytes(b"x")
-    c = charge(tmp_path, [1], 1)
+    c, block = charge(tmp_path, [1], 1), block_of(tmp_path)
     with Pipeline(str(tmp_path / "src"), tmp_path / "c", capacity=600 * c, auto_ack=False) as pipe:
+        acked = 0
 
-        def settled():
-            s = pipe.stats()  # every reservation published (1 byte an item), the producer waiting for room
-            return s.items_ready >= 400 and s.bytes_downloaded == s.items_ready and s.capacity - s.bytes_in_cache < ROOM_RUN * c
+        def settled(full: bool = True):
+            # every reservation published (1 byte an item: bytes_downloaded counts the items);
+            # with ``full``, the producer waits for room (less than a run's is free)
+            s = pipe.stats()
+            return s.bytes_downloaded == s.items_ready + acked and (not full or s.capacity - s.bytes_in_cache < ROOM_RUN * c)
 
-        wait_until(settled)
-        threading.Event().wait(0.3)  # give a download still on its way the chance to show itself
-        before = pipe.stats()
-        assert before.bytes_downloaded == before.items_ready
+        def quiet(full: bool = True):
+            # settled, and still so after a while, else None: downloads are published in groups
+            # (of up to PART_RUN items), so the counts match between two groups too, with items
+            # reserved still to come; a group on its way shows itself meanwhile (it is waited for)
+            if not settled(full):
+                return None
+            was = pipe.stats()
+            threading.Event().wait(0.3)
+            now = pipe.stats()
+            counts = (was.bytes_downloaded, was.items_ready, was.bytes_in_cache)
+            return was if (now.bytes_downloaded, now.items_ready, now.bytes_in_cache) == counts else None
+
+        def listing_waits():
+            # listed, or its next name waits for room (it leaves the producer's next item its own)
+            s = pipe.stats()
+            return s if s.items_listed == 1000 or s.capacity - s.bytes_in_cache < c + block else None
+
+        wait_until(lambda: pipe.stats().items_ready >= 400 and settled(), timeout=60)
+        # The listing streams: a name listed while the cache is full takes room for its journal
+        # lines (the state budget) as acks free it, leaving the producer its next item's only
+        # (docs/guide/guarantees.md), so the room a run waits for is known once every name is.
+        # On a busy machine the listing was still under way when the cache filled (6 of 30 runs
+        # at a load of 10): the acks below then freed a run's room less the budget's growth, and
+        # the producer rightly waited on for more. Ack until every name is listed; no download
+        # starts meanwhile (the names take all but the next item's room; a run waits for 64).
+        while (s := wait_until(listing_waits, timeout=60)).items_listed < 1000:
+            pipe.ack(pipe.get(timeout=30))
+            acked += 1
+            # its room freed, or taken by the listing's names
+            wait_until(lambda s=s: (t := pipe.stats()).items_listed > s.items_listed or t.bytes_in_cache < s.bytes_in_cache)
+        before = wait_until(quiet, timeout=60, what="every reservation published")
+        assert before.items_ready >= 400
         acks = -(-(ROOM_RUN * c - (before.capacity - before.bytes_in_cache)) // c)  # those that free a run's room
         for _ in range(acks - 1):
             pipe.ack(pipe.get(timeout=30))
+        acked += acks - 1
+        # counted in reservations (bytes_in_cache: the budget is whole now), which a download of
+        # a group that had not shown itself yet does not change: their room freed, none taken
+        deleted = before.bytes_in_cache - (acks - 1) * c
+        wait_until(lambda: pipe.stats().bytes_in_cache == deleted, what="the acked items' room freed, no download started")
         threading.Event().wait(0.3)  # give a download started per ack the chance to show itself
-        assert pipe.stats().bytes_downloaded == before.bytes_downloaded  # before: one download per ack
+        assert pipe.stats().bytes_in_cache == deleted  # before: one download per ack
         pipe.ack(pipe.get(timeout=30))
-        wait_until(lambda: pipe.stats().bytes_downloaded >= before.bytes_downloaded + ROOM_RUN, what="a run's downloads")
+        acked += 1
+        # the last ack's room, then a run's reserved, and downloaded
+        run = deleted - c + ROOM_RUN * c
+        wait_until(
+            lambda: (s := pipe.stats()).bytes_in_cache >= run and s.bytes_downloaded >= before.bytes_downloaded + ROOM_RUN,
+            what="a run's downloads",
+        )
         # the consumer runs short: it takes the ready items without acking, and the room one ack
         # freed goes to the next download without waiting for a run's
-        wait_until(lambda: pipe.stats().bytes_downloaded == pipe.stats().items_ready + acks)
-        full = pipe.stats()
+        full = wait_until(lambda: quiet(full=False), timeout=60, what="the run published")
         pipe.ack(pipe.get(timeout=30))
+        acked += 1
         held = [pipe.get(timeout=30) for _ in range(full.items_ready - 1)]
         more = pipe.get(timeout=30)  # downloaded once fewer than ROOM_RUN were ready (hung if not woken)
         assert pipe.stats().bytes_downloaded > full.bytes_downloaded
