@@ -4,6 +4,7 @@ the upload's own error, and an upload holds a bounded number of parts in memory.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -160,3 +161,30 @@ def test_an_output_over_the_largest_single_put_is_uploaded_in_parts_whatever_the
         store.close()
     head = s3_client.head_object(Bucket="data", Key="out/big.bin")
     assert head["ContentLength"] == 7 * MIB and head["ETag"].strip('"').endswith("-2"), head["ETag"]
+
+
+@pytest.mark.parametrize("size", [64 * 1024, 0])
+def test_a_refused_connection_leaves_no_task_traceback(s3_client, fault_proxy, tmp_path, caplog, size):
+    """Connections to the store refused (closed as they open), then the upload gets through. s3fs
+    sent its PutObject with ``Expect: 100-continue`` (botocore adds it to every upload), and aiohttp
+    (3.14.5) writes such a request's head from a task of its own (an empty body's head too, at the
+    body's end): when the connection was already closing, that task failed, its error reached no
+    one (the request failed on the lost connection and was retried), and asyncio printed "Task
+    exception was never retrieved" and a traceback on stderr, without cachepipe's prefix: for 17
+    of 20 refused connections measured with 64 KiB, 12 of 12 with an empty output. Now an upload
+    goes without the header, and an empty one without a body: no such task fails, no traceback."""
+    s3_client.create_bucket(Bucket="data")
+    proxy, endpoint = fault_proxy
+    store = open_store("s3://data/out/", {"endpoint_url": endpoint, "key": "k", "secret": "s"})
+    local = tmp_path / "out.bin"
+    local.write_bytes(os.urandom(size))
+    try:
+        with caplog.at_level(logging.ERROR, "asyncio"):
+            proxy.inject("refuse", 4)  # at about 5 in 6 a traceback each, before
+            store.put(local, "small.bin")
+            gc.collect()  # the failed task is reported as it is freed
+    finally:
+        store.close()
+    assert proxy.injected["refuse"] == 4
+    assert s3_client.get_object(Bucket="data", Key="out/small.bin")["Body"].read() == local.read_bytes()
+    assert not [r.getMessage() for r in caplog.records if r.name == "asyncio"]
