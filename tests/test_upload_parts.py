@@ -14,6 +14,7 @@ import sys
 import threading
 
 import pytest
+from waiting import wait_until
 
 from cachepipe.stores import open_store
 
@@ -188,3 +189,41 @@ def test_a_refused_connection_leaves_no_task_traceback(s3_client, fault_proxy, t
     assert proxy.injected["refuse"] == 4
     assert s3_client.get_object(Bucket="data", Key="out/small.bin")["Body"].read() == local.read_bytes()
     assert not [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+
+
+def test_an_upload_to_a_store_that_stops_answering_times_out(tmp_path):
+    """A store that takes an upload's request and never answers. botocore's ``Expect:
+    100-continue`` had aiohttp wait for a "100 Continue" before it sent the body, and its read
+    timeout starts once the body is sent: the upload waited with no bound (still waiting after 40 s
+    with a read timeout of 2 s, measured). Without the header the body goes at once, and the read
+    timeout ends the request."""
+    from faultproxy import silent
+
+    local = tmp_path / "out.bin"
+    local.write_bytes(os.urandom(4096))
+    raised: list[BaseException] = []
+    uploading: threading.Thread | None = None
+    store = None
+    try:
+        with silent() as (endpoint, asked):
+            retries = {"read_timeout": 1, "retries": {"max_attempts": 1, "mode": "standard"}}
+            options = {"endpoint_url": endpoint, "key": "k", "secret": "s", "config_kwargs": retries, "skip_instance_cache": True}
+            store = open_store("s3://data/out/", options)
+            store.fs.retries = 1  # s3fs's own retries (5), each a read timeout
+
+            def run() -> None:
+                try:
+                    store.put(local, "small.bin")
+                except BaseException as exc:  # noqa: BLE001 - the test checks it
+                    raised.append(exc)
+
+            uploading = threading.Thread(target=run)
+            uploading.start()
+            wait_until(asked.is_set, what="the upload's request")
+            wait_until(lambda: not uploading.is_alive(), timeout=30, what="the upload to time out")
+    finally:
+        if uploading is not None:
+            uploading.join()  # if the fix failed: the connections the block ended end the upload too
+        if store is not None:
+            store.close()
+    assert len(raised) == 1 and isinstance(raised[0], TimeoutError), raised

@@ -89,7 +89,9 @@ def _drop_expect(params: dict[str, Any], **_: Any) -> None:
     it opened) that task fails with ``ClientConnectionResetError`` that no one takes, and asyncio
     prints "Task exception was never retrieved" and a traceback, while the request fails on the
     lost connection and is retried. Without the header the head goes with the body, whose write
-    errors aiohttp gives to the request. The header is not signed (SigV4 leaves it out)."""
+    errors aiohttp gives to the request. And aiohttp's read timeout starts once the body is sent:
+    a store that took the head and never answered held the upload with no bound. The header is
+    not signed (SigV4 leaves it out)."""
     if _NO_EXPECT.get():
         params["headers"].pop("Expect", None)
 
