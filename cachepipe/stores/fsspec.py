@@ -24,6 +24,7 @@ import asyncio
 import builtins
 import concurrent.futures
 import contextlib
+import contextvars
 import errno
 import logging
 import mimetypes
@@ -75,6 +76,33 @@ _UPLOAD_PART = 16 * 1024 * 1024  # multipart part size of uploads (files from tw
 PARTS_IN_FLIGHT = 4
 """Parts of one multipart upload to S3 read and sent at once: what an upload holds in memory
 (s3fs's own multipart upload holds ten)."""
+
+_NO_EXPECT: contextvars.ContextVar[bool] = contextvars.ContextVar("cachepipe_no_expect", default=False)
+"""True in the task of one of this store's uploads: :func:`_drop_expect` takes botocore's
+``Expect: 100-continue`` off its requests (the shared client's other requests keep it)."""
+
+
+def _drop_expect(params: dict[str, Any], **_: Any) -> None:
+    """A ``before-call.s3`` hook, after botocore's ``add_expect_header``: no ``Expect:
+    100-continue`` on an upload of this store. aiohttp (3.14.5, the newest release) sends the head of such
+    a request from a task of its own; when the connection was already closing (refused, reset as
+    it opened) that task fails with ``ClientConnectionResetError`` that no one takes, and asyncio
+    prints "Task exception was never retrieved" and a traceback, while the request fails on the
+    lost connection and is retried. Without the header the head goes with the body, whose write
+    errors aiohttp gives to the request. And aiohttp's read timeout starts once the body is sent:
+    a store that took the head and never answered held the upload with no bound. The header is
+    not signed (SigV4 leaves it out)."""
+    if _NO_EXPECT.get():
+        params["headers"].pop("Expect", None)
+
+
+def _no_empty_body(request: Any, **_: Any) -> None:
+    """A ``before-send.s3`` hook: an empty upload of this store is sent with no body at all
+    (``Content-Length: 0`` stays). aiohttp writes an empty body's head from the same task of its
+    own, at the body's end, with the same untaken failure as :func:`_drop_expect` tells; a request
+    without a body has its head written as it is sent, a failure raised to the request."""
+    if _NO_EXPECT.get() and request.headers.get("Content-Length") == "0":
+        request.body = None
 
 
 def _walks(fs: Any) -> bool:
@@ -423,14 +451,27 @@ class FsspecStore:
                 size = os.fstat(src.fileno()).st_size
                 part = part_size_for(size, self.upload_part_size)
                 if one_request(size, part):  # one PutObject (s3fs opens the file again: it was readable a moment ago)
-                    self.fs.put_file(local, path, chunksize=part, **typed)
+                    fsspec.asyn.sync(self.fs.loop, self._uploading, path, self.fs._put_file, local, path, chunksize=part, **typed)  # noqa: SLF001 - put_file's coroutine, run as _uploading
                 else:
                     guessed = mimetypes.guess_type(local)[0]  # s3fs's guess, as its put_file makes it
                     typed = typed or ({"ContentType": guessed} if guessed else {})
-                    fsspec.asyn.sync(self.fs.loop, self._put_parts, local, src.fileno(), size, part, where, path, typed)
+                    parts = (local, src.fileno(), size, part, where, path, typed)
+                    fsspec.asyn.sync(self.fs.loop, self._uploading, path, self._put_parts, *parts)
                     self.fs.invalidate_cache(path)  # as s3fs's put_file does
             else:
                 self.fs.put_file(local, path)
+
+    async def _uploading(self, path: str, func: Callable[..., Coroutine[Any, Any, Any]], *args: Any, **kwargs: Any) -> Any:
+        """Run the upload to ``path``, ``func(*args, **kwargs)`` (in the event loop), without ``Expect:
+        100-continue`` on its requests (:func:`_drop_expect`) and an empty one without a body
+        (:func:`_no_empty_body`), hooked on s3fs's client here (a client made anew has them too);
+        in this task's context only, not in the caller's: the client's other requests are as they were."""
+        await self.fs.set_session()
+        client = await self.fs.get_s3(self.fs.split_path(path)[0])  # the bucket's (one per region with cache_regions)
+        client.meta.events.register_last("before-call.s3", _drop_expect, unique_id="cachepipe-drop-expect")
+        client.meta.events.register_last("before-send.s3", _no_empty_body, unique_id="cachepipe-no-empty-body")
+        _NO_EXPECT.set(True)
+        return await func(*args, **kwargs)
 
     async def _put_parts(self, local: str, fd: int, size: int, part: int, where: str, path: str, typed: dict[str, str]) -> None:
         """Upload ``size`` bytes of ``local``, open as ``fd``, to ``path`` as a multipart upload
