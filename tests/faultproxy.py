@@ -217,7 +217,7 @@ class FaultProxy:
         reset connection, not the answer, when the proxy answered and closed in the middle."""
         found = re.search(r"\r\ncontent-length:\s*(\d+)", head, re.IGNORECASE)
         if found is None or re.search(r"\r\nexpect:\s*100-continue", head, re.IGNORECASE):
-            return  # botocore's: the body waits for the answer
+            return  # the body waits for the answer (botocore's uploads; cachepipe's own go without Expect)
         left = int(found.group(1)) - had
         while left > 0 and (data := await reader.read(min(left, 65536))):
             left -= len(data)
