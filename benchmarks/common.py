@@ -23,6 +23,7 @@ import os
 import platform
 import random
 import shlex
+import subprocess
 import sys
 import threading
 import time
@@ -379,6 +380,37 @@ def provenance_lines(report: Mapping[str, Any]) -> list[str]:
         f"command: {report['command']}",
         f"date: {report['date']}; machine: {m['cpus']} cores, {m['platform']}, "
         f"Python {m['python']}; " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
+    ]
+
+
+def tree() -> str:
+    """The cachepipe being measured: its folder and, in a git work tree, its commit."""
+    import cachepipe  # here: the rest of this module serves runs without cachepipe too
+
+    where = Path(cachepipe.__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = "?"
+    return f"{where} ({rev})"
+
+
+def seeds_footer(report: Mapping[str, Any], keys: Sequence[str]) -> list[str]:
+    """The last lines of a stress script's report (``stress_node.py``, ``stress_pipeline.py``):
+    each seed's messages under ``keys`` and its peak over the capacity, then the command, the
+    tree, the date and the take timeout."""
+    lines = []
+    for r in report["runs"]:
+        for key in keys:
+            lines.extend(f"seed {r['seed']} {key}: {message}" for message in r[key])
+        if r["over_capacity"]:
+            lines.append(f"seed {r['seed']}: peak {r['peak']} bytes over the capacity {r['capacity']}")
+    return [
+        *lines,
+        f"command: {report['command']}",
+        f"tree: {report['tree']}; date: {report['date']}; take timeout {report['timeout']:g} s",
     ]
 
 

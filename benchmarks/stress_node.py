@@ -70,7 +70,6 @@ import os
 import random
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -80,9 +79,13 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from common import PeakSampler  # benchmarks/common.py: the cache walk that counts no file twice
+from common import (  # benchmarks/common.py (PeakSampler: the cache walk that counts no file twice)
+    PeakSampler,
+    format_table,
+    seeds_footer,
+    tree,
+)
 
-import cachepipe
 from cachepipe.blocks import clamp_block, footprint
 from cachepipe.node import NodePipeline
 from cachepipe.plan import Cursor, Plan
@@ -394,18 +397,6 @@ def run_seed(mode: str, seed: int, timeout: float) -> dict[str, Any]:
 
 
 # ---- report --------------------------------------------------------------------------
-def tree() -> str:
-    """The cachepipe being measured: its folder and, in a git work tree, its commit."""
-    where = Path(cachepipe.__file__).resolve().parent.parent
-    try:
-        rev = subprocess.run(
-            ["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, timeout=10
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        rev = "?"
-    return f"{where} ({rev})"
-
-
 def summary(mode: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     read = sum(r["bytes_downloaded"] for r in rows)
     stepped = sum(r["step_bytes"] for r in rows)
@@ -435,23 +426,11 @@ def render(report: dict[str, Any]) -> str:
         str(s["errors"]), f"{s['bytes_downloaded'] / 1e6:.1f}", "-" if s["reads"] is None else f"{s['reads']:.2f}x",
         str(s["steps"]), str(s["restarts"]), f"{s['seconds']:.0f}",
     ]  # fmt: skip
-    widths = [max(len(c), len(v)) for c, v in zip(cols, row, strict=True)]
     lines = [
-        "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)),
-        "  ".join("-" * w for w in widths),
-        "  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)),
+        *format_table(cols, [row], left=0),
         f"hung seeds: {s['hung_seeds'] or '-'}; stalled seeds (a take waited > {STALL:g} s): {s['stalled_seeds'] or '-'}",
     ]
-    for r in report["runs"]:
-        for key in ("hung", "wrong", "errors"):
-            lines.extend(f"seed {r['seed']} {key}: {message}" for message in r[key])
-        if r["over_capacity"]:
-            lines.append(f"seed {r['seed']}: peak {r['peak']} bytes over the capacity {r['capacity']}")
-    lines += [
-        f"command: {report['command']}",
-        f"tree: {report['tree']}; date: {report['date']}; take timeout {report['timeout']:g} s",
-    ]
-    return "\n".join(lines)
+    return "\n".join([*lines, *seeds_footer(report, ("hung", "wrong", "errors"))])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,7 +80,6 @@ import os
 import random
 import shlex
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -92,9 +91,8 @@ from datetime import date
 from pathlib import Path
 from typing import Any, TextIO
 
-from common import BUCKET, CREDENTIALS, PeakSampler, Server  # benchmarks/common.py
+from common import BUCKET, CREDENTIALS, PeakSampler, Server, format_table, seeds_footer, tree  # benchmarks/common.py
 
-import cachepipe
 from cachepipe import Pipeline
 from cachepipe.blocks import clamp_block, footprint
 from cachepipe.stores import Store, open_store
@@ -578,18 +576,6 @@ def run_seed(
 
 
 # ---- report --------------------------------------------------------------------------
-def tree() -> str:
-    """The cachepipe being measured: its folder and, in a git work tree, its commit."""
-    where = Path(cachepipe.__file__).resolve().parent.parent
-    try:
-        rev = subprocess.run(
-            ["git", "-C", str(where), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, timeout=10
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        rev = "?"
-    return f"{where} ({rev})"
-
-
 def summary(mode: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "mode": mode,
@@ -619,24 +605,12 @@ def render(report: dict[str, Any]) -> str:
     s = report["summary"]
     row = [str(s[k]) for k in ("mode", "seeds", "hung", "stalled", "wrong", "over_capacity", "leaks", "errors", "takes",
                                 "releases", "resumed")] + [f"{s['longest_take_s']:.1f}", f"{s['seconds']:.0f}"]  # fmt: skip
-    widths = [max(len(c), len(v)) for c, v in zip(cols, row, strict=True)]
     lines = [
-        "  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)),
-        "  ".join("-" * w for w in widths),
-        "  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)),
+        *format_table(cols, [row], left=0),
         f"hung seeds: {s['hung_seeds'] or '-'} (not told to ack or release: {s['hung_silent_seeds'] or '-'})",
         f"stalled seeds (a take waited > {STALL:g} s): {s['stalled_seeds'] or '-'}; failed seeds: {s['failed_seeds'] or '-'}",
     ]
-    for r in report["runs"]:
-        for key in ("hung", "wrong", "errors", "leaks"):
-            lines.extend(f"seed {r['seed']} {key}: {message}" for message in r[key])
-        if r["over_capacity"]:
-            lines.append(f"seed {r['seed']}: peak {r['peak']} bytes over the capacity {r['capacity']}")
-    lines += [
-        f"command: {report['command']}",
-        f"tree: {report['tree']}; date: {report['date']}; take timeout {report['timeout']:g} s",
-    ]
-    return "\n".join(lines)
+    return "\n".join([*lines, *seeds_footer(report, ("hung", "wrong", "errors", "leaks"))])
 
 
 def main(argv: list[str] | None = None) -> int:
