@@ -1220,7 +1220,11 @@ def test_a_full_cache_starts_downloads_in_runs_and_at_once_when_the_consumer_run
         full = wait_until(lambda: quiet(full=False), timeout=60, what="the run published")
         pipe.ack(pipe.get(timeout=30))
         acked += 1
+        # its room freed while hundreds are ready: the planner, woken by the deletion, waits on
+        # for a run's room; only the hand-outs below, which leave none ready, may wake it
+        wait_until(lambda: pipe.stats().bytes_in_cache <= full.bytes_in_cache - c, what="the acked item's room freed")
+        threading.Event().wait(0.3)  # the planner back in its wait (else it reads the hand-outs below when woken)
         held = [pipe.get(timeout=30) for _ in range(full.items_ready - 1)]
-        more = pipe.get(timeout=30)  # downloaded once fewer than ROOM_RUN were ready (hung if not woken)
+        more = pipe.get(timeout=30)  # downloaded once fewer than ROOM_RUN were ready (hung if not woken: wake_run)
         assert pipe.stats().bytes_downloaded > full.bytes_downloaded
         pipe.ack_many([*held, more])
