@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -395,6 +396,23 @@ def tree() -> str:
     except (OSError, subprocess.SubprocessError):
         rev = "?"
     return f"{where} ({rev})"
+
+
+def print_seeds_report(
+    tree: str, timeout: float, summary: dict[str, Any], rows: list[dict[str, Any]], render: Callable[[Any], str], as_json: bool
+) -> None:
+    """Print a stress script's report (``stress_node.py``, ``stress_pipeline.py``): the command,
+    the ``tree`` measured, the date, the take ``timeout``, the ``summary`` and every seed's row;
+    as JSON, or as ``render(report)``."""
+    report = {
+        "command": command_line(),
+        "tree": tree,
+        "date": date.today().isoformat(),
+        "timeout": timeout,
+        "summary": summary,
+        "runs": rows,
+    }
+    print(json.dumps(report, indent=1) if as_json else render(report))
 
 
 def seeds_footer(report: Mapping[str, Any], keys: Sequence[str]) -> list[str]:

@@ -65,23 +65,21 @@ Run against another tree with ``PYTHONPATH=TREE``::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-import shlex
 import shutil
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import date
 from pathlib import Path
 from typing import Any
 
 from common import (  # benchmarks/common.py (PeakSampler: the cache walk that counts no file twice)
     PeakSampler,
     format_table,
+    print_seeds_report,
     seeds_footer,
     tree,
 )
@@ -455,18 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         rows.append(row)
-    report = {
-        "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
-        "tree": tree(),
-        "date": date.today().isoformat(),
-        "timeout": args.timeout,
-        "summary": summary(args.mode, rows),
-        "runs": rows,
-    }
-    if args.json:
-        print(json.dumps(report, indent=1))
-    else:
-        print(render(report))
+    print_seeds_report(tree(), args.timeout, summary(args.mode, rows), rows, render, args.json)
     return 1 if any(r["wrong"] or r["errors"] or r["over_capacity"] for r in rows) else 0
 
 

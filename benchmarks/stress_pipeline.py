@@ -74,11 +74,9 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import json
 import logging
 import os
 import random
-import shlex
 import shutil
 import sys
 import tempfile
@@ -87,11 +85,19 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import date
 from pathlib import Path
 from typing import Any, TextIO
 
-from common import BUCKET, CREDENTIALS, PeakSampler, Server, format_table, seeds_footer, tree  # benchmarks/common.py
+from common import (  # benchmarks/common.py
+    BUCKET,
+    CREDENTIALS,
+    PeakSampler,
+    Server,
+    format_table,
+    print_seeds_report,
+    seeds_footer,
+    tree,
+)
 
 from cachepipe import Pipeline
 from cachepipe.blocks import clamp_block, footprint
@@ -658,18 +664,7 @@ def main(argv: list[str] | None = None) -> int:
             log.close()
         if server is not None:
             server.stop()
-    report = {
-        "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
-        "tree": measured,
-        "date": date.today().isoformat(),
-        "timeout": args.timeout,
-        "summary": summary(args.mode, rows),
-        "runs": rows,
-    }
-    if args.json:
-        print(json.dumps(report, indent=1))
-    else:
-        print(render(report))
+    print_seeds_report(measured, args.timeout, summary(args.mode, rows), rows, render, args.json)
     return 1 if any(r["wrong"] or r["errors"] or r["over_capacity"] or r["leaks"] for r in rows) else 0
 
 
