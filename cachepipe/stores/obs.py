@@ -77,6 +77,7 @@ its socket stayed open until the garbage collector found it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -257,7 +258,8 @@ class ObsStore(_ObsSeam):
         pooled = list(getattr(holder.get("connSet"), "queue", ()))  # not through its lock: a parent thread's
         renew()
         for conn in pooled:
-            conn.close()  # http.client's: closes this process's descriptor, no shutdown (the parent's connection)
+            with contextlib.suppress(OSError):  # raised here, it would leave the next stores shared
+                conn.close()  # http.client's: closes this process's descriptor, no shutdown (the parent's connection)
 
     def _noting(self, take: Callable[..., Any]) -> Callable[..., Any]:
         """The SDK's ``_get_server_connection`` that notes each connection it hands out, and
