@@ -7,16 +7,22 @@ Only the status/code mapping table of ``ObsStore._check`` is driven with hand-ma
 from __future__ import annotations
 
 import errno
+import faulthandler
 import gc
 import hashlib
+import http.server
 import io
 import json
 import logging
+import os
+import signal
 import socket
 import sys
 import threading
+import traceback
 import urllib.request
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -494,6 +500,9 @@ class _Metadata:
         self.asked: list[str] = []  # the request lines it got
         self.serving: str | None = None  # an access key it hands out; None: 403 to every request
         self.expires_at = "2000-01-01T00:00:00.000000Z"  # of what it hands out (as OBS writes it)
+        self.stall = 0  # the next requests it holds (unanswered) until ``release`` is set: a lookup in flight
+        self.stalled = threading.Event()  # a request is held
+        self.release = threading.Event()  # the held requests are answered
 
 
 @pytest.fixture
@@ -518,6 +527,10 @@ def ecs_metadata(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Metadata]:
     class Credentials(http.server.BaseHTTPRequestHandler):
         def _answer(self) -> None:
             metadata.asked.append(self.requestline)
+            if metadata.stall > 0:  # one lookup at a time (the SDK's lock): no race on the count
+                metadata.stall -= 1
+                metadata.stalled.set()
+                metadata.release.wait(60)
             body = b""
             if metadata.serving is not None and self.command == "PUT":  # the v2 API's session token
                 body = b"session-token"
@@ -542,6 +555,8 @@ def ecs_metadata(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Metadata]:
     class ToTheTestServer(http.client.HTTPConnection):
         def __init__(self, host: str, port: int | None = None, **kwargs: object) -> None:
             assert host == "169.254.169.254", host
+            if metadata.stall > 0:  # held, not timed out (the SDK's 5 s), then leaking its socket
+                kwargs["timeout"] = 60
             super().__init__("127.0.0.1", server.server_port, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(loadtoken, "httplib", types.SimpleNamespace(HTTPConnection=ToTheTestServer))
@@ -551,6 +566,7 @@ def ecs_metadata(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Metadata]:
     try:
         yield metadata
     finally:
+        metadata.release.set()
         server.shutdown()
         server.server_close()
         thread.join()
@@ -618,6 +634,155 @@ def test_a_metadata_lookup_that_fails_once_at_the_start_is_made_again_at_the_nex
     ecs_metadata.serving = "AK-ecs"  # the service answers again
     assert store.get("f", io.BytesIO(), 0, 3) == 3
     assert "Authorization: AWS AK-ecs:" in proxy.requests[-1]
+
+
+def _in_a_fork(run: Callable[[], object], wait: float = 30.0) -> int:
+    """The exit status of a process forked from this one (threads and all, as a DataLoader
+    worker is forked) that calls ``run`` and exits, 0 if it returned; one still running after
+    ``wait`` seconds is killed (AssertionError)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+: "this process is multi-threaded"
+        pid = os.fork()
+    if pid == 0:  # the child: never back into pytest
+        code = 1
+        try:
+            faulthandler.dump_traceback_later(max(wait - 2, 1))  # where it waits, if it does
+            run()
+            code = 0
+        except BaseException:  # noqa: BLE001 - any: printed, and the exit status says so
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    ended: list[int] = []
+
+    def exited() -> bool:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            ended.append(os.waitstatus_to_exitcode(status))
+        return bool(done)
+
+    try:
+        wait_until(exited, timeout=wait, what="the forked process's end")
+    except AssertionError:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    return ended[0]
+
+
+def test_a_process_forked_while_a_thread_looks_up_credentials_makes_its_own_lookup(
+    make_store, s3_client, bucket: str, s3_endpoint: str, ecs_metadata: _Metadata
+) -> None:
+    """A process forked (a DataLoader worker, by default on Linux) while a thread of its parent
+    looked up credentials for a store without keys (the SDK's ECS metadata lookup: up to three
+    5 s timeouts where the address drops packets) inherited the locks that lookup held, held by
+    a thread that does not exist in it: its first request, through a store of its own (the SDK's
+    lock, a class attribute) or through the parent's store object (ours too), waited for ever."""
+    s3_client.put_object(Bucket=bucket, Key="data/f", Body=b"abc", ACL="public-read")
+    store = make_store(storage_options={"server": s3_endpoint})
+    ecs_metadata.stall = 1
+    got: list[int] = []
+    looking = threading.Thread(target=lambda: got.append(store.get("f", io.BytesIO(), 0, 3)), name="looking-up")
+    looking.start()
+    try:
+        assert ecs_metadata.stalled.wait(20)  # the parent's lookup is in flight, holding its locks
+
+        def own_store() -> None:
+            with ObsStore(f"obs://{BUCKET}/data/", {"server": s3_endpoint}) as mine:
+                assert mine.get("f", io.BytesIO(), 0, 3) == 3
+
+        assert _in_a_fork(own_store) == 0  # before: killed after 30 s, waiting on the SDK's ECS.lock
+        assert _in_a_fork(lambda: store.get("f", io.BytesIO(), 0, 3)) == 0  # before: on the store's own
+    finally:
+        ecs_metadata.release.set()
+        looking.join()
+    assert got == [3]
+
+
+def test_a_process_forked_while_a_thread_holds_the_sdk_s_other_request_locks_can_take_them() -> None:
+    """As the ECS lookup's lock above, the SDK holds OIDC's lock across its requests to IAM, and
+    one of its 16 locks (``obs.locks``, picked by the bucket's name) across the request that
+    negotiates a bucket's signature (a client's first to it, at OBS's own endpoints): a process
+    forked meanwhile found them held for ever. Held here by a thread, as those requests hold
+    them (the tests' endpoint is an address, where the SDK does not negotiate, and OIDC's is
+    fixed)."""
+    from obs import loadtoken, locks
+
+    negotiating = locks.get_lock(hash(BUCKET) % locks.LOCK_COUNT)
+    holding, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with loadtoken.OIDC._lock, negotiating:
+            holding.set()
+            done.wait(60)
+
+    holder = threading.Thread(target=hold, name="holding-the-sdk-s-locks")
+    holder.start()
+    try:
+        assert holding.wait(20)
+
+        def take() -> None:
+            for lock in (loadtoken.OIDC._lock, locks.get_lock(hash(BUCKET) % locks.LOCK_COUNT)):
+                assert lock.acquire(timeout=20)  # before: False (held by a thread not in this process)
+
+        assert _in_a_fork(take) == 0
+    finally:
+        done.set()
+        holder.join()
+
+
+class _KeepAlive(http.server.BaseHTTPRequestHandler):
+    """Objects ``/{BUCKET}/{i}`` (``_OBJECTS[i]``) over connections kept open (OBS keeps them; moto
+    closes each after its response, so its clients pool none)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        body = _OBJECTS[int(self.path.split("?")[0].rsplit("/", 1)[1])]
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+_OBJECTS = [bytes([65 + i]) * 200_000 for i in range(4)]
+
+
+def test_a_store_used_in_forked_processes_has_connections_of_its_own_in_each(make_store) -> None:
+    """A store used in processes forked from one that had used it (a DataLoader's workers given
+    the dataset's ``store=``) shared its pooled connection with them: processes sending on one
+    connection read each other's responses (a GET returned another object's bytes, or a body as
+    its status line: 14 of 15 processes of 30 GETs failed, in 5 runs)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _KeepAlive)
+    serving = threading.Thread(target=server.serve_forever, name="keep-alive-objects")
+    serving.start()
+    try:
+        store = make_store(storage_options=_keys(f"http://127.0.0.1:{server.server_port}"))
+        assert store.get("0", io.BytesIO(), 0, len(_OBJECTS[0])) == len(_OBJECTS[0])  # its connection, pooled
+
+        def gets() -> None:
+            for n in range(30):
+                i = (os.getpid() + n) % len(_OBJECTS)
+                out = io.BytesIO()
+                assert store.get(str(i), out, 0, len(_OBJECTS[i])) == len(_OBJECTS[i])
+                assert out.getvalue() == _OBJECTS[i]
+
+        codes: list[int] = []
+        forks = [threading.Thread(target=lambda: codes.append(_in_a_fork(gets))) for _ in range(3)]
+        for fork in forks:
+            fork.start()
+        for fork in forks:
+            fork.join()
+        assert codes == [0, 0, 0]
+        gets()  # here too, on the connection it pooled: the forks' closed only their descriptors
+        store.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+        serving.join()
 
 
 def test_a_provider_that_found_none_is_asked_again_after_a_quiet_time_that_grows() -> None:

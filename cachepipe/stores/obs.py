@@ -63,6 +63,13 @@ The same wrapper makes each connection's responses :class:`_WholeBody`: a body t
 its headers, raises (the SDK took it for a body it could not parse, or an empty one), and one whose
 read raises is closed at once.
 
+Forks: a store used in a process forked from the one that opened it (a DataLoader worker given
+the dataset's ``store=``) gets a pool of connections of its own there, empty
+(:meth:`ObsStore._forked`): the parent's pooled connections were taken by each process that used
+the store, and two processes sending on one connection read each other's responses (a GET
+returned another object's bytes). Its credential lookups are its own too
+(:mod:`cachepipe.stores.obs_providers`).
+
 The same wrapper closes a connection whose request could not be sent (a send cut by ``abort``, an
 upload's body reset by the endpoint): the SDK loses such a connection without closing it, and
 its socket stayed open until the garbage collector found it.
@@ -70,6 +77,7 @@ its socket stayed open until the garbage collector found it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -178,6 +186,19 @@ class _WholeBody(HTTPResponse):
         return data
 
 
+_STORES: weakref.WeakSet[ObsStore] = weakref.WeakSet()
+"""Every :class:`ObsStore` alive in this process (weakly), for :func:`_forked_stores`."""
+
+
+def _forked_stores() -> None:
+    """In a process just forked: each store's own pool (:meth:`ObsStore._forked`)."""
+    for store in list(_STORES):
+        store._forked()  # noqa: SLF001 - this module's own class
+
+
+os.register_at_fork(after_in_child=_forked_stores)
+
+
 class ObsStore(_ObsSeam):
     """The objects under ``obs://bucket/prefix/``, read through ``esdk-obs-python``.
 
@@ -221,6 +242,24 @@ class ObsStore(_ObsSeam):
         take = getattr(self._client, "_get_server_connection", None)
         if callable(take):
             self._client._get_server_connection = self._noting(take)  # noqa: SLF001 - see the module's docstring, "Aborting"
+        _STORES.add(self)  # its own pool in a forked child (_forked)
+
+    def _forked(self) -> None:
+        """In a process just forked from this store's (``os.register_at_fork``; the forking
+        thread is the only one): an empty pool of connections, and the parent's connections
+        closed here (their descriptors in this process: the parent's stay open, and nothing is
+        sent on them), with a new lock for abort (see the module's docstring, "Forks")."""
+        self._abort_lock = threading.Lock()
+        self._conns, self._socks = weakref.WeakSet(), weakref.WeakSet()  # the parent's requests in flight
+        holder = getattr(self._client, "connHolder", None)
+        renew = getattr(self._client, "_init_connHolder", None)
+        if not isinstance(holder, dict) or not callable(renew):
+            return  # no pool (or an SDK that renamed it): nothing shared
+        pooled = list(getattr(holder.get("connSet"), "queue", ()))  # not through its lock: a parent thread's
+        renew()
+        for conn in pooled:
+            with contextlib.suppress(OSError):  # raised here, it would leave the next stores shared
+                conn.close()  # http.client's: closes this process's descriptor, no shutdown (the parent's connection)
 
     def _noting(self, take: Callable[..., Any]) -> Callable[..., Any]:
         """The SDK's ``_get_server_connection`` that notes each connection it hands out, and

@@ -2,11 +2,21 @@
 built (:func:`load_sdk`, so that ``import cachepipe`` works without it), and an ``obs.ObsClient``
 made from the settings that :mod:`cachepipe.stores.obs_settings` resolves (:func:`_new_client`),
 as :class:`~cachepipe.stores.obs.ObsStore` opens it and :func:`check_options` checks it.
+
+Forks: the SDK negotiates a bucket's signature at a client's first request to it (a HEAD, for a
+host name endpoint not in path style: OBS's own), holding one of 16 locks of its module
+``obs.locks``, picked by the bucket's name, across that request. A process forked while a thread
+of its parent negotiated inherited that lock held, by a thread that does not exist in it: its
+first request to that bucket, through a client of its own (a DataLoader worker's store), waited
+for ever. In the child each of them is replaced by a new lock (:func:`_new_locks_in_child`);
+the credential providers' locks are :mod:`cachepipe.stores.obs_providers`'s.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -27,6 +37,24 @@ from cachepipe.stores.obs_settings import (
 __all__ = ["check_options", "load_sdk"]
 
 _SDK_SSL_WARNINGS = (r"ssl\.PROTOCOL_TLS is deprecated", r"ssl\.OP_NO_SSL\*/ssl\.OP_NO_TLS\* options are deprecated")
+
+
+def _new_locks_in_child() -> None:
+    """In a process just forked (``os.register_at_fork``), where the only thread is the one that
+    forked: a new lock for each of the SDK's ``obs.locks`` (see the module's docstring).
+
+    Safe: no thread of the child holds or waits on them (the forking thread is running this, not
+    a request), and the SDK takes one from that list at each negotiation (``get_lock(index)``);
+    the list is changed in place, as the SDK's module holds it. A negotiation in flight in the
+    parent had stored nothing yet (its client's cache is set once it is answered): the child's
+    client negotiates itself."""
+    locks = sys.modules.get("obs.locks")  # not imported: no request of the SDK's ran
+    held = getattr(locks, "lock_list", None)
+    if isinstance(held, list):
+        held[:] = [threading.RLock() for _ in held]
+
+
+os.register_at_fork(after_in_child=_new_locks_in_child)
 
 
 def load_sdk(url: str) -> Any:

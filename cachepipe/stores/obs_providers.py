@@ -24,12 +24,23 @@ provider that found credentials once is asked at every request from then on, as 
 that fails later (the metadata service down as they expired, OIDC's identity service failing as
 they are renewed) is an outage there, not "none here", whose next request looks again. Keys set
 in the ``OBS_*`` environment later are used from the next request on.
+
+Forks (a DataLoader worker, forked by default on Linux): a lookup holds a lock of ours (one at a
+time per provider) and one of the SDK's (``ECS.lock``, a class attribute shared by every client;
+OIDC's ``OIDC._lock`` and its provider's own, held across its requests to IAM). A process forked
+while a thread of its parent was inside a lookup inherited them held, by a thread that does not
+exist in it: its first lookup waited for ever, through a store of its own as through the
+parent's. In the child each is replaced by a new lock (:func:`_new_locks_in_child`), and that
+lookup is forgotten there: the child makes its own when one is due.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -82,6 +93,7 @@ class _Remembered:
         self._asked = False
         self._found = False  # it found credentials once: asked at every request from then on
         self.search: Callable[[], Any] = self._searcher()
+        _LIVE.add(self)  # its lock replaced in a forked child (_new_locks_in_child)
 
     def _searcher(self) -> Callable[[], Any]:
         def search() -> Any:
@@ -126,6 +138,40 @@ class _Remembered:
             f"{self.__name__}: found no credentials in {self._nones} lookups in a row; asked again {quiet:g} s after the last"
         )
         return none
+
+
+_LIVE: weakref.WeakSet[_Remembered] = weakref.WeakSet()
+"""Every :class:`_Remembered` alive in this process (weakly: a store's go with it)."""
+
+
+def _new_locks_in_child() -> None:
+    """In a process just forked (``os.register_at_fork``), where the only thread is the one that
+    forked: a new lock for each provider of ours, and for the SDK's providers, whose locks a
+    thread of the parent may have held in a lookup (see the module's docstring, "Forks").
+
+    Safe: no thread of the child holds or waits on the locks replaced (the forking thread is
+    running this, not a lookup), and the SDK takes them from where they are replaced at each
+    lookup (``ECS.lock.acquire()``, ``OIDC._lock.acquire()``, ``with self._lock`` in its OIDC
+    provider's ``get_credentials``). Nothing else a lookup in flight changes is kept before it
+    ends (ours: ``_asked`` and the rest are set once it has returned; the SDK's: its cached
+    credentials, and OIDC's provider, are set once they are found), so the child finds the state
+    before that lookup, and makes its own."""
+    for provider in list(_LIVE):
+        provider._lock = threading.Lock()  # noqa: SLF001 - this module's own class
+    loadtoken = sys.modules.get("obs.loadtoken")  # not imported: no lookup of the SDK's ran
+    if loadtoken is None:
+        return
+    ecs, oidc = getattr(loadtoken, "ECS", None), getattr(loadtoken, "OIDC", None)
+    if ecs is not None and hasattr(ecs, "lock"):
+        ecs.lock = threading.Lock()
+    if oidc is not None and hasattr(oidc, "_lock"):
+        oidc._lock = threading.Lock()  # noqa: SLF001 - the SDK's, see above
+        instance = getattr(oidc, "_provider_instance", None)
+        if instance is not None and hasattr(instance, "_lock"):
+            instance._lock = threading.Lock()  # noqa: SLF001 - the SDK's, see above
+
+
+os.register_at_fork(after_in_child=_new_locks_in_child)
 
 
 def remembering(providers: Sequence[Any], wait: float = ASK_AGAIN_AFTER) -> list[Any]:
