@@ -113,22 +113,26 @@ def test_connections_ended_while_answered_are_bounded_by_max_clients(tmp_path, s
     sock = short_dir / "api.sock"
     config = folders_config(tmp_path, sock, 1, max_clients=2, tcp_port=0)  # TCP: slots of its own, to watch
     with DaemonProcess(config) as daemon:
-        port = int(re.search(r" and http://127\.0\.0\.1:(\d+)", daemon.log()).group(1))
-        assert ask(sock, "POST", "/v1/pipelines/train/next", {"timeout": 30})[0] == 200  # the only item, held
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as tcp:
-            for dead in (2, 4):  # two dead consumers, then two more, each ending one of the first two
-                ghosts = [connect(sock) for _ in range(2)]
-                try:
-                    for ghost in ghosts:
-                        send(ghost, "POST", "/v1/pipelines/train/next", {"timeout": 60})
-                    wait_until(lambda n=dead: waiting(tcp) == n, 30, f"{dead} consumers waiting")
-                finally:
-                    for ghost in ghosts:
-                        ghost.close()
-        with connect(sock) as late:  # refused at once; before, accepted (a third ended connection), and no
-            # answer came before the ghosts' 60 s waits ended: connect's 30 s bound tells the two apart (10 s
-            # ran out on a loaded machine, load 10, in a whole suite)
-            assert answer(late) == (503, {"error": "unavailable", "message": "too many connections (max_clients)"})
+        try:  # failed 2 of 5 whole suites in s56, never alone (29 runs, 80 more beside the daemon's tests):
+            # its log says which connections were ended or refused
+            port = int(re.search(r" and http://127\.0\.0\.1:(\d+)", daemon.log()).group(1))
+            assert ask(sock, "POST", "/v1/pipelines/train/next", {"timeout": 30})[0] == 200  # the only item, held
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as tcp:
+                for dead in (2, 4):  # two dead consumers, then two more, each ending one of the first two
+                    ghosts = [connect(sock) for _ in range(2)]
+                    try:
+                        for ghost in ghosts:
+                            send(ghost, "POST", "/v1/pipelines/train/next", {"timeout": 60})
+                        wait_until(lambda n=dead: waiting(tcp) == n, 30, f"{dead} consumers waiting")
+                    finally:
+                        for ghost in ghosts:
+                            ghost.close()
+            with connect(sock) as late:  # refused at once; before, accepted (a third ended connection), and no
+                # answer came before the ghosts' 60 s waits ended: connect's 30 s bound tells the two apart (10 s
+                # ran out on a loaded machine, load 10, in a whole suite)
+                assert answer(late) == (503, {"error": "unavailable", "message": "too many connections (max_clients)"})
+        except (AssertionError, OSError) as exc:
+            raise AssertionError(f"{exc!r}; the daemon's log:\n{daemon.log()}") from exc
 
 
 def test_a_request_line_over_the_limit_is_answered_431_naming_it(tmp_path, short_dir):
