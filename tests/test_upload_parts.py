@@ -303,5 +303,40 @@ def test_the_etag_of_a_multipart_upload_is_told_from_its_parts_etags():
     assert not completed_anyway((22, f'"{expected}"'), 23, etags)  # another size
     assert not completed_anyway((23, f'"{hashlib.md5(b"".join(parts)).hexdigest()}"'), 23, etags)  # one PutObject's
     assert not completed_anyway(None, 23, etags)  # no object, or it could not be asked
-    assert multipart_etag(['"not-an-md5"', etags[1]]) is None  # SSE-KMS parts: cannot be told
+    assert multipart_etag(['"not-an-md5"', etags[1]]) is None  # not an MD5's form: cannot be told
     assert not completed_anyway((23, f'"{expected}"'), 23, ['"not-an-md5"', *etags[1:]])
+
+
+def test_an_abort_answered_no_such_upload_warns_of_no_parts_left(through_proxy, s3_client, caplog):
+    """A completion refused for good (403), and the upload aborted by someone else (a lifecycle
+    rule, another process) before cachepipe's abort, which S3 answers NoSuchUpload. The warning
+    said "could not be aborted ...: its parts stay in the bucket", though none was left. Now an
+    abort answered NoSuchUpload says (at INFO) that the upload is no longer there; the upload's own
+    error is raised, as before."""
+    store, proxy, local = through_proxy
+    done, gate = threading.Event(), threading.Event()
+    done.set()
+    proxy.hold(_complete, done, answer="403")
+    proxy.hold(_abort, gate, keep=True)
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            store.put(local, "big.bin")
+        except BaseException as exc:  # noqa: BLE001 - the test checks it
+            raised.append(exc)
+
+    uploading = threading.Thread(target=run)
+    with caplog.at_level(logging.INFO, "cachepipe"):
+        uploading.start()
+        try:
+            wait_until(lambda: any(_abort(h) for h in proxy.requests), what="cachepipe's abort, held")
+            [upload] = s3_client.list_multipart_uploads(Bucket="data")["Uploads"]
+            s3_client.abort_multipart_upload(Bucket="data", Key=upload["Key"], UploadId=upload["UploadId"])
+        finally:
+            gate.set()
+            uploading.join()
+    assert len(raised) == 1 and isinstance(raised[0], PermissionError), raised
+    assert _uploads(s3_client) == []
+    said = [r for r in caplog.records if "multipart upload" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO] and "no longer there" in said[0].getMessage(), said

@@ -70,6 +70,18 @@ COMPLETED_ANYWAY = (
 """What a store logs (at INFO) when :func:`completed_anyway` counts an upload done: the object's
 URL, the upload id, the completion's error type and text."""
 
+NO_SUCH_UPLOAD = "NoSuchUpload"
+"""The S3 (and OBS) error code of a request to a multipart upload that is no longer there: completed,
+or aborted. An abort answered so leaves no parts: a store logs :data:`ALREADY_GONE`, not its
+warning that the parts stay."""
+
+ALREADY_GONE = (
+    "%s: the failed upload's multipart upload %s is no longer there (its abort was answered NoSuchUpload: completed "
+    "or aborted meanwhile, by another process or a lifecycle rule): no parts are left"
+)
+"""What a store logs (at INFO) when the abort of a failed upload is answered :data:`NO_SUCH_UPLOAD`:
+the object's URL and the upload id."""
+
 FIRST_PAGE_KEYS = 100
 """Keys a paginated store asks for in its first listing request; each later request asks for the
 store's page size (1,000 on S3 and OBS). The first download waits for the first page, and a
@@ -173,8 +185,10 @@ def part_size_for(size: int, wanted: int) -> int:
 def multipart_etag(part_etags: Sequence[str]) -> str | None:
     """The ETag that S3 and OBS give the object a multipart upload of parts with ``part_etags``
     (their ETags as the store answered them, in order) completes: ``<MD5 of the parts' MD5s>-<n>``,
-    lower case, without quotes. None when a part's ETag is not an MD5 (an upload encrypted with
-    SSE-C or SSE-KMS on S3): the object's cannot be told then."""
+    lower case, without quotes. None when a part's ETag is not 32 hex digits (not an MD5's form):
+    the object's cannot be told then. (S3 documents that the ETags of objects encrypted with SSE-C
+    or SSE-KMS are not MD5s of their data; computed from the part ETags as answered, the form holds
+    where the store forms it so, and an object whose ETag differs is not taken for the upload's.)"""
     digests = []
     for etag in part_etags:
         hexed = etag.strip('"').lower()

@@ -40,9 +40,11 @@ import fsspec.asyn
 from ..errors import ConfigError, LocalFileError, StoreClosedError
 from ..fscalls import sync_folder
 from .base import (
+    ALREADY_GONE,
     COMPLETED_ANYWAY,
     CONNECT_TIMEOUT,
     DELETE_BATCH,
+    NO_SUCH_UPLOAD,
     TEMP_SUFFIX,
     ObjectInfo,
     _local_error,
@@ -529,15 +531,18 @@ class FsspecStore:
             try:
                 await call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
             except Exception as exc:  # noqa: BLE001 - logged: the upload's own error is the one raised
-                log.warning(
-                    "%s: the failed upload's multipart upload %s could not be aborted (%s: %s): its parts stay in the "
-                    "bucket, billed and not listed, until aborted (aws s3api abort-multipart-upload) or removed by a "
-                    "lifecycle rule (AbortIncompleteMultipartUpload)",
-                    where,
-                    upload_id,
-                    type(exc).__name__,
-                    exc,
-                )
+                if _s3_error(exc)[1] == NO_SUCH_UPLOAD:
+                    log.info(ALREADY_GONE, where, upload_id)
+                else:
+                    log.warning(
+                        "%s: the failed upload's multipart upload %s could not be aborted (%s: %s): its parts stay in the "
+                        "bucket, billed and not listed, until aborted (aws s3api abort-multipart-upload) or removed by a "
+                        "lifecycle rule (AbortIncompleteMultipartUpload)",
+                        where,
+                        upload_id,
+                        type(exc).__name__,
+                        exc,
+                    )
             raise
 
     async def _found(self, bucket: str, key: str) -> tuple[int, str | None] | None:

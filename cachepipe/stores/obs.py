@@ -81,8 +81,10 @@ from typing import Any, BinaryIO
 
 from cachepipe.errors import ConfigError
 from cachepipe.stores.base import (
+    ALREADY_GONE,
     COMPLETED_ANYWAY,
     DELETE_BATCH,
+    NO_SUCH_UPLOAD,
     ObjectInfo,
     completed_anyway,
     delete_error,
@@ -473,15 +475,18 @@ class ObsStore(_ObsSeam):
             try:
                 self._call("aborting the upload of", key, client.abortMultipartUpload, self.bucket, object_key, upload_id)
             except Exception as exc:  # noqa: BLE001 - logged: the upload's own error is the one raised
-                log.warning(
-                    "%s: the failed upload's multipart upload %s could not be aborted (%s: %s): its parts stay in the "
-                    "bucket, billed and not listed, until aborted or removed by a lifecycle rule (OBS: expiration of "
-                    "fragments; S3: AbortIncompleteMultipartUpload)",
-                    self._object_url(key),
-                    upload_id,
-                    type(exc).__name__,
-                    exc,
-                )
+                if getattr(exc, "code", None) == NO_SUCH_UPLOAD:
+                    log.info(ALREADY_GONE, self._object_url(key), upload_id)
+                else:
+                    log.warning(
+                        "%s: the failed upload's multipart upload %s could not be aborted (%s: %s): its parts stay in the "
+                        "bucket, billed and not listed, until aborted or removed by a lifecycle rule (OBS: expiration of "
+                        "fragments; S3: AbortIncompleteMultipartUpload)",
+                        self._object_url(key),
+                        upload_id,
+                        type(exc).__name__,
+                        exc,
+                    )
             raise
 
     def _found(self, client: Any, object_key: str) -> tuple[int, str | None] | None:
