@@ -7,8 +7,10 @@ RST: the client's read raises ``ConnectionResetError``, where a close reads as t
 ``"503"`` answers an S3 ``SlowDown`` error, ``"403"`` an ``AccessDenied``, ``"InvalidAccessKeyId"``
 and ``"SignatureDoesNotMatch"`` a 403 with that code (rejected credentials: the moto server
 accepts any), ``"redirect"`` a ``PermanentRedirect`` naming another region in
-``x-amz-bucket-region``; ``"refuse"`` closes at once, ``"corrupt"`` relays the response with
-flipped body bytes (same length), ``"trickle"`` relays the response in pieces of
+``x-amz-bucket-region``, ``"NoSuchUpload"`` a 404 with that code (a multipart upload that is no
+more: what some S3 stores answer to a completion retried after the first completed it);
+``"refuse"`` closes at once, ``"corrupt"`` relays the response with flipped body bytes (same
+length), ``"trickle"`` relays the response in pieces of
 ``trickle_bytes`` a millisecond apart (a body coming in over a slow link, packet by packet).
 ``"stall"`` relays the first ``cut_after`` bytes of the response, then nothing, and keeps the
 connection open (a stream that stops mid-body). ``proxy.drop_all()`` closes live (pooled)
@@ -20,9 +22,11 @@ random bytes of 11 MiB hold about once in 400, ends a "head" of the bytes before
 test's match takes for a request line). ``proxy.hold(match, gate)`` holds each request whose head ``match`` accepts until
 ``gate`` is set (``limit``, 30 s by default, at most; :attr:`hold_timeouts` counts the waits
 that ran out); given ``answer`` (a canned fault: ``"403"``...), a held request is then answered
-with it, not relayed (a request the store refuses once it is under way); ``keep=True`` adds a
-hold to those given before (a request takes the first that matches it). :func:`silent` is an
-endpoint that takes requests and never answers.
+with it, not relayed (a request the store refuses once it is under way); given ``answer="lost"``,
+it is relayed and the server handles it, but its answer is lost: the connection is closed as the
+answer begins, none of it sent (an answer cut after the store did the work: the client retries a
+request that was done); ``keep=True`` adds a hold to those given before (a request takes the first
+that matches it). :func:`silent` is an endpoint that takes requests and never answers.
 """
 
 from __future__ import annotations
@@ -52,9 +56,21 @@ REJECTED = {
     "InvalidAccessKeyId": b"The AWS Access Key Id you provided does not exist in our records.",
     "SignatureDoesNotMatch": b"The request signature we calculated does not match the signature you provided.",
 }
-CANNED = {"503": (SLOWDOWN, SLOWDOWN_BODY), "403": (DENIED, DENIED_BODY), "redirect": (REDIRECT, REDIRECT_BODY)}
+NOT_FOUND = b"HTTP/1.1 404 Not Found\r\nContent-Type: application/xml\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+NO_SUCH_UPLOAD_BODY = (
+    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NoSuchUpload</Code><Message>The specified upload does not exist. '
+    b"The upload ID may be invalid, or the upload may have been aborted or completed.</Message></Error>"
+)
+CANNED = {
+    "503": (SLOWDOWN, SLOWDOWN_BODY),
+    "403": (DENIED, DENIED_BODY),
+    "redirect": (REDIRECT, REDIRECT_BODY),
+    "NoSuchUpload": (NOT_FOUND, NO_SUCH_UPLOAD_BODY),
+}
 _REJECTED_BODY = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>%s</Code><Message>%s</Message></Error>'
 CANNED.update({code: (DENIED, _REJECTED_BODY % (code.encode(), text)) for code, text in REJECTED.items()})
+LOST = "lost"
+"""The ``answer`` of :meth:`FaultProxy.hold` that relays the request and loses the server's answer."""
 
 
 class FaultProxy:
@@ -100,11 +116,12 @@ class FaultProxy:
     ) -> None:
         """Hold each request whose head (request line and headers) ``match`` accepts until
         ``gate`` is set, ``limit`` seconds at most (set ``gate`` before the proxy stops); then
-        relay it, or answer it with ``answer`` (a key of ``CANNED``) and close the connection.
+        relay it, or answer it with ``answer`` (a key of ``CANNED``) and close the connection, or
+        (``answer`` :data:`LOST`) relay it and close the connection as the server's answer begins.
         ``keep``: the holds given before stay (a request takes the first one that matches it);
         else this one replaces them."""
-        if answer is not None and answer not in CANNED:
-            raise ValueError(f"answer {answer!r}: expected one of {sorted(CANNED)}")
+        if answer is not None and answer not in CANNED and answer != LOST:
+            raise ValueError(f"answer {answer!r}: expected one of {sorted(CANNED)} or {LOST!r}")
         self._holds = [*self._holds, (match, gate, limit, answer)] if keep else [(match, gate, limit, answer)]
 
     def clear(self) -> None:
@@ -180,7 +197,11 @@ class FaultProxy:
                 return
             up_reader, upstream = await asyncio.open_connection(*self.target)
             self._writers.add(upstream)
-            await asyncio.gather(self._pipe(reader, upstream, record=heads, client=writer), self._pipe(up_reader, writer, fault))
+            lost = asyncio.Event()  # a request held with answer LOST went upstream: its answer is not relayed
+            await asyncio.gather(
+                self._pipe(reader, upstream, record=heads, client=writer, lost=lost),
+                self._pipe(up_reader, writer, fault, lost=lost),
+            )
         except (ConnectionError, asyncio.IncompleteReadError, OSError):
             pass  # a client or upstream went away: that is what this proxy is for
         finally:
@@ -229,10 +250,13 @@ class FaultProxy:
         fault: str | None = None,
         record: list[str] | None = None,
         client: asyncio.StreamWriter | None = None,
+        lost: asyncio.Event | None = None,
     ) -> None:
         """Relay ``reader`` to ``writer`` (a response with ``fault`` applied; ``record``: requests,
         whose heads are appended to it too, and a held one answered to ``client`` when the hold
-        says so, the connection then closed)."""
+        says so, the connection then closed). ``lost``: set by the requests' pipe before it relays
+        a request held with :data:`LOST`; the responses' pipe then ends at the answer's first
+        bytes, sending none of them (the connection closes)."""
         limit = self.cut_after if fault in ("cut", "reset", "stall") else None
         sent = 0
         pending = b""
@@ -243,7 +267,9 @@ class FaultProxy:
                     heads, pending = self._record(pending + data)
                     record.extend(heads)
                     answer = await self._held(heads)
-                    if answer is not None and client is not None:  # answered here, not relayed: the client's end closes
+                    if answer == LOST and lost is not None:
+                        lost.set()  # before the request goes on: the answer that comes is its own
+                    elif answer is not None and client is not None:  # answered here, not relayed: the client's end closes
                         await self._drain_body(reader, heads[-1], len(pending))
                         head, body = CANNED[answer]
                         client.write(head % len(body) + body)
@@ -252,6 +278,8 @@ class FaultProxy:
                             client.close()
                             await client.wait_closed()
                         break
+                if record is None and lost is not None and lost.is_set():  # the server answered: the answer is lost
+                    break
                 if fault == "corrupt" and sent + len(data) > 4096:  # past the headers: flip one body byte per chunk
                     data = data[:-1] + bytes([data[-1] ^ 0xFF])
                 if limit is not None and sent + len(data) >= limit:

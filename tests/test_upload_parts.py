@@ -1,6 +1,7 @@
 """Multipart uploads to S3 (``cachepipe map``'s outputs, :meth:`FsspecStore.put`): one that fails
 is aborted after its parts in flight have ended, an abort that fails is told and does not hide
-the upload's own error, and an upload holds a bounded number of parts in memory."""
+the upload's own error, one whose completion failed but completed the object is done, and an
+upload holds a bounded number of parts in memory."""
 
 from __future__ import annotations
 
@@ -227,3 +228,115 @@ def test_an_upload_to_a_store_that_stops_answering_times_out(tmp_path):
         if store is not None:
             store.close()
     assert len(raised) == 1 and isinstance(raised[0], TimeoutError), raised
+
+
+def _complete(head: str) -> bool:
+    return head.startswith("POST ") and "uploadId=" in head.split("\r\n", maxsplit=1)[0]
+
+
+def _once(match):
+    """``match`` for the first request it accepts only."""
+    taken: list[str] = []
+
+    def first(head: str) -> bool:
+        if taken or not match(head):
+            return False
+        taken.append(head)
+        return True
+
+    return first
+
+
+def test_a_completion_whose_answer_was_lost_counts_as_done(through_proxy, s3_client, caplog):
+    """The answer to CompleteMultipartUpload lost (the connection closed once the store had
+    completed the object), and the completion retried answered NoSuchUpload, as some S3 stores
+    answer it (moto answers it with the object). On S3, s3fs retried the completion, and its
+    NoSuchUpload was raised: a FileNotFoundError, an error for good, which failed ``cachepipe
+    map``'s item; on OBS (the SDK does not retry: ``max_retry_count=0``) the lost answer was
+    raised, a transient error, and ``cachepipe map`` uploaded the whole output again. Both tried to
+    abort the upload, answered NoSuchUpload, and warned that its parts stayed in the bucket. Now a
+    failed completion is checked (one HEAD): the object there with the size sent and the ETag of the
+    parts sent is the upload done, no abort and no warning."""
+    store, proxy, local = through_proxy
+    done = threading.Event()
+    done.set()
+    proxy.hold(_once(_complete), done, answer="lost")
+    proxy.hold(_complete, done, answer="NoSuchUpload", keep=True)  # a completion retried (S3: s3fs's)
+    with caplog.at_level(logging.INFO, "cachepipe"):
+        store.put(local, "big.bin")
+    assert s3_client.get_object(Bucket="data", Key="out/big.bin")["Body"].read() == local.read_bytes()
+    assert _uploads(s3_client) == []
+    said = [r for r in caplog.records if "multipart upload" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO] and "the upload is done" in said[0].getMessage(), said
+    heads = [h.split("\r\n", maxsplit=1)[0] for h in proxy.requests]
+    assert not [h for h in heads if _abort(h)], heads
+
+
+def test_a_refused_completion_over_an_object_of_the_same_size_is_a_failure(through_proxy, s3_client):
+    """The completion refused for good (403), and an older object of the same size at the key: the
+    check after the failed completion finds it, but not with the ETag of the parts sent, so the
+    upload failed: aborted, and the refusal raised."""
+    store, proxy, local = through_proxy
+    older = os.urandom(local.stat().st_size)
+    s3_client.put_object(Bucket="data", Key="out/big.bin", Body=older)
+    done = threading.Event()
+    done.set()
+    proxy.hold(_complete, done, answer="403")
+    with pytest.raises(PermissionError, match="access denied"):
+        store.put(local, "big.bin")
+    assert _uploads(s3_client) == []  # aborted
+    assert s3_client.get_object(Bucket="data", Key="out/big.bin")["Body"].read() == older
+
+
+def test_the_etag_of_a_multipart_upload_is_told_from_its_parts_etags():
+    """:func:`~cachepipe.stores.base.multipart_etag` and the decision it serves, against the ETag
+    S3's own formula gives (the MD5 of the parts' binary MD5s, and their count)."""
+    import hashlib
+
+    from cachepipe.stores.base import completed_anyway, multipart_etag
+
+    parts = [b"a" * 10, b"b" * 10, b"c" * 3]
+    etags = [f'"{hashlib.md5(p).hexdigest()}"' for p in parts]
+    expected = hashlib.md5(b"".join(hashlib.md5(p).digest() for p in parts)).hexdigest() + "-3"
+    assert multipart_etag(etags) == expected
+    assert completed_anyway((23, f'"{expected.upper()}"'), 23, etags)
+    assert not completed_anyway((22, f'"{expected}"'), 23, etags)  # another size
+    assert not completed_anyway((23, f'"{hashlib.md5(b"".join(parts)).hexdigest()}"'), 23, etags)  # one PutObject's
+    assert not completed_anyway(None, 23, etags)  # no object, or it could not be asked
+    assert multipart_etag(['"not-an-md5"', etags[1]]) is None  # not an MD5's form: cannot be told
+    assert not completed_anyway((23, f'"{expected}"'), 23, ['"not-an-md5"', *etags[1:]])
+
+
+def test_an_abort_answered_no_such_upload_warns_of_no_parts_left(through_proxy, s3_client, caplog):
+    """A completion refused for good (403), and the upload aborted by someone else (a lifecycle
+    rule, another process) before cachepipe's abort, which S3 answers NoSuchUpload. The warning
+    said "could not be aborted ...: its parts stay in the bucket", though none was left. Now an
+    abort answered NoSuchUpload says (at INFO) that the upload is no longer there; the upload's own
+    error is raised, as before."""
+    store, proxy, local = through_proxy
+    done, gate = threading.Event(), threading.Event()
+    done.set()
+    proxy.hold(_complete, done, answer="403")
+    proxy.hold(_abort, gate, keep=True)
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            store.put(local, "big.bin")
+        except BaseException as exc:  # noqa: BLE001 - the test checks it
+            raised.append(exc)
+
+    uploading = threading.Thread(target=run)
+    with caplog.at_level(logging.INFO, "cachepipe"):
+        uploading.start()
+        try:
+            wait_until(lambda: any(_abort(h) for h in proxy.requests), what="cachepipe's abort, held")
+            [upload] = s3_client.list_multipart_uploads(Bucket="data")["Uploads"]
+            s3_client.abort_multipart_upload(Bucket="data", Key=upload["Key"], UploadId=upload["UploadId"])
+        finally:
+            gate.set()
+            uploading.join()
+    assert len(raised) == 1 and isinstance(raised[0], PermissionError), raised
+    assert _uploads(s3_client) == []
+    said = [r for r in caplog.records if "multipart upload" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO] and "no longer there" in said[0].getMessage(), said

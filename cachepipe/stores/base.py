@@ -37,6 +37,7 @@ Messages never contain credentials.
 from __future__ import annotations
 
 import errno
+import hashlib
 import inspect
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -52,13 +53,34 @@ __all__ = [
     "Store",
     "WritableStore",
     "abort_store",
+    "completed_anyway",
     "first_page_keys",
     "listed_etag",
+    "multipart_etag",
     "part_size_for",
     "takes_content_type",
     "takes_etag",
     "takes_start_after",
 ]
+
+COMPLETED_ANYWAY = (
+    "%s: the completion of multipart upload %s failed (%s: %s), but the object is there, completed by it (its size "
+    "and ETag): the upload is done"
+)
+"""What a store logs (at INFO) when :func:`completed_anyway` counts an upload done: the object's
+URL, the upload id, the completion's error type and text."""
+
+NO_SUCH_UPLOAD = "NoSuchUpload"
+"""The S3 (and OBS) error code of a request to a multipart upload that is no longer there: completed,
+or aborted. An abort answered so leaves no parts: a store logs :data:`ALREADY_GONE`, not its
+warning that the parts stay."""
+
+ALREADY_GONE = (
+    "%s: the failed upload's multipart upload %s is no longer there (its abort was answered NoSuchUpload: completed "
+    "or aborted meanwhile, by another process or a lifecycle rule): no parts are left"
+)
+"""What a store logs (at INFO) when the abort of a failed upload is answered :data:`NO_SUCH_UPLOAD`:
+the object's URL and the upload id."""
 
 FIRST_PAGE_KEYS = 100
 """Keys a paginated store asks for in its first listing request; each later request asks for the
@@ -158,6 +180,38 @@ def part_size_for(size: int, wanted: int) -> int:
     parts of 16 MiB would take 12,800: S3 and OBS refuse the part numbered 10,001, after 156 GiB
     were sent)."""
     return max(wanted, -(-size // MAX_PARTS))
+
+
+def multipart_etag(part_etags: Sequence[str]) -> str | None:
+    """The ETag that S3 and OBS give the object a multipart upload of parts with ``part_etags``
+    (their ETags as the store answered them, in order) completes: ``<MD5 of the parts' MD5s>-<n>``,
+    lower case, without quotes. None when a part's ETag is not 32 hex digits (not an MD5's form):
+    the object's cannot be told then. (S3 documents that the ETags of objects encrypted with SSE-C
+    or SSE-KMS are not MD5s of their data; computed from the part ETags as answered, the form holds
+    where the store forms it so, and an object whose ETag differs is not taken for the upload's.)"""
+    digests = []
+    for etag in part_etags:
+        hexed = etag.strip('"').lower()
+        if len(hexed) != 32 or hexed.strip("0123456789abcdef"):
+            return None
+        digests.append(bytes.fromhex(hexed))
+    return f"{hashlib.md5(b''.join(digests), usedforsecurity=False).hexdigest()}-{len(digests)}"
+
+
+def completed_anyway(found: tuple[int, str | None] | None, size: int, part_etags: Sequence[str]) -> bool:
+    """Whether a multipart upload of ``size`` bytes in parts with ``part_etags``, whose completion
+    failed, is done all the same: ``found``, the ``(size, ETag)`` of the object at its key now
+    (None: none there, or it could not be asked), is the object that the upload completes, its
+    size and its :func:`multipart_etag`. So it is when the store completed it and its answer was
+    lost: the client's retry of the completion is answered ``NoSuchUpload`` (by some S3 stores), or
+    the lost answer is the error (OBS's SDK, which cachepipe makes without retries). An ETag that cannot
+    be told (:func:`multipart_etag` None) is not taken for the upload's: the completion's error
+    stands."""
+    expected = multipart_etag(part_etags)
+    if found is None or expected is None:
+        return False
+    found_size, found_etag = found
+    return found_size == size and (listed_etag(found_etag) or "").lower() == expected
 
 
 CHANGED = (

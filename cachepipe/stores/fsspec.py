@@ -40,11 +40,15 @@ import fsspec.asyn
 from ..errors import ConfigError, LocalFileError, StoreClosedError
 from ..fscalls import sync_folder
 from .base import (
+    ALREADY_GONE,
+    COMPLETED_ANYWAY,
     CONNECT_TIMEOUT,
     DELETE_BATCH,
+    NO_SUCH_UPLOAD,
     TEMP_SUFFIX,
     ObjectInfo,
     _local_error,
+    completed_anyway,
     delete_error,
     first_page_keys,
     listed_etag,
@@ -479,7 +483,10 @@ class FsspecStore:
         own sent ten). On any failure, or cancellation, the parts in flight are cancelled and
         waited for, then the upload is aborted (s3fs aborted at once and let the other parts run
         on: a part that reaches S3 as its upload is aborted may be kept, billed). An abort that
-        fails is logged, naming the upload it leaves; the error raised is the upload's own."""
+        fails is logged, naming the upload it leaves; the error raised is the upload's own. A
+        completion that fails is first checked (:meth:`_found`, :func:`~cachepipe.stores.base.completed_anyway`):
+        one whose answer was lost, retried by s3fs and answered ``NoSuchUpload``, completed the
+        object, and the upload is done."""
         bucket, key, _ = self.fs.split_path(path)
         call = self.fs._call_s3  # noqa: SLF001 - s3fs has no public call for one request (it adds its request options)
         upload_id = (await call("create_multipart_upload", Bucket=bucket, Key=key, **typed))["UploadId"]
@@ -509,7 +516,14 @@ class FsspecStore:
             for task in done:
                 task.result()  # a failure raises (the others are then cancelled, below)
             parts = [task.result() for task in tasks]  # all done
-            await call("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts})
+            try:
+                await call(
+                    "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+                )
+            except Exception as exc:
+                if not completed_anyway(await self._found(bucket, key), size, [p["ETag"] for p in parts]):
+                    raise
+                log.info(COMPLETED_ANYWAY, where, upload_id, type(exc).__name__, exc)
         except BaseException:
             for task in tasks:
                 task.cancel()
@@ -517,16 +531,29 @@ class FsspecStore:
             try:
                 await call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
             except Exception as exc:  # noqa: BLE001 - logged: the upload's own error is the one raised
-                log.warning(
-                    "%s: the failed upload's multipart upload %s could not be aborted (%s: %s): its parts stay in the "
-                    "bucket, billed and not listed, until aborted (aws s3api abort-multipart-upload) or removed by a "
-                    "lifecycle rule (AbortIncompleteMultipartUpload)",
-                    where,
-                    upload_id,
-                    type(exc).__name__,
-                    exc,
-                )
+                if _s3_error(exc)[1] == NO_SUCH_UPLOAD:
+                    log.info(ALREADY_GONE, where, upload_id)
+                else:
+                    log.warning(
+                        "%s: the failed upload's multipart upload %s could not be aborted (%s: %s): its parts stay in the "
+                        "bucket, billed and not listed, until aborted (aws s3api abort-multipart-upload) or removed by a "
+                        "lifecycle rule (AbortIncompleteMultipartUpload)",
+                        where,
+                        upload_id,
+                        type(exc).__name__,
+                        exc,
+                    )
             raise
+
+    async def _found(self, bucket: str, key: str) -> tuple[int, str | None] | None:
+        """The size and ETag of the object ``key`` in ``bucket`` (one HEAD, with s3fs's retries),
+        or None when there is none or the HEAD fails: asked after a completion that failed."""
+        try:
+            head = await self.fs._call_s3("head_object", Bucket=bucket, Key=key)  # noqa: SLF001 - as _put_parts's calls
+        except Exception:  # the completion's error is the one raised
+            log.debug("s3://%s/%s: no object found after a failed completion", bucket, key, exc_info=True)
+            return None
+        return int(head.get("ContentLength", -1)), head.get("ETag")
 
     def check_bucket(self) -> None:
         """Raise :class:`FileNotFoundError` if the root's bucket does not exist (one HEAD of the

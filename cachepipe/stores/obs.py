@@ -89,8 +89,12 @@ from typing import Any, BinaryIO
 
 from cachepipe.errors import ConfigError
 from cachepipe.stores.base import (
+    ALREADY_GONE,
+    COMPLETED_ANYWAY,
     DELETE_BATCH,
+    NO_SUCH_UPLOAD,
     ObjectInfo,
+    completed_anyway,
     delete_error,
     first_page_keys,
     listed_etag,
@@ -450,7 +454,9 @@ class ObsStore(_ObsSeam):
         Up to :attr:`upload_part_size` bytes: one ``PutObject``. Larger: a multipart upload,
         one part at a time (streamed from the file), aborted if any step fails (so no orphaned
         parts are left to bill); an abort that fails is logged, naming the upload it leaves, and
-        the upload's own error is raised.
+        the upload's own error is raised. A completion that fails (its answer lost: the SDK is
+        made without retries) is first checked (:meth:`_found`,
+        :func:`~cachepipe.stores.base.completed_anyway`): if OBS completed the object, the upload is done.
         Errors are translated at :meth:`_check` and :meth:`_unreachable` like reads; ``local_path``
         is opened first, and if it cannot be, the error is a
         :class:`~cachepipe.errors.LocalFileError` naming it (the SDK would report a file it
@@ -490,29 +496,50 @@ class ObsStore(_ObsSeam):
                     offset=offset,
                 )
                 parts.append(CompletePart(partNum=number, etag=part.body.etag))
-            self._call(
-                "uploading",
-                key,
-                client.completeMultipartUpload,
-                self.bucket,
-                object_key,
-                upload_id,
-                CompleteMultipartUploadRequest(parts=parts),
-            )
+            try:
+                self._call(
+                    "uploading",
+                    key,
+                    client.completeMultipartUpload,
+                    self.bucket,
+                    object_key,
+                    upload_id,
+                    CompleteMultipartUploadRequest(parts=parts),
+                )
+            except Exception as exc:
+                if not completed_anyway(self._found(client, object_key), size, [part.etag for part in parts]):
+                    raise
+                log.info(COMPLETED_ANYWAY, self._object_url(key), upload_id, type(exc).__name__, exc)
         except BaseException:
             try:
                 self._call("aborting the upload of", key, client.abortMultipartUpload, self.bucket, object_key, upload_id)
             except Exception as exc:  # noqa: BLE001 - logged: the upload's own error is the one raised
-                log.warning(
-                    "%s: the failed upload's multipart upload %s could not be aborted (%s: %s): its parts stay in the "
-                    "bucket, billed and not listed, until aborted or removed by a lifecycle rule (OBS: expiration of "
-                    "fragments; S3: AbortIncompleteMultipartUpload)",
-                    self._object_url(key),
-                    upload_id,
-                    type(exc).__name__,
-                    exc,
-                )
+                if getattr(exc, "code", None) == NO_SUCH_UPLOAD:
+                    log.info(ALREADY_GONE, self._object_url(key), upload_id)
+                else:
+                    log.warning(
+                        "%s: the failed upload's multipart upload %s could not be aborted (%s: %s): its parts stay in the "
+                        "bucket, billed and not listed, until aborted or removed by a lifecycle rule (OBS: expiration of "
+                        "fragments; S3: AbortIncompleteMultipartUpload)",
+                        self._object_url(key),
+                        upload_id,
+                        type(exc).__name__,
+                        exc,
+                    )
             raise
+
+    def _found(self, client: Any, object_key: str) -> tuple[int, str | None] | None:
+        """The size and ETag of the object ``object_key`` (one HEAD), or None when there is none
+        or the HEAD fails: asked after a completion that failed (``getObjectMetadata``: the SDK's
+        ``headObject`` parses no headers)."""
+        try:
+            resp = client.getObjectMetadata(self.bucket, object_key)
+        except (OSError, HTTPException):
+            log.debug("%s: no object found after a failed completion", self.url, exc_info=True)
+            return None
+        if getattr(resp, "status", None) != 200 or resp.body is None or resp.body.contentLength is None:
+            return None
+        return int(resp.body.contentLength), resp.body.etag
 
     def check_bucket(self) -> None:
         """Raise :class:`FileNotFoundError` if the bucket does not exist (one HEAD of the bucket):
