@@ -404,6 +404,7 @@ import sys
 import cachepipe.cli
 from cachepipe.stores import preload
 preload("s3://")
+open(sys.argv[1] + ".staged", "wb").close()  # imports done (NextDaemon.staged)
 with open(sys.argv[1], "rb") as go:
     if not go.read(1):
         sys.exit("not let go")
@@ -421,6 +422,7 @@ class NextDaemon:
 
     def __init__(self, config: Path, fifo: Path) -> None:
         os.mkfifo(fifo)
+        self._staged = Path(f"{fifo}.staged")
         self._go = os.open(fifo, os.O_RDWR)  # a writer from now on: the daemon's open does not block
         self.daemon = DaemonProcess(config, command=[sys.executable, "-c", _STAGED, str(fifo), str(config)])
         self._failed: list[BaseException] = []
@@ -433,6 +435,15 @@ class NextDaemon:
             self.daemon.start()
         except BaseException as exc:  # noqa: BLE001 - start() raises it in the test's thread
             self._failed.append(exc)
+
+    def staged(self) -> None:
+        """Wait until the process has done its imports (or has failed, which :meth:`start`
+        raises): a stop after it leaves the restart only the daemon's own start. Before, a test
+        stopped its daemon meanwhile, and on a loaded machine (load 8) the imports ran on into
+        the client's bound for the restart: it failed 2 runs of 2 beside 4 CPU burners."""
+        deadline = time.monotonic() + 90
+        while not self._staged.exists() and self._thread.is_alive() and time.monotonic() < deadline:
+            threading.Event().wait(0.02)
 
     def start(self) -> DaemonProcess:
         """Let the daemon serve; returns it once READY=1 arrived (then it is the caller's to
@@ -457,15 +468,17 @@ class NextDaemon:
             self.daemon.close()
 
 
-def stop_while_it_waits(daemon: DaemonProcess, sock: Path, after: float = 0.0) -> float:
-    """Stop ``daemon`` (not before the monotonic time ``after``) while the one ``next`` it serves
-    is waiting inside a request that has just begun, so that the stop answers it 503 "stopping".
+def stop_while_it_waits(daemon: DaemonProcess, sock: Path, restart: NextDaemon, after: float = 0.0) -> float:
+    """Stop ``daemon`` (not before the monotonic time ``after``, nor before ``restart`` is
+    staged) while the one ``next`` it serves is waiting inside a request that has just begun,
+    so that the stop answers it 503 "stopping".
     A get whose daemon answers 408 each ``max_wait`` asks again at once: a stop landing between
     its requests is no 503 to it, but a connection that ends or a socket that is gone. Returns
     the time the stop returned (the 503 was answered before it)."""
     with Client("train", sock) as probe:
         threading.Event().wait(max(after - time.monotonic(), 0))
         answered = timed_out_nexts(probe)
+        restart.staged()  # meanwhile the get's request runs on to its 408 and the next one
         wait_until(
             lambda: timed_out_nexts(probe) > answered and probe.status()["pipelines"]["train"]["waiting"] == 1,
             30,
@@ -491,9 +504,9 @@ def test_a_next_waiting_through_two_restarts_waits_for_the_daemon_after_each(s3_
     sock = short_dir / "api.sock"
     config = write_config(tmp_path, sock, endpoint)
     config.write_text(yaml.safe_dump({**yaml.safe_load(config.read_text()), "max_wait": 3}))
-    # room for a daemon's start after each stop: its own (NextDaemon), 0.3 s, 0.85 s beside 4 CPU
-    # burners on 2 cores, where a whole one (interpreter and imports too) took 6.6 s
-    wait = 6
+    # room for each restart, the old daemon's exit and the new one's own start (NextDaemon, staged):
+    # 0.5-1.2 s at load 4.5; at load 9 (2 CPU burners beside a helper's tests) 6 s failed 1 run in 3
+    wait = 10
     got: list = []
     daemon = DaemonProcess(config).start()
     try:
@@ -512,11 +525,13 @@ def test_a_next_waiting_through_two_restarts_waits_for_the_daemon_after_each(s3_
                 # the get is answered 503 stopping, and waits for the next daemon: its clock for
                 # 503s begins before the stop returns
                 with NextDaemon(config, tmp_path / "go-2") as restart:
-                    first_stop = stop_while_it_waits(daemon, sock)
+                    first_stop = stop_while_it_waits(daemon, sock, restart)
                     daemon.close()
                     daemon = restart.start()  # it answers the get 408 (max_wait) in turn
                 with NextDaemon(config, tmp_path / "go-3") as restart:
-                    stop_while_it_waits(daemon, sock, after=first_stop + wait + 1)  # ServiceError 503 stopping at once, before
+                    stop_while_it_waits(
+                        daemon, sock, restart, after=first_stop + wait + 1
+                    )  # ServiceError 503 stopping at once, before
                     daemon.close()
                     daemon = restart.start()
                 gate.set()
