@@ -487,6 +487,10 @@ def test_a_connection_serves_the_next_request_whichever_thread_makes_it(range_se
 _OBJECTS = {str(i): bytes([65 + i]) * 200_000 for i in range(4)}  # of one size: another's bytes fit
 
 
+def _kept_alive(server: _RangeServer) -> FsspecStore:
+    return FsspecStore("s3://bucket/", {"endpoint_url": server.url, "key": "k", "secret": "s", "skip_instance_cache": True})
+
+
 def test_a_store_used_in_forked_processes_has_connections_of_its_own_in_each(range_server):
     """A store used in processes forked from one that had used it (DataLoader workers given the
     dataset's ``store=``) shared its pooled connection with them: processes sending on one
@@ -494,7 +498,7 @@ def test_a_store_used_in_forked_processes_has_connections_of_its_own_in_each(ran
     object's bytes: each of 3 processes failed, in 3 runs; through a DataLoader, an item of
     another object's bytes, or a listing that read a GET's answer)."""
     range_server.objects.update(_OBJECTS)
-    store = FsspecStore("s3://bucket/", {"endpoint_url": range_server.url, "key": "k", "secret": "s", "skip_instance_cache": True})
+    store = _kept_alive(range_server)
     size = len(_OBJECTS["0"])
     assert store.get("0", io.BytesIO(), 0, size) == size  # its connection, pooled
 
@@ -523,7 +527,7 @@ def test_a_process_forked_while_a_thread_probes_makes_its_own_probe(range_server
     may take seconds) holds a lock, held for ever in a process forked meanwhile: its first GET
     waited for it (killed after 10 s). Held here as such a thread holds it."""
     range_server.objects["obj"] = BODY
-    store = FsspecStore("s3://bucket/", {"endpoint_url": range_server.url, "key": "k", "secret": "s", "skip_instance_cache": True})
+    store = _kept_alive(range_server)
     try:
         with store._direct._probing:
             assert in_a_fork(lambda: _get(store, "obj"), wait=10) == 0

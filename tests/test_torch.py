@@ -401,7 +401,8 @@ def test_an_s3_store_object_works_in_forked_dataloader_workers(s3_source, tmp_pa
     dataset = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", **opts)
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="fork")
     try:
-        assert sorted(tuple(sample) for sample in loader) == sorted((name, hashlib.md5(item["f"]).hexdigest()) for name, item in data.items())
+        expected = sorted((name, hashlib.md5(item["f"]).hexdigest()) for name, item in data.items())
+        assert sorted(tuple(sample) for sample in loader) == expected
     finally:
         store.close()
 

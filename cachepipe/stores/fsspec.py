@@ -13,6 +13,17 @@ filesystem other than S3 (one ``find``) and uploads (``put``, ``exists``, ``chec
 ``cachepipe map``'s) are not either, and take as long as they take. Every later request is refused
 with :class:`~cachepipe.errors.StoreClosedError`.
 
+Forks: a store used in a process forked from the one that made it (a DataLoader worker given
+the dataset's ``store=``) makes a filesystem of its own there, from its URL and storage options,
+at its first use (:attr:`FsspecStore.fs`), and starts with new locks and no requests in flight;
+its direct path with no connection and no route (:mod:`cachepipe.stores.s3direct`, "Forks").
+Before, an s3fs filesystem refused to run there (fsspec's "This class is not fork-safe", raised
+as an ``OSError`` by every request s3fs sends, and by the direct path's probe of a bucket's
+route: each DataLoader worker's listing failed), and the direct path's pooled connections were
+the parent's (:mod:`cachepipe.stores.forks`). The parent's filesystem is kept, never closed, in
+the child. An object given in the storage options (s3fs's ``session``, an aiobotocore session)
+is given as it is to the filesystem made there: the parent's.
+
 The storage options are checked (and the S3 endpoint found) in :mod:`cachepipe.stores.fsspec_options`
 before the store is made. The public functions of both modules, ``_translate`` and
 ``_filesystem_class`` are importable from here, as before.

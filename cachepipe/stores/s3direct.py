@@ -39,6 +39,15 @@ connect in flight is not aborted (its socket is not ours until it returns): it w
 :attr:`DirectGet.connect_timeout`, then fails the same way; nor is a probe (it sends nothing; a
 credential refresh inside it is botocore's).
 
+Forks: used in a process forked from the one that made it (a DataLoader worker given the
+dataset's ``store=``), a :class:`DirectGet` starts there with no pooled connection (the parent's
+idle ones are closed there, their descriptors only: they stay open for the parent), no request in
+flight (an abort there shuts down none of the parent's sockets), new locks (a thread of the parent
+probing at the fork held one for ever there) and no route: it probes again through a filesystem
+made there (its ``renew``, the store's). Before, processes sent requests on the same connections
+and read each other's responses: a GET got another object's bytes, or failed reading a body as
+its status line (:mod:`cachepipe.stores.forks`).
+
 Errors leave this module as ``OSError`` (HTTP statuses, shaped like botocore's errors),
 ``ConnectionError``, ``TimeoutError``, :class:`~cachepipe.errors.StoreClosedError` or botocore's
 exceptions; the fsspec backend translates them at its one seam. Retrying is the core's, as for
