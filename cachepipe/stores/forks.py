@@ -16,9 +16,11 @@ event loop and session) is made lazily, at the store's first use in the child: `
 nothing, starts no thread and makes no client (a child made by ``subprocess`` with a
 ``preexec_fn`` runs it too, just before it runs another program).
 
-What the parent's clients hold is never closed in the child, only let go of
-(:func:`keep_parents`): closing there acts on the parent's connections (an aiohttp session
-closes its sockets through the parent's event loop, whose epoll instance the two processes share).
+What the parent's clients hold is never closed in the child, only let go of and kept alive
+(:func:`keep_parents`): freed there, s3fs's finalizer would close the parent's aiohttp session
+through the parent's event loop, whose transports leave an epoll instance that the two
+processes share (read in the code of s3fs 2026.9.0 and asyncio, not seen happen: moto pools no
+connection).
 """
 
 from __future__ import annotations
