@@ -7,7 +7,6 @@ Only the status/code mapping table of ``ObsStore._check`` is driven with hand-ma
 from __future__ import annotations
 
 import errno
-import faulthandler
 import gc
 import hashlib
 import http.server
@@ -15,21 +14,18 @@ import io
 import json
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
-import traceback
 import urllib.request
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
 pytest.importorskip("obs")
 
 from obs.model import GetResult
-from waiting import wait_until
+from waiting import in_a_fork, wait_until
 
 from cachepipe.errors import ConfigError, StoreClosedError, StoreUnavailableError, StoreUnreachableError, is_transient
 from cachepipe.stores import check_store
@@ -636,40 +632,6 @@ def test_a_metadata_lookup_that_fails_once_at_the_start_is_made_again_at_the_nex
     assert "Authorization: AWS AK-ecs:" in proxy.requests[-1]
 
 
-def _in_a_fork(run: Callable[[], object], wait: float = 30.0) -> int:
-    """The exit status of a process forked from this one (threads and all, as a DataLoader
-    worker is forked) that calls ``run`` and exits, 0 if it returned; one still running after
-    ``wait`` seconds is killed (AssertionError)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # Python 3.12+: "this process is multi-threaded"
-        pid = os.fork()
-    if pid == 0:  # the child: never back into pytest
-        code = 1
-        try:
-            faulthandler.dump_traceback_later(max(wait - 2, 1))  # where it waits, if it does
-            run()
-            code = 0
-        except BaseException:  # noqa: BLE001 - any: printed, and the exit status says so
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    ended: list[int] = []
-
-    def exited() -> bool:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            ended.append(os.waitstatus_to_exitcode(status))
-        return bool(done)
-
-    try:
-        wait_until(exited, timeout=wait, what="the forked process's end")
-    except AssertionError:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        raise
-    return ended[0]
-
-
 def test_a_process_forked_while_a_thread_looks_up_credentials_makes_its_own_lookup(
     make_store, s3_client, bucket: str, s3_endpoint: str, ecs_metadata: _Metadata
 ) -> None:
@@ -691,8 +653,8 @@ def test_a_process_forked_while_a_thread_looks_up_credentials_makes_its_own_look
             with ObsStore(f"obs://{BUCKET}/data/", {"server": s3_endpoint}) as mine:
                 assert mine.get("f", io.BytesIO(), 0, 3) == 3
 
-        assert _in_a_fork(own_store) == 0  # before: killed after 30 s, waiting on the SDK's ECS.lock
-        assert _in_a_fork(lambda: store.get("f", io.BytesIO(), 0, 3)) == 0  # before: on the store's own
+        assert in_a_fork(own_store) == 0  # before: killed after 30 s, waiting on the SDK's ECS.lock
+        assert in_a_fork(lambda: store.get("f", io.BytesIO(), 0, 3)) == 0  # before: on the store's own
     finally:
         ecs_metadata.release.set()
         looking.join()
@@ -725,7 +687,7 @@ def test_a_process_forked_while_a_thread_holds_the_sdk_s_other_request_locks_can
             for lock in (loadtoken.OIDC._lock, locks.get_lock(hash(BUCKET) % locks.LOCK_COUNT)):
                 assert lock.acquire(timeout=20)  # before: False (held by a thread not in this process)
 
-        assert _in_a_fork(take) == 0
+        assert in_a_fork(take) == 0
     finally:
         done.set()
         holder.join()
@@ -771,7 +733,7 @@ def test_a_store_used_in_forked_processes_has_connections_of_its_own_in_each(mak
                 assert out.getvalue() == _OBJECTS[i]
 
         codes: list[int] = []
-        forks = [threading.Thread(target=lambda: codes.append(_in_a_fork(gets))) for _ in range(3)]
+        forks = [threading.Thread(target=lambda: codes.append(in_a_fork(gets))) for _ in range(3)]
         for fork in forks:
             fork.start()
         for fork in forks:

@@ -5,6 +5,7 @@ and the addresses s3fs's client resolves."""
 from __future__ import annotations
 
 import io
+import os
 import re
 import socket
 import threading
@@ -13,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from faultproxy import SEGMENT
+from waiting import in_a_fork
 
 from cachepipe.stores.fsspec import FsspecStore
 from cachepipe.stores.s3direct import BODY_AHEAD, LOW_WATER, MIN_MARK, body_read, kernel_at_least
@@ -480,3 +482,86 @@ def test_a_connection_serves_the_next_request_whichever_thread_makes_it(range_se
         store.close()
     assert got == [body[i : i + 1000] for i in range(4)]
     assert range_server.connections == 1
+
+
+_OBJECTS = {str(i): bytes([65 + i]) * 200_000 for i in range(4)}  # of one size: another's bytes fit
+
+
+def _kept_alive(server: _RangeServer) -> FsspecStore:
+    return FsspecStore("s3://bucket/", {"endpoint_url": server.url, "key": "k", "secret": "s", "skip_instance_cache": True})
+
+
+def test_a_store_used_in_forked_processes_has_connections_of_its_own_in_each(range_server):
+    """A store used in processes forked from one that had used it (DataLoader workers given the
+    dataset's ``store=``) shared its pooled connection with them: processes sending on one
+    connection read each other's responses (LineTooLong, BadStatusLine made of another
+    object's bytes: each of 3 processes failed, in 3 runs; through a DataLoader, an item of
+    another object's bytes, or a listing that read a GET's answer)."""
+    range_server.objects.update(_OBJECTS)
+    store = _kept_alive(range_server)
+    size = len(_OBJECTS["0"])
+    assert store.get("0", io.BytesIO(), 0, size) == size  # its connection, pooled
+
+    def gets() -> None:
+        for n in range(30):
+            key = str((os.getpid() + n) % len(_OBJECTS))
+            out = io.BytesIO()
+            assert store.get(key, out, 0, size) == size
+            assert out.getvalue() == _OBJECTS[key]
+
+    codes: list[int] = []
+    forks = [threading.Thread(target=lambda: codes.append(in_a_fork(gets))) for _ in range(3)]
+    try:
+        for fork in forks:
+            fork.start()
+        for fork in forks:
+            fork.join()
+        assert codes == [0, 0, 0]
+        gets()  # here too, on the connection it pooled: the forks closed only their descriptors
+    finally:
+        store.close()
+
+
+def test_a_process_forked_while_a_thread_probes_makes_its_own_probe(range_server):
+    """A thread asking s3fs's client for a bucket's route (a probe: a credential lookup in it
+    may take seconds) holds a lock, held for ever in a process forked meanwhile: its first GET
+    waited for it (killed after 10 s). Held here as such a thread holds it."""
+    range_server.objects["obj"] = BODY
+    store = _kept_alive(range_server)
+    try:
+        with store._direct._probing:
+            assert in_a_fork(lambda: _get(store, "obj"), wait=10) == 0
+        assert _get(store, "obj") == BODY
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_store_used_in_a_forked_process_sends_through_a_filesystem_of_its_own(s3_source, tmp_path, direct):
+    """s3fs's filesystem refuses to run in a process forked from the one that made it (fsspec's
+    "This class is not fork-safe"): a store used in such a process failed each request that
+    s3fs sends (an upload, an existence check; every GET and listing page without the direct
+    path) with a permanent OSError naming that. Now the store makes a filesystem of its own
+    there, at its first use."""
+    s3_source.put("a", BODY)
+    options = {**s3_source.options, "skip_instance_cache": True}
+    if not direct:
+        options["config_kwargs"] = {"read_timeout": 30}  # an option that the direct path leaves to s3fs
+    store = FsspecStore(s3_source.url, options)
+    assert store.direct is direct
+    assert [o.key for o in store.list()] == ["a"]  # s3fs's session made here (the probe, or the listing)
+    local = tmp_path / "up"
+    local.write_bytes(b"up")
+
+    def child() -> None:
+        assert _get(store, "a") == BODY
+        store.put(local, "b")
+        assert store.exists("b")
+        assert [o.key for o in store.list()] == ["a", "b"]
+
+    try:
+        assert in_a_fork(child) == 0
+        assert _get(store, "a") == BODY  # the parent's filesystem, as it was
+        assert store.exists("b")
+    finally:
+        store.close()

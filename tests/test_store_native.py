@@ -15,6 +15,7 @@ import weakref
 
 import pytest
 from conftest import listed
+from waiting import in_a_fork
 
 from cachepipe import ConfigError, ObjectChangedError, Pipeline, StoreUnavailableError, StoreUnreachableError
 from cachepipe.errors import is_transient
@@ -488,6 +489,35 @@ def test_a_process_forked_after_obstore_ran_gets_through_the_direct_path_instead
         _, status = os.waitpid(pid, 0)
     assert answer == b"ok" and status == 0, (answer, status)
     assert _senders(proxy, "f") == ["obstore", "s3direct", "s3direct"]  # and the warning said once
+
+
+def test_the_store_object_itself_works_in_a_process_forked_after_obstore_ran(s3_source, fault_proxy, tmp_path):
+    """The object a DataLoader worker inherits (the dataset's ``store=``), not one opened there:
+    its short GETs go through the fsspec backend there, as in a store opened there, and so do
+    its uploads, which failed ("RuntimeError: This class is not fork-safe": the s3fs filesystem
+    made in this process)."""
+    big = bytes(range(256)) * (8 * KIB)  # 2 MiB: the direct path's
+    s3_source.put("f", BODY)
+    s3_source.put("big", big)
+    proxy, _, store = _through(fault_proxy, s3_source)
+    local = tmp_path / "up"
+    local.write_bytes(b"up")
+
+    def child() -> None:
+        out = io.BytesIO()
+        assert store.get("f", out, 0, len(BODY)) == len(BODY) and out.getvalue() == BODY
+        out = io.BytesIO()
+        assert store.get("big", out, 0, len(big)) == len(big) and out.getvalue() == big
+        store.put(local, "up")
+        assert [o.key for o in store.list()] == ["big", "f", "up"]
+
+    try:
+        assert store.get("f", io.BytesIO(), 0, len(BODY)) == len(BODY)  # obstore runs in this process
+        assert in_a_fork(child) == 0
+        assert store.get("f", io.BytesIO(), 0, len(BODY)) == len(BODY)
+    finally:
+        store.close()
+    assert _senders(proxy, "f") == ["obstore", "s3direct", "obstore"]
 
 
 def test_a_closed_store_is_freed_with_its_credential_provider(s3_source):

@@ -388,6 +388,25 @@ def test_a_store_object_passes_through_to_the_pipelines(tmp_path):
     assert list(CachePipeDataset("s3://read/through/the/store/", tmp_path / "c", "1MiB", **opts)) == ["a", "b"]
 
 
+def test_an_s3_store_object_works_in_forked_dataloader_workers(s3_source, tmp_path):
+    """DataLoader workers forked from this process, given the dataset's ``store=`` of s3://,
+    failed at once: each worker's listing raised OSError "RuntimeError: This class is not
+    fork-safe" (the store's s3fs filesystem, made here, which fsspec refuses to run in another
+    process). Now the store makes its own in each worker."""
+    from cachepipe.stores.fsspec import FsspecStore
+
+    data = s3_source.folders(4, {"f": 100})
+    store = FsspecStore(s3_source.url, {**s3_source.options, "skip_instance_cache": True})
+    opts = {"store": store, "transform": read, "rank": 0, "world_size": 1}
+    dataset = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", **opts)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    try:
+        expected = sorted((name, hashlib.md5(item["f"]).hexdigest()) for name, item in data.items())
+        assert sorted(tuple(sample) for sample in loader) == expected
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize(("n_items", "drop_last", "run"), [(40, False, 0), (7, True, 0), (7, True, 1), (7, True, 2)])
 def test_a_checkpoint_after_a_whole_pass_of_workers_resumes_into_the_next_pass(s3_source, tmp_path, n_items, drop_last, run):
     """Found in review: StatefulDataLoader resuming a checkpoint taken after a whole pass starts

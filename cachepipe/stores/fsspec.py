@@ -13,6 +13,17 @@ filesystem other than S3 (one ``find``) and uploads (``put``, ``exists``, ``chec
 ``cachepipe map``'s) are not either, and take as long as they take. Every later request is refused
 with :class:`~cachepipe.errors.StoreClosedError`.
 
+Forks: a store used in a process forked from the one that made it (a DataLoader worker given
+the dataset's ``store=``) makes a filesystem of its own there, from its URL and storage options,
+at its first use (:attr:`FsspecStore.fs`), and starts with new locks and no requests in flight;
+its direct path with no connection and no route (:mod:`cachepipe.stores.s3direct`, "Forks").
+Before, an s3fs filesystem refused to run there (fsspec's "This class is not fork-safe", raised
+as an ``OSError`` by every request s3fs sends, and by the direct path's probe of a bucket's
+route: each DataLoader worker's listing failed), and the direct path's pooled connections were
+the parent's (:mod:`cachepipe.stores.forks`). The parent's filesystem is kept, never closed, in
+the child. An object given in the storage options (s3fs's ``session``, an aiobotocore session)
+is given as it is to the filesystem made there: the parent's.
+
 The storage options are checked (and the S3 endpoint found) in :mod:`cachepipe.stores.fsspec_options`
 before the store is made. The public functions of both modules, ``_translate`` and
 ``_filesystem_class`` are importable from here, as before.
@@ -30,6 +41,7 @@ import logging
 import mimetypes
 import os
 import threading
+import weakref
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, BinaryIO, NoReturn
@@ -56,6 +68,7 @@ from .base import (
     open_local,
     part_size_for,
 )
+from .forks import keep_parents, renew_after_fork
 from .fsspec_errors import _s3_error, _translate
 from .fsspec_options import (
     _filesystem_class as _filesystem_class,  # noqa: PLC0414 - re-exported: preload() imports it from here, loading this module
@@ -145,6 +158,19 @@ def _find_raising(fs: Any, root: str) -> dict[str, dict[str, Any]]:
     return found
 
 
+class _Renew:
+    """``store.fs`` of a store held weakly (a :class:`~cachepipe.stores.s3direct.DirectGet`'s
+    ``renew``: a strong reference would make a cycle, and a store let go of would wait for the
+    garbage collector, with its open connections)."""
+
+    def __init__(self, store: FsspecStore) -> None:
+        self._store = weakref.ref(store)
+
+    def __call__(self) -> Any:
+        store = self._store()
+        return None if store is None else store.fs
+
+
 class FsspecStore:
     """A :class:`~cachepipe.stores.base.Store` over any fsspec filesystem.
 
@@ -165,9 +191,10 @@ class FsspecStore:
         self.answered = False
         """The endpoint answered a request (a refused connection is then an outage, retried, not a wrong endpoint)."""
         try:
-            self.fs, root = fsspec.core.url_to_fs(url, **options)
+            self._fs, root = fsspec.core.url_to_fs(url, **options)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{url!r}: fsspec rejected the URL or storage_options: {type(exc).__name__}: {exc}") from exc
+        self._options = options  # for a filesystem made anew in a forked process (_forked)
         self.endpoint = self._endpoint(options)
         self.root = root.rstrip("/")
         self.chunk_size = chunk_size
@@ -182,7 +209,29 @@ class FsspecStore:
             self._bucket, prefix, _ = self.fs.split_path(self.root)  # keys are relative to the root
             self._key_prefix = f"{prefix}/" if prefix else ""
             if self._bucket and DirectGet.usable(self.fs, storage_options or {}):
-                self._direct = DirectGet(self.fs)
+                self._direct = DirectGet(self.fs, _Renew(self))
+        renew_after_fork(self)
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem: in a process forked from the one that made this store, one made
+        there at its first use (see the module's docstring, "Forks")."""
+        fs = self._fs
+        if fs is None:  # forked; two threads at once: fsspec's cache makes one
+            fs = self._fs = fsspec.core.url_to_fs(self.url, **self._options)[0]
+        return fs
+
+    def _forked(self) -> None:
+        """In a process just forked from this store's (:mod:`cachepipe.stores.forks`): a new
+        lock, none of the parent's requests in flight, and the parent's filesystem let go of
+        (kept, never closed here): one is made anew at the first use here (fsspec refuses to run
+        an async filesystem, s3fs's, in a forked process; a synchronous one's connections, sftp's
+        or ftp's, are the parent's). The direct path renews itself (:meth:`DirectGet._forked
+        <cachepipe.stores.s3direct.DirectGet._forked>`), through :attr:`fs`."""
+        self._lock = threading.Lock()
+        self._running = set()
+        keep_parents(self._fs)
+        self._fs = None
 
     def __repr__(self) -> str:
         return f"FsspecStore({self.url!r})"

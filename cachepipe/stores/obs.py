@@ -102,6 +102,7 @@ from cachepipe.stores.base import (
     open_local,
     part_size_for,
 )
+from cachepipe.stores.forks import renew_after_fork
 from cachepipe.stores.obs_client import _new_client
 from cachepipe.stores.obs_errors import ObsServiceError, _ObsSeam
 from cachepipe.stores.obs_settings import (
@@ -190,19 +191,6 @@ class _WholeBody(HTTPResponse):
         return data
 
 
-_STORES: weakref.WeakSet[ObsStore] = weakref.WeakSet()
-"""Every :class:`ObsStore` alive in this process (weakly), for :func:`_forked_stores`."""
-
-
-def _forked_stores() -> None:
-    """In a process just forked: each store's own pool (:meth:`ObsStore._forked`)."""
-    for store in list(_STORES):
-        store._forked()  # noqa: SLF001 - this module's own class
-
-
-os.register_at_fork(after_in_child=_forked_stores)
-
-
 class ObsStore(_ObsSeam):
     """The objects under ``obs://bucket/prefix/``, read through ``esdk-obs-python``.
 
@@ -246,10 +234,10 @@ class ObsStore(_ObsSeam):
         take = getattr(self._client, "_get_server_connection", None)
         if callable(take):
             self._client._get_server_connection = self._noting(take)  # noqa: SLF001 - see the module's docstring, "Aborting"
-        _STORES.add(self)  # its own pool in a forked child (_forked)
+        renew_after_fork(self)  # its own pool in a forked child (_forked)
 
     def _forked(self) -> None:
-        """In a process just forked from this store's (``os.register_at_fork``; the forking
+        """In a process just forked from this store's (:mod:`cachepipe.stores.forks`; the forking
         thread is the only one): an empty pool of connections, and the parent's connections
         closed here (their descriptors in this process: the parent's stay open, and nothing is
         sent on them), with a new lock for abort (see the module's docstring, "Forks")."""

@@ -39,6 +39,15 @@ connect in flight is not aborted (its socket is not ours until it returns): it w
 :attr:`DirectGet.connect_timeout`, then fails the same way; nor is a probe (it sends nothing; a
 credential refresh inside it is botocore's).
 
+Forks: used in a process forked from the one that made it (a DataLoader worker given the
+dataset's ``store=``), a :class:`DirectGet` starts there with no pooled connection (the parent's
+idle ones are closed there, their descriptors only: they stay open for the parent), no request in
+flight (an abort there shuts down none of the parent's sockets), new locks (a thread of the parent
+probing at the fork held one for ever there) and no route: it probes again through a filesystem
+made there (its ``renew``, the store's). Before, processes sent requests on the same connections
+and read each other's responses: a GET got another object's bytes, or failed reading a body as
+its status line (:mod:`cachepipe.stores.forks`).
+
 Errors leave this module as ``OSError`` (HTTP statuses, shaped like botocore's errors),
 ``ConnectionError``, ``TimeoutError``, :class:`~cachepipe.errors.StoreClosedError` or botocore's
 exceptions; the fsspec backend translates them at its one seam. Retrying is the core's, as for
@@ -47,6 +56,7 @@ every store.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.client
 import logging
@@ -68,6 +78,7 @@ from botocore.exceptions import NoCredentialsError
 
 from ..errors import StoreClosedError
 from .base import CONNECT_TIMEOUT
+from .forks import keep_parents, renew_after_fork
 from .s3direct_marks import (
     BODY_AHEAD,  # noqa: F401 - importable from here, as before
     LOW_WATER,  # noqa: F401 - importable from here, as before
@@ -102,6 +113,9 @@ class DirectGet:
 
     Args:
         fs: the s3fs filesystem whose client addresses, signs for and authenticates the requests.
+        renew: makes that filesystem anew, in a process forked from this one (the parent's s3fs
+            instance refuses to run there); None: the parent's is asked, and refuses (see the
+            module's docstring, "Forks").
     """
 
     RETAKE_AFTER = 60.0
@@ -109,8 +123,9 @@ class DirectGet:
     TIMEOUT = 60.0
     """Seconds for each read of a response (a connect: :attr:`connect_timeout`)."""
 
-    def __init__(self, fs: Any) -> None:
-        self.fs = fs
+    def __init__(self, fs: Any, renew: Callable[[], Any] | None = None) -> None:
+        self._fs = fs
+        self._renew = renew
         self._lock = threading.Lock()  # guards _idle, _closed, _aborted, _busy and _sdk_buckets
         self._probing = threading.Lock()  # one thread probes; the others wait for its route
         self._routes: dict[str, _Route] = {}
@@ -124,6 +139,34 @@ class DirectGet:
         self.connect_timeout = CONNECT_TIMEOUT if given is None else float(given)
         """Seconds for a connect: the filesystem's ``config_kwargs["connect_timeout"]``, else
         :data:`cachepipe.stores.base.CONNECT_TIMEOUT`."""
+        renew_after_fork(self)
+
+    @property
+    def fs(self) -> Any:
+        """The s3fs filesystem: in a process forked from the one that made this object, one made
+        there (by ``renew``) at its first use."""
+        fs = self._fs
+        if fs is None and self._renew is not None:  # forked; two threads at once: fsspec's cache makes one
+            fs = self._fs = self._renew()
+        return fs
+
+    def _forked(self) -> None:
+        """In a process just forked from this object's (:mod:`cachepipe.stores.forks`): new locks
+        (the parent's threads held them, for ever here), no pooled connection (the parent's idle
+        ones closed here: their descriptors in this process, nothing sent), no request in flight
+        (abort here shuts down none of the parent's sockets), no route (its credentials and
+        their refresh are the parent's client's: probed again through this process's own
+        filesystem, made at its first use)."""
+        self._lock = threading.Lock()
+        self._probing = threading.Lock()
+        pooled = [conn for idle in self._idle.values() for conn in idle]
+        self._idle, self._busy, self._routes = {}, set(), {}
+        for conn in pooled:
+            with contextlib.suppress(OSError):
+                conn.close()  # this process's descriptor: the parent's connection stays open, for the parent
+        if self._renew is not None:
+            keep_parents(self._fs)
+            self._fs = None
 
     @staticmethod
     def usable(fs: Any, storage_options: dict[str, Any]) -> bool:

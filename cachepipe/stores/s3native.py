@@ -30,9 +30,10 @@ What goes where:
 Forks: obstore's runtime (tokio's threads, one per process) does not survive a fork, and a GET
 through it in a process forked after obstore ran in the parent waits forever. This module sees
 that case when the parent's GETs were its own (``os.register_at_fork``): a store opened in the
-child sends its GETs through the fsspec backend instead, saying so once in a warning. A fork
-after another library ran obstore is not seen. As with every store, a store object is not to
-be used across a fork (open a new one in the child): its pooled connections are the parent's.
+child sends its GETs through the fsspec backend instead, saying so once in a warning, and so
+does the parent's store object used there (a DataLoader worker given the dataset's ``store=``),
+whose fsspec backend makes connections and a filesystem of its own there
+(:mod:`cachepipe.stores.fsspec`, "Forks"). A fork after another library ran obstore is not seen.
 
 Storage options: those of the s3 backend that this engine can honour, and only those (any
 other raises :class:`~cachepipe.errors.ConfigError` naming what is accepted): ``endpoint_url``,
