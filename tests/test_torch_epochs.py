@@ -365,7 +365,7 @@ def test_spawned_workers_plan_from_the_manifest_the_dataset_read_until_it_is_rep
     # torch import in all (spawn: one per worker, tested by test_set_epoch_reaches_persistent_workers_started_by_spawn).
     # The server preloads only __main__, which under pytest imports none of them: each worker of
     # each pass imported torch, s3fs, cachepipe and this module itself (most of the test's 25 s)
-    multiprocessing.set_forkserver_preload(["__main__", "torch", "cachepipe.torch", __name__])
+    multiprocessing.set_forkserver_preload(["__main__", "torch", "cachepipe.torch", "s3fs", __name__])
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="forkserver")
     pages = -(-os.path.getsize(manifest) // os.sysconf("SC_PAGE_SIZE"))
     assert pages >= 2
