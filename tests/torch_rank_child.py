@@ -52,7 +52,8 @@ from cachepipe.torch import CachePipeDataset
 # A rank's DataLoader workers started by forkserver ("context": "forkserver") are forked from a
 # server that imports these once: by default it preloads only __main__ (tests/zygote.py, which
 # imports none of them), and each worker imported torch, cachepipe and s3fs itself (~4 s each)
-multiprocessing.set_forkserver_preload(["__main__", "torch", "torchdata.stateful_dataloader", "cachepipe.torch", "s3fs", __name__])
+PRELOAD = ["__main__", "torch", "torchdata.stateful_dataloader", "cachepipe.torch", "s3fs", __name__]
+multiprocessing.set_forkserver_preload(PRELOAD)
 
 
 def read_node(item: Any) -> list:
