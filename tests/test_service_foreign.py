@@ -215,7 +215,9 @@ def test_a_listing_that_timed_out_is_answered_as_the_store_s_failure_not_as_a_wa
     proxy, endpoint = fault_proxy
     s3_source.folders(FIRST_PAGE_OBJECTS + 1, {"a.bin": 10})
     options = via(s3_source, endpoint)
-    options["config_kwargs"] = {**options["config_kwargs"], "read_timeout": 1}
+    # the proxy sees 10 tries of the held page before the listing fails, each waiting out this
+    # timeout (at 1 s, ~12 s of the test); an unheld request that meets it is tried again
+    options["config_kwargs"] = {**options["config_kwargs"], "read_timeout": 0.5}
     train = {"source": s3_source.url, "cache_dir": str(tmp_path / "cache"), "capacity": "1MiB"}
     train |= {"storage_options": options, "retries": 0, "resume": False}  # a plain pass: the listing streams
     sock = short_dir / "api.sock"

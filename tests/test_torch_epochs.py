@@ -11,6 +11,7 @@ import ctypes
 import hashlib
 import json
 import mmap
+import multiprocessing
 import os
 import pickle
 import random
@@ -361,7 +362,10 @@ def test_spawned_workers_plan_from_the_manifest_the_dataset_read_until_it_is_rep
     index(s3_source.url, manifest, storage_options=s3_source.options)
     dataset = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", epochs=3, manifest=str(manifest), **opts(s3_source))
     # forkserver: the shared-memory path of spawn's workers too (the dataset pickled to each), one
-    # torch import in all (spawn: one per worker, tested by test_set_epoch_reaches_persistent_workers_started_by_spawn)
+    # torch import in all (spawn: one per worker, tested by test_set_epoch_reaches_persistent_workers_started_by_spawn).
+    # The server preloads only __main__, which under pytest imports none of them: each worker of
+    # each pass imported torch, s3fs, cachepipe and this module itself (most of the test's 25 s)
+    multiprocessing.set_forkserver_preload(["__main__", "torch", "cachepipe.torch", "s3fs", __name__])
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="forkserver")
     pages = -(-os.path.getsize(manifest) // os.sysconf("SC_PAGE_SIZE"))
     assert pages >= 2

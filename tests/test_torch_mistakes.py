@@ -432,8 +432,8 @@ def test_a_dataset_made_before_init_process_group_is_refused_when_read(s3_source
 
 
 # forkserver's workers, as spawn's, start without the parent's state (their dataset pickled to
-# them), and import torch once, in the server, where spawn's import it each: 8.8 against 21.7 CPU
-# seconds for this test alone (user+sys, collection included)
+# them), and import torch once, in the server (tests/torch_rank_child.py preloads it there), where
+# spawn's import it each
 @pytest.mark.parametrize("context", [None, "forkserver"])
 def test_a_dataset_made_before_init_process_group_under_torchrun_reads_its_own_share(s3_source, ranks, tmp_path, context):
     """Under torchrun (RANK and WORLD_SIZE set) a dataset made before init_process_group takes its

@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import multiprocessing
 import os
 import pickle
 import signal
@@ -47,6 +48,12 @@ import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from cachepipe.torch import CachePipeDataset
+
+# A rank's DataLoader workers started by forkserver ("context": "forkserver") are forked from a
+# server that imports these once: by default it preloads only __main__ (tests/zygote.py, which
+# imports none of them), and each worker imported torch, cachepipe and s3fs itself (~4 s each)
+PRELOAD = ["__main__", "torch", "torchdata.stateful_dataloader", "cachepipe.torch", "s3fs", __name__]
+multiprocessing.set_forkserver_preload(PRELOAD)
 
 
 def read_node(item: Any) -> list:
