@@ -148,3 +148,36 @@ def test_a_fork_amid_the_parents_get_and_upload_leaves_each_process_its_own(s3_c
         assert _read(store, "a") == b"A" * 1000
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("uploads", ["obs"], indirect=True)  # abort cuts no upload of the fsspec backend (its docstring)
+def test_an_obs_completion_cut_by_abort_raises_store_closed(uploads, s3_client, caplog):
+    """Sound: an OBS store aborted (its pipeline or map closing) while its upload's completion
+    waits for an answer: the completion is cut, and the check that follows it (a HEAD) is
+    refused, not sent; the upload raises StoreClosedError (a closing owner reports no failure
+    for it), not the HEAD's error, and is not counted done."""
+    store, proxy, local = uploads
+    gate = threading.Event()
+    proxy.hold(_complete, gate)
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            store.put(local, "big.bin")
+        except BaseException as exc:  # noqa: BLE001 - the test checks it
+            raised.append(exc)
+
+    uploading = threading.Thread(target=run)
+    with caplog.at_level(logging.INFO, "cachepipe"):
+        uploading.start()
+        try:
+            wait_until(lambda: any(_complete(h) for h in proxy.requests), what="the completion, held")
+            store.abort()
+            uploading.join(20)
+        finally:
+            gate.set()
+            uploading.join()
+    assert len(raised) == 1 and isinstance(raised[0], StoreClosedError), raised
+    heads = [h.split("\r\n", maxsplit=1)[0] for h in proxy.requests]
+    assert not [h for h in heads if h.startswith("HEAD ")], heads  # the check refused, not sent
+    assert not [r for r in caplog.records if "the upload is done" in r.getMessage()]
