@@ -73,6 +73,19 @@ LOST = "lost"
 """The ``answer`` of :meth:`FaultProxy.hold` that relays the request and loses the server's answer."""
 
 
+def once(match: Callable[[str], bool]) -> Callable[[str], bool]:
+    """``match`` for the first request it accepts only (a ``hold``'s match)."""
+    taken: list[str] = []
+
+    def first(head: str) -> bool:
+        if taken or not match(head):
+            return False
+        taken.append(head)
+        return True
+
+    return first
+
+
 class FaultProxy:
     def __init__(self, target_host: str, target_port: int, cut_after: int = 2000, trickle_bytes: int = 4096) -> None:
         self.target = (target_host, target_port)

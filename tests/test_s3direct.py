@@ -4,6 +4,7 @@ and the addresses s3fs's client resolves."""
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
 import re
@@ -13,8 +14,8 @@ from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from faultproxy import SEGMENT
-from waiting import in_a_fork
+from faultproxy import SEGMENT, once
+from waiting import in_a_fork, wait_until
 
 from cachepipe.stores.fsspec import FsspecStore
 from cachepipe.stores.s3direct import BODY_AHEAD, LOW_WATER, MIN_MARK, body_read, kernel_at_least
@@ -563,5 +564,62 @@ def test_a_store_used_in_a_forked_process_sends_through_a_filesystem_of_its_own(
         assert in_a_fork(child) == 0
         assert _get(store, "a") == BODY  # the parent's filesystem, as it was
         assert store.exists("b")
+    finally:
+        store.close()
+
+
+def _read(store, key: str) -> bytes:
+    out = io.BytesIO()
+    store.get(key, out, 0, 1 << 20)
+    return out.getvalue()
+
+
+def test_a_fork_amid_the_parents_get_and_upload_leaves_each_process_its_own(s3_client, fault_proxy, tmp_path):
+    """A process forked while a thread of its parent waits on a GET of the direct path (its
+    connection in flight) and another on an upload (s3fs's, in the parent's event loop) reads,
+    lists and uploads through the parent's store object with connections of its own, and so does
+    a process it forks in turn (a grandchild: the parents' filesystems it keeps are two); the
+    parent's GET and upload, let go after the forks, end as they would have."""
+    s3_client.create_bucket(Bucket="data")
+    s3_client.put_object(Bucket="data", Key="in/a", Body=b"A" * 1000)
+    proxy, endpoint = fault_proxy
+    store = FsspecStore("s3://data/in/", {"endpoint_url": endpoint, "key": "k", "secret": "s", "skip_instance_cache": True})
+    assert store.direct
+    local = tmp_path / "up"
+    local.write_bytes(b"up")
+    gate = threading.Event()
+    proxy.hold(once(lambda h: h.startswith("GET /data/in/a ")), gate)
+    proxy.hold(once(lambda h: h.startswith("PUT /data/in/parent ")), gate, keep=True)
+    got: list[object] = []
+    threads = [
+        threading.Thread(target=lambda: got.append(_read(store, "a"))),
+        threading.Thread(target=lambda: got.append(store.put(local, "parent"))),
+    ]
+
+    def grandchild() -> None:
+        assert _read(store, "a") == b"A" * 1000
+        store.put(local, "grandchild")
+
+    def child() -> None:
+        assert _read(store, "a") == b"A" * 1000
+        store.put(local, "child")
+        faulthandler.cancel_dump_traceback_later()  # in_a_fork's, of this process: its thread is not in a fork of it
+        assert in_a_fork(grandchild) == 0
+        assert store.exists("grandchild")
+        assert [o.key for o in store.list()] == ["a", "child", "grandchild"]
+
+    try:
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: len([h for h in proxy.requests if h.startswith(("GET /data/in/a ", "PUT /data/in/parent "))]) == 2)
+        assert in_a_fork(child) == 0
+    finally:
+        gate.set()
+        for thread in threads:
+            thread.join()
+    try:
+        assert sorted(got, key=repr) == [None, b"A" * 1000]  # the upload, the GET
+        assert [o.key for o in store.list()] == ["a", "child", "grandchild", "parent"]
+        assert _read(store, "a") == b"A" * 1000
     finally:
         store.close()

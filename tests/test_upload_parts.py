@@ -15,8 +15,10 @@ import sys
 import threading
 
 import pytest
+from faultproxy import once
 from waiting import wait_until
 
+from cachepipe.errors import StoreClosedError, is_transient
 from cachepipe.stores import open_store
 
 MIB = 1024 * 1024
@@ -234,19 +236,6 @@ def _complete(head: str) -> bool:
     return head.startswith("POST ") and "uploadId=" in head.split("\r\n", maxsplit=1)[0]
 
 
-def _once(match):
-    """``match`` for the first request it accepts only."""
-    taken: list[str] = []
-
-    def first(head: str) -> bool:
-        if taken or not match(head):
-            return False
-        taken.append(head)
-        return True
-
-    return first
-
-
 def test_a_completion_whose_answer_was_lost_counts_as_done(through_proxy, s3_client, caplog):
     """The answer to CompleteMultipartUpload lost (the connection closed once the store had
     completed the object), and the completion retried answered NoSuchUpload, as some S3 stores
@@ -256,11 +245,12 @@ def test_a_completion_whose_answer_was_lost_counts_as_done(through_proxy, s3_cli
     raised, a transient error, and ``cachepipe map`` uploaded the whole output again. Both tried to
     abort the upload, answered NoSuchUpload, and warned that its parts stayed in the bucket. Now a
     failed completion is checked (one HEAD): the object there with the size sent and the ETag of the
-    parts sent is the upload done, no abort and no warning."""
+    parts sent is the upload done, and no warning. Its abort is sent all the same, last, and answered
+    NoSuchUpload (see the test of an identical older object, below)."""
     store, proxy, local = through_proxy
     done = threading.Event()
     done.set()
-    proxy.hold(_once(_complete), done, answer="lost")
+    proxy.hold(once(_complete), done, answer="lost")
     proxy.hold(_complete, done, answer="NoSuchUpload", keep=True)  # a completion retried (S3: s3fs's)
     with caplog.at_level(logging.INFO, "cachepipe"):
         store.put(local, "big.bin")
@@ -269,7 +259,7 @@ def test_a_completion_whose_answer_was_lost_counts_as_done(through_proxy, s3_cli
     said = [r for r in caplog.records if "multipart upload" in r.getMessage()]
     assert [r.levelno for r in said] == [logging.INFO] and "the upload is done" in said[0].getMessage(), said
     heads = [h.split("\r\n", maxsplit=1)[0] for h in proxy.requests]
-    assert not [h for h in heads if _abort(h)], heads
+    assert [h for h in heads if _abort(h)] == heads[-1:], heads
 
 
 def test_a_refused_completion_over_an_object_of_the_same_size_is_a_failure(through_proxy, s3_client):
@@ -307,6 +297,19 @@ def test_the_etag_of_a_multipart_upload_is_told_from_its_parts_etags():
     assert not completed_anyway((23, f'"{expected}"'), 23, ['"not-an-md5"', *etags[1:]])
 
 
+def putting(store, local, key: str) -> tuple[threading.Thread, list[BaseException]]:
+    """A thread, not started, that puts ``local`` as ``key``, and the list its error goes to."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            store.put(local, key)
+        except BaseException as exc:  # noqa: BLE001 - the test checks it
+            raised.append(exc)
+
+    return threading.Thread(target=run), raised
+
+
 def test_an_abort_answered_no_such_upload_warns_of_no_parts_left(through_proxy, s3_client, caplog):
     """A completion refused for good (403), and the upload aborted by someone else (a lifecycle
     rule, another process) before cachepipe's abort, which S3 answers NoSuchUpload. The warning
@@ -318,15 +321,7 @@ def test_an_abort_answered_no_such_upload_warns_of_no_parts_left(through_proxy, 
     done.set()
     proxy.hold(_complete, done, answer="403")
     proxy.hold(_abort, gate, keep=True)
-    raised: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            store.put(local, "big.bin")
-        except BaseException as exc:  # noqa: BLE001 - the test checks it
-            raised.append(exc)
-
-    uploading = threading.Thread(target=run)
+    uploading, raised = putting(store, local, "big.bin")
     with caplog.at_level(logging.INFO, "cachepipe"):
         uploading.start()
         try:
@@ -340,3 +335,73 @@ def test_an_abort_answered_no_such_upload_warns_of_no_parts_left(through_proxy, 
     assert _uploads(s3_client) == []
     said = [r for r in caplog.records if "multipart upload" in r.getMessage()]
     assert [r.levelno for r in said] == [logging.INFO] and "no longer there" in said[0].getMessage(), said
+
+
+def test_a_failed_completion_over_an_identical_object_leaves_no_upload_behind(through_proxy, s3_client, caplog):
+    """The same output uploaded again (an item of ``cachepipe map`` done again after an attempt
+    killed before its marker, or after its command changed; two writers of one output): its
+    completion refused for good (403, every time), and the object of the first upload at the key,
+    of the same size and, made of the same bytes in the same parts, of the same ETag. The check
+    after the failed completion took that object for this upload's and counted the upload done,
+    with no abort: the upload stayed, its 11 MiB of parts billed and listed by no listing, and
+    nothing said so (h-review, s57). Now the upload is aborted all the same, and the log says the
+    object kept is an older one of the same bytes."""
+    store, proxy, local = through_proxy
+    store.put(local, "big.bin")  # the first upload, completed
+    first = s3_client.head_object(Bucket="data", Key="out/big.bin")["ETag"]
+    done = threading.Event()
+    done.set()
+    proxy.hold(_complete, done, answer="403")  # the second upload's completion, refused
+    with caplog.at_level(logging.INFO, "cachepipe"):
+        store.put(local, "big.bin")  # counted done: the object there has its bytes
+    assert s3_client.head_object(Bucket="data", Key="out/big.bin")["ETag"] == first  # the first upload's object
+    heads = [h.split("\r\n", maxsplit=1)[0] for h in proxy.requests]
+    assert _uploads(s3_client) == [], f"left, no abort sent: {[h for h in heads if _abort(h)]}"
+    said = [r for r in caplog.records if "multipart upload" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO] and "an older one of the same size and ETag" in said[0].getMessage()
+
+
+@pytest.mark.parametrize("through_proxy", ["s3"], indirect=True)  # OBS's SDK does not retry: its lost answer is transient already
+def test_a_completion_answered_no_such_upload_is_a_transient_failure_when_it_cannot_be_checked(through_proxy, s3_client):
+    """A completion answered NoSuchUpload (what some S3 stores answer to a completion that s3fs
+    retried after the first completed the object but lost its answer; or the upload aborted by a
+    lifecycle rule), and the check after it (a HEAD) unanswered: its answer lost each time
+    (s3fs's tries used up; the endpoint flaky, as when the completion's answer was lost). The
+    upload raised FileNotFoundError "not found ... s3://data/out/big.bin (NoSuchUpload ...)", an
+    error for good: ``cachepipe map`` failed the item, though uploading it again would do (h-review,
+    s57). Now a transient error, which says so."""
+    store, proxy, local = through_proxy
+    done = threading.Event()
+    done.set()
+    proxy.hold(_complete, done, answer="NoSuchUpload")
+    proxy.hold(lambda head: head.startswith("HEAD "), done, answer="lost", keep=True)
+    store.fs.retries = 1  # s3fs's tries of the HEAD (5: ~1.9 s of back-off, the same outcome)
+    with pytest.raises(OSError, match=r"s3://data/out/big\.bin") as raised:
+        store.put(local, "big.bin")
+    assert is_transient(raised.value), f"{type(raised.value).__name__}: {raised.value}"
+    assert "upload it again" in str(raised.value)
+
+
+@pytest.mark.parametrize("through_proxy", ["obs"], indirect=True)  # abort cuts no upload of the fsspec backend (its docstring)
+def test_an_obs_completion_cut_by_abort_raises_store_closed(through_proxy, s3_client, caplog):
+    """An OBS store aborted (its pipeline or map closing) while its upload's completion
+    waits for an answer: the completion is cut, and the check that follows it (a HEAD) is
+    refused, not sent; the upload raises StoreClosedError (a closing owner reports no failure
+    for it), not the HEAD's error, and is not counted done."""
+    store, proxy, local = through_proxy
+    gate = threading.Event()
+    proxy.hold(_complete, gate)
+    uploading, raised = putting(store, local, "big.bin")
+    with caplog.at_level(logging.INFO, "cachepipe"):
+        uploading.start()
+        try:
+            wait_until(lambda: any(_complete(h) for h in proxy.requests), what="the completion, held")
+            store.abort()
+            uploading.join(20)
+        finally:
+            gate.set()
+            uploading.join()
+    assert len(raised) == 1 and isinstance(raised[0], StoreClosedError), raised
+    heads = [h.split("\r\n", maxsplit=1)[0] for h in proxy.requests]
+    assert not [h for h in heads if h.startswith("HEAD ")], heads  # the check refused, not sent
+    assert not [r for r in caplog.records if "the upload is done" in r.getMessage()]

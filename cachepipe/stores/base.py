@@ -61,6 +61,7 @@ __all__ = [
     "takes_content_type",
     "takes_etag",
     "takes_start_after",
+    "upload_lost",
 ]
 
 COMPLETED_ANYWAY = (
@@ -69,6 +70,15 @@ COMPLETED_ANYWAY = (
 )
 """What a store logs (at INFO) when :func:`completed_anyway` counts an upload done: the object's
 URL, the upload id, the completion's error type and text."""
+
+SAME_BYTES_KEPT = (
+    "%s: the completion of multipart upload %s failed (%s: %s), and the upload was still open (aborted now): the "
+    "object there is an older one of the same size and ETag (the same bytes, in the same parts), kept as the upload's"
+)
+"""What a store logs (at INFO) when a failed completion's object is there (:func:`completed_anyway`)
+but the abort sent after it found the upload still open: its completion never took effect, and
+the object at the key is an earlier upload of the same bytes (an item of ``cachepipe map`` done
+again). The object's URL, the upload id, the completion's error type and text."""
 
 NO_SUCH_UPLOAD = "NoSuchUpload"
 """The S3 (and OBS) error code of a request to a multipart upload that is no longer there: completed,
@@ -196,6 +206,19 @@ def multipart_etag(part_etags: Sequence[str]) -> str | None:
             return None
         digests.append(bytes.fromhex(hexed))
     return f"{hashlib.md5(b''.join(digests), usedforsecurity=False).hexdigest()}-{len(digests)}"
+
+
+def upload_lost(where: str, upload_id: str, exc: BaseException) -> StoreUnavailableError:
+    """The error of a completion answered :data:`NO_SUCH_UPLOAD` whose object is not the upload's,
+    or could not be asked (:func:`completed_anyway` False): its first answer may have been lost
+    (the store completed it, and the client's retry found no upload), or the upload was aborted
+    meanwhile (a lifecycle rule, another process). Transient: uploading again is right either way.
+    Before, it was raised as not found, for good: ``cachepipe map`` failed the item."""
+    return StoreUnavailableError(
+        f"{where}: the completion of multipart upload {upload_id} was answered {NO_SUCH_UPLOAD}, and the object there "
+        f"could not be confirmed as the upload's: the first completion's answer may have been lost, or the upload "
+        f"was aborted meanwhile; upload it again ({type(exc).__name__}: {exc})"
+    )
 
 
 def completed_anyway(found: tuple[int, str | None] | None, size: int, part_etags: Sequence[str]) -> bool:

@@ -57,6 +57,7 @@ from .base import (
     CONNECT_TIMEOUT,
     DELETE_BATCH,
     NO_SUCH_UPLOAD,
+    SAME_BYTES_KEPT,
     TEMP_SUFFIX,
     ObjectInfo,
     _local_error,
@@ -67,6 +68,7 @@ from .base import (
     one_request,
     open_local,
     part_size_for,
+    upload_lost,
 )
 from .forks import keep_parents, renew_after_fork
 from .fsspec_errors import _s3_error, _translate
@@ -535,7 +537,10 @@ class FsspecStore:
         fails is logged, naming the upload it leaves; the error raised is the upload's own. A
         completion that fails is first checked (:meth:`_found`, :func:`~cachepipe.stores.base.completed_anyway`):
         one whose answer was lost, retried by s3fs and answered ``NoSuchUpload``, completed the
-        object, and the upload is done."""
+        object, and the upload is done; it is aborted all the same (an object of the same bytes
+        there before, whose upload's completion was refused, left it open: its parts billed). One
+        answered ``NoSuchUpload`` that is not confirmed so raises
+        :func:`~cachepipe.stores.base.upload_lost` (transient: upload it again)."""
         bucket, key, _ = self.fs.split_path(path)
         call = self.fs._call_s3  # noqa: SLF001 - s3fs has no public call for one request (it adds its request options)
         upload_id = (await call("create_multipart_upload", Bucket=bucket, Key=key, **typed))["UploadId"]
@@ -553,6 +558,7 @@ class FsspecStore:
 
         tasks: builtins.list[asyncio.Task[dict[str, Any]]] = []
         in_flight: set[asyncio.Task[dict[str, Any]]] = set()
+        failed: Exception | None = None  # the completion's error, of an upload whose object is there
         try:
             for number, offset in enumerate(range(0, size, part), start=1):
                 if len(in_flight) >= PARTS_IN_FLIGHT:
@@ -569,30 +575,46 @@ class FsspecStore:
                 await call(
                     "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
                 )
+                return
             except Exception as exc:
                 if not completed_anyway(await self._found(bucket, key), size, [p["ETag"] for p in parts]):
+                    if _s3_error(exc)[1] == NO_SUCH_UPLOAD:
+                        raise upload_lost(where, upload_id, exc) from exc
                     raise
-                log.info(COMPLETED_ANYWAY, where, upload_id, type(exc).__name__, exc)
+                failed = exc
         except BaseException:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)  # ended before the abort; their errors taken
-            try:
-                await call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
-            except Exception as exc:  # noqa: BLE001 - logged: the upload's own error is the one raised
-                if _s3_error(exc)[1] == NO_SUCH_UPLOAD:
-                    log.info(ALREADY_GONE, where, upload_id)
-                else:
-                    log.warning(
-                        "%s: the failed upload's multipart upload %s could not be aborted (%s: %s): its parts stay in the "
-                        "bucket, billed and not listed, until aborted (aws s3api abort-multipart-upload) or removed by a "
-                        "lifecycle rule (AbortIncompleteMultipartUpload)",
-                        where,
-                        upload_id,
-                        type(exc).__name__,
-                        exc,
-                    )
+            if await self._abort(call, bucket, key, upload_id, where) == "gone":
+                log.info(ALREADY_GONE, where, upload_id)
             raise
+        # the object there has the upload's bytes; aborted all the same: an upload still open had its
+        # completion refused, and the object is an earlier one of the same bytes (its parts billed, else)
+        aborted = await self._abort(call, bucket, key, upload_id, where)
+        if aborted != "failed":  # else its warning is logged
+            said = SAME_BYTES_KEPT if aborted == "aborted" else COMPLETED_ANYWAY
+            log.info(said, where, upload_id, type(failed).__name__, failed)
+
+    async def _abort(self, call: Callable[..., Any], bucket: str, key: str, upload_id: str, where: str) -> str:
+        """Abort multipart upload ``upload_id``: "aborted", "gone" (answered ``NoSuchUpload``:
+        completed or aborted already) or "failed" (logged, naming the upload whose parts stay)."""
+        try:
+            await call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+        except Exception as exc:  # noqa: BLE001 - logged: the upload's own error is the one raised
+            if _s3_error(exc)[1] == NO_SUCH_UPLOAD:
+                return "gone"
+            log.warning(
+                "%s: the failed upload's multipart upload %s could not be aborted (%s: %s): its parts stay in the "
+                "bucket, billed and not listed, until aborted (aws s3api abort-multipart-upload) or removed by a "
+                "lifecycle rule (AbortIncompleteMultipartUpload)",
+                where,
+                upload_id,
+                type(exc).__name__,
+                exc,
+            )
+            return "failed"
+        return "aborted"
 
     async def _found(self, bucket: str, key: str) -> tuple[int, str | None] | None:
         """The size and ETag of the object ``key`` in ``bucket`` (one HEAD, with s3fs's retries),

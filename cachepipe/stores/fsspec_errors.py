@@ -80,8 +80,10 @@ def _translate(exc: Exception, where: str, endpoint: str, answered: bool, first:
     or from many processes at once, whose stores have not seen the answers: a server too busy
     to accept them all is retried).
     """
-    if isinstance(exc, (StoreClosedError, LocalFileError)):
-        return exc  # aborted (see FsspecStore.abort), or an upload's local file: not the store's, nothing to map
+    if isinstance(exc, (StoreClosedError, LocalFileError, StoreUnavailableError)):
+        # aborted (see FsspecStore.abort), an upload's local file (not the store's), or an outage said in our words
+        # already (an upload lost: base.upload_lost): nothing to map
+        return exc
     status, code, message = _s3_error(exc)
     name = type(exc).__name__
     at = f"at {endpoint}"

@@ -93,6 +93,7 @@ from cachepipe.stores.base import (
     COMPLETED_ANYWAY,
     DELETE_BATCH,
     NO_SUCH_UPLOAD,
+    SAME_BYTES_KEPT,
     ObjectInfo,
     completed_anyway,
     delete_error,
@@ -101,6 +102,7 @@ from cachepipe.stores.base import (
     not_the_api,
     open_local,
     part_size_for,
+    upload_lost,
 )
 from cachepipe.stores.forks import renew_after_fork
 from cachepipe.stores.obs_client import _new_client
@@ -444,7 +446,9 @@ class ObsStore(_ObsSeam):
         parts are left to bill); an abort that fails is logged, naming the upload it leaves, and
         the upload's own error is raised. A completion that fails (its answer lost: the SDK is
         made without retries) is first checked (:meth:`_found`,
-        :func:`~cachepipe.stores.base.completed_anyway`): if OBS completed the object, the upload is done.
+        :func:`~cachepipe.stores.base.completed_anyway`): if OBS completed the object, the upload is done
+        (and aborted all the same: an object of the same bytes there before leaves it open, else); one
+        answered ``NoSuchUpload`` that is not confirmed so raises :func:`~cachepipe.stores.base.upload_lost`.
         Errors are translated at :meth:`_check` and :meth:`_unreachable` like reads; ``local_path``
         is opened first, and if it cannot be, the error is a
         :class:`~cachepipe.errors.LocalFileError` naming it (the SDK would report a file it
@@ -465,6 +469,7 @@ class ObsStore(_ObsSeam):
 
         resp = self._call("uploading", key, client.initiateMultipartUpload, self.bucket, object_key, contentType=content_type)
         upload_id = resp.body.uploadId
+        failed: Exception | None = None  # the completion's error, of an upload whose object is there
         try:
             parts = []
             part_size = part_size_for(size, self.upload_part_size)
@@ -494,27 +499,42 @@ class ObsStore(_ObsSeam):
                     upload_id,
                     CompleteMultipartUploadRequest(parts=parts),
                 )
+                return
             except Exception as exc:
                 if not completed_anyway(self._found(client, object_key), size, [part.etag for part in parts]):
+                    if getattr(exc, "code", None) == NO_SUCH_UPLOAD:
+                        raise upload_lost(self._object_url(key), upload_id, exc) from exc
                     raise
-                log.info(COMPLETED_ANYWAY, self._object_url(key), upload_id, type(exc).__name__, exc)
+                failed = exc
         except BaseException:
-            try:
-                self._call("aborting the upload of", key, client.abortMultipartUpload, self.bucket, object_key, upload_id)
-            except Exception as exc:  # noqa: BLE001 - logged: the upload's own error is the one raised
-                if getattr(exc, "code", None) == NO_SUCH_UPLOAD:
-                    log.info(ALREADY_GONE, self._object_url(key), upload_id)
-                else:
-                    log.warning(
-                        "%s: the failed upload's multipart upload %s could not be aborted (%s: %s): its parts stay in the "
-                        "bucket, billed and not listed, until aborted or removed by a lifecycle rule (OBS: expiration of "
-                        "fragments; S3: AbortIncompleteMultipartUpload)",
-                        self._object_url(key),
-                        upload_id,
-                        type(exc).__name__,
-                        exc,
-                    )
+            if self._abort_upload(client, key, object_key, upload_id) == "gone":
+                log.info(ALREADY_GONE, self._object_url(key), upload_id)
             raise
+        # the object there has the upload's bytes; aborted all the same (see FsspecStore._put_parts)
+        aborted = self._abort_upload(client, key, object_key, upload_id)
+        if aborted != "failed":  # else its warning is logged
+            said = SAME_BYTES_KEPT if aborted == "aborted" else COMPLETED_ANYWAY
+            log.info(said, self._object_url(key), upload_id, type(failed).__name__, failed)
+
+    def _abort_upload(self, client: Any, key: str, object_key: str, upload_id: str) -> str:
+        """Abort multipart upload ``upload_id``: "aborted", "gone" (answered ``NoSuchUpload``:
+        completed or aborted already) or "failed" (logged, naming the upload whose parts stay)."""
+        try:
+            self._call("aborting the upload of", key, client.abortMultipartUpload, self.bucket, object_key, upload_id)
+        except Exception as exc:  # noqa: BLE001 - logged: the upload's own error is the one raised
+            if getattr(exc, "code", None) == NO_SUCH_UPLOAD:
+                return "gone"
+            log.warning(
+                "%s: the failed upload's multipart upload %s could not be aborted (%s: %s): its parts stay in the "
+                "bucket, billed and not listed, until aborted or removed by a lifecycle rule (OBS: expiration of "
+                "fragments; S3: AbortIncompleteMultipartUpload)",
+                self._object_url(key),
+                upload_id,
+                type(exc).__name__,
+                exc,
+            )
+            return "failed"
+        return "aborted"
 
     def _found(self, client: Any, object_key: str) -> tuple[int, str | None] | None:
         """The size and ETag of the object ``object_key`` (one HEAD), or None when there is none
