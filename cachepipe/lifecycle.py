@@ -38,6 +38,7 @@ class _Lifecycle(_Pass):
     _pid: int
     _abort_lock: threading.Lock
     _opening: Store | None
+    _owns_store: bool
     _handed: dict[str, CachedItem]
     _store: Store
     _fetcher: Fetcher
@@ -79,7 +80,8 @@ class _Lifecycle(_Pass):
                 broker.close()
                 cache.interrupt()
                 fetcher.interrupt()
-            abort_store(store)
+            if self._owns_store:  # a store given as it is (no view) is its owner's: waited for
+                abort_store(store)
             if self._listing is not None:
                 self._listing.stop()
             if fetcher is not None:
@@ -91,13 +93,15 @@ class _Lifecycle(_Pass):
         """Stop the core's parts of an open pipeline, in the order that keeps it prompt: wakers
         first, then the store's requests in flight cut (its ``abort()``), then the joins; then
         the cache closed (its items deleted unless ``keep_on_close``: the objects of those still
-        handed out then raise ``FileNotFoundError``), the store and the progress bar."""
+        handed out then raise ``FileNotFoundError``), the store (one it opened, or its view of
+        one given: not a store given without a view, its owner's) and the progress bar."""
         self._broker.close()
         self._cache.interrupt()
         if self._listing is not None:
             self._listing.interrupt()
         self._fetcher.interrupt()  # before the abort: a request it cuts is neither retried nor reported
-        abort_store(self._store)
+        if self._owns_store:  # a store given as it is (no view) is its owner's: waited for
+            abort_store(self._store)
         if self._listing is not None:
             self._listing.stop()
         self._fetcher.stop()
@@ -107,7 +111,8 @@ class _Lifecycle(_Pass):
                 held, self._handed = list(self._handed.values()), {}
             for item in held:
                 item._gone = "deleted when its pipeline closed"  # noqa: SLF001 - the pipeline ends its items' lives
-        self._store.close()
+        if self._owns_store:
+            self._store.close()
         if self._bar is not None:
             self._bar.close()
 

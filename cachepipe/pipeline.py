@@ -27,7 +27,7 @@ from .handout import CACHE_CHECK_SECONDS, _Handout
 from .lifecycle import _CLOSED, _OPEN, _UNOPENED
 from .passes import PLAN_RUN
 from .stores import Store, open_store
-from .stores.base import abort_store
+from .stores.base import abort_store, scoped_store
 
 # PLAN_RUN and CACHE_CHECK_SECONDS: importable from here, as before
 __all__ = ["CACHE_CHECK_SECONDS", "PLAN_RUN", "CachedItem", "Pipeline", "Skipped", "Stats"]
@@ -48,7 +48,12 @@ class Pipeline(_Handout):
         capacity: hard cap on bytes under ``cache_dir``: an int, ``"50GiB"``, ``"1.5GB"``,
             ``"512M"``, ``"1g"``, ``"80%"`` of free space, or a :class:`~cachepipe.config.Share`.
         store: a :class:`~cachepipe.stores.Store` to use instead of opening ``source``
-            (for tests and custom backends).
+            (for tests and custom backends). It stays yours: the pipeline reads through a view
+            of it (its ``scoped()``, which cachepipe's backends have: connections of its own),
+            which it aborts and closes when it closes; the store itself serves other pipelines,
+            one after another or at once, and you close it. A store without ``scoped()`` is used
+            as it is, never aborted nor closed by the pipeline (its requests in flight are
+            waited for at close).
         **options: every other field of :class:`~cachepipe.config.PipelineConfig`.
 
     Raises:
@@ -81,6 +86,7 @@ class Pipeline(_Handout):
         if small is not None:
             log.warning("%s", small)
         self._given_store = store  # None: opened from ``source`` by open()
+        self._owns_store = True  # open() opened the store it uses (or a view of the one given): its to abort and close
         self._pid = os.getpid()
         self._handed: dict[str, CachedItem] = {}  # name -> the object last handed out, until ack or release
         self._state = _UNOPENED
@@ -126,9 +132,15 @@ class Pipeline(_Handout):
                 raise RuntimeError(f"{self!r} cannot be opened again: create a new Pipeline")
             self._state = _CLOSED  # until it is open: a failed open cannot be retried on this object
             cfg = self.config
-            store = self._given_store or open_store(cfg.source, cfg.storage_options)
+            given = self._given_store
+            if given is None:
+                store = open_store(cfg.source, cfg.storage_options)
+            else:  # whoever opens a store closes it: the view of a given store is this pipeline's, the store its owner's
+                view = scoped_store(given)
+                store = given if view is None else view
+            self._owns_store = store is not given
             with self._abort_lock:
-                self._opening = store
+                self._opening = store if self._owns_store else None
             cache = Cache(cfg.cache_dir, cfg.capacity)
             broker: Broker[str] = Broker(ordered=cfg.ordered, lease_timeout=cfg.lease_timeout)
             try:
@@ -138,7 +150,8 @@ class Pipeline(_Handout):
                     self._opening = None
                 if self._bar is not None:
                     self._bar.close()
-                store.close()
+                if self._owns_store:
+                    store.close()
                 self._open_error = exc
                 if self._closing.is_set() and isinstance(exc, Exception) and not isinstance(exc, RuntimeError):
                     self._open_error = RuntimeError(f"{self!r} was closed while it opened")
@@ -245,8 +258,9 @@ class Pipeline(_Handout):
         Prompt: the store's requests in flight are aborted (its ``abort()``, where the backend
         can: see :mod:`cachepipe.stores.base`) before the threads are joined, so a download or a
         listing page blocked on a store that stopped answering ends at once; what it staged is
-        removed. Called from another thread while :meth:`open` lists, it aborts that listing,
-        and ``open`` raises ``RuntimeError``.
+        removed. A store given as ``store=`` is not closed, nor aborted: only this pipeline's
+        view of it (its requests), if the store has ``scoped()``. Called from another thread
+        while :meth:`open` lists, it aborts that listing, and ``open`` raises ``RuntimeError``.
         """
         self._closing.set()
         with self._abort_lock:

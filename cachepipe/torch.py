@@ -53,7 +53,9 @@ worker's cache folder is :mod:`cachepipe.torchreader`.
 from __future__ import annotations
 
 import logging
+import multiprocessing.context
 import os
+import pickle
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -392,8 +394,26 @@ class CachePipeDataset(_LocalMode, _NodeMode, torch.utils.data.IterableDataset):
         """A copy (for a DataLoader worker started by spawn or forkserver) keeps this process's
         position, not its pipeline (threads, locks, files: this process's alone). A rank taken
         when the dataset was made is checked here too: such a worker has no ``torch.distributed``
-        of its own to check it against (:meth:`_check_ranks`)."""
+        of its own to check it against (:meth:`_check_ranks`).
+
+        Raises:
+            TypeError: pickled for a process that multiprocessing starts (spawn, forkserver), the
+                dataset's ``store=`` object cannot be (cachepipe's stores cannot: they hold
+                connections, locks, an event loop), naming it and what to do.
+        """
         self._check_ranks()
+        store = self.options.get("store")
+        if store is not None and multiprocessing.context.get_spawning_popen() is not None:  # sent to a new process
+            try:
+                pickle.dumps(store)
+            except Exception as exc:  # whatever the store's pickling raises is said, chained
+                raise TypeError(
+                    f"{self.source}: the dataset's store={store!r} cannot be pickled ({type(exc).__name__}: {exc}), and "
+                    "DataLoader workers started by spawn or forkserver (the default on macOS, and on Linux from Python "
+                    "3.14) get the dataset pickled: pass the source's URL and storage_options instead of a store object "
+                    "(each worker opens the store itself), or start the workers by fork (Linux): "
+                    "DataLoader(..., multiprocessing_context='fork')"
+                ) from exc
         state = dict(self.__dict__)
         if self._pipe is not None:
             state["_start"] = self._local_state(self._pipe) if self._owed is None else {**self._owed[0], **self._owed_counts()}

@@ -373,6 +373,52 @@ def test_close_aborts_a_download_whose_body_stopped_coming(remote_source, fault_
     assert got == {name: files["f"] for name, files in data.items()}
 
 
+def test_closing_one_of_two_pipelines_on_one_store_object_cuts_its_own_requests_only(remote_source, fault_proxy, tmp_path):
+    # Two pipelines given one store object (store=), each with a GET of item000 held at the
+    # proxy. Closing the first aborted the whole store: the second's GET in flight was cut, its
+    # item failed with StoreClosedError, and every later request of the store was refused. Now
+    # the first pipeline's close still returns while its own GET is held (cut), the second reads
+    # every item, and a third pipeline on the same object after them too.
+    from cachepipe.stores import open_store
+
+    proxy, endpoint = fault_proxy
+    data = remote_source.folders(3, {"f": 1000})
+    manifest = listed(remote_source, tmp_path)  # only the GETs go through the proxy
+
+    def first_item(head: str) -> bool:
+        return _item_get(head) and "item000/f" in head.split()[1]
+
+    gate = threading.Event()
+    proxy.hold(first_item, gate)
+    store = open_store(remote_source.url, via(remote_source, endpoint))
+    opts = {"store": store, "manifest": manifest, "retry_backoff": 0.01}
+    first = Pipeline(remote_source.url, tmp_path / "a", "1MiB", max_concurrency=1, **opts)
+    second = Pipeline(remote_source.url, tmp_path / "b", "1MiB", **opts)
+    closed = threading.Event()
+    closing = threading.Thread(target=lambda: (first.close(), closed.set()))
+    try:
+        first.open()
+        wait_until(lambda: sum(map(first_item, proxy.requests)) == 1, what="the first pipeline's GET of item000")
+        second.open()
+        wait_until(lambda: sum(map(first_item, proxy.requests)) == 2, what="the second pipeline's GET of item000")
+        closing.start()
+        wait_until(closed.is_set, timeout=20, what="close() while its GET is held")
+        gate.set()
+        got = {p.name: (p / "f").read_bytes() for p in second}  # before: ItemFailedError (StoreClosedError)
+        second.close()
+        with Pipeline(remote_source.url, tmp_path / "c", "1MiB", **opts) as third:
+            again = {p.name: (p / "f").read_bytes() for p in third}
+    finally:
+        gate.set()
+        if closing.ident is not None:
+            closing.join()
+        first.close()
+        second.close()
+        store.close()
+    assert first.stats().items_failed == 0  # its cut GET is no item's failure: it was closing
+    assert got == again == {name: files["f"] for name, files in data.items()}
+
+
 @pytest.mark.parametrize("resume", [False, True], ids=["streamed-listing", "whole-listing"])
 def test_close_from_another_thread_ends_an_open_whose_listing_gets_no_answer(remote_source, tmp_path, resume):
     # open() against an endpoint that accepts and never answers: Ctrl-C (or a close) waited for

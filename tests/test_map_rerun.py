@@ -689,3 +689,23 @@ def test_only_rank_0_removes_what_killed_uploads_left_in_a_local_destination(tmp
     first = map_items(named("A"), str(tmp_path / "src"), str(dst), cache_dir=tmp_path / "c0", rank=0, **options)
     assert first.ok and first.items_done == 1, first.failed
     assert not (dst / "a" / "stale.bin.cachepipe.tmp").exists()
+
+
+def test_a_store_object_given_to_map_serves_run_after_run_and_stays_open(tmp_path):
+    """``map(store=)``: the run's pipeline aborted the store given to it as it closed (its
+    PlannedSource aborted the real store), so a second run given the same object failed each
+    item with StoreClosedError. Now the pipeline aborts only its view of it; the store is the
+    caller's, open after the runs."""
+    for name in ("a", "b"):
+        (tmp_path / "src" / name).mkdir(parents=True)
+        (tmp_path / "src" / name / "f").write_bytes(name.encode() * 10)
+    store = open_store(str(tmp_path / "src"))
+    options = {"capacity": "1MiB", "progress": False, "out_ratio": 3, "store": store}
+    try:
+        for run in ("1", "2"):
+            dst = str(tmp_path / f"dst{run}")
+            result = map_items(named("A"), str(tmp_path / "src"), dst, cache_dir=tmp_path / f"c{run}", **options)
+            assert result.ok and result.items_done == 2, result.failed  # before: the second run's items failed
+        assert [o.key for o in store.list()] == ["a/f", "b/f"]
+    finally:
+        store.close()

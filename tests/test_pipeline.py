@@ -255,6 +255,24 @@ def test_missing_bucket_is_file_not_found(s3_endpoint, s3_options, tmp_path):
         Pipeline("s3://nobucket/x/", tmp_path / "c", capacity="1MiB", storage_options=s3_options).open()
 
 
+def test_a_store_object_given_serves_pipeline_after_pipeline_and_stays_open_for_its_owner(source, tmp_path):
+    """A store given as ``store=`` was aborted and closed by the first pipeline that closed: the
+    next pipeline given the same object failed every request with StoreClosedError (found with
+    two passes of a CachePipeDataset over one store). Now a pipeline closes only a store it
+    opened; one given to it is its owner's, who closes it."""
+    from cachepipe.stores import open_store
+
+    data = source.folders(3, {"f": 1000})
+    store = open_store(source.url, source.options)
+    try:
+        for run in ("a", "b"):
+            with Pipeline(source.url, tmp_path / run, "1MiB", store=store) as pipe:
+                assert {p.name: (p / "f").read_bytes() for p in pipe} == {n: files["f"] for n, files in data.items()}
+        assert [o.key for o in store.list()] == sorted(f"{name}/f" for name in data)  # still the owner's to use
+    finally:
+        store.close()
+
+
 def test_missing_key_fails_the_item_in_the_consumer_naming_the_key(remote_source, tmp_path):
     remote_source.folders(3, {"f": 1000})
     with Pipeline(remote_source.url, tmp_path / "c", capacity="1MiB", storage_options=remote_source.options, prefetch=1) as pipe:

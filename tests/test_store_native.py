@@ -26,6 +26,7 @@ pytest.importorskip("obstore")
 from cachepipe.stores.s3native import NativeS3Store  # after the skip: needs obstore
 
 KIB = 1024
+MIB = 1024 * KIB
 BODY = bytes(range(256)) * 300  # 76,800 bytes
 ODD_KEY = "c d/ü+x~=(1).bin"
 PROFILE = "aws_access_key_id = fromprofile\naws_secret_access_key = s\n"  # a shared credentials file's lines
@@ -305,6 +306,18 @@ def test_pipeline_retries_the_engines_transient_errors_without_corruption(s3_sou
     assert got == {name: files["f"] for name, files in data.items()}
     assert proxy.injected["cut"] == 3 and proxy.injected["503"] == 2
     assert stats.retries >= 5
+
+
+def test_the_store_object_given_to_a_pipeline_serves_the_next_one_through_both_paths(s3_source, native, tmp_path):
+    """A pipeline given the native store (store=) aborted it as it closed: the next pipeline's
+    GETs were refused with StoreClosedError, through obstore (short ranges) and through the
+    fsspec backend (ranges of a mebibyte or more). Now each pipeline aborts only its own view."""
+    data = s3_source.folders(2, {"small": 10 * KIB, "large": MIB + 1})
+    for run in ("a", "b"):
+        with Pipeline(s3_source.url, tmp_path / run, "8MiB", store=native) as pipe:
+            got = {p.name: {f: (p / f).read_bytes() for f in ("small", "large")} for p in pipe}
+        assert got == data
+    assert len(list(native.list())) == 4
 
 
 def test_download_worker_processes_use_the_engine_and_send_its_errors_back(s3_source, fault_proxy, tmp_path):

@@ -407,6 +407,54 @@ def test_an_s3_store_object_works_in_forked_dataloader_workers(s3_source, tmp_pa
         store.close()
 
 
+@pytest.mark.parametrize("num_workers", [0, 2], ids=["main-process", "persistent-workers"])
+def test_one_store_object_serves_every_pass_of_a_dataset(s3_source, tmp_path, num_workers):
+    """The second pass over a dataset given ``store=`` failed every item with StoreClosedError:
+    the first pass's pipeline aborted and closed the store given to it, in the main process
+    (``num_workers=0``) or in each persistent worker. Now a pipeline leaves a store given to it
+    open: each pass (here one per set_epoch) reads every item, and the store is still the
+    owner's after them."""
+    from cachepipe.stores.fsspec import FsspecStore
+
+    data = s3_source.folders(4, {"f": 100})
+    store = FsspecStore(s3_source.url, s3_source.options)
+    opts = {"store": store, "transform": read, "rank": 0, "world_size": 1, "epochs": 2}
+    dataset = CachePipeDataset(s3_source.url, tmp_path / "c", "1MiB", **opts)
+    kw = {"num_workers": num_workers, "persistent_workers": num_workers > 0}
+    if num_workers:
+        kw["multiprocessing_context"] = "fork"
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, **kw)
+    expected = sorted((name, hashlib.md5(item["f"]).hexdigest()) for name, item in data.items())
+    try:
+        for epoch in range(2):
+            dataset.set_epoch(epoch)
+            assert sorted(tuple(sample) for sample in loader) == expected  # before: the second failed
+        assert len(list(store.list())) == 4
+    finally:
+        del loader  # its persistent workers end
+        store.close()
+
+
+def test_a_store_object_sent_to_spawned_workers_is_refused_naming_what_to_do(tmp_path):
+    """DataLoader workers started by spawn (or forkserver) get the dataset pickled, and a store
+    object cannot be: the loader failed with pickle's bare "cannot pickle '_thread.lock' object".
+    Now the error names the store, why, and what to do instead, before any worker starts."""
+    from cachepipe.stores.fsspec import FsspecStore
+
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "f").write_bytes(b"x")
+    store = FsspecStore(f"file://{src}")
+    opts = {"store": store, "rank": 0, "world_size": 1, "transform": len}
+    dataset = CachePipeDataset(f"file://{src}", tmp_path / "c", "1MiB", **opts)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=1, multiprocessing_context="spawn")
+    with pytest.raises(TypeError) as info, pytest.warns(UserWarning, match="pickle error"):  # torch's own, then ours
+        iter(loader)
+    message = str(info.value)
+    assert "FsspecStore" in message and "spawn or forkserver" in message, message
+    assert "storage_options" in message and "fork" in message, message
+
+
 @pytest.mark.parametrize(("n_items", "drop_last", "run"), [(40, False, 0), (7, True, 0), (7, True, 1), (7, True, 2)])
 def test_a_checkpoint_after_a_whole_pass_of_workers_resumes_into_the_next_pass(s3_source, tmp_path, n_items, drop_last, run):
     """Found in review: StatefulDataLoader resuming a checkpoint taken after a whole pass starts

@@ -9,6 +9,7 @@ disk, no network) but for the reads :class:`PlannedSource` forwards to the real 
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -37,7 +38,7 @@ from ..errors import UnsafeKeyError
 from ..grouping import version_of
 from ..keys import _TreeCheck
 from ..stores import Store
-from ..stores.base import ObjectInfo, abort_store, takes_etag
+from ..stores.base import ObjectInfo, abort_store, scoped_store, takes_etag
 from ..unpack import DEFAULT_MAX_MEMBERS, is_checksum_file, split_volume
 
 __all__ = [
@@ -398,15 +399,29 @@ def _collision(members: list[ObjectInfo]) -> str | None:
 
 
 class PlannedSource:
-    """The source store as the pipeline sees it: only the items to do, under their cache names."""
+    """The source store as the pipeline sees it: only the items to do, under their cache names.
 
-    def __init__(self, store: Store, items: Sequence[MapItem], abortable: bool = True) -> None:
+    The map run owns the real store (opened from ``source``, or given) and closes it; the
+    pipeline reads through :meth:`scoped`, the same plan over a view of it, which the pipeline
+    aborts and closes (the real store, also the destination when the two are one, serves on)."""
+
+    def __init__(self, store: Store, items: Sequence[MapItem]) -> None:
         self.url = store.url
         self._store = store
-        self._abortable = abortable  # False: the store is also the destination, which uploads after the pipeline closes
+        self._view = False  # True: _store is a view of the real store (scoped), this object's to abort and close
         self._objects = sorted((o for mi in items for o in mi.objects), key=lambda o: o.key)
         self._keys = {k: v for mi in items for k, v in mi.keys.items()}
         self._conditional = takes_etag(store)
+
+    def scoped(self) -> PlannedSource | None:
+        """The same plan over a view of the real store (see :mod:`cachepipe.stores.base`); None
+        if it has none (the pipeline then neither aborts nor closes it: its requests are waited for)."""
+        view = scoped_store(self._store)
+        if view is None:
+            return None
+        planned = copy.copy(self)
+        planned._store, planned._view = view, True  # noqa: SLF001 - a copy of this class's own object
+        return planned
 
     def list(self) -> Iterator[ObjectInfo]:
         return iter(self._objects)
@@ -417,10 +432,11 @@ class PlannedSource:
         return self._store.get(self._keys[key], out, start, end)
 
     def close(self) -> None:
-        """The map run owns the real store and closes it."""
+        """Close the view (:meth:`scoped`); the real store is the map run's."""
+        if self._view:
+            self._store.close()
 
     def abort(self) -> None:
-        """Cut the real store's requests in flight (the pipeline is closing; the map run reads
-        nothing from its source after that), unless it is the destination too."""
-        if self._abortable:
+        """Cut the view's requests in flight (the pipeline is closing; :meth:`scoped`)."""
+        if self._view:
             abort_store(self._store)

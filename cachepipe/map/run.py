@@ -251,7 +251,7 @@ class _MapRun(_Remote):
             cfg.source,
             cfg.cache_dir,
             with_unit(sizing.downloads),
-            store=PlannedSource(src, items, abortable=src is not dst),
+            store=PlannedSource(src, items),
             items="folders" if grouped else cfg.items,
             auto_ack=False,
             on_error="raise",
@@ -407,7 +407,8 @@ def map_items(
         dest: results URL; item ``x`` goes to ``dest/x/`` (``s3://``, ``obs://``, ``file://``...).
         cache_dir: local directory for inputs and outputs.
         capacity: hard cap on bytes under ``cache_dir`` (``"20GiB"``, ``"80%"``...).
-        store: a store to use instead of opening ``source`` (tests).
+        store: a store to use instead of opening ``source`` (tests). It stays open, yours to
+            close: the run's pipeline reads through a view of it (see ``Pipeline``'s ``store``).
         dest_store: a store to use instead of opening ``dest`` (tests).
         rank: this process's rank among ``world_size`` processes that share the items of
             ``source`` (each lists it and takes a disjoint, byte-balanced share). Default: from

@@ -9,6 +9,16 @@ without being sent, with :class:`cachepipe.errors.StoreClosedError`; idempotent,
 any thread. A closing pipeline calls it (through :func:`abort_store`) before it waits for its
 threads, then ``close()``. A store without it is waited for.
 
+Another is optional, for a store given to a pipeline (``Pipeline(store=...)``, a
+``CachePipeDataset``'s ``store=``, ``cachepipe.map``'s): ``scoped()`` returns a *view* of the
+store for one pipeline, whose requests go where the store's go (the same URL, settings and
+credentials) but on connections of its own, so that the view's ``abort()`` cuts and refuses the
+view's requests only, and its ``close()`` releases what the view opened and nothing of the
+store's. Whoever opens a store closes it: a pipeline aborts and closes a store it opened from its
+URL, and only the view of a store given to it (:func:`scoped_store`), which so serves pipeline
+after pipeline, or several at once, and stays open for its owner. A given store without
+``scoped`` is neither aborted nor closed by the pipeline: its requests in flight are waited for.
+
 Two more primitives are optional, for stores that are written to (``cachepipe map`` uploads
 results through them; a store that is only read need not have them), described by
 :class:`WritableStore`: ``put(local_path, key)`` uploads one local file (streamed, multipart
@@ -42,7 +52,7 @@ import inspect
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Protocol, runtime_checkable
+from typing import Any, BinaryIO, Protocol, TypeVar, runtime_checkable
 
 from ..errors import ConfigError, LocalFileError, ObjectChangedError, StoreUnavailableError, StoreUnreachableError, store_code
 
@@ -58,10 +68,12 @@ __all__ = [
     "listed_etag",
     "multipart_etag",
     "part_size_for",
+    "scoped_store",
     "takes_content_type",
     "takes_etag",
     "takes_start_after",
     "upload_lost",
+    "view_of",
 ]
 
 COMPLETED_ANYWAY = (
@@ -315,6 +327,69 @@ def abort_store(store: Any) -> None:
     abort = getattr(store, "abort", None)
     if callable(abort):
         abort()
+
+
+def scoped_store(store: Any) -> Any:
+    """``store.scoped()`` if the store has one (every backend of cachepipe's does): a view of it
+    for one pipeline, which the pipeline aborts and closes without touching the store (see the
+    module's docstring); None if it has none, or its ``scoped`` returns None."""
+    scoped = getattr(store, "scoped", None)
+    return scoped() if callable(scoped) else None
+
+
+_T = TypeVar("_T")
+_VIEW_CLASSES: dict[type, type] = {}  # a store class -> its views' class, made once (store classes are few)
+
+
+def view_of(store: _T, **own: Any) -> _T:
+    """A view of ``store`` for a backend's ``scoped()``: an object of a subclass of the store's
+    class (so its methods, a subclass's too, run on the view) whose attributes are the store's,
+    read and written through to it (a subclass's counters and settings stay one), but for
+    ``own``, the view's own (its requests in flight, its abort, its connections)."""
+    cls = type(store)
+    view_cls = _VIEW_CLASSES.get(cls)
+    if view_cls is None:
+        # a setting the class gives a value and an instance may set (list_page_size...): the store's
+        settings = {name: _forwarded(name) for name in dir(cls) if not name.startswith("__") and _plain(getattr(cls, name))}
+        spec = {"__getattr__": _view_get, "__setattr__": _view_set, **settings}
+        view_cls = _VIEW_CLASSES[cls] = type(cls.__name__, (cls,), spec)
+    view: Any = object.__new__(view_cls)
+    view.__dict__.update(own, _viewed=store)
+    return view  # type: ignore[no-any-return]  # an object of a subclass of store's class
+
+
+def _plain(value: Any) -> bool:
+    """Whether a class attribute is a plain value (not a method, property or other descriptor)."""
+    return not callable(value) and not hasattr(type(value), "__get__")
+
+
+def _forwarded(name: str) -> property:
+    """A view's property ``name``: the store's attribute, read and written through."""
+
+    def read(view: Any) -> Any:
+        return getattr(view.__dict__["_viewed"], name)
+
+    def write(view: Any, value: Any) -> None:
+        setattr(view.__dict__["_viewed"], name, value)
+
+    return property(read, write)
+
+
+def _view_get(view: Any, name: str) -> Any:
+    """An attribute of a view (:func:`view_of`) that is not its own: the store's."""
+    try:
+        store = view.__dict__["_viewed"]
+    except KeyError:
+        raise AttributeError(name) from None
+    return getattr(store, name)
+
+
+def _view_set(view: Any, name: str, value: Any) -> None:
+    """Set an attribute of a view (:func:`view_of`): its own if it is, else the store's."""
+    if name in view.__dict__:
+        view.__dict__[name] = value
+    else:
+        setattr(view.__dict__["_viewed"], name, value)
 
 
 CONNECT_TIMEOUT = 10.0

@@ -69,6 +69,7 @@ from .base import (
     open_local,
     part_size_for,
     upload_lost,
+    view_of,
 )
 from .forks import keep_parents, renew_after_fork
 from .fsspec_errors import _s3_error, _translate
@@ -234,6 +235,21 @@ class FsspecStore:
         self._running = set()
         keep_parents(self._fs)
         self._fs = None
+
+    def scoped(self) -> FsspecStore:
+        """A view of this store for one pipeline (see :mod:`cachepipe.stores.base`): the same
+        URL, settings and filesystem (every attribute is the store's, see
+        :func:`~cachepipe.stores.base.view_of`), with a direct path of its own (its own
+        connections) and requests in flight of its own, so that its :meth:`abort` cuts and
+        refuses its own requests only, and its :meth:`close` closes its own connections only.
+        The store, and its other views, serve on."""
+        view = view_of(self, _lock=threading.Lock(), _aborted=False, _running=set(), _direct=None)
+        if self._direct is not None:
+            from .s3direct import DirectGet
+
+            view._direct = DirectGet(view.fs, _Renew(view))  # noqa: SLF001 - the view's own (view_of)
+        renew_after_fork(view)
+        return view
 
     def __repr__(self) -> str:
         return f"FsspecStore({self.url!r})"

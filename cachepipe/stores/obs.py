@@ -103,6 +103,7 @@ from cachepipe.stores.base import (
     open_local,
     part_size_for,
     upload_lost,
+    view_of,
 )
 from cachepipe.stores.forks import renew_after_fork
 from cachepipe.stores.obs_client import _new_client
@@ -223,20 +224,40 @@ class ObsStore(_ObsSeam):
         if not isinstance(page_size, int) or isinstance(page_size, bool) or not 1 <= page_size <= MAX_PAGE_SIZE:
             raise ConfigError(f"page_size {page_size!r}: expected an integer from 1 to {MAX_PAGE_SIZE}")
         self._page_size = page_size
-        sdk, settings, self._client = _new_client(self.url, storage_options)
+        self._options = storage_options  # for the client of a view (scoped)
+        sdk, settings, client = _new_client(self.url, storage_options)
         self._get_header = sdk.GetObjectHeader
         self._settings = settings
         self._secrets = settings.secrets
         self._timeout = settings.client_kwargs.get("timeout", 60)
         self._answered = False  # OBS answered a request: a refused connection is then an outage, retried
+        self._use(client)
+
+    def _use(self, client: Any) -> None:
+        """Send this store's requests through ``client`` (made by ``_new_client``), noting the
+        connections it takes, with nothing aborted (see the module's docstring, "Aborting")."""
+        self._client = client
         self._aborted = False  # abort(): requests in flight cut, later ones refused
         self._abort_lock = threading.Lock()  # _aborted, _conns and _socks
         self._conns: weakref.WeakSet[Any] = weakref.WeakSet()  # connections the SDK took
         self._socks: weakref.WeakSet[socket.socket] = weakref.WeakSet()  # their sockets (abort shuts them down)
-        take = getattr(self._client, "_get_server_connection", None)
+        take = getattr(client, "_get_server_connection", None)
         if callable(take):
-            self._client._get_server_connection = self._noting(take)  # noqa: SLF001 - see the module's docstring, "Aborting"
+            client._get_server_connection = self._noting(take)  # noqa: SLF001 - see the module's docstring, "Aborting"
         renew_after_fork(self)  # its own pool in a forked child (_forked)
+
+    def scoped(self) -> ObsStore:
+        """A view of this store for one pipeline (see :mod:`cachepipe.stores.base`): the same
+        URL, settings and credentials, with a client of its own (its own pool of connections;
+        making one sends nothing), so that its :meth:`abort` cuts and refuses its own requests only, and
+        its :meth:`close` closes its own client only. The store, and its other views, serve on.
+
+        Raises:
+            ConfigError: the SDK refused the settings (as when this store was made).
+        """
+        view = view_of(self, _client=None, _aborted=False, _abort_lock=None, _conns=None, _socks=None)
+        view._use(_new_client(self.url, self._options, self._settings)[2])  # noqa: SLF001 - this class's own method
+        return view
 
     def _forked(self) -> None:
         """In a process just forked from this store's (:mod:`cachepipe.stores.forks`; the forking

@@ -72,8 +72,11 @@ def load_sdk(url: str) -> Any:
     return obs
 
 
-def _new_client(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, _Settings, Any]:
-    """The OBS SDK's module, the settings resolved from ``storage_options`` and the environment,
+def _new_client(
+    url: str, storage_options: Mapping[str, Any] | None, settings: _Settings | None = None
+) -> tuple[Any, _Settings, Any]:
+    """The OBS SDK's module, the settings resolved from ``storage_options`` and the environment
+    (or ``settings``, resolved so before: a store's view gets a client of the store's settings),
     and a new ``obs.ObsClient`` made with them, for ``url`` (named in messages): what
     :class:`ObsStore` opens and :func:`check_options` checks. Making a client sends nothing (the
     SDK connects at the first request; it reads local files it is given: certificates, an ID
@@ -87,7 +90,8 @@ def _new_client(url: str, storage_options: Mapping[str, Any] | None) -> tuple[An
     """
     options = storage_options or {}
     sdk = load_sdk(url)
-    settings = _resolve_settings(options, os.environ, _client_arguments(sdk.ObsClient))
+    if settings is None:
+        settings = _resolve_settings(options, os.environ, _client_arguments(sdk.ObsClient))
     try:
         with warnings.catch_warnings():
             # For an https endpoint the SDK builds ssl.SSLContext(ssl.PROTOCOL_SSLv23), which

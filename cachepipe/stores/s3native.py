@@ -92,7 +92,7 @@ import obstore.exceptions
 from obstore.store import S3Store
 
 from ..errors import ConfigError, ObjectChangedError, StoreClosedError, store_code
-from .base import CHANGED, ObjectInfo, check_mappings, http_status_error, unreachable_error
+from .base import CHANGED, ObjectInfo, check_mappings, http_status_error, unreachable_error, view_of
 from .fsspec import FsspecStore
 from .fsspec_options import check_options as check_fsspec
 from .fsspec_options import s3_endpoint, shown_endpoint
@@ -384,6 +384,13 @@ class NativeS3Store:
         signs = not options.get("anon") and not (options.get("key") or options.get("secret"))
         self._credentials = _FromBotocore(self.CREDENTIALS_FOR) if signs and self._direct else None  # as the direct path signs
         self._store = _s3_store(url, options, self._credentials)
+
+    def scoped(self) -> NativeS3Store:
+        """A view of this store for one pipeline (see :mod:`cachepipe.stores.base`): the same
+        obstore store, and a view of the fsspec backend (:meth:`FsspecStore.scoped
+        <cachepipe.stores.fsspec.FsspecStore.scoped>`), so that its :meth:`abort` refuses and cuts
+        its own requests only, and its :meth:`close` closes its own connections only."""
+        return view_of(self, _aborted=False, _fsspec=self._fsspec.scoped())
 
     def _runtime_here(self) -> bool:
         """Whether obstore can run in this process, said once per store where it cannot (see the
