@@ -109,7 +109,7 @@ from cachepipe.stores.fsspec import FsspecStore
 KIB = 1024
 STALL = 4.0  # a take that waited longer stalled
 MODES = ("tight", "paged", "roomy", "beyond", "s3", "files", "threads", "lease", "capacity", "faults")
-COUNTS = ("redelivered", "refused", "late_refused", "dropped", "resized", "resize_refused", "faults")  # of the new modes
+COUNTS = ("redelivered", "refused", "late_refused", "overtaken", "dropped", "resized", "resize_refused", "faults")  # new modes
 TESTS = Path(__file__).resolve().parents[1] / "tests"  # faultproxy.py, for mode faults
 HELD_HINT = "items handed out and not acknowledged hold their space"  # the stall warning's, when acks would free room
 
@@ -353,6 +353,7 @@ class Run:
     redelivered: int = 0  # lease: hand-outs of an item whose earlier lease expired
     refused: int = 0  # lease: acks or releases refused, their lease expired
     late_refused: int = 0  # lease: late acks of a dropped item's expired lease, refused as the docs say
+    overtaken: int = 0  # lease: hand-outs whose files were gone when read, acked under a later lease of the item
     dropped: int = 0  # lease: items taken and never acked nor released
     resized: int = 0  # capacity: set_capacity calls (grow or shrink)
     resize_refused: int = 0  # capacity: set_capacity below the state's room, refused with ValueError
@@ -504,68 +505,102 @@ def consume(pipe: Pipeline, setup: Setup, run: Run, expected: list[str], files: 
         watchdog.join()
 
 
+def lease_order(lease: str) -> int:
+    """The order of a lease among the pipeline's: its ids are ``tag-N-seq``, ``N`` counted up (hex)
+    as the broker hands out, under its lock (``Broker._pop``). A thread records a hand-out some
+    time after it: a lease of 50 ms may have expired by then and the item gone to another thread,
+    which acked it; the order tells the hand-outs apart whenever they are recorded."""
+    return int(lease.split("-")[1], 16)
+
+
 class Shared:
-    """What the threads of :func:`consume_shared` saw, under one lock: the items delivered (and
-    the lease of each one's last hand-out), acked, released and not yet handed out again, and
-    the objects of those taken and dropped (lease mode: their leases expire)."""
+    """What the threads of :func:`consume_shared` saw, under one lock: each item's hand-outs (the
+    order of their leases), its accepted acks and releases, the hand-outs whose files were not
+    right when read (a fault, unless a later lease of the item explains it: the files of a
+    lease that expired are deleted by the next one's ack), and the objects of those taken and
+    dropped (lease mode: their leases expire). Judged at the end (:meth:`finish`): hand-outs are
+    recorded after they happen, by threads that the lease's expiry does not wait for."""
 
     def __init__(self, expected: list[str], files: dict[str, dict[str, int]], run: Run, what: str) -> None:
         self.lock = threading.Lock()
         self.index = {name: i for i, name in enumerate(expected)}
         self.files, self.run, self.what = files, run, what
-        self.delivered: set[str] = set()
-        self.last_lease: dict[str, str] = {}
-        self.acked: dict[str, str] = {}  # name -> the lease its (one) accepted ack named
-        self.released: set[str] = set()
+        self.handed: dict[str, list[int]] = {}  # name -> the order of each of its leases
+        self.acked: dict[str, list[int]] = {}  # name -> the leases its accepted acks named
+        self.releases: dict[str, int] = {}  # name -> releases accepted
+        self.unread: list[tuple[str, int, str]] = []  # (name, lease, what was wrong) of files not right when read
         self.dropped: dict[str, Any] = {}  # name -> the object taken and dropped, its lease to expire
         self.leases = False  # lease_timeout set: a lease may expire, its item handed out again
 
-    def deliver(self, item: Any, last: list[int]) -> Any:
-        """Check a hand-out to a thread whose last new item was ``last[0]``; returns the object
-        dropped earlier for the same item (its lease expired: it came again), if any."""
-        name, run, what = item.name, self.run, self.what
+    def deliver(self, item: Any) -> Any:
+        """Record a hand-out and read its files; returns the object dropped earlier for the same
+        item (its lease expired: it came again), if any."""
+        name, run = item.name, self.run
         with self.lock:
             run.takes += 1
-            i = self.index.get(name)
-            if i is None:
-                run.wrong.append(f"{what}: got {name}, not listed")
+            if name not in self.index:
+                run.wrong.append(f"{self.what}: got {name}, not listed")
                 return None
-            if name in self.acked:
-                run.wrong.append(f"{what}: {name} handed out again after its ack (lease {self.acked[name]})")
-            elif name in self.delivered:
-                if name in self.released:
-                    self.released.discard(name)
-                elif self.leases:
-                    run.redelivered += 1
-                else:
-                    run.wrong.append(f"{what}: {name} handed out twice, neither released nor leased")
-            else:
-                self.delivered.add(name)
-                if i <= last[0]:
-                    run.wrong.append(f"{what}: {name} after item {last[0]} in one thread (listing order)")
-                last[0] = i
-            self.last_lease[name] = item.lease
+            self.handed.setdefault(name, []).append(lease_order(item.lease))
+            if len(self.handed[name]) > 1 and self.leases:
+                run.redelivered += 1
             stale = self.dropped.pop(name, None)
-        right_bytes(item, self.files[name], run, what)
+        self.read(item)
         return stale
+
+    def read(self, item: Any) -> None:
+        """Check ``item``'s files; what is not right is judged at the end (:meth:`finish`)."""
+        wrong = Run(self.run.timeout, self.run.log)
+        try:
+            right_bytes(item, self.files[item.name], wrong, self.what)
+        except FileNotFoundError as exc:
+            wrong.wrong.append(f"{self.what}: {item.name}: {exc}")
+        if wrong.wrong:
+            with self.lock:
+                self.unread.append((item.name, lease_order(item.lease), wrong.wrong[0]))
 
     def acked_now(self, items: list[Any]) -> None:
         with self.lock:
             for it in items:
-                if it.name in self.acked:
-                    self.run.wrong.append(f"{self.what}: {it.name} acked twice (leases {self.acked[it.name]}, {it.lease})")
-                self.acked[it.name] = it.lease
+                self.acked.setdefault(it.name, []).append(lease_order(it.lease))
             self.run.acks += len(items)
 
+    def released_now(self, item: Any) -> None:
+        with self.lock:
+            self.releases[item.name] = self.releases.get(item.name, 0) + 1
+            self.run.releases += 1
+
     def finish(self, expected: list[str]) -> None:
-        """At the end of the pass: every item delivered and acked once, by an ack of its last lease."""
+        """At the end of the pass: the first hand-outs in the listing's order (the broker's
+        leases are counted in hand-out order); every item acked once, by its last lease (an ack
+        of an earlier one accepted would have deleted the files of a later one under its
+        consumer); handed out again only after a release or (lease mode) an expiry; files not
+        right only where a later lease of the item explains it."""
         run, what = self.run, self.what
-        missing = [n for n in expected if n not in self.acked]
-        if missing and not (run.hung or run.errors):
-            run.wrong.append(f"{what}: {len(missing)} items never acked: {missing[:5]}")
-        late = [n for n, lease in self.acked.items() if lease != self.last_lease.get(n)]
-        if late:
-            run.wrong.append(f"{what}: an ack of an expired lease was accepted for {late[:5]}")
+        firsts = sorted((min(leases), name) for name, leases in self.handed.items())
+        listed, want = [name for _, name in firsts], [n for n in expected if n in self.handed]
+        if listed != want:
+            at = next(i for i, (a, b) in enumerate(zip(listed, want, strict=True)) if a != b)
+            run.wrong.append(f"{what}: first hand-outs out of the listing's order at {listed[at]} (expected {want[at]})")
+        if not (run.hung or run.errors):
+            missing = [n for n in expected if n not in self.acked]
+            if missing:
+                run.wrong.append(f"{what}: {len(missing)} items never acked: {missing[:5]}")
+        for name, acks in self.acked.items():
+            last = max(self.handed.get(name, [-1]))
+            if len(acks) > 1:
+                run.wrong.append(f"{what}: {name} acked {len(acks)} times (leases {acks})")
+            elif acks[0] != last:
+                run.wrong.append(f"{what}: {name}: the ack of lease {acks[0]} was accepted, and lease {last} came after")
+        if not self.leases:
+            again = [n for n, leases in self.handed.items() if len(leases) > 1 + self.releases.get(n, 0)]
+            if again:
+                run.wrong.append(f"{what}: handed out more often than released, without leases: {again[:5]}")
+        for name, lease, message in self.unread:
+            if not self.leases or lease == max(self.handed[name]):
+                run.wrong.append(message)
+            else:
+                run.overtaken += 1
 
 
 def consume_shared(pipe: Pipeline, setup: Setup, run: Run, expected: list[str], files: dict[str, dict[str, int]],
@@ -615,10 +650,9 @@ def consume_shared(pipe: Pipeline, setup: Setup, run: Run, expected: list[str], 
         else:
             with shared.lock:
                 run.wrong.append(f"{what}: a late ack of {stale.name}'s expired lease {stale.lease} was accepted")
-        right_bytes(live, files[live.name], run, f"{what} (after a late ack of its earlier lease)")
+        shared.read(live)
 
     def worker(t: int, trng: random.Random) -> None:
-        last = [-1]  # the listing index of this thread's last new item
         held: list[Any] = []
         try:
             if setup.auto_ack:
@@ -629,7 +663,7 @@ def consume_shared(pipe: Pipeline, setup: Setup, run: Run, expected: list[str], 
                         shared.acked_now([previous])
                     run.longest = max(run.longest, time.monotonic() - started)
                     progress[:] = [time.monotonic(), f"thread {t} after {item.name}"]
-                    shared.deliver(item, last)
+                    shared.deliver(item)
                     previous = item
                     if trng.random() < setup.pauses:
                         time.sleep(trng.uniform(0, 0.005))
@@ -642,15 +676,10 @@ def consume_shared(pipe: Pipeline, setup: Setup, run: Run, expected: list[str], 
                 while len(held) > target:
                     if trng.random() < 0.07:
                         back = held.pop(trng.randrange(len(held)))
-                        with shared.lock:
-                            shared.released.add(back.name)  # before it can be handed out again
                         try:
                             pipe.release(back)
-                            with shared.lock:
-                                run.releases += 1
+                            shared.released_now(back)
                         except UnknownItemError as exc:  # expired: handed out again already, or soon
-                            with shared.lock:
-                                shared.released.discard(back.name)
                             refused("release", exc)
                         continue
                     trng.shuffle(held)
@@ -669,7 +698,7 @@ def consume_shared(pipe: Pipeline, setup: Setup, run: Run, expected: list[str], 
                     ack(held, trng)  # lease mode: all are stale by now (the end waits for every live lease)
                     return
                 for item in items:
-                    stale = shared.deliver(item, last)
+                    stale = shared.deliver(item)
                     if stale is not None:
                         late(stale, item)
                     mine = next((h for h in held if h.name == item.name), None)
@@ -933,6 +962,7 @@ def run_seed(
         "redelivered": run.redelivered,
         "refused": run.refused,
         "late_refused": run.late_refused,
+        "overtaken": run.overtaken,
         "dropped": run.dropped,
         "resized": run.resized,
         "resize_refused": run.resize_refused,
@@ -988,8 +1018,8 @@ def render(report: dict[str, Any]) -> str:
     s = report["summary"]
     row = [str(s[k]) for k in ("mode", "seeds", "hung", "stalled", "wrong", "over_capacity", "leaks", "errors", "takes",
                                 "releases", "resumed")] + [f"{s['longest_take_s']:.1f}", f"{s['seconds']:.0f}"]  # fmt: skip
-    extra = {"lease": ("redelivered", "refused", "late_refused", "dropped"), "capacity": ("resized", "resize_refused"),
-             "faults": ("faults", "documented")}.get(s["mode"], ())  # fmt: skip
+    extra = {"lease": ("redelivered", "refused", "late_refused", "overtaken", "dropped"),
+             "capacity": ("resized", "resize_refused"), "faults": ("faults", "documented")}.get(s["mode"], ())  # fmt: skip
     lines = [
         *format_table(cols, [row], left=0),
         *([", ".join(f"{k.replace('_', ' ')}: {s[k]}" for k in extra)] if extra else []),
