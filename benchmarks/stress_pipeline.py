@@ -57,12 +57,43 @@ not stream):
   capacity (as ``tight``'s, the listing through the pausing store) serves fewer, ``j < k``. It
   may wait for room that only its own acks would free: a hang here is expected, but must be
   told: the stall warning (``stall_warning``, a quarter of ``--timeout`` here) must say that
-  items handed out hold their space (a hang not told so is counted apart).
+  items handed out hold their space (a hang not told so is counted apart);
+- ``files``: as ``tight``, with ``items="files"``: every object an item (``i00000.bin``, one in
+  four in a folder of its own, ``i00007/x.bin``), listed whole or through the pausing store;
+- ``threads``: 2-4 consumer threads take from one pipeline at once (the listing through the
+  pausing store), each holding up to ``k`` (0-3; or each looping with ``auto_ack``); the capacity
+  serves ``t x k`` held items and the next. No stop and resume. Judged at the end, by the order
+  of the leases (the broker counts them as it hands out; a thread records a hand-out some time
+  after it): the first hand-outs in the listing's order, every item acked once, by its last lease,
+  handed out again only after a release;
+- ``lease``: as ``threads`` with 1-3 threads and ``lease_timeout`` of 0.05, 0.2 or 1 s: a thread
+  now and then drops an item it took (never acks nor releases it; at most 1-3 at a time,
+  counted in the capacity): it must come again after the lease, and an ack of the dropped
+  object must then be refused (``UnknownItemError``) and leave the new hand-out's files whole;
+  acks and releases of a held item whose lease expired meanwhile may be refused (counted). Every
+  item is delivered at least once and acked exactly once, by its last lease (an ack of an earlier
+  one accepted would delete the files of a later one under its consumer); files found gone when
+  read are a finding unless a later lease of the item explains them (counted as overtaken);
+- ``capacity``: as ``paged``, with ``set_capacity`` every 2-30 ms mid-pass, to between the least
+  (``tight``'s) and 2-4 times it, and now and then to one block (below the state: it must be
+  refused with ``ValueError``). The cache is sampled against the capacity in force: raised before
+  a grow; after a shrink below what the cache holds ("nothing is deleted for it; downloads wait
+  until acknowledgements bring the cache under it"), the old one until the cache counts no more
+  than the new (``Cache.used``), the next change waiting for that;
+- ``faults``: as ``s3``, the server behind ``tests/faultproxy.py``: each request (LIST or GET)
+  meets a fault at a chance of 2, 5 or 15%: a 503 (SlowDown) in its place, or the next
+  connection reset or cut after 2,000 bytes with every live connection dropped. Retried as the
+  docs say (``retries=12``, backoff 0.02 s doubling to 0.4 s: the defaults' 36-73 s would be
+  minutes a seed): every item once, or an error the docs name (its retries spent: counted
+  apart, as documented, with the retries logged), never a hang or an item lost silently.
 
 Results (benchmarks/README.md, 2026-12-01): no hang, stall, wrong item, overshoot, leak or error in
 tight 0-199, paged 0-199, roomy 0-99, s3 0-59; beyond 0-59: 45 hangs, each told by the stall
 warning. Before the fix of the streamed budget's deadlock (b21b56c^) tight and paged 0-39 did
 not hang either: within the docs' limit the next item always has room.
+
+Results of the modes added 2026-12-01 (files, threads, lease, capacity, faults): see
+benchmarks/README.md.
 
 Run against another tree with ``PYTHONPATH=TREE`` (``TMPDIR=/dev/shm``: scratch on tmpfs)::
 
@@ -109,7 +140,7 @@ from cachepipe.stores.fsspec import FsspecStore
 KIB = 1024
 STALL = 4.0  # a take that waited longer stalled
 MODES = ("tight", "paged", "roomy", "beyond", "s3", "files", "threads", "lease", "capacity", "faults")
-COUNTS = ("redelivered", "refused", "late_refused", "overtaken", "dropped", "resized", "resize_refused", "faults")  # new modes
+COUNTS = ("redelivered", "refused", "late_refused", "overtaken", "dropped", "resized", "resize_refused", "below", "faults")
 TESTS = Path(__file__).resolve().parents[1] / "tests"  # faultproxy.py, for mode faults
 HELD_HINT = "items handed out and not acknowledged hold their space"  # the stall warning's, when acks would free room
 
@@ -284,6 +315,7 @@ class Setup:
     threads: int = 1  # consumer threads on the pipeline (threads, lease: 2-4, 1-3), each holding up to ``hold``
     forget: int = 0  # lease: the most items taken and dropped (never acked nor released) at a time
     resize: int = 0  # capacity: set_capacity between the least (tight's) and this many times it, mid-pass
+    lowest: int = 0  # capacity: the state and the largest item: what a shrink below the items held goes down to at most
     faults: float = 0.0  # faults: the chance of a fault per request (503 answered, or a connection reset or cut)
 
 
@@ -357,6 +389,7 @@ class Run:
     dropped: int = 0  # lease: items taken and never acked nor released
     resized: int = 0  # capacity: set_capacity calls (grow or shrink)
     resize_refused: int = 0  # capacity: set_capacity below the state's room, refused with ValueError
+    below: int = 0  # capacity: shrinks below the least that serves the consumer, for 5-30 ms
     faults: int = 0  # faults: faults the proxy injected
     documented: list[str] = field(default_factory=list)  # faults: an error the docs name (retries spent)
 
@@ -758,10 +791,15 @@ def resizer(pipe: Pipeline, setup: Setup, run: Run, bound: list[int], stop: thre
             block: int) -> None:  # fmt: skip
     """Mode capacity: every 2-30 ms, set the capacity of ``pipe`` to one between the least that
     serves the consumer (``setup.capacity``) and ``setup.resize`` times it; now and then to a
-    block, which must be refused (``ValueError``: no room beside the state). ``bound[0]``: what
-    the cache may hold now: raised before a grow; after a shrink, lowered only once the cache
-    counts no more than the new capacity (``Cache.used``: downloads reserved under the old one
-    may still be written; the docs: "nothing is deleted for it; downloads wait")."""
+    block, which must be refused (``ValueError``: no room beside the state); and now and then,
+    for 5-30 ms, below the least, down to the state and the largest item (``setup.lowest``: no
+    item is ever over it), which may be below the items the consumer holds (the docs: "nothing
+    is deleted for it; downloads wait until acknowledgements bring the cache under it": the
+    consumer's take waits, for room only its acks would free, until the capacity comes back).
+    ``bound[0]``: what the cache may hold now: raised before a grow; after a shrink, lowered only
+    once the cache counts no more than the new capacity (``Cache.used``: downloads reserved
+    under the old one may still be written), the next change waiting for that; not lowered for
+    a shrink below the least."""
     least = setup.capacity
     try:
         while not stop.wait(rng.uniform(0.002, 0.03)):
@@ -773,6 +811,11 @@ def resizer(pipe: Pipeline, setup: Setup, run: Run, bound: list[int], stop: thre
                 else:
                     run.wrong.append(f"set_capacity({block}) accepted below the state's room ({pipe._cache.limit})")  # noqa: SLF001
                 continue
+            if setup.lowest < least and rng.random() < 0.1:  # below what the consumer may hold, for a moment
+                pipe.set_capacity(rng.randint(setup.lowest, least - 1))
+                run.resized += 1
+                run.below += 1
+                stop.wait(rng.uniform(0.005, 0.03))
             new = rng.randint(least, least * setup.resize)
             if new >= bound[0]:
                 bound[0] = new
@@ -915,6 +958,7 @@ def run_seed(
         state = state_of(source, Path(tmp, "probe"), items=items)
         # the least that serves a consumer holding k items and taking the next: the k + 1 largest
         setup.capacity = setup.factor * (sum(charges[: setup.served + 1]) + state)
+        setup.lowest = state + largest
         cache = Path(tmp, "cache")
         bound = [setup.capacity]  # the capacity in force (mode capacity changes it mid-pass)
         with PeakSampler(cache, interval=0.002, block=block, limit=lambda: bound[0]) as peak:
@@ -966,6 +1010,7 @@ def run_seed(
         "dropped": run.dropped,
         "resized": run.resized,
         "resize_refused": run.resize_refused,
+        "below": run.below,
         "fault_chance": setup.faults,
         "faults": run.faults,
         "documented": run.documented,
@@ -1019,7 +1064,8 @@ def render(report: dict[str, Any]) -> str:
     row = [str(s[k]) for k in ("mode", "seeds", "hung", "stalled", "wrong", "over_capacity", "leaks", "errors", "takes",
                                 "releases", "resumed")] + [f"{s['longest_take_s']:.1f}", f"{s['seconds']:.0f}"]  # fmt: skip
     extra = {"lease": ("redelivered", "refused", "late_refused", "overtaken", "dropped"),
-             "capacity": ("resized", "resize_refused"), "faults": ("faults", "documented")}.get(s["mode"], ())  # fmt: skip
+             "capacity": ("resized", "resize_refused", "below"),
+             "faults": ("faults", "documented")}.get(s["mode"], ())  # fmt: skip
     lines = [
         *format_table(cols, [row], left=0),
         *([", ".join(f"{k.replace('_', ' ')}: {s[k]}" for k in extra)] if extra else []),

@@ -328,7 +328,8 @@ def test_pipeline_stress_new_modes_run_their_seeds_clean_and_exercise_what_they_
     the fault proxy: 503s, resets and cut bodies, retried), 2 small seeds each (faults: 1): nothing wrong,
     and the events each mode is for did happen."""
     seeds = 1 if mode == "faults" else 2
-    summary = run_json("stress_pipeline.py", "--mode", mode, "--seeds", "0", str(seeds), "--max-items", "120", timeout=180)["summary"]
+    report = run_json("stress_pipeline.py", "--mode", mode, "--seeds", "0", str(seeds), "--max-items", "120", timeout=180)
+    summary = report["summary"]
     assert summary["seeds"] == seeds and summary["takes"] > 0
     assert {k: summary[k] for k in ("hung", "wrong", "over_capacity", "leaks", "errors")} == dict.fromkeys(
         ("hung", "wrong", "over_capacity", "leaks", "errors"), 0
