@@ -278,13 +278,17 @@ def state_of(source: Source, probe: Path, cache: Path | None = None, **options: 
     budget: the capacity less the limit of a probe pipeline whose listing does not stream. With
     ``cache``: that of a pass resumed there with ``options`` (its open counts the journal left
     and, with ``resume=True``, the listing it saves, beside the budget: more than a first pass),
-    the probe opened over a copy of its state folder."""
+    the probe opened over a copy of the cache folder: its state and the items kept in it (a
+    copy of the state alone, whose open found none of them on disk, kept a journal without their
+    records: a block less, at times, than the real open counted, whose largest item was then
+    oversize at open)."""
     capacity = 1 << 30
     saved = options.pop("state", None)
     if cache is None:
         options = {"shuffle": True, "items": options.get("items", "folders")}
     else:
-        shutil.copytree(cache / ".cachepipe", probe / ".cachepipe")
+        shutil.rmtree(probe, ignore_errors=True)
+        shutil.copytree(cache, probe, symlinks=True)
         (probe / ".cachepipe" / "lock").unlink(missing_ok=True)
     pipe = Pipeline(source.url, probe, capacity, store=source.store(), storage_options=source.options, prefetch=1,
                     max_concurrency=1, **options)  # fmt: skip
