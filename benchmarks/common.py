@@ -232,12 +232,18 @@ def tree_size(root: str, block: int = 0) -> int:
 class PeakSampler:
     """A thread that samples the bytes under ``root`` every ``interval`` seconds and keeps the
     peak (:attr:`peak`, over :attr:`samples` samples); a context manager. ``block``: counted as
-    a cache's capacity counts them (see :func:`tree_size`)."""
+    a cache's capacity counts them (see :func:`tree_size`). ``limit``: a function giving the
+    bound in force (a capacity that changes while it samples); each sample over the larger of
+    what it gave before and after the sample's walk is kept in :attr:`over` as ``(bytes, bound)``."""
 
-    def __init__(self, root: Path, interval: float = SAMPLE_INTERVAL, block: int = 0) -> None:
+    def __init__(
+        self, root: Path, interval: float = SAMPLE_INTERVAL, block: int = 0, limit: Callable[[], int] | None = None
+    ) -> None:
         self.root = str(root)
         self.interval = interval
         self.block = block
+        self.limit = limit
+        self.over: list[tuple[int, int]] = []
         self.peak = 0
         self.samples = 0
         self._stop = threading.Event()
@@ -253,8 +259,12 @@ class PeakSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, tree_size(self.root, self.block))
+            before = self.limit() if self.limit is not None else 0
+            size = tree_size(self.root, self.block)
+            self.peak = max(self.peak, size)
             self.samples += 1
+            if self.limit is not None and size > (bound := max(before, self.limit())):
+                self.over.append((size, bound))
 
 
 # ---- command line --------------------------------------------------------------------

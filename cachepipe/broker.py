@@ -123,6 +123,10 @@ class Broker(Generic[T]):
         # called after each hand-out (a lease or a failure taken), outside the lock: the consumers moved
         # on, so an item may have fewer ahead of it now (served()); the fetcher's wake for its hedges
         self.on_hand_out: Callable[[], None] | None = None
+        # called, outside the lock, when a take begins to wait with nothing ready (starving() is
+        # true from then until it returns): the fetcher's wake for a download that waits for room
+        # where dropping an earlier owner's item not due yet would make it (Cache.wake_starving)
+        self.on_starve: Callable[[], None] | None = None
 
     # ---- producer side ---------------------------------------------------------------
     def begin(self) -> int:
@@ -254,12 +258,18 @@ class Broker(Generic[T]):
                         began, gap = now, (math.inf if self._handed_at is None else now - self._handed_at)
                         if not self._waiting:
                             self._wait_began, self._wait_gap = began, gap
-                    self._waiting += 1
-                    try:
-                        self._cond.wait(max(wait, 0.0) if wait is not None else None)
-                    finally:
-                        self._waiting -= 1
+                        self._waiting += 1  # until this take returns (counted off below): starving() reads it
+                        if self.on_starve is not None and not self._ready:
+                            self._cond.release()  # the hook takes the fetcher's and the cache's locks
+                            try:
+                                self.on_starve()
+                            finally:
+                                self._cond.acquire()
+                            continue  # what changed meanwhile is read again before waiting
+                    self._cond.wait(max(wait, 0.0) if wait is not None else None)
             finally:
+                if began is not None:
+                    self._waiting -= 1
                 self.wait_seconds += self._clock() - start
 
     def take_many(self, count: int, timeout: float | None = None) -> list[Lease[T]] | Failed | None:

@@ -146,6 +146,7 @@ class Fetcher(_PartRequests):
         self._flights: dict[int, Flight] = {}  # parts of files cut in several, in flight, by id(part): hedged when late
         self._watching = False  # a download thread with no part to take waits for a flight's hedge to be due
         broker.on_hand_out = self._consumers_moved
+        broker.on_starve = self._cache.wake_starving
         self.threads = config.max_concurrency  # download threads wanted now (download_threads)
         self._paces: list[tuple[float, float]] = []  # (request wall s, thread CPU s) of parts since the last choice
         self._cheap = False  # the last choice found requests shorter than twice the work around them

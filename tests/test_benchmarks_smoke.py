@@ -315,3 +315,23 @@ def test_pipeline_stress_reports_a_hang_with_the_threads_stacks_and_the_warning_
     assert summary["hung_seeds"] == [0] and summary["hung_silent_seeds"] == [], summary
     assert summary["leaks"] == summary["errors"] == summary["wrong"] == 0, summary
     assert "hung" in proc.stderr and "most recent call first" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("mode", "counts"),
+    [("lease", ("redelivered", "late_refused")), ("capacity", ("resized", "resize_refused")), ("faults", ("faults",))],
+)  # faults: 1 seed (its moto server's start is most of its time)
+def test_pipeline_stress_new_modes_run_their_seeds_clean_and_exercise_what_they_are_for(mode, counts):
+    """benchmarks/stress_pipeline.py's lease mode (consumer threads that drop items: each comes again after
+    its lease, and a late ack of the dropped object is refused), capacity mode (set_capacity
+    mid-pass, the cache sampled against the capacity in force) and faults mode (moto S3 behind
+    the fault proxy: 503s, resets and cut bodies, retried), 2 small seeds each (faults: 1): nothing wrong,
+    and the events each mode is for did happen."""
+    seeds = 1 if mode == "faults" else 2
+    report = run_json("stress_pipeline.py", "--mode", mode, "--seeds", "0", str(seeds), "--max-items", "120", timeout=180)
+    summary = report["summary"]
+    assert summary["seeds"] == seeds and summary["takes"] > 0
+    assert {k: summary[k] for k in ("hung", "wrong", "over_capacity", "leaks", "errors")} == dict.fromkeys(
+        ("hung", "wrong", "over_capacity", "leaks", "errors"), 0
+    ), summary
+    assert all(summary[k] > 0 for k in counts), summary

@@ -599,6 +599,38 @@ def test_keep_on_close_items_are_reused_by_the_next_owner(s3_source, tmp_path):
     assert os.listdir(cache) == [".cachepipe"]
 
 
+def test_items_kept_ahead_are_dropped_for_the_one_before_them_that_the_consumer_waits_for(tmp_path):
+    """A pass resumed from ``state_dict()`` over items an earlier one kept (``keep_on_close``),
+    the capacity holding three items: kept ``i1`` (handed out, held), then ``i2`` (acked out of
+    order before, so downloaded again), then kept ``i3`` and ``i4``. The consumer holds ``i1`` and
+    waits for ``i2``, which the capacity serves (the docs: the items held and the next): kept
+    items are "dropped when the plan needs their room before it reaches them". Before, the
+    download of ``i2`` began to wait for room before the consumer waited, judged the kept items
+    then (not needed: an ack of ``i1`` would free room), and was never woken to judge them again
+    once the consumer waited: ``get`` waited for ever (``stress_pipeline.py --mode files``, seed 189)."""
+    src = tmp_path / "src"
+    for i in range(6):
+        (src / f"i{i}").mkdir(parents=True)
+        (src / f"i{i}" / "a.bin").write_bytes(bytes(3000))
+    with Pipeline(src, tmp_path / "probe", 1 << 30, shuffle=True) as probe:  # the listing not streamed: its whole budget
+        state = probe.stats().capacity - probe._cache.limit  # what the cache counts beside the items
+    capacity = state + 3 * charge(tmp_path, [3000], 1)
+    cache, options = tmp_path / "c", {"auto_ack": False, "prefetch": 8, "max_concurrency": 1}
+    with Pipeline(src, cache, capacity, keep_on_close=True, **options) as first:
+        first.ack(first.get(timeout=30))  # i0
+        assert first.get(timeout=30).name == "i1"  # held at the close
+        first.ack(first.get(timeout=30))  # i2, out of order: the position stays at i1
+        wait_until(lambda: first.stats().items_ready == 2)  # i3 and i4, in the room beside i1
+        saved = first.state_dict()
+    assert sorted(n for n in os.listdir(cache) if n != ".cachepipe") == ["i1", "i3", "i4"]
+    second = Pipeline(src, cache, capacity, **options)
+    second.load_state_dict(saved)
+    with second:
+        held = second.get(timeout=30)
+        assert held.name == "i1"
+        assert second.get(timeout=30).name == "i2"  # TimeoutError before: its room held by i3 and i4
+
+
 def test_an_item_reused_from_disk_is_counted_before_a_consumer_can_take_it(s3_source, tmp_path, monkeypatch):
     # A downloaded item is counted before it is ready; one found on disk was counted after: a
     # consumer that took it (or a test that saw it ready) could read items_reused one short.

@@ -424,6 +424,17 @@ class _Reservation(_Acks):
             with self._cond:
                 self._cond.notify_all()
 
+    def wake_starving(self) -> None:
+        """A consumer began to wait with nothing ready (the broker's ``on_starve``): wake the
+        download that waits for room, if recovered items are kept, to judge them again as
+        ``urgent`` (:meth:`_in_the_way`). Before, it judged them only when woken otherwise: one
+        that began to wait before the consumer did (an earlier owner's items kept ahead in the
+        plan, the consumer holding the one before it) waited beside them for ever, the consumer
+        waiting for it (``stress_pipeline.py --mode files``, seed 189). Read without the lock first."""
+        if self._recovered and self._wanting:
+            with self._cond:
+                self._cond.notify_all()
+
     def force_room(self) -> None:
         """Let the download that waits for room make it without waiting for acks, once: a node's
         lane has waited for it and no other room can be made (its consumers do not follow the
