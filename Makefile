@@ -47,9 +47,9 @@ demo: $(DEMO)
 # against 52.7 s (medians of 3 interleaved runs).
 # The suite runs in TEST_WORKERS processes (pytest-xdist; `make test TEST_WORKERS=0` runs it in one):
 # the tests wait on daemons, children and servers for much of their time, so two workers on two
-# cores took 359 s where one took 588 s (one run each, 2026-11-29; the two-worker run shared the
-# machine with two other test runs, the one-worker run did not).
-TEST_WORKERS ?= 2
+# cores took 359 s where one took 588 s (one run each, 2026-11-29), and three took 547.9 s where
+# two took 614.6 and 620.0 s (fresh clones of the same commit, interleaved, 2,094 tests, 2026-12-01).
+TEST_WORKERS ?= 3
 test: $(TEST)
 	PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=$(CURDIR)/$(VENV)/pycache $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal
 
