@@ -49,6 +49,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import inspect
+import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -62,10 +63,12 @@ __all__ = [
     "ObjectInfo",
     "Store",
     "WritableStore",
+    "abort_failed",
     "abort_store",
     "completed_anyway",
     "first_page_keys",
     "listed_etag",
+    "log_completed_anyway",
     "multipart_etag",
     "part_size_for",
     "scoped_store",
@@ -75,6 +78,8 @@ __all__ = [
     "upload_lost",
     "view_of",
 ]
+
+_log = logging.getLogger("cachepipe.stores")
 
 COMPLETED_ANYWAY = (
     "%s: the completion of multipart upload %s failed (%s: %s), but the object is there, completed by it (its size "
@@ -231,6 +236,34 @@ def upload_lost(where: str, upload_id: str, exc: BaseException) -> StoreUnavaila
         f"could not be confirmed as the upload's: the first completion's answer may have been lost, or the upload "
         f"was aborted meanwhile; upload it again ({type(exc).__name__}: {exc})"
     )
+
+
+def abort_failed(code: str | None, where: str, upload_id: str, exc: BaseException) -> str:
+    """What the abort of multipart upload ``upload_id`` that raised ``exc`` (its store error
+    ``code``) means: "gone" (answered :data:`NO_SUCH_UPLOAD`: completed or aborted already, no
+    parts left), else "failed", with the warning that names the upload whose parts stay."""
+    if code == NO_SUCH_UPLOAD:
+        return "gone"
+    _log.warning(
+        "%s: the failed upload's multipart upload %s could not be aborted (%s: %s): its parts stay in the bucket, "
+        "billed and not listed, until aborted (S3: aws s3api abort-multipart-upload) or removed by a lifecycle rule "
+        "(S3: AbortIncompleteMultipartUpload; OBS: expiration of fragments)",
+        where,
+        upload_id,
+        type(exc).__name__,
+        exc,
+    )
+    return "failed"
+
+
+def log_completed_anyway(aborted: str, where: str, upload_id: str, failed: BaseException | None) -> None:
+    """Say (at INFO) why an upload whose completion failed (``failed``) is done, by what its abort
+    sent after it found (``aborted``: "aborted", "gone" or "failed", whose warning is said already):
+    an older object of the same bytes kept (:data:`SAME_BYTES_KEPT`), or the upload's own
+    (:data:`COMPLETED_ANYWAY`)."""
+    if aborted != "failed":
+        said = SAME_BYTES_KEPT if aborted == "aborted" else COMPLETED_ANYWAY
+        _log.info(said, where, upload_id, type(failed).__name__, failed)
 
 
 def completed_anyway(found: tuple[int, str | None] | None, size: int, part_etags: Sequence[str]) -> bool:

@@ -53,18 +53,18 @@ from ..errors import ConfigError, LocalFileError, StoreClosedError
 from ..fscalls import sync_folder
 from .base import (
     ALREADY_GONE,
-    COMPLETED_ANYWAY,
     CONNECT_TIMEOUT,
     DELETE_BATCH,
     NO_SUCH_UPLOAD,
-    SAME_BYTES_KEPT,
     TEMP_SUFFIX,
     ObjectInfo,
     _local_error,
+    abort_failed,
     completed_anyway,
     delete_error,
     first_page_keys,
     listed_etag,
+    log_completed_anyway,
     one_request,
     open_local,
     part_size_for,
@@ -607,29 +607,15 @@ class FsspecStore:
             raise
         # the object there has the upload's bytes; aborted all the same: an upload still open had its
         # completion refused, and the object is an earlier one of the same bytes (its parts billed, else)
-        aborted = await self._abort(call, bucket, key, upload_id, where)
-        if aborted != "failed":  # else its warning is logged
-            said = SAME_BYTES_KEPT if aborted == "aborted" else COMPLETED_ANYWAY
-            log.info(said, where, upload_id, type(failed).__name__, failed)
+        log_completed_anyway(await self._abort(call, bucket, key, upload_id, where), where, upload_id, failed)
 
     async def _abort(self, call: Callable[..., Any], bucket: str, key: str, upload_id: str, where: str) -> str:
-        """Abort multipart upload ``upload_id``: "aborted", "gone" (answered ``NoSuchUpload``:
-        completed or aborted already) or "failed" (logged, naming the upload whose parts stay)."""
+        """Abort multipart upload ``upload_id``: "aborted", or as :func:`~cachepipe.stores.base.abort_failed`
+        says (answered ``NoSuchUpload``: "gone"; else "failed", logged)."""
         try:
             await call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
         except Exception as exc:  # noqa: BLE001 - logged: the upload's own error is the one raised
-            if _s3_error(exc)[1] == NO_SUCH_UPLOAD:
-                return "gone"
-            log.warning(
-                "%s: the failed upload's multipart upload %s could not be aborted (%s: %s): its parts stay in the "
-                "bucket, billed and not listed, until aborted (aws s3api abort-multipart-upload) or removed by a "
-                "lifecycle rule (AbortIncompleteMultipartUpload)",
-                where,
-                upload_id,
-                type(exc).__name__,
-                exc,
-            )
-            return "failed"
+            return abort_failed(_s3_error(exc)[1], where, upload_id, exc)
         return "aborted"
 
     async def _found(self, bucket: str, key: str) -> tuple[int, str | None] | None:

@@ -90,15 +90,15 @@ from typing import Any, BinaryIO
 from cachepipe.errors import ConfigError
 from cachepipe.stores.base import (
     ALREADY_GONE,
-    COMPLETED_ANYWAY,
     DELETE_BATCH,
     NO_SUCH_UPLOAD,
-    SAME_BYTES_KEPT,
     ObjectInfo,
+    abort_failed,
     completed_anyway,
     delete_error,
     first_page_keys,
     listed_etag,
+    log_completed_anyway,
     not_the_api,
     open_local,
     part_size_for,
@@ -532,29 +532,16 @@ class ObsStore(_ObsSeam):
                 log.info(ALREADY_GONE, self._object_url(key), upload_id)
             raise
         # the object there has the upload's bytes; aborted all the same (see FsspecStore._put_parts)
-        aborted = self._abort_upload(client, key, object_key, upload_id)
-        if aborted != "failed":  # else its warning is logged
-            said = SAME_BYTES_KEPT if aborted == "aborted" else COMPLETED_ANYWAY
-            log.info(said, self._object_url(key), upload_id, type(failed).__name__, failed)
+        where = self._object_url(key)
+        log_completed_anyway(self._abort_upload(client, key, object_key, upload_id), where, upload_id, failed)
 
     def _abort_upload(self, client: Any, key: str, object_key: str, upload_id: str) -> str:
-        """Abort multipart upload ``upload_id``: "aborted", "gone" (answered ``NoSuchUpload``:
-        completed or aborted already) or "failed" (logged, naming the upload whose parts stay)."""
+        """Abort multipart upload ``upload_id``: "aborted", or as :func:`~cachepipe.stores.base.abort_failed`
+        says (answered ``NoSuchUpload``: "gone"; else "failed", logged)."""
         try:
             self._call("aborting the upload of", key, client.abortMultipartUpload, self.bucket, object_key, upload_id)
         except Exception as exc:  # noqa: BLE001 - logged: the upload's own error is the one raised
-            if getattr(exc, "code", None) == NO_SUCH_UPLOAD:
-                return "gone"
-            log.warning(
-                "%s: the failed upload's multipart upload %s could not be aborted (%s: %s): its parts stay in the "
-                "bucket, billed and not listed, until aborted or removed by a lifecycle rule (OBS: expiration of "
-                "fragments; S3: AbortIncompleteMultipartUpload)",
-                self._object_url(key),
-                upload_id,
-                type(exc).__name__,
-                exc,
-            )
-            return "failed"
+            return abort_failed(getattr(exc, "code", None), self._object_url(key), upload_id, exc)
         return "aborted"
 
     def _found(self, client: Any, object_key: str) -> tuple[int, str | None] | None:
